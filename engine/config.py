@@ -1,0 +1,343 @@
+"""Frozen, validated configuration for the engine: the model's shape, the KV cache, the scheduler.
+
+Each class is validated on construction and never written back; derived values are properties.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type, or out of range. The message names it."""
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    """'float32' / 'bf16' / torch.float16 ... -> torch.dtype; anything else is a ConfigError naming it."""
+    if isinstance(value, torch.dtype):
+        if value in _DTYPES.values():
+            return value
+        raise ConfigError(f"dtype: unsupported dtype {value}; use one of float32, float16, bfloat16")
+    key = str(value).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ConfigError(f"dtype: unsupported dtype {value!r}; use one of float32, float16, bfloat16")
+    return _DTYPES[key]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary scaling as in the HF config's `rope_scaling` (or `rope_parameters`) entry."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(
+                f"rope_scaling.rope_type: unsupported {self.rope_type!r}; "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if self.factor <= 0:
+            raise ConfigError(f"rope_scaling.factor: must be > 0, got {self.factor}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family model (Llama 2/3, Qwen2, Mistral), read from an HF config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False        # q/k/v projections carry a bias (Qwen2: always)
+    mlp_bias: bool = False
+    sliding_window: int | None = None   # Mistral: keys older than this many positions are not attended
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"architectures: unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_key_value_heads: {self.num_kv_heads} does not divide num_attention_heads {self.num_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"hidden_act: only 'silu' is supported, got {self.hidden_act!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """S_KV = 2 x num_layers x num_kv_heads x head_dim x dtype_bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        mlp = 3 * h * i
+        per_layer = attn + mlp + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * per_layer + h + head
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from the dict of an HF config.json. Errors name the config key."""
+        archs = cfg.get("architectures") or []
+        if not isinstance(archs, list) or not archs:
+            raise ConfigError("architectures: config.json has no 'architectures' list")
+        arch = archs[0]
+
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise ConfigError(f"{key}: missing from config.json")
+            return cfg[key]
+
+        num_heads = need("num_attention_heads")
+        hidden = need("hidden_size")
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        rope_theta = cfg.get("rope_theta")
+        scaling_raw = cfg.get("rope_scaling")
+        params = cfg.get("rope_parameters")  # transformers >= 5 writes this instead
+        if isinstance(params, dict):
+            rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", "default") != "default":
+                scaling_raw = params
+        rope_scaling = RopeScaling()
+        if scaling_raw:
+            if not isinstance(scaling_raw, dict):
+                raise ConfigError(f"rope_scaling: must be a mapping, got {scaling_raw!r}")
+            rope_type = scaling_raw.get("rope_type", scaling_raw.get("type", "default"))
+            rope_scaling = RopeScaling(
+                rope_type=rope_type,
+                factor=float(scaling_raw.get("factor", 1.0)),
+                low_freq_factor=float(scaling_raw.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(scaling_raw.get("high_freq_factor", 4.0)),
+                original_max_position_embeddings=int(
+                    scaling_raw.get("original_max_position_embeddings", 8192)),
+            )
+        sliding_window = None
+        if arch == "MistralForCausalLM":
+            sliding_window = cfg.get("sliding_window")
+        elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+            raise ConfigError("use_sliding_window: Qwen2 per-layer sliding window is not supported")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        return cls(
+            architecture=arch,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_layers=need("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=sliding_window,
+            hidden_act=cfg.get("hidden_act", "silu"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "ModelConfig":
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"config.json: not found in model folder {folder}")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config.json: not valid JSON ({exc})") from exc
+        return cls.from_hf_config(cfg)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache of one device: block size, dtype and how many blocks."""
+
+    block_size: int = 16
+    num_blocks: int = 0           # 0: derive from kv_cache_bytes
+    kv_cache_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ConfigError(f"block_size: must be a power of two in 1..128, got {self.block_size}")
+        if self.num_blocks < 0:
+            raise ConfigError(f"num_blocks: must be >= 0, got {self.num_blocks}")
+        if self.num_blocks == 0 and self.kv_cache_bytes <= 0:
+            raise ConfigError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
+
+    def blocks_for(self, model: ModelConfig, dtype: torch.dtype) -> int:
+        """Blocks that fit: num_blocks if set, else kv_cache_bytes // (S_KV x block_size)."""
+        if self.num_blocks:
+            return self.num_blocks
+        return self.kv_cache_bytes // (model.kv_bytes_per_token(dtype) * self.block_size)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one pool's scheduler."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0        # 0: the model's max_position_embeddings
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    victim_policy: str = "reverse_fifo"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
+        if self.max_model_len < 0:
+            raise ConfigError(f"max_model_len: must be >= 0, got {self.max_model_len}")
+        if self.preemption_mode != "recompute":
+            raise ConfigError(
+                f"preemption_mode: {self.preemption_mode!r} is not supported yet; use 'recompute'")
+        if self.victim_policy != "reverse_fifo":
+            raise ConfigError(
+                f"victim_policy: {self.victim_policy!r} is not supported yet; use 'reverse_fifo'")
+        if (not self.enable_chunked_prefill and self.max_model_len
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ConfigError(
+                "max_num_batched_tokens: without chunked prefill it must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len})")
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return math.ceil(a / b) * b
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One partition of a device's KV blocks, with its own scheduler limits.
+
+    `kv_share` is the fraction of the device's blocks this pool owns (shares of all pools sum to <= 1);
+    `num_blocks`, when set, overrides it.
+    """
+
+    name: str = "default"
+    kv_share: float = 1.0
+    num_blocks: int = 0
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise ConfigError(f"pools.name: must be a non-empty string, got {self.name!r}")
+        if not 0 < self.kv_share <= 1:
+            raise ConfigError(f"pools.{self.name}.kv_share: must be in (0, 1], got {self.kv_share}")
+        if self.num_blocks < 0:
+            raise ConfigError(f"pools.{self.name}.num_blocks: must be >= 0, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything a device worker needs to start: the model, the device, the cache, the pools."""
+
+    model: str = "builtin:smollm2-135m-instruct"
+    device: str = "auto"            # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"             # auto: float32 on CPU, bfloat16 on CUDA
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    pools: tuple[PoolConfig, ...] = (PoolConfig(),)
+    seed: int = 0                   # for requests without a seed
+    cache_dir: str | None = None    # where converted GGUF models go (default: weights.default_cache_dir())
+    random_weights: bool = False    # benchmarks of model shapes we cannot download: config.json only
+
+    def __post_init__(self) -> None:
+        if not self.pools:
+            raise ConfigError("pools: at least one pool is required")
+        names = [p.name for p in self.pools]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"pools: duplicate pool names in {names}")
+        if sum(p.kv_share for p in self.pools if not p.num_blocks) > 1 + 1e-9:
+            raise ConfigError("pools.kv_share: shares sum to more than 1")
+        if self.dtype != "auto":
+            parse_dtype(self.dtype)
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"device: must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device: {self.device!r} requested but no CUDA device is available")
+        return device
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return parse_dtype(self.dtype)
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def pool_block_counts(self, total_blocks: int) -> list[int]:
+        """Blocks of each pool, in order: explicit counts first, then shares of the total."""
+        counts = [p.num_blocks or int(p.kv_share * total_blocks) for p in self.pools]
+        if sum(counts) > total_blocks:
+            raise ConfigError(f"pools: {sum(counts)} blocks asked for, the device holds {total_blocks}")
+        bad = [p.name for p, c in zip(self.pools, counts) if c <= 0]
+        if bad:
+            raise ConfigError(f"pools.{bad[0]}: its share of {total_blocks} blocks is zero blocks")
+        return counts

@@ -1,0 +1,357 @@
+"""`LLMEngine`: the synchronous engine of one device: weights, one KV tensor, and one scheduler per pool.
+
+`step()` = schedule every pool -> one merged forward pass -> sample -> postprocess (stop checks,
+detokenization, outputs). It runs in the device worker process (`engine.worker`); use it directly for
+offline batch work (`generate`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig
+from engine.kv_cache import KVCache
+from engine.model import build_model
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
+from engine.scheduler import RequestTooLargeError, Scheduler
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.weights import iter_weights, resolve_model, weights_bytes
+from kernels import get_backend
+
+
+class RequestError(ValueError):
+    """A request was refused at submission; the message names the offending field."""
+
+
+@dataclass
+class StepStats:
+    """What the last step did, for benchmarks and metrics."""
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_preempted: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    arrival_time: float
+    first_token_time: float | None = None
+    detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
+
+
+class LLMEngine:
+    """The engine of one device worker. Not thread-safe: one caller (the worker loop) drives it."""
+
+    def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype(self.device)
+        started = time.perf_counter()
+        self.model_path = resolve_model(config.model, cache_dir=config.cache_dir)
+        self.model_config = ModelConfig.from_folder(self.model_path)
+        self.tokenizer = Tokenizer.from_folder(self.model_path)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+
+        self.model = build_model(self.model_config, self.dtype, self.device)
+        if config.random_weights:
+            self.model.init_random(seed=config.seed)
+            self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        else:
+            self.model.load_weights(iter_weights(self.model_path))
+            self.weights_bytes = weights_bytes(self.model_path)
+
+        self.num_blocks = self._num_blocks(config.cache)
+        self.kv_cache = KVCache(self.model_config, self.num_blocks, config.cache.block_size, self.dtype,
+                                self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, get_backend(self.device))
+        self.schedulers: dict[str, Scheduler] = {}
+        first = 0
+        for pool, count in zip(config.pools, config.pool_block_counts(self.num_blocks)):
+            max_model_len = pool.scheduler.max_model_len or self.model_config.max_position_embeddings
+            if max_model_len > self.model_config.max_position_embeddings:
+                raise ConfigError(
+                    f"pools.{pool.name}.max_model_len: {max_model_len} exceeds the model's "
+                    f"max_position_embeddings {self.model_config.max_position_embeddings}")
+            bm = BlockManager(count, config.cache.block_size, first_block=first)
+            self.schedulers[pool.name] = Scheduler(pool.scheduler, bm, max_model_len, name=pool.name)
+            first += count
+        self.default_pool = config.pools[0].name
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.last_step = StepStats()
+        self.load_seconds = time.perf_counter() - started
+        if progress:
+            print(f"cliffguard: loaded {config.model} ({self.model_config.architecture}, "
+                  f"{self.weights_bytes / 2**20:.0f} MiB, {self.dtype}) on {self.device} in "
+                  f"{self.load_seconds:.1f}s; KV cache {self.num_blocks} blocks x "
+                  f"{config.cache.block_size} tokens", file=sys.stderr)
+
+    @classmethod
+    def from_args(cls, model: str = "builtin:smollm2-135m-instruct", *, block_size: int = 16,
+                  num_blocks: int = 0, kv_cache_bytes: int = 1 << 30, max_num_seqs: int = 64,
+                  max_num_batched_tokens: int = 2048, max_model_len: int = 0,
+                  enable_chunked_prefill: bool = True, **kwargs) -> "LLMEngine":
+        """One pool named 'default' with the given limits; other EngineConfig fields as keywords."""
+        progress = kwargs.pop("progress", True)
+        pool = PoolConfig(scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill))
+        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes)
+        return cls(EngineConfig(model=model, cache=cache, pools=(pool,), **kwargs), progress=progress)
+
+    def _num_blocks(self, cache: CacheConfig) -> int:
+        if cache.num_blocks:
+            return cache.num_blocks
+        kv_bytes = cache.kv_cache_bytes
+        if self.device.type == "cuda":
+            # Capacity formula: 0.9 x VRAM - weights, less 1 GiB for activations, capped by the config.
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            kv_bytes = min(kv_bytes, int(0.9 * total) - torch.cuda.memory_allocated(self.device) - (1 << 30))
+        per_block = self.model_config.kv_bytes_per_token(self.dtype) * cache.block_size
+        num_blocks = kv_bytes // per_block
+        if num_blocks <= 0:
+            raise ConfigError(f"kv_cache_bytes: {kv_bytes} bytes hold no block of {per_block} bytes")
+        return num_blocks
+
+    # --- requests --------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
+                    *, priority: int = 0, pool: str | None = None) -> None:
+        """Queue a request. `prompt` is text (tokenized as a completion prompt) or token ids.
+
+        Raises RequestError (a ValueError naming the field) when the request is malformed or can never
+        fit its pool (prompt + max_tokens over max_model_len or over the pool's blocks).
+        """
+        params = params or SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError("request_id: must be a non-empty string")
+        if request_id in self.requests:
+            raise RequestError(f"request_id: {request_id!r} is already in flight")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise RequestError(f"priority: must be an integer, got {priority!r}")
+        pool = pool or self.default_pool
+        if pool not in self.schedulers:
+            raise RequestError(f"pool: unknown pool {pool!r}; pools: {', '.join(self.schedulers)}")
+        scheduler = self.schedulers[pool]
+        prompt_ids = self._prompt_ids(prompt)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = scheduler.max_model_len - len(prompt_ids)
+            if max_tokens < 1:
+                raise RequestError(
+                    f"prompt: {len(prompt_ids)} tokens leave no room to generate within max_model_len "
+                    f"{scheduler.max_model_len}")
+        try:
+            scheduler.check_fits(len(prompt_ids), max_tokens)
+        except RequestTooLargeError as exc:
+            raise RequestError(f"prompt: {exc}") from exc
+
+        arrival = next(self._arrivals)
+        seqs = []
+        for index in range(params.n):
+            gen = make_generator(params.seed, index, self.device) if params.seed is not None else None
+            seqs.append(Sequence(
+                seq_id=next(self._seq_ids), request_id=request_id, index=index, token_ids=list(prompt_ids),
+                num_prompt_tokens=len(prompt_ids), params=params, max_tokens=max_tokens, priority=priority,
+                arrival_order=arrival, generator=gen, pool=pool))
+        request = _Request(request_id, list(prompt_ids), seqs, time.monotonic())
+        request.detokenizers = [
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens) for _ in seqs]
+        self.requests[request_id] = request
+        for seq in seqs:
+            scheduler.add(seq)
+
+    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt: must not be empty")
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, Seq) or not prompt:
+            raise RequestError("prompt: must be a non-empty string or a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        for i, tok in enumerate(prompt):
+            if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab:
+                raise RequestError(f"prompt[{i}]: token id {tok!r} is not in the vocabulary (0..{vocab - 1})")
+        return list(prompt)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (None if unknown)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.schedulers[seq.pool].finish(seq, FinishReason.ABORT)
+        out = self._request_output(request, request.seqs)
+        del self.requests[request_id]
+        return out
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # --- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule every pool, run one merged forward pass, sample, and report what changed."""
+        started = time.perf_counter()
+        batch, stats = [], StepStats()
+        for scheduler in self.schedulers.values():
+            out = scheduler.schedule()
+            batch.extend(out.scheduled)
+            stats.num_preempted += len(out.preempted)
+        if not batch:
+            self.last_step = stats
+            return []
+        for item in batch:
+            if item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens and \
+                    item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens:
+                stats.num_decode_tokens += 1
+            else:
+                stats.num_prefill_tokens += item.num_new_tokens
+
+        logits, sampled = self.runner.execute(batch)
+        for item in batch:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        touched: dict[str, list[Sequence]] = {}
+        if sampled:
+            rows = [SamplingRow(s.params, s.generator, s.num_output_tokens, self.eos_token_ids) for s in sampled]
+            result = self.sampler(logits, rows)
+            now = time.monotonic()
+            for i, seq in enumerate(sampled):
+                self._append_token(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
+                request = self.requests[seq.request_id]
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                touched.setdefault(seq.request_id, []).append(seq)
+
+        outputs = []
+        for request_id, seqs in touched.items():
+            request = self.requests[request_id]
+            if all(s.is_finished for s in request.seqs):
+                # The last report of a request carries every sample, the untouched ones with empty deltas.
+                outputs.append(self._request_output(request, request.seqs))
+                del self.requests[request_id]
+            else:
+                outputs.append(self._request_output(request, seqs))
+        stats.seconds = time.perf_counter() - started
+        self.last_step = stats
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float | None,
+                      top: list[tuple[int, float]] | None) -> None:
+        params = seq.params
+        seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+            seq.top_logprobs.append(top or [])
+        detok = self.requests[seq.request_id].detokenizers[seq.index]
+        delta = detok.step([token])
+        seq.text += delta
+
+        reason: FinishReason | None = None
+        n_out = seq.num_output_tokens
+        if n_out >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                reason, seq.stop_reason = FinishReason.STOP, None
+            elif token in params.stop_token_ids:
+                reason, seq.stop_reason = FinishReason.STOP, token
+            elif params.stop:
+                reason = self._check_stop_strings(seq, len(delta))
+        if reason is None and (n_out >= seq.max_tokens or seq.num_tokens >= self.schedulers[seq.pool].max_model_len):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
+                seq.text += detok.flush()
+            self.schedulers[seq.pool].finish(seq, reason)
+
+    @staticmethod
+    def _check_stop_strings(seq: Sequence, delta_len: int) -> FinishReason | None:
+        """Truncate the text at the earliest stop string that the new text completes."""
+        longest = max(len(s) for s in seq.params.stop)
+        search_from = max(0, len(seq.text) - delta_len - longest + 1)
+        found: tuple[int, str] | None = None
+        for stop in seq.params.stop:
+            index = seq.text.find(stop, search_from)
+            if index >= 0 and (found is None or index < found[0]):
+                found = (index, stop)
+        if found is None:
+            return None
+        index, stop = found
+        seq.text = seq.text[: index + (len(stop) if seq.params.include_stop_str_in_output else 0)]
+        seq.stop_reason = stop
+        return FinishReason.STOP
+
+    def _request_output(self, request: _Request, seqs: list[Sequence]) -> RequestOutput:
+        outputs = []
+        for seq in seqs:
+            params = seq.params
+            emit_to = len(seq.text)
+            if params.stop and not seq.is_finished:
+                # A stop string may be forming at the end: hold back what could be its start.
+                emit_to = max(seq.num_emitted_chars, emit_to - (max(len(s) for s in params.stop) - 1))
+            out_ids = seq.output_token_ids
+            start_tok = seq.num_emitted_tokens
+            want_lp = params.logprobs is not None
+            outputs.append(CompletionOutput(
+                index=seq.index, text=seq.text[:emit_to], token_ids=list(out_ids),
+                delta_text=seq.text[seq.num_emitted_chars:emit_to], delta_token_ids=out_ids[start_tok:],
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                stop_reason=seq.stop_reason,
+                logprobs=list(seq.logprobs) if want_lp else None,
+                top_logprobs=[list(t) for t in seq.top_logprobs] if want_lp else None,
+                delta_logprobs=seq.logprobs[start_tok:] if want_lp else None,
+                delta_top_logprobs=seq.top_logprobs[start_tok:] if want_lp else None,
+            ))
+            seq.num_emitted_chars = emit_to
+            seq.num_emitted_tokens = len(out_ids)
+        finished = all(s.is_finished for s in request.seqs)
+        metrics = {"arrival_time": request.arrival_time}
+        if request.first_token_time is not None:
+            metrics["time_to_first_token"] = request.first_token_time - request.arrival_time
+        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished, metrics=metrics)
+
+    # --- offline use -----------------------------------------------------------------------------
+    def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion, all in one continuous batch; results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"params: {len(params)} sampling params for {len(prompts)} prompts")
+        ids = [f"gen-{next(self._arrivals)}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, params):
+            self.add_request(request_id, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while any(r in self.requests for r in ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in ids]
+
+    # --- invariants ------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Every pool's allocator agrees with its live sequences (DESIGN.md invariant 2 and 3)."""
+        for scheduler in self.schedulers.values():
+            scheduler.check_integrity()
+            for seq in scheduler.running:
+                if not all(scheduler.block_manager.owns(b) for b in seq.block_table):
+                    raise AssertionError(f"sequence {seq.seq_id} holds blocks outside pool {scheduler.name}")
+
+    def num_free_blocks(self) -> int:
+        return sum(s.block_manager.num_free_blocks for s in self.schedulers.values())

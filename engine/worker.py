@@ -1,0 +1,241 @@
+"""The device worker process and the async client that talks to it.
+
+One process per device owns the weights, the KV tensor and an `LLMEngine` (one scheduler per pool),
+so the caller's event loop never waits on a model step (DESIGN.md invariant 5). The client sends
+commands over a pipe and reads outputs from it with `loop.add_reader`: no thread, no blocking call.
+
+Messages, parent -> worker: ("add", request_id, prompt, params, priority, pool), ("abort", request_id),
+("shutdown",). Worker -> parent: ("ready", info), ("startup_error", text), ("outputs", [RequestOutput]),
+("rejected", request_id, text), ("fatal", text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing as mp
+import os
+import traceback
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.outputs import RequestOutput
+from engine.sampling import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The device worker process exited or failed; in-flight requests get this error."""
+
+
+def _worker_main(config: EngineConfig, conn: Connection) -> None:
+    """Entry point of the device worker process: load, then loop (drain commands, step, send)."""
+    from engine.llm_engine import LLMEngine
+
+    try:
+        engine = LLMEngine(config)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("startup_error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", {
+        "model_path": str(engine.model_path),
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "num_blocks": engine.num_blocks,
+        "block_size": engine.kv_cache.block_size,
+        "pools": {name: {"num_blocks": s.block_manager.num_blocks, "first_block": s.block_manager.first_block,
+                         "max_model_len": s.max_model_len, "max_num_seqs": s.config.max_num_seqs}
+                  for name, s in engine.schedulers.items()},
+        "load_seconds": engine.load_seconds,
+    }))
+    try:
+        while True:
+            if not engine.has_unfinished_requests():
+                conn.poll(None)  # idle: sleep until a command arrives
+            while conn.poll(0):
+                msg = conn.recv()
+                if msg[0] == "add":
+                    _, request_id, prompt, params, priority, pool = msg
+                    try:
+                        engine.add_request(request_id, prompt, params, priority=priority, pool=pool)
+                    except ValueError as exc:
+                        conn.send(("rejected", request_id, str(exc)))
+                elif msg[0] == "abort":
+                    out = engine.abort(msg[1])
+                    if out is not None:
+                        conn.send(("outputs", [out]))
+                elif msg[0] == "shutdown":
+                    return
+            if engine.has_unfinished_requests():
+                outputs = engine.step()
+                if outputs:
+                    conn.send(("outputs", outputs))
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        return  # the parent is gone
+    except Exception:  # noqa: BLE001 - a failed step: tell the parent, which fails the in-flight requests
+        conn.send(("fatal", traceback.format_exc()))
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    finished: bool = False
+
+
+class AsyncEngineClient:
+    """Starts a device worker process and streams each request's outputs as they are produced.
+
+    Use from one event loop:
+        client = AsyncEngineClient(config); info = await client.start()
+        async for out in client.generate("Hello", SamplingParams(max_tokens=8)): ...
+        await client.shutdown()
+    Leaving a `generate` loop early (break, cancellation, client disconnect) aborts the request and
+    frees its blocks.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.info: dict[str, Any] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._process: mp.process.BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._ready: asyncio.Future | None = None
+        self._dead: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self, timeout: float = 900.0) -> dict[str, Any]:
+        """Spawn the worker and wait until the model is loaded; returns what it reported."""
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(target=_worker_main, args=(self.config, child), daemon=True,
+                                    name="cliffguard-device-worker")
+        self._process.start()
+        child.close()
+        self._conn = parent
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self._loop.add_reader(parent.fileno(), self._on_readable)
+        try:
+            self.info = await asyncio.wait_for(self._ready, timeout)
+        except BaseException:
+            await self.shutdown()
+            raise
+        return self.info
+
+    @property
+    def model_path(self) -> str:
+        return self.info["model_path"]
+
+    def _on_readable(self) -> None:
+        try:
+            while self._conn.poll(0):
+                self._dispatch(self._conn.recv())
+        except (EOFError, OSError):
+            self._die("device worker process exited")
+
+    def _dispatch(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "outputs":
+            for out in msg[1]:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(out)
+        elif kind == "rejected":
+            stream = self._streams.get(msg[1])
+            if stream is not None:
+                stream.queue.put_nowait(ValueError(msg[2]))
+        elif kind == "ready":
+            if not self._ready.done():
+                self._ready.set_result(msg[1])
+        elif kind == "startup_error":
+            if not self._ready.done():
+                self._ready.set_exception(RuntimeError(f"device worker failed to start: {msg[1]}"))
+        elif kind == "fatal":
+            self._die(f"device worker failed:\n{msg[1]}")
+
+    def _die(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+            if self._conn is not None and self._loop is not None:
+                self._loop.remove_reader(self._conn.fileno())
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(EngineDeadError(reason))
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError(reason))
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                       request_id: str | None = None, priority: int = 0,
+                       pool: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its outputs (deltas in each) until it finishes.
+
+        Raises ValueError if the engine refused the request, EngineDeadError if the worker died.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._conn is None:
+            raise RuntimeError("AsyncEngineClient.start() has not been awaited")
+        request_id = request_id or f"req-{os.getpid()}-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        stream = _Stream(asyncio.Queue())
+        self._streams[request_id] = stream
+        try:
+            self._conn.send(("add", request_id, prompt if isinstance(prompt, str) else list(prompt),
+                             params or SamplingParams(), priority, pool))
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    stream.finished = True
+                    raise item
+                if item.finished:
+                    stream.finished = True
+                yield item
+                if stream.finished:
+                    return
+        finally:
+            del self._streams[request_id]
+            if not stream.finished and self._dead is None:
+                self._send_abort(request_id)
+
+    def _send_abort(self, request_id: str) -> None:
+        try:
+            self._conn.send(("abort", request_id))
+        except (OSError, ValueError):
+            pass  # the worker is gone; nothing holds the blocks any more
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with finish_reason 'abort'."""
+        if self._dead is None and self._conn is not None:
+            self._send_abort(request_id)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the worker (politely, then by force) and fail anything still in flight."""
+        if self._conn is not None:
+            if self._dead is None:
+                try:
+                    self._conn.send(("shutdown",))
+                except (OSError, ValueError):
+                    pass
+            self._die("engine shut down")
+        if self._process is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._process.join, timeout)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(5)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    async def __aenter__(self) -> "AsyncEngineClient":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()

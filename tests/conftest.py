@@ -1,0 +1,57 @@
+"""Shared fixtures: the builtin model folder, tiny random HF models, engine factories, clean-up checks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+BUILTIN = "builtin:smollm2-135m-instruct"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+@pytest.fixture(scope="session")
+def builtin_path() -> Path:
+    """The builtin SmolLM2 converted once into the user cache (reused across runs)."""
+    from engine.weights import resolve_model
+
+    return resolve_model(BUILTIN)
+
+
+def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **overrides) -> Path:
+    """A small random-weight HF model saved sharded, with the builtin tokenizer beside it.
+
+    Weights get a large std so that logits are peaked: greedy ties would make comparisons flaky.
+    """
+    import transformers
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.2, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    common.update(overrides)
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "mistral": transformers.MistralConfig}[arch]
+    config = cls(**common)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder, max_shard_size="100KB")
+    for name in TOKENIZER_FILES:
+        if (builtin / name).exists():
+            shutil.copy(builtin / name, folder / name)
+    return folder
+
+
+def assert_all_free(engine) -> None:
+    """After a scenario: no request left, every block free, allocators consistent."""
+    assert not engine.has_unfinished_requests()
+    engine.check_integrity()
+    for scheduler in engine.schedulers.values():
+        bm = scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_blocks, f"pool {scheduler.name}: blocks leaked"
+        assert not scheduler.running and not scheduler.waiting

@@ -1,0 +1,206 @@
+"""Engine scenarios: block and chunk sizes, preemption, aborts, refusals, sampling features.
+
+Every scenario ends with all blocks free and `check_integrity()` passing (DESIGN.md invariant 2).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLMEngine, RequestError, SamplingParams
+from tests.conftest import assert_all_free, make_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20)
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(builtin_path):
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(builtin_path)
+    texts = ["Name a colour.", "Why do cats purr? Answer briefly.", "2+2=?",
+             "Write one sentence about rivers, mountains and the long road between them."]
+    return [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
+
+
+def _engine(path, **kwargs) -> LLMEngine:
+    kwargs.setdefault("kv_cache_bytes", 64 << 20)
+    return LLMEngine.from_args(str(path), progress=False, **kwargs)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def baseline(builtin_path, chat_prompts):
+    """Greedy outputs with block size 16 and no chunking: what every variant must reproduce."""
+    engine = _engine(builtin_path, enable_chunked_prefill=False, max_num_batched_tokens=4096)
+    outs = _tokens(engine.generate(chat_prompts, GREEDY))
+    assert_all_free(engine)
+    return outs
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_block_sizes_give_same_outputs(builtin_path, chat_prompts, baseline, block_size):
+    engine = _engine(builtin_path, block_size=block_size)
+    assert _tokens(engine.generate(chat_prompts, GREEDY)) == baseline
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("chunk", [7, 64])
+def test_chunked_prefill_gives_same_outputs(builtin_path, chat_prompts, baseline, chunk):
+    engine = _engine(builtin_path, max_num_batched_tokens=chunk)
+    steps_with_mixed = 0
+    for i, prompt in enumerate(chat_prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    results = {}
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        stats = engine.last_step
+        assert stats.num_prefill_tokens + stats.num_decode_tokens <= chunk
+        steps_with_mixed += bool(stats.num_prefill_tokens and stats.num_decode_tokens)
+        results.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
+    assert [results[f"r{i}"] for i in range(len(chat_prompts))] == baseline
+    assert steps_with_mixed > 0  # prefill chunks and decode tokens shared steps
+    assert_all_free(engine)
+
+
+def test_preemption_by_recompute_keeps_outputs(builtin_path, chat_prompts, baseline):
+    # 10 blocks of 8 tokens: one ~70-token sequence fits, two do not.
+    engine = _engine(builtin_path, block_size=8, num_blocks=10, max_num_batched_tokens=64)
+    outs = engine.generate(chat_prompts, GREEDY)
+    scheduler = engine.schedulers["default"]
+    assert scheduler.stats.num_preemptions > 0 and scheduler.stats.num_recomputed_tokens > 0
+    assert _tokens(outs) == baseline
+    assert_all_free(engine)
+
+
+def test_abort_mid_generation_frees_blocks(builtin_path, chat_prompts):
+    engine = _engine(builtin_path)
+    for i, prompt in enumerate(chat_prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=50))
+    for _ in range(5):
+        engine.step()
+    assert engine.num_free_blocks() < engine.num_blocks
+    final = engine.abort("r1")
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert engine.abort("no-such-request") is None
+    engine.add_request("late", chat_prompts[0], GREEDY)
+    engine.abort("late")  # aborted while still waiting
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_free(engine)
+
+
+def test_requests_that_can_never_fit_are_refused(builtin_path):
+    engine = _engine(builtin_path, num_blocks=4, block_size=16, max_model_len=128)
+    with pytest.raises(RequestError, match="max_model_len 128"):
+        engine.add_request("a", list(range(100)), SamplingParams(max_tokens=40))
+    with pytest.raises(RequestError, match="needs 5 blocks"):
+        engine.add_request("b", list(range(60)), SamplingParams(max_tokens=20))
+    with pytest.raises(RequestError, match="prompt"):
+        engine.add_request("c", "", SamplingParams())
+    with pytest.raises(RequestError, match=r"prompt\[1\]"):
+        engine.add_request("d", [1, 10**9], SamplingParams())
+    with pytest.raises(RequestError, match="pool"):
+        engine.add_request("e", [1, 2], SamplingParams(), pool="nope")
+    engine.add_request("f", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(RequestError, match="already in flight"):
+        engine.add_request("f", [1, 2], SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_free(engine)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory, builtin_path):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", builtin_path, initializer_range=0.05)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_path):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24, ignore_eos=True)
+    alone = _engine(tiny_path).generate([[5, 6, 7]], seeded)[0].outputs[0].token_ids
+    again = _engine(tiny_path).generate([[5, 6, 7]], seeded)[0].outputs[0].token_ids
+    assert alone == again
+    engine = _engine(tiny_path)
+    others = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    outs = engine.generate([[9] * 30, [5, 6, 7], [11, 12], [5, 6, 7]],
+                           [others, seeded, SamplingParams(temperature=0.7, seed=99, max_tokens=5), others])
+    assert outs[1].outputs[0].token_ids == alone
+    unseeded = engine.generate([[5, 6, 7]] * 2, SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True))
+    assert _tokens(unseeded)[0] != alone or _tokens(unseeded)[1] != alone
+    assert_all_free(engine)
+
+
+def test_n_samples_stop_strings_logprobs_and_min_tokens(builtin_path, chat_prompts):
+    engine = _engine(builtin_path)
+    out = engine.generate([chat_prompts[1]], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12,
+                                                           logprobs=2))[0]
+    assert sorted(o.index for o in out.outputs) == [0, 1, 2, 3]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    for o in out.outputs:
+        assert len(o.logprobs) == len(o.token_ids) and all(lp <= 0 for lp in o.logprobs)
+        assert all(len(top) == 2 for top in o.top_logprobs)
+
+    greedy = engine.generate([chat_prompts[3]], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
+    word = greedy.text.split()[2]
+    stopped = engine.generate([chat_prompts[3]], SamplingParams(temperature=0, max_tokens=30,
+                                                                stop=[word]))[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == word
+    assert word not in stopped.text and greedy.text.startswith(stopped.text)
+
+    # min_tokens masks EOS; a stop token id ends generation (and is reported)
+    short = engine.generate([chat_prompts[2]], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert short.finish_reason == "stop"
+    longer = engine.generate([chat_prompts[2]], SamplingParams(temperature=0, max_tokens=40,
+                                                               min_tokens=len(short.token_ids) + 3))[0].outputs[0]
+    assert len(longer.token_ids) >= len(short.token_ids) + 3
+    stop_tok = greedy.token_ids[4]
+    by_id = engine.generate([chat_prompts[3]], SamplingParams(temperature=0, max_tokens=30,
+                                                              stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert by_id.token_ids == greedy.token_ids[:greedy.token_ids.index(stop_tok) + 1]
+    assert by_id.stop_reason == stop_tok
+    assert_all_free(engine)
+
+
+def _stream(engine, prompt, params):
+    """Run one request step by step; return the joined deltas, the joined token deltas, the last output."""
+    engine.add_request("s", prompt, params)
+    text, tokens, last = "", [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            o = out.outputs[0]
+            text += o.delta_text
+            tokens += o.delta_token_ids
+            assert o.text == text  # the cumulative text is always the sum of the deltas
+            last = o
+    return text, tokens, last
+
+
+def test_streamed_deltas_add_up_and_never_leak_a_stop_string(builtin_path, chat_prompts):
+    engine = _engine(builtin_path)
+    plain = SamplingParams(temperature=0, max_tokens=30)
+    text, tokens, last = _stream(engine, chat_prompts[3], plain)
+    assert last.finished and tokens == last.token_ids and text == engine.tokenizer.decode(tokens)
+    # A stop string spanning several tokens in the middle of the output: streaming must hold back its
+    # first characters until it is complete, then drop it.
+    stop = text[len(text) // 2 - 3: len(text) // 2 + 4]
+    stopped, _, last = _stream(engine, chat_prompts[3], SamplingParams(temperature=0, max_tokens=30, stop=[stop]))
+    assert last.finish_reason == "stop" and last.stop_reason == stop
+    assert stopped == text[: text.index(stop)] and stop not in stopped
+    assert_all_free(engine)
+
+
+def test_priority_and_max_num_seqs(tiny_path):
+    engine = _engine(tiny_path, max_num_seqs=1)
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("low", [1, 2, 3], p, priority=5)
+    engine.add_request("high", [1, 2, 3], p, priority=-1)
+    engine.add_request("normal", [1, 2, 3], p)
+    order = []
+    while engine.has_unfinished_requests():
+        assert len(engine.schedulers["default"].running) <= 1
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["high", "normal", "low"]
+    assert_all_free(engine)

