@@ -5,8 +5,8 @@ so the caller's event loop never waits on a model step (DESIGN.md invariant 5). 
 commands over a pipe and reads outputs from it with `loop.add_reader`: no thread, no blocking call.
 
 Messages, parent -> worker: ("add", request_id, prompt, params, priority, pool), ("abort", request_id),
-("shutdown",). Worker -> parent: ("ready", info), ("startup_error", text), ("outputs", [RequestOutput]),
-("rejected", request_id, text), ("fatal", text).
+("stats",), ("shutdown",). Worker -> parent: ("ready", info), ("startup_error", text),
+("outputs", [RequestOutput]), ("rejected", request_id, text), ("stats", dict), ("fatal", text).
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ def _worker_main(config: EngineConfig, conn: Connection) -> None:
                     out = engine.abort(msg[1])
                     if out is not None:
                         conn.send(("outputs", [out]))
+                elif msg[0] == "stats":
+                    conn.send(("stats", engine_stats(engine)))
                 elif msg[0] == "shutdown":
                     return
             if engine.has_unfinished_requests():
@@ -76,6 +78,19 @@ def _worker_main(config: EngineConfig, conn: Connection) -> None:
         return  # the parent is gone
     except Exception:  # noqa: BLE001 - a failed step: tell the parent, which fails the in-flight requests
         conn.send(("fatal", traceback.format_exc()))
+
+
+def engine_stats(engine) -> dict[str, Any]:
+    """Per-pool counters of a live engine, as plain data (what the metrics endpoint will export)."""
+    pools = {}
+    for name, s in engine.schedulers.items():
+        bm = s.block_manager
+        pools[name] = {"num_running": len(s.running), "num_waiting": len(s.waiting),
+                       "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
+                       "kv_cache_usage": bm.usage, "num_preemptions": s.stats.num_preemptions,
+                       "num_recomputed_tokens": s.stats.num_recomputed_tokens}
+    engine.check_integrity()
+    return {"num_requests": len(engine.requests), "pools": pools}
 
 
 @dataclass
@@ -105,6 +120,7 @@ class AsyncEngineClient:
         self._ready: asyncio.Future | None = None
         self._dead: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._stats_waiters: list[asyncio.Future] = []
 
     async def start(self, timeout: float = 900.0) -> dict[str, Any]:
         """Spawn the worker and wait until the model is loaded; returns what it reported."""
@@ -147,6 +163,11 @@ class AsyncEngineClient:
             stream = self._streams.get(msg[1])
             if stream is not None:
                 stream.queue.put_nowait(ValueError(msg[2]))
+        elif kind == "stats":
+            if self._stats_waiters:
+                waiter = self._stats_waiters.pop(0)
+                if not waiter.done():
+                    waiter.set_result(msg[1])
         elif kind == "ready":
             if not self._ready.done():
                 self._ready.set_result(msg[1])
@@ -165,6 +186,10 @@ class AsyncEngineClient:
             self._ready.set_exception(EngineDeadError(reason))
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineDeadError(reason))
+        for waiter in self._stats_waiters:
+            if not waiter.done():
+                waiter.set_exception(EngineDeadError(reason))
+        self._stats_waiters.clear()
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
@@ -210,6 +235,15 @@ class AsyncEngineClient:
         """Abort a request; its stream ends with finish_reason 'abort'."""
         if self._dead is None and self._conn is not None:
             self._send_abort(request_id)
+
+    async def stats(self) -> dict[str, Any]:
+        """The worker's per-pool counters (running, waiting, free blocks, preemptions); checks integrity."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        waiter = self._loop.create_future()
+        self._stats_waiters.append(waiter)
+        self._conn.send(("stats",))
+        return await waiter
 
     @property
     def num_in_flight(self) -> int:

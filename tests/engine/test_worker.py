@@ -1,0 +1,73 @@
+"""The device worker process and its async client: streaming, concurrency, aborts, refusals."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import AsyncEngineClient, CacheConfig, EngineConfig, LLMEngine, PoolConfig, SamplingParams, SchedulerConfig
+
+
+@pytest.fixture(scope="module")
+def config(builtin_path):
+    return EngineConfig(model=str(builtin_path), cache=CacheConfig(kv_cache_bytes=64 << 20),
+                        pools=(PoolConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=2048)),))
+
+
+async def _collect(client, prompt, params, **kwargs):
+    text, outs = "", []
+    async for out in client.generate(prompt, params, **kwargs):
+        text += out.outputs[0].delta_text
+        outs.append(out)
+    return text, outs
+
+
+def test_client_streams_the_same_text_as_the_offline_engine(config):
+    prompts = ["The capital of France is", "Once upon a time", "def add(a, b):"]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    offline = LLMEngine(config, progress=False).generate(prompts, params)
+
+    async def main():
+        async with AsyncEngineClient(config) as client:
+            assert client.info["pools"]["default"]["max_num_seqs"] == 8
+            results = await asyncio.gather(*(_collect(client, p, params) for p in prompts))
+            stats = await client.stats()
+            return results, stats
+
+    results, stats = asyncio.run(main())
+    for (text, outs), want in zip(results, offline):
+        assert text == want.outputs[0].text
+        assert outs[-1].finished and len(outs) > 1  # streamed in several deltas
+    assert stats["num_requests"] == 0
+    assert stats["pools"]["default"]["num_free_blocks"] == stats["pools"]["default"]["num_blocks"]
+
+
+def test_leaving_a_stream_early_aborts_and_a_bad_request_leaves_others_running(config):
+    async def main():
+        async with AsyncEngineClient(config) as client:
+            long_params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+            survivor = asyncio.create_task(_collect(client, "Count to twenty:", SamplingParams(
+                temperature=0, max_tokens=16, ignore_eos=True)))
+            async for out in client.generate("Tell me a long story.", long_params, request_id="quit"):
+                if len(out.outputs[0].token_ids) >= 3:
+                    break  # like a client disconnect
+            with pytest.raises(ValueError, match="max_model_len"):
+                await _collect(client, "hi", SamplingParams(max_tokens=5000))
+            text, outs = await survivor
+            assert outs[-1].outputs[0].finish_reason == "length" and text
+            await asyncio.sleep(0.2)  # the abort travels to the worker
+            return await client.stats()
+
+    stats = asyncio.run(main())
+    pool = stats["pools"]["default"]
+    assert stats["num_requests"] == 0 and pool["num_free_blocks"] == pool["num_blocks"]
+
+
+def test_startup_failure_is_reported(tmp_path):
+    async def main():
+        client = AsyncEngineClient(EngineConfig(model=str(tmp_path / "missing")))
+        with pytest.raises(RuntimeError, match="missing"):
+            await client.start()
+
+    asyncio.run(main())
