@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-output", type=int, default=16)
     p.add_argument("--max-output", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=64, help="our engine's concurrency limit")
-    p.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch size")
+    p.add_argument("--hf-batch-sizes", default="16,64",
+                   help="transformers' static batch sizes, comma-separated: one run and one ratio each")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="auto")
     p.add_argument("--random-weights", action="store_true",
@@ -181,26 +182,26 @@ def run(args: argparse.Namespace) -> int:
               "num_prompts": len(work), "requested_output_tokens": requested,
               "ours": {"wall_s": ours["wall_s"], "tok_per_s": requested / ours["wall_s"],
                        "max_num_seqs": args.max_num_seqs, "steps": len(ours["steps"])}}
+    result["transformers"] = []
     if not args.skip_hf:
-        hf = run_transformers(engine.model_path, work, args.hf_batch_size, dtype, device)
-        result["transformers"] = {"wall_s": hf["wall_s"], "tok_per_s": requested / hf["wall_s"],
-                                  "batch_size": args.hf_batch_size, "computed_tokens": hf["computed_tokens"]}
-        result["ratio"] = result["ours"]["tok_per_s"] / result["transformers"]["tok_per_s"]
+        for batch_size in _batch_sizes(args.hf_batch_sizes):
+            hf = run_transformers(engine.model_path, work, batch_size, dtype, device)
+            tok_s = requested / hf["wall_s"]
+            result["transformers"].append({
+                "batch_size": batch_size, "wall_s": hf["wall_s"], "tok_per_s": tok_s,
+                "computed_tokens": hf["computed_tokens"], "ratio": result["ours"]["tok_per_s"] / tok_s})
     result["decode"] = decode_roofline(engine, ours["steps"], device, dtype)
 
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"{'system':<44} {'wall s':>8} {'output tok/s':>13}")
-    if "transformers" in result:
-        t = result["transformers"]
-        print(f"{'transformers generate, static batch ' + str(t['batch_size']):<44} {t['wall_s']:8.1f} "
-              f"{t['tok_per_s']:13.1f}")
+    print(f"{'system':<44} {'wall s':>8} {'output tok/s':>13} {'ours / this':>12}")
     o = result["ours"]
     print(f"{'cliffguard engine, max_num_seqs ' + str(o['max_num_seqs']):<44} {o['wall_s']:8.1f} "
-          f"{o['tok_per_s']:13.1f}")
-    if "ratio" in result:
-        print(f"ratio ours / transformers: {result['ratio']:.2f}x")
+          f"{o['tok_per_s']:13.1f} {'':>12}")
+    for t in result["transformers"]:
+        print(f"{'transformers generate, static batch ' + str(t['batch_size']):<44} {t['wall_s']:8.1f} "
+              f"{t['tok_per_s']:13.1f} {t['ratio']:11.2f}x")
     d = result["decode"]
     if d:
         print(f"decode step at batch {d['batch']}: {d['step_ms']:.1f} ms measured; floor {d['floor_ms']:.1f} ms = "
@@ -209,6 +210,16 @@ def run(args: argparse.Namespace) -> int:
               f"GFLOP / {d['matmul_gflops']:.0f} GFLOP/s matmul); measured / floor = "
               f"{d['step_ms'] / d['floor_ms']:.2f}")
     return 0
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--hf-batch-sizes: expected comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--hf-batch-sizes: batch sizes must be >= 1, got {text!r}")
+    return sizes
 
 
 def cfg_name(engine) -> str:

@@ -274,7 +274,7 @@ class LLMEngine:
         if reason is None and (n_out >= seq.max_tokens or seq.num_tokens >= self.schedulers[seq.pool].max_model_len):
             reason = FinishReason.LENGTH
         if reason is not None:
-            if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
+            if not isinstance(seq.stop_reason, str):  # a stop string already cut the text
                 seq.text += detok.flush()
             self.schedulers[seq.pool].finish(seq, reason)
 

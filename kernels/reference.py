@@ -99,18 +99,22 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     if plan["decode"] is not None:
         rows, slots, allowed = plan["decode"]
-        n = rows.shape[0]
-        q = query[rows].view(n, num_kv_heads, group, head_dim)     # [n, kv_heads, group, d]
-        k = k_flat[slots].to(query.dtype).transpose(1, 2)          # [n, kv_heads, max_len, d]
-        v = v_flat[slots].to(query.dtype).transpose(1, 2)
+        n, max_len = slots.shape
+        # index_select, not advanced indexing: several times faster for row gathers on CPU
+        q = query.index_select(0, rows).view(n, num_kv_heads, group, head_dim)  # [n, kv_heads, group, d]
+        flat_slots = slots.reshape(-1)
+        k = k_flat.index_select(0, flat_slots).view(n, max_len, num_kv_heads, head_dim)
+        v = v_flat.index_select(0, flat_slots).view(n, max_len, num_kv_heads, head_dim)
+        k = k.to(query.dtype).transpose(1, 2)                      # [n, kv_heads, max_len, d]
+        v = v.to(query.dtype).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
-        out[rows] = o.reshape(n, num_heads, head_dim)
+        out.index_copy_(0, rows, o.reshape(n, num_heads, head_dim))
 
     for start, q_len, slots, allowed in plan["prefill"]:
         q = query[start:start + q_len].view(q_len, num_kv_heads, group, head_dim)
         q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
-        k = k_flat[slots].to(query.dtype).transpose(0, 1)          # [kv_heads, s_len, d]
-        v = v_flat[slots].to(query.dtype).transpose(0, 1)
+        k = k_flat.index_select(0, slots).to(query.dtype).transpose(0, 1)  # [kv_heads, s_len, d]
+        v = v_flat.index_select(0, slots).to(query.dtype).transpose(0, 1)
         mask = allowed.repeat(group, 1)                             # rows ordered (group, q_len)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
