@@ -204,3 +204,28 @@ def test_priority_and_max_num_seqs(tiny_path):
         order += [o.request_id for o in engine.step() if o.finished]
     assert order == ["high", "normal", "low"]
     assert_all_free(engine)
+
+
+def test_pools_are_disjoint_block_ranges_of_one_kv_tensor(tiny_path):
+    from engine import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+
+    config = EngineConfig(model=str(tiny_path), cache=CacheConfig(block_size=8, num_blocks=40), pools=(
+        PoolConfig("chat", kv_share=0.5, scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=128)),
+        PoolConfig("rag", kv_share=0.5, scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=160))))
+    engine = LLMEngine(config, progress=False)
+    chat, rag = engine.schedulers["chat"], engine.schedulers["rag"]
+    assert (chat.block_manager.first_block, chat.block_manager.num_blocks) == (0, 20)
+    assert (rag.block_manager.first_block, rag.block_manager.num_blocks) == (20, 20)
+    p = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    # flood rag past its blocks: admitted together, the sequences outgrow the pool and it must preempt;
+    # chat stays within its own range, unpreempted
+    for i in range(4):
+        engine.add_request(f"rag{i}", list(range(3, 43)), p, pool="rag")
+    engine.add_request("chat0", [5, 6, 7], p, pool="chat")
+    while engine.has_unfinished_requests():
+        engine.step()
+        for scheduler in (chat, rag):
+            for seq in scheduler.running:
+                assert all(scheduler.block_manager.owns(b) for b in seq.block_table)
+    assert rag.stats.num_preemptions > 0 and chat.stats.num_preemptions == 0
+    assert_all_free(engine)
