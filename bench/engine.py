@@ -162,6 +162,7 @@ def decode_roofline(engine, steps, device, dtype) -> dict:
 def run(args: argparse.Namespace) -> int:
     from engine import CacheConfig, EngineConfig, LLMEngine, PoolConfig, SchedulerConfig
 
+    hf_batch_sizes = [] if args.skip_hf else _batch_sizes(args.hf_batch_sizes)  # bad input fails before any work
     torch.manual_seed(args.seed)
     config = EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, random_weights=args.random_weights,
@@ -183,13 +184,12 @@ def run(args: argparse.Namespace) -> int:
               "ours": {"wall_s": ours["wall_s"], "tok_per_s": requested / ours["wall_s"],
                        "max_num_seqs": args.max_num_seqs, "steps": len(ours["steps"])}}
     result["transformers"] = []
-    if not args.skip_hf:
-        for batch_size in _batch_sizes(args.hf_batch_sizes):
-            hf = run_transformers(engine.model_path, work, batch_size, dtype, device)
-            tok_s = requested / hf["wall_s"]
-            result["transformers"].append({
-                "batch_size": batch_size, "wall_s": hf["wall_s"], "tok_per_s": tok_s,
-                "computed_tokens": hf["computed_tokens"], "ratio": result["ours"]["tok_per_s"] / tok_s})
+    for batch_size in hf_batch_sizes:
+        hf = run_transformers(engine.model_path, work, batch_size, dtype, device)
+        tok_s = requested / hf["wall_s"]
+        result["transformers"].append({
+            "batch_size": batch_size, "wall_s": hf["wall_s"], "tok_per_s": tok_s,
+            "computed_tokens": hf["computed_tokens"], "ratio": result["ours"]["tok_per_s"] / tok_s})
     result["decode"] = decode_roofline(engine, ours["steps"], device, dtype)
 
     if args.json:

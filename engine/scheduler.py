@@ -160,8 +160,8 @@ class Scheduler:
         seq.finish_reason = reason
 
     def check_integrity(self) -> None:
-        """The block manager agrees with the live sequences' tables; waiting ones hold no blocks
-        unless partially prefilled (they never are: preemption frees everything)."""
+        """The block manager agrees with the running sequences' tables, and waiting ones hold no blocks
+        (admission allocates, preemption frees everything)."""
         for seq in self.waiting:
             if seq.block_table:
                 raise AssertionError(f"waiting sequence {seq.seq_id} holds blocks {seq.block_table}")
