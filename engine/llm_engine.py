@@ -49,6 +49,7 @@ class _Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     arrival_time: float
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
 
@@ -223,6 +224,11 @@ class LLMEngine:
             else:
                 stats.num_prefill_tokens += item.num_new_tokens
 
+        scheduled_at = time.monotonic()
+        for item in batch:
+            request = self.requests[item.seq.request_id]
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = scheduled_at
         logits, sampled = self.runner.execute(batch)
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -320,6 +326,8 @@ class LLMEngine:
             seq.num_emitted_tokens = len(out_ids)
         finished = all(s.is_finished for s in request.seqs)
         metrics = {"arrival_time": request.arrival_time}
+        if request.first_scheduled_time is not None:
+            metrics["queue_time"] = request.first_scheduled_time - request.arrival_time
         if request.first_token_time is not None:
             metrics["time_to_first_token"] = request.first_token_time - request.arrival_time
         return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished, metrics=metrics)

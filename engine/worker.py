@@ -45,6 +45,7 @@ def _worker_main(config: EngineConfig, conn: Connection) -> None:
         "dtype": str(engine.dtype).removeprefix("torch."),
         "num_blocks": engine.num_blocks,
         "block_size": engine.kv_cache.block_size,
+        "kv_bytes_per_token": engine.model_config.kv_bytes_per_token(engine.dtype),
         "pools": {name: {"num_blocks": s.block_manager.num_blocks, "first_block": s.block_manager.first_block,
                          "max_model_len": s.max_model_len, "max_num_seqs": s.config.max_num_seqs}
                   for name, s in engine.schedulers.items()},
@@ -87,7 +88,9 @@ def engine_stats(engine) -> dict[str, Any]:
         bm = s.block_manager
         pools[name] = {"num_running": len(s.running), "num_waiting": len(s.waiting),
                        "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
-                       "kv_cache_usage": bm.usage, "num_preemptions": s.stats.num_preemptions,
+                       "kv_cache_usage": bm.usage, "max_num_seqs": s.config.max_num_seqs,
+                       "num_preemptions": s.stats.num_preemptions,
+                       "num_preemptions_by_mode": {"recompute": s.stats.num_preemptions},
                        "num_recomputed_tokens": s.stats.num_recomputed_tokens}
     engine.check_integrity()
     return {"num_requests": len(engine.requests), "pools": pools}

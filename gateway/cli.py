@@ -1,4 +1,4 @@
-"""The `cliffguard` command: generate, bench."""
+"""The `cliffguard` command: serve, capacity, generate, bench."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
+DEFAULT_CONFIG = "config/pools.yaml"
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -47,6 +48,19 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from gateway.app import run
+    from pools.spec import load_config, parse_bytes
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = load_config(args.config)
+    vram = parse_bytes(args.vram, "--vram") if args.vram else None
+    run(config, host=args.host, port=args.port, vram_bytes=vram)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cliffguard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,20 +75,42 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
 
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway over the pools of a YAML file")
+    serve.add_argument("--config", default=DEFAULT_CONFIG, help=f"pool definitions (default {DEFAULT_CONFIG})")
+    serve.add_argument("--host", default=None, help="listen address (default: gateway.host of the file)")
+    serve.add_argument("--port", type=int, default=None, help="listen port, 0 for any free one "
+                       "(default: gateway.port of the file)")
+    serve.add_argument("--vram", default=None, help="plan with this much device memory (e.g. 4GiB) instead "
+                       "of the devices' own")
+
+    from pools.capacity import add_arguments as add_capacity
+
+    add_capacity(sub.add_parser("capacity", help="plan each pool's blocks and max_num_seqs (capacity formula)"))
+
     bench = sub.add_parser("bench", help="benchmarks that print measured ratios")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from bench.engine import add_arguments as add_engine_bench
+    from bench.gateway import add_arguments as add_gateway_bench
+    from bench.tokenizer import add_arguments as add_tokenizer_bench
 
     add_engine_bench(bench_sub.add_parser("engine", help="our engine vs transformers generate, same workload"))
+    add_tokenizer_bench(bench_sub.add_parser("tokenizer", help="tiktoken counter vs the HF tokenizer"))
+    add_gateway_bench(bench_sub.add_parser("gateway", help="latency the gateway adds, routed requests/s"))
 
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return asyncio.run(_generate(args))
-        if args.command == "bench" and args.bench == "engine":
-            from bench.engine import run
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "capacity":
+            from pools.capacity import run
 
             return run(args)
+        if args.command == "bench":
+            from importlib import import_module
+
+            return import_module(f"bench.{args.bench}").run(args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"cliffguard: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,374 @@
+"""The OpenAI protocol: parse and validate request bodies, build responses and stream chunks.
+
+No HTTP here: `parse_chat` / `parse_completion` turn a decoded JSON body into a request object or
+raise `ApiError` (status, message naming the field, `param`); the `*_response` / `*_chunk` helpers
+build the JSON objects the OpenAI API returns. Extra fields are accepted as vLLM accepts them:
+`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`, `skip_special_tokens`,
+`include_stop_str_in_output`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.outputs import CompletionOutput
+from engine.sampling import MAX_LOGPROBS, SamplingParams
+
+
+class ApiError(Exception):
+    """An error answered in the OpenAI error format: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+# Fields we accept and ignore (they change nothing we do); anything else unknown is an error, so a
+# misspelt parameter is not silently dropped.
+_IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options"}
+_SAMPLING_EXTRA = {"top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "priority",
+                   "skip_special_tokens", "include_stop_str_in_output", "seed", "stop", "n", "temperature",
+                   "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                   "stream", "model"}
+_CHAT_FIELDS = _SAMPLING_EXTRA | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
+                                  "response_format", "tools", "tool_choice", "functions", "function_call"}
+_COMPLETION_FIELDS = _SAMPLING_EXTRA | {"prompt", "max_tokens", "logprobs", "echo", "suffix", "best_of"}
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    messages: list[dict[str, str]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int
+    top_logprobs: int | None        # None: no logprobs; k: the chosen token's plus the top k
+
+
+@dataclass
+class CompletionRequest:
+    model: str
+    prompts: list[str | list[int]]  # one engine request per prompt
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int
+
+
+def _require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, f"body: expected a JSON object, got {type(body).__name__}", param="body")
+    return body
+
+
+def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+    for key in body:
+        if key not in allowed and key not in _IGNORED:
+            raise bad_request(key, "unrecognized request field")
+
+
+def _get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if kind in (int, float) or kind == (int, float):
+        ok = isinstance(value, (int, float) if kind != int else int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        names = {int: "an integer", float: "a number", (int, float): "a number", str: "a string",
+                 bool: "a boolean", list: "an array", dict: "an object"}
+        raise bad_request(name, f"expected {names.get(kind, kind)}, got {_json_type(value)}")
+    return value
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise bad_request("model", "is required")
+    if not isinstance(model, str) or not model:
+        raise bad_request("model", f"expected a non-empty string, got {_json_type(model)}")
+    return model
+
+
+def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _get(body, "stream", bool, False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad_request("stream_options", "is only allowed with stream: true")
+    if not isinstance(options, dict):
+        raise bad_request("stream_options", f"expected an object, got {_json_type(options)}")
+    for key in options:
+        if key not in ("include_usage", "continuous_usage_stats"):
+            raise bad_request(f"stream_options.{key}", "unrecognized field")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise bad_request("stream_options.include_usage", f"expected a boolean, got {_json_type(include)}")
+    return stream, include
+
+
+def _unsupported(body: dict[str, Any]) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _get(body, name, (int, float), 0)
+        if not -2 <= value <= 2:
+            raise bad_request(name, f"must be in [-2, 2], got {value}")
+        if value != 0:
+            raise bad_request(name, "is not supported by this server (only 0)")
+    rep = _get(body, "repetition_penalty", (int, float), 1)
+    if rep != 1:
+        raise bad_request("repetition_penalty", "is not supported by this server (only 1)")
+    bias = _get(body, "logit_bias", dict, {})
+    if bias:
+        raise bad_request("logit_bias", "is not supported by this server")
+
+
+def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    temperature = _get(body, "temperature", (int, float), 1.0)
+    if not 0 <= temperature <= 2:
+        raise bad_request("temperature", f"must be in [0, 2], got {temperature}")
+    top_k = _get(body, "top_k", int, 0)
+    kwargs = dict(
+        n=_get(body, "n", int, 1), temperature=temperature, top_p=_get(body, "top_p", (int, float), 1.0),
+        top_k=top_k, min_p=_get(body, "min_p", (int, float), 0.0), seed=_get(body, "seed", int, None),
+        max_tokens=max_tokens, min_tokens=_get(body, "min_tokens", int, 0),
+        stop=body.get("stop") or (), stop_token_ids=_get(body, "stop_token_ids", list, ()),
+        ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=logprobs,
+        skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
+        include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False))
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:  # SamplingParams names the field: "top_p: must be in (0, 1], got 2"
+        message = str(exc)
+        field = message.split(":", 1)[0]
+        raise ApiError(400, message, param=field if field in kwargs else None) from None
+
+
+def _priority(body: dict[str, Any]) -> int:
+    return _get(body, "priority", int, 0)
+
+
+def _max_tokens(body: dict[str, Any], name: str, default: int | None) -> int | None:
+    value = _get(body, name, int, default)
+    if value is not None and value < 1:
+        raise bad_request(name, f"must be >= 1, got {value}")
+    return value
+
+
+def _message_content(index: int, content: Any) -> str:
+    """A message's content: a string, or a list of text parts joined (other part types are refused)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            where = f"messages[{index}].content[{j}]"
+            if not isinstance(part, dict):
+                raise bad_request(where, f"expected an object, got {_json_type(part)}")
+            if part.get("type") != "text":
+                raise bad_request(f"{where}.type", f"only 'text' parts are supported, got {part.get('type')!r}")
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"{where}.text", f"expected a string, got {_json_type(part.get('text'))}")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    if content is None:
+        return ""
+    raise bad_request(f"messages[{index}].content", f"expected a string or an array of parts, "
+                      f"got {_json_type(content)}")
+
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    body = _require_object(body)
+    _check_fields(body, _CHAT_FIELDS)
+    model = _model(body)
+    raw = body.get("messages")
+    if raw is None:
+        raise bad_request("messages", "is required")
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("messages", "expected a non-empty array of messages")
+    messages = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise bad_request(f"messages[{i}]", f"expected an object, got {_json_type(m)}")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise bad_request(f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {role!r}")
+        if m.get("tool_calls"):
+            raise bad_request(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
+        if "content" not in m and role != "assistant":
+            raise bad_request(f"messages[{i}].content", "is required")
+        messages.append({"role": role, "content": _message_content(i, m.get("content"))})
+    if body.get("tools") or body.get("functions"):
+        raise bad_request("tools" if body.get("tools") else "functions", "tool calling is not supported")
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") != "text":
+            raise bad_request("response_format", "only {\"type\": \"text\"} is supported")
+    _unsupported(body)
+    logprobs = _get(body, "logprobs", bool, False)
+    top = _get(body, "top_logprobs", int, None)
+    if top is not None:
+        if not logprobs:
+            raise bad_request("top_logprobs", "requires logprobs: true")
+        if not 0 <= top <= MAX_LOGPROBS:
+            raise bad_request("top_logprobs", f"must be in 0..{MAX_LOGPROBS}, got {top}")
+    top_logprobs = (top or 0) if logprobs else None
+    max_tokens = _max_tokens(body, "max_completion_tokens", None)
+    if max_tokens is None:
+        max_tokens = _max_tokens(body, "max_tokens", None)
+    stream, include_usage = _stream(body)
+    return ChatRequest(model=model, messages=messages, params=_sampling(body, max_tokens, top_logprobs),
+                       stream=stream, include_usage=include_usage, priority=_priority(body),
+                       top_logprobs=top_logprobs)
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    body = _require_object(body)
+    _check_fields(body, _COMPLETION_FIELDS)
+    model = _model(body)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad_request("prompt", "is required")
+    prompts: list[str | list[int]]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool)
+                                                      for p in prompt):
+        prompts = [list(prompt)]
+    elif isinstance(prompt, list) and prompt:
+        prompts = []
+        for i, p in enumerate(prompt):
+            if isinstance(p, str):
+                prompts.append(p)
+            elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                prompts.append(list(p))
+            else:
+                raise bad_request(f"prompt[{i}]", "expected a string or a non-empty array of token ids")
+    else:
+        raise bad_request("prompt", "expected a string, an array of strings, or an array of token ids")
+    for i, p in enumerate(prompts):
+        if isinstance(p, str) and not p:
+            raise bad_request("prompt" if len(prompts) == 1 else f"prompt[{i}]", "must not be empty")
+    if _get(body, "echo", bool, False):
+        raise bad_request("echo", "is not supported by this server")
+    if body.get("suffix") is not None:
+        raise bad_request("suffix", "is not supported by this server")
+    best_of = _get(body, "best_of", int, None)
+    if best_of is not None and best_of != _get(body, "n", int, 1):
+        raise bad_request("best_of", "only best_of == n is supported")
+    _unsupported(body)
+    logprobs = _get(body, "logprobs", int, None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad_request("logprobs", f"must be in 0..{MAX_LOGPROBS}, got {logprobs}")
+    stream, include_usage = _stream(body)
+    return CompletionRequest(model=model, prompts=prompts,
+                             params=_sampling(body, _max_tokens(body, "max_tokens", 16), logprobs),
+                             stream=stream, include_usage=include_usage, priority=_priority(body))
+
+
+# --- responses -----------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+TokenText = Callable[[int], str]
+
+
+def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[float],
+                  top: Sequence[Sequence[tuple[int, float]]], token_text: TokenText) -> dict[str, Any]:
+    content = []
+    for i, (tok, lp) in enumerate(zip(token_ids, logprobs)):
+        text = token_text(tok)
+        entry_top = [{"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode())}
+                     for t, v in (top[i] if i < len(top) else [])]
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": entry_top})
+    return {"content": content}
+
+
+def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[float],
+                        top: Sequence[Sequence[tuple[int, float]]], token_text: TokenText,
+                        text_offset: int = 0) -> dict[str, Any]:
+    tokens, offsets, tops = [], [], []
+    offset = text_offset
+    for i, tok in enumerate(token_ids):
+        text = token_text(tok)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        tops.append({token_text(t): v for t, v in (top[i] if i < len(top) else [])})
+    return {"tokens": tokens, "token_logprobs": list(logprobs[:len(tokens)]), "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_response(request_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
+                  completion_tokens: int) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_choice(out: CompletionOutput, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": out.index, "message": {"role": "assistant", "content": out.text},
+            "logprobs": logprobs, "finish_reason": out.finish_reason}
+
+
+def chat_chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]],
+               include_usage: bool) -> dict[str, Any]:
+    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": choices}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def completion_response(request_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
+                        completion_tokens: int) -> dict[str, Any]:
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]],
+                     include_usage: bool) -> dict[str, Any]:
+    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+             "choices": choices}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(request_id: str, model: str, created: int, obj: str, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}

@@ -1,0 +1,443 @@
+"""The capacity formula and plan: how many blocks and sequences each pool gets, before anything loads.
+
+Per device (with tensor parallelism T the weights and the KV heads are split over T GPUs):
+
+    S_KV        = 2 x num_layers x num_kv_heads x head_dim x dtype_bytes          (per token, whole model)
+    weights     = num_params x dtype_bytes                                          (not file sizes)
+    KV bytes    = memory_utilization x memory - weights / T                         (per GPU)
+    pool KV     = kv_share x KV bytes   |   kv_cache_bytes                          (per GPU)
+    blocks      = floor(pool KV / (S_KV / T x block_size))
+    max_num_seqs = floor(pool KV / (S_KV / T x avg_len))                            (unless overridden)
+
+`plan_capacity` computes a `CapacityPlan` from a `CliffguardConfig` and each model's `ModelConfig`;
+`engine_configs` turns it into the `EngineConfig` of each device, with exactly the planned numbers.
+`add_arguments` / `run` are the `cliffguard capacity` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig,
+                           ceil_div, dtype_name, parse_dtype)
+from pools.spec import (DEFAULT_CPU_MEMORY, CliffguardConfig, DeviceSpec, PoolSpec, SpecError, load_config,
+                        parse_bytes)
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """One device (a TP group of `tensor_parallel_size` GPUs): memory, weights and KV bytes."""
+
+    name: str
+    device_type: str                 # cuda | cpu (what the plan assumed)
+    dtype: str                       # float32 | bfloat16 | float16
+    model: str
+    memory_bytes: int                # per GPU
+    memory_source: str               # config | --vram | cuda (measured) | cpu default
+    memory_utilization: float
+    tensor_parallel_size: int
+    weights_bytes: int               # num_params x dtype bytes, whole model
+    weights_bytes_per_device: int    # weights / T
+    kv_bytes_per_token: int          # S_KV, whole model
+    kv_bytes_per_token_per_device: int  # S_KV / T (KV heads split; replicated when T > num_kv_heads)
+    kv_cache_bytes_per_device: int   # memory_utilization x memory - weights / T
+    block_size: int
+    pools: tuple[str, ...]
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.memory_utilization * self.memory_bytes)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """KV bytes of the whole TP group."""
+        return self.tensor_parallel_size * self.kv_cache_bytes_per_device
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """One local pool: its KV budget and the limits the engine gets."""
+
+    name: str
+    device: str
+    route: str                       # e.g. 0..4096
+    block_size: int
+    max_model_len: int
+    avg_len: int
+    max_num_batched_tokens: int
+    kv_share: float | None           # None: an explicit kv_cache_bytes budget
+    kv_bytes_per_token: int          # S_KV, whole model
+    kv_bytes_per_token_per_device: int
+    kv_cache_bytes_per_device: int   # this pool's budget on each GPU
+    tensor_parallel_size: int
+    num_blocks: int
+    formula_max_num_seqs: int        # floor(pool KV / (S_KV x avg_len))
+    max_num_seqs: int                # the formula's, or the config's override
+    preemption_mode: str
+    victim_policy: str
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """This pool's KV bytes over the whole TP group."""
+        return self.tensor_parallel_size * self.kv_cache_bytes_per_device
+
+    @property
+    def max_num_seqs_overridden(self) -> bool:
+        return self.max_num_seqs != self.formula_max_num_seqs
+
+    @property
+    def blocks_per_max_len_request(self) -> int:
+        return ceil_div(self.max_model_len, self.block_size)
+
+    @property
+    def max_concurrent_at_max_len(self) -> int:
+        """Requests of max_model_len tokens that fit at once."""
+        return self.num_blocks // self.blocks_per_max_len_request
+
+    @property
+    def fragmentation_bytes(self) -> int:
+        """Expected internal fragmentation: (block_size - 1) / 2 empty slots per sequence x S_KV x max_num_seqs
+        (per GPU)."""
+        return (self.block_size - 1) * self.kv_bytes_per_token_per_device * self.max_num_seqs // 2
+
+    @property
+    def fragmentation_fraction(self) -> float:
+        return self.fragmentation_bytes / self.kv_cache_bytes_per_device
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """Devices with local pools and their pools, by name, in configuration order."""
+
+    devices: dict[str, DevicePlan]
+    pools: dict[str, PoolPlan]
+    upstream_pools: tuple[str, ...] = ()    # not planned: they hold no local KV
+    warnings: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict:
+        """JSON-ready: every field and derived value."""
+        def with_props(obj, props):
+            return {**asdict(obj), **{name: getattr(obj, name) for name in props}}
+
+        return {
+            "devices": [with_props(d, ("usable_bytes", "kv_cache_bytes")) for d in self.devices.values()],
+            "pools": [with_props(p, ("kv_cache_bytes", "max_num_seqs_overridden", "blocks_per_max_len_request",
+                                     "max_concurrent_at_max_len", "fragmentation_bytes", "fragmentation_fraction"))
+                      for p in self.pools.values()],
+            "upstream_pools": list(self.upstream_pools),
+            "warnings": list(self.warnings),
+        }
+
+
+def _cuda_total_memory(device: str) -> int:
+    return torch.cuda.get_device_properties(torch.device(device)).total_memory
+
+
+def _device_type(device: DeviceSpec, vram_bytes: int | None) -> str:
+    """auto -> cuda when CUDA is present, or when --vram says we plan for a GPU; else cpu."""
+    if device.device == "auto":
+        return "cuda" if vram_bytes is not None or torch.cuda.is_available() else "cpu"
+    return "cuda" if device.device.startswith("cuda") else "cpu"
+
+
+def _memory(device: DeviceSpec, device_type: str, vram_bytes: int | None,
+            cuda_memory: Callable[[str], int] | None) -> tuple[int, str]:
+    if vram_bytes is not None:
+        return vram_bytes, "--vram"
+    if device.memory_bytes is not None:
+        return device.memory_bytes, "config"
+    if device_type == "cpu":
+        return DEFAULT_CPU_MEMORY, "cpu default"
+    name = "cuda" if device.device == "auto" else device.device
+    if cuda_memory is None:
+        if not torch.cuda.is_available():
+            raise SpecError(f"devices.{device.name}.memory: auto needs a CUDA device to measure and none is "
+                            "available; set memory (e.g. 80GiB) or pass --vram")
+        cuda_memory = _cuda_total_memory
+    return cuda_memory(name), "cuda"
+
+
+def _kv_heads_per_device(model: ModelConfig, tp: int, key: str) -> int:
+    """KV heads split over TP ranks; when T > num_kv_heads each rank holds a replica of one (as vLLM does)."""
+    if model.num_heads % tp:
+        raise SpecError(f"{key}: {tp} does not divide the model's {model.num_heads} attention heads")
+    if model.num_kv_heads % tp == 0:
+        return model.num_kv_heads // tp
+    if tp % model.num_kv_heads == 0:
+        return 1
+    raise SpecError(f"{key}: {tp} neither divides nor is a multiple of the model's {model.num_kv_heads} KV heads")
+
+
+def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelConfig], *,
+                  vram_bytes: int | None = None,
+                  cuda_memory: Callable[[str], int] | None = None) -> CapacityPlan:
+    """The capacity plan of every device that has local pools.
+
+    `model_configs`: each local pool's `model` string -> its ModelConfig (the caller resolves them).
+    `vram_bytes`: overrides every device's memory (`--vram`); a device `auto` is then planned as CUDA
+    (bfloat16) even on a CPU-only machine. `memory: auto` is the GPU's total memory (`cuda_memory(device)`,
+    default torch's) on CUDA and DEFAULT_CPU_MEMORY on CPU. `dtype: auto` is bfloat16 on CUDA, float32 on
+    CPU, as `EngineConfig.resolved_dtype`. Errors are SpecError naming the key path and the value.
+    """
+    devices: dict[str, DevicePlan] = {}
+    pools: dict[str, PoolPlan] = {}
+    warnings: list[str] = []
+    for dev_name, dev in config.devices.items():
+        members = [(i, p) for i, p in enumerate(config.pools) if not p.is_upstream and p.device == dev_name]
+        if not members:
+            continue
+        i0, p0 = members[0]
+        model = model_configs.get(p0.model)
+        if model is None:
+            raise SpecError(f"pools[{i0}].model: no model config for {p0.model!r}")
+        dkey = f"devices.{dev_name}"
+        device_type = _device_type(dev, vram_bytes)
+        dtype = parse_dtype(dev.dtype) if dev.dtype != "auto" else (
+            torch.bfloat16 if device_type == "cuda" else torch.float32)
+        memory, source = _memory(dev, device_type, vram_bytes, cuda_memory)
+        tp = dev.tensor_parallel_size
+        kv_heads = _kv_heads_per_device(model, tp, f"{dkey}.tensor_parallel_size")
+        s_kv = model.kv_bytes_per_token(dtype)
+        s_kv_dev = 2 * model.num_layers * kv_heads * model.head_dim * dtype.itemsize
+        weights = model.num_params() * dtype.itemsize
+        weights_dev = ceil_div(weights, tp)
+        usable = int(dev.memory_utilization * memory)
+        kv_dev = usable - weights_dev
+        if kv_dev <= 0:
+            where = f" ({source})" if source != "config" else ""
+            raise SpecError(
+                f"{dkey}.memory: {dev.memory_utilization} x {_fmt(memory)}{where} = {_fmt(usable)} per GPU "
+                f"cannot hold the weights of {p0.model!r}: {_fmt(weights_dev)} per GPU in {dtype_name(dtype)} "
+                f"(TP={tp}), leaving {_fmt(kv_dev)} for the KV cache")
+        device_pools = []
+        for i, p in members:
+            device_pools.append(_plan_pool(i, p, model, s_kv, s_kv_dev, kv_dev, tp, warnings))
+        asked = sum(pp.kv_cache_bytes_per_device for pp in device_pools)
+        if asked > kv_dev:
+            i, p = next(((i, p) for i, p in members if p.kv_cache_bytes is not None), members[0])
+            parts = ", ".join(f"{pp.name} {_fmt(pp.kv_cache_bytes_per_device)}" for pp in device_pools)
+            raise SpecError(f"pools[{i}].kv_cache_bytes: {_fmt(p.kv_cache_bytes or 0)}; the pools of device "
+                            f"{dev_name!r} ask for {_fmt(asked)} per GPU ({parts}) but it has {_fmt(kv_dev)}")
+        pools.update((pp.name, pp) for pp in device_pools)
+        devices[dev_name] = DevicePlan(
+            name=dev_name, device_type=device_type, dtype=dtype_name(dtype), model=p0.model, memory_bytes=memory,
+            memory_source=source, memory_utilization=dev.memory_utilization, tensor_parallel_size=tp,
+            weights_bytes=weights, weights_bytes_per_device=weights_dev, kv_bytes_per_token=s_kv,
+            kv_bytes_per_token_per_device=s_kv_dev, kv_cache_bytes_per_device=kv_dev,
+            block_size=p0.block_size, pools=tuple(p.name for _, p in members))
+    upstream = tuple(p.name for p in config.pools if p.is_upstream)
+    return CapacityPlan(devices=devices, pools=pools, upstream_pools=upstream,
+                        warnings=tuple(warnings))
+
+
+def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int, kv_dev: int, tp: int,
+               warnings: list[str]) -> PoolPlan:
+    key = f"pools[{i}]"
+    context = model.max_position_embeddings
+    if p.max_model_len is not None and p.max_model_len > context:
+        raise SpecError(f"{key}.max_model_len: {p.max_model_len} is above the model's context "
+                        f"(max_position_embeddings {context})")
+    max_model_len = p.max_model_len or context
+    route = p.route
+    if route.max_prompt_tokens is not None and route.max_prompt_tokens >= max_model_len:
+        raise SpecError(f"{key}.route.max_prompt_tokens: {route.max_prompt_tokens} must be below max_model_len "
+                        f"{max_model_len}: a prompt needs room for one generated token, so the route's tail is "
+                        "unreachable")
+    if route.min_prompt_tokens >= max_model_len:
+        raise SpecError(f"{key}.route.min_prompt_tokens: {route.min_prompt_tokens} must be below max_model_len "
+                        f"{max_model_len}; no prompt can reach this pool")
+    if p.kv_share is not None:
+        budget_key, budget = f"{key}.kv_share", f"{p.kv_share}"
+        pool_kv = min(int(p.kv_share * kv_dev), kv_dev)
+    else:
+        budget_key, budget = f"{key}.kv_cache_bytes", _fmt(p.kv_cache_bytes)
+        pool_kv = p.kv_cache_bytes
+    num_blocks = pool_kv // (s_kv_dev * p.block_size)
+    per_request = ceil_div(max_model_len, p.block_size)
+    if num_blocks < per_request:
+        raise SpecError(f"{budget_key}: {budget} gives pool {p.name!r} {_fmt(pool_kv)} per GPU = {num_blocks} "
+                        f"blocks of {p.block_size} tokens; one request of max_model_len {max_model_len} needs "
+                        f"{per_request}: raise the budget or lower {key}.max_model_len")
+    formula = pool_kv // (s_kv_dev * p.avg_len)
+    if p.max_num_seqs is None:
+        if formula == 0:
+            raise SpecError(f"{budget_key}: {budget} gives max_num_seqs = floor({_fmt(pool_kv)} / "
+                            f"({s_kv_dev} B x avg_len {p.avg_len})) = 0 for pool {p.name!r}")
+        max_num_seqs = formula
+    else:
+        max_num_seqs = p.max_num_seqs
+        if max_num_seqs > formula:
+            warnings.append(f"{key}.max_num_seqs: {max_num_seqs} is above the capacity formula's {formula} "
+                            f"(avg_len {p.avg_len}): expect preemptions when that many requests run")
+    return PoolPlan(
+        name=p.name, device=p.device, route=route.describe(), block_size=p.block_size, max_model_len=max_model_len,
+        avg_len=p.avg_len, max_num_batched_tokens=p.max_num_batched_tokens, kv_share=p.kv_share,
+        kv_bytes_per_token=s_kv, kv_bytes_per_token_per_device=s_kv_dev, kv_cache_bytes_per_device=pool_kv,
+        tensor_parallel_size=tp, num_blocks=num_blocks, formula_max_num_seqs=formula, max_num_seqs=max_num_seqs,
+        preemption_mode=p.preemption_mode, victim_policy=p.victim_policy)
+
+
+def engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, EngineConfig]:
+    """One EngineConfig per planned device: the planned dtype, blocks and limits, nothing re-derived.
+
+    A device `auto` becomes the device type the plan assumed. The engine runs TP=1, so a plan for
+    tensor_parallel_size > 1 is refused; so is prefix caching (not in the engine yet). Preemption modes
+    and victim policies are passed through: the engine's SchedulerConfig says which it supports.
+    """
+    result = {}
+    for dplan in plan.devices.values():
+        dev = config.devices[dplan.name]
+        if dplan.tensor_parallel_size != 1:
+            raise SpecError(f"devices.{dplan.name}.tensor_parallel_size: {dplan.tensor_parallel_size} is for "
+                            "planning only (cliffguard capacity); the engine runs one GPU per device")
+        pool_configs = []
+        for name in dplan.pools:
+            i, spec = next((i, p) for i, p in enumerate(config.pools) if p.name == name)
+            pplan = plan.pools[name]
+            if spec.enable_prefix_caching:
+                raise SpecError(f"pools[{i}].enable_prefix_caching: true is not supported by the engine yet")
+            scheduler = SchedulerConfig(
+                max_num_seqs=pplan.max_num_seqs, max_num_batched_tokens=pplan.max_num_batched_tokens,
+                max_model_len=pplan.max_model_len, preemption_mode=pplan.preemption_mode,
+                victim_policy=pplan.victim_policy)
+            pool_configs.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler))
+        num_blocks = sum(pc.num_blocks for pc in pool_configs)
+        result[dplan.name] = EngineConfig(
+            model=dplan.model, device=dplan.device_type if dev.device == "auto" else dev.device,
+            dtype=dplan.dtype, cache=CacheConfig(block_size=dplan.block_size, num_blocks=num_blocks),
+            pools=tuple(pool_configs))
+    return result
+
+
+# --- `cliffguard capacity` ------------------------------------------------------------------------
+
+def _fmt(n: int) -> str:
+    """Bytes in binary units: 1.50 GiB."""
+    sign, n = ("-", -n) if n < 0 else ("", n)
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}"
+    return f"{sign}{n} B"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="config/pools.yaml", help="pools YAML (default: config/pools.yaml)")
+    p.add_argument("--vram", default=None,
+                   help="memory per GPU for every device, e.g. 80GiB; a device 'auto' is then planned as CUDA "
+                        "(bfloat16) even on a machine without one")
+    p.add_argument("--model-config", default=None,
+                   help="an HF config.json (or a folder holding one) used for every local pool instead of "
+                        "resolving each pool's model")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _read_model_config(path: str) -> ModelConfig:
+    target = Path(path).expanduser()
+    if target.is_dir():
+        return ModelConfig.from_folder(target)
+    if not target.is_file():
+        raise FileNotFoundError(f"--model-config: no such file or folder {path}")
+    try:
+        return ModelConfig.from_hf_config(json.loads(target.read_text()))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--model-config: {path} is not valid JSON ({exc})") from None
+
+
+def _resolve_model_configs(config: CliffguardConfig, model_config: str | None) -> dict[str, ModelConfig]:
+    if model_config is not None:
+        given = _read_model_config(model_config)
+        return {p.model: given for p in config.local_pools}
+    from engine.weights import resolve_model
+
+    result: dict[str, ModelConfig] = {}
+    for i, p in enumerate(config.pools):
+        if p.is_upstream or p.model in result:
+            continue
+        try:
+            result[p.model] = ModelConfig.from_folder(resolve_model(p.model))
+        except (FileNotFoundError, ValueError) as exc:
+            raise SpecError(f"pools[{i}].model: {exc} (or pass --model-config config.json)") from None
+    return result
+
+
+def _budget(p: PoolPlan, d: DevicePlan) -> str:
+    per = "/GPU" if p.tensor_parallel_size > 1 else ""
+    if p.kv_share is None:
+        return f"{_fmt(p.kv_cache_bytes_per_device)}{per} (kv_cache_bytes)"
+    return f"{p.kv_share} x {_fmt(d.kv_cache_bytes_per_device)} = {_fmt(p.kv_cache_bytes_per_device)}{per}"
+
+
+def format_plan(plan: CapacityPlan) -> str:
+    """The plan as the tables `cliffguard capacity` prints."""
+    lines = []
+    pools = list(plan.pools.values())
+    for d in plan.devices.values():
+        tp = d.tensor_parallel_size
+        per = " per GPU" if tp > 1 else ""
+        lines.append(f"device {d.name}: {d.device_type}, {d.dtype}, TP={tp}, model {d.model}")
+        rows = [
+            ("memory", f"{_fmt(d.memory_bytes)}{per} ({d.memory_source})"),
+            ("utilization", f"{d.memory_utilization} -> {_fmt(d.usable_bytes)}{per}"),
+            ("weights", f"{_fmt(d.weights_bytes)} ({d.weights_bytes:,} B)"
+                        + (f", {_fmt(d.weights_bytes_per_device)} per GPU" if tp > 1 else "")),
+            ("KV bytes", f"{_fmt(d.kv_cache_bytes_per_device)}{per}"
+                         + (f", {_fmt(d.kv_cache_bytes)} total" if tp > 1 else "")),
+            ("S_KV", f"{d.kv_bytes_per_token:,} B/token ({_fmt(d.kv_bytes_per_token)})"
+                     + (f", {d.kv_bytes_per_token_per_device:,} B per GPU" if tp > 1 else "")),
+        ]
+        lines += [f"  {k:<13} {v}" for k, v in rows]
+        lines.append("")
+    if pools:
+        header = ["pool"] + [p.name for p in pools]
+        table = [
+            ("device", [p.device for p in pools]),
+            ("route (tokens)", [p.route for p in pools]),
+            ("max_model_len", [str(p.max_model_len) for p in pools]),
+            ("S_KV", [f"{p.kv_bytes_per_token:,} B" + (f" ({p.kv_bytes_per_token_per_device:,}/GPU)"
+                                                       if p.tensor_parallel_size > 1 else "")
+                      for p in pools]),
+            ("KV budget", [_budget(p, plan.devices[p.device]) for p in pools]),
+            ("blocks", [f"{p.num_blocks:,} x {p.block_size}" for p in pools]),
+            ("avg_len", [str(p.avg_len) for p in pools]),
+            ("max_num_seqs", [f"{p.max_num_seqs}" + (f" (formula {p.formula_max_num_seqs})"
+                                                     if p.max_num_seqs_overridden else "") for p in pools]),
+            ("max-len concurrent", [f"{p.max_concurrent_at_max_len} ({p.blocks_per_max_len_request} blocks each)"
+                                    for p in pools]),
+            ("fragmentation", [f"{_fmt(p.fragmentation_bytes)} ({100 * p.fragmentation_fraction:.2f}%)"
+                               for p in pools]),
+        ]
+        widths = [max(len(header[0]), *(len(k) for k, _ in table))]
+        for c in range(len(pools)):
+            widths.append(max(len(header[c + 1]), *(len(vals[c]) for _, vals in table)))
+
+        def row(cells):
+            return "  ".join(cell.ljust(w) for cell, w in zip(cells, widths)).rstrip()
+
+        lines.append(row(header))
+        lines += [row([k, *vals]) for k, vals in table]
+    if plan.upstream_pools:
+        lines.append(f"upstream pools (not planned here): {', '.join(plan.upstream_pools)}")
+    lines += [f"warning: {w}" for w in plan.warnings]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`cliffguard capacity`: 0 and the plan on stdout, or 2 and the error on stderr."""
+    try:
+        config = load_config(args.config)
+        vram = parse_bytes(args.vram, "--vram") if args.vram is not None else None
+        if vram == 0:
+            raise SpecError("--vram: must be > 0 bytes, got 0")
+        plan = plan_capacity(config, _resolve_model_configs(config, args.model_config), vram_bytes=vram)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"cliffguard capacity: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0

@@ -1,0 +1,589 @@
+"""The gateway's configuration as read from YAML: devices, pools and the gateway itself.
+
+Every class is a frozen dataclass validated on construction; `load_config` turns a YAML file into a
+`CliffguardConfig` or raises `SpecError` naming the key path and the bad value. Nothing that needs the
+model (its context length, its KV bytes per token) is checked here: that is `pools.capacity`'s job.
+The schema, key by key, is in `config/README.md`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from pathlib import Path, PurePath
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from engine.config import ConfigError, parse_dtype
+
+DEFAULT_CPU_MEMORY = 4 << 30   # `memory: auto` on a CPU device: the budget for weights + KV cache
+DEFAULT_API_KEYS_ENV = "CLIFFGUARD_API_KEYS"
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+VICTIM_POLICIES = ("reverse_fifo", "longest_first", "least_progress", "lru", "priority")
+BLOCK_SIZES = (8, 16, 32)      # the paged-attention kernels' range (the seed: 32 is the CUDA limit)
+_POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # used in metric labels and URLs
+
+
+class SpecError(ConfigError):
+    """An invalid configuration file; the message starts with the key path, e.g. `pools[1].kv_share`."""
+
+
+# --- value checks (each raises SpecError naming `key`) --------------------------------------------
+
+def _show(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(key: str, value: Any, *, min_value: int | None = None, max_value: int | None = None,
+               optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not _is_int(value):
+        raise SpecError(f"{key}: must be an integer, got {_show(value)}")
+    if min_value is not None and max_value is not None and not min_value <= value <= max_value:
+        raise SpecError(f"{key}: must be in {min_value}..{max_value}, got {value}")
+    if min_value is not None and value < min_value:
+        raise SpecError(f"{key}: must be >= {min_value}, got {value}")
+
+
+def _check_fraction(key: str, value: Any, *, optional: bool = False) -> None:
+    """A number in (0, 1]."""
+    if value is None and optional:
+        return
+    if not _is_number(value):
+        raise SpecError(f"{key}: must be a number in (0, 1], got {_show(value)}")
+    if not 0 < value <= 1:
+        raise SpecError(f"{key}: must be in (0, 1], got {value}")
+
+
+def _check_str(key: str, value: Any, *, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value.strip():
+        raise SpecError(f"{key}: must be a non-empty string, got {_show(value)}")
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise SpecError(f"{key}: must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_device_name(key: str, value: Any) -> None:
+    _check_str(key, value)
+    if value not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", value):
+        raise SpecError(f"{key}: must be auto, cpu, cuda or cuda:N, got {value!r}")
+
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40,
+}
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: Any, key: str = "bytes") -> int:
+    """`80GiB`, `512 MiB`, `1.5GB`, `4096`, 4096 -> bytes (an int, rounded down).
+
+    GiB/MiB/KiB/TiB (and Gi, Mi, ...) are powers of 1024; GB/MB/KB/TB (and G, M, K, T) powers of 1000;
+    units are case-insensitive. Anything else, a negative number or a bool raises SpecError naming `key`.
+    """
+    if _is_int(value):
+        if value < 0:
+            raise SpecError(f"{key}: must be >= 0 bytes, got {value}")
+        return value
+    if isinstance(value, float) and not isinstance(value, bool) and value >= 0 and value.is_integer():
+        return int(value)
+    match = _BYTES.match(value) if isinstance(value, str) else None
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _BYTE_UNITS:
+        raise SpecError(f"{key}: not a byte size, got {_show(value)}; "
+                        "write an integer or a number with a unit, e.g. 80GiB, 512 MiB, 1.5GB")
+    try:
+        number = Decimal(match.group(1))
+    except InvalidOperation:  # pragma: no cover - the regex admits only decimals
+        raise SpecError(f"{key}: not a byte size, got {value!r}") from None
+    return int(number * _BYTE_UNITS[unit])
+
+
+# --- the dataclasses ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RouteSpec:
+    """Prompts of `min_prompt_tokens..max_prompt_tokens` tokens (inclusive) go to the pool.
+
+    `max_prompt_tokens=None` means up to the pool's max_model_len - 1.
+    """
+
+    min_prompt_tokens: int = 0
+    max_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("min_prompt_tokens", self.min_prompt_tokens, min_value=0)
+        _check_int("max_prompt_tokens", self.max_prompt_tokens, min_value=0, optional=True)
+        if self.max_prompt_tokens is not None and self.min_prompt_tokens > self.max_prompt_tokens:
+            raise SpecError(
+                f"min_prompt_tokens: {self.min_prompt_tokens} is above max_prompt_tokens "
+                f"{self.max_prompt_tokens}; no prompt can reach this pool")
+
+    def upper(self, max_model_len: int | None = None) -> int | None:
+        """The largest admitted prompt: max_prompt_tokens, capped at max_model_len - 1 (room for one
+        generated token); None when neither limit is known."""
+        limits = [n for n in (self.max_prompt_tokens, None if max_model_len is None else max_model_len - 1)
+                  if n is not None]
+        return min(limits) if limits else None
+
+    def admits(self, n: int, max_model_len: int | None = None) -> bool:
+        """Whether a prompt of `n` tokens goes to this pool (`max_model_len`: the pool's context)."""
+        upper = self.upper(max_model_len)
+        return self.min_prompt_tokens <= n and (upper is None or n <= upper)
+
+    def overlaps(self, other: RouteSpec) -> bool:
+        """Some prompt length is in both ranges (an open upper end counts as unbounded)."""
+        inf = float("inf")
+        self_max = inf if self.max_prompt_tokens is None else self.max_prompt_tokens
+        other_max = inf if other.max_prompt_tokens is None else other.max_prompt_tokens
+        return self.min_prompt_tokens <= other_max and other.min_prompt_tokens <= self_max
+
+    def describe(self) -> str:
+        """`0..4096`, `4097..` (open end)."""
+        upper = "" if self.max_prompt_tokens is None else str(self.max_prompt_tokens)
+        return f"{self.min_prompt_tokens}..{upper}"
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device that local pools run on: one worker process, one copy of the weights, one KV tensor."""
+
+    name: str = "default"
+    device: str = "auto"                 # auto | cpu | cuda | cuda:N
+    memory_bytes: int | None = None      # None (auto): the GPU's total memory; on CPU DEFAULT_CPU_MEMORY
+    memory_utilization: float = 0.9      # the capacity formula's 0.9
+    dtype: str = "auto"                  # auto | float32 | bfloat16 | float16
+    tensor_parallel_size: int = 1        # planning only (`cliffguard capacity`); the engine runs TP=1
+
+    def __post_init__(self) -> None:
+        _check_str("name", self.name)
+        _check_device_name("device", self.device)
+        _check_int("memory", self.memory_bytes, min_value=1, optional=True)
+        _check_fraction("memory_utilization", self.memory_utilization)
+        _check_str("dtype", self.dtype)
+        if self.dtype != "auto":
+            try:
+                parse_dtype(self.dtype)
+            except ConfigError:
+                raise SpecError(f"dtype: must be auto, float32, bfloat16 or float16; got {self.dtype!r}") from None
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, min_value=1)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One pool: a route rule and either a block range on a local device or an upstream URL.
+
+    Local pools set exactly one of `kv_share` / `kv_cache_bytes`; upstream pools set neither (nor any
+    other local-only key: the YAML loader rejects those by name).
+    """
+
+    name: str
+    model: str                           # builtin:..., an HF folder, a .gguf file; upstream: its model name
+    route: RouteSpec = field(default_factory=RouteSpec)
+    device: str = "default"              # a DeviceSpec name (local pools)
+    upstream: str | None = None          # base URL of an OpenAI-compatible server, e.g. http://h:8000/v1
+    upstream_api_key_env: str | None = None  # environment variable holding the upstream's API key
+    tokenizer: str | None = None         # model spec whose tokenizer counts tokens (default: `model`)
+    served_model_name: str | None = None # the `model` clients send (default: derived from `model`)
+    kv_share: float | None = None        # fraction of the device's KV bytes ...
+    kv_cache_bytes: int | None = None    # ... or an explicit byte budget (exactly one for local pools)
+    avg_len: int = 1024                  # tokens (prompt + output) of a typical request, for max_num_seqs
+    block_size: int = 16
+    max_model_len: int | None = None     # None: the model's context length
+    max_num_batched_tokens: int = 2048   # this pool's token budget per step
+    max_num_seqs: int | None = None      # None: from the capacity formula
+    preemption_mode: str = "recompute"   # recompute | swap | auto
+    victim_policy: str = "reverse_fifo"  # reverse_fifo | longest_first | least_progress | lru | priority
+    swap_space_bytes: int = 0
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        _check_str("name", self.name)
+        if not _POOL_NAME.match(self.name):
+            raise SpecError(f"name: use letters, digits, '_', '.', '-' (starting with a letter or digit); "
+                            f"got {self.name!r}")
+        _check_str("model", self.model)
+        if not isinstance(self.route, RouteSpec):
+            raise SpecError(f"route: must be a RouteSpec, got {_show(self.route)}")
+        _check_str("served_model_name", self.served_model_name, optional=True)
+        _check_int("max_model_len", self.max_model_len, min_value=1, optional=True)
+        if self.is_upstream:
+            self._check_upstream()
+        else:
+            self._check_local()
+
+    def _check_upstream(self) -> None:
+        _check_str("upstream", self.upstream)
+        url = urlsplit(self.upstream)
+        if url.scheme not in ("http", "https") or not url.hostname:
+            raise SpecError(f"upstream: must be an http:// or https:// URL with a host, got {self.upstream!r}")
+        _check_str("upstream_api_key_env", self.upstream_api_key_env, optional=True)
+        _check_str("tokenizer", self.tokenizer, optional=True)
+        for key in ("kv_share", "kv_cache_bytes", "max_num_seqs"):
+            if getattr(self, key) is not None:
+                raise SpecError(f"{key}: not allowed on an upstream pool (it has no local KV cache), "
+                                f"got {getattr(self, key)!r}")
+
+    def _check_local(self) -> None:
+        for key in ("upstream_api_key_env", "tokenizer"):
+            if getattr(self, key) is not None:
+                raise SpecError(f"{key}: only for upstream pools (a local pool uses its model's own), "
+                                f"got {getattr(self, key)!r}")
+        _check_str("device", self.device)
+        _check_fraction("kv_share", self.kv_share, optional=True)
+        _check_int("kv_cache_bytes", self.kv_cache_bytes, min_value=1, optional=True)
+        if self.kv_share is not None and self.kv_cache_bytes is not None:
+            raise SpecError(f"kv_share: set kv_share or kv_cache_bytes, not both "
+                            f"(got kv_share {self.kv_share} and kv_cache_bytes {self.kv_cache_bytes})")
+        if self.kv_share is None and self.kv_cache_bytes is None:
+            raise SpecError("kv_share: a local pool needs kv_share (a fraction of its device's KV bytes) "
+                            "or kv_cache_bytes; got neither")
+        _check_int("avg_len", self.avg_len, min_value=1)
+        _check_int("block_size", self.block_size)
+        if self.block_size not in BLOCK_SIZES:
+            raise SpecError(f"block_size: must be one of {', '.join(map(str, BLOCK_SIZES))}; got {self.block_size}")
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, min_value=1)
+        _check_int("max_num_seqs", self.max_num_seqs, min_value=1, optional=True)
+        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
+        _check_choice("victim_policy", self.victim_policy, VICTIM_POLICIES)
+        _check_int("swap_space", self.swap_space_bytes, min_value=0)
+        if self.preemption_mode == "swap" and not self.swap_space_bytes:
+            raise SpecError("swap_space: preemption_mode 'swap' needs CPU swap space; got 0 bytes")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise SpecError(f"enable_prefix_caching: must be true or false, got {_show(self.enable_prefix_caching)}")
+
+    @property
+    def is_upstream(self) -> bool:
+        return self.upstream is not None
+
+    @property
+    def model_name(self) -> str:
+        """The `model` clients send: served_model_name, else derived from `model` (`builtin:` stripped;
+        for a path its last component without `.gguf`; an upstream's model as is)."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.is_upstream:
+            return self.model
+        if self.model.startswith("builtin:"):
+            return self.model.removeprefix("builtin:")
+        name = PurePath(self.model.rstrip("/\\")).name or self.model
+        return name[:-len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()       # empty: no authentication
+    max_body_bytes: int = 8 << 20
+    api_keys_env: str | None = DEFAULT_API_KEYS_ENV  # where extra keys came from (already in api_keys)
+
+    def __post_init__(self) -> None:
+        _check_str("host", self.host)
+        _check_int("port", self.port, min_value=1, max_value=65535)
+        if not isinstance(self.api_keys, tuple):
+            raise SpecError(f"api_keys: must be a tuple of strings, got {_show(self.api_keys)}")
+        for i, key in enumerate(self.api_keys):
+            _check_str(f"api_keys[{i}]", key)
+        _check_int("max_body_bytes", self.max_body_bytes, min_value=1)
+        _check_str("api_keys_env", self.api_keys_env, optional=True)
+
+
+@dataclass(frozen=True)
+class CliffguardConfig:
+    """The whole file. Pool-to-pool rules are checked here; errors name pools by index and name."""
+
+    gateway: GatewaySpec
+    devices: dict[str, DeviceSpec]
+    pools: tuple[PoolSpec, ...]
+
+    def __post_init__(self) -> None:
+        if not self.pools:
+            raise SpecError("pools: at least one pool is required, got none")
+        for name, device in self.devices.items():
+            if device.name != name:
+                raise SpecError(f"devices.{name}: the DeviceSpec is named {device.name!r}")
+        first_by_name: dict[str, int] = {}
+        for i, pool in enumerate(self.pools):
+            if pool.name in first_by_name:
+                raise SpecError(f"pools[{i}].name: duplicate pool name {pool.name!r} "
+                                f"(also pools[{first_by_name[pool.name]}])")
+            first_by_name[pool.name] = i
+            if not pool.is_upstream and pool.device not in self.devices:
+                raise SpecError(f"pools[{i}].device: unknown device {pool.device!r}; declared devices: "
+                                f"{', '.join(self.devices) or 'none'}")
+        for name in self.devices:
+            self._check_device_pools(name)
+        self._check_routes()
+
+    def _check_device_pools(self, device: str) -> None:
+        members = [(i, p) for i, p in enumerate(self.pools) if not p.is_upstream and p.device == device]
+        if not members:
+            return
+        i0, p0 = members[0]
+        for i, pool in members[1:]:
+            for key in ("model", "block_size"):
+                if getattr(pool, key) != getattr(p0, key):
+                    raise SpecError(
+                        f"pools[{i}].{key}: {getattr(pool, key)!r} differs from pools[{i0}] {p0.name!r} "
+                        f"({getattr(p0, key)!r}) on device {device!r}; pools on one device share one copy of "
+                        f"the weights and one KV tensor: give this pool its own device")
+        total = 0.0
+        for i, pool in members:
+            if pool.kv_share is None:
+                continue
+            total += pool.kv_share
+            if total > 1 + 1e-9:
+                shares = " + ".join(f"{p.name} {p.kv_share}" for _, p in members if p.kv_share is not None)
+                raise SpecError(f"pools[{i}].kv_share: the shares of device {device!r} sum to "
+                                f"{round(total, 6)} > 1 ({shares})")
+
+    def _check_routes(self) -> None:
+        for j, b in enumerate(self.pools):
+            for i, a in enumerate(self.pools[:j]):
+                if a.model_name == b.model_name and a.route.overlaps(b.route):
+                    raise SpecError(
+                        f"pools[{j}].route: {b.route.describe()} overlaps pools[{i}] {a.name!r} route "
+                        f"{a.route.describe()}; both serve model {a.model_name!r} ({b.name!r} and {a.name!r}), "
+                        "so a prompt length must pick exactly one")
+
+    @property
+    def local_pools(self) -> tuple[PoolSpec, ...]:
+        return tuple(p for p in self.pools if not p.is_upstream)
+
+    def pool(self, name: str) -> PoolSpec:
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise KeyError(f"pools: no pool named {name!r}; pools: {', '.join(p.name for p in self.pools)}")
+
+
+# --- YAML -----------------------------------------------------------------------------------------
+
+_TOP_KEYS = ("gateway", "devices", "pools")
+_GATEWAY_KEYS = ("host", "port", "api_keys", "api_keys_env", "max_body_bytes")
+_DEVICE_KEYS = ("device", "memory", "memory_utilization", "dtype", "tensor_parallel_size")
+_ROUTE_KEYS = ("min_prompt_tokens", "max_prompt_tokens")
+_COMMON_POOL_KEYS = ("name", "model", "route", "served_model_name", "max_model_len")
+_LOCAL_POOL_KEYS = ("device", "kv_share", "kv_cache_bytes", "avg_len", "block_size", "max_num_batched_tokens",
+                    "max_num_seqs", "preemption_mode", "victim_policy", "swap_space", "enable_prefix_caching")
+_UPSTREAM_POOL_KEYS = ("upstream", "upstream_api_key_env", "tokenizer")
+_BYTE_KEYS = {"kv_cache_bytes": "kv_cache_bytes", "swap_space": "swap_space_bytes"}
+
+
+@contextmanager
+def _within(prefix: str) -> Iterator[None]:
+    """Errors raised inside get `prefix.` in front of their key path."""
+    try:
+        yield
+    except SpecError as exc:
+        message = str(exc)
+        raise SpecError(f"{prefix}{'' if message.startswith('[') else '.'}{message}") from None
+
+
+def _mapping(key: str, value: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise SpecError(f"{key}: must be a mapping, got {_show(value)}")
+    for name, item in value.items():
+        if name not in allowed:
+            path = f"{key}.{name}" if key else str(name)
+            raise SpecError(f"{path}: unknown key (value {item!r}); allowed keys: {', '.join(allowed)}")
+    return value
+
+
+def _beside(base_dir: Path | None, spec: str) -> str:
+    """A relative model/tokenizer path is looked up beside the YAML file first, then left as written
+    (the working directory, or a hub id for an upstream tokenizer)."""
+    if base_dir is None or spec.startswith("builtin:") or PurePath(spec).is_absolute() or spec.startswith("~"):
+        return spec
+    candidate = base_dir / spec
+    return os.path.normpath(candidate) if candidate.exists() else spec
+
+
+def _parse_gateway(raw: Any, env: Mapping[str, str]) -> GatewaySpec:
+    raw = _mapping("gateway", {} if raw is None else raw, _GATEWAY_KEYS)
+    keys: list[str] = []
+    api_keys = raw.get("api_keys", [])
+    if api_keys is None:
+        api_keys = []
+    if not isinstance(api_keys, list):
+        raise SpecError(f"gateway.api_keys: must be a list of strings, got {_show(api_keys)}")
+    for i, key in enumerate(api_keys):
+        _check_str(f"gateway.api_keys[{i}]", key)
+        keys.append(key.strip())
+    env_name = raw.get("api_keys_env", DEFAULT_API_KEYS_ENV)
+    _check_str("gateway.api_keys_env", env_name, optional=True)
+    if env_name:
+        keys += [k.strip() for k in env.get(env_name, "").split(",") if k.strip()]
+    kwargs: dict[str, Any] = {k: raw[k] for k in ("host", "port") if k in raw}
+    if "max_body_bytes" in raw:
+        kwargs["max_body_bytes"] = parse_bytes(raw["max_body_bytes"], "gateway.max_body_bytes")
+    with _within("gateway"):
+        return GatewaySpec(api_keys=tuple(dict.fromkeys(keys)), api_keys_env=env_name, **kwargs)
+
+
+def _parse_devices(raw: Any) -> dict[str, DeviceSpec]:
+    if raw is None:
+        return {"default": DeviceSpec()}
+    if not isinstance(raw, dict):
+        raise SpecError(f"devices: must be a mapping of device name to settings, got {_show(raw)}")
+    devices = {}
+    for name, body in raw.items():
+        key = f"devices.{name}"
+        if not isinstance(name, str) or not name:
+            raise SpecError(f"devices: device names must be non-empty strings, got {_show(name)}")
+        body = _mapping(key, {} if body is None else body, _DEVICE_KEYS)
+        kwargs = {k: v for k, v in body.items() if k != "memory"}
+        memory = body.get("memory", "auto")
+        if memory not in ("auto", None):
+            kwargs["memory_bytes"] = parse_bytes(memory, f"{key}.memory")
+            if kwargs["memory_bytes"] == 0:
+                raise SpecError(f"{key}.memory: must be > 0 bytes (or auto), got {memory!r}")
+        with _within(key):
+            devices[name] = DeviceSpec(name=name, **kwargs)
+    return devices
+
+
+def _parse_pool(i: int, raw: Any, base_dir: Path | None) -> PoolSpec:
+    key = f"pools[{i}]"
+    all_keys = _COMMON_POOL_KEYS + _UPSTREAM_POOL_KEYS + _LOCAL_POOL_KEYS
+    raw = _mapping(key, raw, all_keys)
+    is_upstream = "upstream" in raw
+    for name, value in raw.items():
+        if is_upstream and name in _LOCAL_POOL_KEYS:
+            raise SpecError(f"{key}.{name}: not allowed on an upstream pool (got {value!r}); an upstream pool "
+                            f"takes only: {', '.join(_COMMON_POOL_KEYS + _UPSTREAM_POOL_KEYS)}")
+        if not is_upstream and name in _UPSTREAM_POOL_KEYS:
+            raise SpecError(f"{key}.{name}: only for upstream pools (got {value!r}); "
+                            "set `upstream: http://host:port/v1` or remove it")
+    for required in ("name", "model"):
+        if raw.get(required) is None:
+            raise SpecError(f"{key}.{required}: required, got nothing")
+    kwargs = {k: v for k, v in raw.items() if k not in _BYTE_KEYS and k != "route"}
+    for yaml_key, field_name in _BYTE_KEYS.items():
+        if yaml_key in raw:
+            kwargs[field_name] = parse_bytes(raw[yaml_key], f"{key}.{yaml_key}")
+    route = _mapping(f"{key}.route", {} if raw.get("route") is None else raw["route"], _ROUTE_KEYS)
+    with _within(f"{key}.route"):
+        kwargs["route"] = RouteSpec(**route)
+    if not is_upstream and isinstance(kwargs.get("model"), str):
+        kwargs["model"] = _beside(base_dir, kwargs["model"])
+    if isinstance(kwargs.get("tokenizer"), str):
+        kwargs["tokenizer"] = _beside(base_dir, kwargs["tokenizer"])
+    with _within(key):
+        return PoolSpec(**kwargs)
+
+
+def parse_config(data: Any, *, env: Mapping[str, str] = os.environ,
+                 base_dir: str | os.PathLike | None = None) -> CliffguardConfig:
+    """The dict of a YAML file -> CliffguardConfig, or SpecError naming the key path and the bad value.
+
+    `env`: where `gateway.api_keys_env` is looked up. `base_dir`: the YAML file's folder; relative model
+    paths are looked up there first.
+    """
+    if data is None:
+        raise SpecError("pools: the configuration is empty; at least one pool is required")
+    if not isinstance(data, dict):
+        raise SpecError(f"(top level): must be a mapping with keys {', '.join(_TOP_KEYS)}, got {_show(data)}")
+    _mapping("", data, _TOP_KEYS)
+    base = Path(base_dir) if base_dir is not None else None
+    pools_raw = data.get("pools")
+    if pools_raw is None:
+        raise SpecError("pools: missing; at least one pool is required")
+    if not isinstance(pools_raw, list):
+        raise SpecError(f"pools: must be a list of pools, got {_show(pools_raw)}")
+    if not pools_raw:
+        raise SpecError("pools: at least one pool is required, got []")
+    gateway = _parse_gateway(data.get("gateway"), env)
+    devices = _parse_devices(data.get("devices"))
+    pools = tuple(_parse_pool(i, raw, base) for i, raw in enumerate(pools_raw))
+    return CliffguardConfig(gateway=gateway, devices=devices, pools=pools)
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping (PyYAML silently keeps the last)."""
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            duplicate = key in seen
+        except TypeError:
+            continue  # unhashable: construct_mapping reports it
+        if duplicate:
+            raise yaml.constructor.ConstructorError(
+                "while reading a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=True)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _load_yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        problem = exc.problem or exc.context or "invalid YAML"
+        if mark is None:
+            raise SpecError(f"{source}: YAML error: {problem}") from None
+        lines = text.splitlines()
+        snippet = lines[mark.line] if mark.line < len(lines) else ""
+        raise SpecError(f"{source}: YAML error at line {mark.line + 1}, column {mark.column + 1}: {problem}\n"
+                        f"    {snippet}\n    {' ' * mark.column}^") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{source}: YAML error: {exc}") from None
+
+
+def _is_path(value: str | os.PathLike) -> bool:
+    if not isinstance(value, str):
+        return True
+    if "\n" in value:
+        return False
+    return value.strip().endswith((".yaml", ".yml", ".json")) or ":" not in value or Path(value).is_file()
+
+
+def load_config(path_or_text: str | os.PathLike, *, env: Mapping[str, str] = os.environ) -> CliffguardConfig:
+    """A YAML file (a path) or YAML text (a string with a newline, or one line holding a `key:`) ->
+    CliffguardConfig. Every problem is a SpecError: the key path and the bad value, the line and column
+    of a YAML syntax error, or the path of a missing file. Errors in a file end with `(in <path>)`."""
+    if _is_path(path_or_text):
+        path = Path(path_or_text).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise SpecError(f"{path}: no such configuration file") from None
+        except OSError as exc:
+            raise SpecError(f"{path}: cannot read the configuration file ({exc.strerror or exc})") from None
+        data = _load_yaml(text, str(path))
+        try:
+            return parse_config(data, env=env, base_dir=path.parent)
+        except SpecError as exc:
+            raise SpecError(f"{exc} (in {path})") from None
+    text = str(path_or_text)
+    return parse_config(_load_yaml(text, "<text>"), env=env)

@@ -1,0 +1,266 @@
+"""The gateway app in-process (aiohttp test client) over a tiny random model on two CPU pools."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.app import Gateway, create_app
+from gateway.metrics import TTFT_BUCKETS
+from pools.spec import load_config
+from tests.gateway.conftest import pools_yaml
+
+
+async def _client(aiohttp_client, text: str, tmp_path):
+    path = tmp_path / "pools.yaml"
+    path.write_text(text)
+    gateway = Gateway.from_config(load_config(path))
+    client = await aiohttp_client(create_app(gateway), server_kwargs={"handler_cancellation": True})
+    for _ in range(600):
+        r = await client.get("/ready")
+        if r.status == 200:
+            return client, gateway
+        await asyncio.sleep(0.1)
+    raise TimeoutError("pools never became ready")
+
+
+def _model(tiny_model) -> str:
+    return tiny_model.name
+
+
+async def _stream_text(resp) -> tuple[str, list[dict]]:
+    text, chunks = "", []
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        chunks.append(chunk)
+        for c in chunk.get("choices", []):
+            text += c.get("text") or c.get("delta", {}).get("content") or ""
+    return text, chunks
+
+
+def _metrics(text: str) -> dict[str, dict[tuple, float]]:
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def _count(gateway: Gateway, pool: str, messages) -> int:
+    runtime = gateway.pools[pool]
+    return len(runtime.counter.encode(runtime.tokenizer.apply_chat_template(messages)))
+
+
+async def test_routing_at_the_threshold_by_exact_count(aiohttp_client, tmp_path, tiny_model):
+    client, gateway = await _client(aiohttp_client, pools_yaml(tiny_model, chat_max=64), tmp_path)
+    base = _count(gateway, "chat", [{"role": "user", "content": ""}])
+    # " a" is one token in this vocabulary: grow the message to exactly 64 and 65 prompt tokens
+    k = 64 - base
+    below = [{"role": "user", "content": " a" * k}]
+    above = [{"role": "user", "content": " a" * (k + 1)}]
+    assert _count(gateway, "chat", below) == 64 and _count(gateway, "chat", above) == 65
+    for messages, pool in ((below, "chat"), (above, "rag")):
+        r = await client.post("/v1/chat/completions", json={"model": _model(tiny_model), "messages": messages,
+                                                             "max_tokens": 4, "temperature": 0})
+        body = await r.json()
+        assert r.status == 200, body
+        assert r.headers["x-cliffguard-pool"] == pool
+        assert body["usage"]["prompt_tokens"] == (64 if pool == "chat" else 65)
+    # completions count the raw text (no template): 64 vs 65 tokens of " a"
+    for n, pool in ((64, "chat"), (65, "rag")):
+        r = await client.post("/v1/completions", json={"model": _model(tiny_model), "prompt": " a" * n,
+                                                       "max_tokens": 2})
+        assert r.status == 200 and r.headers["x-cliffguard-pool"] == pool
+    m = _metrics(await (await client.get("/metrics")).text())
+    assert m["cliffguard_routed_requests_total"][(("pool", "chat"),)] == 2
+    assert m["cliffguard_routed_requests_total"][(("pool", "rag"),)] == 2
+
+
+async def test_streamed_equals_non_streamed_and_usage_and_logprobs(aiohttp_client, tmp_path, tiny_model):
+    client, _ = await _client(aiohttp_client, pools_yaml(tiny_model), tmp_path)
+    body = {"model": _model(tiny_model), "messages": [{"role": "user", "content": "Tell me about cliffs."}],
+            "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    whole = await (await client.post("/v1/chat/completions", json=body)).json()
+    r = await client.post("/v1/chat/completions",
+                          json=dict(body, stream=True, stream_options={"include_usage": True}))
+    assert r.headers["Content-Type"].startswith("text/event-stream")
+    text, chunks = await _stream_text(r)
+    assert text == whole["choices"][0]["message"]["content"] and text
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert whole["usage"]["completion_tokens"] == 24
+
+    lp = await (await client.post("/v1/completions", json={
+        "model": _model(tiny_model), "prompt": ["one", "two"], "max_tokens": 5, "n": 2, "temperature": 1.0,
+        "seed": 3, "logprobs": 2})).json()
+    assert [c["index"] for c in lp["choices"]] == [0, 1, 2, 3]
+    for c in lp["choices"]:
+        assert len(c["logprobs"]["tokens"]) == 5 and len(c["logprobs"]["top_logprobs"][0]) >= 2
+        assert "".join(c["logprobs"]["tokens"]) == c["text"]
+
+
+async def test_bad_requests_get_clear_errors_while_a_stream_keeps_going(aiohttp_client, tmp_path, tiny_model):
+    client, gateway = await _client(
+        aiohttp_client, pools_yaml(tiny_model, api_keys="[k1, k2]", max_body="64KiB"), tmp_path)
+    auth = {"Authorization": "Bearer k2"}
+    model = _model(tiny_model)
+    ok = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+
+    async def long_stream():
+        r = await client.post("/v1/completions", headers=auth, json={
+            "model": model, "prompt": "Once", "max_tokens": 120, "ignore_eos": True, "temperature": 0,
+            "stream": True})
+        return r.status, await _stream_text(r)
+
+    survivor = asyncio.create_task(long_stream())
+    await asyncio.sleep(0.3)
+    chat, comp = "/v1/chat/completions", "/v1/completions"
+    cases = [
+        # (what, path, kwargs, status, text the message must contain)
+        ("no key", chat, dict(json=ok), 401, "API key"),
+        ("wrong key", chat, dict(json=ok, headers={"Authorization": "Bearer nope"}), 401, "invalid API key"),
+        ("malformed JSON", chat, dict(data=b"{not json", headers=auth), 400, "body: invalid JSON"),
+        ("empty body", chat, dict(data=b"", headers=auth), 400, "body"),
+        ("array body", chat, dict(json=[1], headers=auth), 400, "body"),
+        ("unknown model", chat, dict(json=dict(ok, model="gpt-9"), headers=auth), 404, "gpt-9"),
+        ("oversized body", chat, dict(json=dict(ok, messages=[{"role": "user", "content": "x" * 100_000}]),
+                                      headers=auth), 413, "too large"),
+        ("prompt longer than every pool", comp, dict(json={"model": model, "prompt": " a" * 600}, headers=auth),
+         400, "no pool"),
+        ("max_tokens past max_model_len", chat, dict(json=dict(ok, max_tokens=5000), headers=auth), 400,
+         "max_model_len"),
+        ("token id outside the vocabulary", comp, dict(json={"model": model, "prompt": [1, 99999]},
+                                                       headers=auth), 400, "vocabulary"),
+        ("temperature out of range", chat, dict(json=dict(ok, temperature=9), headers=auth), 400, "temperature"),
+        ("n is a string", chat, dict(json=dict(ok, n="2"), headers=auth), 400, "n:"),
+        ("unknown field", chat, dict(json=dict(ok, max_token=3), headers=auth), 400, "max_token"),
+        ("bad role", chat, dict(json=dict(ok, messages=[{"role": "x", "content": "y"}]), headers=auth), 400,
+         "messages[0].role"),
+        ("missing messages", chat, dict(json={"model": model}, headers=auth), 400, "messages"),
+        ("stop of wrong type", chat, dict(json=dict(ok, stop=3), headers=auth), 400, "stop"),
+        ("top_p zero", comp, dict(json={"model": model, "prompt": "x", "top_p": 0}, headers=auth), 400, "top_p"),
+        ("echo", comp, dict(json={"model": model, "prompt": "x", "echo": True}, headers=auth), 400, "echo"),
+        ("negative max_tokens", comp, dict(json={"model": model, "prompt": "x", "max_tokens": -2}, headers=auth),
+         400, "max_tokens"),
+        ("logprobs too large", comp, dict(json={"model": model, "prompt": "x", "logprobs": 99}, headers=auth),
+         400, "logprobs"),
+        ("unknown path", "/v1/embeddings", dict(json=ok, headers=auth), 404, "/v1/embeddings"),
+    ]
+    for what, path, kwargs, status, needle in cases:
+        r = await client.post(path, **kwargs)
+        body = await r.json()
+        assert r.status == status, (what, body)
+        assert needle in body["error"]["message"], (what, body)
+        assert set(body["error"]) == {"message", "type", "param", "code"}, what
+    r = await client.get("/v1/chat/completions", headers=auth)
+    assert r.status == 405 and "error" in await r.json()
+    assert len(cases) + 1 >= 20
+
+    status, (text, chunks) = await survivor
+    assert status == 200 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert (await client.post(chat, json=dict(ok, max_tokens=3), headers=auth)).status == 200
+    stats = await gateway.clients["cpu"].stats()  # runs check_integrity in the worker
+    assert stats["num_requests"] == 0
+    assert all(p["num_free_blocks"] == p["num_blocks"] for p in stats["pools"].values())
+
+
+async def test_client_disconnect_aborts_and_frees_blocks(aiohttp_client, tmp_path, tiny_model):
+    client, gateway = await _client(aiohttp_client, pools_yaml(tiny_model), tmp_path)
+    r = await client.post("/v1/completions", json={
+        "model": _model(tiny_model), "prompt": "Go", "max_tokens": 400, "ignore_eos": True, "stream": True})
+    await r.content.readline()
+    r.close()  # the client goes away mid-stream
+    for _ in range(100):
+        stats = await gateway.clients["cpu"].stats()
+        if stats["num_requests"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert stats["num_requests"] == 0
+    assert all(p["num_free_blocks"] == p["num_blocks"] for p in stats["pools"].values())
+
+
+async def test_a_rag_flood_preempts_only_rag_and_chat_keeps_its_blocks(aiohttp_client, tmp_path, tiny_model):
+    # rag: 64 blocks of 16 = 1024 tokens and max_num_seqs 4; four running 70-token prompts growing to
+    # 370 tokens need 96 blocks: the rag pool must preempt
+    client, gateway = await _client(
+        aiohttp_client, pools_yaml(tiny_model, rag_kv="kv_cache_bytes: 512KiB"), tmp_path)
+    model = _model(tiny_model)
+    rag_plan = gateway.plan.pools["rag"]
+    assert rag_plan.num_blocks == 64
+
+    async def complete(prompt, max_tokens):
+        r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                                       "ignore_eos": True, "temperature": 0})
+        assert r.status == 200, await r.text()
+        return r.headers["x-cliffguard-pool"], await r.json()
+
+    flood = [asyncio.create_task(complete(" b" * 70 + f" {i}", 300)) for i in range(8)]
+    chats = await asyncio.gather(*(complete(f"hello {i}", 30) for i in range(6)))
+    assert {pool for pool, _ in chats} == {"chat"}
+    during = _metrics(await (await client.get("/metrics")).text())
+    results = await asyncio.gather(*flood)
+    assert {pool for pool, _ in results} == {"rag"}
+    assert all(r["usage"]["completion_tokens"] == 300 for _, r in results)
+    after = _metrics(await (await client.get("/metrics")).text())
+    preempt = after["cliffguard_num_preemptions_total"]
+    assert preempt[(("mode", "recompute"), ("pool", "rag"))] > 0
+    assert preempt[(("mode", "recompute"), ("pool", "chat"))] == 0
+    assert during["cliffguard_pool_num_blocks"][(("pool", "chat"),)] == gateway.plan.pools["chat"].num_blocks
+    assert after["cliffguard_kv_cache_usage_perc"][(("pool", "chat"),)] == 0
+
+
+async def test_models_and_metrics_report_what_was_planned_and_allocated(aiohttp_client, tmp_path, tiny_model):
+    client, gateway = await _client(aiohttp_client, pools_yaml(tiny_model), tmp_path)
+    await client.post("/v1/chat/completions", json={"model": _model(tiny_model), "max_tokens": 3,
+                                                    "messages": [{"role": "user", "content": "hi"}]})
+    models = await (await client.get("/v1/models")).json()
+    (entry,) = models["data"]
+    assert entry["id"] == _model(tiny_model)
+    for pool in entry["pools"]:
+        plan = gateway.plan.pools[pool["name"]]
+        assert pool["num_blocks"] == pool["planned_num_blocks"] == plan.num_blocks
+        assert pool["max_num_seqs"] == plan.max_num_seqs
+    r = await client.get("/metrics")
+    assert r.headers["Content-Type"].startswith("text/plain")
+    text = await r.text()
+    m = _metrics(text)
+    for name in ("cliffguard_num_requests_running", "cliffguard_num_requests_waiting",
+                 "cliffguard_num_requests_swapped", "cliffguard_kv_cache_usage_perc",
+                 "cliffguard_prompt_tokens_total", "cliffguard_generation_tokens_total",
+                 "cliffguard_prefix_cache_hits_total", "cliffguard_time_to_first_token_seconds_bucket",
+                 "cliffguard_e2e_request_latency_seconds_count", "cliffguard_request_queue_time_seconds_count",
+                 "cliffguard_tokenizer_seconds_count", "cliffguard_pool_max_num_seqs"):
+        assert name in m, name
+    buckets = sorted(float(dict(k)["le"]) for k in m["cliffguard_time_to_first_token_seconds_bucket"]
+                     if dict(k)["pool"] == "chat")
+    assert buckets[:-1] == list(TTFT_BUCKETS)  # plus +Inf
+    assert m["cliffguard_e2e_request_latency_seconds_count"][(("pool", "chat"),)] == 1
+    assert (await (await client.get("/health")).json())["status"] == "ok"
+
+
+@pytest.mark.parametrize("missing", ["model"])
+async def test_a_pool_that_fails_to_start_answers_503_not_a_hang(aiohttp_client, tmp_path, tiny_model, missing):
+    # A worker that cannot load (weights removed after planning) fails its pool's requests clearly.
+    import shutil
+
+    copy = tmp_path / "broken"
+    shutil.copytree(tiny_model, copy)
+    text = pools_yaml(copy)
+    path = tmp_path / "pools.yaml"
+    path.write_text(text)
+    gateway = Gateway.from_config(load_config(path))
+    for f in copy.glob("*.safetensors*"):
+        f.unlink()
+    client = await aiohttp_client(create_app(gateway))
+    r = await client.post("/v1/chat/completions", json={"model": "broken", "max_tokens": 2,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+    body = await r.json()
+    assert r.status == 503 and "failed to start" in body["error"]["message"]
+    assert (await client.get("/ready")).status == 503
+    assert (await client.get("/health")).status == 200

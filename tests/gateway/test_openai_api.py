@@ -1,0 +1,101 @@
+"""Request parsing: every bad field is refused with a message and `param` that name it."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.openai_api import ApiError, parse_chat, parse_completion
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+
+def test_a_minimal_chat_request_gets_openai_defaults():
+    req = parse_chat(dict(CHAT))
+    assert req.params.temperature == 1.0 and req.params.top_p == 1.0 and req.params.n == 1
+    assert req.params.max_tokens is None  # up to the context, as OpenAI does
+    assert not req.stream and req.top_logprobs is None
+
+
+def test_vllm_extra_fields_reach_the_sampling_params():
+    req = parse_chat(dict(CHAT, top_k=5, min_p=0.1, min_tokens=2, ignore_eos=True, stop_token_ids=[7],
+                          priority=3, seed=11, n=2, stop=["x"], max_completion_tokens=9,
+                          logprobs=True, top_logprobs=3, stream=True, stream_options={"include_usage": True}))
+    p = req.params
+    assert (p.top_k, p.min_p, p.min_tokens, p.ignore_eos, p.stop_token_ids, p.seed, p.n, p.stop, p.max_tokens,
+            p.logprobs) == (5, 0.1, 2, True, (7,), 11, 2, ("x",), 9, 3)
+    assert req.priority == 3 and req.include_usage and req.top_logprobs == 3
+
+
+def test_content_parts_are_joined_and_completion_prompts_take_every_openai_shape():
+    req = parse_chat(dict(CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                        {"type": "text", "text": "b"}]}]))
+    assert req.messages[0]["content"] == "a\nb"
+    assert parse_completion(dict(COMPLETION, prompt=[1, 2, 3])).prompts == [[1, 2, 3]]
+    assert parse_completion(dict(COMPLETION, prompt=["a", [4, 5]])).prompts == ["a", [4, 5]]
+    assert parse_completion(dict(COMPLETION)).params.max_tokens == 16
+
+
+BAD_CHAT = [
+    ("not an object", [1, 2], "body"),
+    ("missing model", {"messages": CHAT["messages"]}, "model"),
+    ("model not a string", dict(CHAT, model=5), "model"),
+    ("missing messages", {"model": "m"}, "messages"),
+    ("empty messages", dict(CHAT, messages=[]), "messages"),
+    ("message not an object", dict(CHAT, messages=["hi"]), "messages[0]"),
+    ("bad role", dict(CHAT, messages=[{"role": "wizard", "content": "x"}]), "messages[0].role"),
+    ("content wrong type", dict(CHAT, messages=[{"role": "user", "content": 5}]), "messages[0].content"),
+    ("image part", dict(CHAT, messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
+     "messages[0].content[0].type"),
+    ("temperature string", dict(CHAT, temperature="hot"), "temperature"),
+    ("temperature out of range", dict(CHAT, temperature=3.5), "temperature"),
+    ("top_p out of range", dict(CHAT, top_p=0), "top_p"),
+    ("n zero", dict(CHAT, n=0), "n"),
+    ("n bool", dict(CHAT, n=True), "n"),
+    ("max_tokens negative", dict(CHAT, max_tokens=-1), "max_tokens"),
+    ("max_tokens float", dict(CHAT, max_tokens=1.5), "max_tokens"),
+    ("stop wrong type", dict(CHAT, stop=5), "stop"),
+    ("top_logprobs without logprobs", dict(CHAT, top_logprobs=2), "top_logprobs"),
+    ("top_logprobs too many", dict(CHAT, logprobs=True, top_logprobs=50), "top_logprobs"),
+    ("stream_options without stream", dict(CHAT, stream_options={"include_usage": True}), "stream_options"),
+    ("stream not bool", dict(CHAT, stream="yes"), "stream"),
+    ("unknown field", dict(CHAT, max_token=5), "max_token"),
+    ("penalty unsupported", dict(CHAT, presence_penalty=0.5), "presence_penalty"),
+    ("logit_bias unsupported", dict(CHAT, logit_bias={"5": 1}), "logit_bias"),
+    ("tools unsupported", dict(CHAT, tools=[{"type": "function"}]), "tools"),
+    ("response_format json", dict(CHAT, response_format={"type": "json_object"}), "response_format"),
+    ("min_tokens over max_tokens", dict(CHAT, min_tokens=5, max_tokens=2), "min_tokens"),
+    ("top_k below -1", dict(CHAT, top_k=-5), "top_k"),
+    ("seed string", dict(CHAT, seed="x"), "seed"),
+    ("priority float", dict(CHAT, priority=1.5), "priority"),
+    ("stop_token_ids negative", dict(CHAT, stop_token_ids=[-3]), "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("case,body,param", BAD_CHAT, ids=[c[0] for c in BAD_CHAT])
+def test_bad_chat_requests_name_the_field(case, body, param):
+    with pytest.raises(ApiError) as info:
+        parse_chat(body)
+    err = info.value
+    assert err.status == 400 and err.param == param
+    assert err.message.startswith(param), err.message
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+BAD_COMPLETION = [
+    ("missing prompt", {"model": "m"}, "prompt"),
+    ("prompt wrong type", dict(COMPLETION, prompt=5), "prompt"),
+    ("prompt list with bad item", dict(COMPLETION, prompt=["a", 5]), "prompt[1]"),
+    ("empty prompt", dict(COMPLETION, prompt=""), "prompt"),
+    ("echo unsupported", dict(COMPLETION, echo=True), "echo"),
+    ("suffix unsupported", dict(COMPLETION, suffix="x"), "suffix"),
+    ("best_of differs from n", dict(COMPLETION, best_of=3), "best_of"),
+    ("logprobs too many", dict(COMPLETION, logprobs=30), "logprobs"),
+]
+
+
+@pytest.mark.parametrize("case,body,param", BAD_COMPLETION, ids=[c[0] for c in BAD_COMPLETION])
+def test_bad_completion_requests_name_the_field(case, body, param):
+    with pytest.raises(ApiError) as info:
+        parse_completion(body)
+    assert info.value.status == 400 and info.value.param == param

@@ -1,0 +1,117 @@
+"""The `openai` SDK against a live `cliffguard serve` (builtin SmolLM2), and an upstream pool in front of it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+
+from gateway.app import Gateway, create_app
+from pools.spec import load_config
+
+MODEL = "smollm2-135m-instruct"
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+@pytest.fixture(scope="module")
+def sdk(live_builtin_server):
+    return openai.OpenAI(base_url=live_builtin_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_sync_chat_streamed_equals_non_streamed(sdk):
+    whole = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0)
+    assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content
+    assert 0 < whole.usage.completion_tokens <= 24
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+
+
+def test_sync_completions_streamed_equals_non_streamed_with_raw_response_header(sdk):
+    raw = sdk.completions.with_raw_response.create(model=MODEL, prompt="The three primary colours are",
+                                                   max_tokens=16, temperature=0)
+    assert raw.headers["x-cliffguard-pool"] == "chat"
+    whole = raw.parse()
+    stream = sdk.completions.create(model=MODEL, prompt="The three primary colours are", max_tokens=16,
+                                    temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == whole.choices[0].text
+    assert whole.usage.completion_tokens == 16 or whole.choices[0].finish_reason == "stop"
+
+
+def test_sdk_sees_errors_as_typed_exceptions(sdk):
+    with pytest.raises(openai.NotFoundError):
+        sdk.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=7)
+    assert "temperature" in str(info.value)
+    models = sdk.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_async_client_concurrent_streams_and_seeded_sampling(live_builtin_server):
+    client = openai.AsyncOpenAI(base_url=live_builtin_server.url + "/v1", api_key="unused", max_retries=0)
+
+    async def streamed(seed):
+        stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
+                                                      temperature=0.8, seed=seed, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def whole(seed):
+        r = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
+                                                 temperature=0.8, seed=seed)
+        return r.choices[0].message.content
+
+    results = await asyncio.gather(*(streamed(s) for s in (1, 2, 3)), *(whole(s) for s in (1, 2, 3)))
+    assert results[:3] == results[3:]  # same seed: same sample, streamed or not, whatever else runs
+    comp = await client.completions.create(model=MODEL, prompt="Hello", max_tokens=5, n=3, temperature=1.0,
+                                           seed=5)
+    assert sorted(c.index for c in comp.choices) == [0, 1, 2]
+    await client.close()
+
+
+async def test_upstream_pool_forwards_to_a_second_server(aiohttp_client, tmp_path, live_builtin_server):
+    path = tmp_path / "front.yaml"
+    path.write_text(f"""
+pools:
+  - name: remote
+    upstream: {live_builtin_server.url}/v1
+    model: {MODEL}
+    served_model_name: front-model
+    tokenizer: builtin:smollm2-135m-instruct
+    route: {{max_prompt_tokens: 100000}}
+""")
+    gateway = Gateway.from_config(load_config(path))
+    assert not gateway.clients  # no device worker for an upstream-only gateway
+    client = await aiohttp_client(create_app(gateway))
+    body = {"model": "front-model", "messages": MESSAGES, "max_tokens": 20, "temperature": 0}
+    r = await client.post("/v1/chat/completions", json=body)
+    whole = await r.json()
+    assert r.status == 200, whole
+    assert r.headers["x-cliffguard-pool"] == "remote" and whole["model"] == "front-model"
+    direct = openai.OpenAI(base_url=live_builtin_server.url + "/v1", api_key="x").chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0)
+    assert whole["choices"][0]["message"]["content"] == direct.choices[0].message.content
+
+    r = await client.post("/v1/chat/completions", json=dict(body, stream=True))
+    text, models = "", set()
+    async for line in r.content:
+        line = line.decode().strip()
+        if line.startswith("data: {"):
+            chunk = json.loads(line[6:])
+            models.add(chunk["model"])
+            text += "".join(c["delta"].get("content") or "" for c in chunk["choices"])
+    assert text == direct.choices[0].message.content and models == {"front-model"}
+
+    r = await client.post("/v1/completions", json={"model": "front-model", "prompt": "Hi", "max_tokens": 3,
+                                                   "temperature": 9})
+    assert r.status == 400 and "temperature" in (await r.json())["error"]["message"]  # parsed here first
+    m = (await (await client.get("/metrics")).text())
+    assert 'cliffguard_routed_requests_total{pool="remote"} 2.0' in m

@@ -1,0 +1,277 @@
+"""pools.capacity: the capacity formula checked against hand arithmetic, its errors, the engine configs
+it yields and the `cliffguard capacity` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine.config import ConfigError, ModelConfig
+from pools.capacity import add_arguments, engine_configs, plan_capacity, run
+from pools.spec import DEFAULT_CPU_MEMORY, SpecError, parse_config
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "config" / "examples" / "llama3-70b-8xh100.yaml"
+LLAMA70B_JSON = REPO / "config" / "examples" / "llama-3-70b" / "config.json"
+GiB = 1 << 30
+
+
+def _llama70b(**overrides) -> ModelConfig:
+    return ModelConfig.from_hf_config({**json.loads(LLAMA70B_JSON.read_text()), **overrides})
+
+
+def _example_data() -> dict:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def _plan_example(data: dict | None = None, model: ModelConfig | None = None, **kwargs):
+    config = parse_config(data or _example_data(), env={}, base_dir=EXAMPLE.parent)
+    model = model or _llama70b()
+    return config, plan_capacity(config, {p.model: model for p in config.local_pools}, **kwargs)
+
+
+def _small_config(**pool_overrides) -> dict:
+    """SmolLM2 on a CPU device with 2 GiB: chat + rag, max_model_len 1024."""
+    chat = {"name": "chat", "model": "builtin:smollm2-135m-instruct", "route": {"max_prompt_tokens": 512},
+            "kv_share": 0.4, "avg_len": 256, "max_model_len": 1024}
+    rag = {"name": "rag", "model": "builtin:smollm2-135m-instruct", "route": {"min_prompt_tokens": 513},
+           "kv_share": 0.6, "avg_len": 900, "max_model_len": 1024}
+    chat.update(pool_overrides)
+    return {"devices": {"default": {"device": "cpu", "memory": "2GiB"}}, "pools": [chat, rag]}
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_llama3_70b_on_8xh100_matches_hand_arithmetic():
+    _, plan = _plan_example()
+    h, i, v, layers, kv = 8192, 28672, 128256, 80, 8 * 128
+    params = 2 * v * h + layers * (h * (h + 2 * kv) + h * h + 3 * h * i + 2 * h) + h   # embed + head untied
+    weights = params * 2                                      # bfloat16
+    s_kv = 2 * 80 * 8 * 128 * 2
+    assert s_kv == 327_680 and s_kv / 2**20 == 0.3125
+    assert weights == 141_107_412_992                         # the seed's "140 GB for 70B FP16"
+    kv_per_gpu = int(0.9 * 80 * GiB) - weights // 8           # weights / TP=8 (exact here)
+    d = plan.devices["h100x8"]
+    assert (d.weights_bytes, d.weights_bytes_per_device, d.kv_bytes_per_token) == (weights, weights // 8, s_kv)
+    assert d.kv_bytes_per_token_per_device == s_kv // 8 == 40_960
+    assert d.kv_cache_bytes_per_device == kv_per_gpu and d.kv_cache_bytes == 8 * kv_per_gpu
+    for name, share, avg_len, expected_seqs in (("chat", 0.4, 1024, 569), ("rag", 0.6, 6144, 142)):
+        p = plan.pools[name]
+        pool_kv = int(share * kv_per_gpu)
+        assert p.kv_cache_bytes_per_device == pool_kv
+        assert p.num_blocks == pool_kv // (40_960 * 16)
+        assert p.max_num_seqs == pool_kv // (40_960 * avg_len) == expected_seqs
+        # the same formula on the whole TP group: (0.9 x 8 x VRAM - weights) x share / (S_KV x avg_len)
+        assert abs(p.max_num_seqs - share * (0.9 * 8 * 80 * GiB - weights) / (s_kv * avg_len)) < 1
+        assert p.max_concurrent_at_max_len == p.num_blocks // 512
+        assert p.fragmentation_bytes == 15 * 40_960 * p.max_num_seqs // 2
+        assert p.fragmentation_fraction == pytest.approx(7.5 / avg_len, rel=0.01)
+    assert plan.warnings == ()
+
+
+def test_vram_override_gives_the_same_plan_as_memory_80gib():
+    data = _example_data()
+    data["devices"]["h100x8"]["memory"] = "auto"
+    data["devices"]["h100x8"]["device"] = "auto"
+    _, by_vram = _plan_example(data, vram_bytes=80 * GiB)     # auto + --vram: planned as CUDA, bfloat16
+    _, by_config = _plan_example()
+    assert by_vram.pools == by_config.pools
+    assert by_vram.devices["h100x8"].memory_source == "--vram"
+    assert (by_vram.devices["h100x8"].device_type, by_vram.devices["h100x8"].dtype) == ("cuda", "bfloat16")
+
+
+def test_memory_auto_on_cuda_asks_the_device():
+    data = _example_data()
+    data["devices"]["h100x8"]["memory"] = "auto"
+    asked = []
+    _, plan = _plan_example(data, cuda_memory=lambda dev: asked.append(dev) or 80 * GiB)
+    assert asked == ["cuda"] and plan.devices["h100x8"].memory_bytes == 80 * GiB
+
+
+def test_without_gqa_s_kv_is_the_seeds_2_5_mb():
+    _, plan = _plan_example(model=_llama70b(num_key_value_heads=64))
+    d = plan.devices["h100x8"]
+    assert d.kv_bytes_per_token == 2 * 80 * 64 * 128 * 2 == 2_621_440 == int(2.5 * 2**20)
+    assert d.kv_bytes_per_token_per_device == 327_680         # the seed's "≈0.3 MB with TP=8"
+
+
+def test_cpu_device_plans_float32_with_default_memory():
+    data = _small_config()
+    data["devices"]["default"] = {"device": "cpu"}
+    config = parse_config(data, env={})
+    model = _llama70b(num_hidden_layers=1, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
+                      num_key_value_heads=8, vocab_size=1000)
+    d = plan_capacity(config, {"builtin:smollm2-135m-instruct": model}).devices["default"]
+    assert (d.device_type, d.dtype, d.memory_bytes, d.memory_source) == ("cpu", "float32", DEFAULT_CPU_MEMORY,
+                                                                         "cpu default")
+    assert d.kv_bytes_per_token == 2 * 1 * 8 * 64 * 4
+
+
+@pytest.mark.parametrize("tp,match", [
+    (1, r"^devices\.h100x8\.memory: 0\.9 x 80\.00 GiB .*131\.42 GiB"),    # the weights do not fit one GPU
+    (3, r"^devices\.h100x8\.tensor_parallel_size: 3 .*64 attention heads"),
+])
+def test_device_errors_name_the_key(tp, match):
+    data = _example_data()
+    data["devices"]["h100x8"]["tensor_parallel_size"] = tp
+    with pytest.raises(SpecError, match=match):
+        _plan_example(data)
+
+
+def test_tp_above_the_kv_heads_replicates_one_per_gpu():
+    data = _example_data()
+    data["devices"]["h100x8"]["tensor_parallel_size"] = 16
+    _, plan = _plan_example(data)
+    assert plan.devices["h100x8"].kv_bytes_per_token_per_device == 2 * 80 * 1 * 128 * 2
+
+
+def test_pool_that_cannot_hold_one_max_length_request():
+    data = _example_data()
+    data["pools"][0]["kv_share"] = 0.001
+    with pytest.raises(SpecError, match=r"^pools\[0\]\.kv_share: 0\.001 .* needs 512"):
+        _plan_example(data)
+    data["pools"][0]["kv_share"] = 0.4
+    data["pools"][1]["kv_share"] = None
+    data["pools"][1]["kv_cache_bytes"] = "100MiB"
+    with pytest.raises(SpecError, match=r"^pools\[1\]\.kv_cache_bytes: 100\.00 MiB .*max_model_len 8192"):
+        _plan_example(data)
+
+
+@pytest.mark.parametrize("index,pool_edit,match", [
+    (0, {"max_model_len": 16384}, r"^pools\[0\]\.max_model_len: 16384 .*8192"),
+    (1, {"route": {"min_prompt_tokens": 4097, "max_prompt_tokens": 8192}},
+     r"^pools\[1\]\.route\.max_prompt_tokens: 8192 .*max_model_len 8192"),
+    (1, {"route": {"min_prompt_tokens": 9000}}, r"^pools\[1\]\.route\.min_prompt_tokens: 9000 .*8192"),
+    (0, {"avg_len": 10**7}, r"^pools\[0\]\.kv_share: 0\.4 gives max_num_seqs = .* = 0"),
+])
+def test_pool_errors_name_the_key(index, pool_edit, match):
+    data = _example_data()
+    data["pools"][index].update(pool_edit)
+    with pytest.raises(SpecError, match=match):
+        _plan_example(data)
+
+
+def test_explicit_budgets_above_the_device():
+    data = _example_data()
+    for pool in data["pools"]:
+        pool.pop("kv_share")
+        pool["kv_cache_bytes"] = "30GiB"
+    with pytest.raises(SpecError, match=r"^pools\[0\]\.kv_cache_bytes: 30\.00 GiB.* 60\.00 GiB .*55\.57 GiB"):
+        _plan_example(data)
+
+
+def test_max_num_seqs_override_above_the_formula_is_reported():
+    data = _example_data()
+    data["pools"][1]["max_num_seqs"] = 1000
+    _, plan = _plan_example(data)
+    rag = plan.pools["rag"]
+    assert (rag.max_num_seqs, rag.formula_max_num_seqs, rag.max_num_seqs_overridden) == (1000, 142, True)
+    assert len(plan.warnings) == 1 and "pools[1].max_num_seqs: 1000" in plan.warnings[0]
+
+
+def test_upstream_pools_are_not_planned():
+    data = _example_data()
+    data["pools"].append({"name": "remote", "upstream": "https://example.com/v1", "model": "other",
+                          "route": {"min_prompt_tokens": 0}})
+    config, plan = _plan_example(data)
+    assert plan.upstream_pools == ("remote",) and list(plan.pools) == ["chat", "rag"]
+
+
+def test_engine_configs_carry_the_planned_numbers(builtin_path):
+    config = parse_config(_small_config(), env={})
+    model = ModelConfig.from_folder(builtin_path)
+    plan = plan_capacity(config, {"builtin:smollm2-135m-instruct": model})
+    engine = engine_configs(config, plan)["default"]
+    assert (engine.model, engine.device, engine.dtype) == ("builtin:smollm2-135m-instruct", "cpu", "float32")
+    assert engine.cache.block_size == 16
+    assert engine.cache.num_blocks == sum(p.num_blocks for p in plan.pools.values())
+    assert engine.pool_block_counts(engine.cache.num_blocks) == [p.num_blocks for p in plan.pools.values()]
+    for pool_config, pool_plan in zip(engine.pools, plan.pools.values(), strict=True):
+        assert pool_config.name == pool_plan.name and pool_config.num_blocks == pool_plan.num_blocks
+        assert pool_config.scheduler.max_num_seqs == pool_plan.max_num_seqs
+        assert pool_config.scheduler.max_model_len == pool_plan.max_model_len == 1024
+        assert pool_config.scheduler.max_num_batched_tokens == 2048
+    # hand arithmetic for SmolLM2 (30 layers, 3 KV heads of 64, float32) on 2 GiB
+    s_kv = 2 * 30 * 3 * 64 * 4
+    kv = int(0.9 * 2 * GiB) - model.num_params() * 4
+    assert plan.pools["chat"].num_blocks == int(0.4 * kv) // (s_kv * 16)
+    assert plan.pools["rag"].max_num_seqs == int(0.6 * kv) // (s_kv * 900)
+
+
+def test_engine_configs_refuse_what_the_engine_cannot_run():
+    config, plan = _plan_example()
+    with pytest.raises(SpecError, match=r"^devices\.h100x8\.tensor_parallel_size: 8"):
+        engine_configs(config, plan)
+    data = _example_data()
+    data["devices"]["h100x8"]["tensor_parallel_size"] = 1
+    data["devices"]["h100x8"]["memory"] = "400GiB"
+    data["pools"][0]["preemption_mode"] = "auto"
+    config, plan = _plan_example(data)
+    with pytest.raises(ConfigError, match="preemption_mode"):   # the engine's SchedulerConfig says so
+        engine_configs(config, plan)
+    data["pools"][0]["preemption_mode"] = "recompute"
+    data["pools"][0]["enable_prefix_caching"] = True
+    config, plan = _plan_example(data)
+    with pytest.raises(SpecError, match=r"^pools\[0\]\.enable_prefix_caching"):
+        engine_configs(config, plan)
+
+
+def test_capacity_command_json(capsys):
+    rc = run(_args("--config", str(EXAMPLE), "--json", "--model-config", str(LLAMA70B_JSON)))
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert [p["name"] for p in out["pools"]] == ["chat", "rag"]
+    assert [p["max_num_seqs"] for p in out["pools"]] == [569, 142]
+    assert out["devices"][0]["kv_bytes_per_token"] == 327_680 and out["devices"][0]["tensor_parallel_size"] == 8
+
+
+def test_capacity_command_resolves_models_and_prints_tables(capsys):
+    rc = run(_args("--config", str(EXAMPLE), "--vram", "80GiB"))   # the model folder beside the YAML
+    out = capsys.readouterr().out
+    assert rc == 0
+    for text in ("S_KV", "327,680 B/token", "max_num_seqs", "569", "142", "max-len concurrent", "fragmentation",
+                 "80.00 GiB per GPU (--vram)"):
+        assert text in out
+
+
+def test_capacity_command_default_config(builtin_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert run(_args("--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [p["route"] for p in out["pools"]] == ["0..4096", "4097.."]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--config", "nope.yaml"], "nope.yaml: no such configuration file"),
+    (["--config", str(EXAMPLE), "--vram", "lots"], "--vram: not a byte size"),
+    (["--config", str(EXAMPLE), "--vram", "1GiB"], "devices.h100x8.memory"),
+    (["--config", str(EXAMPLE), "--model-config", "/nonexistent/config.json"], "--model-config"),
+])
+def test_capacity_command_errors(argv, message, capsys):
+    assert run(_args(*argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_engine_runs_with_exactly_the_planned_numbers(builtin_path):
+    """A real LLMEngine (small explicit budgets so the KV tensor stays small) gets the planned blocks/limits."""
+    from engine import LLMEngine
+
+    data = _small_config(kv_share=None, kv_cache_bytes="48MiB")
+    data["pools"][1].pop("kv_share")
+    data["pools"][1]["kv_cache_bytes"] = "64MiB"
+    config = parse_config(data, env={})
+    plan = plan_capacity(config, {"builtin:smollm2-135m-instruct": ModelConfig.from_folder(builtin_path)})
+    engine = LLMEngine(engine_configs(config, plan)["default"], progress=False)
+    assert engine.num_blocks == sum(p.num_blocks for p in plan.pools.values())
+    for p in plan.pools.values():
+        scheduler = engine.schedulers[p.name]
+        assert scheduler.block_manager.num_blocks == p.num_blocks == (p.kv_cache_bytes // (46_080 * 16))
+        assert (scheduler.config.max_num_seqs, scheduler.max_model_len) == (p.max_num_seqs, p.max_model_len)

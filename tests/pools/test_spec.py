@@ -1,0 +1,253 @@
+"""pools.spec: the YAML schema, its validation errors (key path + bad value), routes and model names."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pools.spec import (DEFAULT_CPU_MEMORY, DeviceSpec, PoolSpec, RouteSpec, SpecError, load_config, parse_bytes,
+                        parse_config)
+
+REPO = Path(__file__).resolve().parents[2]
+
+BASE = {
+    "gateway": {"host": "127.0.0.1", "port": 8000},
+    "devices": {"default": {"device": "auto", "memory": "auto"}},
+    "pools": [
+        {"name": "chat", "model": "builtin:smollm2-135m-instruct",
+         "route": {"min_prompt_tokens": 0, "max_prompt_tokens": 4096}, "kv_share": 0.4, "avg_len": 1024},
+        {"name": "rag", "model": "builtin:smollm2-135m-instruct",
+         "route": {"min_prompt_tokens": 4097}, "kv_share": 0.6, "avg_len": 6144},
+        {"name": "remote", "upstream": "http://10.0.0.2:8000/v1", "model": "meta-llama/Llama-3-8B-Instruct",
+         "route": {"min_prompt_tokens": 0}},
+    ],
+}
+
+
+def _make_yaml(edit=None) -> str:
+    data = copy.deepcopy(BASE)
+    if edit:
+        edit(data)
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def _set(path: str, value):
+    """An edit that sets data[a][b]... (ints index lists) to value."""
+    def edit(data):
+        *parents, last = [int(p) if p.isdigit() else p for p in path.split("/")]
+        for p in parents:
+            data = data[p]
+        data[last] = value
+    return edit
+
+
+def _pop(path: str):
+    def edit(data):
+        *parents, last = [int(p) if p.isdigit() else p for p in path.split("/")]
+        for p in parents:
+            data = data[p]
+        del data[last]
+    return edit
+
+
+def _both(*edits):
+    def edit(data):
+        for e in edits:
+            e(data)
+    return edit
+
+
+BAD = {
+    "syntax error": ("pools:\n  - name: chat\n    kv_share: [0.4\n    model: x\n", ["line", "column"]),
+    "duplicate YAML key": ("pools:\n  - name: chat\n    name: rag\n", ["line 3", "duplicate key 'name'"]),
+    "unknown top-level key": (_set("pool", []), ["pool: unknown key", "allowed keys: gateway, devices, pools"]),
+    "unknown pool key": (_set("pools/0/kv_shar", 0.3), ["pools[0].kv_shar: unknown key", "0.3", "kv_share"]),
+    "unknown device key": (_set("devices/default/vram", "80GiB"), ["devices.default.vram", "80GiB"]),
+    "unknown route key": (_set("pools/0/route/max_tokens", 9), ["pools[0].route.max_tokens", "9"]),
+    "string for int": (_set("pools/0/avg_len", "1024"), ["pools[0].avg_len", "'1024' (str)"]),
+    "bool for int": (_set("pools/0/block_size", True), ["pools[0].block_size", "True (bool)"]),
+    "bool for fraction": (_set("pools/0/kv_share", True), ["pools[0].kv_share", "True (bool)"]),
+    "kv_share out of range": (_set("pools/1/kv_share", 1.5), ["pools[1].kv_share", "(0, 1]", "1.5"]),
+    "kv_share zero": (_set("pools/1/kv_share", 0), ["pools[1].kv_share", "got 0"]),
+    "share sum above 1": (_set("pools/0/kv_share", 0.5), ["pools[1].kv_share", "1.1", "chat 0.5", "rag 0.6"]),
+    "duplicate pool names": (_set("pools/1/name", "chat"), ["pools[1].name", "'chat'", "pools[0]"]),
+    "overlapping routes": (_set("pools/1/route/min_prompt_tokens", 4000),
+                           ["pools[1].route", "4000..", "0..4096", "'chat'", "'rag'", "smollm2-135m-instruct"]),
+    "route min above max": (_set("pools/0/route/min_prompt_tokens", 5000),
+                            ["pools[0].route.min_prompt_tokens", "5000", "4096"]),
+    "negative route min": (_set("pools/0/route/min_prompt_tokens", -1), ["pools[0].route.min_prompt_tokens", "-1"]),
+    "unknown device": (_set("pools/0/device", "gpu9"), ["pools[0].device", "'gpu9'", "default"]),
+    "unknown preemption_mode": (_set("pools/0/preemption_mode", "evict"), ["pools[0].preemption_mode", "'evict'"]),
+    "unknown victim_policy": (_set("pools/0/victim_policy", "random"), ["pools[0].victim_policy", "'random'"]),
+    "swap without swap space": (_set("pools/0/preemption_mode", "swap"), ["pools[0].swap_space", "0"]),
+    "bad byte size": (_set("devices/default/memory", "80 gigs"), ["devices.default.memory", "80 gigs"]),
+    "negative byte size": (_set("pools/0/swap_space", -5), ["pools[0].swap_space", "-5"]),
+    "upstream with kv_share": (_set("pools/2/kv_share", 0.2), ["pools[2].kv_share", "0.2", "upstream"]),
+    "upstream with block_size": (_set("pools/2/block_size", 16), ["pools[2].block_size", "16"]),
+    "local with upstream key": (_set("pools/0/upstream_api_key_env", "KEY"),
+                                ["pools[0].upstream_api_key_env", "'KEY'"]),
+    "bad upstream URL": (_set("pools/2/upstream", "ftp://10.0.0.2/v1"), ["pools[2].upstream", "ftp://10.0.0.2/v1"]),
+    "upstream URL without host": (_set("pools/2/upstream", "http:///v1"), ["pools[2].upstream", "http:///v1"]),
+    "different models on one device": (_set("pools/1/model", "/models/other"),
+                                       ["pools[1].model", "'/models/other'", "'chat'", "device 'default'"]),
+    "different block sizes on one device": (_set("pools/1/block_size", 32), ["pools[1].block_size", "32", "16"]),
+    "block_size not 8/16/32": (_set("pools/0/block_size", 64), ["pools[0].block_size", "64"]),
+    "both kv_share and kv_cache_bytes": (_set("pools/0/kv_cache_bytes", "1GiB"),
+                                         ["pools[0].kv_share", "0.4", "1073741824"]),
+    "neither kv_share nor kv_cache_bytes": (_pop("pools/0/kv_share"), ["pools[0].kv_share", "neither"]),
+    "port out of range": (_set("gateway/port", 70000), ["gateway.port", "70000"]),
+    "memory_utilization zero": (_set("devices/default/memory_utilization", 0),
+                                ["devices.default.memory_utilization", "got 0"]),
+    "tensor_parallel_size zero": (_set("devices/default/tensor_parallel_size", 0),
+                                  ["devices.default.tensor_parallel_size", "0"]),
+    "bad device": (_set("devices/default/device", "tpu"), ["devices.default.device", "'tpu'"]),
+    "bad dtype": (_set("devices/default/dtype", "int8"), ["devices.default.dtype", "'int8'"]),
+    "avg_len zero": (_set("pools/0/avg_len", 0), ["pools[0].avg_len", "got 0"]),
+    "max_num_batched_tokens zero": (_set("pools/0/max_num_batched_tokens", 0),
+                                    ["pools[0].max_num_batched_tokens", "0"]),
+    "empty pool list": (_set("pools", []), ["pools", "[]"]),
+    "pools not a list": (_set("pools", {"name": "chat"}), ["pools", "dict"]),
+    "missing model": (_pop("pools/0/model"), ["pools[0].model", "required"]),
+    "api_keys not a list": (_set("gateway/api_keys", "secret"), ["gateway.api_keys", "'secret'"]),
+    "bad pool name": (_set("pools/0/name", "chat pool"), ["pools[0].name", "'chat pool'"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_yaml_names_key_and_value(case):
+    source, expected = BAD[case]
+    text = source if isinstance(source, str) else _make_yaml(source)
+    with pytest.raises(SpecError) as info:
+        load_config(text, env={})
+    message = str(info.value)
+    for part in expected:
+        assert part in message, f"{part!r} not in {message!r}"
+
+
+def test_error_message_starts_with_the_key_path():
+    with pytest.raises(SpecError, match=r"^pools\[1\]\.kv_share: must be in \(0, 1\], got 1\.5$"):
+        load_config(_make_yaml(_set("pools/1/kv_share", 1.5)), env={})
+
+
+def test_syntax_error_points_at_line_and_column():
+    with pytest.raises(SpecError) as info:
+        load_config("pools:\n  - name: chat\n    kv_share: : 1\n", env={})
+    assert "line 3, column" in str(info.value) and "kv_share: : 1" in str(info.value)
+
+
+def test_default_config_loads():
+    config = load_config(REPO / "config" / "pools.yaml", env={})
+    assert [p.name for p in config.pools] == ["chat", "rag"]
+    chat, rag = config.pools
+    assert chat.model_name == rag.model_name == "smollm2-135m-instruct"
+    assert chat.route == RouteSpec(0, 4096) and rag.route == RouteSpec(4097, None)
+    assert (chat.kv_share, rag.kv_share, chat.avg_len, rag.avg_len) == (0.4, 0.6, 1024, 6144)
+    assert chat.max_model_len == rag.max_model_len == 8192
+    assert config.devices == {"default": DeviceSpec()}
+    assert config.gateway.max_body_bytes == 8 << 20 and config.gateway.api_keys == ()
+
+
+def test_missing_file_names_the_path(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(SpecError, match="nope.yaml: no such configuration file"):
+        load_config(missing)
+
+
+def test_errors_in_a_file_name_the_file(tmp_path):
+    path = tmp_path / "pools.yaml"
+    path.write_text(_make_yaml(_set("gateway/port", 0)))
+    with pytest.raises(SpecError) as info:
+        load_config(path, env={})
+    assert str(info.value).startswith("gateway.port: must be in 1..65535, got 0") and str(path) in str(info.value)
+
+
+def test_api_keys_from_yaml_and_env():
+    text = _make_yaml(_set("gateway/api_keys", ["k1", "k2"]))
+    config = load_config(text, env={"CLIFFGUARD_API_KEYS": " k3, ,k1,k4 "})
+    assert config.gateway.api_keys == ("k1", "k2", "k3", "k4")
+    text = _make_yaml(_set("gateway/api_keys_env", "MY_KEYS"))
+    config = load_config(text, env={"MY_KEYS": "a,b", "CLIFFGUARD_API_KEYS": "ignored"})
+    assert config.gateway.api_keys == ("a", "b")
+
+
+def test_omitted_sections_get_defaults():
+    config = parse_config({"pools": [{"name": "p", "model": "builtin:smollm2-135m-instruct", "kv_share": 1}]},
+                          env={})
+    assert config.devices == {"default": DeviceSpec()}
+    assert config.gateway.port == 8000 and config.pools[0].device == "default"
+
+
+def test_upstream_pool():
+    remote = load_config(_make_yaml(_both(_set("pools/2/tokenizer", "/models/llama3"),
+                                          _set("pools/2/upstream_api_key_env", "REMOTE_KEY"))), env={}).pools[2]
+    assert remote.is_upstream and remote.upstream == "http://10.0.0.2:8000/v1"
+    assert remote.model_name == "meta-llama/Llama-3-8B-Instruct"
+    assert (remote.tokenizer, remote.upstream_api_key_env, remote.kv_share) == ("/models/llama3", "REMOTE_KEY", None)
+
+
+def test_routes_of_different_models_may_overlap_and_gaps_are_allowed():
+    edit = _both(_set("pools/2/route", {"min_prompt_tokens": 0, "max_prompt_tokens": 100}),
+                 _set("pools/1/route/min_prompt_tokens", 5000))
+    config = load_config(_make_yaml(edit), env={})
+    assert config.pools[1].route.describe() == "5000.."
+
+
+def test_served_model_name_separates_routes():
+    edit = _both(_set("pools/1/route/min_prompt_tokens", 0), _set("pools/1/served_model_name", "long"))
+    config = load_config(_make_yaml(edit), env={})
+    assert [p.model_name for p in config.pools] == ["smollm2-135m-instruct", "long", "meta-llama/Llama-3-8B-Instruct"]
+
+
+def test_relative_model_path_is_found_beside_the_yaml():
+    config = load_config(REPO / "config" / "examples" / "llama3-70b-8xh100.yaml", env={})
+    model = Path(config.pools[0].model)
+    assert (model / "config.json").is_file() and model.name == "llama-3-70b"
+    assert config.pools[0].model_name == "meta-llama/Meta-Llama-3-70B-Instruct"
+    assert config.devices["h100x8"].memory_bytes == 80 << 30
+
+
+@pytest.mark.parametrize("value,expected", [
+    (4096, 4096), ("4096", 4096), ("80GiB", 80 << 30), ("512 MiB", 512 << 20), ("1.5GB", 1_500_000_000),
+    ("8MiB", 8 << 20), ("2gib", 2 << 30), ("1 KB", 1000), ("0.5KiB", 512), ("3Gi", 3 << 30), ("0", 0), (2.0, 2),
+])
+def test_parse_bytes(value, expected):
+    assert parse_bytes(value) == expected
+
+
+@pytest.mark.parametrize("value", ["80 gigs", "GiB", "-1GiB", "1e9", True, None, [1], 1.5, -3])
+def test_parse_bytes_rejects(value):
+    with pytest.raises(SpecError, match="^size: "):
+        parse_bytes(value, "size")
+
+
+@pytest.mark.parametrize("model,name", [
+    ("builtin:smollm2-135m-instruct", "smollm2-135m-instruct"),
+    ("/models/Meta-Llama-3-8B-Instruct/", "Meta-Llama-3-8B-Instruct"),
+    ("/models/qwen2-0_5b-instruct-q8_0.gguf", "qwen2-0_5b-instruct-q8_0"),
+    ("models/Mistral.GGUF", "Mistral"),
+])
+def test_model_name_is_derived_from_model(model, name):
+    assert PoolSpec(name="p", model=model, kv_share=0.5).model_name == name
+    assert PoolSpec(name="p", model=model, kv_share=0.5, served_model_name="x").model_name == "x"
+
+
+def test_route_admits():
+    chat, rag = RouteSpec(0, 4096), RouteSpec(4097)
+    assert chat.admits(0, 8192) and chat.admits(4096, 8192) and not chat.admits(4097, 8192)
+    assert not rag.admits(4096, 8192) and rag.admits(4097, 8192) and rag.admits(8191, 8192)
+    assert not rag.admits(8192, 8192)  # no room for a generated token
+    assert not chat.admits(4000, 4000) and chat.admits(3999, 4000)
+    assert rag.admits(10**6) and rag.upper() is None and rag.upper(8192) == 8191
+
+
+def test_dataclasses_validate_on_construction():
+    with pytest.raises(SpecError, match="^kv_share: must be in"):
+        PoolSpec(name="p", model="m", kv_share=2.0)
+    with pytest.raises(SpecError, match="^max_prompt_tokens: must be an integer"):
+        RouteSpec(0, "10")
+    with pytest.raises(SpecError, match="^memory: must be >= 1"):
+        DeviceSpec(memory_bytes=0)
+    assert DeviceSpec().memory_bytes is None and DEFAULT_CPU_MEMORY == 4 << 30
