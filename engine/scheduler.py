@@ -48,6 +48,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0   # tokens whose K/V a recompute preemption threw away
     num_admitted: int = 0
+    num_aborted: int = 0             # sequences finished by abort (client gone, or asked)
 
 
 class Scheduler:
@@ -158,6 +159,8 @@ class Scheduler:
         self.block_manager.free(seq.block_table)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if reason is FinishReason.ABORT:
+            self.stats.num_aborted += 1
 
     def check_integrity(self) -> None:
         """The block manager agrees with the running sequences' tables, and waiting ones hold no blocks

@@ -91,7 +91,8 @@ def engine_stats(engine) -> dict[str, Any]:
                        "kv_cache_usage": bm.usage, "max_num_seqs": s.config.max_num_seqs,
                        "num_preemptions": s.stats.num_preemptions,
                        "num_preemptions_by_mode": {"recompute": s.stats.num_preemptions},
-                       "num_recomputed_tokens": s.stats.num_recomputed_tokens}
+                       "num_recomputed_tokens": s.stats.num_recomputed_tokens,
+                       "num_aborted": s.stats.num_aborted}
     engine.check_integrity()
     return {"num_requests": len(engine.requests), "pools": pools}
 

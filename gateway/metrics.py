@@ -44,6 +44,8 @@ class GatewayMetrics:
         self.preemptions = Counter(p + "num_preemptions", "Preemptions, by mode.", ["pool", "mode"], registry=r)
         self.recomputed = Counter(p + "recomputed_tokens", "Tokens whose K/V a recompute preemption dropped.",
                                   pool, registry=r)
+        self.aborted = Counter(p + "num_aborted_requests", "Sequences aborted (client gone or cancelled).",
+                               pool, registry=r)
         self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                                       pool, registry=r)
         self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
@@ -88,6 +90,7 @@ class GatewayMetrics:
             self.preemptions.labels(pool=name, mode=mode)  # export zeros too
             self._advance(self.preemptions, (name, "preempt:" + mode), by_mode.get(mode, 0), pool=name, mode=mode)
         self._advance(self.recomputed, (name, "recomputed"), stats["num_recomputed_tokens"], pool=name)
+        self._advance(self.aborted, (name, "aborted"), stats.get("num_aborted", 0), pool=name)
         self.prefix_queries.labels(pool=name)
         self.prefix_hits.labels(pool=name)
         self._advance(self.prefix_queries, (name, "pq"), stats.get("prefix_cache_queries", 0), pool=name)

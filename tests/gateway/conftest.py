@@ -96,13 +96,12 @@ class LiveServer:
             self.proc.kill()
 
 
+DEFAULT_CONFIG = REPO / "config" / "pools.yaml"
+
+
 @pytest.fixture(scope="session")
-def live_builtin_server(tmp_path_factory):
-    """The builtin SmolLM2 behind `cliffguard serve` (chat <= 64 tokens, rag above), shared by the session."""
-    folder = tmp_path_factory.mktemp("live")
-    path = folder / "pools.yaml"
-    path.write_text(pools_yaml("builtin:smollm2-135m-instruct").replace("256MiB", "1GiB")
-                    .replace("max_model_len: 512", "max_model_len: 1024"))
-    server = LiveServer(path)
+def live_builtin_server():
+    """`cliffguard serve` on the default config/pools.yaml (what `make serve` starts), shared by the session."""
+    server = LiveServer(DEFAULT_CONFIG)
     yield server
     server.stop()

@@ -181,7 +181,7 @@ async def test_client_disconnect_aborts_and_frees_blocks(aiohttp_client, tmp_pat
         if stats["num_requests"] == 0:
             break
         await asyncio.sleep(0.05)
-    assert stats["num_requests"] == 0
+    assert stats["num_requests"] == 0 and stats["pools"]["chat"]["num_aborted"] == 1
     assert all(p["num_free_blocks"] == p["num_blocks"] for p in stats["pools"].values())
 
 
@@ -264,3 +264,32 @@ async def test_a_pool_that_fails_to_start_answers_503_not_a_hang(aiohttp_client,
     assert r.status == 503 and "failed to start" in body["error"]["message"]
     assert (await client.get("/ready")).status == 503
     assert (await client.get("/health")).status == 200
+
+
+async def test_long_tokenization_leaves_the_event_loop_free(aiohttp_client, tmp_path, tiny_model):
+    client, gateway = await _client(aiohttp_client, pools_yaml(tiny_model, max_body="8MiB"), tmp_path)
+    text = "The quick brown fox jumps over the lazy dog. " * 60_000  # 2.7 MB, ~600k tokens
+    big = asyncio.create_task(client.post("/v1/completions", json={"model": _model(tiny_model), "prompt": text}))
+    answered = 0
+    while not big.done():
+        r = await client.get("/health")  # served while the prompt is counted in a worker thread
+        assert r.status == 200
+        answered += 1
+        await asyncio.sleep(0)
+    r = big.result()
+    assert r.status == 400 and "no pool" in (await r.json())["error"]["message"]
+    assert answered >= 3
+
+
+async def test_non_streaming_client_disconnect_aborts_too(aiohttp_client, tmp_path, tiny_model):
+    client, gateway = await _client(aiohttp_client, pools_yaml(tiny_model), tmp_path)
+    body = {"model": _model(tiny_model), "prompt": "Go", "max_tokens": 480, "ignore_eos": True}
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(client.post("/v1/completions", json=body), timeout=0.5)
+    for _ in range(100):
+        stats = await gateway.clients["cpu"].stats()
+        if stats["num_requests"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert stats["num_requests"] == 0 and stats["pools"]["chat"]["num_aborted"] == 1
+    assert all(p["num_free_blocks"] == p["num_blocks"] for p in stats["pools"].values())

@@ -115,3 +115,30 @@ pools:
     assert r.status == 400 and "temperature" in (await r.json())["error"]["message"]  # parsed here first
     m = (await (await client.get("/metrics")).text())
     assert 'cliffguard_routed_requests_total{pool="remote"} 2.0' in m
+
+
+def test_capacity_plan_of_the_default_file_is_what_the_server_allocated(live_builtin_server):
+    import subprocess
+    import sys
+    import urllib.request
+
+    from tests.gateway.conftest import DEFAULT_CONFIG, REPO
+
+    out = json.loads(subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "capacity", "--config", str(DEFAULT_CONFIG), "--json"],
+        cwd=REPO, capture_output=True, text=True, check=True).stdout)
+    planned = {"pools": {p["name"]: p for p in out["pools"]}}
+    with urllib.request.urlopen(live_builtin_server.url + "/v1/models") as r:
+        (model,) = json.loads(r.read())["data"]
+    served = {p["name"]: p for p in model["pools"]}
+    assert set(served) == {"chat", "rag"}
+    for name, pool in served.items():
+        plan = planned["pools"][name]
+        assert pool["num_blocks"] == plan["num_blocks"], name
+        assert pool["max_num_seqs"] == plan["max_num_seqs"], name
+        assert pool["kv_cache_bytes"] == plan["num_blocks"] * plan["block_size"] * plan["kv_bytes_per_token"]
+    with urllib.request.urlopen(live_builtin_server.url + "/metrics") as r:
+        metrics = r.read().decode()
+    for name, plan in planned["pools"].items():
+        assert f'cliffguard_pool_num_blocks{{pool="{name}"}} {float(plan["num_blocks"])}' in metrics
+        assert f'cliffguard_pool_max_num_seqs{{pool="{name}"}} {float(plan["max_num_seqs"])}' in metrics
