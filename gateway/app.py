@@ -638,7 +638,7 @@ def run(config: CliffguardConfig, *, host: str | None = None, port: int | None =
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         await site.start()
-        announce(site._server.sockets[0].getsockname()[1])
+        announce(runner.addresses[0][1])
         try:
             await asyncio.Event().wait()
         finally:
