@@ -232,6 +232,10 @@ class CacheConfig:
         return self.kv_cache_bytes // (model.kv_bytes_per_token(dtype) * self.block_size)
 
 
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+VICTIM_POLICIES = ("reverse_fifo", "longest_first", "least_progress", "lru", "priority")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one pool's scheduler."""
@@ -240,8 +244,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0        # 0: the model's max_position_embeddings
     enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"
-    victim_policy: str = "reverse_fifo"
+    preemption_mode: str = "recompute"   # recompute | swap | auto (per victim, by measured cost)
+    victim_policy: str = "reverse_fifo"  # see VICTIM_POLICIES
+    swap_space_bytes: int = 0            # CPU block pool for swapped-out blocks (swap and auto)
+    stability_floor_tokens: int = 4      # a sequence that produced fewer tokens since its (re)admission
+                                         # is preempted only when no other victim exists
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -250,12 +258,20 @@ class SchedulerConfig:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
         if self.max_model_len < 0:
             raise ConfigError(f"max_model_len: must be >= 0, got {self.max_model_len}")
-        if self.preemption_mode != "recompute":
-            raise ConfigError(
-                f"preemption_mode: {self.preemption_mode!r} is not supported yet; use 'recompute'")
-        if self.victim_policy != "reverse_fifo":
-            raise ConfigError(
-                f"victim_policy: {self.victim_policy!r} is not supported yet; use 'reverse_fifo'")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"preemption_mode: must be one of {', '.join(PREEMPTION_MODES)}, "
+                              f"got {self.preemption_mode!r}")
+        if self.victim_policy not in VICTIM_POLICIES:
+            raise ConfigError(f"victim_policy: must be one of {', '.join(VICTIM_POLICIES)}, "
+                              f"got {self.victim_policy!r}")
+        if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
+            raise ConfigError(f"swap_space_bytes: must be an integer >= 0, got {self.swap_space_bytes!r}")
+        if self.preemption_mode in ("swap", "auto") and self.swap_space_bytes <= 0:
+            raise ConfigError(f"swap_space_bytes: preemption_mode {self.preemption_mode!r} needs a CPU swap "
+                              "space > 0")
+        if not isinstance(self.stability_floor_tokens, int) or self.stability_floor_tokens < 0:
+            raise ConfigError(f"stability_floor_tokens: must be an integer >= 0, "
+                              f"got {self.stability_floor_tokens!r}")
         if (not self.enable_chunked_prefill and self.max_model_len
                 and self.max_num_batched_tokens < self.max_model_len):
             raise ConfigError(

@@ -37,3 +37,79 @@ class KVCache:
     @property
     def bytes_per_block(self) -> int:
         return self.num_bytes // self.num_blocks
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block `dst` gets the K/V of block `src` (every layer)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.data.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.data.device)
+        self.data.index_copy_(2, dst, self.data.index_select(2, src))
+
+
+class SwapSpace:
+    """A pool's CPU block pool for swapped-out K/V: the same layout as the device's KVCache.
+
+    data: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] in CPU memory (pinned when the
+    device is CUDA, so copies run at full PCIe bandwidth). Block ids come from the pool's CPU
+    `BlockManager`; this class only moves bytes.
+    """
+
+    def __init__(self, kv_cache: KVCache, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
+        shape = list(kv_cache.data.shape)
+        shape[2] = num_blocks
+        pin = kv_cache.data.device.type == "cuda"
+        self.num_blocks = num_blocks
+        self.kv_cache = kv_cache
+        self.data = torch.zeros(shape, dtype=kv_cache.dtype, device="cpu", pin_memory=pin)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, CPU block) pairs: device -> CPU."""
+        if not pairs:
+            return
+        dev = torch.tensor([d for d, _ in pairs], device=self.kv_cache.data.device)
+        cpu = torch.tensor([c for _, c in pairs])
+        self.data.index_copy_(2, cpu, self.kv_cache.data.index_select(2, dev).to("cpu"))
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(CPU block, device block) pairs: CPU -> device."""
+        if not pairs:
+            return
+        device = self.kv_cache.data.device
+        cpu = torch.tensor([c for c, _ in pairs])
+        dev = torch.tensor([d for _, d in pairs], device=device)
+        blocks = self.data.index_select(2, cpu)
+        if device.type == "cuda":
+            blocks = blocks.pin_memory().to(device, non_blocking=True)
+        self.kv_cache.data.index_copy_(2, dev, blocks.to(device))
+
+    def measure_bandwidth(self, num_blocks: int = 32, repeats: int = 3) -> float:
+        """Bytes per second of one direction of a swap, measured on real copies of this pool's blocks
+        (device -> CPU and back, averaged; block 0.. of both sides, whose contents are rewritten after)."""
+        import time
+
+        n = min(num_blocks, self.num_blocks, self.kv_cache.num_blocks)
+        pairs = [(i, i) for i in range(n)]
+        saved = self.kv_cache.data[:, :, :n].clone()
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(self.kv_cache.data.device)
+            t = time.perf_counter()
+            self.swap_out(pairs)
+            self.swap_in(pairs)
+            _sync(self.kv_cache.data.device)
+            best = min(best, time.perf_counter() - t)
+        self.kv_cache.data[:, :, :n] = saved
+        self.data.zero_()
+        return 2 * n * self.kv_cache.bytes_per_block / best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

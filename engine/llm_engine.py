@@ -17,12 +17,12 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, SwapSpace
 from engine.model import build_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
-from engine.scheduler import RequestTooLargeError, Scheduler
+from engine.scheduler import PreemptionCostModel, RequestTooLargeError, Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import iter_weights, resolve_model, weights_bytes
@@ -52,6 +52,7 @@ class _Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    pending_forks: list[Sequence] = field(default_factory=list)   # n > 1: samples 1.. until the prefill ends
 
 
 class LLMEngine:
@@ -80,15 +81,30 @@ class LLMEngine:
                                 self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, get_backend(self.device))
         self.schedulers: dict[str, Scheduler] = {}
+        self.swap_spaces: dict[str, SwapSpace] = {}
         first = 0
+        kv_bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype)
         for pool, count in zip(config.pools, config.pool_block_counts(self.num_blocks)):
-            max_model_len = pool.scheduler.max_model_len or self.model_config.max_position_embeddings
+            sc = pool.scheduler
+            max_model_len = sc.max_model_len or self.model_config.max_position_embeddings
             if max_model_len > self.model_config.max_position_embeddings:
                 raise ConfigError(
                     f"pools.{pool.name}.max_model_len: {max_model_len} exceeds the model's "
                     f"max_position_embeddings {self.model_config.max_position_embeddings}")
-            bm = BlockManager(count, config.cache.block_size, first_block=first)
-            self.schedulers[pool.name] = Scheduler(pool.scheduler, bm, max_model_len, name=pool.name)
+            bm = BlockManager(count, config.cache.block_size, first_block=first,
+                              enable_prefix_caching=sc.enable_prefix_caching)
+            swap_manager = cost_model = None
+            if sc.preemption_mode in ("swap", "auto"):
+                num_cpu_blocks = sc.swap_space_bytes // self.kv_cache.bytes_per_block
+                if num_cpu_blocks <= 0:
+                    raise ConfigError(f"pools.{pool.name}.swap_space_bytes: {sc.swap_space_bytes} bytes hold no "
+                                      f"block of {self.kv_cache.bytes_per_block} bytes")
+                swap_manager = BlockManager(num_cpu_blocks, config.cache.block_size)
+                self.swap_spaces[pool.name] = SwapSpace(self.kv_cache, num_cpu_blocks)
+                cost_model = PreemptionCostModel(
+                    kv_bytes_per_token, swap_bytes_per_second=self.swap_spaces[pool.name].measure_bandwidth())
+            self.schedulers[pool.name] = Scheduler(sc, bm, max_model_len, name=pool.name,
+                                                   swap_manager=swap_manager, cost_model=cost_model)
             first += count
         self.default_pool = config.pools[0].name
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
@@ -174,8 +190,10 @@ class LLMEngine:
         request.detokenizers = [
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens) for _ in seqs]
         self.requests[request_id] = request
-        for seq in seqs:
-            scheduler.add(seq)
+        # n > 1: the first sample prefills the prompt; the others fork its blocks when it is done.
+        seqs[0].num_pending_forks = len(seqs) - 1
+        request.pending_forks = seqs[1:]
+        scheduler.add(seqs[0])
 
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -196,8 +214,11 @@ class LLMEngine:
         if request is None:
             return None
         for seq in request.seqs:
-            if not seq.is_finished:
+            if seq in request.pending_forks:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+            elif not seq.is_finished:
                 self.schedulers[seq.pool].finish(seq, FinishReason.ABORT)
+        request.pending_forks.clear()
         out = self._request_output(request, request.seqs)
         del self.requests[request_id]
         return out
@@ -210,13 +231,16 @@ class LLMEngine:
         """Schedule every pool, run one merged forward pass, sample, and report what changed."""
         started = time.perf_counter()
         batch, stats = [], StepStats()
-        for scheduler in self.schedulers.values():
+        ended: list[Sequence] = []
+        for name, scheduler in self.schedulers.items():
             out = scheduler.schedule()
             batch.extend(out.scheduled)
             stats.num_preempted += len(out.preempted)
+            ended.extend(out.finished)
+            self._move_blocks(name, scheduler, out)
         if not batch:
             self.last_step = stats
-            return []
+            return self._ended_outputs(ended)
         for item in batch:
             if item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens and \
                     item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens:
@@ -229,10 +253,18 @@ class LLMEngine:
             request = self.requests[item.seq.request_id]
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = scheduled_at
+        forward_started = time.perf_counter()
         logits, sampled = self.runner.execute(batch)
+        self._observe_prefill(stats, time.perf_counter() - forward_started)
         for item in batch:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.schedulers[seq.pool].block_manager.register_computed(
+                seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        logits, sampled = self._fork_samples(logits, sampled)
         touched: dict[str, list[Sequence]] = {}
+        for seq in ended:
+            touched.setdefault(seq.request_id, []).append(seq)
         if sampled:
             rows = [SamplingRow(s.params, s.generator, s.num_output_tokens, self.eos_token_ids) for s in sampled]
             result = self.sampler(logits, rows)
@@ -244,18 +276,70 @@ class LLMEngine:
                     request.first_token_time = now
                 touched.setdefault(seq.request_id, []).append(seq)
 
-        outputs = []
-        for request_id, seqs in touched.items():
-            request = self.requests[request_id]
-            if all(s.is_finished for s in request.seqs):
-                # The last report of a request carries every sample, the untouched ones with empty deltas.
-                outputs.append(self._request_output(request, request.seqs))
-                del self.requests[request_id]
-            else:
-                outputs.append(self._request_output(request, seqs))
+        # The last report of a request carries every sample, the untouched ones with empty deltas.
+        outputs = [self._finish_or_report(self.requests[rid], seqs) for rid, seqs in touched.items()]
         stats.seconds = time.perf_counter() - started
         self.last_step = stats
         return outputs
+
+    def _move_blocks(self, pool: str, scheduler: Scheduler, out: SchedulerOutput) -> None:
+        """Do the copies the scheduler asked for, before the forward pass reuses any freed block."""
+        if not (out.swap_out or out.swap_in or out.copies):
+            return
+        started = time.perf_counter()
+        swap = self.swap_spaces.get(pool)
+        if out.swap_out:
+            swap.swap_out(out.swap_out)
+        if out.swap_in:
+            swap.swap_in(out.swap_in)
+        self.kv_cache.copy_blocks(out.copies)
+        if out.swap_out or out.swap_in:
+            scheduler.stats.preempt_seconds += time.perf_counter() - started
+
+    def _observe_prefill(self, stats: StepStats, seconds: float) -> None:
+        """Feed prefill-dominated steps to the auto mode's re-prefill estimate."""
+        total = stats.num_prefill_tokens + stats.num_decode_tokens
+        if stats.num_prefill_tokens and stats.num_prefill_tokens * 2 >= total:
+            for scheduler in self.schedulers.values():
+                if scheduler.cost_model is not None:
+                    scheduler.cost_model.observe_prefill(total, seconds)
+
+    def _fork_samples(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """n > 1: a first sample that finished its prefill shares its blocks with its siblings, which then
+        sample their first token from the same logits row (each with its own generator)."""
+        extra_rows: list[int] = []
+        extra: list[Sequence] = []
+        for row, seq in enumerate(list(sampled)):
+            if not seq.num_pending_forks:
+                continue
+            request = self.requests[seq.request_id]
+            scheduler = self.schedulers[seq.pool]
+            for child in request.pending_forks:
+                child.block_table = scheduler.block_manager.fork(seq.block_table)
+                child.num_computed_tokens = seq.num_computed_tokens
+                scheduler.add_forked(child)
+                extra_rows.append(row)
+                extra.append(child)
+            request.pending_forks = []
+            seq.num_pending_forks = 0
+        if not extra:
+            return logits, sampled
+        rows = torch.tensor(extra_rows, device=logits.device)
+        return torch.cat([logits, logits.index_select(0, rows)]), sampled + extra
+
+    def _ended_outputs(self, ended: list[Sequence]) -> list[RequestOutput]:
+        outputs = []
+        for request_id in dict.fromkeys(s.request_id for s in ended):
+            request = self.requests[request_id]
+            outputs.append(self._finish_or_report(request, [s for s in ended if s.request_id == request_id]))
+        return outputs
+
+    def _finish_or_report(self, request: _Request, seqs: list[Sequence]) -> RequestOutput:
+        if all(s.is_finished for s in request.seqs) and not request.pending_forks:
+            out = self._request_output(request, request.seqs)
+            del self.requests[request.request_id]
+            return out
+        return self._request_output(request, seqs)
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None,
                       top: list[tuple[int, float]] | None) -> None:
@@ -330,7 +414,9 @@ class LLMEngine:
             metrics["queue_time"] = request.first_scheduled_time - request.arrival_time
         if request.first_token_time is not None:
             metrics["time_to_first_token"] = request.first_token_time - request.arrival_time
-        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished, metrics=metrics)
+        error = next((s.error for s in request.seqs if s.error), None)
+        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished, error=error,
+                             metrics=metrics)
 
     # --- offline use -----------------------------------------------------------------------------
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None

@@ -1,20 +1,34 @@
-"""One pool's scheduler: continuous batching with chunked prefill, FCFS or priority order, and
-preemption by recompute (most recently admitted first) when the pool runs out of blocks.
+"""One pool's scheduler: continuous batching with chunked prefill, FCFS or priority order, prefix
+caching, and preemption by recompute or swap when the pool runs out of blocks.
 
 Each `schedule()` fills a token budget of `max_num_batched_tokens`: first the running sequences (a
-decode token each, or the next chunk of an unfinished prefill), then waiting sequences in order while
-`max_num_seqs`, the budget and the free blocks allow. Prefill chunks and decode tokens share the step.
-Finished sequences leave and waiting ones join at every step (iteration-level scheduling).
+decode token each, or the next chunk of an unfinished prefill), then swapped-out sequences (they
+resume before new arrivals), then waiting sequences in order while `max_num_seqs`, the budget and the
+free blocks allow. Prefill chunks and decode tokens share the step. Finished sequences leave and
+waiting ones join at every step (iteration-level scheduling).
 
-Seams for what comes next: `_pick_victim` (victim policies) and `_preempt` (swap as well as recompute).
+When a running sequence needs a block and none is free, a victim is chosen by the pool's victim
+policy, never one that produced fewer than `stability_floor_tokens` since its (re)admission while
+another candidate exists, and preempted:
+- `recompute`: its blocks are dropped (full ones stay in the prefix cache); it re-prefills later;
+- `swap`: its computed blocks are copied to the pool's CPU block pool and back on resume; when the
+  CPU pool is full, recompute;
+- `auto`: per victim, the cheaper of the measured swap round trip `2 x L x S_KV / B_swap` and the
+  measured re-prefill time `T_prefill(L)` (`PreemptionCostModel`).
+A step that preempted admits nothing. A sequence alone in its pool that still cannot grow is finished
+with a `length` result and an error message, never spun forever.
+
+The scheduler only decides; the block copies it asks for (swap out, swap in, copy-on-write) travel in
+`SchedulerOutput` and the engine performs them before the step's forward pass.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, NoFreeBlocksError
 from engine.config import SchedulerConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -33,6 +47,10 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, CPU block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (CPU block, device block)
+    copies: list[tuple[int, int]] = field(default_factory=list)     # copy-on-write (src, dst) device blocks
+    finished: list[Sequence] = field(default_factory=list)          # ended by the scheduler (pool too small)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -46,26 +64,80 @@ class SchedulerOutput:
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0
+    num_recompute_preemptions: int = 0
+    num_swap_preemptions: int = 0
     num_recomputed_tokens: int = 0   # tokens whose K/V a recompute preemption threw away
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    preempt_seconds: float = 0.0     # scheduling time spent preempting (the engine adds copy time)
     num_admitted: int = 0
     num_aborted: int = 0             # sequences finished by abort (client gone, or asked)
+    num_too_large: int = 0           # sequences ended because the pool could not hold them
+
+
+@dataclass
+class PreemptionCostModel:
+    """What `auto` compares per victim: swap round trip vs re-prefill, both from measurements.
+
+    `swap_bytes_per_second` is measured by the engine at start-up (device <-> CPU copies);
+    `prefill_seconds_per_token` is a running estimate from real prefill-heavy steps.
+    """
+
+    kv_bytes_per_token: int
+    swap_bytes_per_second: float | None = None
+    prefill_seconds_per_token: float | None = None
+    smoothing: float = 0.2
+
+    def swap_seconds(self, num_tokens: int) -> float | None:
+        if not self.swap_bytes_per_second:
+            return None
+        return 2 * num_tokens * self.kv_bytes_per_token / self.swap_bytes_per_second
+
+    def recompute_seconds(self, num_tokens: int) -> float | None:
+        if self.prefill_seconds_per_token is None:
+            return None
+        return num_tokens * self.prefill_seconds_per_token
+
+    def choose(self, num_tokens: int) -> str:
+        """'swap' or 'recompute' for a victim holding `num_tokens` computed tokens."""
+        swap, recompute = self.swap_seconds(num_tokens), self.recompute_seconds(num_tokens)
+        if swap is None or recompute is None:
+            return "recompute"  # nothing measured yet: the shared-nothing choice
+        return "swap" if swap < recompute else "recompute"
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        sample = seconds / num_tokens
+        if self.prefill_seconds_per_token is None:
+            self.prefill_seconds_per_token = sample
+        else:
+            a = self.smoothing
+            self.prefill_seconds_per_token = (1 - a) * self.prefill_seconds_per_token + a * sample
 
 
 class Scheduler:
-    """Owns one pool's waiting and running sequences and decides each step's batch.
+    """Owns one pool's waiting, running and swapped sequences and decides each step's batch.
 
     Single-threaded: called only from the device worker's engine loop.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 name: str = "default") -> None:
+                 name: str = "default", swap_manager: BlockManager | None = None,
+                 cost_model: PreemptionCostModel | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.swap_manager = swap_manager    # CPU block ids (swap and auto modes)
+        self.cost_model = cost_model
         self.max_model_len = max_model_len
         self.name = name
         self.waiting: list[Sequence] = []   # sorted by Sequence.sort_key
         self.running: list[Sequence] = []   # in admission order
+        self.swapped: list[Sequence] = []   # in swap-out order; resumed first-out first-in
         self.stats = SchedulerStats()
+        self._step = 0
+        if config.preemption_mode in ("swap", "auto") and swap_manager is None:
+            raise ValueError(f"pool {name!r}: preemption_mode {config.preemption_mode!r} needs a swap_manager")
 
     # --- admission ---------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -90,64 +162,193 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
 
+    def add_forked(self, seq: Sequence) -> None:
+        """A sample forked from a running sibling: it shares the sibling's blocks and runs at once."""
+        seq.status = SequenceStatus.RUNNING
+        seq.admitted_at_output = seq.num_output_tokens
+        seq.last_scheduled_step = self._step
+        self.running.append(seq)
+
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     # --- the step ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._step += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        # The sequences scheduled so far are always a prefix of `running` (victims leave from anywhere,
+        # the order of the rest is kept), so the next one to schedule is running[len(scheduled)].
+        while len(out.scheduled) < len(self.running) and budget > 0:
+            seq = self.running[len(out.scheduled)]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while not bm.can_allocate(seq.block_table, seq.num_computed_tokens + num_new):
-                victim = self._pick_victim()
-                self._preempt(victim)
-                out.preempted.append(victim)
+            while self._blocks_needed(seq, num_new) > bm.num_free_blocks:
+                if self.running == [seq]:
+                    self._finish_too_large(seq, out)
+                    break
+                victim = self._pick_victim(seq)
+                budget += self._preempt(victim, out)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
-                break  # it preempted itself: everything after it is gone too
-            bm.allocate(seq.block_table, seq.num_computed_tokens + num_new)
+                continue
+            self._grow(seq, num_new, out)
             out.scheduled.append(ScheduledSeq(seq, num_new))
+            seq.last_scheduled_step = self._step
             budget -= num_new
-            i += 1
 
         # No admissions in a step that had to preempt: the pool is full.
-        while (not out.preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
+        if out.preempted:
+            return out
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill:
+            if not bm.can_allocate([], seq.num_computed_tokens + num_new):
                 break
-            if not bm.can_allocate(seq.block_table, seq.num_computed_tokens + num_new):
+            self.swapped.pop(0)
+            self._swap_in(seq, num_new, out)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        if self.swapped:
+            return out  # swapped sequences resume before new arrivals
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if len(self.running) + 1 + seq.num_pending_forks > self.config.max_num_seqs:
+                break
+            if seq.num_computed_tokens == 0 and not seq.block_table:
+                seq.num_computed_tokens = bm.acquire_cached(seq.block_table, seq.token_ids)
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            if (num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill) or \
+                    not bm.can_allocate(seq.block_table, seq.num_computed_tokens + num_new):
+                bm.free(seq.block_table)  # give back the cached prefix; the next try finds it again
+                seq.num_computed_tokens = 0
+                if not self.running and bm.num_free_blocks == bm.num_blocks and \
+                        bm.num_blocks_for(seq.num_tokens) > bm.num_blocks:
+                    self.waiting.pop(0)  # alone in an empty pool and still too large: it never will fit
+                    self._finish_too_large(seq, out)
+                    continue
                 break  # strict order: later arrivals do not overtake the head of the queue
             self.waiting.pop(0)
             bm.allocate(seq.block_table, seq.num_computed_tokens + num_new)
             seq.status = SequenceStatus.RUNNING
+            seq.admitted_at_output = seq.num_output_tokens
+            seq.last_scheduled_step = self._step
             self.running.append(seq)
             self.stats.num_admitted += 1
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return out
 
-    def _pick_victim(self) -> Sequence:
-        """reverse_fifo: the most recently admitted running sequence."""
-        return self.running[-1]
+    def _write_block_shared(self, seq: Sequence) -> bool:
+        """Whether the block the next token goes into is shared (a fork's prompt tail): copy on write."""
+        index = seq.num_computed_tokens // self.block_manager.block_size
+        return index < len(seq.block_table) and self.block_manager.ref_count(seq.block_table[index]) > 1
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute: drop the blocks; the sequence re-prefills prompt + output when readmitted."""
+    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
+        bm = self.block_manager
+        return bm.num_new_blocks(seq.block_table, seq.num_computed_tokens + num_new) + \
+            (1 if self._write_block_shared(seq) else 0)
+
+    def _grow(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        if self._write_block_shared(seq):
+            copy = bm.copy_on_write(seq.block_table, seq.num_computed_tokens // bm.block_size)
+            if copy is not None:
+                out.copies.append(copy)
+        bm.allocate(seq.block_table, seq.num_computed_tokens + num_new)
+
+    # --- preemption --------------------------------------------------------------------------
+    def _pick_victim(self, needy: Sequence) -> Sequence:
+        """The running sequence to preempt so that `needy` can grow, by the pool's victim policy.
+
+        Sequences under the stability floor are spared while another candidate exists.
+        """
+        floor = self.config.stability_floor_tokens
+        candidates = [s for s in self.running if s.num_output_tokens - s.admitted_at_output >= floor]
+        if not candidates:
+            candidates = self.running
+        order = {id(s): i for i, s in enumerate(self.running)}   # admission order
+        policy = self.config.victim_policy
+        if policy == "reverse_fifo":
+            return max(candidates, key=lambda s: order[id(s)])
+        if policy == "longest_first":   # frees the most blocks
+            return max(candidates, key=lambda s: (s.num_computed_tokens, order[id(s)]))
+        if policy == "least_progress":  # loses the least generated work
+            return min(candidates, key=lambda s: (s.num_output_tokens, -order[id(s)]))
+        if policy == "lru":             # scheduled longest ago (left out by the token budget)
+            return min(candidates, key=lambda s: (s.last_scheduled_step, -order[id(s)]))
+        if policy == "priority":        # largest priority value = least urgent, then reverse FIFO
+            return max(candidates, key=lambda s: (s.priority, order[id(s)]))
+        raise AssertionError(f"unknown victim policy {policy!r}")
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Preempt `seq`; returns the token budget given back if it was already scheduled this step."""
+        started = time.perf_counter()
+        given_back = 0
+        for k, item in enumerate(out.scheduled):
+            if item.seq is seq:
+                given_back = item.num_new_tokens
+                del out.scheduled[k]
+                break
         self.running.remove(seq)
         self.stats.num_preemptions += 1
-        self.stats.num_recomputed_tokens += seq.num_computed_tokens
         seq.num_preemptions += 1
-        self.block_manager.free(seq.block_table)
-        seq.num_computed_tokens = 0
-        self.add(seq)
+        out.preempted.append(seq)
+        mode = self.config.preemption_mode
+        if mode == "auto":
+            mode = self.cost_model.choose(seq.num_computed_tokens) if self.cost_model else "recompute"
+        if mode == "swap" and self._swap_out(seq, out):
+            self.stats.num_swap_preemptions += 1
+        else:
+            self.stats.num_recompute_preemptions += 1
+            self.stats.num_recomputed_tokens += seq.num_computed_tokens
+            self.block_manager.free(seq.block_table)
+            seq.num_computed_tokens = 0
+            self.add(seq)
+        self.stats.preempt_seconds += time.perf_counter() - started
+        return given_back
+
+    def _swap_out(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Copy the computed blocks to CPU and free the device blocks; False if the CPU pool is full."""
+        bm, cpu = self.block_manager, self.swap_manager
+        num_blocks = bm.num_blocks_for(seq.num_computed_tokens)
+        cpu_table: list[int] = []
+        try:
+            cpu.allocate(cpu_table, seq.num_computed_tokens)
+        except NoFreeBlocksError:
+            return False
+        out.swap_out.extend(zip(seq.block_table[:num_blocks], cpu_table))
+        self.stats.num_swapped_out_blocks += num_blocks
+        bm.free(seq.block_table)
+        seq.cpu_block_table = cpu_table
+        seq.status = SequenceStatus.SWAPPED
+        self.swapped.append(seq)
+        return True
+
+    def _swap_in(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        bm.allocate(seq.block_table, seq.num_computed_tokens + num_new)
+        out.swap_in.extend(zip(seq.cpu_block_table, seq.block_table))
+        self.stats.num_swapped_in_blocks += len(seq.cpu_block_table)
+        self.swap_manager.free(seq.cpu_block_table)
+        seq.status = SequenceStatus.RUNNING
+        seq.admitted_at_output = seq.num_output_tokens
+        seq.last_scheduled_step = self._step
+        self.running.append(seq)
+
+    def _finish_too_large(self, seq: Sequence, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        if seq.status is SequenceStatus.WAITING and seq not in self.waiting:
+            seq.status = SequenceStatus.FINISHED  # already taken off the queue
+        seq.error = (f"pool {self.name!r} cannot hold this sequence: it needs "
+                     f"{bm.num_blocks_for(seq.num_tokens)} blocks of {bm.block_size} tokens, the pool has "
+                     f"{bm.num_blocks}")
+        self.stats.num_too_large += 1
+        self.finish(seq, FinishReason.LENGTH)
+        out.finished.append(seq)
 
     # --- leaving -----------------------------------------------------------------------------
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -156,6 +357,9 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.swap_manager.free(seq.cpu_block_table)
         self.block_manager.free(seq.block_table)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -163,9 +367,14 @@ class Scheduler:
             self.stats.num_aborted += 1
 
     def check_integrity(self) -> None:
-        """The block manager agrees with the running sequences' tables, and waiting ones hold no blocks
-        (admission allocates, preemption frees everything)."""
+        """The block managers agree with the live sequences' tables: waiting ones hold no blocks,
+        swapped ones hold only CPU blocks (admission allocates, preemption frees everything)."""
         for seq in self.waiting:
             if seq.block_table:
                 raise AssertionError(f"waiting sequence {seq.seq_id} holds blocks {seq.block_table}")
+        for seq in self.swapped:
+            if seq.block_table:
+                raise AssertionError(f"swapped sequence {seq.seq_id} holds device blocks {seq.block_table}")
         self.block_manager.check_integrity([s.block_table for s in self.running])
+        if self.swap_manager is not None:
+            self.swap_manager.check_integrity([s.cpu_block_table for s in self.swapped])

@@ -18,6 +18,7 @@ from engine.sampling import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"              # preempted by swap: its K/V sit in CPU blocks
     FINISHED = "finished"
 
 
@@ -46,6 +47,11 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    cpu_block_table: list[int] = field(default_factory=list)   # while swapped out
+    admitted_at_output: int = 0      # num_output_tokens at the last (re)admission: the stability floor
+    last_scheduled_step: int = 0     # for the lru victim policy
+    num_pending_forks: int = 0       # n > 1: samples that will fork from this one after its prefill
+    error: str | None = None         # why the scheduler ended it (e.g. the pool cannot hold it)
     # output text state, kept by the engine's output processing
     text: str = ""
     num_emitted_chars: int = 0

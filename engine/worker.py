@@ -84,15 +84,26 @@ def _worker_main(config: EngineConfig, conn: Connection) -> None:
 def engine_stats(engine) -> dict[str, Any]:
     """Per-pool counters of a live engine, as plain data (what the metrics endpoint will export)."""
     pools = {}
+    block_bytes = engine.kv_cache.bytes_per_block
     for name, s in engine.schedulers.items():
         bm = s.block_manager
-        pools[name] = {"num_running": len(s.running), "num_waiting": len(s.waiting),
+        st = s.stats
+        pools[name] = {"num_running": len(s.running), "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
                        "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
+                       "num_cached_free_blocks": bm.num_cached_free_blocks,
                        "kv_cache_usage": bm.usage, "max_num_seqs": s.config.max_num_seqs,
-                       "num_preemptions": s.stats.num_preemptions,
-                       "num_preemptions_by_mode": {"recompute": s.stats.num_preemptions},
-                       "num_recomputed_tokens": s.stats.num_recomputed_tokens,
-                       "num_aborted": s.stats.num_aborted}
+                       "num_preemptions": st.num_preemptions,
+                       "num_preemptions_by_mode": {"recompute": st.num_recompute_preemptions,
+                                                   "swap": st.num_swap_preemptions},
+                       "num_recomputed_tokens": st.num_recomputed_tokens,
+                       "num_swapped_out_blocks": st.num_swapped_out_blocks,
+                       "num_swapped_in_blocks": st.num_swapped_in_blocks,
+                       "swapped_out_bytes": st.num_swapped_out_blocks * block_bytes,
+                       "swapped_in_bytes": st.num_swapped_in_blocks * block_bytes,
+                       "preempt_seconds": st.preempt_seconds,
+                       "cpu_swap_usage": s.swap_manager.usage if s.swap_manager else 0.0,
+                       "prefix_cache_queries": bm.num_prefix_queries, "prefix_cache_hits": bm.num_prefix_hits,
+                       "num_aborted": st.num_aborted, "num_too_large": st.num_too_large}
     engine.check_integrity()
     return {"num_requests": len(engine.requests), "pools": pools}
 

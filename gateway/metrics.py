@@ -44,6 +44,14 @@ class GatewayMetrics:
         self.preemptions = Counter(p + "num_preemptions", "Preemptions, by mode.", ["pool", "mode"], registry=r)
         self.recomputed = Counter(p + "recomputed_tokens", "Tokens whose K/V a recompute preemption dropped.",
                                   pool, registry=r)
+        self.swapped_out = Counter(p + "swapped_out_bytes", "K/V bytes copied to the CPU swap pool.", pool,
+                                   registry=r)
+        self.swapped_in = Counter(p + "swapped_in_bytes", "K/V bytes copied back from the CPU swap pool.", pool,
+                                  registry=r)
+        self.preempt_time = Counter(p + "preemption_seconds", "Time spent preempting and resuming (scheduling "
+                                    "and swap copies).", pool, registry=r)
+        self.cpu_swap_usage = Gauge(p + "cpu_swap_usage_perc", "Fraction of the pool's CPU swap blocks in use.",
+                                    pool, registry=r)
         self.aborted = Counter(p + "num_aborted_requests", "Sequences aborted (client gone or cancelled).",
                                pool, registry=r)
         self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -72,8 +80,9 @@ class GatewayMetrics:
 
     def _advance(self, counter: Counter, key: tuple[str, str], total: float, **labels: str) -> None:
         last = self._last.get(key, 0.0)
+        child = counter.labels(**labels)  # exported from the first scrape on, zeros included
         if total > last:
-            counter.labels(**labels).inc(total - last)
+            child.inc(total - last)
         self._last[key] = max(last, total)
 
     def update_pool(self, name: str, stats: dict[str, Any], block_bytes: int) -> None:
@@ -91,6 +100,10 @@ class GatewayMetrics:
             self._advance(self.preemptions, (name, "preempt:" + mode), by_mode.get(mode, 0), pool=name, mode=mode)
         self._advance(self.recomputed, (name, "recomputed"), stats["num_recomputed_tokens"], pool=name)
         self._advance(self.aborted, (name, "aborted"), stats.get("num_aborted", 0), pool=name)
+        self._advance(self.swapped_out, (name, "so"), stats.get("swapped_out_bytes", 0), pool=name)
+        self._advance(self.swapped_in, (name, "si"), stats.get("swapped_in_bytes", 0), pool=name)
+        self._advance(self.preempt_time, (name, "pt"), stats.get("preempt_seconds", 0.0), pool=name)
+        self.cpu_swap_usage.labels(pool=name).set(stats.get("cpu_swap_usage", 0.0))
         self.prefix_queries.labels(pool=name)
         self.prefix_hits.labels(pool=name)
         self._advance(self.prefix_queries, (name, "pq"), stats.get("prefix_cache_queries", 0), pool=name)

@@ -288,8 +288,8 @@ def engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, En
     """One EngineConfig per planned device: the planned dtype, blocks and limits, nothing re-derived.
 
     A device `auto` becomes the device type the plan assumed. The engine runs TP=1, so a plan for
-    tensor_parallel_size > 1 is refused; so is prefix caching (not in the engine yet). Preemption modes
-    and victim policies are passed through: the engine's SchedulerConfig says which it supports.
+    tensor_parallel_size > 1 is refused. Preemption mode, victim policy, swap space and prefix caching
+    are passed through to the engine's SchedulerConfig, whose errors come back under the pool's key path.
     """
     result = {}
     for dplan in plan.devices.values():
@@ -301,12 +301,14 @@ def engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, En
         for name in dplan.pools:
             i, spec = next((i, p) for i, p in enumerate(config.pools) if p.name == name)
             pplan = plan.pools[name]
-            if spec.enable_prefix_caching:
-                raise SpecError(f"pools[{i}].enable_prefix_caching: true is not supported by the engine yet")
-            scheduler = SchedulerConfig(
-                max_num_seqs=pplan.max_num_seqs, max_num_batched_tokens=pplan.max_num_batched_tokens,
-                max_model_len=pplan.max_model_len, preemption_mode=pplan.preemption_mode,
-                victim_policy=pplan.victim_policy)
+            try:
+                scheduler = SchedulerConfig(
+                    max_num_seqs=pplan.max_num_seqs, max_num_batched_tokens=pplan.max_num_batched_tokens,
+                    max_model_len=pplan.max_model_len, preemption_mode=pplan.preemption_mode,
+                    victim_policy=pplan.victim_policy, swap_space_bytes=spec.swap_space_bytes,
+                    enable_prefix_caching=spec.enable_prefix_caching)
+            except ConfigError as exc:
+                raise SpecError(f"pools[{i}].{exc}") from None
             pool_configs.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler))
         num_blocks = sum(pc.num_blocks for pc in pool_configs)
         result[dplan.name] = EngineConfig(

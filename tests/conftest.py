@@ -54,4 +54,7 @@ def assert_all_free(engine) -> None:
     for scheduler in engine.schedulers.values():
         bm = scheduler.block_manager
         assert bm.num_free_blocks == bm.num_blocks, f"pool {scheduler.name}: blocks leaked"
-        assert not scheduler.running and not scheduler.waiting
+        assert not scheduler.running and not scheduler.waiting and not scheduler.swapped
+        if scheduler.swap_manager is not None:
+            assert scheduler.swap_manager.num_free_blocks == scheduler.swap_manager.num_blocks, \
+                f"pool {scheduler.name}: CPU swap blocks leaked"

@@ -214,14 +214,14 @@ def test_engine_configs_refuse_what_the_engine_cannot_run():
     data["devices"]["h100x8"]["tensor_parallel_size"] = 1
     data["devices"]["h100x8"]["memory"] = "400GiB"
     data["pools"][0]["preemption_mode"] = "auto"
-    config, plan = _plan_example(data)
-    with pytest.raises(ConfigError, match="preemption_mode"):   # the engine's SchedulerConfig says so
-        engine_configs(config, plan)
-    data["pools"][0]["preemption_mode"] = "recompute"
+    with pytest.raises(ConfigError, match="swap"):   # auto needs a CPU swap space
+        engine_configs(*_plan_example(data))
+    data["pools"][0]["swap_space"] = "4GiB"
+    data["pools"][0]["victim_policy"] = "longest_first"
     data["pools"][0]["enable_prefix_caching"] = True
-    config, plan = _plan_example(data)
-    with pytest.raises(SpecError, match=r"^pools\[0\]\.enable_prefix_caching"):
-        engine_configs(config, plan)
+    scheduler = engine_configs(*_plan_example(data))["h100x8"].pools[0].scheduler
+    assert (scheduler.preemption_mode, scheduler.victim_policy, scheduler.swap_space_bytes,
+            scheduler.enable_prefix_caching) == ("auto", "longest_first", 4 << 30, True)
 
 
 def test_capacity_command_json(capsys):

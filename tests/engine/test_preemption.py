@@ -1,0 +1,196 @@
+"""KV pressure: preemption by recompute, swap and auto under every victim policy; prefix caching; n > 1
+sharing. Outputs must not change (DESIGN.md invariant 1) and every block, device and CPU, ends free."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLMEngine, SamplingParams
+from engine.block_manager import BlockManager
+from engine.config import (PREEMPTION_MODES, VICTIM_POLICIES, CacheConfig, EngineConfig, PoolConfig,
+                           SchedulerConfig)
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from tests.conftest import assert_all_free, make_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, builtin_path):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-preempt"), "llama", builtin_path)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(7)
+    return [[rng.randrange(3, 512) for _ in range(rng.randrange(20, 60))] for _ in range(6)]
+
+
+def _engine(path, num_blocks=0, block_size=16, **sched) -> LLMEngine:
+    sched.setdefault("max_num_batched_tokens", 64)
+    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=16 << 20)
+    return LLMEngine(EngineConfig(model=str(path), cache=cache,
+                                  pools=(PoolConfig(scheduler=SchedulerConfig(**sched)),)), progress=False)
+
+
+def _run(engine, prompts, params=GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def unconstrained(tiny, prompts):
+    engine = _engine(tiny)
+    outs = _run(engine, prompts)
+    assert engine.schedulers["default"].stats.num_preemptions == 0
+    return outs
+
+
+@pytest.mark.parametrize("policy", VICTIM_POLICIES)
+@pytest.mark.parametrize("mode", PREEMPTION_MODES)
+def test_outputs_survive_preemption_in_every_mode_and_policy(tiny, prompts, unconstrained, mode, policy):
+    # 12 blocks of 16 tokens: one request (< 100 tokens) fits, the six together (~450 tokens) do not.
+    engine = _engine(tiny, num_blocks=12, preemption_mode=mode, victim_policy=policy,
+                     swap_space_bytes=(1 << 20) if mode != "recompute" else 0)
+    if mode == "auto":  # make the measured costs favour swap for long victims, recompute for short ones
+        model = engine.schedulers["default"].cost_model
+        model.prefill_seconds_per_token = 1e-3
+        model.swap_bytes_per_second = 2 * 60 * model.kv_bytes_per_token / 60e-3  # break-even at 60 tokens
+        model.smoothing = 0.0  # keep these figures through the run
+    assert _run(engine, prompts) == unconstrained
+    stats = engine.schedulers["default"].stats
+    assert stats.num_preemptions > 0
+    if mode == "recompute":
+        assert stats.num_swap_preemptions == 0 and stats.num_recomputed_tokens > 0
+    elif mode == "swap":
+        assert stats.num_swap_preemptions == stats.num_preemptions > 0
+        assert stats.num_swapped_out_blocks == stats.num_swapped_in_blocks > 0
+    assert_all_free(engine)
+
+
+def test_auto_follows_the_measured_costs(tiny, prompts, unconstrained):
+    for swap_fast, want in ((True, "swap"), (False, "recompute")):
+        engine = _engine(tiny, num_blocks=12, preemption_mode="auto", swap_space_bytes=1 << 20)
+        model = engine.schedulers["default"].cost_model
+        assert model.swap_bytes_per_second > 0  # measured at start-up
+        model.smoothing = 0.0
+        model.prefill_seconds_per_token = 1e-3
+        model.swap_bytes_per_second = 1e15 if swap_fast else 1.0
+        assert _run(engine, prompts) == unconstrained
+        stats = engine.schedulers["default"].stats
+        by_mode = {"swap": stats.num_swap_preemptions, "recompute": stats.num_recompute_preemptions}
+        assert by_mode[want] == stats.num_preemptions > 0
+        assert_all_free(engine)
+
+
+def test_a_swap_space_without_one_whole_block_is_refused_at_start(tiny):
+    from engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="swap_space_bytes"):
+        _engine(tiny, num_blocks=12, preemption_mode="swap", swap_space_bytes=1)
+
+
+def test_swap_space_too_small_for_a_victim_recomputes(tiny, prompts, unconstrained):
+    bytes_per_block = _engine(tiny, num_blocks=12).kv_cache.bytes_per_block
+    engine = _engine(tiny, num_blocks=12, preemption_mode="swap", swap_space_bytes=2 * bytes_per_block)
+    assert _run(engine, prompts) == unconstrained
+    stats = engine.schedulers["default"].stats
+    assert stats.num_recompute_preemptions > 0  # victims over 2 blocks found the CPU pool too small
+    assert_all_free(engine)
+
+
+def test_stability_floor_spares_fresh_sequences(tiny, prompts):
+    engine = _engine(tiny, num_blocks=12, stability_floor_tokens=8, victim_policy="reverse_fifo")
+    scheduler = engine.schedulers["default"]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    while engine.has_unfinished_requests():
+        running_before = {s.seq_id: s.num_output_tokens - s.admitted_at_output for s in scheduler.running}
+        engine.step()
+        victims = [s for s in scheduler.waiting + scheduler.swapped if s.seq_id in running_before]
+        for v in victims:
+            others_ok = any(n >= 8 for sid, n in running_before.items() if sid != v.seq_id)
+            if others_ok:
+                assert running_before[v.seq_id] >= 8, "a fresh sequence was preempted while others were eligible"
+    assert scheduler.stats.num_preemptions > 0
+    assert_all_free(engine)
+
+
+def _seq(num_tokens: int, seq_id: int = 0) -> Sequence:
+    return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", index=0, token_ids=list(range(num_tokens)),
+                    num_prompt_tokens=num_tokens, params=SamplingParams(), max_tokens=4, priority=0,
+                    arrival_order=seq_id, generator=None)
+
+
+def test_a_sequence_alone_that_cannot_grow_ends_with_an_error():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=8), bm, max_model_len=100)
+    seq = _seq(12)
+    scheduler.add(seq)  # bypasses check_fits, as a request for a pool smaller than it
+    out = scheduler.schedule()
+    assert [s.num_new_tokens for s in out.scheduled] == [8]  # the first chunk fits
+    seq.num_computed_tokens = 8
+    out = scheduler.schedule()
+    assert out.finished == [seq] and seq.finish_reason.value == "length" and "cannot hold" in seq.error
+    assert bm.num_free_blocks == 2 and not scheduler.running
+    scheduler.check_integrity()
+
+    # the same at admission: an unchunkable head of the queue that the empty pool can never take
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm, max_model_len=100)
+    big, small = _seq(12, 1), _seq(4, 2)
+    scheduler.add(big)
+    scheduler.add(small)
+    out = scheduler.schedule()
+    assert out.finished == [big] and [s.seq for s in out.scheduled] == [small]
+    scheduler.check_integrity()
+
+
+def test_prefix_cache_prefills_only_the_new_tokens(tiny):
+    rng = random.Random(3)
+    system = [rng.randrange(3, 512) for _ in range(200)]
+    first = system + [rng.randrange(3, 512) for _ in range(15)]
+    second = system + [rng.randrange(3, 512) for _ in range(25)]
+    reference = _run(_engine(tiny), [first, second])
+
+    engine = _engine(tiny, enable_prefix_caching=True)
+    prefilled = []
+    for i, prompt in enumerate((first, second)):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+        done, tokens = None, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done = out
+            tokens += engine.last_step.num_prefill_tokens
+        prefilled.append(tokens)
+        assert done.outputs[0].token_ids == reference[i]
+    assert prefilled[0] == len(first)
+    assert prefilled[1] == len(second) - 192  # 12 full blocks of the shared 200 tokens came from the cache
+    bm = engine.schedulers["default"].block_manager
+    assert bm.num_prefix_hits == 192
+    assert_all_free(engine)
+
+
+def test_n_samples_share_the_prompt_blocks(tiny):
+    prompt = list(range(10, 10 + 40))  # 2 full blocks + 8 tokens in a third
+    engine = _engine(tiny, enable_prefix_caching=False)
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    bm = engine.schedulers["default"].block_manager
+    engine.step()  # prefill of sample 0, then the fork: 4 samples, one copy of the prompt
+    seqs = engine.requests["r"].seqs
+    assert all(len(s.block_table) == 3 for s in seqs)
+    assert len({b for s in seqs for b in s.block_table}) == 3 and bm.num_used_blocks == 3
+    engine.step()  # each sample writes its first token: the shared partial block is copied on write
+    assert len({tuple(s.block_table[:2]) for s in seqs}) == 1  # the full blocks stay shared
+    assert len({s.block_table[2] for s in seqs}) == 4 and bm.num_used_blocks == 2 + 4
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            final = out
+    samples = [o.token_ids for o in final.outputs]
+    assert len(samples) == 4 and len({tuple(s) for s in samples}) == 4
+    again = _engine(tiny).generate([prompt], params)[0]
+    assert [o.token_ids for o in again.outputs] == samples  # seeded: reproducible
+    assert_all_free(engine)
