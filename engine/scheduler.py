@@ -218,12 +218,14 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + 1 + seq.num_pending_forks > self.config.max_num_seqs:
                 break
+            counted = (bm.num_prefix_queries, bm.num_prefix_hits)
             if seq.num_computed_tokens == 0 and not seq.block_table:
                 seq.num_computed_tokens = bm.acquire_cached(seq.block_table, seq.token_ids)
             num_new = min(seq.num_uncomputed_tokens, budget)
             if (num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill) or \
                     not bm.can_allocate(seq.block_table, seq.num_computed_tokens + num_new):
                 bm.free(seq.block_table)  # give back the cached prefix; the next try finds it again
+                bm.num_prefix_queries, bm.num_prefix_hits = counted  # counted once, when admitted
                 seq.num_computed_tokens = 0
                 if not self.running and bm.num_free_blocks == bm.num_blocks and \
                         bm.num_blocks_for(seq.num_tokens) > bm.num_blocks:
