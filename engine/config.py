@@ -249,7 +249,7 @@ class SchedulerConfig:
     swap_space_bytes: int = 0            # CPU block pool for swapped-out blocks (swap and auto)
     stability_floor_tokens: int = 4      # a sequence that produced fewer tokens since its (re)admission
                                          # is preempted only when no other victim exists
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):

@@ -216,7 +216,7 @@ class PoolSpec:
     preemption_mode: str = "recompute"   # recompute | swap | auto
     victim_policy: str = "reverse_fifo"  # reverse_fifo | longest_first | least_progress | lru | priority
     swap_space_bytes: int = 0
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         _check_str("name", self.name)
