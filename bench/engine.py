@@ -4,19 +4,37 @@ Both systems get the same prompts, the same requested output lengths, the same d
 machine. Ours runs them as one continuous batch; transformers runs static batches (left-padded,
 each batch decoding until its longest request is done). Throughput counts only the tokens each
 request asked for. Then the engine's decode step time is set beside a roofline floor measured in
-the same run: max(bytes read per step / measured copy bandwidth, FLOPs per step / measured matmul rate).
+the same run: max((weight bytes + KV bytes the step's sequences read) / measured copy bandwidth,
+FLOPs per step / measured matmul rate).
+
+Model shapes we cannot download run on random weights: `--model` names a folder holding only a
+config.json (the folder is copied to a temporary one, with the builtin SmolLM2 tokenizer added
+when it has none), and both systems build that model with random weights. On a GPU:
+
+    cliffguard bench engine --model bench/models/llama-3-8b --random-weights --dtype bfloat16
+
+`--config-override KEY=VALUE` changes the copied config.json (e.g. fewer layers for a smoke run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOKENIZER_SOURCE = "builtin:smollm2-135m-instruct"   # lends its tokenizer to config-only folders
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 TOPICS = ["the ocean", "prime numbers", "a rainy city", "compilers", "coffee", "the moon landing",
           "bread baking", "graph theory", "jazz", "mountain hiking", "databases", "volcanoes",
@@ -37,7 +55,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="auto")
     p.add_argument("--random-weights", action="store_true",
-                   help="random weights for a model folder that has only config.json (+ tokenizer)")
+                   help="random weights for a model folder that has only config.json (the builtin SmolLM2 "
+                   "tokenizer is added when it has none), e.g. --model bench/models/llama-3-8b")
+    p.add_argument("--config-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --random-weights: change a key of the model's config.json (VALUE read as JSON), "
+                   "e.g. num_hidden_layers=4; repeatable")
+    p.add_argument("--kv-cache-mib", type=int, default=None,
+                   help="our engine's KV cache budget in MiB (default 2048 on CPU, 8192 on CUDA; capped on "
+                   "CUDA by 0.9 x VRAM - weights)")
     p.add_argument("--skip-hf", action="store_true", help="measure our engine only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -60,59 +85,156 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_copy_bandwidth(device: torch.device, nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes per second of a large device-to-device copy (read + write counted)."""
+def time_call(fn: Callable[[], object], device: torch.device, *, warmup: int = 1, iters: int = 5,
+              before: Callable[[], object] | None = None) -> list[float]:
+    """Seconds of each of `iters` calls of `fn()`, after `warmup` untimed ones.
+
+    CUDA: one pair of CUDA events around each call, read after a single synchronize at the end.
+    CPU: perf_counter around each call. `before()` runs untimed ahead of each call (an L2 flush, say).
+    """
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(iters)]
+            for start, end in events:
+                if before is not None:
+                    before()
+                start.record()
+                fn()
+                end.record()
+            torch.cuda.synchronize(device)
+        return [start.elapsed_time(end) / 1e3 for start, end in events]
+    times = []
+    for _ in range(iters):
+        if before is not None:
+            before()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int = 5) -> float:
+    """Bytes per second of a large device-to-device `dst.copy_(src)` (read + write counted), best of `repeats`.
+
+    Default size: 1 GiB on CUDA (far past the L2 cache), 256 MiB on CPU.
+    """
+    if nbytes is None:
+        nbytes = (1 << 30) if device.type == "cuda" else (256 << 20)
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
+    best = min(time_call(lambda: dst.copy_(src), device, warmup=1, iters=repeats))
+    return 2 * (nbytes // 4) * 4 / best
 
 
-def measure_matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of a large square matmul in `dtype`."""
+def measure_matmul_rate(device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 5) -> float:
+    """FLOP/s of a large square matmul in `dtype`, best of `repeats` (n: 8192 on CUDA, 2048 on CPU)."""
+    if n is None:
+        n = 8192 if device.type == "cuda" else 2048
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    a @ b
-    _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
+    best = min(time_call(lambda: a @ b, device, warmup=1, iters=repeats))
     return 2 * n**3 / best
 
 
+def prepare_model_folder(model: str, tmp_dir: Path, overrides: dict[str, object] | None = None) -> str:
+    """The model name to load: `model` itself, or a copy of its folder under `tmp_dir`.
+
+    A folder is copied (config.json written, other files linked) when it has no tokenizer.json, which
+    then comes from the builtin SmolLM2 (vocab 49,152: its ids fit any larger vocab), or when
+    `overrides` change keys of its config.json. A relative folder not found from the working
+    directory is looked up from the repository root (`bench/models/llama-3-8b` works from anywhere).
+    """
+    overrides = overrides or {}
+    path = Path(model)
+    if not path.is_dir() and not path.is_absolute() and (REPO_ROOT / path).is_dir():
+        path = REPO_ROOT / path
+    if not path.is_dir():
+        if overrides:
+            raise ValueError(f"--config-override: needs --model to be a folder with a config.json, got {model!r}")
+        return model
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"config.json: not found in model folder {path}")
+    has_tokenizer = (path / "tokenizer.json").is_file()
+    if has_tokenizer and not overrides:
+        return str(path)
+    config = json.loads(config_path.read_text())
+    unknown = sorted(set(overrides) - set(config))
+    if unknown:
+        raise ValueError(f"--config-override: {', '.join(unknown)} not in {config_path}")
+    config.update(overrides)
+    copy = Path(tempfile.mkdtemp(prefix=f"{path.name}-", dir=tmp_dir))
+    for item in path.iterdir():
+        if item.name != "config.json" and item.is_file():
+            os.symlink(item.resolve(), copy / item.name)
+    (copy / "config.json").write_text(json.dumps(config, indent=2))
+    if not has_tokenizer:
+        from engine.weights import resolve_model
+
+        source = resolve_model(TOKENIZER_SOURCE)
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file() and not (copy / name).exists():
+                shutil.copy(source / name, copy / name)
+    return str(copy)
+
+
+def parse_overrides(items: list[str]) -> dict[str, object]:
+    """['num_hidden_layers=4', 'rope_scaling=null'] -> {'num_hidden_layers': 4, 'rope_scaling': None}."""
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--config-override: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            out[key.strip()] = text
+    return out
+
+
 def run_ours(engine, work) -> dict:
+    """Run the workload as one continuous batch. steps: (decode tokens, prefill tokens, seconds,
+    context tokens the step's sampled sequences attended over) per step."""
     from engine import SamplingParams
 
-    # warm-up outside the timing
-    engine.generate([work[0][0]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    # warm-up outside the timing (on CUDA a few prompts, so that batched shapes are compiled too)
+    warm = work[:1] if engine.device.type == "cpu" else work[:8]
+    engine.generate([ids for ids, _ in warm], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     for i, (ids, out_len) in enumerate(work):
         engine.add_request(f"bench-{i}", ids, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
     steps = []
     produced = 0
+    _sync(engine.device)
     t = time.perf_counter()
     while engine.has_unfinished_requests():
         outs = engine.step()
-        produced += sum(len(o.delta_token_ids) for out in outs for o in out.outputs)
+        context = 0
+        for out in outs:
+            for o in out.outputs:
+                if o.delta_token_ids:
+                    produced += len(o.delta_token_ids)
+                    # a decode step attends over the prompt and every output token but the one it produced
+                    context += len(out.prompt_token_ids) + len(o.token_ids) - len(o.delta_token_ids)
         s = engine.last_step
-        steps.append((s.num_decode_tokens, s.num_prefill_tokens, s.seconds))
+        steps.append((s.num_decode_tokens, s.num_prefill_tokens, s.seconds, context))
+    _sync(engine.device)
     wall = time.perf_counter() - t
     return {"wall_s": wall, "output_tokens": produced, "steps": steps}
 
 
-def run_transformers(folder, work, batch_size: int, dtype: torch.dtype, device: torch.device) -> dict:
-    from transformers import AutoModelForCausalLM
+def run_transformers(folder, work, batch_size: int, dtype: torch.dtype, device: torch.device,
+                     random_weights: bool = False) -> dict:
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    if random_weights:  # the same shape, its own random weights: throughput is compared, not tokens
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     model.generation_config.eos_token_id = None  # run each batch to its requested length
 
     def batch_generate(items):
@@ -127,6 +249,7 @@ def run_transformers(folder, work, batch_size: int, dtype: torch.dtype, device: 
     batch_generate(work[:2] if len(work) > 1 else work)  # warm-up
     useful = 0
     computed = 0
+    _sync(device)
     t = time.perf_counter()
     for start in range(0, len(work), batch_size):
         items = work[start:start + batch_size]
@@ -139,43 +262,70 @@ def run_transformers(folder, work, batch_size: int, dtype: torch.dtype, device: 
 
 
 def decode_roofline(engine, steps, device, dtype) -> dict:
-    """Median decode-only step vs max(memory floor, compute floor) at that batch size."""
-    decode = [(n, sec) for n, p, sec in steps if n and not p]
+    """Median decode-only step vs max(memory floor, compute floor) at that batch size.
+
+    Memory floor: (matmul weight bytes + K/V bytes of the contexts the step attends over) / copy bandwidth.
+    Compute floor: (2 x matmul params x batch + 4 x layers x heads x head_dim x context tokens) / matmul rate.
+    """
+    decode = [(n, sec, ctx) for n, p, sec, ctx in steps if n and not p]
     if not decode:
         return {}
-    batch = int(statistics.median(n for n, _ in decode))
-    near = [sec for n, sec in decode if abs(n - batch) <= max(1, batch // 8)]
-    step_s = statistics.median(near)
+    batch = int(statistics.median(n for n, _, _ in decode))
+    near = [(sec, ctx) for n, sec, ctx in decode if abs(n - batch) <= max(1, batch // 8)]
+    step_s = statistics.median(sec for sec, _ in near)
+    kv_tokens = int(statistics.median(ctx for _, ctx in near))
     cfg = engine.model_config
     matmul_params = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
     weight_bytes = matmul_params * dtype.itemsize
+    kv_bytes = kv_tokens * cfg.kv_bytes_per_token(engine.kv_cache.dtype)
     copy_bw = measure_copy_bandwidth(device)
     rate = measure_matmul_rate(device, dtype)
-    flops = 2 * matmul_params * batch
-    mem_floor = weight_bytes / copy_bw
+    flops = 2 * matmul_params * batch + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * kv_tokens
+    mem_floor = (weight_bytes + kv_bytes) / copy_bw
     compute_floor = flops / rate
-    return {"batch": batch, "step_ms": step_s * 1e3, "weight_bytes": weight_bytes, "copy_gbps": copy_bw / 1e9,
-            "matmul_gflops": rate / 1e9, "gflop_per_step": flops / 1e9, "memory_floor_ms": mem_floor * 1e3,
+    return {"batch": batch, "step_ms": step_s * 1e3, "weight_bytes": weight_bytes, "kv_tokens": kv_tokens,
+            "kv_bytes": kv_bytes, "copy_gbps": copy_bw / 1e9, "matmul_gflops": rate / 1e9,
+            "gflop_per_step": flops / 1e9, "memory_floor_ms": mem_floor * 1e3,
             "compute_floor_ms": compute_floor * 1e3, "floor_ms": max(mem_floor, compute_floor) * 1e3}
 
 
 def run(args: argparse.Namespace) -> int:
+    # bad input fails before any work
+    hf_batch_sizes = [] if args.skip_hf else _batch_sizes(args.hf_batch_sizes)
+    overrides = parse_overrides(args.config_override)
+    if overrides and not args.random_weights:
+        raise ValueError("--config-override: only with --random-weights (the checkpoint's shape is fixed)")
+    if args.kv_cache_mib is not None and args.kv_cache_mib <= 0:
+        raise ValueError(f"--kv-cache-mib: must be > 0, got {args.kv_cache_mib}")
+    with tempfile.TemporaryDirectory(prefix="cliffguard-bench-") as tmp:
+        model = prepare_model_folder(args.model, Path(tmp), overrides)
+        return _run(args, model, hf_batch_sizes)
+
+
+def build_engine(args: argparse.Namespace, model: str):
+    """Our engine as the benchmark configures it: one pool, max_num_seqs from the options."""
+    from dataclasses import replace
+
     from engine import CacheConfig, EngineConfig, LLMEngine, PoolConfig, SchedulerConfig
 
-    hf_batch_sizes = [] if args.skip_hf else _batch_sizes(args.hf_batch_sizes)  # bad input fails before any work
-    torch.manual_seed(args.seed)
     config = EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, random_weights=args.random_weights,
-        cache=CacheConfig(kv_cache_bytes=2 << 30),
+        model=model, device=args.device, dtype=args.dtype, random_weights=args.random_weights,
         pools=(PoolConfig(scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                                     max_num_batched_tokens=2048)),))
-    engine = LLMEngine(config)
+    kv_mib = args.kv_cache_mib or (8192 if config.resolved_device().type == "cuda" else 2048)
+    return LLMEngine(replace(config, cache=CacheConfig(kv_cache_bytes=kv_mib << 20)))
+
+
+def _run(args: argparse.Namespace, model: str, hf_batch_sizes: list[int]) -> int:
+    torch.manual_seed(args.seed)
+    engine = build_engine(args, model)
     device, dtype = engine.device, engine.dtype
     work = make_workload(engine.tokenizer, args.num_prompts, args.min_output, args.max_output, args.seed)
     requested = sum(n for _, n in work)
     print(f"workload: {len(work)} chat prompts ({min(len(i) for i, _ in work)}-{max(len(i) for i, _ in work)} "
           f"prompt tokens), outputs {args.min_output}-{args.max_output} tokens ({requested} in all); "
-          f"{cfg_name(engine)} {dtype} on {device_name(device)}", file=sys.stderr)
+          f"{cfg_name(engine)} {dtype} on {device_name(device)}"
+          f"{', random weights' if args.random_weights else ''}", file=sys.stderr)
 
     ours = run_ours(engine, work)
     assert ours["output_tokens"] == requested, (ours["output_tokens"], requested)
@@ -185,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
                        "max_num_seqs": args.max_num_seqs, "steps": len(ours["steps"])}}
     result["transformers"] = []
     for batch_size in hf_batch_sizes:
-        hf = run_transformers(engine.model_path, work, batch_size, dtype, device)
+        hf = run_transformers(engine.model_path, work, batch_size, dtype, device, args.random_weights)
         tok_s = requested / hf["wall_s"]
         result["transformers"].append({
             "batch_size": batch_size, "wall_s": hf["wall_s"], "tok_per_s": tok_s,
@@ -205,7 +355,8 @@ def run(args: argparse.Namespace) -> int:
     d = result["decode"]
     if d:
         print(f"decode step at batch {d['batch']}: {d['step_ms']:.1f} ms measured; floor {d['floor_ms']:.1f} ms = "
-              f"max(memory {d['memory_floor_ms']:.1f} ms: {d['weight_bytes'] / 1e6:.0f} MB weights / "
+              f"max(memory {d['memory_floor_ms']:.1f} ms: ({d['weight_bytes'] / 1e6:.0f} MB weights + "
+              f"{d['kv_bytes'] / 1e6:.0f} MB KV of {d['kv_tokens']} context tokens) / "
               f"{d['copy_gbps']:.1f} GB/s copy, compute {d['compute_floor_ms']:.1f} ms: {d['gflop_per_step']:.1f} "
               f"GFLOP / {d['matmul_gflops']:.0f} GFLOP/s matmul); measured / floor = "
               f"{d['step_ms'] / d['floor_ms']:.2f}")

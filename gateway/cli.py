@@ -91,12 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from bench.engine import add_arguments as add_engine_bench
     from bench.gateway import add_arguments as add_gateway_bench
+    from bench.kernels import add_arguments as add_kernels_bench
     from bench.preemption import add_arguments as add_preemption_bench
     from bench.tokenizer import add_arguments as add_tokenizer_bench
 
     add_engine_bench(bench_sub.add_parser("engine", help="our engine vs transformers generate, same workload"))
     add_tokenizer_bench(bench_sub.add_parser("tokenizer", help="tiktoken counter vs the HF tokenizer"))
     add_gateway_bench(bench_sub.add_parser("gateway", help="latency the gateway adds, routed requests/s"))
+    add_kernels_bench(bench_sub.add_parser("kernels", help="paged attention vs copy bandwidth and SDPA (GPU; "
+                                           "--dry-run on CPU)"))
     add_preemption_bench(bench_sub.add_parser("preemption", help="recompute vs swap vs auto across pool-pressure "
                                               "regimes"))
 

@@ -1,8 +1,11 @@
 """Attention kernels over the paged KV cache, and the dispatch that picks an implementation.
 
-`get_backend(device)` returns the module whose `store_kv` and `paged_attention` the model calls.
-Today that is the torch reference (`kernels.reference`) everywhere; the Triton kernels plug in here,
-chosen on CUDA (or through the interpreter when `CLIFFGUARD_ATTENTION_BACKEND=triton`).
+`get_backend(device)` returns the module whose `store_kv` and `paged_attention` the model calls: the
+Triton kernels (`kernels.triton_attention`, which re-exports `kernels.triton_kv_store.store_kv`) on
+CUDA when triton imports, the torch reference (`kernels.reference`) elsewhere.
+`CLIFFGUARD_ATTENTION_BACKEND=torch|triton` overrides the choice; Triton on a CPU device runs through
+its interpreter, which must be switched on with `TRITON_INTERPRET=1` before triton is first imported.
+Triton is imported only when chosen, so CPU users need not install it.
 """
 
 from __future__ import annotations
@@ -15,15 +18,34 @@ import torch
 from kernels import reference
 from kernels.metadata import AttentionMetadata
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "triton")
 
 __all__ = ["AttentionMetadata", "BACKENDS", "get_backend", "reference"]
 
 
 def get_backend(device: torch.device | str) -> ModuleType:
-    """The kernel module for `device`; `CLIFFGUARD_ATTENTION_BACKEND` overrides the choice."""
-    name = os.environ.get("CLIFFGUARD_ATTENTION_BACKEND", "torch")
-    if name not in BACKENDS:
+    """The kernel module for `device`; `CLIFFGUARD_ATTENTION_BACKEND` overrides the choice.
+
+    Either backend module has `store_kv(key, value, k_cache, v_cache, meta)` and
+    `paged_attention(query, k_cache, v_cache, meta, scale, sliding_window=None)`.
+    """
+    device = torch.device(device)
+    name = os.environ.get("CLIFFGUARD_ATTENTION_BACKEND") or None
+    if name is not None and name not in BACKENDS:
         raise ValueError(
             f"CLIFFGUARD_ATTENTION_BACKEND: unknown backend {name!r}; available: {', '.join(BACKENDS)}")
-    return reference
+    if name == "torch" or (name is None and device.type != "cuda"):
+        return reference
+    try:
+        from kernels import triton_attention
+    except ImportError as exc:
+        if name is None:
+            return reference
+        raise RuntimeError("CLIFFGUARD_ATTENTION_BACKEND=triton: triton is not installed "
+                           "(pip install triton, or the project's test extra)") from exc
+    if device.type != "cuda" and not triton_attention.INTERPRETED:
+        raise RuntimeError(
+            f"CLIFFGUARD_ATTENTION_BACKEND=triton on a {device.type} device needs Triton's interpreter: "
+            "set TRITON_INTERPRET=1 in the environment before triton is first imported")
+    return triton_attention
+

@@ -1,0 +1,466 @@
+"""`cliffguard bench kernels`: the paged-KV kernels beside the device's measured ceilings, in one run.
+
+- decode paged attention (query length 1) over a batch x context grid: time per call and achieved
+  bandwidth = (K/V read + Q read + O written) / time, beside a large `dst.copy_(src)` measured in the
+  same run. Goal: >= 80% of the copy bandwidth on the large cases (>= 64 MiB moved per call).
+- prefill paged attention (chunk = the whole prompt, causal, K/V already in the paged cache): TFLOP/s
+  beside torch SDPA (`is_causal=True`, contiguous K/V, the faster of `enable_gqa=True` and K/V expanded
+  to every query head) on the same shapes, and beside the measured matmul rate. Goal: >= 0.7x SDPA.
+- store_kv: achieved bandwidth (K/V read + written + slots read) beside the copy.
+
+One layer's K/V lives in a `KVCache` (the engine's `[L, 2, num_blocks, block_size, kv_heads, head_dim]`
+tensor) big enough for the largest shape; every case gets block tables shuffled over all of its blocks.
+Before timing, every shape is checked against `kernels.reference` (the torch path; dense attention when
+the backend under test is the reference itself) and marked ✓ or ✗; any ✗ makes the exit code 1.
+Times are medians of `--iters` calls after `--warmup` ones, with CUDA events and the L2 cache flushed
+before each call.
+
+Meant for a GPU. `--dry-run` runs tiny shapes on the CPU through Triton's interpreter (TRITON_INTERPRET=1):
+the checks count, the numbers do not. Without a GPU and without `--dry-run` it exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import math
+import os
+import random
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from bench.engine import measure_copy_bandwidth, measure_matmul_rate, time_call
+
+TRITON_MODULES = ("kernels.triton_attention", "kernels.triton_kv_store")
+LARGE_BYTES = 64 << 20           # decode rows moving at least this much count for the bandwidth goal
+DECODE_GOAL = 0.80               # of copy bandwidth
+PREFILL_GOAL = 0.70              # of SDPA's TFLOP/s
+# Max |ours - reference| allowed, relative to max |reference| (fp32 allows for TF32 dots on GPU).
+TOLERANCE = {torch.float32: 5e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+# (full run, --dry-run) defaults
+DEFAULTS = {
+    "decode_shapes": ("1x32768,8x8192,64x4096,256x1024", "1x70,3x33,4x16"),
+    "prefill_shapes": ("1x4096,4x2048,16x512", "1x40,3x17"),
+    "store_shapes": ("256x1,4x2048", "5x1,2x21"),
+    "num_heads": (32, 4),
+    "num_kv_heads": (8, 2),
+    "head_dim": (128, 32),
+    "iters": (20, 1),
+    "warmup": (3, 0),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
+                   help="kernels under test: triton (kernels.triton_attention, kernels.triton_kv_store) or torch "
+                   "(kernels.reference); auto: triton when those modules exist, else torch")
+    p.add_argument("--device", default="auto", help="auto | cuda | cuda:N | cpu (auto: cuda; cpu with --dry-run)")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 "
+                   "| float32")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny shapes on the CPU through Triton's interpreter: checks results, timings meaningless")
+    p.add_argument("--decode-shapes", default=None, metavar="BxCTX,...",
+                   help=f"decode batch x context length (default {DEFAULTS['decode_shapes'][0]}; dry run "
+                   f"{DEFAULTS['decode_shapes'][1]})")
+    p.add_argument("--prefill-shapes", default=None, metavar="BxLEN,...",
+                   help=f"prefill batch x prompt length (default {DEFAULTS['prefill_shapes'][0]}; dry run "
+                   f"{DEFAULTS['prefill_shapes'][1]})")
+    p.add_argument("--store-shapes", default=None, metavar="BxNEW,...",
+                   help=f"store_kv sequences x new tokens each (default {DEFAULTS['store_shapes'][0]}; dry run "
+                   f"{DEFAULTS['store_shapes'][1]})")
+    p.add_argument("--num-heads", type=int, default=None, help="query heads (default 32; dry run 4)")
+    p.add_argument("--num-kv-heads", type=int, default=None, help="KV heads (default 8; dry run 2)")
+    p.add_argument("--head-dim", type=int, default=None, help="(default 128; dry run 32)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-splits", type=int, default=None,
+                   help="passed to the Triton paged_attention (default: its own choice)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per case, the median counts (default 20)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls per case before timing (default 3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The two kernels under test and where they come from."""
+
+    name: str                       # triton | torch
+    source: str                     # module names, for the report
+    paged_attention: Callable
+    store_kv: Callable
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every case of one run shares."""
+
+    device: torch.device
+    dtype: torch.dtype
+    backend: Backend
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_splits: int | None
+    iters: int
+    warmup: int
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernel modules exist (found, not imported) and triton is installed."""
+    return importlib.util.find_spec("triton") is not None and all(
+        importlib.util.find_spec(name) is not None for name in TRITON_MODULES)
+
+
+def load_backend(name: str, device: torch.device) -> Backend:
+    """The kernels for `name` (auto | triton | torch). On the CPU, Triton runs through its interpreter."""
+    from kernels import reference
+
+    if name == "auto":
+        name = "triton" if triton_available() else "torch"
+    if name == "torch":
+        return Backend("torch", "kernels.reference", reference.paged_attention, reference.store_kv)
+    if not triton_available():
+        raise ValueError(f"--backend triton: {' and '.join(TRITON_MODULES)} (and the triton package) are needed")
+    if device.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at their import
+    attention, kv_store = (importlib.import_module(m) for m in TRITON_MODULES)
+    if device.type == "cpu" and not getattr(attention, "INTERPRETED", True):
+        raise RuntimeError("--backend triton on the CPU: the kernels were imported without Triton's interpreter; "
+                           "set TRITON_INTERPRET=1 in the environment before anything imports them")
+    return Backend("triton", ", ".join(TRITON_MODULES), attention.paged_attention, kv_store.store_kv)
+
+
+def parse_shapes(text: str, option: str) -> list[tuple[int, int]]:
+    """'1x4096,4x2048' -> [(1, 4096), (4, 2048)]."""
+    shapes = []
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        try:
+            a, b = (int(x) for x in item.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"{option}: expected BxN items separated by commas, got {item!r}") from None
+        if a < 1 or b < 1:
+            raise ValueError(f"{option}: sizes must be >= 1, got {item!r}")
+        shapes.append((a, b))
+    return shapes
+
+
+# --- cases -----------------------------------------------------------------------------------------
+
+
+def _make_cache(setup: Setup, num_blocks: int):
+    """One layer's K/V as the engine holds them, filled with N(0, 1)."""
+    from engine.config import ModelConfig
+    from engine.kv_cache import KVCache
+
+    model = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1, hidden_size=setup.num_heads * setup.head_dim,
+                        intermediate_size=1, num_layers=1, num_heads=setup.num_heads,
+                        num_kv_heads=setup.num_kv_heads, head_dim=setup.head_dim)
+    cache = KVCache(model, num_blocks, setup.block_size, setup.dtype, setup.device)
+    cache.data.normal_()
+    return cache
+
+
+def _make_meta(setup: Setup, num_blocks: int, query_lens: list[int], seq_lens: list[int], rng: random.Random):
+    """Metadata for the sequences, their blocks drawn at random from all `num_blocks`."""
+    from kernels import AttentionMetadata
+
+    need = [math.ceil(s / setup.block_size) for s in seq_lens]
+    ids = rng.sample(range(num_blocks), sum(need))
+    tables, pos = [], 0
+    for n in need:
+        tables.append(ids[pos:pos + n])
+        pos += n
+    return AttentionMetadata.build(tables, query_lens, seq_lens, setup.block_size, setup.device)
+
+
+def _attention(setup: Setup, query, k_cache, v_cache, meta):
+    kwargs = {"num_splits": setup.num_splits} if setup.num_splits is not None and setup.backend.name == "triton" \
+        else {}
+    return setup.backend.paged_attention(query, k_cache, v_cache, meta, setup.scale, **kwargs)
+
+
+def _expected_attention(setup: Setup, query, k_cache, v_cache, meta):
+    """The reference's output; dense attention per sequence when the reference itself is under test."""
+    from kernels import reference
+
+    if setup.backend.name != "torch":
+        return reference.paged_attention(query, k_cache, v_cache, meta, setup.scale)
+    k_flat = k_cache.reshape(-1, setup.num_kv_heads, setup.head_dim)
+    v_flat = v_cache.reshape(-1, setup.num_kv_heads, setup.head_dim)
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        pos = torch.arange(s_len, device=query.device)
+        slots = meta.block_tables[i].long()[pos // setup.block_size] * setup.block_size + pos % setup.block_size
+        out[start:start + q_len] = reference.dense_causal_attention(
+            query[start:start + q_len], k_flat[slots], v_flat[slots], setup.scale)
+        start += q_len
+    return out
+
+
+def _check(out: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> dict:
+    """ok when finite and max |out - want| <= TOLERANCE x max |want|."""
+    err = (out.float() - want.float()).abs().max().item()
+    ref = want.float().abs().max().item()
+    ok = bool(torch.isfinite(out).all().item()) and err <= TOLERANCE[dtype] * max(ref, 1e-6)
+    return {"ok": ok, "max_abs_err": err, "max_abs_ref": ref}
+
+
+def _median_time(setup: Setup, fn: Callable, flush: Callable | None) -> float:
+    return statistics.median(time_call(fn, setup.device, warmup=setup.warmup, iters=setup.iters, before=flush))
+
+
+def bench_decode(setup: Setup, cache, batch: int, context: int, rng: random.Random, copy_bw: float,
+                 flush) -> dict:
+    meta = _make_meta(setup, cache.num_blocks, [1] * batch, [context] * batch, rng)
+    k_cache, v_cache = cache.layers[0]
+    query = torch.randn(batch, setup.num_heads, setup.head_dim, device=setup.device).to(setup.dtype)
+    check = _check(_attention(setup, query, k_cache, v_cache, meta),
+                   _expected_attention(setup, query, k_cache, v_cache, meta), setup.dtype)
+    seconds = _median_time(setup, lambda: _attention(setup, query, k_cache, v_cache, meta), flush)
+    nbytes = batch * context * setup.kv_bytes_per_token + 2 * query.numel() * query.element_size()
+    return {"batch": batch, "context": context, **check, "ms": seconds * 1e3, "bytes": nbytes,
+            "gbps": nbytes / seconds / 1e9, "of_copy": nbytes / seconds / copy_bw, "large": nbytes >= LARGE_BYTES}
+
+
+def _sdpa_seconds(setup: Setup, batch: int, seq_len: int, flush) -> tuple[float, str]:
+    """Best of SDPA with enable_gqa=True and with K/V expanded to every query head."""
+    import torch.nn.functional as F
+
+    shape = (batch, setup.num_heads, seq_len, setup.head_dim)
+    q = torch.randn(shape, device=setup.device).to(setup.dtype)
+    k = torch.randn(batch, setup.num_kv_heads, seq_len, setup.head_dim, device=setup.device).to(setup.dtype)
+    v = torch.randn_like(k)
+    group = setup.num_heads // setup.num_kv_heads
+    k_exp, v_exp = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    variants = {
+        "enable_gqa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=setup.scale,
+                                                             enable_gqa=True),
+        "expanded": lambda: F.scaled_dot_product_attention(q, k_exp, v_exp, is_causal=True, scale=setup.scale),
+    }
+    best = (float("inf"), "")
+    for name, fn in variants.items():
+        try:
+            best = min(best, (_median_time(setup, fn, flush), name))
+        except (RuntimeError, TypeError):  # a torch without enable_gqa, or no kernel for it
+            continue
+    return best
+
+
+def bench_prefill(setup: Setup, cache, batch: int, seq_len: int, rng: random.Random, matmul_rate: float,
+                  flush) -> dict:
+    meta = _make_meta(setup, cache.num_blocks, [seq_len] * batch, [seq_len] * batch, rng)
+    k_cache, v_cache = cache.layers[0]
+    query = torch.randn(batch * seq_len, setup.num_heads, setup.head_dim, device=setup.device).to(setup.dtype)
+    check = _check(_attention(setup, query, k_cache, v_cache, meta),
+                   _expected_attention(setup, query, k_cache, v_cache, meta), setup.dtype)
+    seconds = _median_time(setup, lambda: _attention(setup, query, k_cache, v_cache, meta), flush)
+    sdpa_seconds, sdpa_variant = _sdpa_seconds(setup, batch, seq_len, flush)
+    # QK^T and PV, 2 FLOPs per multiply-add, over the causal pairs only
+    flops = 4 * batch * setup.num_heads * setup.head_dim * seq_len * (seq_len + 1) // 2
+    return {"batch": batch, "seq_len": seq_len, **check, "ms": seconds * 1e3, "tflops": flops / seconds / 1e12,
+            "sdpa_ms": sdpa_seconds * 1e3, "sdpa_tflops": flops / sdpa_seconds / 1e12, "sdpa_variant": sdpa_variant,
+            "ratio": sdpa_seconds / seconds, "of_matmul": flops / seconds / matmul_rate, "flops": flops}
+
+
+def bench_store(setup: Setup, num_seqs: int, new_tokens: int, rng: random.Random, copy_bw: float, flush) -> dict:
+    """Each sequence writes `new_tokens` after a random prefix shorter than a block (mid-block starts)."""
+    from kernels import reference
+
+    prefixes = [rng.randrange(setup.block_size) for _ in range(num_seqs)]
+    seq_lens = [p + new_tokens for p in prefixes]
+    num_blocks = sum(math.ceil(s / setup.block_size) for s in seq_lens) * 5 // 4 + 1
+    cache = _make_cache(setup, num_blocks)
+    meta = _make_meta(setup, num_blocks, [new_tokens] * num_seqs, seq_lens, rng)
+    num_tokens = num_seqs * new_tokens
+    key = torch.randn(num_tokens, setup.num_kv_heads, setup.head_dim, device=setup.device).to(setup.dtype)
+    value = torch.randn_like(key)
+    want = cache.data.clone()
+    reference.store_kv(key, value, want[0, 0], want[0, 1], meta)
+    k_cache, v_cache = cache.layers[0]
+    setup.backend.store_kv(key, value, k_cache, v_cache, meta)
+    ok = torch.equal(cache.data, want)
+    seconds = _median_time(setup, lambda: setup.backend.store_kv(key, value, k_cache, v_cache, meta), flush)
+    nbytes = 2 * num_tokens * setup.kv_bytes_per_token + meta.slot_mapping.numel() * 8
+    return {"num_seqs": num_seqs, "new_tokens": new_tokens, "ok": ok, "ms": seconds * 1e3, "bytes": nbytes,
+            "gbps": nbytes / seconds / 1e9, "of_copy": nbytes / seconds / copy_bw}
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+def _resolve_device(args: argparse.Namespace) -> torch.device | None:
+    """The device to run on, or None when a GPU is needed and there is none."""
+    if args.device == "auto":
+        if args.dry_run:
+            return torch.device("cpu")
+        return torch.device("cuda") if torch.cuda.is_available() else None
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return None
+    if device.type == "cpu" and not args.dry_run:
+        return None
+    return device
+
+
+def _setting(args: argparse.Namespace, name: str):
+    value = getattr(args, name)
+    return value if value is not None else DEFAULTS[name][1 if args.dry_run else 0]
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.config import parse_dtype
+
+    decode_shapes = parse_shapes(_setting(args, "decode_shapes"), "--decode-shapes")
+    prefill_shapes = parse_shapes(_setting(args, "prefill_shapes"), "--prefill-shapes")
+    store_shapes = parse_shapes(_setting(args, "store_shapes"), "--store-shapes")
+    num_heads, num_kv_heads = _setting(args, "num_heads"), _setting(args, "num_kv_heads")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"--num-kv-heads: {num_kv_heads} does not divide --num-heads {num_heads}")
+    iters, warmup = _setting(args, "iters"), _setting(args, "warmup")
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {iters} and {warmup}")
+    device = _resolve_device(args)
+    if device is None:
+        print("cliffguard bench kernels: needs a CUDA GPU (none is available here); "
+              "run with --dry-run to check the kernels on tiny shapes on the CPU", file=sys.stderr)
+        return 2
+    dtype = parse_dtype(args.dtype) if args.dtype != "auto" else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    backend = load_backend(args.backend, device)
+    setup = Setup(device, dtype, backend, num_heads, num_kv_heads, _setting(args, "head_dim"), args.block_size,
+                  args.num_splits, iters, warmup)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+
+    note = ""
+    if args.dry_run:
+        path = "Triton's interpreter" if backend.name == "triton" and device.type == "cpu" else backend.source
+        note = f"DRY RUN: tiny shapes on {device} through {path}; the checks count, the timings and rates do not"
+    if args.backend == "auto" and backend.name == "torch":
+        print(f"cliffguard bench kernels: {' / '.join(TRITON_MODULES)} not found; measuring the torch "
+              "reference (kernels.reference) instead", file=sys.stderr)
+    small = args.dry_run and device.type == "cpu"
+    copy_bw = measure_copy_bandwidth(device, (32 << 20) if small else None)
+    matmul_rate = measure_matmul_rate(device, dtype, 256 if small else None)
+    flush = _l2_flush(device)
+
+    result = {"dry_run": args.dry_run, "device": _device_name(device), "backend": backend.name,
+              "source": backend.source, "dtype": str(dtype).removeprefix("torch."), "num_heads": num_heads,
+              "num_kv_heads": num_kv_heads, "head_dim": setup.head_dim, "block_size": setup.block_size,
+              "iters": iters, "copy_gbps": copy_bw / 1e9, "matmul_tflops": matmul_rate / 1e12}
+    need = [math.ceil(c / setup.block_size) * b for b, c in decode_shapes + prefill_shapes]
+    num_blocks = max(need, default=1) * 5 // 4 + 1
+    result["cache_blocks"] = num_blocks
+    cache = _make_cache(setup, num_blocks)
+    result["decode"] = [bench_decode(setup, cache, b, c, rng, copy_bw, flush) for b, c in decode_shapes]
+    result["prefill"] = [bench_prefill(setup, cache, b, n, rng, matmul_rate, flush) for b, n in prefill_shapes]
+    del cache
+    result["store_kv"] = [bench_store(setup, b, n, rng, copy_bw, flush) for b, n in store_shapes]
+    large = [r["of_copy"] for r in result["decode"] if r["large"]]
+    ratios = [r["ratio"] for r in result["prefill"]]
+    result["goals"] = {
+        "judged": not args.dry_run,
+        "decode_min_of_copy": min(large) if large else None,
+        "decode_met": bool(large) and min(large) >= DECODE_GOAL,
+        "prefill_min_ratio": min(ratios) if ratios else None,
+        "prefill_met": bool(ratios) and min(ratios) >= PREFILL_GOAL,
+    }
+    rows = result["decode"] + result["prefill"] + result["store_kv"]
+    result["all_ok"] = all(r["ok"] for r in rows)
+
+    if args.json:
+        if note:
+            print(note, file=sys.stderr)
+        print(json.dumps(result, indent=2))
+    else:
+        _print_report(result, note)
+    return 0 if result["all_ok"] else 1
+
+
+def _l2_flush(device: torch.device) -> Callable[[], object] | None:
+    """Overwrites a buffer larger than any L2 cache before each timed call (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    buf = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    return buf.zero_
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def _mark(ok: bool) -> str:
+    return "✓" if ok else "✗"
+
+
+def _print_report(r: dict, note: str) -> None:
+    from engine.config import parse_dtype
+
+    if note:
+        print(note)
+    print(f"kernels: {r['backend']} ({r['source']}) on {r['device']}, {r['dtype']}; {r['num_heads']} query heads, "
+          f"{r['num_kv_heads']} KV heads, head_dim {r['head_dim']}, block {r['block_size']}; median of "
+          f"{r['iters']} calls")
+    print(f"ceilings measured in this run: copy {r['copy_gbps']:.1f} GB/s (dst.copy_(src), read + write), "
+          f"matmul {r['matmul_tflops']:.3g} TFLOP/s ({r['dtype']})")
+    print(f"check: finite and max |ours - reference| <= {TOLERANCE[parse_dtype(r['dtype'])]:g} x max |reference| "
+          "(store_kv: equal)")
+
+    print(f"\ndecode paged attention (one layer, query length 1, block tables shuffled over "
+          f"{r['cache_blocks']} blocks); bytes = K/V read + Q read + O written")
+    print(f"{'batch x context':>16} {'check':>5} {'max err':>9} {'ms':>9} {'MB':>9} {'GB/s':>9} {'of copy':>8}")
+    for d in r["decode"]:
+        print(f"{d['batch']:>6} x {d['context']:<7} {_mark(d['ok']):>5} {d['max_abs_err']:9.2e} {d['ms']:9.3f} "
+              f"{d['bytes'] / 1e6:9.1f} {d['gbps']:9.1f} {d['of_copy']:7.1%}{' *' if d['large'] else ''}")
+    g = r["goals"]
+    if not g["judged"]:
+        print(f"goal >= {DECODE_GOAL:.0%} of copy bandwidth on the large cases: not judged in a dry run")
+    elif g["decode_min_of_copy"] is None:
+        print(f"goal >= {DECODE_GOAL:.0%} of copy bandwidth on the large cases (*, >= {LARGE_BYTES >> 20} MiB "
+              "moved): no such case in this run")
+    else:
+        print(f"goal >= {DECODE_GOAL:.0%} of copy bandwidth on the large cases (*, >= {LARGE_BYTES >> 20} MiB "
+              f"moved): {'met' if g['decode_met'] else 'NOT met'} (lowest {g['decode_min_of_copy']:.1%})")
+
+    print("\nprefill paged attention (one layer, causal, whole prompt as one chunk, K/V already in the cache) "
+          "vs SDPA (is_causal=True, contiguous K/V)")
+    print(f"{'batch x seq_len':>16} {'check':>5} {'max err':>9} {'ours ms':>9} {'TFLOP/s':>8} {'SDPA ms':>9} "
+          f"{'TFLOP/s':>8} {'ours/SDPA':>9} {'of matmul':>9}  SDPA variant")
+    for p in r["prefill"]:
+        print(f"{p['batch']:>6} x {p['seq_len']:<7} {_mark(p['ok']):>5} {p['max_abs_err']:9.2e} {p['ms']:9.3f} "
+              f"{p['tflops']:8.2f} {p['sdpa_ms']:9.3f} {p['sdpa_tflops']:8.2f} {p['ratio']:8.2f}x "
+              f"{p['of_matmul']:9.1%}  {p['sdpa_variant']}")
+    if not g["judged"]:
+        print(f"goal >= {PREFILL_GOAL}x SDPA on every shape: not judged in a dry run")
+    elif g["prefill_min_ratio"] is not None:
+        print(f"goal >= {PREFILL_GOAL}x SDPA on every shape: {'met' if g['prefill_met'] else 'NOT met'} "
+              f"(lowest {g['prefill_min_ratio']:.2f}x)")
+
+    print("\nstore_kv (K/V of the new tokens into shuffled slots); bytes = K/V read + written + slots read")
+    print(f"{'seqs x new':>16} {'check':>5} {'ms':>9} {'MB':>9} {'GB/s':>9} {'of copy':>8}")
+    for s in r["store_kv"]:
+        print(f"{s['num_seqs']:>6} x {s['new_tokens']:<7} {_mark(s['ok']):>5} {s['ms']:9.3f} {s['bytes'] / 1e6:9.2f} "
+              f"{s['gbps']:9.1f} {s['of_copy']:7.1%}")
+    print(f"\nchecks against kernels.reference: {'all ✓' if r['all_ok'] else 'FAILED (✗ above)'}")

@@ -1,0 +1,327 @@
+"""Triton paged attention: prefill chunks and decode tokens of one step in a single launch.
+
+The step's tokens are cut into query tiles, each `BLOCK_Q` consecutive tokens of one sequence (a
+sequence's tokens never share a tile with another's, and no token is padded). A program takes one
+tile and one KV head, and works on the `BLOCK_M = BLOCK_Q * GROUP_PAD` rows made of every (token,
+query head of the KV head's group) pair, so each K/V tile is loaded once for the whole GQA group.
+It walks the sequence's K/V `BLOCK_N` positions at a time straight out of the cache blocks, through
+the block table, with an online softmax (causal among the new tokens, the cached prefix fully
+visible, optionally a sliding window).
+
+Flash-decoding: when the tiles x KV heads are too few to fill the device (a few long decodes), each
+tile's KV range is also split into `num_splits` segments (grid axis 2). Each program then writes
+its segment's running max, sum and unnormalised output, and `_reduce_splits_kernel` combines them.
+
+What is the same for every layer of a step (the tiles, the split count) is built once, into
+`meta.backend_cache["triton"]`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import AttentionMetadata
+from kernels.triton_kv_store import store_kv
+
+# This module is the Triton backend (`kernels.get_backend`): store_kv comes along with it.
+__all__ = ["paged_attention", "store_kv", "choose_num_splits"]
+
+LOG2_E = 1.4426950408889634
+# A split segment covers at least this many KV positions: shorter ones cost more in the reduce
+# (and in re-reading Q) than they win in parallelism.
+MIN_SPLIT_LEN = 256
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _paged_attention_kernel(
+    query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr,
+    qk_scale, window, num_heads, num_splits,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bt,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # grid: (num_tiles, num_kv_heads, num_splits)
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq = tl.load(tile_seq_ptr + tile)
+    tile_q = tl.load(tile_q_start_ptr + tile)          # first query of the tile, within its sequence
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len                       # cached prefix before this step's tokens
+
+    # rows: (query token of the tile, query head of the group), head fastest
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_local = tile_q + offs_m // GROUP_PAD
+    head_in_group = offs_m % GROUP_PAD
+    head = kv_head * GROUP + head_in_group
+    row_valid = (q_local < q_len) & (head_in_group < GROUP)
+    q_pos = context_len + q_local                       # [BLOCK_M] position of each row's token
+    token = (q_begin + q_local).to(tl.int64)
+
+    # q: [BLOCK_M, HEAD_DIM]
+    q = tl.load(query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=row_valid[:, None], other=0.0).to(DOT_DTYPE)
+
+    # KV positions this tile needs: [kv_start, kv_end), kv_start aligned to BLOCK_N
+    kv_end = context_len + tl.minimum(tile_q + BLOCK_Q, q_len)
+    kv_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(context_len + tile_q - window + 1, 0)
+        kv_start = (kv_start // BLOCK_N) * BLOCK_N
+    num_kv_tiles = tl.cdiv(kv_end - kv_start, BLOCK_N)
+    if SPLIT:
+        per_split = tl.cdiv(num_kv_tiles, num_splits)
+        t_lo = split * per_split
+        t_hi = tl.minimum(t_lo + per_split, num_kv_tiles)
+    else:
+        t_lo = 0
+        t_hi = num_kv_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for t in range(t_lo, t_hi):
+        kv_pos = kv_start + t * BLOCK_N + offs_n        # [BLOCK_N]
+        kv_mask = kv_pos < kv_end
+        block = tl.load(table_ptr + kv_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
+        in_block = kv_pos % BLOCK_SIZE
+        # k: [HEAD_DIM, BLOCK_N]
+        k = tl.load(k_cache_ptr + block[None, :] * stride_kb + in_block[None, :] * stride_ks
+                    + kv_head * stride_kh + offs_d[:, None] * stride_kd,
+                    mask=kv_mask[None, :], other=0.0)
+        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_M, BLOCK_N], log2 units
+        allowed = kv_mask[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            allowed = allowed & (kv_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with nothing allowed yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        # v: [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs
+                    + kv_head * stride_vh + offs_d[None, :] * stride_vd,
+                    mask=kv_mask[:, None], other=0.0)
+        # P rounded to the query's dtype, as the tensor cores take it
+        p = p.to(query_ptr.dtype.element_ty).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        # partials: m, l [num_tokens, num_heads, num_splits]; acc [..., HEAD_DIM], float32, contiguous
+        part = (token * num_heads + head) * num_splits + split
+        tl.store(part_m_ptr + part, m_i, mask=row_valid)
+        tl.store(part_l_ptr + part, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
+    else:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]   # l_i = 0 only on padding rows
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
+    num_heads, num_splits,
+    stride_ot, stride_oh, stride_od,
+    NUM_SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    # grid: (num_tokens, num_heads); combines one row's split partials into its output.
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_s = offs_s < num_splits
+    part = (token * num_heads + head) * num_splits + offs_s
+    m = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - m_max)                              # empty segments (m = -inf) weigh 0
+    l_sum = tl.sum(l * w, axis=0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], axis=0) / l_sum
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty))
+
+
+def _is_interpreted(kernel) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+# Whether these kernels run through Triton's interpreter (TRITON_INTERPRET=1 when triton was imported).
+INTERPRETED = _is_interpreted(_paged_attention_kernel)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
+    """How many segments to split each tile's KV range into (flash-decoding), from Python ints only.
+
+    Split only when the unsplit grid (`num_programs` = tiles x KV heads) is smaller than the device's
+    SM count, and keep segments at least `MIN_SPLIT_LEN` positions long; aim at two programs per SM.
+    On the CPU (the interpreter) there is nothing to fill: 1.
+    """
+    if device.type != "cuda" or num_programs == 0:
+        return 1
+    num_sms = _num_sms(device)
+    max_by_len = max_seq_len // MIN_SPLIT_LEN
+    if num_programs >= num_sms or max_by_len < 2:
+        return 1
+    return max(1, min(triton.cdiv(2 * num_sms, num_programs), max_by_len, MAX_SPLITS))
+
+
+def _launch_config(group: int, max_query_len: int, head_dim: int, element_size: int
+                   ) -> tuple[int, int, int, int, int]:
+    """(GROUP_PAD, BLOCK_M, BLOCK_Q, BLOCK_N, num_warps) for a launch; BLOCK_M, BLOCK_N >= 16 for tl.dot.
+
+    BLOCK_M = BLOCK_Q tokens x GROUP_PAD heads: the fewest rows that fit the longest query (at least 16,
+    the smallest dot; a decode tile holds its one token, the other rows are masked), at most 64 unless
+    the group alone is larger. BLOCK_N: 64 positions, 32 for float32 or head_dim > 128, so the pipelined
+    K/V tiles fit the shared memory of sm_80/sm_86 parts too and the float32 build does not spill.
+    8 warps once the Q tile reaches 8 KiB: with 4, the sm_90 build of those tiles spills registers.
+    """
+    group_pad = triton.next_power_of_2(group)
+    rows = triton.next_power_of_2(max(max_query_len, 1)) * group_pad
+    block_m = max(min(max(rows, 16), 64), group_pad)
+    block_n = 64 if element_size <= 2 and head_dim <= 128 else 32
+    num_warps = 8 if block_m * head_dim * element_size >= 8192 else 4
+    return group_pad, block_m, block_m // group_pad, block_n, num_warps
+
+
+def _step_plan(meta: AttentionMetadata, block_q: int | None = None) -> dict:
+    """Query tiles of this step for `block_q`, built once and shared by every layer.
+
+    backend_cache["triton"]: {"num_query_tokens", "max_query_len", "max_seq_len",
+    ("tiles", block_q): (tile_seq, tile_q_start), ("num_splits", block_q, num_kv_heads): int}
+    tile_seq, tile_q_start: [num_tiles] int32 — the sequence of each tile and its first query within it.
+    """
+    plan = meta.backend_cache.get("triton")
+    if plan is None:
+        plan = {"num_query_tokens": sum(meta.query_lens_list),
+                "max_query_len": max(meta.query_lens_list, default=0),
+                "max_seq_len": max(meta.seq_lens_list, default=0)}
+        meta.backend_cache["triton"] = plan
+    if block_q is None:
+        return plan
+    key = ("tiles", block_q)
+    if key not in plan:
+        seqs, starts = [], []
+        for i, q_len in enumerate(meta.query_lens_list):
+            for start in range(0, q_len, block_q):
+                seqs.append(i)
+                starts.append(start)
+        tiles = torch.tensor([seqs, starts], dtype=torch.int32).reshape(2, len(seqs))
+        tiles = tiles.to(meta.query_start_loc.device)
+        plan[key] = (tiles[0], tiles[1])
+    return plan
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None, *,
+                    num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each new token over its sequence's cached K/V (new tokens included).
+
+    query: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    (strided views allowed, head_dim contiguous). Returns [num_tokens, num_heads, head_dim] in query's
+    dtype, written into `out` when given. `num_splits` forces the flash-decoding split count
+    (default: `choose_num_splits`).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.shape == v_cache.shape == (num_blocks, block_size, num_kv_heads, head_dim), \
+        f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit query {tuple(query.shape)}"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads for {num_kv_heads} KV heads"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim}: a power of two >= 16"
+    assert block_size == meta.block_size, f"cache block_size {block_size} != metadata's {meta.block_size}"
+    assert query.dtype in (torch.float16, torch.bfloat16, torch.float32), f"query dtype {query.dtype}"
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype.is_floating_point, "cache dtypes"
+    plan = _step_plan(meta)
+    assert num_tokens == meta.num_tokens == plan["num_query_tokens"], \
+        f"{num_tokens} query rows for metadata of {meta.num_tokens} tokens"
+    assert meta.block_tables.dtype == torch.int32 and meta.block_tables.dim() == 2
+    assert meta.query_start_loc.dtype == meta.seq_lens.dtype == torch.int32
+    assert meta.query_start_loc.is_contiguous() and meta.seq_lens.is_contiguous()
+    assert meta.block_tables.stride(1) == 1 or meta.block_tables.shape[1] <= 1, "block_tables rows contiguous"
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", meta.block_tables),
+                    ("query_start_loc", meta.query_start_loc), ("seq_lens", meta.seq_lens)):
+        assert t.device == query.device, f"{name} on {t.device}, query on {query.device}"
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
+        assert t.stride(-1) == 1, f"{name}: head_dim must be contiguous, strides {t.stride()}"
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.dtype == query.dtype and out.device == query.device, \
+        f"out {tuple(out.shape)} {out.dtype} does not match query {tuple(query.shape)} {query.dtype}"
+    assert sliding_window is None or sliding_window > 0, f"sliding_window {sliding_window}"
+    if num_tokens == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    group_pad, block_m, block_q, block_n, num_warps = _launch_config(
+        group, plan["max_query_len"], head_dim, query.element_size())
+    _step_plan(meta, block_q)
+    tile_seq, tile_q_start = plan[("tiles", block_q)]
+    num_tiles = tile_seq.shape[0]
+    if num_splits is None:
+        splits_key = ("num_splits", block_q, num_kv_heads)
+        if splits_key not in plan:
+            plan[splits_key] = choose_num_splits(num_tiles * num_kv_heads, plan["max_seq_len"], query.device)
+        num_splits = plan[splits_key]
+    assert num_splits >= 1, f"num_splits {num_splits}"
+
+    split = num_splits > 1
+    # The dot's operand type: the query's, except under the interpreter, whose dot multiplies bf16 as
+    # raw uint16 bits: there bf16 operands are widened (exactly) to float32.
+    dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[query.dtype]
+    if INTERPRETED and dot_dtype == tl.bfloat16:
+        dot_dtype = tl.float32
+    if split:
+        part_m = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
+                               device=query.device)
+    else:
+        part_m = part_l = part_acc = out    # unused
+    grid = (num_tiles, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        query, k_cache, v_cache, out,
+        part_m, part_l, part_acc,
+        meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_q_start,
+        scale * LOG2_E, sliding_window or 0, num_heads, num_splits,
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        meta.block_tables.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        USE_WINDOW=sliding_window is not None, SPLIT=split,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        num_warps=num_warps,
+    )
+    if split:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            part_m, part_l, part_acc, out, num_heads, num_splits, *out.stride(),
+            NUM_SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            num_warps=1 if head_dim <= 64 else 2,
+        )
+    return out

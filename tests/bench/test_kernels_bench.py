@@ -1,0 +1,161 @@
+"""`cliffguard bench kernels --dry-run` on the CPU: every shape checks ✓ against the reference (through Triton's
+interpreter when the Triton kernels exist), a wrong kernel is caught, `--json` parses, and without a GPU the full
+run refuses. `cliffguard bench engine --model bench/models/llama-3-8b --random-weights`: the folder resolves, gets
+a tokenizer and config overrides, and a shrunken copy runs end to end against transformers."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from bench import engine as engine_bench
+from bench import kernels as kernels_bench
+from engine.config import ModelConfig
+from kernels import reference
+
+LLAMA_3_8B = "bench/models/llama-3-8b"
+NUM_DRY_RUN_SHAPES = sum(len(kernels_bench.parse_shapes(kernels_bench.DEFAULTS[k][1], k))
+                         for k in ("decode_shapes", "prefill_shapes", "store_shapes"))
+TRITON = pytest.mark.skipif(not kernels_bench.triton_available(),
+                            reason="kernels/triton_attention.py, kernels/triton_kv_store.py or triton missing")
+
+
+def _run_kernels(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    kernels_bench.add_arguments(parser)
+    return kernels_bench.run(parser.parse_args(list(argv)))
+
+
+def _run_engine(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    engine_bench.add_arguments(parser)
+    return engine_bench.run(parser.parse_args(list(argv)))
+
+
+def _assert_every_row_ok(result: dict) -> None:
+    rows = result["decode"] + result["prefill"] + result["store_kv"]
+    assert len(rows) == NUM_DRY_RUN_SHAPES
+    assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
+    assert result["all_ok"] and result["dry_run"] and not result["goals"]["judged"]
+    assert result["copy_gbps"] > 0 and result["matmul_tflops"] > 0
+
+
+# --- bench kernels ---------------------------------------------------------------------------------
+
+
+def test_dry_run_on_the_torch_reference_prints_a_check_per_shape(capsys):
+    assert _run_kernels("--dry-run", "--backend", "torch") == 0
+    out = capsys.readouterr().out
+    assert "DRY RUN" in out and "the timings and rates do not" in out
+    assert out.count("✓") == NUM_DRY_RUN_SHAPES + 1  # one per shape, one in the summary line
+    assert "✗" not in out
+    for section in ("decode paged attention", "prefill paged attention", "store_kv", "GB/s", "TFLOP/s", "copy"):
+        assert section in out
+
+
+def test_dry_run_json_parses(capsys):
+    assert _run_kernels("--dry-run", "--backend", "torch", "--json") == 0
+    result = json.loads(capsys.readouterr().out)
+    _assert_every_row_ok(result)
+    assert result["backend"] == "torch"
+    assert {r["sdpa_variant"] for r in result["prefill"]} <= {"enable_gqa", "expanded"}
+
+
+@TRITON
+@pytest.mark.parametrize("extra", [(), ("--dtype", "bfloat16", "--num-splits", "3")], ids=["fp32", "bf16-split"])
+def test_dry_run_on_the_triton_kernels_through_the_interpreter(extra, capsys):
+    assert _run_kernels("--dry-run", "--json", *extra) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["backend"] == "triton"
+    _assert_every_row_ok(result)
+
+
+def test_a_wrong_kernel_is_flagged_and_fails_the_run(monkeypatch, capsys):
+    def off_by_a_bit(query, k_cache, v_cache, meta, scale, **kwargs):
+        out = reference.paged_attention(query, k_cache, v_cache, meta, scale)
+        out[-1, 0, 0] += 0.5
+        return out
+
+    def stores_nothing(key, value, k_cache, v_cache, meta):
+        pass
+
+    wrong = kernels_bench.Backend("torch", "test", off_by_a_bit, stores_nothing)
+    monkeypatch.setattr(kernels_bench, "load_backend", lambda name, device: wrong)
+    assert _run_kernels("--dry-run", "--decode-shapes", "2x20", "--prefill-shapes", "1x18",
+                        "--store-shapes", "2x3") == 1
+    out = capsys.readouterr().out
+    assert out.count("✗") == 3 + 1 and "FAILED" in out  # one per shape, one in the summary line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_without_a_gpu_the_full_run_exits_2(capsys):
+    assert _run_kernels() == 2
+    assert "--dry-run" in capsys.readouterr().err
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="--decode-shapes"):
+        _run_kernels("--dry-run", "--decode-shapes", "8by128")
+    with pytest.raises(ValueError, match="--num-kv-heads"):
+        _run_kernels("--dry-run", "--num-heads", "6", "--num-kv-heads", "4")
+
+
+# --- bench engine on the Llama-3-8B shape ------------------------------------------------------------
+
+
+def test_llama_3_8b_folder_is_the_real_shape():
+    cfg = ModelConfig.from_folder(engine_bench.REPO_ROOT / LLAMA_3_8B)
+    assert (cfg.architecture, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers) == \
+        ("LlamaForCausalLM", 4096, 14336, 32)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (32, 8, 128, 128256)
+    assert (cfg.max_position_embeddings, cfg.rope_theta, cfg.rms_norm_eps) == (8192, 500000.0, 1e-5)
+    assert round(cfg.num_params() / 1e9, 2) == 8.03
+
+
+def test_model_folder_gets_a_tokenizer_and_overrides_from_any_directory(tmp_path, monkeypatch, builtin_path):
+    from engine.tokenizer import Tokenizer
+
+    monkeypatch.chdir(tmp_path)  # the relative name resolves from the repository root
+    overrides = engine_bench.parse_overrides(["num_hidden_layers=2", "rope_scaling=null"])
+    assert overrides == {"num_hidden_layers": 2, "rope_scaling": None}
+    folder = engine_bench.prepare_model_folder(LLAMA_3_8B, tmp_path, overrides)
+    cfg = ModelConfig.from_folder(folder)
+    assert cfg.num_layers == 2 and cfg.hidden_size == 4096
+    tokenizer = Tokenizer.from_folder(folder)
+    ids = tokenizer.encode_chat([{"role": "user", "content": "hello"}])
+    assert ids and max(ids) < cfg.vocab_size
+    # untouched: the source folder, and a folder that needs nothing
+    assert ModelConfig.from_folder(engine_bench.REPO_ROOT / LLAMA_3_8B).num_layers == 32
+    assert engine_bench.prepare_model_folder(str(builtin_path), tmp_path) == str(builtin_path)
+    with pytest.raises(ValueError, match="hidden_sise"):
+        engine_bench.prepare_model_folder(LLAMA_3_8B, tmp_path, {"hidden_sise": 64})
+
+
+def test_config_override_needs_random_weights():
+    with pytest.raises(ValueError, match="--random-weights"):
+        _run_engine("--model", LLAMA_3_8B, "--config-override", "num_hidden_layers=2")
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        _run_engine("--model", LLAMA_3_8B, "--random-weights", "--config-override", "num_hidden_layers")
+
+
+def test_llama_3_8b_shrunk_runs_end_to_end_against_transformers(capsys, builtin_path):
+    tiny = ["hidden_size=64", "intermediate_size=128", "num_hidden_layers=2", "num_attention_heads=4",
+            "num_key_value_heads=2"]
+    argv = ["--model", LLAMA_3_8B, "--random-weights", "--num-prompts", "3", "--min-output", "2",
+            "--max-output", "5", "--hf-batch-sizes", "3", "--kv-cache-mib", "16", "--json"]
+    for item in tiny:
+        argv += ["--config-override", item]
+    assert _run_engine(*argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["ours"]["tok_per_s"] > 0
+    assert [t["batch_size"] for t in result["transformers"]] == [3]
+    d = result["decode"]
+    assert d["kv_tokens"] > 0 and d["kv_bytes"] == d["kv_tokens"] * 2 * 2 * 2 * 16 * 4  # layers, K/V, heads, dim
+    assert d["floor_ms"] > 0

@@ -1,0 +1,344 @@
+"""The Triton kernels against the torch reference: on the CPU through Triton's interpreter, on CUDA
+at realistic sizes (`gpu` mark).
+
+Inputs are fresh random every run; the seed is in every assertion message (rerun one case with
+`CLIFFGUARD_TEST_SEED=<seed>`). Caches are poisoned with NaN outside the written slots and outputs
+with NaN before the call, so a kernel that reads a slot it should not, or leaves a row unwritten, fails.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+
+import importlib.util  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+import kernels  # noqa: E402
+from kernels import AttentionMetadata, reference  # noqa: E402
+from kernels import triton_attention, triton_kv_store  # noqa: E402
+
+# Explicit tolerances per dtype (atol, rtol), against the reference computed in float32. fp16/bf16
+# round P to the input dtype before the PV product, and the output once more.
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1.5e-3, 1.5e-3),
+    torch.bfloat16: (1.5e-2, 1.5e-2),
+}
+
+
+def _make_seed() -> int:
+    forced = os.environ.get("CLIFFGUARD_TEST_SEED")
+    return int(forced) if forced else random.SystemRandom().randrange(2**31)
+
+
+def _make_tables(seq_lens, block_size, rng, spare=3):
+    """Block tables over shuffled block ids, with `spare` blocks no sequence owns."""
+    counts = [-(-s // block_size) for s in seq_lens]
+    ids = list(range(sum(counts) + spare))
+    rng.shuffle(ids)
+    tables, pos = [], 0
+    for n in counts:
+        tables.append(ids[pos:pos + n])
+        pos += n
+    return tables, len(ids)
+
+
+def _make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, num_layers=2):
+    """NaN-poisoned [L, 2, blocks, block_size, kv_heads, head_dim] and the strided views of its last layer."""
+    data = torch.full((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"),
+                      dtype=dtype, device=device)
+    return data, data[-1, 0], data[-1, 1]
+
+
+def _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                         seed, device="cpu"):
+    """A step: every sequence's K/V stored (prefix and new tokens), queries for the new tokens."""
+    rng = random.Random(seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    tables, num_blocks = _make_tables(seq_lens, block_size, rng)
+    data, k_cache, v_cache = _make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    total = sum(seq_lens)
+    keys = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    values = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    everything = AttentionMetadata.build(tables, seq_lens, seq_lens, block_size, device)
+    reference.store_kv(keys, values, k_cache, v_cache, everything)
+    meta = AttentionMetadata.build(tables, query_lens, seq_lens, block_size, device)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(device, dtype)
+    return query, k_cache, v_cache, meta
+
+
+def _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window):
+    """The torch reference in float32, on a fresh copy of the metadata (its plan cache is its own)."""
+    fresh = AttentionMetadata(meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+                              meta.block_size, meta.query_lens_list, meta.seq_lens_list)
+    return reference.paged_attention(query.float(), k_cache.float(), v_cache.float(), fresh, scale,
+                                     sliding_window)
+
+
+def _assert_attention_matches(backend, case, seed, sliding_window=None, num_splits=None, label=""):
+    query, k_cache, v_cache, meta = case
+    scale = query.shape[-1] ** -0.5
+    out = torch.full_like(query, float("nan"))
+    got = backend.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window,
+                                  num_splits=num_splits, out=out)
+    assert got is out
+    want = _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window)
+    where = f"seed={seed} {label} window={sliding_window} splits={num_splits}"
+    assert not out.isnan().any(), f"{where}: output rows left unwritten (NaN) at " \
+                                  f"{out.isnan().nonzero()[:4].tolist()}"
+    atol, rtol = TOLERANCES[query.dtype]
+    torch.testing.assert_close(out.float(), want, atol=atol, rtol=rtol, msg=lambda m: f"{where}\n{m}")
+
+
+def _mixed_batch(block_size):
+    """(seq_lens, query_lens) mixing decode rows (short and long contexts), a prefill chunk that starts
+    mid-block over a cached prefix, a whole prompt, a length-1 prompt, a sequence with no new token,
+    and partial last blocks."""
+    b = block_size
+    seq_lens = [3 * b + 5, 1, 2 * b + 9, 5, 2 * b, 7 * b + 3, 1, 9]
+    query_lens = [1, 1, b + 2, 5, 3, 1, 1, 0]
+    return seq_lens, query_lens
+
+
+# --- store_kv ---------------------------------------------------------------------------------
+
+def _assert_store_kv_matches(store_kv, seq_lens, query_lens, dtype, src_dtype, block_size, num_kv_heads, head_dim,
+                             num_skipped, seed, device="cpu"):
+    """`store_kv` against the reference: strided key/value (a fused projection's slices) into strided,
+    NaN-poisoned caches, `num_skipped` random tokens (the first among them) with slot -1."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    tables, num_blocks = _make_tables(seq_lens, block_size, rng)
+    meta = AttentionMetadata.build(tables, query_lens, seq_lens, block_size, device)
+    num_tokens = meta.num_tokens
+    skip = [0] + rng.sample(range(1, num_tokens), num_skipped - 1)
+    meta.slot_mapping[skip] = -1
+    meta.has_invalid_slots = True
+    fused = torch.randn(num_tokens, 3, num_kv_heads, head_dim, generator=gen).to(device, src_dtype)
+    key, value = fused[:, 1], fused[:, 2]
+    got_data, got_k, got_v = _make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    want_data, want_k, want_v = _make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    store_kv(key, value, got_k, got_v, meta)
+    reference.store_kv(key, value, want_k, want_v, meta)
+    # every written slot matches, and nothing else in the tensor (other layer, skipped slots) changed
+    assert torch.equal(got_data.isnan(), want_data.isnan()), f"seed={seed}: wrong set of slots written"
+    assert torch.equal(got_data.nan_to_num(), want_data.nan_to_num()), f"seed={seed}: stored values differ"
+    assert int((~got_data.isnan()).sum()) == 2 * (num_tokens - num_skipped) * num_kv_heads * head_dim, \
+        f"seed={seed}: wrong number of values written"
+
+
+# fp32 -> fp16 is converted in the kernel; fp32 -> bf16 is not tested on the CPU: the interpreter
+# truncates where the GPU (and torch) round to nearest even.
+@pytest.mark.parametrize("dtype,src_dtype,block_size,num_kv_heads,head_dim", [
+    (torch.float32, torch.float32, 8, 1, 64),
+    (torch.float16, torch.float32, 16, 3, 128),
+    (torch.bfloat16, torch.bfloat16, 32, 2, 64),
+])
+def test_store_kv_matches_reference(dtype, src_dtype, block_size, num_kv_heads, head_dim):
+    seed = _make_seed()
+    _assert_store_kv_matches(triton_kv_store.store_kv, [block_size + 3, 2, 2 * block_size], [block_size + 3, 1, 5],
+                             dtype, src_dtype, block_size, num_kv_heads, head_dim, 4, seed)
+
+
+def test_store_kv_with_no_tokens_is_a_no_op():
+    _, k_cache, v_cache = _make_cache(2, 8, 2, 64, torch.float16, "cpu")
+    meta = AttentionMetadata.build([], [], [], 8)
+    empty = torch.empty(0, 2, 64, dtype=torch.float16)
+    triton_kv_store.store_kv(empty, empty, k_cache, v_cache, meta)
+    assert k_cache.isnan().all() and v_cache.isnan().all()
+
+
+def test_store_kv_rejects_mismatched_shapes():
+    _, k_cache, v_cache = _make_cache(2, 8, 2, 64, torch.float32, "cpu")
+    meta = AttentionMetadata.build([[0]], [1], [1], 8)
+    with pytest.raises(AssertionError, match="do not fit"):
+        triton_kv_store.store_kv(torch.zeros(1, 3, 64), torch.zeros(1, 3, 64), k_cache, v_cache, meta)
+
+
+# --- paged_attention --------------------------------------------------------------------------
+
+# Every GQA ratio (1, 3, 8), head dim (64, 128), block size (8, 16, 32) and dtype at least once, with and
+# without a sliding window, single pass and forced split-K, each on a mixed prefill + decode batch.
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size,sliding_window,num_splits", [
+    (torch.float32, 2, 2, 64, 8, None, None),
+    (torch.float16, 6, 2, 128, 16, None, 3),
+    (torch.bfloat16, 8, 1, 64, 32, 7, None),
+    (torch.float32, 6, 2, 64, 32, 70, 4),
+    (torch.float16, 8, 1, 128, 8, None, None),
+    (torch.bfloat16, 2, 2, 128, 16, 20, 2),
+])
+def test_paged_attention_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size,
+                                                       sliding_window, num_splits):
+    seed = _make_seed()
+    seq_lens, query_lens = _mixed_batch(block_size)
+    case = _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed)
+    _assert_attention_matches(triton_attention, case, seed, sliding_window, num_splits,
+                              label=f"{dtype} heads={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_paged_attention_decode_split_k_matches_reference(num_splits):
+    """Decode only (the flash-decoding path: small query tiles), long contexts split into segments,
+    some of which are empty for the short sequences."""
+    seed = _make_seed()
+    rng = random.Random(seed)
+    seq_lens = [rng.randint(150, 300), rng.randint(1, 20), rng.randint(60, 140)]
+    case = _make_attention_case(seq_lens, [1, 1, 1], 6, 2, 64, 16, torch.float16, seed)
+    _assert_attention_matches(triton_attention, case, seed, num_splits=num_splits, label=f"lens={seq_lens}")
+
+
+def test_paged_attention_random_steps_match_reference():
+    """A few random steps (shapes, dtype, batch, window, splits all drawn from the seed): each run
+    covers other corners."""
+    seed = _make_seed()
+    rng = random.Random(seed)
+    for _ in range(3):
+        dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
+        num_kv_heads, group = rng.choice([1, 2]), rng.choice([1, 2, 3, 5, 8])
+        head_dim, block_size = rng.choice([16, 64, 128]), rng.choice([8, 16, 32])
+        seq_lens = [rng.randint(1, 130) for _ in range(rng.randint(1, 5))]
+        query_lens = [rng.choice([1, 1, rng.randint(0, s)]) for s in seq_lens]
+        window = rng.choice([None, rng.randint(1, 80)])
+        splits = rng.choice([None, rng.randint(2, 6)])
+        case = _make_attention_case(seq_lens, query_lens, num_kv_heads * group, num_kv_heads, head_dim, block_size,
+                                    dtype, rng.randrange(2**31))
+        _assert_attention_matches(triton_attention, case, seed, window, splits,
+                                  label=f"{dtype} heads={num_kv_heads * group}/{num_kv_heads} d={head_dim} "
+                                        f"bs={block_size} seq_lens={seq_lens} query_lens={query_lens}")
+
+
+def test_paged_attention_decode_split_k_with_sliding_window():
+    seed = _make_seed()
+    case = _make_attention_case([260, 33], [1, 1], 4, 4, 64, 16, torch.float32, seed)
+    _assert_attention_matches(triton_attention, case, seed, sliding_window=90, num_splits=3)
+
+
+def test_paged_attention_long_prefill_chunk_over_several_tiles():
+    """A chunk longer than a query tile, starting mid-block, over a cached prefix of several KV tiles."""
+    seed = _make_seed()
+    case = _make_attention_case([150, 1], [77, 1], 4, 2, 64, 16, torch.bfloat16, seed)
+    _assert_attention_matches(triton_attention, case, seed, label="prefill 77 of 150")
+    _assert_attention_matches(triton_attention, case, seed, sliding_window=40, label="prefill 77 of 150")
+
+
+def test_paged_attention_single_token_and_empty_step():
+    seed = _make_seed()
+    one = _make_attention_case([1], [1], 3, 1, 64, 8, torch.float32, seed)
+    _assert_attention_matches(triton_attention, one, seed, label="one token")
+    _assert_attention_matches(triton_attention, one, seed, num_splits=2, label="one token")
+    _, k_cache, v_cache = _make_cache(2, 8, 1, 64, torch.float32, "cpu")
+    meta = AttentionMetadata.build([], [], [], 8)
+    out = triton_attention.paged_attention(torch.empty(0, 3, 64), k_cache, v_cache, meta, 0.125)
+    assert out.shape == (0, 3, 64)
+
+
+def test_paged_attention_builds_the_step_plan_once_for_all_layers():
+    seed = _make_seed()
+    query, k_cache, v_cache, meta = _make_attention_case([20, 9], [1, 9], 4, 2, 64, 8, torch.float32, seed)
+    first = triton_attention.paged_attention(query, k_cache, v_cache, meta, 0.125)
+    plan = meta.backend_cache["triton"]
+    tiles = {key: value for key, value in plan.items() if isinstance(key, tuple) and key[0] == "tiles"}
+    second = triton_attention.paged_attention(query, k_cache, v_cache, meta, 0.125)
+    assert meta.backend_cache["triton"] is plan
+    for key, value in tiles.items():
+        assert plan[key] is value
+    torch.testing.assert_close(first, second, atol=0, rtol=0)
+
+
+def test_choose_num_splits(monkeypatch):
+    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    choose = triton_attention.choose_num_splits
+    assert choose(4 * 8, 100_000, torch.device("cpu")) == 1                # nothing to fill on the CPU
+    assert choose(4 * 8, 32_000, cuda) == 9                                 # 4 decodes x 8 KV heads: 264 / 32
+    assert choose(1 * 8, 32_000, cuda) == 33                                # one long decode
+    assert choose(1 * 8, 1_000, cuda) == 3                                  # segments stay >= MIN_SPLIT_LEN
+    assert choose(1 * 8, 400, cuda) == 1                                    # too short to split
+    assert choose(200 * 8, 32_000, cuda) == 1                               # the grid fills the GPU already
+    assert choose(1, 10**7, cuda) == triton_attention.MAX_SPLITS
+
+
+# --- dispatch ---------------------------------------------------------------------------------
+
+def test_get_backend_choice_and_override(monkeypatch):
+    monkeypatch.delenv("CLIFFGUARD_ATTENTION_BACKEND", raising=False)
+    assert kernels.get_backend("cpu") is reference
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton")
+    backend = kernels.get_backend("cpu")                                    # through the interpreter
+    assert backend is triton_attention
+    assert backend.store_kv is triton_kv_store.store_kv
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "torch")
+    assert kernels.get_backend("cpu") is reference
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "cuda-graphs")
+    with pytest.raises(ValueError, match="unknown backend 'cuda-graphs'"):
+        kernels.get_backend("cpu")
+
+
+def test_get_backend_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton")
+    monkeypatch.setattr(triton_attention, "INTERPRETED", False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        kernels.get_backend("cpu")
+
+
+# --- CUDA, realistic sizes ----------------------------------------------------------------------
+
+def _load_compiled_backend():
+    """Fresh copies of the kernel modules, compiled for the GPU: this module (and maybe others in the
+    session) switched the interpreter on before `kernels.triton_*` were first imported."""
+    saved_env = os.environ.pop("TRITON_INTERPRET", None)
+    saved = {name: sys.modules.get(name) for name in ("kernels.triton_kv_store", "kernels.triton_attention")}
+    folder = Path(kernels.__file__).parent
+    try:
+        loaded = {}
+        for name in saved:
+            spec = importlib.util.spec_from_file_location(name, folder / f"{name.split('.')[1]}.py")
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module          # triton_attention imports the compiled store_kv
+            spec.loader.exec_module(module)
+            loaded[name] = module
+        return loaded["kernels.triton_attention"]
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+        if saved_env is not None:
+            os.environ["TRITON_INTERPRET"] = saved_env
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(32, 8, 128, 16), (24, 8, 64, 32)])
+def test_gpu_kernels_match_reference_at_realistic_sizes(dtype, num_heads, num_kv_heads, head_dim, block_size):
+    backend = _load_compiled_backend()
+    seed = _make_seed()
+    # store_kv: a step of 3000 tokens, some slots -1
+    _assert_store_kv_matches(backend.store_kv, [2048, 900, 52], [2048, 900, 52], dtype, dtype, block_size,
+                             num_kv_heads, head_dim, 400, seed, "cuda")
+    torch.cuda.synchronize()
+
+    # decode-only (split-K chosen by the heuristic, and forced), then a mixed step with a long chunk
+    decode = ([4096, 3000, 8191, 17], [1, 1, 1, 1])
+    mixed = ([4096, 1500, 8191, 1, 700] + [1000] * 20, [1, 511, 1, 1, 700] + [1] * 20)
+    for (lens, q_lens), window, splits in [(decode, None, None), (decode, None, 1), (decode, 1024, None),
+                                           (mixed, None, None), (mixed, 4096, None), (mixed, None, 7)]:
+        case = _make_attention_case(lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
+                                    device="cuda")
+        _assert_attention_matches(backend, case, seed, window, splits,
+                                  label=f"{dtype} {num_heads}/{num_kv_heads} d={head_dim} bs={block_size} "
+                                        f"lens={lens[:5]}")
+        if lens is decode[0] and splits is None:   # the heuristic chose flash-decoding for 4 long decodes
+            plan = case[3].backend_cache["triton"]
+            assert max(v for k, v in plan.items() if isinstance(k, tuple) and k[0] == "num_splits") > 1
