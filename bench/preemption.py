@@ -41,7 +41,7 @@ from bench.gateway import _percentile
 
 MODES = ("recompute", "swap", "auto")
 WARMUP_POOL = "warmup"
-WARMUP_BLOCKS = 4
+WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 32, 4
 
 
 @dataclass(frozen=True)
@@ -128,8 +128,8 @@ def build_engine(args, mode: str, cells: list[tuple[Mix, float, int, int]], byte
         return SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                preemption_mode=mode, swap_space_bytes=swap_bytes)
 
-    pools = [PoolConfig(name=WARMUP_POOL, num_blocks=WARMUP_BLOCKS,
-                        scheduler=scheduler(WARMUP_BLOCKS, WARMUP_BLOCKS))]
+    warmup_blocks = math.ceil((WARMUP_PROMPT_LEN + WARMUP_OUTPUT_LEN) / args.block_size)
+    pools = [PoolConfig(name=WARMUP_POOL, num_blocks=warmup_blocks, scheduler=scheduler(warmup_blocks, warmup_blocks))]
     pools += [PoolConfig(name=pool_name(mix, factor), num_blocks=n, scheduler=scheduler(n, ws))
               for mix, factor, n, ws in cells]
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, random_weights=args.random_weights,
@@ -140,10 +140,11 @@ def build_engine(args, mode: str, cells: list[tuple[Mix, float, int, int]], byte
 
 
 def warm_up(engine, vocab_size: int) -> None:
+    """One short request through the warm-up pool (the engine's first): first-call costs stay out of cells."""
     from engine import SamplingParams
 
-    ids = [i % vocab_size for i in range(3, 3 + 2 * engine.kv_cache.block_size)]
-    engine.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    ids = [3 + i % (vocab_size - 3) for i in range(WARMUP_PROMPT_LEN)]
+    engine.generate([ids], SamplingParams(temperature=0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True))
 
 
 def pool_counters(engine, pool: str) -> dict:
@@ -240,6 +241,10 @@ def run(args: argparse.Namespace) -> int:
             "prompt_tokens": sum(len(i) for i, _ in work), "output_tokens": sum(n for _, n in work),
             "working_set_blocks": ws})
         cells += [(mix, f, pool_blocks(f, ws, work, args.block_size), ws) for f in factors]
+    longest = max(len(ids) + n for work in workloads.values() for ids, n in work)
+    if longest > model_config.max_position_embeddings:
+        raise ValueError(f"--scale: the longest request ({longest} tokens) exceeds the model's "
+                         f"max_position_embeddings ({model_config.max_position_embeddings})")
     result = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "device": device_name(device),
               "block_size": args.block_size, "bytes_per_block": bytes_per_block,
               "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,

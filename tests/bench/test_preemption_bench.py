@@ -84,6 +84,11 @@ def test_repeats_count_each_run_on_its_own(tiny_model, capsys):
     assert counts[0] == counts[1] and any(n for n, _ in counts[0])
 
 
+def test_a_scale_beyond_the_model_is_refused_before_loading(tiny_model):
+    with pytest.raises(ValueError, match="--scale"):
+        _run("--model", str(tiny_model), "--quick", "--scale", "10")
+
+
 def test_table_marks_an_unsupported_mode(tiny_model, capsys, monkeypatch):
     build = preemption.build_engine
 
