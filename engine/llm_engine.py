@@ -84,6 +84,7 @@ class LLMEngine:
         self.swap_spaces: dict[str, SwapSpace] = {}
         first = 0
         kv_bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype)
+        swap_bandwidth: float | None = None  # one device, one measurement shared by its pools
         for pool, count in zip(config.pools, config.pool_block_counts(self.num_blocks)):
             sc = pool.scheduler
             max_model_len = sc.max_model_len or self.model_config.max_position_embeddings
@@ -101,8 +102,9 @@ class LLMEngine:
                                       f"block of {self.kv_cache.bytes_per_block} bytes")
                 swap_manager = BlockManager(num_cpu_blocks, config.cache.block_size)
                 self.swap_spaces[pool.name] = SwapSpace(self.kv_cache, num_cpu_blocks)
-                cost_model = PreemptionCostModel(
-                    kv_bytes_per_token, swap_bytes_per_second=self.swap_spaces[pool.name].measure_bandwidth())
+                if swap_bandwidth is None:
+                    swap_bandwidth = self.swap_spaces[pool.name].measure_bandwidth()
+                cost_model = PreemptionCostModel(kv_bytes_per_token, swap_bytes_per_second=swap_bandwidth)
             self.schedulers[pool.name] = Scheduler(sc, bm, max_model_len, name=pool.name,
                                                    swap_manager=swap_manager, cost_model=cost_model)
             first += count

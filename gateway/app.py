@@ -178,55 +178,49 @@ class Gateway:
 
     async def route_chat(self, model: str, messages: list[dict[str, str]]) -> tuple[PoolRuntime, list[int]]:
         """Render each candidate pool's chat template, count exactly, and take the first pool that admits it."""
-        candidates = self._candidates(model)
         size = sum(len(m["content"]) for m in messages)
+        return await self._route(model, "messages", size,
+                                 lambda pool: _render_and_count(pool, messages))
+
+    async def route_prompt(self, model: str, prompt: str | list[int]) -> tuple[PoolRuntime, list[int]]:
+        """Count a completion prompt (text with the tokenizer's prefix, or token ids) and route it."""
+        if isinstance(prompt, list):
+            return await self._route(model, "prompt", 0, lambda pool: list(prompt), timed=False)
+        return await self._route(model, "prompt", len(prompt),
+                                 lambda pool: pool.prefix_ids + pool.counter.encode(prompt))
+
+    async def _route(self, model: str, param: str, size: int, tokenize: Callable[[PoolRuntime], list[int]],
+                     *, timed: bool = True) -> tuple[PoolRuntime, list[int]]:
+        """The first candidate pool whose route admits the prompt's exact count (tokenized once per
+        distinct tokenizer, off the event loop when `size` is large); 400 when no pool admits it."""
         seen: dict[int, list[int]] = {}
-        for pool in candidates:
+        for pool in self._candidates(model):
             if id(pool.counter) not in seen:
                 started = time.perf_counter()
                 try:
-                    ids = await self._off_loop(size, functools.partial(_render_and_count, pool, messages))
+                    seen[id(pool.counter)] = await self._off_loop(size, functools.partial(tokenize, pool))
                 except ValueError as exc:  # bad messages or a template error, named by the tokenizer
                     message = str(exc)
                     raise ApiError(400, message, param=message.split(":", 1)[0]) from None
-                self.metrics.tokenizer_time.labels(backend=pool.counter.backend).observe(
-                    time.perf_counter() - started)
-                seen[id(pool.counter)] = ids
-            if pool.target.admits(len(seen[id(pool.counter)])):
-                return pool, seen[id(pool.counter)]
-        self._no_route(model, len(next(iter(seen.values()))), "messages")
-
-    async def route_prompt(self, model: str, prompt: str | list[int]) -> tuple[PoolRuntime, list[int]]:
-        candidates = self._candidates(model)
-        seen: dict[int, list[int]] = {}
-        for pool in candidates:
-            if id(pool.counter) not in seen:
-                if isinstance(prompt, list):
-                    ids = list(prompt)
-                else:
-                    started = time.perf_counter()
-                    ids = pool.prefix_ids + await self._off_loop(len(prompt), functools.partial(
-                        pool.counter.encode, prompt))
+                if timed:
                     self.metrics.tokenizer_time.labels(backend=pool.counter.backend).observe(
                         time.perf_counter() - started)
-                seen[id(pool.counter)] = ids
-            if pool.target.admits(len(seen[id(pool.counter)])):
-                return pool, seen[id(pool.counter)]
-        self._no_route(model, len(next(iter(seen.values()))), "prompt")
-
-    def _candidates(self, model: str) -> list[PoolRuntime]:
-        try:
-            return [self.pools[t.name] for t in self.router.candidates(model)]
-        except UnknownModelError as exc:
-            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
-
-    def _no_route(self, model: str, num_tokens: int, param: str) -> None:
+            ids = seen[id(pool.counter)]
+            if pool.target.admits(len(ids)):
+                return pool, ids
+        num_tokens = len(next(iter(seen.values())))
         try:
             self.router.route(model, num_tokens)
         except NoRouteError as exc:
             raise ApiError(400, f"{param}: {str(exc).removeprefix('prompt: ')}", param=param,
                            code="context_length_exceeded") from None
         raise AssertionError("a pool admits the prompt after all")
+
+    def _candidates(self, model: str) -> list[PoolRuntime]:
+        try:
+            return [self.pools[t.name] for t in self.router.candidates(model)]
+        except UnknownModelError as exc:
+            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
 
 
 def _render_and_count(pool: PoolRuntime, messages: list[dict[str, str]]) -> list[int]:

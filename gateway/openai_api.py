@@ -88,8 +88,10 @@ def _get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default
     value = body.get(name)
     if value is None:
         return default
-    if kind in (int, float) or kind == (int, float):
-        ok = isinstance(value, (int, float) if kind != int else int) and not isinstance(value, bool)
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind in (float, (int, float)):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     else:
         ok = isinstance(value, kind)
     if not ok:

@@ -36,13 +36,11 @@ class RouteTarget:
 
     @property
     def max_tokens(self) -> int:
-        limit = self.max_model_len - 1
-        if self.route.max_prompt_tokens is None:
-            return limit
-        return min(self.route.max_prompt_tokens, limit)
+        """The largest admitted prompt: the route's bound, capped at max_model_len - 1."""
+        return self.route.upper(self.max_model_len)
 
     def admits(self, num_prompt_tokens: int) -> bool:
-        return self.min_tokens <= num_prompt_tokens <= self.max_tokens
+        return self.route.admits(num_prompt_tokens, self.max_model_len)
 
 
 class Router:

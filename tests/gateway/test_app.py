@@ -52,6 +52,16 @@ def _metrics(text: str) -> dict[str, dict[tuple, float]]:
     return out
 
 
+async def _wait_idle(gateway: Gateway) -> dict:
+    """The device worker's stats once no request is left in it (or after 5 s)."""
+    for _ in range(100):
+        stats = await gateway.clients["cpu"].stats()
+        if stats["num_requests"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    return stats
+
+
 def _count(gateway: Gateway, pool: str, messages) -> int:
     runtime = gateway.pools[pool]
     return len(runtime.counter.encode(runtime.tokenizer.apply_chat_template(messages)))
@@ -176,11 +186,7 @@ async def test_client_disconnect_aborts_and_frees_blocks(aiohttp_client, tmp_pat
         "model": _model(tiny_model), "prompt": "Go", "max_tokens": 400, "ignore_eos": True, "stream": True})
     await r.content.readline()
     r.close()  # the client goes away mid-stream
-    for _ in range(100):
-        stats = await gateway.clients["cpu"].stats()
-        if stats["num_requests"] == 0:
-            break
-        await asyncio.sleep(0.05)
+    stats = await _wait_idle(gateway)
     assert stats["num_requests"] == 0 and stats["pools"]["chat"]["num_aborted"] == 1
     assert all(p["num_free_blocks"] == p["num_blocks"] for p in stats["pools"].values())
 
@@ -286,10 +292,6 @@ async def test_non_streaming_client_disconnect_aborts_too(aiohttp_client, tmp_pa
     body = {"model": _model(tiny_model), "prompt": "Go", "max_tokens": 480, "ignore_eos": True}
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(client.post("/v1/completions", json=body), timeout=0.5)
-    for _ in range(100):
-        stats = await gateway.clients["cpu"].stats()
-        if stats["num_requests"] == 0:
-            break
-        await asyncio.sleep(0.05)
+    stats = await _wait_idle(gateway)
     assert stats["num_requests"] == 0 and stats["pools"]["chat"]["num_aborted"] == 1
     assert all(p["num_free_blocks"] == p["num_blocks"] for p in stats["pools"].values())
