@@ -202,6 +202,9 @@ class Gateway:
                 except ValueError as exc:  # bad messages or a template error, named by the tokenizer
                     message = str(exc)
                     raise ApiError(400, message, param=message.split(":", 1)[0]) from None
+                except TypeError as exc:  # JSON may carry text the tokenizer refuses, e.g. "\ud800"
+                    raise ApiError(400, f"{param}: the text cannot be tokenized ({exc}); it must be valid "
+                                   "Unicode (no lone surrogates)", param=param) from None
                 if timed:
                     self.metrics.tokenizer_time.labels(backend=pool.counter.backend).observe(
                         time.perf_counter() - started)

@@ -161,6 +161,11 @@ async def test_bad_requests_get_clear_errors_while_a_stream_keeps_going(aiohttp_
         ("logprobs too large", comp, dict(json={"model": model, "prompt": "x", "logprobs": 99}, headers=auth),
          400, "logprobs"),
         ("unknown path", "/v1/embeddings", dict(json=ok, headers=auth), 404, "/v1/embeddings"),
+        ("lone surrogate in a prompt", comp, dict(data=b'{"model": "%s", "prompt": "a\\ud800b"}' % model.encode(),
+                                                  headers=auth), 400, "valid Unicode"),
+        ("lone surrogate in a message", chat, dict(data=b'{"model": "%s", "messages": [{"role": "user", '
+                                                   b'"content": "a\\ud800b"}]}' % model.encode(), headers=auth),
+         400, "valid Unicode"),
     ]
     for what, path, kwargs, status, needle in cases:
         r = await client.post(path, **kwargs)
