@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu_linear import PackedLinear, use_packed_linears
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_SOURCE = "builtin:smollm2-135m-instruct"   # lends its tokenizer to config-only folders
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -131,12 +133,20 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, repe
 
 
 def measure_matmul_rate(device: torch.device, dtype: torch.dtype, n: int | None = None, repeats: int = 5) -> float:
-    """FLOP/s of a large square matmul in `dtype`, best of `repeats` (n: 8192 on CUDA, 2048 on CPU)."""
+    """FLOP/s of a large square matmul in `dtype`, best of `repeats` (n: 8192 on CUDA, 2048 on CPU).
+
+    The ceiling is the faster of torch's `a @ b` and, where the engine packs its linear layers
+    (`kernels.cpu_linear`), the packed oneDNN product: a floor must not be slower than what we run.
+    """
     if n is None:
         n = 8192 if device.type == "cuda" else 2048
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    best = min(time_call(lambda: a @ b, device, warmup=1, iters=repeats))
+    calls = [lambda: a @ b]
+    if use_packed_linears(device, dtype):
+        packed = PackedLinear(b, None)
+        calls.append(lambda: packed(a))
+    best = min(min(time_call(call, device, warmup=1, iters=repeats)) for call in calls)
     return 2 * n**3 / best
 
 

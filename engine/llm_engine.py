@@ -27,6 +27,7 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import iter_weights, resolve_model, weights_bytes
 from kernels import get_backend
+from kernels.cpu_linear import pack_linears, use_packed_linears
 
 
 class RequestError(ValueError):
@@ -75,6 +76,8 @@ class LLMEngine:
         else:
             self.model.load_weights(iter_weights(self.model_path))
             self.weights_bytes = weights_bytes(self.model_path)
+        if use_packed_linears(self.device, self.dtype):
+            pack_linears(self.model)
 
         self.num_blocks = self._num_blocks(config.cache)
         self.kv_cache = KVCache(self.model_config, self.num_blocks, config.cache.block_size, self.dtype,

@@ -149,9 +149,14 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_rows, hidden_size] -> logits [num_rows, vocab_size] in float32."""
-        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        """hidden: [num_rows, hidden_size] -> logits [num_rows, vocab_size] in float32.
+
+        A tied model has no `lm_head` until `kernels.cpu_linear.pack_linears` gives it a packed copy
+        of the embedding table; before that the table itself is the head.
+        """
+        if "lm_head" in self._modules:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
 
     # --- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

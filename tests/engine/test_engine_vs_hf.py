@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
+from kernels.cpu_linear import CPU_LINEARS, PackedLinear
 from tests.conftest import assert_all_free, make_tiny_model
 
 NEW_TOKENS = 32
@@ -83,14 +84,18 @@ def test_builtin_smollm2_matches_transformers(smollm2_engine, hf_smollm2):
     ("qwen2", dict(tie_word_embeddings=True)),
     ("mistral", dict(sliding_window=12, head_dim=32)),
 ])
-def test_tiny_random_models_match_transformers(tmp_path, builtin_path, arch, overrides):
+@pytest.mark.parametrize("cpu_linear", CPU_LINEARS)
+def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_path, arch, overrides, cpu_linear):
     import transformers
 
+    monkeypatch.setenv("CLIFFGUARD_CPU_LINEAR", cpu_linear)  # packed oneDNN linears, and torch's own
     folder = make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides)
     assert (folder / "model.safetensors.index.json").exists()  # sharded checkpoint
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     engine = LLMEngine.from_args(str(folder), block_size=8, num_blocks=64, max_num_batched_tokens=64,
                                  progress=False)
+    packed = isinstance(engine.model.layers[0].mlp.gate_up_proj, PackedLinear)
+    assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 5, 17, 40, 9)]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))

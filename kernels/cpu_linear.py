@@ -1,0 +1,84 @@
+"""Prepacked oneDNN matmuls for the model's linear layers on a CPU device.
+
+On the CPU, `F.linear` calls torch's default sgemm (MKL), which lays the weight out again on every
+call; on the AMD EPYC development VM it also stays off the AVX-512 units. oneDNN's linear, given a
+weight reordered once into its blocked layout (`mkldnn::_reorder_linear_weight`), computes the same
+products 2-3.5x faster at the decode batch sizes the engine runs (measured in docs/PERF.md). The
+engine therefore packs every linear layer once, after the weights are loaded: `pack_linears(model)`
+swaps each `nn.Linear` for a `PackedLinear` holding only the packed copy, and gives a model with tied
+embeddings a packed LM head (the embedding table itself stays dense for the lookups).
+
+Results equal `F.linear` up to float32 rounding (summation order differs). The choice:
+`CLIFFGUARD_CPU_LINEAR=onednn|torch` (default: onednn on a CPU device for float32, and for bfloat16
+where oneDNN has bf16 support; torch everywhere else, CUDA included).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+CPU_LINEARS = ("onednn", "torch")
+
+__all__ = ["CPU_LINEARS", "PackedLinear", "pack_linears", "use_packed_linears"]
+
+
+def use_packed_linears(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a model on `device` in `dtype` should run its linear layers through `PackedLinear`."""
+    name = os.environ.get("CLIFFGUARD_CPU_LINEAR") or None
+    if name is not None and name not in CPU_LINEARS:
+        raise ValueError(f"CLIFFGUARD_CPU_LINEAR: unknown choice {name!r}; available: {', '.join(CPU_LINEARS)}")
+    if name == "torch" or torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
+
+
+class PackedLinear(nn.Module):
+    """`y = x W^T + b` with W held in oneDNN's packed layout (CPU only; read-only weights).
+
+    weight: [out_features, in_features], bias: [out_features] or None; x: [..., in_features].
+    The packed weight is an opaque oneDNN tensor, kept as a plain attribute (not a parameter or
+    buffer), so `state_dict` and `.to()` do not see it: pack after loading, as the last step.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(f"PackedLinear needs a 2-d CPU weight, got {tuple(weight.shape)} on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.nbytes = weight.numel() * weight.element_size()
+        with torch.no_grad():
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+            self.bias = None if bias is None else bias.detach().clone()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap every `nn.Linear` of `model` for a `PackedLinear`; returns how many were swapped.
+
+    A `LlamaForCausalLM` with tied embeddings also gets `model.lm_head`, a packed copy of the
+    embedding table that `compute_logits` then uses. The dense weights of the swapped layers are freed.
+    """
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, PackedLinear(child.weight, child.bias))
+                swapped += 1
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "tie_word_embeddings", False):
+        model.lm_head = PackedLinear(model.embed_tokens.weight, None)
+        swapped += 1
+    return swapped
