@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="our engine's KV cache budget in MiB (default 2048 on CPU, 8192 on CUDA; capped on "
                    "CUDA by 0.9 x VRAM - weights)")
     p.add_argument("--skip-hf", action="store_true", help="measure our engine only")
+    p.add_argument("--also-torch-linear", action="store_true",
+                   help="on a CPU, also run our engine with CLIFFGUARD_CPU_LINEAR=torch (torch's sgemm instead "
+                   "of packed oneDNN linears), in the same run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
@@ -343,6 +346,19 @@ def _run(args: argparse.Namespace, model: str, hf_batch_sizes: list[int]) -> int
               "num_prompts": len(work), "requested_output_tokens": requested,
               "ours": {"wall_s": ours["wall_s"], "tok_per_s": requested / ours["wall_s"],
                        "max_num_seqs": args.max_num_seqs, "steps": len(ours["steps"])}}
+    if args.also_torch_linear and use_packed_linears(device, dtype):
+        # the same engine with torch's own linears: what packing the weights buys, in this run
+        saved = os.environ.get("CLIFFGUARD_CPU_LINEAR")
+        os.environ["CLIFFGUARD_CPU_LINEAR"] = "torch"
+        try:
+            plain = run_ours(build_engine(args, model), work)
+        finally:
+            if saved is None:
+                del os.environ["CLIFFGUARD_CPU_LINEAR"]
+            else:
+                os.environ["CLIFFGUARD_CPU_LINEAR"] = saved
+        result["ours_torch_linear"] = {"wall_s": plain["wall_s"], "tok_per_s": requested / plain["wall_s"],
+                                       "ratio": result["ours"]["tok_per_s"] * plain["wall_s"] / requested}
     result["transformers"] = []
     for batch_size in hf_batch_sizes:
         hf = run_transformers(engine.model_path, work, batch_size, dtype, device, args.random_weights)
@@ -359,6 +375,10 @@ def _run(args: argparse.Namespace, model: str, hf_batch_sizes: list[int]) -> int
     o = result["ours"]
     print(f"{'cliffguard engine, max_num_seqs ' + str(o['max_num_seqs']):<44} {o['wall_s']:8.1f} "
           f"{o['tok_per_s']:13.1f} {'':>12}")
+    if "ours_torch_linear" in result:
+        t = result["ours_torch_linear"]
+        print(f"{'cliffguard engine, torch sgemm linears':<44} {t['wall_s']:8.1f} {t['tok_per_s']:13.1f} "
+              f"{t['ratio']:11.2f}x")
     for t in result["transformers"]:
         print(f"{'transformers generate, static batch ' + str(t['batch_size']):<44} {t['wall_s']:8.1f} "
               f"{t['tok_per_s']:13.1f} {t['ratio']:11.2f}x")

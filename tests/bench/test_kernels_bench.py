@@ -149,13 +149,16 @@ def test_llama_3_8b_shrunk_runs_end_to_end_against_transformers(capsys, builtin_
     tiny = ["hidden_size=64", "intermediate_size=128", "num_hidden_layers=2", "num_attention_heads=4",
             "num_key_value_heads=2"]
     argv = ["--model", LLAMA_3_8B, "--random-weights", "--num-prompts", "3", "--min-output", "2",
-            "--max-output", "5", "--hf-batch-sizes", "3", "--kv-cache-mib", "16", "--json"]
+            "--max-output", "5", "--hf-batch-sizes", "3", "--kv-cache-mib", "16", "--also-torch-linear", "--json"]
     for item in tiny:
         argv += ["--config-override", item]
     assert _run_engine(*argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["ours"]["tok_per_s"] > 0
     assert [t["batch_size"] for t in result["transformers"]] == [3]
+    if torch.backends.mkldnn.is_available():  # the same engine on torch's linears, in the same run
+        assert result["ours_torch_linear"]["tok_per_s"] > 0
+        assert "CLIFFGUARD_CPU_LINEAR" not in os.environ
     d = result["decode"]
     assert d["kv_tokens"] > 0 and d["kv_bytes"] == d["kv_tokens"] * 2 * 2 * 2 * 16 * 4  # layers, K/V, heads, dim
     assert d["floor_ms"] > 0
