@@ -2,8 +2,8 @@
 
 On the CPU, `F.linear` calls torch's default sgemm (MKL), which lays the weight out again on every
 call; on the AMD EPYC development VM it also stays off the AVX-512 units. oneDNN's linear, given a
-weight reordered once into its blocked layout (`mkldnn::_reorder_linear_weight`), computes the same
-products 2-3.5x faster at the decode batch sizes the engine runs (measured in docs/PERF.md). The
+weight reordered once into its blocked layout (`mkldnn::_reorder_linear_weight`), reaches 2.3x its
+rate there, and the engine's whole benchmark runs 2x faster with it (docs/PERF.md, same run). The
 engine therefore packs every linear layer once, after the weights are loaded: `pack_linears(model)`
 swaps each `nn.Linear` for a `PackedLinear` holding only the packed copy, and gives a model with tied
 embeddings a packed LM head (the embedding table itself stays dense for the lookups).
