@@ -15,6 +15,7 @@ where oneDNN has bf16 support; torch everywhere else, CUDA included).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -32,11 +33,22 @@ def use_packed_linears(device: torch.device | str, dtype: torch.dtype) -> bool:
         raise ValueError(f"CLIFFGUARD_CPU_LINEAR: unknown choice {name!r}; available: {', '.join(CPU_LINEARS)}")
     if name == "torch" or torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if dtype == torch.float32:
-        return True
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    return dtype in (torch.float32, torch.bfloat16) and _packed_linear_works(dtype)
+
+
+@functools.cache
+def _packed_linear_works(dtype: torch.dtype) -> bool:
+    """One tiny packed product against F.linear: a torch build whose oneDNN lacks these ops (or
+    gets them wrong) on this CPU falls back to torch's linears instead of failing at load."""
+    weight = torch.arange(12, dtype=torch.float32).view(3, 4).to(dtype)
+    x = torch.ones(2, 4, dtype=dtype)
+    try:
+        out = PackedLinear(weight, None)(x)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return torch.equal(out, torch.nn.functional.linear(x, weight))
 
 
 class PackedLinear(nn.Module):

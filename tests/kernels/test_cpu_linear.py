@@ -74,3 +74,20 @@ def test_choice_of_packed_linears(monkeypatch):
     monkeypatch.setenv("CLIFFGUARD_CPU_LINEAR", "mkl")
     with pytest.raises(ValueError, match="CLIFFGUARD_CPU_LINEAR.*'mkl'.*onednn, torch"):
         use_packed_linears("cpu", torch.float32)
+
+
+def test_a_onednn_that_cannot_run_the_packed_product_falls_back_to_torch(monkeypatch):
+    from kernels import cpu_linear
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("mkldnn linear: no implementation for this CPU")
+
+    monkeypatch.delenv("CLIFFGUARD_CPU_LINEAR", raising=False)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken, raising=False)
+    cpu_linear._packed_linear_works.cache_clear()
+    try:
+        assert not use_packed_linears("cpu", torch.float32)
+    finally:
+        monkeypatch.undo()
+        cpu_linear._packed_linear_works.cache_clear()
+    assert use_packed_linears("cpu", torch.float32)
