@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -348,15 +349,8 @@ def _run(args: argparse.Namespace, model: str, hf_batch_sizes: list[int]) -> int
                        "max_num_seqs": args.max_num_seqs, "steps": len(ours["steps"])}}
     if args.also_torch_linear and use_packed_linears(device, dtype):
         # the same engine with torch's own linears: what packing the weights buys, in this run
-        saved = os.environ.get("CLIFFGUARD_CPU_LINEAR")
-        os.environ["CLIFFGUARD_CPU_LINEAR"] = "torch"
-        try:
+        with mock.patch.dict(os.environ, {"CLIFFGUARD_CPU_LINEAR": "torch"}):
             plain = run_ours(build_engine(args, model), work)
-        finally:
-            if saved is None:
-                del os.environ["CLIFFGUARD_CPU_LINEAR"]
-            else:
-                os.environ["CLIFFGUARD_CPU_LINEAR"] = saved
         result["ours_torch_linear"] = {"wall_s": plain["wall_s"], "tok_per_s": requested / plain["wall_s"],
                                        "ratio": result["ours"]["tok_per_s"] * plain["wall_s"] / requested}
     result["transformers"] = []

@@ -64,7 +64,6 @@ class PackedLinear(nn.Module):
         if weight.device.type != "cpu" or weight.dim() != 2:
             raise ValueError(f"PackedLinear needs a 2-d CPU weight, got {tuple(weight.shape)} on {weight.device}")
         self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
         self.nbytes = weight.numel() * weight.element_size()
         with torch.no_grad():
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
