@@ -288,17 +288,50 @@ def round_up(a: int, b: int) -> int:
 
 
 @dataclass(frozen=True)
+class LatencySLO:
+    """The latency targets of an interactive pool (YAML `slo: {ttft_ms, itl_ms}`).
+
+    The step composer (`engine.composer`) keeps every step that carries this pool's work within
+    `itl_ms`, by sizing the throughput pools' prefill chunks, and keeps steps that carry only
+    throughput work within `itl_ms` and half of `ttft_ms`, whichever is shorter: an interactive
+    request that arrives mid-step waits at most that long before its prefill runs. A pool without an
+    SLO is a throughput pool.
+    """
+
+    ttft_ms: float = 1000.0
+    itl_ms: float = 100.0
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "itl_ms"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 3.6e6:
+                raise ConfigError(f"slo.{name}: must be a number of milliseconds > 0, got {value!r}")
+
+    @property
+    def step_seconds(self) -> float:
+        """The longest step that may carry this pool's running work."""
+        return self.itl_ms / 1000
+
+    @property
+    def idle_step_seconds(self) -> float:
+        """The longest throughput-only step while this pool is idle."""
+        return min(self.itl_ms, self.ttft_ms / 2) / 1000
+
+
+@dataclass(frozen=True)
 class PoolConfig:
-    """One partition of a device's KV blocks, with its own scheduler limits.
+    """One partition of a device's KV blocks, with its own scheduler limits and service class.
 
     `kv_share` is the fraction of the device's blocks this pool owns (shares of all pools sum to <= 1);
-    `num_blocks`, when set, overrides it.
+    `num_blocks`, when set, overrides it. `slo` makes the pool interactive (see `LatencySLO`); None
+    makes it a throughput pool.
     """
 
     name: str = "default"
     kv_share: float = 1.0
     num_blocks: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    slo: LatencySLO | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -307,6 +340,8 @@ class PoolConfig:
             raise ConfigError(f"pools.{self.name}.kv_share: must be in (0, 1], got {self.kv_share}")
         if self.num_blocks < 0:
             raise ConfigError(f"pools.{self.name}.num_blocks: must be >= 0, got {self.num_blocks}")
+        if self.slo is not None and not isinstance(self.slo, LatencySLO):
+            raise ConfigError(f"pools.{self.name}.slo: must be a LatencySLO or None, got {self.slo!r}")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """`LLMEngine`: the synchronous engine of one device: weights, one KV tensor, and one scheduler per pool.
 
-`step()` = schedule every pool -> one merged forward pass -> sample -> postprocess (stop checks,
-detokenization, outputs). It runs in the device worker process (`engine.worker`); use it directly for
+`step()` = compose the step across pools (`engine.composer`: interactive pools first, throughput
+pools' chunks sized to the step's latency target) -> one merged forward pass -> sample -> postprocess
+(stop checks, detokenization, outputs). It runs in the device worker process (`engine.worker`); use it directly for
 offline batch work (`generate`).
 """
 
@@ -16,13 +17,15 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.block_manager import BlockManager
+from engine.composer import StepComposer, StepFeatures
 from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig
 from engine.kv_cache import KVCache, SwapSpace
 from engine.model import build_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
-from engine.scheduler import PreemptionCostModel, RequestTooLargeError, Scheduler, SchedulerOutput
+from engine.scheduler import (PreemptionCostModel, RequestTooLargeError, ScheduledSeq, Scheduler,
+                              SchedulerOutput)
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import iter_weights, resolve_model, weights_bytes
@@ -42,6 +45,7 @@ class StepStats:
     num_decode_tokens: int = 0
     num_preempted: int = 0
     seconds: float = 0.0
+    target_seconds: float | None = None     # the composer's latency target for the step
 
 
 @dataclass
@@ -111,6 +115,8 @@ class LLMEngine:
             self.schedulers[pool.name] = Scheduler(sc, bm, max_model_len, name=pool.name,
                                                    swap_manager=swap_manager, cost_model=cost_model)
             first += count
+        self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in config.pools})
+        self._calibrate()
         self.default_pool = config.pools[0].name
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.requests: dict[str, _Request] = {}
@@ -150,6 +156,46 @@ class LLMEngine:
         if num_blocks <= 0:
             raise ConfigError(f"kv_cache_bytes: {kv_bytes} bytes hold no block of {per_block} bytes")
         return num_blocks
+
+    # Calibration steps: (prompt length, tokens computed per step) of two made-up sequences, A and B.
+    _CALIBRATION = ((192, ((0, 64), (64, 128), (192, 1), (193, 1))), (32, ((0, 0), (0, 0), (0, 32), (32, 1))))
+
+    def _calibrate(self) -> None:
+        """A few forward passes of made-up tokens before serving: they warm the kernels' caches and
+        give the step composer's cost model its first measurements, so the first real steps are
+        neither slow nor sized blind. The blocks are borrowed from the largest pool and given back
+        (nothing enters the prefix cache); a pool too small for it skips calibration."""
+        bm = max(self.schedulers.values(), key=lambda s: s.block_manager.num_blocks).block_manager
+        lengths = [length for length, _ in self._CALIBRATION]
+        if bm.num_blocks_for(lengths[0] + 2) + bm.num_blocks_for(lengths[1] + 1) > bm.num_free_blocks:
+            return
+        gen = torch.Generator().manual_seed(0)
+        seqs = []
+        for i, length in enumerate(lengths):
+            ids = torch.randint(0, self.model_config.vocab_size, (length,), generator=gen).tolist()
+            seqs.append(Sequence(seq_id=-1 - i, request_id="calibration", index=0, token_ids=ids,
+                                 num_prompt_tokens=length, params=SamplingParams(), max_tokens=1, priority=0,
+                                 arrival_order=-1, generator=None))
+        try:
+            for step in range(len(self._CALIBRATION[0][1])):
+                batch, features = [], StepFeatures()
+                for seq, (_, plan) in zip(seqs, self._CALIBRATION):
+                    start, num_new = plan[step]
+                    if not num_new:
+                        continue
+                    if start == seq.num_tokens:                 # a decode: the prompt plus one token
+                        seq.token_ids.append(1)
+                    bm.allocate(seq.block_table, start + num_new)
+                    batch.append(ScheduledSeq(seq, num_new))
+                    features.add(start, num_new, num_new == 1)
+                started = time.perf_counter()
+                self.runner.execute(batch)
+                self.composer.cost_model.observe(features, time.perf_counter() - started)
+                for item in batch:
+                    item.seq.num_computed_tokens += item.num_new_tokens
+        finally:
+            for seq in seqs:
+                bm.free(seq.block_table)
 
     # --- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
@@ -233,25 +279,21 @@ class LLMEngine:
 
     # --- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule every pool, run one merged forward pass, sample, and report what changed."""
+        """Compose the step across pools, run one merged forward pass, sample, and report what changed."""
         started = time.perf_counter()
-        batch, stats = [], StepStats()
-        ended: list[Sequence] = []
-        for name, scheduler in self.schedulers.items():
-            out = scheduler.schedule()
+        composed = self.composer.schedule()
+        batch, ended = [], []
+        stats = StepStats(num_prefill_tokens=composed.features.num_prefill_tokens,
+                          num_decode_tokens=composed.features.num_decode_tokens,
+                          target_seconds=composed.target_seconds)
+        for name, out in composed.outputs.items():
             batch.extend(out.scheduled)
             stats.num_preempted += len(out.preempted)
             ended.extend(out.finished)
-            self._move_blocks(name, scheduler, out)
+            self._move_blocks(name, self.schedulers[name], out)
         if not batch:
             self.last_step = stats
             return self._ended_outputs(ended)
-        for item in batch:
-            if item.seq.num_computed_tokens + item.num_new_tokens == item.seq.num_tokens and \
-                    item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens:
-                stats.num_decode_tokens += 1
-            else:
-                stats.num_prefill_tokens += item.num_new_tokens
 
         scheduled_at = time.monotonic()
         for item in batch:
@@ -283,7 +325,9 @@ class LLMEngine:
 
         # The last report of a request carries every sample, the untouched ones with empty deltas.
         outputs = [self._finish_or_report(self.requests[rid], seqs) for rid, seqs in touched.items()]
-        stats.seconds = time.perf_counter() - started
+        finished_at = time.perf_counter()
+        self.composer.observe(composed, finished_at - forward_started)
+        stats.seconds = finished_at - started
         self.last_step = stats
         return outputs
 

@@ -36,3 +36,36 @@ class RequestOutput:
     error: str | None = None                     # set when the request failed instead of finishing
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class SampleDelta:
+    """What one sample produced since its previous report: its part of a `RequestDelta`."""
+
+    index: int
+    delta_text: str
+    delta_token_ids: list[int]
+    num_tokens: int                              # output tokens so far
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    delta_logprobs: list[float] | None = None
+    delta_top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class RequestDelta:
+    """What the device worker sends for a request after a step: only the changes since its previous
+    report, so the bytes per step do not grow with the prompt or the output (STYLE.md rule 16).
+    `metrics` (queue time, time to first token) travel once, with the final delta."""
+
+    request_id: str
+    outputs: list[SampleDelta]
+    finished: bool
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_output(cls, out: RequestOutput) -> "RequestDelta":
+        samples = [SampleDelta(c.index, c.delta_text, c.delta_token_ids, len(c.token_ids), c.finish_reason,
+                               c.stop_reason, c.delta_logprobs, c.delta_top_logprobs) for c in out.outputs]
+        return cls(out.request_id, samples, out.finished, out.error, out.metrics if out.finished else {})

@@ -173,11 +173,25 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
+    def pending_work(self) -> tuple[list[int], int | None]:
+        """What the next step would compute, for the step composer's cost estimate: the context
+        lengths of the running sequences that would decode, and the cached context of the sequence
+        whose prefill would continue or start next (None when no prefill is pending)."""
+        decodes = [s.num_computed_tokens for s in self.running if s.num_uncomputed_tokens == 1]
+        prefill = next((s.num_computed_tokens for s in self.running if s.num_uncomputed_tokens > 1), None)
+        if prefill is None and (self.swapped or self.waiting):
+            prefill = (self.swapped or self.waiting)[0].num_computed_tokens
+        return decodes, prefill
+
     # --- the step ----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+        """This step's batch of the pool, within `max_num_batched_tokens` and `token_budget` (the step
+        composer's limit for a throughput pool; None: no limit beyond the pool's own)."""
         self._step += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if token_budget is not None:
+            budget = max(0, min(budget, token_budget))
         bm = self.block_manager
 
         # The sequences scheduled so far are always a prefix of `running` (victims leave from anywhere,

@@ -6,7 +6,12 @@ commands over a pipe and reads outputs from it with `loop.add_reader`: no thread
 
 Messages, parent -> worker: ("add", request_id, prompt, params, priority, pool), ("abort", request_id),
 ("stats",), ("shutdown",). Worker -> parent: ("ready", info), ("startup_error", text),
-("outputs", [RequestOutput]), ("rejected", request_id, text), ("stats", dict), ("fatal", text).
+("outputs", [RequestDelta], stats or None), ("rejected", request_id, text), ("stats", dict), ("fatal", text).
+
+Each step sends only deltas (`RequestDelta`), and every `STATS_INTERVAL` seconds of stepping (and
+whenever the engine falls idle) the outputs message carries the engine's stats too, stamped with the
+time they were taken: the gateway answers `/metrics` from the latest of these without waiting for
+the worker. `("stats",)` asks for a fresh copy and runs the allocators' integrity check (tests).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import itertools
 import multiprocessing as mp
 import os
+import time
 import traceback
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -22,7 +28,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.outputs import RequestOutput
+from engine.outputs import RequestDelta
 from engine.sampling import SamplingParams
 
 
@@ -52,37 +58,55 @@ def _worker_main(config: EngineConfig, conn: Connection) -> None:
         "load_seconds": engine.load_seconds,
     }))
     try:
-        while True:
-            if not engine.has_unfinished_requests():
-                conn.poll(None)  # idle: sleep until a command arrives
-            while conn.poll(0):
-                msg = conn.recv()
-                if msg[0] == "add":
-                    _, request_id, prompt, params, priority, pool = msg
-                    try:
-                        engine.add_request(request_id, prompt, params, priority=priority, pool=pool)
-                    except ValueError as exc:
-                        conn.send(("rejected", request_id, str(exc)))
-                elif msg[0] == "abort":
-                    out = engine.abort(msg[1])
-                    if out is not None:
-                        conn.send(("outputs", [out]))
-                elif msg[0] == "stats":
-                    conn.send(("stats", engine_stats(engine)))
-                elif msg[0] == "shutdown":
-                    return
-            if engine.has_unfinished_requests():
-                outputs = engine.step()
-                if outputs:
-                    conn.send(("outputs", outputs))
+        _serve(engine, conn)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
         return  # the parent is gone
     except Exception:  # noqa: BLE001 - a failed step: tell the parent, which fails the in-flight requests
         conn.send(("fatal", traceback.format_exc()))
 
 
-def engine_stats(engine) -> dict[str, Any]:
-    """Per-pool counters of a live engine, as plain data (what the metrics endpoint will export)."""
+STATS_INTERVAL = 0.25   # seconds between stats pushed with step outputs while busy
+
+
+def _serve(engine, conn: Connection) -> None:
+    """The loop: drain commands, step, send deltas (and stats now and then) until told to stop."""
+    conn.send(("outputs", [], engine_stats(engine)))   # the gateway's metrics have numbers from the start
+    last_stats = 0.0
+    while True:
+        if not engine.has_unfinished_requests():
+            conn.poll(None)  # idle: sleep until a command arrives
+        handled = False
+        while conn.poll(0):
+            msg, handled = conn.recv(), True
+            if msg[0] == "add":
+                _, request_id, prompt, params, priority, pool = msg
+                try:
+                    engine.add_request(request_id, prompt, params, priority=priority, pool=pool)
+                except ValueError as exc:
+                    conn.send(("rejected", request_id, str(exc)))
+            elif msg[0] == "abort":
+                out = engine.abort(msg[1])
+                if out is not None:
+                    conn.send(("outputs", [RequestDelta.from_output(out)], None))
+            elif msg[0] == "stats":
+                conn.send(("stats", engine_stats(engine, check=True)))
+            elif msg[0] == "shutdown":
+                return
+        if engine.has_unfinished_requests():
+            deltas = [RequestDelta.from_output(out) for out in engine.step()]
+            now = time.monotonic()
+            stats = None
+            if now - last_stats >= STATS_INTERVAL or not engine.has_unfinished_requests():
+                stats, last_stats = engine_stats(engine), now
+            if deltas or stats is not None:
+                conn.send(("outputs", deltas, stats))
+        elif handled:   # commands left the engine idle (an abort, a refusal): its last state counts
+            conn.send(("outputs", [], engine_stats(engine)))
+
+
+def engine_stats(engine, *, check: bool = False) -> dict[str, Any]:
+    """Per-pool counters of a live engine, as plain data (what the metrics endpoint exports), stamped
+    with `time.time()` when taken; `check` also runs the allocators' integrity check."""
     pools = {}
     block_bytes = engine.kv_cache.bytes_per_block
     for name, s in engine.schedulers.items():
@@ -104,8 +128,13 @@ def engine_stats(engine) -> dict[str, Any]:
                        "cpu_swap_usage": s.swap_manager.usage if s.swap_manager else 0.0,
                        "prefix_cache_queries": bm.num_prefix_queries, "prefix_cache_hits": bm.num_prefix_hits,
                        "num_aborted": st.num_aborted, "num_too_large": st.num_too_large}
-    engine.check_integrity()
-    return {"num_requests": len(engine.requests), "pools": pools}
+    if check:
+        engine.check_integrity()
+    composer = engine.composer.stats
+    step = {"num_steps": composer.num_steps, "num_targeted_steps": composer.num_targeted_steps,
+            "num_over_target": composer.num_over_target, "last_step_seconds": composer.last_step_seconds,
+            "last_target_seconds": composer.last_target_seconds}
+    return {"num_requests": len(engine.requests), "pools": pools, "step": step, "taken_at": time.time()}
 
 
 @dataclass
@@ -136,6 +165,7 @@ class AsyncEngineClient:
         self._dead: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats_waiters: list[asyncio.Future] = []
+        self.latest_stats: dict[str, Any] | None = None   # pushed by the worker with step outputs
 
     async def start(self, timeout: float = 900.0) -> dict[str, Any]:
         """Spawn the worker and wait until the model is loaded; returns what it reported."""
@@ -174,11 +204,14 @@ class AsyncEngineClient:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.queue.put_nowait(out)
+            if msg[2] is not None:
+                self.latest_stats = msg[2]
         elif kind == "rejected":
             stream = self._streams.get(msg[1])
             if stream is not None:
                 stream.queue.put_nowait(ValueError(msg[2]))
         elif kind == "stats":
+            self.latest_stats = msg[1]
             if self._stats_waiters:
                 waiter = self._stats_waiters.pop(0)
                 if not waiter.done():
@@ -208,8 +241,8 @@ class AsyncEngineClient:
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
-                       pool: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its outputs (deltas in each) until it finishes.
+                       pool: str | None = None) -> AsyncIterator[RequestDelta]:
+        """Submit a request and yield what each step added to it (`RequestDelta`) until it finishes.
 
         Raises ValueError if the engine refused the request, EngineDeadError if the worker died.
         """
@@ -252,7 +285,8 @@ class AsyncEngineClient:
             self._send_abort(request_id)
 
     async def stats(self) -> dict[str, Any]:
-        """The worker's per-pool counters (running, waiting, free blocks, preemptions); checks integrity."""
+        """Fresh per-pool counters (running, waiting, free blocks, preemptions), taken between two steps
+        after the allocators' integrity check. `/metrics` reads `latest_stats` instead, which never waits."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         waiter = self._loop.create_future()

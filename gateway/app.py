@@ -32,7 +32,7 @@ import aiohttp
 from aiohttp import web
 
 from engine.config import ConfigError, ModelConfig
-from engine.outputs import RequestOutput
+from engine.outputs import RequestDelta
 from engine.tokenizer import Tokenizer
 from engine.weights import resolve_model
 from engine.worker import AsyncEngineClient, EngineDeadError
@@ -380,15 +380,13 @@ async def metrics(request: web.Request) -> web.Response:
         fut = gateway.device_ready[device]
         if not (fut.done() and fut.exception() is None):
             continue
-        info = fut.result()
-        try:
-            stats = await asyncio.wait_for(client.stats(), timeout=10)
-        except (EngineDeadError, asyncio.TimeoutError) as exc:
-            log.warning("no stats from device %s: %s", device, exc)
+        info, stats = fut.result(), client.latest_stats   # pushed by the worker: never wait for a step
+        if stats is None:
             continue
         block_bytes = info["block_size"] * info["kv_bytes_per_token"]
         for name, pool_stats in stats["pools"].items():
             gateway.metrics.update_pool(name, pool_stats, block_bytes)
+        gateway.metrics.update_device(device, stats)
     return web.Response(body=gateway.metrics.render(),
                         headers={"Content-Type": gateway.metrics.content_type})
 
@@ -445,7 +443,7 @@ class _Choice:
 
 
 async def _merged(gateway: Gateway, routed: Sequence[tuple[PoolRuntime, list[int]]], params, priority: int,
-                  request_id: str) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  request_id: str) -> AsyncIterator[tuple[int, RequestDelta]]:
     """(prompt index, output) from every prompt's engine request, as they arrive."""
     for pool, _ in routed:
         await gateway.wait_device(pool)
@@ -536,7 +534,7 @@ async def _serve_local(request: web.Request, gateway: Gateway, routed: list[tupl
                         delta_lp = (c.delta_token_ids, c.delta_logprobs or [], c.delta_top_logprobs or [])
                     text_offset = len(choice.text)
                     choice.text += c.delta_text
-                    choice.num_tokens = len(c.token_ids)
+                    choice.num_tokens = c.num_tokens
                     if want_logprobs:
                         choice.token_ids.extend(c.delta_token_ids)
                         choice.logprobs.extend(c.delta_logprobs or [])

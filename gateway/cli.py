@@ -91,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from bench.engine import add_arguments as add_engine_bench
     from bench.gateway import add_arguments as add_gateway_bench
+    from bench.isolation import add_arguments as add_isolation_bench
     from bench.kernels import add_arguments as add_kernels_bench
     from bench.preemption import add_arguments as add_preemption_bench
+    from bench.serve import add_arguments as add_serve_bench
     from bench.tokenizer import add_arguments as add_tokenizer_bench
 
     add_engine_bench(bench_sub.add_parser("engine", help="our engine vs transformers generate, same workload"))
@@ -102,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
                                            "--dry-run on CPU)"))
     add_preemption_bench(bench_sub.add_parser("preemption", help="recompute vs swap vs auto across pool-pressure "
                                               "regimes"))
+    add_serve_bench(bench_sub.add_parser("serve", help="open-loop load (gamma arrivals, workload classes) against "
+                                         "any OpenAI-compatible server: TTFT/ITL/e2e, goodput, /metrics"))
+    add_isolation_bench(bench_sub.add_parser("isolation", help="chat latency under a rag flood: chat alone, split "
+                                             "pools (step composer), one shared pool; the itl_ms trade-off"))
 
     args = parser.parse_args(argv)
     try:

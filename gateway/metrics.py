@@ -2,12 +2,15 @@
 
 Names and meanings follow vLLM's (`vllm:num_requests_running` -> `cliffguard_num_requests_running`)
 so existing dashboards translate; histogram buckets are vLLM's. Engine-side gauges and counters
-(running, waiting, KV usage, preemptions) are refreshed from the device workers at each scrape;
-request-level histograms are observed by the gateway as responses stream.
+(running, waiting, KV usage, preemptions) are refreshed at each scrape from the stats each device
+worker last pushed with its step outputs (`cliffguard_stats_age_seconds` says how old they are), so a
+scrape never waits for a model step; request-level histograms are observed by the gateway as
+responses stream.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
@@ -79,6 +82,16 @@ class GatewayMetrics:
                                     pool, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
         self.tokenizer_time = Histogram(p + "tokenizer_seconds", "Time to render and count a prompt.",
                                         ["backend"], buckets=TOKENIZER_BUCKETS, registry=r)
+        device = ["device"]
+        self.stats_age = Gauge(p + "stats_age_seconds", "Age of the engine stats behind this scrape.", device,
+                               registry=r)
+        self.steps = Counter(p + "engine_steps", "Engine steps run (merged forward passes).", device, registry=r)
+        self.targeted_steps = Counter(p + "engine_targeted_steps", "Steps with a latency target (an interactive "
+                                      "pool on the device).", device, registry=r)
+        self.steps_over_target = Counter(p + "engine_steps_over_target", "Targeted steps that took longer than "
+                                         "their target.", device, registry=r)
+        self.step_target = Gauge(p + "engine_step_target_seconds", "The step composer's latency target for the "
+                                 "last step (0: none).", device, registry=r)
         # Engine counters arrive as totals; remember the last total to add only the difference.
         self._last: dict[tuple[str, str], float] = {}
 
@@ -112,6 +125,15 @@ class GatewayMetrics:
         self.prefix_hits.labels(pool=name)
         self._advance(self.prefix_queries, (name, "pq"), stats.get("prefix_cache_queries", 0), pool=name)
         self._advance(self.prefix_hits, (name, "ph"), stats.get("prefix_cache_hits", 0), pool=name)
+
+    def update_device(self, device: str, stats: dict[str, Any]) -> None:
+        """Refresh the device-level series from the stats a device worker pushed last."""
+        self.stats_age.labels(device=device).set(max(0.0, time.time() - stats["taken_at"]))
+        step = stats["step"]
+        self._advance(self.steps, (device, "steps"), step["num_steps"], device=device)
+        self._advance(self.targeted_steps, (device, "targeted"), step["num_targeted_steps"], device=device)
+        self._advance(self.steps_over_target, (device, "over"), step["num_over_target"], device=device)
+        self.step_target.labels(device=device).set(step["last_target_seconds"] or 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -309,7 +309,8 @@ def engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, En
                     enable_prefix_caching=spec.enable_prefix_caching)
             except ConfigError as exc:
                 raise SpecError(f"pools[{i}].{exc}") from None
-            pool_configs.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler))
+            pool_configs.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler,
+                                           slo=spec.slo))
         num_blocks = sum(pc.num_blocks for pc in pool_configs)
         result[dplan.name] = EngineConfig(
             model=dplan.model, device=dplan.device_type if dev.device == "auto" else dev.device,

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from engine.config import ConfigError, parse_dtype
+from engine.config import ConfigError, LatencySLO, parse_dtype
 
 DEFAULT_CPU_MEMORY = 4 << 30   # `memory: auto` on a CPU device: the budget for weights + KV cache
 DEFAULT_API_KEYS_ENV = "CLIFFGUARD_API_KEYS"
@@ -217,6 +217,7 @@ class PoolSpec:
     victim_policy: str = "reverse_fifo"  # reverse_fifo | longest_first | least_progress | lru | priority
     swap_space_bytes: int = 0
     enable_prefix_caching: bool = True
+    slo: LatencySLO | None = None        # interactive pool: latency targets; None: throughput pool
 
     def __post_init__(self) -> None:
         _check_str("name", self.name)
@@ -272,6 +273,8 @@ class PoolSpec:
             raise SpecError("swap_space: preemption_mode 'swap' needs CPU swap space; got 0 bytes")
         if not isinstance(self.enable_prefix_caching, bool):
             raise SpecError(f"enable_prefix_caching: must be true or false, got {_show(self.enable_prefix_caching)}")
+        if self.slo is not None and not isinstance(self.slo, LatencySLO):
+            raise SpecError(f"slo: must be a mapping with ttft_ms and itl_ms, got {_show(self.slo)}")
 
     @property
     def is_upstream(self) -> bool:
@@ -387,7 +390,9 @@ _DEVICE_KEYS = ("device", "memory", "memory_utilization", "dtype", "tensor_paral
 _ROUTE_KEYS = ("min_prompt_tokens", "max_prompt_tokens")
 _COMMON_POOL_KEYS = ("name", "model", "route", "served_model_name", "max_model_len")
 _LOCAL_POOL_KEYS = ("device", "kv_share", "kv_cache_bytes", "avg_len", "block_size", "max_num_batched_tokens",
-                    "max_num_seqs", "preemption_mode", "victim_policy", "swap_space", "enable_prefix_caching")
+                    "max_num_seqs", "preemption_mode", "victim_policy", "swap_space", "enable_prefix_caching",
+                    "slo")
+_SLO_KEYS = ("ttft_ms", "itl_ms")
 _UPSTREAM_POOL_KEYS = ("upstream", "upstream_api_key_env", "tokenizer")
 _BYTE_KEYS = {"kv_cache_bytes": "kv_cache_bytes", "swap_space": "swap_space_bytes"}
 
@@ -480,7 +485,13 @@ def _parse_pool(i: int, raw: Any, base_dir: Path | None) -> PoolSpec:
     for required in ("name", "model"):
         if raw.get(required) is None:
             raise SpecError(f"{key}.{required}: required, got nothing")
-    kwargs = {k: v for k, v in raw.items() if k not in _BYTE_KEYS and k != "route"}
+    kwargs = {k: v for k, v in raw.items() if k not in _BYTE_KEYS and k not in ("route", "slo")}
+    if raw.get("slo") is not None:
+        slo = _mapping(f"{key}.slo", raw["slo"], _SLO_KEYS)
+        try:
+            kwargs["slo"] = LatencySLO(**slo)
+        except ConfigError as exc:
+            raise SpecError(f"{key}.{exc}") from None
     for yaml_key, field_name in _BYTE_KEYS.items():
         if yaml_key in raw:
             kwargs[field_name] = parse_bytes(raw[yaml_key], f"{key}.{yaml_key}")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import pickle
 
 import pytest
 
 from engine import AsyncEngineClient, CacheConfig, EngineConfig, LLMEngine, PoolConfig, SamplingParams, SchedulerConfig
+from engine.outputs import RequestDelta
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def test_leaving_a_stream_early_aborts_and_a_bad_request_leaves_others_running(c
             survivor = asyncio.create_task(_collect(client, "Count to twenty:", SamplingParams(
                 temperature=0, max_tokens=16, ignore_eos=True)))
             async for out in client.generate("Tell me a long story.", long_params, request_id="quit"):
-                if len(out.outputs[0].token_ids) >= 3:
+                if out.outputs[0].num_tokens >= 3:
                     break  # like a client disconnect
             with pytest.raises(ValueError, match="max_model_len"):
                 await _collect(client, "hi", SamplingParams(max_tokens=5000))
@@ -71,3 +73,23 @@ def test_startup_failure_is_reported(tmp_path):
             await client.start()
 
     asyncio.run(main())
+
+
+def test_what_the_worker_sends_per_step_does_not_grow_with_the_request(config):
+    """Each step's message carries deltas: the bytes do not grow with the prompt or the output so far."""
+    engine = LLMEngine(config, progress=False)
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+
+    def sizes(prompt: list[int]) -> list[int]:
+        engine.add_request("r", prompt, params)
+        out = []
+        while engine.has_unfinished_requests():
+            for step_out in engine.step():
+                if not step_out.finished:
+                    out.append(len(pickle.dumps(("outputs", [RequestDelta.from_output(step_out)], None))))
+        return out
+
+    short, long = sizes(list(range(100, 110))), sizes(list(range(100, 1300)))
+    assert len(short) == len(long) == 79
+    assert max(long) - min(short) < 100, (min(short), max(short), min(long), max(long))
+    assert max(long[-10:]) < min(long[:10]) + 40        # the 80th token costs what the 2nd did

@@ -186,7 +186,8 @@ def test_upstream_pools_are_not_planned():
 
 
 def test_engine_configs_carry_the_planned_numbers(builtin_path):
-    config = parse_config(_small_config(), env={})
+    config = parse_config(_small_config(slo={"ttft_ms": 800, "itl_ms": 60}), env={})
+    assert config.pools[0].slo is not None and config.pools[1].slo is None
     model = ModelConfig.from_folder(builtin_path)
     plan = plan_capacity(config, {"builtin:smollm2-135m-instruct": model})
     engine = engine_configs(config, plan)["default"]
@@ -199,6 +200,7 @@ def test_engine_configs_carry_the_planned_numbers(builtin_path):
         assert pool_config.scheduler.max_num_seqs == pool_plan.max_num_seqs
         assert pool_config.scheduler.max_model_len == pool_plan.max_model_len == 1024
         assert pool_config.scheduler.max_num_batched_tokens == 2048
+    assert [pc.slo for pc in engine.pools] == [p.slo for p in config.pools]   # service classes pass through
     # hand arithmetic for SmolLM2 (30 layers, 3 KV heads of 64, float32) on 2 GiB
     s_kv = 2 * 30 * 3 * 64 * 4
     kv = int(0.9 * 2 * GiB) - model.num_params() * 4

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from engine.config import LatencySLO
 from pools.spec import (DEFAULT_CPU_MEMORY, DeviceSpec, PoolSpec, RouteSpec, SpecError, load_config, parse_bytes,
                         parse_config)
 
@@ -113,6 +114,11 @@ BAD = {
     "missing model": (_pop("pools/0/model"), ["pools[0].model", "required"]),
     "api_keys not a list": (_set("gateway/api_keys", "secret"), ["gateway.api_keys", "'secret'"]),
     "bad pool name": (_set("pools/0/name", "chat pool"), ["pools[0].name", "'chat pool'"]),
+    "slo not a mapping": (_set("pools/0/slo", 100), ["pools[0].slo", "100"]),
+    "unknown slo key": (_set("pools/0/slo", {"p99_ms": 5}), ["pools[0].slo.p99_ms", "ttft_ms, itl_ms"]),
+    "slo itl zero": (_set("pools/0/slo", {"ttft_ms": 500, "itl_ms": 0}), ["pools[0].slo.itl_ms", "got 0"]),
+    "slo string": (_set("pools/0/slo", {"ttft_ms": "1s"}), ["pools[0].slo.ttft_ms", "'1s'"]),
+    "slo on upstream": (_set("pools/2/slo", {"ttft_ms": 500}), ["pools[2].slo", "upstream"]),
 }
 
 
@@ -146,6 +152,7 @@ def test_default_config_loads():
     assert chat.route == RouteSpec(0, 4096) and rag.route == RouteSpec(4097, None)
     assert (chat.kv_share, rag.kv_share, chat.avg_len, rag.avg_len) == (0.4, 0.6, 1024, 6144)
     assert chat.max_model_len == rag.max_model_len == 8192
+    assert chat.slo == LatencySLO(ttft_ms=1000, itl_ms=100) and rag.slo is None   # interactive, throughput
     assert config.devices == {"default": DeviceSpec()}
     assert config.gateway.max_body_bytes == 8 << 20 and config.gateway.api_keys == ()
 

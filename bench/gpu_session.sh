@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# What a session that is lent a GPU runs there, in one call (the device machine has torch and triton but
+# no network, so the project is used from the source tree, not installed). Carry `.gpu`, a folder made
+# here with the model folders the benchmarks read (config.json + tokenizer files):
+#   mkdir -p .gpu/llama-3-8b && cp bench/models/llama-3-8b/config.json .gpu/llama-3-8b/
+#   cp <converted builtin model>/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu/llama-3-8b/
+# Logs go to $OUT (or ./gpu-out); the last lines printed are a short summary.
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+PY=${PY:-python3}
+CLI="$PY -m gateway.cli"
+step() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS; "$@" >"$OUT/$name.log" 2>&1; local rc=$?;
+         echo "=== $name: rc=$rc in $((SECONDS - t0)) s"; tail -n ${TAILN:-25} "$OUT/$name.log"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
+cat "$OUT/gpu.txt"
+$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+for what in ${GPU_STEPS:-tests kernels engine}; do
+  case $what in
+    tests)   step gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton.py tests/engine/test_sampling.py ;;
+    kernels) step bench_kernels $CLI bench kernels ;;
+    engine)  step bench_engine $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 ;;
+  esac
+done

@@ -1,0 +1,252 @@
+"""`cliffguard bench isolation`: does chat stay fast while a rag flood runs on the same device?
+
+Starts `cliffguard serve` once per scenario, always with the same device memory (small enough that KV
+is scarce) and the same model, and drives it from outside over HTTP with `bench serve`'s open-loop
+load generator: chat at a steady rate (short prompts, streamed) and a rag flood (long completion
+prompts arriving faster than the rag pool can hold and serve them). Arrival times are the same in
+every scenario (same seeds). Scenarios:
+
+- `chat alone`: the split layout, chat load only (the baseline every ratio divides by);
+- `rag alone`: the split layout, rag load only (rag's baseline tokens/s);
+- `split`: chat pool with `slo: {ttft_ms, itl_ms}` (interactive) + rag pool (throughput), both loads;
+- `shared`: one pool for everything (what a single server does), both loads;
+- the trade-off curve (not with `--quick`): `split` at each of `--itl-ms-sweep`, and `chunk-only`,
+  the split layout without an SLO (each pool fills its own `max_num_batched_tokens`: plain chunked
+  prefill, the behaviour before the step composer).
+
+Per scenario: chat TTFT and ITL p50/p99, chat's ratio to chat alone, preemptions in chat's pool,
+rag tokens/s (prompt tokens of rag requests whose prefill finished plus streamed output tokens, per
+second of the run) and its ratio to rag alone. `--out DIR` writes `isolation.json` and
+`isolation.png` (chat TTFT/ITL CDFs per scenario, and chat p99 vs rag tokens/s). `--quick` runs the
+four main scenarios with short loads (under 3 minutes on a 2-core CPU), for a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.live import LiveServer
+from bench.serve import LengthDist, LoadConfig, LoadReport, WorkloadClass, latencies, run_load
+
+MODEL = "builtin:smollm2-135m-instruct"
+CHAT = WorkloadClass(name="chat", endpoint="chat", prompt_len=LengthDist("normal", mean=60, std=15, min=20, max=120),
+                     output_len=LengthDist("fixed", value=32))
+RAG = WorkloadClass(name="rag", endpoint="completion", prompt_len=LengthDist("uniform", min=1200, max=1800),
+                    output_len=LengthDist("fixed", value=128))
+ROUTE_THRESHOLD = 512        # prompt tokens: chat below, rag above
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    layout: str                  # split | shared
+    chat: bool                   # chat load on
+    rag: bool                    # rag load on
+    itl_ms: float | None = None  # chat's SLO itl target (split layout); None: chunk-only
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--memory", default="1GiB", help="device memory every scenario plans with (default 1GiB: "
+                   "weights + a scarce KV cache)")
+    p.add_argument("--chat-rate", type=float, default=1.0, help="chat requests/s (default 1)")
+    p.add_argument("--rag-rate", type=float, default=0.3, help="rag requests/s (default 0.3: above what the rag "
+                   "pool holds and serves, a flood)")
+    p.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals per scenario (default 45)")
+    p.add_argument("--drain-timeout", type=float, default=20.0, help="seconds to finish in-flight requests after "
+                   "arrivals end; the rest are cancelled and counted unfinished (default 20)")
+    p.add_argument("--ttft-ms", type=float, default=1000.0, help="chat's slo.ttft_ms (default 1000)")
+    p.add_argument("--itl-ms", type=float, default=100.0, help="chat's slo.itl_ms in the split scenario "
+                   "(default 100, the default config's)")
+    p.add_argument("--itl-ms-sweep", default="50,100,200", help="itl_ms values of the trade-off curve "
+                   "(comma-separated; the chunk-only row is added)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="every pool's token budget per step")
+    p.add_argument("--quick", action="store_true", help="the four main scenarios with short loads (< 3 min), "
+                   "no trade-off curve")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write isolation.json and isolation.png here")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def scenarios(args: argparse.Namespace) -> list[Scenario]:
+    main = [Scenario("chat alone", "split", True, False, args.itl_ms),
+            Scenario("rag alone", "split", False, True, args.itl_ms),
+            Scenario("split", "split", True, True, args.itl_ms),
+            Scenario("shared", "shared", True, True)]
+    if args.quick:
+        return main
+    sweep = [float(v) for v in args.itl_ms_sweep.split(",") if v.strip()]
+    curve = [Scenario(f"split itl {v:g} ms", "split", True, True, v) for v in sweep if v != args.itl_ms]
+    return main + curve + [Scenario("chunk-only", "split", True, True, None)]
+
+
+def pools_yaml(scenario: Scenario, args: argparse.Namespace) -> str:
+    """The pool file of one scenario: same device and model; split = chat + rag pools, shared = one."""
+    common = (f"model: {MODEL}\n    device: dev\n    block_size: 16\n    max_model_len: 4096\n"
+              f"    max_num_batched_tokens: {args.max_num_batched_tokens}\n")
+    head = f"devices:\n  dev: {{device: cpu, memory: {args.memory}, dtype: float32}}\npools:\n"
+    if scenario.layout == "shared":
+        return head + f"  - name: shared\n    {common}    kv_share: 1.0\n    avg_len: 512\n"
+    slo = f"    slo: {{ttft_ms: {args.ttft_ms:g}, itl_ms: {scenario.itl_ms:g}}}\n" if scenario.itl_ms else ""
+    return (head
+            + f"  - name: chat\n    {common}    route: {{max_prompt_tokens: {ROUTE_THRESHOLD}}}\n"
+              f"    kv_share: 0.4\n    avg_len: 128\n{slo}"
+            + f"  - name: rag\n    {common}    route: {{min_prompt_tokens: {ROUTE_THRESHOLD + 1}}}\n"
+              f"    kv_share: 0.6\n    avg_len: 1700\n")
+
+
+def _load(url: str, cls: WorkloadClass, rate: float, args: argparse.Namespace, scrape: bool, seed: int) -> LoadConfig:
+    duration = 20.0 if args.quick else args.duration
+    return LoadConfig(url=url, classes=(cls,), request_rate=rate, duration=duration, seed=seed, timeout=600.0,
+                      drain_timeout=10.0 if args.quick else args.drain_timeout, scrape=scrape,
+                      scrape_interval=0.5, tokenizer=MODEL)
+
+
+async def run_scenario(scenario: Scenario, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """Start the server of `scenario`, run its loads at once, stop it; the scenario's numbers."""
+    path = folder / f"{scenario.name.replace(' ', '-')}.yaml"
+    path.write_text(pools_yaml(scenario, args))
+    with LiveServer(path) as server:
+        loads = []
+        if scenario.chat:
+            loads.append(run_load(_load(server.url, CHAT, args.chat_rate, args, True, args.seed)))
+        if scenario.rag:
+            loads.append(run_load(_load(server.url, RAG, args.rag_rate, args, not scenario.chat, args.seed + 1)))
+        reports = await asyncio.gather(*loads)
+    chat = reports[0] if scenario.chat else None
+    rag = reports[-1] if scenario.rag else None
+    return summarize(scenario, chat, rag)
+
+
+def summarize(scenario: Scenario, chat: LoadReport | None, rag: LoadReport | None) -> dict[str, Any]:
+    result: dict[str, Any] = {"scenario": scenario.name, "layout": scenario.layout, "itl_ms": scenario.itl_ms}
+    scraped = (chat or rag).totals["scrape"]["pools"]
+    chat_pool = "shared" if scenario.layout == "shared" else "chat"
+    result["chat_preemptions"] = scraped.get(chat_pool, {}).get("num_preemptions")
+    result["max_scrape_s"] = (chat or rag).totals["scrape"]["max_s"]
+    if chat is not None:
+        s = chat.summary["chat"]
+        result.update(chat_completed=s["completed"], chat_count=s["count"],
+                      ttft_p50=s["ttft"]["p50"], ttft_p99=s["ttft"]["p99"],
+                      itl_p50=s["itl"]["p50"], itl_p99=s["itl"]["p99"],
+                      ttft_samples=latencies([r for r in chat.records if r.status == "ok"], "ttft"),
+                      itl_samples=latencies([r for r in chat.records if r.status == "ok"], "itl"))
+    if rag is not None:
+        done = sum((r.prompt_len if r.chunk_s else 0) + len(r.chunk_s) for r in rag.records)
+        result["rag_tokens_per_s"] = done / rag.totals["duration_s"]
+        result["rag_completed"] = rag.summary["rag"]["completed"]
+    return result
+
+
+def add_ratios(results: list[dict[str, Any]]) -> None:
+    """Each scenario's chat p99s over chat alone's, and rag tokens/s over rag alone's."""
+    base = next(r for r in results if r["scenario"] == "chat alone")
+    rag_base = next(r for r in results if r["scenario"] == "rag alone")
+    for r in results:
+        for key in ("ttft_p99", "itl_p99"):
+            if r.get(key) is not None and base.get(key):
+                r[key + "_ratio"] = r[key] / base[key]
+        if r.get("rag_tokens_per_s") is not None and rag_base.get("rag_tokens_per_s"):
+            r["rag_ratio"] = r["rag_tokens_per_s"] / rag_base["rag_tokens_per_s"]
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    def ms(v):
+        return "-" if v is None else f"{1000 * v:8.0f}"
+
+    def x(v):
+        return "-" if v is None else f"{v:6.2f}x"
+
+    lines = [f"{'scenario':<18} {'chat TTFT p50':>13} {'p99':>8} {'/alone':>7} {'ITL p50':>8} {'p99':>8} "
+             f"{'/alone':>7} {'chat preempt':>12} {'rag tok/s':>9} {'/alone':>7}",
+             f"{'':<18} {'(ms)':>13} {'(ms)':>8} {'':>7} {'(ms)':>8} {'(ms)':>8}"]
+    for r in results:
+        rag = r.get("rag_tokens_per_s")
+        lines.append(f"{r['scenario']:<18} {ms(r.get('ttft_p50')):>13} {ms(r.get('ttft_p99')):>8} "
+                     f"{x(r.get('ttft_p99_ratio')):>7} {ms(r.get('itl_p50')):>8} {ms(r.get('itl_p99')):>8} "
+                     f"{x(r.get('itl_p99_ratio')):>7} {str(r.get('chat_preemptions')):>12} "
+                     f"{'-' if rag is None else f'{rag:9.1f}':>9} {x(r.get('rag_ratio')):>7}")
+    return "\n".join(lines)
+
+
+def verdict(results: list[dict[str, Any]]) -> list[str]:
+    """The issue's bars, each marked met or not."""
+    by = {r["scenario"]: r for r in results}
+    split, shared = by["split"], by["shared"]
+    checks = [
+        ("split chat p99 TTFT <= 1.25x chat alone", split.get("ttft_p99_ratio", 99) <= 1.25),
+        ("split chat p99 ITL <= 1.25x chat alone", split.get("itl_p99_ratio", 99) <= 1.25),
+        ("split: 0 chat preemptions", split.get("chat_preemptions") == 0),
+        ("shared shows the cliff (chat p99 TTFT >= 5x alone, or preemptions)",
+         shared.get("ttft_p99_ratio", 0) >= 5 or (shared.get("chat_preemptions") or 0) > 0),
+        ("split rag keeps >= 25% of rag-alone tokens/s", split.get("rag_ratio", 0) >= 0.25),
+    ]
+    return [f"{'met' if ok else 'NOT met'}: {text}" for text, ok in checks]
+
+
+def write_plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for r in results:
+        for ax, key in ((axes[0], "ttft_samples"), (axes[1], "itl_samples")):
+            samples = sorted(r.get(key) or [])
+            if samples:
+                ax.plot(samples, np.arange(1, len(samples) + 1) / len(samples), label=r["scenario"])
+    for ax, title in ((axes[0], "chat TTFT"), (axes[1], "chat ITL")):
+        ax.set_xscale("log")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("fraction of requests" if ax is axes[0] else "fraction of tokens")
+        ax.set_title(title + " (CDF)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    curve = [r for r in results if r.get("rag_tokens_per_s") is not None and r.get("itl_p99") is not None]
+    for r in curve:
+        axes[2].scatter(r["rag_tokens_per_s"], 1000 * r["itl_p99"], label=r["scenario"])
+        axes[2].annotate(r["scenario"], (r["rag_tokens_per_s"], 1000 * r["itl_p99"]), fontsize=7)
+    axes[2].set_xlabel("rag tokens/s")
+    axes[2].set_ylabel("chat ITL p99 (ms)")
+    axes[2].set_yscale("log")
+    axes[2].set_title("trade-off: chat p99 ITL vs rag throughput")
+    axes[2].grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+async def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
+    results = []
+    with tempfile.TemporaryDirectory(prefix="cliffguard-isolation-") as folder:
+        for scenario in scenarios(args):
+            print(f"bench isolation: {scenario.name} ...", file=sys.stderr, flush=True)
+            results.append(await run_scenario(scenario, args, Path(folder)))
+    add_ratios(results)
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("chat_rate", "rag_rate", "duration", "ttft_ms", "itl_ms"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
+    results = asyncio.run(_main(args))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "isolation.json").write_text(json.dumps(results, indent=2))
+        write_plot(results, out / "isolation.png")
+    if args.json:
+        print(json.dumps([{k: v for k, v in r.items() if not k.endswith("_samples")} for r in results], indent=2))
+    else:
+        print(format_table(results))
+        print("\n".join(verdict(results)))
+    return 0

@@ -1,0 +1,77 @@
+"""`LiveServer`: `cliffguard serve` in a subprocess on an ephemeral loopback port, for benchmarks that
+measure the server from outside (and for the tests that do the same)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class LiveServer:
+    """Starts `cliffguard serve --config <path>` on 127.0.0.1 and a free port, waits until `/ready`.
+
+    `url` is the base URL; `log` collects the server's stderr (drained on a thread so the server
+    never blocks on a full pipe); `stop()` terminates it (and kills it after `stop_timeout` s).
+    """
+
+    def __init__(self, config_path: Path | str, timeout: float = 180, *, env: dict[str, str] | None = None) -> None:
+        env = dict(os.environ if env is None else env, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), "--host", "127.0.0.1",
+             "--port", "0"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+        self.log: list[str] = []
+        self.url: str | None = None
+        try:
+            self._wait_started(time.monotonic() + timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_started(self, deadline: float) -> None:
+        while self.url is None:
+            line = self.proc.stderr.readline()
+            if not line:
+                raise RuntimeError("cliffguard serve exited:\n" + "".join(self.log))
+            self.log.append(line)
+            match = re.search(r"serving on (http://\S+) ", line)
+            if match:
+                self.url = match.group(1)
+            if time.monotonic() > deadline:
+                raise TimeoutError("".join(self.log))
+        threading.Thread(target=self._drain, daemon=True).start()
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/ready", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("server never became ready:\n" + "".join(self.log))
+            time.sleep(0.2)
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line)
+
+    def stop(self, stop_timeout: float = 20) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(stop_timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> "LiveServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
