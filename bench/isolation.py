@@ -15,8 +15,9 @@ every scenario (same seeds). Scenarios:
   prefill, the behaviour before the step composer).
 
 Per scenario: chat TTFT and ITL p50/p99, chat's ratio to chat alone, preemptions in chat's pool,
-rag tokens/s (prompt tokens of rag requests whose prefill finished plus streamed output tokens, per
-second of the run) and its ratio to rag alone. `--out DIR` writes `isolation.json` and
+rag tokens/s (the rag pool's `cliffguard_computed_tokens_total` per second between the first and the
+last scrape: prefill and decode tokens the engine computed for rag; in the shared pool, less the
+tokens of chat requests) and its ratio to rag alone. `--out DIR` writes `isolation.json` and
 `isolation.png` (chat TTFT/ITL CDFs per scenario, and chat p99 vs rag tokens/s). `--quick` runs the
 four main scenarios with short loads (under 3 minutes on a 2-core CPU), for a test.
 """
@@ -55,16 +56,16 @@ class Scenario:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", default="1GiB", help="device memory every scenario plans with (default 1GiB: "
                    "weights + a scarce KV cache)")
-    p.add_argument("--chat-rate", type=float, default=1.0, help="chat requests/s (default 1)")
+    p.add_argument("--chat-rate", type=float, default=0.5, help="chat requests/s (default 0.5)")
     p.add_argument("--rag-rate", type=float, default=0.3, help="rag requests/s (default 0.3: above what the rag "
                    "pool holds and serves, a flood)")
-    p.add_argument("--duration", type=float, default=45.0, help="seconds of arrivals per scenario (default 45)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per scenario (default 60)")
     p.add_argument("--drain-timeout", type=float, default=20.0, help="seconds to finish in-flight requests after "
                    "arrivals end; the rest are cancelled and counted unfinished (default 20)")
     p.add_argument("--ttft-ms", type=float, default=1000.0, help="chat's slo.ttft_ms (default 1000)")
-    p.add_argument("--itl-ms", type=float, default=100.0, help="chat's slo.itl_ms in the split scenario "
-                   "(default 100, the default config's)")
-    p.add_argument("--itl-ms-sweep", default="50,100,200", help="itl_ms values of the trade-off curve "
+    p.add_argument("--itl-ms", type=float, default=200.0, help="chat's slo.itl_ms in the split scenario "
+                   "(default 200, the default config's)")
+    p.add_argument("--itl-ms-sweep", default="100,200,400", help="itl_ms values of the trade-off curve "
                    "(comma-separated; the chunk-only row is added)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="every pool's token budget per step")
     p.add_argument("--quick", action="store_true", help="the four main scenarios with short loads (< 3 min), "
@@ -88,17 +89,17 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
 
 def pools_yaml(scenario: Scenario, args: argparse.Namespace) -> str:
     """The pool file of one scenario: same device and model; split = chat + rag pools, shared = one."""
-    common = (f"model: {MODEL}\n    device: dev\n    block_size: 16\n    max_model_len: 4096\n"
+    common = (f"model: {MODEL}\n    device: dev\n    block_size: 16\n"
               f"    max_num_batched_tokens: {args.max_num_batched_tokens}\n")
     head = f"devices:\n  dev: {{device: cpu, memory: {args.memory}, dtype: float32}}\npools:\n"
     if scenario.layout == "shared":
-        return head + f"  - name: shared\n    {common}    kv_share: 1.0\n    avg_len: 512\n"
+        return head + f"  - name: shared\n    {common}    kv_share: 1.0\n    avg_len: 512\n    max_model_len: 4096\n"
     slo = f"    slo: {{ttft_ms: {args.ttft_ms:g}, itl_ms: {scenario.itl_ms:g}}}\n" if scenario.itl_ms else ""
     return (head
             + f"  - name: chat\n    {common}    route: {{max_prompt_tokens: {ROUTE_THRESHOLD}}}\n"
-              f"    kv_share: 0.4\n    avg_len: 128\n{slo}"
+              f"    kv_share: 0.4\n    avg_len: 128\n    max_model_len: 2048\n{slo}"
             + f"  - name: rag\n    {common}    route: {{min_prompt_tokens: {ROUTE_THRESHOLD + 1}}}\n"
-              f"    kv_share: 0.6\n    avg_len: 1700\n")
+              f"    kv_share: 0.6\n    avg_len: 1700\n    max_model_len: 4096\n")
 
 
 def _load(url: str, cls: WorkloadClass, rate: float, args: argparse.Namespace, scrape: bool, seed: int) -> LoadConfig:
@@ -138,10 +139,32 @@ def summarize(scenario: Scenario, chat: LoadReport | None, rag: LoadReport | Non
                       ttft_samples=latencies([r for r in chat.records if r.status == "ok"], "ttft"),
                       itl_samples=latencies([r for r in chat.records if r.status == "ok"], "itl"))
     if rag is not None:
-        done = sum((r.prompt_len if r.chunk_s else 0) + len(r.chunk_s) for r in rag.records)
-        result["rag_tokens_per_s"] = done / rag.totals["duration_s"]
+        rag_pool = "shared" if scenario.layout == "shared" else "rag"
+        computed, seconds = _counter_rate((chat or rag).scrapes, rag_pool, "computed_tokens_total")
+        if scenario.layout == "shared" and chat is not None:   # the shared pool's tokens less chat's
+            first, last = (chat.scrapes[0].t_s, chat.scrapes[-1].t_s) if chat.scrapes else (0.0, 0.0)
+            computed -= sum(_tokens_done(r, first, last) for r in chat.records)
+        result["rag_tokens_per_s"] = computed / seconds if seconds > 0 else None
         result["rag_completed"] = rag.summary["rag"]["completed"]
     return result
+
+
+def _counter_rate(scrapes, pool: str, key: str) -> tuple[float, float]:
+    """(increase of a pool's counter, seconds) between the first and the last successful scrape."""
+    ok = [s for s in scrapes if s.error is None and key in s.pools.get(pool, {})]
+    if len(ok) < 2:
+        return 0.0, 0.0
+    return ok[-1].pools[pool][key] - ok[0].pools[pool][key], ok[-1].t_s - ok[0].t_s
+
+
+def _tokens_done(record, first: float, last: float) -> int:
+    """Tokens a chat request had computed between two times of the run: its prompt when its first
+    token came inside the window, and each streamed token inside it."""
+    if record.sent_s is None:
+        return 0
+    times = [record.sent_s + t for t in record.chunk_s]
+    prompt = record.prompt_tokens or record.prompt_len
+    return (prompt if times and first <= times[0] <= last else 0) + sum(first <= t <= last for t in times)
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:

@@ -83,7 +83,9 @@ LATENCIES = ("ttft", "itl", "tpot", "e2e")
 SCRAPED = {"cliffguard_kv_cache_usage_perc": "kv_cache_usage_perc",
            "cliffguard_num_requests_running": "num_requests_running",
            "cliffguard_num_requests_waiting": "num_requests_waiting",
-           "cliffguard_num_preemptions_total": "num_preemptions_total"}
+           "cliffguard_num_preemptions_total": "num_preemptions_total",
+           "cliffguard_computed_tokens_total": "computed_tokens_total"}
+COUNTERS = ("num_preemptions_total", "computed_tokens_total")   # reported as their increase over the run
 SCRAPE_TIMEOUT_S = 10.0
 # Common English words that GPT-2, Llama 3 and SmolLM2 BPEs encode as one token each, alone or after a space.
 WORDS = tuple("""
@@ -912,10 +914,11 @@ def scrape_summary(scraper: Scraper | None, url: str) -> dict[str, Any]:
     pools: dict[str, dict[str, float | None]] = {}
     for name in sorted({p for s in ok for p in s.pools}):
         series = {key: [s.pools[name][key] for s in ok if key in s.pools.get(name, {})] for key in SCRAPED.values()}
-        pools[name] = {f"max_{key}": max(v) if v else None for key, v in series.items()
-                       if key != "num_preemptions_total"}
+        pools[name] = {f"max_{key}": max(v) if v else None for key, v in series.items() if key not in COUNTERS}
         pre = series["num_preemptions_total"]
         pools[name]["num_preemptions"] = pre[-1] - pre[0] if pre else None
+        computed = series["computed_tokens_total"]
+        pools[name]["computed_tokens"] = computed[-1] - computed[0] if computed else None
     errors = Counter(s.error for s in scraper.samples if s.error is not None)
     return {"url": url, "skipped": scraper.skipped, "count": len(ok), "failed": len(scraper.samples) - len(ok),
             "max_s": times["max"], "p99_s": times["p99"], "mean_s": times["mean"], "pools": pools,

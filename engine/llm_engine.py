@@ -306,6 +306,7 @@ class LLMEngine:
         for item in batch:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
+            self.schedulers[seq.pool].stats.num_computed_tokens += item.num_new_tokens
             self.schedulers[seq.pool].block_manager.register_computed(
                 seq.block_table, seq.token_ids, seq.num_computed_tokens)
         logits, sampled = self._fork_samples(logits, sampled)

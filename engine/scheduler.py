@@ -73,6 +73,7 @@ class SchedulerStats:
     num_admitted: int = 0
     num_aborted: int = 0             # sequences finished by abort (client gone, or asked)
     num_too_large: int = 0           # sequences ended because the pool could not hold them
+    num_computed_tokens: int = 0     # tokens whose K/V the pool's steps computed (prefill, decode, recompute)
 
 
 @dataclass

@@ -127,7 +127,8 @@ def engine_stats(engine, *, check: bool = False) -> dict[str, Any]:
                        "preempt_seconds": st.preempt_seconds,
                        "cpu_swap_usage": s.swap_manager.usage if s.swap_manager else 0.0,
                        "prefix_cache_queries": bm.num_prefix_queries, "prefix_cache_hits": bm.num_prefix_hits,
-                       "num_aborted": st.num_aborted, "num_too_large": st.num_too_large}
+                       "num_aborted": st.num_aborted, "num_too_large": st.num_too_large,
+                       "num_computed_tokens": st.num_computed_tokens}
     if check:
         engine.check_integrity()
     composer = engine.composer.stats

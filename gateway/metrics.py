@@ -65,6 +65,8 @@ class GatewayMetrics:
                                       pool, registry=r)
         self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                    pool, registry=r)
+        self.computed_tokens = Counter(p + "computed_tokens", "Tokens whose K/V the pool's engine steps computed "
+                                       "(prefill chunks, decodes, recomputation).", pool, registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of routed requests.", pool, registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", pool, registry=r)
         self.routed = Counter(p + "routed_requests", "Requests routed to each pool.", pool, registry=r)
@@ -125,6 +127,7 @@ class GatewayMetrics:
         self.prefix_hits.labels(pool=name)
         self._advance(self.prefix_queries, (name, "pq"), stats.get("prefix_cache_queries", 0), pool=name)
         self._advance(self.prefix_hits, (name, "ph"), stats.get("prefix_cache_hits", 0), pool=name)
+        self._advance(self.computed_tokens, (name, "computed"), stats.get("num_computed_tokens", 0), pool=name)
 
     def update_device(self, device: str, stats: dict[str, Any]) -> None:
         """Refresh the device-level series from the stats a device worker pushed last."""
