@@ -46,6 +46,8 @@ class StepStats:
     num_preempted: int = 0
     seconds: float = 0.0
     target_seconds: float | None = None     # the composer's latency target for the step
+    predicted_seconds: float | None = None  # the cost model's prediction (with its margin)
+    pool_tokens: dict[str, int] = field(default_factory=dict)   # tokens each pool scheduled
 
 
 @dataclass
@@ -285,7 +287,8 @@ class LLMEngine:
         batch, ended = [], []
         stats = StepStats(num_prefill_tokens=composed.features.num_prefill_tokens,
                           num_decode_tokens=composed.features.num_decode_tokens,
-                          target_seconds=composed.target_seconds)
+                          target_seconds=composed.target_seconds, predicted_seconds=composed.predicted_seconds,
+                          pool_tokens={name: out.num_batched_tokens for name, out in composed.outputs.items()})
         for name, out in composed.outputs.items():
             batch.extend(out.scheduled)
             stats.num_preempted += len(out.preempted)

@@ -17,7 +17,9 @@ the worker. `("stats",)` asks for a fresh copy and runs the allocators' integrit
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import json
 import multiprocessing as mp
 import os
 import time
@@ -69,7 +71,13 @@ STATS_INTERVAL = 0.25   # seconds between stats pushed with step outputs while b
 
 
 def _serve(engine, conn: Connection) -> None:
-    """The loop: drain commands, step, send deltas (and stats now and then) until told to stop."""
+    """The loop: drain commands, step, send deltas (and stats now and then) until told to stop.
+
+    With `CLIFFGUARD_STEP_TRACE=<file>` in the environment, every step appends one JSON line to the
+    file: its time, measured and predicted seconds, the composer's target and each pool's tokens.
+    """
+    trace_path = os.environ.get("CLIFFGUARD_STEP_TRACE")
+    trace = open(trace_path, "a", buffering=1) if trace_path else None   # noqa: SIM115 - lives with the loop
     conn.send(("outputs", [], engine_stats(engine)))   # the gateway's metrics have numbers from the start
     last_stats = 0.0
     while True:
@@ -95,6 +103,8 @@ def _serve(engine, conn: Connection) -> None:
         if engine.has_unfinished_requests():
             deltas = [RequestDelta.from_output(out) for out in engine.step()]
             now = time.monotonic()
+            if trace is not None and engine.last_step.seconds > 0:
+                trace.write(json.dumps({"t": time.time(), **dataclasses.asdict(engine.last_step)}) + "\n")
             stats = None
             if now - last_stats >= STATS_INTERVAL or not engine.has_unfinished_requests():
                 stats, last_stats = engine_stats(engine), now

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import pickle
 
 import pytest
@@ -93,3 +94,20 @@ def test_what_the_worker_sends_per_step_does_not_grow_with_the_request(config):
     assert len(short) == len(long) == 79
     assert max(long) - min(short) < 100, (min(short), max(short), min(long), max(long))
     assert max(long[-10:]) < min(long[:10]) + 40        # the 80th token costs what the 2nd did
+
+
+def test_step_trace_writes_one_json_line_per_step(config, tmp_path, monkeypatch):
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("CLIFFGUARD_STEP_TRACE", str(path))
+
+    async def main():
+        async with AsyncEngineClient(config) as client:
+            return await _collect(client, "Hello there", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+
+    text, outs = asyncio.run(main())
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 5                                       # a prefill step, then four decodes
+    assert lines[0]["num_prefill_tokens"] > 1 and all(s["num_decode_tokens"] == 1 for s in lines[1:])
+    assert all(s["seconds"] > 0 and s["pool_tokens"] == {"default": s["num_prefill_tokens"] + s["num_decode_tokens"]}
+               for s in lines)
+    assert all(s["target_seconds"] is None for s in lines)      # one pool, no SLO: no target
