@@ -23,7 +23,8 @@ across pools, not each pool alone:
 query-key pairs of the step's attention (a prefill chunk of q tokens after c cached ones attends
 q * c + q * (q + 1) / 2 pairs, a decode token its whole context). The fit is least squares over the
 last `window` steps with coefficients kept >= 0, and predictions are scaled by a safety margin, the
-90th percentile of measured / predicted over recent steps. Until it has `MIN_OBSERVATIONS` steps,
+90th percentile of measured / predicted over recent steps; it refits every `REFIT_EVERY` steps, and
+only on a device with an interactive pool (otherwise nothing asks it). Until it has `MIN_OBSERVATIONS` steps,
 and whenever it would extrapolate, a throughput chunk is capped at twice the largest prefill it has
 measured (at least `COLD_START_TOKENS`), so it learns before it trusts itself.
 """
@@ -43,6 +44,7 @@ COLD_START_TOKENS = 64
 MIN_OBSERVATIONS = 4
 STARVATION_STEPS = 8
 MIN_THROUGHPUT_SHARE = 0.1
+REFIT_EVERY = 8
 
 
 @dataclass
@@ -99,18 +101,21 @@ class StepCostModel:
         return raw * self.margin if with_margin else raw
 
     def observe(self, features: StepFeatures, seconds: float) -> None:
-        """Add a measured step and refit."""
+        """Add a measured step; refit after each of the first `REFIT_EVERY` * 2 steps, then every
+        `REFIT_EVERY` steps (a fit costs a small least-squares solve: not worth paying every step)."""
         if seconds <= 0:
             return
         predicted = self.predict(features, with_margin=False)
         if predicted is not None and predicted > 0:
             self._ratios.append(seconds / predicted)
-            self.margin = float(min(3.0, max(1.0, np.percentile(self._ratios, 90))))
         self._xs.append(features.vector())
         self._ts.append(seconds)
         self.num_observed += 1
         self.max_prefill_seen = max(self.max_prefill_seen, features.num_prefill_tokens)
-        self.coef = _nonnegative_lstsq(np.stack(self._xs), np.array(self._ts))
+        if self.num_observed <= 2 * REFIT_EVERY or self.num_observed % REFIT_EVERY == 0:
+            self.coef = _nonnegative_lstsq(np.stack(self._xs), np.array(self._ts))
+            if self._ratios:
+                self.margin = float(min(3.0, max(1.0, np.percentile(self._ratios, 90))))
 
 
 def _nonnegative_lstsq(x: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -178,8 +183,15 @@ class StepComposer:
             out = self.schedulers[name].schedule(budget)
             step.outputs[name] = out
             step.features.add_scheduled(out.scheduled)
-        step.predicted_seconds = self.cost_model.predict(step.features)
+        if self.needs_cost_model:
+            step.predicted_seconds = self.cost_model.predict(step.features)
         return step
+
+    @property
+    def needs_cost_model(self) -> bool:
+        """Whether steps are composed against a target (an interactive pool exists); else the cost
+        model is never asked and nothing feeds it."""
+        return bool(self.interactive)
 
     def observe(self, step: ComposedStep, seconds: float) -> None:
         """Feed the measured time of a step that ran."""
@@ -190,7 +202,8 @@ class StepComposer:
         if step.target_seconds is not None:
             stats.num_targeted_steps += 1
             stats.num_over_target += seconds > step.target_seconds
-        self.cost_model.observe(step.features, seconds)
+        if self.needs_cost_model:
+            self.cost_model.observe(step.features, seconds)
 
     def _target_seconds(self) -> float | None:
         if not self.interactive:

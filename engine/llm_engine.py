@@ -166,7 +166,10 @@ class LLMEngine:
         """A few forward passes of made-up tokens before serving: they warm the kernels' caches and
         give the step composer's cost model its first measurements, so the first real steps are
         neither slow nor sized blind. The blocks are borrowed from the largest pool and given back
-        (nothing enters the prefix cache); a pool too small for it skips calibration."""
+        (nothing enters the prefix cache); a pool too small for it, or a device with no interactive
+        pool (whose steps are never sized by the cost model), skips calibration."""
+        if not self.composer.needs_cost_model:
+            return
         bm = max(self.schedulers.values(), key=lambda s: s.block_manager.num_blocks).block_manager
         lengths = [length for length, _ in self._CALIBRATION]
         if bm.num_blocks_for(lengths[0] + 2) + bm.num_blocks_for(lengths[1] + 1) > bm.num_free_blocks:
