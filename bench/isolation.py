@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.live import LiveServer
-from bench.serve import LengthDist, LoadConfig, LoadReport, WorkloadClass, latencies, run_load
+from bench.serve import (LengthDist, LoadConfig, LoadReport, WorkloadClass, latencies, load_tokenizer,
+                         plan_requests, run_load)
 
 MODEL = "builtin:smollm2-135m-instruct"
 CHAT = WorkloadClass(name="chat", endpoint="chat", prompt_len=LengthDist("normal", mean=60, std=15, min=20, max=120),
@@ -109,17 +110,18 @@ def _load(url: str, cls: WorkloadClass, rate: float, args: argparse.Namespace, s
                       scrape_interval=0.5, tokenizer=MODEL)
 
 
-async def run_scenario(scenario: Scenario, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+async def run_scenario(scenario: Scenario, args: argparse.Namespace, folder: Path, tokenizer) -> dict[str, Any]:
     """Start the server of `scenario`, run its loads at once, stop it; the scenario's numbers."""
     path = folder / f"{scenario.name.replace(' ', '-')}.yaml"
     path.write_text(pools_yaml(scenario, args))
     with LiveServer(path) as server:
-        loads = []
+        configs = []
         if scenario.chat:
-            loads.append(run_load(_load(server.url, CHAT, args.chat_rate, args, True, args.seed)))
+            configs.append(_load(server.url, CHAT, args.chat_rate, args, True, args.seed))
         if scenario.rag:
-            loads.append(run_load(_load(server.url, RAG, args.rag_rate, args, not scenario.chat, args.seed + 1)))
-        reports = await asyncio.gather(*loads)
+            configs.append(_load(server.url, RAG, args.rag_rate, args, not scenario.chat, args.seed + 1))
+        plans = [plan_requests(c, tokenizer) for c in configs]     # every prompt made before any load starts
+        reports = await asyncio.gather(*(run_load(c, plan) for c, plan in zip(configs, plans)))
     chat = reports[0] if scenario.chat else None
     rag = reports[-1] if scenario.rag else None
     return summarize(scenario, chat, rag)
@@ -249,10 +251,11 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
 
 async def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
+    tokenizer = load_tokenizer(MODEL)
     with tempfile.TemporaryDirectory(prefix="cliffguard-isolation-") as folder:
         for scenario in scenarios(args):
             print(f"bench isolation: {scenario.name} ...", file=sys.stderr, flush=True)
-            results.append(await run_scenario(scenario, args, Path(folder)))
+            results.append(await run_scenario(scenario, args, Path(folder), tokenizer))
     add_ratios(results)
     return results
 

@@ -816,12 +816,17 @@ def _progress_bar(config: LoadConfig, total: int) -> Any:
                 dynamic_ncols=True)
 
 
-async def run_load(config: LoadConfig) -> LoadReport:
+async def run_load(config: LoadConfig, plan: list[PlannedRequest] | None = None) -> LoadReport:
     """Run the open-loop load of `config` against its server and return the measurements. Failed
-    requests are counted in the report, never raised; a missing model name is a RuntimeError."""
+    requests are counted in the report, never raised; a missing model name is a RuntimeError.
+
+    `plan`: the requests, made beforehand with `plan_requests(config)`; several loads that run at
+    once should be planned before any starts, so that making one's prompts does not stall another's
+    measurements (None: planned here, in a thread)."""
     import aiohttp
 
-    plan = await asyncio.to_thread(plan_requests, config)
+    if plan is None:
+        plan = await asyncio.to_thread(plan_requests, config)
     records = [RequestRecord(p.index, p.workload.name, p.workload.endpoint, p.arrival_s, p.prompt_len,
                              p.max_tokens) for p in plan]
     connector = aiohttp.TCPConnector(limit=0)  # no cap on connections: a cap would close the loop

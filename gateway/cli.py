@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.isolation import add_arguments as add_isolation_bench
     from bench.kernels import add_arguments as add_kernels_bench
     from bench.preemption import add_arguments as add_preemption_bench
+    from bench.prefill import add_arguments as add_prefill_bench
     from bench.serve import add_arguments as add_serve_bench
     from bench.tokenizer import add_arguments as add_tokenizer_bench
 
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                                               "regimes"))
     add_serve_bench(bench_sub.add_parser("serve", help="open-loop load (gamma arrivals, workload classes) against "
                                          "any OpenAI-compatible server: TTFT/ITL/e2e, goodput, /metrics"))
+    add_prefill_bench(bench_sub.add_parser("prefill", help="long-prompt prefill: our engine vs transformers' forward"))
     add_isolation_bench(bench_sub.add_parser("isolation", help="chat latency under a rag flood: chat alone, split "
                                              "pools (step composer), one shared pool; the itl_ms trade-off"))
 
