@@ -64,8 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=20.0, help="seconds to finish in-flight requests after "
                    "arrivals end; the rest are cancelled and counted unfinished (default 20)")
     p.add_argument("--ttft-ms", type=float, default=1000.0, help="chat's slo.ttft_ms (default 1000)")
-    p.add_argument("--itl-ms", type=float, default=200.0, help="chat's slo.itl_ms in the split scenario "
-                   "(default 200, the default config's)")
+    p.add_argument("--itl-ms", type=float, default=100.0, help="chat's slo.itl_ms in the split scenario "
+                   "(default 100, the default config's)")
     p.add_argument("--itl-ms-sweep", default="100,200,400", help="itl_ms values of the trade-off curve "
                    "(comma-separated; the chunk-only row is added)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="every pool's token budget per step")

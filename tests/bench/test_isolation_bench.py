@@ -24,7 +24,7 @@ def test_every_scenario_writes_a_valid_pool_file():
     args = _args()
     names = [s.name for s in scenarios(args)]
     assert names[:4] == ["chat alone", "rag alone", "split", "shared"] and names[-1] == "chunk-only"
-    assert "split itl 100 ms" in names and "split itl 400 ms" in names
+    assert "split itl 200 ms" in names and "split itl 400 ms" in names
     assert len(scenarios(_args("--quick"))) == 4
     for scenario in scenarios(args):
         config = load_config(pools_yaml(scenario, args), env={})

@@ -152,7 +152,7 @@ def test_default_config_loads():
     assert chat.route == RouteSpec(0, 4096) and rag.route == RouteSpec(4097, None)
     assert (chat.kv_share, rag.kv_share, chat.avg_len, rag.avg_len) == (0.4, 0.6, 1024, 6144)
     assert chat.max_model_len == rag.max_model_len == 8192
-    assert chat.slo == LatencySLO(ttft_ms=1000, itl_ms=200) and rag.slo is None   # interactive, throughput
+    assert chat.slo == LatencySLO(ttft_ms=1000, itl_ms=100) and rag.slo is None   # interactive, throughput
     assert config.devices == {"default": DeviceSpec()}
     assert config.gateway.max_body_bytes == 8 << 20 and config.gateway.api_keys == ()
 
