@@ -7,7 +7,6 @@ import argparse
 import json
 
 import pytest
-import torch
 
 from bench import preemption
 from engine import ConfigError, SchedulerConfig
@@ -32,13 +31,7 @@ def tiny_model(tmp_path_factory, builtin_path):
     return make_tiny_model(tmp_path_factory.mktemp("preemption-bench") / "llama", "llama", builtin_path)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """A tiny model needs no second thread; with one, a busy machine cannot slow the steps a hundredfold."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run(*argv: str) -> int:

@@ -8,7 +8,6 @@ import argparse
 import json
 
 import pytest
-import torch
 
 from bench import prefill
 from gateway import cli
@@ -22,13 +21,7 @@ def tiny_model(tmp_path_factory, builtin_path):
                            vocab_size=49152, max_position_embeddings=256)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """A tiny model needs no second thread; with one, a busy machine cannot slow the steps a hundredfold."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run(*argv: str) -> int:

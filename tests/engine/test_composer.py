@@ -54,9 +54,9 @@ def _train(model: StepCostModel, steps: int = 64, seed: int = 0) -> None:
         model.observe(f, _true_seconds(f))
 
 
-def _run_step(composer: StepComposer) -> dict[str, list[int]]:
-    """Schedule, pretend the forward pass ran (tokens computed, decodes append one token), observe it."""
-    step = composer.schedule()
+def _finish_step(composer: StepComposer, step) -> None:
+    """Pretend the step's forward pass ran (tokens computed, a sequence at its end gets one more token)
+    and let the composer observe the made-up device's time for it."""
     for out in step.outputs.values():
         for item in out.scheduled:
             seq = item.seq
@@ -64,6 +64,12 @@ def _run_step(composer: StepComposer) -> dict[str, list[int]]:
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(7)
     composer.observe(step, _true_seconds(step.features))
+
+
+def _run_step(composer: StepComposer) -> dict[str, list[int]]:
+    """Schedule, finish (`_finish_step`) and report each pool's scheduled token counts."""
+    step = composer.schedule()
+    _finish_step(composer, step)
     return {name: [i.num_new_tokens for i in out.scheduled] for name, out in step.outputs.items()}
 
 
@@ -113,12 +119,7 @@ def test_interactive_decodes_squeeze_the_throughput_chunk_to_the_itl_target():
         assert step.predicted_seconds <= 0.050 * composer.cost_model.margin + 1e-9
         rag_tokens = sum(i.num_new_tokens for i in step.outputs["rag"].scheduled)
         assert 0 < rag_tokens < 2048
-        for out in step.outputs.values():
-            for item in out.scheduled:
-                item.seq.num_computed_tokens += item.num_new_tokens
-                if item.seq.num_computed_tokens == item.seq.num_tokens:
-                    item.seq.token_ids.append(7)
-        composer.observe(step, _true_seconds(step.features))
+        _finish_step(composer, step)
     assert sum(first["chat"]) == 8 * 40
 
 
@@ -175,12 +176,7 @@ def test_an_overloaded_interactive_pool_slows_the_throughput_pool_but_never_stop
         assert rag_tokens >= 1
         added = step.predicted_seconds - composer.cost_model.predict(chat_only)
         assert added <= 0.1 * 0.004 + 1e-12
-        for out in step.outputs.values():
-            for item in out.scheduled:
-                item.seq.num_computed_tokens += item.num_new_tokens
-                if item.seq.num_computed_tokens == item.seq.num_tokens:
-                    item.seq.token_ids.append(7)
-        composer.observe(step, _true_seconds(step.features))
+        _finish_step(composer, step)
 
     # a target so small that not even one rag token fits its tenth: one block after every starvation run
     composer = _make_composer(LatencySLO(ttft_ms=1000, itl_ms=1))
