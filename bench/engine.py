@@ -48,15 +48,16 @@ ASKS = ["Write a short poem about {t}.", "Explain {t} to a ten-year-old.", "Give
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="builtin:smollm2-135m-instruct")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--min-output", type=int, default=16)
-    p.add_argument("--max-output", type=int, default=256)
+    p.add_argument("--model", default="builtin:smollm2-135m-instruct",
+                   help="HF model folder, .gguf file or builtin:smollm2-135m-instruct (default)")
+    p.add_argument("--num-prompts", type=int, default=64, help="prompts in the workload (default 64)")
+    p.add_argument("--min-output", type=int, default=16, help="shortest requested output in tokens (default 16)")
+    p.add_argument("--max-output", type=int, default=256, help="longest requested output in tokens (default 256)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="our engine's concurrency limit")
     p.add_argument("--hf-batch-sizes", default="16,64",
                    help="transformers' static batch sizes, comma-separated: one run and one ratio each")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | float16 | auto")
+    p.add_argument("--device", default="auto", help="auto (default: CUDA if present) | cpu | cuda | cuda:N")
     p.add_argument("--random-weights", action="store_true",
                    help="random weights for a model folder that has only config.json (the builtin SmolLM2 "
                    "tokenizer is added when it has none), e.g. --model bench/models/llama-3-8b")
@@ -64,13 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --random-weights: change a key of the model's config.json (VALUE read as JSON), "
                    "e.g. num_hidden_layers=4; repeatable")
     p.add_argument("--kv-cache-mib", type=int, default=None,
-                   help="our engine's KV cache budget in MiB (default 2048 on CPU, 8192 on CUDA; capped on "
-                   "CUDA by 0.9 x VRAM - weights)")
+                   help="our engine's KV cache budget in MiB (default 2048 on CPU, 8192 on CUDA); it must "
+                   "fit the device's 0.9 x memory - weights")
     p.add_argument("--skip-hf", action="store_true", help="measure our engine only")
     p.add_argument("--also-torch-linear", action="store_true",
                    help="on a CPU, also run our engine with CLIFFGUARD_CPU_LINEAR=torch (torch's sgemm instead "
                    "of packed oneDNN linears), in the same run")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and the sampler (default 0)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -317,17 +318,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_engine(args: argparse.Namespace, model: str):
-    """Our engine as the benchmark configures it: one pool, max_num_seqs from the options."""
+    """Our engine as the benchmark configures it: one pool planned by the capacity formula with a
+    `--kv-cache-mib` budget, max_num_seqs from the options."""
     from dataclasses import replace
 
-    from engine import CacheConfig, EngineConfig, LLMEngine, PoolConfig, SchedulerConfig
+    import torch
 
-    config = EngineConfig(
-        model=model, device=args.device, dtype=args.dtype, random_weights=args.random_weights,
-        pools=(PoolConfig(scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                                    max_num_batched_tokens=2048)),))
-    kv_mib = args.kv_cache_mib or (8192 if config.resolved_device().type == "cuda" else 2048)
-    return LLMEngine(replace(config, cache=CacheConfig(kv_cache_bytes=kv_mib << 20)))
+    from engine import LLMEngine
+    from pools.capacity import plan_single_pool
+
+    on_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    kv_mib = args.kv_cache_mib or (8192 if on_cuda else 2048)
+    _, config = plan_single_pool(model, device=args.device, dtype=args.dtype, kv_cache_bytes=kv_mib << 20,
+                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048)
+    return LLMEngine(replace(config, random_weights=args.random_weights))
 
 
 def _run(args: argparse.Namespace, model: str, hf_batch_sizes: list[int]) -> int:

@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="every pool's token budget per step")
     p.add_argument("--quick", action="store_true", help="the four main scenarios with short loads (< 3 min), "
                    "no trade-off curve")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and the sampler (default 0)")
     p.add_argument("--out", default=None, help="write isolation.json and isolation.png here")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 

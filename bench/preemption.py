@@ -60,24 +60,26 @@ QUICK_MIXES = (Mix("long", 8, 64, 16, "RAG-like"), Mix("short", 8, 8, 32, "chat-
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    p.add_argument("--model", default="builtin:smollm2-135m-instruct",
+                   help="HF model folder, .gguf file or builtin:smollm2-135m-instruct (default)")
     p.add_argument("--random-weights", action="store_true",
                    help="random weights for a model folder that has only config.json (+ tokenizer)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | float16 | auto")
+    p.add_argument("--device", default="auto", help="auto (default: CUDA if present) | cpu | cuda | cuda:N")
     p.add_argument("--modes", default=",".join(MODES), help="preemption modes to compare, comma-separated")
     p.add_argument("--pool-factors", default="4,0.85,0.5",
                    help="pool size / working set of each regime, comma-separated (largest is the reference)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every prompt and output length")
     p.add_argument("--quick", action="store_true", help="small mixes (seconds with a tiny model): for tests")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block: 8, 16 (default) or 32")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="each pool's max_num_seqs (default 64)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="each pool's token budget per step (default 2048)")
     p.add_argument("--swap-factor", type=float, default=2.0,
                    help="CPU swap space of swap and auto pools, in units of min(pool, working set)")
     p.add_argument("--repeat", type=int, default=1,
                    help="runs of each cell (modes taking turns); the table shows the run with the median time")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and the sampler (default 0)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -133,8 +135,7 @@ def build_engine(args, mode: str, cells: list[tuple[Mix, float, int, int]], byte
     pools += [PoolConfig(name=pool_name(mix, factor), num_blocks=n, scheduler=scheduler(n, ws))
               for mix, factor, n, ws in cells]
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, random_weights=args.random_weights,
-                          seed=args.seed, cache=CacheConfig(block_size=args.block_size,
-                                                            num_blocks=sum(p.num_blocks for p in pools)),
+                          seed=args.seed, cache=CacheConfig(block_size=args.block_size),
                           pools=tuple(pools))
     return LLMEngine(config, progress=False)
 
@@ -148,20 +149,17 @@ def warm_up(engine, vocab_size: int) -> None:
 
 
 def pool_counters(engine, pool: str) -> dict:
-    """The pool's cumulative preemption counters (0 for those the engine does not report); checks the
-    integrity of every pool and that `pool` holds no block."""
+    """The pool's cumulative preemption counters; checks the integrity of every pool and that `pool`
+    holds no block."""
     from engine.worker import engine_stats
 
-    stats = engine_stats(engine)["pools"][pool]
-    if stats["num_free_blocks"] != stats["num_blocks"]:
-        raise AssertionError(f"pool {pool}: {stats['num_blocks'] - stats['num_free_blocks']} blocks held "
+    stats = engine_stats(engine, check=True).pools[pool]
+    if stats.num_free_blocks != stats.num_blocks:
+        raise AssertionError(f"pool {pool}: {stats.num_blocks - stats.num_free_blocks} blocks held "
                              "with no request in flight")
-    by_mode = stats.get("num_preemptions_by_mode", {})
-    return {"num_preemptions": stats.get("num_preemptions", 0),
-            "num_recompute_preemptions": by_mode.get("recompute", 0),
-            "num_swap_preemptions": by_mode.get("swap", 0),
-            **{key: stats.get(key, 0) for key in ("num_recomputed_tokens", "num_swapped_out_blocks",
-                                                 "num_swapped_in_blocks", "preempt_seconds")}}
+    return {key: getattr(stats, key) for key in (
+        "num_preemptions", "num_recompute_preemptions", "num_swap_preemptions", "num_recomputed_tokens",
+        "num_swapped_out_blocks", "num_swapped_in_blocks", "preempt_seconds")}
 
 
 def run_cell(engine, pool: str, work: list[tuple[list[int], int]]) -> dict:

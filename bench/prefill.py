@@ -38,15 +38,16 @@ WORDS = ("time year people way day man thing woman life child world school state
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    p.add_argument("--model", default="builtin:smollm2-135m-instruct",
+                   help="HF model folder, .gguf file or builtin:smollm2-135m-instruct (default)")
     p.add_argument("--lengths", default="512,2048,5000", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per length and system (a new prompt each)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="our engine's per-step token budget, i.e. its prefill chunk size")
     p.add_argument("--kv-cache-mib", type=int, default=1024, help="our engine's KV cache budget in MiB")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | float16 | auto")
+    p.add_argument("--device", default="auto", help="auto (default: CUDA if present) | cpu | cuda | cuda:N")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and the sampler (default 0)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -119,10 +120,12 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from engine import LLMEngine
+    from pools.capacity import plan_single_pool
 
-    engine = LLMEngine.from_args(args.model, max_num_batched_tokens=args.max_num_batched_tokens,
-                                 kv_cache_bytes=args.kv_cache_mib << 20, dtype=args.dtype, device=args.device,
-                                 progress=False)
+    _, config = plan_single_pool(args.model, device=args.device, dtype=args.dtype,
+                                 kv_cache_bytes=args.kv_cache_mib << 20,
+                                 max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = LLMEngine(config, progress=False)
     device, dtype = engine.device, engine.dtype
     max_len = max(s.max_model_len for s in engine.schedulers.values())
     if max(lengths) >= max_len:

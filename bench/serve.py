@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from pools.spec import SpecError, _is_int, _is_number, _load_yaml, _mapping, _show, _within
+from pools.yamlcheck import SpecError, check_mapping, is_int, is_number, load_yaml, read_text, show, within
 
 log = logging.getLogger("cliffguard.bench.serve")
 
@@ -120,8 +120,8 @@ def _check_positive(key: str, value: Any, *, optional: bool = False, zero: bool 
     if value is None and optional:
         return
     bound = ">= 0" if zero else "> 0"
-    if not _is_number(value) or math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise SpecError(f"{key}: must be a number {bound}, got {_show(value)}")
+    if not is_number(value) or math.isnan(value) or (math.isinf(value) and not allow_inf):
+        raise SpecError(f"{key}: must be a number {bound}, got {show(value)}")
     if value < 0 or (value == 0 and not zero):
         raise SpecError(f"{key}: must be {bound}, got {value!r}")
 
@@ -129,8 +129,8 @@ def _check_positive(key: str, value: Any, *, optional: bool = False, zero: bool 
 def _check_len(key: str, value: Any, *, optional: bool = False) -> None:
     if value is None and optional:
         return
-    if not _is_int(value) or value < 1:
-        raise SpecError(f"{key}: must be an integer >= 1 (tokens), got {_show(value)}")
+    if not is_int(value) or value < 1:
+        raise SpecError(f"{key}: must be an integer >= 1 (tokens), got {show(value)}")
 
 
 @dataclass(frozen=True)
@@ -198,10 +198,10 @@ class WorkloadClass:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise SpecError(f"name: must be letters, digits, '_', '.' or '-' (a label), got {_show(self.name)}")
+            raise SpecError(f"name: must be letters, digits, '_', '.' or '-' (a label), got {show(self.name)}")
         for key in ("prompt_len", "output_len"):
             if not isinstance(getattr(self, key), LengthDist):
-                raise SpecError(f"{key}: must be a LengthDist, got {_show(getattr(self, key))}")
+                raise SpecError(f"{key}: must be a LengthDist, got {show(getattr(self, key))}")
         if self.endpoint not in ENDPOINTS:
             raise SpecError(f"endpoint: must be one of {', '.join(ENDPOINTS)}; got {self.endpoint!r}")
         _check_positive("share", self.share, optional=True)
@@ -209,7 +209,7 @@ class WorkloadClass:
         if self.share is not None and self.rate is not None:
             raise SpecError(f"rate: give share or rate, not both (share {self.share!r}, rate {self.rate!r})")
         if not isinstance(self.ignore_eos, bool):
-            raise SpecError(f"ignore_eos: must be true or false, got {_show(self.ignore_eos)}")
+            raise SpecError(f"ignore_eos: must be true or false, got {show(self.ignore_eos)}")
         _check_positive("temperature", self.temperature, optional=True, zero=True)
 
     @property
@@ -225,13 +225,13 @@ PROBE = WorkloadClass(PROBE_CLASS, endpoint="completion", prompt_len=LengthDist(
 
 
 def _parse_length(key: str, raw: Any) -> LengthDist:
-    if _is_int(raw):
+    if is_int(raw):
         raw = {"dist": "fixed", "value": raw}
     if not isinstance(_required(key, raw), dict):
         raise SpecError(f"{key}: must be a token count or a mapping like {{dist: uniform, min: 8, max: 64}}, "
-                        f"got {_show(raw)}")
-    raw = _mapping(key, raw, ("dist", *sorted({k for ks in _DIST_KEYS.values() for k in ks})))
-    with _within(key):
+                        f"got {show(raw)}")
+    raw = check_mapping(key, raw, ("dist", *sorted({k for ks in _DIST_KEYS.values() for k in ks})))
+    with within(key):
         return LengthDist(**{"dist": _required("dist", raw.get("dist")), **raw})
 
 
@@ -243,19 +243,19 @@ def parse_workload(data: Any) -> tuple[WorkloadClass, ...]:
     An optional top-level `description:` is ignored.
     """
     if not isinstance(data, dict):
-        raise SpecError(f"(top level): must be a mapping with a `classes:` list, got {_show(data)}")
-    data = _mapping("", data, ("classes", "description"))
+        raise SpecError(f"(top level): must be a mapping with a `classes:` list, got {show(data)}")
+    data = check_mapping("", data, ("classes", "description"))
     raw_classes = _required("classes", data.get("classes"))
     if not isinstance(raw_classes, list) or not raw_classes:
-        raise SpecError(f"classes: must be a non-empty list of classes, got {_show(raw_classes)}")
+        raise SpecError(f"classes: must be a non-empty list of classes, got {show(raw_classes)}")
     classes = []
     for i, raw in enumerate(raw_classes):
         key = f"classes[{i}]"
-        raw = _mapping(key, raw, _CLASS_KEYS)
+        raw = check_mapping(key, raw, _CLASS_KEYS)
         _required(f"{key}.name", raw.get("name"))
         kwargs = dict(raw, prompt_len=_parse_length(f"{key}.prompt_len", raw.get("prompt_len")),
                       output_len=_parse_length(f"{key}.output_len", raw.get("output_len")))
-        with _within(key):
+        with within(key):
             classes.append(WorkloadClass(**kwargs))
         if [c.name for c in classes].count(classes[-1].name) > 1:
             raise SpecError(f"{key}.name: {classes[-1].name!r} is used by an earlier class")
@@ -269,13 +269,12 @@ def load_workload(path_or_name: str | Path) -> tuple[WorkloadClass, ...]:
     if not path.exists() and path.suffix == "" and len(path.parts) == 1:
         path = WORKLOAD_DIR / f"{path_or_name}.yaml"
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
+        text = read_text(path, "workload file")
+    except SpecError as exc:
         known = ", ".join(sorted(p.stem for p in WORKLOAD_DIR.glob("*.yaml")))
-        raise SpecError(f"{path_or_name}: cannot read the workload file ({exc.strerror or exc}); "
-                        f"built-in names: {known}") from None
+        raise SpecError(f"{exc}; built-in names: {known}") from None
     try:
-        return parse_workload(_load_yaml(text, str(path)))
+        return parse_workload(load_yaml(text, str(path)))
     except SpecError as exc:
         raise SpecError(f"{exc} (in {path})") from None
 
@@ -357,10 +356,10 @@ class LoadConfig:
         for key in ("url", "metrics_url"):
             value = getattr(self, key)
             if value is not None and not (isinstance(value, str) and re.match(r"^https?://[^/\s]+", value)):
-                raise SpecError(f"{key}: must be an http:// or https:// URL, got {_show(value)}")
+                raise SpecError(f"{key}: must be an http:// or https:// URL, got {show(value)}")
         if not isinstance(self.classes, tuple) or not self.classes or not all(
                 isinstance(c, WorkloadClass) for c in self.classes):
-            raise SpecError(f"classes: must be a non-empty tuple of WorkloadClass, got {_show(self.classes)}")
+            raise SpecError(f"classes: must be a non-empty tuple of WorkloadClass, got {show(self.classes)}")
         names = [c.name for c in self.classes]
         if len(set(names)) != len(names) or (self.probe_rate and PROBE_CLASS in names):
             raise SpecError(f"classes: names must be unique (and not {PROBE_CLASS!r} with probes), got {names}")
@@ -369,15 +368,15 @@ class LoadConfig:
             _check_positive(key, getattr(self, key))
         _check_positive("duration", self.duration, optional=True)
         _check_positive("probe_rate", self.probe_rate, zero=True)
-        if self.num_requests is not None and (not _is_int(self.num_requests) or self.num_requests < 1):
-            raise SpecError(f"num_requests: must be an integer >= 1, got {_show(self.num_requests)}")
+        if self.num_requests is not None and (not is_int(self.num_requests) or self.num_requests < 1):
+            raise SpecError(f"num_requests: must be an integer >= 1, got {show(self.num_requests)}")
         if self.duration is None and self.num_requests is None:
             raise SpecError("duration: give a duration and/or num_requests, got neither")
         if math.isinf(self.request_rate) and (self.num_requests is None or self.duration is not None
                                               or any(c.rate is not None for c in self.classes)):
             raise SpecError("request_rate: inf needs num_requests, no duration and only share classes")
         if self.goodput is not None and not isinstance(self.goodput, Goodput):
-            raise SpecError(f"goodput: must be a Goodput, got {_show(self.goodput)}")
+            raise SpecError(f"goodput: must be a Goodput, got {show(self.goodput)}")
 
     @property
     def base_url(self) -> str:
@@ -602,9 +601,9 @@ class RequestRecord:
         tokens = 1
         usage = chunk.get("usage")
         if isinstance(usage, dict):
-            if _is_int(usage.get("prompt_tokens")):
+            if is_int(usage.get("prompt_tokens")):
                 self.prompt_tokens = usage["prompt_tokens"]
-            if _is_int(usage.get("completion_tokens")):
+            if is_int(usage.get("completion_tokens")):
                 tokens = usage["completion_tokens"] - (self.output_tokens or 0)
                 self.output_tokens = usage["completion_tokens"]
         text = ""

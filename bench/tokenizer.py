@@ -46,10 +46,11 @@ _SNIPPETS = [
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    p.add_argument("--model", default="builtin:smollm2-135m-instruct",
+                   help="HF model folder, .gguf file or builtin:smollm2-135m-instruct (default)")
     p.add_argument("--corpus-size", type=int, default=400, help="number of texts in the corpus")
     p.add_argument("--repeats", type=int, default=3, help="passes over the corpus per side; the best one counts")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload and the sampler (default 0)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 

@@ -362,6 +362,13 @@ class BlockManager:
         free blocks. With `block_tables` (every live table of the pool): each block's reference count
         equals the number of table entries naming it.
         """
+        free_set, cached_set = self._check_block_states()
+        self._check_prefix_cache(free_set, cached_set)
+        if block_tables is not None:
+            self._check_ref_counts(block_tables)
+
+    def _check_block_states(self) -> tuple[set[int], set[int]]:
+        """Free, cached-free and used partition the pool; returns the free and cached-free ids."""
         free = list(self._free)
         free_set = set(free)
         if len(free_set) != len(free):
@@ -388,6 +395,10 @@ class BlockManager:
         if used + len(free) + len(cached_set) != self.num_blocks:
             raise BlockIntegrityError(
                 f"free {len(free)} + cached-free {len(cached_set)} + used {used} != total {self.num_blocks}")
+        return free_set, cached_set
+
+    def _check_prefix_cache(self, free_set: set[int], cached_set: set[int]) -> None:
+        """`_hash_to_block` and the blocks' registrations agree both ways; free blocks have no record."""
         for block_hash, block_id in self._hash_to_block.items():
             entry = self._full.get(block_id)
             if entry is None or not entry.registered or entry.block_hash != block_hash:
@@ -405,18 +416,20 @@ class BlockManager:
         unregistered = [b for b in cached_set if b not in self._full]
         if unregistered:
             raise BlockIntegrityError(f"cached-free blocks not registered: {unregistered[:10]}")
-        if block_tables is not None:
-            counts: Counter[int] = Counter()
-            for table in block_tables:
-                counts.update(table)
-            foreign = [b for b in counts if not self.owns(b)]
-            if foreign:
-                raise BlockIntegrityError(f"tables hold blocks outside the pool: {foreign[:10]}")
-            for index, count in enumerate(self._ref_counts):
-                block_id = index + self.first_block
-                if counts.get(block_id, 0) != count:
-                    raise BlockIntegrityError(
-                        f"block {block_id}: ref count {count} but {counts.get(block_id, 0)} table entries")
+
+    def _check_ref_counts(self, block_tables: Iterable[list[int]]) -> None:
+        """Each block's reference count equals the number of table entries naming it."""
+        counts: Counter[int] = Counter()
+        for table in block_tables:
+            counts.update(table)
+        foreign = [b for b in counts if not self.owns(b)]
+        if foreign:
+            raise BlockIntegrityError(f"tables hold blocks outside the pool: {foreign[:10]}")
+        for index, count in enumerate(self._ref_counts):
+            block_id = index + self.first_block
+            if counts.get(block_id, 0) != count:
+                raise BlockIntegrityError(
+                    f"block {block_id}: ref count {count} but {counts.get(block_id, 0)} table entries")
 
     def _check_id(self, block_id: int) -> None:
         if not self.owns(block_id):

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine.capacity import DEFAULT_MEMORY_UTILIZATION
+from kernels.metadata import BLOCK_SIZES
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -60,6 +64,29 @@ class RopeScaling:
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         if self.factor <= 0:
             raise ConfigError(f"rope_scaling.factor: must be > 0, got {self.factor}")
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> tuple[float | None, "RopeScaling"]:
+        """(rope_theta or None, scaling) from an HF config dict: `rope_theta` + `rope_scaling`, or the
+        `rope_parameters` entry transformers >= 5 writes instead."""
+        rope_theta = cfg.get("rope_theta")
+        raw = cfg.get("rope_scaling")
+        params = cfg.get("rope_parameters")
+        if isinstance(params, dict):
+            rope_theta = params.get("rope_theta", rope_theta)
+            if params.get("rope_type", "default") != "default":
+                raw = params
+        if not raw:
+            return rope_theta, cls()
+        if not isinstance(raw, dict):
+            raise ConfigError(f"rope_scaling: must be a mapping, got {raw!r}")
+        return rope_theta, cls(
+            rope_type=raw.get("rope_type", raw.get("type", "default")),
+            factor=float(raw.get("factor", 1.0)),
+            low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+        )
 
 
 @dataclass(frozen=True)
@@ -148,26 +175,7 @@ class ModelConfig:
         num_heads = need("num_attention_heads")
         hidden = need("hidden_size")
         head_dim = cfg.get("head_dim") or hidden // num_heads
-        rope_theta = cfg.get("rope_theta")
-        scaling_raw = cfg.get("rope_scaling")
-        params = cfg.get("rope_parameters")  # transformers >= 5 writes this instead
-        if isinstance(params, dict):
-            rope_theta = params.get("rope_theta", rope_theta)
-            if params.get("rope_type", "default") != "default":
-                scaling_raw = params
-        rope_scaling = RopeScaling()
-        if scaling_raw:
-            if not isinstance(scaling_raw, dict):
-                raise ConfigError(f"rope_scaling: must be a mapping, got {scaling_raw!r}")
-            rope_type = scaling_raw.get("rope_type", scaling_raw.get("type", "default"))
-            rope_scaling = RopeScaling(
-                rope_type=rope_type,
-                factor=float(scaling_raw.get("factor", 1.0)),
-                low_freq_factor=float(scaling_raw.get("low_freq_factor", 1.0)),
-                high_freq_factor=float(scaling_raw.get("high_freq_factor", 4.0)),
-                original_max_position_embeddings=int(
-                    scaling_raw.get("original_max_position_embeddings", 8192)),
-            )
+        rope_theta, rope_scaling = RopeScaling.from_hf_config(cfg)
         sliding_window = None
         if arch == "MistralForCausalLM":
             sliding_window = cfg.get("sliding_window")
@@ -211,29 +219,28 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged KV cache of one device: block size, dtype and how many blocks."""
+    """The paged KV cache of one device. Its size is the sum of its pools' `num_blocks`, which the
+    capacity plan (`pools.capacity`) computes; the engine never derives a size of its own."""
 
     block_size: int = 16
-    num_blocks: int = 0           # 0: derive from kv_cache_bytes
-    kv_cache_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ConfigError(f"block_size: must be a power of two in 1..128, got {self.block_size}")
-        if self.num_blocks < 0:
-            raise ConfigError(f"num_blocks: must be >= 0, got {self.num_blocks}")
-        if self.num_blocks == 0 and self.kv_cache_bytes <= 0:
-            raise ConfigError(f"kv_cache_bytes: must be > 0, got {self.kv_cache_bytes}")
-
-    def blocks_for(self, model: ModelConfig, dtype: torch.dtype) -> int:
-        """Blocks that fit: num_blocks if set, else kv_cache_bytes // (S_KV x block_size)."""
-        if self.num_blocks:
-            return self.num_blocks
-        return self.kv_cache_bytes // (model.kv_bytes_per_token(dtype) * self.block_size)
+        if self.block_size not in BLOCK_SIZES:
+            raise ConfigError(f"block_size: must be one of {', '.join(map(str, BLOCK_SIZES))}; "
+                              f"got {self.block_size!r}")
 
 
-PREEMPTION_MODES = ("recompute", "swap", "auto")
+# The one definition of each choice; the scheduler implements them and the YAML spec imports them.
+PREEMPTION_MODES = ("recompute", "swap", "auto")   # auto: swap or recompute per victim, by measured cost
 VICTIM_POLICIES = ("reverse_fifo", "longest_first", "least_progress", "lru", "priority")
+_DEVICE_NAME = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+def check_device_name(value: object) -> str:
+    """`auto`, `cpu`, `cuda` or `cuda:N`, else ConfigError naming `device`."""
+    if not isinstance(value, str) or not _DEVICE_NAME.match(value):
+        raise ConfigError(f"device: must be auto, cpu, cuda or cuda:N, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -266,7 +273,7 @@ class SchedulerConfig:
                               f"got {self.victim_policy!r}")
         if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
             raise ConfigError(f"swap_space_bytes: must be an integer >= 0, got {self.swap_space_bytes!r}")
-        if self.preemption_mode in ("swap", "auto") and self.swap_space_bytes <= 0:
+        if self.uses_swap and self.swap_space_bytes <= 0:
             raise ConfigError(f"swap_space_bytes: preemption_mode {self.preemption_mode!r} needs a CPU swap "
                               "space > 0")
         if not isinstance(self.stability_floor_tokens, int) or self.stability_floor_tokens < 0:
@@ -277,6 +284,11 @@ class SchedulerConfig:
             raise ConfigError(
                 "max_num_batched_tokens: without chunked prefill it must be >= max_model_len "
                 f"({self.max_num_batched_tokens} < {self.max_model_len})")
+
+    @property
+    def uses_swap(self) -> bool:
+        """The pool may copy victims' blocks to a CPU swap space (modes swap and auto)."""
+        return self.preemption_mode in ("swap", "auto")
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -322,24 +334,21 @@ class LatencySLO:
 class PoolConfig:
     """One partition of a device's KV blocks, with its own scheduler limits and service class.
 
-    `kv_share` is the fraction of the device's blocks this pool owns (shares of all pools sum to <= 1);
-    `num_blocks`, when set, overrides it. `slo` makes the pool interactive (see `LatencySLO`); None
-    makes it a throughput pool.
+    `num_blocks` comes from the capacity plan (`pools.capacity.engine_configs`); pools take their
+    block ranges in order. `slo` makes the pool interactive (see `LatencySLO`); None makes it a
+    throughput pool.
     """
 
     name: str = "default"
-    kv_share: float = 1.0
-    num_blocks: int = 0
+    num_blocks: int = 1024
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     slo: LatencySLO | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise ConfigError(f"pools.name: must be a non-empty string, got {self.name!r}")
-        if not 0 < self.kv_share <= 1:
-            raise ConfigError(f"pools.{self.name}.kv_share: must be in (0, 1], got {self.kv_share}")
-        if self.num_blocks < 0:
-            raise ConfigError(f"pools.{self.name}.num_blocks: must be >= 0, got {self.num_blocks}")
+        if not isinstance(self.num_blocks, int) or isinstance(self.num_blocks, bool) or self.num_blocks <= 0:
+            raise ConfigError(f"pools.{self.name}.num_blocks: must be a positive integer, got {self.num_blocks!r}")
         if self.slo is not None and not isinstance(self.slo, LatencySLO):
             raise ConfigError(f"pools.{self.name}.slo: must be a LatencySLO or None, got {self.slo!r}")
 
@@ -356,6 +365,7 @@ class EngineConfig:
     seed: int = 0                   # for requests without a seed
     cache_dir: str | None = None    # where converted GGUF models go (default: weights.default_cache_dir())
     random_weights: bool = False    # benchmarks of model shapes we cannot download: config.json only
+    memory_utilization: float = DEFAULT_MEMORY_UTILIZATION   # the plan's; the engine re-checks it on CUDA
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -363,12 +373,16 @@ class EngineConfig:
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ConfigError(f"pools: duplicate pool names in {names}")
-        if sum(p.kv_share for p in self.pools if not p.num_blocks) > 1 + 1e-9:
-            raise ConfigError("pools.kv_share: shares sum to more than 1")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ConfigError(f"device: must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        check_device_name(self.device)
+        if not 0 < self.memory_utilization <= 1:
+            raise ConfigError(f"memory_utilization: must be in (0, 1], got {self.memory_utilization}")
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the device's KV tensor: its pools' blocks together."""
+        return sum(p.num_blocks for p in self.pools)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -382,13 +396,3 @@ class EngineConfig:
         if self.dtype != "auto":
             return parse_dtype(self.dtype)
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-    def pool_block_counts(self, total_blocks: int) -> list[int]:
-        """Blocks of each pool, in order: explicit counts first, then shares of the total."""
-        counts = [p.num_blocks or int(p.kv_share * total_blocks) for p in self.pools]
-        if sum(counts) > total_blocks:
-            raise ConfigError(f"pools: {sum(counts)} blocks asked for, the device holds {total_blocks}")
-        bad = [p.name for p, c in zip(self.pools, counts) if c <= 0]
-        if bad:
-            raise ConfigError(f"pools.{bad[0]}: its share of {total_blocks} blocks is zero blocks")
-        return counts

@@ -1,9 +1,9 @@
 """`LLMEngine`: the synchronous engine of one device: weights, one KV tensor, and one scheduler per pool.
 
-`step()` = compose the step across pools (`engine.composer`: interactive pools first, throughput
-pools' chunks sized to the step's latency target) -> one merged forward pass -> sample -> postprocess
-(stop checks, detokenization, outputs). It runs in the device worker process (`engine.worker`); use it directly for
-offline batch work (`generate`).
+`step()` = `_schedule` (the step composer, `engine.composer`: interactive pools first, throughput
+pools' chunks sized to the step's latency target) -> `_execute` (one merged forward pass, n > 1
+forks, sampling) -> `_postprocess` (stop checks, detokenization, outputs). It runs in the device
+worker process (`engine.worker`); use it directly for offline batch work (`generate`).
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+import engine.capacity as capacity
 from engine.block_manager import BlockManager
-from engine.composer import StepComposer, StepFeatures
+from engine.composer import ComposedStep, StepComposer, StepFeatures
 from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig
 from engine.kv_cache import KVCache, SwapSpace
 from engine.model import build_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
+from engine.sampling import Sampler, SamplerOutput, SamplingParams, SamplingRow, make_generator
 from engine.scheduler import (PreemptionCostModel, RequestTooLargeError, ScheduledSeq, Scheduler,
                               SchedulerOutput)
 from engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -59,7 +60,82 @@ class _Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
-    pending_forks: list[Sequence] = field(default_factory=list)   # n > 1: samples 1.. until the prefill ends
+
+
+@dataclass
+class _ScheduledStep:
+    """What `_schedule` chose for one step, across pools."""
+
+    composed: ComposedStep
+    batch: list[ScheduledSeq]        # every pool's scheduled sequences: one forward pass
+    ended: list[Sequence]            # sequences a scheduler ended on its own (its pool cannot hold them)
+    stats: StepStats
+    started: float                   # perf_counter() when the step began
+
+
+@dataclass
+class _ExecutedStep:
+    """What `_execute` computed: the sequences that produced a token, and the tokens."""
+
+    sampled: list[Sequence] = field(default_factory=list)
+    tokens: SamplerOutput | None = None
+    forward_started: float = 0.0
+
+
+class _SampleForks:
+    """n > 1, in one place. A request's first sample prefills the prompt alone; its siblings wait
+    here, in no scheduler, until that prefill ends. Then they fork its blocks (shared, copied on
+    write) and sample their first token from its logits row, each with its own generator. Until then
+    the first sample's `num_pending_forks` keeps room for them under its pool's `max_num_seqs`.
+    """
+
+    def __init__(self, schedulers: dict[str, Scheduler]) -> None:
+        self._schedulers = schedulers
+        self._pending: dict[str, list[Sequence]] = {}   # request id -> samples 1.. not forked yet
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue a new request's samples: the first to its pool's scheduler, the others here."""
+        first = seqs[0]
+        first.num_pending_forks = len(seqs) - 1
+        if first.num_pending_forks:
+            self._pending[first.request_id] = seqs[1:]
+        self._schedulers[first.pool].add(first)
+
+    def has_pending(self, request_id: str) -> bool:
+        return request_id in self._pending
+
+    def fork(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
+        """After a forward pass: each first sample that finished its prefill (it is sampled) forks its
+        siblings, which get a copy of its logits row. logits: [num_sampled, vocab]."""
+        extra_rows: list[int] = []
+        extra: list[Sequence] = []
+        for row, seq in enumerate(sampled):
+            if not seq.num_pending_forks:
+                continue
+            scheduler = self._schedulers[seq.pool]
+            for child in self._pending.pop(seq.request_id):
+                child.block_table = scheduler.block_manager.fork(seq.block_table)
+                child.num_computed_tokens = seq.num_computed_tokens
+                scheduler.add_forked(child)
+                extra_rows.append(row)
+                extra.append(child)
+            seq.num_pending_forks = 0
+        if not extra:
+            return logits, sampled
+        rows = torch.tensor(extra_rows, device=logits.device)
+        return torch.cat([logits, logits.index_select(0, rows)]), sampled + extra
+
+    def end(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
+        """The siblings that never forked end with their request (an abort)."""
+        for seq in self._pending.pop(request_id, ()):
+            seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, reason, error
+
+    def end_with_first(self, ended: list[Sequence]) -> None:
+        """First samples that their scheduler ended before their prefill did take their siblings along."""
+        for seq in ended:
+            if seq.num_pending_forks:
+                self.end(seq.request_id, seq.finish_reason, seq.error)
+                seq.num_pending_forks = 0
 
 
 class LLMEngine:
@@ -70,58 +146,25 @@ class LLMEngine:
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.device)
         started = time.perf_counter()
-        self.model_path = resolve_model(config.model, cache_dir=config.cache_dir)
-        self.model_config = ModelConfig.from_folder(self.model_path)
-        self.tokenizer = Tokenizer.from_folder(self.model_path)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
-
-        self.model = build_model(self.model_config, self.dtype, self.device)
-        if config.random_weights:
-            self.model.init_random(seed=config.seed)
-            self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        else:
-            self.model.load_weights(iter_weights(self.model_path))
-            self.weights_bytes = weights_bytes(self.model_path)
-        if use_packed_linears(self.device, self.dtype):
-            pack_linears(self.model)
-
-        self.num_blocks = self._num_blocks(config.cache)
+        self._load_model()
+        self.num_blocks = config.num_blocks
+        self._check_fits_device()
         self.kv_cache = KVCache(self.model_config, self.num_blocks, config.cache.block_size, self.dtype,
                                 self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, get_backend(self.device))
         self.schedulers: dict[str, Scheduler] = {}
         self.swap_spaces: dict[str, SwapSpace] = {}
-        first = 0
-        kv_bytes_per_token = self.model_config.kv_bytes_per_token(self.dtype)
-        swap_bandwidth: float | None = None  # one device, one measurement shared by its pools
-        for pool, count in zip(config.pools, config.pool_block_counts(self.num_blocks)):
-            sc = pool.scheduler
-            max_model_len = sc.max_model_len or self.model_config.max_position_embeddings
-            if max_model_len > self.model_config.max_position_embeddings:
-                raise ConfigError(
-                    f"pools.{pool.name}.max_model_len: {max_model_len} exceeds the model's "
-                    f"max_position_embeddings {self.model_config.max_position_embeddings}")
-            bm = BlockManager(count, config.cache.block_size, first_block=first,
-                              enable_prefix_caching=sc.enable_prefix_caching)
-            swap_manager = cost_model = None
-            if sc.preemption_mode in ("swap", "auto"):
-                num_cpu_blocks = sc.swap_space_bytes // self.kv_cache.bytes_per_block
-                if num_cpu_blocks <= 0:
-                    raise ConfigError(f"pools.{pool.name}.swap_space_bytes: {sc.swap_space_bytes} bytes hold no "
-                                      f"block of {self.kv_cache.bytes_per_block} bytes")
-                swap_manager = BlockManager(num_cpu_blocks, config.cache.block_size)
-                self.swap_spaces[pool.name] = SwapSpace(self.kv_cache, num_cpu_blocks)
-                if swap_bandwidth is None:
-                    swap_bandwidth = self.swap_spaces[pool.name].measure_bandwidth()
-                cost_model = PreemptionCostModel(kv_bytes_per_token, swap_bytes_per_second=swap_bandwidth)
-            self.schedulers[pool.name] = Scheduler(sc, bm, max_model_len, name=pool.name,
-                                                   swap_manager=swap_manager, cost_model=cost_model)
-            first += count
+        self._swap_bandwidth: float | None = None   # one device, one measurement shared by its pools
+        first_block = 0
+        for pool in config.pools:
+            self.schedulers[pool.name] = self._make_scheduler(pool, first_block)
+            first_block += pool.num_blocks
         self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in config.pools})
         self._calibrate()
         self.default_pool = config.pools[0].name
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.requests: dict[str, _Request] = {}
+        self._forks = _SampleForks(self.schedulers)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.last_step = StepStats()
@@ -132,32 +175,76 @@ class LLMEngine:
                   f"{self.load_seconds:.1f}s; KV cache {self.num_blocks} blocks x "
                   f"{config.cache.block_size} tokens", file=sys.stderr)
 
+    def _load_model(self) -> None:
+        """The model folder, its config, tokenizer and weights (random ones if the config asks)."""
+        config = self.config
+        self.model_path = resolve_model(config.model, cache_dir=config.cache_dir)
+        self.model_config = ModelConfig.from_folder(self.model_path)
+        self.tokenizer = Tokenizer.from_folder(self.model_path)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
+        self.model = build_model(self.model_config, self.dtype, self.device)
+        if config.random_weights:
+            self.model.init_random(seed=config.seed)
+            self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        else:
+            self.model.load_weights(iter_weights(self.model_path))
+            self.weights_bytes = weights_bytes(self.model_path)
+        if use_packed_linears(self.device, self.dtype):
+            pack_linears(self.model)
+
+    def _check_fits_device(self) -> None:
+        """On CUDA, the capacity formula once more with what is real now: the GPU's memory and the
+        weights as loaded. A plan made for another GPU (`--vram`) is refused here with the numbers,
+        instead of failing later in the middle of an allocation."""
+        if self.device.type != "cuda":
+            return
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        loaded = torch.cuda.memory_allocated(self.device)
+        available = capacity.kv_cache_bytes(total, loaded, self.config.memory_utilization)
+        needed = self.num_blocks * self.model_config.kv_bytes_per_token(self.dtype) * self.config.cache.block_size
+        if needed > available:
+            raise ConfigError(
+                f"pools: the plan's {self.num_blocks} blocks need {needed / 2**30:.2f} GiB of KV cache, but "
+                f"{self.config.memory_utilization} x {total / 2**30:.2f} GiB - {loaded / 2**30:.2f} GiB of loaded "
+                f"weights leaves {available / 2**30:.2f} GiB on {self.device}; plan with this GPU's memory")
+
+    def _make_scheduler(self, pool: PoolConfig, first_block: int) -> Scheduler:
+        """The scheduler of one pool: its block range from `first_block` on, and its CPU swap space."""
+        sc = pool.scheduler
+        max_model_len = sc.max_model_len or self.model_config.max_position_embeddings
+        if max_model_len > self.model_config.max_position_embeddings:
+            raise ConfigError(
+                f"pools.{pool.name}.max_model_len: {max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.model_config.max_position_embeddings}")
+        block_size = self.config.cache.block_size
+        bm = BlockManager(pool.num_blocks, block_size, first_block=first_block,
+                          enable_prefix_caching=sc.enable_prefix_caching)
+        swap_manager = cost_model = None
+        if sc.uses_swap:
+            num_cpu_blocks = sc.swap_space_bytes // self.kv_cache.bytes_per_block
+            if num_cpu_blocks <= 0:
+                raise ConfigError(f"pools.{pool.name}.swap_space_bytes: {sc.swap_space_bytes} bytes hold no "
+                                  f"block of {self.kv_cache.bytes_per_block} bytes")
+            swap_manager = BlockManager(num_cpu_blocks, block_size)
+            self.swap_spaces[pool.name] = SwapSpace(self.kv_cache, num_cpu_blocks)
+            if self._swap_bandwidth is None:
+                self._swap_bandwidth = self.swap_spaces[pool.name].measure_bandwidth()
+            cost_model = PreemptionCostModel(self.model_config.kv_bytes_per_token(self.dtype),
+                                             swap_bytes_per_second=self._swap_bandwidth)
+        return Scheduler(sc, bm, max_model_len, name=pool.name, swap_manager=swap_manager, cost_model=cost_model)
+
     @classmethod
     def from_args(cls, model: str = "builtin:smollm2-135m-instruct", *, block_size: int = 16,
-                  num_blocks: int = 0, kv_cache_bytes: int = 1 << 30, max_num_seqs: int = 64,
+                  num_blocks: int = 1024, max_num_seqs: int = 64,
                   max_num_batched_tokens: int = 2048, max_model_len: int = 0,
                   enable_chunked_prefill: bool = True, **kwargs) -> "LLMEngine":
         """One pool named 'default' with the given limits; other EngineConfig fields as keywords."""
         progress = kwargs.pop("progress", True)
-        pool = PoolConfig(scheduler=SchedulerConfig(
+        pool = PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill))
-        cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes)
-        return cls(EngineConfig(model=model, cache=cache, pools=(pool,), **kwargs), progress=progress)
-
-    def _num_blocks(self, cache: CacheConfig) -> int:
-        if cache.num_blocks:
-            return cache.num_blocks
-        kv_bytes = cache.kv_cache_bytes
-        if self.device.type == "cuda":
-            # Capacity formula: 0.9 x VRAM - weights, less 1 GiB for activations, capped by the config.
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            kv_bytes = min(kv_bytes, int(0.9 * total) - torch.cuda.memory_allocated(self.device) - (1 << 30))
-        per_block = self.model_config.kv_bytes_per_token(self.dtype) * cache.block_size
-        num_blocks = kv_bytes // per_block
-        if num_blocks <= 0:
-            raise ConfigError(f"kv_cache_bytes: {kv_bytes} bytes hold no block of {per_block} bytes")
-        return num_blocks
+        return cls(EngineConfig(model=model, cache=CacheConfig(block_size=block_size), pools=(pool,), **kwargs),
+                   progress=progress)
 
     # Calibration steps: (prompt length, tokens computed per step) of two made-up sequences, A and B.
     _CALIBRATION = ((192, ((0, 64), (64, 128), (192, 1), (193, 1))), (32, ((0, 0), (0, 0), (0, 32), (32, 1))))
@@ -246,10 +333,7 @@ class LLMEngine:
         request.detokenizers = [
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens) for _ in seqs]
         self.requests[request_id] = request
-        # n > 1: the first sample prefills the prompt; the others fork its blocks when it is done.
-        seqs[0].num_pending_forks = len(seqs) - 1
-        request.pending_forks = seqs[1:]
-        scheduler.add(seqs[0])
+        self._forks.submit(seqs)
 
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -269,12 +353,10 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return None
+        self._forks.end(request_id, FinishReason.ABORT)
         for seq in request.seqs:
-            if seq in request.pending_forks:
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
-            elif not seq.is_finished:
+            if not seq.is_finished:
                 self.schedulers[seq.pool].finish(seq, FinishReason.ABORT)
-        request.pending_forks.clear()
         out = self._request_output(request, request.seqs)
         del self.requests[request_id]
         return out
@@ -285,57 +367,71 @@ class LLMEngine:
     # --- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Compose the step across pools, run one merged forward pass, sample, and report what changed."""
+        scheduled = self._schedule()
+        executed = self._execute(scheduled)
+        return self._postprocess(scheduled, executed)
+
+    def _schedule(self) -> _ScheduledStep:
+        """Every pool's batch (the composer decides across pools), with the block copies it needs done."""
         started = time.perf_counter()
         composed = self.composer.schedule()
-        batch, ended = [], []
         stats = StepStats(num_prefill_tokens=composed.features.num_prefill_tokens,
                           num_decode_tokens=composed.features.num_decode_tokens,
                           target_seconds=composed.target_seconds, predicted_seconds=composed.predicted_seconds,
                           pool_tokens={name: out.num_batched_tokens for name, out in composed.outputs.items()})
+        scheduled = _ScheduledStep(composed, [], [], stats, started)
         for name, out in composed.outputs.items():
-            batch.extend(out.scheduled)
+            scheduled.batch.extend(out.scheduled)
+            scheduled.ended.extend(out.finished)
             stats.num_preempted += len(out.preempted)
-            ended.extend(out.finished)
             self._move_blocks(name, self.schedulers[name], out)
-        if not batch:
-            self.last_step = stats
-            return self._ended_outputs(ended)
-
+        self._forks.end_with_first(scheduled.ended)
         scheduled_at = time.monotonic()
-        for item in batch:
+        for item in scheduled.batch:
             request = self.requests[item.seq.request_id]
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = scheduled_at
+        return scheduled
+
+    def _execute(self, scheduled: _ScheduledStep) -> _ExecutedStep:
+        """One forward pass over the merged batch; forks the samples whose prefill ended; samples."""
+        if not scheduled.batch:
+            return _ExecutedStep()
         forward_started = time.perf_counter()
-        logits, sampled = self.runner.execute(batch)
-        self._observe_prefill(stats, time.perf_counter() - forward_started)
-        for item in batch:
+        logits, sampled = self.runner.execute(scheduled.batch)
+        self._observe_prefill(scheduled.stats, time.perf_counter() - forward_started)
+        for item in scheduled.batch:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
             self.schedulers[seq.pool].stats.num_computed_tokens += item.num_new_tokens
             self.schedulers[seq.pool].block_manager.register_computed(
                 seq.block_table, seq.token_ids, seq.num_computed_tokens)
-        logits, sampled = self._fork_samples(logits, sampled)
-        touched: dict[str, list[Sequence]] = {}
-        for seq in ended:
-            touched.setdefault(seq.request_id, []).append(seq)
+        logits, sampled = self._forks.fork(logits, sampled)
+        tokens = None
         if sampled:
             rows = [SamplingRow(s.params, s.generator, s.num_output_tokens, self.eos_token_ids) for s in sampled]
-            result = self.sampler(logits, rows)
-            now = time.monotonic()
-            for i, seq in enumerate(sampled):
-                self._append_token(seq, result.token_ids[i], result.logprobs[i], result.top_logprobs[i])
-                request = self.requests[seq.request_id]
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                touched.setdefault(seq.request_id, []).append(seq)
+            tokens = self.sampler(logits, rows)
+        return _ExecutedStep(sampled, tokens, forward_started)
 
+    def _postprocess(self, scheduled: _ScheduledStep, executed: _ExecutedStep) -> list[RequestOutput]:
+        """Append the sampled tokens (stop checks, detokenization) and report every request touched."""
+        touched: dict[str, list[Sequence]] = {}
+        for seq in scheduled.ended:
+            touched.setdefault(seq.request_id, []).append(seq)
+        now, tokens = time.monotonic(), executed.tokens
+        for i, seq in enumerate(executed.sampled):
+            self._append_token(seq, tokens.token_ids[i], tokens.logprobs[i], tokens.top_logprobs[i])
+            request = self.requests[seq.request_id]
+            if request.first_token_time is None:
+                request.first_token_time = now
+            touched.setdefault(seq.request_id, []).append(seq)
         # The last report of a request carries every sample, the untouched ones with empty deltas.
         outputs = [self._finish_or_report(self.requests[rid], seqs) for rid, seqs in touched.items()]
-        finished_at = time.perf_counter()
-        self.composer.observe(composed, finished_at - forward_started)
-        stats.seconds = finished_at - started
-        self.last_step = stats
+        if scheduled.batch:
+            finished_at = time.perf_counter()
+            self.composer.observe(scheduled.composed, finished_at - executed.forward_started)
+            scheduled.stats.seconds = finished_at - scheduled.started
+        self.last_step = scheduled.stats
         return outputs
 
     def _move_blocks(self, pool: str, scheduler: Scheduler, out: SchedulerOutput) -> None:
@@ -360,38 +456,8 @@ class LLMEngine:
                 if scheduler.cost_model is not None:
                     scheduler.cost_model.observe_prefill(total, seconds)
 
-    def _fork_samples(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
-        """n > 1: a first sample that finished its prefill shares its blocks with its siblings, which then
-        sample their first token from the same logits row (each with its own generator)."""
-        extra_rows: list[int] = []
-        extra: list[Sequence] = []
-        for row, seq in enumerate(list(sampled)):
-            if not seq.num_pending_forks:
-                continue
-            request = self.requests[seq.request_id]
-            scheduler = self.schedulers[seq.pool]
-            for child in request.pending_forks:
-                child.block_table = scheduler.block_manager.fork(seq.block_table)
-                child.num_computed_tokens = seq.num_computed_tokens
-                scheduler.add_forked(child)
-                extra_rows.append(row)
-                extra.append(child)
-            request.pending_forks = []
-            seq.num_pending_forks = 0
-        if not extra:
-            return logits, sampled
-        rows = torch.tensor(extra_rows, device=logits.device)
-        return torch.cat([logits, logits.index_select(0, rows)]), sampled + extra
-
-    def _ended_outputs(self, ended: list[Sequence]) -> list[RequestOutput]:
-        outputs = []
-        for request_id in dict.fromkeys(s.request_id for s in ended):
-            request = self.requests[request_id]
-            outputs.append(self._finish_or_report(request, [s for s in ended if s.request_id == request_id]))
-        return outputs
-
     def _finish_or_report(self, request: _Request, seqs: list[Sequence]) -> RequestOutput:
-        if all(s.is_finished for s in request.seqs) and not request.pending_forks:
+        if all(s.is_finished for s in request.seqs) and not self._forks.has_pending(request.request_id):
             out = self._request_output(request, request.seqs)
             del self.requests[request.request_id]
             return out

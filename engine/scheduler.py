@@ -193,8 +193,19 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if token_budget is not None:
             budget = max(0, min(budget, token_budget))
-        bm = self.block_manager
+        budget = self._schedule_running(out, budget)
+        if out.preempted:
+            return out  # no admissions in a step that had to preempt: the pool is full
+        budget = self._schedule_swapped(out, budget)
+        if self.swapped:
+            return out  # swapped sequences resume before new arrivals
+        self._schedule_waiting(out, budget)
+        return out
 
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """A decode token or the next prefill chunk of each running sequence, preempting victims when
+        blocks run out; returns the budget left."""
+        bm = self.block_manager
         # The sequences scheduled so far are always a prefix of `running` (victims leave from anywhere,
         # the order of the rest is kept), so the next one to schedule is running[len(scheduled)].
         while len(out.scheduled) < len(self.running) and budget > 0:
@@ -214,21 +225,24 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             seq.last_scheduled_step = self._step
             budget -= num_new
+        return budget
 
-        # No admissions in a step that had to preempt: the pool is full.
-        if out.preempted:
-            return out
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        """Swapped-out sequences back in, in order, while blocks and limits allow; returns the budget left."""
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if not bm.can_allocate([], seq.num_computed_tokens + num_new):
+            if not self.block_manager.can_allocate([], seq.num_computed_tokens + num_new):
                 break
             self.swapped.pop(0)
             self._swap_in(seq, num_new, out)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
-        if self.swapped:
-            return out  # swapped sequences resume before new arrivals
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in strict order (their cached prefix first) while limits allow."""
+        bm = self.block_manager
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if len(self.running) + 1 + seq.num_pending_forks > self.config.max_num_seqs:
@@ -257,7 +271,6 @@ class Scheduler:
             self.stats.num_admitted += 1
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
-        return out
 
     def _write_block_shared(self, seq: Sequence) -> bool:
         """Whether the block the next token goes into is shared (a fork's prompt tail): copy on write."""

@@ -5,8 +5,9 @@ so the caller's event loop never waits on a model step (DESIGN.md invariant 5). 
 commands over a pipe and reads outputs from it with `loop.add_reader`: no thread, no blocking call.
 
 Messages, parent -> worker: ("add", request_id, prompt, params, priority, pool), ("abort", request_id),
-("stats",), ("shutdown",). Worker -> parent: ("ready", info), ("startup_error", text),
-("outputs", [RequestDelta], stats or None), ("rejected", request_id, text), ("stats", dict), ("fatal", text).
+("stats",), ("shutdown",). Worker -> parent: ("ready", WorkerInfo), ("startup_error", text),
+("outputs", [RequestDelta], EngineStats or None), ("rejected", request_id, text), ("stats", EngineStats),
+("fatal", text). The records are the typed dataclasses of `engine.outputs` and `engine.stats`.
 
 Each step sends only deltas (`RequestDelta`), and every `STATS_INTERVAL` seconds of stepping (and
 whenever the engine falls idle) the outputs message carries the engine's stats too, stamped with the
@@ -27,11 +28,12 @@ import traceback
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, dtype_name
 from engine.outputs import RequestDelta
 from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.stats import EngineStats, PoolInfo, PoolStats, StepCounters, WorkerInfo
 
 
 class EngineDeadError(RuntimeError):
@@ -47,18 +49,7 @@ def _worker_main(config: EngineConfig, conn: Connection) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("startup_error", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", {
-        "model_path": str(engine.model_path),
-        "device": str(engine.device),
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "num_blocks": engine.num_blocks,
-        "block_size": engine.kv_cache.block_size,
-        "kv_bytes_per_token": engine.model_config.kv_bytes_per_token(engine.dtype),
-        "pools": {name: {"num_blocks": s.block_manager.num_blocks, "first_block": s.block_manager.first_block,
-                         "max_model_len": s.max_model_len, "max_num_seqs": s.config.max_num_seqs}
-                  for name, s in engine.schedulers.items()},
-        "load_seconds": engine.load_seconds,
-    }))
+    conn.send(("ready", worker_info(engine)))
     try:
         _serve(engine, conn)
     except (EOFError, BrokenPipeError, KeyboardInterrupt):
@@ -114,38 +105,47 @@ def _serve(engine, conn: Connection) -> None:
             conn.send(("outputs", [], engine_stats(engine)))
 
 
-def engine_stats(engine, *, check: bool = False) -> dict[str, Any]:
-    """Per-pool counters of a live engine, as plain data (what the metrics endpoint exports), stamped
-    with `time.time()` when taken; `check` also runs the allocators' integrity check."""
-    pools = {}
+def worker_info(engine) -> WorkerInfo:
+    """What a loaded engine holds: its model, device, KV tensor and each pool's block range."""
+    pools = {name: PoolInfo(num_blocks=s.block_manager.num_blocks, first_block=s.block_manager.first_block,
+                            max_model_len=s.max_model_len, max_num_seqs=s.config.max_num_seqs)
+             for name, s in engine.schedulers.items()}
+    return WorkerInfo(model_path=str(engine.model_path), device=str(engine.device), dtype=dtype_name(engine.dtype),
+                      num_blocks=engine.num_blocks, block_size=engine.kv_cache.block_size,
+                      kv_bytes_per_token=engine.model_config.kv_bytes_per_token(engine.dtype), pools=pools,
+                      load_seconds=engine.load_seconds)
+
+
+def engine_stats(engine, *, check: bool = False) -> EngineStats:
+    """Every pool's counters of a live engine (what the metrics endpoint exports), stamped with
+    `time.time()` when taken; `check` also runs the allocators' integrity check."""
     block_bytes = engine.kv_cache.bytes_per_block
-    for name, s in engine.schedulers.items():
-        bm = s.block_manager
-        st = s.stats
-        pools[name] = {"num_running": len(s.running), "num_waiting": len(s.waiting), "num_swapped": len(s.swapped),
-                       "num_free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
-                       "num_cached_free_blocks": bm.num_cached_free_blocks,
-                       "kv_cache_usage": bm.usage, "max_num_seqs": s.config.max_num_seqs,
-                       "num_preemptions": st.num_preemptions,
-                       "num_preemptions_by_mode": {"recompute": st.num_recompute_preemptions,
-                                                   "swap": st.num_swap_preemptions},
-                       "num_recomputed_tokens": st.num_recomputed_tokens,
-                       "num_swapped_out_blocks": st.num_swapped_out_blocks,
-                       "num_swapped_in_blocks": st.num_swapped_in_blocks,
-                       "swapped_out_bytes": st.num_swapped_out_blocks * block_bytes,
-                       "swapped_in_bytes": st.num_swapped_in_blocks * block_bytes,
-                       "preempt_seconds": st.preempt_seconds,
-                       "cpu_swap_usage": s.swap_manager.usage if s.swap_manager else 0.0,
-                       "prefix_cache_queries": bm.num_prefix_queries, "prefix_cache_hits": bm.num_prefix_hits,
-                       "num_aborted": st.num_aborted, "num_too_large": st.num_too_large,
-                       "num_computed_tokens": st.num_computed_tokens}
+    pools = {name: _pool_stats(s, block_bytes) for name, s in engine.schedulers.items()}
     if check:
         engine.check_integrity()
     composer = engine.composer.stats
-    step = {"num_steps": composer.num_steps, "num_targeted_steps": composer.num_targeted_steps,
-            "num_over_target": composer.num_over_target, "last_step_seconds": composer.last_step_seconds,
-            "last_target_seconds": composer.last_target_seconds}
-    return {"num_requests": len(engine.requests), "pools": pools, "step": step, "taken_at": time.time()}
+    step = StepCounters(num_steps=composer.num_steps, num_targeted_steps=composer.num_targeted_steps,
+                        num_over_target=composer.num_over_target, last_step_seconds=composer.last_step_seconds,
+                        last_target_seconds=composer.last_target_seconds)
+    return EngineStats(num_requests=len(engine.requests), pools=pools, step=step, taken_at=time.time())
+
+
+def _pool_stats(scheduler: Scheduler, block_bytes: int) -> PoolStats:
+    bm, st = scheduler.block_manager, scheduler.stats
+    return PoolStats(
+        num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+        num_swapped=len(scheduler.swapped), num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
+        num_cached_free_blocks=bm.num_cached_free_blocks, kv_cache_usage=bm.usage,
+        max_num_seqs=scheduler.config.max_num_seqs,
+        cpu_swap_usage=scheduler.swap_manager.usage if scheduler.swap_manager else 0.0,
+        num_recompute_preemptions=st.num_recompute_preemptions, num_swap_preemptions=st.num_swap_preemptions,
+        num_recomputed_tokens=st.num_recomputed_tokens, num_swapped_out_blocks=st.num_swapped_out_blocks,
+        num_swapped_in_blocks=st.num_swapped_in_blocks,
+        swapped_out_bytes=st.num_swapped_out_blocks * block_bytes,
+        swapped_in_bytes=st.num_swapped_in_blocks * block_bytes, preempt_seconds=st.preempt_seconds,
+        num_prefix_queries=bm.num_prefix_queries, num_prefix_hits=bm.num_prefix_hits,
+        num_aborted=st.num_aborted, num_too_large=st.num_too_large,
+        num_computed_tokens=st.num_computed_tokens)
 
 
 @dataclass
@@ -167,7 +167,7 @@ class AsyncEngineClient:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.info: dict[str, Any] = {}
+        self.info: WorkerInfo | None = None           # what the worker reported once loaded
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._process: mp.process.BaseProcess | None = None
@@ -176,9 +176,9 @@ class AsyncEngineClient:
         self._dead: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats_waiters: list[asyncio.Future] = []
-        self.latest_stats: dict[str, Any] | None = None   # pushed by the worker with step outputs
+        self.latest_stats: EngineStats | None = None   # pushed by the worker with step outputs
 
-    async def start(self, timeout: float = 900.0) -> dict[str, Any]:
+    async def start(self, timeout: float = 900.0) -> WorkerInfo:
         """Spawn the worker and wait until the model is loaded; returns what it reported."""
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
@@ -199,7 +199,10 @@ class AsyncEngineClient:
 
     @property
     def model_path(self) -> str:
-        return self.info["model_path"]
+        """The model folder the worker loaded (after `start`)."""
+        if self.info is None:
+            raise RuntimeError("AsyncEngineClient.start() has not been awaited")
+        return self.info.model_path
 
     def _on_readable(self) -> None:
         try:
@@ -295,7 +298,7 @@ class AsyncEngineClient:
         if self._dead is None and self._conn is not None:
             self._send_abort(request_id)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self) -> EngineStats:
         """Fresh per-pool counters (running, waiting, free blocks, preemptions), taken between two steps
         after the allocators' integrity check. `/metrics` reads `latest_stats` instead, which never waits."""
         if self._dead is not None:

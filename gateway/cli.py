@@ -1,40 +1,79 @@
-"""The `cliffguard` command: serve, capacity, generate, bench."""
+"""The `cliffguard` command: serve, capacity, generate, bench.
+
+Argument parsing, printing and exit codes live here and nowhere else: 0 on success, 2 with one line
+`cliffguard <command>: error: ...` on stderr for anything the user can fix (a bad option, an invalid
+YAML file, a model that cannot be found, a port in use, a device this machine lacks), 130 on Ctrl-C.
+This module is the only one that imports `bench`; the gateway's app does not.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import json
+import socket
 import sys
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 DEFAULT_CONFIG = "config/pools.yaml"
 
+# name -> (module under bench/, help line)
+BENCHMARKS = {
+    "engine": ("engine", "our engine vs transformers generate, same workload"),
+    "tokenizer": ("tokenizer", "tiktoken counter vs the HF tokenizer"),
+    "gateway": ("gateway", "latency the gateway adds, routed requests/s"),
+    "kernels": ("kernels", "paged attention vs copy bandwidth and SDPA (GPU; --dry-run on CPU)"),
+    "preemption": ("preemption", "recompute vs swap vs auto across pool-pressure regimes"),
+    "serve": ("serve", "open-loop load (gamma arrivals, workload classes) against any OpenAI-compatible "
+                       "server: TTFT/ITL/e2e, goodput, /metrics"),
+    "prefill": ("prefill", "long-prompt prefill: our engine vs transformers' forward"),
+    "isolation": ("isolation", "chat latency under a rag flood: chat alone, split pools (step composer), one "
+                               "shared pool; the itl_ms trade-off"),
+}
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+
+class UsageError(Exception):
+    """Something the user can fix before anything loads; printed as one line, exit code 2."""
+
+
+# --- generate ---------------------------------------------------------------------------------------
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="complete one prompt with the engine and print it as it streams",
+                       description="Load a model in a device worker (one pool, planned by the capacity "
+                                   "formula) and stream the completion of one prompt to stdout.")
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="HF model folder, a .gguf file, or builtin:smollm2-135m-instruct (default)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-mib", type=int, default=1024, help="KV cache budget in MiB (capped on CUDA "
-                   "by 0.9 x VRAM - weights)")
-
-
-def _engine_config(args: argparse.Namespace, **pool_kwargs):
-    from engine import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
-
-    cache = CacheConfig(block_size=args.block_size, kv_cache_bytes=args.kv_cache_mib << 20)
-    pool = PoolConfig(scheduler=SchedulerConfig(**pool_kwargs))
-    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, cache=cache, pools=(pool,))
+    p.add_argument("--device", default="auto", help="auto (default: CUDA if present) | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 "
+                   "| float16")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block: 8, 16 (default) or 32")
+    p.add_argument("--kv-cache-mib", type=int, default=1024, help="KV cache budget in MiB (default 1024); it must "
+                   "fit the device's 0.9 x memory - weights")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit in tokens (default: "
+                   "the model's context); the KV budget must hold one request this long")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the engine's)")
 
 
 async def _generate(args: argparse.Namespace) -> int:
     from engine import AsyncEngineClient, SamplingParams
     from engine.tokenizer import Tokenizer
+    from pools.capacity import plan_single_pool
 
+    if args.kv_cache_mib <= 0:
+        raise UsageError(f"--kv-cache-mib: must be > 0, got {args.kv_cache_mib}")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
-    async with AsyncEngineClient(_engine_config(args)) as client:
+    _, config = plan_single_pool(args.model, device=args.device, dtype=args.dtype,
+                                 kv_cache_bytes=args.kv_cache_mib << 20, block_size=args.block_size,
+                                 max_model_len=args.max_model_len)
+    async with AsyncEngineClient(config) as client:
         prompt: str | list[int] = args.prompt
         if args.chat:
             tokenizer = Tokenizer.from_folder(client.model_path)
@@ -48,89 +87,134 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- serve ------------------------------------------------------------------------------------------
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="run the OpenAI-compatible gateway over the pools of a YAML file",
+                       description="Validate the YAML, plan every pool's blocks and max_num_seqs, check the "
+                                   "listen address and the devices, then load the models and serve the OpenAI "
+                                   "API (/v1/chat/completions, /v1/completions, /v1/models), /health, /ready "
+                                   "and /metrics until interrupted.")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"pool definitions (default {DEFAULT_CONFIG})")
+    p.add_argument("--host", default=None, help="listen address (default: gateway.host of the file)")
+    p.add_argument("--port", type=int, default=None, help="listen port, 0 for any free one "
+                   "(default: gateway.port of the file)")
+    p.add_argument("--vram", default=None, help="plan with this much memory per device (e.g. 4GiB) instead "
+                   "of the devices' own")
+
+
+def check_port_free(host: str, port: int) -> None:
+    """UsageError when nothing can listen on (host, port): in use, or not an address of this machine.
+    Checked before any model loads, so the mistake costs a second, not a model load."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UsageError(f"--host: cannot resolve {host!r} ({exc.strerror})") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as aiohttp's server does
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                reason = ("already in use" if exc.errno == errno.EADDRINUSE
+                          else f"cannot be bound ({exc.strerror or exc})")
+                raise UsageError(f"--port: {host}:{port} is {reason}; stop what listens there or pass --port "
+                                 "(0 picks a free one)") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
     from gateway.app import run
     from pools.spec import load_config, parse_bytes
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = load_config(args.config)
+    host = args.host or config.gateway.host
+    port = config.gateway.port if args.port is None else args.port
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port: must be in 0..65535, got {port}")
+    check_port_free(host, port)
     vram = parse_bytes(args.vram, "--vram") if args.vram else None
-    run(config, host=args.host, port=args.port, vram_bytes=vram)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run(config, host=host, port=port, vram_bytes=vram)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cliffguard", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+# --- capacity ---------------------------------------------------------------------------------------
+def _add_capacity(sub) -> None:
+    p = sub.add_parser("capacity", help="plan each pool's blocks and max_num_seqs (capacity formula)",
+                       description="Print each device's memory, weights and KV space and each pool's blocks and "
+                                   "max_num_seqs = floor(KV bytes / (S_KV x avg_len)), without loading weights.")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"pools YAML (default: {DEFAULT_CONFIG})")
+    p.add_argument("--vram", default=None,
+                   help="memory per GPU for every device, e.g. 80GiB; a device 'auto' is then planned as CUDA "
+                        "(bfloat16), and a 'cuda' device can be planned on a machine without one")
+    p.add_argument("--model-config", default=None,
+                   help="an HF config.json (or a folder holding one) used for every local pool instead of "
+                        "resolving each pool's model")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
-    gen = sub.add_parser("generate", help="complete one prompt with the engine and print it as it streams")
-    _add_engine_args(gen)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
-    gen.add_argument("--system", default=None, help="system message (with --chat)")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
 
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible gateway over the pools of a YAML file")
-    serve.add_argument("--config", default=DEFAULT_CONFIG, help=f"pool definitions (default {DEFAULT_CONFIG})")
-    serve.add_argument("--host", default=None, help="listen address (default: gateway.host of the file)")
-    serve.add_argument("--port", type=int, default=None, help="listen port, 0 for any free one "
-                       "(default: gateway.port of the file)")
-    serve.add_argument("--vram", default=None, help="plan with this much device memory (e.g. 4GiB) instead "
-                       "of the devices' own")
+def _capacity(args: argparse.Namespace) -> int:
+    import torch
 
-    from pools.capacity import add_arguments as add_capacity
+    from pools.capacity import format_plan, plan_capacity, resolve_model_configs
+    from pools.spec import SpecError, load_config, parse_bytes
 
-    add_capacity(sub.add_parser("capacity", help="plan each pool's blocks and max_num_seqs (capacity formula)"))
+    config = load_config(args.config)
+    vram = parse_bytes(args.vram, "--vram") if args.vram is not None else None
+    if vram == 0:
+        raise SpecError("--vram: must be > 0 bytes, got 0")
+    if vram is None and not torch.cuda.is_available():
+        for name, device in config.devices.items():
+            if device.device.startswith("cuda") and any(p.device == name for p in config.local_pools):
+                raise SpecError(f"devices.{name}.device: {device.device!r} but this machine has no CUDA device; "
+                                "pass --vram (e.g. --vram 80GiB) to plan for one")
+    plan = plan_capacity(config, resolve_model_configs(config, args.model_config), vram_bytes=vram)
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 0
 
-    bench = sub.add_parser("bench", help="benchmarks that print measured ratios")
+
+# --- bench ------------------------------------------------------------------------------------------
+def _add_bench(sub) -> None:
+    from importlib import import_module
+
+    bench = sub.add_parser("bench", help="benchmarks that print measured ratios",
+                           description="Benchmarks: each prints ratios measured side by side in one run.")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from bench.engine import add_arguments as add_engine_bench
-    from bench.gateway import add_arguments as add_gateway_bench
-    from bench.isolation import add_arguments as add_isolation_bench
-    from bench.kernels import add_arguments as add_kernels_bench
-    from bench.preemption import add_arguments as add_preemption_bench
-    from bench.prefill import add_arguments as add_prefill_bench
-    from bench.serve import add_arguments as add_serve_bench
-    from bench.tokenizer import add_arguments as add_tokenizer_bench
+    for name, (module, help_line) in BENCHMARKS.items():
+        import_module(f"bench.{module}").add_arguments(
+            bench_sub.add_parser(name, help=help_line, description=help_line[0].upper() + help_line[1:] + "."))
 
-    add_engine_bench(bench_sub.add_parser("engine", help="our engine vs transformers generate, same workload"))
-    add_tokenizer_bench(bench_sub.add_parser("tokenizer", help="tiktoken counter vs the HF tokenizer"))
-    add_gateway_bench(bench_sub.add_parser("gateway", help="latency the gateway adds, routed requests/s"))
-    add_kernels_bench(bench_sub.add_parser("kernels", help="paged attention vs copy bandwidth and SDPA (GPU; "
-                                           "--dry-run on CPU)"))
-    add_preemption_bench(bench_sub.add_parser("preemption", help="recompute vs swap vs auto across pool-pressure "
-                                              "regimes"))
-    add_serve_bench(bench_sub.add_parser("serve", help="open-loop load (gamma arrivals, workload classes) against "
-                                         "any OpenAI-compatible server: TTFT/ITL/e2e, goodput, /metrics"))
-    add_prefill_bench(bench_sub.add_parser("prefill", help="long-prompt prefill: our engine vs transformers' forward"))
-    add_isolation_bench(bench_sub.add_parser("isolation", help="chat latency under a rag flood: chat alone, split "
-                                             "pools (step composer), one shared pool; the itl_ms trade-off"))
 
-    args = parser.parse_args(argv)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cliffguard", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_serve(sub)
+    _add_capacity(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return asyncio.run(_generate(args))
         if args.command == "serve":
             return _serve(args)
         if args.command == "capacity":
-            from pools.capacity import run
+            return _capacity(args)
+        from importlib import import_module
 
-            return run(args)
-        if args.command == "bench":
-            from importlib import import_module
-
-            return import_module(f"bench.{args.bench}").run(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"cliffguard: error: {exc}", file=sys.stderr)
+        return import_module(f"bench.{BENCHMARKS[args.bench][0]}").run(args)
+    except (UsageError, ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"cliffguard {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 1
 
 
 if __name__ == "__main__":

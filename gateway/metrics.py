@@ -11,11 +11,12 @@ responses stream.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from engine.stats import EngineStats, PoolStats
 
 # No `*_created` timestamp series (vLLM turns them off too): they double the exposition for nothing.
 disable_created_metrics()
@@ -27,7 +28,9 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TOKENIZER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-PREEMPTION_MODES = ("recompute", "swap")
+_P = "cliffguard_"
+_POOL = ["pool"]
+_DEVICE = ["device"]
 
 
 class GatewayMetrics:
@@ -36,107 +39,123 @@ class GatewayMetrics:
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        p = "cliffguard_"
-        pool = ["pool"]
-        self.running = Gauge(p + "num_requests_running", "Requests in the pool's running batch.", pool, registry=r)
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to be scheduled.", pool, registry=r)
-        self.swapped = Gauge(p + "num_requests_swapped", "Requests swapped out to CPU memory.", pool, registry=r)
-        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of the pool's KV blocks in use (0-1).",
-                              pool, registry=r)
-        self.num_blocks = Gauge(p + "pool_num_blocks", "KV blocks the pool owns (as allocated).", pool, registry=r)
-        self.max_num_seqs = Gauge(p + "pool_max_num_seqs", "The pool's max_num_seqs (capacity formula).",
-                                  pool, registry=r)
-        self.kv_bytes = Gauge(p + "pool_kv_cache_bytes", "KV cache bytes the pool owns.", pool, registry=r)
-        self.preemptions = Counter(p + "num_preemptions", "Preemptions, by mode.", ["pool", "mode"], registry=r)
-        self.recomputed = Counter(p + "recomputed_tokens", "Tokens whose K/V a recompute preemption dropped.",
-                                  pool, registry=r)
-        self.swapped_out = Counter(p + "swapped_out_bytes", "K/V bytes copied to the CPU swap pool.", pool,
-                                   registry=r)
-        self.swapped_in = Counter(p + "swapped_in_bytes", "K/V bytes copied back from the CPU swap pool.", pool,
-                                  registry=r)
-        self.preempt_time = Counter(p + "preemption_seconds", "Time spent preempting and resuming (scheduling "
-                                    "and swap copies).", pool, registry=r)
-        self.cpu_swap_usage = Gauge(p + "cpu_swap_usage_perc", "Fraction of the pool's CPU swap blocks in use.",
-                                    pool, registry=r)
-        self.aborted = Counter(p + "num_aborted_requests", "Sequences aborted (client gone or cancelled).",
-                               pool, registry=r)
-        self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      pool, registry=r)
-        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                   pool, registry=r)
-        self.computed_tokens = Counter(p + "computed_tokens", "Tokens whose K/V the pool's engine steps computed "
-                                       "(prefill chunks, decodes, recomputation).", pool, registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of routed requests.", pool, registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", pool, registry=r)
-        self.routed = Counter(p + "routed_requests", "Requests routed to each pool.", pool, registry=r)
-        self.request_success = Counter(p + "request_success", "Finished requests, by finish reason.",
-                                       ["pool", "finished_reason"], registry=r)
-        self.errors = Counter(p + "request_errors", "Requests answered with an error, by HTTP status.",
-                              ["status"], registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token.", pool,
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between streamed tokens.", pool,
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "End-to-end request latency.", pool,
-                             buckets=REQUEST_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram(p + "request_queue_time_seconds", "Time a request waited to be scheduled.",
-                                    pool, buckets=REQUEST_LATENCY_BUCKETS, registry=r)
-        self.tokenizer_time = Histogram(p + "tokenizer_seconds", "Time to render and count a prompt.",
-                                        ["backend"], buckets=TOKENIZER_BUCKETS, registry=r)
-        device = ["device"]
-        self.stats_age = Gauge(p + "stats_age_seconds", "Age of the engine stats behind this scrape.", device,
-                               registry=r)
-        self.steps = Counter(p + "engine_steps", "Engine steps run (merged forward passes).", device, registry=r)
-        self.targeted_steps = Counter(p + "engine_targeted_steps", "Steps with a latency target (an interactive "
-                                      "pool on the device).", device, registry=r)
-        self.steps_over_target = Counter(p + "engine_steps_over_target", "Targeted steps that took longer than "
-                                         "their target.", device, registry=r)
-        self.step_target = Gauge(p + "engine_step_target_seconds", "The step composer's latency target for the "
-                                 "last step (0: none).", device, registry=r)
-        # Engine counters arrive as totals; remember the last total to add only the difference.
-        self._last: dict[tuple[str, str], float] = {}
+        self.registry = CollectorRegistry()
+        self._add_pool_state()
+        self._add_pool_preemption()
+        self._add_pool_work()
+        self._add_request_series()
+        self._add_device_series()
+        # Engine counters arrive as totals; remember each series' last total to add only the difference.
+        self._last: dict[tuple[str, tuple[str, ...]], float] = {}
 
-    def _advance(self, counter: Counter, key: tuple[str, str], total: float, **labels: str) -> None:
+    def _gauge(self, name: str, documentation: str, labels: list[str]) -> Gauge:
+        return Gauge(_P + name, documentation, labels, registry=self.registry)
+
+    def _counter(self, name: str, documentation: str, labels: list[str]) -> Counter:
+        return Counter(_P + name, documentation, labels, registry=self.registry)
+
+    def _histogram(self, name: str, documentation: str, labels: list[str], buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(_P + name, documentation, labels, buckets=buckets, registry=self.registry)
+
+    def _add_pool_state(self) -> None:
+        """A pool's queues and blocks as its device worker last reported them."""
+        self.running = self._gauge("num_requests_running", "Requests in the pool's running batch.", _POOL)
+        self.waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", _POOL)
+        self.swapped = self._gauge("num_requests_swapped", "Requests swapped out to CPU memory.", _POOL)
+        self.kv_usage = self._gauge("kv_cache_usage_perc", "Fraction of the pool's KV blocks in use (0-1).", _POOL)
+        self.num_blocks = self._gauge("pool_num_blocks", "KV blocks the pool owns (as allocated).", _POOL)
+        self.max_num_seqs = self._gauge("pool_max_num_seqs", "The pool's max_num_seqs (capacity formula).", _POOL)
+        self.kv_bytes = self._gauge("pool_kv_cache_bytes", "KV cache bytes the pool owns.", _POOL)
+
+    def _add_pool_preemption(self) -> None:
+        """A pool's preemptions and swap traffic."""
+        self.preemptions = self._counter("num_preemptions", "Preemptions, by mode.", ["pool", "mode"])
+        self.recomputed = self._counter("recomputed_tokens", "Tokens whose K/V a recompute preemption dropped.",
+                                        _POOL)
+        self.swapped_out = self._counter("swapped_out_bytes", "K/V bytes copied to the CPU swap pool.", _POOL)
+        self.swapped_in = self._counter("swapped_in_bytes", "K/V bytes copied back from the CPU swap pool.", _POOL)
+        self.preempt_time = self._counter("preemption_seconds", "Time spent preempting and resuming (scheduling "
+                                          "and swap copies).", _POOL)
+        self.cpu_swap_usage = self._gauge("cpu_swap_usage_perc", "Fraction of the pool's CPU swap blocks in use.",
+                                          _POOL)
+
+    def _add_pool_work(self) -> None:
+        """A pool's aborts, prefix-cache lookups and computed tokens."""
+        self.aborted = self._counter("num_aborted_requests", "Sequences aborted (client gone or cancelled).", _POOL)
+        self.prefix_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                            _POOL)
+        self.prefix_hits = self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", _POOL)
+        self.computed_tokens = self._counter("computed_tokens", "Tokens whose K/V the pool's engine steps computed "
+                                             "(prefill chunks, decodes, recomputation).", _POOL)
+
+    def _add_request_series(self) -> None:
+        """What the gateway observes itself as requests are routed and answered."""
+        self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of routed requests.", _POOL)
+        self.generation_tokens = self._counter("generation_tokens", "Generated tokens.", _POOL)
+        self.routed = self._counter("routed_requests", "Requests routed to each pool.", _POOL)
+        self.request_success = self._counter("request_success", "Finished requests, by finish reason.",
+                                             ["pool", "finished_reason"])
+        self.errors = self._counter("request_errors", "Requests answered with an error, by HTTP status.", ["status"])
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", _POOL, TTFT_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between streamed tokens.", _POOL,
+                                   ITL_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "End-to-end request latency.", _POOL,
+                                   REQUEST_LATENCY_BUCKETS)
+        self.queue_time = self._histogram("request_queue_time_seconds", "Time a request waited to be scheduled.",
+                                          _POOL, REQUEST_LATENCY_BUCKETS)
+        self.tokenizer_time = self._histogram("tokenizer_seconds", "Time to render and count a prompt.",
+                                              ["backend"], TOKENIZER_BUCKETS)
+
+    def _add_device_series(self) -> None:
+        """A device worker's step composer."""
+        self.stats_age = self._gauge("stats_age_seconds", "Age of the engine stats behind this scrape.", _DEVICE)
+        self.steps = self._counter("engine_steps", "Engine steps run (merged forward passes).", _DEVICE)
+        self.targeted_steps = self._counter("engine_targeted_steps", "Steps with a latency target (an interactive "
+                                            "pool on the device).", _DEVICE)
+        self.steps_over_target = self._counter("engine_steps_over_target", "Targeted steps that took longer than "
+                                               "their target.", _DEVICE)
+        self.step_target = self._gauge("engine_step_target_seconds", "The step composer's latency target for the "
+                                       "last step (0: none).", _DEVICE)
+
+    def _advance(self, counter: Counter, series: str, total: float, **labels: str) -> None:
+        """Add what `total` grew by since the series' last total. The series is exported from the
+        first call on, zeros included."""
+        key = (series, tuple(labels.values()))
         last = self._last.get(key, 0.0)
-        child = counter.labels(**labels)  # exported from the first scrape on, zeros included
+        child = counter.labels(**labels)
         if total > last:
             child.inc(total - last)
         self._last[key] = max(last, total)
 
-    def update_pool(self, name: str, stats: dict[str, Any], block_bytes: int) -> None:
-        """Refresh one local pool from the device worker's stats (see engine.worker.engine_stats)."""
-        self.running.labels(pool=name).set(stats["num_running"])
-        self.waiting.labels(pool=name).set(stats["num_waiting"])
-        self.swapped.labels(pool=name).set(stats.get("num_swapped", 0))
-        self.kv_usage.labels(pool=name).set(stats["kv_cache_usage"])
-        self.num_blocks.labels(pool=name).set(stats["num_blocks"])
-        self.max_num_seqs.labels(pool=name).set(stats["max_num_seqs"])
-        self.kv_bytes.labels(pool=name).set(stats["num_blocks"] * block_bytes)
-        by_mode = stats.get("num_preemptions_by_mode", {"recompute": stats["num_preemptions"]})
-        for mode in PREEMPTION_MODES:
-            self.preemptions.labels(pool=name, mode=mode)  # export zeros too
-            self._advance(self.preemptions, (name, "preempt:" + mode), by_mode.get(mode, 0), pool=name, mode=mode)
-        self._advance(self.recomputed, (name, "recomputed"), stats["num_recomputed_tokens"], pool=name)
-        self._advance(self.aborted, (name, "aborted"), stats.get("num_aborted", 0), pool=name)
-        self._advance(self.swapped_out, (name, "so"), stats.get("swapped_out_bytes", 0), pool=name)
-        self._advance(self.swapped_in, (name, "si"), stats.get("swapped_in_bytes", 0), pool=name)
-        self._advance(self.preempt_time, (name, "pt"), stats.get("preempt_seconds", 0.0), pool=name)
-        self.cpu_swap_usage.labels(pool=name).set(stats.get("cpu_swap_usage", 0.0))
-        self.prefix_queries.labels(pool=name)
-        self.prefix_hits.labels(pool=name)
-        self._advance(self.prefix_queries, (name, "pq"), stats.get("prefix_cache_queries", 0), pool=name)
-        self._advance(self.prefix_hits, (name, "ph"), stats.get("prefix_cache_hits", 0), pool=name)
-        self._advance(self.computed_tokens, (name, "computed"), stats.get("num_computed_tokens", 0), pool=name)
+    def update_pool(self, name: str, stats: PoolStats, block_bytes: int) -> None:
+        """Refresh one local pool from its device worker's stats (see engine.worker.engine_stats)."""
+        self.running.labels(pool=name).set(stats.num_running)
+        self.waiting.labels(pool=name).set(stats.num_waiting)
+        self.swapped.labels(pool=name).set(stats.num_swapped)
+        self.kv_usage.labels(pool=name).set(stats.kv_cache_usage)
+        self.num_blocks.labels(pool=name).set(stats.num_blocks)
+        self.max_num_seqs.labels(pool=name).set(stats.max_num_seqs)
+        self.kv_bytes.labels(pool=name).set(stats.num_blocks * block_bytes)
+        self.cpu_swap_usage.labels(pool=name).set(stats.cpu_swap_usage)
+        for mode, total in stats.num_preemptions_by_mode.items():
+            self._advance(self.preemptions, "preemptions", total, pool=name, mode=mode)
+        self._advance(self.recomputed, "recomputed_tokens", stats.num_recomputed_tokens, pool=name)
+        self._advance(self.aborted, "aborted", stats.num_aborted, pool=name)
+        self._advance(self.swapped_out, "swapped_out_bytes", stats.swapped_out_bytes, pool=name)
+        self._advance(self.swapped_in, "swapped_in_bytes", stats.swapped_in_bytes, pool=name)
+        self._advance(self.preempt_time, "preempt_seconds", stats.preempt_seconds, pool=name)
+        self._advance(self.prefix_queries, "prefix_queries", stats.num_prefix_queries, pool=name)
+        self._advance(self.prefix_hits, "prefix_hits", stats.num_prefix_hits, pool=name)
+        self._advance(self.computed_tokens, "computed_tokens", stats.num_computed_tokens, pool=name)
 
-    def update_device(self, device: str, stats: dict[str, Any]) -> None:
+    def update_device(self, device: str, stats: EngineStats) -> None:
         """Refresh the device-level series from the stats a device worker pushed last."""
-        self.stats_age.labels(device=device).set(max(0.0, time.time() - stats["taken_at"]))
-        step = stats["step"]
-        self._advance(self.steps, (device, "steps"), step["num_steps"], device=device)
-        self._advance(self.targeted_steps, (device, "targeted"), step["num_targeted_steps"], device=device)
-        self._advance(self.steps_over_target, (device, "over"), step["num_over_target"], device=device)
-        self.step_target.labels(device=device).set(step["last_target_seconds"] or 0.0)
+        self.stats_age.labels(device=device).set(max(0.0, time.time() - stats.taken_at))
+        step = stats.step
+        self._advance(self.steps, "steps", step.num_steps, device=device)
+        self._advance(self.targeted_steps, "targeted_steps", step.num_targeted_steps, device=device)
+        self._advance(self.steps_over_target, "steps_over_target", step.num_over_target, device=device)
+        self.step_target.labels(device=device).set(step.last_target_seconds or 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

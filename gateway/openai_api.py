@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.outputs import CompletionOutput
 from engine.sampling import MAX_LOGPROBS, SamplingParams
 
 
@@ -60,6 +59,7 @@ class ChatRequest:
     include_usage: bool
     priority: int
     top_logprobs: int | None        # None: no logprobs; k: the chosen token's plus the top k
+    max_tokens_param: str = "max_tokens"   # the field that set params.max_tokens, for errors
 
 
 @dataclass
@@ -70,6 +70,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     priority: int
+    max_tokens_param: str = "max_tokens"
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -159,7 +160,7 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None
         n=_get(body, "n", int, 1), temperature=temperature, top_p=_get(body, "top_p", (int, float), 1.0),
         top_k=top_k, min_p=_get(body, "min_p", (int, float), 0.0), seed=_get(body, "seed", int, None),
         max_tokens=max_tokens, min_tokens=_get(body, "min_tokens", int, 0),
-        stop=body.get("stop") or (), stop_token_ids=_get(body, "stop_token_ids", list, ()),
+        stop=() if body.get("stop") is None else body["stop"], stop_token_ids=_get(body, "stop_token_ids", list, ()),
         ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=logprobs,
         skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False))
@@ -175,8 +176,9 @@ def _priority(body: dict[str, Any]) -> int:
     return _get(body, "priority", int, 0)
 
 
-def _max_tokens(body: dict[str, Any], name: str, default: int | None) -> int | None:
-    value = _get(body, name, int, default)
+def _max_tokens(body: dict[str, Any], name: str) -> int | None:
+    """The output limit; None (unset) means whatever the context leaves, as vLLM does."""
+    value = _get(body, name, int, None)
     if value is not None and value < 1:
         raise bad_request(name, f"must be >= 1, got {value}")
     return value
@@ -243,13 +245,12 @@ def parse_chat(body: Any) -> ChatRequest:
         if not 0 <= top <= MAX_LOGPROBS:
             raise bad_request("top_logprobs", f"must be in 0..{MAX_LOGPROBS}, got {top}")
     top_logprobs = (top or 0) if logprobs else None
-    max_tokens = _max_tokens(body, "max_completion_tokens", None)
-    if max_tokens is None:
-        max_tokens = _max_tokens(body, "max_tokens", None)
+    max_tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _max_tokens(body, max_tokens_param)
     stream, include_usage = _stream(body)
     return ChatRequest(model=model, messages=messages, params=_sampling(body, max_tokens, top_logprobs),
                        stream=stream, include_usage=include_usage, priority=_priority(body),
-                       top_logprobs=top_logprobs)
+                       top_logprobs=top_logprobs, max_tokens_param=max_tokens_param)
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -292,8 +293,25 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise bad_request("logprobs", f"must be in 0..{MAX_LOGPROBS}, got {logprobs}")
     stream, include_usage = _stream(body)
     return CompletionRequest(model=model, prompts=prompts,
-                             params=_sampling(body, _max_tokens(body, "max_tokens", 16), logprobs),
+                             params=_sampling(body, _max_tokens(body, "max_tokens"), logprobs),
                              stream=stream, include_usage=include_usage, priority=_priority(body))
+
+
+def check_context(req: ChatRequest | CompletionRequest, num_prompt_tokens: int, max_model_len: int,
+                  pool: str) -> None:
+    """Refuse a request whose prompt + max_tokens exceed its pool's context, naming the output limit's
+    field: code `invalid_value` when max_tokens alone leaves no room for a prompt (OpenAI's code for a
+    max_tokens over the model's limit), else `context_length_exceeded` (OpenAI's code when prompt and
+    completion together exceed the context). Unset max_tokens always fits: it becomes what is left."""
+    max_tokens, param = req.params.max_tokens, req.max_tokens_param
+    if max_tokens is None or num_prompt_tokens + max_tokens <= max_model_len:
+        return
+    if max_tokens >= max_model_len:
+        raise ApiError(400, f"{param}: {max_tokens} is too large: pool {pool!r} has a context of "
+                       f"max_model_len {max_model_len} tokens, prompt included", param=param, code="invalid_value")
+    raise ApiError(400, f"{param}: {max_tokens} tokens after a {num_prompt_tokens}-token prompt exceed "
+                   f"max_model_len {max_model_len} of pool {pool!r}; at most {max_model_len - num_prompt_tokens} "
+                   "fit (or leave max_tokens unset)", param=param, code="context_length_exceeded")
 
 
 # --- responses -----------------------------------------------------------------------------------
@@ -341,9 +359,10 @@ def chat_response(request_id: str, model: str, choices: list[dict[str, Any]], pr
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def chat_choice(out: CompletionOutput, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    return {"index": out.index, "message": {"role": "assistant", "content": out.text},
-            "logprobs": logprobs, "finish_reason": out.finish_reason}
+def chat_choice(index: int, text: str, logprobs: dict[str, Any] | None,
+                finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason}
 
 
 def chat_chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]],
@@ -359,6 +378,11 @@ def completion_response(request_id: str, model: str, choices: list[dict[str, Any
                         completion_tokens: int) -> dict[str, Any]:
     return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
+                      finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def completion_chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]],

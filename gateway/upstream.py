@@ -11,18 +11,18 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ApiError
+from gateway.responses import start_sse
+from pools.pool import Pool
 
-if TYPE_CHECKING:
-    from gateway.app import Gateway, PoolRuntime
 
-
-def _headers(pool: PoolRuntime, stream: bool) -> dict[str, str]:
+def _headers(pool: Pool, stream: bool) -> dict[str, str]:
     headers = {"Content-Type": "application/json",
                "Accept": "text/event-stream" if stream else "application/json"}
     env = pool.spec.upstream_api_key_env
@@ -37,60 +37,67 @@ def _rename(obj: Any, model: str) -> Any:
     return obj
 
 
-async def forward(request: web.Request, gateway: Gateway, pool: PoolRuntime, path: str, body: dict[str, Any],
-                  stream: bool) -> web.StreamResponse:
+async def forward(request: web.Request, session: aiohttp.ClientSession, pool: Pool, path: str,
+                  body: dict[str, Any], stream: bool, metrics: GatewayMetrics) -> web.StreamResponse:
+    """Send `body` (with the upstream's model name) to `<pool.spec.upstream><path>` and relay the answer."""
     client_model = body["model"]
-    out_body = dict(body, model=pool.spec.model)
     url = pool.spec.upstream.rstrip("/") + path
     received = time.perf_counter()
-    metrics = gateway.metrics
     try:
-        upstream = await gateway.session.post(url, json=out_body, headers=_headers(pool, stream))
+        upstream = await session.post(url, json=dict(body, model=pool.spec.model), headers=_headers(pool, stream))
     except (aiohttp.ClientError, OSError) as exc:
         raise ApiError(502, f"upstream pool {pool.name!r} at {pool.spec.upstream} is unreachable: {exc}",
                        type="server_error", code="upstream_unreachable") from None
     async with upstream:
         if upstream.status >= 400:
-            raw = await upstream.read()
-            try:
-                payload = json.loads(raw)
-                if not isinstance(payload, dict) or "error" not in payload:
-                    raise ValueError
-            except ValueError:
-                payload = {"error": {"message": f"upstream pool {pool.name!r} answered {upstream.status}: "
-                                                f"{raw[:500].decode(errors='replace')}",
-                                     "type": "server_error", "param": None, "code": "upstream_error"}}
-            return web.json_response(payload, status=upstream.status, headers={"x-cliffguard-pool": pool.name})
-        if not stream:
-            try:
-                payload = _rename(await upstream.json(content_type=None), client_model)
-            except (ValueError, aiohttp.ClientError) as exc:
-                raise ApiError(502, f"upstream pool {pool.name!r} sent an invalid response: {exc}",
-                               type="server_error", code="upstream_error") from None
-            usage = payload.get("usage") or {}
-            metrics.prompt_tokens.labels(pool=pool.name).inc(usage.get("prompt_tokens", 0))
-            metrics.generation_tokens.labels(pool=pool.name).inc(usage.get("completion_tokens", 0))
-            metrics.e2e.labels(pool=pool.name).observe(time.perf_counter() - received)
-            return web.json_response(payload, headers={"x-cliffguard-pool": pool.name})
-
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "x-cliffguard-pool": pool.name})
-        await response.prepare(request)
-        first = True
-        buffer = b""
-        async for data in upstream.content.iter_any():
-            buffer += data
-            *events, buffer = buffer.split(b"\n\n")
-            for event in events:
-                await response.write(_relay_event(event, client_model) + b"\n\n")
-                if first and event.startswith(b"data: {"):
-                    metrics.ttft.labels(pool=pool.name).observe(time.perf_counter() - received)
-                    first = False
-        if buffer.strip():
-            await response.write(_relay_event(buffer, client_model) + b"\n\n")
+            return await _relay_error(pool, upstream)
+        if stream:
+            return await _relay_stream(request, pool, upstream, client_model, metrics, received)
+        try:
+            payload = _rename(await upstream.json(content_type=None), client_model)
+        except (ValueError, aiohttp.ClientError) as exc:
+            raise ApiError(502, f"upstream pool {pool.name!r} sent an invalid response: {exc}",
+                           type="server_error", code="upstream_error") from None
+        usage = payload.get("usage") or {}
+        metrics.prompt_tokens.labels(pool=pool.name).inc(usage.get("prompt_tokens", 0))
+        metrics.generation_tokens.labels(pool=pool.name).inc(usage.get("completion_tokens", 0))
         metrics.e2e.labels(pool=pool.name).observe(time.perf_counter() - received)
-        await response.write_eof()
-        return response
+        return web.json_response(payload, headers={"x-cliffguard-pool": pool.name})
+
+
+async def _relay_error(pool: Pool, upstream: aiohttp.ClientResponse) -> web.Response:
+    """The upstream's error with its status; its body when that is an OpenAI error, else one naming it."""
+    raw = await upstream.read()
+    try:
+        payload = json.loads(raw)
+        if not isinstance(payload, dict) or "error" not in payload:
+            raise ValueError
+    except ValueError:
+        payload = {"error": {"message": f"upstream pool {pool.name!r} answered {upstream.status}: "
+                                        f"{raw[:500].decode(errors='replace')}",
+                             "type": "server_error", "param": None, "code": "upstream_error"}}
+    return web.json_response(payload, status=upstream.status, headers={"x-cliffguard-pool": pool.name})
+
+
+async def _relay_stream(request: web.Request, pool: Pool, upstream: aiohttp.ClientResponse, client_model: str,
+                        metrics: GatewayMetrics, received: float) -> web.StreamResponse:
+    """The upstream's SSE events, each relayed as it arrives with the client's model name put back."""
+    response = await start_sse(request, pool.name)
+    first = True
+    buffer = b""
+    async for data in upstream.content.iter_any():
+        buffer += data
+        *events, buffer = buffer.split(b"\n\n")
+        for event in events:
+            await response.write(_relay_event(event, client_model) + b"\n\n")
+            if first and event.startswith(b"data: {"):
+                metrics.ttft.labels(pool=pool.name).observe(time.perf_counter() - received)
+                first = False
+    if buffer.strip():
+        await response.write(_relay_event(buffer, client_model) + b"\n\n")
+    metrics.e2e.labels(pool=pool.name).observe(time.perf_counter() - received)
+    await response.write_eof()
+    return response
 
 
 def _relay_event(event: bytes, model: str) -> bytes:

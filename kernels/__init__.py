@@ -16,11 +16,11 @@ from types import ModuleType
 import torch
 
 from kernels import reference
-from kernels.metadata import AttentionMetadata
+from kernels.metadata import BLOCK_SIZES, AttentionMetadata
 
 BACKENDS = ("torch", "triton")
 
-__all__ = ["AttentionMetadata", "BACKENDS", "get_backend", "reference"]
+__all__ = ["AttentionMetadata", "BACKENDS", "BLOCK_SIZES", "get_backend", "reference"]
 
 
 def get_backend(device: torch.device | str) -> ModuleType:

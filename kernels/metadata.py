@@ -12,6 +12,10 @@ from typing import Any
 
 import torch
 
+# The block sizes the attention kernels are tested and tuned for (the seed's CUDA paged attention
+# stops at 32). The engine's CacheConfig and the YAML pool spec both import this tuple.
+BLOCK_SIZES = (8, 16, 32)
+
 
 @dataclass
 class AttentionMetadata:

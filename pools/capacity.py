@@ -4,31 +4,33 @@ Per device (with tensor parallelism T the weights and the KV heads are split ove
 
     S_KV        = 2 x num_layers x num_kv_heads x head_dim x dtype_bytes          (per token, whole model)
     weights     = num_params x dtype_bytes                                          (not file sizes)
-    KV bytes    = memory_utilization x memory - weights / T                         (per GPU)
-    pool KV     = kv_share x KV bytes   |   kv_cache_bytes                          (per GPU)
+    KV space    = memory_utilization x memory - weights / T                         (per GPU)
+    pool KV     = kv_share x KV space   |   kv_cache_bytes                          (per GPU)
     blocks      = floor(pool KV / (S_KV / T x block_size))
     max_num_seqs = floor(pool KV / (S_KV / T x avg_len))                            (unless overridden)
 
-`plan_capacity` computes a `CapacityPlan` from a `CliffguardConfig` and each model's `ModelConfig`;
-`engine_configs` turns it into the `EngineConfig` of each device, with exactly the planned numbers.
-`add_arguments` / `run` are the `cliffguard capacity` command.
+The three formulas are `engine.capacity`'s (the engine checks its plan with them once loaded); this
+module applies them to a configuration. `plan_capacity` computes a `CapacityPlan` from a
+`CliffguardConfig` and each model's `ModelConfig`; `engine_configs` turns it into the `EngineConfig`
+of each device, with exactly the planned numbers (the engine derives none of its own);
+`plan_single_pool` does both for one pool on one device (`cliffguard generate`, the benchmarks).
+`cliffguard capacity` (gateway/cli.py) prints `format_plan`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from engine.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig,
-                           ceil_div, dtype_name, parse_dtype)
-from pools.spec import (DEFAULT_CPU_MEMORY, CliffguardConfig, DeviceSpec, PoolSpec, SpecError, load_config,
-                        parse_bytes)
+import engine.capacity as formula
+from engine.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, ceil_div, dtype_name,
+                           parse_dtype)
+from pools.spec import DEFAULT_CPU_MEMORY, CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
+from pools.yamlcheck import within
 
 
 @dataclass(frozen=True)
@@ -47,32 +49,27 @@ class DevicePlan:
     weights_bytes_per_device: int    # weights / T
     kv_bytes_per_token: int          # S_KV, whole model
     kv_bytes_per_token_per_device: int  # S_KV / T (KV heads split; replicated when T > num_kv_heads)
-    kv_cache_bytes_per_device: int   # memory_utilization x memory - weights / T
+    kv_space_bytes_per_device: int   # memory_utilization x memory - weights / T: what its pools share
     block_size: int
     pools: tuple[str, ...]
 
     @property
     def usable_bytes(self) -> int:
-        return int(self.memory_utilization * self.memory_bytes)
+        return formula.usable_bytes(self.memory_bytes, self.memory_utilization)
 
     @property
-    def kv_cache_bytes(self) -> int:
-        """KV bytes of the whole TP group."""
-        return self.tensor_parallel_size * self.kv_cache_bytes_per_device
+    def kv_space_bytes(self) -> int:
+        """KV space of the whole TP group."""
+        return self.tensor_parallel_size * self.kv_space_bytes_per_device
 
 
 @dataclass(frozen=True)
 class PoolPlan:
-    """One local pool: its KV budget and the limits the engine gets."""
+    """One local pool: what the plan derived for it. The pool's own settings (route, block_size,
+    avg_len, preemption, ...) stay in `spec`, the one place they are written."""
 
-    name: str
-    device: str
-    route: str                       # e.g. 0..4096
-    block_size: int
-    max_model_len: int
-    avg_len: int
-    max_num_batched_tokens: int
-    kv_share: float | None           # None: an explicit kv_cache_bytes budget
+    spec: PoolSpec
+    max_model_len: int               # the spec's, or the model's context
     kv_bytes_per_token: int          # S_KV, whole model
     kv_bytes_per_token_per_device: int
     kv_cache_bytes_per_device: int   # this pool's budget on each GPU
@@ -80,8 +77,18 @@ class PoolPlan:
     num_blocks: int
     formula_max_num_seqs: int        # floor(pool KV / (S_KV x avg_len))
     max_num_seqs: int                # the formula's, or the config's override
-    preemption_mode: str
-    victim_policy: str
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def device(self) -> str:
+        return self.spec.device
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -126,11 +133,20 @@ class CapacityPlan:
         def with_props(obj, props):
             return {**asdict(obj), **{name: getattr(obj, name) for name in props}}
 
+        def pool_dict(p: PoolPlan) -> dict:
+            spec = p.spec
+            settings = {"name": p.name, "device": p.device, "route": spec.route.describe(),
+                        "block_size": spec.block_size, "avg_len": spec.avg_len, "kv_share": spec.kv_share,
+                        "max_num_batched_tokens": spec.max_num_batched_tokens,
+                        "preemption_mode": spec.preemption_mode, "victim_policy": spec.victim_policy}
+            derived = {k: v for k, v in asdict(p).items() if k != "spec"}
+            return {**settings, **derived, **{name: getattr(p, name) for name in (
+                "kv_cache_bytes", "max_num_seqs_overridden", "blocks_per_max_len_request",
+                "max_concurrent_at_max_len", "fragmentation_bytes", "fragmentation_fraction")}}
+
         return {
-            "devices": [with_props(d, ("usable_bytes", "kv_cache_bytes")) for d in self.devices.values()],
-            "pools": [with_props(p, ("kv_cache_bytes", "max_num_seqs_overridden", "blocks_per_max_len_request",
-                                     "max_concurrent_at_max_len", "fragmentation_bytes", "fragmentation_fraction"))
-                      for p in self.pools.values()],
+            "devices": [with_props(d, ("usable_bytes", "kv_space_bytes")) for d in self.devices.values()],
+            "pools": [pool_dict(p) for p in self.pools.values()],
             "upstream_pools": list(self.upstream_pools),
             "warnings": list(self.warnings),
         }
@@ -208,8 +224,8 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         s_kv_dev = 2 * model.num_layers * kv_heads * model.head_dim * dtype.itemsize
         weights = model.num_params() * dtype.itemsize
         weights_dev = ceil_div(weights, tp)
-        usable = int(dev.memory_utilization * memory)
-        kv_dev = usable - weights_dev
+        usable = formula.usable_bytes(memory, dev.memory_utilization)
+        kv_dev = formula.kv_cache_bytes(memory, weights_dev, dev.memory_utilization)
         if kv_dev <= 0:
             where = f" ({source})" if source != "config" else ""
             raise SpecError(
@@ -230,7 +246,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
             name=dev_name, device_type=device_type, dtype=dtype_name(dtype), model=p0.model, memory_bytes=memory,
             memory_source=source, memory_utilization=dev.memory_utilization, tensor_parallel_size=tp,
             weights_bytes=weights, weights_bytes_per_device=weights_dev, kv_bytes_per_token=s_kv,
-            kv_bytes_per_token_per_device=s_kv_dev, kv_cache_bytes_per_device=kv_dev,
+            kv_bytes_per_token_per_device=s_kv_dev, kv_space_bytes_per_device=kv_dev,
             block_size=p0.block_size, pools=tuple(p.name for _, p in members))
     upstream = tuple(p.name for p in config.pools if p.is_upstream)
     return CapacityPlan(devices=devices, pools=pools, upstream_pools=upstream,
@@ -259,103 +275,67 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
     else:
         budget_key, budget = f"{key}.kv_cache_bytes", _fmt(p.kv_cache_bytes)
         pool_kv = p.kv_cache_bytes
-    num_blocks = pool_kv // (s_kv_dev * p.block_size)
+    num_blocks = formula.num_blocks(pool_kv, s_kv_dev, p.block_size)
     per_request = ceil_div(max_model_len, p.block_size)
     if num_blocks < per_request:
         raise SpecError(f"{budget_key}: {budget} gives pool {p.name!r} {_fmt(pool_kv)} per GPU = {num_blocks} "
                         f"blocks of {p.block_size} tokens; one request of max_model_len {max_model_len} needs "
                         f"{per_request}: raise the budget or lower {key}.max_model_len")
-    formula = pool_kv // (s_kv_dev * p.avg_len)
+    by_formula = formula.max_num_seqs(pool_kv, s_kv_dev, p.avg_len)
     if p.max_num_seqs is None:
-        if formula == 0:
+        if by_formula == 0:
             raise SpecError(f"{budget_key}: {budget} gives max_num_seqs = floor({_fmt(pool_kv)} / "
                             f"({s_kv_dev} B x avg_len {p.avg_len})) = 0 for pool {p.name!r}")
-        max_num_seqs = formula
+        max_num_seqs = by_formula
     else:
         max_num_seqs = p.max_num_seqs
-        if max_num_seqs > formula:
-            warnings.append(f"{key}.max_num_seqs: {max_num_seqs} is above the capacity formula's {formula} "
+        if max_num_seqs > by_formula:
+            warnings.append(f"{key}.max_num_seqs: {max_num_seqs} is above the capacity formula's {by_formula} "
                             f"(avg_len {p.avg_len}): expect preemptions when that many requests run")
     return PoolPlan(
-        name=p.name, device=p.device, route=route.describe(), block_size=p.block_size, max_model_len=max_model_len,
-        avg_len=p.avg_len, max_num_batched_tokens=p.max_num_batched_tokens, kv_share=p.kv_share,
+        spec=p, max_model_len=max_model_len,
         kv_bytes_per_token=s_kv, kv_bytes_per_token_per_device=s_kv_dev, kv_cache_bytes_per_device=pool_kv,
-        tensor_parallel_size=tp, num_blocks=num_blocks, formula_max_num_seqs=formula, max_num_seqs=max_num_seqs,
-        preemption_mode=p.preemption_mode, victim_policy=p.victim_policy)
+        tensor_parallel_size=tp, num_blocks=num_blocks, formula_max_num_seqs=by_formula, max_num_seqs=max_num_seqs)
 
 
 def engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, EngineConfig]:
     """One EngineConfig per planned device: the planned dtype, blocks and limits, nothing re-derived.
 
-    A device `auto` becomes the device type the plan assumed. The engine runs TP=1, so a plan for
-    tensor_parallel_size > 1 is refused. Preemption mode, victim policy, swap space and prefix caching
-    are passed through to the engine's SchedulerConfig, whose errors come back under the pool's key path.
+    This is the start-up check of `serve` and `generate`: a device `auto` becomes the device type the
+    plan assumed; a CUDA device on a machine without CUDA (a plan made with `--vram`) and a plan for
+    tensor_parallel_size > 1 (the engine runs one GPU per device) are refused here, before anything
+    loads. Errors are SpecError naming the key path.
     """
     result = {}
     for dplan in plan.devices.values():
         dev = config.devices[dplan.name]
+        key = f"devices.{dplan.name}"
         if dplan.tensor_parallel_size != 1:
-            raise SpecError(f"devices.{dplan.name}.tensor_parallel_size: {dplan.tensor_parallel_size} is for "
+            raise SpecError(f"{key}.tensor_parallel_size: {dplan.tensor_parallel_size} is for "
                             "planning only (cliffguard capacity); the engine runs one GPU per device")
+        device = dplan.device_type if dev.device == "auto" else dev.device
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise SpecError(f"{key}.device: {dev.device!r} needs a CUDA device and this machine has none "
+                            f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built'}); use device: cpu "
+                            "or auto, or plan it with `cliffguard capacity --vram`")
         pool_configs = []
         for name in dplan.pools:
-            i, spec = next((i, p) for i, p in enumerate(config.pools) if p.name == name)
             pplan = plan.pools[name]
-            try:
-                scheduler = SchedulerConfig(
-                    max_num_seqs=pplan.max_num_seqs, max_num_batched_tokens=pplan.max_num_batched_tokens,
-                    max_model_len=pplan.max_model_len, preemption_mode=pplan.preemption_mode,
-                    victim_policy=pplan.victim_policy, swap_space_bytes=spec.swap_space_bytes,
-                    enable_prefix_caching=spec.enable_prefix_caching)
-            except ConfigError as exc:
-                raise SpecError(f"pools[{i}].{exc}") from None
+            with within(f"pools[{config.pools.index(pplan.spec)}]"):
+                scheduler = pplan.spec.scheduler_config(pplan.max_num_seqs, pplan.max_model_len)
             pool_configs.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler,
-                                           slo=spec.slo))
-        num_blocks = sum(pc.num_blocks for pc in pool_configs)
-        result[dplan.name] = EngineConfig(
-            model=dplan.model, device=dplan.device_type if dev.device == "auto" else dev.device,
-            dtype=dplan.dtype, cache=CacheConfig(block_size=dplan.block_size, num_blocks=num_blocks),
-            pools=tuple(pool_configs))
+                                           slo=pplan.spec.slo))
+        result[dplan.name] = EngineConfig(model=dplan.model, device=device, dtype=dplan.dtype,
+                                          cache=CacheConfig(block_size=dplan.block_size), pools=tuple(pool_configs),
+                                          memory_utilization=dplan.memory_utilization)
     return result
 
 
-# --- `cliffguard capacity` ------------------------------------------------------------------------
-
-def _fmt(n: int) -> str:
-    """Bytes in binary units: 1.50 GiB."""
-    sign, n = ("-", -n) if n < 0 else ("", n)
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{sign}{n / size:.2f} {unit}"
-    return f"{sign}{n} B"
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="config/pools.yaml", help="pools YAML (default: config/pools.yaml)")
-    p.add_argument("--vram", default=None,
-                   help="memory per GPU for every device, e.g. 80GiB; a device 'auto' is then planned as CUDA "
-                        "(bfloat16) even on a machine without one")
-    p.add_argument("--model-config", default=None,
-                   help="an HF config.json (or a folder holding one) used for every local pool instead of "
-                        "resolving each pool's model")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
-
-
-def _read_model_config(path: str) -> ModelConfig:
-    target = Path(path).expanduser()
-    if target.is_dir():
-        return ModelConfig.from_folder(target)
-    if not target.is_file():
-        raise FileNotFoundError(f"--model-config: no such file or folder {path}")
-    try:
-        return ModelConfig.from_hf_config(json.loads(target.read_text()))
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--model-config: {path} is not valid JSON ({exc})") from None
-
-
-def _resolve_model_configs(config: CliffguardConfig, model_config: str | None) -> dict[str, ModelConfig]:
+def resolve_model_configs(config: CliffguardConfig, model_config: str | None = None) -> dict[str, ModelConfig]:
+    """Each local pool's `model` -> its ModelConfig (models resolved, GGUF files converted once);
+    `model_config`: one config.json (or a folder holding one) used for every pool instead."""
     if model_config is not None:
-        given = _read_model_config(model_config)
+        given = read_model_config(model_config)
         return {p.model: given for p in config.local_pools}
     from engine.weights import resolve_model
 
@@ -370,11 +350,48 @@ def _resolve_model_configs(config: CliffguardConfig, model_config: str | None) -
     return result
 
 
+def read_model_config(path: str) -> ModelConfig:
+    """An HF config.json, or a folder holding one; errors name `--model-config`."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        return ModelConfig.from_folder(target)
+    if not target.is_file():
+        raise FileNotFoundError(f"--model-config: no such file or folder {path}")
+    try:
+        return ModelConfig.from_hf_config(json.loads(target.read_text()))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--model-config: {path} is not valid JSON ({exc})") from None
+
+
+def plan_single_pool(model: str, *, device: str = "auto", dtype: str = "auto", kv_cache_bytes: int,
+                     vram_bytes: int | None = None, **pool: object) -> tuple[CapacityPlan, EngineConfig]:
+    """One pool named `default` on one device, planned like any YAML pool: its `kv_cache_bytes` budget
+    must fit the device's KV space, and `max_num_seqs` (unless given in `pool`) comes from the formula.
+    `pool`: other PoolSpec fields (block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
+    preemption_mode, ...). For `cliffguard generate` and the benchmarks."""
+    pool_spec = PoolSpec(name="default", model=model, kv_cache_bytes=kv_cache_bytes, **pool)
+    config = CliffguardConfig(gateway=GatewaySpec(), devices={"default": DeviceSpec(device=device, dtype=dtype)},
+                              pools=(pool_spec,))
+    plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram_bytes)
+    return plan, engine_configs(config, plan)["default"]
+
+
+# --- `cliffguard capacity` ------------------------------------------------------------------------
+
+def _fmt(n: int) -> str:
+    """Bytes in binary units: 1.50 GiB."""
+    sign, n = ("-", -n) if n < 0 else ("", n)
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}"
+    return f"{sign}{n} B"
+
+
 def _budget(p: PoolPlan, d: DevicePlan) -> str:
     per = "/GPU" if p.tensor_parallel_size > 1 else ""
-    if p.kv_share is None:
+    if p.spec.kv_share is None:
         return f"{_fmt(p.kv_cache_bytes_per_device)}{per} (kv_cache_bytes)"
-    return f"{p.kv_share} x {_fmt(d.kv_cache_bytes_per_device)} = {_fmt(p.kv_cache_bytes_per_device)}{per}"
+    return f"{p.spec.kv_share} x {_fmt(d.kv_space_bytes_per_device)} = {_fmt(p.kv_cache_bytes_per_device)}{per}"
 
 
 def format_plan(plan: CapacityPlan) -> str:
@@ -390,8 +407,8 @@ def format_plan(plan: CapacityPlan) -> str:
             ("utilization", f"{d.memory_utilization} -> {_fmt(d.usable_bytes)}{per}"),
             ("weights", f"{_fmt(d.weights_bytes)} ({d.weights_bytes:,} B)"
                         + (f", {_fmt(d.weights_bytes_per_device)} per GPU" if tp > 1 else "")),
-            ("KV bytes", f"{_fmt(d.kv_cache_bytes_per_device)}{per}"
-                         + (f", {_fmt(d.kv_cache_bytes)} total" if tp > 1 else "")),
+            ("KV bytes", f"{_fmt(d.kv_space_bytes_per_device)}{per}"
+                         + (f", {_fmt(d.kv_space_bytes)} total" if tp > 1 else "")),
             ("S_KV", f"{d.kv_bytes_per_token:,} B/token ({_fmt(d.kv_bytes_per_token)})"
                      + (f", {d.kv_bytes_per_token_per_device:,} B per GPU" if tp > 1 else "")),
         ]
@@ -401,14 +418,14 @@ def format_plan(plan: CapacityPlan) -> str:
         header = ["pool"] + [p.name for p in pools]
         table = [
             ("device", [p.device for p in pools]),
-            ("route (tokens)", [p.route for p in pools]),
+            ("route (tokens)", [p.spec.route.describe() for p in pools]),
             ("max_model_len", [str(p.max_model_len) for p in pools]),
             ("S_KV", [f"{p.kv_bytes_per_token:,} B" + (f" ({p.kv_bytes_per_token_per_device:,}/GPU)"
                                                        if p.tensor_parallel_size > 1 else "")
                       for p in pools]),
             ("KV budget", [_budget(p, plan.devices[p.device]) for p in pools]),
             ("blocks", [f"{p.num_blocks:,} x {p.block_size}" for p in pools]),
-            ("avg_len", [str(p.avg_len) for p in pools]),
+            ("avg_len", [str(p.spec.avg_len) for p in pools]),
             ("max_num_seqs", [f"{p.max_num_seqs}" + (f" (formula {p.formula_max_num_seqs})"
                                                      if p.max_num_seqs_overridden else "") for p in pools]),
             ("max-len concurrent", [f"{p.max_concurrent_at_max_len} ({p.blocks_per_max_len_request} blocks each)"
@@ -429,18 +446,3 @@ def format_plan(plan: CapacityPlan) -> str:
         lines.append(f"upstream pools (not planned here): {', '.join(plan.upstream_pools)}")
     lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
-
-
-def run(args: argparse.Namespace) -> int:
-    """`cliffguard capacity`: 0 and the plan on stdout, or 2 and the error on stderr."""
-    try:
-        config = load_config(args.config)
-        vram = parse_bytes(args.vram, "--vram") if args.vram is not None else None
-        if vram == 0:
-            raise SpecError("--vram: must be > 0 bytes, got 0")
-        plan = plan_capacity(config, _resolve_model_configs(config, args.model_config), vram_bytes=vram)
-    except (ConfigError, FileNotFoundError) as exc:
-        print(f"cliffguard capacity: error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
-    return 0

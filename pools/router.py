@@ -2,71 +2,68 @@
 
 Pools are tried in the order of the configuration file; the first whose route admits the count wins.
 The count comes from the pool's own tokenizer (`pools.tokencount.TokenCounter`), so it is the same
-number the engine will see.
+number the engine will see. Synchronous and HTTP-free: the gateway runs `Router.route` in its
+tokenizer thread when the prompt is long.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
-from pools.spec import RouteSpec
+from pools.pool import Pool
 
 
 class UnknownModelError(LookupError):
-    """No pool serves the requested model name."""
+    """No pool serves the requested model name. The message starts with `model:`."""
 
 
 class NoRouteError(ValueError):
-    """No pool of the model admits a prompt of this many tokens; the message has the count and the limits."""
+    """No pool of the model admits a prompt of this many tokens; the message has the count and every
+    pool's limits (no field prefix: the caller names the field, `prompt` or `messages`)."""
 
-
-@dataclass(frozen=True)
-class RouteTarget:
-    """What the router needs to know about one pool."""
-
-    name: str
-    model_name: str          # the `model` clients send
-    route: RouteSpec
-    max_model_len: int       # a prompt must also leave room for one generated token
-
-    @property
-    def min_tokens(self) -> int:
-        return self.route.min_prompt_tokens
-
-    @property
-    def max_tokens(self) -> int:
-        """The largest admitted prompt: the route's bound, capped at max_model_len - 1."""
-        return self.route.upper(self.max_model_len)
-
-    def admits(self, num_prompt_tokens: int) -> bool:
-        return self.route.admits(num_prompt_tokens, self.max_model_len)
+    def __init__(self, model_name: str, num_prompt_tokens: int, pools: Sequence[Pool]) -> None:
+        limits = "; ".join(f"pool {p.name!r} takes {p.min_prompt_tokens}..{p.max_prompt_tokens}" for p in pools)
+        super().__init__(f"{num_prompt_tokens} tokens; no pool of model {model_name!r} takes a prompt of this "
+                         f"length ({limits})")
+        self.model_name = model_name
+        self.num_prompt_tokens = num_prompt_tokens
 
 
 class Router:
-    def __init__(self, targets: Sequence[RouteTarget]) -> None:
-        self.targets = list(targets)
-        self._by_model: dict[str, list[RouteTarget]] = {}
-        for target in self.targets:
-            self._by_model.setdefault(target.model_name, []).append(target)
+    """The pools by the model name clients send, each model's in configuration order."""
+
+    def __init__(self, pools: Sequence[Pool]) -> None:
+        self.pools = list(pools)
+        self._by_model: dict[str, list[Pool]] = {}
+        for pool in self.pools:
+            self._by_model.setdefault(pool.model_name, []).append(pool)
 
     @property
     def model_names(self) -> list[str]:
         return list(self._by_model)
 
-    def candidates(self, model_name: str) -> list[RouteTarget]:
+    def candidates(self, model_name: str) -> list[Pool]:
         """The pools serving `model_name`, in configuration order; UnknownModelError if none."""
-        targets = self._by_model.get(model_name)
-        if not targets:
+        pools = self._by_model.get(model_name)
+        if not pools:
             raise UnknownModelError(
                 f"model: {model_name!r} is not served here; available: {', '.join(self._by_model) or 'none'}")
-        return targets
+        return pools
 
-    def route(self, model_name: str, num_prompt_tokens: int) -> RouteTarget:
-        targets = self.candidates(model_name)
-        for target in targets:
-            if target.admits(num_prompt_tokens):
-                return target
-        limits = "; ".join(f"pool {t.name!r} takes {t.min_tokens}..{t.max_tokens}" for t in targets)
-        raise NoRouteError(f"prompt: {num_prompt_tokens} tokens; no pool of model {model_name!r} takes a "
-                           f"prompt of this length ({limits})")
+    def route(self, model_name: str, tokenize: Callable[[Pool], list[int]]) -> tuple[Pool, list[int]]:
+        """The first candidate pool whose route admits the prompt's exact count, and the prompt's ids.
+
+        `tokenize(pool)` gives the prompt's token ids as that pool's tokenizer makes them; it is
+        called once per distinct tokenizer (`Pool.counter`) and its errors propagate. Raises
+        UnknownModelError or NoRouteError.
+        """
+        pools = self.candidates(model_name)
+        ids_by_counter: dict[int, list[int]] = {}
+        for pool in pools:
+            key = id(pool.counter)
+            if key not in ids_by_counter:
+                ids_by_counter[key] = tokenize(pool)
+            ids = ids_by_counter[key]
+            if pool.admits(len(ids)):
+                return pool, ids
+        raise NoRouteError(model_name, len(ids_by_counter[id(pools[0].counter)]), pools)

@@ -18,42 +18,21 @@ from pathlib import Path, PurePath
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
-
-from engine.config import ConfigError, LatencySLO, parse_dtype
+from engine.capacity import DEFAULT_MEMORY_UTILIZATION
+from engine.config import CacheConfig, ConfigError, LatencySLO, SchedulerConfig, check_device_name, parse_dtype
+from pools.yamlcheck import SpecError, check_mapping, is_int, is_number, load_yaml, read_text, show, within
 
 DEFAULT_CPU_MEMORY = 4 << 30   # `memory: auto` on a CPU device: the budget for weights + KV cache
 DEFAULT_API_KEYS_ENV = "CLIFFGUARD_API_KEYS"
-PREEMPTION_MODES = ("recompute", "swap", "auto")
-VICTIM_POLICIES = ("reverse_fifo", "longest_first", "least_progress", "lru", "priority")
-BLOCK_SIZES = (8, 16, 32)      # the paged-attention kernels' range (the seed: 32 is the CUDA limit)
 _POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # used in metric labels and URLs
-
-
-class SpecError(ConfigError):
-    """An invalid configuration file; the message starts with the key path, e.g. `pools[1].kv_share`."""
-
-
-# --- value checks (each raises SpecError naming `key`) --------------------------------------------
-
-def _show(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_int(key: str, value: Any, *, min_value: int | None = None, max_value: int | None = None,
                optional: bool = False) -> None:
     if value is None and optional:
         return
-    if not _is_int(value):
-        raise SpecError(f"{key}: must be an integer, got {_show(value)}")
+    if not is_int(value):
+        raise SpecError(f"{key}: must be an integer, got {show(value)}")
     if min_value is not None and max_value is not None and not min_value <= value <= max_value:
         raise SpecError(f"{key}: must be in {min_value}..{max_value}, got {value}")
     if min_value is not None and value < min_value:
@@ -64,8 +43,8 @@ def _check_fraction(key: str, value: Any, *, optional: bool = False) -> None:
     """A number in (0, 1]."""
     if value is None and optional:
         return
-    if not _is_number(value):
-        raise SpecError(f"{key}: must be a number in (0, 1], got {_show(value)}")
+    if not is_number(value):
+        raise SpecError(f"{key}: must be a number in (0, 1], got {show(value)}")
     if not 0 < value <= 1:
         raise SpecError(f"{key}: must be in (0, 1], got {value}")
 
@@ -74,18 +53,21 @@ def _check_str(key: str, value: Any, *, optional: bool = False) -> None:
     if value is None and optional:
         return
     if not isinstance(value, str) or not value.strip():
-        raise SpecError(f"{key}: must be a non-empty string, got {_show(value)}")
+        raise SpecError(f"{key}: must be a non-empty string, got {show(value)}")
 
 
-def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise SpecError(f"{key}: must be one of {', '.join(choices)}; got {value!r}")
-
-
-def _check_device_name(key: str, value: Any) -> None:
-    _check_str(key, value)
-    if value not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", value):
-        raise SpecError(f"{key}: must be auto, cpu, cuda or cuda:N, got {value!r}")
+@contextmanager
+def _engine_rules(yaml_keys: Mapping[str, str] | None = None) -> Iterator[None]:
+    """The engine's own validation (engine.config), its errors turned into SpecErrors; `yaml_keys` maps
+    an engine field named at the start of a message to the YAML key the user wrote."""
+    try:
+        yield
+    except SpecError:
+        raise
+    except ConfigError as exc:
+        field_name, sep, rest = str(exc).partition(":")
+        key = (yaml_keys or {}).get(field_name, field_name)
+        raise SpecError(f"{key}{sep}{rest}") from None
 
 
 _BYTE_UNITS = {
@@ -102,7 +84,7 @@ def parse_bytes(value: Any, key: str = "bytes") -> int:
     GiB/MiB/KiB/TiB (and Gi, Mi, ...) are powers of 1024; GB/MB/KB/TB (and G, M, K, T) powers of 1000;
     units are case-insensitive. Anything else, a negative number or a bool raises SpecError naming `key`.
     """
-    if _is_int(value):
+    if is_int(value):
         if value < 0:
             raise SpecError(f"{key}: must be >= 0 bytes, got {value}")
         return value
@@ -111,7 +93,7 @@ def parse_bytes(value: Any, key: str = "bytes") -> int:
     match = _BYTES.match(value) if isinstance(value, str) else None
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _BYTE_UNITS:
-        raise SpecError(f"{key}: not a byte size, got {_show(value)}; "
+        raise SpecError(f"{key}: not a byte size, got {show(value)}; "
                         "write an integer or a number with a unit, e.g. 80GiB, 512 MiB, 1.5GB")
     try:
         number = Decimal(match.group(1))
@@ -172,13 +154,15 @@ class DeviceSpec:
     name: str = "default"
     device: str = "auto"                 # auto | cpu | cuda | cuda:N
     memory_bytes: int | None = None      # None (auto): the GPU's total memory; on CPU DEFAULT_CPU_MEMORY
-    memory_utilization: float = 0.9      # the capacity formula's 0.9
+    memory_utilization: float = DEFAULT_MEMORY_UTILIZATION   # the capacity formula's 0.9
     dtype: str = "auto"                  # auto | float32 | bfloat16 | float16
     tensor_parallel_size: int = 1        # planning only (`cliffguard capacity`); the engine runs TP=1
 
     def __post_init__(self) -> None:
         _check_str("name", self.name)
-        _check_device_name("device", self.device)
+        _check_str("device", self.device)
+        with _engine_rules():
+            check_device_name(self.device)
         _check_int("memory", self.memory_bytes, min_value=1, optional=True)
         _check_fraction("memory_utilization", self.memory_utilization)
         _check_str("dtype", self.dtype)
@@ -226,7 +210,7 @@ class PoolSpec:
                             f"got {self.name!r}")
         _check_str("model", self.model)
         if not isinstance(self.route, RouteSpec):
-            raise SpecError(f"route: must be a RouteSpec, got {_show(self.route)}")
+            raise SpecError(f"route: must be a RouteSpec, got {show(self.route)}")
         _check_str("served_model_name", self.served_model_name, optional=True)
         _check_int("max_model_len", self.max_model_len, min_value=1, optional=True)
         if self.is_upstream:
@@ -262,19 +246,24 @@ class PoolSpec:
                             "or kv_cache_bytes; got neither")
         _check_int("avg_len", self.avg_len, min_value=1)
         _check_int("block_size", self.block_size)
-        if self.block_size not in BLOCK_SIZES:
-            raise SpecError(f"block_size: must be one of {', '.join(map(str, BLOCK_SIZES))}; got {self.block_size}")
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, min_value=1)
         _check_int("max_num_seqs", self.max_num_seqs, min_value=1, optional=True)
-        _check_choice("preemption_mode", self.preemption_mode, PREEMPTION_MODES)
-        _check_choice("victim_policy", self.victim_policy, VICTIM_POLICIES)
         _check_int("swap_space", self.swap_space_bytes, min_value=0)
-        if self.preemption_mode == "swap" and not self.swap_space_bytes:
-            raise SpecError("swap_space: preemption_mode 'swap' needs CPU swap space; got 0 bytes")
+        # The rest by the engine's own rules (one definition of block sizes, modes and policies).
+        with _engine_rules({"swap_space_bytes": "swap_space"}):
+            CacheConfig(block_size=self.block_size)
+            self.scheduler_config(self.max_num_seqs or 1, self.max_model_len or 0)
         if not isinstance(self.enable_prefix_caching, bool):
-            raise SpecError(f"enable_prefix_caching: must be true or false, got {_show(self.enable_prefix_caching)}")
+            raise SpecError(f"enable_prefix_caching: must be true or false, got {show(self.enable_prefix_caching)}")
         if self.slo is not None and not isinstance(self.slo, LatencySLO):
-            raise SpecError(f"slo: must be a mapping with ttft_ms and itl_ms, got {_show(self.slo)}")
+            raise SpecError(f"slo: must be a mapping with ttft_ms and itl_ms, got {show(self.slo)}")
+
+    def scheduler_config(self, max_num_seqs: int, max_model_len: int) -> SchedulerConfig:
+        """The engine's limits for this pool, given the two numbers the capacity plan derives."""
+        return SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len, preemption_mode=self.preemption_mode, victim_policy=self.victim_policy,
+            swap_space_bytes=self.swap_space_bytes, enable_prefix_caching=self.enable_prefix_caching)
 
     @property
     def is_upstream(self) -> bool:
@@ -306,7 +295,7 @@ class GatewaySpec:
         _check_str("host", self.host)
         _check_int("port", self.port, min_value=1, max_value=65535)
         if not isinstance(self.api_keys, tuple):
-            raise SpecError(f"api_keys: must be a tuple of strings, got {_show(self.api_keys)}")
+            raise SpecError(f"api_keys: must be a tuple of strings, got {show(self.api_keys)}")
         for i, key in enumerate(self.api_keys):
             _check_str(f"api_keys[{i}]", key)
         _check_int("max_body_bytes", self.max_body_bytes, min_value=1)
@@ -397,26 +386,6 @@ _UPSTREAM_POOL_KEYS = ("upstream", "upstream_api_key_env", "tokenizer")
 _BYTE_KEYS = {"kv_cache_bytes": "kv_cache_bytes", "swap_space": "swap_space_bytes"}
 
 
-@contextmanager
-def _within(prefix: str) -> Iterator[None]:
-    """Errors raised inside get `prefix.` in front of their key path."""
-    try:
-        yield
-    except SpecError as exc:
-        message = str(exc)
-        raise SpecError(f"{prefix}{'' if message.startswith('[') else '.'}{message}") from None
-
-
-def _mapping(key: str, value: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise SpecError(f"{key}: must be a mapping, got {_show(value)}")
-    for name, item in value.items():
-        if name not in allowed:
-            path = f"{key}.{name}" if key else str(name)
-            raise SpecError(f"{path}: unknown key (value {item!r}); allowed keys: {', '.join(allowed)}")
-    return value
-
-
 def _beside(base_dir: Path | None, spec: str) -> str:
     """A relative model/tokenizer path is looked up beside the YAML file first, then left as written
     (the working directory, or a hub id for an upstream tokenizer)."""
@@ -427,13 +396,13 @@ def _beside(base_dir: Path | None, spec: str) -> str:
 
 
 def _parse_gateway(raw: Any, env: Mapping[str, str]) -> GatewaySpec:
-    raw = _mapping("gateway", {} if raw is None else raw, _GATEWAY_KEYS)
+    raw = check_mapping("gateway", {} if raw is None else raw, _GATEWAY_KEYS)
     keys: list[str] = []
     api_keys = raw.get("api_keys", [])
     if api_keys is None:
         api_keys = []
     if not isinstance(api_keys, list):
-        raise SpecError(f"gateway.api_keys: must be a list of strings, got {_show(api_keys)}")
+        raise SpecError(f"gateway.api_keys: must be a list of strings, got {show(api_keys)}")
     for i, key in enumerate(api_keys):
         _check_str(f"gateway.api_keys[{i}]", key)
         keys.append(key.strip())
@@ -444,7 +413,7 @@ def _parse_gateway(raw: Any, env: Mapping[str, str]) -> GatewaySpec:
     kwargs: dict[str, Any] = {k: raw[k] for k in ("host", "port") if k in raw}
     if "max_body_bytes" in raw:
         kwargs["max_body_bytes"] = parse_bytes(raw["max_body_bytes"], "gateway.max_body_bytes")
-    with _within("gateway"):
+    with within("gateway"):
         return GatewaySpec(api_keys=tuple(dict.fromkeys(keys)), api_keys_env=env_name, **kwargs)
 
 
@@ -452,20 +421,20 @@ def _parse_devices(raw: Any) -> dict[str, DeviceSpec]:
     if raw is None:
         return {"default": DeviceSpec()}
     if not isinstance(raw, dict):
-        raise SpecError(f"devices: must be a mapping of device name to settings, got {_show(raw)}")
+        raise SpecError(f"devices: must be a mapping of device name to settings, got {show(raw)}")
     devices = {}
     for name, body in raw.items():
         key = f"devices.{name}"
         if not isinstance(name, str) or not name:
-            raise SpecError(f"devices: device names must be non-empty strings, got {_show(name)}")
-        body = _mapping(key, {} if body is None else body, _DEVICE_KEYS)
+            raise SpecError(f"devices: device names must be non-empty strings, got {show(name)}")
+        body = check_mapping(key, {} if body is None else body, _DEVICE_KEYS)
         kwargs = {k: v for k, v in body.items() if k != "memory"}
         memory = body.get("memory", "auto")
         if memory not in ("auto", None):
             kwargs["memory_bytes"] = parse_bytes(memory, f"{key}.memory")
             if kwargs["memory_bytes"] == 0:
                 raise SpecError(f"{key}.memory: must be > 0 bytes (or auto), got {memory!r}")
-        with _within(key):
+        with within(key):
             devices[name] = DeviceSpec(name=name, **kwargs)
     return devices
 
@@ -473,7 +442,7 @@ def _parse_devices(raw: Any) -> dict[str, DeviceSpec]:
 def _parse_pool(i: int, raw: Any, base_dir: Path | None) -> PoolSpec:
     key = f"pools[{i}]"
     all_keys = _COMMON_POOL_KEYS + _UPSTREAM_POOL_KEYS + _LOCAL_POOL_KEYS
-    raw = _mapping(key, raw, all_keys)
+    raw = check_mapping(key, raw, all_keys)
     is_upstream = "upstream" in raw
     for name, value in raw.items():
         if is_upstream and name in _LOCAL_POOL_KEYS:
@@ -487,7 +456,7 @@ def _parse_pool(i: int, raw: Any, base_dir: Path | None) -> PoolSpec:
             raise SpecError(f"{key}.{required}: required, got nothing")
     kwargs = {k: v for k, v in raw.items() if k not in _BYTE_KEYS and k not in ("route", "slo")}
     if raw.get("slo") is not None:
-        slo = _mapping(f"{key}.slo", raw["slo"], _SLO_KEYS)
+        slo = check_mapping(f"{key}.slo", raw["slo"], _SLO_KEYS)
         try:
             kwargs["slo"] = LatencySLO(**slo)
         except ConfigError as exc:
@@ -495,14 +464,14 @@ def _parse_pool(i: int, raw: Any, base_dir: Path | None) -> PoolSpec:
     for yaml_key, field_name in _BYTE_KEYS.items():
         if yaml_key in raw:
             kwargs[field_name] = parse_bytes(raw[yaml_key], f"{key}.{yaml_key}")
-    route = _mapping(f"{key}.route", {} if raw.get("route") is None else raw["route"], _ROUTE_KEYS)
-    with _within(f"{key}.route"):
+    route = check_mapping(f"{key}.route", {} if raw.get("route") is None else raw["route"], _ROUTE_KEYS)
+    with within(f"{key}.route"):
         kwargs["route"] = RouteSpec(**route)
     if not is_upstream and isinstance(kwargs.get("model"), str):
         kwargs["model"] = _beside(base_dir, kwargs["model"])
     if isinstance(kwargs.get("tokenizer"), str):
         kwargs["tokenizer"] = _beside(base_dir, kwargs["tokenizer"])
-    with _within(key):
+    with within(key):
         return PoolSpec(**kwargs)
 
 
@@ -516,59 +485,20 @@ def parse_config(data: Any, *, env: Mapping[str, str] = os.environ,
     if data is None:
         raise SpecError("pools: the configuration is empty; at least one pool is required")
     if not isinstance(data, dict):
-        raise SpecError(f"(top level): must be a mapping with keys {', '.join(_TOP_KEYS)}, got {_show(data)}")
-    _mapping("", data, _TOP_KEYS)
+        raise SpecError(f"(top level): must be a mapping with keys {', '.join(_TOP_KEYS)}, got {show(data)}")
+    check_mapping("", data, _TOP_KEYS)
     base = Path(base_dir) if base_dir is not None else None
     pools_raw = data.get("pools")
     if pools_raw is None:
         raise SpecError("pools: missing; at least one pool is required")
     if not isinstance(pools_raw, list):
-        raise SpecError(f"pools: must be a list of pools, got {_show(pools_raw)}")
+        raise SpecError(f"pools: must be a list of pools, got {show(pools_raw)}")
     if not pools_raw:
         raise SpecError("pools: at least one pool is required, got []")
     gateway = _parse_gateway(data.get("gateway"), env)
     devices = _parse_devices(data.get("devices"))
     pools = tuple(_parse_pool(i, raw, base) for i, raw in enumerate(pools_raw))
     return CliffguardConfig(gateway=gateway, devices=devices, pools=pools)
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that rejects a key given twice in one mapping (PyYAML silently keeps the last)."""
-
-
-def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        try:
-            duplicate = key in seen
-        except TypeError:
-            continue  # unhashable: construct_mapping reports it
-        if duplicate:
-            raise yaml.constructor.ConstructorError(
-                "while reading a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=True)
-
-
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def _load_yaml(text: str, source: str) -> Any:
-    try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        problem = exc.problem or exc.context or "invalid YAML"
-        if mark is None:
-            raise SpecError(f"{source}: YAML error: {problem}") from None
-        lines = text.splitlines()
-        snippet = lines[mark.line] if mark.line < len(lines) else ""
-        raise SpecError(f"{source}: YAML error at line {mark.line + 1}, column {mark.column + 1}: {problem}\n"
-                        f"    {snippet}\n    {' ' * mark.column}^") from None
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{source}: YAML error: {exc}") from None
 
 
 def _is_path(value: str | os.PathLike) -> bool:
@@ -585,16 +515,11 @@ def load_config(path_or_text: str | os.PathLike, *, env: Mapping[str, str] = os.
     of a YAML syntax error, or the path of a missing file. Errors in a file end with `(in <path>)`."""
     if _is_path(path_or_text):
         path = Path(path_or_text).expanduser()
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise SpecError(f"{path}: no such configuration file") from None
-        except OSError as exc:
-            raise SpecError(f"{path}: cannot read the configuration file ({exc.strerror or exc})") from None
-        data = _load_yaml(text, str(path))
+        text = read_text(path)
+        data = load_yaml(text, str(path))
         try:
             return parse_config(data, env=env, base_dir=path.parent)
         except SpecError as exc:
             raise SpecError(f"{exc} (in {path})") from None
     text = str(path_or_text)
-    return parse_config(_load_yaml(text, "<text>"), env=env)
+    return parse_config(load_yaml(text, "<text>"), env=env)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from bench.isolation import Scenario, add_arguments, add_ratios, format_table, pools_yaml, scenarios, verdict
+from bench.isolation import add_arguments, add_ratios, format_table, pools_yaml, scenarios, verdict
 from gateway.cli import main
 from pools.spec import load_config
 

@@ -9,7 +9,6 @@ import json
 import logging
 import random
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from aiohttp import web
 from bench import serve
 from bench.serve import (DONE, Goodput, LengthDist, LoadConfig, RequestRecord, WorkloadClass, class_summary,
                          gamma_arrivals, latency_stats, parse_sse_line)
+from engine.stats import PoolStats
 from gateway.cli import main
 from gateway.metrics import GatewayMetrics
 from pools.spec import SpecError
@@ -86,9 +86,10 @@ def _make_fake_app(*, metrics: bool = True, first_delay: float = 0.0) -> web.App
 
     async def metrics_endpoint(request: web.Request) -> web.Response:
         state["scrapes"] += 1
-        stats = {"num_running": state["in_flight"], "num_waiting": 1, "kv_cache_usage": 0.25, "num_blocks": 64,
-                 "max_num_seqs": 8, "num_preemptions": 0, "num_recomputed_tokens": 0,
-                 "num_preemptions_by_mode": {"recompute": state["scrapes"], "swap": 2 * state["scrapes"]}}
+        stats = PoolStats(num_running=state["in_flight"], num_waiting=1, num_swapped=0, num_blocks=64,
+                          num_free_blocks=48, num_cached_free_blocks=0, kv_cache_usage=0.25, max_num_seqs=8,
+                          cpu_swap_usage=0.0, num_recompute_preemptions=state["scrapes"],
+                          num_swap_preemptions=2 * state["scrapes"])
         registry.update_pool("chat", stats, block_bytes=1024)
         return web.Response(body=registry.render(), headers={"Content-Type": registry.content_type})
 

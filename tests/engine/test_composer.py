@@ -218,13 +218,14 @@ def test_a_squeezed_throughput_pool_gives_the_same_greedy_outputs(tiny):
     rag_prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(150, 300))] for _ in range(3)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
-    alone = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8, num_blocks=400)), progress=False)
+    alone = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8),
+                                   pools=(PoolConfig(num_blocks=400),)), progress=False)
     expected = [o.outputs[0].token_ids for o in alone.generate(chat_prompts + rag_prompts, params)]
 
     # chat's 1 ms ITL target is below any step: rag gets nothing, then one block after each starvation run
     pools = (PoolConfig(name="chat", num_blocks=150, slo=LatencySLO(ttft_ms=1000, itl_ms=1)),
              PoolConfig(name="rag", num_blocks=250))
-    engine = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8, num_blocks=400), pools=pools),
+    engine = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8), pools=pools),
                        progress=False)
     for i, prompt in enumerate(chat_prompts):
         engine.add_request(f"c{i}", prompt, params, pool="chat")

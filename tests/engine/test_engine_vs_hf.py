@@ -1,4 +1,9 @@
-"""Greedy outputs of the engine equal Hugging Face transformers' greedy `generate` (DESIGN.md invariant 1)."""
+"""Greedy outputs of the engine equal Hugging Face transformers' greedy `generate` (DESIGN.md invariant 1).
+
+The default run checks the builtin model once and tiny random models of each architecture; the `slow`
+sweep (`make test-slow`) checks the builtin model with more prompts and longer outputs under every block
+size x preemption mode x prefix-cache state, in a pool small enough that preemption happens.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
+from engine import CacheConfig, EngineConfig, LLMEngine, PoolConfig, SamplingParams, SchedulerConfig
+from engine.config import PREEMPTION_MODES
+from kernels import BLOCK_SIZES
 from kernels.cpu_linear import CPU_LINEARS, PackedLinear
 from tests.conftest import assert_all_free, make_tiny_model
 
@@ -59,7 +66,8 @@ def hf_smollm2():
 
 @pytest.fixture(scope="module")
 def smollm2_engine(builtin_path):
-    engine = LLMEngine.from_args(str(builtin_path), max_num_seqs=16, kv_cache_bytes=256 << 20, progress=False)
+    # 364 blocks of 16 tokens: 256 MiB of SmolLM2's float32 K/V (46,080 B/token)
+    engine = LLMEngine.from_args(str(builtin_path), max_num_seqs=16, num_blocks=364, progress=False)
     yield engine
     assert_all_free(engine)
 
@@ -102,3 +110,67 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 24, eos_ids=None)
     assert_all_free(engine)
+
+
+# --- slow: the builtin model under every block size x preemption mode x prefix-cache state --------
+
+SWEEP_TOKENS = 64
+SWEEP_PROMPTS = CHAT_PROMPTS + [
+    "Give me a recipe for pancakes with exact quantities.",
+    "What are the planets of the solar system, in order from the sun?",
+]
+SWEEP_POOL_TOKENS = 384     # about a third of what the 10 sequences reach together: they preempt as they grow
+
+
+@pytest.fixture(scope="module")
+def sweep_reference(builtin_path, hf_smollm2):
+    """The sweep's chat prompts and transformers' greedy continuations of them (cut at EOS)."""
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(builtin_path)
+    prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in SWEEP_PROMPTS]
+    eos = sorted(set(tok.eos_token_ids))
+    return prompts, [_truncate_at_eos(_hf_greedy(hf_smollm2, p, SWEEP_TOKENS, eos), set(eos)) for p in prompts]
+
+
+def _make_sweep_engine(builtin_path, block_size: int, mode: str, prefix_caching: bool) -> LLMEngine:
+    sched = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, preemption_mode=mode,
+                            swap_space_bytes=(32 << 20) if mode != "recompute" else 0,
+                            enable_prefix_caching=prefix_caching)
+    pool = PoolConfig(num_blocks=SWEEP_POOL_TOKENS // block_size, scheduler=sched)
+    engine = LLMEngine(EngineConfig(model=str(builtin_path), device="cpu", cache=CacheConfig(block_size=block_size),
+                                    pools=(pool,)), progress=False)
+    if mode == "auto":  # measured costs that make short victims recompute and long ones swap
+        cost = engine.schedulers["default"].cost_model
+        cost.smoothing, cost.prefill_seconds_per_token = 0.0, 1e-3
+        cost.swap_bytes_per_second = 2 * 100 * cost.kv_bytes_per_token / 100e-3   # break-even at 100 tokens
+    return engine
+
+
+def _assert_matches(engine: LLMEngine, prompts: list[list[int]], want: list[list[int]]) -> None:
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=SWEEP_TOKENS))
+    for prompt, out, expected in zip(prompts, outs, want):
+        assert out.outputs[0].token_ids == expected, engine.tokenizer.decode(prompt)
+    assert_all_free(engine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-prefix-cache", "prefix-cache"])
+@pytest.mark.parametrize("mode", PREEMPTION_MODES)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_builtin_sweep_matches_transformers(builtin_path, sweep_reference, block_size, mode, prefix_caching):
+    prompts, want = sweep_reference
+    engine = _make_sweep_engine(builtin_path, block_size, mode, prefix_caching)
+    _assert_matches(engine, prompts, want)
+    stats = engine.schedulers["default"].stats
+    assert stats.num_preemptions > 0, "the pool was meant to be too small for the batch"
+    if mode == "swap":
+        assert stats.num_swap_preemptions == stats.num_preemptions
+    bm = engine.schedulers["default"].block_manager
+    if not prefix_caching:
+        assert bm.num_prefix_hits == 0
+    else:   # one prompt twice: the second run finds every full block of it in the cache
+        _assert_matches(engine, prompts[3:4], want[3:4])
+        hits = bm.num_prefix_hits
+        _assert_matches(engine, prompts[3:4], want[3:4])
+        assert bm.num_prefix_hits - hits == (len(prompts[3]) - 1) // block_size * block_size

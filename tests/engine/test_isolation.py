@@ -11,8 +11,6 @@ import asyncio
 import random
 import time
 
-import pytest
-
 from engine import AsyncEngineClient, CacheConfig, EngineConfig, PoolConfig, SamplingParams, SchedulerConfig
 from engine.config import LatencySLO
 
@@ -22,9 +20,10 @@ CHAT = SamplingParams(temperature=0, max_tokens=2)
 
 def _make_config(builtin_path, slo: LatencySLO | None) -> EngineConfig:
     sched = SchedulerConfig(max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=2048)
-    pools = (PoolConfig(name="chat", kv_share=0.3, scheduler=sched, slo=slo),
-             PoolConfig(name="rag", kv_share=0.7, scheduler=sched))
-    return EngineConfig(model=str(builtin_path), cache=CacheConfig(kv_cache_bytes=256 << 20), pools=pools)
+    # 256 MiB of SmolLM2's float32 K/V (46,080 B/token) = 364 blocks of 16 tokens, split 30/70
+    pools = (PoolConfig(name="chat", num_blocks=109, scheduler=sched, slo=slo),
+             PoolConfig(name="rag", num_blocks=254, scheduler=sched))
+    return EngineConfig(model=str(builtin_path), cache=CacheConfig(block_size=16), pools=pools)
 
 
 async def _ttft(client: AsyncEngineClient, prompt: list[int]) -> float:

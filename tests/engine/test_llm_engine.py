@@ -6,8 +6,9 @@ Every scenario ends with all blocks free and `check_integrity()` passing (DESIGN
 from __future__ import annotations
 
 import pytest
+import torch
 
-from engine import LLMEngine, RequestError, SamplingParams
+from engine import LLMEngine, ModelConfig, RequestError, SamplingParams
 from tests.conftest import assert_all_free, make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20)
@@ -23,8 +24,11 @@ def chat_prompts(builtin_path):
     return [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
 
 
-def _engine(path, **kwargs) -> LLMEngine:
-    kwargs.setdefault("kv_cache_bytes", 64 << 20)
+def _engine(path, kv_cache_bytes: int = 64 << 20, **kwargs) -> LLMEngine:
+    """One pool of `num_blocks`, by default as many as `kv_cache_bytes` of the model's float32 K/V hold."""
+    block_size = kwargs.setdefault("block_size", 16)
+    block_bytes = ModelConfig.from_folder(path).kv_bytes_per_token(torch.float32) * block_size
+    kwargs.setdefault("num_blocks", kv_cache_bytes // block_bytes)
     return LLMEngine.from_args(str(path), progress=False, **kwargs)
 
 
@@ -192,6 +196,27 @@ def test_streamed_deltas_add_up_and_never_leak_a_stop_string(builtin_path, chat_
     assert_all_free(engine)
 
 
+def test_siblings_end_with_a_first_sample_that_ends_before_its_prefill(tiny_path, monkeypatch):
+    engine = _engine(tiny_path, block_size=8, num_blocks=4)
+    monkeypatch.setattr(engine.schedulers["default"], "check_fits", lambda *args: None)  # let a too-large one in
+    engine.add_request("big", list(range(3, 60)), SamplingParams(n=3, max_tokens=4))
+    (out,) = engine.step()          # the scheduler ends the first sample: its pool can never hold it
+    assert out.finished and "cannot hold" in out.error
+    assert sorted(o.index for o in out.outputs) == [0, 1, 2]
+    assert all(o.finish_reason == "length" and not o.token_ids for o in out.outputs)
+    assert_all_free(engine)
+
+
+def test_aborting_before_the_siblings_fork_aborts_every_sample(tiny_path):
+    engine = _engine(tiny_path, max_num_batched_tokens=16)
+    engine.add_request("n3", list(range(3, 60)), SamplingParams(n=3, max_tokens=4))
+    engine.step()                   # a first chunk of the prompt: the siblings have not forked yet
+    out = engine.abort("n3")
+    assert out.finished and [o.finish_reason for o in out.outputs] == ["abort"] * 3
+    assert engine.schedulers["default"].stats.num_aborted == 1   # only the first sample was in the pool
+    assert_all_free(engine)
+
+
 def test_priority_and_max_num_seqs(tiny_path):
     engine = _engine(tiny_path, max_num_seqs=1)
     p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -209,9 +234,9 @@ def test_priority_and_max_num_seqs(tiny_path):
 def test_pools_are_disjoint_block_ranges_of_one_kv_tensor(tiny_path):
     from engine import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
 
-    config = EngineConfig(model=str(tiny_path), cache=CacheConfig(block_size=8, num_blocks=40), pools=(
-        PoolConfig("chat", kv_share=0.5, scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=128)),
-        PoolConfig("rag", kv_share=0.5, scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=160))))
+    config = EngineConfig(model=str(tiny_path), cache=CacheConfig(block_size=8), pools=(
+        PoolConfig("chat", num_blocks=20, scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=128)),
+        PoolConfig("rag", num_blocks=20, scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=160))))
     engine = LLMEngine(config, progress=False)
     chat, rag = engine.schedulers["chat"], engine.schedulers["rag"]
     assert (chat.block_manager.first_block, chat.block_manager.num_blocks) == (0, 20)

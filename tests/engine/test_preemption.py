@@ -29,11 +29,12 @@ def prompts():
     return [[rng.randrange(3, 512) for _ in range(rng.randrange(20, 60))] for _ in range(6)]
 
 
-def _engine(path, num_blocks=0, block_size=16, **sched) -> LLMEngine:
+def _engine(path, num_blocks=4096, block_size=16, **sched) -> LLMEngine:
+    """One pool; by default 4,096 blocks of 16 tokens (16 MiB of the tiny model's float32 K/V): no pressure."""
     sched.setdefault("max_num_batched_tokens", 64)
-    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=16 << 20)
-    return LLMEngine(EngineConfig(model=str(path), cache=cache,
-                                  pools=(PoolConfig(scheduler=SchedulerConfig(**sched)),)), progress=False)
+    pool = PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(**sched))
+    return LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(block_size=block_size), pools=(pool,)),
+                     progress=False)
 
 
 def _run(engine, prompts, params=GREEDY) -> list[list[int]]:

@@ -10,12 +10,14 @@ import pytest
 
 from engine import AsyncEngineClient, CacheConfig, EngineConfig, LLMEngine, PoolConfig, SamplingParams, SchedulerConfig
 from engine.outputs import RequestDelta
+from engine.stats import EngineStats, WorkerInfo
 
 
 @pytest.fixture(scope="module")
 def config(builtin_path):
-    return EngineConfig(model=str(builtin_path), cache=CacheConfig(kv_cache_bytes=64 << 20),
-                        pools=(PoolConfig(scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=2048)),))
+    # 91 blocks of 16 tokens: 64 MiB of SmolLM2's float32 K/V (46,080 B/token)
+    return EngineConfig(model=str(builtin_path), cache=CacheConfig(block_size=16), pools=(
+        PoolConfig(num_blocks=91, scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=2048)),))
 
 
 async def _collect(client, prompt, params, **kwargs):
@@ -33,7 +35,9 @@ def test_client_streams_the_same_text_as_the_offline_engine(config):
 
     async def main():
         async with AsyncEngineClient(config) as client:
-            assert client.info["pools"]["default"]["max_num_seqs"] == 8
+            assert isinstance(client.info, WorkerInfo) and client.info.pools["default"].max_num_seqs == 8
+            assert client.info.pools["default"].num_blocks == client.info.num_blocks == 91
+            assert client.model_path == client.info.model_path
             results = await asyncio.gather(*(_collect(client, p, params) for p in prompts))
             stats = await client.stats()
             return results, stats
@@ -42,8 +46,9 @@ def test_client_streams_the_same_text_as_the_offline_engine(config):
     for (text, outs), want in zip(results, offline):
         assert text == want.outputs[0].text
         assert outs[-1].finished and len(outs) > 1  # streamed in several deltas
-    assert stats["num_requests"] == 0
-    assert stats["pools"]["default"]["num_free_blocks"] == stats["pools"]["default"]["num_blocks"]
+    assert isinstance(stats, EngineStats) and stats.num_requests == 0
+    assert stats.pools["default"].num_free_blocks == stats.pools["default"].num_blocks
+    assert stats.step.num_steps > 0 and stats.pools["default"].num_computed_tokens > 0
 
 
 def test_leaving_a_stream_early_aborts_and_a_bad_request_leaves_others_running(config):
@@ -63,8 +68,9 @@ def test_leaving_a_stream_early_aborts_and_a_bad_request_leaves_others_running(c
             return await client.stats()
 
     stats = asyncio.run(main())
-    pool = stats["pools"]["default"]
-    assert stats["num_requests"] == 0 and pool["num_free_blocks"] == pool["num_blocks"]
+    pool = stats.pools["default"]
+    assert stats.num_requests == 0 and pool.num_free_blocks == pool.num_blocks
+    assert pool.num_aborted >= 1                             # the stream left early
 
 
 def test_startup_failure_is_reported(tmp_path):

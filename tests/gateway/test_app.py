@@ -8,8 +8,10 @@ import json
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import Gateway, create_app
+from engine.stats import EngineStats
+from gateway.app import create_app
 from gateway.metrics import TTFT_BUCKETS
+from gateway.runtime import Gateway
 from pools.spec import load_config
 from tests.gateway.conftest import pools_yaml
 
@@ -52,11 +54,11 @@ def _metrics(text: str) -> dict[str, dict[tuple, float]]:
     return out
 
 
-async def _wait_idle(gateway: Gateway) -> dict:
+async def _wait_idle(gateway: Gateway) -> EngineStats:
     """The device worker's stats once no request is left in it (or after 5 s)."""
     for _ in range(100):
         stats = await gateway.clients["cpu"].stats()
-        if stats["num_requests"] == 0:
+        if stats.num_requests == 0:
             break
         await asyncio.sleep(0.05)
     return stats
@@ -181,8 +183,8 @@ async def test_bad_requests_get_clear_errors_while_a_stream_keeps_going(aiohttp_
     assert status == 200 and chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert (await client.post(chat, json=dict(ok, max_tokens=3), headers=auth)).status == 200
     stats = await gateway.clients["cpu"].stats()  # runs check_integrity in the worker
-    assert stats["num_requests"] == 0
-    assert all(p["num_free_blocks"] == p["num_blocks"] for p in stats["pools"].values())
+    assert stats.num_requests == 0
+    assert all(p.num_free_blocks == p.num_blocks for p in stats.pools.values())
 
 
 async def test_client_disconnect_aborts_and_frees_blocks(aiohttp_client, tmp_path, tiny_model):
@@ -192,8 +194,8 @@ async def test_client_disconnect_aborts_and_frees_blocks(aiohttp_client, tmp_pat
     await r.content.readline()
     r.close()  # the client goes away mid-stream
     stats = await _wait_idle(gateway)
-    assert stats["num_requests"] == 0 and stats["pools"]["chat"]["num_aborted"] == 1
-    assert all(p["num_free_blocks"] == p["num_blocks"] for p in stats["pools"].values())
+    assert stats.num_requests == 0 and stats.pools["chat"].num_aborted == 1
+    assert all(p.num_free_blocks == p.num_blocks for p in stats.pools.values())
 
 
 async def test_a_rag_flood_preempts_only_rag_and_chat_keeps_its_blocks(aiohttp_client, tmp_path, tiny_model):
@@ -298,5 +300,5 @@ async def test_non_streaming_client_disconnect_aborts_too(aiohttp_client, tmp_pa
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(client.post("/v1/completions", json=body), timeout=0.5)
     stats = await _wait_idle(gateway)
-    assert stats["num_requests"] == 0 and stats["pools"]["chat"]["num_aborted"] == 1
-    assert all(p["num_free_blocks"] == p["num_blocks"] for p in stats["pools"].values())
+    assert stats.num_requests == 0 and stats.pools["chat"].num_aborted == 1
+    assert all(p.num_free_blocks == p.num_blocks for p in stats.pools.values())

@@ -1,20 +1,162 @@
-"""`cliffguard generate` end to end: spawns the device worker and streams a completion."""
+"""The `cliffguard` command: `generate` end to end, `capacity`, `serve`'s start-up checks and the help
+texts. Every user mistake exits 2 with one line naming what to fix, before anything loads."""
 
-from gateway.cli import main
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.cli import build_parser, main
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "config" / "examples" / "llama3-70b-8xh100.yaml"
+LLAMA70B_JSON = REPO / "config" / "examples" / "llama-3-70b" / "config.json"
 
 
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def _never_loads(monkeypatch) -> None:
+    def fail(*args, **kwargs):
+        raise AssertionError("the gateway started loading")
+
+    monkeypatch.setattr("gateway.app.run", fail)
+
+
+# --- generate ---------------------------------------------------------------------------------------
 def test_generate_prints_a_chat_completion(builtin_path, capsys):
-    rc = main(["generate", "--model", str(builtin_path), "--chat", "--kv-cache-mib", "64", "--max-tokens", "12",
-               "--prompt", "What is the capital of France?"])
+    rc = main(["generate", "--model", str(builtin_path), "--chat", "--kv-cache-mib", "64", "--max-model-len", "512",
+               "--max-tokens", "12", "--prompt", "What is the capital of France?"])
     out = capsys.readouterr().out
     assert rc == 0 and "Paris" in out
 
 
 def test_generate_reports_a_bad_model_clearly(tmp_path, capsys):
     rc = main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"])
-    assert rc == 2 and "nope" in capsys.readouterr().err
+    assert rc == 2 and "nope" in _error_line(capsys)
+
+
+def test_generate_plans_its_pool_with_the_capacity_formula(builtin_path, capsys):
+    """64 MiB cannot hold one request of the model's 8,192-token context: the planner says so."""
+    rc = main(["generate", "--model", str(builtin_path), "--kv-cache-mib", "64", "--prompt", "hi"])
+    assert rc == 2 and "one request of max_model_len 8192 needs 512" in _error_line(capsys)
 
 
 def test_bench_engine_rejects_bad_batch_sizes_before_loading(capsys):
     rc = main(["bench", "engine", "--hf-batch-sizes", "16,x", "--model", "/nonexistent"])
     assert rc == 2 and "--hf-batch-sizes" in capsys.readouterr().err
+
+
+# --- capacity ---------------------------------------------------------------------------------------
+def test_capacity_command_json(capsys):
+    rc = main(["capacity", "--config", str(EXAMPLE), "--json", "--model-config", str(LLAMA70B_JSON), "--vram", "80GiB"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert [p["name"] for p in out["pools"]] == ["chat", "rag"]
+    assert [p["max_num_seqs"] for p in out["pools"]] == [569, 142]
+    assert out["devices"][0]["kv_bytes_per_token"] == 327_680 and out["devices"][0]["tensor_parallel_size"] == 8
+
+
+def test_capacity_command_resolves_models_and_prints_tables(capsys):
+    rc = main(["capacity", "--config", str(EXAMPLE), "--vram", "80GiB"])   # the model folder beside the YAML
+    out = capsys.readouterr().out
+    assert rc == 0
+    for text in ("S_KV", "327,680 B/token", "max_num_seqs", "569", "142", "max-len concurrent", "fragmentation",
+                 "80.00 GiB per GPU (--vram)"):
+        assert text in out
+
+
+def test_capacity_command_default_config(builtin_path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["capacity", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [p["route"] for p in out["pools"]] == ["0..4096", "4097.."]
+
+
+def test_capacity_of_a_cuda_device_without_cuda_needs_vram(capsys, monkeypatch):
+    """The example's device says `cuda` with memory 80GiB: on a machine without CUDA that is a plan for
+    elsewhere, so it must be asked for with --vram; without it the command exits 2."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert main(["capacity", "--config", str(EXAMPLE), "--model-config", str(LLAMA70B_JSON)]) == 2
+    assert "devices.h100x8.device: 'cuda' but this machine has no CUDA device; pass --vram" in _error_line(capsys)
+    assert main(["capacity", "--config", str(EXAMPLE), "--model-config", str(LLAMA70B_JSON), "--vram", "80GiB"]) == 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--config", "nope.yaml"], "nope.yaml: no such configuration file"),
+    (["--config", str(EXAMPLE), "--vram", "lots"], "--vram: not a byte size"),
+    (["--config", str(EXAMPLE), "--vram", "1GiB"], "devices.h100x8.memory"),
+    (["--config", str(EXAMPLE), "--model-config", "/nonexistent/config.json", "--vram", "80GiB"], "--model-config"),
+])
+def test_capacity_command_errors(argv, message, capsys):
+    assert main(["capacity", *argv]) == 2
+    assert message in _error_line(capsys)
+
+
+def test_a_binary_yaml_file_is_named(tmp_path, capsys):
+    path = tmp_path / "pools.yaml"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe")
+    assert main(["capacity", "--config", str(path)]) == 2
+    line = _error_line(capsys)
+    assert str(path) in line and "not a UTF-8 text file" in line
+
+
+# --- serve ------------------------------------------------------------------------------------------
+def test_serve_on_a_port_in_use_exits_2_before_loading(builtin_path, capsys, monkeypatch):
+    _never_loads(monkeypatch)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc = main(["serve", "--config", str(REPO / "config" / "pools.yaml"), "--port", str(port)])
+    assert rc == 2
+    assert f"--port: 127.0.0.1:{port} is already in use" in _error_line(capsys)
+
+
+def test_serve_with_a_cuda_device_on_a_machine_without_one_exits_2(tmp_path, builtin_path, capsys, monkeypatch):
+    data = yaml.safe_load((REPO / "config" / "pools.yaml").read_text())
+    data["devices"]["default"].update(device="cuda", memory="24GiB")
+    path = tmp_path / "pools.yaml"
+    path.write_text(yaml.safe_dump(data))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    started = []
+    monkeypatch.setattr("aiohttp.web.TCPSite.start", lambda self: started.append(self))
+    assert main(["serve", "--config", str(path), "--port", "0"]) == 2
+    assert "devices.default.device: 'cuda' needs a CUDA device" in _error_line(capsys)
+    assert not started
+
+
+# --- help -------------------------------------------------------------------------------------------
+def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("cliffguard",)):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield path + (name,), sub, None
+                yield from _walk(sub, path + (name,))
+        else:
+            yield path, parser, action
+
+
+def test_every_command_has_a_description_and_every_option_a_help_text():
+    missing = []
+    for path, parser, action in _walk(build_parser()):
+        if action is None and not parser.description:
+            missing.append(" ".join(path) + ": no description")
+        elif action is not None and action.dest != "help" and not action.help:
+            missing.append(f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}: no help")
+    assert missing == []
+
+
+def test_serve_help_describes_the_command(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "Validate the YAML, plan every pool's blocks" in out and "--vram" in out

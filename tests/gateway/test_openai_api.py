@@ -33,7 +33,7 @@ def test_content_parts_are_joined_and_completion_prompts_take_every_openai_shape
     assert req.messages[0]["content"] == "a\nb"
     assert parse_completion(dict(COMPLETION, prompt=[1, 2, 3])).prompts == [[1, 2, 3]]
     assert parse_completion(dict(COMPLETION, prompt=["a", [4, 5]])).prompts == ["a", [4, 5]]
-    assert parse_completion(dict(COMPLETION)).params.max_tokens == 16
+    assert parse_completion(dict(COMPLETION)).params.max_tokens is None  # what the context leaves, as vLLM
 
 
 BAD_CHAT = [
@@ -55,6 +55,8 @@ BAD_CHAT = [
     ("max_tokens negative", dict(CHAT, max_tokens=-1), "max_tokens"),
     ("max_tokens float", dict(CHAT, max_tokens=1.5), "max_tokens"),
     ("stop wrong type", dict(CHAT, stop=5), "stop"),
+    ("stop empty string", dict(CHAT, stop=""), "stop"),
+    ("stop list with an empty string", dict(CHAT, stop=["x", ""]), "stop"),
     ("top_logprobs without logprobs", dict(CHAT, top_logprobs=2), "top_logprobs"),
     ("top_logprobs too many", dict(CHAT, logprobs=True, top_logprobs=50), "top_logprobs"),
     ("stream_options without stream", dict(CHAT, stream_options={"include_usage": True}), "stream_options"),
@@ -91,6 +93,8 @@ BAD_COMPLETION = [
     ("suffix unsupported", dict(COMPLETION, suffix="x"), "suffix"),
     ("best_of differs from n", dict(COMPLETION, best_of=3), "best_of"),
     ("logprobs too many", dict(COMPLETION, logprobs=30), "logprobs"),
+    ("stop empty string", dict(COMPLETION, stop=""), "stop"),
+    ("stop list with an empty string", dict(COMPLETION, stop=[""]), "stop"),
 ]
 
 

@@ -8,7 +8,8 @@ import json
 import openai
 import pytest
 
-from gateway.app import Gateway, create_app
+from gateway.app import create_app
+from gateway.runtime import Gateway
 from pools.spec import load_config
 
 MODEL = "smollm2-135m-instruct"
@@ -54,6 +55,9 @@ def test_sdk_sees_errors_as_typed_exceptions(sdk):
     assert "temperature" in str(info.value)
     models = sdk.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert sdk.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("no-such-model")
 
 
 async def test_async_client_concurrent_streams_and_seeded_sampling(live_builtin_server):

@@ -26,8 +26,8 @@ def tiny(tmp_path_factory, builtin_path):
 def _engine(path, backend: str, monkeypatch, **sched) -> LLMEngine:
     monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
     sched.setdefault("max_num_batched_tokens", 24)  # chunked prefill: chunks start mid-block
-    config = EngineConfig(model=str(path), cache=CacheConfig(block_size=8, num_blocks=12),
-                          pools=(PoolConfig(scheduler=SchedulerConfig(**sched)),))
+    config = EngineConfig(model=str(path), cache=CacheConfig(block_size=8),
+                          pools=(PoolConfig(num_blocks=12, scheduler=SchedulerConfig(**sched)),))
     engine = LLMEngine(config, progress=False)
     assert ("triton" in engine.runner.backend.paged_attention.__module__) == (backend == "triton")
     return engine

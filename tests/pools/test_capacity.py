@@ -1,17 +1,16 @@
-"""pools.capacity: the capacity formula checked against hand arithmetic, its errors, the engine configs
-it yields and the `cliffguard capacity` command."""
+"""pools.capacity: the capacity formula checked against hand arithmetic, its errors and the engine
+configs it yields (the `cliffguard capacity` command is tested in tests/gateway/test_cli.py)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 import yaml
 
-from engine.config import ConfigError, ModelConfig
-from pools.capacity import add_arguments, engine_configs, plan_capacity, run
+from engine.config import ModelConfig
+from pools.capacity import engine_configs, plan_capacity, plan_single_pool
 from pools.spec import DEFAULT_CPU_MEMORY, SpecError, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,12 +43,6 @@ def _small_config(**pool_overrides) -> dict:
     return {"devices": {"default": {"device": "cpu", "memory": "2GiB"}}, "pools": [chat, rag]}
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return parser.parse_args(list(argv))
-
-
 def test_llama3_70b_on_8xh100_matches_hand_arithmetic():
     _, plan = _plan_example()
     h, i, v, layers, kv = 8192, 28672, 128256, 80, 8 * 128
@@ -62,7 +55,7 @@ def test_llama3_70b_on_8xh100_matches_hand_arithmetic():
     d = plan.devices["h100x8"]
     assert (d.weights_bytes, d.weights_bytes_per_device, d.kv_bytes_per_token) == (weights, weights // 8, s_kv)
     assert d.kv_bytes_per_token_per_device == s_kv // 8 == 40_960
-    assert d.kv_cache_bytes_per_device == kv_per_gpu and d.kv_cache_bytes == 8 * kv_per_gpu
+    assert d.kv_space_bytes_per_device == kv_per_gpu and d.kv_space_bytes == 8 * kv_per_gpu
     for name, share, avg_len, expected_seqs in (("chat", 0.4, 1024, 569), ("rag", 0.6, 6144, 142)):
         p = plan.pools[name]
         pool_kv = int(share * kv_per_gpu)
@@ -193,8 +186,7 @@ def test_engine_configs_carry_the_planned_numbers(builtin_path):
     engine = engine_configs(config, plan)["default"]
     assert (engine.model, engine.device, engine.dtype) == ("builtin:smollm2-135m-instruct", "cpu", "float32")
     assert engine.cache.block_size == 16
-    assert engine.cache.num_blocks == sum(p.num_blocks for p in plan.pools.values())
-    assert engine.pool_block_counts(engine.cache.num_blocks) == [p.num_blocks for p in plan.pools.values()]
+    assert engine.num_blocks == sum(p.num_blocks for p in plan.pools.values())
     for pool_config, pool_plan in zip(engine.pools, plan.pools.values(), strict=True):
         assert pool_config.name == pool_plan.name and pool_config.num_blocks == pool_plan.num_blocks
         assert pool_config.scheduler.max_num_seqs == pool_plan.max_num_seqs
@@ -208,7 +200,8 @@ def test_engine_configs_carry_the_planned_numbers(builtin_path):
     assert plan.pools["rag"].max_num_seqs == int(0.6 * kv) // (s_kv * 900)
 
 
-def test_engine_configs_refuse_what_the_engine_cannot_run():
+def test_engine_configs_refuse_what_the_engine_cannot_run(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)   # plan and check an H100 on any machine
     config, plan = _plan_example()
     with pytest.raises(SpecError, match=r"^devices\.h100x8\.tensor_parallel_size: 8"):
         engine_configs(config, plan)
@@ -216,50 +209,14 @@ def test_engine_configs_refuse_what_the_engine_cannot_run():
     data["devices"]["h100x8"]["tensor_parallel_size"] = 1
     data["devices"]["h100x8"]["memory"] = "400GiB"
     data["pools"][0]["preemption_mode"] = "auto"
-    with pytest.raises(ConfigError, match="swap"):   # auto needs a CPU swap space
-        engine_configs(*_plan_example(data))
+    with pytest.raises(SpecError, match=r"^pools\[0\]\.swap_space: preemption_mode 'auto' needs"):
+        _plan_example(data)   # the YAML is checked by the engine's own rule: auto may swap
     data["pools"][0]["swap_space"] = "4GiB"
     data["pools"][0]["victim_policy"] = "longest_first"
     data["pools"][0]["enable_prefix_caching"] = True
     scheduler = engine_configs(*_plan_example(data))["h100x8"].pools[0].scheduler
     assert (scheduler.preemption_mode, scheduler.victim_policy, scheduler.swap_space_bytes,
             scheduler.enable_prefix_caching) == ("auto", "longest_first", 4 << 30, True)
-
-
-def test_capacity_command_json(capsys):
-    rc = run(_args("--config", str(EXAMPLE), "--json", "--model-config", str(LLAMA70B_JSON)))
-    out = json.loads(capsys.readouterr().out)
-    assert rc == 0
-    assert [p["name"] for p in out["pools"]] == ["chat", "rag"]
-    assert [p["max_num_seqs"] for p in out["pools"]] == [569, 142]
-    assert out["devices"][0]["kv_bytes_per_token"] == 327_680 and out["devices"][0]["tensor_parallel_size"] == 8
-
-
-def test_capacity_command_resolves_models_and_prints_tables(capsys):
-    rc = run(_args("--config", str(EXAMPLE), "--vram", "80GiB"))   # the model folder beside the YAML
-    out = capsys.readouterr().out
-    assert rc == 0
-    for text in ("S_KV", "327,680 B/token", "max_num_seqs", "569", "142", "max-len concurrent", "fragmentation",
-                 "80.00 GiB per GPU (--vram)"):
-        assert text in out
-
-
-def test_capacity_command_default_config(builtin_path, capsys, monkeypatch):
-    monkeypatch.chdir(REPO)
-    assert run(_args("--json")) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert [p["route"] for p in out["pools"]] == ["0..4096", "4097.."]
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--config", "nope.yaml"], "nope.yaml: no such configuration file"),
-    (["--config", str(EXAMPLE), "--vram", "lots"], "--vram: not a byte size"),
-    (["--config", str(EXAMPLE), "--vram", "1GiB"], "devices.h100x8.memory"),
-    (["--config", str(EXAMPLE), "--model-config", "/nonexistent/config.json"], "--model-config"),
-])
-def test_capacity_command_errors(argv, message, capsys):
-    assert run(_args(*argv)) == 2
-    assert message in capsys.readouterr().err
 
 
 def test_the_engine_runs_with_exactly_the_planned_numbers(builtin_path):
@@ -277,3 +234,28 @@ def test_the_engine_runs_with_exactly_the_planned_numbers(builtin_path):
         scheduler = engine.schedulers[p.name]
         assert scheduler.block_manager.num_blocks == p.num_blocks == (p.kv_cache_bytes // (46_080 * 16))
         assert (scheduler.config.max_num_seqs, scheduler.max_model_len) == (p.max_num_seqs, p.max_model_len)
+
+
+def test_engine_configs_refuse_a_cuda_device_on_a_machine_without_one(monkeypatch):
+    """`serve` fails at start-up (exit 2) instead of answering 503 forever; planning it stays possible."""
+    data = _example_data()
+    data["devices"]["h100x8"].update(tensor_parallel_size=1, memory="400GiB")
+    config, plan = _plan_example(data)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SpecError, match=r"^devices\.h100x8\.device: 'cuda' needs a CUDA device"):
+        engine_configs(config, plan)
+
+
+def test_plan_single_pool_is_the_yaml_planner(builtin_path):
+    """`generate` and the benchmarks plan one pool with the same formula as a YAML pool."""
+    plan, engine = plan_single_pool(str(builtin_path), device="cpu", kv_cache_bytes=64 << 20, max_model_len=1024,
+                                    block_size=8)
+    pool = plan.pools["default"]
+    assert pool.num_blocks == (64 << 20) // (46_080 * 8) and pool.max_num_seqs == (64 << 20) // (46_080 * 1024)
+    assert [(p.name, p.num_blocks, p.scheduler.max_num_seqs) for p in engine.pools] == [
+        ("default", pool.num_blocks, pool.max_num_seqs)]
+    assert (engine.device, engine.dtype, engine.cache.block_size) == ("cpu", "float32", 8)
+    with pytest.raises(SpecError, match=r"kv_cache_bytes: .* one request of max_model_len 8192 needs 512"):
+        plan_single_pool(str(builtin_path), device="cpu", kv_cache_bytes=64 << 20)
+    with pytest.raises(SpecError, match=r"block_size: must be one of 8, 16, 32; got 12"):
+        plan_single_pool(str(builtin_path), device="cpu", kv_cache_bytes=64 << 20, block_size=12)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from pools.spec import (DEFAULT_CPU_MEMORY, DeviceSpec, PoolSpec, RouteSpec, Spe
                         parse_config)
 
 REPO = Path(__file__).resolve().parents[2]
+DEFAULT_YAML = REPO / "config" / "pools.yaml"
 
 BASE = {
     "gateway": {"host": "127.0.0.1", "port": 8000},
@@ -84,6 +86,8 @@ BAD = {
     "unknown preemption_mode": (_set("pools/0/preemption_mode", "evict"), ["pools[0].preemption_mode", "'evict'"]),
     "unknown victim_policy": (_set("pools/0/victim_policy", "random"), ["pools[0].victim_policy", "'random'"]),
     "swap without swap space": (_set("pools/0/preemption_mode", "swap"), ["pools[0].swap_space", "0"]),
+    "auto without swap space": (_set("pools/0/preemption_mode", "auto"), ["pools[0].swap_space", "'auto' needs"]),
+    "unknown victim_policy": (_set("pools/0/victim_policy", "oldest"), ["pools[0].victim_policy", "'oldest'"]),
     "bad byte size": (_set("devices/default/memory", "80 gigs"), ["devices.default.memory", "80 gigs"]),
     "negative byte size": (_set("pools/0/swap_space", -5), ["pools[0].swap_space", "-5"]),
     "upstream with kv_share": (_set("pools/2/kv_share", 0.2), ["pools[2].kv_share", "0.2", "upstream"]),
@@ -161,6 +165,44 @@ def test_missing_file_names_the_path(tmp_path):
     missing = tmp_path / "nope.yaml"
     with pytest.raises(SpecError, match="nope.yaml: no such configuration file"):
         load_config(missing)
+
+
+def test_a_binary_file_names_the_path(tmp_path):
+    path = tmp_path / "pools.yaml"
+    path.write_bytes(b"pools:\n  - name: \xff\xfe\n")
+    with pytest.raises(SpecError, match=rf"^{re.escape(str(path))}: not a UTF-8 text file \(byte 0xff at offset 17\)"):
+        load_config(path)
+
+
+def test_the_spec_and_the_engine_share_one_definition_of_each_choice():
+    """Block sizes, preemption modes and victim policies: the YAML accepts exactly what the engine runs."""
+    import engine.config
+    import kernels
+    from pools import spec
+
+    assert engine.config.BLOCK_SIZES is kernels.BLOCK_SIZES
+    for name in ("BLOCK_SIZES", "PREEMPTION_MODES", "VICTIM_POLICIES"):
+        assert not hasattr(spec, name)   # imported where needed, never copied
+    base = yaml.safe_load(DEFAULT_YAML.read_text())
+    for size in (4, 8, 16, 32, 64):
+        data = copy.deepcopy(base)
+        for pool in data["pools"]:
+            pool["block_size"] = size
+        ok = size in kernels.BLOCK_SIZES
+        try:
+            parse_config(data, env={})
+        except SpecError as exc:
+            assert not ok and "block_size" in str(exc)
+        else:
+            assert ok
+    for mode in engine.config.PREEMPTION_MODES:
+        data = copy.deepcopy(base)
+        data["pools"][0].update(preemption_mode=mode, swap_space="64MiB")
+        assert parse_config(data, env={}).pools[0].preemption_mode == mode
+    for policy in engine.config.VICTIM_POLICIES:
+        data = copy.deepcopy(base)
+        data["pools"][0]["victim_policy"] = policy
+        assert parse_config(data, env={}).pools[0].victim_policy == policy
 
 
 def test_errors_in_a_file_name_the_file(tmp_path):

@@ -1,0 +1,99 @@
+"""Typed records the device worker sends the gateway: what it loaded (`WorkerInfo`) and how its pools
+are doing (`EngineStats`). Plain dataclasses of numbers, pickled over the worker's pipe (STYLE.md
+rule 16): the gateway reads attributes, never dict keys with defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PoolInfo:
+    """One pool as the engine allocated it."""
+
+    num_blocks: int
+    first_block: int
+    max_model_len: int
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a device worker reports once its model is loaded."""
+
+    model_path: str
+    device: str                      # e.g. cpu, cuda:0
+    dtype: str                       # float32 | bfloat16 | float16
+    num_blocks: int                  # all pools together
+    block_size: int
+    kv_bytes_per_token: int          # S_KV
+    pools: dict[str, PoolInfo]
+    load_seconds: float
+
+    @property
+    def block_bytes(self) -> int:
+        """K and V bytes of one block, all layers."""
+        return self.block_size * self.kv_bytes_per_token
+
+    def pool_kv_cache_bytes(self, pool: str) -> int:
+        return self.pools[pool].num_blocks * self.block_bytes
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """One pool's scheduler and allocator, at the time the stats were taken. Counters are totals
+    since the worker started."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_free_blocks: int
+    kv_cache_usage: float            # fraction of the pool's blocks in use
+    max_num_seqs: int
+    cpu_swap_usage: float            # fraction of the pool's CPU swap blocks in use (0 without swap)
+    num_recompute_preemptions: int = 0
+    num_swap_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    swapped_out_bytes: int = 0
+    swapped_in_bytes: int = 0
+    preempt_seconds: float = 0.0
+    num_prefix_queries: int = 0      # prompt tokens looked up in the prefix cache
+    num_prefix_hits: int = 0         # ... and found there
+    num_aborted: int = 0
+    num_too_large: int = 0
+    num_computed_tokens: int = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_recompute_preemptions + self.num_swap_preemptions
+
+    @property
+    def num_preemptions_by_mode(self) -> dict[str, int]:
+        """Preemptions by what was done to the victim: `recompute` or `swap` (mode `auto` does either)."""
+        return {"recompute": self.num_recompute_preemptions, "swap": self.num_swap_preemptions}
+
+
+@dataclass(frozen=True)
+class StepCounters:
+    """The step composer's counters (engine.composer.ComposerStats)."""
+
+    num_steps: int = 0
+    num_targeted_steps: int = 0
+    num_over_target: int = 0
+    last_step_seconds: float = 0.0
+    last_target_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Every pool of one device worker, stamped with the wall-clock time (`time.time()`) they were taken."""
+
+    num_requests: int
+    pools: dict[str, PoolStats]
+    step: StepCounters = field(default_factory=StepCounters)
+    taken_at: float = 0.0

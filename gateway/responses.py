@@ -1,0 +1,238 @@
+"""Answering from local pools: each prompt's engine request streamed back, its deltas assembled into
+choices (choice index = prompt × n + sample) and written as SSE chunks or as one JSON body.
+
+Leaving early for any reason — the client goes away mid-stream, or the handler is cancelled — closes
+the engine streams, which aborts their requests and frees their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from engine.outputs import RequestDelta, SampleDelta
+from engine.sampling import SamplingParams
+from engine.worker import EngineDeadError
+from gateway import openai_api as api
+from gateway.metrics import GatewayMetrics
+from gateway.openai_api import ApiError, ChatRequest, CompletionRequest
+from pools.pool import Pool
+
+Routed = Sequence[tuple[Pool, list[int]]]   # each prompt's pool and token ids
+
+
+@dataclass
+class _Choice:
+    """The running state of one choice (prompt i, sample j) of a response."""
+
+    index: int
+    pool: Pool
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    sent_role: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+async def merged(routed: Routed, params: SamplingParams, priority: int,
+                 request_id: str) -> AsyncIterator[tuple[int, RequestDelta]]:
+    """(prompt index, delta) from every prompt's engine request, as they arrive. The pools' device
+    workers must have loaded."""
+    if len(routed) == 1:
+        pool, ids = routed[0]
+        async with contextlib.aclosing(pool.client.generate(ids, params, request_id=request_id,
+                                                            priority=priority, pool=pool.name)) as stream:
+            async for out in stream:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, pool: Pool, ids: list[int]) -> None:
+        try:
+            async with contextlib.aclosing(pool.client.generate(ids, params, request_id=f"{request_id}-{i}",
+                                                                priority=priority, pool=pool.name)) as stream:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, exc))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+
+    tasks = [asyncio.create_task(pump(i, pool, ids)) for i, (pool, ids) in enumerate(routed)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def engine_error(exc: Exception) -> ApiError:
+    """A refused or failed engine request as an API error (the engine's message names the field)."""
+    if isinstance(exc, EngineDeadError):
+        return ApiError(503, f"engine unavailable: {exc}", type="server_error", code="engine_dead")
+    message = str(exc)
+    return ApiError(400, message, param=message.split(":", 1)[0] if ":" in message else None)
+
+
+class LocalResponse:
+    """One response to a chat or completion request served by local pools, built as its deltas arrive.
+
+    Lives for one HTTP request, on the event loop. `received` is when the request arrived
+    (time.perf_counter), so time to first token and end-to-end latency include parsing and counting.
+    """
+
+    def __init__(self, request: web.Request, req: ChatRequest | CompletionRequest, routed: Routed, *,
+                 received: float, metrics: GatewayMetrics) -> None:
+        self.request, self.req, self.routed = request, req, routed
+        self.chat = isinstance(req, ChatRequest)
+        self.received, self.metrics = received, metrics
+        self.request_id = api.new_id("chatcmpl" if self.chat else "cmpl")
+        self.created = int(time.time())
+        n = req.params.n
+        self.choices = {i * n + j: _Choice(i * n + j, pool) for i, (pool, _) in enumerate(routed) for j in range(n)}
+        self.pool_header = ",".join(dict.fromkeys(pool.name for pool, _ in routed))
+        self.want_logprobs = req.params.logprobs is not None
+        self.response: web.StreamResponse | None = None   # the SSE response, once started
+        self._first_at: dict[int, float] = {}
+        self._last_at: dict[int, float] = {}
+
+    async def serve(self) -> web.StreamResponse:
+        """Run the engine requests to the end; the SSE stream or the JSON response."""
+        for pool, ids in self.routed:
+            self.metrics.prompt_tokens.labels(pool=pool.name).inc(len(ids))
+        events = merged(self.routed, self.req.params, self.req.priority, self.request_id)
+        try:
+            async with contextlib.aclosing(events):
+                async for i, out in events:
+                    self._observe(i, out)
+                    chunk_choices = self._apply(i, out)
+                    if self.req.stream and chunk_choices:
+                        make = api.chat_chunk if self.chat else api.completion_chunk
+                        await self._send(make(self.request_id, self.req.model, self.created, chunk_choices,
+                                              self.req.include_usage))
+        except ApiError:
+            raise
+        except (EngineDeadError, ValueError) as exc:
+            return await self._fail(engine_error(exc))
+        return await self._end_stream() if self.req.stream else self._json()
+
+    def _observe(self, i: int, out: RequestDelta) -> None:
+        """Latency and token metrics of prompt i's delta."""
+        now, pool, metrics = time.perf_counter(), self.routed[i][0].name, self.metrics
+        new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)
+        if new_tokens:
+            if i not in self._first_at:
+                self._first_at[i] = now
+                metrics.ttft.labels(pool=pool).observe(now - self.received)
+            else:
+                metrics.itl.labels(pool=pool).observe((now - self._last_at[i]) / new_tokens)
+            self._last_at[i] = now
+            metrics.generation_tokens.labels(pool=pool).inc(new_tokens)
+        if out.finished:
+            metrics.e2e.labels(pool=pool).observe(now - self.received)
+            if "queue_time" in out.metrics:
+                metrics.queue_time.labels(pool=pool).observe(out.metrics["queue_time"])
+
+    def _apply(self, i: int, out: RequestDelta) -> list[dict[str, Any]]:
+        """Add prompt i's delta to its choices; the stream chunk's choices (empty when not streaming)."""
+        chunk_choices = []
+        for c in out.outputs:
+            choice = self.choices[i * self.req.params.n + c.index]
+            text_offset = len(choice.text)
+            choice.text += c.delta_text
+            choice.num_tokens = c.num_tokens
+            if self.want_logprobs:
+                choice.token_ids.extend(c.delta_token_ids)
+                choice.logprobs.extend(c.delta_logprobs or [])
+                choice.top_logprobs.extend(c.delta_top_logprobs or [])
+            if c.finish_reason is not None and choice.finish_reason is None:
+                choice.finish_reason = c.finish_reason
+                self.metrics.request_success.labels(pool=choice.pool.name, finished_reason=c.finish_reason).inc()
+            has_logprobs = self.want_logprobs and bool(c.delta_token_ids)
+            if self.req.stream and (c.delta_text or c.finish_reason or has_logprobs):
+                chunk_choices.append(self._stream_choice(choice, c, has_logprobs, text_offset))
+        return chunk_choices
+
+    def _stream_choice(self, choice: _Choice, c: SampleDelta, has_logprobs: bool,
+                       text_offset: int) -> dict[str, Any]:
+        lp = None
+        if has_logprobs:
+            ids, lps, tops = c.delta_token_ids, c.delta_logprobs or [], c.delta_top_logprobs or []
+            lp = (api.chat_logprobs(ids, lps, tops, choice.pool.token_text) if self.chat else
+                  api.completion_logprobs(ids, lps, tops, choice.pool.token_text, text_offset))
+        if not self.chat:
+            return {"index": choice.index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
+        delta: dict[str, Any] = {}
+        if not choice.sent_role:
+            delta["role"] = "assistant"
+            choice.sent_role = True
+        delta["content"] = c.delta_text
+        return {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
+
+    async def _send(self, obj: dict[str, Any]) -> None:
+        """One SSE event; the first starts the response."""
+        if self.response is None:
+            self.response = await start_sse(self.request, self.pool_header)
+        await self.response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+    async def _fail(self, err: ApiError) -> web.StreamResponse:
+        """The error as the response, or as the last event of a stream already started."""
+        if self.response is None:
+            raise err
+        await self._send(err.body())
+        await self.response.write(b"data: [DONE]\n\n")
+        return self.response
+
+    async def _end_stream(self) -> web.StreamResponse:
+        if self.response is None:
+            self.response = await start_sse(self.request, self.pool_header)
+        if self.req.include_usage:
+            obj = "chat.completion.chunk" if self.chat else "text_completion"
+            await self._send(api.usage_chunk(self.request_id, self.req.model, self.created, obj,
+                                             *self._usage()))
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+        return self.response
+
+    def _json(self) -> web.Response:
+        body_choices = []
+        for index in sorted(self.choices):
+            choice = self.choices[index]
+            lp = None
+            if self.want_logprobs:
+                lp = (api.chat_logprobs if self.chat else api.completion_logprobs)(
+                    choice.token_ids, choice.logprobs, choice.top_logprobs, choice.pool.token_text)
+            make_choice = api.chat_choice if self.chat else api.completion_choice
+            body_choices.append(make_choice(index, choice.text, lp, choice.finish_reason))
+        make = api.chat_response if self.chat else api.completion_response
+        return web.json_response(make(self.request_id, self.req.model, body_choices, *self._usage()),
+                                 headers={"x-cliffguard-pool": self.pool_header})
+
+    def _usage(self) -> tuple[int, int]:
+        """(prompt tokens, completion tokens) of the whole response."""
+        return (sum(len(ids) for _, ids in self.routed), sum(c.num_tokens for c in self.choices.values()))
+
+
+async def start_sse(request: web.Request, pool_header: str) -> web.StreamResponse:
+    """A prepared `text/event-stream` response naming the pool(s) in `x-cliffguard-pool`."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "x-cliffguard-pool": pool_header})
+    await response.prepare(request)
+    return response

@@ -1,0 +1,224 @@
+"""`Gateway`: everything a running gateway holds — config, capacity plan, pools, router, device
+workers and their readiness, metrics, the tokenizer thread pool and the upstream `ClientSession`.
+
+`Gateway.from_config` does everything that can fail before a socket opens (models resolved,
+tokenizers loaded, the capacity plan computed); `start` spawns the device workers, which load in the
+background. The app's `cleanup_ctx` (gateway.app) calls `start` and `stop` and owns the session.
+All methods run on the event loop; only `Router.route` (via `route_chat` / `route_prompt`) and the
+tokenizers it calls may run on the tokenizer thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.stats import WorkerInfo
+from engine.tokenizer import Tokenizer
+from engine.weights import resolve_model
+from engine.worker import AsyncEngineClient, EngineDeadError
+from gateway.metrics import GatewayMetrics
+from gateway.openai_api import ApiError
+from pools.capacity import CapacityPlan, engine_configs, plan_capacity
+from pools.pool import Pool
+from pools.router import NoRouteError, Router, UnknownModelError
+from pools.spec import CliffguardConfig, PoolSpec
+from pools.tokencount import TokenCounter
+
+log = logging.getLogger("cliffguard.gateway")
+
+# Prompts longer than this (characters) are rendered and counted in a worker thread.
+INLINE_TOKENIZE_CHARS = 2048
+
+
+@dataclass
+class Gateway:
+    """Everything a running gateway holds. Built once, before the server starts."""
+
+    config: CliffguardConfig
+    plan: CapacityPlan
+    engines: dict[str, EngineConfig]    # device -> what its worker runs: exactly the plan's numbers
+    pools: dict[str, Pool]
+    router: Router
+    clients: dict[str, AsyncEngineClient] = field(default_factory=dict)
+    device_ready: dict[str, asyncio.Future[WorkerInfo]] = field(default_factory=dict)
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "cliffguard-tok"))
+    session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_config(cls, config: CliffguardConfig, *, vram_bytes: int | None = None) -> Gateway:
+        """Resolve models and tokenizers, plan capacity, turn the plan into engine configs (which checks
+        that each device exists on this machine), build the pools; ConfigError on any problem."""
+        folders: dict[str, Path] = {}
+
+        def folder(spec: str, key: str) -> Path:
+            if spec not in folders:
+                try:
+                    folders[spec] = resolve_model(spec)
+                except (FileNotFoundError, ValueError) as exc:
+                    raise ConfigError(f"{key}: {exc}") from exc
+            return folders[spec]
+
+        model_configs: dict[str, ModelConfig] = {}
+        for i, spec in enumerate(config.pools):
+            if not spec.is_upstream and spec.model not in model_configs:
+                model_configs[spec.model] = ModelConfig.from_folder(folder(spec.model, f"pools[{i}].model"))
+        plan = plan_capacity(config, model_configs, vram_bytes=vram_bytes)
+        engines = engine_configs(config, plan)
+        tokenizers: dict[str, tuple[Tokenizer, TokenCounter, list[int]]] = {}
+        pools: dict[str, Pool] = {}
+        for i, spec in enumerate(config.pools):
+            tok_spec = spec.tokenizer or spec.model
+            if tok_spec not in tokenizers:
+                key = f"pools[{i}].tokenizer" if spec.tokenizer else f"pools[{i}].model"
+                tokenizer = Tokenizer.from_folder(folder(tok_spec, key))
+                tokenizers[tok_spec] = (tokenizer, TokenCounter(tokenizer),
+                                        tokenizer.encode("", add_special_tokens=True))
+            if spec.is_upstream:
+                max_model_len = spec.max_model_len or _upstream_max_len(spec, folders)
+            else:
+                max_model_len = plan.pools[spec.name].max_model_len
+            pools[spec.name] = Pool(spec, *tokenizers[tok_spec], max_model_len=max_model_len)
+        return cls(config=config, plan=plan, engines=engines, pools=pools, router=Router(list(pools.values())))
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Spawn one device worker per device that has local pools; loading continues in the background."""
+        loop = asyncio.get_running_loop()
+        for device, config in self.engines.items():
+            client = AsyncEngineClient(config)
+            self.clients[device] = client
+            ready = loop.create_future()
+            self.device_ready[device] = ready
+            for pool in self.pools.values():
+                if pool.device == device:
+                    pool.client = client
+            task = loop.create_task(self._start_device(device, client, ready))
+            task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
+    async def _start_device(self, device: str, client: AsyncEngineClient, ready: asyncio.Future) -> None:
+        try:
+            info = await client.start()
+        except BaseException as exc:  # noqa: BLE001 - requests to this device get the reason
+            log.error("device %s failed to start: %s", device, exc)
+            if not ready.done():
+                ready.set_exception(EngineDeadError(f"device {device!r} failed to start: {exc}"))
+                ready.exception()  # mark retrieved
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return
+        log.info("device %s ready: %s", device, info)
+        if not ready.done():
+            ready.set_result(info)
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(c.shutdown() for c in self.clients.values()), return_exceptions=True)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # --- readiness -------------------------------------------------------------------------------
+    def device_states(self) -> dict[str, str]:
+        """Each device: `loading`, `ready` or `failed: <reason>`."""
+        states = {}
+        for name, fut in self.device_ready.items():
+            if not fut.done():
+                states[name] = "loading"
+            elif fut.exception() is not None:
+                states[name] = f"failed: {fut.exception()}"
+            else:
+                states[name] = "ready"
+        return states
+
+    def is_ready(self) -> bool:
+        return all(state == "ready" for state in self.device_states().values())
+
+    def worker_info(self, device: str | None) -> WorkerInfo | None:
+        """What the device's worker loaded; None while it loads, if it failed, or for no device."""
+        fut = self.device_ready.get(device) if device is not None else None
+        if fut is None or not fut.done() or fut.exception() is not None:
+            return None
+        return fut.result()
+
+    async def wait_device(self, pool: Pool) -> WorkerInfo:
+        """Wait until the pool's device worker has loaded; 503 if it failed to."""
+        try:
+            return await asyncio.shield(self.device_ready[pool.device])
+        except EngineDeadError as exc:
+            raise ApiError(503, str(exc), type="server_error", code="pool_unavailable") from None
+
+    # --- tokenization and routing ----------------------------------------------------------------
+    async def route_chat(self, model: str, messages: list[dict[str, str]]) -> tuple[Pool, list[int]]:
+        """Render each candidate pool's chat template, count exactly, and take the first pool that admits it."""
+        size = sum(len(m["content"]) for m in messages)
+        return await self._route(model, "messages", size,
+                                 self._timed(lambda pool: _render_and_count(pool, messages)))
+
+    async def route_prompt(self, model: str, prompt: str | list[int]) -> tuple[Pool, list[int]]:
+        """Count a completion prompt (text with the tokenizer's prefix, or token ids) and route it."""
+        if isinstance(prompt, list):
+            return await self._route(model, "prompt", 0, lambda pool: list(prompt))
+        return await self._route(model, "prompt", len(prompt),
+                                 self._timed(lambda pool: pool.prefix_ids + pool.counter.encode(prompt)))
+
+    async def _route(self, model: str, param: str, size: int,
+                     tokenize: Callable[[Pool], list[int]]) -> tuple[Pool, list[int]]:
+        """`Router.route`, on the tokenizer thread when the prompt has over INLINE_TOKENIZE_CHARS
+        characters; its errors as ApiError (`param` names the prompt's field)."""
+        route = functools.partial(self.router.route, model, tokenize)
+        try:
+            if size <= INLINE_TOKENIZE_CHARS:
+                return route()
+            return await asyncio.get_running_loop().run_in_executor(self.executor, route)
+        except UnknownModelError as exc:
+            raise model_not_found(exc) from None
+        except NoRouteError as exc:
+            raise ApiError(400, f"{param}: {exc}", param=param, code="context_length_exceeded") from None
+        except ValueError as exc:  # bad messages or a template error, named by the tokenizer
+            message = str(exc)
+            raise ApiError(400, message, param=message.split(":", 1)[0]) from None
+        except TypeError as exc:  # JSON may carry text the tokenizer refuses, e.g. "\ud800"
+            raise ApiError(400, f"{param}: the text cannot be tokenized ({exc}); it must be valid "
+                           "Unicode (no lone surrogates)", param=param) from None
+
+    def _timed(self, tokenize: Callable[[Pool], list[int]]) -> Callable[[Pool], list[int]]:
+        """`tokenize`, observed in the `tokenizer_seconds` histogram by the pool's counting backend."""
+        def timed(pool: Pool) -> list[int]:
+            started = time.perf_counter()
+            ids = tokenize(pool)
+            self.metrics.tokenizer_time.labels(backend=pool.counter.backend).observe(time.perf_counter() - started)
+            return ids
+        return timed
+
+
+GATEWAY = web.AppKey("gateway", Gateway)
+
+
+def model_not_found(exc: UnknownModelError) -> ApiError:
+    """404 `model_not_found` naming the model and those served."""
+    return ApiError(404, str(exc), param="model", code="model_not_found")
+
+
+def _render_and_count(pool: Pool, messages: list[dict[str, str]]) -> list[int]:
+    text = pool.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return pool.counter.encode(text)
+
+
+def _upstream_max_len(spec: PoolSpec, folders: dict[str, Path]) -> int:
+    """An upstream pool's context length: its `max_model_len`, else its tokenizer model's config, else 2^31."""
+    path = folders.get(spec.tokenizer or spec.model)
+    if path is not None and (path / "config.json").is_file():
+        try:
+            return ModelConfig.from_folder(path).max_position_embeddings
+        except (ConfigError, ValueError):
+            pass
+    return 2**31 - 1

@@ -1,0 +1,74 @@
+"""`Pool`: one pool as the gateway serves it — its spec, route limits, tokenizer and where requests go.
+
+Built once at start-up (`gateway.runtime.Gateway.from_config`); the device worker's client is set
+when the gateway starts its workers. Everything here is read-only while serving, except the
+`token_text` cache, which only ever grows (safe from the event loop and the tokenizer thread alike).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.tokenizer import Tokenizer
+from pools.spec import PoolSpec
+from pools.tokencount import TokenCounter
+
+if TYPE_CHECKING:
+    from engine.worker import AsyncEngineClient
+
+
+@dataclass
+class Pool:
+    """A pool as served: route + context limits, exact token counting, and its device worker or upstream.
+
+    `max_model_len` is the pool's context (prompt + output tokens): the capacity plan's for a local
+    pool, the YAML's or the tokenizer model's for an upstream one.
+    """
+
+    spec: PoolSpec
+    tokenizer: Tokenizer            # chat template, token texts for logprobs
+    counter: TokenCounter           # exact ids and counts (tiktoken where identical)
+    prefix_ids: list[int]           # what the tokenizer adds to a completion prompt (e.g. BOS)
+    max_model_len: int
+    client: AsyncEngineClient | None = None   # local pools: the device worker, set when it is spawned
+    _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def model_name(self) -> str:
+        """The `model` clients send."""
+        return self.spec.model_name
+
+    @property
+    def is_upstream(self) -> bool:
+        return self.spec.is_upstream
+
+    @property
+    def device(self) -> str | None:
+        """The device worker's name; None for an upstream pool."""
+        return None if self.spec.is_upstream else self.spec.device
+
+    @property
+    def min_prompt_tokens(self) -> int:
+        return self.spec.route.min_prompt_tokens
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The largest admitted prompt: the route's bound, capped at max_model_len - 1 (room for one
+        generated token)."""
+        return self.spec.route.upper(self.max_model_len)
+
+    def admits(self, num_prompt_tokens: int) -> bool:
+        """Whether a prompt of this many tokens goes to this pool."""
+        return self.spec.route.admits(num_prompt_tokens, self.max_model_len)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, as logprobs report it (special tokens included)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text

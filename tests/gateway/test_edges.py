@@ -1,0 +1,178 @@
+"""HTTP edge cases, checked with the `openai` SDK where it can send them.
+
+Most run against an upstream-only gateway (no device worker, nothing listening upstream): every case
+here is answered before a request would be forwarded. The max_tokens default needs a real engine and
+uses the tiny model on two CPU pools; the HTTP parser errors use the real server (`start_server`, as
+`cliffguard serve` runs it) over a raw socket, since aiohttp's test client never sends such bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+
+from gateway.app import create_app, start_server
+from gateway.runtime import Gateway
+from pools.spec import load_config
+from tests.gateway.conftest import pools_yaml
+
+FRONT = "front-model"
+MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow."}]
+
+
+def _make_front_gateway(tmp_path) -> Gateway:
+    """One upstream pool (max_model_len 512) whose upstream nobody listens on."""
+    path = tmp_path / "front.yaml"
+    path.write_text(f"""
+pools:
+  - name: remote
+    upstream: http://127.0.0.1:9/v1
+    model: upstream-model
+    served_model_name: {FRONT}
+    tokenizer: builtin:smollm2-135m-instruct
+    max_model_len: 512
+""")
+    return Gateway.from_config(load_config(path))
+
+
+@pytest.fixture
+async def front(aiohttp_client, tmp_path):
+    """(aiohttp test client, AsyncOpenAI on the same server) of the upstream-only gateway."""
+    client = await aiohttp_client(create_app(_make_front_gateway(tmp_path)))
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0)
+    yield client, sdk
+    await sdk.close()
+
+
+def _assert_openai_error(body: dict, param: str | None, code: str | None = None) -> None:
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["param"] == param, body
+    if code is not None:
+        assert body["error"]["code"] == code, body
+
+
+async def test_deeply_nested_json_is_a_400_and_the_server_keeps_serving(front):
+    client, sdk = front
+    nested = b'{"foo": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        r = await client.post(path, data=nested, headers={"Content-Type": "application/json"})
+        body = await r.json()
+        assert r.status == 400, body
+        _assert_openai_error(body, "body")
+        assert "nested too deeply" in body["error"]["message"]
+    assert (await client.get("/health")).status == 200
+    assert [m.id for m in (await sdk.models.list()).data] == [FRONT]
+
+
+async def test_retrieve_model_is_the_list_entry_and_unknown_ids_are_404(front):
+    client, sdk = front
+    model = await sdk.models.retrieve(FRONT)
+    assert model.id == FRONT and model.object == "model"
+    (listed,) = (await (await client.get("/v1/models")).json())["data"]
+    assert await (await client.get(f"/v1/models/{FRONT}")).json() == listed
+    with pytest.raises(openai.NotFoundError) as info:
+        await sdk.models.retrieve("gpt-9")
+    assert info.value.code == "model_not_found" and info.value.param == "model"
+    assert "gpt-9" in info.value.message
+    r = await client.get("/v1/models/org/with-a-slash")  # a served_model_name may hold '/'
+    _assert_openai_error(await r.json(), "model", "model_not_found")
+
+
+async def test_max_tokens_past_the_context_names_max_tokens(front):
+    _, sdk = front
+    cases = [  # (kwargs, param, code)
+        (dict(max_tokens=1_000_000_000), "max_tokens", "invalid_value"),
+        (dict(max_tokens=512), "max_tokens", "invalid_value"),
+        (dict(max_tokens=505), "max_tokens", "context_length_exceeded"),
+        (dict(max_completion_tokens=1_000_000_000), "max_completion_tokens", "invalid_value"),
+    ]
+    for kwargs, param, code in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            await sdk.chat.completions.create(model=FRONT, messages=MESSAGES, **kwargs)
+        assert (info.value.param, info.value.code) == (param, code), (kwargs, info.value.body)
+        message = info.value.body["message"]
+        assert message.startswith(f"{param}: ") and "512" in message, message
+    with pytest.raises(openai.BadRequestError) as info:
+        await sdk.completions.create(model=FRONT, prompt="Hello", max_tokens=1_000_000_000)
+    assert (info.value.param, info.value.code) == ("max_tokens", "invalid_value")
+
+
+async def test_empty_stop_strings_are_refused_in_either_form(front):
+    _, sdk = front
+    for stop in ("", [""], ["x", ""]):
+        with pytest.raises(openai.BadRequestError) as info:
+            await sdk.chat.completions.create(model=FRONT, messages=MESSAGES, stop=stop)
+        assert info.value.param == "stop", stop
+        with pytest.raises(openai.BadRequestError) as info:
+            await sdk.completions.create(model=FRONT, prompt="Hello", stop=stop)
+        assert info.value.param == "stop", stop
+
+
+async def test_unset_max_tokens_takes_what_the_context_leaves(aiohttp_client, tmp_path, tiny_model):
+    # rag admits up to max_model_len - 1 = 511 prompt tokens; without max_tokens such a prompt must be
+    # served (one token), not refused for a default output length that does not fit
+    path = tmp_path / "pools.yaml"
+    path.write_text(pools_yaml(tiny_model))
+    gateway = Gateway.from_config(load_config(path))
+    client = await aiohttp_client(create_app(gateway), server_kwargs={"handler_cancellation": True})
+    rag = gateway.pools["rag"]
+    prompt = " a" * (511 - len(rag.prefix_ids))
+    assert len(rag.prefix_ids + rag.counter.encode(prompt)) == 511
+    messages = [{"role": "user", "content": " a" * 400}]
+    chat_len = len(rag.counter.encode(rag.tokenizer.apply_chat_template(messages)))
+    for path, body, prompt_tokens in (
+            ("/v1/completions", {"prompt": prompt}, 511),
+            ("/v1/chat/completions", {"messages": messages}, chat_len)):
+        r = await client.post(path, json=dict(body, model=tiny_model.name, ignore_eos=True))
+        whole = await r.json()
+        assert r.status == 200, whole
+        assert r.headers["x-cliffguard-pool"] == "rag"
+        assert whole["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 512 - prompt_tokens,
+                                  "total_tokens": 512}
+        assert whole["choices"][0]["finish_reason"] == "length"
+    # an explicit max_tokens that does not fit is the gateway's 400 naming it, not the engine's
+    r = await client.post("/v1/completions", json={"model": tiny_model.name, "prompt": prompt, "max_tokens": 2})
+    body = await r.json()
+    assert r.status == 400
+    _assert_openai_error(body, "max_tokens", "context_length_exceeded")
+    assert "at most 1 fit" in body["error"]["message"]
+
+
+async def _send_raw(port: int, data: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send raw bytes, read the whole answer (the server closes the connection after an error)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+async def test_http_parser_errors_are_openai_json_on_the_real_server(tmp_path):
+    runner = await start_server(create_app(_make_front_gateway(tmp_path)), "127.0.0.1", 0)
+    try:
+        port = runner.addresses[0][1]
+        cases = [  # (what, bytes)
+            ("header over 8 KiB", b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n"),
+            ("bad request line", b"NOT HTTP AT ALL\r\n\r\n"),
+            ("bad method", b"G@T /health HTTP/1.1\r\nHost: x\r\n\r\n"),
+        ]
+        for what, data in cases:
+            status, headers, body = await _send_raw(port, data)
+            assert status in (400, 431), (what, status, body)
+            assert headers["content-type"].startswith("application/json"), (what, headers)
+            error = json.loads(body)
+            _assert_openai_error(error, None)
+            assert error["error"]["type"] == "invalid_request_error" and error["error"]["message"], what
+        status, _, body = await _send_raw(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert status == 200 and json.loads(body) == {"status": "ok"}
+    finally:
+        await runner.cleanup()

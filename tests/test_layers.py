@@ -1,0 +1,183 @@
+"""The dependency rules of DESIGN.md, read from the source: `gateway -> pools -> engine -> kernels`,
+`bench` beside them and imported only by the CLI module, no import cycle between project modules,
+and the third-party imports each layer must not make (aiohttp below the gateway, YAML in the engine).
+
+Every `import` statement counts, including those inside functions and under TYPE_CHECKING: a lazy
+import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {"kernels": 0, "engine": 1, "pools": 2, "gateway": 3}   # a package may import only lower ranks
+PACKAGES = (*LAYERS, "bench")
+BENCH_IMPORTERS = {"gateway.cli"}       # the `cliffguard bench ...` commands
+FORBIDDEN = {"kernels": {"aiohttp", "yaml"}, "engine": {"aiohttp", "yaml"}, "pools": {"aiohttp"}}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _all_modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def _imports(module: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules and top-level third-party names that `module` imports."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:   # relative: resolve against this module's package
+                base = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names if f"{target}.{alias.name}" in known)
+    return found
+
+
+def _graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(project module -> project modules it imports, project module -> third-party top-level names)."""
+    modules = _all_modules()
+    known = set(modules)
+    project: dict[str, set[str]] = {}
+    external: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = _imports(name, path, known)
+        project[name] = {m for m in found if m in known and m != name}
+        external[name] = {m.split(".")[0] for m in found if m.split(".")[0] not in PACKAGES}
+    return project, external
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, targets in sorted(graph.items()):
+        pkg = module.split(".")[0]
+        for target in sorted(targets):
+            target_pkg = target.split(".")[0]
+            if target_pkg == pkg:
+                continue
+            if target_pkg == "bench":
+                if module not in BENCH_IMPORTERS:
+                    bad.append(f"{module} imports {target}: only {', '.join(sorted(BENCH_IMPORTERS))} may use bench")
+            elif pkg == "bench":
+                if target_pkg == "gateway":
+                    bad.append(f"{module} imports {target}: bench stands beside the gateway, it may use "
+                               "pools, engine and kernels")
+            elif LAYERS[target_pkg] > LAYERS[pkg]:
+                bad.append(f"{module} imports {target}: {pkg} is below {target_pkg} (gateway -> pools -> engine "
+                           "-> kernels)")
+    return bad
+
+
+def _forbidden_imports(external: dict[str, set[str]]) -> list[str]:
+    return [f"{module} imports {name}" for module, names in sorted(external.items())
+            for name in sorted(names & FORBIDDEN.get(module.split(".")[0], set()))]
+
+
+def test_no_import_cycle_between_project_modules():
+    graph, _ = _graph()
+    assert _cycles(graph) == []
+
+
+def test_imports_follow_the_layer_order():
+    graph, external = _graph()
+    assert _layer_violations(graph) == []
+    assert _forbidden_imports(external) == []
+
+
+def test_the_checks_catch_a_cycle_and_an_upward_import():
+    graph = {"engine.a": {"engine.b"}, "engine.b": {"engine.a"}, "kernels.k": {"engine.a"},
+             "pools.p": {"bench.serve"}, "bench.x": {"gateway.app"}, "gateway.cli": {"bench.x"}}
+    assert _cycles(graph) == [["engine.a", "engine.b"]]
+    bad = _layer_violations(graph)
+    assert len(bad) == 3 and any("kernels.k imports engine.a" in b for b in bad)
+    assert any("pools.p imports bench.serve" in b for b in bad) and any("bench.x imports gateway.app" in b for b in bad)
+    assert _forbidden_imports({"engine.x": {"yaml", "torch"}, "gateway.y": {"aiohttp"}}) == ["engine.x imports yaml"]
+
+
+def test_the_graph_sees_lazy_and_relative_imports(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("def f():\n    from engine.config import X\n    from . import sibling\n")
+    found = _imports("pools.m", path, {"engine.config", "pools.sibling"})
+    assert {"engine.config", "pools", "pools.sibling"} <= found
+
+
+def test_one_capacity_formula():
+    """`0.9 x memory - weights`, blocks and max_num_seqs are computed in engine/capacity.py only; the
+    planner and the engine import it."""
+    import re
+
+    pattern = re.compile(r"memory_utilization \*|0\.9 \*|\* 0\.9|// \(\w*kv\w* \* \w*(block_size|avg_len)\)")
+    hits = [f"{path.relative_to(ROOT)}:{i}" for path in _all_modules().values()
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            if pattern.search(line) and path.relative_to(ROOT).as_posix() != "engine/capacity.py"]
+    assert hits == []
+    graph, _ = _graph()
+    assert "engine.capacity" in graph["pools.capacity"] and "engine.capacity" in graph["engine.llm_engine"]
+
+
+MAX_FUNCTION_LINES = 60     # gateway/ and engine/: a function reads on one screen (STYLE.md rule 3)
+MAX_APP_LINES = 300         # gateway/app.py: the app factory, middleware and lifecycle only
+
+
+def _long_functions(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    return [f"{path.parent.name}/{path.name}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+def test_functions_of_the_gateway_and_the_engine_fit_on_a_screen(tmp_path):
+    long = [f for pkg in ("gateway", "engine") for path in sorted((ROOT / pkg).glob("*.py"))
+            for f in _long_functions(path)]
+    assert long == []
+    assert len((ROOT / "gateway" / "app.py").read_text(encoding="utf-8").splitlines()) < MAX_APP_LINES
+    probe = tmp_path / "probe.py"   # the check itself can fail
+    probe.write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
+    assert len(_long_functions(probe)) == 1
