@@ -1,0 +1,194 @@
+"""KV credits: the gateway's ledger of a pool's KV token slots, and the fair queue in front of it.
+
+The idea is the seed's virtual channels (`../shared/seeds/004_…`): the ledger starts with one credit
+per KV token slot of the pool (blocks x block_size, from the capacity plan). Admitting a request
+deducts `prompt_tokens + max_tokens` (the prompt part is exact: the gateway tokenized it); when the
+request finishes, stops early or is aborted, everything it held comes back at once. A request that
+does not fit waits here, not in the engine, so the engine's waiting lists stay short and nothing is
+rejected for capacity.
+
+Queues are channels keyed by (tenant, priority). Within a tenant the smallest priority value goes
+first (the engine's convention), FIFO within one priority; a priority better than the tenant's
+`min_priority` is clamped to it, so a request body cannot buy more than its tenant may use. Across
+tenants, channels are served by deficit round robin in tokens: each visit gives a tenant
+`quantum x weight` tokens of allowance, so a tenant flooding with 200 requests and one sending 10
+alternate by the tokens they ask for, not by arrival.
+
+No bypass: when the next request in fair order does not fit the free credits, admission stops until
+credits return, so a large request is never starved by a stream of small ones. Ints only, no asyncio,
+no locks: the gateway calls it from its event loop (STYLE.md rule 1: tested in milliseconds).
+Wiring into the gateway, reconciliation with the worker's free blocks and queue time limits are the
+next steps of issue 13.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """A tenant's share of the queue (`weight`, relative to the others) and the best priority its
+    requests may ask for (`min_priority`: smaller values are served first)."""
+
+    weight: int = 1
+    min_priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weight, int) or isinstance(self.weight, bool) or self.weight < 1:
+            raise ValueError(f"weight: must be an integer >= 1, got {self.weight!r}")
+        if not isinstance(self.min_priority, int) or isinstance(self.min_priority, bool):
+            raise ValueError(f"min_priority: must be an integer, got {self.min_priority!r}")
+
+
+@dataclass
+class Ticket:
+    """One request in the ledger: queued until `admit` returns it, then holding `num_tokens` credits
+    until `release`."""
+
+    request_id: str
+    tenant: str
+    priority: int                # after clamping to the tenant's min_priority
+    num_tokens: int              # prompt + max_tokens
+    admitted: bool = False
+
+
+@dataclass
+class _Tenant:
+    policy: TenantPolicy
+    channels: dict[int, deque[Ticket]] = field(default_factory=dict)   # priority -> FIFO
+    deficit: int = 0             # tokens of allowance left in this round (deficit round robin)
+
+    def head(self) -> Ticket:
+        return self.channels[min(self.channels)][0]
+
+    def pop(self) -> Ticket:
+        priority = min(self.channels)
+        ticket = self.channels[priority].popleft()
+        if not self.channels[priority]:
+            del self.channels[priority]
+        return ticket
+
+
+class CreditLedger:
+    """The credits and the queue of one pool. Not thread-safe: one caller (the event loop).
+
+    `submit` queues a request, `admit` hands out the requests that now fit (in fair order),
+    `release` returns a finished request's credits, `cancel` takes a queued one out (a client that
+    disconnects holds nothing). `check_integrity` verifies free + held == total.
+    """
+
+    def __init__(self, total: int, tenants: Mapping[str, TenantPolicy] | None = None, *,
+                 quantum: int | None = None) -> None:
+        if not isinstance(total, int) or total <= 0:
+            raise ValueError(f"total: must be a positive number of KV token slots, got {total!r}")
+        self.total = total
+        self.free = total
+        self.quantum = quantum or max(1, total // 8)   # tokens per weight per visit
+        self.policies = dict(tenants or {})
+        self._tenants: dict[str, _Tenant] = {}
+        self._active: deque[str] = deque()           # tenants with queued requests, in visiting order
+        self._topped_up = False                      # the tenant at the front got its quantum this visit
+        self._tickets: dict[str, Ticket] = {}        # request_id -> queued or admitted ticket
+
+    # --- state -----------------------------------------------------------------------------------
+    @property
+    def num_queued(self) -> int:
+        return sum(1 for t in self._tickets.values() if not t.admitted)
+
+    @property
+    def num_held(self) -> int:
+        return sum(t.num_tokens for t in self._tickets.values() if t.admitted)
+
+    def queued_by_tenant(self) -> dict[str, int]:
+        return {name: sum(len(q) for q in tenant.channels.values()) for name, tenant in self._tenants.items()}
+
+    # --- requests --------------------------------------------------------------------------------
+    def submit(self, request_id: str, num_tokens: int, *, tenant: str = DEFAULT_TENANT,
+               priority: int = 0) -> Ticket:
+        """Queue a request needing `num_tokens` credits. ValueError if it can never fit the pool or
+        the id is already in the ledger."""
+        if request_id in self._tickets:
+            raise ValueError(f"request_id: {request_id!r} is already in the ledger")
+        if not isinstance(num_tokens, int) or num_tokens <= 0:
+            raise ValueError(f"num_tokens: must be a positive integer, got {num_tokens!r}")
+        if num_tokens > self.total:
+            raise ValueError(f"num_tokens: {num_tokens} credits asked, the pool has {self.total} KV token slots")
+        policy = self.policies.get(tenant, TenantPolicy())
+        ticket = Ticket(request_id, tenant, max(priority, policy.min_priority), num_tokens)
+        state = self._tenants.setdefault(tenant, _Tenant(policy))
+        if not state.channels:
+            self._active.append(tenant)
+        state.channels.setdefault(ticket.priority, deque()).append(ticket)
+        self._tickets[request_id] = ticket
+        return ticket
+
+    def admit(self) -> list[Ticket]:
+        """The queued requests that fit now, in fair order; their credits are deducted."""
+        admitted: list[Ticket] = []
+        while self._active:
+            name = self._active[0]
+            tenant = self._tenants[name]
+            if not self._topped_up:
+                tenant.deficit += self.quantum * tenant.policy.weight
+                self._topped_up = True
+            head = tenant.head()
+            if head.num_tokens <= tenant.deficit:
+                if head.num_tokens > self.free:
+                    break              # no bypass: wait for credits to come back
+                tenant.pop()
+                tenant.deficit -= head.num_tokens
+                self.free -= head.num_tokens
+                head.admitted = True
+                admitted.append(head)
+                if tenant.channels:
+                    continue
+                tenant.deficit = 0     # an emptied channel keeps no allowance (DRR)
+            if tenant.channels:
+                self._active.rotate(-1)    # allowance left for its next visit
+            else:
+                self._active.popleft()
+            self._topped_up = False
+        return admitted
+
+    def release(self, request_id: str) -> int:
+        """A finished (or aborted) admitted request gives back everything it held; returns the credits."""
+        ticket = self._tickets.get(request_id)
+        if ticket is None or not ticket.admitted:
+            raise KeyError(f"request_id: {request_id!r} holds no credits")
+        del self._tickets[request_id]
+        self.free += ticket.num_tokens
+        return ticket.num_tokens
+
+    def cancel(self, request_id: str) -> bool:
+        """Take a queued request out (its client left); False if it is not queued."""
+        ticket = self._tickets.get(request_id)
+        if ticket is None or ticket.admitted:
+            return False
+        del self._tickets[request_id]
+        tenant = self._tenants[ticket.tenant]
+        channel = tenant.channels[ticket.priority]
+        channel.remove(ticket)
+        if not channel:
+            del tenant.channels[ticket.priority]
+        if not tenant.channels:
+            if self._active[0] == ticket.tenant:
+                self._topped_up = False
+            self._active.remove(ticket.tenant)
+            tenant.deficit = 0
+        return True
+
+    def check_integrity(self) -> None:
+        """free + held == total, every queued ticket sits in exactly one channel; raises with the counts."""
+        if self.free + self.num_held != self.total or not 0 <= self.free <= self.total:
+            raise AssertionError(f"credits: free {self.free} + held {self.num_held} != total {self.total}")
+        in_channels = [t.request_id for s in self._tenants.values() for q in s.channels.values() for t in q]
+        queued = sorted(r for r, t in self._tickets.items() if not t.admitted)
+        if sorted(in_channels) != queued:
+            raise AssertionError(f"queue: {len(in_channels)} tickets in channels, {len(queued)} queued")
+        if sorted(self._active) != sorted(n for n, s in self._tenants.items() if s.channels):
+            raise AssertionError(f"queue: active tenants {list(self._active)} do not match the channels")

@@ -1,0 +1,144 @@
+"""pools.credits: the KV-credit ledger and its fair queue, in milliseconds (ints only)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pools.credits import CreditLedger, TenantPolicy
+
+
+def _drain(ledger: CreditLedger, order: list[str]) -> None:
+    """Admit, then finish the oldest admitted request, until nothing is queued; `order` gets the
+    admission order."""
+    running = []
+    while True:
+        admitted = ledger.admit()
+        order.extend(t.request_id for t in admitted)
+        running.extend(admitted)
+        ledger.check_integrity()
+        if not running:
+            break
+        ledger.release(running.pop(0).request_id)
+
+
+def test_credits_are_deducted_on_admission_and_return_on_release():
+    ledger = CreditLedger(1000)
+    for i in range(3):
+        ledger.submit(f"r{i}", 400)
+    assert [t.request_id for t in ledger.admit()] == ["r0", "r1"]
+    assert (ledger.free, ledger.num_queued, ledger.num_held) == (200, 1, 800)
+    assert ledger.admit() == []               # r2 waits: 400 > 200 free
+    assert ledger.release("r0") == 400
+    assert [t.request_id for t in ledger.admit()] == ["r2"]
+    for r in ("r1", "r2"):
+        ledger.release(r)
+    assert ledger.free == ledger.total == 1000
+    ledger.check_integrity()
+
+
+def test_many_more_requests_than_fit_are_all_admitted_and_the_ledger_returns_to_full():
+    """Acceptance 1 in miniature: 500 requests against room for 8, none refused, none lost."""
+    rng = random.Random(0)
+    ledger = CreditLedger(8 * 1024)
+    ids = [f"r{i}" for i in range(500)]
+    for r in ids:
+        ledger.submit(r, rng.randint(64, 1024), tenant=rng.choice("abc"), priority=rng.randint(0, 3))
+    order: list[str] = []
+    _drain(ledger, order)
+    assert sorted(order) == sorted(ids) and ledger.free == ledger.total and ledger.num_queued == 0
+
+
+def test_a_flooding_tenant_does_not_delay_another_behind_its_whole_queue():
+    """Tenant A queues 200 requests, then tenant B queues 10: B's are admitted alternating with A's."""
+    ledger = CreditLedger(8 * 100, quantum=100)
+    for i in range(200):
+        ledger.submit(f"a{i}", 100, tenant="A")
+    for i in range(10):
+        ledger.submit(f"b{i}", 100, tenant="B")
+    order: list[str] = []
+    _drain(ledger, order)
+    b_positions = [order.index(f"b{i}") for i in range(10)]
+    assert b_positions == sorted(b_positions)                     # FIFO within B
+    assert max(b_positions) < 2 * 10 + 8                           # not behind A's 200
+    assert all(later - earlier <= 2 for earlier, later in zip(b_positions, b_positions[1:]))
+
+
+def test_weights_share_the_queue_by_tokens():
+    ledger = CreditLedger(100, {"gold": TenantPolicy(weight=3)}, quantum=10)
+    for i in range(60):
+        ledger.submit(f"g{i}", 10, tenant="gold")
+        ledger.submit(f"s{i}", 10, tenant="silver")
+    order: list[str] = []
+    _drain(ledger, order)
+    first = order[:40]
+    assert sum(r.startswith("g") for r in first) == 30 and sum(r.startswith("s") for r in first) == 10
+
+
+def test_a_body_priority_above_the_tenant_allowance_does_not_jump_the_queue():
+    ledger = CreditLedger(100, {"free": TenantPolicy(min_priority=5)}, quantum=100)
+    ledger.submit("first", 100, tenant="free", priority=5)
+    cheeky = ledger.submit("cheeky", 100, tenant="free", priority=-100)   # clamped to 5: FIFO after "first"
+    other = ledger.submit("other", 100, tenant="anon", priority=-100)     # no policy: priorities >= 0
+    assert (cheeky.priority, other.priority) == (5, 0)
+    order: list[str] = []
+    _drain(ledger, order)
+    assert order.index("first") < order.index("cheeky")
+    within = CreditLedger(100, quantum=100)
+    within.submit("low", 100, priority=3)
+    within.submit("high", 100, priority=1)                         # allowed: goes first within its tenant
+    order = []
+    _drain(within, order)
+    assert order == ["high", "low"]
+
+
+def test_a_large_request_is_not_starved_by_small_ones():
+    """No bypass: once the large request is next in fair order, small ones wait until it fits."""
+    ledger = CreditLedger(1000, quantum=1000)
+    ledger.submit("small0", 300, tenant="s")
+    ledger.submit("big", 1000, tenant="b")
+    for i in range(1, 20):
+        ledger.submit(f"small{i}", 300, tenant="s")
+    # s spends its first allowance (3 x 300 of 1000), then big is next and waits for all 1000 credits
+    assert [t.request_id for t in ledger.admit()] == ["small0", "small1", "small2"]
+    for i in range(3):
+        assert ledger.admit() == []                                  # free credits grow, nobody bypasses
+        ledger.release(f"small{i}")
+    assert [t.request_id for t in ledger.admit()] == ["big"]
+    order: list[str] = []
+    small_first = CreditLedger(1000, quantum=300)
+    for i in range(20):
+        small_first.submit(f"s{i}", 300, tenant="s")
+    small_first.submit("big", 1000, tenant="b")
+    _drain(small_first, order)
+    assert order.index("big") <= 6
+
+
+def test_cancel_leaves_the_queue_and_holds_nothing():
+    ledger = CreditLedger(100, quantum=100)
+    ledger.submit("running", 100)
+    ledger.submit("gone", 50, tenant="t")
+    assert [t.request_id for t in ledger.admit()] == ["running"]
+    assert ledger.cancel("gone") and not ledger.cancel("gone") and not ledger.cancel("running")
+    ledger.check_integrity()
+    ledger.release("running")
+    assert ledger.admit() == [] and ledger.free == 100 and ledger.num_queued == 0
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda l: l.submit("x", 0), "num_tokens: must be a positive integer"),
+    (lambda l: l.submit("x", 101), "num_tokens: 101 credits asked, the pool has 100"),
+    (lambda l: (l.submit("x", 1), l.submit("x", 1)), "already in the ledger"),
+    (lambda l: l.release("nope"), "holds no credits"),
+])
+def test_bad_calls_are_named(call, match):
+    with pytest.raises((ValueError, KeyError), match=match):
+        call(CreditLedger(100))
+
+
+def test_integrity_check_can_fail():
+    ledger = CreditLedger(100)
+    ledger.free = 90
+    with pytest.raises(AssertionError, match="free 90 \\+ held 0 != total 100"):
+        ledger.check_integrity()
