@@ -171,7 +171,11 @@ def _capacity(args: argparse.Namespace) -> int:
             if device.device.startswith("cuda") and any(p.device == name for p in config.local_pools):
                 raise SpecError(f"devices.{name}.device: {device.device!r} but this machine has no CUDA device; "
                                 "pass --vram (e.g. --vram 80GiB) to plan for one")
-    plan = plan_capacity(config, resolve_model_configs(config, args.model_config), vram_bytes=vram)
+    try:
+        model_configs = resolve_model_configs(config, args.model_config)
+    except SpecError as exc:
+        raise SpecError(f"{exc} (or pass --model-config config.json)") from None
+    plan = plan_capacity(config, model_configs, vram_bytes=vram)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     return 0
 

@@ -25,11 +25,10 @@ from aiohttp import web
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.stats import WorkerInfo
 from engine.tokenizer import Tokenizer
-from engine.weights import resolve_model
 from engine.worker import AsyncEngineClient, EngineDeadError
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ApiError
-from pools.capacity import CapacityPlan, engine_configs, plan_capacity
+from pools.capacity import CapacityPlan, engine_configs, model_folder, plan_capacity, resolve_model_configs
 from pools.pool import Pool
 from pools.router import NoRouteError, Router, UnknownModelError
 from pools.spec import CliffguardConfig, PoolSpec
@@ -61,19 +60,7 @@ class Gateway:
         """Resolve models and tokenizers, plan capacity, turn the plan into engine configs (which checks
         that each device exists on this machine), build the pools; ConfigError on any problem."""
         folders: dict[str, Path] = {}
-
-        def folder(spec: str, key: str) -> Path:
-            if spec not in folders:
-                try:
-                    folders[spec] = resolve_model(spec)
-                except (FileNotFoundError, ValueError) as exc:
-                    raise ConfigError(f"{key}: {exc}") from exc
-            return folders[spec]
-
-        model_configs: dict[str, ModelConfig] = {}
-        for i, spec in enumerate(config.pools):
-            if not spec.is_upstream and spec.model not in model_configs:
-                model_configs[spec.model] = ModelConfig.from_folder(folder(spec.model, f"pools[{i}].model"))
+        model_configs = resolve_model_configs(config, folders=folders)
         plan = plan_capacity(config, model_configs, vram_bytes=vram_bytes)
         engines = engine_configs(config, plan)
         tokenizers: dict[str, tuple[Tokenizer, TokenCounter, list[int]]] = {}
@@ -82,7 +69,7 @@ class Gateway:
             tok_spec = spec.tokenizer or spec.model
             if tok_spec not in tokenizers:
                 key = f"pools[{i}].tokenizer" if spec.tokenizer else f"pools[{i}].model"
-                tokenizer = Tokenizer.from_folder(folder(tok_spec, key))
+                tokenizer = Tokenizer.from_folder(model_folder(tok_spec, key, folders))
                 tokenizers[tok_spec] = (tokenizer, TokenCounter(tokenizer),
                                         tokenizer.encode("", add_special_tokens=True))
             if spec.is_upstream:

@@ -331,23 +331,39 @@ def engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, En
     return result
 
 
-def resolve_model_configs(config: CliffguardConfig, model_config: str | None = None) -> dict[str, ModelConfig]:
+def resolve_model_configs(config: CliffguardConfig, model_config: str | None = None, *,
+                          folders: dict[str, Path] | None = None) -> dict[str, ModelConfig]:
     """Each local pool's `model` -> its ModelConfig (models resolved, GGUF files converted once);
-    `model_config`: one config.json (or a folder holding one) used for every pool instead."""
+    `model_config`: one config.json (or a folder holding one) used for every pool instead. `folders`
+    caches each resolved model spec's folder (see `model_folder`) for the caller to reuse."""
     if model_config is not None:
         given = read_model_config(model_config)
         return {p.model: given for p in config.local_pools}
-    from engine.weights import resolve_model
-
+    folders = {} if folders is None else folders
     result: dict[str, ModelConfig] = {}
     for i, p in enumerate(config.pools):
         if p.is_upstream or p.model in result:
             continue
+        key = f"pools[{i}].model"
+        path = model_folder(p.model, key, folders)
         try:
-            result[p.model] = ModelConfig.from_folder(resolve_model(p.model))
+            result[p.model] = ModelConfig.from_folder(path)
         except (FileNotFoundError, ValueError) as exc:
-            raise SpecError(f"pools[{i}].model: {exc} (or pass --model-config config.json)") from None
+            raise SpecError(f"{key}: {exc}") from None
     return result
+
+
+def model_folder(spec: str, key: str, folders: dict[str, Path]) -> Path:
+    """`engine.weights.resolve_model(spec)`, once per spec (cached in `folders`); a SpecError naming
+    `key` when the model cannot be found or converted."""
+    if spec not in folders:
+        from engine.weights import resolve_model
+
+        try:
+            folders[spec] = resolve_model(spec)
+        except (FileNotFoundError, ValueError) as exc:
+            raise SpecError(f"{key}: {exc}") from None
+    return folders[spec]
 
 
 def read_model_config(path: str) -> ModelConfig:
