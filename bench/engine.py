@@ -33,6 +33,7 @@ from unittest import mock
 
 import torch
 
+from bench.options import int_list
 from kernels.cpu_linear import PackedLinear, use_packed_linears
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -306,7 +307,8 @@ def decode_roofline(engine, steps, device, dtype) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     # bad input fails before any work
-    hf_batch_sizes = [] if args.skip_hf else _batch_sizes(args.hf_batch_sizes)
+    hf_batch_sizes = ([] if args.skip_hf else
+                      int_list(args.hf_batch_sizes, "--hf-batch-sizes", 1, "batch sizes must be >= 1"))
     overrides = parse_overrides(args.config_override)
     if overrides and not args.random_weights:
         raise ValueError("--config-override: only with --random-weights (the checkpoint's shape is fixed)")
@@ -389,16 +391,6 @@ def _run(args: argparse.Namespace, model: str, hf_batch_sizes: list[int]) -> int
               f"GFLOP / {d['matmul_gflops']:.0f} GFLOP/s matmul); measured / floor = "
               f"{d['step_ms'] / d['floor_ms']:.2f}")
     return 0
-
-
-def _batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--hf-batch-sizes: expected comma-separated integers, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"--hf-batch-sizes: batch sizes must be >= 1, got {text!r}")
-    return sizes
 
 
 def cfg_name(engine) -> str:

@@ -25,6 +25,7 @@ import time
 import torch
 
 from bench.engine import _sync
+from bench.options import int_list
 
 WORDS = ("time year people way day man thing woman life child world school state family student group "
          "country problem hand part place case week company system program question work government number "
@@ -98,19 +99,9 @@ def run_transformers(model, ids: list[int], device: torch.device) -> dict:
     return {"seconds": seconds, "token": int(logits.argmax()), "margin": float(top[0] - top[1])}
 
 
-def _lengths(text: str) -> list[int]:
-    try:
-        lengths = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--lengths: expected comma-separated integers, got {text!r}") from None
-    if not lengths or min(lengths) < 2:
-        raise ValueError(f"--lengths: every length must be >= 2 tokens, got {text!r}")
-    return lengths
-
-
 def run(args: argparse.Namespace) -> int:
     # bad input fails before any work
-    lengths = _lengths(args.lengths)
+    lengths = int_list(args.lengths, "--lengths", 2, "every length must be >= 2 tokens")
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {args.repeats}")
     if args.max_num_batched_tokens < 1:
