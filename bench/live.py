@@ -20,13 +20,15 @@ class LiveServer:
 
     `url` is the base URL; `log` collects the server's stderr (drained on a thread so the server
     never blocks on a full pipe); `stop()` terminates it (and kills it after `stop_timeout` s).
+    `args` are more `serve` options (e.g. `["--data-dir", path]`).
     """
 
-    def __init__(self, config_path: Path | str, timeout: float = 180, *, env: dict[str, str] | None = None) -> None:
+    def __init__(self, config_path: Path | str, timeout: float = 180, *, env: dict[str, str] | None = None,
+                 args: list[str] | None = None) -> None:
         env = dict(os.environ if env is None else env, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), "--host", "127.0.0.1",
-             "--port", "0"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+             "--port", "0", *(args or [])], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
         self.url: str | None = None
         try:

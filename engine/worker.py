@@ -13,6 +13,13 @@ Each step sends only deltas (`RequestDelta`), and every `STATS_INTERVAL` seconds
 whenever the engine falls idle) the outputs message carries the engine's stats too, stamped with the
 time they were taken: the gateway answers `/metrics` from the latest of these without waiting for
 the worker. `("stats",)` asks for a fresh copy and runs the allocators' integrity check (tests).
+
+Death: the client watches both the pipe (EOF) and the process sentinel, so a worker that exits for
+any reason (`kill -9`, the OOM killer, a crash in a kernel, a `fatal` step error) is noticed at once.
+In-flight streams and stats calls then fail with `EngineDeadError` naming the exit (`device worker
+process exited (signal 9, SIGKILL)`), the process is reaped in the background (joined, killed if it
+lingers, its pipe and sentinel closed), and `client.died` resolves with the reason. A client is one
+process's life: to restart, make a new client (`gateway.supervisor` does, with back-off).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import signal
 import time
 import traceback
 from collections.abc import AsyncIterator, Sequence
@@ -40,8 +48,22 @@ class EngineDeadError(RuntimeError):
     """The device worker process exited or failed; in-flight requests get this error."""
 
 
+def describe_exit(exitcode: int) -> str:
+    """A process's exit code in words: `exit code 1`, `signal 9, SIGKILL` (multiprocessing's negative codes)."""
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        return f"signal {-exitcode}, {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
 def _worker_main(config: EngineConfig, conn: Connection) -> None:
-    """Entry point of the device worker process: load, then loop (drain commands, step, send)."""
+    """Entry point of the device worker process: load, then loop (drain commands, step, send).
+
+    Ctrl-C in a terminal reaches the whole process group; the worker ignores it and leaves when the
+    gateway says so (or its pipe closes), so a shutdown is never mistaken for a crash."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from engine.llm_engine import LLMEngine
 
     try:
@@ -163,33 +185,54 @@ class AsyncEngineClient:
         await client.shutdown()
     Leaving a `generate` loop early (break, cancellation, client disconnect) aborts the request and
     frees its blocks.
+
+    One client is one worker process's life: once the process is gone (it exited, sent `fatal`, or
+    `shutdown` was called) `is_alive` is False, every call raises `EngineDeadError`, and `died`
+    resolves with the reason after the process was reaped. A restart is a new client.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.info: WorkerInfo | None = None           # what the worker reported once loaded
+        self.died: asyncio.Future[str] | None = None   # (after `start`) the reason, once the process is reaped
+        self.pid: int | None = None                   # the worker process's, once started
+        self.exitcode: int | None = None              # the process's, once reaped (negative: killed by a signal)
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._process: mp.process.BaseProcess | None = None
         self._conn: Connection | None = None
+        self._sentinel: int | None = None
         self._ready: asyncio.Future | None = None
         self._dead: str | None = None
+        self._reaper: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats_waiters: list[asyncio.Future] = []
         self.latest_stats: EngineStats | None = None   # pushed by the worker with step outputs
 
     async def start(self, timeout: float = 900.0) -> WorkerInfo:
-        """Spawn the worker and wait until the model is loaded; returns what it reported."""
+        """Spawn the worker and wait until the model is loaded; returns what it reported.
+
+        Raises RuntimeError if the engine failed to build (the worker's message), EngineDeadError if
+        the process died while loading; either way the process is reaped before this returns."""
+        if self._process is not None:
+            raise RuntimeError("AsyncEngineClient.start() may be called once; a restart is a new client")
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=_worker_main, args=(self.config, child), daemon=True,
-                                    name="cliffguard-device-worker")
-        self._process.start()
-        child.close()
-        self._conn = parent
+        process = ctx.Process(target=_worker_main, args=(self.config, child), daemon=True,
+                              name="cliffguard-device-worker")
+        try:
+            process.start()
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self._process, self._conn, self._sentinel, self.pid = process, parent, process.sentinel, process.pid
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
+        self.died = self._loop.create_future()
         self._loop.add_reader(parent.fileno(), self._on_readable)
+        self._loop.add_reader(self._sentinel, self._on_sentinel)
         try:
             self.info = await asyncio.wait_for(self._ready, timeout)
         except BaseException:
@@ -204,12 +247,23 @@ class AsyncEngineClient:
             raise RuntimeError("AsyncEngineClient.start() has not been awaited")
         return self.info.model_path
 
+    @property
+    def is_alive(self) -> bool:
+        """Whether the worker was started and has not died or been shut down (it may still be loading)."""
+        return self._process is not None and self._reaper is None
+
     def _on_readable(self) -> None:
         try:
             while self._conn.poll(0):
                 self._dispatch(self._conn.recv())
         except (EOFError, OSError):
-            self._die("device worker process exited")
+            self._on_exit()
+
+    def _on_sentinel(self) -> None:
+        """The process has exited: read what it sent before (its pipe may even stay open, held by a
+        child of the worker), then stop."""
+        self._on_readable()
+        self._on_exit()
 
     def _dispatch(self, msg: tuple) -> None:
         kind = msg[0]
@@ -237,13 +291,44 @@ class AsyncEngineClient:
             if not self._ready.done():
                 self._ready.set_exception(RuntimeError(f"device worker failed to start: {msg[1]}"))
         elif kind == "fatal":
-            self._die(f"device worker failed:\n{msg[1]}")
+            self._on_exit(f"device worker failed:\n{msg[1]}")
+
+    def _on_exit(self, reason: str | None = None, grace: float = 10.0) -> None:
+        """The worker is gone or going (pipe EOF, its sentinel, `fatal`, `shutdown`): stop reading and
+        reap the process in the background. With a `reason` what is in flight fails now; without one
+        (it exited) once the process is reaped, a moment later, so that the reason has the exit code
+        (the pipe's EOF often arrives before the kernel has the process's status)."""
+        if self._reaper is not None:
+            return
+        self._loop.remove_reader(self._conn.fileno())
+        self._loop.remove_reader(self._sentinel)
+        if reason is not None:
+            self._die(reason)
+        self._reaper = self._loop.create_task(self._reap(grace))
+
+    async def _reap(self, grace: float) -> None:
+        """Join the process (kill it if it lingers past `grace` seconds), fail what is in flight,
+        release the pipe and the sentinel, then resolve `died`."""
+        process, loop = self._process, self._loop
+        await loop.run_in_executor(None, process.join, grace)
+        if process.exitcode is None:
+            process.kill()
+            await loop.run_in_executor(None, process.join)
+        self.exitcode = process.exitcode
+        self._die(self._exit_reason())   # a no-op after `fatal` or `shutdown`, which named the reason
+        process.close()
+        self._conn.close()
+        self.died.set_result(self._dead)
+
+    def _exit_reason(self) -> str:
+        code = self._process.exitcode   # non-blocking; None while the process is not reaped yet
+        return "device worker process exited" + (f" ({describe_exit(code)})" if code is not None else "")
 
     def _die(self, reason: str) -> None:
-        if self._dead is None:
-            self._dead = reason
-            if self._conn is not None and self._loop is not None:
-                self._loop.remove_reader(self._conn.fileno())
+        """Fail the load, every stream and every stats call with EngineDeadError(reason); once."""
+        if self._dead is not None:
+            return
+        self._dead = reason
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(EngineDeadError(reason))
         for stream in self._streams.values():
@@ -260,18 +345,15 @@ class AsyncEngineClient:
 
         Raises ValueError if the engine refused the request, EngineDeadError if the worker died.
         """
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
-        if self._conn is None:
-            raise RuntimeError("AsyncEngineClient.start() has not been awaited")
+        self._check_alive()
         request_id = request_id or f"req-{os.getpid()}-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         stream = _Stream(asyncio.Queue())
         self._streams[request_id] = stream
         try:
-            self._conn.send(("add", request_id, prompt if isinstance(prompt, str) else list(prompt),
-                             params or SamplingParams(), priority, pool))
+            self._send(("add", request_id, prompt if isinstance(prompt, str) else list(prompt),
+                        params or SamplingParams(), priority, pool))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -284,8 +366,22 @@ class AsyncEngineClient:
                     return
         finally:
             del self._streams[request_id]
-            if not stream.finished and self._dead is None:
+            if not stream.finished and self.is_alive:
                 self._send_abort(request_id)
+
+    def _check_alive(self) -> None:
+        if self._process is None:
+            raise RuntimeError("AsyncEngineClient.start() has not been awaited")
+        if not self.is_alive:
+            raise EngineDeadError(self._dead or self._exit_reason())
+
+    def _send(self, msg: tuple) -> None:
+        """Send a command; a broken pipe means the worker is gone (noticed here before the EOF is read)."""
+        try:
+            self._conn.send(msg)
+        except OSError:
+            self._on_exit()
+            raise EngineDeadError(self._dead or self._exit_reason()) from None
 
     def _send_abort(self, request_id: str) -> None:
         try:
@@ -295,17 +391,16 @@ class AsyncEngineClient:
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason 'abort'."""
-        if self._dead is None and self._conn is not None:
+        if self.is_alive:
             self._send_abort(request_id)
 
     async def stats(self) -> EngineStats:
         """Fresh per-pool counters (running, waiting, free blocks, preemptions), taken between two steps
         after the allocators' integrity check. `/metrics` reads `latest_stats` instead, which never waits."""
-        if self._dead is not None:
-            raise EngineDeadError(self._dead)
+        self._check_alive()
+        self._send(("stats",))
         waiter = self._loop.create_future()
         self._stats_waiters.append(waiter)
-        self._conn.send(("stats",))
         return await waiter
 
     @property
@@ -313,22 +408,17 @@ class AsyncEngineClient:
         return len(self._streams)
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the worker (politely, then by force) and fail anything still in flight."""
-        if self._conn is not None:
-            if self._dead is None:
-                try:
-                    self._conn.send(("shutdown",))
-                except (OSError, ValueError):
-                    pass
-            self._die("engine shut down")
-        if self._process is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._process.join, timeout)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join(5)
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        """Stop the worker (politely, then by force after `timeout` seconds), fail anything still in
+        flight, and wait until the process is reaped. Safe to call again, or after the worker died."""
+        if self._process is None:
+            return
+        if self._reaper is None:
+            try:
+                self._conn.send(("shutdown",))
+            except (OSError, ValueError):
+                pass
+            self._on_exit("engine shut down", grace=timeout)
+        await asyncio.shield(self._reaper)
 
     async def __aenter__(self) -> "AsyncEngineClient":
         await self.start()

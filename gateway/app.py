@@ -1,10 +1,11 @@
 """The aiohttp application: OpenAI-compatible endpoints in front of the pools.
 
 `create_app` builds the app from a `gateway.runtime.Gateway` (everything planned and loaded that can
-fail before a socket opens): the routes (`gateway.handlers`), the error and auth middlewares, and the
-`cleanup_ctx` that owns the device workers and the one upstream `ClientSession`. Workers load in the
-background: `/health` answers at once, `/ready` once every device is loaded, and requests that arrive
-earlier wait for their pool instead of being refused.
+fail before a socket opens): the routes (`gateway.handlers`; with a data dir also the Batch API,
+`gateway.batches`), the error and auth middlewares, and the `cleanup_ctx` that owns the device
+workers and the one upstream `ClientSession`. Workers load in the background: `/health` answers at
+once, `/ready` once every device is loaded, and requests that arrive earlier wait for their pool
+instead of being refused.
 
 Every error is answered in the OpenAI format `{"error": {message, type, param, code}}`: the
 middleware does it for the handlers, `GatewayRunner` for aiohttp's own HTTP parser errors (a bad
@@ -20,13 +21,14 @@ import logging
 import sys
 from collections.abc import AsyncIterator
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from gateway import handlers
+from gateway import batches, handlers
 from gateway.openai_api import ApiError
 from gateway.runtime import GATEWAY, Gateway
 from pools.spec import CliffguardConfig
@@ -36,11 +38,18 @@ log = logging.getLogger("cliffguard.gateway")
 __all__ = ["GatewayRunner", "create_app", "run", "start_server"]
 
 
-def create_app(gateway: Gateway) -> web.Application:
+def create_app(gateway: Gateway, *, data_dir: Path | str | None = None,
+               batch_executor: batches.LineExecutor | None = None) -> web.Application:
+    """The app over `gateway`. With `data_dir`, the Batch API too (`gateway.batches`: its state in
+    `data_dir`, its runner started after the gateway and stopped before it); without one (in-process
+    tests), no batch routes: there is nowhere durable to keep them. `batch_executor` replaces the line
+    executor (tests)."""
     app = web.Application(client_max_size=gateway.config.gateway.max_body_bytes,
                           middlewares=[_error_middleware, _auth_middleware])
     app[GATEWAY] = gateway
     app.cleanup_ctx.append(_lifecycle)
+    if data_dir is not None:
+        batches.setup(app, data_dir, batch_executor)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.list_models)
@@ -62,7 +71,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
 
 
 def _error_json(err: ApiError) -> web.Response:
-    return web.json_response(err.body(), status=err.status)
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
 
 
 @web.middleware
@@ -165,12 +174,13 @@ async def start_server(app: web.Application, host: str, port: int) -> GatewayRun
 
 
 def run(config: CliffguardConfig, *, host: str | None = None, port: int | None = None,
-        vram_bytes: int | None = None) -> None:
-    """`cliffguard serve`: validate and plan everything, then serve until interrupted."""
+        vram_bytes: int | None = None, data_dir: Path | str | None = None) -> None:
+    """`cliffguard serve`: validate and plan everything, then serve until interrupted; the Batch API
+    keeps its state in `data_dir` (an existing folder)."""
     gateway = Gateway.from_config(config, vram_bytes=vram_bytes)
     host = host or config.gateway.host
     port = config.gateway.port if port is None else port
-    app = create_app(gateway)
+    app = create_app(gateway, data_dir=data_dir)
 
     async def main() -> None:
         runner = await start_server(app, host, port)

@@ -12,11 +12,14 @@ import argparse
 import asyncio
 import errno
 import json
+import os
 import socket
 import sys
+from pathlib import Path
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 DEFAULT_CONFIG = "config/pools.yaml"
+DEFAULT_DATA_DIR = "./.cliffguard/"
 
 # name -> (module under bench/, help line)
 BENCHMARKS = {
@@ -28,6 +31,8 @@ BENCHMARKS = {
     "serve": ("serve", "open-loop load (gamma arrivals, workload classes) against any OpenAI-compatible "
                        "server: TTFT/ITL/e2e, goodput, /metrics"),
     "prefill": ("prefill", "long-prompt prefill: our engine vs transformers' forward"),
+    "admission": ("admission", "KV credit queue vs reject-when-full (429 + client back-off) on the same "
+                               "overload: goodput, p99, KV idle, wasted retries"),
     "isolation": ("isolation", "chat latency under a rag flood: chat alone, split pools (step composer), one "
                                "shared pool; the itl_ms trade-off"),
 }
@@ -92,14 +97,17 @@ def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible gateway over the pools of a YAML file",
                        description="Validate the YAML, plan every pool's blocks and max_num_seqs, check the "
                                    "listen address and the devices, then load the models and serve the OpenAI "
-                                   "API (/v1/chat/completions, /v1/completions, /v1/models), /health, /ready "
-                                   "and /metrics until interrupted.")
+                                   "API (/v1/chat/completions, /v1/completions, /v1/models, and the Batch API "
+                                   "/v1/files and /v1/batches, durable in --data-dir), /health, /ready and "
+                                   "/metrics until interrupted.")
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"pool definitions (default {DEFAULT_CONFIG})")
     p.add_argument("--host", default=None, help="listen address (default: gateway.host of the file)")
     p.add_argument("--port", type=int, default=None, help="listen port, 0 for any free one "
                    "(default: gateway.port of the file)")
     p.add_argument("--vram", default=None, help="plan with this much memory per device (e.g. 4GiB) instead "
                    "of the devices' own")
+    p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="folder for durable state: the Batch API's "
+                   f"files, batches and results (SQLite); created if missing (default {DEFAULT_DATA_DIR})")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -136,9 +144,25 @@ def _serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--port: must be in 0..65535, got {port}")
     check_port_free(host, port)
     vram = parse_bytes(args.vram, "--vram") if args.vram else None
+    data_dir = make_data_dir(args.data_dir)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run(config, host=host, port=port, vram_bytes=vram)
+    run(config, host=host, port=port, vram_bytes=vram, data_dir=data_dir)
     return 0
+
+
+def make_data_dir(path: str) -> Path:
+    """The --data-dir folder, created if missing (with a `.gitignore` of `*`, so the default one inside a
+    checkout stays out of git); UsageError when it cannot be created or written."""
+    folder = Path(path)
+    try:
+        if not folder.is_dir():
+            folder.mkdir(parents=True)
+            (folder / ".gitignore").write_text("# cliffguard serve's state (--data-dir)\n*\n")
+    except OSError as exc:
+        raise UsageError(f"--data-dir: cannot create {path} ({exc.strerror or exc})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"--data-dir: {path} is not writable")
+    return folder
 
 
 # --- capacity ---------------------------------------------------------------------------------------

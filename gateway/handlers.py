@@ -2,12 +2,14 @@
 
 A completion request: parse and validate (`gateway.openai_api`) -> count and route each prompt
 (`Gateway.route_chat` / `route_prompt`) -> check that max_tokens fits the pool's context -> forward to
-an upstream pool (`gateway.upstream`) or wait for the device worker and answer from the local pools
-(`gateway.responses`).
+an upstream pool (`gateway.upstream`), or hold KV credits in the local pools' queues
+(`gateway.admission`), wait for the device worker and answer from the local pools
+(`gateway.responses`). `answer` does the same for one batch line, without an HTTP request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -16,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway import openai_api as api
+from gateway.admission import bearer_key
 from gateway.openai_api import ApiError, ChatRequest, CompletionRequest
 from gateway.responses import LocalResponse
 from gateway.runtime import GATEWAY, Gateway, model_not_found
@@ -44,7 +47,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = api.parse_chat(body)
     routed = [await gateway.route_chat(req.model, req.messages)]
-    return await _serve(request, gateway, req, routed, body, "/chat/completions", received)
+    tenant = gateway.admission.tenants.resolve(bearer_key(request))
+    return await _serve(request, gateway, req, routed, body, "/chat/completions", received, tenant)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -53,13 +57,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = api.parse_completion(body)
     routed = [await gateway.route_prompt(req.model, p) for p in req.prompts]
-    return await _serve(request, gateway, req, routed, body, "/completions", received)
+    tenant = gateway.admission.tenants.resolve(bearer_key(request))
+    return await _serve(request, gateway, req, routed, body, "/completions", received, tenant)
 
 
-async def _serve(request: web.Request, gateway: Gateway, req: ChatRequest | CompletionRequest,
+async def _serve(request: web.Request | None, gateway: Gateway, req: ChatRequest | CompletionRequest,
                  routed: Sequence[tuple[Pool, list[int]]], body: dict[str, Any], path: str,
-                 received: float) -> web.StreamResponse:
-    """Answer routed prompts: from the upstream pool (`path` there) or from the local pools."""
+                 received: float, tenant: str, background: bool = False) -> web.StreamResponse | dict[str, Any]:
+    """Answer routed prompts: from the upstream pool (`path` there) or from the local pools once their
+    KV credits are held. Without `request` (a batch line): the JSON body, nothing streamed."""
     for pool, ids in routed:
         gateway.metrics.routed.labels(pool=pool.name).inc()
         api.check_context(req, len(ids), pool.max_model_len, pool.name)
@@ -68,10 +74,56 @@ async def _serve(request: web.Request, gateway: Gateway, req: ChatRequest | Comp
         if len(routed) > 1:
             raise ApiError(400, "prompt: a list of prompts cannot be sent to an upstream pool; send them one "
                            "by one", param="prompt")
-        return await forward(request, gateway.session, upstream[0], path, body, req.stream, gateway.metrics)
-    for pool, _ in routed:
-        await gateway.wait_device(pool)
-    return await LocalResponse(request, req, routed, received=received, metrics=gateway.metrics).serve()
+        response = await forward(request, gateway.session, upstream[0], path, body, req.stream, gateway.metrics)
+        if request is None:
+            if response.status >= 400:
+                raise _relayed_error(response)
+            return json.loads(response.body)
+        return response
+    admission = gateway.admission
+    req = dataclasses.replace(req, priority=max(req.priority, admission.policy(tenant).min_priority))
+    async with admission.admitted(routed, max_tokens=req.params.max_tokens, n=req.params.n,
+                                  request_id=api.new_id("adm"), tenant=tenant, priority=req.priority,
+                                  background=background, max_tokens_param=req.max_tokens_param):
+        for pool, _ in routed:
+            await gateway.wait_device(pool)
+        local = LocalResponse(request, req, routed, received=received, metrics=gateway.metrics)
+        return await (local.serve() if request is not None else local.result())
+
+
+async def answer(gateway: Gateway, path: str, body: Any, *, tenant: str | None = None,
+                 batch: bool = False) -> tuple[int, dict[str, Any]]:
+    """One request without HTTP (a batch line): `path` is /v1/chat/completions or /v1/completions.
+    Returns (status, JSON body) as an HTTP client would get them, errors in the OpenAI format; `batch`
+    queues it behind interactive traffic. Streaming is refused (param `stream`)."""
+    received = time.perf_counter()
+    tenant = tenant or gateway.admission.tenants.resolve(None)
+    try:
+        if not isinstance(body, dict):
+            raise ApiError(400, f"body: must be a JSON object, got {type(body).__name__}", param="body")
+        if body.get("stream"):
+            raise ApiError(400, "stream: a batch line cannot stream; remove stream", param="stream")
+        if path == "/v1/chat/completions":
+            req = api.parse_chat(body)
+            routed = [await gateway.route_chat(req.model, req.messages)]
+        elif path == "/v1/completions":
+            req = api.parse_completion(body)
+            routed = [await gateway.route_prompt(req.model, p) for p in req.prompts]
+        else:
+            raise ApiError(400, f"url: {path!r} is not served; use /v1/chat/completions or /v1/completions",
+                           param="url")
+        return 200, await _serve(None, gateway, req, routed, body, path.removeprefix("/v1"), received, tenant,
+                                 background=batch)
+    except ApiError as err:
+        gateway.metrics.errors.labels(status=str(err.status)).inc()
+        return err.status, err.body()
+
+
+def _relayed_error(response: web.Response) -> ApiError:
+    """An upstream's error response (already in the OpenAI format) as an ApiError."""
+    error = json.loads(response.body).get("error") or {}
+    return ApiError(response.status, error.get("message", ""), param=error.get("param"),
+                    type=error.get("type", "server_error"), code=error.get("code"))
 
 
 # --- models ----------------------------------------------------------------------------------------
@@ -141,4 +193,5 @@ async def metrics(request: web.Request) -> web.Response:
         for name, pool_stats in stats.pools.items():
             gateway.metrics.update_pool(name, pool_stats, info.block_bytes)
         gateway.metrics.update_device(device, stats)
+    gateway.admission.metrics.refresh(list(gateway.admission.pools.values()))
     return web.Response(body=gateway.metrics.render(), headers={"Content-Type": gateway.metrics.content_type})

@@ -107,7 +107,7 @@ class GatewayMetrics:
                                               ["backend"], TOKENIZER_BUCKETS)
 
     def _add_device_series(self) -> None:
-        """A device worker's step composer."""
+        """A device worker's step composer, and its restarts."""
         self.stats_age = self._gauge("stats_age_seconds", "Age of the engine stats behind this scrape.", _DEVICE)
         self.steps = self._counter("engine_steps", "Engine steps run (merged forward passes).", _DEVICE)
         self.targeted_steps = self._counter("engine_targeted_steps", "Steps with a latency target (an interactive "
@@ -116,6 +116,8 @@ class GatewayMetrics:
                                                "their target.", _DEVICE)
         self.step_target = self._gauge("engine_step_target_seconds", "The step composer's latency target for the "
                                        "last step (0: none).", _DEVICE)
+        self.worker_restarts = self._counter("worker_restarts", "Device worker processes started again after "
+                                             "the worker died.", _DEVICE)
 
     def _advance(self, counter: Counter, series: str, total: float, **labels: str) -> None:
         """Add what `total` grew by since the series' last total. The series is exported from the
@@ -123,9 +125,11 @@ class GatewayMetrics:
         key = (series, tuple(labels.values()))
         last = self._last.get(key, 0.0)
         child = counter.labels(**labels)
+        if total < last:    # a restarted device worker counts from 0 again: all of its total is new
+            last = 0.0
         if total > last:
             child.inc(total - last)
-        self._last[key] = max(last, total)
+        self._last[key] = total
 
     def update_pool(self, name: str, stats: PoolStats, block_bytes: int) -> None:
         """Refresh one local pool from its device worker's stats (see engine.worker.engine_stats)."""

@@ -22,13 +22,15 @@ class ApiError(Exception):
     """An error answered in the OpenAI error format: {"error": {message, type, param, code}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None) -> None:
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.type = type
         self.code = code
+        self.headers = headers or {}   # e.g. Retry-After on a 503
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

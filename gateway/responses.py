@@ -98,7 +98,7 @@ class LocalResponse:
     (time.perf_counter), so time to first token and end-to-end latency include parsing and counting.
     """
 
-    def __init__(self, request: web.Request, req: ChatRequest | CompletionRequest, routed: Routed, *,
+    def __init__(self, request: web.Request | None, req: ChatRequest | CompletionRequest, routed: Routed, *,
                  received: float, metrics: GatewayMetrics) -> None:
         self.request, self.req, self.routed = request, req, routed
         self.chat = isinstance(req, ChatRequest)
@@ -115,23 +115,35 @@ class LocalResponse:
 
     async def serve(self) -> web.StreamResponse:
         """Run the engine requests to the end; the SSE stream or the JSON response."""
-        for pool, ids in self.routed:
-            self.metrics.prompt_tokens.labels(pool=pool.name).inc(len(ids))
-        events = merged(self.routed, self.req.params, self.req.priority, self.request_id)
         try:
-            async with contextlib.aclosing(events):
-                async for i, out in events:
-                    self._observe(i, out)
-                    chunk_choices = self._apply(i, out)
-                    if self.req.stream and chunk_choices:
-                        make = api.chat_chunk if self.chat else api.completion_chunk
-                        await self._send(make(self.request_id, self.req.model, self.created, chunk_choices,
-                                              self.req.include_usage))
+            await self._consume()
         except ApiError:
             raise
         except (EngineDeadError, ValueError) as exc:
             return await self._fail(engine_error(exc))
         return await self._end_stream() if self.req.stream else self._json()
+
+    async def result(self) -> dict[str, Any]:
+        """Run a non-streaming request to the end without an HTTP request (batch lines): its JSON body.
+        Engine failures raise ApiError like `serve` answers them."""
+        try:
+            await self._consume()
+        except (EngineDeadError, ValueError) as exc:
+            raise engine_error(exc) from None
+        return self._body()
+
+    async def _consume(self) -> None:
+        for pool, ids in self.routed:
+            self.metrics.prompt_tokens.labels(pool=pool.name).inc(len(ids))
+        events = merged(self.routed, self.req.params, self.req.priority, self.request_id)
+        async with contextlib.aclosing(events):
+            async for i, out in events:
+                self._observe(i, out)
+                chunk_choices = self._apply(i, out)
+                if self.req.stream and chunk_choices:
+                    make = api.chat_chunk if self.chat else api.completion_chunk
+                    await self._send(make(self.request_id, self.req.model, self.created, chunk_choices,
+                                          self.req.include_usage))
 
     def _observe(self, i: int, out: RequestDelta) -> None:
         """Latency and token metrics of prompt i's delta."""
@@ -212,6 +224,9 @@ class LocalResponse:
         return self.response
 
     def _json(self) -> web.Response:
+        return web.json_response(self._body(), headers={"x-cliffguard-pool": self.pool_header})
+
+    def _body(self) -> dict[str, Any]:
         body_choices = []
         for index in sorted(self.choices):
             choice = self.choices[index]
@@ -222,8 +237,7 @@ class LocalResponse:
             make_choice = api.chat_choice if self.chat else api.completion_choice
             body_choices.append(make_choice(index, choice.text, lp, choice.finish_reason))
         make = api.chat_response if self.chat else api.completion_response
-        return web.json_response(make(self.request_id, self.req.model, body_choices, *self._usage()),
-                                 headers={"x-cliffguard-pool": self.pool_header})
+        return make(self.request_id, self.req.model, body_choices, *self._usage())
 
     def _usage(self) -> tuple[int, int]:
         """(prompt tokens, completion tokens) of the whole response."""

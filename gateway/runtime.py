@@ -3,8 +3,8 @@ workers and their readiness, metrics, the tokenizer thread pool and the upstream
 
 `Gateway.from_config` does everything that can fail before a socket opens (models resolved,
 tokenizers loaded, the capacity plan computed); `start` spawns the device workers, which load in the
-background. The app's `cleanup_ctx` (gateway.app) calls `start` and `stop` and owns the session.
-All methods run on the event loop; only `Router.route` (via `route_chat` / `route_prompt`) and the
+background, each under a `gateway.supervisor.DeviceSupervisor` that restarts it if it dies. The
+app's `cleanup_ctx` (gateway.app) calls `start` and `stop` and owns the session. All methods run on the event loop; only `Router.route` (via `route_chat` / `route_prompt`) and the
 tokenizers it calls may run on the tokenizer thread.
 """
 
@@ -26,12 +26,15 @@ from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.stats import WorkerInfo
 from engine.tokenizer import Tokenizer
 from engine.worker import AsyncEngineClient, EngineDeadError
+from gateway.admission import AdmissionControl
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ApiError
+from gateway.supervisor import Backoff, DeviceSupervisor
 from pools.capacity import CapacityPlan, engine_configs, model_folder, plan_capacity, resolve_model_configs
 from pools.pool import Pool
 from pools.router import NoRouteError, Router, UnknownModelError
 from pools.spec import CliffguardConfig, PoolSpec
+from pools.tenants import Tenants
 from pools.tokencount import TokenCounter
 
 log = logging.getLogger("cliffguard.gateway")
@@ -49,11 +52,12 @@ class Gateway:
     engines: dict[str, EngineConfig]    # device -> what its worker runs: exactly the plan's numbers
     pools: dict[str, Pool]
     router: Router
-    clients: dict[str, AsyncEngineClient] = field(default_factory=dict)
-    device_ready: dict[str, asyncio.Future[WorkerInfo]] = field(default_factory=dict)
+    supervisors: dict[str, DeviceSupervisor] = field(default_factory=dict)   # device -> its worker's life
+    backoff: Backoff = field(default_factory=Backoff)   # between restarts of a dead device worker
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "cliffguard-tok"))
     session: aiohttp.ClientSession | None = None
+    admission: AdmissionControl | None = None   # KV credits of the local pools, tenants (gateway.admission)
 
     @classmethod
     def from_config(cls, config: CliffguardConfig, *, vram_bytes: int | None = None) -> Gateway:
@@ -77,69 +81,51 @@ class Gateway:
             else:
                 max_model_len = plan.pools[spec.name].max_model_len
             pools[spec.name] = Pool(spec, *tokenizers[tok_spec], max_model_len=max_model_len)
-        return cls(config=config, plan=plan, engines=engines, pools=pools, router=Router(list(pools.values())))
+        gateway = cls(config=config, plan=plan, engines=engines, pools=pools, router=Router(list(pools.values())))
+        credits = {name: p.num_blocks * p.block_size for name, p in plan.pools.items()}
+        gateway.admission = AdmissionControl.build(Tenants(config.tenants), list(pools.values()),
+                                                   gateway.metrics.registry, credits)
+        return gateway
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Spawn one device worker per device that has local pools; loading continues in the background."""
-        loop = asyncio.get_running_loop()
+        """Spawn one device worker per device that has local pools, each under a `DeviceSupervisor`
+        (restarted with back-off if it dies); loading continues in the background."""
         for device, config in self.engines.items():
-            client = AsyncEngineClient(config)
-            self.clients[device] = client
-            ready = loop.create_future()
-            self.device_ready[device] = ready
-            for pool in self.pools.values():
-                if pool.device == device:
-                    pool.client = client
-            task = loop.create_task(self._start_device(device, client, ready))
-            task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
-
-    async def _start_device(self, device: str, client: AsyncEngineClient, ready: asyncio.Future) -> None:
-        try:
-            info = await client.start()
-        except BaseException as exc:  # noqa: BLE001 - requests to this device get the reason
-            log.error("device %s failed to start: %s", device, exc)
-            if not ready.done():
-                ready.set_exception(EngineDeadError(f"device {device!r} failed to start: {exc}"))
-                ready.exception()  # mark retrieved
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            return
-        log.info("device %s ready: %s", device, info)
-        if not ready.done():
-            ready.set_result(info)
+            pools = [pool for pool in self.pools.values() if pool.device == device]
+            supervisor = DeviceSupervisor(device, config, pools, self.metrics, self.backoff)
+            self.supervisors[device] = supervisor
+            supervisor.start()
+        self.admission.start()
 
     async def stop(self) -> None:
-        await asyncio.gather(*(c.shutdown() for c in self.clients.values()), return_exceptions=True)
+        await self.admission.stop()
+        await asyncio.gather(*(s.stop() for s in self.supervisors.values()), return_exceptions=True)
         self.executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def clients(self) -> dict[str, AsyncEngineClient]:
+        """Each device's current worker client (a new one after each restart); empty before `start`."""
+        return {device: s.client for device, s in self.supervisors.items() if s.client is not None}
 
     # --- readiness -------------------------------------------------------------------------------
     def device_states(self) -> dict[str, str]:
-        """Each device: `loading`, `ready` or `failed: <reason>`."""
-        states = {}
-        for name, fut in self.device_ready.items():
-            if not fut.done():
-                states[name] = "loading"
-            elif fut.exception() is not None:
-                states[name] = f"failed: {fut.exception()}"
-            else:
-                states[name] = "ready"
-        return states
+        """Each device: `loading`, `ready`, `restarting: <reason>` or `failed: <reason>`."""
+        return {device: s.state for device, s in self.supervisors.items()}
 
     def is_ready(self) -> bool:
-        return all(state == "ready" for state in self.device_states().values())
+        return all(s.is_ready for s in self.supervisors.values())
 
     def worker_info(self, device: str | None) -> WorkerInfo | None:
-        """What the device's worker loaded; None while it loads, if it failed, or for no device."""
-        fut = self.device_ready.get(device) if device is not None else None
-        if fut is None or not fut.done() or fut.exception() is not None:
-            return None
-        return fut.result()
+        """What the device's worker loaded; None while it loads or restarts, if it failed, or for no device."""
+        supervisor = self.supervisors.get(device) if device is not None else None
+        return supervisor.info if supervisor is not None else None
 
     async def wait_device(self, pool: Pool) -> WorkerInfo:
-        """Wait until the pool's device worker has loaded; 503 if it failed to."""
+        """Wait until the pool's device worker has loaded, or has been restarted after it died; 503 if
+        it failed to start."""
         try:
-            return await asyncio.shield(self.device_ready[pool.device])
+            return await self.supervisors[pool.device].wait_ready()
         except EngineDeadError as exc:
             raise ApiError(503, str(exc), type="server_error", code="pool_unavailable") from None
 

@@ -15,10 +15,19 @@ tenants, channels are served by deficit round robin in tokens: each visit gives 
 alternate by the tokens they ask for, not by arrival.
 
 No bypass: when the next request in fair order does not fit the free credits, admission stops until
-credits return, so a large request is never starved by a stream of small ones. Ints only, no asyncio,
-no locks: the gateway calls it from its event loop (STYLE.md rule 1: tested in milliseconds).
-Wiring into the gateway, reconciliation with the worker's free blocks and queue time limits are the
-next steps of issue 13.
+credits return, so a large request is never starved by a stream of small ones.
+
+Background requests (batch lines) wait in one FIFO of their own that is served only while no
+interactive request is queued: they soak up KV that interactive traffic leaves idle and never pass
+an interactive request.
+
+Reconciliation: `reconcile(used)` takes the tokens the worker's blocks really hold. When that is more
+than the ledger's admitted requests hold (an abort the worker has not processed yet, or a lost
+release), the difference is held "outside" until the next report, so the ledger never promises KV
+the engine does not have; it comes back when the worker reports it free.
+
+Ints only, no asyncio, no locks: the gateway calls it from its event loop (STYLE.md rule 1: tested in
+milliseconds). `pools.admission` is the async layer the gateway awaits.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ class Ticket:
     priority: int                # after clamping to the tenant's min_priority
     num_tokens: int              # prompt + max_tokens
     admitted: bool = False
+    background: bool = False     # a batch line: served only while no interactive request waits
 
 
 @dataclass
@@ -87,31 +97,47 @@ class CreditLedger:
         if not isinstance(total, int) or total <= 0:
             raise ValueError(f"total: must be a positive number of KV token slots, got {total!r}")
         self.total = total
-        self.free = total
+        self.held = 0                                # credits of admitted requests
+        self.outside = 0                             # blocks the worker holds beyond `held` (reconcile)
         self.quantum = quantum or max(1, total // 8)   # tokens per weight per visit
         self.policies = dict(tenants or {})
         self._tenants: dict[str, _Tenant] = {}
         self._active: deque[str] = deque()           # tenants with queued requests, in visiting order
         self._topped_up = False                      # the tenant at the front got its quantum this visit
         self._tickets: dict[str, Ticket] = {}        # request_id -> queued or admitted ticket
+        self._background: deque[Ticket] = deque()    # batch lines, FIFO
 
     # --- state -----------------------------------------------------------------------------------
+    @property
+    def free(self) -> int:
+        """Credits an admission may take now."""
+        return self.total - self.held - self.outside
+
     @property
     def num_queued(self) -> int:
         return sum(1 for t in self._tickets.values() if not t.admitted)
 
     @property
     def num_held(self) -> int:
+        """Credits held by admitted tickets, counted afresh (check_integrity compares it with `held`)."""
         return sum(t.num_tokens for t in self._tickets.values() if t.admitted)
 
     def queued_by_tenant(self) -> dict[str, int]:
+        """Queued interactive requests per tenant (tenants seen so far, zeros included)."""
         return {name: sum(len(q) for q in tenant.channels.values()) for name, tenant in self._tenants.items()}
+
+    @property
+    def num_background_queued(self) -> int:
+        return len(self._background)
+
+    def ticket(self, request_id: str) -> Ticket | None:
+        return self._tickets.get(request_id)
 
     # --- requests --------------------------------------------------------------------------------
     def submit(self, request_id: str, num_tokens: int, *, tenant: str = DEFAULT_TENANT,
-               priority: int = 0) -> Ticket:
-        """Queue a request needing `num_tokens` credits. ValueError if it can never fit the pool or
-        the id is already in the ledger."""
+               priority: int = 0, background: bool = False) -> Ticket:
+        """Queue a request needing `num_tokens` credits (`background`: a batch line, behind every
+        interactive request). ValueError if it can never fit the pool or the id is already in the ledger."""
         if request_id in self._tickets:
             raise ValueError(f"request_id: {request_id!r} is already in the ledger")
         if not isinstance(num_tokens, int) or num_tokens <= 0:
@@ -119,16 +145,31 @@ class CreditLedger:
         if num_tokens > self.total:
             raise ValueError(f"num_tokens: {num_tokens} credits asked, the pool has {self.total} KV token slots")
         policy = self.policies.get(tenant, TenantPolicy())
-        ticket = Ticket(request_id, tenant, max(priority, policy.min_priority), num_tokens)
+        ticket = Ticket(request_id, tenant, max(priority, policy.min_priority), num_tokens, background=background)
+        self._tickets[request_id] = ticket
+        if background:
+            self._background.append(ticket)
+            return ticket
         state = self._tenants.setdefault(tenant, _Tenant(policy))
         if not state.channels:
             self._active.append(tenant)
         state.channels.setdefault(ticket.priority, deque()).append(ticket)
-        self._tickets[request_id] = ticket
         return ticket
 
     def admit(self) -> list[Ticket]:
         """The queued requests that fit now, in fair order; their credits are deducted."""
+        admitted = self._admit_interactive()
+        while not self._active and self._background and self._background[0].num_tokens <= self.free:
+            ticket = self._background.popleft()
+            self._take(ticket)
+            admitted.append(ticket)
+        return admitted
+
+    def _take(self, ticket: Ticket) -> None:
+        self.held += ticket.num_tokens
+        ticket.admitted = True
+
+    def _admit_interactive(self) -> list[Ticket]:
         admitted: list[Ticket] = []
         while self._active:
             name = self._active[0]
@@ -142,8 +183,7 @@ class CreditLedger:
                     break              # no bypass: wait for credits to come back
                 tenant.pop()
                 tenant.deficit -= head.num_tokens
-                self.free -= head.num_tokens
-                head.admitted = True
+                self._take(head)
                 admitted.append(head)
                 if tenant.channels:
                     continue
@@ -161,8 +201,17 @@ class CreditLedger:
         if ticket is None or not ticket.admitted:
             raise KeyError(f"request_id: {request_id!r} holds no credits")
         del self._tickets[request_id]
-        self.free += ticket.num_tokens
+        self.held -= ticket.num_tokens
         return ticket.num_tokens
+
+    def reconcile(self, used_tokens: int) -> int:
+        """The worker reports its blocks hold `used_tokens` token slots (blocks in use x block size).
+        What exceeds the admitted requests' credits is held outside the ledger until the next report;
+        returns that amount. A report of 0 while nothing is admitted restores every credit."""
+        if not isinstance(used_tokens, int) or used_tokens < 0:
+            raise ValueError(f"used_tokens: must be an integer >= 0, got {used_tokens!r}")
+        self.outside = min(max(0, used_tokens - self.held), self.total - self.held)
+        return self.outside
 
     def cancel(self, request_id: str) -> bool:
         """Take a queued request out (its client left); False if it is not queued."""
@@ -170,6 +219,9 @@ class CreditLedger:
         if ticket is None or ticket.admitted:
             return False
         del self._tickets[request_id]
+        if ticket.background:
+            self._background.remove(ticket)
+            return True
         tenant = self._tenants[ticket.tenant]
         channel = tenant.channels[ticket.priority]
         channel.remove(ticket)
@@ -183,10 +235,13 @@ class CreditLedger:
         return True
 
     def check_integrity(self) -> None:
-        """free + held == total, every queued ticket sits in exactly one channel; raises with the counts."""
-        if self.free + self.num_held != self.total or not 0 <= self.free <= self.total:
-            raise AssertionError(f"credits: free {self.free} + held {self.num_held} != total {self.total}")
+        """held == what admitted tickets hold, 0 <= free <= total, every queued ticket sits in exactly
+        one channel; raises with the counts."""
+        if self.held != self.num_held or not 0 <= self.free <= self.total:
+            raise AssertionError(f"credits: held {self.held} (tickets {self.num_held}), outside {self.outside}, "
+                                 f"free {self.free}, total {self.total}")
         in_channels = [t.request_id for s in self._tenants.values() for q in s.channels.values() for t in q]
+        in_channels += [t.request_id for t in self._background]
         queued = sorted(r for r, t in self._tickets.items() if not t.admitted)
         if sorted(in_channels) != queued:
             raise AssertionError(f"queue: {len(in_channels)} tickets in channels, {len(queued)} queued")

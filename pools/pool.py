@@ -2,7 +2,8 @@
 
 Built once at start-up (`gateway.runtime.Gateway.from_config`); the device worker's client is set
 when the gateway starts its workers. Everything here is read-only while serving, except the
-`token_text` cache, which only ever grows (safe from the event loop and the tokenizer thread alike).
+`token_text` cache, which only ever grows (safe from the event loop and the tokenizer thread alike),
+and the `admission` ledger (event loop only).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pools.tokencount import TokenCounter
 
 if TYPE_CHECKING:
     from engine.worker import AsyncEngineClient
+    from pools.admission import Admission
 
 
 @dataclass
@@ -32,6 +34,7 @@ class Pool:
     prefix_ids: list[int]           # what the tokenizer adds to a completion prompt (e.g. BOS)
     max_model_len: int
     client: AsyncEngineClient | None = None   # local pools: the device worker, set when it is spawned
+    admission: Admission | None = None        # local pools: KV credits and the queue (set by the gateway)
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
 
     @property

@@ -8,6 +8,7 @@ The schema, key by key, is in `config/README.md`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -20,6 +21,7 @@ from urllib.parse import urlsplit
 
 from engine.capacity import DEFAULT_MEMORY_UTILIZATION
 from engine.config import CacheConfig, ConfigError, LatencySLO, SchedulerConfig, check_device_name, parse_dtype
+from pools.tenants import TenantSpec, parse_tenants
 from pools.yamlcheck import SpecError, check_mapping, is_int, is_number, load_yaml, read_text, show, within
 
 DEFAULT_CPU_MEMORY = 4 << 30   # `memory: auto` on a CPU device: the budget for weights + KV cache
@@ -202,6 +204,7 @@ class PoolSpec:
     swap_space_bytes: int = 0
     enable_prefix_caching: bool = True
     slo: LatencySLO | None = None        # interactive pool: latency targets; None: throughput pool
+    max_queue_seconds: float | None = None   # queued for KV credits longer: 503; None: waits; 0: 429 when full
 
     def __post_init__(self) -> None:
         _check_str("name", self.name)
@@ -257,6 +260,10 @@ class PoolSpec:
             raise SpecError(f"enable_prefix_caching: must be true or false, got {show(self.enable_prefix_caching)}")
         if self.slo is not None and not isinstance(self.slo, LatencySLO):
             raise SpecError(f"slo: must be a mapping with ttft_ms and itl_ms, got {show(self.slo)}")
+        if self.max_queue_seconds is not None and (not is_number(self.max_queue_seconds)
+                                                   or not self.max_queue_seconds >= 0):
+            raise SpecError(f"max_queue_seconds: must be a number of seconds >= 0 (0: refuse with 429 instead "
+                            f"of queueing; null: no limit), got {show(self.max_queue_seconds)}")
 
     def scheduler_config(self, max_num_seqs: int, max_model_len: int) -> SchedulerConfig:
         """The engine's limits for this pool, given the two numbers the capacity plan derives."""
@@ -309,6 +316,7 @@ class CliffguardConfig:
     gateway: GatewaySpec
     devices: dict[str, DeviceSpec]
     pools: tuple[PoolSpec, ...]
+    tenants: dict[str, TenantSpec] = field(default_factory=dict)   # pools.tenants: names, keys, shares
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -373,14 +381,14 @@ class CliffguardConfig:
 
 # --- YAML -----------------------------------------------------------------------------------------
 
-_TOP_KEYS = ("gateway", "devices", "pools")
+_TOP_KEYS = ("gateway", "devices", "pools", "tenants")
 _GATEWAY_KEYS = ("host", "port", "api_keys", "api_keys_env", "max_body_bytes")
 _DEVICE_KEYS = ("device", "memory", "memory_utilization", "dtype", "tensor_parallel_size")
 _ROUTE_KEYS = ("min_prompt_tokens", "max_prompt_tokens")
 _COMMON_POOL_KEYS = ("name", "model", "route", "served_model_name", "max_model_len")
 _LOCAL_POOL_KEYS = ("device", "kv_share", "kv_cache_bytes", "avg_len", "block_size", "max_num_batched_tokens",
                     "max_num_seqs", "preemption_mode", "victim_policy", "swap_space", "enable_prefix_caching",
-                    "slo")
+                    "slo", "max_queue_seconds")
 _SLO_KEYS = ("ttft_ms", "itl_ms")
 _UPSTREAM_POOL_KEYS = ("upstream", "upstream_api_key_env", "tokenizer")
 _BYTE_KEYS = {"kv_cache_bytes": "kv_cache_bytes", "swap_space": "swap_space_bytes"}
@@ -496,9 +504,13 @@ def parse_config(data: Any, *, env: Mapping[str, str] = os.environ,
     if not pools_raw:
         raise SpecError("pools: at least one pool is required, got []")
     gateway = _parse_gateway(data.get("gateway"), env)
+    tenants = parse_tenants(data.get("tenants"))
+    tenant_keys = tuple(k for t in tenants.values() for k in t.api_keys)
+    if tenant_keys:   # a tenant's keys are accepted keys
+        gateway = dataclasses.replace(gateway, api_keys=tuple(dict.fromkeys(gateway.api_keys + tenant_keys)))
     devices = _parse_devices(data.get("devices"))
     pools = tuple(_parse_pool(i, raw, base) for i, raw in enumerate(pools_raw))
-    return CliffguardConfig(gateway=gateway, devices=devices, pools=pools)
+    return CliffguardConfig(gateway=gateway, devices=devices, pools=pools, tenants=tenants)
 
 
 def _is_path(value: str | os.PathLike) -> bool:

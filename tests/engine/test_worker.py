@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pickle
+import signal
 
 import pytest
 
 from engine import AsyncEngineClient, CacheConfig, EngineConfig, LLMEngine, PoolConfig, SamplingParams, SchedulerConfig
 from engine.outputs import RequestDelta
 from engine.stats import EngineStats, WorkerInfo
+from engine.worker import EngineDeadError
+from tests.conftest import make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +82,7 @@ def test_startup_failure_is_reported(tmp_path):
         client = AsyncEngineClient(EngineConfig(model=str(tmp_path / "missing")))
         with pytest.raises(RuntimeError, match="missing"):
             await client.start()
+        assert client.died.done() and not client.is_alive   # the process was reaped
 
     asyncio.run(main())
 
@@ -117,3 +122,59 @@ def test_step_trace_writes_one_json_line_per_step(config, tmp_path, monkeypatch)
     assert all(s["seconds"] > 0 and s["pool_tokens"] == {"default": s["num_prefill_tokens"] + s["num_decode_tokens"]}
                for s in lines)
     assert all(s["target_seconds"] is None for s in lines)      # one pool, no SLO: no target
+
+
+# --- a worker that dies ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory, builtin_path):
+    folder = make_tiny_model(tmp_path_factory.mktemp("tiny-worker"), "llama", builtin_path)
+    return EngineConfig(model=str(folder), cache=CacheConfig(block_size=8), pools=(PoolConfig(num_blocks=128),))
+
+
+def _num_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_killed_worker_fails_its_streams_at_once_and_is_reaped(tiny_config):
+    long_params = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
+
+    async def main():
+        fds = _num_fds()
+        client = AsyncEngineClient(tiny_config)
+        await client.start()
+        stream = client.generate([5, 6, 7], long_params)
+        await anext(stream)                      # in flight
+        fds_used = (client._conn.fileno(), client._sentinel)
+        os.kill(client.pid, signal.SIGKILL)
+        reason = "device worker process exited (signal 9, SIGKILL)"
+        with pytest.raises(EngineDeadError) as failed:
+            async with asyncio.timeout(5):
+                async for _ in stream:
+                    pass
+        assert str(failed.value) == reason and not client.is_alive
+        assert await asyncio.wait_for(client.died, 5) == reason and client.exitcode == -9
+        with pytest.raises(EngineDeadError, match="exited"):
+            await _collect(client, "hi", long_params)
+        with pytest.raises(EngineDeadError):
+            await client.stats()
+        await client.shutdown()                  # after a death: nothing left to do, no error
+        assert not any(asyncio.get_running_loop().remove_reader(fd) for fd in fds_used)   # no reader left
+        assert _num_fds() == fds                 # pipe and sentinel closed
+        return client
+
+    client = asyncio.run(main())
+    assert client.died.result().endswith("(signal 9, SIGKILL)")
+
+
+def test_shutdown_reaps_and_a_client_starts_once(tiny_config):
+    async def main():
+        fds = _num_fds()
+        async with AsyncEngineClient(tiny_config) as client:
+            pass
+        assert client.died.result() == "engine shut down" and client.exitcode == 0 and not client.is_alive
+        assert _num_fds() == fds
+        with pytest.raises(RuntimeError, match="once"):
+            await client.start()
+
+    asyncio.run(main())

@@ -198,14 +198,14 @@ async def test_client_disconnect_aborts_and_frees_blocks(aiohttp_client, tmp_pat
     assert all(p.num_free_blocks == p.num_blocks for p in stats.pools.values())
 
 
-async def test_a_rag_flood_preempts_only_rag_and_chat_keeps_its_blocks(aiohttp_client, tmp_path, tiny_model):
-    # rag: 64 blocks of 16 = 1024 tokens and max_num_seqs 4; four running 70-token prompts growing to
-    # 370 tokens need 96 blocks: the rag pool must preempt
+async def test_a_rag_flood_waits_for_credits_and_chat_keeps_its_blocks(aiohttp_client, tmp_path, tiny_model):
+    # rag: 64 blocks of 16 = 1024 KV credits. Eight 70-token prompts growing to 370 tokens would need
+    # 8 x 24 blocks and preempt each other; each reserves 24 blocks (384 credits), so two run at a time
+    # and the rest wait at the gateway: no preemption anywhere, chat untouched, every credit back after.
     client, gateway = await _client(
         aiohttp_client, pools_yaml(tiny_model, rag_kv="kv_cache_bytes: 512KiB"), tmp_path)
     model = _model(tiny_model)
-    rag_plan = gateway.plan.pools["rag"]
-    assert rag_plan.num_blocks == 64
+    assert gateway.plan.pools["rag"].num_blocks == 64
 
     async def complete(prompt, max_tokens):
         r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
@@ -214,16 +214,22 @@ async def test_a_rag_flood_preempts_only_rag_and_chat_keeps_its_blocks(aiohttp_c
         return r.headers["x-cliffguard-pool"], await r.json()
 
     flood = [asyncio.create_task(complete(" b" * 70 + f" {i}", 300)) for i in range(8)]
+    await asyncio.sleep(0.5)
+    during = _metrics(await (await client.get("/metrics")).text())
     chats = await asyncio.gather(*(complete(f"hello {i}", 30) for i in range(6)))
     assert {pool for pool, _ in chats} == {"chat"}
-    during = _metrics(await (await client.get("/metrics")).text())
     results = await asyncio.gather(*flood)
     assert {pool for pool, _ in results} == {"rag"}
     assert all(r["usage"]["completion_tokens"] == 300 for _, r in results)
     after = _metrics(await (await client.get("/metrics")).text())
     preempt = after["cliffguard_num_preemptions_total"]
-    assert preempt[(("mode", "recompute"), ("pool", "rag"))] > 0
+    assert preempt[(("mode", "recompute"), ("pool", "rag"))] == 0
     assert preempt[(("mode", "recompute"), ("pool", "chat"))] == 0
+    assert during["cliffguard_admission_queue_depth"][(("pool", "rag"), ("tenant", "default"))] == 6
+    assert during["cliffguard_kv_credits_free"][(("pool", "rag"),)] == 1024 - 2 * 384
+    assert after["cliffguard_admission_admitted_total"][(("pool", "rag"), ("tenant", "default"))] == 8
+    assert after["cliffguard_kv_credits_free"][(("pool", "rag"),)] == after["cliffguard_kv_credits_total"][
+        (("pool", "rag"),)] == 1024
     assert during["cliffguard_pool_num_blocks"][(("pool", "chat"),)] == gateway.plan.pools["chat"].num_blocks
     assert after["cliffguard_kv_cache_usage_perc"][(("pool", "chat"),)] == 0
 

@@ -139,6 +139,42 @@ def test_bad_calls_are_named(call, match):
 
 def test_integrity_check_can_fail():
     ledger = CreditLedger(100)
-    ledger.free = 90
-    with pytest.raises(AssertionError, match="free 90 \\+ held 0 != total 100"):
+    ledger.held = 10       # credits deducted with no ticket holding them: a leak
+    with pytest.raises(AssertionError, match="held 10 \\(tickets 0\\)"):
         ledger.check_integrity()
+
+
+def test_background_waits_behind_interactive_and_soaks_up_idle_credits():
+    ledger = CreditLedger(100)
+    ledger.submit("batch-1", 30, background=True)
+    ledger.submit("chat-1", 60)
+    ledger.submit("chat-2", 60)
+    assert [t.request_id for t in ledger.admit()] == ["chat-1"]   # chat-2 does not fit: batch-1 may not pass
+    ledger.release("chat-1")
+    # chat-2 first; then nothing interactive waits and batch-1 fits what is left
+    assert [t.request_id for t in ledger.admit()] == ["chat-2", "batch-1"]
+    ledger.release("chat-2")
+    assert ledger.cancel("batch-1") is False                      # admitted: release, not cancel
+    ledger.submit("batch-2", 10, background=True)
+    assert ledger.cancel("batch-2") is True
+    ledger.release("batch-1")
+    ledger.check_integrity()
+    assert ledger.free == 100 and ledger.num_queued == 0
+
+
+def test_reconcile_holds_back_blocks_the_ledger_does_not_know_and_returns_them():
+    ledger = CreditLedger(100)
+    ledger.submit("a", 40)
+    ledger.admit()
+    assert ledger.reconcile(25) == 0            # the worker uses less than reserved: nothing changes
+    assert ledger.free == 60
+    assert ledger.reconcile(70) == 30           # 30 tokens the ledger does not know about (an abort in flight)
+    assert ledger.free == 30
+    ledger.submit("b", 40)
+    assert ledger.admit() == []                 # would over-commit the engine
+    ledger.release("a")
+    assert ledger.reconcile(0) == 0             # the worker reports everything free again
+    assert [t.request_id for t in ledger.admit()] == ["b"]
+    ledger.check_integrity()
+    with pytest.raises(ValueError, match="used_tokens"):
+        ledger.reconcile(-1)

@@ -1,0 +1,188 @@
+"""`DeviceSupervisor`: one device worker's life as the gateway sees it — start, death, restart.
+
+The supervisor owns its device's `engine.worker.AsyncEngineClient`, a new one per worker process, and
+points the device's pools at the live one. The client notices a worker's death at once (its pipe's
+EOF or its process sentinel; `kill -9`, the OOM killer, a crashed kernel, a failed step) and fails
+the requests in flight with `EngineDeadError`: 503 `engine_dead`, or an error event then `[DONE]` on
+a stream. The supervisor then
+
+- logs an ERROR naming the device and the reason (`device worker process exited (signal 9, SIGKILL)`),
+- shows the device as `restarting: <reason>` (so `/ready` answers 503) until a new worker has loaded,
+- starts the new worker after a back-off (`Backoff`: 1 s, 2 s, 4 s … 30 s; back to 1 s once a worker
+  stayed up for `reset_after` seconds), counted in `cliffguard_worker_restarts_total{device}`.
+
+Requests that arrive meanwhile wait in `wait_ready` and are served by the new worker: queued, not
+lost. A worker that fails its first start (a bad config, a missing model) stays `failed: <reason>`
+and its pools answer 503 `pool_unavailable`; starting it again would fail the same way. A worker
+that was ready once is restarted for as long as it takes.
+
+Everything here runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.stats import WorkerInfo
+from engine.worker import AsyncEngineClient, EngineDeadError
+from gateway.metrics import GatewayMetrics
+from pools.pool import Pool
+
+log = logging.getLogger("cliffguard.gateway")
+
+__all__ = ["Backoff", "DeviceSupervisor"]
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """The wait before each restart of a dead device worker: `initial_seconds`, times `factor` after
+    each restart that did not stay up `reset_after_seconds`, at most `max_seconds`."""
+
+    initial_seconds: float = 1.0
+    factor: float = 2.0
+    max_seconds: float = 30.0
+    reset_after_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.initial_seconds < 0:
+            raise ValueError(f"initial_seconds: must be >= 0, got {self.initial_seconds}")
+        if self.factor < 1:
+            raise ValueError(f"factor: must be >= 1, got {self.factor}")
+        if self.max_seconds < self.initial_seconds:
+            raise ValueError(f"max_seconds: must be >= initial_seconds ({self.initial_seconds}), "
+                             f"got {self.max_seconds}")
+        if self.reset_after_seconds < 0:
+            raise ValueError(f"reset_after_seconds: must be >= 0, got {self.reset_after_seconds}")
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before restart number `attempt` (0-based) since the last reset."""
+        return min(self.initial_seconds * self.factor ** min(attempt, 64), self.max_seconds)
+
+
+class DeviceSupervisor:
+    """Starts one device's worker, and starts it again with back-off whenever it dies after having loaded.
+
+    `client` is the current worker's client (a new one per process); the device's pools always point
+    at it. `state` is what `/ready` shows: `loading`, `ready`, `restarting: <reason>` or
+    `failed: <reason>`. `wait_ready()` is what requests await before they reach the worker.
+    Event-loop only; `start` once, `stop` once.
+    """
+
+    def __init__(self, device: str, config: EngineConfig, pools: Sequence[Pool], metrics: GatewayMetrics,
+                 backoff: Backoff = Backoff()) -> None:
+        self.device = device
+        self.config = config
+        self.pools = list(pools)
+        self.metrics = metrics
+        self.backoff = backoff
+        self.client: AsyncEngineClient | None = None
+        self.num_restarts = 0
+        self._was_ready = False                    # some worker of this device loaded once
+        self._restart_reason: str | None = None    # why the worker now loading replaces a dead one
+        self._failure: str | None = None           # set when the device will not come back
+        self._changed = asyncio.Condition()        # notified when a worker is ready, or the device failed
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Spawn the first worker; it loads in the background (`wait_ready`)."""
+        self.metrics.worker_restarts.labels(device=self.device)   # exported from the start, at 0
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"cliffguard-device-{self.device}")
+
+    async def stop(self) -> None:
+        """Stop supervising and shut the worker down; requests still waiting get EngineDeadError."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.client is not None:
+            await self.client.shutdown()
+        if self._failure is None:
+            self._failure = "the gateway is shutting down"
+        await self._notify()
+
+    # --- what the gateway reads ------------------------------------------------------------------
+    @property
+    def is_ready(self) -> bool:
+        """A worker is loaded and alive."""
+        client = self.client
+        return (self._failure is None and client is not None and client.is_alive
+                and client.info is not None)
+
+    @property
+    def info(self) -> WorkerInfo | None:
+        """What the live worker loaded; None while it loads or restarts, or if the device failed."""
+        return self.client.info if self.is_ready else None
+
+    @property
+    def state(self) -> str:
+        """`loading`, `ready`, `restarting: <reason>` or `failed: <reason>`."""
+        if self._failure is not None:
+            return f"failed: {self._failure}"
+        if self.is_ready:
+            return "ready"
+        if self._was_ready:   # the worker died; the reason is known once it is reaped, a moment later
+            return f"restarting: {self._restart_reason or 'device worker process exited'}"
+        return "loading"
+
+    async def wait_ready(self) -> WorkerInfo:
+        """What the worker loaded, once a worker is ready: at once, or after it loads or restarts.
+        EngineDeadError if the device failed to start (or the gateway is stopping)."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.is_ready or self._failure is not None)
+        if self._failure is not None:
+            raise EngineDeadError(self._failure)
+        return self.client.info
+
+    # --- the worker's life -----------------------------------------------------------------------
+    async def _run(self) -> None:
+        attempt = 0   # restarts since a worker last stayed up `reset_after_seconds`
+        while True:
+            client = self._new_client()
+            try:
+                info = await client.start()
+            except Exception as exc:  # noqa: BLE001 - the reason goes to the state, the log and the requests
+                if not self._was_ready:
+                    log.error("device %s failed to start: %s", self.device, exc)
+                    self._failure = f"device {self.device!r} failed to start: {exc}"
+                    await self._notify()
+                    return
+                what, reason = "restart failed", str(exc)
+            else:
+                up_since = time.monotonic()
+                log.info("device %s ready%s: %s", self.device,
+                         f" again (restart {self.num_restarts})" if self._was_ready else "", info)
+                self._was_ready, self._restart_reason = True, None
+                await self._notify()
+                what, reason = "worker died", await client.died
+                if time.monotonic() - up_since >= self.backoff.reset_after_seconds:
+                    attempt = 0
+            delay = self.backoff.delay(attempt)
+            attempt += 1
+            self._restart_reason = _summary(reason)
+            log.error("device %s: %s: %s; restarting in %.1f s", self.device, what, reason, delay)
+            await asyncio.sleep(delay)
+            self.num_restarts += 1
+            self.metrics.worker_restarts.labels(device=self.device).inc()
+
+    def _new_client(self) -> AsyncEngineClient:
+        """A client for a new worker process, with the device's pools pointed at it."""
+        self.client = AsyncEngineClient(self.config)
+        for pool in self.pools:
+            pool.client = self.client
+        return self.client
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+
+def _summary(reason: str) -> str:
+    """A reason on one line: a traceback's first and last lines (`device worker failed: RuntimeError: …`)."""
+    lines = [line.strip() for line in reason.strip().splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return reason.strip()
+    return f"{lines[0].rstrip(':')}: {lines[-1]}"

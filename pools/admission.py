@@ -1,0 +1,148 @@
+"""The async face of a pool's credit ledger: what a request awaits before it may reach the engine.
+
+`Admission` owns one `CreditLedger` (pools.credits) for one local pool. A request computes what it
+may need (`reservation`: its prompt blocks plus, per sample, the blocks of its longest possible
+output, in whole blocks as the engine allocates them), then holds that many credits for as long as
+it runs:
+
+    async with admission.hold(request_id, tokens, tenant="search", priority=0):
+        ... stream the engine's outputs ...
+
+`hold` queues the request in its tenant's channel and returns once the ledger admits it; leaving the
+block (finished, failed, client gone, cancelled) gives every credit back at once and admits whoever
+fits next. A request cancelled while queued leaves the queue holding nothing. With
+`max_queue_seconds` set, a request that waited longer raises `QueueTimeout` (the gateway answers 503
+with Retry-After); unset, it waits as long as its client does, so nothing is refused for capacity.
+`max_queue_seconds: 0` is reject-when-full, what most servers do: a request that does not fit at
+once raises `PoolFull` (429) and its client retries (`cliffguard bench admission` compares the two).
+
+`reconcile(used_tokens)` feeds the worker's real block use back in (pools.credits explains how).
+Event-loop only, like the ledger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import asynccontextmanager
+
+from pools.credits import DEFAULT_TENANT, CreditLedger, TenantPolicy, Ticket
+
+
+class PoolFull(Exception):
+    """`max_queue_seconds: 0`: the request does not fit the free credits now and the pool never queues."""
+
+    def __init__(self, pool: str, need: int, free: int) -> None:
+        super().__init__(f"pool {pool!r} is full: the request needs {need} KV token slots, {free} are free; "
+                         "retry later")
+        self.pool = pool
+
+
+class QueueTimeout(Exception):
+    """A request waited for credits longer than its pool's `max_queue_seconds`."""
+
+    def __init__(self, pool: str, waited: float, limit: float) -> None:
+        super().__init__(f"pool {pool!r} is saturated: the request waited {waited:.1f} s for KV capacity "
+                         f"(max_queue_seconds {limit:g}); retry later")
+        self.pool, self.waited, self.limit = pool, waited, limit
+
+
+def reservation(prompt_lens: Iterable[int], max_tokens: int | None, n: int, *, block_size: int,
+                max_model_len: int) -> int:
+    """KV token slots a request may occupy at most, in whole blocks.
+
+    Per prompt of p tokens with m = max_tokens (unset: the context left, max_model_len - p): the n
+    samples share the prompt's full blocks, and each sample writes its own copy of the last partial
+    block plus its output, so floor(p / bs) + n x ceil((p mod bs + m) / bs) blocks.
+    """
+    blocks = 0
+    for p in prompt_lens:
+        m = max_tokens if max_tokens is not None else max(1, max_model_len - p)
+        blocks += p // block_size + n * -(-(p % block_size + m) // block_size)
+    return blocks * block_size
+
+
+class Admission:
+    """One local pool's credits and queue, awaited from the event loop."""
+
+    def __init__(self, pool: str, total: int, *, tenants: Mapping[str, TenantPolicy] | None = None,
+                 max_queue_seconds: float | None = None, quantum: int | None = None) -> None:
+        self.pool = pool
+        self.ledger = CreditLedger(total, tenants, quantum=quantum)
+        self.max_queue_seconds = max_queue_seconds
+        self._waiters: dict[str, asyncio.Future[None]] = {}
+        self._queued_at: dict[str, float] = {}
+        self.num_admitted = 0           # totals since start, for metrics and tests
+        self.num_expired = 0
+        self.num_cancelled = 0
+
+    @property
+    def total(self) -> int:
+        return self.ledger.total
+
+    @property
+    def free(self) -> int:
+        return self.ledger.free
+
+    def oldest_wait(self) -> float:
+        """Seconds the longest-queued request has waited (0 when none waits)."""
+        return time.monotonic() - min(self._queued_at.values()) if self._queued_at else 0.0
+
+    @asynccontextmanager
+    async def hold(self, request_id: str, num_tokens: int, *, tenant: str = DEFAULT_TENANT, priority: int = 0,
+                   background: bool = False) -> AsyncIterator[Ticket]:
+        """Wait until `num_tokens` credits are admitted, hold them for the block, then give them back.
+
+        ValueError if the request can never fit the pool; QueueTimeout past `max_queue_seconds`
+        (background requests never time out: their runner retries nothing, it waits)."""
+        ticket = self.ledger.submit(request_id, num_tokens, tenant=tenant, priority=priority, background=background)
+        if not ticket.admitted:
+            self._admit()
+        if not ticket.admitted and self.max_queue_seconds == 0 and not background:
+            self.ledger.cancel(request_id)
+            self.num_expired += 1
+            self._admit()
+            raise PoolFull(self.pool, num_tokens, self.ledger.free)
+        if not ticket.admitted:
+            await self._wait(ticket)
+        try:
+            yield ticket
+        finally:
+            self.ledger.release(request_id)
+            self._admit()
+
+    async def _wait(self, ticket: Ticket) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters[ticket.request_id] = waiter
+        self._queued_at[ticket.request_id] = started = time.monotonic()
+        limit = None if ticket.background else self.max_queue_seconds
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), limit)
+        except BaseException as exc:
+            if self.ledger.cancel(ticket.request_id):        # still queued: leave holding nothing
+                if isinstance(exc, TimeoutError):
+                    self.num_expired += 1
+                    raise QueueTimeout(self.pool, time.monotonic() - started, limit) from None
+                self.num_cancelled += 1
+                raise
+            if not isinstance(exc, TimeoutError):            # admitted meanwhile, then cancelled
+                self.ledger.release(ticket.request_id)
+                self._admit()
+                raise
+        finally:
+            self._waiters.pop(ticket.request_id, None)
+            self._queued_at.pop(ticket.request_id, None)
+            self._admit()   # a request that left may have blocked the head of the queue
+
+    def _admit(self) -> None:
+        for ticket in self.ledger.admit():
+            self.num_admitted += 1
+            waiter = self._waiters.get(ticket.request_id)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    def reconcile(self, used_tokens: int) -> None:
+        """The worker's blocks in use x block size; may admit (credits came back) or hold some back."""
+        self.ledger.reconcile(used_tokens)
+        self._admit()

@@ -1,0 +1,96 @@
+"""Tenants: who a request belongs to, and what share of a pool's queue and which priorities it may use.
+
+A tenant is named by its API key. The YAML's optional `tenants:` section lists them:
+
+    tenants:
+      search:  {api_keys: [sk-search-1], weight: 3}            # 3 turns for every 1 of a weight-1 tenant
+      nightly: {api_keys: [sk-nightly], min_priority: 10}      # may never ask for better than priority 10
+      default: {weight: 1}                                      # unlisted keys and requests with no key
+
+Without the section every API key is a tenant of its own (named `key-` + the first 8 hex digits of
+its SHA-256, so keys never reach metric labels) and requests without a key share `default`. With it,
+a listed key maps to its tenant and anything else to `default`: new keys cannot buy new shares. Keys
+listed here are accepted API keys too (the gateway then requires a key on /v1/...).
+
+`weight` and `min_priority` become the credit ledger's `TenantPolicy` (`pools.credits`): within a
+tenant a smaller priority is served first, and a body's `priority` better than `min_priority` is
+clamped to it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pools.credits import DEFAULT_TENANT, TenantPolicy
+from pools.yamlcheck import SpecError, check_mapping, is_int, show
+
+_TENANT_KEYS = ("api_keys", "weight", "min_priority")
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # metric labels
+
+
+@dataclass(frozen=True)
+class TenantSpec:
+    name: str
+    api_keys: tuple[str, ...] = ()
+    weight: int = 1
+    min_priority: int = 0
+
+    @property
+    def policy(self) -> TenantPolicy:
+        return TenantPolicy(weight=self.weight, min_priority=self.min_priority)
+
+
+class Tenants:
+    """Resolves an API key to a tenant name and holds each tenant's policy."""
+
+    def __init__(self, specs: Mapping[str, TenantSpec] | None = None) -> None:
+        self.specs = dict(specs or {})
+        self._by_key = {key: spec.name for spec in self.specs.values() for key in spec.api_keys}
+
+    @property
+    def policies(self) -> dict[str, TenantPolicy]:
+        return {name: spec.policy for name, spec in self.specs.items()}
+
+    def resolve(self, api_key: str | None) -> str:
+        """The tenant of a request sent with `api_key` (None: no key)."""
+        if api_key:
+            if api_key in self._by_key:
+                return self._by_key[api_key]
+            if not self.specs:
+                return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:8]
+        return DEFAULT_TENANT
+
+
+def parse_tenants(raw: Any) -> dict[str, TenantSpec]:
+    """The YAML's `tenants:` mapping -> {name: TenantSpec}; SpecError naming `tenants.<name>.<key>`."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise SpecError(f"tenants: must be a mapping of tenant name to settings, got {show(raw)}")
+    specs: dict[str, TenantSpec] = {}
+    owner: dict[str, str] = {}
+    for name, value in raw.items():
+        key = f"tenants.{name}"
+        if not isinstance(name, str) or not _TENANT_NAME.match(name):
+            raise SpecError(f"{key}: a tenant name uses letters, digits, '_', '.', '-', got {name!r}")
+        value = check_mapping(key, {} if value is None else value, _TENANT_KEYS)
+        api_keys = value.get("api_keys") or []
+        if not isinstance(api_keys, list) or not all(isinstance(k, str) and k.strip() for k in api_keys):
+            raise SpecError(f"{key}.api_keys: must be a list of non-empty strings, got {show(api_keys)}")
+        for api_key in api_keys:
+            if api_key.strip() in owner:
+                raise SpecError(f"{key}.api_keys: a key is listed for tenants {owner[api_key.strip()]!r} and "
+                                f"{name!r}; each key belongs to one tenant")
+            owner[api_key.strip()] = name
+        weight, min_priority = value.get("weight", 1), value.get("min_priority", 0)
+        if not is_int(weight) or not 1 <= weight <= 1000:
+            raise SpecError(f"{key}.weight: must be an integer from 1 to 1000, got {show(weight)}")
+        if not is_int(min_priority):
+            raise SpecError(f"{key}.min_priority: must be an integer (smaller is served first), "
+                            f"got {show(min_priority)}")
+        specs[name] = TenantSpec(name, tuple(k.strip() for k in api_keys), weight, min_priority)
+    return specs

@@ -1,0 +1,314 @@
+"""The Batch API: in-process with a fake line executor (bad lines, transient retries, cancel, paging,
+resume after a stop, the async `openai` SDK), then the `openai` SDK against `cliffguard serve` over
+the tiny model, and a server killed with SIGKILL in the middle of a 100-line batch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from gateway.app import create_app
+from gateway.batches import BATCHES, STORE_FILE
+from gateway.cli import main
+from gateway.runtime import Gateway
+from pools.spec import load_config
+from tests.gateway.conftest import LiveServer, pools_yaml
+
+CHAT = "/v1/chat/completions"
+FINAL = ("completed", "cancelled", "failed", "expired")
+
+
+def _line(custom_id: str, content: str | None = None, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": CHAT,
+            "body": {"model": "m", "messages": [{"role": "user", "content": content or custom_id}], **body}}
+
+
+def _jsonl(*lines) -> bytes:
+    return b"".join((x if isinstance(x, bytes) else json.dumps(x).encode()) + b"\n" for x in lines)
+
+
+def _error(status: int, message: str, code: str | None = None) -> tuple[int, dict]:
+    return status, {"error": {"message": message, "type": "server_error" if status >= 500 else
+                              "invalid_request_error", "param": None, "code": code}}
+
+
+class _FakeExecutor:
+    """Answers like `gateway.handlers.answer`: a chat completion of the upper-cased prompt; the
+    prompt "bad" gets a 400; `transient[prompt]` first answers are 503 engine_dead; prompts in
+    `gated` wait for `gate` (and count their aborts)."""
+
+    def __init__(self, transient: dict[str, int] | None = None, gated: set[str] = frozenset()) -> None:
+        self.calls: Counter[str] = Counter()
+        self.transient, self.gated = transient or {}, gated
+        self.gate = asyncio.Event()
+        self.aborted = 0
+
+    async def __call__(self, path: str, body: dict) -> tuple[int, dict]:
+        prompt = body["messages"][0]["content"]
+        self.calls[prompt] += 1
+        if self.calls[prompt] <= self.transient.get(prompt, 0):
+            return _error(503, "device 'cpu' worker died; restarting", "engine_dead")
+        if prompt == "bad":
+            return _error(400, "temperature: must be in [0, 2], got 9")
+        if prompt in self.gated:
+            try:
+                await self.gate.wait()
+            except asyncio.CancelledError:
+                self.aborted += 1
+                raise
+        return 200, {"id": f"chatcmpl-{prompt}", "object": "chat.completion",
+                     "choices": [{"index": 0, "message": {"role": "assistant", "content": prompt.upper()},
+                                  "finish_reason": "stop"}]}
+
+
+async def _client(aiohttp_client, tmp_path: Path, model: Path, executor, headers=None, **yaml_kw):
+    path = tmp_path / "pools.yaml"
+    path.write_text(pools_yaml(model, **yaml_kw))
+    gateway = Gateway.from_config(load_config(path))
+    gateway.engines = {}      # no device worker to spawn: the fake executor never reaches one
+    app = create_app(gateway, data_dir=tmp_path, batch_executor=executor)
+    app[BATCHES].retry_first_s = 0.01
+    return await aiohttp_client(app, headers=headers)
+
+
+async def _upload(client, content: bytes, purpose: str = "batch", **kw):
+    form = aiohttp.FormData()
+    form.add_field("purpose", purpose)
+    form.add_field("file", content, filename="in.jsonl", content_type="application/jsonl")
+    return await client.post("/v1/files", data=form, **kw)
+
+
+async def _create(client, content: bytes) -> dict:
+    r = await _upload(client, content)
+    assert r.status == 200, await r.text()
+    r = await client.post("/v1/batches", json={"input_file_id": (await r.json())["id"], "endpoint": CHAT,
+                                               "completion_window": "24h"})
+    assert r.status == 200, await r.text()
+    return await r.json()
+
+
+async def _wait(client, batch_id: str, until=lambda b: b["status"] in FINAL, timeout: float = 20) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = await (await client.get(f"/v1/batches/{batch_id}")).json()
+        if until(batch):
+            return batch
+        assert time.monotonic() < deadline, batch
+        await asyncio.sleep(0.02)
+
+
+async def _jsonl_file(client, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    r = await client.get(f"/v1/files/{file_id}/content")
+    assert r.status == 200
+    return [json.loads(x) for x in (await r.read()).splitlines()]
+
+
+# --- in-process, fake executor ---------------------------------------------------------------------
+async def test_bad_lines_go_to_the_error_file_and_transient_errors_are_retried(aiohttp_client, tmp_path, tiny_model):
+    fake = _FakeExecutor(transient={"b": 2})
+    client = await _client(aiohttp_client, tmp_path, tiny_model, fake)
+    content = _jsonl(_line("a"), b"{oops", _line("b"), _line("c", "bad"), _line("a"),
+                     {**_line("d"), "url": "/v1/completions"}, _line("e"))
+    batch = await _create(client, content)
+    assert batch["object"] == "batch" and batch["endpoint"] == CHAT
+    done = await _wait(client, batch["id"])
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 7, "completed": 3, "failed": 4}
+    assert fake.calls == {"a": 1, "b": 3, "bad": 1, "e": 1}          # b: two 503s retried, recorded once
+    output = await _jsonl_file(client, done["output_file_id"])
+    assert [(o["custom_id"], o["response"]["body"]["choices"][0]["message"]["content"]) for o in output] == \
+        [("a", "A"), ("b", "B"), ("e", "E")]
+    errors = await _jsonl_file(client, done["error_file_id"])
+    assert [e["custom_id"] for e in errors] == [None, "c", "a", "d"]
+    assert [e["error"]["code"] if e["error"] else e["response"]["status_code"] for e in errors] == \
+        ["invalid_json_line", 400, "duplicate_custom_id", "invalid_url"]
+    info = await (await client.get(f"/v1/files/{done['output_file_id']}")).json()
+    assert info["object"] == "file" and info["purpose"] == "batch_output" and info["bytes"] > 0
+
+
+async def test_cancel_aborts_lines_in_flight_and_keeps_what_finished(aiohttp_client, tmp_path, tiny_model):
+    fake = _FakeExecutor(gated={f"slow{i}" for i in range(30)})
+    client = await _client(aiohttp_client, tmp_path, tiny_model, fake)
+    batch = await _create(client, _jsonl(*(_line(f"fast{i}") for i in range(3)),
+                                         *(_line(f"slow{i}") for i in range(30))))
+    await _wait(client, batch["id"], lambda b: b["request_counts"]["completed"] == 3)
+    r = await client.post(f"/v1/batches/{batch['id']}/cancel")
+    assert r.status == 200 and (await r.json())["status"] in ("cancelling", "cancelled")
+    done = await _wait(client, batch["id"])
+    assert done["status"] == "cancelled" and done["cancelling_at"] and done["cancelled_at"]
+    assert done["request_counts"] == {"total": 33, "completed": 3, "failed": 0}
+    assert [o["custom_id"] for o in await _jsonl_file(client, done["output_file_id"])] == ["fast0", "fast1", "fast2"]
+    # 16 lines in flight (the 3 fast ones done, their workers may have taken 3 more); all aborted
+    assert 16 <= sum(fake.calls.values()) <= 19 and fake.aborted == sum(fake.calls.values()) - 3
+    again = await client.post(f"/v1/batches/{batch['id']}/cancel")
+    assert again.status == 200 and (await again.json())["status"] == "cancelled"
+    finished = await _create(client, _jsonl(_line("x")))
+    await _wait(client, finished["id"])
+    r = await client.post(f"/v1/batches/{finished['id']}/cancel")
+    assert r.status == 409 and (await r.json())["error"]["param"] == "batch_id"
+
+
+async def test_list_pages_and_requests_are_checked_field_by_field(aiohttp_client, tmp_path, tiny_model):
+    client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor(),
+                           headers={"Authorization": "Bearer k1"}, api_keys='["k1"]')
+    for path in ("/v1/batches", "/v1/files/file-x/content"):
+        assert (await client.get(path, headers={"Authorization": "Bearer k2"})).status == 401
+    ids = [(await _create(client, _jsonl(_line("a"))))["id"] for _ in range(3)]
+    page = await (await client.get("/v1/batches", params={"limit": "2"})).json()
+    assert [b["id"] for b in page["data"]] == ids[::-1][:2] and page["has_more"] and page["object"] == "list"
+    rest = await (await client.get("/v1/batches", params={"limit": "2", "after": page["last_id"]})).json()
+    assert [b["id"] for b in rest["data"]] == [ids[0]] and not rest["has_more"]
+    file_id = (await (await _upload(client, _jsonl(_line("a")))).json())["id"]
+    create = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
+    cases = [(client.get("/v1/batches", params={"limit": "0"}), 400, "limit"),
+             (client.get("/v1/batches", params={"after": "batch_nope"}), 400, "after"),
+             (client.get("/v1/batches/batch_nope"), 404, "batch_id"),
+             (client.post("/v1/batches/batch_nope/cancel"), 404, "batch_id"),
+             (client.get("/v1/files/file-nope/content"), 404, "file_id"),
+             (_upload(client, b"x", purpose="fine-tune"), 400, "purpose"),
+             (client.post("/v1/files", json={"purpose": "batch"}), 400, "body"),
+             (client.post("/v1/files", data=b"x", headers={"Content-Type": "multipart/form-data"}), 400, "body"),
+             (client.post("/v1/batches", json={**create, "endpoint": "/v1/embeddings"}), 400, "endpoint"),
+             (client.post("/v1/batches", json={**create, "completion_window": "1h"}), 400, "completion_window"),
+             (client.post("/v1/batches", json={**create, "input_file_id": "file-nope"}), 400, "input_file_id"),
+             (client.post("/v1/batches", json={**create, "model": "m"}), 400, "model"),
+             (client.post("/v1/batches", json={"endpoint": CHAT, "completion_window": "24h"}), 400, "input_file_id")]
+    for request, status, param in cases:
+        r = await request
+        body = await r.json()
+        assert (r.status, body["error"]["param"]) == (status, param), body
+        assert body["error"]["message"].startswith(param + ": "), body
+
+
+async def test_a_stopped_server_resumes_its_batches_and_records_each_line_once(aiohttp_client, tmp_path, tiny_model):
+    first = _FakeExecutor(gated={f"r{i}" for i in range(4, 20)})
+    client = await _client(aiohttp_client, tmp_path, tiny_model, first)
+    batch = await _create(client, _jsonl(*(_line(f"r{i}") for i in range(20))))
+    await _wait(client, batch["id"], lambda b: b["request_counts"]["completed"] == 4)
+    await client.close()                                       # the runner stops; r4..r19 stay pending
+    second = _FakeExecutor()
+    client = await _client(aiohttp_client, tmp_path, tiny_model, second)
+    done = await _wait(client, batch["id"])
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 20
+    assert set(second.calls) == {f"r{i}" for i in range(4, 20)} and set(second.calls.values()) == {1}
+    output = await _jsonl_file(client, done["output_file_id"])
+    assert [o["custom_id"] for o in output] == [f"r{i}" for i in range(20)]
+
+
+async def test_the_async_sdk_reads_every_shape(aiohttp_client, tmp_path, tiny_model):
+    client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor())
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
+    file = await sdk.files.create(file=("in.jsonl", _jsonl(_line("a"), _line("b"))), purpose="batch")
+    assert (file.object, file.purpose, file.filename, file.bytes) == ("file", "batch", "in.jsonl",
+                                                                      len(_jsonl(_line("a"), _line("b"))))
+    batch = await sdk.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h",
+                                     metadata={"job": "nightly"})
+    while batch.status not in FINAL:
+        await asyncio.sleep(0.02)
+        batch = await sdk.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 2 and batch.metadata == {"job": "nightly"}
+    text = (await sdk.files.content(batch.output_file_id)).text
+    assert [json.loads(x)["custom_id"] for x in text.splitlines()] == ["a", "b"]
+    assert [b.id async for b in sdk.batches.list(limit=1)] == [batch.id]
+    with pytest.raises(openai.NotFoundError):
+        await sdk.batches.retrieve("batch_nope")
+    await sdk.close()
+
+
+def test_serve_creates_its_data_dir_and_refuses_a_file_there(tmp_path, capsys, monkeypatch):
+    from gateway.cli import make_data_dir
+
+    folder = make_data_dir(str(tmp_path / "a" / "state"))
+    assert folder.is_dir() and (folder / ".gitignore").read_text().endswith("*\n")
+    (tmp_path / "taken").write_text("")
+    monkeypatch.setattr("gateway.app.run", lambda *a, **k: pytest.fail("served"))
+    assert main(["serve", "--config", str(tmp_path / "none.yaml"), "--data-dir", str(tmp_path / "taken")]) == 2
+    assert "none.yaml" in capsys.readouterr().err                       # the config is checked first
+    config = Path(__file__).resolve().parents[2] / "config" / "pools.yaml"
+    assert main(["serve", "--config", str(config), "--port", "0", "--data-dir", str(tmp_path / "taken")]) == 2
+    assert "--data-dir: cannot create" in capsys.readouterr().err
+
+
+# --- a live server over the tiny model -------------------------------------------------------------
+def _live_config(tmp_path: Path, model: Path) -> Path:
+    path = tmp_path / "pools.yaml"
+    path.write_text(pools_yaml(model))
+    return path
+
+
+def _sdk_wait(sdk: openai.OpenAI, batch_id: str, until=lambda b: b.status in FINAL, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while not until(batch := sdk.batches.retrieve(batch_id)):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.05)
+    return batch
+
+
+def test_the_openai_sdk_drives_a_batch_through_serve(tmp_path, tiny_model):
+    model = tiny_model.name
+    lines = [_line(f"q{i}", f"Say {i}", model=model, max_tokens=4) for i in range(6)]
+    content = _jsonl(*lines, b"not json", _line("s", model=model, max_tokens=4, stream=True))
+    with LiveServer(_live_config(tmp_path, tiny_model), args=["--data-dir", str(tmp_path / "data")]) as server:
+        sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        file = sdk.files.create(file=("in.jsonl", content), purpose="batch")
+        assert sdk.files.retrieve(file.id).bytes == len(content)
+        batch = sdk.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
+        done = _sdk_wait(sdk, batch.id)
+        assert done.status == "completed", done
+        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (8, 6, 2)
+        output = [json.loads(x) for x in sdk.files.content(done.output_file_id).text.splitlines()]
+        assert [o["custom_id"] for o in output] == [f"q{i}" for i in range(6)]
+        assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["object"] == "chat.completion"
+                   and 0 < o["response"]["body"]["usage"]["completion_tokens"] <= 4 for o in output)
+        errors = [json.loads(x) for x in sdk.files.content(done.error_file_id).text.splitlines()]
+        assert [(e["custom_id"], e["response"] and e["response"]["status_code"]) for e in errors] == \
+            [(None, None), ("s", 400)]
+        many = sdk.files.create(file=("many.jsonl", _jsonl(*(_line(f"m{i}", f"Count to {i}", model=model,
+                                                                     max_tokens=64) for i in range(48)))),
+                                purpose="batch")
+        slow = sdk.batches.create(input_file_id=many.id, endpoint=CHAT, completion_window="24h")
+        assert sdk.batches.cancel(slow.id).status in ("cancelling", "cancelled")
+        cancelled = _sdk_wait(sdk, slow.id)
+        assert cancelled.status == "cancelled" and cancelled.request_counts.completed < 48
+        assert [b.id for b in sdk.batches.list(limit=1)] == [slow.id, batch.id]   # two pages of one
+
+
+def _count_done(data_dir: Path) -> int:
+    with sqlite3.connect(data_dir / STORE_FILE) as db:
+        return db.execute("SELECT count(*) FROM lines WHERE status != 'pending'").fetchone()[0]
+
+
+def test_a_batch_survives_kill_9_of_the_server_with_no_result_lost_or_doubled(tmp_path, tiny_model):
+    model, data = tiny_model.name, tmp_path / "data"
+    config = _live_config(tmp_path, tiny_model)
+    content = _jsonl(*(_line(f"k{i:03d}", f"Tell story {i}", model=model, max_tokens=24) for i in range(100)))
+    server = LiveServer(config, args=["--data-dir", str(data)])
+    try:
+        sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        file = sdk.files.create(file=("in.jsonl", content), purpose="batch")
+        batch = sdk.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
+        _sdk_wait(sdk, batch.id, lambda b: b.request_counts.completed >= 40)
+        server.proc.kill()                                     # SIGKILL: no clean-up of any kind
+        server.proc.wait()
+    finally:
+        server.stop()
+    done_at_kill = _count_done(data)
+    assert 40 <= done_at_kill < 100, done_at_kill
+    with LiveServer(config, args=["--data-dir", str(data)]) as server:
+        sdk = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        done = _sdk_wait(sdk, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 100, done
+        output = [json.loads(x) for x in sdk.files.content(done.output_file_id).text.splitlines()]
+        assert any("resuming 1 unfinished batches" in line for line in server.log), "".join(server.log)
+    custom_ids = [o["custom_id"] for o in output]
+    assert len(custom_ids) == 100 and sorted(custom_ids) == [f"k{i:03d}" for i in range(100)]
+    assert all(o["response"]["status_code"] == 200 for o in output) and done.error_file_id is None

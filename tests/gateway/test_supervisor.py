@@ -1,0 +1,125 @@
+"""gateway.supervisor: a device worker killed under load is noticed, reported and restarted; requests
+that arrive meanwhile wait for it; a worker that never loaded stays failed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+
+import pytest
+
+from gateway.app import create_app
+from gateway.runtime import Gateway
+from gateway.supervisor import Backoff
+from pools.spec import load_config
+from tests.gateway.conftest import pools_yaml
+from tests.gateway.test_app import _client, _metrics, _model, _stream_text
+
+FAST = Backoff(initial_seconds=0.2, max_seconds=1.0)
+KILLED = "device worker process exited (signal 9, SIGKILL)"
+
+
+async def _wait_ready_status(client, status: int, timeout: float = 60.0) -> dict:
+    for _ in range(int(timeout / 0.05)):
+        r = await client.get("/ready")
+        if r.status == status:
+            return await r.json()
+        await asyncio.sleep(0.05)
+    raise TimeoutError(f"/ready never answered {status}")
+
+
+async def test_a_killed_worker_is_reported_restarted_and_requests_wait_for_it(aiohttp_client, tmp_path, tiny_model,
+                                                                             caplog):
+    client, gateway = await _client(aiohttp_client, pools_yaml(tiny_model), tmp_path)
+    gateway.supervisors["cpu"].backoff = FAST
+    old = gateway.clients["cpu"]
+    chat = "/v1/chat/completions"
+    body = {"model": _model(tiny_model), "messages": [{"role": "user", "content": "Tell me about cliffs."}],
+            "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+
+    # one streaming and one non-streaming request in flight
+    stream = await client.post(chat, json=dict(body, stream=True))
+    assert stream.status == 200 and (await stream.content.readline()).startswith(b"data: ")
+    whole = asyncio.create_task(client.post(chat, json=body))
+    while old.num_in_flight < 2:
+        await asyncio.sleep(0.01)
+
+    caplog.set_level(logging.ERROR, logger="cliffguard.gateway")
+    os.kill(old.pid, signal.SIGKILL)
+
+    _, chunks = await _stream_text(stream)     # the stream ends with an error event, then [DONE]
+    assert chunks[-1]["error"]["code"] == "engine_dead" and KILLED in chunks[-1]["error"]["message"]
+    r = await whole
+    assert r.status == 503 and (await r.json())["error"]["code"] == "engine_dead"
+    ready = await _wait_ready_status(client, 503)
+    assert ready["devices"] == {"cpu": f"restarting: {KILLED}"}
+    assert any(rec.levelno == logging.ERROR and "device cpu" in rec.getMessage() and KILLED in rec.getMessage()
+               for rec in caplog.records)
+
+    # a request sent while the worker restarts waits for it instead of failing
+    waiting = asyncio.create_task(client.post(chat, json=dict(body, max_tokens=4)))
+    await asyncio.sleep(0.3)
+    assert not waiting.done() and (await client.get("/ready")).status == 503
+    r = await waiting
+    assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 4
+    assert (await _wait_ready_status(client, 200))["devices"] == {"cpu": "ready"}
+
+    new = gateway.clients["cpu"]
+    assert new is not old and new.pid != old.pid and not old.is_alive and old.exitcode == -9
+    assert all(pool.client is new for pool in gateway.pools.values())
+    m = _metrics(await (await client.get("/metrics")).text())
+    assert m["cliffguard_worker_restarts_total"][(("device", "cpu"),)] == 1
+    stats = await new.stats()   # runs check_integrity in the worker
+    assert stats.num_requests == 0
+    assert all(p.num_free_blocks == p.num_blocks for p in stats.pools.values())
+
+
+async def test_a_worker_that_fails_its_first_start_stays_failed(aiohttp_client, tmp_path, tiny_model):
+    copy = tmp_path / "broken"
+    shutil.copytree(tiny_model, copy)
+    path = tmp_path / "pools.yaml"
+    path.write_text(pools_yaml(copy))
+    gateway = Gateway.from_config(load_config(path))
+    gateway.backoff = FAST
+    for f in copy.glob("*.safetensors*"):
+        f.unlink()
+    client = await aiohttp_client(create_app(gateway))
+    r = await client.post("/v1/chat/completions", json={"model": "broken", "max_tokens": 2,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status == 503 and (await r.json())["error"]["code"] == "pool_unavailable"
+    await asyncio.sleep(2 * FAST.initial_seconds)
+    state = (await _wait_ready_status(client, 503))["devices"]["cpu"]
+    assert state.startswith("failed: device 'cpu' failed to start:"), state
+    supervisor = gateway.supervisors["cpu"]
+    assert supervisor.num_restarts == 0 and not supervisor.client.is_alive
+
+
+def test_backoff_doubles_up_to_its_cap_and_checks_its_fields():
+    backoff = Backoff()
+    assert [backoff.delay(i) for i in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+    assert backoff.delay(10_000) == 30
+    with pytest.raises(ValueError, match="max_seconds"):
+        Backoff(initial_seconds=5, max_seconds=1)
+    with pytest.raises(ValueError, match="factor"):
+        Backoff(factor=0.5)
+
+
+def test_engine_counters_of_a_restarted_worker_keep_counting():
+    from engine.stats import PoolStats
+    from gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+
+    def computed(total):
+        stats = PoolStats(num_running=0, num_waiting=0, num_swapped=0, num_blocks=8, num_free_blocks=8,
+                          num_cached_free_blocks=0, kv_cache_usage=0.0, max_num_seqs=1, cpu_swap_usage=0.0,
+                          num_computed_tokens=total)
+        metrics.update_pool("chat", stats, 1024)
+        return metrics.computed_tokens.labels(pool="chat")._value.get()
+
+    assert computed(100) == 100
+    assert computed(30) == 130      # the new worker started from 0: its 30 are new
+    assert computed(50) == 150
