@@ -12,9 +12,11 @@ output length (`ignore_eos`), same seed, same prompts.
   clients do), giving up after `--max-retries`.
 
 Per mode: requests answered / rejected for good, goodput (answered requests and output tokens per
-second from the first arrival to the last answer), e2e latency p50/p99 as the user sees it (first
-send to final answer, back-offs included), wasted attempts (429s), and the KV idle fraction over the
-run (1 - `cliffguard_kv_cache_usage_perc`, scraped every 0.25 s, averaged over the makespan).
+second from the first arrival to the last answer or give-up), e2e latency p50/p99 as the user sees
+it (first send to final answer, back-offs included), wasted attempts (429s), and how idle the pool
+sat over the run, scraped every 0.25 s and averaged over the makespan: KV idle (1 -
+`cliffguard_kv_cache_usage_perc`, blocks really in use) and credits idle (credits no admitted
+request holds: what reject-when-full leaves unused while its clients back off).
 `--quick` runs a short load (about a minute per mode on a 2-core CPU) for a test.
 """
 
@@ -59,7 +61,7 @@ def pools_yaml(mode: str, args: argparse.Namespace) -> str:
     queue = "    max_queue_seconds: 0\n" if mode == "reject" else ""
     return (f"devices:\n  dev: {{device: cpu, memory: 1GiB, dtype: float32}}\npools:\n"
             f"  - name: chat\n    model: {MODEL}\n    device: dev\n    kv_cache_bytes: {args.kv_cache}\n"
-            f"    avg_len: 128\n    max_model_len: 512\n{queue}")
+            f"    avg_len: 128\n    max_model_len: 256\n{queue}")
 
 
 @dataclass
@@ -74,7 +76,7 @@ class Outcome:
 
 @dataclass
 class Scrapes:
-    samples: list[tuple[float, float]] = field(default_factory=list)   # (time, kv usage fraction)
+    samples: list[tuple[float, float, float]] = field(default_factory=list)   # (time, KV used, credits held)
 
 
 def _prompts(n: int, seed: int) -> list[str]:
@@ -102,14 +104,18 @@ async def _one(session, url: str, prompt: str, out: Outcome, args: argparse.Name
 
 
 async def _scrape(session, url: str, scrapes: Scrapes, start: float) -> None:
-    from bench.serve import parse_metrics
+    """Every 0.25 s: the fraction of the pool's blocks in use and of its credits held."""
+    from prometheus_client.parser import text_string_to_metric_families
 
     while True:
         try:
             async with session.get(url + "/metrics") as r:
-                pools = parse_metrics(await r.text())
-            scrapes.samples.append((time.perf_counter() - start, pools.get("chat", {}).get("kv_cache_usage_perc", 0.0)))
-        except OSError:
+                text = await r.text()
+            values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                      if s.labels.get("pool") == "chat"}
+            held = 1 - values["cliffguard_kv_credits_free"] / values["cliffguard_kv_credits_total"]
+            scrapes.samples.append((time.perf_counter() - start, values["cliffguard_kv_cache_usage_perc"], held))
+        except (OSError, KeyError):
             pass
         await asyncio.sleep(0.25)
 
@@ -147,7 +153,7 @@ async def run_mode(mode: str, args: argparse.Namespace, folder: Path) -> dict[st
 def summarize(mode: str, outcomes: list[Outcome], scrapes: Scrapes) -> dict[str, Any]:
     ok = [o for o in outcomes if o.status == 200]
     makespan = max(o.done for o in outcomes) - min(o.arrival for o in outcomes)
-    usage = [u for t, u in scrapes.samples if t <= makespan + outcomes[0].arrival]
+    window = [(u, h) for t, u, h in scrapes.samples if t <= makespan + outcomes[0].arrival]
     e2e = latency_stats([o.done - o.arrival for o in ok])
     return {"mode": mode, "requests": len(outcomes), "answered": len(ok),
             "rejected": sum(1 for o in outcomes if o.status != 200),
@@ -155,19 +161,21 @@ def summarize(mode: str, outcomes: list[Outcome], scrapes: Scrapes) -> dict[str,
             "makespan_s": makespan, "goodput_rps": len(ok) / makespan,
             "goodput_tokens_s": sum(o.tokens for o in ok) / makespan,
             "e2e_p50_s": e2e["p50"], "e2e_p99_s": e2e["p99"],
-            "kv_idle_fraction": 1 - sum(usage) / len(usage) if usage else None,
+            "kv_idle_fraction": 1 - sum(u for u, _ in window) / len(window) if window else None,
+            "credits_idle_fraction": 1 - sum(h for _, h in window) / len(window) if window else None,
             "errors": sorted({o.error for o in outcomes if o.status != 200})}
 
 
 def format_table(results: list[dict[str, Any]]) -> str:
     head = (f"{'mode':<8}{'answered':>9}{'rejected':>9}{'429s':>7}{'req/s':>8}{'tok/s':>8}{'e2e p50':>9}"
-            f"{'e2e p99':>9}{'KV idle':>9}")
+            f"{'e2e p99':>9}{'KV idle':>9}{'credits idle':>14}")
     rows = [head]
     for r in results:
         idle = "-" if r["kv_idle_fraction"] is None else f"{r['kv_idle_fraction']:.0%}"
+        credits = "-" if r["credits_idle_fraction"] is None else f"{r['credits_idle_fraction']:.0%}"
         rows.append(f"{r['mode']:<8}{r['answered']:>9}{r['rejected']:>9}{r['wasted_attempts']:>7}"
                     f"{r['goodput_rps']:>8.2f}{r['goodput_tokens_s']:>8.1f}{r['e2e_p50_s']:>8.1f}s"
-                    f"{r['e2e_p99_s']:>8.1f}s{idle:>9}")
+                    f"{r['e2e_p99_s']:>8.1f}s{idle:>9}{credits:>14}")
     by_mode = {r["mode"]: r for r in results}
     if "queue" in by_mode and "reject" in by_mode:
         q, j = by_mode["queue"], by_mode["reject"]
