@@ -4,8 +4,9 @@ workers and their readiness, metrics, the tokenizer thread pool and the upstream
 `Gateway.from_config` does everything that can fail before a socket opens (models resolved,
 tokenizers loaded, the capacity plan computed); `start` spawns the device workers, which load in the
 background, each under a `gateway.supervisor.DeviceSupervisor` that restarts it if it dies. The
-app's `cleanup_ctx` (gateway.app) calls `start` and `stop` and owns the session. All methods run on the event loop; only `Router.route` (via `route_chat` / `route_prompt`) and the
-tokenizers it calls may run on the tokenizer thread.
+app's `cleanup_ctx` (gateway.app) calls `start` and `stop` and owns the session. All methods run on
+the event loop; only `Router.route` (via `route_chat` / `route_prompt`) and the tokenizers it calls
+may run on the tokenizer thread.
 """
 
 from __future__ import annotations
