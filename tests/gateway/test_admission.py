@@ -91,7 +91,7 @@ async def test_500_concurrent_requests_on_8_sequences_are_all_answered(aiohttp_c
     statuses = [status for status, _ in results]
     assert statuses.count(200) == 500, {s: statuses.count(s) for s in set(statuses)}
     assert all(body["usage"]["completion_tokens"] == 4 for _, body in results)
-    assert deepest > 400                       # they did wait at the gateway ...
+    assert deepest > 100                       # they did wait at the gateway (8 run at a time) ...
     assert pool.admission.num_admitted == 500  # ... and every one was admitted
     assert pool.admission.free == pool.admission.total and pool.admission.ledger.num_queued == 0
     pool.admission.ledger.check_integrity()
