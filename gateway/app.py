@@ -29,6 +29,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from gateway import batches, handlers
+from gateway.admission import bearer_key
 from gateway.openai_api import ApiError
 from gateway.runtime import GATEWAY, Gateway
 from pools.spec import CliffguardConfig
@@ -107,12 +108,10 @@ _OPEN_PATHS = {"/health", "/ready", "/metrics"}
 async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     keys = request.app[GATEWAY].config.gateway.api_keys
     if keys and request.path not in _OPEN_PATHS:
-        header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
-        if not header:
+        if not request.headers.get("Authorization"):
             raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip().encode(), k.encode())
-                                                 for k in keys):
+        token = bearer_key(request)
+        if token is None or not any(hmac.compare_digest(token.encode(), k.encode()) for k in keys):
             raise ApiError(401, "invalid API key", code="invalid_api_key")
     return await handler(request)
 
