@@ -7,15 +7,15 @@ pile up, it never slows the arrivals). Arrivals stop after `--duration` s and/or
 in-flight requests get at most `--drain-timeout` s, and those still running are cancelled and reported as
 `unfinished` (so are requests past their own `--timeout`). The run always ends by itself.
 
-Workload classes come from a YAML file (`bench/workloads/*.yaml`, schema in `load_workload`) or the
-built-in default: per class a share of `--request-rate` (or an own `rate`), the endpoint (chat or
+Workload classes come from a YAML file (`bench/workloads/*.yaml`, schema in `pools.workload.parse_workload`)
+or the built-in default: per class a share of `--request-rate` (or an own `rate`), the endpoint (chat or
 completion) and prompt and output length distributions in tokens. Requests stream (`stream: true`,
-`stream_options.include_usage`) and send vLLM's `ignore_eos` so outputs have the asked length. Prompts
-are random words from a list whose words are one token each for typical BPE tokenizers, so a prompt of
-N words is about N tokens; with `--tokenizer` completion prompts hit N exactly. The words are random from
-the first one, so no two prompts share a prefix and the server's prefix cache cannot flatter a run.
-`--probe-rate` adds tiny Poisson probe requests (class `probe`: 8 prompt tokens, 2 output tokens):
-Poisson arrivals see time averages, so their latency is how the load stalls an unrelated short request.
+`stream_options.include_usage`) and send vLLM's `ignore_eos` so outputs have the asked length. Prompts are
+random words from a list whose words are one token each for typical BPE tokenizers, so a prompt of N words
+is about N tokens; with `--tokenizer` completion prompts hit N exactly. The words are random from the first
+one, so no two prompts share a prefix and the server's prefix cache cannot flatter a run. `--probe-rate`
+adds tiny Poisson probe requests (class `probe`: 8 prompt tokens, 2 output tokens): Poisson arrivals see
+time averages, so their latency is how the load stalls an unrelated short request.
 
 Measures, per request: send time, the arrival of every content chunk (TTFT = first; ITL = the gap
 between consecutive content chunks divided by the tokens in the later chunk when the server tells them
@@ -64,18 +64,14 @@ from typing import Any
 
 import numpy as np
 
-from pools.yamlcheck import SpecError, check_mapping, is_int, is_number, load_yaml, read_text, show, within
+from pools.workload import (DEFAULT_WORKLOAD, ENDPOINTS, LengthDist, WorkloadClass, _check_positive, class_arrivals,
+                            class_rates, gamma_arrivals, latency_stats, load_workload)
+from pools.yamlcheck import SpecError, is_int, show
 
 log = logging.getLogger("cliffguard.bench.serve")
 
-ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
-DISTS = ("fixed", "uniform", "normal")
-_DIST_KEYS = {"fixed": ("value",), "uniform": ("min", "max"), "normal": ("mean", "std", "min", "max")}
-_CLASS_KEYS = ("name", "share", "rate", "endpoint", "prompt_len", "output_len", "ignore_eos", "temperature")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 PROBE_CLASS = "probe"
 POOL_HEADER = "x-cliffguard-pool"
-WORKLOAD_DIR = Path(__file__).resolve().parent / "workloads"
 DONE = "[DONE]"
 GOODPUT_KEYS = ("ttft", "itl", "e2e")
 LATENCIES = ("ttft", "itl", "tpot", "e2e")
@@ -108,175 +104,8 @@ list song being leave family
 
 # --- workload classes and the run's configuration -----------------------------------------------------
 
-def _required(key: str, value: Any) -> Any:
-    if value is None:
-        raise SpecError(f"{key}: required, got nothing")
-    return value
-
-
-def _check_positive(key: str, value: Any, *, optional: bool = False, zero: bool = False,
-                    allow_inf: bool = False) -> None:
-    """A number > 0 (>= 0 with `zero`), finite unless `allow_inf`."""
-    if value is None and optional:
-        return
-    bound = ">= 0" if zero else "> 0"
-    if not is_number(value) or math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise SpecError(f"{key}: must be a number {bound}, got {show(value)}")
-    if value < 0 or (value == 0 and not zero):
-        raise SpecError(f"{key}: must be {bound}, got {value!r}")
-
-
-def _check_len(key: str, value: Any, *, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not is_int(value) or value < 1:
-        raise SpecError(f"{key}: must be an integer >= 1 (tokens), got {show(value)}")
-
-
-@dataclass(frozen=True)
-class LengthDist:
-    """A distribution of token counts, sampled as ints >= 1.
-
-    fixed: `value`; uniform: `min..max` inclusive; normal: round(N(mean, std)) clipped to `min..max`
-    (min 1 and no max unless given). In YAML: `{dist: fixed, value: 64}` or just `64`.
-    """
-
-    dist: str = "fixed"
-    value: int | None = None
-    min: int | None = None
-    max: int | None = None
-    mean: float | None = None
-    std: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.dist not in DISTS:
-            raise SpecError(f"dist: must be one of {', '.join(DISTS)}; got {self.dist!r}")
-        allowed = _DIST_KEYS[self.dist]
-        for name in ("value", "min", "max", "mean", "std"):
-            if getattr(self, name) is not None and name not in allowed:
-                raise SpecError(f"{name}: not used by dist {self.dist} (got {getattr(self, name)!r}); "
-                                f"{self.dist} takes: {', '.join(allowed)}")
-        if self.dist == "fixed":
-            _check_len("value", _required("value", self.value))
-        elif self.dist == "uniform":
-            _check_len("min", _required("min", self.min))
-            _check_len("max", _required("max", self.max))
-        else:
-            _check_positive("mean", _required("mean", self.mean))
-            _check_positive("std", _required("std", self.std), zero=True)
-            _check_len("min", self.min, optional=True)
-            _check_len("max", self.max, optional=True)
-        if self.min is not None and self.max is not None and self.min > self.max:
-            raise SpecError(f"max: must be >= min {self.min}, got {self.max}")
-
-    def sample(self, rng: random.Random) -> int:
-        """One length drawn with `rng`."""
-        if self.dist == "fixed":
-            return self.value
-        if self.dist == "uniform":
-            return rng.randint(self.min, self.max)
-        n = max(self.min or 1, round(rng.gauss(self.mean, self.std)))
-        return n if self.max is None else min(n, self.max)
-
-
-@dataclass(frozen=True)
-class WorkloadClass:
-    """One kind of request in the load: how often it arrives, its endpoint and its lengths in tokens.
-
-    Share classes split `LoadConfig.request_rate` in proportion to `share` (1 when neither `share` nor
-    `rate` is given); a class with its own `rate` (req/s) arrives at that rate on top of it.
-    """
-
-    name: str
-    prompt_len: LengthDist
-    output_len: LengthDist
-    endpoint: str = "chat"
-    share: float | None = None
-    rate: float | None = None
-    ignore_eos: bool = True
-    temperature: float | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise SpecError(f"name: must be letters, digits, '_', '.' or '-' (a label), got {show(self.name)}")
-        for key in ("prompt_len", "output_len"):
-            if not isinstance(getattr(self, key), LengthDist):
-                raise SpecError(f"{key}: must be a LengthDist, got {show(getattr(self, key))}")
-        if self.endpoint not in ENDPOINTS:
-            raise SpecError(f"endpoint: must be one of {', '.join(ENDPOINTS)}; got {self.endpoint!r}")
-        _check_positive("share", self.share, optional=True)
-        _check_positive("rate", self.rate, optional=True)
-        if self.share is not None and self.rate is not None:
-            raise SpecError(f"rate: give share or rate, not both (share {self.share!r}, rate {self.rate!r})")
-        if not isinstance(self.ignore_eos, bool):
-            raise SpecError(f"ignore_eos: must be true or false, got {show(self.ignore_eos)}")
-        _check_positive("temperature", self.temperature, optional=True, zero=True)
-
-    @property
-    def weight(self) -> float:
-        """This class' weight among the share classes (0 for a class with its own rate)."""
-        return 0.0 if self.rate is not None else (1.0 if self.share is None else float(self.share))
-
-
-DEFAULT_WORKLOAD = (WorkloadClass("default", prompt_len=LengthDist("normal", mean=128, std=32, min=16, max=512),
-                                  output_len=LengthDist("fixed", value=64)),)
 PROBE = WorkloadClass(PROBE_CLASS, endpoint="completion", prompt_len=LengthDist("fixed", value=8),
                       output_len=LengthDist("fixed", value=2))
-
-
-def _parse_length(key: str, raw: Any) -> LengthDist:
-    if is_int(raw):
-        raw = {"dist": "fixed", "value": raw}
-    if not isinstance(_required(key, raw), dict):
-        raise SpecError(f"{key}: must be a token count or a mapping like {{dist: uniform, min: 8, max: 64}}, "
-                        f"got {show(raw)}")
-    raw = check_mapping(key, raw, ("dist", *sorted({k for ks in _DIST_KEYS.values() for k in ks})))
-    with within(key):
-        return LengthDist(**{"dist": _required("dist", raw.get("dist")), **raw})
-
-
-def parse_workload(data: Any) -> tuple[WorkloadClass, ...]:
-    """The dict of a workload YAML file -> its classes, or SpecError naming the key path and the bad value.
-
-    Schema: `classes:` a list of {name, share | rate, endpoint: chat|completion (chat), prompt_len,
-    output_len, ignore_eos (true), temperature (the server's default)}; lengths as `LengthDist`.
-    An optional top-level `description:` is ignored.
-    """
-    if not isinstance(data, dict):
-        raise SpecError(f"(top level): must be a mapping with a `classes:` list, got {show(data)}")
-    data = check_mapping("", data, ("classes", "description"))
-    raw_classes = _required("classes", data.get("classes"))
-    if not isinstance(raw_classes, list) or not raw_classes:
-        raise SpecError(f"classes: must be a non-empty list of classes, got {show(raw_classes)}")
-    classes = []
-    for i, raw in enumerate(raw_classes):
-        key = f"classes[{i}]"
-        raw = check_mapping(key, raw, _CLASS_KEYS)
-        _required(f"{key}.name", raw.get("name"))
-        kwargs = dict(raw, prompt_len=_parse_length(f"{key}.prompt_len", raw.get("prompt_len")),
-                      output_len=_parse_length(f"{key}.output_len", raw.get("output_len")))
-        with within(key):
-            classes.append(WorkloadClass(**kwargs))
-        if [c.name for c in classes].count(classes[-1].name) > 1:
-            raise SpecError(f"{key}.name: {classes[-1].name!r} is used by an earlier class")
-    return tuple(classes)
-
-
-def load_workload(path_or_name: str | Path) -> tuple[WorkloadClass, ...]:
-    """Classes from a YAML file, or from `bench/workloads/<name>.yaml` for a bare name (`chat`, `mixed`).
-    Errors are SpecError naming the key path, ending with `(in <path>)`."""
-    path = Path(path_or_name)
-    if not path.exists() and path.suffix == "" and len(path.parts) == 1:
-        path = WORKLOAD_DIR / f"{path_or_name}.yaml"
-    try:
-        text = read_text(path, "workload file")
-    except SpecError as exc:
-        known = ", ".join(sorted(p.stem for p in WORKLOAD_DIR.glob("*.yaml")))
-        raise SpecError(f"{exc}; built-in names: {known}") from None
-    try:
-        return parse_workload(load_yaml(text, str(path)))
-    except SpecError as exc:
-        raise SpecError(f"{exc} (in {path})") from None
 
 
 @dataclass(frozen=True)
@@ -390,9 +219,7 @@ class LoadConfig:
     @property
     def class_rates(self) -> dict[str, float]:
         """Arrival rate of each class (req/s): its own rate, or its share of `request_rate`."""
-        total = sum(c.weight for c in self.classes)
-        return {c.name: c.rate if c.rate is not None else self.request_rate * c.weight / total
-                for c in self.classes}
+        return class_rates(self.classes, self.request_rate)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -400,43 +227,10 @@ class LoadConfig:
 
 # --- arrivals and prompts -------------------------------------------------------------------------------
 
-def gamma_arrivals(rate: float, burstiness: float, rng: np.random.Generator, *, duration: float | None = None,
-                   count: int | None = None) -> np.ndarray:
-    """Arrival times (s from 0) of a gamma renewal process: gaps ~ Gamma(shape=burstiness,
-    scale=1/(rate x burstiness)), so mean gap 1/rate and squared coefficient of variation 1/burstiness
-    (1: Poisson). The first `count` arrivals, those before `duration`, or both limits."""
-    if count is None and duration is None:
-        raise ValueError("gamma_arrivals: give duration and/or count")
-    scale = 1.0 / (rate * burstiness)
-    if count is not None:
-        times = np.cumsum(rng.gamma(burstiness, scale, size=count))
-    else:
-        parts, last, chunk = [], 0.0, int(rate * duration * 1.2) + 16
-        while last < duration:
-            part = last + np.cumsum(rng.gamma(burstiness, scale, size=chunk))
-            parts.append(part)
-            last = float(part[-1])
-        times = np.concatenate(parts)
-    return times if duration is None else times[times < duration]
-
-
 def arrival_schedule(config: LoadConfig) -> list[tuple[float, WorkloadClass]]:
     """(arrival time, class) of every request of the run, probes included, sorted by time."""
-    events: list[tuple[float, int, WorkloadClass]] = []
-    rates = config.class_rates
-    if math.isinf(config.request_rate):
-        rng = np.random.default_rng([config.seed, 0])
-        weights = np.array([c.weight for c in config.classes])
-        picks = rng.choice(len(config.classes), size=config.num_requests, p=weights / weights.sum())
-        events = [(0.0, int(i), config.classes[int(i)]) for i in picks]
-    else:
-        for i, cls in enumerate(config.classes):
-            rng = np.random.default_rng([config.seed, i])
-            times = gamma_arrivals(rates[cls.name], config.burstiness, rng, duration=config.duration,
-                                   count=config.num_requests)
-            events += [(float(t), i, cls) for t in times]
-        events.sort(key=lambda e: (e[0], e[1]))
-        events = events[:config.num_requests]
+    events = class_arrivals(config.classes, config.request_rate, burstiness=config.burstiness,
+                            duration=config.duration, num_requests=config.num_requests, seed=config.seed)
     if config.probe_rate > 0:
         end = config.duration if config.duration is not None else max((e[0] for e in events), default=0.0)
         rng = np.random.default_rng([config.seed, len(config.classes)])
@@ -859,17 +653,6 @@ async def run_load(config: LoadConfig, plan: list[PlannedRequest] | None = None)
 
 
 # --- summaries ---------------------------------------------------------------------------------------------
-
-def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
-    """mean, p50, p90, p99 and max of `values` (percentiles interpolated linearly, as numpy's and vLLM's);
-    all None when there are none."""
-    if len(values) == 0:
-        return dict.fromkeys(("mean", "p50", "p90", "p99", "max"))
-    arr = np.asarray(values, dtype=float)
-    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
-    return {"mean": float(arr.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99),
-            "max": float(arr.max())}
-
 
 def latencies(records: Iterable[RequestRecord], metric: str) -> list[float]:
     """The completed requests' values of one of `LATENCIES` (ITL: every gap of every request)."""

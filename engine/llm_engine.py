@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 import engine.capacity as capacity
-from engine.block_manager import BlockManager
 from engine.composer import ComposedStep, StepComposer, StepFeatures
 from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig
 from engine.kv_cache import KVCache, SwapSpace
@@ -25,8 +24,7 @@ from engine.model import build_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import Sampler, SamplerOutput, SamplingParams, SamplingRow, make_generator
-from engine.scheduler import (PreemptionCostModel, RequestTooLargeError, ScheduledSeq, Scheduler,
-                              SchedulerOutput)
+from engine.scheduler import RequestTooLargeError, ScheduledSeq, Scheduler, SchedulerOutput, build_scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import iter_weights, resolve_model, weights_bytes
@@ -210,28 +208,20 @@ class LLMEngine:
 
     def _make_scheduler(self, pool: PoolConfig, first_block: int) -> Scheduler:
         """The scheduler of one pool: its block range from `first_block` on, and its CPU swap space."""
-        sc = pool.scheduler
-        max_model_len = sc.max_model_len or self.model_config.max_position_embeddings
+        max_model_len = pool.scheduler.max_model_len or self.model_config.max_position_embeddings
         if max_model_len > self.model_config.max_position_embeddings:
             raise ConfigError(
                 f"pools.{pool.name}.max_model_len: {max_model_len} exceeds the model's "
                 f"max_position_embeddings {self.model_config.max_position_embeddings}")
-        block_size = self.config.cache.block_size
-        bm = BlockManager(pool.num_blocks, block_size, first_block=first_block,
-                          enable_prefix_caching=sc.enable_prefix_caching)
-        swap_manager = cost_model = None
-        if sc.uses_swap:
-            num_cpu_blocks = sc.swap_space_bytes // self.kv_cache.bytes_per_block
-            if num_cpu_blocks <= 0:
-                raise ConfigError(f"pools.{pool.name}.swap_space_bytes: {sc.swap_space_bytes} bytes hold no "
-                                  f"block of {self.kv_cache.bytes_per_block} bytes")
-            swap_manager = BlockManager(num_cpu_blocks, block_size)
-            self.swap_spaces[pool.name] = SwapSpace(self.kv_cache, num_cpu_blocks)
+        scheduler = build_scheduler(pool, block_size=self.config.cache.block_size, first_block=first_block,
+                                    max_model_len=max_model_len, bytes_per_block=self.kv_cache.bytes_per_block,
+                                    kv_bytes_per_token=self.model_config.kv_bytes_per_token(self.dtype))
+        if scheduler.swap_manager is not None:
+            self.swap_spaces[pool.name] = SwapSpace(self.kv_cache, scheduler.swap_manager.num_blocks)
             if self._swap_bandwidth is None:
                 self._swap_bandwidth = self.swap_spaces[pool.name].measure_bandwidth()
-            cost_model = PreemptionCostModel(self.model_config.kv_bytes_per_token(self.dtype),
-                                             swap_bytes_per_second=self._swap_bandwidth)
-        return Scheduler(sc, bm, max_model_len, name=pool.name, swap_manager=swap_manager, cost_model=cost_model)
+            scheduler.cost_model.swap_bytes_per_second = self._swap_bandwidth
+        return scheduler
 
     @classmethod
     def from_args(cls, model: str = "builtin:smollm2-135m-instruct", *, block_size: int = 16,

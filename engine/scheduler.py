@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, NoFreeBlocksError
-from engine.config import SchedulerConfig
+from engine.config import ConfigError, PoolConfig, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -408,3 +408,24 @@ class Scheduler:
         self.block_manager.check_integrity([s.block_table for s in self.running])
         if self.swap_manager is not None:
             self.swap_manager.check_integrity([s.cpu_block_table for s in self.swapped])
+
+
+def build_scheduler(pool: PoolConfig, *, block_size: int, first_block: int, max_model_len: int,
+                    bytes_per_block: int, kv_bytes_per_token: int,
+                    swap_bytes_per_second: float | None = None) -> Scheduler:
+    """One pool's scheduler: its blocks from `first_block` on, its CPU swap block ids (swap and auto
+    modes: `swap_space_bytes // bytes_per_block` of them) and the auto mode's cost model. The engine
+    and the simulator (pools.simulate) both build their schedulers here, so both schedule alike; the
+    engine allocates the swap tensors beside it and sets the measured swap bandwidth."""
+    sc = pool.scheduler
+    bm = BlockManager(pool.num_blocks, block_size, first_block=first_block,
+                      enable_prefix_caching=sc.enable_prefix_caching)
+    swap_manager = cost_model = None
+    if sc.uses_swap:
+        num_cpu_blocks = sc.swap_space_bytes // bytes_per_block
+        if num_cpu_blocks <= 0:
+            raise ConfigError(f"pools.{pool.name}.swap_space_bytes: {sc.swap_space_bytes} bytes hold no "
+                              f"block of {bytes_per_block} bytes")
+        swap_manager = BlockManager(num_cpu_blocks, block_size)
+        cost_model = PreemptionCostModel(kv_bytes_per_token, swap_bytes_per_second=swap_bytes_per_second)
+    return Scheduler(sc, bm, max_model_len, name=pool.name, swap_manager=swap_manager, cost_model=cost_model)

@@ -1,4 +1,4 @@
-"""The `cliffguard` command: serve, capacity, generate, bench.
+"""The `cliffguard` command: serve, capacity, simulate, generate, bench.
 
 Argument parsing, printing and exit codes live here and nowhere else: 0 on success, 2 with one line
 `cliffguard <command>: error: ...` on stderr for anything the user can fix (a bad option, an invalid
@@ -204,6 +204,70 @@ def _capacity(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- simulate ---------------------------------------------------------------------------------------
+def _add_simulate(sub) -> None:
+    from pools.simulate import PRESETS
+
+    p = sub.add_parser("simulate", help="run the real schedulers on a modelled GPU: predicted latency per class",
+                       description="Plan the pools of a config for a GPU preset (memory from the preset), then "
+                                   "drive the real schedulers, step composer and KV credits over a workload on a "
+                                   "virtual clock whose steps take the preset's roofline time. See "
+                                   "docs/SIMULATE.md.")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"pools YAML (default: {DEFAULT_CONFIG})")
+    p.add_argument("--workload", default="mixed", help="workload classes: a YAML file or a name under "
+                   "bench/workloads (default: mixed)")
+    p.add_argument("--request-rate", type=float, default=1.0, help="requests/s over the share classes (default 1)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (default 60)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
+    p.add_argument("--device", choices=sorted(PRESETS), default="h100", help="GPU preset (default h100)")
+    p.add_argument("--vram", default=None, help="memory per GPU for the plan (default: the preset's)")
+    p.add_argument("--model-config", default=None, help="an HF config.json (or its folder) for every pool")
+    p.add_argument("--preemption-mode", choices=("recompute", "swap", "auto"), default=None,
+                   help="override every pool's preemption_mode")
+    p.add_argument("--swap-space", default=None, help="override every pool's swap_space (e.g. 16GiB)")
+    p.add_argument("--no-credits", action="store_true", help="admit at once, as a server without KV credits")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from engine.config import parse_dtype
+    from pools.capacity import plan_capacity, resolve_model_configs
+    from pools.simulate import PRESETS, RooflineStepTime, format_summary, make_requests, simulate, summarize
+    from pools.spec import SpecError, load_config, parse_bytes
+    from pools.workload import load_workload
+
+    for name in ("request_rate", "duration", "burstiness"):
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
+    config = load_config(args.config)
+    overrides = {}
+    if args.preemption_mode:
+        overrides["preemption_mode"] = args.preemption_mode
+    if args.swap_space:
+        overrides["swap_space_bytes"] = parse_bytes(args.swap_space, "--swap-space")
+    if overrides:
+        config = dataclasses.replace(config, pools=tuple(dataclasses.replace(p, **overrides) for p in config.pools))
+    preset = PRESETS[args.device]
+    vram = parse_bytes(args.vram, "--vram") if args.vram else preset.memory_bytes
+    try:
+        model_configs = resolve_model_configs(config, args.model_config)
+    except SpecError as exc:
+        raise SpecError(f"{exc} (or pass --model-config config.json)") from None
+    plan = plan_capacity(config, model_configs, vram_bytes=vram)
+    step_times = {d.name: RooflineStepTime(preset, model_configs[d.model], parse_dtype(d.dtype).itemsize,
+                                           d.tensor_parallel_size) for d in plan.devices.values()}
+    requests = make_requests(load_workload(args.workload), args.request_rate, duration=args.duration,
+                             burstiness=args.burstiness, seed=args.seed)
+    result = simulate(config, plan, model_configs, requests, step_times, credits=not args.no_credits,
+                      seed=args.seed)
+    summary = summarize(result)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 0
+
+
 # --- bench ------------------------------------------------------------------------------------------
 def _add_bench(sub) -> None:
     from importlib import import_module
@@ -222,6 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_capacity(sub)
+    _add_simulate(sub)
     _add_bench(sub)
     return parser
 
@@ -235,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "capacity":
             return _capacity(args)
+        if args.command == "simulate":
+            return _simulate(args)
         from importlib import import_module
 
         return import_module(f"bench.{BENCHMARKS[args.bench][0]}").run(args)

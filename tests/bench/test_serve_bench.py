@@ -21,6 +21,7 @@ from engine.stats import PoolStats
 from gateway.cli import main
 from gateway.metrics import GatewayMetrics
 from pools.spec import SpecError
+from pools.workload import WORKLOAD_DIR
 from tests.gateway.conftest import DEFAULT_CONFIG, LiveServer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -180,7 +181,7 @@ def test_prompts_are_about_one_token_per_word_and_exact_with_the_tokenizer(built
 
 
 def test_shipped_workloads_load_by_path_and_by_name():
-    files = sorted(serve.WORKLOAD_DIR.glob("*.yaml"))
+    files = sorted(WORKLOAD_DIR.glob("*.yaml"))
     assert {f.stem for f in files} >= {"chat", "rag", "mixed"}
     for path in files:
         assert serve.load_workload(path) == serve.load_workload(path.stem)

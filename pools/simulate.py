@@ -1,0 +1,491 @@
+"""`cliffguard simulate`: the real schedulers on a modelled device, to plan pools without the device.
+
+What runs is our own scheduling code, not a model of it: each device of a pool file gets the
+schedulers and block managers that `engine.scheduler.build_scheduler` makes for the engine, the same
+`StepComposer` decides every step across the device's pools, and the gateway's `CreditLedger` holds
+requests until their KV credits fit (as `serve` does by default). What is modelled is only what a
+step costs: tokens are made up (no tensors, no model), and each step advances a virtual clock by the
+time a `StepTime` model gives for the work the schedulers chose, plus the swap copies they asked for.
+
+Step-time models:
+- `RooflineStepTime` for a GPU preset (`PRESETS`: H100, H200, A100): per GPU of a tensor-parallel
+  group, a fixed per-step overhead plus the larger of compute (2 FLOPs per weight per token, attention
+  4 FLOPs per query-key pair per head dimension, the LM head for sampled tokens, at a fraction of peak)
+  and memory traffic (all weights once per step, the K/V every token attends to, the K/V written, at a
+  fraction of peak bandwidth), plus two ring all-reduces per layer over the interconnect when TP > 1.
+  The efficiencies and the overhead are assumptions written in the preset, not measurements.
+- `LinearStepTime`: `t = a + b * prefill_tokens + c * decode_tokens + d * attended / 1024`, the step
+  composer's own cost model, with coefficients measured on a real device.
+
+Requests come from a workload (`pools.workload`, the classes `cliffguard bench serve` sends), are
+routed by prompt length exactly as the gateway routes them (the first local pool of the config whose
+route admits the count), and generate exactly their `output_len` tokens (ignore_eos). Per class the
+result has TTFT, ITL and e2e percentiles and throughput; per pool preemptions, swap traffic and KV
+usage over time.
+
+Not modelled: the chat template's tokens (prompt_len is the count the engine sees), prefix sharing
+between requests (prompts are random ids), tenants and batch lines (one tenant, interactive), the
+gateway's own latency, and a step's variance (the model is deterministic).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from engine.composer import StepComposer, StepFeatures
+from engine.config import ModelConfig, PoolConfig
+from engine.scheduler import ScheduledSeq, Scheduler, build_scheduler
+from engine.sampling import SamplingParams
+from engine.sequence import FinishReason, Sequence as Seq
+from pools.admission import reservation
+from pools.capacity import CapacityPlan, DevicePlan
+from pools.credits import CreditLedger
+from pools.spec import CliffguardConfig, SpecError
+from pools.workload import WorkloadClass, class_arrivals, latency_stats
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class DevicePreset:
+    """One GPU as the roofline model sees it. Peaks are the vendor's dense bf16 figures; the
+    efficiencies and the per-step overhead are assumptions about what a serving engine reaches."""
+
+    name: str
+    peak_flops: float                 # FLOP/s, dense bf16, per GPU
+    memory_bandwidth: float           # B/s, HBM, per GPU
+    swap_bandwidth: float             # B/s, device <-> host memory (PCIe)
+    interconnect_bandwidth: float     # B/s per GPU and direction (NVLink), for tensor-parallel all-reduce
+    memory_bytes: int                 # per GPU
+    flops_efficiency: float = 0.6
+    bandwidth_efficiency: float = 0.8
+    step_overhead_s: float = 0.003    # scheduling, sampling, launches: per step, whatever its size
+    allreduce_latency_s: float = 10e-6
+
+
+# Vendor datasheets: H100 SXM5 989 TFLOP/s bf16 dense, 3.35 TB/s, NVLink 900 GB/s (both directions),
+# PCIe Gen5; H200 SXM the same compute, 4.8 TB/s, 141 GB; A100 SXM4 80GB 312 TFLOP/s, 2.04 TB/s,
+# NVLink 600 GB/s, PCIe Gen4. Host copies at about 55 GB/s (Gen5) and 25 GB/s (Gen4) pinned.
+PRESETS = {
+    "h100": DevicePreset("h100", 989e12, 3.35e12, 55e9, 450e9, 80 * GiB),
+    "h200": DevicePreset("h200", 989e12, 4.8e12, 55e9, 450e9, 141 * 10**9),
+    "a100": DevicePreset("a100", 312e12, 2.04e12, 25e9, 300e9, 80 * GiB),
+}
+
+
+class StepTime(Protocol):
+    """Seconds one step takes for the work the schedulers chose."""
+
+    swap_bandwidth: float | None
+
+    def seconds(self, batch: Sequence[ScheduledSeq], features: StepFeatures, num_sampled: int) -> float: ...
+
+
+class RooflineStepTime:
+    """A GPU preset's roofline for one model on a tensor-parallel group of `tp` GPUs (module docstring)."""
+
+    def __init__(self, preset: DevicePreset, model: ModelConfig, dtype_bytes: int, tp: int = 1) -> None:
+        self.preset = preset
+        self.model = model
+        self.dtype_bytes = dtype_bytes
+        self.tp = tp
+        self.swap_bandwidth = preset.swap_bandwidth
+        self.weights_bytes = model.num_params() * dtype_bytes
+        self.matmul_params = model.num_params() - model.vocab_size * model.hidden_size * (
+            1 if model.tie_word_embeddings else 2)          # the embedding lookup is no matmul; the head is apart
+        self.kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
+
+    def seconds(self, batch: Sequence[ScheduledSeq], features: StepFeatures, num_sampled: int) -> float:
+        m, p = self.model, self.preset
+        tokens = features.num_prefill_tokens + features.num_decode_tokens
+        attention = 4 * m.num_layers * m.num_heads * m.head_dim * features.num_attended
+        flops = 2 * self.matmul_params * tokens + attention + 2 * m.hidden_size * m.vocab_size * num_sampled
+        kv_read = sum(item.seq.num_computed_tokens for item in batch) * self.kv_bytes_per_token
+        traffic = self.weights_bytes + kv_read + tokens * self.kv_bytes_per_token
+        compute_s = flops / self.tp / (p.peak_flops * p.flops_efficiency)
+        memory_s = traffic / self.tp / (p.memory_bandwidth * p.bandwidth_efficiency)
+        allreduce_s = 0.0
+        if self.tp > 1:
+            size = tokens * m.hidden_size * self.dtype_bytes
+            per = 2 * (self.tp - 1) / self.tp * size / p.interconnect_bandwidth + p.allreduce_latency_s
+            allreduce_s = 2 * m.num_layers * per
+        return p.step_overhead_s + max(compute_s, memory_s) + allreduce_s
+
+
+@dataclass(frozen=True)
+class LinearStepTime:
+    """`t = a + b * prefill + c * decode + d * attended / 1024` (seconds, per token, per 1024 pairs):
+    the step composer's model, with coefficients measured on a real device."""
+
+    a: float
+    b: float
+    c: float
+    d: float
+    swap_bandwidth: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("a", "b", "c", "d"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name}: must be a number >= 0, got {value!r}")
+
+    def seconds(self, batch: Sequence[ScheduledSeq], features: StepFeatures, num_sampled: int) -> float:
+        return (self.a + self.b * features.num_prefill_tokens + self.c * features.num_decode_tokens
+                + self.d * features.num_attended / 1024)
+
+
+@dataclass
+class SimRequest:
+    """One request of the workload and what happened to it, in simulated seconds from the start."""
+
+    request_id: str
+    cls: str
+    arrival: float
+    prompt_len: int
+    output_len: int
+    pool: str | None = None
+    admitted: float | None = None            # credits granted (the engine sees it)
+    token_times: list[float] = field(default_factory=list)
+    error: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.error is None and len(self.token_times) == self.output_len
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        return self.token_times[-1] - self.arrival if self.finished else None
+
+    @property
+    def itls(self) -> list[float]:
+        return list(np.diff(self.token_times)) if len(self.token_times) > 1 else []
+
+
+@dataclass
+class PoolTrace:
+    """A pool over simulated time: one sample per step."""
+
+    times: list[float] = field(default_factory=list)
+    kv_usage: list[float] = field(default_factory=list)      # fraction of the pool's blocks in use
+    running: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)         # in the engine (admitted, not yet running)
+    queued: list[int] = field(default_factory=list)          # at the gateway, waiting for credits
+
+
+class DeviceSim:
+    """One device: its pools' real schedulers, the real step composer and the gateway's credit
+    ledgers, on a virtual clock. Single-threaded; `run` drives it to the end of its requests."""
+
+    def __init__(self, pools: Sequence[PoolConfig], *, block_size: int, max_model_lens: Mapping[str, int],
+                 step_time: StepTime, kv_bytes_per_token: int, credits: bool = True, seed: int = 0) -> None:
+        self.step_time = step_time
+        self.block_size = block_size
+        self.schedulers: dict[str, Scheduler] = {}
+        first_block = 0
+        for pool in pools:
+            scheduler = build_scheduler(pool, block_size=block_size, first_block=first_block,
+                                        max_model_len=max_model_lens[pool.name],
+                                        bytes_per_block=kv_bytes_per_token * block_size,
+                                        kv_bytes_per_token=kv_bytes_per_token,
+                                        swap_bytes_per_second=step_time.swap_bandwidth)
+            self.schedulers[pool.name] = scheduler
+            first_block += pool.num_blocks
+        self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in pools})
+        self.ledgers = {p.name: CreditLedger(p.num_blocks * block_size) for p in pools} if credits else {}
+        self.traces = {p.name: PoolTrace() for p in pools}
+        self.bytes_per_block = kv_bytes_per_token * block_size
+        self.clock = 0.0
+        self.num_steps = 0
+        self._rng = random.Random(seed)
+        self._requests: dict[str, SimRequest] = {}
+        self._seqs: dict[str, Seq] = {}
+        self._order = 0
+
+    # --- arrivals and admission ----------------------------------------------------------------
+    def arrive(self, request: SimRequest) -> None:
+        """A routed request reaches its pool: refused if it can never fit, else queued for credits."""
+        scheduler = self.schedulers[request.pool]
+        try:
+            scheduler.check_fits(request.prompt_len, request.output_len)
+        except ValueError as exc:
+            request.error = str(exc)
+            return
+        ids = [self._rng.randrange(1000, 30000) for _ in range(request.prompt_len)]
+        params = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0)
+        self._seqs[request.request_id] = Seq(
+            seq_id=self._order, request_id=request.request_id, index=0, token_ids=ids,
+            num_prompt_tokens=request.prompt_len, params=params, max_tokens=request.output_len, priority=0,
+            arrival_order=self._order, generator=None, pool=request.pool)
+        self._order += 1
+        self._requests[request.request_id] = request
+        ledger = self.ledgers.get(request.pool)
+        if ledger is None:
+            self._admit(request)
+            return
+        need = reservation([request.prompt_len], request.output_len, 1, block_size=self.block_size,
+                           max_model_len=scheduler.max_model_len)
+        ledger.submit(request.request_id, need)
+        self._admit_credited(request.pool)
+
+    def _admit_credited(self, pool: str) -> None:
+        for ticket in self.ledgers[pool].admit():
+            self._admit(self._requests[ticket.request_id])
+
+    def _admit(self, request: SimRequest) -> None:
+        request.admitted = self.clock
+        self.schedulers[request.pool].add(self._seqs[request.request_id])
+
+    def _end(self, seq: Seq) -> None:
+        request = self._requests.pop(seq.request_id)
+        self._seqs.pop(seq.request_id)
+        request.num_preemptions = seq.num_preemptions
+        if seq.error:
+            request.error = seq.error
+        if seq.pool in self.ledgers:
+            self.ledgers[seq.pool].release(seq.request_id)
+            self._admit_credited(seq.pool)
+
+    @property
+    def has_work(self) -> bool:
+        return any(s.num_unfinished for s in self.schedulers.values())
+
+    # --- the step ------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One step: compose, advance the clock by its modelled time, append a token to every sequence
+        that finished its prefill or decoded. False when the schedulers chose nothing."""
+        composed = self.composer.schedule()
+        batch: list[ScheduledSeq] = []
+        num_swapped_blocks = 0
+        for name, out in composed.outputs.items():
+            batch.extend(out.scheduled)
+            num_swapped_blocks += len(out.swap_out) + len(out.swap_in)
+            for seq in out.finished:                       # the pool cannot hold it: ended with an error
+                self._end(seq)
+        if not batch:
+            return False
+        sampled = [item.seq for item in batch if item.num_new_tokens == item.seq.num_uncomputed_tokens]
+        seconds = self.step_time.seconds(batch, composed.features, len(sampled))
+        swap_s = 0.0
+        if num_swapped_blocks and self.step_time.swap_bandwidth:
+            swap_s = num_swapped_blocks * self.bytes_per_block / self.step_time.swap_bandwidth
+            for name, out in composed.outputs.items():
+                if out.swap_out or out.swap_in:
+                    share = (len(out.swap_out) + len(out.swap_in)) / num_swapped_blocks
+                    self.schedulers[name].stats.preempt_seconds += swap_s * share
+        self.clock += seconds + swap_s
+        self.num_steps += 1
+        self.composer.observe(composed, seconds + swap_s)
+        self._observe_prefill(composed.features, seconds)
+        for item in batch:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            scheduler = self.schedulers[seq.pool]
+            scheduler.stats.num_computed_tokens += item.num_new_tokens
+            scheduler.block_manager.register_computed(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        for seq in sampled:
+            seq.token_ids.append(self._rng.randrange(1000, 30000))
+            self._requests[seq.request_id].token_times.append(self.clock)
+            if seq.num_output_tokens >= seq.max_tokens:
+                self.schedulers[seq.pool].finish(seq, FinishReason.LENGTH)
+                self._end(seq)
+        self._trace()
+        return True
+
+    def _observe_prefill(self, features: StepFeatures, seconds: float) -> None:
+        """The auto mode's re-prefill estimate, fed as the engine feeds it (prefill-dominated steps)."""
+        total = features.num_prefill_tokens + features.num_decode_tokens
+        if features.num_prefill_tokens and features.num_prefill_tokens * 2 >= total:
+            for scheduler in self.schedulers.values():
+                if scheduler.cost_model is not None:
+                    scheduler.cost_model.observe_prefill(total, seconds)
+
+    def _trace(self) -> None:
+        for name, scheduler in self.schedulers.items():
+            trace, bm = self.traces[name], scheduler.block_manager
+            trace.times.append(self.clock)
+            trace.kv_usage.append(1 - bm.num_free_blocks / bm.num_blocks)
+            trace.running.append(len(scheduler.running))
+            trace.waiting.append(len(scheduler.waiting))
+            trace.queued.append(self.ledgers[name].num_queued if name in self.ledgers else 0)
+
+    def run(self, requests: Sequence[SimRequest]) -> None:
+        """Every request, in arrival order, until each has finished or failed."""
+        pending = sorted(requests, key=lambda r: r.arrival)
+        i = 0
+        while i < len(pending) or self.has_work:
+            while i < len(pending) and pending[i].arrival <= self.clock:
+                self.arrive(pending[i])
+                i += 1
+            if self.has_work and self.step():
+                continue
+            if i == len(pending):
+                if self.has_work:
+                    raise RuntimeError(f"simulate: the schedulers hold {self._requests.keys()} but chose no "
+                                       "work and no request is left to arrive")
+                break
+            self.clock = max(self.clock, pending[i].arrival)
+        for name, scheduler in self.schedulers.items():
+            scheduler.check_integrity()
+            scheduler.block_manager.check_integrity()
+            if name in self.ledgers:
+                self.ledgers[name].check_integrity()
+
+
+# --- a whole configuration --------------------------------------------------------------------------
+
+@dataclass
+class SimulationResult:
+    requests: list[SimRequest]
+    pools: dict[str, dict[str, Any]]
+    traces: dict[str, PoolTrace]
+    simulated_seconds: float
+    wall_seconds: float
+    num_steps: int
+
+
+def route(config: CliffguardConfig, plan: CapacityPlan, prompt_len: int) -> str | None:
+    """The pool the gateway would route a prompt of `prompt_len` tokens to (first local pool in config
+    order whose route admits it; one model per configuration here), or None."""
+    for spec in config.pools:
+        if spec.name in plan.pools and spec.route.admits(prompt_len, plan.pools[spec.name].max_model_len):
+            return spec.name
+    return None
+
+
+def make_requests(classes: tuple[WorkloadClass, ...], request_rate: float, *, duration: float,
+                  burstiness: float = 1.0, seed: int = 0) -> list[SimRequest]:
+    """The workload's requests with their lengths drawn as `bench serve` draws them."""
+    requests = []
+    rng = random.Random(seed)
+    for n, (t, _, cls) in enumerate(class_arrivals(classes, request_rate, burstiness=burstiness,
+                                                   duration=duration, seed=seed)):
+        requests.append(SimRequest(f"r{n}", cls.name, t, cls.prompt_len.sample(rng), cls.output_len.sample(rng)))
+    return requests
+
+
+def simulate(config: CliffguardConfig, plan: CapacityPlan, model_configs: Mapping[str, ModelConfig],
+             requests: list[SimRequest], step_times: Mapping[str, StepTime], *, credits: bool = True,
+             seed: int = 0) -> SimulationResult:
+    """Route `requests` and run every planned device on its step-time model (`step_times[device]`)."""
+    started = time.perf_counter()
+    if plan.upstream_pools:
+        raise SpecError(f"pools: {', '.join(plan.upstream_pools)} are remote upstreams; simulate plans local "
+                        "pools only")
+    for request in requests:
+        request.pool = route(config, plan, request.prompt_len)
+        if request.pool is None:
+            request.error = f"no pool takes a prompt of {request.prompt_len} tokens"
+    sims: dict[str, DeviceSim] = {}
+    for dplan in plan.devices.values():
+        sims[dplan.name] = _device_sim(config, plan, dplan, model_configs, step_times[dplan.name], credits, seed)
+        sims[dplan.name].run([r for r in requests if r.pool in dplan.pools])
+    pools, traces = {}, {}
+    for sim in sims.values():
+        for name, scheduler in sim.schedulers.items():
+            stats = scheduler.stats
+            pools[name] = {"num_blocks": scheduler.block_manager.num_blocks,
+                           "max_num_seqs": scheduler.config.max_num_seqs,
+                           "preemption_mode": scheduler.config.preemption_mode,
+                           "preemptions": stats.num_preemptions,
+                           "recompute_preemptions": stats.num_recompute_preemptions,
+                           "swap_preemptions": stats.num_swap_preemptions,
+                           "recomputed_tokens": stats.num_recomputed_tokens,
+                           "swapped_blocks": stats.num_swapped_out_blocks + stats.num_swapped_in_blocks,
+                           "computed_tokens": stats.num_computed_tokens}
+            traces[name] = sim.traces[name]
+    return SimulationResult(requests, pools, traces,
+                            simulated_seconds=max((s.clock for s in sims.values()), default=0.0),
+                            wall_seconds=time.perf_counter() - started,
+                            num_steps=sum(s.num_steps for s in sims.values()))
+
+
+def _device_sim(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePlan,
+                model_configs: Mapping[str, ModelConfig], step_time: StepTime, credits: bool,
+                seed: int) -> DeviceSim:
+    pools, lens = [], {}
+    for name in dplan.pools:
+        pplan = plan.pools[name]
+        scheduler = pplan.spec.scheduler_config(pplan.max_num_seqs, pplan.max_model_len)
+        pools.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler, slo=pplan.spec.slo))
+        lens[name] = pplan.max_model_len
+    return DeviceSim(pools, block_size=dplan.block_size, max_model_lens=lens, step_time=step_time,
+                     kv_bytes_per_token=dplan.kv_bytes_per_token_per_device, credits=credits, seed=seed)
+
+
+# --- the report -------------------------------------------------------------------------------------
+
+def _time_weighted(times: list[float], values: list[float]) -> float | None:
+    """Mean of a step-sampled series, each sample weighted by the time to the next one."""
+    if len(times) < 2:
+        return values[0] if values else None
+    weights = np.diff(times)
+    return float(np.average(values[:-1], weights=weights)) if weights.sum() > 0 else float(np.mean(values))
+
+
+def summarize(result: SimulationResult) -> dict[str, Any]:
+    """Per class: counts, TTFT / ITL / e2e percentiles (seconds), output tokens/s and requests/s over
+    the simulated run; per pool: preemptions, swap, KV usage (time-weighted mean and max), queues."""
+    span = result.simulated_seconds or 1.0
+    classes: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(r.cls for r in result.requests):
+        reqs = [r for r in result.requests if r.cls == name]
+        done = [r for r in reqs if r.finished]
+        classes[name] = {
+            "requests": len(reqs), "finished": len(done), "errors": sum(r.error is not None for r in reqs),
+            "ttft": latency_stats([r.ttft for r in done]),
+            "itl": latency_stats([gap for r in done for gap in r.itls]),
+            "e2e": latency_stats([r.e2e for r in done]),
+            "preempted_requests": sum(r.num_preemptions > 0 for r in reqs),
+            "output_tokens_per_s": sum(r.output_len for r in done) / span,
+            "requests_per_s": len(done) / span,
+        }
+    pools = {}
+    for name, stats in result.pools.items():
+        trace = result.traces[name]
+        pools[name] = dict(stats, kv_usage_mean=_time_weighted(trace.times, trace.kv_usage),
+                           kv_usage_max=max(trace.kv_usage, default=None),
+                           max_running=max(trace.running, default=0), max_waiting=max(trace.waiting, default=0),
+                           max_queued=max(trace.queued, default=0),
+                           preemptions_per_s=stats["preemptions"] / span)
+    errors = sorted({r.error for r in result.requests if r.error})
+    return {"classes": classes, "pools": pools, "errors": errors[:5],
+            "simulated_seconds": result.simulated_seconds, "steps": result.num_steps,
+            "wall_seconds": result.wall_seconds}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    rows = [f"{'class':<10}{'done':>7}{'err':>5}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}"
+            f"{'e2e p50':>9}{'p99':>8}{'tok/s':>9}{'preempted':>11}   (ms)"]
+    for name, c in summary["classes"].items():
+        rows.append(f"{name:<10}{c['finished']:>7}{c['errors']:>5}{_ms(c['ttft']['p50']):>10}"
+                    f"{_ms(c['ttft']['p99']):>8}{_ms(c['itl']['p50']):>9}{_ms(c['itl']['p99']):>8}"
+                    f"{_ms(c['e2e']['p50']):>9}{_ms(c['e2e']['p99']):>8}{c['output_tokens_per_s']:>9.0f}"
+                    f"{c['preempted_requests']:>11}")
+    rows.append("")
+    rows.append(f"{'pool':<10}{'blocks':>8}{'seqs':>6}{'mode':>11}{'preempt':>9}{'/s':>7}{'KV mean':>9}"
+                f"{'KV max':>8}{'run max':>9}{'wait max':>10}{'queued max':>12}")
+    for name, p in summary["pools"].items():
+        mean = "-" if p["kv_usage_mean"] is None else f"{p['kv_usage_mean']:.0%}"
+        peak = "-" if p["kv_usage_max"] is None else f"{p['kv_usage_max']:.0%}"
+        rows.append(f"{name:<10}{p['num_blocks']:>8}{p['max_num_seqs']:>6}{p['preemption_mode']:>11}"
+                    f"{p['preemptions']:>9}{p['preemptions_per_s']:>7.2f}{mean:>9}{peak:>8}{p['max_running']:>9}"
+                    f"{p['max_waiting']:>10}{p['max_queued']:>12}")
+    rows.append(f"\nsimulated {summary['simulated_seconds']:.1f} s in {summary['steps']} steps; "
+                f"{summary['wall_seconds']:.1f} s of wall time")
+    rows.extend(f"error: {e}" for e in summary["errors"])
+    return "\n".join(rows)

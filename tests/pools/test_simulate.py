@@ -1,0 +1,163 @@
+"""`cliffguard simulate`: the step-time models, the device simulation driving the real schedulers
+(exact times under a linear model, credits that prevent preemption, integrity at the end) and the CLI
+on the seed's Llama-3-70B example."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.composer import StepFeatures
+from engine.config import ModelConfig, PoolConfig, SchedulerConfig
+from engine.scheduler import ScheduledSeq
+from gateway.cli import main
+from pools.capacity import plan_capacity, read_model_config
+from pools.simulate import (PRESETS, DeviceSim, LinearStepTime, RooflineStepTime, SimRequest, make_requests,
+                            simulate, summarize)
+from pools.spec import load_config
+from pools.workload import LengthDist, WorkloadClass
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA_70B = ROOT / "config" / "examples" / "llama-3-70b"
+TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1000, hidden_size=64, intermediate_size=128,
+                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096)
+
+
+class _Seq:
+    """What the roofline reads of a scheduled sequence."""
+
+    def __init__(self, num_computed_tokens: int) -> None:
+        self.num_computed_tokens = num_computed_tokens
+
+
+def _step(roofline: RooflineStepTime, *, decodes: int = 0, context: int = 1000, prefill: int = 0) -> float:
+    batch, features = [], StepFeatures()
+    for _ in range(decodes):
+        batch.append(ScheduledSeq(_Seq(context), 1))
+        features.add(context, 1, True)
+    if prefill:
+        batch.append(ScheduledSeq(_Seq(0), prefill))
+        features.add(0, prefill, False)
+    return roofline.seconds(batch, features, decodes + (1 if prefill else 0))
+
+
+def test_roofline_decode_is_memory_bound_and_prefill_compute_bound():
+    model = read_model_config(LLAMA_70B)
+    tp8 = RooflineStepTime(PRESETS["h100"], model, 2, tp=8)
+    one, many = _step(tp8, decodes=1), _step(tp8, decodes=64)
+    assert one < many < 1.5 * one                        # decode: the weights stream once for the batch
+    weights_s = model.num_params() * 2 / 8 / (3.35e12 * 0.8)
+    assert weights_s < one < weights_s + 0.01
+    short, long = _step(tp8, prefill=1024), _step(tp8, prefill=8192)
+    assert long > 6 * short                               # prefill: FLOPs grow with the tokens
+    tp1 = RooflineStepTime(PRESETS["h100"], model, 2, tp=1)
+    assert _step(tp1, prefill=8192) > 5 * long            # 8 GPUs share the FLOPs, less the all-reduces
+    assert _step(RooflineStepTime(PRESETS["h200"], model, 2, tp=8), decodes=64) < many   # more bandwidth
+
+
+def _sim(pools: list[PoolConfig], step_time: LinearStepTime, *, credits: bool = True) -> DeviceSim:
+    return DeviceSim(pools, block_size=16, max_model_lens={p.name: 1024 for p in pools}, step_time=step_time,
+                     kv_bytes_per_token=TINY.kv_bytes_per_token(torch.bfloat16), credits=credits)
+
+
+def _pool(name: str = "chat", *, num_blocks: int = 256, max_num_seqs: int = 64, budget: int = 2048,
+          mode: str = "recompute") -> PoolConfig:
+    return PoolConfig(name=name, num_blocks=num_blocks, scheduler=SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=1024, preemption_mode=mode))
+
+
+def test_one_request_times_are_exactly_the_linear_model():
+    sim = _sim([_pool()], LinearStepTime(a=0.01, b=0.001, c=0.002, d=0.0))
+    request = SimRequest("r0", "chat", arrival=1.5, prompt_len=100, output_len=10, pool="chat")
+    sim.run([request])
+    assert request.finished and request.error is None
+    assert request.ttft == pytest.approx(0.01 + 100 * 0.001)
+    assert request.itls == pytest.approx([0.01 + 0.002] * 9)
+    assert sim.clock == pytest.approx(1.5 + 0.11 + 9 * 0.012)
+    assert sim.schedulers["chat"].block_manager.num_free_blocks == 256
+
+
+def test_chunked_prefill_spreads_a_long_prompt_over_steps():
+    sim = _sim([_pool(budget=256)], LinearStepTime(a=0.01, b=0.001, c=0.0, d=0.0))
+    request = SimRequest("r0", "rag", arrival=0.0, prompt_len=1000, output_len=2, pool="chat")
+    sim.run([request])
+    assert sim.num_steps == 4 + 1                          # 256 + 256 + 256 + 232, then one decode
+    assert request.ttft == pytest.approx(4 * 0.01 + 1000 * 0.001)
+
+
+def _flood(n: int) -> list[SimRequest]:
+    return [SimRequest(f"r{i}", "chat", arrival=0.01 * i, prompt_len=200, output_len=300, pool="chat")
+            for i in range(n)]
+
+
+def test_credits_prevent_preemption_that_an_overcommitted_pool_suffers():
+    """32 blocks of 16 tokens hold one 500-token request's worst case; with 8 sequences admitted at
+    once by the scheduler alone they outgrow the blocks and preempt each other."""
+    step = LinearStepTime(a=0.01, b=0.0001, c=0.001, d=0.0)
+    with_credits = _sim([_pool(num_blocks=64, max_num_seqs=8)], step)
+    requests = _flood(12)
+    with_credits.run(requests)
+    assert all(r.finished for r in requests)
+    assert with_credits.schedulers["chat"].stats.num_preemptions == 0
+
+    without = _sim([_pool(num_blocks=64, max_num_seqs=8)], step, credits=False)
+    requests = _flood(12)
+    without.run(requests)
+    assert all(r.finished for r in requests)
+    assert without.schedulers["chat"].stats.num_preemptions > 0
+    assert without.schedulers["chat"].stats.num_recomputed_tokens > 0
+
+
+def test_swap_mode_moves_blocks_and_charges_the_copy_time():
+    step = LinearStepTime(a=0.01, b=0.0001, c=0.001, d=0.0, swap_bandwidth=1e6)
+    pool = PoolConfig(name="chat", num_blocks=64, scheduler=SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=2048, max_model_len=1024, preemption_mode="swap",
+        swap_space_bytes=64 << 20))
+    sim = _sim([pool], step, credits=False)
+    requests = _flood(12)
+    sim.run(requests)
+    stats = sim.schedulers["chat"].stats
+    assert all(r.finished for r in requests)
+    assert stats.num_swap_preemptions > 0 and stats.num_swapped_in_blocks > 0 and stats.preempt_seconds > 0
+
+
+def test_a_request_that_can_never_fit_is_an_error_not_a_hang():
+    sim = _sim([_pool(num_blocks=8)], LinearStepTime(a=0.01, b=0.0, c=0.0, d=0.0))
+    too_big = SimRequest("big", "chat", arrival=0.0, prompt_len=900, output_len=100, pool="chat")
+    fine = SimRequest("ok", "chat", arrival=0.0, prompt_len=10, output_len=5, pool="chat")
+    sim.run([too_big, fine])
+    assert too_big.error and "blocks" in too_big.error and not too_big.finished
+    assert fine.finished
+
+
+def test_simulate_routes_by_prompt_length_and_summarizes():
+    config = load_config(ROOT / "config" / "examples" / "llama3-70b-8xh100.yaml")
+    model = read_model_config(LLAMA_70B)
+    models = {config.pools[0].model: model}                   # one folder for both pools
+    plan = plan_capacity(config, models, vram_bytes=80 << 30)
+    classes = (WorkloadClass("chat", prompt_len=LengthDist("fixed", value=300),
+                             output_len=LengthDist("fixed", value=20), share=0.8),
+               WorkloadClass("rag", prompt_len=LengthDist("fixed", value=6000),
+                             output_len=LengthDist("fixed", value=20), share=0.2))
+    requests = make_requests(classes, 4.0, duration=10.0, seed=1)
+    step = {"h100x8": RooflineStepTime(PRESETS["h100"], model, 2, tp=8)}
+    result = simulate(config, plan, models, requests, step)
+    assert {r.pool for r in requests if r.cls == "chat"} == {"chat"}
+    assert {r.pool for r in requests if r.cls == "rag"} == {"rag"}
+    summary = summarize(result)
+    assert summary["classes"]["chat"]["finished"] == summary["classes"]["chat"]["requests"] > 10
+    assert summary["classes"]["rag"]["ttft"]["p50"] > summary["classes"]["chat"]["ttft"]["p50"]
+    assert 0 < summary["pools"]["rag"]["kv_usage_max"] <= 1
+
+
+def test_cli_simulate_prints_json(capsys):
+    code = main(["simulate", "--config", str(ROOT / "config" / "examples" / "llama3-70b-8xh100.yaml"),
+                 "--model-config", str(LLAMA_70B), "--duration", "5", "--request-rate", "2", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["classes"]["chat"]["finished"] > 0 and set(out["pools"]) == {"chat", "rag"}
+    assert out["simulated_seconds"] >= 2.5 and out["steps"] > 0
+    assert main(["simulate", "--duration", "0"]) == 2
