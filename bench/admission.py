@@ -52,6 +52,7 @@ from typing import Any
 
 from bench.live import LiveServer
 from bench.serve import latency_stats
+from pools.workload import parse_rates
 
 MODEL = "builtin:smollm2-135m-instruct"
 CLIENTS = ("sdk", "jitter")
@@ -310,20 +311,6 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
-
-
-def parse_rates(text: str) -> list[float]:
-    """`--rate`: one number or a comma-separated list, each > 0."""
-    rates = []
-    for part in str(text).split(","):
-        try:
-            rate = float(part)
-        except ValueError:
-            raise ValueError(f"--rate: not a number: {part.strip()!r}") from None
-        if not rate > 0:
-            raise ValueError(f"--rate: must be > 0, got {part.strip()}")
-        rates.append(rate)
-    return rates
 
 
 def run(args: argparse.Namespace) -> int:

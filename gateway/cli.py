@@ -226,6 +226,11 @@ def _add_simulate(sub) -> None:
                    help="override every pool's preemption_mode")
     p.add_argument("--swap-space", default=None, help="override every pool's swap_space (e.g. 16GiB)")
     p.add_argument("--no-credits", action="store_true", help="admit at once, as a server without KV credits")
+    p.add_argument("--layout", choices=("split", "shared", "both"), default="split",
+                   help="the config's pools (split), each device's pools merged into one (shared), or both")
+    p.add_argument("--sweep-rate", default=None, metavar="R1,R2,...",
+                   help="run at each request rate and print p99 TTFT per class (the knee)")
+    p.add_argument("--out", default=None, help="with --sweep-rate: write results.json and knee.png here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
@@ -235,13 +240,17 @@ def _simulate(args: argparse.Namespace) -> int:
 
     from engine.config import parse_dtype
     from pools.capacity import plan_capacity, resolve_model_configs
-    from pools.simulate import PRESETS, RooflineStepTime, format_summary, make_requests, simulate, summarize
+    from pools.simulate import (PRESETS, RooflineStepTime, format_summary, format_sweep, make_requests, plot_knee,
+                                shared_layout, simulate, summarize, sweep)
     from pools.spec import SpecError, load_config, parse_bytes
-    from pools.workload import load_workload
+    from pools.workload import load_workload, parse_rates
 
     for name in ("request_rate", "duration", "burstiness"):
         if not getattr(args, name) > 0:
             raise UsageError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
+    rates = parse_rates(args.sweep_rate, "--sweep-rate") if args.sweep_rate else None
+    if args.out and rates is None:
+        raise UsageError("--out: only with --sweep-rate")
     config = load_config(args.config)
     overrides = {}
     if args.preemption_mode:
@@ -257,14 +266,39 @@ def _simulate(args: argparse.Namespace) -> int:
     except SpecError as exc:
         raise SpecError(f"{exc} (or pass --model-config config.json)") from None
     plan = plan_capacity(config, model_configs, vram_bytes=vram)
+    layouts = {}
+    if args.layout in ("split", "both"):
+        layouts["split"] = (config, plan)
+    if args.layout in ("shared", "both"):
+        shared = shared_layout(config, plan)
+        layouts["shared"] = (shared, plan_capacity(shared, model_configs, vram_bytes=vram))
     step_times = {d.name: RooflineStepTime(preset, model_configs[d.model], parse_dtype(d.dtype).itemsize,
                                            d.tensor_parallel_size) for d in plan.devices.values()}
-    requests = make_requests(load_workload(args.workload), args.request_rate, duration=args.duration,
-                             burstiness=args.burstiness, seed=args.seed)
-    result = simulate(config, plan, model_configs, requests, step_times, credits=not args.no_credits,
-                      seed=args.seed)
-    summary = summarize(result)
-    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    classes = load_workload(args.workload)
+    credits = not args.no_credits
+    if rates is not None:
+        rows = sweep(layouts, model_configs, classes, rates, step_times, duration=args.duration,
+                     burstiness=args.burstiness, credits=credits, seed=args.seed)
+        print(json.dumps(rows, indent=2) if args.json else format_sweep(rows))
+        if args.out:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "results.json").write_text(json.dumps(rows, indent=2))
+            plot_knee(rows, out / "knee.png", title=f"{Path(args.config).name} on {args.device}, "
+                                                    f"workload {args.workload}")
+            print(f"wrote {out / 'results.json'} and {out / 'knee.png'}", file=sys.stderr)
+        return 0
+    summaries = {}
+    for name, (layout_config, layout_plan) in layouts.items():
+        requests = make_requests(classes, args.request_rate, duration=args.duration, burstiness=args.burstiness,
+                                 seed=args.seed)
+        summaries[name] = summarize(simulate(layout_config, layout_plan, model_configs, requests, step_times,
+                                             credits=credits, seed=args.seed))
+    if args.json:
+        print(json.dumps(summaries if len(summaries) > 1 else summaries[next(iter(summaries))], indent=2))
+    else:
+        print("\n\n".join(f"== {name} ==\n{format_summary(summary)}" if len(summaries) > 1
+                           else format_summary(summary) for name, summary in summaries.items()))
     return 0
 
 

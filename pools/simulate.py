@@ -30,10 +30,12 @@ gateway's own latency, and a step's variance (the model is deterministic).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -46,7 +48,7 @@ from engine.sequence import FinishReason, Sequence as Seq
 from pools.admission import reservation
 from pools.capacity import CapacityPlan, DevicePlan
 from pools.credits import CreditLedger
-from pools.spec import CliffguardConfig, SpecError
+from pools.spec import CliffguardConfig, PoolSpec, RouteSpec, SpecError
 from pools.workload import WorkloadClass, class_arrivals, latency_stats
 
 GiB = 1 << 30
@@ -423,6 +425,26 @@ def _device_sim(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePlan,
                      kv_bytes_per_token=dplan.kv_bytes_per_token_per_device, credits=credits, seed=seed)
 
 
+def shared_layout(config: CliffguardConfig, plan: CapacityPlan) -> CliffguardConfig:
+    """The same devices with each device's local pools merged into one pool named `shared` that takes
+    every prompt: the sum of their KV, the sum of their planned `max_num_seqs` (so the shared pool
+    runs as many sequences as the split ones together), the largest `max_model_len` and
+    `max_num_batched_tokens`, the first pool's other settings (preemption, block size, prefix cache)
+    and no SLO. What one server without pools would be, planned with the same numbers."""
+    pools: list[PoolSpec] = []
+    for dplan in plan.devices.values():
+        members = [plan.pools[name] for name in dplan.pools]
+        first = members[0].spec
+        share = sum(p.kv_cache_bytes_per_device for p in members) / dplan.kv_space_bytes_per_device
+        pools.append(dataclasses.replace(
+            first, name="shared" if len(plan.devices) == 1 else f"shared-{dplan.name}", route=RouteSpec(),
+            kv_share=min(1.0, share), kv_cache_bytes=None, max_num_seqs=sum(p.max_num_seqs for p in members),
+            max_model_len=max(p.max_model_len for p in members),
+            max_num_batched_tokens=max(p.spec.max_num_batched_tokens for p in members), slo=None,
+            avg_len=first.avg_len))
+    return dataclasses.replace(config, pools=tuple(pools))
+
+
 # --- the report -------------------------------------------------------------------------------------
 
 def _time_weighted(times: list[float], values: list[float]) -> float | None:
@@ -489,3 +511,64 @@ def format_summary(summary: dict[str, Any]) -> str:
                 f"{summary['wall_seconds']:.1f} s of wall time")
     rows.extend(f"error: {e}" for e in summary["errors"])
     return "\n".join(rows)
+
+
+# --- a sweep over request rates: the knee -------------------------------------------------------------
+
+def sweep(layouts: Mapping[str, tuple[CliffguardConfig, CapacityPlan]], model_configs: Mapping[str, ModelConfig],
+          classes: tuple[WorkloadClass, ...], rates: Sequence[float], step_times: Mapping[str, StepTime], *,
+          duration: float, burstiness: float = 1.0, credits: bool = True, seed: int = 0) -> list[dict[str, Any]]:
+    """`summarize` of every (layout, rate), same arrivals for every layout at one rate. Step-time models
+    are per device name; a layout's devices are the config's."""
+    rows = []
+    for rate in rates:
+        for name, (config, plan) in layouts.items():
+            requests = make_requests(classes, rate, duration=duration, burstiness=burstiness, seed=seed)
+            result = simulate(config, plan, model_configs, requests, step_times, credits=credits, seed=seed)
+            rows.append({"layout": name, "rate": rate, **summarize(result)})
+    return rows
+
+
+def plot_knee(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:
+    """p99 TTFT (log scale) against the request rate, one line per (layout, class)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    styles = ["-", "--", ":", "-."]
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    for li, layout in enumerate(layouts):
+        mine = [r for r in rows if r["layout"] == layout]
+        for cls in dict.fromkeys(c for r in mine for c in r["classes"]):
+            points = [(r["rate"], r["classes"][cls]["ttft"]["p99"]) for r in mine
+                      if cls in r["classes"] and r["classes"][cls]["ttft"]["p99"] is not None]
+            if points:
+                ax.plot(*zip(*points), styles[li % len(styles)], marker="o", label=f"{layout}: {cls}")
+    ax.set_yscale("log")
+    ax.set_xlabel("request rate (requests/s)")
+    ax.set_ylabel("p99 TTFT (s)")
+    ax.set_title(title or "simulated knee: p99 TTFT vs request rate")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def format_sweep(rows: Sequence[dict[str, Any]]) -> str:
+    classes = list(dict.fromkeys(c for r in rows for c in r["classes"]))
+    head = f"{'rate':>6}  {'layout':<8}" + "".join(f"{c + ' TTFT p50/p99 (ms)':>28}" for c in classes)
+    lines = [head + f"{'preempt/s':>11}"]
+    for r in rows:
+        cells = []
+        for c in classes:
+            t = r["classes"].get(c, {}).get("ttft", {})
+            cells.append(f"{_ms(t.get('p50')) + ' / ' + _ms(t.get('p99')):>28}")
+        preempt = sum(p["preemptions_per_s"] for p in r["pools"].values())
+        lines.append(f"{r['rate']:>6g}  {r['layout']:<8}" + "".join(cells) + f"{preempt:>11.2f}")
+    return "\n".join(lines)

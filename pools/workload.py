@@ -256,3 +256,18 @@ def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
     p50, p90, p99 = np.percentile(arr, [50, 90, 99])
     return {"mean": float(arr.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99),
             "max": float(arr.max())}
+
+
+def parse_rates(text: str, option: str = "--rate") -> list[float]:
+    """A command line's request rates: one number or a comma-separated list, each > 0; ValueError naming
+    `option` otherwise."""
+    rates = []
+    for part in str(text).split(","):
+        try:
+            rate = float(part)
+        except ValueError:
+            raise ValueError(f"{option}: not a number: {part.strip()!r}") from None
+        if not rate > 0 or math.isinf(rate):
+            raise ValueError(f"{option}: must be > 0, got {part.strip()}")
+        rates.append(rate)
+    return rates

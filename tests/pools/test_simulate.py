@@ -15,8 +15,8 @@ from engine.config import ModelConfig, PoolConfig, SchedulerConfig
 from engine.scheduler import ScheduledSeq
 from gateway.cli import main
 from pools.capacity import plan_capacity, read_model_config
-from pools.simulate import (PRESETS, DeviceSim, LinearStepTime, RooflineStepTime, SimRequest, make_requests,
-                            simulate, summarize)
+from pools.simulate import (PRESETS, DeviceSim, LinearStepTime, RooflineStepTime, SimRequest, format_sweep,
+                            make_requests, plot_knee, shared_layout, simulate, summarize, sweep)
 from pools.spec import load_config
 from pools.workload import LengthDist, WorkloadClass
 
@@ -161,3 +161,50 @@ def test_cli_simulate_prints_json(capsys):
     assert out["classes"]["chat"]["finished"] > 0 and set(out["pools"]) == {"chat", "rag"}
     assert out["simulated_seconds"] >= 2.5 and out["steps"] > 0
     assert main(["simulate", "--duration", "0"]) == 2
+
+
+def test_shared_layout_merges_each_device_pools_with_the_same_capacity():
+    config = load_config(ROOT / "config" / "examples" / "llama3-70b-8xh100.yaml")
+    models = {config.pools[0].model: read_model_config(LLAMA_70B)}
+    plan = plan_capacity(config, models, vram_bytes=80 << 30)
+    shared = shared_layout(config, plan)
+    shared_plan = plan_capacity(shared, models, vram_bytes=80 << 30)
+    (pool,) = shared_plan.pools.values()
+    assert pool.name == "shared" and pool.spec.route.admits(1) and pool.spec.route.admits(8000, 8192)
+    assert pool.max_num_seqs == sum(p.max_num_seqs for p in plan.pools.values())
+    assert abs(pool.num_blocks - sum(p.num_blocks for p in plan.pools.values())) <= 1
+    assert pool.spec.max_num_batched_tokens == 8192 and pool.spec.slo is None
+
+
+def test_sweep_gives_one_row_per_layout_and_rate_and_plots_the_knee(tmp_path):
+    config = load_config(ROOT / "config" / "examples" / "llama3-70b-8xh100.yaml")
+    model = read_model_config(LLAMA_70B)
+    models = {config.pools[0].model: model}
+    plan = plan_capacity(config, models, vram_bytes=80 << 30)
+    shared = shared_layout(config, plan)
+    layouts = {"split": (config, plan), "shared": (shared, plan_capacity(shared, models, vram_bytes=80 << 30))}
+    classes = (WorkloadClass("chat", prompt_len=LengthDist("fixed", value=200),
+                             output_len=LengthDist("fixed", value=10), share=0.8),
+               WorkloadClass("rag", prompt_len=LengthDist("fixed", value=6000),
+                             output_len=LengthDist("fixed", value=10), share=0.2))
+    step = {"h100x8": RooflineStepTime(PRESETS["h100"], model, 2, tp=8)}
+    rows = sweep(layouts, models, classes, [2.0, 30.0], step, duration=10.0)
+    assert [(r["layout"], r["rate"]) for r in rows] == [("split", 2.0), ("shared", 2.0), ("split", 30.0),
+                                                        ("shared", 30.0)]
+    p99 = {(r["layout"], r["rate"]): r["classes"]["chat"]["ttft"]["p99"] for r in rows}
+    assert p99[("split", 30.0)] > p99[("split", 2.0)]           # past the knee the tail grows
+    assert p99[("shared", 30.0)] > p99[("split", 30.0)]         # chat waits behind rag in one pool
+    path = plot_knee(rows, tmp_path / "knee.png")
+    assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
+    assert "rag TTFT p50/p99" in format_sweep(rows)
+
+
+def test_cli_sweep_writes_results_and_plot(tmp_path, capsys):
+    code = main(["simulate", "--config", str(ROOT / "config" / "examples" / "llama3-70b-8xh100.yaml"),
+                 "--model-config", str(LLAMA_70B), "--duration", "4", "--layout", "both", "--sweep-rate", "1,3",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    rows = json.loads((tmp_path / "results.json").read_text())
+    assert len(rows) == 4 and (tmp_path / "knee.png").exists()
+    assert main(["simulate", "--sweep-rate", "1,x"]) == 2
+    assert "--sweep-rate: not a number" in capsys.readouterr().err
