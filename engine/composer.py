@@ -113,12 +113,12 @@ class StepCostModel:
         self.num_observed += 1
         self.max_prefill_seen = max(self.max_prefill_seen, features.num_prefill_tokens)
         if self.num_observed <= 2 * REFIT_EVERY or self.num_observed % REFIT_EVERY == 0:
-            self.coef = _nonnegative_lstsq(np.stack(self._xs), np.array(self._ts))
+            self.coef = nonnegative_lstsq(np.stack(self._xs), np.array(self._ts))
             if self._ratios:
                 self.margin = float(min(3.0, max(1.0, np.percentile(self._ratios, 90))))
 
 
-def _nonnegative_lstsq(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+def nonnegative_lstsq(x: np.ndarray, t: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0 (active set: drop negative ones, refit the rest).
 
     Columns are scaled to unit norm first; a column with no data (all zero) gets coefficient 0.

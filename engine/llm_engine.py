@@ -42,6 +42,7 @@ class StepStats:
 
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_attended: int = 0                   # query-key pairs of the step's attention (the composer's feature)
     num_preempted: int = 0
     seconds: float = 0.0
     target_seconds: float | None = None     # the composer's latency target for the step
@@ -367,6 +368,7 @@ class LLMEngine:
         composed = self.composer.schedule()
         stats = StepStats(num_prefill_tokens=composed.features.num_prefill_tokens,
                           num_decode_tokens=composed.features.num_decode_tokens,
+                          num_attended=composed.features.num_attended,
                           target_seconds=composed.target_seconds, predicted_seconds=composed.predicted_seconds,
                           pool_tokens={name: out.num_batched_tokens for name, out in composed.outputs.items()})
         scheduled = _ScheduledStep(composed, [], [], stats, started)

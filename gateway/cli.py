@@ -33,6 +33,8 @@ BENCHMARKS = {
     "prefill": ("prefill", "long-prompt prefill: our engine vs transformers' forward"),
     "admission": ("admission", "KV credit queue vs reject-when-full (429 + client back-off) on the same "
                                "overload: goodput, p99, KV idle, wasted retries"),
+    "simulate": ("simulate", "cliffguard simulate's predictions (measured step model) against real runs at "
+                             "three rates: throughput, p50 and p99 TTFT"),
     "isolation": ("isolation", "chat latency under a rag flood: chat alone, split pools (step composer), one "
                                "shared pool; the itl_ms trade-off"),
 }
@@ -231,6 +233,12 @@ def _add_simulate(sub) -> None:
     p.add_argument("--sweep-rate", default=None, metavar="R1,R2,...",
                    help="run at each request rate and print p99 TTFT per class (the knee)")
     p.add_argument("--out", default=None, help="with --sweep-rate: write results.json and knee.png here")
+    p.add_argument("--calibrate", default=None, metavar="FILE",
+                   help="measure the config's first device on this machine (the real engine), fit the linear "
+                        "step model, write it to FILE and exit")
+    p.add_argument("--step-model", default=None, metavar="FILE",
+                   help="use a measured step model (from --calibrate) instead of --device's roofline; the plan "
+                        "then uses the config's own memory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
@@ -241,7 +249,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from engine.config import parse_dtype
     from pools.capacity import plan_capacity, resolve_model_configs
     from pools.simulate import (PRESETS, RooflineStepTime, format_summary, format_sweep, make_requests, plot_knee,
-                                shared_layout, simulate, summarize, sweep)
+                                read_step_model, shared_layout, simulate, summarize, sweep)
     from pools.spec import SpecError, load_config, parse_bytes
     from pools.workload import load_workload, parse_rates
 
@@ -252,6 +260,8 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.out and rates is None:
         raise UsageError("--out: only with --sweep-rate")
     config = load_config(args.config)
+    if args.calibrate:
+        return _calibrate(config, args)
     overrides = {}
     if args.preemption_mode:
         overrides["preemption_mode"] = args.preemption_mode
@@ -260,7 +270,7 @@ def _simulate(args: argparse.Namespace) -> int:
     if overrides:
         config = dataclasses.replace(config, pools=tuple(dataclasses.replace(p, **overrides) for p in config.pools))
     preset = PRESETS[args.device]
-    vram = parse_bytes(args.vram, "--vram") if args.vram else preset.memory_bytes
+    vram = parse_bytes(args.vram, "--vram") if args.vram else (None if args.step_model else preset.memory_bytes)
     try:
         model_configs = resolve_model_configs(config, args.model_config)
     except SpecError as exc:
@@ -272,8 +282,12 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.layout in ("shared", "both"):
         shared = shared_layout(config, plan)
         layouts["shared"] = (shared, plan_capacity(shared, model_configs, vram_bytes=vram))
-    step_times = {d.name: RooflineStepTime(preset, model_configs[d.model], parse_dtype(d.dtype).itemsize,
-                                           d.tensor_parallel_size) for d in plan.devices.values()}
+    if args.step_model:
+        measured = read_step_model(args.step_model)
+        step_times = {d.name: measured for d in plan.devices.values()}
+    else:
+        step_times = {d.name: RooflineStepTime(preset, model_configs[d.model], parse_dtype(d.dtype).itemsize,
+                                               d.tensor_parallel_size) for d in plan.devices.values()}
     classes = load_workload(args.workload)
     credits = not args.no_credits
     if rates is not None:
@@ -299,6 +313,23 @@ def _simulate(args: argparse.Namespace) -> int:
     else:
         print("\n\n".join(f"== {name} ==\n{format_summary(summary)}" if len(summaries) > 1
                            else format_summary(summary) for name, summary in summaries.items()))
+    return 0
+
+
+def _calibrate(config, args: argparse.Namespace) -> int:
+    """`simulate --calibrate FILE`: the real engine of the config's first device on this machine."""
+    from engine.llm_engine import LLMEngine
+    from pools.capacity import engine_configs, plan_capacity, resolve_model_configs
+    from pools.simulate import calibrate, write_step_model
+
+    plan = plan_capacity(config, resolve_model_configs(config))
+    device, engine_config = next(iter(engine_configs(config, plan).items()))
+    engine = LLMEngine(engine_config)
+    model, samples = calibrate(engine, seed=args.seed)
+    write_step_model(args.calibrate, model, device=f"{device} ({engine.device}, {engine.dtype})",
+                     model_name=engine_config.model, num_steps=len(samples))
+    print(f"{len(samples)} steps measured; t = {model.a * 1e3:.2f} ms + {model.b * 1e3:.4f} ms/prefill token + "
+          f"{model.c * 1e3:.4f} ms/decode token + {model.d * 1e3:.4f} ms/1024 attended; wrote {args.calibrate}")
     return 0
 
 

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from engine.composer import StepComposer, StepFeatures
+from engine.composer import StepComposer, StepFeatures, nonnegative_lstsq
 from engine.config import ModelConfig, PoolConfig
 from engine.scheduler import ScheduledSeq, Scheduler, build_scheduler
 from engine.sampling import SamplingParams
@@ -140,6 +140,91 @@ class LinearStepTime:
     def seconds(self, batch: Sequence[ScheduledSeq], features: StepFeatures, num_sampled: int) -> float:
         return (self.a + self.b * features.num_prefill_tokens + self.c * features.num_decode_tokens
                 + self.d * features.num_attended / 1024)
+
+
+def fit_linear(samples: Sequence[tuple[StepFeatures, float]], *, swap_bandwidth: float | None = None,
+               skip: int = 0) -> LinearStepTime:
+    """`LinearStepTime` fitted (least squares, coefficients >= 0, as the composer fits) to measured
+    steps, leaving out the first `skip` (warm-up)."""
+    used = list(samples)[skip:]
+    if len(used) < 8:
+        raise ValueError(f"calibration: {len(used)} measured steps are too few to fit 4 coefficients")
+    x = np.stack([features.vector() for features, _ in used])
+    a, b, c, d = (float(v) for v in nonnegative_lstsq(x, np.array([seconds for _, seconds in used])))
+    return LinearStepTime(a, b, c, d, swap_bandwidth=swap_bandwidth)
+
+
+# (prompt tokens, output tokens, how many at once): prefill chunks of growing length, then decode
+# batches of growing size and context, then long prompts beside running decodes.
+CALIBRATION_PHASES = (
+    ((64, 1, 1), (256, 1, 1), (1024, 1, 1), (2048, 1, 1), (512, 1, 4)),
+    ((32, 24, 1), (32, 24, 4), (128, 24, 16), (512, 24, 16), (64, 24, 48)),
+    ((96, 48, 16), (1536, 4, 2)),
+)
+
+
+def calibrate(engine: Any, *, pool: str | None = None, seed: int = 0,
+              phases: Sequence[Sequence[tuple[int, int, int]]] = CALIBRATION_PHASES,
+              ) -> tuple[LinearStepTime, list[tuple[StepFeatures, float]]]:
+    """Measure a real engine (`engine.llm_engine.LLMEngine`) on this machine: run each phase's requests
+    (random prompt ids, `ignore_eos`) to the end, record every step's features and seconds, and fit.
+    Requests go to `pool` (default: the engine's largest). Returns the model and the samples."""
+    from engine.sampling import SamplingParams as Params
+
+    rng = random.Random(seed)
+    names = list(engine.schedulers)
+    pool = pool or max(names, key=lambda n: engine.schedulers[n].block_manager.num_blocks)
+    vocab = engine.model_config.vocab_size
+    samples: list[tuple[StepFeatures, float]] = []
+    max_model_len = engine.schedulers[pool].max_model_len
+    n = 0
+    for phase in phases:
+        for prompt_len, output_len, count in phase:
+            prompt_len = min(prompt_len, max_model_len - output_len)
+            for _ in range(count):
+                ids = [rng.randrange(100, vocab) for _ in range(prompt_len)]
+                engine.add_request(f"calibration-{n}", ids, Params(max_tokens=output_len, ignore_eos=True,
+                                                                    temperature=0), pool=pool)
+                n += 1
+        while engine.has_unfinished_requests():
+            engine.step()
+            s = engine.last_step
+            if s.seconds > 0 and s.num_prefill_tokens + s.num_decode_tokens:
+                samples.append((StepFeatures(s.num_prefill_tokens, s.num_decode_tokens, s.num_attended), s.seconds))
+    return fit_linear(samples, skip=2), samples
+
+
+def write_step_model(path: str | Path, model: LinearStepTime, *, device: str, model_name: str,
+                     num_steps: int) -> None:
+    """A calibration file: the coefficients and where they were measured."""
+    import datetime
+    import json
+    import platform
+
+    import torch
+
+    Path(path).write_text(json.dumps({
+        "step_model": "linear", "a": model.a, "b": model.b, "c": model.c, "d": model.d,
+        "device": device, "model": model_name, "num_steps": num_steps, "machine": platform.node(),
+        "cpu_threads": torch.get_num_threads(), "date": datetime.date.today().isoformat()}, indent=2) + "\n")
+
+
+def read_step_model(path: str | Path) -> LinearStepTime:
+    """A calibration file written by `write_step_model`; ValueError naming the file otherwise."""
+    import json
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--step-model: no such file {path}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--step-model: {path} is not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("step_model") != "linear":
+        raise ValueError(f"--step-model: {path} is not a calibration file (no \"step_model\": \"linear\")")
+    try:
+        return LinearStepTime(*(data[k] for k in ("a", "b", "c", "d")))
+    except KeyError as exc:
+        raise ValueError(f"--step-model: {path} lacks {exc.args[0]!r}") from None
 
 
 @dataclass

@@ -11,7 +11,7 @@ import pytest
 from engine import CacheConfig, EngineConfig, LLMEngine, PoolConfig, SamplingParams, SchedulerConfig
 from engine.block_manager import BlockManager
 from engine.composer import (COLD_START_TOKENS, STARVATION_STEPS, StepComposer, StepCostModel, StepFeatures,
-                             _nonnegative_lstsq)
+                             nonnegative_lstsq)
 from engine.config import ConfigError, LatencySLO
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -85,14 +85,14 @@ def test_cost_model_recovers_a_linear_cost_and_keeps_coefficients_nonnegative():
     assert model.predict(f) == pytest.approx(_true_seconds(f), rel=1e-6)
 
 
-def test_nonnegative_lstsq_drops_a_feature_that_fits_negative():
+def testnonnegative_lstsq_drops_a_feature_that_fits_negative():
     rng = np.random.default_rng(0)
     x = np.column_stack([np.ones(50), rng.uniform(0, 100, 50), rng.uniform(0, 100, 50)])
     t = 2.0 + 0.5 * x[:, 1] - 0.01 * x[:, 2]          # the last feature "saves" time: not physical
-    coef = _nonnegative_lstsq(x, t)
+    coef = nonnegative_lstsq(x, t)
     assert (coef >= 0).all() and coef[2] == 0
     assert coef[1] == pytest.approx(0.5, rel=0.05)
-    assert _nonnegative_lstsq(np.column_stack([np.ones(5), np.zeros(5)]), np.full(5, 3.0)).tolist() == [3.0, 0.0]
+    assert nonnegative_lstsq(np.column_stack([np.ones(5), np.zeros(5)]), np.full(5, 3.0)).tolist() == [3.0, 0.0]
 
 
 def test_margin_grows_when_steps_run_slower_than_predicted():

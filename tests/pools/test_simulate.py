@@ -15,8 +15,9 @@ from engine.config import ModelConfig, PoolConfig, SchedulerConfig
 from engine.scheduler import ScheduledSeq
 from gateway.cli import main
 from pools.capacity import plan_capacity, read_model_config
-from pools.simulate import (PRESETS, DeviceSim, LinearStepTime, RooflineStepTime, SimRequest, format_sweep,
-                            make_requests, plot_knee, shared_layout, simulate, summarize, sweep)
+from pools.simulate import (PRESETS, DeviceSim, LinearStepTime, RooflineStepTime, SimRequest, calibrate,
+                            format_sweep, make_requests, plot_knee, read_step_model, shared_layout, simulate,
+                            summarize, sweep, write_step_model)
 from pools.spec import load_config
 from pools.workload import LengthDist, WorkloadClass
 
@@ -208,3 +209,29 @@ def test_cli_sweep_writes_results_and_plot(tmp_path, capsys):
     assert len(rows) == 4 and (tmp_path / "knee.png").exists()
     assert main(["simulate", "--sweep-rate", "1,x"]) == 2
     assert "--sweep-rate: not a number" in capsys.readouterr().err
+
+
+def test_calibrate_fits_a_real_engine_and_predicts_its_steps(tmp_path_factory, builtin_path):
+    """The tiny random model's real steps: the fitted line predicts the median step within a factor
+    of two (the machine may be busy), and the coefficients survive a calibration file."""
+    from engine.config import CacheConfig, EngineConfig
+    from engine.llm_engine import LLMEngine
+    from tests.conftest import make_tiny_model
+
+    tiny = make_tiny_model(tmp_path_factory.mktemp("tiny-calibrate"), "llama", builtin_path)
+    engine = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=16),
+                                    pools=(PoolConfig(num_blocks=600, scheduler=SchedulerConfig(
+                                        max_num_seqs=32, max_num_batched_tokens=256, max_model_len=512)),)),
+                       progress=False)
+    phases = (((64, 1, 1), (500, 1, 1), (200, 1, 3)), ((16, 8, 1), (32, 8, 8), (64, 8, 24)))
+    model, samples = calibrate(engine, phases=phases)
+    assert len(samples) > 20 and engine.num_free_blocks() == 600
+    assert any(f.num_prefill_tokens >= 200 for f, _ in samples) and any(f.num_decode_tokens >= 20 for f, _ in samples)
+    errors = sorted(abs(model.seconds([], f, 0) / t - 1) for f, t in samples[2:])
+    assert errors[len(errors) // 2] < 1.0
+    path = tmp_path_factory.mktemp("calib") / "step.json"
+    write_step_model(path, model, device="cpu", model_name="tiny", num_steps=len(samples))
+    assert read_step_model(path) == model
+    path.write_text('{"a": 1}')
+    with pytest.raises(ValueError, match="not a calibration file"):
+        read_step_model(path)

@@ -1,0 +1,177 @@
+"""`cliffguard bench simulate`: the simulator's predictions against real runs on this machine.
+
+1. Calibrate: the real engine of the pool file's device runs `pools.simulate.calibrate`'s steps in
+   this process and the linear step model is fitted to them (or `--step-model FILE`, from
+   `cliffguard simulate --calibrate FILE`).
+2. Pick the rates: below, near and above the knee, as fractions (`--loads`, default 0.5, 0.9, 1.3)
+   of the saturation throughput the simulator predicts for the workload (or `--rates` given).
+3. At each rate: start `cliffguard serve` on the pool file, drive it with `bench serve`'s open-loop
+   load (streaming, `ignore_eos`), keep every request's send time and exact prompt and output token
+   counts (from `usage`); then simulate exactly those requests (same send times and lengths) with the
+   same capacity plan and the measured step model.
+4. Per class and rate: measured vs predicted output tokens/s (from the first send to the last answer),
+   p50 TTFT and p99 TTFT, with the relative error against the goals (10%, 10%, 20%).
+
+The machine should be otherwise idle: the calibration and the real runs are timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.live import LiveServer
+from bench.serve import LoadConfig, plan_requests, run_load
+from pools.workload import latency_stats, load_workload, parse_rates
+
+GOALS = {"throughput": 0.10, "ttft_p50": 0.10, "ttft_p99": 0.20}
+POOLS_YAML = """\
+devices:
+  cpu: {device: cpu, memory: 2GiB, dtype: float32}
+pools:
+  - name: chat
+    model: builtin:smollm2-135m-instruct
+    device: cpu
+    kv_cache_bytes: 256MiB
+    avg_len: 512
+    max_model_len: 2048
+    max_num_batched_tokens: 512
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="pools YAML (default: one CPU chat pool of the builtin model, "
+                   "256 MiB of KV, 512-token steps)")
+    p.add_argument("--workload", default="chat", help="workload classes (default chat)")
+    p.add_argument("--rates", default=None, help="request rates to run (default: --loads x the predicted "
+                   "saturation throughput)")
+    p.add_argument("--loads", default="0.5,0.9,1.3", help="fractions of the predicted saturation (default "
+                   "0.5,0.9,1.3: below, near and above the knee)")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate (default 60)")
+    p.add_argument("--step-model", default=None, help="a calibration file instead of calibrating here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+
+
+def _plan(config_path: Path):
+    from pools.capacity import plan_capacity, resolve_model_configs
+    from pools.spec import load_config
+
+    config = load_config(config_path)
+    model_configs = resolve_model_configs(config)
+    return config, model_configs, plan_capacity(config, model_configs)
+
+
+def _calibrate(config, plan, seed: int):
+    from engine.llm_engine import LLMEngine
+    from pools.capacity import engine_configs
+    from pools.simulate import calibrate
+
+    _, engine_config = next(iter(engine_configs(config, plan).items()))
+    engine = LLMEngine(engine_config)
+    model, samples = calibrate(engine, seed=seed)
+    del engine
+    return model, len(samples)
+
+
+def saturation(config, plan, model_configs, classes, step_model, seed: int) -> float:
+    """Requests/s the simulated pool completes when arrivals far outrun it."""
+    from pools.simulate import make_requests, simulate
+
+    probe_rate, duration = 1000.0, 1.0
+    requests = make_requests(classes, probe_rate, duration=duration, seed=seed)
+    result = simulate(config, plan, model_configs, requests, {d: step_model for d in plan.devices}, seed=seed)
+    done = [r for r in result.requests if r.finished]
+    return len(done) / result.simulated_seconds
+
+
+async def _measure(config_path: Path, classes, rate: float, duration: float, seed: int, data_dir: Path):
+    load = LoadConfig(url="http://127.0.0.1:1", classes=classes, request_rate=rate, duration=duration, seed=seed,
+                      timeout=600.0, drain_timeout=600.0, scrape=False)
+    plan = await asyncio.to_thread(plan_requests, load)
+    with LiveServer(config_path, args=["--data-dir", str(data_dir)]) as server:
+        load = LoadConfig(url=server.url, classes=classes, request_rate=rate, duration=duration, seed=seed,
+                          timeout=600.0, drain_timeout=600.0, scrape=False)
+        return await run_load(load, plan)
+
+
+def compare(report, config, plan, model_configs, step_model, seed: int) -> dict[str, Any]:
+    """Simulate the requests of one real run and put both side by side, per class."""
+    from pools.simulate import SimRequest, simulate
+
+    done = [r for r in report.records if r.status == "ok" and r.prompt_tokens and r.output_tokens]
+    first = min(r.sent_s for r in done)
+    requests = [SimRequest(f"r{r.index}", r.class_name, r.sent_s - first, r.prompt_tokens, r.output_tokens)
+                for r in done]
+    result = simulate(config, plan, model_configs, requests, {d: step_model for d in plan.devices}, seed=seed)
+    real_end = max(r.end_s for r in done) - first
+    sim_end = max(r.token_times[-1] for r in result.requests if r.finished)
+    out: dict[str, Any] = {"requests": len(done), "unfinished_real": len(report.records) - len(done)}
+    for cls in dict.fromkeys(r.class_name for r in done):
+        real = [r for r in done if r.class_name == cls]
+        sim = [r for r in result.requests if r.cls == cls and r.finished]
+        measured = {"throughput": sum(r.output_tokens for r in real) / real_end,
+                    "ttft_p50": latency_stats([r.ttft for r in real])["p50"],
+                    "ttft_p99": latency_stats([r.ttft for r in real])["p99"]}
+        predicted = {"throughput": sum(r.output_len for r in sim) / sim_end,
+                     "ttft_p50": latency_stats([r.ttft for r in sim])["p50"],
+                     "ttft_p99": latency_stats([r.ttft for r in sim])["p99"]}
+        errors = {k: predicted[k] / measured[k] - 1 for k in measured}
+        out[cls] = {"measured": measured, "predicted": predicted, "error": errors,
+                    "within_goals": all(abs(errors[k]) <= GOALS[k] for k in GOALS)}
+    return out
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'rate':>6}  {'class':<8}{'tok/s real':>11}{'sim':>8}{'err':>7}{'TTFT p50 real':>15}{'sim':>8}"
+             f"{'err':>7}{'TTFT p99 real':>15}{'sim':>8}{'err':>7}  goals"]
+    for row in rows:
+        for cls, c in row["classes"].items():
+            m, p, e = c["measured"], c["predicted"], c["error"]
+            lines.append(f"{row['rate']:>6.2f}  {cls:<8}{m['throughput']:>11.1f}{p['throughput']:>8.1f}"
+                         f"{e['throughput']:>+7.0%}{m['ttft_p50'] * 1e3:>13.0f}ms{p['ttft_p50'] * 1e3:>6.0f}ms"
+                         f"{e['ttft_p50']:>+7.0%}{m['ttft_p99'] * 1e3:>13.0f}ms{p['ttft_p99'] * 1e3:>6.0f}ms"
+                         f"{e['ttft_p99']:>+7.0%}  {'met' if c['within_goals'] else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pools.simulate import read_step_model
+
+    if not args.duration > 0:
+        raise ValueError(f"--duration: must be > 0, got {args.duration}")
+    classes = load_workload(args.workload)
+    with tempfile.TemporaryDirectory() as tmp:
+        config_path = Path(args.config) if args.config else Path(tmp) / "pools.yaml"
+        if not args.config:
+            config_path.write_text(POOLS_YAML)
+        config, model_configs, plan = _plan(config_path)
+        if args.step_model:
+            step_model, calibration = read_step_model(args.step_model), {"file": args.step_model}
+        else:
+            step_model, num_steps = _calibrate(config, plan, args.seed)
+            calibration = {"steps": num_steps}
+        calibration.update(a=step_model.a, b=step_model.b, c=step_model.c, d=step_model.d)
+        print(f"step model: t = {step_model.a * 1e3:.2f} ms + {step_model.b * 1e3:.4f} ms/prefill token + "
+              f"{step_model.c * 1e3:.4f} ms/decode token + {step_model.d * 1e3:.4f} ms/1024 attended",
+              file=sys.stderr)
+        peak = saturation(config, plan, model_configs, classes, step_model, args.seed)
+        rates = parse_rates(args.rates) if args.rates else [f * peak for f in parse_rates(args.loads, "--loads")]
+        rows = []
+        for i, rate in enumerate(rates):
+            print(f"rate {rate:.2f} req/s ({rate / peak:.2f} x the predicted saturation {peak:.2f})", file=sys.stderr)
+            report = asyncio.run(_measure(config_path, classes, rate, args.duration, args.seed,
+                                          Path(tmp) / f"data-{i}"))
+            result = compare(report, config, plan, model_configs, step_model, args.seed)
+            rows.append({"rate": rate, "load": rate / peak, "unfinished_real": result.pop("unfinished_real"),
+                         "requests": result.pop("requests"), "classes": result})
+    if args.json:
+        print(json.dumps({"calibration": calibration, "saturation_rps": peak, "rows": rows}, indent=2))
+    else:
+        print(format_rows(rows))
+    return 0
