@@ -1,0 +1,73 @@
+"""`cliffguard bench simulate`: its comparison arithmetic, checked on a "real" run that is itself a
+simulation with a known step model (so every prediction must come out exact), and its table."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from bench.serve import RequestRecord
+from bench.simulate import POOLS_YAML, compare, format_rows, saturation
+from pools.capacity import plan_capacity
+from pools.simulate import LinearStepTime, SimRequest, make_requests, simulate
+from pools.spec import load_config
+from pools.workload import load_workload
+
+
+@pytest.fixture(scope="module")
+def planned(builtin_path):
+    from engine.config import ModelConfig
+
+    config = load_config(POOLS_YAML, env={})
+    models = {config.pools[0].model: ModelConfig.from_folder(builtin_path)}
+    return config, models, plan_capacity(config, models)
+
+
+def _records_of(requests: list[SimRequest]) -> list[RequestRecord]:
+    """What `bench serve` would have recorded had the simulated run been real."""
+    records = []
+    for i, r in enumerate(requests):
+        record = RequestRecord(i, r.cls, "chat", r.arrival, r.prompt_len, r.output_len, sent_s=r.arrival + 2.0,
+                               end_s=r.token_times[-1] + 2.0, status="ok", error=None, prompt_tokens=r.prompt_len,
+                               output_tokens=r.output_len)
+        record.chunk_s = [t - r.arrival for t in r.token_times]
+        record.chunk_tokens = [1] * len(r.token_times)
+        records.append(record)
+    return records
+
+
+def test_compare_is_exact_when_the_real_run_follows_the_model(planned):
+    config, models, plan = planned
+    step = LinearStepTime(a=0.02, b=0.0004, c=0.003, d=0.0001)
+    requests = make_requests(load_workload("chat"), 0.5, duration=30.0, seed=3)
+    simulate(config, plan, models, requests, {"cpu": step}, seed=3)
+    assert all(r.finished for r in requests)
+    report = types.SimpleNamespace(records=_records_of(requests))
+    result = compare(report, config, plan, models, step, seed=3)
+    assert result["requests"] == len(requests) and result["unfinished_real"] == 0
+    chat = result["classes"]["chat"]
+    for key in ("throughput", "ttft_p50", "ttft_p99"):
+        assert chat["error"][key] == pytest.approx(0, abs=1e-9)
+    assert chat["within_goals"]
+    table = format_rows([{"rate": 0.5, "load": 0.4, **result}])
+    assert "met" in table and "MISSED" not in table
+
+
+def test_a_slower_real_run_misses_the_goals(planned):
+    config, models, plan = planned
+    step = LinearStepTime(a=0.02, b=0.0004, c=0.003, d=0.0001)
+    requests = make_requests(load_workload("chat"), 0.5, duration=30.0, seed=4)
+    simulate(config, plan, models, requests, {"cpu": LinearStepTime(a=0.04, b=0.0008, c=0.006, d=0.0002)}, seed=4)
+    report = types.SimpleNamespace(records=_records_of(requests))
+    result = compare(report, config, plan, models, step, seed=4)
+    chat = result["classes"]["chat"]
+    assert chat["error"]["ttft_p50"] < -0.3 and not chat["within_goals"]
+
+
+def test_saturation_grows_with_a_faster_step(planned):
+    config, models, plan = planned
+    classes = load_workload("chat")
+    slow = saturation(config, plan, models, classes, LinearStepTime(a=0.04, b=0.0008, c=0.006, d=0.0), seed=0)
+    fast = saturation(config, plan, models, classes, LinearStepTime(a=0.02, b=0.0004, c=0.003, d=0.0), seed=0)
+    assert fast == pytest.approx(2 * slow, rel=0.05)
