@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_CPU ?= torch==2.13.0
 TORCH_CUDA ?= torch
 
-.PHONY: install serve test test-slow bench-engine clean
+.PHONY: install serve test test-slow bench-engine browser clean
 
 install: $(VENV)/.installed
 
@@ -39,6 +39,12 @@ test-slow: install
 
 bench-engine: install
 	HF_HUB_OFFLINE=1 $(BIN)/cliffguard bench engine
+
+# Debian's Chromium (and a font for its screenshots), for the dashboard's browser test (slow marker,
+# tests/gateway/test_dashboard.py). Runs apt-get: needs root.
+browser:
+	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
+		apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core; }
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

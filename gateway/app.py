@@ -28,7 +28,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from gateway import batches, handlers
+from gateway import batches, dashboard, handlers
 from gateway.admission import bearer_key
 from gateway.openai_api import ApiError
 from gateway.runtime import GATEWAY, Gateway
@@ -58,6 +58,9 @@ def create_app(gateway: Gateway, *, data_dir: Path | str | None = None,
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/ready", handlers.ready)
     app.router.add_get("/metrics", handlers.metrics)
+    app[dashboard.DASHBOARD] = dashboard.DashboardHistory()
+    app.router.add_get("/dashboard", dashboard.page)
+    app.router.add_get("/dashboard/data", dashboard.data)
     return app
 
 
@@ -101,7 +104,8 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
         return _error_json(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
 
 
-_OPEN_PATHS = {"/health", "/ready", "/metrics"}
+# The dashboard's page holds no data; its data (/dashboard/data) needs the key like the API (gateway.dashboard).
+_OPEN_PATHS = {"/health", "/ready", "/metrics", "/dashboard"}
 
 
 @web.middleware

@@ -1,0 +1,355 @@
+"""`GET /dashboard`: the page is self-contained, its data equals what `/metrics` shows, its p99s and rates
+are computed over the window, and the data needs the API key. The slow test loads the page in headless
+Chromium against a live server under load and saves the screenshot docs/DASHBOARD.md shows."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import html.parser
+import itertools
+import os
+import re
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+
+from gateway import dashboard
+from gateway.admission import AdmissionMetrics
+from gateway.metrics import TTFT_BUCKETS, GatewayMetrics
+from tests.gateway.conftest import DEFAULT_CONFIG, REPO, LiveServer, pools_yaml
+from tests.gateway.test_app import _client, _metrics, _model, _stream_text, _wait_idle
+
+KEY = "dash-key"
+
+
+# --- the page ----------------------------------------------------------------------------------------
+def test_the_page_names_no_url_and_its_csp_admits_exactly_its_inline_script_and_style():
+    page = dashboard.PAGE
+    assert not re.search(r"https?:|//[a-z]", page, re.IGNORECASE), "the page names a URL"
+    assert re.findall(r"""(?:src|href)\s*=\s*["']([^"']*)""", page) == ["data:,"]
+    csp = dashboard.PAGE_HEADERS["Content-Security-Policy"]
+    for tag, directive in (("script", "script-src"), ("style", "style-src")):
+        bodies = re.findall(rf"<{tag}>(.*?)</{tag}>", page, re.DOTALL)
+        assert len(bodies) == 1
+        digest = base64.b64encode(hashlib.sha256(bodies[0].encode()).digest()).decode()
+        assert f"{directive} 'sha256-{digest}'" in csp, f"the CSP would block the page's {tag}"
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+
+
+# --- p99 and rates, on a registry of our own -----------------------------------------------------------------
+@pytest.mark.parametrize("counts, expected", [
+    ({}, None),                                  # no observation
+    ({0.0005: 100}, 0.00099),                    # all in the first bucket: from 0 to 0.001
+    ({0.003: 99, 0.03: 1}, 0.005),               # the 99th of 100 ends the (0.001, 0.005] bucket
+    ({0.003: 98, 0.03: 2}, 0.03),                # half-way into (0.02, 0.04]
+    ({0.003: 50, 5000.0: 50}, 2560.0),           # in +Inf: the largest finite bound
+])
+def test_histogram_quantile_interpolates_inside_the_bucket_like_prometheus(counts, expected):
+    metrics = GatewayMetrics()
+    for value, n in counts.items():
+        for _ in range(n):
+            metrics.ttft.labels(pool="chat").observe(value)
+    snapshot = _make_snapshot(metrics, 0.0)
+    buckets = snapshot.histograms["chat"].get("ttft", ((float("inf"), 0.0),))
+    assert len(buckets) in (1, len(TTFT_BUCKETS) + 1)
+    got = dashboard.histogram_quantile(0.99, buckets)
+    assert got == (None if expected is None else pytest.approx(expected))
+
+
+def _make_snapshot(metrics: GatewayMetrics, now: float, pools=("chat",), extra: CollectorRegistry | None = None):
+    text = metrics.render().decode() + (generate_latest(extra).decode() if extra is not None else "")
+    return dashboard.parse_snapshot(text, pools, now=now, wall=1000.0 + now)
+
+
+def test_rates_and_p99s_are_taken_over_the_window_and_the_series_kept_for_the_history():
+    metrics = GatewayMetrics()
+    credits = AdmissionMetrics(metrics.registry)
+    credits.credits_total.labels(pool="chat").set(1024)
+    history = dashboard.DashboardHistory(window_seconds=10, history_seconds=30, min_interval=0.5)
+    preempt = metrics.preemptions.labels(pool="chat", mode="recompute")
+    metrics.kv_usage.labels(pool="chat").set(0.25)
+
+    first = history.add(_make_snapshot(metrics, 0.0, pools=("chat", "rag")))
+    chat = first["pools"]["chat"]
+    assert chat["kv_cache_usage_perc"] == 0.25 and chat["kv_credits_total"] == 1024
+    assert chat["preemptions_per_second"] is None and chat["ttft_p99_seconds"] is None   # nothing to compare yet
+    assert chat["death_spiral"] is None and first["pools"]["rag"]["kv_cache_usage_perc"] is None   # not exported
+
+    for t in range(1, 21):                       # 2 preemptions and one 30 ms TTFT per second
+        preempt.inc(2)
+        metrics.ttft.labels(pool="chat").observe(0.03)
+        view = history.add(_make_snapshot(metrics, float(t)))
+    chat = view["pools"]["chat"]
+    assert view["window_seconds"] == 10
+    assert chat["preemptions_per_second"] == pytest.approx(2.0) and chat["num_preemptions_total"] == 40
+    assert chat["ttft_window_count"] == 10 and chat["ttft_p99_seconds"] == pytest.approx(0.0398)
+    assert chat["itl_p99_seconds"] is None and chat["itl_window_count"] == 0         # none observed yet
+
+    metrics.ttft.labels(pool="chat").observe(3.0)   # a slow one enters the window ...
+    view = history.add(_make_snapshot(metrics, 20.2))    # answered, but not kept: 0.2 s after the last one
+    assert view["pools"]["chat"]["series"]["age_seconds"][-3:] == [1.2, 0.2, 0.0]
+    assert view["pools"]["chat"]["ttft_p99_seconds"] == pytest.approx(2.5 + 2.5 * (10.89 - 10) / 1)
+    for t in range(21, 41):
+        view = history.add(_make_snapshot(metrics, float(t)))
+    chat = view["pools"]["chat"]
+    assert chat["preemptions_per_second"] == 0 and chat["ttft_p99_seconds"] is None   # the window holds none
+    series = chat["series"]
+    assert series["age_seconds"][0] == 30 and len(series["age_seconds"]) == 31
+    assert series["preemptions_per_second"][0] == pytest.approx(2.0) and series["kv_cache_usage_perc"][-1] == 0.25
+
+    spiral = CollectorRegistry()   # the death-spiral gauge, shown once exported
+    Gauge("cliffguard_death_spiral", "", ["pool"], registry=spiral).labels(pool="chat").set(1)
+    assert history.add(_make_snapshot(metrics, 41.0, extra=spiral))["pools"]["chat"]["death_spiral"] == 1
+
+
+# --- a live gateway in-process ---------------------------------------------------------------------------------
+async def test_the_data_equals_metrics_and_needs_the_key_like_the_api(aiohttp_client, tmp_path, tiny_model):
+    client, gateway = await _client(aiohttp_client, pools_yaml(tiny_model, api_keys=f"[{KEY}]"), tmp_path)
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    r = await client.get("/dashboard")                   # the page holds no data: served without a key
+    assert r.status == 200 and r.content_type == "text/html"
+    assert r.headers["Content-Security-Policy"] == dashboard.PAGE_HEADERS["Content-Security-Policy"]
+    assert await r.text() == dashboard.PAGE
+    for headers, message in (({}, "missing API key"), ({"Authorization": "Bearer nope"}, "invalid API key")):
+        r = await client.get("/dashboard/data", headers=headers)
+        body = await r.json()
+        assert r.status == 401 and set(body["error"]) == {"message", "type", "param", "code"}, body
+        assert message in body["error"]["message"] and body["error"]["code"] == "invalid_api_key"
+
+    before = _metrics(await (await client.get("/metrics")).text())
+    first = await (await client.get("/dashboard/data", headers=auth)).json()
+    assert list(first["pools"]) == ["chat", "rag"]
+
+    async def chat(i: int) -> None:
+        r = await client.post("/v1/chat/completions", headers=auth, json={
+            "model": _model(tiny_model), "messages": [{"role": "user", "content": f"Count to {i}"}],
+            "max_tokens": 8, "ignore_eos": True, "stream": True})
+        assert r.status == 200
+        await _stream_text(r)
+
+    await asyncio.gather(*(chat(i) for i in range(3)))
+    await _wait_idle(gateway)
+    for _ in range(20):                                  # the worker's last push, once idle, is in place
+        seen = _metrics(await (await client.get("/metrics")).text())
+        data = await (await client.get("/dashboard/data", headers=auth)).json()
+        after = _metrics(await (await client.get("/metrics")).text())
+        if _without_ages(seen) == _without_ages(after):
+            break
+        await asyncio.sleep(0.1)
+    assert _without_ages(seen) == _without_ages(after), "the gateway did not settle"
+
+    for pool, shown in data["pools"].items():
+        for key, name in dashboard.VALUES.items():
+            assert shown[key] == _pool_sum(after, name, pool), (pool, key)
+        ttft = _bucket_increase(after, before, "cliffguard_time_to_first_token_seconds", pool)
+        assert shown["ttft_window_count"] == (3 if pool == "chat" else 0)
+        assert shown["ttft_p99_seconds"] == (dashboard.histogram_quantile(0.99, ttft) if ttft[-1][1] else None)
+        assert shown["preemptions_per_second"] == 0
+        assert shown["series"]["age_seconds"][-1] == 0 and len(shown["series"]["age_seconds"]) >= 2
+    assert data["pools"]["chat"]["itl_window_count"] == 3 * 7          # 7 gaps between 8 streamed tokens
+    assert data["pools"]["chat"]["kv_credits_free"] == data["pools"]["chat"]["kv_credits_total"] > 0
+    ages = {labels[0][1]: v for labels, v in after["cliffguard_stats_age_seconds"].items()}
+    assert data["stats_age_seconds"].keys() == ages.keys()
+    assert all(data["stats_age_seconds"][d] <= ages[d] for d in ages)
+
+
+def _without_ages(m: dict) -> dict:
+    return {name: series for name, series in m.items() if name != "cliffguard_stats_age_seconds"}
+
+
+def _pool_sum(m: dict, name: str, pool: str) -> float | None:
+    """A sample's value for `pool`, summed over its other labels, as parsed by test_app._metrics."""
+    values = [v for labels, v in m.get(name, {}).items() if ("pool", pool) in labels]
+    return sum(values) if values else None
+
+
+def _bucket_increase(after: dict, before: dict, histogram: str, pool: str) -> dashboard.Buckets:
+    rows = []
+    for labels, count in after.get(histogram + "_bucket", {}).items():
+        if ("pool", pool) in labels:
+            rows.append((float(dict(labels)["le"]), count - before.get(histogram + "_bucket", {}).get(labels, 0.0)))
+    return tuple(sorted(rows)) or ((float("inf"), 0.0),)
+
+
+# --- headless Chromium against a live server under load --------------------------------------------------------
+SCREENSHOT = REPO / "docs" / "img" / "dashboard.png"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--disable-dev-shm-usage", "--hide-scrollbars"]
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    """Debian's chromium, installed by `make browser` when missing; skips if that cannot be done here."""
+    path = shutil.which("chromium")
+    if path is None:
+        done = subprocess.run(["make", "-C", str(REPO), "browser"], capture_output=True, text=True, timeout=900)
+        path = shutil.which("chromium")
+        if path is None:
+            pytest.skip("no chromium and `make browser` could not install it (it runs apt-get, as root): "
+                        + (done.stdout + done.stderr).strip()[-300:])
+    return path
+
+
+def _run_chromium(chromium: str, tmp_path: Path, url: str, *args: str, budget_ms: int = 6000) -> str:
+    profile = tmp_path / f"profile-{time.monotonic_ns()}"
+    done = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}",
+                           f"--virtual-time-budget={budget_ms}", *args, url],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+class _Cells(html.parser.HTMLParser):
+    """The values the page shows: {(pool, metric): data-value} and the body's data- attributes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: dict[tuple[str, str], float | None] = {}
+        self.body: dict[str, str] = {}
+
+    def handle_starttag(self, tag, attrs) -> None:
+        a = dict(attrs)
+        if tag == "body":
+            self.body = a
+        elif "data-metric" in a and "data-pool" in a:
+            value = a.get("data-value")
+            self.values[a["data-pool"], a["data-metric"]] = float(value) if value else None
+
+
+class _Load:
+    """Three chat streams looping with pauses between requests and one long rag prompt looping beside them
+    (the pauses leave the rag prefill whole steps now and then), on a thread; `close` cancels them."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.errors = url, []
+        self.loop = asyncio.new_event_loop()
+        self.task = self.loop.create_task(self._main())
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            self.loop.run_until_complete(self.task)
+        self.loop.close()
+
+    async def _main(self) -> None:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as session:
+            await asyncio.gather(self._loop(session, "/v1/completions", lambda n: {
+                "model": MODEL, "prompt": [100 + (7 * j + n) % 30000 for j in range(4200)], "max_tokens": 8,
+                "stream": True}), *(self._loop(session, "/v1/chat/completions", lambda n, i=i: {
+                    "model": MODEL, "messages": [{"role": "user", "content": f"Count from {n} to {n + 50}."}],
+                    "max_tokens": 32, "ignore_eos": True, "stream": True}, pause=1.0 + i) for i in range(3)))
+
+    async def _loop(self, session: aiohttp.ClientSession, path: str, body, pause: float = 0.0) -> None:
+        for n in itertools.count():
+            try:
+                async with session.post(self.url + path, json=body(n)) as r:
+                    async for _ in r.content:
+                        pass
+                    if r.status != 200:
+                        self.errors.append(f"{path}: {r.status}")
+            except aiohttp.ClientError as exc:
+                self.errors.append(f"{path}: {exc!r}")
+            await asyncio.sleep(pause)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.task.cancel)
+        self.thread.join(30)
+
+
+class _Scraper:
+    """`/metrics` every 0.1 s on a thread, while the browser runs: what the page may have been shown."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.stop, self.scrapes = url, threading.Event(), []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            with urllib.request.urlopen(self.url + "/metrics", timeout=5) as r:
+                self.scrapes.append(_metrics(r.read().decode()))
+            time.sleep(0.1)
+
+    def close(self) -> list[dict]:
+        self.stop.set()
+        self.thread.join(10)
+        return self.scrapes
+
+
+def _poll_data(url: str, seconds: float) -> None:
+    """Poll the data as an open dashboard would, so the gateway's history holds the load."""
+    request = urllib.request.Request(url + "/dashboard/data", headers={"Authorization": f"Bearer {KEY}"})
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(request, timeout=5) as r:
+            assert r.status == 200
+        time.sleep(1.0)
+
+
+@pytest.mark.slow
+def test_the_page_in_headless_chromium_shows_what_metrics_shows_under_load(chromium, tmp_path):
+    env = dict(os.environ, CLIFFGUARD_API_KEYS=KEY)
+    with LiveServer(DEFAULT_CONFIG, env=env) as server:
+        load = _Load(server.url)
+        try:
+            _poll_data(server.url, 40)
+            scraper = _Scraper(server.url)
+            dom = _run_chromium(chromium, tmp_path, f"{server.url}/dashboard#key={KEY}", "--dump-dom")
+            scrapes = scraper.close()
+            locked = _run_chromium(chromium, tmp_path, f"{server.url}/dashboard", "--dump-dom", budget_ms=2000)
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            _run_chromium(chromium, tmp_path, f"{server.url}/dashboard#key={KEY}", f"--screenshot={SCREENSHOT}",
+                          "--window-size=1280,900")
+        finally:
+            load.close()
+    assert not load.errors, load.errors[:5]
+    asking = _Cells()
+    asking.feed(locked)                                  # no key: the page asks for one and shows nothing
+    assert asking.body.get("data-status") == "auth" and not asking.values, asking.body
+    assert re.search(r'<form id="login">', locked), "the key form is hidden"
+    cells = _Cells()
+    cells.feed(dom)
+    assert cells.body.get("data-status") == "ok" and int(cells.body["data-polls"]) >= 2, cells.body
+    assert scrapes, "no /metrics scrape during the browser run"
+    _assert_shown_within_scrapes(cells.values, scrapes)
+    assert SCREENSHOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and SCREENSHOT.stat().st_size > 20_000
+
+
+# Tolerances for values that move under load between the page's poll and the nearest scrape (0.1 s apart)
+_SLACK = {"kv_cache_usage_perc": 0.05, "num_requests_running": 1, "num_requests_waiting": 1,
+          "num_requests_swapped": 1, "admission_queue_depth": 1}
+
+
+def _assert_shown_within_scrapes(shown: dict, scrapes: list[dict]) -> None:
+    """Each number the page shows lies within what `/metrics` showed during the browser run."""
+    for pool in ("chat", "rag"):
+        for key, name in dashboard.VALUES.items():
+            seen = [v for v in (_pool_sum(m, name, pool) for m in scrapes) if v is not None]
+            value = shown[pool, key]
+            if not seen:
+                assert value is None, (pool, key, value)
+                continue
+            slack = _SLACK.get(key, 0)
+            if key == "kv_credits_free":
+                slack = 0.1 * shown[pool, "kv_credits_total"]
+            assert value is not None and min(seen) - slack <= value <= max(seen) + slack, \
+                (pool, key, value, min(seen), max(seen))
+        for key in ("ttft", "itl"):
+            p99, n = shown[pool, f"{key}_p99_seconds"], shown[pool, f"{key}_window_count"]
+            total = _pool_sum(scrapes[-1], dashboard.HISTOGRAMS[key] + "_count", pool) or 0
+            assert (p99 is None) == (not n) and (n or 0) <= total, (pool, key, p99, n, total)
+    assert shown["chat", "itl_window_count"] > 0, "the page saw no chat tokens streamed in its window"
