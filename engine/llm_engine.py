@@ -412,6 +412,7 @@ class LLMEngine:
             touched.setdefault(seq.request_id, []).append(seq)
         now, tokens = time.monotonic(), executed.tokens
         for i, seq in enumerate(executed.sampled):
+            self.schedulers[seq.pool].stats.num_generated_tokens += 1
             self._append_token(seq, tokens.token_ids[i], tokens.logprobs[i], tokens.top_logprobs[i])
             request = self.requests[seq.request_id]
             if request.first_token_time is None:

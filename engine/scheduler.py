@@ -74,6 +74,7 @@ class SchedulerStats:
     num_aborted: int = 0             # sequences finished by abort (client gone, or asked)
     num_too_large: int = 0           # sequences ended because the pool could not hold them
     num_computed_tokens: int = 0     # tokens whose K/V the pool's steps computed (prefill, decode, recompute)
+    num_generated_tokens: int = 0    # tokens sampled: new output only, never a recomputed one
 
 
 @dataclass

@@ -67,6 +67,7 @@ class PoolStats:
     num_aborted: int = 0
     num_too_large: int = 0
     num_computed_tokens: int = 0
+    num_generated_tokens: int = 0    # output tokens sampled (a recomputed token is not generated again)
 
     @property
     def num_preemptions(self) -> int:

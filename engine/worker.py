@@ -167,7 +167,7 @@ def _pool_stats(scheduler: Scheduler, block_bytes: int) -> PoolStats:
         swapped_in_bytes=st.num_swapped_in_blocks * block_bytes, preempt_seconds=st.preempt_seconds,
         num_prefix_queries=bm.num_prefix_queries, num_prefix_hits=bm.num_prefix_hits,
         num_aborted=st.num_aborted, num_too_large=st.num_too_large,
-        num_computed_tokens=st.num_computed_tokens)
+        num_computed_tokens=st.num_computed_tokens, num_generated_tokens=st.num_generated_tokens)
 
 
 @dataclass

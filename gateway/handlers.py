@@ -177,9 +177,14 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
+    """200 once every device worker has loaded, else 503. A pool in a death spiral still serves: the
+    answer stays 200 with `status: degraded` and the pool's reason under `pools` (docs/GATEWAY.md)."""
     gateway = request.app[GATEWAY]
     ok = gateway.is_ready()
-    return web.json_response({"status": "ready" if ok else "not ready", "devices": gateway.device_states()},
+    degraded = gateway.spiral.degraded()
+    pools = {name: f"degraded: {degraded[name]}" if name in degraded else "ok" for name in gateway.spiral.pools}
+    status = "not ready" if not ok else "degraded" if degraded else "ready"
+    return web.json_response({"status": status, "devices": gateway.device_states(), "pools": pools},
                              status=200 if ok else 503)
 
 

@@ -5,7 +5,8 @@ so existing dashboards translate; histogram buckets are vLLM's. Engine-side gaug
 (running, waiting, KV usage, preemptions) are refreshed at each scrape from the stats each device
 worker last pushed with its step outputs (`cliffguard_stats_age_seconds` says how old they are), so a
 scrape never waits for a model step; request-level histograms are observed by the gateway as
-responses stream.
+responses stream. `cliffguard_death_spiral` is set by the gateway's detector (gateway.runtime.SpiralWatch)
+when a pool trips or clears, not at the scrape.
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class GatewayMetrics:
                                           "and swap copies).", _POOL)
         self.cpu_swap_usage = self._gauge("cpu_swap_usage_perc", "Fraction of the pool's CPU swap blocks in use.",
                                           _POOL)
+        self.death_spiral = self._gauge("death_spiral", "1 while the pool is in a death spiral: preemptions "
+                                        "sustained while its generated tokens/s stay flat or fall (pools.spiral).",
+                                        _POOL)
 
     def _add_pool_work(self) -> None:
         """A pool's aborts, prefix-cache lookups and computed tokens."""

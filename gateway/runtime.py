@@ -3,10 +3,11 @@ workers and their readiness, metrics, the tokenizer thread pool and the upstream
 
 `Gateway.from_config` does everything that can fail before a socket opens (models resolved,
 tokenizers loaded, the capacity plan computed); `start` spawns the device workers, which load in the
-background, each under a `gateway.supervisor.DeviceSupervisor` that restarts it if it dies. The
-app's `cleanup_ctx` (gateway.app) calls `start` and `stop` and owns the session. All methods run on
-the event loop; only `Router.route` (via `route_chat` / `route_prompt`) and the tokenizers it calls
-may run on the tokenizer thread.
+background, each under a `gateway.supervisor.DeviceSupervisor` that restarts it if it dies, and
+starts the `SpiralWatch` (death-spiral detection per local pool). The app's `cleanup_ctx`
+(gateway.app) calls `start` and `stop` and owns the session. All methods run on the event loop; only
+`Router.route` (via `route_chat` / `route_prompt`) and the tokenizers it calls may run on the
+tokenizer thread.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.stats import WorkerInfo
+from engine.stats import PoolStats, WorkerInfo
 from engine.tokenizer import Tokenizer
 from engine.worker import AsyncEngineClient, EngineDeadError
 from gateway.admission import AdmissionControl
@@ -35,6 +36,7 @@ from pools.capacity import CapacityPlan, engine_configs, model_folder, plan_capa
 from pools.pool import Pool
 from pools.router import NoRouteError, Router, UnknownModelError
 from pools.spec import CliffguardConfig, PoolSpec
+from pools.spiral import SpiralDetector
 from pools.tenants import Tenants
 from pools.tokencount import TokenCounter
 
@@ -42,6 +44,83 @@ log = logging.getLogger("cliffguard.gateway")
 
 # Prompts longer than this (characters) are rendered and counted in a worker thread.
 INLINE_TOKENIZE_CHARS = 2048
+SPIRAL_INTERVAL = 0.25   # seconds between death-spiral checks; the worker pushes its stats as often while busy
+
+
+class SpiralWatch:
+    """Death-spiral detection for the local pools: one `pools.spiral.SpiralDetector` per pool whose
+    `death_spiral` is enabled, fed every `SPIRAL_INTERVAL` seconds from the stats its device worker
+    last pushed (`AsyncEngineClient.latest_stats`), so nothing here waits on a model step.
+
+    A report is fed once, at the time it was taken. While a pool's last report shows it idle (nothing
+    running, waiting or swapped) its totals cannot move, so they are fed again at the current time:
+    an idle pool's detector keeps judging, and clears. A busy pool whose report is late (a long step)
+    is not extrapolated; the detector waits for the next report.
+
+    When a pool trips: `cliffguard_death_spiral{pool}` 1, a WARNING naming the pool and the numbers,
+    and `/ready` lists the pool as degraded with the reason; when it clears: 0 and an INFO line.
+    Event-loop only.
+    """
+
+    def __init__(self, pools: dict[str, Pool], metrics: GatewayMetrics) -> None:
+        self.pools = {name: pool for name, pool in pools.items() if not pool.is_upstream}
+        self.detectors = {name: SpiralDetector(pool.spec.death_spiral) for name, pool in self.pools.items()
+                          if pool.spec.death_spiral.enabled}
+        self.metrics = metrics
+        self._seen: dict[str, float] = {}          # pool -> `taken_at` of the report fed last
+        self._ticker: asyncio.Task | None = None
+        for name in self.detectors:
+            metrics.death_spiral.labels(pool=name).set(0)   # exported from the start
+
+    def start(self) -> None:
+        """Start the ticker (idempotent; needs a running loop)."""
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="cliffguard-spiral")
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+
+    def degraded(self) -> dict[str, str]:
+        """The pools in a death spiral now, each with its reason (one line with the numbers)."""
+        return {name: d.state.reason for name, d in self.detectors.items() if d.tripped}
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(SPIRAL_INTERVAL)
+            try:
+                self.check(time.time())
+            except Exception:  # noqa: BLE001 - a bad report must not stop the watch
+                log.exception("death-spiral check failed")
+
+    def check(self, now: float) -> None:
+        """Feed each watched pool's latest report (`now`: `time.time()`, the clock of `taken_at`)."""
+        for name, detector in self.detectors.items():
+            client = self.pools[name].client
+            stats = client.latest_stats if client is not None else None
+            if stats is None or name not in stats.pools:
+                continue
+            pool_stats = stats.pools[name]
+            if self._seen.get(name) != stats.taken_at:
+                self._seen[name] = stats.taken_at
+                at = stats.taken_at
+            elif _is_idle(pool_stats):
+                at = now
+            else:
+                continue
+            state = detector.observe(at, pool_stats.num_preemptions, pool_stats.num_generated_tokens)
+            if not state.changed:
+                continue
+            self.metrics.death_spiral.labels(pool=name).set(1 if state.tripped else 0)
+            if state.tripped:
+                log.warning("pool %s: %s", name, state.reason)
+            else:
+                log.info("pool %s: %s", name, state.reason)
+
+
+def _is_idle(stats: PoolStats) -> bool:
+    return not (stats.num_running or stats.num_waiting or stats.num_swapped)
 
 
 @dataclass
@@ -59,6 +138,7 @@ class Gateway:
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "cliffguard-tok"))
     session: aiohttp.ClientSession | None = None
     admission: AdmissionControl | None = None   # KV credits of the local pools, tenants (gateway.admission)
+    spiral: SpiralWatch | None = None           # death-spiral detection of the local pools
 
     @classmethod
     def from_config(cls, config: CliffguardConfig, *, vram_bytes: int | None = None) -> Gateway:
@@ -86,6 +166,7 @@ class Gateway:
         credits = {name: p.num_blocks * p.block_size for name, p in plan.pools.items()}
         gateway.admission = AdmissionControl.build(Tenants(config.tenants), list(pools.values()),
                                                    gateway.metrics.registry, credits)
+        gateway.spiral = SpiralWatch(pools, gateway.metrics)
         return gateway
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -98,9 +179,11 @@ class Gateway:
             self.supervisors[device] = supervisor
             supervisor.start()
         self.admission.start()
+        self.spiral.start()
 
     async def stop(self) -> None:
         await self.admission.stop()
+        await self.spiral.stop()
         await asyncio.gather(*(s.stop() for s in self.supervisors.values()), return_exceptions=True)
         self.executor.shutdown(wait=False, cancel_futures=True)
 

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from engine.capacity import DEFAULT_MEMORY_UTILIZATION
 from engine.config import CacheConfig, ConfigError, LatencySLO, SchedulerConfig, check_device_name, parse_dtype
+from pools.spiral import SpiralConfig
 from pools.tenants import TenantSpec, parse_tenants
 from pools.yamlcheck import SpecError, check_mapping, is_int, is_number, load_yaml, read_text, show, within
 
@@ -205,6 +206,7 @@ class PoolSpec:
     enable_prefix_caching: bool = True
     slo: LatencySLO | None = None        # interactive pool: latency targets; None: throughput pool
     max_queue_seconds: float | None = None   # queued for KV credits longer: 503; None: waits; 0: 429 when full
+    death_spiral: SpiralConfig = field(default_factory=SpiralConfig)   # the detector's thresholds (pools.spiral)
 
     def __post_init__(self) -> None:
         _check_str("name", self.name)
@@ -264,6 +266,8 @@ class PoolSpec:
                                                    or not self.max_queue_seconds >= 0):
             raise SpecError(f"max_queue_seconds: must be a number of seconds >= 0 (0: refuse with 429 instead "
                             f"of queueing; null: no limit), got {show(self.max_queue_seconds)}")
+        if not isinstance(self.death_spiral, SpiralConfig):
+            raise SpecError(f"death_spiral: must be a SpiralConfig, got {show(self.death_spiral)}")
 
     def scheduler_config(self, max_num_seqs: int, max_model_len: int) -> SchedulerConfig:
         """The engine's limits for this pool, given the two numbers the capacity plan derives."""
@@ -388,8 +392,9 @@ _ROUTE_KEYS = ("min_prompt_tokens", "max_prompt_tokens")
 _COMMON_POOL_KEYS = ("name", "model", "route", "served_model_name", "max_model_len")
 _LOCAL_POOL_KEYS = ("device", "kv_share", "kv_cache_bytes", "avg_len", "block_size", "max_num_batched_tokens",
                     "max_num_seqs", "preemption_mode", "victim_policy", "swap_space", "enable_prefix_caching",
-                    "slo", "max_queue_seconds")
+                    "slo", "max_queue_seconds", "death_spiral")
 _SLO_KEYS = ("ttft_ms", "itl_ms")
+_SPIRAL_KEYS = tuple(f.name for f in dataclasses.fields(SpiralConfig))   # the detector's own fields
 _UPSTREAM_POOL_KEYS = ("upstream", "upstream_api_key_env", "tokenizer")
 _BYTE_KEYS = {"kv_cache_bytes": "kv_cache_bytes", "swap_space": "swap_space_bytes"}
 
@@ -462,13 +467,15 @@ def _parse_pool(i: int, raw: Any, base_dir: Path | None) -> PoolSpec:
     for required in ("name", "model"):
         if raw.get(required) is None:
             raise SpecError(f"{key}.{required}: required, got nothing")
-    kwargs = {k: v for k, v in raw.items() if k not in _BYTE_KEYS and k not in ("route", "slo")}
+    kwargs = {k: v for k, v in raw.items() if k not in _BYTE_KEYS and k not in ("route", "slo", "death_spiral")}
     if raw.get("slo") is not None:
         slo = check_mapping(f"{key}.slo", raw["slo"], _SLO_KEYS)
         try:
             kwargs["slo"] = LatencySLO(**slo)
         except ConfigError as exc:
             raise SpecError(f"{key}.{exc}") from None
+    if raw.get("death_spiral") is not None:
+        kwargs["death_spiral"] = _parse_spiral(f"{key}.death_spiral", raw["death_spiral"])
     for yaml_key, field_name in _BYTE_KEYS.items():
         if yaml_key in raw:
             kwargs[field_name] = parse_bytes(raw[yaml_key], f"{key}.{yaml_key}")
@@ -481,6 +488,19 @@ def _parse_pool(i: int, raw: Any, base_dir: Path | None) -> PoolSpec:
         kwargs["tokenizer"] = _beside(base_dir, kwargs["tokenizer"])
     with within(key):
         return PoolSpec(**kwargs)
+
+
+def _parse_spiral(key: str, raw: Any) -> SpiralConfig:
+    """`death_spiral`: a mapping of thresholds, or `false` (detection off) / `true` (the defaults)."""
+    if isinstance(raw, bool):
+        return SpiralConfig(enabled=raw)
+    if not isinstance(raw, dict):
+        raise SpecError(f"{key}: must be a mapping ({', '.join(_SPIRAL_KEYS)}) or false, got {show(raw)}")
+    check_mapping(key, raw, _SPIRAL_KEYS)
+    try:
+        return SpiralConfig(**raw)
+    except ValueError as exc:   # its message starts with `death_spiral.<field>`
+        raise SpecError(f"{key.rpartition('.')[0]}.{exc}") from None
 
 
 def parse_config(data: Any, *, env: Mapping[str, str] = os.environ,

@@ -77,6 +77,8 @@ def test_preemption_by_recompute_keeps_outputs(builtin_path, chat_prompts, basel
     scheduler = engine.schedulers["default"]
     assert scheduler.stats.num_preemptions > 0 and scheduler.stats.num_recomputed_tokens > 0
     assert _tokens(outs) == baseline
+    # each output token is generated once: a recomputed one is computed again, not generated again
+    assert scheduler.stats.num_generated_tokens == sum(len(t) for t in baseline)
     assert_all_free(engine)
 
 

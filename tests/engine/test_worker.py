@@ -53,6 +53,7 @@ def test_client_streams_the_same_text_as_the_offline_engine(config):
     assert isinstance(stats, EngineStats) and stats.num_requests == 0
     assert stats.pools["default"].num_free_blocks == stats.pools["default"].num_blocks
     assert stats.step.num_steps > 0 and stats.pools["default"].num_computed_tokens > 0
+    assert stats.pools["default"].num_generated_tokens == sum(outs[-1].outputs[0].num_tokens for _, outs in results)
 
 
 def test_leaving_a_stream_early_aborts_and_a_bad_request_leaves_others_running(config):

@@ -12,6 +12,7 @@ import yaml
 from engine.config import LatencySLO
 from pools.spec import (DEFAULT_CPU_MEMORY, DeviceSpec, PoolSpec, RouteSpec, SpecError, load_config, parse_bytes,
                         parse_config)
+from pools.spiral import SpiralConfig
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_YAML = REPO / "config" / "pools.yaml"
@@ -123,6 +124,18 @@ BAD = {
     "slo itl zero": (_set("pools/0/slo", {"ttft_ms": 500, "itl_ms": 0}), ["pools[0].slo.itl_ms", "got 0"]),
     "slo string": (_set("pools/0/slo", {"ttft_ms": "1s"}), ["pools[0].slo.ttft_ms", "'1s'"]),
     "slo on upstream": (_set("pools/2/slo", {"ttft_ms": 500}), ["pools[2].slo", "upstream"]),
+    "death_spiral not a mapping": (_set("pools/0/death_spiral", 30), ["pools[0].death_spiral", "30 (int)", "false"]),
+    "unknown death_spiral key": (_set("pools/0/death_spiral", {"window": 30}),
+                                 ["pools[0].death_spiral.window", "30", "window_seconds"]),
+    "death_spiral window zero": (_set("pools/0/death_spiral", {"window_seconds": 0}),
+                                 ["pools[0].death_spiral.window_seconds: must be a number > 0, got 0"]),
+    "death_spiral rate string": (_set("pools/0/death_spiral", {"min_preemptions_per_s": "1/s"}),
+                                 ["pools[0].death_spiral.min_preemptions_per_s", "'1/s'"]),
+    "death_spiral negative tolerance": (_set("pools/1/death_spiral", {"tokens_tolerance": -0.5}),
+                                        ["pools[1].death_spiral.tokens_tolerance", ">= 0", "-0.5"]),
+    "death_spiral enabled string": (_set("pools/0/death_spiral", {"enabled": "off"}),
+                                    ["pools[0].death_spiral.enabled", "'off'"]),
+    "death_spiral on upstream": (_set("pools/2/death_spiral", False), ["pools[2].death_spiral", "upstream"]),
 }
 
 
@@ -227,6 +240,22 @@ def test_omitted_sections_get_defaults():
                           env={})
     assert config.devices == {"default": DeviceSpec()}
     assert config.gateway.port == 8000 and config.pools[0].device == "default"
+
+
+def test_death_spiral_thresholds_defaults_and_off():
+    config = load_config(_make_yaml(_both(
+        _set("pools/0/death_spiral", {"window_seconds": 60, "min_preemptions_per_s": 2, "clear_seconds": 120}),
+        _set("pools/1/death_spiral", False))), env={})
+    chat, rag, remote = config.pools
+    assert chat.death_spiral == SpiralConfig(window_seconds=60, min_preemptions_per_s=2, clear_seconds=120)
+    assert chat.death_spiral.clear_after_seconds == 120
+    assert not rag.death_spiral.enabled
+    assert load_config(_make_yaml(), env={}).pools[0].death_spiral == SpiralConfig()   # omitted: the defaults
+    for same in (True, None, {}):
+        assert load_config(_make_yaml(_set("pools/0/death_spiral", same)), env={}).pools[0].death_spiral == \
+            SpiralConfig()
+    with pytest.raises(SpecError, match="^death_spiral: must be a SpiralConfig"):
+        PoolSpec(name="p", model="m", kv_share=0.5, death_spiral={"window_seconds": 3})
 
 
 def test_upstream_pool():
