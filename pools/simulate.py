@@ -49,9 +49,11 @@ from pools.admission import reservation
 from pools.capacity import CapacityPlan, DevicePlan
 from pools.credits import CreditLedger
 from pools.spec import CliffguardConfig, PoolSpec, RouteSpec, SpecError
+from pools.spiral import SpiralConfig, SpiralDetector
 from pools.workload import WorkloadClass, class_arrivals, latency_stats
 
 GiB = 1 << 30
+SPIRAL_SAMPLE_SECONDS = 0.25     # how often the gateway feeds the death-spiral detector (gateway.runtime)
 
 
 @dataclass(frozen=True)
@@ -275,7 +277,8 @@ class DeviceSim:
     ledgers, on a virtual clock. Single-threaded; `run` drives it to the end of its requests."""
 
     def __init__(self, pools: Sequence[PoolConfig], *, block_size: int, max_model_lens: Mapping[str, int],
-                 step_time: StepTime, kv_bytes_per_token: int, credits: bool = True, seed: int = 0) -> None:
+                 step_time: StepTime, kv_bytes_per_token: int, credits: bool = True, seed: int = 0,
+                 spirals: Mapping[str, SpiralConfig] | None = None) -> None:
         self.step_time = step_time
         self.block_size = block_size
         self.schedulers: dict[str, Scheduler] = {}
@@ -291,6 +294,12 @@ class DeviceSim:
         self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in pools})
         self.ledgers = {p.name: CreditLedger(p.num_blocks * block_size) for p in pools} if credits else {}
         self.traces = {p.name: PoolTrace() for p in pools}
+        # The gateway's death-spiral detector, fed every step as the worker's stats would feed it.
+        spirals = spirals or {}
+        self.spirals = {p.name: SpiralDetector(spirals.get(p.name, SpiralConfig())) for p in pools
+                        if spirals.get(p.name, SpiralConfig()).enabled}
+        self.spiral_trips: dict[str, list[tuple[float, str]]] = {p.name: [] for p in pools}
+        self._next_spiral_sample = 0.0
         self.bytes_per_block = kv_bytes_per_token * block_size
         self.clock = 0.0
         self.num_steps = 0
@@ -381,6 +390,7 @@ class DeviceSim:
             scheduler.stats.num_computed_tokens += item.num_new_tokens
             scheduler.block_manager.register_computed(seq.block_table, seq.token_ids, seq.num_computed_tokens)
         for seq in sampled:
+            self.schedulers[seq.pool].stats.num_generated_tokens += 1
             seq.token_ids.append(self._rng.randrange(1000, 30000))
             self._requests[seq.request_id].token_times.append(self.clock)
             if seq.num_output_tokens >= seq.max_tokens:
@@ -398,6 +408,13 @@ class DeviceSim:
                     scheduler.cost_model.observe_prefill(total, seconds)
 
     def _trace(self) -> None:
+        if self.spirals and self.clock >= self._next_spiral_sample:
+            self._next_spiral_sample = self.clock + SPIRAL_SAMPLE_SECONDS
+            for name, detector in self.spirals.items():
+                stats = self.schedulers[name].stats
+                state = detector.observe(self.clock, stats.num_preemptions, stats.num_generated_tokens)
+                if state.changed and state.tripped:
+                    self.spiral_trips[name].append((self.clock, state.reason))
         for name, scheduler in self.schedulers.items():
             trace, bm = self.traces[name], scheduler.block_manager
             trace.times.append(self.clock)
@@ -489,7 +506,9 @@ def simulate(config: CliffguardConfig, plan: CapacityPlan, model_configs: Mappin
                            "swap_preemptions": stats.num_swap_preemptions,
                            "recomputed_tokens": stats.num_recomputed_tokens,
                            "swapped_blocks": stats.num_swapped_out_blocks + stats.num_swapped_in_blocks,
-                           "computed_tokens": stats.num_computed_tokens}
+                           "computed_tokens": stats.num_computed_tokens,
+                           "generated_tokens": stats.num_generated_tokens,
+                           "death_spirals": [{"at_s": t, "reason": why} for t, why in sim.spiral_trips[name]]}
             traces[name] = sim.traces[name]
     return SimulationResult(requests, pools, traces,
                             simulated_seconds=max((s.clock for s in sims.values()), default=0.0),
@@ -500,14 +519,16 @@ def simulate(config: CliffguardConfig, plan: CapacityPlan, model_configs: Mappin
 def _device_sim(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePlan,
                 model_configs: Mapping[str, ModelConfig], step_time: StepTime, credits: bool,
                 seed: int) -> DeviceSim:
-    pools, lens = [], {}
+    pools, lens, spirals = [], {}, {}
     for name in dplan.pools:
         pplan = plan.pools[name]
+        spirals[name] = pplan.spec.death_spiral
         scheduler = pplan.spec.scheduler_config(pplan.max_num_seqs, pplan.max_model_len)
         pools.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler, slo=pplan.spec.slo))
         lens[name] = pplan.max_model_len
     return DeviceSim(pools, block_size=dplan.block_size, max_model_lens=lens, step_time=step_time,
-                     kv_bytes_per_token=dplan.kv_bytes_per_token_per_device, credits=credits, seed=seed)
+                     kv_bytes_per_token=dplan.kv_bytes_per_token_per_device, credits=credits, seed=seed,
+                     spirals=spirals)
 
 
 def shared_layout(config: CliffguardConfig, plan: CapacityPlan) -> CliffguardConfig:
@@ -575,6 +596,10 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
+def _spiral(trips: list[dict[str, Any]]) -> str:
+    return f"{trips[0]['at_s']:.0f} s" if trips else "-"
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     rows = [f"{'class':<10}{'done':>7}{'err':>5}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}"
             f"{'e2e p50':>9}{'p99':>8}{'tok/s':>9}{'preempted':>11}   (ms)"]
@@ -585,15 +610,17 @@ def format_summary(summary: dict[str, Any]) -> str:
                     f"{c['preempted_requests']:>11}")
     rows.append("")
     rows.append(f"{'pool':<10}{'blocks':>8}{'seqs':>6}{'mode':>11}{'preempt':>9}{'/s':>7}{'KV mean':>9}"
-                f"{'KV max':>8}{'run max':>9}{'wait max':>10}{'queued max':>12}")
+                f"{'KV max':>8}{'run max':>9}{'wait max':>10}{'queued max':>12}{'spiral':>9}")
     for name, p in summary["pools"].items():
         mean = "-" if p["kv_usage_mean"] is None else f"{p['kv_usage_mean']:.0%}"
         peak = "-" if p["kv_usage_max"] is None else f"{p['kv_usage_max']:.0%}"
         rows.append(f"{name:<10}{p['num_blocks']:>8}{p['max_num_seqs']:>6}{p['preemption_mode']:>11}"
                     f"{p['preemptions']:>9}{p['preemptions_per_s']:>7.2f}{mean:>9}{peak:>8}{p['max_running']:>9}"
-                    f"{p['max_waiting']:>10}{p['max_queued']:>12}")
+                    f"{p['max_waiting']:>10}{p['max_queued']:>12}{_spiral(p['death_spirals']):>9}")
     rows.append(f"\nsimulated {summary['simulated_seconds']:.1f} s in {summary['steps']} steps; "
                 f"{summary['wall_seconds']:.1f} s of wall time")
+    rows.extend(f"pool {name}: at {t['at_s']:.1f} s: {t['reason']}" for name, p in summary["pools"].items()
+                for t in p["death_spirals"][:1])
     rows.extend(f"error: {e}" for e in summary["errors"])
     return "\n".join(rows)
 

@@ -235,3 +235,27 @@ def test_calibrate_fits_a_real_engine_and_predicts_its_steps(tmp_path_factory, b
     path.write_text('{"a": 1}')
     with pytest.raises(ValueError, match="not a calibration file"):
         read_step_model(path)
+
+
+def test_the_gateway_death_spiral_detector_trips_in_an_overcommitted_pool_only():
+    """An overcommitted pool without credits preempts and recomputes in a loop: the gateway's detector,
+    fed every 0.25 simulated s as the gateway feeds it, trips; the same load behind credits never does."""
+    from pools.spiral import SpiralConfig
+
+    spiral = {"chat": SpiralConfig(window_seconds=4.0, min_preemptions_per_s=0.5, tokens_tolerance=0.25)}
+    step = LinearStepTime(a=0.01, b=0.0002, c=0.001, d=0.0)
+
+    def run(credits: bool) -> DeviceSim:
+        sim = DeviceSim([_pool(num_blocks=80, max_num_seqs=32)], block_size=16, max_model_lens={"chat": 1024},
+                        step_time=step, kv_bytes_per_token=TINY.kv_bytes_per_token(torch.bfloat16),
+                        credits=credits, spirals=spiral)
+        sim.run([SimRequest(f"r{i}", "chat", arrival=0.05 * i, prompt_len=100, output_len=400, pool="chat")
+                 for i in range(60)])
+        return sim
+
+    overcommitted = run(credits=False)
+    assert overcommitted.schedulers["chat"].stats.num_preemptions > 50
+    assert overcommitted.spiral_trips["chat"] and "death spiral" in overcommitted.spiral_trips["chat"][0][1]
+    assert overcommitted.schedulers["chat"].stats.num_generated_tokens == 60 * 400
+    credited = run(credits=True)
+    assert credited.schedulers["chat"].stats.num_preemptions == 0 and not credited.spiral_trips["chat"]
