@@ -106,6 +106,17 @@ class Scrapes:
     samples: list[tuple[float, float, float]] = field(default_factory=list)   # (time, KV used, credits held)
 
 
+def poisson_arrivals(rate: float, duration: float, seed: int) -> list[float]:
+    """Arrival times (s) of a Poisson process of `rate` per second, up to `duration`."""
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t > duration:
+            return arrivals
+        arrivals.append(t)
+
+
 def _prompts(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 40))) for _ in range(n)]
@@ -170,13 +181,7 @@ async def run_mode(mode: str, rate: float, args: argparse.Namespace, folder: Pat
 
     path = folder / f"{mode}-{rate:g}.yaml"
     path.write_text(pools_yaml(mode, args))
-    rng = random.Random(args.seed)
-    arrivals, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t > args.duration:
-            break
-        arrivals.append(t)
+    arrivals = poisson_arrivals(rate, args.duration, args.seed)
     prompts = _prompts(len(arrivals), args.seed)
     outcomes = [Outcome(a) for a in arrivals]
     scrapes = Scrapes()
@@ -215,13 +220,7 @@ def ideal_run(mode: str, rate: float, args: argparse.Namespace, slots: int, serv
               seed: int) -> dict[str, Any]:
     """One run of the idealised pool (see `--ideal`): an event simulation, no engine, no server.
     The reject mode's server answers `Retry-After: 1`, as cliffguard's does."""
-    rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t > args.duration:
-            break
-        arrivals.append(t)
+    arrivals = poisson_arrivals(rate, args.duration, seed)
     if not arrivals:
         raise ValueError(f"--ideal: no request arrives in {args.duration:g} s at rate {rate:g}")
     client_rng = random.Random(seed * 1000 + 1)

@@ -24,7 +24,8 @@ from engine.model import build_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import Sampler, SamplerOutput, SamplingParams, SamplingRow, make_generator
-from engine.scheduler import RequestTooLargeError, ScheduledSeq, Scheduler, SchedulerOutput, build_scheduler
+from engine.scheduler import (RequestTooLargeError, ScheduledSeq, Scheduler, SchedulerOutput, build_scheduler,
+                              observe_prefill_step)
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import iter_weights, resolve_model, weights_bytes
@@ -391,7 +392,8 @@ class LLMEngine:
             return _ExecutedStep()
         forward_started = time.perf_counter()
         logits, sampled = self.runner.execute(scheduled.batch)
-        self._observe_prefill(scheduled.stats, time.perf_counter() - forward_started)
+        observe_prefill_step(self.schedulers.values(), scheduled.stats.num_prefill_tokens,
+                             scheduled.stats.num_decode_tokens, time.perf_counter() - forward_started)
         for item in scheduled.batch:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
@@ -440,14 +442,6 @@ class LLMEngine:
         self.kv_cache.copy_blocks(out.copies)
         if out.swap_out or out.swap_in:
             scheduler.stats.preempt_seconds += time.perf_counter() - started
-
-    def _observe_prefill(self, stats: StepStats, seconds: float) -> None:
-        """Feed prefill-dominated steps to the auto mode's re-prefill estimate."""
-        total = stats.num_prefill_tokens + stats.num_decode_tokens
-        if stats.num_prefill_tokens and stats.num_prefill_tokens * 2 >= total:
-            for scheduler in self.schedulers.values():
-                if scheduler.cost_model is not None:
-                    scheduler.cost_model.observe_prefill(total, seconds)
 
     def _finish_or_report(self, request: _Request, seqs: list[Sequence]) -> RequestOutput:
         if all(s.is_finished for s in request.seqs) and not self._forks.has_pending(request.request_id):

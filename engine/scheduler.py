@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, NoFreeBlocksError
@@ -430,3 +431,15 @@ def build_scheduler(pool: PoolConfig, *, block_size: int, first_block: int, max_
         swap_manager = BlockManager(num_cpu_blocks, block_size)
         cost_model = PreemptionCostModel(kv_bytes_per_token, swap_bytes_per_second=swap_bytes_per_second)
     return Scheduler(sc, bm, max_model_len, name=pool.name, swap_manager=swap_manager, cost_model=cost_model)
+
+
+def observe_prefill_step(schedulers: Iterable[Scheduler], num_prefill_tokens: int, num_decode_tokens: int,
+                         seconds: float) -> None:
+    """Feed a step to the auto mode's re-prefill estimate of every pool that has one, if prefill
+    dominated it (at least half its tokens): the engine after each forward pass, the simulator after
+    each modelled step."""
+    total = num_prefill_tokens + num_decode_tokens
+    if num_prefill_tokens and num_prefill_tokens * 2 >= total:
+        for scheduler in schedulers:
+            if scheduler.cost_model is not None:
+                scheduler.cost_model.observe_prefill(total, seconds)

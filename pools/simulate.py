@@ -42,7 +42,7 @@ import numpy as np
 
 from engine.composer import StepComposer, StepFeatures, nonnegative_lstsq
 from engine.config import ModelConfig, PoolConfig
-from engine.scheduler import ScheduledSeq, Scheduler, build_scheduler
+from engine.scheduler import ScheduledSeq, Scheduler, build_scheduler, observe_prefill_step
 from engine.sampling import SamplingParams
 from engine.sequence import FinishReason, Sequence as Seq
 from pools.admission import reservation
@@ -382,7 +382,8 @@ class DeviceSim:
         self.clock += seconds + swap_s
         self.num_steps += 1
         self.composer.observe(composed, seconds + swap_s)
-        self._observe_prefill(composed.features, seconds)
+        observe_prefill_step(self.schedulers.values(), composed.features.num_prefill_tokens,
+                             composed.features.num_decode_tokens, seconds)
         for item in batch:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
@@ -398,14 +399,6 @@ class DeviceSim:
                 self._end(seq)
         self._trace()
         return True
-
-    def _observe_prefill(self, features: StepFeatures, seconds: float) -> None:
-        """The auto mode's re-prefill estimate, fed as the engine feeds it (prefill-dominated steps)."""
-        total = features.num_prefill_tokens + features.num_decode_tokens
-        if features.num_prefill_tokens and features.num_prefill_tokens * 2 >= total:
-            for scheduler in self.schedulers.values():
-                if scheduler.cost_model is not None:
-                    scheduler.cost_model.observe_prefill(total, seconds)
 
     def _trace(self) -> None:
         if self.spirals and self.clock >= self._next_spiral_sample:
