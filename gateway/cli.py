@@ -233,6 +233,11 @@ def _add_simulate(sub) -> None:
     p.add_argument("--sweep-rate", default=None, metavar="R1,R2,...",
                    help="run at each request rate and print p99 TTFT per class (the knee)")
     p.add_argument("--out", default=None, help="with --sweep-rate: write results.json and knee.png here")
+    p.add_argument("--recommend", action="store_true",
+                   help="try kv_share splits of the device's two pools and the second pool's max_num_batched_tokens "
+                        "at --request-rate; print the one that meets --slo-ttft-p99 with the most tokens/s")
+    p.add_argument("--slo-ttft-p99", type=float, default=None, help="with --recommend: p99 TTFT target (s)")
+    p.add_argument("--slo-itl-p99", type=float, default=None, help="with --recommend: p99 ITL target (s)")
     p.add_argument("--calibrate", default=None, metavar="FILE",
                    help="measure the config's first device on this machine (the real engine), fit the linear "
                         "step model, write it to FILE and exit")
@@ -248,8 +253,9 @@ def _simulate(args: argparse.Namespace) -> int:
 
     from engine.config import parse_dtype
     from pools.capacity import plan_capacity, resolve_model_configs
-    from pools.simulate import (PRESETS, RooflineStepTime, format_summary, format_sweep, make_requests, plot_knee,
-                                read_step_model, shared_layout, simulate, summarize, sweep)
+    from pools.simulate import (PRESETS, RooflineStepTime, format_recommendation, format_summary, format_sweep,
+                                make_requests, plot_knee, read_step_model, recommend, shared_layout, simulate,
+                                summarize, sweep)
     from pools.spec import SpecError, load_config, parse_bytes
     from pools.workload import load_workload, parse_rates
 
@@ -259,6 +265,8 @@ def _simulate(args: argparse.Namespace) -> int:
     rates = parse_rates(args.sweep_rate, "--sweep-rate") if args.sweep_rate else None
     if args.out and rates is None:
         raise UsageError("--out: only with --sweep-rate")
+    if args.recommend and not (args.slo_ttft_p99 or 0) > 0:
+        raise UsageError("--recommend: give --slo-ttft-p99 SECONDS (> 0)")
     config = load_config(args.config)
     if args.calibrate:
         return _calibrate(config, args)
@@ -290,6 +298,12 @@ def _simulate(args: argparse.Namespace) -> int:
                                                d.tensor_parallel_size) for d in plan.devices.values()}
     classes = load_workload(args.workload)
     credits = not args.no_credits
+    if args.recommend:
+        result = recommend(config, model_configs, classes, args.request_rate, step_times, ttft_p99=args.slo_ttft_p99,
+                           itl_p99=args.slo_itl_p99, duration=args.duration, vram_bytes=vram, credits=credits,
+                           seed=args.seed)
+        print(json.dumps(result, indent=2) if args.json else format_recommendation(result))
+        return 0
     if rates is not None:
         rows = sweep(layouts, model_configs, classes, rates, step_times, duration=args.duration,
                      burstiness=args.burstiness, credits=credits, seed=args.seed)

@@ -16,8 +16,8 @@ from engine.scheduler import ScheduledSeq
 from gateway.cli import main
 from pools.capacity import plan_capacity, read_model_config
 from pools.simulate import (PRESETS, DeviceSim, LinearStepTime, RooflineStepTime, SimRequest, calibrate,
-                            format_sweep, make_requests, plot_knee, read_step_model, shared_layout, simulate,
-                            summarize, sweep, write_step_model)
+                            format_recommendation, format_sweep, make_requests, plot_knee, read_step_model,
+                            recommend, shared_layout, simulate, summarize, sweep, write_step_model)
 from pools.spec import load_config
 from pools.workload import LengthDist, WorkloadClass
 
@@ -209,6 +209,8 @@ def test_cli_sweep_writes_results_and_plot(tmp_path, capsys):
     assert len(rows) == 4 and (tmp_path / "knee.png").exists()
     assert main(["simulate", "--sweep-rate", "1,x"]) == 2
     assert "--sweep-rate: not a number" in capsys.readouterr().err
+    assert main(["simulate", "--recommend"]) == 2
+    assert "--slo-ttft-p99" in capsys.readouterr().err
 
 
 def test_calibrate_fits_a_real_engine_and_predicts_its_steps(tmp_path_factory, builtin_path):
@@ -259,3 +261,26 @@ def test_the_gateway_death_spiral_detector_trips_in_an_overcommitted_pool_only()
     assert overcommitted.schedulers["chat"].stats.num_generated_tokens == 60 * 400
     credited = run(credits=True)
     assert credited.schedulers["chat"].stats.num_preemptions == 0 and not credited.spiral_trips["chat"]
+
+
+def test_recommend_picks_the_budget_that_meets_an_itl_target():
+    """Big rag chunks lengthen every step: with a p99 ITL target only the small budget meets it."""
+    config = load_config(ROOT / "config" / "examples" / "llama3-70b-8xh100.yaml")
+    model = read_model_config(LLAMA_70B)
+    models = {config.pools[0].model: model}
+    step = {"h100x8": RooflineStepTime(PRESETS["h100"], model, 2, tp=8)}
+    classes = (WorkloadClass("chat", prompt_len=LengthDist("fixed", value=200),
+                             output_len=LengthDist("fixed", value=30), share=0.8),
+               WorkloadClass("rag", prompt_len=LengthDist("fixed", value=6000),
+                             output_len=LengthDist("fixed", value=30), share=0.2))
+    result = recommend(config, models, classes, 8.0, step, ttft_p99=10.0, itl_p99=0.2, duration=10.0,
+                       vram_bytes=80 << 30, shares=(0.3, 0.4), budgets=(512, 8192))
+    by = {(c["kv_share"], c["max_num_batched_tokens"]): c for c in result["candidates"]}
+    assert by[(0.4, 512)]["meets"] and not by[(0.4, 8192)]["meets"]
+    assert by[(0.4, 8192)]["worst_itl_p99"] > 0.2 > by[(0.4, 512)]["worst_itl_p99"]
+    assert result["recommended"]["max_num_batched_tokens"] == 512
+    assert result["recommended"]["kv_share"] == 0.4                 # a tie: the config's own split
+    assert "recommended at 8 requests/s" in format_recommendation(result)
+    none = recommend(config, models, classes, 8.0, step, ttft_p99=0.001, duration=5.0, vram_bytes=80 << 30,
+                     shares=(0.4,), budgets=(512,))
+    assert none["recommended"] is None and "no candidate meets" in format_recommendation(none)
