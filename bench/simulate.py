@@ -54,8 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "0.5,0.9,1.3: below, near and above the knee)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate (default 60)")
     p.add_argument("--step-model", default=None, help="a calibration file instead of calibrating here")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="seed of the calibration, arrivals and lengths (default 0)")
+    p.add_argument("--json", action="store_true", help="print calibration, saturation and rows as JSON")
 
 
 def _plan(config_path: Path):

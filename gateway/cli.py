@@ -244,19 +244,13 @@ def _add_simulate(sub) -> None:
     p.add_argument("--step-model", default=None, metavar="FILE",
                    help="use a measured step model (from --calibrate) instead of --device's roofline; the plan "
                         "then uses the config's own memory")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and token ids (default 0)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    import dataclasses
-
-    from engine.config import parse_dtype
-    from pools.capacity import plan_capacity, resolve_model_configs
-    from pools.simulate import (PRESETS, RooflineStepTime, format_recommendation, format_summary, format_sweep,
-                                make_requests, plot_knee, read_step_model, recommend, shared_layout, simulate,
-                                summarize, sweep)
-    from pools.spec import SpecError, load_config, parse_bytes
+    from pools.simulate import format_recommendation, recommend, sweep
+    from pools.spec import load_config
     from pools.workload import load_workload, parse_rates
 
     for name in ("request_rate", "duration", "burstiness"):
@@ -270,6 +264,33 @@ def _simulate(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if args.calibrate:
         return _calibrate(config, args)
+    config, model_configs, vram, layouts, step_times = _simulation_setup(config, args)
+    classes = load_workload(args.workload)
+    credits = not args.no_credits
+    if args.recommend:
+        result = recommend(config, model_configs, classes, args.request_rate, step_times, ttft_p99=args.slo_ttft_p99,
+                           itl_p99=args.slo_itl_p99, duration=args.duration, vram_bytes=vram, credits=credits,
+                           seed=args.seed)
+        print(json.dumps(result, indent=2) if args.json else format_recommendation(result))
+    elif rates is not None:
+        rows = sweep(layouts, model_configs, classes, rates, step_times, duration=args.duration,
+                     burstiness=args.burstiness, credits=credits, seed=args.seed)
+        _print_sweep(rows, args)
+    else:
+        _print_runs(layouts, model_configs, classes, step_times, args)
+    return 0
+
+
+def _simulation_setup(config, args: argparse.Namespace):
+    """The config with --preemption-mode / --swap-space applied, its model configs, the memory the plan
+    uses, the layouts to run ({name: (config, plan)}) and each device's step-time model."""
+    import dataclasses
+
+    from engine.config import parse_dtype
+    from pools.capacity import plan_capacity, resolve_model_configs
+    from pools.simulate import PRESETS, RooflineStepTime, read_step_model, shared_layout
+    from pools.spec import SpecError, parse_bytes
+
     overrides = {}
     if args.preemption_mode:
         overrides["preemption_mode"] = args.preemption_mode
@@ -296,38 +317,36 @@ def _simulate(args: argparse.Namespace) -> int:
     else:
         step_times = {d.name: RooflineStepTime(preset, model_configs[d.model], parse_dtype(d.dtype).itemsize,
                                                d.tensor_parallel_size) for d in plan.devices.values()}
-    classes = load_workload(args.workload)
-    credits = not args.no_credits
-    if args.recommend:
-        result = recommend(config, model_configs, classes, args.request_rate, step_times, ttft_p99=args.slo_ttft_p99,
-                           itl_p99=args.slo_itl_p99, duration=args.duration, vram_bytes=vram, credits=credits,
-                           seed=args.seed)
-        print(json.dumps(result, indent=2) if args.json else format_recommendation(result))
-        return 0
-    if rates is not None:
-        rows = sweep(layouts, model_configs, classes, rates, step_times, duration=args.duration,
-                     burstiness=args.burstiness, credits=credits, seed=args.seed)
-        print(json.dumps(rows, indent=2) if args.json else format_sweep(rows))
-        if args.out:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "results.json").write_text(json.dumps(rows, indent=2))
-            plot_knee(rows, out / "knee.png", title=f"{Path(args.config).name} on {args.device}, "
-                                                    f"workload {args.workload}")
-            print(f"wrote {out / 'results.json'} and {out / 'knee.png'}", file=sys.stderr)
-        return 0
+    return config, model_configs, vram, layouts, step_times
+
+
+def _print_sweep(rows, args: argparse.Namespace) -> None:
+    from pools.simulate import format_sweep, plot_knee
+
+    print(json.dumps(rows, indent=2) if args.json else format_sweep(rows))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps(rows, indent=2))
+        plot_knee(rows, out / "knee.png", title=f"{Path(args.config).name} on {args.device}, workload {args.workload}")
+        print(f"wrote {out / 'results.json'} and {out / 'knee.png'}", file=sys.stderr)
+
+
+def _print_runs(layouts, model_configs, classes, step_times, args: argparse.Namespace) -> None:
+    """One run of each layout at --request-rate, same arrivals."""
+    from pools.simulate import format_summary, make_requests, simulate, summarize
+
     summaries = {}
     for name, (layout_config, layout_plan) in layouts.items():
         requests = make_requests(classes, args.request_rate, duration=args.duration, burstiness=args.burstiness,
                                  seed=args.seed)
         summaries[name] = summarize(simulate(layout_config, layout_plan, model_configs, requests, step_times,
-                                             credits=credits, seed=args.seed))
+                                             credits=not args.no_credits, seed=args.seed))
     if args.json:
         print(json.dumps(summaries if len(summaries) > 1 else summaries[next(iter(summaries))], indent=2))
     else:
         print("\n\n".join(f"== {name} ==\n{format_summary(summary)}" if len(summaries) > 1
                            else format_summary(summary) for name, summary in summaries.items()))
-    return 0
 
 
 def _calibrate(config, args: argparse.Namespace) -> int:
