@@ -2,7 +2,13 @@
 
 1. Calibrate: the real engine of the pool file's device runs `pools.simulate.calibrate`'s steps in
    this process and the linear step model is fitted to them (or `--step-model FILE`, from
-   `cliffguard simulate --calibrate FILE`).
+   `cliffguard simulate --calibrate FILE`). With `--calibration served` (the default) that model only
+   picks the load of a calibration run: `cliffguard serve` with `CLIFFGUARD_STEP_TRACE` set, driven
+   at `--calibration-load` x its predicted saturation for `--calibration-duration` s (arrivals from
+   another seed than the runs compared), and the step model is refitted to the worker's traced turns
+   (`pools.simulate.read_step_trace`). A step measured on the engine alone misses what serving costs
+   the same cores: the gateway's HTTP, tokenizing and SSE chunks, the load generator, the worker's
+   pipe; a step traced while serving includes them.
 2. Pick the rates: below, near and above the knee, as fractions (`--loads`, default 0.5, 0.9, 1.3)
    of the saturation throughput the simulator predicts for the workload (or `--rates` given).
 3. At each rate: start `cliffguard serve` on the pool file, drive it with `bench serve`'s open-loop
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -54,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "0.5,0.9,1.3: below, near and above the knee)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per rate (default 60)")
     p.add_argument("--step-model", default=None, help="a calibration file instead of calibrating here")
+    p.add_argument("--calibration", choices=("served", "engine"), default="served",
+                   help="fit the step model to a traced serving run (served, default) or to the engine alone")
+    p.add_argument("--calibration-load", type=float, default=1.0,
+                   help="load of the served calibration run, as a fraction of the saturation the engine-alone "
+                        "model predicts (default 1.0)")
+    p.add_argument("--calibration-duration", type=float, default=60.0,
+                   help="seconds of arrivals of the served calibration run (default 60)")
     p.add_argument("--seed", type=int, default=0, help="seed of the calibration, arrivals and lengths (default 0)")
     p.add_argument("--json", action="store_true", help="print calibration, saturation and rows as JSON")
 
@@ -90,11 +104,15 @@ def saturation(config, plan, model_configs, classes, step_model, seed: int) -> f
     return len(done) / result.simulated_seconds
 
 
-async def _measure(config_path: Path, classes, rate: float, duration: float, seed: int, data_dir: Path):
+async def _measure(config_path: Path, classes, rate: float, duration: float, seed: int, data_dir: Path,
+                   trace: Path | None = None):
+    """One real run: `cliffguard serve` on the pool file under `bench serve`'s open-loop load; with
+    `trace`, the device worker writes its step trace there."""
     load = LoadConfig(url="http://127.0.0.1:1", classes=classes, request_rate=rate, duration=duration, seed=seed,
                       timeout=600.0, drain_timeout=600.0, scrape=False)
     plan = await asyncio.to_thread(plan_requests, load)
-    with LiveServer(config_path, args=["--data-dir", str(data_dir)]) as server:
+    env = dict(os.environ, CLIFFGUARD_STEP_TRACE=str(trace)) if trace is not None else None
+    with LiveServer(config_path, env=env, args=["--data-dir", str(data_dir)]) as server:
         load = LoadConfig(url=server.url, classes=classes, request_rate=rate, duration=duration, seed=seed,
                           timeout=600.0, drain_timeout=600.0, scrape=False)
         return await run_load(load, plan)
@@ -140,26 +158,52 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    from pools.simulate import read_step_model
+def _describe(model) -> str:
+    return (f"t = {model.a * 1e3:.2f} ms + {model.b * 1e3:.4f} ms/prefill token + {model.c * 1e3:.4f} ms/decode "
+            f"token + {model.d * 1e3:.4f} ms/1024 attended")
 
-    if not args.duration > 0:
-        raise ValueError(f"--duration: must be > 0, got {args.duration}")
+
+def _step_model(args: argparse.Namespace, config_path: Path, setup, classes, tmp: Path):
+    """The step model the simulation uses, and how it was measured (a dict for the report)."""
+    from pools.simulate import fit_linear, read_step_model, read_step_trace
+
+    config, plan, model_configs = setup
+    if args.step_model:
+        model = read_step_model(args.step_model)
+        return model, {"file": args.step_model, **_coefficients(model)}
+    model, num_steps = _calibrate(config, plan, args.seed)
+    calibration: dict[str, Any] = {"engine": {"steps": num_steps, **_coefficients(model)}}
+    print(f"engine alone ({num_steps} steps): {_describe(model)}", file=sys.stderr)
+    if args.calibration == "engine":
+        return model, calibration
+    rate = args.calibration_load * saturation(config, plan, model_configs, classes, model, args.seed)
+    trace = tmp / "calibration-steps.jsonl"
+    print(f"served calibration run: {rate:.2f} req/s for {args.calibration_duration:.0f} s", file=sys.stderr)
+    asyncio.run(_measure(config_path, classes, rate, args.calibration_duration, args.seed + 1000,
+                         tmp / "data-calibration", trace=trace))
+    samples = read_step_trace(trace)
+    model = fit_linear(samples)
+    calibration["served"] = {"rate": rate, "duration": args.calibration_duration, "steps": len(samples),
+                             **_coefficients(model)}
+    print(f"served ({len(samples)} steps): {_describe(model)}", file=sys.stderr)
+    return model, calibration
+
+
+def _coefficients(model) -> dict[str, float]:
+    return {"a": model.a, "b": model.b, "c": model.c, "d": model.d}
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("duration", "calibration_load", "calibration_duration"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
     classes = load_workload(args.workload)
     with tempfile.TemporaryDirectory() as tmp:
         config_path = Path(args.config) if args.config else Path(tmp) / "pools.yaml"
         if not args.config:
             config_path.write_text(POOLS_YAML)
         config, model_configs, plan = _plan(config_path)
-        if args.step_model:
-            step_model, calibration = read_step_model(args.step_model), {"file": args.step_model}
-        else:
-            step_model, num_steps = _calibrate(config, plan, args.seed)
-            calibration = {"steps": num_steps}
-        calibration.update(a=step_model.a, b=step_model.b, c=step_model.c, d=step_model.d)
-        print(f"step model: t = {step_model.a * 1e3:.2f} ms + {step_model.b * 1e3:.4f} ms/prefill token + "
-              f"{step_model.c * 1e3:.4f} ms/decode token + {step_model.d * 1e3:.4f} ms/1024 attended",
-              file=sys.stderr)
+        step_model, calibration = _step_model(args, config_path, (config, plan, model_configs), classes, Path(tmp))
         peak = saturation(config, plan, model_configs, classes, step_model, args.seed)
         rates = parse_rates(args.rates) if args.rates else [f * peak for f in parse_rates(args.loads, "--loads")]
         rows = []

@@ -87,7 +87,9 @@ def _serve(engine, conn: Connection) -> None:
     """The loop: drain commands, step, send deltas (and stats now and then) until told to stop.
 
     With `CLIFFGUARD_STEP_TRACE=<file>` in the environment, every step appends one JSON line to the
-    file: its time, measured and predicted seconds, the composer's target and each pool's tokens.
+    file: its time, measured and predicted seconds, the composer's target, each pool's tokens, and
+    `cycle_seconds`: the wall time of the loop's turn (commands drained, the step, its outputs sent),
+    which is what a step costs the device while serving (`pools.simulate.read_step_trace` fits it).
     """
     trace_path = os.environ.get("CLIFFGUARD_STEP_TRACE")
     trace = open(trace_path, "a", buffering=1) if trace_path else None   # noqa: SIM115 - lives with the loop
@@ -96,6 +98,7 @@ def _serve(engine, conn: Connection) -> None:
     while True:
         if not engine.has_unfinished_requests():
             conn.poll(None)  # idle: sleep until a command arrives
+        turn_started = time.perf_counter()
         handled = False
         while conn.poll(0):
             msg, handled = conn.recv(), True
@@ -116,13 +119,14 @@ def _serve(engine, conn: Connection) -> None:
         if engine.has_unfinished_requests():
             deltas = [RequestDelta.from_output(out) for out in engine.step()]
             now = time.monotonic()
-            if trace is not None and engine.last_step.seconds > 0:
-                trace.write(json.dumps({"t": time.time(), **dataclasses.asdict(engine.last_step)}) + "\n")
             stats = None
             if now - last_stats >= STATS_INTERVAL or not engine.has_unfinished_requests():
                 stats, last_stats = engine_stats(engine), now
             if deltas or stats is not None:
                 conn.send(("outputs", deltas, stats))
+            if trace is not None and engine.last_step.seconds > 0:
+                trace.write(json.dumps({"t": time.time(), "cycle_seconds": time.perf_counter() - turn_started,
+                                        **dataclasses.asdict(engine.last_step)}) + "\n")
         elif handled:   # commands left the engine idle (an abort, a refusal): its last state counts
             conn.send(("outputs", [], engine_stats(engine)))
 

@@ -241,6 +241,9 @@ def _add_simulate(sub) -> None:
     p.add_argument("--calibrate", default=None, metavar="FILE",
                    help="measure the config's first device on this machine (the real engine), fit the linear "
                         "step model, write it to FILE and exit")
+    p.add_argument("--from-trace", default=None, metavar="TRACE",
+                   help="with --calibrate: fit the step model to a served run's step trace (the file a server "
+                        "started with CLIFFGUARD_STEP_TRACE=TRACE wrote) instead of running the engine here")
     p.add_argument("--step-model", default=None, metavar="FILE",
                    help="use a measured step model (from --calibrate) instead of --device's roofline; the plan "
                         "then uses the config's own memory")
@@ -262,6 +265,8 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.recommend and not (args.slo_ttft_p99 or 0) > 0:
         raise UsageError("--recommend: give --slo-ttft-p99 SECONDS (> 0)")
     config = load_config(args.config)
+    if args.from_trace and not args.calibrate:
+        raise UsageError("--from-trace: only with --calibrate FILE")
     if args.calibrate:
         return _calibrate(config, args)
     config, model_configs, vram, layouts, step_times = _simulation_setup(config, args)
@@ -350,17 +355,23 @@ def _print_runs(layouts, model_configs, classes, step_times, args: argparse.Name
 
 
 def _calibrate(config, args: argparse.Namespace) -> int:
-    """`simulate --calibrate FILE`: the real engine of the config's first device on this machine."""
-    from engine.llm_engine import LLMEngine
+    """`simulate --calibrate FILE`: the real engine of the config's first device on this machine, or
+    (`--from-trace`) the steps a server of that config traced while serving."""
     from pools.capacity import engine_configs, plan_capacity, resolve_model_configs
-    from pools.simulate import calibrate, write_step_model
+    from pools.simulate import calibrate, fit_linear, read_step_trace, write_step_model
 
     plan = plan_capacity(config, resolve_model_configs(config))
     device, engine_config = next(iter(engine_configs(config, plan).items()))
-    engine = LLMEngine(engine_config)
-    model, samples = calibrate(engine, seed=args.seed)
-    write_step_model(args.calibrate, model, device=f"{device} ({engine.device}, {engine.dtype})",
-                     model_name=engine_config.model, num_steps=len(samples))
+    if args.from_trace:
+        samples = read_step_trace(args.from_trace)
+        model, where = fit_linear(samples), f"{device} (served, trace {args.from_trace})"
+    else:
+        from engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(engine_config)
+        model, samples = calibrate(engine, seed=args.seed)
+        where = f"{device} ({engine.device}, {engine.dtype})"
+    write_step_model(args.calibrate, model, device=where, model_name=engine_config.model, num_steps=len(samples))
     print(f"{len(samples)} steps measured; t = {model.a * 1e3:.2f} ms + {model.b * 1e3:.4f} ms/prefill token + "
           f"{model.c * 1e3:.4f} ms/decode token + {model.d * 1e3:.4f} ms/1024 attended; wrote {args.calibrate}")
     return 0

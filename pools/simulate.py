@@ -196,6 +196,35 @@ def calibrate(engine: Any, *, pool: str | None = None, seed: int = 0,
     return fit_linear(samples, skip=2), samples
 
 
+def read_step_trace(path: str | Path, *, skip: int = 2) -> list[tuple[StepFeatures, float]]:
+    """The steps of a served run, from the device worker's `CLIFFGUARD_STEP_TRACE` file (engine/worker.py):
+    each step's features and its `cycle_seconds` (the worker loop's whole turn: commands, the step, its
+    outputs sent), which is what a step costs while the gateway, the clients and the worker share the
+    machine. Lines without `cycle_seconds` (older traces) use `seconds`. The first `skip` steps of the
+    file (kernels warming) are left out. ValueError naming the file and line for anything malformed."""
+    import json
+
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        raise ValueError(f"--from-trace: no such file {path}") from None
+    samples: list[tuple[StepFeatures, float]] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line)
+            features = StepFeatures(int(step["num_prefill_tokens"]), int(step["num_decode_tokens"]),
+                                    int(step.get("num_attended", 0)))
+            seconds = float(step.get("cycle_seconds", step["seconds"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"--from-trace: {path} line {n} is not a step record ({type(exc).__name__}: {exc})"
+                             ) from None
+        if seconds > 0 and features.num_prefill_tokens + features.num_decode_tokens:
+            samples.append((features, seconds))
+    return samples[skip:]
+
+
 def write_step_model(path: str | Path, model: LinearStepTime, *, device: str, model_name: str,
                      num_steps: int) -> None:
     """A calibration file: the coefficients and where they were measured."""

@@ -123,6 +123,7 @@ def test_step_trace_writes_one_json_line_per_step(config, tmp_path, monkeypatch)
     assert all(s["seconds"] > 0 and s["pool_tokens"] == {"default": s["num_prefill_tokens"] + s["num_decode_tokens"]}
                for s in lines)
     assert all(s["target_seconds"] is None for s in lines)      # one pool, no SLO: no target
+    assert all(s["cycle_seconds"] >= s["seconds"] for s in lines)   # the loop's turn holds the step
 
 
 # --- a worker that dies ----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ on the seed's Llama-3-70B example."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,9 @@ from engine.config import ModelConfig, PoolConfig, SchedulerConfig
 from engine.scheduler import ScheduledSeq
 from gateway.cli import main
 from pools.capacity import plan_capacity, read_model_config
-from pools.simulate import (PRESETS, DeviceSim, LinearStepTime, RooflineStepTime, SimRequest, calibrate,
+from pools.simulate import (PRESETS, DeviceSim, LinearStepTime, RooflineStepTime, SimRequest, calibrate, fit_linear,
                             format_recommendation, format_sweep, make_requests, plot_knee, read_step_model,
-                            recommend, shared_layout, simulate, summarize, sweep, write_step_model)
+                            read_step_trace, recommend, shared_layout, simulate, summarize, sweep, write_step_model)
 from pools.spec import load_config
 from pools.workload import LengthDist, WorkloadClass
 
@@ -237,6 +238,39 @@ def test_calibrate_fits_a_real_engine_and_predicts_its_steps(tmp_path_factory, b
     path.write_text('{"a": 1}')
     with pytest.raises(ValueError, match="not a calibration file"):
         read_step_model(path)
+
+
+def _write_trace(path, model: LinearStepTime, steps) -> None:
+    """A worker step trace whose turns cost exactly what `model` says (and whose steps cost less)."""
+    lines = []
+    for prefill, decode, attended in steps:
+        cycle = model.seconds([], StepFeatures(prefill, decode, attended), 0)
+        lines.append(json.dumps({"t": 0.0, "cycle_seconds": cycle, "num_prefill_tokens": prefill,
+                                 "num_decode_tokens": decode, "num_attended": attended, "seconds": cycle * 0.8}))
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_a_served_step_trace_fits_the_turns_it_recorded(tmp_path, capsys):
+    served = LinearStepTime(a=0.04, b=0.0035, c=0.0095, d=0.0015)
+    rng = random.Random(0)
+    steps = [(rng.choice([0, 0, 64, 300, 512]), rng.randrange(0, 12), rng.randrange(0, 60_000)) for _ in range(80)]
+    steps = [(p, d or (0 if p else 1), a) for p, d, a in steps]
+    trace = tmp_path / "steps.jsonl"
+    _write_trace(trace, served, [(64, 0, 0), (900, 0, 0)] + steps)      # the first two (warm-up) are left out
+    samples = read_step_trace(trace)
+    assert len(samples) == 80 and samples[0][0] == StepFeatures(*steps[0])
+    fitted = fit_linear(samples)
+    for name in ("a", "b", "c", "d"):
+        assert getattr(fitted, name) == pytest.approx(getattr(served, name), rel=1e-6)
+    out = tmp_path / "served.json"
+    assert main(["simulate", "--calibrate", str(out), "--from-trace", str(trace)]) == 0
+    assert read_step_model(out).c == pytest.approx(served.c, rel=1e-6)
+    assert json.loads(out.read_text())["num_steps"] == 80
+    assert main(["simulate", "--from-trace", str(trace)]) == 2
+    assert "--from-trace: only with --calibrate" in capsys.readouterr().err
+    trace.write_text(trace.read_text() + '{"num_decode_tokens": 1}\n')
+    with pytest.raises(ValueError, match="line 83 is not a step record"):
+        read_step_trace(trace)
 
 
 def test_the_gateway_death_spiral_detector_trips_in_an_overcommitted_pool_only():
