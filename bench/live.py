@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -20,15 +22,22 @@ class LiveServer:
 
     `url` is the base URL; `log` collects the server's stderr (drained on a thread so the server
     never blocks on a full pipe); `stop()` terminates it (and kills it after `stop_timeout` s).
-    `args` are more `serve` options (e.g. `["--data-dir", path]`).
+    `args` are more `serve` options (e.g. `["--data-dir", path]`). Without a `--data-dir` the server
+    gets a fresh temporary one, removed by `stop()`: a server holds its data dir alone, and one test
+    or benchmark must not see another's batches.
     """
 
     def __init__(self, config_path: Path | str, timeout: float = 180, *, env: dict[str, str] | None = None,
                  args: list[str] | None = None) -> None:
         env = dict(os.environ if env is None else env, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        args = list(args or [])
+        self._data_dir: str | None = None
+        if "--data-dir" not in args:
+            self._data_dir = tempfile.mkdtemp(prefix="cliffguard-live-")
+            args += ["--data-dir", self._data_dir]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), "--host", "127.0.0.1",
-             "--port", "0", *(args or [])], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+             "--port", "0", *args], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
         self.log: list[str] = []
         self.url: str | None = None
         try:
@@ -71,6 +80,8 @@ class LiveServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        if self._data_dir is not None:
+            shutil.rmtree(self._data_dir, ignore_errors=True)
 
     def __enter__(self) -> "LiveServer":
         return self

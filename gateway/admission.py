@@ -20,7 +20,6 @@ seconds and admits whatever that frees. Metrics: `cliffguard_kv_credits_total` /
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -32,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gateway.metrics import REQUEST_LATENCY_BUCKETS
 from gateway.openai_api import ApiError
+from gateway.ticker import Ticker
 from pools.admission import Admission, PoolFull, QueueTimeout, reservation
 from pools.credits import TenantPolicy
 from pools.pool import Pool
@@ -85,7 +85,8 @@ class AdmissionControl:
     tenants: Tenants
     pools: dict[str, Pool]                 # local pools only, each with its `admission`
     metrics: AdmissionMetrics
-    _ticker: asyncio.Task | None = field(default=None, repr=False)
+    _ticker: Ticker | None = field(default=None, repr=False)
+    _seen: dict[str, float] = field(default_factory=dict, repr=False)   # pool -> `taken_at` reconciled last
 
     @classmethod
     def build(cls, tenants: Tenants, pools: Sequence[Pool], registry: CollectorRegistry,
@@ -100,6 +101,10 @@ class AdmissionControl:
                                        max_queue_seconds=pool.spec.max_queue_seconds)
             local[pool.name] = pool
         return cls(tenants, local, AdmissionMetrics(registry))
+
+    def tenant_of(self, request: web.Request) -> str:
+        """The tenant of the request's API key: whose credits it spends, and who owns what it creates."""
+        return self.tenants.resolve(bearer_key(request))
 
     def policy(self, tenant: str) -> TenantPolicy:
         spec = self.tenants.specs.get(tenant)
@@ -164,26 +169,24 @@ class AdmissionControl:
     # --- reconciliation --------------------------------------------------------------------------
     def start(self) -> None:
         """Start the reconciliation ticker (idempotent; needs a running loop)."""
-        if self._ticker is None or self._ticker.done():
-            self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="cliffguard-admission")
+        if self._ticker is None:
+            self._ticker = Ticker("cliffguard-admission", RECONCILE_INTERVAL, self.reconcile, log,
+                                  "reconciling credits failed")
+        self._ticker.start()
 
     async def stop(self) -> None:
         if self._ticker is not None:
-            self._ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
+            await self._ticker.stop()
 
-    async def _tick(self) -> None:
-        seen: dict[str, float] = {}
-        while True:
-            await asyncio.sleep(RECONCILE_INTERVAL)
-            for pool in self.pools.values():
-                stats = pool.client.latest_stats if pool.client is not None else None
-                if stats is None or seen.get(pool.name) == stats.taken_at or pool.name not in stats.pools:
-                    continue
-                seen[pool.name] = stats.taken_at
-                ps = stats.pools[pool.name]
-                try:
-                    pool.admission.reconcile((ps.num_blocks - ps.num_free_blocks) * pool.spec.block_size)
-                except Exception:  # noqa: BLE001 - a bad report must not stop admission
-                    log.exception("pool %s: reconciling credits failed", pool.name)
+    def reconcile(self) -> None:
+        """Reconcile each pool's ledger with the block use its worker reported last (once per report)."""
+        for pool in self.pools.values():
+            stats = pool.client.latest_stats if pool.client is not None else None
+            if stats is None or self._seen.get(pool.name) == stats.taken_at or pool.name not in stats.pools:
+                continue
+            self._seen[pool.name] = stats.taken_at
+            ps = stats.pools[pool.name]
+            try:
+                pool.admission.reconcile((ps.num_blocks - ps.num_free_blocks) * pool.spec.block_size)
+            except Exception:  # noqa: BLE001 - a bad report must not stop admission
+                log.exception("pool %s: reconciling credits failed", pool.name)

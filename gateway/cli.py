@@ -16,10 +16,12 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import TextIO
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 DEFAULT_CONFIG = "config/pools.yaml"
 DEFAULT_DATA_DIR = "./.cliffguard/"
+LOCK_FILE = "serve.lock"          # under --data-dir: held by the one server using the folder
 
 # name -> (module under bench/, help line)
 BENCHMARKS = {
@@ -109,7 +111,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--vram", default=None, help="plan with this much memory per device (e.g. 4GiB) instead "
                    "of the devices' own")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="folder for durable state: the Batch API's "
-                   f"files, batches and results (SQLite); created if missing (default {DEFAULT_DATA_DIR})")
+                   f"files, batches and results (SQLite); created if missing; one server per folder (default "
+                   f"{DEFAULT_DATA_DIR})")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -147,8 +150,9 @@ def _serve(args: argparse.Namespace) -> int:
     check_port_free(host, port)
     vram = parse_bytes(args.vram, "--vram") if args.vram else None
     data_dir = make_data_dir(args.data_dir)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run(config, host=host, port=port, vram_bytes=vram, data_dir=data_dir)
+    with lock_data_dir(data_dir):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        run(config, host=host, port=port, vram_bytes=vram, data_dir=data_dir)
     return 0
 
 
@@ -165,6 +169,28 @@ def make_data_dir(path: str) -> Path:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"--data-dir: {path} is not writable")
     return folder
+
+
+def lock_data_dir(folder: Path) -> TextIO:
+    """An exclusive lock on `folder/serve.lock` (which then holds this process's pid), kept while the
+    returned file is open; the kernel drops it when the process dies, however it dies. Two servers on
+    one folder would run each other's batches twice, so the second gets a UsageError naming the first."""
+    import fcntl
+
+    lock = open(folder / LOCK_FILE, "a+")   # noqa: SIM115 - open for the server's life
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise UsageError(f"--data-dir: {folder} is in use by another cliffguard serve (pid {holder}); "
+                         "give each server its own folder") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 # --- capacity ---------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from typing import Any
 from aiohttp import web
 
 from gateway import openai_api as api
-from gateway.admission import bearer_key
 from gateway.openai_api import ApiError, ChatRequest, CompletionRequest
 from gateway.responses import LocalResponse
 from gateway.runtime import GATEWAY, Gateway, model_not_found
@@ -47,7 +46,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = api.parse_chat(body)
     routed = [await gateway.route_chat(req.model, req.messages)]
-    tenant = gateway.admission.tenants.resolve(bearer_key(request))
+    tenant = gateway.admission.tenant_of(request)
     return await _serve(request, gateway, req, routed, body, "/chat/completions", received, tenant)
 
 
@@ -57,7 +56,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = api.parse_completion(body)
     routed = [await gateway.route_prompt(req.model, p) for p in req.prompts]
-    tenant = gateway.admission.tenants.resolve(bearer_key(request))
+    tenant = gateway.admission.tenant_of(request)
     return await _serve(request, gateway, req, routed, body, "/completions", received, tenant)
 
 

@@ -32,6 +32,7 @@ from gateway.admission import AdmissionControl
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ApiError
 from gateway.supervisor import Backoff, DeviceSupervisor
+from gateway.ticker import Ticker
 from pools.capacity import CapacityPlan, engine_configs, model_folder, plan_capacity, resolve_model_configs
 from pools.pool import Pool
 from pools.router import NoRouteError, Router, UnknownModelError
@@ -68,31 +69,21 @@ class SpiralWatch:
                           if pool.spec.death_spiral.enabled}
         self.metrics = metrics
         self._seen: dict[str, float] = {}          # pool -> `taken_at` of the report fed last
-        self._ticker: asyncio.Task | None = None
+        self._ticker = Ticker("cliffguard-spiral", SPIRAL_INTERVAL, lambda: self.check(time.time()), log,
+                              "death-spiral check failed")
         for name in self.detectors:
             metrics.death_spiral.labels(pool=name).set(0)   # exported from the start
 
     def start(self) -> None:
         """Start the ticker (idempotent; needs a running loop)."""
-        if self._ticker is None or self._ticker.done():
-            self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="cliffguard-spiral")
+        self._ticker.start()
 
     async def stop(self) -> None:
-        if self._ticker is not None:
-            self._ticker.cancel()
-            await asyncio.gather(self._ticker, return_exceptions=True)
+        await self._ticker.stop()
 
     def degraded(self) -> dict[str, str]:
         """The pools in a death spiral now, each with its reason (one line with the numbers)."""
         return {name: d.state.reason for name, d in self.detectors.items() if d.tripped}
-
-    async def _tick(self) -> None:
-        while True:
-            await asyncio.sleep(SPIRAL_INTERVAL)
-            try:
-                self.check(time.time())
-            except Exception:  # noqa: BLE001 - a bad report must not stop the watch
-                log.exception("death-spiral check failed")
 
     def check(self, now: float) -> None:
         """Feed each watched pool's latest report (`now`: `time.time()`, the clock of `taken_at`)."""
@@ -133,7 +124,7 @@ class Gateway:
     pools: dict[str, Pool]
     router: Router
     supervisors: dict[str, DeviceSupervisor] = field(default_factory=dict)   # device -> its worker's life
-    backoff: Backoff = field(default_factory=Backoff)   # between restarts of a dead device worker
+    backoff: Backoff = field(default_factory=Backoff)   # between restarts of a dead device worker (YAML)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "cliffguard-tok"))
     session: aiohttp.ClientSession | None = None
@@ -162,7 +153,8 @@ class Gateway:
             else:
                 max_model_len = plan.pools[spec.name].max_model_len
             pools[spec.name] = Pool(spec, *tokenizers[tok_spec], max_model_len=max_model_len)
-        gateway = cls(config=config, plan=plan, engines=engines, pools=pools, router=Router(list(pools.values())))
+        gateway = cls(config=config, plan=plan, engines=engines, pools=pools, router=Router(list(pools.values())),
+                      backoff=config.gateway.restart_backoff)
         credits = {name: p.num_blocks * p.block_size for name, p in plan.pools.items()}
         gateway.admission = AdmissionControl.build(Tenants(config.tenants), list(pools.values()),
                                                    gateway.metrics.registry, credits)

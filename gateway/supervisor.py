@@ -25,43 +25,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.stats import WorkerInfo
 from engine.worker import AsyncEngineClient, EngineDeadError
 from gateway.metrics import GatewayMetrics
 from pools.pool import Pool
+from pools.spec import Backoff
 
 log = logging.getLogger("cliffguard.gateway")
 
 __all__ = ["Backoff", "DeviceSupervisor"]
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """The wait before each restart of a dead device worker: `initial_seconds`, times `factor` after
-    each restart that did not stay up `reset_after_seconds`, at most `max_seconds`."""
-
-    initial_seconds: float = 1.0
-    factor: float = 2.0
-    max_seconds: float = 30.0
-    reset_after_seconds: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.initial_seconds < 0:
-            raise ValueError(f"initial_seconds: must be >= 0, got {self.initial_seconds}")
-        if self.factor < 1:
-            raise ValueError(f"factor: must be >= 1, got {self.factor}")
-        if self.max_seconds < self.initial_seconds:
-            raise ValueError(f"max_seconds: must be >= initial_seconds ({self.initial_seconds}), "
-                             f"got {self.max_seconds}")
-        if self.reset_after_seconds < 0:
-            raise ValueError(f"reset_after_seconds: must be >= 0, got {self.reset_after_seconds}")
-
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait before restart number `attempt` (0-based) since the last reset."""
-        return min(self.initial_seconds * self.factor ** min(attempt, 64), self.max_seconds)
 
 
 class DeviceSupervisor:

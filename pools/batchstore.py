@@ -18,6 +18,16 @@ lacks `custom_id` / `method` / `url` / `body`, has another method or url than th
 or repeats a `custom_id` is recorded as a per-line error for the error file; the batch itself never
 fails for it.
 
+Ownership: every file and batch belongs to the tenant that created it (the gateway passes the tenant
+of the request's API key); a batch's output and error files belong to the batch's tenant. Every method
+a client reaches takes `tenant` and treats another tenant's file or batch exactly as one that does not
+exist (None, or the same BatchInputError), so an id never tells a caller that someone else has it.
+The runner's methods (`batch_tenant`, `pending_lines`, `record`, `finalize`...) take batch ids only.
+
+Schema versions (`PRAGMA user_version`): 1 had no owners; opening one adds the `tenant` columns, its
+rows owned by the store's `default_tenant`, and sets version 2 in the same transaction, so a crash
+leaves the old version and the next open migrates again.
+
 Thread rule: one connection, guarded by a lock, so any thread may call any method (the gateway calls
 them from one worker thread, off its event loop). Stdlib only; no aiohttp (DESIGN.md layers).
 """
@@ -48,24 +58,25 @@ MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")   # a runner still owes work
 CANCELLABLE = ("validating", "in_progress")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS files (
+_TABLES = (   # the tables as version 2 creates them; `tenant` owns the row (version 1 had none)
+    """CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY, purpose TEXT NOT NULL, filename TEXT NOT NULL, bytes INTEGER NOT NULL,
-    created_at INTEGER NOT NULL, content BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS batches (
+    created_at INTEGER NOT NULL, content BLOB NOT NULL, tenant TEXT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY,            -- creation order, for listing newest first
     id TEXT NOT NULL UNIQUE, input_file_id TEXT NOT NULL, endpoint TEXT NOT NULL,
     completion_window TEXT NOT NULL, status TEXT NOT NULL, created_at INTEGER NOT NULL,
     in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, cancelling_at INTEGER,
-    cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT, metadata TEXT);
-CREATE TABLE IF NOT EXISTS lines (
+    cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT, metadata TEXT, tenant TEXT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS lines (
     batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT, method TEXT, url TEXT, body TEXT,
     status TEXT NOT NULL CHECK (status IN ('pending', 'done', 'error')),
     response_status INTEGER, response_body TEXT, error TEXT,
-    PRIMARY KEY (batch_id, line_no));
-CREATE INDEX IF NOT EXISTS lines_by_status ON lines (batch_id, status, response_status);
-"""
-_SCHEMA_VERSION = 1
+    PRIMARY KEY (batch_id, line_no))""")
+_INDEXES = ("CREATE INDEX IF NOT EXISTS lines_by_status ON lines (batch_id, status, response_status)",
+            "CREATE INDEX IF NOT EXISTS batches_by_tenant ON batches (tenant, seq)")
+_OWNED_TABLES = ("files", "batches")   # the tables with a `tenant` column
+_SCHEMA_VERSION = 2
 
 
 class BatchInputError(ValueError):
@@ -147,10 +158,12 @@ def line_ids(batch_id: str, line_no: int) -> tuple[str, str]:
 
 
 class BatchStore:
-    """Files, batches and request lines in `path` (SQLite, WAL). See the module docstring for the
-    durability and exactly-once rules. Methods return OpenAI-shaped dicts (file and batch objects)."""
+    """Files, batches and request lines in `path` (SQLite, WAL), each file and batch owned by a tenant.
+    See the module docstring for the durability, exactly-once and ownership rules. Methods return
+    OpenAI-shaped dicts (file and batch objects, which do not show the tenant). `default_tenant` owns
+    the rows of a version-1 store when it is migrated (the gateway's tenant of requests without a key)."""
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, *, default_tenant: str) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -158,12 +171,8 @@ class BatchStore:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA busy_timeout=5000")
-            self._db.executescript(_SCHEMA)
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, _SCHEMA_VERSION):
-                raise RuntimeError(f"{self.path}: batch store schema version {version}, this code reads "
-                                   f"{_SCHEMA_VERSION}")
-            self._db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+            with self._txn() as db:
+                _migrate(db, self.path, default_tenant)
         except BaseException:
             self._db.close()
             raise
@@ -185,41 +194,44 @@ class BatchStore:
             self._db.execute("COMMIT")
 
     # --- files -----------------------------------------------------------------------------------
-    def add_file(self, content: bytes, filename: str, purpose: str) -> dict[str, Any]:
-        """Store an upload; BatchInputError naming `purpose` unless it is one of FILE_PURPOSES."""
+    def add_file(self, content: bytes, filename: str, purpose: str, *, tenant: str) -> dict[str, Any]:
+        """Store an upload owned by `tenant`; BatchInputError naming `purpose` unless it is one of
+        FILE_PURPOSES."""
         if purpose not in FILE_PURPOSES:
             raise BatchInputError("purpose", f"must be one of {', '.join(FILE_PURPOSES)}, got {purpose!r}")
         with self._txn() as db:
-            file_id = _insert_file(db, content, filename, purpose)
-        return self.file(file_id)
+            file_id = _insert_file(db, content, filename, purpose, tenant)
+        return self.file(file_id, tenant=tenant)
 
-    def file(self, file_id: str) -> dict[str, Any] | None:
-        """The OpenAI file object, or None."""
+    def file(self, file_id: str, *, tenant: str) -> dict[str, Any] | None:
+        """The OpenAI file object, or None (no such file, or another tenant's)."""
         with self._lock:
-            row = self._db.execute("SELECT id, purpose, filename, bytes, created_at FROM files WHERE id=?",
-                                   (file_id,)).fetchone()
+            row = self._db.execute("SELECT id, purpose, filename, bytes, created_at FROM files WHERE id=? AND "
+                                   "tenant=?", (file_id, tenant)).fetchone()
         if row is None:
             return None
         return {"id": row[0], "object": "file", "purpose": row[1], "filename": row[2], "bytes": row[3],
                 "created_at": row[4], "status": "processed", "expires_at": None, "status_details": None}
 
-    def file_content(self, file_id: str) -> bytes | None:
+    def file_content(self, file_id: str, *, tenant: str) -> bytes | None:
+        """The file's bytes, or None (no such file, or another tenant's)."""
         with self._lock:
-            row = self._db.execute("SELECT content FROM files WHERE id=?", (file_id,)).fetchone()
+            row = self._db.execute("SELECT content FROM files WHERE id=? AND tenant=?", (file_id, tenant)).fetchone()
         return None if row is None else bytes(row[0])
 
     # --- batches ---------------------------------------------------------------------------------
     def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: dict[str, str] | None = None) -> dict[str, Any]:
-        """Parse the input file and store the batch with all its lines in one transaction, `in_progress`
-        (bad lines already recorded as errors). BatchInputError naming the field for a bad argument."""
+                     metadata: dict[str, str] | None = None, *, tenant: str) -> dict[str, Any]:
+        """Parse the input file and store the batch, owned by `tenant`, with all its lines in one
+        transaction, `in_progress` (bad lines already recorded as errors). BatchInputError naming the
+        field for a bad argument; another tenant's input file is refused as one that does not exist."""
         if endpoint not in BATCH_ENDPOINTS:
             raise BatchInputError("endpoint", f"must be one of {', '.join(BATCH_ENDPOINTS)}, got {endpoint!r}")
         if completion_window not in COMPLETION_WINDOWS:
             raise BatchInputError("completion_window", f"must be {' or '.join(map(repr, COMPLETION_WINDOWS))}, "
                                   f"got {completion_window!r}")
         _check_metadata(metadata)
-        info, content = self.file(input_file_id), self.file_content(input_file_id)
+        info, content = self.file(input_file_id, tenant=tenant), self.file_content(input_file_id, tenant=tenant)
         if info is None or content is None:
             raise BatchInputError("input_file_id", f"no file {input_file_id!r}")
         if info["purpose"] != "batch":
@@ -234,44 +246,54 @@ class BatchStore:
         batch_id, now = f"batch_{uuid.uuid4().hex[:24]}", int(time.time())
         with self._txn() as db:
             db.execute("INSERT INTO batches (id, input_file_id, endpoint, completion_window, status, created_at, "
-                       "in_progress_at, metadata) VALUES (?, ?, ?, ?, 'in_progress', ?, ?, ?)",
+                       "in_progress_at, metadata, tenant) VALUES (?, ?, ?, ?, 'in_progress', ?, ?, ?, ?)",
                        (batch_id, input_file_id, endpoint, completion_window, now, now,
-                        None if metadata is None else json.dumps(metadata)))
+                        None if metadata is None else json.dumps(metadata), tenant))
             db.executemany(
                 "INSERT INTO lines (batch_id, line_no, custom_id, method, url, body, status, error) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 ((batch_id, ln.line_no, ln.custom_id, ln.method, ln.url,
                   None if ln.body is None else json.dumps(ln.body), "error" if ln.error else "pending",
                   None if ln.error is None else json.dumps(ln.error)) for ln in lines))
-        return self.batch(batch_id)
+        return self.batch(batch_id, tenant=tenant)
 
-    def batch(self, batch_id: str) -> dict[str, Any] | None:
-        """The OpenAI batch object (request_counts counted from the lines), or None."""
+    def batch(self, batch_id: str, *, tenant: str) -> dict[str, Any] | None:
+        """The OpenAI batch object (request_counts counted from the lines), or None (no such batch, or
+        another tenant's)."""
         with self._lock:
-            row = self._db.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id=?", (batch_id,)).fetchone()
+            row = self._db.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id=? AND tenant=?",
+                                   (batch_id, tenant)).fetchone()
             return None if row is None else self._batch_object(row)
 
-    def list_batches(self, limit: int = 20, after: str | None = None) -> tuple[list[dict[str, Any]], bool]:
-        """Up to `limit` batches, newest first, created before batch `after`; and whether more follow.
-        BatchInputError naming `after` when it is not a batch id."""
+    def batch_tenant(self, batch_id: str) -> str | None:
+        """The tenant that owns the batch (its lines run as that tenant), or None if there is none."""
+        with self._lock:
+            row = self._db.execute("SELECT tenant FROM batches WHERE id=?", (batch_id,)).fetchone()
+        return None if row is None else row[0]
+
+    def list_batches(self, limit: int = 20, after: str | None = None, *,
+                     tenant: str) -> tuple[list[dict[str, Any]], bool]:
+        """Up to `limit` of `tenant`'s batches, newest first, created before batch `after`; and whether
+        more follow. BatchInputError naming `after` when it is not one of the tenant's batch ids."""
         with self._lock:
             before = None
             if after is not None:
-                found = self._db.execute("SELECT seq FROM batches WHERE id=?", (after,)).fetchone()
+                found = self._db.execute("SELECT seq FROM batches WHERE id=? AND tenant=?", (after, tenant)).fetchone()
                 if found is None:
                     raise BatchInputError("after", f"no batch {after!r}")
                 before = found[0]
-            rows = self._db.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE ? IS NULL OR seq < ? "
-                                    "ORDER BY seq DESC LIMIT ?", (before, before, limit + 1)).fetchall()
+            rows = self._db.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE tenant=? AND (? IS NULL OR seq < ?) "
+                                    "ORDER BY seq DESC LIMIT ?", (tenant, before, before, limit + 1)).fetchall()
             return [self._batch_object(r) for r in rows[:limit]], len(rows) > limit
 
-    def cancel(self, batch_id: str) -> dict[str, Any] | None:
+    def cancel(self, batch_id: str, *, tenant: str) -> dict[str, Any] | None:
         """Mark a validating or in_progress batch `cancelling` (its runner stops taking lines and then
-        finalizes it as `cancelled`); any other batch is returned unchanged. None if there is none."""
+        finalizes it as `cancelled`); any other batch is returned unchanged. None if there is none, or
+        it is another tenant's (which is left alone)."""
         with self._txn() as db:
-            db.execute(f"UPDATE batches SET status='cancelling', cancelling_at=? WHERE id=? AND status IN "
-                       f"({_marks(CANCELLABLE)})", (int(time.time()), batch_id, *CANCELLABLE))
-        return self.batch(batch_id)
+            db.execute(f"UPDATE batches SET status='cancelling', cancelling_at=? WHERE id=? AND tenant=? AND "
+                       f"status IN ({_marks(CANCELLABLE)})", (int(time.time()), batch_id, tenant, *CANCELLABLE))
+        return self.batch(batch_id, tenant=tenant)
 
     def unfinished_batch_ids(self) -> list[str]:
         """Batches a runner still owes work (lines to run, or finalizing), oldest first."""
@@ -309,17 +331,20 @@ class BatchStore:
         cancelling), in one transaction; a finished batch is returned unchanged. Only lines with an
         answer or an error go into the files: a cancelled batch's pending lines are in neither."""
         with self._txn() as db:
-            status = db.execute("SELECT status FROM batches WHERE id=?", (batch_id,)).fetchone()
-            if status is None:
+            found = db.execute("SELECT status, tenant FROM batches WHERE id=?", (batch_id,)).fetchone()
+            if found is None:
                 raise KeyError(batch_id)
-            if status[0] in UNFINISHED:
+            status, tenant = found
+            if status in UNFINISHED:
                 output, errors = _assemble(db, batch_id)
-                output_id = _insert_file(db, output, f"{batch_id}_output.jsonl", "batch_output") if output else None
-                error_id = _insert_file(db, errors, f"{batch_id}_error.jsonl", "batch_output") if errors else None
-                final = "cancelled" if status[0] == "cancelling" else "completed"
+                output_id = (_insert_file(db, output, f"{batch_id}_output.jsonl", "batch_output", tenant)
+                             if output else None)
+                error_id = (_insert_file(db, errors, f"{batch_id}_error.jsonl", "batch_output", tenant)
+                            if errors else None)
+                final = "cancelled" if status == "cancelling" else "completed"
                 db.execute(f"UPDATE batches SET status=?, {final}_at=?, output_file_id=?, error_file_id=? WHERE id=?",
                            (final, int(time.time()), output_id, error_id, batch_id))
-        return self.batch(batch_id)
+        return self.batch(batch_id, tenant=tenant)
 
     def _batch_object(self, row: tuple) -> dict[str, Any]:
         """`row` (_BATCH_COLUMNS) as OpenAI's batch object; the caller holds the lock."""
@@ -345,11 +370,32 @@ def _marks(values: tuple) -> str:
     return ", ".join("?" * len(values))
 
 
-def _insert_file(db: sqlite3.Connection, content: bytes, filename: str, purpose: str) -> str:
+def _insert_file(db: sqlite3.Connection, content: bytes, filename: str, purpose: str, tenant: str) -> str:
     file_id = f"file-{uuid.uuid4().hex[:24]}"
-    db.execute("INSERT INTO files (id, purpose, filename, bytes, created_at, content) VALUES (?, ?, ?, ?, ?, ?)",
-               (file_id, purpose, filename, len(content), int(time.time()), content))
+    db.execute("INSERT INTO files (id, purpose, filename, bytes, created_at, content, tenant) "
+               "VALUES (?, ?, ?, ?, ?, ?, ?)", (file_id, purpose, filename, len(content), int(time.time()), content,
+                                                tenant))
     return file_id
+
+
+def _migrate(db: sqlite3.Connection, path: Path, default_tenant: str) -> None:
+    """Bring the store to _SCHEMA_VERSION inside the caller's transaction: create what is missing (a new
+    file), add `tenant` to a version-1 store's tables with `default_tenant` owning their rows. Decided by
+    the columns present, not only the version: a version-0 file may hold version-1 tables (a process
+    that died between creating them and writing the version)."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version not in range(_SCHEMA_VERSION + 1):
+        raise RuntimeError(f"{path}: batch store schema version {version}, this code reads {_SCHEMA_VERSION}")
+    for statement in _TABLES:
+        db.execute(statement)
+    for table in _OWNED_TABLES:
+        if "tenant" not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
+            # the rows get the column's default: no row (nor a file's content) is rewritten
+            owner = "'" + default_tenant.replace("'", "''") + "'"   # an SQL literal: DDL takes no parameters
+            db.execute(f"ALTER TABLE {table} ADD COLUMN tenant TEXT NOT NULL DEFAULT {owner}")
+    for statement in _INDEXES:
+        db.execute(statement)
+    db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
 
 
 def _assemble(db: sqlite3.Connection, batch_id: str) -> tuple[bytes, bytes]:

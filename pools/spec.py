@@ -295,12 +295,44 @@ class PoolSpec:
 
 
 @dataclass(frozen=True)
+class Backoff:
+    """The wait before each restart of a dead device worker (YAML `gateway.restart_backoff`):
+    `initial_seconds`, times `factor` after each restart that did not stay up `reset_after_seconds`,
+    at most `max_seconds`."""
+
+    initial_seconds: float = 1.0
+    factor: float = 2.0
+    max_seconds: float = 30.0
+    reset_after_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("initial_seconds", "factor", "max_seconds", "reset_after_seconds"):
+            value = getattr(self, name)
+            if not is_number(value) or value != value or value in (float("inf"), float("-inf")):
+                raise SpecError(f"restart_backoff.{name}: must be a finite number, got {show(value)}")
+        if self.initial_seconds < 0:
+            raise SpecError(f"restart_backoff.initial_seconds: must be >= 0, got {self.initial_seconds}")
+        if self.factor < 1:
+            raise SpecError(f"restart_backoff.factor: must be >= 1, got {self.factor}")
+        if self.max_seconds < self.initial_seconds:
+            raise SpecError(f"restart_backoff.max_seconds: must be >= initial_seconds ({self.initial_seconds}), "
+                            f"got {self.max_seconds}")
+        if self.reset_after_seconds < 0:
+            raise SpecError(f"restart_backoff.reset_after_seconds: must be >= 0, got {self.reset_after_seconds}")
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before restart number `attempt` (0-based) since the last reset."""
+        return min(self.initial_seconds * self.factor ** min(attempt, 64), self.max_seconds)
+
+
+@dataclass(frozen=True)
 class GatewaySpec:
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: tuple[str, ...] = ()       # empty: no authentication
     max_body_bytes: int = 8 << 20
     api_keys_env: str | None = DEFAULT_API_KEYS_ENV  # where extra keys came from (already in api_keys)
+    restart_backoff: Backoff = field(default_factory=Backoff)   # between restarts of a dead device worker
 
     def __post_init__(self) -> None:
         _check_str("host", self.host)
@@ -311,6 +343,8 @@ class GatewaySpec:
             _check_str(f"api_keys[{i}]", key)
         _check_int("max_body_bytes", self.max_body_bytes, min_value=1)
         _check_str("api_keys_env", self.api_keys_env, optional=True)
+        if not isinstance(self.restart_backoff, Backoff):
+            raise SpecError(f"restart_backoff: must be a Backoff, got {show(self.restart_backoff)}")
 
 
 @dataclass(frozen=True)
@@ -386,7 +420,8 @@ class CliffguardConfig:
 # --- YAML -----------------------------------------------------------------------------------------
 
 _TOP_KEYS = ("gateway", "devices", "pools", "tenants")
-_GATEWAY_KEYS = ("host", "port", "api_keys", "api_keys_env", "max_body_bytes")
+_GATEWAY_KEYS = ("host", "port", "api_keys", "api_keys_env", "max_body_bytes", "restart_backoff")
+_BACKOFF_KEYS = tuple(f.name for f in dataclasses.fields(Backoff))
 _DEVICE_KEYS = ("device", "memory", "memory_utilization", "dtype", "tensor_parallel_size")
 _ROUTE_KEYS = ("min_prompt_tokens", "max_prompt_tokens")
 _COMMON_POOL_KEYS = ("name", "model", "route", "served_model_name", "max_model_len")
@@ -426,6 +461,10 @@ def _parse_gateway(raw: Any, env: Mapping[str, str]) -> GatewaySpec:
     kwargs: dict[str, Any] = {k: raw[k] for k in ("host", "port") if k in raw}
     if "max_body_bytes" in raw:
         kwargs["max_body_bytes"] = parse_bytes(raw["max_body_bytes"], "gateway.max_body_bytes")
+    if raw.get("restart_backoff") is not None:
+        backoff = check_mapping("gateway.restart_backoff", raw["restart_backoff"], _BACKOFF_KEYS)
+        with within("gateway"):
+            kwargs["restart_backoff"] = Backoff(**backoff)
     with within("gateway"):
         return GatewaySpec(api_keys=tuple(dict.fromkeys(keys)), api_keys_env=env_name, **kwargs)
 

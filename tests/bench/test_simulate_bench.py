@@ -71,3 +71,19 @@ def test_saturation_grows_with_a_faster_step(planned):
     slow = saturation(config, plan, models, classes, LinearStepTime(a=0.04, b=0.0008, c=0.006, d=0.0), seed=0)
     fast = saturation(config, plan, models, classes, LinearStepTime(a=0.02, b=0.0004, c=0.003, d=0.0), seed=0)
     assert fast == pytest.approx(2 * slow, rel=0.05)
+
+
+def test_each_run_is_predicted_by_a_model_fitted_to_the_other_runs():
+    from bench.simulate import held_out_model
+    from engine.composer import StepFeatures
+
+    def trace(model: LinearStepTime, seed: int) -> list:
+        steps = [StepFeatures(p, d, p * p // 2 + d * 300) for p in (0, 64, 256, 512) for d in range(1 + seed, 12)]
+        return [(f, model.seconds([], f, 0)) for f in steps if f.num_prefill_tokens + f.num_decode_tokens]
+
+    served, odd = LinearStepTime(a=0.05, b=0.003, c=0.01, d=0.0015), LinearStepTime(a=0.5, b=0.03, c=0.1, d=0.015)
+    traces = [trace(served, 0), trace(odd, 1), trace(served, 2)]    # calibration run, compared runs 0 and 1
+    fitted = held_out_model(traces, 0)                               # run 0's own (odd) steps are left out
+    for name in ("a", "b", "c", "d"):
+        assert getattr(fitted, name) == pytest.approx(getattr(served, name), rel=1e-6)
+    assert held_out_model(traces, 1).c > 2 * served.c                # run 1's model has run 0's slow steps in it

@@ -1,11 +1,13 @@
 """The Batch API: in-process with a fake line executor (bad lines, transient retries, cancel, paging,
-resume after a stop, the async `openai` SDK), then the `openai` SDK against `cliffguard serve` over
-the tiny model, and a server killed with SIGKILL in the middle of a 100-line batch."""
+resume after a stop, the async `openai` SDK, tenants that see only their own files and batches), then
+the `openai` SDK against `cliffguard serve` over the tiny model, and a server killed with SIGKILL in the
+middle of a 100-line batch."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sqlite3
 import time
 from collections import Counter
@@ -24,6 +26,11 @@ from tests.gateway.conftest import LiveServer, pools_yaml
 
 CHAT = "/v1/chat/completions"
 FINAL = ("completed", "cancelled", "failed", "expired")
+TENANTS = """
+tenants:
+  a: {api_keys: [key-a]}
+  b: {api_keys: [key-b]}
+"""
 
 
 def _line(custom_id: str, content: str | None = None, **body) -> dict:
@@ -43,17 +50,19 @@ def _error(status: int, message: str, code: str | None = None) -> tuple[int, dic
 class _FakeExecutor:
     """Answers like `gateway.handlers.answer`: a chat completion of the upper-cased prompt; the
     prompt "bad" gets a 400; `transient[prompt]` first answers are 503 engine_dead; prompts in
-    `gated` wait for `gate` (and count their aborts)."""
+    `gated` wait for `gate` (and count their aborts). `tenants[prompt]`: the tenant it ran as."""
 
     def __init__(self, transient: dict[str, int] | None = None, gated: set[str] = frozenset()) -> None:
         self.calls: Counter[str] = Counter()
+        self.tenants: dict[str, str] = {}
         self.transient, self.gated = transient or {}, gated
         self.gate = asyncio.Event()
         self.aborted = 0
 
-    async def __call__(self, path: str, body: dict) -> tuple[int, dict]:
+    async def __call__(self, path: str, body: dict, tenant: str) -> tuple[int, dict]:
         prompt = body["messages"][0]["content"]
         self.calls[prompt] += 1
+        self.tenants[prompt] = tenant
         if self.calls[prompt] <= self.transient.get(prompt, 0):
             return _error(503, "device 'cpu' worker died; restarting", "engine_dead")
         if prompt == "bad":
@@ -69,9 +78,10 @@ class _FakeExecutor:
                                   "finish_reason": "stop"}]}
 
 
-async def _client(aiohttp_client, tmp_path: Path, model: Path, executor, headers=None, **yaml_kw):
+async def _client(aiohttp_client, tmp_path: Path, model: Path, executor, headers=None, tenants: str = "",
+                  **yaml_kw):
     path = tmp_path / "pools.yaml"
-    path.write_text(pools_yaml(model, **yaml_kw))
+    path.write_text(pools_yaml(model, **yaml_kw) + tenants)
     gateway = Gateway.from_config(load_config(path))
     gateway.engines = {}      # no device worker to spawn: the fake executor never reaches one
     app = create_app(gateway, data_dir=tmp_path, batch_executor=executor)
@@ -191,15 +201,17 @@ async def test_list_pages_and_requests_are_checked_field_by_field(aiohttp_client
 
 async def test_a_stopped_server_resumes_its_batches_and_records_each_line_once(aiohttp_client, tmp_path, tiny_model):
     first = _FakeExecutor(gated={f"r{i}" for i in range(4, 20)})
-    client = await _client(aiohttp_client, tmp_path, tiny_model, first)
+    as_a = {"headers": {"Authorization": "Bearer key-a"}, "tenants": TENANTS}
+    client = await _client(aiohttp_client, tmp_path, tiny_model, first, **as_a)
     batch = await _create(client, _jsonl(*(_line(f"r{i}") for i in range(20))))
     await _wait(client, batch["id"], lambda b: b["request_counts"]["completed"] == 4)
     await client.close()                                       # the runner stops; r4..r19 stay pending
     second = _FakeExecutor()
-    client = await _client(aiohttp_client, tmp_path, tiny_model, second)
+    client = await _client(aiohttp_client, tmp_path, tiny_model, second, **as_a)
     done = await _wait(client, batch["id"])
     assert done["status"] == "completed" and done["request_counts"]["completed"] == 20
     assert set(second.calls) == {f"r{i}" for i in range(4, 20)} and set(second.calls.values()) == {1}
+    assert set(first.tenants.values()) == set(second.tenants.values()) == {"a"}   # resumed as its tenant
     output = await _jsonl_file(client, done["output_file_id"])
     assert [o["custom_id"] for o in output] == [f"r{i}" for i in range(20)]
 
@@ -224,6 +236,55 @@ async def test_the_async_sdk_reads_every_shape(aiohttp_client, tmp_path, tiny_mo
     await sdk.close()
 
 
+async def _assert_hidden(call, hidden_id: str, unknown_id: str, error=openai.NotFoundError) -> None:
+    """`call(hidden_id)` (another tenant's id) fails exactly as `call(unknown_id)` (an id nobody has)."""
+    seen = []
+    for key in (hidden_id, unknown_id):
+        with pytest.raises(error) as info:
+            await call(key)
+        seen.append((info.value.status_code, json.dumps(info.value.body).replace(key, "<id>")))
+    assert seen[0] == seen[1], seen
+
+
+async def _sdk_done(sdk: openai.AsyncOpenAI, batch_id: str):
+    while (batch := await sdk.batches.retrieve(batch_id)).status not in FINAL:
+        await asyncio.sleep(0.02)
+    return batch
+
+
+async def test_a_tenant_sees_only_its_own_files_and_batches(aiohttp_client, tmp_path, tiny_model):
+    fake = _FakeExecutor(gated={"a2"})
+    client = await _client(aiohttp_client, tmp_path, tiny_model, fake, tenants=TENANTS)
+    sdk_a, sdk_b = (openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0)
+                    for key in ("key-a", "key-b"))
+    file = await sdk_a.files.create(file=("in.jsonl", _jsonl(_line("a1"), _line("a2"))), purpose="batch")
+    batch = await sdk_a.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
+    no_file, no_batch = "file-" + "0" * 24, "batch_" + "0" * 24
+    await _assert_hidden(sdk_b.files.retrieve, file.id, no_file)
+    await _assert_hidden(sdk_b.files.content, file.id, no_file)
+    await _assert_hidden(sdk_b.batches.retrieve, batch.id, no_batch)
+    await _assert_hidden(sdk_b.batches.cancel, batch.id, no_batch)
+    await _assert_hidden(lambda i: sdk_b.batches.create(input_file_id=i, endpoint=CHAT, completion_window="24h"),
+                         file.id, no_file, openai.BadRequestError)
+    await _assert_hidden(lambda i: sdk_b.batches.list(after=i), batch.id, no_batch, openai.BadRequestError)
+    assert [b.id async for b in sdk_b.batches.list()] == []
+    assert (await sdk_a.batches.retrieve(batch.id)).status == "in_progress"   # B's cancel did not reach it
+    fake.gate.set()
+    done = await _sdk_done(sdk_a, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 2
+    assert fake.tenants == {"a1": "a", "a2": "a"}                             # A's lines ran as A
+    await _assert_hidden(sdk_b.files.content, done.output_file_id, no_file)  # the output is A's too
+    assert (await sdk_a.files.content(done.output_file_id)).text.count("custom_id") == 2
+    own = await sdk_b.files.create(file=("in.jsonl", _jsonl(_line("b1"))), purpose="batch")
+    theirs = await sdk_b.batches.create(input_file_id=own.id, endpoint=CHAT, completion_window="24h")
+    assert (await _sdk_done(sdk_b, theirs.id)).status == "completed" and fake.tenants["b1"] == "b"
+    assert [b.id async for b in sdk_a.batches.list()] == [batch.id]
+    assert [b.id async for b in sdk_b.batches.list()] == [theirs.id]
+    await _assert_hidden(sdk_a.batches.retrieve, theirs.id, no_batch)
+    for sdk in (sdk_a, sdk_b):
+        await sdk.close()
+
+
 def test_serve_creates_its_data_dir_and_refuses_a_file_there(tmp_path, capsys, monkeypatch):
     from gateway.cli import make_data_dir
 
@@ -236,6 +297,22 @@ def test_serve_creates_its_data_dir_and_refuses_a_file_there(tmp_path, capsys, m
     config = Path(__file__).resolve().parents[2] / "config" / "pools.yaml"
     assert main(["serve", "--config", str(config), "--port", "0", "--data-dir", str(tmp_path / "taken")]) == 2
     assert "--data-dir: cannot create" in capsys.readouterr().err
+
+
+def test_one_server_per_data_dir(tmp_path, capsys, monkeypatch):
+    from gateway.cli import lock_data_dir, make_data_dir
+
+    served = []
+    monkeypatch.setattr("gateway.app.run", lambda *a, **k: served.append(k["data_dir"]))
+    config = Path(__file__).resolve().parents[2] / "config" / "pools.yaml"
+    folder = make_data_dir(str(tmp_path / "state"))
+    args = ["serve", "--config", str(config), "--port", "0", "--data-dir", str(folder)]
+    with lock_data_dir(folder):                                         # another server holds the folder
+        assert main(args) == 2
+        assert f"is in use by another cliffguard serve (pid {os.getpid()})" in capsys.readouterr().err
+        assert served == []
+    assert main(args) == 0 and served == [folder]                       # free again once it let go
+    assert main(args) == 0 and len(served) == 2                         # and a server that stopped released it
 
 
 # --- a live server over the tiny model -------------------------------------------------------------

@@ -129,7 +129,7 @@ def test_serve_with_a_cuda_device_on_a_machine_without_one_exits_2(tmp_path, bui
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     started = []
     monkeypatch.setattr("aiohttp.web.TCPSite.start", lambda self: started.append(self))
-    assert main(["serve", "--config", str(path), "--port", "0"]) == 2
+    assert main(["serve", "--config", str(path), "--port", "0", "--data-dir", str(tmp_path / "data")]) == 2
     assert "devices.default.device: 'cuda' needs a CUDA device" in _error_line(capsys)
     assert not started
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import shutil
 import signal
 
@@ -105,6 +106,22 @@ def test_backoff_doubles_up_to_its_cap_and_checks_its_fields():
         Backoff(initial_seconds=5, max_seconds=1)
     with pytest.raises(ValueError, match="factor"):
         Backoff(factor=0.5)
+
+
+def test_restart_backoff_comes_from_yaml_and_bad_values_name_the_key():
+    base = "pools: [{name: p, model: builtin:smollm2-135m-instruct, kv_share: 1.0}]\n"
+    config = load_config("gateway: {restart_backoff: {initial_seconds: 0.5, max_seconds: 4}}\n" + base, env={})
+    assert config.gateway.restart_backoff == Backoff(initial_seconds=0.5, max_seconds=4)
+    assert [config.gateway.restart_backoff.delay(i) for i in range(5)] == [0.5, 1, 2, 4, 4]
+    assert load_config(base, env={}).gateway.restart_backoff == Backoff()
+    for bad, message in (("{factor: 0.5}", "gateway.restart_backoff.factor: must be >= 1"),
+                         ("{initial_seconds: x}", "gateway.restart_backoff.initial_seconds: must be a finite number"),
+                         ("{max_seconds: .inf}", "gateway.restart_backoff.max_seconds: must be a finite number"),
+                         ("{initial_seconds: 40}", "gateway.restart_backoff.max_seconds: must be >= initial_seconds"),
+                         ("{jitter: 1}", "gateway.restart_backoff.jitter"),
+                         ("5", "gateway.restart_backoff: must be a mapping")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_config(f"gateway: {{restart_backoff: {bad}}}\n" + base, env={})
 
 
 def test_engine_counters_of_a_restarted_worker_keep_counting():
