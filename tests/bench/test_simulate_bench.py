@@ -73,13 +73,16 @@ def test_saturation_grows_with_a_faster_step(planned):
     assert fast == pytest.approx(2 * slow, rel=0.05)
 
 
-def test_each_run_is_predicted_by_a_model_fitted_to_the_other_runs():
-    from bench.simulate import held_out_model
+def trace(model: LinearStepTime, seed: int) -> list:
+    """A traced run's steps whose seconds are exactly what `model` says."""
     from engine.composer import StepFeatures
 
-    def trace(model: LinearStepTime, seed: int) -> list:
-        steps = [StepFeatures(p, d, p * p // 2 + d * 300) for p in (0, 64, 256, 512) for d in range(1 + seed, 12)]
-        return [(f, model.seconds([], f, 0)) for f in steps if f.num_prefill_tokens + f.num_decode_tokens]
+    steps = [StepFeatures(p, d, p * p // 2 + d * 300) for p in (0, 64, 256, 512) for d in range(1 + seed, 12)]
+    return [(f, model.seconds([], f, 0)) for f in steps if f.num_prefill_tokens + f.num_decode_tokens]
+
+
+def test_each_run_is_predicted_by_a_model_fitted_to_the_other_runs():
+    from bench.simulate import held_out_model
 
     served, odd = LinearStepTime(a=0.05, b=0.003, c=0.01, d=0.0015), LinearStepTime(a=0.5, b=0.03, c=0.1, d=0.015)
     traces = [trace(served, 0), trace(odd, 1), trace(served, 2)]    # calibration run, compared runs 0 and 1
@@ -87,3 +90,21 @@ def test_each_run_is_predicted_by_a_model_fitted_to_the_other_runs():
     for name in ("a", "b", "c", "d"):
         assert getattr(fitted, name) == pytest.approx(getattr(served, name), rel=1e-6)
     assert held_out_model(traces, 1).c > 2 * served.c                # run 1's model has run 0's slow steps in it
+
+
+def test_a_run_is_also_replayed_with_its_own_steps_in_sample(planned):
+    from bench.simulate import compare_runs
+
+    config, models, plan = planned
+    real, calibration = LinearStepTime(a=0.02, b=0.0004, c=0.003, d=0.0001), LinearStepTime(0.03, 0.0006, 0.0045, 0)
+    requests = make_requests(load_workload("chat"), 0.5, duration=30.0, seed=5)
+    simulate(config, plan, models, requests, {"cpu": real}, seed=5)
+    report = types.SimpleNamespace(records=_records_of(requests))
+    [row] = compare_runs([report], [0.5], 1.0, (config, plan, models), None, [trace(calibration, 0), trace(real, 1)],
+                         seed=5)
+    assert row["step_model"]["c"] == pytest.approx(calibration.c)        # predicted from the calibration run
+    assert row["classes"]["chat"]["error"]["ttft_p50"] > 0.2                # 50% slower steps: a late prediction
+    own = row["own_steps"]["classes"]["chat"]
+    assert row["own_steps"]["step_model"]["c"] == pytest.approx(real.c)
+    for key in ("throughput", "ttft_p50", "ttft_p99"):
+        assert own["error"][key] == pytest.approx(0, abs=1e-6)
