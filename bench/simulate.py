@@ -37,7 +37,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -124,7 +123,10 @@ async def _measure(config_path: Path, classes, rate: float, duration: float, see
     load = LoadConfig(url="http://127.0.0.1:1", classes=classes, request_rate=rate, duration=duration, seed=seed,
                       timeout=600.0, drain_timeout=600.0, scrape=False)
     plan = await asyncio.to_thread(plan_requests, load)
-    env = dict(os.environ, CLIFFGUARD_STEP_TRACE=str(trace)) if trace is not None else None
+    env = None
+    if trace is not None:
+        trace.unlink(missing_ok=True)      # the worker appends: a trace left in --out by an earlier run must go
+        env = dict(os.environ, CLIFFGUARD_STEP_TRACE=str(trace))
     with LiveServer(config_path, env=env, args=["--data-dir", str(data_dir)]) as server:
         load = LoadConfig(url=server.url, classes=classes, request_rate=rate, duration=duration, seed=seed,
                           timeout=600.0, drain_timeout=600.0, scrape=False)
@@ -171,40 +173,31 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _describe(model) -> str:
-    return (f"t = {model.a * 1e3:.2f} ms + {model.b * 1e3:.4f} ms/prefill token + {model.c * 1e3:.4f} ms/decode "
-            f"token + {model.d * 1e3:.4f} ms/1024 attended")
-
-
-def _step_model(args: argparse.Namespace, config_path: Path, setup, classes, tmp: Path):
+def _step_model(args: argparse.Namespace, config_path: Path, setup, classes, tmp: Path, trace_dir: Path):
     """The step model that picks the rates, how it was measured (a dict for the report), and with
-    `--calibration served` the calibration run's traced steps (else None)."""
+    `--calibration served` the calibration run's traced steps (else None; the trace is in `trace_dir`)."""
     from pools.simulate import fit_linear, read_step_model, read_step_trace
 
     config, plan, model_configs = setup
     if args.step_model:
         model = read_step_model(args.step_model)
-        return model, {"file": args.step_model, **_coefficients(model)}, None
+        return model, {"file": args.step_model, **model.coefficients()}, None
     model, num_steps = _calibrate(config, plan, args.seed)
-    calibration: dict[str, Any] = {"engine": {"steps": num_steps, **_coefficients(model)}}
-    print(f"engine alone ({num_steps} steps): {_describe(model)}", file=sys.stderr)
+    calibration: dict[str, Any] = {"engine": {"steps": num_steps, **model.coefficients()}}
+    print(f"engine alone ({num_steps} steps): {model.describe()}", file=sys.stderr)
     if args.calibration == "engine":
         return model, calibration, None
     rate = args.calibration_load * saturation(config, plan, model_configs, classes, model, args.seed)
-    trace = tmp / "calibration-steps.jsonl"
+    trace = trace_dir / "calibration-steps.jsonl"
     print(f"served calibration run: {rate:.2f} req/s for {args.calibration_duration:.0f} s", file=sys.stderr)
     asyncio.run(_measure(config_path, classes, rate, args.calibration_duration, args.seed + 1000,
                          tmp / "data-calibration", trace=trace))
     samples = read_step_trace(trace)
     model = fit_linear(samples)
     calibration["served"] = {"rate": rate, "duration": args.calibration_duration, "steps": len(samples),
-                             **_coefficients(model)}
-    print(f"served ({len(samples)} steps): {_describe(model)}", file=sys.stderr)
+                             **model.coefficients()}
+    print(f"served ({len(samples)} steps): {model.describe()}", file=sys.stderr)
     return model, calibration, samples
-
-
-def _coefficients(model) -> dict[str, float]:
-    return {"a": model.a, "b": model.b, "c": model.c, "d": model.d}
 
 
 def held_out_model(traces: list[list], i: int):
@@ -228,25 +221,25 @@ def compare_runs(reports: list, rates: list[float], peak: float, setup, step_mod
     rows = []
     for i, (rate, report) in enumerate(zip(rates, reports)):
         model = step_model if traces is None else held_out_model(traces, i)
-        row = {"rate": rate, "load": rate / peak, "step_model": _coefficients(model),
+        row = {"rate": rate, "load": rate / peak, "step_model": model.coefficients(),
                **compare(report, config, plan, model_configs, model, seed)}
         if traces is not None:
             own = fit_linear(traces[i + 1])
-            row["own_steps"] = {"step_model": _coefficients(own),
+            row["own_steps"] = {"step_model": own.coefficients(),
                                 **compare(report, config, plan, model_configs, own, seed)}
         rows.append(row)
     return rows
 
 
 def _run_rates(args: argparse.Namespace, config_path: Path, classes, rates: list[float], peak: float,
-               tmp: Path, traces: list | None) -> list:
-    """The real runs, one per rate (each traced when `traces` collects the steps)."""
+               tmp: Path, trace_dir: Path, traces: list | None) -> list:
+    """The real runs, one per rate (each traced into `trace_dir` when `traces` collects the steps)."""
     from pools.simulate import read_step_trace
 
     reports = []
     for i, rate in enumerate(rates):
         print(f"rate {rate:.2f} req/s ({rate / peak:.2f} x the predicted saturation {peak:.2f})", file=sys.stderr)
-        trace = tmp / f"steps-{i}.jsonl" if traces is not None else None
+        trace = trace_dir / f"steps-{i}.jsonl" if traces is not None else None
         reports.append(asyncio.run(_measure(config_path, classes, rate, args.duration, args.seed, tmp / f"data-{i}",
                                             trace=trace)))
         if trace is not None:
@@ -264,17 +257,14 @@ def run(args: argparse.Namespace) -> int:
         if not args.config:
             config_path.write_text(POOLS_YAML)
         config, model_configs, plan = _plan(config_path)
+        trace_dir = Path(args.out) if args.out else Path(tmp)
+        trace_dir.mkdir(parents=True, exist_ok=True)
         step_model, calibration, samples = _step_model(args, config_path, (config, plan, model_configs), classes,
-                                                       Path(tmp))
+                                                       Path(tmp), trace_dir)
         peak = saturation(config, plan, model_configs, classes, step_model, args.seed)
         rates = parse_rates(args.rates) if args.rates else [f * peak for f in parse_rates(args.loads, "--loads")]
         traces = None if samples is None else [samples]
-        reports = _run_rates(args, config_path, classes, rates, peak, Path(tmp), traces)
-        if args.out:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            for trace in Path(tmp).glob("*steps*.jsonl"):
-                shutil.copy(trace, out / trace.name)
+        reports = _run_rates(args, config_path, classes, rates, peak, Path(tmp), trace_dir, traces)
     rows = compare_runs(reports, rates, peak, (config, plan, model_configs), step_model, traces, args.seed)
     result = {"calibration": calibration, "saturation_rps": peak, "rows": rows}
     if args.out:

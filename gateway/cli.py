@@ -398,8 +398,7 @@ def _calibrate(config, args: argparse.Namespace) -> int:
         model, samples = calibrate(engine, seed=args.seed)
         where = f"{device} ({engine.device}, {engine.dtype})"
     write_step_model(args.calibrate, model, device=where, model_name=engine_config.model, num_steps=len(samples))
-    print(f"{len(samples)} steps measured; t = {model.a * 1e3:.2f} ms + {model.b * 1e3:.4f} ms/prefill token + "
-          f"{model.c * 1e3:.4f} ms/decode token + {model.d * 1e3:.4f} ms/1024 attended; wrote {args.calibrate}")
+    print(f"{len(samples)} steps measured; {model.describe()}; wrote {args.calibrate}")
     return 0
 
 

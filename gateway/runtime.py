@@ -31,12 +31,12 @@ from engine.worker import AsyncEngineClient, EngineDeadError
 from gateway.admission import AdmissionControl
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ApiError
-from gateway.supervisor import Backoff, DeviceSupervisor
+from gateway.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
 from pools.capacity import CapacityPlan, engine_configs, model_folder, plan_capacity, resolve_model_configs
 from pools.pool import Pool
 from pools.router import NoRouteError, Router, UnknownModelError
-from pools.spec import CliffguardConfig, PoolSpec
+from pools.spec import Backoff, CliffguardConfig, PoolSpec
 from pools.spiral import SpiralDetector
 from pools.tenants import Tenants
 from pools.tokencount import TokenCounter

@@ -143,6 +143,14 @@ class LinearStepTime:
         return (self.a + self.b * features.num_prefill_tokens + self.c * features.num_decode_tokens
                 + self.d * features.num_attended / 1024)
 
+    def coefficients(self) -> dict[str, float]:
+        return {"a": self.a, "b": self.b, "c": self.c, "d": self.d}
+
+    def describe(self) -> str:
+        """The model in milliseconds, for a report line."""
+        return (f"t = {self.a * 1e3:.2f} ms + {self.b * 1e3:.4f} ms/prefill token + {self.c * 1e3:.4f} ms/decode "
+                f"token + {self.d * 1e3:.4f} ms/1024 attended")
+
 
 def fit_linear(samples: Sequence[tuple[StepFeatures, float]], *, swap_bandwidth: float | None = None,
                skip: int = 0) -> LinearStepTime:
@@ -235,7 +243,7 @@ def write_step_model(path: str | Path, model: LinearStepTime, *, device: str, mo
     import torch
 
     Path(path).write_text(json.dumps({
-        "step_model": "linear", "a": model.a, "b": model.b, "c": model.c, "d": model.d,
+        "step_model": "linear", **model.coefficients(),
         "device": device, "model": model_name, "num_steps": num_steps, "machine": platform.node(),
         "cpu_threads": torch.get_num_threads(), "date": datetime.date.today().isoformat()}, indent=2) + "\n")
 

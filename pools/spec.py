@@ -9,6 +9,7 @@ The schema, key by key, is in `config/README.md`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -306,10 +307,10 @@ class Backoff:
     reset_after_seconds: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("initial_seconds", "factor", "max_seconds", "reset_after_seconds"):
-            value = getattr(self, name)
-            if not is_number(value) or value != value or value in (float("inf"), float("-inf")):
-                raise SpecError(f"restart_backoff.{name}: must be a finite number, got {show(value)}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not is_number(value) or not math.isfinite(value):
+                raise SpecError(f"restart_backoff.{f.name}: must be a finite number, got {show(value)}")
         if self.initial_seconds < 0:
             raise SpecError(f"restart_backoff.initial_seconds: must be >= 0, got {self.initial_seconds}")
         if self.factor < 1:
