@@ -6,9 +6,12 @@
    picks the load of a calibration run: `cliffguard serve` with `CLIFFGUARD_STEP_TRACE` set, driven
    at `--calibration-load` x its predicted saturation for `--calibration-duration` s (arrivals from
    another seed than the runs compared), and the step model is refitted to the worker's traced turns
-   (`pools.simulate.read_step_trace`). A step measured on the engine alone misses what serving costs
-   the same cores: the gateway's HTTP, tokenizing and SSE chunks, the load generator, the worker's
-   pipe; a step traced while serving includes them.
+   (`pools.simulate.read_step_trace`). The default load, 1.3, overloads the pool on purpose: the
+   traced steps then reach full batches, the regime that decides the saturation the rates are picked
+   from (at 1.0 the queue hardly builds in 60 s, the fit extrapolates to full batches, and in session
+   8 it put the knee 15% low, so the "1.3x" run was barely past the real knee). A step measured on
+   the engine alone misses what serving costs the same cores: the gateway's HTTP, tokenizing and SSE
+   chunks, the load generator, the worker's pipe; a step traced while serving includes them.
 2. Pick the rates: below, near and above the knee, as fractions (`--loads`, default 0.5, 0.9, 1.3)
    of the saturation throughput the simulator predicts for the workload (or `--rates` given).
 3. At each rate: start `cliffguard serve` on the pool file (its worker traced too with `served`),
@@ -23,6 +26,11 @@
    p50 TTFT and p99 TTFT, with the relative error against the goals (10%, 10%, 20%). With `served`,
    a second table (`own_steps` in JSON) replays each run with the model fitted to its own trace:
    in-sample, so not a prediction, but it separates the simulator's scheduling from the step model.
+5. Diagnostics after the fact, inputs to nothing: each run's `step_cost_ratio` (its traced steps' real
+   seconds over what its step model says: the transfer error, which past saturation is amplified
+   about rho / (rho - 1) times into p99 TTFT), and `machine_speed`, from a speed probe running through
+   the whole benchmark (`bench.speedprobe`): its kernel time during each run over the calibration
+   run's, median and 15 s window extremes, so a miss can be told apart as the machine's drift.
 
 Why the served steps: given the step costs the run itself had (its own trace), the simulation
 reproduces a real run within a few percent even past saturation, so what is left of the error is the
@@ -35,14 +43,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from bench.live import LiveServer
+from bench.speedprobe import SpeedProbe
 from bench.serve import LoadConfig, plan_requests, run_load
 from pools.workload import latency_stats, load_workload, parse_rates
 
@@ -73,14 +84,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-model", default=None, help="a calibration file instead of calibrating here")
     p.add_argument("--calibration", choices=("served", "engine"), default="served",
                    help="fit the step model to a traced serving run (served, default) or to the engine alone")
-    p.add_argument("--calibration-load", type=float, default=1.0,
-                   help="load of the served calibration run, as a fraction of the saturation the engine-alone "
-                        "model predicts (default 1.0)")
+    p.add_argument("--calibration-load", type=float, default=1.3,
+                   help="load of the served calibration run, as a multiple of the saturation the engine-alone "
+                        "model predicts (default 1.3: past it, so the traced steps reach full batches)")
     p.add_argument("--calibration-duration", type=float, default=60.0,
                    help="seconds of arrivals of the served calibration run (default 60)")
     p.add_argument("--seed", type=int, default=0, help="seed of the calibration, arrivals and lengths (default 0)")
     p.add_argument("--out", default=None, help="keep the served runs' step traces and the results (results.json) "
                    "in this folder, to study the step model offline")
+    p.add_argument("--replay", default=None, help="compare again from a folder --out wrote (its traces and "
+                   "requests), without running anything")
     p.add_argument("--json", action="store_true", help="print calibration, saturation and rows as JSON")
 
 
@@ -209,6 +222,13 @@ def held_out_model(traces: list[list], i: int):
     return fit_linear([sample for j, trace in enumerate(traces) if j != i + 1 for sample in trace])
 
 
+def step_cost_ratio(trace: list, model) -> float:
+    """What a run's traced steps really cost over what `model` says they cost: 1.0 when the step model
+    carried over exactly. A diagnostic after the fact (it reads the run's own trace), never an input
+    to the prediction: past saturation a few percent here become tens of percent of p99 TTFT."""
+    return sum(seconds for _, seconds in trace) / sum(model.seconds((), features, 0) for features, _ in trace)
+
+
 def compare_runs(reports: list, rates: list[float], peak: float, setup, step_model, traces: list | None,
                  seed: int) -> list[dict[str, Any]]:
     """One row per run: its predictions with the held-out model (`traces`) or `step_model`, and with
@@ -224,6 +244,7 @@ def compare_runs(reports: list, rates: list[float], peak: float, setup, step_mod
         row = {"rate": rate, "load": rate / peak, "step_model": model.coefficients(),
                **compare(report, config, plan, model_configs, model, seed)}
         if traces is not None:
+            row["step_cost_ratio"] = step_cost_ratio(traces[i + 1], model)
             own = fit_linear(traces[i + 1])
             row["own_steps"] = {"step_model": own.coefficients(),
                                 **compare(report, config, plan, model_configs, own, seed)}
@@ -242,9 +263,96 @@ def _run_rates(args: argparse.Namespace, config_path: Path, classes, rates: list
         trace = trace_dir / f"steps-{i}.jsonl" if traces is not None else None
         reports.append(asyncio.run(_measure(config_path, classes, rate, args.duration, args.seed, tmp / f"data-{i}",
                                             trace=trace)))
+        if args.out:
+            write_records(Path(args.out) / f"requests-{i}.jsonl", reports[-1].records)
         if trace is not None:
             traces.append(read_step_trace(trace))
     return reports
+
+
+def write_records(path: Path, records: list) -> None:
+    """A real run's request records, one JSON object a line (`--out`; read back by `--replay`)."""
+    path.write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in records))
+
+
+def read_records(path: Path) -> SimpleNamespace:
+    """A report (`.records`) as `write_records` kept it; ValueError naming the file if it is not one."""
+    from bench.serve import RequestRecord
+
+    try:
+        return SimpleNamespace(records=[RequestRecord(**json.loads(line)) for line in path.read_text().splitlines()
+                                        if line.strip()])
+    except (OSError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--replay: {path}: not a run's request records ({exc})") from None
+
+
+def replay(args: argparse.Namespace, config_path: Path, setup) -> dict[str, Any]:
+    """`--replay DIR`: the comparison again from a folder `--out` wrote (results.json, the traces, the
+    request records, the probe), without running anything: to try a step model or the simulator on
+    a measured run in seconds."""
+    from pools.simulate import read_step_trace
+
+    folder = Path(args.replay)
+    try:
+        kept = json.loads((folder / "results.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--replay: {folder / 'results.json'}: {exc}") from None
+    rates = [row["rate"] for row in kept["rows"]]
+    paths = [folder / "calibration-steps.jsonl"] + [folder / f"steps-{i}.jsonl" for i in range(len(rates))]
+    traces = [read_step_trace(path) for path in paths]
+    reports = [read_records(folder / f"requests-{i}.jsonl") for i in range(len(rates))]
+    rows = compare_runs(reports, rates, kept["saturation_rps"], setup, None, traces, args.seed)
+    for row, speed in zip(rows, machine_speeds(folder / "speed-probe.txt", paths)[1:]):
+        row["machine_speed"] = speed
+    return {"calibration": kept["calibration"], "saturation_rps": kept["saturation_rps"], "rows": rows}
+
+
+def trace_span(path: Path) -> tuple[float, float]:
+    """Unix times of the first and last step of a worker's step trace."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    return json.loads(lines[0])["t"], json.loads(lines[-1])["t"]
+
+
+def machine_speeds(probe_path: Path, trace_paths: list[Path]) -> list[dict[str, float] | None]:
+    """The speed probe's kernel time during each traced run over its median during the first (the
+    calibration run): the machine's own drift, apart from the step model (`bench.speedprobe`)."""
+    from bench.speedprobe import kernel_median, read_probe, speed_ratio
+
+    samples = read_probe(probe_path)
+    spans = [trace_span(path) for path in trace_paths]
+    reference = kernel_median(samples, *spans[0])
+    if reference is None:
+        return [None] * len(spans)
+    return [speed_ratio(samples, start, end, reference) for start, end in spans]
+
+
+def _out_dir(out: str) -> Path:
+    """`--out`, created if missing; ValueError naming the option when it cannot be written."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out: cannot create {out}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--out: {out} is not writable")
+    return path
+
+
+def format_report(rows: list[dict[str, Any]]) -> str:
+    """The table, and for traced runs the diagnostics and the in-sample replay."""
+    text = format_rows(rows)
+    if rows and "own_steps" in rows[0]:
+        text += "\nreal step costs over the step model's: " + ", ".join(
+            f"{row['rate']:.2f} req/s {row['step_cost_ratio']:.3f}" for row in rows)
+        text += "\nspeed probe's kernel time over the calibration run's, median (15 s windows): " + ", ".join(
+            f"{row['rate']:.2f} req/s {_speed(row.get('machine_speed'))}" for row in rows)
+        text += ("\n\nreplayed with each run's own traced steps (in-sample: the scheduling alone, not a prediction)\n"
+                 + format_rows([{"rate": row["rate"], **row["own_steps"]} for row in rows]))
+    return text
+
+
+def _speed(speed: dict[str, float] | None) -> str:
+    return "no samples" if speed is None else f"{speed['median']:.3f} ({speed['min']:.3f}-{speed['max']:.3f})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -252,28 +360,35 @@ def run(args: argparse.Namespace) -> int:
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
     classes = load_workload(args.workload)
+    out = _out_dir(args.out) if args.out else None
     with tempfile.TemporaryDirectory() as tmp:
         config_path = Path(args.config) if args.config else Path(tmp) / "pools.yaml"
         if not args.config:
             config_path.write_text(POOLS_YAML)
         config, model_configs, plan = _plan(config_path)
-        trace_dir = Path(args.out) if args.out else Path(tmp)
-        trace_dir.mkdir(parents=True, exist_ok=True)
-        step_model, calibration, samples = _step_model(args, config_path, (config, plan, model_configs), classes,
-                                                       Path(tmp), trace_dir)
-        peak = saturation(config, plan, model_configs, classes, step_model, args.seed)
-        rates = parse_rates(args.rates) if args.rates else [f * peak for f in parse_rates(args.loads, "--loads")]
-        traces = None if samples is None else [samples]
-        reports = _run_rates(args, config_path, classes, rates, peak, Path(tmp), trace_dir, traces)
-    rows = compare_runs(reports, rates, peak, (config, plan, model_configs), step_model, traces, args.seed)
-    result = {"calibration": calibration, "saturation_rps": peak, "rows": rows}
-    if args.out:
-        (Path(args.out) / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        print(format_rows(rows))
+        if args.replay:
+            result = replay(args, config_path, (config, plan, model_configs))
+            print(json.dumps(result, indent=2) if args.json else format_report(result["rows"]))
+            return 0
+        trace_dir = out or Path(tmp)
+        probe_path = trace_dir / "speed-probe.txt"
+        probe_path.unlink(missing_ok=True)
+        with SpeedProbe(probe_path):
+            step_model, calibration, samples = _step_model(args, config_path, (config, plan, model_configs),
+                                                           classes, Path(tmp), trace_dir)
+            peak = saturation(config, plan, model_configs, classes, step_model, args.seed)
+            rates = parse_rates(args.rates) if args.rates else [f * peak for f in parse_rates(args.loads, "--loads")]
+            traces = None if samples is None else [samples]
+            reports = _run_rates(args, config_path, classes, rates, peak, Path(tmp), trace_dir, traces)
+        rows = compare_runs(reports, rates, peak, (config, plan, model_configs), step_model, traces, args.seed)
         if traces is not None:
-            print("\nreplayed with each run's own traced steps (in-sample: the scheduling alone, not a prediction)")
-            print(format_rows([{"rate": row["rate"], **row["own_steps"]} for row in rows]))
+            speeds = machine_speeds(probe_path, [trace_dir / "calibration-steps.jsonl"]
+                                    + [trace_dir / f"steps-{i}.jsonl" for i in range(len(rates))])
+            calibration["served"]["machine_speed"] = speeds[0]
+            for row, speed in zip(rows, speeds[1:]):
+                row["machine_speed"] = speed
+    result = {"calibration": calibration, "saturation_rps": peak, "rows": rows}
+    if out:
+        (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2) if args.json else format_report(rows))
     return 0

@@ -33,7 +33,6 @@ from gateway.metrics import REQUEST_LATENCY_BUCKETS
 from gateway.openai_api import ApiError
 from gateway.ticker import Ticker
 from pools.admission import Admission, PoolFull, QueueTimeout, reservation
-from pools.credits import TenantPolicy
 from pools.pool import Pool
 from pools.tenants import Tenants
 
@@ -105,10 +104,6 @@ class AdmissionControl:
     def tenant_of(self, request: web.Request) -> str:
         """The tenant of the request's API key: whose credits it spends, and who owns what it creates."""
         return self.tenants.resolve(bearer_key(request))
-
-    def policy(self, tenant: str) -> TenantPolicy:
-        spec = self.tenants.specs.get(tenant)
-        return spec.policy if spec is not None else TenantPolicy()
 
     # --- holding credits -------------------------------------------------------------------------
     @contextlib.asynccontextmanager

@@ -80,7 +80,7 @@ async def _serve(request: web.Request | None, gateway: Gateway, req: ChatRequest
             return json.loads(response.body)
         return response
     admission = gateway.admission
-    req = dataclasses.replace(req, priority=max(req.priority, admission.policy(tenant).min_priority))
+    req = dataclasses.replace(req, priority=max(req.priority, admission.tenants.policy(tenant).min_priority))
     async with admission.admitted(routed, max_tokens=req.params.max_tokens, n=req.params.n,
                                   request_id=api.new_id("adm"), tenant=tenant, priority=req.priority,
                                   background=background, max_tokens_param=req.max_tokens_param):

@@ -224,7 +224,7 @@ def read_step_trace(path: str | Path, *, skip: int = 2) -> list[tuple[StepFeatur
             step = json.loads(line)
             features = StepFeatures(int(step["num_prefill_tokens"]), int(step["num_decode_tokens"]),
                                     int(step.get("num_attended", 0)))
-            seconds = float(step.get("cycle_seconds", step["seconds"]))
+            seconds = float(step["cycle_seconds"] if "cycle_seconds" in step else step["seconds"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"--from-trace: {path} line {n} is not a step record ({type(exc).__name__}: {exc})"
                              ) from None

@@ -55,6 +55,11 @@ class Tenants:
     def policies(self) -> dict[str, TenantPolicy]:
         return {name: spec.policy for name, spec in self.specs.items()}
 
+    def policy(self, tenant: str) -> TenantPolicy:
+        """`tenant`'s weight and min_priority (an unlisted tenant: the defaults)."""
+        spec = self.specs.get(tenant)
+        return spec.policy if spec is not None else TenantPolicy()
+
     def resolve(self, api_key: str | None) -> str:
         """The tenant of a request sent with `api_key` (None: no key)."""
         if api_key:

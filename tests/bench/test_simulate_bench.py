@@ -103,8 +103,55 @@ def test_a_run_is_also_replayed_with_its_own_steps_in_sample(planned):
     [row] = compare_runs([report], [0.5], 1.0, (config, plan, models), None, [trace(calibration, 0), trace(real, 1)],
                          seed=5)
     assert row["step_model"]["c"] == pytest.approx(calibration.c)        # predicted from the calibration run
+    assert row["step_cost_ratio"] == pytest.approx(2 / 3, rel=0.05)       # the real steps cost 2/3 of the model's
     assert row["classes"]["chat"]["error"]["ttft_p50"] > 0.2                # 50% slower steps: a late prediction
     own = row["own_steps"]["classes"]["chat"]
     assert row["own_steps"]["step_model"]["c"] == pytest.approx(real.c)
     for key in ("throughput", "ttft_p50", "ttft_p99"):
         assert own["error"][key] == pytest.approx(0, abs=1e-6)
+
+
+def test_an_out_folder_that_cannot_be_written_is_named(tmp_path, capsys):
+    from gateway.cli import main
+
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    assert main(["bench", "simulate", "--out", str(taken / "sub")]) == 2
+    assert "--out: cannot create" in capsys.readouterr().err
+
+
+def test_a_kept_run_is_compared_again_by_replay(planned, tmp_path, capsys):
+    """`--out` keeps what `--replay` needs: the same rows come back from the folder alone."""
+    import json
+
+    from bench.simulate import compare_runs, write_records
+    from gateway.cli import main
+
+    config, models, plan = planned
+    real = LinearStepTime(a=0.02, b=0.0004, c=0.003, d=0.0001)
+    requests = make_requests(load_workload("chat"), 0.5, duration=20.0, seed=6)
+    simulate(config, plan, models, requests, {"cpu": real}, seed=0)
+    records = _records_of(requests)
+    traces = [trace(real, 0), trace(real, 1)]
+    for name, steps in zip(("calibration-steps", "steps-0"), traces):
+        (tmp_path / f"{name}.jsonl").write_text("".join(
+            json.dumps({"t": 1000.0 + n, "cycle_seconds": seconds, "num_prefill_tokens": f.num_prefill_tokens,
+                        "num_decode_tokens": f.num_decode_tokens, "num_attended": f.num_attended}) + "\n"
+            for n, (f, seconds) in enumerate([traces[0][0]] * 2 + steps)))      # 2 warm-up steps are skipped
+    write_records(tmp_path / "requests-0.jsonl", records)
+    (tmp_path / "results.json").write_text(json.dumps({"calibration": {"served": {}}, "saturation_rps": 1.0,
+                                                       "rows": [{"rate": 0.5}]}))
+    assert main(["bench", "simulate", "--replay", str(tmp_path), "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)["rows"]
+    [expected] = compare_runs([types.SimpleNamespace(records=records)], [0.5], 1.0, (config, plan, models), None,
+                              traces, seed=0)
+    assert row["classes"] == json.loads(json.dumps(expected["classes"]))
+    assert row["classes"]["chat"]["error"]["ttft_p50"] == pytest.approx(0, abs=1e-6)
+    assert row["step_cost_ratio"] == pytest.approx(1.0) and row["machine_speed"] is None   # no probe kept
+
+
+def test_replay_of_a_folder_without_results_names_the_file(tmp_path, capsys):
+    from gateway.cli import main
+
+    assert main(["bench", "simulate", "--replay", str(tmp_path)]) == 2
+    assert f"--replay: {tmp_path / 'results.json'}" in capsys.readouterr().err
