@@ -4,6 +4,10 @@
 # here with the model folders the benchmarks read (config.json + tokenizer files):
 #   mkdir -p .gpu/llama-3-8b && cp bench/models/llama-3-8b/config.json .gpu/llama-3-8b/
 #   cp <converted builtin model>/{tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu/llama-3-8b/
+#   mkdir -p .gpu/smollm2 && cp <converted builtin model>/{config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu/smollm2/
+# (the converted builtin model is the folder under ~/.cache/cliffguard/models/ that `make serve` made). The
+# simulate step gives that SmolLM2 shape random weights there (transformers) and validates the simulator on
+# a machine whose speed holds still (issue 14; GPU_STEPS=simulate runs it alone: about 20 minutes).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are a short summary.
 set -u
 OUT=${OUT:-gpu-out}
@@ -21,5 +25,11 @@ for what in ${GPU_STEPS:-tests kernels engine}; do
     tests)   step gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton.py tests/engine/test_sampling.py ;;
     kernels) step bench_kernels $CLI bench kernels ;;
     engine)  step bench_engine $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 ;;
+    simulate) SIM=${SIM_DIR:-/tmp/cliffguard-sim}; mkdir -p "$SIM/smollm2" && cp .gpu/smollm2/* "$SIM/smollm2/" &&
+              $PY bench/random_weights.py "$SIM/smollm2" &&
+              printf '%s\n' 'devices:' '  gpu: {device: cuda, memory: 4GiB, dtype: bfloat16}' 'pools:' '  - name: chat' \
+                "    model: $SIM/smollm2" '    device: gpu' '    kv_cache_bytes: 128MiB' '    avg_len: 512' \
+                '    max_model_len: 2048' '    max_num_batched_tokens: 512' > "$SIM/pools.yaml" &&
+              TAILN=40 step bench_simulate $CLI bench simulate --config "$SIM/pools.yaml" --duration 120 --out "$OUT/simulate" ;;
   esac
 done

@@ -93,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="keep the served runs' step traces and the results (results.json) "
                    "in this folder, to study the step model offline")
     p.add_argument("--replay", default=None, help="compare again from a folder --out wrote (its traces and "
-                   "requests), without running anything")
+                   "requests, on the pool file it names unless --config), without running anything")
     p.add_argument("--json", action="store_true", help="print calibration, saturation and rows as JSON")
 
 
@@ -286,17 +286,27 @@ def read_records(path: Path) -> SimpleNamespace:
         raise ValueError(f"--replay: {path}: not a run's request records ({exc})") from None
 
 
-def replay(args: argparse.Namespace, config_path: Path, setup) -> dict[str, Any]:
+def kept_results(folder: Path) -> dict[str, Any]:
+    """The results.json `--out` wrote in `folder`; ValueError naming the file if it is missing or not one."""
+    path = folder / "results.json"
+    try:
+        kept = json.loads(path.read_text())
+        if not all(isinstance(row.get("rate"), (int, float)) for row in kept["rows"]):
+            raise ValueError("a row without a rate")
+        float(kept["saturation_rps"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"--replay: {path}: not the results of bench simulate --out ({exc})") from None
+    return kept
+
+
+def replay(args: argparse.Namespace, setup) -> dict[str, Any]:
     """`--replay DIR`: the comparison again from a folder `--out` wrote (results.json, the traces, the
     request records, the probe), without running anything: to try a step model or the simulator on
     a measured run in seconds."""
     from pools.simulate import read_step_trace
 
     folder = Path(args.replay)
-    try:
-        kept = json.loads((folder / "results.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--replay: {folder / 'results.json'}: {exc}") from None
+    kept = kept_results(folder)
     rates = [row["rate"] for row in kept["rows"]]
     paths = [folder / "calibration-steps.jsonl"] + [folder / f"steps-{i}.jsonl" for i in range(len(rates))]
     traces = [read_step_trace(path) for path in paths]
@@ -304,7 +314,8 @@ def replay(args: argparse.Namespace, config_path: Path, setup) -> dict[str, Any]
     rows = compare_runs(reports, rates, kept["saturation_rps"], setup, None, traces, args.seed)
     for row, speed in zip(rows, machine_speeds(folder / "speed-probe.txt", paths)[1:]):
         row["machine_speed"] = speed
-    return {"calibration": kept["calibration"], "saturation_rps": kept["saturation_rps"], "rows": rows}
+    return {"config": kept.get("config"), "calibration": kept["calibration"], "saturation_rps": kept["saturation_rps"],
+            "rows": rows}
 
 
 def trace_span(path: Path) -> tuple[float, float]:
@@ -355,40 +366,48 @@ def _speed(speed: dict[str, float] | None) -> str:
     return "no samples" if speed is None else f"{speed['median']:.3f} ({speed['min']:.3f}-{speed['max']:.3f})"
 
 
+def _bench(args: argparse.Namespace, config_path: Path, setup, classes, tmp: Path, trace_dir: Path) -> dict[str, Any]:
+    """Calibrate, run the rates for real under the speed probe, and compare: the result `--out` keeps."""
+    config, plan, model_configs = setup
+    probe_path = trace_dir / "speed-probe.txt"
+    probe_path.unlink(missing_ok=True)
+    with SpeedProbe(probe_path):
+        step_model, calibration, samples = _step_model(args, config_path, setup, classes, tmp, trace_dir)
+        peak = saturation(config, plan, model_configs, classes, step_model, args.seed)
+        rates = parse_rates(args.rates) if args.rates else [f * peak for f in parse_rates(args.loads, "--loads")]
+        traces = None if samples is None else [samples]
+        reports = _run_rates(args, config_path, classes, rates, peak, tmp, trace_dir, traces)
+    rows = compare_runs(reports, rates, peak, setup, step_model, traces, args.seed)
+    if traces is not None:
+        speeds = machine_speeds(probe_path, [trace_dir / "calibration-steps.jsonl"]
+                                + [trace_dir / f"steps-{i}.jsonl" for i in range(len(rates))])
+        calibration["served"]["machine_speed"] = speeds[0]
+        for row, speed in zip(rows, speeds[1:]):
+            row["machine_speed"] = speed
+    return {"calibration": calibration, "saturation_rps": peak, "rows": rows}
+
+
 def run(args: argparse.Namespace) -> int:
     for name in ("duration", "calibration_load", "calibration_duration"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
     classes = load_workload(args.workload)
     out = _out_dir(args.out) if args.out else None
+    pool_file = args.config
+    if args.replay and not pool_file:
+        pool_file = kept_results(Path(args.replay)).get("config")       # the pool file the kept runs had
     with tempfile.TemporaryDirectory() as tmp:
-        config_path = Path(args.config) if args.config else Path(tmp) / "pools.yaml"
-        if not args.config:
+        config_path = Path(pool_file) if pool_file else Path(tmp) / "pools.yaml"
+        if not pool_file:
             config_path.write_text(POOLS_YAML)
         config, model_configs, plan = _plan(config_path)
+        setup = (config, plan, model_configs)
         if args.replay:
-            result = replay(args, config_path, (config, plan, model_configs))
-            print(json.dumps(result, indent=2) if args.json else format_report(result["rows"]))
-            return 0
-        trace_dir = out or Path(tmp)
-        probe_path = trace_dir / "speed-probe.txt"
-        probe_path.unlink(missing_ok=True)
-        with SpeedProbe(probe_path):
-            step_model, calibration, samples = _step_model(args, config_path, (config, plan, model_configs),
-                                                           classes, Path(tmp), trace_dir)
-            peak = saturation(config, plan, model_configs, classes, step_model, args.seed)
-            rates = parse_rates(args.rates) if args.rates else [f * peak for f in parse_rates(args.loads, "--loads")]
-            traces = None if samples is None else [samples]
-            reports = _run_rates(args, config_path, classes, rates, peak, Path(tmp), trace_dir, traces)
-        rows = compare_runs(reports, rates, peak, (config, plan, model_configs), step_model, traces, args.seed)
-        if traces is not None:
-            speeds = machine_speeds(probe_path, [trace_dir / "calibration-steps.jsonl"]
-                                    + [trace_dir / f"steps-{i}.jsonl" for i in range(len(rates))])
-            calibration["served"]["machine_speed"] = speeds[0]
-            for row, speed in zip(rows, speeds[1:]):
-                row["machine_speed"] = speed
-    result = {"calibration": calibration, "saturation_rps": peak, "rows": rows}
-    if out:
-        (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2) if args.json else format_report(rows))
+            result = replay(args, setup)
+        else:
+            result = {"config": str(config_path.resolve()) if pool_file else None,
+                      **_bench(args, config_path, setup, classes, Path(tmp), out or Path(tmp))}
+            if out:
+                (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2) if args.json else format_report(result["rows"]))
     return 0
