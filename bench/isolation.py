@@ -14,7 +14,9 @@ every scenario (same seeds). Scenarios:
   the split layout without an SLO (each pool fills its own `max_num_batched_tokens`: plain chunked
   prefill, the behaviour before the step composer).
 
-Per scenario: chat TTFT and ITL p50/p99, chat's ratio to chat alone, preemptions in chat's pool,
+Per scenario: chat TTFT and ITL p50/p99 (TTFT over every chat request sent: one that never got its
+first token counts as the time it waited until the run ended, a lower bound, so a pool that leaves
+chat unanswered shows it as its tail instead of dropping it), chat's ratio to chat alone, preemptions in chat's pool,
 rag tokens/s (the rag pool's `cliffguard_computed_tokens_total` per second between the first and the
 last scrape: prefill and decode tokens the engine computed for rag; in the shared pool, less the
 tokens of chat requests) and its ratio to rag alone. `--out DIR` writes `isolation.json` and
@@ -36,6 +38,7 @@ from typing import Any
 from bench.live import LiveServer
 from bench.serve import (LengthDist, LoadConfig, LoadReport, WorkloadClass, latencies, load_tokenizer,
                          plan_requests, run_load)
+from pools.workload import latency_stats
 
 MODEL = "builtin:smollm2-135m-instruct"
 CHAT = WorkloadClass(name="chat", endpoint="chat", prompt_len=LengthDist("normal", mean=60, std=15, min=20, max=120),
@@ -135,10 +138,12 @@ def summarize(scenario: Scenario, chat: LoadReport | None, rag: LoadReport | Non
     result["max_scrape_s"] = (chat or rag).totals["scrape"]["max_s"]
     if chat is not None:
         s = chat.summary["chat"]
+        ttfts = chat_ttfts(chat.records, chat.totals["duration_s"])
+        ttft = latency_stats(ttfts)
         result.update(chat_completed=s["completed"], chat_count=s["count"],
-                      ttft_p50=s["ttft"]["p50"], ttft_p99=s["ttft"]["p99"],
-                      itl_p50=s["itl"]["p50"], itl_p99=s["itl"]["p99"],
-                      ttft_samples=latencies([r for r in chat.records if r.status == "ok"], "ttft"),
+                      chat_unanswered=sum(r.sent_s is not None and r.ttft is None for r in chat.records),
+                      ttft_p50=ttft["p50"], ttft_p99=ttft["p99"],
+                      itl_p50=s["itl"]["p50"], itl_p99=s["itl"]["p99"], ttft_samples=ttfts,
                       itl_samples=latencies([r for r in chat.records if r.status == "ok"], "itl"))
     if rag is not None:
         rag_pool = "shared" if scenario.layout == "shared" else "rag"
@@ -149,6 +154,13 @@ def summarize(scenario: Scenario, chat: LoadReport | None, rag: LoadReport | Non
         result["rag_tokens_per_s"] = computed / seconds if seconds > 0 else None
         result["rag_completed"] = rag.summary["rag"]["completed"]
     return result
+
+
+def chat_ttfts(records, run_seconds: float) -> list[float]:
+    """TTFT of every request sent: measured when its first token came (finished or not), else the
+    seconds from its send to the end of the run (`run_seconds` from the run's start, the drain
+    included): it waited at least that long."""
+    return [r.ttft if r.ttft is not None else run_seconds - r.sent_s for r in records if r.sent_s is not None]
 
 
 def _counter_rate(scrapes, pool: str, key: str) -> tuple[float, float]:

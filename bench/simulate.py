@@ -53,8 +53,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from bench.live import LiveServer
-from bench.speedprobe import SpeedProbe
 from bench.serve import LoadConfig, plan_requests, run_load
+from bench.speedprobe import SpeedProbe
 from pools.workload import latency_stats, load_workload, parse_rates
 
 GOALS = {"throughput": 0.10, "ttft_p50": 0.10, "ttft_p99": 0.20}

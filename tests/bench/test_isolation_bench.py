@@ -55,6 +55,19 @@ def test_ratios_table_and_verdict():
     assert "split" in table and "1.12x" in table and "0.30x" in table
 
 
+def test_a_chat_request_never_answered_counts_as_its_wait_not_as_nothing():
+    from bench.isolation import chat_ttfts
+    from bench.serve import RequestRecord
+
+    answered = RequestRecord(0, "chat", "chat", 1.0, 10, 8, sent_s=1.0, end_s=2.0, status="ok", error=None)
+    answered.chunk_s = [0.3, 0.4]
+    streaming = RequestRecord(1, "chat", "chat", 2.0, 10, 8, sent_s=2.0, status="unfinished", error="in flight")
+    streaming.chunk_s = [5.0]
+    waiting = RequestRecord(2, "chat", "chat", 3.0, 10, 8, sent_s=3.0, status="unfinished", error="in flight")
+    never_sent = RequestRecord(3, "chat", "chat", 29.0, 10, 8)
+    assert chat_ttfts([answered, streaming, waiting, never_sent], run_seconds=30.0) == [0.3, 5.0, 27.0]
+
+
 def test_quick_run_end_to_end(tmp_path, capsys):
     assert main(["bench", "isolation", "--quick", "--json", "--out", str(tmp_path)]) == 0
     printed = {r["scenario"]: r for r in json.loads(capsys.readouterr().out)}
