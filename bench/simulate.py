@@ -264,7 +264,7 @@ def _run_rates(args: argparse.Namespace, config_path: Path, classes, rates: list
         reports.append(asyncio.run(_measure(config_path, classes, rate, args.duration, args.seed, tmp / f"data-{i}",
                                             trace=trace)))
         if args.out:
-            write_records(Path(args.out) / f"requests-{i}.jsonl", reports[-1].records)
+            write_records(trace_dir / f"requests-{i}.jsonl", reports[-1].records)
         if trace is not None:
             traces.append(read_step_trace(trace))
     return reports
