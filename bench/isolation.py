@@ -20,8 +20,9 @@ chat unanswered shows it as its tail instead of dropping it), chat's ratio to ch
 preemptions in chat's pool, rag tokens/s (the rag pool's `cliffguard_computed_tokens_total` per
 second between the first and the last scrape: prefill and decode tokens the engine computed for
 rag; in the shared pool, less the tokens of chat requests) and its ratio to rag alone. `--out DIR`
-writes `isolation.json` and `isolation.png` (chat TTFT/ITL CDFs per scenario, and chat p99 vs rag tokens/s). `--quick` runs the
-four main scenarios with short loads (under 3 minutes on a 2-core CPU), for a test.
+writes `isolation.json` and `isolation.png` (chat TTFT/ITL CDFs per scenario, and chat p99 vs rag
+tokens/s). `--quick` runs the four main scenarios with short loads (under 3 minutes on a 2-core
+CPU), for a test.
 """
 
 from __future__ import annotations
