@@ -31,13 +31,14 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import socket
 import time
 import traceback
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 
 from engine.config import EngineConfig, dtype_name
+from engine.ipc import Channel
 from engine.outputs import RequestDelta
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler
@@ -58,33 +59,45 @@ def describe_exit(exitcode: int) -> str:
         return f"signal {-exitcode}"
 
 
-def _worker_main(config: EngineConfig, conn: Connection) -> None:
+def _worker_main(config: EngineConfig, sock: socket.socket) -> None:
     """Entry point of the device worker process: load, then loop (drain commands, step, send).
 
     Ctrl-C in a terminal reaches the whole process group; the worker ignores it and leaves when the
-    gateway says so (or its pipe closes), so a shutdown is never mistaken for a crash."""
+    gateway says so (or its socket closes), so a shutdown is never mistaken for a crash."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from engine.llm_engine import LLMEngine
 
+    channel = Channel(sock)
     try:
         engine = LLMEngine(config)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(("startup_error", f"{type(exc).__name__}: {exc}"))
+        channel.send(("startup_error", f"{type(exc).__name__}: {exc}"))
+        channel.drain(LAST_WORDS_SECONDS)
         return
-    conn.send(("ready", worker_info(engine)))
     try:
-        _serve(engine, conn)
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        channel.send(("ready", worker_info(engine)))
+        _serve(engine, channel)
+    except (BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         return  # the parent is gone
     except Exception:  # noqa: BLE001 - a failed step: tell the parent, which fails the in-flight requests
-        conn.send(("fatal", traceback.format_exc()))
+        try:
+            channel.send(("fatal", traceback.format_exc()))
+            channel.drain(LAST_WORDS_SECONDS)
+        except OSError:
+            pass
 
 
 STATS_INTERVAL = 0.25   # seconds between stats pushed with step outputs while busy
+MAX_OUTBOX_BYTES = 64 << 20   # outputs the gateway has not read yet: past this the worker stops stepping
+LAST_WORDS_SECONDS = 5.0      # how long a failing worker tries to deliver its reason
 
 
-def _serve(engine, conn: Connection) -> None:
+def _serve(engine, channel: Channel) -> None:
     """The loop: drain commands, step, send deltas (and stats now and then) until told to stop.
+
+    Nothing here blocks on the gateway: outputs go to the channel's outbox. While the outbox holds
+    over `MAX_OUTBOX_BYTES` (the gateway is not reading) the worker stops stepping, keeps reading
+    commands, and sleeps until the socket drains; so a stalled reader bounds the worker's memory.
 
     With `CLIFFGUARD_STEP_TRACE=<file>` in the environment, every step appends one JSON line to the
     file: its time, measured and predicted seconds, the composer's target, each pool's tokens, and
@@ -93,42 +106,52 @@ def _serve(engine, conn: Connection) -> None:
     """
     trace_path = os.environ.get("CLIFFGUARD_STEP_TRACE")
     trace = open(trace_path, "a", buffering=1) if trace_path else None   # noqa: SIM115 - lives with the loop
-    conn.send(("outputs", [], engine_stats(engine)))   # the gateway's metrics have numbers from the start
+    channel.send(("outputs", [], engine_stats(engine)))   # the gateway's metrics have numbers from the start
     last_stats = 0.0
     while True:
-        if not engine.has_unfinished_requests():
-            conn.poll(None)  # idle: sleep until a command arrives
+        can_step = engine.has_unfinished_requests() and channel.num_pending_bytes <= MAX_OUTBOX_BYTES
+        if not can_step:
+            channel.wait()   # idle, or the gateway is behind: sleep until a command comes or the socket drains
         turn_started = time.perf_counter()
-        handled = False
-        while conn.poll(0):
-            msg, handled = conn.recv(), True
-            if msg[0] == "add":
-                _, request_id, prompt, params, priority, pool = msg
-                try:
-                    engine.add_request(request_id, prompt, params, priority=priority, pool=pool)
-                except ValueError as exc:
-                    conn.send(("rejected", request_id, str(exc)))
-            elif msg[0] == "abort":
-                out = engine.abort(msg[1])
-                if out is not None:
-                    conn.send(("outputs", [RequestDelta.from_output(out)], None))
-            elif msg[0] == "stats":
-                conn.send(("stats", engine_stats(engine, check=True)))
-            elif msg[0] == "shutdown":
+        channel.flush()
+        messages = channel.receive()
+        for msg in messages:
+            if _handle(engine, channel, msg):
                 return
-        if engine.has_unfinished_requests():
+        if channel.eof:
+            return   # the gateway is gone
+        if engine.has_unfinished_requests() and channel.num_pending_bytes <= MAX_OUTBOX_BYTES:
             deltas = [RequestDelta.from_output(out) for out in engine.step()]
             now = time.monotonic()
             stats = None
             if now - last_stats >= STATS_INTERVAL or not engine.has_unfinished_requests():
                 stats, last_stats = engine_stats(engine), now
             if deltas or stats is not None:
-                conn.send(("outputs", deltas, stats))
+                channel.send(("outputs", deltas, stats))
             if trace is not None and engine.last_step.seconds > 0:
                 trace.write(json.dumps({"t": time.time(), "cycle_seconds": time.perf_counter() - turn_started,
                                         **dataclasses.asdict(engine.last_step)}) + "\n")
-        elif handled:   # commands left the engine idle (an abort, a refusal): its last state counts
-            conn.send(("outputs", [], engine_stats(engine)))
+        elif messages and not engine.has_unfinished_requests():
+            channel.send(("outputs", [], engine_stats(engine)))   # commands left it idle: its last state counts
+
+
+def _handle(engine, channel: Channel, msg: tuple) -> bool:
+    """Carry out one command; True for `shutdown`."""
+    if msg[0] == "add":
+        _, request_id, prompt, params, priority, pool = msg
+        try:
+            engine.add_request(request_id, prompt, params, priority=priority, pool=pool)
+        except ValueError as exc:
+            channel.send(("rejected", request_id, str(exc)))
+    elif msg[0] == "abort":
+        out = engine.abort(msg[1])
+        if out is not None:
+            channel.send(("outputs", [RequestDelta.from_output(out)], None))
+    elif msg[0] == "stats":
+        channel.send(("stats", engine_stats(engine, check=True)))
+    elif msg[0] == "shutdown":
+        return True
+    return False
 
 
 def worker_info(engine) -> WorkerInfo:
@@ -174,6 +197,10 @@ def _pool_stats(scheduler: Scheduler, block_bytes: int) -> PoolStats:
         num_computed_tokens=st.num_computed_tokens, num_generated_tokens=st.num_generated_tokens)
 
 
+SEND_HIGH_WATER = 8 << 20   # bytes of commands queued for the worker: new requests wait above this
+SEND_LOW_WATER = 1 << 20    # ... until the outbox is back under this
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue
@@ -204,7 +231,12 @@ class AsyncEngineClient:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._process: mp.process.BaseProcess | None = None
-        self._conn: Connection | None = None
+        self._channel: Channel | None = None
+        self._writing = False                         # a writer callback is registered (the outbox is not empty)
+        self._room = asyncio.Event()                  # set while the outbox is under SEND_HIGH_WATER
+        self._room.set()
+        self.last_heard = 0.0                         # time.monotonic() of the worker's last message
+        self._busy_since = 0.0                        # when requests went from none to some in flight
         self._sentinel: int | None = None
         self._ready: asyncio.Future | None = None
         self._dead: str | None = None
@@ -221,7 +253,7 @@ class AsyncEngineClient:
         if self._process is not None:
             raise RuntimeError("AsyncEngineClient.start() may be called once; a restart is a new client")
         ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe(duplex=True)
+        parent, child = socket.socketpair()
         process = ctx.Process(target=_worker_main, args=(self.config, child), daemon=True,
                               name="cliffguard-device-worker")
         try:
@@ -231,10 +263,12 @@ class AsyncEngineClient:
             raise
         finally:
             child.close()
-        self._process, self._conn, self._sentinel, self.pid = process, parent, process.sentinel, process.pid
+        self._channel = Channel(parent)
+        self._process, self._sentinel, self.pid = process, process.sentinel, process.pid
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
         self.died = self._loop.create_future()
+        self.last_heard = time.monotonic()
         self._loop.add_reader(parent.fileno(), self._on_readable)
         self._loop.add_reader(self._sentinel, self._on_sentinel)
         try:
@@ -258,10 +292,39 @@ class AsyncEngineClient:
 
     def _on_readable(self) -> None:
         try:
-            while self._conn.poll(0):
-                self._dispatch(self._conn.recv())
-        except (EOFError, OSError):
+            messages = self._channel.receive()
+        except OSError:
             self._on_exit()
+            return
+        if messages:
+            self.last_heard = time.monotonic()
+        for msg in messages:
+            self._dispatch(msg)
+            if self._reaper is not None:
+                return   # `fatal`: the rest is not read
+        if self._channel.eof:
+            self._on_exit()
+
+    def _on_writable(self) -> None:
+        """The socket takes more: write the outbox; stop watching once it is empty."""
+        try:
+            done = self._channel.flush()
+        except OSError:
+            self._on_exit()
+            return
+        if done:
+            self._loop.remove_writer(self._channel.fileno())
+            self._writing = False
+        if self._channel.num_pending_bytes <= SEND_LOW_WATER:
+            self._room.set()
+
+    def silent_seconds(self, now: float | None = None) -> float:
+        """How long the worker has had requests in flight (or a stats call pending) without saying
+        anything; 0 while it has no work or is loading. The supervisor's watchdog reads it."""
+        if not (self._streams or self._stats_waiters) or not self.is_alive or self.info is None:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        return now - max(self.last_heard, self._busy_since)
 
     def _on_sentinel(self) -> None:
         """The process has exited: read what it sent before (its pipe may even stay open, held by a
@@ -304,8 +367,10 @@ class AsyncEngineClient:
         (the pipe's EOF often arrives before the kernel has the process's status)."""
         if self._reaper is not None:
             return
-        self._loop.remove_reader(self._conn.fileno())
+        self._loop.remove_reader(self._channel.fileno())
+        self._loop.remove_writer(self._channel.fileno())
         self._loop.remove_reader(self._sentinel)
+        self._room.set()   # senders waiting for room wake up and find the worker gone
         if reason is not None:
             self._die(reason)
         self._reaper = self._loop.create_task(self._reap(grace))
@@ -321,7 +386,7 @@ class AsyncEngineClient:
         self.exitcode = process.exitcode
         self._die(self._exit_reason())   # a no-op after `fatal` or `shutdown`, which named the reason
         process.close()
-        self._conn.close()
+        self._channel.close()
         self.died.set_result(self._dead)
 
     def _exit_reason(self) -> str:
@@ -353,7 +418,12 @@ class AsyncEngineClient:
         request_id = request_id or f"req-{os.getpid()}-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
+        while not self._room.is_set():
+            await self._room.wait()   # the worker is behind on reading: wait for room, never block the loop
+            self._check_alive()
         stream = _Stream(asyncio.Queue())
+        if not self._streams:
+            self._busy_since = time.monotonic()
         self._streams[request_id] = stream
         try:
             self._send(("add", request_id, prompt if isinstance(prompt, str) else list(prompt),
@@ -380,18 +450,35 @@ class AsyncEngineClient:
             raise EngineDeadError(self._dead or self._exit_reason())
 
     def _send(self, msg: tuple) -> None:
-        """Send a command; a broken pipe means the worker is gone (noticed here before the EOF is read)."""
+        """""ueue a command (never blocks); a broken socket means the worker is gone (noticed here
+        before the EOF is read)."""
         try:
-            self._conn.send(msg)
+            self._channel.send(msg)
         except OSError:
             self._on_exit()
             raise EngineDeadError(self._dead or self._exit_reason()) from None
+        if self._channel.num_pending_bytes and not self._writing:
+            self._loop.add_writer(self._channel.fileno(), self._on_writable)
+            self._writing = True
+        if self._channel.num_pending_bytes > SEND_HIGH_WATER:
+            self._room.clear()
 
     def _send_abort(self, request_id: str) -> None:
+        """""ueue an abort whatever the outbox holds (it frees blocks); nothing if the worker is gone."""
+        if self._reaper is not None:
+            return
         try:
-            self._conn.send(("abort", request_id))
-        except (OSError, ValueError):
+            self._send(("abort", request_id))
+        except EngineDeadError:
             pass  # the worker is gone; nothing holds the blocks any more
+
+    def kill(self, reason: str) -> None:
+        """Kill the worker at once (SIGKILL: it also ends a stopped or hung process); what is in flight
+        fails with EngineDeadError(reason), and `died` resolves with it once the process is reaped."""
+        if self._process is None or self._reaper is not None:
+            return
+        self._process.kill()
+        self._on_exit(reason)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason 'abort'."""
@@ -402,6 +489,8 @@ class AsyncEngineClient:
         """Fresh per-pool counters (running, waiting, free blocks, preemptions), taken between two steps
         after the allocators' integrity check. `/metrics` reads `latest_stats` instead, which never waits."""
         self._check_alive()
+        if not (self._streams or self._stats_waiters):
+            self._busy_since = time.monotonic()
         self._send(("stats",))
         waiter = self._loop.create_future()
         self._stats_waiters.append(waiter)
@@ -418,8 +507,8 @@ class AsyncEngineClient:
             return
         if self._reaper is None:
             try:
-                self._conn.send(("shutdown",))
-            except (OSError, ValueError):
+                self._channel.send(("shutdown",))
+            except OSError:
                 pass
             self._on_exit("engine shut down", grace=timeout)
         await asyncio.shield(self._reaper)

@@ -147,7 +147,7 @@ def test_a_killed_worker_fails_its_streams_at_once_and_is_reaped(tiny_config):
         await client.start()
         stream = client.generate([5, 6, 7], long_params)
         await anext(stream)                      # in flight
-        fds_used = (client._conn.fileno(), client._sentinel)
+        fds_used = (client._channel.fileno(), client._sentinel)
         os.kill(client.pid, signal.SIGKILL)
         reason = "device worker process exited (signal 9, SIGKILL)"
         with pytest.raises(EngineDeadError) as failed:

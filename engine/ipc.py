@@ -1,0 +1,131 @@
+"""Messages between the gateway and a device worker: pickled frames over a socket, never a blocking send.
+
+`multiprocessing.Connection.send` blocks until the peer has read enough of what was sent. With both
+sides sending (commands one way, token deltas the other), each can block in `send` waiting for the
+other to read: a deadlock that no timeout ends. A `Channel` instead keeps an **outbox**: `send`
+appends a frame and writes what the socket takes now; the rest goes out as the socket drains
+(`flush`, called when the socket is writable). Neither side's loop ever waits on its peer to
+send; each side bounds what it queues (`num_pending_bytes`) and slows its own producers instead:
+the gateway's request coroutines await room, the worker stops stepping until its outputs are read.
+
+A frame is an 8-byte big-endian length and a pickle (protocol 5) of the message. Large messages
+(an add with a long prompt) go out in as many partial writes as the socket needs; the reader
+reassembles them. `receive` returns every whole message that has arrived, and `eof` turns True once
+the peer closed its end and everything it sent was read.
+
+One `Channel` is used from one thread. The socket is set non-blocking; `wait` (the worker's idle
+sleep) selects on it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import select
+import socket
+import struct
+import time
+from collections import deque
+from typing import Any
+
+__all__ = ["Channel", "MAX_FRAME_BYTES"]
+
+_HEADER = struct.Struct("!Q")
+MAX_FRAME_BYTES = 1 << 31      # a larger frame is a protocol error (a corrupt stream), not a message
+_RECV_BYTES = 1 << 20
+
+
+class Channel:
+    """One end of a socket pair carrying pickled messages, with a non-blocking outbox.
+
+    `send(msg)` never blocks; `flush()` writes more of the outbox (True once it is empty);
+    `receive()` returns the whole messages that arrived (possibly none); `eof` is True once the peer
+    is gone and its last message was returned. `close()` closes the socket (idempotent)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.eof = False
+        self.num_pending_bytes = 0                 # queued in the outbox, not yet taken by the socket
+        self._outbox: deque[memoryview] = deque()
+        self._inbox = bytearray()
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    # --- sending ---------------------------------------------------------------------------------
+    def send(self, msg: Any) -> None:
+        """Queue `msg` and write what the socket takes now. OSError (BrokenPipeError,
+        ConnectionResetError) if the peer is gone."""
+        payload = pickle.dumps(msg, protocol=5)
+        frame = memoryview(_HEADER.pack(len(payload)) + payload)
+        self._outbox.append(frame)
+        self.num_pending_bytes += len(frame)
+        self.flush()
+
+    def flush(self) -> bool:
+        """Write as much of the outbox as the socket takes now; True when nothing is left."""
+        while self._outbox:
+            head = self._outbox[0]
+            try:
+                written = self.sock.send(head)
+            except (BlockingIOError, InterruptedError):
+                return False
+            self.num_pending_bytes -= written
+            if written == len(head):
+                self._outbox.popleft()
+            else:
+                self._outbox[0] = head[written:]
+        return True
+
+    # --- receiving -------------------------------------------------------------------------------
+    def receive(self) -> list[Any]:
+        """Every whole message that has arrived, in order (an empty list when none has). Sets `eof`
+        once the peer closed its end; OSError other than would-block propagates."""
+        while not self.eof:
+            try:
+                chunk = self.sock.recv(_RECV_BYTES)
+            except (BlockingIOError, InterruptedError):
+                break
+            except ConnectionResetError:
+                chunk = b""
+            if not chunk:
+                self.eof = True
+                break
+            self._inbox += chunk
+        return self._parse()
+
+    def _parse(self) -> list[Any]:
+        messages, start, inbox = [], 0, self._inbox
+        while len(inbox) - start >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(inbox, start)
+            if size > MAX_FRAME_BYTES:
+                raise OSError(f"ipc: a frame of {size} bytes: the stream is corrupt")
+            end = start + _HEADER.size + size
+            if len(inbox) < end:
+                break
+            messages.append(pickle.loads(inbox[start + _HEADER.size:end]))
+            start = end
+        if start:
+            del inbox[:start]
+        return messages
+
+    # --- waiting (the worker) --------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> None:
+        """Sleep until a message may be read, or (while the outbox holds something) more may be
+        written, or `timeout` seconds pass."""
+        writers = [self.sock] if self._outbox else []
+        select.select([self.sock], writers, [], timeout)
+
+    def drain(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds until the outbox is written (a worker's last words before it
+        exits); True if it was."""
+        deadline = time.monotonic() + timeout
+        while not self.flush():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            select.select([], [self.sock], [], left)
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
