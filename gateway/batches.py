@@ -7,14 +7,23 @@ under the serve command's `--data-dir`; the runner holds none that a restart nee
 through the line executor, by default `gateway.handlers.answer` with `batch=True`: routed like any
 request and waiting for KV credits behind interactive traffic.
 
-Files and batches belong to the tenant of the API key that created them (`pools.tenants`), and a
-batch's lines run as that tenant, also after a restart. Every endpoint sees only the caller's
-tenant's: another tenant's id answers exactly as an unknown one (404, or 400 for an input file).
+Files and batches belong to the API key that created them (`Tenants.owner`: `key-<sha256>`, or
+`tenant:<name>` for the keys of a tenant with `share_files: true`, or `default` without a key), and a
+batch's lines run as the tenant of that key (its share and priorities), also after a restart. Every
+endpoint sees only the caller's owner's: another owner's id answers exactly as an unknown one (404, or
+400 for an input file). A file's content is sent a piece at a time, never read whole.
+
+A line answered 503 `engine_dead` / `pool_unavailable` or 502 (an upstream pool) is retried with
+back-off, at most MAX_LINE_ATTEMPTS times; a line in flight when its device worker died twice (two
+503 `engine_dead`) is a poison line. Either is recorded as the line's error, with its last answer. A
+store call that fails for storage (disk full, database locked) is retried MAX_STORE_ATTEMPTS times,
+then the batch fails (`errors` naming `storage_error`) rather than stay in_progress or finalizing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections import deque
@@ -26,10 +35,11 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from gateway.admission import bearer_key
 from gateway.handlers import read_json
 from gateway.openai_api import ApiError
 from gateway.runtime import GATEWAY, Gateway
-from pools.batchstore import BatchInputError, BatchLine, BatchStore
+from pools.batchstore import CHUNK_BYTES, STORAGE_ERRORS, BatchInputError, BatchLine, BatchStore
 from pools.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("cliffguard.batches")
@@ -40,7 +50,10 @@ STORE_FILE = "batches.sqlite3"      # under --data-dir
 MAX_FILE_BYTES = 200 << 20          # an upload, as OpenAI's limit for batch input files
 MAX_IN_FLIGHT = 16                  # lines of one batch in flight; KV credits, not this, protect the engine
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 10.0
-TRANSIENT_CODES = ("engine_dead",)   # 503 while a device worker restarts (pool_unavailable is permanent)
+TRANSIENT_CODES = ("engine_dead", "pool_unavailable")   # 503s worth another try; and any 502 (upstream)
+MAX_LINE_ATTEMPTS = 10              # tries of a line answered transiently (0.5 s ... 10 s apart: about a minute)
+MAX_ENGINE_DEATHS = 2               # 503 engine_dead answers after which a line is a poison line
+MAX_STORE_ATTEMPTS = 6              # tries of a store call failing for storage, before the batch fails
 PAGE_LINES = 256                    # pending lines read from the store at a time
 
 # (path, body, tenant) -> (HTTP status, JSON body), as an HTTP client of that path with the tenant's key would get them
@@ -54,6 +67,20 @@ async def answer_batch_line(gateway: Gateway, path: str, body: dict[str, Any],
     from gateway.handlers import answer
 
     return await answer(gateway, path, body, tenant=tenant, batch=True)
+
+
+class StorageFailed(Exception):
+    """A store call failed for storage MAX_STORE_ATTEMPTS times; the batch it served fails."""
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What is recorded for a line: its last answer, and `error` ({"code", "message"}) when the line is
+    recorded as an error rather than a result."""
+
+    status: int
+    body: dict[str, Any]
+    error: dict[str, str] | None = None
 
 
 @dataclass
@@ -77,47 +104,124 @@ class _Run:
             task.cancel()
 
 
+class _Gate:
+    """Batch lines run together (`shared`), except a line tried again after its device worker died
+    under it: that one runs with no other batch line in flight (`exclusive`; waiting ones go first), so
+    that a second death points at it and not at the lines beside it. Event loop only."""
+
+    def __init__(self) -> None:
+        self._num_shared = 0
+        self._num_waiting = 0
+        self._exclusive = False
+        self._changed = asyncio.Event()
+
+    async def _wait(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        """Hold the gate beside other lines, once no line waits for it alone."""
+        await self._wait(lambda: not self._exclusive and not self._num_waiting)
+        self._num_shared += 1
+        try:
+            yield
+        finally:
+            self._num_shared -= 1
+            self._notify()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Hold the gate alone, once the lines in flight have finished."""
+        self._num_waiting += 1
+        try:
+            await self._wait(lambda: not self._exclusive and not self._num_shared)
+        finally:
+            self._num_waiting -= 1
+            self._notify()
+        self._exclusive = True
+        try:
+            yield
+        finally:
+            self._exclusive = False
+            self._notify()
+
+
 class BatchRunner:
     """Runs the pending lines of every unfinished batch through the line executor, records each answer
     once, and finalizes the batch (output and error files).
 
     `start` resumes every batch a previous process left in_progress, finalizing or cancelling (lines
     that were in flight when it died are still pending and run again). Each line runs as the batch's
-    tenant, read from the store. A batch has at most `max_in_flight` lines in flight. A 503
-    `engine_dead` / `pool_unavailable` answer (the device worker died and is being restarted) is not a
-    result: the line is retried after a back-off (0.5 s doubling, at most 10 s) until any other answer
-    comes.
+    tenant, read from the store. A batch has at most `max_in_flight` lines in flight. A transient
+    answer (503 `engine_dead` / `pool_unavailable`, 502) is not a result: the line is tried again after
+    a back-off (`retry_first_s` doubling, at most `retry_max_s`), at most `max_line_attempts` times in
+    all; a line answered `engine_dead` is tried again alone (`_Gate`), and a second `engine_dead` makes
+    it a poison line. Both end as the line's error. A store call failing for storage is tried
+    `max_store_attempts` times with the same back-off, then the batch fails; so does a batch whose run
+    raises anything else: a batch never stays unfinished while this runner lives.
 
-    Event loop only. Every store call goes through `db`, to the runner's one thread: the loop never
-    waits on SQLite, and the store sees one caller at a time. `stop` leaves unfinished batches as they
-    are in the store, for the next start.
+    Event loop only. Every store call goes through the runner's one thread: the loop never waits on
+    SQLite, and the store sees one caller at a time. `stop` leaves unfinished batches as they are in
+    the store, for the next start.
     """
 
     def __init__(self, store: BatchStore, executor: LineExecutor, *, max_in_flight: int = MAX_IN_FLIGHT,
-                 retry_first_s: float = RETRY_FIRST_S, retry_max_s: float = RETRY_MAX_S) -> None:
+                 retry_first_s: float = RETRY_FIRST_S, retry_max_s: float = RETRY_MAX_S,
+                 max_line_attempts: int = MAX_LINE_ATTEMPTS, max_store_attempts: int = MAX_STORE_ATTEMPTS) -> None:
         self.store = store
         self.executor = executor
         self.max_in_flight = max_in_flight
         self.retry_first_s, self.retry_max_s = retry_first_s, retry_max_s
+        self.max_line_attempts, self.max_store_attempts = max_line_attempts, max_store_attempts
         self._thread = ThreadPoolExecutor(1, "cliffguard-batches")
         self._runs: dict[str, _Run] = {}
+        self._gate = _Gate()
+
+    async def _on_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """`fn(*args, **kwargs)` on the store thread; a `BatchInputError` becomes a 400 naming its field."""
+        """`fn(*args, **kwargs)` on the store thread, for a client's request: a `BatchInputError` becomes
+        a 400 naming its field, a storage error a 503 `storage_unavailable`."""
         try:
-            call = functools.partial(fn, *args, **kwargs)
-            return await asyncio.get_running_loop().run_in_executor(self._thread, call)
+            return await self._on_thread(fn, *args, **kwargs)
         except BatchInputError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
+        except STORAGE_ERRORS as exc:
+            log.error("batch store: %s", exc)
+            raise ApiError(503, f"the batch store cannot be used now ({exc}); try again later", type="server_error",
+                           code="storage_unavailable", headers={"Retry-After": "10"}) from None
+
+    async def durable(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the store thread, for the runner: tried again after a storage error
+        (each store call is one transaction, so a failed one changed nothing), StorageFailed after
+        `max_store_attempts`."""
+        delay, attempt = self.retry_first_s, 1
+        while True:
+            try:
+                return await self._on_thread(fn, *args, **kwargs)
+            except STORAGE_ERRORS as exc:
+                if attempt >= self.max_store_attempts:
+                    raise StorageFailed(f"the batch store failed {attempt} times in a row: {exc}") from exc
+                log.warning("batch store: %s (%s); trying again in %.1f s", exc, fn.__name__, delay)
+            await asyncio.sleep(delay)
+            delay, attempt = min(delay * 2, self.retry_max_s), attempt + 1
 
     async def start(self) -> None:
-        ids = await self.db(self.store.unfinished_batch_ids)
+        """Resume every unfinished batch in the store."""
+        ids = await self.durable(self.store.unfinished_batch_ids)
         if ids:
             log.info("resuming %d unfinished batches: %s", len(ids), ", ".join(ids))
         for batch_id in ids:
             self.run(batch_id)
 
     async def stop(self) -> None:
+        """Stop every run (their batches stay unfinished in the store) and close the store."""
         runs = list(self._runs.values())
         for run in runs:
             run.task.cancel()
@@ -132,21 +236,21 @@ class BatchRunner:
             run.task = asyncio.get_running_loop().create_task(self._run_batch(run), name=f"batch {batch_id}")
 
     async def create(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: Any = None, *, tenant: str) -> dict[str, Any]:
-        """Store a new batch of `tenant` (`BatchStore.create_batch`) and run it; shielded, so a client that
-        leaves meanwhile cannot leave a stored batch that nothing runs."""
+                     metadata: Any = None, *, owner: str, tenant: str) -> dict[str, Any]:
+        """Store a new batch of `owner`, run as `tenant` (`BatchStore.create_batch`), and run it;
+        shielded, so a client that leaves meanwhile cannot leave a stored batch that nothing runs."""
         async def create_and_run() -> dict[str, Any]:
             batch = await self.db(self.store.create_batch, input_file_id, endpoint, completion_window, metadata,
-                                  tenant=tenant)
+                                  owner=owner, tenant=tenant)
             self.run(batch["id"])
             return batch
         return await asyncio.shield(create_and_run())
 
-    async def cancel(self, batch_id: str, *, tenant: str) -> dict[str, Any] | None:
+    async def cancel(self, batch_id: str, *, owner: str) -> dict[str, Any] | None:
         """Mark the batch cancelling in the store and stop its run (shielded like `create`); the batch
-        object, or None (no such batch, or another tenant's: left alone)."""
+        object, or None (no such batch, or another owner's: left alone)."""
         async def cancel_and_stop() -> dict[str, Any] | None:
-            batch = await self.db(self.store.cancel, batch_id, tenant=tenant)
+            batch = await self.db(self.store.cancel, batch_id, owner=owner)
             if batch is not None and batch["status"] == "cancelling":
                 if batch_id in self._runs:
                     self._runs[batch_id].cancel()
@@ -157,19 +261,33 @@ class BatchRunner:
 
     # --- one batch -------------------------------------------------------------------------------
     async def _run_batch(self, run: _Run) -> None:
+        """Run the batch's lines, then finalize it a step at a time (the store thread serves clients
+        between steps); fail it on a storage error or any other exception."""
         try:
-            run.tenant = await self.db(self.store.batch_tenant, run.batch_id)
-            batch = await self.db(self.store.batch, run.batch_id, tenant=run.tenant)
-            if batch["status"] == "in_progress":
+            run.tenant = await self.durable(self.store.batch_tenant, run.batch_id)
+            if await self.durable(self.store.batch_status, run.batch_id) == "in_progress":
                 await self._run_lines(run)
             if not run.cancelling:
-                await self.db(self.store.begin_finalizing, run.batch_id)
-            batch = await self.db(self.store.finalize, run.batch_id)
-            log.info("batch %s %s: %s", run.batch_id, batch["status"], batch["request_counts"])
-        except Exception:  # noqa: BLE001 - the batch stays unfinished in the store; the next start resumes it
-            log.exception("batch %s stopped; it resumes when the server starts again", run.batch_id)
+                await self.durable(self.store.begin_finalizing, run.batch_id)
+            while (batch := await self.durable(self.store.finalize_step, run.batch_id)) is None:
+                pass
+            log.info("batch %s %s: %s%s", run.batch_id, batch["status"], batch["request_counts"],
+                     f" ({batch['errors']['data'][0]['message']})" if batch["errors"] else "")
+        except StorageFailed as exc:
+            await self._fail(run, "storage_error", str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug must not leave the batch unfinished for ever
+            log.exception("batch %s stopped", run.batch_id)
+            await self._fail(run, "internal_error", f"internal error: {type(exc).__name__}: {exc}")
         finally:
             self._runs.pop(run.batch_id, None)
+
+    async def _fail(self, run: _Run, code: str, message: str) -> None:
+        log.error("batch %s failed: %s: %s", run.batch_id, code, message)
+        try:
+            await self.durable(self.store.fail, run.batch_id, code, message)
+        except Exception:  # noqa: BLE001 - nothing more can be written now
+            log.exception("batch %s could not be marked failed; it stays unfinished in the store and resumes "
+                          "when the server starts again", run.batch_id)
 
     async def _run_lines(self, run: _Run) -> None:
         workers = [asyncio.create_task(self._worker(run)) for _ in range(self.max_in_flight)]
@@ -183,7 +301,7 @@ class BatchRunner:
     async def _next_line(self, run: _Run) -> BatchLine | None:
         async with run.lock:
             if not run.buffer and not run.exhausted:
-                page = await self.db(self.store.pending_lines, run.batch_id, run.after_line_no, PAGE_LINES)
+                page = await self.durable(self.store.pending_lines, run.batch_id, run.after_line_no, PAGE_LINES)
                 run.buffer.extend(page)
                 run.exhausted = len(page) < PAGE_LINES
                 if page:
@@ -191,7 +309,7 @@ class BatchRunner:
             return run.buffer.popleft() if run.buffer else None
 
     async def _worker(self, run: _Run) -> None:
-        """Take lines until none is left or the batch is cancelled; record each answer. A line aborted
+        """Take lines until none is left or the batch is cancelled; record each outcome. A line aborted
         by a cancel is not recorded."""
         while not run.cancelling and (line := await self._next_line(run)) is not None:
             task = asyncio.ensure_future(self._answer(line, run.tenant))
@@ -203,32 +321,60 @@ class BatchRunner:
                 task.cancel()   # no-op once done; aborts the line if this worker is being cancelled
             if task.cancelled() and run.cancelling:
                 break
-            status, body = (task.result() if not task.cancelled() else
-                            (500, ApiError(500, "internal error: the line's request was cancelled",
-                                           type="server_error").body()))
-            await self.db(self.store.record, run.batch_id, line.line_no, status, body)
+            outcome = (task.result() if not task.cancelled() else
+                       _Outcome(500, ApiError(500, "internal error: the line's request was cancelled",
+                                              type="server_error").body()))
+            await self.durable(self.store.record, run.batch_id, line.line_no, outcome.status, outcome.body,
+                               error=outcome.error)
 
-    async def _answer(self, line: BatchLine, tenant: str) -> tuple[int, dict[str, Any]]:
-        """The line's answer as `tenant` (a streaming line is the executor's 400); transient 503s are
-        retried, an executor bug is a 500 for this line only."""
-        delay = self.retry_first_s
-        while True:
+    async def _answer(self, line: BatchLine, tenant: str) -> _Outcome:
+        """The line's outcome as `tenant` (a streaming line is the executor's 400): transient answers
+        are tried again up to `max_line_attempts`, a second `engine_dead` makes a poison line."""
+        delay, deaths = self.retry_first_s, 0
+        for attempt in range(1, self.max_line_attempts + 1):
+            status, body = await self._attempt(line, tenant, alone=deaths > 0)
+            if not _is_transient(status, body):
+                return _Outcome(status, body)
+            message = _describe(status, body)
+            if _error(body).get("code") == "engine_dead":
+                deaths += 1
+                if deaths >= MAX_ENGINE_DEATHS:
+                    log.error("line %d (%s) of a batch is a poison line: %s", line.line_no, line.custom_id, message)
+                    return _Outcome(status, body, {"code": "poison_line", "message": (
+                        f"line {line.line_no}: the device worker died {deaths} times while answering it, the last "
+                        f"time with no other batch line in flight ({message}); not tried again")})
+            if attempt < self.max_line_attempts:
+                log.warning("line %d (%s): %s; trying again in %.1f s", line.line_no, line.custom_id, message, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.retry_max_s)
+        return _Outcome(status, body, {"code": "retries_exhausted", "message": (
+            f"line {line.line_no}: gave up after {self.max_line_attempts} attempts; the last answer was {message}")})
+
+    async def _attempt(self, line: BatchLine, tenant: str, *, alone: bool) -> tuple[int, dict[str, Any]]:
+        """One try of the line (`alone`: with no other batch line in flight); an executor bug is a 500
+        for this line only."""
+        async with self._gate.exclusive() if alone else self._gate.shared():
             try:
-                status, body = await self.executor(line.url, line.body, tenant)
+                return await self.executor(line.url, line.body, tenant)
             except Exception as exc:  # noqa: BLE001 - a bug answering one line must not stop the batch
                 log.exception("line %d (%s) of a batch failed", line.line_no, line.custom_id)
                 return 500, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").body()
-            if not _is_transient(status, body):
-                return status, body
-            log.warning("line %d (%s): %s; retrying in %.1f s", line.line_no, line.custom_id,
-                        body["error"].get("message"), delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.retry_max_s)
+
+
+def _error(body: Any) -> dict[str, Any]:
+    """The `error` object of an OpenAI error body ({} for anything else)."""
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else {}
+
+
+def _describe(status: int, body: Any) -> str:
+    """`503 engine_dead: <message>`, for logs and line errors."""
+    code, message = _error(body).get("code"), _error(body).get("message")
+    return f"{status}{' ' + code if code else ''}: {message if message else repr(body)}"
 
 
 def _is_transient(status: int, body: Any) -> bool:
-    error = body.get("error") if isinstance(body, dict) else None
-    return status == 503 and isinstance(error, dict) and error.get("code") in TRANSIENT_CODES
+    return status == 502 or (status == 503 and _error(body).get("code") in TRANSIENT_CODES)
 
 
 BATCHES = web.AppKey("batches", BatchRunner)
@@ -238,9 +384,12 @@ def setup(app: web.Application, data_dir: Path | str, executor: LineExecutor | N
     """Open the store under `data_dir` (before any socket opens: a bad folder fails `serve` at once),
     add the Batch API routes and the runner's `cleanup_ctx`. Call after `app[GATEWAY]` is set and the
     gateway's own cleanup_ctx is added: the runner starts after the gateway and stops before it.
-    `executor` defaults to `answer_batch_line` on the app's gateway; tests pass a fake."""
-    store = BatchStore(Path(data_dir) / STORE_FILE, default_tenant=DEFAULT_TENANT)
-    app[BATCHES] = BatchRunner(store, executor or functools.partial(answer_batch_line, app[GATEWAY]))
+    `executor` defaults to `answer_batch_line` on the app's gateway; tests pass a fake. An older store
+    is migrated with `Tenants.legacy_owner` under the gateway's configuration."""
+    gateway = app[GATEWAY]
+    legacy_owner = functools.partial(gateway.admission.tenants.legacy_owner, api_keys=gateway.config.gateway.api_keys)
+    store = BatchStore(Path(data_dir) / STORE_FILE, default_tenant=DEFAULT_TENANT, legacy_owner=legacy_owner)
+    app[BATCHES] = BatchRunner(store, executor or functools.partial(answer_batch_line, gateway))
     app.cleanup_ctx.append(_runner_ctx)
     app.router.add_post("/v1/files", upload_file)
     app.router.add_get("/v1/files/{file_id}", retrieve_file)
@@ -258,15 +407,21 @@ async def _runner_ctx(app: web.Application) -> AsyncIterator[None]:
     await runner.stop()
 
 
+def _owner(request: web.Request) -> str:
+    """The owner of the request's API key (`Tenants.owner`): it owns what the request creates and sees
+    nothing else."""
+    return request.app[GATEWAY].admission.tenants.owner(bearer_key(request))
+
+
 def _tenant(request: web.Request) -> str:
-    """The tenant of the request's API key: it owns what the request creates and sees nothing else."""
+    """The tenant of the request's API key: the batch it creates runs with that tenant's share."""
     return request.app[GATEWAY].admission.tenant_of(request)
 
 
 # --- files -----------------------------------------------------------------------------------------
 async def upload_file(request: web.Request) -> web.Response:
     """`POST /v1/files`: multipart/form-data with `file` (JSONL) and `purpose` ("batch"); the caller's
-    tenant owns the file."""
+    key owns the file."""
     runner = request.app[BATCHES]
     if request.content_type != "multipart/form-data":
         raise ApiError(400, "body: expected multipart/form-data with the fields 'file' and 'purpose', got "
@@ -289,7 +444,7 @@ async def upload_file(request: web.Request) -> web.Response:
             raise ApiError(400, f"{name}: missing from the upload", param=name)
     filename, content = fields["file"]
     return web.json_response(await runner.db(runner.store.add_file, content, filename, fields["purpose"],
-                                             tenant=_tenant(request)))
+                                             owner=_owner(request), tenant=_tenant(request)))
 
 
 async def _read_upload(part: Any) -> bytes:
@@ -305,18 +460,32 @@ async def _read_upload(part: Any) -> bytes:
 
 async def retrieve_file(request: web.Request) -> web.Response:
     runner, file_id = request.app[BATCHES], request.match_info["file_id"]
-    file = await runner.db(runner.store.file, file_id, tenant=_tenant(request))
+    file = await runner.db(runner.store.file, file_id, owner=_owner(request))
     return web.json_response(_found(file, "file_id", file_id))
 
 
-async def file_content(request: web.Request) -> web.Response:
-    runner, file_id = request.app[BATCHES], request.match_info["file_id"]
-    content = _found(await runner.db(runner.store.file_content, file_id, tenant=_tenant(request)), "file_id", file_id)
-    return web.Response(body=content, content_type="application/octet-stream")
+async def file_content(request: web.Request) -> web.StreamResponse:
+    """`GET /v1/files/{id}/content`: the file's bytes, read from the store and sent CHUNK_BYTES at a time (a
+    storage error half-way closes the connection: the client sees the body end short)."""
+    runner, file_id, owner = request.app[BATCHES], request.match_info["file_id"], _owner(request)
+    file = _found(await runner.db(runner.store.file, file_id, owner=owner), "file_id", file_id)
+    response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    response.content_length = file["bytes"]
+    await response.prepare(request)
+    try:
+        for offset in range(0, file["bytes"], CHUNK_BYTES):
+            await response.write(await runner.db(runner.store.file_content, file_id, owner=owner, offset=offset,
+                                                 size=CHUNK_BYTES))
+    except ApiError as exc:   # the store failed half-way: the body ends short of Content-Length, then the connection
+        log.error("file %s: sending its content stopped: %s", file_id, exc.message)
+        response.force_close()
+        return response
+    await response.write_eof()
+    return response
 
 
 def _found(value: T | None, param: str, key: str) -> T:
-    """`value`, or the 404 of an unknown id (also for another tenant's: it is not revealed)."""
+    """`value`, or the 404 of an unknown id (also for another owner's: it is not revealed)."""
     if value is None:
         noun = "file" if param == "file_id" else "batch"
         raise ApiError(404, f"{param}: no {noun} {key!r}", param=param)
@@ -328,8 +497,8 @@ _CREATE_FIELDS = {"input_file_id": True, "endpoint": True, "completion_window": 
 
 
 async def create_batch(request: web.Request) -> web.Response:
-    """`POST /v1/batches`: parse the input file (the caller's tenant's) into lines (bad lines become
-    per-line errors) and start it as the caller's tenant."""
+    """`POST /v1/batches`: parse the input file (the caller's owner's) into lines (bad lines become
+    per-line errors) and start it, owned by the caller's owner and run as the caller's tenant."""
     runner = request.app[BATCHES]
     body = await read_json(request)
     if not isinstance(body, dict):
@@ -341,17 +510,18 @@ async def create_batch(request: web.Request) -> web.Response:
         if required and not isinstance(body.get(name), str):
             raise ApiError(400, f"{name}: {'missing' if name not in body else 'must be a string'}", param=name)
     return web.json_response(await runner.create(body["input_file_id"], body["endpoint"], body["completion_window"],
-                                                 body.get("metadata"), tenant=_tenant(request)))
+                                                 body.get("metadata"), owner=_owner(request),
+                                                 tenant=_tenant(request)))
 
 
 async def retrieve_batch(request: web.Request) -> web.Response:
     runner, batch_id = request.app[BATCHES], request.match_info["batch_id"]
-    batch = await runner.db(runner.store.batch, batch_id, tenant=_tenant(request))
+    batch = await runner.db(runner.store.batch, batch_id, owner=_owner(request))
     return web.json_response(_found(batch, "batch_id", batch_id))
 
 
 async def list_batches(request: web.Request) -> web.Response:
-    """`GET /v1/batches?limit=&after=`: the caller's tenant's, newest first; `after` is the last id of
+    """`GET /v1/batches?limit=&after=`: the caller's owner's, newest first; `after` is the last id of
     the previous page."""
     runner = request.app[BATCHES]
     raw = request.query.get("limit", "20")
@@ -362,7 +532,7 @@ async def list_batches(request: web.Request) -> web.Response:
     if not 1 <= limit <= 100:
         raise ApiError(400, f"limit: must be an integer in 1..100, got {raw!r}", param="limit")
     data, has_more = await runner.db(runner.store.list_batches, limit, request.query.get("after"),
-                                     tenant=_tenant(request))
+                                     owner=_owner(request))
     return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                               "last_id": data[-1]["id"] if data else None, "has_more": has_more})
 
@@ -371,7 +541,7 @@ async def cancel_batch(request: web.Request) -> web.Response:
     """`POST /v1/batches/{id}/cancel`: in_progress -> cancelling -> cancelled (the output holds the lines
     answered before); cancelling or cancelled again is a no-op; a finished batch is a 409."""
     runner, batch_id = request.app[BATCHES], request.match_info["batch_id"]
-    batch = _found(await runner.cancel(batch_id, tenant=_tenant(request)), "batch_id", batch_id)
+    batch = _found(await runner.cancel(batch_id, owner=_owner(request)), "batch_id", batch_id)
     if batch["status"] not in ("cancelling", "cancelled"):
         raise ApiError(409, f"batch_id: batch {batch_id!r} is {batch['status']}; only a validating or "
                        "in_progress batch can be cancelled", param="batch_id")

@@ -1,10 +1,12 @@
-"""Tenants: who a request belongs to, and what share of a pool's queue and which priorities it may use.
+"""Tenants: who a request belongs to, what share of a pool's queue and which priorities it may use, and
+who owns the files and batches it creates.
 
 A tenant is named by its API key. The YAML's optional `tenants:` section lists them:
 
     tenants:
       search:  {api_keys: [sk-search-1], weight: 3}            # 3 turns for every 1 of a weight-1 tenant
       nightly: {api_keys: [sk-nightly], min_priority: 10}      # may never ask for better than priority 10
+      team:    {api_keys: [sk-t1, sk-t2], share_files: true}   # its keys see each other's files and batches
       default: {weight: 1}                                      # unlisted keys and requests with no key
 
 Without the section every API key is a tenant of its own (named `key-` + the first 8 hex digits of
@@ -15,29 +17,41 @@ listed here are accepted API keys too (the gateway then requires a key on /v1/..
 `weight` and `min_priority` become the credit ledger's `TenantPolicy` (`pools.credits`): within a
 tenant a smaller priority is served first, and a body's `priority` better than `min_priority` is
 clamped to it.
+
+Owners (`Tenants.owner`, the one rule): a file or batch of the Batch API belongs to the API key that
+created it, named `key-` + the full SHA-256 hex of the key (never the key itself); a request without a
+key is owner `default`. A tenant groups keys for fairness only: its keys share files and batches only
+when its YAML says `share_files: true` (default false), and then they belong to `tenant:<name>`. The
+three forms cannot collide. `Tenants.legacy_owner` maps what a tenant created before owners existed
+(batch store schema 2 and older) to one of these owners.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pools.credits import DEFAULT_TENANT, TenantPolicy
 from pools.yamlcheck import SpecError, check_mapping, is_int, show
 
-_TENANT_KEYS = ("api_keys", "weight", "min_priority")
+_TENANT_KEYS = ("api_keys", "weight", "min_priority", "share_files")
 _TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # metric labels
+_PER_KEY_TENANT = re.compile(r"^key-[0-9a-f]{8}$")             # `resolve` without a tenants: section
+DEFAULT_OWNER = DEFAULT_TENANT                                  # owner of requests without a key
 
 
 @dataclass(frozen=True)
 class TenantSpec:
+    """One entry of the YAML's `tenants:` section."""
+
     name: str
     api_keys: tuple[str, ...] = ()
     weight: int = 1
     min_priority: int = 0
+    share_files: bool = False        # its keys own files and batches together (`tenant:<name>`)
 
     @property
     def policy(self) -> TenantPolicy:
@@ -45,7 +59,7 @@ class TenantSpec:
 
 
 class Tenants:
-    """Resolves an API key to a tenant name and holds each tenant's policy."""
+    """Resolves an API key to a tenant name and to the owner of what it creates; holds each tenant's policy."""
 
     def __init__(self, specs: Mapping[str, TenantSpec] | None = None) -> None:
         self.specs = dict(specs or {})
@@ -68,6 +82,40 @@ class Tenants:
             if not self.specs:
                 return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:8]
         return DEFAULT_TENANT
+
+    def owner(self, api_key: str | None) -> str:
+        """Who owns the files and batches a request sent with `api_key` creates, and so which ones it
+        may see: `key-<sha256 hex of the key>`, `tenant:<name>` when the key's tenant has
+        `share_files: true`, or `default` for a request without a key."""
+        if not api_key:
+            return DEFAULT_OWNER
+        spec = self.specs.get(self.resolve(api_key))
+        if spec is not None and spec.share_files:
+            return f"tenant:{spec.name}"
+        return "key-" + hashlib.sha256(api_key.encode()).hexdigest()
+
+    def legacy_owner(self, tenant: str, api_keys: Iterable[str] = ()) -> str:
+        """The owner, under this configuration, of what `tenant` created when files belonged to tenants
+        (batch store schema 2 and older): whoever can still be told apart as its creator.
+
+        A tenant with `share_files: true` -> `tenant:<name>`; `default` -> `default` (requests without a
+        key); a listed tenant with one key -> that key's owner; a per-key tenant `key-<8 hex>` -> the
+        owner of the one key among `api_keys` and the listed keys whose SHA-256 starts so; anything
+        else (a tenant of several keys, a key no longer configured) -> `tenant:<name>`, which its keys
+        reach once the tenant is given `share_files: true`."""
+        spec = self.specs.get(tenant)
+        if spec is not None and spec.share_files:
+            return f"tenant:{tenant}"
+        if tenant == DEFAULT_TENANT:
+            return DEFAULT_OWNER
+        if spec is not None and len(spec.api_keys) == 1:
+            return self.owner(spec.api_keys[0])
+        if spec is None and _PER_KEY_TENANT.match(tenant):
+            keys = {key for key in (*api_keys, *self._by_key)
+                    if hashlib.sha256(key.encode()).hexdigest()[:8] == tenant[4:]}
+            if len(keys) == 1:
+                return self.owner(keys.pop())
+        return f"tenant:{tenant}"
 
 
 def parse_tenants(raw: Any) -> dict[str, TenantSpec]:
@@ -92,10 +140,14 @@ def parse_tenants(raw: Any) -> dict[str, TenantSpec]:
                                 f"{name!r}; each key belongs to one tenant")
             owner[api_key.strip()] = name
         weight, min_priority = value.get("weight", 1), value.get("min_priority", 0)
+        share_files = value.get("share_files", False)
         if not is_int(weight) or not 1 <= weight <= 1000:
             raise SpecError(f"{key}.weight: must be an integer from 1 to 1000, got {show(weight)}")
         if not is_int(min_priority):
             raise SpecError(f"{key}.min_priority: must be an integer (smaller is served first), "
                             f"got {show(min_priority)}")
-        specs[name] = TenantSpec(name, tuple(k.strip() for k in api_keys), weight, min_priority)
+        if not isinstance(share_files, bool):
+            raise SpecError(f"{key}.share_files: must be true or false (its keys see each other's files and "
+                            f"batches), got {show(share_files)}")
+        specs[name] = TenantSpec(name, tuple(k.strip() for k in api_keys), weight, min_priority, share_files)
     return specs

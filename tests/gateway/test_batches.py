@@ -1,5 +1,6 @@
-"""The Batch API: in-process with a fake line executor (bad lines, transient retries, cancel, paging,
-resume after a stop, the async `openai` SDK, tenants that see only their own files and batches), then
+"""The Batch API: in-process with a fake line executor (bad lines, transient retries and their cap, poison
+lines, oversized lines and outputs, storage errors, cancel, paging, resume after a stop, the async
+`openai` SDK, API keys that see only their own files and batches unless their tenant shares them), then
 the `openai` SDK against `cliffguard serve` over the tiny model, and a server killed with SIGKILL in the
 middle of a 100-line batch."""
 
@@ -17,10 +18,13 @@ import aiohttp
 import openai
 import pytest
 
+from gateway import batches
 from gateway.app import create_app
 from gateway.batches import BATCHES, STORE_FILE
 from gateway.cli import main
 from gateway.runtime import Gateway
+from pools import batchstore
+from pools.batchstore import MAX_BATCH_LINE_BYTES
 from pools.spec import load_config
 from tests.gateway.conftest import LiveServer, pools_yaml
 
@@ -49,13 +53,15 @@ def _error(status: int, message: str, code: str | None = None) -> tuple[int, dic
 
 class _FakeExecutor:
     """Answers like `gateway.handlers.answer`: a chat completion of the upper-cased prompt; the
-    prompt "bad" gets a 400; `transient[prompt]` first answers are 503 engine_dead; prompts in
-    `gated` wait for `gate` (and count their aborts). `tenants[prompt]`: the tenant it ran as."""
+    prompt "bad" gets a 400; `transient[prompt]` first answers are 503 engine_dead; `scripted[prompt]`
+    lists its first answers as (status, code); prompts in `gated` wait for `gate` (and count their
+    aborts). `tenants[prompt]`: the tenant it ran as."""
 
-    def __init__(self, transient: dict[str, int] | None = None, gated: set[str] = frozenset()) -> None:
+    def __init__(self, transient: dict[str, int] | None = None, gated: set[str] = frozenset(),
+                 scripted: dict[str, list[tuple[int, str | None]]] | None = None) -> None:
         self.calls: Counter[str] = Counter()
         self.tenants: dict[str, str] = {}
-        self.transient, self.gated = transient or {}, gated
+        self.transient, self.gated, self.scripted = transient or {}, gated, scripted or {}
         self.gate = asyncio.Event()
         self.aborted = 0
 
@@ -65,6 +71,9 @@ class _FakeExecutor:
         self.tenants[prompt] = tenant
         if self.calls[prompt] <= self.transient.get(prompt, 0):
             return _error(503, "device 'cpu' worker died; restarting", "engine_dead")
+        if self.calls[prompt] <= len(self.scripted.get(prompt, ())):
+            status, code = self.scripted[prompt][self.calls[prompt] - 1]
+            return _error(status, f"scripted {status} {code}", code)
         if prompt == "bad":
             return _error(400, "temperature: must be in [0, 2], got 9")
         if prompt in self.gated:
@@ -85,7 +94,7 @@ async def _client(aiohttp_client, tmp_path: Path, model: Path, executor, headers
     gateway = Gateway.from_config(load_config(path))
     gateway.engines = {}      # no device worker to spawn: the fake executor never reaches one
     app = create_app(gateway, data_dir=tmp_path, batch_executor=executor)
-    app[BATCHES].retry_first_s = 0.01
+    app[BATCHES].retry_first_s = app[BATCHES].retry_max_s = 0.01
     return await aiohttp_client(app, headers=headers)
 
 
@@ -124,8 +133,11 @@ async def _jsonl_file(client, file_id: str | None) -> list[dict]:
 
 
 # --- in-process, fake executor ---------------------------------------------------------------------
-async def test_bad_lines_go_to_the_error_file_and_transient_errors_are_retried(aiohttp_client, tmp_path, tiny_model):
-    fake = _FakeExecutor(transient={"b": 2})
+async def test_bad_lines_go_to_the_error_file_and_transient_errors_are_retried(aiohttp_client, tmp_path, tiny_model,
+                                                                               monkeypatch):
+    monkeypatch.setattr(batchstore, "CHUNK_BYTES", 7)                   # files kept and sent in pieces of 7 bytes
+    monkeypatch.setattr(batches, "CHUNK_BYTES", 7)
+    fake = _FakeExecutor(scripted={"b": [(503, "engine_dead"), (502, "upstream_unreachable")]})
     client = await _client(aiohttp_client, tmp_path, tiny_model, fake)
     content = _jsonl(_line("a"), b"{oops", _line("b"), _line("c", "bad"), _line("a"),
                      {**_line("d"), "url": "/v1/completions"}, _line("e"))
@@ -133,7 +145,7 @@ async def test_bad_lines_go_to_the_error_file_and_transient_errors_are_retried(a
     assert batch["object"] == "batch" and batch["endpoint"] == CHAT
     done = await _wait(client, batch["id"])
     assert done["status"] == "completed" and done["request_counts"] == {"total": 7, "completed": 3, "failed": 4}
-    assert fake.calls == {"a": 1, "b": 3, "bad": 1, "e": 1}          # b: two 503s retried, recorded once
+    assert fake.calls == {"a": 1, "b": 3, "bad": 1, "e": 1}          # b: a 503 and a 502 retried, recorded once
     output = await _jsonl_file(client, done["output_file_id"])
     assert [(o["custom_id"], o["response"]["body"]["choices"][0]["message"]["content"]) for o in output] == \
         [("a", "A"), ("b", "B"), ("e", "E")]
@@ -143,6 +155,8 @@ async def test_bad_lines_go_to_the_error_file_and_transient_errors_are_retried(a
         ["invalid_json_line", 400, "duplicate_custom_id", "invalid_url"]
     info = await (await client.get(f"/v1/files/{done['output_file_id']}")).json()
     assert info["object"] == "file" and info["purpose"] == "batch_output" and info["bytes"] > 0
+    r = await client.get(f"/v1/files/{done['output_file_id']}/content")
+    assert r.content_length == info["bytes"] == len(await r.read())
 
 
 async def test_cancel_aborts_lines_in_flight_and_keeps_what_finished(aiohttp_client, tmp_path, tiny_model):
@@ -252,37 +266,199 @@ async def _sdk_done(sdk: openai.AsyncOpenAI, batch_id: str):
     return batch
 
 
-async def test_a_tenant_sees_only_its_own_files_and_batches(aiohttp_client, tmp_path, tiny_model):
+KEYS = '["key-a", "key-b", "key-t1", "key-t2"]'
+SHARING = """
+tenants:
+  team: {api_keys: [key-t1, key-t2], share_files: true}
+  nightly: {api_keys: [key-n], weight: 2}
+"""
+
+
+async def test_an_api_key_sees_only_its_own_files_and_batches_unless_its_tenant_shares_them(aiohttp_client, tmp_path,
+                                                                                             tiny_model):
     fake = _FakeExecutor(gated={"a2"})
-    client = await _client(aiohttp_client, tmp_path, tiny_model, fake, tenants=TENANTS)
-    sdk_a, sdk_b = (openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0)
-                    for key in ("key-a", "key-b"))
+    client = await _client(aiohttp_client, tmp_path, tiny_model, fake, tenants=SHARING, api_keys=KEYS)
+    sdk_a, sdk_b, sdk_t1, sdk_t2 = (openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key,
+                                                       max_retries=0)
+                                    for key in ("key-a", "key-b", "key-t1", "key-t2"))
     file = await sdk_a.files.create(file=("in.jsonl", _jsonl(_line("a1"), _line("a2"))), purpose="batch")
     batch = await sdk_a.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
     no_file, no_batch = "file-" + "0" * 24, "batch_" + "0" * 24
-    await _assert_hidden(sdk_b.files.retrieve, file.id, no_file)
-    await _assert_hidden(sdk_b.files.content, file.id, no_file)
-    await _assert_hidden(sdk_b.batches.retrieve, batch.id, no_batch)
-    await _assert_hidden(sdk_b.batches.cancel, batch.id, no_batch)
-    await _assert_hidden(lambda i: sdk_b.batches.create(input_file_id=i, endpoint=CHAT, completion_window="24h"),
-                         file.id, no_file, openai.BadRequestError)
-    await _assert_hidden(lambda i: sdk_b.batches.list(after=i), batch.id, no_batch, openai.BadRequestError)
-    assert [b.id async for b in sdk_b.batches.list()] == []
+    for sdk in (sdk_b, sdk_t1):     # key-b: the same tenant (default), another key; key-t1: another tenant
+        await _assert_hidden(sdk.files.retrieve, file.id, no_file)
+        await _assert_hidden(sdk.files.content, file.id, no_file)
+        await _assert_hidden(sdk.batches.retrieve, batch.id, no_batch)
+        await _assert_hidden(sdk.batches.cancel, batch.id, no_batch)
+        await _assert_hidden(lambda i, sdk=sdk: sdk.batches.create(input_file_id=i, endpoint=CHAT,
+                                                                   completion_window="24h"),
+                             file.id, no_file, openai.BadRequestError)
+        await _assert_hidden(lambda i, sdk=sdk: sdk.batches.list(after=i), batch.id, no_batch, openai.BadRequestError)
+        assert [b.id async for b in sdk.batches.list()] == []
     assert (await sdk_a.batches.retrieve(batch.id)).status == "in_progress"   # B's cancel did not reach it
     fake.gate.set()
     done = await _sdk_done(sdk_a, batch.id)
     assert done.status == "completed" and done.request_counts.completed == 2
-    assert fake.tenants == {"a1": "a", "a2": "a"}                             # A's lines ran as A
+    assert fake.tenants == {"a1": "default", "a2": "default"}                 # A's lines ran as A's tenant
     await _assert_hidden(sdk_b.files.content, done.output_file_id, no_file)  # the output is A's too
     assert (await sdk_a.files.content(done.output_file_id)).text.count("custom_id") == 2
     own = await sdk_b.files.create(file=("in.jsonl", _jsonl(_line("b1"))), purpose="batch")
     theirs = await sdk_b.batches.create(input_file_id=own.id, endpoint=CHAT, completion_window="24h")
-    assert (await _sdk_done(sdk_b, theirs.id)).status == "completed" and fake.tenants["b1"] == "b"
+    assert (await _sdk_done(sdk_b, theirs.id)).status == "completed" and fake.tenants["b1"] == "default"
     assert [b.id async for b in sdk_a.batches.list()] == [batch.id]
     assert [b.id async for b in sdk_b.batches.list()] == [theirs.id]
     await _assert_hidden(sdk_a.batches.retrieve, theirs.id, no_batch)
-    for sdk in (sdk_a, sdk_b):
+    shared = await sdk_t1.files.create(file=("in.jsonl", _jsonl(_line("t1"))), purpose="batch")
+    assert (await sdk_t2.files.retrieve(shared.id)).bytes == shared.bytes    # share_files: true
+    team = await sdk_t2.batches.create(input_file_id=shared.id, endpoint=CHAT, completion_window="24h")
+    team_done = await _sdk_done(sdk_t1, team.id)
+    assert team_done.status == "completed" and fake.tenants["t1"] == "team"
+    assert (await sdk_t1.files.content(team_done.output_file_id)).text.count("custom_id") == 1
+    assert [b.id async for b in sdk_t1.batches.list()] == [b.id async for b in sdk_t2.batches.list()] == [team.id]
+    await _assert_hidden(sdk_a.files.retrieve, shared.id, no_file)
+    await _assert_hidden(sdk_a.batches.retrieve, team.id, no_batch)
+    for sdk in (sdk_a, sdk_b, sdk_t1, sdk_t2):
         await sdk.close()
+
+
+async def test_transient_answers_are_tried_a_bounded_number_of_times(aiohttp_client, tmp_path, tiny_model):
+    fake = _FakeExecutor(scripted={"down": [(503, "pool_unavailable")] * 99,
+                                   "gone": [(502, "upstream_unreachable")] * 99,
+                                   "flaky": [(502, None), (503, "pool_unavailable"), (503, "engine_dead")]})
+    client = await _client(aiohttp_client, tmp_path, tiny_model, fake)
+    client.app[BATCHES].max_line_attempts = 4
+    done = await _wait(client, (await _create(client, _jsonl(_line("down"), _line("gone"), _line("flaky"))))["id"])
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+    assert fake.calls == {"down": 4, "gone": 4, "flaky": 4}
+    errors = await _jsonl_file(client, done["error_file_id"])
+    assert [(e["custom_id"], e["error"]["code"], e["response"]["status_code"]) for e in errors] == \
+        [("down", "retries_exhausted", 503), ("gone", "retries_exhausted", 502)]
+    message = errors[0]["error"]["message"]
+    assert "gave up after 4 attempts; the last answer was 503 pool_unavailable: scripted" in message
+    assert errors[0]["error"]["line"] == 1 and errors[1]["response"]["body"]["error"]["code"] == "upstream_unreachable"
+
+
+class _DyingWorker:
+    """A device worker as the line executor: a line takes 50 ms, and the prompt "poison" kills the
+    worker 10 ms into each of its tries: every line in flight then (itself included) gets 503
+    engine_dead. `most_in_flight[prompt]`: the most lines in flight while it ran."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.deaths = 0
+        self.most_in_flight: dict[str, int] = {}
+        self._in_flight: set[asyncio.Future] = set()
+
+    async def __call__(self, path: str, body: dict, tenant: str) -> tuple[int, dict]:
+        prompt = body["messages"][0]["content"]
+        self.calls[prompt] += 1
+        died = asyncio.get_running_loop().create_future()
+        self._in_flight.add(died)
+        self.most_in_flight[prompt] = max(self.most_in_flight.get(prompt, 0), len(self._in_flight))
+        try:
+            if prompt == "poison":
+                await asyncio.sleep(0.01)
+                self.deaths += 1
+                for future in self._in_flight:
+                    future.done() or future.set_result(None)
+            else:
+                await asyncio.wait([died], timeout=0.05)
+            if died.done():
+                return _error(503, "device 'cpu' worker died: signal 9", "engine_dead")
+            return 200, {"object": "chat.completion", "choices": [{"message": {"content": prompt.upper()}}]}
+        finally:
+            self._in_flight.discard(died)
+
+
+async def test_a_line_that_kills_the_worker_twice_is_a_poison_line_and_the_lines_beside_it_live(aiohttp_client,
+                                                                                                tmp_path, tiny_model):
+    worker = _DyingWorker()
+    client = await _client(aiohttp_client, tmp_path, tiny_model, worker)
+    lines = [_line(f"r{i}") for i in range(8)] + [_line("poison")] + [_line(f"s{i}") for i in range(12)]
+    done = await _wait(client, (await _create(client, _jsonl(*lines)))["id"])
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 21, "completed": 20, "failed": 1}
+    assert worker.calls["poison"] == 2 and worker.deaths == 2
+    assert worker.most_in_flight["poison"] > 1 and max(c for p, c in worker.calls.items() if p != "poison") == 2
+    [error] = await _jsonl_file(client, done["error_file_id"])
+    assert error["custom_id"] == "poison" and error["error"]["code"] == "poison_line"
+    assert "died 2 times while answering it" in error["error"]["message"] and error["response"]["status_code"] == 503
+    assert len(await _jsonl_file(client, done["output_file_id"])) == 20
+    client.app[BATCHES].store.check_integrity()
+
+
+async def test_a_line_over_the_limit_is_an_error_of_that_line(aiohttp_client, tmp_path, tiny_model):
+    fake = _FakeExecutor()
+    client = await _client(aiohttp_client, tmp_path, tiny_model, fake)
+    big = _line("big", "x" * MAX_BATCH_LINE_BYTES)
+    batch = await _create(client, _jsonl(_line("a"), big, _line("b")))
+    assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 1}
+    done = await _wait(client, batch["id"])
+    assert done["request_counts"] == {"total": 3, "completed": 2, "failed": 1} and set(fake.calls) == {"a", "b"}
+    [error] = await _jsonl_file(client, done["error_file_id"])
+    assert error["error"]["code"] == "line_too_large" and error["error"]["message"].startswith("line 2: ")
+
+
+async def test_an_output_over_the_limit_fails_the_batch_with_a_reason(aiohttp_client, tmp_path, tiny_model,
+                                                                      monkeypatch):
+    monkeypatch.setattr(batchstore, "MAX_OUTPUT_FILE_BYTES", 1000)
+    client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor())
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
+    file = await sdk.files.create(file=("in.jsonl", _jsonl(*(_line(f"r{i}") for i in range(20)))), purpose="batch")
+    batch = await _sdk_done(sdk, (await sdk.batches.create(input_file_id=file.id, endpoint=CHAT,
+                                                           completion_window="24h")).id)
+    assert batch.status == "failed" and batch.failed_at and batch.output_file_id is None
+    assert batch.errors.data[0].code == "output_too_large" and "1000 bytes" in batch.errors.data[0].message
+    assert batch.request_counts.completed == 20                         # every line ran; the file could not be kept
+    client.app[BATCHES].store.check_integrity()
+    await sdk.close()
+
+
+def _failing(method, times: float, message: str = "database or disk is full"):
+    """`method`, raising the store's storage error on its first `times` calls."""
+    calls = Counter()
+
+    def call(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] <= times:
+            raise sqlite3.OperationalError(message)
+        return method(*args, **kwargs)
+    return call
+
+
+async def test_storage_errors_are_tried_again_then_fail_the_batch_and_the_runner_goes_on(aiohttp_client, tmp_path,
+                                                                                        tiny_model, monkeypatch,
+                                                                                        caplog):
+    client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor())
+    runner = client.app[BATCHES]
+    runner.max_store_attempts = 3
+    store = runner.store
+    record, finalize_step, fail = store.record, store.finalize_step, store.fail
+    monkeypatch.setattr(store, "record", _failing(record, 2))            # twice: tried again, no harm
+    assert (await _wait(client, (await _create(client, _jsonl(_line("a"))))["id"]))["status"] == "completed"
+    monkeypatch.setattr(store, "record", _failing(record, float("inf"), "database is locked"))
+    failed = await _wait(client, (await _create(client, _jsonl(_line("b"))))["id"])
+    assert failed["status"] == "failed" and failed["errors"]["data"][0]["code"] == "storage_error"
+    assert "failed 3 times in a row: database is locked" in failed["errors"]["data"][0]["message"]
+    monkeypatch.setattr(store, "record", record)
+    monkeypatch.setattr(store, "finalize_step", _failing(finalize_step, float("inf")))
+    failed = await _wait(client, (await _create(client, _jsonl(_line("c"))))["id"])
+    assert failed["status"] == "failed" and "database or disk is full" in failed["errors"]["data"][0]["message"]
+    monkeypatch.setattr(store, "fail", _failing(fail, float("inf")))   # not even the failure can be written
+    stuck = await _create(client, _jsonl(_line("d")))
+    await _wait(client, stuck["id"], lambda b: b["status"] == "finalizing" and stuck["id"] not in runner._runs)
+    assert f"batch {stuck['id']} could not be marked failed" in caplog.text
+    monkeypatch.setattr(store, "finalize_step", finalize_step)
+    assert (await _wait(client, (await _create(client, _jsonl(_line("e"))))["id"]))["status"] == "completed"
+    store.check_integrity()
+    output_id = (await _wait(client, (await _create(client, _jsonl(_line("f"))))["id"]))["output_file_id"]
+    monkeypatch.setattr(store, "file_content", _failing(store.file_content, float("inf")))
+    r = await client.get(f"/v1/files/{output_id}/content")             # headers sent, then the store fails
+    assert r.status == 200 and r.content_length > 0
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await r.read()
+    monkeypatch.setattr(store, "file", _failing(store.file, float("inf")))
+    r = await client.get("/v1/files/file-x")                             # a client's request: 503, not a 500
+    body = await r.json()
+    assert r.status == 503 and r.headers["Retry-After"] and body["error"]["code"] == "storage_unavailable"
 
 
 def test_serve_creates_its_data_dir_and_refuses_a_file_there(tmp_path, capsys, monkeypatch):

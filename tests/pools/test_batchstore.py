@@ -1,10 +1,13 @@
-"""pools.batchstore: parsing batch input, exactly-once results, output files, each tenant seeing only its
-own files and batches, migrating a version-1 store, and reopening after a process killed mid-transaction
-(SQLite in a temporary folder; no model, no event loop)."""
+"""pools.batchstore: parsing batch input, exactly-once results, output files written in pieces and steps,
+the output size limit, failed batches, storage errors that change nothing, each owner seeing only its
+own files and batches, migrating version-1 and version-2 stores, and reopening after a process killed
+mid-transaction (SQLite in a temporary folder; no model, no event loop)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import sqlite3
 import subprocess
@@ -14,11 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from pools.batchstore import BatchInputError, BatchStore, parse_batch_input
-from pools.tenants import DEFAULT_TENANT
+from pools import batchstore
+from pools.batchstore import (MAX_BATCH_LINE_BYTES, STORAGE_ERRORS, BatchInputError, BatchStore, parse_batch_input,
+                              result_file_ids)
+from pools.tenants import DEFAULT_TENANT, Tenants, parse_tenants
 
 CHAT = "/v1/chat/completions"
-OWNER = "a"                         # the tenant of the tests that use one
+OWNER, TENANT = "key-a", "a"        # the owner and tenant of the tests that use one
 
 
 def _line(custom_id: str, url: str = CHAT, **extra) -> dict:
@@ -34,13 +39,14 @@ def _make_store(path: Path) -> BatchStore:
     return BatchStore(path, default_tenant=DEFAULT_TENANT)
 
 
-def _make_batch(store: BatchStore, content: bytes, endpoint: str = CHAT, tenant: str = OWNER) -> dict:
-    file = store.add_file(content, "in.jsonl", "batch", tenant=tenant)
-    return store.create_batch(file["id"], endpoint, "24h", {"k": "v"}, tenant=tenant)
+def _make_batch(store: BatchStore, content: bytes, endpoint: str = CHAT, owner: str = OWNER,
+                tenant: str = TENANT) -> dict:
+    file = store.add_file(content, "in.jsonl", "batch", owner=owner, tenant=tenant)
+    return store.create_batch(file["id"], endpoint, "24h", {"k": "v"}, owner=owner, tenant=tenant)
 
 
-def _read_jsonl(store: BatchStore, file_id: str | None, tenant: str = OWNER) -> list[dict]:
-    return [] if file_id is None else [json.loads(x) for x in store.file_content(file_id, tenant=tenant).splitlines()]
+def _read_jsonl(store: BatchStore, file_id: str | None, owner: str = OWNER) -> list[dict]:
+    return [] if file_id is None else [json.loads(x) for x in store.file_content(file_id, owner=owner).splitlines()]
 
 
 def test_bad_lines_become_per_line_errors_naming_the_problem():
@@ -64,18 +70,18 @@ def test_bad_lines_become_per_line_errors_naming_the_problem():
 
 def test_create_refuses_bad_arguments_naming_the_field(tmp_path):
     store = _make_store(tmp_path / "b.sqlite3")
-    file = store.add_file(_jsonl(_line("a")), "in.jsonl", "batch", tenant=OWNER)
+    file = store.add_file(_jsonl(_line("a")), "in.jsonl", "batch", owner=OWNER, tenant=TENANT)
     cases = [((file["id"], "/v1/embeddings", "24h"), "endpoint"), ((file["id"], CHAT, "1h"), "completion_window"),
              (("file-none", CHAT, "24h"), "input_file_id"), ((file["id"], CHAT, "24h", {"k": 1}), "metadata.k")]
     for args, param in cases:
         with pytest.raises(BatchInputError) as info:
-            store.create_batch(*args, tenant=OWNER)
+            store.create_batch(*args, owner=OWNER, tenant=TENANT)
         assert info.value.param == param and str(info.value).startswith(param + ": ")
-    empty = store.add_file(b"\n  \n", "empty.jsonl", "batch", tenant=OWNER)
+    empty = store.add_file(b"\n  \n", "empty.jsonl", "batch", owner=OWNER, tenant=TENANT)
     with pytest.raises(BatchInputError, match="input_file_id: .* has no request lines"):
-        store.create_batch(empty["id"], CHAT, "24h", tenant=OWNER)
+        store.create_batch(empty["id"], CHAT, "24h", owner=OWNER, tenant=TENANT)
     with pytest.raises(BatchInputError, match="purpose: must be one of batch, got 'fine-tune'"):
-        store.add_file(b"x", "x", "fine-tune", tenant=OWNER)
+        store.add_file(b"x", "x", "fine-tune", owner=OWNER, tenant=TENANT)
 
 
 def test_a_result_is_recorded_once_and_the_files_assembled_at_finalize(tmp_path):
@@ -91,9 +97,9 @@ def test_a_result_is_recorded_once_and_the_files_assembled_at_finalize(tmp_path)
     assert not store.record(batch["id"], 99, 200, {})
     assert store.record(batch["id"], 3, 400, {"error": {"message": "temperature: bad", "code": None}})
     assert store.record(batch["id"], 4, 200, {"choices": ["c"]})
-    assert store.batch(batch["id"], tenant=OWNER)["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
+    assert store.batch(batch["id"], owner=OWNER)["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
     store.begin_finalizing(batch["id"])
-    assert store.batch(batch["id"], tenant=OWNER)["status"] == "finalizing"
+    assert store.batch(batch["id"], owner=OWNER)["status"] == "finalizing"
     done = store.finalize(batch["id"])
     assert done["status"] == "completed" and done["completed_at"] >= done["created_at"]
     output, errors = _read_jsonl(store, done["output_file_id"]), _read_jsonl(store, done["error_file_id"])
@@ -103,52 +109,58 @@ def test_a_result_is_recorded_once_and_the_files_assembled_at_finalize(tmp_path)
     assert [(e["custom_id"], e["response"] and e["response"]["status_code"]) for e in errors] == [(None, None),
                                                                                               ("b", 400)]
     assert errors[0]["error"]["code"] == "invalid_json_line" and errors[1]["error"] is None
-    assert store.file(done["output_file_id"], tenant=OWNER)["purpose"] == "batch_output"   # the batch's tenant's
+    assert store.file(done["output_file_id"], owner=OWNER)["purpose"] == "batch_output"   # the batch's owner's
+    assert (done["output_file_id"], done["error_file_id"]) == result_file_ids(batch["id"])
     assert store.finalize(batch["id"]) == done                             # finalizing again: unchanged
+    store.check_integrity()
 
 
 def test_cancel_keeps_what_finished_and_list_pages_newest_first(tmp_path):
     store = _make_store(tmp_path / "b.sqlite3")
     ids = [_make_batch(store, _jsonl(_line("a"), _line("b")))["id"] for _ in range(5)]
     store.record(ids[0], 1, 200, {"ok": 1})
-    assert store.cancel(ids[0], tenant=OWNER)["status"] == "cancelling"
+    assert store.cancel(ids[0], owner=OWNER)["status"] == "cancelling"
     cancelled = store.finalize(ids[0])
     assert cancelled["status"] == "cancelled" and cancelled["cancelled_at"] and cancelled["error_file_id"] is None
     assert [o["custom_id"] for o in _read_jsonl(store, cancelled["output_file_id"])] == ["a"]
-    assert store.cancel(ids[0], tenant=OWNER)["status"] == "cancelled"   # not cancellable any more: unchanged
-    page, more = store.list_batches(limit=2, tenant=OWNER)
+    assert store.cancel(ids[0], owner=OWNER)["status"] == "cancelled"   # not cancellable any more: unchanged
+    page, more = store.list_batches(limit=2, owner=OWNER)
     assert [b["id"] for b in page] == ids[:2:-1][:2] and more
-    page, more = store.list_batches(limit=2, after=page[-1]["id"], tenant=OWNER)
+    page, more = store.list_batches(limit=2, after=page[-1]["id"], owner=OWNER)
     assert [b["id"] for b in page] == [ids[2], ids[1]] and more
-    page, more = store.list_batches(limit=2, after=page[-1]["id"], tenant=OWNER)
+    page, more = store.list_batches(limit=2, after=page[-1]["id"], owner=OWNER)
     assert [b["id"] for b in page] == [ids[0]] and not more
     with pytest.raises(BatchInputError, match="after: no batch 'batch_x'"):
-        store.list_batches(after="batch_x", tenant=OWNER)
+        store.list_batches(after="batch_x", owner=OWNER)
     assert store.unfinished_batch_ids() == ids[1:]
+    store.check_integrity()
 
 
-def test_a_tenant_sees_only_its_own_files_and_batches(tmp_path):
+def test_an_owner_sees_only_its_own_files_and_batches_whatever_their_tenant(tmp_path):
     store = _make_store(tmp_path / "b.sqlite3")
     batch = _make_batch(store, _jsonl(_line("a"), _line("b")))
     file_id = batch["input_file_id"]
-    assert store.batch_tenant(batch["id"]) == OWNER and store.batch_tenant("batch_x") is None
-    for tenant in ("b", DEFAULT_TENANT):                                 # another tenant: as if there were none
-        assert store.file(file_id, tenant=tenant) is None and store.file_content(file_id, tenant=tenant) is None
-        assert store.batch(batch["id"], tenant=tenant) is None and store.cancel(batch["id"], tenant=tenant) is None
-        assert store.list_batches(tenant=tenant) == ([], False)
+    assert store.batch_tenant(batch["id"]) == TENANT and store.batch_tenant("batch_x") is None
+    assert store.batch_status(batch["id"]) == "in_progress" and store.batch_status("batch_x") is None
+    for owner in ("key-b", TENANT, DEFAULT_TENANT):         # another key of the same tenant too: as if there were none
+        assert store.file(file_id, owner=owner) is None and store.file_content(file_id, owner=owner) is None
+        assert store.batch(batch["id"], owner=owner) is None and store.cancel(batch["id"], owner=owner) is None
+        assert store.list_batches(owner=owner) == ([], False)
         with pytest.raises(BatchInputError, match=f"after: no batch '{batch['id']}'"):
-            store.list_batches(after=batch["id"], tenant=tenant)
+            store.list_batches(after=batch["id"], owner=owner)
         with pytest.raises(BatchInputError, match=f"input_file_id: no file '{file_id}'"):
-            store.create_batch(file_id, CHAT, "24h", tenant=tenant)
-    assert store.batch(batch["id"], tenant=OWNER)["status"] == "in_progress"   # the other cancels changed nothing
-    own = _make_batch(store, _jsonl(_line("x")), tenant="b")
-    assert [b["id"] for b in store.list_batches(tenant="b")[0]] == [own["id"]]
-    assert [b["id"] for b in store.list_batches(tenant=OWNER)[0]] == [batch["id"]]
+            store.create_batch(file_id, CHAT, "24h", owner=owner, tenant=TENANT)
+    assert store.batch(batch["id"], owner=OWNER)["status"] == "in_progress"   # the other cancels changed nothing
+    own = _make_batch(store, _jsonl(_line("x")), owner="key-b")              # same tenant, another key
+    assert store.batch_tenant(own["id"]) == TENANT
+    assert [b["id"] for b in store.list_batches(owner="key-b")[0]] == [own["id"]]
+    assert [b["id"] for b in store.list_batches(owner=OWNER)[0]] == [batch["id"]]
     for line_no in (1, 2):
         store.record(batch["id"], line_no, 200, {"n": line_no})
-    done = store.finalize(batch["id"])                                   # the output is the batch's tenant's
-    assert store.file(done["output_file_id"], tenant="b") is None
+    done = store.finalize(batch["id"])                                   # the output is the batch's owner's
+    assert store.file(done["output_file_id"], owner="key-b") is None
     assert [o["custom_id"] for o in _read_jsonl(store, done["output_file_id"])] == ["a", "b"]
+    store.check_integrity()
 
 
 _CRASHING_CHILD = """
@@ -187,6 +199,7 @@ def test_reopen_after_a_kill_keeps_committed_results_and_resumes_the_rest(tmp_pa
     output = _read_jsonl(store, store.finalize(batch_id)["output_file_id"])
     assert [o["custom_id"] for o in output] == [f"r{i}" for i in range(6)]
     assert [o["response"]["body"]["n"] for o in output] == [1, 2, 3, 4, 5, 6]
+    store.check_integrity()
 
 
 _VERSION_1_SCHEMA = """
@@ -231,25 +244,252 @@ def test_a_version_1_store_is_migrated_and_its_rows_belong_to_the_default_tenant
     _make_version_1_store(path)
     store = _make_store(path)
     with contextlib.closing(sqlite3.connect(path)) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
-        assert {row[1] for row in db.execute("PRAGMA table_info(files)")} >= {"id", "content", "tenant"}
-    assert store.file("file-old", tenant=DEFAULT_TENANT)["bytes"] == len(_jsonl(_line("old1"), _line("old2")))
-    assert store.file("file-old", tenant=OWNER) is None
-    batch = store.batch("batch_old", tenant=DEFAULT_TENANT)
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert {row[1] for row in db.execute("PRAGMA table_info(files)")} >= {"id", "content", "tenant", "owner"}
+    assert store.file("file-old", owner=DEFAULT_TENANT)["bytes"] == len(_jsonl(_line("old1"), _line("old2")))
+    assert store.file("file-old", owner=OWNER) is None
+    batch = store.batch("batch_old", owner=DEFAULT_TENANT)
     assert batch["status"] == "in_progress" and batch["request_counts"] == {"total": 2, "completed": 1, "failed": 0}
     assert store.batch_tenant("batch_old") == DEFAULT_TENANT and store.unfinished_batch_ids() == ["batch_old"]
-    assert [b["id"] for b in store.list_batches(tenant=DEFAULT_TENANT)[0]] == ["batch_old"]
+    assert [b["id"] for b in store.list_batches(owner=DEFAULT_TENANT)[0]] == ["batch_old"]
     assert [ln.custom_id for ln in store.pending_lines("batch_old")] == ["old2"]
-    new = _make_batch(store, _jsonl(_line("n")))                         # new rows carry their own tenant
-    assert store.list_batches(tenant=OWNER)[0][0]["id"] == new["id"]
+    new = _make_batch(store, _jsonl(_line("n")))                         # new rows carry their own owner
+    assert store.list_batches(owner=OWNER)[0][0]["id"] == new["id"]
     store.close()
     store = _make_store(path)                                            # opening again changes nothing
-    assert store.batch_tenant("batch_old") == DEFAULT_TENANT and store.batch_tenant(new["id"]) == OWNER
+    assert store.batch_tenant("batch_old") == DEFAULT_TENANT and store.batch_tenant(new["id"]) == TENANT
     assert store.record("batch_old", 2, 200, {"n": 2})
-    output = _read_jsonl(store, store.finalize("batch_old")["output_file_id"], tenant=DEFAULT_TENANT)
+    output = _read_jsonl(store, store.finalize("batch_old")["output_file_id"], owner=DEFAULT_TENANT)
     assert [o["custom_id"] for o in output] == ["old1", "old2"]
+    store.check_integrity()
     store.close()
     with contextlib.closing(sqlite3.connect(path)) as db:
-        db.execute("PRAGMA user_version=3")                              # a newer store than this code reads
-    with pytest.raises(RuntimeError, match="schema version 3, this code reads 2"):
+        db.execute("PRAGMA user_version=4")                              # a newer store than this code reads
+    with pytest.raises(RuntimeError, match="schema version 4, this code reads 3"):
         _make_store(path)
+
+
+_VERSION_2_SCHEMA = (_VERSION_1_SCHEMA   # version 2 added an owning `tenant` to files and batches
+                     .replace("content BLOB NOT NULL);", "content BLOB NOT NULL, tenant TEXT NOT NULL);")
+                     .replace("metadata TEXT);", "metadata TEXT, tenant TEXT NOT NULL);")
+                     .replace("PRAGMA user_version=1;", "CREATE INDEX batches_by_tenant ON batches (tenant, seq);\n"
+                                                        "PRAGMA user_version=2;"))
+_V2_TENANTS = ("a", "team", DEFAULT_TENANT, "key-" + hashlib.sha256(b"sk-x").hexdigest()[:8], "gone",
+               "key-00000000")   # tenants that owned rows of a version-2 store
+
+
+def _make_version_2_store(path: Path) -> dict[str, bytes]:
+    """A store as the code with tenant owners wrote it: per tenant of _V2_TENANTS, an input file and a
+    completed batch of one line with its output file in `files.content`. {tenant: input content}."""
+    contents = {}
+    body = json.dumps(_line("x")["body"])
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.executescript(_VERSION_2_SCHEMA)
+        for i, tenant in enumerate(_V2_TENANTS):
+            content = contents[tenant] = _jsonl(*(_line(f"{tenant}-{n}") for n in range(50)))
+            db.executemany("INSERT INTO files VALUES (?, 'batch', 'in.jsonl', ?, 1700000000, ?, ?)",
+                           [(f"file-in{i}", len(content), content, tenant),
+                            (f"file-out{i}", 3, b"ok\n", tenant)])
+            db.execute("INSERT INTO batches (id, input_file_id, endpoint, completion_window, status, created_at, "
+                       "completed_at, output_file_id, tenant) VALUES (?, ?, ?, '24h', 'completed', 1700000000, "
+                       "1700000001, ?, ?)", (f"batch_{i}", f"file-in{i}", CHAT, f"file-out{i}", tenant))
+            db.execute("INSERT INTO lines VALUES (?, 1, 'c', 'POST', ?, ?, 'done', 200, '{}', NULL)",
+                       (f"batch_{i}", CHAT, body))
+        db.commit()
+    return contents
+
+
+def test_a_version_2_store_is_migrated_keeping_each_row_reachable_where_the_config_tells_by_whom(tmp_path):
+    path = tmp_path / "b.sqlite3"
+    contents = _make_version_2_store(path)
+    tenants = Tenants(parse_tenants({"a": {"api_keys": ["sk-a"]}, "team": {"api_keys": ["sk-t1", "sk-t2"],
+                                                                          "share_files": True}}))
+    legacy = functools.partial(tenants.legacy_owner, api_keys=["sk-a", "sk-t1", "sk-t2", "sk-x"])
+    store = BatchStore(path, default_tenant=DEFAULT_TENANT, legacy_owner=legacy)
+    expected = {"a": tenants.owner("sk-a"), "team": "tenant:team", "default": DEFAULT_TENANT,
+                "gone": "tenant:gone", "key-00000000": "tenant:key-00000000"}
+    expected["key-" + hashlib.sha256(b"sk-x").hexdigest()[:8]] = tenants.owner("sk-x")
+    assert expected["team"] == tenants.owner("sk-t2") and expected["a"].startswith("key-")
+    for i, tenant in enumerate(_V2_TENANTS):
+        owner = expected[tenant]
+        assert store.file(f"file-in{i}", owner=owner)["bytes"] == len(contents[tenant])
+        assert store.file_content(f"file-in{i}", owner=owner) == contents[tenant]
+        assert store.file_content(f"file-in{i}", owner=owner, offset=5, size=40) == contents[tenant][5:45]
+        assert store.file_content(f"file-out{i}", owner=owner) == b"ok\n"
+        assert store.batch(f"batch_{i}", owner=owner)["output_file_id"] == f"file-out{i}"
+        assert [b["id"] for b in store.list_batches(owner=owner)[0]] == [f"batch_{i}"]
+        assert store.batch_tenant(f"batch_{i}") == tenant                # the tenant still runs it
+        assert store.file(f"file-in{i}", owner=tenant if tenant != "default" else "key-x") is None
+    store.close()
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert db.execute("SELECT count(*) FROM files WHERE owner IS NOT NULL").fetchone()[0] == 0   # not rewritten
+        legacy_rows = dict(db.execute("SELECT tenant, owner FROM legacy_owners"))
+    assert legacy_rows == expected
+    store = BatchStore(path, default_tenant=DEFAULT_TENANT)              # the mapping was written once
+    assert store.file("file-in0", owner=expected["a"]) is not None and store.batch("batch_1", owner="tenant:team")
+    batch = _make_batch(store, contents["a"], owner=expected["a"], tenant="a")   # an old input file still serves
+    assert batch["request_counts"]["total"] == 50
+    store.check_integrity()
+
+
+def test_oversized_lines_and_answers_are_errors_of_their_line(tmp_path, monkeypatch):
+    big = {**_line("big"), "body": {"messages": [{"role": "user", "content": "x" * MAX_BATCH_LINE_BYTES}]}}
+    lines = parse_batch_input(_jsonl(_line("a"), big, _line("b")), CHAT)
+    assert [ln.error and ln.error["code"] for ln in lines] == [None, "line_too_large", None]
+    assert lines[1].error["message"].startswith("line 2: ") and lines[1].error["line"] == 2
+    store = _make_store(tmp_path / "b.sqlite3")
+    batch = _make_batch(store, _jsonl(_line("a"), big, _line("b")))
+    assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 1}
+    monkeypatch.setattr(batchstore, "MAX_OUTPUT_FILE_BYTES", 1000)
+    assert store.record(batch["id"], 1, 200, {"text": "y" * 2000})       # not kept: the line's error says why
+    assert store.record(batch["id"], 3, 503, {"error": {"message": "down"}},
+                        error={"code": "retries_exhausted", "message": "gave up"})
+    done = store.finalize(batch["id"])
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+    errors = _read_jsonl(store, done["error_file_id"])
+    assert [(e["custom_id"], e["error"]["code"], e["error"]["line"]) for e in errors] == \
+        [("a", "response_too_large", 1), (None, "line_too_large", 2), ("b", "retries_exhausted", 3)]
+    assert errors[0]["response"] == {"status_code": 200, "request_id": errors[0]["response"]["request_id"],
+                                     "body": None}
+    assert errors[2]["response"]["status_code"] == 503 and errors[2]["response"]["body"]["error"]["message"] == "down"
+    assert done["output_file_id"] is None
+    store.check_integrity()
+
+
+def test_files_are_kept_in_pieces_and_read_a_range_at_a_time(tmp_path, monkeypatch):
+    monkeypatch.setattr(batchstore, "CHUNK_BYTES", 10)
+    store = _make_store(tmp_path / "b.sqlite3")
+    content = bytes(range(256)) * 3
+    file = store.add_file(content, "in.jsonl", "batch", owner=OWNER, tenant=TENANT)
+    assert file["bytes"] == len(content) and store.file_content(file["id"], owner=OWNER) == content
+    for offset, size in [(0, 10), (5, 10), (9, 1), (10, 25), (700, 500), (767, 1), (768, 5), (0, 0)]:
+        assert store.file_content(file["id"], owner=OWNER, offset=offset, size=size) == content[offset:offset + size]
+    with contextlib.closing(sqlite3.connect(tmp_path / "b.sqlite3")) as db:
+        sizes = [row[0] for row in db.execute("SELECT length(data) FROM file_chunks WHERE file_id=?", (file["id"],))]
+    assert max(sizes) == 10 and sum(sizes) == len(content)
+    store.check_integrity()
+    with contextlib.closing(sqlite3.connect(tmp_path / "b.sqlite3")) as db, db:
+        db.execute("DELETE FROM file_chunks WHERE file_id=? AND start=20", (file["id"],))
+    with pytest.raises(AssertionError, match=r"'file bytes \(id, bytes, stored\)': \[\('file-\w+', 768, 758\)\], "
+                                             r"'gaps between pieces': \[\('file-\w+', 10, 30\)\]"):
+        store.check_integrity()
+
+
+def _answered_batch(store: BatchStore, num_lines: int) -> str:
+    batch = _make_batch(store, _jsonl(*(_line(f"r{i}") for i in range(num_lines))))
+    for line_no in range(1, num_lines + 1):
+        status = 200 if line_no % 3 else 400
+        store.record(batch["id"], line_no, status, {"n": line_no, "text": "t" * (line_no % 7) * 9})
+    store.begin_finalizing(batch["id"])
+    return batch["id"]
+
+
+def _without_ids(line: dict) -> dict:
+    """An output line without the ids derived from its batch's id."""
+    return {**line, "id": None, "response": {**line["response"], "request_id": None}}
+
+
+def test_finalize_writes_the_files_in_steps_and_a_crash_between_or_within_steps_changes_nothing(tmp_path,
+                                                                                                monkeypatch):
+    reference = _make_store(tmp_path / "ref.sqlite3")
+    ref_id = _answered_batch(reference, 60)
+    ref = reference.finalize(ref_id)                                     # in one step: the default sizes
+    want = (_read_jsonl(reference, ref["output_file_id"]), _read_jsonl(reference, ref["error_file_id"]))
+    assert len(want[0]) == 40 and len(want[1]) == 20
+    want = [[_without_ids(line) for line in lines] for lines in want]
+    monkeypatch.setattr(batchstore, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(batchstore, "FINALIZE_STEP_BYTES", 500)
+    path = tmp_path / "b.sqlite3"
+    store = _make_store(path)
+    batch_id = _answered_batch(store, 60)
+    assert store.finalize_step(batch_id) is None and store.finalize_step(batch_id) is None
+    assert store.batch_status(batch_id) == "finalizing"
+    store.check_integrity()                                              # pieces of files not added yet: allowed
+    store.close()                                                        # the process ends between two steps
+    store = _make_store(path)
+    assert store.unfinished_batch_ids() == [batch_id]
+    writes = []
+
+    def flush_then_fail(self):
+        writes.append(1)
+        if len(writes) == 3:
+            raise sqlite3.OperationalError("database or disk is full")
+        original(self)
+
+    original = batchstore._ChunkWriter._flush
+    monkeypatch.setattr(batchstore._ChunkWriter, "_flush", flush_then_fail)
+    with pytest.raises(sqlite3.OperationalError):                       # a step that fails half-way: rolled back
+        while store.finalize_step(batch_id) is None:
+            pass
+    done = store.finalize(batch_id)
+    assert done["status"] == "completed" and (done["output_file_id"], done["error_file_id"]) == \
+        result_file_ids(batch_id)
+    got = [[_without_ids(line) for line in _read_jsonl(store, done[key])]
+           for key in ("output_file_id", "error_file_id")]
+    assert got == want
+    assert store.file(done["output_file_id"], owner=OWNER)["bytes"] == len(store.file_content(done["output_file_id"],
+                                                                                              owner=OWNER))
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        assert db.execute("SELECT max(length(data)) FROM file_chunks").fetchone()[0] <= 64
+        assert db.execute("SELECT count(*) FROM finalizing").fetchone()[0] == 0
+    store.check_integrity()
+
+
+def test_an_output_past_the_limit_fails_the_batch_and_keeps_nothing_of_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(batchstore, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(batchstore, "FINALIZE_STEP_BYTES", 300)
+    monkeypatch.setattr(batchstore, "MAX_OUTPUT_FILE_BYTES", 2000)
+    path = tmp_path / "b.sqlite3"
+    store = _make_store(path)
+    batch_id = _answered_batch(store, 60)
+    assert store.finalize_step(batch_id) is None                         # some pieces written, then the limit
+    done = store.finalize(batch_id)
+    assert done["status"] == "failed" and done["failed_at"] and done["output_file_id"] is None
+    assert done["completed_at"] is None and done["request_counts"]["total"] == 60
+    [error] = done["errors"]["data"]
+    assert done["errors"]["object"] == "list" and error["code"] == "output_too_large" and error["param"] is None
+    assert "2000 bytes" in error["message"] and error["line"] is None
+    assert store.finalize(batch_id) == done and store.fail(batch_id, "storage_error", "x") == done   # final
+    assert store.unfinished_batch_ids() == []
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        assert db.execute("SELECT count(*) FROM file_chunks WHERE file_id IN (?, ?)",
+                          result_file_ids(batch_id)).fetchone()[0] == 0
+        assert db.execute("SELECT count(*) FROM finalizing").fetchone()[0] == 0
+    store.check_integrity()
+
+
+class _FailingCommits:
+    """The store's connection, whose next `fail` COMMITs raise as a full disk does."""
+
+    def __init__(self, db: sqlite3.Connection, fail: int) -> None:
+        self.db, self.fail = db, fail
+
+    def __getattr__(self, name):
+        return getattr(self.db, name)
+
+    def execute(self, sql, *args):
+        if sql == "COMMIT" and self.fail:
+            self.fail -= 1
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.db.execute(sql, *args)
+
+
+def test_a_storage_error_changes_nothing_and_a_batch_can_be_failed_with_a_reason(tmp_path):
+    store = _make_store(tmp_path / "b.sqlite3")
+    batch = _make_batch(store, _jsonl(_line("a"), _line("b")))
+    store._db = _FailingCommits(store._db, fail=1)
+    assert isinstance(sqlite3.OperationalError("x"), STORAGE_ERRORS)
+    with pytest.raises(STORAGE_ERRORS):
+        store.record(batch["id"], 1, 200, {"n": 1})
+    assert not store._db.in_transaction                                  # rolled back, the connection usable
+    assert [ln.line_no for ln in store.pending_lines(batch["id"])] == [1, 2]
+    assert store.record(batch["id"], 1, 200, {"n": 1})                  # tried again: recorded once
+    failed = store.fail(batch["id"], "storage_error", "the batch store failed 6 times in a row: disk full")
+    assert failed["status"] == "failed" and failed["failed_at"] and failed["request_counts"]["completed"] == 1
+    assert failed["errors"] == {"object": "list", "data": [{"code": "storage_error", "param": None, "line": None,
+                                                            "message": "the batch store failed 6 times in a row: "
+                                                                       "disk full"}]}
+    assert store.batch(batch["id"], owner=OWNER) == failed and store.unfinished_batch_ids() == []
+    assert store.fail("batch_x", "storage_error", "x") is None
+    store.check_integrity()
