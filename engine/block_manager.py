@@ -24,6 +24,12 @@ class BlockIntegrityError(AssertionError):
     """`check_integrity` found the free list, the reference counts or the tables inconsistent."""
 
 
+def cache_root(cache_salt: str | None) -> int | None:
+    """The parent key of a sequence's first block: None (shared by every sequence without a salt),
+    or a key of `cache_salt`, so sequences of different salts (tenants) never find each other's blocks."""
+    return None if cache_salt is None else hash(("cache_salt", cache_salt))
+
+
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     """The prefix-cache key of a full block: its tokens chained to the key of the block before it
     (None for a sequence's first block). A key only finds a candidate; hits are verified by tokens."""
@@ -218,8 +224,9 @@ class BlockManager:
         block_table.clear()
 
     # --- prefix cache --------------------------------------------------------------------
-    def acquire_cached(self, block_table: list[int], token_ids: Sequence[int]) -> int:
-        """At admission, fill an empty table with the longest verified cached prefix of `token_ids`.
+    def acquire_cached(self, block_table: list[int], token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """At admission, fill an empty table with the longest verified cached prefix of `token_ids`
+        among the blocks registered with the same `cache_salt`.
 
         Takes a reference to each block (reviving cached-free ones). At most
         `(len(token_ids) - 1) // block_size` blocks, so the last token is always computed and never
@@ -231,7 +238,7 @@ class BlockManager:
             return 0
         bs = self.block_size
         hits: list[int] = []
-        parent_hash: int | None = None
+        parent_hash = cache_root(cache_salt)
         parent_serial = _ROOT_SERIAL
         for i in range(max(0, len(token_ids) - 1) // bs):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
@@ -257,7 +264,7 @@ class BlockManager:
         return num_tokens
 
     def register_computed(self, block_table: list[int], token_ids: Sequence[int],
-                          num_computed_tokens: int) -> None:
+                          num_computed_tokens: int, cache_salt: str | None = None) -> None:
         """After a step computed `token_ids[:num_computed_tokens]`, register the table's newly full blocks.
 
         A block already registered is left alone; when another block already holds the same prefix,
@@ -271,7 +278,7 @@ class BlockManager:
         bs = self.block_size
         num_full = min(num_computed_tokens // bs, len(block_table))
         start = num_full
-        parent_hash: int | None = None
+        parent_hash = cache_root(cache_salt)
         parent_serial: int | None = _ROOT_SERIAL
         while start > 0:  # the last block the cache knows carries the chain state
             entry = self._full.get(block_table[start - 1])

@@ -283,8 +283,10 @@ class LLMEngine:
 
     # --- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    *, priority: int = 0, pool: str | None = None) -> None:
+                    *, priority: int = 0, pool: str | None = None, cache_salt: str | None = None) -> None:
         """Queue a request. `prompt` is text (tokenized as a completion prompt) or token ids.
+        `cache_salt` partitions the prefix cache: a request only reuses blocks cached by requests with
+        the same salt (the gateway passes the tenant, so no tenant can probe another's prompts).
 
         Raises RequestError (a ValueError naming the field) when the request is malformed or can never
         fit its pool (prompt + max_tokens over max_model_len or over the pool's blocks).
@@ -308,6 +310,9 @@ class LLMEngine:
                 raise RequestError(
                     f"prompt: {len(prompt_ids)} tokens leave no room to generate within max_model_len "
                     f"{scheduler.max_model_len}")
+        if params.n > scheduler.config.max_num_seqs:   # its samples run together: it would wait forever
+            raise RequestError(f"n: {params.n} samples run together, and pool {pool!r} runs at most "
+                               f"max_num_seqs {scheduler.config.max_num_seqs} sequences at once")
         try:
             scheduler.check_fits(len(prompt_ids), max_tokens)
         except RequestTooLargeError as exc:
@@ -320,7 +325,7 @@ class LLMEngine:
             seqs.append(Sequence(
                 seq_id=next(self._seq_ids), request_id=request_id, index=index, token_ids=list(prompt_ids),
                 num_prompt_tokens=len(prompt_ids), params=params, max_tokens=max_tokens, priority=priority,
-                arrival_order=arrival, generator=gen, pool=pool))
+                arrival_order=arrival, generator=gen, pool=pool, cache_salt=cache_salt))
         request = _Request(request_id, list(prompt_ids), seqs, time.monotonic())
         request.detokenizers = [
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens) for _ in seqs]
@@ -399,7 +404,7 @@ class LLMEngine:
             seq.num_computed_tokens += item.num_new_tokens
             self.schedulers[seq.pool].stats.num_computed_tokens += item.num_new_tokens
             self.schedulers[seq.pool].block_manager.register_computed(
-                seq.block_table, seq.token_ids, seq.num_computed_tokens)
+                seq.block_table, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
         logits, sampled = self._forks.fork(logits, sampled)
         tokens = None
         if sampled:

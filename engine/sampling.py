@@ -24,6 +24,7 @@ import torch
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 1024   # masked every step for every row: the list's length is each step's cost
 # Temperatures below this are greedy, as in vLLM (_SAMPLING_EPS): dividing logits by less overflows float32.
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
@@ -63,6 +64,8 @@ def _as_stop(value: object) -> tuple[str, ...]:
 def _as_token_ids(name: str, value: object) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{name}: must be a list of token ids, got {value!r}")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"{name}: at most {MAX_STOP_TOKEN_IDS} token ids, got {len(value)}")
     ids = tuple(_as_int(name, t) for t in value)
     if any(t < 0 for t in ids):
         raise ValueError(f"{name}: token ids must be >= 0, got {list(ids)}")

@@ -251,7 +251,7 @@ class Scheduler:
                 break
             counted = (bm.num_prefix_queries, bm.num_prefix_hits)
             if seq.num_computed_tokens == 0 and not seq.block_table:
-                seq.num_computed_tokens = bm.acquire_cached(seq.block_table, seq.token_ids)
+                seq.num_computed_tokens = bm.acquire_cached(seq.block_table, seq.token_ids, seq.cache_salt)
             num_new = min(seq.num_uncomputed_tokens, budget)
             if (num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill) or \
                     not bm.can_allocate(seq.block_table, seq.num_computed_tokens + num_new):

@@ -41,6 +41,7 @@ class Sequence:
     arrival_order: int               # global admission order of the request: FCFS tie-break
     generator: torch.Generator | None
     pool: str = "default"
+    cache_salt: str | None = None    # prefix-cache partition (the gateway's tenant); None: shared
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

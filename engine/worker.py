@@ -4,7 +4,7 @@ One process per device owns the weights, the KV tensor and an `LLMEngine` (one s
 so the caller's event loop never waits on a model step (DESIGN.md invariant 5). The client sends
 commands over a pipe and reads outputs from it with `loop.add_reader`: no thread, no blocking call.
 
-Messages, parent -> worker: ("add", request_id, prompt, params, priority, pool), ("abort", request_id),
+Messages, parent -> worker: ("add", request_id, prompt, params, priority, pool, cache_salt), ("abort", request_id),
 ("stats",), ("shutdown",). Worker -> parent: ("ready", WorkerInfo), ("startup_error", text),
 ("outputs", [RequestDelta], EngineStats or None), ("rejected", request_id, text), ("stats", EngineStats),
 ("fatal", text). The records are the typed dataclasses of `engine.outputs` and `engine.stats`.
@@ -138,9 +138,9 @@ def _serve(engine, channel: Channel) -> None:
 def _handle(engine, channel: Channel, msg: tuple) -> bool:
     """Carry out one command; True for `shutdown`."""
     if msg[0] == "add":
-        _, request_id, prompt, params, priority, pool = msg
+        _, request_id, prompt, params, priority, pool, cache_salt = msg
         try:
-            engine.add_request(request_id, prompt, params, priority=priority, pool=pool)
+            engine.add_request(request_id, prompt, params, priority=priority, pool=pool, cache_salt=cache_salt)
         except ValueError as exc:
             channel.send(("rejected", request_id, str(exc)))
     elif msg[0] == "abort":
@@ -409,8 +409,9 @@ class AsyncEngineClient:
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
-                       pool: str | None = None) -> AsyncIterator[RequestDelta]:
+                       pool: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestDelta]:
         """Submit a request and yield what each step added to it (`RequestDelta`) until it finishes.
+        `cache_salt`: the prefix-cache partition (`LLMEngine.add_request`).
 
         Raises ValueError if the engine refused the request, EngineDeadError if the worker died.
         """
@@ -427,7 +428,7 @@ class AsyncEngineClient:
         self._streams[request_id] = stream
         try:
             self._send(("add", request_id, prompt if isinstance(prompt, str) else list(prompt),
-                        params or SamplingParams(), priority, pool))
+                        params or SamplingParams(), priority, pool, cache_salt))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):

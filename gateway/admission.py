@@ -122,8 +122,9 @@ class AdmissionControl:
 
     def _needs(self, routed: Sequence[tuple[Pool, list[int]]], max_tokens: int | None, n: int,
                param: str) -> dict[str, int]:
-        """Credits per pool; an explicit max_tokens that could never fit is the client's error, an
-        unset one asks for at most the whole pool."""
+        """Credits per pool. A request that could never fit its pool is the client's error (400 at
+        once, never capped: the engine is never asked for more KV than was credited); with max_tokens
+        unset every sample may run to the end of the context, and the message says what would fit."""
         lens: dict[str, list[int]] = {}
         for pool, ids in routed:
             lens.setdefault(pool.name, []).append(len(ids))
@@ -132,12 +133,16 @@ class AdmissionControl:
             pool = self.pools[name]
             need = reservation(prompt_lens, max_tokens, n, block_size=pool.spec.block_size,
                                max_model_len=pool.max_model_len)
-            if need > pool.admission.total and max_tokens is not None:
+            total = pool.admission.total
+            if need > total:
+                what = f"{param}={max_tokens}" if max_tokens is not None else \
+                    f"{param} unset (each sample may run to max_model_len {pool.max_model_len})"
+                fit = _largest_fit(prompt_lens, n, pool, total)
+                hint = f"at most {param}={fit} fits" if fit else "fewer prompts or a smaller n fit"
                 raise ApiError(400, f"{param}: {len(prompt_lens)} prompt(s) of {sum(prompt_lens)} tokens with n={n} "
-                               f"and {param}={max_tokens} may need {need} KV token slots; pool {name!r} has "
-                               f"{pool.admission.total}. Lower {param} or n", param=param,
-                               code="context_length_exceeded")
-            needs[name] = min(need, pool.admission.total)
+                               f"and {what} may need {need} KV token slots; pool {name!r} has {total}: "
+                               f"{hint}", param=param, code="context_length_exceeded")
+            needs[name] = need
         return needs
 
     @contextlib.asynccontextmanager
@@ -185,3 +190,16 @@ class AdmissionControl:
                 pool.admission.reconcile((ps.num_blocks - ps.num_free_blocks) * pool.spec.block_size)
             except Exception:  # noqa: BLE001 - a bad report must not stop admission
                 log.exception("pool %s: reconciling credits failed", pool.name)
+
+
+def _largest_fit(prompt_lens: list[int], n: int, pool: Pool, total: int) -> int:
+    """The largest max_tokens whose reservation fits `total` credits (0 if none does)."""
+    low, high = 0, pool.max_model_len
+    while low < high:
+        mid = (low + high + 1) // 2
+        if reservation(prompt_lens, mid, n, block_size=pool.spec.block_size,
+                       max_model_len=pool.max_model_len) <= total:
+            low = mid
+        else:
+            high = mid - 1
+    return low

@@ -36,6 +36,9 @@ from pools.spec import CliffguardConfig
 
 log = logging.getLogger("cliffguard.gateway")
 
+# An upstream that sends nothing for this long is gone (a non-streamed answer arrives whole, at the end).
+UPSTREAM_READ_TIMEOUT = 600.0
+
 __all__ = ["GatewayRunner", "create_app", "run", "start_server"]
 
 
@@ -67,7 +70,8 @@ def create_app(gateway: Gateway, *, data_dir: Path | str | None = None,
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     """The device workers (started in the background) and the upstream session, for the app's life."""
     gateway = app[GATEWAY]
-    gateway.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+    gateway.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10,
+                                                                          sock_read=UPSTREAM_READ_TIMEOUT))
     await gateway.start()
     yield
     await gateway.session.close()
@@ -105,13 +109,16 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
 
 
 # The dashboard's page holds no data; its data (/dashboard/data) needs the key like the API (gateway.dashboard).
+# /metrics names pools and tenants: open unless `gateway.metrics_auth` asks for a key there too.
 _OPEN_PATHS = {"/health", "/ready", "/metrics", "/dashboard"}
 
 
 @web.middleware
 async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
-    keys = request.app[GATEWAY].config.gateway.api_keys
-    if keys and request.path not in _OPEN_PATHS:
+    spec = request.app[GATEWAY].config.gateway
+    keys = spec.api_keys
+    open_path = request.path in _OPEN_PATHS and not (spec.metrics_auth and request.path == "/metrics")
+    if keys and not open_path:
         if not request.headers.get("Authorization"):
             raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
         token = bearer_key(request)

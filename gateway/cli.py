@@ -39,6 +39,8 @@ BENCHMARKS = {
                              "three rates: throughput, p50 and p99 TTFT"),
     "isolation": ("isolation", "chat latency under a rag flood: chat alone, split pools (step composer), one "
                                "shared pool; the itl_ms trade-off"),
+    "chaos": ("chaos", "faults (slow readers, disconnects, oversized inputs, kill -9 / STOP of the worker, a "
+                       "500-connection burst) under a steady load: lost, duplicated, p99 TTFT, recovery time, RSS"),
 }
 
 

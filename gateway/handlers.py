@@ -21,7 +21,7 @@ from gateway import openai_api as api
 from gateway.openai_api import ApiError, ChatRequest, CompletionRequest
 from gateway.responses import LocalResponse
 from gateway.runtime import GATEWAY, Gateway, model_not_found
-from gateway.upstream import forward
+from gateway.upstream import forward, redact
 from pools.pool import Pool
 from pools.router import UnknownModelError
 
@@ -44,7 +44,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     received = time.perf_counter()
     body = await read_json(request)
-    req = api.parse_chat(body)
+    req = api.parse_chat(body, gateway.config.gateway.limits)
     routed = [await gateway.route_chat(req.model, req.messages)]
     tenant = gateway.admission.tenant_of(request)
     return await _serve(request, gateway, req, routed, body, "/chat/completions", received, tenant)
@@ -54,7 +54,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     received = time.perf_counter()
     body = await read_json(request)
-    req = api.parse_completion(body)
+    req = api.parse_completion(body, gateway.config.gateway.limits)
     routed = [await gateway.route_prompt(req.model, p) for p in req.prompts]
     tenant = gateway.admission.tenant_of(request)
     return await _serve(request, gateway, req, routed, body, "/completions", received, tenant)
@@ -73,7 +73,8 @@ async def _serve(request: web.Request | None, gateway: Gateway, req: ChatRequest
         if len(routed) > 1:
             raise ApiError(400, "prompt: a list of prompts cannot be sent to an upstream pool; send them one "
                            "by one", param="prompt")
-        response = await forward(request, gateway.session, upstream[0], path, body, req.stream, gateway.metrics)
+        response = await forward(request, gateway.session, upstream[0], path, body, req.stream, gateway.metrics,
+                                 write_timeout=gateway.config.gateway.write_timeout)
         if request is None:
             if response.status >= 400:
                 raise _relayed_error(response)
@@ -86,8 +87,11 @@ async def _serve(request: web.Request | None, gateway: Gateway, req: ChatRequest
                                   background=background, max_tokens_param=req.max_tokens_param):
         for pool, _ in routed:
             await gateway.wait_device(pool)
-        local = LocalResponse(request, req, routed, received=received, metrics=gateway.metrics)
-        return await (local.serve() if request is not None else local.result())
+        local = LocalResponse(request, req, routed, received=received, metrics=gateway.metrics,
+                              write_timeout=gateway.config.gateway.write_timeout, tenant=tenant)
+        await local.run()
+    # The engine is done with every request: its credits are back, however slowly the client reads.
+    return await (local.finish() if request is not None else local.result())
 
 
 async def answer(gateway: Gateway, path: str, body: Any, *, tenant: str | None = None,
@@ -103,10 +107,10 @@ async def answer(gateway: Gateway, path: str, body: Any, *, tenant: str | None =
         if body.get("stream"):
             raise ApiError(400, "stream: a batch line cannot stream; remove stream", param="stream")
         if path == "/v1/chat/completions":
-            req = api.parse_chat(body)
+            req = api.parse_chat(body, gateway.config.gateway.limits)
             routed = [await gateway.route_chat(req.model, req.messages)]
         elif path == "/v1/completions":
-            req = api.parse_completion(body)
+            req = api.parse_completion(body, gateway.config.gateway.limits)
             routed = [await gateway.route_prompt(req.model, p) for p in req.prompts]
         else:
             raise ApiError(400, f"url: {path!r} is not served; use /v1/chat/completions or /v1/completions",
@@ -157,7 +161,7 @@ def _pool_entry(gateway: Gateway, pool: Pool) -> dict[str, Any]:
     info: dict[str, Any] = {"name": pool.name, "min_prompt_tokens": pool.min_prompt_tokens,
                             "max_prompt_tokens": pool.max_prompt_tokens, "max_model_len": pool.max_model_len}
     if pool.is_upstream:
-        info["upstream"] = pool.spec.upstream
+        info["upstream"] = redact(pool.spec.upstream)
         return info
     planned = gateway.plan.pools[pool.name]
     info.update(device=pool.device, planned_num_blocks=planned.num_blocks,

@@ -122,6 +122,10 @@ class GatewayMetrics:
                                        "last step (0: none).", _DEVICE)
         self.worker_restarts = self._counter("worker_restarts", "Device worker processes started again after "
                                              "the worker died.", _DEVICE)
+        self.worker_stalls = self._counter("worker_stalls", "Device workers killed by the watchdog: requests in "
+                                           "flight and no word from the worker for gateway.stall_seconds.", _DEVICE)
+        self.client_write_timeouts = self._counter("client_write_timeouts", "Streams aborted because their "
+                                                   "client read nothing for gateway.write_timeout.", ["pool"])
 
     def _advance(self, counter: Counter, series: str, total: float, **labels: str) -> None:
         """Add what `total` grew by since the series' last total. The series is exported from the

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling import MAX_LOGPROBS, SamplingParams
+from pools.spec import RequestLimits
 
 
 class ApiError(Exception):
@@ -211,7 +212,8 @@ def _message_content(index: int, content: Any) -> str:
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def parse_chat(body: Any) -> ChatRequest:
+def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> ChatRequest:
+    """A chat completion body as a `ChatRequest`; ApiError 400 naming the field (a count over `limits` too)."""
     body = _require_object(body)
     _check_fields(body, _CHAT_FIELDS)
     model = _model(body)
@@ -220,6 +222,9 @@ def parse_chat(body: Any) -> ChatRequest:
         raise bad_request("messages", "is required")
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages", "expected a non-empty array of messages")
+    if len(raw) > limits.max_messages:
+        raise bad_request("messages", f"at most {limits.max_messages} messages (gateway.limits.max_messages), "
+                          f"got {len(raw)}")
     messages = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
@@ -250,18 +255,32 @@ def parse_chat(body: Any) -> ChatRequest:
     max_tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(body, max_tokens_param)
     stream, include_usage = _stream(body)
-    return ChatRequest(model=model, messages=messages, params=_sampling(body, max_tokens, top_logprobs),
+    params = _sampling(body, max_tokens, top_logprobs)
+    _check_choices(params.n, 1, limits)
+    return ChatRequest(model=model, messages=messages, params=params,
                        stream=stream, include_usage=include_usage, priority=_priority(body),
                        top_logprobs=top_logprobs, max_tokens_param=max_tokens_param)
 
 
-def parse_completion(body: Any) -> CompletionRequest:
+def _check_choices(n: int, num_prompts: int, limits: RequestLimits) -> None:
+    """n x prompts engine requests at most `limits.max_choices`."""
+    if n * num_prompts > limits.max_choices:
+        raise bad_request("n", f"n={n} for {num_prompts} prompt(s) asks for {n * num_prompts} completions; at most "
+                          f"{limits.max_choices} per request (gateway.limits.max_choices)")
+
+
+def parse_completion(body: Any, limits: RequestLimits = RequestLimits()) -> CompletionRequest:
+    """A completion body as a `CompletionRequest`; ApiError 400 naming the field (a count over `limits` too)."""
     body = _require_object(body)
     _check_fields(body, _COMPLETION_FIELDS)
     model = _model(body)
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("prompt", "is required")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) \
+            and len(prompt) > limits.max_prompts:
+        raise bad_request("prompt", f"at most {limits.max_prompts} prompts per request "
+                          f"(gateway.limits.max_prompts), got {len(prompt)}")
     prompts: list[str | list[int]]
     if isinstance(prompt, str):
         prompts = [prompt]
@@ -294,9 +313,10 @@ def parse_completion(body: Any) -> CompletionRequest:
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request("logprobs", f"must be in 0..{MAX_LOGPROBS}, got {logprobs}")
     stream, include_usage = _stream(body)
-    return CompletionRequest(model=model, prompts=prompts,
-                             params=_sampling(body, _max_tokens(body, "max_tokens"), logprobs),
-                             stream=stream, include_usage=include_usage, priority=_priority(body))
+    params = _sampling(body, _max_tokens(body, "max_tokens"), logprobs)
+    _check_choices(params.n, len(prompts), limits)
+    return CompletionRequest(model=model, prompts=prompts, params=params, stream=stream,
+                             include_usage=include_usage, priority=_priority(body))
 
 
 def check_context(req: ChatRequest | CompletionRequest, num_prompt_tokens: int, max_model_len: int,

@@ -1,8 +1,16 @@
 """Answering from local pools: each prompt's engine request streamed back, its deltas assembled into
 choices (choice index = prompt × n + sample) and written as SSE chunks or as one JSON body.
 
-Leaving early for any reason — the client goes away mid-stream, or the handler is cancelled — closes
-the engine streams, which aborts their requests and frees their blocks.
+The engine's side and the client's side run apart. `LocalResponse.run` consumes the engine's deltas
+and returns as soon as the engine is done with every request, so the caller gives the KV credits
+back then (credits follow the engine, not the socket). A stream's chunks go to a writer task that
+writes them as fast as the client reads; a client that takes nothing for `write_timeout` seconds
+(`gateway.write_timeout`) has its connection aborted, its engine requests aborted if they still run,
+a WARNING logged and `cliffguard_client_write_timeouts_total` counted. So a client that never reads
+holds no KV, and at most its own response in memory, for at most `write_timeout`.
+
+Leaving early for any reason — the client goes away mid-stream, the writer times out, or the handler
+is cancelled — closes the engine streams, which aborts their requests and frees their blocks.
 """
 
 from __future__ import annotations
@@ -10,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +36,7 @@ from gateway.openai_api import ApiError, ChatRequest, CompletionRequest
 from pools.pool import Pool
 
 Routed = Sequence[tuple[Pool, list[int]]]   # each prompt's pool and token ids
+log = logging.getLogger("cliffguard.gateway")
 
 
 @dataclass
@@ -43,14 +54,22 @@ class _Choice:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
-async def merged(routed: Routed, params: SamplingParams, priority: int,
-                 request_id: str) -> AsyncIterator[tuple[int, RequestDelta]]:
+def cache_salt(pool: Pool, tenant: str) -> str | None:
+    """The prefix-cache partition of `tenant`'s requests in `pool`: the tenant, unless the pool shares
+    its cache across tenants (`share_prefix_cache`). A shared cache lets a tenant learn from hit counts
+    or time to first token whether another tenant sent a prompt."""
+    return None if pool.spec.share_prefix_cache else tenant
+
+
+async def merged(routed: Routed, params: SamplingParams, priority: int, request_id: str,
+                 tenant: str = "default") -> AsyncIterator[tuple[int, RequestDelta]]:
     """(prompt index, delta) from every prompt's engine request, as they arrive. The pools' device
     workers must have loaded."""
     if len(routed) == 1:
         pool, ids = routed[0]
-        async with contextlib.aclosing(pool.client.generate(ids, params, request_id=request_id,
-                                                            priority=priority, pool=pool.name)) as stream:
+        async with contextlib.aclosing(pool.client.generate(ids, params, request_id=request_id, priority=priority,
+                                                            pool=pool.name, cache_salt=cache_salt(pool, tenant))
+                                       ) as stream:
             async for out in stream:
                 yield 0, out
         return
@@ -59,7 +78,8 @@ async def merged(routed: Routed, params: SamplingParams, priority: int,
     async def pump(i: int, pool: Pool, ids: list[int]) -> None:
         try:
             async with contextlib.aclosing(pool.client.generate(ids, params, request_id=f"{request_id}-{i}",
-                                                                priority=priority, pool=pool.name)) as stream:
+                                                                priority=priority, pool=pool.name,
+                                                                cache_salt=cache_salt(pool, tenant))) as stream:
                 async for out in stream:
                     queue.put_nowait((i, out))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
@@ -94,12 +114,15 @@ def engine_error(exc: Exception) -> ApiError:
 class LocalResponse:
     """One response to a chat or completion request served by local pools, built as its deltas arrive.
 
-    Lives for one HTTP request, on the event loop. `received` is when the request arrived
+    Lives for one HTTP request, on the event loop: `await run()` while holding the request's credits
+    (it returns when the engine is done), then `await finish()` (the stream's end or the JSON
+    response) or `await result()` (a batch line's body). `received` is when the request arrived
     (time.perf_counter), so time to first token and end-to-end latency include parsing and counting.
     """
 
     def __init__(self, request: web.Request | None, req: ChatRequest | CompletionRequest, routed: Routed, *,
-                 received: float, metrics: GatewayMetrics) -> None:
+                 received: float, metrics: GatewayMetrics, write_timeout: float = 30.0,
+                 tenant: str = "default") -> None:
         self.request, self.req, self.routed = request, req, routed
         self.chat = isinstance(req, ChatRequest)
         self.received, self.metrics = received, metrics
@@ -110,40 +133,73 @@ class LocalResponse:
         self.pool_header = ",".join(dict.fromkeys(pool.name for pool, _ in routed))
         self.want_logprobs = req.params.logprobs is not None
         self.response: web.StreamResponse | None = None   # the SSE response, once started
+        self.error: ApiError | None = None               # the engine's failure, answered by `finish`
+        self.write_timeout = write_timeout
+        self.tenant = tenant                             # whose prefix-cache partition it uses
         self._first_at: dict[int, float] = {}
         self._last_at: dict[int, float] = {}
+        self._chunks: deque[bytes] = deque()             # SSE events the writer has not written yet
+        self._wake = asyncio.Event()                     # set when chunks were added or the stream ends
+        self._closing = False                            # the last chunk is queued
+        self._writer: asyncio.Task | None = None
+        self._runner: asyncio.Task | None = None
+        self._write_error: ConnectionError | None = None   # the client stopped reading or went away
 
-    async def serve(self) -> web.StreamResponse:
-        """Run the engine requests to the end; the SSE stream or the JSON response."""
+    async def run(self) -> None:
+        """Consume the engine's deltas until every engine request finished (a stream's chunks are queued
+        for the writer as they come). An engine failure is kept in `error` for `finish`; a client that
+        stopped reading ends it early with ConnectionResetError (its requests aborted)."""
+        self._runner = asyncio.ensure_future(self._consume())
         try:
-            await self._consume()
-        except ApiError:
+            await self._runner
+        except asyncio.CancelledError:
+            if self._write_error is not None:
+                raise self._write_error from None
+            if self._writer is not None:
+                self._writer.cancel()   # the handler itself was cancelled: nobody will finish the stream
             raise
         except (EngineDeadError, ValueError) as exc:
-            return await self._fail(engine_error(exc))
-        return await self._end_stream() if self.req.stream else self._json()
+            self.error = engine_error(exc)
+
+    async def finish(self) -> web.StreamResponse:
+        """After `run`: the JSON response, or the stream's last events (the error event, or the usage
+        chunk, then `[DONE]`) once the writer wrote everything. An error before any chunk is raised."""
+        if self.error is not None and not self._chunks and self._writer is None:
+            raise self.error
+        if not self.req.stream:
+            return self._json()
+        if self.error is not None:
+            self._queue(self.error.body())
+        elif self.req.include_usage:
+            obj = "chat.completion.chunk" if self.chat else "text_completion"
+            self._queue(api.usage_chunk(self.request_id, self.req.model, self.created, obj, *self._usage()))
+        self._chunks.append(b"data: [DONE]\n\n")
+        self._closing = True
+        self._start_writer()
+        await self._writer
+        if self._write_error is not None:
+            raise self._write_error
+        return self.response
 
     async def result(self) -> dict[str, Any]:
-        """Run a non-streaming request to the end without an HTTP request (batch lines): its JSON body.
-        Engine failures raise ApiError like `serve` answers them."""
-        try:
-            await self._consume()
-        except (EngineDeadError, ValueError) as exc:
-            raise engine_error(exc) from None
+        """After `run`, without an HTTP request (batch lines): the JSON body; an engine failure raises
+        the ApiError `finish` would answer."""
+        if self.error is not None:
+            raise self.error
         return self._body()
 
     async def _consume(self) -> None:
         for pool, ids in self.routed:
             self.metrics.prompt_tokens.labels(pool=pool.name).inc(len(ids))
-        events = merged(self.routed, self.req.params, self.req.priority, self.request_id)
+        events = merged(self.routed, self.req.params, self.req.priority, self.request_id, self.tenant)
         async with contextlib.aclosing(events):
             async for i, out in events:
                 self._observe(i, out)
                 chunk_choices = self._apply(i, out)
                 if self.req.stream and chunk_choices:
                     make = api.chat_chunk if self.chat else api.completion_chunk
-                    await self._send(make(self.request_id, self.req.model, self.created, chunk_choices,
-                                          self.req.include_usage))
+                    self._queue(make(self.request_id, self.req.model, self.created, chunk_choices,
+                                     self.req.include_usage))
 
     def _observe(self, i: int, out: RequestDelta) -> None:
         """Latency and token metrics of prompt i's delta."""
@@ -198,30 +254,52 @@ class LocalResponse:
         delta["content"] = c.delta_text
         return {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
 
-    async def _send(self, obj: dict[str, Any]) -> None:
-        """One SSE event; the first starts the response."""
-        if self.response is None:
-            self.response = await start_sse(self.request, self.pool_header)
-        await self.response.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+    # --- the client's side of a stream ----------------------------------------------------------
+    def _queue(self, obj: dict[str, Any]) -> None:
+        """One SSE event for the writer (started with the first)."""
+        self._chunks.append(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+        self._start_writer()
 
-    async def _fail(self, err: ApiError) -> web.StreamResponse:
-        """The error as the response, or as the last event of a stream already started."""
-        if self.response is None:
-            raise err
-        await self._send(err.body())
-        await self.response.write(b"data: [DONE]\n\n")
-        return self.response
+    def _start_writer(self) -> None:
+        if self._writer is None:
+            self._writer = asyncio.ensure_future(self._write())
+        self._wake.set()
 
-    async def _end_stream(self) -> web.StreamResponse:
-        if self.response is None:
-            self.response = await start_sse(self.request, self.pool_header)
-        if self.req.include_usage:
-            obj = "chat.completion.chunk" if self.chat else "text_completion"
-            await self._send(api.usage_chunk(self.request_id, self.req.model, self.created, obj,
-                                             *self._usage()))
-        await self.response.write(b"data: [DONE]\n\n")
-        await self.response.write_eof()
-        return self.response
+    async def _write(self) -> None:
+        """Start the SSE response, write the queued events as the client takes them, end the stream
+        once `finish` queued the last. A client that takes nothing for `write_timeout` seconds, or
+        that is gone, stops the engine side (`run` raises ConnectionResetError)."""
+        try:
+            if self.response is None:
+                self.response = await asyncio.wait_for(start_sse(self.request, self.pool_header),
+                                                       self.write_timeout)
+            while True:
+                while self._chunks:
+                    await asyncio.wait_for(self.response.write(self._chunks.popleft()), self.write_timeout)
+                if self._closing:
+                    await asyncio.wait_for(self.response.write_eof(), self.write_timeout)
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+        except TimeoutError:
+            self._client_stalled()
+        except (ConnectionError, RuntimeError) as exc:   # RuntimeError: aiohttp's "transport is closing"
+            self._write_error = ConnectionResetError(f"client went away: {exc}")
+            self._chunks.clear()
+        if self._runner is not None and not self._runner.done():
+            self._runner.cancel()
+
+    def _client_stalled(self) -> None:
+        pool = self.routed[0][0].name
+        self._write_error = ConnectionResetError(f"the client read nothing for {self.write_timeout:g} s "
+                                                 "(gateway.write_timeout): stream aborted")
+        log.warning("%s (pool %s): the client read nothing for %g s (gateway.write_timeout); aborting the "
+                    "stream and its engine requests", self.request_id, pool, self.write_timeout)
+        self.metrics.client_write_timeouts.labels(pool=pool).inc()
+        self._chunks.clear()
+        transport = self.request.transport if self.request is not None else None
+        if transport is not None:
+            transport.abort()
 
     def _json(self) -> web.Response:
         return web.json_response(self._body(), headers={"x-cliffguard-pool": self.pool_header})

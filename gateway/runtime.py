@@ -45,6 +45,7 @@ log = logging.getLogger("cliffguard.gateway")
 
 # Prompts longer than this (characters) are rendered and counted in a worker thread.
 INLINE_TOKENIZE_CHARS = 2048
+MESSAGE_OVERHEAD_CHARS = 32   # what each message adds to the rendered text (role and template markers), about
 SPIRAL_INTERVAL = 0.25   # seconds between death-spiral checks; the worker pushes its stats as often while busy
 
 
@@ -167,7 +168,8 @@ class Gateway:
         (restarted with back-off if it dies); loading continues in the background."""
         for device, config in self.engines.items():
             pools = [pool for pool in self.pools.values() if pool.device == device]
-            supervisor = DeviceSupervisor(device, config, pools, self.metrics, self.backoff)
+            supervisor = DeviceSupervisor(device, config, pools, self.metrics, self.backoff,
+                                          stall_seconds=self.config.gateway.stall_seconds)
             self.supervisors[device] = supervisor
             supervisor.start()
         self.admission.start()
@@ -208,7 +210,7 @@ class Gateway:
     # --- tokenization and routing ----------------------------------------------------------------
     async def route_chat(self, model: str, messages: list[dict[str, str]]) -> tuple[Pool, list[int]]:
         """Render each candidate pool's chat template, count exactly, and take the first pool that admits it."""
-        size = sum(len(m["content"]) for m in messages)
+        size = sum(len(m["content"]) + MESSAGE_OVERHEAD_CHARS for m in messages)   # many empty messages render long
         return await self._route(model, "messages", size,
                                  self._timed(lambda pool: _render_and_count(pool, messages)))
 

@@ -11,6 +11,13 @@ a stream. The supervisor then
 - starts the new worker after a back-off (`Backoff`: 1 s, 2 s, 4 s … 30 s; back to 1 s once a worker
   stayed up for `reset_after` seconds), counted in `cliffguard_worker_restarts_total{device}`.
 
+A worker that is alive but silent is as dead to its clients: the watchdog (every
+`WATCHDOG_INTERVAL` s) kills a worker that has had requests in flight and sent nothing for
+`gateway.stall_seconds` (a `kill -STOP`, a hung kernel, a deadlocked driver), counted in
+`cliffguard_worker_stalls_total{device}`; the in-flight requests fail with 503 `engine_dead` naming the
+stall, and the worker is restarted as if it had died. A step longer than `stall_seconds` would be
+taken for a stall: set it well above the slowest step (a long prefill chunk on a CPU).
+
 Requests that arrive meanwhile wait in `wait_ready` and are served by the new worker: queued, not
 lost. A worker that fails its first start (a bad config, a missing model) stays `failed: <reason>`
 and its pools answer 503 `pool_unavailable`; starting it again would fail the same way. A worker
@@ -30,12 +37,15 @@ from engine.config import EngineConfig
 from engine.stats import WorkerInfo
 from engine.worker import AsyncEngineClient, EngineDeadError
 from gateway.metrics import GatewayMetrics
+from gateway.ticker import Ticker
 from pools.pool import Pool
 from pools.spec import Backoff
 
 log = logging.getLogger("cliffguard.gateway")
 
 __all__ = ["Backoff", "DeviceSupervisor"]
+
+WATCHDOG_INTERVAL = 0.5   # seconds between the watchdog's looks at the worker
 
 
 class DeviceSupervisor:
@@ -48,12 +58,16 @@ class DeviceSupervisor:
     """
 
     def __init__(self, device: str, config: EngineConfig, pools: Sequence[Pool], metrics: GatewayMetrics,
-                 backoff: Backoff = Backoff()) -> None:
+                 backoff: Backoff = Backoff(), stall_seconds: float = 10.0) -> None:
         self.device = device
         self.config = config
         self.pools = list(pools)
         self.metrics = metrics
         self.backoff = backoff
+        self.stall_seconds = stall_seconds
+        self.num_stalls = 0
+        self._watchdog = Ticker(f"cliffguard-watchdog-{device}", WATCHDOG_INTERVAL, self.check_stall, log,
+                                f"device {device}: watchdog check failed")
         self.client: AsyncEngineClient | None = None
         self.num_restarts = 0
         self._was_ready = False                    # some worker of this device loaded once
@@ -65,10 +79,13 @@ class DeviceSupervisor:
     def start(self) -> None:
         """Spawn the first worker; it loads in the background (`wait_ready`)."""
         self.metrics.worker_restarts.labels(device=self.device)   # exported from the start, at 0
+        self.metrics.worker_stalls.labels(device=self.device)
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"cliffguard-device-{self.device}")
+        self._watchdog.start()
 
     async def stop(self) -> None:
         """Stop supervising and shut the worker down; requests still waiting get EngineDeadError."""
+        await self._watchdog.stop()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -110,6 +127,24 @@ class DeviceSupervisor:
         if self._failure is not None:
             raise EngineDeadError(self._failure)
         return self.client.info
+
+    def check_stall(self, now: float | None = None) -> bool:
+        """Kill the worker if it has had work and said nothing for `stall_seconds` (`now`:
+        time.monotonic()); True if it did. The supervisor's loop then restarts it."""
+        client = self.client
+        if client is None or not self.is_ready:
+            return False
+        silent = client.silent_seconds(now)
+        if silent < self.stall_seconds:
+            return False
+        reason = (f"stalled: no word from the device worker for {silent:.1f} s with {client.num_in_flight} "
+                  f"requests in flight (gateway.stall_seconds {self.stall_seconds:g})")
+        self.num_stalls += 1
+        self.metrics.worker_stalls.labels(device=self.device).inc()
+        self._restart_reason = reason
+        log.error("device %s: %s; killing it", self.device, reason)
+        client.kill(reason)
+        return True
 
     # --- the worker's life -----------------------------------------------------------------------
     async def _run(self) -> None:

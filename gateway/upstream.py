@@ -4,10 +4,16 @@ The request body goes on unchanged except `model`, which becomes the upstream's 
 answer comes back with the client's model name restored. Streams are relayed event by event as they
 arrive. Upstream errors keep their status and OpenAI error body; an unreachable upstream is a 502.
 Token counts for metrics come from the upstream's `usage` when it reports one.
+
+The upstream's URL is shown to clients (errors, `/v1/models`) only through `redact`, without any user
+or password in it. A relayed stream's writes to the client are bounded by `write_timeout` like a
+local one's, so a client that never reads cannot hold an upstream connection (the session has a
+pool of them) for longer than that.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -15,6 +21,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ApiError
@@ -31,6 +38,14 @@ def _headers(pool: Pool, stream: bool) -> dict[str, str]:
     return headers
 
 
+def redact(url: str) -> str:
+    """`url` without the user and password of its authority (`http://u:secret@host/v1` -> `http://host/v1`)."""
+    try:
+        return str(URL(url).with_user(None))
+    except (ValueError, TypeError):
+        return "<upstream>"
+
+
 def _rename(obj: Any, model: str) -> Any:
     if isinstance(obj, dict) and "model" in obj:
         obj["model"] = model
@@ -38,7 +53,8 @@ def _rename(obj: Any, model: str) -> Any:
 
 
 async def forward(request: web.Request, session: aiohttp.ClientSession, pool: Pool, path: str,
-                  body: dict[str, Any], stream: bool, metrics: GatewayMetrics) -> web.StreamResponse:
+                  body: dict[str, Any], stream: bool, metrics: GatewayMetrics,
+                  write_timeout: float = 30.0) -> web.StreamResponse:
     """Send `body` (with the upstream's model name) to `<pool.spec.upstream><path>` and relay the answer."""
     client_model = body["model"]
     url = pool.spec.upstream.rstrip("/") + path
@@ -46,13 +62,14 @@ async def forward(request: web.Request, session: aiohttp.ClientSession, pool: Po
     try:
         upstream = await session.post(url, json=dict(body, model=pool.spec.model), headers=_headers(pool, stream))
     except (aiohttp.ClientError, OSError) as exc:
-        raise ApiError(502, f"upstream pool {pool.name!r} at {pool.spec.upstream} is unreachable: {exc}",
+        where, detail = redact(pool.spec.upstream), str(exc).replace(pool.spec.upstream, redact(pool.spec.upstream))
+        raise ApiError(502, f"upstream pool {pool.name!r} at {where} is unreachable: {detail}",
                        type="server_error", code="upstream_unreachable") from None
     async with upstream:
         if upstream.status >= 400:
             return await _relay_error(pool, upstream)
         if stream:
-            return await _relay_stream(request, pool, upstream, client_model, metrics, received)
+            return await _relay_stream(request, pool, upstream, client_model, metrics, received, write_timeout)
         try:
             payload = _rename(await upstream.json(content_type=None), client_model)
         except (ValueError, aiohttp.ClientError) as exc:
@@ -80,21 +97,33 @@ async def _relay_error(pool: Pool, upstream: aiohttp.ClientResponse) -> web.Resp
 
 
 async def _relay_stream(request: web.Request, pool: Pool, upstream: aiohttp.ClientResponse, client_model: str,
-                        metrics: GatewayMetrics, received: float) -> web.StreamResponse:
-    """The upstream's SSE events, each relayed as it arrives with the client's model name put back."""
+                        metrics: GatewayMetrics, received: float, write_timeout: float) -> web.StreamResponse:
+    """The upstream's SSE events, each relayed as it arrives with the client's model name put back; a
+    client that takes nothing for `write_timeout` seconds is cut off (ConnectionResetError)."""
     response = await start_sse(request, pool.name)
+
+    async def write(data: bytes) -> None:
+        try:
+            await asyncio.wait_for(response.write(data), write_timeout)
+        except TimeoutError:
+            metrics.client_write_timeouts.labels(pool=pool.name).inc()
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError(f"the client read nothing for {write_timeout:g} s "
+                                       "(gateway.write_timeout): relay aborted") from None
+
     first = True
     buffer = b""
     async for data in upstream.content.iter_any():
         buffer += data
         *events, buffer = buffer.split(b"\n\n")
         for event in events:
-            await response.write(_relay_event(event, client_model) + b"\n\n")
+            await write(_relay_event(event, client_model) + b"\n\n")
             if first and event.startswith(b"data: {"):
                 metrics.ttft.labels(pool=pool.name).observe(time.perf_counter() - received)
                 first = False
     if buffer.strip():
-        await response.write(_relay_event(buffer, client_model) + b"\n\n")
+        await write(_relay_event(buffer, client_model) + b"\n\n")
     metrics.e2e.labels(pool=pool.name).observe(time.perf_counter() - received)
     await response.write_eof()
     return response

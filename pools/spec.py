@@ -205,6 +205,7 @@ class PoolSpec:
     victim_policy: str = "reverse_fifo"  # reverse_fifo | longest_first | least_progress | lru | priority
     swap_space_bytes: int = 0
     enable_prefix_caching: bool = True
+    share_prefix_cache: bool = False     # tenants reuse each other's cached prompt blocks (else one partition each)
     slo: LatencySLO | None = None        # interactive pool: latency targets; None: throughput pool
     max_queue_seconds: float | None = None   # queued for KV credits longer: 503; None: waits; 0: 429 when full
     death_spiral: SpiralConfig = field(default_factory=SpiralConfig)   # the detector's thresholds (pools.spiral)
@@ -261,6 +262,8 @@ class PoolSpec:
             self.scheduler_config(self.max_num_seqs or 1, self.max_model_len or 0)
         if not isinstance(self.enable_prefix_caching, bool):
             raise SpecError(f"enable_prefix_caching: must be true or false, got {show(self.enable_prefix_caching)}")
+        if not isinstance(self.share_prefix_cache, bool):
+            raise SpecError(f"share_prefix_cache: must be true or false, got {show(self.share_prefix_cache)}")
         if self.slo is not None and not isinstance(self.slo, LatencySLO):
             raise SpecError(f"slo: must be a mapping with ttft_ms and itl_ms, got {show(self.slo)}")
         if self.max_queue_seconds is not None and (not is_number(self.max_queue_seconds)
@@ -327,6 +330,21 @@ class Backoff:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for (YAML `gateway.limits`). The gateway answers a request over a
+    limit with a 400 naming the field, before it tokenizes or reserves anything, so no single
+    request can occupy the event loop or the engine for everyone else."""
+
+    max_prompts: int = 256        # entries of a completions `prompt` list
+    max_choices: int = 1024       # n x prompts: the engine requests one HTTP request may start
+    max_messages: int = 2048      # entries of a chat `messages` list
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_int(f"limits.{f.name}", getattr(self, f.name), min_value=1)
+
+
+@dataclass(frozen=True)
 class GatewaySpec:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -334,6 +352,10 @@ class GatewaySpec:
     max_body_bytes: int = 8 << 20
     api_keys_env: str | None = DEFAULT_API_KEYS_ENV  # where extra keys came from (already in api_keys)
     restart_backoff: Backoff = field(default_factory=Backoff)   # between restarts of a dead device worker
+    write_timeout: float = 30.0          # seconds a client may leave a stream unread before it is aborted
+    stall_seconds: float = 10.0          # a worker with work that says nothing this long is restarted
+    metrics_auth: bool = False           # /metrics and the dashboard need an API key too
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         _check_str("host", self.host)
@@ -346,6 +368,14 @@ class GatewaySpec:
         _check_str("api_keys_env", self.api_keys_env, optional=True)
         if not isinstance(self.restart_backoff, Backoff):
             raise SpecError(f"restart_backoff: must be a Backoff, got {show(self.restart_backoff)}")
+        for key in ("write_timeout", "stall_seconds"):
+            value = getattr(self, key)
+            if not is_number(value) or not math.isfinite(value) or value <= 0:
+                raise SpecError(f"{key}: must be a number of seconds > 0, got {show(value)}")
+        if not isinstance(self.metrics_auth, bool):
+            raise SpecError(f"metrics_auth: must be true or false, got {show(self.metrics_auth)}")
+        if not isinstance(self.limits, RequestLimits):
+            raise SpecError(f"limits: must be a RequestLimits, got {show(self.limits)}")
 
 
 @dataclass(frozen=True)
@@ -421,14 +451,16 @@ class CliffguardConfig:
 # --- YAML -----------------------------------------------------------------------------------------
 
 _TOP_KEYS = ("gateway", "devices", "pools", "tenants")
-_GATEWAY_KEYS = ("host", "port", "api_keys", "api_keys_env", "max_body_bytes", "restart_backoff")
+_GATEWAY_KEYS = ("host", "port", "api_keys", "api_keys_env", "max_body_bytes", "restart_backoff", "write_timeout",
+                 "stall_seconds", "metrics_auth", "limits")
+_LIMITS_KEYS = tuple(f.name for f in dataclasses.fields(RequestLimits))
 _BACKOFF_KEYS = tuple(f.name for f in dataclasses.fields(Backoff))
 _DEVICE_KEYS = ("device", "memory", "memory_utilization", "dtype", "tensor_parallel_size")
 _ROUTE_KEYS = ("min_prompt_tokens", "max_prompt_tokens")
 _COMMON_POOL_KEYS = ("name", "model", "route", "served_model_name", "max_model_len")
 _LOCAL_POOL_KEYS = ("device", "kv_share", "kv_cache_bytes", "avg_len", "block_size", "max_num_batched_tokens",
                     "max_num_seqs", "preemption_mode", "victim_policy", "swap_space", "enable_prefix_caching",
-                    "slo", "max_queue_seconds", "death_spiral")
+                    "share_prefix_cache", "slo", "max_queue_seconds", "death_spiral")
 _SLO_KEYS = ("ttft_ms", "itl_ms")
 _SPIRAL_KEYS = tuple(f.name for f in dataclasses.fields(SpiralConfig))   # the detector's own fields
 _UPSTREAM_POOL_KEYS = ("upstream", "upstream_api_key_env", "tokenizer")
@@ -459,7 +491,12 @@ def _parse_gateway(raw: Any, env: Mapping[str, str]) -> GatewaySpec:
     _check_str("gateway.api_keys_env", env_name, optional=True)
     if env_name:
         keys += [k.strip() for k in env.get(env_name, "").split(",") if k.strip()]
-    kwargs: dict[str, Any] = {k: raw[k] for k in ("host", "port") if k in raw}
+    kwargs: dict[str, Any] = {k: raw[k] for k in ("host", "port", "write_timeout", "stall_seconds", "metrics_auth")
+                              if k in raw}
+    if raw.get("limits") is not None:
+        limits = check_mapping("gateway.limits", raw["limits"], _LIMITS_KEYS)
+        with within("gateway"):
+            kwargs["limits"] = RequestLimits(**limits)
     if "max_body_bytes" in raw:
         kwargs["max_body_bytes"] = parse_bytes(raw["max_body_bytes"], "gateway.max_body_bytes")
     if raw.get("restart_backoff") is not None:

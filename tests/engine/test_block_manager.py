@@ -191,6 +191,26 @@ def test_prefix_hit_shares_revives_and_counts():
     assert bm.num_free_blocks == 64
 
 
+def test_a_cache_salt_partitions_the_prefix_cache():
+    # Two tenants send the same prompt: neither finds the other's blocks; the same tenant does.
+    bm = _make_cached_bm()
+    prompt = list(range(2000, 2100))                       # 6 full blocks + 4
+    ta: list[int] = []
+    assert bm.acquire_cached(ta, prompt, "tenant-a") == 0
+    bm.allocate(ta, len(prompt))
+    bm.register_computed(ta, prompt, len(prompt), "tenant-a")
+    for salt, hit in [("tenant-b", 0), (None, 0), ("tenant-a", 96)]:
+        t: list[int] = []
+        assert bm.acquire_cached(t, prompt + [5], salt) == hit, salt
+        bm.allocate(t, len(prompt) + 1)
+        bm.register_computed(t, prompt + [5], len(prompt) + 1, salt)
+        bm.check_integrity([ta, t])
+        bm.free(t)
+    bm.free(ta)
+    bm.check_integrity([])
+    assert bm.num_free_blocks == bm.num_blocks
+
+
 def test_acquire_leaves_the_last_token_to_compute():
     bm = _make_cached_bm(block_size=16)
     prompt = list(range(64))                                # exactly 4 full blocks

@@ -136,6 +136,13 @@ BAD = {
     "death_spiral enabled string": (_set("pools/0/death_spiral", {"enabled": "off"}),
                                     ["pools[0].death_spiral.enabled", "'off'"]),
     "death_spiral on upstream": (_set("pools/2/death_spiral", False), ["pools[2].death_spiral", "upstream"]),
+    "write_timeout zero": (_set("gateway/write_timeout", 0), ["gateway.write_timeout", "> 0", "got 0"]),
+    "stall_seconds string": (_set("gateway/stall_seconds", "10s"), ["gateway.stall_seconds", "'10s'"]),
+    "metrics_auth string": (_set("gateway/metrics_auth", "yes"), ["gateway.metrics_auth", "'yes'"]),
+    "unknown limits key": (_set("gateway/limits", {"max_prompt": 5}), ["gateway.limits.max_prompt", "max_prompts"]),
+    "limits max_prompts zero": (_set("gateway/limits", {"max_prompts": 0}),
+                                ["gateway.limits.max_prompts", ">= 1", "got 0"]),
+    "share_prefix_cache string": (_set("pools/0/share_prefix_cache", "no"), ["pools[0].share_prefix_cache", "'no'"]),
 }
 
 
@@ -329,3 +336,14 @@ def test_dataclasses_validate_on_construction():
     with pytest.raises(SpecError, match="^memory: must be >= 1"):
         DeviceSpec(memory_bytes=0)
     assert DeviceSpec().memory_bytes is None and DEFAULT_CPU_MEMORY == 4 << 30
+
+
+def test_gateway_fault_timers_limits_and_cache_sharing_load():
+    config = load_config(_make_yaml(_both(
+        _set("gateway/write_timeout", 5), _set("gateway/stall_seconds", 2.5), _set("gateway/metrics_auth", True),
+        _set("gateway/limits", {"max_prompts": 8, "max_messages": 16}), _set("pools/0/share_prefix_cache", True))),
+        env={})
+    gateway = config.gateway
+    assert (gateway.write_timeout, gateway.stall_seconds, gateway.metrics_auth) == (5, 2.5, True)
+    assert (gateway.limits.max_prompts, gateway.limits.max_choices, gateway.limits.max_messages) == (8, 1024, 16)
+    assert config.pools[0].share_prefix_cache and not config.pools[1].share_prefix_cache
