@@ -7,7 +7,7 @@
 #   mkdir -p .gpu/smollm2 && cp <converted builtin model>/{config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu/smollm2/
 # (the converted builtin model is the folder under ~/.cache/cliffguard/models/ that `make serve` made). The
 # simulate step gives that SmolLM2 shape random weights there (transformers) and validates the simulator on
-# a machine whose speed holds still (issue 14; GPU_STEPS=simulate runs it alone: about 20 minutes).
+# a machine whose speed holds still (GPU_STEPS=simulate runs it alone: about 20 minutes).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are a short summary.
 set -u
 OUT=${OUT:-gpu-out}

@@ -4,7 +4,7 @@ and the automatic prefix cache.
 No torch here: the tensor that backs the blocks lives in `engine.kv_cache`; this module only decides
 which block ids a sequence owns. A pool owns the contiguous id range
 `[first_block, first_block + num_blocks)` of its device's KV tensor, so pools on one device never
-share a block (DESIGN.md invariant 3).
+share a block.
 """
 
 from __future__ import annotations

@@ -554,7 +554,8 @@ class LLMEngine:
 
     # --- invariants ------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Every pool's allocator agrees with its live sequences (DESIGN.md invariant 2 and 3)."""
+        """Every pool's allocator agrees with its live sequences: each block is free, cached-free or owned,
+        and a pool's requests hold only that pool's blocks."""
         for scheduler in self.schedulers.values():
             scheduler.check_integrity()
             for seq in scheduler.running:

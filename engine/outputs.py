@@ -55,7 +55,7 @@ class SampleDelta:
 @dataclass
 class RequestDelta:
     """What the device worker sends for a request after a step: only the changes since its previous
-    report, so the bytes per step do not grow with the prompt or the output (STYLE.md rule 16).
+    report, so the bytes per step do not grow with the prompt or the output.
     `metrics` (queue time, time to first token) travel once, with the final delta."""
 
     request_id: str

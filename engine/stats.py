@@ -1,6 +1,6 @@
 """Typed records the device worker sends the gateway: what it loaded (`WorkerInfo`) and how its pools
-are doing (`EngineStats`). Plain dataclasses of numbers, pickled over the worker's pipe (STYLE.md
-rule 16): the gateway reads attributes, never dict keys with defaults.
+are doing (`EngineStats`). Plain dataclasses of numbers, pickled over the worker's pipe: the gateway
+reads attributes, never dict keys with defaults.
 """
 
 from __future__ import annotations

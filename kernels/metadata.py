@@ -1,6 +1,6 @@
 """Per-step attention metadata: where each token's K/V goes and which blocks each sequence reads.
 
-Built once per engine step by the model runner and handed down to every layer (STYLE.md rule 11).
+Built once per engine step by the model runner and handed down to every layer.
 Tokens are laid out flat, sequence after sequence, with no padding: sequence `i` owns query rows
 `query_start_loc[i]:query_start_loc[i+1]`, which are its last `query_len` positions out of `seq_len`.
 """

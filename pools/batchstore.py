@@ -51,7 +51,7 @@ content stays in `files.content` (empty for files written by version 3).
 Thread rule: one connection, guarded by a lock, so any thread may call any method (the gateway calls
 them from one worker thread, off its event loop). A method that cannot read or write the database now
 (disk full, database locked past the busy timeout, an I/O error) raises one of STORAGE_ERRORS and
-changes nothing. Stdlib only; no aiohttp (DESIGN.md layers).
+changes nothing. Stdlib only; no aiohttp (the pools package never imports it).
 """
 
 from __future__ import annotations

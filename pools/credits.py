@@ -1,7 +1,7 @@
 """KV credits: the gateway's ledger of a pool's KV token slots, and the fair queue in front of it.
 
-The idea is the seed's virtual channels (`../shared/seeds/004_…`): the ledger starts with one credit
-per KV token slot of the pool (blocks x block_size, from the capacity plan). Admitting a request
+The idea is virtual channels with KV-slot credits: the ledger starts with one credit per KV token slot
+of the pool (blocks x block_size, from the capacity plan). Admitting a request
 deducts `prompt_tokens + max_tokens` (the prompt part is exact: the gateway tokenized it); when the
 request finishes, stops early or is aborted, everything it held comes back at once. A request that
 does not fit waits here, not in the engine, so the engine's waiting lists stay short and nothing is
@@ -26,7 +26,7 @@ than the ledger's admitted requests hold (an abort the worker has not processed 
 release), the difference is held "outside" until the next report, so the ledger never promises KV
 the engine does not have; it comes back when the worker reports it free.
 
-Ints only, no asyncio, no locks: the gateway calls it from its event loop (STYLE.md rule 1: tested in
+Ints only, no asyncio, no locks: the gateway calls it from its event loop (ints, so it is tested in
 milliseconds). `pools.admission` is the async layer the gateway awaits.
 """
 

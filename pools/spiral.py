@@ -1,9 +1,9 @@
 """Death-spiral detection for one pool, from two of its counters: preemptions and generated tokens.
 
-The seed's eviction cascade (`../shared/seeds/000_…`, section 4): preempted requests are queued
-again and recompute when readmitted, so the pool spends its steps re-prefilling while the tokens it
-generates stall. "If num_preemptions is rising while throughput is flat, you are in a death spiral"
-(vllm#37307 saw decode fall from ~100 to 1.5 tok/s per GPU in such a preempt/readmit loop).
+The eviction cascade: preempted requests are queued again and recompute when readmitted, so the pool
+spends its steps re-prefilling while the tokens it generates stall. "If num_preemptions is rising
+while throughput is flat, you are in a death spiral" (vllm#37307 saw decode fall from ~100 to 1.5 tok/s
+per GPU in such a preempt/readmit loop).
 
 `SpiralDetector` is fed samples `(time, preemptions total, generated tokens total)` of one pool and
 judges the last `window_seconds` each time a sample arrives. It **trips** when
