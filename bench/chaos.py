@@ -168,6 +168,7 @@ class StreamTally:
 
     @property
     def answers(self) -> int:
+        """How many complete answers the stream held (see the class)."""
         if not (self.num_done or self.num_errors or self.finishes):
             return 0
         return max(self.num_done, self.num_errors, self.num_usage, len(self.ids),
@@ -277,6 +278,7 @@ class Sample:
 
     @property
     def credits_full(self) -> bool:
+        """Every pool's credits are free (and /metrics named at least one pool)."""
         return bool(self.credits) and all(free == total for free, total in self.credits.values())
 
 
@@ -403,6 +405,7 @@ class Chaos:
     records: list[SteadyRecord] = field(default_factory=list)
 
     def now(self) -> float:
+        """Seconds since the run's start."""
         return time.perf_counter() - self.start
 
     def chat_ok(self) -> list[tuple[float, float]]:
@@ -422,6 +425,7 @@ class Shot:
 
     @property
     def seconds(self) -> float | None:
+        """How long the answer took (None: no answer yet)."""
         return None if self.end_s is None else self.end_s - self.sent_s
 
 
@@ -856,14 +860,14 @@ def write_timeline(report: dict[str, Any], raw: dict[str, Any], path: Path) -> N
         ttft_ax.text(f["start_s"], top, f["title"], fontsize=8, va="bottom")
     ttft_ax.set_yscale("log")
     ttft_ax.set_ylabel("TTFT (s), by send time")
-    ttft_ax.legend(loc="upper right", fontsize="small")
+    ttft_ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     samples = raw["samples"]
     rss_ax.plot([s.t_s for s in samples], [(s.rss_bytes or 0) / 2**20 for s in samples], label="gateway RSS (MiB)")
     down = [s.t_s for s in samples if not s.ready]
     rss_ax.scatter(down, [0] * len(down), marker="|", color="red", label="/ready not 200")
     rss_ax.set_ylabel("MiB")
     rss_ax.set_xlabel("seconds since start (shaded: fault windows; dashed: recovered)")
-    rss_ax.legend(loc="upper left", fontsize="small")
+    rss_ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     fig.suptitle(f"bench chaos: {report['date']}, commit {report['commit']}")
     fig.savefig(path, dpi=100)
 
@@ -878,6 +882,7 @@ def raw_json(raw: dict[str, Any]) -> dict[str, Any]:
 # --- the command ----------------------------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `cliffguard bench chaos`."""
     p.add_argument("--config", default=None, help="pools YAML to serve, used as is (default: config/pools.yaml "
                    "with the gateway's fault timers shortened: write_timeout 3 s, stall_seconds 4 s, restart "
                    "back-off from 0.2 s)")
@@ -946,21 +951,30 @@ def _commit() -> str:
     return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def _log_summary(log: Sequence[str]) -> tuple[dict[str, int], list[str]]:
-    """Counts of the server's WARNING, ERROR and CRITICAL lines and tracebacks, and those lines (200 at most)."""
-    bad = [line.rstrip() for line in log if re.search(r" (WARNING|ERROR|CRITICAL) |^Traceback", line)]
-    return dict(Counter(_level(line) for line in bad)), bad[:200]
-
-
-def _level(line: str) -> str:
-    match = re.search(r" (WARNING|ERROR|CRITICAL) ", line)
-    return match.group(1) if match else "Traceback"
+def _log_summary(log: Sequence[str], max_lines: int = 400) -> tuple[dict[str, int], list[str]]:
+    """Counts of the server's WARNING, ERROR and CRITICAL lines and tracebacks, and those lines with each
+    traceback's body (up to the next timestamped line; `max_lines` in all)."""
+    counts: Counter = Counter()
+    kept: list[str] = []
+    in_traceback = False
+    for line in log:
+        level = re.search(r" (WARNING|ERROR|CRITICAL) ", line)
+        in_body = in_traceback and not re.match(r"\d{4}-\d\d-\d\d |cliffguard: |loading ", line)
+        if level or line.startswith("Traceback"):
+            counts[level.group(1) if level else "Traceback"] += 1
+            in_traceback = line.startswith("Traceback")
+        elif not in_body:
+            in_traceback = False
+            continue
+        kept.append(line.rstrip())
+    return dict(counts), kept[:max_lines]
 
 
 def run(args: argparse.Namespace) -> int:
     """`cliffguard bench chaos`: 0 when the goal was met, 1 when not (2 for bad options, from the CLI)."""
     phases = check_args(args)
     out = _out_dir(args.out) if args.out else None
+    date, commit = datetime.datetime.now().astimezone().isoformat(timespec="seconds"), _commit()   # what is served
     with tempfile.TemporaryDirectory(prefix="cliffguard-chaos-") as folder:
         config = Path(args.config) if args.config else chaos_config(DEFAULT_CONFIG, Path(folder))
         with LiveServer(config) as server:
@@ -971,7 +985,7 @@ def run(args: argparse.Namespace) -> int:
         f"restart back-off from {FAULT_TIMERS['restart_backoff']['initial_seconds']:g} s")
     counts, bad_lines = _log_summary(log)
     meta = {"config": str(args.config or DEFAULT_CONFIG.relative_to(REPO)), "timers": timers,
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "commit": _commit(),
+            "date": date, "commit": commit,
             "load": f"chat {args.rate:g} req/s ({CHAT_WORDS}-word prompts, {CHAT_TOKENS} tokens, streamed), rag-ish "
                     f"{args.rag_rate:g} req/s ({RAG_WORDS}-word prompts, {RAG_TOKENS} tokens)",
             "phases": asdict(phases), "seed": args.seed, "server_log_counts": counts}

@@ -15,7 +15,7 @@ import pytest
 
 from bench.chaos import (DEFAULT_CONFIG, FAULTS, GOAL_RECOVERY_S, FaultRun, Sample, Shot, SteadyRecord, StreamTally,
                          account, build_report, chaos_config, format_report, is_running, parse_credits, plan_steady,
-                         recovery_time, rss_bytes, window_ttft_p99, worker_pid)
+                         recovery_time, rss_bytes, window_ttft_p99, worker_pid, _log_summary)
 from bench.serve import DONE
 from gateway.cli import main
 from pools.spec import load_config
@@ -167,6 +167,16 @@ def test_credits_from_metrics_text():
     assert parse_credits(text) == {"chat": (10.0, 10.0), "rag": (5.0, 8.0)}
     assert not Sample(0.0, True, 0.0, parse_credits(text), None).credits_full
     assert not Sample(0.0, True, 0.0, {}, None).credits_full
+
+
+def test_server_log_keeps_warnings_errors_and_whole_tracebacks():
+    log = ["cliffguard: serving on http://127.0.0.1:1 (pools: chat)\n", "2026-01-01 00:00:00,000 gw INFO fine\n",
+           "2026-01-01 00:00:01,000 gw WARNING slow client\n", "2026-01-01 00:00:02,000 aiohttp.server ERROR oops\n",
+           "Traceback (most recent call last):\n", '  File "x.py", line 1, in f\n', "ConnectionResetError: gone\n",
+           "2026-01-01 00:00:03,000 gw INFO fine again\n", "loading model: 50%\n"]
+    counts, kept = _log_summary(log)
+    assert counts == {"WARNING": 1, "ERROR": 1, "Traceback": 1}
+    assert kept == [line.rstrip() for line in log[2:7]]
 
 
 def test_worker_pid_picks_the_spawned_child_not_the_resource_tracker():
