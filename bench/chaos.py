@@ -1,7 +1,7 @@
 """`cliffguard bench chaos`: does the gateway lose, duplicate or stall requests while things go wrong?
 
 Starts `cliffguard serve` (`LiveServer`) on `--config` (default: config/pools.yaml, in a temporary copy
-with the gateway's fault timers shortened: `write_timeout` 3 s, `stall_seconds` 4 s, restart back-off
+with the gateway's fault timers shortened: `write_timeout` 3 s, `stall_seconds` 6 s, restart back-off
 from 0.2 s) and drives it over HTTP with a steady open-loop load: short streamed chat requests as a
 Poisson process (`--rate`, 16 output tokens) and a few longer rag-ish completion prompts (`--rag-rate`,
 ~256 prompt tokens). Every steady request carries a unique id (in `user` and in its prompt); each
@@ -64,7 +64,7 @@ from bench.simulate import _out_dir
 from pools.workload import latency_stats
 
 DEFAULT_CONFIG = REPO / "config" / "pools.yaml"
-FAULT_TIMERS = {"write_timeout": 3.0, "stall_seconds": 4.0,
+FAULT_TIMERS = {"write_timeout": 3.0, "stall_seconds": 6.0,
                 "restart_backoff": {"initial_seconds": 0.2, "factor": 2, "max_seconds": 2, "reset_after_seconds": 60}}
 GOAL_RECOVERY_S = 15.0
 SAMPLE_INTERVAL_S = 0.25
@@ -884,7 +884,7 @@ def raw_json(raw: dict[str, Any]) -> dict[str, Any]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `cliffguard bench chaos`."""
     p.add_argument("--config", default=None, help="pools YAML to serve, used as is (default: config/pools.yaml "
-                   "with the gateway's fault timers shortened: write_timeout 3 s, stall_seconds 4 s, restart "
+                   "with the gateway's fault timers shortened: write_timeout 3 s, stall_seconds 6 s, restart "
                    "back-off from 0.2 s)")
     p.add_argument("--rate", type=float, default=1.0, help="steady chat requests per second (default 1)")
     p.add_argument("--rag-rate", type=float, default=0.05, help="steady rag-ish requests per second (default 0.05)")

@@ -84,13 +84,15 @@ class AdmissionControl:
     tenants: Tenants
     pools: dict[str, Pool]                 # local pools only, each with its `admission`
     metrics: AdmissionMetrics
+    max_num_seqs: dict[str, int] = field(default_factory=dict)   # pool -> sequences it runs at once (the plan's)
     _ticker: Ticker | None = field(default=None, repr=False)
     _seen: dict[str, float] = field(default_factory=dict, repr=False)   # pool -> `taken_at` reconciled last
 
     @classmethod
     def build(cls, tenants: Tenants, pools: Sequence[Pool], registry: CollectorRegistry,
-              credits: dict[str, int]) -> AdmissionControl:
-        """One Admission per local pool, `credits[name]` KV token slots each (the capacity plan's)."""
+              credits: dict[str, int], max_num_seqs: dict[str, int] | None = None) -> AdmissionControl:
+        """One Admission per local pool, `credits[name]` KV token slots each (the capacity plan's);
+        `max_num_seqs[name]` refuses at once an `n` the pool's engine would refuse."""
         policies = tenants.policies
         local = {}
         for pool in pools:
@@ -99,7 +101,7 @@ class AdmissionControl:
             pool.admission = Admission(pool.name, credits[pool.name], tenants=policies,
                                        max_queue_seconds=pool.spec.max_queue_seconds)
             local[pool.name] = pool
-        return cls(tenants, local, AdmissionMetrics(registry))
+        return cls(tenants, local, AdmissionMetrics(registry), dict(max_num_seqs or {}))
 
     def tenant_of(self, request: web.Request) -> str:
         """The tenant of the request's API key: whose credits it spends, and who owns what it creates."""
@@ -131,6 +133,10 @@ class AdmissionControl:
         needs = {}
         for name, prompt_lens in lens.items():
             pool = self.pools[name]
+            limit = self.max_num_seqs.get(name)
+            if limit is not None and n > limit:   # the engine refuses it too, but only once its worker is up
+                raise ApiError(400, f"n: {n} samples run together, and pool {name!r} runs at most max_num_seqs "
+                               f"{limit} sequences at once", param="n")
             need = reservation(prompt_lens, max_tokens, n, block_size=pool.spec.block_size,
                                max_model_len=pool.max_model_len)
             total = pool.admission.total

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -19,11 +20,17 @@ from aiohttp import web
 
 from gateway import openai_api as api
 from gateway.openai_api import ApiError, ChatRequest, CompletionRequest
-from gateway.responses import LocalResponse
+from gateway.responses import ClientGone, LocalResponse
 from gateway.runtime import GATEWAY, Gateway, model_not_found
 from gateway.upstream import forward, redact
 from pools.pool import Pool
 from pools.router import UnknownModelError
+
+log = logging.getLogger("cliffguard.gateway")
+
+# A request the device worker died under before it produced anything runs again this many times on
+# the restarted worker (its client sees one answer); past that, or once output was sent, 503 engine_dead.
+ENGINE_DEATH_RETRIES = 1
 
 
 async def read_json(request: web.Request) -> Any:
@@ -64,7 +71,18 @@ async def _serve(request: web.Request | None, gateway: Gateway, req: ChatRequest
                  routed: Sequence[tuple[Pool, list[int]]], body: dict[str, Any], path: str,
                  received: float, tenant: str, background: bool = False) -> web.StreamResponse | dict[str, Any]:
     """Answer routed prompts: from the upstream pool (`path` there) or from the local pools once their
-    KV credits are held. Without `request` (a batch line): the JSON body, nothing streamed."""
+    KV credits are held. Without `request` (a batch line): the JSON body, nothing streamed. A client
+    that went away (or stopped reading) gets nothing more: its closed connection is returned as is."""
+    try:
+        return await _answer_routed(request, gateway, req, routed, body, path, received, tenant, background)
+    except ClientGone as exc:
+        log.info("%s %s: %s", request.method if request is not None else "batch", path, exc)
+        return web.Response(status=499)   # nginx's "client closed request"; nobody reads it
+
+
+async def _answer_routed(request: web.Request | None, gateway: Gateway, req: ChatRequest | CompletionRequest,
+                         routed: Sequence[tuple[Pool, list[int]]], body: dict[str, Any], path: str,
+                         received: float, tenant: str, background: bool) -> web.StreamResponse | dict[str, Any]:
     for pool, ids in routed:
         gateway.metrics.routed.labels(pool=pool.name).inc()
         api.check_context(req, len(ids), pool.max_model_len, pool.name)
@@ -85,11 +103,16 @@ async def _serve(request: web.Request | None, gateway: Gateway, req: ChatRequest
     async with admission.admitted(routed, max_tokens=req.params.max_tokens, n=req.params.n,
                                   request_id=api.new_id("adm"), tenant=tenant, priority=req.priority,
                                   background=background, max_tokens_param=req.max_tokens_param):
-        for pool, _ in routed:
-            await gateway.wait_device(pool)
-        local = LocalResponse(request, req, routed, received=received, metrics=gateway.metrics,
-                              write_timeout=gateway.config.gateway.write_timeout, tenant=tenant)
-        await local.run()
+        for attempt in range(1 + ENGINE_DEATH_RETRIES):
+            for pool, _ in routed:
+                await gateway.wait_device(pool)
+            local = LocalResponse(request, req, routed, received=received, metrics=gateway.metrics,
+                                  write_timeout=gateway.config.gateway.write_timeout, tenant=tenant)
+            await local.run()
+            if not local.retryable:
+                break
+            log.warning("%s: the device worker died before it produced anything (%s); running it again on the "
+                        "restarted worker (attempt %d)", local.request_id, local.error.message, attempt + 2)
     # The engine is done with every request: its credits are back, however slowly the client reads.
     return await (local.finish() if request is not None else local.result())
 

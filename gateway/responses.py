@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -37,6 +38,15 @@ from pools.pool import Pool
 
 Routed = Sequence[tuple[Pool, list[int]]]   # each prompt's pool and token ids
 log = logging.getLogger("cliffguard.gateway")
+
+# A stream's socket send buffer. Loopback autotuning grows it to megabytes, which a client that never
+# reads fills before any write blocks: with this, `write_timeout` starts counting after ~256 KiB.
+STREAM_SNDBUF_BYTES = 256 << 10
+
+
+class ClientGone(ConnectionResetError):
+    """The client went away or read nothing for `write_timeout`: its connection is closed and there is
+    nothing left to answer (the handler returns quietly; the engine requests were aborted)."""
 
 
 @dataclass
@@ -143,12 +153,12 @@ class LocalResponse:
         self._closing = False                            # the last chunk is queued
         self._writer: asyncio.Task | None = None
         self._runner: asyncio.Task | None = None
-        self._write_error: ConnectionError | None = None   # the client stopped reading or went away
+        self._write_error: ClientGone | None = None   # the client stopped reading or went away
 
     async def run(self) -> None:
         """Consume the engine's deltas until every engine request finished (a stream's chunks are queued
         for the writer as they come). An engine failure is kept in `error` for `finish`; a client that
-        stopped reading ends it early with ConnectionResetError (its requests aborted)."""
+        stopped reading ends it early with ClientGone (its requests aborted)."""
         self._runner = asyncio.ensure_future(self._consume())
         try:
             await self._runner
@@ -180,6 +190,13 @@ class LocalResponse:
         if self._write_error is not None:
             raise self._write_error
         return self.response
+
+    @property
+    def retryable(self) -> bool:
+        """The engine died before this response produced anything (no token, no chunk): it can run again
+        on the restarted worker without the client seeing a duplicate."""
+        return (self.error is not None and self.error.code == "engine_dead" and not self._first_at
+                and self._writer is None)
 
     async def result(self) -> dict[str, Any]:
         """After `run`, without an HTTP request (batch lines): the JSON body; an engine failure raises
@@ -268,7 +285,7 @@ class LocalResponse:
     async def _write(self) -> None:
         """Start the SSE response, write the queued events as the client takes them, end the stream
         once `finish` queued the last. A client that takes nothing for `write_timeout` seconds, or
-        that is gone, stops the engine side (`run` raises ConnectionResetError)."""
+        that is gone, stops the engine side (`run` raises ClientGone)."""
         try:
             if self.response is None:
                 self.response = await asyncio.wait_for(start_sse(self.request, self.pool_header),
@@ -284,14 +301,14 @@ class LocalResponse:
         except TimeoutError:
             self._client_stalled()
         except (ConnectionError, RuntimeError) as exc:   # RuntimeError: aiohttp's "transport is closing"
-            self._write_error = ConnectionResetError(f"client went away: {exc}")
+            self._write_error = ClientGone(f"client went away: {exc}")
             self._chunks.clear()
         if self._runner is not None and not self._runner.done():
             self._runner.cancel()
 
     def _client_stalled(self) -> None:
         pool = self.routed[0][0].name
-        self._write_error = ConnectionResetError(f"the client read nothing for {self.write_timeout:g} s "
+        self._write_error = ClientGone(f"the client read nothing for {self.write_timeout:g} s "
                                                  "(gateway.write_timeout): stream aborted")
         log.warning("%s (pool %s): the client read nothing for %g s (gateway.write_timeout); aborting the "
                     "stream and its engine requests", self.request_id, pool, self.write_timeout)
@@ -326,5 +343,9 @@ async def start_sse(request: web.Request, pool_header: str) -> web.StreamRespons
     """A prepared `text/event-stream` response naming the pool(s) in `x-cliffguard-pool`."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "x-cliffguard-pool": pool_header})
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF_BYTES)
     await response.prepare(request)
     return response

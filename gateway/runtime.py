@@ -158,7 +158,8 @@ class Gateway:
                       backoff=config.gateway.restart_backoff)
         credits = {name: p.num_blocks * p.block_size for name, p in plan.pools.items()}
         gateway.admission = AdmissionControl.build(Tenants(config.tenants), list(pools.values()),
-                                                   gateway.metrics.registry, credits)
+                                                   gateway.metrics.registry, credits,
+                                                   {name: p.max_num_seqs for name, p in plan.pools.items()})
         gateway.spiral = SpiralWatch(pools, gateway.metrics)
         return gateway
 

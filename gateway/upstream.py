@@ -25,7 +25,7 @@ from yarl import URL
 
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ApiError
-from gateway.responses import start_sse
+from gateway.responses import ClientGone, start_sse
 from pools.pool import Pool
 
 
@@ -99,7 +99,7 @@ async def _relay_error(pool: Pool, upstream: aiohttp.ClientResponse) -> web.Resp
 async def _relay_stream(request: web.Request, pool: Pool, upstream: aiohttp.ClientResponse, client_model: str,
                         metrics: GatewayMetrics, received: float, write_timeout: float) -> web.StreamResponse:
     """The upstream's SSE events, each relayed as it arrives with the client's model name put back; a
-    client that takes nothing for `write_timeout` seconds is cut off (ConnectionResetError)."""
+    client that takes nothing for `write_timeout` seconds is cut off (ClientGone)."""
     response = await start_sse(request, pool.name)
 
     async def write(data: bytes) -> None:
@@ -109,8 +109,8 @@ async def _relay_stream(request: web.Request, pool: Pool, upstream: aiohttp.Clie
             metrics.client_write_timeouts.labels(pool=pool.name).inc()
             if request.transport is not None:
                 request.transport.abort()
-            raise ConnectionResetError(f"the client read nothing for {write_timeout:g} s "
-                                       "(gateway.write_timeout): relay aborted") from None
+            raise ClientGone(f"the client read nothing for {write_timeout:g} s (gateway.write_timeout): "
+                             "relay aborted") from None
 
     first = True
     buffer = b""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from bench.live import LiveServer
 from tests.conftest import make_tiny_model
 
-__all__ = ["DEFAULT_CONFIG", "LiveServer", "pools_yaml"]
+__all__ = ["DEFAULT_CONFIG", "LiveServer", "pools_yaml", "start_gateway"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -54,3 +55,20 @@ def live_builtin_server():
     server = LiveServer(DEFAULT_CONFIG)
     yield server
     server.stop()
+
+
+async def start_gateway(aiohttp_client, tmp_path: Path, text: str):
+    """(test client, Gateway) of an in-process app over the pool file `text`, once it is ready."""
+    from gateway.app import create_app
+    from gateway.runtime import Gateway
+    from pools.spec import load_config
+
+    path = tmp_path / "pools.yaml"
+    path.write_text(text)
+    gateway = Gateway.from_config(load_config(path))
+    client = await aiohttp_client(create_app(gateway), server_kwargs={"handler_cancellation": True})
+    for _ in range(600):
+        if (await client.get("/ready")).status == 200:
+            return client, gateway
+        await asyncio.sleep(0.1)
+    raise TimeoutError("never ready")

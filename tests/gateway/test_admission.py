@@ -11,6 +11,7 @@ import pytest
 from gateway.app import create_app
 from gateway.runtime import Gateway
 from pools.spec import load_config
+from tests.gateway.conftest import start_gateway
 
 
 def _yaml(model, *, tenants: str = "", chat_kv: str = "64KiB", max_queue: str = "") -> str:
@@ -30,16 +31,6 @@ pools:
 {tenants}"""
 
 
-async def _start(aiohttp_client, tmp_path, text):
-    path = tmp_path / "pools.yaml"
-    path.write_text(text)
-    gateway = Gateway.from_config(load_config(path))
-    client = await aiohttp_client(create_app(gateway), server_kwargs={"handler_cancellation": True})
-    for _ in range(600):
-        if (await client.get("/ready")).status == 200:
-            return client, gateway
-        await asyncio.sleep(0.1)
-    raise TimeoutError("never ready")
 
 
 async def _idle_stats(pool):
@@ -66,7 +57,7 @@ def _record_admissions(pool) -> list[str]:
 
 
 async def test_500_concurrent_requests_on_8_sequences_are_all_answered(aiohttp_client, tmp_path, tiny_model):
-    client, gateway = await _start(aiohttp_client, tmp_path, _yaml(tiny_model))
+    client, gateway = await start_gateway(aiohttp_client, tmp_path, _yaml(tiny_model))
     pool = gateway.pools["chat"]
     plan = gateway.plan.pools["chat"]
     assert (plan.num_blocks, plan.max_num_seqs, pool.admission.total) == (8, 8, 128)
@@ -117,7 +108,7 @@ async def _queued(pool, tenant: str, count: int) -> None:
 
 
 async def test_a_flooding_tenant_does_not_hold_back_a_later_one(aiohttp_client, tmp_path, tiny_model):
-    client, gateway = await _start(aiohttp_client, tmp_path, _yaml(tiny_model, tenants=TENANTS))
+    client, gateway = await start_gateway(aiohttp_client, tmp_path, _yaml(tiny_model, tenants=TENANTS))
     pool = gateway.pools["chat"]
     order = _record_admissions(pool)
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))   # the test client caps at 100
@@ -148,7 +139,7 @@ async def test_a_flooding_tenant_does_not_hold_back_a_later_one(aiohttp_client, 
 
 
 async def test_a_body_priority_is_honoured_only_within_the_tenants_allowance(aiohttp_client, tmp_path, tiny_model):
-    client, gateway = await _start(aiohttp_client, tmp_path, _yaml(tiny_model, tenants=TENANTS))
+    client, gateway = await start_gateway(aiohttp_client, tmp_path, _yaml(tiny_model, tenants=TENANTS))
     pool = gateway.pools["chat"]
     admitted: list[tuple[str, int]] = []     # (ledger request id, priority) in admission order
     admit = pool.admission.ledger.admit
@@ -192,7 +183,7 @@ async def test_a_body_priority_is_honoured_only_within_the_tenants_allowance(aio
 async def test_max_queue_seconds_refuses_with_retry_after_and_leaves_nothing_held(aiohttp_client, tmp_path,
                                                                                   tiny_model, limit, status, code):
     # 0.2: the second request waits 0.2 s, then 503; 0 (reject-when-full): 429 at once
-    client, gateway = await _start(aiohttp_client, tmp_path, _yaml(tiny_model, max_queue=f"max_queue_seconds: {limit}"))
+    client, gateway = await start_gateway(aiohttp_client, tmp_path, _yaml(tiny_model, max_queue=f"max_queue_seconds: {limit}"))
     pool = gateway.pools["chat"]
     body = {"model": tiny_model.name, "prompt": "hello", "max_tokens": 100, "ignore_eos": True}
     # each reserves 7 blocks of the pool's 8: one runs, the other is refused
@@ -211,7 +202,7 @@ async def test_max_queue_seconds_refuses_with_retry_after_and_leaves_nothing_hel
 
 
 async def test_a_client_that_leaves_while_queued_holds_nothing(aiohttp_client, tmp_path, tiny_model):
-    client, gateway = await _start(aiohttp_client, tmp_path, _yaml(tiny_model))
+    client, gateway = await start_gateway(aiohttp_client, tmp_path, _yaml(tiny_model))
     pool = gateway.pools["chat"]
     long = {"model": tiny_model.name, "prompt": "hello", "max_tokens": 100, "ignore_eos": True}
     first = asyncio.create_task(client.post("/v1/completions", json=long))
@@ -235,7 +226,7 @@ async def test_a_client_that_leaves_while_queued_holds_nothing(aiohttp_client, t
 
 async def test_a_request_that_can_never_fit_its_pool_is_refused_naming_max_tokens(aiohttp_client, tmp_path,
                                                                                   tiny_model):
-    client, _ = await _start(aiohttp_client, tmp_path, _yaml(tiny_model))
+    client, _ = await start_gateway(aiohttp_client, tmp_path, _yaml(tiny_model))
     r = await client.post("/v1/completions", json={"model": tiny_model.name, "prompt": "hello", "max_tokens": 100,
                                                    "n": 2})
     assert r.status == 400

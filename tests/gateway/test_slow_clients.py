@@ -10,9 +10,7 @@ import logging
 import pytest
 from aiohttp import web
 
-from gateway.app import create_app
-from gateway.runtime import Gateway
-from pools.spec import load_config
+from tests.gateway.conftest import start_gateway
 
 
 def _yaml(model, write_timeout: float) -> str:
@@ -30,16 +28,6 @@ pools:
 """
 
 
-async def _start(aiohttp_client, tmp_path, text):
-    path = tmp_path / "pools.yaml"
-    path.write_text(text)
-    gateway = Gateway.from_config(load_config(path))
-    client = await aiohttp_client(create_app(gateway), server_kwargs={"handler_cancellation": True})
-    for _ in range(600):
-        if (await client.get("/ready")).status == 200:
-            return client, gateway
-        await asyncio.sleep(0.1)
-    raise TimeoutError("never ready")
 
 
 @pytest.fixture
@@ -67,7 +55,7 @@ async def _until(predicate, timeout: float = 20.0) -> None:
 
 async def test_credits_come_back_when_the_engine_finishes_not_when_the_client_reads(
         aiohttp_client, tmp_path, tiny_model, unread_writes):
-    client, gateway = await _start(aiohttp_client, tmp_path, _yaml(tiny_model, write_timeout=600))
+    client, gateway = await start_gateway(aiohttp_client, tmp_path, _yaml(tiny_model, write_timeout=600))
     admission = gateway.pools["chat"].admission
     pending = asyncio.ensure_future(_stream(client, gateway.pools["chat"].model_name))
     await _until(lambda: admission.free < admission.total)          # admitted: credits held
@@ -81,7 +69,7 @@ async def test_credits_come_back_when_the_engine_finishes_not_when_the_client_re
 
 async def test_a_client_that_reads_nothing_for_write_timeout_is_aborted_and_logged(
         aiohttp_client, tmp_path, tiny_model, unread_writes, caplog):
-    client, gateway = await _start(aiohttp_client, tmp_path, _yaml(tiny_model, write_timeout=0.5))
+    client, gateway = await start_gateway(aiohttp_client, tmp_path, _yaml(tiny_model, write_timeout=0.5))
     admission = gateway.pools["chat"].admission
     with caplog.at_level(logging.WARNING, logger="cliffguard.gateway"):
         outcome = await asyncio.wait_for(asyncio.gather(_stream(client, gateway.pools["chat"].model_name),

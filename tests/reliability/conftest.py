@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
-import subprocess
 import threading
 import time
 import urllib.error
@@ -26,12 +24,14 @@ from typing import Any
 import pytest
 import yaml
 
+from bench.chaos import parse_credits, silent_socket
+from bench.chaos import worker_pid as chaos_worker_pid
 from bench.live import LiveServer
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
 WRITE_TIMEOUT = 3.0
-STALL_SECONDS = 4.0
+STALL_SECONDS = 6.0
 
 
 def reliability_config(tmp: Path) -> Path:
@@ -101,12 +101,7 @@ def chat(url: str, text: str = "Say hi.", max_tokens: int = 8, timeout: float = 
 # --- state ---------------------------------------------------------------------------------------
 def credits(url: str) -> dict[str, tuple[float, float]]:
     """pool -> (free, total) KV credits from /metrics."""
-    text = get(url, "/metrics")[1]
-    out: dict[str, list[float]] = {}
-    for kind, index in (("free", 0), ("total", 1)):
-        for pool, value in re.findall(rf'^cliffguard_kv_credits_{kind}{{pool="([^"]+)"}} (\S+)$', text, re.M):
-            out.setdefault(pool, [0.0, 0.0])[index] = float(value)
-    return {pool: (v[0], v[1]) for pool, v in out.items()}
+    return parse_credits(get(url, "/metrics")[1])
 
 
 def wait_credits_full(url: str, timeout: float) -> None:
@@ -133,13 +128,10 @@ def wait_ready(url: str, timeout: float) -> dict[str, Any]:
 
 
 def worker_pid(server: LiveServer) -> int:
-    """The device worker's pid: the server's child that runs multiprocessing's spawn entry point."""
-    children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
-    for pid in children:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-            return int(pid)
-    raise AssertionError(f"no device worker among {children}")
+    """The device worker's pid (the server's child that runs multiprocessing's spawn entry point)."""
+    pid = chaos_worker_pid(server.proc.pid)
+    assert pid is not None, "no device worker"
+    return pid
 
 
 def resume(pid: int) -> None:
@@ -190,11 +182,4 @@ class Probe:
 def silent_client(url: str, path: str, body: dict[str, Any]) -> socket.socket:
     """Send a POST on a raw socket with a tiny receive buffer and never read the answer (the caller
     closes the socket)."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
-    data = json.dumps(body).encode()
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-    return sock
+    return silent_socket(url, path, body)
