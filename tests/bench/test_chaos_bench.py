@@ -155,7 +155,7 @@ def test_steady_plan_has_unique_ids_in_user_and_prompt():
 def test_config_copy_shortens_the_fault_timers_only(tmp_path):
     path = chaos_config(DEFAULT_CONFIG, tmp_path)
     short, default = load_config(path, env={}), load_config(DEFAULT_CONFIG, env={})
-    assert short.gateway.write_timeout == 3 and short.gateway.stall_seconds == 4
+    assert short.gateway.write_timeout == 3 and short.gateway.stall_seconds == 6
     assert short.gateway.restart_backoff.initial_seconds == 0.2
     assert short.pools == default.pools
 
