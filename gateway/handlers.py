@@ -30,6 +30,8 @@ log = logging.getLogger("cliffguard.gateway")
 
 # A request the device worker died under before it produced anything runs again this many times on
 # the restarted worker (its client sees one answer); past that, or once output was sent, 503 engine_dead.
+# A request that itself kills the worker therefore kills it 1 + this many times. Batch lines are retried
+# by the batch runner instead (a line that kills the worker twice is a poison line).
 ENGINE_DEATH_RETRIES = 1
 
 
@@ -103,16 +105,17 @@ async def _answer_routed(request: web.Request | None, gateway: Gateway, req: Cha
     async with admission.admitted(routed, max_tokens=req.params.max_tokens, n=req.params.n,
                                   request_id=api.new_id("adm"), tenant=tenant, priority=req.priority,
                                   background=background, max_tokens_param=req.max_tokens_param):
-        for attempt in range(1 + ENGINE_DEATH_RETRIES):
+        retries = 0 if background else ENGINE_DEATH_RETRIES   # the batch runner has its own policy
+        for attempt in range(1 + retries):
             for pool, _ in routed:
                 await gateway.wait_device(pool)
             local = LocalResponse(request, req, routed, received=received, metrics=gateway.metrics,
                                   write_timeout=gateway.config.gateway.write_timeout, tenant=tenant)
             await local.run()
-            if not local.retryable:
+            if attempt == retries or not local.retryable:
                 break
             log.warning("%s: the device worker died before it produced anything (%s); running it again on the "
-                        "restarted worker (attempt %d)", local.request_id, local.error.message, attempt + 2)
+                        "restarted worker", local.request_id, local.error.message)
     # The engine is done with every request: its credits are back, however slowly the client reads.
     return await (local.finish() if request is not None else local.result())
 

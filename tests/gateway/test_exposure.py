@@ -7,6 +7,7 @@ from gateway.app import create_app
 from gateway.runtime import Gateway
 from gateway.upstream import redact
 from pools.spec import load_config
+from tests.gateway.conftest import start_gateway
 
 SECRET = "s3cr3t-password"
 
@@ -50,3 +51,39 @@ async def test_an_upstream_password_appears_in_no_answer(aiohttp_client, tmp_pat
 def test_redact_drops_user_and_password():
     assert redact(f"https://admin:{SECRET}@example.com:8443/v1") == "https://example.com:8443/v1"
     assert redact("http://127.0.0.1:9/v1") == "http://127.0.0.1:9/v1"
+
+
+def _cache_yaml(model, share: bool) -> str:
+    return f"""
+gateway: {{api_keys: [sk-a, sk-b]}}
+devices:
+  cpu: {{device: cpu, memory: 256MiB, dtype: float32}}
+pools:
+  - name: chat
+    model: {model}
+    device: cpu
+    kv_cache_bytes: 256KiB
+    avg_len: 64
+    max_model_len: 256
+    share_prefix_cache: {str(share).lower()}
+"""
+
+
+async def test_the_prefix_cache_is_partitioned_per_tenant_unless_the_pool_shares_it(aiohttp_client, tmp_path,
+                                                                                     tiny_model):
+    prompt = list(range(100, 180))   # 80 token ids: 4 full blocks of 16 can be reused
+    for share, hits_for_b in ((False, 0), (True, 64)):
+        client, gateway = await start_gateway(aiohttp_client, tmp_path, _cache_yaml(tiny_model, share))
+        pool = gateway.pools["chat"]
+
+        async def send(key: str) -> int:
+            """The pool's prefix-hit tokens after `key` sent the prompt."""
+            r = await client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                  json={"model": pool.model_name, "prompt": prompt, "max_tokens": 1})
+            assert r.status == 200, await r.text()
+            return (await pool.client.stats()).pools["chat"].num_prefix_hits
+
+        assert await send("sk-a") == 0
+        assert await send("sk-b") == hits_for_b, share       # another tenant: a hit only when shared
+        assert await send("sk-a") == hits_for_b + 64          # the same tenant always hits its own
+        await client.close()
