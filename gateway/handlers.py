@@ -28,8 +28,9 @@ from pools.router import UnknownModelError
 
 log = logging.getLogger("cliffguard.gateway")
 
-# A request the device worker died under before it produced anything runs again this many times on
-# the restarted worker (its client sees one answer); past that, or once output was sent, 503 engine_dead.
+# A request the device worker died under before its client saw anything (nothing streamed yet, or not
+# streamed at all) runs again this many times on the restarted worker (its client sees one answer);
+# past that, or once a chunk was streamed, 503 engine_dead (or an error event).
 # A request that itself kills the worker therefore kills it 1 + this many times. Batch lines are retried
 # by the batch runner instead (a line that kills the worker twice is a poison line).
 ENGINE_DEATH_RETRIES = 1
@@ -114,8 +115,8 @@ async def _answer_routed(request: web.Request | None, gateway: Gateway, req: Cha
             await local.run()
             if attempt == retries or not local.retryable:
                 break
-            log.warning("%s: the device worker died before it produced anything (%s); running it again on the "
-                        "restarted worker", local.request_id, local.error.message)
+            log.warning("%s: the device worker died before the client saw anything (%s); running it again on "
+                        "the restarted worker", local.request_id, local.error.message)
     # The engine is done with every request: its credits are back, however slowly the client reads.
     return await (local.finish() if request is not None else local.result())
 

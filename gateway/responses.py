@@ -193,10 +193,10 @@ class LocalResponse:
 
     @property
     def retryable(self) -> bool:
-        """The engine died before this response produced anything (no token, no chunk): it can run again
-        on the restarted worker without the client seeing a duplicate."""
-        return (self.error is not None and self.error.code == "engine_dead" and not self._first_at
-                and self._writer is None)
+        """The engine died before the client saw anything of this response (no chunk streamed; a JSON
+        answer is only built at the end): it can run again on the restarted worker, and the client
+        sees one answer."""
+        return self.error is not None and self.error.code == "engine_dead" and self._writer is None
 
     async def result(self) -> dict[str, Any]:
         """After `run`, without an HTTP request (batch lines): the JSON body; an engine failure raises
