@@ -1,8 +1,9 @@
 """The device worker process and the async client that talks to it.
 
 One process per device owns the weights, the KV tensor and an `LLMEngine` (one scheduler per pool),
-so the caller's event loop never waits on a model step. The client sends commands over a pipe and
-reads outputs from it with `loop.add_reader`: no thread, no blocking call.
+so the caller's event loop never waits on a model step. The client sends commands over a socket pair
+(`engine.ipc.Channel`: a non-blocking outbox on both sides) and reads outputs with `loop.add_reader`:
+no thread, no blocking call.
 
 Messages, parent -> worker: ("add", request_id, prompt, params, priority, pool, cache_salt), ("abort", request_id),
 ("stats",), ("shutdown",). Worker -> parent: ("ready", WorkerInfo), ("startup_error", text),

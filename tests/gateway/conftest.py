@@ -10,7 +10,7 @@ import pytest
 from bench.live import LiveServer
 from tests.conftest import make_tiny_model
 
-__all__ = ["DEFAULT_CONFIG", "LiveServer", "pools_yaml", "start_gateway"]
+__all__ = ["DEFAULT_CONFIG", "LiveServer", "chat_pool_yaml", "pools_yaml", "start_gateway"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -44,6 +44,23 @@ pools:
     avg_len: 256
     max_model_len: 512
 {extra_pools}"""
+
+
+def chat_pool_yaml(model: Path | str, *, gateway: str = "{}", max_model_len: int = 128, extra: str = "") -> str:
+    """One CPU pool `chat` of 256 KiB of KV (the tiny model: 32 blocks of 16 tokens), `gateway` as given;
+    `extra` is more YAML lines of the pool (indented like its keys)."""
+    return f"""
+gateway: {gateway}
+devices:
+  cpu: {{device: cpu, memory: 256MiB, dtype: float32}}
+pools:
+  - name: chat
+    model: {model}
+    device: cpu
+    kv_cache_bytes: 256KiB
+    avg_len: 64
+    max_model_len: {max_model_len}
+{extra}"""
 
 
 DEFAULT_CONFIG = REPO / "config" / "pools.yaml"

@@ -7,7 +7,7 @@ from gateway.app import create_app
 from gateway.runtime import Gateway
 from gateway.upstream import redact
 from pools.spec import load_config
-from tests.gateway.conftest import start_gateway
+from tests.gateway.conftest import chat_pool_yaml, start_gateway
 
 SECRET = "s3cr3t-password"
 
@@ -54,19 +54,8 @@ def test_redact_drops_user_and_password():
 
 
 def _cache_yaml(model, share: bool) -> str:
-    return f"""
-gateway: {{api_keys: [sk-a, sk-b]}}
-devices:
-  cpu: {{device: cpu, memory: 256MiB, dtype: float32}}
-pools:
-  - name: chat
-    model: {model}
-    device: cpu
-    kv_cache_bytes: 256KiB
-    avg_len: 64
-    max_model_len: 256
-    share_prefix_cache: {str(share).lower()}
-"""
+    return chat_pool_yaml(model, gateway="{api_keys: [sk-a, sk-b]}", max_model_len=256,
+                          extra=f"    share_prefix_cache: {str(share).lower()}\n")
 
 
 async def test_the_prefix_cache_is_partitioned_per_tenant_unless_the_pool_shares_it(aiohttp_client, tmp_path,

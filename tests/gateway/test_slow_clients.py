@@ -10,24 +10,11 @@ import logging
 import pytest
 from aiohttp import web
 
-from tests.gateway.conftest import start_gateway
+from tests.gateway.conftest import chat_pool_yaml, start_gateway
 
 
 def _yaml(model, write_timeout: float) -> str:
-    return f"""
-gateway: {{write_timeout: {write_timeout}}}
-devices:
-  cpu: {{device: cpu, memory: 256MiB, dtype: float32}}
-pools:
-  - name: chat
-    model: {model}
-    device: cpu
-    kv_cache_bytes: 256KiB
-    avg_len: 64
-    max_model_len: 128
-"""
-
-
+    return chat_pool_yaml(model, gateway=f"{{write_timeout: {write_timeout}}}")
 
 
 @pytest.fixture
