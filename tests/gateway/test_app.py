@@ -213,24 +213,35 @@ async def test_a_rag_flood_waits_for_credits_and_chat_keeps_its_blocks(aiohttp_c
         assert r.status == 200, await r.text()
         return r.headers["x-cliffguard-pool"], await r.json()
 
+    async def watch():  # sample the ledger while the flood runs: how fast it drains depends on the machine
+        samples = []
+        while not all(task.done() for task in flood):
+            samples.append(_metrics(await (await client.get("/metrics")).text()))
+            await asyncio.sleep(0.02)
+        return samples
+
     flood = [asyncio.create_task(complete(" b" * 70 + f" {i}", 300)) for i in range(8)]
-    await asyncio.sleep(0.5)
-    during = _metrics(await (await client.get("/metrics")).text())
+    watcher = asyncio.create_task(watch())
     chats = await asyncio.gather(*(complete(f"hello {i}", 30) for i in range(6)))
     assert {pool for pool, _ in chats} == {"chat"}
     results = await asyncio.gather(*flood)
+    samples = await watcher
     assert {pool for pool, _ in results} == {"rag"}
     assert all(r["usage"]["completion_tokens"] == 300 for _, r in results)
     after = _metrics(await (await client.get("/metrics")).text())
     preempt = after["cliffguard_num_preemptions_total"]
     assert preempt[(("mode", "recompute"), ("pool", "rag"))] == 0
     assert preempt[(("mode", "recompute"), ("pool", "chat"))] == 0
-    assert during["cliffguard_admission_queue_depth"][(("pool", "rag"), ("tenant", "default"))] == 6
-    assert during["cliffguard_kv_credits_free"][(("pool", "rag"),)] == 1024 - 2 * 384
+    rag_free = [m["cliffguard_kv_credits_free"][(("pool", "rag"),)] for m in samples]
+    rag_queued = [m["cliffguard_admission_queue_depth"].get((("pool", "rag"), ("tenant", "default")), 0)
+                  for m in samples]
+    assert min(rag_free) == 1024 - 2 * 384  # two at a time, never a third
+    assert any(free == 1024 - 2 * 384 and queued > 0 for free, queued in zip(rag_free, rag_queued))
     assert after["cliffguard_admission_admitted_total"][(("pool", "rag"), ("tenant", "default"))] == 8
     assert after["cliffguard_kv_credits_free"][(("pool", "rag"),)] == after["cliffguard_kv_credits_total"][
         (("pool", "rag"),)] == 1024
-    assert during["cliffguard_pool_num_blocks"][(("pool", "chat"),)] == gateway.plan.pools["chat"].num_blocks
+    assert all(m["cliffguard_pool_num_blocks"][(("pool", "chat"),)] == gateway.plan.pools["chat"].num_blocks
+               for m in samples)
     assert after["cliffguard_kv_cache_usage_perc"][(("pool", "chat"),)] == 0
 
 
