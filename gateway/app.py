@@ -196,6 +196,8 @@ def run(config: CliffguardConfig, *, host: str | None = None, port: int | None =
         runner = await start_server(app, host, port)
         print(f"cliffguard: serving on http://{host}:{runner.addresses[0][1]} (pools: "
               f"{', '.join(gateway.pools)})", file=sys.stderr, flush=True)
+        for line in config.describe_service_classes():   # interactive or throughput, and why
+            print(f"cliffguard: {line}", file=sys.stderr, flush=True)
         try:
             await asyncio.Event().wait()
         finally:

@@ -138,7 +138,9 @@ class CapacityPlan:
             settings = {"name": p.name, "device": p.device, "route": spec.route.describe(),
                         "block_size": spec.block_size, "avg_len": spec.avg_len, "kv_share": spec.kv_share,
                         "max_num_batched_tokens": spec.max_num_batched_tokens,
-                        "preemption_mode": spec.preemption_mode, "victim_policy": spec.victim_policy}
+                        "preemption_mode": spec.preemption_mode, "victim_policy": spec.victim_policy,
+                        "service_class": spec.service_class, "slo": None if spec.slo is None else asdict(spec.slo),
+                        "slo_source": spec.slo_source}
             derived = {k: v for k, v in asdict(p).items() if k != "spec"}
             return {**settings, **derived, **{name: getattr(p, name) for name in (
                 "kv_cache_bytes", "max_num_seqs_overridden", "blocks_per_max_len_request",
@@ -410,6 +412,12 @@ def _budget(p: PoolPlan, d: DevicePlan) -> str:
     return f"{p.spec.kv_share} x {_fmt(d.kv_space_bytes_per_device)} = {_fmt(p.kv_cache_bytes_per_device)}{per}"
 
 
+def _service_class(spec: PoolSpec) -> str:
+    """`interactive`, `interactive (default)`, `throughput`, `throughput (slo: null)`."""
+    note = {"default": " (default)", "opted_out": " (slo: null)"}.get(spec.slo_source or "", "")
+    return spec.service_class + note
+
+
 def format_plan(plan: CapacityPlan) -> str:
     """The plan as the tables `cliffguard capacity` prints."""
     lines = []
@@ -435,6 +443,9 @@ def format_plan(plan: CapacityPlan) -> str:
         table = [
             ("device", [p.device for p in pools]),
             ("route (tokens)", [p.spec.route.describe() for p in pools]),
+            ("class", [_service_class(p.spec) for p in pools]),
+            ("slo", ["-" if p.spec.slo is None else f"ttft {p.spec.slo.ttft_ms:g} ms, itl {p.spec.slo.itl_ms:g} ms"
+                     for p in pools]),
             ("max_model_len", [str(p.max_model_len) for p in pools]),
             ("S_KV", [f"{p.kv_bytes_per_token:,} B" + (f" ({p.kv_bytes_per_token_per_device:,}/GPU)"
                                                        if p.tensor_parallel_size > 1 else "")
@@ -458,6 +469,9 @@ def format_plan(plan: CapacityPlan) -> str:
 
         lines.append(row(header))
         lines += [row([k, *vals]) for k, vals in table]
+        if any(p.spec.slo_source == "default" for p in pools):
+            lines.append("interactive (default): the strictly shortest route on a device where no pool names an slo; "
+                         "`slo: null` opts a pool out (config/README.md)")
     if plan.upstream_pools:
         lines.append(f"upstream pools (not planned here): {', '.join(plan.upstream_pools)}")
     lines += [f"warning: {w}" for w in plan.warnings]

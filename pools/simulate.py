@@ -577,7 +577,7 @@ def shared_layout(config: CliffguardConfig, plan: CapacityPlan) -> CliffguardCon
             kv_share=min(1.0, share), kv_cache_bytes=None, max_num_seqs=sum(p.max_num_seqs for p in members),
             max_model_len=max(p.max_model_len for p in members),
             max_num_batched_tokens=max(p.spec.max_num_batched_tokens for p in members), slo=None,
-            avg_len=first.avg_len))
+            slo_source=None, avg_len=first.avg_len))
     return dataclasses.replace(config, pools=tuple(pools))
 
 

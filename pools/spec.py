@@ -30,6 +30,12 @@ DEFAULT_CPU_MEMORY = 4 << 30   # `memory: auto` on a CPU device: the budget for 
 DEFAULT_API_KEYS_ENV = "CLIFFGUARD_API_KEYS"
 _POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # used in metric labels and URLs
 
+# Where a pool's service class came from (`PoolSpec.slo_source`; set by the YAML loader, never a YAML key):
+# `yaml`: an `slo` mapping; `default`: isolation by default (`default_isolation`); `opted_out`: `slo: null`;
+# `absent`: no `slo` key and not defaulted.
+SLO_SOURCES = ("yaml", "default", "opted_out", "absent")
+_SLO_SOURCES_WITH_SLO = ("yaml", "default")
+
 
 def _check_int(key: str, value: Any, *, min_value: int | None = None, max_value: int | None = None,
                optional: bool = False) -> None:
@@ -207,6 +213,7 @@ class PoolSpec:
     enable_prefix_caching: bool = True
     share_prefix_cache: bool = False     # tenants reuse each other's cached prompt blocks (else one partition each)
     slo: LatencySLO | None = None        # interactive pool: latency targets; None: throughput pool
+    slo_source: str | None = None        # where `slo` came from (SLO_SOURCES); None: built in code, not from YAML
     max_queue_seconds: float | None = None   # queued for KV credits longer: 503; None: waits; 0: 429 when full
     death_spiral: SpiralConfig = field(default_factory=SpiralConfig)   # the detector's thresholds (pools.spiral)
 
@@ -266,6 +273,13 @@ class PoolSpec:
             raise SpecError(f"share_prefix_cache: must be true or false, got {show(self.share_prefix_cache)}")
         if self.slo is not None and not isinstance(self.slo, LatencySLO):
             raise SpecError(f"slo: must be a mapping with ttft_ms and itl_ms, got {show(self.slo)}")
+        if self.slo_source is not None:
+            if self.slo_source not in SLO_SOURCES:
+                raise SpecError(f"slo_source: must be one of {', '.join(SLO_SOURCES)} or None, "
+                                f"got {show(self.slo_source)}")
+            if (self.slo is not None) != (self.slo_source in _SLO_SOURCES_WITH_SLO):
+                needs = "an slo" if self.slo_source in _SLO_SOURCES_WITH_SLO else "slo None"
+                raise SpecError(f"slo_source: {self.slo_source!r} needs {needs}, got slo {show(self.slo)}")
         if self.max_queue_seconds is not None and (not is_number(self.max_queue_seconds)
                                                    or not self.max_queue_seconds >= 0):
             raise SpecError(f"max_queue_seconds: must be a number of seconds >= 0 (0: refuse with 429 instead "
@@ -283,6 +297,19 @@ class PoolSpec:
     @property
     def is_upstream(self) -> bool:
         return self.upstream is not None
+
+    @property
+    def service_class(self) -> str:
+        """`interactive` (an SLO: the step composer protects its latency) or `throughput`."""
+        return "interactive" if self.slo is not None else "throughput"
+
+    def describe_service_class(self) -> str:
+        """`interactive (slo ttft 1000 ms, itl 100 ms; default: no slo in the YAML)`, `throughput`,
+        `throughput (slo: null)`: the class, its targets and, where the YAML did not state it, why."""
+        if self.slo is None:
+            return "throughput (slo: null)" if self.slo_source == "opted_out" else "throughput"
+        why = "; default: no slo in the YAML" if self.slo_source == "default" else ""
+        return f"interactive (slo ttft {self.slo.ttft_ms:g} ms, itl {self.slo.itl_ms:g} ms{why})"
 
     @property
     def model_name(self) -> str:
@@ -441,6 +468,21 @@ class CliffguardConfig:
     def local_pools(self) -> tuple[PoolSpec, ...]:
         return tuple(p for p in self.pools if not p.is_upstream)
 
+    def describe_service_classes(self) -> list[str]:
+        """One line per device with local pools, what `cliffguard serve` logs at start: `device default:
+        chat interactive (slo ttft 1000 ms, itl 100 ms; default: no slo in the YAML), rag throughput`.
+        A device whose pools are all throughput pools says that nothing protects any pool's latency."""
+        lines = []
+        for device in self.devices:
+            members = [p for p in self.local_pools if p.device == device]
+            if not members:
+                continue
+            line = f"device {device}: " + ", ".join(f"{p.name} {p.describe_service_class()}" for p in members)
+            if len(members) > 1 and all(p.slo is None for p in members):
+                line += " (no interactive pool: no compute isolation between them; see `slo` in config/README.md)"
+            lines.append(line)
+        return lines
+
     def pool(self, name: str) -> PoolSpec:
         for pool in self.pools:
             if pool.name == name:
@@ -551,6 +593,8 @@ def _parse_pool(i: int, raw: Any, base_dir: Path | None) -> PoolSpec:
             kwargs["slo"] = LatencySLO(**slo)
         except ConfigError as exc:
             raise SpecError(f"{key}.{exc}") from None
+    if not is_upstream:   # `slo: null` (opted out of the default) differs from no `slo` key
+        kwargs["slo_source"] = "yaml" if "slo" in kwargs else "opted_out" if "slo" in raw else "absent"
     if raw.get("death_spiral") is not None:
         kwargs["death_spiral"] = _parse_spiral(f"{key}.death_spiral", raw["death_spiral"])
     for yaml_key, field_name in _BYTE_KEYS.items():
@@ -606,8 +650,42 @@ def parse_config(data: Any, *, env: Mapping[str, str] = os.environ,
     if tenant_keys:   # a tenant's keys are accepted keys
         gateway = dataclasses.replace(gateway, api_keys=tuple(dict.fromkeys(gateway.api_keys + tenant_keys)))
     devices = _parse_devices(data.get("devices"))
-    pools = tuple(_parse_pool(i, raw, base) for i, raw in enumerate(pools_raw))
+    pools = default_isolation(tuple(_parse_pool(i, raw, base) for i, raw in enumerate(pools_raw)))
     return CliffguardConfig(gateway=gateway, devices=devices, pools=pools, tenants=tenants)
+
+
+def default_isolation(pools: tuple[PoolSpec, ...]) -> tuple[PoolSpec, ...]:
+    """Isolation by default: `pools` with, on each device that has two or more local pools and where
+    none has an `slo`, the pool of the strictly shortest route made interactive with `LatencySLO()`.
+
+    Two pools on one device without an SLO get no compute isolation: rag's prefill chunks fill every
+    step and multiply chat's inter-token latency. The pool the user routes the shortest prompts to is
+    the one a person waits on, so it gets the default targets. "Shortest" is the smallest
+    `route.upper(max_model_len)` (unbounded counts as infinite), strictly below every other pool's on
+    the device; a tie defaults nothing, since there is no telling which pool is the chat pool. A pool
+    whose YAML says `slo: null` (`slo_source` `opted_out`) is never defaulted but still counts in
+    the comparison. Only pools read from YAML (`slo_source` `absent`) are changed.
+    """
+    by_device: dict[str, list[int]] = {}
+    for i, pool in enumerate(pools):
+        if not pool.is_upstream:
+            by_device.setdefault(pool.device, []).append(i)
+    result = list(pools)
+    for members in by_device.values():
+        if len(members) < 2 or any(pools[i].slo is not None for i in members):
+            continue
+        uppers = {i: _route_upper(pools[i]) for i in members}
+        shortest = min(members, key=uppers.__getitem__)
+        if any(uppers[i] <= uppers[shortest] for i in members if i != shortest):
+            continue
+        if pools[shortest].slo_source == "absent":
+            result[shortest] = dataclasses.replace(pools[shortest], slo=LatencySLO(), slo_source="default")
+    return tuple(result)
+
+
+def _route_upper(pool: PoolSpec) -> float:
+    upper = pool.route.upper(pool.max_model_len)
+    return math.inf if upper is None else upper
 
 
 def _is_path(value: str | os.PathLike) -> bool:
