@@ -1,20 +1,40 @@
 """The step composer: one forward pass, several latency classes.
 
 Every pool of a device proposes work for the same merged step, so a long prefill chunk of one pool
-lengthens the step, and with it the inter-token latency, of every other pool. The composer decides
-across pools, not each pool alone:
+lengthens the step, and with it the time to first token and the inter-token latency, of every other
+pool. The composer decides across pools, not each pool alone. Its control law, each step:
 
-1. interactive pools (a `LatencySLO`) schedule first, each within its own `max_num_batched_tokens`;
-2. the step gets a time target: the tightest `itl_ms` of the interactive pools that have work, or,
-   when none has, the tightest of `itl_ms` and half `ttft_ms` (an interactive request that arrives
-   mid-step waits at most that long before its prefill runs); with no interactive pool on the device
-   there is no target (each pool fills its own token budget, the behaviour of plain chunked prefill);
-3. throughput pools then get the token budget that the step-cost model predicts still fits the
-   target: their prefill chunks grow when interactive work is light or absent (work-conserving) and
-   shrink when it is heavy. Whatever the interactive work, they may add `MIN_THROUGHPUT_SHARE` of
-   the target to a step (so an overloaded interactive pool slows them but never stops them, at the
-   price of steps up to that much over the target), and a throughput-only step may always spend as
-   much on work as the step's fixed cost (so a target below the fixed cost of a step halves their
+1. **Target.** The step gets a time target: `scale x itl_ms`, the tightest over the interactive
+   pools (a `LatencySLO`) that have work, or, when none has, `scale x min(itl_ms, ttft_ms / 2)` (an
+   interactive request that arrives mid-step waits at most that long before its prefill starts).
+   `scale` (in [`MIN_SCALE`, 1], one per interactive pool, `SLOTracker`) follows how far the pool is
+   from its own SLO, measured online in the engine: the p99 of its recent times to first token
+   against `TTFT_AIM x ttft_ms` and the p99 of its recent inter-token gaps against
+   `ITL_AIM x itl_ms`. A p99 over its aim shrinks the scale in proportion (at most by
+   `MAX_DECREASE` per update, then it holds for `HOLD_STEPS` so the window can show the effect); a
+   p99 comfortably under (below `RELAX_BELOW` of the aim) grows it back by `SCALE_STEP`. With no
+   interactive pool on the device there is no target (each pool fills its own token budget, the
+   behaviour of plain chunked prefill).
+2. **Interactive pools** schedule first. One that has running decodes gets the token budget that
+   the step-cost model predicts still fits the target (at least its decodes and one block of
+   prefill), so its own long prompts are chunked and its decodes keep `itl_ms`; one with nothing
+   decoding gets its whole `max_num_batched_tokens` (a lone prefill is best served in one piece).
+3. **Pressure.** An interactive pool is *pressed* when it has a request waiting (not admitted: no
+   running slot or no free block; or waiting at the gateway for KV credits, which the gateway
+   reports with `set_external_waiting`), a swapped-out request, a request whose prefill runs in
+   this step (its first token, or a recompute, is due), or when it runs `PRESSURE_OCCUPANCY` of its
+   `max_num_seqs` (one burst from queueing). While any interactive pool is pressed, throughput pools
+   drop to their floor: they may add only `MIN_THROUGHPUT_SHARE` of the target to the step. So an
+   interactive request's prefill step costs what it costs with chat alone, and when chat's
+   concurrency climbs (its steps carry throughput work, so each of its requests lasts longer) the
+   composer gives back chat-alone step times until the queue drains, rather than letting requests
+   wait for a slot.
+4. **Throughput pools** otherwise get the token budget that the step-cost model predicts still fits
+   the target: their prefill chunks grow when interactive work is light or absent (work-conserving)
+   and shrink when it is heavy. Whatever the interactive work, they may add `MIN_THROUGHPUT_SHARE`
+   of the target to a step (so an overloaded interactive pool slows them but never stops them, at
+   the price of steps up to that much over the target), and a throughput-only step may always spend
+   as much on work as the step's fixed cost (so a target below the fixed cost of a step halves their
    throughput rather than starving them). If even one token does not fit, a throughput pool left
    with nothing for `STARVATION_STEPS` steps in a row gets one block's worth of tokens.
 
@@ -45,6 +65,18 @@ MIN_OBSERVATIONS = 4
 STARVATION_STEPS = 8
 MIN_THROUGHPUT_SHARE = 0.1
 REFIT_EVERY = 8
+# the SLO feedback (SLOTracker)
+TTFT_AIM = 0.5              # of ttft_ms: room left for the gateway, the network and a burst
+ITL_AIM = 1.0               # of itl_ms: the SLO itself (the p99 sits at it, not over)
+RELAX_BELOW = 0.7           # a p99 below this fraction of its aim lets the scale grow back
+MIN_SCALE = 0.25
+MAX_DECREASE = 0.7          # the most one update may shrink the scale by (a factor)
+SCALE_STEP = 0.05           # additive growth per update
+UPDATE_EVERY = 8            # steps with the pool's work between updates
+HOLD_STEPS = 64             # no further decrease for this many steps after one
+TTFT_WINDOW = 32            # requests
+ITL_WINDOW = 128            # inter-token gaps
+PRESSURE_OCCUPANCY = 0.75   # of max_num_seqs
 
 
 @dataclass
@@ -138,6 +170,61 @@ def nonnegative_lstsq(x: np.ndarray, t: np.ndarray) -> np.ndarray:
     return coef
 
 
+class SLOTracker:
+    """One interactive pool's recent latencies, measured in the engine, and its step-target scale.
+
+    TTFT is the engine's: from `add_request` to the first sampled token (the gateway's admission
+    wait is not in it; the gateway reports waiting requests through `StepComposer.set_external_waiting`
+    instead). An inter-token gap is the wall time between the ends of two consecutive steps that both
+    carried one of the pool's decodes.
+    """
+
+    def __init__(self, slo: LatencySLO) -> None:
+        self.slo = slo
+        self.ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
+        self.itls: deque[float] = deque(maxlen=ITL_WINDOW)
+        self.scale = 1.0
+        self.num_decreases = 0
+        self._steps = 0
+        self._hold = 0
+        self._last_decode_end: float | None = None   # end of the previous step if it carried a decode
+
+    def p99(self, samples: deque[float]) -> float | None:
+        return float(np.percentile(samples, 99)) if samples else None
+
+    def pressure(self) -> float:
+        """The worse of p99 TTFT / its aim and p99 ITL / its aim (0 with no samples): > 1 is a miss."""
+        ratios = [0.0]
+        if self.ttfts:
+            ratios.append(self.p99(self.ttfts) / (TTFT_AIM * self.slo.ttft_ms / 1000))
+        if self.itls:
+            ratios.append(self.p99(self.itls) / (ITL_AIM * self.slo.itl_ms / 1000))
+        return max(ratios)
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttfts.append(seconds)
+
+    def observe_step(self, had_decode: bool, had_work: bool, ended_at: float) -> None:
+        """After each step: record an inter-token gap, and every `UPDATE_EVERY` steps with the pool's
+        work, move the scale (the module docstring's step 1)."""
+        if had_decode and self._last_decode_end is not None:
+            self.itls.append(ended_at - self._last_decode_end)
+        self._last_decode_end = ended_at if had_decode else None
+        if not had_work:
+            return
+        self._steps += 1
+        self._hold = max(0, self._hold - 1)
+        if self._steps % UPDATE_EVERY:
+            return
+        pressure = self.pressure()
+        if pressure > 1 and not self._hold:
+            self.scale = max(MIN_SCALE, self.scale * max(MAX_DECREASE, 1 / pressure))
+            self.num_decreases += 1
+            self._hold = HOLD_STEPS
+        elif pressure < RELAX_BELOW:
+            self.scale = min(1.0, self.scale + SCALE_STEP)
+
+
 @dataclass
 class ComposedStep:
     """What every pool scheduled for one step, and the composer's view of its cost."""
@@ -146,6 +233,7 @@ class ComposedStep:
     features: StepFeatures = field(default_factory=StepFeatures)
     target_seconds: float | None = None       # None: no interactive pool on the device
     predicted_seconds: float | None = None
+    pressed: tuple[str, ...] = ()             # interactive pools under pressure: throughput at its floor
 
 
 @dataclass
@@ -153,6 +241,7 @@ class ComposerStats:
     num_steps: int = 0
     num_targeted_steps: int = 0
     num_over_target: int = 0                  # targeted steps that took longer than the target
+    num_pressed_steps: int = 0                # steps composed with throughput pools at their floor
     last_target_seconds: float | None = None
     last_step_seconds: float = 0.0
 
@@ -167,19 +256,29 @@ class StepComposer:
         self.slos = {name: slos.get(name) for name in self.schedulers}
         self.interactive = [n for n in self.schedulers if self.slos[n] is not None]
         self.throughput = [n for n in self.schedulers if self.slos[n] is None]
+        self.trackers = {n: SLOTracker(self.slos[n]) for n in self.interactive}
         self.cost_model = cost_model or StepCostModel()
         self.stats = ComposerStats()
         self._starved = dict.fromkeys(self.throughput, 0)
+        self._external_waiting = dict.fromkeys(self.interactive, 0)
+
+    def set_external_waiting(self, pool: str, count: int) -> None:
+        """Requests of `pool` waiting outside the engine (at the gateway, for KV credits): they press
+        the pool like its own queue does. Ignored for pools that are not interactive."""
+        if pool in self._external_waiting:
+            self._external_waiting[pool] = max(0, int(count))
 
     def schedule(self) -> ComposedStep:
         step = ComposedStep()
+        step.target_seconds = self._target_seconds()
         for name in self.interactive:
-            out = self.schedulers[name].schedule()
+            budget = self._interactive_budget(name, step.features, step.target_seconds)
+            out = self.schedulers[name].schedule(budget)
             step.outputs[name] = out
             step.features.add_scheduled(out.scheduled)
-        step.target_seconds = self._target_seconds()
+        step.pressed = tuple(name for name in self.interactive if self._is_pressed(name))
         for name in self.throughput:
-            budget = self._token_budget(name, step.features, step.target_seconds)
+            budget = self._token_budget(name, step.features, step.target_seconds, floor=bool(step.pressed))
             out = self.schedulers[name].schedule(budget)
             step.outputs[name] = out
             step.features.add_scheduled(out.scheduled)
@@ -193,34 +292,83 @@ class StepComposer:
         model is never asked and nothing feeds it."""
         return bool(self.interactive)
 
-    def observe(self, step: ComposedStep, seconds: float) -> None:
-        """Feed the measured time of a step that ran."""
+    def observe(self, step: ComposedStep, seconds: float, ended_at: float | None = None) -> None:
+        """Feed the measured time of a step that ran (`seconds`: its forward pass) and when it ended
+        (`time.perf_counter()`; the inter-token gaps of interactive pools are measured between ends)."""
         stats = self.stats
         stats.num_steps += 1
         stats.last_step_seconds = seconds
         stats.last_target_seconds = step.target_seconds
+        stats.num_pressed_steps += bool(step.pressed)
         if step.target_seconds is not None:
             stats.num_targeted_steps += 1
             stats.num_over_target += seconds > step.target_seconds
         if self.needs_cost_model:
             self.cost_model.observe(step.features, seconds)
+        if ended_at is not None:
+            for name, tracker in self.trackers.items():
+                out = step.outputs.get(name)
+                scheduled = out.scheduled if out is not None else []
+                had_decode = any(item.num_new_tokens == 1 and item.seq.num_computed_tokens
+                                 >= item.seq.num_prompt_tokens for item in scheduled)
+                tracker.observe_step(had_decode, bool(scheduled), ended_at)
+
+    def observe_first_token(self, pool: str, seconds: float) -> None:
+        """A request of `pool` got its first token `seconds` after it reached the engine."""
+        tracker = self.trackers.get(pool)
+        if tracker is not None:
+            tracker.observe_first_token(seconds)
 
     def _target_seconds(self) -> float | None:
         if not self.interactive:
             return None
-        busy = [self.slos[n] for n in self.interactive if self.schedulers[n].num_unfinished]
+        busy = [n for n in self.interactive if self.schedulers[n].num_unfinished]
         if busy:
-            return min(slo.step_seconds for slo in busy)
-        return min(self.slos[n].idle_step_seconds for n in self.interactive)
+            return min(self.slos[n].step_seconds * self.trackers[n].scale for n in busy)
+        return min(self.slos[n].idle_step_seconds * self.trackers[n].scale for n in self.interactive)
 
-    def _token_budget(self, name: str, so_far: StepFeatures, target: float | None) -> int | None:
-        """Tokens the throughput pool `name` may schedule so that the step stays within `target`."""
+    def _is_pressed(self, name: str) -> bool:
+        """After the pool scheduled its step: whether it has requests waiting or due a prefill, or is
+        close to its `max_num_seqs` (the module docstring's step 3)."""
+        scheduler = self.schedulers[name]
+        if scheduler.waiting or scheduler.swapped or self._external_waiting[name]:
+            return True
+        if any(seq.num_uncomputed_tokens > 1 for seq in scheduler.running):
+            return True
+        return len(scheduler.running) >= PRESSURE_OCCUPANCY * scheduler.config.max_num_seqs
+
+    def _interactive_budget(self, name: str, so_far: StepFeatures, target: float | None) -> int | None:
+        """An interactive pool's tokens: what fits the target once its decodes are in (at least its
+        decodes and one block of prefill), or no limit when nothing of it decodes."""
+        scheduler = self.schedulers[name]
+        if target is None or not scheduler.config.enable_chunked_prefill or not self.cost_model.ready:
+            return None
+        decodes, prefill_context = scheduler.pending_work()
+        if not decodes or prefill_context is None:
+            return None
+        cap = scheduler.config.max_num_batched_tokens
+        floor = min(cap, len(decodes) + scheduler.block_manager.block_size)
+        return max(floor, self._fitting_tokens(scheduler, so_far, target, cap))
+
+    def _token_budget(self, name: str, so_far: StepFeatures, target: float | None, *, floor: bool) -> int | None:
+        """Tokens the throughput pool `name` may schedule so that the step stays within `target`
+        (`floor`: an interactive pool is pressed, only `MIN_THROUGHPUT_SHARE` of it)."""
         scheduler = self.schedulers[name]
         if target is None or not scheduler.config.enable_chunked_prefill or not scheduler.num_unfinished:
             return None
         model = self.cost_model
         cap = min(scheduler.config.max_num_batched_tokens, max(COLD_START_TOKENS, 2 * model.max_prefill_seen))
-        budget = cap if not model.ready else self._fitting_tokens(scheduler, so_far, target, cap)
+        if not model.ready:
+            budget = scheduler.block_manager.block_size if floor else cap
+        else:
+            before = model.predict(so_far)
+            if floor:
+                limit = before + MIN_THROUGHPUT_SHARE * target
+            elif so_far.num_prefill_tokens or so_far.num_decode_tokens:
+                limit = max(target, before + MIN_THROUGHPUT_SHARE * target)
+            else:
+                limit = max(target, 2 * before)   # the fixed cost of the step, and as much again of work
+            budget = self._fitting_tokens(scheduler, so_far, limit, cap)
         if budget > 0:
             self._starved[name] = 0
             return budget
@@ -230,16 +378,11 @@ class StepComposer:
             return scheduler.block_manager.block_size
         return 0
 
-    def _fitting_tokens(self, scheduler: Scheduler, so_far: StepFeatures, target: float, cap: int) -> int:
-        """The largest token budget in [0, cap] whose predicted step time stays within the limit (the
-        target, or the floors of the module docstring): the pool's decodes first, then one chunk."""
+    def _fitting_tokens(self, scheduler: Scheduler, so_far: StepFeatures, limit: float, cap: int) -> int:
+        """The largest token budget in [0, cap] whose predicted step time stays within `limit`: the
+        pool's decodes first, then one chunk."""
         decodes, prefill_context = scheduler.pending_work()
         predict = self.cost_model.predict
-        before = predict(so_far)
-        if so_far.num_prefill_tokens or so_far.num_decode_tokens:
-            limit = max(target, before + MIN_THROUGHPUT_SHARE * target)
-        else:
-            limit = max(target, 2 * before)       # the fixed cost of the step, and as much again of work
 
         def fits(tokens: int) -> bool:
             extra = StepFeatures()

@@ -48,6 +48,7 @@ class StepStats:
     seconds: float = 0.0
     target_seconds: float | None = None     # the composer's latency target for the step
     predicted_seconds: float | None = None  # the cost model's prediction (with its margin)
+    pressed: list[str] = field(default_factory=list)   # interactive pools that put throughput at its floor
     pool_tokens: dict[str, int] = field(default_factory=dict)   # tokens each pool scheduled
 
 
@@ -376,6 +377,7 @@ class LLMEngine:
                           num_decode_tokens=composed.features.num_decode_tokens,
                           num_attended=composed.features.num_attended,
                           target_seconds=composed.target_seconds, predicted_seconds=composed.predicted_seconds,
+                          pressed=list(composed.pressed),
                           pool_tokens={name: out.num_batched_tokens for name, out in composed.outputs.items()})
         scheduled = _ScheduledStep(composed, [], [], stats, started)
         for name, out in composed.outputs.items():
@@ -424,12 +426,13 @@ class LLMEngine:
             request = self.requests[seq.request_id]
             if request.first_token_time is None:
                 request.first_token_time = now
+                self.composer.observe_first_token(seq.pool, now - request.arrival_time)
             touched.setdefault(seq.request_id, []).append(seq)
         # The last report of a request carries every sample, the untouched ones with empty deltas.
         outputs = [self._finish_or_report(self.requests[rid], seqs) for rid, seqs in touched.items()]
         if scheduled.batch:
             finished_at = time.perf_counter()
-            self.composer.observe(scheduled.composed, finished_at - executed.forward_started)
+            self.composer.observe(scheduled.composed, finished_at - executed.forward_started, finished_at)
             scheduled.stats.seconds = finished_at - scheduled.started
         self.last_step = scheduled.stats
         return outputs

@@ -86,8 +86,10 @@ class StepCounters:
     num_steps: int = 0
     num_targeted_steps: int = 0
     num_over_target: int = 0
+    num_pressed_steps: int = 0               # throughput pools held to their floor (an interactive pool pressed)
     last_step_seconds: float = 0.0
     last_target_seconds: float | None = None
+    target_scales: dict[str, float] = field(default_factory=dict)   # interactive pool -> SLOTracker.scale
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ so the caller's event loop never waits on a model step. The client sends command
 no thread, no blocking call.
 
 Messages, parent -> worker: ("add", request_id, prompt, params, priority, pool, cache_salt), ("abort", request_id),
-("stats",), ("shutdown",). Worker -> parent: ("ready", WorkerInfo), ("startup_error", text),
+("waiting", pool, count) (requests of an interactive pool waiting at the gateway: the step composer's
+pressure), ("stats",), ("shutdown",). Worker -> parent: ("ready", WorkerInfo), ("startup_error", text),
 ("outputs", [RequestDelta], EngineStats or None), ("rejected", request_id, text), ("stats", EngineStats),
 ("fatal", text). The records are the typed dataclasses of `engine.outputs` and `engine.stats`.
 
@@ -26,6 +27,7 @@ process's life: to restart, make a new client (`gateway.supervisor` does, with b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -148,6 +150,8 @@ def _handle(engine, channel: Channel, msg: tuple) -> bool:
         out = engine.abort(msg[1])
         if out is not None:
             channel.send(("outputs", [RequestDelta.from_output(out)], None))
+    elif msg[0] == "waiting":
+        engine.composer.set_external_waiting(msg[1], msg[2])
     elif msg[0] == "stats":
         channel.send(("stats", engine_stats(engine, check=True)))
     elif msg[0] == "shutdown":
@@ -175,8 +179,10 @@ def engine_stats(engine, *, check: bool = False) -> EngineStats:
         engine.check_integrity()
     composer = engine.composer.stats
     step = StepCounters(num_steps=composer.num_steps, num_targeted_steps=composer.num_targeted_steps,
-                        num_over_target=composer.num_over_target, last_step_seconds=composer.last_step_seconds,
-                        last_target_seconds=composer.last_target_seconds)
+                        num_over_target=composer.num_over_target, num_pressed_steps=composer.num_pressed_steps,
+                        last_step_seconds=composer.last_step_seconds,
+                        last_target_seconds=composer.last_target_seconds,
+                        target_scales={name: t.scale for name, t in engine.composer.trackers.items()})
     return EngineStats(num_requests=len(engine.requests), pools=pools, step=step, taken_at=time.time())
 
 
@@ -481,6 +487,14 @@ class AsyncEngineClient:
             return
         self._process.kill()
         self._on_exit(reason)
+
+    def report_waiting(self, pool: str, count: int) -> None:
+        """Tell the step composer how many requests of `pool` wait outside the engine (for KV credits
+        at the gateway): an interactive pool with a queue there is pressed like one with a queue inside
+        (`engine.composer`). Nothing if the worker is gone."""
+        if self.is_alive:
+            with contextlib.suppress(EngineDeadError):
+                self._send(("waiting", pool, int(count)))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason 'abort'."""

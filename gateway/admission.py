@@ -12,7 +12,9 @@ and checked against its pool's context, and before anything reaches the device w
    the moment it ends — finished, failed or abandoned by its client.
 
 A ticker reconciles each ledger with its worker's reported block use every `RECONCILE_INTERVAL`
-seconds and admits whatever that frees. Metrics: `cliffguard_kv_credits_total` / `_free` per pool,
+seconds and admits whatever that frees; on the same tick it tells each worker how many interactive
+requests of each pool wait for credits (the step composer favours a pool with a queue, wherever the
+queue is). Metrics: `cliffguard_kv_credits_total` / `_free` per pool,
 `cliffguard_admission_queue_depth` per pool and tenant (refreshed at each scrape),
 `cliffguard_admission_wait_seconds`, `cliffguard_admission_admitted_total` and
 `cliffguard_admission_expired_total` per pool and tenant.
@@ -87,6 +89,7 @@ class AdmissionControl:
     max_num_seqs: dict[str, int] = field(default_factory=dict)   # pool -> sequences it runs at once (the plan's)
     _ticker: Ticker | None = field(default=None, repr=False)
     _seen: dict[str, float] = field(default_factory=dict, repr=False)   # pool -> `taken_at` reconciled last
+    _reported: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)   # pool -> (client id, count)
 
     @classmethod
     def build(cls, tenants: Tenants, pools: Sequence[Pool], registry: CollectorRegistry,
@@ -185,8 +188,10 @@ class AdmissionControl:
             await self._ticker.stop()
 
     def reconcile(self) -> None:
-        """Reconcile each pool's ledger with the block use its worker reported last (once per report)."""
+        """Reconcile each pool's ledger with the block use its worker reported last (once per report),
+        and report each pool's credit queue to its worker when it changed (or the worker is new)."""
         for pool in self.pools.values():
+            self._report_waiting(pool)
             stats = pool.client.latest_stats if pool.client is not None else None
             if stats is None or self._seen.get(pool.name) == stats.taken_at or pool.name not in stats.pools:
                 continue
@@ -196,6 +201,17 @@ class AdmissionControl:
                 pool.admission.reconcile((ps.num_blocks - ps.num_free_blocks) * pool.spec.block_size)
             except Exception:  # noqa: BLE001 - a bad report must not stop admission
                 log.exception("pool %s: reconciling credits failed", pool.name)
+
+
+    def _report_waiting(self, pool: Pool) -> None:
+        client = pool.client
+        if client is None:
+            return
+        count = pool.admission.ledger.num_queued - pool.admission.ledger.num_background_queued
+        key = (id(client), count)
+        if self._reported.get(pool.name) != key and (count or pool.name in self._reported):
+            client.report_waiting(pool.name, count)
+            self._reported[pool.name] = key
 
 
 def _largest_fit(prompt_lens: list[int], n: int, pool: Pool, total: int) -> int:

@@ -120,6 +120,12 @@ class GatewayMetrics:
                                                "their target.", _DEVICE)
         self.step_target = self._gauge("engine_step_target_seconds", "The step composer's latency target for the "
                                        "last step (0: none).", _DEVICE)
+        self.pressed_steps = self._counter("engine_pressed_steps", "Steps composed with throughput pools at their "
+                                           "floor: an interactive pool had requests waiting or a prefill due.",
+                                           _DEVICE)
+        self.target_scale = self._gauge("engine_target_scale", "An interactive pool's step-target scale (1: its "
+                                        "itl_ms; lower while its measured p99 TTFT or ITL is over its aim).",
+                                        ["pool"])
         self.worker_restarts = self._counter("worker_restarts", "Device worker processes started again after "
                                              "the worker died.", _DEVICE)
         self.worker_stalls = self._counter("worker_stalls", "Device workers killed by the watchdog: requests in "
@@ -168,6 +174,9 @@ class GatewayMetrics:
         self._advance(self.targeted_steps, "targeted_steps", step.num_targeted_steps, device=device)
         self._advance(self.steps_over_target, "steps_over_target", step.num_over_target, device=device)
         self.step_target.labels(device=device).set(step.last_target_seconds or 0.0)
+        self._advance(self.pressed_steps, "pressed_steps", step.num_pressed_steps, device=device)
+        for pool, scale in step.target_scales.items():
+            self.target_scale.labels(pool=pool).set(scale)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -397,6 +397,8 @@ class DeviceSim:
     def step(self) -> bool:
         """One step: compose, advance the clock by its modelled time, append a token to every sequence
         that finished its prefill or decoded. False when the schedulers chose nothing."""
+        for name, ledger in self.ledgers.items():     # the gateway reports its credit queues to the worker
+            self.composer.set_external_waiting(name, ledger.num_queued)
         composed = self.composer.schedule()
         batch: list[ScheduledSeq] = []
         num_swapped_blocks = 0
@@ -418,7 +420,7 @@ class DeviceSim:
                     self.schedulers[name].stats.preempt_seconds += swap_s * share
         self.clock += seconds + swap_s
         self.num_steps += 1
-        self.composer.observe(composed, seconds + swap_s)
+        self.composer.observe(composed, seconds + swap_s, self.clock)
         observe_prefill_step(self.schedulers.values(), composed.features.num_prefill_tokens,
                              composed.features.num_decode_tokens, seconds)
         for item in batch:
@@ -430,7 +432,10 @@ class DeviceSim:
         for seq in sampled:
             self.schedulers[seq.pool].stats.num_generated_tokens += 1
             seq.token_ids.append(self._rng.randrange(1000, 30000))
-            self._requests[seq.request_id].token_times.append(self.clock)
+            request = self._requests[seq.request_id]
+            if not request.token_times:
+                self.composer.observe_first_token(seq.pool, self.clock - request.admitted)
+            request.token_times.append(self.clock)
             if seq.num_output_tokens >= seq.max_tokens:
                 self.schedulers[seq.pool].finish(seq, FinishReason.LENGTH)
                 self._end(seq)

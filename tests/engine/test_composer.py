@@ -10,8 +10,8 @@ import pytest
 
 from engine import CacheConfig, EngineConfig, LLMEngine, PoolConfig, SamplingParams, SchedulerConfig
 from engine.block_manager import BlockManager
-from engine.composer import (COLD_START_TOKENS, STARVATION_STEPS, StepComposer, StepCostModel, StepFeatures,
-                             nonnegative_lstsq)
+from engine.composer import (COLD_START_TOKENS, HOLD_STEPS, MIN_SCALE, STARVATION_STEPS, UPDATE_EVERY, SLOTracker,
+                             StepComposer, StepCostModel, StepFeatures, nonnegative_lstsq)
 from engine.config import ConfigError, LatencySLO
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -33,8 +33,9 @@ def _make_seq(seq_id: int, num_tokens: int, max_tokens: int = 64) -> Sequence:
 
 
 def _make_composer(slo: LatencySLO | None = LatencySLO(ttft_ms=1000, itl_ms=50), *, trained: bool = True,
-                   rag_budget: int = 2048) -> StepComposer:
-    chat = Scheduler(SchedulerConfig(max_num_batched_tokens=2048), BlockManager(256, 16), 4096, name="chat")
+                   rag_budget: int = 2048, chat_seqs: int = 256) -> StepComposer:
+    chat = Scheduler(SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=chat_seqs), BlockManager(256, 16),
+                     4096, name="chat")
     rag = Scheduler(SchedulerConfig(max_num_batched_tokens=rag_budget), BlockManager(1024, 16, first_block=256),
                     16384, name="rag")
     composer = StepComposer({"chat": chat, "rag": rag}, {"chat": slo, "rag": None})
@@ -196,6 +197,117 @@ def test_a_throughput_only_step_may_spend_its_fixed_cost_again_on_work():
     assert step.predicted_seconds <= 2 * 0.005 + 1e-9
 
 
+def _rag_seconds(composer: StepComposer, step) -> float:
+    """What the throughput pool added to the step's predicted time."""
+    interactive = StepFeatures()
+    interactive.add_scheduled(step.outputs["chat"].scheduled)
+    return composer.cost_model.predict(step.features) - composer.cost_model.predict(interactive)
+
+
+def _decoding_chat(composer: StepComposer, count: int) -> None:
+    """`count` chat sequences past their prefill, and a long rag prompt under way."""
+    for i in range(count):
+        composer.schedulers["chat"].add(_make_seq(i, 40, max_tokens=10_000))
+    composer.schedulers["rag"].add(_make_seq(100, 16000))
+    _run_step(composer)
+
+
+def test_a_queued_interactive_request_puts_the_throughput_pool_at_its_floor():
+    composer = _make_composer(chat_seqs=4)
+    _decoding_chat(composer, 2)
+    calm = composer.schedule()                   # two decodes, nothing waiting: rag fills the 50 ms target
+    assert calm.pressed == () and _rag_seconds(composer, calm) > 0.02
+    _finish_step(composer, calm)
+    for i in range(3):                           # four slots: two more run, one waits for a slot
+        composer.schedulers["chat"].add(_make_seq(10 + i, 40, max_tokens=10_000))
+    for _ in range(4):
+        step = composer.schedule()
+        assert step.pressed == ("chat",)
+        assert 0 < _rag_seconds(composer, step) <= 0.1 * step.target_seconds + 1e-12
+        _finish_step(composer, step)
+    assert composer.stats.num_pressed_steps == 1 + 4     # the first chat prefills, then the queue
+
+
+def test_the_step_that_carries_an_interactive_prefill_is_pressed_and_the_next_is_not():
+    composer = _make_composer()
+    _decoding_chat(composer, 2)
+    composer.schedulers["chat"].add(_make_seq(50, 60))
+    prefill = composer.schedule()
+    assert prefill.pressed == ("chat",) and [i.num_new_tokens for i in prefill.outputs["chat"].scheduled][-1] == 60
+    assert _rag_seconds(composer, prefill) <= 0.1 * prefill.target_seconds + 1e-12
+    _finish_step(composer, prefill)
+    after = composer.schedule()
+    assert after.pressed == () and _rag_seconds(composer, after) > 0.02
+
+
+def test_a_pool_near_its_max_num_seqs_or_with_a_gateway_queue_is_pressed():
+    composer = _make_composer(chat_seqs=4)
+    _decoding_chat(composer, 3)                  # 3 of 4 slots: one burst from queueing
+    assert composer.schedule().pressed == ("chat",)
+    composer = _make_composer(chat_seqs=8)
+    _decoding_chat(composer, 3)
+    step = composer.schedule()
+    assert step.pressed == ()
+    _finish_step(composer, step)
+    composer.set_external_waiting("chat", 2)     # two requests wait for KV credits at the gateway
+    composer.set_external_waiting("rag", 5)      # a throughput pool's queue presses nothing
+    assert composer.schedule().pressed == ("chat",)
+
+
+def test_an_interactive_pool_chunks_its_own_long_prompt_so_its_decodes_keep_the_itl_target():
+    composer = _make_composer()
+    _decoding_chat(composer, 4)
+    composer.schedulers["chat"].add(_make_seq(60, 3000))
+    chunks = []
+    for _ in range(4):
+        step = composer.schedule()
+        chat = [i.num_new_tokens for i in step.outputs["chat"].scheduled]
+        assert chat[:4] == [1, 1, 1, 1]          # every running decode still gets its token
+        assert step.predicted_seconds <= 0.050 * composer.cost_model.margin + 1e-9 + 0.1 * 0.05
+        chunks.append(chat[4])
+        _finish_step(composer, step)
+    assert 16 <= min(chunks) and max(chunks) < 300
+    # with nothing decoding, a lone prompt is prefilled in one piece (its TTFT is what matters)
+    alone = _make_composer()
+    alone.schedulers["chat"].add(_make_seq(0, 1500))
+    assert [i.num_new_tokens for i in alone.schedule().outputs["chat"].scheduled] == [1500]
+
+
+def test_the_slo_tracker_shrinks_the_target_on_a_miss_and_grows_it_back():
+    tracker = SLOTracker(LatencySLO(ttft_ms=1000, itl_ms=100))
+    t = 0.0
+    for _ in range(UPDATE_EVERY):                # inter-token gaps of 150 ms: p99 1.67x its 90 ms aim
+        t += 0.150
+        tracker.observe_step(True, True, t)
+    assert tracker.scale == pytest.approx(0.7)   # at most MAX_DECREASE per update
+    for _ in range(HOLD_STEPS - 1):              # held while the window catches up
+        t += 0.150
+        tracker.observe_step(True, True, t)
+    assert tracker.scale == pytest.approx(0.7) and tracker.num_decreases == 1
+    for _ in range(20 * UPDATE_EVERY):
+        t += 0.150
+        tracker.observe_step(True, True, t)
+    assert tracker.scale == MIN_SCALE
+    for _ in range(400):                         # the gaps fall to 30 ms: the window forgets, the scale recovers
+        t += 0.030
+        tracker.observe_step(True, True, t)
+    assert tracker.scale == 1.0
+    slow_first_tokens = SLOTracker(LatencySLO(ttft_ms=400, itl_ms=100))
+    for _ in range(4):
+        slow_first_tokens.observe_first_token(0.3)   # over half of ttft_ms
+    for i in range(UPDATE_EVERY):
+        slow_first_tokens.observe_step(False, True, float(i))
+    assert slow_first_tokens.scale < 1 and not slow_first_tokens.itls
+
+
+def test_the_composer_target_follows_the_trackers_scale():
+    composer = _make_composer(LatencySLO(ttft_ms=1000, itl_ms=80))
+    composer.schedulers["rag"].add(_make_seq(0, 16000))
+    assert composer.schedule().target_seconds == pytest.approx(0.08)
+    composer.trackers["chat"].scale = 0.5
+    assert composer.schedule().target_seconds == pytest.approx(0.04)
+
+
 def test_slo_validation_names_the_field():
     with pytest.raises(ConfigError, match="slo.itl_ms"):
         LatencySLO(ttft_ms=100, itl_ms=0)
@@ -240,3 +352,54 @@ def test_a_squeezed_throughput_pool_gives_the_same_greedy_outputs(tiny):
     assert got == expected
     assert engine.composer.stats.num_targeted_steps > 0
     assert_all_free(engine)
+
+
+def _serve_queued_chat(tiny, chat_prompts, rag_prompts, params) -> tuple[list[list[int]], list[tuple[bool, list, int]]]:
+    """Rag prompts under way, then six chat requests into a chat pool that runs two at a time; per
+    step: whether chat had requests waiting, the pressed pools and rag's tokens."""
+    pools = (PoolConfig(name="chat", num_blocks=150, slo=LatencySLO(ttft_ms=1000, itl_ms=20),
+                        scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=2048)),
+             PoolConfig(name="rag", num_blocks=400))
+    engine = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8), pools=pools),
+                       progress=False)
+    model = engine.composer.cost_model = StepCostModel()   # the made-up device's costs, frozen: the
+    _train(model)                                           # decisions do not depend on this machine's timing
+    model.observe = lambda features, seconds: None
+    for i, prompt in enumerate(rag_prompts):
+        engine.add_request(f"r{i}", prompt, params, pool="rag")
+    engine.step()
+    for i, prompt in enumerate(chat_prompts):
+        engine.add_request(f"c{i}", prompt, params, pool="chat")
+    final, steps = {}, []
+    while engine.has_unfinished_requests():
+        queued = bool(engine.schedulers["chat"].waiting)
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+        steps.append((queued, engine.last_step.pressed, engine.last_step.pool_tokens.get("rag", 0)))
+    assert_all_free(engine)
+    return [final[f"c{i}"] for i in range(len(chat_prompts))] + [final[f"r{i}"] for i in range(len(rag_prompts))], steps
+
+
+def test_an_engine_whose_chat_pool_queues_squeezes_rag_and_keeps_greedy_outputs(tiny, monkeypatch):
+    rng = random.Random(5)
+    chat_prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(4, 30))] for _ in range(6)]
+    rag_prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(300, 400))] for _ in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8),
+                                   pools=(PoolConfig(num_blocks=800),)), progress=False)
+    expected = [o.outputs[0].token_ids for o in alone.generate(chat_prompts + rag_prompts, params)]
+
+    outputs, steps = _serve_queued_chat(tiny, chat_prompts, rag_prompts, params)
+    assert outputs == expected
+    queued = [(pressed, tokens) for waiting, pressed, tokens in steps if waiting]
+    assert len(queued) >= 2 * 24 - 8                      # two rounds of chat wait for a slot
+    assert all(pressed == ["chat"] for pressed, _ in queued)
+
+    # the control: the same load with pressure switched off (the composer before TTFT protection)
+    monkeypatch.setattr(StepComposer, "_is_pressed", lambda self, name: False)
+    control_outputs, control = _serve_queued_chat(tiny, chat_prompts, rag_prompts, params)
+    assert control_outputs == expected
+    squeezed = sum(tokens for _, tokens in queued[:40])
+    unsqueezed = sum([tokens for waiting, _, tokens in control if waiting][:40])
+    assert squeezed < 0.5 * unsqueezed, (squeezed, unsqueezed)
