@@ -306,8 +306,10 @@ class LatencySLO:
     The step composer (`engine.composer`) keeps every step that carries this pool's work within
     `itl_ms`, by sizing the throughput pools' prefill chunks, and keeps steps that carry only
     throughput work within `itl_ms` and half of `ttft_ms`, whichever is shorter: an interactive
-    request that arrives mid-step waits at most that long before its prefill runs. A pool without an
-    SLO is a throughput pool.
+    request that arrives mid-step waits at most that long before its prefill runs. While the pool
+    has requests waiting or a prefill due, throughput pools drop to their floor; and the targets
+    shrink while the pool's measured p99 TTFT or ITL is over its aim. A pool without an SLO is a
+    throughput pool.
     """
 
     ttft_ms: float = 1000.0
