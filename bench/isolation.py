@@ -23,6 +23,14 @@ rag; in the shared pool, less the tokens of chat requests) and its ratio to rag 
 writes `isolation.json` and `isolation.png` (chat TTFT/ITL CDFs per scenario, and chat p99 vs rag
 tokens/s). `--quick` runs the four main scenarios with short loads (under 3 minutes on a 2-core
 CPU), for a test.
+
+Every pool file turns prefix caching off: the bench measures compute isolation, not caching (the
+prompts are random words, so a cache would find nothing anyway). The chunk-only row's chat pool says
+`slo: null`, so no default SLO makes it interactive.
+
+`--sweep` (bench.isolation_sweep) runs these scenarios over a grid of chat rate x rag rate x rag
+prompt length instead of at one point, on one server per layout, and judges per cell whether chat
+keeps its SLO; see that module for the runs, the bars and the files it writes.
 """
 
 from __future__ import annotations
@@ -64,20 +72,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-rate", type=float, default=0.5, help="chat requests/s (default 0.5)")
     p.add_argument("--rag-rate", type=float, default=0.3, help="rag requests/s (default 0.3: above what the rag "
                    "pool holds and serves, a flood)")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per scenario (default 60)")
-    p.add_argument("--drain-timeout", type=float, default=20.0, help="seconds to finish in-flight requests after "
-                   "arrivals end; the rest are cancelled and counted unfinished (default 20)")
-    p.add_argument("--ttft-ms", type=float, default=1000.0, help="chat's slo.ttft_ms (default 1000)")
-    p.add_argument("--itl-ms", type=float, default=100.0, help="chat's slo.itl_ms in the split scenario "
-                   "(default 100, the default config's)")
+    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals per scenario (default 60; "
+                   "20 with --quick; with --sweep 30 per run, 8 with --quick)")
+    p.add_argument("--drain-timeout", type=float, default=None, help="seconds to finish in-flight requests after "
+                   "arrivals end; the rest are cancelled and counted unfinished (default 20; 10 with --quick; "
+                   "with --sweep 15, 4 with --quick)")
+    p.add_argument("--ttft-ms", type=float, default=1000.0, help="chat's slo.ttft_ms, and the TTFT bar of the "
+                   "sweep's verdict (default 1000)")
+    p.add_argument("--itl-ms", type=float, default=100.0, help="chat's slo.itl_ms in the split scenario, and the "
+                   "ITL bar of the sweep's verdict (default 100, the default config's)")
     p.add_argument("--itl-ms-sweep", default="100,200,400", help="itl_ms values of the trade-off curve "
-                   "(comma-separated; the chunk-only row is added)")
+                   "(comma-separated; the chunk-only row is added; not used by --sweep)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="every pool's token budget per step")
     p.add_argument("--quick", action="store_true", help="the four main scenarios with short loads (< 3 min), "
-                   "no trade-off curve")
+                   "no trade-off curve; with --sweep: a 2 x 1 x 1 grid with short loads (about 2 min)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and the sampler (default 0)")
-    p.add_argument("--out", default=None, help="write isolation.json and isolation.png here")
+    p.add_argument("--out", default=None, help="write isolation.json and isolation.png here (with --sweep: "
+                   "sweep.json and sweep.png)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    from bench.isolation_sweep import add_sweep_arguments   # here: bench.isolation_sweep imports this module
+
+    add_sweep_arguments(p)
+
+
+def run_times(args: argparse.Namespace) -> tuple[float, float]:
+    """(seconds of arrivals, drain timeout) of every run: the flags, else the mode's defaults."""
+    duration = {(False, False): 60.0, (False, True): 20.0, (True, False): 30.0, (True, True): 8.0}
+    drain = {(False, False): 20.0, (False, True): 10.0, (True, False): 15.0, (True, True): 4.0}
+    mode = (bool(args.sweep), bool(args.quick))
+    return (duration[mode] if args.duration is None else args.duration,
+            drain[mode] if args.drain_timeout is None else args.drain_timeout)
 
 
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
@@ -93,39 +117,62 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
 
 
 def pools_yaml(scenario: Scenario, args: argparse.Namespace) -> str:
-    """The pool file of one scenario: same device and model; split = chat + rag pools, shared = one."""
+    """The pool file of one scenario (see `pool_file`)."""
+    slo = (args.ttft_ms, scenario.itl_ms) if scenario.layout == "split" and scenario.itl_ms else None
+    return pool_file(scenario.layout, memory=args.memory, max_num_batched_tokens=args.max_num_batched_tokens,
+                     chat_slo=slo)
+
+
+def pool_file(layout: str, *, memory: str, max_num_batched_tokens: int, chat_slo: tuple[float, float] | None,
+              names_slo: bool = True, max_model_len: int = 4096) -> str:
+    """The pool file of a layout: same device and model; split = chat (prompts up to ROUTE_THRESHOLD
+    tokens) + rag (longer prompts, `max_model_len`), shared = one pool (`max_model_len`). Chat's
+    `slo: {ttft_ms, itl_ms}` is `chat_slo`; None writes `slo: null` (a throughput pool: plain chunked
+    prefill), or, with `names_slo` False, no `slo` key at all (what the loader does for a device
+    without one applies). Prefix caching is off on every pool: the bench measures compute isolation,
+    and runs that reuse one server must not warm each other."""
     common = (f"model: {MODEL}\n    device: dev\n    block_size: 16\n"
-              f"    max_num_batched_tokens: {args.max_num_batched_tokens}\n")
-    head = f"devices:\n  dev: {{device: cpu, memory: {args.memory}, dtype: float32}}\npools:\n"
-    if scenario.layout == "shared":
-        return head + f"  - name: shared\n    {common}    kv_share: 1.0\n    avg_len: 512\n    max_model_len: 4096\n"
-    slo = f"    slo: {{ttft_ms: {args.ttft_ms:g}, itl_ms: {scenario.itl_ms:g}}}\n" if scenario.itl_ms else ""
+              f"    max_num_batched_tokens: {max_num_batched_tokens}\n    enable_prefix_caching: false\n")
+    head = f"devices:\n  dev: {{device: cpu, memory: {memory}, dtype: float32}}\npools:\n"
+    if layout == "shared":
+        return head + (f"  - name: shared\n    {common}    kv_share: 1.0\n    avg_len: 512\n"
+                       f"    max_model_len: {max_model_len}\n")
+    slo = (f"    slo: {{ttft_ms: {chat_slo[0]:g}, itl_ms: {chat_slo[1]:g}}}\n" if chat_slo
+           else "    slo: null\n" if names_slo else "")
     return (head
             + f"  - name: chat\n    {common}    route: {{max_prompt_tokens: {ROUTE_THRESHOLD}}}\n"
               f"    kv_share: 0.4\n    avg_len: 128\n    max_model_len: 2048\n{slo}"
             + f"  - name: rag\n    {common}    route: {{min_prompt_tokens: {ROUTE_THRESHOLD + 1}}}\n"
-              f"    kv_share: 0.6\n    avg_len: 1700\n    max_model_len: 4096\n")
+              f"    kv_share: 0.6\n    avg_len: 1700\n    max_model_len: {max_model_len}\n")
 
 
-def _load(url: str, cls: WorkloadClass, rate: float, args: argparse.Namespace, scrape: bool, seed: int) -> LoadConfig:
-    duration = 20.0 if args.quick else args.duration
+def load_config(url: str, cls: WorkloadClass, rate: float, *, seed: int, scrape: bool, duration: float,
+                drain_timeout: float) -> LoadConfig:
+    """One open-loop load of the bench: `cls` at `rate` req/s for `duration` s of arrivals."""
     return LoadConfig(url=url, classes=(cls,), request_rate=rate, duration=duration, seed=seed, timeout=600.0,
-                      drain_timeout=10.0 if args.quick else args.drain_timeout, scrape=scrape,
-                      scrape_interval=0.5, tokenizer=MODEL)
+                      drain_timeout=drain_timeout, scrape=scrape, scrape_interval=0.5, tokenizer=MODEL)
+
+
+async def run_loads(configs: list[LoadConfig], tokenizer) -> list[LoadReport]:
+    """Run loads against one server at once; every prompt is made before any load starts."""
+    plans = [plan_requests(c, tokenizer) for c in configs]
+    return list(await asyncio.gather(*(run_load(c, plan) for c, plan in zip(configs, plans))))
 
 
 async def run_scenario(scenario: Scenario, args: argparse.Namespace, folder: Path, tokenizer) -> dict[str, Any]:
     """Start the server of `scenario`, run its loads at once, stop it; the scenario's numbers."""
     path = folder / f"{scenario.name.replace(' ', '-')}.yaml"
     path.write_text(pools_yaml(scenario, args))
+    duration, drain_timeout = run_times(args)
+    times = {"duration": duration, "drain_timeout": drain_timeout}
     with LiveServer(path) as server:
         configs = []
         if scenario.chat:
-            configs.append(_load(server.url, CHAT, args.chat_rate, args, True, args.seed))
+            configs.append(load_config(server.url, CHAT, args.chat_rate, seed=args.seed, scrape=True, **times))
         if scenario.rag:
-            configs.append(_load(server.url, RAG, args.rag_rate, args, not scenario.chat, args.seed + 1))
-        plans = [plan_requests(c, tokenizer) for c in configs]     # every prompt made before any load starts
-        reports = await asyncio.gather(*(run_load(c, plan) for c, plan in zip(configs, plans)))
+            configs.append(load_config(server.url, RAG, args.rag_rate, seed=args.seed + 1, scrape=not scenario.chat,
+                                       **times))
+        reports = await run_loads(configs, tokenizer)
     chat = reports[0] if scenario.chat else None
     rag = reports[-1] if scenario.rag else None
     return summarize(scenario, chat, rag)
@@ -274,9 +321,14 @@ async def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("chat_rate", "rag_rate", "duration", "ttft_ms", "itl_ms"):
-        if getattr(args, name) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
+    for name in ("chat_rate", "rag_rate", "duration", "drain_timeout", "ttft_ms", "itl_ms"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')}: must be > 0, got {value}")
+    if args.sweep:
+        from bench.isolation_sweep import run_sweep
+
+        return run_sweep(args)
     results = asyncio.run(_main(args))
     if args.out:
         out = Path(args.out)

@@ -1,6 +1,8 @@
 """`cliffguard bench isolation`: its pool files are valid, its arithmetic, and a `--quick` run end to end
 (four servers, chat + rag loads over HTTP) with the bars that hold on any run: no chat preemption in
-the split layout, and the shared pool's chat tail far above the split one."""
+the split layout, and the shared pool's chat tail far above the split one. `--sweep`: its grid, runs,
+seeds and pool files, the verdict's arithmetic on made-up runs, the idle check, the table and the
+heat map, and a `--sweep --quick` run end to end (two servers, seven runs)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,14 @@ import json
 import pytest
 
 from bench.isolation import add_arguments, add_ratios, format_table, pools_yaml, scenarios, verdict
+from bench.isolation_sweep import (BARS, Grid, assemble, format_sweep_table, judge, pending_work, plan_runs,
+                                   summary_line, sweep_grid, sweep_pool_files, verdict_text, write_heatmap)
 from gateway.cli import main
+from pools.capacity import plan_capacity, resolve_model_configs
 from pools.spec import load_config
+from pools.yamlcheck import load_yaml
+
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -29,6 +37,7 @@ def test_every_scenario_writes_a_valid_pool_file():
     for scenario in scenarios(args):
         config = load_config(pools_yaml(scenario, args), env={})
         pools = {p.name: p for p in config.pools}
+        assert not any(p.enable_prefix_caching for p in config.pools)
         if scenario.layout == "shared":
             assert list(pools) == ["shared"] and pools["shared"].slo is None
         else:
@@ -36,6 +45,8 @@ def test_every_scenario_writes_a_valid_pool_file():
             assert (pools["chat"].slo is None) == (scenario.itl_ms is None)
             if scenario.itl_ms:
                 assert pools["chat"].slo.itl_ms == scenario.itl_ms
+            else:       # chunk-only opts out of any default slo
+                assert load_yaml(pools_yaml(scenario, args), "pools")["pools"][0]["slo"] is None
 
 
 def test_ratios_table_and_verdict():
@@ -73,10 +84,180 @@ def test_quick_run_end_to_end(tmp_path, capsys):
     printed = {r["scenario"]: r for r in json.loads(capsys.readouterr().out)}
     saved = {r["scenario"]: r for r in json.loads((tmp_path / "isolation.json").read_text())}
     assert list(printed) == list(saved) == ["chat alone", "rag alone", "split", "shared"]
-    assert (tmp_path / "isolation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "isolation.png").read_bytes()[:8] == PNG
     split, shared = printed["split"], printed["shared"]
     assert printed["chat alone"]["chat_completed"] == printed["chat alone"]["chat_count"] > 0
     assert split["chat_preemptions"] == 0
     assert split["rag_tokens_per_s"] > 0 and printed["rag alone"]["rag_tokens_per_s"] > 0
     assert shared["ttft_p99"] > 3 * split["ttft_p99"], (shared["ttft_p99"], split["ttft_p99"])
     assert max(r["max_scrape_s"] for r in printed.values()) < 0.5
+
+
+# --- --sweep ------------------------------------------------------------------------------------------------
+
+
+def test_sweep_grid_runs_and_seeds():
+    grid = sweep_grid(_args("--sweep"))
+    assert (grid.chat_rates, grid.rag_rates, grid.rag_lens) == ((0.5, 1.0, 2.0), (0.1, 0.2, 0.4), (1500, 3000))
+    assert len(grid.cells) == 18
+    runs = plan_runs(grid)
+    kinds = [r.kind for r in runs]
+    assert [kinds.count(k) for k in ("chat alone", "rag alone", "split", "shared")] == [3, 6, 18, 18]
+    assert [r.layout for r in runs] == ["split"] * 27 + ["shared"] * 18      # one server per layout, in turn
+    assert len({grid.chat_seed(c) for c in grid.chat_rates} | {grid.rag_seed(r, n) for r, n in grid.rag_pairs}) == 9
+    rag = grid.rag_class(3000)
+    assert (rag.prompt_len.min, rag.prompt_len.max, rag.output_len.value) == (2400, 3600, 128)
+    quick = sweep_grid(_args("--sweep", "--quick"))
+    assert (len(quick.chat_rates), len(quick.rag_rates), len(quick.rag_lens)) == (2, 1, 1)
+    assert len(plan_runs(quick)) == 7
+    own = sweep_grid(_args("--sweep", "--quick", "--chat-rates", "1", "--rag-lens", "700", "--rag-output-tokens", "8"))
+    assert own.chat_rates == (1.0,) and own.rag_lens == (700,) and own.rag_class(700).output_len.value == 8
+    with pytest.raises(ValueError, match="--rag-lens"):    # 0.8 x 600 = 480 tokens would go to chat
+        sweep_grid(_args("--sweep", "--rag-lens", "600"))
+    with pytest.raises(ValueError, match="--chat-rates"):
+        sweep_grid(_args("--sweep", "--chat-rates", "1,0"))
+
+
+@pytest.mark.parametrize("argv", [(), ("--no-slo",), ("--rag-lens", "3400", "--rag-output-tokens", "200")])
+def test_sweep_pool_files(argv):
+    args = _args("--sweep", *argv)
+    grid = sweep_grid(args)
+    files = sweep_pool_files(args, grid)
+    for layout, text in files.items():
+        raw = load_yaml(text, "pools")
+        assert all(p["enable_prefix_caching"] is False for p in raw["pools"])
+        config = load_config(text, env={})
+        plan = plan_capacity(config, resolve_model_configs(config))     # raises if a pool cannot hold its context
+        longest = round(1.2 * max(grid.rag_lens)) + grid.rag_output_tokens
+        rag_pool = "shared" if layout == "shared" else "rag"
+        assert plan.pools[rag_pool].max_model_len >= longest
+        if layout == "shared":
+            assert [p["name"] for p in raw["pools"]] == ["shared"] and "slo" not in raw["pools"][0]
+            continue
+        chat, rag = raw["pools"]
+        assert chat["route"]["max_prompt_tokens"] < round(0.8 * min(grid.rag_lens)) and \
+            rag["route"]["min_prompt_tokens"] == chat["route"]["max_prompt_tokens"] + 1
+        assert (chat["kv_share"], rag["kv_share"]) == (0.4, 0.6) and "slo" not in rag
+        if "--no-slo" in argv:
+            assert "slo" not in chat       # the defaults of a device with several pools apply
+        else:
+            assert chat["slo"] == {"ttft_ms": 1000, "itl_ms": 100}
+
+
+def _run(ttft=None, itl=None, preempt=0, rag=None, busy=0.3):
+    return {"ttft_p99": ttft, "itl_p99": itl, "chat_preemptions": preempt, "rag_tokens_per_s": rag,
+            "busy_fraction": busy}
+
+
+def _judge(alone, split, rag_alone):
+    return judge(alone, split, rag_alone, ttft_ms=1000, itl_ms=100, saturated_busy=0.9)
+
+
+def test_verdict_bars():
+    alone, base = _run(0.4, 0.05), _run(rag=100.0)
+    ok = _judge(alone, _run(0.6, 0.12, rag=30.0), base)
+    assert all(ok[b] for b in BARS) and ok["in_scope"] and ok["cell_ok"] is True and ok["failed_bars"] == []
+    assert ok["split_ttft_bound_s"] == pytest.approx(0.625) and ok["split_ttft_slo_ratio"] == pytest.approx(0.6)
+    assert ok["rag_ratio"] == pytest.approx(0.3) and verdict_text(ok) == "met"
+    # TTFT: within the SLO but above 1.25 x (alone + itl_ms); then above the SLO though alone is slow
+    assert _judge(alone, _run(0.63, 0.05, rag=50.0), base)["failed_bars"] == ["split_ttft_ok"]
+    slow = _judge(_run(0.9, 0.05), _run(1.01, 0.05, rag=50.0), base)
+    assert slow["failed_bars"] == ["split_ttft_ok"] and slow["split_ttft_bound_s"] == 1.0
+    # ITL: 1.25 x itl_ms; no completed chat request is no ITL, a miss
+    assert _judge(alone, _run(0.5, 0.126, rag=50.0), base)["failed_bars"] == ["split_itl_ok"]
+    assert _judge(alone, _run(0.5, None, rag=50.0), base)["failed_bars"] == ["split_itl_ok"]
+    # preemptions, or none measured
+    assert _judge(alone, _run(0.5, 0.1, preempt=1, rag=50.0), base)["failed_bars"] == ["split_no_preemption"]
+    assert not _judge(alone, _run(0.5, 0.1, preempt=None, rag=50.0), base)["split_no_preemption"]
+    # rag's share: required unless chat alone keeps the device busy
+    starved = _judge(alone, _run(0.5, 0.1, rag=29.0), base)
+    assert starved["failed_bars"] == ["rag_share_ok"] and starved["cell_ok"] is False
+    assert verdict_text(starved) == "NOT met: rag share"
+    busy = _judge(_run(0.4, 0.05, busy=0.95), _run(0.5, 0.1, rag=29.0), base)
+    assert busy["saturated_by_chat"] and not busy["rag_share_required"] and not busy["rag_share_ok"]
+    assert busy["cell_ok"] is True and "rag_share_ok" not in busy["required_bars"]
+    assert _judge(alone, _run(0.5, 0.1, rag=29.0), _run(rag=0.0))["rag_ratio"] is None
+    # out of scope: chat alone misses its TTFT or ITL target; not judged
+    for alone_out in (_run(1.2, 0.05), _run(0.4, 0.11), _run(None, None)):
+        out = _judge(alone_out, _run(5.0, 1.0, preempt=3, rag=1.0), base)
+        assert not out["in_scope"] and not out["chat_alone_meets_slo"] and out["cell_ok"] is None
+        assert out["failed_bars"] == [] and verdict_text(out).startswith("out of scope")
+
+
+def _made_up_runs(grid: Grid) -> list:
+    """Results of every run of `grid` as `run_all` returns them: chat at 2/s misses alone; the 0.4/s
+    rag flood with long prompts pushes split chat past its TTFT bar."""
+    results = []
+    for run in plan_runs(grid):
+        r = {"server_url": f"http://127.0.0.1:{1 if run.layout == 'split' else 2}", "wall_s": 30.0,
+             "idle_wait_s": 0.5, "idle_before": True, "chat_preemptions": 0}
+        if run.chat_rate:
+            slow = run.chat_rate >= 2
+            ttft = 0.3 + (0.5 if run.kind == "split" and run.rag_rate == 0.4 and run.rag_len == 3000 else 0)
+            r.update(ttft_p99=8.0 if run.kind == "shared" else (1.5 if slow else ttft),
+                     itl_p99=0.3 if run.kind == "shared" else 0.05, busy_fraction=0.4 * run.chat_rate)
+        if run.rag_rate:
+            r["rag_tokens_per_s"] = 100.0 if run.kind == "rag alone" else 40.0
+        results.append((run, r))
+    return results
+
+
+def test_sweep_table_summary_and_heatmap(tmp_path):
+    args = _args("--sweep")
+    grid = sweep_grid(args)
+    data = assemble(grid, _made_up_runs(grid), args)
+    cells = data["cells"]
+    assert len(cells) == 18 and len(data["baselines"]["chat_alone"]) == 3 and len(data["baselines"]["rag_alone"]) == 6
+    assert data["summary"] == {"cells": 18, "in_scope": 12, "met": 10, "runs": 45, "servers": 2, "runs_s": 45 * 30.5}
+    assert [c["verdict"] for c in cells if c["in_scope"] and not c["cell_ok"]] == ["NOT met: ttft"] * 2
+    assert summary_line(data) == "cells in scope: 12 of 18 (the rest: chat alone misses the SLO); met: 10 of 12"
+    table = format_sweep_table(data)
+    assert len(table.splitlines()) == 19 and "out of scope" in table and "NOT met: ttft" in table
+    write_heatmap(data, tmp_path / "sweep.png", 1000)
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == PNG
+
+
+def test_pending_work_reads_the_metrics():
+    busy = "\n".join([
+        'cliffguard_num_requests_running{pool="chat"} 0.0', 'cliffguard_num_requests_running{pool="rag"} 1.0',
+        'cliffguard_num_requests_waiting{pool="rag"} 2.0', 'cliffguard_num_requests_swapped{pool="rag"} 0.0',
+        'cliffguard_admission_queue_depth{pool="rag",tenant="default"} 3.0',
+        'cliffguard_kv_credits_total{pool="rag"} 5568.0', 'cliffguard_kv_credits_free{pool="rag"} 1568.0',
+        'cliffguard_kv_credits_total{pool="chat"} 3712.0', 'cliffguard_kv_credits_free{pool="chat"} 3712.0', ""])
+    assert pending_work(busy) == ["rag: 1 running", "rag: 2 waiting", "rag: 3 queued for KV credits",
+                                  "rag: 4000 KV credits held"]
+    idle = busy.replace("1.0", "0.0").replace("2.0", "0.0").replace("3.0", "0.0").replace("1568.0", "5568.0")
+    assert pending_work(idle) == []
+
+
+def test_sweep_quick_end_to_end(tmp_path, capsys):
+    assert main(["bench", "isolation", "--sweep", "--quick", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "cells in scope:" in printed and "chat/s" in printed
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == PNG
+    assert {"args", "commit", "date", "grid", "baselines", "cells", "summary", "duration_s"} <= set(data)
+    assert data["args"]["sweep"] and data["duration_s"] == 8.0 and data["slo_in_pool_file"]
+    assert data["grid"]["chat_rates"] == [0.5, 2.0] and data["grid"]["rag_lens"] == [1500]
+    alone = {r["chat_rate"]: r for r in data["baselines"]["chat_alone"]}
+    (rag_alone,) = data["baselines"]["rag_alone"]
+    assert set(alone) == {0.5, 2.0} and rag_alone["rag_len"] == 1500 and rag_alone["rag_tokens_per_s"] is not None
+    runs = [*alone.values(), rag_alone] + [c["runs"][k] for c in data["cells"] for k in ("split", "shared")]
+    assert len(runs) == data["summary"]["runs"] == 7 and all(r["idle_before"] for r in runs)
+    split_urls = {r["server_url"] for r in runs if r["layout"] == "split"}
+    shared_urls = {r["server_url"] for r in runs if r["layout"] == "shared"}
+    assert len(split_urls) == len(shared_urls) == 1 and split_urls != shared_urls      # one server per layout
+    assert {data["servers"][layout]["url"] for layout in ("split", "shared")} == split_urls | shared_urls
+    assert len(data["cells"]) == data["summary"]["cells"] == 2
+    for cell in data["cells"]:
+        split, shared = cell["runs"]["split"], cell["runs"]["shared"]
+        base = alone[cell["chat_rate"]]
+        assert all(isinstance(cell[b], bool) for b in BARS) and cell["cell_ok"] in (True, False, None)
+        assert (cell["cell_ok"] is None) == (not cell["chat_alone_meets_slo"])
+        # the same chat arrivals alone, split and shared; the same rag arrivals alone and in the cell
+        assert base["chat_seed"] == split["chat_seed"] == shared["chat_seed"] == cell["chat_seed"]
+        assert base["chat_count"] == split["chat_count"] == shared["chat_count"] > 0
+        assert rag_alone["rag_seed"] == split["rag_seed"] == shared["rag_seed"] == cell["rag_seed"]
+        assert cell["ttft_p99_split"] == split["ttft_p99"] and cell["ttft_p99_alone"] == base["ttft_p99"]
+        assert split["chat_preemptions"] == 0 == cell["split_chat_preemptions"]
+        assert 0 <= base["busy_fraction"] <= 1 and cell["verdict"]
