@@ -93,6 +93,8 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-slo", action="store_true", help="--sweep: the split layout's chat pool names no slo "
                    "(the default for a device with several pools applies); the verdict still uses --ttft-ms "
                    "and --itl-ms")
+    p.add_argument("--no-shared", action="store_true", help="--sweep: skip the shared layout (split runs and "
+                   "baselines only: a second run of a sweep's verdict, e.g. with --no-slo, in less time)")
     p.add_argument("--saturated-busy", type=float, default=0.9, help="--sweep: chat alone saturates the device "
                    "when its chat pool had work in at least this fraction of the /metrics scrapes; rag's share "
                    "is then not required (default 0.9)")
@@ -110,6 +112,7 @@ class Grid:
     rag_lens: tuple[int, ...]
     rag_output_tokens: int = 128
     seed: int = 0
+    shared: bool = True          # run the shared layout per cell (--no-shared: split and baselines only)
 
     def __post_init__(self) -> None:
         if min(self.rag_lens) * (1 - RAG_LEN_SPREAD) <= ROUTE_THRESHOLD:
@@ -153,7 +156,7 @@ def sweep_grid(args: argparse.Namespace) -> Grid:
     return Grid(tuple(parse_rates(args.chat_rates or chat, "--chat-rates")),
                 tuple(parse_rates(args.rag_rates or rag, "--rag-rates")),
                 tuple(int_list(args.rag_lens or lens, "--rag-lens", 1, "lengths must be >= 1")),
-                args.rag_output_tokens, args.seed)
+                args.rag_output_tokens, args.seed, shared=not args.no_shared)
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,7 @@ def plan_runs(grid: Grid) -> list[Run]:
     return ([Run("chat alone", "split", chat_rate=c) for c in grid.chat_rates]
             + [Run("rag alone", "split", rag_rate=r, rag_len=n) for r, n in grid.rag_pairs]
             + [Run("split", "split", c, r, n) for c, r, n in grid.cells]
-            + [Run("shared", "shared", c, r, n) for c, r, n in grid.cells])
+            + [Run("shared", "shared", c, r, n) for c, r, n in grid.cells if grid.shared])
 
 
 def sweep_pool_files(args: argparse.Namespace, grid: Grid) -> dict[str, str]:
@@ -255,7 +258,8 @@ def busy_fraction(report: LoadReport, pool: str) -> float | None:
 
 
 async def execute(run: Run, grid: Grid, url: str, args: argparse.Namespace, tokenizer) -> dict[str, Any]:
-    """Run the loads of `run` against the (idle) server at `url`; the run's numbers, samples left out."""
+    """Run the loads of `run` against the (idle) server at `url`; the run's numbers, with chat's TTFT
+    samples (ms) but no ITL samples."""
     duration, drain_timeout = run_times(args)
     times = {"duration": duration, "drain_timeout": drain_timeout}
     configs = []
@@ -270,7 +274,10 @@ async def execute(run: Run, grid: Grid, url: str, args: argparse.Namespace, toke
     rag = reports[-1] if run.rag_rate else None
     itl_ms = None if args.no_slo or run.layout == "shared" else args.itl_ms
     result = summarize(Scenario(run.kind, run.layout, bool(chat), bool(rag), itl_ms), chat, rag)
+    ttfts = result.get("ttft_samples")
     result = {k: v for k, v in result.items() if not k.endswith("_samples")}
+    if ttfts:   # every chat TTFT (ms, in arrival order): a p99 of a few dozen requests is its largest few
+        result["ttft_ms_samples"] = [round(1000 * t) for t in ttfts]
     result.update(kind=run.kind, chat_rate=run.chat_rate, rag_rate=run.rag_rate, rag_len=run.rag_len,
                   chat_seed=configs[0].seed if chat else None, rag_seed=configs[-1].seed if rag else None)
     if chat is not None:
@@ -289,6 +296,8 @@ async def run_all(args: argparse.Namespace, grid: Grid) -> tuple[list[tuple[Run,
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="cliffguard-isolation-sweep-") as folder:
         for layout in ("split", "shared"):
+            if not any(r.layout == layout for r in runs):
+                continue
             path = Path(folder) / f"{layout}.yaml"
             path.write_text(files[layout])
             print(f"bench isolation --sweep: starting and warming up the {layout} server", file=sys.stderr,
@@ -363,7 +372,7 @@ def assemble(grid: Grid, runs: list[tuple[Run, dict[str, Any]]], args: argparse.
     for c, r, n in grid.cells:
         alone = by[Run("chat alone", "split", chat_rate=c)]
         rag_alone = by[Run("rag alone", "split", rag_rate=r, rag_len=n)]
-        split, shared = by[Run("split", "split", c, r, n)], by[Run("shared", "shared", c, r, n)]
+        split, shared = by[Run("split", "split", c, r, n)], by.get(Run("shared", "shared", c, r, n), {})
         cell: dict[str, Any] = {
             "chat_rate": c, "rag_rate": r, "rag_len": n,
             "chat_seed": grid.chat_seed(c), "rag_seed": grid.rag_seed(r, n),

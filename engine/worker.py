@@ -77,6 +77,10 @@ def _worker_main(config: EngineConfig, sock: socket.socket) -> None:
         channel.send(("startup_error", f"{type(exc).__name__}: {exc}"))
         channel.drain(LAST_WORDS_SECONDS)
         return
+    if engine.device.type == "cpu":
+        # The model computes on the cores the gateway serves from: let the gateway's event loop (and
+        # on a one-box setup its clients) win the CPU whenever they need it, a few ms at a time.
+        os.nice(CPU_WORKER_NICE)
     try:
         channel.send(("ready", worker_info(engine)))
         _serve(engine, channel)
@@ -91,6 +95,7 @@ def _worker_main(config: EngineConfig, sock: socket.socket) -> None:
 
 
 STATS_INTERVAL = 0.25   # seconds between stats pushed with step outputs while busy
+CPU_WORKER_NICE = 10    # niceness of a worker that computes on the CPU (the gateway shares those cores)
 MAX_OUTBOX_BYTES = 64 << 20   # outputs the gateway has not read yet: past this the worker stops stepping
 LAST_WORDS_SECONDS = 5.0      # how long a failing worker tries to deliver its reason
 

@@ -110,6 +110,8 @@ def test_sweep_grid_runs_and_seeds():
     quick = sweep_grid(_args("--sweep", "--quick"))
     assert (len(quick.chat_rates), len(quick.rag_rates), len(quick.rag_lens)) == (2, 1, 1)
     assert len(plan_runs(quick)) == 7
+    assert {r.kind for r in plan_runs(sweep_grid(_args("--sweep", "--no-shared")))} == {
+        "chat alone", "rag alone", "split"}
     own = sweep_grid(_args("--sweep", "--quick", "--chat-rates", "1", "--rag-lens", "700", "--rag-output-tokens", "8"))
     assert own.chat_rates == (1.0,) and own.rag_lens == (700,) and own.rag_class(700).output_len.value == 8
     with pytest.raises(ValueError, match="--rag-lens"):    # 0.8 x 600 = 480 tokens would go to chat
