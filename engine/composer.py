@@ -32,21 +32,18 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    wait for a slot.
 4. **Throughput pools** otherwise get the token budget that the step-cost model predicts still fits
    the target: their prefill chunks grow when interactive work is light or absent (work-conserving)
-   and shrink when it is heavy. Whatever the interactive work, they may add `MIN_THROUGHPUT_SHARE`
-   of the target to an unpressed step (so heavy interactive decoding slows them but never stops
-   them, at the price of steps up to that much over the target), and a throughput-only step may
-   always spend as much on work as the step's fixed cost (so a target below the fixed cost of a step
-   halves their throughput rather than starving them). In a step that carries interactive work, a
-   prefill chunk under `MIN_PREFILL_CHUNK` tokens is dropped (the pool's decodes still run): a chunk reads its sequence's whole cached
-   context, so crumbs cost nearly what a full chunk costs (on the CPU of 2026-11-24 a 1-token chunk
-   after 3,000 cached tokens took 250-370 ms) and the cost model, fitted mostly on full chunks,
-   under-predicts them; for the same reason the room a chunk gets beside interactive work is divided
-   by `mixed_margin`, the cost model's recent misprediction of such mixed steps. If even one token
-   does not fit, a throughput
-   pool left with nothing for `STARVATION_STEPS` steps in a row gets one block's worth of tokens, as
-   long as that keeps the step within the `itl_ms` of the interactive pools that are running (the
-   SLO wins: a chunk after a long cached context costs that context's attention, and on a slow
-   device even one block of it can be over the SLO; then it waits for a step without them).
+   and shrink when it is heavy. Beside interactive work they may add `MIN_THROUGHPUT_SHARE` of the
+   target to a step that interactive work already fills (so heavy interactive decoding slows them
+   but never stops them, at the price of steps up to that much over the target), but never a
+   prefill chunk under `MIN_PREFILL_CHUNK` tokens (a chunk reads its sequence's whole cached
+   context, so crumbs cost nearly what a full chunk costs, and the cost model, fitted mostly on
+   other steps, under-predicts them), and the room they get there is divided by `mixed_margin`, the
+   model's recent misprediction of such mixed steps. A throughput-only step may always spend as much
+   on work as the step's fixed cost (so a target below the fixed cost of a step halves their
+   throughput rather than starving them). A throughput pool left with nothing for
+   `STARVATION_STEPS` steps in a row gets one block's worth of tokens, as long as that keeps the step
+   within the `itl_ms` of the interactive pools that are running (the SLO wins: on a slow device one
+   block after a long cached context can be over it; then it waits for a step without them).
 
 `StepCostModel` is fitted online on the engine's measured steps:
 `t = a + b * prefill_tokens + c * decode_tokens + d * attended / 1024`, where `attended` counts the

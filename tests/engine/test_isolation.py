@@ -1,6 +1,6 @@
 """Compute isolation, as a user sees it: one long rag prompt in flight must raise an idle chat
-request's time to first token by at most chat's TTFT target (issue 11's reproduction on small
-lengths: the builtin model in a device worker, chat and rag pools on one CPU device).
+request's time to first token by at most chat's TTFT target (the isolation cliff reproduced on
+small lengths: the builtin model in a device worker, chat and rag pools on one CPU device).
 
 The control run gives chat no SLO (plain chunked prefill, each pool fills its own 2048-token budget):
 there the same chat request waits for a whole rag chunk, which shows the test can fail."""

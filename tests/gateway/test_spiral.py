@@ -1,4 +1,4 @@
-"""Death-spiral detection in a live gateway (issue 14): an undersized shared pool under mixed chat + long
+"""Death-spiral detection in a live gateway: an undersized shared pool under mixed chat + long
 load trips `cliffguard_death_spiral` and `/ready` reports it degraded; the split layout under the same
 load does not trip.
 
