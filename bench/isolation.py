@@ -90,16 +90,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write isolation.json and isolation.png here (with --sweep: "
                    "sweep.json and sweep.png)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    from bench.isolation_sweep import add_sweep_arguments   # here: bench.isolation_sweep imports this module
-
-    add_sweep_arguments(p)
 
 
 def run_times(args: argparse.Namespace) -> tuple[float, float]:
     """(seconds of arrivals, drain timeout) of every run: the flags, else the mode's defaults."""
     duration = {(False, False): 60.0, (False, True): 20.0, (True, False): 30.0, (True, True): 8.0}
     drain = {(False, False): 20.0, (False, True): 10.0, (True, False): 15.0, (True, True): 4.0}
-    mode = (bool(args.sweep), bool(args.quick))
+    mode = (bool(getattr(args, "sweep", False)), bool(args.quick))
     return (duration[mode] if args.duration is None else args.duration,
             drain[mode] if args.drain_timeout is None else args.drain_timeout)
 
@@ -325,10 +322,6 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ValueError(f"--{name.replace('_', '-')}: must be > 0, got {value}")
-    if args.sweep:
-        from bench.isolation_sweep import run_sweep
-
-        return run_sweep(args)
     results = asyncio.run(_main(args))
     if args.out:
         out = Path(args.out)

@@ -57,6 +57,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from bench.isolation import add_arguments as isolation_arguments
+from bench.isolation import run as isolation_run
 from bench.isolation import (CHAT, MODEL, ROUTE_THRESHOLD, Scenario, load_config, pool_file, run_loads, run_times,
                              summarize)
 from bench.live import REPO, LiveServer
@@ -76,6 +78,20 @@ BARS = ("chat_alone_meets_slo", "split_ttft_ok", "split_itl_ok", "split_no_preem
 PENDING_GAUGES = {"cliffguard_num_requests_running": "running", "cliffguard_num_requests_waiting": "waiting",
                   "cliffguard_num_requests_swapped": "swapped",
                   "cliffguard_admission_queue_depth": "queued for KV credits"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `cliffguard bench isolation`: the scenario benchmark's (bench.isolation) and the
+    sweep's. This module is the command's entry point, so bench.isolation never imports it."""
+    isolation_arguments(p)
+    add_sweep_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`cliffguard bench isolation`: the sweep with --sweep, else the scenarios of bench.isolation."""
+    if args.sweep:
+        return run_sweep(args)
+    return isolation_run(args)
 
 
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
@@ -445,7 +461,7 @@ def write_heatmap(data: dict[str, Any], path: Path, ttft_ms: float) -> None:
     norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max([2.0] + ratios))
     cmap = matplotlib.colormaps["RdYlGn_r"].with_extremes(bad="lightgrey")
     width = len(rag_lens) * (1.4 + 1.3 * len(rag_rates)) + 1.6
-    fig = Figure(figsize=(max(7.0, width), max(4.0, 2.0 + 0.9 * len(chat_rates))), layout="constrained")
+    fig = Figure(figsize=(max(7.0, width), max(4.0, 2.0 + len(chat_rates) * 9 / 10)), layout="constrained")
     axes = fig.subplots(1, len(rag_lens), squeeze=False)[0]
     image = None
     for ax, rag_len in zip(axes, rag_lens):

@@ -37,7 +37,7 @@ BENCHMARKS = {
                                "overload: goodput, p99, KV idle, wasted retries"),
     "simulate": ("simulate", "cliffguard simulate's predictions (measured step model) against real runs at "
                              "three rates: throughput, p50 and p99 TTFT"),
-    "isolation": ("isolation", "chat latency under a rag flood: chat alone, split pools (step composer), one "
+    "isolation": ("isolation_sweep", "chat latency under a rag flood: chat alone, split pools (step composer), one "
                                "shared pool; the itl_ms trade-off; --sweep: chat's SLO over a grid of loads"),
     "chaos": ("chaos", "faults (slow readers, disconnects, oversized inputs, kill -9 / STOP of the worker, a "
                        "500-connection burst) under a steady load: lost, duplicated, p99 TTFT, recovery time, RSS"),

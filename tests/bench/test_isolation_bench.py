@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from bench.isolation import add_arguments, add_ratios, format_table, pools_yaml, scenarios, verdict
+from bench.isolation import add_ratios, format_table, pools_yaml, scenarios, verdict
+from bench.isolation_sweep import add_arguments
 from bench.isolation_sweep import (BARS, Grid, assemble, format_sweep_table, judge, pending_work, plan_runs,
                                    summary_line, sweep_grid, sweep_pool_files, verdict_text, write_heatmap)
 from gateway.cli import main
