@@ -450,13 +450,7 @@ class StepComposer:
         whole context's attention) waits for a step without interactive work."""
         if self._slo_limit is None or not self.cost_model.ready:
             return True
-        decodes, prefill_context = scheduler.pending_work()
-        extra = StepFeatures()
-        for context in decodes[:block]:
-            extra.add(context, 1, True)
-        chunk = block - min(block, len(decodes))
-        if chunk and prefill_context is not None:
-            extra.add(prefill_context, chunk, False)
+        extra = _budget_features(*scheduler.pending_work(), block)
         before = self.cost_model.predict(so_far)
         return before + (self.cost_model.predict(so_far.plus(extra)) - before) * self.mixed_margin <= self._slo_limit
 
@@ -467,13 +461,7 @@ class StepComposer:
         predict = self.cost_model.predict
 
         def fits(tokens: int) -> bool:
-            extra = StepFeatures()
-            for context in decodes[:tokens]:
-                extra.add(context, 1, True)
-            chunk = tokens - min(tokens, len(decodes))
-            if chunk and prefill_context is not None:
-                extra.add(prefill_context, chunk, False)
-            return predict(so_far.plus(extra)) <= limit
+            return predict(so_far.plus(_budget_features(decodes, prefill_context, tokens))) <= limit
 
         if not fits(1):
             return 0
@@ -485,6 +473,18 @@ class StepComposer:
             else:
                 high = mid - 1
         return low
+
+
+def _budget_features(decodes: list[int], prefill_context: int | None, tokens: int) -> StepFeatures:
+    """What a budget of `tokens` adds to a step (`Scheduler.pending_work`'s decodes first, then one
+    prefill chunk after `prefill_context` cached tokens)."""
+    extra = StepFeatures()
+    for context in decodes[:tokens]:
+        extra.add(context, 1, True)
+    chunk = tokens - min(tokens, len(decodes))
+    if chunk and prefill_context is not None:
+        extra.add(prefill_context, chunk, False)
+    return extra
 
 
 def _next_prefill_remaining(scheduler: Scheduler) -> int:
