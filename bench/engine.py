@@ -215,7 +215,7 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
 def run_ours(engine, work) -> dict:
     """Run the workload as one continuous batch. steps: (decode tokens, prefill tokens, seconds,
     context tokens the step's sampled sequences attended over) per step."""
-    from engine import SamplingParams
+    from engine.sampling import SamplingParams
 
     # warm-up outside the timing (on CUDA a few prompts, so that batched shapes are compiled too)
     warm = work[:1] if engine.device.type == "cpu" else work[:8]
@@ -326,8 +326,8 @@ def build_engine(args: argparse.Namespace, model: str):
 
     import torch
 
-    from engine import LLMEngine
-    from pools.capacity import plan_single_pool
+    from engine.llm_engine import LLMEngine
+    from pools.capacity_plan import plan_single_pool
 
     on_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     kv_mib = args.kv_cache_mib or (8192 if on_cuda else 2048)

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pools.workload import latency_stats
+
 REPLY = {"id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "upstream-model",
          "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop",
                       "logprobs": None}],
@@ -77,11 +79,6 @@ def _wait_line(proc: subprocess.Popen, pattern: str, timeout: float = 120) -> st
     raise TimeoutError("".join(lines))
 
 
-def _percentile(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 async def _measure(direct_url: str, gateway_url: str, args: argparse.Namespace) -> dict:
     import aiohttp
 
@@ -123,10 +120,11 @@ async def _measure(direct_url: str, gateway_url: str, args: argparse.Namespace) 
         direct_rps = await flood(direct_url, direct_body)
         gateway_rps = await flood(gateway_url, gateway_body)
     ms = 1e3
+    d, g = latency_stats(direct), latency_stats(through)
     return {
-        "direct_p50_ms": _percentile(direct, 0.5) * ms, "direct_p99_ms": _percentile(direct, 0.99) * ms,
-        "gateway_p50_ms": _percentile(through, 0.5) * ms, "gateway_p99_ms": _percentile(through, 0.99) * ms,
-        "added_p50_ms": (_percentile(through, 0.5) - _percentile(direct, 0.5)) * ms,
+        "direct_p50_ms": d["p50"] * ms, "direct_p99_ms": d["p99"] * ms,
+        "gateway_p50_ms": g["p50"] * ms, "gateway_p99_ms": g["p99"] * ms,
+        "added_p50_ms": (g["p50"] - d["p50"]) * ms,
         "added_mean_ms": (statistics.mean(through) - statistics.mean(direct)) * ms,
         "direct_rps": direct_rps, "gateway_rps": gateway_rps, "concurrency": args.concurrency,
         "requests": args.requests, "latency_requests": args.latency_requests,

@@ -45,9 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.live import LiveServer
-from bench.serve import (LengthDist, LoadConfig, LoadReport, WorkloadClass, latencies, load_tokenizer,
-                         plan_requests, run_load)
-from pools.workload import latency_stats
+from bench.load.plan import LoadConfig, load_tokenizer, plan_requests
+from bench.load.report import LoadReport, latencies
+from bench.load.run import run_load
+from pools.workload import LengthDist, WorkloadClass, latency_stats
 
 MODEL = "builtin:smollm2-135m-instruct"
 CHAT = WorkloadClass(name="chat", endpoint="chat", prompt_len=LengthDist("normal", mean=60, std=15, min=20, max=120),

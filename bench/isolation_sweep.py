@@ -40,6 +40,8 @@ several pools applies, and the same flags are the bars it is judged by):
 the summary) and `sweep.png` (per rag length a heat map, rows chat rate, columns rag rate, colour split
 chat p99 TTFT / ttft_ms around 1.0, a tick or cross for cell_ok, out-of-scope cells hatched grey).
 `--quick`: the same path on a 2 x 1 x 1 grid with 8 s of arrivals per run (about 2 minutes), for a test.
+The grid, the verdict, the table and the heat map are `bench.isolation_grid`; this module runs the
+servers and the loads.
 """
 
 from __future__ import annotations
@@ -52,28 +54,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench.isolation import add_arguments as isolation_arguments
-from bench.isolation import run as isolation_run
-from bench.isolation import (CHAT, MODEL, ROUTE_THRESHOLD, Scenario, load_config, pool_file, run_loads, run_times,
-                             summarize)
+from bench.isolation import (CHAT, MODEL, Scenario, add_arguments as isolation_arguments, load_config,
+                             run as isolation_run, run_loads, run_times, summarize)
+from bench.isolation_grid import (DEFAULT_GRID, QUICK_GRID, Grid, Run, assemble, format_sweep_table, plan_runs,
+                                  summary_line, sweep_grid, sweep_pool_files, write_heatmap)
 from bench.live import REPO, LiveServer
-from bench.options import int_list
-from bench.serve import LengthDist, LoadConfig, LoadReport, WorkloadClass, load_tokenizer
-from pools.workload import parse_rates
+from bench.load.scrape import pool_samples
+from bench.load.plan import LoadConfig, load_tokenizer
+from bench.load.report import LoadReport
+from pools.workload import LengthDist
 
-QUICK_GRID = ("0.5,2", "0.3", "1500")       # --chat-rates, --rag-rates, --rag-lens of --quick
-DEFAULT_GRID = ("0.5,1,2", "0.1,0.2,0.4", "1500,3000")
-RAG_LEN_SPREAD = 0.2                        # rag prompts: uniform within +-20% of the length asked
-SPLIT_SLACK = 1.25                          # split chat p99s may exceed their reference by 25%
-MIN_RAG_SHARE = 0.3                         # split rag tokens/s over rag alone's, where required
 IDLE_TIMEOUT_S = 60.0
-BLOCK_SIZE = 16
-BARS = ("chat_alone_meets_slo", "split_ttft_ok", "split_itl_ok", "split_no_preemption", "rag_share_ok")
 # /metrics gauges that say a server still has work, and what they mean.
 PENDING_GAUGES = {"cliffguard_num_requests_running": "running", "cliffguard_num_requests_waiting": "waiting",
                   "cliffguard_num_requests_swapped": "swapped",
@@ -116,117 +112,17 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
                    "is then not required (default 0.9)")
 
 
-# --- the grid and its runs ------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Grid:
-    """The sweep's loads. Seeds: chat rate i -> 1000 x seed + i; rag pair j (rag rates outer, lengths
-    inner) -> 1000 x seed + 500 + j."""
-
-    chat_rates: tuple[float, ...]
-    rag_rates: tuple[float, ...]
-    rag_lens: tuple[int, ...]
-    rag_output_tokens: int = 128
-    seed: int = 0
-    shared: bool = True          # run the shared layout per cell (--no-shared: split and baselines only)
-
-    def __post_init__(self) -> None:
-        if min(self.rag_lens) * (1 - RAG_LEN_SPREAD) <= ROUTE_THRESHOLD:
-            raise ValueError(f"--rag-lens: the shortest rag prompt must be above the chat route's "
-                             f"{ROUTE_THRESHOLD} tokens, so every rag length must be >= "
-                             f"{math.floor(ROUTE_THRESHOLD / (1 - RAG_LEN_SPREAD)) + 1}, got {min(self.rag_lens)}")
-        if self.rag_output_tokens < 1:
-            raise ValueError(f"--rag-output-tokens: must be >= 1, got {self.rag_output_tokens}")
-
-    @property
-    def rag_pairs(self) -> list[tuple[float, int]]:
-        return [(rate, n) for rate in self.rag_rates for n in self.rag_lens]
-
-    @property
-    def cells(self) -> list[tuple[float, float, int]]:
-        """(chat rate, rag rate, rag length) of every cell."""
-        return [(c, r, n) for c in self.chat_rates for r, n in self.rag_pairs]
-
-    def chat_seed(self, chat_rate: float) -> int:
-        return 1000 * self.seed + self.chat_rates.index(chat_rate)
-
-    def rag_seed(self, rag_rate: float, rag_len: int) -> int:
-        return 1000 * self.seed + 500 + self.rag_pairs.index((rag_rate, rag_len))
-
-    def rag_class(self, rag_len: int) -> WorkloadClass:
-        low, high = round(rag_len * (1 - RAG_LEN_SPREAD)), round(rag_len * (1 + RAG_LEN_SPREAD))
-        return WorkloadClass(name="rag", endpoint="completion", prompt_len=LengthDist("uniform", min=low, max=high),
-                             output_len=LengthDist("fixed", value=self.rag_output_tokens))
-
-    @property
-    def max_model_len(self) -> int:
-        """The rag (and shared) pool's context: 4096 as `bench isolation`'s, or the longest rag prompt
-        plus its output when that is more (in whole blocks)."""
-        longest = round(max(self.rag_lens) * (1 + RAG_LEN_SPREAD)) + self.rag_output_tokens
-        return max(4096, -(-longest // BLOCK_SIZE) * BLOCK_SIZE)
-
-
-def sweep_grid(args: argparse.Namespace) -> Grid:
-    """The grid of the command line: the flags, else the defaults (--quick's own)."""
-    chat, rag, lens = QUICK_GRID if args.quick else DEFAULT_GRID
-    return Grid(tuple(parse_rates(args.chat_rates or chat, "--chat-rates")),
-                tuple(parse_rates(args.rag_rates or rag, "--rag-rates")),
-                tuple(int_list(args.rag_lens or lens, "--rag-lens", 1, "lengths must be >= 1")),
-                args.rag_output_tokens, args.seed, shared=not args.no_shared)
-
-
-@dataclass(frozen=True)
-class Run:
-    """One run of the sweep: which loads go to which layout's server."""
-
-    kind: str                    # chat alone | rag alone | split | shared
-    layout: str                  # split | shared
-    chat_rate: float | None = None
-    rag_rate: float | None = None
-    rag_len: int | None = None
-
-    def describe(self) -> str:
-        loads = ([f"chat {self.chat_rate:g}/s"] if self.chat_rate else []) + (
-            [f"rag {self.rag_rate:g}/s x {self.rag_len} tok"] if self.rag_rate else [])
-        return f"{self.kind}: {', '.join(loads)}"
-
-
-def plan_runs(grid: Grid) -> list[Run]:
-    """Every run, in order: the split server's (chat alone per chat rate, rag alone per rag pair, split
-    per cell), then the shared server's (shared per cell)."""
-    return ([Run("chat alone", "split", chat_rate=c) for c in grid.chat_rates]
-            + [Run("rag alone", "split", rag_rate=r, rag_len=n) for r, n in grid.rag_pairs]
-            + [Run("split", "split", c, r, n) for c, r, n in grid.cells]
-            + [Run("shared", "shared", c, r, n) for c, r, n in grid.cells if grid.shared])
-
-
-def sweep_pool_files(args: argparse.Namespace, grid: Grid) -> dict[str, str]:
-    """layout -> pool file: `bench isolation`'s, chat's slo as the flags say (none with --no-slo)."""
-    slo = None if args.no_slo else (args.ttft_ms, args.itl_ms)
-    common = {"memory": args.memory, "max_num_batched_tokens": args.max_num_batched_tokens,
-              "max_model_len": grid.max_model_len}
-    return {"split": pool_file("split", chat_slo=slo, names_slo=not args.no_slo, **common),
-            "shared": pool_file("shared", chat_slo=None, **common)}
-
-
 # --- the server between runs ----------------------------------------------------------------------------------
 
 def pending_work(metrics_text: str) -> list[str]:
     """What a server's /metrics say it still has to do: per pool, requests running, waiting, swapped or
     queued for KV credits, and credits still held. Empty when the server is idle."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     pending: list[str] = []
-    credits: dict[str, dict[str, float]] = {}
-    for family in text_string_to_metric_families(metrics_text):
-        for sample in family.samples:
-            pool = sample.labels.get("pool", "")
-            if sample.name in PENDING_GAUGES and sample.value:
-                pending.append(f"{pool}: {sample.value:g} {PENDING_GAUGES[sample.name]}")
-            elif sample.name in ("cliffguard_kv_credits_total", "cliffguard_kv_credits_free"):
-                credits.setdefault(pool, {})[sample.name.rsplit("_", 1)[1]] = sample.value
-    for pool, c in sorted(credits.items()):
-        held = c.get("total", 0.0) - c.get("free", 0.0)
+    pools = pool_samples(metrics_text)
+    for pool, samples in pools.items():
+        pending += [f"{pool}: {samples[name]:g} {what}" for name, what in PENDING_GAUGES.items() if samples.get(name)]
+    for pool, samples in sorted(pools.items()):
+        held = samples.get("cliffguard_kv_credits_total", 0.0) - samples.get("cliffguard_kv_credits_free", 0.0)
         if held > 0:
             pending.append(f"{pool}: {held:g} KV credits held")
     return pending
@@ -335,162 +231,6 @@ async def run_all(args: argparse.Namespace, grid: Grid) -> tuple[list[tuple[Run,
                                   wall_s=time.perf_counter() - t0)
                     results.append((run, result))
     return results, servers
-
-
-# --- the verdict ---------------------------------------------------------------------------------------------
-
-def judge(alone: dict[str, Any], split: dict[str, Any], rag_alone: dict[str, Any], *, ttft_ms: float,
-          itl_ms: float, saturated_busy: float) -> dict[str, Any]:
-    """The bars of one cell (see the module docstring) from its chat-alone, split and rag-alone runs
-    (`ttft_p99`, `itl_p99` in s, `busy_fraction`, `chat_preemptions`, `rag_tokens_per_s`)."""
-    ttft_s, itl_s = ttft_ms / 1e3, itl_ms / 1e3
-
-    def at_most(value: float | None, bound: float | None) -> bool:
-        return value is not None and bound is not None and value <= bound
-
-    alone_ttft, split_ttft = alone.get("ttft_p99"), split.get("ttft_p99")
-    ttft_bound = None if alone_ttft is None else SPLIT_SLACK * (alone_ttft + itl_s)
-    rag_split, rag_base = split.get("rag_tokens_per_s"), rag_alone.get("rag_tokens_per_s")
-    rag_ratio = rag_split / rag_base if rag_split is not None and rag_base else None
-    busy = alone.get("busy_fraction")
-    bars = {
-        "chat_alone_meets_slo": at_most(alone_ttft, ttft_s) and at_most(alone.get("itl_p99"), itl_s),
-        "split_ttft_ok": at_most(split_ttft, ttft_s) and at_most(split_ttft, ttft_bound),
-        "split_itl_ok": at_most(split.get("itl_p99"), SPLIT_SLACK * itl_s),
-        "split_no_preemption": split.get("chat_preemptions") == 0,
-        "rag_share_ok": rag_ratio is not None and rag_ratio >= MIN_RAG_SHARE,
-    }
-    saturated = busy is not None and busy >= saturated_busy
-    required = [b for b in BARS[1:] if b != "rag_share_ok" or not saturated]
-    in_scope = bars["chat_alone_meets_slo"]
-    failed = [b for b in required if not bars[b]]
-    return {**bars, "in_scope": in_scope, "saturated_by_chat": saturated, "rag_share_required": not saturated,
-            "required_bars": required, "failed_bars": failed if in_scope else [],
-            "cell_ok": (not failed) if in_scope else None,
-            "split_ttft_bound_s": None if ttft_bound is None else min(ttft_s, ttft_bound),
-            "split_ttft_slo_ratio": None if split_ttft is None else split_ttft / ttft_s, "rag_ratio": rag_ratio}
-
-
-def verdict_text(cell: dict[str, Any]) -> str:
-    if not cell["in_scope"]:
-        return "out of scope (chat alone misses the SLO)"
-    if cell["cell_ok"]:
-        return "met"
-    short = {"split_ttft_ok": "ttft", "split_itl_ok": "itl", "split_no_preemption": "preempt",
-             "rag_share_ok": "rag share"}
-    return "NOT met: " + ", ".join(short[b] for b in cell["failed_bars"])
-
-
-def assemble(grid: Grid, runs: list[tuple[Run, dict[str, Any]]], args: argparse.Namespace) -> dict[str, Any]:
-    """Baselines, cells with their bars, and the summary, from the runs."""
-    by = {run: result for run, result in runs}
-    cells = []
-    for c, r, n in grid.cells:
-        alone = by[Run("chat alone", "split", chat_rate=c)]
-        rag_alone = by[Run("rag alone", "split", rag_rate=r, rag_len=n)]
-        split, shared = by[Run("split", "split", c, r, n)], by.get(Run("shared", "shared", c, r, n), {})
-        cell: dict[str, Any] = {
-            "chat_rate": c, "rag_rate": r, "rag_len": n,
-            "chat_seed": grid.chat_seed(c), "rag_seed": grid.rag_seed(r, n),
-            "ttft_p99_alone": alone.get("ttft_p99"), "ttft_p99_split": split.get("ttft_p99"),
-            "ttft_p99_shared": shared.get("ttft_p99"), "itl_p99_alone": alone.get("itl_p99"),
-            "itl_p99_split": split.get("itl_p99"), "itl_p99_shared": shared.get("itl_p99"),
-            "split_chat_preemptions": split.get("chat_preemptions"),
-            "shared_chat_preemptions": shared.get("chat_preemptions"),
-            "rag_tokens_per_s_split": split.get("rag_tokens_per_s"),
-            "rag_tokens_per_s_alone": rag_alone.get("rag_tokens_per_s"),
-            "chat_alone_busy_fraction": alone.get("busy_fraction"),
-            **judge(alone, split, rag_alone, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
-                    saturated_busy=args.saturated_busy),
-            "runs": {"split": split, "shared": shared},
-        }
-        cell["verdict"] = verdict_text(cell)
-        cells.append(cell)
-    in_scope = [cell for cell in cells if cell["in_scope"]]
-    return {
-        "grid": {"chat_rates": list(grid.chat_rates), "rag_rates": list(grid.rag_rates),
-                 "rag_lens": list(grid.rag_lens), "rag_output_tokens": grid.rag_output_tokens,
-                 "rag_len_spread": RAG_LEN_SPREAD, "max_model_len": grid.max_model_len},
-        "baselines": {"chat_alone": [result for run, result in runs if run.kind == "chat alone"],
-                      "rag_alone": [result for run, result in runs if run.kind == "rag alone"]},
-        "cells": cells,
-        "summary": {"cells": len(cells), "in_scope": len(in_scope), "met": sum(c["cell_ok"] for c in in_scope),
-                    "runs": len(runs), "servers": len({result["server_url"] for _, result in runs}),
-                    "runs_s": sum(result["wall_s"] + result["idle_wait_s"] for _, result in runs)},
-    }
-
-
-def summary_line(data: dict[str, Any]) -> str:
-    s = data["summary"]
-    return (f"cells in scope: {s['in_scope']} of {s['cells']} (the rest: chat alone misses the SLO); "
-            f"met: {s['met']} of {s['in_scope']}")
-
-
-def format_sweep_table(data: dict[str, Any]) -> str:
-    def ms(v):
-        return "-" if v is None else f"{1000 * v:.0f}"
-
-    def x(v):
-        return "-" if v is None else f"{v:.2f}"
-
-    head = (f"{'chat/s':>6} {'rag/s':>5} {'rag len':>7}  {'TTFT p99 ms alone':>17} {'split':>6} {'shared':>7}  "
-            f"{'ITL p99 ms alone':>16} {'split':>6} {'shared':>7}  {'split/SLO':>9} {'preempt':>7} "
-            f"{'rag ratio':>9}  verdict")
-    lines = [head]
-    for c in data["cells"]:
-        lines.append(f"{c['chat_rate']:>6g} {c['rag_rate']:>5g} {c['rag_len']:>7}  {ms(c['ttft_p99_alone']):>17} "
-                     f"{ms(c['ttft_p99_split']):>6} {ms(c['ttft_p99_shared']):>7}  {ms(c['itl_p99_alone']):>16} "
-                     f"{ms(c['itl_p99_split']):>6} {ms(c['itl_p99_shared']):>7}  {x(c['split_ttft_slo_ratio']):>9} "
-                     f"{str(c['split_chat_preemptions']):>7} {x(c['rag_ratio']):>9}  {c['verdict']}")
-    return "\n".join(lines)
-
-
-# --- the plot --------------------------------------------------------------------------------------------------
-
-def write_heatmap(data: dict[str, Any], path: Path, ttft_ms: float) -> None:
-    """Per rag length a heat map (rows chat rate, columns rag rate) of split chat p99 TTFT / ttft_ms."""
-    import matplotlib
-    import numpy as np
-    from matplotlib.colors import TwoSlopeNorm
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Rectangle
-
-    grid = data["grid"]
-    chat_rates, rag_rates, rag_lens = grid["chat_rates"], grid["rag_rates"], grid["rag_lens"]
-    ratios = [c["split_ttft_slo_ratio"] for c in data["cells"] if c["split_ttft_slo_ratio"] is not None]
-    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max([2.0] + ratios))
-    cmap = matplotlib.colormaps["RdYlGn_r"].with_extremes(bad="lightgrey")
-    width = len(rag_lens) * (1.4 + 1.3 * len(rag_rates)) + 1.6
-    fig = Figure(figsize=(max(7.0, width), max(4.0, 2.0 + len(chat_rates) * 9 / 10)), layout="constrained")
-    axes = fig.subplots(1, len(rag_lens), squeeze=False)[0]
-    image = None
-    for ax, rag_len in zip(axes, rag_lens):
-        values = np.full((len(chat_rates), len(rag_rates)), np.nan)
-        for c in (c for c in data["cells"] if c["rag_len"] == rag_len):
-            i, j = chat_rates.index(c["chat_rate"]), rag_rates.index(c["rag_rate"])
-            ratio = c["split_ttft_slo_ratio"]
-            if c["in_scope"] and ratio is not None:
-                values[i, j] = ratio
-            text = "-" if ratio is None else f"{ratio:.2f}"
-            if c["in_scope"]:
-                text += " \u2713" if c["cell_ok"] else " \u2717"
-            else:
-                text += "\nout of scope"
-                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="//", edgecolor="grey",
-                                       linewidth=0))
-            ax.text(j, i, text, ha="center", va="center", fontsize=9)
-        image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, norm=norm, origin="lower", aspect="auto")
-        ax.set_xticks(range(len(rag_rates)), [f"{r:g}" for r in rag_rates])
-        ax.set_yticks(range(len(chat_rates)), [f"{r:g}" for r in chat_rates])
-        ax.set_xlabel("rag requests/s")
-        ax.set_ylabel("chat requests/s")
-        ax.set_title(f"rag prompts ~{rag_len} tokens")
-    fig.colorbar(image, ax=list(axes), label=f"split chat p99 TTFT / ttft_ms ({ttft_ms:g} ms); 1 = SLO")
-    s = data["summary"]
-    fig.suptitle(f"bench isolation --sweep: {s['met']} of {s['in_scope']} cells in scope met "
-                 f"({s['cells']} cells)\n\u2713 cell_ok, \u2717 a bar missed; hatched grey: out of scope "
-                 "(chat alone misses the SLO)", fontsize=9)
-    fig.savefig(path, dpi=110)
 
 
 # --- the command -----------------------------------------------------------------------------------------------

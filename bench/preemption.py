@@ -1,6 +1,6 @@
 """`cliffguard bench preemption`: recompute vs swap vs auto across the pool-pressure regimes, in one run.
 
-The regimes are those of the preemption lesson's table: the pool far above the workload's working set
+The three pool-pressure regimes: the pool far above the workload's working set
 (no preemption: the mode should not matter), about equal to it, and below it. Each runs two offline
 mixes, all requests submitted at t=0, greedy with ignore_eos:
 
@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 
 from bench.engine import cfg_name, device_name
-from bench.gateway import _percentile
+from pools.workload import latency_stats
 
 MODES = ("recompute", "swap", "auto")
 WARMUP_POOL = "warmup"
@@ -122,7 +122,8 @@ def pool_name(mix: Mix, factor: float) -> str:
 def build_engine(args, mode: str, cells: list[tuple[Mix, float, int, int]], bytes_per_block: int):
     """An engine whose pools are the warm-up pool and one pool per (mix, factor, blocks, working set) cell;
     swap and auto pools get `--swap-factor x min(pool, working set)` blocks of CPU swap space."""
-    from engine import CacheConfig, EngineConfig, LLMEngine, PoolConfig, SchedulerConfig
+    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
 
     def scheduler(num_blocks: int, working_set: int) -> SchedulerConfig:
         swap_blocks = math.ceil(args.swap_factor * min(num_blocks, working_set))
@@ -142,7 +143,7 @@ def build_engine(args, mode: str, cells: list[tuple[Mix, float, int, int]], byte
 
 def warm_up(engine, vocab_size: int) -> None:
     """One short request through the warm-up pool (the engine's first): first-call costs stay out of cells."""
-    from engine import SamplingParams
+    from engine.sampling import SamplingParams
 
     ids = [3 + i % (vocab_size - 3) for i in range(WARMUP_PROMPT_LEN)]
     engine.generate([ids], SamplingParams(temperature=0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True))
@@ -164,7 +165,7 @@ def pool_counters(engine, pool: str) -> dict:
 
 def run_cell(engine, pool: str, work: list[tuple[list[int], int]]) -> dict:
     """Submit every request at t=0 to `pool`, step until all finish; latencies, counters, outputs."""
-    from engine import SamplingParams
+    from engine.sampling import SamplingParams
 
     before = pool_counters(engine, pool)
     ids = [f"{pool}-{i}" for i in range(len(work))]
@@ -191,7 +192,7 @@ def run_cell(engine, pool: str, work: list[tuple[list[int], int]]) -> dict:
     lat = [latency[r] for r in ids]
     return {
         "wall_s": wall, "output_tokens": output_tokens, "tok_per_s": output_tokens / wall,
-        "mean_latency_s": statistics.mean(lat), "p99_latency_s": _percentile(lat, 0.99),
+        "mean_latency_s": statistics.mean(lat), "p99_latency_s": latency_stats(lat)["p99"],
         "num_steps": num_steps, "num_prefill_tokens": num_prefill_tokens, "peak_used_blocks": peak_used_blocks,
         "preemptions_per_100_requests": 100 * counters["num_preemptions"] / len(work),
         "preemptions_per_step": counters["num_preemptions"] / num_steps,
@@ -212,7 +213,7 @@ def compare_outputs(got: list[list[int]], ref: list[list[int]]) -> list[dict]:
 
 # --- the run --------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    from engine import CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig
+    from engine.config import CacheConfig, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig
     from engine.weights import resolve_model
 
     modes, factors = _parse_args(args)
@@ -228,17 +229,7 @@ def run(args: argparse.Namespace) -> int:
     mixes = QUICK_MIXES if args.quick else DEFAULT_MIXES
     workloads = {m.name: make_requests(m, args.scale, model_config.vocab_size, args.seed) for m in mixes}
 
-    mix_info, cells = [], []
-    for mix in mixes:
-        work = workloads[mix.name]
-        ws = working_set_blocks(work, args.block_size, args.max_num_seqs)
-        mix_info.append({
-            "name": mix.name, "note": mix.note, "num_requests": len(work),
-            "prompt_len": [min(len(i) for i, _ in work), max(len(i) for i, _ in work)],
-            "output_len": [min(n for _, n in work), max(n for _, n in work)],
-            "prompt_tokens": sum(len(i) for i, _ in work), "output_tokens": sum(n for _, n in work),
-            "working_set_blocks": ws})
-        cells += [(mix, f, pool_blocks(f, ws, work, args.block_size), ws) for f in factors]
+    mix_info, cells = _plan_cells(mixes, workloads, factors, args)
     longest = max(len(ids) + n for work in workloads.values() for ids, n in work)
     if longest > model_config.max_position_embeddings:
         raise ValueError(f"--scale: the longest request ({longest} tokens) exceeds the model's "
@@ -251,31 +242,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"preemption bench: {len(mixes)} mixes x {len(factors)} regimes x {len(modes)} modes; one engine "
           f"per mode, all loaded at once", file=sys.stderr)
 
-    engines, unsupported = {}, {}
-    for mode in modes:
-        started = time.perf_counter()
-        try:
-            engines[mode] = build_engine(args, mode, cells, bytes_per_block)
-        except ConfigError as exc:
-            unsupported[mode] = str(exc)
-            result["engines"][mode] = {"unsupported": str(exc)}
-            print(f"  {mode}: unsupported ({exc})", file=sys.stderr)
-            continue
-        result["engines"][mode] = {"load_s": time.perf_counter() - started, "model": cfg_name(engines[mode])}
-        warm_up(engines[mode], model_config.vocab_size)
-
-    runs: dict[tuple[str, str, float], list[dict]] = {}
-    for i, (mix, factor, n, _) in enumerate(cells):
-        for repeat in range(args.repeat):
-            # The modes take turns, each round starting with the next one: drift in the machine's speed
-            # over the run lands on all of them alike.
-            turn = (i + repeat) % len(modes)
-            for mode in modes[turn:] + modes[:turn]:
-                if mode in engines:
-                    cell = run_cell(engines[mode], pool_name(mix, factor), workloads[mix.name])
-                    runs.setdefault((mode, mix.name, factor), []).append(cell)
-                    print(f"  {mode:<9} {mix.name:<5} {regime_label(factor):<22} {cell['wall_s']:6.1f} s "
-                          f"{cell['num_preemptions']:4d} preemptions", file=sys.stderr)
+    engines, unsupported = _load_engines(args, modes, cells, bytes_per_block, model_config.vocab_size, result)
+    runs = _run_cells(args, cells, modes, engines, workloads)
     engines.clear()
     # Each mix's reference: the first run of its largest pool under the first mode that ran.
     reference = {mix.name: next((runs[(m, mix.name, factors[0])][0] for m in modes
@@ -296,6 +264,59 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(result, mixes, factors, modes)
     return 0
+
+
+def _plan_cells(mixes, workloads, factors: list[float], args: argparse.Namespace) -> tuple[list[dict], list[tuple]]:
+    """Each mix's description, and the (mix, pool factor, pool blocks, working set) cells to run."""
+    mix_info, cells = [], []
+    for mix in mixes:
+        work = workloads[mix.name]
+        ws = working_set_blocks(work, args.block_size, args.max_num_seqs)
+        mix_info.append({
+            "name": mix.name, "note": mix.note, "num_requests": len(work),
+            "prompt_len": [min(len(i) for i, _ in work), max(len(i) for i, _ in work)],
+            "output_len": [min(n for _, n in work), max(n for _, n in work)],
+            "prompt_tokens": sum(len(i) for i, _ in work), "output_tokens": sum(n for _, n in work),
+            "working_set_blocks": ws})
+        cells += [(mix, f, pool_blocks(f, ws, work, args.block_size), ws) for f in factors]
+    return mix_info, cells
+
+
+def _load_engines(args: argparse.Namespace, modes: list[str], cells: list[tuple], bytes_per_block: int,
+                  vocab_size: int, result: dict) -> tuple[dict, dict[str, str]]:
+    """One warmed-up engine per mode the engine supports; (engines, mode -> why unsupported)."""
+    from engine.config import ConfigError
+
+    engines, unsupported = {}, {}
+    for mode in modes:
+        started = time.perf_counter()
+        try:
+            engines[mode] = build_engine(args, mode, cells, bytes_per_block)
+        except ConfigError as exc:
+            unsupported[mode] = str(exc)
+            result["engines"][mode] = {"unsupported": str(exc)}
+            print(f"  {mode}: unsupported ({exc})", file=sys.stderr)
+            continue
+        result["engines"][mode] = {"load_s": time.perf_counter() - started, "model": cfg_name(engines[mode])}
+        warm_up(engines[mode], vocab_size)
+    return engines, unsupported
+
+
+def _run_cells(args: argparse.Namespace, cells: list[tuple], modes: list[str], engines: dict,
+               workloads: dict) -> dict[tuple[str, str, float], list[dict]]:
+    """Every cell `args.repeat` times under every mode. The modes take turns, each round starting
+    with the next one: drift in the machine's speed over the run lands on all of them alike."""
+    runs: dict[tuple[str, str, float], list[dict]] = {}
+    for i, (mix, factor, _, _) in enumerate(cells):
+        for repeat in range(args.repeat):
+            turn = (i + repeat) % len(modes)
+            for mode in modes[turn:] + modes[:turn]:
+                if mode in engines:
+                    cell = run_cell(engines[mode], pool_name(mix, factor), workloads[mix.name])
+                    runs.setdefault((mode, mix.name, factor), []).append(cell)
+                    print(f"  {mode:<9} {mix.name:<5} {regime_label(factor):<22} {cell['wall_s']:6.1f} s "
+                          f"{cell['num_preemptions']:4d} preemptions", file=sys.stderr)
+    return runs
 
 
 def _parse_args(args) -> tuple[list[str], list[float]]:

@@ -64,7 +64,7 @@ def make_prompt(tokenizer, num_tokens: int, seed: int) -> list[int]:
 
 def run_ours(engine, ids: list[int], request_id: str) -> dict:
     """Prefill `ids` and sample one greedy token; seconds from add_request to finished, and the chunks."""
-    from engine import SamplingParams
+    from engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     chunks: list[int] = []
@@ -110,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--kv-cache-mib: must be > 0, got {args.kv_cache_mib}")
     from transformers import AutoModelForCausalLM
 
-    from engine import LLMEngine
-    from pools.capacity import plan_single_pool
+    from engine.llm_engine import LLMEngine
+    from pools.capacity_plan import plan_single_pool
 
     _, config = plan_single_pool(args.model, device=args.device, dtype=args.dtype,
                                  kv_cache_bytes=args.kv_cache_mib << 20,
@@ -132,36 +132,42 @@ def run(args: argparse.Namespace) -> int:
     run_ours(engine, warm, "prefill-warmup")
     run_transformers(hf, warm, device)
 
-    rows = []
-    for length in lengths:
-        ours, theirs, matches = [], [], []
-        for r in range(args.repeats):
-            ids = make_prompt(engine.tokenizer, length, args.seed * 1_000 + r)
-            if r % 2 == 0:
-                o = run_ours(engine, ids, f"prefill-{length}-{r}")
-                t = run_transformers(hf, ids, device)
-            else:
-                t = run_transformers(hf, ids, device)
-                o = run_ours(engine, ids, f"prefill-{length}-{r}")
-            if o["num_cached_tokens"]:
-                raise RuntimeError(f"prefix cache served {o['num_cached_tokens']} tokens of a fresh prompt")
-            ours.append(o)
-            theirs.append(t)
-            matches.append({"repeat": r, "ours": o["token"], "transformers": t["token"],
-                            "match": o["token"] == t["token"], "transformers_margin": t["margin"]})
-        ours_s = [o["seconds"] for o in ours]
-        hf_s = [t["seconds"] for t in theirs]
-        rows.append({
-            "length": length, "chunks": ours[0]["chunks"],
+    rows = [measure_length(engine, hf, length, args.repeats, args.seed) for length in lengths]
+    result = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+              "threads": threads, "max_num_batched_tokens": args.max_num_batched_tokens,
+              "repeats": args.repeats, "rows": rows, "greedy_match": all(r["greedy_match"] for r in rows)}
+    return _print(result, args)
+
+
+def measure_length(engine, hf, length: int, repeats: int, seed: int) -> dict:
+    """One row: `repeats` fresh prompts of `length` tokens through both, alternating which goes first."""
+    ours, theirs, matches = [], [], []
+    for r in range(repeats):
+        ids = make_prompt(engine.tokenizer, length, seed * 1_000 + r)
+        if r % 2 == 0:
+            o = run_ours(engine, ids, f"prefill-{length}-{r}")
+            t = run_transformers(hf, ids, engine.device)
+        else:
+            t = run_transformers(hf, ids, engine.device)
+            o = run_ours(engine, ids, f"prefill-{length}-{r}")
+        if o["num_cached_tokens"]:
+            raise RuntimeError(f"prefix cache served {o['num_cached_tokens']} tokens of a fresh prompt")
+        ours.append(o)
+        theirs.append(t)
+        matches.append({"repeat": r, "ours": o["token"], "transformers": t["token"],
+                        "match": o["token"] == t["token"], "transformers_margin": t["margin"]})
+    ours_s = [o["seconds"] for o in ours]
+    hf_s = [t["seconds"] for t in theirs]
+    return {"length": length, "chunks": ours[0]["chunks"],
             "ours_s": statistics.median(ours_s), "ours_best_s": min(ours_s), "ours_runs_s": ours_s,
             "transformers_s": statistics.median(hf_s), "transformers_best_s": min(hf_s),
             "transformers_runs_s": hf_s,
             "ratio": statistics.median(ours_s) / statistics.median(hf_s), "ratio_best": min(ours_s) / min(hf_s),
-            "greedy_match": all(m["match"] for m in matches), "greedy": matches})
-    result = {"model": args.model, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
-              "threads": threads, "max_num_batched_tokens": args.max_num_batched_tokens,
-              "repeats": args.repeats, "rows": rows, "greedy_match": all(r["greedy_match"] for r in rows)}
+            "greedy_match": all(m["match"] for m in matches), "greedy": matches}
 
+
+def _print(result: dict, args: argparse.Namespace) -> int:
+    rows = result["rows"]
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -1,13 +1,3 @@
-"""The paged-KV LLM engine: model, weights, block manager, scheduler, sampler, device worker."""
-
-from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig
-from engine.llm_engine import LLMEngine, RequestError
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling import SamplingParams
-from engine.worker import AsyncEngineClient, EngineDeadError
-
-__all__ = [
-    "AsyncEngineClient", "CacheConfig", "CompletionOutput", "ConfigError", "EngineConfig", "EngineDeadError",
-    "LLMEngine", "ModelConfig", "PoolConfig", "RequestError", "RequestOutput", "SamplingParams",
-    "SchedulerConfig",
-]
+"""The paged-KV LLM engine of one device: model, weights, KV cache, block manager, scheduler, step
+composer, sampler and the device worker process. Import the modules themselves (`engine.llm_engine`,
+`engine.config`, ...): this package's import loads nothing, so `import engine.capacity` stays light."""

@@ -4,7 +4,7 @@
     blocks        = floor(pool KV bytes / (S_KV x block_size))
     max_num_seqs  = floor(pool KV bytes / (S_KV x avg_len))
 
-`pools.capacity` plans every pool with these functions before anything loads (`cliffguard capacity`,
+`pools.capacity_plan` plans every pool with these functions before anything loads (`cliffguard capacity`,
 `serve`, `generate`, the benchmarks); the engine calls `kv_cache_bytes` once more after loading,
 with the device's measured memory and the weights it actually loaded, to refuse a plan that does
 not fit the device it runs on. Ints in, ints out: no torch.

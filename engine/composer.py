@@ -45,15 +45,11 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    within the `itl_ms` of the interactive pools that are running (the SLO wins: on a slow device one
    block after a long cached context can be over it; then it waits for a step without them).
 
-`StepCostModel` is fitted online on the engine's measured steps:
-`t = a + b * prefill_tokens + c * decode_tokens + d * attended / 1024`, where `attended` counts the
-query-key pairs of the step's attention (a prefill chunk of q tokens after c cached ones attends
-q * c + q * (q + 1) / 2 pairs, a decode token its whole context). The fit is least squares over the
-last `window` steps with coefficients kept >= 0, and predictions are scaled by a safety margin, the
-90th percentile of measured / predicted over recent steps; it refits every `REFIT_EVERY` steps, and
-only on a device with an interactive pool (otherwise nothing asks it). Until it has `MIN_OBSERVATIONS` steps,
-and whenever it would extrapolate, a throughput chunk is capped at twice the largest prefill it has
-measured (at least `COLD_START_TOKENS`), so it learns before it trusts itself.
+The step's cost comes from `engine.step_cost.StepCostModel`, the linear step-cost model refitted
+online on the engine's measured steps (with a safety margin); it is fed only on a device with an
+interactive pool (otherwise nothing asks it). Until it is ready, and whenever it would extrapolate,
+a throughput chunk is capped at twice the largest prefill it has measured (at least
+`COLD_START_TOKENS`), so it learns before it trusts itself.
 """
 
 from __future__ import annotations
@@ -65,13 +61,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.config import LatencySLO
-from engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.step_cost import StepCostModel, StepFeatures
 
 COLD_START_TOKENS = 64
-MIN_OBSERVATIONS = 4
 STARVATION_STEPS = 8
 MIN_THROUGHPUT_SHARE = 0.1
-REFIT_EVERY = 8
 # the SLO feedback (SLOTracker)
 TTFT_AIM = 0.8              # of ttft_ms: room left for the gateway and the network
 ITL_AIM = 0.9               # of itl_ms: the p99 sits a little under the SLO, not at it
@@ -86,97 +81,6 @@ ITL_WINDOW = 128            # inter-token gaps
 PRESSURE_OCCUPANCY = 0.75   # of max_num_seqs
 MIN_PREFILL_CHUNK = 64      # tokens: a throughput pool's smaller prefill chunks are dropped
 MIXED_WINDOW = 32           # mixed steps whose misprediction sizes the next throughput chunks beside interactive work
-
-
-@dataclass
-class StepFeatures:
-    """The work of one step, as the cost model sees it."""
-
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_attended: int = 0          # query-key pairs of the step's attention
-
-    def add(self, num_cached: int, num_new: int, is_decode: bool) -> None:
-        if is_decode:
-            self.num_decode_tokens += num_new
-        else:
-            self.num_prefill_tokens += num_new
-        self.num_attended += num_new * num_cached + num_new * (num_new + 1) // 2
-
-    def add_scheduled(self, items: list[ScheduledSeq]) -> None:
-        for item in items:
-            seq = item.seq
-            is_decode = item.num_new_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
-            self.add(seq.num_computed_tokens, item.num_new_tokens, is_decode)
-
-    def plus(self, other: "StepFeatures") -> "StepFeatures":
-        return StepFeatures(self.num_prefill_tokens + other.num_prefill_tokens,
-                            self.num_decode_tokens + other.num_decode_tokens,
-                            self.num_attended + other.num_attended)
-
-    def vector(self) -> np.ndarray:
-        return np.array([1.0, self.num_prefill_tokens, self.num_decode_tokens, self.num_attended / 1024])
-
-
-class StepCostModel:
-    """Predicts a step's seconds from its `StepFeatures`; fitted online on measured steps."""
-
-    def __init__(self, window: int = 256, margin_window: int = 64) -> None:
-        self._xs: deque[np.ndarray] = deque(maxlen=window)
-        self._ts: deque[float] = deque(maxlen=window)
-        self._ratios: deque[float] = deque(maxlen=margin_window)
-        self.coef: np.ndarray | None = None     # [a, b, c, d], seconds
-        self.margin = 1.0
-        self.max_prefill_seen = 0
-        self.num_observed = 0
-
-    @property
-    def ready(self) -> bool:
-        return self.coef is not None and self.num_observed >= MIN_OBSERVATIONS
-
-    def predict(self, features: StepFeatures, *, with_margin: bool = True) -> float | None:
-        """Seconds the step should take; None until the model has been fitted."""
-        if self.coef is None:
-            return None
-        raw = float(features.vector() @ self.coef)
-        return raw * self.margin if with_margin else raw
-
-    def observe(self, features: StepFeatures, seconds: float) -> None:
-        """Add a measured step; refit after each of the first `REFIT_EVERY` * 2 steps, then every
-        `REFIT_EVERY` steps (a fit costs a small least-squares solve: not worth paying every step)."""
-        if seconds <= 0:
-            return
-        predicted = self.predict(features, with_margin=False)
-        if predicted is not None and predicted > 0:
-            self._ratios.append(seconds / predicted)
-        self._xs.append(features.vector())
-        self._ts.append(seconds)
-        self.num_observed += 1
-        self.max_prefill_seen = max(self.max_prefill_seen, features.num_prefill_tokens)
-        if self.num_observed <= 2 * REFIT_EVERY or self.num_observed % REFIT_EVERY == 0:
-            self.coef = nonnegative_lstsq(np.stack(self._xs), np.array(self._ts))
-            if self._ratios:
-                self.margin = float(min(3.0, max(1.0, np.percentile(self._ratios, 90))))
-
-
-def nonnegative_lstsq(x: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient >= 0 (active set: drop negative ones, refit the rest).
-
-    Columns are scaled to unit norm first; a column with no data (all zero) gets coefficient 0.
-    """
-    scale = np.linalg.norm(x, axis=0)
-    active = scale > 0
-    coef = np.zeros(x.shape[1])
-    while active.any():
-        cols = np.flatnonzero(active)
-        xs = x[:, cols] / scale[cols]
-        sol, *_ = np.linalg.lstsq(xs, t, rcond=None)
-        sol = sol / scale[cols]
-        if (sol >= 0).all():
-            coef[cols] = sol
-            break
-        active[cols[np.argmin(sol)]] = False
-    return coef
 
 
 class Feedback:

@@ -6,7 +6,6 @@ Each class is validated on construction and never written back; derived values a
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,7 +219,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache of one device. Its size is the sum of its pools' `num_blocks`, which the
-    capacity plan (`pools.capacity`) computes; the engine never derives a size of its own."""
+    capacity plan (`pools.capacity_plan`) computes; the engine never derives a size of its own."""
 
     block_size: int = 16
 
@@ -295,10 +294,6 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def round_up(a: int, b: int) -> int:
-    return math.ceil(a / b) * b
-
-
 @dataclass(frozen=True)
 class LatencySLO:
     """The latency targets of an interactive pool (YAML `slo: {ttft_ms, itl_ms}`).
@@ -336,7 +331,7 @@ class LatencySLO:
 class PoolConfig:
     """One partition of a device's KV blocks, with its own scheduler limits and service class.
 
-    `num_blocks` comes from the capacity plan (`pools.capacity.engine_configs`); pools take their
+    `num_blocks` comes from the capacity plan (`pools.capacity_plan.engine_configs`); pools take their
     block ranges in order. `slo` makes the pool interactive (see `LatencySLO`); None makes it a
     throughput pool.
     """

@@ -9,7 +9,7 @@ worker process (`engine.worker`); use it directly for offline batch work (`gener
 from __future__ import annotations
 
 import itertools
-import sys
+import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -17,20 +17,24 @@ from dataclasses import dataclass, field
 import torch
 
 import engine.capacity as capacity
-from engine.composer import ComposedStep, StepComposer, StepFeatures
+from engine.calibration import warm_up
+from engine.composer import ComposedStep, StepComposer
 from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig
+from engine.forks import SampleForks
 from engine.kv_cache import KVCache, SwapSpace
 from engine.model import build_model
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import Sampler, SamplerOutput, SamplingParams, SamplingRow, make_generator
 from engine.scheduler import (RequestTooLargeError, ScheduledSeq, Scheduler, SchedulerOutput, build_scheduler,
-                              observe_prefill_step)
-from engine.sequence import FinishReason, Sequence, SequenceStatus
+                              commit_step)
+from engine.sequence import FinishReason, Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import iter_weights, resolve_model, weights_bytes
 from kernels import get_backend
 from kernels.cpu_linear import pack_linears, use_packed_linears
+
+log = logging.getLogger("cliffguard.engine")
 
 
 class RequestError(ValueError):
@@ -83,62 +87,6 @@ class _ExecutedStep:
     forward_started: float = 0.0
 
 
-class _SampleForks:
-    """n > 1, in one place. A request's first sample prefills the prompt alone; its siblings wait
-    here, in no scheduler, until that prefill ends. Then they fork its blocks (shared, copied on
-    write) and sample their first token from its logits row, each with its own generator. Until then
-    the first sample's `num_pending_forks` keeps room for them under its pool's `max_num_seqs`.
-    """
-
-    def __init__(self, schedulers: dict[str, Scheduler]) -> None:
-        self._schedulers = schedulers
-        self._pending: dict[str, list[Sequence]] = {}   # request id -> samples 1.. not forked yet
-
-    def submit(self, seqs: list[Sequence]) -> None:
-        """Queue a new request's samples: the first to its pool's scheduler, the others here."""
-        first = seqs[0]
-        first.num_pending_forks = len(seqs) - 1
-        if first.num_pending_forks:
-            self._pending[first.request_id] = seqs[1:]
-        self._schedulers[first.pool].add(first)
-
-    def has_pending(self, request_id: str) -> bool:
-        return request_id in self._pending
-
-    def fork(self, logits: torch.Tensor, sampled: list[Sequence]) -> tuple[torch.Tensor, list[Sequence]]:
-        """After a forward pass: each first sample that finished its prefill (it is sampled) forks its
-        siblings, which get a copy of its logits row. logits: [num_sampled, vocab]."""
-        extra_rows: list[int] = []
-        extra: list[Sequence] = []
-        for row, seq in enumerate(sampled):
-            if not seq.num_pending_forks:
-                continue
-            scheduler = self._schedulers[seq.pool]
-            for child in self._pending.pop(seq.request_id):
-                child.block_table = scheduler.block_manager.fork(seq.block_table)
-                child.num_computed_tokens = seq.num_computed_tokens
-                scheduler.add_forked(child)
-                extra_rows.append(row)
-                extra.append(child)
-            seq.num_pending_forks = 0
-        if not extra:
-            return logits, sampled
-        rows = torch.tensor(extra_rows, device=logits.device)
-        return torch.cat([logits, logits.index_select(0, rows)]), sampled + extra
-
-    def end(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
-        """The siblings that never forked end with their request (an abort)."""
-        for seq in self._pending.pop(request_id, ()):
-            seq.status, seq.finish_reason, seq.error = SequenceStatus.FINISHED, reason, error
-
-    def end_with_first(self, ended: list[Sequence]) -> None:
-        """First samples that their scheduler ended before their prefill did take their siblings along."""
-        for seq in ended:
-            if seq.num_pending_forks:
-                self.end(seq.request_id, seq.finish_reason, seq.error)
-                seq.num_pending_forks = 0
-
-
 class LLMEngine:
     """The engine of one device worker. Not thread-safe: one caller (the worker loop) drives it."""
 
@@ -161,20 +109,19 @@ class LLMEngine:
             self.schedulers[pool.name] = self._make_scheduler(pool, first_block)
             first_block += pool.num_blocks
         self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in config.pools})
-        self._calibrate()
+        warm_up(self)
         self.default_pool = config.pools[0].name
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.requests: dict[str, _Request] = {}
-        self._forks = _SampleForks(self.schedulers)
+        self._forks = SampleForks(self.schedulers)
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.last_step = StepStats()
         self.load_seconds = time.perf_counter() - started
         if progress:
-            print(f"cliffguard: loaded {config.model} ({self.model_config.architecture}, "
-                  f"{self.weights_bytes / 2**20:.0f} MiB, {self.dtype}) on {self.device} in "
-                  f"{self.load_seconds:.1f}s; KV cache {self.num_blocks} blocks x "
-                  f"{config.cache.block_size} tokens", file=sys.stderr)
+            log.info("loaded %s (%s, %.0f MiB, %s) on %s in %.1fs; KV cache %d blocks x %d tokens", config.model,
+                     self.model_config.architecture, self.weights_bytes / 2**20, self.dtype, self.device,
+                     self.load_seconds, self.num_blocks, config.cache.block_size)
 
     def _load_model(self) -> None:
         """The model folder, its config, tokenizer and weights (random ones if the config asks)."""
@@ -238,49 +185,6 @@ class LLMEngine:
             max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill))
         return cls(EngineConfig(model=model, cache=CacheConfig(block_size=block_size), pools=(pool,), **kwargs),
                    progress=progress)
-
-    # Calibration steps: (prompt length, tokens computed per step) of two made-up sequences, A and B.
-    _CALIBRATION = ((192, ((0, 64), (64, 128), (192, 1), (193, 1))), (32, ((0, 0), (0, 0), (0, 32), (32, 1))))
-
-    def _calibrate(self) -> None:
-        """A few forward passes of made-up tokens before serving: they warm the kernels' caches and
-        give the step composer's cost model its first measurements, so the first real steps are
-        neither slow nor sized blind. The blocks are borrowed from the largest pool and given back
-        (nothing enters the prefix cache); a pool too small for it, or a device with no interactive
-        pool (whose steps are never sized by the cost model), skips calibration."""
-        if not self.composer.needs_cost_model:
-            return
-        bm = max(self.schedulers.values(), key=lambda s: s.block_manager.num_blocks).block_manager
-        lengths = [length for length, _ in self._CALIBRATION]
-        if bm.num_blocks_for(lengths[0] + 2) + bm.num_blocks_for(lengths[1] + 1) > bm.num_free_blocks:
-            return
-        gen = torch.Generator().manual_seed(0)
-        seqs = []
-        for i, length in enumerate(lengths):
-            ids = torch.randint(0, self.model_config.vocab_size, (length,), generator=gen).tolist()
-            seqs.append(Sequence(seq_id=-1 - i, request_id="calibration", index=0, token_ids=ids,
-                                 num_prompt_tokens=length, params=SamplingParams(), max_tokens=1, priority=0,
-                                 arrival_order=-1, generator=None))
-        try:
-            for step in range(len(self._CALIBRATION[0][1])):
-                batch, features = [], StepFeatures()
-                for seq, (_, plan) in zip(seqs, self._CALIBRATION):
-                    start, num_new = plan[step]
-                    if not num_new:
-                        continue
-                    if start == seq.num_tokens:                 # a decode: the prompt plus one token
-                        seq.token_ids.append(1)
-                    bm.allocate(seq.block_table, start + num_new)
-                    batch.append(ScheduledSeq(seq, num_new))
-                    features.add(start, num_new, num_new == 1)
-                started = time.perf_counter()
-                self.runner.execute(batch)
-                self.composer.cost_model.observe(features, time.perf_counter() - started)
-                for item in batch:
-                    item.seq.num_computed_tokens += item.num_new_tokens
-        finally:
-            for seq in seqs:
-                bm.free(seq.block_table)
 
     # --- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
@@ -399,14 +303,8 @@ class LLMEngine:
             return _ExecutedStep()
         forward_started = time.perf_counter()
         logits, sampled = self.runner.execute(scheduled.batch)
-        observe_prefill_step(self.schedulers.values(), scheduled.stats.num_prefill_tokens,
-                             scheduled.stats.num_decode_tokens, time.perf_counter() - forward_started)
-        for item in scheduled.batch:
-            seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            self.schedulers[seq.pool].stats.num_computed_tokens += item.num_new_tokens
-            self.schedulers[seq.pool].block_manager.register_computed(
-                seq.block_table, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
+        commit_step(self.schedulers, scheduled.batch, scheduled.stats.num_prefill_tokens,
+                    scheduled.stats.num_decode_tokens, time.perf_counter() - forward_started)
         logits, sampled = self._forks.fork(logits, sampled)
         tokens = None
         if sampled:

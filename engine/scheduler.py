@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, NoFreeBlocksError
@@ -56,10 +56,6 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 @dataclass
@@ -417,7 +413,7 @@ def build_scheduler(pool: PoolConfig, *, block_size: int, first_block: int, max_
                     swap_bytes_per_second: float | None = None) -> Scheduler:
     """One pool's scheduler: its blocks from `first_block` on, its CPU swap block ids (swap and auto
     modes: `swap_space_bytes // bytes_per_block` of them) and the auto mode's cost model. The engine
-    and the simulator (pools.simulate) both build their schedulers here, so both schedule alike; the
+    and the simulator (pools.simulation) both build their schedulers here, so both schedule alike; the
     engine allocates the swap tensors beside it and sets the measured swap bandwidth."""
     sc = pool.scheduler
     bm = BlockManager(pool.num_blocks, block_size, first_block=first_block,
@@ -433,13 +429,24 @@ def build_scheduler(pool: PoolConfig, *, block_size: int, first_block: int, max_
     return Scheduler(sc, bm, max_model_len, name=pool.name, swap_manager=swap_manager, cost_model=cost_model)
 
 
-def observe_prefill_step(schedulers: Iterable[Scheduler], num_prefill_tokens: int, num_decode_tokens: int,
-                         seconds: float) -> None:
-    """Feed a step to the auto mode's re-prefill estimate of every pool that has one, if prefill
-    dominated it (at least half its tokens): the engine after each forward pass, the simulator after
-    each modelled step."""
+def commit_step(schedulers: Mapping[str, Scheduler], batch: Iterable[ScheduledSeq], num_prefill_tokens: int,
+                num_decode_tokens: int, seconds: float) -> None:
+    """The bookkeeping after a step's forward pass, one copy for the engine, its warm-up and the
+    simulator: every scheduled sequence's computed tokens; for a sequence of a pool in `schedulers`,
+    the pool's counter and the blocks it filled, registered in the prefix cache; and, if prefill
+    dominated the step (at least half its tokens), the step's `seconds` fed to the auto mode's
+    re-prefill estimate of every pool that has one. (The step composer observes the step's whole
+    time itself: `StepComposer.observe`.)"""
     total = num_prefill_tokens + num_decode_tokens
     if num_prefill_tokens and num_prefill_tokens * 2 >= total:
-        for scheduler in schedulers:
+        for scheduler in schedulers.values():
             if scheduler.cost_model is not None:
                 scheduler.cost_model.observe_prefill(total, seconds)
+    for item in batch:
+        seq = item.seq
+        seq.num_computed_tokens += item.num_new_tokens
+        scheduler = schedulers.get(seq.pool)
+        if scheduler is not None:
+            scheduler.stats.num_computed_tokens += item.num_new_tokens
+            scheduler.block_manager.register_computed(seq.block_table, seq.token_ids, seq.num_computed_tokens,
+                                                      seq.cache_salt)

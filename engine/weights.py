@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -24,6 +25,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
+
+log = logging.getLogger("cliffguard.engine")
 
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     # name -> (package holding the file, GGUF file name inside the package folder)
@@ -162,7 +165,7 @@ def _cached_conversion(gguf_path: Path, cache_dir: Path) -> Path:
     if target.is_dir():  # only ever created by the rename below, so it is complete
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
-    print(f"cliffguard: converting {gguf_path} into {target} (once; later runs reuse it)", file=sys.stderr)
+    log.info("converting %s into %s (once; later runs reuse it)", gguf_path, target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=cache_dir))
     try:
         convert_gguf(gguf_path, tmp)

@@ -6,7 +6,7 @@ and checked against its pool's context, and before anything reaches the device w
 1. its tenant comes from its API key (`pools.tenants`), and its body `priority` is clamped to what
    the tenant may use;
 2. per pool it touches, it reserves its prompt blocks plus the blocks its longest possible output
-   could take (`pools.admission.reservation`; an unset max_tokens reserves the rest of the context);
+   could take (`pools.credit_hold.reservation`; an unset max_tokens reserves the rest of the context);
 3. it waits in its tenant's channel of that pool's queue until the credits are there (pools in name
    order, so two multi-prompt requests can never wait on each other), runs, and gives everything back
    the moment it ends — finished, failed or abandoned by its client.
@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from gateway.metrics import REQUEST_LATENCY_BUCKETS
 from gateway.openai_api import ApiError
 from gateway.ticker import Ticker
-from pools.admission import Admission, PoolFull, QueueTimeout, reservation
+from pools.credit_hold import Admission, PoolFull, QueueTimeout, reservation
 from pools.pool import Pool
 from pools.tenants import Tenants
 
@@ -109,6 +109,11 @@ class AdmissionControl:
     def tenant_of(self, request: web.Request) -> str:
         """The tenant of the request's API key: whose credits it spends, and who owns what it creates."""
         return self.tenants.resolve(bearer_key(request))
+
+    def clamp_priority(self, tenant: str, priority: int) -> int:
+        """`priority`, or the tenant's `min_priority` if that is worse (larger): no tenant is served
+        ahead of what its configuration allows."""
+        return max(priority, self.tenants.policy(tenant).min_priority)
 
     # --- holding credits -------------------------------------------------------------------------
     @contextlib.asynccontextmanager

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import sys
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 from pathlib import Path
@@ -194,10 +193,9 @@ def run(config: CliffguardConfig, *, host: str | None = None, port: int | None =
 
     async def main() -> None:
         runner = await start_server(app, host, port)
-        print(f"cliffguard: serving on http://{host}:{runner.addresses[0][1]} (pools: "
-              f"{', '.join(gateway.pools)})", file=sys.stderr, flush=True)
+        log.info("serving on http://%s:%s (pools: %s)", host, runner.addresses[0][1], ", ".join(gateway.pools))
         for line in config.describe_service_classes():   # interactive or throughput, and why
-            print(f"cliffguard: {line}", file=sys.stderr, flush=True)
+            log.info("%s", line)
         try:
             await asyncio.Event().wait()
         finally:

@@ -26,16 +26,16 @@ LOCK_FILE = "serve.lock"          # under --data-dir: held by the one server usi
 # name -> (module under bench/, help line)
 BENCHMARKS = {
     "engine": ("engine", "our engine vs transformers generate, same workload"),
-    "tokenizer": ("tokenizer", "tiktoken counter vs the HF tokenizer"),
+    "tokenizer": ("token_counting", "tiktoken counter vs the HF tokenizer"),
     "gateway": ("gateway", "latency the gateway adds, routed requests/s"),
     "kernels": ("kernels", "paged attention vs copy bandwidth and SDPA (GPU; --dry-run on CPU)"),
     "preemption": ("preemption", "recompute vs swap vs auto across pool-pressure regimes"),
     "serve": ("serve", "open-loop load (gamma arrivals, workload classes) against any OpenAI-compatible "
                        "server: TTFT/ITL/e2e, goodput, /metrics"),
     "prefill": ("prefill", "long-prompt prefill: our engine vs transformers' forward"),
-    "admission": ("admission", "KV credit queue vs reject-when-full (429 + client back-off) on the same "
+    "admission": ("queue_vs_reject", "KV credit queue vs reject-when-full (429 + client back-off) on the same "
                                "overload: goodput, p99, KV idle, wasted retries"),
-    "simulate": ("simulate", "cliffguard simulate's predictions (measured step model) against real runs at "
+    "simulate": ("sim_vs_real", "cliffguard simulate's predictions (measured step model) against real runs at "
                              "three rates: throughput, p50 and p99 TTFT"),
     "isolation": ("isolation_sweep", "chat latency under a rag flood: chat alone, split pools (step composer), one "
                                "shared pool; the itl_ms trade-off; --sweep: chat's SLO over a grid of loads"),
@@ -73,9 +73,10 @@ def _add_generate(sub) -> None:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    from engine import AsyncEngineClient, SamplingParams
+    from engine.client import AsyncEngineClient
+    from engine.sampling import SamplingParams
     from engine.tokenizer import Tokenizer
-    from pools.capacity import plan_single_pool
+    from pools.capacity_plan import plan_single_pool
 
     if args.kv_cache_mib <= 0:
         raise UsageError(f"--kv-cache-mib: must be > 0, got {args.kv_cache_mib}")
@@ -141,8 +142,10 @@ def check_port_free(host: str, port: int) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
+    from engine.worker import LOG_FORMAT
     from gateway.app import run
-    from pools.spec import load_config, parse_bytes
+    from pools.config_file import load_config
+    from pools.spec import parse_bytes
 
     config = load_config(args.config)
     host = args.host or config.gateway.host
@@ -153,7 +156,7 @@ def _serve(args: argparse.Namespace) -> int:
     vram = parse_bytes(args.vram, "--vram") if args.vram else None
     data_dir = make_data_dir(args.data_dir)
     with lock_data_dir(data_dir):
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
         run(config, host=host, port=port, vram_bytes=vram, data_dir=data_dir)
     return 0
 
@@ -213,8 +216,9 @@ def _add_capacity(sub) -> None:
 def _capacity(args: argparse.Namespace) -> int:
     import torch
 
-    from pools.capacity import format_plan, plan_capacity, resolve_model_configs
-    from pools.spec import SpecError, load_config, parse_bytes
+    from pools.capacity_plan import format_plan, plan_capacity, resolve_model_configs
+    from pools.config_file import load_config
+    from pools.spec import SpecError, parse_bytes
 
     config = load_config(args.config)
     vram = parse_bytes(args.vram, "--vram") if args.vram is not None else None
@@ -236,7 +240,7 @@ def _capacity(args: argparse.Namespace) -> int:
 
 # --- simulate ---------------------------------------------------------------------------------------
 def _add_simulate(sub) -> None:
-    from pools.simulate import PRESETS
+    from engine.step_cost import PRESETS
 
     p = sub.add_parser("simulate", help="run the real schedulers on a modelled GPU: predicted latency per class",
                        description="Plan the pools of a config for a GPU preset (memory from the preset), then "
@@ -280,8 +284,9 @@ def _add_simulate(sub) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from pools.simulate import format_recommendation, recommend, sweep
-    from pools.spec import load_config
+    from pools.config_file import load_config
+    from pools.simulation.knee import sweep
+    from pools.simulation.recommend import format_recommendation, recommend
     from pools.workload import load_workload, parse_rates
 
     for name in ("request_rate", "duration", "burstiness"):
@@ -320,8 +325,9 @@ def _simulation_setup(config, args: argparse.Namespace):
     import dataclasses
 
     from engine.config import parse_dtype
-    from pools.capacity import plan_capacity, resolve_model_configs
-    from pools.simulate import PRESETS, RooflineStepTime, read_step_model, shared_layout
+    from engine.step_cost import PRESETS, RooflineStepTime, read_step_model
+    from pools.capacity_plan import plan_capacity, resolve_model_configs
+    from pools.simulation.runner import shared_layout
     from pools.spec import SpecError, parse_bytes
 
     overrides = {}
@@ -354,7 +360,7 @@ def _simulation_setup(config, args: argparse.Namespace):
 
 
 def _print_sweep(rows, args: argparse.Namespace) -> None:
-    from pools.simulate import format_sweep, plot_knee
+    from pools.simulation.knee import format_sweep, plot_knee
 
     print(json.dumps(rows, indent=2) if args.json else format_sweep(rows))
     if args.out:
@@ -367,7 +373,8 @@ def _print_sweep(rows, args: argparse.Namespace) -> None:
 
 def _print_runs(layouts, model_configs, classes, step_times, args: argparse.Namespace) -> None:
     """One run of each layout at --request-rate, same arrivals."""
-    from pools.simulate import format_summary, make_requests, simulate, summarize
+    from pools.simulation.runner import make_requests, simulate
+    from pools.simulation.summary import format_summary, summarize
 
     summaries = {}
     for name, (layout_config, layout_plan) in layouts.items():
@@ -385,22 +392,23 @@ def _print_runs(layouts, model_configs, classes, step_times, args: argparse.Name
 def _calibrate(config, args: argparse.Namespace) -> int:
     """`simulate --calibrate FILE`: the real engine of the config's first device on this machine, or
     (`--from-trace`) the steps a server of that config traced while serving."""
-    from pools.capacity import engine_configs, plan_capacity, resolve_model_configs
-    from pools.simulate import calibrate, fit_linear, read_step_trace, write_step_model
+    from engine.step_cost import fit_linear, read_step_trace, write_step_model
+    from pools.capacity_plan import engine_configs, plan_capacity, resolve_model_configs
 
     plan = plan_capacity(config, resolve_model_configs(config))
     device, engine_config = next(iter(engine_configs(config, plan).items()))
     if args.from_trace:
         samples = read_step_trace(args.from_trace)
-        model, where = fit_linear(samples), f"{device} (served, trace {args.from_trace})"
+        model, num_steps, where = fit_linear(samples), len(samples), f"{device} (served, trace {args.from_trace})"
     else:
+        from engine.calibration import measure_steps
         from engine.llm_engine import LLMEngine
 
         engine = LLMEngine(engine_config)
-        model, samples = calibrate(engine, seed=args.seed)
-        where = f"{device} ({engine.device}, {engine.dtype})"
-    write_step_model(args.calibrate, model, device=where, model_name=engine_config.model, num_steps=len(samples))
-    print(f"{len(samples)} steps measured; {model.describe()}; wrote {args.calibrate}")
+        model, samples = measure_steps(engine, seed=args.seed)
+        num_steps, where = len(samples), f"{device} ({engine.device}, {engine.dtype})"
+    write_step_model(args.calibrate, model, device=where, model_name=engine_config.model, num_steps=num_steps)
+    print(f"{num_steps} steps measured; {model.describe()}; wrote {args.calibrate}")
     return 0
 
 

@@ -1,8 +1,9 @@
 """`GET /dashboard`: one self-contained page showing each pool live, and `GET /dashboard/data`, its JSON.
 
-The numbers are the ones `/metrics` shows, by construction: `data` runs the `/metrics` handler itself
-(the same refresh from the stats each device worker pushed last), parses the Prometheus text it
-renders (`prometheus_client.parser`) and takes each pool's series from it (`parse_snapshot`). What a
+The numbers are the ones `/metrics` shows, by construction: `data` does the `/metrics` handler's
+refresh (`handlers.refresh_metrics`: the stats each device worker pushed last) and takes each pool's
+series from the same registry (`parse_snapshot`). The page itself is a static file,
+gateway/static/dashboard.html. What a
 single scrape cannot say, a rate or a recent p99, comes from the difference between this snapshot and
 an older one: `DashboardHistory` keeps the snapshots of the last `HISTORY_SECONDS`, taken as the page
 polls, and serves them as the page's time series, so a page opened late, or a second viewer, sees the
@@ -30,13 +31,15 @@ from __future__ import annotations
 import base64
 import hashlib
 import math
+import re
 import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.metrics_core import Metric
 
 from gateway import handlers
 from gateway.runtime import GATEWAY
@@ -103,13 +106,14 @@ class Snapshot:
     stats_age: dict[str, float] = field(default_factory=dict)   # device -> cliffguard_stats_age_seconds
 
 
-def parse_snapshot(text: str, pools: Iterable[str], *, now: float, wall: float) -> Snapshot:
-    """The dashboard's series of `pools` in a Prometheus text exposition (what `/metrics` renders)."""
+def parse_snapshot(families: Iterable[Metric], pools: Iterable[str], *, now: float, wall: float) -> Snapshot:
+    """The dashboard's series of `pools` among metric families: the registry's (`collect()`), or those
+    prometheus_client's parser reads from a text exposition (the tests compare both)."""
     sums: dict[tuple[str, str], float] = {}
     buckets: dict[tuple[str, str], list[tuple[float, float]]] = {}
     stats_age: dict[str, float] = {}
     bucket_names = {name + "_bucket" for name in HISTOGRAMS.values()}
-    for family in text_string_to_metric_families(text):
+    for family in families:
         for s in family.samples:
             pool = s.labels.get("pool")
             if s.name == _P + "stats_age_seconds":
@@ -240,278 +244,22 @@ async def page(request: web.Request) -> web.Response:
 
 
 async def data(request: web.Request) -> web.Response:
-    """Every pool's current values, rates, p99s and time series, from what `/metrics` renders now."""
-    rendered = await handlers.metrics(request)   # the /metrics handler itself: same refresh, same numbers
-    snapshot = parse_snapshot(rendered.body.decode(), request.app[GATEWAY].pools, now=time.monotonic(),
+    """Every pool's current values, rates, p99s and time series, from the metrics registry as `/metrics`
+    would render it now (the same refresh from the stats each worker pushed last)."""
+    gateway = request.app[GATEWAY]
+    handlers.refresh_metrics(gateway)
+    snapshot = parse_snapshot(gateway.metrics.registry.collect(), gateway.pools, now=time.monotonic(),
                               wall=time.time())
     return web.json_response(request.app[DASHBOARD].add(snapshot), headers={"Cache-Control": "no-store"})
 
 
 # --- the page --------------------------------------------------------------------------------------
-# No URL to anywhere in it: no fonts, scripts or images from outside, and no namespace strings (the
-# sparklines are SVG written as markup inside inline <svg> elements).
-_STYLE = """
-:root { color-scheme: dark; --bg: #0f1419; --card: #161d26; --tile: #1d2633; --line: #2a3545; --fg: #dbe2ea;
-  --muted: #8a97a8; --ok: #3fb950; --warn: #d29922; --bad: #f85149; --accent: #58a6ff; }
-* { box-sizing: border-box; }
-body { margin: 0; background: var(--bg); color: var(--fg);
-  font: 14px/1.35 "DejaVu Sans", "Liberation Sans", system-ui, sans-serif; }
-header { display: flex; align-items: baseline; gap: 14px; padding: 12px 18px; border-bottom: 1px solid var(--line); }
-header h1 { margin: 0; font-size: 20px; letter-spacing: .5px; }
-header .sub { color: var(--muted); }
-#status { margin-left: auto; color: var(--muted); font-variant-numeric: tabular-nums; }
-body[data-status="error"] #status, body[data-status="auth"] #status { color: var(--bad); }
-#login { display: flex; gap: 8px; align-items: center; padding: 12px 18px; background: var(--card);
-  border-bottom: 1px solid var(--line); }
-#login[hidden] { display: none; }
-#login input { background: var(--bg); color: var(--fg); border: 1px solid var(--line); border-radius: 4px;
-  padding: 5px 8px; width: 320px; }
-#login button { background: var(--accent); color: #06101c; border: 0; border-radius: 4px; padding: 6px 12px;
-  font-weight: 600; }
-#login-msg { color: var(--bad); }
-main { display: grid; grid-template-columns: repeat(auto-fit, minmax(560px, 1fr)); gap: 14px; padding: 14px 18px; }
-.pool { background: var(--card); border: 1px solid var(--line); border-radius: 8px; padding: 10px 12px 12px; }
-.pool.spiral { border-color: var(--bad); box-shadow: 0 0 0 1px var(--bad); }
-.pool-head { display: flex; align-items: center; gap: 10px; margin-bottom: 8px; }
-.pool-head h2 { margin: 0; font-size: 17px; }
-.badge { font-size: 12px; padding: 2px 8px; border-radius: 10px; border: 1px solid var(--line); color: var(--muted); }
-.badge.ok { color: var(--ok); border-color: var(--ok); }
-.badge.bad { color: #fff; background: var(--bad); border-color: var(--bad); font-weight: 700; }
-.tiles { display: grid; grid-template-columns: repeat(3, 1fr); gap: 8px; }
-.tile { background: var(--tile); border-radius: 6px; padding: 7px 9px 5px; min-width: 0; }
-.label { color: var(--muted); font-size: 11px; text-transform: uppercase; letter-spacing: .6px; }
-.value { font-size: 22px; font-weight: 700; font-variant-numeric: tabular-nums; white-space: nowrap; }
-.sub { color: var(--muted); font-size: 12px; font-variant-numeric: tabular-nums; }
-.row { display: flex; justify-content: space-between; align-items: baseline; gap: 6px; }
-.bar { height: 5px; background: var(--bg); border-radius: 3px; overflow: hidden; margin: 3px 0 2px; }
-.fill { height: 100%; width: 0; background: var(--ok); }
-.fill.warn { background: var(--warn); }
-.fill.bad { background: var(--bad); }
-.spark-box { margin-top: 3px; }
-.axis { display: flex; justify-content: space-between; color: var(--muted); font-size: 10px; }
-svg.spark { display: block; width: 100%; height: 40px; }
-svg.spark polyline { fill: none; stroke: var(--accent); stroke-width: 1.5; vector-effect: non-scaling-stroke; }
-svg.spark line { stroke: var(--line); stroke-width: 1; vector-effect: non-scaling-stroke; }
-footer { color: var(--muted); font-size: 12px; padding: 0 18px 16px; max-width: 1100px; }
-footer code { color: var(--fg); }
-"""
-
-_SCRIPT = """
-"use strict";
-const KEY = "cliffguard.dashboard.key";
-const pct = v => (100 * v).toFixed(1) + " %";
-const count = v => String(Math.round(v));
-const rate = v => v.toFixed(2) + " /s";
-const secs = v => v < 1 ? (1000 * v).toFixed(v < 0.01 ? 2 : 0) + " ms" : v.toFixed(2) + " s";
-// [metric, label, format, fixed top of the sparkline or null, the sub-line's metrics]
-const TILES = [
-  ["kv_cache_usage_perc", "KV cache usage", pct, 1, []],
-  ["num_requests_running", "running", count, null, [["pool_max_num_seqs", "of ", count]]],
-  ["num_requests_waiting", "waiting", count, null, []],
-  ["num_requests_swapped", "swapped", count, null, []],
-  ["preemptions_per_second", "preemptions", rate, null, [["num_preemptions_total", "total ", count]]],
-  ["admission_queue_depth", "queued for credits", count, null, []],
-  ["ttft_p99_seconds", "TTFT p99", secs, null, [["ttft_window_count", "n=", count]]],
-  ["itl_p99_seconds", "ITL p99", secs, null, [["itl_window_count", "n=", count]]],
-  ["kv_credits_free", "KV credits free", count, null, [["kv_credits_total", "of ", count]]],
-];
-const cards = new Map();
-let polls = 0;
-let timer = null;
-
-function el(tag, cls, text) {
-  const e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined) e.textContent = text;
-  return e;
-}
-
-function cell(pool, metric, cls) {
-  const e = el("span", cls);
-  e.dataset.pool = pool;
-  e.dataset.metric = metric;
-  return e;
-}
-
-function show(e, v, fmt, prefix) {
-  e.dataset.value = v === null || v === undefined ? "" : String(v);
-  e.textContent = (prefix || "") + (v === null || v === undefined ? "\\u2014" : fmt(v));
-}
-
-function card(pool) {
-  const root = el("section", "pool");
-  root.dataset.pool = pool;
-  const head = el("div", "pool-head");
-  head.append(el("h2", "", pool), cell(pool, "death_spiral", "badge"));
-  const tiles = el("div", "tiles");
-  for (const [metric, label, fmt, top, subs] of TILES) {
-    const tile = el("div", "tile");
-    const row = el("div", "row");
-    row.append(el("span", "label", label));
-    const subline = el("span", "sub");
-    for (const [m] of subs) subline.append(cell(pool, m));
-    row.append(subline);
-    tile.append(row, cell(pool, metric, "value"));
-    if (metric === "kv_cache_usage_perc") {
-      const bar = el("div", "bar");
-      bar.append(el("div", "fill"));
-      tile.append(bar);
-    }
-    const spark = el("div", "spark-box");
-    spark.innerHTML = '<svg class="spark" viewBox="0 0 100 30" preserveAspectRatio="none"></svg>' +
-      '<div class="axis"><span class="since"></span><span class="peak"></span></div>';
-    tile.append(spark);
-    tiles.append(tile);
-  }
-  root.append(head, tiles);
-  document.getElementById("pools").append(root);
-  return root;
-}
-
-function sparkline(box, ages, values, span, top, fmt) {
-  const shown = values.filter(v => v !== null);
-  const peak = shown.length ? Math.max(...shown) : null;
-  box.querySelector(".peak").textContent = peak === null ? "" : "max " + fmt(peak);
-  box.querySelector(".since").textContent = "\u2212" + span.toFixed(0) + " s";
-  const hi = Math.max(top || 0, peak || 0) || 1;
-  const svg = box.querySelector("svg");
-  const lines = ['<line x1="0" y1="29" x2="100" y2="29"></line>'];
-  let points = [];
-  const flush = () => {
-    if (points.length === 1) points.push([points[0][0] - 0.5, points[0][1]]);   // one poll: a dash
-    if (points.length) lines.push('<polyline points="' + points.map(p => p.join(",")).join(" ") + '"></polyline>');
-    points = [];
-  };
-  values.forEach((v, i) => {
-    if (v === null) { flush(); return; }
-    const x = 100 * (1 - Math.min(ages[i], span) / span);
-    points.push([x.toFixed(2), (28 - 26 * v / hi).toFixed(2)]);
-  });
-  flush();
-  svg.innerHTML = lines.join("");
-}
-
-function render(body) {
-  const span = Math.max(10, Math.min(body.history_seconds, Math.max(...Object.values(body.pools)
-    .map(p => p.series.age_seconds[0] || 0))));
-  for (const [pool, p] of Object.entries(body.pools)) {
-    const root = cards.get(pool) || cards.set(pool, card(pool)).get(pool);
-    for (const e of root.querySelectorAll("[data-metric]")) {
-      const metric = e.dataset.metric;
-      if (metric === "death_spiral") continue;
-      const tile = TILES.find(t => t[0] === metric);
-      const sub = TILES.flatMap(t => t[4]).find(s => s[0] === metric);
-      if (tile) show(e, p[metric], tile[2]);
-      else if (sub) show(e, p[metric], sub[2], sub[1]);
-    }
-    const spiral = root.querySelector('[data-metric="death_spiral"]');
-    const s = p.death_spiral;
-    show(spiral, s, v => v >= 1 ? "DEATH SPIRAL" : "no death spiral");
-    if (s === null || s === undefined) spiral.textContent = "death spiral: not watched";
-    spiral.className = "badge" + (s >= 1 ? " bad" : s === 0 ? " ok" : "");
-    root.classList.toggle("spiral", s >= 1);
-    const kv = p.kv_cache_usage_perc;
-    const fill = root.querySelector(".fill");
-    fill.style.width = kv === null ? "0" : (100 * Math.min(1, kv)).toFixed(1) + "%";
-    fill.className = "fill" + (kv >= 0.95 ? " bad" : kv >= 0.8 ? " warn" : "");
-    const boxes = root.querySelectorAll(".spark-box");
-    TILES.forEach((t, i) => sparkline(boxes[i], p.series.age_seconds, p.series[t[0]], span, t[3], t[2]));
-  }
-  polls += 1;
-  const ages = Object.values(body.stats_age_seconds);
-  const age = ages.length ? " \\u00b7 engine stats " + Math.max(...ages).toFixed(1) + " s old" : "";
-  status("ok", "updated " + new Date(body.time * 1000).toLocaleTimeString() + " \\u00b7 rates and p99 over " +
-    body.window_seconds.toFixed(0) + " s" + age + " \\u00b7 history " + span.toFixed(0) + " s");
-  document.body.dataset.time = String(body.time);
-  document.getElementById("notes").innerHTML = "";
-  document.getElementById("notes").append(notes(body));
-}
-
-function notes(body) {
-  const p = el("p");
-  p.textContent = "Every number is read from the gateway's own metrics registry, the one /metrics renders, " +
-    "polled every " + body.poll_seconds + " s. p" + Math.round(100 * body.quantile) + ": the increase of each " +
-    "histogram bucket over the last " + body.window_target_seconds + " s (less while the history is shorter), " +
-    "interpolated linearly inside the bucket that holds the percentile, as Prometheus's histogram_quantile " +
-    "does; n is how many observations the window held. Preemptions: the increase of " +
-    "cliffguard_num_preemptions_total over the same window, per second. Sparklines: the last " +
-    body.history_seconds + " s of polls, kept by the gateway; each starts at 0 (KV usage: 0 to 100 %).";
-  return p;
-}
-
-function status(kind, text) {
-  document.body.dataset.status = kind;
-  document.body.dataset.polls = String(polls);
-  document.getElementById("status").textContent = text;
-}
-
-function askKey(message) {
-  const form = document.getElementById("login");
-  form.hidden = false;
-  document.getElementById("login-msg").textContent = message;
-  document.getElementById("key").focus();
-}
-
-async function poll() {
-  timer = null;
-  const key = sessionStorage.getItem(KEY);
-  const headers = key ? {"Authorization": "Bearer " + key} : {};
-  try {
-    const r = await fetch("dashboard/data", {headers, cache: "no-store"});
-    const body = await r.json();
-    if (r.status === 401) {
-      status("auth", "API key needed");
-      askKey(key ? "the gateway refused this key" : "");
-      return;
-    }
-    if (!r.ok) throw new Error(body.error ? body.error.message : "HTTP " + r.status);
-    document.getElementById("login").hidden = true;
-    render(body);
-    timer = setTimeout(poll, 1000 * body.poll_seconds);
-  } catch (err) {
-    status("error", "no data: " + err.message + " (retrying)");
-    timer = setTimeout(poll, 2000);
-  }
-}
-
-document.getElementById("login").addEventListener("submit", event => {
-  event.preventDefault();
-  sessionStorage.setItem(KEY, document.getElementById("key").value.trim());
-  document.getElementById("key").value = "";
-  if (timer === null) poll();
-});
-
-const fragment = new URLSearchParams(location.hash.slice(1));
-if (fragment.has("key")) {
-  sessionStorage.setItem(KEY, fragment.get("key"));
-  history.replaceState(null, "", location.pathname + location.search);
-}
-poll();
-"""
-
-PAGE = f"""<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<meta name="referrer" content="no-referrer">
-<link rel="icon" href="data:,">
-<title>cliffguard dashboard</title>
-<style>{_STYLE}</style>
-</head>
-<body data-status="loading" data-polls="0">
-<header><h1>cliffguard</h1><span class="sub">pools, live</span><span id="status">connecting</span></header>
-<form id="login" hidden>
-<label for="key">API key</label>
-<input id="key" type="password" autocomplete="off" placeholder="the bearer key you use for the API">
-<button type="submit">Open</button><span id="login-msg"></span>
-</form>
-<main id="pools"></main>
-<footer id="notes"></footer>
-<script>{_SCRIPT}</script>
-</body>
-</html>
-"""
+# gateway/static/dashboard.html, shipped as package data. No URL to anywhere in it: no fonts, scripts
+# or images from outside, and no namespace strings (the sparklines are SVG written as markup inside
+# inline <svg> elements). Its one inline <style> and one inline <script> are allowed by hash.
+PAGE = (Path(__file__).parent / "static" / "dashboard.html").read_text(encoding="utf-8")
+_STYLE = re.search(r"<style>(.*?)</style>", PAGE, re.S).group(1)
+_SCRIPT = re.search(r"<script>(.*?)</script>", PAGE, re.S).group(1)
 
 
 def _sha256(text: str) -> str:

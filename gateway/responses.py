@@ -30,7 +30,7 @@ from aiohttp import web
 
 from engine.outputs import RequestDelta, SampleDelta
 from engine.sampling import SamplingParams
-from engine.worker import EngineDeadError
+from engine.client import EngineDeadError
 from gateway import openai_api as api
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ApiError, ChatRequest, CompletionRequest

@@ -27,13 +27,13 @@ from aiohttp import web
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.stats import PoolStats, WorkerInfo
 from engine.tokenizer import Tokenizer
-from engine.worker import AsyncEngineClient, EngineDeadError
+from engine.client import AsyncEngineClient, EngineDeadError
 from gateway.admission import AdmissionControl
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ApiError
 from gateway.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
-from pools.capacity import CapacityPlan, engine_configs, model_folder, plan_capacity, resolve_model_configs
+from pools.capacity_plan import CapacityPlan, engine_configs, model_folder, plan_capacity, resolve_model_configs
 from pools.pool import Pool
 from pools.router import NoRouteError, Router, UnknownModelError
 from pools.spec import Backoff, CliffguardConfig, PoolSpec

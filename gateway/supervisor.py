@@ -1,6 +1,6 @@
 """`DeviceSupervisor`: one device worker's life as the gateway sees it — start, death, restart.
 
-The supervisor owns its device's `engine.worker.AsyncEngineClient`, a new one per worker process, and
+The supervisor owns its device's `engine.client.AsyncEngineClient`, a new one per worker process, and
 points the device's pools at the live one. The client notices a worker's death at once (its pipe's
 EOF or its process sentinel; `kill -9`, the OOM killer, a crashed kernel, a failed step) and fails
 the requests in flight with `EngineDeadError`: 503 `engine_dead`, or an error event then `[DONE]` on
@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from engine.config import EngineConfig
 from engine.stats import WorkerInfo
-from engine.worker import AsyncEngineClient, EngineDeadError
+from engine.client import AsyncEngineClient, EngineDeadError
 from gateway.metrics import GatewayMetrics
 from gateway.ticker import Ticker
 from pools.pool import Pool

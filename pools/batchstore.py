@@ -23,11 +23,10 @@ every finalize gives the same files. An output or error file that would pass MAX
 fails the batch instead (`status: failed`, `errors` naming `output_too_large`), and a line answer
 whose JSON alone passes it is recorded as that line's error (`response_too_large`), not stored.
 
-Input lines are checked when the batch is created (`parse_batch_input`): a line that is not JSON,
-lacks `custom_id` / `method` / `url` / `body`, has another method or url than the batch's endpoint,
-repeats a `custom_id`, or is longer than MAX_BATCH_LINE_BYTES is recorded as a per-line error for the
-error file; the batch itself never fails for it. A batch fails as a whole only through `fail` (the
-runner's reason: the store could not take its results) or an output past the limit.
+Input lines are checked when the batch is created (`pools.batch_input.parse_batch_input`): an
+unusable line is a per-line error for the error file; the batch itself never fails for it. A batch
+fails as a whole only through `fail` (the runner's reason: the store could not take its results) or
+an output past the limit.
 
 Ownership: every file and batch has an `owner`, the only thing access is checked against, and a
 `tenant`, whose share and priority its lines run with (`pools.tenants`: the gateway passes
@@ -37,8 +36,9 @@ file or batch exactly as one that does not exist (None, or the same BatchInputEr
 tells a caller that someone else has it. The runner's methods (`batch_tenant`, `batch_status`,
 `pending_lines`, `record`, `finalize_step`, `fail`...) take batch ids only.
 
-Schema versions (`PRAGMA user_version`), migrated in place in one transaction when the store opens
-(a crash leaves the old version, and the next open migrates again; decided by the columns present):
+Schema versions (`PRAGMA user_version`; the tables and the migration are `pools.batch_schema`),
+migrated in place in one transaction when the store opens (a crash leaves the old version, and the
+next open migrates again; decided by the columns present):
 1 had no owners; 2 added `tenant` (version 1's rows: the store's `default_tenant`); 3 adds `owner`,
 the failed state (`failed_at`, `errors`), `file_chunks` and `finalizing`. A version-2 row keeps its
 tenant as its tenant, and its owner is `legacy_owner(tenant)` (the gateway: `Tenants.legacy_owner`,
@@ -56,7 +56,6 @@ changes nothing. Stdlib only; no aiohttp (the pools package never imports it).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sqlite3
 import threading
@@ -64,157 +63,27 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BATCH_ENDPOINTS", "BatchInputError", "BatchLine", "BatchStore", "CHUNK_BYTES", "COMPLETION_WINDOWS",
-           "FILE_PURPOSES", "MAX_BATCH_LINES", "MAX_BATCH_LINE_BYTES", "MAX_OUTPUT_FILE_BYTES", "STORAGE_ERRORS",
-           "parse_batch_input", "result_file_ids"]
+from pools.batch_input import (BATCH_ENDPOINTS, COMPLETION_WINDOWS, FILE_PURPOSES, MAX_BATCH_LINES, BatchInputError,
+                               BatchLine, check_metadata, parse_batch_input)
+from pools import batch_files
+from pools.batch_files import (UNFINISHED, ChunkWriter, assemble_step, fail_batch, insert_file, marks, read_chunks,
+                               result_file_ids)
+from pools.batch_schema import migrate
 
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")   # what a line may be sent to
-COMPLETION_WINDOWS = ("24h",)                                    # OpenAI's only window; nothing expires
-FILE_PURPOSES = ("batch",)                                       # what an upload may be for
-MAX_BATCH_LINES = 50_000                                         # request lines per batch, as OpenAI
-MAX_BATCH_LINE_BYTES = 1 << 20          # one line of an input file (1 MiB); a longer one is that line's error
-MAX_OUTPUT_FILE_BYTES = 512 << 20       # each of a batch's output and error files (512 MiB); past it the batch fails
-CHUNK_BYTES = 1 << 20                   # the pieces a file's bytes are stored in (`file_chunks`)
-FINALIZE_STEP_BYTES = 4 << 20           # output and error lines written by one `finalize_step` transaction
-MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+__all__ = ["BatchStore", "STORAGE_ERRORS"]
+
 STORAGE_ERRORS = (sqlite3.OperationalError,)   # disk full, locked past the busy timeout, I/O error
 
-UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")   # a runner still owes work
 CANCELLABLE = ("validating", "in_progress")
 
-_TABLES = (   # the tables as version 3 creates them (see the module docstring for what older ones lack)
-    """CREATE TABLE IF NOT EXISTS files (
-    id TEXT PRIMARY KEY, purpose TEXT NOT NULL, filename TEXT NOT NULL, bytes INTEGER NOT NULL,
-    created_at INTEGER NOT NULL,
-    content BLOB NOT NULL,              -- a version-2 file's bytes; empty from version 3 (file_chunks)
-    tenant TEXT NOT NULL,
-    owner TEXT)                         -- NULL: a version-2 row, its owner in legacy_owners""",
-    """CREATE TABLE IF NOT EXISTS batches (
-    seq INTEGER PRIMARY KEY,            -- creation order, for listing newest first
-    id TEXT NOT NULL UNIQUE, input_file_id TEXT NOT NULL, endpoint TEXT NOT NULL,
-    completion_window TEXT NOT NULL, status TEXT NOT NULL, created_at INTEGER NOT NULL,
-    in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, cancelling_at INTEGER,
-    cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT, metadata TEXT, tenant TEXT NOT NULL,
-    owner TEXT NOT NULL DEFAULT '', failed_at INTEGER, errors TEXT)""",
-    """CREATE TABLE IF NOT EXISTS lines (
-    batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT, method TEXT, url TEXT, body TEXT,
-    status TEXT NOT NULL CHECK (status IN ('pending', 'done', 'error')),
-    response_status INTEGER, response_body TEXT, error TEXT,
-    PRIMARY KEY (batch_id, line_no))""",
-    """CREATE TABLE IF NOT EXISTS file_chunks (
-    file_id TEXT NOT NULL, start INTEGER NOT NULL, data BLOB NOT NULL,   -- data: at most CHUNK_BYTES
-    PRIMARY KEY (file_id, start))""",
-    """CREATE TABLE IF NOT EXISTS finalizing (   -- a finalizing batch's files: written up to after_line_no
-    batch_id TEXT PRIMARY KEY, after_line_no INTEGER NOT NULL, output_bytes INTEGER NOT NULL,
-    error_bytes INTEGER NOT NULL)""",
-    """CREATE TABLE IF NOT EXISTS legacy_owners (tenant TEXT PRIMARY KEY, owner TEXT NOT NULL)""")
-_ADDED_COLUMNS = (   # (table, column, definition) added to an older store's tables; DDL takes no parameters
-    ("files", "tenant", "TEXT NOT NULL DEFAULT {default_tenant}"),
-    ("batches", "tenant", "TEXT NOT NULL DEFAULT {default_tenant}"),
-    ("files", "owner", "TEXT"),
-    ("batches", "owner", "TEXT NOT NULL DEFAULT ''"),
-    ("batches", "failed_at", "INTEGER"),
-    ("batches", "errors", "TEXT"))
-_INDEXES = ("DROP INDEX IF EXISTS batches_by_tenant",   # version 2's; batches are listed by owner
-            "CREATE INDEX IF NOT EXISTS lines_by_status ON lines (batch_id, status, response_status)",
-            "CREATE INDEX IF NOT EXISTS batches_by_owner ON batches (owner, seq)")
-_SCHEMA_VERSION = 3
+_BATCH_KEYS = ("id", "input_file_id", "endpoint", "completion_window", "status", "created_at", "in_progress_at",
+               "finalizing_at", "completed_at", "failed_at", "cancelling_at", "cancelled_at", "output_file_id",
+               "error_file_id", "metadata", "errors")
+_BATCH_COLUMNS = ", ".join(_BATCH_KEYS)
 _FILE_OWNER = "COALESCE(files.owner, (SELECT owner FROM legacy_owners WHERE legacy_owners.tenant = files.tenant))"
-
-
-class BatchInputError(ValueError):
-    """A batch or file request the store refuses; the message starts with the field (`param`)."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-
-
-@dataclass(frozen=True)
-class BatchLine:
-    """One line of a batch input file. `error` ({"code", "message", "line"}) when the line is unusable;
-    then `method`, `url` and `body` are None and `custom_id` is whatever string the line carried."""
-
-    line_no: int                    # 1-based line of the input file
-    custom_id: str | None
-    method: str | None = None
-    url: str | None = None
-    body: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
-
-
-def parse_batch_input(content: bytes, endpoint: str) -> list[BatchLine]:
-    """Every non-blank line of a JSONL input file, checked for the batch's `endpoint`. A `custom_id`
-    belongs to the first line carrying it; later lines with it are `duplicate_custom_id` errors. A
-    line longer than MAX_BATCH_LINE_BYTES is a `line_too_large` error, not parsed."""
-    lines: list[BatchLine] = []
-    seen: set[str] = set()
-    for line_no, raw in enumerate(content.split(b"\n"), 1):
-        if not raw.strip():
-            continue
-        if len(raw) > MAX_BATCH_LINE_BYTES:
-            lines.append(_bad(line_no, None, "line_too_large", f"line {line_no}: {len(raw)} bytes; a request "
-                              f"line may have at most {MAX_BATCH_LINE_BYTES} bytes"))
-            continue
-        line = _parse_line(line_no, raw, endpoint)
-        if line.custom_id is not None:
-            if line.custom_id in seen and line.error is None:
-                line = _bad(line_no, line.custom_id, "duplicate_custom_id",
-                            f"custom_id: {line.custom_id!r} was used by an earlier line")
-            seen.add(line.custom_id)
-        lines.append(line)
-    return lines
-
-
-def _parse_line(line_no: int, raw: bytes, endpoint: str) -> BatchLine:
-    try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        return _bad(line_no, None, "invalid_json_line", f"line {line_no}: not valid JSON ({exc})")
-    if not isinstance(obj, dict):
-        return _bad(line_no, None, "invalid_json_line", f"line {line_no}: expected a JSON object, "
-                    f"got {type(obj).__name__}")
-    custom_id = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) else None
-    for key in ("custom_id", "method", "url", "body"):
-        if key not in obj:
-            return _bad(line_no, custom_id, "missing_required_parameter", f"{key}: missing")
-    if custom_id is None or not custom_id:
-        return _bad(line_no, None, "invalid_custom_id", f"custom_id: must be a non-empty string, got "
-                    f"{obj['custom_id']!r}")
-    unknown = sorted(set(obj) - {"custom_id", "method", "url", "body"})
-    if unknown:
-        return _bad(line_no, custom_id, "invalid_request", f"{unknown[0]}: unknown field of a request line")
-    if obj["method"] != "POST":
-        return _bad(line_no, custom_id, "invalid_method", f"method: must be 'POST', got {obj['method']!r}")
-    if obj["url"] != endpoint:
-        return _bad(line_no, custom_id, "invalid_url", f"url: must be the batch's endpoint {endpoint!r}, "
-                    f"got {obj['url']!r}")
-    if not isinstance(obj["body"], dict):
-        return _bad(line_no, custom_id, "invalid_body", f"body: must be a JSON object, got "
-                    f"{type(obj['body']).__name__}")
-    return BatchLine(line_no, custom_id, "POST", endpoint, obj["body"])
-
-
-def _bad(line_no: int, custom_id: str | None, code: str, message: str) -> BatchLine:
-    return BatchLine(line_no, custom_id, error={"code": code, "message": message, "line": line_no})
-
-
-
-def line_ids(batch_id: str, line_no: int) -> tuple[str, str]:
-    """(`batch_req_…` id, `req_…` request id) of a line: derived, so every finalize writes the same ones."""
-    digest = hashlib.sha256(f"{batch_id}/{line_no}".encode()).hexdigest()
-    return f"batch_req_{digest[:32]}", f"req_{digest[32:64]}"
-
-
-def result_file_ids(batch_id: str) -> tuple[str, str]:
-    """(output file id, error file id) of a batch: derived, so a finalize resumed after a crash continues
-    the same files."""
-    digest = hashlib.sha256(f"{batch_id}/files".encode()).hexdigest()
-    return f"file-{digest[:24]}", f"file-{digest[24:48]}"
 
 
 class BatchStore:
@@ -235,7 +104,7 @@ class BatchStore:
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.execute("PRAGMA busy_timeout=5000")
             with self._txn() as db:
-                _migrate(db, self.path, default_tenant, legacy_owner or (lambda tenant: tenant))
+                migrate(db, self.path, default_tenant, legacy_owner or (lambda tenant: tenant))
         except BaseException:
             self._db.close()
             raise
@@ -266,8 +135,8 @@ class BatchStore:
             raise BatchInputError("purpose", f"must be one of {', '.join(FILE_PURPOSES)}, got {purpose!r}")
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         with self._txn() as db:
-            _insert_file(db, file_id, filename, purpose, len(content), owner, tenant)
-            writer = _ChunkWriter(db, file_id)
+            insert_file(db, file_id, filename, purpose, len(content), owner, tenant)
+            writer = ChunkWriter(db, file_id)
             writer.write(content)
             writer.close()
         return self.file(file_id, owner=owner)
@@ -299,7 +168,7 @@ class BatchStore:
                 with self._db.blobopen("files", "content", rowid, readonly=True) as blob:
                     blob.seek(offset)
                     return blob.read(end - offset)
-            return _read_chunks(self._db, file_id, offset, end)
+            return read_chunks(self._db, file_id, offset, end)
 
     # --- batches ---------------------------------------------------------------------------------
     def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
@@ -331,7 +200,7 @@ class BatchStore:
         if completion_window not in COMPLETION_WINDOWS:
             raise BatchInputError("completion_window", f"must be {' or '.join(map(repr, COMPLETION_WINDOWS))}, "
                                   f"got {completion_window!r}")
-        _check_metadata(metadata)
+        check_metadata(metadata)
         info, content = self.file(input_file_id, owner=owner), self.file_content(input_file_id, owner=owner)
         if info is None or content is None:
             raise BatchInputError("input_file_id", f"no file {input_file_id!r}")
@@ -387,13 +256,13 @@ class BatchStore:
         it is another owner's (which is left alone)."""
         with self._txn() as db:
             db.execute(f"UPDATE batches SET status='cancelling', cancelling_at=? WHERE id=? AND owner=? AND "
-                       f"status IN ({_marks(CANCELLABLE)})", (int(time.time()), batch_id, owner, *CANCELLABLE))
+                       f"status IN ({marks(CANCELLABLE)})", (int(time.time()), batch_id, owner, *CANCELLABLE))
         return self.batch(batch_id, owner=owner)
 
     def unfinished_batch_ids(self) -> list[str]:
         """Batches a runner still owes work (lines to run, or finalizing), oldest first."""
         with self._lock:
-            rows = self._db.execute(f"SELECT id FROM batches WHERE status IN ({_marks(UNFINISHED)}) ORDER BY seq",
+            rows = self._db.execute(f"SELECT id FROM batches WHERE status IN ({marks(UNFINISHED)}) ORDER BY seq",
                                     UNFINISHED).fetchall()
         return [r[0] for r in rows]
 
@@ -413,9 +282,9 @@ class BatchStore:
         MAX_OUTPUT_FILE_BYTES is not kept: the line's error says so. False, changing nothing, if the
         line is not pending (already recorded, or no such line)."""
         response: str | None = json.dumps(body)
-        if len(response) > MAX_OUTPUT_FILE_BYTES:
+        if len(response) > batch_files.MAX_OUTPUT_FILE_BYTES:
             error = {"code": "response_too_large", "message": f"the answer's JSON has {len(response)} bytes, "
-                     f"more than an output file may hold ({MAX_OUTPUT_FILE_BYTES} bytes)"}
+                     f"more than an output file may hold ({batch_files.MAX_OUTPUT_FILE_BYTES} bytes)"}
             response = None
         with self._txn() as db:
             cursor = db.execute("UPDATE lines SET status=?, response_status=?, response_body=?, error=? "
@@ -442,7 +311,7 @@ class BatchStore:
             found = db.execute("SELECT status FROM batches WHERE id=?", (batch_id,)).fetchone()
             if found is None:
                 raise KeyError(batch_id)
-            if found[0] in UNFINISHED and not _assemble_step(db, batch_id, found[0]):
+            if found[0] in UNFINISHED and not assemble_step(db, batch_id, found[0]):
                 return None
         return self._batch_by_id(batch_id)
 
@@ -457,7 +326,7 @@ class BatchStore:
         error list), dropping the files it was writing; a finished batch is returned unchanged. None if
         there is no such batch."""
         with self._txn() as db:
-            _fail(db, batch_id, code, message)
+            fail_batch(db, batch_id, code, message)
         return self._batch_by_id(batch_id)
 
     def check_integrity(self) -> None:
@@ -478,7 +347,7 @@ class BatchStore:
             orphans = {row[0] for row in db.execute("SELECT DISTINCT file_id FROM file_chunks WHERE file_id NOT IN "
                                                     "(SELECT id FROM files)")} - being_written
             stale = db.execute(f"SELECT batch_id FROM finalizing JOIN batches ON id = batch_id WHERE status NOT IN "
-                               f"({_marks(UNFINISHED)})", UNFINISHED).fetchall()
+                               f"({marks(UNFINISHED)})", UNFINISHED).fetchall()
             missing = db.execute("SELECT id FROM batches WHERE output_file_id NOT IN (SELECT id FROM files) OR "
                                  "error_file_id NOT IN (SELECT id FROM files) OR (status = 'failed') != "
                                  "(errors IS NOT NULL)").fetchall()
@@ -504,181 +373,3 @@ class BatchStore:
         return {"object": "batch", **batch, "errors": None if errors is None else json.loads(errors),
                 "expires_at": None, "expired_at": None, "metadata": None if metadata is None else json.loads(metadata),
                 "request_counts": {"total": total, "completed": by_ok.get(1, 0), "failed": by_ok.get(0, 0)}}
-
-
-_BATCH_KEYS = ("id", "input_file_id", "endpoint", "completion_window", "status", "created_at", "in_progress_at",
-               "finalizing_at", "completed_at", "failed_at", "cancelling_at", "cancelled_at", "output_file_id",
-               "error_file_id", "metadata", "errors")
-_BATCH_COLUMNS = ", ".join(_BATCH_KEYS)
-
-
-def _marks(values: tuple) -> str:
-    return ", ".join("?" * len(values))
-
-
-def _insert_file(db: sqlite3.Connection, file_id: str, filename: str, purpose: str, num_bytes: int, owner: str,
-                 tenant: str) -> None:
-    """The file's row; its bytes go to `file_chunks` (`_ChunkWriter`)."""
-    db.execute("INSERT INTO files (id, purpose, filename, bytes, created_at, content, tenant, owner) "
-               "VALUES (?, ?, ?, ?, ?, x'', ?, ?)", (file_id, purpose, filename, num_bytes, int(time.time()), tenant,
-                                                     owner))
-
-
-class _ChunkWriter:
-    """Appends bytes to a file's pieces in `file_chunks`, from byte `start` on, CHUNK_BYTES at a time
-    (`close` writes the last, shorter one); holds at most one piece. Inside the caller's transaction."""
-
-    def __init__(self, db: sqlite3.Connection, file_id: str, start: int = 0) -> None:
-        self.db, self.file_id, self.written = db, file_id, start
-        self._buffer = bytearray()
-
-    @property
-    def size(self) -> int:
-        """Bytes of the file so far, written or buffered."""
-        return self.written + len(self._buffer)
-
-    def write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            take = CHUNK_BYTES - len(self._buffer)
-            self._buffer += view[:take]
-            view = view[take:]
-            if len(self._buffer) == CHUNK_BYTES:
-                self._flush()
-
-    def close(self) -> None:
-        if self._buffer:
-            self._flush()
-
-    def _flush(self) -> None:
-        self.db.execute("INSERT INTO file_chunks (file_id, start, data) VALUES (?, ?, ?)",
-                        (self.file_id, self.written, bytes(self._buffer)))
-        self.written += len(self._buffer)
-        self._buffer.clear()
-
-
-def _read_chunks(db: sqlite3.Connection, file_id: str, offset: int, end: int) -> bytes:
-    """Bytes [offset, end) of a file kept in `file_chunks`."""
-    first = db.execute("SELECT max(start) FROM file_chunks WHERE file_id=? AND start<=?", (file_id, offset)).fetchone()
-    out = bytearray()
-    for start, data in db.execute("SELECT start, data FROM file_chunks WHERE file_id=? AND start>=? AND start<? "
-                                  "ORDER BY start", (file_id, first[0] or 0, end)):
-        out += data[max(0, offset - start):end - start]
-    return bytes(out)
-
-
-def _assemble_step(db: sqlite3.Connection, batch_id: str, status: str) -> bool:
-    """Write the next answered lines after the `finalizing` cursor to the output (2xx answers) and error
-    (other answers, line errors) files, at most about FINALIZE_STEP_BYTES; True once the batch is
-    finished (the files added, or failed for an output past MAX_OUTPUT_FILE_BYTES)."""
-    progress = db.execute("SELECT after_line_no, output_bytes, error_bytes FROM finalizing WHERE batch_id=?",
-                          (batch_id,)).fetchone() or (0, 0, 0)
-    after = progress[0]
-    writers = [_ChunkWriter(db, file_id, start) for file_id, start in zip(result_file_ids(batch_id), progress[1:])]
-    rows = db.execute("SELECT line_no, custom_id, status, response_status, response_body, error FROM lines "
-                      "WHERE batch_id=? AND line_no>? AND status != 'pending' ORDER BY line_no", (batch_id, after))
-    step_bytes, more = 0, False
-    for row in rows:
-        target, text = _result_line(batch_id, row)
-        writer = writers[target]
-        if writer.size + len(text) > MAX_OUTPUT_FILE_BYTES:
-            rows.close()
-            _fail(db, batch_id, "output_too_large", f"the batch's {('output', 'error')[target]} file would be larger "
-                  f"than {MAX_OUTPUT_FILE_BYTES} bytes at line {row[0]}; split the input into smaller batches")
-            return True
-        writer.write(text)
-        after, step_bytes = row[0], step_bytes + len(text)
-        if step_bytes >= FINALIZE_STEP_BYTES:
-            more = True
-            break
-    rows.close()
-    for writer in writers:
-        writer.close()
-    if more:
-        db.execute("INSERT OR REPLACE INTO finalizing (batch_id, after_line_no, output_bytes, error_bytes) "
-                   "VALUES (?, ?, ?, ?)", (batch_id, after, writers[0].size, writers[1].size))
-        return False
-    _complete(db, batch_id, status, writers)
-    return True
-
-
-def _result_line(batch_id: str, row: tuple) -> tuple[int, bytes]:
-    """(0 for the output file or 1 for the error file, the JSONL line) of an answered line, as OpenAI
-    writes it: a line error has `error`, and `response` null unless the line had an answer."""
-    line_no, custom_id, status, response_status, response_body, error = row
-    line_id, request_id = line_ids(batch_id, line_no)
-    response = None if response_status is None else {
-        "status_code": response_status, "request_id": request_id,
-        "body": None if response_body is None else json.loads(response_body)}
-    if status == "error":
-        target, error = 1, json.loads(error)
-    else:
-        target = 0 if 200 <= response_status < 300 else 1
-    return target, (json.dumps({"id": line_id, "custom_id": custom_id, "response": response, "error": error})
-                    + "\n").encode()
-
-
-def _complete(db: sqlite3.Connection, batch_id: str, status: str, writers: list[_ChunkWriter]) -> None:
-    """Add the written output and error files (a file only when it has a line) and mark the batch
-    completed, or cancelled if it was cancelling."""
-    owner, tenant = db.execute("SELECT owner, tenant FROM batches WHERE id=?", (batch_id,)).fetchone()
-    file_ids = []
-    for writer, name in zip(writers, ("output", "error")):
-        if writer.size:
-            _insert_file(db, writer.file_id, f"{batch_id}_{name}.jsonl", "batch_output", writer.size, owner, tenant)
-        file_ids.append(writer.file_id if writer.size else None)
-    final = "cancelled" if status == "cancelling" else "completed"
-    db.execute(f"UPDATE batches SET status=?, {final}_at=?, output_file_id=?, error_file_id=? WHERE id=?",
-               (final, int(time.time()), *file_ids, batch_id))
-    db.execute("DELETE FROM finalizing WHERE batch_id=?", (batch_id,))
-
-
-def _fail(db: sqlite3.Connection, batch_id: str, code: str, message: str) -> None:
-    """Mark an unfinished batch failed with OpenAI's `errors` list, and drop what finalizing wrote."""
-    errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
-    cursor = db.execute(f"UPDATE batches SET status='failed', failed_at=?, errors=? WHERE id=? AND status IN "
-                        f"({_marks(UNFINISHED)})", (int(time.time()), json.dumps(errors), batch_id, *UNFINISHED))
-    if cursor.rowcount:
-        db.execute("DELETE FROM file_chunks WHERE file_id IN (?, ?)", result_file_ids(batch_id))
-        db.execute("DELETE FROM finalizing WHERE batch_id=?", (batch_id,))
-
-
-def _migrate(db: sqlite3.Connection, path: Path, default_tenant: str, legacy_owner: Callable[[str], str]) -> None:
-    """Bring the store to _SCHEMA_VERSION inside the caller's transaction: create what is missing (a new
-    file), add the columns an older store's tables lack (version 1's rows get `default_tenant`), and
-    give the rows of a store without owners the owner `legacy_owner(tenant)`. Decided by the columns
-    present, not only the version: a version-0 file may hold version-1 tables (a process that died
-    between creating them and writing the version)."""
-    version = db.execute("PRAGMA user_version").fetchone()[0]
-    if version not in range(_SCHEMA_VERSION + 1):
-        raise RuntimeError(f"{path}: batch store schema version {version}, this code reads {_SCHEMA_VERSION}")
-    for statement in _TABLES:
-        db.execute(statement)
-    added = set()
-    for table, column, definition in _ADDED_COLUMNS:
-        if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
-            # the rows get the column's default: no row (nor a file's content) is rewritten
-            literal = "'" + default_tenant.replace("'", "''") + "'"   # an SQL literal
-            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition.format(default_tenant=literal)}")
-            added.add((table, column))
-    if ("batches", "owner") in added or ("files", "owner") in added:
-        tenants = [row[0] for row in db.execute("SELECT tenant FROM files UNION SELECT tenant FROM batches")]
-        db.executemany("INSERT OR REPLACE INTO legacy_owners (tenant, owner) VALUES (?, ?)",
-                       ((tenant, legacy_owner(tenant)) for tenant in tenants))
-        db.execute("UPDATE batches SET owner = (SELECT owner FROM legacy_owners WHERE legacy_owners.tenant = "
-                   "batches.tenant) WHERE owner = ''")
-    for statement in _INDEXES:
-        db.execute(statement)
-    db.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
-
-
-def _check_metadata(metadata: Any) -> None:
-    """OpenAI's metadata rule: at most 16 string pairs, keys up to 64 and values up to 512 characters."""
-    if metadata is None:
-        return
-    if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS:
-        raise BatchInputError("metadata", f"must be an object of at most {MAX_METADATA_PAIRS} string values")
-    for key, value in metadata.items():
-        if len(key) > MAX_METADATA_KEY or not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
-            raise BatchInputError(f"metadata.{key}", f"keys are at most {MAX_METADATA_KEY} characters and values "
-                                  f"strings of at most {MAX_METADATA_VALUE}")

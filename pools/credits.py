@@ -27,7 +27,7 @@ release), the difference is held "outside" until the next report, so the ledger 
 the engine does not have; it comes back when the worker reports it free.
 
 Ints only, no asyncio, no locks: the gateway calls it from its event loop (ints, so it is tested in
-milliseconds). `pools.admission` is the async layer the gateway awaits.
+milliseconds). `pools.credit_hold` is the async layer the gateway awaits.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from pools.spec import PoolSpec
 from pools.tokencount import TokenCounter
 
 if TYPE_CHECKING:
-    from engine.worker import AsyncEngineClient
-    from pools.admission import Admission
+    from engine.client import AsyncEngineClient
+    from pools.credit_hold import Admission
 
 
 @dataclass

@@ -38,10 +38,6 @@ class Router:
         for pool in self.pools:
             self._by_model.setdefault(pool.model_name, []).append(pool)
 
-    @property
-    def model_names(self) -> list[str]:
-        return list(self._by_model)
-
     def candidates(self, model_name: str) -> list[Pool]:
         """The pools serving `model_name`, in configuration order; UnknownModelError if none."""
         pools = self._by_model.get(model_name)

@@ -1,8 +1,8 @@
 """The gateway's configuration as read from YAML: devices, pools and the gateway itself.
 
-Every class is a frozen dataclass validated on construction; `load_config` turns a YAML file into a
-`CliffguardConfig` or raises `SpecError` naming the key path and the bad value. Nothing that needs the
-model (its context length, its KV bytes per token) is checked here: that is `pools.capacity`'s job.
+Every class is a frozen dataclass validated on construction; `pools.config_file.load_config` turns a
+YAML file into a `CliffguardConfig` or raises `SpecError` naming the key path and the bad value. Nothing that needs the
+model (its context length, its KV bytes per token) is checked here: that is `pools.capacity_plan`'s job.
 The schema, key by key, is in `config/README.md`.
 """
 
@@ -10,21 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from pathlib import Path, PurePath
+from pathlib import PurePath
 from typing import Any
 from urllib.parse import urlsplit
 
 from engine.capacity import DEFAULT_MEMORY_UTILIZATION
 from engine.config import CacheConfig, ConfigError, LatencySLO, SchedulerConfig, check_device_name, parse_dtype
 from pools.spiral import SpiralConfig
-from pools.tenants import TenantSpec, parse_tenants
-from pools.yamlcheck import SpecError, check_mapping, is_int, is_number, load_yaml, read_text, show, within
+from pools.tenants import TenantSpec
+from pools.yamlcheck import SpecError, check_str, is_int, is_number, show
 
 DEFAULT_CPU_MEMORY = 4 << 30   # `memory: auto` on a CPU device: the budget for weights + KV cache
 DEFAULT_API_KEYS_ENV = "CLIFFGUARD_API_KEYS"
@@ -57,13 +56,6 @@ def _check_fraction(key: str, value: Any, *, optional: bool = False) -> None:
         raise SpecError(f"{key}: must be a number in (0, 1], got {show(value)}")
     if not 0 < value <= 1:
         raise SpecError(f"{key}: must be in (0, 1], got {value}")
-
-
-def _check_str(key: str, value: Any, *, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, str) or not value.strip():
-        raise SpecError(f"{key}: must be a non-empty string, got {show(value)}")
 
 
 @contextmanager
@@ -169,13 +161,13 @@ class DeviceSpec:
     tensor_parallel_size: int = 1        # planning only (`cliffguard capacity`); the engine runs TP=1
 
     def __post_init__(self) -> None:
-        _check_str("name", self.name)
-        _check_str("device", self.device)
+        check_str("name", self.name)
+        check_str("device", self.device)
         with _engine_rules():
             check_device_name(self.device)
         _check_int("memory", self.memory_bytes, min_value=1, optional=True)
         _check_fraction("memory_utilization", self.memory_utilization)
-        _check_str("dtype", self.dtype)
+        check_str("dtype", self.dtype)
         if self.dtype != "auto":
             try:
                 parse_dtype(self.dtype)
@@ -218,14 +210,14 @@ class PoolSpec:
     death_spiral: SpiralConfig = field(default_factory=SpiralConfig)   # the detector's thresholds (pools.spiral)
 
     def __post_init__(self) -> None:
-        _check_str("name", self.name)
+        check_str("name", self.name)
         if not _POOL_NAME.match(self.name):
             raise SpecError(f"name: use letters, digits, '_', '.', '-' (starting with a letter or digit); "
                             f"got {self.name!r}")
-        _check_str("model", self.model)
+        check_str("model", self.model)
         if not isinstance(self.route, RouteSpec):
             raise SpecError(f"route: must be a RouteSpec, got {show(self.route)}")
-        _check_str("served_model_name", self.served_model_name, optional=True)
+        check_str("served_model_name", self.served_model_name, optional=True)
         _check_int("max_model_len", self.max_model_len, min_value=1, optional=True)
         if self.is_upstream:
             self._check_upstream()
@@ -233,12 +225,12 @@ class PoolSpec:
             self._check_local()
 
     def _check_upstream(self) -> None:
-        _check_str("upstream", self.upstream)
+        check_str("upstream", self.upstream)
         url = urlsplit(self.upstream)
         if url.scheme not in ("http", "https") or not url.hostname:
             raise SpecError(f"upstream: must be an http:// or https:// URL with a host, got {self.upstream!r}")
-        _check_str("upstream_api_key_env", self.upstream_api_key_env, optional=True)
-        _check_str("tokenizer", self.tokenizer, optional=True)
+        check_str("upstream_api_key_env", self.upstream_api_key_env, optional=True)
+        check_str("tokenizer", self.tokenizer, optional=True)
         for key in ("kv_share", "kv_cache_bytes", "max_num_seqs"):
             if getattr(self, key) is not None:
                 raise SpecError(f"{key}: not allowed on an upstream pool (it has no local KV cache), "
@@ -249,7 +241,7 @@ class PoolSpec:
             if getattr(self, key) is not None:
                 raise SpecError(f"{key}: only for upstream pools (a local pool uses its model's own), "
                                 f"got {getattr(self, key)!r}")
-        _check_str("device", self.device)
+        check_str("device", self.device)
         _check_fraction("kv_share", self.kv_share, optional=True)
         _check_int("kv_cache_bytes", self.kv_cache_bytes, min_value=1, optional=True)
         if self.kv_share is not None and self.kv_cache_bytes is not None:
@@ -385,14 +377,14 @@ class GatewaySpec:
     limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
-        _check_str("host", self.host)
+        check_str("host", self.host)
         _check_int("port", self.port, min_value=1, max_value=65535)
         if not isinstance(self.api_keys, tuple):
             raise SpecError(f"api_keys: must be a tuple of strings, got {show(self.api_keys)}")
         for i, key in enumerate(self.api_keys):
-            _check_str(f"api_keys[{i}]", key)
+            check_str(f"api_keys[{i}]", key)
         _check_int("max_body_bytes", self.max_body_bytes, min_value=1)
-        _check_str("api_keys_env", self.api_keys_env, optional=True)
+        check_str("api_keys_env", self.api_keys_env, optional=True)
         if not isinstance(self.restart_backoff, Backoff):
             raise SpecError(f"restart_backoff: must be a Backoff, got {show(self.restart_backoff)}")
         for key in ("write_timeout", "stall_seconds"):
@@ -488,225 +480,3 @@ class CliffguardConfig:
             if pool.name == name:
                 return pool
         raise KeyError(f"pools: no pool named {name!r}; pools: {', '.join(p.name for p in self.pools)}")
-
-
-# --- YAML -----------------------------------------------------------------------------------------
-
-_TOP_KEYS = ("gateway", "devices", "pools", "tenants")
-_GATEWAY_KEYS = ("host", "port", "api_keys", "api_keys_env", "max_body_bytes", "restart_backoff", "write_timeout",
-                 "stall_seconds", "metrics_auth", "limits")
-_LIMITS_KEYS = tuple(f.name for f in dataclasses.fields(RequestLimits))
-_BACKOFF_KEYS = tuple(f.name for f in dataclasses.fields(Backoff))
-_DEVICE_KEYS = ("device", "memory", "memory_utilization", "dtype", "tensor_parallel_size")
-_ROUTE_KEYS = ("min_prompt_tokens", "max_prompt_tokens")
-_COMMON_POOL_KEYS = ("name", "model", "route", "served_model_name", "max_model_len")
-_LOCAL_POOL_KEYS = ("device", "kv_share", "kv_cache_bytes", "avg_len", "block_size", "max_num_batched_tokens",
-                    "max_num_seqs", "preemption_mode", "victim_policy", "swap_space", "enable_prefix_caching",
-                    "share_prefix_cache", "slo", "max_queue_seconds", "death_spiral")
-_SLO_KEYS = ("ttft_ms", "itl_ms")
-_SPIRAL_KEYS = tuple(f.name for f in dataclasses.fields(SpiralConfig))   # the detector's own fields
-_UPSTREAM_POOL_KEYS = ("upstream", "upstream_api_key_env", "tokenizer")
-_BYTE_KEYS = {"kv_cache_bytes": "kv_cache_bytes", "swap_space": "swap_space_bytes"}
-
-
-def _beside(base_dir: Path | None, spec: str) -> str:
-    """A relative model/tokenizer path is looked up beside the YAML file first, then left as written
-    (the working directory, or a hub id for an upstream tokenizer)."""
-    if base_dir is None or spec.startswith("builtin:") or PurePath(spec).is_absolute() or spec.startswith("~"):
-        return spec
-    candidate = base_dir / spec
-    return os.path.normpath(candidate) if candidate.exists() else spec
-
-
-def _parse_gateway(raw: Any, env: Mapping[str, str]) -> GatewaySpec:
-    raw = check_mapping("gateway", {} if raw is None else raw, _GATEWAY_KEYS)
-    keys: list[str] = []
-    api_keys = raw.get("api_keys", [])
-    if api_keys is None:
-        api_keys = []
-    if not isinstance(api_keys, list):
-        raise SpecError(f"gateway.api_keys: must be a list of strings, got {show(api_keys)}")
-    for i, key in enumerate(api_keys):
-        _check_str(f"gateway.api_keys[{i}]", key)
-        keys.append(key.strip())
-    env_name = raw.get("api_keys_env", DEFAULT_API_KEYS_ENV)
-    _check_str("gateway.api_keys_env", env_name, optional=True)
-    if env_name:
-        keys += [k.strip() for k in env.get(env_name, "").split(",") if k.strip()]
-    kwargs: dict[str, Any] = {k: raw[k] for k in ("host", "port", "write_timeout", "stall_seconds", "metrics_auth")
-                              if k in raw}
-    if raw.get("limits") is not None:
-        limits = check_mapping("gateway.limits", raw["limits"], _LIMITS_KEYS)
-        with within("gateway"):
-            kwargs["limits"] = RequestLimits(**limits)
-    if "max_body_bytes" in raw:
-        kwargs["max_body_bytes"] = parse_bytes(raw["max_body_bytes"], "gateway.max_body_bytes")
-    if raw.get("restart_backoff") is not None:
-        backoff = check_mapping("gateway.restart_backoff", raw["restart_backoff"], _BACKOFF_KEYS)
-        with within("gateway"):
-            kwargs["restart_backoff"] = Backoff(**backoff)
-    with within("gateway"):
-        return GatewaySpec(api_keys=tuple(dict.fromkeys(keys)), api_keys_env=env_name, **kwargs)
-
-
-def _parse_devices(raw: Any) -> dict[str, DeviceSpec]:
-    if raw is None:
-        return {"default": DeviceSpec()}
-    if not isinstance(raw, dict):
-        raise SpecError(f"devices: must be a mapping of device name to settings, got {show(raw)}")
-    devices = {}
-    for name, body in raw.items():
-        key = f"devices.{name}"
-        if not isinstance(name, str) or not name:
-            raise SpecError(f"devices: device names must be non-empty strings, got {show(name)}")
-        body = check_mapping(key, {} if body is None else body, _DEVICE_KEYS)
-        kwargs = {k: v for k, v in body.items() if k != "memory"}
-        memory = body.get("memory", "auto")
-        if memory not in ("auto", None):
-            kwargs["memory_bytes"] = parse_bytes(memory, f"{key}.memory")
-            if kwargs["memory_bytes"] == 0:
-                raise SpecError(f"{key}.memory: must be > 0 bytes (or auto), got {memory!r}")
-        with within(key):
-            devices[name] = DeviceSpec(name=name, **kwargs)
-    return devices
-
-
-def _parse_pool(i: int, raw: Any, base_dir: Path | None) -> PoolSpec:
-    key = f"pools[{i}]"
-    all_keys = _COMMON_POOL_KEYS + _UPSTREAM_POOL_KEYS + _LOCAL_POOL_KEYS
-    raw = check_mapping(key, raw, all_keys)
-    is_upstream = "upstream" in raw
-    for name, value in raw.items():
-        if is_upstream and name in _LOCAL_POOL_KEYS:
-            raise SpecError(f"{key}.{name}: not allowed on an upstream pool (got {value!r}); an upstream pool "
-                            f"takes only: {', '.join(_COMMON_POOL_KEYS + _UPSTREAM_POOL_KEYS)}")
-        if not is_upstream and name in _UPSTREAM_POOL_KEYS:
-            raise SpecError(f"{key}.{name}: only for upstream pools (got {value!r}); "
-                            "set `upstream: http://host:port/v1` or remove it")
-    for required in ("name", "model"):
-        if raw.get(required) is None:
-            raise SpecError(f"{key}.{required}: required, got nothing")
-    kwargs = {k: v for k, v in raw.items() if k not in _BYTE_KEYS and k not in ("route", "slo", "death_spiral")}
-    if raw.get("slo") is not None:
-        slo = check_mapping(f"{key}.slo", raw["slo"], _SLO_KEYS)
-        try:
-            kwargs["slo"] = LatencySLO(**slo)
-        except ConfigError as exc:
-            raise SpecError(f"{key}.{exc}") from None
-    if not is_upstream:   # `slo: null` (opted out of the default) differs from no `slo` key
-        kwargs["slo_source"] = "yaml" if "slo" in kwargs else "opted_out" if "slo" in raw else "absent"
-    if raw.get("death_spiral") is not None:
-        kwargs["death_spiral"] = _parse_spiral(f"{key}.death_spiral", raw["death_spiral"])
-    for yaml_key, field_name in _BYTE_KEYS.items():
-        if yaml_key in raw:
-            kwargs[field_name] = parse_bytes(raw[yaml_key], f"{key}.{yaml_key}")
-    route = check_mapping(f"{key}.route", {} if raw.get("route") is None else raw["route"], _ROUTE_KEYS)
-    with within(f"{key}.route"):
-        kwargs["route"] = RouteSpec(**route)
-    if not is_upstream and isinstance(kwargs.get("model"), str):
-        kwargs["model"] = _beside(base_dir, kwargs["model"])
-    if isinstance(kwargs.get("tokenizer"), str):
-        kwargs["tokenizer"] = _beside(base_dir, kwargs["tokenizer"])
-    with within(key):
-        return PoolSpec(**kwargs)
-
-
-def _parse_spiral(key: str, raw: Any) -> SpiralConfig:
-    """`death_spiral`: a mapping of thresholds, or `false` (detection off) / `true` (the defaults)."""
-    if isinstance(raw, bool):
-        return SpiralConfig(enabled=raw)
-    if not isinstance(raw, dict):
-        raise SpecError(f"{key}: must be a mapping ({', '.join(_SPIRAL_KEYS)}) or false, got {show(raw)}")
-    check_mapping(key, raw, _SPIRAL_KEYS)
-    try:
-        return SpiralConfig(**raw)
-    except ValueError as exc:   # its message starts with `death_spiral.<field>`
-        raise SpecError(f"{key.rpartition('.')[0]}.{exc}") from None
-
-
-def parse_config(data: Any, *, env: Mapping[str, str] = os.environ,
-                 base_dir: str | os.PathLike | None = None) -> CliffguardConfig:
-    """The dict of a YAML file -> CliffguardConfig, or SpecError naming the key path and the bad value.
-
-    `env`: where `gateway.api_keys_env` is looked up. `base_dir`: the YAML file's folder; relative model
-    paths are looked up there first.
-    """
-    if data is None:
-        raise SpecError("pools: the configuration is empty; at least one pool is required")
-    if not isinstance(data, dict):
-        raise SpecError(f"(top level): must be a mapping with keys {', '.join(_TOP_KEYS)}, got {show(data)}")
-    check_mapping("", data, _TOP_KEYS)
-    base = Path(base_dir) if base_dir is not None else None
-    pools_raw = data.get("pools")
-    if pools_raw is None:
-        raise SpecError("pools: missing; at least one pool is required")
-    if not isinstance(pools_raw, list):
-        raise SpecError(f"pools: must be a list of pools, got {show(pools_raw)}")
-    if not pools_raw:
-        raise SpecError("pools: at least one pool is required, got []")
-    gateway = _parse_gateway(data.get("gateway"), env)
-    tenants = parse_tenants(data.get("tenants"))
-    tenant_keys = tuple(k for t in tenants.values() for k in t.api_keys)
-    if tenant_keys:   # a tenant's keys are accepted keys
-        gateway = dataclasses.replace(gateway, api_keys=tuple(dict.fromkeys(gateway.api_keys + tenant_keys)))
-    devices = _parse_devices(data.get("devices"))
-    pools = default_isolation(tuple(_parse_pool(i, raw, base) for i, raw in enumerate(pools_raw)))
-    return CliffguardConfig(gateway=gateway, devices=devices, pools=pools, tenants=tenants)
-
-
-def default_isolation(pools: tuple[PoolSpec, ...]) -> tuple[PoolSpec, ...]:
-    """Isolation by default: `pools` with, on each device that has two or more local pools and where
-    none has an `slo`, the pool of the strictly shortest route made interactive with `LatencySLO()`.
-
-    Two pools on one device without an SLO get no compute isolation: rag's prefill chunks fill every
-    step and multiply chat's inter-token latency. The pool the user routes the shortest prompts to is
-    the one a person waits on, so it gets the default targets. "Shortest" is the smallest
-    `route.upper(max_model_len)` (unbounded counts as infinite), strictly below every other pool's on
-    the device; a tie defaults nothing, since there is no telling which pool is the chat pool. A pool
-    whose YAML says `slo: null` (`slo_source` `opted_out`) is never defaulted but still counts in
-    the comparison. Only pools read from YAML (`slo_source` `absent`) are changed.
-    """
-    by_device: dict[str, list[int]] = {}
-    for i, pool in enumerate(pools):
-        if not pool.is_upstream:
-            by_device.setdefault(pool.device, []).append(i)
-    result = list(pools)
-    for members in by_device.values():
-        if len(members) < 2 or any(pools[i].slo is not None for i in members):
-            continue
-        uppers = {i: _route_upper(pools[i]) for i in members}
-        shortest = min(members, key=uppers.__getitem__)
-        if any(uppers[i] <= uppers[shortest] for i in members if i != shortest):
-            continue
-        if pools[shortest].slo_source == "absent":
-            result[shortest] = dataclasses.replace(pools[shortest], slo=LatencySLO(), slo_source="default")
-    return tuple(result)
-
-
-def _route_upper(pool: PoolSpec) -> float:
-    upper = pool.route.upper(pool.max_model_len)
-    return math.inf if upper is None else upper
-
-
-def _is_path(value: str | os.PathLike) -> bool:
-    if not isinstance(value, str):
-        return True
-    if "\n" in value:
-        return False
-    return value.strip().endswith((".yaml", ".yml", ".json")) or ":" not in value or Path(value).is_file()
-
-
-def load_config(path_or_text: str | os.PathLike, *, env: Mapping[str, str] = os.environ) -> CliffguardConfig:
-    """A YAML file (a path) or YAML text (a string with a newline, or one line holding a `key:`) ->
-    CliffguardConfig. Every problem is a SpecError: the key path and the bad value, the line and column
-    of a YAML syntax error, or the path of a missing file. Errors in a file end with `(in <path>)`."""
-    if _is_path(path_or_text):
-        path = Path(path_or_text).expanduser()
-        text = read_text(path)
-        data = load_yaml(text, str(path))
-        try:
-            return parse_config(data, env=env, base_dir=path.parent)
-        except SpecError as exc:
-            raise SpecError(f"{exc} (in {path})") from None
-    text = str(path_or_text)
-    return parse_config(load_yaml(text, "<text>"), env=env)

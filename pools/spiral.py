@@ -25,7 +25,7 @@ linearly, so the slices may be shorter than the sampling interval.
 
 Pure and small: no clock of its own, no I/O, no aiohttp, no torch. The gateway feeds one detector per
 local pool from the stats its device worker pushes (`gateway.runtime.SpiralWatch`); the simulator
-(`pools.simulate`) can feed one from its virtual clock the same way.
+(`pools.simulation`) can feed one from its virtual clock the same way.
 """
 
 from __future__ import annotations

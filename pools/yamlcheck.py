@@ -33,6 +33,14 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def check_str(key: str, value: Any, *, optional: bool = False) -> None:
+    """`value` is a non-empty string (or None when `optional`); else SpecError naming the key."""
+    if value is None and optional:
+        return
+    if not isinstance(value, str) or not value.strip():
+        raise SpecError(f"{key}: must be a non-empty string, got {show(value)}")
+
+
 @contextmanager
 def within(prefix: str) -> Iterator[None]:
     """Errors raised inside get `prefix.` in front of their key path."""

@@ -1,6 +1,8 @@
-"""The dependency rules of DESIGN.md, read from the source: `gateway -> pools -> engine -> kernels`,
-`bench` beside them and imported only by the CLI module, no import cycle between project modules,
-and the third-party imports each layer must not make (aiohttp below the gateway, YAML in the engine).
+"""The shape of the tree, read from the source: `gateway -> pools -> engine -> kernels`, `bench`
+beside them and imported only by the CLI module, no import cycle between project modules, the
+third-party imports each layer must not make (aiohttp below the gateway, YAML in the engine), one
+home for each formula that used to be written twice, light package imports, logging instead of
+print, and functions that fit on a screen.
 
 Every `import` statement counts, including those inside functions and under TYPE_CHECKING: a lazy
 import is still a dependency.
@@ -148,21 +150,75 @@ def test_the_graph_sees_lazy_and_relative_imports(tmp_path):
     assert {"engine.config", "pools", "pools.sibling"} <= found
 
 
+def _hits(pattern, home: str) -> list[str]:
+    """Lines of project modules other than `home` (a path under the root) that match `pattern`."""
+    return [f"{path.relative_to(ROOT)}:{i}" for path in _all_modules().values()
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+            if pattern.search(line) and path.relative_to(ROOT).as_posix() != home]
+
+
 def test_one_capacity_formula():
     """`0.9 x memory - weights`, blocks and max_num_seqs are computed in engine/capacity.py only; the
     planner and the engine import it."""
     import re
 
     pattern = re.compile(r"memory_utilization \*|0\.9 \*|\* 0\.9|// \(\w*kv\w* \* \w*(block_size|avg_len)\)")
-    hits = [f"{path.relative_to(ROOT)}:{i}" for path in _all_modules().values()
-            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-            if pattern.search(line) and path.relative_to(ROOT).as_posix() != "engine/capacity.py"]
-    assert hits == []
+    assert _hits(pattern, "engine/capacity.py") == []
     graph, _ = _graph()
-    assert "engine.capacity" in graph["pools.capacity"] and "engine.capacity" in graph["engine.llm_engine"]
+    assert "engine.capacity" in graph["pools.capacity_plan"] and "engine.capacity" in graph["engine.llm_engine"]
 
 
-MAX_FUNCTION_LINES = 60     # gateway/ and engine/: a function reads on one screen (STYLE.md rule 3)
+# The linear step-cost form: its fit (least squares), its attended-pairs regressor, its product.
+LINEAR_FORM = r"lstsq\(|num_attended\s*/\s*1024|\.vector\(\)\s*@"
+# The bookkeeping after a step: computed tokens advance, full blocks enter the prefix cache, the
+# preemption cost model learns the step's prefill time.
+STEP_COMMIT = r"\.num_computed_tokens\s*\+=|\.register_computed\(|\.observe_prefill\("
+
+
+def test_one_step_cost_model_and_one_step_commit():
+    """The composer, the simulator and the benchmarks share engine/step_cost.py; the engine, its
+    warm-up and the simulator share `engine.scheduler.commit_step`."""
+    import re
+
+    assert _hits(re.compile(LINEAR_FORM), "engine/step_cost.py") == []
+    assert _hits(re.compile(STEP_COMMIT), "engine/scheduler.py") == []
+    for line in ("t = a + d * f.num_attended / 1024", "coef = nonnegative_lstsq(x, t)", "f.vector() @ coef"):
+        assert re.search(LINEAR_FORM, line)
+    for line in ("seq.num_computed_tokens += n", "bm.register_computed(table, ids, n)", "m.observe_prefill(t, s)"):
+        assert re.search(STEP_COMMIT, line)
+
+
+def test_the_credit_ledger_and_the_capacity_formula_import_without_torch():
+    """`import pools.credits` (the gateway's ledger) and `engine.capacity` (the formula) load neither
+    torch nor the engine: the packages' `__init__` import nothing."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pools.credits, engine.capacity; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('engine.llm')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def _print_lines(path: Path) -> list[int]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"]
+
+
+def test_the_library_logs_and_only_the_cli_prints(tmp_path):
+    """gateway/ (but its CLI), pools/, engine/ and kernels/ speak through `logging`: what a server
+    says goes where its operator sends logs, with a time and a level."""
+    found = [f"{path.relative_to(ROOT)}:{line}" for pkg in ("gateway", "pools", "engine", "kernels")
+             for path in sorted((ROOT / pkg).rglob("*.py")) if path.relative_to(ROOT).as_posix() != "gateway/cli.py"
+             for line in _print_lines(path)]
+    assert found == []
+    probe = tmp_path / "probe.py"   # the check itself can fail
+    probe.write_text("def f():\n    print('x', file=None)\n")
+    assert _print_lines(probe) == [2]
+
+
+MAX_FUNCTION_LINES = 60     # gateway/ and engine/: a function reads on one screen
 MAX_APP_LINES = 300         # gateway/app.py: the app factory, middleware and lifecycle only
 
 
@@ -173,11 +229,68 @@ def _long_functions(path: Path) -> list[str]:
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
 
 
-def test_functions_of_the_gateway_and_the_engine_fit_on_a_screen(tmp_path):
-    long = [f for pkg in ("gateway", "engine") for path in sorted((ROOT / pkg).glob("*.py"))
-            for f in _long_functions(path)]
-    assert long == []
+MAX_MODULE_LINES = 500
+
+
+def test_functions_fit_on_a_screen_and_modules_hold_one_concept(tmp_path):
+    """No function over `MAX_FUNCTION_LINES` and no module over `MAX_MODULE_LINES` in gateway/, pools/,
+    engine/ and bench/ (kernels are exempt)."""
+    paths = [path for pkg in ("gateway", "pools", "engine", "bench") for path in sorted((ROOT / pkg).rglob("*.py"))]
+    assert [f for path in paths for f in _long_functions(path)] == []
+    assert [path.relative_to(ROOT).as_posix() for path in paths
+            if len(path.read_text(encoding="utf-8").splitlines()) > MAX_MODULE_LINES] == []
     assert len((ROOT / "gateway" / "app.py").read_text(encoding="utf-8").splitlines()) < MAX_APP_LINES
     probe = tmp_path / "probe.py"   # the check itself can fail
     probe.write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
     assert len(_long_functions(probe)) == 1
+
+
+def test_every_module_is_on_the_map():
+    """Each module of gateway/, pools/, engine/, kernels/ and bench/ is named (in backquotes) in the
+    README's layout table or docs/ARCHITECTURE.md, so a newcomer can find what it is for."""
+    import re
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8") + (ROOT / "docs" / "ARCHITECTURE.md").read_text(
+        encoding="utf-8")
+    named = set(re.findall(r"`([\w/]+)`", text))
+    missing = [module for module in _all_modules() if module.split(".")[-1] not in named
+               and module.split(".")[-1] + "/" not in named and module not in PACKAGES]
+    assert missing == []
+
+
+def test_module_names_are_unique():
+    """A module's name says its layer and concept: no two modules of the packages share one."""
+    seen: dict[str, str] = {}
+    clashes = []
+    for module, path in _all_modules().items():
+        if path.name == "__init__.py":
+            continue
+        name = module.split(".")[-1]
+        if name in seen:
+            clashes.append(f"{seen[name]} and {module}")
+        seen[name] = module
+    assert clashes == []
+
+
+def test_the_repo_speaks_of_the_project_only():
+    """Docs, docstrings and comments cite dates, commits and the repo's own files, never a numbered work
+    period or ticket, nor documents a reader of the repo does not have."""
+    import re
+
+    pattern = re.compile(r"\b(session|issue|ticket|sprint) #?\d+\b|DESIGN\.md|STYLE\.md|\bseeds/|\blesson\b", re.I)
+    texts = [ROOT / "README.md", ROOT / "config" / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+             *_all_modules().values(), *sorted((ROOT / "tests").rglob("*.py"))]
+    hits = [f"{path.relative_to(ROOT)}:{i}" for path in texts
+            for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)
+            and path != Path(__file__).resolve()]
+    assert hits == []
+    assert pattern.search("as session 9 found") and pattern.search("see STYLE.md")
+
+
+def test_one_metrics_reader_and_one_percentile_function():
+    """The benchmarks read `/metrics` text through `bench.load.scrape.pool_samples` and summarize
+    latencies with `pools.workload.latency_stats`; nobody writes a second one."""
+    import re
+
+    assert _hits(re.compile(r"text_string_to_metric_families"), "bench/load/scrape.py") == []
+    assert _hits(re.compile(r"def _?percentiles?\("), "pools/workload.py") == []

@@ -13,12 +13,14 @@ import sys
 import numpy as np
 import pytest
 
-from bench.chaos import (DEFAULT_CONFIG, FAULTS, GOAL_RECOVERY_S, FaultRun, Sample, Shot, SteadyRecord, StreamTally,
-                         account, build_report, chaos_config, format_report, is_running, parse_credits, plan_steady,
-                         recovery_time, rss_bytes, window_ttft_p99, worker_pid, _log_summary)
-from bench.serve import DONE
+from bench.chaos import (DEFAULT_CONFIG, GOAL_RECOVERY_S, _log_summary, account, build_report, chaos_config,
+                         format_report, window_ttft_p99)
+from bench.chaos_faults import FAULTS, FaultRun, Shot, recovery_time
+from bench.chaos_steady import (Sample, SteadyRecord, StreamTally, is_running, parse_credits, plan_steady, rss_bytes,
+                                worker_pid)
+from bench.load.sender import DONE
 from gateway.cli import main
-from pools.spec import load_config
+from pools.config_file import load_config
 
 
 def _chunk(cid: str, content: str = "", finish: str | None = None, index: int = 0) -> dict:

@@ -12,12 +12,12 @@ import json
 import pytest
 
 from bench.isolation import add_ratios, format_table, pools_yaml, scenarios, verdict
-from bench.isolation_sweep import add_arguments
-from bench.isolation_sweep import (BARS, Grid, assemble, format_sweep_table, judge, pending_work, plan_runs,
-                                   summary_line, sweep_grid, sweep_pool_files, verdict_text, write_heatmap)
+from bench.isolation_grid import (BARS, Grid, assemble, format_sweep_table, judge, plan_runs, summary_line,
+                                  sweep_grid, sweep_pool_files, verdict_text, write_heatmap)
+from bench.isolation_sweep import add_arguments, pending_work
 from gateway.cli import main
-from pools.capacity import plan_capacity, resolve_model_configs
-from pools.spec import load_config
+from pools.capacity_plan import plan_capacity, resolve_model_configs
+from pools.config_file import load_config
 from pools.yamlcheck import load_yaml
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -69,7 +69,7 @@ def test_ratios_table_and_verdict():
 
 def test_a_chat_request_never_answered_counts_as_its_wait_not_as_nothing():
     from bench.isolation import chat_ttfts
-    from bench.serve import RequestRecord
+    from bench.load.sender import RequestRecord
 
     answered = RequestRecord(0, "chat", "chat", 1.0, 10, 8, sent_s=1.0, end_s=2.0, status="ok", error=None)
     answered.chunk_s = [0.3, 0.4]

@@ -15,8 +15,7 @@ import json
 import pytest
 import torch
 
-from bench import engine as engine_bench
-from bench import kernels as kernels_bench
+from bench import engine as engine_bench, kernels as kernels_bench
 from engine.config import ModelConfig
 from kernels import reference
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from bench import preemption
-from engine import ConfigError, SchedulerConfig
+from engine.config import ConfigError, SchedulerConfig
 from tests.conftest import make_tiny_model
 
 FACTORS = (4.0, 0.85, 0.5)  # the default --pool-factors

@@ -15,13 +15,15 @@ import pytest
 from aiohttp import web
 
 from bench import serve
-from bench.serve import (DONE, Goodput, LengthDist, LoadConfig, RequestRecord, WorkloadClass, class_summary,
-                         gamma_arrivals, latency_stats, parse_sse_line)
+from bench.load.sender import DONE, RequestRecord, error_message, parse_sse_line
+from bench.load.plan import Goodput, LoadConfig, PromptMaker, arrival_schedule, plan_requests
+from bench.load.report import class_summary, format_report, write_report
+from bench.load.run import run_load
 from engine.stats import PoolStats
 from gateway.cli import main
 from gateway.metrics import GatewayMetrics
 from pools.spec import SpecError
-from pools.workload import WORKLOAD_DIR
+from pools.workload import WORKLOAD_DIR, LengthDist, WorkloadClass, gamma_arrivals, latency_stats, load_workload
 from tests.gateway.conftest import DEFAULT_CONFIG, LiveServer
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -135,23 +137,23 @@ def test_schedule_splits_the_rate_by_share_and_adds_own_rates_and_probes():
     classes = (_fixed("a", 4, share=3), _fixed("b", 4, share=1), _fixed("c", 4, rate=2.0))
     config = LoadConfig(url="http://127.0.0.1:1", classes=classes, request_rate=8.0, duration=200.0, probe_rate=1.0)
     assert config.class_rates == {"a": 6.0, "b": 2.0, "c": 2.0}
-    schedule = serve.arrival_schedule(config)
+    schedule = arrival_schedule(config)
     counts = {name: sum(c.name == name for _, c in schedule) for name in ("a", "b", "c", "probe")}
     for name, rate in (("a", 6.0), ("b", 2.0), ("c", 2.0), ("probe", 1.0)):
         assert counts[name] == pytest.approx(rate * 200, rel=0.1), name
     assert [t for t, _ in schedule] == sorted(t for t, _ in schedule)
-    capped = serve.arrival_schedule(LoadConfig(url="http://127.0.0.1:1", classes=classes, num_requests=25))
+    capped = arrival_schedule(LoadConfig(url="http://127.0.0.1:1", classes=classes, num_requests=25))
     assert len(capped) == 25
-    plan = serve.plan_requests(config)
+    plan = plan_requests(config)
     assert [(p.arrival_s, p.prompt, p.max_tokens) for p in plan] == \
-        [(p.arrival_s, p.prompt, p.max_tokens) for p in serve.plan_requests(config)]
+        [(p.arrival_s, p.prompt, p.max_tokens) for p in plan_requests(config)]
     assert len({p.prompt.split()[0] + p.prompt.split()[1] for p in plan}) > len(plan) // 4  # random prefixes
 
 
 def test_infinite_rate_sends_everything_at_once_by_share():
     config = LoadConfig(url="http://127.0.0.1:1", classes=(_fixed("a", 4, share=1), _fixed("b", 4, share=3)),
                         request_rate=float("inf"), num_requests=400)
-    schedule = serve.arrival_schedule(config)
+    schedule = arrival_schedule(config)
     assert len(schedule) == 400 and all(t == 0.0 for t, _ in schedule)
     assert sum(c.name == "b" for _, c in schedule) == pytest.approx(300, rel=0.15)
 
@@ -173,7 +175,7 @@ def test_prompts_are_about_one_token_per_word_and_exact_with_the_tokenizer(built
 
     tokenizer = Tokenizer.from_folder(builtin_path)
     rng = random.Random(1)
-    plain, exact = serve.PromptMaker(), serve.PromptMaker(tokenizer)
+    plain, exact = PromptMaker(), PromptMaker(tokenizer)
     for n in (1, 8, 100, 1000):
         assert len(tokenizer.encode(plain.make(rng, n, chat=False))) == pytest.approx(n, rel=0.1, abs=1)
         assert len(tokenizer.encode(exact.make(rng, n, chat=False))) == n
@@ -184,8 +186,8 @@ def test_shipped_workloads_load_by_path_and_by_name():
     files = sorted(WORKLOAD_DIR.glob("*.yaml"))
     assert {f.stem for f in files} >= {"chat", "rag", "mixed"}
     for path in files:
-        assert serve.load_workload(path) == serve.load_workload(path.stem)
-    mixed = {c.name: c for c in serve.load_workload("mixed")}
+        assert load_workload(path) == load_workload(path.stem)
+    mixed = {c.name: c for c in load_workload("mixed")}
     assert mixed["rag"].endpoint == "completion" and mixed["chat"].share == 0.8
 
 
@@ -218,13 +220,13 @@ def test_workload_errors_name_the_key_path_and_value(tmp_path, text, message):
     path = tmp_path / "w.yaml"
     path.write_text(text)
     with pytest.raises(SpecError, match=message) as info:
-        serve.load_workload(path)
+        load_workload(path)
     assert str(path) in str(info.value)
 
 
 def test_a_missing_workload_names_the_builtin_ones():
     with pytest.raises(SpecError, match="built-in names: chat, mixed, rag"):
-        serve.load_workload("nosuch")
+        load_workload("nosuch")
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -285,8 +287,8 @@ def test_sse_lines_chunks_usage_and_error_chunks():
     e = RequestRecord(2, "chat", "chat", 0.0, 8, 4)
     e.add_chunk({"error": {"message": "engine unavailable", "type": "server_error"}}, 0.3)
     assert e.status == "error" and "engine unavailable" in e.error
-    assert serve.error_message('{"error": {"message": "bad temperature"}}') == "bad temperature"
-    assert serve.error_message("<html>oops</html>") == "<html>oops</html>"
+    assert error_message('{"error": {"message": "bad temperature"}}') == "bad temperature"
+    assert error_message("<html>oops</html>") == "<html>oops</html>"
 
 
 def test_latency_stats_interpolate_like_numpy():
@@ -330,7 +332,7 @@ async def test_run_counts_completions_errors_and_unfinished(aiohttp_server):
                _fixed("broken", BROKEN_TOKENS, share=1)]
     config = _config(server, classes, num_requests=30, timeout=0.5, goodput=Goodput(ttft=2.0))
     began = time.perf_counter()
-    report = await serve.run_load(config)
+    report = await run_load(config)
     assert time.perf_counter() - began < 5
     s = report.summary
     assert sum(s[c.name]["count"] for c in classes) == 30 == report.totals["count"]
@@ -359,7 +361,7 @@ async def test_run_counts_completions_errors_and_unfinished(aiohttp_server):
 async def test_arrivals_are_open_loop_whatever_the_responses_take(aiohttp_server):
     server = await aiohttp_server(_make_fake_app(first_delay=1.5))
     config = _config(server, [_fixed("slow", OK_TOKENS)], request_rate=20.0, num_requests=10, scrape=False)
-    report = await serve.run_load(config)
+    report = await run_load(config)
     assert report.summary["slow"]["completed"] == 10
     lags = [r.sent_s - r.scheduled_s for r in report.records]
     assert max(lags) < 0.2 and min(lags) >= 0
@@ -372,7 +374,7 @@ async def test_drain_timeout_cancels_in_flight_requests_and_counts_them(aiohttp_
     config = _config(server, [_fixed("ok", OK_TOKENS), _fixed("hang", HANG_TOKENS)], num_requests=8, timeout=60.0,
                      drain_timeout=0.3, scrape=False)
     began = time.perf_counter()
-    report = await serve.run_load(config)
+    report = await run_load(config)
     assert time.perf_counter() - began < 3
     hang = [r for r in report.records if r.class_name == "hang"]
     assert hang and all(r.status == "unfinished" and r.error.startswith("cancelled") for r in hang)
@@ -384,8 +386,8 @@ async def test_out_writes_results_json_and_two_pngs(aiohttp_server, tmp_path):
     server = await aiohttp_server(_make_fake_app())
     config = _config(server, [_fixed("ok", OK_TOKENS)], request_rate=12.0, duration=0.5, probe_rate=20.0,
                      api_key="secret")
-    report = await serve.run_load(config)
-    paths = serve.write_report(report, tmp_path / "out")
+    report = await run_load(config)
+    paths = write_report(report, tmp_path / "out")
     assert [p.name for p in paths] == ["results.json", "latency_cdf.png", "server_timeline.png"]
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert set(data) == {"config", "model", "summary", "totals", "requests", "scrapes"}
@@ -396,19 +398,19 @@ async def test_out_writes_results_json_and_two_pngs(aiohttp_server, tmp_path):
     for png in paths[1:]:
         assert png.read_bytes()[:8] == PNG_SIGNATURE and png.stat().st_size > 5000
     n = report.summary["ok"]["count"]
-    assert n > 0 and f"ok: {n} requests, {n} completed" in serve.format_report(report)
+    assert n > 0 and f"ok: {n} requests, {n} completed" in format_report(report)
 
 
 async def test_no_metrics_endpoint_is_skipped_with_a_warning(aiohttp_server, tmp_path, caplog):
     server = await aiohttp_server(_make_fake_app(metrics=False))
     with caplog.at_level(logging.WARNING, logger="cliffguard.bench.serve"):
-        report = await serve.run_load(_config(server, [_fixed("ok", OK_TOKENS)], num_requests=3))
+        report = await run_load(_config(server, [_fixed("ok", OK_TOKENS)], num_requests=3))
     assert report.summary["ok"]["completed"] == 3
     assert "404" in report.totals["scrape"]["skipped"] and report.scrapes == ()
     assert any("404" in message for message in caplog.messages)
-    timeline = serve.write_report(report, tmp_path)[2]
+    timeline = write_report(report, tmp_path)[2]
     assert timeline.read_bytes()[:8] == PNG_SIGNATURE
-    assert "metrics: not scraped" in serve.format_report(report)
+    assert "metrics: not scraped" in format_report(report)
 
 
 # --- the command against a live server --------------------------------------------------------------------

@@ -8,14 +8,17 @@ import random
 import numpy as np
 import pytest
 
-from engine import CacheConfig, EngineConfig, LLMEngine, PoolConfig, SamplingParams, SchedulerConfig
 from engine.block_manager import BlockManager
+from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
 from engine.composer import (COLD_START_TOKENS, HOLD_STEPS, MIN_SCALE, STARVATION_STEPS, UPDATE_EVERY, SLOTracker,
-                             StepComposer, StepCostModel, StepFeatures, nonnegative_lstsq)
+                             StepComposer)
 from engine.config import ConfigError, LatencySLO
+from engine.sampling import SamplingParams as Params
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence
-from engine.sampling import SamplingParams as Params
+from engine.step_cost import StepCostModel, StepFeatures, nonnegative_lstsq
 from tests.conftest import assert_all_free, make_tiny_model
 
 # a made-up device: 5 ms per step, 0.2 ms per prefill token, 1 ms per decode, 0.01 ms per 1024 pairs
@@ -79,7 +82,7 @@ def test_cost_model_recovers_a_linear_cost_and_keeps_coefficients_nonnegative():
     assert model.predict(StepFeatures()) is None and not model.ready
     _train(model)
     assert model.ready
-    np.testing.assert_allclose(model.coef, TRUE_COEF, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(list(model.linear.coefficients().values()), TRUE_COEF, rtol=1e-6, atol=1e-9)
     assert model.margin == pytest.approx(1.0)
     f = StepFeatures()
     f.add(3000, 500, False)

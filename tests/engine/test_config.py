@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from engine import CacheConfig, ConfigError, EngineConfig, LLMEngine, ModelConfig, PoolConfig, SchedulerConfig
-from engine.config import parse_dtype
+from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig, parse_dtype
+from engine.llm_engine import LLMEngine
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}

@@ -1,4 +1,5 @@
-"""Greedy outputs of the engine equal Hugging Face transformers' greedy `generate` (DESIGN.md invariant 1).
+"""Greedy outputs of the engine equal Hugging Face transformers' greedy `generate`: preemption,
+chunking and batching never change what a request generates.
 
 The default run checks the builtin model once and tiny random models of each architecture; the `slow`
 sweep (`make test-slow`) checks the builtin model with more prompts and longer outputs under every block
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import CacheConfig, EngineConfig, LLMEngine, PoolConfig, SamplingParams, SchedulerConfig
-from engine.config import PREEMPTION_MODES
+from engine.config import PREEMPTION_MODES, CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
 from kernels import BLOCK_SIZES
 from kernels.cpu_linear import CPU_LINEARS, PackedLinear
 from tests.conftest import assert_all_free, make_tiny_model

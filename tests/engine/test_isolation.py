@@ -11,8 +11,9 @@ import asyncio
 import random
 import time
 
-from engine import AsyncEngineClient, CacheConfig, EngineConfig, PoolConfig, SamplingParams, SchedulerConfig
-from engine.config import LatencySLO
+from engine.config import CacheConfig, EngineConfig, LatencySLO, PoolConfig, SchedulerConfig
+from engine.sampling import SamplingParams
+from engine.client import AsyncEngineClient
 
 SLO = LatencySLO(ttft_ms=800, itl_ms=100)
 CHAT = SamplingParams(temperature=0, max_tokens=2)

@@ -1,6 +1,6 @@
 """Engine scenarios: block and chunk sizes, preemption, aborts, refusals, sampling features.
 
-Every scenario ends with all blocks free and `check_integrity()` passing (DESIGN.md invariant 2).
+Every scenario ends with all blocks free and `check_integrity()` passing: no block leaks.
 """
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLMEngine, ModelConfig, RequestError, SamplingParams
+from engine.config import ModelConfig
+from engine.llm_engine import LLMEngine, RequestError
+from engine.sampling import SamplingParams
 from tests.conftest import assert_all_free, make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20)
@@ -234,7 +236,7 @@ def test_priority_and_max_num_seqs(tiny_path):
 
 
 def test_pools_are_disjoint_block_ranges_of_one_kv_tensor(tiny_path):
-    from engine import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
 
     config = EngineConfig(model=str(tiny_path), cache=CacheConfig(block_size=8), pools=(
         PoolConfig("chat", num_blocks=20, scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=128)),

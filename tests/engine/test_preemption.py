@@ -1,5 +1,5 @@
 """KV pressure: preemption by recompute, swap and auto under every victim policy; prefix caching; n > 1
-sharing. Outputs must not change (DESIGN.md invariant 1) and every block, device and CPU, ends free."""
+sharing. Outputs must not change (greedy parity) and every block, device and CPU, ends free."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import random
 
 import pytest
 
-from engine import LLMEngine, SamplingParams
 from engine.block_manager import BlockManager
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
 from engine.config import (PREEMPTION_MODES, VICTIM_POLICIES, CacheConfig, EngineConfig, PoolConfig,
                            SchedulerConfig)
 from engine.scheduler import Scheduler

@@ -10,10 +10,13 @@ import signal
 
 import pytest
 
-from engine import AsyncEngineClient, CacheConfig, EngineConfig, LLMEngine, PoolConfig, SamplingParams, SchedulerConfig
+from engine.client import AsyncEngineClient, EngineDeadError
+from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.messages import Outputs
 from engine.outputs import RequestDelta
+from engine.sampling import SamplingParams
 from engine.stats import EngineStats, WorkerInfo
-from engine.worker import EngineDeadError
 from tests.conftest import make_tiny_model
 
 
@@ -99,7 +102,7 @@ def test_what_the_worker_sends_per_step_does_not_grow_with_the_request(config):
         while engine.has_unfinished_requests():
             for step_out in engine.step():
                 if not step_out.finished:
-                    out.append(len(pickle.dumps(("outputs", [RequestDelta.from_output(step_out)], None))))
+                    out.append(len(pickle.dumps(Outputs([RequestDelta.from_output(step_out)]))))
         return out
 
     short, long = sizes(list(range(100, 110))), sizes(list(range(100, 1300)))

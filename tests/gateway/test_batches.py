@@ -23,9 +23,9 @@ from gateway.app import create_app
 from gateway.batches import BATCHES, STORE_FILE
 from gateway.cli import main
 from gateway.runtime import Gateway
-from pools import batchstore
-from pools.batchstore import MAX_BATCH_LINE_BYTES
-from pools.spec import load_config
+from pools import batch_files
+from pools.batch_input import MAX_BATCH_LINE_BYTES
+from pools.config_file import load_config
 from tests.gateway.conftest import LiveServer, pools_yaml
 
 CHAT = "/v1/chat/completions"
@@ -135,7 +135,7 @@ async def _jsonl_file(client, file_id: str | None) -> list[dict]:
 # --- in-process, fake executor ---------------------------------------------------------------------
 async def test_bad_lines_go_to_the_error_file_and_transient_errors_are_retried(aiohttp_client, tmp_path, tiny_model,
                                                                                monkeypatch):
-    monkeypatch.setattr(batchstore, "CHUNK_BYTES", 7)                   # files kept and sent in pieces of 7 bytes
+    monkeypatch.setattr(batch_files, "CHUNK_BYTES", 7)                   # files kept and sent in pieces of 7 bytes
     monkeypatch.setattr(batches, "CHUNK_BYTES", 7)
     fake = _FakeExecutor(scripted={"b": [(503, "engine_dead"), (502, "upstream_unreachable")]})
     client = await _client(aiohttp_client, tmp_path, tiny_model, fake)
@@ -399,7 +399,7 @@ async def test_a_line_over_the_limit_is_an_error_of_that_line(aiohttp_client, tm
 
 async def test_an_output_over_the_limit_fails_the_batch_with_a_reason(aiohttp_client, tmp_path, tiny_model,
                                                                       monkeypatch):
-    monkeypatch.setattr(batchstore, "MAX_OUTPUT_FILE_BYTES", 1000)
+    monkeypatch.setattr(batch_files, "MAX_OUTPUT_FILE_BYTES", 1000)
     client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor())
     sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
     file = await sdk.files.create(file=("in.jsonl", _jsonl(*(_line(f"r{i}") for i in range(20)))), purpose="batch")

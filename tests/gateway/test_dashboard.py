@@ -22,6 +22,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway import dashboard
 from gateway.admission import AdmissionMetrics
@@ -68,7 +69,17 @@ def test_histogram_quantile_interpolates_inside_the_bucket_like_prometheus(count
 
 def _make_snapshot(metrics: GatewayMetrics, now: float, pools=("chat",), extra: CollectorRegistry | None = None):
     text = metrics.render().decode() + (generate_latest(extra).decode() if extra is not None else "")
-    return dashboard.parse_snapshot(text, pools, now=now, wall=1000.0 + now)
+    return dashboard.parse_snapshot(text_string_to_metric_families(text), pools, now=now, wall=1000.0 + now)
+
+
+def test_the_registry_and_its_text_exposition_give_the_same_snapshot():
+    """`/dashboard/data` reads the registry; `/metrics` renders it: both say the same."""
+    metrics = GatewayMetrics()
+    metrics.ttft.labels(pool="chat").observe(0.3)
+    metrics.preemptions.labels(pool="chat", mode="recompute").inc(3)
+    from_text = _make_snapshot(metrics, 1.0)
+    from_registry = dashboard.parse_snapshot(metrics.registry.collect(), ("chat",), now=1.0, wall=1001.0)
+    assert from_registry == from_text and from_text.histograms["chat"]["ttft"]
 
 
 def test_rates_and_p99s_are_taken_over_the_window_and_the_series_kept_for_the_history():

@@ -13,7 +13,9 @@ import pytest
 
 pytest.importorskip("triton")
 
-from engine import CacheConfig, EngineConfig, LLMEngine, PoolConfig, SamplingParams, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
 from tests.conftest import assert_all_free, make_tiny_model
 
 

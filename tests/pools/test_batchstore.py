@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from pools import batchstore
-from pools.batchstore import (MAX_BATCH_LINE_BYTES, STORAGE_ERRORS, BatchInputError, BatchStore, parse_batch_input,
-                              result_file_ids)
+from pools import batch_files
+from pools.batch_files import result_file_ids
+from pools.batch_input import MAX_BATCH_LINE_BYTES, BatchInputError, parse_batch_input
+from pools.batchstore import STORAGE_ERRORS, BatchStore
 from pools.tenants import DEFAULT_TENANT, Tenants, parse_tenants
 
 CHAT = "/v1/chat/completions"
@@ -164,11 +165,11 @@ def test_an_owner_sees_only_its_own_files_and_batches_whatever_their_tenant(tmp_
 
 
 _CRASHING_CHILD = """
-import importlib.util, json, os, signal, sys
-spec = importlib.util.spec_from_file_location("batchstore", sys.argv[1])
-mod = sys.modules["batchstore"] = importlib.util.module_from_spec(spec)   # stdlib only: no torch to import
-spec.loader.exec_module(mod)
-store = mod.BatchStore(sys.argv[2], default_tenant=sys.argv[4])
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+from pools.batchstore import BatchStore   # stdlib only: no torch to import
+assert "torch" not in sys.modules
+store = BatchStore(sys.argv[2], default_tenant=sys.argv[4])
 batch_id = sys.argv[3]
 for line_no in (1, 2, 3):
     store.record(batch_id, line_no, 200, {"n": line_no})
@@ -184,8 +185,8 @@ def test_reopen_after_a_kill_keeps_committed_results_and_resumes_the_rest(tmp_pa
     store = _make_store(path)
     batch_id = _make_batch(store, _jsonl(*(_line(f"r{i}") for i in range(6))))["id"]
     store.close()
-    module = Path(__file__).resolve().parents[2] / "pools" / "batchstore.py"
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_CRASHING_CHILD), str(module), str(path), batch_id,
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_CRASHING_CHILD), str(root), str(path), batch_id,
                            DEFAULT_TENANT], capture_output=True, text=True, timeout=60)
     assert proc.returncode == -9, proc.stderr
     assert Path(str(path) + "-wal").exists()                               # not checkpointed: a real crash image
@@ -341,7 +342,7 @@ def test_oversized_lines_and_answers_are_errors_of_their_line(tmp_path, monkeypa
     store = _make_store(tmp_path / "b.sqlite3")
     batch = _make_batch(store, _jsonl(_line("a"), big, _line("b")))
     assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 1}
-    monkeypatch.setattr(batchstore, "MAX_OUTPUT_FILE_BYTES", 1000)
+    monkeypatch.setattr(batch_files, "MAX_OUTPUT_FILE_BYTES", 1000)
     assert store.record(batch["id"], 1, 200, {"text": "y" * 2000})       # not kept: the line's error says why
     assert store.record(batch["id"], 3, 503, {"error": {"message": "down"}},
                         error={"code": "retries_exhausted", "message": "gave up"})
@@ -358,7 +359,7 @@ def test_oversized_lines_and_answers_are_errors_of_their_line(tmp_path, monkeypa
 
 
 def test_files_are_kept_in_pieces_and_read_a_range_at_a_time(tmp_path, monkeypatch):
-    monkeypatch.setattr(batchstore, "CHUNK_BYTES", 10)
+    monkeypatch.setattr(batch_files, "CHUNK_BYTES", 10)
     store = _make_store(tmp_path / "b.sqlite3")
     content = bytes(range(256)) * 3
     file = store.add_file(content, "in.jsonl", "batch", owner=OWNER, tenant=TENANT)
@@ -398,8 +399,8 @@ def test_finalize_writes_the_files_in_steps_and_a_crash_between_or_within_steps_
     want = (_read_jsonl(reference, ref["output_file_id"]), _read_jsonl(reference, ref["error_file_id"]))
     assert len(want[0]) == 40 and len(want[1]) == 20
     want = [[_without_ids(line) for line in lines] for lines in want]
-    monkeypatch.setattr(batchstore, "CHUNK_BYTES", 64)
-    monkeypatch.setattr(batchstore, "FINALIZE_STEP_BYTES", 500)
+    monkeypatch.setattr(batch_files, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(batch_files, "FINALIZE_STEP_BYTES", 500)
     path = tmp_path / "b.sqlite3"
     store = _make_store(path)
     batch_id = _answered_batch(store, 60)
@@ -417,8 +418,8 @@ def test_finalize_writes_the_files_in_steps_and_a_crash_between_or_within_steps_
             raise sqlite3.OperationalError("database or disk is full")
         original(self)
 
-    original = batchstore._ChunkWriter._flush
-    monkeypatch.setattr(batchstore._ChunkWriter, "_flush", flush_then_fail)
+    original = batch_files.ChunkWriter._flush
+    monkeypatch.setattr(batch_files.ChunkWriter, "_flush", flush_then_fail)
     with pytest.raises(sqlite3.OperationalError):                       # a step that fails half-way: rolled back
         while store.finalize_step(batch_id) is None:
             pass
@@ -437,9 +438,9 @@ def test_finalize_writes_the_files_in_steps_and_a_crash_between_or_within_steps_
 
 
 def test_an_output_past_the_limit_fails_the_batch_and_keeps_nothing_of_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(batchstore, "CHUNK_BYTES", 64)
-    monkeypatch.setattr(batchstore, "FINALIZE_STEP_BYTES", 300)
-    monkeypatch.setattr(batchstore, "MAX_OUTPUT_FILE_BYTES", 2000)
+    monkeypatch.setattr(batch_files, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(batch_files, "FINALIZE_STEP_BYTES", 300)
+    monkeypatch.setattr(batch_files, "MAX_OUTPUT_FILE_BYTES", 2000)
     path = tmp_path / "b.sqlite3"
     store = _make_store(path)
     batch_id = _answered_batch(store, 60)

@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pools.capacity import plan_capacity, resolve_model_configs
-from pools.simulate import fit_linear, make_requests, read_step_trace, simulate
-from pools.spec import load_config
+from engine.step_cost import fit_linear, read_step_trace
+from pools.capacity_plan import plan_capacity, resolve_model_configs
+from pools.config_file import load_config
+from pools.simulation.runner import make_requests, simulate
 from pools.workload import LengthDist, WorkloadClass
 
 TRACE = Path(__file__).parent.parent / "data" / "step_trace_cpu_isolation.jsonl"

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from engine.config import LatencySLO
-from pools.spec import (DEFAULT_CPU_MEMORY, DeviceSpec, PoolSpec, RouteSpec, SpecError, load_config, parse_bytes,
-                        parse_config)
+from pools.config_file import load_config, parse_config
+from pools.spec import DEFAULT_CPU_MEMORY, DeviceSpec, PoolSpec, RouteSpec, SpecError, parse_bytes
 from pools.spiral import SpiralConfig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -72,7 +72,6 @@ class Admission:
         self.ledger = CreditLedger(total, tenants, quantum=quantum)
         self.max_queue_seconds = max_queue_seconds
         self._waiters: dict[str, asyncio.Future[None]] = {}
-        self._queued_at: dict[str, float] = {}
         self.num_admitted = 0           # totals since start, for metrics and tests
         self.num_expired = 0
         self.num_cancelled = 0
@@ -84,10 +83,6 @@ class Admission:
     @property
     def free(self) -> int:
         return self.ledger.free
-
-    def oldest_wait(self) -> float:
-        """Seconds the longest-queued request has waited (0 when none waits)."""
-        return time.monotonic() - min(self._queued_at.values()) if self._queued_at else 0.0
 
     @asynccontextmanager
     async def hold(self, request_id: str, num_tokens: int, *, tenant: str = DEFAULT_TENANT, priority: int = 0,
@@ -115,7 +110,7 @@ class Admission:
     async def _wait(self, ticket: Ticket) -> None:
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[ticket.request_id] = waiter
-        self._queued_at[ticket.request_id] = started = time.monotonic()
+        started = time.monotonic()
         limit = None if ticket.background else self.max_queue_seconds
         try:
             await asyncio.wait_for(asyncio.shield(waiter), limit)
@@ -132,7 +127,6 @@ class Admission:
                 raise
         finally:
             self._waiters.pop(ticket.request_id, None)
-            self._queued_at.pop(ticket.request_id, None)
             self._admit()   # a request that left may have blocked the head of the queue
 
     def _admit(self) -> None:

@@ -7,11 +7,13 @@ import types
 
 import pytest
 
-from bench.serve import RequestRecord
-from bench.simulate import POOLS_YAML, compare, format_rows, saturation
-from pools.capacity import plan_capacity
-from pools.simulate import LinearStepTime, SimRequest, make_requests, simulate
-from pools.spec import load_config
+from bench.load.sender import RequestRecord
+from bench.sim_vs_real import POOLS_YAML, compare, format_rows, saturation
+from engine.step_cost import LinearStepTime
+from pools.capacity_plan import plan_capacity
+from pools.config_file import load_config
+from pools.simulation.devicesim import SimRequest
+from pools.simulation.runner import make_requests, simulate
 from pools.workload import load_workload
 
 
@@ -75,14 +77,14 @@ def test_saturation_grows_with_a_faster_step(planned):
 
 def trace(model: LinearStepTime, seed: int) -> list:
     """A traced run's steps whose seconds are exactly what `model` says."""
-    from engine.composer import StepFeatures
+    from engine.step_cost import StepFeatures
 
     steps = [StepFeatures(p, d, p * p // 2 + d * 300) for p in (0, 64, 256, 512) for d in range(1 + seed, 12)]
     return [(f, model.seconds([], f, 0)) for f in steps if f.num_prefill_tokens + f.num_decode_tokens]
 
 
 def test_each_run_is_predicted_by_a_model_fitted_to_the_other_runs():
-    from bench.simulate import held_out_model
+    from bench.sim_vs_real import held_out_model
 
     served, odd = LinearStepTime(a=0.05, b=0.003, c=0.01, d=0.0015), LinearStepTime(a=0.5, b=0.03, c=0.1, d=0.015)
     traces = [trace(served, 0), trace(odd, 1), trace(served, 2)]    # calibration run, compared runs 0 and 1
@@ -93,7 +95,7 @@ def test_each_run_is_predicted_by_a_model_fitted_to_the_other_runs():
 
 
 def test_a_run_is_also_replayed_with_its_own_steps_in_sample(planned):
-    from bench.simulate import compare_runs
+    from bench.sim_vs_real import compare_runs
 
     config, models, plan = planned
     real, calibration = LinearStepTime(a=0.02, b=0.0004, c=0.003, d=0.0001), LinearStepTime(0.03, 0.0006, 0.0045, 0)
@@ -124,7 +126,7 @@ def test_a_kept_run_is_compared_again_by_replay(planned, tmp_path, capsys):
     """`--out` keeps what `--replay` needs: the same rows come back from the folder alone."""
     import json
 
-    from bench.simulate import compare_runs, write_records
+    from bench.sim_vs_real import compare_runs, write_records
     from gateway.cli import main
 
     config, models, plan = planned

@@ -50,9 +50,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bench.live import LiveServer
-from bench.serve import latency_stats
-from pools.workload import parse_rates
+from bench.load.scrape import pool_samples
+from pools.workload import gamma_arrivals, latency_stats, parse_rates
 
 MODEL = "builtin:smollm2-135m-instruct"
 CLIENTS = ("sdk", "jitter")
@@ -107,14 +109,9 @@ class Scrapes:
 
 
 def poisson_arrivals(rate: float, duration: float, seed: int) -> list[float]:
-    """Arrival times (s) of a Poisson process of `rate` per second, up to `duration`."""
-    rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t > duration:
-            return arrivals
-        arrivals.append(t)
+    """Arrival times (s) of a Poisson process of `rate` per second, up to `duration`: the load
+    generator's arrivals (`pools.workload.gamma_arrivals`, burstiness 1)."""
+    return [float(t) for t in gamma_arrivals(rate, 1.0, np.random.default_rng(seed), duration=duration)]
 
 
 def _prompts(n: int, seed: int) -> list[str]:
@@ -161,14 +158,11 @@ async def _one(session, url: str, prompt: str, out: Outcome, args: argparse.Name
 
 async def _scrape(session, url: str, scrapes: Scrapes, start: float) -> None:
     """Every 0.25 s: the fraction of the pool's blocks in use and of its credits held."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     while True:
         try:
             async with session.get(url + "/metrics") as r:
                 text = await r.text()
-            values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-                      if s.labels.get("pool") == "chat"}
+            values = pool_samples(text).get("chat", {})
             held = 1 - values["cliffguard_kv_credits_free"] / values["cliffguard_kv_credits_total"]
             scrapes.samples.append((time.perf_counter() - start, values["cliffguard_kv_cache_usage_perc"], held))
         except (OSError, KeyError):

@@ -1,12 +1,12 @@
 """`cliffguard bench simulate`: the simulator's predictions against real runs on this machine.
 
-1. Calibrate: the real engine of the pool file's device runs `pools.simulate.calibrate`'s steps in
+1. Calibrate: the real engine of the pool file's device runs `engine.step_cost.measure_steps` in
    this process and the linear step model is fitted to them (or `--step-model FILE`, from
    `cliffguard simulate --calibrate FILE`). With `--calibration served` (the default) that model only
    picks the load of a calibration run: `cliffguard serve` with `CLIFFGUARD_STEP_TRACE` set, driven
    at `--calibration-load` x its predicted saturation for `--calibration-duration` s (arrivals from
    another seed than the runs compared), and the step model is refitted to the worker's traced turns
-   (`pools.simulate.read_step_trace`). The default load, 1.3, overloads the pool on purpose: the
+   (`engine.step_cost.read_step_trace`). The default load, 1.3, overloads the pool on purpose: the
    traced steps then reach full batches, the regime that decides the saturation the rates are picked
    from (at 1.0 the queue hardly builds in 60 s, the fit extrapolates to full batches, and in session
    8 it put the knee 15% low, so the "1.3x" run was barely past the real knee). A step measured on
@@ -53,7 +53,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from bench.live import LiveServer
-from bench.serve import LoadConfig, plan_requests, run_load
+from bench.load.plan import LoadConfig, plan_requests
+from bench.load.run import run_load
 from bench.speedprobe import SpeedProbe
 from pools.workload import latency_stats, load_workload, parse_rates
 
@@ -98,29 +99,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _plan(config_path: Path):
-    from pools.capacity import plan_capacity, resolve_model_configs
-    from pools.spec import load_config
+    from pools.capacity_plan import plan_capacity, resolve_model_configs
+    from pools.config_file import load_config
 
     config = load_config(config_path)
     model_configs = resolve_model_configs(config)
     return config, model_configs, plan_capacity(config, model_configs)
 
 
-def _calibrate(config, plan, seed: int):
-    from engine.llm_engine import LLMEngine
-    from pools.capacity import engine_configs
-    from pools.simulate import calibrate
-
-    _, engine_config = next(iter(engine_configs(config, plan).items()))
-    engine = LLMEngine(engine_config)
-    model, samples = calibrate(engine, seed=seed)
-    del engine
-    return model, len(samples)
-
-
 def saturation(config, plan, model_configs, classes, step_model, seed: int) -> float:
     """Requests/s the simulated pool completes when arrivals far outrun it."""
-    from pools.simulate import make_requests, simulate
+    from pools.simulation.runner import make_requests, simulate
 
     probe_rate, duration = 200.0, 1.0                # 200 requests at once: the pool never idles
     requests = make_requests(classes, probe_rate, duration=duration, seed=seed)
@@ -148,7 +137,8 @@ async def _measure(config_path: Path, classes, rate: float, duration: float, see
 
 def compare(report, config, plan, model_configs, step_model, seed: int) -> dict[str, Any]:
     """Simulate the requests of one real run and put both side by side, per class."""
-    from pools.simulate import SimRequest, simulate
+    from pools.simulation.devicesim import SimRequest
+    from pools.simulation.runner import simulate
 
     done = [r for r in report.records if r.status == "ok" and r.prompt_tokens and r.output_tokens]
     first = min(r.sent_s for r in done)
@@ -189,13 +179,18 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 def _step_model(args: argparse.Namespace, config_path: Path, setup, classes, tmp: Path, trace_dir: Path):
     """The step model that picks the rates, how it was measured (a dict for the report), and with
     `--calibration served` the calibration run's traced steps (else None; the trace is in `trace_dir`)."""
-    from pools.simulate import fit_linear, read_step_model, read_step_trace
+    from engine.calibration import measure_steps
+    from engine.llm_engine import LLMEngine
+    from engine.step_cost import fit_linear, read_step_model, read_step_trace
+    from pools.capacity_plan import engine_configs
 
     config, plan, model_configs = setup
     if args.step_model:
         model = read_step_model(args.step_model)
         return model, {"file": args.step_model, **model.coefficients()}, None
-    model, num_steps = _calibrate(config, plan, args.seed)
+    _, engine_config = next(iter(engine_configs(config, plan).items()))
+    model, samples = measure_steps(LLMEngine(engine_config), seed=args.seed)   # the engine is freed here
+    num_steps = len(samples)
     calibration: dict[str, Any] = {"engine": {"steps": num_steps, **model.coefficients()}}
     print(f"engine alone ({num_steps} steps): {model.describe()}", file=sys.stderr)
     if args.calibration == "engine":
@@ -217,7 +212,7 @@ def held_out_model(traces: list[list], i: int):
     """The step model for run `i` of the compared runs: fitted to every traced run but that one (`traces[0]`
     is the calibration run, `traces[i + 1]` compared run `i`), so no prediction is fitted to the run it
     predicts, and every one is fitted to steps of loads below and above it."""
-    from pools.simulate import fit_linear
+    from engine.step_cost import fit_linear
 
     return fit_linear([sample for j, trace in enumerate(traces) if j != i + 1 for sample in trace])
 
@@ -235,7 +230,7 @@ def compare_runs(reports: list, rates: list[float], peak: float, setup, step_mod
     traces also `own_steps`: the same replay with a model fitted to the run's own trace. That one is
     in-sample, not a prediction: it shows what the simulator's scheduling adds once the step costs are
     right, apart from how well a step model carries from one run to another."""
-    from pools.simulate import fit_linear
+    from engine.step_cost import fit_linear
 
     config, plan, model_configs = setup
     rows = []
@@ -255,7 +250,7 @@ def compare_runs(reports: list, rates: list[float], peak: float, setup, step_mod
 def _run_rates(args: argparse.Namespace, config_path: Path, classes, rates: list[float], peak: float,
                tmp: Path, trace_dir: Path, traces: list | None) -> list:
     """The real runs, one per rate (each traced into `trace_dir` when `traces` collects the steps)."""
-    from pools.simulate import read_step_trace
+    from engine.step_cost import read_step_trace
 
     reports = []
     for i, rate in enumerate(rates):
@@ -277,7 +272,7 @@ def write_records(path: Path, records: list) -> None:
 
 def read_records(path: Path) -> SimpleNamespace:
     """A report (`.records`) as `write_records` kept it; ValueError naming the file if it is not one."""
-    from bench.serve import RequestRecord
+    from bench.load.sender import RequestRecord
 
     try:
         return SimpleNamespace(records=[RequestRecord(**json.loads(line)) for line in path.read_text().splitlines()
@@ -303,7 +298,7 @@ def replay(args: argparse.Namespace, setup) -> dict[str, Any]:
     """`--replay DIR`: the comparison again from a folder `--out` wrote (results.json, the traces, the
     request records, the probe), without running anything: to try a step model or the simulator on
     a measured run in seconds."""
-    from pools.simulate import read_step_trace
+    from engine.step_cost import read_step_trace
 
     folder = Path(args.replay)
     kept = kept_results(folder)

@@ -11,15 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.composer import StepFeatures
+from engine.calibration import measure_steps
 from engine.config import ModelConfig, PoolConfig, SchedulerConfig
 from engine.scheduler import ScheduledSeq
+from engine.step_cost import (PRESETS, LinearStepTime, RooflineStepTime, StepFeatures, fit_linear, read_step_model,
+                              read_step_trace, write_step_model)
 from gateway.cli import main
-from pools.capacity import plan_capacity, read_model_config
-from pools.simulate import (PRESETS, DeviceSim, LinearStepTime, RooflineStepTime, SimRequest, calibrate, fit_linear,
-                            format_recommendation, format_sweep, make_requests, plot_knee, read_step_model,
-                            read_step_trace, recommend, shared_layout, simulate, summarize, sweep, write_step_model)
-from pools.spec import load_config
+from pools.capacity_plan import plan_capacity, read_model_config
+from pools.config_file import load_config
+from pools.simulation.devicesim import DeviceSim, SimRequest
+from pools.simulation.knee import format_sweep, plot_knee, sweep
+from pools.simulation.recommend import format_recommendation, recommend
+from pools.simulation.runner import make_requests, shared_layout, simulate
+from pools.simulation.summary import summarize
 from pools.workload import LengthDist, WorkloadClass
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -227,7 +231,7 @@ def test_calibrate_fits_a_real_engine_and_predicts_its_steps(tmp_path_factory, b
                                         max_num_seqs=32, max_num_batched_tokens=256, max_model_len=512)),)),
                        progress=False)
     phases = (((64, 1, 1), (500, 1, 1), (200, 1, 3)), ((16, 8, 1), (32, 8, 8), (64, 8, 24)))
-    model, samples = calibrate(engine, phases=phases)
+    model, samples = measure_steps(engine, phases=phases)
     assert len(samples) > 20 and engine.num_free_blocks() == 600
     assert any(f.num_prefill_tokens >= 200 for f, _ in samples) and any(f.num_decode_tokens >= 20 for f, _ in samples)
     errors = sorted(abs(model.seconds([], f, 0) / t - 1) for f, t in samples[2:])

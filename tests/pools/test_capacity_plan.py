@@ -1,4 +1,4 @@
-"""pools.capacity: the capacity formula checked against hand arithmetic, its errors and the engine
+"""pools.capacity_plan: the capacity formula checked against hand arithmetic, its errors and the engine
 configs it yields (the `cliffguard capacity` command is tested in tests/gateway/test_cli.py)."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from engine.config import ModelConfig
-from pools.capacity import engine_configs, plan_capacity, plan_single_pool
-from pools.spec import DEFAULT_CPU_MEMORY, SpecError, parse_config
+from pools.capacity_plan import engine_configs, plan_capacity, plan_single_pool
+from pools.config_file import parse_config
+from pools.spec import DEFAULT_CPU_MEMORY, SpecError
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "config" / "examples" / "llama3-70b-8xh100.yaml"
@@ -221,7 +222,7 @@ def test_engine_configs_refuse_what_the_engine_cannot_run(monkeypatch):
 
 def test_the_engine_runs_with_exactly_the_planned_numbers(builtin_path):
     """A real LLMEngine (small explicit budgets so the KV tensor stays small) gets the planned blocks/limits."""
-    from engine import LLMEngine
+    from engine.llm_engine import LLMEngine
 
     data = _small_config(kv_share=None, kv_cache_bytes="48MiB")
     data["pools"][1].pop("kv_share")

@@ -1,0 +1,252 @@
+"""What a load measured: per class latency percentiles, throughput and goodput, what `/metrics`
+said, the `LoadReport` with its JSON, files and plots, and the table `bench serve` prints."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.load.sender import RequestRecord
+from bench.load.plan import PROBE_CLASS, Goodput, LoadConfig
+from bench.load.scrape import COUNTERS, SCRAPED, ScrapeSample, Scraper
+from pools.workload import latency_stats
+
+LATENCIES = ("ttft", "itl", "tpot", "e2e")
+
+
+# --- summaries ---------------------------------------------------------------------------------------------
+
+def latencies(records: Iterable[RequestRecord], metric: str) -> list[float]:
+    """The completed requests' values of one of `LATENCIES` (ITL: every gap of every request)."""
+    out: list[float] = []
+    for r in records:
+        if r.status != "ok":
+            continue
+        if metric == "itl":
+            out += r.itl
+        elif (value := getattr(r, metric)) is not None:
+            out.append(value)
+    return out
+
+
+def class_summary(records: Sequence[RequestRecord], duration_s: float, goodput: Goodput | None) -> dict[str, Any]:
+    """Counts, latency stats (s, `latency_stats` of each of LATENCIES), tokens, throughput over the run
+    (completed requests and their output tokens per second of `duration_s`), the pools that answered, the
+    most common errors, and goodput: good requests per second and `fraction` = good / all requests."""
+    done = [r for r in records if r.status == "ok"]
+    output_tokens = sum(r.num_output_tokens for r in done)
+    summary: dict[str, Any] = {
+        "count": len(records), "completed": len(done),
+        "errors": sum(r.status == "error" for r in records),
+        "unfinished": sum(r.status == "unfinished" for r in records),
+        **{metric: latency_stats(latencies(done, metric)) for metric in LATENCIES},
+        "prompt_tokens": sum(r.prompt_tokens or 0 for r in done), "output_tokens": output_tokens,
+        "request_throughput": len(done) / duration_s, "output_throughput": output_tokens / duration_s,
+        "goodput": None,
+        "pools": dict(Counter(r.pool for r in records if r.pool is not None)),
+        "error_messages": dict(Counter(r.error for r in records if r.status != "ok").most_common(5)),
+    }
+    if goodput is not None:
+        good = sum(goodput.is_good(r) for r in records)
+        summary["goodput"] = {"num_good": good, "requests_per_s": good / duration_s,
+                              "fraction": good / len(records) if records else None}
+    return summary
+
+
+def scrape_summary(scraper: Scraper | None, url: str) -> dict[str, Any]:
+    """How scraping went (count, failures, max/p99 scrape time) and, per pool, the peaks of the series."""
+    if scraper is None:
+        return {"url": url, "skipped": "disabled", "count": 0, "failed": 0, "max_s": None, "p99_s": None,
+                "mean_s": None, "pools": {}, "errors": {}}
+    ok = [s for s in scraper.samples if s.error is None]
+    times = latency_stats([s.scrape_s for s in ok])
+    pools: dict[str, dict[str, float | None]] = {}
+    for name in sorted({p for s in ok for p in s.pools}):
+        series = {key: [s.pools[name][key] for s in ok if key in s.pools.get(name, {})] for key in SCRAPED.values()}
+        pools[name] = {f"max_{key}": max(v) if v else None for key, v in series.items() if key not in COUNTERS}
+        pre = series["num_preemptions_total"]
+        pools[name]["num_preemptions"] = pre[-1] - pre[0] if pre else None
+        computed = series["computed_tokens_total"]
+        pools[name]["computed_tokens"] = computed[-1] - computed[0] if computed else None
+    errors = Counter(s.error for s in scraper.samples if s.error is not None)
+    return {"url": url, "skipped": scraper.skipped, "count": len(ok), "failed": len(scraper.samples) - len(ok),
+            "max_s": times["max"], "p99_s": times["p99"], "mean_s": times["mean"], "pools": pools,
+            "errors": dict(errors.most_common(3))}
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """The outcome of `run_load`: plain data, times in seconds.
+
+    `summary[class]`: `class_summary` (the probe class too, under `probe`); `totals`: the run as a whole
+    (every class) plus `scrape` (`scrape_summary`) and `send_lag_s` (how late requests left against their
+    drawn arrival: the client's own overload shows here); `records`/`scrapes`: the raw measurements.
+    """
+
+    config: LoadConfig
+    model: str
+    summary: dict[str, dict[str, Any]]
+    totals: dict[str, Any]
+    records: tuple[RequestRecord, ...]
+    scrapes: tuple[ScrapeSample, ...]
+
+    def to_json(self, *, raw: bool = True) -> dict[str, Any]:
+        """JSON-ready dict: config (API key hidden), model, summary, totals and, with `raw`, records and scrapes."""
+        config = asdict(self.config)
+        config["api_key"] = "***" if self.config.api_key else None
+        if math.isinf(self.config.request_rate):
+            config["request_rate"] = "inf"
+        data = {"config": config, "model": self.model, "summary": self.summary, "totals": self.totals}
+        if raw:
+            data["requests"] = [r.to_json() for r in self.records]
+            data["scrapes"] = [asdict(s) for s in self.scrapes]
+        return data
+
+
+def build_report(config: LoadConfig, model: str, records: Sequence[RequestRecord], scraper: Scraper | None,
+                 duration_s: float) -> LoadReport:
+    """Summaries per class and for the whole run from the raw records."""
+    names = [c.name for c in config.classes] + ([PROBE_CLASS] if config.probe_rate > 0 else [])
+    summary = {name: class_summary([r for r in records if r.class_name == name], duration_s, config.goodput)
+               for name in names}
+    whole = class_summary(records, duration_s, None)
+    totals = {key: whole[key] for key in ("count", "completed", "errors", "unfinished", "output_tokens",
+                                          "request_throughput", "output_throughput")}
+    totals.update(duration_s=duration_s, last_arrival_s=max((r.scheduled_s for r in records), default=0.0),
+                  send_lag_s=latency_stats([r.sent_s - r.scheduled_s for r in records if r.sent_s is not None]),
+                  scrape=scrape_summary(scraper, config.scrape_url))
+    return LoadReport(config, model, summary, totals, tuple(records), tuple(scraper.samples if scraper else ()))
+
+
+# --- files and plots -----------------------------------------------------------------------------------------
+
+def write_report(report: LoadReport, out_dir: str | Path) -> list[Path]:
+    """Write results.json, latency_cdf.png and server_timeline.png into `out_dir` (created); their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.json"
+    results.write_text(json.dumps(report.to_json(), indent=1) + "\n", encoding="utf-8")
+    paths = [results, out / "latency_cdf.png", out / "server_timeline.png"]
+    plot_latency_cdf(report, paths[1])
+    plot_server_timeline(report, paths[2])
+    return paths
+
+
+def plot_latency_cdf(report: LoadReport, path: Path) -> None:
+    """TTFT, ITL and e2e CDFs, one line per class, log x axis."""
+    from matplotlib.figure import Figure  # lazily: only runs that write plots pay for matplotlib
+
+    fig = Figure(figsize=(15, 4.5), layout="constrained")
+    for ax, metric in zip(fig.subplots(1, 3), ("ttft", "itl", "e2e")):
+        for name in report.summary:
+            values = np.sort([v for v in latencies((r for r in report.records if r.class_name == name), metric)
+                              if v > 0])
+            if len(values):  # from 0 at the first value, so that a single value still draws a step
+                ax.step(np.r_[values[0], values], np.r_[0.0, np.arange(1, len(values) + 1) / len(values)],
+                        where="post", marker="." if len(values) < 20 else None, label=f"{name} (n={len(values)})")
+        if ax.lines:
+            ax.set_xscale("log")
+            ax.legend(loc="lower right", fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "no completed requests", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel(f"{metric.upper()} (s)")
+        ax.set_ylabel("fraction of requests" if metric != "itl" else "fraction of gaps")
+        ax.set_ylim(0, 1.02)
+        ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(f"bench serve: {report.model}, {report.totals['count']} requests")
+    fig.savefig(path, dpi=100)
+
+
+_TIMELINE_LABELS = ("KV cache usage (%)", "running (solid) / waiting (dashed)", "preemptions since start",
+                    "GET /metrics time (ms)")
+
+
+def plot_server_timeline(report: LoadReport, path: Path) -> None:
+    """KV usage, running/waiting, preemptions per pool and scrape time over the run; a note if no scrape."""
+    from matplotlib.figure import Figure
+
+    ok = [s for s in report.scrapes if s.error is None]
+    if not ok:
+        fig = Figure(figsize=(8, 3), layout="constrained")
+        ax = fig.subplots()
+        ax.axis("off")
+        reason = report.totals["scrape"].get("skipped") or "no successful scrape"
+        ax.text(0.5, 0.5, f"no /metrics data ({reason})", ha="center", va="center", transform=ax.transAxes)
+        fig.savefig(path, dpi=100)
+        return
+    fig = Figure(figsize=(11, 11), layout="constrained")
+    axes = fig.subplots(len(_TIMELINE_LABELS), 1, sharex=True)
+    pools = sorted({p for s in ok for p in s.pools})
+    for pool in pools:
+        def series(key: str) -> tuple[list[float], list[float]]:
+            pts = [(s.t_s, s.pools[pool][key]) for s in ok if key in s.pools.get(pool, {})]
+            return [t for t, _ in pts], [v for _, v in pts]
+
+        t, kv = series("kv_cache_usage_perc")
+        axes[0].plot(t, [100 * v for v in kv], label=pool)
+        line = axes[1].plot(*series("num_requests_running"), label=f"{pool} running")[0]
+        axes[1].plot(*series("num_requests_waiting"), linestyle="--", color=line.get_color(), label=f"{pool} waiting")
+        t, pre = series("num_preemptions_total")
+        axes[2].plot(t, [v - pre[0] for v in pre], label=pool)
+    axes[3].plot([s.t_s for s in ok], [1e3 * s.scrape_s for s in ok], marker=".", label="scrape")
+    for ax, label in zip(axes, _TIMELINE_LABELS):
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend(loc="upper left", fontsize="small")
+    axes[-1].set_xlabel("time since start (s)")
+    fig.suptitle(f"server timeline: {report.totals['scrape']['url']}")
+    fig.savefig(path, dpi=100)
+
+
+# --- the table ---------------------------------------------------------------------------------------------
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+def _count(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def format_report(report: LoadReport) -> str:
+    """A readable table per class, then the run's totals and what /metrics said."""
+    c, t = report.config, report.totals
+    rate = "all at once" if math.isinf(c.request_rate) else f"{c.request_rate:g} req/s, burstiness {c.burstiness:g}"
+    lines = [f"bench serve: {c.base_url}, model {report.model}, {rate}, seed {c.seed}",
+             f"ran {t['duration_s']:.1f} s: {t['count']} requests, {t['completed']} completed, {t['errors']} errors, "
+             f"{t['unfinished']} unfinished; {t['request_throughput']:.2f} req/s, "
+             f"{t['output_throughput']:.1f} output tok/s; send lag max {_ms(t['send_lag_s']['max'])} ms"]
+    for name, s in report.summary.items():
+        pools = ", ".join(f"{pool} {n}" for pool, n in s["pools"].items()) or "-"
+        lines += ["", f"{name}: {s['count']} requests, {s['completed']} completed, {s['errors']} errors, "
+                  f"{s['unfinished']} unfinished; pools: {pools}",
+                  f"  {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s"
+                  + ("" if s["goodput"] is None else f"; goodput {s['goodput']['requests_per_s']:.2f} req/s "
+                     f"({100 * (s['goodput']['fraction'] or 0):.1f}% of requests good)"),
+                  f"  {'ms':<6}" + "".join(f"{k:>10}" for k in ("mean", "p50", "p90", "p99", "max"))]
+        for metric in LATENCIES:
+            lines.append(f"  {metric.upper():<6}" + "".join(f"{_ms(s[metric][k]):>10}"
+                                                           for k in ("mean", "p50", "p90", "p99", "max")))
+        lines += [f"  {n}x {message}" for message, n in s["error_messages"].items()]
+    sc = t["scrape"]
+    lines.append("")
+    if sc["skipped"]:
+        lines.append(f"metrics: not scraped ({sc['skipped']})")
+    else:
+        lines.append(f"metrics: {sc['count']} scrapes of {sc['url']} ({sc['failed']} failed); scrape time max "
+                     f"{_ms(sc['max_s'])} ms, p99 {_ms(sc['p99_s'])} ms")
+        lines += [f"  {n}x {message}" for message, n in sc["errors"].items()]
+    for pool, p in sc["pools"].items():
+        kv = "-" if p["max_kv_cache_usage_perc"] is None else f"{100 * p['max_kv_cache_usage_perc']:.1f}%"
+        lines.append(f"  pool {pool}: KV usage max {kv}, running max {_count(p['max_num_requests_running'])}, "
+                     f"waiting max {_count(p['max_num_requests_waiting'])}, "
+                     f"preemptions {_count(p['num_preemptions'])}")
+    return "\n".join(lines)

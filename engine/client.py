@@ -1,0 +1,383 @@
+"""`AsyncEngineClient`: the gateway's side of a device worker (`engine.worker`).
+
+The client spawns the worker process, sends commands over a socket pair (`engine.ipc.Channel`: a
+non-blocking outbox on both sides; the messages are `engine.messages`) and reads outputs with
+`loop.add_reader`: no thread, no blocking call. Each request's deltas go to its own queue, which
+`generate` yields from; the counters that come with them are kept as `latest_stats`.
+
+Death: the client watches both the socket (EOF) and the process sentinel, so a worker that exits for
+any reason (`kill -9`, the OOM killer, a crash in a kernel, a `Fatal` step error) is noticed at once.
+In-flight streams and stats calls then fail with `EngineDeadError` naming the exit (`device worker
+process exited (signal 9, SIGKILL)`), the process is reaped in the background (joined, killed if it
+lingers, its socket and sentinel closed), and `client.died` resolves with the reason. A client is one
+process's life: to restart, make a new client (`gateway.supervisor` does, with back-off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.ipc import Channel
+from engine.messages import (AbortRequest, AddRequest, Fatal, Outputs, Ready, Rejected, ReportWaiting, Shutdown,
+                             StartupError, StatsQuery, StatsReply)
+from engine.outputs import RequestDelta
+from engine.sampling import SamplingParams
+from engine.stats import EngineStats, WorkerInfo
+from engine.worker import worker_main
+
+
+class EngineDeadError(RuntimeError):
+    """The device worker process exited or failed; in-flight requests get this error."""
+
+
+def describe_exit(exitcode: int) -> str:
+    """A process's exit code in words: `exit code 1`, `signal 9, SIGKILL` (multiprocessing's negative codes)."""
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        return f"signal {-exitcode}, {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+SEND_HIGH_WATER = 8 << 20   # bytes of commands queued for the worker: new requests wait above this
+SEND_LOW_WATER = 1 << 20    # ... until the outbox is back under this
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    finished: bool = False
+
+
+class AsyncEngineClient:
+    """Starts a device worker process and streams each request's outputs as they are produced.
+
+    Use from one event loop:
+        client = AsyncEngineClient(config); info = await client.start()
+        async for out in client.generate("Hello", SamplingParams(max_tokens=8)): ...
+        await client.shutdown()
+    Leaving a `generate` loop early (break, cancellation, client disconnect) aborts the request and
+    frees its blocks.
+
+    One client is one worker process's life: once the process is gone (it exited, sent `fatal`, or
+    `shutdown` was called) `is_alive` is False, every call raises `EngineDeadError`, and `died`
+    resolves with the reason after the process was reaped. A restart is a new client.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.info: WorkerInfo | None = None           # what the worker reported once loaded
+        self.died: asyncio.Future[str] | None = None   # (after `start`) the reason, once the process is reaped
+        self.pid: int | None = None                   # the worker process's, once started
+        self.exitcode: int | None = None              # the process's, once reaped (negative: killed by a signal)
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._process: mp.process.BaseProcess | None = None
+        self._channel: Channel | None = None
+        self._writing = False                         # a writer callback is registered (the outbox is not empty)
+        self._room = asyncio.Event()                  # set while the outbox is under SEND_HIGH_WATER
+        self._room.set()
+        self.last_heard = 0.0                         # time.monotonic() of the worker's last message
+        self._busy_since = 0.0                        # when requests went from none to some in flight
+        self._sentinel: int | None = None
+        self._ready: asyncio.Future | None = None
+        self._dead: str | None = None
+        self._reaper: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stats_waiters: list[asyncio.Future] = []
+        self.latest_stats: EngineStats | None = None   # pushed by the worker with step outputs
+
+    async def start(self, timeout: float = 900.0) -> WorkerInfo:
+        """Spawn the worker and wait until the model is loaded; returns what it reported.
+
+        Raises RuntimeError if the engine failed to build (the worker's message), EngineDeadError if
+        the process died while loading; either way the process is reaped before this returns."""
+        if self._process is not None:
+            raise RuntimeError("AsyncEngineClient.start() may be called once; a restart is a new client")
+        ctx = mp.get_context("spawn")
+        parent, child = socket.socketpair()
+        process = ctx.Process(target=worker_main, args=(self.config, child), daemon=True,
+                              name="cliffguard-device-worker")
+        try:
+            process.start()
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self._channel = Channel(parent)
+        self._process, self._sentinel, self.pid = process, process.sentinel, process.pid
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self.died = self._loop.create_future()
+        self.last_heard = time.monotonic()
+        self._loop.add_reader(parent.fileno(), self._on_readable)
+        self._loop.add_reader(self._sentinel, self._on_sentinel)
+        try:
+            self.info = await asyncio.wait_for(self._ready, timeout)
+        except BaseException:
+            await self.shutdown()
+            raise
+        return self.info
+
+    @property
+    def model_path(self) -> str:
+        """The model folder the worker loaded (after `start`)."""
+        if self.info is None:
+            raise RuntimeError("AsyncEngineClient.start() has not been awaited")
+        return self.info.model_path
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the worker was started and has not died or been shut down (it may still be loading)."""
+        return self._process is not None and self._reaper is None
+
+    def _on_readable(self) -> None:
+        try:
+            messages = self._channel.receive()
+        except OSError:
+            self._on_exit()
+            return
+        if messages:
+            self.last_heard = time.monotonic()
+        for msg in messages:
+            self._dispatch(msg)
+            if self._reaper is not None:
+                return   # `fatal`: the rest is not read
+        if self._channel.eof:
+            self._on_exit()
+
+    def _on_writable(self) -> None:
+        """The socket takes more: write the outbox; stop watching once it is empty."""
+        try:
+            done = self._channel.flush()
+        except OSError:
+            self._on_exit()
+            return
+        if done:
+            self._loop.remove_writer(self._channel.fileno())
+            self._writing = False
+        if self._channel.num_pending_bytes <= SEND_LOW_WATER:
+            self._room.set()
+
+    def silent_seconds(self, now: float | None = None) -> float:
+        """How long the worker has had requests in flight (or a stats call pending) without saying
+        anything; 0 while it has no work or is loading. The supervisor's watchdog reads it."""
+        if not (self._streams or self._stats_waiters) or not self.is_alive or self.info is None:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        return now - max(self.last_heard, self._busy_since)
+
+    def _on_sentinel(self) -> None:
+        """The process has exited: read what it sent before (its pipe may even stay open, held by a
+        child of the worker), then stop."""
+        self._on_readable()
+        self._on_exit()
+
+    def _dispatch(self, msg: object) -> None:
+        match msg:
+            case Outputs():
+                for out in msg.deltas:
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.queue.put_nowait(out)
+                if msg.stats is not None:
+                    self.latest_stats = msg.stats
+            case Rejected():
+                stream = self._streams.get(msg.request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(ValueError(msg.reason))
+            case StatsReply():
+                self.latest_stats = msg.stats
+                if self._stats_waiters:
+                    waiter = self._stats_waiters.pop(0)
+                    if not waiter.done():
+                        waiter.set_result(msg.stats)
+            case Ready():
+                if not self._ready.done():
+                    self._ready.set_result(msg.info)
+            case StartupError():
+                if not self._ready.done():
+                    self._ready.set_exception(RuntimeError(f"device worker failed to start: {msg.reason}"))
+            case Fatal():
+                self._on_exit(f"device worker failed:\n{msg.traceback}")
+
+    def _on_exit(self, reason: str | None = None, grace: float = 10.0) -> None:
+        """The worker is gone or going (pipe EOF, its sentinel, `fatal`, `shutdown`): stop reading and
+        reap the process in the background. With a `reason` what is in flight fails now; without one
+        (it exited) once the process is reaped, a moment later, so that the reason has the exit code
+        (the pipe's EOF often arrives before the kernel has the process's status)."""
+        if self._reaper is not None:
+            return
+        self._loop.remove_reader(self._channel.fileno())
+        self._loop.remove_writer(self._channel.fileno())
+        self._loop.remove_reader(self._sentinel)
+        self._room.set()   # senders waiting for room wake up and find the worker gone
+        if reason is not None:
+            self._die(reason)
+        self._reaper = self._loop.create_task(self._reap(grace))
+
+    async def _reap(self, grace: float) -> None:
+        """Join the process (kill it if it lingers past `grace` seconds), fail what is in flight,
+        release the pipe and the sentinel, then resolve `died`."""
+        process, loop = self._process, self._loop
+        await loop.run_in_executor(None, process.join, grace)
+        if process.exitcode is None:
+            process.kill()
+            await loop.run_in_executor(None, process.join)
+        self.exitcode = process.exitcode
+        self._die(self._exit_reason())   # a no-op after `fatal` or `shutdown`, which named the reason
+        process.close()
+        self._channel.close()
+        self.died.set_result(self._dead)
+
+    def _exit_reason(self) -> str:
+        code = self._process.exitcode   # non-blocking; None while the process is not reaped yet
+        return "device worker process exited" + (f" ({describe_exit(code)})" if code is not None else "")
+
+    def _die(self, reason: str) -> None:
+        """Fail the load, every stream and every stats call with EngineDeadError(reason); once."""
+        if self._dead is not None:
+            return
+        self._dead = reason
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(EngineDeadError(reason))
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError(reason))
+        for waiter in self._stats_waiters:
+            if not waiter.done():
+                waiter.set_exception(EngineDeadError(reason))
+        self._stats_waiters.clear()
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                       request_id: str | None = None, priority: int = 0,
+                       pool: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestDelta]:
+        """Submit a request and yield what each step added to it (`RequestDelta`) until it finishes.
+        `cache_salt`: the prefix-cache partition (`LLMEngine.add_request`).
+
+        Raises ValueError if the engine refused the request, EngineDeadError if the worker died.
+        """
+        self._check_alive()
+        request_id = request_id or f"req-{os.getpid()}-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        while not self._room.is_set():
+            await self._room.wait()   # the worker is behind on reading: wait for room, never block the loop
+            self._check_alive()
+        stream = _Stream(asyncio.Queue())
+        if not self._streams:
+            self._busy_since = time.monotonic()
+        self._streams[request_id] = stream
+        try:
+            self._send(AddRequest(request_id, prompt if isinstance(prompt, str) else list(prompt),
+                                  params or SamplingParams(), priority, pool, cache_salt))
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    stream.finished = True
+                    raise item
+                if item.finished:
+                    stream.finished = True
+                yield item
+                if stream.finished:
+                    return
+        finally:
+            del self._streams[request_id]
+            if not stream.finished and self.is_alive:
+                self._send_abort(request_id)
+
+    def _check_alive(self) -> None:
+        if self._process is None:
+            raise RuntimeError("AsyncEngineClient.start() has not been awaited")
+        if not self.is_alive:
+            raise EngineDeadError(self._dead or self._exit_reason())
+
+    def _send(self, msg: object) -> None:
+        """Queue a command (never blocks); a broken socket means the worker is gone (noticed here
+        before the EOF is read)."""
+        try:
+            self._channel.send(msg)
+        except OSError:
+            self._on_exit()
+            raise EngineDeadError(self._dead or self._exit_reason()) from None
+        if self._channel.num_pending_bytes and not self._writing:
+            self._loop.add_writer(self._channel.fileno(), self._on_writable)
+            self._writing = True
+        if self._channel.num_pending_bytes > SEND_HIGH_WATER:
+            self._room.clear()
+
+    def _send_abort(self, request_id: str) -> None:
+        """Queue an abort whatever the outbox holds (it frees blocks); nothing if the worker is gone."""
+        if self._reaper is not None:
+            return
+        try:
+            self._send(AbortRequest(request_id))
+        except EngineDeadError:
+            pass  # the worker is gone; nothing holds the blocks any more
+
+    def kill(self, reason: str) -> None:
+        """Kill the worker at once (SIGKILL: it also ends a stopped or hung process); what is in flight
+        fails with EngineDeadError(reason), and `died` resolves with it once the process is reaped."""
+        if self._process is None or self._reaper is not None:
+            return
+        self._process.kill()
+        self._on_exit(reason)
+
+    def report_waiting(self, pool: str, count: int) -> None:
+        """Tell the step composer how many requests of `pool` wait outside the engine (for KV credits
+        at the gateway): an interactive pool with a queue there is pressed like one with a queue inside
+        (`engine.composer`). Nothing if the worker is gone."""
+        if self.is_alive:
+            with contextlib.suppress(EngineDeadError):
+                self._send(ReportWaiting(pool, int(count)))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with finish_reason 'abort'."""
+        if self.is_alive:
+            self._send_abort(request_id)
+
+    async def stats(self) -> EngineStats:
+        """Fresh per-pool counters (running, waiting, free blocks, preemptions), taken between two steps
+        after the allocators' integrity check. `/metrics` reads `latest_stats` instead, which never waits."""
+        self._check_alive()
+        if not (self._streams or self._stats_waiters):
+            self._busy_since = time.monotonic()
+        self._send(StatsQuery())
+        waiter = self._loop.create_future()
+        self._stats_waiters.append(waiter)
+        return await waiter
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the worker (politely, then by force after `timeout` seconds), fail anything still in
+        flight, and wait until the process is reaped. Safe to call again, or after the worker died."""
+        if self._process is None:
+            return
+        if self._reaper is None:
+            try:
+                self._channel.send(Shutdown())
+            except OSError:
+                pass
+            self._on_exit("engine shut down", grace=timeout)
+        await asyncio.shield(self._reaper)
+
+    async def __aenter__(self) -> "AsyncEngineClient":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()

@@ -1,0 +1,321 @@
+"""The step-cost model, in one place: what one forward step costs for the work scheduled in it.
+
+A step's work, as every cost model here sees it, is a `StepFeatures`: its prefill tokens, its decode
+tokens and the query-key pairs its attention computes (a prefill chunk of q tokens after c cached ones
+attends q * c + q * (q + 1) / 2 pairs, a decode token its whole context). Three users, one model:
+the step composer sizes chunks with it online (`StepCostModel`), the simulator advances its clock
+with it (`StepTime`), and the benchmarks fit it to measured steps and compare it with real runs.
+
+- `LinearStepTime`: `t = a + b * prefill_tokens + c * decode_tokens + d * attended / 1024` (seconds),
+  the one linear form. `fit_linear` fits it to measured steps (least squares, coefficients >= 0);
+  `write_step_model` / `read_step_model` keep it in a small JSON file; `read_step_trace` reads the
+  steps a serving worker traced (`CLIFFGUARD_STEP_TRACE`); `engine.calibration` measures a real
+  engine's steps.
+- `StepCostModel`: the same form, refitted online on the last steps an engine measured, with a
+  safety margin (the 90th percentile of measured / predicted).
+- `RooflineStepTime`: a GPU preset's roofline (`PRESETS`: H100, H200, A100), for planning without
+  the device: per GPU of a tensor-parallel group, a fixed per-step overhead plus the larger of compute
+  (2 FLOPs per weight per token, attention 4 FLOPs per query-key pair per head dimension, the LM head
+  for sampled tokens, at a fraction of peak) and memory traffic (all weights once per step, the K/V
+  every token attends to, the K/V written, at a fraction of peak bandwidth), plus two ring all-reduces
+  per layer over the interconnect when TP > 1. The efficiencies and the overhead are assumptions
+  written in the preset, not measurements.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from engine.config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.scheduler import ScheduledSeq
+
+GiB = 1 << 30
+MIN_FIT_STEPS = 8         # measured steps `fit_linear` needs for its 4 coefficients
+
+
+@dataclass
+class StepFeatures:
+    """The work of one step, as the cost models see it."""
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_attended: int = 0          # query-key pairs of the step's attention
+
+    def add(self, num_cached: int, num_new: int, is_decode: bool) -> None:
+        if is_decode:
+            self.num_decode_tokens += num_new
+        else:
+            self.num_prefill_tokens += num_new
+        self.num_attended += num_new * num_cached + num_new * (num_new + 1) // 2
+
+    def add_scheduled(self, items: Sequence[ScheduledSeq]) -> None:
+        for item in items:
+            seq = item.seq
+            is_decode = item.num_new_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+            self.add(seq.num_computed_tokens, item.num_new_tokens, is_decode)
+
+    def plus(self, other: StepFeatures) -> StepFeatures:
+        return StepFeatures(self.num_prefill_tokens + other.num_prefill_tokens,
+                            self.num_decode_tokens + other.num_decode_tokens,
+                            self.num_attended + other.num_attended)
+
+    def vector(self) -> np.ndarray:
+        """The linear model's regressors, in the order of `LinearStepTime`'s coefficients."""
+        return np.array([1.0, self.num_prefill_tokens, self.num_decode_tokens, self.num_attended / 1024])
+
+
+class StepTime(Protocol):
+    """Seconds one step takes for the work the schedulers chose (the simulator's clock)."""
+
+    swap_bandwidth: float | None
+
+    def seconds(self, batch: Sequence[ScheduledSeq], features: StepFeatures, num_sampled: int) -> float: ...
+
+
+# --- the linear model -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LinearStepTime:
+    """`t = a + b * prefill + c * decode + d * attended / 1024` (seconds, per token, per 1024 pairs)."""
+
+    a: float
+    b: float
+    c: float
+    d: float
+    swap_bandwidth: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("a", "b", "c", "d"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name}: must be a number >= 0, got {value!r}")
+
+    def predict(self, features: StepFeatures) -> float:
+        return float(features.vector() @ np.array([self.a, self.b, self.c, self.d]))
+
+    def seconds(self, batch: Sequence[ScheduledSeq], features: StepFeatures, num_sampled: int) -> float:
+        return self.predict(features)
+
+    def coefficients(self) -> dict[str, float]:
+        return {"a": self.a, "b": self.b, "c": self.c, "d": self.d}
+
+    def describe(self) -> str:
+        """The model in milliseconds, for a report line."""
+        return (f"t = {self.a * 1e3:.2f} ms + {self.b * 1e3:.4f} ms/prefill token + {self.c * 1e3:.4f} ms/decode "
+                f"token + {self.d * 1e3:.4f} ms/1024 attended")
+
+
+def nonnegative_lstsq(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (active set: drop negative ones, refit the rest).
+
+    Columns are scaled to unit norm first; a column with no data (all zero) gets coefficient 0.
+    """
+    scale = np.linalg.norm(x, axis=0)
+    active = scale > 0
+    coef = np.zeros(x.shape[1])
+    while active.any():
+        cols = np.flatnonzero(active)
+        xs = x[:, cols] / scale[cols]
+        sol, *_ = np.linalg.lstsq(xs, t, rcond=None)
+        sol = sol / scale[cols]
+        if (sol >= 0).all():
+            coef[cols] = sol
+            break
+        active[cols[np.argmin(sol)]] = False
+    return coef
+
+
+def _fit(features: Sequence[StepFeatures] | Sequence[np.ndarray], seconds: Sequence[float],
+         swap_bandwidth: float | None = None) -> LinearStepTime:
+    x = np.stack([f if isinstance(f, np.ndarray) else f.vector() for f in features])
+    a, b, c, d = (float(v) for v in nonnegative_lstsq(x, np.asarray(seconds, dtype=float)))
+    return LinearStepTime(a, b, c, d, swap_bandwidth=swap_bandwidth)
+
+
+def fit_linear(samples: Sequence[tuple[StepFeatures, float]], *, swap_bandwidth: float | None = None,
+               skip: int = 0) -> LinearStepTime:
+    """`LinearStepTime` fitted to measured steps, leaving out the first `skip` (warm-up)."""
+    used = list(samples)[skip:]
+    if len(used) < MIN_FIT_STEPS:
+        raise ValueError(f"calibration: {len(used)} measured steps are too few to fit 4 coefficients")
+    return _fit([f for f, _ in used], [s for _, s in used], swap_bandwidth)
+
+
+class StepCostModel:
+    """Predicts a step's seconds from its `StepFeatures`: `LinearStepTime` refitted online on the last
+    `window` measured steps, times a safety margin (the 90th percentile of measured / predicted over
+    the last `margin_window` steps, in [1, 3])."""
+
+    def __init__(self, window: int = 256, margin_window: int = 64, refit_every: int = 8,
+                 min_observations: int = 4) -> None:
+        self._xs: deque[np.ndarray] = deque(maxlen=window)
+        self._ts: deque[float] = deque(maxlen=window)
+        self._ratios: deque[float] = deque(maxlen=margin_window)
+        self.refit_every = refit_every
+        self.min_observations = min_observations
+        self.linear: LinearStepTime | None = None
+        self.margin = 1.0
+        self.max_prefill_seen = 0
+        self.num_observed = 0
+
+    @property
+    def ready(self) -> bool:
+        return self.linear is not None and self.num_observed >= self.min_observations
+
+    def predict(self, features: StepFeatures, *, with_margin: bool = True) -> float | None:
+        """Seconds the step should take; None until the model has been fitted."""
+        if self.linear is None:
+            return None
+        raw = self.linear.predict(features)
+        return raw * self.margin if with_margin else raw
+
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        """Add a measured step; refit after each of the first `refit_every` * 2 steps, then every
+        `refit_every` steps (a fit costs a small least-squares solve: not worth paying every step)."""
+        if seconds <= 0:
+            return
+        predicted = self.predict(features, with_margin=False)
+        if predicted is not None and predicted > 0:
+            self._ratios.append(seconds / predicted)
+        self._xs.append(features.vector())
+        self._ts.append(seconds)
+        self.num_observed += 1
+        self.max_prefill_seen = max(self.max_prefill_seen, features.num_prefill_tokens)
+        if self.num_observed <= 2 * self.refit_every or self.num_observed % self.refit_every == 0:
+            self.linear = _fit(list(self._xs), list(self._ts))
+            if self._ratios:
+                self.margin = float(min(3.0, max(1.0, np.percentile(self._ratios, 90))))
+
+
+# --- measured steps: a real engine, a served run's trace, a calibration file ------------------------
+
+def read_step_trace(path: str | Path, *, skip: int = 2) -> list[tuple[StepFeatures, float]]:
+    """The steps of a served run, from the device worker's `CLIFFGUARD_STEP_TRACE` file (engine/worker.py):
+    each step's features and its `cycle_seconds` (the worker loop's whole turn: commands, the step, its
+    outputs sent), which is what a step costs while the gateway, the clients and the worker share the
+    machine. Lines without `cycle_seconds` (older traces) use `seconds`. The first `skip` steps of the
+    file (kernels warming) are left out. ValueError naming the file and line for anything malformed."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except FileNotFoundError:
+        raise ValueError(f"--from-trace: no such file {path}") from None
+    samples: list[tuple[StepFeatures, float]] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line)
+            features = StepFeatures(int(step["num_prefill_tokens"]), int(step["num_decode_tokens"]),
+                                    int(step.get("num_attended", 0)))
+            seconds = float(step["cycle_seconds"] if "cycle_seconds" in step else step["seconds"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"--from-trace: {path} line {n} is not a step record ({type(exc).__name__}: {exc})"
+                             ) from None
+        if seconds > 0 and features.num_prefill_tokens + features.num_decode_tokens:
+            samples.append((features, seconds))
+    return samples[skip:]
+
+
+def write_step_model(path: str | Path, model: LinearStepTime, *, device: str, model_name: str,
+                     num_steps: int) -> None:
+    """A calibration file: the coefficients and where they were measured."""
+    import datetime
+    import platform
+
+    import torch
+
+    Path(path).write_text(json.dumps({
+        "step_model": "linear", **model.coefficients(),
+        "device": device, "model": model_name, "num_steps": num_steps, "machine": platform.node(),
+        "cpu_threads": torch.get_num_threads(), "date": datetime.date.today().isoformat()}, indent=2) + "\n")
+
+
+def read_step_model(path: str | Path) -> LinearStepTime:
+    """A calibration file written by `write_step_model`; ValueError naming the file otherwise."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--step-model: no such file {path}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--step-model: {path} is not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("step_model") != "linear":
+        raise ValueError(f"--step-model: {path} is not a calibration file (no \"step_model\": \"linear\")")
+    try:
+        return LinearStepTime(*(data[k] for k in ("a", "b", "c", "d")))
+    except KeyError as exc:
+        raise ValueError(f"--step-model: {path} lacks {exc.args[0]!r}") from None
+
+
+# --- the roofline -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DevicePreset:
+    """One GPU as the roofline model sees it. Peaks are the vendor's dense bf16 figures; the
+    efficiencies and the per-step overhead are assumptions about what a serving engine reaches."""
+
+    name: str
+    peak_flops: float                 # FLOP/s, dense bf16, per GPU
+    memory_bandwidth: float           # B/s, HBM, per GPU
+    swap_bandwidth: float             # B/s, device <-> host memory (PCIe)
+    interconnect_bandwidth: float     # B/s per GPU and direction (NVLink), for tensor-parallel all-reduce
+    memory_bytes: int                 # per GPU
+    flops_efficiency: float = 0.6
+    bandwidth_efficiency: float = 0.8
+    step_overhead_s: float = 0.003    # scheduling, sampling, launches: per step, whatever its size
+    allreduce_latency_s: float = 10e-6
+
+
+# Vendor datasheets: H100 SXM5 989 TFLOP/s bf16 dense, 3.35 TB/s, NVLink 900 GB/s (both directions),
+# PCIe Gen5; H200 SXM the same compute, 4.8 TB/s, 141 GB; A100 SXM4 80GB 312 TFLOP/s, 2.04 TB/s,
+# NVLink 600 GB/s, PCIe Gen4. Host copies at about 55 GB/s (Gen5) and 25 GB/s (Gen4) pinned.
+PRESETS = {
+    "h100": DevicePreset("h100", 989e12, 3.35e12, 55e9, 450e9, 80 * GiB),
+    "h200": DevicePreset("h200", 989e12, 4.8e12, 55e9, 450e9, 141 * 10**9),
+    "a100": DevicePreset("a100", 312e12, 2.04e12, 25e9, 300e9, 80 * GiB),
+}
+
+
+def step_flops(model: ModelConfig, num_tokens: int, num_attended: int, num_sampled: int) -> float:
+    """FLOPs of one step: 2 per matmul weight per token (the embedding lookup is no matmul, the LM
+    head counts only for sampled tokens), 4 per query-key pair per head dimension of every layer."""
+    head = model.vocab_size * model.hidden_size
+    matmul_params = model.num_params() - head * (1 if model.tie_word_embeddings else 2)
+    attention = 4 * model.num_layers * model.num_heads * model.head_dim * num_attended
+    return 2 * matmul_params * num_tokens + attention + 2 * head * num_sampled
+
+
+class RooflineStepTime:
+    """A GPU preset's roofline for one model on a tensor-parallel group of `tp` GPUs (module docstring)."""
+
+    def __init__(self, preset: DevicePreset, model: ModelConfig, dtype_bytes: int, tp: int = 1) -> None:
+        self.preset = preset
+        self.model = model
+        self.dtype_bytes = dtype_bytes
+        self.tp = tp
+        self.swap_bandwidth = preset.swap_bandwidth
+        self.weights_bytes = model.num_params() * dtype_bytes
+        self.kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
+
+    def seconds(self, batch: Sequence[ScheduledSeq], features: StepFeatures, num_sampled: int) -> float:
+        m, p = self.model, self.preset
+        tokens = features.num_prefill_tokens + features.num_decode_tokens
+        flops = step_flops(m, tokens, features.num_attended, num_sampled)
+        kv_read = sum(item.seq.num_computed_tokens for item in batch) * self.kv_bytes_per_token
+        traffic = self.weights_bytes + kv_read + tokens * self.kv_bytes_per_token
+        compute_s = flops / self.tp / (p.peak_flops * p.flops_efficiency)
+        memory_s = traffic / self.tp / (p.memory_bandwidth * p.bandwidth_efficiency)
+        allreduce_s = 0.0
+        if self.tp > 1:
+            size = tokens * m.hidden_size * self.dtype_bytes
+            per = 2 * (self.tp - 1) / self.tp * size / p.interconnect_bandwidth + p.allreduce_latency_s
+            allreduce_s = 2 * m.num_layers * per
+        return p.step_overhead_s + max(compute_s, memory_s) + allreduce_s

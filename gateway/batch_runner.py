@@ -1,0 +1,359 @@
+"""`BatchRunner`: runs the Batch API's lines, each through the line executor (by default
+`gateway.handlers.answer` as the batch's tenant, at batch priority), at most `MAX_IN_FLIGHT` of a batch
+at once; it resumes unfinished batches after a restart from the durable store
+(`pools.batchstore.BatchStore`) and holds no state a restart needs.
+
+A line answered 503 `engine_dead` / `pool_unavailable` or 502 (an upstream pool) is retried with
+back-off, at most MAX_LINE_ATTEMPTS times; a line in flight when its device worker died twice (two
+503 `engine_dead`) is a poison line. Either is recorded as the line's error, with its last answer. A
+store call that fails for storage (disk full, database locked) is retried MAX_STORE_ATTEMPTS times,
+then the batch fails (`errors` naming `storage_error`) rather than stay in_progress or finalizing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from gateway.openai_api import ApiError
+from gateway.runtime import Gateway
+from pools.batch_input import BatchInputError, BatchLine
+from pools.batchstore import STORAGE_ERRORS, BatchStore
+from pools.tenants import DEFAULT_TENANT
+
+log = logging.getLogger("cliffguard.batches")
+
+MAX_IN_FLIGHT = 16                  # lines of one batch in flight; KV credits, not this, protect the engine
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 10.0
+TRANSIENT_CODES = ("engine_dead", "pool_unavailable")   # 503s worth another try; and any 502 (upstream)
+MAX_LINE_ATTEMPTS = 10              # tries of a line answered transiently (0.5 s ... 10 s apart: about a minute)
+MAX_ENGINE_DEATHS = 2               # 503 engine_dead answers after which a line is a poison line
+MAX_STORE_ATTEMPTS = 6              # tries of a store call failing for storage, before the batch fails
+PAGE_LINES = 256                    # pending lines read from the store at a time
+
+# (path, body, tenant) -> (HTTP status, JSON body), as an HTTP client of that path with the tenant's key would get them
+LineExecutor = Callable[[str, dict[str, Any], str], Awaitable[tuple[int, dict[str, Any]]]]
+T = TypeVar("T")
+
+
+async def answer_batch_line(gateway: Gateway, path: str, body: dict[str, Any],
+                            tenant: str) -> tuple[int, dict[str, Any]]:
+    """The default line executor: `gateway.handlers.answer` as the batch's tenant, at batch priority."""
+    from gateway.handlers import answer
+
+    return await answer(gateway, path, body, tenant=tenant, batch=True)
+
+
+class StorageFailed(Exception):
+    """A store call failed for storage MAX_STORE_ATTEMPTS times; the batch it served fails."""
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What is recorded for a line: its last answer, and `error` ({"code", "message"}) when the line is
+    recorded as an error rather than a result."""
+
+    status: int
+    body: dict[str, Any]
+    error: dict[str, str] | None = None
+
+
+@dataclass
+class _Run:
+    """One batch being run: its tenant, the lines read ahead, the cursor into the store, the lines in flight."""
+
+    batch_id: str
+    tenant: str = DEFAULT_TENANT    # read from the store when the run starts
+    task: asyncio.Task | None = None
+    cancelling: bool = False
+    buffer: deque[BatchLine] = field(default_factory=deque)
+    after_line_no: int = 0
+    exhausted: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    in_flight: set[asyncio.Task] = field(default_factory=set)
+
+    def cancel(self) -> None:
+        """Take no new line, abort those in flight (they stay pending: not in the output)."""
+        self.cancelling = True
+        for task in self.in_flight:
+            task.cancel()
+
+
+class _Gate:
+    """Batch lines run together (`shared`), except a line tried again after its device worker died
+    under it: that one runs with no other batch line in flight (`exclusive`; waiting ones go first), so
+    that a second death points at it and not at the lines beside it. Event loop only."""
+
+    def __init__(self) -> None:
+        self._num_shared = 0
+        self._num_waiting = 0
+        self._exclusive = False
+        self._changed = asyncio.Event()
+
+    async def _wait(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        """Hold the gate beside other lines, once no line waits for it alone."""
+        await self._wait(lambda: not self._exclusive and not self._num_waiting)
+        self._num_shared += 1
+        try:
+            yield
+        finally:
+            self._num_shared -= 1
+            self._notify()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Hold the gate alone, once the lines in flight have finished."""
+        self._num_waiting += 1
+        try:
+            await self._wait(lambda: not self._exclusive and not self._num_shared)
+        finally:
+            self._num_waiting -= 1
+            self._notify()
+        self._exclusive = True
+        try:
+            yield
+        finally:
+            self._exclusive = False
+            self._notify()
+
+
+class BatchRunner:
+    """Runs the pending lines of every unfinished batch through the line executor, records each answer
+    once, and finalizes the batch (output and error files).
+
+    `start` resumes every batch a previous process left in_progress, finalizing or cancelling (lines
+    that were in flight when it died are still pending and run again). Each line runs as the batch's
+    tenant, read from the store. A batch has at most `max_in_flight` lines in flight. A transient
+    answer (503 `engine_dead` / `pool_unavailable`, 502) is not a result: the line is tried again after
+    a back-off (`retry_first_s` doubling, at most `retry_max_s`), at most `max_line_attempts` times in
+    all; a line answered `engine_dead` is tried again alone (`_Gate`), and a second `engine_dead` makes
+    it a poison line. Both end as the line's error. A store call failing for storage is tried
+    `max_store_attempts` times with the same back-off, then the batch fails; so does a batch whose run
+    raises anything else: a batch never stays unfinished while this runner lives.
+
+    Event loop only. Every store call goes through the runner's one thread: the loop never waits on
+    SQLite, and the store sees one caller at a time. `stop` leaves unfinished batches as they are in
+    the store, for the next start.
+    """
+
+    def __init__(self, store: BatchStore, executor: LineExecutor, *, max_in_flight: int = MAX_IN_FLIGHT,
+                 retry_first_s: float = RETRY_FIRST_S, retry_max_s: float = RETRY_MAX_S,
+                 max_line_attempts: int = MAX_LINE_ATTEMPTS, max_store_attempts: int = MAX_STORE_ATTEMPTS) -> None:
+        self.store = store
+        self.executor = executor
+        self.max_in_flight = max_in_flight
+        self.retry_first_s, self.retry_max_s = retry_first_s, retry_max_s
+        self.max_line_attempts, self.max_store_attempts = max_line_attempts, max_store_attempts
+        self._thread = ThreadPoolExecutor(1, "cliffguard-batches")
+        self._runs: dict[str, _Run] = {}
+        self._gate = _Gate()
+
+    async def _on_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
+
+    async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the store thread, for a client's request: a `BatchInputError` becomes
+        a 400 naming its field, a storage error a 503 `storage_unavailable`."""
+        try:
+            return await self._on_thread(fn, *args, **kwargs)
+        except BatchInputError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        except STORAGE_ERRORS as exc:
+            log.error("batch store: %s", exc)
+            raise ApiError(503, f"the batch store cannot be used now ({exc}); try again later", type="server_error",
+                           code="storage_unavailable", headers={"Retry-After": "10"}) from None
+
+    async def durable(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the store thread, for the runner: tried again after a storage error
+        (each store call is one transaction, so a failed one changed nothing), StorageFailed after
+        `max_store_attempts`."""
+        delay, attempt = self.retry_first_s, 1
+        while True:
+            try:
+                return await self._on_thread(fn, *args, **kwargs)
+            except STORAGE_ERRORS as exc:
+                if attempt >= self.max_store_attempts:
+                    raise StorageFailed(f"the batch store failed {attempt} times in a row: {exc}") from exc
+                log.warning("batch store: %s (%s); trying again in %.1f s", exc, fn.__name__, delay)
+            await asyncio.sleep(delay)
+            delay, attempt = min(delay * 2, self.retry_max_s), attempt + 1
+
+    async def start(self) -> None:
+        """Resume every unfinished batch in the store."""
+        ids = await self.durable(self.store.unfinished_batch_ids)
+        if ids:
+            log.info("resuming %d unfinished batches: %s", len(ids), ", ".join(ids))
+        for batch_id in ids:
+            self.run(batch_id)
+
+    async def stop(self) -> None:
+        """Stop every run (their batches stay unfinished in the store) and close the store."""
+        runs = list(self._runs.values())
+        for run in runs:
+            run.task.cancel()
+        await asyncio.gather(*(run.task for run in runs), return_exceptions=True)
+        await asyncio.to_thread(self._thread.shutdown)   # a record already handed to the thread lands
+        self.store.close()
+
+    def run(self, batch_id: str) -> None:
+        """Run the batch in the background, unless it already runs."""
+        if batch_id not in self._runs:
+            run = self._runs[batch_id] = _Run(batch_id)
+            run.task = asyncio.get_running_loop().create_task(self._run_batch(run), name=f"batch {batch_id}")
+
+    async def create(self, input_file_id: str, endpoint: str, completion_window: str,
+                     metadata: Any = None, *, owner: str, tenant: str) -> dict[str, Any]:
+        """Store a new batch of `owner`, run as `tenant` (`BatchStore.create_batch`), and run it;
+        shielded, so a client that leaves meanwhile cannot leave a stored batch that nothing runs."""
+        async def create_and_run() -> dict[str, Any]:
+            batch = await self.db(self.store.create_batch, input_file_id, endpoint, completion_window, metadata,
+                                  owner=owner, tenant=tenant)
+            self.run(batch["id"])
+            return batch
+        return await asyncio.shield(create_and_run())
+
+    async def cancel(self, batch_id: str, *, owner: str) -> dict[str, Any] | None:
+        """Mark the batch cancelling in the store and stop its run (shielded like `create`); the batch
+        object, or None (no such batch, or another owner's: left alone)."""
+        async def cancel_and_stop() -> dict[str, Any] | None:
+            batch = await self.db(self.store.cancel, batch_id, owner=owner)
+            if batch is not None and batch["status"] == "cancelling":
+                if batch_id in self._runs:
+                    self._runs[batch_id].cancel()
+                else:
+                    self.run(batch_id)   # nothing runs it (its run just ended): finalize it as cancelled
+            return batch
+        return await asyncio.shield(cancel_and_stop())
+
+    # --- one batch -------------------------------------------------------------------------------
+    async def _run_batch(self, run: _Run) -> None:
+        """Run the batch's lines, then finalize it a step at a time (the store thread serves clients
+        between steps); fail it on a storage error or any other exception."""
+        try:
+            run.tenant = await self.durable(self.store.batch_tenant, run.batch_id)
+            if await self.durable(self.store.batch_status, run.batch_id) == "in_progress":
+                await self._run_lines(run)
+            if not run.cancelling:
+                await self.durable(self.store.begin_finalizing, run.batch_id)
+            while (batch := await self.durable(self.store.finalize_step, run.batch_id)) is None:
+                pass
+            log.info("batch %s %s: %s%s", run.batch_id, batch["status"], batch["request_counts"],
+                     f" ({batch['errors']['data'][0]['message']})" if batch["errors"] else "")
+        except StorageFailed as exc:
+            await self._fail(run, "storage_error", str(exc))
+        except Exception as exc:  # noqa: BLE001 - a bug must not leave the batch unfinished for ever
+            log.exception("batch %s stopped", run.batch_id)
+            await self._fail(run, "internal_error", f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            self._runs.pop(run.batch_id, None)
+
+    async def _fail(self, run: _Run, code: str, message: str) -> None:
+        log.error("batch %s failed: %s: %s", run.batch_id, code, message)
+        try:
+            await self.durable(self.store.fail, run.batch_id, code, message)
+        except Exception:  # noqa: BLE001 - nothing more can be written now
+            log.exception("batch %s could not be marked failed; it stays unfinished in the store and resumes "
+                          "when the server starts again", run.batch_id)
+
+    async def _run_lines(self, run: _Run) -> None:
+        workers = [asyncio.create_task(self._worker(run)) for _ in range(self.max_in_flight)]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for worker in workers:
+                worker.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+
+    async def _next_line(self, run: _Run) -> BatchLine | None:
+        async with run.lock:
+            if not run.buffer and not run.exhausted:
+                page = await self.durable(self.store.pending_lines, run.batch_id, run.after_line_no, PAGE_LINES)
+                run.buffer.extend(page)
+                run.exhausted = len(page) < PAGE_LINES
+                if page:
+                    run.after_line_no = page[-1].line_no
+            return run.buffer.popleft() if run.buffer else None
+
+    async def _worker(self, run: _Run) -> None:
+        """Take lines until none is left or the batch is cancelled; record each outcome. A line aborted
+        by a cancel is not recorded."""
+        while not run.cancelling and (line := await self._next_line(run)) is not None:
+            task = asyncio.ensure_future(self._answer(line, run.tenant))
+            run.in_flight.add(task)
+            try:
+                await asyncio.wait([task])
+            finally:
+                run.in_flight.discard(task)
+                task.cancel()   # no-op once done; aborts the line if this worker is being cancelled
+            if task.cancelled() and run.cancelling:
+                break
+            outcome = (task.result() if not task.cancelled() else
+                       _Outcome(500, ApiError(500, "internal error: the line's request was cancelled",
+                                              type="server_error").body()))
+            await self.durable(self.store.record, run.batch_id, line.line_no, outcome.status, outcome.body,
+                               error=outcome.error)
+
+    async def _answer(self, line: BatchLine, tenant: str) -> _Outcome:
+        """The line's outcome as `tenant` (a streaming line is the executor's 400): transient answers
+        are tried again up to `max_line_attempts`, a second `engine_dead` makes a poison line."""
+        delay, deaths = self.retry_first_s, 0
+        for attempt in range(1, self.max_line_attempts + 1):
+            status, body = await self._attempt(line, tenant, alone=deaths > 0)
+            if not _is_transient(status, body):
+                return _Outcome(status, body)
+            message = _describe(status, body)
+            if _error(body).get("code") == "engine_dead":
+                deaths += 1
+                if deaths >= MAX_ENGINE_DEATHS:
+                    log.error("line %d (%s) of a batch is a poison line: %s", line.line_no, line.custom_id, message)
+                    return _Outcome(status, body, {"code": "poison_line", "message": (
+                        f"line {line.line_no}: the device worker died {deaths} times while answering it, the last "
+                        f"time with no other batch line in flight ({message}); not tried again")})
+            if attempt < self.max_line_attempts:
+                log.warning("line %d (%s): %s; trying again in %.1f s", line.line_no, line.custom_id, message, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.retry_max_s)
+        return _Outcome(status, body, {"code": "retries_exhausted", "message": (
+            f"line {line.line_no}: gave up after {self.max_line_attempts} attempts; the last answer was {message}")})
+
+    async def _attempt(self, line: BatchLine, tenant: str, *, alone: bool) -> tuple[int, dict[str, Any]]:
+        """One try of the line (`alone`: with no other batch line in flight); an executor bug is a 500
+        for this line only."""
+        async with self._gate.exclusive() if alone else self._gate.shared():
+            try:
+                return await self.executor(line.url, line.body, tenant)
+            except Exception as exc:  # noqa: BLE001 - a bug answering one line must not stop the batch
+                log.exception("line %d (%s) of a batch failed", line.line_no, line.custom_id)
+                return 500, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").body()
+
+
+def _error(body: Any) -> dict[str, Any]:
+    """The `error` object of an OpenAI error body ({} for anything else)."""
+    error = body.get("error") if isinstance(body, dict) else None
+    return error if isinstance(error, dict) else {}
+
+
+def _describe(status: int, body: Any) -> str:
+    """`503 engine_dead: <message>`, for logs and line errors."""
+    code, message = _error(body).get("code"), _error(body).get("message")
+    return f"{status}{' ' + code if code else ''}: {message if message else repr(body)}"
+
+
+def _is_transient(status: int, body: Any) -> bool:
+    return status == 502 or (status == 503 and _error(body).get("code") in TRANSIENT_CODES)

@@ -1,0 +1,118 @@
+"""`Completion`: one completion request's path through the gateway, the same for an HTTP request and
+for a batch line.
+
+The stages, in order (`Completion.answer`):
+1. **check**: each routed prompt leaves room for `max_tokens` in its pool's context;
+2. **forward** to an upstream pool (`gateway.upstream`), which answers it all; otherwise, local pools:
+3. **clamp** the priority to what the tenant may ask for (`AdmissionControl.clamp_priority`);
+4. **hold credits**: the KV the request may need, in its tenant's channel of each pool's credit queue
+   (`AdmissionControl.admitted`), until the engine is done with it;
+5. **wait for the device**: a pool whose worker is (re)starting holds the request (`Gateway.wait_device`);
+6. **run** in the engine and assemble the answer (`gateway.responses.LocalResponse`); a request the
+   worker died under before its client saw anything runs again, once, on the restarted worker;
+7. **answer**: the credits are back as soon as the engine is done; then the client gets its stream or
+   body (an HTTP request), or the batch runner its JSON (a batch line, `http` None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gateway import openai_api as api
+from gateway.openai_api import ApiError, ChatRequest, CompletionRequest
+from gateway.responses import ClientGone, LocalResponse
+from gateway.runtime import Gateway
+from gateway.upstream import forward
+from pools.pool import Pool
+
+log = logging.getLogger("cliffguard.gateway")
+
+# A request the device worker died under before its client saw anything (nothing streamed yet, or not
+# streamed at all) runs again this many times on the restarted worker (its client sees one answer);
+# past that, or once a chunk was streamed, 503 engine_dead (or an error event).
+# A request that itself kills the worker therefore kills it 1 + this many times. Batch lines are retried
+# by the batch runner instead (a line that kills the worker twice is a poison line).
+ENGINE_DEATH_RETRIES = 1
+
+
+@dataclass
+class Completion:
+    """A parsed and routed completion request of `tenant`, received at `received` (perf_counter)."""
+
+    gateway: Gateway
+    req: ChatRequest | CompletionRequest
+    routed: Sequence[tuple[Pool, list[int]]]
+    body: dict[str, Any]
+    path: str                           # /chat/completions or /completions (an upstream pool gets the same)
+    received: float
+    tenant: str
+    http: web.Request | None = None     # None: a batch line (JSON back, nothing streamed)
+    background: bool = False            # a batch line: served behind interactive traffic
+
+    async def answer(self) -> web.StreamResponse | dict[str, Any]:
+        """The stages of the module docstring. A client that went away (or stopped reading) gets
+        nothing more: its closed connection is answered 499, which nobody reads."""
+        try:
+            return await self._answer()
+        except ClientGone as exc:
+            log.info("%s %s: %s", self.http.method if self.http is not None else "batch", self.path, exc)
+            return web.Response(status=499)   # nginx's "client closed request"
+
+    async def _answer(self) -> web.StreamResponse | dict[str, Any]:
+        for pool, ids in self.routed:
+            self.gateway.metrics.routed.labels(pool=pool.name).inc()
+            api.check_context(self.req, len(ids), pool.max_model_len, pool.name)
+        upstream = [pool for pool, _ in self.routed if pool.is_upstream]
+        if upstream:
+            return await self._forward(upstream[0])
+        admission = self.gateway.admission
+        req = dataclasses.replace(self.req, priority=admission.clamp_priority(self.tenant, self.req.priority))
+        async with admission.admitted(self.routed, max_tokens=req.params.max_tokens, n=req.params.n,
+                                      request_id=api.new_id("adm"), tenant=self.tenant, priority=req.priority,
+                                      background=self.background, max_tokens_param=req.max_tokens_param):
+            local = await self._run_local(req)
+        # The engine is done with every request: its credits are back, however slowly the client reads.
+        return await (local.finish() if self.http is not None else local.result())
+
+    async def _forward(self, pool: Pool) -> web.StreamResponse | dict[str, Any]:
+        if len(self.routed) > 1:
+            raise ApiError(400, "prompt: a list of prompts cannot be sent to an upstream pool; send them one "
+                           "by one", param="prompt")
+        gateway = self.gateway
+        response = await forward(self.http, gateway.session, pool, self.path, self.body, self.req.stream,
+                                 gateway.metrics, write_timeout=gateway.config.gateway.write_timeout)
+        if self.http is not None:
+            return response
+        if response.status >= 400:
+            raise _relayed_error(response)
+        return json.loads(response.body)
+
+    async def _run_local(self, req: ChatRequest | CompletionRequest) -> LocalResponse:
+        """Wait for each pool's device, run the request in the engine; once more on a restarted worker
+        if the last one died before the client saw anything (HTTP only)."""
+        retries = 0 if self.background else ENGINE_DEATH_RETRIES   # the batch runner has its own policy
+        for attempt in range(1 + retries):
+            for pool, _ in self.routed:
+                await self.gateway.wait_device(pool)
+            local = LocalResponse(self.http, req, self.routed, received=self.received, metrics=self.gateway.metrics,
+                                  write_timeout=self.gateway.config.gateway.write_timeout, tenant=self.tenant)
+            await local.run()
+            if attempt == retries or not local.retryable:
+                break
+            log.warning("%s: the device worker died before the client saw anything (%s); running it again on "
+                        "the restarted worker", local.request_id, local.error.message)
+        return local
+
+
+def _relayed_error(response: web.Response) -> ApiError:
+    """An upstream's error response (already in the OpenAI format) as an ApiError."""
+    error = json.loads(response.body).get("error") or {}
+    return ApiError(response.status, error.get("message", ""), param=error.get("param"),
+                    type=error.get("type", "server_error"), code=error.get("code"))

@@ -1,0 +1,75 @@
+"""The Batch API store's SQLite schema (version 3) and its in-place migration from versions 1 and 2
+(`pools.batchstore` explains what each version holds and how old rows get their owner)."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+TABLES = (   # the tables as version 3 creates them (see the module docstring for what older ones lack)
+    """CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY, purpose TEXT NOT NULL, filename TEXT NOT NULL, bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL,
+    content BLOB NOT NULL,              -- a version-2 file's bytes; empty from version 3 (file_chunks)
+    tenant TEXT NOT NULL,
+    owner TEXT)                         -- NULL: a version-2 row, its owner in legacy_owners""",
+    """CREATE TABLE IF NOT EXISTS batches (
+    seq INTEGER PRIMARY KEY,            -- creation order, for listing newest first
+    id TEXT NOT NULL UNIQUE, input_file_id TEXT NOT NULL, endpoint TEXT NOT NULL,
+    completion_window TEXT NOT NULL, status TEXT NOT NULL, created_at INTEGER NOT NULL,
+    in_progress_at INTEGER, finalizing_at INTEGER, completed_at INTEGER, cancelling_at INTEGER,
+    cancelled_at INTEGER, output_file_id TEXT, error_file_id TEXT, metadata TEXT, tenant TEXT NOT NULL,
+    owner TEXT NOT NULL DEFAULT '', failed_at INTEGER, errors TEXT)""",
+    """CREATE TABLE IF NOT EXISTS lines (
+    batch_id TEXT NOT NULL, line_no INTEGER NOT NULL, custom_id TEXT, method TEXT, url TEXT, body TEXT,
+    status TEXT NOT NULL CHECK (status IN ('pending', 'done', 'error')),
+    response_status INTEGER, response_body TEXT, error TEXT,
+    PRIMARY KEY (batch_id, line_no))""",
+    """CREATE TABLE IF NOT EXISTS file_chunks (
+    file_id TEXT NOT NULL, start INTEGER NOT NULL, data BLOB NOT NULL,   -- data: at most CHUNK_BYTES
+    PRIMARY KEY (file_id, start))""",
+    """CREATE TABLE IF NOT EXISTS finalizing (   -- a finalizing batch's files: written up to after_line_no
+    batch_id TEXT PRIMARY KEY, after_line_no INTEGER NOT NULL, output_bytes INTEGER NOT NULL,
+    error_bytes INTEGER NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS legacy_owners (tenant TEXT PRIMARY KEY, owner TEXT NOT NULL)""")
+ADDED_COLUMNS = (   # (table, column, definition) added to an older store's tables; DDL takes no parameters
+    ("files", "tenant", "TEXT NOT NULL DEFAULT {default_tenant}"),
+    ("batches", "tenant", "TEXT NOT NULL DEFAULT {default_tenant}"),
+    ("files", "owner", "TEXT"),
+    ("batches", "owner", "TEXT NOT NULL DEFAULT ''"),
+    ("batches", "failed_at", "INTEGER"),
+    ("batches", "errors", "TEXT"))
+INDEXES = ("DROP INDEX IF EXISTS batches_by_tenant",   # version 2's; batches are listed by owner
+            "CREATE INDEX IF NOT EXISTS lines_by_status ON lines (batch_id, status, response_status)",
+            "CREATE INDEX IF NOT EXISTS batches_by_owner ON batches (owner, seq)")
+SCHEMA_VERSION = 3
+
+
+def migrate(db: sqlite3.Connection, path: Path, default_tenant: str, legacy_owner: Callable[[str], str]) -> None:
+    """Bring the store to SCHEMA_VERSION inside the caller's transaction: create what is missing (a new
+    file), add the columns an older store's tables lack (version 1's rows get `default_tenant`), and
+    give the rows of a store without owners the owner `legacy_owner(tenant)`. Decided by the columns
+    present, not only the version: a version-0 file may hold version-1 tables (a process that died
+    between creating them and writing the version)."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version not in range(SCHEMA_VERSION + 1):
+        raise RuntimeError(f"{path}: batch store schema version {version}, this code reads {SCHEMA_VERSION}")
+    for statement in TABLES:
+        db.execute(statement)
+    added = set()
+    for table, column, definition in ADDED_COLUMNS:
+        if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
+            # the rows get the column's default: no row (nor a file's content) is rewritten
+            literal = "'" + default_tenant.replace("'", "''") + "'"   # an SQL literal
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition.format(default_tenant=literal)}")
+            added.add((table, column))
+    if ("batches", "owner") in added or ("files", "owner") in added:
+        tenants = [row[0] for row in db.execute("SELECT tenant FROM files UNION SELECT tenant FROM batches")]
+        db.executemany("INSERT OR REPLACE INTO legacy_owners (tenant, owner) VALUES (?, ?)",
+                       ((tenant, legacy_owner(tenant)) for tenant in tenants))
+        db.execute("UPDATE batches SET owner = (SELECT owner FROM legacy_owners WHERE legacy_owners.tenant = "
+                   "batches.tenant) WHERE owner = ''")
+    for statement in INDEXES:
+        db.execute(statement)
+    db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
