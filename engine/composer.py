@@ -16,10 +16,13 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    interactive pool on the device there is no target (each pool fills its own token budget, the
    behaviour of plain chunked prefill).
 2. **Interactive pools** schedule first. One that has running decodes gets the token budget that
-   the step-cost model predicts still fits its `itl_ms` times its ITL scale alone (at least its
-   decodes and one block of prefill), so its own long prompts are chunked and its decodes keep
-   `itl_ms`; one with nothing decoding gets its whole `max_num_batched_tokens` (a lone prefill is
-   best served in one piece).
+   the step-cost model predicts still fits `ITL_AIM` of its `itl_ms` alone (at least its decodes and
+   one block of prefill), so its own long prompts are chunked and its decodes keep `itl_ms`; one with
+   nothing decoding gets its whole `max_num_batched_tokens` (a lone prefill is best served in one
+   piece). The feedback scales never shrink this budget: they exist to take throughput work out of
+   the step, and chunking the pool's own prompts harder would only delay its first tokens (with chat
+   at 1.25 requests/s beside a rag flood, an ITL-scaled budget split each ~60-token chat prompt into
+   3-10 chunks and raised chat's median TTFT by 50-70% over chat alone).
 3. **Pressure.** An interactive pool is *pressed* when it has a request waiting (not admitted: no
    running slot or no free block; or waiting at the gateway for KV credits, which the gateway
    reports with `set_external_waiting`), a swapped-out request, a request whose prefill runs in
@@ -112,8 +115,8 @@ class SLOTracker:
     TTFT is the engine's: from `add_request` to the first sampled token (the gateway's admission
     wait is not in it; the gateway reports waiting requests through `StepComposer.set_external_waiting`
     instead). An inter-token gap is the wall time between the ends of two consecutive steps that both
-    carried one of the pool's decodes. `itl` follows the ITL p99 alone and bounds the pool's own
-    prefill chunks; `scale`, the smaller of both, sets the step target that throughput pools fill.
+    carried one of the pool's decodes. `scale`, the smaller of both, sets the step target that
+    throughput pools fill; neither bounds the pool's own prefill chunks.
     """
 
     def __init__(self, slo: LatencySLO) -> None:
@@ -295,16 +298,13 @@ class StepComposer:
         return len(scheduler.running) >= PRESSURE_OCCUPANCY * scheduler.config.max_num_seqs
 
     def _interactive_budget(self, name: str, so_far: StepFeatures) -> int | None:
-        """An interactive pool's tokens: what fits its own `itl_ms` once its decodes are in (at least
-        its decodes and one block of prefill), or no limit when nothing of it decodes.
-
-        The limit is the SLO's `itl_ms` scaled by the ITL feedback alone, never by the TTFT one: that
-        one exists to take throughput work out of the step, and chunking the pool's own prompts
-        harder when its TTFT is high would only make its TTFT higher."""
+        """An interactive pool's tokens: what fits `ITL_AIM` of its own `itl_ms` once its decodes are in
+        (at least its decodes and one block of prefill), or no limit when nothing of it decodes. No
+        feedback scale applies (the module docstring's step 2)."""
         scheduler = self.schedulers[name]
         if not scheduler.config.enable_chunked_prefill or not self.cost_model.ready:
             return None
-        target = self.slos[name].step_seconds * self.trackers[name].itl.scale
+        target = self.slos[name].step_seconds * ITL_AIM
         decodes, prefill_context = scheduler.pending_work()
         if not decodes or prefill_context is None:
             return None

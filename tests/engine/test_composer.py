@@ -12,8 +12,8 @@ from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
-from engine.composer import (COLD_START_TOKENS, HOLD_STEPS, MIN_SCALE, STARVATION_STEPS, UPDATE_EVERY, SLOTracker,
-                             StepComposer)
+from engine.composer import (COLD_START_TOKENS, HOLD_STEPS, ITL_AIM, MIN_SCALE, STARVATION_STEPS, UPDATE_EVERY,
+                             SLOTracker, StepComposer)
 from engine.config import ConfigError, LatencySLO
 from engine.sampling import SamplingParams as Params
 from engine.scheduler import Scheduler
@@ -283,6 +283,29 @@ def test_an_interactive_pool_chunks_its_own_long_prompt_so_its_decodes_keep_the_
     alone = _make_composer()
     alone.schedulers["chat"].add(_make_seq(0, 1500))
     assert [i.num_new_tokens for i in alone.schedule().outputs["chat"].scheduled] == [1500]
+
+
+def test_the_itl_feedback_squeezes_throughput_work_but_not_the_interactive_pools_own_prompts():
+    """Misses of the ITL aim (in a split layout mostly the throughput chunks' doing) shrink the step
+    target, hence the rag chunks; the chat pool's own prompt is still chunked against `ITL_AIM` of its
+    `itl_ms`, as with chat alone, so its time to first token does not grow with the feedback."""
+    chunks, rag = {}, {}
+    for squeezed in (False, True):
+        composer = _make_composer()
+        _decoding_chat(composer, 4)
+        if squeezed:
+            composer.trackers["chat"].itl.scale = MIN_SCALE
+        composer.schedulers["chat"].add(_make_seq(60, 3000))
+        step = composer.schedule()
+        chunks[squeezed] = step.outputs["chat"].scheduled[4].num_new_tokens
+        calm = _make_composer()
+        _decoding_chat(calm, 4)
+        if squeezed:
+            calm.trackers["chat"].itl.scale = MIN_SCALE
+        rag[squeezed] = _rag_seconds(calm, calm.schedule())
+    assert chunks[True] == chunks[False] > 16
+    assert step.predicted_seconds <= ITL_AIM * 0.050 * composer.cost_model.margin + 1e-9
+    assert rag[True] < rag[False]
 
 
 def test_the_slo_tracker_shrinks_the_target_on_a_miss_and_grows_it_back():
