@@ -134,10 +134,10 @@ def nonnegative_lstsq(x: np.ndarray, t: np.ndarray) -> np.ndarray:
     return coef
 
 
-def _fit(features: Sequence[StepFeatures] | Sequence[np.ndarray], seconds: Sequence[float],
+def _fit(vectors: Sequence[np.ndarray], seconds: Sequence[float],
          swap_bandwidth: float | None = None) -> LinearStepTime:
-    x = np.stack([f if isinstance(f, np.ndarray) else f.vector() for f in features])
-    a, b, c, d = (float(v) for v in nonnegative_lstsq(x, np.asarray(seconds, dtype=float)))
+    """`LinearStepTime` fitted to steps given as their `StepFeatures.vector()`s."""
+    a, b, c, d = (float(v) for v in nonnegative_lstsq(np.stack(vectors), np.asarray(seconds, dtype=float)))
     return LinearStepTime(a, b, c, d, swap_bandwidth=swap_bandwidth)
 
 
@@ -147,7 +147,7 @@ def fit_linear(samples: Sequence[tuple[StepFeatures, float]], *, swap_bandwidth:
     used = list(samples)[skip:]
     if len(used) < MIN_FIT_STEPS:
         raise ValueError(f"calibration: {len(used)} measured steps are too few to fit 4 coefficients")
-    return _fit([f for f, _ in used], [s for _, s in used], swap_bandwidth)
+    return _fit([f.vector() for f, _ in used], [s for _, s in used], swap_bandwidth)
 
 
 class StepCostModel:
