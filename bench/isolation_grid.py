@@ -19,6 +19,7 @@ DEFAULT_GRID = ("0.5,1,2", "0.1,0.2,0.4", "1500,3000")
 RAG_LEN_SPREAD = 0.2                        # rag prompts: uniform within +-20% of the length asked
 SPLIT_SLACK = 1.25                          # split chat p99s may exceed their reference by 25%
 MIN_RAG_SHARE = 0.3                         # split rag tokens/s over rag alone's, where required
+SATURATED_BUSY = 1 - MIN_RAG_SHARE          # chat alone busy this much: no idle time left for rag's share
 BLOCK_SIZE = 16
 BARS = ("chat_alone_meets_slo", "split_ttft_ok", "split_itl_ok", "split_no_preemption", "rag_share_ok")
 

@@ -94,5 +94,6 @@ def measure_steps(engine: Any, *, pool: str | None = None, seed: int = 0,
             engine.step()
             s = engine.last_step
             if s.seconds > 0 and s.num_prefill_tokens + s.num_decode_tokens:
-                samples.append((StepFeatures(s.num_prefill_tokens, s.num_decode_tokens, s.num_attended), s.seconds))
+                samples.append((StepFeatures(s.num_prefill_tokens, s.num_decode_tokens, s.num_attended,
+                                             s.num_keys_read), s.seconds))
     return fit_linear(samples, skip=2), samples

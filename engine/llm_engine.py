@@ -48,6 +48,7 @@ class StepStats:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_attended: int = 0                   # query-key pairs of the step's attention (the composer's feature)
+    num_keys_read: int = 0                  # context positions its sequences read (another of its features)
     num_preempted: int = 0
     seconds: float = 0.0
     target_seconds: float | None = None     # the composer's latency target for the step
@@ -280,6 +281,7 @@ class LLMEngine:
         stats = StepStats(num_prefill_tokens=composed.features.num_prefill_tokens,
                           num_decode_tokens=composed.features.num_decode_tokens,
                           num_attended=composed.features.num_attended,
+                          num_keys_read=composed.features.num_keys_read,
                           target_seconds=composed.target_seconds, predicted_seconds=composed.predicted_seconds,
                           pressed=list(composed.pressed),
                           pool_tokens={name: out.num_batched_tokens for name, out in composed.outputs.items()})

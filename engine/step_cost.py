@@ -1,13 +1,20 @@
 """The step-cost model, in one place: what one forward step costs for the work scheduled in it.
 
 A step's work, as every cost model here sees it, is a `StepFeatures`: its prefill tokens, its decode
-tokens and the query-key pairs its attention computes (a prefill chunk of q tokens after c cached ones
-attends q * c + q * (q + 1) / 2 pairs, a decode token its whole context). Three users, one model:
+tokens, the query-key pairs its attention computes (a prefill chunk of q tokens after c cached ones
+attends q * c + q * (q + 1) / 2 pairs, a decode token its whole context) and the keys its sequences
+read (c + q for that chunk, c + 1 for a decode: each sequence's whole context is read once per step,
+whatever the chunk). Three users, one model:
 the step composer sizes chunks with it online (`StepCostModel`), the simulator advances its clock
 with it (`StepTime`), and the benchmarks fit it to measured steps and compare it with real runs.
 
-- `LinearStepTime`: `t = a + b * prefill_tokens + c * decode_tokens + d * attended / 1024` (seconds),
-  the one linear form. `fit_linear` fits it to measured steps (least squares, coefficients >= 0);
+- `LinearStepTime`: `t = a + b * prefill_tokens + c * decode_tokens + d * attended / 1024
+  + e * keys_read / 1024` (seconds), the one linear form. The keys term is what a step pays per
+  sequence for its context whatever the number of its new tokens (the paged K/V gathered, the
+  attention kernel's passes over it): without it a long-context decode or a 13-token chunk after
+  3,000 cached tokens looks like a cheap step, and a fit over such steps charges their cost to the
+  decode or prefill token (on the CPU of 2026-11-24 a fit without it gave 26 ms per decode token
+  beside a rag prompt, and chat's own prompts were cut into 16-token chunks for it). `fit_linear` fits it to measured steps (least squares, coefficients >= 0);
   `write_step_model` / `read_step_model` keep it in a small JSON file; `read_step_trace` reads the
   steps a serving worker traced (`CLIFFGUARD_STEP_TRACE`); `engine.calibration` measures a real
   engine's steps.
@@ -39,7 +46,7 @@ if TYPE_CHECKING:
     from engine.scheduler import ScheduledSeq
 
 GiB = 1 << 30
-MIN_FIT_STEPS = 8         # measured steps `fit_linear` needs for its 4 coefficients
+MIN_FIT_STEPS = 8         # measured steps `fit_linear` needs for its 5 coefficients
 
 
 @dataclass
@@ -49,6 +56,7 @@ class StepFeatures:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_attended: int = 0          # query-key pairs of the step's attention
+    num_keys_read: int = 0         # context positions the step's sequences read (cached + new, each)
 
     def add(self, num_cached: int, num_new: int, is_decode: bool) -> None:
         if is_decode:
@@ -56,6 +64,7 @@ class StepFeatures:
         else:
             self.num_prefill_tokens += num_new
         self.num_attended += num_new * num_cached + num_new * (num_new + 1) // 2
+        self.num_keys_read += num_cached + num_new
 
     def add_scheduled(self, items: Sequence[ScheduledSeq]) -> None:
         for item in items:
@@ -66,11 +75,12 @@ class StepFeatures:
     def plus(self, other: StepFeatures) -> StepFeatures:
         return StepFeatures(self.num_prefill_tokens + other.num_prefill_tokens,
                             self.num_decode_tokens + other.num_decode_tokens,
-                            self.num_attended + other.num_attended)
+                            self.num_attended + other.num_attended, self.num_keys_read + other.num_keys_read)
 
     def vector(self) -> np.ndarray:
         """The linear model's regressors, in the order of `LinearStepTime`'s coefficients."""
-        return np.array([1.0, self.num_prefill_tokens, self.num_decode_tokens, self.num_attended / 1024])
+        return np.array([1.0, self.num_prefill_tokens, self.num_decode_tokens, self.num_attended / 1024,
+                         self.num_keys_read / 1024])
 
 
 class StepTime(Protocol):
@@ -85,33 +95,35 @@ class StepTime(Protocol):
 
 @dataclass(frozen=True)
 class LinearStepTime:
-    """`t = a + b * prefill + c * decode + d * attended / 1024` (seconds, per token, per 1024 pairs)."""
+    """`t = a + b * prefill + c * decode + d * attended / 1024 + e * keys_read / 1024` (seconds, per
+    token, per 1024 query-key pairs, per 1024 keys read)."""
 
     a: float
     b: float
     c: float
     d: float
+    e: float = 0.0
     swap_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("a", "b", "c", "d"):
+        for name in ("a", "b", "c", "d", "e"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name}: must be a number >= 0, got {value!r}")
 
     def predict(self, features: StepFeatures) -> float:
-        return float(features.vector() @ np.array([self.a, self.b, self.c, self.d]))
+        return float(features.vector() @ np.array([self.a, self.b, self.c, self.d, self.e]))
 
     def seconds(self, batch: Sequence[ScheduledSeq], features: StepFeatures, num_sampled: int) -> float:
         return self.predict(features)
 
     def coefficients(self) -> dict[str, float]:
-        return {"a": self.a, "b": self.b, "c": self.c, "d": self.d}
+        return {"a": self.a, "b": self.b, "c": self.c, "d": self.d, "e": self.e}
 
     def describe(self) -> str:
         """The model in milliseconds, for a report line."""
         return (f"t = {self.a * 1e3:.2f} ms + {self.b * 1e3:.4f} ms/prefill token + {self.c * 1e3:.4f} ms/decode "
-                f"token + {self.d * 1e3:.4f} ms/1024 attended")
+                f"token + {self.d * 1e3:.4f} ms/1024 attended + {self.e * 1e3:.4f} ms/1024 keys read")
 
 
 def nonnegative_lstsq(x: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -137,8 +149,8 @@ def nonnegative_lstsq(x: np.ndarray, t: np.ndarray) -> np.ndarray:
 def _fit(vectors: Sequence[np.ndarray], seconds: Sequence[float],
          swap_bandwidth: float | None = None) -> LinearStepTime:
     """`LinearStepTime` fitted to steps given as their `StepFeatures.vector()`s."""
-    a, b, c, d = (float(v) for v in nonnegative_lstsq(np.stack(vectors), np.asarray(seconds, dtype=float)))
-    return LinearStepTime(a, b, c, d, swap_bandwidth=swap_bandwidth)
+    a, b, c, d, e = (float(v) for v in nonnegative_lstsq(np.stack(vectors), np.asarray(seconds, dtype=float)))
+    return LinearStepTime(a, b, c, d, e, swap_bandwidth=swap_bandwidth)
 
 
 def fit_linear(samples: Sequence[tuple[StepFeatures, float]], *, swap_bandwidth: float | None = None,
@@ -146,7 +158,7 @@ def fit_linear(samples: Sequence[tuple[StepFeatures, float]], *, swap_bandwidth:
     """`LinearStepTime` fitted to measured steps, leaving out the first `skip` (warm-up)."""
     used = list(samples)[skip:]
     if len(used) < MIN_FIT_STEPS:
-        raise ValueError(f"calibration: {len(used)} measured steps are too few to fit 4 coefficients")
+        raise ValueError(f"calibration: {len(used)} measured steps are too few to fit 5 coefficients")
     return _fit([f.vector() for f, _ in used], [s for _, s in used], swap_bandwidth)
 
 
@@ -202,7 +214,8 @@ def read_step_trace(path: str | Path, *, skip: int = 2) -> list[tuple[StepFeatur
     """The steps of a served run, from the device worker's `CLIFFGUARD_STEP_TRACE` file (engine/worker.py):
     each step's features and its `cycle_seconds` (the worker loop's whole turn: commands, the step, its
     outputs sent), which is what a step costs while the gateway, the clients and the worker share the
-    machine. Lines without `cycle_seconds` (older traces) use `seconds`. The first `skip` steps of the
+    machine. Lines without `cycle_seconds` (older traces) use `seconds`, lines without `num_keys_read`
+    read it as 0. The first `skip` steps of the
     file (kernels warming) are left out. ValueError naming the file and line for anything malformed."""
     try:
         lines = Path(path).read_text().splitlines()
@@ -215,7 +228,7 @@ def read_step_trace(path: str | Path, *, skip: int = 2) -> list[tuple[StepFeatur
         try:
             step = json.loads(line)
             features = StepFeatures(int(step["num_prefill_tokens"]), int(step["num_decode_tokens"]),
-                                    int(step.get("num_attended", 0)))
+                                    int(step.get("num_attended", 0)), int(step.get("num_keys_read", 0)))
             seconds = float(step["cycle_seconds"] if "cycle_seconds" in step else step["seconds"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"--from-trace: {path} line {n} is not a step record ({type(exc).__name__}: {exc})"
@@ -240,7 +253,8 @@ def write_step_model(path: str | Path, model: LinearStepTime, *, device: str, mo
 
 
 def read_step_model(path: str | Path) -> LinearStepTime:
-    """A calibration file written by `write_step_model`; ValueError naming the file otherwise."""
+    """A calibration file written by `write_step_model`; ValueError naming the file otherwise. A file
+    without `e` (written before the keys-read term) reads as e = 0."""
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -250,7 +264,7 @@ def read_step_model(path: str | Path) -> LinearStepTime:
     if not isinstance(data, dict) or data.get("step_model") != "linear":
         raise ValueError(f"--step-model: {path} is not a calibration file (no \"step_model\": \"linear\")")
     try:
-        return LinearStepTime(*(data[k] for k in ("a", "b", "c", "d")))
+        return LinearStepTime(*(data[k] for k in ("a", "b", "c", "d")), e=data.get("e", 0.0))
     except KeyError as exc:
         raise ValueError(f"--step-model: {path} lacks {exc.args[0]!r}") from None
 

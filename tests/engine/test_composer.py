@@ -21,8 +21,9 @@ from engine.sequence import FinishReason, Sequence
 from engine.step_cost import StepCostModel, StepFeatures, nonnegative_lstsq
 from tests.conftest import assert_all_free, make_tiny_model
 
-# a made-up device: 5 ms per step, 0.2 ms per prefill token, 1 ms per decode, 0.01 ms per 1024 pairs
-TRUE_COEF = np.array([5e-3, 2e-4, 1e-3, 1e-5])
+# a made-up device: 5 ms per step, 0.2 ms per prefill token, 1 ms per decode, 0.01 ms per 1024 pairs,
+# 0.1 ms per 1024 keys read
+TRUE_COEF = np.array([5e-3, 2e-4, 1e-3, 1e-5, 1e-4])
 
 
 def _true_seconds(f: StepFeatures) -> float:
@@ -306,6 +307,63 @@ def test_the_itl_feedback_squeezes_throughput_work_but_not_the_interactive_pools
     assert chunks[True] == chunks[False] > 16
     assert step.predicted_seconds <= ITL_AIM * 0.050 * composer.cost_model.margin + 1e-9
     assert rag[True] < rag[False]
+
+
+def test_keys_read_count_each_sequences_context_once_per_step():
+    f = StepFeatures()
+    f.add(3000, 13, False)                       # a 13-token chunk after 3,000 cached tokens
+    f.add(150, 1, True)                          # a decode after 150
+    assert f.num_keys_read == 3013 + 151
+    assert f.num_attended == 13 * 3000 + 13 * 14 // 2 + 151
+    assert f.plus(f).num_keys_read == 2 * (3013 + 151)
+
+
+# the CPU of the 2026-11-25 step trace, roughly: 32 ms a step, 1.3 ms a prefill token, 2.6 ms a decode,
+# 0.16 ms per 1024 query-key pairs, and 15 ms per 1024 keys read (each sequence's context, every step)
+CPU_COEF = np.array([32e-3, 1.3e-3, 2.6e-3, 0.16e-3, 15e-3])
+
+
+def test_a_long_context_throughput_history_does_not_cut_the_interactive_pools_prompt_into_crumbs():
+    """Beside a rag prompt with 3,000 cached tokens the composer's model sees mostly rag steps: small
+    chunks and decodes that each read the long context. Without a keys-read term a fit charges that
+    context to the decode and prefill tokens, predicts a chat step of one decode and 16 prompt tokens
+    at about twice its time, and chat's own ~60-token prompts go through in 16-token pieces (the chat
+    TTFT misses of that trace). With it, chat's chunk is what truly fits its `ITL_AIM`."""
+    def seconds(f: StepFeatures) -> float:
+        work = [1, f.num_prefill_tokens, f.num_decode_tokens, f.num_attended / 1024, f.num_keys_read / 1024]
+        return float(np.dot(work, CPU_COEF))
+
+    composer = _make_composer(LatencySLO(ttft_ms=1000, itl_ms=100))
+    composer.cost_model = StepCostModel()
+    rng = random.Random(3)
+    for i in range(256):                         # the recorded regime: rag chunks and decodes, a few chat steps
+        f = StepFeatures()
+        kind = i % 8
+        if kind < 5:
+            f.add(rng.randrange(2000, 3200), rng.randrange(12, 66), False)
+        elif kind < 7:
+            f.add(rng.randrange(2900, 3200), 1, True)
+            if kind == 6:
+                f.add(rng.randrange(60, 200), 1, True)
+        else:
+            f.add(0, rng.randrange(60, 150), False)
+        composer.cost_model.observe(f, seconds(f))
+    chat = composer.schedulers["chat"]
+    decoding = _make_seq(0, 60, max_tokens=10_000)
+    chat.add(decoding)
+    _run_step(composer)                          # its prefill; from now on it decodes
+    chat.add(_make_seq(1, 64))
+    step = composer.schedule()
+    chunk = step.outputs["chat"].scheduled[1].num_new_tokens
+    fits = [n for n in range(1, 65) if seconds(_with_chunk(decoding, n)) <= ITL_AIM * 0.100]
+    assert chunk >= 0.9 * max(fits) > 2 * chat.block_manager.block_size
+
+
+def _with_chunk(decoding: Sequence, num_new: int) -> StepFeatures:
+    f = StepFeatures()
+    f.add(decoding.num_computed_tokens, 1, True)
+    f.add(0, num_new, False)
+    return f
 
 
 def test_the_slo_tracker_shrinks_the_target_on_a_miss_and_grows_it_back():

@@ -239,6 +239,8 @@ def test_calibrate_fits_a_real_engine_and_predicts_its_steps(tmp_path_factory, b
     path = tmp_path_factory.mktemp("calib") / "step.json"
     write_step_model(path, model, device="cpu", model_name="tiny", num_steps=len(samples))
     assert read_step_model(path) == model
+    path.write_text('{"step_model": "linear", "a": 0.04, "b": 0.001, "c": 0.002, "d": 0.0005}')
+    assert read_step_model(path) == LinearStepTime(0.04, 0.001, 0.002, 0.0005, e=0.0)   # written before e
     path.write_text('{"a": 1}')
     with pytest.raises(ValueError, match="not a calibration file"):
         read_step_model(path)
@@ -247,24 +249,26 @@ def test_calibrate_fits_a_real_engine_and_predicts_its_steps(tmp_path_factory, b
 def _write_trace(path, model: LinearStepTime, steps) -> None:
     """A worker step trace whose turns cost exactly what `model` says (and whose steps cost less)."""
     lines = []
-    for prefill, decode, attended in steps:
-        cycle = model.seconds([], StepFeatures(prefill, decode, attended), 0)
+    for prefill, decode, attended, keys in steps:
+        cycle = model.seconds([], StepFeatures(prefill, decode, attended, keys), 0)
         lines.append(json.dumps({"t": 0.0, "cycle_seconds": cycle, "num_prefill_tokens": prefill,
-                                 "num_decode_tokens": decode, "num_attended": attended, "seconds": cycle * 0.8}))
+                                 "num_decode_tokens": decode, "num_attended": attended, "num_keys_read": keys,
+                                 "seconds": cycle * 0.8}))
     path.write_text("\n".join(lines) + "\n")
 
 
 def test_a_served_step_trace_fits_the_turns_it_recorded(tmp_path, capsys):
-    served = LinearStepTime(a=0.04, b=0.0035, c=0.0095, d=0.0015)
+    served = LinearStepTime(a=0.04, b=0.0035, c=0.0095, d=0.0015, e=0.012)
     rng = random.Random(0)
-    steps = [(rng.choice([0, 0, 64, 300, 512]), rng.randrange(0, 12), rng.randrange(0, 60_000)) for _ in range(80)]
-    steps = [(p, d or (0 if p else 1), a) for p, d, a in steps]
+    steps = [(rng.choice([0, 0, 64, 300, 512]), rng.randrange(0, 12), rng.randrange(0, 60_000), rng.randrange(0, 9000))
+             for _ in range(80)]
+    steps = [(p, d or (0 if p else 1), a, k) for p, d, a, k in steps]
     trace = tmp_path / "steps.jsonl"
-    _write_trace(trace, served, [(64, 0, 0), (900, 0, 0)] + steps)      # the first two (warm-up) are left out
+    _write_trace(trace, served, [(64, 0, 0, 64), (900, 0, 0, 900)] + steps)      # the first two (warm-up) are left out
     samples = read_step_trace(trace)
     assert len(samples) == 80 and samples[0][0] == StepFeatures(*steps[0])
     fitted = fit_linear(samples)
-    for name in ("a", "b", "c", "d"):
+    for name in ("a", "b", "c", "d", "e"):
         assert getattr(fitted, name) == pytest.approx(getattr(served, name), rel=1e-6)
     out = tmp_path / "served.json"
     assert main(["simulate", "--calibrate", str(out), "--from-trace", str(trace)]) == 0
