@@ -38,10 +38,9 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    and shrink when it is heavy. Beside interactive work they may add `MIN_THROUGHPUT_SHARE` of the
    target to a step that interactive work already fills (so heavy interactive decoding slows them
    but never stops them, at the price of steps up to that much over the target), but never a
-   prefill chunk under `MIN_PREFILL_CHUNK` tokens (a chunk reads its sequence's whole cached
-   context, so crumbs cost nearly what a full chunk costs, and the cost model, fitted mostly on
-   other steps, under-predicts them), and the room they get there is divided by `mixed_margin`, the
-   model's recent misprediction of such mixed steps. A throughput-only step may always spend as much
+   prefill chunk under `MIN_PREFILL_CHUNK` tokens, one block (a chunk reads its sequence's whole
+   cached context, so a few tokens would pay nearly what a full chunk pays), and the room they get
+   there is divided by `mixed_margin`, the model's recent misprediction of such mixed steps. A throughput-only step may always spend as much
    on work as the step's fixed cost (so a target below the fixed cost of a step halves their
    throughput rather than starving them). A throughput pool left with nothing for
    `STARVATION_STEPS` steps in a row gets one block's worth of tokens, as long as that keeps the step
@@ -82,7 +81,7 @@ HOLD_STEPS = 64             # no further decrease for this many steps after one
 TTFT_WINDOW = 32            # requests
 ITL_WINDOW = 128            # inter-token gaps
 PRESSURE_OCCUPANCY = 0.75   # of max_num_seqs
-MIN_PREFILL_CHUNK = 64      # tokens: a throughput pool's smaller prefill chunks are dropped
+MIN_PREFILL_CHUNK = 16      # tokens: beside interactive work a throughput pool's smaller chunks are dropped
 MIXED_WINDOW = 32           # mixed steps whose misprediction sizes the next throughput chunks beside interactive work
 
 

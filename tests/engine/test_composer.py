@@ -12,8 +12,8 @@ from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
-from engine.composer import (COLD_START_TOKENS, HOLD_STEPS, ITL_AIM, MIN_SCALE, STARVATION_STEPS, UPDATE_EVERY,
-                             SLOTracker, StepComposer)
+from engine.composer import (COLD_START_TOKENS, HOLD_STEPS, ITL_AIM, MIN_PREFILL_CHUNK, MIN_SCALE, STARVATION_STEPS,
+                             UPDATE_EVERY, SLOTracker, StepComposer)
 from engine.config import ConfigError, LatencySLO
 from engine.sampling import SamplingParams as Params
 from engine.scheduler import Scheduler
@@ -221,6 +221,29 @@ def _decoding_chat(composer: StepComposer, count: int) -> None:
         composer.schedulers["chat"].add(_make_seq(i, 40, max_tokens=10_000))
     composer.schedulers["rag"].add(_make_seq(100, 16000))
     _run_step(composer)
+
+
+def test_beside_interactive_decodes_a_throughput_chunk_rides_when_it_fits_and_is_never_a_crumb():
+    """Chat's two decodes take ~7 ms of the made-up device. With a 20 ms target rag's prompt rides in
+    the same step; with 10 ms what is left fits under `MIN_PREFILL_CHUNK` tokens, and a chunk that
+    small is dropped (it would pay for its whole cached context for a few tokens)."""
+    for itl_ms, rides in ((20, True), (10, False)):
+        composer = _make_composer(LatencySLO(ttft_ms=1000, itl_ms=itl_ms))
+        _decoding_chat(composer, 2)
+        step = composer.schedule()
+        assert step.pressed == () and len(step.outputs["chat"].scheduled) == 2
+        rag = sum(i.num_new_tokens for i in step.outputs["rag"].scheduled)
+        fitting = composer._fitting_tokens(composer.schedulers["rag"], _chat_features(step), itl_ms / 1000, 2048)
+        if rides:
+            assert rag == fitting >= MIN_PREFILL_CHUNK
+        else:
+            assert rag == 0 and 0 < fitting < MIN_PREFILL_CHUNK
+
+
+def _chat_features(step) -> StepFeatures:
+    f = StepFeatures()
+    f.add_scheduled(step.outputs["chat"].scheduled)
+    return f
 
 
 def test_a_queued_interactive_request_puts_the_throughput_pool_at_its_floor():
