@@ -36,8 +36,8 @@ several pools applies, and the same flags are the bars it is judged by):
   exported, so this is the measured fraction of time the device computed for chat. Why 0.7: rag's
   share comes from the time chat leaves idle plus what rides in chat's own steps, and on a device
   where a rag chunk's context read costs about a chat step (the 2-core CPU: ~45 ms per sequence with
-  3,000 cached tokens against a ~40 ms chat decode step) nothing rides there without breaking chat's
-  `itl_ms`; a device that chat alone keeps busy 70% of the time has under 30% left to give;
+  3,000 cached tokens against a ~40 ms chat decode step) little rides there within chat's `itl_ms`;
+  a device that chat alone keeps busy 70% of the time has under 30% of its time left to give;
 - `cell_ok`: every required bar of an in-scope cell (None for out-of-scope cells).
 
 `--out DIR` writes `sweep.json` (args, commit, date, the grid, every baseline and cell with its runs,
