@@ -1,7 +1,9 @@
 """Torch reference versions of the paged-KV kernels: the CPU path and the yardstick for Triton.
 
-`paged_attention` reads K/V through the block tables. Decode rows (query length 1) are done together
-in one batched call over a gather of their slots; prefill chunks, which are few per step, one
+`paged_attention` reads K/V through the block tables. Decode rows (query length 1) are done in
+batched calls over a gather of their slots, one call per group of similar context lengths (each row
+of a call is padded to the call's longest context, so one 3,000-token rag decode in a call with chat
+decodes of 150 would make every row read 3,000 keys); prefill chunks, which are few per step, one
 sequence at a time. No sequence is padded in the token dimension.
 
 A prefill chunk on the CPU runs torch's CPU flash-attention kernel, twice when the chunk has a cached
@@ -92,6 +94,41 @@ class _PrefillChunk:
         return mask
 
 
+DECODE_PAD_RATIO = 2      # a decode call's longest context is at most this times its shortest (+ one PAD_SLACK)
+PAD_SLACK = 64            # contexts this close share a call whatever their ratio
+
+
+def _length_groups(rows: list[int], lengths: list[int]) -> list[list[int]]:
+    """Decode rows in groups of similar context length (ascending), so that padding each row of a
+    group to its longest costs at most about `DECODE_PAD_RATIO` times the keys the group needs."""
+    groups: list[list[int]] = []
+    for i in sorted(rows, key=lambda i: lengths[i]):
+        if groups and lengths[i] <= DECODE_PAD_RATIO * lengths[groups[-1][0]] + PAD_SLACK:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _decode_call(meta: AttentionMetadata, decode: list[int], starts: list[int], s_lens: list[int],
+                 sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One batched decode call: the rows' query positions, their slots padded to the longest context,
+    and which of those each row may attend to."""
+    device = meta.block_tables.device
+    max_len = max(s_lens[i] for i in decode)
+    lens = torch.tensor([s_lens[i] for i in decode], device=device)
+    pos = torch.arange(max_len, device=device)
+    allowed = pos[None, :] < lens[:, None]                      # [n_decode, max_len]
+    if sliding_window is not None:
+        allowed &= pos[None, :] > (lens[:, None] - 1 - sliding_window)
+    slots = _context_slots(meta, decode, max_len)
+    # Positions past a sequence's length read its first slot: masked out, but finite, since
+    # 0 x NaN from a never-written slot would poison the weighted sum.
+    slots = torch.where(pos[None, :] < lens[:, None], slots, slots[:, :1])
+    return (torch.tensor([starts[i] for i in decode], device=device), slots,
+            allowed[:, None, None, :])                           # [n_decode, 1, 1, max_len]
+
+
 def _step_plan(meta: AttentionMetadata, sliding_window: int | None) -> dict:
     """Per-step gather indices and masks, computed once and shared by every layer."""
     plan = meta.backend_cache.get("torch")
@@ -102,24 +139,9 @@ def _step_plan(meta: AttentionMetadata, sliding_window: int | None) -> dict:
     for q_len in q_lens:
         starts.append(starts[-1] + q_len)
     decode = [i for i, q in enumerate(q_lens) if q == 1]
-    device = meta.block_tables.device
-    plan = {"decode": None, "prefill": []}
-    if decode:
-        max_len = max(s_lens[i] for i in decode)
-        lens = torch.tensor([s_lens[i] for i in decode], device=device)
-        pos = torch.arange(max_len, device=device)
-        allowed = pos[None, :] < lens[:, None]                      # [n_decode, max_len]
-        if sliding_window is not None:
-            allowed &= pos[None, :] > (lens[:, None] - 1 - sliding_window)
-        slots = _context_slots(meta, decode, max_len)
-        # Positions past a sequence's length read its first slot: masked out, but finite, since
-        # 0 x NaN from a never-written slot would poison the weighted sum.
-        slots = torch.where(pos[None, :] < lens[:, None], slots, slots[:, :1])
-        plan["decode"] = (
-            torch.tensor([starts[i] for i in decode], device=device),
-            slots,
-            allowed[:, None, None, :],                              # [n_decode, 1, 1, max_len]
-        )
+    plan = {"decode": [_decode_call(meta, group, starts, s_lens, sliding_window)
+                       for group in _length_groups(decode, s_lens)],
+            "prefill": []}
     for i, (q_len, s_len) in enumerate(zip(q_lens, s_lens)):
         if q_len <= 1:
             continue
@@ -211,8 +233,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(query)
     plan = _step_plan(meta, sliding_window)
 
-    if plan["decode"] is not None:
-        rows, slots, allowed = plan["decode"]
+    for rows, slots, allowed in plan["decode"]:
         n, max_len = slots.shape
         # index_select, not advanced indexing: several times faster for row gathers on CPU
         q = query.index_select(0, rows).view(n, num_kv_heads, group, head_dim)  # [n, kv_heads, group, d]

@@ -116,6 +116,19 @@ def test_several_prefill_chunks_and_decodes_in_one_step(path, poisoned_output):
     _run_and_check(seq_lens, query_lens, 6, 2, head_dim=32, block_size=16, label=path)
 
 
+def test_a_long_decode_does_not_pad_the_short_ones(path, poisoned_output):
+    """Decode rows are batched by similar context length: a 3,000-token rag decode beside chat decodes
+    of ~150 must not make every chat row gather and attend over 3,000 keys."""
+    seq_lens = [150, 3000, 140, 1, 170, 2900]
+    _run_and_check(seq_lens, [1] * len(seq_lens), 6, 2, head_dim=16, block_size=16, label=path)
+    assert reference._length_groups(list(range(6)), seq_lens) == [[3], [2, 0, 4], [5, 1]]
+    tables = [list(range(sum(-(-n // 16) for n in seq_lens[:i]), sum(-(-n // 16) for n in seq_lens[:i + 1])))
+              for i in range(len(seq_lens))]
+    plan = reference._step_plan(AttentionMetadata.build(tables, [1] * 6, seq_lens, 16), None)
+    gathered = sum(slots.numel() for _, slots, _ in plan["decode"])
+    assert gathered == 1 + 3 * 170 + 2 * 3000 < 1.1 * sum(seq_lens)       # one call would gather 6 x 3,000
+
+
 @pytest.mark.parametrize("sliding_window,seq_len,q_len", [
     (7, 40, 40),       # the window cuts inside the chunk, no prefix
     (50, 300, 40),     # the window starts inside the prefix: keys before it are never read
