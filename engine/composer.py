@@ -40,12 +40,13 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    but never stops them, at the price of steps up to that much over the target), but never a
    prefill chunk under `MIN_PREFILL_CHUNK` tokens, one block (a chunk reads its sequence's whole
    cached context, so a few tokens would pay nearly what a full chunk pays), and the room they get
-   there is divided by `mixed_margin`, the model's recent misprediction of such mixed steps. A throughput-only step may always spend as much
-   on work as the step's fixed cost (so a target below the fixed cost of a step halves their
-   throughput rather than starving them). A throughput pool left with nothing for
-   `STARVATION_STEPS` steps in a row gets one block's worth of tokens, as long as that keeps the step
-   within the `itl_ms` of the interactive pools that are running (the SLO wins: on a slow device one
-   block after a long cached context can be over it; then it waits for a step without them).
+   there is divided by `mixed_margin`, the model's recent misprediction of such mixed steps. A
+   throughput-only step may always spend as much on work as the step's fixed cost (so a target
+   below the fixed cost of a step halves their throughput rather than starving them). A throughput
+   pool left with nothing for `STARVATION_STEPS` steps in a row gets one block's worth of tokens, as
+   long as that keeps the step within the `itl_ms` of the interactive pools that are running (the
+   SLO wins: on a slow device one block after a long cached context can be over it; then it waits
+   for a step without them).
 
 The step's cost comes from `engine.step_cost.StepCostModel`, the linear step-cost model refitted
 online on the engine's measured steps (with a safety margin); it is fed only on a device with an

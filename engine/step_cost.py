@@ -13,11 +13,11 @@ with it (`StepTime`), and the benchmarks fit it to measured steps and compare it
   sequence for its context whatever the number of its new tokens (the paged K/V gathered, the
   attention kernel's passes over it): without it a long-context decode or a 13-token chunk after
   3,000 cached tokens looks like a cheap step, and a fit over such steps charges their cost to the
-  decode or prefill token (on the CPU of 2026-11-24 a fit without it gave 26 ms per decode token
-  beside a rag prompt, and chat's own prompts were cut into 16-token chunks for it). `fit_linear` fits it to measured steps (least squares, coefficients >= 0);
-  `write_step_model` / `read_step_model` keep it in a small JSON file; `read_step_trace` reads the
-  steps a serving worker traced (`CLIFFGUARD_STEP_TRACE`); `engine.calibration` measures a real
-  engine's steps.
+  decode or prefill token (on the CPU of 2026-11-25 a fit without it gave 26 ms per decode token
+  beside a rag prompt, and chat's own prompts were cut into 16-token chunks for it). `fit_linear`
+  fits it to measured steps (least squares, coefficients >= 0); `write_step_model` /
+  `read_step_model` keep it in a small JSON file; `read_step_trace` reads the steps a serving worker
+  traced (`CLIFFGUARD_STEP_TRACE`); `engine.calibration` measures a real engine's steps.
 - `StepCostModel`: the same form, refitted online on the last steps an engine measured, with a
   safety margin (the 90th percentile of measured / predicted).
 - `RooflineStepTime`: a GPU preset's roofline (`PRESETS`: H100, H200, A100), for planning without
