@@ -10,9 +10,14 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    `scale` (in [`MIN_SCALE`, 1], one per interactive pool, `SLOTracker`) is feedback from what the
    engine measures: the smaller of two `Feedback` scales, one moved by the p99 of the pool's recent
    times to first token against `TTFT_AIM x ttft_ms`, one by the p99 of its recent inter-token gaps
-   against `ITL_AIM x itl_ms`. A p99 over its aim shrinks its scale in proportion (at most by
-   `MAX_DECREASE` per update, then it holds for `HOLD_STEPS` so the window can show the effect); a
-   p99 comfortably under (below `RELAX_BELOW` of the aim) grows it back by `SCALE_STEP`. With no
+   against `ITL_AIM x itl_ms`. A p99 over its aim, with a new sample over it too, shrinks its scale
+   in proportion (at most by `MAX_DECREASE` per update, then it holds for `HOLD_STEPS` so the window
+   can show the effect); a p99 comfortably under (below `RELAX_BELOW` of the aim) grows it back by
+   `SCALE_STEP`. Only the latencies that throughput work shares in are sampled: gaps whose step
+   carried throughput tokens, first tokens whose wait saw such a step. What the pool does to
+   itself (its own prefills between its decodes, its own queue in a burst) no throughput cut can
+   mend; counted, such misses ratcheted the target down to `MIN_SCALE` and starved the throughput
+   pools while the pool's latency stayed where it was. With no
    interactive pool on the device there is no target (each pool fills its own token budget, the
    behaviour of plain chunked prefill).
 2. **Interactive pools** schedule first. One that has running decodes gets the token budget that
@@ -88,20 +93,24 @@ MIXED_WINDOW = 32           # mixed steps whose misprediction sizes the next thr
 
 class Feedback:
     """One scale in [`MIN_SCALE`, 1] moved by a measured ratio (p99 / its aim): multiplicative
-    decrease on a miss (then a hold of `HOLD_STEPS` while the window fills with the new regime),
-    additive increase when comfortably under."""
+    decrease when the p99 is over and a new sample is a miss too (then a hold of `HOLD_STEPS` while
+    the window fills with the new regime; an old miss that is still in the window does not count
+    again), additive increase when comfortably under or when the samples have gone quiet."""
 
     def __init__(self) -> None:
         self.scale = 1.0
         self.num_decreases = 0
         self._hold = 0
 
-    def update(self, ratio: float | None, steps: int) -> None:
-        """`ratio`: p99 / aim (None: no samples); `steps`: steps since the last update."""
+    def update(self, ratio: float | None, steps: int, *, new_miss: bool = True, quiet: bool = False) -> None:
+        """`ratio`: p99 / aim (None: no samples); `steps`: steps since the last update; `new_miss`: a
+        sample since the last update was over its aim; `quiet`: no sample came for long (grow back)."""
         self._hold = max(0, self._hold - steps)
-        if ratio is None:
+        if quiet:
+            self.scale = min(1.0, self.scale + SCALE_STEP)
+        elif ratio is None:
             return
-        if ratio > 1 and not self._hold:
+        elif ratio > 1 and new_miss and not self._hold:
             self.scale = max(MIN_SCALE, self.scale * max(MAX_DECREASE, 1 / ratio))
             self.num_decreases += 1
             self._hold = HOLD_STEPS
@@ -117,6 +126,14 @@ class SLOTracker:
     instead). An inter-token gap is the wall time between the ends of two consecutive steps that both
     carried one of the pool's decodes. `scale`, the smaller of both, sets the step target that
     throughput pools fill; neither bounds the pool's own prefill chunks.
+
+    Only latencies that throughput work shares in are counted (`shared`): a gap whose step carried
+    throughput tokens, a first token whose wait saw a step with throughput tokens. The scales act
+    on throughput work alone, so a miss the pool causes by itself (its own prefills between its
+    decodes, its own queue at a burst) is none of their business: counted, it would shrink the
+    target on every step without making the pool any faster, and starve the throughput pools. A
+    window with no new shared sample for `HOLD_STEPS` steps of the pool's work relaxes its scale (the
+    throughput pools have not touched this latency lately, so the room they had may come back).
     """
 
     def __init__(self, slo: LatencySLO) -> None:
@@ -127,6 +144,8 @@ class SLOTracker:
         self.itl = Feedback()
         self._steps = 0
         self._last_decode_end: float | None = None   # end of the previous step if it carried a decode
+        self._quiet = {"ttft": 0, "itl": 0}           # steps of the pool's work since the last shared sample
+        self._newest = {"ttft": 0.0, "itl": 0.0}      # the largest shared sample since the last update
 
     @property
     def scale(self) -> float:
@@ -145,14 +164,23 @@ class SLOTracker:
             itl = float(np.percentile(self.itls, 99)) / (ITL_AIM * self.slo.itl_ms / 1000)
         return ttft, itl
 
-    def observe_first_token(self, seconds: float) -> None:
-        self.ttfts.append(seconds)
+    def observe_first_token(self, seconds: float, shared: bool = True) -> None:
+        """A first token `seconds` after the request reached the engine; `shared`: a step with
+        throughput work ran while it waited (else it is not counted)."""
+        if shared:
+            self.ttfts.append(seconds)
+            self._quiet["ttft"] = 0
+            self._newest["ttft"] = max(self._newest["ttft"], seconds)
 
-    def observe_step(self, had_decode: bool, had_work: bool, ended_at: float) -> None:
-        """After each step: record an inter-token gap, and every `UPDATE_EVERY` steps with the pool's
-        work, move the scales (the module docstring's step 1)."""
-        if had_decode and self._last_decode_end is not None:
-            self.itls.append(ended_at - self._last_decode_end)
+    def observe_step(self, had_decode: bool, had_work: bool, ended_at: float, shared: bool = True) -> None:
+        """After each step: record an inter-token gap (`shared`: the step carried throughput work;
+        else the gap is not counted), and every `UPDATE_EVERY` steps with the pool's work, move the
+        scales (the module docstring's step 1)."""
+        if had_decode and self._last_decode_end is not None and shared:
+            gap = ended_at - self._last_decode_end
+            self.itls.append(gap)
+            self._quiet["itl"] = 0
+            self._newest["itl"] = max(self._newest["itl"], gap)
         self._last_decode_end = ended_at if had_decode else None
         if not had_work:
             return
@@ -160,8 +188,12 @@ class SLOTracker:
         if self._steps % UPDATE_EVERY:
             return
         ttft, itl = self.ratios()
-        self.ttft.update(ttft, UPDATE_EVERY)
-        self.itl.update(itl, UPDATE_EVERY)
+        aims = {"ttft": TTFT_AIM * self.slo.ttft_ms / 1000, "itl": ITL_AIM * self.slo.itl_ms / 1000}
+        for name, feedback, ratio in (("ttft", self.ttft, ttft), ("itl", self.itl, itl)):
+            feedback.update(ratio, UPDATE_EVERY, new_miss=self._newest[name] > aims[name],
+                            quiet=self._quiet[name] >= HOLD_STEPS)
+            self._quiet[name] += UPDATE_EVERY
+            self._newest[name] = 0.0
 
 
 @dataclass
@@ -174,6 +206,7 @@ class ComposedStep:
     predicted_seconds: float | None = None
     pressed: tuple[str, ...] = ()             # interactive pools under pressure: throughput at its floor
     mixed: bool = False                       # a throughput prefill chunk rides with interactive work
+    throughput_tokens: int = 0                # tokens the throughput pools scheduled
 
 
 @dataclass
@@ -203,6 +236,7 @@ class StepComposer:
         self._external_waiting = dict.fromkeys(self.interactive, 0)
         self._slo_limit: float | None = None     # this step: the tightest itl_ms of interactive pools running
         self._mixed_ratios: deque[float] = deque(maxlen=MIXED_WINDOW)   # measured / predicted, mixed steps
+        self._throughput_ended_at: float | None = None   # end of the last step with throughput work
 
     def set_external_waiting(self, pool: str, count: int) -> None:
         """Requests of `pool` waiting outside the engine (at the gateway, for KV credits): they press
@@ -226,6 +260,7 @@ class StepComposer:
             budget = self._token_budget(name, step.features, step.target_seconds, floor=bool(step.pressed))
             out = self.schedulers[name].schedule(budget)
             step.outputs[name] = out
+            step.throughput_tokens += out.num_batched_tokens
             before = step.features.num_prefill_tokens
             step.features.add_scheduled(out.scheduled)
             step.mixed |= interactive_work and step.features.num_prefill_tokens > before
@@ -252,7 +287,8 @@ class StepComposer:
 
     def observe(self, step: ComposedStep, seconds: float, ended_at: float | None = None) -> None:
         """Feed the measured time of a step that ran (`seconds`: its forward pass) and when it ended
-        (`time.perf_counter()`; the inter-token gaps of interactive pools are measured between ends)."""
+        (any clock, the one `observe_first_token` is given too; the inter-token gaps of interactive
+        pools are measured between ends)."""
         stats = self.stats
         stats.num_steps += 1
         stats.last_step_seconds = seconds
@@ -266,18 +302,25 @@ class StepComposer:
                 self._mixed_ratios.append(seconds / step.predicted_seconds)
             self.cost_model.observe(step.features, seconds)
         if ended_at is not None:
+            shared = step.throughput_tokens > 0
+            if shared:
+                self._throughput_ended_at = ended_at
             for name, tracker in self.trackers.items():
                 out = step.outputs.get(name)
                 scheduled = out.scheduled if out is not None else []
                 had_decode = any(item.num_new_tokens == 1 and item.seq.num_computed_tokens
                                  >= item.seq.num_prompt_tokens for item in scheduled)
-                tracker.observe_step(had_decode, bool(scheduled), ended_at)
+                tracker.observe_step(had_decode, bool(scheduled), ended_at, shared)
 
-    def observe_first_token(self, pool: str, seconds: float) -> None:
-        """A request of `pool` got its first token `seconds` after it reached the engine."""
+    def observe_first_token(self, pool: str, seconds: float, ended_at: float | None = None) -> None:
+        """A request of `pool` got its first token `seconds` after it reached the engine, in the step
+        that ended at `ended_at` (observed already, on `observe`'s clock): it counts for the TTFT
+        feedback if a step with throughput work ended after the request arrived (None: it counts)."""
         tracker = self.trackers.get(pool)
         if tracker is not None:
-            tracker.observe_first_token(seconds)
+            shared = ended_at is None or (self._throughput_ended_at is not None
+                                          and self._throughput_ended_at > ended_at - seconds)
+            tracker.observe_first_token(seconds, shared)
 
     def _target_seconds(self) -> float | None:
         if not self.interactive:

@@ -320,19 +320,22 @@ class LLMEngine:
         for seq in scheduled.ended:
             touched.setdefault(seq.request_id, []).append(seq)
         now, tokens = time.monotonic(), executed.tokens
+        first_tokens = []                  # (pool, seconds since arrival), told the composer after the step
         for i, seq in enumerate(executed.sampled):
             self.schedulers[seq.pool].stats.num_generated_tokens += 1
             self._append_token(seq, tokens.token_ids[i], tokens.logprobs[i], tokens.top_logprobs[i])
             request = self.requests[seq.request_id]
             if request.first_token_time is None:
                 request.first_token_time = now
-                self.composer.observe_first_token(seq.pool, now - request.arrival_time)
+                first_tokens.append((seq.pool, now - request.arrival_time))
             touched.setdefault(seq.request_id, []).append(seq)
         # The last report of a request carries every sample, the untouched ones with empty deltas.
         outputs = [self._finish_or_report(self.requests[rid], seqs) for rid, seqs in touched.items()]
         if scheduled.batch:
             finished_at = time.perf_counter()
             self.composer.observe(scheduled.composed, finished_at - executed.forward_started, finished_at)
+            for pool, seconds in first_tokens:
+                self.composer.observe_first_token(pool, seconds, finished_at)
             scheduled.stats.seconds = finished_at - scheduled.started
         self.last_step = scheduled.stats
         return outputs

@@ -184,7 +184,7 @@ class DeviceSim:
             seq.token_ids.append(self._rng.randrange(1000, 30000))
             request = self._requests[seq.request_id]
             if not request.token_times:
-                self.composer.observe_first_token(seq.pool, self.clock - request.admitted)
+                self.composer.observe_first_token(seq.pool, self.clock - request.admitted, self.clock)
             request.token_times.append(self.clock)
             if seq.num_output_tokens >= seq.max_tokens:
                 self.schedulers[seq.pool].finish(seq, FinishReason.LENGTH)

@@ -418,6 +418,88 @@ def test_the_slo_tracker_shrinks_the_target_on_a_miss_and_grows_it_back():
     assert slow_first_tokens.itl.scale == 1.0    # the pool's own chunks are not squeezed for TTFT
 
 
+def test_the_slo_feedback_counts_only_the_latencies_throughput_work_shares_in():
+    """Gaps and first tokens with no throughput work in them are the pool's own doing: they move no
+    scale. A miss that throughput work shares in shrinks the scale once; when no shared sample comes
+    for `HOLD_STEPS` steps the scale grows back though the old miss is still in the window."""
+    tracker = SLOTracker(LatencySLO(ttft_ms=1000, itl_ms=100))
+    t = 0.0
+    for _ in range(20 * UPDATE_EVERY):           # the pool's own 150 ms steps, its own 2 s queue
+        t += 0.150
+        tracker.observe_step(True, True, t, shared=False)
+        tracker.observe_first_token(2.0, shared=False)
+    assert tracker.scale == 1.0 and not tracker.itls and not tracker.ttfts
+    for _ in range(UPDATE_EVERY):                # the same gaps with a throughput chunk in each
+        t += 0.150
+        tracker.observe_step(True, True, t, shared=True)
+    assert tracker.scale == pytest.approx(0.7) and tracker.num_decreases == 1
+    for _ in range(HOLD_STEPS + 4 * UPDATE_EVERY):   # no throughput work beside it any more
+        t += 0.150
+        tracker.observe_step(True, True, t, shared=False)
+    assert tracker.ratios()[1] > 1              # the window still shows the miss
+    assert tracker.scale == pytest.approx(0.7 + 5 * 0.05) and tracker.num_decreases == 1
+
+
+def test_an_old_miss_still_in_the_window_does_not_shrink_the_scale_again():
+    """One 1 s gap keeps the window's p99 over the aim for ~80 more samples; the scale shrinks once
+    for it, not again each time the hold runs out."""
+    tracker = SLOTracker(LatencySLO(ttft_ms=1000, itl_ms=100))
+    t = 0.0
+    for i in range(HOLD_STEPS + 3 * UPDATE_EVERY):
+        t += 1.0 if i == 1 else 0.050
+        tracker.observe_step(True, True, t)
+    assert tracker.ratios()[1] > 1 and tracker.num_decreases == 1
+
+
+def test_a_first_token_counts_for_ttft_only_if_throughput_work_ran_while_it_waited():
+    composer = _make_composer(LatencySLO(ttft_ms=1000, itl_ms=100))
+    composer.schedulers["rag"].add(_make_seq(0, 4000))
+    step = composer.schedule()
+    assert step.throughput_tokens == sum(i.num_new_tokens for i in step.outputs["rag"].scheduled) > 0
+    composer.observe(step, 0.1, ended_at=10.0)
+    composer.schedulers["chat"].add(_make_seq(1, 40))
+    chat_only = composer.schedule()              # chat's prefill presses rag to its floor
+    assert chat_only.throughput_tokens == 0
+    composer.observe(chat_only, 0.1, ended_at=10.3)
+    composer.observe_first_token("chat", 0.2, ended_at=10.3)    # arrived at 10.1, after the rag step
+    assert not composer.trackers["chat"].ttfts
+    composer.observe_first_token("chat", 0.5, ended_at=10.3)    # arrived at 9.8: the rag step delayed it
+    assert list(composer.trackers["chat"].ttfts) == [0.5]
+
+
+def test_misses_the_interactive_pool_makes_alone_do_not_starve_the_throughput_pool():
+    """A device where chat's own steps (its prefills between its decodes) run 150 ms, over `ITL_AIM`
+    of its 100 ms: counted, those gaps would ratchet the target to `MIN_SCALE` and leave rag crumbs
+    beside chat. Only gaps with rag in them count, so the target stays where mixed steps keep the aim.
+    (The stalls stay out of the cost model: the test is about the feedback, not the fit.)"""
+    composer = _make_composer(LatencySLO(ttft_ms=1000, itl_ms=100))
+    composer.cost_model.observe = lambda *args: None
+    rag = composer.schedulers["rag"]
+    t, rag_tokens = 0.0, 0
+    for i in range(600):
+        if i % 8 == 0:
+            composer.schedulers["chat"].add(_make_seq(1 + i, 60, max_tokens=12))
+        if not rag.num_unfinished:
+            rag.add(_make_seq(10_000 + i, 8000, max_tokens=4))
+        step = composer.schedule()
+        seconds = _true_seconds(step.features) if step.throughput_tokens else 0.150
+        for name, out in step.outputs.items():
+            for item in out.scheduled:
+                seq = item.seq
+                seq.num_computed_tokens += item.num_new_tokens
+                if seq.num_computed_tokens == seq.num_tokens:
+                    seq.token_ids.append(7)
+                    if seq.num_output_tokens >= seq.max_tokens:
+                        composer.schedulers[name].finish(seq, FinishReason.LENGTH)
+        t += seconds
+        composer.observe(step, seconds, ended_at=t)
+        rag_tokens += step.throughput_tokens if i >= 300 else 0
+    tracker = composer.trackers["chat"]
+    assert not any(gap > 0.149 for gap in tracker.itls)
+    assert tracker.scale > 0.5                   # counting chat's own gaps took it to MIN_SCALE
+    assert rag_tokens > 150 * 300                # ~240 a step; at MIN_SCALE rag got ~60
+
+
 def test_the_composer_target_follows_the_trackers_scale():
     composer = _make_composer(LatencySLO(ttft_ms=1000, itl_ms=80))
     composer.schedulers["rag"].add(_make_seq(0, 16000))
