@@ -92,20 +92,31 @@ MIXED_WINDOW = 32           # mixed steps whose misprediction sizes the next thr
 
 
 class Feedback:
-    """One scale in [`MIN_SCALE`, 1] moved by a measured ratio (p99 / its aim): multiplicative
+    """One scale in [`MIN_SCALE`, 1] moved by a measured ratio (p99 / `aim`): multiplicative
     decrease when the p99 is over and a new sample is a miss too (then a hold of `HOLD_STEPS` while
     the window fills with the new regime; an old miss that is still in the window does not count
-    again), additive increase when comfortably under or when the samples have gone quiet."""
+    again), additive increase when comfortably under or when the samples have gone quiet (none for
+    `HOLD_STEPS` steps)."""
 
-    def __init__(self) -> None:
+    def __init__(self, aim: float) -> None:
+        self.aim = aim                       # seconds
         self.scale = 1.0
         self.num_decreases = 0
         self._hold = 0
+        self._quiet = 0                      # steps since the last sample
+        self._newest = 0.0                   # the largest sample since the last update
 
-    def update(self, ratio: float | None, steps: int, *, new_miss: bool = True, quiet: bool = False) -> None:
-        """`ratio`: p99 / aim (None: no samples); `steps`: steps since the last update; `new_miss`: a
-        sample since the last update was over its aim; `quiet`: no sample came for long (grow back)."""
+    def sample(self, seconds: float) -> None:
+        """A sample went into the window (the caller keeps the window)."""
+        self._quiet = 0
+        self._newest = max(self._newest, seconds)
+
+    def update(self, ratio: float | None, steps: int) -> None:
+        """`ratio`: the window's p99 / `aim` (None: no samples); `steps`: steps since the last update."""
         self._hold = max(0, self._hold - steps)
+        quiet, new_miss = self._quiet >= HOLD_STEPS, self._newest > self.aim
+        self._quiet += steps
+        self._newest = 0.0
         if quiet:
             self.scale = min(1.0, self.scale + SCALE_STEP)
         elif ratio is None:
@@ -140,12 +151,10 @@ class SLOTracker:
         self.slo = slo
         self.ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
         self.itls: deque[float] = deque(maxlen=ITL_WINDOW)
-        self.ttft = Feedback()
-        self.itl = Feedback()
+        self.ttft = Feedback(TTFT_AIM * slo.ttft_ms / 1000)
+        self.itl = Feedback(ITL_AIM * slo.itl_ms / 1000)
         self._steps = 0
         self._last_decode_end: float | None = None   # end of the previous step if it carried a decode
-        self._quiet = {"ttft": 0, "itl": 0}           # steps of the pool's work since the last shared sample
-        self._newest = {"ttft": 0.0, "itl": 0.0}      # the largest shared sample since the last update
 
     @property
     def scale(self) -> float:
@@ -159,9 +168,9 @@ class SLOTracker:
         """(p99 TTFT / its aim, p99 ITL / its aim), None where there are no samples; > 1 is a miss."""
         ttft = itl = None
         if self.ttfts:
-            ttft = float(np.percentile(self.ttfts, 99)) / (TTFT_AIM * self.slo.ttft_ms / 1000)
+            ttft = float(np.percentile(self.ttfts, 99)) / self.ttft.aim
         if self.itls:
-            itl = float(np.percentile(self.itls, 99)) / (ITL_AIM * self.slo.itl_ms / 1000)
+            itl = float(np.percentile(self.itls, 99)) / self.itl.aim
         return ttft, itl
 
     def observe_first_token(self, seconds: float, shared: bool = True) -> None:
@@ -169,8 +178,7 @@ class SLOTracker:
         throughput work ran while it waited (else it is not counted)."""
         if shared:
             self.ttfts.append(seconds)
-            self._quiet["ttft"] = 0
-            self._newest["ttft"] = max(self._newest["ttft"], seconds)
+            self.ttft.sample(seconds)
 
     def observe_step(self, had_decode: bool, had_work: bool, ended_at: float, shared: bool = True) -> None:
         """After each step: record an inter-token gap (`shared`: the step carried throughput work;
@@ -179,8 +187,7 @@ class SLOTracker:
         if had_decode and self._last_decode_end is not None and shared:
             gap = ended_at - self._last_decode_end
             self.itls.append(gap)
-            self._quiet["itl"] = 0
-            self._newest["itl"] = max(self._newest["itl"], gap)
+            self.itl.sample(gap)
         self._last_decode_end = ended_at if had_decode else None
         if not had_work:
             return
@@ -188,12 +195,8 @@ class SLOTracker:
         if self._steps % UPDATE_EVERY:
             return
         ttft, itl = self.ratios()
-        aims = {"ttft": TTFT_AIM * self.slo.ttft_ms / 1000, "itl": ITL_AIM * self.slo.itl_ms / 1000}
-        for name, feedback, ratio in (("ttft", self.ttft, ttft), ("itl", self.itl, itl)):
-            feedback.update(ratio, UPDATE_EVERY, new_miss=self._newest[name] > aims[name],
-                            quiet=self._quiet[name] >= HOLD_STEPS)
-            self._quiet[name] += UPDATE_EVERY
-            self._newest[name] = 0.0
+        self.ttft.update(ttft, UPDATE_EVERY)
+        self.itl.update(itl, UPDATE_EVERY)
 
 
 @dataclass

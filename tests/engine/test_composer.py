@@ -59,15 +59,22 @@ def _train(model: StepCostModel, steps: int = 64, seed: int = 0) -> None:
         model.observe(f, _true_seconds(f))
 
 
-def _finish_step(composer: StepComposer, step) -> None:
-    """Pretend the step's forward pass ran (tokens computed, a sequence at its end gets one more token)
-    and let the composer observe the made-up device's time for it."""
-    for out in step.outputs.values():
+def _advance(composer: StepComposer, step, *, finish: bool = False) -> None:
+    """Pretend the step's forward pass ran: tokens computed, a sequence at its end gets one more
+    token (and, with `finish`, ends at its `max_tokens`)."""
+    for name, out in step.outputs.items():
         for item in out.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(7)
+                if finish and seq.num_output_tokens >= seq.max_tokens:
+                    composer.schedulers[name].finish(seq, FinishReason.LENGTH)
+
+
+def _finish_step(composer: StepComposer, step) -> None:
+    """`_advance` the step and let the composer observe the made-up device's time for it."""
+    _advance(composer, step)
     composer.observe(step, _true_seconds(step.features))
 
 
@@ -483,14 +490,7 @@ def test_misses_the_interactive_pool_makes_alone_do_not_starve_the_throughput_po
             rag.add(_make_seq(10_000 + i, 8000, max_tokens=4))
         step = composer.schedule()
         seconds = _true_seconds(step.features) if step.throughput_tokens else 0.150
-        for name, out in step.outputs.items():
-            for item in out.scheduled:
-                seq = item.seq
-                seq.num_computed_tokens += item.num_new_tokens
-                if seq.num_computed_tokens == seq.num_tokens:
-                    seq.token_ids.append(7)
-                    if seq.num_output_tokens >= seq.max_tokens:
-                        composer.schedulers[name].finish(seq, FinishReason.LENGTH)
+        _advance(composer, step, finish=True)
         t += seconds
         composer.observe(step, seconds, ended_at=t)
         rag_tokens += step.throughput_tokens if i >= 300 else 0
