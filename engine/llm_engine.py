@@ -4,6 +4,11 @@
 pools' chunks sized to the step's latency target) -> `_execute` (one merged forward pass, n > 1
 forks, sampling) -> `_postprocess` (stop checks, detokenization, outputs). It runs in the device
 worker process (`engine.worker`); use it directly for offline batch work (`generate`).
+
+A request with a structured output (`SamplingParams.structured`) waits outside its scheduler until its
+grammar is built on the grammar thread (`engine.structured.GrammarCompiler`); each of its sequences then
+carries a matcher that masks its next token and follows the tokens it takes, and the sequence stops as
+soon as its grammar is complete.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import Sampler, SamplerOutput, SamplingParams, SamplingRow, make_generator
 from engine.scheduler import (RequestTooLargeError, ScheduledSeq, Scheduler, SchedulerOutput, build_scheduler,
                               commit_step)
-from engine.sequence import FinishReason, Sequence
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.structured import GrammarCompiler, PendingGrammars
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import iter_weights, resolve_model, weights_bytes
 from kernels import get_backend
@@ -115,6 +121,9 @@ class LLMEngine:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.requests: dict[str, _Request] = {}
         self._forks = SampleForks(self.schedulers)
+        self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size,
+                                        sorted(self.eos_token_ids))
+        self._building = PendingGrammars(self.grammars)   # requests whose grammar is being built
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.last_step = StepStats()
@@ -236,7 +245,10 @@ class LLMEngine:
         request.detokenizers = [
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens) for _ in seqs]
         self.requests[request_id] = request
-        self._forks.submit(seqs)
+        if params.structured is None:
+            self._forks.submit(seqs)
+        else:
+            self._building.add(request_id, params.structured)
 
     def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -256,6 +268,9 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return None
+        if self._building.discard(request_id):   # never reached its scheduler
+            for seq in request.seqs:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
         self._forks.end(request_id, FinishReason.ABORT)
         for seq in request.seqs:
             if not seq.is_finished:
@@ -270,9 +285,31 @@ class LLMEngine:
     # --- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Compose the step across pools, run one merged forward pass, sample, and report what changed."""
+        failed = self._admit_built_grammars()
         scheduled = self._schedule()
+        if not scheduled.batch and self._building:   # nothing to run until a grammar is built: do not spin
+            self._building.wait()
         executed = self._execute(scheduled)
-        return self._postprocess(scheduled, executed)
+        return failed + self._postprocess(scheduled, executed)
+
+    def _admit_built_grammars(self) -> list[RequestOutput]:
+        """Requests whose grammar is built enter their scheduler, each sequence with its own matcher; those
+        whose grammar failed end with the library's reason as their error."""
+        failed = []
+        for request_id, built, error in self._building.ready():
+            request = self.requests[request_id]
+            for seq in request.seqs:
+                if error is None:
+                    seq.grammar = self.grammars.matcher(built)
+                else:   # the gateway checked the grammar: this is the backstop
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+                    seq.error = f"response_format: the grammar cannot be built: {error}"
+            if error is None:
+                self._forks.submit(request.seqs)
+            else:
+                failed.append(self._request_output(request, request.seqs))
+                del self.requests[request_id]
+        return failed
 
     def _schedule(self) -> _ScheduledStep:
         """Every pool's batch (the composer decides across pools), with the block copies it needs done."""
@@ -310,7 +347,8 @@ class LLMEngine:
         logits, sampled = self._forks.fork(logits, sampled)
         tokens = None
         if sampled:
-            rows = [SamplingRow(s.params, s.generator, s.num_output_tokens, self.eos_token_ids) for s in sampled]
+            rows = [SamplingRow(s.params, s.generator, s.num_output_tokens, self.eos_token_ids, s.token_ids,
+                                s.grammar) for s in sampled]
             tokens = self.sampler(logits, rows)
         return _ExecutedStep(sampled, tokens, forward_started)
 
@@ -374,36 +412,21 @@ class LLMEngine:
 
         reason: FinishReason | None = None
         n_out = seq.num_output_tokens
-        if n_out >= params.min_tokens:
+        if seq.grammar is not None and seq.grammar.advance(token, seq.request_id):
+            reason, seq.stop_reason = FinishReason.STOP, None   # the grammar is complete
+        elif n_out >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
                 reason, seq.stop_reason = FinishReason.STOP, None
             elif token in params.stop_token_ids:
                 reason, seq.stop_reason = FinishReason.STOP, token
             elif params.stop:
-                reason = self._check_stop_strings(seq, len(delta))
+                reason = seq.cut_at_stop_string(len(delta))
         if reason is None and (n_out >= seq.max_tokens or seq.num_tokens >= self.schedulers[seq.pool].max_model_len):
             reason = FinishReason.LENGTH
         if reason is not None:
             if not isinstance(seq.stop_reason, str):  # a stop string already cut the text
                 seq.text += detok.flush()
             self.schedulers[seq.pool].finish(seq, reason)
-
-    @staticmethod
-    def _check_stop_strings(seq: Sequence, delta_len: int) -> FinishReason | None:
-        """Truncate the text at the earliest stop string that the new text completes."""
-        longest = max(len(s) for s in seq.params.stop)
-        search_from = max(0, len(seq.text) - delta_len - longest + 1)
-        found: tuple[int, str] | None = None
-        for stop in seq.params.stop:
-            index = seq.text.find(stop, search_from)
-            if index >= 0 and (found is None or index < found[0]):
-                found = (index, stop)
-        if found is None:
-            return None
-        index, stop = found
-        seq.text = seq.text[: index + (len(stop) if seq.params.include_stop_str_in_output else 0)]
-        seq.stop_reason = stop
-        return FinishReason.STOP
 
     def _request_output(self, request: _Request, seqs: list[Sequence]) -> RequestOutput:
         outputs = []

@@ -1,10 +1,19 @@
 """Sampling: per-request parameters, and the sampler that turns one step's logits into one token per row.
 
-Semantics follow vLLM. Logprobs come from the raw logits (float32 log_softmax, before any masking). While a
-sequence has generated fewer than `min_tokens` tokens, its stop_token_ids and, unless `ignore_eos`, its EOS
-ids are masked to -inf. Greedy rows take the argmax. Random rows divide by temperature, then apply top-k,
-top-p and min-p, then draw with the exponential race: token = argmax(probs / q), q ~ Exponential(1), which
-samples exactly from probs (it is the Gumbel-max trick) without a cumulative sum.
+Semantics follow vLLM. Logprobs come from the raw logits (float32 log_softmax, before any masking). Then, in
+this order: while a sequence has generated fewer than `min_tokens` tokens, its stop_token_ids and, unless
+`ignore_eos`, its EOS ids are masked to -inf; `logit_bias` is added; the repetition penalty divides the
+positive logits (multiplies the negative ones) of every token in the prompt or the output, as in HF
+transformers; the frequency and presence penalties are subtracted from the logits of tokens already in the
+output (OpenAI's formula: logit - count * frequency_penalty - (count > 0) * presence_penalty). Greedy rows
+take the argmax of the result. Random rows divide by temperature, then apply top-k, top-p and min-p, then
+draw with the exponential race: token = argmax(probs / q), q ~ Exponential(1), which samples exactly from
+probs (it is the Gumbel-max trick) without a cumulative sum. Rows that set none of these pay nothing for
+them: an all-greedy batch without them is one argmax.
+
+A row with a grammar (`SamplingParams.structured`, matched by the row's `GrammarMatcher`) has every token
+the grammar does not allow next masked to -inf first, and min_tokens does not apply to it: the grammar
+decides where its output ends.
 
 min_tokens with ignore_eos: we do NOT mask EOS. With ignore_eos the engine does not stop on EOS, so EOS
 cannot end the sequence early and masking it would only distort the distribution. (vLLM masks the model's
@@ -21,10 +30,18 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.structured import GrammarMatcher, StructuredOutput, allocate_bitmask, allowed_tokens, fill_bitmask
+
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 1024   # masked every step for every row: the list's length is each step's cost
+MAX_LOGIT_BIAS = 300        # OpenAI's limit on logit_bias entries
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
+MAX_ABS_PENALTY = 2.0       # presence_penalty and frequency_penalty: [-2, 2], as OpenAI
+# What a grammar adds to a token it does not allow: far below any logit, and exp() of it is exactly 0 in
+# float32, so no sampling method can pick it (-inf would do the same, but 0 * -inf is NaN in the add).
+MASKED_LOGIT = -1e30
 # Temperatures below this are greedy, as in vLLM (_SAMPLING_EPS): dividing logits by less overflows float32.
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
@@ -72,6 +89,33 @@ def _as_token_ids(name: str, value: object) -> tuple[int, ...]:
     return ids
 
 
+def _as_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """{token id: bias} (ids as ints or decimal strings, as JSON sends them) or (id, bias) pairs, sorted by id."""
+    items = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"logit_bias: must map token ids to biases, got {value!r}")
+    pairs = {}
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            raise ValueError(f"logit_bias: must map token ids to biases, got {item!r}")
+        key, bias = item
+        if isinstance(key, str):
+            if not key.isdigit():   # "-1", "1.5", "a": not a token id
+                raise ValueError(f"logit_bias: keys must be token ids (non-negative integers), got {key!r}")
+            key = int(key)
+        token = _as_int("logit_bias", key)
+        if token < 0:
+            raise ValueError(f"logit_bias: token ids must be >= 0, got {token}")
+        bias = _as_float(f"logit_bias[{token}]", bias)
+        if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
+            raise ValueError(f"logit_bias[{token}]: must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], "
+                             f"got {bias}")
+        pairs[token] = bias
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(pairs)}")
+    return tuple(sorted(pairs.items()))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request's tokens and when to stop. Validated on construction; errors name the field.
@@ -94,6 +138,11 @@ class SamplingParams:
     logprobs: int | None = None   # None: none; k >= 0: the chosen token's logprob plus the top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0     # [-2, 2]: subtracted once from each token already in the output
+    frequency_penalty: float = 0.0    # [-2, 2]: subtracted once per occurrence in the output
+    repetition_penalty: float = 1.0   # > 0 (HF's): tokens in the prompt or output, logit / p if > 0 else * p
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]) added to the logits
+    structured: StructuredOutput | None = None     # the output must match this JSON schema or grammar
 
     def __post_init__(self) -> None:
         n = _as_int("n", self.n)
@@ -123,6 +172,15 @@ class SamplingParams:
         logprobs = None if self.logprobs is None else _as_int("logprobs", self.logprobs)
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs: must be in 0..{MAX_LOGPROBS}, got {logprobs}")
+        penalties = {name: _as_float(name, getattr(self, name)) for name in ("presence_penalty", "frequency_penalty")}
+        for name, value in penalties.items():
+            if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                raise ValueError(f"{name}: must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], got {value}")
+        repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
+        if repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty: must be > 0, got {repetition_penalty}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured: must be a StructuredOutput, got {type(self.structured).__name__}")
         normalised = {
             "n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
             "seed": seed, "max_tokens": max_tokens, "min_tokens": min_tokens,
@@ -133,6 +191,8 @@ class SamplingParams:
             "skip_special_tokens": _as_bool("skip_special_tokens", self.skip_special_tokens),
             "include_stop_str_in_output": _as_bool(
                 "include_stop_str_in_output", self.include_stop_str_in_output),
+            **penalties, "repetition_penalty": repetition_penalty,
+            "logit_bias": _as_logit_bias(self.logit_bias),
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
@@ -141,6 +201,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Argmax decoding: temperature 0 (below MIN_SAMPLING_TEMPERATURE) or top_k == 1."""
         return self.temperature < MIN_SAMPLING_TEMPERATURE or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a logit bias or a penalty changes this request's logits before sampling."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 \
+            or self.repetition_penalty != 1
 
 
 def make_generator(seed: int, index: int, device: torch.device | str) -> torch.Generator:
@@ -163,6 +229,14 @@ class SamplingRow:
     generator: torch.Generator | None   # set when params.seed is not None; on the logits' device
     num_output_tokens: int               # tokens already generated by this sequence (for min_tokens)
     eos_token_ids: frozenset[int]
+    # The sequence's prompt then output tokens (the penalties read them; its last num_output_tokens are the
+    # output). The engine passes its own list, not a copy; only rows whose params adjust logits read it.
+    token_ids: Sequence[int] = ()
+    grammar: GrammarMatcher | None = None   # where the row stands in params.structured's grammar
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:
+        return self.token_ids[len(self.token_ids) - self.num_output_tokens:]
 
 
 @dataclass
@@ -177,7 +251,7 @@ class SamplerOutput:
 def _min_tokens_banned(row: SamplingRow) -> set[int]:
     """Token ids masked for this row now: stop_token_ids, plus EOS unless ignore_eos, until min_tokens."""
     params = row.params
-    if row.num_output_tokens >= params.min_tokens:
+    if row.num_output_tokens >= params.min_tokens or row.grammar is not None:
         return set()
     banned = set(params.stop_token_ids)
     if not params.ignore_eos:
@@ -218,6 +292,59 @@ def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> None:
     logits.masked_fill_(logits < thresholds, -math.inf)
 
 
+def _apply_grammars(logits: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> None:
+    """Rows `idx` of logits, in place: MASKED_LOGIT added to every token the row's grammar does not allow.
+    (An add with index_add_ is several times faster on the CPU than masked_fill over the same rows.)"""
+    # logits: [num_rows, vocab] float32
+    vocab_size, device = logits.shape[1], logits.device
+    bitmask = allocate_bitmask(len(idx), vocab_size)                  # [num_grammar_rows, num_words], CPU
+    fill_bitmask([rows[i].grammar for i in idx], bitmask)
+    masked = allowed_tokens(bitmask, vocab_size, device).logical_not_().to(logits.dtype).mul_(MASKED_LOGIT)
+    if len(idx) == logits.shape[0]:
+        logits.add_(masked)
+    else:
+        logits.index_add_(0, torch.tensor(idx, device=device), masked)
+
+
+def _adjust_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int]) -> None:
+    """Rows `idx` of logits, in place: + logit_bias, then the repetition, frequency and presence penalties."""
+    # logits: [num_rows, vocab] float32
+    device, vocab_size = logits.device, logits.shape[1]
+    idx_t = torch.tensor(idx, device=device)
+    x = logits[idx_t]                                           # [num_adjusted, vocab], a copy
+    sub = [rows[i] for i in idx]
+
+    def scatter(values_of, dtype: torch.dtype) -> torch.Tensor:
+        """[num_adjusted, vocab]: each row's (token id, value) pairs summed into a zero tensor."""
+        row_ids, token_ids, values = [], [], []
+        for j, row in enumerate(sub):
+            pairs = [(t, v) for t, v in values_of(row) if t < vocab_size]
+            row_ids += [j] * len(pairs)
+            token_ids += [t for t, _ in pairs]
+            values += [v for _, v in pairs]
+        out = torch.zeros(len(sub), vocab_size, dtype=dtype, device=device)
+        if row_ids:
+            out.index_put_((torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device)),
+                           torch.tensor(values, dtype=dtype, device=device), accumulate=True)
+        return out
+
+    if any(row.params.logit_bias for row in sub):
+        x += scatter(lambda row: row.params.logit_bias, torch.float32)
+    if any(row.params.repetition_penalty != 1 for row in sub):
+        seen = scatter(lambda row: ((t, 1) for t in row.token_ids) if row.params.repetition_penalty != 1 else (),
+                       torch.int32) > 0                          # [num_adjusted, vocab]
+        penalty = torch.tensor([row.params.repetition_penalty for row in sub], device=device).unsqueeze(1)
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    if any(row.params.presence_penalty != 0 or row.params.frequency_penalty != 0 for row in sub):
+        counts = scatter(lambda row: ((t, 1.0) for t in row.output_token_ids)
+                         if row.params.presence_penalty != 0 or row.params.frequency_penalty != 0 else (),
+                         torch.float32)                           # [num_adjusted, vocab]
+        frequency = torch.tensor([row.params.frequency_penalty for row in sub], device=device).unsqueeze(1)
+        presence = torch.tensor([row.params.presence_penalty for row in sub], device=device).unsqueeze(1)
+        x -= counts * frequency + (counts > 0).float() * presence
+    logits[idx_t] = x
+
+
 class Sampler:
     """Picks one token per row of logits: greedy, or random with temperature / top-k / top-p / min-p.
 
@@ -244,10 +371,12 @@ class Sampler:
             banned = [t for t in _min_tokens_banned(row) if t < vocab_size]
             mask_rows += [i] * len(banned)
             mask_tokens += banned
+        adjust_idx = [i for i, row in enumerate(rows) if row.params.adjusts_logits]
+        grammar_idx = [i for i, row in enumerate(rows) if row.grammar is not None]
         greedy_idx = [i for i, row in enumerate(rows) if row.params.greedy]
         random_idx = [i for i, row in enumerate(rows) if not row.params.greedy]
 
-        if not random_idx and not logprob_idx and not mask_rows:
+        if not random_idx and not logprob_idx and not mask_rows and not adjust_idx and not grammar_idx:
             token_ids = logits.argmax(dim=-1)  # [num_rows]
             return SamplerOutput(token_ids.tolist(), [None] * num_rows, [None] * num_rows)
 
@@ -257,6 +386,10 @@ class Sampler:
             raw_logprobs = torch.log_softmax(_take(x, logprob_idx), dim=-1)  # [num_logprob_rows, vocab]
         if mask_rows:
             x[torch.tensor(mask_rows, device=device), torch.tensor(mask_tokens, device=device)] = -math.inf
+        if grammar_idx:
+            _apply_grammars(x, rows, grammar_idx)
+        if adjust_idx:
+            _adjust_logits(x, rows, adjust_idx)
 
         if not random_idx:
             token_ids = x.argmax(dim=-1)  # [num_rows]

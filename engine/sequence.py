@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.sampling import SamplingParams
+from engine.structured import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -53,6 +54,7 @@ class Sequence:
     last_scheduled_step: int = 0     # for the lru victim policy
     num_pending_forks: int = 0       # n > 1: samples that will fork from this one after its prefill
     error: str | None = None         # why the scheduler ended it (e.g. the pool cannot hold it)
+    grammar: GrammarMatcher | None = None   # where its output stands in params.structured's grammar
     # output text state, kept by the engine's output processing
     text: str = ""
     num_emitted_chars: int = 0
@@ -79,6 +81,23 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def cut_at_stop_string(self, delta_len: int) -> FinishReason | None:
+        """Truncate the text at the earliest stop string that the last `delta_len` characters complete;
+        STOP (and `stop_reason` the string) if one did."""
+        longest = max(len(s) for s in self.params.stop)
+        search_from = max(0, len(self.text) - delta_len - longest + 1)
+        found: tuple[int, str] | None = None
+        for stop in self.params.stop:
+            index = self.text.find(stop, search_from)
+            if index >= 0 and (found is None or index < found[0]):
+                found = (index, stop)
+        if found is None:
+            return None
+        index, stop = found
+        self.text = self.text[: index + (len(stop) if self.params.include_stop_str_in_output else 0)]
+        self.stop_reason = stop
+        return FinishReason.STOP
 
     def sort_key(self) -> tuple[int, int, int]:
         """Waiting-queue order: lower priority value first, then arrival, then sample index."""

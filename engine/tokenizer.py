@@ -95,6 +95,15 @@ class Tokenizer:
         """Number of token ids, added tokens included (len() of the HF tokenizer)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text, added tokens included (grammar libraries build their view of
+        the vocabulary from it)."""
+        return self._backend.to_str()
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of `token_id` as stored (byte-level symbols, not decoded text); None if unused."""
+        return self._backend.id_to_token(token_id)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, as HF `tokenizer(text, add_special_tokens=...).input_ids`."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -129,6 +138,13 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat template; the template writes its own special tokens (HF semantics)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def chat_template_source(self, use_tools: bool = False) -> str:
+        """The text of the template `apply_chat_template` renders ("" when the folder has none)."""
+        if not self._chat_templates:
+            return ""
+        name = "tool_use" if use_tools and "tool_use" in self._chat_templates else "default"
+        return self._chat_templates.get(name, "")
 
     def _chat_template(self, use_tools: bool) -> jinja2.Template:
         """The compiled template: "tool_use" when tools are given and it exists, else "default" (HF's choice)."""

@@ -55,6 +55,7 @@ def create_app(gateway: Gateway, *, data_dir: Path | str | None = None,
         batches.setup(app, data_dir, batch_executor)
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/responses", handlers.responses)
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/v1/models/{model:.+}", handlers.retrieve_model)
     app.router.add_get("/health", handlers.health)

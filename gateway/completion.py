@@ -26,9 +26,11 @@ from typing import Any
 from aiohttp import web
 
 from gateway import openai_api as api
+from gateway import openai_objects as objects
 from gateway.openai_api import ApiError, ChatRequest, CompletionRequest
 from gateway.responses import ClientGone, LocalResponse
 from gateway.runtime import Gateway
+from gateway.tools import format_for
 from gateway.upstream import forward
 from pools.pool import Pool
 
@@ -55,6 +57,7 @@ class Completion:
     tenant: str
     http: web.Request | None = None     # None: a batch line (JSON back, nothing streamed)
     background: bool = False            # a batch line: served behind interactive traffic
+    answer_type: type[LocalResponse] = LocalResponse   # how the answer is written (the Responses API's differs)
 
     async def answer(self) -> web.StreamResponse | dict[str, Any]:
         """The stages of the module docstring. A client that went away (or stopped reading) gets
@@ -69,13 +72,17 @@ class Completion:
         for pool, ids in self.routed:
             self.gateway.metrics.routed.labels(pool=pool.name).inc()
             api.check_context(self.req, len(ids), pool.max_model_len, pool.name)
+            if not pool.is_upstream:
+                api.check_logit_bias(self.req, pool.tokenizer.vocab_size, pool.name)
         upstream = [pool for pool, _ in self.routed if pool.is_upstream]
         if upstream:
             return await self._forward(upstream[0])
+        self.req = with_tool_grammar(self.req, self.routed[0][0])
+        await self.gateway.check_grammar(self.req.params.structured, self.req.structured_param)
         admission = self.gateway.admission
         req = dataclasses.replace(self.req, priority=admission.clamp_priority(self.tenant, self.req.priority))
         async with admission.admitted(self.routed, max_tokens=req.params.max_tokens, n=req.params.n,
-                                      request_id=api.new_id("adm"), tenant=self.tenant, priority=req.priority,
+                                      request_id=objects.new_id("adm"), tenant=self.tenant, priority=req.priority,
                                       background=self.background, max_tokens_param=req.max_tokens_param):
             local = await self._run_local(req)
         # The engine is done with every request: its credits are back, however slowly the client reads.
@@ -101,7 +108,7 @@ class Completion:
         for attempt in range(1 + retries):
             for pool, _ in self.routed:
                 await self.gateway.wait_device(pool)
-            local = LocalResponse(self.http, req, self.routed, received=self.received, metrics=self.gateway.metrics,
+            local = self.answer_type(self.http, req, self.routed, received=self.received, metrics=self.gateway.metrics,
                                   write_timeout=self.gateway.config.gateway.write_timeout, tenant=self.tenant)
             await local.run()
             if attempt == retries or not local.retryable:
@@ -109,6 +116,19 @@ class Completion:
             log.warning("%s: the device worker died before the client saw anything (%s); running it again on "
                         "the restarted worker", local.request_id, local.error.message)
         return local
+
+
+def with_tool_grammar(req: ChatRequest | CompletionRequest, pool: Pool) -> ChatRequest | CompletionRequest:
+    """A chat whose tool_choice is "required" or a named function, constrained to the pool's tool-call
+    format by a grammar of the allowed functions' schemas (it takes the place of any response_format:
+    the reply is tool calls only)."""
+    if not isinstance(req, ChatRequest) or req.tool_choice.mode not in ("required", "function"):
+        return req
+    tools = req.tools if req.tool_choice.mode == "required" else [t for t in req.tools if t.name == req.tool_choice.name]
+    parallel = req.parallel_tool_calls and req.tool_choice.mode == "required"
+    grammar = format_for(pool.tokenizer, req.tools).grammar(tools, parallel)
+    return dataclasses.replace(req, params=dataclasses.replace(req.params, structured=grammar),
+                               structured_param="tools")
 
 
 def _relayed_error(response: web.Response) -> ApiError:

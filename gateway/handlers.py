@@ -18,6 +18,7 @@ from aiohttp import web
 from gateway import openai_api as api
 from gateway.openai_api import ApiError
 from gateway.completion import Completion
+from gateway.responses_api import ResponsesAnswer, parse_responses
 from gateway.runtime import GATEWAY, Gateway, model_not_found
 from gateway.upstream import redact
 from pools.pool import Pool
@@ -44,9 +45,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     received = time.perf_counter()
     body = await read_json(request)
     req = api.parse_chat(body, gateway.config.gateway.limits)
-    routed = [await gateway.route_chat(req.model, req.messages)]
+    routed = [await gateway.route_chat(req.model, req.messages, req.tools)]
     tenant = gateway.admission.tenant_of(request)
     return await Completion(gateway, req, routed, body, "/chat/completions", received, tenant, http=request).answer()
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/responses`: the Responses API, stateless (`gateway.responses_api`), answered as the chat it is."""
+    gateway = request.app[GATEWAY]
+    received = time.perf_counter()
+    body = await read_json(request)
+    req = parse_responses(body, gateway.config.gateway.limits)
+    routed = [await gateway.route_chat(req.model, req.messages, req.tools)]
+    tenant = gateway.admission.tenant_of(request)
+    return await Completion(gateway, req, routed, body, "/responses", received, tenant, http=request,
+                            answer_type=ResponsesAnswer).answer()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -73,7 +86,7 @@ async def answer(gateway: Gateway, path: str, body: Any, *, tenant: str | None =
             raise ApiError(400, "stream: a batch line cannot stream; remove stream", param="stream")
         if path == "/v1/chat/completions":
             req = api.parse_chat(body, gateway.config.gateway.limits)
-            routed = [await gateway.route_chat(req.model, req.messages)]
+            routed = [await gateway.route_chat(req.model, req.messages, req.tools)]
         elif path == "/v1/completions":
             req = api.parse_completion(body, gateway.config.gateway.limits)
             routed = [await gateway.route_prompt(req.model, p) for p in req.prompts]

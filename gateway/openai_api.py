@@ -1,21 +1,20 @@
-"""The OpenAI protocol: parse and validate request bodies, build responses and stream chunks.
+"""The OpenAI protocol's requests: parse and validate request bodies.
 
 No HTTP here: `parse_chat` / `parse_completion` turn a decoded JSON body into a request object or
-raise `ApiError` (status, message naming the field, `param`); the `*_response` / `*_chunk` helpers
-build the JSON objects the OpenAI API returns. Extra fields are accepted as vLLM accepts them:
+raise `ApiError` (status, message naming the field, `param`); `gateway.openai_objects` builds the JSON
+objects the OpenAI API returns. Extra fields are accepted as vLLM accepts them:
 `top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`, `skip_special_tokens`,
 `include_stop_str_in_output`.
 """
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling import MAX_LOGPROBS, SamplingParams
+from engine.structured import StructuredOutput
+from gateway.tools import Tool, ToolChoice, ToolError, parse_tool_calls, parse_tool_choice, parse_tools
 from pools.spec import RequestLimits
 
 
@@ -43,26 +42,32 @@ def bad_request(param: str, message: str) -> ApiError:
 
 # Fields we accept and ignore (they change nothing we do); anything else unknown is an error, so a
 # misspelt parameter is not silently dropped.
-_IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options"}
+_IGNORED = {"user", "store", "metadata", "service_tier", "stream_options"}
 _SAMPLING_EXTRA = {"top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "priority",
                    "skip_special_tokens", "include_stop_str_in_output", "seed", "stop", "n", "temperature",
                    "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                    "stream", "model"}
 _CHAT_FIELDS = _SAMPLING_EXTRA | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
-                                  "response_format", "tools", "tool_choice", "functions", "function_call"}
-_COMPLETION_FIELDS = _SAMPLING_EXTRA | {"prompt", "max_tokens", "logprobs", "echo", "suffix", "best_of"}
+                                  "response_format", "tools", "tool_choice", "functions", "function_call",
+                                  "parallel_tool_calls"}
+_COMPLETION_FIELDS = _SAMPLING_EXTRA | {"prompt", "max_tokens", "logprobs", "echo", "suffix", "best_of",
+                                        "response_format"}
 
 
 @dataclass
 class ChatRequest:
     model: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]   # role, content (text); tool_calls / tool_call_id / name where given
     params: SamplingParams
     stream: bool
     include_usage: bool
     priority: int
     top_logprobs: int | None        # None: no logprobs; k: the chosen token's plus the top k
     max_tokens_param: str = "max_tokens"   # the field that set params.max_tokens, for errors
+    structured_param: str = "response_format"   # the field that set params.structured, for errors
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice = ToolChoice("none")
+    parallel_tool_calls: bool = True
 
 
 @dataclass
@@ -74,6 +79,7 @@ class CompletionRequest:
     include_usage: bool
     priority: int
     max_tokens_param: str = "max_tokens"
+    structured_param: str = "response_format"
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -139,22 +145,48 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, include
 
 
-def _unsupported(body: dict[str, Any]) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _get(body, name, (int, float), 0)
-        if not -2 <= value <= 2:
-            raise bad_request(name, f"must be in [-2, 2], got {value}")
-        if value != 0:
-            raise bad_request(name, "is not supported by this server (only 0)")
-    rep = _get(body, "repetition_penalty", (int, float), 1)
-    if rep != 1:
-        raise bad_request("repetition_penalty", "is not supported by this server (only 1)")
-    bias = _get(body, "logit_bias", dict, {})
-    if bias:
-        raise bad_request("logit_bias", "is not supported by this server")
+def response_format(value: Any, param: str = "response_format") -> StructuredOutput | None:
+    """OpenAI's `response_format` (chat, and completions as vLLM takes it) as the constraint it asks for:
+    {"type": "text"} none, {"type": "json_object"} any JSON object, {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict", "description"}} the schema (strict or not, it is enforced)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request(param, f"expected an object, got {_json_type(value)}")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind != "json_schema":
+        raise bad_request(f"{param}.type", f"must be one of text, json_object, json_schema, got {kind!r}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request(f"{param}.json_schema", f"expected an object with the schema, got {_json_type(spec)}")
+    return json_schema_constraint(spec, f"{param}.json_schema")
 
 
-def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def json_schema_constraint(spec: dict[str, Any], param: str) -> StructuredOutput:
+    """{name, schema, strict, description} (chat's json_schema; the Responses API's text.format carries the
+    same fields beside its type) as a constraint."""
+    for key in spec:
+        if key not in ("name", "schema", "strict", "description", "type"):
+            raise bad_request(f"{param}.{key}", "unrecognized field")
+    if not isinstance(spec.get("name", ""), str):
+        raise bad_request(f"{param}.name", f"expected a string, got {_json_type(spec['name'])}")
+    if not isinstance(spec.get("strict", False), (bool, type(None))):
+        raise bad_request(f"{param}.strict", f"expected a boolean, got {_json_type(spec['strict'])}")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise bad_request(f"{param}.schema", f"expected a JSON schema object, got {_json_type(schema)}")
+    try:
+        return StructuredOutput.json_schema(schema)
+    except ValueError as exc:
+        raise bad_request(f"{param}.schema", str(exc).removeprefix("structured output: ")) from None
+
+
+def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+              structured: StructuredOutput | None = None) -> SamplingParams:
     temperature = _get(body, "temperature", (int, float), 1.0)
     if not 0 <= temperature <= 2:
         raise bad_request("temperature", f"must be in [0, 2], got {temperature}")
@@ -166,12 +198,16 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None
         stop=() if body.get("stop") is None else body["stop"], stop_token_ids=_get(body, "stop_token_ids", list, ()),
         ignore_eos=_get(body, "ignore_eos", bool, False), logprobs=logprobs,
         skip_special_tokens=_get(body, "skip_special_tokens", bool, True),
-        include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False))
+        include_stop_str_in_output=_get(body, "include_stop_str_in_output", bool, False),
+        presence_penalty=_get(body, "presence_penalty", (int, float), 0.0),
+        frequency_penalty=_get(body, "frequency_penalty", (int, float), 0.0),
+        repetition_penalty=_get(body, "repetition_penalty", (int, float), 1.0),
+        logit_bias=_get(body, "logit_bias", dict, {}), structured=structured)
     try:
         return SamplingParams(**kwargs)
-    except ValueError as exc:  # SamplingParams names the field: "top_p: must be in (0, 1], got 2"
+    except ValueError as exc:  # SamplingParams names the field: "top_p: ...", "logit_bias[5]: ..."
         message = str(exc)
-        field = message.split(":", 1)[0]
+        field = message.split(":", 1)[0].split("[", 1)[0]
         raise ApiError(400, message, param=field if field in kwargs else None) from None
 
 
@@ -225,25 +261,8 @@ def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> ChatReques
     if len(raw) > limits.max_messages:
         raise bad_request("messages", f"at most {limits.max_messages} messages (gateway.limits.max_messages), "
                           f"got {len(raw)}")
-    messages = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict):
-            raise bad_request(f"messages[{i}]", f"expected an object, got {_json_type(m)}")
-        role = m.get("role")
-        if role not in _ROLES:
-            raise bad_request(f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {role!r}")
-        if m.get("tool_calls"):
-            raise bad_request(f"messages[{i}].tool_calls", "tool calls are not supported by this server")
-        if "content" not in m and role != "assistant":
-            raise bad_request(f"messages[{i}].content", "is required")
-        messages.append({"role": role, "content": _message_content(i, m.get("content"))})
-    if body.get("tools") or body.get("functions"):
-        raise bad_request("tools" if body.get("tools") else "functions", "tool calling is not supported")
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict) or fmt.get("type") != "text":
-            raise bad_request("response_format", "only {\"type\": \"text\"} is supported")
-    _unsupported(body)
+    messages = [_message(i, m) for i, m in enumerate(raw)]
+    tools, tool_choice = _tools(body)
     logprobs = _get(body, "logprobs", bool, False)
     top = _get(body, "top_logprobs", int, None)
     if top is not None:
@@ -255,11 +274,65 @@ def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> ChatReques
     max_tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(body, max_tokens_param)
     stream, include_usage = _stream(body)
-    params = _sampling(body, max_tokens, top_logprobs)
+    params = _sampling(body, max_tokens, top_logprobs, response_format(body.get("response_format")))
     _check_choices(params.n, 1, limits)
     return ChatRequest(model=model, messages=messages, params=params,
                        stream=stream, include_usage=include_usage, priority=_priority(body),
-                       top_logprobs=top_logprobs, max_tokens_param=max_tokens_param)
+                       top_logprobs=top_logprobs, max_tokens_param=max_tokens_param, tools=tools,
+                       tool_choice=tool_choice, parallel_tool_calls=_get(body, "parallel_tool_calls", bool, True))
+
+
+def _message(i: int, m: Any) -> dict[str, Any]:
+    """One chat message, checked: role and text content, plus an assistant's tool_calls and a tool
+    result's tool_call_id (and name) where given."""
+    if not isinstance(m, dict):
+        raise bad_request(f"messages[{i}]", f"expected an object, got {_json_type(m)}")
+    role = m.get("role")
+    if role not in _ROLES:
+        raise bad_request(f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {role!r}")
+    if "content" not in m and role != "assistant":
+        raise bad_request(f"messages[{i}].content", "is required")
+    message: dict[str, Any] = {"role": role, "content": _message_content(i, m.get("content"))}
+    if m.get("tool_calls"):
+        if role != "assistant":
+            raise bad_request(f"messages[{i}].tool_calls", "only assistant messages carry tool calls")
+        message["tool_calls"] = _tool_error(lambda: parse_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls"))
+    for key in ("tool_call_id", "name"):
+        if m.get(key) is not None:
+            if not isinstance(m[key], str):
+                raise bad_request(f"messages[{i}].{key}", f"expected a string, got {_json_type(m[key])}")
+            message[key] = m[key]
+    return message
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[Tool] | None, ToolChoice]:
+    """`tools` and `tool_choice` (or the deprecated `functions` and `function_call`, read as them)."""
+    if body.get("functions") is not None:
+        if body.get("tools") is not None:
+            raise bad_request("functions", "send tools or functions, not both")
+        raw = body["functions"]
+        if not isinstance(raw, list):
+            raise bad_request("functions", f"expected an array, got {_json_type(raw)}")
+        tools = _tool_error(lambda: parse_tools([{"type": "function", "function": f} for f in raw], "functions"))
+        call = body.get("function_call")
+        choice = {"type": "function", "function": call} if isinstance(call, dict) else call
+        return tools, _tool_error(lambda: parse_tool_choice(choice, tools, "function_call"))
+    if body.get("tools") is None:
+        choice = body.get("tool_choice")
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice", "is only allowed when tools are given")
+        return None, ToolChoice("none")
+    tools = _tool_error(lambda: parse_tools(body["tools"]))
+    return tools, _tool_error(lambda: parse_tool_choice(body.get("tool_choice"), tools))
+
+
+def _tool_error(parse):
+    """`parse()`, its ToolError (message "<field path>: why") as a 400 naming that field."""
+    try:
+        return parse()
+    except ToolError as exc:
+        message = str(exc)
+        raise ApiError(400, message, param=message.split(":", 1)[0]) from None
 
 
 def _check_choices(n: int, num_prompts: int, limits: RequestLimits) -> None:
@@ -308,15 +381,24 @@ def parse_completion(body: Any, limits: RequestLimits = RequestLimits()) -> Comp
     best_of = _get(body, "best_of", int, None)
     if best_of is not None and best_of != _get(body, "n", int, 1):
         raise bad_request("best_of", "only best_of == n is supported")
-    _unsupported(body)
     logprobs = _get(body, "logprobs", int, None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request("logprobs", f"must be in 0..{MAX_LOGPROBS}, got {logprobs}")
     stream, include_usage = _stream(body)
-    params = _sampling(body, _max_tokens(body, "max_tokens"), logprobs)
+    params = _sampling(body, _max_tokens(body, "max_tokens"), logprobs,
+                       response_format(body.get("response_format")))
     _check_choices(params.n, len(prompts), limits)
     return CompletionRequest(model=model, prompts=prompts, params=params, stream=stream,
                              include_usage=include_usage, priority=_priority(body))
+
+
+def check_logit_bias(req: ChatRequest | CompletionRequest, vocab_size: int, pool: str) -> None:
+    """Refuse logit_bias token ids outside the pool's vocabulary (a bias on a token that cannot be sampled
+    would silently do nothing)."""
+    outside = [t for t, _ in req.params.logit_bias if t >= vocab_size]
+    if outside:
+        raise bad_request("logit_bias", f"token ids {outside[:8]} are outside the vocabulary of pool {pool!r} "
+                          f"(ids 0..{vocab_size - 1})")
 
 
 def check_context(req: ChatRequest | CompletionRequest, num_prompt_tokens: int, max_model_len: int,
@@ -334,89 +416,3 @@ def check_context(req: ChatRequest | CompletionRequest, num_prompt_tokens: int, 
     raise ApiError(400, f"{param}: {max_tokens} tokens after a {num_prompt_tokens}-token prompt exceed "
                    f"max_model_len {max_model_len} of pool {pool!r}; at most {max_model_len - num_prompt_tokens} "
                    "fit (or leave max_tokens unset)", param=param, code="context_length_exceeded")
-
-
-# --- responses -----------------------------------------------------------------------------------
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-TokenText = Callable[[int], str]
-
-
-def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[float],
-                  top: Sequence[Sequence[tuple[int, float]]], token_text: TokenText) -> dict[str, Any]:
-    content = []
-    for i, (tok, lp) in enumerate(zip(token_ids, logprobs)):
-        text = token_text(tok)
-        entry_top = [{"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode())}
-                     for t, v in (top[i] if i < len(top) else [])]
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": entry_top})
-    return {"content": content}
-
-
-def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[float],
-                        top: Sequence[Sequence[tuple[int, float]]], token_text: TokenText,
-                        text_offset: int = 0) -> dict[str, Any]:
-    tokens, offsets, tops = [], [], []
-    offset = text_offset
-    for i, tok in enumerate(token_ids):
-        text = token_text(tok)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
-        tops.append({token_text(t): v for t, v in (top[i] if i < len(top) else [])})
-    return {"tokens": tokens, "token_logprobs": list(logprobs[:len(tokens)]), "top_logprobs": tops,
-            "text_offset": offsets}
-
-
-def chat_response(request_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
-                  completion_tokens: int) -> dict[str, Any]:
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
-
-
-def chat_choice(index: int, text: str, logprobs: dict[str, Any] | None,
-                finish_reason: str | None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
-
-
-def chat_chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]],
-               include_usage: bool) -> dict[str, Any]:
-    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": choices}
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
-
-
-def completion_response(request_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
-                        completion_tokens: int) -> dict[str, Any]:
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
-
-
-def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
-                      finish_reason: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def completion_chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]],
-                     include_usage: bool) -> dict[str, Any]:
-    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-             "choices": choices}
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
-
-
-def usage_chunk(request_id: str, model: str, created: int, obj: str, prompt_tokens: int,
-                completion_tokens: int) -> dict[str, Any]:
-    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}

@@ -32,8 +32,10 @@ from engine.outputs import RequestDelta, SampleDelta
 from engine.sampling import SamplingParams
 from engine.client import EngineDeadError
 from gateway import openai_api as api
+from gateway import openai_objects as objects
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ApiError, ChatRequest, CompletionRequest
+from gateway.tools import ToolCallStream, ToolFormat, format_for
 from pools.pool import Pool
 
 Routed = Sequence[tuple[Pool, list[int]]]   # each prompt's pool and token ids
@@ -62,6 +64,7 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    tool_stream: ToolCallStream | None = None   # a streamed chat with tools: held text, calls at the end
 
 
 def cache_salt(pool: Pool, tenant: str) -> str | None:
@@ -136,12 +139,20 @@ class LocalResponse:
         self.request, self.req, self.routed = request, req, routed
         self.chat = isinstance(req, ChatRequest)
         self.received, self.metrics = received, metrics
-        self.request_id = api.new_id("chatcmpl" if self.chat else "cmpl")
+        self.request_id = objects.new_id("chatcmpl" if self.chat else "cmpl")
         self.created = int(time.time())
         n = req.params.n
         self.choices = {i * n + j: _Choice(i * n + j, pool) for i, (pool, _) in enumerate(routed) for j in range(n)}
         self.pool_header = ",".join(dict.fromkeys(pool.name for pool, _ in routed))
         self.want_logprobs = req.params.logprobs is not None
+        # A chat offering tools (tool_choice not "none"): its replies are parsed into tool calls.
+        self.tool_format: ToolFormat | None = None
+        if self.chat and req.tools and req.tool_choice.mode != "none":
+            self.tool_format = format_for(routed[0][0].tokenizer, req.tools)
+            if req.stream:
+                forced = req.tool_choice.mode in ("required", "function")
+                for choice in self.choices.values():
+                    choice.tool_stream = ToolCallStream(self.tool_format, forced)
         self.response: web.StreamResponse | None = None   # the SSE response, once started
         self.error: ApiError | None = None               # the engine's failure, answered by `finish`
         self.write_timeout = write_timeout
@@ -178,18 +189,22 @@ class LocalResponse:
             raise self.error
         if not self.req.stream:
             return self._json()
-        if self.error is not None:
-            self._queue(self.error.body())
-        elif self.req.include_usage:
-            obj = "chat.completion.chunk" if self.chat else "text_completion"
-            self._queue(api.usage_chunk(self.request_id, self.req.model, self.created, obj, *self._usage()))
-        self._chunks.append(b"data: [DONE]\n\n")
+        self._queue_tail()
         self._closing = True
         self._start_writer()
         await self._writer
         if self._write_error is not None:
             raise self._write_error
         return self.response
+
+    def _queue_tail(self) -> None:
+        """A stream's last events: the error, or the usage chunk if asked for; then `[DONE]`."""
+        if self.error is not None:
+            self._queue(self.error.body())
+        elif self.req.include_usage:
+            obj = "chat.completion.chunk" if self.chat else "text_completion"
+            self._queue(objects.usage_chunk(self.request_id, self.req.model, self.created, obj, *self._usage()))
+        self._chunks.append(b"data: [DONE]\n\n")
 
     @property
     def retryable(self) -> bool:
@@ -214,9 +229,12 @@ class LocalResponse:
                 self._observe(i, out)
                 chunk_choices = self._apply(i, out)
                 if self.req.stream and chunk_choices:
-                    make = api.chat_chunk if self.chat else api.completion_chunk
-                    self._queue(make(self.request_id, self.req.model, self.created, chunk_choices,
-                                     self.req.include_usage))
+                    self._queue_chunk(chunk_choices)
+
+    def _queue_chunk(self, chunk_choices: list[dict[str, Any]]) -> None:
+        """One stream chunk of the choices' deltas (OpenAI's chat or completion chunk)."""
+        make = objects.chat_chunk if self.chat else objects.completion_chunk
+        self._queue(make(self.request_id, self.req.model, self.created, chunk_choices, self.req.include_usage))
 
     def _observe(self, i: int, out: RequestDelta) -> None:
         """Latency and token metrics of prompt i's delta."""
@@ -260,21 +278,30 @@ class LocalResponse:
         lp = None
         if has_logprobs:
             ids, lps, tops = c.delta_token_ids, c.delta_logprobs or [], c.delta_top_logprobs or []
-            lp = (api.chat_logprobs(ids, lps, tops, choice.pool.token_text) if self.chat else
-                  api.completion_logprobs(ids, lps, tops, choice.pool.token_text, text_offset))
+            lp = (objects.chat_logprobs(ids, lps, tops, choice.pool.token_text) if self.chat else
+                  objects.completion_logprobs(ids, lps, tops, choice.pool.token_text, text_offset))
         if not self.chat:
             return {"index": choice.index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
         delta: dict[str, Any] = {}
         if not choice.sent_role:
             delta["role"] = "assistant"
             choice.sent_role = True
-        delta["content"] = c.delta_text
-        return {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
+        delta["content"], finish_reason = c.delta_text, c.finish_reason
+        if choice.tool_stream is not None:
+            delta["content"] = choice.tool_stream.content_delta(choice.text)
+            if finish_reason is not None:
+                rest, calls = choice.tool_stream.finish(choice.text)
+                delta["content"] += rest
+                if calls:
+                    delta["tool_calls"] = [{"index": k, **call.as_openai()} for k, call in enumerate(calls)]
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
 
     # --- the client's side of a stream ----------------------------------------------------------
-    def _queue(self, obj: dict[str, Any]) -> None:
-        """One SSE event for the writer (started with the first)."""
-        self._chunks.append(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+    def _queue(self, obj: dict[str, Any], event: str | None = None) -> None:
+        """One SSE event for the writer (started with the first); `event` names its type (the Responses API)."""
+        head = f"event: {event}\n".encode() if event else b""
+        self._chunks.append(head + b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
         self._start_writer()
 
     def _start_writer(self) -> None:
@@ -327,11 +354,19 @@ class LocalResponse:
             choice = self.choices[index]
             lp = None
             if self.want_logprobs:
-                lp = (api.chat_logprobs if self.chat else api.completion_logprobs)(
+                lp = (objects.chat_logprobs if self.chat else objects.completion_logprobs)(
                     choice.token_ids, choice.logprobs, choice.top_logprobs, choice.pool.token_text)
-            make_choice = api.chat_choice if self.chat else api.completion_choice
-            body_choices.append(make_choice(index, choice.text, lp, choice.finish_reason))
-        make = api.chat_response if self.chat else api.completion_response
+            if not self.chat:
+                body_choices.append(objects.completion_choice(index, choice.text, lp, choice.finish_reason))
+                continue
+            content, calls, finish_reason = choice.text, [], choice.finish_reason
+            if self.tool_format is not None:
+                content, calls = self.tool_format.parse(choice.text)
+                if calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            body_choices.append(objects.chat_choice(index, content, lp, finish_reason,
+                                                [call.as_openai() for call in calls]))
+        make = objects.chat_response if self.chat else objects.completion_response
         return make(self.request_id, self.req.model, body_choices, *self._usage())
 
     def _usage(self) -> tuple[int, int]:

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +29,11 @@ from aiohttp import web
 
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.stats import PoolStats, WorkerInfo
+from engine import structured
+from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
+from gateway.tools import Tool
+from gateway.tools import render as render_chat_with_tools
 from engine.client import AsyncEngineClient, EngineDeadError
 from gateway.admission import AdmissionControl
 from gateway.metrics import GatewayMetrics
@@ -46,6 +53,7 @@ log = logging.getLogger("cliffguard.gateway")
 # Prompts longer than this (characters) are rendered and counted in a worker thread.
 INLINE_TOKENIZE_CHARS = 2048
 MESSAGE_OVERHEAD_CHARS = 32   # what each message adds to the rendered text (role and template markers), about
+MAX_CACHED_GRAMMAR_CHECKS = 1024   # distinct schemas whose check the gateway remembers
 SPIRAL_INTERVAL = 0.25   # seconds between death-spiral checks; the worker pushes its stats as often while busy
 
 
@@ -131,6 +139,8 @@ class Gateway:
     session: aiohttp.ClientSession | None = None
     admission: AdmissionControl | None = None   # KV credits of the local pools, tenants (gateway.admission)
     spiral: SpiralWatch | None = None           # death-spiral detection of the local pools
+    # constraint key -> the grammar library's objection ("" when it can enforce it); LRU, event-loop only
+    grammar_checks: OrderedDict[str, str] = field(default_factory=OrderedDict)
 
     @classmethod
     def from_config(cls, config: CliffguardConfig, *, vram_bytes: int | None = None) -> Gateway:
@@ -208,12 +218,32 @@ class Gateway:
         except EngineDeadError as exc:
             raise ApiError(503, str(exc), type="server_error", code="pool_unavailable") from None
 
+    async def check_grammar(self, constraint: StructuredOutput | None, param: str) -> None:
+        """400 naming `param` when the grammar library cannot enforce `constraint`; checked on the tokenizer
+        thread (a large schema takes milliseconds), each distinct constraint once."""
+        if constraint is None:
+            return
+        error = self.grammar_checks.get(constraint.key)
+        if error is None:
+            error = await asyncio.get_running_loop().run_in_executor(self.executor, _grammar_error, constraint)
+            self.grammar_checks[constraint.key] = error
+            while len(self.grammar_checks) > MAX_CACHED_GRAMMAR_CHECKS:
+                self.grammar_checks.popitem(last=False)
+        else:
+            self.grammar_checks.move_to_end(constraint.key)
+        if error:
+            raise ApiError(400, f"{param}: the grammar library cannot enforce it: {error}", param=param)
+
     # --- tokenization and routing ----------------------------------------------------------------
-    async def route_chat(self, model: str, messages: list[dict[str, str]]) -> tuple[Pool, list[int]]:
-        """Render each candidate pool's chat template, count exactly, and take the first pool that admits it."""
+    async def route_chat(self, model: str, messages: list[dict[str, Any]],
+                         tools: list[Tool] | None = None) -> tuple[Pool, list[int]]:
+        """Render each candidate pool's chat template (with the tools offered), count exactly, and take the
+        first pool that admits it."""
         size = sum(len(m["content"]) + MESSAGE_OVERHEAD_CHARS for m in messages)   # many empty messages render long
+        if tools:
+            size += sum(len(json.dumps(t.parameters)) + MESSAGE_OVERHEAD_CHARS for t in tools)
         return await self._route(model, "messages", size,
-                                 self._timed(lambda pool: _render_and_count(pool, messages)))
+                                 self._timed(lambda pool: _render_and_count(pool, messages, tools)))
 
     async def route_prompt(self, model: str, prompt: str | list[int]) -> tuple[Pool, list[int]]:
         """Count a completion prompt (text with the tokenizer's prefix, or token ids) and route it."""
@@ -260,8 +290,19 @@ def model_not_found(exc: UnknownModelError) -> ApiError:
     return ApiError(404, str(exc), param="model", code="model_not_found")
 
 
-def _render_and_count(pool: Pool, messages: list[dict[str, str]]) -> list[int]:
-    text = pool.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+def _grammar_error(constraint: StructuredOutput) -> str:
+    try:
+        structured.check(constraint)
+    except ValueError as exc:
+        return str(exc) or "invalid"
+    return ""
+
+
+def _render_and_count(pool: Pool, messages: list[dict[str, Any]], tools: list[Tool] | None) -> list[int]:
+    if tools is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        text = pool.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    else:
+        text = render_chat_with_tools(pool.tokenizer, messages, tools)
     return pool.counter.encode(text)
 
 

@@ -21,9 +21,9 @@ STOP_ID = 7
 
 
 def _make_row(params: SamplingParams, *, index: int = 0, num_output_tokens: int = 0,
-              eos_token_ids: frozenset[int] = frozenset({EOS})) -> SamplingRow:
+              eos_token_ids: frozenset[int] = frozenset({EOS}), token_ids: list[int] = ()) -> SamplingRow:
     generator = None if params.seed is None else make_generator(params.seed, index, "cpu")
-    return SamplingRow(params, generator, num_output_tokens, eos_token_ids)
+    return SamplingRow(params, generator, num_output_tokens, eos_token_ids, token_ids)
 
 
 def _make_sampler(seed: int = 0) -> Sampler:
@@ -95,6 +95,15 @@ def _seeded_tokens(batch: list[SamplingRow], logits: torch.Tensor, position: int
     ({"logprobs": -1}, "logprobs"),
     ({"skip_special_tokens": 1}, "skip_special_tokens"),
     ({"include_stop_str_in_output": None}, "include_stop_str_in_output"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"frequency_penalty": math.nan}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {5: 100.5}}, "logit_bias[5]"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
 ])
 def test_params_reject_bad_value_naming_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError) as exc:
@@ -112,6 +121,13 @@ def test_params_normalise_and_accept_edges() -> None:
     assert hash(params) == hash(SamplingParams(**{f: getattr(params, f) for f in params.__dataclass_fields__}))
     with pytest.raises(AttributeError):
         params.n = 2  # type: ignore[misc]
+
+
+def test_logit_bias_takes_json_keys_and_pairs_alike() -> None:
+    assert SamplingParams(logit_bias={"7": 1, "2": -100}).logit_bias == ((2, -100.0), (7, 1.0))
+    assert SamplingParams(logit_bias=[(7, 1), (2, -100)]) == SamplingParams(logit_bias={"2": -100, "7": 1.0})
+    assert not SamplingParams().adjusts_logits
+    assert SamplingParams(repetition_penalty=1.1).adjusts_logits
 
 
 @pytest.mark.parametrize("kwargs, greedy", [
@@ -363,6 +379,77 @@ def test_callers_logits_unchanged(dtype: torch.dtype, all_greedy: bool) -> None:
     out = _make_sampler()(logits, [_make_row(p) for p in params])
     assert isinstance(out, SamplerOutput) and len(out.token_ids) == 5
     assert torch.equal(logits, before)
+
+
+# --- logit_bias and penalties ---------------------------------------------------------------------
+
+PROMPT = [1, 4]          # the prompt's tokens
+OUTPUT = [2, 2, 5]       # tokens generated so far: 2 twice, 5 once
+
+
+def _adjusted_row(**kwargs) -> SamplingRow:
+    return _make_row(SamplingParams(temperature=0.0, **kwargs), num_output_tokens=len(OUTPUT),
+                     token_ids=PROMPT + OUTPUT)
+
+
+def _expected(logits: list[float], **kwargs) -> list[float]:
+    """One sampler step's adjusted logits, written out token by token from the formulas (OpenAI's for the
+    presence and frequency penalties, HF transformers' for the repetition penalty)."""
+    bias = dict(kwargs.get("logit_bias", {}))
+    rep = kwargs.get("repetition_penalty", 1.0)
+    out = []
+    for token, logit in enumerate(logits):
+        logit += bias.get(token, 0.0)
+        if token in PROMPT or token in OUTPUT:
+            logit = logit / rep if logit > 0 else logit * rep
+        count = OUTPUT.count(token)
+        logit -= count * kwargs.get("frequency_penalty", 0.0) + (count > 0) * kwargs.get("presence_penalty", 0.0)
+        out.append(logit)
+    return out
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"logit_bias": {0: 5.0, 6: -100.0}},
+    {"presence_penalty": 1.5},
+    {"frequency_penalty": 0.7},
+    {"frequency_penalty": -0.5, "presence_penalty": 0.25},
+    {"repetition_penalty": 1.3},
+    {"repetition_penalty": 0.8},
+    {"logit_bias": {2: 3.0}, "repetition_penalty": 1.2, "frequency_penalty": 0.4, "presence_penalty": -1.0},
+])
+def test_bias_and_penalties_match_a_hand_computed_step(kwargs: dict) -> None:
+    logits = [2.0, -1.0, 3.0, 0.5, -2.0, 2.9, 1.0, -0.3]
+    expected = _expected(logits, **kwargs)
+    # The greedy pick is the hand-computed argmax; top_logprobs of a logprobs row stay the raw ones.
+    out = _make_sampler()(torch.tensor([logits]), [_adjusted_row(**kwargs)])
+    assert out.token_ids == [max(range(len(expected)), key=expected.__getitem__)]
+    # The adjusted logits themselves: sample at temperature 1 from each and compare the distributions.
+    row = _make_row(SamplingParams(**kwargs), num_output_tokens=len(OUTPUT), token_ids=PROMPT + OUTPUT)
+    num_draws = 20000
+    got = _make_sampler()(torch.tensor([logits]).expand(num_draws, -1).contiguous(), [row] * num_draws)
+    counts = torch.bincount(torch.tensor(got.token_ids), minlength=len(logits))
+    probs = torch.tensor(expected).softmax(dim=0).tolist()
+    _assert_matches_distribution(counts, [p if p > 1e-4 else 0.0 for p in probs])
+
+
+def test_penalties_change_the_greedy_choice() -> None:
+    logits = torch.tensor([[1.2, 0.0, 3.0, 0.0, 0.0, 2.5, 0.0, 0.0]])
+    assert _make_sampler()(logits, [_adjusted_row()]).token_ids == [2]
+    assert _make_sampler()(logits, [_adjusted_row(frequency_penalty=0.6)]).token_ids == [5]  # 3 - 1.2 < 2.5 - 0.6
+    assert _make_sampler()(logits, [_adjusted_row(logit_bias={7: 10})]).token_ids == [7]
+    assert _make_sampler()(logits, [_adjusted_row(repetition_penalty=3.0)]).token_ids == [0]  # 1.0, 0.83 < 1.2
+
+
+def test_adjusted_rows_leave_their_neighbours_and_the_raw_logprobs_alone() -> None:
+    logits = _make_logits(3, 16, seed=4)
+    plain = [_make_row(SamplingParams(temperature=0.0, logprobs=3)) for _ in range(3)]
+    before = _make_sampler()(logits, plain)
+    rows = [plain[0], _make_row(SamplingParams(temperature=0.0, logprobs=3, logit_bias={9: 100}),
+                                token_ids=[9], num_output_tokens=1), plain[2]]
+    after = _make_sampler()(logits, rows)
+    assert after.token_ids[0] == before.token_ids[0] and after.token_ids[2] == before.token_ids[2]
+    assert after.token_ids[1] == 9
+    assert after.top_logprobs[1] == before.top_logprobs[1]     # logprobs are of the raw logits
 
 
 def test_rejects_logits_not_matching_rows() -> None:

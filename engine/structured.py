@@ -1,0 +1,235 @@
+"""Structured outputs: what a request's output must match, and the grammar that enforces it token by token.
+
+A request names its constraint with a `StructuredOutput` (a JSON object, a JSON schema, or a Lark grammar in
+llguidance's dialect: the tool-call formats are written as one). The device worker turns it into a
+`GrammarMatcher` per sequence: before each sampled token the matcher writes the set of tokens that keep the
+output inside the grammar into a bitmask row, the sampler masks every other token to -inf, and the engine
+feeds the chosen token back (`accept`). The grammar library is llguidance (docs/PERF.md has the comparison
+with xgrammar and outlines-core that chose it): its matchers need no up-front compilation of token masks,
+so a new schema costs the first request milliseconds, not the seconds a precomputed automaton can take.
+
+`GrammarCompiler` owns the library's view of the tokenizer and builds matchers off the engine's thread (a
+pool of one); a request whose grammar is not ready yet waits outside the scheduler, so a slow schema never
+stalls a step. Built grammars are cached by the constraint's hash. The gateway checks a constraint with
+`check` (no tokenizer needed) and answers a 400 naming the field before the request reaches a device.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger("cliffguard.engine")
+
+KINDS = ("json_object", "json_schema", "grammar")
+GRAMMAR_WAIT_SECONDS = 0.005   # an engine with nothing to run but grammars being built sleeps this long
+MAX_SPEC_CHARS = 256 * 1024     # a schema or grammar larger than this is refused (it is compiled per request)
+MAX_CACHED_GRAMMARS = 256
+# How constrained JSON is written (llguidance's JSON compile options; a Lark grammar's %json{...} takes the
+# same under "x-guidance").
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match. kind "json_object": any JSON object; "json_schema": `spec` is the schema as
+    JSON text; "grammar": `spec` is a Lark grammar (llguidance's dialect, `%json{...}` embeds a schema)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"structured output: spec must be a string, got {type(self.spec).__name__}")
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise ValueError(f"structured output: at most {MAX_SPEC_CHARS} characters of schema or grammar, "
+                             f"got {len(self.spec)}")
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | bool) -> StructuredOutput:
+        """The schema as compact JSON text. Key order is kept: the output writes an object's properties in
+        the order the schema lists them (as OpenAI's strict mode does), so a reordered schema is another
+        constraint."""
+        return cls("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+
+    @property
+    def key(self) -> str:
+        """The cache key: a hash of kind and spec."""
+        return hashlib.blake2b(f"{self.kind}\0{self.spec}".encode(), digest_size=16).hexdigest()
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar (its JSON "top-level grammar" form) for this constraint. JSON is written
+        compactly, with json.dumps' separators and no other whitespace: a model that may put whitespace
+        anywhere can pad forever (small models do), and every JSON parser reads the compact form."""
+        import llguidance
+
+        if self.kind == "grammar":
+            return llguidance.LLMatcher.grammar_from_lark(self.spec)
+        schema = {"type": "object"} if self.kind == "json_object" else self.spec
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+
+
+def check(constraint: StructuredOutput) -> None:
+    """Raise ValueError with the library's reason when it cannot enforce `constraint` (no tokenizer needed)."""
+    import llguidance
+
+    try:
+        grammar = constraint.grammar_text()
+    except (ValueError, TypeError) as exc:
+        raise ValueError(str(exc)) from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(error.strip())
+
+
+class GrammarMatcher:
+    """One sequence's position in its grammar. Not thread-safe: the engine's thread uses it, between steps."""
+
+    def __init__(self, matcher: Any, executor: Any) -> None:
+        self._matcher = matcher      # llguidance.LLMatcher
+        self._executor = executor    # the compiler's llguidance.LLExecutor: fills a batch's rows in parallel
+
+    def accept(self, token: int) -> bool:
+        """Advance past `token`; False if the grammar does not allow it (the matcher is then in error)."""
+        return self._matcher.consume_token(token)
+
+    def advance(self, token: int, request_id: str) -> bool:
+        """`accept` the sampled token; True when the output must end here: the grammar is complete (or,
+        were the mask ever bypassed, broken: logged)."""
+        if not self.accept(token) or self.is_stopped:
+            if self.error is not None:
+                log.warning("request %s: the grammar refused token %d: %s", request_id, token, self.error)
+            return True
+        return False
+
+    @property
+    def is_stopped(self) -> bool:
+        """Nothing but end-of-sequence may follow (the output is complete), or the matcher is in error."""
+        return self._matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return (self._matcher.get_error() or "error") if self._matcher.is_error() else None
+
+
+def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """[num_rows, ceil(vocab_size / 32)] int32 on the CPU: bit t % 32 of word t // 32 allows token t."""
+    return torch.empty(num_rows, (vocab_size + 31) // 32, dtype=torch.int32)
+
+
+def fill_bitmask(matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None:
+    """Row i of `bitmask` := the tokens matchers[i] allows next (the rows are computed in parallel)."""
+    # bitmask: [len(matchers), num_words] int32, contiguous, CPU
+    assert bitmask.dtype == torch.int32 and bitmask.is_contiguous() and bitmask.device.type == "cpu"
+    assert bitmask.shape[0] == len(matchers), (bitmask.shape, len(matchers))
+    if not matchers:
+        return
+    matchers[0]._executor.unsafe_compute_mask_ptr([(m._matcher, i) for i, m in enumerate(matchers)],
+                                                  bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The bitmask unpacked: [num_rows, vocab_size] bool on `device`, True where the token is allowed
+    (ids past the bitmask's words, e.g. a model's padded vocabulary, are not)."""
+    words = bitmask.to(device, non_blocking=True)                                     # [num_rows, num_words]
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    bits = (words.unsqueeze(-1) >> shifts).bitwise_and_(1).bool().view(words.shape[0], -1)  # [num_rows, 32*words]
+    if bits.shape[1] >= vocab_size:
+        return bits[:, :vocab_size]
+    pad = torch.zeros(words.shape[0], vocab_size - bits.shape[1], dtype=torch.bool, device=device)
+    return torch.cat([bits, pad], dim=1)
+
+
+class GrammarCompiler:
+    """Builds grammar matchers for one engine: the library's view of the tokenizer (built on first use,
+    about a second for a 50k vocabulary), a cache of built grammars by constraint hash (LRU, at most
+    MAX_CACHED_GRAMMARS), and one background thread that builds them, so the engine's step never waits on a
+    new schema. Owned by the engine; `submit` and `matcher` are called from the engine's thread only."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._tokenizer_json = tokenizer_json
+        self._vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._cache: OrderedDict[str, Future] = OrderedDict()
+        self._tokenizer = None      # llguidance.LLTokenizer, built on the grammar thread
+        self._executor = None       # llguidance.LLExecutor
+
+    def submit(self, constraint: StructuredOutput) -> Future:
+        """A future of the built grammar for `constraint` (done at once when cached); its exception is a
+        ValueError with the library's reason when the grammar cannot be built."""
+        key = constraint.key
+        future = self._cache.get(key)
+        if future is not None and not (future.done() and future.exception() is not None):
+            self._cache.move_to_end(key)
+            return future
+        future = self._thread.submit(self._build, constraint)
+        self._cache[key] = future
+        while len(self._cache) > MAX_CACHED_GRAMMARS:
+            self._cache.popitem(last=False)
+        return future
+
+    def matcher(self, built: Any) -> GrammarMatcher:
+        """A fresh matcher at the start of a built grammar (a copy: built grammars are shared)."""
+        return GrammarMatcher(built.deep_copy(), self._executor)
+
+    def _build(self, constraint: StructuredOutput) -> Any:
+        import llguidance
+
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self._vocab_size,
+                                                     eos_token=self._eos_token_ids)
+            self._executor = llguidance.LLExecutor()
+        matcher = llguidance.LLMatcher(self._tokenizer, constraint.grammar_text(), log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+
+class PendingGrammars:
+    """The requests whose grammar is being built, by request id: they wait outside their scheduler.
+    The engine's, on its thread."""
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self._compiler = compiler
+        self._futures: dict[str, Future] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._futures)
+
+    def add(self, request_id: str, constraint: StructuredOutput) -> None:
+        self._futures[request_id] = self._compiler.submit(constraint)
+
+    def discard(self, request_id: str) -> bool:
+        """Forget a request (aborted); True if it was waiting here."""
+        return self._futures.pop(request_id, None) is not None
+
+    def ready(self) -> list[tuple[str, Any, str | None]]:
+        """(request id, built grammar or None, error or None) of each request whose build ended; they
+        leave the waiting room."""
+        done = [(rid, f) for rid, f in self._futures.items() if f.done()]
+        out = []
+        for request_id, future in done:
+            del self._futures[request_id]
+            error = future.exception()
+            out.append((request_id, None if error else future.result(), None if error is None else str(error) or
+                        type(error).__name__))
+        return out
+
+    def wait(self) -> None:
+        """Sleep until a build ends, GRAMMAR_WAIT_SECONDS at most (the engine has nothing else to run)."""
+        concurrent.futures.wait(list(self._futures.values()), timeout=GRAMMAR_WAIT_SECONDS,
+                                return_when=concurrent.futures.FIRST_COMPLETED)

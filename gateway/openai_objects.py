@@ -1,0 +1,96 @@
+"""The JSON objects the OpenAI API returns: chat and text completions, their stream chunks, usage and
+logprobs. Plain dicts, built from what the engine produced; no HTTP here."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+TokenText = Callable[[int], str]
+
+
+def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[float],
+                  top: Sequence[Sequence[tuple[int, float]]], token_text: TokenText) -> dict[str, Any]:
+    content = []
+    for i, (tok, lp) in enumerate(zip(token_ids, logprobs)):
+        text = token_text(tok)
+        entry_top = [{"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode())}
+                     for t, v in (top[i] if i < len(top) else [])]
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": entry_top})
+    return {"content": content}
+
+
+def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[float],
+                        top: Sequence[Sequence[tuple[int, float]]], token_text: TokenText,
+                        text_offset: int = 0) -> dict[str, Any]:
+    tokens, offsets, tops = [], [], []
+    offset = text_offset
+    for i, tok in enumerate(token_ids):
+        text = token_text(tok)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        tops.append({token_text(t): v for t, v in (top[i] if i < len(top) else [])})
+    return {"tokens": tokens, "token_logprobs": list(logprobs[:len(tokens)]), "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_response(request_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
+                  completion_tokens: int) -> dict[str, Any]:
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_choice(index: int, text: str | None, logprobs: dict[str, Any] | None, finish_reason: str | None,
+                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]],
+               include_usage: bool) -> dict[str, Any]:
+    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": choices}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def completion_response(request_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
+                        completion_tokens: int) -> dict[str, Any]:
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
+                      finish_reason: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]],
+                     include_usage: bool) -> dict[str, Any]:
+    chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+             "choices": choices}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(request_id: str, model: str, created: int, obj: str, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}

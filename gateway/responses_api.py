@@ -1,0 +1,318 @@
+"""The Responses API, `POST /v1/responses`, stateless: its body read as a chat request (`parse_responses`),
+its answer written as a Response object or as the typed stream events (`ResponsesAnswer`).
+
+Read: `input` as text or items (messages with text parts, `function_call` and `function_call_output`),
+`instructions` (a system message first), function `tools`, `tool_choice`, `parallel_tool_calls`,
+`text.format` (text, json_object, json_schema: the chat's response_format), `max_output_tokens`,
+`temperature`, `top_p`, `stream`. Nothing is kept: `store: true` and `previous_response_id` are 400s
+(send the whole conversation as `input`). Routing, credits and the engine treat it as the chat it is.
+
+Streamed: `response.created`, `response.in_progress`, then per output item `response.output_item.added`,
+for the message `response.content_part.added` / `response.output_text.delta`... / `response.output_text.done`
+/ `response.content_part.done`, for a function call `response.function_call_arguments.delta` / `.done`,
+then `response.output_item.done`; last `response.completed` (or `response.incomplete` when
+`max_output_tokens` cut it) with the whole response. Each event carries `sequence_number`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from gateway import openai_api as api
+from gateway import openai_objects as objects
+from gateway.openai_api import ApiError, ChatRequest, bad_request
+from gateway.responses import LocalResponse
+from gateway.tools import ToolCall
+from pools.spec import RequestLimits
+
+_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
+           "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id", "metadata",
+           "user", "truncation", "include", "stream_options", "top_logprobs", "seed", "service_tier",
+           "priority"}
+
+
+def _json_type(value: Any) -> str:
+    return api._json_type(value)
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content: a string, or its text parts (input_text, output_text) joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(where, f"expected a string or an array of content parts, got {_json_type(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+            kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+            raise bad_request(f"{where}[{j}].type", f"only text parts are supported, got {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}[{j}].text", f"expected a string, got {_json_type(part.get('text'))}")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`instructions` and `input` as chat messages (consecutive function calls are one assistant turn)."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise bad_request("instructions", f"expected a string, got {_json_type(instructions)}")
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if items is None:
+        raise bad_request("input", "is required")
+    if isinstance(items, str):
+        return messages + [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad_request("input", "expected a string or a non-empty array of input items")
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(where, f"expected an object, got {_json_type(item)}")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise bad_request(f"{where}.role", f"must be user, system, developer or assistant, got {role!r}")
+            messages.append({"role": role, "content": _text_of(item.get("content", ""), f"{where}.content")})
+        elif kind == "function_call":
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str):
+                    raise bad_request(f"{where}.{key}", f"expected a string, got {_json_type(item.get(key))}")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise bad_request(f"{where}.call_id", f"expected a string, got {_json_type(item.get('call_id'))}")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _text_of(item.get("output", ""), f"{where}.output")})
+        else:
+            raise bad_request(f"{where}.type", "must be message, function_call or function_call_output, "
+                              f"got {kind!r}")
+    return messages
+
+
+def _chat_tools(body: dict[str, Any]) -> dict[str, Any]:
+    """The Responses API's flat function tools and tool_choice in the chat's shape."""
+    out: dict[str, Any] = {}
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise bad_request("tools", f"expected an array, got {_json_type(tools)}")
+        chat_tools = []
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                kind = tool.get("type") if isinstance(tool, dict) else _json_type(tool)
+                raise bad_request(f"tools[{i}].type", f"only 'function' tools are supported, got {kind!r}")
+            chat_tools.append({"type": "function", "function": {
+                k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}})
+        out["tools"] = chat_tools or None
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        out["tool_choice"] = choice
+    return out
+
+
+def parse_responses(body: Any, limits: RequestLimits = RequestLimits()) -> ChatRequest:
+    """A Responses API body as the equivalent `ChatRequest`; ApiError 400 naming the Responses field."""
+    body = api._require_object(body)
+    for key in body:
+        if key not in _FIELDS:
+            raise bad_request(key, "unrecognized request field")
+    if body.get("store"):
+        raise bad_request("store", "this server keeps no responses; send store: false (or leave it out) and the "
+                          "whole conversation as input")
+    if body.get("previous_response_id") is not None:
+        raise bad_request("previous_response_id", "this server keeps no responses; send the whole conversation "
+                          "as input")
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": _messages(body), **_chat_tools(body)}
+    for key in ("temperature", "top_p", "parallel_tool_calls", "seed", "priority", "stream", "top_logprobs"):
+        if body.get(key) is not None:
+            chat[key] = body[key]
+    if body.get("top_logprobs") is not None:
+        chat["logprobs"] = True
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    text = body.get("text")
+    if text is not None:
+        if not isinstance(text, dict):
+            raise bad_request("text", f"expected an object, got {_json_type(text)}")
+        fmt = text.get("format")
+        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+        if fmt is not None:
+            chat["response_format"] = fmt
+    try:
+        req = api.parse_chat(chat, limits)
+    except ApiError as err:
+        raise _renamed(err) from None
+    return req
+
+
+# chat field -> the Responses field it came from, for errors
+_RENAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+            "response_format.json_schema": "text.format", "logprobs": "top_logprobs"}
+
+
+def _renamed(err: ApiError) -> ApiError:
+    param = err.param or ""
+    for chat, responses in sorted(_RENAMES.items(), key=lambda kv: -len(kv[0])):
+        if param == chat or param.startswith(chat + ".") or param.startswith(chat + "["):
+            new = responses + param[len(chat):]
+            return ApiError(err.status, err.message.replace(param, new, 1), param=new, type=err.type,
+                            code=err.code, headers=err.headers)
+    return err
+
+
+class ResponsesAnswer(LocalResponse):
+    """A Responses API answer from the local pools: the chat's deltas written as Response events, or as
+    one Response object. One choice (the Responses API has no `n`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.request_id = objects.new_id("resp")
+        self.created_at = time.time()
+        self._sequence = 0
+        self._output: list[dict[str, Any]] = []        # the items streamed so far (completed ones whole)
+        self._message: dict[str, Any] | None = None    # the message item being streamed
+        self._started = False
+
+    # --- the Response object ---------------------------------------------------------------------
+    def _response(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
+        req = self.req
+        incomplete = status == "incomplete"
+        prompt_tokens, completion_tokens = self._usage()
+        choice = req.tool_choice.mode if req.tool_choice.mode != "function" else {
+            "type": "function", "name": req.tool_choice.name}
+        return {
+            "id": self.request_id, "object": "response", "created_at": self.created_at, "status": status,
+            "model": req.model, "output": output, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "instructions": next((m["content"] for m in req.messages[:1] if m["role"] == "system"), None),
+            "metadata": {}, "parallel_tool_calls": req.parallel_tool_calls,
+            "temperature": req.params.temperature, "top_p": req.params.top_p,
+            "max_output_tokens": req.params.max_tokens, "previous_response_id": None, "store": False,
+            "tool_choice": choice if req.tools else "none",
+            "tools": [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
+                       "strict": False} for t in req.tools or []],
+            "text": {"format": self._format()},
+            "usage": None if status == "in_progress" else {
+                "input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt_tokens + completion_tokens},
+        }
+
+    def _format(self) -> dict[str, Any]:
+        structured = self.req.params.structured
+        if structured is None or self.req.structured_param != "response_format":
+            return {"type": "text"}
+        if structured.kind == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "name": "response", "schema": json.loads(structured.spec), "strict": True}
+
+    @staticmethod
+    def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+        return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+    @staticmethod
+    def _call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
+        return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}", "call_id": call.id,
+                "name": call.name, "arguments": call.arguments, "status": status}
+
+    def _status(self) -> str:
+        return "incomplete" if self.choices[0].finish_reason == "length" else "completed"
+
+    def _body(self) -> dict[str, Any]:
+        choice = self.choices[0]
+        content, calls = choice.text, []
+        if self.tool_format is not None:
+            content, calls = self.tool_format.parse(choice.text)
+        output = []
+        if content:
+            output.append(self._message_item(objects.new_id("msg"), content, self._status()))
+        output += [self._call_item(call) for call in calls]
+        return self._response(self._status(), output)
+
+    # --- the stream --------------------------------------------------------------------------------
+    def _event(self, kind: str, **fields: Any) -> None:
+        self._queue({"type": kind, "sequence_number": self._sequence, **fields}, event=kind)
+        self._sequence += 1
+
+    def _start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._event("response.created", response=self._response("in_progress", []))
+            self._event("response.in_progress", response=self._response("in_progress", []))
+
+    def _queue_chunk(self, chunk_choices: list[dict[str, Any]]) -> None:
+        self._start()
+        for chunk in chunk_choices:
+            delta = chunk["delta"]
+            if delta.get("content"):
+                self._text_delta(delta["content"])
+            for call in delta.get("tool_calls") or []:
+                self._close_message()
+                self._function_call(ToolCall(call["function"]["name"], call["function"]["arguments"], call["id"]))
+
+    def _text_delta(self, text: str) -> None:
+        if self._message is None:
+            self._message = self._message_item(objects.new_id("msg"), "", "in_progress")
+            self._message["content"] = []
+            self._output.append(self._message)
+            index = len(self._output) - 1
+            self._event("response.output_item.added", output_index=index, item=dict(self._message, content=[]))
+            self._message["content"] = [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
+            self._event("response.content_part.added", item_id=self._message["id"], output_index=index,
+                        content_index=0, part=dict(self._message["content"][0]))
+        part = self._message["content"][0]
+        part["text"] += text
+        self._event("response.output_text.delta", item_id=self._message["id"], output_index=len(self._output) - 1,
+                    content_index=0, delta=text, logprobs=[])
+
+    def _close_message(self) -> None:
+        message = self._message
+        if message is None:
+            return
+        index = self._output.index(message)
+        part = message["content"][0]
+        self._event("response.output_text.done", item_id=message["id"], output_index=index, content_index=0,
+                    text=part["text"], logprobs=[])
+        self._event("response.content_part.done", item_id=message["id"], output_index=index, content_index=0,
+                    part=dict(part))
+        message["status"] = self._status() if self.choices[0].finish_reason else "completed"
+        self._event("response.output_item.done", output_index=index, item=dict(message))
+        self._message = None
+
+    def _function_call(self, call: ToolCall) -> None:
+        item = self._call_item(call, "in_progress")
+        index = len(self._output)
+        self._output.append(item)
+        self._event("response.output_item.added", output_index=index, item=dict(item, arguments=""))
+        self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                    delta=call.arguments)
+        self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                    arguments=call.arguments, name=call.name)
+        item["status"] = "completed"
+        self._event("response.output_item.done", output_index=index, item=dict(item))
+
+    def _queue_tail(self) -> None:
+        self._start()
+        if self.error is not None:
+            error = self.error.body()["error"]
+            self._event("error", code=error.get("code"), message=error["message"], param=error.get("param"))
+            return
+        self._close_message()
+        status = self._status()
+        kind = "response.incomplete" if status == "incomplete" else "response.completed"
+        self._event(kind, response=self._response(status, self._output))

@@ -1,0 +1,362 @@
+"""Tool calls: the tools a chat request offers, how the prompt shows them, the grammar that enforces
+`tool_choice`, and the parser that turns the model's text back into OpenAI `tool_calls`.
+
+The pool model's chat template decides the format (`tool_format`):
+- **hermes** (the template writes `<tool_call>`: Qwen2/2.5, Hermes, many fine-tunes): each call is
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, several one after another;
+- **llama3_json** (the template asks for `"parameters"`: Llama 3.1-3.3): the reply is
+  `{"name": ..., "parameters": {...}}`, several joined by `; `;
+- a template that knows no tools (SmolLM2's): `render` shows the tools in a system message of ours and
+  asks for the hermes form; assistant tool calls and tool results in the history are written the same way.
+
+`tool_choice` "required" or a named function is enforced with a grammar (`ToolFormat.grammar`, a Lark
+grammar with the functions' parameter schemas inline) through the structured-output machinery; "auto"
+leaves the model free and parses what it wrote; "none" renders the tools and parses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.structured import JSON_OPTIONS, StructuredOutput
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")   # OpenAI's rule for function names
+
+
+class ToolError(ValueError):
+    """A malformed `tools`, `tool_choice` or tool message; the message starts with the field's path."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str | None
+    parameters: dict[str, Any]   # a JSON schema of the arguments object
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The form HF chat templates take in `tools=` (OpenAI's)."""
+        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: str                 # "none", "auto", "required" or "function"
+    name: str | None = None   # mode "function": the function that must be called
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str            # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def parse_tools(value: Any, param: str = "tools") -> list[Tool]:
+    """OpenAI's `tools` (function tools only) as `Tool`s; ToolError naming the field."""
+    if not isinstance(value, list) or not value:
+        raise ToolError(f"{param}: expected a non-empty array of tools")
+    if len(value) > MAX_TOOLS:
+        raise ToolError(f"{param}: at most {MAX_TOOLS} tools, got {len(value)}")
+    tools, names = [], set()
+    for i, entry in enumerate(value):
+        where = f"{param}[{i}]"
+        if not isinstance(entry, dict):
+            raise ToolError(f"{where}: expected an object")
+        if entry.get("type") != "function":
+            raise ToolError(f"{where}.type: only 'function' tools are supported, got {entry.get('type')!r}")
+        function = entry.get("function")
+        if not isinstance(function, dict):
+            raise ToolError(f"{where}.function: expected an object with name and parameters")
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ToolError(f"{where}.function.name: must be 1-64 letters, digits, '_', '.' or '-', got {name!r}")
+        if name in names:
+            raise ToolError(f"{where}.function.name: {name!r} is offered twice")
+        names.add(name)
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise ToolError(f"{where}.function.description: expected a string")
+        parameters = function.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(parameters, dict):
+            raise ToolError(f"{where}.function.parameters: expected a JSON schema object")
+        tools.append(Tool(name, description, parameters))
+    return tools
+
+
+def parse_tool_choice(value: Any, tools: list[Tool], param: str = "tool_choice") -> ToolChoice:
+    """OpenAI's `tool_choice`: "none" | "auto" | "required" | {"type": "function", "function": {"name"}}.
+    Unset: "auto" when tools are given, as OpenAI does."""
+    if value is None:
+        return ToolChoice("auto")
+    if value in ("none", "auto", "required"):
+        return ToolChoice(value)
+    if isinstance(value, dict) and value.get("type") == "function":
+        name = (value.get("function") or {}).get("name") if isinstance(value.get("function"), dict) else None
+        if name not in {t.name for t in tools}:
+            raise ToolError(f"{param}.function.name: {name!r} is not one of the tools offered "
+                            f"({', '.join(t.name for t in tools)})")
+        return ToolChoice("function", name)
+    raise ToolError(f"{param}: must be 'none', 'auto', 'required' or {{\"type\": \"function\", \"function\": "
+                    f"{{\"name\": ...}}}}, got {value!r}")
+
+
+def parse_tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` in the history, checked: [{id, type, function: {name, arguments}}]."""
+    if not isinstance(value, list):
+        raise ToolError(f"{param}: expected an array of tool calls")
+    calls = []
+    for i, call in enumerate(value):
+        where = f"{param}[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ToolError(f"{where}.function: expected an object with a name and arguments")
+        arguments = function.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            raise ToolError(f"{where}.function.arguments: expected a JSON string")
+        calls.append({"id": call.get("id") or f"call_{i}", "type": "function",
+                      "function": {"name": function["name"], "arguments": arguments}})
+    return calls
+
+
+# --- formats ------------------------------------------------------------------------------------------
+
+def _schema_text(schema: dict[str, Any]) -> str:
+    """A JSON schema for a Lark `%json` block, written compactly as the structured outputs are."""
+    return json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
+
+
+def _call_schema(tools: list[Tool], args_key: str) -> dict[str, Any]:
+    """One call: {"name": <one of the tools>, args_key: <that tool's parameters>}, name first."""
+    options = [{"type": "object", "properties": {"name": {"const": t.name}, args_key: t.parameters},
+                "required": ["name", args_key], "additionalProperties": False} for t in tools]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+class ToolFormat:
+    """How one family of chat templates writes tool calls."""
+
+    name: str
+    args_key: str = "arguments"
+    start: str            # text that opens a call: from it on, a stream holds its text back until parsed
+
+    def grammar(self, tools: list[Tool], parallel: bool) -> StructuredOutput:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content outside the calls or None, the calls). Text that only looks like a call is content."""
+        raise NotImplementedError
+
+    def hold_from(self, text: str) -> int:
+        """Where in the reply so far a call may be starting: a stream sends the text before it as content
+        and holds the rest until the reply ends and is parsed."""
+        raise NotImplementedError
+
+    def _call(self, obj: Any, tools: dict[str, Tool]) -> ToolCall | None:
+        if not isinstance(obj, dict) or obj.get("name") not in tools or not isinstance(obj.get(self.args_key), dict):
+            return None
+        return ToolCall(obj["name"], json.dumps(obj[self.args_key], ensure_ascii=False))
+
+
+class HermesFormat(ToolFormat):
+    name = "hermes"
+    start = "<tool_call>"
+    end = "</tool_call>"
+
+    def __init__(self, tools: list[Tool]) -> None:
+        self.tools = {t.name: t for t in tools}
+
+    def grammar(self, tools: list[Tool], parallel: bool) -> StructuredOutput:
+        call = f'call: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {_schema_text(_call_schema(tools, "arguments"))}'
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        return StructuredOutput("grammar", f"{start}\n{call}\n")
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        # Each call's JSON is decoded where it starts, not cut at the next "</tool_call>": a string
+        # argument may contain that text.
+        decoder, calls, kept, last, pos = json.JSONDecoder(), [], [], 0, 0
+        while (start := text.find(self.start, pos)) >= 0:
+            pos = start + len(self.start)
+            body = len(text) - len(text[pos:].lstrip())
+            try:
+                obj, end = decoder.raw_decode(text, body)
+            except json.JSONDecodeError:
+                continue
+            rest = text[end:].lstrip()
+            if rest.startswith(self.end):
+                end = len(text) - len(rest) + len(self.end)
+            elif rest:
+                continue   # no closing tag after the object: not a call
+            call = self._call(obj, self.tools)
+            if call is None:
+                continue
+            calls.append(call)
+            kept.append(text[last:start])
+            last = pos = end
+        if not calls:
+            return text, []
+        content = ("".join(kept) + text[last:]).strip()
+        return content or None, calls
+
+    def hold_from(self, text: str) -> int:
+        found = text.find(self.start)
+        if found >= 0:
+            return found
+        for k in range(min(len(self.start) - 1, len(text)), 0, -1):   # the marker's first characters at the end
+            if text.endswith(self.start[:k]):
+                return len(text) - k
+        return len(text)
+
+
+class Llama3JsonFormat(ToolFormat):
+    name = "llama3_json"
+    args_key = "parameters"
+    start = "{"
+
+    def __init__(self, tools: list[Tool]) -> None:
+        self.tools = {t.name: t for t in tools}
+
+    def grammar(self, tools: list[Tool], parallel: bool) -> StructuredOutput:
+        body = f"body: %json {_schema_text(_call_schema(tools, 'parameters'))}"
+        start = 'start: body ("; " body)*' if parallel else "start: body"
+        return StructuredOutput("grammar", f"{start}\n{body}\n")
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        stripped = text.strip().removeprefix("<|python_tag|>")
+        if not stripped.startswith("{"):
+            return text, []
+        decoder, calls, pos = json.JSONDecoder(), [], 0
+        while pos < len(stripped):
+            try:
+                obj, end = decoder.raw_decode(stripped, pos)
+            except json.JSONDecodeError:
+                return text, []
+            call = self._call(obj, self.tools)
+            if call is None:
+                return text, []
+            calls.append(call)
+            pos = end
+            while pos < len(stripped) and stripped[pos] in " ;\n\t":
+                pos += 1
+        return None, calls
+
+    def hold_from(self, text: str) -> int:
+        stripped = text.lstrip()
+        tag = "<|python_tag|>"
+        if not stripped or stripped.startswith(("{", tag)) or tag.startswith(stripped):
+            return 0          # the reply is (or may still become) a JSON call: hold all of it
+        return len(text)
+
+
+def tool_format(template: str, tools: list[Tool]) -> ToolFormat:
+    """The format a chat template writes tool calls in (hermes when it knows no tools: `render` asks for it)."""
+    if "<tool_call>" in template:
+        return HermesFormat(tools)
+    if '"parameters"' in template and "tools" in template:
+        return Llama3JsonFormat(tools)
+    return HermesFormat(tools)
+
+
+# --- prompts -----------------------------------------------------------------------------------------
+
+_SYSTEM_TOOLS = (
+    "You can call functions to answer. These are the functions, as JSON schemas, between <tools> and </tools>:\n"
+    "<tools>\n{tools}\n</tools>\n"
+    "To call one, reply with its name and arguments as a JSON object between <tool_call> and </tool_call>:\n"
+    "<tool_call>\n{{\"name\": \"<function name>\", \"arguments\": {{<the arguments>}}}}\n</tool_call>")
+
+
+def template_knows_tools(template: str) -> bool:
+    return "tools" in template
+
+
+def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The history as HF templates with tool support take it: tool call arguments as objects, not text."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [{"id": c["id"], "type": "function",
+                      "function": {"name": c["function"]["name"],
+                                   "arguments": _loads(c["function"]["arguments"]) or {}}}
+                     for c in m["tool_calls"]]
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def fallback_messages(messages: list[dict[str, Any]], tools: list[Tool] | None) -> list[dict[str, Any]]:
+    """For a template that knows no tools: the tools in a system message of ours (merged into the first
+    system message), assistant tool calls written in the hermes form, tool results as user turns."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
+                              f'{c["function"]["arguments"]}}}\n</tool_call>' for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": f"{content}\n{calls}".strip()})
+        elif role == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+        else:
+            out.append({"role": role, "content": content})
+    if tools:
+        listing = "\n".join(json.dumps(t.as_template_dict(), ensure_ascii=False) for t in tools)
+        system = _SYSTEM_TOOLS.format(tools=listing)
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}"}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+def render(tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None) -> str:
+    """The prompt for a chat with (or a history of) tool calls, in the way the pool's template expects:
+    the template itself when it knows tools, else ours (`fallback_messages`) through the plain template."""
+    if template_knows_tools(tokenizer.chat_template_source(use_tools=tools is not None)):
+        return tokenizer.apply_chat_template(native_messages(messages), add_generation_prompt=True,
+                                             tools=[t.as_template_dict() for t in tools] if tools else None)
+    return tokenizer.apply_chat_template(fallback_messages(messages, tools), add_generation_prompt=True)
+
+
+def format_for(tokenizer, tools: list[Tool]) -> ToolFormat:
+    """The tool-call format of a pool's tokenizer (its chat template)."""
+    return tool_format(tokenizer.chat_template_source(use_tools=True), tools)
+
+
+class ToolCallStream:
+    """One streamed choice of a chat with tools: what of its text can go out as content now, and at the
+    end the calls. A forced choice (tool_choice "required" or named) holds everything: it is calls only."""
+
+    def __init__(self, fmt: ToolFormat, forced: bool) -> None:
+        self.fmt, self.forced = fmt, forced
+        self.num_sent = 0      # characters of the reply already sent as content
+
+    def content_delta(self, text: str) -> str:
+        """The reply so far is `text`: the content that can be sent now."""
+        if self.forced:
+            return ""
+        upto = max(self.num_sent, self.fmt.hold_from(text))
+        delta, self.num_sent = text[self.num_sent:upto], upto
+        return delta
+
+    def finish(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The reply is complete: (the held content to send, the calls)."""
+        content, calls = self.fmt.parse(text[self.num_sent:])
+        self.num_sent = len(text)
+        return content or "", calls

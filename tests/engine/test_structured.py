@@ -1,0 +1,171 @@
+"""Structured outputs in the engine: the constraint, the bitmask, and generation that always matches its schema.
+
+The outputs are validated by the jsonschema package, a validator nobody here wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import jsonschema
+import pytest
+import torch
+
+from bench.schemas import SCHEMAS
+from engine.config import ModelConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+from engine.structured import StructuredOutput, allowed_tokens, check
+from tests.conftest import assert_all_free
+
+
+def _engine(path, **kwargs) -> LLMEngine:
+    block_bytes = ModelConfig.from_folder(path).kv_bytes_per_token(torch.float32) * 16
+    return LLMEngine.from_args(str(path), progress=False, num_blocks=(64 << 20) // block_bytes, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def engine(builtin_path):
+    return _engine(builtin_path)
+
+
+def _chat(engine: LLMEngine, text: str) -> list[int]:
+    return engine.tokenizer.encode_chat([{"role": "system", "content": "Answer in JSON."},
+                                         {"role": "user", "content": text}])
+
+
+def _assert_matches(schema: dict, text: str) -> None:
+    """`text` is JSON valid under `schema`, by the jsonschema package (formats not asserted, as by default)."""
+    jsonschema.validate(json.loads(text), schema)
+
+
+# --- the constraint and the bitmask ----------------------------------------------------------------
+
+def test_equal_schemas_share_one_key_and_bad_constraints_name_the_problem() -> None:
+    a = StructuredOutput.json_schema({"type": "object", "properties": {"x": {"type": "integer"}}})
+    b = StructuredOutput.json_schema({"type": "object", "properties": {"x": {"type": "integer"}}})
+    assert a == b and a.key == b.key
+    reordered = StructuredOutput.json_schema({"type": "object", "properties": {"y": {}, "x": {}}})
+    assert reordered.key != StructuredOutput.json_schema({"type": "object", "properties": {"x": {}, "y": {}}}).key
+    assert a.key != StructuredOutput("json_object").key
+    with pytest.raises(ValueError, match="kind"):
+        StructuredOutput("xml")
+    with pytest.raises(ValueError, match="at most"):
+        StructuredOutput("grammar", "x" * (1 << 20))
+
+
+@pytest.mark.parametrize("constraint", [
+    StructuredOutput.json_schema({"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}),
+    StructuredOutput.json_schema({"type": "frobnicate"}),
+    StructuredOutput("grammar", "start: undefined_rule"),
+])
+def test_check_refuses_what_the_library_cannot_build(constraint) -> None:
+    with pytest.raises(ValueError) as info:
+        check(constraint)
+    assert str(info.value)
+
+
+@pytest.mark.parametrize("name, schema, instance", SCHEMAS, ids=[s[0] for s in SCHEMAS])
+def test_check_accepts_the_bench_schemas(name, schema, instance) -> None:
+    check(StructuredOutput.json_schema(schema))
+
+
+@pytest.mark.parametrize("vocab_size", [1, 31, 32, 33, 100, 130])
+def test_bitmask_unpacks_bit_by_bit(vocab_size: int) -> None:
+    words = (min(vocab_size, 96) + 31) // 32          # vocab_size 100, 130: a model vocabulary past the mask
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    got = allowed_tokens(bitmask, vocab_size, torch.device("cpu"))
+    assert got.shape == (3, vocab_size) and got.dtype == torch.bool
+    for row in range(3):
+        for t in range(vocab_size):
+            bit = t < 32 * words and (int(bitmask[row, t // 32]) >> (t % 32)) & 1 == 1
+            assert bool(got[row, t]) == bit, (row, t)
+
+
+# --- generation ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_output_matches_its_schema(engine, temperature) -> None:
+    """All twenty bench schemas in one continuous batch, each row masked by its own grammar: every output
+    that ends is valid under its schema, and one cut by max_tokens is still a prefix its grammar accepts
+    (a 135M model can repeat inside a string until the limit: the grammar cannot make it stop)."""
+    prompts = [_chat(engine, f"Give an example of {name.replace('_', ' ')}.") for name, _, _ in SCHEMAS]
+    constraints = [StructuredOutput.json_schema(schema) for _, schema, _ in SCHEMAS]
+    params = [SamplingParams(temperature=temperature, seed=7, max_tokens=160, frequency_penalty=0.5, structured=c)
+              for c in constraints]
+    outs = engine.generate(prompts, params)
+    num_stopped = 0
+    for (name, schema, _), constraint, out in zip(SCHEMAS, constraints, outs):
+        completion = out.outputs[0]
+        if completion.finish_reason == "stop":
+            _assert_matches(schema, completion.text)
+            num_stopped += 1
+        else:
+            assert completion.finish_reason == "length", (name, completion.finish_reason)
+            matcher = engine.grammars.matcher(engine.grammars.submit(constraint).result())
+            assert all(matcher.accept(t) for t in completion.token_ids), (name, completion.text)
+    assert num_stopped >= 15, num_stopped
+    assert_all_free(engine)
+
+
+def test_json_object_and_unconstrained_rows_share_a_batch(engine) -> None:
+    prompt = _chat(engine, "Describe a cat.")
+    plain = SamplingParams(temperature=0, max_tokens=24)
+    alone = engine.generate([prompt], plain)[0].outputs[0].token_ids
+    outs = engine.generate([prompt, prompt], [plain, SamplingParams(temperature=0, max_tokens=120,
+                                                                     structured=StructuredOutput("json_object"))])
+    assert outs[0].outputs[0].token_ids == alone        # the grammar row does not touch its neighbour
+    assert isinstance(json.loads(outs[1].outputs[0].text), dict)
+
+
+def test_n_samples_each_follow_their_own_grammar(engine) -> None:
+    """n samples fork after the prefill; each carries its own matcher from the grammar's start."""
+    schema = dict(SCHEMAS[0][1])
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=60, frequency_penalty=0.5,
+                            structured=StructuredOutput.json_schema(schema))
+    out = engine.generate([_chat(engine, "Describe a person.")], params)[0]
+    assert len(out.outputs) == 4 and len({s.text for s in out.outputs}) > 1
+    for sample in out.outputs:
+        assert sample.finish_reason == "stop", sample.text
+        _assert_matches(schema, sample.text)
+
+
+def test_a_grammar_being_built_holds_its_request_only(builtin_path, monkeypatch) -> None:
+    """While a request's grammar builds, the engine steps the others; the request joins once it is built."""
+    engine = _engine(builtin_path)
+    release = threading.Event()
+    build = engine.grammars._build
+    monkeypatch.setattr(engine.grammars, "_build", lambda c: (release.wait(30), build(c))[1])
+    prompt = _chat(engine, "Name a colour.")
+    engine.add_request("json", prompt, SamplingParams(temperature=0, max_tokens=60,
+                                                      structured=StructuredOutput("json_object")))
+    engine.add_request("plain", prompt, SamplingParams(temperature=0, max_tokens=8))
+    finished = {}
+    while "plain" not in finished:
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "json" not in finished and "json" in engine.requests      # the plain one ran while json waited
+    release.set()
+    while "json" not in finished:
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert isinstance(json.loads(finished["json"].outputs[0].text), dict)
+    assert_all_free(engine)
+
+
+def test_abort_and_failure_while_the_grammar_builds(builtin_path, monkeypatch) -> None:
+    engine = _engine(builtin_path)
+    release = threading.Event()
+    build = engine.grammars._build
+    monkeypatch.setattr(engine.grammars, "_build", lambda c: (release.wait(30), build(c))[1])
+    prompt = _chat(engine, "x")
+    engine.add_request("a", prompt, SamplingParams(max_tokens=5, structured=StructuredOutput("json_object")))
+    out = engine.abort("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort" and "a" not in engine.requests
+    release.set()
+    broken = StructuredOutput.json_schema({"type": "frobnicate"})
+    engine.add_request("b", prompt, SamplingParams(max_tokens=5, structured=broken))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].request_id == "b" and outs[-1].finished and "grammar" in outs[-1].error
+    assert_all_free(engine)

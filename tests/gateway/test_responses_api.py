@@ -1,0 +1,100 @@
+"""The Responses API (`POST /v1/responses`) through the unchanged `openai` SDK against a live `cliffguard serve`
+(builtin SmolLM2): text, JSON schema and a tool call, each whole and streamed, a tool result sent back as
+input, and the 400s for what a stateless server cannot do."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from openai.lib._pydantic import to_strict_json_schema
+from pydantic import BaseModel
+
+MODEL = "smollm2-135m-instruct"
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                          "required": ["city", "unit"], "additionalProperties": False}}
+
+
+class Pet(BaseModel):
+    name: str
+    species: str
+    age: int
+
+
+@pytest.fixture
+def client(live_builtin_server):
+    """A fresh client per test: each test runs on its own event loop."""
+    return openai.AsyncOpenAI(base_url=live_builtin_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+async def _events(client, **kwargs) -> list:
+    return [event async for event in await client.responses.create(stream=True, **kwargs)]
+
+
+async def test_text_whole_and_streamed(client) -> None:
+    kwargs = dict(model=MODEL, instructions="You are terse.", input="Name three colours.", max_output_tokens=24,
+                  temperature=0)
+    whole = await client.responses.create(**kwargs)
+    assert whole.object == "response" and whole.status in ("completed", "incomplete") and whole.output_text
+    assert whole.usage.output_tokens <= 24 and whole.usage.input_tokens > 0
+    events = await _events(client, **kwargs)
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+    async with client.responses.stream(**kwargs) as stream:
+        final = await stream.get_final_response()
+    assert final.output_text == whole.output_text
+
+
+async def test_json_schema_whole_and_streamed(client) -> None:
+    parsed = await client.responses.parse(model=MODEL, input="Describe a pet as JSON.", text_format=Pet,
+                                          max_output_tokens=120, temperature=0)
+    assert isinstance(parsed.output_parsed, Pet)
+    # The same request streamed, with the format written out as parse() sends it.
+    fmt = {"type": "json_schema", "name": "Pet", "schema": to_strict_json_schema(Pet), "strict": True}
+    events = await _events(client, model=MODEL, input="Describe a pet as JSON.", text={"format": fmt},
+                           max_output_tokens=120, temperature=0)
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert Pet.model_validate_json(streamed) == parsed.output_parsed
+
+
+async def test_a_tool_call_whole_and_streamed_then_its_result_as_input(client) -> None:
+    kwargs = dict(model=MODEL, input="What's the weather in Paris?", tools=[WEATHER], tool_choice="required",
+                  max_output_tokens=120, temperature=0)
+    whole = await client.responses.create(**kwargs)
+    calls = [item for item in whole.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])
+    events = await _events(client, **kwargs)
+    done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
+    assert done == [c.arguments for c in calls]
+    followup = await client.responses.create(
+        model=MODEL, tools=[WEATHER], max_output_tokens=30, temperature=0,
+        input=[{"role": "user", "content": "What's the weather in Paris?"},
+               {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+                "arguments": calls[0].arguments},
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"temperature": 18}'}],
+        tool_choice="none")
+    assert followup.output_text
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"store": True}, "store"),
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"input": [{"type": "image_generation_call"}]}, "input[0].type"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+])
+async def test_what_a_stateless_server_cannot_do_is_a_400_naming_the_field(client, extra, param) -> None:
+    body = {"model": MODEL, "input": "hi", **extra}
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.create(**body)
+    assert info.value.body["param"] == param, info.value.body

@@ -1,0 +1,237 @@
+"""Tool calls: parsing requests, the formats (hermes, llama3_json), streaming hold-back, and the unchanged
+`openai` SDK against a live `cliffguard serve` (builtin SmolLM2, whose template knows no tools: the gateway
+shows them in a system message and enforces `required` / named choices with a grammar)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from engine.structured import check
+from gateway.openai_api import ApiError, parse_chat
+from gateway.tools import (HermesFormat, Llama3JsonFormat, ToolCallStream, fallback_messages, parse_tools,
+                           tool_format)
+
+MODEL = "smollm2-135m-instruct"
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+EVENT = {"type": "function", "function": {
+    "name": "create_event", "description": "Put an event in the calendar.",
+    "parameters": {"type": "object", "properties": {
+        "title": {"type": "string"}, "day": {"type": "integer", "minimum": 1, "maximum": 31},
+        "attendees": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "reminder": {"type": "object", "properties": {"minutes": {"type": "integer", "minimum": 0}},
+                     "required": ["minutes"], "additionalProperties": False}},
+        "required": ["title", "day", "attendees", "reminder"], "additionalProperties": False}}}
+SEARCH = {"type": "function", "function": {
+    "name": "search", "description": "Search the web.",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"},
+                                                    "limit": {"type": "integer", "minimum": 1, "maximum": 10}},
+                   "required": ["query", "limit"], "additionalProperties": False}}}
+TOOLS = [WEATHER, EVENT, SEARCH]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+
+# --- requests ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, param", [
+    (dict(CHAT, tools=[{"type": "retrieval"}]), "tools[0].type"),
+    (dict(CHAT, tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools[0].function.name"),
+    (dict(CHAT, tools=[WEATHER, WEATHER]), "tools[1].function.name"),
+    (dict(CHAT, tools=[WEATHER], tool_choice="sometimes"), "tool_choice"),
+    (dict(CHAT, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+     "tool_choice.function.name"),
+    (dict(CHAT, tool_choice="required"), "tool_choice"),
+    (dict(CHAT, tools=[WEATHER], parallel_tool_calls="yes"), "parallel_tool_calls"),
+    (dict(CHAT, messages=[{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f",
+                                                                                       "arguments": {}}}]}]),
+     "messages[0].tool_calls[0].function.arguments"),
+    (dict(CHAT, messages=[{"role": "user", "content": "x", "tool_calls": []}, {"role": "user", "content": "y",
+                                                                               "tool_calls": [{"x": 1}]}]),
+     "messages[1].tool_calls"),
+])
+def test_bad_tool_requests_name_the_field(body, param) -> None:
+    with pytest.raises(ApiError) as info:
+        parse_chat(body)
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+
+
+def test_a_request_with_tools_and_a_tool_history_parses() -> None:
+    req = parse_chat(dict(CHAT, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "search"}},
+                          messages=[{"role": "user", "content": "weather?"},
+                                    {"role": "assistant", "content": None, "tool_calls": [
+                                        {"id": "c1", "type": "function",
+                                         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                                    {"role": "tool", "tool_call_id": "c1", "content": "3 C"}]))
+    assert [t.name for t in req.tools] == ["get_weather", "create_event", "search"]
+    assert req.tool_choice.mode == "function" and req.tool_choice.name == "search"
+    assert req.messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert req.messages[2]["tool_call_id"] == "c1"
+    legacy = parse_chat(dict(CHAT, functions=[WEATHER["function"]], function_call={"name": "get_weather"}))
+    assert legacy.tool_choice.name == "get_weather"
+
+
+# --- formats -------------------------------------------------------------------------------------------
+
+def test_the_template_picks_the_format() -> None:
+    tools = parse_tools(TOOLS)
+    assert isinstance(tool_format("{% if tools %}<tool_call>{% endif %}", tools), HermesFormat)
+    assert isinstance(tool_format('{% if tools %}{"name": ..., "parameters": ...}{% endif %}', tools),
+                      Llama3JsonFormat)
+    assert isinstance(tool_format("{{ message['content'] }}", tools), HermesFormat)   # ours, via the system prompt
+
+
+def test_hermes_parses_calls_between_text_and_leaves_lookalikes_as_content() -> None:
+    fmt = HermesFormat(parse_tools(TOOLS))
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "search", "arguments": {"query": "x", "limit": 2}}\n</tool_call>')
+    content, calls = fmt.parse(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "celsius"}), ("search", {"query": "x", "limit": 2})]
+    assert len({c.id for c in calls}) == 2
+    for lookalike in ('<tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call>', "<tool_call>{oops",
+                      "no calls here", '<tool_call>{"name": "search", "arguments": {}} and more'):
+        assert fmt.parse(lookalike) == (lookalike, [])
+    tricky = '<tool_call>\n{"name": "search", "arguments": {"query": "</tool_call> x", "limit": 1}}\n</tool_call>'
+    assert [json.loads(c.arguments)["query"] for c in fmt.parse(tricky)[1]] == ["</tool_call> x"]
+
+
+def test_llama3_json_parses_one_or_several_calls() -> None:
+    fmt = Llama3JsonFormat(parse_tools(TOOLS))
+    content, calls = fmt.parse('{"name": "search", "parameters": {"query": "q", "limit": 1}}; '
+                               '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "celsius"}}')
+    assert content is None and [c.name for c in calls] == ["search", "get_weather"]
+    assert fmt.parse("The answer is 4.") == ("The answer is 4.", [])
+
+
+@pytest.mark.parametrize("fmt_class", [HermesFormat, Llama3JsonFormat])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_the_forcing_grammars_are_valid_for_the_library(fmt_class, parallel) -> None:
+    tools = parse_tools(TOOLS)
+    check(fmt_class(tools).grammar(tools, parallel))
+    check(fmt_class(tools).grammar(tools[:1], parallel))
+
+
+def test_a_stream_holds_back_a_call_and_sends_the_text_before_it() -> None:
+    fmt = HermesFormat(parse_tools(TOOLS))
+    reply = 'Sure.\n<tool_call>\n{"name": "search", "arguments": {"query": "x", "limit": 3}}\n</tool_call>'
+    stream, sent = ToolCallStream(fmt, forced=False), ""
+    for end in range(1, len(reply) + 1):
+        sent += stream.content_delta(reply[:end])
+        assert "<tool" not in sent and reply.startswith(sent)
+    rest, calls = stream.finish(reply)
+    assert (sent + rest).strip() == "Sure." and [c.name for c in calls] == ["search"]
+    plain = ToolCallStream(fmt, forced=False)
+    assert plain.content_delta("a < b") == "a < b" and plain.content_delta("a < b <tool") == " "
+    assert plain.finish("a < b <tool") == ("<tool", [])
+
+
+def test_a_template_without_tools_gets_them_in_a_system_message() -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "weather in Oslo?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "3 C"}]
+    out = fallback_messages(messages, parse_tools(TOOLS))
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.") and "get_weather" in out[0]["content"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in out[2]["content"]
+    assert out[3] == {"role": "user", "content": "<tool_response>\n3 C\n</tool_response>"}
+
+
+# --- the SDK against a live server --------------------------------------------------------------------
+
+PROMPTS = ["What's the weather in Paris?", "Book lunch with Sam on the 12th.", "Search for llama recipes.",
+           "Is it cold in Oslo?", "Remind me about the dentist on day 3.", "Find news about Mars.",
+           "Weather in Tokyo in fahrenheit.", "Plan a party on the 30th with Ana and Bo.", "Look up the Rust book.",
+           "How warm is Lima?", "Schedule a review on the 7th.", "Search: best hiking in Norway",
+           "Weather for Cairo please.", "Team sync on the 15th with Li.", "Search python asyncio tutorial",
+           "Do I need a coat in Berlin?", "Add 'pay rent' on the 1st.", "Who won the 2022 world cup? Search it.",
+           "Temperature in Nairobi?", "Create an event 'launch' on day 20."]
+
+
+# The grammar keeps every token of a forced call valid; only the model decides to close its strings and
+# arrays, and a 135M model left to itself repeats. A frequency penalty, as an app on a small model would send,
+# lets it finish.
+SAMPLING = {"frequency_penalty": 0.5, "max_tokens": 300}
+
+
+@pytest.fixture
+def client(live_builtin_server):
+    """A fresh client per test: each test runs on its own event loop."""
+    return openai.AsyncOpenAI(base_url=live_builtin_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _assert_valid(call) -> None:
+    assert call.type == "function" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+async def test_required_gives_valid_calls_twenty_of_twenty(client) -> None:
+    async def ask(i: int, prompt: str):
+        r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                 tools=TOOLS, tool_choice="required", **SAMPLING,
+                                                 temperature=0.8, seed=i)
+        return r.choices[0]
+
+    choices = await asyncio.gather(*(ask(i, p) for i, p in enumerate(PROMPTS)))
+    for choice in choices:
+        assert choice.finish_reason == "tool_calls", choice.message
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            _assert_valid(call)
+
+
+async def test_a_named_function_is_the_one_called_twenty_of_twenty(client) -> None:
+    names = [t["function"]["name"] for t in TOOLS]
+
+    async def ask(i: int, prompt: str):
+        name = names[i % 3]
+        r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                 tools=TOOLS, tool_choice={"type": "function", "function": {"name": name}},
+                                                 **SAMPLING, temperature=0.5, seed=100 + i)
+        return name, r.choices[0]
+
+    for name, choice in await asyncio.gather(*(ask(i, p) for i, p in enumerate(PROMPTS))):
+        assert [c.function.name for c in choice.message.tool_calls] == [name]
+        _assert_valid(choice.message.tool_calls[0])
+
+
+async def test_streamed_tool_calls_reassemble_to_the_same_calls(client) -> None:
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], tools=TOOLS,
+                  tool_choice="required", max_tokens=200, temperature=0)
+    whole = (await client.chat.completions.create(**kwargs)).choices[0]
+    calls: dict[int, dict] = {}
+    finish = None
+    async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+
+
+async def test_a_two_turn_exchange_with_a_tool_result(client) -> None:
+    messages = [{"role": "user", "content": "What's the weather in Paris?"}]
+    first = (await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=120,
+                                                  tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                                  temperature=0)).choices[0].message
+    call = first.tool_calls[0]
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})}]
+    second = (await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=40,
+                                                   tool_choice="none", temperature=0)).choices[0]
+    assert second.message.content and not second.message.tool_calls
+    assert second.finish_reason in ("stop", "length")
