@@ -147,6 +147,58 @@ def test_a_template_without_tools_gets_them_in_a_system_message() -> None:
     assert out[3] == {"role": "user", "content": "<tool_response>\n3 C\n</tool_response>"}
 
 
+# A template with tool support, written the way Qwen2.5's is (tools listed in the system turn, calls as
+# <tool_call> JSON with the arguments as an object, results as tool turns).
+TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
+{{ messages[0]['content'] if messages[0]['role'] == 'system' else 'You are helpful.' }}
+# Tools
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+Reply with <tool_call>{"name": ..., "arguments": ...}</tool_call>.<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and tools %}{%- continue %}{%- endif %}
+{%- if message.tool_calls %}<|im_start|>assistant
+{%- for call in message.tool_calls %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_template_with_tools_renders_them_itself(tmp_path, builtin_path) -> None:
+    import shutil
+
+    from engine.tokenizer import Tokenizer
+    from gateway.tools import format_for, render
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(builtin_path / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    tokenizer = Tokenizer.from_folder(tmp_path)
+    tools = parse_tools(TOOLS)
+    messages = [{"role": "user", "content": "weather in Oslo?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "3 C"}]
+    text = render(tokenizer, messages, tools)
+    assert '"name": "create_event"' in text and "# Tools" in text               # the template listed the tools
+    assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text     # arguments as an object, once
+    assert "<tool_response>\n3 C\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
+    assert isinstance(format_for(tokenizer, tools), HermesFormat)
+
+
 # --- the SDK against a live server --------------------------------------------------------------------
 
 PROMPTS = ["What's the weather in Paris?", "Book lunch with Sam on the 12th.", "Search for llama recipes.",
