@@ -157,6 +157,9 @@ class ToolFormat:
     args_key: str = "arguments"
     start: str            # text that opens a call: from it on, a stream holds its text back until parsed
 
+    def __init__(self, tools: list[Tool]) -> None:
+        self.tools = {t.name: t for t in tools}
+
     def grammar(self, tools: list[Tool], parallel: bool) -> StructuredOutput:
         raise NotImplementedError
 
@@ -169,8 +172,8 @@ class ToolFormat:
         and holds the rest until the reply ends and is parsed."""
         raise NotImplementedError
 
-    def _call(self, obj: Any, tools: dict[str, Tool]) -> ToolCall | None:
-        if not isinstance(obj, dict) or obj.get("name") not in tools or not isinstance(obj.get(self.args_key), dict):
+    def _call(self, obj: Any) -> ToolCall | None:
+        if not isinstance(obj, dict) or obj.get("name") not in self.tools or not isinstance(obj.get(self.args_key), dict):
             return None
         return ToolCall(obj["name"], json.dumps(obj[self.args_key], ensure_ascii=False))
 
@@ -179,9 +182,6 @@ class HermesFormat(ToolFormat):
     name = "hermes"
     start = "<tool_call>"
     end = "</tool_call>"
-
-    def __init__(self, tools: list[Tool]) -> None:
-        self.tools = {t.name: t for t in tools}
 
     def grammar(self, tools: list[Tool], parallel: bool) -> StructuredOutput:
         call = f'call: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {_schema_text(_call_schema(tools, "arguments"))}'
@@ -204,7 +204,7 @@ class HermesFormat(ToolFormat):
                 end = len(text) - len(rest) + len(self.end)
             elif rest:
                 continue   # no closing tag after the object: not a call
-            call = self._call(obj, self.tools)
+            call = self._call(obj)
             if call is None:
                 continue
             calls.append(call)
@@ -230,9 +230,6 @@ class Llama3JsonFormat(ToolFormat):
     args_key = "parameters"
     start = "{"
 
-    def __init__(self, tools: list[Tool]) -> None:
-        self.tools = {t.name: t for t in tools}
-
     def grammar(self, tools: list[Tool], parallel: bool) -> StructuredOutput:
         body = f"body: %json {_schema_text(_call_schema(tools, 'parameters'))}"
         start = 'start: body ("; " body)*' if parallel else "start: body"
@@ -248,7 +245,7 @@ class Llama3JsonFormat(ToolFormat):
                 obj, end = decoder.raw_decode(stripped, pos)
             except json.JSONDecodeError:
                 return text, []
-            call = self._call(obj, self.tools)
+            call = self._call(obj)
             if call is None:
                 return text, []
             calls.append(call)

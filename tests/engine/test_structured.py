@@ -131,12 +131,18 @@ def test_n_samples_each_follow_their_own_grammar(engine) -> None:
         _assert_matches(schema, sample.text)
 
 
-def test_a_grammar_being_built_holds_its_request_only(builtin_path, monkeypatch) -> None:
-    """While a request's grammar builds, the engine steps the others; the request joins once it is built."""
+def _engine_with_held_builds(builtin_path, monkeypatch) -> tuple[LLMEngine, threading.Event]:
+    """An engine whose grammar builds wait until the returned event is set."""
     engine = _engine(builtin_path)
     release = threading.Event()
     build = engine.grammars._build
     monkeypatch.setattr(engine.grammars, "_build", lambda c: (release.wait(30), build(c))[1])
+    return engine, release
+
+
+def test_a_grammar_being_built_holds_its_request_only(builtin_path, monkeypatch) -> None:
+    """While a request's grammar builds, the engine steps the others; the request joins once it is built."""
+    engine, release = _engine_with_held_builds(builtin_path, monkeypatch)
     prompt = _chat(engine, "Name a colour.")
     engine.add_request("json", prompt, SamplingParams(temperature=0, max_tokens=60,
                                                       structured=StructuredOutput("json_object")))
@@ -153,10 +159,7 @@ def test_a_grammar_being_built_holds_its_request_only(builtin_path, monkeypatch)
 
 
 def test_abort_and_failure_while_the_grammar_builds(builtin_path, monkeypatch) -> None:
-    engine = _engine(builtin_path)
-    release = threading.Event()
-    build = engine.grammars._build
-    monkeypatch.setattr(engine.grammars, "_build", lambda c: (release.wait(30), build(c))[1])
+    engine, release = _engine_with_held_builds(builtin_path, monkeypatch)
     prompt = _chat(engine, "x")
     engine.add_request("a", prompt, SamplingParams(max_tokens=5, structured=StructuredOutput("json_object")))
     out = engine.abort("a")

@@ -173,6 +173,13 @@ def _messages(prompt: str) -> list[dict[str, str]]:
     return [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": prompt}]
 
 
+def _assert_all_parsed(choices) -> None:
+    """Each of the twenty choices ended on its own and parsed into its pydantic model."""
+    for (model, _), choice in zip(SCHEMAS, choices, strict=True):
+        assert choice.finish_reason == "stop", (model.__name__, choice.message.content)
+        assert isinstance(choice.message.parsed, model), (model.__name__, choice.message.content)
+
+
 @pytest.fixture(scope="module")
 def async_sdk(live_builtin_server):
     return lambda: openai.AsyncOpenAI(base_url=live_builtin_server.url + "/v1", api_key="unused", max_retries=0)
@@ -186,10 +193,7 @@ async def test_parse_returns_a_valid_object_for_twenty_schemas(async_sdk):
                                                          response_format=model, **SAMPLING, seed=1)
         return completion.choices[0]
 
-    choices = await asyncio.gather(*(parse(model, prompt) for model, prompt in SCHEMAS))
-    for (model, _), choice in zip(SCHEMAS, choices):
-        assert choice.finish_reason == "stop", (model.__name__, choice.message.content)
-        assert isinstance(choice.message.parsed, model), (model.__name__, choice.message.content)
+    _assert_all_parsed(await asyncio.gather(*(parse(model, prompt) for model, prompt in SCHEMAS)))
 
 
 async def test_streamed_parse_gives_valid_objects_for_twenty_schemas(async_sdk):
@@ -202,10 +206,7 @@ async def test_streamed_parse_gives_valid_objects_for_twenty_schemas(async_sdk):
                 pass
             return (await events.get_final_completion()).choices[0]
 
-    choices = await asyncio.gather(*(stream(model, prompt) for model, prompt in SCHEMAS))
-    for (model, _), choice in zip(SCHEMAS, choices):
-        assert choice.finish_reason == "stop", (model.__name__, choice.message.content)
-        assert isinstance(choice.message.parsed, model), (model.__name__, choice.message.content)
+    _assert_all_parsed(await asyncio.gather(*(stream(model, prompt) for model, prompt in SCHEMAS)))
 
 
 async def test_json_object_mode_and_completions_with_a_schema(async_sdk):
