@@ -121,7 +121,7 @@ class LLMEngine:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.requests: dict[str, _Request] = {}
         self._forks = SampleForks(self.schedulers)
-        self.grammars = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size,
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                         sorted(self.eos_token_ids))
         self._building = PendingGrammars(self.grammars)   # requests whose grammar is being built
         self._seq_ids = itertools.count()

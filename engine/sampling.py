@@ -11,9 +11,9 @@ draw with the exponential race: token = argmax(probs / q), q ~ Exponential(1), w
 probs (it is the Gumbel-max trick) without a cumulative sum. Rows that set none of these pay nothing for
 them: an all-greedy batch without them is one argmax.
 
-A row with a grammar (`SamplingParams.structured`, matched by the row's `GrammarMatcher`) has every token
-the grammar does not allow next masked to -inf first, and min_tokens does not apply to it: the grammar
-decides where its output ends.
+A row with a grammar (`SamplingParams.structured`, matched by the row's `GrammarMatcher`) has MASKED_LOGIT
+added to every token the grammar does not allow next, before the bias and the penalties; min_tokens does not
+apply to it: the grammar decides where its output ends.
 
 min_tokens with ignore_eos: we do NOT mask EOS. With ignore_eos the engine does not stop on EOS, so EOS
 cannot end the sequence early and masking it would only distort the distribution. (vLLM masks the model's

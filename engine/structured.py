@@ -3,7 +3,7 @@
 A request names its constraint with a `StructuredOutput` (a JSON object, a JSON schema, or a Lark grammar in
 llguidance's dialect: the tool-call formats are written as one). The device worker turns it into a
 `GrammarMatcher` per sequence: before each sampled token the matcher writes the set of tokens that keep the
-output inside the grammar into a bitmask row, the sampler masks every other token to -inf, and the engine
+output inside the grammar into a bitmask row, the sampler pushes every other token to -1e30, and the engine
 feeds the chosen token back (`accept`). The grammar library is llguidance (docs/PERF.md has the comparison
 with xgrammar and outlines-core that chose it): its matchers need no up-front compilation of token masks,
 so a new schema costs the first request milliseconds, not the seconds a precomputed automaton can take.
@@ -23,9 +23,12 @@ import logging
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("cliffguard.engine")
 
@@ -156,8 +159,8 @@ class GrammarCompiler:
     MAX_CACHED_GRAMMARS), and one background thread that builds them, so the engine's step never waits on a
     new schema. Owned by the engine; `submit` and `matcher` are called from the engine's thread only."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
-        self._tokenizer_json = tokenizer_json
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._source = tokenizer    # read (as tokenizer.json text) on the grammar thread, at the first build
         self._vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
@@ -187,7 +190,7 @@ class GrammarCompiler:
         import llguidance
 
         if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self._vocab_size,
+            self._tokenizer = llguidance.LLTokenizer(self._source.to_json(), n_vocab=self._vocab_size,
                                                      eos_token=self._eos_token_ids)
             self._executor = llguidance.LLExecutor()
         matcher = llguidance.LLMatcher(self._tokenizer, constraint.grammar_text(), log_level=0)
