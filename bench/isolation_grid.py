@@ -29,7 +29,8 @@ BARS = ("chat_alone_meets_slo", "split_ttft_ok", "split_itl_ok", "split_no_preem
 @dataclass(frozen=True)
 class Grid:
     """The sweep's loads. Seeds: chat rate i -> 1000 x seed + i; rag pair j (rag rates outer, lengths
-    inner) -> 1000 x seed + 500 + j."""
+    inner) -> 1000 x seed + 500 + j. `only`: run just these cells of the grid (`--cells`), each with the
+    arrivals it has in the whole grid, so one cell of a sweep can be run again by itself."""
 
     chat_rates: tuple[float, ...]
     rag_rates: tuple[float, ...]
@@ -37,8 +38,14 @@ class Grid:
     rag_output_tokens: int = 128
     seed: int = 0
     shared: bool = True          # run the shared layout per cell (--no-shared: split and baselines only)
+    only: tuple[tuple[float, float, int], ...] = ()
 
     def __post_init__(self) -> None:
+        grid = [(c, r, n) for c in self.chat_rates for r in self.rag_rates for n in self.rag_lens]
+        for cell in self.only:
+            if cell not in grid:
+                raise ValueError(f"--cells: {cell[0]:g},{cell[1]:g},{cell[2]} is not a cell of the grid (its chat "
+                                 "rate, rag rate and rag length must be among --chat-rates, --rag-rates, --rag-lens)")
         if min(self.rag_lens) * (1 - RAG_LEN_SPREAD) <= ROUTE_THRESHOLD:
             raise ValueError(f"--rag-lens: the shortest rag prompt must be above the chat route's "
                              f"{ROUTE_THRESHOLD} tokens, so every rag length must be >= "
@@ -52,8 +59,8 @@ class Grid:
 
     @property
     def cells(self) -> list[tuple[float, float, int]]:
-        """(chat rate, rag rate, rag length) of every cell."""
-        return [(c, r, n) for c in self.chat_rates for r, n in self.rag_pairs]
+        """(chat rate, rag rate, rag length) of every cell to run (those of `only`, when it names any)."""
+        return [(c, r, n) for c in self.chat_rates for r, n in self.rag_pairs if not self.only or (c, r, n) in self.only]
 
     def chat_seed(self, chat_rate: float) -> int:
         return 1000 * self.seed + self.chat_rates.index(chat_rate)
@@ -80,7 +87,21 @@ def sweep_grid(args: argparse.Namespace) -> Grid:
     return Grid(tuple(parse_rates(args.chat_rates or chat, "--chat-rates")),
                 tuple(parse_rates(args.rag_rates or rag, "--rag-rates")),
                 tuple(int_list(args.rag_lens or lens, "--rag-lens", 1, "lengths must be >= 1")),
-                args.rag_output_tokens, args.seed, shared=not args.no_shared)
+                args.rag_output_tokens, args.seed, shared=not args.no_shared, only=parse_cells(args.cells))
+
+
+def parse_cells(text: str | None) -> tuple[tuple[float, float, int], ...]:
+    """`--cells "1.25,0.2,3000;0.75,0.4,1500"` -> ((1.25, 0.2, 3000), (0.75, 0.4, 1500)); () for None."""
+    if not text:
+        return ()
+    cells = []
+    for part in (p for p in text.split(";") if p.strip()):
+        items = part.split(",")
+        if len(items) != 3:
+            raise ValueError(f"--cells: each cell is CHAT_RATE,RAG_RATE,RAG_LEN, got {part.strip()!r}")
+        (chat,), (rag,) = parse_rates(items[0], "--cells"), parse_rates(items[1], "--cells")
+        cells.append((chat, rag, int_list(items[2], "--cells", 1, "rag lengths must be >= 1")[0]))
+    return tuple(cells)
 
 
 @dataclass(frozen=True)
@@ -101,9 +122,11 @@ class Run:
 
 def plan_runs(grid: Grid) -> list[Run]:
     """Every run, in order: the split server's (chat alone per chat rate, rag alone per rag pair, split
-    per cell), then the shared server's (shared per cell)."""
-    return ([Run("chat alone", "split", chat_rate=c) for c in grid.chat_rates]
-            + [Run("rag alone", "split", rag_rate=r, rag_len=n) for r, n in grid.rag_pairs]
+    per cell; baselines only where a cell to run needs them), then the shared server's (shared per cell)."""
+    cells = grid.cells
+    return ([Run("chat alone", "split", chat_rate=c) for c in grid.chat_rates if any(c == x for x, _, _ in cells)]
+            + [Run("rag alone", "split", rag_rate=r, rag_len=n) for r, n in grid.rag_pairs
+               if any((r, n) == (y, z) for _, y, z in cells)]
             + [Run("split", "split", c, r, n) for c, r, n in grid.cells]
             + [Run("shared", "shared", c, r, n) for c, r, n in grid.cells if grid.shared])
 

@@ -43,6 +43,9 @@ several pools applies, and the same flags are the bars it is judged by):
 `--out DIR` writes `sweep.json` (args, commit, date, the grid, every baseline and cell with its runs,
 the summary) and `sweep.png` (per rag length a heat map, rows chat rate, columns rag rate, colour split
 chat p99 TTFT / ttft_ms around 1.0, a tick or cross for cell_ok, out-of-scope cells hatched grey).
+`--cells "C,R,N;..."`: only those cells of the grid (with the baselines they need), each with the arrivals
+it has in the whole grid, so a cell that missed in a sweep can be run again by itself (with
+`CLIFFGUARD_STEP_TRACE` set, its steps traced).
 `--quick`: the same path on a 2 x 1 x 1 grid with 8 s of arrivals per run (about 2 minutes), for a test.
 The grid, the verdict, the table and the heat map are `bench.isolation_grid`; this module runs the
 servers and the loads.
@@ -104,6 +107,9 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
                    f"{DEFAULT_GRID[1]}; {QUICK_GRID[1]} with --quick)")
     p.add_argument("--rag-lens", default=None, help=f"--sweep: mean rag prompt tokens, comma-separated; prompts "
                    f"are uniform within +-20%% of each (default {DEFAULT_GRID[2]}; {QUICK_GRID[2]} with --quick)")
+    p.add_argument("--cells", default=None, help="--sweep: run only these cells of the grid, each with the "
+                   "arrivals it has in the whole grid (to run a cell of a sweep again), as CHAT_RATE,RAG_RATE,RAG_LEN "
+                   "separated by ';'")
     p.add_argument("--rag-output-tokens", type=int, default=128, help="--sweep: output tokens of every rag "
                    "request (default 128)")
     p.add_argument("--no-slo", action="store_true", help="--sweep: the split layout's chat pool names no slo "

@@ -121,6 +121,20 @@ def test_sweep_grid_runs_and_seeds():
         sweep_grid(_args("--sweep", "--chat-rates", "1,0"))
 
 
+def test_sweep_cells_run_again_with_the_arrivals_of_the_whole_grid():
+    whole = sweep_grid(_args("--sweep", "--chat-rates", "0.75,1,1.25"))
+    some = sweep_grid(_args("--sweep", "--chat-rates", "0.75,1,1.25", "--cells", "1.25,0.2,3000; 0.75,0.4,1500"))
+    assert some.cells == [(0.75, 0.4, 1500), (1.25, 0.2, 3000)]
+    assert [(r.kind, r.chat_rate, r.rag_rate, r.rag_len) for r in plan_runs(some) if r.layout == "split"] == [
+        ("chat alone", 0.75, None, None), ("chat alone", 1.25, None, None), ("rag alone", None, 0.2, 3000),
+        ("rag alone", None, 0.4, 1500), ("split", 0.75, 0.4, 1500), ("split", 1.25, 0.2, 3000)]
+    for c, r, n in some.cells:
+        assert (some.chat_seed(c), some.rag_seed(r, n)) == (whole.chat_seed(c), whole.rag_seed(r, n))
+    for bad in ("2,0.2,3000", "1.25,0.2", "1.25,x,3000", "1.25,0.2,0"):
+        with pytest.raises(ValueError, match="--cells"):
+            sweep_grid(_args("--sweep", "--chat-rates", "0.75,1,1.25", "--cells", bad))
+
+
 @pytest.mark.parametrize("argv", [(), ("--no-slo",), ("--rag-lens", "3400", "--rag-output-tokens", "200")])
 def test_sweep_pool_files(argv):
     args = _args("--sweep", *argv)
