@@ -4,9 +4,12 @@ Every pool of a device proposes work for the same merged step, so a long prefill
 lengthens the step, and with it the time to first token and the inter-token latency, of every other
 pool. The composer decides across pools, not each pool alone. Its control law, each step:
 
-1. **Target.** The step gets a time target: `scale x itl_ms`, the tightest over the interactive
-   pools (a `LatencySLO`) that have work, or, when none has, `scale x min(itl_ms, ttft_ms / 2)` (an
-   interactive request that arrives mid-step waits at most that long before its prefill starts).
+1. **Target.** The step gets a time target: `scale x ITL_AIM x itl_ms`, the tightest over the
+   interactive pools (a `LatencySLO`) that have work (planned at the aim, not at `itl_ms` itself: a
+   step planned at the SLO lands over it whenever the cost model under-predicts, and the gap a client
+   sees also carries the gateway's delivery, so a p99 planned at the SLO is a p99 over it), or, when
+   none has, `scale x min(itl_ms, ttft_ms / 2)` (an interactive request that arrives mid-step waits at
+   most that long before its prefill starts).
    `scale` (in [`MIN_SCALE`, 1], one per interactive pool, `SLOTracker`) is feedback from what the
    engine measures: the smaller of two `Feedback` scales, one moved by the p99 of the pool's recent
    times to first token against `TTFT_AIM x ttft_ms`, one by the p99 of its recent inter-token gaps
@@ -330,7 +333,7 @@ class StepComposer:
             return None
         busy = [n for n in self.interactive if self.schedulers[n].num_unfinished]
         if busy:
-            return min(self.slos[n].step_seconds * self.trackers[n].scale for n in busy)
+            return min(ITL_AIM * self.slos[n].step_seconds * self.trackers[n].scale for n in busy)
         return min(self.slos[n].idle_step_seconds * self.trackers[n].scale for n in self.interactive)
 
     def _is_pressed(self, name: str) -> bool:
