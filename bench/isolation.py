@@ -146,9 +146,11 @@ def pool_file(layout: str, *, memory: str, max_num_batched_tokens: int, chat_slo
 
 def load_config(url: str, cls: WorkloadClass, rate: float, *, seed: int, scrape: bool, duration: float,
                 drain_timeout: float) -> LoadConfig:
-    """One open-loop load of the bench: `cls` at `rate` req/s for `duration` s of arrivals."""
+    """One open-loop load of the bench: `cls` at `rate` req/s for `duration` s of arrivals, with the usage so
+    far in every chunk (ITL per token: see `LoadConfig.continuous_usage`)."""
     return LoadConfig(url=url, classes=(cls,), request_rate=rate, duration=duration, seed=seed, timeout=600.0,
-                      drain_timeout=drain_timeout, scrape=scrape, scrape_interval=0.5, tokenizer=MODEL)
+                      drain_timeout=drain_timeout, scrape=scrape, scrape_interval=0.5, tokenizer=MODEL,
+                      continuous_usage=True)
 
 
 async def run_loads(configs: list[LoadConfig], tokenizer) -> list[LoadReport]:

@@ -60,7 +60,8 @@ class Grid:
     @property
     def cells(self) -> list[tuple[float, float, int]]:
         """(chat rate, rag rate, rag length) of every cell to run (those of `only`, when it names any)."""
-        return [(c, r, n) for c in self.chat_rates for r, n in self.rag_pairs if not self.only or (c, r, n) in self.only]
+        return [(c, r, n) for c in self.chat_rates for r, n in self.rag_pairs
+                if not self.only or (c, r, n) in self.only]
 
     def chat_seed(self, chat_rate: float) -> int:
         return 1000 * self.seed + self.chat_rates.index(chat_rate)

@@ -89,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "((e2e - TTFT) / (output tokens - 1), as vLLM) <= itl and its e2e <= e2e")
     p.add_argument("--metrics-url", default=None, help="Prometheus endpoint to scrape (default <url>/metrics)")
     p.add_argument("--no-scrape", action="store_true", help="do not scrape metrics")
+    p.add_argument("--continuous-usage", action="store_true", help="ask for vLLM's stream_options."
+                   "continuous_usage_stats (cliffguard and vLLM serve it), so ITL divides each chunk's gap by the "
+                   "tokens it carries; a server that does not know the option may refuse the requests")
     p.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between scrapes (default 1)")
     p.add_argument("--tokenizer", default=None, help="model spec whose tokenizer makes completion prompts "
                    "exactly the asked length (e.g. builtin:smollm2-135m-instruct or a model folder)")
@@ -108,7 +111,8 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
             burstiness=args.burstiness, duration=duration, num_requests=args.num_requests, seed=args.seed,
             timeout=args.timeout, drain_timeout=args.drain_timeout, api_key=args.api_key,
             probe_rate=args.probe_rate, goodput=goodput, scrape=not args.no_scrape, metrics_url=args.metrics_url,
-            scrape_interval=args.scrape_interval, tokenizer=args.tokenizer, progress=not args.no_progress)
+            scrape_interval=args.scrape_interval, tokenizer=args.tokenizer, progress=not args.no_progress,
+            continuous_usage=args.continuous_usage)
     except SpecError as exc:
         key, sep, rest = str(exc).partition(":")
         if sep and key in {f.name for f in fields(LoadConfig)}:

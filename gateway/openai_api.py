@@ -63,6 +63,7 @@ class ChatRequest:
     include_usage: bool
     priority: int
     top_logprobs: int | None        # None: no logprobs; k: the chosen token's plus the top k
+    continuous_usage: bool = False  # the usage so far in every stream chunk
     max_tokens_param: str = "max_tokens"   # the field that set params.max_tokens, for errors
     structured_param: str = "response_format"   # the field that set params.structured, for errors
     tools: list[Tool] | None = None
@@ -80,6 +81,7 @@ class CompletionRequest:
     priority: int
     max_tokens_param: str = "max_tokens"
     structured_param: str = "response_format"
+    continuous_usage: bool = False  # the usage so far in every stream chunk
 
 
 def _require_object(body: Any) -> dict[str, Any]:
@@ -127,11 +129,14 @@ def _model(body: dict[str, Any]) -> str:
     return model
 
 
-def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+def _stream(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous usage): `stream_options.continuous_usage_stats` (vLLM's) with
+    `include_usage` puts the usage so far in every chunk, so a client can tell how many tokens a chunk
+    carries (two, when the detokenizer held back a token that ended inside a character)."""
     stream = _get(body, "stream", bool, False)
     options = body.get("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise bad_request("stream_options", "is only allowed with stream: true")
     if not isinstance(options, dict):
@@ -139,10 +144,11 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     for key in options:
         if key not in ("include_usage", "continuous_usage_stats"):
             raise bad_request(f"stream_options.{key}", "unrecognized field")
-    include = options.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise bad_request("stream_options.include_usage", f"expected a boolean, got {_json_type(include)}")
-    return stream, include
+    include, continuous = options.get("include_usage", False), options.get("continuous_usage_stats", False)
+    for key, value in (("include_usage", include), ("continuous_usage_stats", continuous)):
+        if not isinstance(value, bool):
+            raise bad_request(f"stream_options.{key}", f"expected a boolean, got {_json_type(value)}")
+    return stream, include, include and continuous
 
 
 def response_format(value: Any, param: str = "response_format") -> StructuredOutput | None:
@@ -273,11 +279,11 @@ def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> ChatReques
     top_logprobs = (top or 0) if logprobs else None
     max_tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(body, max_tokens_param)
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     params = _sampling(body, max_tokens, top_logprobs, response_format(body.get("response_format")))
     _check_choices(params.n, 1, limits)
-    return ChatRequest(model=model, messages=messages, params=params,
-                       stream=stream, include_usage=include_usage, priority=_priority(body),
+    return ChatRequest(model=model, messages=messages, params=params, stream=stream, include_usage=include_usage,
+                       continuous_usage=continuous_usage, priority=_priority(body),
                        top_logprobs=top_logprobs, max_tokens_param=max_tokens_param, tools=tools,
                        tool_choice=tool_choice, parallel_tool_calls=_get(body, "parallel_tool_calls", bool, True))
 
@@ -384,12 +390,13 @@ def parse_completion(body: Any, limits: RequestLimits = RequestLimits()) -> Comp
     logprobs = _get(body, "logprobs", int, None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request("logprobs", f"must be in 0..{MAX_LOGPROBS}, got {logprobs}")
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous_usage = _stream(body)
     params = _sampling(body, _max_tokens(body, "max_tokens"), logprobs,
                        response_format(body.get("response_format")))
     _check_choices(params.n, len(prompts), limits)
     return CompletionRequest(model=model, prompts=prompts, params=params, stream=stream,
-                             include_usage=include_usage, priority=_priority(body))
+                             include_usage=include_usage, continuous_usage=continuous_usage,
+                             priority=_priority(body))
 
 
 def check_logit_bias(req: ChatRequest | CompletionRequest, vocab_size: int, pool: str) -> None:

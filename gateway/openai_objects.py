@@ -62,11 +62,13 @@ def chat_choice(index: int, text: str | None, logprobs: dict[str, Any] | None, f
 
 
 def chat_chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]],
-               include_usage: bool) -> dict[str, Any]:
+               include_usage: bool, usage_so_far: dict[str, int] | None = None) -> dict[str, Any]:
+    """With `include_usage` the chunk has a `usage` key: None (OpenAI's), or `usage_so_far` (vLLM's
+    continuous usage stats)."""
     chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
              "choices": choices}
     if include_usage:
-        chunk["usage"] = None
+        chunk["usage"] = usage_so_far
     return chunk
 
 
@@ -82,11 +84,12 @@ def completion_choice(index: int, text: str, logprobs: dict[str, Any] | None,
 
 
 def completion_chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]],
-                     include_usage: bool) -> dict[str, Any]:
+                     include_usage: bool, usage_so_far: dict[str, int] | None = None) -> dict[str, Any]:
+    """As `chat_chunk`, for completions."""
     chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
              "choices": choices}
     if include_usage:
-        chunk["usage"] = None
+        chunk["usage"] = usage_so_far
     return chunk
 
 

@@ -234,7 +234,9 @@ class LocalResponse:
     def _queue_chunk(self, chunk_choices: list[dict[str, Any]]) -> None:
         """One stream chunk of the choices' deltas (OpenAI's chat or completion chunk)."""
         make = objects.chat_chunk if self.chat else objects.completion_chunk
-        self._queue(make(self.request_id, self.req.model, self.created, chunk_choices, self.req.include_usage))
+        so_far = objects.usage(*self._usage()) if self.req.continuous_usage else None
+        self._queue(make(self.request_id, self.req.model, self.created, chunk_choices, self.req.include_usage,
+                         so_far))
 
     def _observe(self, i: int, out: RequestDelta) -> None:
         """Latency and token metrics of prompt i's delta."""

@@ -95,7 +95,10 @@ class LoadConfig:
     first. `request_rate`: split over the share classes (math.inf: all `num_requests` at t=0, classes drawn
     by share). Arrivals stop after `duration` and/or `num_requests` (one is required; probes do not count).
     `metrics_url`: None means `<url>/metrics`. `tokenizer`: a model spec (builtin:..., a folder) whose
-    tokenizer makes completion prompts exactly `prompt_len` tokens long.
+    tokenizer makes completion prompts exactly `prompt_len` tokens long. `continuous_usage`: ask for
+    vLLM's `continuous_usage_stats` (the usage so far in every chunk; cliffguard and vLLM serve it), so
+    a chunk that carries two tokens (a detokenizer holds a token back until its character is whole)
+    counts as two gaps of half its wait in ITL, not as one token's gap twice as long.
     """
 
     url: str
@@ -116,6 +119,7 @@ class LoadConfig:
     scrape_interval: float = 1.0
     tokenizer: str | None = None
     progress: bool = False
+    continuous_usage: bool = False
 
     def __post_init__(self) -> None:
         for key in ("url", "metrics_url"):
@@ -249,11 +253,13 @@ def plan_requests(config: LoadConfig, tokenizer: Any | None = None) -> list[Plan
     return plan
 
 
-def request_body(planned: PlannedRequest, model: str) -> dict[str, Any]:
-    """The JSON body of a planned request: streaming, with usage, `ignore_eos` as vLLM's extra field."""
+def request_body(planned: PlannedRequest, model: str, continuous_usage: bool = False) -> dict[str, Any]:
+    """The JSON body of a planned request: streaming, with usage (in every chunk with `continuous_usage`),
+    `ignore_eos` as vLLM's extra field."""
     cls = planned.workload
+    options = {"include_usage": True, **({"continuous_usage_stats": True} if continuous_usage else {})}
     body: dict[str, Any] = {"model": model, "max_tokens": planned.max_tokens, "stream": True,
-                            "stream_options": {"include_usage": True}}
+                            "stream_options": options}
     if cls.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": planned.prompt}]
     else:

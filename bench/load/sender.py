@@ -154,7 +154,7 @@ async def send_request(session: Any, config: LoadConfig, model: str, planned: Pl
     import aiohttp
 
     url = config.base_url + ENDPOINTS[planned.workload.endpoint]
-    body = request_body(planned, model)
+    body = request_body(planned, model, config.continuous_usage)
     sent = time.perf_counter()
     record.sent_s, record.error = sent - start, "in flight"
     try:

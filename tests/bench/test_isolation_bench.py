@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from bench.isolation import add_ratios, format_table, pools_yaml, scenarios, verdict
+from bench.isolation import (CHAT, add_ratios, format_table, load_config as load_config_of, pools_yaml, scenarios,
+                             verdict)
 from bench.isolation_grid import (BARS, Grid, assemble, format_sweep_table, judge, plan_runs, summary_line,
                                   sweep_grid, sweep_pool_files, verdict_text, write_heatmap)
 from bench.isolation_sweep import add_arguments, pending_work
@@ -119,6 +120,13 @@ def test_sweep_grid_runs_and_seeds():
         sweep_grid(_args("--sweep", "--rag-lens", "600"))
     with pytest.raises(ValueError, match="--chat-rates"):
         sweep_grid(_args("--sweep", "--chat-rates", "1,0"))
+
+
+def test_the_bench_counts_itl_per_token():
+    """Its loads ask for the usage in every chunk, so a chunk that carries two tokens (a token held back
+    until its character is whole) is two gaps of half its wait, not one gap twice as long."""
+    config = load_config_of("http://127.0.0.1:1", CHAT, 1.0, seed=0, scrape=False, duration=5.0, drain_timeout=1.0)
+    assert config.continuous_usage
 
 
 def test_sweep_cells_run_again_with_the_arrivals_of_the_whole_grid():

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from bench import serve
 from bench.load.sender import DONE, RequestRecord, error_message, parse_sse_line
-from bench.load.plan import Goodput, LoadConfig, PromptMaker, arrival_schedule, plan_requests
+from bench.load.plan import Goodput, LoadConfig, PromptMaker, arrival_schedule, plan_requests, request_body
 from bench.load.report import class_summary, format_report, write_report
 from bench.load.run import run_load
 from engine.stats import PoolStats
@@ -289,6 +289,15 @@ def test_sse_lines_chunks_usage_and_error_chunks():
     assert e.status == "error" and "engine unavailable" in e.error
     assert error_message('{"error": {"message": "bad temperature"}}') == "bad temperature"
     assert error_message("<html>oops</html>") == "<html>oops</html>"
+
+
+def test_continuous_usage_asks_for_the_usage_in_every_chunk():
+    planned = plan_requests(LoadConfig(url="http://x", num_requests=1, scrape=False))[0]
+    assert request_body(planned, "m")["stream_options"] == {"include_usage": True}
+    assert request_body(planned, "m", continuous_usage=True)["stream_options"] == {
+        "include_usage": True, "continuous_usage_stats": True}
+    assert serve.config_from_args(_parse(["--continuous-usage"])).continuous_usage
+    assert not serve.config_from_args(_parse([])).continuous_usage
 
 
 def test_latency_stats_interpolate_like_numpy():

@@ -108,6 +108,21 @@ async def test_streamed_equals_non_streamed_and_usage_and_logprobs(aiohttp_clien
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
     assert whole["usage"]["completion_tokens"] == 24
 
+    # vLLM's continuous usage stats: the usage so far in every chunk, so a client can tell how many
+    # tokens each chunk carries; plain include_usage keeps OpenAI's null until the usage chunk
+    continuous = {"include_usage": True, "continuous_usage_stats": True}
+    for path, req in (("/v1/chat/completions", dict(body, stream=True, stream_options=continuous)),
+                      ("/v1/completions", {**{k: v for k, v in body.items() if k != "messages"},
+                                           "prompt": "Tell me about cliffs.", "stream": True,
+                                           "stream_options": continuous})):
+        _, chunks = await _stream_text(await client.post(path, json=req))
+        counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+        assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 24
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 24
+    _, chunks = await _stream_text(await client.post("/v1/chat/completions", json=dict(
+        body, stream=True, stream_options={"include_usage": True})))
+    assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["usage"]["completion_tokens"] == 24
+
     lp = await (await client.post("/v1/completions", json={
         "model": _model(tiny_model), "prompt": ["one", "two"], "max_tokens": 5, "n": 2, "temperature": 1.0,
         "seed": 3, "logprobs": 2})).json()

@@ -60,6 +60,8 @@ BAD_CHAT = [
     ("top_logprobs without logprobs", dict(CHAT, top_logprobs=2), "top_logprobs"),
     ("top_logprobs too many", dict(CHAT, logprobs=True, top_logprobs=50), "top_logprobs"),
     ("stream_options without stream", dict(CHAT, stream_options={"include_usage": True}), "stream_options"),
+    ("continuous_usage_stats not bool", dict(CHAT, stream=True, stream_options={"continuous_usage_stats": 1}),
+     "stream_options.continuous_usage_stats"),
     ("stream not bool", dict(CHAT, stream="yes"), "stream"),
     ("unknown field", dict(CHAT, max_token=5), "max_token"),
     ("presence_penalty out of range", dict(CHAT, presence_penalty=2.5), "presence_penalty"),
