@@ -4,6 +4,7 @@ tenants are served fairly, and a body's priority cannot buy more than its tenant
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import pytest
@@ -186,19 +187,20 @@ async def test_a_body_priority_is_honoured_only_within_the_tenants_allowance(aio
 @pytest.mark.parametrize(("limit", "status", "code"), [("0.2", 503, "queue_timeout"), ("0", 429, "pool_full")])
 async def test_max_queue_seconds_refuses_with_retry_after_and_leaves_nothing_held(aiohttp_client, tmp_path,
                                                                                   tiny_model, limit, status, code):
-    # 0.2: the second request waits 0.2 s, then 503; 0 (reject-when-full): 429 at once
+    # 0.2: the request waits 0.2 s, then 503; 0 (reject-when-full): 429 at once. The pool is held full by the
+    # test itself, not by a running request, which on a fast machine could finish inside the 0.2 s.
     client, gateway = await start_gateway(aiohttp_client, tmp_path, _yaml(tiny_model, max_queue=f"max_queue_seconds: {limit}"))
     pool = gateway.pools["chat"]
     body = {"model": tiny_model.name, "prompt": "hello", "max_tokens": 100, "ignore_eos": True}
-    # each reserves 7 blocks of the pool's 8: one runs, the other is refused
-    first = asyncio.create_task(client.post("/v1/completions", json=body))
-    while pool.admission.free == pool.admission.total:
-        await asyncio.sleep(0.005)
-    r = await client.post("/v1/completions", json=body)
+    async with pool.admission.hold("occupier", pool.admission.total, tenant="test"):
+        started = time.monotonic()
+        r = await client.post("/v1/completions", json=body)
+        waited = time.monotonic() - started
     assert r.status == status and r.headers["Retry-After"] == "1"
+    assert waited >= 0.2 or status == 429                           # 503 only after max_queue_seconds
     error = (await r.json())["error"]
     assert error["code"] == code and ("max_queue_seconds" in error["message"] or "is full" in error["message"])
-    assert (await first).status == 200
+    assert (await client.post("/v1/completions", json=body)).status == 200      # refused, not broken
     assert pool.admission.free == pool.admission.total and pool.admission.num_expired == 1
     assert pool.admission.ledger.num_queued == 0
     text = await (await client.get("/metrics")).text()

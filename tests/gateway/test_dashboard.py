@@ -151,14 +151,15 @@ async def test_the_data_equals_metrics_and_needs_the_key_like_the_api(aiohttp_cl
 
     await asyncio.gather(*(chat(i) for i in range(3)))
     await _wait_idle(gateway)
-    for _ in range(20):                                  # the worker's last push, once idle, is in place
+    for _ in range(20):       # the worker's last push, once idle, is in place, and none landed between the reads
         seen = _metrics(await (await client.get("/metrics")).text())
         data = await (await client.get("/dashboard/data", headers=auth)).json()
         after = _metrics(await (await client.get("/metrics")).text())
-        if _without_ages(seen) == _without_ages(after):
+        if _without_ages(seen) == _without_ages(after) and _ages_ordered(seen, data, after):
             break
         await asyncio.sleep(0.1)
     assert _without_ages(seen) == _without_ages(after), "the gateway did not settle"
+    assert _ages_ordered(seen, data, after), "a stats push landed between the reads every time"
 
     for pool, shown in data["pools"].items():
         for key, name in dashboard.VALUES.items():
@@ -170,13 +171,23 @@ async def test_the_data_equals_metrics_and_needs_the_key_like_the_api(aiohttp_cl
         assert shown["series"]["age_seconds"][-1] == 0 and len(shown["series"]["age_seconds"]) >= 2
     assert data["pools"]["chat"]["itl_window_count"] == 3 * 7          # 7 gaps between 8 streamed tokens
     assert data["pools"]["chat"]["kv_credits_free"] == data["pools"]["chat"]["kv_credits_total"] > 0
-    ages = {labels[0][1]: v for labels, v in after["cliffguard_stats_age_seconds"].items()}
-    assert data["stats_age_seconds"].keys() == ages.keys()
-    assert all(data["stats_age_seconds"][d] <= ages[d] for d in ages)
+    assert data["stats_age_seconds"].keys() == _ages(after).keys()
 
 
 def _without_ages(m: dict) -> dict:
     return {name: series for name, series in m.items() if name != "cliffguard_stats_age_seconds"}
+
+
+def _ages(m: dict) -> dict[str, float]:
+    return {labels[0][1]: v for labels, v in m["cliffguard_stats_age_seconds"].items()}
+
+
+def _ages_ordered(seen: dict, data: dict, after: dict) -> bool:
+    """The dashboard's stats ages lie between those of the scrapes before and after it: no worker pushed
+    stats between the three reads (pushes are asynchronous), and the data's ages are read at its request."""
+    before, later = _ages(seen), _ages(after)
+    return before.keys() == later.keys() and all(
+        before[d] <= data["stats_age_seconds"].get(d, -1.0) <= later[d] for d in before)
 
 
 def _pool_sum(m: dict, name: str, pool: str) -> float | None:
