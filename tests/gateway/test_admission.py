@@ -211,22 +211,20 @@ async def test_a_client_that_leaves_while_queued_holds_nothing(aiohttp_client, t
     client, gateway = await start_gateway(aiohttp_client, tmp_path, _yaml(tiny_model))
     pool = gateway.pools["chat"]
     long = {"model": tiny_model.name, "prompt": "hello", "max_tokens": 100, "ignore_eos": True}
-    first = asyncio.create_task(client.post("/v1/completions", json=long))
-    while pool.admission.free == pool.admission.total:
-        await asyncio.sleep(0.005)
-    waiting = asyncio.create_task(client.post("/v1/completions", json=long))
-    while pool.admission.ledger.num_queued == 0:
-        await asyncio.sleep(0.005)
-    waiting.cancel()                           # the client goes away while queued
-    with pytest.raises(asyncio.CancelledError):
-        await waiting
-    for _ in range(200):
-        if pool.admission.ledger.num_queued == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert pool.admission.ledger.num_queued == 0 and pool.admission.num_cancelled == 1
-    assert (await first).status == 200
+    async with pool.admission.hold("occupier", pool.admission.total, tenant="test"):   # full until the test says
+        waiting = asyncio.create_task(client.post("/v1/completions", json=long))
+        while pool.admission.ledger.num_queued == 0:
+            await asyncio.sleep(0.005)
+        waiting.cancel()                       # the client goes away while queued
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        for _ in range(200):
+            if pool.admission.ledger.num_queued == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert pool.admission.ledger.num_queued == 0 and pool.admission.num_cancelled == 1
     assert pool.admission.free == pool.admission.total
+    assert (await client.post("/v1/completions", json=long)).status == 200
     pool.admission.ledger.check_integrity()
 
 
