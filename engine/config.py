@@ -363,10 +363,21 @@ class EngineConfig:
     cache_dir: str | None = None    # where converted GGUF models go (default: weights.default_cache_dir())
     random_weights: bool = False    # benchmarks of model shapes we cannot download: config.json only
     memory_utilization: float = DEFAULT_MEMORY_UTILIZATION   # the plan's; the engine re-checks it on CUDA
+    tensor_parallel_size: int = 1   # ranks of the device (engine.parallel); rank 0 is the worker process
+    gpu_ids: tuple[int, ...] = ()   # CUDA: each rank's GPU index (empty: the device's index + rank)
+    cpu_threads: int = 0            # torch threads of each rank (0: torch's default)
 
     def __post_init__(self) -> None:
         if not self.pools:
             raise ConfigError("pools: at least one pool is required")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size: must be an integer >= 1, got {tp!r}")
+        if self.gpu_ids and (len(self.gpu_ids) != tp or len(set(self.gpu_ids)) != tp
+                             or any(not isinstance(i, int) or i < 0 for i in self.gpu_ids)):
+            raise ConfigError(f"gpu_ids: must be {tp} distinct GPU indices (one per rank), got {list(self.gpu_ids)}")
+        if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
+            raise ConfigError(f"cpu_threads: must be an integer >= 0, got {self.cpu_threads!r}")
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ConfigError(f"pools: duplicate pool names in {names}")
@@ -388,6 +399,18 @@ class EngineConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device: {self.device!r} requested but no CUDA device is available")
         return device
+
+    def rank_devices(self) -> list[torch.device]:
+        """The torch device of each rank: rank r on GPU `gpu_ids[r]`, or the device's index + r; every
+        rank of a CPU device on the CPU."""
+        device = self.resolved_device()
+        if device.type != "cuda":
+            return [device] * self.tensor_parallel_size
+        first = device.index or 0
+        ids = self.gpu_ids or tuple(range(first, first + self.tensor_parallel_size))
+        if max(ids) >= torch.cuda.device_count():
+            raise ConfigError(f"gpu_ids: GPU {max(ids)} requested; this machine has {torch.cuda.device_count()}")
+        return [torch.device("cuda", i) for i in ids]
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype != "auto":

@@ -15,17 +15,18 @@ class KVCache:
     """`num_blocks` blocks of `block_size` slots of K and V for each layer.
 
     data: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    `num_kv_heads`: this rank's under tensor parallelism (default: the model's).
     """
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, num_kv_heads: int | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         # Zeroed, so that a slot no step has written yet holds finite values.
-        self.data = torch.zeros(model.num_layers, 2, num_blocks, block_size, model.num_kv_heads,
+        self.data = torch.zeros(model.num_layers, 2, num_blocks, block_size, num_kv_heads or model.num_kv_heads,
                                 model.head_dim, dtype=dtype, device=device)
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self.data[i, 0], self.data[i, 1]) for i in range(model.num_layers)]

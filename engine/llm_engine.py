@@ -29,6 +29,7 @@ from engine.forks import SampleForks
 from engine.kv_cache import KVCache, SwapSpace
 from engine.model import build_model
 from engine.model_runner import ModelRunner
+from engine.parallel import ShardShape, TensorParallelGroup
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import Sampler, SamplerOutput, SamplingParams, SamplingRow, make_generator
 from engine.scheduler import (RequestTooLargeError, ScheduledSeq, Scheduler, SchedulerOutput, build_scheduler,
@@ -99,22 +100,45 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, *, progress: bool = True) -> None:
         self.config = config
-        self.device = config.resolved_device()
+        rank_devices = config.rank_devices()
+        self.device = rank_devices[0]
         self.dtype = config.resolved_dtype(self.device)
         started = time.perf_counter()
+        self.model_path = resolve_model(config.model, cache_dir=config.cache_dir)
+        self.model_config = ModelConfig.from_folder(self.model_path)
+        self.shard = ShardShape.of(self.model_config, 0, config.tensor_parallel_size)
+        # With tensor parallelism the other ranks start now and load their shards while this one loads its own.
+        self.group = (TensorParallelGroup.start(config, rank_devices) if config.tensor_parallel_size > 1
+                      else TensorParallelGroup.single())
+        try:
+            self._build(progress)
+        except BaseException:
+            self.group.close()
+            raise
+        self.load_seconds = time.perf_counter() - started
+        if progress:
+            log.info("loaded %s (%s, %.0f MiB, %s) on %s in %.1fs; KV cache %d blocks x %d tokens%s", config.model,
+                     self.model_config.architecture, self.weights_bytes / 2**20, self.dtype, self.device,
+                     self.load_seconds, self.num_blocks, config.cache.block_size,
+                     f"; tensor parallel over {self.shard.size} ranks" if self.shard.size > 1 else "")
+
+    def _build(self, progress: bool) -> None:
+        """Everything after the model's shape is known: weights, KV cache, schedulers, the warm-up."""
+        config = self.config
         self._load_model()
         self.num_blocks = config.num_blocks
         self._check_fits_device()
         self.kv_cache = KVCache(self.model_config, self.num_blocks, config.cache.block_size, self.dtype,
-                                self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, get_backend(self.device))
+                                self.device, num_kv_heads=self.shard.num_kv_heads)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, get_backend(self.device), self.group)
         self.schedulers: dict[str, Scheduler] = {}
-        self.swap_spaces: dict[str, SwapSpace] = {}
+        self.swap_spaces = self.runner.swap_spaces
         self._swap_bandwidth: float | None = None   # one device, one measurement shared by its pools
         first_block = 0
         for pool in config.pools:
             self.schedulers[pool.name] = self._make_scheduler(pool, first_block)
             first_block += pool.num_blocks
+        self.runner.setup_followers()
         self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in config.pools})
         warm_up(self)
         self.default_pool = config.pools[0].name
@@ -127,20 +151,13 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.last_step = StepStats()
-        self.load_seconds = time.perf_counter() - started
-        if progress:
-            log.info("loaded %s (%s, %.0f MiB, %s) on %s in %.1fs; KV cache %d blocks x %d tokens", config.model,
-                     self.model_config.architecture, self.weights_bytes / 2**20, self.dtype, self.device,
-                     self.load_seconds, self.num_blocks, config.cache.block_size)
 
     def _load_model(self) -> None:
-        """The model folder, its config, tokenizer and weights (random ones if the config asks)."""
+        """The tokenizer and this rank's weights (random ones if the config asks)."""
         config = self.config
-        self.model_path = resolve_model(config.model, cache_dir=config.cache_dir)
-        self.model_config = ModelConfig.from_folder(self.model_path)
         self.tokenizer = Tokenizer.from_folder(self.model_path)
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
-        self.model = build_model(self.model_config, self.dtype, self.device)
+        self.model = build_model(self.model_config, self.dtype, self.device, self.shard, self.group.collectives)
         if config.random_weights:
             self.model.init_random(seed=config.seed)
             self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -159,7 +176,7 @@ class LLMEngine:
         total = torch.cuda.get_device_properties(self.device).total_memory
         loaded = torch.cuda.memory_allocated(self.device)
         available = capacity.kv_cache_bytes(total, loaded, self.config.memory_utilization)
-        needed = self.num_blocks * self.model_config.kv_bytes_per_token(self.dtype) * self.config.cache.block_size
+        needed = self.num_blocks * self.kv_bytes_per_token * self.config.cache.block_size
         if needed > available:
             raise ConfigError(
                 f"pools: the plan's {self.num_blocks} blocks need {needed / 2**30:.2f} GiB of KV cache, but "
@@ -175,13 +192,22 @@ class LLMEngine:
                 f"max_position_embeddings {self.model_config.max_position_embeddings}")
         scheduler = build_scheduler(pool, block_size=self.config.cache.block_size, first_block=first_block,
                                     max_model_len=max_model_len, bytes_per_block=self.kv_cache.bytes_per_block,
-                                    kv_bytes_per_token=self.model_config.kv_bytes_per_token(self.dtype))
+                                    kv_bytes_per_token=self.kv_bytes_per_token)
         if scheduler.swap_manager is not None:
             self.swap_spaces[pool.name] = SwapSpace(self.kv_cache, scheduler.swap_manager.num_blocks)
             if self._swap_bandwidth is None:
                 self._swap_bandwidth = self.swap_spaces[pool.name].measure_bandwidth()
             scheduler.cost_model.swap_bytes_per_second = self._swap_bandwidth
         return scheduler
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """S_KV of this rank's shard (the model's whole S_KV with one rank)."""
+        return self.shard.kv_bytes_per_token(self.model_config, self.dtype)
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel group (nothing with one rank). Idempotent."""
+        self.group.close()
 
     @classmethod
     def from_args(cls, model: str = "builtin:smollm2-135m-instruct", *, block_size: int = 16,
@@ -383,12 +409,7 @@ class LLMEngine:
         if not (out.swap_out or out.swap_in or out.copies):
             return
         started = time.perf_counter()
-        swap = self.swap_spaces.get(pool)
-        if out.swap_out:
-            swap.swap_out(out.swap_out)
-        if out.swap_in:
-            swap.swap_in(out.swap_in)
-        self.kv_cache.copy_blocks(out.copies)
+        self.runner.move_blocks(pool, out.swap_out, out.swap_in, out.copies)
         if out.swap_out or out.swap_in:
             scheduler.stats.preempt_seconds += time.perf_counter() - started
 

@@ -4,6 +4,12 @@
 The forward pass takes the whole step's tokens flat, `[num_tokens]`, sequence after sequence, with no
 padding; attention reads and writes the paged KV cache through `AttentionMetadata`. Only the rows
 that will be sampled go through the LM head (`compute_logits`).
+
+Under tensor parallelism (`engine.parallel`) each rank builds the same classes with its `ShardShape`:
+its query and KV heads, its slice of the MLP and of the vocabulary; `load_weights` takes each rank's
+slice of the checkpoint's tensors, and the forward pass sums the row-parallel outputs (o_proj,
+down_proj, the embedding) and gathers the logits with the group's `Collectives`. With one rank every
+collective is the identity and the shapes are the model's own.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata
 
 
@@ -75,50 +82,57 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Column-parallel q/k/v (this rank's heads), row-parallel o_proj (summed over the ranks)."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives) -> None:
         super().__init__()
-        self.config = config
-        self.qkv_proj = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size,
-                                  bias=config.attention_bias)
+        self.config, self.comm = config, comm
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
+        self.q_size = shard.num_heads * config.head_dim
+        self.kv_size = shard.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         # Llama's attention_bias covers o_proj too; Qwen2 biases q/k/v only.
         o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
-        self.o_proj = nn.Linear(config.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.scale = config.head_dim ** -0.5
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 backend) -> torch.Tensor:
-        c = self.config
-        qkv = self.qkv_proj(hidden)                                  # [T, q_size + 2 kv_size]
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        d = self.config.head_dim
+        qkv = self.qkv_proj(hidden)                                  # [T, q_size + 2 kv_size] (this rank's)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, d), cos, sin)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, d), cos, sin)
+        v = v.view(-1, self.num_kv_heads, d)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta)
-        out = backend.paged_attention(q, k_cache, v_cache, meta, self.scale, c.sliding_window)
-        return self.o_proj(out.reshape(-1, c.q_size))
+        out = backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.config.sliding_window)
+        return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Column-parallel gate/up (this rank's intermediate rows), row-parallel down_proj."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.comm = comm
+        self.intermediate_size = shard.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.comm.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, shard, comm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, shard, comm)
 
     def forward(self, hidden, cos, sin, kv_cache, meta, backend):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta, backend)
@@ -126,23 +140,38 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The Llama-family decoder. Build it on the meta device, then `load_weights` or `init_random`."""
+    """The Llama-family decoder. Build it on the meta device, then `load_weights` or `init_random`.
 
-    def __init__(self, config: ModelConfig) -> None:
+    `shard` and `comm`: this rank's part of a tensor-parallel group (default: the whole model, one rank).
+    """
+
+    def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.shard = shard = shard or ShardShape.of(config)
+        self.comm = comm = comm or Collectives()
+        self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, shard, comm) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, shard.vocab_rows, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] -> [num_tokens, hidden_size]; vocab-parallel: each rank looks up the ids in its
+        rows (zeros for the others) and the ranks' rows are summed."""
+        if self.shard.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.shard.vocab_start
+        mine = (local >= 0) & (local < self.shard.num_vocab_rows_used)
+        hidden = self.embed_tokens(torch.where(mine, local, 0)) * mine.unsqueeze(-1).to(self.embed_tokens.weight.dtype)
+        return self.comm.all_reduce(hidden)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 backend) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         cos, sin = rotary_cos_sin(positions, self.inv_freq, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, cos, sin, kv_cache, meta, backend)
@@ -152,24 +181,31 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [num_rows, hidden_size] -> logits [num_rows, vocab_size] in float32.
 
         A tied model has no `lm_head` until `kernels.cpu_linear.pack_linears` gives it a packed copy
-        of the embedding table; before that the table itself is the head.
+        of the embedding table; before that the table itself is the head. Vocab-parallel: each rank's
+        columns are gathered, and the padding past the vocabulary dropped. Every rank calls it.
         """
         if "lm_head" in self._modules:
-            return self.lm_head(hidden).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+            logits = self.lm_head(hidden)
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        if self.shard.size > 1:
+            logits = self.comm.all_gather_last(logits)[:, :self.shard.vocab_size]
+        return logits.float()
 
     # --- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the (fused) parameters; every parameter must be filled once."""
+        """Copy HF-named tensors into the (fused) parameters, each cut to this rank's shard; every
+        parameter must be filled once."""
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
-        c = self.config
-        fused = {  # HF suffix -> (our suffix, row offset, rows)
-            "self_attn.q_proj": ("self_attn.qkv_proj", 0, c.q_size),
-            "self_attn.k_proj": ("self_attn.qkv_proj", c.q_size, c.kv_size),
-            "self_attn.v_proj": ("self_attn.qkv_proj", c.q_size + c.kv_size, c.kv_size),
-            "mlp.gate_proj": ("mlp.gate_up_proj", 0, c.intermediate_size),
-            "mlp.up_proj": ("mlp.gate_up_proj", c.intermediate_size, c.intermediate_size),
+        c, shard = self.config, self.shard
+        q, kv, inter = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size, shard.intermediate_size
+        fused = {  # HF suffix -> (our suffix, row offset, rows), in this rank's sizes
+            "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
+            "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
+            "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
+            "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
+            "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
         }
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
@@ -185,6 +221,7 @@ class LlamaForCausalLM(nn.Module):
                     break
             if target not in params:
                 raise WeightLoadError(f"{hf_name}: not a tensor of {c.architecture} with this config")
+            tensor = self._shard_of(hf_name, name, tensor)
             param = params[target]
             dest = param.data if rows is None else param.data.narrow(0, rows[0], rows[1])
             if tuple(dest.shape) != tuple(tensor.shape):
@@ -202,9 +239,45 @@ class LlamaForCausalLM(nn.Module):
             raise WeightLoadError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
                                   + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
 
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of one checkpoint tensor (the tensor itself with one rank)."""
+        shard, c = self.shard, self.config
+        if shard.size == 1:
+            return tensor
+        d = c.head_dim
+        part = name.rsplit(".", 1)[0].split(".", 2)[-1] if name.startswith("layers.") else name.rsplit(".", 1)[0]
+        is_bias = name.endswith(".bias")
+        cuts = {  # part -> (dim, full size along it, start, length)
+            "self_attn.q_proj": (0, c.num_heads * d, shard.head_start * d, shard.num_heads * d),
+            "self_attn.k_proj": (0, c.num_kv_heads * d, shard.kv_head_start * d, shard.num_kv_heads * d),
+            "self_attn.v_proj": (0, c.num_kv_heads * d, shard.kv_head_start * d, shard.num_kv_heads * d),
+            "mlp.gate_proj": (0, c.intermediate_size, shard.rank * shard.intermediate_size, shard.intermediate_size),
+            "mlp.up_proj": (0, c.intermediate_size, shard.rank * shard.intermediate_size, shard.intermediate_size),
+            "self_attn.o_proj": (1, c.num_heads * d, shard.head_start * d, shard.num_heads * d),
+            "mlp.down_proj": (1, c.intermediate_size, shard.rank * shard.intermediate_size, shard.intermediate_size),
+        }
+        if part in ("embed_tokens", "lm_head"):
+            if tensor.shape[0] != c.vocab_size:
+                raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config's "
+                                      f"vocab_size {c.vocab_size}")
+            rows = tensor.new_zeros(shard.vocab_rows, *tensor.shape[1:])
+            rows[:shard.num_vocab_rows_used] = tensor[shard.vocab_start:shard.vocab_start + shard.num_vocab_rows_used]
+            return rows
+        if part not in cuts:
+            return tensor   # norms: every rank holds all of them
+        dim, full, start, length = cuts[part]
+        if is_bias and dim == 1:   # a row-parallel layer's bias is added once, after the sum: on rank 0
+            return tensor if shard.rank == 0 else torch.zeros_like(tensor)
+        dim = 0 if is_bias else dim
+        if tensor.dim() <= dim or tensor.shape[dim] != full:
+            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
+                                  f"({full} along dimension {dim})")
+        return tensor.narrow(dim, start, length)
+
     def init_random(self, seed: int = 0, std: float = 0.02) -> None:
-        """Random weights (normal, std) and unit norms: for benchmarks of model shapes we cannot download."""
-        gen = torch.Generator(device="cpu").manual_seed(seed)
+        """Random weights (normal, std) and unit norms: for benchmarks of model shapes we cannot download.
+        Each rank of a tensor-parallel group draws its own shard (from `seed` and its rank)."""
+        gen = torch.Generator(device="cpu").manual_seed(seed + 7919 * self.shard.rank)
         with torch.no_grad():
             for name, param in self.named_parameters():
                 if name.endswith("layernorm.weight") or name == "norm.weight":
@@ -213,10 +286,12 @@ class LlamaForCausalLM(nn.Module):
                     param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaForCausalLM:
-    """An uninitialised model on `device` (allocated, not filled): load or init it next."""
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                shard: ShardShape | None = None, comm: Collectives | None = None) -> LlamaForCausalLM:
+    """An uninitialised model (or one rank's shard of it) on `device`, allocated, not filled: load or
+    init it next."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, shard, comm)
     model = model.to_empty(device=device).to(dtype)
     model.inv_freq = rope_inv_freq(config).to(device)  # buffers are not filled by to_empty
     return model.eval()

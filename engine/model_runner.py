@@ -1,67 +1,175 @@
-"""Turns a step's scheduled sequences into one flat forward pass over the paged KV cache."""
+"""Turns a step's scheduled sequences into one flat forward pass over the paged KV cache.
+
+`ModelRunner` is rank 0's (the device worker's); with tensor parallelism it sends each step as a
+`engine.parallel.StepPlan` to the other ranks before running its own shard, and `FollowerRunner` is
+what each of those ranks runs: the same forward pass from the same plan, on its shard.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
 
 import torch
 
-from engine.kv_cache import KVCache
-from engine.model import LlamaForCausalLM
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache import KVCache, SwapSpace
+from engine.model import LlamaForCausalLM, build_model
+from engine.parallel import Collectives, RankSetup, ShardShape, StepPlan, TensorParallelGroup, receive_plan
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, get_backend
+
+log = logging.getLogger("cliffguard.engine")
 
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor          # [num_tokens]
-    positions: torch.Tensor          # [num_tokens]
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor        # [num_sampled] row of each sampled sequence's last token
-    sampled: list[Sequence]          # sequences that produce a token this step
+class _Forward:
+    """The forward pass from a `StepPlan`, shared by rank 0 and its followers (each on its own shard)."""
+
+    model: LlamaForCausalLM
+    kv_cache: KVCache
+    device: torch.device
+    backend: object
+    swap_spaces: dict[str, SwapSpace]
+    tensor_parallel: bool
+
+    def _grad_mode(self):
+        # gloo collectives need autograd's bookkeeping off the tensors, not inference tensors
+        return torch.no_grad() if self.tensor_parallel else torch.inference_mode()
+
+    def run(self, plan: StepPlan) -> torch.Tensor | None:
+        """Logits [num_sampled, vocab] (float32) of the plan's sampled rows; None when none is sampled.
+        Every rank calls it with the same plan (the collectives inside pair up)."""
+        if not plan.input_ids:
+            return None
+        with self._grad_mode():
+            device = self.device
+            meta = AttentionMetadata.build(plan.block_tables, plan.query_lens, plan.seq_lens,
+                                           self.kv_cache.block_size, device)
+            input_ids = torch.tensor(plan.input_ids, dtype=torch.int64, device=device)
+            positions = torch.tensor(plan.positions, dtype=torch.int64, device=device)
+            hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
+            if not plan.sample_rows:
+                return None
+            rows = torch.tensor(plan.sample_rows, dtype=torch.int64, device=device)
+            return self.model.compute_logits(hidden[rows])
+
+    def _apply_move(self, kind: str, pool: str, pairs: list[tuple[int, int]]) -> None:
+        if kind == "swap_out":
+            self.swap_spaces[pool].swap_out(pairs)
+        elif kind == "swap_in":
+            self.swap_spaces[pool].swap_in(pairs)
+        else:
+            self.kv_cache.copy_blocks(pairs)
 
 
-class ModelRunner:
-    """Owns the model and the KV cache of one device worker and runs the forward passes."""
+class ModelRunner(_Forward):
+    """Owns the model and the KV cache of one device worker (rank 0 of its group) and runs the forward
+    passes. `swap_spaces`: each swapping pool's CPU block pool, added by the engine as it builds them."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, backend) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, backend,
+                 group: TensorParallelGroup | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.backend = backend
+        self.group = group or TensorParallelGroup.single()
+        self.tensor_parallel = self.group.size > 1
+        self.swap_spaces: dict[str, SwapSpace] = {}
+        self._moves: list[tuple[str, str, list[tuple[int, int]]]] = []   # for the followers' next plan
 
-    def prepare(self, batch: list[ScheduledSeq]) -> StepInputs:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        tables, query_lens, seq_lens = [], [], []
-        sample_rows: list[int] = []
+    @staticmethod
+    def plan(batch: list[ScheduledSeq]) -> tuple[StepPlan, list[Sequence]]:
+        """The step as ints, and the sequences that produce a token this step (in sample-row order)."""
+        plan = StepPlan()
         sampled: list[Sequence] = []
         for item in batch:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            tables.append(seq.block_table)
-            query_lens.append(n)
-            seq_lens.append(start + n)
+            plan.input_ids.extend(seq.token_ids[start:start + n])
+            plan.positions.extend(range(start, start + n))
+            plan.block_tables.append(seq.block_table)
+            plan.query_lens.append(n)
+            plan.seq_lens.append(start + n)
             if start + n == seq.num_tokens:  # reached the end: sample the next token
-                sample_rows.append(len(input_ids) - 1)
+                plan.sample_rows.append(len(plan.input_ids) - 1)
                 sampled.append(seq)
-        device = self.device
-        meta = AttentionMetadata.build(tables, query_lens, seq_lens, self.kv_cache.block_size, device)
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            meta=meta,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=device),
-            sampled=sampled,
-        )
+        return plan, sampled
 
-    @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run the step; return logits [num_sampled, vocab] (float32) and the sequences they belong to."""
-        inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.layers, inputs.meta,
-                            self.backend)
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        return logits, inputs.sampled
+        """Run the step on every rank; return logits [num_sampled, vocab] (float32) and the sequences they
+        belong to."""
+        plan, sampled = self.plan(batch)
+        if self.tensor_parallel:
+            plan.moves, self._moves = self._moves, []
+            self.group.broadcast(plan)
+        logits = self.run(plan)
+        if logits is None:
+            logits = torch.empty(0, self.model.config.vocab_size, device=self.device)
+        return logits, sampled
+
+    def move_blocks(self, pool: str, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                    copies: list[tuple[int, int]]) -> None:
+        """A scheduler's block moves, before the next forward pass reuses any freed block: done here now,
+        and on the other ranks before they run the next plan (in the same order)."""
+        for kind, pairs in (("swap_out", swap_out), ("swap_in", swap_in), ("copy", copies)):
+            if pairs:
+                self._apply_move(kind, pool, pairs)
+                if self.tensor_parallel:
+                    self._moves.append((kind, pool, list(pairs)))
+
+    def setup_followers(self) -> None:
+        """Tell the other ranks what rank 0 built beside its KV cache (the pools' swap spaces), so they
+        allocate the same; then they wait for plans."""
+        if self.tensor_parallel:
+            self.group.broadcast(RankSetup({pool: space.num_blocks for pool, space in self.swap_spaces.items()}))
+
+
+class FollowerRunner(_Forward):
+    """Rank r > 0 of a tensor-parallel group: its shard of the model and of the KV cache, and a loop
+    that runs rank 0's plans until told to stop."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, control) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.backend = get_backend(device)
+        self.control = control
+        self.tensor_parallel = True
+        self.swap_spaces = {}
+
+    @classmethod
+    def load(cls, config: EngineConfig, rank: int, size: int, device: torch.device, collectives: Collectives,
+             control) -> FollowerRunner:
+        """Load rank `rank`'s shard of `config`'s model and allocate its KV cache (the same blocks as rank 0,
+        its KV heads only), then the swap spaces rank 0 announces (`ModelRunner.setup_followers`)."""
+        from engine.weights import iter_weights, resolve_model
+        from kernels.cpu_linear import pack_linears, use_packed_linears
+
+        dtype = config.resolved_dtype(device)
+        path = resolve_model(config.model, cache_dir=config.cache_dir)
+        model_config = ModelConfig.from_folder(path)
+        shard = ShardShape.of(model_config, rank, size)
+        model = build_model(model_config, dtype, device, shard, collectives)
+        if config.random_weights:
+            model.init_random(seed=config.seed)
+        else:
+            model.load_weights(iter_weights(path))
+        if use_packed_linears(device, dtype):
+            pack_linears(model)
+        kv_cache = KVCache(model_config, config.num_blocks, config.cache.block_size, dtype, device,
+                           num_kv_heads=shard.num_kv_heads)
+        runner = cls(model, kv_cache, device, control)
+        setup = receive_plan(control)
+        for pool, num_blocks in setup.swap_blocks.items():
+            runner.swap_spaces[pool] = SwapSpace(kv_cache, num_blocks)
+        return runner
+
+    def serve(self) -> None:
+        """Run plans until a `stop` plan comes (rank 0 closing); a collective that fails because rank 0
+        is gone raises RuntimeError to the caller."""
+        while True:
+            plan = receive_plan(self.control)
+            if plan.stop:
+                return
+            for kind, pool, pairs in plan.moves:
+                self._apply_move(kind, pool, pairs)
+            self.run(plan)

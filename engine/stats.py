@@ -23,13 +23,15 @@ class WorkerInfo:
     """What a device worker reports once its model is loaded."""
 
     model_path: str
-    device: str                      # e.g. cpu, cuda:0
+    device: str                      # e.g. cpu, cuda:0 (rank 0's, with tensor parallelism)
     dtype: str                       # float32 | bfloat16 | float16
-    num_blocks: int                  # all pools together
+    num_blocks: int                  # all pools together (every rank holds this many, of its KV heads)
     block_size: int
-    kv_bytes_per_token: int          # S_KV
+    kv_bytes_per_token: int          # S_KV of the whole group (its ranks' together; replicated KV heads count twice)
     pools: dict[str, PoolInfo]
     load_seconds: float
+    tensor_parallel_size: int = 1
+    pid: int = 0                     # the worker process (rank 0)
 
     @property
     def block_bytes(self) -> int:

@@ -41,6 +41,10 @@ def worker_main(config: EngineConfig, sock: socket.socket) -> None:
     from engine.llm_engine import LLMEngine
 
     channel = Channel(sock)
+    if config.cpu_threads:
+        import torch
+
+        torch.set_num_threads(config.cpu_threads)
     try:
         engine = LLMEngine(config)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
@@ -62,6 +66,8 @@ def worker_main(config: EngineConfig, sock: socket.socket) -> None:
             channel.drain(LAST_WORDS_SECONDS)
         except OSError:
             pass
+    finally:
+        engine.close()   # the other ranks of a tensor-parallel group
 
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"   # the gateway's (gateway.cli) and the worker's
@@ -141,10 +147,11 @@ def worker_info(engine) -> WorkerInfo:
     pools = {name: PoolInfo(num_blocks=s.block_manager.num_blocks, first_block=s.block_manager.first_block,
                             max_model_len=s.max_model_len, max_num_seqs=s.config.max_num_seqs)
              for name, s in engine.schedulers.items()}
+    tp = engine.shard.size
     return WorkerInfo(model_path=str(engine.model_path), device=str(engine.device), dtype=dtype_name(engine.dtype),
                       num_blocks=engine.num_blocks, block_size=engine.kv_cache.block_size,
-                      kv_bytes_per_token=engine.model_config.kv_bytes_per_token(engine.dtype), pools=pools,
-                      load_seconds=engine.load_seconds)
+                      kv_bytes_per_token=engine.kv_bytes_per_token * tp, pools=pools,
+                      load_seconds=engine.load_seconds, tensor_parallel_size=tp, pid=os.getpid())
 
 
 def engine_stats(engine, *, check: bool = False) -> EngineStats:

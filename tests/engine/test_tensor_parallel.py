@@ -1,0 +1,126 @@
+"""Tensor parallelism (`engine.parallel`): greedy output with `tensor_parallel_size` N equals N = 1.
+
+The ranks are real processes joined over gloo on the CPU, in float32: rank 0 is the engine in this
+process, the others are spawned by it. Where a token differs, it must be a near-tie of the
+one-rank run (its top-2 logprob gap under 1e-4): the sums of a row-parallel layer are added in
+another order.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.parallel import ShardShape, check_tensor_parallel
+from engine.sampling import SamplingParams
+from tests.conftest import BUILTIN, assert_all_free, make_tiny_model
+
+NEAR_TIE = 1e-4
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def _model(num_heads: int, num_kv_heads: int, intermediate_size: int = 160, vocab_size: int = 1000) -> ModelConfig:
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=vocab_size, hidden_size=64,
+                       intermediate_size=intermediate_size, num_layers=2, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=16)
+
+
+def test_shards_split_heads_and_replicate_kv_heads_past_their_count():
+    smollm = _model(9, 3, intermediate_size=1536)
+    shards = [ShardShape.of(smollm, r, 3) for r in range(3)]
+    assert [(s.head_start, s.num_heads, s.kv_head_start, s.num_kv_heads) for s in shards] == \
+        [(0, 3, 0, 1), (3, 3, 1, 1), (6, 3, 2, 1)]
+    eight = [ShardShape.of(_model(8, 2), r, 8) for r in range(8)]   # 8 ranks, 2 KV heads: each held 4 times
+    assert [s.kv_head_start for s in eight] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert all(s.num_heads == 1 and s.num_kv_heads == 1 for s in eight)
+    # the vocabulary in ceil(V/T) rows per rank, the last rank's tail padding
+    vocab = [ShardShape.of(_model(4, 2, vocab_size=1001), r, 2) for r in range(2)]
+    assert [(s.vocab_start, s.vocab_rows, s.num_vocab_rows_used) for s in vocab] == [(0, 501, 501), (501, 501, 500)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, inter, tp, named", [
+    (9, 3, 1536, 2, "does not divide the model's 9 attention heads"),
+    (8, 4, 160, 8, None),
+    (12, 4, 160, 6, "neither divides nor is a multiple of the model's 4 KV heads"),
+    (8, 2, 150, 4, "does not divide the model's intermediate_size 150"),
+])
+def test_a_model_the_ranks_cannot_split_is_refused_naming_tensor_parallel_size(heads, kv_heads, inter, tp, named):
+    model = _model(heads, kv_heads, intermediate_size=inter)
+    if named is None:
+        check_tensor_parallel(model, tp)
+        return
+    with pytest.raises(ConfigError, match=f"^tensor_parallel_size: {tp} {named}"):
+        check_tensor_parallel(model, tp)
+
+
+def test_the_engine_refuses_it_before_any_rank_starts():
+    with pytest.raises(ConfigError, match="^tensor_parallel_size: 2 does not divide the model's 9 attention heads"):
+        LLMEngine(EngineConfig(model=BUILTIN, device="cpu", tensor_parallel_size=2,
+                               pools=(PoolConfig(num_blocks=64),)), progress=False)
+
+
+def _engine(model: str, tp: int, num_blocks: int = 256, **sched) -> LLMEngine:
+    sched.setdefault("max_num_batched_tokens", 64)
+    pool = PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(**sched))
+    return LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", tensor_parallel_size=tp,
+                                  cache=CacheConfig(block_size=16), pools=(pool,)), progress=False)
+
+
+def _generate(engine: LLMEngine, prompts) -> list:
+    try:
+        outs = engine.generate(prompts, GREEDY)
+        assert_all_free(engine)
+        return [o.outputs[0] for o in outs]
+    finally:
+        engine.close()
+
+
+def _assert_same_or_near_tie(reference: list, got: list) -> None:
+    """Token-identical, or diverging first at a near-tie of the reference run."""
+    for i, (ref, out) in enumerate(zip(reference, got)):
+        for pos, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)):
+            if a != b:
+                (_, lp1), (_, lp2) = ref.top_logprobs[pos][:2]
+                assert lp1 - lp2 < NEAR_TIE, (f"prompt {i}: token {pos} is {b} with tensor parallelism, {a} "
+                                              f"without, and the top-2 gap {lp1 - lp2:.2e} is no near-tie")
+                break
+        else:
+            assert len(ref.token_ids) == len(out.token_ids)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(3)
+    return [[rng.randrange(3, 500) for _ in range(rng.randrange(8, 70))] for _ in range(5)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch):
+    # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen2 adds q/k/v biases.
+    path = str(make_tiny_model(tmp_path / arch, arch, builtin_path))
+    reference = _generate(_engine(path, 1), prompts)
+    _assert_same_or_near_tie(reference, _generate(_engine(path, 2), prompts))
+
+
+def test_swapped_and_copied_blocks_move_on_every_rank(tmp_path, builtin_path, prompts):
+    # 10 blocks of 16 tokens: the five prompts together do not fit, so victims are swapped out and in,
+    # and the other rank must move its shard of their blocks exactly as rank 0 does.
+    path = str(make_tiny_model(tmp_path / "llama", "llama", builtin_path))
+    reference = _generate(_engine(path, 1), prompts)
+    engine = _engine(path, 2, num_blocks=10, preemption_mode="swap", swap_space_bytes=1 << 20)
+    got = _generate(engine, prompts)
+    assert engine.schedulers["default"].stats.num_swap_preemptions > 0
+    _assert_same_or_near_tie(reference, got)
+
+
+def test_three_ranks_of_the_builtin_model_generate_what_one_does(builtin_path):
+    # SmolLM2-135M: 9 heads and 3 KV heads, one KV head per rank.
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
+               "Explain in one sentence why the sky is blue."]
+    reference = _generate(_engine(BUILTIN, 1), prompts)
+    engine = _engine(BUILTIN, 3)
+    assert engine.kv_cache.data.shape[4] == 1   # this rank's KV heads
+    _assert_same_or_near_tie(reference, _generate(engine, prompts))
