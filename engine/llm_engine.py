@@ -28,9 +28,9 @@ from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, P
 from engine.forks import SampleForks
 from engine.kv_cache import KVCache, SwapSpace
 from engine.model import build_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, follower_main
 from engine.parallel import ShardShape, TensorParallelGroup
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import RequestOutput, RequestState
 from engine.sampling import Sampler, SamplerOutput, SamplingParams, SamplingRow, make_generator
 from engine.scheduler import (RequestTooLargeError, ScheduledSeq, Scheduler, SchedulerOutput, build_scheduler,
                               commit_step)
@@ -62,17 +62,6 @@ class StepStats:
     predicted_seconds: float | None = None  # the cost model's prediction (with its margin)
     pressed: list[str] = field(default_factory=list)   # interactive pools that put throughput at its floor
     pool_tokens: dict[str, int] = field(default_factory=dict)   # tokens each pool scheduled
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
 
 
 @dataclass
@@ -108,7 +97,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_folder(self.model_path)
         self.shard = ShardShape.of(self.model_config, 0, config.tensor_parallel_size)
         # With tensor parallelism the other ranks start now and load their shards while this one loads its own.
-        self.group = (TensorParallelGroup.start(config, rank_devices) if config.tensor_parallel_size > 1
+        self.group = (TensorParallelGroup.start(config, rank_devices, follower_main) if config.tensor_parallel_size > 1
                       else TensorParallelGroup.single())
         try:
             self._build(progress)
@@ -143,7 +132,7 @@ class LLMEngine:
         warm_up(self)
         self.default_pool = config.pools[0].name
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self._forks = SampleForks(self.schedulers)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                         sorted(self.eos_token_ids))
@@ -267,7 +256,7 @@ class LLMEngine:
                 seq_id=next(self._seq_ids), request_id=request_id, index=index, token_ids=list(prompt_ids),
                 num_prompt_tokens=len(prompt_ids), params=params, max_tokens=max_tokens, priority=priority,
                 arrival_order=arrival, generator=gen, pool=pool, cache_salt=cache_salt))
-        request = _Request(request_id, list(prompt_ids), seqs, time.monotonic())
+        request = RequestState(request_id, list(prompt_ids), seqs, time.monotonic())
         request.detokenizers = [
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens) for _ in seqs]
         self.requests[request_id] = request
@@ -301,7 +290,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.schedulers[seq.pool].finish(seq, FinishReason.ABORT)
-        out = self._request_output(request, request.seqs)
+        out = request.output(request.seqs)
         del self.requests[request_id]
         return out
 
@@ -333,7 +322,7 @@ class LLMEngine:
             if error is None:
                 self._forks.submit(request.seqs)
             else:
-                failed.append(self._request_output(request, request.seqs))
+                failed.append(request.output(request.seqs))
                 del self.requests[request_id]
         return failed
 
@@ -413,12 +402,12 @@ class LLMEngine:
         if out.swap_out or out.swap_in:
             scheduler.stats.preempt_seconds += time.perf_counter() - started
 
-    def _finish_or_report(self, request: _Request, seqs: list[Sequence]) -> RequestOutput:
+    def _finish_or_report(self, request: RequestState, seqs: list[Sequence]) -> RequestOutput:
         if all(s.is_finished for s in request.seqs) and not self._forks.has_pending(request.request_id):
-            out = self._request_output(request, request.seqs)
+            out = request.output(request.seqs)
             del self.requests[request.request_id]
             return out
-        return self._request_output(request, seqs)
+        return request.output(seqs)
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None,
                       top: list[tuple[int, float]] | None) -> None:
@@ -448,39 +437,6 @@ class LLMEngine:
             if not isinstance(seq.stop_reason, str):  # a stop string already cut the text
                 seq.text += detok.flush()
             self.schedulers[seq.pool].finish(seq, reason)
-
-    def _request_output(self, request: _Request, seqs: list[Sequence]) -> RequestOutput:
-        outputs = []
-        for seq in seqs:
-            params = seq.params
-            emit_to = len(seq.text)
-            if params.stop and not seq.is_finished:
-                # A stop string may be forming at the end: hold back what could be its start.
-                emit_to = max(seq.num_emitted_chars, emit_to - (max(len(s) for s in params.stop) - 1))
-            out_ids = seq.output_token_ids
-            start_tok = seq.num_emitted_tokens
-            want_lp = params.logprobs is not None
-            outputs.append(CompletionOutput(
-                index=seq.index, text=seq.text[:emit_to], token_ids=list(out_ids),
-                delta_text=seq.text[seq.num_emitted_chars:emit_to], delta_token_ids=out_ids[start_tok:],
-                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-                stop_reason=seq.stop_reason,
-                logprobs=list(seq.logprobs) if want_lp else None,
-                top_logprobs=[list(t) for t in seq.top_logprobs] if want_lp else None,
-                delta_logprobs=seq.logprobs[start_tok:] if want_lp else None,
-                delta_top_logprobs=seq.top_logprobs[start_tok:] if want_lp else None,
-            ))
-            seq.num_emitted_chars = emit_to
-            seq.num_emitted_tokens = len(out_ids)
-        finished = all(s.is_finished for s in request.seqs)
-        metrics = {"arrival_time": request.arrival_time}
-        if request.first_scheduled_time is not None:
-            metrics["queue_time"] = request.first_scheduled_time - request.arrival_time
-        if request.first_token_time is not None:
-            metrics["time_to_first_token"] = request.first_token_time - request.arrival_time
-        error = next((s.error for s in request.seqs if s.error), None)
-        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished, error=error,
-                             metrics=metrics)
 
     # --- offline use -----------------------------------------------------------------------------
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None

@@ -8,13 +8,17 @@ what each of those ranks runs: the same forward pass from the same plan, on its 
 from __future__ import annotations
 
 import logging
+import pickle
+import signal
+import sys
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVCache, SwapSpace
 from engine.model import LlamaForCausalLM, build_model
-from engine.parallel import Collectives, RankSetup, ShardShape, StepPlan, TensorParallelGroup, receive_plan
+from engine.parallel import (Collectives, FollowerArgs, RankSetup, ShardShape, StepPlan, TensorParallelGroup,
+                             die_with_parent, join_group, receive_plan)
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from kernels import AttentionMetadata, get_backend
@@ -173,3 +177,24 @@ class FollowerRunner(_Forward):
             for kind, pool, pairs in plan.moves:
                 self._apply_move(kind, pool, pairs)
             self.run(plan)
+
+
+def follower_main() -> None:
+    """A follower rank's process (`python -c`): read its `FollowerArgs` from stdin, join the group, load
+    its shard, then run rank 0's plans until `stop`."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the process group; rank 0 says when to go
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args: FollowerArgs = pickle.load(sys.stdin.buffer)
+    config, rank, device = args.config, args.rank, torch.device(args.device)
+    if config.cpu_threads:
+        torch.set_num_threads(config.cpu_threads)
+    collectives, control = join_group(device, rank, args.size, args.init_method)
+    try:
+        runner = FollowerRunner.load(config, rank, args.size, device, collectives, control)
+        runner.serve()
+    except RuntimeError as exc:   # rank 0 went away mid-collective: nothing left to serve
+        log.info("tensor-parallel rank %d stops: %s", rank, str(exc).splitlines()[0] if str(exc) else exc)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -1,8 +1,14 @@
-"""What the engine reports per request: cumulative text/tokens and the delta since the last report."""
+"""What the engine reports per request: cumulative text/tokens and the delta since the last report, and
+the request state (`RequestState`) the reports are made from."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
+    from engine.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -69,3 +75,50 @@ class RequestDelta:
         samples = [SampleDelta(c.index, c.delta_text, c.delta_token_ids, len(c.token_ids), c.finish_reason,
                                c.stop_reason, c.delta_logprobs, c.delta_top_logprobs) for c in out.outputs]
         return cls(out.request_id, samples, out.finished, out.error, out.metrics if out.finished else {})
+
+
+@dataclass
+class RequestState:
+    """A request in the engine: its sequences (one per sample), times, and detokenizers."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
+
+    def output(self, seqs: list[Sequence]) -> RequestOutput:
+        """The report of `seqs` (some or all of this request's samples): what is new since their last
+        report, a stop string that may be forming held back; marks it reported."""
+        outputs = []
+        for seq in seqs:
+            params = seq.params
+            emit_to = len(seq.text)
+            if params.stop and not seq.is_finished:
+                # A stop string may be forming at the end: hold back what could be its start.
+                emit_to = max(seq.num_emitted_chars, emit_to - (max(len(s) for s in params.stop) - 1))
+            out_ids = seq.output_token_ids
+            start_tok = seq.num_emitted_tokens
+            want_lp = params.logprobs is not None
+            outputs.append(CompletionOutput(
+                index=seq.index, text=seq.text[:emit_to], token_ids=list(out_ids),
+                delta_text=seq.text[seq.num_emitted_chars:emit_to], delta_token_ids=out_ids[start_tok:],
+                finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+                stop_reason=seq.stop_reason,
+                logprobs=list(seq.logprobs) if want_lp else None,
+                top_logprobs=[list(t) for t in seq.top_logprobs] if want_lp else None,
+                delta_logprobs=seq.logprobs[start_tok:] if want_lp else None,
+                delta_top_logprobs=seq.top_logprobs[start_tok:] if want_lp else None,
+            ))
+            seq.num_emitted_chars = emit_to
+            seq.num_emitted_tokens = len(out_ids)
+        finished = all(s.is_finished for s in self.seqs)
+        metrics = {"arrival_time": self.arrival_time}
+        if self.first_scheduled_time is not None:
+            metrics["queue_time"] = self.first_scheduled_time - self.arrival_time
+        if self.first_token_time is not None:
+            metrics["time_to_first_token"] = self.first_token_time - self.arrival_time
+        error = next((s.error for s in self.seqs if s.error), None)
+        return RequestOutput(self.request_id, self.prompt_token_ids, outputs, finished, error=error, metrics=metrics)

@@ -2,7 +2,8 @@
 
 The device worker process is rank 0. It runs the whole engine — the pools' schedulers, the step
 composer, the sampler — exactly as with one rank, and spawns ranks 1..T-1 (`TensorParallelGroup.start`),
-processes that hold their shard of the weights and of the KV cache and do only what rank 0 tells them.
+processes (`engine.model_runner.follower_main`) that hold their shard of the weights and of the KV
+cache and do only what rank 0 tells them.
 Each step rank 0 broadcasts one `StepPlan` (the flat token ids, positions and block tables of the
 merged batch, and the block copies and swaps to do first) over a gloo group; every rank then runs the
 same forward pass on its shard, with two all-reduces per layer and an all-gather of the logits, which
@@ -27,8 +28,13 @@ import ctypes
 import datetime
 import logging
 import os
+import pickle
 import signal
 import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
@@ -117,6 +123,17 @@ class StepPlan:
     stop: bool = False
 
 
+@dataclass(frozen=True)
+class FollowerArgs:
+    """What a follower rank's process is started with (pickled to its stdin)."""
+
+    config: object          # the device's EngineConfig
+    rank: int
+    size: int
+    device: str             # this rank's torch device
+    init_method: str        # where the group meets (tcp://127.0.0.1:port)
+
+
 @dataclass
 class RankSetup:
     """What rank 0 built beside its KV cache, sent once before the first plan: each swapping pool's
@@ -166,25 +183,30 @@ class TensorParallelGroup:
         return cls(1, Collectives())
 
     @classmethod
-    def start(cls, config, rank_devices: list[torch.device]) -> TensorParallelGroup:
-        """Spawn ranks 1..T-1 of `config` (an EngineConfig), join the group as rank 0 and return it.
-        `rank_devices[r]` is the torch device of rank r."""
-        import multiprocessing as mp
-
+    def start(cls, config, rank_devices: list[torch.device], follower: Callable[[], None]) -> TensorParallelGroup:
+        """Start ranks 1..T-1 of `config` (an EngineConfig), join the group as rank 0 and return it.
+        `rank_devices[r]` is the torch device of rank r. Each follower is a new Python process (not a
+        multiprocessing child: the device worker may itself be a daemon) that runs `follower()`
+        (`engine.model_runner.follower_main`), which reads its `FollowerArgs` from its stdin."""
         size = len(rank_devices)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        ctx = mp.get_context("spawn")
+        root = str(Path(__file__).resolve().parent.parent)   # where the `engine` package is
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
+        command = [sys.executable, "-c", f"from {follower.__module__} import {follower.__name__}; "
+                                         f"{follower.__name__}()"]
         processes = []
-        for rank in range(1, size):
-            process = ctx.Process(target=follower_main, args=(config, rank, size, str(rank_devices[rank]), init_method),
-                                  daemon=True, name=f"cliffguard-tp-rank-{rank}")
-            process.start()
-            processes.append(process)
         try:
-            collectives, control = _join(rank_devices[0], 0, size, init_method)
+            for rank in range(1, size):
+                process = subprocess.Popen(command, stdin=subprocess.PIPE, env=env)
+                processes.append(process)
+                process.stdin.write(pickle.dumps(FollowerArgs(config, rank, size, str(rank_devices[rank]),
+                                                              init_method)))
+                process.stdin.close()
+            collectives, control = join_group(rank_devices[0], 0, size, init_method)
         except BaseException:
             for process in processes:
                 process.kill()
+                process.wait()
             raise
         return cls(size, collectives, control, processes)
 
@@ -202,10 +224,11 @@ class TensorParallelGroup:
         except RuntimeError:
             pass   # a follower is already gone
         for process in self.processes:
-            process.join(timeout=10)
-            if process.is_alive():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
                 process.kill()
-                process.join()
+                process.wait()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         self.size = 1
@@ -218,7 +241,7 @@ def receive_plan(control) -> StepPlan:
     return box[0]
 
 
-def _join(device: torch.device, rank: int, size: int, init_method: str) -> tuple[Collectives, object]:
+def join_group(device: torch.device, rank: int, size: int, init_method: str) -> tuple[Collectives, object]:
     """Join the group as `rank`: NCCL for the tensors on CUDA (gloo on CPU), and a gloo group for plans."""
     timeout = datetime.timedelta(seconds=INIT_TIMEOUT_SECONDS)
     if device.type == "cuda":
@@ -233,28 +256,7 @@ def _join(device: torch.device, rank: int, size: int, init_method: str) -> tuple
     return Collectives(size, torch.distributed.group.WORLD), control
 
 
-def follower_main(config, rank: int, size: int, device: str, init_method: str) -> None:
-    """A follower rank's process: join the group, load its shard, then run rank 0's plans until `stop`."""
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the process group; rank 0 says when to go
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from engine.model_runner import FollowerRunner
-
-    torch_device = torch.device(device)
-    if config.cpu_threads:
-        torch.set_num_threads(config.cpu_threads)
-    collectives, control = _join(torch_device, rank, size, init_method)
-    try:
-        runner = FollowerRunner.load(config, rank, size, torch_device, collectives, control)
-        runner.serve()
-    except RuntimeError as exc:   # rank 0 went away mid-collective: nothing left to serve
-        log.info("tensor-parallel rank %d stops: %s", rank, str(exc).splitlines()[0] if str(exc) else exc)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """On Linux, SIGKILL this process when its parent (rank 0's worker) dies, however it dies."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)

@@ -8,16 +8,21 @@ and checked against its pool's context, and before anything reaches the device w
 2. per pool it touches, it reserves its prompt blocks plus the blocks its longest possible output
    could take (`pools.credit_hold.reservation`; an unset max_tokens reserves the rest of the context);
 3. it waits in its tenant's channel of that pool's queue until the credits are there (pools in name
-   order, so two multi-prompt requests can never wait on each other), runs, and gives everything back
-   the moment it ends — finished, failed or abandoned by its client.
+   order, so two multi-prompt requests can never wait on each other) on one of the pool's replicas,
+   the one that can start it soonest (`pools.placement`), runs there, and gives everything back the
+   moment it ends — finished, failed or abandoned by its client. `admitted` yields where each pool's
+   part was placed (`Placed`: the replica, its worker client, and what to tell the placement as
+   tokens stream).
 
-A ticker reconciles each ledger with its worker's reported block use every `RECONCILE_INTERVAL`
-seconds and admits whatever that frees; on the same tick it tells each worker how many interactive
-requests of each pool wait for credits (the step composer favours a pool with a queue, wherever the
-queue is). Metrics: `cliffguard_kv_credits_total` / `_free` per pool,
+A ticker reconciles each replica's credits with its worker's reported block use every
+`RECONCILE_INTERVAL` seconds and admits whatever that frees; on the same tick it tells each worker how
+many interactive requests of each pool wait for credits (the step composer favours a pool with a
+queue, wherever the queue is). Metrics: `cliffguard_kv_credits_total` / `_free` per pool and replica,
 `cliffguard_admission_queue_depth` per pool and tenant (refreshed at each scrape),
 `cliffguard_admission_wait_seconds`, `cliffguard_admission_admitted_total` and
-`cliffguard_admission_expired_total` per pool and tenant.
+`cliffguard_admission_expired_total` per pool and tenant, `cliffguard_replica_requests_total` and
+`cliffguard_replica_prompt_tokens_total` / `_cached_prompt_tokens_total` per pool and replica (where
+placement sent requests, and how much of their prompts it expected cached there).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from gateway.metrics import REQUEST_LATENCY_BUCKETS
 from gateway.openai_api import ApiError
 from gateway.ticker import Ticker
 from pools.credit_hold import Admission, PoolFull, QueueTimeout, reservation
+from pools.credits import Ticket
+from pools.placement import Placement, Work
 from pools.pool import Pool
 from pools.tenants import Tenants
 
@@ -42,6 +49,7 @@ log = logging.getLogger("cliffguard.admission")
 
 RECONCILE_INTERVAL = 0.25   # seconds; the worker pushes its stats as often while busy
 _PT = ["pool", "tenant"]
+_PR = ["pool", "replica"]
 
 
 def bearer_key(request: web.Request) -> str | None:
@@ -55,10 +63,15 @@ class AdmissionMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         p = "cliffguard_"
-        self.credits_total = Gauge(p + "kv_credits_total", "KV token slots of the pool (one credit each).",
-                                   ["pool"], registry=registry)
-        self.credits_free = Gauge(p + "kv_credits_free", "Credits not held by admitted requests.", ["pool"],
-                                  registry=registry)
+        self.credits_total = Gauge(p + "kv_credits_total", "KV token slots of the pool on the replica (one "
+                                   "credit each).", _PR, registry=registry)
+        self.credits_free = Gauge(p + "kv_credits_free", "Credits not held by admitted requests (0 while the "
+                                  "replica is down).", _PR, registry=registry)
+        self.placed = Counter(p + "replica_requests", "Requests placed on the replica.", _PR, registry=registry)
+        self.placed_tokens = Counter(p + "replica_prompt_tokens", "Prompt tokens of the requests placed on the "
+                                     "replica.", _PR, registry=registry)
+        self.placed_cached = Counter(p + "replica_cached_prompt_tokens", "Prompt tokens placement expected "
+                                     "cached on the replica it chose (prefix affinity).", _PR, registry=registry)
         self.queue_depth = Gauge(p + "admission_queue_depth", "Requests waiting for KV credits.", _PT,
                                  registry=registry)
         self.wait = Histogram(p + "admission_wait_seconds", "Time a request waited for KV credits.", _PT,
@@ -72,11 +85,32 @@ class AdmissionMetrics:
     def refresh(self, pools: Sequence[Pool]) -> None:
         for pool in pools:
             admission = pool.admission
-            self.credits_total.labels(pool=pool.name).set(admission.total)
-            self.credits_free.labels(pool=pool.name).set(admission.free)
+            ledger = admission.ledger
+            for replica, (account, up) in enumerate(zip(ledger.accounts, ledger.up)):
+                labels = {"pool": pool.name, "replica": str(replica)}
+                self.credits_total.labels(**labels).set(account.total)
+                self.credits_free.labels(**labels).set(account.free if up else 0)
             for tenant, depth in admission.ledger.queued_by_tenant().items():
                 self.queue_depth.labels(pool=pool.name, tenant=tenant).set(depth)
             self.queue_depth.labels(pool=pool.name, tenant="batch").set(admission.ledger.num_background_queued)
+
+
+@dataclass
+class Placed:
+    """Where one pool's part of a request runs: a replica of the pool, holding its credits there."""
+
+    pool: Pool
+    replica: int
+    key: str                  # the request's id in the pool's ledger and placement
+
+    @property
+    def client(self):
+        """The replica's worker client (`Pool.clients`)."""
+        return self.pool.clients[self.replica]
+
+    def observe(self, num_tokens: int) -> None:
+        """`num_tokens` more tokens streamed: the replica's token load goes down."""
+        self.pool.admission.observe(self.key, num_tokens)
 
 
 @dataclass
@@ -88,21 +122,25 @@ class AdmissionControl:
     metrics: AdmissionMetrics
     max_num_seqs: dict[str, int] = field(default_factory=dict)   # pool -> sequences it runs at once (the plan's)
     _ticker: Ticker | None = field(default=None, repr=False)
-    _seen: dict[str, float] = field(default_factory=dict, repr=False)   # pool -> `taken_at` reconciled last
-    _reported: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)   # pool -> (client id, count)
+    _seen: dict[tuple[str, int], float] = field(default_factory=dict, repr=False)   # (pool, replica) -> `taken_at`
+    _reported: dict[tuple[str, int], tuple[object, int]] = field(default_factory=dict, repr=False)  # -> (client, count)
 
     @classmethod
     def build(cls, tenants: Tenants, pools: Sequence[Pool], registry: CollectorRegistry,
               credits: dict[str, int], max_num_seqs: dict[str, int] | None = None) -> AdmissionControl:
-        """One Admission per local pool, `credits[name]` KV token slots each (the capacity plan's);
-        `max_num_seqs[name]` refuses at once an `n` the pool's engine would refuse."""
+        """One Admission per local pool, `credits[name]` KV token slots on each of its replicas (the
+        capacity plan's), placed by token load and prefix affinity; `max_num_seqs[name]` refuses at once
+        an `n` the pool's engine would refuse."""
         policies = tenants.policies
         local = {}
         for pool in pools:
             if pool.is_upstream:
                 continue
-            pool.admission = Admission(pool.name, credits[pool.name], tenants=policies,
-                                       max_queue_seconds=pool.spec.max_queue_seconds)
+            block_size = pool.spec.block_size
+            placement = Placement(pool.num_replicas, block_size, max_cached_blocks=credits[pool.name] // block_size,
+                                  avg_len=pool.spec.avg_len)
+            pool.admission = Admission(pool.name, [credits[pool.name]] * pool.num_replicas, tenants=policies,
+                                       max_queue_seconds=pool.spec.max_queue_seconds, placement=placement)
             local[pool.name] = pool
         return cls(tenants, local, AdmissionMetrics(registry), dict(max_num_seqs or {}))
 
@@ -119,16 +157,33 @@ class AdmissionControl:
     @contextlib.asynccontextmanager
     async def admitted(self, routed: Sequence[tuple[Pool, list[int]]], *, max_tokens: int | None, n: int,
                        request_id: str, tenant: str, priority: int, background: bool = False,
-                       max_tokens_param: str = "max_tokens") -> AsyncIterator[None]:
-        """Hold every credit the routed prompts may need for the duration of the block.
+                       max_tokens_param: str = "max_tokens") -> AsyncIterator[dict[str, Placed]]:
+        """Hold every credit the routed prompts may need for the duration of the block; yields where
+        each pool's prompts were placed (pool name -> `Placed`).
 
         ApiError 400 if the request can never fit a pool; 503 + Retry-After past max_queue_seconds."""
         needs = self._needs(routed, max_tokens, n, max_tokens_param)
+        prompts: dict[str, list[list[int]]] = {}
+        for pool, ids in routed:
+            prompts.setdefault(pool.name, []).append(ids)
+        placed = {}
         async with contextlib.AsyncExitStack() as stack:
             for name in sorted(needs):
-                await stack.enter_async_context(self._hold(self.pools[name], needs[name], request_id, tenant,
-                                                           priority, background))
-            yield
+                pool = self.pools[name]
+                work = pool.admission.placement.work(prompts[name], max_tokens, n, pool.max_model_len,
+                                                     pool.cache_salt(tenant))
+                key = f"{request_id}@{name}"
+                ticket = await stack.enter_async_context(self._hold(pool, key, needs[name], tenant, priority,
+                                                                    background, work))
+                placed[name] = Placed(pool, ticket.replica, key)
+                self._count_placement(pool, ticket.replica, work, key)
+            yield placed
+
+    def _count_placement(self, pool: Pool, replica: int, work: Work, key: str) -> None:
+        labels = {"pool": pool.name, "replica": str(replica)}
+        self.metrics.placed.labels(**labels).inc()
+        self.metrics.placed_tokens.labels(**labels).inc(work.num_prompt_tokens)
+        self.metrics.placed_cached.labels(**labels).inc(pool.admission.placement.cached_tokens(key))
 
     def _needs(self, routed: Sequence[tuple[Pool, list[int]]], max_tokens: int | None, n: int,
                param: str) -> dict[str, int]:
@@ -160,16 +215,16 @@ class AdmissionControl:
         return needs
 
     @contextlib.asynccontextmanager
-    async def _hold(self, pool: Pool, need: int, request_id: str, tenant: str, priority: int,
-                    background: bool) -> AsyncIterator[None]:
+    async def _hold(self, pool: Pool, key: str, need: int, tenant: str, priority: int, background: bool,
+                    work: Work) -> AsyncIterator[Ticket]:
         labels = {"pool": pool.name, "tenant": "batch" if background else tenant}
         started = time.perf_counter()
         try:
-            async with pool.admission.hold(f"{request_id}@{pool.name}", need, tenant=tenant, priority=priority,
-                                           background=background):
+            async with pool.admission.hold(key, need, tenant=tenant, priority=priority, background=background,
+                                           work=work) as ticket:
                 self.metrics.wait.labels(**labels).observe(time.perf_counter() - started)
                 self.metrics.admitted.labels(**labels).inc()
-                yield
+                yield ticket
         except PoolFull as exc:
             self.metrics.expired.labels(**labels).inc()
             raise ApiError(429, str(exc), type="server_error", code="pool_full",
@@ -193,30 +248,36 @@ class AdmissionControl:
             await self._ticker.stop()
 
     def reconcile(self) -> None:
-        """Reconcile each pool's ledger with the block use its worker reported last (once per report),
-        and report each pool's credit queue to its worker when it changed (or the worker is new)."""
+        """Reconcile each replica's credits with the block use its worker reported last (once per report),
+        and report each pool's credit queue to its workers when it changed (or a worker is new)."""
         for pool in self.pools.values():
-            self._report_waiting(pool)
-            stats = pool.client.latest_stats if pool.client is not None else None
-            if stats is None or self._seen.get(pool.name) == stats.taken_at or pool.name not in stats.pools:
-                continue
-            self._seen[pool.name] = stats.taken_at
-            ps = stats.pools[pool.name]
-            try:
-                pool.admission.reconcile((ps.num_blocks - ps.num_free_blocks) * pool.spec.block_size)
-            except Exception:  # noqa: BLE001 - a bad report must not stop admission
-                log.exception("pool %s: reconciling credits failed", pool.name)
+            count = pool.admission.ledger.num_queued - pool.admission.ledger.num_background_queued
+            for replica, client in enumerate(pool.clients):
+                if client is None:
+                    continue
+                self._report_waiting(pool, replica, client, count)
+                stats = client.latest_stats
+                key = (pool.name, replica)
+                if stats is None or self._seen.get(key) == stats.taken_at or pool.name not in stats.pools:
+                    continue
+                self._seen[key] = stats.taken_at
+                ps = stats.pools[pool.name]
+                try:
+                    pool.admission.reconcile((ps.num_blocks - ps.num_free_blocks) * pool.spec.block_size, replica)
+                except Exception:  # noqa: BLE001 - a bad report must not stop admission
+                    log.exception("pool %s replica %d: reconciling credits failed", pool.name, replica)
 
-
-    def _report_waiting(self, pool: Pool) -> None:
-        client = pool.client
-        if client is None:
+    def _report_waiting(self, pool: Pool, replica: int, client, count: int) -> None:
+        """Every replica's composer hears the pool's whole queue: any of them may get its head next. A
+        report goes when the count changed, or to a new worker (the client object itself is the key: an
+        id() could be reused by the next client)."""
+        key = (pool.name, replica)
+        last = self._reported.get(key)
+        if last is not None and last[0] is client and last[1] == count:
             return
-        count = pool.admission.ledger.num_queued - pool.admission.ledger.num_background_queued
-        key = (id(client), count)
-        if self._reported.get(pool.name) != key and (count or pool.name in self._reported):
+        if count or last is not None:
             client.report_waiting(pool.name, count)
-            self._reported[pool.name] = key
+            self._reported[key] = (client, count)
 
 
 def _largest_fit(prompt_lens: list[int], n: int, pool: Pool, total: int) -> int:

@@ -220,7 +220,8 @@ def _add_capacity(sub) -> None:
 def _capacity(args: argparse.Namespace) -> int:
     import torch
 
-    from pools.capacity_plan import format_plan, plan_capacity, resolve_model_configs
+    from pools.capacity_plan import plan_capacity, resolve_model_configs
+    from pools.plan_report import format_plan
     from pools.config_file import load_config
     from pools.spec import SpecError, parse_bytes
 

@@ -5,11 +5,13 @@ The stages, in order (`Completion.answer`):
 1. **check**: each routed prompt leaves room for `max_tokens` in its pool's context;
 2. **forward** to an upstream pool (`gateway.upstream`), which answers it all; otherwise, local pools:
 3. **clamp** the priority to what the tenant may ask for (`AdmissionControl.clamp_priority`);
-4. **hold credits**: the KV the request may need, in its tenant's channel of each pool's credit queue
-   (`AdmissionControl.admitted`), until the engine is done with it;
-5. **wait for the device**: a pool whose worker is (re)starting holds the request (`Gateway.wait_device`);
-6. **run** in the engine and assemble the answer (`gateway.responses.LocalResponse`); a request the
-   worker died under before its client saw anything runs again, once, on the restarted worker;
+4. **wait for the device**: a pool none of whose replicas has loaded yet holds the request, holding
+   nothing (`Gateway.wait_device`); 503 if every replica failed to start;
+5. **hold credits**: the KV the request may need, in its tenant's channel of each pool's credit queue
+   (`AdmissionControl.admitted`), on the replica that can start it soonest, until the engine is done;
+6. **run** on that replica and assemble the answer (`gateway.responses.LocalResponse`); a request a
+   worker died under before its client saw anything gives its credits back and runs again, once,
+   from stage 4: on another replica when the pool has one up, else on the restarted worker;
 7. **answer**: the credits are back as soon as the engine is done; then the client gets its stream or
    body (an HTTP request), or the batch runner its JSON (a batch line, `http` None).
 """
@@ -37,7 +39,8 @@ from pools.pool import Pool
 log = logging.getLogger("cliffguard.gateway")
 
 # A request the device worker died under before its client saw anything (nothing streamed yet, or not
-# streamed at all) runs again this many times on the restarted worker (its client sees one answer);
+# streamed at all) runs again this many times, on another replica or the restarted worker (its client
+# sees one answer);
 # past that, or once a chunk was streamed, 503 engine_dead (or an error event).
 # A request that itself kills the worker therefore kills it 1 + this many times. Batch lines are retried
 # by the batch runner instead (a line that kills the worker twice is a poison line).
@@ -81,10 +84,7 @@ class Completion:
         await self.gateway.check_grammar(self.req.params.structured, self.req.structured_param)
         admission = self.gateway.admission
         req = dataclasses.replace(self.req, priority=admission.clamp_priority(self.tenant, self.req.priority))
-        async with admission.admitted(self.routed, max_tokens=req.params.max_tokens, n=req.params.n,
-                                      request_id=objects.new_id("adm"), tenant=self.tenant, priority=req.priority,
-                                      background=self.background, max_tokens_param=req.max_tokens_param):
-            local = await self._run_local(req)
+        local = await self._run_local(req)
         # The engine is done with every request: its credits are back, however slowly the client reads.
         return await (local.finish() if self.http is not None else local.result())
 
@@ -102,19 +102,27 @@ class Completion:
         return json.loads(response.body)
 
     async def _run_local(self, req: ChatRequest | CompletionRequest) -> LocalResponse:
-        """Wait for each pool's device, run the request in the engine; once more on a restarted worker
-        if the last one died before the client saw anything (HTTP only)."""
+        """Wait for each pool's device, hold the credits on the replicas placement picks, run the request
+        there; once more (on another replica, or the restarted worker) if a worker died before the client
+        saw anything (HTTP only)."""
+        gateway = self.gateway
         retries = 0 if self.background else ENGINE_DEATH_RETRIES   # the batch runner has its own policy
         for attempt in range(1 + retries):
             for pool, _ in self.routed:
-                await self.gateway.wait_device(pool)
-            local = self.answer_type(self.http, req, self.routed, received=self.received, metrics=self.gateway.metrics,
-                                  write_timeout=self.gateway.config.gateway.write_timeout, tenant=self.tenant)
-            await local.run()
+                await gateway.wait_device(pool)
+            async with gateway.admission.admitted(self.routed, max_tokens=req.params.max_tokens, n=req.params.n,
+                                                  request_id=objects.new_id("adm"), tenant=self.tenant,
+                                                  priority=req.priority, background=self.background,
+                                                  max_tokens_param=req.max_tokens_param) as placed:
+                local = self.answer_type(self.http, req, self.routed, placed=placed, received=self.received,
+                                         metrics=gateway.metrics, write_timeout=gateway.config.gateway.write_timeout,
+                                         tenant=self.tenant)
+                await local.run()
             if attempt == retries or not local.retryable:
                 break
-            log.warning("%s: the device worker died before the client saw anything (%s); running it again on "
-                        "the restarted worker", local.request_id, local.error.message)
+            where = ", ".join(f"{name} replica {p.replica}" for name, p in placed.items())
+            log.warning("%s: the device worker (%s) died before the client saw anything (%s); running it again",
+                        local.request_id, where, local.error.message)
         return local
 
 

@@ -67,6 +67,11 @@ VALUES = {
     "admission_queue_depth": _P + "admission_queue_depth",
     "death_spiral": _P + "death_spiral",
 }
+# ... averaged over the pool's replicas instead of summed (a fraction of each replica's blocks)
+MEANS = {_P + "kv_cache_usage_perc"}
+# JSON key -> the sample shown per replica of a pool (`replicas` in each pool's JSON)
+REPLICA_VALUES = {key: VALUES[key] for key in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting",
+                                               "kv_credits_free")}
 HISTOGRAMS = {"ttft": _P + "time_to_first_token_seconds", "itl": _P + "inter_token_latency_seconds"}
 SERIES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "num_requests_swapped",
           "preemptions_per_second", "ttft_p99_seconds", "itl_p99_seconds", "kv_credits_free",
@@ -103,33 +108,46 @@ class Snapshot:
     wall: float
     values: dict[str, dict[str, float | None]]       # pool -> VALUES key -> value (None: not exported)
     histograms: dict[str, dict[str, Buckets]]        # pool -> HISTOGRAMS key -> cumulative buckets
-    stats_age: dict[str, float] = field(default_factory=dict)   # device -> cliffguard_stats_age_seconds
+    stats_age: dict[str, float] = field(default_factory=dict)   # device -> cliffguard_stats_age_seconds (max)
+    replicas: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)   # pool -> replica -> REPLICA_VALUES
 
 
 def parse_snapshot(families: Iterable[Metric], pools: Iterable[str], *, now: float, wall: float) -> Snapshot:
     """The dashboard's series of `pools` among metric families: the registry's (`collect()`), or those
     prometheus_client's parser reads from a text exposition (the tests compare both)."""
     sums: dict[tuple[str, str], float] = {}
+    counts: dict[tuple[str, str], int] = {}
+    by_replica: dict[tuple[str, str, str], float] = {}
     buckets: dict[tuple[str, str], list[tuple[float, float]]] = {}
     stats_age: dict[str, float] = {}
     bucket_names = {name + "_bucket" for name in HISTOGRAMS.values()}
+    replica_names = set(REPLICA_VALUES.values())
     for family in families:
         for s in family.samples:
             pool = s.labels.get("pool")
-            if s.name == _P + "stats_age_seconds":
-                stats_age[s.labels.get("device", "")] = s.value
+            if s.name == _P + "stats_age_seconds":   # a replicated device: its oldest replica's
+                device = s.labels.get("device", "")
+                stats_age[device] = max(stats_age.get(device, 0.0), s.value)
             elif pool is None:
                 continue
             elif s.name in bucket_names:
                 buckets.setdefault((s.name, pool), []).append((float(s.labels["le"]), s.value))
             else:
                 sums[s.name, pool] = sums.get((s.name, pool), 0.0) + s.value
-    values, histograms = {}, {}
+                counts[s.name, pool] = counts.get((s.name, pool), 0) + 1
+                if s.name in replica_names and "replica" in s.labels:
+                    key = (s.name, pool, s.labels["replica"])
+                    by_replica[key] = by_replica.get(key, 0.0) + s.value
+    values, histograms, replicas = {}, {}, {}
     for pool in pools:
-        values[pool] = {key: sums.get((name, pool)) for key, name in VALUES.items()}
+        values[pool] = {key: (sums[name, pool] / counts[name, pool] if name in MEANS else sums[name, pool])
+                        if (name, pool) in sums else None for key, name in VALUES.items()}
         histograms[pool] = {key: tuple(sorted(buckets[name + "_bucket", pool]))
                             for key, name in HISTOGRAMS.items() if (name + "_bucket", pool) in buckets}
-    return Snapshot(now, wall, values, histograms, stats_age)
+        names = sorted({r for (_, p, r) in by_replica if p == pool}, key=int)
+        replicas[pool] = {r: {key: by_replica.get((name, pool, r)) for key, name in REPLICA_VALUES.items()}
+                          for r in names}
+    return Snapshot(now, wall, values, histograms, stats_age, replicas)
 
 
 _NO_OBSERVATION: Buckets = ((math.inf, 0.0),)
@@ -223,6 +241,8 @@ class DashboardHistory:
             series = {"age_seconds": [round(now.time - s.snapshot.time, 3) for s in samples]}
             series |= {key: [_finite(row.get(key)) for row in rows] for key in SERIES}
             pools[pool] = {key: _finite(v) for key, v in rows[-1].items()} | {"series": series}
+            pools[pool]["replicas"] = {r: {key: _finite(v) for key, v in vals.items()}
+                                       for r, vals in now.replicas.get(pool, {}).items()}
         return {"time": now.wall, "window_seconds": round(last.window, 3),
                 "window_target_seconds": self.window_seconds, "history_seconds": self.history_seconds,
                 "poll_seconds": POLL_SECONDS, "quantile": QUANTILE, "stats_age_seconds": now.stats_age,

@@ -137,12 +137,15 @@ def _pool_entry(gateway: Gateway, pool: Pool) -> dict[str, Any]:
         return info
     planned = gateway.plan.pools[pool.name]
     info.update(device=pool.device, planned_num_blocks=planned.num_blocks,
-                planned_max_num_seqs=planned.max_num_seqs)
-    worker = gateway.worker_info(pool.device)
-    if worker is not None:
+                planned_max_num_seqs=planned.max_num_seqs, replicas=pool.num_replicas)
+    workers = [gateway.worker_info(pool.device, r) for r in range(pool.num_replicas)]
+    worker = next((w for w in workers if w is not None), None)
+    if worker is not None:   # every replica allocates the same
         allocated = worker.pools[pool.name]
         info.update(num_blocks=allocated.num_blocks, max_num_seqs=allocated.max_num_seqs,
-                    block_size=worker.block_size, kv_cache_bytes=worker.pool_kv_cache_bytes(pool.name))
+                    block_size=worker.block_size, kv_cache_bytes=worker.pool_kv_cache_bytes(pool.name),
+                    tensor_parallel_size=worker.tensor_parallel_size,
+                    replicas_ready=sum(w is not None for w in workers))
     return info
 
 
@@ -152,14 +155,18 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 once every device worker has loaded, else 503. A pool in a death spiral still serves: the
-    answer stays 200 with `status: degraded` and the pool's reason under `pools` (docs/GATEWAY.md)."""
+    """200 once every device has a replica loaded, else 503. A pool in a death spiral, or a device with
+    a replica down, still serves: the answer stays 200 with `status: degraded`, the pool's reason under
+    `pools` and each replica's state under `replicas` (docs/GATEWAY.md)."""
     gateway = request.app[GATEWAY]
     ok = gateway.is_ready()
     degraded = gateway.spiral.degraded()
     pools = {name: f"degraded: {degraded[name]}" if name in degraded else "ok" for name in gateway.spiral.pools}
-    status = "not ready" if not ok else "degraded" if degraded else "ready"
-    return web.json_response({"status": status, "devices": gateway.device_states(), "pools": pools},
+    devices = gateway.device_states()
+    replicas = gateway.replica_states()
+    some_down = any(state != "ready" for states in replicas.values() for state in states)
+    status = "not ready" if not ok else "degraded" if degraded or some_down else "ready"
+    return web.json_response({"status": status, "devices": devices, "replicas": replicas, "pools": pools},
                              status=200 if ok else 503)
 
 
@@ -172,11 +179,13 @@ async def metrics(request: web.Request) -> web.Response:
 
 def refresh_metrics(gateway: Gateway) -> None:
     """Bring the registry's device and credit series up to the stats each worker pushed last."""
-    for device, client in gateway.clients.items():
-        info, stats = gateway.worker_info(device), client.latest_stats
-        if info is None or stats is None:
-            continue
-        for name, pool_stats in stats.pools.items():
-            gateway.metrics.update_pool(name, pool_stats, info.block_bytes)
-        gateway.metrics.update_device(device, stats)
+    for device, supervisors in gateway.supervisors.items():
+        for replica, supervisor in enumerate(supervisors):
+            info, client = supervisor.info, supervisor.client
+            stats = client.latest_stats if client is not None else None
+            if info is None or stats is None:
+                continue
+            for name, pool_stats in stats.pools.items():
+                gateway.metrics.update_pool(name, replica, pool_stats, info.block_bytes)
+            gateway.metrics.update_device(device, replica, stats)
     gateway.admission.metrics.refresh(list(gateway.admission.pools.values()))

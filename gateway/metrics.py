@@ -1,5 +1,9 @@
 """Prometheus metrics of the gateway, one registry per app, every series labelled with its `pool`.
 
+What a device worker reports, and the worker's own series, carry a `replica` label too ("0" for a
+device that is not replicated): each replica has its own engine, blocks and counters. The request
+histograms (TTFT, ITL, end-to-end) are the pool's, over all its replicas: the SLO is the pool's.
+
 Names and meanings follow vLLM's (`vllm:num_requests_running` -> `cliffguard_num_requests_running`)
 so existing dashboards translate; histogram buckets are vLLM's. Engine-side gauges and counters
 (running, waiting, KV usage, preemptions) are refreshed at each scrape from the stats each device
@@ -31,7 +35,8 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 TOKENIZER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _P = "cliffguard_"
 _POOL = ["pool"]
-_DEVICE = ["device"]
+_PR = ["pool", "replica"]
+_DEVICE = ["device", "replica"]
 
 
 class GatewayMetrics:
@@ -60,37 +65,37 @@ class GatewayMetrics:
 
     def _add_pool_state(self) -> None:
         """A pool's queues and blocks as its device worker last reported them."""
-        self.running = self._gauge("num_requests_running", "Requests in the pool's running batch.", _POOL)
-        self.waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", _POOL)
-        self.swapped = self._gauge("num_requests_swapped", "Requests swapped out to CPU memory.", _POOL)
-        self.kv_usage = self._gauge("kv_cache_usage_perc", "Fraction of the pool's KV blocks in use (0-1).", _POOL)
-        self.num_blocks = self._gauge("pool_num_blocks", "KV blocks the pool owns (as allocated).", _POOL)
-        self.max_num_seqs = self._gauge("pool_max_num_seqs", "The pool's max_num_seqs (capacity formula).", _POOL)
-        self.kv_bytes = self._gauge("pool_kv_cache_bytes", "KV cache bytes the pool owns.", _POOL)
+        self.running = self._gauge("num_requests_running", "Requests in the pool's running batch.", _PR)
+        self.waiting = self._gauge("num_requests_waiting", "Requests waiting to be scheduled.", _PR)
+        self.swapped = self._gauge("num_requests_swapped", "Requests swapped out to CPU memory.", _PR)
+        self.kv_usage = self._gauge("kv_cache_usage_perc", "Fraction of the pool's KV blocks in use (0-1).", _PR)
+        self.num_blocks = self._gauge("pool_num_blocks", "KV blocks the pool owns (as allocated).", _PR)
+        self.max_num_seqs = self._gauge("pool_max_num_seqs", "The pool's max_num_seqs (capacity formula).", _PR)
+        self.kv_bytes = self._gauge("pool_kv_cache_bytes", "KV cache bytes the pool owns.", _PR)
 
     def _add_pool_preemption(self) -> None:
         """A pool's preemptions and swap traffic."""
-        self.preemptions = self._counter("num_preemptions", "Preemptions, by mode.", ["pool", "mode"])
+        self.preemptions = self._counter("num_preemptions", "Preemptions, by mode.", ["pool", "replica", "mode"])
         self.recomputed = self._counter("recomputed_tokens", "Tokens whose K/V a recompute preemption dropped.",
-                                        _POOL)
-        self.swapped_out = self._counter("swapped_out_bytes", "K/V bytes copied to the CPU swap pool.", _POOL)
-        self.swapped_in = self._counter("swapped_in_bytes", "K/V bytes copied back from the CPU swap pool.", _POOL)
+                                        _PR)
+        self.swapped_out = self._counter("swapped_out_bytes", "K/V bytes copied to the CPU swap pool.", _PR)
+        self.swapped_in = self._counter("swapped_in_bytes", "K/V bytes copied back from the CPU swap pool.", _PR)
         self.preempt_time = self._counter("preemption_seconds", "Time spent preempting and resuming (scheduling "
-                                          "and swap copies).", _POOL)
+                                          "and swap copies).", _PR)
         self.cpu_swap_usage = self._gauge("cpu_swap_usage_perc", "Fraction of the pool's CPU swap blocks in use.",
-                                          _POOL)
+                                          _PR)
         self.death_spiral = self._gauge("death_spiral", "1 while the pool is in a death spiral: preemptions "
                                         "sustained while its generated tokens/s stay flat or fall (pools.spiral).",
-                                        _POOL)
+                                        _PR)
 
     def _add_pool_work(self) -> None:
         """A pool's aborts, prefix-cache lookups and computed tokens."""
-        self.aborted = self._counter("num_aborted_requests", "Sequences aborted (client gone or cancelled).", _POOL)
+        self.aborted = self._counter("num_aborted_requests", "Sequences aborted (client gone or cancelled).", _PR)
         self.prefix_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                            _POOL)
-        self.prefix_hits = self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", _POOL)
+                                            _PR)
+        self.prefix_hits = self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", _PR)
         self.computed_tokens = self._counter("computed_tokens", "Tokens whose K/V the pool's engine steps computed "
-                                             "(prefill chunks, decodes, recomputation).", _POOL)
+                                             "(prefill chunks, decodes, recomputation).", _PR)
 
     def _add_request_series(self) -> None:
         """What the gateway observes itself as requests are routed and answered."""
@@ -125,7 +130,7 @@ class GatewayMetrics:
                                            _DEVICE)
         self.target_scale = self._gauge("engine_target_scale", "An interactive pool's step-target scale (1: its "
                                         "itl_ms; lower while its measured p99 TTFT or ITL is over its aim).",
-                                        ["pool"])
+                                        _PR)
         self.worker_restarts = self._counter("worker_restarts", "Device worker processes started again after "
                                              "the worker died.", _DEVICE)
         self.worker_stalls = self._counter("worker_stalls", "Device workers killed by the watchdog: requests in "
@@ -145,38 +150,40 @@ class GatewayMetrics:
             child.inc(total - last)
         self._last[key] = total
 
-    def update_pool(self, name: str, stats: PoolStats, block_bytes: int) -> None:
-        """Refresh one local pool from its device worker's stats (see engine.worker.engine_stats)."""
-        self.running.labels(pool=name).set(stats.num_running)
-        self.waiting.labels(pool=name).set(stats.num_waiting)
-        self.swapped.labels(pool=name).set(stats.num_swapped)
-        self.kv_usage.labels(pool=name).set(stats.kv_cache_usage)
-        self.num_blocks.labels(pool=name).set(stats.num_blocks)
-        self.max_num_seqs.labels(pool=name).set(stats.max_num_seqs)
-        self.kv_bytes.labels(pool=name).set(stats.num_blocks * block_bytes)
-        self.cpu_swap_usage.labels(pool=name).set(stats.cpu_swap_usage)
+    def update_pool(self, name: str, replica: int, stats: PoolStats, block_bytes: int) -> None:
+        """Refresh one local pool on one replica from its worker's stats (see engine.worker.engine_stats)."""
+        labels = {"pool": name, "replica": str(replica)}
+        self.running.labels(**labels).set(stats.num_running)
+        self.waiting.labels(**labels).set(stats.num_waiting)
+        self.swapped.labels(**labels).set(stats.num_swapped)
+        self.kv_usage.labels(**labels).set(stats.kv_cache_usage)
+        self.num_blocks.labels(**labels).set(stats.num_blocks)
+        self.max_num_seqs.labels(**labels).set(stats.max_num_seqs)
+        self.kv_bytes.labels(**labels).set(stats.num_blocks * block_bytes)
+        self.cpu_swap_usage.labels(**labels).set(stats.cpu_swap_usage)
         for mode, total in stats.num_preemptions_by_mode.items():
-            self._advance(self.preemptions, "preemptions", total, pool=name, mode=mode)
-        self._advance(self.recomputed, "recomputed_tokens", stats.num_recomputed_tokens, pool=name)
-        self._advance(self.aborted, "aborted", stats.num_aborted, pool=name)
-        self._advance(self.swapped_out, "swapped_out_bytes", stats.swapped_out_bytes, pool=name)
-        self._advance(self.swapped_in, "swapped_in_bytes", stats.swapped_in_bytes, pool=name)
-        self._advance(self.preempt_time, "preempt_seconds", stats.preempt_seconds, pool=name)
-        self._advance(self.prefix_queries, "prefix_queries", stats.num_prefix_queries, pool=name)
-        self._advance(self.prefix_hits, "prefix_hits", stats.num_prefix_hits, pool=name)
-        self._advance(self.computed_tokens, "computed_tokens", stats.num_computed_tokens, pool=name)
+            self._advance(self.preemptions, "preemptions", total, **labels, mode=mode)
+        self._advance(self.recomputed, "recomputed_tokens", stats.num_recomputed_tokens, **labels)
+        self._advance(self.aborted, "aborted", stats.num_aborted, **labels)
+        self._advance(self.swapped_out, "swapped_out_bytes", stats.swapped_out_bytes, **labels)
+        self._advance(self.swapped_in, "swapped_in_bytes", stats.swapped_in_bytes, **labels)
+        self._advance(self.preempt_time, "preempt_seconds", stats.preempt_seconds, **labels)
+        self._advance(self.prefix_queries, "prefix_queries", stats.num_prefix_queries, **labels)
+        self._advance(self.prefix_hits, "prefix_hits", stats.num_prefix_hits, **labels)
+        self._advance(self.computed_tokens, "computed_tokens", stats.num_computed_tokens, **labels)
 
-    def update_device(self, device: str, stats: EngineStats) -> None:
-        """Refresh the device-level series from the stats a device worker pushed last."""
-        self.stats_age.labels(device=device).set(max(0.0, time.time() - stats.taken_at))
+    def update_device(self, device: str, replica: int, stats: EngineStats) -> None:
+        """Refresh the device-level series from the stats one replica's worker pushed last."""
+        labels = {"device": device, "replica": str(replica)}
+        self.stats_age.labels(**labels).set(max(0.0, time.time() - stats.taken_at))
         step = stats.step
-        self._advance(self.steps, "steps", step.num_steps, device=device)
-        self._advance(self.targeted_steps, "targeted_steps", step.num_targeted_steps, device=device)
-        self._advance(self.steps_over_target, "steps_over_target", step.num_over_target, device=device)
-        self.step_target.labels(device=device).set(step.last_target_seconds or 0.0)
-        self._advance(self.pressed_steps, "pressed_steps", step.num_pressed_steps, device=device)
+        self._advance(self.steps, "steps", step.num_steps, **labels)
+        self._advance(self.targeted_steps, "targeted_steps", step.num_targeted_steps, **labels)
+        self._advance(self.steps_over_target, "steps_over_target", step.num_over_target, **labels)
+        self.step_target.labels(**labels).set(step.last_target_seconds or 0.0)
+        self._advance(self.pressed_steps, "pressed_steps", step.num_pressed_steps, **labels)
         for pool, scale in step.target_scales.items():
-            self.target_scale.labels(pool=pool).set(scale)
+            self.target_scale.labels(pool=pool, replica=str(replica)).set(scale)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

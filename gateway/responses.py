@@ -31,8 +31,8 @@ from aiohttp import web
 from engine.outputs import RequestDelta, SampleDelta
 from engine.sampling import SamplingParams
 from engine.client import EngineDeadError
-from gateway import openai_api as api
 from gateway import openai_objects as objects
+from gateway.admission import Placed
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ApiError, ChatRequest, CompletionRequest
 from gateway.tools import ToolCallStream, ToolFormat, format_for
@@ -67,22 +67,18 @@ class _Choice:
     tool_stream: ToolCallStream | None = None   # a streamed chat with tools: held text, calls at the end
 
 
-def cache_salt(pool: Pool, tenant: str) -> str | None:
-    """The prefix-cache partition of `tenant`'s requests in `pool`: the tenant, unless the pool shares
-    its cache across tenants (`share_prefix_cache`). A shared cache lets a tenant learn from hit counts
-    or time to first token whether another tenant sent a prompt."""
-    return None if pool.spec.share_prefix_cache else tenant
-
-
 async def merged(routed: Routed, params: SamplingParams, priority: int, request_id: str,
-                 tenant: str = "default") -> AsyncIterator[tuple[int, RequestDelta]]:
-    """(prompt index, delta) from every prompt's engine request, as they arrive. The pools' device
-    workers must have loaded."""
+                 placed: dict[str, Placed], tenant: str = "default") -> AsyncIterator[tuple[int, RequestDelta]]:
+    """(prompt index, delta) from every prompt's engine request, as they arrive, each on the replica its
+    pool's part was placed on (`placed`)."""
+    def generate(i: int, pool: Pool, ids: list[int]):
+        return placed[pool.name].client.generate(ids, params, request_id=request_id if len(routed) == 1 else
+                                                 f"{request_id}-{i}", priority=priority, pool=pool.name,
+                                                 cache_salt=pool.cache_salt(tenant))
+
     if len(routed) == 1:
         pool, ids = routed[0]
-        async with contextlib.aclosing(pool.client.generate(ids, params, request_id=request_id, priority=priority,
-                                                            pool=pool.name, cache_salt=cache_salt(pool, tenant))
-                                       ) as stream:
+        async with contextlib.aclosing(generate(0, pool, ids)) as stream:
             async for out in stream:
                 yield 0, out
         return
@@ -90,9 +86,7 @@ async def merged(routed: Routed, params: SamplingParams, priority: int, request_
 
     async def pump(i: int, pool: Pool, ids: list[int]) -> None:
         try:
-            async with contextlib.aclosing(pool.client.generate(ids, params, request_id=f"{request_id}-{i}",
-                                                                priority=priority, pool=pool.name,
-                                                                cache_salt=cache_salt(pool, tenant))) as stream:
+            async with contextlib.aclosing(generate(i, pool, ids)) as stream:
                 async for out in stream:
                     queue.put_nowait((i, out))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
@@ -134,16 +128,18 @@ class LocalResponse:
     """
 
     def __init__(self, request: web.Request | None, req: ChatRequest | CompletionRequest, routed: Routed, *,
-                 received: float, metrics: GatewayMetrics, write_timeout: float = 30.0,
+                 placed: dict[str, Placed], received: float, metrics: GatewayMetrics, write_timeout: float = 30.0,
                  tenant: str = "default") -> None:
-        self.request, self.req, self.routed = request, req, routed
+        self.request, self.req, self.routed, self.placed = request, req, routed, placed
         self.chat = isinstance(req, ChatRequest)
         self.received, self.metrics = received, metrics
         self.request_id = objects.new_id("chatcmpl" if self.chat else "cmpl")
         self.created = int(time.time())
         n = req.params.n
         self.choices = {i * n + j: _Choice(i * n + j, pool) for i, (pool, _) in enumerate(routed) for j in range(n)}
-        self.pool_header = ",".join(dict.fromkeys(pool.name for pool, _ in routed))
+        pools = list(dict.fromkeys(pool.name for pool, _ in routed))
+        self.headers = {"x-cliffguard-pool": ",".join(pools),
+                        "x-cliffguard-replica": ",".join(str(placed[name].replica) for name in pools)}
         self.want_logprobs = req.params.logprobs is not None
         # A chat offering tools (tool_choice not "none"): its replies are parsed into tool calls.
         self.tool_format: ToolFormat | None = None
@@ -223,7 +219,7 @@ class LocalResponse:
     async def _consume(self) -> None:
         for pool, ids in self.routed:
             self.metrics.prompt_tokens.labels(pool=pool.name).inc(len(ids))
-        events = merged(self.routed, self.req.params, self.req.priority, self.request_id, self.tenant)
+        events = merged(self.routed, self.req.params, self.req.priority, self.request_id, self.placed, self.tenant)
         async with contextlib.aclosing(events):
             async for i, out in events:
                 self._observe(i, out)
@@ -243,6 +239,7 @@ class LocalResponse:
         now, pool, metrics = time.perf_counter(), self.routed[i][0].name, self.metrics
         new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)
         if new_tokens:
+            self.placed[pool].observe(new_tokens)
             if i not in self._first_at:
                 self._first_at[i] = now
                 metrics.ttft.labels(pool=pool).observe(now - self.received)
@@ -317,8 +314,7 @@ class LocalResponse:
         that is gone, stops the engine side (`run` raises ClientGone)."""
         try:
             if self.response is None:
-                self.response = await asyncio.wait_for(start_sse(self.request, self.pool_header),
-                                                       self.write_timeout)
+                self.response = await asyncio.wait_for(start_sse(self.request, self.headers), self.write_timeout)
             while True:
                 while self._chunks:
                     await asyncio.wait_for(self.response.write(self._chunks.popleft()), self.write_timeout)
@@ -348,7 +344,7 @@ class LocalResponse:
             transport.abort()
 
     def _json(self) -> web.Response:
-        return web.json_response(self._body(), headers={"x-cliffguard-pool": self.pool_header})
+        return web.json_response(self._body(), headers=self.headers)
 
     def _body(self) -> dict[str, Any]:
         body_choices = []
@@ -376,10 +372,10 @@ class LocalResponse:
         return (sum(len(ids) for _, ids in self.routed), sum(c.num_tokens for c in self.choices.values()))
 
 
-async def start_sse(request: web.Request, pool_header: str) -> web.StreamResponse:
-    """A prepared `text/event-stream` response naming the pool(s) in `x-cliffguard-pool`."""
+async def start_sse(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
+    """A prepared `text/event-stream` response with `headers` (the pools and replicas that answer)."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "x-cliffguard-pool": pool_header})
+                                           **headers})
     sock = request.transport.get_extra_info("socket") if request.transport is not None else None
     if sock is not None:
         with contextlib.suppress(OSError):

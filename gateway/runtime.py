@@ -2,10 +2,10 @@
 workers and their readiness, metrics, the tokenizer thread pool and the upstream `ClientSession`.
 
 `Gateway.from_config` does everything that can fail before a socket opens (models resolved,
-tokenizers loaded, the capacity plan computed); `start` spawns the device workers, which load in the
-background, each under a `gateway.supervisor.DeviceSupervisor` that restarts it if it dies, and
-starts the `SpiralWatch` (death-spiral detection per local pool). The app's `cleanup_ctx`
-(gateway.app) calls `start` and `stop` and owns the session. All methods run on the event loop; only
+tokenizers loaded, the capacity plan computed); `start` spawns the device workers, one per replica of
+each device, which load in the background, each under a `gateway.supervisor.DeviceSupervisor` that
+restarts it if it dies, and starts the `SpiralWatch` (death-spiral detection per local pool and
+replica). The app's `cleanup_ctx` (gateway.app) calls `start` and `stop` and owns the session. All methods run on the event loop; only
 `Router.route` (via `route_chat` / `route_prompt`) and the tokenizers it calls may run on the
 tokenizer thread.
 """
@@ -34,16 +34,18 @@ from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
 from gateway.tools import Tool
 from gateway.tools import render as render_chat_with_tools
-from engine.client import AsyncEngineClient, EngineDeadError
+from engine.client import AsyncEngineClient
 from gateway.admission import AdmissionControl
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ApiError
 from gateway.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
-from pools.capacity_plan import CapacityPlan, engine_configs, model_folder, plan_capacity, resolve_model_configs
+from pools.capacity_plan import (CapacityPlan, model_folder, plan_capacity, replica_engine_configs,
+                                 resolve_model_configs)
 from pools.pool import Pool
 from pools.router import NoRouteError, Router, UnknownModelError
-from pools.spec import Backoff, CliffguardConfig, PoolSpec
+from pools.gateway_spec import Backoff
+from pools.spec import CliffguardConfig, PoolSpec
 from pools.spiral import SpiralDetector
 from pools.tenants import Tenants
 from pools.tokencount import TokenCounter
@@ -74,14 +76,15 @@ class SpiralWatch:
 
     def __init__(self, pools: dict[str, Pool], metrics: GatewayMetrics) -> None:
         self.pools = {name: pool for name, pool in pools.items() if not pool.is_upstream}
-        self.detectors = {name: SpiralDetector(pool.spec.death_spiral) for name, pool in self.pools.items()
-                          if pool.spec.death_spiral.enabled}
+        # one detector per pool and replica: each replica's engine can spiral on its own
+        self.detectors = {(name, r): SpiralDetector(pool.spec.death_spiral) for name, pool in self.pools.items()
+                          if pool.spec.death_spiral.enabled for r in range(pool.num_replicas)}
         self.metrics = metrics
-        self._seen: dict[str, float] = {}          # pool -> `taken_at` of the report fed last
+        self._seen: dict[tuple[str, int], float] = {}   # (pool, replica) -> `taken_at` of the report fed last
         self._ticker = Ticker("cliffguard-spiral", SPIRAL_INTERVAL, lambda: self.check(time.time()), log,
                               "death-spiral check failed")
-        for name in self.detectors:
-            metrics.death_spiral.labels(pool=name).set(0)   # exported from the start
+        for name, replica in self.detectors:
+            metrics.death_spiral.labels(pool=name, replica=str(replica)).set(0)   # exported from the start
 
     def start(self) -> None:
         """Start the ticker (idempotent; needs a running loop)."""
@@ -91,19 +94,25 @@ class SpiralWatch:
         await self._ticker.stop()
 
     def degraded(self) -> dict[str, str]:
-        """The pools in a death spiral now, each with its reason (one line with the numbers)."""
-        return {name: d.state.reason for name, d in self.detectors.items() if d.tripped}
+        """The pools in a death spiral now (on any replica), each with its reason (one line with the numbers)."""
+        out: dict[str, str] = {}
+        for (name, replica), d in self.detectors.items():
+            if d.tripped:
+                where = f"replica {replica}: " if self.pools[name].num_replicas > 1 else ""
+                out[name] = "; ".join(filter(None, (out.get(name), where + d.state.reason)))
+        return out
 
     def check(self, now: float) -> None:
         """Feed each watched pool's latest report (`now`: `time.time()`, the clock of `taken_at`)."""
-        for name, detector in self.detectors.items():
-            client = self.pools[name].client
+        for (name, replica), detector in self.detectors.items():
+            client = self.pools[name].clients[replica]
             stats = client.latest_stats if client is not None else None
             if stats is None or name not in stats.pools:
                 continue
             pool_stats = stats.pools[name]
-            if self._seen.get(name) != stats.taken_at:
-                self._seen[name] = stats.taken_at
+            key = (name, replica)
+            if self._seen.get(key) != stats.taken_at:
+                self._seen[key] = stats.taken_at
                 at = stats.taken_at
             elif _is_idle(pool_stats):
                 at = now
@@ -112,11 +121,9 @@ class SpiralWatch:
             state = detector.observe(at, pool_stats.num_preemptions, pool_stats.num_generated_tokens)
             if not state.changed:
                 continue
-            self.metrics.death_spiral.labels(pool=name).set(1 if state.tripped else 0)
-            if state.tripped:
-                log.warning("pool %s: %s", name, state.reason)
-            else:
-                log.info("pool %s: %s", name, state.reason)
+            self.metrics.death_spiral.labels(pool=name, replica=str(replica)).set(1 if state.tripped else 0)
+            where = f"pool {name}" + (f" replica {replica}" if self.pools[name].num_replicas > 1 else "")
+            (log.warning if state.tripped else log.info)("%s: %s", where, state.reason)
 
 
 def _is_idle(stats: PoolStats) -> bool:
@@ -129,10 +136,10 @@ class Gateway:
 
     config: CliffguardConfig
     plan: CapacityPlan
-    engines: dict[str, EngineConfig]    # device -> what its worker runs: exactly the plan's numbers
+    engines: dict[str, list[EngineConfig]]   # device -> what each replica's worker runs: the plan's numbers
     pools: dict[str, Pool]
     router: Router
-    supervisors: dict[str, DeviceSupervisor] = field(default_factory=dict)   # device -> its worker's life
+    supervisors: dict[str, list[DeviceSupervisor]] = field(default_factory=dict)   # device -> each replica's life
     backoff: Backoff = field(default_factory=Backoff)   # between restarts of a dead device worker (YAML)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "cliffguard-tok"))
@@ -149,7 +156,7 @@ class Gateway:
         folders: dict[str, Path] = {}
         model_configs = resolve_model_configs(config, folders=folders)
         plan = plan_capacity(config, model_configs, vram_bytes=vram_bytes)
-        engines = engine_configs(config, plan)
+        engines = replica_engine_configs(config, plan)
         tokenizers: dict[str, tuple[Tokenizer, TokenCounter, list[int]]] = {}
         pools: dict[str, Pool] = {}
         for i, spec in enumerate(config.pools):
@@ -160,10 +167,10 @@ class Gateway:
                 tokenizers[tok_spec] = (tokenizer, TokenCounter(tokenizer),
                                         tokenizer.encode("", add_special_tokens=True))
             if spec.is_upstream:
-                max_model_len = spec.max_model_len or _upstream_max_len(spec, folders)
+                max_model_len, replicas = spec.max_model_len or _upstream_max_len(spec, folders), 1
             else:
-                max_model_len = plan.pools[spec.name].max_model_len
-            pools[spec.name] = Pool(spec, *tokenizers[tok_spec], max_model_len=max_model_len)
+                max_model_len, replicas = plan.pools[spec.name].max_model_len, config.devices[spec.device].replicas
+            pools[spec.name] = Pool(spec, *tokenizers[tok_spec], max_model_len=max_model_len, num_replicas=replicas)
         gateway = cls(config=config, plan=plan, engines=engines, pools=pools, router=Router(list(pools.values())),
                       backoff=config.gateway.restart_backoff)
         credits = {name: p.num_blocks * p.block_size for name, p in plan.pools.items()}
@@ -175,48 +182,84 @@ class Gateway:
 
     # --- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Spawn one device worker per device that has local pools, each under a `DeviceSupervisor`
-        (restarted with back-off if it dies); loading continues in the background."""
-        for device, config in self.engines.items():
+        """Spawn one device worker per replica of each device that has local pools, each under a
+        `DeviceSupervisor` (restarted with back-off if it dies); loading continues in the background."""
+        for device, configs in self.engines.items():
             pools = [pool for pool in self.pools.values() if pool.device == device]
-            supervisor = DeviceSupervisor(device, config, pools, self.metrics, self.backoff,
-                                          stall_seconds=self.config.gateway.stall_seconds)
-            self.supervisors[device] = supervisor
-            supervisor.start()
+            supervisors = [DeviceSupervisor(device, config, pools, self.metrics, self.backoff,
+                                            stall_seconds=self.config.gateway.stall_seconds, replica=r)
+                           for r, config in enumerate(configs)]
+            self.supervisors[device] = supervisors
+            for pool in pools:
+                pool.admission.is_up = lambda replica, s=supervisors: s[replica].is_ready
+            for supervisor in supervisors:
+                supervisor.start()
         self.admission.start()
         self.spiral.start()
 
     async def stop(self) -> None:
         await self.admission.stop()
         await self.spiral.stop()
-        await asyncio.gather(*(s.stop() for s in self.supervisors.values()), return_exceptions=True)
+        await asyncio.gather(*(s.stop() for s in self.all_supervisors), return_exceptions=True)
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     @property
-    def clients(self) -> dict[str, AsyncEngineClient]:
-        """Each device's current worker client (a new one after each restart); empty before `start`."""
-        return {device: s.client for device, s in self.supervisors.items() if s.client is not None}
+    def all_supervisors(self) -> list[DeviceSupervisor]:
+        return [s for replicas in self.supervisors.values() for s in replicas]
+
+    @property
+    def clients(self) -> dict[str, list[AsyncEngineClient]]:
+        """Each device's current worker clients, one per replica that has one (a new one after each
+        restart); empty before `start`."""
+        return {device: [s.client for s in replicas if s.client is not None]
+                for device, replicas in self.supervisors.items()}
 
     # --- readiness -------------------------------------------------------------------------------
     def device_states(self) -> dict[str, str]:
-        """Each device: `loading`, `ready`, `restarting: <reason>` or `failed: <reason>`."""
-        return {device: s.state for device, s in self.supervisors.items()}
+        """Each device: `loading`, `ready`, `restarting: <reason>` or `failed: <reason>` (a replicated
+        device: `ready` when all its replicas are, `degraded: k of N replicas ready` when some are, else
+        its first replica's state)."""
+        states = {}
+        for device, replicas in self.supervisors.items():
+            ready = sum(s.is_ready for s in replicas)
+            if len(replicas) == 1 or ready == 0:
+                states[device] = replicas[0].state
+            else:
+                states[device] = "ready" if ready == len(replicas) else \
+                    f"degraded: {ready} of {len(replicas)} replicas ready"
+        return states
+
+    def replica_states(self) -> dict[str, list[str]]:
+        """Each device's replicas' states, in replica order."""
+        return {device: [s.state for s in replicas] for device, replicas in self.supervisors.items()}
 
     def is_ready(self) -> bool:
-        return all(s.is_ready for s in self.supervisors.values())
+        """Every device has a replica ready: every local pool can serve."""
+        return all(any(s.is_ready for s in replicas) for replicas in self.supervisors.values())
 
-    def worker_info(self, device: str | None) -> WorkerInfo | None:
-        """What the device's worker loaded; None while it loads or restarts, if it failed, or for no device."""
-        supervisor = self.supervisors.get(device) if device is not None else None
-        return supervisor.info if supervisor is not None else None
+    def worker_info(self, device: str | None, replica: int = 0) -> WorkerInfo | None:
+        """What a replica's worker loaded; None while it loads or restarts, if it failed, or for no device."""
+        replicas = self.supervisors.get(device) if device is not None else None
+        return replicas[replica].info if replicas else None
 
-    async def wait_device(self, pool: Pool) -> WorkerInfo:
-        """Wait until the pool's device worker has loaded, or has been restarted after it died; 503 if
-        it failed to start."""
+    async def wait_device(self, pool: Pool) -> None:
+        """Wait until a replica of the pool's device has loaded (at once when one is up); 503 if every
+        replica failed to start. Requests then wait for credits in the pool's queue, holding nothing
+        while a replica restarts."""
+        replicas = self.supervisors[pool.device]
+        if any(s.is_ready for s in replicas):
+            return
+        waits = [asyncio.ensure_future(s.wait_ready()) for s in replicas]
         try:
-            return await self.supervisors[pool.device].wait_ready()
-        except EngineDeadError as exc:
-            raise ApiError(503, str(exc), type="server_error", code="pool_unavailable") from None
+            while waits:
+                done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if any(not w.exception() for w in done):
+                    return
+                waits = list(pending)
+            raise ApiError(503, str(done.pop().exception()), type="server_error", code="pool_unavailable")
+        finally:
+            for w in waits:
+                w.cancel()
 
     async def check_grammar(self, constraint: StructuredOutput | None, param: str) -> None:
         """400 naming `param` when the grammar library cannot enforce `constraint`; checked on the tokenizer

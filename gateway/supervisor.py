@@ -1,7 +1,12 @@
 """`DeviceSupervisor`: one device worker's life as the gateway sees it — start, death, restart.
 
-The supervisor owns its device's `engine.client.AsyncEngineClient`, a new one per worker process, and
-points the device's pools at the live one. The client notices a worker's death at once (its pipe's
+There is one supervisor per replica of a device (a replicated device has several, each with its own
+worker process, or its own tensor-parallel group, of which the worker is rank 0). The supervisor owns
+its replica's `engine.client.AsyncEngineClient`, a new one per worker process, and points the device's
+pools at the live one (`Pool.clients[replica]`); when a new worker is ready it tells each pool's
+admission (`Admission.replica_ready`), which places requests on it again. A replica that is not ready
+takes no new request: the pools' placement sees it at once (`is_ready`), so while it restarts the
+other replicas serve. The client notices a worker's death at once (its pipe's
 EOF or its process sentinel; `kill -9`, the OOM killer, a crashed kernel, a failed step) and fails
 the requests in flight with `EngineDeadError`: 503 `engine_dead`, or an error event then `[DONE]` on
 a stream. The supervisor then
@@ -9,19 +14,20 @@ a stream. The supervisor then
 - logs an ERROR naming the device and the reason (`device worker process exited (signal 9, SIGKILL)`),
 - shows the device as `restarting: <reason>` (so `/ready` answers 503) until a new worker has loaded,
 - starts the new worker after a back-off (`Backoff`: 1 s, 2 s, 4 s … 30 s; back to 1 s once a worker
-  stayed up for `reset_after` seconds), counted in `cliffguard_worker_restarts_total{device}`.
+  stayed up for `reset_after` seconds), counted in `cliffguard_worker_restarts_total{device,replica}`.
 
 A worker that is alive but silent is as dead to its clients: the watchdog (every
 `WATCHDOG_INTERVAL` s) kills a worker that has had requests in flight and sent nothing for
 `gateway.stall_seconds` (a `kill -STOP`, a hung kernel, a deadlocked driver), counted in
-`cliffguard_worker_stalls_total{device}`; the in-flight requests fail with 503 `engine_dead` naming the
+`cliffguard_worker_stalls_total{device,replica}`; the in-flight requests fail with 503 `engine_dead` naming the
 stall, and the worker is restarted as if it had died. A step longer than `stall_seconds` would be
 taken for a stall: set it well above the slowest step (a long prefill chunk on a CPU).
 
-Requests that arrive meanwhile wait in `wait_ready` and are served by the new worker: queued, not
-lost. A worker that fails its first start (a bad config, a missing model) stays `failed: <reason>`
-and its pools answer 503 `pool_unavailable`; starting it again would fail the same way. A worker
-that was ready once is restarted for as long as it takes.
+Requests that arrive meanwhile wait in their pool's credit queue, holding nothing, and are served by
+the first replica ready: queued, not lost. A worker that fails its first start (a bad config, a
+missing model) stays `failed: <reason>`, and once every replica of a device has, its pools answer 503
+`pool_unavailable`; starting it again would fail the same way. A worker that was ready once is
+restarted for as long as it takes.
 
 Everything here runs on the event loop.
 """
@@ -39,7 +45,7 @@ from engine.client import AsyncEngineClient, EngineDeadError
 from gateway.metrics import GatewayMetrics
 from gateway.ticker import Ticker
 from pools.pool import Pool
-from pools.spec import Backoff
+from pools.gateway_spec import Backoff
 
 log = logging.getLogger("cliffguard.gateway")
 
@@ -58,16 +64,19 @@ class DeviceSupervisor:
     """
 
     def __init__(self, device: str, config: EngineConfig, pools: Sequence[Pool], metrics: GatewayMetrics,
-                 backoff: Backoff = Backoff(), stall_seconds: float = 10.0) -> None:
+                 backoff: Backoff = Backoff(), stall_seconds: float = 10.0, replica: int = 0) -> None:
         self.device = device
+        self.replica = replica
+        self.name = device if replica == 0 and all(p.num_replicas == 1 for p in pools) else f"{device}/{replica}"
+        self.labels = {"device": device, "replica": str(replica)}
         self.config = config
         self.pools = list(pools)
         self.metrics = metrics
         self.backoff = backoff
         self.stall_seconds = stall_seconds
         self.num_stalls = 0
-        self._watchdog = Ticker(f"cliffguard-watchdog-{device}", WATCHDOG_INTERVAL, self.check_stall, log,
-                                f"device {device}: watchdog check failed")
+        self._watchdog = Ticker(f"cliffguard-watchdog-{self.name}", WATCHDOG_INTERVAL, self.check_stall, log,
+                                f"device {self.name}: watchdog check failed")
         self.client: AsyncEngineClient | None = None
         self.num_restarts = 0
         self._was_ready = False                    # some worker of this device loaded once
@@ -78,9 +87,9 @@ class DeviceSupervisor:
 
     def start(self) -> None:
         """Spawn the first worker; it loads in the background (`wait_ready`)."""
-        self.metrics.worker_restarts.labels(device=self.device)   # exported from the start, at 0
-        self.metrics.worker_stalls.labels(device=self.device)
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"cliffguard-device-{self.device}")
+        self.metrics.worker_restarts.labels(**self.labels)   # exported from the start, at 0
+        self.metrics.worker_stalls.labels(**self.labels)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"cliffguard-device-{self.name}")
         self._watchdog.start()
 
     async def stop(self) -> None:
@@ -140,9 +149,9 @@ class DeviceSupervisor:
         reason = (f"stalled: no word from the device worker for {silent:.1f} s with {client.num_in_flight} "
                   f"requests in flight (gateway.stall_seconds {self.stall_seconds:g})")
         self.num_stalls += 1
-        self.metrics.worker_stalls.labels(device=self.device).inc()
+        self.metrics.worker_stalls.labels(**self.labels).inc()
         self._restart_reason = reason
-        log.error("device %s: %s; killing it", self.device, reason)
+        log.error("device %s: %s; killing it", self.name, reason)
         client.kill(reason)
         return True
 
@@ -155,16 +164,19 @@ class DeviceSupervisor:
                 info = await client.start()
             except Exception as exc:  # noqa: BLE001 - the reason goes to the state, the log and the requests
                 if not self._was_ready:
-                    log.error("device %s failed to start: %s", self.device, exc)
-                    self._failure = f"device {self.device!r} failed to start: {exc}"
+                    log.error("device %s failed to start: %s", self.name, exc)
+                    self._failure = f"device {self.name!r} failed to start: {exc}"
                     await self._notify()
                     return
                 what, reason = "restart failed", str(exc)
             else:
                 up_since = time.monotonic()
-                log.info("device %s ready%s: %s", self.device,
+                log.info("device %s ready%s: %s", self.name,
                          f" again (restart {self.num_restarts})" if self._was_ready else "", info)
                 self._was_ready, self._restart_reason = True, None
+                for pool in self.pools:
+                    if pool.admission is not None:
+                        pool.admission.replica_ready(self.replica)
                 await self._notify()
                 what, reason = "worker died", await client.died
                 if time.monotonic() - up_since >= self.backoff.reset_after_seconds:
@@ -172,16 +184,16 @@ class DeviceSupervisor:
             delay = self.backoff.delay(attempt)
             attempt += 1
             self._restart_reason = _summary(reason)
-            log.error("device %s: %s: %s; restarting in %.1f s", self.device, what, reason, delay)
+            log.error("device %s: %s: %s; restarting in %.1f s", self.name, what, reason, delay)
             await asyncio.sleep(delay)
             self.num_restarts += 1
-            self.metrics.worker_restarts.labels(device=self.device).inc()
+            self.metrics.worker_restarts.labels(**self.labels).inc()
 
     def _new_client(self) -> AsyncEngineClient:
         """A client for a new worker process, with the device's pools pointed at it."""
         self.client = AsyncEngineClient(self.config)
         for pool in self.pools:
-            pool.client = self.client
+            pool.clients[self.replica] = self.client
         return self.client
 
     async def _notify(self) -> None:

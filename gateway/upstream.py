@@ -100,7 +100,7 @@ async def _relay_stream(request: web.Request, pool: Pool, upstream: aiohttp.Clie
                         metrics: GatewayMetrics, received: float, write_timeout: float) -> web.StreamResponse:
     """The upstream's SSE events, each relayed as it arrives with the client's model name put back; a
     client that takes nothing for `write_timeout` seconds is cut off (ClientGone)."""
-    response = await start_sse(request, pool.name)
+    response = await start_sse(request, {"x-cliffguard-pool": pool.name})
 
     async def write(data: bytes) -> None:
         try:

@@ -19,7 +19,9 @@ of each device, with exactly the planned numbers (the engine derives none of its
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,13 +31,15 @@ import torch
 import engine.capacity as formula
 from engine.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, ceil_div, dtype_name,
                            parse_dtype)
+from engine.parallel import ShardShape
 from pools.spec import DEFAULT_CPU_MEMORY, CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
 from pools.yamlcheck import within
 
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """One device (a TP group of `tensor_parallel_size` GPUs): memory, weights and KV bytes."""
+    """One device (a TP group of `tensor_parallel_size` GPUs): memory, weights and KV bytes. Each of its
+    `replicas` is planned alike: every number here is one replica's."""
 
     name: str
     device_type: str                 # cuda | cpu (what the plan assumed)
@@ -52,6 +56,7 @@ class DevicePlan:
     kv_space_bytes_per_device: int   # memory_utilization x memory - weights / T: what its pools share
     block_size: int
     pools: tuple[str, ...]
+    replicas: int = 1
 
     @property
     def usable_bytes(self) -> int:
@@ -76,7 +81,13 @@ class PoolPlan:
     tensor_parallel_size: int
     num_blocks: int
     formula_max_num_seqs: int        # floor(pool KV / (S_KV x avg_len))
-    max_num_seqs: int                # the formula's, or the config's override
+    max_num_seqs: int                # the formula's, or the config's override (per replica)
+    replicas: int = 1                # the device's: each holds this pool's blocks and runs max_num_seqs
+
+    @property
+    def pool_max_num_seqs(self) -> int:
+        """Sequences the whole pool runs at once: max_num_seqs on each of its replicas."""
+        return self.replicas * self.max_num_seqs
 
     @property
     def name(self) -> str:
@@ -143,7 +154,7 @@ class CapacityPlan:
                         "slo_source": spec.slo_source}
             derived = {k: v for k, v in asdict(p).items() if k != "spec"}
             return {**settings, **derived, **{name: getattr(p, name) for name in (
-                "kv_cache_bytes", "max_num_seqs_overridden", "blocks_per_max_len_request",
+                "kv_cache_bytes", "max_num_seqs_overridden", "pool_max_num_seqs", "blocks_per_max_len_request",
                 "max_concurrent_at_max_len", "fragmentation_bytes", "fragmentation_fraction")}}
 
         return {
@@ -183,14 +194,12 @@ def _memory(device: DeviceSpec, device_type: str, vram_bytes: int | None,
 
 
 def _kv_heads_per_device(model: ModelConfig, tp: int, key: str) -> int:
-    """KV heads split over TP ranks; when T > num_kv_heads each rank holds a replica of one (as vLLM does)."""
-    if model.num_heads % tp:
-        raise SpecError(f"{key}: {tp} does not divide the model's {model.num_heads} attention heads")
-    if model.num_kv_heads % tp == 0:
-        return model.num_kv_heads // tp
-    if tp % model.num_kv_heads == 0:
-        return 1
-    raise SpecError(f"{key}: {tp} neither divides nor is a multiple of the model's {model.num_kv_heads} KV heads")
+    """KV heads split over TP ranks; when T > num_kv_heads each rank holds a replica of one (as vLLM does).
+    The engine's own rule (`engine.parallel.check_tensor_parallel`), its error naming `key`."""
+    try:
+        return ShardShape.of(model, 0, tp).num_kv_heads
+    except ConfigError as exc:
+        raise SpecError(f"{key}{str(exc).removeprefix('tensor_parallel_size')}") from None
 
 
 def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelConfig], *,
@@ -231,32 +240,32 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         if kv_dev <= 0:
             where = f" ({source})" if source != "config" else ""
             raise SpecError(
-                f"{dkey}.memory: {dev.memory_utilization} x {_fmt(memory)}{where} = {_fmt(usable)} per GPU "
-                f"cannot hold the weights of {p0.model!r}: {_fmt(weights_dev)} per GPU in {dtype_name(dtype)} "
-                f"(TP={tp}), leaving {_fmt(kv_dev)} for the KV cache")
+                f"{dkey}.memory: {dev.memory_utilization} x {fmt_bytes(memory)}{where} = {fmt_bytes(usable)} per GPU "
+                f"cannot hold the weights of {p0.model!r}: {fmt_bytes(weights_dev)} per GPU in {dtype_name(dtype)} "
+                f"(TP={tp}), leaving {fmt_bytes(kv_dev)} for the KV cache")
         device_pools = []
         for i, p in members:
-            device_pools.append(_plan_pool(i, p, model, s_kv, s_kv_dev, kv_dev, tp, warnings))
+            device_pools.append(_plan_pool(i, p, model, s_kv, s_kv_dev, kv_dev, tp, warnings, dev.replicas))
         asked = sum(pp.kv_cache_bytes_per_device for pp in device_pools)
         if asked > kv_dev:
             i, p = next(((i, p) for i, p in members if p.kv_cache_bytes is not None), members[0])
-            parts = ", ".join(f"{pp.name} {_fmt(pp.kv_cache_bytes_per_device)}" for pp in device_pools)
-            raise SpecError(f"pools[{i}].kv_cache_bytes: {_fmt(p.kv_cache_bytes or 0)}; the pools of device "
-                            f"{dev_name!r} ask for {_fmt(asked)} per GPU ({parts}) but it has {_fmt(kv_dev)}")
+            parts = ", ".join(f"{pp.name} {fmt_bytes(pp.kv_cache_bytes_per_device)}" for pp in device_pools)
+            raise SpecError(f"pools[{i}].kv_cache_bytes: {fmt_bytes(p.kv_cache_bytes or 0)}; the pools of device "
+                            f"{dev_name!r} ask for {fmt_bytes(asked)} per GPU ({parts}) but it has {fmt_bytes(kv_dev)}")
         pools.update((pp.name, pp) for pp in device_pools)
         devices[dev_name] = DevicePlan(
             name=dev_name, device_type=device_type, dtype=dtype_name(dtype), model=p0.model, memory_bytes=memory,
             memory_source=source, memory_utilization=dev.memory_utilization, tensor_parallel_size=tp,
             weights_bytes=weights, weights_bytes_per_device=weights_dev, kv_bytes_per_token=s_kv,
             kv_bytes_per_token_per_device=s_kv_dev, kv_space_bytes_per_device=kv_dev,
-            block_size=p0.block_size, pools=tuple(p.name for _, p in members))
+            block_size=p0.block_size, pools=tuple(p.name for _, p in members), replicas=dev.replicas)
     upstream = tuple(p.name for p in config.pools if p.is_upstream)
     return CapacityPlan(devices=devices, pools=pools, upstream_pools=upstream,
                         warnings=tuple(warnings))
 
 
 def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int, kv_dev: int, tp: int,
-               warnings: list[str]) -> PoolPlan:
+               warnings: list[str], replicas: int = 1) -> PoolPlan:
     key = f"pools[{i}]"
     context = model.max_position_embeddings
     if p.max_model_len is not None and p.max_model_len > context:
@@ -275,18 +284,18 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
         budget_key, budget = f"{key}.kv_share", f"{p.kv_share}"
         pool_kv = min(int(p.kv_share * kv_dev), kv_dev)
     else:
-        budget_key, budget = f"{key}.kv_cache_bytes", _fmt(p.kv_cache_bytes)
+        budget_key, budget = f"{key}.kv_cache_bytes", fmt_bytes(p.kv_cache_bytes)
         pool_kv = p.kv_cache_bytes
     num_blocks = formula.num_blocks(pool_kv, s_kv_dev, p.block_size)
     per_request = ceil_div(max_model_len, p.block_size)
     if num_blocks < per_request:
-        raise SpecError(f"{budget_key}: {budget} gives pool {p.name!r} {_fmt(pool_kv)} per GPU = {num_blocks} "
+        raise SpecError(f"{budget_key}: {budget} gives pool {p.name!r} {fmt_bytes(pool_kv)} per GPU = {num_blocks} "
                         f"blocks of {p.block_size} tokens; one request of max_model_len {max_model_len} needs "
                         f"{per_request}: raise the budget or lower {key}.max_model_len")
     by_formula = formula.max_num_seqs(pool_kv, s_kv_dev, p.avg_len)
     if p.max_num_seqs is None:
         if by_formula == 0:
-            raise SpecError(f"{budget_key}: {budget} gives max_num_seqs = floor({_fmt(pool_kv)} / "
+            raise SpecError(f"{budget_key}: {budget} gives max_num_seqs = floor({fmt_bytes(pool_kv)} / "
                             f"({s_kv_dev} B x avg_len {p.avg_len})) = 0 for pool {p.name!r}")
         max_num_seqs = by_formula
     else:
@@ -297,24 +306,29 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
     return PoolPlan(
         spec=p, max_model_len=max_model_len,
         kv_bytes_per_token=s_kv, kv_bytes_per_token_per_device=s_kv_dev, kv_cache_bytes_per_device=pool_kv,
-        tensor_parallel_size=tp, num_blocks=num_blocks, formula_max_num_seqs=by_formula, max_num_seqs=max_num_seqs)
+        tensor_parallel_size=tp, num_blocks=num_blocks, formula_max_num_seqs=by_formula, max_num_seqs=max_num_seqs,
+        replicas=replicas)
 
 
 def engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, EngineConfig]:
-    """One EngineConfig per planned device: the planned dtype, blocks and limits, nothing re-derived.
+    """One EngineConfig per planned device (its first replica's; `replica_engine_configs` gives each
+    replica's): the planned dtype, blocks and limits, nothing re-derived.
 
     This is the start-up check of `serve` and `generate`: a device `auto` becomes the device type the
-    plan assumed; a CUDA device on a machine without CUDA (a plan made with `--vram`) and a plan for
-    tensor_parallel_size > 1 (the engine runs one GPU per device) are refused here, before anything
-    loads. Errors are SpecError naming the key path.
+    plan assumed; a CUDA device on a machine without CUDA (a plan made with `--vram`), or asking for
+    GPUs the machine does not have, is refused here, before anything loads. Errors are SpecError
+    naming the key path.
     """
+    return {name: configs[0] for name, configs in replica_engine_configs(config, plan).items()}
+
+
+def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, list[EngineConfig]]:
+    """Each planned device's EngineConfig per replica: the same pools and block ranges, each replica on
+    its own GPUs (`DeviceSpec.replica_gpus`), or on the CPU with its share of the cores."""
     result = {}
     for dplan in plan.devices.values():
         dev = config.devices[dplan.name]
         key = f"devices.{dplan.name}"
-        if dplan.tensor_parallel_size != 1:
-            raise SpecError(f"{key}.tensor_parallel_size: {dplan.tensor_parallel_size} is for "
-                            "planning only (cliffguard capacity); the engine runs one GPU per device")
         device = dplan.device_type if dev.device == "auto" else dev.device
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise SpecError(f"{key}.device: {dev.device!r} needs a CUDA device and this machine has none "
@@ -327,10 +341,26 @@ def engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, En
                 scheduler = pplan.spec.scheduler_config(pplan.max_num_seqs, pplan.max_model_len)
             pool_configs.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler,
                                            slo=pplan.spec.slo))
-        result[dplan.name] = EngineConfig(model=dplan.model, device=device, dtype=dplan.dtype,
-                                          cache=CacheConfig(block_size=dplan.block_size), pools=tuple(pool_configs),
-                                          memory_utilization=dplan.memory_utilization)
+        template = EngineConfig(model=dplan.model, device=device, dtype=dplan.dtype,
+                                cache=CacheConfig(block_size=dplan.block_size), pools=tuple(pool_configs),
+                                memory_utilization=dplan.memory_utilization,
+                                tensor_parallel_size=dplan.tensor_parallel_size)
+        result[dplan.name] = [_replica_config(template, dev, r, key) for r in range(dev.replicas)]
     return result
+
+
+def _replica_config(template: EngineConfig, dev: DeviceSpec, replica: int, key: str) -> EngineConfig:
+    ranks = dev.replicas * dev.tensor_parallel_size
+    if not template.device.startswith("cuda"):
+        threads = dev.cpu_threads or (max(1, (os.cpu_count() or 1) // ranks) if ranks > 1 else 0)
+        return dataclasses.replace(template, cpu_threads=threads)
+    gpus = dev.replica_gpus(replica)
+    count = torch.cuda.device_count()
+    if max(gpus) >= count:
+        where = "gpus" if dev.gpus is not None else "device"
+        raise SpecError(f"{key}.{where}: replica {replica} needs GPU {max(gpus)} and this machine has {count} "
+                        f"(replicas {dev.replicas} x tensor_parallel_size {dev.tensor_parallel_size} GPUs)")
+    return dataclasses.replace(template, device=f"cuda:{gpus[0]}", gpu_ids=gpus)
 
 
 def resolve_model_configs(config: CliffguardConfig, model_config: str | None = None, *,
@@ -394,85 +424,10 @@ def plan_single_pool(model: str, *, device: str = "auto", dtype: str = "auto", k
     return plan, engine_configs(config, plan)["default"]
 
 
-# --- `cliffguard capacity` ------------------------------------------------------------------------
-
-def _fmt(n: int) -> str:
+def fmt_bytes(n: int) -> str:
     """Bytes in binary units: 1.50 GiB."""
     sign, n = ("-", -n) if n < 0 else ("", n)
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return f"{sign}{n / size:.2f} {unit}"
     return f"{sign}{n} B"
-
-
-def _budget(p: PoolPlan, d: DevicePlan) -> str:
-    per = "/GPU" if p.tensor_parallel_size > 1 else ""
-    if p.spec.kv_share is None:
-        return f"{_fmt(p.kv_cache_bytes_per_device)}{per} (kv_cache_bytes)"
-    return f"{p.spec.kv_share} x {_fmt(d.kv_space_bytes_per_device)} = {_fmt(p.kv_cache_bytes_per_device)}{per}"
-
-
-def _service_class(spec: PoolSpec) -> str:
-    """`interactive`, `interactive (default)`, `throughput`, `throughput (slo: null)`."""
-    note = {"default": " (default)", "opted_out": " (slo: null)"}.get(spec.slo_source or "", "")
-    return spec.service_class + note
-
-
-def format_plan(plan: CapacityPlan) -> str:
-    """The plan as the tables `cliffguard capacity` prints."""
-    lines = []
-    pools = list(plan.pools.values())
-    for d in plan.devices.values():
-        tp = d.tensor_parallel_size
-        per = " per GPU" if tp > 1 else ""
-        lines.append(f"device {d.name}: {d.device_type}, {d.dtype}, TP={tp}, model {d.model}")
-        rows = [
-            ("memory", f"{_fmt(d.memory_bytes)}{per} ({d.memory_source})"),
-            ("utilization", f"{d.memory_utilization} -> {_fmt(d.usable_bytes)}{per}"),
-            ("weights", f"{_fmt(d.weights_bytes)} ({d.weights_bytes:,} B)"
-                        + (f", {_fmt(d.weights_bytes_per_device)} per GPU" if tp > 1 else "")),
-            ("KV bytes", f"{_fmt(d.kv_space_bytes_per_device)}{per}"
-                         + (f", {_fmt(d.kv_space_bytes)} total" if tp > 1 else "")),
-            ("S_KV", f"{d.kv_bytes_per_token:,} B/token ({_fmt(d.kv_bytes_per_token)})"
-                     + (f", {d.kv_bytes_per_token_per_device:,} B per GPU" if tp > 1 else "")),
-        ]
-        lines += [f"  {k:<13} {v}" for k, v in rows]
-        lines.append("")
-    if pools:
-        header = ["pool"] + [p.name for p in pools]
-        table = [
-            ("device", [p.device for p in pools]),
-            ("route (tokens)", [p.spec.route.describe() for p in pools]),
-            ("class", [_service_class(p.spec) for p in pools]),
-            ("slo", ["-" if p.spec.slo is None else f"ttft {p.spec.slo.ttft_ms:g} ms, itl {p.spec.slo.itl_ms:g} ms"
-                     for p in pools]),
-            ("max_model_len", [str(p.max_model_len) for p in pools]),
-            ("S_KV", [f"{p.kv_bytes_per_token:,} B" + (f" ({p.kv_bytes_per_token_per_device:,}/GPU)"
-                                                       if p.tensor_parallel_size > 1 else "")
-                      for p in pools]),
-            ("KV budget", [_budget(p, plan.devices[p.device]) for p in pools]),
-            ("blocks", [f"{p.num_blocks:,} x {p.block_size}" for p in pools]),
-            ("avg_len", [str(p.spec.avg_len) for p in pools]),
-            ("max_num_seqs", [f"{p.max_num_seqs}" + (f" (formula {p.formula_max_num_seqs})"
-                                                     if p.max_num_seqs_overridden else "") for p in pools]),
-            ("max-len concurrent", [f"{p.max_concurrent_at_max_len} ({p.blocks_per_max_len_request} blocks each)"
-                                    for p in pools]),
-            ("fragmentation", [f"{_fmt(p.fragmentation_bytes)} ({100 * p.fragmentation_fraction:.2f}%)"
-                               for p in pools]),
-        ]
-        widths = [max(len(header[0]), *(len(k) for k, _ in table))]
-        for c in range(len(pools)):
-            widths.append(max(len(header[c + 1]), *(len(vals[c]) for _, vals in table)))
-
-        def row(cells):
-            return "  ".join(cell.ljust(w) for cell, w in zip(cells, widths)).rstrip()
-
-        lines.append(row(header))
-        lines += [row([k, *vals]) for k, vals in table]
-        if any(p.spec.slo_source == "default" for p in pools):
-            lines.append("interactive (default): the strictly shortest route on a device where no pool names an slo; "
-                         "`slo: null` opts a pool out (config/README.md)")
-    if plan.upstream_pools:
-        lines.append(f"upstream pools (not planned here): {', '.join(plan.upstream_pools)}")
-    lines += [f"warning: {w}" for w in plan.warnings]
-    return "\n".join(lines)

@@ -16,8 +16,8 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from engine.config import ConfigError, LatencySLO
-from pools.spec import (DEFAULT_API_KEYS_ENV, Backoff, CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec,
-                        RequestLimits, RouteSpec, parse_bytes)
+from pools.gateway_spec import DEFAULT_API_KEYS_ENV, Backoff, GatewaySpec, RequestLimits
+from pools.spec import CliffguardConfig, DeviceSpec, PoolSpec, RouteSpec, parse_bytes
 from pools.spiral import SpiralConfig
 from pools.tenants import parse_tenants
 from pools.yamlcheck import SpecError, check_mapping, check_str, load_yaml, read_text, show, within
@@ -29,7 +29,8 @@ _GATEWAY_KEYS = ("host", "port", "api_keys", "api_keys_env", "max_body_bytes", "
                  "stall_seconds", "metrics_auth", "limits")
 _LIMITS_KEYS = tuple(f.name for f in dataclasses.fields(RequestLimits))
 _BACKOFF_KEYS = tuple(f.name for f in dataclasses.fields(Backoff))
-_DEVICE_KEYS = ("device", "memory", "memory_utilization", "dtype", "tensor_parallel_size")
+_DEVICE_KEYS = ("device", "memory", "memory_utilization", "dtype", "tensor_parallel_size", "replicas", "gpus",
+                "cpu_threads")
 _ROUTE_KEYS = ("min_prompt_tokens", "max_prompt_tokens")
 _COMMON_POOL_KEYS = ("name", "model", "route", "served_model_name", "max_model_len")
 _LOCAL_POOL_KEYS = ("device", "kv_share", "kv_cache_bytes", "avg_len", "block_size", "max_num_batched_tokens",
@@ -92,7 +93,13 @@ def _parse_devices(raw: Any) -> dict[str, DeviceSpec]:
         if not isinstance(name, str) or not name:
             raise SpecError(f"devices: device names must be non-empty strings, got {show(name)}")
         body = check_mapping(key, {} if body is None else body, _DEVICE_KEYS)
-        kwargs = {k: v for k, v in body.items() if k != "memory"}
+        kwargs = {k: v for k, v in body.items() if k not in ("memory", "gpus", "cpu_threads")}
+        if body.get("gpus") is not None:
+            if not isinstance(body["gpus"], list):
+                raise SpecError(f"{key}.gpus: must be a list of GPU indices, got {show(body['gpus'])}")
+            kwargs["gpus"] = tuple(body["gpus"])
+        if body.get("cpu_threads", "auto") != "auto":
+            kwargs["cpu_threads"] = body["cpu_threads"]
         memory = body.get("memory", "auto")
         if memory not in ("auto", None):
             kwargs["memory_bytes"] = parse_bytes(memory, f"{key}.memory")

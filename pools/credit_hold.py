@@ -16,18 +16,25 @@ with Retry-After); unset, it waits as long as its client does, so nothing is ref
 `max_queue_seconds: 0` is reject-when-full, what most servers do: a request that does not fit at
 once raises `PoolFull` (429) and its client retries (`cliffguard bench admission` compares the two).
 
-`reconcile(used_tokens)` feeds the worker's real block use back in (pools.credits explains how).
-Event-loop only, like the ledger.
+`reconcile(used_tokens, replica)` feeds a worker's real block use back in (pools.credits explains how).
+
+A pool served by several replicas has one `Admission` with one credit account per replica: a request
+waits in the pool's queue and is admitted on the replica `pools.placement.Placement` picks among those
+where it fits (token load, prefix affinity); `Ticket.replica` says which. `is_up(replica)` (set by
+the gateway: the replica's supervisor is ready) is read at each admission, so a dead or restarting
+replica takes nothing new from the moment its worker is gone; `replica_ready(replica)` admits whoever
+fits on a replica that is back. Event-loop only, like the ledger.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 from pools.credits import DEFAULT_TENANT, CreditLedger, TenantPolicy, Ticket
+from pools.placement import Placement, Work
 
 
 class PoolFull(Exception):
@@ -64,13 +71,19 @@ def reservation(prompt_lens: Iterable[int], max_tokens: int | None, n: int, *, b
 
 
 class Admission:
-    """One local pool's credits and queue, awaited from the event loop."""
+    """One local pool's credits and queue, awaited from the event loop. `total`: one replica's KV token
+    slots, or each replica's; `placement`: where a request goes among several replicas (without one: the
+    replica with the most free credits)."""
 
-    def __init__(self, pool: str, total: int, *, tenants: Mapping[str, TenantPolicy] | None = None,
-                 max_queue_seconds: float | None = None, quantum: int | None = None) -> None:
+    def __init__(self, pool: str, total: int | Sequence[int], *, tenants: Mapping[str, TenantPolicy] | None = None,
+                 max_queue_seconds: float | None = None, quantum: int | None = None,
+                 placement: Placement | None = None) -> None:
         self.pool = pool
         self.ledger = CreditLedger(total, tenants, quantum=quantum)
         self.max_queue_seconds = max_queue_seconds
+        self.placement = placement
+        self.is_up: Callable[[int], bool] | None = None   # whether a replica takes new requests (the gateway's)
+        self._work: dict[str, Work] = {}               # queued requests' work, for placement
         self._waiters: dict[str, asyncio.Future[None]] = {}
         self.num_admitted = 0           # totals since start, for metrics and tests
         self.num_expired = 0
@@ -86,24 +99,32 @@ class Admission:
 
     @asynccontextmanager
     async def hold(self, request_id: str, num_tokens: int, *, tenant: str = DEFAULT_TENANT, priority: int = 0,
-                   background: bool = False) -> AsyncIterator[Ticket]:
-        """Wait until `num_tokens` credits are admitted, hold them for the block, then give them back.
+                   background: bool = False, work: Work | None = None) -> AsyncIterator[Ticket]:
+        """Wait until `num_tokens` credits are admitted on a replica, hold them for the block, then give
+        them back. `work`: what the request asks of a replica, for placement (`Ticket.replica`).
 
         ValueError if the request can never fit the pool; QueueTimeout past `max_queue_seconds`
         (background requests never time out: their runner retries nothing, it waits)."""
         ticket = self.ledger.submit(request_id, num_tokens, tenant=tenant, priority=priority, background=background)
-        if not ticket.admitted:
-            self._admit()
-        if not ticket.admitted and self.max_queue_seconds == 0 and not background:
-            self.ledger.cancel(request_id)
-            self.num_expired += 1
-            self._admit()
-            raise PoolFull(self.pool, num_tokens, self.ledger.free)
-        if not ticket.admitted:
-            await self._wait(ticket)
+        if work is not None:
+            self._work[request_id] = work
+        try:
+            if not ticket.admitted:
+                self._admit()
+            if not ticket.admitted and self.max_queue_seconds == 0 and not background:
+                self.ledger.cancel(request_id)
+                self.num_expired += 1
+                self._admit()
+                raise PoolFull(self.pool, num_tokens, self.ledger.free)
+            if not ticket.admitted:
+                await self._wait(ticket)
+        finally:
+            self._work.pop(request_id, None)
         try:
             yield ticket
         finally:
+            if self.placement is not None:
+                self.placement.finish(request_id)
             self.ledger.release(request_id)
             self._admit()
 
@@ -122,6 +143,8 @@ class Admission:
                 self.num_cancelled += 1
                 raise
             if not isinstance(exc, TimeoutError):            # admitted meanwhile, then cancelled
+                if self.placement is not None:
+                    self.placement.finish(ticket.request_id)
                 self.ledger.release(ticket.request_id)
                 self._admit()
                 raise
@@ -130,13 +153,37 @@ class Admission:
             self._admit()   # a request that left may have blocked the head of the queue
 
     def _admit(self) -> None:
-        for ticket in self.ledger.admit():
+        if self.is_up is not None:   # what the replicas' supervisors say now: a dead one takes nothing new
+            for replica in range(self.ledger.num_replicas):
+                self.ledger.set_up(replica, self.is_up(replica))
+        for ticket in self.ledger.admit(self._place):
             self.num_admitted += 1
             waiter = self._waiters.get(ticket.request_id)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
 
-    def reconcile(self, used_tokens: int) -> None:
-        """The worker's blocks in use x block size; may admit (credits came back) or hold some back."""
-        self.ledger.reconcile(used_tokens)
+    def _place(self, ticket: Ticket, fitting: list[int]) -> int:
+        """The ledger's choice of replica: the placement's, which starts counting the request's load there."""
+        work = self._work.get(ticket.request_id)
+        if self.placement is None or work is None:
+            return max(fitting, key=lambda r: self.ledger.accounts[r].free)
+        free = [a.free for a in self.ledger.accounts]
+        replica = self.placement.choose(work, fitting, free)
+        self.placement.start(ticket.request_id, replica, work)
+        return replica
+
+    def observe(self, request_id: str, num_tokens: int) -> None:
+        """The request streamed `num_tokens` more tokens (its replica's load goes down)."""
+        if self.placement is not None:
+            self.placement.observe(request_id, num_tokens)
+
+    def replica_ready(self, replica: int) -> None:
+        """A new worker of `replica` is ready: its prefix cache is empty; admit whoever now fits."""
+        if self.placement is not None:
+            self.placement.forget(replica)
+        self._admit()
+
+    def reconcile(self, used_tokens: int, replica: int = 0) -> None:
+        """A worker's blocks in use x block size; may admit (credits came back) or hold some back."""
+        self.ledger.reconcile(used_tokens, replica)
         self._admit()

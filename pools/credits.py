@@ -26,6 +26,13 @@ than the ledger's admitted requests hold (an abort the worker has not processed 
 release), the difference is held "outside" until the next report, so the ledger never promises KV
 the engine does not have; it comes back when the worker reports it free.
 
+Replicas: a pool served by several replicas of its device has one queue and one credit account per
+replica (its blocks). The request at the head of the fair order is admitted on a replica where it
+fits, the one `place(ticket, fitting)` picks (`pools.placement`: token load and prefix affinity;
+default: the most free credits); `Ticket.replica` says which. A replica that is down (`up` false:
+loading, restarting) takes nothing new. So a request waits on the pool, not on a replica, and goes to
+whichever frees first; tenant channels and weights hold across replicas because there is one queue.
+
 Ints only, no asyncio, no locks: the gateway calls it from its event loop (ints, so it is tested in
 milliseconds). `pools.credit_hold` is the async layer the gateway awaits.
 """
@@ -33,7 +40,7 @@ milliseconds). `pools.credit_hold` is the async layer the gateway awaits.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 DEFAULT_TENANT = "default"
@@ -65,6 +72,21 @@ class Ticket:
     num_tokens: int              # prompt + max_tokens
     admitted: bool = False
     background: bool = False     # a batch line: served only while no interactive request waits
+    replica: int | None = None   # where it was admitted (its credits are that replica's)
+
+
+@dataclass
+class Account:
+    """One replica's credits: its KV token slots, what admitted requests hold, what reconciliation
+    holds outside the ledger."""
+
+    total: int
+    held: int = 0
+    outside: int = 0
+
+    @property
+    def free(self) -> int:
+        return self.total - self.held - self.outside
 
 
 @dataclass
@@ -89,17 +111,18 @@ class CreditLedger:
 
     `submit` queues a request, `admit` hands out the requests that now fit (in fair order),
     `release` returns a finished request's credits, `cancel` takes a queued one out (a client that
-    disconnects holds nothing). `check_integrity` verifies free + held == total.
+    disconnects holds nothing). `check_integrity` verifies free + held == total on every replica.
+    `total`: one replica's KV token slots, or a list of them (one per replica).
     """
 
-    def __init__(self, total: int, tenants: Mapping[str, TenantPolicy] | None = None, *,
+    def __init__(self, total: int | Sequence[int], tenants: Mapping[str, TenantPolicy] | None = None, *,
                  quantum: int | None = None) -> None:
-        if not isinstance(total, int) or total <= 0:
-            raise ValueError(f"total: must be a positive number of KV token slots, got {total!r}")
-        self.total = total
-        self.held = 0                                # credits of admitted requests
-        self.outside = 0                             # blocks the worker holds beyond `held` (reconcile)
-        self.quantum = quantum or max(1, total // 8)   # tokens per weight per visit
+        totals = [total] if isinstance(total, int) else list(total)
+        if not totals or any(not isinstance(t, int) or isinstance(t, bool) or t <= 0 for t in totals):
+            raise ValueError(f"total: must be a positive number of KV token slots (per replica), got {total!r}")
+        self.accounts = [Account(t) for t in totals]
+        self.up = [True] * len(totals)               # replicas that take new requests
+        self.quantum = quantum or max(1, max(totals) // 8)   # tokens per weight per visit
         self.policies = dict(tenants or {})
         self._tenants: dict[str, _Tenant] = {}
         self._active: deque[str] = deque()           # tenants with queued requests, in visiting order
@@ -109,9 +132,26 @@ class CreditLedger:
 
     # --- state -----------------------------------------------------------------------------------
     @property
+    def num_replicas(self) -> int:
+        return len(self.accounts)
+
+    @property
+    def total(self) -> int:
+        """KV token slots of every replica together."""
+        return sum(a.total for a in self.accounts)
+
+    @property
     def free(self) -> int:
-        """Credits an admission may take now."""
-        return self.total - self.held - self.outside
+        """Credits an admission may take now, over the replicas that are up."""
+        return sum(a.free for a, up in zip(self.accounts, self.up) if up)
+
+    @property
+    def held(self) -> int:
+        return sum(a.held for a in self.accounts)
+
+    @property
+    def outside(self) -> int:
+        return sum(a.outside for a in self.accounts)
 
     @property
     def num_queued(self) -> int:
@@ -133,6 +173,10 @@ class CreditLedger:
     def ticket(self, request_id: str) -> Ticket | None:
         return self._tickets.get(request_id)
 
+    def set_up(self, replica: int, up: bool) -> None:
+        """Whether `replica` takes new requests (what it holds stays held until released)."""
+        self.up[replica] = up
+
     # --- requests --------------------------------------------------------------------------------
     def submit(self, request_id: str, num_tokens: int, *, tenant: str = DEFAULT_TENANT,
                priority: int = 0, background: bool = False) -> Ticket:
@@ -142,8 +186,10 @@ class CreditLedger:
             raise ValueError(f"request_id: {request_id!r} is already in the ledger")
         if not isinstance(num_tokens, int) or num_tokens <= 0:
             raise ValueError(f"num_tokens: must be a positive integer, got {num_tokens!r}")
-        if num_tokens > self.total:
-            raise ValueError(f"num_tokens: {num_tokens} credits asked, the pool has {self.total} KV token slots")
+        largest = max(a.total for a in self.accounts)
+        if num_tokens > largest:
+            raise ValueError(f"num_tokens: {num_tokens} credits asked, the pool has {largest} KV token slots"
+                             + (" per replica" if self.num_replicas > 1 else ""))
         policy = self.policies.get(tenant, TenantPolicy())
         ticket = Ticket(request_id, tenant, max(priority, policy.min_priority), num_tokens, background=background)
         self._tickets[request_id] = ticket
@@ -156,20 +202,32 @@ class CreditLedger:
         state.channels.setdefault(ticket.priority, deque()).append(ticket)
         return ticket
 
-    def admit(self) -> list[Ticket]:
-        """The queued requests that fit now, in fair order; their credits are deducted."""
-        admitted = self._admit_interactive()
-        while not self._active and self._background and self._background[0].num_tokens <= self.free:
-            ticket = self._background.popleft()
-            self._take(ticket)
+    def admit(self, place: Callable[[Ticket, list[int]], int] | None = None) -> list[Ticket]:
+        """The queued requests that fit now, in fair order; their credits are deducted on the replica
+        `place(ticket, fitting)` picks among those (up, and with room) where it fits."""
+        admitted = self._admit_interactive(place)
+        while not self._active and self._background:
+            ticket = self._background[0]
+            fitting = self.fitting(ticket.num_tokens)
+            if not fitting:
+                break
+            self._background.popleft()
+            self._take(ticket, fitting, place)
             admitted.append(ticket)
         return admitted
 
-    def _take(self, ticket: Ticket) -> None:
-        self.held += ticket.num_tokens
-        ticket.admitted = True
+    def fitting(self, num_tokens: int) -> list[int]:
+        """The replicas that are up and have `num_tokens` free credits."""
+        return [r for r, (a, up) in enumerate(zip(self.accounts, self.up)) if up and num_tokens <= a.free]
 
-    def _admit_interactive(self) -> list[Ticket]:
+    def _take(self, ticket: Ticket, fitting: list[int], place: Callable[[Ticket, list[int]], int] | None) -> None:
+        replica = place(ticket, fitting) if place is not None else max(fitting, key=lambda r: self.accounts[r].free)
+        if replica not in fitting:
+            raise ValueError(f"place: chose replica {replica}, not one of {fitting}")
+        self.accounts[replica].held += ticket.num_tokens
+        ticket.admitted, ticket.replica = True, replica
+
+    def _admit_interactive(self, place: Callable[[Ticket, list[int]], int] | None) -> list[Ticket]:
         admitted: list[Ticket] = []
         while self._active:
             name = self._active[0]
@@ -179,11 +237,12 @@ class CreditLedger:
                 self._topped_up = True
             head = tenant.head()
             if head.num_tokens <= tenant.deficit:
-                if head.num_tokens > self.free:
+                fitting = self.fitting(head.num_tokens)
+                if not fitting:
                     break              # no bypass: wait for credits to come back
                 tenant.pop()
                 tenant.deficit -= head.num_tokens
-                self._take(head)
+                self._take(head, fitting, place)
                 admitted.append(head)
                 if tenant.channels:
                     continue
@@ -201,17 +260,18 @@ class CreditLedger:
         if ticket is None or not ticket.admitted:
             raise KeyError(f"request_id: {request_id!r} holds no credits")
         del self._tickets[request_id]
-        self.held -= ticket.num_tokens
+        self.accounts[ticket.replica].held -= ticket.num_tokens
         return ticket.num_tokens
 
-    def reconcile(self, used_tokens: int) -> int:
-        """The worker reports its blocks hold `used_tokens` token slots (blocks in use x block size).
-        What exceeds the admitted requests' credits is held outside the ledger until the next report;
-        returns that amount. A report of 0 while nothing is admitted restores every credit."""
+    def reconcile(self, used_tokens: int, replica: int = 0) -> int:
+        """`replica`'s worker reports its blocks hold `used_tokens` token slots (blocks in use x block
+        size). What exceeds the admitted requests' credits there is held outside the ledger until the
+        next report; returns that amount. A report of 0 while nothing is admitted restores every credit."""
         if not isinstance(used_tokens, int) or used_tokens < 0:
             raise ValueError(f"used_tokens: must be an integer >= 0, got {used_tokens!r}")
-        self.outside = min(max(0, used_tokens - self.held), self.total - self.held)
-        return self.outside
+        account = self.accounts[replica]
+        account.outside = min(max(0, used_tokens - account.held), account.total - account.held)
+        return account.outside
 
     def cancel(self, request_id: str) -> bool:
         """Take a queued request out (its client left); False if it is not queued."""
@@ -235,11 +295,13 @@ class CreditLedger:
         return True
 
     def check_integrity(self) -> None:
-        """held == what admitted tickets hold, 0 <= free <= total, every queued ticket sits in exactly
-        one channel; raises with the counts."""
-        if self.held != self.num_held or not 0 <= self.free <= self.total:
-            raise AssertionError(f"credits: held {self.held} (tickets {self.num_held}), outside {self.outside}, "
-                                 f"free {self.free}, total {self.total}")
+        """held == what admitted tickets hold on each replica, 0 <= free <= total there, every queued
+        ticket sits in exactly one channel; raises with the counts."""
+        for r, account in enumerate(self.accounts):
+            tickets = sum(t.num_tokens for t in self._tickets.values() if t.admitted and t.replica == r)
+            if account.held != tickets or not 0 <= account.free <= account.total:
+                raise AssertionError(f"credits of replica {r}: held {account.held} (tickets {tickets}), outside "
+                                     f"{account.outside}, free {account.free}, total {account.total}")
         in_channels = [t.request_id for s in self._tenants.values() for q in s.channels.values() for t in q]
         in_channels += [t.request_id for t in self._background]
         queued = sorted(r for r, t in self._tickets.items() if not t.admitted)

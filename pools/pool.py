@@ -1,9 +1,10 @@
 """`Pool`: one pool as the gateway serves it — its spec, route limits, tokenizer and where requests go.
 
-Built once at start-up (`gateway.runtime.Gateway.from_config`); the device worker's client is set
-when the gateway starts its workers. Everything here is read-only while serving, except the
-`token_text` cache, which only ever grows (safe from the event loop and the tokenizer thread alike),
-and the `admission` ledger (event loop only).
+Built once at start-up (`gateway.runtime.Gateway.from_config`); each replica's device worker client
+is set when the gateway starts (and restarts) its workers. Everything here is read-only while
+serving, except the `token_text` cache, which only ever grows (safe from the event loop and the
+tokenizer thread alike), the `clients` the supervisors point at their live workers and the
+`admission` ledger (event loop only).
 """
 
 from __future__ import annotations
@@ -33,9 +34,19 @@ class Pool:
     counter: TokenCounter           # exact ids and counts (tiktoken where identical)
     prefix_ids: list[int]           # what the tokenizer adds to a completion prompt (e.g. BOS)
     max_model_len: int
-    client: AsyncEngineClient | None = None   # local pools: the device worker, set when it is spawned
+    num_replicas: int = 1                     # local pools: the replicas of its device (each serves it)
+    clients: list[AsyncEngineClient | None] = field(default_factory=list)   # each replica's worker, once spawned
     admission: Admission | None = None        # local pools: KV credits and the queue (set by the gateway)
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.clients:
+            self.clients = [None] * self.num_replicas
+
+    @property
+    def client(self) -> AsyncEngineClient | None:
+        """The first replica's worker client (the only one for a device that is not replicated)."""
+        return self.clients[0] if self.clients else None
 
     @property
     def name(self) -> str:
@@ -64,6 +75,12 @@ class Pool:
         """The largest admitted prompt: the route's bound, capped at max_model_len - 1 (room for one
         generated token)."""
         return self.spec.route.upper(self.max_model_len)
+
+    def cache_salt(self, tenant: str) -> str | None:
+        """The prefix-cache partition of `tenant`'s requests: the tenant, unless the pool shares its cache
+        across tenants (`share_prefix_cache`). A shared cache lets a tenant learn from hit counts or time
+        to first token whether another tenant sent a prompt."""
+        return None if self.spec.share_prefix_cache else tenant
 
     def admits(self, num_prompt_tokens: int) -> bool:
         """Whether a prompt of this many tokens goes to this pool."""

@@ -8,8 +8,6 @@ The schema, key by key, is in `config/README.md`.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -21,12 +19,12 @@ from urllib.parse import urlsplit
 
 from engine.capacity import DEFAULT_MEMORY_UTILIZATION
 from engine.config import CacheConfig, ConfigError, LatencySLO, SchedulerConfig, check_device_name, parse_dtype
+from pools.gateway_spec import GatewaySpec
 from pools.spiral import SpiralConfig
 from pools.tenants import TenantSpec
-from pools.yamlcheck import SpecError, check_str, is_int, is_number, show
+from pools.yamlcheck import SpecError, check_fraction, check_int, check_str, is_int, is_number, show
 
 DEFAULT_CPU_MEMORY = 4 << 30   # `memory: auto` on a CPU device: the budget for weights + KV cache
-DEFAULT_API_KEYS_ENV = "CLIFFGUARD_API_KEYS"
 _POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # used in metric labels and URLs
 
 # Where a pool's service class came from (`PoolSpec.slo_source`; set by the YAML loader, never a YAML key):
@@ -34,28 +32,6 @@ _POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # used in metric labe
 # `absent`: no `slo` key and not defaulted.
 SLO_SOURCES = ("yaml", "default", "opted_out", "absent")
 _SLO_SOURCES_WITH_SLO = ("yaml", "default")
-
-
-def _check_int(key: str, value: Any, *, min_value: int | None = None, max_value: int | None = None,
-               optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not is_int(value):
-        raise SpecError(f"{key}: must be an integer, got {show(value)}")
-    if min_value is not None and max_value is not None and not min_value <= value <= max_value:
-        raise SpecError(f"{key}: must be in {min_value}..{max_value}, got {value}")
-    if min_value is not None and value < min_value:
-        raise SpecError(f"{key}: must be >= {min_value}, got {value}")
-
-
-def _check_fraction(key: str, value: Any, *, optional: bool = False) -> None:
-    """A number in (0, 1]."""
-    if value is None and optional:
-        return
-    if not is_number(value):
-        raise SpecError(f"{key}: must be a number in (0, 1], got {show(value)}")
-    if not 0 < value <= 1:
-        raise SpecError(f"{key}: must be in (0, 1], got {value}")
 
 
 @contextmanager
@@ -117,8 +93,8 @@ class RouteSpec:
     max_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        _check_int("min_prompt_tokens", self.min_prompt_tokens, min_value=0)
-        _check_int("max_prompt_tokens", self.max_prompt_tokens, min_value=0, optional=True)
+        check_int("min_prompt_tokens", self.min_prompt_tokens, min_value=0)
+        check_int("max_prompt_tokens", self.max_prompt_tokens, min_value=0, optional=True)
         if self.max_prompt_tokens is not None and self.min_prompt_tokens > self.max_prompt_tokens:
             raise SpecError(
                 f"min_prompt_tokens: {self.min_prompt_tokens} is above max_prompt_tokens "
@@ -151,29 +127,73 @@ class RouteSpec:
 
 @dataclass(frozen=True)
 class DeviceSpec:
-    """A device that local pools run on: one worker process, one copy of the weights, one KV tensor."""
+    """A device that local pools run on: one copy of the weights and one KV tensor, over
+    `tensor_parallel_size` GPUs (one worker process per rank), run as `replicas` identical copies.
+
+    GPUs: with `gpus` listed, replica r takes `gpus[r·T:(r+1)·T]`; otherwise replica r takes the T GPUs
+    after the device's own index (`cuda`: 0, `cuda:N`: N) and those of the replicas before it.
+    """
 
     name: str = "default"
     device: str = "auto"                 # auto | cpu | cuda | cuda:N
     memory_bytes: int | None = None      # None (auto): the GPU's total memory; on CPU DEFAULT_CPU_MEMORY
     memory_utilization: float = DEFAULT_MEMORY_UTILIZATION   # the capacity formula's 0.9
     dtype: str = "auto"                  # auto | float32 | bfloat16 | float16
-    tensor_parallel_size: int = 1        # planning only (`cliffguard capacity`); the engine runs TP=1
+    tensor_parallel_size: int = 1        # GPUs of one replica (engine.parallel)
+    replicas: int = 1                    # identical copies, each serving every pool of the device
+    gpus: tuple[int, ...] | None = None  # CUDA: the GPU indices the replicas' ranks take, in order
+    cpu_threads: int | None = None       # CPU: torch threads of each rank (None: the cores shared out)
 
     def __post_init__(self) -> None:
         check_str("name", self.name)
         check_str("device", self.device)
         with _engine_rules():
             check_device_name(self.device)
-        _check_int("memory", self.memory_bytes, min_value=1, optional=True)
-        _check_fraction("memory_utilization", self.memory_utilization)
+        check_int("memory", self.memory_bytes, min_value=1, optional=True)
+        check_fraction("memory_utilization", self.memory_utilization)
         check_str("dtype", self.dtype)
         if self.dtype != "auto":
             try:
                 parse_dtype(self.dtype)
             except ConfigError:
                 raise SpecError(f"dtype: must be auto, float32, bfloat16 or float16; got {self.dtype!r}") from None
-        _check_int("tensor_parallel_size", self.tensor_parallel_size, min_value=1)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, min_value=1)
+        check_int("replicas", self.replicas, min_value=1)
+        check_int("cpu_threads", self.cpu_threads, min_value=1, optional=True)
+        if self.gpus is not None:
+            self._check_gpus()
+
+    def _check_gpus(self) -> None:
+        if not isinstance(self.gpus, tuple) or not self.gpus:
+            raise SpecError(f"gpus: must be a non-empty list of GPU indices, got {show(self.gpus)}")
+        if not self.device.startswith("cuda"):
+            raise SpecError(f"gpus: lists CUDA GPUs, and device is {self.device!r}; set device: cuda")
+        seen: dict[int, int] = {}
+        for i, gpu in enumerate(self.gpus):
+            check_int(f"gpus[{i}]", gpu, min_value=0)
+            if gpu in seen:
+                raise SpecError(f"gpus[{i}]: GPU {gpu} is listed twice (also gpus[{seen[gpu]}]); "
+                                "each rank of each replica needs a GPU of its own")
+            seen[gpu] = i
+        need = self.replicas * self.tensor_parallel_size
+        if len(self.gpus) != need:
+            raise SpecError(f"gpus: {len(self.gpus)} GPUs listed; replicas {self.replicas} x tensor_parallel_size "
+                            f"{self.tensor_parallel_size} need {need}")
+
+    def replica_gpus(self, replica: int) -> tuple[int, ...]:
+        """The CUDA GPU indices of one replica's ranks (empty for a CPU or `auto` device)."""
+        tp = self.tensor_parallel_size
+        if self.gpus is not None:
+            return self.gpus[replica * tp:(replica + 1) * tp]
+        if not self.device.startswith("cuda"):
+            return ()
+        base = int(self.device.partition(":")[2] or 0)
+        return tuple(range(base + replica * tp, base + (replica + 1) * tp))
+
+    @property
+    def claimed_gpus(self) -> tuple[int, ...]:
+        """Every GPU the device's replicas take (empty unless the device names CUDA)."""
+        return tuple(g for r in range(self.replicas) for g in self.replica_gpus(r))
 
 
 @dataclass(frozen=True)
@@ -218,7 +238,7 @@ class PoolSpec:
         if not isinstance(self.route, RouteSpec):
             raise SpecError(f"route: must be a RouteSpec, got {show(self.route)}")
         check_str("served_model_name", self.served_model_name, optional=True)
-        _check_int("max_model_len", self.max_model_len, min_value=1, optional=True)
+        check_int("max_model_len", self.max_model_len, min_value=1, optional=True)
         if self.is_upstream:
             self._check_upstream()
         else:
@@ -242,19 +262,19 @@ class PoolSpec:
                 raise SpecError(f"{key}: only for upstream pools (a local pool uses its model's own), "
                                 f"got {getattr(self, key)!r}")
         check_str("device", self.device)
-        _check_fraction("kv_share", self.kv_share, optional=True)
-        _check_int("kv_cache_bytes", self.kv_cache_bytes, min_value=1, optional=True)
+        check_fraction("kv_share", self.kv_share, optional=True)
+        check_int("kv_cache_bytes", self.kv_cache_bytes, min_value=1, optional=True)
         if self.kv_share is not None and self.kv_cache_bytes is not None:
             raise SpecError(f"kv_share: set kv_share or kv_cache_bytes, not both "
                             f"(got kv_share {self.kv_share} and kv_cache_bytes {self.kv_cache_bytes})")
         if self.kv_share is None and self.kv_cache_bytes is None:
             raise SpecError("kv_share: a local pool needs kv_share (a fraction of its device's KV bytes) "
                             "or kv_cache_bytes; got neither")
-        _check_int("avg_len", self.avg_len, min_value=1)
-        _check_int("block_size", self.block_size)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, min_value=1)
-        _check_int("max_num_seqs", self.max_num_seqs, min_value=1, optional=True)
-        _check_int("swap_space", self.swap_space_bytes, min_value=0)
+        check_int("avg_len", self.avg_len, min_value=1)
+        check_int("block_size", self.block_size)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, min_value=1)
+        check_int("max_num_seqs", self.max_num_seqs, min_value=1, optional=True)
+        check_int("swap_space", self.swap_space_bytes, min_value=0)
         # The rest by the engine's own rules (one definition of block sizes, modes and policies).
         with _engine_rules({"swap_space_bytes": "swap_space"}):
             CacheConfig(block_size=self.block_size)
@@ -318,86 +338,6 @@ class PoolSpec:
 
 
 @dataclass(frozen=True)
-class Backoff:
-    """The wait before each restart of a dead device worker (YAML `gateway.restart_backoff`):
-    `initial_seconds`, times `factor` after each restart that did not stay up `reset_after_seconds`,
-    at most `max_seconds`."""
-
-    initial_seconds: float = 1.0
-    factor: float = 2.0
-    max_seconds: float = 30.0
-    reset_after_seconds: float = 60.0
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if not is_number(value) or not math.isfinite(value):
-                raise SpecError(f"restart_backoff.{f.name}: must be a finite number, got {show(value)}")
-        if self.initial_seconds < 0:
-            raise SpecError(f"restart_backoff.initial_seconds: must be >= 0, got {self.initial_seconds}")
-        if self.factor < 1:
-            raise SpecError(f"restart_backoff.factor: must be >= 1, got {self.factor}")
-        if self.max_seconds < self.initial_seconds:
-            raise SpecError(f"restart_backoff.max_seconds: must be >= initial_seconds ({self.initial_seconds}), "
-                            f"got {self.max_seconds}")
-        if self.reset_after_seconds < 0:
-            raise SpecError(f"restart_backoff.reset_after_seconds: must be >= 0, got {self.reset_after_seconds}")
-
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait before restart number `attempt` (0-based) since the last reset."""
-        return min(self.initial_seconds * self.factor ** min(attempt, 64), self.max_seconds)
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """What one request may ask for (YAML `gateway.limits`). The gateway answers a request over a
-    limit with a 400 naming the field, before it tokenizes or reserves anything, so no single
-    request can occupy the event loop or the engine for everyone else."""
-
-    max_prompts: int = 256        # entries of a completions `prompt` list
-    max_choices: int = 1024       # n x prompts: the engine requests one HTTP request may start
-    max_messages: int = 2048      # entries of a chat `messages` list
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check_int(f"limits.{f.name}", getattr(self, f.name), min_value=1)
-
-
-@dataclass(frozen=True)
-class GatewaySpec:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: tuple[str, ...] = ()       # empty: no authentication
-    max_body_bytes: int = 8 << 20
-    api_keys_env: str | None = DEFAULT_API_KEYS_ENV  # where extra keys came from (already in api_keys)
-    restart_backoff: Backoff = field(default_factory=Backoff)   # between restarts of a dead device worker
-    write_timeout: float = 30.0          # seconds a client may leave a stream unread before it is aborted
-    stall_seconds: float = 10.0          # a worker with work that says nothing this long is restarted
-    metrics_auth: bool = False           # /metrics and the dashboard need an API key too
-    limits: RequestLimits = field(default_factory=RequestLimits)
-
-    def __post_init__(self) -> None:
-        check_str("host", self.host)
-        _check_int("port", self.port, min_value=1, max_value=65535)
-        if not isinstance(self.api_keys, tuple):
-            raise SpecError(f"api_keys: must be a tuple of strings, got {show(self.api_keys)}")
-        for i, key in enumerate(self.api_keys):
-            check_str(f"api_keys[{i}]", key)
-        _check_int("max_body_bytes", self.max_body_bytes, min_value=1)
-        check_str("api_keys_env", self.api_keys_env, optional=True)
-        if not isinstance(self.restart_backoff, Backoff):
-            raise SpecError(f"restart_backoff: must be a Backoff, got {show(self.restart_backoff)}")
-        for key in ("write_timeout", "stall_seconds"):
-            value = getattr(self, key)
-            if not is_number(value) or not math.isfinite(value) or value <= 0:
-                raise SpecError(f"{key}: must be a number of seconds > 0, got {show(value)}")
-        if not isinstance(self.metrics_auth, bool):
-            raise SpecError(f"metrics_auth: must be true or false, got {show(self.metrics_auth)}")
-        if not isinstance(self.limits, RequestLimits):
-            raise SpecError(f"limits: must be a RequestLimits, got {show(self.limits)}")
-
-
-@dataclass(frozen=True)
 class CliffguardConfig:
     """The whole file. Pool-to-pool rules are checked here; errors name pools by index and name."""
 
@@ -423,7 +363,20 @@ class CliffguardConfig:
                                 f"{', '.join(self.devices) or 'none'}")
         for name in self.devices:
             self._check_device_pools(name)
+        self._check_gpu_claims()
         self._check_routes()
+
+    def _check_gpu_claims(self) -> None:
+        """No GPU serves two devices (or two ranks): each rank allocates its KV cache from 0.9 of its GPU."""
+        owner: dict[int, str] = {}
+        for name, device in self.devices.items():
+            if not any(p.device == name and not p.is_upstream for p in self.pools):
+                continue   # declared but unused: it starts nothing
+            for gpu in device.claimed_gpus:
+                if gpu in owner:
+                    raise SpecError(f"devices.{name}: GPU {gpu} is also device {owner[gpu]!r}'s; a GPU runs one "
+                                    "device (give this one other GPUs with `gpus`, or other `device: cuda:N`)")
+                owner[gpu] = name
 
     def _check_device_pools(self, device: str) -> None:
         members = [(i, p) for i, p in enumerate(self.pools) if not p.is_upstream and p.device == device]

@@ -41,6 +41,29 @@ def check_str(key: str, value: Any, *, optional: bool = False) -> None:
         raise SpecError(f"{key}: must be a non-empty string, got {show(value)}")
 
 
+def check_int(key: str, value: Any, *, min_value: int | None = None, max_value: int | None = None,
+               optional: bool = False) -> None:
+    """`value` is an integer within the bounds given (or None when `optional`); else SpecError naming the key."""
+    if value is None and optional:
+        return
+    if not is_int(value):
+        raise SpecError(f"{key}: must be an integer, got {show(value)}")
+    if min_value is not None and max_value is not None and not min_value <= value <= max_value:
+        raise SpecError(f"{key}: must be in {min_value}..{max_value}, got {value}")
+    if min_value is not None and value < min_value:
+        raise SpecError(f"{key}: must be >= {min_value}, got {value}")
+
+
+def check_fraction(key: str, value: Any, *, optional: bool = False) -> None:
+    """`value` is a number in (0, 1] (or None when `optional`); else SpecError naming the key."""
+    if value is None and optional:
+        return
+    if not is_number(value):
+        raise SpecError(f"{key}: must be a number in (0, 1], got {show(value)}")
+    if not 0 < value <= 1:
+        raise SpecError(f"{key}: must be in (0, 1], got {value}")
+
+
 @contextmanager
 def within(prefix: str) -> Iterator[None]:
     """Errors raised inside get `prefix.` in front of their key path."""

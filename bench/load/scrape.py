@@ -28,15 +28,22 @@ SCRAPE_TIMEOUT_S = 10.0
 
 def pool_samples(text: str) -> dict[str, dict[str, float]]:
     """Prometheus text -> {pool: {sample name: value}}, each value summed over the sample's other labels
-    (mode, tenant); samples without a `pool` label under "". The one reader of `/metrics` text in the
-    benchmarks: prometheus_client's parser, so a malformed exposition raises ValueError."""
+    (mode, tenant, replica), but a fraction (`*_perc`) averaged over them; samples without a `pool` label
+    under "". The one reader of `/metrics` text in the benchmarks: prometheus_client's parser, so a
+    malformed exposition raises ValueError."""
     from prometheus_client.parser import text_string_to_metric_families
 
     pools: dict[str, dict[str, float]] = {}
+    counts: dict[tuple[str, str], int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            values = pools.setdefault(sample.labels.get("pool", ""), {})
+            pool = sample.labels.get("pool", "")
+            values = pools.setdefault(pool, {})
             values[sample.name] = values.get(sample.name, 0.0) + sample.value
+            counts[pool, sample.name] = counts.get((pool, sample.name), 0) + 1
+    for (pool, name), count in counts.items():
+        if name.endswith("_perc") and count > 1:
+            pools[pool][name] /= count
     return pools
 
 

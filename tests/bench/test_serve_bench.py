@@ -93,7 +93,7 @@ def _make_fake_app(*, metrics: bool = True, first_delay: float = 0.0) -> web.App
                           num_free_blocks=48, num_cached_free_blocks=0, kv_cache_usage=0.25, max_num_seqs=8,
                           cpu_swap_usage=0.0, num_recompute_preemptions=state["scrapes"],
                           num_swap_preemptions=2 * state["scrapes"])
-        registry.update_pool("chat", stats, block_bytes=1024)
+        registry.update_pool("chat", 0, stats, block_bytes=1024)
         return web.Response(body=registry.render(), headers={"Content-Type": registry.content_type})
 
     app.router.add_post("/v1/chat/completions", completions)

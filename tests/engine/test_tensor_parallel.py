@@ -124,3 +124,47 @@ def test_three_ranks_of_the_builtin_model_generate_what_one_does(builtin_path):
     engine = _engine(BUILTIN, 3)
     assert engine.kv_cache.data.shape[4] == 1   # this rank's KV heads
     _assert_same_or_near_tie(reference, _generate(engine, prompts))
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_worker_takes_its_other_ranks_with_it(tmp_path, builtin_path):
+    import asyncio
+    import os
+    import signal
+    import time
+
+    from engine.client import AsyncEngineClient
+
+    path = str(make_tiny_model(tmp_path / "llama", "llama", builtin_path))
+    config = EngineConfig(model=path, device="cpu", dtype="float32", tensor_parallel_size=2,
+                          pools=(PoolConfig(num_blocks=64),))
+
+    async def scenario() -> list[int]:
+        client = AsyncEngineClient(config)
+        info = await client.start()
+        assert info.tensor_parallel_size == 2
+        outs = [o async for o in client.generate([5, 6, 7, 8], SamplingParams(max_tokens=4, ignore_eos=True))]
+        assert outs[-1].finished and outs[-1].outputs[0].num_tokens == 4
+        followers = _children(client.pid)
+        assert len(followers) == 1
+        os.kill(client.pid, signal.SIGKILL)
+        await client.died
+        return followers
+
+    followers = asyncio.run(scenario())
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in followers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in followers)

@@ -48,8 +48,8 @@ def _record_admissions(pool) -> list[str]:
     order: list[str] = []
     admit = pool.admission.ledger.admit
 
-    def recording():
-        tickets = admit()
+    def recording(place=None):
+        tickets = admit(place)
         order.extend(t.tenant for t in tickets)
         return tickets
 
@@ -149,8 +149,8 @@ async def test_a_body_priority_is_honoured_only_within_the_tenants_allowance(aio
     admitted: list[tuple[str, int]] = []     # (ledger request id, priority) in admission order
     admit = pool.admission.ledger.admit
 
-    def recording():
-        tickets = admit()
+    def recording(place=None):
+        tickets = admit(place)
         admitted.extend((t.request_id, t.priority) for t in tickets)
         return tickets
 
@@ -278,7 +278,7 @@ async def test_kill_9_of_the_worker_loses_no_batch_line_and_no_queued_request(ai
     interactive = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(3)]
     while pool.admission.ledger.num_queued - pool.admission.ledger.num_background_queued < 2:
         await asyncio.sleep(0.005)
-    old = gateway.clients["cpu"]
+    old = gateway.clients["cpu"][0]
     os.kill(old.pid, signal.SIGKILL)
     statuses = sorted(r.status for r in await asyncio.wait_for(asyncio.gather(*interactive), 120))
     assert statuses[-2:] == [200, 200]            # the queued two: answered by the new worker
@@ -293,7 +293,7 @@ async def test_kill_9_of_the_worker_loses_no_batch_line_and_no_queued_request(ai
                                       .text()).splitlines()]
     assert sorted(o["custom_id"] for o in output) == [f"k{i:03d}" for i in range(100)]
     assert all(o["response"]["status_code"] == 200 for o in output)
-    assert gateway.supervisors["cpu"].num_restarts == 1
+    assert gateway.supervisors["cpu"][0].num_restarts == 1
     for _ in range(100):       # blocks the worker last reported in use are held back until it reports them free
         if pool.admission.free == pool.admission.total:
             break

@@ -57,7 +57,7 @@ def _metrics(text: str) -> dict[str, dict[tuple, float]]:
 async def _wait_idle(gateway: Gateway) -> EngineStats:
     """The device worker's stats once no request is left in it (or after 5 s)."""
     for _ in range(100):
-        stats = await gateway.clients["cpu"].stats()
+        stats = await gateway.clients["cpu"][0].stats()
         if stats.num_requests == 0:
             break
         await asyncio.sleep(0.05)
@@ -197,7 +197,7 @@ async def test_bad_requests_get_clear_errors_while_a_stream_keeps_going(aiohttp_
     status, (text, chunks) = await survivor
     assert status == 200 and chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert (await client.post(chat, json=dict(ok, max_tokens=3), headers=auth)).status == 200
-    stats = await gateway.clients["cpu"].stats()  # runs check_integrity in the worker
+    stats = await gateway.clients["cpu"][0].stats()  # runs check_integrity in the worker
     assert stats.num_requests == 0
     assert all(p.num_free_blocks == p.num_blocks for p in stats.pools.values())
 
@@ -245,19 +245,19 @@ async def test_a_rag_flood_waits_for_credits_and_chat_keeps_its_blocks(aiohttp_c
     assert all(r["usage"]["completion_tokens"] == 300 for _, r in results)
     after = _metrics(await (await client.get("/metrics")).text())
     preempt = after["cliffguard_num_preemptions_total"]
-    assert preempt[(("mode", "recompute"), ("pool", "rag"))] == 0
-    assert preempt[(("mode", "recompute"), ("pool", "chat"))] == 0
-    rag_free = [m["cliffguard_kv_credits_free"][(("pool", "rag"),)] for m in samples]
+    assert preempt[(("mode", "recompute"), ("pool", "rag"), ("replica", "0"))] == 0
+    assert preempt[(("mode", "recompute"), ("pool", "chat"), ("replica", "0"))] == 0
+    rag_free = [m["cliffguard_kv_credits_free"][(("pool", "rag"), ("replica", "0"))] for m in samples]
     rag_queued = [m["cliffguard_admission_queue_depth"].get((("pool", "rag"), ("tenant", "default")), 0)
                   for m in samples]
     assert min(rag_free) == 1024 - 2 * 384  # two at a time, never a third
     assert any(free == 1024 - 2 * 384 and queued > 0 for free, queued in zip(rag_free, rag_queued))
     assert after["cliffguard_admission_admitted_total"][(("pool", "rag"), ("tenant", "default"))] == 8
-    assert after["cliffguard_kv_credits_free"][(("pool", "rag"),)] == after["cliffguard_kv_credits_total"][
-        (("pool", "rag"),)] == 1024
-    assert all(m["cliffguard_pool_num_blocks"][(("pool", "chat"),)] == gateway.plan.pools["chat"].num_blocks
+    assert after["cliffguard_kv_credits_free"][(("pool", "rag"), ("replica", "0"))] == after[
+        "cliffguard_kv_credits_total"][(("pool", "rag"), ("replica", "0"))] == 1024
+    assert all(m["cliffguard_pool_num_blocks"][(("pool", "chat"), ("replica", "0"))] == gateway.plan.pools["chat"].num_blocks
                for m in samples)
-    assert after["cliffguard_kv_cache_usage_perc"][(("pool", "chat"),)] == 0
+    assert after["cliffguard_kv_cache_usage_perc"][(("pool", "chat"), ("replica", "0"))] == 0
 
 
 async def test_models_and_metrics_report_what_was_planned_and_allocated(aiohttp_client, tmp_path, tiny_model):

@@ -76,7 +76,7 @@ def test_the_registry_and_its_text_exposition_give_the_same_snapshot():
     """`/dashboard/data` reads the registry; `/metrics` renders it: both say the same."""
     metrics = GatewayMetrics()
     metrics.ttft.labels(pool="chat").observe(0.3)
-    metrics.preemptions.labels(pool="chat", mode="recompute").inc(3)
+    metrics.preemptions.labels(pool="chat", replica="0", mode="recompute").inc(3)
     from_text = _make_snapshot(metrics, 1.0)
     from_registry = dashboard.parse_snapshot(metrics.registry.collect(), ("chat",), now=1.0, wall=1001.0)
     assert from_registry == from_text and from_text.histograms["chat"]["ttft"]
@@ -85,10 +85,10 @@ def test_the_registry_and_its_text_exposition_give_the_same_snapshot():
 def test_rates_and_p99s_are_taken_over_the_window_and_the_series_kept_for_the_history():
     metrics = GatewayMetrics()
     credits = AdmissionMetrics(metrics.registry)
-    credits.credits_total.labels(pool="chat").set(1024)
+    credits.credits_total.labels(pool="chat", replica="0").set(1024)
     history = dashboard.DashboardHistory(window_seconds=10, history_seconds=30, min_interval=0.5)
-    preempt = metrics.preemptions.labels(pool="chat", mode="recompute")
-    metrics.kv_usage.labels(pool="chat").set(0.25)
+    preempt = metrics.preemptions.labels(pool="chat", replica="0", mode="recompute")
+    metrics.kv_usage.labels(pool="chat", replica="0").set(0.25)
 
     first = history.add(_make_snapshot(metrics, 0.0, pools=("chat", "rag")))
     chat = first["pools"]["chat"]

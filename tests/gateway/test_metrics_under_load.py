@@ -59,9 +59,9 @@ def test_metrics_answer_within_100_ms_under_load_with_fresh_stats(live_builtin_s
     times = sorted(t for t, _ in scrapes)
     assert times[-1] < 0.1, f"slowest /metrics scrape took {times[-1] * 1000:.0f} ms"
     running = [_samples(text, "cliffguard_num_requests_running") for _, text in scrapes]
-    assert any(r.get("pool=rag", 0) >= 1 for r in running), "no scrape saw the rag request running"
-    assert any(r.get("pool=chat", 0) >= 1 for r in running), "no scrape saw a chat request running"
-    ages = [_samples(text, "cliffguard_stats_age_seconds")["device=default"] for _, text in scrapes]
+    assert any(r.get("pool=rag,replica=0", 0) >= 1 for r in running), "no scrape saw the rag request running"
+    assert any(r.get("pool=chat,replica=0", 0) >= 1 for r in running), "no scrape saw a chat request running"
+    ages = [_samples(text, "cliffguard_stats_age_seconds")["device=default,replica=0"] for _, text in scrapes]
     assert min(ages) < 1.0 and max(ages) < 5.0, f"stats ages {ages}"
-    steps = [_samples(text, "cliffguard_engine_steps_total")["device=default"] for _, text in scrapes]
+    steps = [_samples(text, "cliffguard_engine_steps_total")["device=default,replica=0"] for _, text in scrapes]
     assert steps[-1] > steps[0], "the step counter did not move while the load ran"

@@ -144,5 +144,5 @@ def test_capacity_plan_of_the_default_file_is_what_the_server_allocated(live_bui
     with urllib.request.urlopen(live_builtin_server.url + "/metrics") as r:
         metrics = r.read().decode()
     for name, plan in planned["pools"].items():
-        assert f'cliffguard_pool_num_blocks{{pool="{name}"}} {float(plan["num_blocks"])}' in metrics
-        assert f'cliffguard_pool_max_num_seqs{{pool="{name}"}} {float(plan["max_num_seqs"])}' in metrics
+        assert f'cliffguard_pool_num_blocks{{pool="{name}",replica="0"}} {float(plan["num_blocks"])}' in metrics
+        assert f'cliffguard_pool_max_num_seqs{{pool="{name}",replica="0"}} {float(plan["max_num_seqs"])}' in metrics

@@ -85,7 +85,7 @@ async def _scrape(client) -> dict[str, dict[tuple, float]]:
 
 
 def _spiral_gauge(metrics, pool: str) -> float:
-    return metrics["cliffguard_death_spiral"][(("pool", pool),)]
+    return metrics["cliffguard_death_spiral"][(("pool", pool), ("replica", "0"))]
 
 
 def _preemptions(metrics, pool: str) -> float:
@@ -109,7 +109,7 @@ async def test_an_undersized_shared_pool_under_mixed_load_trips_the_death_spiral
             if _spiral_gauge(during, "shared") == 1:
                 break
         else:
-            raise AssertionError(f"never tripped: {gateway.spiral.detectors['shared'].state}")
+            raise AssertionError(f"never tripped: {gateway.spiral.detectors['shared', 0].state}")
         r = await client.get("/ready")
         body = await r.json()
     finally:
@@ -153,7 +153,7 @@ async def test_the_split_layout_under_the_same_load_does_not_trip(aiohttp_client
     assert _preemptions(metrics, "chat") == _preemptions(metrics, "rag") == 0
     assert body["status"] == "ready" and body["pools"] == {"chat": "ok", "rag": "ok"}
     detectors = gateway.spiral.detectors
-    assert detectors["chat"].state.window is not None and detectors["rag"].state.window is not None   # judged
+    assert detectors["chat", 0].state.window is not None and detectors["rag", 0].state.window is not None   # judged
 
 
 def _report(taken_at: float, preemptions: int, tokens: int, running: int = 1) -> EngineStats:
@@ -168,12 +168,12 @@ def test_the_watch_feeds_each_report_once_and_an_idle_pool_at_the_current_time(c
     client = SimpleNamespace(latest_stats=None)
     spec = SimpleNamespace(death_spiral=SpiralConfig(window_seconds=4, min_preemptions_per_s=1, clear_seconds=2))
     off = SimpleNamespace(death_spiral=SpiralConfig(enabled=False))
-    pools = {"p": SimpleNamespace(is_upstream=False, spec=spec, client=client),
-             "quiet": SimpleNamespace(is_upstream=False, spec=off, client=client)}
+    pools = {"p": SimpleNamespace(is_upstream=False, spec=spec, clients=[client], num_replicas=1),
+             "quiet": SimpleNamespace(is_upstream=False, spec=off, clients=[client], num_replicas=1)}
     metrics = GatewayMetrics()
     watch = SpiralWatch(pools, metrics)
-    assert list(watch.detectors) == ["p"] and list(watch.pools) == ["p", "quiet"]   # "quiet": detection off
-    gauge = metrics.death_spiral.labels(pool="p")
+    assert list(watch.detectors) == [("p", 0)] and list(watch.pools) == ["p", "quiet"]   # "quiet": detection off
+    gauge = metrics.death_spiral.labels(pool="p", replica="0")
     watch.check(100.0)                                  # no report yet: nothing to feed
     for i in range(17):                                 # 4 s of reports: 2 preemptions/s, 50 tokens/s
         client.latest_stats = _report(100.0 + i / 4, i // 2, 12 * i)
@@ -181,9 +181,9 @@ def test_the_watch_feeds_each_report_once_and_an_idle_pool_at_the_current_time(c
         watch.check(100.0 + i / 4 + 0.2)                # the same report again: not fed twice
     assert gauge._value.get() == 1 and watch.degraded()["p"].startswith("death spiral: ")
     assert "quiet" not in watch.degraded()
-    busy = watch.detectors["p"].state
+    busy = watch.detectors["p", 0].state
     watch.check(200.0)                                  # busy and no new report: not extrapolated
-    assert watch.detectors["p"].state == busy
+    assert watch.detectors["p", 0].state == busy
     client.latest_stats = _report(104.25, 8, 204, running=0)   # the pool fell idle ...
     for now in (105.0, 106.0, 107.0, 108.0, 109.0, 110.0, 111.0):
         watch.check(now)                                # ... its totals are fed at the current time

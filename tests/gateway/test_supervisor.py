@@ -35,8 +35,8 @@ async def _wait_ready_status(client, status: int, timeout: float = 60.0) -> dict
 async def test_a_killed_worker_is_reported_restarted_and_requests_wait_for_it(aiohttp_client, tmp_path, tiny_model,
                                                                              caplog):
     client, gateway = await _client(aiohttp_client, pools_yaml(tiny_model), tmp_path)
-    gateway.supervisors["cpu"].backoff = FAST
-    old = gateway.clients["cpu"]
+    gateway.supervisors["cpu"][0].backoff = FAST
+    old = gateway.clients["cpu"][0]
     chat = "/v1/chat/completions"
     body = {"model": _model(tiny_model), "messages": [{"role": "user", "content": "Tell me about cliffs."}],
             "max_tokens": 400, "ignore_eos": True, "temperature": 0}
@@ -68,11 +68,11 @@ async def test_a_killed_worker_is_reported_restarted_and_requests_wait_for_it(ai
     assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 400
     assert (await _wait_ready_status(client, 200))["devices"] == {"cpu": "ready"}
 
-    new = gateway.clients["cpu"]
+    new = gateway.clients["cpu"][0]
     assert new is not old and new.pid != old.pid and not old.is_alive and old.exitcode == -9
     assert all(pool.client is new for pool in gateway.pools.values())
     m = _metrics(await (await client.get("/metrics")).text())
-    assert m["cliffguard_worker_restarts_total"][(("device", "cpu"),)] == 1
+    assert m["cliffguard_worker_restarts_total"][(("device", "cpu"), ("replica", "0"))] == 1
     stats = await new.stats()   # runs check_integrity in the worker
     assert stats.num_requests == 0
     assert all(p.num_free_blocks == p.num_blocks for p in stats.pools.values())
@@ -94,7 +94,7 @@ async def test_a_worker_that_fails_its_first_start_stays_failed(aiohttp_client, 
     await asyncio.sleep(2 * FAST.initial_seconds)
     state = (await _wait_ready_status(client, 503))["devices"]["cpu"]
     assert state.startswith("failed: device 'cpu' failed to start:"), state
-    supervisor = gateway.supervisors["cpu"]
+    supervisor = gateway.supervisors["cpu"][0]
     assert supervisor.num_restarts == 0 and not supervisor.client.is_alive
 
 
@@ -134,8 +134,8 @@ def test_engine_counters_of_a_restarted_worker_keep_counting():
         stats = PoolStats(num_running=0, num_waiting=0, num_swapped=0, num_blocks=8, num_free_blocks=8,
                           num_cached_free_blocks=0, kv_cache_usage=0.0, max_num_seqs=1, cpu_swap_usage=0.0,
                           num_computed_tokens=total)
-        metrics.update_pool("chat", stats, 1024)
-        return metrics.computed_tokens.labels(pool="chat")._value.get()
+        metrics.update_pool("chat", 0, stats, 1024)
+        return metrics.computed_tokens.labels(pool="chat", replica="0")._value.get()
 
     assert computed(100) == 100
     assert computed(30) == 130      # the new worker started from 0: its 30 are new

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from engine.config import ModelConfig
-from pools.capacity_plan import engine_configs, plan_capacity, plan_single_pool
+from pools.capacity_plan import engine_configs, plan_capacity, plan_single_pool, replica_engine_configs
 from pools.config_file import parse_config
 from pools.spec import DEFAULT_CPU_MEMORY, SpecError
 
@@ -201,11 +201,25 @@ def test_engine_configs_carry_the_planned_numbers(builtin_path):
     assert plan.pools["rag"].max_num_seqs == int(0.6 * kv) // (s_kv * 900)
 
 
+def test_engine_configs_place_every_rank_on_a_gpu_of_its_own(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)   # plan and check an H100 node on any machine
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
+    config, plan = _plan_example()
+    engine = engine_configs(config, plan)["h100x8"]
+    assert (engine.tensor_parallel_size, engine.device, engine.gpu_ids) == (8, "cuda:0", tuple(range(8)))
+    data = _example_data()
+    data["devices"]["h100x8"].update(tensor_parallel_size=4, replicas=2, gpus=[7, 6, 5, 4, 3, 2, 1, 0])
+    replicas = replica_engine_configs(*_plan_example(data))["h100x8"]
+    assert [(e.device, e.gpu_ids) for e in replicas] == [("cuda:7", (7, 6, 5, 4)), ("cuda:3", (3, 2, 1, 0))]
+    assert replicas[0].pools == replicas[1].pools   # the same pools and block ranges on each
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
+    with pytest.raises(SpecError, match=r"^devices\.h100x8\.device: replica 0 needs GPU 7 and this machine has 4"):
+        engine_configs(config, plan)
+
+
 def test_engine_configs_refuse_what_the_engine_cannot_run(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)   # plan and check an H100 on any machine
-    config, plan = _plan_example()
-    with pytest.raises(SpecError, match=r"^devices\.h100x8\.tensor_parallel_size: 8"):
-        engine_configs(config, plan)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
     data = _example_data()
     data["devices"]["h100x8"]["tensor_parallel_size"] = 1
     data["devices"]["h100x8"]["memory"] = "400GiB"

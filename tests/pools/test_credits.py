@@ -139,7 +139,7 @@ def test_bad_calls_are_named(call, match):
 
 def test_integrity_check_can_fail():
     ledger = CreditLedger(100)
-    ledger.held = 10       # credits deducted with no ticket holding them: a leak
+    ledger.accounts[0].held = 10   # credits deducted with no ticket holding them: a leak
     with pytest.raises(AssertionError, match="held 10 \\(tickets 0\\)"):
         ledger.check_integrity()
 

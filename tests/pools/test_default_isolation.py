@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from engine.config import LatencySLO, ModelConfig
-from pools.capacity_plan import engine_configs, format_plan, plan_capacity
+from pools.capacity_plan import engine_configs, plan_capacity
+from pools.plan_report import format_plan
 from pools.config_file import parse_config
 from pools.spec import PoolSpec, SpecError
 

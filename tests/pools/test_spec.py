@@ -109,6 +109,18 @@ BAD = {
                                 ["devices.default.memory_utilization", "got 0"]),
     "tensor_parallel_size zero": (_set("devices/default/tensor_parallel_size", 0),
                                   ["devices.default.tensor_parallel_size", "0"]),
+    "replicas zero": (_set("devices/default/replicas", 0), ["devices.default.replicas: must be >= 1, got 0"]),
+    "replicas string": (_set("devices/default/replicas", "two"), ["devices.default.replicas", "'two'"]),
+    "gpus on a cpu device": (_set("devices/default", {"device": "cpu", "gpus": [0]}),
+                             ["devices.default.gpus", "'cpu'", "device: cuda"]),
+    "a GPU listed twice": (_set("devices/default", {"device": "cuda", "replicas": 2, "gpus": [0, 0]}),
+                           ["devices.default.gpus[1]: GPU 0 is listed twice (also gpus[0])"]),
+    "gpus not a list": (_set("devices/default", {"device": "cuda", "gpus": 0}), ["devices.default.gpus", "0 (int)"]),
+    "gpus fewer than ranks": (_set("devices/default", {"device": "cuda", "replicas": 2, "tensor_parallel_size": 2,
+                                                       "gpus": [0, 1, 2]}),
+                              ["devices.default.gpus: 3 GPUs listed", "replicas 2 x tensor_parallel_size 2 need 4"]),
+    "negative gpu": (_set("devices/default", {"device": "cuda", "gpus": [-1]}), ["devices.default.gpus[0]", ">= 0"]),
+    "cpu_threads zero": (_set("devices/default/cpu_threads", 0), ["devices.default.cpu_threads: must be >= 1"]),
     "bad device": (_set("devices/default/device", "tpu"), ["devices.default.device", "'tpu'"]),
     "bad dtype": (_set("devices/default/dtype", "int8"), ["devices.default.dtype", "'int8'"]),
     "avg_len zero": (_set("pools/0/avg_len", 0), ["pools[0].avg_len", "got 0"]),
@@ -155,6 +167,20 @@ def test_bad_yaml_names_key_and_value(case):
     message = str(info.value)
     for part in expected:
         assert part in message, f"{part!r} not in {message!r}"
+
+
+def test_a_gpu_claimed_by_two_devices_is_refused():
+    def two_devices(data):
+        data["devices"] = {"a": {"device": "cuda", "replicas": 2}, "b": {"device": "cuda:1"}}
+        data["pools"][1]["device"] = "b"
+        data["pools"][0]["device"] = "a"
+        data["pools"][1]["model"] = "/models/other"
+    with pytest.raises(SpecError, match=r"^devices\.b: GPU 1 is also device 'a''s"):
+        load_config(_make_yaml(two_devices), env={})
+    config = load_config(_make_yaml(lambda d: d["devices"]["default"].update(
+        device="cuda:2", replicas=2, tensor_parallel_size=2)), env={})
+    device = config.devices["default"]
+    assert [device.replica_gpus(r) for r in range(2)] == [(2, 3), (4, 5)]
 
 
 def test_error_message_starts_with_the_key_path():

@@ -1,0 +1,152 @@
+"""Which replica of a pool serves a request: the one that can start it soonest, by token load and
+prefix affinity. Ints and hashes only (no asyncio), tested in milliseconds; `pools.credit_hold` asks
+it each time its ledger admits a request on a pool with several replicas.
+
+The gateway keeps, per replica, its **token load**: the work its admitted requests still ask of it,
+
+    load_r = sum of prefill tokens not computed yet   (a request's uncached prompt, until its first token)
+           + sum of output tokens still to come        (max_tokens - generated, each sample capped at avg_len)
+
+and which prompt blocks it has likely cached: the chain hashes of the full blocks of every prompt
+sent to it (salted with the request's prefix-cache partition, as the engine salts them), newest
+first, at most as many as the pool has blocks (the engine's cache holds no more; it evicts the
+least recently used, as this does). A request of p prompt tokens whose first m tokens are cached on
+replica r (whole blocks) scores
+
+    score_r = load_r + (p - m)
+
+and goes to the lowest score among the replicas where its KV credits fit; a tie goes to the replica
+with more free credits, then the lower index. So with nothing cached requests spread by the tokens
+they ask for, not by their count; a prompt whose prefix one replica holds goes there unless that
+replica's load exceeds another's by more than the prefill the cache saves (it is then clearly
+busier: the other starts it sooner even computing the whole prompt). The load counts only what the
+gateway knows at once (admissions, first tokens, tokens streamed), never a worker's report, so two
+requests admitted in the same instant see each other.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a request asks of a replica: its prompts' token ids, the output tokens it may take per
+    prompt (every sample together, each capped), and its prefix-cache partition."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    output_tokens: int
+    salt: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+@dataclass
+class _Running:
+    replica: int
+    prefill: int          # uncached prompt tokens not computed yet (0 from the first token on)
+    output: int           # output tokens still to come (the estimate)
+    cached: int           # prompt tokens it found cached there when placed
+
+
+def block_hashes(ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
+    """The chain hash of each full block of `ids`: block i's hash covers every token before its end."""
+    hashes, prev = [], hash(("cliffguard-prefix", salt))
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        prev = hash((prev, tuple(ids[start:start + block_size])))
+        hashes.append(prev)
+    return hashes
+
+
+class Placement:
+    """The token load and likely-cached blocks of each replica of one pool. Event-loop only."""
+
+    def __init__(self, num_replicas: int, block_size: int, max_cached_blocks: int, avg_len: int = 1024) -> None:
+        self.block_size = block_size
+        self.max_cached_blocks = max_cached_blocks
+        self.avg_len = avg_len
+        self.load = [0] * num_replicas
+        self._cached: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
+        self._running: dict[str, _Running] = {}
+
+    def work(self, prompts: Sequence[Sequence[int]], max_tokens: int | None, n: int, max_model_len: int,
+             salt: str | None = None) -> Work:
+        """A request's Work: each sample's output capped at max_tokens (unset: the context left) and at avg_len."""
+        per_prompt = []
+        for ids in prompts:
+            limit = max_tokens if max_tokens is not None else max(1, max_model_len - len(ids))
+            per_prompt.append(n * min(limit, self.avg_len))
+        return Work(tuple(tuple(p) for p in prompts), sum(per_prompt), salt)
+
+    def matched_tokens(self, work: Work, replica: int) -> int:
+        """Prompt tokens of `work` whose blocks replica `replica` likely has cached (leading whole blocks)."""
+        cached, matched = self._cached[replica], 0
+        for ids in work.prompts:
+            for h in block_hashes(ids, self.block_size, work.salt):
+                if h not in cached:
+                    break
+                matched += self.block_size
+        return matched
+
+    def scores(self, work: Work, replicas: Sequence[int]) -> dict[int, int]:
+        """Each replica's score for `work` (lower starts it sooner)."""
+        p = work.num_prompt_tokens
+        return {r: self.load[r] + p - self.matched_tokens(work, r) for r in replicas}
+
+    def choose(self, work: Work, fitting: Sequence[int], free: Sequence[int]) -> int:
+        """The replica among `fitting` that starts `work` soonest; `free[r]`: replica r's free credits."""
+        scores = self.scores(work, fitting)
+        return min(fitting, key=lambda r: (scores[r], -free[r], r))
+
+    # --- what happened ----------------------------------------------------------------------------
+    def start(self, key: str, replica: int, work: Work) -> int:
+        """`work` (request `key`) now runs on `replica`: its load counts there and its prompt blocks are
+        cached there from now on. Returns the prompt tokens that were already cached there."""
+        matched = self.matched_tokens(work, replica)
+        running = _Running(replica, work.num_prompt_tokens - matched, work.output_tokens, matched)
+        self._running[key] = running
+        self.load[replica] += running.prefill + running.output
+        cached = self._cached[replica]
+        for ids in work.prompts:
+            for h in block_hashes(ids, self.block_size, work.salt):
+                cached[h] = None
+                cached.move_to_end(h)
+        while len(cached) > self.max_cached_blocks:
+            cached.popitem(last=False)
+        return matched
+
+    def cached_tokens(self, key: str) -> int:
+        """The prompt tokens running request `key` found cached where it was placed (0 if unknown)."""
+        running = self._running.get(key)
+        return running.cached if running is not None else 0
+
+    def observe(self, key: str, num_tokens: int) -> None:
+        """Request `key` streamed `num_tokens` more tokens: its prefill is done, its output goes down."""
+        running = self._running.get(key)
+        if running is None or num_tokens <= 0:
+            return
+        done = running.prefill + min(num_tokens, running.output)
+        running.prefill, running.output = 0, running.output - min(num_tokens, running.output)
+        self.load[running.replica] -= done
+
+    def finish(self, key: str) -> None:
+        """Request `key` ended (finished, failed or aborted): what it still asked is no load any more."""
+        running = self._running.pop(key, None)
+        if running is not None:
+            self.load[running.replica] -= running.prefill + running.output
+
+    def forget(self, replica: int) -> None:
+        """`replica` restarted: its prefix cache is empty."""
+        self._cached[replica].clear()
+
+    def check_integrity(self) -> None:
+        """Each replica's load is the sum of what its running requests still ask; raises with the numbers."""
+        expected = [0] * len(self.load)
+        for running in self._running.values():
+            expected[running.replica] += running.prefill + running.output
+        if expected != self.load:
+            raise AssertionError(f"placement load {self.load}, running requests sum to {expected}")

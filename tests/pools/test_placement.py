@@ -1,0 +1,173 @@
+"""pools.placement and the ledger across replicas: where a request goes (token load, prefix affinity),
+and a pool's one queue over several replicas' credits. Ints and hashes: milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from pools.credit_hold import Admission
+from pools.credits import CreditLedger, TenantPolicy
+from pools.placement import Placement, block_hashes
+
+BS = 16
+
+
+def _placement(replicas: int = 2, max_cached_blocks: int = 1000) -> Placement:
+    return Placement(replicas, BS, max_cached_blocks=max_cached_blocks, avg_len=256)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def test_block_hashes_chain_whole_blocks_and_their_salt():
+    ids = _ids(40, 0)
+    hashes = block_hashes(ids, BS)
+    assert len(hashes) == 2                                       # the 8-token tail is no block
+    assert block_hashes(ids[:32] + [1, 2], BS) == hashes          # the same first 32 tokens
+    assert block_hashes([7] + ids[1:], BS)[1] != hashes[1]        # a block's hash covers every token before it
+    assert block_hashes(ids, BS, "tenant-a") != block_hashes(ids, BS, "tenant-b")
+
+
+def test_with_nothing_cached_requests_spread_by_the_tokens_they_ask_not_their_count():
+    placement = _placement()
+    free = [10_000, 10_000]
+    long = placement.work([_ids(600, 1)], max_tokens=64, n=1, max_model_len=4096)
+    short = [placement.work([_ids(40, 10 + i)], max_tokens=32, n=1, max_model_len=4096) for i in range(10)]
+    first = placement.choose(long, [0, 1], free)
+    placement.start("long", first, long)
+    chosen = []
+    for i, work in enumerate(short):
+        replica = placement.choose(work, [0, 1], free)
+        placement.start(f"s{i}", replica, work)
+        chosen.append(replica)
+    # the long request (664 tokens of work) weighs as much as about nine short ones (72 each)
+    assert chosen.count(1 - first) >= 9 and placement.load[0] == pytest.approx(placement.load[1], abs=80)
+    placement.check_integrity()
+
+
+def test_a_cached_prefix_goes_to_its_replica_unless_that_replica_is_clearly_busier():
+    placement = _placement()
+    free = [10_000, 10_000]
+    document = _ids(2000, 2)
+    first = placement.work([document + _ids(20, 3)], max_tokens=64, n=1, max_model_len=4096)
+    placement.start("first", 1, first)
+    assert placement.matched_tokens(first, 1) == (2020 // BS) * BS and placement.matched_tokens(first, 0) == 0
+    again = placement.work([document + _ids(20, 4)], max_tokens=64, n=1, max_model_len=4096)
+    # while the first's prefill runs on replica 1 (2,084 tokens of load), idle replica 0 starts it sooner
+    assert placement.choose(again, [0, 1], free) == 0
+    # once its first token came, replica 1 has 63 tokens to go and saves 1,984 of again's 2,020: it gets it
+    placement.observe("first", 1)
+    assert placement.choose(again, [0, 1], free) == 1
+    # a queue of 3,000 more prefill tokens on replica 1 outweighs what its cache saves: replica 0 then
+    busy = placement.work([_ids(3000, 5)], max_tokens=16, n=1, max_model_len=4096)
+    placement.start("busy", 1, busy)
+    assert placement.choose(again, [0, 1], free) == 0
+    # ... and once that prefill is done (its first token came), replica 1 is the one again
+    placement.observe("busy", 1)
+    assert placement.choose(again, [0, 1], free) == 1
+    placement.finish("first")
+    placement.finish("busy")
+    assert placement.load == [0, 0]
+    placement.check_integrity()
+
+
+def test_only_fitting_replicas_are_chosen_and_a_tie_goes_to_more_free_credits():
+    placement = _placement(3)
+    work = placement.work([_ids(100, 6)], max_tokens=10, n=1, max_model_len=512)
+    assert placement.choose(work, [0, 2], [500, 900, 700]) == 2
+    assert placement.choose(work, [1], [500, 900, 700]) == 1
+
+
+def test_a_restarted_replica_forgets_its_cache_and_the_cache_is_bounded():
+    placement = _placement(2, max_cached_blocks=4)
+    doc = placement.work([_ids(6 * BS, 7)], max_tokens=1, n=1, max_model_len=512)
+    placement.start("a", 0, doc)
+    assert placement.matched_tokens(doc, 0) == 0   # 6 blocks into an LRU of 4: the first two went first
+    short = placement.work([_ids(4 * BS, 8)], max_tokens=1, n=1, max_model_len=512)
+    placement.start("b", 0, short)
+    assert placement.matched_tokens(short, 0) == 4 * BS
+    placement.forget(0)
+    assert placement.matched_tokens(short, 0) == 0
+
+
+def test_unset_max_tokens_counts_at_most_avg_len_per_sample():
+    placement = _placement()
+    work = placement.work([_ids(100, 9), _ids(50, 9)], max_tokens=None, n=2, max_model_len=4096)
+    assert work.output_tokens == 2 * 2 * 256 and work.num_prompt_tokens == 150
+
+
+# --- the ledger over replicas ----------------------------------------------------------------------
+
+
+def test_a_request_waits_on_the_pool_and_goes_to_whichever_replica_frees_first():
+    ledger = CreditLedger([100, 100])
+    for r in ("a", "b", "c"):
+        ledger.submit(r, 100)
+    admitted = ledger.admit()
+    assert sorted(t.replica for t in admitted) == [0, 1] and ledger.num_queued == 1
+    on_one = next(t.request_id for t in admitted if t.replica == 1)
+    ledger.release(on_one)
+    (third,) = ledger.admit()
+    assert third.request_id == "c" and third.replica == 1
+    ledger.check_integrity()
+
+
+def test_a_replica_that_is_down_takes_nothing_new():
+    ledger = CreditLedger([100, 100])
+    ledger.set_up(0, False)
+    ledger.submit("a", 50)
+    ledger.submit("b", 50)
+    ledger.submit("c", 50)
+    assert [t.replica for t in ledger.admit()] == [1, 1] and ledger.num_queued == 1
+    assert ledger.free == 0                      # what is up: replica 1's, all held
+    ledger.set_up(0, True)
+    assert [t.replica for t in ledger.admit()] == [0]
+    with pytest.raises(ValueError, match="num_tokens: 101 credits asked, the pool has 100 KV token slots per replica"):
+        ledger.submit("big", 101)                # fits neither replica: never, so refused at once
+
+
+def test_tenant_weights_hold_across_replicas():
+    ledger = CreditLedger([50, 50], {"gold": TenantPolicy(weight=3)}, quantum=10)
+    for i in range(60):
+        ledger.submit(f"g{i}", 10, tenant="gold")
+        ledger.submit(f"s{i}", 10, tenant="silver")
+    order, running = [], []
+    while True:
+        admitted = ledger.admit()
+        order += [t.request_id for t in admitted]
+        running += admitted
+        ledger.check_integrity()
+        if not running:
+            break
+        ledger.release(running.pop(0).request_id)
+    assert sum(r.startswith("g") for r in order[:40]) == 30
+
+
+def test_the_admission_places_each_request_and_counts_its_load_until_it_ends():
+    async def scenario():
+        placement = _placement()
+        admission = Admission("chat", [64, 64], placement=placement)
+        up = [True, True]
+        admission.is_up = lambda r: up[r]
+        works = [placement.work([_ids(30, i)], max_tokens=20, n=1, max_model_len=512) for i in range(3)]
+        async with admission.hold("a", 64, work=works[0]) as a, admission.hold("b", 64, work=works[1]) as b:
+            assert {a.replica, b.replica} == {0, 1} and placement.load == [50, 50]
+            admission.observe("a", 5)            # first token: the prefill is done, 15 outputs to go
+            assert placement.load[a.replica] == 15
+            up[b.replica] = False                # b's replica died: the third waits for a's
+            third = asyncio.ensure_future(admission.hold("c", 64, work=works[2]).__aenter__())
+            await asyncio.sleep(0)
+            assert not third.done()
+        ticket = await third
+        assert ticket.replica == a.replica and placement.load[a.replica] == 50
+        admission.ledger.release("c")
+        placement.finish("c")
+        assert placement.load == [0, 0]
+        admission.ledger.check_integrity()
+
+    asyncio.run(scenario())
