@@ -243,6 +243,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="pools YAML to serve, used as is (default: config/pools.yaml "
                    "with the gateway's fault timers shortened: write_timeout 3 s, stall_seconds 6 s, restart "
                    "back-off from 0.2 s)")
+    p.add_argument("--replicas", type=int, default=None, help="serve every device as this many replicas, each "
+                   "worker on one thread (the kill faults then kill one replica; default: as in the file)")
     p.add_argument("--rate", type=float, default=1.0, help="steady chat requests per second (default 1)")
     p.add_argument("--rag-rate", type=float, default=0.05, help="steady rag-ish requests per second (default 0.05)")
     p.add_argument("--warmup", type=float, default=None, help="seconds of load before the first fault (default 30)")
@@ -285,15 +287,21 @@ def check_args(args: argparse.Namespace) -> Phases:
         raise ValueError(f"--faults: unknown {unknown or 'none given'}; choose from {', '.join(FAULTS)}")
     if args.config is not None and not Path(args.config).is_file():
         raise ValueError(f"--config: no such file: {args.config}")
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError(f"--replicas: must be >= 1, got {args.replicas}")
     if args.quick and args.disconnects == 40:
         args.disconnects = 20
     return phases
 
 
-def chaos_config(source: Path, folder: Path) -> Path:
-    """A copy of `source` in `folder` with the gateway's fault timers shortened (`FAULT_TIMERS`)."""
+def chaos_config(source: Path, folder: Path, replicas: int | None = None) -> Path:
+    """A copy of `source` in `folder` with the gateway's fault timers shortened (`FAULT_TIMERS`) and, with
+    `replicas`, every device replicated that many times, each worker on one thread."""
     config = yaml.safe_load(source.read_text(encoding="utf-8"))
     config.setdefault("gateway", {}).update(FAULT_TIMERS)
+    if replicas is not None:
+        for device in (config.get("devices") or {}).values():
+            device.update(replicas=replicas, cpu_threads=1)
     path = folder / "pools.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return path
@@ -333,7 +341,8 @@ def run(args: argparse.Namespace) -> int:
     out = _out_dir(args.out) if args.out else None
     date, commit = datetime.datetime.now().astimezone().isoformat(timespec="seconds"), _commit()   # what is served
     with tempfile.TemporaryDirectory(prefix="cliffguard-chaos-") as folder:
-        config = Path(args.config) if args.config else chaos_config(DEFAULT_CONFIG, Path(folder))
+        config = Path(args.config) if args.config and args.replicas is None else chaos_config(
+            Path(args.config or DEFAULT_CONFIG), Path(folder), args.replicas)
         with LiveServer(config) as server:
             raw = asyncio.run(chaos_run(server, args, phases))
             log = list(server.log)
@@ -341,7 +350,8 @@ def run(args: argparse.Namespace) -> int:
         f"write_timeout {FAULT_TIMERS['write_timeout']:g} s, stall_seconds {FAULT_TIMERS['stall_seconds']:g} s, "
         f"restart back-off from {FAULT_TIMERS['restart_backoff']['initial_seconds']:g} s")
     counts, bad_lines = _log_summary(log)
-    meta = {"config": str(args.config or DEFAULT_CONFIG.relative_to(REPO)), "timers": timers,
+    meta = {"config": str(args.config or DEFAULT_CONFIG.relative_to(REPO))
+                      + (f" with replicas: {args.replicas} (1 thread each)" if args.replicas else ""), "timers": timers,
             "date": date, "commit": commit,
             "load": f"chat {args.rate:g} req/s ({CHAT_WORDS}-word prompts, {CHAT_TOKENS} tokens, streamed), rag-ish "
                     f"{args.rag_rate:g} req/s ({RAG_WORDS}-word prompts, {RAG_TOKENS} tokens)",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.chaos_steady import (SAMPLE_INTERVAL_S, Chaos, Phases, Sample, Sampler, is_running, plan_steady, run_steady,
-                                send_signal, worker_pid)
+                                send_signal, worker_pid, worker_pids)
 from bench.live import LiveServer
 from bench.load.sender import error_message
 
@@ -172,13 +172,19 @@ async def oversized(ctx: Chaos, run: FaultRun, until_s: float) -> None:
 
 
 async def kill_worker(ctx: Chaos, run: FaultRun, until_s: float) -> None:
-    """`kill -9` of the device worker."""
-    pid = worker_pid(ctx.gateway_pid)
-    run.notes["pid"] = pid
+    """`kill -9` of the device worker (of one replica, when the device has several: the others serve
+    meanwhile); notes when the killed one's place was taken by a new worker (`rejoined_after_s`)."""
+    before = worker_pids(ctx.gateway_pid)
+    pid = before[0] if before else None
+    run.notes["pid"], run.notes["workers"] = pid, len(before)
     if pid is not None:
         send_signal(pid, signal.SIGKILL)
     run.injected_s = ctx.now()
-    await sleep_until(ctx, until_s)
+    while ctx.now() < until_s:
+        now = worker_pids(ctx.gateway_pid)
+        if "rejoined_after_s" not in run.notes and len(now) == len(before) and pid not in now:
+            run.notes["rejoined_after_s"] = round(ctx.now() - run.injected_s, 2)
+        await asyncio.sleep(0.1)
     run.notes["new_pid"] = worker_pid(ctx.gateway_pid)
 
 

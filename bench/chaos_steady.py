@@ -321,9 +321,10 @@ class Sampler:
 
 # --- processes ------------------------------------------------------------------------------------------
 
-def worker_pid(gateway_pid: int) -> int | None:
-    """The device worker's pid: the gateway's child that runs multiprocessing's `spawn_main` (not its
-    resource tracker); None when there is none (e.g. while it restarts)."""
+def worker_pids(gateway_pid: int) -> list[int]:
+    """The device workers' pids, one per replica: the gateway's children that run multiprocessing's
+    `spawn_main` (not its resource tracker), in pid order."""
+    pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -333,8 +334,14 @@ def worker_pid(gateway_pid: int) -> int | None:
         except (OSError, ValueError, IndexError):
             continue
         if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline and state_ppid[0] != "Z":
-            return int(entry.name)
-    return None
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def worker_pid(gateway_pid: int) -> int | None:
+    """A device worker's pid (the first of `worker_pids`); None when there is none (e.g. while it restarts)."""
+    pids = worker_pids(gateway_pid)
+    return pids[0] if pids else None
 
 
 def is_running(pid: int) -> bool:

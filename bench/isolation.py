@@ -46,7 +46,7 @@ from typing import Any
 
 from bench.live import LiveServer
 from bench.load.plan import LoadConfig, load_tokenizer, plan_requests
-from bench.load.report import LoadReport, latencies
+from bench.load.report import LoadReport, counter_rate, latencies, tokens_done
 from bench.load.run import run_load
 from pools.workload import LengthDist, WorkloadClass, latency_stats
 
@@ -195,10 +195,10 @@ def summarize(scenario: Scenario, chat: LoadReport | None, rag: LoadReport | Non
                       itl_samples=latencies([r for r in chat.records if r.status == "ok"], "itl"))
     if rag is not None:
         rag_pool = "shared" if scenario.layout == "shared" else "rag"
-        computed, seconds = _counter_rate((chat or rag).scrapes, rag_pool, "computed_tokens_total")
+        computed, seconds = counter_rate((chat or rag).scrapes, rag_pool, "computed_tokens_total")
         if scenario.layout == "shared" and chat is not None:   # the shared pool's tokens less chat's
             first, last = (chat.scrapes[0].t_s, chat.scrapes[-1].t_s) if chat.scrapes else (0.0, 0.0)
-            computed -= sum(_tokens_done(r, first, last) for r in chat.records)
+            computed -= sum(tokens_done(r, first, last) for r in chat.records)
         result["rag_tokens_per_s"] = computed / seconds if seconds > 0 else None
         result["rag_completed"] = rag.summary["rag"]["completed"]
     return result
@@ -209,24 +209,6 @@ def chat_ttfts(records, run_seconds: float) -> list[float]:
     seconds from its send to the end of the run (`run_seconds` from the run's start, the drain
     included): it waited at least that long."""
     return [r.ttft if r.ttft is not None else run_seconds - r.sent_s for r in records if r.sent_s is not None]
-
-
-def _counter_rate(scrapes, pool: str, key: str) -> tuple[float, float]:
-    """(increase of a pool's counter, seconds) between the first and the last successful scrape."""
-    ok = [s for s in scrapes if s.error is None and key in s.pools.get(pool, {})]
-    if len(ok) < 2:
-        return 0.0, 0.0
-    return ok[-1].pools[pool][key] - ok[0].pools[pool][key], ok[-1].t_s - ok[0].t_s
-
-
-def _tokens_done(record, first: float, last: float) -> int:
-    """Tokens a chat request had computed between two times of the run: its prompt when its first
-    token came inside the window, and each streamed token inside it."""
-    if record.sent_s is None:
-        return 0
-    times = [record.sent_s + t for t in record.chunk_s]
-    prompt = record.prompt_tokens or record.prompt_len
-    return (prompt if times and first <= times[0] <= last else 0) + sum(first <= t <= last for t in times)
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:

@@ -43,6 +43,8 @@ BENCHMARKS = {
                                  "cost"),
     "grammars": ("grammars", "grammar libraries on this machine: mask time per token at batch 1 and 32, compile "
                              "time, schema support (llguidance, xgrammar, outlines-core: those installed)"),
+    "replicas": ("replicas", "one replica against N of the same pool file under the same open-loop load (chat, rag, "
+                             "shared documents): tokens/s, the split of token load, prefix affinity"),
     "chaos": ("chaos", "faults (slow readers, disconnects, oversized inputs, kill -9 / STOP of the worker, a "
                        "500-connection burst) under a steady load: lost, duplicated, p99 TTFT, recovery time, RSS"),
 }

@@ -17,6 +17,11 @@ same history (nothing is sampled while nobody looks).
   `histogram_quantile` does (`histogram_quantile` here); `*_window_count` is how many observations the
   window held (null p99: none).
 
+A pool on a replicated device (`replicas: N`) has each series once per replica: the pool's value is
+their sum, except KV usage, their mean (each replica owns the same number of blocks); `replicas` in
+its JSON keeps each replica's own (`REPLICA_VALUES`), and `replica_split` each one's share of the
+prompt tokens placed on the pool.
+
 Auth: the page (`page`) holds no data and is served to anyone (`gateway.app` lists it among the open
 paths); `/dashboard/data` is an API path, so with API keys configured it needs `Authorization: Bearer`
 like the rest of the API. The page asks for the key (or takes it from the URL fragment, `#key=...`,
@@ -69,9 +74,13 @@ VALUES = {
 }
 # ... averaged over the pool's replicas instead of summed (a fraction of each replica's blocks)
 MEANS = {_P + "kv_cache_usage_perc"}
-# JSON key -> the sample shown per replica of a pool (`replicas` in each pool's JSON)
+# JSON key -> the sample shown per replica of a pool (`replicas` in each pool's JSON): the engine's and the
+# credit ledger's values, and what placement sent each replica (counters since start)
 REPLICA_VALUES = {key: VALUES[key] for key in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting",
-                                               "kv_credits_free")}
+                                               "kv_credits_free")} | {
+    "replica_requests_total": _P + "replica_requests_total",
+    "replica_prompt_tokens_total": _P + "replica_prompt_tokens_total",
+}
 HISTOGRAMS = {"ttft": _P + "time_to_first_token_seconds", "itl": _P + "inter_token_latency_seconds"}
 SERIES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "num_requests_swapped",
           "preemptions_per_second", "ttft_p99_seconds", "itl_p99_seconds", "kv_credits_free",
@@ -109,7 +118,8 @@ class Snapshot:
     values: dict[str, dict[str, float | None]]       # pool -> VALUES key -> value (None: not exported)
     histograms: dict[str, dict[str, Buckets]]        # pool -> HISTOGRAMS key -> cumulative buckets
     stats_age: dict[str, float] = field(default_factory=dict)   # device -> cliffguard_stats_age_seconds (max)
-    replicas: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)   # pool -> replica -> REPLICA_VALUES
+    # pool -> replica ("0", "1", ...) -> REPLICA_VALUES key -> value (None: not exported for that replica)
+    replicas: dict[str, dict[str, dict[str, float | None]]] = field(default_factory=dict)
 
 
 def parse_snapshot(families: Iterable[Metric], pools: Iterable[str], *, now: float, wall: float) -> Snapshot:
@@ -241,12 +251,24 @@ class DashboardHistory:
             series = {"age_seconds": [round(now.time - s.snapshot.time, 3) for s in samples]}
             series |= {key: [_finite(row.get(key)) for row in rows] for key in SERIES}
             pools[pool] = {key: _finite(v) for key, v in rows[-1].items()} | {"series": series}
-            pools[pool]["replicas"] = {r: {key: _finite(v) for key, v in vals.items()}
-                                       for r, vals in now.replicas.get(pool, {}).items()}
+            replicas = now.replicas.get(pool, {})
+            pools[pool]["replicas"] = {r: {key: _finite(v) for key, v in vals.items()} for r, vals in replicas.items()}
+            pools[pool]["replica_split"] = _replica_split(replicas)
         return {"time": now.wall, "window_seconds": round(last.window, 3),
                 "window_target_seconds": self.window_seconds, "history_seconds": self.history_seconds,
                 "poll_seconds": POLL_SECONDS, "quantile": QUANTILE, "stats_age_seconds": now.stats_age,
                 "pools": pools}
+
+
+def _replica_split(replicas: dict[str, dict[str, float | None]]) -> dict[str, float] | None:
+    """Each replica's share of the prompt tokens placed on its pool since start
+    (`replica_prompt_tokens_total`; a replica without the series yet has had none). None for a pool
+    with fewer than two replicas, or before any prompt token was placed."""
+    if len(replicas) < 2:
+        return None
+    tokens = {r: values.get("replica_prompt_tokens_total") or 0.0 for r, values in replicas.items()}
+    total = sum(tokens.values())
+    return {r: n / total for r, n in tokens.items()} if total > 0 else None
 
 
 def _finite(value: float | None) -> float | None:

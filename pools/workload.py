@@ -25,7 +25,9 @@ from pools.yamlcheck import SpecError, check_mapping, is_int, is_number, load_ya
 ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 DISTS = ("fixed", "uniform", "normal")
 _DIST_KEYS = {"fixed": ("value",), "uniform": ("min", "max"), "normal": ("mean", "std", "min", "max")}
-_CLASS_KEYS = ("name", "share", "rate", "endpoint", "prompt_len", "output_len", "ignore_eos", "temperature")
+_CLASS_KEYS = ("name", "share", "rate", "endpoint", "prompt_len", "output_len", "ignore_eos", "temperature",
+               "shared_prefix")
+_PREFIX_KEYS = ("tokens", "count")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "bench" / "workloads"
 
@@ -102,6 +104,19 @@ class LengthDist:
 
 
 @dataclass(frozen=True)
+class SharedPrefix:
+    """Prompts that begin with one of `count` documents of `tokens` tokens each (drawn per request), as
+    questions on the same few documents do: what a prefix cache, and prefix affinity, are for."""
+
+    tokens: int
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        _check_len("tokens", self.tokens)
+        _check_len("count", self.count)
+
+
+@dataclass(frozen=True)
 class WorkloadClass:
     """One kind of request in the load: how often it arrives, its endpoint and its lengths in tokens.
 
@@ -117,6 +132,7 @@ class WorkloadClass:
     rate: float | None = None
     ignore_eos: bool = True
     temperature: float | None = None
+    shared_prefix: SharedPrefix | None = None   # prompts = one of its documents + prompt_len tokens of their own
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -133,6 +149,8 @@ class WorkloadClass:
         if not isinstance(self.ignore_eos, bool):
             raise SpecError(f"ignore_eos: must be true or false, got {show(self.ignore_eos)}")
         _check_positive("temperature", self.temperature, optional=True, zero=True)
+        if self.shared_prefix is not None and not isinstance(self.shared_prefix, SharedPrefix):
+            raise SpecError(f"shared_prefix: must be a SharedPrefix, got {show(self.shared_prefix)}")
 
     @property
     def weight(self) -> float:
@@ -157,7 +175,8 @@ def parse_workload(data: Any) -> tuple[WorkloadClass, ...]:
     """The dict of a workload YAML file -> its classes, or SpecError naming the key path and the bad value.
 
     Schema: `classes:` a list of {name, share | rate, endpoint: chat|completion (chat), prompt_len,
-    output_len, ignore_eos (true), temperature (the server's default)}; lengths as `LengthDist`.
+    output_len, ignore_eos (true), temperature (the server's default), shared_prefix ({tokens, count}:
+    each prompt starts with one of `count` shared documents)}; lengths as `LengthDist`.
     An optional top-level `description:` is ignored.
     """
     if not isinstance(data, dict):
@@ -173,6 +192,10 @@ def parse_workload(data: Any) -> tuple[WorkloadClass, ...]:
         _required(f"{key}.name", raw.get("name"))
         kwargs = dict(raw, prompt_len=_parse_length(f"{key}.prompt_len", raw.get("prompt_len")),
                       output_len=_parse_length(f"{key}.output_len", raw.get("output_len")))
+        if raw.get("shared_prefix") is not None:
+            prefix = check_mapping(f"{key}.shared_prefix", raw["shared_prefix"], _PREFIX_KEYS)
+            with within(f"{key}.shared_prefix"):
+                kwargs["shared_prefix"] = SharedPrefix(**prefix)
         with within(key):
             classes.append(WorkloadClass(**kwargs))
         if [c.name for c in classes].count(classes[-1].name) > 1:

@@ -198,9 +198,13 @@ class PromptMaker:
             if len(self.words) < 16:
                 raise ValueError(f"tokenizer: only {len(self.words)} of the prompt words are one token each")
 
-    def make(self, rng: random.Random, n: int, *, chat: bool) -> str:
-        """A prompt of `n` tokens (about, without a tokenizer or for chat) drawn with `rng`."""
+    def make(self, rng: random.Random, n: int, *, chat: bool, prefix: str = "") -> str:
+        """A prompt of `n` tokens (about, without a tokenizer or for chat) drawn with `rng`; with a
+        `prefix` (a shared document), the prompt is that text followed by `n` tokens of its own."""
         words = [rng.choice(self.words) for _ in range(max(1, n))]
+        if prefix:
+            n += self.count(prefix, chat) if self.tokenizer is not None else 0
+            words = prefix.split(" ") + words
         if self.tokenizer is None:
             return " ".join(words)
         count = self._counter(chat)
@@ -215,7 +219,17 @@ class PromptMaker:
         return " ".join(words)
 
     def _counter(self, chat: bool) -> Callable[[str], int]:
-        return lambda text: len(self.tokenizer.encode(text, add_special_tokens=not chat))
+        return lambda text: self.count(text, chat)
+
+    def count(self, text: str, chat: bool) -> int:
+        """Tokens of `text` as the server counts a prompt (special tokens included for a completion)."""
+        return len(self.tokenizer.encode(text, add_special_tokens=not chat))
+
+    def document(self, seed: int, cls: WorkloadClass, k: int) -> str:
+        """Shared document `k` of a class with a `shared_prefix`: the same text in every request that
+        draws it (about `tokens` tokens: one word each)."""
+        rng = random.Random(f"{seed}:{cls.name}:document:{k}")
+        return " ".join(rng.choice(self.words) for _ in range(cls.shared_prefix.tokens))
 
 
 @dataclass(frozen=True)
@@ -228,6 +242,7 @@ class PlannedRequest:
     prompt: str
     prompt_len: int
     max_tokens: int
+    prefix: int | None = None     # which shared document it starts with (a class with `shared_prefix`)
 
 
 def load_tokenizer(spec: str) -> Any:
@@ -245,11 +260,20 @@ def plan_requests(config: LoadConfig, tokenizer: Any | None = None) -> list[Plan
         tokenizer = load_tokenizer(config.tokenizer)
     maker = PromptMaker(tokenizer)
     plan = []
+    documents: dict[tuple[str, int], str] = {}
     for index, (t, cls) in enumerate(arrival_schedule(config)):
         rng = random.Random(f"{config.seed}:{index}:{cls.name}")
         prompt_len, max_tokens = cls.prompt_len.sample(rng), cls.output_len.sample(rng)
-        prompt = maker.make(rng, prompt_len, chat=cls.endpoint == "chat")
-        plan.append(PlannedRequest(index, t, cls, prompt, prompt_len, max_tokens))
+        prefix, document = None, ""
+        if cls.shared_prefix is not None:
+            prefix = rng.randrange(cls.shared_prefix.count)
+            if (cls.name, prefix) not in documents:
+                documents[cls.name, prefix] = maker.document(config.seed, cls, prefix)
+            document = documents[cls.name, prefix]
+            prompt_len += cls.shared_prefix.tokens
+        prompt = maker.make(rng, prompt_len - (cls.shared_prefix.tokens if document else 0),
+                            chat=cls.endpoint == "chat", prefix=document)
+        plan.append(PlannedRequest(index, t, cls, prompt, prompt_len, max_tokens, prefix))
     return plan
 
 

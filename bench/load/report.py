@@ -57,7 +57,57 @@ def class_summary(records: Sequence[RequestRecord], duration_s: float, goodput: 
         good = sum(goodput.is_good(r) for r in records)
         summary["goodput"] = {"num_good": good, "requests_per_s": good / duration_s,
                               "fraction": good / len(records) if records else None}
+    summary["replicas"] = replica_split(records)
+    summary["prefix_affinity"] = prefix_affinity(records)
     return summary
+
+
+def replica_split(records: Iterable[RequestRecord]) -> dict[str, dict[str, Any]]:
+    """Per pool, what each replica (the `x-cliffguard-replica` header) answered: completed requests and
+    their tokens (prompt + output: the token load), each replica's share of the pool's tokens and the
+    largest relative deviation from an even split (|share - 1/R| x R); empty without the header."""
+    by_pool: dict[str, dict[str, dict[str, int]]] = {}
+    for r in records:
+        if r.status != "ok" or r.replica is None:
+            continue
+        entry = by_pool.setdefault(r.pool or "", {}).setdefault(r.replica, {"requests": 0, "tokens": 0})
+        entry["requests"] += 1
+        entry["tokens"] += (r.prompt_tokens or r.prompt_len) + r.num_output_tokens
+    out: dict[str, dict[str, Any]] = {}
+    for pool, replicas in sorted(by_pool.items()):
+        total = sum(e["tokens"] for e in replicas.values())
+        shares = {name: e["tokens"] / total if total else None for name, e in replicas.items()}
+        out[pool] = {"replicas": dict(sorted(replicas.items())), "token_shares": shares}
+    return out
+
+
+def even_split_deviation(split: dict[str, Any], num_replicas: int) -> float | None:
+    """The largest relative deviation of a pool's token shares from 1/num_replicas (a replica that answered
+    nothing counts as share 0); None without traffic."""
+    shares = [share for share in split["token_shares"].values() if share is not None]
+    if not shares:
+        return None
+    shares += [0.0] * (num_replicas - len(shares))
+    return max(abs(share * num_replicas - 1) for share in shares)
+
+
+def prefix_affinity(records: Sequence[RequestRecord]) -> dict[str, Any] | None:
+    """For a class whose prompts start with shared documents: of the requests after each document's first,
+    how many went to the replica that answered the first (which cached it). None without documents or
+    the replica header."""
+    groups: dict[int, list[RequestRecord]] = {}
+    for r in sorted(records, key=lambda r: r.sent_s if r.sent_s is not None else math.inf):
+        if r.prefix is not None and r.replica is not None and r.status == "ok":
+            groups.setdefault(r.prefix, []).append(r)
+    if not groups:
+        return None
+    repeats = same = 0
+    for group in groups.values():
+        first = group[0].replica
+        repeats += len(group) - 1
+        same += sum(r.replica == first for r in group[1:])
+    return {"documents": len(groups), "repeats": repeats, "on_first_replica": same,
+            "fraction": same / repeats if repeats else None}
 
 
 def scrape_summary(scraper: Scraper | None, url: str) -> dict[str, Any]:
@@ -118,11 +168,31 @@ def build_report(config: LoadConfig, model: str, records: Sequence[RequestRecord
                for name in names}
     whole = class_summary(records, duration_s, None)
     totals = {key: whole[key] for key in ("count", "completed", "errors", "unfinished", "output_tokens",
-                                          "request_throughput", "output_throughput")}
+                                          "prompt_tokens", "request_throughput", "output_throughput", "replicas")}
+    totals["token_throughput"] = (whole["prompt_tokens"] + whole["output_tokens"]) / duration_s
     totals.update(duration_s=duration_s, last_arrival_s=max((r.scheduled_s for r in records), default=0.0),
                   send_lag_s=latency_stats([r.sent_s - r.scheduled_s for r in records if r.sent_s is not None]),
                   scrape=scrape_summary(scraper, config.scrape_url))
     return LoadReport(config, model, summary, totals, tuple(records), tuple(scraper.samples if scraper else ()))
+
+
+def counter_rate(scrapes, pool: str, key: str) -> tuple[float, float]:
+    """(increase of a pool's counter, seconds) between the first and the last successful scrape."""
+    ok = [s for s in scrapes if s.error is None and key in s.pools.get(pool, {})]
+    if len(ok) < 2:
+        return 0.0, 0.0
+    return ok[-1].pools[pool][key] - ok[0].pools[pool][key], ok[-1].t_s - ok[0].t_s
+
+
+def tokens_done(record, first: float, last: float) -> int:
+    """Tokens a request had done between two times of the run (s from its start): its prompt when its
+    first token came inside the window, and each streamed token inside it."""
+    if record.sent_s is None:
+        return 0
+    times = [record.sent_s + t for t in record.chunk_s]
+    prompt = record.prompt_tokens or record.prompt_len
+    return (prompt if times and first <= times[0] <= last else 0) + sum(
+        n for t, n in zip(times, record.chunk_tokens) if first <= t <= last)
 
 
 # --- files and plots -----------------------------------------------------------------------------------------
@@ -216,6 +286,21 @@ def _count(value: float | None) -> str:
     return "-" if value is None else f"{value:g}"
 
 
+def _replica_lines(s: dict[str, Any]) -> list[str]:
+    """A class's split over replicas per pool, and its prefix affinity, when the server named replicas."""
+    lines = []
+    for pool, split in s.get("replicas", {}).items():
+        parts = ", ".join(f"replica {name}: {e['requests']} requests, {e['tokens']} tokens "
+                          f"({100 * (split['token_shares'][name] or 0):.1f}%)" for name, e in split["replicas"].items())
+        lines.append(f"  pool {pool} by replica: {parts}")
+    affinity = s.get("prefix_affinity")
+    if affinity and affinity["repeats"]:
+        lines.append(f"  prefix affinity: {affinity['on_first_replica']} of {affinity['repeats']} repeats of "
+                     f"{affinity['documents']} documents on the replica that served the document first "
+                     f"({100 * affinity['fraction']:.1f}%)")
+    return lines
+
+
 def format_report(report: LoadReport) -> str:
     """A readable table per class, then the run's totals and what /metrics said."""
     c, t = report.config, report.totals
@@ -236,6 +321,7 @@ def format_report(report: LoadReport) -> str:
             lines.append(f"  {metric.upper():<6}" + "".join(f"{_ms(s[metric][k]):>10}"
                                                            for k in ("mean", "p50", "p90", "p99", "max")))
         lines += [f"  {n}x {message}" for message, n in s["error_messages"].items()]
+        lines += _replica_lines(s)
     sc = t["scrape"]
     lines.append("")
     if sc["skipped"]:

@@ -72,7 +72,7 @@ async def run_load(config: LoadConfig, plan: list[PlannedRequest] | None = None)
     if plan is None:
         plan = await asyncio.to_thread(plan_requests, config)
     records = [RequestRecord(p.index, p.workload.name, p.workload.endpoint, p.arrival_s, p.prompt_len,
-                             p.max_tokens) for p in plan]
+                             p.max_tokens, prefix=p.prefix) for p in plan]
     connector = aiohttp.TCPConnector(limit=0)  # no cap on connections: a cap would close the loop
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:

@@ -14,6 +14,7 @@ from pools.workload import ENDPOINTS
 from pools.yamlcheck import is_int
 
 POOL_HEADER = "x-cliffguard-pool"
+REPLICA_HEADER = "x-cliffguard-replica"
 DONE = "[DONE]"
 
 
@@ -67,6 +68,8 @@ class RequestRecord:
     error: str | None = "never sent"
     http_status: int | None = None
     pool: str | None = None
+    replica: str | None = None        # the replica that answered (`x-cliffguard-replica`), when the server says
+    prefix: int | None = None         # the shared document its prompt starts with (a class with `shared_prefix`)
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     finish_reason: str | None = None
@@ -162,6 +165,7 @@ async def send_request(session: Any, config: LoadConfig, model: str, planned: Pl
             async with session.post(url, json=body, headers=config.headers()) as response:
                 record.http_status = response.status
                 record.pool = response.headers.get(POOL_HEADER)
+                record.replica = response.headers.get(REPLICA_HEADER)
                 if response.status != 200:
                     text = await response.text(errors="replace")
                     record.status, record.error = "error", f"HTTP {response.status}: {error_message(text)}"

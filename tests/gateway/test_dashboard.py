@@ -73,13 +73,75 @@ def _make_snapshot(metrics: GatewayMetrics, now: float, pools=("chat",), extra: 
 
 
 def test_the_registry_and_its_text_exposition_give_the_same_snapshot():
-    """`/dashboard/data` reads the registry; `/metrics` renders it: both say the same."""
+    """`/dashboard/data` reads the registry; `/metrics` renders it: both say the same, per replica too."""
     metrics = GatewayMetrics()
     metrics.ttft.labels(pool="chat").observe(0.3)
     metrics.preemptions.labels(pool="chat", replica="0", mode="recompute").inc(3)
+    _make_replicas(metrics, AdmissionMetrics(metrics.registry), "chat", _TWO_REPLICAS, placed=True)
     from_text = _make_snapshot(metrics, 1.0)
     from_registry = dashboard.parse_snapshot(metrics.registry.collect(), ("chat",), now=1.0, wall=1001.0)
     assert from_registry == from_text and from_text.histograms["chat"]["ttft"]
+    assert list(from_text.replicas["chat"]) == ["0", "1"]
+    assert all(v is not None for values in from_text.replicas["chat"].values() for v in values.values())
+
+
+# per replica: kv_cache_usage_perc, num_requests_running, num_requests_waiting, kv_credits_free, requests and
+# prompt tokens placed
+_TWO_REPLICAS = ((0.2, 3, 1, 700, 3, 100), (0.6, 5, 0, 300, 5, 300))
+
+
+def _make_replicas(metrics: GatewayMetrics, credits: AdmissionMetrics, pool: str, rows, placed: bool) -> None:
+    """Set each replica's engine and credit series, as `update_pool` and `AdmissionMetrics.refresh` do, and
+    with `placed` count its placements."""
+    for replica, (kv, running, waiting, free, requests, tokens) in enumerate(rows):
+        labels = {"pool": pool, "replica": str(replica)}
+        metrics.kv_usage.labels(**labels).set(kv)
+        metrics.running.labels(**labels).set(running)
+        metrics.waiting.labels(**labels).set(waiting)
+        credits.credits_total.labels(**labels).set(1000)
+        credits.credits_free.labels(**labels).set(free)
+        if placed:
+            credits.placed.labels(**labels).inc(requests)
+            credits.placed_tokens.labels(**labels).inc(tokens)
+
+
+def test_a_replicated_pool_shows_each_replica_and_the_split_of_its_placed_prompt_tokens():
+    metrics = GatewayMetrics()
+    credits = AdmissionMetrics(metrics.registry)
+    _make_replicas(metrics, credits, "chat", _TWO_REPLICAS, placed=False)
+    _make_replicas(metrics, credits, "rag", _TWO_REPLICAS[:1], placed=True)
+    history = dashboard.DashboardHistory()
+
+    snapshot = dashboard.parse_snapshot(metrics.registry.collect(), ("chat", "rag"), now=0.0, wall=1000.0)
+    chat = snapshot.values["chat"]
+    assert chat["kv_cache_usage_perc"] == pytest.approx(0.4)       # the mean of the replicas' ...
+    assert (chat["num_requests_running"], chat["num_requests_waiting"]) == (8, 1)   # ... the sum of their counts
+    assert (chat["kv_credits_free"], chat["kv_credits_total"]) == (1000, 2000)
+    assert snapshot.replicas["chat"] == {
+        "0": {"kv_cache_usage_perc": 0.2, "num_requests_running": 3, "num_requests_waiting": 1, "kv_credits_free": 700,
+              "replica_requests_total": None, "replica_prompt_tokens_total": None},   # nothing placed yet
+        "1": {"kv_cache_usage_perc": 0.6, "num_requests_running": 5, "num_requests_waiting": 0, "kv_credits_free": 300,
+              "replica_requests_total": None, "replica_prompt_tokens_total": None}}
+    view = history.add(snapshot)["pools"]
+    assert view["chat"]["replicas"] == snapshot.replicas["chat"] and view["chat"]["replica_split"] is None
+    assert list(view["rag"]["replicas"]) == ["0"] and view["rag"]["replica_split"] is None   # one replica: no split
+
+    credits.placed.labels(pool="chat", replica="1").inc(2)           # only replica 1 got traffic
+    credits.placed_tokens.labels(pool="chat", replica="1").inc(50)
+    view = history.add(_make_snapshot(metrics, 1.0, pools=("chat", "rag")))["pools"]
+    assert view["chat"]["replica_split"] == {"0": 0.0, "1": 1.0}
+    assert view["chat"]["replicas"]["0"]["replica_requests_total"] is None
+    assert view["chat"]["replicas"]["1"]["replica_requests_total"] == 2
+
+    for replica, row in enumerate(_TWO_REPLICAS):                  # 100 + 300 more prompt tokens
+        credits.placed.labels(pool="chat", replica=str(replica)).inc(row[4])
+        credits.placed_tokens.labels(pool="chat", replica=str(replica)).inc(row[5])
+    view = history.add(_make_snapshot(metrics, 2.0, pools=("chat", "rag")))["pools"]
+    replicas = view["chat"]["replicas"]
+    assert [replicas[r]["replica_requests_total"] for r in ("0", "1")] == [3, 7]
+    assert [replicas[r]["replica_prompt_tokens_total"] for r in ("0", "1")] == [100, 350]
+    assert view["chat"]["replica_split"] == pytest.approx({"0": 100 / 450, "1": 350 / 450})
+    assert view["chat"]["kv_cache_usage_perc"] == pytest.approx(0.4) and view["chat"]["num_requests_running"] == 8
 
 
 def test_rates_and_p99s_are_taken_over_the_window_and_the_series_kept_for_the_history():
@@ -164,6 +226,9 @@ async def test_the_data_equals_metrics_and_needs_the_key_like_the_api(aiohttp_cl
     for pool, shown in data["pools"].items():
         for key, name in dashboard.VALUES.items():
             assert shown[key] == _pool_sum(after, name, pool), (pool, key)
+        assert list(shown["replicas"]) == ["0"] and shown["replica_split"] is None   # one replica per pool here
+        for key, name in dashboard.REPLICA_VALUES.items():
+            assert shown["replicas"]["0"][key] == after.get(name, {}).get((("pool", pool), ("replica", "0"))), key
         ttft = _bucket_increase(after, before, "cliffguard_time_to_first_token_seconds", pool)
         assert shown["ttft_window_count"] == (3 if pool == "chat" else 0)
         assert shown["ttft_p99_seconds"] == (dashboard.histogram_quantile(0.99, ttft) if ttft[-1][1] else None)
@@ -235,11 +300,13 @@ def _run_chromium(chromium: str, tmp_path: Path, url: str, *args: str, budget_ms
 
 
 class _Cells(html.parser.HTMLParser):
-    """The values the page shows: {(pool, metric): data-value} and the body's data- attributes."""
+    """The values the page shows: {(pool, metric): data-value}, its replica rows' {(pool, replica, metric):
+    data-value} and the body's data- attributes."""
 
     def __init__(self) -> None:
         super().__init__()
         self.values: dict[tuple[str, str], float | None] = {}
+        self.replicas: dict[tuple[str, str, str], float | None] = {}
         self.body: dict[str, str] = {}
 
     def handle_starttag(self, tag, attrs) -> None:
@@ -248,7 +315,11 @@ class _Cells(html.parser.HTMLParser):
             self.body = a
         elif "data-metric" in a and "data-pool" in a:
             value = a.get("data-value")
-            self.values[a["data-pool"], a["data-metric"]] = float(value) if value else None
+            value = float(value) if value else None
+            if "data-replica" in a:
+                self.replicas[a["data-pool"], a["data-replica"], a["data-metric"]] = value
+            else:
+                self.values[a["data-pool"], a["data-metric"]] = value
 
 
 class _Load:
@@ -346,6 +417,7 @@ def test_the_page_in_headless_chromium_shows_what_metrics_shows_under_load(chrom
     cells = _Cells()
     cells.feed(dom)
     assert cells.body.get("data-status") == "ok" and int(cells.body["data-polls"]) >= 2, cells.body
+    assert not cells.replicas, "a pool on one replica shows no replica rows"
     assert scrapes, "no /metrics scrape during the browser run"
     _assert_shown_within_scrapes(cells.values, scrapes)
     assert SCREENSHOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and SCREENSHOT.stat().st_size > 20_000

@@ -1,0 +1,61 @@
+"""`cliffguard bench replicas`: its pool files, the split and affinity it reports, and one `--quick` run end
+to end (a tiny model: one replica, then two, under the same load)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from bench.load.report import even_split_deviation, prefix_affinity, replica_split
+from bench.load.sender import RequestRecord
+from bench.replicas import pool_file
+from gateway.cli import main
+from tests.conftest import make_tiny_model
+
+
+def _record(i: int, replica: str, tokens: int, prefix: int | None = None) -> RequestRecord:
+    return RequestRecord(i, "docs", "completion", 0.0, tokens, 4, sent_s=float(i), status="ok", error=None,
+                         pool="rag", replica=replica, prefix=prefix, prompt_tokens=tokens, output_tokens=4)
+
+
+def test_the_split_is_by_token_load_and_affinity_counts_repeats_on_the_first_replica():
+    records = [_record(0, "0", 96, prefix=1), _record(1, "1", 196, prefix=1), _record(2, "0", 96, prefix=1),
+               _record(3, "0", 96, prefix=2), _record(4, "1", 96)]
+    split = replica_split(records)["rag"]
+    assert split["replicas"] == {"0": {"requests": 3, "tokens": 300}, "1": {"requests": 2, "tokens": 300}}
+    assert split["token_shares"] == {"0": 0.5, "1": 0.5} and even_split_deviation(split, 2) == 0.0
+    assert even_split_deviation(split, 3) == pytest.approx(1.0)     # a third replica that answered nothing
+    # document 1: first on replica 0, then 1, then 0 again; document 2 asked once
+    assert prefix_affinity(records) == {"documents": 2, "repeats": 2, "on_first_replica": 1, "fraction": 0.5}
+    assert prefix_affinity([r for r in records if r.prefix is None]) is None
+
+
+def test_the_pool_file_replicates_every_device_on_one_thread(tmp_path):
+    source = tmp_path / "pools.yaml"
+    source.write_text("devices:\n  a: {device: auto}\n  b: {device: cuda:1}\npools: []\n")
+    devices = yaml.safe_load(pool_file(source, 2, 1))["devices"]
+    assert devices == {"a": {"device": "cpu", "replicas": 2, "cpu_threads": 1},
+                       "b": {"device": "cuda:1", "replicas": 2, "cpu_threads": 1}}
+
+
+def test_quick_run_end_to_end(tmp_path, builtin_path, capsys):
+    model = make_tiny_model(tmp_path / "tiny", "llama", builtin_path, vocab_size=49152, max_position_embeddings=1024)
+    config = tmp_path / "pools.yaml"
+    config.write_text(f"""
+devices:
+  default: {{device: cpu, memory: 256MiB, dtype: float32}}
+pools:
+  - {{name: chat, model: {model}, route: {{max_prompt_tokens: 256}}, kv_share: 0.4, avg_len: 256, max_model_len: 1024}}
+  - {{name: rag, model: {model}, route: {{min_prompt_tokens: 257}}, kv_share: 0.6, avg_len: 512, max_model_len: 1024}}
+""")
+    out = tmp_path / "out"
+    assert main(["bench", "replicas", "--config", str(config), "--quick", "--long-tokens", "300", "--documents", "2",
+                 "--out", str(out)]) == 0
+    result = json.loads((out / "replicas.json").read_text())
+    one, two = result["layouts"]
+    assert (one["replicas"], two["replicas"]) == (1, 2) and one["count"] == two["count"] > 0
+    assert one["completed"] == one["count"] and two["completed"] == two["count"]
+    assert set(one["split"]["chat"]["replicas"]) == {"0"} and set(two["split"]["chat"]["replicas"]) == {"0", "1"}
+    assert result["ratio"] is not None and "tokens/s, 2 replicas over 1" in capsys.readouterr().out
