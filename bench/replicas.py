@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-tokens", type=int, default=4200, help="tokens of a rag prompt and of a shared document "
                    "(default 4200: above config/pools.yaml's chat route, so they go to rag)")
     p.add_argument("--documents", type=int, default=3, help="shared documents the docs class asks about (default 3)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompts (default 0)")
     p.add_argument("--out", default=None, help="write replicas.json and each run's bench serve files here")
     p.add_argument("--quick", action="store_true", help="a short load (a test)")
 

@@ -33,7 +33,8 @@ def _device_lines(d: DevicePlan) -> list[str]:
         ("weights", f"{fmt_bytes(d.weights_bytes)} ({d.weights_bytes:,} B)"
                     + (f", {fmt_bytes(d.weights_bytes_per_device)} per GPU" if tp > 1 else "")),
         ("KV bytes", f"{fmt_bytes(d.kv_space_bytes_per_device)}{per}"
-                     + (f", {fmt_bytes(d.kv_space_bytes)} total" if tp > 1 else "")),
+                     + (f", {fmt_bytes(d.kv_space_bytes)} per replica" if tp > 1 and d.replicas > 1 else "")
+                     + (f", {fmt_bytes(d.kv_space_bytes * d.replicas)} total" if tp > 1 or d.replicas > 1 else "")),
         ("S_KV", f"{d.kv_bytes_per_token:,} B/token ({fmt_bytes(d.kv_bytes_per_token)})"
                  + (f", {d.kv_bytes_per_token_per_device:,} B per GPU" if tp > 1 else "")),
     ]
