@@ -267,6 +267,9 @@ def _add_simulate(sub) -> None:
                    help="override every pool's preemption_mode")
     p.add_argument("--swap-space", default=None, help="override every pool's swap_space (e.g. 16GiB)")
     p.add_argument("--no-credits", action="store_true", help="admit at once, as a server without KV credits")
+    p.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="simulate every device as N replicas behind one credit queue per pool (overrides the "
+                        "config's replicas and drops its gpus list)")
     p.add_argument("--layout", choices=("split", "shared", "both"), default="split",
                    help="the config's pools (split), each device's pools merged into one (shared), or both")
     p.add_argument("--sweep-rate", default=None, metavar="R1,R2,...",
@@ -327,8 +330,8 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _simulation_setup(config, args: argparse.Namespace):
-    """The config with --preemption-mode / --swap-space applied, its model configs, the memory the plan
-    uses, the layouts to run ({name: (config, plan)}) and each device's step-time model."""
+    """The config with --replicas / --preemption-mode / --swap-space applied, its model configs, the memory
+    the plan uses, the layouts to run ({name: (config, plan)}) and each device's step-time model."""
     import dataclasses
 
     from engine.config import parse_dtype
@@ -337,6 +340,11 @@ def _simulation_setup(config, args: argparse.Namespace):
     from pools.simulation.runner import shared_layout
     from pools.spec import SpecError, parse_bytes
 
+    if args.replicas is not None:
+        if args.replicas < 1:
+            raise UsageError(f"--replicas: must be >= 1, got {args.replicas}")
+        config = dataclasses.replace(config, devices={name: dataclasses.replace(d, replicas=args.replicas, gpus=None)
+                                                      for name, d in config.devices.items()})
     overrides = {}
     if args.preemption_mode:
         overrides["preemption_mode"] = args.preemption_mode

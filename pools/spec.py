@@ -415,14 +415,20 @@ class CliffguardConfig:
 
     def describe_service_classes(self) -> list[str]:
         """One line per device with local pools, what `cliffguard serve` logs at start: `device default:
-        chat interactive (slo ttft 1000 ms, itl 100 ms; default: no slo in the YAML), rag throughput`.
+        chat interactive (slo ttft 1000 ms, itl 100 ms; default: no slo in the YAML), rag throughput`
+        (`device default (2 replicas, tensor parallel 4): ...` for a replicated, tensor-parallel one).
         A device whose pools are all throughput pools says that nothing protects any pool's latency."""
         lines = []
         for device in self.devices:
             members = [p for p in self.local_pools if p.device == device]
             if not members:
                 continue
-            line = f"device {device}: " + ", ".join(f"{p.name} {p.describe_service_class()}" for p in members)
+            spec = self.devices[device]
+            shape = ", ".join(part for part in (
+                f"{spec.replicas} replicas" if spec.replicas > 1 else "",
+                f"tensor parallel {spec.tensor_parallel_size}" if spec.tensor_parallel_size > 1 else "") if part)
+            line = f"device {device}{f' ({shape})' if shape else ''}: " + ", ".join(
+                f"{p.name} {p.describe_service_class()}" for p in members)
             if len(members) > 1 and all(p.slo is None for p in members):
                 line += " (no interactive pool: no compute isolation between them; see `slo` in config/README.md)"
             lines.append(line)

@@ -1,8 +1,32 @@
-"""`DeviceSim`: one device's pools on a virtual clock (the package docstring says what is real and
-what is modelled), and the requests it serves (`SimRequest`)."""
+"""`DeviceSim`: one replica of a device, its pools on a virtual clock (the package docstring says what
+is real and what is modelled), and the requests it serves (`SimRequest`); `ReplicaGroup`: a device's
+replicas on one clock and the gateway's side of them (credit queues, placement, arrivals).
+
+A device with `replicas: R` runs R identical copies (`DeviceSim`: one replica's schedulers, step
+composer and clock). In front of them, as in the gateway (`pools.credit_hold`), each pool has ONE
+`CreditLedger` over R accounts (a replica's account: its blocks x block_size) and one `Placement`:
+a request that arrives waits in its pool's fair queue and is admitted on the replica the placement
+picks among those where its credits fit (token load; prefix affinity never matches: prompts are
+random ids); when a request ends its credits return and the queue is admitted again across
+replicas. The placement hears every token as it is generated (`observe`) and every end (`finish`).
+With `credits` off (a server without KV credits) a request goes at once to the replica the
+placement picks among all.
+
+Time: every replica keeps its own clock (the end of its last step). `run` always steps the replica
+furthest behind that has work, and takes each arrival at the first step boundary at or after its
+time (when no replica has work, every clock moves on to the next arrival). A request admitted at
+time t on a replica starts at that replica's first step boundary at or after t (an idle replica's
+clock moves on to t), so none starts before the event that admitted it: its arrival, or the end of
+a request, on any replica, that let the queue move. With one replica this is exactly the
+single-device loop (same order of arrivals, steps and admissions).
+
+Single-threaded; the group owns the arrivals' token ids (one random stream for the device, which
+its replicas share for the tokens they sample) and the sequence order across replicas.
+"""
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,7 +40,8 @@ from engine.scheduler import ScheduledSeq, Scheduler, build_scheduler, commit_st
 from engine.sequence import FinishReason, Sequence as Seq
 from engine.step_cost import StepTime
 from pools.credit_hold import reservation
-from pools.credits import CreditLedger
+from pools.credits import CreditLedger, Ticket
+from pools.placement import Placement, Work
 from pools.spiral import SpiralConfig, SpiralDetector
 
 SPIRAL_SAMPLE_SECONDS = 0.25     # how often the gateway feeds the death-spiral detector (gateway.runtime)
@@ -33,6 +58,7 @@ class SimRequest:
     output_len: int
     pool: str | None = None
     admitted: float | None = None            # credits granted (the engine sees it)
+    replica: int | None = None               # the replica of its device it was admitted on
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
     num_preemptions: int = 0
@@ -66,12 +92,14 @@ class PoolTrace:
 
 
 class DeviceSim:
-    """One device: its pools' real schedulers, the real step composer and the gateway's credit
-    ledgers, on a virtual clock. Single-threaded; `run` drives it to the end of its requests."""
+    """One replica of a device: its pools' real schedulers and the real step composer, on its own
+    virtual clock. The gateway's credit ledgers and placement are its `group`'s; built without one
+    (`credits`, `seed` then apply) it is a device of one replica with a group of its own, and `run`
+    drives it to the end of its requests. Single-threaded."""
 
     def __init__(self, pools: Sequence[PoolConfig], *, block_size: int, max_model_lens: Mapping[str, int],
                  step_time: StepTime, kv_bytes_per_token: int, credits: bool = True, seed: int = 0,
-                 spirals: Mapping[str, SpiralConfig] | None = None) -> None:
+                 spirals: Mapping[str, SpiralConfig] | None = None, group: ReplicaGroup | None = None) -> None:
         self.step_time = step_time
         self.block_size = block_size
         self.schedulers: dict[str, Scheduler] = {}
@@ -85,7 +113,6 @@ class DeviceSim:
             self.schedulers[pool.name] = scheduler
             first_block += pool.num_blocks
         self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in pools})
-        self.ledgers = {p.name: CreditLedger(p.num_blocks * block_size) for p in pools} if credits else {}
         self.traces = {p.name: PoolTrace() for p in pools}
         # The gateway's death-spiral detector, fed every step as the worker's stats would feed it.
         spirals = spirals or {}
@@ -96,44 +123,47 @@ class DeviceSim:
         self.bytes_per_block = kv_bytes_per_token * block_size
         self.clock = 0.0
         self.num_steps = 0
-        self._rng = random.Random(seed)
-        self._requests: dict[str, SimRequest] = {}
+        if group is None:          # built alone: one replica, with the gateway's side of its own
+            group = ReplicaGroup(pools, block_size=block_size, credits=credits, seed=seed)
+        self.group = group
+        self.replica = group.attach(self)
+        self._rng = group.rng
+        self._requests: dict[str, SimRequest] = {}       # admitted here, until they end
         self._seqs: dict[str, Seq] = {}
-        self._order = 0
+        self._inbox: list[tuple[float, int, str]] = []   # (admitted at, seq_id, request_id): not yet started
+        self.stalled = False     # its last step chose nothing: it waits for an admission or an arrival
 
-    # --- arrivals and admission ----------------------------------------------------------------
-    def arrive(self, request: SimRequest) -> None:
-        """A routed request reaches its pool: refused if it can never fit, else queued for credits."""
-        scheduler = self.schedulers[request.pool]
-        try:
-            scheduler.check_fits(request.prompt_len, request.output_len)
-        except ValueError as exc:
-            request.error = str(exc)
-            return
-        ids = [self._rng.randrange(1000, 30000) for _ in range(request.prompt_len)]
-        params = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0)
-        self._seqs[request.request_id] = Seq(
-            seq_id=self._order, request_id=request.request_id, index=0, token_ids=ids,
-            num_prompt_tokens=request.prompt_len, params=params, max_tokens=request.output_len, priority=0,
-            arrival_order=self._order, generator=None, pool=request.pool)
-        self._order += 1
+    # --- admission -----------------------------------------------------------------------------
+    def admit(self, request: SimRequest, seq: Seq, at: float) -> None:
+        """The gateway admitted `request` here at `at` (simulated s): the engine takes it at this
+        replica's first step boundary at or after `at`; an idle replica's clock moves on to `at`."""
+        request.replica = self.replica
         self._requests[request.request_id] = request
-        ledger = self.ledgers.get(request.pool)
-        if ledger is None:
-            self._admit(request)
+        self._seqs[request.request_id] = seq
+        if at > self.clock and self._busy and not self.stalled:
+            bisect.insort(self._inbox, (at, seq.seq_id, request.request_id))
             return
-        need = reservation([request.prompt_len], request.output_len, 1, block_size=self.block_size,
-                           max_model_len=scheduler.max_model_len)
-        ledger.submit(request.request_id, need)
-        self._admit_credited(request.pool)
+        self.clock = max(self.clock, at)
+        self.stalled = False
+        self._start(request.request_id)
 
-    def _admit_credited(self, pool: str) -> None:
-        for ticket in self.ledgers[pool].admit():
-            self._admit(self._requests[ticket.request_id])
-
-    def _admit(self, request: SimRequest) -> None:
+    def _start(self, request_id: str) -> None:
+        request = self._requests[request_id]
         request.admitted = self.clock
-        self.schedulers[request.pool].add(self._seqs[request.request_id])
+        self.schedulers[request.pool].add(self._seqs[request_id])
+
+    def _deliver(self) -> None:
+        while self._inbox and self._inbox[0][0] <= self.clock:
+            self._start(self._inbox.pop(0)[2])
+
+    def _wake(self) -> bool:
+        """Nothing left to step on: move the clock on to the next admission waiting here and start it.
+        False when none waits."""
+        if not self._inbox:
+            return False
+        self.clock = max(self.clock, self._inbox[0][0])
+        self._deliver()
+        return True
 
     def _end(self, seq: Seq) -> None:
         request = self._requests.pop(seq.request_id)
@@ -141,19 +171,27 @@ class DeviceSim:
         request.num_preemptions = seq.num_preemptions
         if seq.error:
             request.error = seq.error
-        if seq.pool in self.ledgers:
-            self.ledgers[seq.pool].release(seq.request_id)
-            self._admit_credited(seq.pool)
+        self.group.ended(seq.pool, seq.request_id, self.clock)
+
+    @property
+    def _busy(self) -> bool:
+        return any(s.num_unfinished for s in self.schedulers.values())
 
     @property
     def has_work(self) -> bool:
-        return any(s.num_unfinished for s in self.schedulers.values())
+        return self._busy or bool(self._inbox)
+
+    @property
+    def held_requests(self) -> list[str]:
+        """The requests admitted here that have not ended."""
+        return list(self._requests)
 
     # --- the step ------------------------------------------------------------------------------
     def step(self) -> bool:
         """One step: compose, advance the clock by its modelled time, append a token to every sequence
         that finished its prefill or decoded. False when the schedulers chose nothing."""
-        for name, ledger in self.ledgers.items():     # the gateway reports its credit queues to the worker
+        self._deliver()
+        for name, ledger in self.group.ledgers.items():    # the gateway reports its credit queues to the worker
             self.composer.set_external_waiting(name, ledger.num_queued)
         composed = self.composer.schedule()
         batch: list[ScheduledSeq] = []
@@ -164,6 +202,7 @@ class DeviceSim:
             for seq in out.finished:                       # the pool cannot hold it: ended with an error
                 self._end(seq)
         if not batch:
+            self.stalled = not self._wake()
             return False
         sampled = [item.seq for item in batch if item.num_new_tokens == item.seq.num_uncomputed_tokens]
         seconds = self.step_time.seconds(batch, composed.features, len(sampled))
@@ -186,10 +225,13 @@ class DeviceSim:
             if not request.token_times:
                 self.composer.observe_first_token(seq.pool, self.clock - request.admitted, self.clock)
             request.token_times.append(self.clock)
+            self.group.observe(seq.pool, seq.request_id, 1)
             if seq.num_output_tokens >= seq.max_tokens:
                 self.schedulers[seq.pool].finish(seq, FinishReason.LENGTH)
                 self._end(seq)
         self._trace()
+        if not self._busy:
+            self._wake()
         return True
 
     def _trace(self) -> None:
@@ -206,26 +248,139 @@ class DeviceSim:
             trace.kv_usage.append(1 - bm.num_free_blocks / bm.num_blocks)
             trace.running.append(len(scheduler.running))
             trace.waiting.append(len(scheduler.waiting))
-            trace.queued.append(self.ledgers[name].num_queued if name in self.ledgers else 0)
+            trace.queued.append(self.group.ledgers[name].num_queued if name in self.group.ledgers else 0)
 
     def run(self, requests: Sequence[SimRequest]) -> None:
-        """Every request, in arrival order, until each has finished or failed."""
+        """Every request, in arrival order, until each has finished or failed (its group's run: with
+        more replicas than this one, theirs too)."""
+        self.group.run(requests)
+
+
+class ReplicaGroup:
+    """One device's replicas (`attach`ed `DeviceSim`s, built on the same `pools`) and, per pool, the
+    gateway's credit queue and placement over them. `arrive` queues a routed request in its pool;
+    `run` drives everything. `avg_lens`: each pool's `avg_len` (the placement's cap on the output a
+    request is expected to take; a pool left out gets the placement's default)."""
+
+    def __init__(self, pools: Sequence[PoolConfig], *, block_size: int, num_replicas: int = 1,
+                 avg_lens: Mapping[str, int] | None = None, credits: bool = True, seed: int = 0) -> None:
+        self.num_replicas = num_replicas
+        self.block_size = block_size
+        self.pools = tuple(p.name for p in pools)
+        self.ledgers = ({p.name: CreditLedger([p.num_blocks * block_size] * num_replicas) for p in pools}
+                        if credits else {})
+        self.placements: dict[str, Placement] = {}
+        for p in pools:          # the gateway's: as many cached blocks as the pool has
+            avg_len = {"avg_len": avg_lens[p.name]} if avg_lens and p.name in avg_lens else {}
+            self.placements[p.name] = Placement(num_replicas, block_size, max_cached_blocks=p.num_blocks, **avg_len)
+        self.replicas: list[DeviceSim] = []
+        self.rng = random.Random(seed)
+        self._queued: dict[str, tuple[SimRequest, Seq, Work]] = {}     # waiting for credits
+        self._order = 0
+
+    def attach(self, replica: DeviceSim) -> int:
+        """`replica` is the group's next replica; returns its index."""
+        if len(self.replicas) == self.num_replicas:
+            raise ValueError(f"replica: the group has its {self.num_replicas} replica(s) already")
+        self.replicas.append(replica)
+        return len(self.replicas) - 1
+
+    # --- the gateway's side ----------------------------------------------------------------------
+    def arrive(self, request: SimRequest) -> None:
+        """A routed request reaches its pool: refused if it can never fit, else queued for credits (or,
+        without credits, sent at once to the replica the placement picks)."""
+        scheduler = self.replicas[0].schedulers[request.pool]       # every replica's pools are alike
+        try:
+            scheduler.check_fits(request.prompt_len, request.output_len)
+        except ValueError as exc:
+            request.error = str(exc)
+            return
+        ids = [self.rng.randrange(1000, 30000) for _ in range(request.prompt_len)]
+        params = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0)
+        seq = Seq(seq_id=self._order, request_id=request.request_id, index=0, token_ids=ids,
+                  num_prompt_tokens=request.prompt_len, params=params, max_tokens=request.output_len, priority=0,
+                  arrival_order=self._order, generator=None, pool=request.pool)
+        self._order += 1
+        placement = self.placements[request.pool]
+        work = placement.work([ids], request.output_len, 1, scheduler.max_model_len)
+        ledger = self.ledgers.get(request.pool)
+        if ledger is None:
+            free = [r.schedulers[request.pool].block_manager.num_free_blocks * self.block_size for r in self.replicas]
+            replica = placement.choose(work, list(range(self.num_replicas)), free)
+            placement.start(request.request_id, replica, work)
+            self.replicas[replica].admit(request, seq, request.arrival)
+            return
+        self._queued[request.request_id] = (request, seq, work)
+        ledger.submit(request.request_id, reservation([request.prompt_len], request.output_len, 1,
+                                                      block_size=self.block_size,
+                                                      max_model_len=scheduler.max_model_len))
+        self._admit(request.pool, request.arrival)
+
+    def _admit(self, pool: str, at: float) -> None:
+        """Whoever now fits in `pool`'s queue, each on the replica placement picks, at time `at`."""
+        for ticket in self.ledgers[pool].admit(lambda ticket, fitting: self._place(pool, ticket, fitting)):
+            request, seq, _ = self._queued.pop(ticket.request_id)
+            self.replicas[ticket.replica].admit(request, seq, at)
+
+    def _place(self, pool: str, ticket: Ticket, fitting: list[int]) -> int:
+        """The ledger's choice of replica, as the gateway's (`pools.credit_hold.Admission._place`)."""
+        work = self._queued[ticket.request_id][2]
+        free = [a.free for a in self.ledgers[pool].accounts]
+        replica = self.placements[pool].choose(work, fitting, free)
+        self.placements[pool].start(ticket.request_id, replica, work)
+        return replica
+
+    def observe(self, pool: str, request_id: str, num_tokens: int) -> None:
+        """A replica generated `num_tokens` more tokens of the request (its load goes down)."""
+        self.placements[pool].observe(request_id, num_tokens)
+
+    def ended(self, pool: str, request_id: str, at: float) -> None:
+        """A replica's request ended at `at` (finished or failed): its credits return, the queue is
+        admitted again across the replicas."""
+        self.placements[pool].finish(request_id)
+        if pool in self.ledgers:
+            self.ledgers[pool].release(request_id)
+            self._admit(pool, at)
+
+    # --- the clock -------------------------------------------------------------------------------
+    def run(self, requests: Sequence[SimRequest]) -> None:
+        """Every request, in arrival order, until each has finished or failed (the module docstring
+        says in which order the replicas step)."""
+        if len(self.replicas) != self.num_replicas:
+            raise ValueError(f"replicas: {len(self.replicas)} attached, the group has {self.num_replicas}")
         pending = sorted(requests, key=lambda r: r.arrival)
         i = 0
-        while i < len(pending) or self.has_work:
-            while i < len(pending) and pending[i].arrival <= self.clock:
-                self.arrive(pending[i])
-                i += 1
-            if self.has_work and self.step():
-                continue
-            if i == len(pending):
-                if self.has_work:
-                    raise RuntimeError(f"simulate: the schedulers hold {self._requests.keys()} but chose no "
-                                       "work and no request is left to arrive")
+        while True:
+            busy = [r for r in self.replicas if r.has_work and not r.stalled]
+            if busy:
+                now = min(r.clock for r in busy)
+            elif i < len(pending):
+                now = pending[i].arrival
+                for r in self.replicas:
+                    r.clock = max(r.clock, now)
+            else:
                 break
-            self.clock = max(self.clock, pending[i].arrival)
-        for name, scheduler in self.schedulers.items():
-            scheduler.check_integrity()
-            scheduler.block_manager.check_integrity()
-            if name in self.ledgers:
-                self.ledgers[name].check_integrity()
+            if i < len(pending) and pending[i].arrival <= now:
+                while i < len(pending) and pending[i].arrival <= now:
+                    self.arrive(pending[i])
+                    i += 1
+                for r in self.replicas:
+                    r.stalled = False
+                continue
+            min(busy, key=lambda r: (r.clock, r.replica)).step()
+        if any(r.has_work for r in self.replicas):
+            held = [rid for r in self.replicas for rid in r.held_requests]
+            raise RuntimeError(f"simulate: the schedulers hold {held} but chose no work and no request is left "
+                               "to arrive")
+        self.check_integrity()
+
+    def check_integrity(self) -> None:
+        """Every replica's schedulers and blocks, every pool's credits and placement load; raises with the counts."""
+        for replica in self.replicas:
+            for scheduler in replica.schedulers.values():
+                scheduler.check_integrity()
+                scheduler.block_manager.check_integrity()
+        for ledger in self.ledgers.values():
+            ledger.check_integrity()
+        for placement in self.placements.values():
+            placement.check_integrity()

@@ -1,5 +1,6 @@
-"""A whole configuration simulated: route the requests, run every planned device, and the shared
-layout (every device's pools merged into one) to compare a split against."""
+"""A whole configuration simulated: route the requests, run every planned device (a device with
+`replicas: R` as R replicas behind one credit queue per pool, `pools.simulation.devicesim`), and the
+shared layout (every device's pools merged into one) to compare a split against."""
 
 from __future__ import annotations
 
@@ -7,25 +8,31 @@ import dataclasses
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import ModelConfig, PoolConfig
 from engine.step_cost import StepTime
 from pools.capacity_plan import CapacityPlan, DevicePlan
 from pools.simulation.devicesim import DeviceSim, PoolTrace, SimRequest
+from pools.simulation.devicesim import ReplicaGroup
 from pools.spec import CliffguardConfig, PoolSpec, RouteSpec, SpecError
 from pools.workload import WorkloadClass, class_arrivals
 
 
 @dataclass
 class SimulationResult:
+    """What `simulate` saw. `pools[name]`: the plan's per-replica `num_blocks` and `max_num_seqs`, the
+    counters summed over the pool's replicas, and each replica's own under `replicas`; `traces[name]`:
+    one trace per replica; `replicas[device]`: how many replicas the device has."""
+
     requests: list[SimRequest]
     pools: dict[str, dict[str, Any]]
-    traces: dict[str, PoolTrace]
+    traces: dict[str, list[PoolTrace]]
     simulated_seconds: float
     wall_seconds: float
     num_steps: int
+    replicas: dict[str, int] = field(default_factory=dict)
 
 
 def route(config: CliffguardConfig, plan: CapacityPlan, prompt_len: int) -> str | None:
@@ -39,12 +46,15 @@ def route(config: CliffguardConfig, plan: CapacityPlan, prompt_len: int) -> str 
 
 def make_requests(classes: tuple[WorkloadClass, ...], request_rate: float, *, duration: float,
                   burstiness: float = 1.0, seed: int = 0) -> list[SimRequest]:
-    """The workload's requests with their lengths drawn as `bench serve` draws them."""
+    """The workload's requests with their lengths drawn as `bench serve` draws them. A class's
+    `shared_prefix` adds its document's tokens to every prompt (the sharing itself is not modelled)."""
     requests = []
     rng = random.Random(seed)
     for n, (t, _, cls) in enumerate(class_arrivals(classes, request_rate, burstiness=burstiness,
                                                    duration=duration, seed=seed)):
-        requests.append(SimRequest(f"r{n}", cls.name, t, cls.prompt_len.sample(rng), cls.output_len.sample(rng)))
+        prefix = cls.shared_prefix.tokens if cls.shared_prefix is not None else 0
+        requests.append(SimRequest(f"r{n}", cls.name, t, prefix + cls.prompt_len.sample(rng),
+                                   cls.output_len.sample(rng)))
     return requests
 
 
@@ -60,45 +70,69 @@ def simulate(config: CliffguardConfig, plan: CapacityPlan, model_configs: Mappin
         request.pool = route(config, plan, request.prompt_len)
         if request.pool is None:
             request.error = f"no pool takes a prompt of {request.prompt_len} tokens"
-    sims: dict[str, DeviceSim] = {}
+    groups: dict[str, ReplicaGroup] = {}
     for dplan in plan.devices.values():
-        sims[dplan.name] = _device_sim(config, plan, dplan, model_configs, step_times[dplan.name], credits, seed)
-        sims[dplan.name].run([r for r in requests if r.pool in dplan.pools])
+        groups[dplan.name] = _device_group(config, plan, dplan, model_configs, step_times[dplan.name], credits, seed)
+        groups[dplan.name].run([r for r in requests if r.pool in dplan.pools])
     pools, traces = {}, {}
-    for sim in sims.values():
-        for name, scheduler in sim.schedulers.items():
-            stats = scheduler.stats
-            pools[name] = {"num_blocks": scheduler.block_manager.num_blocks,
-                           "max_num_seqs": scheduler.config.max_num_seqs,
-                           "preemption_mode": scheduler.config.preemption_mode,
-                           "preemptions": stats.num_preemptions,
-                           "recompute_preemptions": stats.num_recompute_preemptions,
-                           "swap_preemptions": stats.num_swap_preemptions,
-                           "recomputed_tokens": stats.num_recomputed_tokens,
-                           "swapped_blocks": stats.num_swapped_out_blocks + stats.num_swapped_in_blocks,
-                           "computed_tokens": stats.num_computed_tokens,
-                           "generated_tokens": stats.num_generated_tokens,
-                           "death_spirals": [{"at_s": t, "reason": why} for t, why in sim.spiral_trips[name]]}
-            traces[name] = sim.traces[name]
+    for group in groups.values():
+        for name in group.pools:
+            pools[name] = _pool_result(group, name, [r for r in requests if r.pool == name])
+            traces[name] = [sim.traces[name] for sim in group.replicas]
+    sims = [sim for group in groups.values() for sim in group.replicas]
     return SimulationResult(requests, pools, traces,
-                            simulated_seconds=max((s.clock for s in sims.values()), default=0.0),
+                            simulated_seconds=max((s.clock for s in sims), default=0.0),
                             wall_seconds=time.perf_counter() - started,
-                            num_steps=sum(s.num_steps for s in sims.values()))
+                            num_steps=sum(s.num_steps for s in sims),
+                            replicas={name: group.num_replicas for name, group in groups.items()})
 
 
-def _device_sim(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePlan,
-                model_configs: Mapping[str, ModelConfig], step_time: StepTime, credits: bool,
-                seed: int) -> DeviceSim:
-    pools, lens, spirals = [], {}, {}
+_COUNTERS = {"preemptions": "num_preemptions", "recompute_preemptions": "num_recompute_preemptions",
+             "swap_preemptions": "num_swap_preemptions", "recomputed_tokens": "num_recomputed_tokens",
+             "computed_tokens": "num_computed_tokens", "generated_tokens": "num_generated_tokens"}
+
+
+def _pool_result(group: ReplicaGroup, name: str, requests: list[SimRequest]) -> dict[str, Any]:
+    """One pool's figures: the plan's per-replica size, each counter summed over the replicas, and
+    each replica's own (requests admitted there, their prompt + output tokens, its counters)."""
+    replicas = []
+    for sim in group.replicas:
+        stats = sim.schedulers[name].stats
+        mine = [r for r in requests if r.replica == sim.replica]
+        replicas.append({"requests": len(mine), "tokens": sum(r.prompt_len + r.output_len for r in mine),
+                         **{key: getattr(stats, attr) for key, attr in _COUNTERS.items()},
+                         "swapped_blocks": stats.num_swapped_out_blocks + stats.num_swapped_in_blocks})
+    scheduler = group.replicas[0].schedulers[name]
+    total = {key: sum(r[key] for r in replicas) for key in (*_COUNTERS, "swapped_blocks")}
+    trips = sorted((t, sim.replica, why) for sim in group.replicas for t, why in sim.spiral_trips[name])
+    return {"num_blocks": scheduler.block_manager.num_blocks, "max_num_seqs": scheduler.config.max_num_seqs,
+            "preemption_mode": scheduler.config.preemption_mode,
+            "preemptions": total["preemptions"], "recompute_preemptions": total["recompute_preemptions"],
+            "swap_preemptions": total["swap_preemptions"], "recomputed_tokens": total["recomputed_tokens"],
+            "swapped_blocks": total["swapped_blocks"], "computed_tokens": total["computed_tokens"],
+            "generated_tokens": total["generated_tokens"],
+            "death_spirals": [{"at_s": t, "reason": why, "replica": r} for t, r, why in trips],
+            "replicas": replicas}
+
+
+def _device_group(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePlan,
+                  model_configs: Mapping[str, ModelConfig], step_time: StepTime, credits: bool,
+                  seed: int) -> ReplicaGroup:
+    """The device's `replicas` DeviceSims, alike, behind one group (the gateway's queues)."""
+    pools, lens, spirals, avg_lens = [], {}, {}, {}
     for name in dplan.pools:
         pplan = plan.pools[name]
         spirals[name] = pplan.spec.death_spiral
         scheduler = pplan.spec.scheduler_config(pplan.max_num_seqs, pplan.max_model_len)
         pools.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler, slo=pplan.spec.slo))
         lens[name] = pplan.max_model_len
-    return DeviceSim(pools, block_size=dplan.block_size, max_model_lens=lens, step_time=step_time,
-                     kv_bytes_per_token=dplan.kv_bytes_per_token_per_device, credits=credits, seed=seed,
-                     spirals=spirals)
+        avg_lens[name] = pplan.spec.avg_len
+    group = ReplicaGroup(pools, block_size=dplan.block_size, num_replicas=dplan.replicas, avg_lens=avg_lens,
+                         credits=credits, seed=seed)
+    for _ in range(dplan.replicas):
+        DeviceSim(pools, block_size=dplan.block_size, max_model_lens=lens, step_time=step_time,
+                  kv_bytes_per_token=dplan.kv_bytes_per_token_per_device, spirals=spirals, group=group)
+    return group
 
 
 def shared_layout(config: CliffguardConfig, plan: CapacityPlan) -> CliffguardConfig:
@@ -106,7 +140,8 @@ def shared_layout(config: CliffguardConfig, plan: CapacityPlan) -> CliffguardCon
     every prompt: the sum of their KV, the sum of their planned `max_num_seqs` (so the shared pool
     runs as many sequences as the split ones together), the largest `max_model_len` and
     `max_num_batched_tokens`, the first pool's other settings (preemption, block size, prefix cache)
-    and no SLO. What one server without pools would be, planned with the same numbers."""
+    and no SLO. What one server without pools would be, planned with the same numbers. A replicated
+    device stays replicated: each replica's pools are merged (the plan's numbers are one replica's)."""
     pools: list[PoolSpec] = []
     for dplan in plan.devices.values():
         members = [plan.pools[name] for name in dplan.pools]

@@ -1,9 +1,10 @@
 """`cliffguard simulate`: the step-time models, the device simulation driving the real schedulers
-(exact times under a linear model, credits that prevent preemption, integrity at the end) and the CLI
-on the seed's Llama-3-70B example."""
+(exact times under a linear model, credits that prevent preemption, integrity at the end), replicas
+behind one credit queue, and the CLI on the seed's Llama-3-70B example."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -22,9 +23,10 @@ from pools.config_file import load_config
 from pools.simulation.devicesim import DeviceSim, SimRequest
 from pools.simulation.knee import format_sweep, plot_knee, sweep
 from pools.simulation.recommend import format_recommendation, recommend
+from pools.simulation.devicesim import ReplicaGroup
 from pools.simulation.runner import make_requests, shared_layout, simulate
-from pools.simulation.summary import summarize
-from pools.workload import LengthDist, WorkloadClass
+from pools.simulation.summary import format_summary, summarize
+from pools.workload import LengthDist, SharedPrefix, WorkloadClass
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_70B = ROOT / "config" / "examples" / "llama-3-70b"
@@ -326,3 +328,109 @@ def test_recommend_picks_the_budget_that_meets_an_itl_target():
     none = recommend(config, models, classes, 8.0, step, ttft_p99=0.001, duration=5.0, vram_bytes=80 << 30,
                      shares=(0.4,), budgets=(512,))
     assert none["recommended"] is None and "no candidate meets" in format_recommendation(none)
+
+
+# --- replicas ------------------------------------------------------------------------------------
+def _replicated_config(replicas: int):
+    """One small device (the TINY model: KV never binds) whose one pool runs 8 sequences per replica."""
+    return load_config(f"""
+devices:
+  gpu: {{device: cuda, memory: 1GiB, dtype: bfloat16, replicas: {replicas}}}
+pools:
+  - {{name: chat, model: tiny, device: gpu, kv_share: 1.0, max_num_seqs: 8, max_model_len: 1024, avg_len: 256,
+     slo: null}}
+""", env={})
+
+
+def test_two_replicas_nearly_double_the_tokens_of_a_saturated_one_and_split_them_evenly():
+    step = {"gpu": LinearStepTime(a=0.01, b=0.0001, c=0.001, d=0.0)}
+    chat = WorkloadClass("chat", prompt_len=LengthDist("uniform", min=50, max=150),
+                         output_len=LengthDist("uniform", min=50, max=150))
+    summaries = {}
+    for replicas in (1, 2):
+        config = _replicated_config(replicas)
+        plan = plan_capacity(config, {"tiny": TINY})
+        result = simulate(config, plan, {"tiny": TINY}, make_requests((chat,), 16.0, duration=8.0, seed=1), step)
+        assert result.replicas == {"gpu": replicas} and len(result.traces["chat"]) == replicas
+        summaries[replicas] = summarize(result)
+    one, two = summaries[1]["pools"]["chat"], summaries[2]["pools"]["chat"]
+    assert one["max_waiting"] > 20                                  # one replica is saturated
+    tokens_per_s = {n: summary["classes"]["chat"]["output_tokens_per_s"] for n, summary in summaries.items()}
+    assert tokens_per_s[2] >= 1.7 * tokens_per_s[1]
+    assert two["output_tokens_per_s"] >= 1.7 * one["output_tokens_per_s"]
+    assert [r["token_share"] for r in one["replicas"]] == [1.0] and one["replica_deviation"] == 0
+    assert all(0.35 <= r["token_share"] <= 0.65 for r in two["replicas"]) and two["replica_deviation"] <= 0.3
+    assert sum(r["requests"] for r in two["replicas"]) == summaries[2]["classes"]["chat"]["requests"]
+    assert two["computed_tokens"] == sum(r["computed_tokens"] for r in two["replicas"])
+    assert two["num_blocks"] == one["num_blocks"] and two["max_num_seqs"] == 8     # one replica's
+    text = format_summary(summaries[2])
+    assert "pool chat: 2 replicas" in text and "replicas: gpu x2" in text
+
+
+def _group(pool: PoolConfig, num_replicas: int) -> ReplicaGroup:
+    group = ReplicaGroup([pool], block_size=16, num_replicas=num_replicas)
+    for _ in range(num_replicas):
+        DeviceSim([pool], block_size=16, max_model_lens={pool.name: 1024},
+                  step_time=LinearStepTime(a=0.01, b=0.0001, c=0.001, d=0.0),
+                  kv_bytes_per_token=TINY.kv_bytes_per_token(torch.bfloat16), group=group)
+    return group
+
+
+@pytest.mark.parametrize("first_len, second_len", [(80, 10), (10, 80)])
+def test_a_request_waiting_for_credits_goes_to_the_replica_that_frees_first(first_len, second_len):
+    """12 blocks per replica: one request of 100 + 80 tokens fills a replica, one of 100 + 10 leaves
+    too little for another. The third waits on the pool and starts where the shorter one ended."""
+    group = _group(_pool(num_blocks=12), 2)
+    first, second, waiting = (SimRequest("a", "chat", 0.0, 100, first_len, pool="chat"),
+                              SimRequest("b", "chat", 0.001, 100, second_len, pool="chat"),
+                              SimRequest("w", "chat", 0.002, 100, 10, pool="chat"))
+    group.run([first, second, waiting])
+    assert (first.replica, second.replica) == (0, 1)
+    shorter = first if first_len < second_len else second
+    assert waiting.replica == shorter.replica
+    assert waiting.admitted == pytest.approx(shorter.token_times[-1])     # admitted as its credits came back
+    assert waiting.admitted < max(first.token_times[-1], second.token_times[-1])
+    assert all(r.finished for r in (first, second, waiting)) and group.placements["chat"].load == [0, 0]
+
+
+def test_a_release_on_one_replica_starts_a_request_on_another_only_after_it():
+    """No bypass: the small request waits behind the big head of the queue. When replica 0 frees, the
+    head goes there and the small one to replica 1, which is mid-step: it starts at its next boundary."""
+    group = _group(_pool(num_blocks=12), 2)
+    a, b = SimRequest("a", "chat", 0.0, 100, 10, pool="chat"), SimRequest("b", "chat", 0.001, 100, 40, pool="chat")
+    head = SimRequest("h", "chat", 0.002, 100, 80, pool="chat")
+    small = SimRequest("s", "chat", 0.003, 10, 20, pool="chat")
+    group.run([a, b, head, small])
+    assert (a.replica, b.replica, head.replica, small.replica) == (0, 1, 0, 1)
+    assert head.admitted == pytest.approx(a.token_times[-1])
+    assert a.token_times[-1] <= small.admitted < a.token_times[-1] + 0.012    # within one step of replica 1
+    assert all(r.finished for r in (a, b, head, small))
+
+
+def test_shared_layout_keeps_a_replicated_device_replicated():
+    config = load_config(ROOT / "config" / "examples" / "llama3-70b-8xh100.yaml")
+    config = dataclasses.replace(config, devices={"h100x8": dataclasses.replace(config.devices["h100x8"], replicas=2)})
+    models = {config.pools[0].model: read_model_config(LLAMA_70B)}
+    plan = plan_capacity(config, models, vram_bytes=80 << 30)
+    shared_plan = plan_capacity(shared_layout(config, plan), models, vram_bytes=80 << 30)
+    (pool,) = shared_plan.pools.values()
+    assert shared_plan.devices["h100x8"].replicas == 2 and pool.replicas == 2
+    assert pool.max_num_seqs == sum(p.max_num_seqs for p in plan.pools.values())      # per replica
+    assert abs(pool.num_blocks - sum(p.num_blocks for p in plan.pools.values())) <= 1
+
+
+def test_a_shared_prefix_lengthens_every_prompt():
+    rag = WorkloadClass("rag", prompt_len=LengthDist("fixed", value=100), output_len=LengthDist("fixed", value=5),
+                        shared_prefix=SharedPrefix(tokens=2000, count=4))
+    assert {r.prompt_len for r in make_requests((rag,), 5.0, duration=2.0)} == {2100}
+
+
+def test_cli_simulate_replicas_overrides_every_device(capsys):
+    args = ["simulate", "--config", str(ROOT / "config" / "examples" / "llama3-70b-8xh100.yaml"),
+            "--model-config", str(LLAMA_70B), "--duration", "3", "--request-rate", "2"]
+    assert main(args + ["--replicas", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["replicas"] == {"h100x8": 2} and len(out["pools"]["chat"]["replicas"]) == 2
+    assert sum(r["requests"] for r in out["pools"]["chat"]["replicas"]) == out["classes"]["chat"]["requests"]
+    assert main(args + ["--replicas", "0"]) == 2
+    assert "--replicas: must be >= 1" in capsys.readouterr().err
