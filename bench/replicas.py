@@ -11,9 +11,12 @@ Per layout: tokens/s, the prompt and output tokens of requests done while arriva
 counts when its first token came inside the window, an output token when it streamed inside it:
 `bench.load.report.tokens_done`, so what a drain adds after the arrivals never flatters a layout),
 and the engine's computed tokens/s (`cliffguard_computed_tokens_total`, every pool and replica);
-per class p50/p99 TTFT; per pool the split of token load over the replicas (from each answer's
-`x-cliffguard-replica` header) and its largest deviation from even; prefix affinity (of the
-requests after each document's first, the fraction that went to the replica that served it first).
+per class p50/p99 TTFT; per pool the split of token load over the replicas: each replica's share of
+the tokens its engine computed for the pool over the run (`cliffguard_computed_tokens_total{pool,
+replica}`: prefill not found in the prefix cache, and decodes), with its largest deviation from even,
+and beside it what the answers say (each answer's `x-cliffguard-replica` header: requests and their
+prompt + output tokens); prefix affinity (of the requests after each document's first, the fraction
+that went to the replica that served it first).
 Then the ratio of the replicated layout's tokens/s to one replica's. `--out DIR` writes
 `replicas.json` and each run's `bench serve` files; `--quick` runs a short load, for a test.
 """
@@ -39,16 +42,16 @@ TOKENIZER = "builtin:smollm2-135m-instruct"   # makes completion prompts exactly
 
 
 def workload(args: argparse.Namespace) -> tuple[WorkloadClass, ...]:
-    """Chat (80%), questions on `--documents` shared documents of `--long-tokens` tokens (16%), and unique rag
-    prompts of about `--long-tokens` tokens (4%)."""
+    """Chat (90%), questions on `--documents` shared documents of `--long-tokens` tokens (8%), and unique rag
+    prompts of about `--long-tokens` tokens (2%)."""
     long = args.long_tokens
     return (
-        WorkloadClass(name="chat", endpoint="chat", share=0.8, output_len=LengthDist("fixed", value=48),
+        WorkloadClass(name="chat", endpoint="chat", share=0.9, output_len=LengthDist("fixed", value=48),
                       prompt_len=LengthDist("normal", mean=96, std=32, min=16, max=256)),
-        WorkloadClass(name="docs", endpoint="completion", share=0.16, output_len=LengthDist("fixed", value=24),
+        WorkloadClass(name="docs", endpoint="completion", share=0.08, output_len=LengthDist("fixed", value=24),
                       shared_prefix=SharedPrefix(tokens=long, count=args.documents),
                       prompt_len=LengthDist("uniform", min=16, max=48)),
-        WorkloadClass(name="rag", endpoint="completion", share=0.04, output_len=LengthDist("fixed", value=32),
+        WorkloadClass(name="rag", endpoint="completion", share=0.02, output_len=LengthDist("fixed", value=32),
                       prompt_len=LengthDist("uniform", min=long, max=long + long // 10)),
     )
 
@@ -58,13 +61,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "its devices are run on the CPU unless they name CUDA")
     p.add_argument("--replicas", type=int, default=2, help="replicas of the second layout (default 2)")
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads of each worker (default 1)")
-    p.add_argument("--request-rate", type=float, default=2.5, help="arrivals per second over the classes "
-                   "(default 2.5: chat 80%%, docs 16%%, rag 4%%)")
+    p.add_argument("--request-rate", type=float, default=5.0, help="arrivals per second over the classes "
+                   "(default 5: chat 90%%, docs 8%%, rag 2%%; more than two one-thread replicas of config/pools.yaml "
+                   "serve, so both layouts run saturated and tokens/s is what each can do)")
     p.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals (default 90)")
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of arrivals left out of tokens/s "
                    "(default 10: the queues fill)")
-    p.add_argument("--drain-timeout", type=float, default=60.0, help="after the last arrival (default 60 s)")
-    p.add_argument("--timeout", type=float, default=300.0, help="per-request limit in s (default 300)")
+    p.add_argument("--drain-timeout", type=float, default=300.0, help="after the last arrival (default 300 s: the "
+                   "long prompts, which chat's SLO holds back while chat is pressed, finish then, so their placement "
+                   "is seen)")
+    p.add_argument("--timeout", type=float, default=400.0, help="per-request limit in s (default 400)")
     p.add_argument("--long-tokens", type=int, default=4200, help="tokens of a rag prompt and of a shared document "
                    "(default 4200: above config/pools.yaml's chat route, so they go to rag)")
     p.add_argument("--documents", type=int, default=3, help="shared documents the docs class asks about (default 3)")
@@ -102,6 +108,7 @@ def summarize(report: LoadReport, replicas: int, warmup: float, duration: float)
         increase, span = counter_rate(window, pool, "computed_tokens_total")
         computed, seconds = computed + increase, max(seconds, span)
     split = report.totals["replicas"]
+    work = computed_split(report.scrapes)
     return {
         "replicas": replicas, "completed": report.totals["completed"], "count": report.totals["count"],
         "errors": report.totals["errors"], "unfinished": report.totals["unfinished"],
@@ -109,10 +116,27 @@ def summarize(report: LoadReport, replicas: int, warmup: float, duration: float)
         "computed_tokens_per_s": computed / seconds if seconds else None,
         "ttft": {name: latency_stats(latencies((r for r in report.records if r.class_name == name), "ttft"))
                  for name in report.summary},
-        "split": split,
-        "split_deviation": {pool: even_split_deviation(s, replicas) for pool, s in split.items()},
+        "answered": split,
+        "split": work,
+        "split_deviation": {pool: even_split_deviation(s, replicas) for pool, s in work.items()},
         "prefix_affinity": report.summary["docs"]["prefix_affinity"],
     }
+
+
+def computed_split(scrapes) -> dict[str, dict[str, Any]]:
+    """Per pool, the tokens each replica's engine computed between the first and the last scrape, and each
+    replica's share of them (`even_split_deviation` reads `token_shares`)."""
+    ok = [s for s in scrapes if s.error is None and s.computed]
+    if len(ok) < 2:
+        return {}
+    out = {}
+    for pool, last in ok[-1].computed.items():
+        first = ok[0].computed.get(pool, {})
+        tokens = {r: value - first.get(r, 0.0) for r, value in sorted(last.items())}
+        total = sum(tokens.values())
+        out[pool] = {"computed_tokens": tokens,
+                     "token_shares": {r: t / total if total else None for r, t in tokens.items()}}
+    return out
 
 
 async def run_layout(source: Path, replicas: int, args: argparse.Namespace, folder: Path) -> dict[str, Any]:
@@ -139,8 +163,11 @@ def format_result(results: list[dict[str, Any]]) -> str:
         for pool, split in r["split"].items():
             shares = ", ".join(f"{name} {100 * (share or 0):.1f}%" for name, share in split["token_shares"].items())
             deviation = r["split_deviation"][pool]
-            lines.append(f"  pool {pool}: token load by replica {shares}"
-                         + (f" (largest deviation from even {100 * deviation:.1f}%)" if r["replicas"] > 1 else ""))
+            answered = r["answered"].get(pool, {}).get("replicas", {})
+            requests = ", ".join(f"{name} {e['requests']}" for name, e in answered.items())
+            lines.append(f"  pool {pool}: tokens computed by replica {shares}"
+                         + (f" (largest deviation from even {100 * (deviation or 0):.1f}%)" if r["replicas"] > 1 else "")
+                         + (f"; requests answered {requests}" if requests else ""))
         affinity = r["prefix_affinity"]
         if affinity and affinity["repeats"] and r["replicas"] > 1:
             lines.append(f"  prefix affinity: {affinity['on_first_replica']} of {affinity['repeats']} repeated "

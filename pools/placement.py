@@ -16,7 +16,11 @@ replica r (whole blocks) scores
     score_r = load_r + (p - m)
 
 and goes to the lowest score among the replicas where its KV credits fit; a tie goes to the replica
-with more free credits, then the lower index. So with nothing cached requests spread by the tokens
+with more free credits, then the lower index. One correction: cached blocks that a request running on
+r is still prefilling (its first token has not come) are in load_r as that request's prefill, and a
+request that reuses them needs exactly that work done too, wherever it goes (elsewhere it computes the
+blocks itself). So those blocks, `s` tokens, are taken off: `score_r = load_r - s + (p - m)`; without
+this, a document's second question would leave the replica still reading the document for its first. So with nothing cached requests spread by the tokens
 they ask for, not by their count; a prompt whose prefix one replica holds goes there unless that
 replica's load exceeds another's by more than the prefill the cache saves (it is then clearly
 busier: the other starts it sooner even computing the whole prompt). The load counts only what the
@@ -51,6 +55,7 @@ class _Running:
     prefill: int          # uncached prompt tokens not computed yet (0 from the first token on)
     output: int           # output tokens still to come (the estimate)
     cached: int           # prompt tokens it found cached there when placed
+    computing: list[int]  # hashes of the blocks it computes itself, until its first token
 
 
 def block_hashes(ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
@@ -71,6 +76,7 @@ class Placement:
         self.avg_len = avg_len
         self.load = [0] * num_replicas
         self._cached: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
+        self._computing: list[dict[int, int]] = [{} for _ in range(num_replicas)]   # hash -> requests prefilling it
         self._running: dict[str, _Running] = {}
 
     def work(self, prompts: Sequence[Sequence[int]], max_tokens: int | None, n: int, max_model_len: int,
@@ -84,18 +90,32 @@ class Placement:
 
     def matched_tokens(self, work: Work, replica: int) -> int:
         """Prompt tokens of `work` whose blocks replica `replica` likely has cached (leading whole blocks)."""
-        cached, matched = self._cached[replica], 0
+        return self._match(work, replica)[0]
+
+    def _match(self, work: Work, replica: int) -> tuple[int, int, list[int]]:
+        """(tokens of the leading blocks likely cached on `replica`, those of them a running request there is
+        still prefilling, the hashes of the prompt blocks past the cached ones)."""
+        cached, computing = self._cached[replica], self._computing[replica]
+        matched = shared = 0
+        rest: list[int] = []
         for ids in work.prompts:
-            for h in block_hashes(ids, self.block_size, work.salt):
+            hashes = block_hashes(ids, self.block_size, work.salt)
+            for i, h in enumerate(hashes):
                 if h not in cached:
+                    rest += hashes[i:]
                     break
                 matched += self.block_size
-        return matched
+                shared += self.block_size if computing.get(h) else 0
+        return matched, shared, rest
 
     def scores(self, work: Work, replicas: Sequence[int]) -> dict[int, int]:
         """Each replica's score for `work` (lower starts it sooner)."""
         p = work.num_prompt_tokens
-        return {r: self.load[r] + p - self.matched_tokens(work, r) for r in replicas}
+        scores = {}
+        for r in replicas:
+            matched, shared, _ = self._match(work, r)
+            scores[r] = self.load[r] - shared + p - matched
+        return scores
 
     def choose(self, work: Work, fitting: Sequence[int], free: Sequence[int]) -> int:
         """The replica among `fitting` that starts `work` soonest; `free[r]`: replica r's free credits."""
@@ -106,10 +126,12 @@ class Placement:
     def start(self, key: str, replica: int, work: Work) -> int:
         """`work` (request `key`) now runs on `replica`: its load counts there and its prompt blocks are
         cached there from now on. Returns the prompt tokens that were already cached there."""
-        matched = self.matched_tokens(work, replica)
-        running = _Running(replica, work.num_prompt_tokens - matched, work.output_tokens, matched)
+        matched, _, computing = self._match(work, replica)
+        running = _Running(replica, work.num_prompt_tokens - matched, work.output_tokens, matched, computing)
         self._running[key] = running
         self.load[replica] += running.prefill + running.output
+        for h in computing:
+            self._computing[replica][h] = self._computing[replica].get(h, 0) + 1
         cached = self._cached[replica]
         for ids in work.prompts:
             for h in block_hashes(ids, self.block_size, work.salt):
@@ -132,12 +154,23 @@ class Placement:
         done = running.prefill + min(num_tokens, running.output)
         running.prefill, running.output = 0, running.output - min(num_tokens, running.output)
         self.load[running.replica] -= done
+        self._computed(running)
 
     def finish(self, key: str) -> None:
         """Request `key` ended (finished, failed or aborted): what it still asked is no load any more."""
         running = self._running.pop(key, None)
         if running is not None:
             self.load[running.replica] -= running.prefill + running.output
+            self._computed(running)
+
+    def _computed(self, running: _Running) -> None:
+        """`running`'s own blocks are computed (its first token came) or never will be (it ended)."""
+        computing = self._computing[running.replica]
+        for h in running.computing:
+            computing[h] -= 1
+            if not computing[h]:
+                del computing[h]
+        running.computing = []
 
     def forget(self, replica: int) -> None:
         """`replica` restarted: its prefix cache is empty."""
@@ -150,3 +183,9 @@ class Placement:
             expected[running.replica] += running.prefill + running.output
         if expected != self.load:
             raise AssertionError(f"placement load {self.load}, running requests sum to {expected}")
+        computing = [{} for _ in self.load]
+        for running in self._running.values():
+            for h in running.computing:
+                computing[running.replica][h] = computing[running.replica].get(h, 0) + 1
+        if computing != self._computing:
+            raise AssertionError("placement: the blocks being prefilled do not match the running requests'")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bench.load.sender import error_message
@@ -47,6 +47,18 @@ def pool_samples(text: str) -> dict[str, dict[str, float]]:
     return pools
 
 
+def replica_counters(text: str, name: str = "cliffguard_computed_tokens_total") -> dict[str, dict[str, float]]:
+    """Prometheus text -> {pool: {replica: value}} of one series with `pool` and `replica` labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and "pool" in sample.labels and "replica" in sample.labels:
+                out.setdefault(sample.labels["pool"], {})[sample.labels["replica"]] = sample.value
+    return out
+
+
 def parse_metrics(text: str) -> dict[str, dict[str, float]]:
     """Prometheus text -> {pool: {kv_cache_usage_perc, num_requests_running, num_requests_waiting,
     num_preemptions_total, computed_tokens_total}} (the series present; preemptions summed over modes)."""
@@ -66,6 +78,7 @@ class ScrapeSample:
     scrape_s: float
     pools: dict[str, dict[str, float]]
     error: str | None = None
+    computed: dict[str, dict[str, float]] = field(default_factory=dict)   # pool -> replica -> computed tokens
 
 
 class Scraper:
@@ -94,7 +107,7 @@ class Scraper:
                 return False
             if response.status != 200:
                 raise ValueError(f"HTTP {response.status}: {error_message(text)}")
-            self.samples.append(ScrapeSample(t_s, elapsed, parse_metrics(text)))
+            self.samples.append(ScrapeSample(t_s, elapsed, parse_metrics(text), computed=replica_counters(text)))
         except (aiohttp.ClientError, OSError, ValueError, TimeoutError) as exc:
             error = f"{type(exc).__name__}: {exc}"[:300]
             self.samples.append(ScrapeSample(t_s, time.perf_counter() - began, {}, error))

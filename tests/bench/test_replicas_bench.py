@@ -57,5 +57,6 @@ pools:
     one, two = result["layouts"]
     assert (one["replicas"], two["replicas"]) == (1, 2) and one["count"] == two["count"] > 0
     assert one["completed"] == one["count"] and two["completed"] == two["count"]
-    assert set(one["split"]["chat"]["replicas"]) == {"0"} and set(two["split"]["chat"]["replicas"]) == {"0", "1"}
+    assert set(one["answered"]["chat"]["replicas"]) == {"0"} and set(two["answered"]["chat"]["replicas"]) == {"0", "1"}
+    assert set(two["split"]["chat"]["computed_tokens"]) == {"0", "1"} and two["split_deviation"]["chat"] is not None
     assert result["ratio"] is not None and "tokens/s, 2 replicas over 1" in capsys.readouterr().out

@@ -134,6 +134,24 @@ def test_serve_with_a_cuda_device_on_a_machine_without_one_exits_2(tmp_path, bui
     assert not started
 
 
+@pytest.mark.parametrize("device, message", [
+    ({"tensor_parallel_size": 2}, "devices.default.tensor_parallel_size: 2 does not divide the model's 9 attention heads"),
+    ({"replicas": 0}, "devices.default.replicas: must be >= 1, got 0"),
+    ({"device": "cuda", "replicas": 2, "gpus": [1, 1]}, "devices.default.gpus[1]: GPU 1 is listed twice (also gpus[0])"),
+])
+def test_serve_refuses_a_device_it_cannot_run_before_a_socket_opens(tmp_path, builtin_path, capsys, monkeypatch, device,
+                                                                   message):
+    data = yaml.safe_load((REPO / "config" / "pools.yaml").read_text())
+    data["devices"]["default"].update(device)
+    path = tmp_path / "pools.yaml"
+    path.write_text(yaml.safe_dump(data))
+    started = []
+    monkeypatch.setattr("aiohttp.web.TCPSite.start", lambda self: started.append(self))
+    assert main(["serve", "--config", str(path), "--port", "0", "--data-dir", str(tmp_path / "data")]) == 2
+    assert message in _error_line(capsys)
+    assert not started
+
+
 # --- help -------------------------------------------------------------------------------------------
 def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("cliffguard",)):
     for action in parser._actions:

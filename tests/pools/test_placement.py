@@ -58,9 +58,11 @@ def test_a_cached_prefix_goes_to_its_replica_unless_that_replica_is_clearly_busi
     placement.start("first", 1, first)
     assert placement.matched_tokens(first, 1) == (2020 // BS) * BS and placement.matched_tokens(first, 0) == 0
     again = placement.work([document + _ids(20, 4)], max_tokens=64, n=1, max_model_len=4096)
-    # while the first's prefill runs on replica 1 (2,084 tokens of load), idle replica 0 starts it sooner
-    assert placement.choose(again, [0, 1], free) == 0
-    # once its first token came, replica 1 has 63 tokens to go and saves 1,984 of again's 2,020: it gets it
+    # the first is still reading the document on replica 1: the second needs that same work done, there or
+    # (reading the document itself) on idle replica 0, so it goes where the document will be cached
+    assert placement.scores(again, [0, 1]) == {0: 2020, 1: 2084 - 2000 + 20}   # the 125 document blocks shared
+    assert placement.choose(again, [0, 1], free) == 1
+    # once its first token came, replica 1 has 63 tokens to go and saves 2,000 of again's 2,020: still it
     placement.observe("first", 1)
     assert placement.choose(again, [0, 1], free) == 1
     # a queue of 3,000 more prefill tokens on replica 1 outweighs what its cache saves: replica 0 then
