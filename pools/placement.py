@@ -11,21 +11,24 @@ and which prompt blocks it has likely cached: the chain hashes of the full block
 sent to it (salted with the request's prefix-cache partition, as the engine salts them), newest
 first, at most as many as the pool has blocks (the engine's cache holds no more; it evicts the
 least recently used, as this does). A request of p prompt tokens whose first m tokens are cached on
-replica r (whole blocks) scores
+replica r (whole blocks), s of them still being prefilled there by a running request, scores
 
-    score_r = load_r + (p - m)
+    score_r = load_r - s + (p - m)
 
-and goes to the lowest score among the replicas where its KV credits fit; a tie goes to the replica
-with more free credits, then the lower index. One correction: cached blocks that a request running on
-r is still prefilling (its first token has not come) are in load_r as that request's prefill, and a
-request that reuses them needs exactly that work done too, wherever it goes (elsewhere it computes the
-blocks itself). So those blocks, `s` tokens, are taken off: `score_r = load_r - s + (p - m)`; without
-this, a document's second question would leave the replica still reading the document for its first. So with nothing cached requests spread by the tokens
-they ask for, not by their count; a prompt whose prefix one replica holds goes there unless that
-replica's load exceeds another's by more than the prefill the cache saves (it is then clearly
-busier: the other starts it sooner even computing the whole prompt). The load counts only what the
-gateway knows at once (admissions, first tokens, tokens streamed), never a worker's report, so two
-requests admitted in the same instant see each other.
+(the s tokens are in load_r as that request's prefill, and the new one needs exactly that work done
+wherever it goes: elsewhere it computes the blocks itself; without this, a document's second
+question would leave the replica that is reading the document for its first).
+
+The request goes to the lowest score among the replicas where its KV credits fit (a tie: more free
+credits, then the lower index), except that a replica caching more of its prompt than the others
+keeps it unless that replica is clearly busier: unless its score is over `1 + AFFINITY_SLACK` (1.25)
+times the lowest. Scores are estimates (outputs at their cap, a cache assumed from what was sent),
+and a prompt sent where it is cached saves the whole system its prefill, while one sent elsewhere
+costs it again there. So with nothing cached requests spread by the tokens they ask for, not by
+their count, and a prompt whose prefix one replica holds goes there unless that replica would start
+it more than a quarter later than another. The load counts only what the gateway knows at once
+(admissions, first tokens, tokens streamed), never a worker's report, so two requests admitted in
+the same instant see each other.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+
+AFFINITY_SLACK = 0.25   # the replica caching most of a prompt is clearly busier when it would start it 25% later
 
 
 @dataclass(frozen=True)
@@ -118,9 +124,17 @@ class Placement:
         return scores
 
     def choose(self, work: Work, fitting: Sequence[int], free: Sequence[int]) -> int:
-        """The replica among `fitting` that starts `work` soonest; `free[r]`: replica r's free credits."""
+        """The replica among `fitting` that starts `work` soonest, or the one that caches most of its prompt
+        unless that one is clearly busier; `free[r]`: replica r's free credits."""
         scores = self.scores(work, fitting)
-        return min(fitting, key=lambda r: (scores[r], -free[r], r))
+        soonest = min(fitting, key=lambda r: (scores[r], -free[r], r))
+        matched = {r: self.matched_tokens(work, r) for r in fitting}
+        most = max(matched.values())
+        if most and most != min(matched.values()):
+            affine = min((r for r in fitting if matched[r] == most), key=lambda r: (scores[r], -free[r], r))
+            if scores[affine] <= (1 + AFFINITY_SLACK) * scores[soonest]:
+                return affine
+        return soonest
 
     # --- what happened ----------------------------------------------------------------------------
     def start(self, key: str, replica: int, work: Work) -> int:

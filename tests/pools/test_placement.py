@@ -78,6 +78,24 @@ def test_a_cached_prefix_goes_to_its_replica_unless_that_replica_is_clearly_busi
     placement.check_integrity()
 
 
+def test_the_replica_caching_a_prompt_keeps_it_until_it_would_start_it_a_quarter_later():
+    placement = _placement()
+    free = [10_000, 10_000]
+    document = _ids(1600, 11)
+    placement.start("doc", 0, placement.work([document], max_tokens=1, n=1, max_model_len=4096))
+    placement.observe("doc", 1)                               # read: replica 0 caches the document, idle again
+    question = placement.work([document + _ids(16, 12)], max_tokens=16, n=1, max_model_len=4096)
+    for i, size in enumerate((2250, 2250)):                   # replica 0 gets 4,500 tokens of other prefill
+        placement.start(f"other{i}", 0, placement.work([_ids(size, 20 + i)], max_tokens=4, n=1, max_model_len=4096))
+    placement.start("one", 1, placement.work([_ids(2400, 30)], max_tokens=4, n=1, max_model_len=4096))
+    # replica 1 would start it sooner (2,404 + 1,616 against 4,508 + 16), but less than a quarter sooner:
+    # the replica that has the document keeps it
+    assert placement.scores(question, [0, 1]) == {0: 4524, 1: 4020} and placement.choose(question, [0, 1], free) == 0
+    placement.start("more", 0, placement.work([_ids(1000, 40)], max_tokens=4, n=1, max_model_len=4096))
+    # now 5,528 against 4,020: over a quarter later, replica 0 is clearly busier
+    assert placement.choose(question, [0, 1], free) == 1
+
+
 def test_only_fitting_replicas_are_chosen_and_a_tie_goes_to_more_free_credits():
     placement = _placement(3)
     work = placement.work([_ids(100, 6)], max_tokens=10, n=1, max_model_len=512)
