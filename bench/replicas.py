@@ -4,8 +4,9 @@ Starts `cliffguard serve` twice on the same pool file (`--config`, default confi
 its devices at `replicas: 1`, once at `--replicas` (2), every worker pinned to `--cpu-threads` torch
 threads (1: so on a 2-core machine two replicas compare fairly with one), and drives each with the
 same open-loop load from `bench serve`'s generator (same seed: the same arrivals and prompts). The
-default load is chat beside rag: short chat requests, long unique rag prompts, and `docs`, questions
-on a few shared long documents (`shared_prefix`), whose placement shows prefix affinity.
+default load is chat beside rag: short chat requests (more than two replicas serve), long unique rag
+prompts, and `docs`, questions on a few shared long documents (`shared_prefix`), whose placement
+shows prefix affinity.
 
 Per layout: tokens/s, the prompt and output tokens of requests done while arrivals ran (a prompt
 counts when its first token came inside the window, an output token when it streamed inside it:
@@ -42,16 +43,16 @@ TOKENIZER = "builtin:smollm2-135m-instruct"   # makes completion prompts exactly
 
 
 def workload(args: argparse.Namespace) -> tuple[WorkloadClass, ...]:
-    """Chat (90%), questions on `--documents` shared documents of `--long-tokens` tokens (8%), and unique rag
-    prompts of about `--long-tokens` tokens (2%)."""
+    """Chat at `--request-rate`; questions on `--documents` shared documents of `--long-tokens` tokens at
+    `--docs-rate`; unique rag prompts of about `--long-tokens` tokens at `--rag-rate`."""
     long = args.long_tokens
     return (
-        WorkloadClass(name="chat", endpoint="chat", share=0.9, output_len=LengthDist("fixed", value=48),
+        WorkloadClass(name="chat", endpoint="chat", output_len=LengthDist("fixed", value=48),
                       prompt_len=LengthDist("normal", mean=96, std=32, min=16, max=256)),
-        WorkloadClass(name="docs", endpoint="completion", share=0.08, output_len=LengthDist("fixed", value=24),
+        WorkloadClass(name="docs", endpoint="completion", rate=args.docs_rate, output_len=LengthDist("fixed", value=24),
                       shared_prefix=SharedPrefix(tokens=long, count=args.documents),
                       prompt_len=LengthDist("uniform", min=16, max=48)),
-        WorkloadClass(name="rag", endpoint="completion", share=0.02, output_len=LengthDist("fixed", value=32),
+        WorkloadClass(name="rag", endpoint="completion", rate=args.rag_rate, output_len=LengthDist("fixed", value=32),
                       prompt_len=LengthDist("uniform", min=long, max=long + long // 10)),
     )
 
@@ -61,9 +62,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "its devices are run on the CPU unless they name CUDA")
     p.add_argument("--replicas", type=int, default=2, help="replicas of the second layout (default 2)")
     p.add_argument("--cpu-threads", type=int, default=1, help="torch threads of each worker (default 1)")
-    p.add_argument("--request-rate", type=float, default=5.0, help="arrivals per second over the classes "
-                   "(default 5: chat 90%%, docs 8%%, rag 2%%; more than two one-thread replicas of config/pools.yaml "
-                   "serve, so both layouts run saturated and tokens/s is what each can do)")
+    p.add_argument("--request-rate", type=float, default=4.5, help="chat requests per second (default 4.5: more "
+                   "than two one-thread replicas of config/pools.yaml serve, so both layouts run saturated and "
+                   "tokens/s is what each can do)")
+    p.add_argument("--docs-rate", type=float, default=0.15, help="questions on the shared documents per second "
+                   "(default 0.15)")
+    p.add_argument("--rag-rate", type=float, default=0.03, help="unique long rag prompts per second (default 0.03)")
     p.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals (default 90)")
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of arrivals left out of tokens/s "
                    "(default 10: the queues fill)")
@@ -183,10 +187,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--replicas: must be >= 2 (the layout compared with one replica), got {args.replicas}")
     if args.quick:
         args.duration, args.request_rate, args.warmup, args.drain_timeout = 12.0, 1.5, 2.0, 30.0
+        args.docs_rate, args.rag_rate = 0.5, 0.2
     source = Path(args.config)
     with tempfile.TemporaryDirectory(prefix="cliffguard-replicas-") as tmp:
         results = [asyncio.run(run_layout(source, n, args, Path(tmp))) for n in (1, args.replicas)]
     result = {"config": str(source), "cpu_threads": args.cpu_threads, "request_rate": args.request_rate,
+              "docs_rate": args.docs_rate, "rag_rate": args.rag_rate, "long_tokens": args.long_tokens,
               "duration": args.duration, "seed": args.seed, "layouts": results,
               "ratio": results[1]["tokens_per_s"] / results[0]["tokens_per_s"] if results[0]["tokens_per_s"] else None}
     print(format_result(results))

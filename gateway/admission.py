@@ -202,7 +202,7 @@ class AdmissionControl:
                                f"{limit} sequences at once", param="n")
             need = reservation(prompt_lens, max_tokens, n, block_size=pool.spec.block_size,
                                max_model_len=pool.max_model_len)
-            total = pool.admission.total
+            total = pool.admission.max_request
             if need > total:
                 what = f"{param}={max_tokens}" if max_tokens is not None else \
                     f"{param} unset (each sample may run to max_model_len {pool.max_model_len})"

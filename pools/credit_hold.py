@@ -79,7 +79,8 @@ class Admission:
                  max_queue_seconds: float | None = None, quantum: int | None = None,
                  placement: Placement | None = None) -> None:
         self.pool = pool
-        self.ledger = CreditLedger(total, tenants, quantum=quantum)
+        self.ledger = CreditLedger(total, tenants, quantum=quantum,
+                                   block_size=placement.block_size if placement is not None else 16)
         self.max_queue_seconds = max_queue_seconds
         self.placement = placement
         self.is_up: Callable[[int], bool] | None = None   # whether a replica takes new requests (the gateway's)
@@ -91,7 +92,13 @@ class Admission:
 
     @property
     def total(self) -> int:
+        """KV token slots of every replica together."""
         return self.ledger.total
+
+    @property
+    def max_request(self) -> int:
+        """The most credits one request can ever hold: the largest replica's."""
+        return max(a.total for a in self.ledger.accounts)
 
     @property
     def free(self) -> int:
@@ -101,11 +108,14 @@ class Admission:
     async def hold(self, request_id: str, num_tokens: int, *, tenant: str = DEFAULT_TENANT, priority: int = 0,
                    background: bool = False, work: Work | None = None) -> AsyncIterator[Ticket]:
         """Wait until `num_tokens` credits are admitted on a replica, hold them for the block, then give
-        them back. `work`: what the request asks of a replica, for placement (`Ticket.replica`).
+        them back. `work`: what the request asks of a replica, for placement (`Ticket.replica`); its prompt
+        blocks are held once on a replica with the other requests there that share them.
 
         ValueError if the request can never fit the pool; QueueTimeout past `max_queue_seconds`
         (background requests never time out: their runner retries nothing, it waits)."""
-        ticket = self.ledger.submit(request_id, num_tokens, tenant=tenant, priority=priority, background=background)
+        blocks = self.placement.prompt_blocks(work) if self.placement is not None and work is not None else ()
+        ticket = self.ledger.submit(request_id, num_tokens, tenant=tenant, priority=priority, background=background,
+                                    blocks=blocks)
         if work is not None:
             self._work[request_id] = work
         try:
@@ -173,7 +183,9 @@ class Admission:
         return replica
 
     def observe(self, request_id: str, num_tokens: int) -> None:
-        """The request streamed `num_tokens` more tokens (its replica's load goes down)."""
+        """The request streamed `num_tokens` more tokens: its prompt is computed (its blocks are shared from
+        now on) and its replica's load goes down."""
+        self.ledger.prefilled(request_id)
         if self.placement is not None:
             self.placement.observe(request_id, num_tokens)
 

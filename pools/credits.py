@@ -26,6 +26,15 @@ than the ledger's admitted requests hold (an abort the worker has not processed 
 release), the difference is held "outside" until the next report, so the ledger never promises KV
 the engine does not have; it comes back when the worker reports it free.
 
+Shared prompt blocks: a request may name the chain hashes of its prompt's full blocks (`blocks`).
+On one replica a block that several admitted requests name is held once, for as long as any of them
+runs, as the engine's prefix cache keeps one copy of it referenced by all of them: questions on one
+document hold its blocks once. Only a block some request there has finished prefilling
+(`prefilled`: its first token came) is shared: the engine caches a block once it is computed, so two
+requests prefilling the same document at once may each compute it, and each then holds it. (Held by
+the ledger until the last request naming them ends, shared blocks can never be needed twice: whatever
+else is admitted fits beside them even if the engine's copy were evicted.)
+
 Replicas: a pool served by several replicas of its device has one queue and one credit account per
 replica (its blocks). The request at the head of the fair order is admitted on a replica where it
 fits, the one `place(ticket, fitting)` picks (`pools.placement`: token load and prefix affinity;
@@ -73,16 +82,22 @@ class Ticket:
     admitted: bool = False
     background: bool = False     # a batch line: served only while no interactive request waits
     replica: int | None = None   # where it was admitted (its credits are that replica's)
+    blocks: tuple[int, ...] = ()  # chain hashes of its prompt's full blocks (distinct), held once per replica
+    prefilling: bool = False      # admitted, its first token not yet come: its blocks are not shared yet
 
 
 @dataclass
 class Account:
-    """One replica's credits: its KV token slots, what admitted requests hold, what reconciliation
-    holds outside the ledger."""
+    """One replica's credits: its KV token slots, what admitted requests hold (their own tokens, and the
+    copies of their prompt blocks: one for all the requests naming a block once one of them has
+    prefilled it), what reconciliation holds outside the ledger."""
 
     total: int
     held: int = 0
     outside: int = 0
+    refs: dict[int, int] = field(default_factory=dict)      # prompt block hash -> admitted requests naming it
+    pending: dict[int, int] = field(default_factory=dict)   # ... of them still prefilling
+    copies: dict[int, int] = field(default_factory=dict)    # ... copies of it held (1 .. refs)
 
     @property
     def free(self) -> int:
@@ -116,11 +131,12 @@ class CreditLedger:
     """
 
     def __init__(self, total: int | Sequence[int], tenants: Mapping[str, TenantPolicy] | None = None, *,
-                 quantum: int | None = None) -> None:
+                 quantum: int | None = None, block_size: int = 16) -> None:
         totals = [total] if isinstance(total, int) else list(total)
         if not totals or any(not isinstance(t, int) or isinstance(t, bool) or t <= 0 for t in totals):
             raise ValueError(f"total: must be a positive number of KV token slots (per replica), got {total!r}")
         self.accounts = [Account(t) for t in totals]
+        self.block_size = block_size                 # tokens of a shared prompt block (`Ticket.blocks`)
         self.up = [True] * len(totals)               # replicas that take new requests
         self.quantum = quantum or max(1, max(totals) // 8)   # tokens per weight per visit
         self.policies = dict(tenants or {})
@@ -159,8 +175,35 @@ class CreditLedger:
 
     @property
     def num_held(self) -> int:
-        """Credits held by admitted tickets, counted afresh (check_integrity compares it with `held`)."""
-        return sum(t.num_tokens for t in self._tickets.values() if t.admitted)
+        """Credits held by admitted tickets: their own, counted afresh, and their prompt blocks' copies."""
+        return sum(self._held_by_tickets(r)[0] + self.block_size * sum(a.copies.values())
+                   for r, a in enumerate(self.accounts))
+
+    def _held_by_tickets(self, replica: int) -> tuple[int, dict[int, int], dict[int, int]]:
+        """(the admitted tickets' own credits on `replica`, the refcount of each prompt block they name, and
+        of those still prefilling)."""
+        own, refs, pending = 0, {}, {}
+        for t in self._tickets.values():
+            if t.admitted and t.replica == replica:
+                own += self._own(t)
+                for h in t.blocks:
+                    refs[h] = refs.get(h, 0) + 1
+                    if t.prefilling:
+                        pending[h] = pending.get(h, 0) + 1
+        return own, refs, pending
+
+    def _own(self, ticket: Ticket) -> int:
+        """A ticket's credits besides its prompt blocks."""
+        return ticket.num_tokens - self.block_size * len(ticket.blocks)
+
+    def _shared(self, account: Account, h: int) -> bool:
+        """Block `h` is held on the replica and prefilled there: a request naming it takes no copy."""
+        return account.refs.get(h, 0) > account.pending.get(h, 0)
+
+    def need(self, ticket: Ticket, replica: int) -> int:
+        """The credits `ticket` would take on `replica`: all it asks, less its prompt blocks shared there."""
+        account = self.accounts[replica]
+        return ticket.num_tokens - self.block_size * sum(1 for h in ticket.blocks if self._shared(account, h))
 
     def queued_by_tenant(self) -> dict[str, int]:
         """Queued interactive requests per tenant (tenants seen so far, zeros included)."""
@@ -177,11 +220,21 @@ class CreditLedger:
         """Whether `replica` takes new requests (what it holds stays held until released)."""
         self.up[replica] = up
 
+    def prefilled(self, request_id: str) -> None:
+        """The admitted request's first token came: its prompt blocks are computed, and shared from now on."""
+        ticket = self._tickets.get(request_id)
+        if ticket is None or not ticket.prefilling:
+            return
+        ticket.prefilling = False
+        _drop(self.accounts[ticket.replica].pending, ticket.blocks)
+
     # --- requests --------------------------------------------------------------------------------
     def submit(self, request_id: str, num_tokens: int, *, tenant: str = DEFAULT_TENANT,
-               priority: int = 0, background: bool = False) -> Ticket:
+               priority: int = 0, background: bool = False, blocks: Sequence[int] = ()) -> Ticket:
         """Queue a request needing `num_tokens` credits (`background`: a batch line, behind every
-        interactive request). ValueError if it can never fit the pool or the id is already in the ledger."""
+        interactive request; `blocks`: the chain hashes of its prompt's full blocks, part of `num_tokens`,
+        held once per replica with the other requests naming them). ValueError if it can never fit the
+        pool or the id is already in the ledger."""
         if request_id in self._tickets:
             raise ValueError(f"request_id: {request_id!r} is already in the ledger")
         if not isinstance(num_tokens, int) or num_tokens <= 0:
@@ -190,8 +243,13 @@ class CreditLedger:
         if num_tokens > largest:
             raise ValueError(f"num_tokens: {num_tokens} credits asked, the pool has {largest} KV token slots"
                              + (" per replica" if self.num_replicas > 1 else ""))
+        blocks = tuple(dict.fromkeys(blocks))
+        if self.block_size * len(blocks) > num_tokens:
+            raise ValueError(f"blocks: {len(blocks)} prompt blocks of {self.block_size} tokens are more than the "
+                             f"{num_tokens} credits asked")
         policy = self.policies.get(tenant, TenantPolicy())
-        ticket = Ticket(request_id, tenant, max(priority, policy.min_priority), num_tokens, background=background)
+        ticket = Ticket(request_id, tenant, max(priority, policy.min_priority), num_tokens, background=background,
+                        blocks=blocks)
         self._tickets[request_id] = ticket
         if background:
             self._background.append(ticket)
@@ -208,7 +266,7 @@ class CreditLedger:
         admitted = self._admit_interactive(place)
         while not self._active and self._background:
             ticket = self._background[0]
-            fitting = self.fitting(ticket.num_tokens)
+            fitting = self.fitting(ticket)
             if not fitting:
                 break
             self._background.popleft()
@@ -216,16 +274,23 @@ class CreditLedger:
             admitted.append(ticket)
         return admitted
 
-    def fitting(self, num_tokens: int) -> list[int]:
-        """The replicas that are up and have `num_tokens` free credits."""
-        return [r for r, (a, up) in enumerate(zip(self.accounts, self.up)) if up and num_tokens <= a.free]
+    def fitting(self, ticket: Ticket) -> list[int]:
+        """The replicas that are up and have the free credits `ticket` needs there."""
+        return [r for r, (a, up) in enumerate(zip(self.accounts, self.up)) if up and self.need(ticket, r) <= a.free]
 
     def _take(self, ticket: Ticket, fitting: list[int], place: Callable[[Ticket, list[int]], int] | None) -> None:
         replica = place(ticket, fitting) if place is not None else max(fitting, key=lambda r: self.accounts[r].free)
         if replica not in fitting:
             raise ValueError(f"place: chose replica {replica}, not one of {fitting}")
-        self.accounts[replica].held += ticket.num_tokens
-        ticket.admitted, ticket.replica = True, replica
+        account = self.accounts[replica]
+        account.held += self._own(ticket)
+        for h in ticket.blocks:
+            if not self._shared(account, h):
+                account.copies[h] = account.copies.get(h, 0) + 1
+                account.held += self.block_size
+            account.refs[h] = account.refs.get(h, 0) + 1
+            account.pending[h] = account.pending.get(h, 0) + 1
+        ticket.admitted, ticket.replica, ticket.prefilling = True, replica, True
 
     def _admit_interactive(self, place: Callable[[Ticket, list[int]], int] | None) -> list[Ticket]:
         admitted: list[Ticket] = []
@@ -237,7 +302,7 @@ class CreditLedger:
                 self._topped_up = True
             head = tenant.head()
             if head.num_tokens <= tenant.deficit:
-                fitting = self.fitting(head.num_tokens)
+                fitting = self.fitting(head)
                 if not fitting:
                     break              # no bypass: wait for credits to come back
                 tenant.pop()
@@ -255,13 +320,26 @@ class CreditLedger:
         return admitted
 
     def release(self, request_id: str) -> int:
-        """A finished (or aborted) admitted request gives back everything it held; returns the credits."""
+        """A finished (or aborted) admitted request gives back everything it held; returns the credits that
+        came free (its shared prompt blocks only when no other request there names them)."""
         ticket = self._tickets.get(request_id)
         if ticket is None or not ticket.admitted:
             raise KeyError(f"request_id: {request_id!r} holds no credits")
         del self._tickets[request_id]
-        self.accounts[ticket.replica].held -= ticket.num_tokens
-        return ticket.num_tokens
+        account = self.accounts[ticket.replica]
+        if ticket.prefilling:
+            _drop(account.pending, ticket.blocks)
+        freed = self._own(ticket)
+        _drop(account.refs, ticket.blocks)
+        for h in ticket.blocks:
+            extra = account.copies[h] - account.refs.get(h, 0)   # copies beyond one per request left
+            if extra > 0:
+                account.copies[h] -= extra
+                freed += extra * self.block_size
+                if not account.copies[h]:
+                    del account.copies[h]
+        account.held -= freed
+        return freed
 
     def reconcile(self, used_tokens: int, replica: int = 0) -> int:
         """`replica`'s worker reports its blocks hold `used_tokens` token slots (blocks in use x block
@@ -298,10 +376,14 @@ class CreditLedger:
         """held == what admitted tickets hold on each replica, 0 <= free <= total there, every queued
         ticket sits in exactly one channel; raises with the counts."""
         for r, account in enumerate(self.accounts):
-            tickets = sum(t.num_tokens for t in self._tickets.values() if t.admitted and t.replica == r)
-            if account.held != tickets or not 0 <= account.free <= account.total:
-                raise AssertionError(f"credits of replica {r}: held {account.held} (tickets {tickets}), outside "
-                                     f"{account.outside}, free {account.free}, total {account.total}")
+            own, refs, pending = self._held_by_tickets(r)
+            held = own + self.block_size * sum(account.copies.values())
+            copies_ok = set(account.copies) == set(refs) and all(1 <= account.copies[h] <= refs[h] for h in refs)
+            if (account.held != held or refs != account.refs or pending != account.pending or not copies_ok
+                    or not 0 <= account.free <= account.total):
+                raise AssertionError(f"credits of replica {r}: held {account.held} (tickets {held}), outside "
+                                     f"{account.outside}, free {account.free}, total {account.total}, prompt blocks "
+                                     f"{len(account.refs)} named (tickets {len(refs)}), copies ok {copies_ok}")
         in_channels = [t.request_id for s in self._tenants.values() for q in s.channels.values() for t in q]
         in_channels += [t.request_id for t in self._background]
         queued = sorted(r for r, t in self._tickets.items() if not t.admitted)
@@ -309,3 +391,11 @@ class CreditLedger:
             raise AssertionError(f"queue: {len(in_channels)} tickets in channels, {len(queued)} queued")
         if sorted(self._active) != sorted(n for n, s in self._tenants.items() if s.channels):
             raise AssertionError(f"queue: active tenants {list(self._active)} do not match the channels")
+
+
+def _drop(counts: dict[int, int], keys: Sequence[int]) -> None:
+    """One less of each key; a key at zero leaves."""
+    for key in keys:
+        counts[key] -= 1
+        if not counts[key]:
+            del counts[key]

@@ -94,6 +94,10 @@ class Placement:
             per_prompt.append(n * min(limit, self.avg_len))
         return Work(tuple(tuple(p) for p in prompts), sum(per_prompt), salt)
 
+    def prompt_blocks(self, work: Work) -> tuple[int, ...]:
+        """The chain hashes of `work`'s prompt blocks (each prompt's full blocks), distinct, in order."""
+        return tuple(dict.fromkeys(h for ids in work.prompts for h in block_hashes(ids, self.block_size, work.salt)))
+
     def matched_tokens(self, work: Work, replica: int) -> int:
         """Prompt tokens of `work` whose blocks replica `replica` likely has cached (leading whole blocks)."""
         return self._match(work, replica)[0]

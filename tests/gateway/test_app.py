@@ -235,7 +235,9 @@ async def test_a_rag_flood_waits_for_credits_and_chat_keeps_its_blocks(aiohttp_c
             await asyncio.sleep(0.02)
         return samples
 
-    flood = [asyncio.create_task(complete(" b" * 70 + f" {i}", 300)) for i in range(8)]
+    # each prompt starts with its own token: no prompt block is shared (a shared one is held once, and more
+    # would run at once: tests/pools/test_placement.py)
+    flood = [asyncio.create_task(complete(f"{i}" + " b" * 70, 300)) for i in range(8)]
     watcher = asyncio.create_task(watch())
     chats = await asyncio.gather(*(complete(f"hello {i}", 30) for i in range(6)))
     assert {pool for pool, _ in chats} == {"chat"}
@@ -334,3 +336,37 @@ async def test_non_streaming_client_disconnect_aborts_too(aiohttp_client, tmp_pa
     stats = await _wait_idle(gateway)
     assert stats.num_requests == 0 and stats.pools["chat"].num_aborted == 1
     assert all(p.num_free_blocks == p.num_blocks for p in stats.pools.values())
+
+
+async def test_questions_on_one_document_share_its_blocks_and_run_together_without_preemption(aiohttp_client, tmp_path,
+                                                                                              tiny_model):
+    # rag: 1024 credits. A 256-token document (16 blocks) and six questions on it, each reserving 16 + 13
+    # blocks (464 credits): alone, two at a time. Once one has read the document its blocks are held once, a
+    # question takes 208 credits, and the engine's prefix cache shares them the same way: more run at once,
+    # and no preemption.
+    client, gateway = await _client(
+        aiohttp_client, pools_yaml(tiny_model, rag_kv="kv_cache_bytes: 512KiB"), tmp_path)
+    model = _model(tiny_model)
+    document = [100 + i for i in range(256)]
+
+    async def ask(i: int):
+        r = await client.post("/v1/completions", json={"model": model, "prompt": document + [900 + i, 7],
+                                                       "max_tokens": 200, "ignore_eos": True, "temperature": 0})
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+    await ask(99)                                  # the document is read (and cached) once
+    samples = []
+    questions = [asyncio.create_task(ask(i)) for i in range(6)]
+    while not all(q.done() for q in questions):
+        samples.append(_metrics(await (await client.get("/metrics")).text()))
+        await asyncio.sleep(0.02)
+    assert all(q.result()["usage"]["completion_tokens"] == 200 for q in questions)
+    labels = (("pool", "rag"), ("replica", "0"))
+    assert max(m["cliffguard_num_requests_running"][labels] for m in samples) > 2
+    after = _metrics(await (await client.get("/metrics")).text())
+    assert after["cliffguard_num_preemptions_total"][(("mode", "recompute"), *labels)] == 0
+    assert after["cliffguard_prefix_cache_hits_total"][labels] >= 6 * 256
+    ledger = gateway.pools["rag"].admission.ledger
+    ledger.check_integrity()
+    assert ledger.free == ledger.total == 1024

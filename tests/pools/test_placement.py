@@ -191,3 +191,39 @@ def test_the_admission_places_each_request_and_counts_its_load_until_it_ends():
         admission.ledger.check_integrity()
 
     asyncio.run(scenario())
+
+
+def test_questions_on_one_document_hold_its_blocks_once_after_it_is_read():
+    ledger = CreditLedger([1000], block_size=BS)
+    doc = tuple(range(40))                        # 40 prompt blocks: 640 of each request's 700 credits
+    ledger.submit("first", 700, blocks=doc)
+    ledger.submit("early", 700, blocks=doc)
+    assert [t.request_id for t in ledger.admit()] == ["first"] and ledger.free == 300
+    ledger.prefilled("early")                     # not admitted: nothing happens
+    assert ledger.admit() == []                   # the first is still reading it: a second copy would not fit
+    ledger.prefilled("first")                     # ... now it is read: a question takes only its own 60
+    assert [t.request_id for t in ledger.admit()] == ["early"] and ledger.free == 240
+    ledger.submit("third", 700, blocks=doc)
+    assert [t.request_id for t in ledger.admit()] == ["third"] and ledger.free == 180
+    ledger.check_integrity()
+    assert ledger.release("first") == 60          # the blocks stay held while questions on them run
+    assert ledger.release("third") == 60 and ledger.release("early") == 640 + 60
+    assert ledger.free == ledger.total
+    ledger.check_integrity()
+
+
+def test_two_copies_read_at_once_are_held_until_one_per_request_is_left():
+    ledger = CreditLedger([3000], block_size=BS)
+    doc = tuple(range(40))
+    for rid in ("a", "b"):                        # both read the document at once: two copies
+        ledger.submit(rid, 700, blocks=doc)
+    assert len(ledger.admit()) == 2 and ledger.free == 3000 - 1400
+    ledger.prefilled("a")
+    ledger.submit("c", 700, blocks=doc)
+    (c,) = ledger.admit()
+    assert ledger.free == 3000 - 1460 and ledger.accounts[0].copies[0] == 2
+    assert ledger.release("a") == 60              # three requests named it, two copies: both still needed
+    assert ledger.release("b") == 60 + 640        # one request left: one copy is enough
+    ledger.check_integrity()
+    assert ledger.release("c") == 700 and ledger.free == 3000
+    ledger.check_integrity()
