@@ -172,22 +172,26 @@ class Admission:
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
 
-    def _place(self, ticket: Ticket, fitting: list[int]) -> int:
-        """The ledger's choice of replica: the placement's, which starts counting the request's load there."""
+    def _place(self, ticket: Ticket, fitting: list[int]) -> int | None:
+        """The ledger's choice of replica: the placement's, which starts counting the request's load there
+        (None: it waits for the replica that caches its prompt)."""
         work = self._work.get(ticket.request_id)
         if self.placement is None or work is None:
             return max(fitting, key=lambda r: self.ledger.accounts[r].free)
         free = [a.free for a in self.ledger.accounts]
-        replica = self.placement.choose(work, fitting, free)
-        self.placement.start(ticket.request_id, replica, work)
+        replica = self.placement.choose(work, fitting, free, self.ledger.waiting(ticket))
+        if replica is not None:
+            self.placement.start(ticket.request_id, replica, work)
         return replica
 
     def observe(self, request_id: str, num_tokens: int) -> None:
         """The request streamed `num_tokens` more tokens: its prompt is computed (its blocks are shared from
         now on) and its replica's load goes down."""
-        self.ledger.prefilled(request_id)
+        shared = self.ledger.prefilled(request_id)
         if self.placement is not None:
             self.placement.observe(request_id, num_tokens)
+        if shared and self.ledger.num_queued:
+            self._admit()   # a question waiting for this replica's copy of its document may fit now
 
     def replica_ready(self, replica: int) -> None:
         """A new worker of `replica` is ready: its prefix cache is empty; admit whoever now fits."""

@@ -40,7 +40,8 @@ replica (its blocks). The request at the head of the fair order is admitted on a
 fits, the one `place(ticket, fitting)` picks (`pools.placement`: token load and prefix affinity;
 default: the most free credits); `Ticket.replica` says which. A replica that is down (`up` false:
 loading, restarting) takes nothing new. So a request waits on the pool, not on a replica, and goes to
-whichever frees first; tenant channels and weights hold across replicas because there is one queue.
+whichever frees first, unless `place` has it wait (None) for the replica that caches its prompt (which
+is not clearly busier); tenant channels and weights hold across replicas because there is one queue.
 
 Ints only, no asyncio, no locks: the gateway calls it from its event loop (ints, so it is tested in
 milliseconds). `pools.credit_hold` is the async layer the gateway awaits.
@@ -220,13 +221,15 @@ class CreditLedger:
         """Whether `replica` takes new requests (what it holds stays held until released)."""
         self.up[replica] = up
 
-    def prefilled(self, request_id: str) -> None:
-        """The admitted request's first token came: its prompt blocks are computed, and shared from now on."""
+    def prefilled(self, request_id: str) -> bool:
+        """The admitted request's first token came: its prompt blocks are computed, and shared from now on.
+        True the first time (a queued request naming its blocks may fit there now)."""
         ticket = self._tickets.get(request_id)
         if ticket is None or not ticket.prefilling:
-            return
+            return False
         ticket.prefilling = False
         _drop(self.accounts[ticket.replica].pending, ticket.blocks)
+        return bool(ticket.blocks)
 
     # --- requests --------------------------------------------------------------------------------
     def submit(self, request_id: str, num_tokens: int, *, tenant: str = DEFAULT_TENANT,
@@ -260,17 +263,18 @@ class CreditLedger:
         state.channels.setdefault(ticket.priority, deque()).append(ticket)
         return ticket
 
-    def admit(self, place: Callable[[Ticket, list[int]], int] | None = None) -> list[Ticket]:
+    def admit(self, place: Callable[[Ticket, list[int]], int | None] | None = None) -> list[Ticket]:
         """The queued requests that fit now, in fair order; their credits are deducted on the replica
-        `place(ticket, fitting)` picks among those (up, and with room) where it fits."""
+        `place(ticket, fitting)` picks among those (up, and with room) where it fits. `place` may return
+        None: the request waits for a replica that has no room now (as if it fitted nowhere)."""
         admitted = self._admit_interactive(place)
         while not self._active and self._background:
             ticket = self._background[0]
-            fitting = self.fitting(ticket)
-            if not fitting:
+            replica = self._choose(ticket, place)
+            if replica is None:
                 break
             self._background.popleft()
-            self._take(ticket, fitting, place)
+            self._take(ticket, replica)
             admitted.append(ticket)
         return admitted
 
@@ -278,10 +282,22 @@ class CreditLedger:
         """The replicas that are up and have the free credits `ticket` needs there."""
         return [r for r, (a, up) in enumerate(zip(self.accounts, self.up)) if up and self.need(ticket, r) <= a.free]
 
-    def _take(self, ticket: Ticket, fitting: list[int], place: Callable[[Ticket, list[int]], int] | None) -> None:
+    def waiting(self, ticket: Ticket) -> list[int]:
+        """The replicas that are up and could hold `ticket` once credits come back, but have no room now."""
+        return [r for r, (a, up) in enumerate(zip(self.accounts, self.up))
+                if up and a.free < self.need(ticket, r) <= a.total - a.outside]
+
+    def _choose(self, ticket: Ticket, place: Callable[[Ticket, list[int]], int | None] | None) -> int | None:
+        """Where `ticket` is admitted now, or None (it fits nowhere, or `place` has it wait)."""
+        fitting = self.fitting(ticket)
+        if not fitting:
+            return None
         replica = place(ticket, fitting) if place is not None else max(fitting, key=lambda r: self.accounts[r].free)
-        if replica not in fitting:
+        if replica is not None and replica not in fitting:
             raise ValueError(f"place: chose replica {replica}, not one of {fitting}")
+        return replica
+
+    def _take(self, ticket: Ticket, replica: int) -> None:
         account = self.accounts[replica]
         account.held += self._own(ticket)
         for h in ticket.blocks:
@@ -292,7 +308,7 @@ class CreditLedger:
             account.pending[h] = account.pending.get(h, 0) + 1
         ticket.admitted, ticket.replica, ticket.prefilling = True, replica, True
 
-    def _admit_interactive(self, place: Callable[[Ticket, list[int]], int] | None) -> list[Ticket]:
+    def _admit_interactive(self, place: Callable[[Ticket, list[int]], int | None] | None) -> list[Ticket]:
         admitted: list[Ticket] = []
         while self._active:
             name = self._active[0]
@@ -302,12 +318,12 @@ class CreditLedger:
                 self._topped_up = True
             head = tenant.head()
             if head.num_tokens <= tenant.deficit:
-                fitting = self.fitting(head)
-                if not fitting:
+                replica = self._choose(head, place)
+                if replica is None:
                     break              # no bypass: wait for credits to come back
                 tenant.pop()
                 tenant.deficit -= head.num_tokens
-                self._take(head, fitting, place)
+                self._take(head, replica)
                 admitted.append(head)
                 if tenant.channels:
                     continue

@@ -22,7 +22,9 @@ question would leave the replica that is reading the document for its first).
 The request goes to the lowest score among the replicas where its KV credits fit (a tie: more free
 credits, then the lower index), except that a replica caching more of its prompt than the others
 keeps it unless that replica is clearly busier: unless its score is over `1 + AFFINITY_SLACK` (1.25)
-times the lowest. Scores are estimates (outputs at their cap, a cache assumed from what was sent),
+times the lowest. That holds too when the caching replica has no room for it now: the request then
+waits in the pool's queue until that replica's credits come back (its score counts the work whose
+end frees them), rather than reading the document again on a replica that has room. Scores are estimates (outputs at their cap, a cache assumed from what was sent),
 and a prompt sent where it is cached saves the whole system its prefill, while one sent elsewhere
 costs it again there. So with nothing cached requests spread by the tokens they ask for, not by
 their count, and a prompt whose prefix one replica holds goes there unless that replica would start
@@ -127,17 +129,21 @@ class Placement:
             scores[r] = self.load[r] - shared + p - matched
         return scores
 
-    def choose(self, work: Work, fitting: Sequence[int], free: Sequence[int]) -> int:
+    def choose(self, work: Work, fitting: Sequence[int], free: Sequence[int],
+               waiting: Sequence[int] = ()) -> int | None:
         """The replica among `fitting` that starts `work` soonest, or the one that caches most of its prompt
-        unless that one is clearly busier; `free[r]`: replica r's free credits."""
-        scores = self.scores(work, fitting)
+        unless that one is clearly busier; `free[r]`: replica r's free credits. `waiting`: replicas that are
+        up but have no room now (their credits come back as their requests end). When the replica caching
+        most of the prompt is one of those and is not clearly busier, None: the request waits for it
+        rather than computing its prefix again elsewhere (its score counts the load that frees it)."""
+        scores = self.scores(work, [*fitting, *waiting])
         soonest = min(fitting, key=lambda r: (scores[r], -free[r], r))
-        matched = {r: self.matched_tokens(work, r) for r in fitting}
+        matched = {r: self.matched_tokens(work, r) for r in scores}
         most = max(matched.values())
         if most and most != min(matched.values()):
-            affine = min((r for r in fitting if matched[r] == most), key=lambda r: (scores[r], -free[r], r))
+            affine = min((r for r in scores if matched[r] == most), key=lambda r: (scores[r], -free[r], r))
             if scores[affine] <= (1 + AFFINITY_SLACK) * scores[soonest]:
-                return affine
+                return affine if affine in fitting else None
         return soonest
 
     # --- what happened ----------------------------------------------------------------------------

@@ -322,12 +322,14 @@ class ReplicaGroup:
             request, seq, _ = self._queued.pop(ticket.request_id)
             self.replicas[ticket.replica].admit(request, seq, at)
 
-    def _place(self, pool: str, ticket: Ticket, fitting: list[int]) -> int:
+    def _place(self, pool: str, ticket: Ticket, fitting: list[int]) -> int | None:
         """The ledger's choice of replica, as the gateway's (`pools.credit_hold.Admission._place`)."""
         work = self._queued[ticket.request_id][2]
-        free = [a.free for a in self.ledgers[pool].accounts]
-        replica = self.placements[pool].choose(work, fitting, free)
-        self.placements[pool].start(ticket.request_id, replica, work)
+        ledger = self.ledgers[pool]
+        free = [a.free for a in ledger.accounts]
+        replica = self.placements[pool].choose(work, fitting, free, ledger.waiting(ticket))
+        if replica is not None:
+            self.placements[pool].start(ticket.request_id, replica, work)
         return replica
 
     def observe(self, pool: str, request_id: str, num_tokens: int) -> None:

@@ -96,6 +96,59 @@ def test_the_replica_caching_a_prompt_keeps_it_until_it_would_start_it_a_quarter
     assert placement.choose(question, [0, 1], free) == 1
 
 
+def test_a_prompt_waits_for_the_full_replica_that_caches_it_unless_that_one_is_clearly_busier():
+    placement = _placement()
+    free = [0, 10_000]                                        # replica 0 has no room now, replica 1 is idle
+    document = _ids(2000, 13)
+    placement.start("doc", 0, placement.work([document], max_tokens=1, n=1, max_model_len=4096))
+    placement.observe("doc", 1)                               # read: replica 0 caches it
+    placement.start("busy", 0, placement.work([_ids(40, 14)], max_tokens=300, n=1, max_model_len=4096))
+    question = placement.work([document + _ids(20, 15)], max_tokens=16, n=1, max_model_len=4096)
+    # replica 0 would start it after 296 tokens of work (the output capped at avg_len 256) and 20 of its
+    # own: far sooner than reading the document again on replica 1 (2,020), so it waits for replica 0
+    assert placement.scores(question, [0, 1]) == {0: 296 + 20, 1: 2020}
+    assert placement.choose(question, [1], free, waiting=[0]) is None
+    # a replica that is down (not in waiting either) is no reason to wait
+    assert placement.choose(question, [1], free) == 1
+    # 3,000 more tokens of prefill on replica 0 (3,317 against 2,020): clearly busier, the question reads
+    # the document on replica 1
+    placement.start("more", 0, placement.work([_ids(3000, 16)], max_tokens=1, n=1, max_model_len=4096))
+    assert placement.choose(question, [1], free, waiting=[0]) == 1
+
+
+def test_a_queued_question_waits_for_its_documents_replica_and_is_admitted_there_when_it_is_read():
+    async def scenario():
+        placement = _placement()
+        doc = _ids(40 * BS, 17)
+        admission = Admission("rag", [700, 1000], placement=placement)
+        up = [False, True]                                        # replica 0 is still loading
+        admission.is_up = lambda r: up[r]
+        first = placement.work([doc + _ids(4, 18)], max_tokens=40, n=1, max_model_len=4096)
+        question = placement.work([doc + _ids(4, 19)], max_tokens=40, n=1, max_model_len=4096)
+        async with admission.hold("first", 700, work=first) as ticket:
+            async with admission.hold("fill", 300, work=placement.work([_ids(100, 20)], 10, 1, 4096)) as fill:
+                assert ticket.replica == fill.replica == 1 and admission.ledger.accounts[1].free == 0
+                up[0] = True
+                # replica 1 is full and still reading the document; replica 0 has room for a whole copy,
+                # but the question waits for replica 1, where the document's blocks are being computed
+                waiting = asyncio.ensure_future(admission.hold("question", 700, work=question).__aenter__())
+                await asyncio.sleep(0)
+                assert not waiting.done() and admission.ledger.num_queued == 1
+                admission.observe("first", 1)                   # read: the question needs only its own 60
+                assert admission.ledger.accounts[1].free == 0   # ... still held by fill and first
+                await asyncio.sleep(0)
+                assert not waiting.done()
+            # fill ended: 300 credits back on replica 1, and the question's 60 fit beside the shared document
+            got = await waiting
+            assert got.replica == 1 and placement.cached_tokens("question") == 40 * BS
+            admission.ledger.release("question")
+            placement.finish("question")
+        admission.ledger.check_integrity()
+        assert placement.load == [0, 0]
+
+    asyncio.run(scenario())
+
+
 def test_only_fitting_replicas_are_chosen_and_a_tie_goes_to_more_free_credits():
     placement = _placement(3)
     work = placement.work([_ids(100, 6)], max_tokens=10, n=1, max_model_len=512)
