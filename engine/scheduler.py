@@ -68,6 +68,7 @@ class SchedulerStats:
     num_swapped_in_blocks: int = 0
     preempt_seconds: float = 0.0     # scheduling time spent preempting (the engine adds copy time)
     num_admitted: int = 0
+    num_prefix_waits: int = 0        # admissions put off a step because a running sequence was prefilling the prefix
     num_aborted: int = 0             # sequences finished by abort (client gone, or asked)
     num_too_large: int = 0           # sequences ended because the pool could not hold them
     num_computed_tokens: int = 0     # tokens whose K/V the pool's steps computed (prefill, decode, recompute)
@@ -239,28 +240,37 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting sequences in strict order (their cached prefix first) while limits allow."""
+        """Admit waiting sequences in strict order (their cached prefix first) while limits allow. One
+        whose next prompt block a running sequence is prefilling right now waits for it (it is skipped,
+        not a block to the others): admitted after, it finds the block in the prefix cache instead of
+        computing the same prefix again beside it (questions on a document that is being read)."""
         bm = self.block_manager
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        index = 0
+        while index < len(self.waiting) and budget > 0:
+            seq = self.waiting[index]
             if len(self.running) + 1 + seq.num_pending_forks > self.config.max_num_seqs:
                 break
             counted = (bm.num_prefix_queries, bm.num_prefix_hits)
             if seq.num_computed_tokens == 0 and not seq.block_table:
                 seq.num_computed_tokens = bm.acquire_cached(seq.block_table, seq.token_ids, seq.cache_salt)
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if (num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill) or \
+            reading = self._being_read(seq)
+            if reading or (num_new < seq.num_uncomputed_tokens and not self.config.enable_chunked_prefill) or \
                     not bm.can_allocate(seq.block_table, seq.num_computed_tokens + num_new):
                 bm.free(seq.block_table)  # give back the cached prefix; the next try finds it again
                 bm.num_prefix_queries, bm.num_prefix_hits = counted  # counted once, when admitted
                 seq.num_computed_tokens = 0
+                if reading:
+                    self.stats.num_prefix_waits += 1
+                    index += 1
+                    continue
                 if not self.running and bm.num_free_blocks == bm.num_blocks and \
                         bm.num_blocks_for(seq.num_tokens) > bm.num_blocks:
-                    self.waiting.pop(0)  # alone in an empty pool and still too large: it never will fit
+                    self.waiting.pop(index)  # alone in an empty pool and still too large: it never will fit
                     self._finish_too_large(seq, out)
                     continue
                 break  # strict order: later arrivals do not overtake the head of the queue
-            self.waiting.pop(0)
+            self.waiting.pop(index)
             bm.allocate(seq.block_table, seq.num_computed_tokens + num_new)
             seq.status = SequenceStatus.RUNNING
             seq.admitted_at_output = seq.num_output_tokens
@@ -269,6 +279,21 @@ class Scheduler:
             self.stats.num_admitted += 1
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+
+    def _being_read(self, seq: Sequence) -> bool:
+        """Whether a running sequence of the pool is prefilling the next block `seq` would otherwise
+        compute itself: the same tokens up to that block's end (same prefix-cache partition), not yet
+        computed there. Only with prefix caching (without it nothing would be shared)."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching:
+            return False
+        end = seq.num_computed_tokens + bm.block_size
+        if end > seq.num_tokens - 1:      # no further whole block it could take from the cache
+            return False
+        head = seq.token_ids[:end]
+        return any(other.num_uncomputed_tokens > 1 and other.cache_salt == seq.cache_salt
+                   and other.num_computed_tokens < end <= other.num_tokens and other.token_ids[:end] == head
+                   for other in self.running)
 
     def _write_block_shared(self, seq: Sequence) -> bool:
         """Whether the block the next token goes into is shared (a fork's prompt tail): copy on write."""

@@ -174,6 +174,32 @@ def test_prefix_cache_prefills_only_the_new_tokens(tiny):
     assert_all_free(engine)
 
 
+def test_a_question_on_a_document_being_read_waits_for_its_blocks_instead_of_reading_it_too(tiny):
+    rng = random.Random(5)
+    document = [rng.randrange(3, 512) for _ in range(200)]
+    questions = [document + [rng.randrange(3, 512) for _ in range(n)] for n in (15, 25, 9)]
+    other = [rng.randrange(3, 512) for _ in range(30)]
+    reference = _run(_engine(tiny), [*questions, other])
+    # a step's budget holds every prompt: without the wait all three would read the document in step one
+    engine = _engine(tiny, enable_prefix_caching=True, max_num_batched_tokens=1024)
+    for i, prompt in enumerate([*questions, other]):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    outputs, prefilled = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        prefilled += engine.last_step.num_prefill_tokens
+    assert [outputs[f"r{i}"] for i in range(4)] == reference
+    # the document is read once: each later question prefills only what the cache lacks (its last
+    # partial block of the document and its own tokens); the unrelated prompt was not held back
+    bm = engine.schedulers["default"].block_manager
+    assert bm.num_prefix_hits == 2 * 192
+    assert prefilled == sum(map(len, questions)) + len(other) - 2 * 192
+    assert engine.schedulers["default"].stats.num_prefix_waits > 0
+    assert_all_free(engine)
+
+
 def test_n_samples_share_the_prompt_blocks(tiny):
     prompt = list(range(10, 10 + 40))  # 2 full blocks + 8 tokens in a third
     engine = _engine(tiny, enable_prefix_caching=False)
