@@ -53,6 +53,7 @@ def warm_up(engine: Any) -> None:
                 features.add(start, num_new, num_new == 1)
             started = time.perf_counter()
             engine.runner.execute(batch)
+            engine.runner.synchronize()
             engine.composer.cost_model.observe(features, time.perf_counter() - started)
             commit_step({}, batch, 0, 0, 0.0)     # no pool's: the blocks are borrowed, nothing is cached
     finally:

@@ -357,6 +357,7 @@ class LLMEngine:
             return _ExecutedStep()
         forward_started = time.perf_counter()
         logits, sampled = self.runner.execute(scheduled.batch)
+        self.runner.synchronize()   # the step's time is the device's, not its launch's
         commit_step(self.schedulers, scheduled.batch, scheduled.stats.num_prefill_tokens,
                     scheduled.stats.num_decode_tokens, time.perf_counter() - forward_started)
         logits, sampled = self._forks.fork(logits, sampled)

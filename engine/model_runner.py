@@ -110,6 +110,13 @@ class ModelRunner(_Forward):
             logits = torch.empty(0, self.model.config.vocab_size, device=self.device)
         return logits, sampled
 
+    def synchronize(self) -> None:
+        """Wait until the device has finished the work launched so far: CUDA runs kernels asynchronously,
+        so a clock read right after a launch reads the launch, not the work (a step that samples nothing
+        returns as soon as its kernels are queued, and the next step would pay for it). No-op on the CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def move_blocks(self, pool: str, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
                     copies: list[tuple[int, int]]) -> None:
         """A scheduler's block moves, before the next forward pass reuses any freed block: done here now,

@@ -5,6 +5,8 @@ Every scenario ends with all blocks free and `check_integrity()` passing: no blo
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -257,4 +259,27 @@ def test_pools_are_disjoint_block_ranges_of_one_kv_tensor(tiny_path):
             for seq in scheduler.running:
                 assert all(scheduler.block_manager.owns(b) for b in seq.block_table)
     assert rag.stats.num_preemptions > 0 and chat.stats.num_preemptions == 0
+    assert_all_free(engine)
+
+
+def test_step_time_is_read_after_the_device_finished(tiny_path, monkeypatch):
+    """A device that finishes its work later than the launch returns (CUDA): the step's measured time,
+    which the composer's cost model and SLO feedback learn from, includes that work."""
+    engine = _engine(tiny_path, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    runner, done_at = engine.runner, [0.0]
+    launch = runner.execute
+
+    def execute(batch):
+        out = launch(batch)
+        done_at[0] = time.perf_counter() + 0.05      # the kernels finish 50 ms after they were queued
+        return out
+
+    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(runner, "synchronize", lambda: time.sleep(max(0.0, done_at[0] - time.perf_counter())))
+    engine.add_request("r", list(range(3, 67)), SamplingParams(temperature=0, max_tokens=2))
+    engine.step()                                      # a 16-token chunk of the 64-token prompt: nothing sampled
+    assert engine.last_step.num_prefill_tokens == 16 and not engine.requests["r"].seqs[0].num_output_tokens
+    assert engine.composer.stats.last_step_seconds >= 0.05 and engine.last_step.seconds >= 0.05
+    while engine.has_unfinished_requests():
+        engine.step()
     assert_all_free(engine)
