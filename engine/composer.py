@@ -36,7 +36,7 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    reports with `set_external_waiting`), a swapped-out request, a request whose prefill runs in
    this step (its first token, or a recompute, is due), or when it runs `PRESSURE_OCCUPANCY` of its
    `max_num_seqs` (one burst from queueing). While any interactive pool is pressed, throughput pools
-   drop to their floor: nothing at all. So an
+   drop to their floor: nothing, unless they are owed their share (step 5). So an
    interactive request's prefill step costs what it costs with chat alone, and when chat's
    concurrency climbs (its steps carry throughput work, so each of its requests lasts longer) the
    composer gives back chat-alone step times until the queue drains, rather than letting requests
@@ -55,6 +55,18 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    long as that keeps the step within the `itl_ms` of the interactive pools that are running (the
    SLO wins: on a slow device one block after a long cached context can be over it; then it waits
    for a step without them).
+5. **Share.** A throughput pool with work whose part of the device's step time over the last
+   `SHARE_WINDOW_SECONDS` (of steps, 2 s) is under its `min_share` (a pool key, default 0.2) is
+   *owed*: whatever the target or pressure, it gets the tokens that make its part `min_share` of
+   this step (the rest of the step's predicted cost x min_share / (1 - min_share) added; at least its
+   decodes, or one block of prefill). Each step's measured time is divided among its pools in
+   proportion to what each added to its predicted cost (its tokens while the model is cold). So an
+   interactive pool that stays pressed (a chat load the device cannot serve within its SLO) slows
+   the throughput pools to `min_share`, never to nothing; its steps grow by at most
+   min_share / (1 - min_share) (25%) while it does. A throughput pool's decodes stop only while its
+   share is above `min_share`: from a share of 1 (it ran alone) that lasts at most
+   (1 - min_share) x `SHARE_WINDOW_SECONDS` of step time (1.6 s), then at most a few steps at a time.
+   `min_share: 0` restores the floor of nothing.
 
 The step's cost comes from `engine.step_cost.StepCostModel`, the linear step-cost model refitted
 online on the engine's measured steps (with a safety margin); it is fed only on a device with an
@@ -71,7 +83,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.config import LatencySLO
+from engine.config import DEFAULT_MIN_SHARE, LatencySLO
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_cost import StepCostModel, StepFeatures
 
@@ -92,6 +104,7 @@ ITL_WINDOW = 128            # inter-token gaps
 PRESSURE_OCCUPANCY = 0.75   # of max_num_seqs
 MIN_PREFILL_CHUNK = 16      # tokens: beside interactive work a throughput pool's smaller chunks are dropped
 MIXED_WINDOW = 32           # mixed steps whose misprediction sizes the next throughput chunks beside interactive work
+SHARE_WINDOW_SECONDS = 2.0  # of step time: the window a throughput pool's share of the device is measured over
 
 
 class Feedback:
@@ -213,6 +226,9 @@ class ComposedStep:
     pressed: tuple[str, ...] = ()             # interactive pools under pressure: throughput at its floor
     mixed: bool = False                       # a throughput prefill chunk rides with interactive work
     throughput_tokens: int = 0                # tokens the throughput pools scheduled
+    owed: tuple[str, ...] = ()                # throughput pools under their min_share: they ride even when pressed
+    costs: dict[str, float] = field(default_factory=dict)   # each pool's predicted part of the step (its tokens
+                                                            # while the cost model is cold): shares its time
 
 
 @dataclass
@@ -221,6 +237,7 @@ class ComposerStats:
     num_targeted_steps: int = 0
     num_over_target: int = 0                  # targeted steps that took longer than the target
     num_pressed_steps: int = 0                # steps composed with throughput pools at their floor
+    num_owed_steps: int = 0                   # steps where a throughput pool under its min_share got its share
     last_target_seconds: float | None = None
     last_step_seconds: float = 0.0
 
@@ -230,11 +247,15 @@ class StepComposer:
     the schedulers it drives: called only from the engine's `step()`."""
 
     def __init__(self, schedulers: Mapping[str, Scheduler], slos: Mapping[str, LatencySLO | None],
-                 cost_model: StepCostModel | None = None) -> None:
+                 cost_model: StepCostModel | None = None, min_shares: Mapping[str, float] | None = None) -> None:
         self.schedulers = dict(schedulers)
         self.slos = {name: slos.get(name) for name in self.schedulers}
         self.interactive = [n for n in self.schedulers if self.slos[n] is not None]
         self.throughput = [n for n in self.schedulers if self.slos[n] is None]
+        self.min_shares = {n: (min_shares or {}).get(n, DEFAULT_MIN_SHARE) for n in self.throughput}
+        self._shares: deque[tuple[float, dict[str, float]]] = deque()   # (step seconds, each throughput pool's)
+        self._share_seconds = dict.fromkeys(self.throughput, 0.0)
+        self._window_seconds = 0.0
         self.trackers = {n: SLOTracker(self.slos[n]) for n in self.interactive}
         self.cost_model = cost_model or StepCostModel()
         self.stats = ComposerStats()
@@ -253,26 +274,73 @@ class StepComposer:
     def schedule(self) -> ComposedStep:
         step = ComposedStep()
         step.target_seconds = self._target_seconds()
+        model = self.cost_model
         for name in self.interactive:
             budget = self._interactive_budget(name, step.features)
             out = self.schedulers[name].schedule(budget)
             step.outputs[name] = out
             step.features.add_scheduled(out.scheduled)
+            step.costs[name] = out.num_batched_tokens
         step.pressed = tuple(name for name in self.interactive if self._is_pressed(name))
         self._slo_limit = min((self.slos[n].step_seconds for n in self.interactive
                                if self.schedulers[n].running), default=None)
         interactive_work = bool(step.features.num_prefill_tokens or step.features.num_decode_tokens)
+        ready = model.ready
+        if ready and self.interactive:
+            step.costs = {name: 0.0 for name in step.costs}
+            if interactive_work:   # the interactive pools' part together (they are not told apart below)
+                step.costs[self.interactive[0]] = model.predict(step.features) - model.predict(StepFeatures())
         for name in self.throughput:
             budget = self._token_budget(name, step.features, step.target_seconds, floor=bool(step.pressed))
+            if self._is_owed(name):
+                step.owed += (name,)
+                owed = self._owed_budget(name, step.features)
+                budget = None if budget is None else max(budget, owed)
+            before_seconds = model.predict(step.features) if ready and self.interactive else 0.0
             out = self.schedulers[name].schedule(budget)
             step.outputs[name] = out
             step.throughput_tokens += out.num_batched_tokens
             before = step.features.num_prefill_tokens
             step.features.add_scheduled(out.scheduled)
             step.mixed |= interactive_work and step.features.num_prefill_tokens > before
+            step.costs[name] = (model.predict(step.features) - before_seconds if ready and self.interactive
+                                else out.num_batched_tokens)
         if self.needs_cost_model:
             step.predicted_seconds = self.cost_model.predict(step.features)
         return step
+
+    def share(self, name: str) -> float | None:
+        """Throughput pool `name`'s part of the device's step time over the last `SHARE_WINDOW_SECONDS` of
+        steps (each step's time divided among its pools in proportion to what each added to its predicted
+        cost; by tokens while the cost model is cold); None before any step."""
+        if not self._window_seconds:
+            return None
+        return self._share_seconds[name] / self._window_seconds
+
+    def _is_owed(self, name: str) -> bool:
+        """A throughput pool with work whose share of the device's time is under its `min_share`."""
+        floor = self.min_shares[name]
+        if not floor or not self.schedulers[name].num_unfinished:
+            return False
+        share = self.share(name)
+        return share is None or share < floor
+
+    def _owed_budget(self, name: str, so_far: StepFeatures) -> int:
+        """The tokens of a throughput pool under its `min_share`: what makes its part `min_share` of this
+        step (the others' `so_far` cost x min_share / (1 - min_share) added), at least its decodes (or one
+        block of prefill when nothing of it decodes), whatever the step's target or pressure."""
+        scheduler = self.schedulers[name]
+        share = self.min_shares[name]
+        decodes, prefill_context = scheduler.pending_work()
+        cap = scheduler.config.max_num_batched_tokens
+        floor = min(cap, len(decodes) or scheduler.block_manager.block_size)
+        model = self.cost_model
+        if not (so_far.num_prefill_tokens or so_far.num_decode_tokens):
+            return floor                      # the step is the throughput pools' own: the target sizes it
+        if not model.ready:
+            return max(floor, min(cap, COLD_START_TOKENS))
+        before = model.predict(so_far)
+        return max(floor, self._fitting_tokens(scheduler, so_far, before / (1 - share), cap))
 
     @property
     def mixed_margin(self) -> float:
@@ -300,6 +368,8 @@ class StepComposer:
         stats.last_step_seconds = seconds
         stats.last_target_seconds = step.target_seconds
         stats.num_pressed_steps += bool(step.pressed)
+        stats.num_owed_steps += bool(step.owed)
+        self._count_shares(step, seconds)
         if step.target_seconds is not None:
             stats.num_targeted_steps += 1
             stats.num_over_target += seconds > step.target_seconds
@@ -317,6 +387,22 @@ class StepComposer:
                 had_decode = any(item.num_new_tokens == 1 and item.seq.num_computed_tokens
                                  >= item.seq.num_prompt_tokens for item in scheduled)
                 tracker.observe_step(had_decode, bool(scheduled), ended_at, shared)
+
+    def _count_shares(self, step: ComposedStep, seconds: float) -> None:
+        """The step's time into the share window, divided among its pools by `ComposedStep.costs`."""
+        if not self.throughput or seconds <= 0:
+            return
+        total = sum(max(0.0, c) for c in step.costs.values())
+        parts = {n: seconds * max(0.0, step.costs.get(n, 0.0)) / total if total else 0.0 for n in self.throughput}
+        self._shares.append((seconds, parts))
+        self._window_seconds += seconds
+        for n, part in parts.items():
+            self._share_seconds[n] += part
+        while len(self._shares) > 1 and self._window_seconds - self._shares[0][0] >= SHARE_WINDOW_SECONDS:
+            old, old_parts = self._shares.popleft()
+            self._window_seconds -= old
+            for n, part in old_parts.items():
+                self._share_seconds[n] -= part
 
     def observe_first_token(self, pool: str, seconds: float, ended_at: float | None = None) -> None:
         """A request of `pool` got its first token `seconds` after it reached the engine, in the step

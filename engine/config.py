@@ -230,6 +230,7 @@ class CacheConfig:
 
 
 # The one definition of each choice; the scheduler implements them and the YAML spec imports them.
+DEFAULT_MIN_SHARE = 0.2   # of the device's step time, for a throughput pool with work (engine.composer)
 PREEMPTION_MODES = ("recompute", "swap", "auto")   # auto: swap or recompute per victim, by measured cost
 VICTIM_POLICIES = ("reverse_fifo", "longest_first", "least_progress", "lru", "priority")
 _DEVICE_NAME = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
@@ -333,13 +334,15 @@ class PoolConfig:
 
     `num_blocks` comes from the capacity plan (`pools.capacity_plan.engine_configs`); pools take their
     block ranges in order. `slo` makes the pool interactive (see `LatencySLO`); None makes it a
-    throughput pool.
+    throughput pool, which gets at least `min_share` of the device's step time whenever it has work,
+    even while an interactive pool is pressed (`engine.composer`; 0: no guarantee).
     """
 
     name: str = "default"
     num_blocks: int = 1024
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     slo: LatencySLO | None = None
+    min_share: float = DEFAULT_MIN_SHARE
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -348,6 +351,9 @@ class PoolConfig:
             raise ConfigError(f"pools.{self.name}.num_blocks: must be a positive integer, got {self.num_blocks!r}")
         if self.slo is not None and not isinstance(self.slo, LatencySLO):
             raise ConfigError(f"pools.{self.name}.slo: must be a LatencySLO or None, got {self.slo!r}")
+        if isinstance(self.min_share, bool) or not isinstance(self.min_share, (int, float)) \
+                or not 0 <= self.min_share < 1:
+            raise ConfigError(f"pools.{self.name}.min_share: must be a number in [0, 1), got {self.min_share!r}")
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,8 @@ class LLMEngine:
             self.schedulers[pool.name] = self._make_scheduler(pool, first_block)
             first_block += pool.num_blocks
         self.runner.setup_followers()
-        self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in config.pools})
+        self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in config.pools},
+                                     min_shares={p.name: p.min_share for p in config.pools})
         warm_up(self)
         self.default_pool = config.pools[0].name
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))

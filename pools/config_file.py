@@ -35,7 +35,7 @@ _ROUTE_KEYS = ("min_prompt_tokens", "max_prompt_tokens")
 _COMMON_POOL_KEYS = ("name", "model", "route", "served_model_name", "max_model_len")
 _LOCAL_POOL_KEYS = ("device", "kv_share", "kv_cache_bytes", "avg_len", "block_size", "max_num_batched_tokens",
                     "max_num_seqs", "preemption_mode", "victim_policy", "swap_space", "enable_prefix_caching",
-                    "share_prefix_cache", "slo", "max_queue_seconds", "death_spiral")
+                    "share_prefix_cache", "slo", "max_queue_seconds", "min_share", "death_spiral")
 _SLO_KEYS = ("ttft_ms", "itl_ms")
 _SPIRAL_KEYS = tuple(f.name for f in dataclasses.fields(SpiralConfig))   # the detector's own fields
 _UPSTREAM_POOL_KEYS = ("upstream", "upstream_api_key_env", "tokenizer")
@@ -218,7 +218,8 @@ def default_isolation(pools: tuple[PoolSpec, ...]) -> tuple[PoolSpec, ...]:
         if any(uppers[i] <= uppers[shortest] for i in members if i != shortest):
             continue
         if pools[shortest].slo_source == "absent":
-            result[shortest] = dataclasses.replace(pools[shortest], slo=LatencySLO(), slo_source="default")
+            with within(f"pools[{shortest}]"):
+                result[shortest] = dataclasses.replace(pools[shortest], slo=LatencySLO(), slo_source="default")
     return tuple(result)
 
 

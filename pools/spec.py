@@ -18,7 +18,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from engine.capacity import DEFAULT_MEMORY_UTILIZATION
-from engine.config import CacheConfig, ConfigError, LatencySLO, SchedulerConfig, check_device_name, parse_dtype
+from engine.config import (DEFAULT_MIN_SHARE, CacheConfig, ConfigError, LatencySLO, SchedulerConfig, check_device_name,
+                           parse_dtype)
 from pools.gateway_spec import GatewaySpec
 from pools.spiral import SpiralConfig
 from pools.tenants import TenantSpec
@@ -227,6 +228,7 @@ class PoolSpec:
     slo: LatencySLO | None = None        # interactive pool: latency targets; None: throughput pool
     slo_source: str | None = None        # where `slo` came from (SLO_SOURCES); None: built in code, not from YAML
     max_queue_seconds: float | None = None   # queued for KV credits longer: 503; None: waits; 0: 429 when full
+    min_share: float | None = None       # throughput pool: its floor of the device's step time (None: 0.2)
     death_spiral: SpiralConfig = field(default_factory=SpiralConfig)   # the detector's thresholds (pools.spiral)
 
     def __post_init__(self) -> None:
@@ -296,6 +298,15 @@ class PoolSpec:
                                                    or not self.max_queue_seconds >= 0):
             raise SpecError(f"max_queue_seconds: must be a number of seconds >= 0 (0: refuse with 429 instead "
                             f"of queueing; null: no limit), got {show(self.max_queue_seconds)}")
+        if self.min_share is not None:
+            if not is_number(self.min_share) or not 0 <= self.min_share < 1:
+                raise SpecError(f"min_share: must be a number in [0, 1) (the part of the device's step time this "
+                                f"throughput pool keeps while it has work; 0: none), got {show(self.min_share)}")
+            if self.slo is not None:
+                why = (" (isolation by default made it interactive; `slo: null` keeps it a throughput pool)"
+                       if self.slo_source == "default" else "")
+                raise SpecError(f"min_share: only for throughput pools; this pool has an slo{why}, "
+                                f"got min_share {self.min_share}")
         if not isinstance(self.death_spiral, SpiralConfig):
             raise SpecError(f"death_spiral: must be a SpiralConfig, got {show(self.death_spiral)}")
 
@@ -309,6 +320,14 @@ class PoolSpec:
     @property
     def is_upstream(self) -> bool:
         return self.upstream is not None
+
+    @property
+    def engine_min_share(self) -> float:
+        """The engine's `PoolConfig.min_share`: the YAML's, or `DEFAULT_MIN_SHARE` for a throughput pool
+        (an interactive pool has none: it is the pool the others yield to)."""
+        if self.slo is not None:
+            return 0.0
+        return DEFAULT_MIN_SHARE if self.min_share is None else float(self.min_share)
 
     @property
     def service_class(self) -> str:
@@ -415,8 +434,8 @@ class CliffguardConfig:
 
     def describe_service_classes(self) -> list[str]:
         """One line per device with local pools, what `cliffguard serve` logs at start: `device default:
-        chat interactive (slo ttft 1000 ms, itl 100 ms; default: no slo in the YAML), rag throughput`
-        (`device default (2 replicas, tensor parallel 4): ...` for a replicated, tensor-parallel one).
+        chat interactive (slo ttft 1000 ms, itl 100 ms; default: no slo in the YAML), rag throughput, min_share
+        0.2` (`device default (2 replicas, tensor parallel 4): ...` for a replicated, tensor-parallel one).
         A device whose pools are all throughput pools says that nothing protects any pool's latency."""
         lines = []
         for device in self.devices:
@@ -427,8 +446,13 @@ class CliffguardConfig:
             shape = ", ".join(part for part in (
                 f"{spec.replicas} replicas" if spec.replicas > 1 else "",
                 f"tensor parallel {spec.tensor_parallel_size}" if spec.tensor_parallel_size > 1 else "") if part)
-            line = f"device {device}{f' ({shape})' if shape else ''}: " + ", ".join(
-                f"{p.name} {p.describe_service_class()}" for p in members)
+            guarded = any(p.slo is not None for p in members)   # throughput pools keep min_share beside it
+
+            def describe(p: PoolSpec) -> str:
+                share = f", min_share {p.engine_min_share:g}" if guarded and p.slo is None else ""
+                return f"{p.name} {p.describe_service_class()}{share}"
+
+            line = f"device {device}{f' ({shape})' if shape else ''}: " + ", ".join(describe(p) for p in members)
             if len(members) > 1 and all(p.slo is None for p in members):
                 line += " (no interactive pool: no compute isolation between them; see `slo` in config/README.md)"
             lines.append(line)

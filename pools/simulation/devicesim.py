@@ -112,7 +112,8 @@ class DeviceSim:
                                         swap_bytes_per_second=step_time.swap_bandwidth)
             self.schedulers[pool.name] = scheduler
             first_block += pool.num_blocks
-        self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in pools})
+        self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in pools},
+                                     min_shares={p.name: p.min_share for p in pools})
         self.traces = {p.name: PoolTrace() for p in pools}
         # The gateway's death-spiral detector, fed every step as the worker's stats would feed it.
         spirals = spirals or {}

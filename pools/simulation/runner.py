@@ -124,7 +124,8 @@ def _device_group(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePla
         pplan = plan.pools[name]
         spirals[name] = pplan.spec.death_spiral
         scheduler = pplan.spec.scheduler_config(pplan.max_num_seqs, pplan.max_model_len)
-        pools.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler, slo=pplan.spec.slo))
+        pools.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler, slo=pplan.spec.slo,
+                                min_share=pplan.spec.engine_min_share))
         lens[name] = pplan.max_model_len
         avg_lens[name] = pplan.spec.avg_len
     group = ReplicaGroup(pools, block_size=dplan.block_size, num_replicas=dplan.replicas, avg_lens=avg_lens,

@@ -37,12 +37,14 @@ def _make_seq(seq_id: int, num_tokens: int, max_tokens: int = 64) -> Sequence:
 
 
 def _make_composer(slo: LatencySLO | None = LatencySLO(ttft_ms=1000, itl_ms=50), *, trained: bool = True,
-                   rag_budget: int = 2048, chat_seqs: int = 256) -> StepComposer:
+                   rag_budget: int = 2048, chat_seqs: int = 256, min_share: float = 0.0) -> StepComposer:
+    """A chat pool (interactive with `slo`) and a rag pool on a made-up device; rag's `min_share` is 0
+    unless a test is about it (the other tests see the target and pressure mechanics alone)."""
     chat = Scheduler(SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=chat_seqs), BlockManager(256, 16),
                      4096, name="chat")
     rag = Scheduler(SchedulerConfig(max_num_batched_tokens=rag_budget), BlockManager(1024, 16, first_block=256),
                     16384, name="rag")
-    composer = StepComposer({"chat": chat, "rag": rag}, {"chat": slo, "rag": None})
+    composer = StepComposer({"chat": chat, "rag": rag}, {"chat": slo, "rag": None}, min_shares={"rag": min_share})
     if trained:
         _train(composer.cost_model)
     return composer
@@ -625,3 +627,80 @@ def test_an_engine_whose_chat_pool_queues_squeezes_rag_and_keeps_greedy_outputs(
     squeezed = sum(tokens for _, tokens in queued[:40])
     unsqueezed = sum([tokens for waiting, _, tokens in control if waiting][:40])
     assert squeezed < 0.5 * unsqueezed, (squeezed, unsqueezed)
+
+
+# --- min_share: a throughput pool's guaranteed part of the device ------------------------------------
+
+
+def _rag_part(step) -> tuple[float, float]:
+    """(the step's time on the made-up device, rag's part of it): the step's time divided among the pools
+    in proportion to what each adds to it (chat's work first, then rag's), measured on the true costs."""
+    chat = _chat_features(step)
+    total = _true_seconds(step.features)
+    chat_work = _true_seconds(chat) - _true_seconds(StepFeatures())
+    rag_work = total - _true_seconds(chat)
+    return total, total * rag_work / (chat_work + rag_work) if chat_work + rag_work else 0.0
+
+
+def _pressed_trace(min_share: float, steps: int = 400) -> list[tuple[float, float, int]]:
+    """Chat pressed throughout (8 long decodes for 4 slots: some always wait) beside a long rag prompt
+    and, once read, its decode: per step (seconds, rag's part, rag's tokens)."""
+    composer = _make_composer(chat_seqs=4, min_share=min_share)
+    for i in range(8):
+        composer.schedulers["chat"].add(_make_seq(i, 40, max_tokens=10_000))
+    composer.schedulers["rag"].add(_make_seq(100, 6000, max_tokens=10_000))
+    trace = []
+    for _ in range(steps):
+        step = composer.schedule()
+        assert step.pressed == ("chat",)
+        seconds, part = _rag_part(step)
+        trace.append((seconds, part, sum(i.num_new_tokens for i in step.outputs["rag"].scheduled)))
+        _finish_step(composer, step)
+    return trace
+
+
+def test_a_pressed_interactive_pool_leaves_a_throughput_pool_its_min_share_of_step_time():
+    trace = _pressed_trace(0.2)
+    seconds = sum(s for s, _, _ in trace)
+    assert sum(p for _, p, _ in trace) / seconds >= 0.2 * 0.97
+    # over any 2 s of steps after the first window, the share holds too (not one burst then nothing)
+    window, parts, lowest = [], 0.0, 1.0
+    for s, p, _ in trace:
+        window.append((s, p))
+        parts += p
+        while sum(w for w, _ in window[1:]) >= 2.0:
+            parts -= window.pop(0)[1]
+        if sum(w for w, _ in window) >= 2.0:
+            lowest = min(lowest, parts / sum(w for w, _ in window))
+    assert lowest >= 0.2 * 0.9
+    # held at its floor, rag never stops for long: at most a few ~10 ms steps in a row
+    longest, run = 0.0, 0.0
+    for s, _, tokens in trace[len(trace) // 2:]:
+        run = run + s if not tokens else 0.0
+        longest = max(longest, run)
+    assert longest <= 0.1
+    # without the guarantee the same trace starves rag entirely
+    assert sum(t for _, _, t in _pressed_trace(0.0, steps=100)) == 0
+
+
+def test_a_throughput_pool_above_its_share_yields_to_a_pressed_pool_until_its_share_falls_to_the_floor():
+    composer = _make_composer(chat_seqs=4, min_share=0.2)
+    composer.schedulers["rag"].add(_make_seq(100, 6000, max_tokens=10_000))
+    for _ in range(20):                        # rag alone: its share of the window is 1
+        _run_step(composer)
+    assert composer.share("rag") == pytest.approx(1.0)
+    for i in range(8):                         # chat floods in: pressed from now on
+        composer.schedulers["chat"].add(_make_seq(i, 40, max_tokens=10_000))
+    stopped, elapsed = 0.0, 0.0
+    while True:
+        step = composer.schedule()
+        rag = sum(i.num_new_tokens for i in step.outputs["rag"].scheduled)
+        seconds = _true_seconds(step.features)
+        _finish_step(composer, step)
+        elapsed += seconds
+        if rag:
+            break
+        stopped += seconds
+    # rag stopped while its share fell from 1 to 0.2: at most (1 - 0.2) x the 2 s window of step time
+    assert 0 < stopped <= (1 - 0.2) * 2.0 + 0.1 and composer.share("rag") < 0.2 + 0.05
+    assert composer.stats.num_owed_steps >= 1

@@ -154,10 +154,11 @@ def test_serve_start_up_lines_name_each_class():
     config = parse_config(_make_data(CHAT, RAG), env={})
     assert config.describe_service_classes() == [
         "device default: chat interactive (slo ttft 1000 ms, itl 100 ms; default: no slo in the YAML), "
-        "rag throughput"]
-    config = parse_config(_make_data({**CHAT, "slo": {"ttft_ms": 800, "itl_ms": 60}}, RAG), env={})
+        "rag throughput, min_share 0.2"]
+    config = parse_config(_make_data({**CHAT, "slo": {"ttft_ms": 800, "itl_ms": 60}}, {**RAG, "min_share": 0.3}),
+                          env={})
     assert config.describe_service_classes() == ["device default: chat interactive (slo ttft 800 ms, itl 60 ms), "
-                                                 "rag throughput"]
+                                                 "rag throughput, min_share 0.3"]
     (line,) = parse_config(_make_data({**CHAT, "slo": None}, RAG), env={}).describe_service_classes()
     assert line.startswith("device default: chat throughput (slo: null), rag throughput (no interactive pool: "
                            "no compute isolation")
