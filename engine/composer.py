@@ -14,7 +14,7 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    engine measures: the smaller of two `Feedback` scales, one moved by the p99 of the pool's recent
    times to first token against `TTFT_AIM x ttft_ms`, one by the p99 of its recent inter-token gaps
    against `ITL_AIM x itl_ms`. A p99 over its aim, with a new sample over it too, shrinks its scale
-   in proportion (at most by `MAX_DECREASE` per update, then it holds for `HOLD_STEPS` so the window
+   in proportion (at most by `MAX_DECREASE` per update, then it holds for `HOLD_SECONDS` so the window
    can show the effect); a p99 comfortably under (below `RELAX_BELOW` of the aim) grows it back by
    `SCALE_STEP`. Only the latencies that throughput work shares in are sampled: gaps whose step
    carried throughput tokens, first tokens whose wait saw such a step. What the pool does to
@@ -50,8 +50,9 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    cached context, so a few tokens would pay nearly what a full chunk pays), and the room they get
    there is divided by `mixed_margin`, the model's recent misprediction of such mixed steps. A
    throughput-only step may always spend as much on work as the step's fixed cost (so a target
-   below the fixed cost of a step halves their throughput rather than starving them). A throughput
-   pool left with nothing for `STARVATION_STEPS` steps in a row gets one block's worth of tokens, as
+   below the fixed cost of a step halves their throughput rather than starving them), and at least
+   one block. A throughput
+   pool left with nothing for `STARVATION_SECONDS` of steps gets one block's worth of tokens, as
    long as that keeps the step within the `itl_ms` of the interactive pools that are running (the
    SLO wins: on a slow device one block after a long cached context can be over it; then it waits
    for a step without them).
@@ -88,7 +89,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_cost import StepCostModel, StepFeatures
 
 COLD_START_TOKENS = 64
-STARVATION_STEPS = 8
+STARVATION_SECONDS = 0.8   # of step time with nothing for a throughput pool: then one block (8 steps of this CPU)
 MIN_THROUGHPUT_SHARE = 0.1
 # the SLO feedback (SLOTracker)
 TTFT_AIM = 0.8              # of ttft_ms: room left for the gateway and the network
@@ -97,10 +98,11 @@ RELAX_BELOW = 0.7           # a p99 below this fraction of its aim lets the scal
 MIN_SCALE = 0.25
 MAX_DECREASE = 0.7          # the most one update may shrink the scale by (a factor)
 SCALE_STEP = 0.05           # additive growth per update
-UPDATE_EVERY = 8            # steps with the pool's work between updates
-HOLD_STEPS = 64             # no further decrease for this many steps after one
+UPDATE_SECONDS = 0.8        # between updates of a pool's scales, counted while it has work (8 CPU steps)
+HOLD_SECONDS = 6.4          # no further decrease for this long after one; a window this long without a
+                            # shared sample is quiet (64 steps of the 2-core CPU's ~0.1 s, where they were tuned)
 TTFT_WINDOW = 32            # requests
-ITL_WINDOW = 128            # inter-token gaps
+ITL_WINDOW_SECONDS = 12.8   # inter-token gaps of this long a time (128 steps of the 2-core CPU)
 PRESSURE_OCCUPANCY = 0.75   # of max_num_seqs
 MIN_PREFILL_CHUNK = 16      # tokens: beside interactive work a throughput pool's smaller chunks are dropped
 MIXED_WINDOW = 32           # mixed steps whose misprediction sizes the next throughput chunks beside interactive work
@@ -109,17 +111,18 @@ SHARE_WINDOW_SECONDS = 2.0  # of step time: the window a throughput pool's share
 
 class Feedback:
     """One scale in [`MIN_SCALE`, 1] moved by a measured ratio (p99 / `aim`): multiplicative
-    decrease when the p99 is over and a new sample is a miss too (then a hold of `HOLD_STEPS` while
+    decrease when the p99 is over and a new sample is a miss too (then a hold of `HOLD_SECONDS` while
     the window fills with the new regime; an old miss that is still in the window does not count
     again), additive increase when comfortably under or when the samples have gone quiet (none for
-    `HOLD_STEPS` steps)."""
+    `HOLD_SECONDS`). Times are seconds, not steps, so a device whose steps are 10x shorter holds and
+    relaxes over the same time (and ten times the steps)."""
 
     def __init__(self, aim: float) -> None:
         self.aim = aim                       # seconds
         self.scale = 1.0
         self.num_decreases = 0
         self._hold = 0
-        self._quiet = 0                      # steps since the last sample
+        self._quiet = 0.0                    # seconds since the last sample
         self._newest = 0.0                   # the largest sample since the last update
 
     def sample(self, seconds: float) -> None:
@@ -127,11 +130,11 @@ class Feedback:
         self._quiet = 0
         self._newest = max(self._newest, seconds)
 
-    def update(self, ratio: float | None, steps: int) -> None:
-        """`ratio`: the window's p99 / `aim` (None: no samples); `steps`: steps since the last update."""
-        self._hold = max(0, self._hold - steps)
-        quiet, new_miss = self._quiet >= HOLD_STEPS, self._newest > self.aim
-        self._quiet += steps
+    def update(self, ratio: float | None, seconds: float) -> None:
+        """`ratio`: the window's p99 / `aim` (None: no samples); `seconds`: since the last update."""
+        self._hold = max(0.0, self._hold - seconds)
+        quiet, new_miss = self._quiet >= HOLD_SECONDS, self._newest > self.aim
+        self._quiet += seconds
         self._newest = 0.0
         if quiet:
             self.scale = min(1.0, self.scale + SCALE_STEP)
@@ -140,7 +143,7 @@ class Feedback:
         elif ratio > 1 and new_miss and not self._hold:
             self.scale = max(MIN_SCALE, self.scale * max(MAX_DECREASE, 1 / ratio))
             self.num_decreases += 1
-            self._hold = HOLD_STEPS
+            self._hold = HOLD_SECONDS
         elif ratio < RELAX_BELOW:
             self.scale = min(1.0, self.scale + SCALE_STEP)
 
@@ -159,17 +162,18 @@ class SLOTracker:
     on throughput work alone, so a miss the pool causes by itself (its own prefills between its
     decodes, its own queue at a burst) is none of their business: counted, it would shrink the
     target on every step without making the pool any faster, and starve the throughput pools. A
-    window with no new shared sample for `HOLD_STEPS` steps of the pool's work relaxes its scale (the
+    window with no new shared sample for `HOLD_SECONDS` relaxes its scale (the
     throughput pools have not touched this latency lately, so the room they had may come back).
     """
 
     def __init__(self, slo: LatencySLO) -> None:
         self.slo = slo
         self.ttfts: deque[float] = deque(maxlen=TTFT_WINDOW)
-        self.itls: deque[float] = deque(maxlen=ITL_WINDOW)
+        self.itls: deque[float] = deque()          # the gaps of the last ITL_WINDOW_SECONDS ...
+        self._itl_ends: deque[float] = deque()     # ... and when each ended
         self.ttft = Feedback(TTFT_AIM * slo.ttft_ms / 1000)
         self.itl = Feedback(ITL_AIM * slo.itl_ms / 1000)
-        self._steps = 0
+        self._last_update: float | None = None   # end of the step of the last update (None: no work yet)
         self._last_decode_end: float | None = None   # end of the previous step if it carried a decode
 
     @property
@@ -198,21 +202,29 @@ class SLOTracker:
 
     def observe_step(self, had_decode: bool, had_work: bool, ended_at: float, shared: bool = True) -> None:
         """After each step: record an inter-token gap (`shared`: the step carried throughput work;
-        else the gap is not counted), and every `UPDATE_EVERY` steps with the pool's work, move the
-        scales (the module docstring's step 1)."""
+        else the gap is not counted), and at the first step with the pool's work `UPDATE_SECONDS` or
+        more after the last update, move the scales (the module docstring's step 1)."""
         if had_decode and self._last_decode_end is not None and shared:
             gap = ended_at - self._last_decode_end
             self.itls.append(gap)
+            self._itl_ends.append(ended_at)
+            while self._itl_ends[0] < ended_at - ITL_WINDOW_SECONDS:
+                self._itl_ends.popleft()
+                self.itls.popleft()
             self.itl.sample(gap)
         self._last_decode_end = ended_at if had_decode else None
         if not had_work:
             return
-        self._steps += 1
-        if self._steps % UPDATE_EVERY:
+        if self._last_update is None:
+            self._last_update = ended_at
             return
+        elapsed = ended_at - self._last_update
+        if elapsed < UPDATE_SECONDS:
+            return
+        self._last_update = ended_at
         ttft, itl = self.ratios()
-        self.ttft.update(ttft, UPDATE_EVERY)
-        self.itl.update(itl, UPDATE_EVERY)
+        self.ttft.update(ttft, elapsed)
+        self.itl.update(itl, elapsed)
 
 
 @dataclass
@@ -259,7 +271,7 @@ class StepComposer:
         self.trackers = {n: SLOTracker(self.slos[n]) for n in self.interactive}
         self.cost_model = cost_model or StepCostModel()
         self.stats = ComposerStats()
-        self._starved = dict.fromkeys(self.throughput, 0)
+        self._starved = dict.fromkeys(self.throughput, 0.0)   # seconds of steps since it last got tokens
         self._external_waiting = dict.fromkeys(self.interactive, 0)
         self._slo_limit: float | None = None     # this step: the tightest itl_ms of interactive pools running
         self._mixed_ratios: deque[float] = deque(maxlen=MIXED_WINDOW)   # measured / predicted, mixed steps
@@ -370,6 +382,11 @@ class StepComposer:
         stats.num_pressed_steps += bool(step.pressed)
         stats.num_owed_steps += bool(step.owed)
         self._count_shares(step, seconds)
+        for name in self.throughput:
+            out = step.outputs.get(name)
+            got = out is not None and out.num_batched_tokens > 0
+            self._starved[name] = 0.0 if got or not self.schedulers[name].num_unfinished else \
+                self._starved[name] + seconds
         if step.target_seconds is not None:
             stats.num_targeted_steps += 1
             stats.num_over_target += seconds > step.target_seconds
@@ -473,12 +490,13 @@ class StepComposer:
                     and chunk < _next_prefill_remaining(scheduler):
                 budget = decodes                  # no crumbs: a chunk pays for its whole cached context
         if budget > 0:
-            self._starved[name] = 0
             return budget
-        self._starved[name] += 1
         block = scheduler.block_manager.block_size
-        if self._starved[name] >= STARVATION_STEPS and not floor and self._block_fits(scheduler, so_far, block):
-            self._starved[name] = 0
+        if floor:
+            return 0
+        if not (so_far.num_prefill_tokens or so_far.num_decode_tokens):
+            return block                          # nothing else would run: a step of nothing never ends the wait
+        if self._starved[name] >= STARVATION_SECONDS and self._block_fits(scheduler, so_far, block):
             return block
         return 0
 
