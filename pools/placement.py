@@ -24,9 +24,9 @@ credits, then the lower index), except that a replica caching more of its prompt
 keeps it unless that replica is clearly busier: unless its score is over `1 + AFFINITY_SLACK` (1.25)
 times the lowest. That holds too when the caching replica has no room for it now: the request then
 waits in the pool's queue until that replica's credits come back (its score counts the work whose
-end frees them), rather than reading the document again on a replica that has room. Scores are estimates (outputs at their cap, a cache assumed from what was sent),
-and a prompt sent where it is cached saves the whole system its prefill, while one sent elsewhere
-costs it again there. So with nothing cached requests spread by the tokens they ask for, not by
+end frees them), rather than reading the document again on a replica that has room. Scores are
+estimates (outputs at their cap, a cache assumed from what was sent), and a prompt sent where it is
+cached saves the whole system its prefill, while one sent elsewhere costs it again there. So with nothing cached requests spread by the tokens they ask for, not by
 their count, and a prompt whose prefix one replica holds goes there unless that replica would start
 it more than a quarter later than another. The load counts only what the gateway knows at once
 (admissions, first tokens, tokens streamed), never a worker's report, so two requests admitted in

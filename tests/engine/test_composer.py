@@ -12,8 +12,8 @@ from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
-from engine.composer import (COLD_START_TOKENS, HOLD_SECONDS, ITL_AIM, ITL_WINDOW_SECONDS, MIN_PREFILL_CHUNK,
-                             MIN_SCALE, STARVATION_SECONDS, UPDATE_SECONDS, SLOTracker, StepComposer)
+from engine.composer import COLD_START_TOKENS, MIN_PREFILL_CHUNK, STARVATION_SECONDS, StepComposer
+from engine.slo_feedback import HOLD_SECONDS, ITL_AIM, ITL_WINDOW_SECONDS, MIN_SCALE, UPDATE_SECONDS, SLOTracker
 from engine.config import ConfigError, LatencySLO
 from engine.sampling import SamplingParams as Params
 from engine.scheduler import Scheduler

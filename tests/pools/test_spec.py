@@ -88,7 +88,7 @@ BAD = {
     "unknown victim_policy": (_set("pools/0/victim_policy", "random"), ["pools[0].victim_policy", "'random'"]),
     "swap without swap space": (_set("pools/0/preemption_mode", "swap"), ["pools[0].swap_space", "0"]),
     "auto without swap space": (_set("pools/0/preemption_mode", "auto"), ["pools[0].swap_space", "'auto' needs"]),
-    "unknown victim_policy": (_set("pools/0/victim_policy", "oldest"), ["pools[0].victim_policy", "'oldest'"]),
+    "another unknown victim_policy": (_set("pools/0/victim_policy", "oldest"), ["pools[0].victim_policy", "'oldest'"]),
     "bad byte size": (_set("devices/default/memory", "80 gigs"), ["devices.default.memory", "80 gigs"]),
     "negative byte size": (_set("pools/0/swap_space", -5), ["pools[0].swap_space", "-5"]),
     "upstream with kv_share": (_set("pools/2/kv_share", 0.2), ["pools[2].kv_share", "0.2", "upstream"]),
