@@ -169,8 +169,8 @@ class StepComposer:
         self._slo_limit = min((self.slos[n].step_seconds for n in self.interactive
                                if self.schedulers[n].running), default=None)
         interactive_work = bool(step.features.num_prefill_tokens or step.features.num_decode_tokens)
-        ready = model.ready
-        if ready and self.interactive:
+        priced = model.ready and self.needs_cost_model      # costs from the model, else from tokens
+        if priced:
             step.costs = {name: 0.0 for name in step.costs}
             if interactive_work:   # the interactive pools' part together (they are not told apart below)
                 step.costs[self.interactive[0]] = model.predict(step.features) - model.predict(StepFeatures())
@@ -180,15 +180,14 @@ class StepComposer:
                 step.owed += (name,)
                 owed = self._owed_budget(name, step.features)
                 budget = None if budget is None else max(budget, owed)
-            before_seconds = model.predict(step.features) if ready and self.interactive else 0.0
+            before_seconds = model.predict(step.features) if priced else 0.0
             out = self.schedulers[name].schedule(budget)
             step.outputs[name] = out
             step.throughput_tokens += out.num_batched_tokens
             before = step.features.num_prefill_tokens
             step.features.add_scheduled(out.scheduled)
             step.mixed |= interactive_work and step.features.num_prefill_tokens > before
-            step.costs[name] = (model.predict(step.features) - before_seconds if ready and self.interactive
-                                else out.num_batched_tokens)
+            step.costs[name] = model.predict(step.features) - before_seconds if priced else out.num_batched_tokens
         if self.needs_cost_model:
             step.predicted_seconds = self.cost_model.predict(step.features)
         return step

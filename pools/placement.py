@@ -122,12 +122,12 @@ class Placement:
 
     def scores(self, work: Work, replicas: Sequence[int]) -> dict[int, int]:
         """Each replica's score for `work` (lower starts it sooner)."""
+        return self._scores(work, {r: self._match(work, r) for r in replicas})
+
+    def _scores(self, work: Work, matches: dict[int, tuple[int, int, list[int]]]) -> dict[int, int]:
+        """The scores from each replica's `_match` of `work`."""
         p = work.num_prompt_tokens
-        scores = {}
-        for r in replicas:
-            matched, shared, _ = self._match(work, r)
-            scores[r] = self.load[r] - shared + p - matched
-        return scores
+        return {r: self.load[r] - shared + p - matched for r, (matched, shared, _) in matches.items()}
 
     def choose(self, work: Work, fitting: Sequence[int], free: Sequence[int],
                waiting: Sequence[int] = ()) -> int | None:
@@ -136,9 +136,10 @@ class Placement:
         up but have no room now (their credits come back as their requests end). When the replica caching
         most of the prompt is one of those and is not clearly busier, None: the request waits for it
         rather than computing its prefix again elsewhere (its score counts the load that frees it)."""
-        scores = self.scores(work, [*fitting, *waiting])
+        matches = {r: self._match(work, r) for r in (*fitting, *waiting)}   # hashes each prompt once per replica
+        scores = self._scores(work, matches)
         soonest = min(fitting, key=lambda r: (scores[r], -free[r], r))
-        matched = {r: self.matched_tokens(work, r) for r in scores}
+        matched = {r: m[0] for r, m in matches.items()}
         most = max(matched.values())
         if most and most != min(matched.values()):
             affine = min((r for r in scores if matched[r] == most), key=lambda r: (scores[r], -free[r], r))
