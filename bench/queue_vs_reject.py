@@ -87,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def pools_yaml(mode: str, args: argparse.Namespace) -> str:
-    queue = "    max_queue_seconds: 0\n" if mode == "reject" else ""
+    queue = f"    max_queue_seconds: {0 if mode == 'reject' else 'null'}\n"   # null: wait as long as the client
     return (f"devices:\n  dev: {{device: cpu, memory: 1GiB, dtype: float32}}\npools:\n"
             f"  - name: chat\n    model: {MODEL}\n    device: dev\n    kv_cache_bytes: {args.kv_cache}\n"
             f"    avg_len: 128\n    max_model_len: 256\n{queue}")

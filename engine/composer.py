@@ -124,6 +124,7 @@ class ComposerStats:
     num_owed_steps: int = 0                   # steps where a throughput pool under its min_share got its share
     last_target_seconds: float | None = None
     last_step_seconds: float = 0.0
+    busy_seconds: float = 0.0                 # every step's measured time together (the device's busy time)
 
 
 class StepComposer:
@@ -249,6 +250,7 @@ class StepComposer:
         stats = self.stats
         stats.num_steps += 1
         stats.last_step_seconds = seconds
+        stats.busy_seconds += seconds
         stats.last_target_seconds = step.target_seconds
         stats.num_pressed_steps += bool(step.pressed)
         stats.num_owed_steps += bool(step.owed)
@@ -261,10 +263,9 @@ class StepComposer:
         if step.target_seconds is not None:
             stats.num_targeted_steps += 1
             stats.num_over_target += seconds > step.target_seconds
-        if self.needs_cost_model:
-            if step.mixed and step.predicted_seconds:
-                self._mixed_ratios.append(seconds / step.predicted_seconds)
-            self.cost_model.observe(step.features, seconds)
+        if step.mixed and step.predicted_seconds:
+            self._mixed_ratios.append(seconds / step.predicted_seconds)
+        self.cost_model.observe(step.features, seconds)   # composing, and the gateway's overload verdict
         if ended_at is not None:
             shared = step.throughput_tokens > 0
             if shared:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.step_cost import LinearStepTime
+
 
 @dataclass(frozen=True)
 class PoolInfo:
@@ -92,6 +94,8 @@ class StepCounters:
     last_step_seconds: float = 0.0
     last_target_seconds: float | None = None
     target_scales: dict[str, float] = field(default_factory=dict)   # interactive pool -> SLOTracker.scale
+    busy_seconds: float = 0.0                # every step's measured time together, since the worker started
+    step_model: LinearStepTime | None = None  # the composer's online step-cost fit (None until fitted)
 
 
 @dataclass(frozen=True)

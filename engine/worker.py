@@ -166,7 +166,8 @@ def engine_stats(engine, *, check: bool = False) -> EngineStats:
                         num_over_target=composer.num_over_target, num_pressed_steps=composer.num_pressed_steps,
                         last_step_seconds=composer.last_step_seconds,
                         last_target_seconds=composer.last_target_seconds,
-                        target_scales={name: t.scale for name, t in engine.composer.trackers.items()})
+                        target_scales={name: t.scale for name, t in engine.composer.trackers.items()},
+                        busy_seconds=composer.busy_seconds, step_model=engine.composer.cost_model.linear)
     return EngineStats(num_requests=len(engine.requests), pools=pools, step=step, taken_at=time.time())
 
 

@@ -155,19 +155,21 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """200 once every device has a replica loaded, else 503. A pool in a death spiral, or a device with
-    a replica down, still serves: the answer stays 200 with `status: degraded`, the pool's reason under
-    `pools` and each replica's state under `replicas` (docs/GATEWAY.md)."""
+    """200 once every device has a replica loaded, else 503. A pool in a death spiral, an overloaded
+    device, or a device with a replica down still serves: the answer stays 200 with `status: degraded`,
+    the pool's reason under `pools`, each overloaded device's reason under `overloaded` and each
+    replica's state under `replicas` (docs/GATEWAY.md)."""
     gateway = request.app[GATEWAY]
     ok = gateway.is_ready()
     degraded = gateway.spiral.degraded()
+    overloaded = gateway.overload.overloaded()
     pools = {name: f"degraded: {degraded[name]}" if name in degraded else "ok" for name in gateway.spiral.pools}
     devices = gateway.device_states()
     replicas = gateway.replica_states()
     some_down = any(state != "ready" for states in replicas.values() for state in states)
-    status = "not ready" if not ok else "degraded" if degraded or some_down else "ready"
-    return web.json_response({"status": status, "devices": devices, "replicas": replicas, "pools": pools},
-                             status=200 if ok else 503)
+    status = "not ready" if not ok else "degraded" if degraded or some_down or overloaded else "ready"
+    return web.json_response({"status": status, "devices": devices, "replicas": replicas, "pools": pools,
+                              "overloaded": overloaded}, status=200 if ok else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

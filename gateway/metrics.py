@@ -51,6 +51,7 @@ class GatewayMetrics:
         self._add_pool_work()
         self._add_request_series()
         self._add_device_series()
+        self._add_overload_series()
         # Engine counters arrive as totals; remember each series' last total to add only the difference.
         self._last: dict[tuple[str, tuple[str, ...]], float] = {}
 
@@ -137,6 +138,24 @@ class GatewayMetrics:
                                            "flight and no word from the worker for gateway.stall_seconds.", _DEVICE)
         self.client_write_timeouts = self._counter("client_write_timeouts", "Streams aborted because their "
                                                    "client read nothing for gateway.write_timeout.", ["pool"])
+
+    def _add_overload_series(self) -> None:
+        """Each device's offered load against what it can serve (gateway.overload)."""
+        self.device_overloaded = self._gauge("device_overloaded", "1 while the device is offered more than it can "
+                                             "serve within its pools' targets (gateway.overload), else 0.", ["device"])
+        self.device_offered_load = self._gauge("device_offered_load", "Offered load over capacity: the fraction of "
+                                               "the device's ready replicas' time its pools' arrivals ask for.",
+                                               ["device"])
+        self.device_replicas_needed = self._gauge("device_replicas_needed", "Replicas that would serve the offered "
+                                                  "load at most 90% busy.", ["device"])
+        self.device_busy = self._gauge("device_busy_ratio", "The worker's measured step time over wall time.",
+                                       _DEVICE)
+        self.pool_offered = self._gauge("pool_offered_tokens_per_second", "Tokens per second the pool's arrivals "
+                                        "ask for (prompt: prefill; output estimate: decode).", ["pool", "phase"])
+        self.pool_capacity = self._gauge("pool_capacity_tokens_per_second", "Tokens per second the pool's ready "
+                                         "replicas can do for it alone, from the step-cost model.", ["pool", "phase"])
+        self.pool_oldest_wait = self._gauge("pool_oldest_waiting_seconds", "Age of the pool's oldest request still "
+                                            "without its first token.", _POOL)
 
     def _advance(self, counter: Counter, series: str, total: float, **labels: str) -> None:
         """Add what `total` grew by since the series' last total. The series is exported from the

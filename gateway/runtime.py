@@ -38,6 +38,7 @@ from engine.client import AsyncEngineClient
 from gateway.admission import AdmissionControl
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ApiError
+from gateway.overload import OverloadWatch
 from gateway.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
 from pools.capacity_plan import (CapacityPlan, model_folder, plan_capacity, replica_engine_configs,
@@ -146,6 +147,7 @@ class Gateway:
     session: aiohttp.ClientSession | None = None
     admission: AdmissionControl | None = None   # KV credits of the local pools, tenants (gateway.admission)
     spiral: SpiralWatch | None = None           # death-spiral detection of the local pools
+    overload: OverloadWatch | None = None       # each device's offered load against its capacity
     # constraint key -> the grammar library's objection ("" when it can enforce it); LRU, event-loop only
     grammar_checks: OrderedDict[str, str] = field(default_factory=OrderedDict)
 
@@ -178,6 +180,8 @@ class Gateway:
                                                    gateway.metrics.registry, credits,
                                                    {name: p.max_num_seqs for name, p in plan.pools.items()})
         gateway.spiral = SpiralWatch(pools, gateway.metrics)
+        gateway.overload = OverloadWatch(pools, {name: p.max_num_seqs for name, p in plan.pools.items()},
+                                         gateway.metrics)
         return gateway
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -196,10 +200,12 @@ class Gateway:
                 supervisor.start()
         self.admission.start()
         self.spiral.start()
+        self.overload.start(self.supervisors)
 
     async def stop(self) -> None:
         await self.admission.stop()
         await self.spiral.stop()
+        await self.overload.stop()
         await asyncio.gather(*(s.stop() for s in self.all_supervisors), return_exceptions=True)
         self.executor.shutdown(wait=False, cancel_futures=True)
 

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 from pools.credits import DEFAULT_TENANT, CreditLedger, TenantPolicy, Ticket
+from pools.demand import OfferedLoad
 from pools.placement import Placement, Work
 
 
@@ -86,6 +87,8 @@ class Admission:
         self.is_up: Callable[[int], bool] | None = None   # whether a replica takes new requests (the gateway's)
         self._work: dict[str, Work] = {}               # queued requests' work, for placement
         self._waiters: dict[str, asyncio.Future[None]] = {}
+        self.offered = OfferedLoad()                   # interactive requests that arrived (pools.demand)
+        self._since: dict[str, float] = {}             # interactive request -> when it came (until its first token)
         self.num_admitted = 0           # totals since start, for metrics and tests
         self.num_expired = 0
         self.num_cancelled = 0
@@ -118,6 +121,11 @@ class Admission:
                                     blocks=blocks)
         if work is not None:
             self._work[request_id] = work
+        if not background:
+            now = time.monotonic()
+            self._since[request_id] = now
+            if work is not None:
+                self.offered.add(now, work.num_prompt_tokens, work.output_tokens)
         try:
             if not ticket.admitted:
                 self._admit()
@@ -128,11 +136,15 @@ class Admission:
                 raise PoolFull(self.pool, num_tokens, self.ledger.free)
             if not ticket.admitted:
                 await self._wait(ticket)
+        except BaseException:
+            self._since.pop(request_id, None)
+            raise
         finally:
             self._work.pop(request_id, None)
         try:
             yield ticket
         finally:
+            self._since.pop(request_id, None)
             if self.placement is not None:
                 self.placement.finish(request_id)
             self.ledger.release(request_id)
@@ -188,10 +200,18 @@ class Admission:
         """The request streamed `num_tokens` more tokens: its prompt is computed (its blocks are shared from
         now on) and its replica's load goes down."""
         shared = self.ledger.prefilled(request_id)
+        self._since.pop(request_id, None)
         if self.placement is not None:
             self.placement.observe(request_id, num_tokens)
         if shared and self.ledger.num_queued:
             self._admit()   # a question waiting for this replica's copy of its document may fit now
+
+    def oldest_wait(self, now: float | None = None) -> float:
+        """Seconds the oldest interactive request still without its first token has waited (queued for
+        credits, in the engine's queue or being prefilled); 0 when none waits."""
+        if not self._since:
+            return 0.0
+        return max(0.0, (time.monotonic() if now is None else now) - min(self._since.values()))
 
     def replica_ready(self, replica: int) -> None:
         """A new worker of `replica` is ready: its prefix cache is empty; admit whoever now fits."""

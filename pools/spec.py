@@ -26,6 +26,10 @@ from pools.tenants import TenantSpec
 from pools.yamlcheck import SpecError, check_fraction, check_int, check_str, is_int, is_number, show
 
 DEFAULT_CPU_MEMORY = 4 << 30   # `memory: auto` on a CPU device: the budget for weights + KV cache
+# A request queued longer for KV credits gets 503 + Retry-After: 50 s answers before the 60 s read timeout
+# of the proxies most often in front of a gateway (nginx's proxy_read_timeout, an AWS ALB's idle timeout),
+# so the client hears "retry later" from us rather than a 504 from the proxy (config/README.md).
+DEFAULT_MAX_QUEUE_SECONDS = 50.0
 _POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # used in metric labels and URLs
 
 # Where a pool's service class came from (`PoolSpec.slo_source`; set by the YAML loader, never a YAML key):
@@ -227,7 +231,7 @@ class PoolSpec:
     share_prefix_cache: bool = False     # tenants reuse each other's cached prompt blocks (else one partition each)
     slo: LatencySLO | None = None        # interactive pool: latency targets; None: throughput pool
     slo_source: str | None = None        # where `slo` came from (SLO_SOURCES); None: built in code, not from YAML
-    max_queue_seconds: float | None = None   # queued for KV credits longer: 503; None: waits; 0: 429 when full
+    max_queue_seconds: float | None = DEFAULT_MAX_QUEUE_SECONDS   # queued longer: 503; None: waits; 0: 429 when full
     min_share: float | None = None       # throughput pool: its floor of the device's step time (None: 0.2)
     death_spiral: SpiralConfig = field(default_factory=SpiralConfig)   # the detector's thresholds (pools.spiral)
 
