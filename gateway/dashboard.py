@@ -39,7 +39,7 @@ import math
 import re
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +71,13 @@ VALUES = {
     "kv_credits_free": _P + "kv_credits_free",
     "admission_queue_depth": _P + "admission_queue_depth",
     "death_spiral": _P + "death_spiral",
+    "oldest_waiting_seconds": _P + "pool_oldest_waiting_seconds",
+}
+# JSON key -> the /metrics sample of the pool's device (gateway.overload), shown on each of its pools
+DEVICE_VALUES = {
+    "device_overloaded": _P + "device_overloaded",
+    "device_offered_load": _P + "device_offered_load",
+    "device_replicas_needed": _P + "device_replicas_needed",
 }
 # ... averaged over the pool's replicas instead of summed (a fraction of each replica's blocks)
 MEANS = {_P + "kv_cache_usage_perc"}
@@ -84,7 +91,7 @@ REPLICA_VALUES = {key: VALUES[key] for key in ("kv_cache_usage_perc", "num_reque
 HISTOGRAMS = {"ttft": _P + "time_to_first_token_seconds", "itl": _P + "inter_token_latency_seconds"}
 SERIES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "num_requests_swapped",
           "preemptions_per_second", "ttft_p99_seconds", "itl_p99_seconds", "kv_credits_free",
-          "admission_queue_depth", "death_spiral")
+          "admission_queue_depth", "death_spiral", "oldest_waiting_seconds", "device_offered_load")
 
 Buckets = tuple[tuple[float, float], ...]   # (upper bound `le`, cumulative count), ascending, +Inf last
 
@@ -122,14 +129,18 @@ class Snapshot:
     replicas: dict[str, dict[str, dict[str, float | None]]] = field(default_factory=dict)
 
 
-def parse_snapshot(families: Iterable[Metric], pools: Iterable[str], *, now: float, wall: float) -> Snapshot:
+def parse_snapshot(families: Iterable[Metric], pools: Iterable[str], *, now: float, wall: float,
+                   devices: Mapping[str, str] | None = None) -> Snapshot:
     """The dashboard's series of `pools` among metric families: the registry's (`collect()`), or those
-    prometheus_client's parser reads from a text exposition (the tests compare both)."""
+    prometheus_client's parser reads from a text exposition (the tests compare both). `devices`: each
+    pool's device, whose overload series (`DEVICE_VALUES`) the pool shows."""
     sums: dict[tuple[str, str], float] = {}
     counts: dict[tuple[str, str], int] = {}
     by_replica: dict[tuple[str, str, str], float] = {}
     buckets: dict[tuple[str, str], list[tuple[float, float]]] = {}
     stats_age: dict[str, float] = {}
+    device_values: dict[tuple[str, str], float] = {}
+    device_names = set(DEVICE_VALUES.values())
     bucket_names = {name + "_bucket" for name in HISTOGRAMS.values()}
     replica_names = set(REPLICA_VALUES.values())
     for family in families:
@@ -138,6 +149,8 @@ def parse_snapshot(families: Iterable[Metric], pools: Iterable[str], *, now: flo
             if s.name == _P + "stats_age_seconds":   # a replicated device: its oldest replica's
                 device = s.labels.get("device", "")
                 stats_age[device] = max(stats_age.get(device, 0.0), s.value)
+            elif s.name in device_names:
+                device_values[s.name, s.labels.get("device", "")] = s.value
             elif pool is None:
                 continue
             elif s.name in bucket_names:
@@ -152,6 +165,8 @@ def parse_snapshot(families: Iterable[Metric], pools: Iterable[str], *, now: flo
     for pool in pools:
         values[pool] = {key: (sums[name, pool] / counts[name, pool] if name in MEANS else sums[name, pool])
                         if (name, pool) in sums else None for key, name in VALUES.items()}
+        device = (devices or {}).get(pool)
+        values[pool] |= {key: device_values.get((name, device)) for key, name in DEVICE_VALUES.items()}
         histograms[pool] = {key: tuple(sorted(buckets[name + "_bucket", pool]))
                             for key, name in HISTOGRAMS.items() if (name + "_bucket", pool) in buckets}
         names = sorted({r for (_, p, r) in by_replica if p == pool}, key=int)
@@ -291,7 +306,8 @@ async def data(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
     handlers.refresh_metrics(gateway)
     snapshot = parse_snapshot(gateway.metrics.registry.collect(), gateway.pools, now=time.monotonic(),
-                              wall=time.time())
+                              wall=time.time(), devices={name: p.device for name, p in gateway.pools.items()
+                                                         if not p.is_upstream})
     return web.json_response(request.app[DASHBOARD].add(snapshot), headers={"Cache-Control": "no-store"})
 
 

@@ -447,3 +447,20 @@ def _assert_shown_within_scrapes(shown: dict, scrapes: list[dict]) -> None:
             total = _pool_sum(scrapes[-1], dashboard.HISTOGRAMS[key] + "_count", pool) or 0
             assert (p99 is None) == (not n) and (n or 0) <= total, (pool, key, p99, n, total)
     assert shown["chat", "itl_window_count"] > 0, "the page saw no chat tokens streamed in its window"
+
+
+def test_each_pool_shows_its_devices_overload_and_its_oldest_wait():
+    metrics = GatewayMetrics()
+    metrics.device_overloaded.labels(device="gpu0").set(1)
+    metrics.device_offered_load.labels(device="gpu0").set(2.5)
+    metrics.device_replicas_needed.labels(device="gpu0").set(3)
+    metrics.device_overloaded.labels(device="gpu1").set(0)
+    metrics.pool_oldest_wait.labels(pool="rag").set(12.5)
+    snapshot = dashboard.parse_snapshot(metrics.registry.collect(), ("chat", "rag", "other"), now=0.0, wall=1000.0,
+                                        devices={"chat": "gpu0", "rag": "gpu0", "other": "gpu1"})
+    view = dashboard.DashboardHistory().add(snapshot)["pools"]
+    for pool in ("chat", "rag"):
+        assert (view[pool]["device_overloaded"], view[pool]["device_offered_load"],
+                view[pool]["device_replicas_needed"]) == (1, 2.5, 3)
+    assert view["other"]["device_overloaded"] == 0 and view["other"]["device_offered_load"] is None
+    assert view["rag"]["oldest_waiting_seconds"] == 12.5 and view["rag"]["series"]["device_offered_load"] == [2.5]
