@@ -8,18 +8,27 @@ whatever the chunk). Three users, one model:
 the step composer sizes chunks with it online (`StepCostModel`), the simulator advances its clock
 with it (`StepTime`), and the benchmarks fit it to measured steps and compare it with real runs.
 
-- `LinearStepTime`: `t = a + b * prefill_tokens + c * decode_tokens + d * attended / 1024
-  + e * keys_read / 1024` (seconds), the one linear form. The keys term is what a step pays per
+- `LinearStepTime`: `t = a + (b * prefill_tokens + c * decode_tokens) * max(0, T - knee) / T
+  + d * attended / 1024 + e * keys_read / 1024` (seconds; T = prefill + decode tokens, the token term
+  0 when T is), the one linear form. The knee is a GPU's: below it a step is memory-bound, its time
+  that of the weights read once per step whatever the batch (as `RooflineStepTime` models it), so more
+  tokens cost nothing; past it the step is compute-bound and each token beyond the knee costs its b
+  or c. Knee 0, a CPU's, is the plain linear form. The keys term is what a step pays per
   sequence for its context whatever the number of its new tokens (the paged K/V gathered, the
   attention kernel's passes over it): without it a long-context decode or a 13-token chunk after
   3,000 cached tokens looks like a cheap step, and a fit over such steps charges their cost to the
   decode or prefill token (on the CPU of 2026-11-25 a fit without it gave 26 ms per decode token
   beside a rag prompt, and chat's own prompts were cut into 16-token chunks for it). `fit_linear`
-  fits it to measured steps (least squares, coefficients >= 0); `write_step_model` /
+  fits it to measured steps: least squares with coefficients >= 0, once per knee of a small grid (0
+  and the largest powers of two below the largest step's tokens), the knee with the least squared
+  error kept. A knee > 0 must halve knee 0's error (`KNEE_MIN_GAIN`) and needs `KNEE_MIN_STEPS` steps,
+  so that a CPU keeps knee 0: over 256-step windows of tests/data/step_trace_cpu_isolation.jsonl,
+  knees of 8 to 32 tokens cut the error by up to 40% (its smallest steps bend a little), where a GPU's
+  knee cuts it by 80% and more on `RooflineStepTime`'s steps. `write_step_model` /
   `read_step_model` keep it in a small JSON file; `read_step_trace` reads the steps a serving worker
   traced (`CLIFFGUARD_STEP_TRACE`); `engine.calibration` measures a real engine's steps.
-- `StepCostModel`: the same form, refitted online on the last steps an engine measured, with a
-  safety margin (the 90th percentile of measured / predicted).
+- `StepCostModel`: the same form, knee included, refitted online on the last steps an engine
+  measured, with a safety margin (the 90th percentile of measured / predicted).
 - `RooflineStepTime`: a GPU preset's roofline (`PRESETS`: H100, H200, A100), for planning without
   the device: per GPU of a tensor-parallel group, a fixed per-step overhead plus the larger of compute
   (2 FLOPs per weight per token, attention 4 FLOPs per query-key pair per head dimension, the LM head
@@ -47,6 +56,9 @@ if TYPE_CHECKING:
 
 GiB = 1 << 30
 MIN_FIT_STEPS = 8         # measured steps `fit_linear` needs for its 5 coefficients
+MAX_KNEE_CANDIDATES = 8   # knees a fit tries: 0 and the largest powers of two below its largest step
+KNEE_MIN_STEPS = 32       # fewer measured steps are fitted with knee 0 (too few to tell a knee from noise)
+KNEE_MIN_GAIN = 0.5       # a knee > 0 is kept only if it cuts the squared error of knee 0 by this share
 
 
 @dataclass
@@ -95,8 +107,9 @@ class StepTime(Protocol):
 
 @dataclass(frozen=True)
 class LinearStepTime:
-    """`t = a + b * prefill + c * decode + d * attended / 1024 + e * keys_read / 1024` (seconds, per
-    token, per 1024 query-key pairs, per 1024 keys read)."""
+    """`t = a + (b * prefill + c * decode) * max(0, T - knee) / T + d * attended / 1024 + e * keys_read
+    / 1024` (seconds, per token past the knee, per 1024 query-key pairs, per 1024 keys read; T = prefill
+    + decode tokens of the step, the token term 0 when T is). Knee 0 is the plain linear form."""
 
     a: float
     b: float
@@ -104,26 +117,53 @@ class LinearStepTime:
     d: float
     e: float = 0.0
     swap_bandwidth: float | None = None
+    knee: int = 0                  # tokens per step (prefill + decode) whose token terms are free; 0: no knee
 
     def __post_init__(self) -> None:
         for name in ("a", "b", "c", "d", "e"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name}: must be a number >= 0, got {value!r}")
+        if not isinstance(self.knee, int) or isinstance(self.knee, bool) or self.knee < 0:
+            raise ValueError(f"knee: must be an integer >= 0 (tokens per step), got {self.knee!r}")
 
     def predict(self, features: StepFeatures) -> float:
-        return float(features.vector() @ np.array([self.a, self.b, self.c, self.d, self.e]))
+        coef = np.array([self.a, self.b, self.c, self.d, self.e])
+        return float(knee_scaled(features.vector(), self.knee) @ coef)
 
     def seconds(self, batch: Sequence[ScheduledSeq], features: StepFeatures, num_sampled: int) -> float:
         return self.predict(features)
 
     def coefficients(self) -> dict[str, float]:
-        return {"a": self.a, "b": self.b, "c": self.c, "d": self.d, "e": self.e}
+        return {"a": self.a, "b": self.b, "c": self.c, "d": self.d, "e": self.e, "knee": self.knee}
 
     def describe(self) -> str:
         """The model in milliseconds, for a report line."""
+        knee = f" (tokens past a knee of {self.knee} per step)" if self.knee else ""
         return (f"t = {self.a * 1e3:.2f} ms + {self.b * 1e3:.4f} ms/prefill token + {self.c * 1e3:.4f} ms/decode "
-                f"token + {self.d * 1e3:.4f} ms/1024 attended + {self.e * 1e3:.4f} ms/1024 keys read")
+                f"token{knee} + {self.d * 1e3:.4f} ms/1024 attended + {self.e * 1e3:.4f} ms/1024 keys read")
+
+
+def knee_scaled(x: np.ndarray, knee: int) -> np.ndarray:
+    """`StepFeatures.vector()`s (x: [5] or [num_steps, 5]) with the two token columns times
+    max(0, T - knee) / T, T their sum: the regressors of `LinearStepTime` with that knee. `x` itself
+    when knee is 0."""
+    if knee == 0:
+        return x
+    tokens = x[..., 1] + x[..., 2]
+    scaled = x.copy()
+    scaled[..., 1:3] *= (np.maximum(tokens - knee, 0) / np.maximum(tokens, 1))[..., None]
+    return scaled
+
+
+def knee_candidates(max_tokens: float, num_steps: int) -> list[int]:
+    """The knees a fit of `num_steps` steps tries: 0 and, from `KNEE_MIN_STEPS` steps on, the
+    `MAX_KNEE_CANDIDATES` - 1 largest powers of two below `max_tokens` (the largest step's tokens:
+    a knee at or past it leaves no token term)."""
+    if num_steps < KNEE_MIN_STEPS:
+        return [0]
+    powers = [1 << k for k in range(int(max_tokens).bit_length()) if 1 << k < max_tokens]
+    return [0, *powers[-(MAX_KNEE_CANDIDATES - 1):]]
 
 
 def nonnegative_lstsq(x: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -148,9 +188,25 @@ def nonnegative_lstsq(x: np.ndarray, t: np.ndarray) -> np.ndarray:
 
 def _fit(vectors: Sequence[np.ndarray], seconds: Sequence[float],
          swap_bandwidth: float | None = None) -> LinearStepTime:
-    """`LinearStepTime` fitted to steps given as their `StepFeatures.vector()`s."""
-    a, b, c, d, e = (float(v) for v in nonnegative_lstsq(np.stack(vectors), np.asarray(seconds, dtype=float)))
-    return LinearStepTime(a, b, c, d, e, swap_bandwidth=swap_bandwidth)
+    """`LinearStepTime` fitted to steps given as their `StepFeatures.vector()`s: the nonnegative least
+    squares once per knee of `knee_candidates`, the knee with the least squared error kept: 0 unless
+    another cuts its error by `KNEE_MIN_GAIN`, and 0 when it fits to rounding (exact steps of a few
+    sizes fit as well with small knees, which would then extrapolate differently)."""
+    x, t = np.stack(vectors), np.asarray(seconds, dtype=float)
+    rounding = 1e-20 * float(t @ t)      # a squared error below this: knee 0 fits exactly, no knee can beat it
+    best_knee, best_coef, best_error, error_0 = 0, np.zeros(x.shape[1]), np.inf, np.inf
+    for knee in knee_candidates(float((x[:, 1] + x[:, 2]).max()), len(t)):
+        scaled = knee_scaled(x, knee)
+        coef = nonnegative_lstsq(scaled, t)
+        error = float(np.sum((scaled @ coef - t) ** 2))
+        if knee == 0:
+            error_0 = error
+        if error < best_error and (knee == 0 or error < (1 - KNEE_MIN_GAIN) * error_0):
+            best_knee, best_coef, best_error = knee, coef, error
+        if error_0 <= rounding:
+            break
+    a, b, c, d, e = (float(v) for v in best_coef)
+    return LinearStepTime(a, b, c, d, e, swap_bandwidth=swap_bandwidth, knee=best_knee)
 
 
 def fit_linear(samples: Sequence[tuple[StepFeatures, float]], *, swap_bandwidth: float | None = None,
@@ -163,9 +219,9 @@ def fit_linear(samples: Sequence[tuple[StepFeatures, float]], *, swap_bandwidth:
 
 
 class StepCostModel:
-    """Predicts a step's seconds from its `StepFeatures`: `LinearStepTime` refitted online on the last
-    `window` measured steps, times a safety margin (the 90th percentile of measured / predicted over
-    the last `margin_window` steps, in [1, 3])."""
+    """Predicts a step's seconds from its `StepFeatures`: `LinearStepTime` (knee included) refitted
+    online on the last `window` measured steps, times a safety margin (the 90th percentile of measured
+    / predicted over the last `margin_window` steps, in [1, 3])."""
 
     def __init__(self, window: int = 256, margin_window: int = 64, refit_every: int = 8,
                  min_observations: int = 4) -> None:
@@ -254,7 +310,7 @@ def write_step_model(path: str | Path, model: LinearStepTime, *, device: str, mo
 
 def read_step_model(path: str | Path) -> LinearStepTime:
     """A calibration file written by `write_step_model`; ValueError naming the file otherwise. A file
-    without `e` (written before the keys-read term) reads as e = 0."""
+    without `e` (written before the keys-read term) reads as e = 0, one without `knee` as knee 0."""
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
@@ -264,9 +320,12 @@ def read_step_model(path: str | Path) -> LinearStepTime:
     if not isinstance(data, dict) or data.get("step_model") != "linear":
         raise ValueError(f"--step-model: {path} is not a calibration file (no \"step_model\": \"linear\")")
     try:
-        return LinearStepTime(*(data[k] for k in ("a", "b", "c", "d")), e=data.get("e", 0.0))
+        return LinearStepTime(*(data[k] for k in ("a", "b", "c", "d")), e=data.get("e", 0.0),
+                              knee=data.get("knee", 0))
     except KeyError as exc:
         raise ValueError(f"--step-model: {path} lacks {exc.args[0]!r}") from None
+    except ValueError as exc:
+        raise ValueError(f"--step-model: {path}: {exc}") from None
 
 
 # --- the roofline -----------------------------------------------------------------------------------

@@ -9,14 +9,15 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from engine.calibration import measure_steps
 from engine.config import ModelConfig, PoolConfig, SchedulerConfig
 from engine.scheduler import ScheduledSeq
-from engine.step_cost import (PRESETS, LinearStepTime, RooflineStepTime, StepFeatures, fit_linear, read_step_model,
-                              read_step_trace, write_step_model)
+from engine.step_cost import (KNEE_MIN_STEPS, PRESETS, LinearStepTime, RooflineStepTime, StepCostModel, StepFeatures,
+                              fit_linear, nonnegative_lstsq, read_step_model, read_step_trace, write_step_model)
 from gateway.cli import main
 from pools.capacity_plan import plan_capacity, read_model_config
 from pools.config_file import load_config
@@ -281,6 +282,106 @@ def test_a_served_step_trace_fits_the_turns_it_recorded(tmp_path, capsys):
     trace.write_text(trace.read_text() + '{"num_decode_tokens": 1}\n')
     with pytest.raises(ValueError, match="line 83 is not a step record"):
         read_step_trace(trace)
+
+
+# --- the knee: a GPU's step costs its weights' read up to some tokens, its FLOPs past them ------------
+LLAMA_8B = ROOT / "bench" / "models" / "llama-3-8b"
+SERVED = LinearStepTime(a=0.04, b=0.0035, c=0.0095, d=0.0015, e=0.012)
+
+
+def _make_features(rng: random.Random, *, max_decodes: int, max_chunk: int) -> tuple[list[ScheduledSeq], StepFeatures]:
+    """A step as the roofline reads it: up to `max_decodes` decodes (contexts up to 2,048) and, beside
+    fewer than 32, one prefill chunk of up to `max_chunk` tokens (fresh, or after up to 4,096 cached)."""
+    batch, features = [], StepFeatures()
+    decodes = rng.randint(1, max_decodes) if rng.random() < 0.5 else rng.randrange(0, 32)
+    for _ in range(decodes):
+        context = rng.randrange(16, 2048)
+        batch.append(ScheduledSeq(_Seq(context), 1))
+        features.add(context, 1, True)
+    if not batch or decodes < 32:
+        chunk, cached = rng.randint(16, max_chunk), rng.choice([0, 0, rng.randrange(0, 4096)])
+        batch.append(ScheduledSeq(_Seq(cached), chunk))
+        features.add(cached, chunk, False)
+    return batch, features
+
+
+def _make_roofline_steps(roofline: RooflineStepTime, num_steps: int, seed: int) -> list[tuple[StepFeatures, float]]:
+    rng = random.Random(seed)
+    return [(features, roofline.seconds(batch, features, len(batch)))
+            for batch, features in (_make_features(rng, max_decodes=256, max_chunk=4096) for _ in range(num_steps))]
+
+
+def _mean_relative_error(model: LinearStepTime, samples: list[tuple[StepFeatures, float]]) -> float:
+    return sum(abs(model.predict(f) / t - 1) for f, t in samples) / len(samples)
+
+
+def test_knee_0_is_the_plain_linear_form_and_a_knee_frees_the_tokens_below_it():
+    rng = random.Random(0)
+    for _ in range(50):
+        _, f = _make_features(rng, max_decodes=64, max_chunk=1024)
+        old = float(f.vector() @ np.array([SERVED.a, SERVED.b, SERVED.c, SERVED.d, SERVED.e]))
+        assert SERVED.predict(f) == old                                   # bit for bit
+        assert SERVED.predict(f) == pytest.approx(SERVED.a + SERVED.b * f.num_prefill_tokens + SERVED.c * (
+            f.num_decode_tokens) + SERVED.d * f.num_attended / 1024 + SERVED.e * f.num_keys_read / 1024, rel=1e-12)
+    kneed = LinearStepTime(a=1.0, b=2.0, c=3.0, d=0.0, e=0.5, knee=100)
+    assert kneed.predict(StepFeatures(150, 50, 0, 2048)) == pytest.approx(1 + (300 + 150) * 100 / 200 + 1)
+    assert kneed.predict(StepFeatures(60, 40, 0, 0)) == 1.0 == kneed.predict(StepFeatures())
+    assert "knee of 100" in kneed.describe() and "knee" not in SERVED.describe()
+    assert kneed.coefficients()["knee"] == 100 and SERVED.coefficients()["knee"] == 0
+
+
+def test_a_fit_finds_the_roofline_knee_of_an_h100():
+    """Llama-3-8B on one H100: the weights' read (6 ms) outlasts the FLOPs up to about 250 tokens a
+    step; the fit's knee is near there and it predicts held-out steps far better than knee 0."""
+    roofline = RooflineStepTime(PRESETS["h100"], read_model_config(LLAMA_8B), 2)
+    train, held_out = _make_roofline_steps(roofline, 256, seed=1), _make_roofline_steps(roofline, 256, seed=2)
+    fitted = fit_linear(train)
+    assert 128 <= fitted.knee <= 512
+    assert fit_linear(train[:KNEE_MIN_STEPS - 1]).knee == 0                # too few steps to tell
+    kneeless = LinearStepTime(*nonnegative_lstsq(np.stack([f.vector() for f, _ in train]),
+                                                 np.array([t for _, t in train])))
+    error, error_0 = _mean_relative_error(fitted, held_out), _mean_relative_error(kneeless, held_out)
+    assert error < 0.03 and error_0 > 3 * error, (error, error_0)
+    online = StepCostModel()
+    for f, t in train:
+        online.observe(f, t)
+    assert online.linear.knee == fitted.knee and _mean_relative_error(online.linear, held_out) < 0.1
+
+
+def test_steps_of_a_linear_model_fit_back_with_knee_0():
+    rng = random.Random(3)
+    samples = [(f, SERVED.predict(f)) for f in (_make_features(rng, max_decodes=12, max_chunk=512)[1]
+                                                for _ in range(256))]
+    fitted = fit_linear(samples)
+    assert fitted.knee == 0
+    for name in ("a", "b", "c", "d", "e"):
+        assert getattr(fitted, name) == pytest.approx(getattr(SERVED, name), rel=1e-6)
+    noisy = [(f, t * rng.uniform(0.85, 1.15)) for f, t in samples]      # a busy CPU's jitter: no knee either
+    assert fit_linear(noisy).knee == 0 and fit_linear(noisy[:64]).knee == 0
+    two_sizes = []           # a composer's steady state: 4 decodes, now and then a 16-token chunk beside them
+    for _ in range(64):
+        f = StepFeatures()
+        for _ in range(4):
+            f.add(rng.randrange(10, 2000), 1, True)
+        if rng.random() < 0.5:
+            f.add(rng.randrange(0, 3000), 16, False)
+        two_sizes.append((f, SERVED.predict(f)))
+    assert fit_linear(two_sizes).knee == 0          # knees below 4 fit as exactly: rounding must not pick one
+
+
+def test_a_calibration_file_keeps_the_knee_and_refuses_a_bad_one(tmp_path):
+    path = tmp_path / "step.json"
+    model = dataclasses.replace(SERVED, knee=256)
+    write_step_model(path, model, device="h100", model_name="llama-3-8b", num_steps=256)
+    assert json.loads(path.read_text())["knee"] == 256 and read_step_model(path) == model
+    path.write_text('{"step_model": "linear", "a": 0.04, "b": 0.001, "c": 0.002, "d": 0.0005, "e": 0.01}')
+    assert read_step_model(path).knee == 0                                # written before the knee
+    path.write_text('{"step_model": "linear", "a": 0.04, "b": 0.001, "c": 0.002, "d": 0.0005, "knee": -8}')
+    with pytest.raises(ValueError, match=r"step\.json: knee: must be an integer >= 0"):
+        read_step_model(path)
+    for bad in (-1, 2.5, True, "256"):
+        with pytest.raises(ValueError, match="knee: must be an integer >= 0"):
+            LinearStepTime(0.01, 0.001, 0.002, 0.0, knee=bad)
 
 
 def test_the_gateway_death_spiral_detector_trips_in_an_overcommitted_pool_only():
