@@ -382,7 +382,9 @@ class RooflineStepTime:
         m, p = self.model, self.preset
         tokens = features.num_prefill_tokens + features.num_decode_tokens
         flops = step_flops(m, tokens, features.num_attended, num_sampled)
-        kv_read = sum(item.seq.num_computed_tokens for item in batch) * self.kv_bytes_per_token
+        # the K/V each sequence reads before its new tokens: its keys read less those new tokens (the
+        # features carry it, so a step described without its batch, as pools.demand asks, costs the same)
+        kv_read = (features.num_keys_read - tokens) * self.kv_bytes_per_token
         traffic = self.weights_bytes + kv_read + tokens * self.kv_bytes_per_token
         compute_s = flops / self.tp / (p.peak_flops * p.flops_efficiency)
         memory_s = traffic / self.tp / (p.memory_bandwidth * p.bandwidth_efficiency)

@@ -206,3 +206,31 @@ def replicas_needed(pools: Sequence[PoolLoad]) -> int:
     """The replicas that carry `pools`' offered load with each at most `OFF_LOAD` busy (at least 1)."""
     load = sum(p.load for p in pools)
     return max(1, math.ceil(load / OFF_LOAD - 1e-9))
+
+
+# --- a planned arrival mix (cliffguard capacity --rate, simulate) -------------------------------------
+
+@dataclass(frozen=True)
+class PlannedPool:
+    """One pool of a device under a planned arrival mix: its requests/s and their mean lengths, and
+    the limits `pool_rates` needs."""
+
+    name: str
+    rate: float              # requests/s routed to the pool
+    prompt_tokens: float     # mean prompt tokens of those requests
+    output_tokens: float     # mean output tokens
+    max_num_seqs: int
+    credits: int             # KV token slots on one replica
+    chunk: int               # max_num_batched_tokens
+
+
+def planned_load(model: StepTime, pools: Sequence[PlannedPool], replicas: int) -> DeviceLoad:
+    """The device's load under a planned mix, by the same definitions as a live gateway's (nobody has
+    waited yet: a plan is overloaded when `DeviceLoad.load` > 1, and `replicas_needed` says how many
+    replicas carry it)."""
+    loads = []
+    for p in pools:
+        rates = pool_rates(model, prompt_tokens=p.prompt_tokens, output_tokens=p.output_tokens,
+                           max_num_seqs=p.max_num_seqs, credits=p.credits, chunk=p.chunk)
+        loads.append(PoolLoad(p.name, p.rate * p.prompt_tokens, p.rate * p.output_tokens, rates, 0.0, MAX_WAIT_BOUND))
+    return DeviceLoad(tuple(loads), replicas)
