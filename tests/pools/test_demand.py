@@ -88,10 +88,10 @@ def test_wait_bound_is_half_the_queue_limit_within_its_range():
 def test_a_planned_mix_is_judged_by_the_same_rates():
     from pools.demand import PlannedPool, planned_load
 
-    pool = PlannedPool("rag", rate=2.0, prompt_tokens=1000, output_tokens=100, max_num_seqs=8, credits=100_000,
+    pool = PlannedPool("rag", rate=3.0, prompt_tokens=1000, output_tokens=100, max_num_seqs=8, credits=100_000,
                        chunk=512)
     device = planned_load(MODEL, [pool], replicas=1)
     rates = pool_rates(MODEL, prompt_tokens=1000, output_tokens=100, max_num_seqs=8, credits=100_000, chunk=512)
-    assert device.load == pytest.approx(2000 / rates.prefill + 200 / rates.decode)
+    assert device.load == pytest.approx(3000 / rates.prefill + 300 / rates.decode)
     assert device.load > 1 and replicas_needed(device.pools) == 2
     assert planned_load(MODEL, [pool], replicas=2).load == pytest.approx(device.load / 2)
