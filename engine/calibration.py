@@ -4,6 +4,7 @@ and `bench simulate` run on."""
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Sequence as Seq
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from engine.config import LatencySLO
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, commit_step
 from engine.sequence import Sequence
@@ -98,3 +100,56 @@ def measure_steps(engine: Any, *, pool: str | None = None, seed: int = 0,
                 samples.append((StepFeatures(s.num_prefill_tokens, s.num_decode_tokens, s.num_attended,
                                              s.num_keys_read), s.seconds))
     return fit_linear(samples, skip=2), samples
+
+
+# --- the isolation-by-default SLO, from this device's own step ---------------------------------------
+DERIVE_MAX_BATCH = 64     # sequences of the measured decode step at most
+DERIVE_STEPS = 3          # timed steps (after one untimed): their median is the step
+ITL_STEPS = 1.5          # itl_ms: a quarter-full decode step of the pool and half as much again for the others
+TTFT_ITLS = 10.0          # ttft_ms: ten times itl_ms (a prompt's prefill and a queue of a few steps)
+MIN_ITL_MS = 10.0         # below this a step's noise (launches, the OS) is most of it
+
+
+def measure_decode_step(engine: Any, pool: str, batch: int, context: int) -> float | None:
+    """Median seconds of a decode step of `batch` sequences at `context` tokens each, in `pool`'s blocks
+    (borrowed and given back: their K/V is whatever the blocks hold, only the time is wanted). None if
+    the pool lacks the free blocks."""
+    bm = engine.schedulers[pool].block_manager
+    if batch < 1 or batch * bm.num_blocks_for(context + 1) > bm.num_free_blocks:
+        return None
+    seqs = [Sequence(seq_id=-1 - i, request_id="calibration", index=0, token_ids=[1] * (context + 1),
+                     num_prompt_tokens=context, params=SamplingParams(), max_tokens=1, priority=0, arrival_order=-1,
+                     generator=None) for i in range(batch)]
+    times = []
+    try:
+        for seq in seqs:
+            bm.allocate(seq.block_table, context + 1)
+            seq.num_computed_tokens = context
+        items = [ScheduledSeq(seq, 1) for seq in seqs]
+        for step in range(DERIVE_STEPS + 1):
+            started = time.perf_counter()
+            engine.runner.execute(items)
+            engine.runner.synchronize()
+            if step:
+                times.append(time.perf_counter() - started)
+    finally:
+        for seq in seqs:
+            bm.free(seq.block_table)
+    return sorted(times)[len(times) // 2]
+
+
+def derive_slo(engine: Any, pool: str) -> tuple[LatencySLO, float, int, int] | None:
+    """The isolation-by-default SLO of `pool` from this device's own step (docs/ENGINE.md): the median
+    decode step of a quarter of its `max_num_seqs` (at most `DERIVE_MAX_BATCH`) at the context its
+    blocks give each of its `max_num_seqs` (the formula's avg_len), times `ITL_STEPS` for itl_ms (at
+    least `MIN_ITL_MS`), ten times that for ttft_ms. Returns (slo, step seconds, batch, context), or
+    None when the pool's blocks are too few to measure (the configured SLO stays)."""
+    scheduler = engine.schedulers[pool]
+    bm, max_num_seqs = scheduler.block_manager, scheduler.config.max_num_seqs
+    batch = max(1, min(DERIVE_MAX_BATCH, -(-max_num_seqs // 4)))
+    context = min(scheduler.max_model_len - 1, bm.num_blocks // max_num_seqs * bm.block_size - 1)
+    step = measure_decode_step(engine, pool, batch, context) if context > 0 else None
+    if step is None:
+        return None
+    itl_ms = max(MIN_ITL_MS, math.ceil(ITL_STEPS * step * 1000))
+    return LatencySLO(ttft_ms=TTFT_ITLS * itl_ms, itl_ms=itl_ms), step, batch, context

@@ -237,6 +237,14 @@ class StepComposer:
             return 1.0
         return float(min(3.0, max(1.0, np.percentile(self._mixed_ratios, 90))))
 
+    def set_slo(self, pool: str, slo: LatencySLO) -> None:
+        """Give interactive pool `pool` a new SLO (isolation by default: the one derived from the
+        device's measured step at start); its feedback starts afresh."""
+        if pool not in self.trackers:
+            raise ValueError(f"set_slo: {pool!r} is not an interactive pool of this device")
+        self.slos[pool] = slo
+        self.trackers[pool] = SLOTracker(slo)
+
     @property
     def needs_cost_model(self) -> bool:
         """Whether steps are composed against a target (an interactive pool exists); else the cost

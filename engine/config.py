@@ -343,6 +343,7 @@ class PoolConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     slo: LatencySLO | None = None
     min_share: float = DEFAULT_MIN_SHARE
+    derive_slo: bool = False        # isolation by default: the engine replaces `slo` by one from its measured step
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -354,6 +355,8 @@ class PoolConfig:
         if isinstance(self.min_share, bool) or not isinstance(self.min_share, (int, float)) \
                 or not 0 <= self.min_share < 1:
             raise ConfigError(f"pools.{self.name}.min_share: must be a number in [0, 1), got {self.min_share!r}")
+        if self.derive_slo and self.slo is None:
+            raise ConfigError(f"pools.{self.name}.derive_slo: needs an slo to start from (the pool is interactive)")
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 import engine.capacity as capacity
-from engine.calibration import warm_up
+from engine.calibration import derive_slo, warm_up
 from engine.composer import ComposedStep, StepComposer
-from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig
+from engine.config import (CacheConfig, ConfigError, EngineConfig, LatencySLO, ModelConfig, PoolConfig,
+                           SchedulerConfig)
 from engine.forks import SampleForks
 from engine.kv_cache import KVCache, SwapSpace
 from engine.model import build_model
@@ -131,6 +132,7 @@ class LLMEngine:
         self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in config.pools},
                                      min_shares={p.name: p.min_share for p in config.pools})
         warm_up(self)
+        self.derived_slos = self._derive_slos()
         self.default_pool = config.pools[0].name
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.requests: dict[str, RequestState] = {}
@@ -141,6 +143,16 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.last_step = StepStats()
+
+    def _derive_slos(self) -> dict[str, tuple[LatencySLO, float, int, int]]:
+        """Pools under isolation by default get their SLO from this device's measured step
+        (`engine.calibration.derive_slo`): pool -> (slo, step seconds, batch, context) of those measured."""
+        derived = {}
+        for pool in self.config.pools:
+            if pool.derive_slo and (result := derive_slo(self, pool.name)) is not None:
+                self.composer.set_slo(pool.name, result[0])
+                derived[pool.name] = result
+        return derived
 
     def _load_model(self) -> None:
         """The tokenizer and this rank's weights (random ones if the config asks)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.config import LatencySLO
 from engine.step_cost import LinearStepTime
 
 
@@ -34,6 +35,8 @@ class WorkerInfo:
     load_seconds: float
     tensor_parallel_size: int = 1
     pid: int = 0                     # the worker process (rank 0)
+    slos: dict[str, LatencySLO] = field(default_factory=dict)   # each interactive pool's SLO, as the engine runs it
+    slo_derivations: dict[str, str] = field(default_factory=dict)   # pool -> how its SLO came from the measured step
 
     @property
     def block_bytes(self) -> int:

@@ -23,6 +23,7 @@ import socket
 import time
 import traceback
 
+from engine.calibration import ITL_STEPS, TTFT_ITLS
 from engine.config import EngineConfig, dtype_name
 from engine.ipc import Channel
 from engine.messages import (AbortRequest, AddRequest, Fatal, Outputs, Ready, Rejected, ReportWaiting, Shutdown,
@@ -151,7 +152,11 @@ def worker_info(engine) -> WorkerInfo:
     return WorkerInfo(model_path=str(engine.model_path), device=str(engine.device), dtype=dtype_name(engine.dtype),
                       num_blocks=engine.num_blocks, block_size=engine.kv_cache.block_size,
                       kv_bytes_per_token=engine.kv_bytes_per_token * tp, pools=pools,
-                      load_seconds=engine.load_seconds, tensor_parallel_size=tp, pid=os.getpid())
+                      load_seconds=engine.load_seconds, tensor_parallel_size=tp, pid=os.getpid(),
+                      slos={name: slo for name, slo in engine.composer.slos.items() if slo is not None},
+                      slo_derivations={name: f"itl {ITL_STEPS:g} x the measured decode step of {batch} sequences at "
+                                             f"{context} tokens, {step * 1e3:.1f} ms; ttft {TTFT_ITLS:g} x itl"
+                                       for name, (_, step, batch, context) in engine.derived_slos.items()})
 
 
 def engine_stats(engine, *, check: bool = False) -> EngineStats:

@@ -154,6 +154,9 @@ class GatewayMetrics:
                                         "ask for (prompt: prefill; output estimate: decode).", ["pool", "phase"])
         self.pool_capacity = self._gauge("pool_capacity_tokens_per_second", "Tokens per second the pool's ready "
                                          "replicas can do for it alone, from the step-cost model.", ["pool", "phase"])
+        self.pool_slo = self._gauge("pool_slo_seconds", "An interactive pool's latency targets as its engine runs "
+                                    "them (target: ttft, itl; isolation by default: derived from the measured "
+                                    "step at start).", ["pool", "target"])
         self.pool_oldest_wait = self._gauge("pool_oldest_waiting_seconds", "Age of the pool's oldest request still "
                                             "without its first token.", _POOL)
 

@@ -173,6 +173,13 @@ class DeviceSupervisor:
                 up_since = time.monotonic()
                 log.info("device %s ready%s: %s", self.name,
                          f" again (restart {self.num_restarts})" if self._was_ready else "", info)
+                for pool, slo in info.slos.items():
+                    self.metrics.pool_slo.labels(pool=pool, target="ttft").set(slo.ttft_ms / 1000)
+                    self.metrics.pool_slo.labels(pool=pool, target="itl").set(slo.itl_ms / 1000)
+                for pool, how in info.slo_derivations.items():
+                    slo = info.slos[pool]
+                    log.info("device %s pool %s: isolation by default, slo ttft %g ms, itl %g ms (%s)", self.name, pool,
+                             slo.ttft_ms, slo.itl_ms, how)
                 self._was_ready, self._restart_reason = True, None
                 for pool in self.pools:
                     if pool.admission is not None:

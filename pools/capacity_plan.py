@@ -340,7 +340,8 @@ def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict
             with within(f"pools[{config.pools.index(pplan.spec)}]"):
                 scheduler = pplan.spec.scheduler_config(pplan.max_num_seqs, pplan.max_model_len)
             pool_configs.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler,
-                                           slo=pplan.spec.slo, min_share=pplan.spec.engine_min_share))
+                                           slo=pplan.spec.slo, min_share=pplan.spec.engine_min_share,
+                                           derive_slo=pplan.spec.slo_source == "default"))
         template = EngineConfig(model=dplan.model, device=device, dtype=dplan.dtype,
                                 cache=CacheConfig(block_size=dplan.block_size), pools=tuple(pool_configs),
                                 memory_utilization=dplan.memory_utilization,

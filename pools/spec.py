@@ -339,12 +339,15 @@ class PoolSpec:
         return "interactive" if self.slo is not None else "throughput"
 
     def describe_service_class(self) -> str:
-        """`interactive (slo ttft 1000 ms, itl 100 ms; default: no slo in the YAML)`, `throughput`,
-        `throughput (slo: null)`: the class, its targets and, where the YAML did not state it, why."""
+        """`interactive (slo ttft 800 ms, itl 60 ms)`, `interactive (slo from the device's measured step at start;
+        default: no slo in the YAML)`, `throughput`, `throughput (slo: null)`: the class, its targets and,
+        where the YAML did not state it, why (the device worker derives that SLO when it starts:
+        engine.calibration.derive_slo, logged by the gateway)."""
         if self.slo is None:
             return "throughput (slo: null)" if self.slo_source == "opted_out" else "throughput"
-        why = "; default: no slo in the YAML" if self.slo_source == "default" else ""
-        return f"interactive (slo ttft {self.slo.ttft_ms:g} ms, itl {self.slo.itl_ms:g} ms{why})"
+        if self.slo_source == "default":
+            return "interactive (slo from the device's measured step at start; default: no slo in the YAML)"
+        return f"interactive (slo ttft {self.slo.ttft_ms:g} ms, itl {self.slo.itl_ms:g} ms)"
 
     @property
     def model_name(self) -> str:
@@ -438,7 +441,7 @@ class CliffguardConfig:
 
     def describe_service_classes(self) -> list[str]:
         """One line per device with local pools, what `cliffguard serve` logs at start: `device default:
-        chat interactive (slo ttft 1000 ms, itl 100 ms; default: no slo in the YAML), rag throughput, min_share
+        chat interactive (slo from the device's measured step at start; default: no slo in the YAML), rag throughput, min_share
         0.2` (`device default (2 replicas, tensor parallel 4): ...` for a replicated, tensor-parallel one).
         A device whose pools are all throughput pools says that nothing protects any pool's latency."""
         lines = []

@@ -3,6 +3,7 @@ engine-level check that squeezing a throughput pool keeps greedy outputs unchang
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -731,3 +732,29 @@ def test_a_throughput_pool_above_its_share_yields_to_a_pressed_pool_until_its_sh
     # rag stopped while its share fell from 1 to 0.2: at most (1 - 0.2) x the 2 s window of step time
     assert 0 < stopped <= (1 - 0.2) * 2.0 + 0.1 and composer.share("rag") < 0.2 + 0.05
     assert composer.stats.num_owed_steps >= 1
+
+
+def test_isolation_by_default_takes_its_slo_from_the_devices_measured_step(tiny):
+    """A pool marked derive_slo runs with the SLO its device's own decode step gives (engine.calibration.derive_slo),
+    reported in WorkerInfo; a pool with an explicit SLO keeps it."""
+    from engine import calibration
+    from engine.worker import worker_info
+
+    chat = PoolConfig(name="chat", num_blocks=200, slo=LatencySLO(), derive_slo=True,
+                      scheduler=SchedulerConfig(max_num_seqs=8))
+    rag = PoolConfig(name="rag", num_blocks=200)
+    engine = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8), pools=(chat, rag)),
+                       progress=False)
+    slo, step, batch, context = engine.derived_slos["chat"]
+    assert (batch, context) == (2, 200 // 8 * 8 - 1)              # a quarter of max_num_seqs at the formula's length
+    assert slo.itl_ms == max(calibration.MIN_ITL_MS, math.ceil(calibration.ITL_STEPS * step * 1000))
+    assert slo.ttft_ms == calibration.TTFT_ITLS * slo.itl_ms and engine.composer.slos["chat"] == slo
+    assert engine.composer.trackers["chat"].slo == slo
+    info = worker_info(engine)
+    assert info.slos == {"chat": slo} and "decode step of 2 sequences at 199 tokens" in info.slo_derivations["chat"]
+    assert all(s.block_manager.num_free_blocks == 200 for s in engine.schedulers.values())   # borrowed blocks back
+
+    explicit = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8),
+                                      pools=(PoolConfig(name="chat", num_blocks=200, slo=LatencySLO(800, 60)), rag)),
+                         progress=False)
+    assert explicit.derived_slos == {} and explicit.composer.slos["chat"] == LatencySLO(800, 60)

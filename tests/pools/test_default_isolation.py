@@ -153,8 +153,8 @@ def test_the_engine_gets_the_same_slo_as_from_an_explicit_one(builtin_path):
 def test_serve_start_up_lines_name_each_class():
     config = parse_config(_make_data(CHAT, RAG), env={})
     assert config.describe_service_classes() == [
-        "device default: chat interactive (slo ttft 1000 ms, itl 100 ms; default: no slo in the YAML), "
-        "rag throughput, min_share 0.2"]
+        "device default: chat interactive (slo from the device's measured step at start; default: no slo in the "
+        "YAML), rag throughput, min_share 0.2"]
     config = parse_config(_make_data({**CHAT, "slo": {"ttft_ms": 800, "itl_ms": 60}}, {**RAG, "min_share": 0.3}),
                           env={})
     assert config.describe_service_classes() == ["device default: chat interactive (slo ttft 800 ms, itl 60 ms), "
