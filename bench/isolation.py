@@ -48,6 +48,7 @@ from bench.live import LiveServer
 from bench.load.plan import LoadConfig, load_tokenizer, plan_requests
 from bench.load.report import LoadReport, counter_rate, latencies, tokens_done
 from bench.load.run import run_load
+from engine.config import DEFAULT_MIN_SHARE
 from pools.workload import LengthDist, WorkloadClass, latency_stats
 
 MODEL = "builtin:smollm2-135m-instruct"
@@ -56,6 +57,9 @@ CHAT = WorkloadClass(name="chat", endpoint="chat", prompt_len=LengthDist("normal
 RAG = WorkloadClass(name="rag", endpoint="completion", prompt_len=LengthDist("uniform", min=1200, max=1800),
                     output_len=LengthDist("fixed", value=128))
 ROUTE_THRESHOLD = 512        # prompt tokens: chat below, rag above
+MIN_CHAT_REQUESTS = 100      # a chat load runs long enough for this many requests (p99 over at least 100)
+SPLIT_SLACK = 1.25           # split chat p99 TTFT may exceed chat alone's (+ itl_ms) by 25%, never the SLO
+BARS = ("split_ttft_ok", "split_itl_ok", "split_no_preemption", "rag_share_ok")
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,13 @@ def run_times(args: argparse.Namespace) -> tuple[float, float]:
     mode = (bool(getattr(args, "sweep", False)), bool(args.quick))
     return (duration[mode] if args.duration is None else args.duration,
             drain[mode] if args.drain_timeout is None else args.drain_timeout)
+
+
+def chat_duration(duration: float, chat_rate: float, args: argparse.Namespace) -> float:
+    """Seconds of arrivals of a run with chat at `chat_rate`: `duration`, or long enough for
+    `MIN_CHAT_REQUESTS` chat requests (a p99 over fewer is its largest one or two; not with --quick,
+    whose runs are a smoke test and judged as too few)."""
+    return duration if args.quick else max(duration, MIN_CHAT_REQUESTS / chat_rate)
 
 
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
@@ -164,6 +175,7 @@ async def run_scenario(scenario: Scenario, args: argparse.Namespace, folder: Pat
     path = folder / f"{scenario.name.replace(' ', '-')}.yaml"
     path.write_text(pools_yaml(scenario, args))
     duration, drain_timeout = run_times(args)
+    duration = chat_duration(duration, args.chat_rate, args)     # every scenario: the same arrivals
     times = {"duration": duration, "drain_timeout": drain_timeout}
     with LiveServer(path) as server:
         configs = []
@@ -173,17 +185,41 @@ async def run_scenario(scenario: Scenario, args: argparse.Namespace, folder: Pat
             configs.append(load_config(server.url, RAG, args.rag_rate, seed=args.seed + 1, scrape=not scenario.chat,
                                        **times))
         reports = await run_loads(configs, tokenizer)
+        slo = await server_slo(server.url)
     chat = reports[0] if scenario.chat else None
     rag = reports[-1] if scenario.rag else None
-    return summarize(scenario, chat, rag)
+    return {**summarize(scenario, chat, rag, arrivals_s=duration), "slo_ms": slo}
 
 
-def summarize(scenario: Scenario, chat: LoadReport | None, rag: LoadReport | None) -> dict[str, Any]:
+async def server_slo(url: str, pool: str = "chat") -> list[float] | None:
+    """[ttft_ms, itl_ms] the server's engine runs `pool` with (`cliffguard_pool_slo_seconds`: the YAML's,
+    or the one isolation by default derived from the device's step); None for a throughput pool."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        async with session.get(url + "/metrics") as response:
+            text = await response.text()
+    targets = {s.labels.get("target"): s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "cliffguard_pool_slo_seconds" and s.labels.get("pool") == pool}
+    return [1000 * targets["ttft"], 1000 * targets["itl"]] if {"ttft", "itl"} <= set(targets) else None
+
+
+def summarize(scenario: Scenario, chat: LoadReport | None, rag: LoadReport | None,
+              arrivals_s: float | None = None) -> dict[str, Any]:
+    """One run's numbers: chat's p50/p99s and counts, rag's tokens/s and answers, each pool's share of
+    the device's time during the arrivals (`arrivals_s`; the engine's step time divided among pools,
+    `cliffguard_pool_device_seconds_total`), and what `cliffguard_device_overloaded` said."""
     result: dict[str, Any] = {"scenario": scenario.name, "layout": scenario.layout, "itl_ms": scenario.itl_ms}
+    scrapes = (chat or rag).scrapes
     scraped = (chat or rag).totals["scrape"]["pools"]
     chat_pool = "shared" if scenario.layout == "shared" else "chat"
     result["chat_preemptions"] = scraped.get(chat_pool, {}).get("num_preemptions")
     result["max_scrape_s"] = (chat or rag).totals["scrape"]["max_s"]
+    if scenario.layout == "split":
+        for pool in ("chat", "rag"):
+            result[f"{pool}_device_share"] = device_share(scrapes, pool, arrivals_s)
+    result.update(overload_timeline(scrapes))
     if chat is not None:
         s = chat.summary["chat"]
         ttfts = chat_ttfts(chat.records, chat.totals["duration_s"])
@@ -195,13 +231,45 @@ def summarize(scenario: Scenario, chat: LoadReport | None, rag: LoadReport | Non
                       itl_samples=latencies([r for r in chat.records if r.status == "ok"], "itl"))
     if rag is not None:
         rag_pool = "shared" if scenario.layout == "shared" else "rag"
-        computed, seconds = counter_rate((chat or rag).scrapes, rag_pool, "computed_tokens_total")
+        computed, seconds = counter_rate(scrapes, rag_pool, "computed_tokens_total")
         if scenario.layout == "shared" and chat is not None:   # the shared pool's tokens less chat's
             first, last = (chat.scrapes[0].t_s, chat.scrapes[-1].t_s) if chat.scrapes else (0.0, 0.0)
             computed -= sum(tokens_done(r, first, last) for r in chat.records)
         result["rag_tokens_per_s"] = computed / seconds if seconds > 0 else None
         result["rag_completed"] = rag.summary["rag"]["completed"]
+        result["rag_count"] = rag.summary["rag"]["count"]
+        result["rag_errors"] = {status: n for status, n in _statuses(rag.records).items() if status != "ok"}
     return result
+
+
+def _statuses(records) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    return counts
+
+
+def device_share(scrapes, pool: str, until: float | None = None) -> float | None:
+    """`pool`'s part of the device's time between the first scrape and the last one at most `until`
+    seconds into the run (None: the last): its device seconds' increase over the wall time."""
+    ok = [s for s in scrapes if s.error is None and "device_seconds_total" in s.pools.get(pool, {})
+          and (until is None or s.t_s <= until)]
+    if len(ok) < 2 or ok[-1].t_s <= ok[0].t_s:
+        return None
+    return (ok[-1].pools[pool]["device_seconds_total"] - ok[0].pools[pool]["device_seconds_total"]) / (
+        ok[-1].t_s - ok[0].t_s)
+
+
+def overload_timeline(scrapes) -> dict[str, Any]:
+    """What `cliffguard_device_overloaded` said over the run: the first scrape (s into the run) that read 1,
+    the fraction of scrapes that did, and the last scrape's value (None where no scrape had it)."""
+    values = [(s.t_s, s.pools.get("", {}).get("device_overloaded")) for s in scrapes if s.error is None]
+    values = [(t, v) for t, v in values if v is not None]
+    if not values:
+        return {"overloaded_first_s": None, "overloaded_fraction": None, "overloaded_last": None}
+    on = [t for t, v in values if v >= 1]
+    return {"overloaded_first_s": on[0] if on else None, "overloaded_fraction": len(on) / len(values),
+            "overloaded_last": values[-1][1]}
 
 
 def chat_ttfts(records, run_seconds: float) -> list[float]:
@@ -242,19 +310,74 @@ def format_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def judge(alone: dict[str, Any], split: dict[str, Any], rag_alone: dict[str, Any], *, ttft_ms: float,
+          itl_ms: float, min_share: float = DEFAULT_MIN_SHARE) -> dict[str, Any]:
+    """The verdict on one load (a point of `bench isolation`, a cell of `--sweep`: the one definition), from
+    its chat-alone, split and rag-alone runs:
+
+    - in scope by load: chat alone used at most 1 - min_share of the device's time (its device share,
+      from the engine's step time), so rag's guaranteed share fits beside it;
+    - `split_ttft_ok`: split chat p99 TTFT <= min(ttft_ms, 1.25 x (chat alone p99 TTFT + itl_ms));
+    - `split_itl_ok`: split chat p99 ITL <= itl_ms (the SLO itself);
+    - `split_no_preemption`: no preemption in chat's pool during the split run;
+    - `rag_share_ok`: rag's device share during the split run's arrivals >= min(min_share, rag alone's);
+    - `enough_samples`: both chat runs sent at least `MIN_CHAT_REQUESTS` requests (else not met);
+    - `overloaded`: `cliffguard_device_overloaded` read 1 during the split run (marked, still judged)."""
+    ttft_s, itl_s = ttft_ms / 1e3, itl_ms / 1e3
+
+    def at_most(value: float | None, bound: float | None) -> bool:
+        return value is not None and bound is not None and value <= bound
+
+    alone_share, alone_ttft, split_ttft = alone.get("chat_device_share"), alone.get("ttft_p99"), split.get("ttft_p99")
+    ttft_bound = None if alone_ttft is None else min(ttft_s, SPLIT_SLACK * (alone_ttft + itl_s))
+    rag_base = rag_alone.get("rag_device_share")
+    owed = None if rag_base is None else min(min_share, rag_base)
+    rag_split, rag_tokens = split.get("rag_tokens_per_s"), rag_alone.get("rag_tokens_per_s")
+    bars = {"split_ttft_ok": at_most(split_ttft, ttft_bound), "split_itl_ok": at_most(split.get("itl_p99"), itl_s),
+            "split_no_preemption": split.get("chat_preemptions") == 0,
+            "rag_share_ok": owed is not None and (split.get("rag_device_share") or 0.0) >= owed}
+    enough = min(alone.get("chat_count") or 0, split.get("chat_count") or 0) >= MIN_CHAT_REQUESTS
+    in_scope = alone_share is not None and alone_share <= 1 - min_share
+    failed = [b for b in BARS if not bars[b]] + ([] if enough else ["enough_samples"])
+    return {**bars, "enough_samples": enough, "in_scope": in_scope, "chat_alone_device_share": alone_share,
+            "rag_device_share_owed": owed, "split_ttft_bound_s": ttft_bound, "failed_bars": failed if in_scope else [],
+            "cell_ok": (not failed) if in_scope else None, "overloaded": bool(split.get("overloaded_first_s") is not None),
+            "split_ttft_slo_ratio": None if split_ttft is None else split_ttft / ttft_s,
+            "rag_ratio": rag_split / rag_tokens if rag_split is not None and rag_tokens else None,
+            "ttft_ms": ttft_ms, "itl_ms": itl_ms}
+
+
+def verdict_text(cell: dict[str, Any]) -> str:
+    """`met`, `NOT met: ttft, rag share`, or `out of scope (...)`; `[overloaded]` where the gauge said so."""
+    mark = " [overloaded]" if cell.get("overloaded") else ""
+    if not cell["in_scope"]:
+        share = cell.get("chat_alone_device_share")
+        return ("out of scope (chat alone uses " + ("?" if share is None else f"{share:.0%}")
+                + " of the device)" + mark)
+    if cell["cell_ok"]:
+        return "met" + mark
+    short = {"split_ttft_ok": "ttft", "split_itl_ok": "itl", "split_no_preemption": "preempt",
+             "rag_share_ok": "rag share", "enough_samples": "< 100 chat requests"}
+    return "NOT met: " + ", ".join(short[b] for b in cell["failed_bars"]) + mark
+
+
 def verdict(results: list[dict[str, Any]]) -> list[str]:
-    """The issue's bars, each marked met or not."""
+    """The point's verdict (`judge`, against the SLO the split server ran with), and the shared pool's cliff."""
     by = {r["scenario"]: r for r in results}
     split, shared = by["split"], by["shared"]
-    checks = [
-        ("split chat p99 TTFT <= 1.25x chat alone", split.get("ttft_p99_ratio", 99) <= 1.25),
-        ("split chat p99 ITL <= 1.25x chat alone", split.get("itl_p99_ratio", 99) <= 1.25),
-        ("split: 0 chat preemptions", split.get("chat_preemptions") == 0),
-        ("shared shows the cliff (chat p99 TTFT >= 5x alone, or preemptions)",
-         shared.get("ttft_p99_ratio", 0) >= 5 or (shared.get("chat_preemptions") or 0) > 0),
-        ("split rag keeps >= 25% of rag-alone tokens/s", split.get("rag_ratio", 0) >= 0.25),
-    ]
-    return [f"{'met' if ok else 'NOT met'}: {text}" for text, ok in checks]
+    ttft_ms, itl_ms = split.get("slo_ms") or [1000.0, split.get("itl_ms") or 100.0]
+    cell = judge(by["chat alone"], split, by["rag alone"], ttft_ms=ttft_ms, itl_ms=itl_ms)
+    lines = [f"verdict: {verdict_text(cell)} (slo ttft {ttft_ms:g} ms, itl {itl_ms:g} ms; chat alone used "
+             + ("?" if cell["chat_alone_device_share"] is None else f"{cell['chat_alone_device_share']:.0%}")
+             + " of the device)"]
+    names = {"split_ttft_ok": "split chat p99 TTFT <= min(ttft_ms, 1.25 x (alone + itl_ms))",
+             "split_itl_ok": "split chat p99 ITL <= itl_ms", "split_no_preemption": "split: 0 chat preemptions",
+             "rag_share_ok": "split rag device share >= min(min_share, rag alone's)",
+             "enough_samples": f"at least {MIN_CHAT_REQUESTS} chat requests per run"}
+    lines += [f"{'met' if cell[b] else 'NOT met'}: {text}" for b, text in names.items()]
+    cliff = shared.get("ttft_p99_ratio", 0) >= 5 or (shared.get("chat_preemptions") or 0) > 0
+    lines.append(f"{'met' if cliff else 'NOT met'}: shared shows the cliff (chat p99 TTFT >= 5x alone, or preemptions)")
+    return lines
 
 
 def write_plot(results: list[dict[str, Any]], path: Path) -> None:

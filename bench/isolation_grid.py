@@ -10,18 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.isolation import ROUTE_THRESHOLD, pool_file
+from bench.isolation import ROUTE_THRESHOLD, judge, pool_file, verdict_text
 from bench.options import int_list
 from pools.workload import LengthDist, WorkloadClass, parse_rates
 
 QUICK_GRID = ("0.5,2", "0.3", "1500")       # --chat-rates, --rag-rates, --rag-lens of --quick
 DEFAULT_GRID = ("0.5,1,2", "0.1,0.2,0.4", "1500,3000")
 RAG_LEN_SPREAD = 0.2                        # rag prompts: uniform within +-20% of the length asked
-SPLIT_SLACK = 1.25                          # split chat p99s may exceed their reference by 25%
-MIN_RAG_SHARE = 0.3                         # split rag tokens/s over rag alone's, where required
-SATURATED_BUSY = 1 - MIN_RAG_SHARE          # chat alone busy this much: no idle time left for rag's share
 BLOCK_SIZE = 16
-BARS = ("chat_alone_meets_slo", "split_ttft_ok", "split_itl_ok", "split_no_preemption", "rag_share_ok")
 
 
 # --- the grid and its runs ------------------------------------------------------------------------------------
@@ -141,52 +137,11 @@ def sweep_pool_files(args: argparse.Namespace, grid: Grid) -> dict[str, str]:
             "shared": pool_file("shared", chat_slo=None, **common)}
 
 
-# --- the verdict ---------------------------------------------------------------------------------------------
-
-def judge(alone: dict[str, Any], split: dict[str, Any], rag_alone: dict[str, Any], *, ttft_ms: float,
-          itl_ms: float, saturated_busy: float) -> dict[str, Any]:
-    """The bars of one cell (see the module docstring) from its chat-alone, split and rag-alone runs
-    (`ttft_p99`, `itl_p99` in s, `busy_fraction`, `chat_preemptions`, `rag_tokens_per_s`)."""
-    ttft_s, itl_s = ttft_ms / 1e3, itl_ms / 1e3
-
-    def at_most(value: float | None, bound: float | None) -> bool:
-        return value is not None and bound is not None and value <= bound
-
-    alone_ttft, split_ttft = alone.get("ttft_p99"), split.get("ttft_p99")
-    ttft_bound = None if alone_ttft is None else SPLIT_SLACK * (alone_ttft + itl_s)
-    rag_split, rag_base = split.get("rag_tokens_per_s"), rag_alone.get("rag_tokens_per_s")
-    rag_ratio = rag_split / rag_base if rag_split is not None and rag_base else None
-    busy = alone.get("busy_fraction")
-    bars = {
-        "chat_alone_meets_slo": at_most(alone_ttft, ttft_s) and at_most(alone.get("itl_p99"), itl_s),
-        "split_ttft_ok": at_most(split_ttft, ttft_s) and at_most(split_ttft, ttft_bound),
-        "split_itl_ok": at_most(split.get("itl_p99"), SPLIT_SLACK * itl_s),
-        "split_no_preemption": split.get("chat_preemptions") == 0,
-        "rag_share_ok": rag_ratio is not None and rag_ratio >= MIN_RAG_SHARE,
-    }
-    saturated = busy is not None and busy >= saturated_busy
-    required = [b for b in BARS[1:] if b != "rag_share_ok" or not saturated]
-    in_scope = bars["chat_alone_meets_slo"]
-    failed = [b for b in required if not bars[b]]
-    return {**bars, "in_scope": in_scope, "saturated_by_chat": saturated, "rag_share_required": not saturated,
-            "required_bars": required, "failed_bars": failed if in_scope else [],
-            "cell_ok": (not failed) if in_scope else None,
-            "split_ttft_bound_s": None if ttft_bound is None else min(ttft_s, ttft_bound),
-            "split_ttft_slo_ratio": None if split_ttft is None else split_ttft / ttft_s, "rag_ratio": rag_ratio}
-
-
-def verdict_text(cell: dict[str, Any]) -> str:
-    if not cell["in_scope"]:
-        return "out of scope (chat alone misses the SLO)"
-    if cell["cell_ok"]:
-        return "met"
-    short = {"split_ttft_ok": "ttft", "split_itl_ok": "itl", "split_no_preemption": "preempt",
-             "rag_share_ok": "rag share"}
-    return "NOT met: " + ", ".join(short[b] for b in cell["failed_bars"])
-
-
-def assemble(grid: Grid, runs: list[tuple[Run, dict[str, Any]]], args: argparse.Namespace) -> dict[str, Any]:
-    """Baselines, cells with their bars, and the summary, from the runs."""
+def assemble(grid: Grid, runs: list[tuple[Run, dict[str, Any]]], args: argparse.Namespace,
+             slo_ms: tuple[float, float] | None = None) -> dict[str, Any]:
+    """Baselines, cells with their verdicts (`bench.isolation.judge`), and the summary, from the runs;
+    `slo_ms`: the (ttft_ms, itl_ms) the split server's chat pool ran with (default: the flags')."""
+    ttft_ms, itl_ms = slo_ms or (args.ttft_ms, args.itl_ms)
     by = {run: result for run, result in runs}
     cells = []
     for c, r, n in grid.cells:
@@ -203,9 +158,10 @@ def assemble(grid: Grid, runs: list[tuple[Run, dict[str, Any]]], args: argparse.
             "shared_chat_preemptions": shared.get("chat_preemptions"),
             "rag_tokens_per_s_split": split.get("rag_tokens_per_s"),
             "rag_tokens_per_s_alone": rag_alone.get("rag_tokens_per_s"),
-            "chat_alone_busy_fraction": alone.get("busy_fraction"),
-            **judge(alone, split, rag_alone, ttft_ms=args.ttft_ms, itl_ms=args.itl_ms,
-                    saturated_busy=args.saturated_busy),
+            "rag_device_share_split": split.get("rag_device_share"),
+            "rag_device_share_alone": rag_alone.get("rag_device_share"),
+            "overloaded_first_s": split.get("overloaded_first_s"),
+            **judge(alone, split, rag_alone, ttft_ms=ttft_ms, itl_ms=itl_ms, min_share=args.min_share),
             "runs": {"split": split, "shared": shared},
         }
         cell["verdict"] = verdict_text(cell)
@@ -218,7 +174,9 @@ def assemble(grid: Grid, runs: list[tuple[Run, dict[str, Any]]], args: argparse.
         "baselines": {"chat_alone": [result for run, result in runs if run.kind == "chat alone"],
                       "rag_alone": [result for run, result in runs if run.kind == "rag alone"]},
         "cells": cells,
+        "slo_ms": [ttft_ms, itl_ms],
         "summary": {"cells": len(cells), "in_scope": len(in_scope), "met": sum(c["cell_ok"] for c in in_scope),
+                    "overloaded": sum(c["overloaded"] for c in cells),
                     "runs": len(runs), "servers": len({result["server_url"] for _, result in runs}),
                     "runs_s": sum(result["wall_s"] + result["idle_wait_s"] for _, result in runs)},
     }
@@ -226,8 +184,8 @@ def assemble(grid: Grid, runs: list[tuple[Run, dict[str, Any]]], args: argparse.
 
 def summary_line(data: dict[str, Any]) -> str:
     s = data["summary"]
-    return (f"cells in scope: {s['in_scope']} of {s['cells']} (the rest: chat alone misses the SLO); "
-            f"met: {s['met']} of {s['in_scope']}")
+    return (f"cells in scope: {s['in_scope']} of {s['cells']} (the rest: chat alone uses more than 1 - min_share "
+            f"of the device); met: {s['met']} of {s['in_scope']}; overloaded (the gauge said so): {s['overloaded']}")
 
 
 def format_sweep_table(data: dict[str, Any]) -> str:
@@ -239,13 +197,14 @@ def format_sweep_table(data: dict[str, Any]) -> str:
 
     head = (f"{'chat/s':>6} {'rag/s':>5} {'rag len':>7}  {'TTFT p99 ms alone':>17} {'split':>6} {'shared':>7}  "
             f"{'ITL p99 ms alone':>16} {'split':>6} {'shared':>7}  {'split/SLO':>9} {'preempt':>7} "
-            f"{'rag ratio':>9}  verdict")
+            f"{'rag ratio':>9} {'chat share':>10} {'rag share':>9}  verdict")
     lines = [head]
     for c in data["cells"]:
         lines.append(f"{c['chat_rate']:>6g} {c['rag_rate']:>5g} {c['rag_len']:>7}  {ms(c['ttft_p99_alone']):>17} "
                      f"{ms(c['ttft_p99_split']):>6} {ms(c['ttft_p99_shared']):>7}  {ms(c['itl_p99_alone']):>16} "
                      f"{ms(c['itl_p99_split']):>6} {ms(c['itl_p99_shared']):>7}  {x(c['split_ttft_slo_ratio']):>9} "
-                     f"{str(c['split_chat_preemptions']):>7} {x(c['rag_ratio']):>9}  {c['verdict']}")
+                     f"{str(c['split_chat_preemptions']):>7} {x(c['rag_ratio']):>9} "
+                     f"{x(c['chat_alone_device_share']):>10} {x(c['rag_device_share_split']):>9}  {c['verdict']}")
     return "\n".join(lines)
 
 
@@ -276,6 +235,9 @@ def write_heatmap(data: dict[str, Any], path: Path, ttft_ms: float) -> None:
             if c["in_scope"] and ratio is not None:
                 values[i, j] = ratio
             text = "-" if ratio is None else f"{ratio:.2f}"
+            if c["overloaded"]:
+                text += "\noverloaded"
+                ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=2.5))
             if c["in_scope"]:
                 text += " \u2713" if c["cell_ok"] else " \u2717"
             else:
@@ -293,5 +255,5 @@ def write_heatmap(data: dict[str, Any], path: Path, ttft_ms: float) -> None:
     s = data["summary"]
     fig.suptitle(f"bench isolation --sweep: {s['met']} of {s['in_scope']} cells in scope met "
                  f"({s['cells']} cells)\n\u2713 cell_ok, \u2717 a bar missed; hatched grey: out of scope "
-                 "(chat alone misses the SLO)", fontsize=9)
+                 "(chat alone uses more than 1 - min_share of the device); black frame: overloaded", fontsize=9)
     fig.savefig(path, dpi=110)

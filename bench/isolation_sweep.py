@@ -18,27 +18,28 @@ waiting or swapped in any pool, none queued for KV credits, every credit back), 
 Prefix caching is off on every pool of the bench's pool files: the bench measures compute isolation,
 not caching, and a cache warmed by one run would flatter the next on a reused server.
 
-Per cell, from p99s over the run (TTFT over every chat request sent, one never answered counting as its
-wait, as in `bench isolation`), with ttft_ms / itl_ms from `--ttft-ms` / `--itl-ms` (the SLO the split
-layout names; with `--no-slo` the split file names no `slo`, the loader's default for a device with
-several pools applies, and the same flags are the bars it is judged by):
+Per cell, the verdict of `bench.isolation.judge` (the one definition, the same for a point of `bench
+isolation`), against the SLO the split server's chat pool runs with: `--ttft-ms` / `--itl-ms` as its pool
+file names them, or with `--no-slo` the one isolation by default derived from the device's measured step
+at start (read from `cliffguard_pool_slo_seconds`):
 
-- `chat_alone_meets_slo`: chat alone p99 TTFT <= ttft_ms and p99 ITL <= itl_ms. A cell where it is false
-  is out of scope (chat overloads the device by itself; no layout can help) and is not judged;
-- `split_ttft_ok`: split chat p99 TTFT <= ttft_ms and <= 1.25 x (chat alone p99 TTFT + itl_ms);
-- `split_itl_ok`: split chat p99 ITL <= 1.25 x itl_ms;
+- in scope by load: chat alone used at most 1 - min_share of the device's time (`--min-share`, the rag
+  pool's, default 0.2), measured as the chat pool's part of the engine's step time
+  (`cliffguard_pool_device_seconds_total`) over the run's arrivals: rag's guaranteed share fits beside it;
+- `split_ttft_ok`: split chat p99 TTFT <= min(ttft_ms, 1.25 x (chat alone p99 TTFT + itl_ms));
+- `split_itl_ok`: split chat p99 ITL <= itl_ms;
 - `split_no_preemption`: no preemption in the split layout's chat pool during the split run;
-- `rag_share_ok`: split rag tokens/s >= 0.3 x rag alone tokens/s (the rag pool's computed tokens per
-  second). Required only where the device is not saturated by chat alone: `saturated_by_chat` is chat
-  alone's busy fraction >= `--saturated-busy` (default 0.7 = 1 - 0.3), the busy fraction being the
-  share of its `/metrics` scrapes (every 0.5 s) in which the chat pool had a request running or
-  waiting. The device worker steps back to back whenever a pool has work, and no step-time series is
-  exported, so this is the measured fraction of time the device computed for chat. Why 0.7: rag's
-  share comes from the time chat leaves idle plus what rides in chat's own steps, and on a device
-  where a rag chunk's context read costs about a chat step (the 2-core CPU: ~45 ms per sequence with
-  3,000 cached tokens against a ~40 ms chat decode step) little rides there within chat's `itl_ms`;
-  a device that chat alone keeps busy 70% of the time has under 30% of its time left to give;
-- `cell_ok`: every required bar of an in-scope cell (None for out-of-scope cells).
+- `rag_share_ok`: rag's part of the device's time during the split run's arrivals >= min(min_share, rag
+  alone's part during its own run);
+- `enough_samples`: every chat run sent at least 100 requests (each chat load runs at least 100 / rate
+  seconds of arrivals; not with --quick, whose cells are judged as too few);
+- `overloaded`: `cliffguard_device_overloaded` read 1 during the split run: marked in the table and the
+  heat map, still judged;
+- `cell_ok`: every bar of an in-scope cell (None for out-of-scope cells).
+
+Between runs the bench waits until the server is idle and no longer says it is overloaded (the gauge
+clears after 10 s of calm once the arrivals have left its 20 s window), so one run's overload is not
+read in the next.
 
 `--out DIR` writes `sweep.json` (args, commit, date, the grid, every baseline and cell with its runs,
 the summary) and `sweep.png` (per rag length a heat map, rows chat rate, columns rag rate, colour split
@@ -66,14 +67,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench.isolation import (CHAT, MODEL, Scenario, add_arguments as isolation_arguments, load_config,
-                             run as isolation_run, run_loads, run_times, summarize)
-from bench.isolation_grid import (DEFAULT_GRID, QUICK_GRID, SATURATED_BUSY, Grid, Run, assemble, format_sweep_table,
-                                  plan_runs, summary_line, sweep_grid, sweep_pool_files, write_heatmap)
+from bench.isolation import (CHAT, MODEL, Scenario, add_arguments as isolation_arguments, chat_duration, load_config,
+                             run as isolation_run, run_loads, run_times, server_slo, summarize)
+from bench.isolation_grid import (DEFAULT_GRID, QUICK_GRID, Grid, Run, assemble, format_sweep_table, plan_runs,
+                                  summary_line, sweep_grid, sweep_pool_files, write_heatmap)
 from bench.live import REPO, LiveServer
 from bench.load.scrape import pool_samples
 from bench.load.plan import LoadConfig, load_tokenizer
-from bench.load.report import LoadReport
+from engine.config import DEFAULT_MIN_SHARE
 from pools.workload import LengthDist
 
 IDLE_TIMEOUT_S = 60.0
@@ -113,13 +114,13 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rag-output-tokens", type=int, default=128, help="--sweep: output tokens of every rag "
                    "request (default 128)")
     p.add_argument("--no-slo", action="store_true", help="--sweep: the split layout's chat pool names no slo "
-                   "(the default for a device with several pools applies); the verdict still uses --ttft-ms "
-                   "and --itl-ms")
+                   "(isolation by default applies, its SLO derived from the device's step); the verdict uses the "
+                   "SLO the server reports")
     p.add_argument("--no-shared", action="store_true", help="--sweep: skip the shared layout (split runs and "
                    "baselines only: a second run of a sweep's verdict, e.g. with --no-slo, in less time)")
-    p.add_argument("--saturated-busy", type=float, default=SATURATED_BUSY, help="--sweep: chat alone saturates "
-                   "the device when its chat pool had work in at least this fraction of the /metrics scrapes; "
-                   f"rag's share is then not required (default {SATURATED_BUSY:g}: 1 - the share rag is owed)")
+    p.add_argument("--min-share", type=float, default=DEFAULT_MIN_SHARE, help="--sweep: the rag pool's min_share "
+                   "(its pool file's: the default); a cell is in scope where chat alone uses at most 1 - this of "
+                   f"the device, and rag is owed this share of it (default {DEFAULT_MIN_SHARE:g})")
 
 
 # --- the server between runs ----------------------------------------------------------------------------------
@@ -129,6 +130,8 @@ def pending_work(metrics_text: str) -> list[str]:
     queued for KV credits, and credits still held. Empty when the server is idle."""
     pending: list[str] = []
     pools = pool_samples(metrics_text)
+    if pools.get("", {}).get("cliffguard_device_overloaded"):
+        pending.append("the device still says it is overloaded")
     for pool, samples in pools.items():
         pending += [f"{pool}: {samples[name]:g} {what}" for name, what in PENDING_GAUGES.items() if samples.get(name)]
     for pool, samples in sorted(pools.items()):
@@ -171,18 +174,12 @@ async def warm_up(url: str, grid: Grid, tokenizer) -> float:
     return time.perf_counter() - began
 
 
-def busy_fraction(report: LoadReport, pool: str) -> float | None:
-    """Share of a run's successful scrapes in which `pool` had a request running or waiting."""
-    ok = [s.pools[pool] for s in report.scrapes if s.error is None and pool in s.pools]
-    if not ok:
-        return None
-    return sum(p.get("num_requests_running", 0) + p.get("num_requests_waiting", 0) > 0 for p in ok) / len(ok)
-
-
 async def execute(run: Run, grid: Grid, url: str, args: argparse.Namespace, tokenizer) -> dict[str, Any]:
     """Run the loads of `run` against the (idle) server at `url`; the run's numbers, with chat's TTFT
     samples (ms) but no ITL samples."""
     duration, drain_timeout = run_times(args)
+    if run.chat_rate:
+        duration = chat_duration(duration, run.chat_rate, args)
     times = {"duration": duration, "drain_timeout": drain_timeout}
     configs = []
     if run.chat_rate:
@@ -195,15 +192,14 @@ async def execute(run: Run, grid: Grid, url: str, args: argparse.Namespace, toke
     chat = reports[0] if run.chat_rate else None
     rag = reports[-1] if run.rag_rate else None
     itl_ms = None if args.no_slo or run.layout == "shared" else args.itl_ms
-    result = summarize(Scenario(run.kind, run.layout, bool(chat), bool(rag), itl_ms), chat, rag)
+    result = summarize(Scenario(run.kind, run.layout, bool(chat), bool(rag), itl_ms), chat, rag, arrivals_s=duration)
     ttfts = result.get("ttft_samples")
     result = {k: v for k, v in result.items() if not k.endswith("_samples")}
     if ttfts:   # every chat TTFT (ms, in arrival order): a p99 of a few dozen requests is its largest few
         result["ttft_ms_samples"] = [round(1000 * t) for t in ttfts]
     result.update(kind=run.kind, chat_rate=run.chat_rate, rag_rate=run.rag_rate, rag_len=run.rag_len,
-                  chat_seed=configs[0].seed if chat else None, rag_seed=configs[-1].seed if rag else None)
-    if chat is not None:
-        result["busy_fraction"] = busy_fraction(chat, "shared" if run.layout == "shared" else "chat")
+                  chat_seed=configs[0].seed if chat else None, rag_seed=configs[-1].seed if rag else None,
+                  duration_s=duration)
     return result
 
 
@@ -227,7 +223,8 @@ async def run_all(args: argparse.Namespace, grid: Grid) -> tuple[list[tuple[Run,
             t0 = time.perf_counter()
             with LiveServer(path) as server:
                 servers[layout] = {"url": server.url, "start_s": time.perf_counter() - t0,
-                                   "warm_up_s": await warm_up(server.url, grid, tokenizer)}
+                                   "warm_up_s": await warm_up(server.url, grid, tokenizer),
+                                   "chat_slo_ms": await server_slo(server.url) if layout == "split" else None}
                 for run in (r for r in runs if r.layout == layout):
                     print(f"bench isolation --sweep: [{len(results) + 1}/{len(runs)}] {run.describe()} "
                           f"({time.perf_counter() - began:.0f} s so far)", file=sys.stderr, flush=True)
@@ -256,24 +253,25 @@ def _commit() -> str | None:
 
 def run_sweep(args: argparse.Namespace) -> int:
     """`cliffguard bench isolation --sweep`: run the grid, print the table, write sweep.json / sweep.png."""
-    if not 0 < args.saturated_busy <= 1:
-        raise ValueError(f"--saturated-busy: must be in (0, 1], got {args.saturated_busy}")
+    if not 0 <= args.min_share < 1:
+        raise ValueError(f"--min-share: must be in [0, 1), got {args.min_share}")
     grid = sweep_grid(args)
     duration, drain_timeout = run_times(args)
     began = time.perf_counter()
     runs, servers = asyncio.run(run_all(args, grid))
-    data = assemble(grid, runs, args)
+    slo = servers.get("split", {}).get("chat_slo_ms")
+    data = assemble(grid, runs, args, tuple(slo) if slo else None)
     data["servers"] = servers
     data["summary"]["elapsed_s"] = time.perf_counter() - began
     data = {"args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
-            "duration_s": duration, "drain_timeout_s": drain_timeout, "ttft_ms": args.ttft_ms,
-            "itl_ms": args.itl_ms, "slo_in_pool_file": not args.no_slo, "commit": _commit(),
+            "duration_s": duration, "drain_timeout_s": drain_timeout, "ttft_ms": data["slo_ms"][0],
+            "itl_ms": data["slo_ms"][1], "slo_in_pool_file": not args.no_slo, "commit": _commit(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **data}
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "sweep.json").write_text(json.dumps(data, indent=1) + "\n")
-        write_heatmap(data, out / "sweep.png", args.ttft_ms)
+        write_heatmap(data, out / "sweep.png", data["slo_ms"][0])
     if args.json:
         print(json.dumps(data, indent=1))
     else:

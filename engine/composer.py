@@ -125,6 +125,7 @@ class ComposerStats:
     last_target_seconds: float | None = None
     last_step_seconds: float = 0.0
     busy_seconds: float = 0.0                 # every step's measured time together (the device's busy time)
+    pool_seconds: dict[str, float] = field(default_factory=dict)   # ... divided among pools by ComposedStep.costs
 
 
 class StepComposer:
@@ -286,10 +287,16 @@ class StepComposer:
                 tracker.observe_step(had_decode, bool(scheduled), ended_at, shared)
 
     def _count_shares(self, step: ComposedStep, seconds: float) -> None:
-        """The step's time into the share window, divided among its pools by `ComposedStep.costs`."""
-        if not self.throughput or seconds <= 0:
+        """The step's time into each pool's total and the share window, divided among its pools by
+        `ComposedStep.costs`."""
+        if seconds <= 0:
             return
         total = sum(max(0.0, c) for c in step.costs.values())
+        for n, cost in step.costs.items():
+            if total and cost > 0:
+                self.stats.pool_seconds[n] = self.stats.pool_seconds.get(n, 0.0) + seconds * cost / total
+        if not self.throughput:
+            return
         parts = {n: seconds * max(0.0, step.costs.get(n, 0.0)) / total if total else 0.0 for n in self.throughput}
         self._shares.append((seconds, parts))
         self._window_seconds += seconds

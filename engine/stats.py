@@ -75,6 +75,7 @@ class PoolStats:
     num_too_large: int = 0
     num_computed_tokens: int = 0
     num_generated_tokens: int = 0    # output tokens sampled (a recomputed token is not generated again)
+    device_seconds: float = 0.0      # the pool's part of every step's measured time (by its predicted cost)
 
     @property
     def num_preemptions(self) -> int:

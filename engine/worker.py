@@ -163,7 +163,8 @@ def engine_stats(engine, *, check: bool = False) -> EngineStats:
     """Every pool's counters of a live engine (what the metrics endpoint exports), stamped with
     `time.time()` when taken; `check` also runs the allocators' integrity check."""
     block_bytes = engine.kv_cache.bytes_per_block
-    pools = {name: _pool_stats(s, block_bytes) for name, s in engine.schedulers.items()}
+    seconds = engine.composer.stats.pool_seconds
+    pools = {name: _pool_stats(s, block_bytes, seconds.get(name, 0.0)) for name, s in engine.schedulers.items()}
     if check:
         engine.check_integrity()
     composer = engine.composer.stats
@@ -176,7 +177,7 @@ def engine_stats(engine, *, check: bool = False) -> EngineStats:
     return EngineStats(num_requests=len(engine.requests), pools=pools, step=step, taken_at=time.time())
 
 
-def _pool_stats(scheduler: Scheduler, block_bytes: int) -> PoolStats:
+def _pool_stats(scheduler: Scheduler, block_bytes: int, device_seconds: float) -> PoolStats:
     bm, st = scheduler.block_manager, scheduler.stats
     return PoolStats(
         num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
@@ -191,4 +192,5 @@ def _pool_stats(scheduler: Scheduler, block_bytes: int) -> PoolStats:
         swapped_in_bytes=st.num_swapped_in_blocks * block_bytes, preempt_seconds=st.preempt_seconds,
         num_prefix_queries=bm.num_prefix_queries, num_prefix_hits=bm.num_prefix_hits,
         num_aborted=st.num_aborted, num_too_large=st.num_too_large,
-        num_computed_tokens=st.num_computed_tokens, num_generated_tokens=st.num_generated_tokens)
+        num_computed_tokens=st.num_computed_tokens, num_generated_tokens=st.num_generated_tokens,
+        device_seconds=device_seconds)

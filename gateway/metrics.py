@@ -97,6 +97,8 @@ class GatewayMetrics:
         self.prefix_hits = self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", _PR)
         self.computed_tokens = self._counter("computed_tokens", "Tokens whose K/V the pool's engine steps computed "
                                              "(prefill chunks, decodes, recomputation).", _PR)
+        self.device_seconds = self._counter("pool_device_seconds", "The pool's part of its device's measured step "
+                                            "time (each step divided among its pools by predicted cost).", _PR)
 
     def _add_request_series(self) -> None:
         """What the gateway observes itself as requests are routed and answered."""
@@ -124,6 +126,8 @@ class GatewayMetrics:
                                             "pool on the device).", _DEVICE)
         self.steps_over_target = self._counter("engine_steps_over_target", "Targeted steps that took longer than "
                                                "their target.", _DEVICE)
+        self.busy_seconds = self._counter("engine_busy_seconds", "Measured step time (after the device finished): "
+                                          "the time the device computed.", _DEVICE)
         self.step_target = self._gauge("engine_step_target_seconds", "The step composer's latency target for the "
                                        "last step (0: none).", _DEVICE)
         self.pressed_steps = self._counter("engine_pressed_steps", "Steps composed with throughput pools at their "
@@ -193,6 +197,7 @@ class GatewayMetrics:
         self._advance(self.prefix_queries, "prefix_queries", stats.num_prefix_queries, **labels)
         self._advance(self.prefix_hits, "prefix_hits", stats.num_prefix_hits, **labels)
         self._advance(self.computed_tokens, "computed_tokens", stats.num_computed_tokens, **labels)
+        self._advance(self.device_seconds, "device_seconds", stats.device_seconds, **labels)
 
     def update_device(self, device: str, replica: int, stats: EngineStats) -> None:
         """Refresh the device-level series from the stats one replica's worker pushed last."""
@@ -200,6 +205,7 @@ class GatewayMetrics:
         self.stats_age.labels(**labels).set(max(0.0, time.time() - stats.taken_at))
         step = stats.step
         self._advance(self.steps, "steps", step.num_steps, **labels)
+        self._advance(self.busy_seconds, "busy_seconds", step.busy_seconds, **labels)
         self._advance(self.targeted_steps, "targeted_steps", step.num_targeted_steps, **labels)
         self._advance(self.steps_over_target, "steps_over_target", step.num_over_target, **labels)
         self.step_target.labels(**labels).set(step.last_target_seconds or 0.0)

@@ -19,8 +19,11 @@ SCRAPED = {"cliffguard_kv_cache_usage_perc": "kv_cache_usage_perc",
            "cliffguard_num_requests_running": "num_requests_running",
            "cliffguard_num_requests_waiting": "num_requests_waiting",
            "cliffguard_num_preemptions_total": "num_preemptions_total",
-           "cliffguard_computed_tokens_total": "computed_tokens_total"}
-COUNTERS = ("num_preemptions_total", "computed_tokens_total")   # reported as their increase over the run
+           "cliffguard_computed_tokens_total": "computed_tokens_total",
+           "cliffguard_pool_device_seconds_total": "device_seconds_total",
+           "cliffguard_engine_busy_seconds_total": "busy_seconds_total",      # no pool label: under ""
+           "cliffguard_device_overloaded": "device_overloaded"}               # no pool label: under "" (summed)
+COUNTERS = ("num_preemptions_total", "computed_tokens_total", "device_seconds_total", "busy_seconds_total")
 SCRAPE_TIMEOUT_S = 10.0
 
 

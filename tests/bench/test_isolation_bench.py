@@ -11,10 +11,10 @@ import json
 
 import pytest
 
-from bench.isolation import (CHAT, add_ratios, format_table, load_config as load_config_of, pools_yaml, scenarios,
-                             verdict)
-from bench.isolation_grid import (BARS, Grid, assemble, format_sweep_table, judge, plan_runs, summary_line,
-                                  sweep_grid, sweep_pool_files, verdict_text, write_heatmap)
+from bench.isolation import (BARS, CHAT, add_ratios, format_table, judge, load_config as load_config_of, pools_yaml,
+                             scenarios, verdict, verdict_text)
+from bench.isolation_grid import (Grid, assemble, format_sweep_table, plan_runs, summary_line, sweep_grid,
+                                  sweep_pool_files, write_heatmap)
 from bench.isolation_sweep import add_arguments, pending_work
 from gateway.cli import main
 from pools.capacity_plan import plan_capacity, resolve_model_configs
@@ -53,17 +53,21 @@ def test_every_scenario_writes_a_valid_pool_file():
 
 def test_ratios_table_and_verdict():
     results = [
-        {"scenario": "chat alone", "ttft_p99": 0.4, "itl_p99": 0.2, "chat_preemptions": 0},
-        {"scenario": "rag alone", "rag_tokens_per_s": 100.0, "chat_preemptions": 0},
-        {"scenario": "split", "ttft_p99": 0.45, "itl_p99": 0.3, "chat_preemptions": 0, "rag_tokens_per_s": 30.0},
+        {"scenario": "chat alone", "ttft_p99": 0.4, "itl_p99": 0.08, "chat_preemptions": 0, "chat_count": 120,
+         "chat_device_share": 0.5},
+        {"scenario": "rag alone", "rag_tokens_per_s": 100.0, "chat_preemptions": 0, "rag_device_share": 0.9},
+        {"scenario": "split", "ttft_p99": 0.45, "itl_p99": 0.09, "chat_preemptions": 0, "rag_tokens_per_s": 30.0,
+         "chat_count": 120, "rag_device_share": 0.25, "slo_ms": [1000, 100]},
         {"scenario": "shared", "ttft_p99": 4.0, "itl_p99": 2.0, "chat_preemptions": 0, "rag_tokens_per_s": 90.0},
     ]
     add_ratios(results)
-    assert results[2]["ttft_p99_ratio"] == pytest.approx(1.125) and results[2]["itl_p99_ratio"] == pytest.approx(1.5)
+    assert results[2]["ttft_p99_ratio"] == pytest.approx(1.125) and results[2]["itl_p99_ratio"] == pytest.approx(1.125)
     assert results[2]["rag_ratio"] == pytest.approx(0.3) and results[3]["ttft_p99_ratio"] == pytest.approx(10)
     lines = verdict(results)
-    assert lines[0].startswith("met") and lines[1].startswith("NOT met") and all(
-        line.startswith("met") for line in lines[2:])
+    assert lines[0].startswith("verdict: met (slo ttft 1000 ms, itl 100 ms; chat alone used 50% of the device)")
+    assert all(line.startswith("met") for line in lines[1:])
+    results[2]["rag_device_share"] = 0.1            # under min_share 0.2
+    assert verdict(results)[0].startswith("verdict: NOT met: rag share")
     table = format_table(results)
     assert "split" in table and "1.12x" in table and "0.30x" in table
 
@@ -169,60 +173,67 @@ def test_sweep_pool_files(argv):
             assert chat["slo"] == {"ttft_ms": 1000, "itl_ms": 100}
 
 
-def _run(ttft=None, itl=None, preempt=0, rag=None, busy=0.3):
+def _run(ttft=None, itl=None, preempt=0, rag=None, chat_share=0.5, rag_share=None, count=120, overloaded=None):
     return {"ttft_p99": ttft, "itl_p99": itl, "chat_preemptions": preempt, "rag_tokens_per_s": rag,
-            "busy_fraction": busy}
+            "chat_device_share": chat_share, "rag_device_share": rag_share, "chat_count": count,
+            "overloaded_first_s": overloaded}
 
 
 def _judge(alone, split, rag_alone):
-    return judge(alone, split, rag_alone, ttft_ms=1000, itl_ms=100, saturated_busy=0.9)
+    return judge(alone, split, rag_alone, ttft_ms=1000, itl_ms=100, min_share=0.2)
 
 
 def test_verdict_bars():
-    alone, base = _run(0.4, 0.05), _run(rag=100.0)
-    ok = _judge(alone, _run(0.6, 0.12, rag=30.0), base)
+    alone, base = _run(0.4, 0.05), _run(rag=100.0, rag_share=0.9)
+    ok = _judge(alone, _run(0.6, 0.1, rag=30.0, rag_share=0.2), base)
     assert all(ok[b] for b in BARS) and ok["in_scope"] and ok["cell_ok"] is True and ok["failed_bars"] == []
     assert ok["split_ttft_bound_s"] == pytest.approx(0.625) and ok["split_ttft_slo_ratio"] == pytest.approx(0.6)
-    assert ok["rag_ratio"] == pytest.approx(0.3) and verdict_text(ok) == "met"
+    assert ok["rag_ratio"] == pytest.approx(0.3) and verdict_text(ok) == "met" and not ok["overloaded"]
     # TTFT: within the SLO but above 1.25 x (alone + itl_ms); then above the SLO though alone is slow
-    assert _judge(alone, _run(0.63, 0.05, rag=50.0), base)["failed_bars"] == ["split_ttft_ok"]
-    slow = _judge(_run(0.9, 0.05), _run(1.01, 0.05, rag=50.0), base)
+    assert _judge(alone, _run(0.63, 0.05, rag_share=0.3), base)["failed_bars"] == ["split_ttft_ok"]
+    slow = _judge(_run(0.9, 0.05), _run(1.01, 0.05, rag_share=0.3), base)
     assert slow["failed_bars"] == ["split_ttft_ok"] and slow["split_ttft_bound_s"] == 1.0
-    # ITL: 1.25 x itl_ms; no completed chat request is no ITL, a miss
-    assert _judge(alone, _run(0.5, 0.126, rag=50.0), base)["failed_bars"] == ["split_itl_ok"]
-    assert _judge(alone, _run(0.5, None, rag=50.0), base)["failed_bars"] == ["split_itl_ok"]
+    # ITL: the SLO itself; no completed chat request is no ITL, a miss
+    assert _judge(alone, _run(0.5, 0.101, rag_share=0.3), base)["failed_bars"] == ["split_itl_ok"]
+    assert _judge(alone, _run(0.5, None, rag_share=0.3), base)["failed_bars"] == ["split_itl_ok"]
     # preemptions, or none measured
-    assert _judge(alone, _run(0.5, 0.1, preempt=1, rag=50.0), base)["failed_bars"] == ["split_no_preemption"]
-    assert not _judge(alone, _run(0.5, 0.1, preempt=None, rag=50.0), base)["split_no_preemption"]
-    # rag's share: required unless chat alone keeps the device busy
-    starved = _judge(alone, _run(0.5, 0.1, rag=29.0), base)
+    assert _judge(alone, _run(0.5, 0.1, preempt=1, rag_share=0.3), base)["failed_bars"] == ["split_no_preemption"]
+    assert not _judge(alone, _run(0.5, 0.1, preempt=None, rag_share=0.3), base)["split_no_preemption"]
+    # rag's device share: min_share, or rag alone's when that is less
+    starved = _judge(alone, _run(0.5, 0.1, rag_share=0.19), base)
     assert starved["failed_bars"] == ["rag_share_ok"] and starved["cell_ok"] is False
-    assert verdict_text(starved) == "NOT met: rag share"
-    busy = _judge(_run(0.4, 0.05, busy=0.95), _run(0.5, 0.1, rag=29.0), base)
-    assert busy["saturated_by_chat"] and not busy["rag_share_required"] and not busy["rag_share_ok"]
-    assert busy["cell_ok"] is True and "rag_share_ok" not in busy["required_bars"]
-    assert _judge(alone, _run(0.5, 0.1, rag=29.0), _run(rag=0.0))["rag_ratio"] is None
-    # out of scope: chat alone misses its TTFT or ITL target; not judged
-    for alone_out in (_run(1.2, 0.05), _run(0.4, 0.11), _run(None, None)):
-        out = _judge(alone_out, _run(5.0, 1.0, preempt=3, rag=1.0), base)
-        assert not out["in_scope"] and not out["chat_alone_meets_slo"] and out["cell_ok"] is None
-        assert out["failed_bars"] == [] and verdict_text(out).startswith("out of scope")
+    assert verdict_text(starved) == "NOT met: rag share" and starved["rag_device_share_owed"] == 0.2
+    light = _judge(alone, _run(0.5, 0.1, rag_share=0.1), _run(rag=10.0, rag_share=0.1))
+    assert light["rag_share_ok"] and light["rag_device_share_owed"] == 0.1
+    # fewer than 100 chat requests: not met; overloaded: marked, still judged
+    few = _judge(alone, _run(0.5, 0.1, rag_share=0.3, count=60), base)
+    assert few["failed_bars"] == ["enough_samples"] and verdict_text(few) == "NOT met: < 100 chat requests"
+    marked = _judge(alone, _run(0.5, 0.1, rag_share=0.3, overloaded=12.0), base)
+    assert marked["overloaded"] and marked["cell_ok"] and verdict_text(marked) == "met [overloaded]"
+    # out of scope by load: chat alone used more than 1 - min_share of the device; not judged
+    for alone_out in (_run(0.4, 0.05, chat_share=0.85), _run(0.4, 0.05, chat_share=None)):
+        out = _judge(alone_out, _run(5.0, 1.0, preempt=3, rag_share=0.0), base)
+        assert not out["in_scope"] and out["cell_ok"] is None and out["failed_bars"] == []
+        assert verdict_text(out).startswith("out of scope (chat alone uses ")
 
 
 def _made_up_runs(grid: Grid) -> list:
-    """Results of every run of `grid` as `run_all` returns them: chat at 2/s misses alone; the 0.4/s
-    rag flood with long prompts pushes split chat past its TTFT bar."""
+    """Results of every run of `grid` as `run_all` returns them: chat at 2/s alone uses 90% of the device;
+    the 0.4/s rag flood with long prompts pushes split chat past its TTFT bar and overloads the device."""
     results = []
     for run in plan_runs(grid):
         r = {"server_url": f"http://127.0.0.1:{1 if run.layout == 'split' else 2}", "wall_s": 30.0,
-             "idle_wait_s": 0.5, "idle_before": True, "chat_preemptions": 0}
+             "idle_wait_s": 0.5, "idle_before": True, "chat_preemptions": 0, "overloaded_first_s": None}
+        flood = run.rag_rate == 0.4 and run.rag_len == 3000
         if run.chat_rate:
-            slow = run.chat_rate >= 2
-            ttft = 0.3 + (0.5 if run.kind == "split" and run.rag_rate == 0.4 and run.rag_len == 3000 else 0)
-            r.update(ttft_p99=8.0 if run.kind == "shared" else (1.5 if slow else ttft),
-                     itl_p99=0.3 if run.kind == "shared" else 0.05, busy_fraction=0.4 * run.chat_rate)
+            ttft = 0.3 + (0.5 if run.kind == "split" and flood else 0)
+            r.update(ttft_p99=8.0 if run.kind == "shared" else ttft, chat_count=120,
+                     itl_p99=0.3 if run.kind == "shared" else 0.05, chat_device_share=0.45 * run.chat_rate)
         if run.rag_rate:
-            r["rag_tokens_per_s"] = 100.0 if run.kind == "rag alone" else 40.0
+            r.update(rag_tokens_per_s=100.0 if run.kind == "rag alone" else 40.0,
+                     rag_device_share=0.9 if run.kind == "rag alone" else 0.25)
+            if flood and run.kind == "split":
+                r["overloaded_first_s"] = 9.5
         results.append((run, r))
     return results
 
@@ -233,9 +244,11 @@ def test_sweep_table_summary_and_heatmap(tmp_path):
     data = assemble(grid, _made_up_runs(grid), args)
     cells = data["cells"]
     assert len(cells) == 18 and len(data["baselines"]["chat_alone"]) == 3 and len(data["baselines"]["rag_alone"]) == 6
-    assert data["summary"] == {"cells": 18, "in_scope": 12, "met": 10, "runs": 45, "servers": 2, "runs_s": 45 * 30.5}
-    assert [c["verdict"] for c in cells if c["in_scope"] and not c["cell_ok"]] == ["NOT met: ttft"] * 2
-    assert summary_line(data) == "cells in scope: 12 of 18 (the rest: chat alone misses the SLO); met: 10 of 12"
+    assert data["summary"] == {"cells": 18, "in_scope": 12, "met": 10, "overloaded": 3, "runs": 45, "servers": 2,
+                               "runs_s": 45 * 30.5}
+    assert [c["verdict"] for c in cells if c["in_scope"] and not c["cell_ok"]] == ["NOT met: ttft [overloaded]"] * 2
+    assert summary_line(data) == ("cells in scope: 12 of 18 (the rest: chat alone uses more than 1 - min_share of the "
+                                  "device); met: 10 of 12; overloaded (the gauge said so): 3")
     table = format_sweep_table(data)
     assert len(table.splitlines()) == 19 and "out of scope" in table and "NOT met: ttft" in table
     write_heatmap(data, tmp_path / "sweep.png", 1000)
@@ -253,6 +266,8 @@ def test_pending_work_reads_the_metrics():
                                   "rag: 4000 KV credits held"]
     idle = busy.replace("1.0", "0.0").replace("2.0", "0.0").replace("3.0", "0.0").replace("1568.0", "5568.0")
     assert pending_work(idle) == []
+    assert pending_work(idle + 'cliffguard_device_overloaded{device="dev"} 1.0\n') == [
+        "the device still says it is overloaded"]
 
 
 def test_sweep_quick_end_to_end(tmp_path, capsys):
@@ -278,11 +293,12 @@ def test_sweep_quick_end_to_end(tmp_path, capsys):
         split, shared = cell["runs"]["split"], cell["runs"]["shared"]
         base = alone[cell["chat_rate"]]
         assert all(isinstance(cell[b], bool) for b in BARS) and cell["cell_ok"] in (True, False, None)
-        assert (cell["cell_ok"] is None) == (not cell["chat_alone_meets_slo"])
+        assert (cell["cell_ok"] is None) == (not cell["in_scope"])
+        assert "enough_samples" in cell["failed_bars"] or not cell["in_scope"]     # --quick: too few to judge
         # the same chat arrivals alone, split and shared; the same rag arrivals alone and in the cell
         assert base["chat_seed"] == split["chat_seed"] == shared["chat_seed"] == cell["chat_seed"]
         assert base["chat_count"] == split["chat_count"] == shared["chat_count"] > 0
         assert rag_alone["rag_seed"] == split["rag_seed"] == shared["rag_seed"] == cell["rag_seed"]
         assert cell["ttft_p99_split"] == split["ttft_p99"] and cell["ttft_p99_alone"] == base["ttft_p99"]
         assert split["chat_preemptions"] == 0 == cell["split_chat_preemptions"]
-        assert 0 <= base["busy_fraction"] <= 1 and cell["verdict"]
+        assert 0 <= base["chat_device_share"] <= 1 and 0 <= split["rag_device_share"] <= 1 and cell["verdict"]
