@@ -206,9 +206,12 @@ def lock_data_dir(folder: Path) -> TextIO:
 
 # --- capacity ---------------------------------------------------------------------------------------
 def _add_capacity(sub) -> None:
+    from engine.step_cost import PRESETS
+
     p = sub.add_parser("capacity", help="plan each pool's blocks and max_num_seqs (capacity formula)",
                        description="Print each device's memory, weights and KV space and each pool's blocks and "
-                                   "max_num_seqs = floor(KV bytes / (S_KV x avg_len)), without loading weights.")
+                                   "max_num_seqs = floor(KV bytes / (S_KV x avg_len)), without loading weights; with "
+                                   "--rate, whether each device is overloaded at that rate (docs/SIMULATE.md).")
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"pools YAML (default: {DEFAULT_CONFIG})")
     p.add_argument("--vram", default=None,
                    help="memory per GPU for every device, e.g. 80GiB; a device 'auto' is then planned as CUDA "
@@ -217,16 +220,31 @@ def _add_capacity(sub) -> None:
                    help="an HF config.json (or a folder holding one) used for every local pool instead of "
                         "resolving each pool's model")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--rate", type=float, default=None, metavar="R",
+                   help="also judge each device under R requests/s of --workload: its offered load, overloaded or "
+                        "not, the replicas that would carry it (docs/SIMULATE.md \"Overloaded or not\")")
+    p.add_argument("--workload", default="mixed", help="with --rate: workload classes, a YAML file or a name under "
+                   "bench/workloads (default: mixed)")
+    steps = p.add_mutually_exclusive_group()
+    steps.add_argument("--device", choices=sorted(PRESETS), default=None, help="with --rate: the GPU preset whose "
+                       "roofline gives step times, not the plan's memory (default h100; a device planned as cpu "
+                       "needs --step-model or an explicit --device)")
+    steps.add_argument("--step-model", default=None, metavar="FILE", help="with --rate: a measured step model "
+                       "(simulate --calibrate FILE) for every device")
 
 
 def _capacity(args: argparse.Namespace) -> int:
     import torch
 
     from pools.capacity_plan import plan_capacity, resolve_model_configs
-    from pools.plan_report import format_plan
+    from pools.plan_report import format_plan, format_verdicts, rate_verdicts
     from pools.config_file import load_config
     from pools.spec import SpecError, parse_bytes
 
+    if args.rate is None and (args.device or args.step_model):
+        raise UsageError(f"{'--device' if args.device else '--step-model'}: only with --rate")
+    if args.rate is not None and not args.rate > 0:
+        raise UsageError(f"--rate: must be > 0, got {args.rate}")
     config = load_config(args.config)
     vram = parse_bytes(args.vram, "--vram") if args.vram is not None else None
     if vram == 0:
@@ -241,7 +259,16 @@ def _capacity(args: argparse.Namespace) -> int:
     except SpecError as exc:
         raise SpecError(f"{exc} (or pass --model-config config.json)") from None
     plan = plan_capacity(config, model_configs, vram_bytes=vram)
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    if args.rate is None:
+        print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+        return 0
+    verdicts, unrouted = rate_verdicts(config, plan, model_configs, args.workload, args.rate, preset=args.device,
+                                       step_model=args.step_model)
+    if args.json:
+        print(json.dumps(plan.to_dict() | {"overload": verdicts, "unrouted_rate": unrouted}, indent=2))
+    else:
+        print("\n".join([format_plan(plan), "", f"overload at {args.rate:g} requests/s of {args.workload}:",
+                         *format_verdicts(verdicts, unrouted=unrouted)]))
     return 0
 
 
@@ -334,10 +361,9 @@ def _simulation_setup(config, args: argparse.Namespace):
     the plan uses, the layouts to run ({name: (config, plan)}) and each device's step-time model."""
     import dataclasses
 
-    from engine.config import parse_dtype
-    from engine.step_cost import PRESETS, RooflineStepTime, read_step_model
+    from engine.step_cost import PRESETS
     from pools.capacity_plan import plan_capacity, resolve_model_configs
-    from pools.simulation.runner import shared_layout
+    from pools.simulation.runner import device_step_times, shared_layout
     from pools.spec import SpecError, parse_bytes
 
     if args.replicas is not None:
@@ -365,13 +391,8 @@ def _simulation_setup(config, args: argparse.Namespace):
     if args.layout in ("shared", "both"):
         shared = shared_layout(config, plan)
         layouts["shared"] = (shared, plan_capacity(shared, model_configs, vram_bytes=vram))
-    if args.step_model:
-        measured = read_step_model(args.step_model)
-        step_times = {d.name: measured for d in plan.devices.values()}
-    else:
-        step_times = {d.name: RooflineStepTime(preset, model_configs[d.model], parse_dtype(d.dtype).itemsize,
-                                               d.tensor_parallel_size) for d in plan.devices.values()}
-    return config, model_configs, vram, layouts, step_times
+    return config, model_configs, vram, layouts, device_step_times(plan, model_configs, preset=args.device,
+                                                                   step_model=args.step_model)
 
 
 def _print_sweep(rows, args: argparse.Namespace) -> None:
@@ -387,16 +408,18 @@ def _print_sweep(rows, args: argparse.Namespace) -> None:
 
 
 def _print_runs(layouts, model_configs, classes, step_times, args: argparse.Namespace) -> None:
-    """One run of each layout at --request-rate, same arrivals."""
-    from pools.simulation.runner import make_requests, simulate
-    from pools.simulation.summary import format_summary, summarize
+    """One run of each layout at --request-rate, same arrivals; each device's overload verdict for them."""
+    from pools.simulation.runner import make_requests, simulate, step_model_label
+    from pools.simulation.summary import format_summary, overload_verdicts, summarize
 
-    summaries = {}
+    summaries, label = {}, step_model_label(args.device, args.step_model)
     for name, (layout_config, layout_plan) in layouts.items():
         requests = make_requests(classes, args.request_rate, duration=args.duration, burstiness=args.burstiness,
                                  seed=args.seed)
-        summaries[name] = summarize(simulate(layout_config, layout_plan, model_configs, requests, step_times,
-                                             credits=not args.no_credits, seed=args.seed))
+        result = simulate(layout_config, layout_plan, model_configs, requests, step_times,
+                          credits=not args.no_credits, seed=args.seed)
+        summaries[name] = summarize(result) | {"overload": overload_verdicts(
+            result, layout_plan, step_times, duration=args.duration, step_model=label)}
     if args.json:
         print(json.dumps(summaries if len(summaries) > 1 else summaries[next(iter(summaries))], indent=2))
     else:

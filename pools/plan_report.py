@@ -1,12 +1,25 @@
 """`cliffguard capacity`: a `pools.capacity_plan.CapacityPlan` as the tables it prints (`format_plan`):
 each device's memory, weights and KV bytes, then each pool's route, class, budget, blocks and
 concurrency (per replica, and for the whole pool when a device is replicated).
+
+With an arrival mix (`capacity --rate`, `simulate`), each device's overload verdict for it
+(`plan_verdicts`, `format_verdicts`): `pools.demand.planned_load` over the plan's pools, the live
+gateway's definitions (docs/GATEWAY.md "Overload").
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from engine.config import ModelConfig
+from engine.step_cost import StepTime
 from pools.capacity_plan import CapacityPlan, DevicePlan, PoolPlan, fmt_bytes
-from pools.spec import PoolSpec
+from pools.demand import OFF_LOAD, PlannedPool, planned_load, replicas_needed
+from pools.spec import CliffguardConfig, PoolSpec, SpecError
+from pools.workload import load_workload
+
+DEFAULT_PRESET = "h100"     # capacity --rate's roofline for GPUs when neither --device nor --step-model is given
 
 
 def _budget(p: PoolPlan, d: DevicePlan) -> str:
@@ -91,3 +104,80 @@ def format_plan(plan: CapacityPlan) -> str:
         lines.append(f"upstream pools (not planned here): {', '.join(plan.upstream_pools)}")
     lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
+
+
+# --- the overload verdict of a planned mix ----------------------------------------------------------
+
+def plan_verdicts(plan: CapacityPlan, step_times: Mapping[str, StepTime],
+                  mix: Mapping[str, tuple[float, float, float]], *, step_model: str) -> dict[str, dict[str, Any]]:
+    """Per device, `pools.demand.planned_load` of its pools under `mix` (pool -> requests/s, mean prompt
+    and output tokens; a pool not in it is offered nothing) on `step_times[device]` (`step_model` names
+    it): its offered load over its replicas, overloaded (load > 1), the replicas that carry it at most
+    `OFF_LOAD` busy, and each pool's inputs (the plan's `max_num_seqs`, KV credits per replica = blocks x
+    block_size, `max_num_batched_tokens`), offered tokens/s, capacity and share of the load."""
+    verdicts = {}
+    for d in plan.devices.values():
+        planned = [PlannedPool(p.name, *mix.get(p.name, (0.0, 0.0, 0.0)), max_num_seqs=p.max_num_seqs,
+                               credits=p.num_blocks * p.block_size, chunk=p.spec.max_num_batched_tokens)
+                   for p in (plan.pools[name] for name in d.pools)]
+        device = planned_load(step_times[d.name], planned, d.replicas)
+        pools = {}
+        for inputs, load in zip(planned, device.pools):
+            pools[inputs.name] = {
+                "rate": inputs.rate, "prompt_tokens": inputs.prompt_tokens, "output_tokens": inputs.output_tokens,
+                "max_num_seqs": inputs.max_num_seqs, "credits": inputs.credits, "max_num_batched_tokens": inputs.chunk,
+                "offered_prefill": load.offered_prefill, "offered_decode": load.offered_decode,
+                "prefill_capacity": load.rates.prefill, "decode_capacity": load.rates.decode,
+                "decode_batch": load.rates.batch, "load": load.load / device.replicas}
+        verdicts[d.name] = {"step_model": step_model, "offered_load": device.load, "replicas": device.replicas,
+                            "overloaded": device.load > 1.0, "replicas_needed": replicas_needed(device.pools),
+                            "pools": pools}
+    return verdicts
+
+
+def rate_verdicts(config: CliffguardConfig, plan: CapacityPlan, model_configs: Mapping[str, ModelConfig],
+                  workload: str, rate: float, *, preset: str | None = None,
+                  step_model: str | None = None) -> tuple[dict[str, dict[str, Any]], float]:
+    """`cliffguard capacity --rate`: `plan_verdicts` for the classes of `workload` (a file or a built-in
+    name, `pools.workload.load_workload`) at `rate` requests/s (`pools.simulation.runner.workload_mix`)
+    on the measured `step_model` file, on `preset`'s roofline,
+    or with neither on `DEFAULT_PRESET`'s for a plan of GPUs (SpecError for a CPU: it has no preset);
+    and the requests/s whose prompt no pool takes, left out of the verdicts."""
+    from pools.simulation.runner import device_step_times, step_model_label, workload_mix
+
+    cpu = [d.name for d in plan.devices.values() if d.device_type == "cpu"]
+    if step_model is None and preset is None and cpu:
+        raise SpecError(f"--rate: device {cpu[0]} is planned as a CPU, which has no roofline preset; give "
+                        "--step-model FILE (measured with `cliffguard simulate --calibrate FILE`) or --device PRESET")
+    preset = preset or DEFAULT_PRESET
+    steps = device_step_times(plan, model_configs, preset=preset, step_model=step_model)
+    mix, unrouted = workload_mix(config, plan, load_workload(workload), rate)
+    return plan_verdicts(plan, steps, mix, step_model=step_model_label(preset, step_model)), unrouted
+
+
+def _verdict_word(v: dict[str, Any]) -> str:
+    carry = f"{v['replicas_needed']} replicas would carry it at most {OFF_LOAD:.0%} busy"
+    if v["overloaded"]:
+        return f"overloaded; {carry}"
+    if v["replicas_needed"] > v["replicas"]:
+        return f"within capacity, over {OFF_LOAD:.0%} busy; {carry}"
+    return "within capacity"
+
+
+def format_verdicts(verdicts: Mapping[str, dict[str, Any]], *, unrouted: float = 0.0) -> list[str]:
+    """Per device: one verdict line, then a line per pool with what it was offered and what it can do;
+    a warning when `unrouted` requests/s had a prompt no pool takes."""
+    lines = []
+    for name, v in verdicts.items():
+        parts = ", ".join(f"{pool} {p['load']:.2f}" for pool, p in v["pools"].items())
+        lines.append(f"device {name}: offered load {v['offered_load']:.2f} of {v['replicas']} replica(s)' time "
+                     f"({parts}): {_verdict_word(v)}  [{v['step_model']}]")
+        lines += [f"  {pool}: {p['rate']:.2f} req/s, prompt {p['prompt_tokens']:.0f} / output "
+                  f"{p['output_tokens']:.0f} tokens; prefill {p['offered_prefill']:,.0f} tok/s of "
+                  f"{p['prefill_capacity']:,.0f}, decode {p['offered_decode']:,.0f} tok/s of "
+                  f"{p['decode_capacity']:,.0f} at batch {p['decode_batch']} (max_num_seqs {p['max_num_seqs']}, "
+                  f"{p['credits']:,} credits, chunk {p['max_num_batched_tokens']})" if p["rate"] > 0
+                  else f"  {pool}: offered nothing" for pool, p in v["pools"].items()]
+    if unrouted > 0:
+        lines.append(f"warning: {unrouted:.2f} requests/s of the workload have a prompt no pool takes (left out)")
+    return lines

@@ -11,13 +11,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import ModelConfig, PoolConfig
-from engine.step_cost import StepTime
+from engine.config import ModelConfig, PoolConfig, parse_dtype
+from engine.step_cost import PRESETS, RooflineStepTime, StepTime, read_step_model
 from pools.capacity_plan import CapacityPlan, DevicePlan
 from pools.simulation.devicesim import DeviceSim, PoolTrace, SimRequest
 from pools.simulation.devicesim import ReplicaGroup
 from pools.spec import CliffguardConfig, PoolSpec, RouteSpec, SpecError
-from pools.workload import WorkloadClass, class_arrivals
+from pools.workload import WorkloadClass, class_arrivals, class_rates
 
 
 @dataclass
@@ -52,10 +52,58 @@ def make_requests(classes: tuple[WorkloadClass, ...], request_rate: float, *, du
     rng = random.Random(seed)
     for n, (t, _, cls) in enumerate(class_arrivals(classes, request_rate, burstiness=burstiness,
                                                    duration=duration, seed=seed)):
-        prefix = cls.shared_prefix.tokens if cls.shared_prefix is not None else 0
-        requests.append(SimRequest(f"r{n}", cls.name, t, prefix + cls.prompt_len.sample(rng),
-                                   cls.output_len.sample(rng)))
+        requests.append(SimRequest(f"r{n}", cls.name, t, *_draw_lengths(cls, rng)))
     return requests
+
+
+def _draw_lengths(cls: WorkloadClass, rng: random.Random) -> tuple[int, int]:
+    """(prompt_len, output_len) of one request of `cls`: its shared document's tokens, if any, plus its own."""
+    prefix = cls.shared_prefix.tokens if cls.shared_prefix is not None else 0
+    prompt_len = prefix + cls.prompt_len.sample(rng)
+    return prompt_len, cls.output_len.sample(rng)
+
+
+def workload_mix(config: CliffguardConfig, plan: CapacityPlan, classes: tuple[WorkloadClass, ...], request_rate: float,
+                 *, num_draws: int = 4096, seed: int = 0) -> tuple[dict[str, tuple[float, float, float]], float]:
+    """Each local pool's (requests/s, mean prompt tokens, mean output tokens) when `classes` arrive at
+    `request_rate`, and the requests/s whose prompt no pool takes (left out): each class at its rate
+    (`class_rates`), its lengths drawn `num_draws` times as `make_requests` draws them and each draw
+    routed as `simulate` routes it (a class whose lengths straddle a route splits between pools). A
+    pool offered nothing gets (0, 0, 0)."""
+    rng = random.Random(seed)
+    rates = class_rates(classes, request_rate)
+    sums = {name: [0.0, 0.0, 0.0] for name in plan.pools}       # requests/s, prompt and output tokens/s
+    unrouted = 0.0
+    for cls in classes:
+        share = rates[cls.name] / num_draws
+        for _ in range(num_draws):
+            prompt_len, output_len = _draw_lengths(cls, rng)
+            pool = route(config, plan, prompt_len)
+            if pool is None:
+                unrouted += share
+                continue
+            for i, value in enumerate((share, share * prompt_len, share * output_len)):
+                sums[pool][i] += value
+    mix = {name: (rate, prompt / rate, output / rate) if rate > 0 else (0.0, 0.0, 0.0)
+           for name, (rate, prompt, output) in sums.items()}
+    return mix, unrouted
+
+
+def device_step_times(plan: CapacityPlan, model_configs: Mapping[str, ModelConfig], *, preset: str,
+                      step_model: str | None = None) -> dict[str, StepTime]:
+    """Each planned device's step-time model: the measured one in the `step_model` file (from
+    `simulate --calibrate`) for every device, else the `preset` GPU's roofline for the device's model,
+    dtype and tensor parallelism."""
+    if step_model is not None:
+        measured = read_step_model(step_model)
+        return {d.name: measured for d in plan.devices.values()}
+    return {d.name: RooflineStepTime(PRESETS[preset], model_configs[d.model], parse_dtype(d.dtype).itemsize,
+                                     d.tensor_parallel_size) for d in plan.devices.values()}
+
+
+def step_model_label(preset: str, step_model: str | None = None) -> str:
+    """What `device_step_times(..., preset=preset, step_model=step_model)` uses, for a report line."""
+    return f"step model {step_model}" if step_model is not None else f"roofline {preset}"
 
 
 def simulate(config: CliffguardConfig, plan: CapacityPlan, model_configs: Mapping[str, ModelConfig],

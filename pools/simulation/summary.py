@@ -1,13 +1,18 @@
 """What a simulation shows: per class latency percentiles and throughput, per pool preemptions,
 swap, KV usage, queues and throughput, per replica of a pool the requests and tokens it got, as a
-dict and as a table."""
+dict and as a table; and each device's overload verdict for the arrivals it was given
+(`overload_verdicts`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from engine.step_cost import StepTime
+from pools.capacity_plan import CapacityPlan
+from pools.plan_report import format_verdicts, plan_verdicts
 from pools.simulation.devicesim import PoolTrace
 from pools.simulation.runner import SimulationResult
 from pools.workload import latency_stats
@@ -70,6 +75,20 @@ def summarize(result: SimulationResult) -> dict[str, Any]:
             "wall_seconds": result.wall_seconds, "replicas": dict(result.replicas)}
 
 
+def overload_verdicts(result: SimulationResult, plan: CapacityPlan, step_times: Mapping[str, StepTime], *,
+                      duration: float, step_model: str) -> dict[str, dict[str, Any]]:
+    """Each device's planned overload verdict (`pools.plan_report.plan_verdicts`) for the requests each
+    of its pools received in the run: their count over the `duration` of the arrivals, and their mean
+    prompt and output lengths."""
+    mix = {}
+    for name in plan.pools:
+        mine = [r for r in result.requests if r.pool == name]
+        if mine:
+            mix[name] = (len(mine) / duration, float(np.mean([r.prompt_len for r in mine])),
+                         float(np.mean([r.output_len for r in mine])))
+    return plan_verdicts(plan, step_times, mix, step_model=step_model)
+
+
 def ms(value: float | None) -> str:
     """Seconds as whole milliseconds for a table cell; "-" for none."""
     return "-" if value is None else f"{value * 1000:.0f}"
@@ -90,6 +109,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     rows.extend(f"pool {name}: at {t['at_s']:.1f} s: {t['reason']}" for name, p in summary["pools"].items()
                 for t in p["death_spirals"][:1])
     rows.extend(f"error: {e}" for e in summary["errors"])
+    if summary.get("overload"):
+        rows += ["", "overload of these arrivals (pools.demand; docs/SIMULATE.md \"Overloaded or not\"):",
+                 *format_verdicts(summary["overload"])]
     return "\n".join(rows)
 
 

@@ -63,6 +63,7 @@ def test_capacity_command_json(capsys):
     assert [p["name"] for p in out["pools"]] == ["chat", "rag"]
     assert [p["max_num_seqs"] for p in out["pools"]] == [569, 142]
     assert out["devices"][0]["kv_bytes_per_token"] == 327_680 and out["devices"][0]["tensor_parallel_size"] == 8
+    assert "overload" not in out                       # only with --rate
 
 
 def test_capacity_command_resolves_models_and_prints_tables(capsys):
@@ -99,6 +100,48 @@ def test_capacity_of_a_cuda_device_without_cuda_needs_vram(capsys, monkeypatch):
 def test_capacity_command_errors(argv, message, capsys):
     assert main(["capacity", *argv]) == 2
     assert message in _error_line(capsys)
+
+
+def test_capacity_rate_says_overloaded_or_not_on_the_h100_roofline_by_default(capsys):
+    argv = ["capacity", "--config", str(EXAMPLE), "--model-config", str(LLAMA70B_JSON), "--vram", "80GiB"]
+    assert main(argv + ["--rate", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "max_num_seqs" in out and "overload at 4 requests/s of mixed:" in out
+    assert "device h100x8: offered load 0." in out and "within capacity  [roofline h100]" in out
+    assert main(argv + ["--rate", "40", "--json"]) == 0
+    verdict = json.loads(capsys.readouterr().out)["overload"]["h100x8"]
+    assert verdict["overloaded"] and verdict["offered_load"] > 1 and verdict["replicas_needed"] >= 2
+    assert verdict["pools"]["chat"]["rate"] == pytest.approx(40 * 0.8, rel=0.01)       # mixed: 80% chat
+    assert verdict["pools"]["chat"]["max_num_seqs"] == 569 and verdict["pools"]["rag"]["max_num_batched_tokens"] == 8192
+    assert main(argv + ["--rate", "40", "--device", "h200"]) == 0
+    assert "overloaded; " in capsys.readouterr().out
+    assert main(argv + ["--rate", "0"]) == 2 and "--rate: must be > 0" in _error_line(capsys)
+    assert main(argv + ["--device", "h200"]) == 2 and "--device: only with --rate" in _error_line(capsys)
+
+
+def test_capacity_rate_of_a_cpu_device_needs_a_measured_step_model(tmp_path, capsys):
+    model = dict(json.loads(LLAMA70B_JSON.read_text()), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+    (tmp_path / "config.json").write_text(json.dumps(model))
+    config = tmp_path / "cpu.yaml"
+    config.write_text("devices:\n  cpu: {device: cpu, memory: 2GiB}\npools:\n  - {name: chat, model: tiny, device: cpu, "
+                      "kv_share: 1.0, avg_len: 512, max_model_len: 2048}\n")
+    argv = ["capacity", "--config", str(config), "--model-config", str(tmp_path / "config.json"), "--rate", "2"]
+    assert main(argv) == 2
+    assert "--rate: device cpu is planned as a CPU, which has no roofline preset; give --step-model FILE" in (
+        _error_line(capsys))
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps({"step_model": "linear", "a": 0.02, "b": 0.0005, "c": 0.002, "d": 0.0}))
+    assert main(argv + ["--step-model", str(steps)]) == 0
+    out = capsys.readouterr().out
+    assert "device cpu: offered load 0.70 of 1 replica(s)' time (chat 0.70): within capacity" in out
+    # mixed's rag prompts (4,200 to 7,800 tokens) fit no pool of max_model_len 2048: 20% of 2 req/s
+    assert "warning: 0.40 requests/s of the workload have a prompt no pool takes (left out)" in out
+    assert main(argv[:-1] + ["50", "--step-model", str(steps), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    verdict = out["overload"]["cpu"]
+    assert verdict["overloaded"] and verdict["step_model"] == f"step model {steps}"
+    assert out["unrouted_rate"] == pytest.approx(50 * 0.2)
 
 
 def test_a_binary_yaml_file_is_named(tmp_path, capsys):

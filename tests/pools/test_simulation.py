@@ -25,8 +25,10 @@ from pools.simulation.devicesim import DeviceSim, SimRequest
 from pools.simulation.knee import format_sweep, plot_knee, sweep
 from pools.simulation.recommend import format_recommendation, recommend
 from pools.simulation.devicesim import ReplicaGroup
-from pools.simulation.runner import make_requests, shared_layout, simulate
-from pools.simulation.summary import format_summary, summarize
+from pools import demand
+from pools.plan_report import plan_verdicts
+from pools.simulation.runner import make_requests, shared_layout, simulate, workload_mix
+from pools.simulation.summary import format_summary, overload_verdicts, summarize
 from pools.workload import LengthDist, SharedPrefix, WorkloadClass
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,6 +171,9 @@ def test_cli_simulate_prints_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["classes"]["chat"]["finished"] > 0 and set(out["pools"]) == {"chat", "rag"}
     assert out["simulated_seconds"] >= 2.5 and out["steps"] > 0
+    verdict = out["overload"]["h100x8"]
+    assert verdict["step_model"] == "roofline h100" and not verdict["overloaded"] and set(verdict["pools"]) == {"chat", "rag"}
+    assert verdict["pools"]["chat"]["rate"] == pytest.approx(out["classes"]["chat"]["requests"] / 5)   # all routed to chat
     assert main(["simulate", "--duration", "0"]) == 2
 
 
@@ -535,3 +540,55 @@ def test_cli_simulate_replicas_overrides_every_device(capsys):
     assert sum(r["requests"] for r in out["pools"]["chat"]["replicas"]) == out["classes"]["chat"]["requests"]
     assert main(args + ["--replicas", "0"]) == 2
     assert "--replicas: must be >= 1" in capsys.readouterr().err
+
+
+# --- overloaded or not ------------------------------------------------------------------------------
+def _verdict_run(rate: float) -> tuple[dict, dict]:
+    """The one-replica TINY device at `rate` requests/s of ~100 + ~100 tokens: (summary, verdicts)."""
+    step = {"gpu": LinearStepTime(a=0.01, b=0.0001, c=0.001, d=0.0)}
+    chat = WorkloadClass("chat", prompt_len=LengthDist("uniform", min=50, max=150),
+                         output_len=LengthDist("uniform", min=50, max=150))
+    config = _replicated_config(1)
+    plan = plan_capacity(config, {"tiny": TINY})
+    result = simulate(config, plan, {"tiny": TINY}, make_requests((chat,), rate, duration=8.0, seed=1), step)
+    verdicts = overload_verdicts(result, plan, step, duration=8.0, step_model="test")
+    mix, unrouted = workload_mix(config, plan, (chat,), rate)
+    assert unrouted == 0
+    planned = plan_verdicts(plan, step, mix, step_model="test")
+    # what the workload says and what the run got agree (the run's arrivals are a sample of it)
+    assert verdicts["gpu"]["offered_load"] == pytest.approx(planned["gpu"]["offered_load"], rel=0.25)
+    return summarize(result) | {"overload": verdicts}, verdicts["gpu"]
+
+
+def test_a_light_rate_is_within_capacity_and_a_heavy_one_overloaded_and_slow():
+    light, light_verdict = _verdict_run(2.0)
+    heavy, heavy_verdict = _verdict_run(16.0)
+    assert not light_verdict["overloaded"] and light_verdict["offered_load"] < demand.OFF_LOAD
+    assert light_verdict["replicas_needed"] == 1
+    pool = light_verdict["pools"]["chat"]
+    assert pool["max_num_seqs"] == 8 and pool["credits"] == light["pools"]["chat"]["num_blocks"] * 16
+    assert pool["rate"] == pytest.approx(light["classes"]["chat"]["requests"] / 8.0)
+    assert 50 <= pool["prompt_tokens"] <= 150 and pool["offered_decode"] == pytest.approx(
+        pool["rate"] * pool["output_tokens"])
+    assert heavy_verdict["overloaded"] and heavy_verdict["offered_load"] > 1 and heavy_verdict["replicas_needed"] >= 2
+    assert heavy["classes"]["chat"]["ttft"]["p99"] > 10 * light["classes"]["chat"]["ttft"]["p99"]
+    assert "device gpu: offered load" in format_summary(light) and "within capacity" in format_summary(light)
+    assert (f"overloaded; {heavy_verdict['replicas_needed']} replicas would carry it at most 90% busy"
+            in format_summary(heavy))
+
+
+def test_workload_mix_routes_each_draw_and_weighs_by_class_rate():
+    config = load_config(ROOT / "config" / "examples" / "llama3-70b-8xh100.yaml")
+    plan = plan_capacity(config, {config.pools[0].model: read_model_config(LLAMA_70B)}, vram_bytes=80 << 30)
+    classes = (WorkloadClass("chat", prompt_len=LengthDist("fixed", value=300),
+                             output_len=LengthDist("fixed", value=20), share=3),
+               WorkloadClass("rag", prompt_len=LengthDist("fixed", value=6000),
+                             output_len=LengthDist("fixed", value=40), share=1),
+               WorkloadClass("both", prompt_len=LengthDist("uniform", min=4000, max=4193),   # chat takes <= 4096
+                             output_len=LengthDist("fixed", value=10), rate=2.0))
+    mix, unrouted = workload_mix(config, plan, classes, 4.0)
+    assert mix["chat"][0] == pytest.approx(3.0 + 1.0, rel=0.05) and mix["rag"][0] == pytest.approx(1.0 + 1.0, rel=0.05)
+    assert mix["chat"][0] + mix["rag"][0] == pytest.approx(6.0) and unrouted == 0
+    assert mix["rag"][1] == pytest.approx((6000 + 4145) / 2, rel=0.02)           # 1 req/s of each
+    assert mix["rag"][2] == pytest.approx((40 + 10) / 2, rel=0.05)
+    assert mix["chat"][1] == pytest.approx((3 * 300 + 4048) / 4, rel=0.02)
