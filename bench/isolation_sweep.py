@@ -75,7 +75,7 @@ from bench.live import REPO, LiveServer
 from bench.load.scrape import pool_samples
 from bench.load.plan import LoadConfig, load_tokenizer
 from engine.config import DEFAULT_MIN_SHARE
-from pools.workload import LengthDist
+from pools.workload import LengthDist, WorkloadClass
 
 IDLE_TIMEOUT_S = 60.0
 # /metrics gauges that say a server still has work, and what they mean.
@@ -98,6 +98,16 @@ def run(args: argparse.Namespace) -> int:
     return isolation_run(args)
 
 
+def chat_class(args: argparse.Namespace) -> WorkloadClass:
+    """The chat load: `bench isolation`'s (chat completions of ~60-token conversations), or with
+    `--chat-endpoint completion` streamed `/v1/completions` of `--chat-prompt-tokens` (±25%) tokens."""
+    if args.chat_endpoint == "chat":
+        return CHAT
+    mean = args.chat_prompt_tokens
+    return replace(CHAT, endpoint="completion", prompt_len=LengthDist("normal", mean=mean, std=mean / 4,
+                                                                        min=max(1, mean // 2), max=2 * mean))
+
+
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep", action="store_true", help="run a grid of chat rate x rag rate x rag length "
                    "(split and shared per cell, chat-alone and rag-alone baselines) on one server per layout, "
@@ -111,6 +121,10 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cells", default=None, help="--sweep: run only these cells of the grid, each with the "
                    "arrivals it has in the whole grid (to run a cell of a sweep again), as CHAT_RATE,RAG_RATE,RAG_LEN "
                    "separated by ';'")
+    p.add_argument("--chat-endpoint", choices=("chat", "completion"), default="chat", help="--sweep: chat load "
+                   "as chat completions of ~60-token conversations (default) or as /v1/completions prompts")
+    p.add_argument("--chat-prompt-tokens", type=int, default=40, help="--sweep, with --chat-endpoint completion: "
+                   "mean chat prompt tokens (default 40, about 30 words)")
     p.add_argument("--rag-output-tokens", type=int, default=128, help="--sweep: output tokens of every rag "
                    "request (default 128)")
     p.add_argument("--no-slo", action="store_true", help="--sweep: the split layout's chat pool names no slo "
@@ -162,12 +176,12 @@ async def wait_idle(url: str, timeout: float = IDLE_TIMEOUT_S, interval: float =
             await asyncio.sleep(interval)
 
 
-async def warm_up(url: str, grid: Grid, tokenizer) -> float:
+async def warm_up(url: str, grid: Grid, tokenizer, args: argparse.Namespace) -> float:
     """Two chat requests at once, then one rag prompt of the longest length, unmeasured: a fresh
     server's first steps (allocations, first calls) must not land in the first run. Seconds taken."""
     began = time.perf_counter()
     rag = replace(grid.rag_class(max(grid.rag_lens)), output_len=LengthDist("fixed", value=2))
-    for cls, n in ((CHAT, 2), (rag, 1)):
+    for cls, n in ((chat_class(args), 2), (rag, 1)):
         config = LoadConfig(url=url, classes=(cls,), request_rate=math.inf, num_requests=n, seed=grid.seed,
                             timeout=120.0, drain_timeout=120.0, scrape=False, tokenizer=MODEL)
         await run_loads([config], tokenizer)
@@ -183,8 +197,8 @@ async def execute(run: Run, grid: Grid, url: str, args: argparse.Namespace, toke
     times = {"duration": duration, "drain_timeout": drain_timeout}
     configs = []
     if run.chat_rate:
-        configs.append(load_config(url, CHAT, run.chat_rate, seed=grid.chat_seed(run.chat_rate), scrape=True,
-                                   **times))
+        configs.append(load_config(url, chat_class(args), run.chat_rate, seed=grid.chat_seed(run.chat_rate),
+                                   scrape=True, **times))
     if run.rag_rate:
         configs.append(load_config(url, grid.rag_class(run.rag_len), run.rag_rate, scrape=not run.chat_rate,
                                    seed=grid.rag_seed(run.rag_rate, run.rag_len), **times))
@@ -223,7 +237,7 @@ async def run_all(args: argparse.Namespace, grid: Grid) -> tuple[list[tuple[Run,
             t0 = time.perf_counter()
             with LiveServer(path) as server:
                 servers[layout] = {"url": server.url, "start_s": time.perf_counter() - t0,
-                                   "warm_up_s": await warm_up(server.url, grid, tokenizer),
+                                   "warm_up_s": await warm_up(server.url, grid, tokenizer, args),
                                    "chat_slo_ms": await server_slo(server.url) if layout == "split" else None}
                 for run in (r for r in runs if r.layout == layout):
                     print(f"bench isolation --sweep: [{len(results) + 1}/{len(runs)}] {run.describe()} "

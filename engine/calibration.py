@@ -105,7 +105,8 @@ def measure_steps(engine: Any, *, pool: str | None = None, seed: int = 0,
 # --- the isolation-by-default SLO, from this device's own step ---------------------------------------
 DERIVE_MAX_BATCH = 64     # sequences of the measured decode step at most
 DERIVE_STEPS = 3          # timed steps (after one untimed): their median is the step
-ITL_STEPS = 1.5          # itl_ms: a quarter-full decode step of the pool and half as much again for the others
+ITL_STEPS = 2.5          # itl_ms: a decode step that also prefills an arriving prompt (about two probe steps)
+                         # and half a probe step more for the other pools' chunks
 TTFT_ITLS = 10.0          # ttft_ms: ten times itl_ms (a prompt's prefill and a queue of a few steps)
 MIN_ITL_MS = 10.0         # below this a step's noise (launches, the OS) is most of it
 
@@ -138,18 +139,30 @@ def measure_decode_step(engine: Any, pool: str, batch: int, context: int) -> flo
     return sorted(times)[len(times) // 2]
 
 
-def derive_slo(engine: Any, pool: str) -> tuple[LatencySLO, float, int, int] | None:
-    """The isolation-by-default SLO of `pool` from this device's own step (docs/ENGINE.md): the median
-    decode step of a quarter of its `max_num_seqs` (at most `DERIVE_MAX_BATCH`) at the context its
-    blocks give each of its `max_num_seqs` (the formula's avg_len), times `ITL_STEPS` for itl_ms (at
-    least `MIN_ITL_MS`), ten times that for ttft_ms. Returns (slo, step seconds, batch, context), or
-    None when the pool's blocks are too few to measure (the configured SLO stays)."""
-    scheduler = engine.schedulers[pool]
-    bm, max_num_seqs = scheduler.block_manager, scheduler.config.max_num_seqs
+def slo_probe(max_num_seqs: int, num_blocks: int, block_size: int, max_model_len: int) -> tuple[int, int]:
+    """(sequences, context tokens each) of the decode step an interactive pool's default SLO is measured
+    on: a quarter of its `max_num_seqs` (at most `DERIVE_MAX_BATCH`), at the context its blocks give each
+    of its `max_num_seqs` (the capacity formula's avg_len), less one block's worth of room to decode."""
     batch = max(1, min(DERIVE_MAX_BATCH, -(-max_num_seqs // 4)))
-    context = min(scheduler.max_model_len - 1, bm.num_blocks // max_num_seqs * bm.block_size - 1)
+    return batch, min(max_model_len - 1, num_blocks // max_num_seqs * block_size - 1)
+
+
+def slo_from_step(step_seconds: float) -> LatencySLO:
+    """The isolation-by-default SLO of a pool whose probe decode step takes `step_seconds`: itl_ms
+    `ITL_STEPS` times it (at least `MIN_ITL_MS`), ttft_ms `TTFT_ITLS` times that."""
+    itl_ms = max(MIN_ITL_MS, math.ceil(ITL_STEPS * step_seconds * 1000))
+    return LatencySLO(ttft_ms=TTFT_ITLS * itl_ms, itl_ms=itl_ms)
+
+
+def derive_slo(engine: Any, pool: str) -> tuple[LatencySLO, float, int, int] | None:
+    """The isolation-by-default SLO of `pool` from this device's own step (config/README.md, "Isolation
+    by default"): the median of `measure_decode_step` over the `slo_probe` step, through
+    `slo_from_step`. Returns (slo, step seconds, batch, context), or None when the pool's blocks are too
+    few to measure (the configured SLO stays)."""
+    scheduler = engine.schedulers[pool]
+    bm = scheduler.block_manager
+    batch, context = slo_probe(scheduler.config.max_num_seqs, bm.num_blocks, bm.block_size, scheduler.max_model_len)
     step = measure_decode_step(engine, pool, batch, context) if context > 0 else None
     if step is None:
         return None
-    itl_ms = max(MIN_ITL_MS, math.ceil(ITL_STEPS * step * 1000))
-    return LatencySLO(ttft_ms=TTFT_ITLS * itl_ms, itl_ms=itl_ms), step, batch, context
+    return slo_from_step(step), step, batch, context

@@ -67,7 +67,8 @@ def format_plan(plan: CapacityPlan) -> str:
             ("device", [p.device for p in pools]),
             ("route (tokens)", [p.spec.route.describe() for p in pools]),
             ("class", [_service_class(p.spec) for p in pools]),
-            ("slo", ["-" if p.spec.slo is None else f"ttft {p.spec.slo.ttft_ms:g} ms, itl {p.spec.slo.itl_ms:g} ms"
+            ("slo", ["-" if p.spec.slo is None else "from the measured step" if p.spec.slo_source == "default"
+                     else f"ttft {p.spec.slo.ttft_ms:g} ms, itl {p.spec.slo.itl_ms:g} ms"
                      for p in pools]),
             ("max_model_len", [str(p.max_model_len) for p in pools]),
             ("S_KV", [f"{p.kv_bytes_per_token:,} B" + (f" ({p.kv_bytes_per_token_per_device:,}/GPU)"
@@ -99,7 +100,8 @@ def format_plan(plan: CapacityPlan) -> str:
         lines += [row([k, *vals]) for k, vals in table]
         if any(p.spec.slo_source == "default" for p in pools):
             lines.append("interactive (default): the strictly shortest route on a device where no pool names an slo; "
-                         "`slo: null` opts a pool out (config/README.md)")
+                         "its slo comes from the device's measured decode step when the worker starts (`simulate`: "
+                         "the modelled step); `slo: null` opts a pool out (config/README.md)")
     if plan.upstream_pools:
         lines.append(f"upstream pools (not planned here): {', '.join(plan.upstream_pools)}")
     lines += [f"warning: {w}" for w in plan.warnings]

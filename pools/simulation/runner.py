@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import ModelConfig, PoolConfig, parse_dtype
-from engine.step_cost import PRESETS, RooflineStepTime, StepTime, read_step_model
+from engine.calibration import slo_from_step, slo_probe
+from engine.config import LatencySLO, ModelConfig, PoolConfig, parse_dtype
+from engine.step_cost import PRESETS, RooflineStepTime, StepFeatures, StepTime, read_step_model
 from pools.capacity_plan import CapacityPlan, DevicePlan
 from pools.simulation.devicesim import DeviceSim, PoolTrace, SimRequest
 from pools.simulation.devicesim import ReplicaGroup
@@ -163,6 +164,17 @@ def _pool_result(group: ReplicaGroup, name: str, requests: list[SimRequest]) -> 
             "replicas": replicas}
 
 
+def modelled_slo(step_time: StepTime, max_num_seqs: int, num_blocks: int, block_size: int,
+                 max_model_len: int) -> LatencySLO:
+    """Isolation by default's SLO on a modelled device: `engine.calibration`'s rule, the probe decode
+    step's time taken from `step_time` instead of measured."""
+    batch, context = slo_probe(max_num_seqs, num_blocks, block_size, max_model_len)
+    step = StepFeatures()
+    for _ in range(batch):
+        step.add(context, 1, is_decode=True)
+    return slo_from_step(step_time.seconds((), step, batch))
+
+
 def _device_group(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePlan,
                   model_configs: Mapping[str, ModelConfig], step_time: StepTime, credits: bool,
                   seed: int) -> ReplicaGroup:
@@ -172,7 +184,10 @@ def _device_group(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePla
         pplan = plan.pools[name]
         spirals[name] = pplan.spec.death_spiral
         scheduler = pplan.spec.scheduler_config(pplan.max_num_seqs, pplan.max_model_len)
-        pools.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler, slo=pplan.spec.slo,
+        slo = pplan.spec.slo
+        if pplan.spec.slo_source == "default":      # as a real worker derives it, on the modelled step
+            slo = modelled_slo(step_time, pplan.max_num_seqs, pplan.num_blocks, dplan.block_size, pplan.max_model_len)
+        pools.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler, slo=slo,
                                 min_share=pplan.spec.engine_min_share))
         lens[name] = pplan.max_model_len
         avg_lens[name] = pplan.spec.avg_len

@@ -592,3 +592,27 @@ def test_workload_mix_routes_each_draw_and_weighs_by_class_rate():
     assert mix["rag"][1] == pytest.approx((6000 + 4145) / 2, rel=0.02)           # 1 req/s of each
     assert mix["rag"][2] == pytest.approx((40 + 10) / 2, rel=0.05)
     assert mix["chat"][1] == pytest.approx((3 * 300 + 4048) / 4, rel=0.02)
+
+
+def test_isolation_by_default_derives_its_slo_from_the_modelled_step(builtin_path):
+    """simulate applies the engine's rule (engine.calibration.slo_probe / slo_from_step) to the modelled step."""
+    from engine.calibration import slo_from_step, slo_probe
+    from engine.config import LatencySLO
+    from pools.simulation.runner import _device_group, modelled_slo
+
+    linear = LinearStepTime(a=0.010, b=0.0, c=0.001, d=0.0)
+    assert slo_probe(40, 40 * 8, 16, 4096) == (10, 127)             # a quarter of 40, 8 blocks of 16 each
+    assert modelled_slo(linear, 40, 40 * 8, 16, 4096) == LatencySLO(ttft_ms=500, itl_ms=50)   # 2.5 x 20 ms
+    assert slo_from_step(0.001) == LatencySLO(ttft_ms=100, itl_ms=10)  # the floor
+    text = ("devices:\n  d: {device: cpu, memory: 2GiB}\npools:\n"
+            "  - {name: chat, model: builtin:smollm2-135m-instruct, device: d, route: {max_prompt_tokens: 512}, "
+            "kv_share: 0.4, avg_len: 256, max_model_len: 1024}\n"
+            "  - {name: rag, model: builtin:smollm2-135m-instruct, device: d, route: {min_prompt_tokens: 513}, "
+            "kv_share: 0.6, avg_len: 900, max_model_len: 1024}\n")
+    config = load_config(text, env={})
+    model = ModelConfig.from_folder(builtin_path)
+    plan = plan_capacity(config, {"builtin:smollm2-135m-instruct": model})
+    group = _device_group(config, plan, plan.devices["d"], {}, linear, True, 0)
+    chat = plan.pools["chat"]
+    expected = modelled_slo(linear, chat.max_num_seqs, chat.num_blocks, 16, chat.max_model_len)
+    assert group.replicas[0].composer.slos == {"chat": expected, "rag": None} and expected != LatencySLO()
