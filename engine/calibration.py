@@ -147,17 +147,19 @@ def slo_probe(max_num_seqs: int, num_blocks: int, block_size: int, max_model_len
     return batch, min(max_model_len - 1, num_blocks // max_num_seqs * block_size - 1)
 
 
-def slo_from_step(step_seconds: float) -> LatencySLO:
-    """The isolation-by-default SLO of a pool whose probe decode step takes `step_seconds`: itl_ms
-    `ITL_STEPS` times it (at least `MIN_ITL_MS`), ttft_ms `TTFT_ITLS` times that."""
-    itl_ms = max(MIN_ITL_MS, math.ceil(ITL_STEPS * step_seconds * 1000))
+def slo_from_step(step_seconds: float, min_share: float = 0.0) -> LatencySLO:
+    """The isolation-by-default SLO of a pool whose probe decode step takes `step_seconds`, beside
+    throughput pools owed `min_share` of the device: itl_ms `ITL_STEPS` times the step, over
+    1 - min_share (a step that gives an owed pool its share is that much longer: the SLO promises what
+    the device keeps with the guarantee kept), at least `MIN_ITL_MS`; ttft_ms `TTFT_ITLS` times that."""
+    itl_ms = max(MIN_ITL_MS, math.ceil(ITL_STEPS * step_seconds / (1 - min_share) * 1000))
     return LatencySLO(ttft_ms=TTFT_ITLS * itl_ms, itl_ms=itl_ms)
 
 
-def derive_slo(engine: Any, pool: str) -> tuple[LatencySLO, float, int, int] | None:
+def derive_slo(engine: Any, pool: str, min_share: float = 0.0) -> tuple[LatencySLO, float, int, int] | None:
     """The isolation-by-default SLO of `pool` from this device's own step (config/README.md, "Isolation
     by default"): the median of `measure_decode_step` over the `slo_probe` step, through
-    `slo_from_step`. Returns (slo, step seconds, batch, context), or None when the pool's blocks are too
+    `slo_from_step` with the largest `min_share` of the device's throughput pools. Returns (slo, step seconds, batch, context), or None when the pool's blocks are too
     few to measure (the configured SLO stays)."""
     scheduler = engine.schedulers[pool]
     bm = scheduler.block_manager
@@ -165,4 +167,4 @@ def derive_slo(engine: Any, pool: str) -> tuple[LatencySLO, float, int, int] | N
     step = measure_decode_step(engine, pool, batch, context) if context > 0 else None
     if step is None:
         return None
-    return slo_from_step(step), step, batch, context
+    return slo_from_step(step, min_share), step, batch, context

@@ -148,8 +148,9 @@ class LLMEngine:
         """Pools under isolation by default get their SLO from this device's measured step
         (`engine.calibration.derive_slo`): pool -> (slo, step seconds, batch, context) of those measured."""
         derived = {}
+        owed = max((p.min_share for p in self.config.pools if p.slo is None), default=0.0)
         for pool in self.config.pools:
-            if pool.derive_slo and (result := derive_slo(self, pool.name)) is not None:
+            if pool.derive_slo and (result := derive_slo(self, pool.name, owed)) is not None:
                 self.composer.set_slo(pool.name, result[0])
                 derived[pool.name] = result
         return derived

@@ -165,14 +165,14 @@ def _pool_result(group: ReplicaGroup, name: str, requests: list[SimRequest]) -> 
 
 
 def modelled_slo(step_time: StepTime, max_num_seqs: int, num_blocks: int, block_size: int,
-                 max_model_len: int) -> LatencySLO:
+                 max_model_len: int, min_share: float = 0.0) -> LatencySLO:
     """Isolation by default's SLO on a modelled device: `engine.calibration`'s rule, the probe decode
     step's time taken from `step_time` instead of measured."""
     batch, context = slo_probe(max_num_seqs, num_blocks, block_size, max_model_len)
     step = StepFeatures()
     for _ in range(batch):
         step.add(context, 1, is_decode=True)
-    return slo_from_step(step_time.seconds((), step, batch))
+    return slo_from_step(step_time.seconds((), step, batch), min_share)
 
 
 def _device_group(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePlan,
@@ -180,13 +180,16 @@ def _device_group(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePla
                   seed: int) -> ReplicaGroup:
     """The device's `replicas` DeviceSims, alike, behind one group (the gateway's queues)."""
     pools, lens, spirals, avg_lens = [], {}, {}, {}
+    owed = max((plan.pools[n].spec.engine_min_share for n in dplan.pools if plan.pools[n].spec.slo is None),
+               default=0.0)
     for name in dplan.pools:
         pplan = plan.pools[name]
         spirals[name] = pplan.spec.death_spiral
         scheduler = pplan.spec.scheduler_config(pplan.max_num_seqs, pplan.max_model_len)
         slo = pplan.spec.slo
         if pplan.spec.slo_source == "default":      # as a real worker derives it, on the modelled step
-            slo = modelled_slo(step_time, pplan.max_num_seqs, pplan.num_blocks, dplan.block_size, pplan.max_model_len)
+            slo = modelled_slo(step_time, pplan.max_num_seqs, pplan.num_blocks, dplan.block_size, pplan.max_model_len,
+                               owed)
         pools.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler, slo=slo,
                                 min_share=pplan.spec.engine_min_share))
         lens[name] = pplan.max_model_len

@@ -604,6 +604,7 @@ def test_isolation_by_default_derives_its_slo_from_the_modelled_step(builtin_pat
     assert slo_probe(40, 40 * 8, 16, 4096) == (10, 127)             # a quarter of 40, 8 blocks of 16 each
     assert modelled_slo(linear, 40, 40 * 8, 16, 4096) == LatencySLO(ttft_ms=500, itl_ms=50)   # 2.5 x 20 ms
     assert slo_from_step(0.001) == LatencySLO(ttft_ms=100, itl_ms=10)  # the floor
+    assert slo_from_step(0.020, min_share=0.2) == LatencySLO(ttft_ms=630, itl_ms=63)   # 50 ms / 0.8, rounded up
     text = ("devices:\n  d: {device: cpu, memory: 2GiB}\npools:\n"
             "  - {name: chat, model: builtin:smollm2-135m-instruct, device: d, route: {max_prompt_tokens: 512}, "
             "kv_share: 0.4, avg_len: 256, max_model_len: 1024}\n"
@@ -614,5 +615,5 @@ def test_isolation_by_default_derives_its_slo_from_the_modelled_step(builtin_pat
     plan = plan_capacity(config, {"builtin:smollm2-135m-instruct": model})
     group = _device_group(config, plan, plan.devices["d"], {}, linear, True, 0)
     chat = plan.pools["chat"]
-    expected = modelled_slo(linear, chat.max_num_seqs, chat.num_blocks, 16, chat.max_model_len)
+    expected = modelled_slo(linear, chat.max_num_seqs, chat.num_blocks, 16, chat.max_model_len, 0.2)   # rag's share
     assert group.replicas[0].composer.slos == {"chat": expected, "rag": None} and expected != LatencySLO()
