@@ -196,13 +196,14 @@ async def server_slo(url: str, pool: str = "chat") -> list[float] | None:
     """[ttft_ms, itl_ms] the server's engine runs `pool` with (`cliffguard_pool_slo_seconds`: the YAML's,
     or the one isolation by default derived from the device's step); None for a throughput pool."""
     import aiohttp
-    from prometheus_client.parser import text_string_to_metric_families
+
+    from bench.load.scrape import samples_of
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         async with session.get(url + "/metrics") as response:
             text = await response.text()
-    targets = {s.labels.get("target"): s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "cliffguard_pool_slo_seconds" and s.labels.get("pool") == pool}
+    targets = {labels.get("target"): value for labels, value in samples_of(text, "cliffguard_pool_slo_seconds")
+               if labels.get("pool") == pool}
     return [1000 * targets["ttft"], 1000 * targets["itl"]] if {"ttft", "itl"} <= set(targets) else None
 
 

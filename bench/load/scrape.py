@@ -62,6 +62,14 @@ def replica_counters(text: str, name: str = "cliffguard_computed_tokens_total") 
     return out
 
 
+def samples_of(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Prometheus text -> every sample of one series name, with its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(dict(s.labels), s.value) for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == name]
+
+
 def parse_metrics(text: str) -> dict[str, dict[str, float]]:
     """Prometheus text -> {pool: {kv_cache_usage_perc, num_requests_running, num_requests_waiting,
     num_preemptions_total, computed_tokens_total}} (the series present; preemptions summed over modes)."""
