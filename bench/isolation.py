@@ -40,6 +40,7 @@ import asyncio
 import json
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -240,15 +241,8 @@ def summarize(scenario: Scenario, chat: LoadReport | None, rag: LoadReport | Non
         result["rag_tokens_per_s"] = computed / seconds if seconds > 0 else None
         result["rag_completed"] = rag.summary["rag"]["completed"]
         result["rag_count"] = rag.summary["rag"]["count"]
-        result["rag_errors"] = {status: n for status, n in _statuses(rag.records).items() if status != "ok"}
+        result["rag_errors"] = dict(Counter(r.status for r in rag.records if r.status != "ok"))
     return result
-
-
-def _statuses(records) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for r in records:
-        counts[r.status] = counts.get(r.status, 0) + 1
-    return counts
 
 
 def device_share(scrapes, pool: str, until: float | None = None) -> float | None:
@@ -343,7 +337,7 @@ def judge(alone: dict[str, Any], split: dict[str, Any], rag_alone: dict[str, Any
     failed = [b for b in BARS if not bars[b]] + ([] if enough else ["enough_samples"])
     return {**bars, "enough_samples": enough, "in_scope": in_scope, "chat_alone_device_share": alone_share,
             "rag_device_share_owed": owed, "split_ttft_bound_s": ttft_bound, "failed_bars": failed if in_scope else [],
-            "cell_ok": (not failed) if in_scope else None, "overloaded": bool(split.get("overloaded_first_s") is not None),
+            "cell_ok": (not failed) if in_scope else None, "overloaded": split.get("overloaded_first_s") is not None,
             "split_ttft_slo_ratio": None if split_ttft is None else split_ttft / ttft_s,
             "rag_ratio": rag_split / rag_tokens if rag_split is not None and rag_tokens else None,
             "ttft_ms": ttft_ms, "itl_ms": itl_ms}

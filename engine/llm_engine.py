@@ -146,11 +146,12 @@ class LLMEngine:
 
     def _derive_slos(self) -> dict[str, tuple[LatencySLO, float, int, int]]:
         """Pools under isolation by default get their SLO from this device's measured step
-        (`engine.calibration.derive_slo`): pool -> (slo, step seconds, batch, context) of those measured."""
+        (`engine.calibration.derive_slo`, keeping room for the largest throughput pool's min_share,
+        `slo_share`): pool -> (slo, step seconds, batch, context) of those measured."""
         derived = {}
-        owed = max((p.min_share for p in self.config.pools if p.slo is None), default=0.0)
+        self.slo_share = max((p.min_share for p in self.config.pools if p.slo is None), default=0.0)
         for pool in self.config.pools:
-            if pool.derive_slo and (result := derive_slo(self, pool.name, owed)) is not None:
+            if pool.derive_slo and (result := derive_slo(self, pool.name, self.slo_share)) is not None:
                 self.composer.set_slo(pool.name, result[0])
                 derived[pool.name] = result
         return derived

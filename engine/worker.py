@@ -156,7 +156,7 @@ def worker_info(engine) -> WorkerInfo:
                       slos={name: slo for name, slo in engine.composer.slos.items() if slo is not None},
                       slo_derivations={name: f"itl {ITL_STEPS:g} x the measured decode step of {batch} sequences at "
                                              f"{context} tokens, {step * 1e3:.1f} ms, over 1 - the throughput pools' "
-                                             f"min_share {max(engine.composer.min_shares.values(), default=0.0):g}; ttft {TTFT_ITLS:g} x itl"
+                                             f"min_share {engine.slo_share:g}; ttft {TTFT_ITLS:g} x itl"
                                        for name, (_, step, batch, context) in engine.derived_slos.items()})
 
 

@@ -176,12 +176,12 @@ class Gateway:
         gateway = cls(config=config, plan=plan, engines=engines, pools=pools, router=Router(list(pools.values())),
                       backoff=config.gateway.restart_backoff)
         credits = {name: p.num_blocks * p.block_size for name, p in plan.pools.items()}
+        max_num_seqs = {name: p.max_num_seqs for name, p in plan.pools.items()}
         gateway.admission = AdmissionControl.build(Tenants(config.tenants), list(pools.values()),
                                                    gateway.metrics.registry, credits,
-                                                   {name: p.max_num_seqs for name, p in plan.pools.items()})
+                                                   max_num_seqs)
         gateway.spiral = SpiralWatch(pools, gateway.metrics)
-        gateway.overload = OverloadWatch(pools, {name: p.max_num_seqs for name, p in plan.pools.items()},
-                                         gateway.metrics)
+        gateway.overload = OverloadWatch(pools, max_num_seqs, gateway.metrics)
         return gateway
 
     # --- lifecycle -------------------------------------------------------------------------------
