@@ -135,13 +135,16 @@ def pools_yaml(scenario: Scenario, args: argparse.Namespace) -> str:
 
 
 def pool_file(layout: str, *, memory: str, max_num_batched_tokens: int, chat_slo: tuple[float, float] | None,
-              names_slo: bool = True, max_model_len: int = 4096) -> str:
+              names_slo: bool = True, max_model_len: int = 4096, chat_kv_share: float = 0.4) -> str:
     """The pool file of a layout: same device and model; split = chat (prompts up to ROUTE_THRESHOLD
     tokens) + rag (longer prompts, `max_model_len`), shared = one pool (`max_model_len`). Chat's
     `slo: {ttft_ms, itl_ms}` is `chat_slo`; None writes `slo: null` (a throughput pool: plain chunked
     prefill), or, with `names_slo` False, no `slo` key at all (what the loader does for a device
-    without one applies). Prefix caching is off on every pool: the bench measures compute isolation,
-    and runs that reuse one server must not warm each other."""
+    without one applies). Chat holds `chat_kv_share` of the KV cache, rag the rest. Prefix caching is
+    off on every pool: the bench measures compute isolation, and runs that reuse one server must not
+    warm each other."""
+    if not 0 < chat_kv_share < 1:
+        raise ValueError(f"--chat-kv-share: must be in (0, 1), got {chat_kv_share}")
     common = (f"model: {MODEL}\n    device: dev\n    block_size: 16\n"
               f"    max_num_batched_tokens: {max_num_batched_tokens}\n    enable_prefix_caching: false\n")
     head = f"devices:\n  dev: {{device: cpu, memory: {memory}, dtype: float32}}\npools:\n"
@@ -152,9 +155,9 @@ def pool_file(layout: str, *, memory: str, max_num_batched_tokens: int, chat_slo
            else "    slo: null\n" if names_slo else "")
     return (head
             + f"  - name: chat\n    {common}    route: {{max_prompt_tokens: {ROUTE_THRESHOLD}}}\n"
-              f"    kv_share: 0.4\n    avg_len: 128\n    max_model_len: 2048\n{slo}"
+              f"    kv_share: {chat_kv_share:g}\n    avg_len: 128\n    max_model_len: 2048\n{slo}"
             + f"  - name: rag\n    {common}    route: {{min_prompt_tokens: {ROUTE_THRESHOLD + 1}}}\n"
-              f"    kv_share: 0.6\n    avg_len: 1700\n    max_model_len: {max_model_len}\n")
+              f"    kv_share: {1 - chat_kv_share:g}\n    avg_len: 1700\n    max_model_len: {max_model_len}\n")
 
 
 def load_config(url: str, cls: WorkloadClass, rate: float, *, seed: int, scrape: bool, duration: float,

@@ -133,7 +133,8 @@ def sweep_pool_files(args: argparse.Namespace, grid: Grid) -> dict[str, str]:
     slo = None if args.no_slo else (args.ttft_ms, args.itl_ms)
     common = {"memory": args.memory, "max_num_batched_tokens": args.max_num_batched_tokens,
               "max_model_len": grid.max_model_len}
-    return {"split": pool_file("split", chat_slo=slo, names_slo=not args.no_slo, **common),
+    return {"split": pool_file("split", chat_slo=slo, names_slo=not args.no_slo, chat_kv_share=args.chat_kv_share,
+                               **common),
             "shared": pool_file("shared", chat_slo=None, **common)}
 
 

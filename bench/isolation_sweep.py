@@ -132,6 +132,8 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
                    "SLO the server reports")
     p.add_argument("--no-shared", action="store_true", help="--sweep: skip the shared layout (split runs and "
                    "baselines only: a second run of a sweep's verdict, e.g. with --no-slo, in less time)")
+    p.add_argument("--chat-kv-share", type=float, default=0.4, help="--sweep: the split layout's chat pool's "
+                   "kv_share (rag gets the rest; default 0.4)")
     p.add_argument("--min-share", type=float, default=DEFAULT_MIN_SHARE, help="--sweep: the rag pool's min_share "
                    "(its pool file's: the default); a cell is in scope where chat alone uses at most 1 - this of "
                    f"the device, and rag is owed this share of it (default {DEFAULT_MIN_SHARE:g})")

@@ -18,7 +18,10 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    in proportion (at most by `MAX_DECREASE` per update, then it holds for `HOLD_SECONDS` so the window
    can show the effect); a p99 comfortably under (below `RELAX_BELOW` of the aim) grows it back by
    `SCALE_STEP`. Only the latencies that throughput work shares in are sampled: gaps whose step
-   carried throughput tokens, first tokens whose wait saw such a step. What the pool does to
+   carried throughput tokens the target let in, first tokens whose wait saw such a step (tokens a
+   pool got because it was owed its share, step 5, are the guarantee's: no cut of the target
+   removes them, and counted, their misses shrank the target until the throughput pools got their
+   min_share and nothing more). What the pool does to
    itself (its own prefills between its decodes, its own queue in a burst) no throughput cut can
    mend; counted, such misses ratcheted the target down to `MIN_SCALE` and starved the throughput
    pools while the pool's latency stayed where it was. With no
@@ -59,9 +62,12 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    for a step without them).
 5. **Share.** A throughput pool with work whose part of the device's step time over the last
    `SHARE_WINDOW_SECONDS` (of steps, 2 s) is under its `min_share` (a pool key, default 0.2) is
-   *owed*: whatever the target or pressure, it gets the tokens that make its part `min_share` of
-   this step (the rest of the step's predicted cost x min_share / (1 - min_share) added; at least its
-   decodes, or one block of prefill). Each step's measured time is divided among its pools in
+   *owed*: whatever the target, it gets the tokens that make its part `min_share` of this step (the
+   rest of the step's predicted cost x min_share / (1 - min_share) added; at least its decodes, or
+   one block of prefill), in every step but a lone pressed one: a step pressed after a calm one
+   (typically one interactive prefill) costs what it costs with the interactive pools alone, and the
+   share is made up in the steps around it; pressure that lasts a second step is the interactive
+   pool's steady state, and the owed pool rides it. Each step's measured time is divided among its pools in
    proportion to what each added to its predicted cost (its tokens while the model is cold). So an
    interactive pool that stays pressed (a chat load the device cannot serve within its SLO) slows
    the throughput pools to `min_share`, never to nothing; its steps grow by at most
@@ -110,6 +116,7 @@ class ComposedStep:
     pressed: tuple[str, ...] = ()             # interactive pools under pressure: throughput at its floor
     mixed: bool = False                       # a throughput prefill chunk rides with interactive work
     throughput_tokens: int = 0                # tokens the throughput pools scheduled
+    targeted_tokens: int = 0                  # ... of pools not owed: tokens the target let in (feedback samples)
     owed: tuple[str, ...] = ()                # throughput pools under their min_share: they ride even when pressed
     costs: dict[str, float] = field(default_factory=dict)   # each pool's predicted part of the step (its tokens
                                                             # while the cost model is cold): shares its time
@@ -149,7 +156,8 @@ class StepComposer:
         self._external_waiting = dict.fromkeys(self.interactive, 0)
         self._slo_limit: float | None = None     # this step: the tightest itl_ms of interactive pools running
         self._mixed_ratios: deque[float] = deque(maxlen=MIXED_WINDOW)   # measured / predicted, mixed steps
-        self._throughput_ended_at: float | None = None   # end of the last step with throughput work
+        self._throughput_ended_at: float | None = None   # end of the last step with targeted throughput work
+        self._was_pressed = False                # the previous step was pressed (pressure lasting: owed rides)
 
     def set_external_waiting(self, pool: str, count: int) -> None:
         """Requests of `pool` waiting outside the engine (at the gateway, for KV credits): they press
@@ -176,9 +184,11 @@ class StepComposer:
             step.costs = {name: 0.0 for name in step.costs}
             if interactive_work:   # the interactive pools' part together (they are not told apart below)
                 step.costs[self.interactive[0]] = model.predict(step.features) - model.predict(StepFeatures())
+        lasting = bool(step.pressed) and self._was_pressed
+        self._was_pressed = bool(step.pressed)
         for name in self.throughput:
             budget = self._token_budget(name, step.features, step.target_seconds, floor=bool(step.pressed))
-            if self._is_owed(name):
+            if self._is_owed(name) and (lasting or not step.pressed):
                 step.owed += (name,)
                 owed = self._owed_budget(name, step.features)
                 budget = None if budget is None else max(budget, owed)
@@ -186,6 +196,8 @@ class StepComposer:
             out = self.schedulers[name].schedule(budget)
             step.outputs[name] = out
             step.throughput_tokens += out.num_batched_tokens
+            if name not in step.owed:
+                step.targeted_tokens += out.num_batched_tokens
             before = step.features.num_prefill_tokens
             step.features.add_scheduled(out.scheduled)
             step.mixed |= interactive_work and step.features.num_prefill_tokens > before
@@ -276,7 +288,7 @@ class StepComposer:
             self._mixed_ratios.append(seconds / step.predicted_seconds)
         self.cost_model.observe(step.features, seconds)   # composing, and the gateway's overload verdict
         if ended_at is not None:
-            shared = step.throughput_tokens > 0
+            shared = step.targeted_tokens > 0   # owed tokens are the guarantee's: no target cut removes them
             if shared:
                 self._throughput_ended_at = ended_at
             for name, tracker in self.trackers.items():

@@ -20,7 +20,7 @@ RELAX_BELOW = 0.7           # a p99 below this fraction of its aim lets the scal
 MIN_SCALE = 0.25
 MAX_DECREASE = 0.7          # the most one update may shrink the scale by (a factor)
 SCALE_STEP = 0.05           # additive growth per update
-UPDATE_SECONDS = 0.8        # between updates of a pool's scales, counted while it has work (8 CPU steps)
+UPDATE_SECONDS = 0.8        # between updates of a pool's scales (8 CPU steps)
 HOLD_SECONDS = 6.4          # no further decrease for this long after one; a window this long without a
                             # shared sample is quiet (64 steps of the 2-core CPU's ~0.1 s, where they were tuned)
 TTFT_WINDOW = 32            # requests
@@ -51,11 +51,12 @@ class Feedback:
     def update(self, ratio: float | None, seconds: float) -> None:
         """`ratio`: the window's p99 / `aim` (None: no samples); `seconds`: since the last update."""
         self._hold = max(0.0, self._hold - seconds)
-        quiet, new_miss = self._quiet >= HOLD_SECONDS, self._newest > self.aim
         self._quiet += seconds
+        quiet, new_miss = self._quiet >= HOLD_SECONDS, self._newest > self.aim
         self._newest = 0.0
-        if quiet:
-            self.scale = min(1.0, self.scale + SCALE_STEP)
+        if quiet:   # one SCALE_STEP per UPDATE_SECONDS of quiet, however long since the last update
+            quiet_steps = int(min(seconds, self._quiet - HOLD_SECONDS) // UPDATE_SECONDS)
+            self.scale = min(1.0, self.scale + SCALE_STEP * max(1, quiet_steps))
         elif ratio is None:
             return
         elif ratio > 1 and new_miss and not self._hold:
@@ -119,9 +120,16 @@ class SLOTracker:
             self.ttft.sample(seconds)
 
     def observe_step(self, had_decode: bool, had_work: bool, ended_at: float, shared: bool = True) -> None:
-        """After each step: record an inter-token gap (`shared`: the step carried throughput work;
-        else the gap is not counted), and at the first step with the pool's work `UPDATE_SECONDS` or
-        more after the last update, move the scales (the module docstring's step 1)."""
+        """After each step of the device: record an inter-token gap (`shared`: the step carried throughput
+        work; else the gap is not counted), and at the first step `UPDATE_SECONDS` or more after the last
+        update (the first one: after the pool's first work), move the scales (the module docstring's step
+        1). Steps without the pool's work update too: a pool gone idle takes no samples, so after
+        `HOLD_SECONDS` its scales grow back by `SCALE_STEP` per `UPDATE_SECONDS` (the time the device
+        sat idle included), and the throughput pools it shrank get their room back while it has
+        nothing to protect. (Updated only with the pool's work, a scale squeezed by a flood stayed
+        squeezed for as long as the pool had nothing to send: on the 2-core CPU, rag alone after a
+        split run composed its steps to a 31 ms target instead of 132 ms, and `bench isolation`'s
+        rag-alone baseline of 0.4 req/s x 3,300 tokens read 119 tokens/s instead of 154.)"""
         if had_decode and self._last_decode_end is not None and shared:
             gap = ended_at - self._last_decode_end
             self.itls.append(gap)
@@ -131,9 +139,9 @@ class SLOTracker:
                 self.itls.popleft()
             self.itl.sample(gap)
         self._last_decode_end = ended_at if had_decode else None
-        if not had_work:
-            return
         if self._last_update is None:
+            if not had_work:
+                return
             self._last_update = ended_at
             return
         elapsed = ended_at - self._last_update

@@ -147,7 +147,8 @@ def test_sweep_cells_run_again_with_the_arrivals_of_the_whole_grid():
             sweep_grid(_args("--sweep", "--chat-rates", "0.75,1,1.25", "--cells", bad))
 
 
-@pytest.mark.parametrize("argv", [(), ("--no-slo",), ("--rag-lens", "3400", "--rag-output-tokens", "200")])
+@pytest.mark.parametrize("argv", [(), ("--no-slo",), ("--rag-lens", "3400", "--rag-output-tokens", "200"),
+                                  ("--chat-kv-share", "0.3")])
 def test_sweep_pool_files(argv):
     args = _args("--sweep", *argv)
     grid = sweep_grid(args)
@@ -166,7 +167,8 @@ def test_sweep_pool_files(argv):
         chat, rag = raw["pools"]
         assert chat["route"]["max_prompt_tokens"] < round(0.8 * min(grid.rag_lens)) and \
             rag["route"]["min_prompt_tokens"] == chat["route"]["max_prompt_tokens"] + 1
-        assert (chat["kv_share"], rag["kv_share"]) == (0.4, 0.6) and "slo" not in rag
+        shares = (0.3, 0.7) if "--chat-kv-share" in argv else (0.4, 0.6)
+        assert (chat["kv_share"], rag["kv_share"]) == shares and "slo" not in rag
         if "--no-slo" in argv:
             assert "slo" not in chat       # the defaults of a device with several pools apply
         else:

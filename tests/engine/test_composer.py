@@ -734,6 +734,68 @@ def test_a_throughput_pool_above_its_share_yields_to_a_pressed_pool_until_its_sh
     assert composer.stats.num_owed_steps >= 1
 
 
+def test_an_owed_throughput_pool_skips_a_lone_prefill_step_and_rides_lasting_pressure():
+    """A chat prefill step alone (the next step is calm) costs what it costs with chat alone even
+    while rag is owed its share: the share is kept over the window, by the steps around it. Pressure
+    that lasts a second step is chat's steady state: rag rides then."""
+    composer = _make_composer(chat_seqs=4, min_share=0.2)
+    _decoding_chat(composer, 2)                  # chat's prefill: rag got nothing, it is owed
+    _run_step(composer)                          # a calm step, after which rag is still under its share
+    composer._share_seconds["rag"] = 0.0
+    assert composer._is_owed("rag")
+    composer.schedulers["chat"].add(_make_seq(50, 60))
+    prefill = composer.schedule()
+    assert prefill.pressed == ("chat",) and prefill.owed == () and not prefill.outputs["rag"].scheduled
+    _finish_step(composer, prefill)
+    for i in range(2):                           # four slots, three running: one waits, pressure lasts
+        composer.schedulers["chat"].add(_make_seq(60 + i, 60, max_tokens=10_000))
+    first = composer.schedule()
+    _finish_step(composer, first)
+    lasting = composer.schedule()
+    assert first.pressed == lasting.pressed == ("chat",)
+    assert lasting.owed == ("rag",) and lasting.outputs["rag"].scheduled
+
+
+def test_owed_tokens_are_no_feedback_sample_for_the_interactive_pools_scales():
+    """Tokens a throughput pool gets because it is owed its share are the guarantee's: no cut of the
+    target removes them, so a step carrying only those is not a shared latency sample. Counted, the
+    misses they cause shrank the target, rag got less by the target, fell under its share, was owed
+    more: a spiral that left it its min_share and nothing more."""
+    composer = _make_composer(min_share=0.2)
+    _decoding_chat(composer, 2)                  # chat's prefill: rag got nothing, it is owed
+    owed = composer.schedule()
+    assert owed.owed == ("rag",) and owed.throughput_tokens > 0 and owed.targeted_tokens == 0
+    _advance(composer, owed)
+    tracker = composer.trackers["chat"]
+    composer.observe(owed, 0.5, ended_at=1.0)    # a slow step: 0.5 s against a 45 ms aim
+    composer.observe(owed, 0.5, ended_at=1.5)
+    assert not tracker.itls                      # not sampled
+    composer._share_seconds["rag"] = composer._window_seconds   # rag above its share: no longer owed
+    calm = composer.schedule()
+    assert calm.owed == () and calm.targeted_tokens == calm.throughput_tokens > 0
+    _advance(composer, calm)
+    composer.observe(calm, 0.5, ended_at=2.0)
+    assert list(tracker.itls) == [0.5]           # the target let these in: a sample
+
+
+def test_an_idle_interactive_pools_squeezed_scale_grows_back_while_the_throughput_pool_runs_alone():
+    """A flood squeezed chat's target; chat then has nothing to send. Its scale grows back by SCALE_STEP
+    per UPDATE_SECONDS after HOLD_SECONDS without samples, counting steps without chat's work and the
+    time the device sat idle, so rag alone is not composed to the squeezed target for ever."""
+    tracker = SLOTracker(LatencySLO(ttft_ms=1000, itl_ms=100))
+    t = _drive(tracker, 0.0, 4 * HOLD_SECONDS, 0.150)          # squeezed to the floor
+    assert tracker.scale == MIN_SCALE
+    for _ in range(int((HOLD_SECONDS + 20 * UPDATE_SECONDS) / 0.1)):   # rag's steps, no chat work
+        t += 0.1
+        tracker.observe_step(False, False, t)
+    assert tracker.scale == 1.0
+    squeezed = SLOTracker(LatencySLO(ttft_ms=1000, itl_ms=100))
+    t = _drive(squeezed, 0.0, 4 * HOLD_SECONDS, 0.150)
+    squeezed.observe_step(False, False, t + 60.0)              # the device sat idle for a minute
+    squeezed.observe_step(False, False, t + 60.1)
+    assert squeezed.scale == 1.0
+
+
 def test_isolation_by_default_takes_its_slo_from_the_devices_measured_step(tiny):
     """A pool marked derive_slo runs with the SLO its device's own decode step gives (engine.calibration.derive_slo),
     reported in WorkerInfo; a pool with an explicit SLO keeps it."""
