@@ -127,9 +127,10 @@ class SLOTracker:
         `HOLD_SECONDS` its scales grow back by `SCALE_STEP` per `UPDATE_SECONDS` (the time the device
         sat idle included), and the throughput pools it shrank get their room back while it has
         nothing to protect. (Updated only with the pool's work, a scale squeezed by a flood stayed
-        squeezed for as long as the pool had nothing to send: on the 2-core CPU, rag alone after a
-        split run composed its steps to a 31 ms target instead of 132 ms, and `bench isolation`'s
-        rag-alone baseline of 0.4 req/s x 3,300 tokens read 119 tokens/s instead of 154.)"""
+        squeezed for as long as the pool had nothing to send, and into the next load after an idle
+        spell: on the 2-core CPU, rag draining alone after a chat load composed its steps to a 31 ms
+        target instead of 132 ms, 13-token chunks instead of 32, 115 tokens per busy second instead
+        of 154.)"""
         if had_decode and self._last_decode_end is not None and shared:
             gap = ended_at - self._last_decode_end
             self.itls.append(gap)
