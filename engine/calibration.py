@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -156,11 +157,19 @@ def slo_from_step(step_seconds: float, min_share: float = 0.0) -> LatencySLO:
     return LatencySLO(ttft_ms=TTFT_ITLS * itl_ms, itl_ms=itl_ms)
 
 
+def slo_share(throughput_min_shares: Iterable[float]) -> float:
+    """The share of the device an interactive pool's derived SLO keeps room for (`slo_from_step`'s
+    `min_share`): the largest `min_share` of the device's throughput pools, 0 without any. The engine
+    and the simulator both ask this."""
+    return max(throughput_min_shares, default=0.0)
+
+
 def derive_slo(engine: Any, pool: str, min_share: float = 0.0) -> tuple[LatencySLO, float, int, int] | None:
     """The isolation-by-default SLO of `pool` from this device's own step (config/README.md, "Isolation
     by default"): the median of `measure_decode_step` over the `slo_probe` step, through
-    `slo_from_step` with the largest `min_share` of the device's throughput pools. Returns (slo, step seconds, batch, context), or None when the pool's blocks are too
-    few to measure (the configured SLO stays)."""
+    `slo_from_step` with `min_share` (`slo_share` of the device's throughput pools). Returns (slo, step
+    seconds, batch, context), or None when the pool's blocks are too few to measure (the configured SLO
+    stays)."""
     scheduler = engine.schedulers[pool]
     bm = scheduler.block_manager
     batch, context = slo_probe(scheduler.config.max_num_seqs, bm.num_blocks, bm.block_size, scheduler.max_model_len)

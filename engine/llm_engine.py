@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 import engine.capacity as capacity
-from engine.calibration import derive_slo, warm_up
+from engine.calibration import derive_slo, slo_share, warm_up
 from engine.composer import ComposedStep, StepComposer
 from engine.config import (CacheConfig, ConfigError, EngineConfig, LatencySLO, ModelConfig, PoolConfig,
                            SchedulerConfig)
@@ -149,7 +149,7 @@ class LLMEngine:
         (`engine.calibration.derive_slo`, keeping room for the largest throughput pool's min_share,
         `slo_share`): pool -> (slo, step seconds, batch, context) of those measured."""
         derived = {}
-        self.slo_share = max((p.min_share for p in self.config.pools if p.slo is None), default=0.0)
+        self.slo_share = slo_share(p.min_share for p in self.config.pools if p.slo is None)
         for pool in self.config.pools:
             if pool.derive_slo and (result := derive_slo(self, pool.name, self.slo_share)) is not None:
                 self.composer.set_slo(pool.name, result[0])

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.calibration import slo_from_step, slo_probe
+from engine.calibration import slo_from_step, slo_probe, slo_share
 from engine.config import LatencySLO, ModelConfig, PoolConfig, parse_dtype
 from engine.step_cost import PRESETS, RooflineStepTime, StepFeatures, StepTime, read_step_model
 from pools.capacity_plan import CapacityPlan, DevicePlan
@@ -180,8 +180,7 @@ def _device_group(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePla
                   seed: int) -> ReplicaGroup:
     """The device's `replicas` DeviceSims, alike, behind one group (the gateway's queues)."""
     pools, lens, spirals, avg_lens = [], {}, {}, {}
-    owed = max((plan.pools[n].spec.engine_min_share for n in dplan.pools if plan.pools[n].spec.slo is None),
-               default=0.0)
+    owed = slo_share(plan.pools[n].spec.engine_min_share for n in dplan.pools if plan.pools[n].spec.slo is None)
     for name in dplan.pools:
         pplan = plan.pools[name]
         spirals[name] = pplan.spec.death_spiral
