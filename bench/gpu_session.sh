@@ -7,7 +7,8 @@
 #   mkdir -p .gpu/smollm2 && cp <converted builtin model>/{config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu/smollm2/
 # (the converted builtin model is the folder under ~/.cache/cliffguard/models/ that `make serve` made). The
 # simulate step gives that SmolLM2 shape random weights there (transformers) and validates the simulator on
-# a machine whose speed holds still (GPU_STEPS=simulate runs it alone: about 20 minutes).
+# a machine whose speed holds still (GPU_STEPS=simulate runs it alone: about 20 minutes); the isolation
+# step runs `bench isolation --sweep --quick` on that model on CUDA, with the SLO the engine derives there.
 # Logs go to $OUT (or ./gpu-out); the last lines printed are a short summary.
 set -u
 OUT=${OUT:-gpu-out}
@@ -20,16 +21,20 @@ step() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS; "$@" >"$
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+SIM=${SIM_DIR:-/tmp/cliffguard-sim}
+smollm2() {   # the builtin model's shape with random weights (once per machine)
+  [ -f "$SIM/smollm2/model.safetensors" ] && return 0
+  mkdir -p "$SIM/smollm2" && cp .gpu/smollm2/* "$SIM/smollm2/" && $PY bench/random_weights.py "$SIM/smollm2"; }
 for what in ${GPU_STEPS:-tests kernels engine}; do
   case $what in
     tests)   step gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton.py tests/engine/test_sampling.py ;;
     kernels) step bench_kernels $CLI bench kernels ;;
     engine)  step bench_engine $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 ;;
-    simulate) SIM=${SIM_DIR:-/tmp/cliffguard-sim}; mkdir -p "$SIM/smollm2" && cp .gpu/smollm2/* "$SIM/smollm2/" &&
-              $PY bench/random_weights.py "$SIM/smollm2" &&
-              printf '%s\n' 'devices:' '  gpu: {device: cuda, memory: 4GiB, dtype: bfloat16}' 'pools:' '  - name: chat' \
-                "    model: $SIM/smollm2" '    device: gpu' '    kv_cache_bytes: 128MiB' '    avg_len: 512' \
-                '    max_model_len: 2048' '    max_num_batched_tokens: 512' > "$SIM/pools.yaml" &&
+    simulate) smollm2 && printf '%s\n' 'devices:' '  gpu: {device: cuda, memory: 4GiB, dtype: bfloat16}' 'pools:' \
+                '  - name: chat' "    model: $SIM/smollm2" '    device: gpu' '    kv_cache_bytes: 128MiB' \
+                '    avg_len: 512' '    max_model_len: 2048' '    max_num_batched_tokens: 512' > "$SIM/pools.yaml" &&
               TAILN=40 step bench_simulate $CLI bench simulate --config "$SIM/pools.yaml" --duration 120 --out "$OUT/simulate" ;;
+    isolation) smollm2 && TAILN=40 step bench_isolation $CLI bench isolation --sweep --quick --no-slo --device cuda \
+                 --model "$SIM/smollm2" --out "$OUT/isolation" ;;
   esac
 done

@@ -91,6 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-ms-sweep", default="100,200,400", help="itl_ms values of the trade-off curve "
                    "(comma-separated; the chunk-only row is added; not used by --sweep)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="every pool's token budget per step")
+    p.add_argument("--model", default=MODEL, help=f"every pool's model: a model folder or builtin name "
+                   f"(default {MODEL}); the load's prompts are made with its tokenizer")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the device the pools run on "
+                   "(default cpu)")
+    p.add_argument("--dtype", default=None, help="the device's dtype (default float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--quick", action="store_true", help="the four main scenarios with short loads (< 3 min), "
                    "no trade-off curve; with --sweep: a 2 x 1 x 1 grid with short loads (about 2 min)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and the sampler (default 0)")
@@ -131,23 +136,31 @@ def pools_yaml(scenario: Scenario, args: argparse.Namespace) -> str:
     """The pool file of one scenario (see `pool_file`)."""
     slo = (args.ttft_ms, scenario.itl_ms) if scenario.layout == "split" and scenario.itl_ms else None
     return pool_file(scenario.layout, memory=args.memory, max_num_batched_tokens=args.max_num_batched_tokens,
-                     chat_slo=slo)
+                     chat_slo=slo, **device_of(args))
+
+
+def device_of(args: argparse.Namespace) -> dict[str, str]:
+    """`pool_file`'s model, device and dtype from the flags (dtype by device where unset)."""
+    device = getattr(args, "device", "cpu")
+    dtype = getattr(args, "dtype", None) or ("bfloat16" if device == "cuda" else "float32")
+    return {"model": getattr(args, "model", MODEL), "device": device, "dtype": dtype}
 
 
 def pool_file(layout: str, *, memory: str, max_num_batched_tokens: int, chat_slo: tuple[float, float] | None,
-              names_slo: bool = True, max_model_len: int = 4096, chat_kv_share: float = 0.4) -> str:
+              names_slo: bool = True, max_model_len: int = 4096, chat_kv_share: float = 0.4, model: str = MODEL,
+              device: str = "cpu", dtype: str = "float32") -> str:
     """The pool file of a layout: same device and model; split = chat (prompts up to ROUTE_THRESHOLD
     tokens) + rag (longer prompts, `max_model_len`), shared = one pool (`max_model_len`). Chat's
     `slo: {ttft_ms, itl_ms}` is `chat_slo`; None writes `slo: null` (a throughput pool: plain chunked
     prefill), or, with `names_slo` False, no `slo` key at all (what the loader does for a device
     without one applies). Chat holds `chat_kv_share` of the KV cache, rag the rest. Prefix caching is
     off on every pool: the bench measures compute isolation, and runs that reuse one server must not
-    warm each other."""
+    warm each other. Every pool runs `model` on one `device` of `memory` in `dtype`."""
     if not 0 < chat_kv_share < 1:
         raise ValueError(f"--chat-kv-share: must be in (0, 1), got {chat_kv_share}")
-    common = (f"model: {MODEL}\n    device: dev\n    block_size: 16\n"
+    common = (f"model: {model}\n    device: dev\n    block_size: 16\n"
               f"    max_num_batched_tokens: {max_num_batched_tokens}\n    enable_prefix_caching: false\n")
-    head = f"devices:\n  dev: {{device: cpu, memory: {memory}, dtype: float32}}\npools:\n"
+    head = f"devices:\n  dev: {{device: {device}, memory: {memory}, dtype: {dtype}}}\npools:\n"
     if layout == "shared":
         return head + (f"  - name: shared\n    {common}    kv_share: 1.0\n    avg_len: 512\n"
                        f"    max_model_len: {max_model_len}\n")
@@ -161,11 +174,11 @@ def pool_file(layout: str, *, memory: str, max_num_batched_tokens: int, chat_slo
 
 
 def load_config(url: str, cls: WorkloadClass, rate: float, *, seed: int, scrape: bool, duration: float,
-                drain_timeout: float) -> LoadConfig:
+                drain_timeout: float, model: str = MODEL) -> LoadConfig:
     """One open-loop load of the bench: `cls` at `rate` req/s for `duration` s of arrivals, with the usage so
     far in every chunk (ITL per token: see `LoadConfig.continuous_usage`)."""
     return LoadConfig(url=url, classes=(cls,), request_rate=rate, duration=duration, seed=seed, timeout=600.0,
-                      drain_timeout=drain_timeout, scrape=scrape, scrape_interval=0.5, tokenizer=MODEL,
+                      drain_timeout=drain_timeout, scrape=scrape, scrape_interval=0.5, tokenizer=model,
                       continuous_usage=True)
 
 
@@ -185,10 +198,11 @@ async def run_scenario(scenario: Scenario, args: argparse.Namespace, folder: Pat
     with LiveServer(path) as server:
         configs = []
         if scenario.chat:
-            configs.append(load_config(server.url, CHAT, args.chat_rate, seed=args.seed, scrape=True, **times))
+            configs.append(load_config(server.url, CHAT, args.chat_rate, seed=args.seed, scrape=True, model=args.model,
+                                       **times))
         if scenario.rag:
             configs.append(load_config(server.url, RAG, args.rag_rate, seed=args.seed + 1, scrape=not scenario.chat,
-                                       **times))
+                                       model=args.model, **times))
         reports = await run_loads(configs, tokenizer)
         slo = await server_slo(server.url)
     chat = reports[0] if scenario.chat else None
@@ -415,7 +429,7 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
 
 async def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
-    tokenizer = load_tokenizer(MODEL)
+    tokenizer = load_tokenizer(args.model)
     with tempfile.TemporaryDirectory(prefix="cliffguard-isolation-") as folder:
         for scenario in scenarios(args):
             print(f"bench isolation: {scenario.name} ...", file=sys.stderr, flush=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.isolation import ROUTE_THRESHOLD, judge, pool_file, verdict_text
+from bench.isolation import ROUTE_THRESHOLD, device_of, judge, pool_file, verdict_text
 from bench.options import int_list
 from pools.workload import LengthDist, WorkloadClass, parse_rates
 
@@ -132,7 +132,7 @@ def sweep_pool_files(args: argparse.Namespace, grid: Grid) -> dict[str, str]:
     """layout -> pool file: `bench isolation`'s, chat's slo as the flags say (none with --no-slo)."""
     slo = None if args.no_slo else (args.ttft_ms, args.itl_ms)
     common = {"memory": args.memory, "max_num_batched_tokens": args.max_num_batched_tokens,
-              "max_model_len": grid.max_model_len}
+              "max_model_len": grid.max_model_len, **device_of(args)}
     return {"split": pool_file("split", chat_slo=slo, names_slo=not args.no_slo, chat_kv_share=args.chat_kv_share,
                                **common),
             "shared": pool_file("shared", chat_slo=None, **common)}

@@ -67,7 +67,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench.isolation import (CHAT, MODEL, Scenario, add_arguments as isolation_arguments, chat_duration, load_config,
+from bench.isolation import (CHAT, Scenario, add_arguments as isolation_arguments, chat_duration, load_config,
                              run as isolation_run, run_loads, run_times, server_slo, summarize)
 from bench.isolation_grid import (DEFAULT_GRID, QUICK_GRID, Grid, Run, assemble, format_sweep_table, plan_runs,
                                   summary_line, sweep_grid, sweep_pool_files, write_heatmap)
@@ -185,7 +185,7 @@ async def warm_up(url: str, grid: Grid, tokenizer, args: argparse.Namespace) -> 
     rag = replace(grid.rag_class(max(grid.rag_lens)), output_len=LengthDist("fixed", value=2))
     for cls, n in ((chat_class(args), 2), (rag, 1)):
         config = LoadConfig(url=url, classes=(cls,), request_rate=math.inf, num_requests=n, seed=grid.seed,
-                            timeout=120.0, drain_timeout=120.0, scrape=False, tokenizer=MODEL)
+                            timeout=120.0, drain_timeout=120.0, scrape=False, tokenizer=args.model)
         await run_loads([config], tokenizer)
     return time.perf_counter() - began
 
@@ -200,10 +200,10 @@ async def execute(run: Run, grid: Grid, url: str, args: argparse.Namespace, toke
     configs = []
     if run.chat_rate:
         configs.append(load_config(url, chat_class(args), run.chat_rate, seed=grid.chat_seed(run.chat_rate),
-                                   scrape=True, **times))
+                                   scrape=True, model=args.model, **times))
     if run.rag_rate:
         configs.append(load_config(url, grid.rag_class(run.rag_len), run.rag_rate, scrape=not run.chat_rate,
-                                   seed=grid.rag_seed(run.rag_rate, run.rag_len), **times))
+                                   seed=grid.rag_seed(run.rag_rate, run.rag_len), model=args.model, **times))
     reports = await run_loads(configs, tokenizer)
     chat = reports[0] if run.chat_rate else None
     rag = reports[-1] if run.rag_rate else None
@@ -224,7 +224,7 @@ async def run_all(args: argparse.Namespace, grid: Grid) -> tuple[list[tuple[Run,
     with their results, per layout the server's url, start and warm-up seconds)."""
     runs = plan_runs(grid)
     files = sweep_pool_files(args, grid)
-    tokenizer = load_tokenizer(MODEL)
+    tokenizer = load_tokenizer(args.model)
     results: list[tuple[Run, dict[str, Any]]] = []
     servers: dict[str, Any] = {}
     began = time.perf_counter()

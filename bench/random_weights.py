@@ -8,6 +8,13 @@ bench/gpu_session.sh, whose device machine has no network and cannot take the bu
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+# Run as a script, this folder (and the repository, through PYTHONPATH) would come first on the path, and
+# transformers, which probes for a package named `kernels`, would import ours (or bench/kernels.py).
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() not in (_HERE, _HERE.parent)]
 
 
 def main() -> None:

@@ -355,7 +355,7 @@ def _replica_config(template: EngineConfig, dev: DeviceSpec, replica: int, key: 
     if not template.device.startswith("cuda"):
         threads = dev.cpu_threads or (max(1, (os.cpu_count() or 1) // ranks) if ranks > 1 else 0)
         return dataclasses.replace(template, cpu_threads=threads)
-    gpus = dev.replica_gpus(replica)
+    gpus = dev.replica_gpus(replica, template.device)   # `auto` places on the GPUs it resolved to
     count = torch.cuda.device_count()
     if max(gpus) >= count:
         where = "gpus" if dev.gpus is not None else "device"

@@ -185,14 +185,16 @@ class DeviceSpec:
             raise SpecError(f"gpus: {len(self.gpus)} GPUs listed; replicas {self.replicas} x tensor_parallel_size "
                             f"{self.tensor_parallel_size} need {need}")
 
-    def replica_gpus(self, replica: int) -> tuple[int, ...]:
-        """The CUDA GPU indices of one replica's ranks (empty for a CPU or `auto` device)."""
+    def replica_gpus(self, replica: int, device: str | None = None) -> tuple[int, ...]:
+        """The CUDA GPU indices of one replica's ranks (empty for a CPU device, or for `auto` unless
+        `device`, what `auto` resolved to on this machine, names CUDA)."""
         tp = self.tensor_parallel_size
         if self.gpus is not None:
             return self.gpus[replica * tp:(replica + 1) * tp]
-        if not self.device.startswith("cuda"):
+        device = device if self.device == "auto" and device else self.device
+        if not device.startswith("cuda"):
             return ()
-        base = int(self.device.partition(":")[2] or 0)
+        base = int(device.partition(":")[2] or 0)
         return tuple(range(base + replica * tp, base + (replica + 1) * tp))
 
     @property

@@ -175,6 +175,16 @@ def test_sweep_pool_files(argv):
             assert chat["slo"] == {"ttft_ms": 1000, "itl_ms": 100}
 
 
+def test_sweep_pool_files_on_another_device_and_model():
+    args = _args("--sweep", "--device", "cuda", "--model", "/models/smollm2")
+    for text in sweep_pool_files(args, sweep_grid(args)).values():
+        raw = load_yaml(text, "pools")
+        assert raw["devices"] == {"dev": {"device": "cuda", "memory": "1GiB", "dtype": "bfloat16"}}
+        assert {p["model"] for p in raw["pools"]} == {"/models/smollm2"}
+    args = _args("--sweep", "--device", "cuda", "--dtype", "float16")
+    assert all("dtype: float16" in text for text in sweep_pool_files(args, sweep_grid(args)).values())
+
+
 def _run(ttft=None, itl=None, preempt=0, rag=None, chat_share=0.5, rag_share=None, count=120, overloaded=None):
     return {"ttft_p99": ttft, "itl_p99": itl, "chat_preemptions": preempt, "rag_tokens_per_s": rag,
             "chat_device_share": chat_share, "rag_device_share": rag_share, "chat_count": count,

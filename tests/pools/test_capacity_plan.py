@@ -217,6 +217,15 @@ def test_engine_configs_place_every_rank_on_a_gpu_of_its_own(monkeypatch):
         engine_configs(config, plan)
 
 
+def test_an_auto_device_on_a_cuda_machine_takes_the_first_gpus(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)   # `device: auto` where CUDA is present
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
+    data = _example_data()
+    data["devices"]["h100x8"].update(device="auto", tensor_parallel_size=2, replicas=2)
+    replicas = replica_engine_configs(*_plan_example(data))["h100x8"]
+    assert [(e.device, e.gpu_ids) for e in replicas] == [("cuda:0", (0, 1)), ("cuda:2", (2, 3))]
+
+
 def test_engine_configs_refuse_what_the_engine_cannot_run(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)   # plan and check an H100 on any machine
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
