@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -105,39 +105,54 @@ def measure_steps(engine: Any, *, pool: str | None = None, seed: int = 0,
 
 # --- the isolation-by-default SLO, from this device's own step ---------------------------------------
 DERIVE_MAX_BATCH = 64     # sequences of the measured decode step at most
-DERIVE_STEPS = 3          # timed steps (after one untimed): their median is the step
+DERIVE_WARM_SECONDS = 0.5  # untimed probe steps first, this long or DERIVE_WARM_STEPS steps, whichever comes
+DERIVE_WARM_STEPS = 20     # first (at least two): kernels load, a GPU's clock leaves its idle state
+DERIVE_ROUNDS = 5         # rounds of timed steps; the step is the smallest round median
+DERIVE_STEPS = 3          # timed steps per round
 ITL_STEPS = 2.5          # itl_ms: a decode step that also prefills an arriving prompt (about two probe steps)
                          # and half a probe step more for the other pools' chunks
 TTFT_ITLS = 10.0          # ttft_ms: ten times itl_ms (a prompt's prefill and a queue of a few steps)
 MIN_ITL_MS = 10.0         # below this a step's noise (launches, the OS) is most of it
 
 
-def measure_decode_step(engine: Any, pool: str, batch: int, context: int) -> float | None:
-    """Median seconds of a decode step of `batch` sequences at `context` tokens each, in `pool`'s blocks
+def measure_decode_step(engine: Any, pool: str, batch: int, context: int, *,
+                        clock: Callable[[], float] = time.perf_counter) -> float | None:
+    """Seconds of a decode step of `batch` sequences at `context` tokens each, in `pool`'s blocks
     (borrowed and given back: their K/V is whatever the blocks hold, only the time is wanted). None if
-    the pool lacks the free blocks."""
+    the pool lacks the free blocks.
+
+    The probe runs while the server starts, when the machine is often busy with something else (the
+    gateway loading its tokenizer beside the worker, kernels loading, a GPU still at its idle clock):
+    noise that only ever adds time. So untimed steps run first for `DERIVE_WARM_SECONDS` (or
+    `DERIVE_WARM_STEPS` steps, where steps are quick), then
+    `DERIVE_ROUNDS` rounds of `DERIVE_STEPS` timed steps, and the step is the smallest round median:
+    the calmest stretch's typical step, not one lucky step."""
     bm = engine.schedulers[pool].block_manager
     if batch < 1 or batch * bm.num_blocks_for(context + 1) > bm.num_free_blocks:
         return None
     seqs = [Sequence(seq_id=-1 - i, request_id="calibration", index=0, token_ids=[1] * (context + 1),
                      num_prompt_tokens=context, params=SamplingParams(), max_tokens=1, priority=0, arrival_order=-1,
                      generator=None) for i in range(batch)]
-    times = []
+
+    def step() -> float:
+        started = clock()
+        engine.runner.execute(items)
+        engine.runner.synchronize()
+        return clock() - started
+
     try:
         for seq in seqs:
             bm.allocate(seq.block_table, context + 1)
             seq.num_computed_tokens = context
         items = [ScheduledSeq(seq, 1) for seq in seqs]
-        for step in range(DERIVE_STEPS + 1):
-            started = time.perf_counter()
-            engine.runner.execute(items)
-            engine.runner.synchronize()
-            if step:
-                times.append(time.perf_counter() - started)
+        warm = [step(), step()]
+        while sum(warm) < DERIVE_WARM_SECONDS and len(warm) < DERIVE_WARM_STEPS:
+            warm.append(step())
+        medians = [sorted(step() for _ in range(DERIVE_STEPS))[DERIVE_STEPS // 2] for _ in range(DERIVE_ROUNDS)]
     finally:
         for seq in seqs:
             bm.free(seq.block_table)
-    return sorted(times)[len(times) // 2]
+    return min(medians)
 
 
 def slo_probe(max_num_seqs: int, num_blocks: int, block_size: int, max_model_len: int) -> tuple[int, int]:
@@ -166,7 +181,7 @@ def slo_share(throughput_min_shares: Iterable[float]) -> float:
 
 def derive_slo(engine: Any, pool: str, min_share: float = 0.0) -> tuple[LatencySLO, float, int, int] | None:
     """The isolation-by-default SLO of `pool` from this device's own step (config/README.md, "Isolation
-    by default"): the median of `measure_decode_step` over the `slo_probe` step, through
+    by default"): `measure_decode_step` of the `slo_probe` step, through
     `slo_from_step` with `min_share` (`slo_share` of the device's throughput pools). Returns (slo, step
     seconds, batch, context), or None when the pool's blocks are too few to measure (the configured SLO
     stays)."""

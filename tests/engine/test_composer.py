@@ -796,6 +796,38 @@ def test_an_idle_interactive_pools_squeezed_scale_grows_back_while_the_throughpu
     assert squeezed.scale == 1.0
 
 
+def test_the_slo_probe_reads_the_calmest_stretch_of_a_busy_start():
+    """The derived SLO's probe step (engine.calibration.measure_decode_step) is measured while the server
+    starts: slow first steps (kernels loading, a GPU at its idle clock) and a busy stretch later only add
+    time, so untimed steps run for DERIVE_WARM_SECONDS and the step is the smallest round median."""
+    from types import SimpleNamespace
+
+    from engine import calibration
+
+    assert (calibration.DERIVE_WARM_SECONDS, calibration.DERIVE_WARM_STEPS, calibration.DERIVE_ROUNDS,
+            calibration.DERIVE_STEPS) == (0.5, 20, 5, 3)
+    # 0.2 s steps (a cold start) for the three untimed steps and the first round, a busy second round,
+    # a spike in the third, then the device's own 10 ms
+    costs = [0.2] * 6 + [0.04, 0.04, 0.01] + [0.09, 0.01, 0.01] + [0.01] * 6
+    now, calls = [0.0], []
+
+    def execute(items):
+        calls.append(len(items))
+        now[0] += costs[len(calls) - 1]
+
+    bm = BlockManager(64, 16)
+    engine = SimpleNamespace(schedulers={"chat": SimpleNamespace(block_manager=bm)},
+                             runner=SimpleNamespace(execute=execute, synchronize=lambda: None))
+    assert calibration.measure_decode_step(engine, "chat", 4, 100, clock=lambda: now[0]) == pytest.approx(0.010)
+    assert calls == [4] * len(costs)               # three untimed steps (0.6 s >= 0.5 s), five rounds of three
+    assert bm.num_free_blocks == 64                 # the borrowed blocks are back
+    costs[:] = [0.001] * 35                         # quick steps: 20 untimed ones, not half a second of them
+    calls.clear()
+    assert calibration.measure_decode_step(engine, "chat", 4, 100, clock=lambda: now[0]) == pytest.approx(0.001)
+    assert len(calls) == 20 + 15
+    assert calibration.measure_decode_step(engine, "chat", 20, 100) is None   # 20 x 7 blocks: more than the pool
+
+
 def test_isolation_by_default_takes_its_slo_from_the_devices_measured_step(tiny):
     """A pool marked derive_slo runs with the SLO its device's own decode step gives (engine.calibration.derive_slo),
     reported in WorkerInfo; a pool with an explicit SLO keeps it."""
