@@ -212,7 +212,10 @@ def test_an_unwritable_out_exits_2(tmp_path, capsys):
 
 
 def test_quick_run_end_to_end(tmp_path, capsys):
-    rc = main(["bench", "chaos", "--quick", "--json", "--out", str(tmp_path)])
+    # --quick with a 5 s lead-in and 6 s quiet windows (each still extended until the gateway recovered;
+    # the suite's time), fault windows as --quick's: 8 s, past the 6 s stall watchdog
+    argv = ["bench", "chaos", "--quick", "--warmup", "5", "--quiet-seconds", "6", "--json"]
+    rc = main([*argv, "--out", str(tmp_path)])
     report = json.loads(capsys.readouterr().out)
     assert rc == (0 if report["verdict"]["met"] else 1)
     assert [f["name"] for f in report["faults"]] == list(FAULTS)
