@@ -121,6 +121,7 @@ class LLMEngine:
         self.kv_cache = KVCache(self.model_config, self.num_blocks, config.cache.block_size, self.dtype,
                                 self.device, num_kv_heads=self.shard.num_kv_heads)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, get_backend(self.device), self.group)
+        self.runner.compile_kernels()
         self.schedulers: dict[str, Scheduler] = {}
         self.swap_spaces = self.runner.swap_spaces
         self._swap_bandwidth: float | None = None   # one device, one measurement shared by its pools

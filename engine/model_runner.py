@@ -11,6 +11,7 @@ import logging
 import pickle
 import signal
 import sys
+import time
 
 import torch
 
@@ -56,6 +57,18 @@ class _Forward:
                 return None
             rows = torch.tensor(plan.sample_rows, dtype=torch.int64, device=device)
             return self.model.compute_logits(hidden[rows])
+
+    def compile_kernels(self) -> None:
+        """Compile every attention kernel variant a step can need before serving, where the backend
+        compiles them (`kernels.triton_attention.compile_kernels`, on CUDA); nothing elsewhere."""
+        compile_kernels = getattr(self.backend, "compile_kernels", None)
+        if compile_kernels is None or self.device.type != "cuda":
+            return
+        attn = self.model.layers[0].self_attn
+        started = time.perf_counter()
+        count = compile_kernels(attn.num_heads, attn.num_kv_heads, attn.config.head_dim, self.kv_cache.block_size,
+                                self.kv_cache.dtype, self.device, attn.config.sliding_window)
+        log.info("compiled %d attention kernel variants in %.1fs", count, time.perf_counter() - started)
 
     def _apply_move(self, kind: str, pool: str, pairs: list[tuple[int, int]]) -> None:
         if kind == "swap_out":
@@ -169,6 +182,7 @@ class FollowerRunner(_Forward):
         kv_cache = KVCache(model_config, config.num_blocks, config.cache.block_size, dtype, device,
                            num_kv_heads=shard.num_kv_heads)
         runner = cls(model, kv_cache, device, control)
+        runner.compile_kernels()
         setup = receive_plan(control)
         for pool, num_blocks in setup.swap_blocks.items():
             runner.swap_spaces[pool] = SwapSpace(kv_cache, num_blocks)

@@ -28,7 +28,7 @@ from kernels.metadata import AttentionMetadata
 from kernels.triton_kv_store import store_kv
 
 # This module is the Triton backend (`kernels.get_backend`): store_kv comes along with it.
-__all__ = ["paged_attention", "store_kv", "choose_num_splits"]
+__all__ = ["paged_attention", "store_kv", "choose_num_splits", "compile_kernels", "launch_variants"]
 
 LOG2_E = 1.4426950408889634
 # A split segment covers at least this many KV positions: shorter ones cost more in the reduce
@@ -37,7 +37,10 @@ MIN_SPLIT_LEN = 256
 MAX_SPLITS = 64
 
 
-@triton.jit
+# Triton compiles a kernel per constexpr set and per specialization of its int arguments (== 1,
+# divisible by 16). The split count and the block tables' row width change from step to step, so
+# they are not specialized on: every variant a step can need is then one of `launch_variants`.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -138,7 +141,7 @@ def _paged_attention_kernel(
                  o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
     num_heads, num_splits,
@@ -325,3 +328,49 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             num_warps=1 if head_dim <= 64 else 2,
         )
     return out
+
+
+def launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, element_size: int) -> list[tuple[int, int]]:
+    """(query length, num_splits) of one launch per compiled variant a step of this attention shape can
+    need: each distinct `_launch_config` over the query lengths, unsplit and split in two, then the
+    reduce kernel at every power-of-two pad up to MAX_SPLITS (`NUM_SPLITS_PAD` is its constexpr)."""
+    group = num_heads // num_kv_heads
+    variants, configs = [], set()
+    query_len = 1
+    while query_len <= 64:     # BLOCK_M is capped at 64 rows: longer queries share the last config
+        config = _launch_config(group, query_len, head_dim, element_size)
+        if config not in configs:
+            configs.add(config)
+            variants += [(query_len, 1), (query_len, 2)]
+        query_len *= 2
+    pad = 4
+    while pad <= triton.next_power_of_2(MAX_SPLITS):
+        variants.append((1, pad))
+        pad *= 2
+    return variants
+
+
+def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                    device: torch.device, sliding_window: int | None = None) -> int:
+    """Launch store_kv and paged attention once per `launch_variants` entry on made-up tokens, so Triton
+    compiles every variant (or loads it from its cache) before the engine serves, not at the first step
+    that needs it: on a fresh GPU machine each compile stalled a step for 0.15-1.4 s, 16 times in the
+    first 48 s of serving (docs/PERF.md). The tensors are scratch ones laid out as the model's (query
+    and key contiguous, value a view of the fused projection, a cache of [blocks, block_size, heads,
+    head_dim]). Returns the number of launches."""
+    variants = launch_variants(num_heads, num_kv_heads, head_dim, torch.empty((), dtype=dtype).element_size())
+    seq_len = max(max(q for q, _ in variants), max(s for _, s in variants) * 64)   # 64 positions a segment
+    num_blocks = triton.cdiv(seq_len, block_size)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    table = list(range(num_blocks))
+    for query_len, num_splits in variants:
+        meta = AttentionMetadata.build([table], [query_len], [seq_len], block_size, device)
+        qkv = torch.randn(query_len, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
+        value = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(query_len, num_kv_heads, head_dim)
+        key = torch.randn(query_len, num_kv_heads, head_dim, dtype=dtype, device=device)
+        query = torch.randn(query_len, num_heads, head_dim, dtype=dtype, device=device)
+        store_kv(key, value, cache[0], cache[1], meta)
+        paged_attention(query, cache[0], cache[1], meta, head_dim ** -0.5, sliding_window, num_splits=num_splits)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return len(variants)

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton")
 
 import kernels  # noqa: E402
+import triton  # noqa: E402
 from kernels import AttentionMetadata, reference  # noqa: E402
 from kernels import triton_attention, triton_kv_store  # noqa: E402
 
@@ -291,6 +292,54 @@ def test_get_backend_triton_on_cpu_without_the_interpreter_is_a_clear_error(monk
         kernels.get_backend("cpu")
 
 
+def test_launch_variants_cover_every_step_and_compile_kernels_runs_them(monkeypatch):
+    """What `compile_kernels` launches before serving is every variant a step can compile: each
+    `_launch_config` any query length gives, unsplit and split, and the reduce kernel's every pad."""
+    for num_kv_heads, group, head_dim, size in [(8, 4, 128, 2), (3, 3, 64, 2), (2, 1, 64, 4), (1, 8, 128, 4),
+                                                (4, 16, 64, 2)]:
+        variants = triton_attention.launch_variants(group * num_kv_heads, num_kv_heads, head_dim, size)
+        configs = {triton_attention._launch_config(group, q, head_dim, size) for q, _ in variants}
+        for split in (1, 2):
+            assert configs == {triton_attention._launch_config(group, q, head_dim, size)
+                               for q, s in variants if s == split}
+        assert all(triton_attention._launch_config(group, q, head_dim, size) in configs for q in range(1, 1025))
+        pads = {triton.next_power_of_2(s) for _, s in variants if s > 1}
+        assert {triton.next_power_of_2(n) for n in range(2, triton_attention.MAX_SPLITS + 1)} <= pads
+    # under the interpreter, on a small shape (and at most 4 splits: 256 cached positions)
+    monkeypatch.setattr(triton_attention, "MAX_SPLITS", 4)
+    launched = []
+    real = triton_attention.paged_attention
+
+    def paged_attention(query, *args, num_splits=None, **kwargs):
+        launched.append((query.shape[0], num_splits))
+        return real(query, *args, num_splits=num_splits, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "paged_attention", paged_attention)
+    count = triton_attention.compile_kernels(4, 2, 16, 16, torch.float32, torch.device("cpu"))
+    assert launched == triton_attention.launch_variants(4, 2, 16, 4) and count == len(launched) == 7
+
+
+def test_the_runner_compiles_kernels_on_cuda_only():
+    from types import SimpleNamespace
+
+    from engine.model_runner import _Forward
+
+    calls = []
+    attn = SimpleNamespace(num_heads=6, num_kv_heads=2, config=SimpleNamespace(head_dim=64, sliding_window=None))
+    runner = SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(self_attn=attn)]),
+                             kv_cache=SimpleNamespace(block_size=16, dtype=torch.bfloat16),
+                             backend=SimpleNamespace(compile_kernels=lambda *a: calls.append(a) or 11),
+                             device=torch.device("cpu"))
+    _Forward.compile_kernels(runner)
+    assert calls == []                                      # the CPU runs the torch reference or the interpreter
+    runner.device = torch.device("cuda", 0)
+    _Forward.compile_kernels(runner)
+    assert calls == [(6, 2, 64, 16, torch.bfloat16, torch.device("cuda", 0), None)]
+    runner.backend = reference                              # a backend with nothing to compile
+    _Forward.compile_kernels(runner)
+    assert len(calls) == 1
+
+
 # --- CUDA, realistic sizes ----------------------------------------------------------------------
 
 def _check_gpu_kernels(dtype_name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
@@ -305,6 +354,12 @@ def _check_gpu_kernels(dtype_name: str, num_heads: int, num_kv_heads: int, head_
                              num_kv_heads, head_dim, 400, seed, "cuda")
     torch.cuda.synchronize()
 
+    # every variant compiled before the steps below (with and without a window): none compiles during them
+    for window in (None, 1024):
+        triton_attention.compile_kernels(num_heads, num_kv_heads, head_dim, block_size, dtype, torch.device("cuda"),
+                                         window)
+    compiled = _compiled_variants()
+
     # decode-only (split-K chosen by the heuristic, and forced), then a mixed step with a long chunk
     decode = ([4096, 3000, 8191, 17], [1, 1, 1, 1])
     mixed = ([4096, 1500, 8191, 1, 700] + [1000] * 20, [1, 511, 1, 1, 700] + [1] * 20)
@@ -318,6 +373,23 @@ def _check_gpu_kernels(dtype_name: str, num_heads: int, num_kv_heads: int, head_
         if lens is decode[0] and splits is None:   # the heuristic chose flash-decoding for 4 long decodes
             plan = case[3].backend_cache["triton"]
             assert max(v for k, v in plan.items() if isinstance(k, tuple) and k[0] == "num_splits") > 1
+    assert compiled is None or _compiled_variants() == compiled, (compiled, _compiled_variants())
+
+
+def _compiled_variants() -> int | None:
+    """How many compiled variants the attention kernels hold (Triton's per-device caches), None where this
+    Triton keeps them elsewhere."""
+    total = 0
+    for fn in (triton_attention._paged_attention_kernel, triton_attention._reduce_splits_kernel,
+               triton_kv_store._store_kv_kernel):
+        caches = getattr(fn, "device_caches", None)
+        if not isinstance(caches, dict):
+            return None
+        try:
+            total += sum(len(entry[0]) for entry in caches.values())
+        except (TypeError, IndexError, KeyError):
+            return None
+    return total
 
 
 @pytest.mark.gpu
