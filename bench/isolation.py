@@ -141,9 +141,8 @@ def pools_yaml(scenario: Scenario, args: argparse.Namespace) -> str:
 
 def device_of(args: argparse.Namespace) -> dict[str, str]:
     """`pool_file`'s model, device and dtype from the flags (dtype by device where unset)."""
-    device = getattr(args, "device", "cpu")
-    dtype = getattr(args, "dtype", None) or ("bfloat16" if device == "cuda" else "float32")
-    return {"model": getattr(args, "model", MODEL), "device": device, "dtype": dtype}
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    return {"model": args.model, "device": args.device, "dtype": dtype}
 
 
 def pool_file(layout: str, *, memory: str, max_num_batched_tokens: int, chat_slo: tuple[float, float] | None,
@@ -176,7 +175,7 @@ def pool_file(layout: str, *, memory: str, max_num_batched_tokens: int, chat_slo
 def load_config(url: str, cls: WorkloadClass, rate: float, *, seed: int, scrape: bool, duration: float,
                 drain_timeout: float, model: str = MODEL) -> LoadConfig:
     """One open-loop load of the bench: `cls` at `rate` req/s for `duration` s of arrivals, with the usage so
-    far in every chunk (ITL per token: see `LoadConfig.continuous_usage`)."""
+    far in every chunk (ITL per token: see `LoadConfig.continuous_usage`); prompts in `model`'s tokens."""
     return LoadConfig(url=url, classes=(cls,), request_rate=rate, duration=duration, seed=seed, timeout=600.0,
                       drain_timeout=drain_timeout, scrape=scrape, scrape_interval=0.5, tokenizer=model,
                       continuous_usage=True)
