@@ -88,10 +88,10 @@ def _serve(engine, channel: Channel) -> None:
     With `CLIFFGUARD_STEP_TRACE=<file>` in the environment, every step appends one JSON line to the
     file: its time, measured and predicted seconds, the composer's target, each pool's tokens, and
     `cycle_seconds`: the wall time of the loop's turn (commands drained, the step, its outputs sent),
-    which is what a step costs the device while serving (`engine.step_cost.read_step_trace` reads it).
+    which is what a step costs the device while serving (`engine.step_cost.read_step_trace` reads it),
+    and `new_variants`: the kernel variants Triton compiled during the step (none once serving is warm).
     """
-    trace_path = os.environ.get("CLIFFGUARD_STEP_TRACE")
-    trace = open(trace_path, "a", buffering=1) if trace_path else None   # noqa: SIM115 - lives with the loop
+    trace = _StepTrace.from_env(engine)
     channel.send(Outputs([], engine_stats(engine)))   # the gateway's metrics have numbers from the start
     last_stats = 0.0
     while True:
@@ -115,10 +115,32 @@ def _serve(engine, channel: Channel) -> None:
             if deltas or stats is not None:
                 channel.send(Outputs(deltas, stats))
             if trace is not None and engine.last_step.seconds > 0:
-                trace.write(json.dumps({"t": time.time(), "cycle_seconds": time.perf_counter() - turn_started,
-                                        **dataclasses.asdict(engine.last_step)}) + "\n")
+                trace.write(engine, turn_started)
         elif messages and not engine.has_unfinished_requests():
             channel.send(Outputs([], engine_stats(engine)))   # commands left it idle: its last state counts
+
+
+class _StepTrace:
+    """The `CLIFFGUARD_STEP_TRACE` file: one JSON line a step (see `_serve`)."""
+
+    def __init__(self, path: str, engine) -> None:
+        self.file = open(path, "a", buffering=1)   # noqa: SIM115 - lives with the loop
+        self.variants = getattr(engine.runner.backend, "compiled_variants", lambda: None)
+        self.known = self.variants() or frozenset()
+
+    @classmethod
+    def from_env(cls, engine) -> "_StepTrace | None":
+        path = os.environ.get("CLIFFGUARD_STEP_TRACE")
+        return cls(path, engine) if path else None
+
+    def write(self, engine, turn_started: float) -> None:
+        line = {"t": time.time(), "cycle_seconds": time.perf_counter() - turn_started,
+                **dataclasses.asdict(engine.last_step), "new_variants": []}
+        variants = self.variants()
+        if variants is not None and len(variants) != len(self.known):
+            line["new_variants"] = sorted(variants - self.known)
+            self.known = variants
+        self.file.write(json.dumps(line) + "\n")
 
 
 def _handle(engine, channel: Channel, msg: object) -> bool:

@@ -25,10 +25,11 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
-from kernels.triton_kv_store import store_kv
+from kernels.triton_kv_store import _store_kv_kernel, store_kv
 
 # This module is the Triton backend (`kernels.get_backend`): store_kv comes along with it.
-__all__ = ["paged_attention", "store_kv", "choose_num_splits", "compile_kernels", "launch_variants"]
+__all__ = ["paged_attention", "store_kv", "choose_num_splits", "compile_kernels", "compiled_variants",
+           "launch_variants"]
 
 LOG2_E = 1.4426950408889634
 # A split segment covers at least this many KV positions: shorter ones cost more in the reduce
@@ -236,9 +237,13 @@ def _step_plan(meta: AttentionMetadata, block_q: int | None = None) -> dict:
             for start in range(0, q_len, block_q):
                 seqs.append(i)
                 starts.append(start)
-        tiles = torch.tensor([seqs, starts], dtype=torch.int32).reshape(2, len(seqs))
+        # Rows padded to 16 bytes, so both start aligned: Triton specializes a pointer argument on its
+        # 16-byte alignment, and an unaligned `tile_q_start` (an odd tile count) was a variant of its own,
+        # compiled mid-serving on a GPU.
+        pad = -len(seqs) % 4
+        tiles = torch.tensor([seqs + [0] * pad, starts + [0] * pad], dtype=torch.int32).reshape(2, len(seqs) + pad)
         tiles = tiles.to(meta.query_start_loc.device)
-        plan[key] = (tiles[0], tiles[1])
+        plan[key] = (tiles[0, :len(seqs)], tiles[1, :len(seqs)])
     return plan
 
 
@@ -374,3 +379,20 @@ def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return len(variants)
+
+
+def compiled_variants() -> frozenset[str] | None:
+    """Every compiled variant the attention and KV-store kernels hold, as "kernel: Triton's cache key"
+    (the key spells out each argument's specialization and the constexprs); None where kernels are not
+    compiled (the interpreter) or this Triton keeps them elsewhere. A step trace compares it before and
+    after each step, so a compile mid-serving shows up with what it specialized on."""
+    keys = set()
+    for fn in (_paged_attention_kernel, _reduce_splits_kernel, _store_kv_kernel):
+        caches = getattr(fn, "device_caches", None)
+        if not isinstance(caches, dict):
+            return None
+        try:
+            keys.update(f"{getattr(fn, '__name__', fn)}: {key}" for entry in caches.values() for key in entry[0])
+        except (TypeError, IndexError, KeyError):
+            return None
+    return frozenset(keys)

@@ -219,6 +219,10 @@ def test_verdict_bars():
     assert verdict_text(starved) == "NOT met: rag share" and starved["rag_device_share_owed"] == 0.2
     light = _judge(alone, _run(0.5, 0.1, rag_share=0.1), _run(rag=10.0, rag_share=0.1))
     assert light["rag_share_ok"] and light["rag_device_share_owed"] == 0.1
+    # a small share, but all the tokens/s rag computes alone: it was owed nothing more; a hair less is starved
+    served = _judge(alone, _run(0.5, 0.1, rag=100.0, rag_share=0.17), base)
+    assert served["rag_share_ok"] and served["cell_ok"] and served["rag_ratio"] == pytest.approx(1.0)
+    assert not _judge(alone, _run(0.5, 0.1, rag=99.0, rag_share=0.17), base)["rag_share_ok"]
     # fewer than 100 chat requests: not met; overloaded: marked, still judged
     few = _judge(alone, _run(0.5, 0.1, rag_share=0.3, count=60), base)
     assert few["failed_bars"] == ["enough_samples"] and verdict_text(few) == "NOT met: < 100 chat requests"

@@ -127,6 +127,30 @@ def test_step_trace_writes_one_json_line_per_step(config, tmp_path, monkeypatch)
                for s in lines)
     assert all(s["target_seconds"] is None for s in lines)      # one pool, no SLO: no target
     assert all(s["cycle_seconds"] >= s["seconds"] for s in lines)   # the loop's turn holds the step
+    assert all(s["new_variants"] == [] for s in lines)           # the CPU backend compiles nothing
+
+
+def test_step_trace_names_the_kernel_variants_a_step_compiled(tmp_path, monkeypatch):
+    """A step during which the backend compiled a kernel variant carries its key in `new_variants`; the
+    steps before and after carry none (the variants compiled before serving are the baseline)."""
+    from types import SimpleNamespace
+
+    from engine.llm_engine import StepStats
+    from engine.worker import _StepTrace
+
+    compiled = {"attn: a"}
+    backend = SimpleNamespace(compiled_variants=lambda: frozenset(compiled))
+    engine = SimpleNamespace(runner=SimpleNamespace(backend=backend), last_step=StepStats(seconds=0.01))
+    monkeypatch.setenv("CLIFFGUARD_STEP_TRACE", str(tmp_path / "steps.jsonl"))
+    trace = _StepTrace.from_env(engine)
+    trace.write(engine, 0.0)
+    compiled.update({"attn: b", "reduce: c"})
+    trace.write(engine, 0.0)
+    trace.write(engine, 0.0)
+    lines = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [s["new_variants"] for s in lines] == [[], ["attn: b", "reduce: c"], []]
+    monkeypatch.delenv("CLIFFGUARD_STEP_TRACE")
+    assert _StepTrace.from_env(engine) is None
 
 
 # --- a worker that dies ----------------------------------------------------------------------------

@@ -319,6 +319,79 @@ def test_launch_variants_cover_every_step_and_compile_kernels_runs_them(monkeypa
     assert launched == triton_attention.launch_variants(4, 2, 16, 4) and count == len(launched) == 7
 
 
+class _LaunchKeys:
+    """Stands in for the three kernels and records each launch's compile key as Triton forms it (every
+    argument's specialization, the constexprs, the launch options) without running anything; the
+    attention outputs are zeroed so callers see finite rows."""
+
+    def __init__(self, monkeypatch, specialize):
+        self.specialize, self.keys, self.phase = specialize, {}, "compile"
+        for module, name in [(triton_attention, "_paged_attention_kernel"),
+                             (triton_attention, "_reduce_splits_kernel"), (triton_kv_store, "_store_kv_kernel")]:
+            kernel = getattr(module, name)
+            monkeypatch.setattr(module, name, _KeyRecorder(self, name, kernel.fn,
+                                                           kernel.kwargs.get("do_not_specialize") or ()))
+
+
+class _KeyRecorder:
+    def __init__(self, keys: _LaunchKeys, name, fn, do_not_specialize):
+        import inspect
+
+        self.keys, self.name, self.dns, self.signature = keys, name, set(do_not_specialize), inspect.signature(fn)
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps=4, num_stages=None, **kwargs):
+            bound = self.signature.bind(*args, **kwargs).arguments
+            key = [self.name, num_warps, num_stages]
+            for param in self.signature.parameters.values():
+                arg = bound[param.name]
+                if "constexpr" in str(param.annotation):
+                    key.append((param.name, str(arg)))
+                else:
+                    key.append((param.name, self.keys.specialize(arg, param.name not in self.dns)))
+            self.keys.keys.setdefault(tuple(key), self.keys.phase)
+            if self.name != "_store_kv_kernel":
+                args[3].zero_()
+        return launch
+
+
+def test_every_launch_a_step_makes_is_a_variant_compile_kernels_compiled(monkeypatch):
+    """Each launch of steps of any shape (decodes and chunks of any mix, split or not, a query and K/V
+    sliced out of one fused projection as the model does) has the compile key of a launch that
+    `compile_kernels` made, so no step compiles while serving. On a GPU an odd tile count left the
+    tiles' second row 4 bytes off 16-byte alignment, and Triton compiled that pointer's variant anew."""
+    jit = pytest.importorskip("triton.runtime.jit")
+    compiler = pytest.importorskip("triton.backends.compiler")
+    if not hasattr(jit, "native_specialize_impl"):
+        pytest.skip("this Triton forms its compile keys elsewhere")
+    keys = _LaunchKeys(monkeypatch, lambda arg, specialize: jit.native_specialize_impl(
+        compiler.BaseBackend, arg, False, specialize, True))
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16        # the builtin model's attention
+    triton_attention.compile_kernels(num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16,
+                                     torch.device("cpu"))
+    keys.phase = "step"
+    rng = random.Random(_make_seed())
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    cache = torch.zeros(2, 4096, block_size, num_kv_heads, head_dim, dtype=torch.bfloat16)
+    for _ in range(60):
+        query_lens = [rng.choice([1, 1, 1, rng.randint(2, 70), rng.randint(70, 700)])
+                      for _ in range(rng.randint(1, 40))]
+        seq_lens = [q + rng.randint(0, 3000) for q in query_lens]
+        tables = [rng.sample(range(4096), -(-n // block_size)) for n in seq_lens]
+        meta = AttentionMetadata.build(tables, query_lens, seq_lens, block_size)
+        qkv = torch.zeros(sum(query_lens), width, dtype=torch.bfloat16)
+        query = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
+        key = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(-1, num_kv_heads, head_dim)
+        value = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(-1, num_kv_heads, head_dim)
+        triton_attention.store_kv(key, value, cache[0], cache[1], meta)
+        triton_attention.paged_attention(query, cache[0], cache[1], meta, 0.125,
+                                         num_splits=rng.choice([None, 1, 2, 3, 5, 8, 17, 64]))
+    new = [key for key, phase in keys.keys.items() if phase == "step"]
+    assert not new, f"{len(new)} launch keys no compile_kernels launch had, e.g. {new[0]}"
+    assert sum(phase == "compile" for phase in keys.keys.values()) >= len(triton_attention.launch_variants(
+        num_heads, num_kv_heads, head_dim, 2))
+
+
 def test_the_runner_compiles_kernels_on_cuda_only():
     from types import SimpleNamespace
 
@@ -358,7 +431,7 @@ def _check_gpu_kernels(dtype_name: str, num_heads: int, num_kv_heads: int, head_
     for window in (None, 1024):
         triton_attention.compile_kernels(num_heads, num_kv_heads, head_dim, block_size, dtype, torch.device("cuda"),
                                          window)
-    compiled = _compiled_variants()
+    compiled = triton_attention.compiled_variants()
 
     # decode-only (split-K chosen by the heuristic, and forced), then a mixed step with a long chunk
     decode = ([4096, 3000, 8191, 17], [1, 1, 1, 1])
@@ -373,23 +446,9 @@ def _check_gpu_kernels(dtype_name: str, num_heads: int, num_kv_heads: int, head_
         if lens is decode[0] and splits is None:   # the heuristic chose flash-decoding for 4 long decodes
             plan = case[3].backend_cache["triton"]
             assert max(v for k, v in plan.items() if isinstance(k, tuple) and k[0] == "num_splits") > 1
-    assert compiled is None or _compiled_variants() == compiled, (compiled, _compiled_variants())
-
-
-def _compiled_variants() -> int | None:
-    """How many compiled variants the attention kernels hold (Triton's per-device caches), None where this
-    Triton keeps them elsewhere."""
-    total = 0
-    for fn in (triton_attention._paged_attention_kernel, triton_attention._reduce_splits_kernel,
-               triton_kv_store._store_kv_kernel):
-        caches = getattr(fn, "device_caches", None)
-        if not isinstance(caches, dict):
-            return None
-        try:
-            total += sum(len(entry[0]) for entry in caches.values())
-        except (TypeError, IndexError, KeyError):
-            return None
-    return total
+    if compiled is not None:
+        new = triton_attention.compiled_variants() - compiled
+        assert not new, f"{len(new)} variants compiled after compile_kernels:\n" + "\n".join(sorted(new))
 
 
 @pytest.mark.gpu
