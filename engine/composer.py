@@ -64,7 +64,10 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    `SHARE_WINDOW_SECONDS` (of steps, 2 s) is under its `min_share` (a pool key, default 0.2) is
    *owed*: whatever the target, it gets the tokens that make its part `min_share` of this step (the
    rest of the step's predicted cost x min_share / (1 - min_share) added; at least its decodes, or
-   one block of prefill), in every step but a lone pressed one: a step pressed after a calm one
+   one block of prefill) as far as they keep the step within the running interactive pools'
+   `itl_ms` (a smaller chunk, or nothing, where a block after a long cached context would break it;
+   not where those pools are over it by themselves, nor once the owed pool has had nothing for
+   `OWED_WAIT_SECONDS` of steps: then its floor), in every step but a lone pressed one: a step pressed after a calm one
    (typically one interactive prefill) costs what it costs with the interactive pools alone, and the
    share is made up in the steps around it; pressure that lasts a second step is the interactive
    pool's steady state, and the owed pool rides it. Each step's measured time is divided among its pools in
@@ -73,7 +76,8 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    the throughput pools to `min_share`, never to nothing; its steps grow by at most
    min_share / (1 - min_share) (25%) while it does. A throughput pool's decodes stop only while its
    share is above `min_share`: from a share of 1 (it ran alone) that lasts at most
-   (1 - min_share) x `SHARE_WINDOW_SECONDS` of step time (1.6 s), then at most a few steps at a time.
+   (1 - min_share) x `SHARE_WINDOW_SECONDS` of step time (1.6 s), then at most `OWED_WAIT_SECONDS` of
+   steps at a time (a few steps, unless its cheapest work would break the interactive pools' SLO).
    `min_share: 0` restores the floor of nothing.
 
 The step's cost comes from `engine.step_cost.StepCostModel`, the linear step-cost model refitted
@@ -103,6 +107,7 @@ PRESSURE_OCCUPANCY = 0.75   # of max_num_seqs
 MIN_PREFILL_CHUNK = 16      # tokens: beside interactive work a throughput pool's smaller chunks are dropped
 MIXED_WINDOW = 32           # mixed steps whose misprediction sizes the next throughput chunks beside interactive work
 SHARE_WINDOW_SECONDS = 2.0  # of step time: the window a throughput pool's share of the device is measured over
+OWED_WAIT_SECONDS = 1.0     # of step time with nothing for an owed pool: then its floor, the SLO or not
 
 
 @dataclass
@@ -225,7 +230,12 @@ class StepComposer:
     def _owed_budget(self, name: str, so_far: StepFeatures) -> int:
         """The tokens of a throughput pool under its `min_share`: what makes its part `min_share` of this
         step (the others' `so_far` cost x min_share / (1 - min_share) added), at least its decodes (or one
-        block of prefill when nothing of it decodes), whatever the step's target or pressure."""
+        block of prefill when nothing of it decodes), whatever the step's target or pressure; but no more
+        than keeps the step within the `itl_ms` of the running interactive pools (its part times
+        `mixed_margin`; a chunk smaller than a block, or nothing), unless they are over it by themselves or
+        the pool has had nothing for `OWED_WAIT_SECONDS` of steps. On the 2-core CPU one block of a rag
+        prompt after 2,900 cached tokens cost 90-120 ms beside chat's decodes: forced into every step, it
+        put chat's inter-token gaps at 130-214 ms against a derived itl_ms of 130."""
         scheduler = self.schedulers[name]
         share = self.min_shares[name]
         decodes, prefill_context = scheduler.pending_work()
@@ -237,7 +247,12 @@ class StepComposer:
         if not model.ready:
             return max(floor, min(cap, COLD_START_TOKENS))
         before = model.predict(so_far)
-        return max(floor, self._fitting_tokens(scheduler, so_far, before / (1 - share), cap))
+        tokens = max(floor, self._fitting_tokens(scheduler, so_far, before / (1 - share), cap))
+        limit = self._slo_limit
+        if limit is None or before >= limit or self._starved[name] >= OWED_WAIT_SECONDS:
+            return tokens
+        room = before + (limit - before) / self.mixed_margin
+        return min(tokens, self._fitting_tokens(scheduler, so_far, room, cap))
 
     @property
     def mixed_margin(self) -> float:

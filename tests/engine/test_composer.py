@@ -853,3 +853,29 @@ def test_isolation_by_default_takes_its_slo_from_the_devices_measured_step(tiny)
                                       pools=(PoolConfig(name="chat", num_blocks=200, slo=LatencySLO(800, 60)), rag)),
                          progress=False)
     assert explicit.derived_slos == {} and explicit.composer.slos["chat"] == LatencySLO(800, 60)
+
+
+def test_an_owed_pool_keeps_to_the_interactive_slo_until_it_has_waited_or_the_slo_is_lost_anyway():
+    """Owed tokens stop where the step would break the running interactive pools' itl_ms: a chunk
+    smaller than a block rides then (on the CPU a block after 2,900 cached tokens cost 90-120 ms beside
+    chat's decodes, forced into every step). After `OWED_WAIT_SECONDS` of steps with nothing, or where
+    chat's own work is already over its itl_ms, the owed pool gets its floor (a block) regardless."""
+    from engine.composer import OWED_WAIT_SECONDS
+
+    def owed_step(itl_ms: float, starved: float = 0.0):
+        composer = _make_composer(LatencySLO(ttft_ms=1000, itl_ms=itl_ms), chat_seqs=4, min_share=0.2)
+        _decoding_chat(composer, 2)              # two chat decodes (~7 ms) beside a long rag prompt
+        composer._share_seconds["rag"] = 0.0     # rag under its share: owed
+        composer._starved["rag"] = starved
+        step = composer.schedule()
+        assert step.owed == ("rag",)
+        return step, sum(i.num_new_tokens for i in step.outputs["rag"].scheduled)
+
+    chat_alone = _true_seconds(_chat_features(owed_step(1000)[0]))
+    assert 0.006 < chat_alone < 0.008
+    kept, crumb = owed_step(9.0)                  # a block would be ~10 ms: a crumb keeps the 9 ms
+    assert 0 < crumb < 16 and kept.predicted_seconds <= 0.009 and _true_seconds(kept.features) <= 0.009
+    waited, block = owed_step(9.0, starved=OWED_WAIT_SECONDS)
+    assert block >= 16 and _true_seconds(waited.features) > 0.009
+    lost, share = owed_step(6.0)                  # chat alone is over its 6 ms: the share rides
+    assert share >= 16
