@@ -64,10 +64,9 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    `SHARE_WINDOW_SECONDS` (of steps, 2 s) is under its `min_share` (a pool key, default 0.2) is
    *owed*: whatever the target, it gets the tokens that make its part `min_share` of this step (the
    rest of the step's predicted cost x min_share / (1 - min_share) added; at least its decodes, or
-   one block of prefill) as far as they keep the step within `ITL_AIM` of the running interactive
-   pools' `itl_ms`, the aim every other part of the step is planned at (a smaller chunk, or nothing,
-   where a block after a long cached context would break it; not where those pools are over their
-   `itl_ms` by themselves, nor once the owed pool has had nothing for
+   one block of prefill) as far as they keep the step within the running interactive pools'
+   `itl_ms` (a smaller chunk, or nothing, where a block after a long cached context would break it;
+   not where those pools are over it by themselves, nor once the owed pool has had nothing for
    `OWED_WAIT_SECONDS` of steps: then its floor), in every step but a lone pressed one: a step pressed after a calm one
    (typically one interactive prefill) costs what it costs with the interactive pools alone, and the
    share is made up in the steps around it; pressure that lasts a second step is the interactive
@@ -232,13 +231,11 @@ class StepComposer:
         """The tokens of a throughput pool under its `min_share`: what makes its part `min_share` of this
         step (the others' `so_far` cost x min_share / (1 - min_share) added), at least its decodes (or one
         block of prefill when nothing of it decodes), whatever the step's target or pressure; but no more
-        than keeps the step within `ITL_AIM` of the tightest `itl_ms` of the running interactive pools
-        (its part times `mixed_margin`; a chunk smaller than a block, or nothing), unless they are over
-        the `itl_ms` itself by themselves or the pool has had nothing for `OWED_WAIT_SECONDS` of steps.
-        On the 2-core CPU one block of a rag prompt after 2,900 cached tokens cost 90-120 ms beside
-        chat's decodes: forced into every step, it put chat's inter-token gaps at 130-214 ms against a
-        derived itl_ms of 130; planned at the itl_ms itself, the cost model's usual 10-20%
-        under-prediction put 10 of 1,313 such steps over it."""
+        than keeps the step within the `itl_ms` of the running interactive pools (its part times
+        `mixed_margin`; a chunk smaller than a block, or nothing), unless they are over it by themselves or
+        the pool has had nothing for `OWED_WAIT_SECONDS` of steps. On the 2-core CPU one block of a rag
+        prompt after 2,900 cached tokens cost 90-120 ms beside chat's decodes: forced into every step, it
+        put chat's inter-token gaps at 130-214 ms against a derived itl_ms of 130."""
         scheduler = self.schedulers[name]
         share = self.min_shares[name]
         decodes, prefill_context = scheduler.pending_work()
@@ -254,7 +251,7 @@ class StepComposer:
         limit = self._slo_limit
         if limit is None or before >= limit or self._starved[name] >= OWED_WAIT_SECONDS:
             return tokens
-        room = before + max(0.0, ITL_AIM * limit - before) / self.mixed_margin
+        room = before + (limit - before) / self.mixed_margin
         return min(tokens, self._fitting_tokens(scheduler, so_far, room, cap))
 
     @property
