@@ -105,6 +105,24 @@ class AsyncEngineClient:
         the process died while loading; either way the process is reaped before this returns."""
         if self._process is not None:
             raise RuntimeError("AsyncEngineClient.start() may be called once; a restart is a new client")
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self.died = self._loop.create_future()
+        channel = await self._launch(timeout)
+        self._channel = channel
+        self.last_heard = time.monotonic()
+        self._loop.add_reader(channel.fileno(), self._on_readable)
+        if self._sentinel is not None:
+            self._loop.add_reader(self._sentinel, self._on_sentinel)
+        try:
+            self.info = await asyncio.wait_for(self._ready, timeout)
+        except BaseException:
+            await self.shutdown()
+            raise
+        return self.info
+
+    async def _launch(self, timeout: float) -> Channel:
+        """Start the worker process; the channel to it (sets `_process`, `_sentinel`, `pid`)."""
         ctx = mp.get_context("spawn")
         parent, child = socket.socketpair()
         process = ctx.Process(target=worker_main, args=(self.config, child), daemon=True,
@@ -116,20 +134,8 @@ class AsyncEngineClient:
             raise
         finally:
             child.close()
-        self._channel = Channel(parent)
         self._process, self._sentinel, self.pid = process, process.sentinel, process.pid
-        self._loop = asyncio.get_running_loop()
-        self._ready = self._loop.create_future()
-        self.died = self._loop.create_future()
-        self.last_heard = time.monotonic()
-        self._loop.add_reader(parent.fileno(), self._on_readable)
-        self._loop.add_reader(self._sentinel, self._on_sentinel)
-        try:
-            self.info = await asyncio.wait_for(self._ready, timeout)
-        except BaseException:
-            await self.shutdown()
-            raise
-        return self.info
+        return Channel(parent)
 
     @property
     def model_path(self) -> str:
@@ -222,7 +228,8 @@ class AsyncEngineClient:
             return
         self._loop.remove_reader(self._channel.fileno())
         self._loop.remove_writer(self._channel.fileno())
-        self._loop.remove_reader(self._sentinel)
+        if self._sentinel is not None:
+            self._loop.remove_reader(self._sentinel)
         self._room.set()   # senders waiting for room wake up and find the worker gone
         if reason is not None:
             self._die(reason)
@@ -240,7 +247,8 @@ class AsyncEngineClient:
         self._die(self._exit_reason())   # a no-op after `fatal` or `shutdown`, which named the reason
         process.close()
         self._channel.close()
-        self.died.set_result(self._dead)
+        if not self.died.done():
+            self.died.set_result(self._dead)
 
     def _exit_reason(self) -> str:
         code = self._process.exitcode   # non-blocking; None while the process is not reaped yet

@@ -1,4 +1,4 @@
-"""Messages between the gateway and a device worker: pickled frames over a socket, never a blocking send.
+"""Messages between the gateway and a device worker: typed frames over a socket, never a blocking send.
 
 `multiprocessing.Connection.send` blocks until the peer has read enough of what was sent. With both
 sides sending (commands one way, token deltas the other), each can block in `send` waiting for the
@@ -8,7 +8,8 @@ appends a frame and writes what the socket takes now; the rest goes out as the s
 send; each side bounds what it queues (`num_pending_bytes`) and slows its own producers instead:
 the gateway's request coroutines await room, the worker stops stepping until its outputs are read.
 
-A frame is an 8-byte big-endian length and a pickle (protocol 5) of the message. Large messages
+A frame is an 8-byte big-endian length and the message's MessagePack body (`engine.wire`: typed,
+never unpickled), followed, on an authenticated connection (`keys`), by the body's MAC. Large messages
 (an add with a long prompt) go out in as many partial writes as the socket needs; the reader
 reassembles them. `receive` returns every whole message that has arrived, and `eof` turns True once
 the peer closed its end and everything it sent was read.
@@ -19,13 +20,14 @@ sleep) selects on it.
 
 from __future__ import annotations
 
-import pickle
 import select
 import socket
 import struct
 import time
 from collections import deque
 from typing import Any
+
+from engine.wire import MAC_BYTES, FrameKeys, WireError, decode, encode
 
 __all__ = ["Channel", "MAX_FRAME_BYTES"]
 
@@ -35,15 +37,19 @@ _RECV_BYTES = 1 << 20
 
 
 class Channel:
-    """One end of a socket pair carrying pickled messages, with a non-blocking outbox.
+    """One end of a connection carrying `engine.messages`, with a non-blocking outbox.
 
     `send(msg)` never blocks; `flush()` writes more of the outbox (True once it is empty);
     `receive()` returns the whole messages that arrived (possibly none); `eof` is True once the peer
-    is gone and its last message was returned. `close()` closes the socket (idempotent)."""
+    is gone and its last message was returned. `close()` closes the socket (idempotent). With `keys`
+    (a TCP connection after `engine.wire.Handshake`) every frame is signed and checked; a frame that
+    fails its check or is not a message raises OSError, as a broken connection does."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, keys: FrameKeys | None = None) -> None:
         sock.setblocking(False)
         self.sock = sock
+        self.keys = keys
+        self._mac_bytes = MAC_BYTES if keys is not None else 0
         self.eof = False
         self.num_pending_bytes = 0                 # queued in the outbox, not yet taken by the socket
         self._outbox: deque[memoryview] = deque()
@@ -56,8 +62,9 @@ class Channel:
     def send(self, msg: Any) -> None:
         """Queue `msg` and write what the socket takes now. OSError (BrokenPipeError,
         ConnectionResetError) if the peer is gone."""
-        payload = pickle.dumps(msg, protocol=5)
-        frame = memoryview(_HEADER.pack(len(payload)) + payload)
+        payload = encode(msg)
+        mac = self.keys.sign(payload) if self.keys is not None else b""
+        frame = memoryview(_HEADER.pack(len(payload)) + payload + mac)
         self._outbox.append(frame)
         self.num_pending_bytes += len(frame)
         self.flush()
@@ -100,10 +107,17 @@ class Channel:
             (size,) = _HEADER.unpack_from(inbox, start)
             if size > MAX_FRAME_BYTES:
                 raise OSError(f"ipc: a frame of {size} bytes: the stream is corrupt")
-            end = start + _HEADER.size + size
+            body_end = start + _HEADER.size + size
+            end = body_end + self._mac_bytes
             if len(inbox) < end:
                 break
-            messages.append(pickle.loads(inbox[start + _HEADER.size:end]))
+            body = bytes(inbox[start + _HEADER.size:body_end])
+            try:
+                if self.keys is not None:
+                    self.keys.check(body, inbox[body_end:end])
+                messages.append(decode(body))
+            except WireError as exc:
+                raise OSError(str(exc)) from None
             start = end
         if start:
             del inbox[:start]

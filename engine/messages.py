@@ -1,6 +1,6 @@
 """The messages between the gateway and a device worker, one frozen dataclass each.
 
-They travel pickled over the socket pair of `engine.ipc.Channel`; `engine.worker` (the worker
+They travel as typed MessagePack frames (`engine.wire`) over the socket of `engine.ipc.Channel`; `engine.worker` (the worker
 process) and `engine.client` (the gateway's `AsyncEngineClient`) match on their types.
 
 Gateway -> worker: `AddRequest`, `AbortRequest`, `ReportWaiting` (requests of an interactive pool

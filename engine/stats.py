@@ -1,5 +1,5 @@
 """Typed records the device worker sends the gateway: what it loaded (`WorkerInfo`) and how its pools
-are doing (`EngineStats`). Plain dataclasses of numbers, pickled over the worker's pipe: the gateway
+are doing (`EngineStats`). Plain dataclasses of numbers, sent as typed MessagePack (`engine.wire`): the gateway
 reads attributes, never dict keys with defaults.
 """
 

@@ -181,6 +181,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 def refresh_metrics(gateway: Gateway) -> None:
     """Bring the registry's device and credit series up to the stats each worker pushed last."""
+    if gateway.autoscaler is not None:
+        gateway.autoscaler.export()
     for device, supervisors in gateway.supervisors.items():
         for replica, supervisor in enumerate(supervisors):
             info, client = supervisor.info, supervisor.client

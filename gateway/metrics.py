@@ -140,6 +140,11 @@ class GatewayMetrics:
                                              "the worker died.", _DEVICE)
         self.worker_stalls = self._counter("worker_stalls", "Device workers killed by the watchdog: requests in "
                                            "flight and no word from the worker for gateway.stall_seconds.", _DEVICE)
+        self.replicas = self._gauge("replicas", "Replicas of the device by state: ready, loading, draining, "
+                                    "restarting, failed, stopped (an autoscaled device's parked slots).",
+                                    ["device", "state"])
+        self.replica_scalings = self._counter("replica_scalings", "Replicas the autoscaler added (up) or removed "
+                                              "(down).", ["device", "direction"])
         self.client_write_timeouts = self._counter("client_write_timeouts", "Streams aborted because their "
                                                    "client read nothing for gateway.write_timeout.", ["pool"])
 

@@ -16,6 +16,7 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +37,7 @@ from gateway.tools import Tool
 from gateway.tools import render as render_chat_with_tools
 from engine.client import AsyncEngineClient
 from gateway.admission import AdmissionControl
+from gateway.autoscaler import Autoscaler
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ApiError
 from gateway.overload import OverloadWatch
@@ -148,6 +150,8 @@ class Gateway:
     admission: AdmissionControl | None = None   # KV credits of the local pools, tenants (gateway.admission)
     spiral: SpiralWatch | None = None           # death-spiral detection of the local pools
     overload: OverloadWatch | None = None       # each device's offered load against its capacity
+    autoscaler: Autoscaler | None = None        # replicas added and removed (autoscaled devices), their states
+    clusters: dict[str, Any] = field(default_factory=dict)   # Ray address -> gateway.ray_cluster.RayCluster
     # constraint key -> the grammar library's objection ("" when it can enforce it); LRU, event-loop only
     grammar_checks: OrderedDict[str, str] = field(default_factory=OrderedDict)
 
@@ -155,6 +159,7 @@ class Gateway:
     def from_config(cls, config: CliffguardConfig, *, vram_bytes: int | None = None) -> Gateway:
         """Resolve models and tokenizers, plan capacity, turn the plan into engine configs (which checks
         that each device exists on this machine), build the pools; ConfigError on any problem."""
+        _check_placements(config)
         folders: dict[str, Path] = {}
         model_configs = resolve_model_configs(config, folders=folders)
         plan = plan_capacity(config, model_configs, vram_bytes=vram_bytes)
@@ -190,19 +195,37 @@ class Gateway:
         `DeviceSupervisor` (restarted with back-off if it dies); loading continues in the background."""
         for device, configs in self.engines.items():
             pools = [pool for pool in self.pools.values() if pool.device == device]
+            links = self._links(device, configs)
             supervisors = [DeviceSupervisor(device, config, pools, self.metrics, self.backoff,
-                                            stall_seconds=self.config.gateway.stall_seconds, replica=r)
-                           for r, config in enumerate(configs)]
+                                            stall_seconds=self.config.gateway.stall_seconds, replica=r, link=link)
+                           for r, (config, link) in enumerate(zip(configs, links))]
             self.supervisors[device] = supervisors
             for pool in pools:
-                pool.admission.is_up = lambda replica, s=supervisors: s[replica].is_ready
-            for supervisor in supervisors:
-                supervisor.start()
+                pool.admission.is_up = lambda replica, s=supervisors: s[replica].is_ready and not s[replica].draining
+            for supervisor in supervisors[:self.config.devices[device].initial_replicas]:
+                supervisor.start()   # an autoscaled device starts at its min; the other slots are parked
         self.admission.start()
         self.spiral.start()
         self.overload.start(self.supervisors)
+        self.autoscaler = Autoscaler(self.config.devices, self.supervisors, self.pools, self.metrics)
+        self.autoscaler.start()
+
+    def _links(self, device: str, configs: list[EngineConfig]) -> list:
+        """Where each replica of `device` runs: None (a local worker process) or its Ray actor's link."""
+        spec = self.config.devices[device]
+        if spec.placement != "ray":
+            return [None] * len(configs)
+        from gateway.ray_cluster import RayCluster, RayReplica
+
+        address = spec.resolved_ray_address(os.environ)
+        cluster = self.clusters.setdefault(address, RayCluster(address))
+        links: list[RayReplica] = []
+        links += [RayReplica(cluster, device, r, config, links) for r, config in enumerate(configs)]
+        return links
 
     async def stop(self) -> None:
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()
         await self.admission.stop()
         await self.spiral.stop()
         await self.overload.stop()
@@ -226,7 +249,8 @@ class Gateway:
         device: `ready` when all its replicas are, `degraded: k of N replicas ready` when some are, else
         its first replica's state)."""
         states = {}
-        for device, replicas in self.supervisors.items():
+        for device, slots in self.supervisors.items():
+            replicas = [s for s in slots if s.state != "stopped"] or slots   # an autoscaled device's started ones
             ready = sum(s.is_ready for s in replicas)
             if len(replicas) == 1 or ready == 0:
                 states[device] = replicas[0].state
@@ -250,15 +274,23 @@ class Gateway:
 
     async def wait_device(self, pool: Pool) -> None:
         """Wait until a replica of the pool's device has loaded (at once when one is up); 503 if every
-        replica failed to start. Requests then wait for credits in the pool's queue, holding nothing
-        while a replica restarts."""
+        replica failed to start, or if none is ready within the pool's `max_queue_seconds` (the 503
+        names each replica's state: loading, placing on a cluster, restarting). Requests then wait for
+        credits in the pool's queue, holding nothing while a replica restarts."""
         replicas = self.supervisors[pool.device]
         if any(s.is_ready for s in replicas):
             return
         waits = [asyncio.ensure_future(s.wait_ready()) for s in replicas]
+        limit = pool.spec.max_queue_seconds or None
+        deadline = None if limit is None else time.monotonic() + limit
         try:
             while waits:
-                done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done, pending = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    states = "; ".join(f"{s.name}: {s.state}" for s in replicas)
+                    raise ApiError(503, f"pool {pool.name!r}: no replica of device {pool.device!r} became ready in "
+                                        f"{limit:g} s ({states})", type="server_error", code="pool_unavailable")
                 if any(not w.exception() for w in done):
                     return
                 waits = list(pending)
@@ -364,3 +396,17 @@ def _upstream_max_len(spec: PoolSpec, folders: dict[str, Path]) -> int:
         except (ConfigError, ValueError):
             pass
     return 2**31 - 1
+
+
+def _check_placements(config: CliffguardConfig) -> None:
+    """A device placed on Ray needs Ray installed and a cluster address (SpecError naming the key)."""
+    import importlib.util
+
+    from pools.spec import SpecError
+
+    for name, device in config.devices.items():
+        if device.placement != "ray" or not any(p.device == name for p in config.local_pools):
+            continue
+        if importlib.util.find_spec("ray") is None:
+            raise SpecError(f"devices.{name}.placement: ray, and Ray is not installed: pip install -e '.[ray]'")
+        device.resolved_ray_address(os.environ)

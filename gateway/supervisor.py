@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from engine.config import EngineConfig
 from engine.stats import WorkerInfo
 from engine.client import AsyncEngineClient, EngineDeadError
+from engine.remote_client import RemoteEngineClient, ReplicaLink
 from gateway.metrics import GatewayMetrics
 from gateway.ticker import Ticker
 from pools.pool import Pool
@@ -64,7 +65,8 @@ class DeviceSupervisor:
     """
 
     def __init__(self, device: str, config: EngineConfig, pools: Sequence[Pool], metrics: GatewayMetrics,
-                 backoff: Backoff = Backoff(), stall_seconds: float = 10.0, replica: int = 0) -> None:
+                 backoff: Backoff = Backoff(), stall_seconds: float = 10.0, replica: int = 0,
+                 link: ReplicaLink | None = None, start_seconds: float = 900.0) -> None:
         self.device = device
         self.replica = replica
         self.name = device if replica == 0 and all(p.num_replicas == 1 for p in pools) else f"{device}/{replica}"
@@ -74,6 +76,8 @@ class DeviceSupervisor:
         self.metrics = metrics
         self.backoff = backoff
         self.stall_seconds = stall_seconds
+        self.link = link                  # a replica placed by a cluster manager (Ray), reached over TCP
+        self.start_seconds = start_seconds   # a worker not ready by then failed to start
         self.num_stalls = 0
         self._watchdog = Ticker(f"cliffguard-watchdog-{self.name}", WATCHDOG_INTERVAL, self.check_stall, log,
                                 f"device {self.name}: watchdog check failed")
@@ -84,9 +88,17 @@ class DeviceSupervisor:
         self._failure: str | None = None           # set when the device will not come back
         self._changed = asyncio.Condition()        # notified when a worker is ready, or the device failed
         self._task: asyncio.Task | None = None
+        self.draining = False                      # the autoscaler is removing it: no new requests
+
+    @property
+    def is_active(self) -> bool:
+        """Started and not stopped: a replica the device counts (an autoscaled device parks the rest)."""
+        return self._task is not None and not self._task.done()
 
     def start(self) -> None:
-        """Spawn the first worker; it loads in the background (`wait_ready`)."""
+        """Spawn the first worker; it loads in the background (`wait_ready`). A stopped supervisor may
+        be started again (the autoscaler's parked slots)."""
+        self._failure, self._was_ready, self._restart_reason, self.draining = None, False, None, False
         self.metrics.worker_restarts.labels(**self.labels)   # exported from the start, at 0
         self.metrics.worker_stalls.labels(**self.labels)
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"cliffguard-device-{self.name}")
@@ -102,6 +114,7 @@ class DeviceSupervisor:
             await self.client.shutdown()
         if self._failure is None:
             self._failure = "the gateway is shutting down"
+        self._task = None
         await self._notify()
 
     # --- what the gateway reads ------------------------------------------------------------------
@@ -119,14 +132,17 @@ class DeviceSupervisor:
 
     @property
     def state(self) -> str:
-        """`loading`, `ready`, `restarting: <reason>` or `failed: <reason>`."""
+        """`loading`, `ready`, `draining`, `restarting: <reason>`, `failed: <reason>` or `stopped` (not
+        started, or stopped by the autoscaler)."""
+        if self._task is None:
+            return "stopped"
         if self._failure is not None:
             return f"failed: {self._failure}"
         if self.is_ready:
-            return "ready"
+            return "draining" if self.draining else "ready"
         if self._was_ready:   # the worker died; the reason is known once it is reaped, a moment later
             return f"restarting: {self._restart_reason or 'device worker process exited'}"
-        return "loading"
+        return f"loading: {self.link.status}" if self.link is not None else "loading"
 
     async def wait_ready(self) -> WorkerInfo:
         """What the worker loaded, once a worker is ready: at once, or after it loads or restarts.
@@ -161,7 +177,7 @@ class DeviceSupervisor:
         while True:
             client = self._new_client()
             try:
-                info = await client.start()
+                info = await client.start(self.start_seconds)
             except Exception as exc:  # noqa: BLE001 - the reason goes to the state, the log and the requests
                 if not self._was_ready:
                     log.error("device %s failed to start: %s", self.name, exc)
@@ -185,7 +201,7 @@ class DeviceSupervisor:
                     if pool.admission is not None:
                         pool.admission.replica_ready(self.replica)
                 await self._notify()
-                what, reason = "worker died", await client.died
+                what, reason = "worker died", await self._until_died(client)
                 if time.monotonic() - up_since >= self.backoff.reset_after_seconds:
                     attempt = 0
             delay = self.backoff.delay(attempt)
@@ -196,9 +212,22 @@ class DeviceSupervisor:
             self.num_restarts += 1
             self.metrics.worker_restarts.labels(**self.labels).inc()
 
+    async def _until_died(self, client: AsyncEngineClient) -> str:
+        """The reason the client's worker died. A remote replica's death is noticed by whichever comes
+        first: its connection's loss or the cluster manager's notice (`ReplicaLink.watch`)."""
+        if not isinstance(client, RemoteEngineClient):
+            return await asyncio.shield(client.died)   # a stop cancels this wait, not the client's future
+        watch = asyncio.ensure_future(self.link.watch())
+        watch.add_done_callback(lambda w: w.cancelled() or w.exception() or client.lost(w.result()))
+        try:
+            return await asyncio.shield(client.died)
+        finally:
+            watch.cancel()
+
     def _new_client(self) -> AsyncEngineClient:
         """A client for a new worker process, with the device's pools pointed at it."""
-        self.client = AsyncEngineClient(self.config)
+        self.client = RemoteEngineClient(self.config, self.link) if self.link is not None \
+            else AsyncEngineClient(self.config)
         for pool in self.pools:
             pool.clients[self.replica] = self.client
         return self.client

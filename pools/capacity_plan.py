@@ -39,7 +39,8 @@ from pools.yamlcheck import within
 @dataclass(frozen=True)
 class DevicePlan:
     """One device (a TP group of `tensor_parallel_size` GPUs): memory, weights and KV bytes. Each of its
-    `replicas` is planned alike: every number here is one replica's."""
+    `replicas` slots is planned alike: every number here is one replica's. An autoscaled device runs
+    `min_replicas` to `replicas` of them (`DeviceSpec.autoscaled`)."""
 
     name: str
     device_type: str                 # cuda | cpu (what the plan assumed)
@@ -56,7 +57,22 @@ class DevicePlan:
     kv_space_bytes_per_device: int   # memory_utilization x memory - weights / T: what its pools share
     block_size: int
     pools: tuple[str, ...]
-    replicas: int = 1
+    replicas: int = 1                # replica slots: the max of an autoscaled device
+    min_replicas: int | None = None  # autoscaled: the fewest up (None: fixed, all `replicas` up)
+    placement: str = "local"         # local | ray (DeviceSpec.placement)
+
+    @property
+    def autoscaled(self) -> bool:
+        return self.min_replicas is not None and self.min_replicas < self.replicas
+
+    @property
+    def max_replicas(self) -> int:
+        return self.replicas
+
+    @property
+    def initial_replicas(self) -> int:
+        """The replicas up at start: the min, or all."""
+        return self.min_replicas if self.min_replicas is not None else self.replicas
 
     @property
     def usable_bytes(self) -> int:
@@ -140,7 +156,8 @@ class CapacityPlan:
     warnings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
-        """JSON-ready: every field and derived value."""
+        """JSON-ready: every field and derived value. A device's `min_replicas` is its `initial_replicas`
+        (`replicas` when fixed), `max_replicas` its `replicas`."""
         def with_props(obj, props):
             return {**asdict(obj), **{name: getattr(obj, name) for name in props}}
 
@@ -158,7 +175,8 @@ class CapacityPlan:
                 "max_concurrent_at_max_len", "fragmentation_bytes", "fragmentation_fraction")}}
 
         return {
-            "devices": [with_props(d, ("usable_bytes", "kv_space_bytes")) for d in self.devices.values()],
+            "devices": [with_props(d, ("usable_bytes", "kv_space_bytes", "max_replicas", "autoscaled"))
+                        | {"min_replicas": d.initial_replicas} for d in self.devices.values()],
             "pools": [pool_dict(p) for p in self.pools.values()],
             "upstream_pools": list(self.upstream_pools),
             "warnings": list(self.warnings),
@@ -243,9 +261,8 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
                 f"{dkey}.memory: {dev.memory_utilization} x {fmt_bytes(memory)}{where} = {fmt_bytes(usable)} per GPU "
                 f"cannot hold the weights of {p0.model!r}: {fmt_bytes(weights_dev)} per GPU in {dtype_name(dtype)} "
                 f"(TP={tp}), leaving {fmt_bytes(kv_dev)} for the KV cache")
-        device_pools = []
-        for i, p in members:
-            device_pools.append(_plan_pool(i, p, model, s_kv, s_kv_dev, kv_dev, tp, warnings, dev.replicas))
+        device_pools = [_plan_pool(i, p, model, s_kv, s_kv_dev, kv_dev, tp, warnings, dev.replicas)
+                        for i, p in members]
         asked = sum(pp.kv_cache_bytes_per_device for pp in device_pools)
         if asked > kv_dev:
             i, p = next(((i, p) for i, p in members if p.kv_cache_bytes is not None), members[0])
@@ -258,7 +275,8 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
             memory_source=source, memory_utilization=dev.memory_utilization, tensor_parallel_size=tp,
             weights_bytes=weights, weights_bytes_per_device=weights_dev, kv_bytes_per_token=s_kv,
             kv_bytes_per_token_per_device=s_kv_dev, kv_space_bytes_per_device=kv_dev,
-            block_size=p0.block_size, pools=tuple(p.name for _, p in members), replicas=dev.replicas)
+            block_size=p0.block_size, pools=tuple(p.name for _, p in members), replicas=dev.replicas,
+            min_replicas=dev.min_replicas, placement=dev.placement)
     upstream = tuple(p.name for p in config.pools if p.is_upstream)
     return CapacityPlan(devices=devices, pools=pools, upstream_pools=upstream,
                         warnings=tuple(warnings))
@@ -330,7 +348,8 @@ def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict
         dev = config.devices[dplan.name]
         key = f"devices.{dplan.name}"
         device = dplan.device_type if dev.device == "auto" else dev.device
-        if device.startswith("cuda") and not torch.cuda.is_available():
+        on_ray = dev.placement == "ray"   # Ray assigns each replica its GPUs, on nodes other than this one
+        if device.startswith("cuda") and not on_ray and not torch.cuda.is_available():
             raise SpecError(f"{key}.device: {dev.device!r} needs a CUDA device and this machine has none "
                             f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built'}); use device: cpu "
                             "or auto, or plan it with `cliffguard capacity --vram`")
@@ -352,6 +371,10 @@ def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict
 
 def _replica_config(template: EngineConfig, dev: DeviceSpec, replica: int, key: str) -> EngineConfig:
     ranks = dev.replicas * dev.tensor_parallel_size
+    if dev.placement == "ray":   # a bundle per rank on some node: its CPUs, and its GPU as Ray assigns it
+        cuda = template.device.startswith("cuda")
+        return dataclasses.replace(template, device="cuda" if cuda else template.device,
+                                   cpu_threads=0 if cuda else dev.cpu_threads or 1)
     if not template.device.startswith("cuda"):
         threads = dev.cpu_threads or (max(1, (os.cpu_count() or 1) // ranks) if ranks > 1 else 0)
         return dataclasses.replace(template, cpu_threads=threads)

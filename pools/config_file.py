@@ -30,7 +30,8 @@ _GATEWAY_KEYS = ("host", "port", "api_keys", "api_keys_env", "max_body_bytes", "
 _LIMITS_KEYS = tuple(f.name for f in dataclasses.fields(RequestLimits))
 _BACKOFF_KEYS = tuple(f.name for f in dataclasses.fields(Backoff))
 _DEVICE_KEYS = ("device", "memory", "memory_utilization", "dtype", "tensor_parallel_size", "replicas", "gpus",
-                "cpu_threads")
+                "cpu_threads", "placement", "ray_address")
+_REPLICAS_KEYS = ("min", "max", "scale_up_wait_seconds", "scale_down_idle_seconds")   # `replicas: {min, max}`
 _ROUTE_KEYS = ("min_prompt_tokens", "max_prompt_tokens")
 _COMMON_POOL_KEYS = ("name", "model", "route", "served_model_name", "max_model_len")
 _LOCAL_POOL_KEYS = ("device", "kv_share", "kv_cache_bytes", "avg_len", "block_size", "max_num_batched_tokens",
@@ -93,7 +94,9 @@ def _parse_devices(raw: Any) -> dict[str, DeviceSpec]:
         if not isinstance(name, str) or not name:
             raise SpecError(f"devices: device names must be non-empty strings, got {show(name)}")
         body = check_mapping(key, {} if body is None else body, _DEVICE_KEYS)
-        kwargs = {k: v for k, v in body.items() if k not in ("memory", "gpus", "cpu_threads")}
+        kwargs = {k: v for k, v in body.items() if k not in ("memory", "gpus", "cpu_threads", "replicas")}
+        if "replicas" in body:
+            kwargs.update(_replicas_fields(key, body["replicas"]))
         if body.get("gpus") is not None:
             if not isinstance(body["gpus"], list):
                 raise SpecError(f"{key}.gpus: must be a list of GPU indices, got {show(body['gpus'])}")
@@ -108,6 +111,20 @@ def _parse_devices(raw: Any) -> dict[str, DeviceSpec]:
         with within(key):
             devices[name] = DeviceSpec(name=name, **kwargs)
     return devices
+
+
+def _replicas_fields(key: str, raw: Any) -> dict[str, Any]:
+    """`replicas: N` (fixed) or `replicas: {min, max, scale_up_wait_seconds, scale_down_idle_seconds}`
+    (autoscaled) -> DeviceSpec fields: `replicas` is the max, the slots planned; DeviceSpec checks the values."""
+    if not isinstance(raw, dict):
+        return {"replicas": raw}
+    check_mapping(f"{key}.replicas", raw, _REPLICAS_KEYS)
+    for bound in ("min", "max"):
+        if raw.get(bound) is None:
+            raise SpecError(f"{key}.replicas.{bound}: required in the mapping form (e.g. `replicas: {{min: 1, "
+                            f"max: 4}}`), got nothing")
+    timings = {k: raw[k] for k in _REPLICAS_KEYS[2:] if k in raw}
+    return {"replicas": raw["max"], "min_replicas": raw["min"], **timings}
 
 
 def _parse_pool(i: int, raw: Any, base_dir: Path | None) -> PoolSpec:

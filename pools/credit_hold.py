@@ -87,6 +87,7 @@ class Admission:
         self.is_up: Callable[[int], bool] | None = None   # whether a replica takes new requests (the gateway's)
         self._work: dict[str, Work] = {}               # queued requests' work, for placement
         self._waiters: dict[str, asyncio.Future[None]] = {}
+        self._queued_since: dict[str, float] = {}      # request waiting for credits -> since when
         self.offered = OfferedLoad()                   # interactive requests that arrived (pools.demand)
         self._since: dict[str, float] = {}             # interactive request -> when it came (until its first token)
         self.num_admitted = 0           # totals since start, for metrics and tests
@@ -153,7 +154,7 @@ class Admission:
     async def _wait(self, ticket: Ticket) -> None:
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[ticket.request_id] = waiter
-        started = time.monotonic()
+        started = self._queued_since[ticket.request_id] = time.monotonic()
         limit = None if ticket.background else self.max_queue_seconds
         try:
             await asyncio.wait_for(asyncio.shield(waiter), limit)
@@ -172,6 +173,7 @@ class Admission:
                 raise
         finally:
             self._waiters.pop(ticket.request_id, None)
+            self._queued_since.pop(ticket.request_id, None)
             self._admit()   # a request that left may have blocked the head of the queue
 
     def _admit(self) -> None:
@@ -212,6 +214,13 @@ class Admission:
         if not self._since:
             return 0.0
         return max(0.0, (time.monotonic() if now is None else now) - min(self._since.values()))
+
+    def oldest_credit_wait(self, now: float | None = None) -> float:
+        """Seconds the longest-queued request has waited for KV credits (0 when none waits): demand
+        past what the replicas' credits hold (`gateway.autoscaler`)."""
+        if not self._queued_since:
+            return 0.0
+        return max(0.0, (time.monotonic() if now is None else now) - min(self._queued_since.values()))
 
     def replica_ready(self, replica: int) -> None:
         """A new worker of `replica` is ready: its prefix cache is empty; admit whoever now fits."""

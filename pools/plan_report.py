@@ -4,7 +4,8 @@ concurrency (per replica, and for the whole pool when a device is replicated).
 
 With an arrival mix (`capacity --rate`, `simulate`), each device's overload verdict for it
 (`plan_verdicts`, `format_verdicts`): `pools.demand.planned_load` over the plan's pools, the live
-gateway's definitions (docs/GATEWAY.md "Overload").
+gateway's definitions (docs/GATEWAY.md "Overload"). An autoscaled device (`replicas: {min, max}`) is
+planned and judged at its max, the replicas it can grow to.
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ def _device_lines(d: DevicePlan) -> list[str]:
     """A device's header line and its memory rows, then a blank line."""
     tp = d.tensor_parallel_size
     per = " per GPU" if tp > 1 else ""
-    copies = f", replicas={d.replicas} (each planned alike)" if d.replicas > 1 else ""
+    copies = (f", replicas {d.min_replicas}..{d.replicas} (autoscaled), each planned alike" if d.autoscaled
+              else f", replicas={d.replicas} (each planned alike)" if d.replicas > 1 else "")
+    copies += ", placement: ray" if d.placement == "ray" else ""
     rows = [
         ("memory", f"{fmt_bytes(d.memory_bytes)}{per} ({d.memory_source})"),
         ("utilization", f"{d.memory_utilization} -> {fmt_bytes(d.usable_bytes)}{per}"),
@@ -87,7 +90,8 @@ def format_plan(plan: CapacityPlan) -> str:
         ]
         if any(p.replicas > 1 for p in pools):
             table.insert(table.index(next(row for row in table if row[0] == "max_num_seqs")) + 1,
-                         ("whole pool", [f"{p.pool_max_num_seqs} sequences ({p.replicas} x {p.max_num_seqs})"
+                         ("whole pool", [f"{p.pool_max_num_seqs} sequences ({p.replicas} x {p.max_num_seqs}"
+                                         + (" at max)" if plan.devices[p.device].autoscaled else ")")
                                          for p in pools]))
         widths = [max(len(header[0]), *(len(k) for k, _ in table))]
         for c in range(len(pools)):
@@ -114,7 +118,8 @@ def plan_verdicts(plan: CapacityPlan, step_times: Mapping[str, StepTime],
                   mix: Mapping[str, tuple[float, float, float]], *, step_model: str) -> dict[str, dict[str, Any]]:
     """Per device, `pools.demand.planned_load` of its pools under `mix` (pool -> requests/s, mean prompt
     and output tokens; a pool not in it is offered nothing) on `step_times[device]` (`step_model` names
-    it): its offered load over its replicas, overloaded (load > 1), the replicas that carry it at most
+    it): its offered load over its replicas (an autoscaled device's max; `min_replicas`, `max_replicas`,
+    `autoscaled` and `placement` say its shape), overloaded (load > 1), the replicas that carry it at most
     `OFF_LOAD` busy, and each pool's inputs (the plan's `max_num_seqs`, KV credits per replica = blocks x
     block_size, `max_num_batched_tokens`), offered tokens/s, capacity and share of the load."""
     verdicts = {}
@@ -132,6 +137,8 @@ def plan_verdicts(plan: CapacityPlan, step_times: Mapping[str, StepTime],
                 "prefill_capacity": load.rates.prefill, "decode_capacity": load.rates.decode,
                 "decode_batch": load.rates.batch, "load": load.load / device.replicas}
         verdicts[d.name] = {"step_model": step_model, "offered_load": device.load, "replicas": device.replicas,
+                            "min_replicas": d.initial_replicas, "max_replicas": d.max_replicas,
+                            "autoscaled": d.autoscaled, "placement": d.placement,
                             "overloaded": device.load > 1.0, "replicas_needed": replicas_needed(device.pools),
                             "pools": pools}
     return verdicts
@@ -158,11 +165,19 @@ def rate_verdicts(config: CliffguardConfig, plan: CapacityPlan, model_configs: M
 
 
 def _verdict_word(v: dict[str, Any]) -> str:
-    carry = f"{v['replicas_needed']} replicas would carry it at most {OFF_LOAD:.0%} busy"
+    """An autoscaled device is judged at its max (`replicas`: the replicas it can grow to)."""
+    needed, top = v["replicas_needed"], v["replicas"]
+    carry = f"{needed} replicas would carry it at most {OFF_LOAD:.0%} busy"
+    if v.get("autoscaled") and needed > top:
+        carry = f"needs {needed} replicas, max is {top} ({carry})"
     if v["overloaded"]:
         return f"overloaded; {carry}"
-    if v["replicas_needed"] > v["replicas"]:
+    if needed > top:
         return f"within capacity, over {OFF_LOAD:.0%} busy; {carry}"
+    if v.get("autoscaled"):
+        low = v["min_replicas"]
+        return (f"within capacity; it needs {max(needed, low)} of its {low}..{top} replicas "
+                f"(each at most {OFF_LOAD:.0%} busy)")
     return "within capacity"
 
 
@@ -172,8 +187,9 @@ def format_verdicts(verdicts: Mapping[str, dict[str, Any]], *, unrouted: float =
     lines = []
     for name, v in verdicts.items():
         parts = ", ".join(f"{pool} {p['load']:.2f}" for pool, p in v["pools"].items())
-        lines.append(f"device {name}: offered load {v['offered_load']:.2f} of {v['replicas']} replica(s)' time "
-                     f"({parts}): {_verdict_word(v)}  [{v['step_model']}]")
+        at_max = " (autoscaled: its max)" if v.get("autoscaled") else ""
+        lines.append(f"device {name}: offered load {v['offered_load']:.2f} of {v['replicas']} replica(s)' time"
+                     f"{at_max} ({parts}): {_verdict_word(v)}  [{v['step_model']}]")
         lines += [f"  {pool}: {p['rate']:.2f} req/s, prompt {p['prompt_tokens']:.0f} / output "
                   f"{p['output_tokens']:.0f} tokens; prefill {p['offered_prefill']:,.0f} tok/s of "
                   f"{p['prefill_capacity']:,.0f}, decode {p['offered_decode']:,.0f} tok/s of "

@@ -1,7 +1,8 @@
 """The gateway's configuration as read from YAML: devices, pools and the gateway itself.
 
 Every class is a frozen dataclass validated on construction; `pools.config_file.load_config` turns a
-YAML file into a `CliffguardConfig` or raises `SpecError` naming the key path and the bad value. Nothing that needs the
+YAML file into a `CliffguardConfig` or raises `SpecError` naming the key path and the bad value. A
+device's settings are `pools.device_spec.DeviceSpec`, re-exported here. Nothing that needs the
 model (its context length, its KV bytes per token) is checked here: that is `pools.capacity_plan`'s job.
 The schema, key by key, is in `config/README.md`.
 """
@@ -17,9 +18,8 @@ from pathlib import PurePath
 from typing import Any
 from urllib.parse import urlsplit
 
-from engine.capacity import DEFAULT_MEMORY_UTILIZATION
-from engine.config import (DEFAULT_MIN_SHARE, CacheConfig, ConfigError, LatencySLO, SchedulerConfig, check_device_name,
-                           parse_dtype)
+from engine.config import DEFAULT_MIN_SHARE, CacheConfig, ConfigError, LatencySLO, SchedulerConfig
+from pools.device_spec import DeviceSpec
 from pools.gateway_spec import GatewaySpec
 from pools.spiral import SpiralConfig
 from pools.tenants import TenantSpec
@@ -128,79 +128,6 @@ class RouteSpec:
         """`0..4096`, `4097..` (open end)."""
         upper = "" if self.max_prompt_tokens is None else str(self.max_prompt_tokens)
         return f"{self.min_prompt_tokens}..{upper}"
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """A device that local pools run on: one copy of the weights and one KV tensor, over
-    `tensor_parallel_size` GPUs (one worker process per rank), run as `replicas` identical copies.
-
-    GPUs: with `gpus` listed, replica r takes `gpus[r·T:(r+1)·T]`; otherwise replica r takes the T GPUs
-    after the device's own index (`cuda`: 0, `cuda:N`: N) and those of the replicas before it.
-    """
-
-    name: str = "default"
-    device: str = "auto"                 # auto | cpu | cuda | cuda:N
-    memory_bytes: int | None = None      # None (auto): the GPU's total memory; on CPU DEFAULT_CPU_MEMORY
-    memory_utilization: float = DEFAULT_MEMORY_UTILIZATION   # the capacity formula's 0.9
-    dtype: str = "auto"                  # auto | float32 | bfloat16 | float16
-    tensor_parallel_size: int = 1        # GPUs of one replica (engine.parallel)
-    replicas: int = 1                    # identical copies, each serving every pool of the device
-    gpus: tuple[int, ...] | None = None  # CUDA: the GPU indices the replicas' ranks take, in order
-    cpu_threads: int | None = None       # CPU: torch threads of each rank (None: the cores shared out)
-
-    def __post_init__(self) -> None:
-        check_str("name", self.name)
-        check_str("device", self.device)
-        with _engine_rules():
-            check_device_name(self.device)
-        check_int("memory", self.memory_bytes, min_value=1, optional=True)
-        check_fraction("memory_utilization", self.memory_utilization)
-        check_str("dtype", self.dtype)
-        if self.dtype != "auto":
-            try:
-                parse_dtype(self.dtype)
-            except ConfigError:
-                raise SpecError(f"dtype: must be auto, float32, bfloat16 or float16; got {self.dtype!r}") from None
-        check_int("tensor_parallel_size", self.tensor_parallel_size, min_value=1)
-        check_int("replicas", self.replicas, min_value=1)
-        check_int("cpu_threads", self.cpu_threads, min_value=1, optional=True)
-        if self.gpus is not None:
-            self._check_gpus()
-
-    def _check_gpus(self) -> None:
-        if not isinstance(self.gpus, tuple) or not self.gpus:
-            raise SpecError(f"gpus: must be a non-empty list of GPU indices, got {show(self.gpus)}")
-        if not self.device.startswith("cuda"):
-            raise SpecError(f"gpus: lists CUDA GPUs, and device is {self.device!r}; set device: cuda")
-        seen: dict[int, int] = {}
-        for i, gpu in enumerate(self.gpus):
-            check_int(f"gpus[{i}]", gpu, min_value=0)
-            if gpu in seen:
-                raise SpecError(f"gpus[{i}]: GPU {gpu} is listed twice (also gpus[{seen[gpu]}]); "
-                                "each rank of each replica needs a GPU of its own")
-            seen[gpu] = i
-        need = self.replicas * self.tensor_parallel_size
-        if len(self.gpus) != need:
-            raise SpecError(f"gpus: {len(self.gpus)} GPUs listed; replicas {self.replicas} x tensor_parallel_size "
-                            f"{self.tensor_parallel_size} need {need}")
-
-    def replica_gpus(self, replica: int, device: str | None = None) -> tuple[int, ...]:
-        """The CUDA GPU indices of one replica's ranks (empty for a CPU device, or for `auto` unless
-        `device`, what `auto` resolved to on this machine, names CUDA)."""
-        tp = self.tensor_parallel_size
-        if self.gpus is not None:
-            return self.gpus[replica * tp:(replica + 1) * tp]
-        device = device if self.device == "auto" and device else self.device
-        if not device.startswith("cuda"):
-            return ()
-        base = int(device.partition(":")[2] or 0)
-        return tuple(range(base + replica * tp, base + (replica + 1) * tp))
-
-    @property
-    def claimed_gpus(self) -> tuple[int, ...]:
-        """Every GPU the device's replicas take (empty unless the device names CUDA)."""
-        return tuple(g for r in range(self.replicas) for g in self.replica_gpus(r))
 
 
 @dataclass(frozen=True)
@@ -444,7 +371,8 @@ class CliffguardConfig:
     def describe_service_classes(self) -> list[str]:
         """One line per device with local pools, what `cliffguard serve` logs at start: `device default:
         chat interactive (slo from the device's measured step at start; default: no slo in the YAML), rag throughput, min_share
-        0.2` (`device default (2 replicas, tensor parallel 4): ...` for a replicated, tensor-parallel one).
+        0.2` (`device default (2 replicas, tensor parallel 4): ...` for a replicated, tensor-parallel one,
+        `(1..8 replicas, autoscaled, on Ray)` for an autoscaled one on a Ray cluster).
         A device whose pools are all throughput pools says that nothing protects any pool's latency."""
         lines = []
         for device in self.devices:
@@ -453,8 +381,10 @@ class CliffguardConfig:
                 continue
             spec = self.devices[device]
             shape = ", ".join(part for part in (
-                f"{spec.replicas} replicas" if spec.replicas > 1 else "",
-                f"tensor parallel {spec.tensor_parallel_size}" if spec.tensor_parallel_size > 1 else "") if part)
+                f"{spec.min_replicas}..{spec.replicas} replicas, autoscaled" if spec.autoscaled
+                else f"{spec.replicas} replicas" if spec.replicas > 1 else "",
+                f"tensor parallel {spec.tensor_parallel_size}" if spec.tensor_parallel_size > 1 else "",
+                "on Ray" if spec.placement == "ray" else "") if part)
             guarded = any(p.slo is not None for p in members)   # throughput pools keep min_share beside it
 
             def describe(p: PoolSpec) -> str:

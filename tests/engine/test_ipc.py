@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 import socket
 import struct
 import time
@@ -10,6 +9,18 @@ import time
 import pytest
 
 from engine.ipc import Channel
+from engine.messages import AddRequest, Fatal, Outputs, Rejected
+from engine.outputs import RequestDelta, SampleDelta
+from engine.sampling import SamplingParams
+from engine.wire import encode
+
+
+def _add(request_id: str, prompt) -> AddRequest:
+    return AddRequest(request_id, prompt, SamplingParams(max_tokens=4))
+
+
+def _outputs(text: str) -> Outputs:
+    return Outputs([RequestDelta("r", [SampleDelta(0, text, [1], 1)], False)])
 
 
 def _make_pair(buffer_bytes: int | None = None) -> tuple[Channel, Channel]:
@@ -40,34 +51,34 @@ def test_both_sides_send_far_more_than_the_socket_holds_and_nobody_blocks():
     started = time.monotonic()
     big = list(range(2000))               # an add with a long prompt
     for i in range(500):
-        x.send(("add", f"req-{i}", big))
-        y.send(("outputs", [f"delta-{i}" * 500], None))
+        x.send(_add(f"req-{i}", big))
+        y.send(_outputs(f"delta-{i}" * 500))
     assert time.monotonic() - started < 5, "send blocked"
     assert x.num_pending_bytes > 1 << 20 and y.num_pending_bytes > 1 << 20   # queued, not written
     got_x, got_y = _pump(x, y, 500, 500)
-    assert [m[1] for m in got_y] == [f"req-{i}" for i in range(500)]
-    assert got_y[0][2] == big
-    assert [m[1][0] for m in got_x] == [f"delta-{i}" * 500 for i in range(500)]
+    assert [m.request_id for m in got_y] == [f"req-{i}" for i in range(500)]
+    assert got_y[0].prompt == big
+    assert [m.deltas[0].outputs[0].delta_text for m in got_x] == [f"delta-{i}" * 500 for i in range(500)]
     assert x.num_pending_bytes == 0 and y.num_pending_bytes == 0
 
 
 def test_one_message_larger_than_the_socket_buffer_arrives_whole():
     x, y = _make_pair(buffer_bytes=8 << 10)
-    payload = bytes(range(256)) * 8192     # 2 MiB in one frame
-    x.send(("blob", payload))
+    payload = "0123456789abcdef" * (1 << 17)     # 2 MiB in one frame
+    x.send(Fatal(payload))
     assert not x.flush()
     _, got = _pump(x, y, 0, 1)
-    assert got == [("blob", payload)]
+    assert got == [Fatal(payload)]
 
 
 def test_receive_returns_nothing_until_a_frame_is_whole_and_eof_after_the_last():
     a, b = socket.socketpair()
     y = Channel(b)
     x = Channel(a)
-    x.send(("one",))
-    x.send(("two",))
+    x.send(Rejected("one", "a"))
+    x.send(Rejected("two", "b"))
     x.close()
-    assert y.receive() == [("one",), ("two",)]
+    assert y.receive() == [Rejected("one", "a"), Rejected("two", "b")]
     assert y.eof
     assert y.receive() == []
 
@@ -75,14 +86,14 @@ def test_receive_returns_nothing_until_a_frame_is_whole_and_eof_after_the_last()
 def test_partial_frame_is_kept_until_the_rest_arrives():
     a, b = socket.socketpair()
     y = Channel(b)
-    payload = pickle.dumps(("hello", 1), protocol=5)
+    payload = encode(Rejected("hello", "1"))
     frame = struct.pack("!Q", len(payload)) + payload
     a.sendall(frame[:5])
     assert y.receive() == []
     a.sendall(frame[5:12])
     assert y.receive() == []
     a.sendall(frame[12:] + frame)
-    assert y.receive() == [("hello", 1), ("hello", 1)]
+    assert y.receive() == [Rejected("hello", "1"), Rejected("hello", "1")]
     a.close()
     y.close()
 
@@ -92,13 +103,13 @@ def test_send_to_a_closed_peer_raises_oserror():
     y.close()
     with pytest.raises(OSError):
         for _ in range(100):
-            x.send(("add", "x" * 100_000))
+            x.send(_add("x", "x" * 100_000))
             x.flush()
 
 
 def test_drain_gives_up_after_its_timeout_when_nobody_reads():
     x, y = _make_pair(buffer_bytes=8 << 10)
-    x.send(("blob", b"x" * (4 << 20)))
+    x.send(Fatal("x" * (4 << 20)))
     started = time.monotonic()
     assert x.drain(0.3) is False
     assert 0.25 < time.monotonic() - started < 3

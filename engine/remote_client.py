@@ -1,0 +1,82 @@
+"""`RemoteEngineClient`: the gateway's client of a replica served over the network (`engine.remote`).
+
+The same client as for a local worker (`engine.client.AsyncEngineClient`: the same messages, streams,
+back-pressure and death handling), over an authenticated TCP connection instead of a socket pair to a
+child process. What places the replica and says where it is, is a `ReplicaLink` (on Ray:
+`gateway.ray_cluster.RayReplica`): it gives the endpoint (waiting while the replica is placed or
+restarted), restarts a replica the watchdog finds stalled, and may report its death before the
+connection's loss shows (`lost`).
+
+A client is one connection's life: the connection dropping, the link's death notice, or `kill` ends
+it, and whatever was in flight fails with `EngineDeadError`; the supervisor then makes a new client,
+which connects to the restarted replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+from engine.client import AsyncEngineClient
+from engine.config import EngineConfig
+from engine.ipc import Channel
+from engine.remote import connect
+
+
+class ReplicaLink(Protocol):
+    """Where a remote replica is, as its cluster manager says."""
+
+    name: str
+
+    async def endpoint(self, timeout: float) -> tuple[str, int, bytes]:
+        """(host, port, key) once the replica is placed; TimeoutError past `timeout`."""
+
+    def restart(self, reason: str) -> None:
+        """Have the cluster manager kill the replica's process and start it again."""
+
+
+class RemoteEngineClient(AsyncEngineClient):
+    """`AsyncEngineClient` over a network connection to a replica that `link` locates."""
+
+    def __init__(self, config: EngineConfig, link: ReplicaLink) -> None:
+        super().__init__(config)
+        self.link = link
+        self.address: tuple[str, int] | None = None
+        self._lost_reason: str | None = None
+
+    async def _launch(self, timeout: float) -> Channel:
+        host, port, key = await self.link.endpoint(timeout)
+        sock, keys = await connect(host, port, key, min(timeout, 30.0))
+        self.address = (host, port)
+        self._process = self.link   # a client is alive while its connection is
+        return Channel(sock, keys)
+
+    async def start(self, timeout: float = 900.0):
+        info = await super().start(timeout)
+        self.pid = info.pid
+        return info
+
+    def lost(self, reason: str) -> None:
+        """The cluster manager says the replica died (before, or without, the connection's loss)."""
+        if self._process is not None and self._reaper is None:
+            self._lost_reason = reason
+            self._on_exit(reason)
+
+    def kill(self, reason: str) -> None:
+        """Drop the connection at once and have the replica restarted (a stalled one: `gateway.supervisor`)."""
+        if self._process is None or self._reaper is not None:
+            return
+        self.link.restart(reason)
+        self._on_exit(reason)
+
+    async def _reap(self, grace: float) -> None:
+        if self._lost_reason is None and self._dead is None:
+            await asyncio.sleep(0)   # a death notice racing the connection's loss may name the cause
+        self._die(self._exit_reason())
+        self._channel.close()
+        if not self.died.done():
+            self.died.set_result(self._dead)
+
+    def _exit_reason(self) -> str:
+        where = f" at {self.address[0]}:{self.address[1]}" if self.address else ""
+        return self._lost_reason or f"replica {self.link.name}{where}: connection lost"

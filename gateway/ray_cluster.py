@@ -1,0 +1,266 @@
+"""Replicas on a Ray cluster: placement groups, named actors, and their deaths as the gateway sees them.
+
+A device with `placement: ray` runs each replica as a Ray actor (`engine.remote.ReplicaActor`) in a
+placement group of its own: one bundle per tensor-parallel rank (`{"CPU": threads}`, plus `{"GPU": 1}`
+on CUDA), `STRICT_PACK` so a replica's ranks share a node. Ray places the group (on the node that holds
+the fewest of the device's replicas, when it has room: a soft target), starts the actor, and restarts
+it (`max_restarts=-1`) when it dies — in a rescheduled group on another node when its own node is gone.
+A group Ray cannot place stays pending: that is how Ray's cluster autoscaler learns a node is needed.
+
+The actor is named `cliffguard:<device>:<replica>:<digest>` in the `cliffguard` namespace and
+detached: it outlives the gateway, and a gateway that starts again with the same engine config (same
+digest) finds it and connects without reloading it. A gateway whose config changed stops the
+device's actors of another digest, and those of slots past its `replicas`.
+
+Everything that blocks (Ray's client calls) runs on a thread; awaiting an `ObjectRef` does not.
+Ray is imported here only, and only when a device asks for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import pickle
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+
+log = logging.getLogger("cliffguard.gateway")
+
+__all__ = ["ClusterError", "RayCluster", "RayReplica", "NAMESPACE"]
+
+NAMESPACE = "cliffguard"
+CONNECT_SECONDS = 30.0      # how long `ray.init` may take before the address is called unreachable
+ACTOR_CONCURRENCY = 4       # endpoint / state / wait_stopped answer while the engine loads
+
+
+class ClusterError(RuntimeError):
+    """The Ray cluster cannot be used: not installed, unreachable, or it refused a request."""
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise ClusterError("placement ray needs Ray: pip install -e '.[ray]'") from None
+    return ray
+
+
+def config_digest(config: EngineConfig) -> str:
+    """Eight hex digits naming what a replica runs: a restarted gateway reuses actors of the same digest."""
+    return hashlib.sha256(pickle.dumps(config)).hexdigest()[:8]
+
+
+class RayCluster:
+    """The gateway's connection to one Ray cluster (`ray.init` once per process)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.connected = False
+        self._connecting: asyncio.Task | None = None
+        self._pruned: dict[str, asyncio.Task] = {}   # device -> its stale actors' removal, once
+
+    async def connect(self, timeout: float = CONNECT_SECONDS) -> None:
+        """ClusterError naming the address when the cluster does not answer within `timeout` seconds.
+        The replicas of every device on the cluster share the one attempt."""
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect(timeout))
+        await asyncio.shield(self._connecting)
+
+    async def _connect(self, timeout: float) -> None:
+        ray = _ray()
+        await self._probe(timeout)
+
+        def init() -> None:
+            if not ray.is_initialized():
+                ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False,
+                         logging_level=logging.WARNING, configure_logging=False)
+
+        try:
+            await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, init), timeout)
+        except TimeoutError:
+            raise ClusterError(f"cannot reach the Ray cluster at {self.address!r}: no answer in {timeout:g} s") from None
+        except Exception as exc:  # noqa: BLE001 - Ray's own errors, said with the address
+            raise ClusterError(f"cannot reach the Ray cluster at {self.address!r}: {type(exc).__name__}: "
+                               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
+        self.connected = True
+
+    async def _probe(self, timeout: float) -> None:
+        """A `host:port` (or `ray://host:port`) address that refuses TCP is said at once (`ray.init` would
+        retry for minutes)."""
+        host, sep, port = self.address.removeprefix("ray://").rpartition(":")
+        if not sep or not port.isdigit():
+            return   # `auto`, or a form Ray resolves itself
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)),
+                                               min(timeout, 10.0))
+        except TimeoutError:
+            raise ClusterError(f"cannot reach the Ray cluster at {self.address!r}: no answer") from None
+        except OSError as exc:
+            raise ClusterError(f"cannot reach the Ray cluster at {self.address!r}: "
+                               f"{exc.strerror or type(exc).__name__}") from None
+        writer.close()
+
+    async def prune(self, device: str, keep: set[str]) -> None:
+        """Once per device: remove the device's actors in the namespace that are not in `keep` (those of
+        another engine config, or of slots past the device's `replicas`)."""
+        if device not in self._pruned:
+            self._pruned[device] = asyncio.ensure_future(self._prune(device, keep))
+        await asyncio.shield(self._pruned[device])
+
+    async def _prune(self, device: str, keep: set[str]) -> None:
+        ray = _ray()
+        names = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=False)
+        prefix = f"cliffguard:{device}:"
+        for name in names:
+            if isinstance(name, str) and name.startswith(prefix) and name not in keep:
+                log.info("device %s: removing the Ray actor %s (not in this configuration)", device, name)
+                await self.remove(name)
+
+    async def remove(self, name: str) -> None:
+        """Stop an actor and remove its placement group, by name (nothing if either is gone)."""
+        ray = _ray()
+
+        def remove() -> None:
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            except ValueError:
+                pass
+            try:
+                ray.util.remove_placement_group(ray.util.get_placement_group(name))
+            except Exception:  # noqa: BLE001 - no such group
+                pass
+
+        await asyncio.to_thread(remove)
+
+    async def alive_nodes(self) -> list[str]:
+        ray = _ray()
+        nodes = await asyncio.to_thread(ray.nodes)
+        return [n["NodeID"] for n in nodes if n.get("Alive")]
+
+
+@dataclass(frozen=True)
+class Bundles:
+    """What one replica asks of a node: `cpus` and `gpus` per rank, `ranks` of them."""
+
+    ranks: int
+    cpus: float
+    gpus: int
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> Bundles:
+        cuda = config.device.startswith("cuda")
+        return cls(config.tensor_parallel_size, float(max(1, config.cpu_threads)), 1 if cuda else 0)
+
+    def as_list(self) -> list[dict[str, float]]:
+        bundle = {"CPU": self.cpus} | ({"GPU": float(self.gpus)} if self.gpus else {})
+        return [dict(bundle) for _ in range(self.ranks)]
+
+
+class RayReplica:
+    """One replica slot of a device on a Ray cluster: its placement group and actor, found or made.
+
+    `endpoint` waits until Ray has placed and started the actor; `watch` fails when the actor dies
+    (Ray's death notice); `restart` has Ray kill it and start it again; `remove` ends it for good.
+    `status` says what it is waiting for (shown in `/ready` while the replica loads)."""
+
+    def __init__(self, cluster: RayCluster, device: str, replica: int, config: EngineConfig,
+                 peers: list[RayReplica] | None = None) -> None:
+        self.cluster = cluster
+        self.device = device
+        self.replica = replica
+        self.config = config
+        self.name = f"cliffguard:{device}:{replica}:{config_digest(config)}"
+        self.bundles = Bundles.of(config)
+        self.peers = peers if peers is not None else []   # the device's other slots (placement spreads them)
+        self.node_id: str | None = None
+        self.status = "connecting to the Ray cluster"
+        self._actor = None
+
+    async def endpoint(self, timeout: float) -> tuple[str, int, bytes]:
+        """(host, port, key): places the replica if no actor of this name lives, then asks the actor."""
+        await self.cluster.connect()
+        await self.cluster.prune(self.device, {peer.name for peer in self.peers})
+        if self._actor is None:
+            self._actor = await self._find_or_place(timeout)
+        self.status = "waiting for the actor to start"
+        host, port, key, node_id = await asyncio.wait_for(self._actor.endpoint.remote(), timeout)
+        self.node_id = node_id
+        self.status = f"on node {node_id[:12]} at {host}:{port}"
+        return host, port, key
+
+    async def _find_or_place(self, timeout: float):
+        ray = _ray()
+        try:
+            actor = await asyncio.to_thread(ray.get_actor, self.name, NAMESPACE)
+            log.info("replica %s: found the live actor %s", self.label, self.name)
+            return actor
+        except ValueError:
+            pass
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        target = await self._target_node()
+        group = await asyncio.to_thread(placement_group, self.bundles.as_list(), strategy="STRICT_PACK",
+                                        name=self.name, lifetime="detached", _soft_target_node_id=target)
+        self.status = f"waiting for Ray to place {self.bundles.as_list()} on one node"
+        await asyncio.wait_for(group.ready(), timeout)
+        gpu_ids = await self._gpu_ids(group) if self.bundles.gpus else ()
+        from engine.remote import ReplicaActor
+
+        options = dict(name=self.name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
+                       max_concurrency=ACTOR_CONCURRENCY, num_cpus=self.bundles.cpus, num_gpus=self.bundles.gpus,
+                       scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+                       get_if_exists=True)
+        if gpu_ids:   # rank 0 starts the other ranks: it sees every GPU of its group
+            options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+        cls = ray.remote(ReplicaActor)
+        return cls.options(**options).remote(self.config, gpu_ids)
+
+    async def _target_node(self) -> str | None:
+        """The alive node holding the fewest of the device's replicas (a soft target: Ray may go elsewhere)."""
+        nodes = await self.cluster.alive_nodes()
+        if not nodes:
+            return None
+        held = {n: 0 for n in nodes}
+        for peer in self.peers:
+            if peer is not self and peer.node_id in held:
+                held[peer.node_id] += 1
+        # ties (replicas placed at once know no peer's node yet) go round-robin by slot
+        return min(nodes, key=lambda n: (held[n], (nodes.index(n) - self.replica) % len(nodes)))
+
+    async def _gpu_ids(self, group) -> tuple[int, ...]:
+        """The GPU of each bundle of the group, as Ray assigned them (bundle i keeps its GPU)."""
+        ray = _ray()
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        @ray.remote(num_cpus=0, num_gpus=1)
+        def gpu_of_bundle() -> int:
+            return int(ray.get_gpu_ids()[0])
+
+        refs = [gpu_of_bundle.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, i)).remote()
+                for i in range(self.bundles.ranks)]
+        return tuple(await asyncio.gather(*refs))
+
+    @property
+    def label(self) -> str:
+        return f"{self.device}/{self.replica}"
+
+    async def watch(self) -> str:
+        """Returns the reason once the actor is dead or restarting (Ray's notice)."""
+        try:
+            await self._actor.wait_stopped.remote()
+            return f"replica {self.label}: the Ray actor stopped"
+        except Exception as exc:  # noqa: BLE001 - RayActorError, ActorDiedError, ActorUnavailableError
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            return f"replica {self.label}: Ray reports the actor dead ({type(exc).__name__}: {first[:200]})"
+
+    def restart(self, reason: str) -> None:
+        if self._actor is not None:
+            log.error("replica %s: asking Ray to restart the actor: %s", self.label, reason)
+            _ray().kill(self._actor, no_restart=False)
+
+    async def remove(self) -> None:
+        await self.cluster.remove(self.name)
+        self._actor = None

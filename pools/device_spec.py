@@ -1,0 +1,169 @@
+"""A device of the configuration (`devices.<name>` in the YAML): where its pools run, on how many GPUs,
+as how many replicas (a fixed number, or autoscaled between a min and a max), on this machine or on a
+Ray cluster.
+
+`DeviceSpec` is a frozen dataclass validated on construction; its errors are `SpecError`s whose key
+path the YAML loader (`pools.config_file`) prefixes with `devices.<name>`. `pools.spec` re-exports it.
+The keys are documented in `config/README.md`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine.capacity import DEFAULT_MEMORY_UTILIZATION
+from engine.config import ConfigError, check_device_name, parse_dtype
+from pools.yamlcheck import SpecError, check_fraction, check_int, check_str, is_int, is_number, show
+
+PLACEMENTS = ("local", "ray")   # local: worker processes on this machine; ray: actors on a Ray cluster
+# Autoscaled devices: a request of the device's pools that has waited this long for KV credits adds a
+# replica (the wait `pools.demand` counts as a backlog: longer than a queue that drains on its own) ...
+DEFAULT_SCALE_UP_WAIT_SECONDS = 2.0
+# ... and a replica idle this long (no request in flight, none admitted) is stopped, down to min: a
+# minute outlasts the gaps between bursts, so a replica is not reloaded for each one.
+DEFAULT_SCALE_DOWN_IDLE_SECONDS = 60.0
+RAY_ADDRESS_ENV = "RAY_ADDRESS"   # Ray's own variable: the cluster `ray.init()` joins
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device that local pools run on: one copy of the weights and one KV tensor, over
+    `tensor_parallel_size` GPUs (one worker process per rank), run as up to `replicas` identical copies.
+
+    `replicas` is the number of replica slots: everything per replica (the capacity plan, the engine
+    config of each replica, the GPUs claimed) is planned for all of them. An autoscaled device
+    (`min_replicas` below `replicas`) starts `min_replicas` of them and the gateway starts and stops the
+    others by load (`scale_up_wait_seconds`, `scale_down_idle_seconds`); a fixed one runs them all.
+
+    GPUs: with `gpus` listed, replica r takes `gpus[r·T:(r+1)·T]`; otherwise replica r takes the T GPUs
+    after the device's own index (`cuda`: 0, `cuda:N`: N) and those of the replicas before it. With
+    `placement: ray` the replicas run on a Ray cluster, which assigns their GPUs: `gpus` is refused and
+    the device claims none of this machine's.
+    """
+
+    name: str = "default"
+    device: str = "auto"                 # auto | cpu | cuda | cuda:N
+    memory_bytes: int | None = None      # None (auto): the GPU's total memory; on CPU DEFAULT_CPU_MEMORY
+    memory_utilization: float = DEFAULT_MEMORY_UTILIZATION   # the capacity formula's 0.9
+    dtype: str = "auto"                  # auto | float32 | bfloat16 | float16
+    tensor_parallel_size: int = 1        # GPUs of one replica (engine.parallel)
+    replicas: int = 1                    # replica slots (autoscaled: the max), each serving every pool of the device
+    gpus: tuple[int, ...] | None = None  # CUDA: the GPU indices the replicas' ranks take, in order
+    cpu_threads: int | None = None       # CPU: torch threads of each rank (None: the cores shared out)
+    min_replicas: int | None = None      # autoscaled: the replicas always up (None: fixed, all `replicas` up)
+    scale_up_wait_seconds: float = DEFAULT_SCALE_UP_WAIT_SECONDS      # autoscaled: waited for credits this long: +1
+    scale_down_idle_seconds: float = DEFAULT_SCALE_DOWN_IDLE_SECONDS  # autoscaled: a replica idle this long: -1
+    placement: str = "local"             # local | ray (PLACEMENTS)
+    ray_address: str | None = None       # placement ray: the cluster (None: the RAY_ADDRESS environment variable)
+
+    def __post_init__(self) -> None:
+        check_str("name", self.name)
+        check_str("device", self.device)
+        try:
+            check_device_name(self.device)
+        except ConfigError as exc:
+            raise SpecError(str(exc)) from None
+        check_int("memory", self.memory_bytes, min_value=1, optional=True)
+        check_fraction("memory_utilization", self.memory_utilization)
+        check_str("dtype", self.dtype)
+        if self.dtype != "auto":
+            try:
+                parse_dtype(self.dtype)
+            except ConfigError:
+                raise SpecError(f"dtype: must be auto, float32, bfloat16 or float16; got {self.dtype!r}") from None
+        check_int("tensor_parallel_size", self.tensor_parallel_size, min_value=1)
+        self._check_replicas()
+        check_int("cpu_threads", self.cpu_threads, min_value=1, optional=True)
+        self._check_placement()
+        if self.gpus is not None:
+            self._check_gpus()
+
+    def _check_replicas(self) -> None:
+        """`replicas: N` (min_replicas None) or `replicas: {min, max, ...}`: errors name the key written."""
+        if self.min_replicas is None:
+            if not is_int(self.replicas):
+                raise SpecError(f"replicas: must be an integer >= 1 or a mapping {{min, max}}, "
+                                f"got {show(self.replicas)}")
+            check_int("replicas", self.replicas, min_value=1)
+        else:
+            check_int("replicas.max", self.replicas, min_value=1)
+            check_int("replicas.min", self.min_replicas, min_value=1)
+            if self.min_replicas > self.replicas:
+                raise SpecError(f"replicas.min: {self.min_replicas} is above max {self.replicas}")
+        for key in ("scale_up_wait_seconds", "scale_down_idle_seconds"):
+            value = getattr(self, key)
+            if not is_number(value) or not (value > 0 and math.isfinite(value)):
+                raise SpecError(f"replicas.{key}: must be a number of seconds > 0, got {show(value)}")
+
+    def _check_placement(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise SpecError(f"placement: must be {' or '.join(PLACEMENTS)}, got {show(self.placement)}")
+        if self.placement != "ray":
+            if self.ray_address is not None:
+                raise SpecError(f"ray_address: only with placement: ray (placement is {self.placement!r}), "
+                                f"got {show(self.ray_address)}")
+            return
+        check_str("ray_address", self.ray_address, optional=True)
+        if self.gpus is not None:
+            raise SpecError(f"gpus: not with placement: ray (Ray assigns each replica its GPUs), "
+                            f"got {show(list(self.gpus) if isinstance(self.gpus, tuple) else self.gpus)}")
+
+    def _check_gpus(self) -> None:
+        if not isinstance(self.gpus, tuple) or not self.gpus:
+            raise SpecError(f"gpus: must be a non-empty list of GPU indices, got {show(self.gpus)}")
+        if not self.device.startswith("cuda"):
+            raise SpecError(f"gpus: lists CUDA GPUs, and device is {self.device!r}; set device: cuda")
+        seen: dict[int, int] = {}
+        for i, gpu in enumerate(self.gpus):
+            check_int(f"gpus[{i}]", gpu, min_value=0)
+            if gpu in seen:
+                raise SpecError(f"gpus[{i}]: GPU {gpu} is listed twice (also gpus[{seen[gpu]}]); "
+                                "each rank of each replica needs a GPU of its own")
+            seen[gpu] = i
+        need = self.replicas * self.tensor_parallel_size
+        if len(self.gpus) != need:
+            raise SpecError(f"gpus: {len(self.gpus)} GPUs listed; replicas {self.replicas} x tensor_parallel_size "
+                            f"{self.tensor_parallel_size} need {need}")
+
+    @property
+    def autoscaled(self) -> bool:
+        """Replicas start and stop by load, between `min_replicas` and `replicas`."""
+        return self.min_replicas is not None and self.min_replicas < self.replicas
+
+    @property
+    def initial_replicas(self) -> int:
+        """The replicas started with the gateway (and never stopped for idleness): the min, or all."""
+        return self.min_replicas if self.min_replicas is not None else self.replicas
+
+    def resolved_ray_address(self, environ: Mapping[str, str]) -> str:
+        """The Ray cluster a `placement: ray` device joins: `ray_address`, else `environ["RAY_ADDRESS"]`;
+        a SpecError naming `devices.<name>.ray_address` when neither is set."""
+        if self.placement != "ray":
+            raise SpecError(f"devices.{self.name}.placement: {self.placement!r}; only a ray device has a cluster")
+        address = self.ray_address or environ.get(RAY_ADDRESS_ENV, "").strip()
+        if not address:
+            raise SpecError(f"devices.{self.name}.ray_address: placement is ray and no cluster address: set "
+                            f"ray_address or the {RAY_ADDRESS_ENV} environment variable")
+        return address
+
+    def replica_gpus(self, replica: int, device: str | None = None) -> tuple[int, ...]:
+        """The CUDA GPU indices of one replica's ranks (empty for a CPU device, or for `auto` unless
+        `device`, what `auto` resolved to on this machine, names CUDA)."""
+        tp = self.tensor_parallel_size
+        if self.gpus is not None:
+            return self.gpus[replica * tp:(replica + 1) * tp]
+        device = device if self.device == "auto" and device else self.device
+        if not device.startswith("cuda"):
+            return ()
+        base = int(device.partition(":")[2] or 0)
+        return tuple(range(base + replica * tp, base + (replica + 1) * tp))
+
+    @property
+    def claimed_gpus(self) -> tuple[int, ...]:
+        """Every GPU of this machine the device's replica slots take (empty unless the device names CUDA,
+        and for `placement: ray`, whose GPUs Ray assigns on its nodes)."""
+        if self.placement == "ray":
+            return ()
+        return tuple(g for r in range(self.replicas) for g in self.replica_gpus(r))

@@ -1,0 +1,64 @@
+"""Autoscaling (`replicas: {min, max}`): a burst that waits for KV credits on one replica starts a second,
+whose credits take the queue; an idle minute (here two seconds) stops it again; nothing is lost."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.gateway.conftest import chat_pool_yaml
+from tests.gateway.test_app import _client, _metrics, _model
+
+AUTOSCALED = ("cpu: {device: cpu, memory: 256MiB, dtype: float32, cpu_threads: 1, "
+              "replicas: {min: 1, max: 2, scale_up_wait_seconds: 0.3, scale_down_idle_seconds: 2}}")
+
+
+def _autoscaled(tiny_model) -> str:
+    text = chat_pool_yaml(tiny_model, max_model_len=256)
+    return text.replace("cpu: {device: cpu, memory: 256MiB, dtype: float32}", AUTOSCALED)
+
+
+def _replicas(m: dict) -> dict[str, int]:
+    return {dict(labels)["state"]: int(v) for labels, v in m["cliffguard_replicas"].items()}
+
+
+async def _wait_for(client, want: dict[str, int], timeout: float) -> dict[str, int]:
+    got = {}
+    for _ in range(int(timeout / 0.1)):
+        got = _replicas(_metrics(await (await client.get("/metrics")).text()))
+        if all(got.get(k) == v for k, v in want.items()):
+            return got
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"replicas never reached {want}: {got}")
+
+
+async def test_a_burst_adds_a_replica_and_a_quiet_spell_removes_it(aiohttp_client, tmp_path, tiny_model):
+    client, gateway = await _client(aiohttp_client, _autoscaled(tiny_model), tmp_path)
+    assert _replicas(_metrics(await (await client.get("/metrics")).text())) == {
+        "ready": 1, "stopped": 1, "loading": 0, "draining": 0, "restarting": 0, "failed": 0}
+    assert (await (await client.get("/ready")).json())["replicas"] == {"cpu": ["ready", "stopped"]}
+    model = _model(tiny_model)
+
+    async def one(i: int) -> tuple[int, str]:
+        r = await client.post("/v1/completions", json={"model": model, "prompt": f"Story {i}:", "max_tokens": 200,
+                                                       "temperature": 0, "ignore_eos": True})
+        await r.read()
+        return r.status, r.headers.get("x-cliffguard-replica", "")
+
+    # 24 requests of ~208 credits each against one replica's 512 (two at a time): most wait for credits
+    burst = asyncio.gather(*(one(i) for i in range(24)))
+    await _wait_for(client, {"ready": 2, "stopped": 0}, timeout=60)
+    answers = await burst
+    assert [status for status, _ in answers] == [200] * 24
+    assert {replica for _, replica in answers} == {"0", "1"}   # the new replica took part of the queue
+    assert gateway.autoscaler.credit_wait("cpu") == 0.0
+    # quiet: replica 1 idles past scale_down_idle_seconds, is drained and stopped; replica 0 stays
+    await _wait_for(client, {"ready": 1, "stopped": 1, "draining": 0}, timeout=30)
+    m = _metrics(await (await client.get("/metrics")).text())
+    scalings = {dict(labels)["direction"]: v for labels, v in m["cliffguard_replica_scalings_total"].items()}
+    assert scalings == {"up": 1.0, "down": 1.0}
+    # the parked slot serves again when the next burst comes
+    status, _ = await one(99)
+    assert status == 200
+    for supervisor in gateway.supervisors["cpu"]:
+        if supervisor.is_ready:
+            assert (await supervisor.client.stats()).num_requests == 0
