@@ -400,13 +400,14 @@ def _upstream_max_len(spec: PoolSpec, folders: dict[str, Path]) -> int:
 
 def _check_placements(config: CliffguardConfig) -> None:
     """A device placed on Ray needs Ray installed and a cluster address (SpecError naming the key)."""
-    import importlib.util
-
     from pools.spec import SpecError
 
     for name, device in config.devices.items():
         if device.placement != "ray" or not any(p.device == name for p in config.local_pools):
             continue
-        if importlib.util.find_spec("ray") is None:
-            raise SpecError(f"devices.{name}.placement: ray, and Ray is not installed: pip install -e '.[ray]'")
+        try:
+            import ray  # noqa: F401 - only a device placed on Ray pays for importing it
+        except ImportError:
+            raise SpecError(f"devices.{name}.placement: ray, and Ray is not installed: pip install -e '.[ray]'") \
+                from None
         device.resolved_ray_address(os.environ)

@@ -33,10 +33,16 @@ async def _wait_for(client, want: dict[str, int], timeout: float) -> dict[str, i
 
 async def test_a_burst_adds_a_replica_and_a_quiet_spell_removes_it(aiohttp_client, tmp_path, tiny_model):
     client, gateway = await _client(aiohttp_client, _autoscaled(tiny_model), tmp_path)
+    await burst_then_quiet(client, gateway, _model(tiny_model))
+
+
+async def burst_then_quiet(client, gateway, model: str) -> None:
+    """One replica of two started; a burst that waits for credits starts the second, which serves part of
+    it; two quiet seconds stop it again; nothing is lost, and the parked slot serves the next request."""
+    await _wait_for(client, {"ready": 1, "stopped": 1}, timeout=60)
     assert _replicas(_metrics(await (await client.get("/metrics")).text())) == {
         "ready": 1, "stopped": 1, "loading": 0, "draining": 0, "restarting": 0, "failed": 0}
     assert (await (await client.get("/ready")).json())["replicas"] == {"cpu": ["ready", "stopped"]}
-    model = _model(tiny_model)
 
     async def one(i: int) -> tuple[int, str]:
         r = await client.post("/v1/completions", json={"model": model, "prompt": f"Story {i}:", "max_tokens": 200,
@@ -62,3 +68,32 @@ async def test_a_burst_adds_a_replica_and_a_quiet_spell_removes_it(aiohttp_clien
     for supervisor in gateway.supervisors["cpu"]:
         if supervisor.is_ready:
             assert (await supervisor.client.stats()).num_requests == 0
+
+
+def test_without_ray_local_devices_serve_and_a_ray_device_is_a_clear_error(tmp_path, tiny_model):
+    """Ray is an optional extra: a gateway of local devices never imports it, and a device placed on Ray
+    where it is not installed is refused at start with the key and the install command."""
+    import subprocess
+    import sys
+
+    local = tmp_path / "local.yaml"
+    local.write_text(_autoscaled(tiny_model))
+    on_ray = tmp_path / "ray.yaml"
+    on_ray.write_text(_autoscaled(tiny_model).replace("cpu_threads: 1,", "cpu_threads: 1, placement: ray, "
+                                                                          "ray_address: '127.0.0.1:9',"))
+    script = f"""
+import sys
+sys.modules["ray"] = None   # as if not installed: `import ray` raises ImportError
+from gateway.runtime import Gateway
+from pools.config_file import load_config
+from pools.spec import SpecError
+Gateway.from_config(load_config({str(local)!r}))
+assert sys.modules["ray"] is None
+try:
+    Gateway.from_config(load_config({str(on_ray)!r}))
+except SpecError as exc:
+    print(exc)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "devices.cpu.placement: ray, and Ray is not installed: pip install -e '.[ray]'"
