@@ -32,6 +32,17 @@ log = logging.getLogger("cliffguard.engine")
 __all__ = ["ReplicaServer", "ReplicaActor", "HANDSHAKE_SECONDS", "connect"]
 
 HANDSHAKE_SECONDS = 10.0   # a peer that has not finished the handshake by then is dropped
+KEEPALIVE = (10, 5, 3)     # TCP keepalive: idle seconds, probe interval, probes: a silent peer is gone in ~25 s
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """Nagle off, and TCP keepalive probes so a peer behind a dead link (no FIN, no RST) is noticed."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle, interval, count = KEEPALIVE
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 class ReplicaServer:
@@ -75,6 +86,7 @@ class ReplicaServer:
             self._session(Channel(conn, keys))
 
     def _handshake(self, conn: socket.socket) -> FrameKeys:
+        keep_alive(conn)
         conn.settimeout(HANDSHAKE_SECONDS)
         shake = Handshake(self.key)
         conn.sendall(shake.hello())
@@ -163,8 +175,7 @@ async def connect(host: str, port: int, key: bytes, timeout: float) -> tuple[soc
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    keep_alive(sock)
 
     async def shake() -> FrameKeys:
         await loop.sock_connect(sock, (host, port))

@@ -79,6 +79,8 @@ DEVICE_VALUES = {
     "device_offered_load": _P + "device_offered_load",
     "device_replicas_needed": _P + "device_replicas_needed",
 }
+# JSON keys of the pool's device's replicas by state (`cliffguard_replicas{device,state}`)
+REPLICA_STATE_VALUES = ("replicas_ready", "replicas_loading", "replicas_draining", "replicas_stopped")
 # ... averaged over the pool's replicas instead of summed (a fraction of each replica's blocks)
 MEANS = {_P + "kv_cache_usage_perc"}
 # JSON key -> the sample shown per replica of a pool (`replicas` in each pool's JSON): the engine's and the
@@ -151,6 +153,8 @@ def parse_snapshot(families: Iterable[Metric], pools: Iterable[str], *, now: flo
                 stats_age[device] = max(stats_age.get(device, 0.0), s.value)
             elif s.name in device_names:
                 device_values[s.name, s.labels.get("device", "")] = s.value
+            elif s.name == _P + "replicas":   # the device's replicas by state (gateway.autoscaler)
+                device_values[f"replicas_{s.labels.get('state')}", s.labels.get("device", "")] = s.value
             elif pool is None:
                 continue
             elif s.name in bucket_names:
@@ -167,6 +171,7 @@ def parse_snapshot(families: Iterable[Metric], pools: Iterable[str], *, now: flo
                         if (name, pool) in sums else None for key, name in VALUES.items()}
         device = (devices or {}).get(pool)
         values[pool] |= {key: device_values.get((name, device)) for key, name in DEVICE_VALUES.items()}
+        values[pool] |= {key: device_values.get((key, device)) for key in REPLICA_STATE_VALUES}
         histograms[pool] = {key: tuple(sorted(buckets[name + "_bucket", pool]))
                             for key, name in HISTOGRAMS.items() if (name + "_bucket", pool) in buckets}
         names = sorted({r for (_, p, r) in by_replica if p == pool}, key=int)
