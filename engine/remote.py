@@ -161,9 +161,11 @@ class ReplicaActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def wait_stopped(self) -> None:
-        """Returns only when the actor is stopping; fails (RayActorError) when it dies."""
-        self._stopped.wait()
+    def wait_stopped(self, timeout: float) -> bool:
+        """True once the actor is stopping, False after `timeout` seconds; the call fails (RayActorError)
+        when the actor dies first. The gateway keeps one pending as its death notice: bounded, so a
+        gateway that went away leaves no call holding one of the actor's threads for long."""
+        return self._stopped.wait(timeout)
 
 
 async def connect(host: str, port: int, key: bytes, timeout: float) -> tuple[socket.socket, FrameKeys]:

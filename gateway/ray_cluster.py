@@ -32,7 +32,8 @@ __all__ = ["ClusterError", "RayCluster", "RayReplica", "NAMESPACE"]
 
 NAMESPACE = "cliffguard"
 CONNECT_SECONDS = 30.0      # how long `ray.init` may take before the address is called unreachable
-ACTOR_CONCURRENCY = 4       # endpoint / state / wait_stopped answer while the engine loads
+ACTOR_CONCURRENCY = 8       # endpoint / state / wait_stopped answer while the engine loads
+WATCH_SECONDS = 30.0        # each pending death-notice call returns after this long, and is made again
 
 
 class ClusterError(RuntimeError):
@@ -250,7 +251,8 @@ class RayReplica:
     async def watch(self) -> str:
         """Returns the reason once the actor is dead or restarting (Ray's notice)."""
         try:
-            await self._actor.wait_stopped.remote()
+            while not await self._actor.wait_stopped.remote(WATCH_SECONDS):
+                pass
             return f"replica {self.label}: the Ray actor stopped"
         except Exception as exc:  # noqa: BLE001 - RayActorError, ActorDiedError, ActorUnavailableError
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
