@@ -369,8 +369,9 @@ def _simulation_setup(config, args: argparse.Namespace):
     if args.replicas is not None:
         if args.replicas < 1:
             raise UsageError(f"--replicas: must be >= 1, got {args.replicas}")
-        config = dataclasses.replace(config, devices={name: dataclasses.replace(d, replicas=args.replicas, gpus=None)
-                                                      for name, d in config.devices.items()})
+        config = dataclasses.replace(config, devices={
+            name: dataclasses.replace(d, replicas=args.replicas, gpus=None, min_replicas=None)
+            for name, d in config.devices.items()})
     overrides = {}
     if args.preemption_mode:
         overrides["preemption_mode"] = args.preemption_mode
