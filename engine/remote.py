@@ -69,6 +69,10 @@ class ReplicaServer:
     def _run(self) -> None:
         from engine.llm_engine import LLMEngine
 
+        if self.config.cpu_threads:   # as a local worker does (engine.worker): the bundle's CPUs, no more
+            import torch
+
+            torch.set_num_threads(self.config.cpu_threads)
         try:
             self._engine = LLMEngine(self.config)
             self.state = "ready"
