@@ -5,7 +5,9 @@ mean 1/rate); burstiness 1 is Poisson, below 1 burstier, above 1 more regular) s
 request is sent at its arrival time whatever the others are doing (open loop: a slow server makes requests
 pile up, it never slows the arrivals). Arrivals stop after `--duration` s and/or `--num-requests`; then
 in-flight requests get at most `--drain-timeout` s, and those still running are cancelled and reported as
-`unfinished` (so are requests past their own `--timeout`). The run always ends by itself.
+`unfinished` (so are requests past their own `--timeout`). The run always ends by itself. `--rate-phases
+"1:30,6:60,0:90"` replaces `--request-rate` and `--duration` with a rate that changes over the run (1 req/s
+for 30 s, then 6 for 60 s, then none for 90 s: an autoscaler's demo); see `bench.load.run.plan_phased`.
 
 Workload classes come from a YAML file (`bench/workloads/*.yaml`, schema in `pools.workload.parse_workload`)
 or the built-in default: per class a share of `--request-rate` (or an own `rate`), the endpoint (chat or
@@ -25,14 +27,16 @@ the `x-cliffguard-pool` header. Per class: counts, mean/p50/p90/p99/max of TTFT,
 tokens/s and requests/s over the run, goodput against `--goodput` targets (a request is good when it
 completed with TTFT <= ttft, mean TPOT <= itl and e2e <= e2e, for the targets given). Meanwhile
 `/metrics` is scraped every `--scrape-interval` s with Prometheus' own parser: per pool KV usage,
-running, waiting and preemptions, and the time each scrape took.
+running, waiting, preemptions and requests waiting for KV credits, each device's replicas by state
+(`cliffguard_replicas`: the report's `replicas_timeline` and `replicas_timeline.png`, when the server
+counts replicas), and the time each scrape took.
 
 Python API (the package `bench.load`: `plan`, `sender`, `scrape`, `report`, `run`), for benchmarks
 that drive load in-process inside their own asyncio program:
 
     from bench.load.plan import Goodput, LoadConfig
     from bench.load.report import write_report
-    from bench.load.run import run_load
+    from bench.load.run import parse_rate_phases, run_load
     from pools.workload import load_workload
 
     config = LoadConfig(url="http://127.0.0.1:8000", model="smollm2-135m-instruct",
@@ -42,8 +46,12 @@ that drive load in-process inside their own asyncio program:
     report.summary["chat"]["ttft"]["p99"]        # seconds; None when no request of the class completed
     report.summary["chat"]["goodput"]["fraction"]
     report.totals["scrape"]["max_s"]             # slowest GET /metrics
+    report.totals["scrape"]["replicas"]          # {device: {max_ready, max_loading, ...}} from cliffguard
     report.records                               # one RequestRecord per request, in arrival order
     write_report(report, "out/")                 # results.json, latency_cdf.png, server_timeline.png
+                                                 # (+ replicas_timeline.png from a cliffguard gateway)
+    phases = parse_rate_phases("1:30,6:60,0:90")
+    report = await run_load(config, phases=phases)  # the rate follows the phases, not config.request_rate
 
 Several `run_load` calls may run at once in one event loop (e.g. a steady chat load beside a flood);
 each owns its session, tasks and records. Give all but one `scrape=False`.
@@ -58,7 +66,7 @@ from dataclasses import fields
 
 from bench.load.plan import Goodput, LoadConfig
 from bench.load.report import format_report, write_report
-from bench.load.run import run_load
+from bench.load.run import RatePhase, parse_rate_phases, phased_config, run_load
 from pools.workload import DEFAULT_WORKLOAD, load_workload
 from pools.yamlcheck import SpecError
 
@@ -78,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals (default 10 when "
                    "--num-requests is not given)")
     p.add_argument("--num-requests", type=int, default=None, help="stop arrivals after this many (probes apart)")
+    p.add_argument("--rate-phases", default=None, metavar="RATE:S,...", help="arrivals at RATE req/s for S "
+                   "seconds, phase after phase (e.g. 1:30,6:60,0:90; RATE 0: none), in place of --request-rate "
+                   "and --duration; classes with their own rate and probes keep theirs")
     p.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompts")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request limit in s; later: unfinished")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="after the last arrival, wait at most this "
@@ -95,18 +106,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between scrapes (default 1)")
     p.add_argument("--tokenizer", default=None, help="model spec whose tokenizer makes completion prompts "
                    "exactly the asked length (e.g. builtin:smollm2-135m-instruct or a model folder)")
-    p.add_argument("--out", default=None, help="write results.json, latency_cdf.png, server_timeline.png here")
+    p.add_argument("--out", default=None, help="write results.json, latency_cdf.png, server_timeline.png here "
+                   "(and replicas_timeline.png when the server counts replicas)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
+def phases_from_args(args: argparse.Namespace) -> tuple[RatePhase, ...]:
+    """The `--rate-phases` of the command line (empty without it); errors name the option."""
+    try:
+        return parse_rate_phases(args.rate_phases) if args.rate_phases else ()
+    except SpecError as exc:
+        raise SpecError(str(exc).replace("rate_phases:", "--rate-phases:", 1)) from None
+
+
 def config_from_args(args: argparse.Namespace) -> LoadConfig:
-    """The LoadConfig of the command line; errors name the option."""
+    """The LoadConfig of the command line (with `--rate-phases`, their mean rate and total duration:
+    `phased_config`); errors name the option."""
     classes = load_workload(args.workload) if args.workload else DEFAULT_WORKLOAD
     duration = 10.0 if args.duration is None and args.num_requests is None else args.duration
+    phases = phases_from_args(args)
+    if phases and args.num_requests is not None:
+        raise SpecError("--rate-phases: the phases end the arrivals; leave out --num-requests")
     try:
         goodput = Goodput.parse(args.goodput) if args.goodput else None
-        return LoadConfig(
+        config = LoadConfig(
             url=args.url, model=args.model, classes=classes, request_rate=args.request_rate,
             burstiness=args.burstiness, duration=duration, num_requests=args.num_requests, seed=args.seed,
             timeout=args.timeout, drain_timeout=args.drain_timeout, api_key=args.api_key,
@@ -118,12 +142,13 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
         if sep and key in {f.name for f in fields(LoadConfig)}:
             raise SpecError(f"--{key.replace('_', '-')}:{rest}") from None
         raise
+    return phased_config(config, phases) if phases else config
 
 
 def run(args: argparse.Namespace) -> int:
     """`cliffguard bench serve`: 0 when at least one request completed, 1 otherwise."""
     config = config_from_args(args)
-    report = asyncio.run(run_load(config))
+    report = asyncio.run(run_load(config, phases=phases_from_args(args)))
     paths = write_report(report, args.out) if args.out else []
     if args.json:
         print(json.dumps(report.to_json(raw=False), indent=2))

@@ -1,5 +1,6 @@
 """What a load measured: per class latency percentiles, throughput and goodput, what `/metrics`
-said, the `LoadReport` with its JSON, files and plots, and the table `bench serve` prints."""
+said (each device's replicas over time too), the `LoadReport` with its JSON, files and plots, and the
+table `bench serve` prints."""
 
 from __future__ import annotations
 
@@ -114,7 +115,7 @@ def scrape_summary(scraper: Scraper | None, url: str) -> dict[str, Any]:
     """How scraping went (count, failures, max/p99 scrape time) and, per pool, the peaks of the series."""
     if scraper is None:
         return {"url": url, "skipped": "disabled", "count": 0, "failed": 0, "max_s": None, "p99_s": None,
-                "mean_s": None, "pools": {}, "errors": {}}
+                "mean_s": None, "pools": {}, "replicas": {}, "errors": {}}
     ok = [s for s in scraper.samples if s.error is None]
     times = latency_stats([s.scrape_s for s in ok])
     pools: dict[str, dict[str, float | None]] = {}
@@ -128,7 +129,32 @@ def scrape_summary(scraper: Scraper | None, url: str) -> dict[str, Any]:
     errors = Counter(s.error for s in scraper.samples if s.error is not None)
     return {"url": url, "skipped": scraper.skipped, "count": len(ok), "failed": len(scraper.samples) - len(ok),
             "max_s": times["max"], "p99_s": times["p99"], "mean_s": times["mean"], "pools": pools,
-            "errors": dict(errors.most_common(3))}
+            "replicas": replica_summary(ok), "errors": dict(errors.most_common(3))}
+
+
+def replicas_timeline(scrapes: Iterable[ScrapeSample]) -> list[dict[str, Any]]:
+    """One entry per successful scrape and device of `cliffguard_replicas`: {t_s, device, ready, loading,
+    ... every state any scrape named} (replicas; 0 for a state the scrape did not name); [] when no
+    scrape had the series (a server other than cliffguard)."""
+    seen = [s for s in scrapes if s.error is None and s.replicas]
+    states = dict.fromkeys(("ready", "loading"))
+    for s in seen:
+        for counts in s.replicas.values():
+            states.update(dict.fromkeys(counts))
+    return [{"t_s": s.t_s, "device": device, **{state: counts.get(state, 0.0) for state in states}}
+            for s in seen for device, counts in sorted(s.replicas.items())]
+
+
+def replica_summary(scrapes: Iterable[ScrapeSample]) -> dict[str, dict[str, float]]:
+    """Per device, the most replicas seen in each state over the run (`max_ready`, `max_loading`, ...);
+    {} without the series."""
+    out: dict[str, dict[str, float]] = {}
+    for entry in replicas_timeline(scrapes):
+        peaks = out.setdefault(entry["device"], {})
+        for state, count in entry.items():
+            if state not in ("t_s", "device"):
+                peaks[f"max_{state}"] = max(peaks.get(f"max_{state}", count), count)
+    return out
 
 
 @dataclass(frozen=True)
@@ -137,7 +163,9 @@ class LoadReport:
 
     `summary[class]`: `class_summary` (the probe class too, under `probe`); `totals`: the run as a whole
     (every class) plus `scrape` (`scrape_summary`) and `send_lag_s` (how late requests left against their
-    drawn arrival: the client's own overload shows here); `records`/`scrapes`: the raw measurements.
+    drawn arrival: the client's own overload shows here); `records`/`scrapes`: the raw measurements;
+    `rate_phases`: (rate req/s, seconds) of each phase when the arrival rate followed phases
+    (`bench.load.run.RatePhase`), else empty.
     """
 
     config: LoadConfig
@@ -146,22 +174,27 @@ class LoadReport:
     totals: dict[str, Any]
     records: tuple[RequestRecord, ...]
     scrapes: tuple[ScrapeSample, ...]
+    rate_phases: tuple[tuple[float, float], ...] = ()
 
     def to_json(self, *, raw: bool = True) -> dict[str, Any]:
-        """JSON-ready dict: config (API key hidden), model, summary, totals and, with `raw`, records and scrapes."""
+        """JSON-ready dict: config (API key hidden; `rate_phases` [{rate, duration_s}] or None), model, summary,
+        totals and, with `raw`, records, scrapes and, when the server counted replicas, `replicas_timeline`."""
         config = asdict(self.config)
         config["api_key"] = "***" if self.config.api_key else None
         if math.isinf(self.config.request_rate):
             config["request_rate"] = "inf"
+        config["rate_phases"] = [{"rate": rate, "duration_s": seconds} for rate, seconds in self.rate_phases] or None
         data = {"config": config, "model": self.model, "summary": self.summary, "totals": self.totals}
         if raw:
             data["requests"] = [r.to_json() for r in self.records]
             data["scrapes"] = [asdict(s) for s in self.scrapes]
+            if timeline := replicas_timeline(self.scrapes):
+                data["replicas_timeline"] = timeline
         return data
 
 
 def build_report(config: LoadConfig, model: str, records: Sequence[RequestRecord], scraper: Scraper | None,
-                 duration_s: float) -> LoadReport:
+                 duration_s: float, rate_phases: tuple[tuple[float, float], ...] = ()) -> LoadReport:
     """Summaries per class and for the whole run from the raw records."""
     names = [c.name for c in config.classes] + ([PROBE_CLASS] if config.probe_rate > 0 else [])
     summary = {name: class_summary([r for r in records if r.class_name == name], duration_s, config.goodput)
@@ -173,7 +206,8 @@ def build_report(config: LoadConfig, model: str, records: Sequence[RequestRecord
     totals.update(duration_s=duration_s, last_arrival_s=max((r.scheduled_s for r in records), default=0.0),
                   send_lag_s=latency_stats([r.sent_s - r.scheduled_s for r in records if r.sent_s is not None]),
                   scrape=scrape_summary(scraper, config.scrape_url))
-    return LoadReport(config, model, summary, totals, tuple(records), tuple(scraper.samples if scraper else ()))
+    return LoadReport(config, model, summary, totals, tuple(records), tuple(scraper.samples if scraper else ()),
+                      tuple((float(rate), float(seconds)) for rate, seconds in rate_phases))
 
 
 def counter_rate(scrapes, pool: str, key: str) -> tuple[float, float]:
@@ -198,7 +232,8 @@ def tokens_done(record, first: float, last: float) -> int:
 # --- files and plots -----------------------------------------------------------------------------------------
 
 def write_report(report: LoadReport, out_dir: str | Path) -> list[Path]:
-    """Write results.json, latency_cdf.png and server_timeline.png into `out_dir` (created); their paths."""
+    """Write results.json, latency_cdf.png, server_timeline.png and, when the server counted replicas
+    (`cliffguard_replicas`), replicas_timeline.png into `out_dir` (created); their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.json"
@@ -206,6 +241,9 @@ def write_report(report: LoadReport, out_dir: str | Path) -> list[Path]:
     paths = [results, out / "latency_cdf.png", out / "server_timeline.png"]
     plot_latency_cdf(report, paths[1])
     plot_server_timeline(report, paths[2])
+    if replicas_timeline(report.scrapes):
+        paths.append(out / "replicas_timeline.png")
+        plot_replicas_timeline(report, paths[-1])
     return paths
 
 
@@ -276,6 +314,73 @@ def plot_server_timeline(report: LoadReport, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def plot_replicas_timeline(report: LoadReport, path: Path) -> None:
+    """Two panels on one time axis: requests sent per second (1 s bins; the `rate_phases` as planned,
+    dashed) with each completed request's TTFT at its send time (right axis); each device's ready
+    replicas (steps) and loading ones (dashed) with, on the right axis, each pool's requests waiting for
+    KV credits (dotted). What an autoscaler did to a load, in one picture."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 7.5), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    _plot_arrivals_and_ttft(top, report)
+    _plot_replicas(bottom, report.scrapes)
+    bottom.set_xlabel("time since start (s)")
+    fig.suptitle(f"replicas under load: {report.model}, {report.totals['count']} requests")
+    fig.savefig(path, dpi=100)
+
+
+def _plot_arrivals_and_ttft(ax: Any, report: LoadReport) -> None:
+    sent = [r.sent_s for r in report.records if r.sent_s is not None]
+    edges = np.arange(0.0, math.floor(max(sent, default=0.0)) + 2)
+    ax.stairs(np.histogram(sent, bins=edges)[0], edges, color="C0", label="sent per second")
+    if report.rate_phases:
+        ends = np.cumsum([0.0] + [seconds for _, seconds in report.rate_phases])
+        ax.stairs([rate for rate, _ in report.rate_phases], ends, color="0.35", linestyle="--", label="rate phases")
+    ax.set_ylabel("requests sent per second")
+    ax.grid(True, alpha=0.3)
+    twin = ax.twinx()
+    done = [(r.sent_s, r.ttft) for r in report.records if r.status == "ok" and (r.ttft or 0) > 0
+            and r.sent_s is not None]  # > 0: a log axis
+    if done:
+        twin.scatter(*zip(*done), s=8, color="C3", alpha=0.5, label="TTFT (at send time)")
+        twin.set_yscale("log")
+    twin.set_ylabel("TTFT of completed requests (s)")
+    _legend(ax, twin)
+
+
+def _plot_replicas(ax: Any, scrapes: Sequence[ScrapeSample]) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    timeline = replicas_timeline(scrapes)
+    for i, device in enumerate(sorted({e["device"] for e in timeline})):
+        entries = [e for e in timeline if e["device"] == device]
+        t = [e["t_s"] for e in entries]
+        ax.step(t, [e["ready"] for e in entries], where="post", color=f"C{i}", label=f"{device} ready")
+        ax.step(t, [e["loading"] for e in entries], where="post", color=f"C{i}", linestyle="--",
+                label=f"{device} loading")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("replicas")
+    ax.grid(True, alpha=0.3)
+    twin = ax.twinx()
+    ok = [s for s in scrapes if s.error is None]
+    pools = sorted({p for s in ok for p, values in s.pools.items() if "admission_queue_depth" in values})
+    for i, pool in enumerate(pools):   # grey, olive, cyan: apart from the devices' colours
+        points = [(s.t_s, s.pools[pool]["admission_queue_depth"]) for s in ok
+                  if "admission_queue_depth" in s.pools.get(pool, {})]
+        twin.plot(*zip(*points), linestyle=":", color=f"C{7 + i % 3}", label=f"{pool} waiting for credits")
+    twin.set_ylabel("requests waiting for KV credits")
+    _legend(ax, twin)
+
+
+def _legend(ax: Any, twin: Any) -> None:
+    """One legend for an axis and its twin."""
+    handles, labels = ax.get_legend_handles_labels()
+    more_handles, more_labels = twin.get_legend_handles_labels()
+    if handles or more_handles:
+        ax.legend(handles + more_handles, labels + more_labels, loc="upper left", fontsize="small")
+
+
 # --- the table ---------------------------------------------------------------------------------------------
 
 def _ms(value: float | None) -> str:
@@ -305,6 +410,9 @@ def format_report(report: LoadReport) -> str:
     """A readable table per class, then the run's totals and what /metrics said."""
     c, t = report.config, report.totals
     rate = "all at once" if math.isinf(c.request_rate) else f"{c.request_rate:g} req/s, burstiness {c.burstiness:g}"
+    if report.rate_phases:
+        phases = ", ".join(f"{phase_rate:g} req/s for {seconds:g} s" for phase_rate, seconds in report.rate_phases)
+        rate = f"rate phases {phases}, burstiness {c.burstiness:g}"
     lines = [f"bench serve: {c.base_url}, model {report.model}, {rate}, seed {c.seed}",
              f"ran {t['duration_s']:.1f} s: {t['count']} requests, {t['completed']} completed, {t['errors']} errors, "
              f"{t['unfinished']} unfinished; {t['request_throughput']:.2f} req/s, "
@@ -334,5 +442,10 @@ def format_report(report: LoadReport) -> str:
         kv = "-" if p["max_kv_cache_usage_perc"] is None else f"{100 * p['max_kv_cache_usage_perc']:.1f}%"
         lines.append(f"  pool {pool}: KV usage max {kv}, running max {_count(p['max_num_requests_running'])}, "
                      f"waiting max {_count(p['max_num_requests_waiting'])}, "
-                     f"preemptions {_count(p['num_preemptions'])}")
+                     f"preemptions {_count(p['num_preemptions'])}"
+                     + ("" if p["max_admission_queue_depth"] is None else
+                        f", waiting for credits max {_count(p['max_admission_queue_depth'])}"))
+    for device, peaks in sc.get("replicas", {}).items():
+        lines.append(f"  device {device}: replicas " + ", ".join(f"{key} {_count(value)}" for key, value in
+                                                                 peaks.items()))
     return "\n".join(lines)

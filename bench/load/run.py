@@ -1,18 +1,89 @@
 """`run_load`: one open-loop load against a server, from its plan to its report (arrivals sent at
-their times whatever the earlier requests are doing, a drain, the scraper beside them)."""
+their times whatever the earlier requests are doing, a drain, the scraper beside them); `RatePhase`:
+a load whose rate changes over the run (`plan_phased`)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.load.sender import RequestRecord, send_request
-from bench.load.plan import LoadConfig, PlannedRequest, plan_requests
+from bench.load.plan import PROBE, LoadConfig, PlannedRequest, plan_requests
 from bench.load.report import LoadReport, build_report
 from bench.load.scrape import SCRAPE_TIMEOUT_S, Scraper
+from pools.yamlcheck import SpecError
+
+# --- rate phases ----------------------------------------------------------------------------------------------
+
+class RatePhase(NamedTuple):
+    """A stretch of a phased run: arrivals at `rate` req/s over the share classes (0: none) for `duration_s`."""
+
+    rate: float
+    duration_s: float
+
+
+def parse_rate_phases(text: str) -> tuple[RatePhase, ...]:
+    """`"1:30,4:60,0:90"` (RATE:SECONDS, in order) -> the phases; SpecError naming `rate_phases` and the item."""
+    phases = []
+    for item in text.split(","):
+        rate, _, seconds = item.partition(":")
+        try:
+            phase = RatePhase(float(rate), float(seconds))
+        except ValueError:
+            phase = RatePhase(math.nan, math.nan)
+        if not (0 <= phase.rate < math.inf and 0 < phase.duration_s < math.inf):
+            raise SpecError(f"rate_phases: expected RATE:SECONDS,... with RATE >= 0 req/s and SECONDS > 0, "
+                            f"got {item.strip()!r}")
+        phases.append(phase)
+    if not any(phase.rate > 0 for phase in phases):
+        raise SpecError(f"rate_phases: give at least one phase with RATE > 0, got {text!r}")
+    return tuple(phases)
+
+
+def phased_config(config: LoadConfig, phases: Sequence[RatePhase]) -> LoadConfig:
+    """`config` with the phases' total as `duration` and their mean rate (arrivals / seconds) as
+    `request_rate`: the plan that `plan_phased` bends to the phases. The phases end the arrivals, so
+    `num_requests` is refused."""
+    if config.num_requests is not None:
+        raise SpecError("rate_phases: the phases end the arrivals; give no num_requests")
+    duration = sum(p.duration_s for p in phases)
+    return dataclasses.replace(config, request_rate=sum(p.rate * p.duration_s for p in phases) / duration,
+                               duration=duration)
+
+
+def phase_time(phases: Sequence[RatePhase], t: float) -> float:
+    """Where an arrival at `t` s of a run at the phases' mean rate lands when the rate follows the phases:
+    the time by which the phases expect as many arrivals as the mean rate by `t`."""
+    mean = sum(p.rate * p.duration_s for p in phases) / sum(p.duration_s for p in phases)
+    expected, start = mean * t, 0.0
+    for phase in phases:
+        if phase.rate > 0 and expected < phase.rate * phase.duration_s:
+            return start + expected / phase.rate
+        expected -= phase.rate * phase.duration_s
+        start += phase.duration_s
+    return start
+
+
+def plan_phased(config: LoadConfig, phases: Sequence[RatePhase] = (), tokenizer: Any | None = None
+                ) -> list[PlannedRequest]:
+    """`plan_requests(config)`, or with phases the requests of `phased_config(config, phases)` with each
+    share class's arrivals moved by `phase_time`: drawn at the mean rate, time stretched where a phase is
+    slower and squeezed where it is faster, so the rate follows the phases (a gamma process keeps its
+    burstiness within each phase). Classes with their own `rate` and the probes keep their times.
+    Deterministic for the seed; indexes follow the new arrival order."""
+    if not phases:
+        return plan_requests(config, tokenizer)
+    plan = plan_requests(phased_config(config, phases), tokenizer)
+    moved = sorted((p if p.workload.rate is not None or p.workload is PROBE else
+                    dataclasses.replace(p, arrival_s=phase_time(phases, p.arrival_s)) for p in plan),
+                   key=lambda p: p.arrival_s)
+    return [dataclasses.replace(p, index=index) for index, p in enumerate(moved)]
+
 
 # --- the run --------------------------------------------------------------------------------------------------
 
@@ -60,17 +131,21 @@ def _progress_bar(config: LoadConfig, total: int) -> Any:
                 dynamic_ncols=True)
 
 
-async def run_load(config: LoadConfig, plan: list[PlannedRequest] | None = None) -> LoadReport:
+async def run_load(config: LoadConfig, plan: list[PlannedRequest] | None = None, *,
+                   phases: Sequence[RatePhase] = ()) -> LoadReport:
     """Run the open-loop load of `config` against its server and return the measurements. Failed
     requests are counted in the report, never raised; a missing model name is a RuntimeError.
 
-    `plan`: the requests, made beforehand with `plan_requests(config)`; several loads that run at
+    `plan`: the requests, made beforehand with `plan_phased(config, phases)`; several loads that run at
     once should be planned before any starts, so that making one's prompts does not stall another's
-    measurements (None: planned here, in a thread)."""
+    measurements (None: planned here, in a thread). `phases`: a rate that changes over the run, in
+    place of `config.request_rate` and `config.duration` (`phased_config`)."""
     import aiohttp
 
+    if phases:
+        config = phased_config(config, phases)
     if plan is None:
-        plan = await asyncio.to_thread(plan_requests, config)
+        plan = await asyncio.to_thread(plan_phased, config, phases)
     records = [RequestRecord(p.index, p.workload.name, p.workload.endpoint, p.arrival_s, p.prompt_len,
                              p.max_tokens, prefix=p.prefix) for p in plan]
     connector = aiohttp.TCPConnector(limit=0)  # no cap on connections: a cap would close the loop
@@ -100,4 +175,4 @@ async def run_load(config: LoadConfig, plan: list[PlannedRequest] | None = None)
             if scrape_task is not None:
                 await asyncio.gather(scrape_task, return_exceptions=True)
             bar.close()
-    return build_report(config, model, records, scraper, duration)
+    return build_report(config, model, records, scraper, duration, rate_phases=tuple(phases))

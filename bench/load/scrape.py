@@ -1,5 +1,6 @@
 """`/metrics` while a load runs: Prometheus' own parser over each scrape (`parse_metrics`), one
-`Scraper` polling on a fixed schedule, the per-pool series it keeps."""
+`Scraper` polling on a fixed schedule, the per-pool series it keeps and each device's replicas by state
+(`replica_states`)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ SCRAPED = {"cliffguard_kv_cache_usage_perc": "kv_cache_usage_perc",
            "cliffguard_computed_tokens_total": "computed_tokens_total",
            "cliffguard_pool_device_seconds_total": "device_seconds_total",
            "cliffguard_engine_busy_seconds_total": "busy_seconds_total",      # no pool label: under ""
-           "cliffguard_device_overloaded": "device_overloaded"}               # no pool label: under "" (summed)
+           "cliffguard_device_overloaded": "device_overloaded",               # no pool label: under "" (summed)
+           "cliffguard_admission_queue_depth": "admission_queue_depth"}       # waiting for KV credits (tenants summed)
+REPLICAS = "cliffguard_replicas"     # gauge {device, state}: replicas of the device in each state
 COUNTERS = ("num_preemptions_total", "computed_tokens_total", "device_seconds_total", "busy_seconds_total")
 SCRAPE_TIMEOUT_S = 10.0
 
@@ -70,9 +73,20 @@ def samples_of(text: str, name: str) -> list[tuple[dict[str, str], float]]:
             if s.name == name]
 
 
+def replica_states(text: str) -> dict[str, dict[str, float]]:
+    """Prometheus text -> {device: {state: replicas}} of `cliffguard_replicas` (states as the server names
+    them: ready, loading, draining, ...); {} from a server without the series."""
+    out: dict[str, dict[str, float]] = {}
+    for labels, value in samples_of(text, REPLICAS):
+        if "device" in labels and "state" in labels:
+            out.setdefault(labels["device"], {})[labels["state"]] = value
+    return out
+
+
 def parse_metrics(text: str) -> dict[str, dict[str, float]]:
     """Prometheus text -> {pool: {kv_cache_usage_perc, num_requests_running, num_requests_waiting,
-    num_preemptions_total, computed_tokens_total}} (the series present; preemptions summed over modes)."""
+    num_preemptions_total, computed_tokens_total, admission_queue_depth, ...}} (the series of `SCRAPED`
+    present; preemptions summed over modes, the credit queue over tenants)."""
     pools: dict[str, dict[str, float]] = {}
     for pool, samples in pool_samples(text).items():
         values = {key: samples[name] for name, key in SCRAPED.items() if name in samples}
@@ -90,6 +104,7 @@ class ScrapeSample:
     pools: dict[str, dict[str, float]]
     error: str | None = None
     computed: dict[str, dict[str, float]] = field(default_factory=dict)   # pool -> replica -> computed tokens
+    replicas: dict[str, dict[str, float]] = field(default_factory=dict)   # device -> state -> replicas
 
 
 class Scraper:
@@ -118,7 +133,8 @@ class Scraper:
                 return False
             if response.status != 200:
                 raise ValueError(f"HTTP {response.status}: {error_message(text)}")
-            self.samples.append(ScrapeSample(t_s, elapsed, parse_metrics(text), computed=replica_counters(text)))
+            self.samples.append(ScrapeSample(t_s, elapsed, parse_metrics(text), computed=replica_counters(text),
+                                             replicas=replica_states(text)))
         except (aiohttp.ClientError, OSError, ValueError, TimeoutError) as exc:
             error = f"{type(exc).__name__}: {exc}"[:300]
             self.samples.append(ScrapeSample(t_s, time.perf_counter() - began, {}, error))
