@@ -21,15 +21,26 @@ each in its own window (`--fault-seconds`), then a quiet window (`--quiet-second
 5. `stop_worker`: `kill -STOP` of the worker; the watchdog should kill it after `stall_seconds` and
    restart it. SIGCONT is sent at the end of the window (or on any way out).
 6. `burst`: `--burst` (500) small completions at once, each on its own connection.
+7. `lose_node` (only with `--ray-nodes` >= 2, and then in the default list): removes the worker node
+   of the local Ray cluster that hosts a replica; Ray restarts its actor on a node left.
 
-A sampler reads, every 0.25 s, `/ready`, each pool's KV credits (`cliffguard_kv_credits_free` /
-`_total` from /metrics) and the gateway process's RSS (VmRSS). Steady requests are counted by the
+`--ray-nodes N` starts a local Ray cluster (`bench.ray_local`: a head and N - 1 workers, 127.0.0.1
+only, `--ray-node-cpus` each) and serves the config's copy with every device at `placement: ray`,
+`replicas: N` (one per node) and `cpu_threads: 1`; the kill faults then aim at a replica's actor.
+The cluster is stopped at the end, on any way out.
+
+A sampler reads, every 0.25 s, `/ready` (and each replica's state in it), each pool's KV credits
+(`cliffguard_kv_credits_free` / `_total` from /metrics) and the gateway process's RSS (VmRSS). A
+fault's quiet window also waits for every replica to be up again. Steady requests are counted by the
 window they were sent in: `answered` = an HTTP answer (200 with a complete stream, or an error status
 or error event), `lost` = none (no response, or the client's `--timeout`), `cut` = a 200 whose stream
 ended with no `[DONE]`, error or finish, `duplicated` = more than one answer for one id. A fault's
 recovery time runs from its start to the first sample, after the fault was injected, at which
 `/ready` is 200, every pool's credits are full and a steady chat request sent after the injection has
-completed. Goal: 0 lost, 0 duplicated, every fault recovered within 15 s.
+completed. Goal: 0 lost, 0 duplicated, every fault recovered within 15 s. Each fault's row also has
+the chat TTFT p99 in 5-s bins of send time from its start and `ttft_recovered_s`: the start of the
+first bin with >= 5 chat requests whose p99 is within 1.5x the warm-up window's p99; and when /ready
+first listed a replica down and then every replica up again (`replica_down_s`, `replica_back_s`).
 
 `--quick` shortens every window (the run takes 2-3 minutes on a 2-core CPU), for a test.
 """
@@ -38,10 +49,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
+import math
 import re
 import subprocess
+import sys
 import tempfile
 from collections import Counter
 from collections.abc import Sequence
@@ -51,9 +65,11 @@ from typing import Any
 
 import yaml
 
-from bench.chaos_faults import FAULTS, FaultRun, Shot, chaos_run, recovery_time
+from bench.chaos_faults import (ALL_FAULTS, CLUSTER_FAULTS, FAULTS, FaultRun, Shot, chaos_run, recovery_time,
+                                replica_outage)
 from bench.chaos_steady import CHAT_TOKENS, CHAT_WORDS, PROBE_TIMEOUT_S, RAG_TOKENS, RAG_WORDS, Phases, SteadyRecord
 from bench.live import REPO, LiveServer
+from bench.ray_local import INSTALL_HINT, NODE_CPUS, LocalRayCluster, ray_installed
 from bench.sim_vs_real import _out_dir
 from pools.workload import latency_stats
 
@@ -62,6 +78,9 @@ FAULT_TIMERS = {"write_timeout": 3.0, "stall_seconds": 6.0,
                 "restart_backoff": {"initial_seconds": 0.2, "factor": 2, "max_seconds": 2, "reset_after_seconds": 60}}
 GOAL_RECOVERY_S = 15.0
 OUTCOMES = ("ok", "error", "cut", "lost")
+TTFT_BIN_S = 5.0            # a fault's chat TTFT p99 per bin of this many seconds of send time from its start
+TTFT_BIN_MIN_CHAT = 5       # a bin with fewer chat requests (with a first token) does not say TTFT is back
+TTFT_BACK_FACTOR = 1.5      # back: a bin's p99 within this factor of the warm-up window's p99
 
 
 QUICK = Phases(warmup_s=8.0, fault_s=8.0, quiet_s=10.0, max_settle_s=25.0)
@@ -78,11 +97,37 @@ def account(records: Sequence[SteadyRecord], start_s: float, end_s: float) -> di
             "duplicated": sum(r.answers > 1 for r in sent)}
 
 
+def _chat_ttfts(records: Sequence[SteadyRecord], start_s: float, end_s: float) -> list[float]:
+    return [r.ttft_s for r in records if r.kind == "chat" and r.ttft_s is not None
+            and r.sent_s is not None and start_s <= r.sent_s < end_s]
+
+
 def window_ttft_p99(records: Sequence[SteadyRecord], start_s: float, end_s: float) -> float | None:
     """p99 TTFT (s) of the steady chat requests sent in [start_s, end_s) that got a first token."""
-    ttfts = [r.ttft_s for r in records if r.kind == "chat" and r.ttft_s is not None
-             and r.sent_s is not None and start_s <= r.sent_s < end_s]
-    return latency_stats(ttfts)["p99"]
+    return latency_stats(_chat_ttfts(records, start_s, end_s))["p99"]
+
+
+def ttft_bins(records: Sequence[SteadyRecord], start_s: float, end_s: float,
+              bin_s: float = TTFT_BIN_S) -> list[dict[str, Any]]:
+    """The chat TTFT p99 in bins of `bin_s` s of send time from `start_s` until `end_s` (the last bin may
+    be shorter): each bin's start (`from_s`, s after `start_s`), its chat requests with a first token
+    (`num_chat`) and their p99 (`ttft_p99_s`, None with none)."""
+    bins = []
+    for i in range(max(0, math.ceil((end_s - start_s) / bin_s))):
+        ttfts = _chat_ttfts(records, start_s + i * bin_s, min(start_s + (i + 1) * bin_s, end_s))
+        bins.append({"from_s": i * bin_s, "num_chat": len(ttfts), "ttft_p99_s": latency_stats(ttfts)["p99"]})
+    return bins
+
+
+def ttft_recovered(bins: Sequence[dict[str, Any]], warmup_p99: float | None, factor: float = TTFT_BACK_FACTOR,
+                   min_chat: int = TTFT_BIN_MIN_CHAT) -> float | None:
+    """Seconds from a fault's start to the first bin (`ttft_bins`; its start) with >= `min_chat` chat
+    requests whose p99 TTFT is within `factor` x the warm-up window's p99. None: no such bin, or no
+    warm-up p99."""
+    if warmup_p99 is None:
+        return None
+    return next((b["from_s"] for b in bins if b["num_chat"] >= min_chat and b["ttft_p99_s"] <= factor * warmup_p99),
+                None)
 
 
 def shot_summary(shots: Sequence[Shot]) -> dict[str, Any]:
@@ -94,20 +139,26 @@ def shot_summary(shots: Sequence[Shot]) -> dict[str, Any]:
             "errors": dict(Counter(s.error for s in shots if s.status is None and s.error).most_common(3))}
 
 
-def fault_summary(run: FaultRun, before_s: float, raw: dict[str, Any]) -> dict[str, Any]:
-    """One fault's row: steady accounting over its whole window, chat TTFT p99 before / during / after,
-    recovery time, the slowest /ready answer, its own traffic and notes."""
+def fault_summary(run: FaultRun, before_s: float, raw: dict[str, Any],
+                  warmup_p99: float | None = None) -> dict[str, Any]:
+    """One fault's row: steady accounting over its whole window, chat TTFT p99 before / during / after
+    and per 5-s bin (and from when within 1.5x `warmup_p99`), recovery time, when a replica went down
+    and came back, the slowest /ready answer, its own traffic and notes."""
     records, samples = raw["records"], raw["samples"]
     recovery = recovery_time(samples, [(r.sent_s, r.end_s) for r in records if r.kind == "chat" and r.outcome == "ok"],
                              run.start_s, run.injected_s, run.window_end_s)
     in_window = [s for s in samples if run.start_s <= s.t_s < run.window_end_s]
-    return {"name": run.name, "title": FAULTS[run.name][1], "start_s": run.start_s, "injected_s": run.injected_s,
+    bins = ttft_bins(records, run.start_s, run.window_end_s)
+    down, back = replica_outage(samples, run.start_s, run.window_end_s)
+    return {"name": run.name, "title": ALL_FAULTS[run.name][1], "start_s": run.start_s, "injected_s": run.injected_s,
             "end_s": run.end_s, "window_end_s": run.window_end_s, "recovery_s": recovery,
             "recovered": recovery is not None and recovery <= GOAL_RECOVERY_S,
             "steady": account(records, run.start_s, run.window_end_s),
             "ttft_p99_s": {"before": window_ttft_p99(records, before_s, run.start_s),
                            "during": window_ttft_p99(records, run.start_s, run.end_s),
                            "after": window_ttft_p99(records, run.end_s, run.window_end_s)},
+            "ttft_bins": bins, "ttft_recovered_s": ttft_recovered(bins, warmup_p99),
+            "replica_down_s": down, "replica_back_s": back,
             "ready_max_s": max((s.ready_s if s.ready_s is not None else PROBE_TIMEOUT_S for s in in_window),
                                default=None),
             "not_ready_samples": sum(not s.ready for s in in_window),
@@ -118,9 +169,10 @@ def build_report(raw: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     """The report (plain JSON data) of a run's raw measurements (`chaos_run`) and what was run (`meta`)."""
     records, runs, samples = raw["records"], raw["runs"], raw["samples"]
     load_start, first = raw["load_start_s"], runs[0].start_s if runs else raw["load_end_s"]
+    warmup_p99 = window_ttft_p99(records, load_start, first)
     faults, before = [], load_start
     for run in runs:
-        faults.append(fault_summary(run, before, raw))
+        faults.append(fault_summary(run, before, raw, warmup_p99))
         before = run.end_s
     steady = account(records, 0.0, float("inf"))
     traffic = shot_summary([s for run in runs for s in run.shots])
@@ -133,7 +185,7 @@ def build_report(raw: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
             "overall": {"steady": steady, "fault_traffic": traffic,
                         "lost": steady["lost"] + traffic["lost"], "duplicated": steady["duplicated"]},
             "warmup": {"steady": account(records, load_start, first),
-                       "ttft_p99_s": window_ttft_p99(records, load_start, first)},
+                       "ttft_p99_s": warmup_p99},
             "faults": faults,
             "rss": {"idle_bytes": max(idle, default=None), "peak_bytes": max(rss, default=None),
                     "end_bytes": rss[-1] if rss else None},
@@ -158,10 +210,27 @@ def _fault_notes(fault: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _ttft_line(fault: dict[str, Any]) -> str:
+    """One line of a fault's chat TTFT p99 per bin (ms / chat requests) and when it was back."""
+    bins = ", ".join(f"{b['from_s']:g}s {_ms(b['ttft_p99_s'])}/{b['num_chat']}" for b in fault["ttft_bins"])
+    back = fault["ttft_recovered_s"]
+    return (f"TTFT p99 per {TTFT_BIN_S:g} s from the start (ms/chat requests): {bins}; within "
+            f"{TTFT_BACK_FACTOR:g}x warm-up p99 (bins of >= {TTFT_BIN_MIN_CHAT}) "
+            + ("never" if back is None else f"from {back:g} s"))
+
+
+def _replica_words(fault: dict[str, Any]) -> str:
+    down, back = fault["replica_down_s"], fault["replica_back_s"]
+    if down is None:
+        return "no replica down"
+    return f"a replica down at {down:.1f} s, " + ("never all up again" if back is None else f"all up at {back:.1f} s")
+
+
 def format_report(report: dict[str, Any]) -> str:
-    """The human-readable table: per window steady accounting, chat TTFT p99, recovery; then totals."""
+    """The human-readable table: per window steady accounting, chat TTFT p99, recovery, TTFT back; then
+    per fault its notes and TTFT bins, and totals."""
     head = (f"{'window':<22}{'sent':>6}{'answered':>9}{'lost':>6}{'cut':>5}{'dup':>5}{'errors':>7}"
-            f"{'TTFT p99 ms before/during/after':>32}{'recovery':>10}")
+            f"{'TTFT p99 ms before/during/after':>32}{'recovery':>10}{'TTFT back':>11}")
     w = report["warmup"]
     lines = [f"bench chaos: {report['config']} ({report['timers']}); {report['date']}, commit {report['commit']}",
              f"steady load: {report['load']}; ran {report['duration_s']:.0f} s",
@@ -170,11 +239,13 @@ def format_report(report: dict[str, Any]) -> str:
     for i, f in enumerate(report["faults"], 1):
         p99 = "/".join(_ms(f["ttft_p99_s"][k]) for k in ("before", "during", "after"))
         rec = "never" if f["recovery_s"] is None else f"{f['recovery_s']:.1f} s"
-        lines.append(_row(f"{i} {f['title']}", f["steady"], p99, rec + ("" if f["recovered"] else " !")))
+        back = "never" if f["ttft_recovered_s"] is None else f"{f['ttft_recovered_s']:g} s"
+        lines.append(_row(f"{i} {f['title']}", f["steady"], p99, rec + ("" if f["recovered"] else " !"), back))
     o = report["overall"]
     lines += [_row("all steady", o["steady"], "", ""), "", "per fault:"]
-    lines += [f"  {i} {f['title']}: {_fault_notes(f)}; /ready slowest {f['ready_max_s']:.2f} s, "
-              f"{f['not_ready_samples']} samples not ready" for i, f in enumerate(report["faults"], 1)]
+    for i, f in enumerate(report["faults"], 1):
+        lines += [f"  {i} {f['title']}: {_fault_notes(f)}; /ready slowest {f['ready_max_s']:.2f} s, "
+                  f"{f['not_ready_samples']} samples not ready; {_replica_words(f)}", f"    {_ttft_line(f)}"]
     t, rss, v = o["fault_traffic"], report["rss"], report["verdict"]
     lines += [f"fault traffic: {t['sent']} sent, {t['answered']} answered, {t['lost']} lost",
               f"gateway RSS: idle {_mib(rss['idle_bytes'])}, peak {_mib(rss['peak_bytes'])}, "
@@ -186,9 +257,9 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _row(name: str, c: dict[str, int], p99: str, recovery: str) -> str:
+def _row(name: str, c: dict[str, int], p99: str, recovery: str, ttft_back: str = "") -> str:
     return (f"{name:<22}{c['sent']:>6}{c['answered']:>9}{c['lost']:>6}{c['cut']:>5}{c['duplicated']:>5}"
-            f"{c['error']:>7}{p99:>32}{recovery:>10}")
+            f"{c['error']:>7}{p99:>32}{recovery:>10}{ttft_back:>11}")
 
 
 def _ok(flag: bool) -> str:
@@ -216,6 +287,7 @@ def write_timeline(report: dict[str, Any], raw: dict[str, Any], path: Path) -> N
                 ax.axvline(f["start_s"] + f["recovery_s"], color="green", linestyle="--", linewidth=1)
         ttft_ax.text(f["start_s"], top, f["title"], fontsize=8, va="bottom")
     ttft_ax.set_yscale("log")
+    ttft_ax.set_ylim(top=top * 2)          # the titles and the failed marks at `top` stay inside
     ttft_ax.set_ylabel("TTFT (s), by send time")
     ttft_ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     samples = raw["samples"]
@@ -240,19 +312,25 @@ def raw_json(raw: dict[str, Any]) -> dict[str, Any]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `cliffguard bench chaos`."""
-    p.add_argument("--config", default=None, help="pools YAML to serve, used as is (default: config/pools.yaml "
-                   "with the gateway's fault timers shortened: write_timeout 3 s, stall_seconds 6 s, restart "
-                   "back-off from 0.2 s)")
+    p.add_argument("--config", default=None, help="pools YAML to serve, with its own fault timers (default: "
+                   "config/pools.yaml with the gateway's fault timers shortened: write_timeout 3 s, stall_seconds "
+                   "6 s, restart back-off from 0.2 s)")
     p.add_argument("--replicas", type=int, default=None, help="serve every device as this many replicas, each "
                    "worker on one thread (the kill faults then kill one replica; default: as in the file)")
+    p.add_argument("--ray-nodes", type=int, default=0, help="start a local Ray cluster of this many nodes on "
+                   "127.0.0.1 (a head and N-1 workers) and place every device's replicas on it: placement: ray, "
+                   "replicas: N (one per node), cpu_threads: 1; >= 2 adds the lose_node fault (default 0: off; "
+                   f"needs Ray: {INSTALL_HINT})")
+    p.add_argument("--ray-node-cpus", type=int, default=NODE_CPUS, help=f"CPUs of each local Ray node (default "
+                   f"{NODE_CPUS}: its replica and a lost node's)")
     p.add_argument("--rate", type=float, default=1.0, help="steady chat requests per second (default 1)")
     p.add_argument("--rag-rate", type=float, default=0.05, help="steady rag-ish requests per second (default 0.05)")
     p.add_argument("--warmup", type=float, default=None, help="seconds of load before the first fault (default 30)")
     p.add_argument("--fault-seconds", type=float, default=None, help="seconds of each fault's window (default 20)")
     p.add_argument("--quiet-seconds", type=float, default=None, help="seconds of quiet after each fault, "
                    "extended until it recovered (default 25)")
-    p.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, in order (default all: "
-                   f"{','.join(FAULTS)})")
+    p.add_argument("--faults", default=None, help=f"comma-separated, in order (default all: {','.join(FAULTS)}, "
+                   f"and {','.join(CLUSTER_FAULTS)} with --ray-nodes >= 2)")
     p.add_argument("--burst", type=int, default=500, help="connections of the burst fault (default 500)")
     p.add_argument("--disconnects", type=int, default=40, help="requests of the disconnect fault (default 40; "
                    "20 with --quick)")
@@ -281,27 +359,60 @@ def check_args(args: argparse.Namespace) -> Phases:
     for option, value in (("--burst", args.burst), ("--disconnects", args.disconnects)):
         if value < 1:
             raise ValueError(f"{option}: must be >= 1, got {value}")
-    args.fault_names = [name.strip() for name in args.faults.split(",") if name.strip()]
-    unknown = [name for name in args.fault_names if name not in FAULTS]
-    if unknown or not args.fault_names:
-        raise ValueError(f"--faults: unknown {unknown or 'none given'}; choose from {', '.join(FAULTS)}")
     if args.config is not None and not Path(args.config).is_file():
         raise ValueError(f"--config: no such file: {args.config}")
     if args.replicas is not None and args.replicas < 1:
         raise ValueError(f"--replicas: must be >= 1, got {args.replicas}")
+    _check_ray(args)
+    args.fault_names = _fault_names(args.faults, args.ray_nodes)
     if args.quick and args.disconnects == 40:
         args.disconnects = 20
     return phases
 
 
-def chaos_config(source: Path, folder: Path, replicas: int | None = None) -> Path:
-    """A copy of `source` in `folder` with the gateway's fault timers shortened (`FAULT_TIMERS`) and, with
-    `replicas`, every device replicated that many times, each worker on one thread."""
+def _check_ray(args: argparse.Namespace) -> None:
+    """--ray-nodes and --ray-node-cpus (ValueError naming the option)."""
+    if args.ray_nodes < 0:
+        raise ValueError(f"--ray-nodes: must be >= 0, got {args.ray_nodes}")
+    if args.ray_node_cpus < 1:
+        raise ValueError(f"--ray-node-cpus: must be >= 1, got {args.ray_node_cpus}")
+    if args.ray_nodes and args.replicas is not None:
+        raise ValueError("--replicas: not with --ray-nodes, which places one replica per node")
+    if args.ray_nodes and not ray_installed():
+        raise ValueError(f"--ray-nodes: needs Ray: {INSTALL_HINT}")
+
+
+def _fault_names(faults: str | None, ray_nodes: int) -> list[str]:
+    """The faults to run, in order: `--faults`, or all those this run can inject (ValueError naming --faults)."""
+    if faults is None:
+        return [*FAULTS, *(CLUSTER_FAULTS if ray_nodes >= 2 else ())]
+    names = [name.strip() for name in faults.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ALL_FAULTS]
+    if unknown or not names:
+        raise ValueError(f"--faults: unknown {unknown or 'none given'}; choose from {', '.join(ALL_FAULTS)}")
+    lost = names.count("lose_node")
+    if lost and ray_nodes < 2:
+        raise ValueError("--faults: lose_node needs --ray-nodes >= 2 (a local Ray cluster with a worker node that "
+                         f"hosts a replica), got --ray-nodes {ray_nodes}")
+    if lost > ray_nodes - 1:
+        raise ValueError(f"--faults: lose_node {lost} times removes {lost} worker nodes; --ray-nodes {ray_nodes} "
+                         f"starts {ray_nodes - 1}")
+    return names
+
+
+def chaos_config(source: Path, folder: Path, replicas: int | None = None, *, timers: bool = True,
+                 ray_address: str | None = None) -> Path:
+    """A copy of `source` in `folder`: with `timers`, the gateway's fault timers shortened (`FAULT_TIMERS`);
+    with `replicas`, every device replicated that many times, each worker on one thread; with
+    `ray_address` too, each replica a Ray actor on that cluster (`placement: ray`)."""
     config = yaml.safe_load(source.read_text(encoding="utf-8"))
-    config.setdefault("gateway", {}).update(FAULT_TIMERS)
+    if timers:
+        config.setdefault("gateway", {}).update(FAULT_TIMERS)
     if replicas is not None:
         for device in (config.get("devices") or {}).values():
             device.update(replicas=replicas, cpu_threads=1)
+            if ray_address is not None:
+                device.update(placement="ray", ray_address=ray_address)
     path = folder / "pools.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return path
@@ -335,24 +446,42 @@ def _log_summary(log: Sequence[str], max_lines: int = 400) -> tuple[dict[str, in
     return dict(counts), kept[:max_lines]
 
 
+def _served_config(args: argparse.Namespace, folder: Path, ray_address: str | None) -> Path:
+    """--config as is, or a copy (`chaos_config`): fault timers shortened without --config; --replicas, or
+    with a local Ray cluster (`ray_address`) one replica per node placed on it."""
+    if args.config and args.replicas is None and ray_address is None:
+        return Path(args.config)
+    return chaos_config(Path(args.config or DEFAULT_CONFIG), folder, args.ray_nodes if ray_address else args.replicas,
+                        timers=args.config is None, ray_address=ray_address)
+
+
+def _config_label(args: argparse.Namespace) -> str:
+    label = str(args.config or DEFAULT_CONFIG.relative_to(REPO))
+    if args.ray_nodes:
+        return (f"{label} with placement: ray, replicas: {args.ray_nodes} (1 thread each) on a local Ray cluster of "
+                f"{args.ray_nodes} nodes ({args.ray_node_cpus} CPUs each)")
+    return label + (f" with replicas: {args.replicas} (1 thread each)" if args.replicas else "")
+
+
 def run(args: argparse.Namespace) -> int:
     """`cliffguard bench chaos`: 0 when the goal was met, 1 when not (2 for bad options, from the CLI)."""
     phases = check_args(args)
     out = _out_dir(args.out) if args.out else None
     date, commit = datetime.datetime.now().astimezone().isoformat(timespec="seconds"), _commit()   # what is served
-    with tempfile.TemporaryDirectory(prefix="cliffguard-chaos-") as folder:
-        config = Path(args.config) if args.config and args.replicas is None else chaos_config(
-            Path(args.config or DEFAULT_CONFIG), Path(folder), args.replicas)
-        with LiveServer(config) as server:
-            raw = asyncio.run(chaos_run(server, args, phases))
+    local = LocalRayCluster(args.ray_nodes, args.ray_node_cpus) if args.ray_nodes else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory(prefix="cliffguard-chaos-") as folder, local as cluster:   # stopped on any exit
+        if cluster is not None:
+            print(f"bench chaos: a local Ray cluster of {args.ray_nodes} nodes at {cluster.address}", file=sys.stderr)
+        address = cluster.address if cluster is not None else None
+        with LiveServer(_served_config(args, Path(folder), address)) as server:
+            raw = asyncio.run(chaos_run(server, args, phases, cluster))
             log = list(server.log)
     timers = "its own fault timers" if args.config else (
         f"write_timeout {FAULT_TIMERS['write_timeout']:g} s, stall_seconds {FAULT_TIMERS['stall_seconds']:g} s, "
         f"restart back-off from {FAULT_TIMERS['restart_backoff']['initial_seconds']:g} s")
     counts, bad_lines = _log_summary(log)
-    meta = {"config": str(args.config or DEFAULT_CONFIG.relative_to(REPO))
-                      + (f" with replicas: {args.replicas} (1 thread each)" if args.replicas else ""), "timers": timers,
-            "date": date, "commit": commit,
+    meta = {"config": _config_label(args), "timers": timers, "date": date, "commit": commit,
+            "ray": {"nodes": args.ray_nodes, "node_cpus": args.ray_node_cpus, "address": address} if address else None,
             "load": f"chat {args.rate:g} req/s ({CHAT_WORDS}-word prompts, {CHAT_TOKENS} tokens, streamed), rag-ish "
                     f"{args.rag_rate:g} req/s ({RAG_WORDS}-word prompts, {RAG_TOKENS} tokens)",
             "phases": asdict(phases), "seed": args.seed, "server_log_counts": counts}

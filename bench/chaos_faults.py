@@ -1,6 +1,7 @@
 """The faults of `cliffguard bench chaos` (slow readers, disconnects, oversized inputs, kill -9 and
-kill -STOP of the worker, a burst of connections), the script that runs them one after another with
-quiet windows, and the recovery time each one is measured by."""
+kill -STOP of the worker, a burst of connections; on a local Ray cluster, the loss of a node), the
+script that runs them one after another with quiet windows, and the recovery time each one is
+measured by."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.chaos_steady import (SAMPLE_INTERVAL_S, Chaos, Phases, Sample, Sampler, is_running, plan_steady, run_steady,
-                                send_signal, worker_pid, worker_pids)
+from bench.chaos_steady import (SAMPLE_INTERVAL_S, Chaos, Phases, Sample, Sampler, is_running, plan_steady,
+                                replica_pids, run_steady, send_signal)
 from bench.live import LiveServer
 from bench.load.sender import error_message
 
@@ -174,23 +175,23 @@ async def oversized(ctx: Chaos, run: FaultRun, until_s: float) -> None:
 async def kill_worker(ctx: Chaos, run: FaultRun, until_s: float) -> None:
     """`kill -9` of the device worker (of one replica, when the device has several: the others serve
     meanwhile); notes when the killed one's place was taken by a new worker (`rejoined_after_s`)."""
-    before = worker_pids(ctx.gateway_pid)
+    before = ctx.worker_pids()
     pid = before[0] if before else None
     run.notes["pid"], run.notes["workers"] = pid, len(before)
     if pid is not None:
         send_signal(pid, signal.SIGKILL)
     run.injected_s = ctx.now()
     while ctx.now() < until_s:
-        now = worker_pids(ctx.gateway_pid)
+        now = ctx.worker_pids()
         if "rejoined_after_s" not in run.notes and len(now) == len(before) and pid not in now:
             run.notes["rejoined_after_s"] = round(ctx.now() - run.injected_s, 2)
         await asyncio.sleep(0.1)
-    run.notes["new_pid"] = worker_pid(ctx.gateway_pid)
+    run.notes["new_pid"] = _first(ctx.worker_pids())
 
 
 async def stop_worker(ctx: Chaos, run: FaultRun, until_s: float) -> None:
     """`kill -STOP` of the device worker; notes when the watchdog killed it; SIGCONT when the window ends."""
-    pid = worker_pid(ctx.gateway_pid)
+    pid = _first(ctx.worker_pids())
     run.notes["pid"] = pid
     if pid is None:
         run.injected_s = ctx.now()
@@ -206,7 +207,11 @@ async def stop_worker(ctx: Chaos, run: FaultRun, until_s: float) -> None:
         await sleep_until(ctx, until_s)
     finally:
         run.notes["resumed"] = send_signal(pid, signal.SIGCONT) and is_running(pid)
-        run.notes["new_pid"] = worker_pid(ctx.gateway_pid)
+        run.notes["new_pid"] = _first(ctx.worker_pids())
+
+
+def _first(pids: Sequence[int]) -> int | None:
+    return pids[0] if pids else None
 
 
 async def burst(ctx: Chaos, run: FaultRun, until_s: float) -> None:
@@ -238,6 +243,31 @@ async def burst(ctx: Chaos, run: FaultRun, until_s: float) -> None:
     await sleep_until(ctx, until_s)
 
 
+async def lose_node(ctx: Chaos, run: FaultRun, until_s: float) -> None:
+    """Remove a worker node of the local Ray cluster (`ctx.cluster`): the first one that hosts a replica's
+    actor. Its raylet and the actors on it die; Ray restarts each lost actor on a node left and the
+    gateway reconnects by itself. Notes: the node (id prefix, index: 0 is the head), the replica pids it
+    held, how long the removal took, and when as many replica actors ran again, none of them a lost one
+    (`actor_back_after_s`, from the nodes' processes; the report adds when /ready listed every replica
+    ready again)."""
+    cluster = ctx.cluster
+    hosted = replica_pids(cluster)
+    node = next((n for n in cluster.workers if hosted.get(n.node_id)), cluster.workers[-1])
+    lost, num_before = hosted.get(node.node_id, []), sum(len(pids) for pids in hosted.values())
+    run.notes.update(node=node.node_id[:12], node_index=cluster.nodes.index(node), replica_pids=lost,
+                     num_replica_actors=num_before)
+    began = ctx.now()
+    await asyncio.to_thread(cluster.remove_node, node)
+    run.injected_s = ctx.now()
+    run.notes["removed_in_s"] = round(run.injected_s - began, 2)
+    while ctx.now() < until_s:
+        now = ctx.worker_pids()
+        if "actor_back_after_s" not in run.notes and len(now) >= num_before and not set(lost) & set(now):
+            run.notes["actor_back_after_s"] = round(ctx.now() - run.injected_s, 2)
+        await asyncio.sleep(0.1)
+    run.notes["replica_actors_by_node"] = {n[:12]: len(pids) for n, pids in replica_pids(cluster).items()}
+
+
 FaultScript = Callable[[Chaos, FaultRun, float], Awaitable[None]]
 FAULTS: dict[str, tuple[FaultScript, str]] = {
     "slow_readers": (slow_readers, "slow readers"),
@@ -247,6 +277,10 @@ FAULTS: dict[str, tuple[FaultScript, str]] = {
     "stop_worker": (stop_worker, "kill -STOP worker"),
     "burst": (burst, "burst of connections"),
 }
+CLUSTER_FAULTS: dict[str, tuple[FaultScript, str]] = {   # need a local Ray cluster of >= 2 nodes (--ray-nodes)
+    "lose_node": (lose_node, "lose a Ray node"),
+}
+ALL_FAULTS = {**FAULTS, **CLUSTER_FAULTS}
 
 
 # --- the fault script --------------------------------------------------------------------------------------
@@ -265,12 +299,24 @@ def recovery_time(samples: Sequence[Sample], chat_ok: Sequence[tuple[float, floa
     return None
 
 
+def replica_outage(samples: Sequence[Sample], start_s: float, end_s: float) -> tuple[float | None, float | None]:
+    """(down, back): seconds from `start_s` to the first sample in [start_s, end_s) at which /ready listed
+    a replica not up (loading, restarting, failed), and to the first sample after that at which every
+    replica was up again. (None, None): none went down; (down, None): not back before `end_s`."""
+    down = next((s.t_s for s in samples if start_s <= s.t_s < end_s and not s.replicas_up), None)
+    if down is None:
+        return None, None
+    back = next((s.t_s for s in samples if down < s.t_s < end_s and s.replicas and s.replicas_up), None)
+    return down - start_s, None if back is None else back - start_s
+
+
 async def settle(ctx: Chaos, run: FaultRun, deadline_s: float) -> None:
-    """Wait (until `deadline_s` at most) for the fault to have recovered and /ready to be 200 now."""
+    """Wait (until `deadline_s` at most) for the fault to have recovered and /ready to be 200 now, with
+    every replica up: the next fault starts from full strength."""
     while ctx.now() < deadline_s:
         last = ctx.sampler.samples[-1] if ctx.sampler.samples else None
         recovered = recovery_time(ctx.sampler.samples, ctx.chat_ok(), run.start_s, run.injected_s, float("inf"))
-        if recovered is not None and last is not None and last.ready:
+        if recovered is not None and last is not None and last.ready and last.replicas_up:
             return
         await asyncio.sleep(SAMPLE_INTERVAL_S)
 
@@ -282,9 +328,9 @@ async def run_faults(ctx: Chaos, names: Sequence[str], runs: list[FaultRun]) -> 
     for name in names:
         run = FaultRun(name, ctx.now())
         runs.append(run)
-        print(f"bench chaos: {FAULTS[name][1]} at {run.start_s:.1f} s", file=sys.stderr, flush=True)
+        print(f"bench chaos: {ALL_FAULTS[name][1]} at {run.start_s:.1f} s", file=sys.stderr, flush=True)
         try:
-            await FAULTS[name][0](ctx, run, run.start_s + p.fault_s)
+            await ALL_FAULTS[name][0](ctx, run, run.start_s + p.fault_s)
         except OSError as exc:             # a fault that could not be injected is reported, not fatal
             run.notes["error"] = f"{type(exc).__name__}: {exc}"
         run.injected_s = ctx.now() if run.injected_s is None else run.injected_s
@@ -299,9 +345,11 @@ async def _first_model(session: Any, url: str) -> str:
         return (await response.json(content_type=None))["data"][0]["id"]
 
 
-async def chaos_run(server: LiveServer, args: argparse.Namespace, phases: Phases) -> dict[str, Any]:
-    """The whole run against a started server: idle samples, then load + faults, then the drain.
-    Returns the raw measurements (`build_report` summarizes them)."""
+async def chaos_run(server: LiveServer, args: argparse.Namespace, phases: Phases,
+                    cluster: Any = None) -> dict[str, Any]:
+    """The whole run against a started server (its replicas on `cluster`, a `bench.ray_local.LocalRayCluster`,
+    or its own workers): idle samples, then load + faults, then the drain. Returns the raw measurements
+    (`build_report` summarizes them)."""
     import aiohttp
 
     def session() -> aiohttp.ClientSession:
@@ -312,7 +360,7 @@ async def chaos_run(server: LiveServer, args: argparse.Namespace, phases: Phases
         start = time.perf_counter()
         ctx = Chaos(server.url, model, server.proc.pid, start, IDLE_S, phases, args.timeout, steady, faults,
                     Sampler(server.url, server.proc.pid, start), num_burst=args.burst,
-                    num_disconnects=args.disconnects)
+                    num_disconnects=args.disconnects, cluster=cluster)
         stop_sampling, stop_load = asyncio.Event(), asyncio.Event()
         sampling = asyncio.create_task(ctx.sampler.run(probes, stop_sampling))
         longest = phases.warmup_s + len(args.fault_names) * (phases.fault_s + phases.quiet_s + phases.max_settle_s)

@@ -1,16 +1,18 @@
 """The parts of `cliffguard bench chaos` that keep running while faults come and go: the run's shared
-state (`Chaos`), the steady chat and rag load with its per-request records, the sampler of `/ready`,
-`/metrics` credits and the gateway's RSS, and the processes (the gateway's worker) the faults aim at."""
+state (`Chaos`), the steady chat and rag load with its per-request records, the sampler of `/ready`
+(and each replica's state in it), `/metrics` credits and the gateway's RSS, and the processes the
+faults aim at (the gateway's workers, or the replicas' Ray actors on a local cluster)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import re
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,8 @@ SAMPLE_INTERVAL_S = 0.25
 PROBE_TIMEOUT_S = 2.0          # a /ready or /metrics probe slower than this counts as not ready
 CHAT_WORDS, CHAT_TOKENS = 24, 16
 RAG_WORDS, RAG_TOKENS = 256, 8
+REPLICA_UP_STATES = ("ready", "draining", "stopped")   # `/ready`'s replica states that are not a fault's doing
+REPLICA_ACTOR_TITLE = b"ray::ReplicaActor"            # a Ray actor process's title: `ray::<class>[.<method>]`
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class Chaos:
     sampler: Sampler
     num_burst: int = 500
     num_disconnects: int = 40
+    cluster: Any = None               # a `bench.ray_local.LocalRayCluster` the replicas run on, or None
     records: list[SteadyRecord] = field(default_factory=list)
 
     def now(self) -> float:
@@ -66,7 +71,12 @@ class Chaos:
         """(sent, end) of the steady chat requests that completed so far."""
         return [(r.sent_s, r.end_s) for r in self.records if r.kind == "chat" and r.outcome == "ok"]
 
-
+    def worker_pids(self) -> list[int]:
+        """The device workers' pids: the gateway's own (`worker_pids`), or on a local Ray cluster the
+        replicas' actors on every node (`replica_pids`), in pid order."""
+        if self.cluster is None:
+            return worker_pids(self.gateway_pid)
+        return sorted(pid for pids in replica_pids(self.cluster).values() for pid in pids)
 
 # --- the steady load ------------------------------------------------------------------------------------
 
@@ -245,24 +255,40 @@ async def run_steady(ctx: Chaos, plan: Sequence[Planned], stop: asyncio.Event) -
 @dataclass(frozen=True)
 class Sample:
     """One look at the gateway `t_s` s after the start: /ready (200 or not, and how long it took; None:
-    no answer within `PROBE_TIMEOUT_S`), pool -> (free, total) KV credits, the gateway's RSS in bytes."""
+    no answer within `PROBE_TIMEOUT_S`), pool -> (free, total) KV credits, the gateway's RSS in bytes,
+    and device -> its replicas' states as /ready listed them (empty: no answer)."""
 
     t_s: float
     ready: bool
     ready_s: float | None
     credits: dict[str, tuple[float, float]]
     rss_bytes: int | None
+    replicas: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def credits_full(self) -> bool:
         """Every pool's credits are free (and /metrics named at least one pool)."""
         return bool(self.credits) and all(free == total for free, total in self.credits.values())
 
+    @property
+    def replicas_up(self) -> bool:
+        """No replica is loading, restarting or failed (true when /ready listed none)."""
+        return all(state in REPLICA_UP_STATES for states in self.replicas.values() for state in states)
+
 
 def parse_credits(text: str) -> dict[str, tuple[float, float]]:
     """Prometheus text -> pool -> (free, total) of `cliffguard_kv_credits_free` / `_total`."""
     names = ("cliffguard_kv_credits_free", "cliffguard_kv_credits_total")
     return {pool: (v[names[0]], v[names[1]]) for pool, v in pool_samples(text).items() if set(names) <= set(v)}
+
+
+def parse_replicas(text: str) -> dict[str, list[str]]:
+    """/ready's body -> device -> its replicas' states (empty when the body is not /ready's JSON)."""
+    try:
+        replicas = json.loads(text).get("replicas")
+    except (ValueError, AttributeError):
+        return {}
+    return {str(d): [str(s) for s in states] for d, states in replicas.items()} if isinstance(replicas, dict) else {}
 
 
 def rss_bytes(pid: int) -> int | None:
@@ -296,14 +322,14 @@ class Sampler:
     async def sample_once(self, session: Any) -> Sample:
         """Probe /ready and /metrics at once, read the RSS, record and return the sample."""
         t_s = time.perf_counter() - self.start
-        (ready, _, ready_s), (status, text, _) = await asyncio.gather(self._get(session, "/ready"),
-                                                                      self._get(session, "/metrics"))
+        (ready, body, ready_s), (status, text, _) = await asyncio.gather(self._get(session, "/ready"),
+                                                                         self._get(session, "/metrics"))
         try:
             credits = parse_credits(text) if status == 200 else {}
         except ValueError:
             credits = {}
         sample = Sample(t_s, ready == 200, ready_s if ready is not None else None, credits,
-                        rss_bytes(self.gateway_pid))
+                        rss_bytes(self.gateway_pid), parse_replicas(body))
         self.samples.append(sample)
         return sample
 
@@ -321,21 +347,36 @@ class Sampler:
 
 # --- processes ------------------------------------------------------------------------------------------
 
-def worker_pids(gateway_pid: int) -> list[int]:
-    """The device workers' pids, one per replica: the gateway's children that run multiprocessing's
-    `spawn_main` (not its resource tracker), in pid order."""
+def child_pids(parent_pid: int, wanted: Callable[[bytes], bool]) -> list[int]:
+    """The pids of `parent_pid`'s live (not zombie) children whose command line `wanted` accepts, in
+    pid order."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             state_ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            cmdline = (entry / "cmdline").read_bytes() if int(state_ppid[1]) == gateway_pid else b""
+            if int(state_ppid[1]) != parent_pid or state_ppid[0] == "Z":
+                continue
+            cmdline = (entry / "cmdline").read_bytes()
         except (OSError, ValueError, IndexError):
             continue
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline and state_ppid[0] != "Z":
+        if wanted(cmdline):
             pids.append(int(entry.name))
     return sorted(pids)
+
+
+def worker_pids(gateway_pid: int) -> list[int]:
+    """The device workers' pids, one per replica: the gateway's children that run multiprocessing's
+    `spawn_main` (not its resource tracker), in pid order."""
+    return child_pids(gateway_pid, lambda cmdline: b"spawn_main" in cmdline and b"resource_tracker" not in cmdline)
+
+
+def replica_pids(cluster: Any) -> dict[str, list[int]]:
+    """Node id -> the pids of the replicas' Ray actors on that node of a local cluster (`cluster`, a
+    `bench.ray_local.LocalRayCluster`): its raylet's children titled `ray::ReplicaActor`."""
+    return {node: child_pids(raylet, lambda cmdline: cmdline.startswith(REPLICA_ACTOR_TITLE))
+            for node, raylet in cluster.raylet_pids().items()}
 
 
 def worker_pid(gateway_pid: int) -> int | None:
