@@ -33,6 +33,7 @@ __all__ = ["ClusterError", "RayCluster", "RayReplica", "NAMESPACE"]
 NAMESPACE = "cliffguard"
 CONNECT_SECONDS = 30.0      # how long `ray.init` may take before the address is called unreachable
 ACTOR_CONCURRENCY = 8       # endpoint / state / wait_stopped answer while the engine loads
+RESTART_POLL_SECONDS = 0.25   # between asks while Ray restarts an actor
 WATCH_SECONDS = 30.0        # each pending death-notice call returns after this long, and is made again
 
 
@@ -186,10 +187,27 @@ class RayReplica:
         if self._actor is None:
             self._actor = await self._find_or_place(timeout)
         self.status = "waiting for the actor to start"
-        host, port, key, node_id = await asyncio.wait_for(self._actor.endpoint.remote(), timeout)
+        from ray.exceptions import ActorDiedError
+
+        try:
+            host, port, key, node_id = await asyncio.wait_for(self._ask_endpoint(), timeout)
+        except ActorDiedError:
+            self._actor = None   # gone for good (removed, or out of restarts): placed anew on the next start
+            raise
         self.node_id = node_id
         self.status = f"on node {node_id[:12]} at {host}:{port}"
         return host, port, key
+
+    async def _ask_endpoint(self) -> tuple[str, int, bytes, str]:
+        """The actor's endpoint; while Ray restarts it (a lost node, a killed process) ask again."""
+        from ray.exceptions import ActorUnavailableError
+
+        while True:
+            try:
+                return await self._actor.endpoint.remote()
+            except ActorUnavailableError:
+                self.status = "waiting for Ray to restart the actor"
+                await asyncio.sleep(RESTART_POLL_SECONDS)
 
     async def _find_or_place(self, timeout: float):
         ray = _ray()
