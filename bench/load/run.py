@@ -167,6 +167,8 @@ async def run_load(config: LoadConfig, plan: list[PlannedRequest] | None = None,
         try:
             await _dispatch(plan, start, launch, tasks)
             await _drain(tasks, records, config.drain_timeout)
+            if phases:   # the scraper watches the last phases to their end, quiet ones too (a scale-down)
+                await asyncio.sleep(max(0.0, start + config.duration - time.perf_counter()))
             duration = time.perf_counter() - start
         finally:
             for task in tasks:
