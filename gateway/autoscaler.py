@@ -6,7 +6,10 @@ slots, `min` of them started. Every `INTERVAL` seconds, for each such device:
 
 - **Up.** When some request of the device's pools has waited for credits longer than
   `scale_up_wait_seconds` (the formula's concurrency is exceeded: what is admitted fills every
-  replica's KV), and no replica of the device is still loading, the lowest parked slot is started (on
+  replica's KV), or the device is overloaded (`gateway.overload`: its pools' arrivals ask more of its
+  ready replicas than the step-cost model says they can do, with requests waiting for their first
+  token: a compute-bound device whose KV never fills), and no replica of the device is still loading,
+  the lowest parked slot is started (on
   Ray, a placement group is created; one Ray cannot place stays pending, which is how Ray's cluster
   autoscaler learns that a node is needed). A replica being drained is taken back first instead. The
   wait bound, 2 s by default, is long enough that a burst one replica absorbs within a decode or two
@@ -27,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from gateway.metrics import GatewayMetrics
 from gateway.supervisor import DeviceSupervisor
@@ -48,8 +51,10 @@ class Autoscaler:
     """Adds and removes the replicas of autoscaled devices; exports every device's replica states."""
 
     def __init__(self, devices: Mapping[str, DeviceSpec], supervisors: Mapping[str, list[DeviceSupervisor]],
-                 pools: Mapping[str, Pool], metrics: GatewayMetrics) -> None:
+                 pools: Mapping[str, Pool], metrics: GatewayMetrics,
+                 overloaded: Callable[[], Mapping[str, str]] = dict) -> None:
         self.devices = devices
+        self.overloaded = overloaded   # device -> reason, for the devices overloaded now (gateway.overload)
         self.supervisors = supervisors
         self.pools = {device: [p for p in pools.values() if p.device == device] for device in supervisors}
         self.metrics = metrics
@@ -76,8 +81,11 @@ class Autoscaler:
             spec = self.devices[device]
             if spec.autoscaled:
                 wait = self.credit_wait(device, now)
-                if not self._scale_up(device, spec, slots, wait):
-                    self._scale_down(device, spec, slots, wait, now)
+                why = self.overloaded().get(device)
+                if wait > spec.scale_up_wait_seconds:
+                    why = (f"a request waited {wait:.1f} s for KV credits (over {spec.scale_up_wait_seconds:g} s)")
+                if why is None or not self._scale_up(device, slots, why):
+                    self._scale_down(device, spec, slots, pressed=why is not None or wait > 0, now=now)
         self.export()
 
     def credit_wait(self, device: str, now: float | None = None) -> float:
@@ -85,16 +93,13 @@ class Autoscaler:
         return max((p.admission.oldest_credit_wait(now) for p in self.pools[device] if p.admission is not None),
                    default=0.0)
 
-    def _scale_up(self, device: str, spec: DeviceSpec, slots: list[DeviceSupervisor], wait: float) -> bool:
-        if wait <= spec.scale_up_wait_seconds:
-            return False
+    def _scale_up(self, device: str, slots: list[DeviceSupervisor], why: str) -> bool:
         draining = [s for s in slots if s.state == "draining" and (device, s.replica) in self._removals]
         if draining:
             supervisor = draining[0]
             self._removals.pop((device, supervisor.replica)).cancel()
             supervisor.draining = False
-            log.info("autoscaler: device %s: credits waited on for %.1f s; keeping replica %s", device, wait,
-                     supervisor.name)
+            log.info("autoscaler: device %s: %s; keeping replica %s", device, why, supervisor.name)
             return True
         if any(s.state.startswith("loading") for s in slots):
             return False   # one is on its way: give it time before asking for another
@@ -102,17 +107,17 @@ class Autoscaler:
         if not parked:
             return False
         supervisor = parked[0]
-        log.info("autoscaler: device %s: a request waited %.1f s for KV credits (over %g s); starting replica %s",
-                 device, wait, spec.scale_up_wait_seconds, supervisor.name)
+        log.info("autoscaler: device %s: %s; starting replica %s", device, why, supervisor.name)
         supervisor.start()
         self.metrics.replica_scalings.labels(device=device, direction="up").inc()
         return True
 
-    def _scale_down(self, device: str, spec: DeviceSpec, slots: list[DeviceSupervisor], wait: float,
+    def _scale_down(self, device: str, spec: DeviceSpec, slots: list[DeviceSupervisor], *, pressed: bool,
                     now: float) -> None:
+        """`pressed`: something waits for credits, or the device is overloaded: no replica is idle."""
         serving = [s for s in slots if s.is_ready and not s.draining]
         for s in serving:
-            if wait > 0 or self._busy(device, s):
+            if pressed or self._busy(device, s):
                 self._idle_since[(device, s.replica)] = now
             else:
                 self._idle_since.setdefault((device, s.replica), now)

@@ -207,7 +207,8 @@ class Gateway:
         self.admission.start()
         self.spiral.start()
         self.overload.start(self.supervisors)
-        self.autoscaler = Autoscaler(self.config.devices, self.supervisors, self.pools, self.metrics)
+        self.autoscaler = Autoscaler(self.config.devices, self.supervisors, self.pools, self.metrics,
+                                     overloaded=self.overload.overloaded)
         self.autoscaler.start()
 
     def _links(self, device: str, configs: list[EngineConfig]) -> list:

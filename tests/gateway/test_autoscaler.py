@@ -97,3 +97,48 @@ except SpecError as exc:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "devices.cpu.placement: ray, and Ray is not installed: pip install -e '.[ray]'"
+
+
+class _Slot:
+    """A replica slot as the autoscaler sees a `DeviceSupervisor`."""
+
+    def __init__(self, replica: int, state: str) -> None:
+        self.replica, self.state, self.name = replica, state, f"d/{replica}"
+        self.draining, self.client, self.link = False, None, None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state == "ready"
+
+    def start(self) -> None:
+        self.state = "loading"
+
+
+def test_an_overloaded_device_scales_up_with_no_credit_wait_and_never_down_while_overloaded():
+    """A compute-bound device's KV never fills: the overload verdict (offered load over what the step-cost
+    model says its replicas do, requests waiting) starts a replica too, and keeps an idle one from going."""
+    from gateway.autoscaler import Autoscaler
+    from gateway.metrics import GatewayMetrics
+    from pools.spec import DeviceSpec
+
+    spec = DeviceSpec(name="d", replicas=3, min_replicas=1, scale_down_idle_seconds=5.0)
+    slots = [_Slot(0, "ready"), _Slot(1, "stopped"), _Slot(2, "stopped")]
+    verdict: dict[str, str] = {}
+    scaler = Autoscaler({"d": spec}, {"d": slots}, {}, GatewayMetrics(), overloaded=lambda: verdict)
+    scaler.tick(now=0.0)
+    assert [s.state for s in slots] == ["ready", "stopped", "stopped"]      # calm: nothing to do
+    verdict["d"] = "overloaded: offered load 1.8 of 1 replica(s)' time"
+    scaler.tick(now=1.0)
+    assert [s.state for s in slots] == ["ready", "loading", "stopped"]
+    scaler.tick(now=2.0)
+    assert slots[2].state == "stopped"                                      # one at a time: one is loading
+    slots[1].state = "ready"
+    scaler.tick(now=3.0)
+    assert slots[2].state == "loading"                                      # still overloaded with two
+    slots[2].state = "ready"
+    for t in range(4, 30):                                                  # overloaded, idle or not: none goes
+        scaler.tick(now=float(t))
+    assert [s.state for s in slots] == ["ready"] * 3 and not any(s.draining for s in slots)
+    ups = [s.value for s in scaler.metrics.replica_scalings.collect()[0].samples
+           if s.name.endswith("_total") and s.labels["direction"] == "up"]
+    assert ups == [2.0]
