@@ -59,7 +59,6 @@ class RayCluster:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.connected = False
         self._connecting: asyncio.Task | None = None
         self._pruned: dict[str, asyncio.Task] = {}   # device -> its stale actors' removal, once
 
@@ -86,7 +85,6 @@ class RayCluster:
         except Exception as exc:  # noqa: BLE001 - Ray's own errors, said with the address
             raise ClusterError(f"cannot reach the Ray cluster at {self.address!r}: {type(exc).__name__}: "
                                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
-        self.connected = True
 
     async def _probe(self, timeout: float) -> None:
         """A `host:port` (or `ray://host:port`) address that refuses TCP is said at once (`ray.init` would
