@@ -280,7 +280,6 @@ FAULTS: dict[str, tuple[FaultScript, str]] = {
 CLUSTER_FAULTS: dict[str, tuple[FaultScript, str]] = {   # need a local Ray cluster of >= 2 nodes (--ray-nodes)
     "lose_node": (lose_node, "lose a Ray node"),
 }
-ALL_FAULTS = {**FAULTS, **CLUSTER_FAULTS}
 
 
 # --- the fault script --------------------------------------------------------------------------------------
@@ -321,16 +320,18 @@ async def settle(ctx: Chaos, run: FaultRun, deadline_s: float) -> None:
         await asyncio.sleep(SAMPLE_INTERVAL_S)
 
 
-async def run_faults(ctx: Chaos, names: Sequence[str], runs: list[FaultRun]) -> None:
-    """After the warm-up, each fault in its window, then its quiet window (extended until it recovered)."""
+async def run_faults(ctx: Chaos, names: Sequence[str], runs: list[FaultRun],
+                     faults: dict[str, tuple[FaultScript, str]]) -> None:
+    """After the warm-up, each fault (by name, from `faults`) in its window, then its quiet window (extended
+    until it recovered)."""
     p = ctx.phases
     await sleep_until(ctx, ctx.load_start_s + p.warmup_s)
     for name in names:
         run = FaultRun(name, ctx.now())
         runs.append(run)
-        print(f"bench chaos: {ALL_FAULTS[name][1]} at {run.start_s:.1f} s", file=sys.stderr, flush=True)
+        print(f"bench chaos: {faults[name][1]} at {run.start_s:.1f} s", file=sys.stderr, flush=True)
         try:
-            await ALL_FAULTS[name][0](ctx, run, run.start_s + p.fault_s)
+            await faults[name][0](ctx, run, run.start_s + p.fault_s)
         except OSError as exc:             # a fault that could not be injected is reported, not fatal
             run.notes["error"] = f"{type(exc).__name__}: {exc}"
         run.injected_s = ctx.now() if run.injected_s is None else run.injected_s
@@ -345,7 +346,7 @@ async def _first_model(session: Any, url: str) -> str:
         return (await response.json(content_type=None))["data"][0]["id"]
 
 
-async def chaos_run(server: LiveServer, args: argparse.Namespace, phases: Phases,
+async def chaos_run(server: LiveServer, args: argparse.Namespace, phases: Phases, faults: dict[str, tuple[FaultScript, str]],
                     cluster: Any = None) -> dict[str, Any]:
     """The whole run against a started server (its replicas on `cluster`, a `bench.ray_local.LocalRayCluster`,
     or its own workers): idle samples, then load + faults, then the drain. Returns the raw measurements
@@ -360,7 +361,8 @@ async def chaos_run(server: LiveServer, args: argparse.Namespace, phases: Phases
         start = time.perf_counter()
         ctx = Chaos(server.url, model, server.proc.pid, start, IDLE_S, phases, args.timeout, steady, faults,
                     Sampler(server.url, server.proc.pid, start), num_burst=args.burst,
-                    num_disconnects=args.disconnects, cluster=cluster)
+                    num_disconnects=args.disconnects, cluster=cluster, write_timeout=args.write_timeout,
+                    stall_seconds=args.stall_seconds)
         stop_sampling, stop_load = asyncio.Event(), asyncio.Event()
         sampling = asyncio.create_task(ctx.sampler.run(probes, stop_sampling))
         longest = phases.warmup_s + len(args.fault_names) * (phases.fault_s + phases.quiet_s + phases.max_settle_s)
@@ -368,7 +370,7 @@ async def chaos_run(server: LiveServer, args: argparse.Namespace, phases: Phases
                                                                args.seed), stop_load))
         runs: list[FaultRun] = []
         try:
-            await run_faults(ctx, args.fault_names, runs)
+            await run_faults(ctx, args.fault_names, runs, faults)
         finally:
             stop_load.set()
             load_end_s = ctx.now()

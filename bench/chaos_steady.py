@@ -61,6 +61,9 @@ class Chaos:
     num_burst: int = 500
     num_disconnects: int = 40
     cluster: Any = None               # a `bench.ray_local.LocalRayCluster` the replicas run on, or None
+    write_timeout: float = 30.0       # the served gateway's timers (faults time their checks by them)
+    stall_seconds: float = 10.0
+    paused: bool = False              # a fault needs the worker idle: planned requests are not sent meanwhile
     records: list[SteadyRecord] = field(default_factory=list)
 
     def now(self) -> float:
@@ -244,6 +247,8 @@ async def run_steady(ctx: Chaos, plan: Sequence[Planned], stop: asyncio.Event) -
                 pass
         if stop.is_set():
             break
+        if ctx.paused:
+            continue
         record = SteadyRecord(planned.rid, planned.kind)
         ctx.records.append(record)
         tasks.append(asyncio.create_task(send_steady(ctx, planned, record)))

@@ -8,8 +8,10 @@
 # (the converted builtin model is the folder under ~/.cache/cliffguard/models/ that `make serve` made). The
 # simulate step gives that SmolLM2 shape random weights there (transformers) and validates the simulator on
 # a machine whose speed holds still (GPU_STEPS=simulate runs it alone: about 20 minutes); the isolation
-# step runs `bench isolation --sweep --quick` on that model on CUDA, with the SLO the engine derives there.
-# Logs go to $OUT (or ./gpu-out); the last lines printed are a short summary.
+# step runs `bench isolation --sweep --quick` on that model on CUDA, with the SLO the engine derives there;
+# the chaos step runs `bench chaos --quick` there on config/pools.yaml's pools (that model, an 8 GiB
+# device) with the faults of CHAOS_FAULTS. The device machine lacks msgspec (the worker protocol): carry
+# its wheel in `.whl` and install it first (see the device tool's notes). Logs go to $OUT (or ./gpu-out); the last lines printed are a short summary.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -25,6 +27,19 @@ SIM=${SIM_DIR:-/tmp/cliffguard-sim}
 smollm2() {   # the builtin model's shape with random weights (once per machine)
   [ -f "$SIM/smollm2/model.safetensors" ] && return 0
   mkdir -p "$SIM/smollm2" && cp .gpu/smollm2/* "$SIM/smollm2/" && $PY bench/random_weights.py "$SIM/smollm2"; }
+chaos_config() {   # config/pools.yaml on CUDA with that model, an 8 GiB device and bench chaos's short fault timers
+  $PY - "$SIM" <<'PYEOF'
+import sys, yaml
+from bench.chaos import FAULT_TIMERS
+sim = sys.argv[1]
+config = yaml.safe_load(open("config/pools.yaml"))
+config["gateway"].update(FAULT_TIMERS)
+config["devices"]["default"].update(device="cuda", memory="8GiB")
+for pool in config["pools"]:
+    pool["model"] = f"{sim}/smollm2"
+yaml.safe_dump(config, open(f"{sim}/chaos.yaml", "w"), sort_keys=False)
+PYEOF
+}
 for what in ${GPU_STEPS:-tests kernels engine}; do
   case $what in
     tests)   step gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton.py tests/engine/test_sampling.py ;;
@@ -34,6 +49,8 @@ for what in ${GPU_STEPS:-tests kernels engine}; do
                 '  - name: chat' "    model: $SIM/smollm2" '    device: gpu' '    kv_cache_bytes: 128MiB' \
                 '    avg_len: 512' '    max_model_len: 2048' '    max_num_batched_tokens: 512' > "$SIM/pools.yaml" &&
               TAILN=40 step bench_simulate $CLI bench simulate --config "$SIM/pools.yaml" --duration 120 --out "$OUT/simulate" ;;
+    chaos)   smollm2 && chaos_config && TAILN=45 step bench_chaos $CLI bench chaos --quick --config "$SIM/chaos.yaml" \
+               --faults ${CHAOS_FAULTS:-silent_bodies,stop_idle_worker,poison,tenant_burst,kill_worker} --out "$OUT/chaos" ;;
     isolation) smollm2 && TAILN=40 step bench_isolation $CLI bench isolation --sweep --quick --no-slo --device cuda \
                  --model "$SIM/smollm2" --out "$OUT/isolation" ;;
   esac

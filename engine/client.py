@@ -11,6 +11,14 @@ In-flight streams and stats calls then fail with `EngineDeadError` naming the ex
 process exited (signal 9, SIGKILL)`), the process is reaped in the background (joined, killed if it
 lingers, its socket and sentinel closed), and `client.died` resolves with the reason. A client is one
 process's life: to restart, make a new client (`gateway.supervisor` does, with back-off).
+
+Liveness: the worker sends a `Heartbeat` every half second from a thread of its own, with how long its
+loop has been inside the current step. `silent_seconds()` (time since the worker last said anything)
+and `step_seconds()` (how long its current step has lasted) are what the supervisor's watchdog judges,
+whether or not requests are in flight.
+
+A request whose handling failed in the worker (not its input: a bug, an injected fault) fails alone
+with `RequestFailedError`; the worker goes on serving the others.
 """
 
 from __future__ import annotations
@@ -28,16 +36,28 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.ipc import Channel
-from engine.messages import (AbortRequest, AddRequest, Fatal, Outputs, Ready, Rejected, ReportWaiting, Shutdown,
-                             StartupError, StatsQuery, StatsReply)
+from engine.messages import (AbortRequest, AddRequest, Fatal, Heartbeat, Outputs, PauseRequest, Ready, Rejected,
+                             ReportWaiting, Shutdown, StartupError, StatsQuery, StatsReply)
 from engine.outputs import RequestDelta
 from engine.sampling import SamplingParams
 from engine.stats import EngineStats, WorkerInfo
 from engine.worker import worker_main
 
 
+__all__ = ["AsyncEngineClient", "EngineDeadError", "RequestFailedError", "describe_exit"]
+
+
 class EngineDeadError(RuntimeError):
     """The device worker process exited or failed; in-flight requests get this error."""
+
+
+class RequestFailedError(RuntimeError):
+    """The worker failed to handle one request (not its input, and not the worker as a whole: the
+    others go on); that request alone gets this error. `reason` is the worker's `Type: message`."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"request {request_id}: the device worker failed to handle it: {reason}")
+        self.request_id, self.reason = request_id, reason
 
 
 def describe_exit(exitcode: int) -> str:
@@ -89,7 +109,8 @@ class AsyncEngineClient:
         self._room = asyncio.Event()                  # set while the outbox is under SEND_HIGH_WATER
         self._room.set()
         self.last_heard = 0.0                         # time.monotonic() of the worker's last message
-        self._busy_since = 0.0                        # when requests went from none to some in flight
+        self.last_step_seconds = 0.0                  # the last heartbeat's: how long the current step has run
+        self._last_beat = 0.0                         # time.monotonic() of the last heartbeat
         self._sentinel: int | None = None
         self._ready: asyncio.Future | None = None
         self._dead: str | None = None
@@ -178,12 +199,20 @@ class AsyncEngineClient:
             self._room.set()
 
     def silent_seconds(self, now: float | None = None) -> float:
-        """How long the worker has had requests in flight (or a stats call pending) without saying
-        anything; 0 while it has no work or is loading. The supervisor's watchdog reads it."""
-        if not (self._streams or self._stats_waiters) or not self.is_alive or self.info is None:
+        """How long the loaded worker has said nothing (not even a heartbeat), busy or idle; 0 while it
+        loads or once it is gone. The supervisor's watchdog reads it."""
+        if not self.is_alive or self.info is None:
             return 0.0
         now = time.monotonic() if now is None else now
-        return now - max(self.last_heard, self._busy_since)
+        return max(0.0, now - self.last_heard)
+
+    def step_seconds(self, now: float | None = None) -> float:
+        """How long the worker's current step has lasted, by its last heartbeat (and the time since);
+        0 between steps, while it loads or once it is gone. The supervisor's watchdog reads it."""
+        if not self.is_alive or self.info is None or not self.last_step_seconds:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        return self.last_step_seconds + max(0.0, now - self._last_beat)
 
     def _on_sentinel(self) -> None:
         """The process has exited: read what it sent before (its pipe may even stay open, held by a
@@ -200,10 +229,13 @@ class AsyncEngineClient:
                         stream.queue.put_nowait(out)
                 if msg.stats is not None:
                     self.latest_stats = msg.stats
+            case Heartbeat():
+                self.last_step_seconds, self._last_beat = msg.step_seconds, self.last_heard   # read just now
             case Rejected():
                 stream = self._streams.get(msg.request_id)
                 if stream is not None:
-                    stream.queue.put_nowait(ValueError(msg.reason))
+                    stream.queue.put_nowait(RequestFailedError(msg.request_id, msg.reason) if msg.server_error
+                                            else ValueError(msg.reason))
             case StatsReply():
                 self.latest_stats = msg.stats
                 if self._stats_waiters:
@@ -274,7 +306,8 @@ class AsyncEngineClient:
         """Submit a request and yield what each step added to it (`RequestDelta`) until it finishes.
         `cache_salt`: the prefix-cache partition (`LLMEngine.add_request`).
 
-        Raises ValueError if the engine refused the request, EngineDeadError if the worker died.
+        Raises ValueError if the engine refused the request, RequestFailedError if the worker failed to
+        handle it, EngineDeadError if the worker died.
         """
         self._check_alive()
         request_id = request_id or f"req-{os.getpid()}-{next(self._ids)}"
@@ -284,8 +317,6 @@ class AsyncEngineClient:
             await self._room.wait()   # the worker is behind on reading: wait for room, never block the loop
             self._check_alive()
         stream = _Stream(asyncio.Queue())
-        if not self._streams:
-            self._busy_since = time.monotonic()
         self._streams[request_id] = stream
         try:
             self._send(AddRequest(request_id, prompt if isinstance(prompt, str) else list(prompt),
@@ -350,6 +381,13 @@ class AsyncEngineClient:
             with contextlib.suppress(EngineDeadError):
                 self._send(ReportWaiting(pool, int(count)))
 
+    def pause(self, request_id: str, paused: bool) -> None:
+        """Stop stepping a request (`paused`; it keeps its blocks and place) or step it again (the
+        worker's `LLMEngine.pause`). Never blocks; nothing if the worker is gone."""
+        if self.is_alive:
+            with contextlib.suppress(EngineDeadError):
+                self._send(PauseRequest(request_id, bool(paused)))
+
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish_reason 'abort'."""
         if self.is_alive:
@@ -359,8 +397,6 @@ class AsyncEngineClient:
         """Fresh per-pool counters (running, waiting, free blocks, preemptions), taken between two steps
         after the allocators' integrity check. `/metrics` reads `latest_stats` instead, which never waits."""
         self._check_alive()
-        if not (self._streams or self._stats_waiters):
-            self._busy_since = time.monotonic()
         self._send(StatsQuery())
         waiter = self._loop.create_future()
         self._stats_waiters.append(waiter)

@@ -263,7 +263,6 @@ class LLMEngine:
             scheduler.check_fits(len(prompt_ids), max_tokens)
         except RequestTooLargeError as exc:
             raise RequestError(f"prompt: {exc}") from exc
-
         arrival = next(self._arrivals)
         seqs = []
         for index in range(params.n):
@@ -273,8 +272,7 @@ class LLMEngine:
                 num_prompt_tokens=len(prompt_ids), params=params, max_tokens=max_tokens, priority=priority,
                 arrival_order=arrival, generator=gen, pool=pool, cache_salt=cache_salt))
         request = RequestState(request_id, list(prompt_ids), seqs, time.monotonic())
-        request.detokenizers = [
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens) for _ in seqs]
+        request.detokenizers = [IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens) for _ in seqs]
         self.requests[request_id] = request
         if params.structured is None:
             self._forks.submit(seqs)
@@ -306,16 +304,30 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.schedulers[seq.pool].finish(seq, FinishReason.ABORT)
-        out = request.output(request.seqs)
+        self.schedulers[request.seqs[0].pool].pause(request_id, False)   # one aborted while its grammar was built
         del self.requests[request_id]
-        return out
+        return request.output(request.seqs)
+
+    def pause(self, request_id: str, paused: bool) -> bool:
+        """Stop stepping a request (`paused`: it keeps its blocks and place), or step it again; False if unknown."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.schedulers[request.seqs[0].pool].pause(request_id, paused)
+        return request is not None
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Whether `step()` would run anything: unfinished requests that are not all paused."""
+        return bool(self._building) or any(s.has_work for s in self.schedulers.values())
+
     # --- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Compose the step across pools, run one merged forward pass, sample, and report what changed."""
+        if not self.has_work():   # nothing to run, or only paused requests
+            self.last_step = StepStats()
+            return []
         failed = self._admit_built_grammars()
         scheduled = self._schedule()
         if not scheduled.batch and self._building:   # nothing to run until a grammar is built: do not spin
@@ -421,9 +433,8 @@ class LLMEngine:
 
     def _finish_or_report(self, request: RequestState, seqs: list[Sequence]) -> RequestOutput:
         if all(s.is_finished for s in request.seqs) and not self._forks.has_pending(request.request_id):
-            out = request.output(request.seqs)
             del self.requests[request.request_id]
-            return out
+            return request.output(request.seqs)
         return request.output(seqs)
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None,

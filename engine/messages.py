@@ -3,10 +3,12 @@
 They travel as typed MessagePack frames (`engine.wire`) over the socket of `engine.ipc.Channel`; `engine.worker` (the worker
 process) and `engine.client` (the gateway's `AsyncEngineClient`) match on their types.
 
-Gateway -> worker: `AddRequest`, `AbortRequest`, `ReportWaiting` (requests of an interactive pool
-waiting at the gateway: the step composer's pressure), `StatsQuery`, `Shutdown`.
+Gateway -> worker: `AddRequest`, `AbortRequest`, `PauseRequest` (a response whose client reads too
+slowly: its sequences keep their blocks but are not stepped until resumed), `ReportWaiting` (requests
+of an interactive pool waiting at the gateway: the step composer's pressure), `StatsQuery`, `Shutdown`.
 Worker -> gateway: `Ready` (once loaded), `StartupError`, `Outputs` (each step's deltas, and now and
-then the engine's counters), `Rejected` (a request the engine refused), `StatsReply`, `Fatal`.
+then the engine's counters), `Rejected` (a request the engine refused, or whose handling failed),
+`StatsReply`, `Heartbeat` (the worker is alive, from a thread of its own), `Fatal`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ class AddRequest:
 @dataclass(frozen=True)
 class AbortRequest:
     request_id: str
+
+
+@dataclass(frozen=True)
+class PauseRequest:
+    """`paused` True: stop stepping the request (its blocks stay); False: step it again."""
+    request_id: str
+    paused: bool
 
 
 @dataclass(frozen=True)
@@ -73,6 +82,14 @@ class Outputs:
 class Rejected:
     request_id: str
     reason: str
+    server_error: bool = False   # the request's handling failed in the worker (500), not its input (400)
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Sent every `interval` seconds by a thread beside the step loop; `step_seconds`: how long the loop
+    has been inside its current step (0 between steps)."""
+    step_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 A `ReplicaServer` lives in a process that a cluster manager placed (a Ray actor: `ReplicaActor`, and
 `gateway.ray_cluster` on the gateway's side). It binds a listening socket at once, then loads the
 engine on a thread of its own and serves one gateway connection at a time with the same messages,
-the same loop and the same back-pressure as a local worker (`engine.worker._serve`). The engine
+the same loop, the same heartbeat thread and the same back-pressure as a local worker
+(`engine.worker._serve`: the gateway's watchdog judges a replica as it judges a local worker). The engine
 outlives connections: when a gateway goes away (or restarts), whatever it had in flight is aborted,
 its blocks freed, and the next gateway that proves the key is served by the loaded engine.
 
@@ -68,6 +69,7 @@ class ReplicaServer:
 
     def _run(self) -> None:
         from engine.llm_engine import LLMEngine
+        from engine.worker import WorkerChannel
 
         if self.config.cpu_threads:   # as a local worker does (engine.worker): the bundle's CPUs, no more
             import torch
@@ -87,7 +89,7 @@ class ReplicaServer:
                 log.warning("replica: connection from %s refused: %s", peer, exc)
                 conn.close()
                 continue
-            self._session(Channel(conn, keys))
+            self._session(WorkerChannel(conn, keys))   # the loop and its heartbeat thread send on it
 
     def _handshake(self, conn: socket.socket) -> FrameKeys:
         keep_alive(conn)

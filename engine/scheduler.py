@@ -17,6 +17,8 @@ another candidate exists, and preempted:
   measured re-prefill time `T_prefill(L)` (`PreemptionCostModel`).
 A step that preempted admits nothing. A sequence alone in its pool that still cannot grow is finished
 with a `length` result and an error message, never spun forever.
+A **paused** request (`pause`: its client reads too slowly) is skipped: its running sequences keep their
+blocks and place but get no token and are never victims; its waiting or swapped ones are passed by.
 
 The scheduler only decides; the block copies it asks for (swap out, swap in, copy-on-write) travel in
 `SchedulerOutput` and the engine performs them before the step's forward pass.
@@ -108,12 +110,8 @@ class PreemptionCostModel:
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or seconds <= 0:
             return
-        sample = seconds / num_tokens
-        if self.prefill_seconds_per_token is None:
-            self.prefill_seconds_per_token = sample
-        else:
-            a = self.smoothing
-            self.prefill_seconds_per_token = (1 - a) * self.prefill_seconds_per_token + a * sample
+        sample, last, a = seconds / num_tokens, self.prefill_seconds_per_token, self.smoothing
+        self.prefill_seconds_per_token = sample if last is None else (1 - a) * last + a * sample
 
 
 class Scheduler:
@@ -134,6 +132,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []   # sorted by Sequence.sort_key
         self.running: list[Sequence] = []   # in admission order
         self.swapped: list[Sequence] = []   # in swap-out order; resumed first-out first-in
+        self.paused: set[str] = set()       # request ids not to schedule until resumed
         self.stats = SchedulerStats()
         self._step = 0
         if config.preemption_mode in ("swap", "auto") and swap_manager is None:
@@ -173,14 +172,27 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
 
+    def pause(self, request_id: str, paused: bool) -> None:
+        """Skip the request's sequences (here and to come: forks, a grammar being built), or not."""
+        (self.paused.add if paused else self.paused.discard)(request_id)
+
+    def is_paused(self, seq: Sequence) -> bool:
+        return bool(self.paused) and seq.request_id in self.paused
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a step could schedule anything: a sequence of a request that is not paused."""
+        return any(not self.is_paused(s) for queue in (self.running, self.waiting, self.swapped) for s in queue)
+
     def pending_work(self) -> tuple[list[int], int | None]:
         """What the next step would compute, for the step composer's cost estimate: the context
         lengths of the running sequences that would decode, and the cached context of the sequence
         whose prefill would continue or start next (None when no prefill is pending)."""
-        decodes = [s.num_computed_tokens for s in self.running if s.num_uncomputed_tokens == 1]
-        prefill = next((s.num_computed_tokens for s in self.running if s.num_uncomputed_tokens > 1), None)
-        if prefill is None and (self.swapped or self.waiting):
-            prefill = (self.swapped or self.waiting)[0].num_computed_tokens
+        running = [s for s in self.running if not self.is_paused(s)]
+        queued = next((s for queue in (self.swapped, self.waiting) for s in queue if not self.is_paused(s)), None)
+        decodes = [s.num_computed_tokens for s in running if s.num_uncomputed_tokens == 1]
+        prefill = next((s.num_computed_tokens for s in running if s.num_uncomputed_tokens > 1),
+                       queued.num_computed_tokens if queued is not None else None)
         return decodes, prefill
 
     # --- the step ----------------------------------------------------------------------------
@@ -196,7 +208,7 @@ class Scheduler:
         if out.preempted:
             return out  # no admissions in a step that had to preempt: the pool is full
         budget = self._schedule_swapped(out, budget)
-        if self.swapped:
+        if any(not self.is_paused(s) for s in self.swapped):
             return out  # swapped sequences resume before new arrivals
         self._schedule_waiting(out, budget)
         return out
@@ -205,10 +217,14 @@ class Scheduler:
         """A decode token or the next prefill chunk of each running sequence, preempting victims when
         blocks run out; returns the budget left."""
         bm = self.block_manager
-        # The sequences scheduled so far are always a prefix of `running` (victims leave from anywhere,
-        # the order of the rest is kept), so the next one to schedule is running[len(scheduled)].
-        while len(out.scheduled) < len(self.running) and budget > 0:
-            seq = self.running[len(out.scheduled)]
+        # The sequences scheduled or skipped (paused) so far are always a prefix of `running` (victims,
+        # never paused, leave from anywhere, the order of the rest is kept): the next is running[that].
+        skipped = 0
+        while len(out.scheduled) + skipped < len(self.running) and budget > 0:
+            seq = self.running[len(out.scheduled) + skipped]
+            if self.is_paused(seq):
+                skipped += 1
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while self._blocks_needed(seq, num_new) > bm.num_free_blocks:
                 if self.running == [seq]:
@@ -228,12 +244,13 @@ class Scheduler:
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         """Swapped-out sequences back in, in order, while blocks and limits allow; returns the budget left."""
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.swapped[0]
+        resumable = [s for s in self.swapped if not self.is_paused(s)]
+        while resumable and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = resumable[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.can_allocate([], seq.num_computed_tokens + num_new):
                 break
-            self.swapped.pop(0)
+            self.swapped.remove(resumable.pop(0))
             self._swap_in(seq, num_new, out)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
@@ -250,6 +267,9 @@ class Scheduler:
             seq = self.waiting[index]
             if len(self.running) + 1 + seq.num_pending_forks > self.config.max_num_seqs:
                 break
+            if self.is_paused(seq):   # passed by the others; admitted once resumed
+                index += 1
+                continue
             counted = (bm.num_prefix_queries, bm.num_prefix_hits)
             if seq.num_computed_tokens == 0 and not seq.block_table:
                 seq.num_computed_tokens = bm.acquire_cached(seq.block_table, seq.token_ids, seq.cache_salt)
@@ -320,9 +340,8 @@ class Scheduler:
         Sequences under the stability floor are spared while another candidate exists.
         """
         floor = self.config.stability_floor_tokens
-        candidates = [s for s in self.running if s.num_output_tokens - s.admitted_at_output >= floor]
-        if not candidates:
-            candidates = self.running
+        active = [s for s in self.running if not self.is_paused(s)]   # paused ones keep their blocks
+        candidates = [s for s in active if s.num_output_tokens - s.admitted_at_output >= floor] or active
         order = {id(s): i for i, s in enumerate(self.running)}   # admission order
         policy = self.config.victim_policy
         if policy == "reverse_fifo":
@@ -418,6 +437,9 @@ class Scheduler:
         seq.finish_reason = reason
         if reason is FinishReason.ABORT:
             self.stats.num_aborted += 1
+        if self.is_paused(seq) and all(s.request_id != seq.request_id for s in (*self.running, *self.waiting,
+                                                                                *self.swapped)):
+            self.paused.discard(seq.request_id)   # its last sequence here ended
 
     def check_integrity(self) -> None:
         """The block managers agree with the live sequences' tables: waiting ones hold no blocks,

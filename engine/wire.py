@@ -36,8 +36,9 @@ KEY_BYTES = 32
 MAC_BYTES = 16
 _COUNTER = struct.Struct("!Q")
 
-_MESSAGES: tuple[type, ...] = (m.AddRequest, m.AbortRequest, m.ReportWaiting, m.StatsQuery, m.Shutdown, m.Ready,
-                               m.StartupError, m.Outputs, m.Rejected, m.StatsReply, m.Fatal)
+_MESSAGES: tuple[type, ...] = (m.AddRequest, m.AbortRequest, m.PauseRequest, m.ReportWaiting, m.StatsQuery,
+                               m.Shutdown, m.Ready, m.StartupError, m.Outputs, m.Rejected, m.StatsReply,
+                               m.Heartbeat, m.Fatal)
 _TAGS = {cls: cls.__name__ for cls in _MESSAGES}
 _DECODERS = {cls.__name__: msgspec.msgpack.Decoder(cls) for cls in _MESSAGES}
 _ENVELOPE = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])

@@ -8,8 +8,23 @@ whenever the engine falls idle) `Outputs` carries the engine's counters too, sta
 they were taken: the gateway answers `/metrics` from the latest of these without waiting for the
 worker. `StatsQuery` asks for a fresh copy and runs the allocators' integrity check (tests).
 
-A failed step is reported as `Fatal` (its traceback) before the process exits; a failed load as
-`StartupError`.
+**Liveness.** A daemon thread beside the loop (`HeartbeatThread`) sends `Heartbeat(step_seconds)` every
+`HEARTBEAT_INTERVAL` seconds, whatever the loop is doing: `step_seconds` is how long the loop has been
+inside its current turn (its commands, the step, its outputs; 0 while it sleeps between turns). The
+gateway's watchdog (`gateway.supervisor`) takes a silent heartbeat for a stopped or hung process, and
+a beating one whose step has run past `gateway.step_timeout_seconds` for a hang inside the step. The
+two threads share the channel's sending side (`WorkerChannel`: one lock around send and flush);
+receiving and waiting stay the loop's.
+
+**Failures.** Whatever one request's command raises (add, abort, pause) fails that request alone: a
+ValueError is its input's fault (`Rejected`, 400 at the gateway), anything else the worker's handling
+of it (`Rejected(server_error=True)`, 500, logged here with its traceback). A failed step is reported
+as `Fatal` (its traceback) before the process exits; a failed load as `StartupError`.
+
+**Fault injection** (tests, `cliffguard bench chaos`): `CLIFFGUARD_FAULT_POISON=<marker>` makes a step
+with a request whose prompt holds the marker raise (the worker dies: a poison request);
+`CLIFFGUARD_FAULT_REJECT=<marker>` makes adding such a request raise RuntimeError (that request fails
+alone). See `engine.faults`.
 """
 
 from __future__ import annotations
@@ -20,17 +35,22 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import traceback
 
 from engine.calibration import ITL_STEPS, TTFT_ITLS
 from engine.config import EngineConfig, dtype_name
+from engine.faults import Faults
 from engine.ipc import Channel
-from engine.messages import (AbortRequest, AddRequest, Fatal, Outputs, Ready, Rejected, ReportWaiting, Shutdown,
-                             StartupError, StatsQuery, StatsReply)
+from engine.messages import (AbortRequest, AddRequest, Fatal, Heartbeat, Outputs, PauseRequest, Ready, Rejected,
+                             ReportWaiting, Shutdown, StartupError, StatsQuery, StatsReply)
 from engine.outputs import RequestDelta
 from engine.scheduler import Scheduler
 from engine.stats import EngineStats, PoolInfo, PoolStats, StepCounters, WorkerInfo
+
+log = logging.getLogger("cliffguard.engine")
+
 
 def worker_main(config: EngineConfig, sock: socket.socket) -> None:
     """Entry point of the device worker process: load, then loop (drain commands, step, send).
@@ -41,7 +61,7 @@ def worker_main(config: EngineConfig, sock: socket.socket) -> None:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)   # a spawned process starts with none
     from engine.llm_engine import LLMEngine
 
-    channel = Channel(sock)
+    channel = WorkerChannel(sock)
     if config.cpu_threads:
         import torch
 
@@ -76,14 +96,68 @@ STATS_INTERVAL = 0.25   # seconds between stats pushed with step outputs while b
 CPU_WORKER_NICE = 10    # niceness of a worker that computes on the CPU (the gateway shares those cores)
 MAX_OUTBOX_BYTES = 64 << 20   # outputs the gateway has not read yet: past this the worker stops stepping
 LAST_WORDS_SECONDS = 5.0      # how long a failing worker tries to deliver its reason
+HEARTBEAT_INTERVAL = 0.5      # seconds between heartbeats (the gateway's stall_seconds is many of these)
 
 
-def _serve(engine, channel: Channel) -> None:
-    """The loop: drain commands, step, send deltas (and stats now and then) until told to stop.
+class WorkerChannel(Channel):
+    """A `Channel` whose sending side two threads share: the loop and the heartbeat. `send` and `flush`
+    (so `drain` too) hold one lock, so frames (and on a TCP connection their MAC counter) stay whole
+    and in order; `receive` and `wait` remain the loop's alone."""
+
+    def __init__(self, sock: socket.socket, keys=None) -> None:
+        super().__init__(sock, keys)
+        self._send_lock = threading.RLock()   # re-entered: `send` flushes
+
+    def send(self, msg: object) -> None:
+        with self._send_lock:
+            super().send(msg)
+
+    def flush(self) -> bool:
+        with self._send_lock:
+            return super().flush()
+
+
+class HeartbeatThread:
+    """Sends `Heartbeat(step_seconds)` on `channel` every `interval` seconds from a daemon thread, until
+    the `with` block ends (or the peer is gone). The loop sets `turn_started` (time.monotonic()) when a
+    turn begins and 0 when it ends; `step_seconds` is then how long the current turn has lasted."""
+
+    def __init__(self, channel: WorkerChannel, interval: float = HEARTBEAT_INTERVAL) -> None:
+        self.channel, self.interval = channel, interval
+        self.turn_started = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cliffguard-heartbeat", daemon=True)
+
+    def __enter__(self) -> "HeartbeatThread":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(self.interval * 4)
+
+    def step_seconds(self, now: float | None = None) -> float:
+        started = self.turn_started
+        if not started:
+            return 0.0
+        return max(0.0, (time.monotonic() if now is None else now) - started)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.channel.send(Heartbeat(self.step_seconds()))
+            except OSError:
+                return   # the peer is gone; the loop notices too
+
+
+def _serve(engine, channel: WorkerChannel) -> None:
+    """The loop: drain commands, step, send deltas (and stats now and then) until told to stop, with a
+    `HeartbeatThread` beside it for as long as it runs.
 
     Nothing here blocks on the gateway: outputs go to the channel's outbox. While the outbox holds
     over `MAX_OUTBOX_BYTES` (the gateway is not reading) the worker stops stepping, keeps reading
     commands, and sleeps until the socket drains; so a stalled reader bounds the worker's memory.
+    An engine whose requests are all paused (`LLMEngine.has_work` False) sleeps too.
 
     With `CLIFFGUARD_STEP_TRACE=<file>` in the environment, every step appends one JSON line to the
     file: its time, measured and predicted seconds, the composer's target, each pool's tokens, and
@@ -91,33 +165,55 @@ def _serve(engine, channel: Channel) -> None:
     which is what a step costs the device while serving (`engine.step_cost.read_step_trace` reads it),
     and `new_variants`: the kernel variants Triton compiled during the step (none once serving is warm).
     """
-    trace = _StepTrace.from_env(engine)
+    loop = _Loop(engine, channel, _StepTrace.from_env(engine), Faults.from_env())
     channel.send(Outputs([], engine_stats(engine)))   # the gateway's metrics have numbers from the start
-    last_stats = 0.0
-    while True:
-        can_step = engine.has_unfinished_requests() and channel.num_pending_bytes <= MAX_OUTBOX_BYTES
-        if not can_step:
-            channel.wait()   # idle, or the gateway is behind: sleep until a command comes or the socket drains
+    with HeartbeatThread(channel) as beat:
+        while True:
+            if not loop.can_step():
+                channel.wait()   # idle, or the gateway is behind: sleep until a command comes or the socket drains
+            beat.turn_started = time.monotonic()
+            if loop.turn():
+                return
+            beat.turn_started = 0.0
+
+
+class _Loop:
+    """One turn of `_serve`'s loop at a time, and what the turns share."""
+
+    def __init__(self, engine, channel: WorkerChannel, trace: "_StepTrace | None", faults: Faults | None) -> None:
+        self.engine, self.channel, self.trace, self.faults = engine, channel, trace, faults
+        self.has_work = getattr(engine, "has_work", engine.has_unfinished_requests)   # False: all paused
+        self.last_stats = 0.0
+
+    def can_step(self) -> bool:
+        return self.has_work() and self.channel.num_pending_bytes <= MAX_OUTBOX_BYTES
+
+    def turn(self) -> bool:
+        """Commands, then a step if there is work; True when the loop should end."""
+        engine, channel = self.engine, self.channel
         turn_started = time.perf_counter()
         channel.flush()
         messages = channel.receive()
         for msg in messages:
-            if _handle(engine, channel, msg):
-                return
+            if _handle(engine, channel, msg, self.faults):
+                return True
         if channel.eof:
-            return   # the gateway is gone
-        if engine.has_unfinished_requests() and channel.num_pending_bytes <= MAX_OUTBOX_BYTES:
+            return True   # the gateway is gone
+        if self.can_step():
+            if self.faults is not None:
+                self.faults.before_step(engine)
             deltas = [RequestDelta.from_output(out) for out in engine.step()]
             now = time.monotonic()
             stats = None
-            if now - last_stats >= STATS_INTERVAL or not engine.has_unfinished_requests():
-                stats, last_stats = engine_stats(engine), now
+            if now - self.last_stats >= STATS_INTERVAL or not self.has_work():
+                stats, self.last_stats = engine_stats(engine), now
             if deltas or stats is not None:
                 channel.send(Outputs(deltas, stats))
-            if trace is not None and engine.last_step.seconds > 0:
-                trace.write(engine, turn_started)
-        elif messages and not engine.has_unfinished_requests():
+            if self.trace is not None and engine.last_step.seconds > 0:
+                self.trace.write(engine, turn_started)
+        elif messages and not self.has_work():
             channel.send(Outputs([], engine_stats(engine)))   # commands left it idle: its last state counts
+        return False
 
 
 class _StepTrace:
@@ -143,19 +239,11 @@ class _StepTrace:
         self.file.write(json.dumps(line) + "\n")
 
 
-def _handle(engine, channel: Channel, msg: object) -> bool:
+def _handle(engine, channel: Channel, msg: object, faults: Faults | None = None) -> bool:
     """Carry out one command; True for `Shutdown`."""
     match msg:
-        case AddRequest():
-            try:
-                engine.add_request(msg.request_id, msg.prompt, msg.params, priority=msg.priority, pool=msg.pool,
-                                   cache_salt=msg.cache_salt)
-            except ValueError as exc:
-                channel.send(Rejected(msg.request_id, str(exc)))
-        case AbortRequest():
-            out = engine.abort(msg.request_id)
-            if out is not None:
-                channel.send(Outputs([RequestDelta.from_output(out)]))
+        case AddRequest() | AbortRequest() | PauseRequest():
+            _handle_request(engine, channel, msg, faults)
         case ReportWaiting():
             engine.composer.set_external_waiting(msg.pool, msg.count)
         case StatsQuery():
@@ -163,6 +251,47 @@ def _handle(engine, channel: Channel, msg: object) -> bool:
         case Shutdown():
             return True
     return False
+
+
+def _handle_request(engine, channel: Channel, msg: AddRequest | AbortRequest | PauseRequest,
+                    faults: Faults | None) -> None:
+    """One request's command. Whatever the engine raises fails that request alone: a ValueError is the
+    request's fault (`Rejected`: 400), anything else the handling's (`Rejected(server_error=True)`: 500,
+    logged with its traceback, and the request dropped from the engine)."""
+    out = None
+    try:
+        match msg:
+            case AddRequest():
+                if faults is not None:
+                    faults.on_add(engine, msg.request_id, msg.prompt)
+                engine.add_request(msg.request_id, msg.prompt, msg.params, priority=msg.priority, pool=msg.pool,
+                                   cache_salt=msg.cache_salt)
+            case AbortRequest():
+                out = engine.abort(msg.request_id)
+            case PauseRequest():
+                pause = getattr(engine, "pause", None)   # engines without pausing step the request on
+                if pause is not None:
+                    pause(msg.request_id, msg.paused)
+    except ValueError as exc:
+        channel.send(Rejected(msg.request_id, str(exc)))
+        return
+    except Exception as exc:  # noqa: BLE001 - one request's failure, not the worker's
+        log.exception("request %s: %s failed; failing the request alone", msg.request_id, type(msg).__name__)
+        _drop(engine, msg.request_id)
+        channel.send(Rejected(msg.request_id, f"{type(exc).__name__}: {exc}", server_error=True))
+        return
+    if out is not None:
+        channel.send(Outputs([RequestDelta.from_output(out)]))
+
+
+def _drop(engine, request_id: str) -> None:
+    """Abort a request whose command failed halfway, if the engine holds it; a failure is logged."""
+    if request_id not in engine.requests:
+        return
+    try:
+        engine.abort(request_id)
+    except Exception:  # noqa: BLE001 - best effort: the request's own failure was already reported
+        log.exception("request %s: aborting it after its failure failed too", request_id)
 
 
 def worker_info(engine) -> WorkerInfo:

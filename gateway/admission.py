@@ -41,6 +41,7 @@ from gateway.openai_api import ApiError
 from gateway.ticker import Ticker
 from pools.credit_hold import Admission, PoolFull, QueueTimeout, reservation
 from pools.credits import Ticket
+from pools.flows import FLOW_CAP
 from pools.placement import Placement, Work
 from pools.pool import Pool
 from pools.tenants import Tenants
@@ -140,7 +141,9 @@ class AdmissionControl:
             placement = Placement(pool.num_replicas, block_size, max_cached_blocks=credits[pool.name] // block_size,
                                   avg_len=pool.spec.avg_len)
             pool.admission = Admission(pool.name, [credits[pool.name]] * pool.num_replicas, tenants=policies,
-                                       max_queue_seconds=pool.spec.max_queue_seconds, placement=placement)
+                                       max_queue_seconds=pool.spec.max_queue_seconds, placement=placement,
+                                       max_seqs=(max_num_seqs or {}).get(pool.name),
+                                       flow_cap=FLOW_CAP if pool.spec.slo is not None else None)
             local[pool.name] = pool
         return cls(tenants, local, AdmissionMetrics(registry), dict(max_num_seqs or {}))
 
@@ -174,7 +177,7 @@ class AdmissionControl:
                                                      pool.cache_salt(tenant))
                 key = f"{request_id}@{name}"
                 ticket = await stack.enter_async_context(self._hold(pool, key, needs[name], tenant, priority,
-                                                                    background, work))
+                                                                    background, work, n * len(prompts[name])))
                 placed[name] = Placed(pool, ticket.replica, key)
                 self._count_placement(pool, ticket.replica, work, key)
             yield placed
@@ -216,12 +219,12 @@ class AdmissionControl:
 
     @contextlib.asynccontextmanager
     async def _hold(self, pool: Pool, key: str, need: int, tenant: str, priority: int, background: bool,
-                    work: Work) -> AsyncIterator[Ticket]:
+                    work: Work, num_seqs: int) -> AsyncIterator[Ticket]:
         labels = {"pool": pool.name, "tenant": "batch" if background else tenant}
         started = time.perf_counter()
         try:
             async with pool.admission.hold(key, need, tenant=tenant, priority=priority, background=background,
-                                           work=work) as ticket:
+                                           work=work, num_seqs=num_seqs) as ticket:
                 self.metrics.wait.labels(**labels).observe(time.perf_counter() - started)
                 self.metrics.admitted.labels(**labels).inc()
                 yield ticket

@@ -10,6 +10,11 @@ instead of being refused.
 Every error is answered in the OpenAI format `{"error": {message, type, param, code}}`: the
 middleware does it for the handlers, `GatewayRunner` for aiohttp's own HTTP parser errors (a bad
 request line, a header over 8 KiB), which never reach a handler.
+
+Every response a handler returns unsent (JSON answers and errors, file contents, relayed upstream
+bodies) is written by the outermost middleware within `gateway.write_timeout`: a client that takes
+nothing for that long has its connection aborted (a WARNING, `cliffguard_client_write_timeouts_total`).
+Streams write themselves under the same limit (`gateway.responses`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from aiohttp.web_protocol import RequestHandler
 from gateway import batches, dashboard, handlers
 from gateway.admission import bearer_key
 from gateway.openai_api import ApiError
+from gateway.responses import BODY_SNDBUF_BYTES, RESPONSE_BUFFERS, ResponseBuffers, limit_send_buffer
 from gateway.runtime import GATEWAY, Gateway
 from pools.spec import CliffguardConfig
 
@@ -47,9 +53,12 @@ def create_app(gateway: Gateway, *, data_dir: Path | str | None = None,
     `data_dir`, its runner started after the gateway and stopped before it); without one (in-process
     tests), no batch routes: there is nowhere durable to keep them. `batch_executor` replaces the line
     executor (tests)."""
-    app = web.Application(client_max_size=gateway.config.gateway.max_body_bytes,
-                          middlewares=[_error_middleware, _auth_middleware])
+    spec = gateway.config.gateway
+    app = web.Application(client_max_size=spec.max_body_bytes,
+                          middlewares=[_write_middleware, _error_middleware, _auth_middleware])
     app[GATEWAY] = gateway
+    app[RESPONSE_BUFFERS] = ResponseBuffers(spec.max_response_buffer_bytes, spec.max_buffered_bytes,
+                                            gateway.metrics.buffered_response_bytes)
     app.cleanup_ctx.append(_lifecycle)
     if data_dir is not None:
         batches.setup(app, data_dir, batch_executor)
@@ -76,6 +85,44 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     yield
     await gateway.session.close()
     await gateway.stop()
+
+
+@web.middleware
+async def _write_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Write the handler's response here, within `write_timeout`, unless it is already under way (a
+    stream) or its client is gone; aiohttp then finds it written. A client that takes nothing for that
+    long has its connection aborted. A body over `BODY_SNDBUF_BYTES` goes through a send buffer of that
+    size, so the limit starts counting once that much is unread (not megabytes later)."""
+    response = await handler(request)
+    if response.prepared or request.transport is None or request.transport.is_closing():
+        return response
+    gateway = request.app[GATEWAY]
+    body = response.body if isinstance(response, web.Response) else None
+    size = len(body) if isinstance(body, (bytes, bytearray)) else 0
+    if size > BODY_SNDBUF_BYTES:
+        limit_send_buffer(request, BODY_SNDBUF_BYTES)
+    buffers = request.app[RESPONSE_BUFFERS]
+    buffers.count(size)
+    try:
+        await asyncio.wait_for(_send(request, response), gateway.config.gateway.write_timeout)
+    except TimeoutError:
+        pool = response.headers.get("x-cliffguard-pool", "none").split(",")[0]
+        log.warning("%s %s (pool %s): the client read nothing of its %d-byte answer for %g s "
+                    "(gateway.write_timeout); closing the connection", request.method, request.path, pool, size,
+                    gateway.config.gateway.write_timeout)
+        gateway.metrics.client_write_timeouts.labels(pool=pool).inc()
+        if request.transport is not None:
+            request.transport.abort()
+    except ConnectionError:
+        pass   # the client went away meanwhile; aiohttp notes it
+    finally:
+        buffers.count(-size)
+    return response
+
+
+async def _send(request: web.Request, response: web.StreamResponse) -> None:
+    await response.prepare(request)
+    await response.write_eof()
 
 
 def _error_json(err: ApiError) -> web.Response:
@@ -171,9 +218,18 @@ class GatewayRunner(web.AppRunner):
         return server
 
 
+MIN_KEEPALIVE_S = 5.0   # an idle keep-alive connection is closed after max(this, gateway.write_timeout)
+
+
 async def start_server(app: web.Application, host: str, port: int) -> GatewayRunner:
-    """Serve `app` on host:port (0: a free port, see `runner.addresses`); `runner.cleanup()` stops it."""
-    runner = GatewayRunner(app, handler_cancellation=True, access_log=None)
+    """Serve `app` on host:port (0: a free port, see `runner.addresses`); `runner.cleanup()` stops it.
+
+    A connection idle between requests is closed after `gateway.write_timeout` (at least
+    `MIN_KEEPALIVE_S`; aiohttp's default is 75 s): a client that sent a request and never reads its
+    small answer (which the kernel's buffers took whole) holds the socket no longer than one that
+    reads nothing of a large one."""
+    keepalive = max(MIN_KEEPALIVE_S, app[GATEWAY].config.gateway.write_timeout) if GATEWAY in app else 75.0
+    runner = GatewayRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=keepalive)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

@@ -3,11 +3,15 @@
 at once; it resumes unfinished batches after a restart from the durable store
 (`pools.batchstore.BatchStore`) and holds no state a restart needs.
 
-A line answered 503 `engine_dead` / `pool_unavailable` or 502 (an upstream pool) is retried with
-back-off, at most MAX_LINE_ATTEMPTS times; a line in flight when its device worker died twice (two
-503 `engine_dead`) is a poison line. Either is recorded as the line's error, with its last answer. A
-store call that fails for storage (disk full, database locked) is retried MAX_STORE_ATTEMPTS times,
-then the batch fails (`errors` naming `storage_error`) rather than stay in_progress or finalizing.
+A line answered 503 `engine_dead` / `pool_unavailable` or 502 `upstream_unreachable` (an upstream pool
+no connection could be made to: nothing was sent) is retried with back-off, at most MAX_LINE_ATTEMPTS
+times; a line in flight when its device worker died twice (two 503 `engine_dead`) is a poison line.
+Either is recorded as the line's error, with its last answer. Any other answer is the line's: a line an
+upstream may have received (502 `upstream_disconnected`) is never sent again, so it never runs twice.
+Forwarded lines carry `Idempotency-Key: <batch id>:<custom_id>` (`gateway.upstream.IDEMPOTENCY_KEY`)
+for upstreams that dedupe; the runner does not rely on it. A store call that fails for storage (disk
+full, database locked) is retried MAX_STORE_ATTEMPTS times, then the batch fails (`errors` naming
+`storage_error`) rather than stay in_progress or finalizing.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 from gateway.openai_api import ApiError
 from gateway.runtime import Gateway
+from gateway.upstream import IDEMPOTENCY_KEY
 from pools.batch_input import BatchInputError, BatchLine
 from pools.batchstore import STORAGE_ERRORS, BatchStore
 from pools.tenants import DEFAULT_TENANT
@@ -32,7 +38,9 @@ log = logging.getLogger("cliffguard.batches")
 
 MAX_IN_FLIGHT = 16                  # lines of one batch in flight; KV credits, not this, protect the engine
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 10.0
-TRANSIENT_CODES = ("engine_dead", "pool_unavailable")   # 503s worth another try; and any 502 (upstream)
+# Answers worth another try: the request never ran (a worker died under it before anything was sent
+# to the client, the pool was down, or no connection to the upstream was made).
+TRANSIENT = {(503, "engine_dead"), (503, "pool_unavailable"), (502, "upstream_unreachable")}
 MAX_LINE_ATTEMPTS = 10              # tries of a line answered transiently (0.5 s ... 10 s apart: about a minute)
 MAX_ENGINE_DEATHS = 2               # 503 engine_dead answers after which a line is a poison line
 MAX_STORE_ATTEMPTS = 6              # tries of a store call failing for storage, before the batch fails
@@ -140,12 +148,13 @@ class BatchRunner:
     `start` resumes every batch a previous process left in_progress, finalizing or cancelling (lines
     that were in flight when it died are still pending and run again). Each line runs as the batch's
     tenant, read from the store. A batch has at most `max_in_flight` lines in flight. A transient
-    answer (503 `engine_dead` / `pool_unavailable`, 502) is not a result: the line is tried again after
-    a back-off (`retry_first_s` doubling, at most `retry_max_s`), at most `max_line_attempts` times in
-    all; a line answered `engine_dead` is tried again alone (`_Gate`), and a second `engine_dead` makes
-    it a poison line. Both end as the line's error. A store call failing for storage is tried
-    `max_store_attempts` times with the same back-off, then the batch fails; so does a batch whose run
-    raises anything else: a batch never stays unfinished while this runner lives.
+    answer (`TRANSIENT`: 503 `engine_dead` / `pool_unavailable`, 502 `upstream_unreachable`) is not a
+    result: the line is tried again after a back-off (`retry_first_s` doubling, at most `retry_max_s`),
+    at most `max_line_attempts` times in all; a line answered `engine_dead` is tried again alone
+    (`_Gate`), and a second `engine_dead` makes it a poison line. Both end as the line's error. A store
+    call failing for storage is tried `max_store_attempts` times with the same back-off, then the batch
+    fails; so does a batch whose run raises anything else: a batch never stays unfinished while this
+    runner lives.
 
     Event loop only. Every store call goes through the runner's one thread: the loop never waits on
     SQLite, and the store sees one caller at a time. `stop` leaves unfinished batches as they are in
@@ -294,7 +303,7 @@ class BatchRunner:
         """Take lines until none is left or the batch is cancelled; record each outcome. A line aborted
         by a cancel is not recorded."""
         while not run.cancelling and (line := await self._next_line(run)) is not None:
-            task = asyncio.ensure_future(self._answer(line, run.tenant))
+            task = asyncio.ensure_future(self._answer(line, run.tenant, run.batch_id))
             run.in_flight.add(task)
             try:
                 await asyncio.wait([task])
@@ -309,9 +318,11 @@ class BatchRunner:
             await self.durable(self.store.record, run.batch_id, line.line_no, outcome.status, outcome.body,
                                error=outcome.error)
 
-    async def _answer(self, line: BatchLine, tenant: str) -> _Outcome:
+    async def _answer(self, line: BatchLine, tenant: str, batch_id: str) -> _Outcome:
         """The line's outcome as `tenant` (a streaming line is the executor's 400): transient answers
-        are tried again up to `max_line_attempts`, a second `engine_dead` makes a poison line."""
+        are tried again up to `max_line_attempts`, a second `engine_dead` makes a poison line. Runs in
+        a task of its own, whose upstream requests carry the line's Idempotency-Key."""
+        IDEMPOTENCY_KEY.set(f"{batch_id}:{quote(line.custom_id, safe='')}")
         delay, deaths = self.retry_first_s, 0
         for attempt in range(1, self.max_line_attempts + 1):
             status, body = await self._attempt(line, tenant, alone=deaths > 0)
@@ -356,4 +367,4 @@ def _describe(status: int, body: Any) -> str:
 
 
 def _is_transient(status: int, body: Any) -> bool:
-    return status == 502 or (status == 503 and _error(body).get("code") in TRANSIENT_CODES)
+    return (status, _error(body).get("code")) in TRANSIENT

@@ -16,6 +16,7 @@ endpoint sees only the caller's owner's: another owner's id answers exactly as a
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator
@@ -129,21 +130,27 @@ async def retrieve_file(request: web.Request) -> web.Response:
 
 async def file_content(request: web.Request) -> web.StreamResponse:
     """`GET /v1/files/{id}/content`: the file's bytes, read from the store and sent CHUNK_BYTES at a time (a
-    storage error half-way closes the connection: the client sees the body end short)."""
+    storage error half-way closes the connection: the client sees the body end short). A client that takes
+    nothing for `gateway.write_timeout` is cut off, as for every response."""
     runner, file_id, owner = request.app[BATCHES], request.match_info["file_id"], _owner(request)
     file = _found(await runner.db(runner.store.file, file_id, owner=owner), "file_id", file_id)
     response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
     response.content_length = file["bytes"]
+    timeout = request.app[GATEWAY].config.gateway.write_timeout
     await response.prepare(request)
     try:
         for offset in range(0, file["bytes"], CHUNK_BYTES):
-            await response.write(await runner.db(runner.store.file_content, file_id, owner=owner, offset=offset,
-                                                 size=CHUNK_BYTES))
+            chunk = await runner.db(runner.store.file_content, file_id, owner=owner, offset=offset, size=CHUNK_BYTES)
+            await asyncio.wait_for(response.write(chunk), timeout)
+        await asyncio.wait_for(response.write_eof(), timeout)
     except ApiError as exc:   # the store failed half-way: the body ends short of Content-Length, then the connection
         log.error("file %s: sending its content stopped: %s", file_id, exc.message)
         response.force_close()
-        return response
-    await response.write_eof()
+    except TimeoutError:
+        log.warning("file %s: the client read nothing for %g s (gateway.write_timeout); connection closed",
+                    file_id, timeout)
+        if request.transport is not None:
+            request.transport.abort()
     return response
 
 

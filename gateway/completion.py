@@ -6,12 +6,14 @@ The stages, in order (`Completion.answer`):
 2. **forward** to an upstream pool (`gateway.upstream`), which answers it all; otherwise, local pools:
 3. **clamp** the priority to what the tenant may ask for (`AdmissionControl.clamp_priority`);
 4. **wait for the device**: a pool none of whose replicas has loaded yet holds the request, holding
-   nothing (`Gateway.wait_device`); 503 if every replica failed to start;
+   nothing (`Gateway.wait_device`); 503 if every replica failed to start, or (with Retry-After) if none
+   is ready within `gateway.device_wait_seconds`;
 5. **hold credits**: the KV the request may need, in its tenant's channel of each pool's credit queue
    (`AdmissionControl.admitted`), on the replica that can start it soonest, until the engine is done;
 6. **run** on that replica and assemble the answer (`gateway.responses.LocalResponse`); a request a
    worker died under before its client saw anything gives its credits back and runs again, once,
-   from stage 4: on another replica when the pool has one up, else on the restarted worker;
+   from stage 4: on another replica when the pool has one up, else on the restarted worker. A request
+   in flight at two worker deaths is a poison request: 500 `poison_request`, never run a third time;
 7. **answer**: the credits are back as soon as the engine is done; then the client gets its stream or
    body (an HTTP request), or the batch runner its JSON (a batch line, `http` None).
 """
@@ -40,10 +42,11 @@ log = logging.getLogger("cliffguard.gateway")
 
 # A request the device worker died under before its client saw anything (nothing streamed yet, or not
 # streamed at all) runs again this many times, on another replica or the restarted worker (its client
-# sees one answer);
-# past that, or once a chunk was streamed, 503 engine_dead (or an error event).
-# A request that itself kills the worker therefore kills it 1 + this many times. Batch lines are retried
-# by the batch runner instead (a line that kills the worker twice is a poison line).
+# sees one answer); once a chunk was streamed, 503 engine_dead (or an error event). A request in flight
+# at 1 + this many deaths is a poison request: 500 poison_request (or that error event), not run again.
+# So a request that itself kills the worker kills it twice, never three times. Batch lines are retried
+# by the batch runner instead, by the same count (`gateway.batch_runner.MAX_ENGINE_DEATHS`: a line that
+# kills the worker twice is a poison line).
 ENGINE_DEATH_RETRIES = 1
 
 
@@ -104,10 +107,10 @@ class Completion:
     async def _run_local(self, req: ChatRequest | CompletionRequest) -> LocalResponse:
         """Wait for each pool's device, hold the credits on the replicas placement picks, run the request
         there; once more (on another replica, or the restarted worker) if a worker died before the client
-        saw anything (HTTP only)."""
+        saw anything (HTTP only). A second death makes it a poison request (`poison_error`)."""
         gateway = self.gateway
-        retries = 0 if self.background else ENGINE_DEATH_RETRIES   # the batch runner has its own policy
-        for attempt in range(1 + retries):
+        deaths = 0   # worker deaths this request was in flight at
+        while True:
             for pool, _ in self.routed:
                 await gateway.wait_device(pool)
             async with gateway.admission.admitted(self.routed, max_tokens=req.params.max_tokens, n=req.params.n,
@@ -118,12 +121,27 @@ class Completion:
                                          metrics=gateway.metrics, write_timeout=gateway.config.gateway.write_timeout,
                                          tenant=self.tenant)
                 await local.run()
-            if attempt == retries or not local.retryable:
-                break
+            if self.background or local.error is None or local.error.code != "engine_dead":
+                return local   # answered, failed otherwise, or a batch line (the batch runner counts deaths)
+            deaths += 1
             where = ", ".join(f"{name} replica {p.replica}" for name, p in placed.items())
+            if deaths > ENGINE_DEATH_RETRIES:
+                log.error("%s: a poison request: the device worker (%s) died under it %d times (%s); not run again",
+                          local.request_id, where, deaths, local.error.message)
+                local.error = poison_error(local.request_id, deaths, local.error)
+                return local
+            if not local.retryable:
+                return local
             log.warning("%s: the device worker (%s) died before the client saw anything (%s); running it again",
                         local.request_id, where, local.error.message)
-        return local
+
+
+def poison_error(request_id: str, deaths: int, last: ApiError) -> ApiError:
+    """The 500 of a request in flight at `deaths` worker deaths (`last`: the last death's 503)."""
+    return ApiError(500, f"request {request_id}: it was in flight when the device worker died "
+                         f"{'twice' if deaths == 2 else f'{deaths} times'} "
+                         f"(the last: {last.message}); not retried again", type="server_error",
+                    code="poison_request")
 
 
 def with_tool_grammar(req: ChatRequest | CompletionRequest, pool: Pool) -> ChatRequest | CompletionRequest:

@@ -52,6 +52,7 @@ class GatewayMetrics:
         self._add_request_series()
         self._add_device_series()
         self._add_overload_series()
+        self._add_client_series()
         # Engine counters arrive as totals; remember each series' last total to add only the difference.
         self._last: dict[tuple[str, tuple[str, ...]], float] = {}
 
@@ -138,14 +139,17 @@ class GatewayMetrics:
                                         _PR)
         self.worker_restarts = self._counter("worker_restarts", "Device worker processes started again after "
                                              "the worker died.", _DEVICE)
-        self.worker_stalls = self._counter("worker_stalls", "Device workers killed by the watchdog: requests in "
-                                           "flight and no word from the worker for gateway.stall_seconds.", _DEVICE)
+        self.worker_stalls = self._counter("worker_stalls", "Device workers killed by the watchdog: no word from "
+                                           "the worker, not even its heartbeat, for gateway.stall_seconds.", _DEVICE)
+        self.worker_step_timeouts = self._counter("worker_step_timeouts", "Device workers killed by the watchdog: "
+                                                  "still beating, but one step ran over "
+                                                  "gateway.step_timeout_seconds.", _DEVICE)
         self.replicas = self._gauge("replicas", "Replicas of the device by state: ready, loading, draining, "
                                     "restarting, failed, stopped (an autoscaled device's parked slots).",
                                     ["device", "state"])
         self.replica_scalings = self._counter("replica_scalings", "Replicas the autoscaler added (up) or removed "
                                               "(down).", ["device", "direction"])
-        self.client_write_timeouts = self._counter("client_write_timeouts", "Streams aborted because their "
+        self.client_write_timeouts = self._counter("client_write_timeouts", "Responses aborted because their "
                                                    "client read nothing for gateway.write_timeout.", ["pool"])
 
     def _add_overload_series(self) -> None:
@@ -168,6 +172,16 @@ class GatewayMetrics:
                                     "step at start).", ["pool", "target"])
         self.pool_oldest_wait = self._gauge("pool_oldest_waiting_seconds", "Age of the pool's oldest request still "
                                             "without its first token.", _POOL)
+
+    def _add_client_series(self) -> None:
+        """What the gateway holds for clients slower than their answers (gateway.responses.ResponseBuffers)."""
+        self.buffered_response_bytes = self._gauge("buffered_response_bytes", "Bytes of responses the gateway "
+                                                   "holds unsent: queued stream chunks and JSON bodies being "
+                                                   "written.", [])
+        self.paused_responses = self._counter("paused_responses", "Times a stream paused its engine requests: "
+                                              "its client read slower than they were generated "
+                                              "(gateway.max_response_buffer_bytes, gateway.max_buffered_bytes).",
+                                              _POOL)
 
     def _advance(self, counter: Counter, series: str, total: float, **labels: str) -> None:
         """Add what `total` grew by since the series' last total. The series is exported from the

@@ -6,8 +6,16 @@ and returns as soon as the engine is done with every request, so the caller give
 back then (credits follow the engine, not the socket). A stream's chunks go to a writer task that
 writes them as fast as the client reads; a client that takes nothing for `write_timeout` seconds
 (`gateway.write_timeout`) has its connection aborted, its engine requests aborted if they still run,
-a WARNING logged and `cliffguard_client_write_timeouts_total` counted. So a client that never reads
-holds no KV, and at most its own response in memory, for at most `write_timeout`.
+a WARNING logged and `cliffguard_client_write_timeouts_total` counted. A JSON body (and every other
+response the gateway sends) is written by `gateway.app`'s write middleware under the same limit.
+
+What the gateway holds unsent is bounded (`ResponseBuffers`): a stream whose queued chunks exceed
+`gateway.max_response_buffer_bytes` (1 MiB), or that adds one while all responses' unsent bytes (JSON
+bodies being written too; `cliffguard_buffered_response_bytes`) exceed `gateway.max_buffered_bytes`
+(256 MiB), **pauses** its engine requests (`cliffguard_paused_responses_total`): they keep their KV
+blocks and the response its credits, but are not stepped (no preemption, no recompute; deltas already
+computed still arrive). They resume once the stream is under half its bound and the total under half
+its own. A paused client that reads nothing for `write_timeout` is aborted like any other.
 
 Leaving early for any reason — the client goes away mid-stream, the writer times out, or the handler
 is cancelled — closes the engine streams, which aborts their requests and frees their blocks.
@@ -27,10 +35,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import Gauge
 
 from engine.outputs import RequestDelta, SampleDelta
 from engine.sampling import SamplingParams
-from engine.client import EngineDeadError
+from engine.client import EngineDeadError, RequestFailedError
 from gateway import openai_objects as objects
 from gateway.admission import Placed
 from gateway.metrics import GatewayMetrics
@@ -41,9 +50,62 @@ from pools.pool import Pool
 Routed = Sequence[tuple[Pool, list[int]]]   # each prompt's pool and token ids
 log = logging.getLogger("cliffguard.gateway")
 
-# A stream's socket send buffer. Loopback autotuning grows it to megabytes, which a client that never
-# reads fills before any write blocks: with this, `write_timeout` starts counting after ~256 KiB.
-STREAM_SNDBUF_BYTES = 256 << 10
+# Socket send buffers. Loopback autotuning grows them to megabytes, which a client that never reads fills
+# before any write blocks: with these, `write_timeout` starts counting once about that much is unread.
+STREAM_SNDBUF_BYTES = 256 << 10   # a stream
+BODY_SNDBUF_BYTES = 64 << 10      # a whole body larger than this (a JSON answer with logprobs: gateway.app)
+
+
+class ResponseBuffers:
+    """The bytes the gateway holds unsent for its clients, per stream and in total, and their bound (the
+    module docstring): pauses and resumes streams (`LocalResponse.set_paused`). One per app
+    (`RESPONSE_BUFFERS`, from `gateway.max_response_buffer_bytes` and `max_buffered_bytes`); event loop only."""
+
+    def __init__(self, max_response_bytes: int, max_total_bytes: int, gauge: Gauge | None = None) -> None:
+        self.max_response_bytes, self.max_total_bytes = max_response_bytes, max_total_bytes
+        self.num_bytes = 0                              # unsent, all responses together
+        self._gauge = gauge                             # cliffguard_buffered_response_bytes
+        self._unsent: dict[LocalResponse, int] = {}     # each stream's unsent bytes
+        self._paused: set[LocalResponse] = set()
+
+    def add(self, response: LocalResponse, num_bytes: int) -> None:
+        """`response` queued `num_bytes` more; it pauses if that takes it, or the total, over the bound."""
+        self._unsent[response] = self._unsent.get(response, 0) + num_bytes
+        self.count(num_bytes)
+        if response not in self._paused and (self._unsent[response] > self.max_response_bytes
+                                             or self.num_bytes > self.max_total_bytes):
+            self._paused.add(response)
+            response.set_paused(True)
+
+    def sent(self, response: LocalResponse, num_bytes: int) -> None:
+        """`num_bytes` of `response` were written; paused streams that are under both halves resume."""
+        left = self._unsent.pop(response, 0) - num_bytes
+        if left > 0:
+            self._unsent[response] = left
+        self.count(-num_bytes)
+
+    def forget(self, response: LocalResponse) -> None:
+        """The stream ended (written, or its client gone): nothing of it is held any more."""
+        self._paused.discard(response)
+        self.sent(response, self._unsent.get(response, 0))
+
+    def count(self, num_bytes: int) -> None:
+        """More (+) or fewer (-) unsent bytes in the total; also a whole body being written (nothing to pause)."""
+        self.num_bytes += num_bytes
+        if self._gauge is not None:
+            self._gauge.set(self.num_bytes)
+        if num_bytes < 0:
+            self._resume()
+
+    def _resume(self) -> None:
+        if not self._paused or self.num_bytes >= self.max_total_bytes / 2:
+            return
+        for response in [r for r in self._paused if self._unsent.get(r, 0) < self.max_response_bytes / 2]:
+            self._paused.discard(response)
+            response.set_paused(False)
+
+
+RESPONSE_BUFFERS = web.AppKey("response_buffers", ResponseBuffers)
 
 
 class ClientGone(ConnectionResetError):
@@ -72,8 +134,8 @@ async def merged(routed: Routed, params: SamplingParams, priority: int, request_
     """(prompt index, delta) from every prompt's engine request, as they arrive, each on the replica its
     pool's part was placed on (`placed`)."""
     def generate(i: int, pool: Pool, ids: list[int]):
-        return placed[pool.name].client.generate(ids, params, request_id=request_id if len(routed) == 1 else
-                                                 f"{request_id}-{i}", priority=priority, pool=pool.name,
+        engine_id = engine_request_id(request_id, i, len(routed))
+        return placed[pool.name].client.generate(ids, params, request_id=engine_id, priority=priority, pool=pool.name,
                                                  cache_salt=pool.cache_salt(tenant))
 
     if len(routed) == 1:
@@ -110,10 +172,19 @@ async def merged(routed: Routed, params: SamplingParams, priority: int, request_
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def engine_request_id(request_id: str, i: int, num_prompts: int) -> str:
+    """The engine request id of prompt i of a response (`merged`)."""
+    return request_id if num_prompts == 1 else f"{request_id}-{i}"
+
+
 def engine_error(exc: Exception) -> ApiError:
-    """A refused or failed engine request as an API error (the engine's message names the field)."""
+    """A refused or failed engine request as an API error (the engine's message names the field): the
+    worker died (503 `engine_dead`), it failed to handle this request alone (500 `request_failed`), or
+    it refused the request's input (400)."""
     if isinstance(exc, EngineDeadError):
         return ApiError(503, f"engine unavailable: {exc}", type="server_error", code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return ApiError(500, str(exc), type="server_error", code="request_failed")
     message = str(exc)
     return ApiError(400, message, param=message.split(":", 1)[0] if ":" in message else None)
 
@@ -125,11 +196,12 @@ class LocalResponse:
     (it returns when the engine is done), then `await finish()` (the stream's end or the JSON
     response) or `await result()` (a batch line's body). `received` is when the request arrived
     (time.perf_counter), so time to first token and end-to-end latency include parsing and counting.
+    `buffers` bounds what a stream holds unsent (by default the app's `RESPONSE_BUFFERS`).
     """
 
     def __init__(self, request: web.Request | None, req: ChatRequest | CompletionRequest, routed: Routed, *,
                  placed: dict[str, Placed], received: float, metrics: GatewayMetrics, write_timeout: float = 30.0,
-                 tenant: str = "default") -> None:
+                 tenant: str = "default", buffers: ResponseBuffers | None = None) -> None:
         self.request, self.req, self.routed, self.placed = request, req, routed, placed
         self.chat = isinstance(req, ChatRequest)
         self.received, self.metrics = received, metrics
@@ -153,6 +225,9 @@ class LocalResponse:
         self.error: ApiError | None = None               # the engine's failure, answered by `finish`
         self.write_timeout = write_timeout
         self.tenant = tenant                             # whose prefix-cache partition it uses
+        if buffers is None and request is not None:
+            buffers = request.app.get(RESPONSE_BUFFERS)
+        self.buffers = buffers
         self._first_at: dict[int, float] = {}
         self._last_at: dict[int, float] = {}
         self._chunks: deque[bytes] = deque()             # SSE events the writer has not written yet
@@ -175,7 +250,7 @@ class LocalResponse:
             if self._writer is not None:
                 self._writer.cancel()   # the handler itself was cancelled: nobody will finish the stream
             raise
-        except (EngineDeadError, ValueError) as exc:
+        except (EngineDeadError, RequestFailedError, ValueError) as exc:
             self.error = engine_error(exc)
 
     async def finish(self) -> web.StreamResponse:
@@ -200,7 +275,7 @@ class LocalResponse:
         elif self.req.include_usage:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
             self._queue(objects.usage_chunk(self.request_id, self.req.model, self.created, obj, *self._usage()))
-        self._chunks.append(b"data: [DONE]\n\n")
+        self._push(b"data: [DONE]\n\n")
 
     @property
     def retryable(self) -> bool:
@@ -300,12 +375,35 @@ class LocalResponse:
     def _queue(self, obj: dict[str, Any], event: str | None = None) -> None:
         """One SSE event for the writer (started with the first); `event` names its type (the Responses API)."""
         head = f"event: {event}\n".encode() if event else b""
-        self._chunks.append(head + b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+        self._push(head + b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
         self._start_writer()
+
+    def _push(self, chunk: bytes) -> None:
+        """Queue a chunk for the writer, counted in `buffers` (which may pause the engine requests)."""
+        if self._writer is not None and self._writer.done():
+            return   # the writer stopped (the client is gone): nothing more is written
+        self._chunks.append(chunk)
+        if self.buffers is not None:
+            self.buffers.add(self, len(chunk))
+
+    def _drop_chunks(self) -> None:
+        """Forget what was not written (the stream ended or its client is gone)."""
+        self._chunks.clear()
+        if self.buffers is not None:
+            self.buffers.forget(self)
+
+    def set_paused(self, paused: bool) -> None:
+        """Pause (True) or resume this response's engine requests, which keep their KV blocks and the
+        response its credits meanwhile (`ResponseBuffers` decides; `AsyncEngineClient.pause`)."""
+        if paused:
+            self.metrics.paused_responses.labels(pool=self.routed[0][0].name).inc()
+        for i, (pool, _) in enumerate(self.routed):
+            self.placed[pool.name].client.pause(engine_request_id(self.request_id, i, len(self.routed)), paused)
 
     def _start_writer(self) -> None:
         if self._writer is None:
             self._writer = asyncio.ensure_future(self._write())
+            self._writer.add_done_callback(lambda _: self._drop_chunks())
         self._wake.set()
 
     async def _write(self) -> None:
@@ -317,7 +415,11 @@ class LocalResponse:
                 self.response = await asyncio.wait_for(start_sse(self.request, self.headers), self.write_timeout)
             while True:
                 while self._chunks:
-                    await asyncio.wait_for(self.response.write(self._chunks.popleft()), self.write_timeout)
+                    chunk = self._chunks[0]   # unsent (and counted) until written
+                    await asyncio.wait_for(self.response.write(chunk), self.write_timeout)
+                    self._chunks.popleft()
+                    if self.buffers is not None:
+                        self.buffers.sent(self, len(chunk))
                 if self._closing:
                     await asyncio.wait_for(self.response.write_eof(), self.write_timeout)
                     return
@@ -327,7 +429,7 @@ class LocalResponse:
             self._client_stalled()
         except (ConnectionError, RuntimeError) as exc:   # RuntimeError: aiohttp's "transport is closing"
             self._write_error = ClientGone(f"client went away: {exc}")
-            self._chunks.clear()
+            self._drop_chunks()
         if self._runner is not None and not self._runner.done():
             self._runner.cancel()
 
@@ -338,7 +440,7 @@ class LocalResponse:
         log.warning("%s (pool %s): the client read nothing for %g s (gateway.write_timeout); aborting the "
                     "stream and its engine requests", self.request_id, pool, self.write_timeout)
         self.metrics.client_write_timeouts.labels(pool=pool).inc()
-        self._chunks.clear()
+        self._drop_chunks()
         transport = self.request.transport if self.request is not None else None
         if transport is not None:
             transport.abort()
@@ -376,9 +478,14 @@ async def start_sse(request: web.Request, headers: dict[str, str]) -> web.Stream
     """A prepared `text/event-stream` response with `headers` (the pools and replicas that answer)."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **headers})
+    limit_send_buffer(request)
+    await response.prepare(request)
+    return response
+
+
+def limit_send_buffer(request: web.Request, num_bytes: int = STREAM_SNDBUF_BYTES) -> None:
+    """Give the request's socket a send buffer of `num_bytes` (see `STREAM_SNDBUF_BYTES`)."""
     sock = request.transport.get_extra_info("socket") if request.transport is not None else None
     if sock is not None:
         with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF_BYTES)
-    await response.prepare(request)
-    return response
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, num_bytes)

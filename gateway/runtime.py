@@ -196,8 +196,10 @@ class Gateway:
         for device, configs in self.engines.items():
             pools = [pool for pool in self.pools.values() if pool.device == device]
             links = self._links(device, configs)
+            watchdog = self.config.gateway
             supervisors = [DeviceSupervisor(device, config, pools, self.metrics, self.backoff,
-                                            stall_seconds=self.config.gateway.stall_seconds, replica=r, link=link)
+                                            stall_seconds=watchdog.stall_seconds, replica=r, link=link,
+                                            step_timeout_seconds=watchdog.step_timeout_seconds)
                            for r, (config, link) in enumerate(zip(configs, links))]
             self.supervisors[device] = supervisors
             for pool in pools:
@@ -274,24 +276,28 @@ class Gateway:
         return replicas[replica].info if replicas else None
 
     async def wait_device(self, pool: Pool) -> None:
-        """Wait until a replica of the pool's device has loaded (at once when one is up); 503 if every
-        replica failed to start, or if none is ready within the pool's `max_queue_seconds` (the 503
-        names each replica's state: loading, placing on a cluster, restarting). Requests then wait for
-        credits in the pool's queue, holding nothing while a replica restarts."""
+        """Wait until a replica of the pool's device has loaded (at once when one is up), holding nothing
+        (no KV credits: those are taken after); 503 if every replica failed to start, or with
+        `Retry-After` if none is ready within `gateway.device_wait_seconds` (or the pool's
+        `max_queue_seconds`, when smaller and not 0); the 503 names each replica's state: loading,
+        placing on a cluster, restarting."""
         replicas = self.supervisors[pool.device]
         if any(s.is_ready for s in replicas):
             return
         waits = [asyncio.ensure_future(s.wait_ready()) for s in replicas]
-        limit = pool.spec.max_queue_seconds or None
-        deadline = None if limit is None else time.monotonic() + limit
+        limit = self.config.gateway.device_wait_seconds
+        if pool.spec.max_queue_seconds:
+            limit = min(limit, pool.spec.max_queue_seconds)
+        deadline = time.monotonic() + limit
         try:
             while waits:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                left = max(0.0, deadline - time.monotonic())
                 done, pending = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 if not done:
                     states = "; ".join(f"{s.name}: {s.state}" for s in replicas)
                     raise ApiError(503, f"pool {pool.name!r}: no replica of device {pool.device!r} became ready in "
-                                        f"{limit:g} s ({states})", type="server_error", code="pool_unavailable")
+                                        f"{limit:g} s ({states}); retry later", type="server_error",
+                                   code="pool_unavailable", headers={"Retry-After": str(max(1, round(limit)))})
                 if any(not w.exception() for w in done):
                     return
                 waits = list(pending)

@@ -16,15 +16,25 @@ a stream. The supervisor then
 - starts the new worker after a back-off (`Backoff`: 1 s, 2 s, 4 s … 30 s; back to 1 s once a worker
   stayed up for `reset_after` seconds), counted in `cliffguard_worker_restarts_total{device,replica}`.
 
-A worker that is alive but silent is as dead to its clients: the watchdog (every
-`WATCHDOG_INTERVAL` s) kills a worker that has had requests in flight and sent nothing for
-`gateway.stall_seconds` (a `kill -STOP`, a hung kernel, a deadlocked driver), counted in
-`cliffguard_worker_stalls_total{device,replica}`; the in-flight requests fail with 503 `engine_dead` naming the
-stall, and the worker is restarted as if it had died. A step longer than `stall_seconds` would be
-taken for a stall: set it well above the slowest step (a long prefill chunk on a CPU).
+A worker that is alive but silent is as dead to its clients. The worker sends a heartbeat every half
+second from a thread beside its step loop (`engine.worker.HeartbeatThread`), busy or idle, saying how
+long its current step has lasted. The watchdog (every `WATCHDOG_INTERVAL` s) kills a loaded worker
 
-Requests that arrive meanwhile wait in their pool's credit queue, holding nothing, and are served by
-the first replica ready: queued, not lost. A worker that fails its first start (a bad config, a
+- whose heartbeat has been silent for `gateway.stall_seconds`, with or without requests in flight (a
+  `kill -STOP`, a process frozen whole): `restarting: stalled: …`, counted in
+  `cliffguard_worker_stalls_total{device,replica}`;
+- that still beats but whose current step has lasted over `gateway.step_timeout_seconds` (a kernel or a
+  collective that never returns): `restarting: hung: …`, counted in
+  `cliffguard_worker_step_timeouts_total{device,replica}`.
+
+A long healthy step (a throughput pool's full prefill chunk on a CPU, a first Triton compile) beats
+throughout, so it is never killed before `step_timeout_seconds`. Either way the in-flight requests fail
+with 503 `engine_dead` naming the reason (or run again: `gateway.completion`), `/ready` answers 503
+within `stall_seconds` plus one watchdog tick, and the worker is restarted as if it had died.
+
+Requests that arrive meanwhile wait for a replica (`Gateway.wait_device`), holding nothing, and are
+served by the first replica ready: queued, not lost, for up to `gateway.device_wait_seconds` (then 503
+with Retry-After). A worker that fails its first start (a bad config, a
 missing model) stays `failed: <reason>`, and once every replica of a device has, its pools answer 503
 `pool_unavailable`; starting it again would fail the same way. A worker that was ready once is
 restarted for as long as it takes.
@@ -66,7 +76,8 @@ class DeviceSupervisor:
 
     def __init__(self, device: str, config: EngineConfig, pools: Sequence[Pool], metrics: GatewayMetrics,
                  backoff: Backoff = Backoff(), stall_seconds: float = 10.0, replica: int = 0,
-                 link: ReplicaLink | None = None, start_seconds: float = 900.0) -> None:
+                 link: ReplicaLink | None = None, start_seconds: float = 900.0,
+                 step_timeout_seconds: float = 600.0) -> None:
         self.device = device
         self.replica = replica
         self.name = device if replica == 0 and all(p.num_replicas == 1 for p in pools) else f"{device}/{replica}"
@@ -75,10 +86,12 @@ class DeviceSupervisor:
         self.pools = list(pools)
         self.metrics = metrics
         self.backoff = backoff
-        self.stall_seconds = stall_seconds
+        self.stall_seconds = stall_seconds              # heartbeat silence that is a stall
+        self.step_timeout_seconds = step_timeout_seconds   # one step longer than this is a hang
         self.link = link                  # a replica placed by a cluster manager (Ray), reached over TCP
         self.start_seconds = start_seconds   # a worker not ready by then failed to start
-        self.num_stalls = 0
+        self.num_stalls = 0                # workers killed for a silent heartbeat
+        self.num_step_timeouts = 0         # workers killed for a step over step_timeout_seconds
         self._watchdog = Ticker(f"cliffguard-watchdog-{self.name}", WATCHDOG_INTERVAL, self.check_stall, log,
                                 f"device {self.name}: watchdog check failed")
         self.client: AsyncEngineClient | None = None
@@ -101,6 +114,7 @@ class DeviceSupervisor:
         self._failure, self._was_ready, self._restart_reason, self.draining = None, False, None, False
         self.metrics.worker_restarts.labels(**self.labels)   # exported from the start, at 0
         self.metrics.worker_stalls.labels(**self.labels)
+        self.metrics.worker_step_timeouts.labels(**self.labels)
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"cliffguard-device-{self.name}")
         self._watchdog.start()
 
@@ -154,18 +168,26 @@ class DeviceSupervisor:
         return self.client.info
 
     def check_stall(self, now: float | None = None) -> bool:
-        """Kill the worker if it has had work and said nothing for `stall_seconds` (`now`:
-        time.monotonic()); True if it did. The supervisor's loop then restarts it."""
+        """Kill the loaded worker if its heartbeat has been silent for `stall_seconds`, or if its current
+        step has lasted over `step_timeout_seconds` (`now`: time.monotonic()); True if it did. The
+        supervisor's loop then restarts it."""
         client = self.client
         if client is None or not self.is_ready:
             return False
-        silent = client.silent_seconds(now)
-        if silent < self.stall_seconds:
+        silent, step = client.silent_seconds(now), client.step_seconds(now)
+        if silent >= self.stall_seconds:
+            reason = (f"stalled: no word from the device worker for {silent:.1f} s, not even its heartbeat, with "
+                      f"{client.num_in_flight} requests in flight (gateway.stall_seconds {self.stall_seconds:g})")
+            self.num_stalls += 1
+            self.metrics.worker_stalls.labels(**self.labels).inc()
+        elif step > self.step_timeout_seconds:
+            reason = (f"hung: one step of the device worker has run for {step:.1f} s with {client.num_in_flight} "
+                      f"requests in flight; its heartbeat still beats (gateway.step_timeout_seconds "
+                      f"{self.step_timeout_seconds:g})")
+            self.num_step_timeouts += 1
+            self.metrics.worker_step_timeouts.labels(**self.labels).inc()
+        else:
             return False
-        reason = (f"stalled: no word from the device worker for {silent:.1f} s with {client.num_in_flight} "
-                  f"requests in flight (gateway.stall_seconds {self.stall_seconds:g})")
-        self.num_stalls += 1
-        self.metrics.worker_stalls.labels(**self.labels).inc()
         self._restart_reason = reason
         log.error("device %s: %s; killing it", self.name, reason)
         client.kill(reason)

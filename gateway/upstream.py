@@ -2,8 +2,16 @@
 
 The request body goes on unchanged except `model`, which becomes the upstream's model name; the
 answer comes back with the client's model name restored. Streams are relayed event by event as they
-arrive. Upstream errors keep their status and OpenAI error body; an unreachable upstream is a 502.
+arrive. Upstream errors keep their status and OpenAI error body. Our own 502s say whether the upstream
+may have received the request: `upstream_unreachable` when no connection could be made (nothing was
+sent: safe to send again, and the batch runner does), `upstream_disconnected` when the connection
+failed after the request may have gone out (the upstream may be running it: never sent again, so a
+batch line never runs twice), `upstream_error` for an answer that is not valid JSON.
 Token counts for metrics come from the upstream's `usage` when it reports one.
+
+A batch line is forwarded with an `Idempotency-Key: <batch id>:<custom_id>` header (`IDEMPOTENCY_KEY`,
+set by the batch runner around the line): an upstream that honours it answers a repeat from its first
+run. cliffguard does not rely on it: it never sends a line again once it may have been received.
 
 The upstream's URL is shown to clients (errors, `/v1/models`) only through `redact`, without any user
 or password in it. A relayed stream's writes to the client are bounded by `write_timeout` like a
@@ -17,6 +25,7 @@ import asyncio
 import json
 import os
 import time
+from contextvars import ContextVar
 from typing import Any
 
 import aiohttp
@@ -28,6 +37,9 @@ from gateway.openai_api import ApiError
 from gateway.responses import ClientGone, start_sse
 from pools.pool import Pool
 
+# The forwarded request's Idempotency-Key: a batch line's `<batch id>:<custom_id>` (gateway.batch_runner), else None.
+IDEMPOTENCY_KEY: ContextVar[str | None] = ContextVar("cliffguard_idempotency_key", default=None)
+
 
 def _headers(pool: Pool, stream: bool) -> dict[str, str]:
     headers = {"Content-Type": "application/json",
@@ -35,7 +47,16 @@ def _headers(pool: Pool, stream: bool) -> dict[str, str]:
     env = pool.spec.upstream_api_key_env
     if env and os.environ.get(env):
         headers["Authorization"] = f"Bearer {os.environ[env]}"
+    if (key := IDEMPOTENCY_KEY.get()) is not None:
+        headers["Idempotency-Key"] = key
     return headers
+
+
+def _upstream_failed(pool: Pool, what: str, exc: BaseException, code: str) -> ApiError:
+    """Our 502 for an upstream that failed (`code`: see the module docstring), its URL redacted."""
+    where = redact(pool.spec.upstream)
+    detail = str(exc).replace(pool.spec.upstream, where) or type(exc).__name__
+    return ApiError(502, f"upstream pool {pool.name!r} at {where} {what}: {detail}", type="server_error", code=code)
 
 
 def redact(url: str) -> str:
@@ -61,10 +82,10 @@ async def forward(request: web.Request, session: aiohttp.ClientSession, pool: Po
     received = time.perf_counter()
     try:
         upstream = await session.post(url, json=dict(body, model=pool.spec.model), headers=_headers(pool, stream))
-    except (aiohttp.ClientError, OSError) as exc:
-        where, detail = redact(pool.spec.upstream), str(exc).replace(pool.spec.upstream, redact(pool.spec.upstream))
-        raise ApiError(502, f"upstream pool {pool.name!r} at {where} is unreachable: {detail}",
-                       type="server_error", code="upstream_unreachable") from None
+    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:   # no connection: nothing sent
+        raise _upstream_failed(pool, "is unreachable", exc, "upstream_unreachable") from None
+    except (aiohttp.ClientError, OSError) as exc:   # after the request may have gone out
+        raise _upstream_failed(pool, "dropped the request", exc, "upstream_disconnected") from None
     async with upstream:
         if upstream.status >= 400:
             return await _relay_error(pool, upstream)
@@ -72,9 +93,10 @@ async def forward(request: web.Request, session: aiohttp.ClientSession, pool: Po
             return await _relay_stream(request, pool, upstream, client_model, metrics, received, write_timeout)
         try:
             payload = _rename(await upstream.json(content_type=None), client_model)
-        except (ValueError, aiohttp.ClientError) as exc:
-            raise ApiError(502, f"upstream pool {pool.name!r} sent an invalid response: {exc}",
-                           type="server_error", code="upstream_error") from None
+        except ValueError as exc:
+            raise _upstream_failed(pool, "sent an invalid response", exc, "upstream_error") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise _upstream_failed(pool, "dropped the answer", exc, "upstream_disconnected") from None
         usage = payload.get("usage") or {}
         metrics.prompt_tokens.labels(pool=pool.name).inc(usage.get("prompt_tokens", 0))
         metrics.generation_tokens.labels(pool=pool.name).inc(usage.get("completion_tokens", 0))
@@ -84,7 +106,10 @@ async def forward(request: web.Request, session: aiohttp.ClientSession, pool: Po
 
 async def _relay_error(pool: Pool, upstream: aiohttp.ClientResponse) -> web.Response:
     """The upstream's error with its status; its body when that is an OpenAI error, else one naming it."""
-    raw = await upstream.read()
+    try:
+        raw = await upstream.read()
+    except (aiohttp.ClientError, OSError) as exc:
+        raise _upstream_failed(pool, "dropped the answer", exc, "upstream_disconnected") from None
     try:
         payload = json.loads(raw)
         if not isinstance(payload, dict) or "error" not in payload:

@@ -26,7 +26,8 @@ from pools.yamlcheck import SpecError, check_mapping, check_str, load_yaml, read
 
 _TOP_KEYS = ("gateway", "devices", "pools", "tenants")
 _GATEWAY_KEYS = ("host", "port", "api_keys", "api_keys_env", "max_body_bytes", "restart_backoff", "write_timeout",
-                 "stall_seconds", "metrics_auth", "limits")
+                 "stall_seconds", "step_timeout_seconds", "device_wait_seconds", "max_response_buffer_bytes",
+                 "max_buffered_bytes", "metrics_auth", "limits")
 _LIMITS_KEYS = tuple(f.name for f in dataclasses.fields(RequestLimits))
 _BACKOFF_KEYS = tuple(f.name for f in dataclasses.fields(Backoff))
 _DEVICE_KEYS = ("device", "memory", "memory_utilization", "dtype", "tensor_parallel_size", "replicas", "gpus",
@@ -67,14 +68,16 @@ def _parse_gateway(raw: Any, env: Mapping[str, str]) -> GatewaySpec:
     check_str("gateway.api_keys_env", env_name, optional=True)
     if env_name:
         keys += [k.strip() for k in env.get(env_name, "").split(",") if k.strip()]
-    kwargs: dict[str, Any] = {k: raw[k] for k in ("host", "port", "write_timeout", "stall_seconds", "metrics_auth")
+    kwargs: dict[str, Any] = {k: raw[k] for k in ("host", "port", "write_timeout", "stall_seconds",
+                                                  "step_timeout_seconds", "device_wait_seconds", "metrics_auth")
                               if k in raw}
     if raw.get("limits") is not None:
         limits = check_mapping("gateway.limits", raw["limits"], _LIMITS_KEYS)
         with within("gateway"):
             kwargs["limits"] = RequestLimits(**limits)
-    if "max_body_bytes" in raw:
-        kwargs["max_body_bytes"] = parse_bytes(raw["max_body_bytes"], "gateway.max_body_bytes")
+    for key in ("max_body_bytes", "max_response_buffer_bytes", "max_buffered_bytes"):
+        if key in raw:
+            kwargs[key] = parse_bytes(raw[key], f"gateway.{key}")
     if raw.get("restart_backoff") is not None:
         backoff = check_mapping("gateway.restart_backoff", raw["restart_backoff"], _BACKOFF_KEYS)
         with within("gateway"):

@@ -78,9 +78,10 @@ class Admission:
 
     def __init__(self, pool: str, total: int | Sequence[int], *, tenants: Mapping[str, TenantPolicy] | None = None,
                  max_queue_seconds: float | None = None, quantum: int | None = None,
-                 placement: Placement | None = None) -> None:
+                 placement: Placement | None = None, max_seqs: int | None = None,
+                 flow_cap: int | None = None) -> None:
         self.pool = pool
-        self.ledger = CreditLedger(total, tenants, quantum=quantum,
+        self.ledger = CreditLedger(total, tenants, quantum=quantum, max_seqs=max_seqs, flow_cap=flow_cap,
                                    block_size=placement.block_size if placement is not None else 16)
         self.max_queue_seconds = max_queue_seconds
         self.placement = placement
@@ -110,7 +111,7 @@ class Admission:
 
     @asynccontextmanager
     async def hold(self, request_id: str, num_tokens: int, *, tenant: str = DEFAULT_TENANT, priority: int = 0,
-                   background: bool = False, work: Work | None = None) -> AsyncIterator[Ticket]:
+                   background: bool = False, work: Work | None = None, num_seqs: int = 1) -> AsyncIterator[Ticket]:
         """Wait until `num_tokens` credits are admitted on a replica, hold them for the block, then give
         them back. `work`: what the request asks of a replica, for placement (`Ticket.replica`); its prompt
         blocks are held once on a replica with the other requests there that share them.
@@ -119,7 +120,7 @@ class Admission:
         (background requests never time out: their runner retries nothing, it waits)."""
         blocks = self.placement.prompt_blocks(work) if self.placement is not None and work is not None else ()
         ticket = self.ledger.submit(request_id, num_tokens, tenant=tenant, priority=priority, background=background,
-                                    blocks=blocks)
+                                    blocks=blocks, num_seqs=num_seqs)
         if work is not None:
             self._work[request_id] = work
         if not background:

@@ -8,14 +8,23 @@ does not fit waits here, not in the engine, so the engine's waiting lists stay s
 rejected for capacity.
 
 Queues are channels keyed by (tenant, priority). Within a tenant the smallest priority value goes
-first (the engine's convention), FIFO within one priority; a priority better than the tenant's
+first (the engine's convention); within one priority, requests are split into flows by size and the
+flows take turns by the credits they ask (`pools.flows`: a burst of large requests does not hold a
+small one of the same tenant behind it), FIFO within a flow; a priority better than the tenant's
 `min_priority` is clamped to it, so a request body cannot buy more than its tenant may use. Across
 tenants, channels are served by deficit round robin in tokens: each visit gives a tenant
 `quantum x weight` tokens of allowance, so a tenant flooding with 200 requests and one sending 10
 alternate by the tokens they ask for, not by arrival.
 
 No bypass: when the next request in fair order does not fit the free credits, admission stops until
-credits return, so a large request is never starved by a stream of small ones.
+credits return, so a large request is never starved by a stream of small ones. The one exception is a
+flow at its cap (`flow_cap`, an interactive pool's: `pools.flows.Headroom`, one flow holds at most 7/8
+of a replica's credits and sequences while it holds any): its head waits for its own flow, and the
+next flow's head goes.
+
+Sequences: a replica may also be given the most sequences its engine runs at once (`max_seqs`, the
+pool's max_num_seqs); a request of n samples over p prompts takes n x p of them (at most all). So
+requests wait here in fair order rather than in the engine's first-come queue.
 
 Background requests (batch lines) wait in one FIFO of their own that is served only while no
 interactive request is queued: they soak up KV that interactive traffic leaves idle and never pass
@@ -50,8 +59,10 @@ milliseconds). `pools.credit_hold` is the async layer the gateway awaits.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from pools.flows import FlowChannel, Headroom, flow_class
 
 DEFAULT_TENANT = "default"
 
@@ -85,6 +96,14 @@ class Ticket:
     replica: int | None = None   # where it was admitted (its credits are that replica's)
     blocks: tuple[int, ...] = ()  # chain hashes of its prompt's full blocks (distinct), held once per replica
     prefilling: bool = False      # admitted, its first token not yet come: its blocks are not shared yet
+    num_seqs: int = 1             # sequences it runs at once (n x prompts)
+    flow: int = 0                 # its size class within its tenant's channel (`pools.flows`)
+    start: int = 0                # its start tag there (fair queueing)
+    arrival: int = 0              # its place in the order of arrival there
+
+    @property
+    def flow_key(self) -> tuple[str, int]:
+        return (self.tenant, self.flow)
 
 
 @dataclass
@@ -94,11 +113,25 @@ class Account:
     prefilled it), what reconciliation holds outside the ledger."""
 
     total: int
+    max_seqs: int | None = None   # sequences the replica's engine runs at once; None: not counted
     held: int = 0
     outside: int = 0
+    num_seqs: int = 0             # sequences of the admitted requests (each at most max_seqs)
     refs: dict[int, int] = field(default_factory=dict)      # prompt block hash -> admitted requests naming it
     pending: dict[int, int] = field(default_factory=dict)   # ... of them still prefilling
     copies: dict[int, int] = field(default_factory=dict)    # ... copies of it held (1 .. refs)
+    flow_cap: int | None = None                             # `pools.flows.FLOW_CAP`, or None: no cap
+    headroom: Headroom | None = None                        # what each flow holds here (`pools.flows`)
+
+    def __post_init__(self) -> None:
+        self.headroom = Headroom(self.total, self.max_seqs, self.flow_cap)
+
+    def seqs_of(self, ticket: Ticket) -> int:
+        """The sequences `ticket` takes here: all it runs, at most all the replica has."""
+        return ticket.num_seqs if self.max_seqs is None else min(ticket.num_seqs, self.max_seqs)
+
+    def has_seqs(self, ticket: Ticket) -> bool:
+        return self.max_seqs is None or self.num_seqs + self.seqs_of(ticket) <= self.max_seqs
 
     @property
     def free(self) -> int:
@@ -108,18 +141,26 @@ class Account:
 @dataclass
 class _Tenant:
     policy: TenantPolicy
-    channels: dict[int, deque[Ticket]] = field(default_factory=dict)   # priority -> FIFO
+    channels: dict[int, FlowChannel] = field(default_factory=dict)   # priority -> its flows, while any is queued
+    lanes: dict[int, FlowChannel] = field(default_factory=dict)      # priority -> its flows, kept while empty
     deficit: int = 0             # tokens of allowance left in this round (deficit round robin)
 
-    def head(self) -> Ticket:
-        return self.channels[min(self.channels)][0]
+    def append(self, ticket: Ticket) -> None:
+        """Queue `ticket` in its priority's channel (whose fair-queueing tags outlive its empty spells: a
+        burst admitted one by one still counts as served when the next request comes)."""
+        channel = self.channels[ticket.priority] = self.lanes.setdefault(ticket.priority, FlowChannel())
+        channel.append(ticket)
 
-    def pop(self) -> Ticket:
-        priority = min(self.channels)
-        ticket = self.channels[priority].popleft()
-        if not self.channels[priority]:
-            del self.channels[priority]
-        return ticket
+    def heads(self) -> Iterator[Ticket]:
+        """The candidates for the next admission, in order: the best priority's flows first."""
+        for priority in sorted(self.channels):
+            yield from self.channels[priority].heads()
+
+    def pop(self, ticket: Ticket) -> None:
+        channel = self.channels[ticket.priority]
+        channel.pop(ticket)
+        if not channel:
+            del self.channels[ticket.priority]
 
 
 class CreditLedger:
@@ -132,11 +173,14 @@ class CreditLedger:
     """
 
     def __init__(self, total: int | Sequence[int], tenants: Mapping[str, TenantPolicy] | None = None, *,
-                 quantum: int | None = None, block_size: int = 16) -> None:
+                 quantum: int | None = None, block_size: int = 16, max_seqs: int | None = None,
+                 flow_cap: int | None = None) -> None:
         totals = [total] if isinstance(total, int) else list(total)
         if not totals or any(not isinstance(t, int) or isinstance(t, bool) or t <= 0 for t in totals):
             raise ValueError(f"total: must be a positive number of KV token slots (per replica), got {total!r}")
-        self.accounts = [Account(t) for t in totals]
+        if max_seqs is not None and (not isinstance(max_seqs, int) or isinstance(max_seqs, bool) or max_seqs < 1):
+            raise ValueError(f"max_seqs: must be a positive number of sequences, got {max_seqs!r}")
+        self.accounts = [Account(t, max_seqs, flow_cap=flow_cap) for t in totals]
         self.block_size = block_size                 # tokens of a shared prompt block (`Ticket.blocks`)
         self.up = [True] * len(totals)               # replicas that take new requests
         self.quantum = quantum or max(1, max(totals) // 8)   # tokens per weight per visit
@@ -208,7 +252,7 @@ class CreditLedger:
 
     def queued_by_tenant(self) -> dict[str, int]:
         """Queued interactive requests per tenant (tenants seen so far, zeros included)."""
-        return {name: sum(len(q) for q in tenant.channels.values()) for name, tenant in self._tenants.items()}
+        return {name: sum(len(c) for c in tenant.channels.values()) for name, tenant in self._tenants.items()}
 
     @property
     def num_background_queued(self) -> int:
@@ -233,7 +277,7 @@ class CreditLedger:
 
     # --- requests --------------------------------------------------------------------------------
     def submit(self, request_id: str, num_tokens: int, *, tenant: str = DEFAULT_TENANT,
-               priority: int = 0, background: bool = False, blocks: Sequence[int] = ()) -> Ticket:
+               priority: int = 0, background: bool = False, blocks: Sequence[int] = (), num_seqs: int = 1) -> Ticket:
         """Queue a request needing `num_tokens` credits (`background`: a batch line, behind every
         interactive request; `blocks`: the chain hashes of its prompt's full blocks, part of `num_tokens`,
         held once per replica with the other requests naming them). ValueError if it can never fit the
@@ -250,9 +294,11 @@ class CreditLedger:
         if self.block_size * len(blocks) > num_tokens:
             raise ValueError(f"blocks: {len(blocks)} prompt blocks of {self.block_size} tokens are more than the "
                              f"{num_tokens} credits asked")
+        if not isinstance(num_seqs, int) or isinstance(num_seqs, bool) or num_seqs < 1:
+            raise ValueError(f"num_seqs: must be a positive integer, got {num_seqs!r}")
         policy = self.policies.get(tenant, TenantPolicy())
         ticket = Ticket(request_id, tenant, max(priority, policy.min_priority), num_tokens, background=background,
-                        blocks=blocks)
+                        blocks=blocks, num_seqs=num_seqs, flow=flow_class(num_tokens, self.block_size))
         self._tickets[request_id] = ticket
         if background:
             self._background.append(ticket)
@@ -260,7 +306,7 @@ class CreditLedger:
         state = self._tenants.setdefault(tenant, _Tenant(policy))
         if not state.channels:
             self._active.append(tenant)
-        state.channels.setdefault(ticket.priority, deque()).append(ticket)
+        state.append(ticket)
         return ticket
 
     def admit(self, place: Callable[[Ticket, list[int]], int | None] | None = None) -> list[Ticket]:
@@ -279,8 +325,15 @@ class CreditLedger:
         return admitted
 
     def fitting(self, ticket: Ticket) -> list[int]:
-        """The replicas that are up and have the free credits `ticket` needs there."""
-        return [r for r, (a, up) in enumerate(zip(self.accounts, self.up)) if up and self.need(ticket, r) <= a.free]
+        """The replicas that are up and have the free credits and sequences `ticket` needs there, within its
+        flow's cap."""
+        return [r for r in self._roomy(ticket)
+                if self.accounts[r].headroom.allows(ticket.flow_key, ticket.num_tokens, ticket.num_seqs)]
+
+    def _roomy(self, ticket: Ticket) -> list[int]:
+        """The replicas that are up and have the free credits and sequences `ticket` needs there."""
+        return [r for r, (a, up) in enumerate(zip(self.accounts, self.up))
+                if up and self.need(ticket, r) <= a.free and a.has_seqs(ticket)]
 
     def waiting(self, ticket: Ticket) -> list[int]:
         """The replicas that are up and could hold `ticket` once credits come back, but have no room now."""
@@ -306,22 +359,31 @@ class CreditLedger:
                 account.held += self.block_size
             account.refs[h] = account.refs.get(h, 0) + 1
             account.pending[h] = account.pending.get(h, 0) + 1
+        account.num_seqs += account.seqs_of(ticket)
+        account.headroom.add(ticket.flow_key, ticket.num_tokens, ticket.num_seqs)
         ticket.admitted, ticket.replica, ticket.prefilling = True, replica, True
 
     def _admit_interactive(self, place: Callable[[Ticket, list[int]], int | None] | None) -> list[Ticket]:
         admitted: list[Ticket] = []
-        while self._active:
+        held_back = 0   # tenants visited in a row whose every head waits for its own flow
+        while self._active and held_back < len(self._active):
             name = self._active[0]
             tenant = self._tenants[name]
+            head = self._next_head(tenant)
+            if head is None:
+                held_back += 1
+                tenant.deficit, self._topped_up = 0, False
+                self._active.rotate(-1)
+                continue
+            held_back = 0
             if not self._topped_up:
                 tenant.deficit += self.quantum * tenant.policy.weight
                 self._topped_up = True
-            head = tenant.head()
             if head.num_tokens <= tenant.deficit:
                 replica = self._choose(head, place)
                 if replica is None:
                     break              # no bypass: wait for credits to come back
-                tenant.pop()
+                tenant.pop(head)
                 tenant.deficit -= head.num_tokens
                 self._take(head, replica)
                 admitted.append(head)
@@ -335,6 +397,16 @@ class CreditLedger:
             self._topped_up = False
         return admitted
 
+    def _next_head(self, tenant: _Tenant) -> Ticket | None:
+        """The tenant's next request in fair order, passing over heads whose flow is at its cap on every
+        replica that has room for them; None if every head is held back so."""
+        for head in tenant.heads():
+            roomy = self._roomy(head)
+            if not roomy or any(self.accounts[r].headroom.allows(head.flow_key, head.num_tokens, head.num_seqs)
+                                for r in roomy):
+                return head
+        return None
+
     def release(self, request_id: str) -> int:
         """A finished (or aborted) admitted request gives back everything it held; returns the credits that
         came free (its shared prompt blocks only when no other request there names them)."""
@@ -343,6 +415,8 @@ class CreditLedger:
             raise KeyError(f"request_id: {request_id!r} holds no credits")
         del self._tickets[request_id]
         account = self.accounts[ticket.replica]
+        account.num_seqs -= account.seqs_of(ticket)
+        account.headroom.remove(ticket.flow_key, ticket.num_tokens, ticket.num_seqs)
         if ticket.prefilling:
             _drop(account.pending, ticket.blocks)
         freed = self._own(ticket)
@@ -395,6 +469,15 @@ class CreditLedger:
             own, refs, pending = self._held_by_tickets(r)
             held = own + self.block_size * sum(account.copies.values())
             copies_ok = set(account.copies) == set(refs) and all(1 <= account.copies[h] <= refs[h] for h in refs)
+            flows: dict[tuple[str, int], list[int]] = {}
+            for t in self._tickets.values():
+                if t.admitted and t.replica == r:
+                    entry = flows.setdefault(t.flow_key, [0, 0])
+                    entry[0], entry[1] = entry[0] + t.num_tokens, entry[1] + t.num_seqs
+            seqs = sum(account.seqs_of(t) for t in self._tickets.values() if t.admitted and t.replica == r)
+            if flows != account.headroom.held or seqs != account.num_seqs:
+                raise AssertionError(f"credits of replica {r}: {account.num_seqs} sequences held (tickets {seqs}), "
+                                     f"flows {account.headroom.held} (tickets {flows})")
             if (account.held != held or refs != account.refs or pending != account.pending or not copies_ok
                     or not 0 <= account.free <= account.total):
                 raise AssertionError(f"credits of replica {r}: held {account.held} (tickets {held}), outside "

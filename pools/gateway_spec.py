@@ -71,7 +71,11 @@ class GatewaySpec:
     api_keys_env: str | None = DEFAULT_API_KEYS_ENV  # where extra keys came from (already in api_keys)
     restart_backoff: Backoff = field(default_factory=Backoff)   # between restarts of a dead device worker
     write_timeout: float = 30.0          # seconds a client may leave a stream unread before it is aborted
-    stall_seconds: float = 10.0          # a worker with work that says nothing this long is restarted
+    stall_seconds: float = 10.0          # a worker whose heartbeat stops this long is restarted
+    step_timeout_seconds: float = 600.0  # one step longer than this is a hang (the heartbeat still beats)
+    device_wait_seconds: float = 30.0    # a request waits this long for a restarting device, then 503
+    max_response_buffer_bytes: int = 1 << 20   # unsent bytes of one response before its engine request pauses
+    max_buffered_bytes: int = 256 << 20  # unsent bytes of every response together, likewise
     metrics_auth: bool = False           # /metrics and the dashboard need an API key too
     limits: RequestLimits = field(default_factory=RequestLimits)
 
@@ -86,7 +90,9 @@ class GatewaySpec:
         check_str("api_keys_env", self.api_keys_env, optional=True)
         if not isinstance(self.restart_backoff, Backoff):
             raise SpecError(f"restart_backoff: must be a Backoff, got {show(self.restart_backoff)}")
-        for key in ("write_timeout", "stall_seconds"):
+        for key in ("max_response_buffer_bytes", "max_buffered_bytes"):
+            check_int(key, getattr(self, key), min_value=1)
+        for key in ("write_timeout", "stall_seconds", "step_timeout_seconds", "device_wait_seconds"):
             value = getattr(self, key)
             if not is_number(value) or not math.isfinite(value) or value <= 0:
                 raise SpecError(f"{key}: must be a number of seconds > 0, got {show(value)}")

@@ -137,11 +137,15 @@ def test_report_and_table():
     assert kill["ttft_p99_s"]["before"] == pytest.approx(0.1) and kill["ttft_p99_s"]["during"] == pytest.approx(0.3)
     assert burst["traffic"]["lost"] == 1 and burst["traffic"]["statuses"] == {"200": 1}
     assert report["overall"]["lost"] == 2 and report["overall"]["duplicated"] == 0
-    assert report["verdict"] == {"lost": False, "duplicated": True, "recovery": False, "met": False}
+    assert report["verdict"] == {"lost": False, "duplicated": True, "recovery": False, "fault_goals": True,
+                                 "met": False}
     assert report["rss"]["idle_bytes"] == report["rss"]["peak_bytes"] == 300 << 20
     table = format_report(report)
     assert "1 kill -9 worker" in table and "5.0 s" in table and "NOT MET" in table
     assert f"recovered within {GOAL_RECOVERY_S:g} s: 1 of 2" in table
+    raw = _raw()
+    raw["runs"][1].notes["goal_met"] = False            # a fault that missed its own goal (e.g. tenant_burst)
+    assert build_report(raw, meta)["verdict"]["fault_goals"] is False
 
 
 def test_steady_plan_has_unique_ids_in_user_and_prompt():
@@ -214,7 +218,8 @@ def test_an_unwritable_out_exits_2(tmp_path, capsys):
 def test_quick_run_end_to_end(tmp_path, capsys):
     # --quick with a 5 s lead-in and 6 s quiet windows (each still extended until the gateway recovered;
     # the suite's time), fault windows as --quick's: 8 s, past the 6 s stall watchdog
-    argv = ["bench", "chaos", "--quick", "--warmup", "5", "--quiet-seconds", "6", "--json"]
+    # the client and worker faults (the request faults have tests of their own in tests/reliability)
+    argv = ["bench", "chaos", "--quick", "--warmup", "5", "--quiet-seconds", "6", "--json", "--faults", ",".join(FAULTS)]
     rc = main([*argv, "--out", str(tmp_path)])
     report = json.loads(capsys.readouterr().out)
     assert rc == (0 if report["verdict"]["met"] else 1)

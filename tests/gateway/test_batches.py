@@ -321,17 +321,23 @@ async def test_an_api_key_sees_only_its_own_files_and_batches_unless_its_tenant_
 
 
 async def test_transient_answers_are_tried_a_bounded_number_of_times(aiohttp_client, tmp_path, tiny_model):
+    # A 502 is tried again only when nothing reached the upstream (upstream_unreachable): one that may
+    # have (upstream_disconnected, or an upstream's own 502) is the line's answer, never sent twice.
     fake = _FakeExecutor(scripted={"down": [(503, "pool_unavailable")] * 99,
                                    "gone": [(502, "upstream_unreachable")] * 99,
-                                   "flaky": [(502, None), (503, "pool_unavailable"), (503, "engine_dead")]})
+                                   "flaky": [(502, "upstream_unreachable"), (503, "pool_unavailable"),
+                                             (503, "engine_dead")],
+                                   "sent": [(502, "upstream_disconnected")] * 99, "relayed": [(502, None)] * 99})
     client = await _client(aiohttp_client, tmp_path, tiny_model, fake)
     client.app[BATCHES].max_line_attempts = 4
-    done = await _wait(client, (await _create(client, _jsonl(_line("down"), _line("gone"), _line("flaky"))))["id"])
-    assert done["status"] == "completed" and done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
-    assert fake.calls == {"down": 4, "gone": 4, "flaky": 4}
+    lines = _jsonl(_line("down"), _line("gone"), _line("flaky"), _line("sent"), _line("relayed"))
+    done = await _wait(client, (await _create(client, lines))["id"])
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 5, "completed": 1, "failed": 4}
+    assert fake.calls == {"down": 4, "gone": 4, "flaky": 4, "sent": 1, "relayed": 1}
     errors = await _jsonl_file(client, done["error_file_id"])
-    assert [(e["custom_id"], e["error"]["code"], e["response"]["status_code"]) for e in errors] == \
-        [("down", "retries_exhausted", 503), ("gone", "retries_exhausted", 502)]
+    assert [(e["custom_id"], e["error"] and e["error"]["code"], e["response"]["status_code"]) for e in errors] == \
+        [("down", "retries_exhausted", 503), ("gone", "retries_exhausted", 502), ("sent", None, 502),
+         ("relayed", None, 502)]
     message = errors[0]["error"]["message"]
     assert "gave up after 4 attempts; the last answer was 503 pool_unavailable: scripted" in message
     assert errors[0]["error"]["line"] == 1 and errors[1]["response"]["body"]["error"]["code"] == "upstream_unreachable"

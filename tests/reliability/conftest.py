@@ -33,6 +33,9 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
 WRITE_TIMEOUT = 3.0
 STALL_SECONDS = 6.0
+POISON_MARKER = "qqz-poison-marker-qqz"   # a prompt holding it crashes the worker's step (engine.faults)
+REJECT_MARKER = "qqz-reject-marker-qqz"   # a prompt holding it fails its own add in the worker
+MAX_RESPONSE_BUFFER_BYTES = 256 << 10     # a stream pauses its engine requests past this (1 MiB by default)
 
 
 def reliability_config(tmp: Path) -> Path:
@@ -41,6 +44,7 @@ def reliability_config(tmp: Path) -> Path:
     config["gateway"].update(write_timeout=WRITE_TIMEOUT, stall_seconds=STALL_SECONDS,
                              restart_backoff={"initial_seconds": 0.2, "factor": 2, "max_seconds": 2,
                                               "reset_after_seconds": 60})
+    config["gateway"]["max_response_buffer_bytes"] = MAX_RESPONSE_BUFFER_BYTES
     path = tmp / "pools.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -48,8 +52,10 @@ def reliability_config(tmp: Path) -> Path:
 
 @pytest.fixture(scope="package")
 def server(tmp_path_factory):
-    """One live server on the builtin model for the package (restarted if a test left it dead)."""
-    live = LiveServer(reliability_config(tmp_path_factory.mktemp("reliability")))
+    """One live server on the builtin model for the package (restarted if a test left it dead), its worker
+    armed with the fault-injection markers (`engine.faults`): only prompts holding them are affected."""
+    env = dict(os.environ, CLIFFGUARD_FAULT_POISON=POISON_MARKER, CLIFFGUARD_FAULT_REJECT=REJECT_MARKER)
+    live = LiveServer(reliability_config(tmp_path_factory.mktemp("reliability")), env=env)
     yield live
     live.stop()
 
@@ -184,3 +190,33 @@ def silent_client(url: str, path: str, body: dict[str, Any]) -> socket.socket:
     """Send a POST on a raw socket with a tiny receive buffer and never read the answer (the caller
     closes the socket)."""
     return silent_socket(url, path, body)
+
+
+# --- worker faults (tests/reliability/test_worker_faults.py) ---------------------------------------
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of the /metrics samples named `name` with `labels` (0 when none), e.g.
+    metric(url, "cliffguard_worker_restarts_total", device="default")."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(get(url, "/metrics")[1])
+               for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
+def post_headers(url: str, path: str, body: Any, timeout: float = 60) -> tuple[int, Any, dict[str, str]]:
+    """(status, decoded JSON or text, response headers) of a POST."""
+    request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, _decode(response.read()), dict(response.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, _decode(exc.read()), dict(exc.headers)
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.1) -> float:
+    """Poll `predicate()` until true; the seconds it took (AssertionError naming `what` past `timeout`)."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout, f"{what}: not within {timeout:g} s"
+        time.sleep(interval)
+    return time.monotonic() - started

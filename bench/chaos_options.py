@@ -1,0 +1,106 @@
+"""The options of `cliffguard bench chaos`, checked, and the faults it can run by name."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bench.chaos_faults import CLUSTER_FAULTS
+from bench.chaos_faults import FAULTS as CLIENT_AND_WORKER_FAULTS
+from bench.chaos_requests import REQUEST_FAULTS
+from bench.chaos_steady import Phases
+from bench.ray_local import INSTALL_HINT, NODE_CPUS, ray_installed
+
+FAULTS = {**CLIENT_AND_WORKER_FAULTS, **REQUEST_FAULTS}    # the default run, in this order
+ALL_FAULTS = {**FAULTS, **CLUSTER_FAULTS}
+QUICK = Phases(warmup_s=8.0, fault_s=8.0, quiet_s=10.0, max_settle_s=25.0)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `cliffguard bench chaos`."""
+    p.add_argument("--config", default=None, help="pools YAML to serve, with its own fault timers (default: "
+                   "config/pools.yaml with the gateway's fault timers shortened: write_timeout 3 s, stall_seconds "
+                   "6 s, restart back-off from 0.2 s)")
+    p.add_argument("--replicas", type=int, default=None, help="serve every device as this many replicas, each "
+                   "worker on one thread (the kill faults then kill one replica; default: as in the file)")
+    p.add_argument("--ray-nodes", type=int, default=0, help="start a local Ray cluster of this many nodes on "
+                   "127.0.0.1 (a head and N-1 workers) and place every device's replicas on it: placement: ray, "
+                   "replicas: N (one per node), cpu_threads: 1; >= 2 adds the lose_node fault (default 0: off; "
+                   f"needs Ray: {INSTALL_HINT})")
+    p.add_argument("--ray-node-cpus", type=int, default=NODE_CPUS, help=f"CPUs of each local Ray node (default "
+                   f"{NODE_CPUS}: its replica and a lost node's)")
+    p.add_argument("--rate", type=float, default=1.0, help="steady chat requests per second (default 1)")
+    p.add_argument("--rag-rate", type=float, default=0.05, help="steady rag-ish requests per second (default 0.05)")
+    p.add_argument("--warmup", type=float, default=None, help="seconds of load before the first fault (default 30)")
+    p.add_argument("--fault-seconds", type=float, default=None, help="seconds of each fault's window (default 20)")
+    p.add_argument("--quiet-seconds", type=float, default=None, help="seconds of quiet after each fault, "
+                   "extended until it recovered (default 25)")
+    p.add_argument("--faults", default=None, help=f"comma-separated, in order (default all: {','.join(FAULTS)}, "
+                   f"and {','.join(CLUSTER_FAULTS)} with --ray-nodes >= 2)")
+    p.add_argument("--burst", type=int, default=500, help="connections of the burst fault (default 500)")
+    p.add_argument("--disconnects", type=int, default=40, help="requests of the disconnect fault (default 40; "
+                   "20 with --quick)")
+    p.add_argument("--timeout", type=float, default=120.0, help="client timeout per request in s: later is "
+                   "lost (default 120)")
+    p.add_argument("--seed", type=int, default=0, help="seed of arrivals and prompts (default 0)")
+    p.add_argument("--quick", action="store_true", help="short windows (the run takes 2-3 minutes), for a test")
+    p.add_argument("--out", default=None, help="write results.json (with every request and sample) and "
+                   "timeline.png here")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def check_args(args: argparse.Namespace) -> Phases:
+    """Validate the options (ValueError naming the option) and return the run's phases."""
+    base = QUICK if args.quick else Phases()
+    phases = Phases(warmup_s=base.warmup_s if args.warmup is None else args.warmup,
+                    fault_s=base.fault_s if args.fault_seconds is None else args.fault_seconds,
+                    quiet_s=base.quiet_s if args.quiet_seconds is None else args.quiet_seconds,
+                    max_settle_s=base.max_settle_s)
+    for option, value in (("--warmup", phases.warmup_s), ("--fault-seconds", phases.fault_s),
+                          ("--quiet-seconds", phases.quiet_s), ("--rate", args.rate), ("--timeout", args.timeout)):
+        if not value > 0:
+            raise ValueError(f"{option}: must be > 0, got {value:g}")
+    if not args.rag_rate >= 0:
+        raise ValueError(f"--rag-rate: must be >= 0, got {args.rag_rate:g}")
+    for option, value in (("--burst", args.burst), ("--disconnects", args.disconnects)):
+        if value < 1:
+            raise ValueError(f"{option}: must be >= 1, got {value}")
+    if args.config is not None and not Path(args.config).is_file():
+        raise ValueError(f"--config: no such file: {args.config}")
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError(f"--replicas: must be >= 1, got {args.replicas}")
+    _check_ray(args)
+    args.fault_names = _fault_names(args.faults, args.ray_nodes)
+    if args.quick and args.disconnects == 40:
+        args.disconnects = 20
+    return phases
+
+
+def _check_ray(args: argparse.Namespace) -> None:
+    """--ray-nodes and --ray-node-cpus (ValueError naming the option)."""
+    if args.ray_nodes < 0:
+        raise ValueError(f"--ray-nodes: must be >= 0, got {args.ray_nodes}")
+    if args.ray_node_cpus < 1:
+        raise ValueError(f"--ray-node-cpus: must be >= 1, got {args.ray_node_cpus}")
+    if args.ray_nodes and args.replicas is not None:
+        raise ValueError("--replicas: not with --ray-nodes, which places one replica per node")
+    if args.ray_nodes and not ray_installed():
+        raise ValueError(f"--ray-nodes: needs Ray: {INSTALL_HINT}")
+
+
+def _fault_names(faults: str | None, ray_nodes: int) -> list[str]:
+    """The faults to run, in order: `--faults`, or all those this run can inject (ValueError naming --faults)."""
+    if faults is None:
+        return [*FAULTS, *(CLUSTER_FAULTS if ray_nodes >= 2 else ())]
+    names = [name.strip() for name in faults.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ALL_FAULTS]
+    if unknown or not names:
+        raise ValueError(f"--faults: unknown {unknown or 'none given'}; choose from {', '.join(ALL_FAULTS)}")
+    lost = names.count("lose_node")
+    if lost and ray_nodes < 2:
+        raise ValueError("--faults: lose_node needs --ray-nodes >= 2 (a local Ray cluster with a worker node that "
+                         f"hosts a replica), got --ray-nodes {ray_nodes}")
+    if lost > ray_nodes - 1:
+        raise ValueError(f"--faults: lose_node {lost} times removes {lost} worker nodes; --ray-nodes {ray_nodes} "
+                         f"starts {ray_nodes - 1}")
+    return names

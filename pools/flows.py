@@ -1,0 +1,120 @@
+"""Flows: fairness inside one tenant's channel of the credit queue (`pools.credits`).
+
+A tenant (one API key, or everyone when there are no keys) may send a burst of large requests and a
+small one at once. First come, first served would make the small one wait behind the whole burst;
+here the requests of a channel are split into flows by size class (`flow_class`: the credits asked,
+in blocks, by powers of four), and the flows share the channel by start-time fair queueing in
+credits: each request is tagged on arrival with `start = max(its flow's last finish, the channel's
+virtual time)` and `finish = start + credits`, and the head with the smallest start goes next. So a
+small request that arrives behind sixteen large ones is next but one, and a burst of small ones
+cannot pass a large one for longer than it asks for itself: each flow gets the channel's credits in
+turn, by what it asks.
+
+Order alone does not help while the burst holds every credit (credits come back only when a request
+ends). So in an interactive pool (one with an SLO) a flow may hold at most `(FLOW_CAP - 1) / FLOW_CAP`
+of a replica's credits and sequences while it already holds some (`Headroom`): the rest is room where
+another flow's request starts at once. The price: a load of one size alone runs on 7/8 of the pool. A
+request larger than that still runs, alone in its flow. A flow held back by its cap does not block the
+queue: the next flow's head goes. A throughput pool has no cap (its requests gain nothing from
+starting sooner, and its concurrency is a few sequences: a cap would cost it one in seven).
+
+Ints only, like the ledger.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+FLOW_CAP = 8   # an interactive pool's flow holds at most 7/8 of a replica's credits and sequences (while it holds any)
+
+
+def flow_class(num_tokens: int, block_size: int) -> int:
+    """A request's size class: requests within a factor of four of each other in blocks share a flow."""
+    blocks = max(1, -(-num_tokens // block_size))
+    return (blocks.bit_length() - 1) // 2
+
+
+class Queued(Protocol):
+    flow: int
+    num_tokens: int
+    start: int
+    arrival: int
+
+
+@dataclass
+class FlowChannel:
+    """One (tenant, priority) channel: a FIFO per flow, served by start-time fair queueing in credits.
+    Supports what the ledger does with a FIFO: append, the order of heads, pop, remove, len, iter."""
+
+    flows: dict[int, deque] = field(default_factory=dict)   # flow -> its tickets, FIFO
+    finish: dict[int, int] = field(default_factory=dict)    # flow -> finish tag of its last ticket queued
+    vtime: int = 0                                          # start tag of the last ticket served
+    num_arrived: int = 0
+
+    def append(self, ticket: Queued) -> None:
+        ticket.start = max(self.finish.get(ticket.flow, 0), self.vtime)
+        ticket.arrival, self.num_arrived = self.num_arrived, self.num_arrived + 1
+        self.finish[ticket.flow] = ticket.start + ticket.num_tokens
+        self.flows.setdefault(ticket.flow, deque()).append(ticket)
+
+    def heads(self) -> list:
+        """Each flow's first ticket, the smallest start tag first (ties: the first to arrive)."""
+        return sorted((q[0] for q in self.flows.values()), key=lambda t: (t.start, t.arrival))
+
+    def pop(self, ticket: Queued) -> None:
+        """Take `ticket`, the head of its flow, out: it is served."""
+        queue = self.flows[ticket.flow]
+        if queue[0] is not ticket:
+            raise ValueError("pop: not the head of its flow")
+        queue.popleft()
+        if not queue:
+            del self.flows[ticket.flow]
+        self.vtime = max(self.vtime, ticket.start)
+
+    def remove(self, ticket: Queued) -> None:
+        """Take a queued ticket out (cancelled)."""
+        queue = self.flows[ticket.flow]
+        queue.remove(ticket)
+        if not queue:
+            del self.flows[ticket.flow]
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.flows.values())
+
+    def __iter__(self) -> Iterator:
+        for queue in self.flows.values():
+            yield from queue
+
+
+@dataclass
+class Headroom:
+    """What each flow holds on one replica (credits and sequences), and whether one more request of it fits
+    under the cap. Keys are (tenant, flow)."""
+
+    total: int
+    max_seqs: int | None = None
+    cap: int | None = None        # FLOW_CAP, or None: no cap (the holdings are still counted)
+    held: dict[tuple[str, int], list[int]] = field(default_factory=dict)   # key -> [credits, sequences]
+
+    def allows(self, key: tuple[str, int], num_tokens: int, num_seqs: int) -> bool:
+        tokens, seqs = self.held.get(key, (0, 0))
+        if self.cap is None or tokens == 0:
+            return True    # a flow's first request on the replica always may (it may be larger than the cap)
+        if tokens + num_tokens > self.total - max(1, self.total // self.cap):
+            return False
+        return self.max_seqs is None or seqs + num_seqs <= self.max_seqs - max(1, self.max_seqs // self.cap)
+
+    def add(self, key: tuple[str, int], num_tokens: int, num_seqs: int) -> None:
+        entry = self.held.setdefault(key, [0, 0])
+        entry[0] += num_tokens
+        entry[1] += num_seqs
+
+    def remove(self, key: tuple[str, int], num_tokens: int, num_seqs: int) -> None:
+        entry = self.held[key]
+        entry[0] -= num_tokens
+        entry[1] -= num_seqs
+        if entry[0] == 0 and entry[1] == 0:
+            del self.held[key]

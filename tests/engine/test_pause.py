@@ -1,0 +1,135 @@
+"""Pausing a request (its client reads too slowly): it keeps its blocks and place, makes no progress
+while others do, is never a preemption victim, and finishes after resume with the output it would
+have had (greedy). An engine with only paused requests steps nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling import SamplingParams
+from tests.conftest import assert_all_free, make_tiny_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = [[5 + i for i in range(30)], [100 + i for i in range(20)], [300 + 2 * i for i in range(40)]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, builtin_path):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-pause"), "llama", builtin_path)
+
+
+def _make_engine(path, num_blocks: int = 256, **sched) -> LLMEngine:
+    sched.setdefault("max_num_batched_tokens", 64)
+    pool = PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(**sched))
+    return LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(block_size=16), pools=(pool,)), progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    return _make_engine(tiny)
+
+
+def _run_until_done(engine: LLMEngine, ids: list[str]) -> dict[str, list[list[int]]]:
+    final = {}
+    while any(r in engine.requests for r in ids):
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = [o.token_ids for o in out.outputs]
+    return final
+
+
+def _num_tokens(engine: LLMEngine, request_id: str) -> list[int]:
+    return [s.num_tokens for s in engine.requests[request_id].seqs]
+
+
+def test_a_paused_request_keeps_its_blocks_and_makes_no_progress_then_finishes_the_same(engine):
+    params = [GREEDY, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=3), GREEDY]
+    expected = _run_all(engine, PROMPTS, params, prefix="ref")   # the same requests, never paused
+    for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+        engine.add_request(f"r-{i}", prompt, p)
+    for _ in range(4):   # prefills done, a few tokens out
+        engine.step()
+    scheduler = engine.schedulers["default"]
+    assert engine.pause("r-1", True) and scheduler.paused == {"r-1"}
+    tables = [list(s.block_table) for s in engine.requests["r-1"].seqs]
+    before, others = _num_tokens(engine, "r-1"), {r: _num_tokens(engine, r) for r in ("r-0", "r-2")}
+    for _ in range(6):
+        outputs = engine.step()
+        assert "r-1" not in {o.request_id for o in outputs}
+        engine.check_integrity()
+    assert _num_tokens(engine, "r-1") == before                              # no progress
+    assert [list(s.block_table) for s in engine.requests["r-1"].seqs] == tables   # same blocks, still owned
+    assert all(s in scheduler.running for s in engine.requests["r-1"].seqs)
+    assert all(_num_tokens(engine, r) > others[r] for r in others)           # the others ran
+    assert engine.pause("r-1", False) and not scheduler.paused
+    final = _run_until_done(engine, ["r-0", "r-1", "r-2"])
+    assert [final[f"r-{i}"] for i in range(3)] == expected
+    assert scheduler.stats.num_preemptions == 0
+    assert_all_free(engine)
+
+
+def _run_all(engine, prompts, params, prefix: str) -> list[list[list[int]]]:
+    ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+    for request_id, prompt, p in zip(ids, prompts, params):
+        engine.add_request(request_id, prompt, p)
+    final = _run_until_done(engine, ids)
+    return [final[r] for r in ids]
+
+
+def test_only_paused_requests_step_nothing_and_an_abort_frees_them(engine):
+    engine.add_request("p", PROMPTS[0], GREEDY)
+    engine.step()
+    assert engine.has_work()
+    assert engine.pause("p", True)
+    assert not engine.has_work() and engine.has_unfinished_requests()   # the worker may sleep
+    assert engine.step() == [] and engine.step() == []
+    held = engine.schedulers["default"].block_manager.num_free_blocks
+    assert held < engine.schedulers["default"].block_manager.num_blocks
+    out = engine.abort("p")
+    assert out.finished and not engine.schedulers["default"].paused
+    assert_all_free(engine)
+
+
+def test_pause_of_an_unknown_or_finished_request_is_false(engine):
+    assert engine.pause("nobody", True) is False
+    _run_all(engine, PROMPTS[:1], [GREEDY], prefix="done")
+    assert engine.pause("done-0", True) is False and not engine.schedulers["default"].paused
+    assert_all_free(engine)
+
+
+def test_a_request_paused_before_admission_is_passed_by_and_admitted_once_resumed(engine):
+    engine.add_request("first", PROMPTS[0], GREEDY)
+    engine.pause("first", True)
+    engine.add_request("second", PROMPTS[1], GREEDY)
+    engine.step()
+    scheduler = engine.schedulers["default"]
+    assert [s.request_id for s in scheduler.running] == ["second"]
+    assert [s.request_id for s in scheduler.waiting] == ["first"] and not scheduler.waiting[0].block_table
+    engine.pause("first", False)
+    final = _run_until_done(engine, ["first", "second"])
+    assert len(final["first"][0]) == GREEDY.max_tokens
+    assert_all_free(engine)
+
+
+def test_a_paused_request_is_never_a_preemption_victim(tiny):
+    # 8 blocks of 16 tokens: the paused request (the last admitted, reverse_fifo's victim) holds its
+    # blocks while the other, short of blocks, preempts itself and waits for them.
+    engine = _make_engine(tiny, num_blocks=8)
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    engine.add_request("a", PROMPTS[0], long)
+    engine.add_request("b", PROMPTS[2], long)
+    for _ in range(3):
+        engine.step()
+    engine.pause("b", True)
+    tables = [list(s.block_table) for s in engine.requests["b"].seqs]
+    while "a" in engine.requests and engine.schedulers["default"].running[0].request_id == "a":
+        engine.step()
+        engine.check_integrity()
+    assert [list(s.block_table) for s in engine.requests["b"].seqs] == tables
+    assert engine.schedulers["default"].stats.num_preemptions == 1   # "a", not the paused "b"
+    engine.pause("b", False)
+    final = _run_until_done(engine, ["a", "b"])
+    assert all(len(out[0]) == 60 for out in final.values())
+    assert_all_free(engine)

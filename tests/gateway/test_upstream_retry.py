@@ -1,0 +1,136 @@
+"""Batch lines forwarded to an upstream pool are sent again only when nothing was sent: a connection
+that could not be made (502 `upstream_unreachable`) is retried; an upstream that read the request and
+then dropped the connection (502 `upstream_disconnected`) may be running it, and the line fails
+instead of running twice. In-process gateway (upstream pools only, no device worker) and a real
+upstream on 127.0.0.1 that counts what it received."""
+
+from __future__ import annotations
+
+import socket
+from collections import Counter
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from gateway import upstream
+from gateway.app import create_app
+from gateway.batches import BATCHES
+from gateway.metrics import GatewayMetrics
+from gateway.runtime import Gateway
+from pools.config_file import load_config
+from tests.gateway.test_batches import _create, _jsonl, _jsonl_file, _wait
+
+FRONT = "front-model"
+
+
+class _DroppingUpstream:
+    """An OpenAI-compatible upstream that reads each request whole, counts it by its prompt (and keeps
+    its Idempotency-Key), then drops the connection without answering."""
+
+    def __init__(self) -> None:
+        self.received: Counter[str] = Counter()
+        self.keys: dict[str, str | None] = {}
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        prompt = body["messages"][0]["content"]
+        self.received[prompt] += 1
+        self.keys[prompt] = request.headers.get("Idempotency-Key")
+        request.transport.abort()
+        return web.Response()
+
+    async def __aenter__(self) -> _DroppingUpstream:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}/v1"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.runner.cleanup()
+
+
+def _free_port() -> int:
+    """A loopback port nobody listens on (bound, read, released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _gateway(tmp_path, upstream_url: str) -> Gateway:
+    path = tmp_path / "pools.yaml"
+    path.write_text(f"""
+pools:
+  - name: remote
+    upstream: {upstream_url}
+    model: upstream-model
+    served_model_name: {FRONT}
+    tokenizer: builtin:smollm2-135m-instruct
+    max_model_len: 512
+""")
+    return Gateway.from_config(load_config(path))
+
+
+def _line(custom_id: str) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": FRONT, "messages": [{"role": "user", "content": custom_id}], "max_tokens": 4}}
+
+
+async def _run_batch(aiohttp_client, tmp_path, upstream_url: str, *custom_ids: str, attempts: int = 4):
+    client = await aiohttp_client(create_app(_gateway(tmp_path, upstream_url), data_dir=tmp_path))
+    runner = client.app[BATCHES]
+    runner.retry_first_s = runner.retry_max_s = 0.01
+    runner.max_line_attempts = attempts
+    done = await _wait(client, (await _create(client, _jsonl(*map(_line, custom_ids))))["id"])
+    return done, await _jsonl_file(client, done["error_file_id"])
+
+
+async def test_a_line_the_upstream_received_then_dropped_runs_once_and_fails(aiohttp_client, tmp_path):
+    async with _DroppingUpstream() as dropping:
+        done, errors = await _run_batch(aiohttp_client, tmp_path, dropping.url, "one", "two", "three")
+    assert dropping.received == {"one": 1, "two": 1, "three": 1}        # each exactly once
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+    assert sorted(e["custom_id"] for e in errors) == ["one", "three", "two"]
+    for e in errors:
+        assert e["response"]["status_code"] == 502
+        assert e["response"]["body"]["error"]["code"] == "upstream_disconnected", e
+    assert dropping.keys == {cid: f"{done['id']}:{cid}" for cid in ("one", "two", "three")}
+
+
+async def test_a_line_whose_upstream_cannot_be_reached_is_tried_again(aiohttp_client, tmp_path):
+    done, errors = await _run_batch(aiohttp_client, tmp_path, f"http://127.0.0.1:{_free_port()}/v1", "lost",
+                                    attempts=3)
+    assert done["request_counts"] == {"total": 1, "completed": 0, "failed": 1}
+    (error,) = errors
+    assert error["error"]["code"] == "retries_exhausted" and "gave up after 3 attempts" in error["error"]["message"]
+    assert error["response"]["body"]["error"]["code"] == "upstream_unreachable"
+
+
+@pytest.mark.parametrize("answer, code", [(b"not json", "upstream_error"), (None, "upstream_disconnected")])
+async def test_forward_names_an_invalid_answer_and_a_dropped_one(aiohttp_client, tmp_path, answer, code):
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if answer is None:   # headers, then the connection dropped in the middle of the body
+            response = web.StreamResponse(headers={"Content-Length": "1000", "Content-Type": "application/json"})
+            await response.prepare(request)
+            await response.write(b'{"id": ')
+            request.transport.abort()
+            return response
+        return web.Response(body=answer, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    server = await aiohttp_client(app)
+    pool = _gateway(tmp_path, str(server.make_url("/v1"))).pools["remote"]
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(upstream.ApiError) as info:
+            await upstream.forward(None, session, pool, "/chat/completions", {"model": FRONT, "messages": []},
+                                   False, GatewayMetrics())
+    assert info.value.status == 502 and info.value.code == code, info.value.message
+    assert "upstream pool 'remote'" in info.value.message

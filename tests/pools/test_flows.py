@@ -1,0 +1,108 @@
+"""Fairness inside one tenant: flows by size class, fair queueing between them, a cap per flow."""
+
+from __future__ import annotations
+
+from pools.credits import CreditLedger
+from pools.flows import FLOW_CAP, FlowChannel, flow_class
+
+
+def _ids(tickets) -> list[str]:
+    return [t.request_id for t in tickets]
+
+
+def test_flow_classes_group_requests_within_a_factor_of_four():
+    assert flow_class(16, 16) == flow_class(48, 16) == 0          # 1..3 blocks
+    assert flow_class(64, 16) == flow_class(240, 16) == 1         # 4..15 blocks
+    assert flow_class(1040, 16) == 3 and flow_class(40, 16) == 0
+
+
+def test_a_small_request_behind_a_burst_is_next_but_one():
+    channel = FlowChannel()
+    ledger_like = []
+    for i in range(16):
+        ticket = CreditLedger(10_000).submit(f"big{i}", 1040)
+        channel.append(ticket)
+        ledger_like.append(ticket)
+    channel.pop(channel.heads()[0])                    # big0 served
+    small = CreditLedger(10_000).submit("small", 48)
+    channel.append(small)
+    assert [t.request_id for t in channel.heads()] == ["small", "big1"]
+    assert len(channel) == 16 and {t.request_id for t in channel} == {f"big{i}" for i in range(1, 16)} | {"small"}
+
+
+def test_a_burst_of_one_tenant_leaves_room_for_its_small_request():
+    # FCFS would admit the burst until the credits run out and queue the small request behind the rest
+    # of it; the flow cap keeps 1/8 free, so the small one starts at once.
+    ledger = CreditLedger(10_000, quantum=10_000, flow_cap=FLOW_CAP)
+    for i in range(16):
+        ledger.submit(f"big{i}", 1040)
+    assert _ids(ledger.admit()) == [f"big{i}" for i in range(8)]      # 8 x 1040 <= 8750 < 9 x 1040
+    ledger.submit("small", 48)
+    assert _ids(ledger.admit()) == ["small"]
+    ledger.check_integrity()
+    ledger.release("big0")
+    assert _ids(ledger.admit()) == ["big8"]                              # the burst goes on as credits come back
+    ledger.check_integrity()
+
+
+def test_sequences_are_credits_too():
+    # n=8 requests on a replica that runs 28 sequences: three run (24), a fourth would pass the flow's
+    # cap of 25; a one-sequence request runs beside them at once.
+    ledger = CreditLedger(100_000, quantum=100_000, max_seqs=28, flow_cap=FLOW_CAP)
+    for i in range(6):
+        ledger.submit(f"n8-{i}", 2000, num_seqs=8)
+    assert _ids(ledger.admit()) == ["n8-0", "n8-1", "n8-2"]
+    ledger.submit("one", 250, num_seqs=1)             # a smaller flow
+    assert _ids(ledger.admit()) == ["one"]
+    assert ledger.accounts[0].num_seqs == 25
+    ledger.check_integrity()
+    ledger.release("n8-0")
+    assert _ids(ledger.admit()) == ["n8-3"]
+    ledger.check_integrity()
+
+
+def test_a_request_larger_than_the_cap_runs_alone_in_its_flow():
+    ledger = CreditLedger(1000, quantum=1000, flow_cap=FLOW_CAP)
+    ledger.submit("whole", 1000)
+    ledger.submit("next", 1000)
+    assert _ids(ledger.admit()) == ["whole"]
+    ledger.release("whole")
+    assert _ids(ledger.admit()) == ["next"]
+    too_many = CreditLedger(1000, quantum=1000, max_seqs=4, flow_cap=FLOW_CAP)
+    too_many.submit("many", 100, num_seqs=10)          # more samples than the engine runs: all of them, no more
+    assert _ids(too_many.admit()) == ["many"] and too_many.accounts[0].num_seqs == 4
+    too_many.check_integrity()
+
+
+def test_a_flow_at_its_cap_does_not_block_other_tenants():
+    ledger = CreditLedger(10_000, quantum=10_000, flow_cap=FLOW_CAP)
+    for i in range(10):
+        ledger.submit(f"a{i}", 1040, tenant="a")
+    assert _ids(ledger.admit()) == [f"a{i}" for i in range(8)]   # a8 fits the credits, not a's cap
+    ledger.submit("b0", 1040, tenant="b")                        # the same size, another tenant's flow
+    assert _ids(ledger.admit()) == ["b0"]                        # not held behind a8
+    ledger.release("a0")
+    assert _ids(ledger.admit()) == ["a8"]
+    ledger.check_integrity()
+
+
+def test_without_a_cap_one_flow_may_take_every_credit():
+    ledger = CreditLedger(10_000, quantum=10_000)        # a throughput pool's ledger
+    for i in range(10):
+        ledger.submit(f"big{i}", 1040)
+    assert len(ledger.admit()) == 9                      # 9 x 1040 = 9360 of 10,000
+    ledger.check_integrity()
+
+
+def test_a_burst_admitted_one_by_one_still_counts_when_the_small_one_comes():
+    # each request of the burst arrives alone and is admitted at once (the channel empties between them);
+    # the fair-queueing tags must remember it, or the rest of the burst would tie with the small request
+    ledger = CreditLedger(28_880, max_seqs=28, flow_cap=FLOW_CAP)
+    admitted = []
+    for i in range(16):
+        ledger.submit(f"b{i}", 1184, num_seqs=8)
+        admitted += _ids(ledger.admit())
+    ledger.submit("small", 48)
+    admitted += _ids(ledger.admit())
+    assert admitted == ["b0", "b1", "b2", "small"]
+    ledger.check_integrity()
