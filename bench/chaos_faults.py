@@ -346,8 +346,8 @@ async def _first_model(session: Any, url: str) -> str:
         return (await response.json(content_type=None))["data"][0]["id"]
 
 
-async def chaos_run(server: LiveServer, args: argparse.Namespace, phases: Phases, faults: dict[str, tuple[FaultScript, str]],
-                    cluster: Any = None) -> dict[str, Any]:
+async def chaos_run(server: LiveServer, args: argparse.Namespace, phases: Phases,
+                    registry: dict[str, tuple[FaultScript, str]], cluster: Any = None) -> dict[str, Any]:
     """The whole run against a started server (its replicas on `cluster`, a `bench.ray_local.LocalRayCluster`,
     or its own workers): idle samples, then load + faults, then the drain. Returns the raw measurements
     (`build_report` summarizes them)."""
@@ -370,7 +370,7 @@ async def chaos_run(server: LiveServer, args: argparse.Namespace, phases: Phases
                                                                args.seed), stop_load))
         runs: list[FaultRun] = []
         try:
-            await run_faults(ctx, args.fault_names, runs, faults)
+            await run_faults(ctx, args.fault_names, runs, registry)
         finally:
             stop_load.set()
             load_end_s = ctx.now()

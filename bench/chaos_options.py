@@ -100,7 +100,7 @@ def _fault_names(faults: str | None, ray_nodes: int) -> list[str]:
     if lost and ray_nodes < 2:
         raise ValueError("--faults: lose_node needs --ray-nodes >= 2 (a local Ray cluster with a worker node that "
                          f"hosts a replica), got --ray-nodes {ray_nodes}")
-    if lost > ray_nodes - 1:
+    if lost and lost > ray_nodes - 1:
         raise ValueError(f"--faults: lose_node {lost} times removes {lost} worker nodes; --ray-nodes {ray_nodes} "
                          f"starts {ray_nodes - 1}")
     return names

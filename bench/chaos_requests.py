@@ -144,7 +144,10 @@ async def poison(ctx: Chaos, run: FaultRun, until_s: float) -> None:
         body = await r.json(content_type=None)
     run.injected_s = ctx.now()
     code = (body.get("error") or {}).get("code") if isinstance(body, dict) else None
-    await asyncio.sleep(1.0)
+    deadline = ctx.now() + 15.0           # the second restart is counted after its back-off
+    while await _restarts(ctx) - before < 2 and ctx.now() < deadline:
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(2.0)              # and no third one follows
     restarts = await _restarts(ctx) - before
     run.notes.update(status=shot.status, code=code, worker_restarts=restarts)
     run.notes["goal_met"] = shot.status == 500 and code == "poison_request" and restarts == 2
