@@ -9,6 +9,9 @@ variables nothing here runs and no prompt is decoded.
 - `CLIFFGUARD_FAULT_REJECT=<marker>`: adding a request whose prompt contains `marker` raises
   RuntimeError: a failure of one request's handling, which fails that request alone (500
   `request_failed`) and leaves the worker serving.
+- `CLIFFGUARD_FAULT_SLOW_STEP=<marker>:<seconds>`: the first step with a request whose prompt contains
+  `marker` lasts `seconds` longer (a sleep inside the step): a long healthy step, as a first kernel
+  compile or a huge prefill chunk makes one, which the watchdog must not take for a hang.
 
 A prompt is matched as text: a prompt of token ids (what the gateway sends) is decoded with the
 engine's tokenizer once, when it is added.
@@ -17,11 +20,13 @@ engine's tokenizer once, when it is added.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 POISON_ENV = "CLIFFGUARD_FAULT_POISON"
 REJECT_ENV = "CLIFFGUARD_FAULT_REJECT"
+SLOW_STEP_ENV = "CLIFFGUARD_FAULT_SLOW_STEP"
 
 
 class InjectedFault(RuntimeError):
@@ -34,12 +39,18 @@ class Faults:
 
     poison: str | None = None
     reject: str | None = None
+    slow: tuple[str, float] | None = None    # (marker, extra seconds of one step)
     poisoned: set[str] = field(default_factory=set)
+    slowed: set[str] = field(default_factory=set)   # requests whose first step is still to be slowed
 
     @classmethod
     def from_env(cls) -> "Faults | None":
         poison, reject = os.environ.get(POISON_ENV) or None, os.environ.get(REJECT_ENV) or None
-        return cls(poison, reject) if poison or reject else None
+        slow = None
+        if os.environ.get(SLOW_STEP_ENV):
+            marker, _, seconds = os.environ[SLOW_STEP_ENV].rpartition(":")
+            slow = (marker, float(seconds))
+        return cls(poison, reject, slow) if poison or reject or slow else None
 
     def on_add(self, engine, request_id: str, prompt: str | Sequence[int]) -> None:
         """Before `engine.add_request`: InjectedFault for a reject marker; remember a poison marker."""
@@ -48,9 +59,15 @@ class Faults:
             raise InjectedFault(f"fault injection: the prompt holds {REJECT_ENV}'s marker")
         if self.poison is not None and self.poison in text:
             self.poisoned.add(request_id)
+        if self.slow is not None and self.slow[0] in text:
+            self.slowed.add(request_id)
 
     def before_step(self, engine) -> None:
         """InjectedFault while a poisoned request is in the engine (the step 'fails because of it')."""
+        slowed = self.slowed & engine.requests.keys()
+        self.slowed.clear()
+        if slowed:
+            time.sleep(self.slow[1])   # the GIL is free: the heartbeat thread beats on
         live = self.poisoned & engine.requests.keys()
         self.poisoned &= live
         if live:

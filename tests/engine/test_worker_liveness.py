@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from engine.client import AsyncEngineClient, RequestFailedError
-from engine.faults import POISON_ENV, REJECT_ENV, Faults, InjectedFault
+from engine.faults import POISON_ENV, REJECT_ENV, SLOW_STEP_ENV, Faults, InjectedFault
 from engine.ipc import Channel
 from engine.messages import AbortRequest, AddRequest, Heartbeat, PauseRequest, Rejected
 from engine.sampling import SamplingParams
@@ -232,6 +232,7 @@ def test_the_client_and_the_gateway_answer_a_server_error_500_request_failed():
 def test_fault_markers_reject_an_add_or_poison_the_step(monkeypatch):
     monkeypatch.delenv(POISON_ENV, raising=False)
     monkeypatch.delenv(REJECT_ENV, raising=False)
+    monkeypatch.delenv(SLOW_STEP_ENV, raising=False)
     assert Faults.from_env() is None                       # nothing injected, nothing decoded
     monkeypatch.setenv(POISON_ENV, "t7 t8")
     monkeypatch.setenv(REJECT_ENV, "NOPE")
@@ -246,3 +247,16 @@ def test_fault_markers_reject_an_add_or_poison_the_step(monkeypatch):
     del engine.requests["r2"]                              # aborted before its step: harmless
     faults.before_step(engine)
     assert faults.poisoned == set()
+
+
+def test_a_slow_step_marker_lengthens_one_step_once(monkeypatch):
+    monkeypatch.setenv(SLOW_STEP_ENV, "SLOW:0.2")
+    faults, engine = Faults.from_env(), _FakeEngine()
+    faults.on_add(engine, "s1", "be SLOW now")
+    engine.add_request("s1", "be SLOW now", None)
+    started = time.monotonic()
+    faults.before_step(engine)
+    assert time.monotonic() - started >= 0.2
+    started = time.monotonic()
+    faults.before_step(engine)                             # only its first step
+    assert time.monotonic() - started < 0.1

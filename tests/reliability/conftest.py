@@ -35,6 +35,8 @@ WRITE_TIMEOUT = 3.0
 STALL_SECONDS = 6.0
 POISON_MARKER = "qqz-poison-marker-qqz"   # a prompt holding it crashes the worker's step (engine.faults)
 REJECT_MARKER = "qqz-reject-marker-qqz"   # a prompt holding it fails its own add in the worker
+SLOW_MARKER = "qqz-slow-marker-qqz"       # a prompt holding it makes one step last SLOW_STEP_SECONDS longer
+SLOW_STEP_SECONDS = STALL_SECONDS + 3
 MAX_RESPONSE_BUFFER_BYTES = 256 << 10     # a stream pauses its engine requests past this (1 MiB by default)
 
 
@@ -54,7 +56,8 @@ def reliability_config(tmp: Path) -> Path:
 def server(tmp_path_factory):
     """One live server on the builtin model for the package (restarted if a test left it dead), its worker
     armed with the fault-injection markers (`engine.faults`): only prompts holding them are affected."""
-    env = dict(os.environ, CLIFFGUARD_FAULT_POISON=POISON_MARKER, CLIFFGUARD_FAULT_REJECT=REJECT_MARKER)
+    env = dict(os.environ, CLIFFGUARD_FAULT_POISON=POISON_MARKER, CLIFFGUARD_FAULT_REJECT=REJECT_MARKER,
+               CLIFFGUARD_FAULT_SLOW_STEP=f"{SLOW_MARKER}:{SLOW_STEP_SECONDS:g}")
     live = LiveServer(reliability_config(tmp_path_factory.mktemp("reliability")), env=env)
     yield live
     live.stop()

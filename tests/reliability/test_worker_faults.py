@@ -24,8 +24,9 @@ import yaml
 
 from bench.live import LiveServer
 from tests.conftest import make_tiny_model
-from tests.reliability.conftest import (POISON_MARKER, REJECT_MARKER, STALL_SECONDS, Probe, chat, get, metric,
-                                        post_headers, resume, wait_ready, wait_until, worker_pid)
+from tests.reliability.conftest import (POISON_MARKER, REJECT_MARKER, SLOW_MARKER, SLOW_STEP_SECONDS, STALL_SECONDS,
+                                        Probe, chat, get, metric, post_headers, resume, wait_ready, wait_until,
+                                        worker_pid)
 
 RESTARTS = "cliffguard_worker_restarts_total"
 ADMITTED = "cliffguard_admission_admitted_total"   # requests the credit ledger admitted (credits held)
@@ -59,6 +60,20 @@ def test_a_stopped_idle_worker_is_found_stalled_by_its_silent_heartbeat(live):
     wait_ready(live.url, 60)
     assert worker_pid(live) != pid
     assert chat(live.url)[0] == 200
+
+
+def test_a_long_healthy_step_is_not_taken_for_a_hang(live):
+    # One step lasts stall_seconds + 3 s (CLIFFGUARD_FAULT_SLOW_STEP: a sleep in the step, as a first
+    # kernel compile or a huge chunk would take): the heartbeat beats on, so the worker lives and the
+    # request is answered; the watchdog used to count the silence of a worker with requests in flight.
+    pid = worker_pid(live)
+    started = time.monotonic()
+    status, body = chat(live.url, f"{SLOW_MARKER} Say hi.", 4, timeout=60)
+    assert status == 200, body
+    assert time.monotonic() - started >= SLOW_STEP_SECONDS - 0.5
+    assert worker_pid(live) == pid
+    assert get(live.url, "/ready")[0] == 200
+    assert "stalled" not in "".join(live.log[-50:])
 
 
 def test_a_request_whose_handling_fails_gets_500_alone_and_the_worker_serves_on(live):
