@@ -499,17 +499,18 @@ def test_a_request_waiting_for_credits_goes_to_the_replica_that_frees_first(firs
     assert all(r.finished for r in (first, second, waiting)) and group.placements["chat"].load == [0, 0]
 
 
-def test_a_release_on_one_replica_starts_a_request_on_another_only_after_it():
-    """No bypass: the small request waits behind the big head of the queue. When replica 0 frees, the
-    head goes there and the small one to replica 1, which is mid-step: it starts at its next boundary."""
+def test_a_small_request_of_another_flow_starts_at_the_next_step_boundary_and_the_head_waits():
+    """Fair order (`pools.flows`): the small request is of a flow not served yet, so it goes before the
+    big head of the queue, to replica 0, which is mid-step: it starts at that step's end. The head then
+    waits, with no bypass, until a replica has room for it: replica 0 once a and the small one ended."""
     group = _group(_pool(num_blocks=12), 2)
     a, b = SimRequest("a", "chat", 0.0, 100, 10, pool="chat"), SimRequest("b", "chat", 0.001, 100, 40, pool="chat")
     head = SimRequest("h", "chat", 0.002, 100, 80, pool="chat")
     small = SimRequest("s", "chat", 0.003, 10, 20, pool="chat")
     group.run([a, b, head, small])
-    assert (a.replica, b.replica, head.replica, small.replica) == (0, 1, 0, 1)
-    assert head.admitted == pytest.approx(a.token_times[-1])
-    assert a.token_times[-1] <= small.admitted < a.token_times[-1] + 0.012    # within one step of replica 1
+    assert (a.replica, b.replica, head.replica, small.replica) == (0, 1, 0, 0)
+    assert small.admitted == pytest.approx(a.token_times[0])                    # replica 0's first step ended
+    assert head.admitted == pytest.approx(max(a.token_times[-1], small.token_times[-1]))
     assert all(r.finished for r in (a, b, head, small))
 
 
