@@ -21,16 +21,16 @@ each in its own window (`--fault-seconds`), then a quiet window (`--quiet-second
 5. `stop_worker`: `kill -STOP` of the worker; the watchdog should kill it after `stall_seconds` and
    restart it. SIGCONT is sent at the end of the window (or on any way out).
 6. `burst`: `--burst` (500) small completions at once, each on its own connection.
-7. `silent_bodies`: 24 non-streamed chats whose answers are megabytes (n = 8, 20 top logprobs) on raw
-   sockets that never read; goal: the gateway's connections back to what they were within
-   `write_timeout` + 5 s.
+7. `silent_bodies`: 24 non-streamed chats whose answers (~260 KB: n = 4, 20 top logprobs) outgrow the
+   socket buffers, on raw sockets that never read; goal: each connection closed by the gateway within
+   `write_timeout` + 2 s of its answer's first byte (peeked at, not read).
 8. `stop_idle_worker`: the steady load pauses, the worker falls idle and gets `kill -STOP`; goal:
    `/ready` is 503 naming the stall within `stall_seconds` + 1.5 s.
 9. `poison`: a chat carrying the marker the server was started with (`CLIFFGUARD_FAULT_POISON`: its
    step raises in the worker); goal: 500 `poison_request` after exactly two worker restarts, the
    steady requests in flight retried, none lost or duplicated.
-10. `tenant_burst`: one tenant (no API keys) sends 16 chats of n = 8 x 128 tokens, then a 4-token
-   chat a second later; goal: the small one answered within 5 s.
+10. `tenant_burst`: one tenant (no API keys) sends 16 chats of n = 8 x 24 tokens, then a 4-token
+   chat a second later; goal: the small one answered within 5 s, before the burst's last answer.
 11. `lose_node` (only with `--ray-nodes` >= 2, and then in the default list): removes the worker node
    of the local Ray cluster that hosts a replica; Ray restarts its actor on a node left.
 

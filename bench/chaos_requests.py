@@ -13,7 +13,7 @@ import socket
 import time
 
 from bench.chaos_faults import FaultRun, Shot, shoot, sleep_until
-from bench.chaos_steady import Chaos, is_running, send_signal
+from bench.chaos_steady import Chaos, send_signal
 
 POISON_MARKER = "cliffguard-chaos-poison-2b7e"   # the server runs with CLIFFGUARD_FAULT_POISON set to it
 NUM_SILENT_BODIES = 24
@@ -137,7 +137,6 @@ async def stop_idle_worker(ctx: Chaos, run: FaultRun, until_s: float) -> None:
             await asyncio.sleep(0.2)
         honest = run.notes.get("ready_503_after_s")
         run.notes["goal_met"] = honest is not None and honest <= ctx.stall_seconds + 1.5
-        run.notes["killed"] = not is_running(pid)
     finally:
         if pid is not None:
             send_signal(pid, signal.SIGCONT)
