@@ -215,6 +215,9 @@ def test_an_unwritable_out_exits_2(tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
 
 
+# minutes of a live server under faults: `make test-slow` (the gateway's fault handling itself is
+# tested black-box in tests/reliability/, fast)
+@pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path, capsys):
     # --quick with a 5 s lead-in and 6 s quiet windows (each still extended until the gateway recovered;
     # the suite's time), fault windows as --quick's: 8 s, past the 6 s stall watchdog

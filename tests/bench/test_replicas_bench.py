@@ -40,6 +40,8 @@ def test_the_pool_file_replicates_every_device_on_one_thread(tmp_path):
                        "b": {"device": "cuda:1", "replicas": 2, "cpu_threads": 1}}
 
 
+# two live servers under load for a minute: `make test-slow`
+@pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path, builtin_path, capsys):
     model = make_tiny_model(tmp_path / "tiny", "llama", builtin_path, vocab_size=49152, max_position_embeddings=1024)
     config = tmp_path / "pools.yaml"
