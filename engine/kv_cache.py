@@ -6,6 +6,9 @@ One tensor backs all pools of a device; a pool is a range of its block ids.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from engine.config import ModelConfig
@@ -26,8 +29,8 @@ class KVCache:
         self.block_size = block_size
         self.dtype = dtype
         # Zeroed, so that a slot no step has written yet holds finite values.
-        self.data = torch.zeros(model.num_layers, 2, num_blocks, block_size, num_kv_heads or model.num_kv_heads,
-                                model.head_dim, dtype=dtype, device=device)
+        self.data = zeros((model.num_layers, 2, num_blocks, block_size, num_kv_heads or model.num_kv_heads,
+                           model.head_dim), dtype, torch.device(device))
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self.data[i, 0], self.data[i, 1]) for i in range(model.num_layers)]
 
@@ -46,6 +49,19 @@ class KVCache:
         src = torch.tensor([s for s, _ in pairs], device=self.data.device)
         dst = torch.tensor([d for _, d in pairs], device=self.data.device)
         self.data.index_copy_(2, dst, self.data.index_select(2, src))
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU it lies on an anonymous memory map, which the OS hands out zeroed page
+    by page as it is first written: a worker starts without writing gigabytes of zeros first (0.6 s for
+    the default 3.3 GB on a 2-core VM), and only the blocks ever used become resident."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    if numel == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, numel * dtype.itemsize)
+    return torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)   # the tensor keeps the map alive
 
 
 class SwapSpace:

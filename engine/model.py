@@ -47,7 +47,9 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """[head_dim // 2] inverse frequencies, with the config's scaling applied."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # On the CPU whatever device is the default: on the meta device the division's Python kernel would
+    # import torch._dynamo (over a second of a worker's start).
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = config.rope_scaling
     if scaling.rope_type == "linear":
         inv_freq = inv_freq / scaling.factor
@@ -150,7 +152,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.shard = shard = shard or ShardShape.of(config)
         self.comm = comm = comm or Collectives()
-        self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size)
+        # Built on the meta device and filled later: an explicit (empty) weight skips nn.Embedding's random
+        # init, whose meta kernel imports torch._dynamo (over a second of every worker's start).
+        self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size,
+                                         _weight=torch.empty(shard.vocab_rows, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, shard, comm) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
@@ -292,6 +297,20 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     init it next."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, shard, comm)
-    model = model.to_empty(device=device).to(dtype)
-    model.inv_freq = rope_inv_freq(config).to(device)  # buffers are not filled by to_empty
+    _allocate(model, dtype, device)
+    model.inv_freq = rope_inv_freq(config).to(device)
     return model.eval()
+
+
+def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Each (meta) parameter replaced by an empty one of `dtype` on `device`, a shared one once: what
+    `to_empty(device).to(dtype)` does, without its Python meta kernels, whose first use imports
+    torch._dynamo and sympy (1.5 s of every worker's start on a CPU)."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
+                                                   requires_grad=param.requires_grad)
+                module._parameters[name] = made[id(param)]
