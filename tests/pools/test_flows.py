@@ -10,10 +10,24 @@ def _ids(tickets) -> list[str]:
     return [t.request_id for t in tickets]
 
 
-def test_flow_classes_group_requests_within_a_factor_of_four():
-    assert flow_class(16, 16) == flow_class(48, 16) == 0          # 1..3 blocks
-    assert flow_class(64, 16) == flow_class(240, 16) == 1         # 4..15 blocks
-    assert flow_class(1040, 16) == 3 and flow_class(40, 16) == 0
+def test_flow_classes_group_requests_within_a_factor_of_two():
+    assert flow_class(16, 16) == 0 and flow_class(17, 16) == flow_class(48, 16) == 1   # 1 block; 2..3
+    assert flow_class(64, 16) == flow_class(112, 16) == 2          # 4..7 blocks
+    assert flow_class(128, 16) == flow_class(240, 16) == 3         # 8..15 blocks
+    assert flow_class(1040, 16) == 6
+
+
+def test_a_chat_is_not_queued_behind_a_burst_twice_its_size():
+    # 24 chats of n = 4 x 36 tokens (11 blocks each, 4 sequences) from one client, then a 16-token chat
+    # (4 blocks): with classes of a factor of four both were one FIFO and the small one waited for
+    # all 24; it is now its own flow, and starts beside the burst.
+    ledger = CreditLedger(28_880, max_seqs=28, flow_cap=FLOW_CAP)
+    for i in range(24):
+        ledger.submit(f"n4-{i}", 176, num_seqs=4)
+    assert len(ledger.admit()) == 6                  # 24 sequences: a seventh would pass the cap of 25
+    ledger.submit("chat", 56)
+    assert _ids(ledger.admit()) == ["chat"]
+    ledger.check_integrity()
 
 
 def test_a_small_request_behind_a_burst_is_next_but_one():
