@@ -21,7 +21,7 @@ each in its own window (`--fault-seconds`), then a quiet window (`--quiet-second
 5. `stop_worker`: `kill -STOP` of the worker; the watchdog should kill it after `stall_seconds` and
    restart it. SIGCONT is sent at the end of the window (or on any way out).
 6. `burst`: `--burst` (500) small completions at once, each on its own connection.
-7. `silent_bodies`: 24 non-streamed chats whose answers (~260 KB: n = 4, 20 top logprobs) outgrow the
+7. `silent_bodies`: `--silent-bodies` (24; 8 with `--quick`) non-streamed chats whose answers (~260 KB: n = 4, 20 top logprobs) outgrow the
    socket buffers, on raw sockets that never read; goal: each connection closed by the gateway within
    `write_timeout` + 2 s of its answer's first byte (peeked at, not read).
 8. `stop_idle_worker`: the steady load pauses, the worker falls idle and gets `kill -STOP`; goal:
@@ -29,8 +29,9 @@ each in its own window (`--fault-seconds`), then a quiet window (`--quiet-second
 9. `poison`: a chat carrying the marker the server was started with (`CLIFFGUARD_FAULT_POISON`: its
    step raises in the worker); goal: 500 `poison_request` after exactly two worker restarts, the
    steady requests in flight retried, none lost or duplicated.
-10. `tenant_burst`: one tenant (no API keys) sends 16 chats of n = 8 x 24 tokens, then a 4-token
-   chat a second later; goal: the small one answered within 5 s, before the burst's last answer.
+10. `tenant_burst`: one tenant (no API keys) sends `--tenant-burst` (16; 6 with `--quick`) chats of
+   n = 8 x 24 tokens, then a 4-token chat a second later; goal: the small one answered within 5 s,
+   before the burst's last answer.
 11. `lose_node` (only with `--ray-nodes` >= 2, and then in the default list): removes the worker node
    of the local Ray cluster that hosts a replica; Ray restarts its actor on a node left.
 
@@ -53,7 +54,10 @@ the chat TTFT p99 in 5-s bins of send time from its start and `ttft_recovered_s`
 first bin with >= 5 chat requests whose p99 is within 1.5x the warm-up window's p99; and when /ready
 first listed a replica down and then every replica up again (`replica_down_s`, `replica_back_s`).
 
-`--quick` shortens every window (the run takes 2-3 minutes on a 2-core CPU), for a test.
+`--quick` shortens every window (the run takes 2-3 minutes on a 2-core CPU), for a test, and sizes the
+load faults to a few seconds of a 2-core CPU's work (20 disconnects, 8 silent bodies, a burst of 6):
+a fault's recovery counts until every credit is back, so at full size on such a CPU it would measure
+the device's speed (24 silent bodies are 18 s of its work), not the gateway's recovery.
 """
 
 from __future__ import annotations

@@ -361,7 +361,8 @@ async def chaos_run(server: LiveServer, args: argparse.Namespace, phases: Phases
         start = time.perf_counter()
         ctx = Chaos(server.url, model, server.proc.pid, start, IDLE_S, phases, args.timeout, steady, faults,
                     Sampler(server.url, server.proc.pid, start), num_burst=args.burst,
-                    num_disconnects=args.disconnects, cluster=cluster, write_timeout=args.write_timeout,
+                    num_disconnects=args.disconnects, num_silent_bodies=args.silent_bodies,
+                    num_tenant_burst=args.tenant_burst, cluster=cluster, write_timeout=args.write_timeout,
                     stall_seconds=args.stall_seconds)
         stop_sampling, stop_load = asyncio.Event(), asyncio.Event()
         sampling = asyncio.create_task(ctx.sampler.run(probes, stop_sampling))

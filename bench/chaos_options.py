@@ -14,6 +14,9 @@ from bench.ray_local import INSTALL_HINT, NODE_CPUS, ray_installed
 FAULTS = {**CLIENT_AND_WORKER_FAULTS, **REQUEST_FAULTS}    # the default run, in this order
 ALL_FAULTS = {**FAULTS, **CLUSTER_FAULTS}
 QUICK = Phases(warmup_s=8.0, fault_s=8.0, quiet_s=10.0, max_settle_s=25.0)
+# --quick sizes the load faults to a few seconds of a 2-core CPU's work, so their recovery (every credit
+# back) measures the gateway, not the device: 24 silent bodies or 16 x n=8 chats are 18-20 s of its work.
+QUICK_SILENT_BODIES, QUICK_TENANT_BURST = 8, 6
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,6 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst", type=int, default=500, help="connections of the burst fault (default 500)")
     p.add_argument("--disconnects", type=int, default=40, help="requests of the disconnect fault (default 40; "
                    "20 with --quick)")
+    p.add_argument("--silent-bodies", type=int, default=None, help="non-streamed requests of the silent_bodies "
+                   "fault (default 24; 8 with --quick: 1,152 tokens with 20 top logprobs each, ~6 s of a 2-core CPU)")
+    p.add_argument("--tenant-burst", type=int, default=None, help="chats of n = 8 x 24 tokens in the tenant_burst "
+                   "fault (default 16; 6 with --quick: ~6 s of a 2-core CPU)")
     p.add_argument("--timeout", type=float, default=120.0, help="client timeout per request in s: later is "
                    "lost (default 120)")
     p.add_argument("--seed", type=int, default=0, help="seed of arrivals and prompts (default 0)")
@@ -62,7 +69,12 @@ def check_args(args: argparse.Namespace) -> Phases:
             raise ValueError(f"{option}: must be > 0, got {value:g}")
     if not args.rag_rate >= 0:
         raise ValueError(f"--rag-rate: must be >= 0, got {args.rag_rate:g}")
-    for option, value in (("--burst", args.burst), ("--disconnects", args.disconnects)):
+    if args.silent_bodies is None:
+        args.silent_bodies = QUICK_SILENT_BODIES if args.quick else 24
+    if args.tenant_burst is None:
+        args.tenant_burst = QUICK_TENANT_BURST if args.quick else 16
+    for option, value in (("--burst", args.burst), ("--disconnects", args.disconnects),
+                          ("--silent-bodies", args.silent_bodies), ("--tenant-burst", args.tenant_burst)):
         if value < 1:
             raise ValueError(f"{option}: must be >= 1, got {value}")
     if args.config is not None and not Path(args.config).is_file():

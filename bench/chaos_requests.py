@@ -16,10 +16,9 @@ from bench.chaos_faults import FaultRun, Shot, shoot, sleep_until
 from bench.chaos_steady import Chaos, send_signal
 
 POISON_MARKER = "cliffguard-chaos-poison-2b7e"   # the server runs with CLIFFGUARD_FAULT_POISON set to it
-NUM_SILENT_BODIES = 24
 SILENT_CLOSE_GRACE_S = 2.0    # the gateway must close a silent reader's connection write_timeout + this after its answer
 SILENT_DEADLINE_S = 90.0      # ... and all of them within this of sending (the answers must be computed first)
-BURST_REQUESTS, BURST_N, BURST_TOKENS = 16, 8, 24   # ~3k tokens: the burst outlasts the small one on a CPU
+BURST_N, BURST_TOKENS = 8, 24   # each burst chat: 192 tokens, 8 sequences
 SMALL_GOAL_S = 5.0            # the small request behind the burst is answered within this
 IDLE_WAIT_S = 20.0            # how long the stopped-idle-worker fault waits for the steady load's requests to end
 
@@ -66,11 +65,12 @@ def _answered(sock: socket.socket) -> bool:
 
 
 async def silent_bodies(ctx: Chaos, run: FaultRun, until_s: float) -> None:
-    """`NUM_SILENT_BODIES` non-streamed requests whose client never reads; per socket, when the first byte
+    """`num_silent_bodies` non-streamed requests whose client never reads; per socket, when the first byte
     of its answer came and when the gateway closed the connection. Goal: each closed within
     `write_timeout` + `SILENT_CLOSE_GRACE_S` of its answer's first byte (`SILENT_DEADLINE_S` at most)."""
     port = int(ctx.url.rsplit(":", 1)[1])
-    socks = [await asyncio.to_thread(_silent_socket, ctx.url, _silent_body(ctx, i)) for i in range(NUM_SILENT_BODIES)]
+    socks = [await asyncio.to_thread(_silent_socket, ctx.url, _silent_body(ctx, i))
+             for i in range(ctx.num_silent_bodies)]
     by_port = {s.getsockname()[1]: s for s in socks}
     run.injected_s = ctx.now()
     first: dict[int, float] = {}
@@ -176,14 +176,14 @@ async def poison(ctx: Chaos, run: FaultRun, until_s: float) -> None:
 
 
 async def tenant_burst(ctx: Chaos, run: FaultRun, until_s: float) -> None:
-    """One tenant (no API key: every client is the same tenant) sends `BURST_REQUESTS` chats of n=`BURST_N`
+    """One tenant (no API key: every client is the same tenant) sends `num_tenant_burst` chats of n=`BURST_N`
     and `BURST_TOKENS` tokens at once, then a 4-token chat one second later: goal, the small one answered
     within `SMALL_GOAL_S` (and before the burst's last answer: it did not wait for the burst)."""
     def body(text: str, n: int, max_tokens: int) -> bytes:
         return json.dumps({"model": ctx.model, "messages": [{"role": "user", "content": text}], "n": n,
                            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0}).encode()
 
-    burst = [Shot(f"burst {i}", ctx.now()) for i in range(BURST_REQUESTS)]
+    burst = [Shot(f"burst {i}", ctx.now()) for i in range(ctx.num_tenant_burst)]
     run.shots += burst
     tasks = [asyncio.create_task(shoot(ctx, ctx.fault_session, s, "/v1/chat/completions",
                                        body(f"Tell me a story about the number {i}.", BURST_N, BURST_TOKENS)))

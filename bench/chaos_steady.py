@@ -60,6 +60,8 @@ class Chaos:
     sampler: Sampler
     num_burst: int = 500
     num_disconnects: int = 40
+    num_silent_bodies: int = 24
+    num_tenant_burst: int = 16
     cluster: Any = None               # a `bench.ray_local.LocalRayCluster` the replicas run on, or None
     write_timeout: float = 30.0       # the served gateway's timers (faults time their checks by them)
     stall_seconds: float = 10.0
