@@ -16,8 +16,7 @@ each in its own window (`--fault-seconds`), then a quiet window (`--quiet-second
    headers, or after 1-3 content chunks.
 3. `oversized`: a 3000-entry prompt list, 980k `stop_token_ids`, 200k empty chat messages, n = 64;
    each must be a 400 within `OVERSIZED_LIMIT_S`.
-4. `kill_worker`: `kill -9` of the device worker (the gateway's child running multiprocessing's
-   `spawn_main`).
+4. `kill_worker`: `kill -9` of the device worker (a child of the gateway's fork server).
 5. `stop_worker`: `kill -STOP` of the worker; the watchdog should kill it after `stall_seconds` and
    restart it. SIGCONT is sent at the end of the window (or on any way out).
 6. `burst`: `--burst` (500) small completions at once, each on its own connection.

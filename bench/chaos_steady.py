@@ -374,9 +374,12 @@ def child_pids(parent_pid: int, wanted: Callable[[bytes], bool]) -> list[int]:
 
 
 def worker_pids(gateway_pid: int) -> list[int]:
-    """The device workers' pids, one per replica: the gateway's children that run multiprocessing's
-    `spawn_main` (not its resource tracker), in pid order."""
-    return child_pids(gateway_pid, lambda cmdline: b"spawn_main" in cmdline and b"resource_tracker" not in cmdline)
+    """The device workers' pids, one per replica, in pid order: the children of the gateway's fork server
+    (`engine.client` forks every worker from it), or the gateway's children that run multiprocessing's
+    `spawn_main` (a worker spawned: not its resource tracker)."""
+    servers = child_pids(gateway_pid, lambda cmdline: b"multiprocessing.forkserver" in cmdline)
+    spawned = child_pids(gateway_pid, lambda cmdline: b"spawn_main" in cmdline and b"resource_tracker" not in cmdline)
+    return sorted([pid for server in servers for pid in child_pids(server, lambda _: True)] + spawned)
 
 
 def replica_pids(cluster: Any) -> dict[str, list[int]]:

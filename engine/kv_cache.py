@@ -11,7 +11,8 @@ import mmap
 
 import torch
 
-from engine.config import ModelConfig
+import engine.capacity as capacity
+from engine.config import ConfigError, ModelConfig
 
 
 class KVCache:
@@ -49,6 +50,23 @@ class KVCache:
         src = torch.tensor([s for s, _ in pairs], device=self.data.device)
         dst = torch.tensor([d for _, d in pairs], device=self.data.device)
         self.data.index_copy_(2, dst, self.data.index_select(2, src))
+
+
+def check_fits_device(device: torch.device, num_blocks: int, block_bytes: int, memory_utilization: float) -> None:
+    """On CUDA, the capacity formula once more with what is real now: the GPU's memory and the weights as
+    loaded, against the plan's `num_blocks` KV blocks. A plan made for another GPU (`--vram`) is refused
+    here with the numbers, instead of failing later in the middle of an allocation."""
+    if device.type != "cuda":
+        return
+    needed = num_blocks * block_bytes
+    total = torch.cuda.get_device_properties(device).total_memory
+    loaded = torch.cuda.memory_allocated(device)
+    available = capacity.kv_cache_bytes(total, loaded, memory_utilization)
+    if needed > available:
+        raise ConfigError(
+            f"pools: the plan's {num_blocks} blocks need {needed / 2**30:.2f} GiB of KV cache, but {memory_utilization} x "
+            f"{total / 2**30:.2f} GiB - {loaded / 2**30:.2f} GiB of loaded weights leaves "
+            f"{available / 2**30:.2f} GiB on {device}; plan with this GPU's memory")
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

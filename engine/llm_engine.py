@@ -21,13 +21,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-import engine.capacity as capacity
 from engine.calibration import derive_slo, slo_share, warm_up
 from engine.composer import ComposedStep, StepComposer
 from engine.config import (CacheConfig, ConfigError, EngineConfig, LatencySLO, ModelConfig, PoolConfig,
                            SchedulerConfig)
 from engine.forks import SampleForks
-from engine.kv_cache import KVCache, SwapSpace
+from engine.kv_cache import KVCache, SwapSpace, check_fits_device
 from engine.model import build_model
 from engine.model_runner import ModelRunner, follower_main
 from engine.parallel import ShardShape, TensorParallelGroup
@@ -36,6 +35,7 @@ from engine.sampling import Sampler, SamplerOutput, SamplingParams, SamplingRow,
 from engine.scheduler import (RequestTooLargeError, ScheduledSeq, Scheduler, SchedulerOutput, build_scheduler,
                               commit_step)
 from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.stats import Laps
 from engine.structured import GrammarCompiler, PendingGrammars
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import iter_weights, resolve_model, weights_bytes
@@ -85,6 +85,7 @@ class _ExecutedStep:
     forward_started: float = 0.0
 
 
+
 class LLMEngine:
     """The engine of one device worker. Not thread-safe: one caller (the worker loop) drives it."""
 
@@ -107,21 +108,29 @@ class LLMEngine:
             raise
         self.load_seconds = time.perf_counter() - started
         if progress:
-            log.info("loaded %s (%s, %.0f MiB, %s) on %s in %.1fs; KV cache %d blocks x %d tokens%s", config.model,
+            log.info("loaded %s (%s, %.0f MiB, %s) on %s in %.1fs (%s); KV cache %d blocks x %d tokens%s", config.model,
                      self.model_config.architecture, self.weights_bytes / 2**20, self.dtype, self.device,
-                     self.load_seconds, self.num_blocks, config.cache.block_size,
+                     self.load_seconds, ", ".join(f"{k} {v:.2f}s" for k, v in self.load_phases.items()),
+                     self.num_blocks, config.cache.block_size,
                      f"; tensor parallel over {self.shard.size} ranks" if self.shard.size > 1 else "")
 
     def _build(self, progress: bool) -> None:
-        """Everything after the model's shape is known: weights, KV cache, schedulers, the warm-up."""
+        """Everything after the model's shape is known: weights, KV cache, schedulers, the warm-up. The
+        seconds of each phase go to `load_phases` (a worker's restart is these plus its imports)."""
         config = self.config
+        self.load_phases: dict[str, float] = {}
+        lap = Laps(self.load_phases)
         self._load_model()
+        lap("weights")
         self.num_blocks = config.num_blocks
-        self._check_fits_device()
+        check_fits_device(self.device, self.num_blocks, self.kv_bytes_per_token * config.cache.block_size,
+                          config.memory_utilization)
         self.kv_cache = KVCache(self.model_config, self.num_blocks, config.cache.block_size, self.dtype,
                                 self.device, num_kv_heads=self.shard.num_kv_heads)
+        lap("kv")
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, get_backend(self.device), self.group)
         self.runner.compile_kernels()
+        lap("kernels")
         self.schedulers: dict[str, Scheduler] = {}
         self.swap_spaces = self.runner.swap_spaces
         self._swap_bandwidth: float | None = None   # one device, one measurement shared by its pools
@@ -132,8 +141,11 @@ class LLMEngine:
         self.runner.setup_followers()
         self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in config.pools},
                                      min_shares={p.name: p.min_share for p in config.pools})
+        lap("schedulers")
         warm_up(self)
+        lap("warm-up")
         self.derived_slos = self._derive_slos()
+        lap("slo")
         self.default_pool = config.pools[0].name
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
         self.requests: dict[str, RequestState] = {}
@@ -171,22 +183,6 @@ class LLMEngine:
             self.weights_bytes = weights_bytes(self.model_path)
         if use_packed_linears(self.device, self.dtype):
             pack_linears(self.model)
-
-    def _check_fits_device(self) -> None:
-        """On CUDA, the capacity formula once more with what is real now: the GPU's memory and the
-        weights as loaded. A plan made for another GPU (`--vram`) is refused here with the numbers,
-        instead of failing later in the middle of an allocation."""
-        if self.device.type != "cuda":
-            return
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        loaded = torch.cuda.memory_allocated(self.device)
-        available = capacity.kv_cache_bytes(total, loaded, self.config.memory_utilization)
-        needed = self.num_blocks * self.kv_bytes_per_token * self.config.cache.block_size
-        if needed > available:
-            raise ConfigError(
-                f"pools: the plan's {self.num_blocks} blocks need {needed / 2**30:.2f} GiB of KV cache, but "
-                f"{self.config.memory_utilization} x {total / 2**30:.2f} GiB - {loaded / 2**30:.2f} GiB of loaded "
-                f"weights leaves {available / 2**30:.2f} GiB on {self.device}; plan with this GPU's memory")
 
     def _make_scheduler(self, pool: PoolConfig, first_block: int) -> Scheduler:
         """The scheduler of one pool: its block range from `first_block` on, and its CPU swap space."""

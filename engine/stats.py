@@ -5,6 +5,7 @@ reads attributes, never dict keys with defaults.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.config import LatencySLO
@@ -37,6 +38,7 @@ class WorkerInfo:
     pid: int = 0                     # the worker process (rank 0)
     slos: dict[str, LatencySLO] = field(default_factory=dict)   # each interactive pool's SLO, as the engine runs it
     slo_derivations: dict[str, str] = field(default_factory=dict)   # pool -> how its SLO came from the measured step
+    load_phases: dict[str, float] = field(default_factory=dict)     # seconds of each phase of load_seconds
 
     @property
     def block_bytes(self) -> int:
@@ -110,3 +112,15 @@ class EngineStats:
     pools: dict[str, PoolStats]
     step: StepCounters = field(default_factory=StepCounters)
     taken_at: float = 0.0
+
+
+class Laps:
+    """Records the seconds since the last call under each name called (`lap("weights")`): an engine's
+    load phases."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into, self.mark = into, time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.into[name], self.mark = round(now - self.mark, 3), now

@@ -52,12 +52,17 @@ from engine.stats import EngineStats, PoolInfo, PoolStats, StepCounters, WorkerI
 log = logging.getLogger("cliffguard.engine")
 
 
-def worker_main(config: EngineConfig, sock: socket.socket) -> None:
+def worker_main(config: EngineConfig, sock: socket.socket, environ: dict[str, str] | None = None) -> None:
     """Entry point of the device worker process: load, then loop (drain commands, step, send).
 
-    Ctrl-C in a terminal reaches the whole process group; the worker ignores it and leaves when the
-    gateway says so (or its socket closes), so a shutdown is never mistaken for a crash."""
+    `environ`: the gateway's environment when it started this worker (the fork server it is forked from
+    holds the one it started with). Ctrl-C in a terminal reaches the whole process group; the worker
+    ignores it and leaves when the gateway says so (or its socket closes), so a shutdown is never
+    mistaken for a crash."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)   # a spawned process starts with none
     from engine.llm_engine import LLMEngine
 
@@ -303,7 +308,8 @@ def worker_info(engine) -> WorkerInfo:
     return WorkerInfo(model_path=str(engine.model_path), device=str(engine.device), dtype=dtype_name(engine.dtype),
                       num_blocks=engine.num_blocks, block_size=engine.kv_cache.block_size,
                       kv_bytes_per_token=engine.kv_bytes_per_token * tp, pools=pools,
-                      load_seconds=engine.load_seconds, tensor_parallel_size=tp, pid=os.getpid(),
+                      load_seconds=engine.load_seconds, load_phases=dict(engine.load_phases),
+                      tensor_parallel_size=tp, pid=os.getpid(),
                       slos={name: slo for name, slo in engine.composer.slos.items() if slo is not None},
                       slo_derivations={name: f"itl {ITL_STEPS:g} x the measured decode step of {batch} sequences at "
                                              f"{context} tokens, {step * 1e3:.1f} ms, over 1 - the throughput pools' "

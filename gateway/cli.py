@@ -45,6 +45,8 @@ BENCHMARKS = {
                              "time, schema support (llguidance, xgrammar, outlines-core: those installed)"),
     "replicas": ("replicas", "one replica against N of the same pool file under the same open-loop load (chat, rag, "
                              "shared documents): tokens/s, the split of token load, prefix affinity"),
+    "restart": ("restart", "a device worker's restart, spawn to ready, in phases, against a bare interpreter "
+                           "importing its modules"),
     "chaos": ("chaos", "faults (slow readers, disconnects, oversized inputs, kill -9 / STOP of the worker, a "
                        "500-connection burst) under a steady load: lost, duplicated, p99 TTFT, recovery time, RSS"),
 }

@@ -198,6 +198,7 @@ class DeviceSupervisor:
         attempt = 0   # restarts since a worker last stayed up `reset_after_seconds`
         while True:
             client = self._new_client()
+            spawned = time.monotonic()
             try:
                 info = await client.start(self.start_seconds)
             except Exception as exc:  # noqa: BLE001 - the reason goes to the state, the log and the requests
@@ -209,8 +210,9 @@ class DeviceSupervisor:
                 what, reason = "restart failed", str(exc)
             else:
                 up_since = time.monotonic()
-                log.info("device %s ready%s: %s", self.name,
-                         f" again (restart {self.num_restarts})" if self._was_ready else "", info)
+                log.info("device %s ready%s, %.1f s after its worker was spawned (%.1f s of it loading): %s",
+                         self.name, f" again (restart {self.num_restarts})" if self._was_ready else "",
+                         up_since - spawned, info.load_seconds, info)
                 for pool, slo in info.slos.items():
                     self.metrics.pool_slo.labels(pool=pool, target="ttft").set(slo.ttft_ms / 1000)
                     self.metrics.pool_slo.labels(pool=pool, target="itl").set(slo.itl_ms / 1000)

@@ -159,13 +159,13 @@ def _hits(pattern, home: str) -> list[str]:
 
 def test_one_capacity_formula():
     """`0.9 x memory - weights`, blocks and max_num_seqs are computed in engine/capacity.py only; the
-    planner and the engine import it."""
+    planner and the engine's KV cache (its check against the GPU as loaded) import it."""
     import re
 
     pattern = re.compile(r"memory_utilization \*|0\.9 \*|\* 0\.9|// \(\w*kv\w* \* \w*(block_size|avg_len)\)")
     assert _hits(pattern, "engine/capacity.py") == []
     graph, _ = _graph()
-    assert "engine.capacity" in graph["pools.capacity_plan"] and "engine.capacity" in graph["engine.llm_engine"]
+    assert "engine.capacity" in graph["pools.capacity_plan"] and "engine.capacity" in graph["engine.kv_cache"]
 
 
 # The linear step-cost form: its fit (least squares), its attended-pairs regressor, its product.

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -197,6 +199,24 @@ def test_worker_pid_picks_the_spawned_child_not_the_resource_tracker():
             proc.kill()
             proc.wait()
     assert worker_pid(os.getpid()) is None and not is_running(worker.pid) and rss_bytes(worker.pid) is None
+
+
+def test_worker_pid_finds_a_child_of_the_fork_server():
+    # The gateway forks its workers from multiprocessing's fork server: they are its grandchildren.
+    server = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)",
+                               "multiprocessing.forkserver"])
+    try:
+        deadline = time.monotonic() + 10
+        while worker_pid(os.getpid()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid = worker_pid(os.getpid())
+        assert pid is not None and pid != server.pid and is_running(pid)
+    finally:
+        if pid := worker_pid(os.getpid()):
+            os.kill(pid, signal.SIGKILL)
+        server.kill()
+        server.wait()
 
 
 @pytest.mark.parametrize("argv, option", [

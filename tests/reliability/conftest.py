@@ -138,7 +138,7 @@ def wait_ready(url: str, timeout: float) -> dict[str, Any]:
 
 
 def worker_pid(server: LiveServer) -> int:
-    """The device worker's pid (the server's child that runs multiprocessing's spawn entry point)."""
+    """The device worker's pid (a child of the server's fork server)."""
     pid = chaos_worker_pid(server.proc.pid)
     assert pid is not None, "no device worker"
     return pid
