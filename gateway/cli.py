@@ -39,14 +39,12 @@ BENCHMARKS = {
                              "three rates: throughput, p50 and p99 TTFT"),
     "isolation": ("isolation_sweep", "chat latency under a rag flood: chat alone, split pools (step composer), one "
                                "shared pool; the itl_ms trade-off; --sweep: chat's SLO over a grid of loads"),
-    "structured": ("structured_outputs", "decode tokens/s with and without a JSON schema at each batch size: the grammar's "
-                                 "cost"),
+    "structured": ("structured_outputs", "decode tokens/s with and without a JSON schema per batch size"),
     "grammars": ("grammars", "grammar libraries on this machine: mask time per token at batch 1 and 32, compile "
                              "time, schema support (llguidance, xgrammar, outlines-core: those installed)"),
     "replicas": ("replicas", "one replica against N of the same pool file under the same open-loop load (chat, rag, "
                              "shared documents): tokens/s, the split of token load, prefix affinity"),
-    "restart": ("restart", "a device worker's restart, spawn to ready, in phases, against a bare interpreter "
-                           "importing its modules"),
+    "restart": ("restart", "a device worker's restart, start to ready: forked from the fork server vs spawned"),
     "chaos": ("chaos", "faults (slow readers, disconnects, oversized inputs, kill -9 / STOP of the worker, a "
                        "500-connection burst) under a steady load: lost, duplicated, p99 TTFT, recovery time, RSS"),
 }
