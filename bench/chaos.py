@@ -19,7 +19,7 @@ each in its own window (`--fault-seconds`), then a quiet window (`--quiet-second
 4. `kill_worker`: `kill -9` of the device worker (a child of the gateway's fork server).
 5. `stop_worker`: `kill -STOP` of the worker; the watchdog should kill it after `stall_seconds` and
    restart it. SIGCONT is sent at the end of the window (or on any way out).
-6. `burst`: `--burst` (500) small completions at once, each on its own connection.
+6. `burst`: `--burst` (500; 150 with `--quick`) small completions at once, each on its own connection.
 7. `silent_bodies`: `--silent-bodies` (24; 8 with `--quick`) non-streamed chats whose answers (~260 KB: n = 4, 20 top logprobs) outgrow the
    socket buffers, on raw sockets that never read; goal: each connection closed by the gateway within
    `write_timeout` + 2 s of its answer's first byte (peeked at, not read).
@@ -54,9 +54,10 @@ first bin with >= 5 chat requests whose p99 is within 1.5x the warm-up window's 
 first listed a replica down and then every replica up again (`replica_down_s`, `replica_back_s`).
 
 `--quick` shortens every window (the run takes 2-3 minutes on a 2-core CPU), for a test, and sizes the
-load faults to a few seconds of a 2-core CPU's work (20 disconnects, 8 silent bodies, a burst of 6):
-a fault's recovery counts until every credit is back, so at full size on such a CPU it would measure
-the device's speed (24 silent bodies are 18 s of its work), not the gateway's recovery.
+load faults to a few seconds of a 2-core CPU's work (20 disconnects, a burst of 150 connections, 8
+silent bodies, a tenant burst of 6): a fault's recovery counts until every credit is back, so at full
+size on such a CPU it would measure the device's speed (500 two-token completions are 19 s of its
+work, 24 silent bodies 18 s), not the gateway's recovery.
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ FAULTS = {**CLIENT_AND_WORKER_FAULTS, **REQUEST_FAULTS}    # the default run, in
 ALL_FAULTS = {**FAULTS, **CLUSTER_FAULTS}
 QUICK = Phases(warmup_s=8.0, fault_s=8.0, quiet_s=10.0, max_settle_s=25.0)
 # --quick sizes the load faults to a few seconds of a 2-core CPU's work, so their recovery (every credit
-# back) measures the gateway, not the device: 24 silent bodies or 16 x n=8 chats are 18-20 s of its work.
-QUICK_SILENT_BODIES, QUICK_TENANT_BURST = 8, 6
+# back) measures the gateway, not the device: 500 burst completions, 24 silent bodies or 16 x n=8 chats
+# are each 17-20 s of its work.
+QUICK_BURST, QUICK_SILENT_BODIES, QUICK_TENANT_BURST = 150, 8, 6
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "extended until it recovered (default 25)")
     p.add_argument("--faults", default=None, help=f"comma-separated, in order (default all: {','.join(FAULTS)}, "
                    f"and {','.join(CLUSTER_FAULTS)} with --ray-nodes >= 2)")
-    p.add_argument("--burst", type=int, default=500, help="connections of the burst fault (default 500)")
+    p.add_argument("--burst", type=int, default=None, help="connections of the burst fault (default 500; 150 with "
+                   "--quick: 500 two-token completions are ~19 s of a 2-core CPU's work)")
     p.add_argument("--disconnects", type=int, default=40, help="requests of the disconnect fault (default 40; "
                    "20 with --quick)")
     p.add_argument("--silent-bodies", type=int, default=None, help="non-streamed requests of the silent_bodies "
@@ -69,6 +71,8 @@ def check_args(args: argparse.Namespace) -> Phases:
             raise ValueError(f"{option}: must be > 0, got {value:g}")
     if not args.rag_rate >= 0:
         raise ValueError(f"--rag-rate: must be >= 0, got {args.rag_rate:g}")
+    if args.burst is None:
+        args.burst = QUICK_BURST if args.quick else 500
     if args.silent_bodies is None:
         args.silent_bodies = QUICK_SILENT_BODIES if args.quick else 24
     if args.tenant_burst is None:

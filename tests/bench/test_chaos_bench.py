@@ -257,7 +257,7 @@ def test_quick_run_end_to_end(tmp_path, capsys):
     assert report["overall"]["duplicated"] == 0, report["overall"]
     faults = {f["name"]: f for f in report["faults"]}
     assert faults["oversized"]["traffic"]["statuses"] == {"400": 4}
-    assert faults["burst"]["traffic"]["sent"] == 500
+    assert faults["burst"]["traffic"]["sent"] == 150   # --quick's burst
     assert faults["kill_worker"]["notes"]["new_pid"] not in (None, faults["kill_worker"]["notes"]["pid"])
     assert report["rss"]["peak_bytes"] >= report["rss"]["idle_bytes"] > 0
     saved = json.loads((tmp_path / "results.json").read_text())
