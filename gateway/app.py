@@ -35,7 +35,8 @@ from aiohttp.web_protocol import RequestHandler
 from gateway import batches, dashboard, handlers
 from gateway.admission import bearer_key
 from gateway.openai_api import ApiError
-from gateway.responses import BODY_SNDBUF_BYTES, RESPONSE_BUFFERS, ResponseBuffers, limit_send_buffer
+from gateway.client_writes import (BODY_SNDBUF_BYTES, RESPONSE_BUFFERS, ResponseBuffers, limit_send_buffer,
+                                   write_within)
 from gateway.runtime import GATEWAY, Gateway
 from pools.spec import CliffguardConfig
 
@@ -103,18 +104,12 @@ async def _write_middleware(request: web.Request, handler) -> web.StreamResponse
         limit_send_buffer(request, BODY_SNDBUF_BYTES)
     buffers = request.app[RESPONSE_BUFFERS]
     buffers.count(size)
+    pool = response.headers.get("x-cliffguard-pool", "none").split(",")[0]
     try:
-        await asyncio.wait_for(_send(request, response), gateway.config.gateway.write_timeout)
-    except TimeoutError:
-        pool = response.headers.get("x-cliffguard-pool", "none").split(",")[0]
-        log.warning("%s %s (pool %s): the client read nothing of its %d-byte answer for %g s "
-                    "(gateway.write_timeout); closing the connection", request.method, request.path, pool, size,
-                    gateway.config.gateway.write_timeout)
-        gateway.metrics.client_write_timeouts.labels(pool=pool).inc()
-        if request.transport is not None:
-            request.transport.abort()
+        await write_within(request, _send(request, response), gateway.config.gateway.write_timeout, gateway.metrics,
+                           pool, f"{request.method} {request.path}: its {size}-byte answer")
     except ConnectionError:
-        pass   # the client went away meanwhile; aiohttp notes it
+        pass   # ClientGone: aborted and said; or the client went away meanwhile (aiohttp notes it)
     finally:
         buffers.count(-size)
     return response

@@ -16,7 +16,6 @@ endpoint sees only the caller's owner's: another owner's id answers exactly as a
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator
@@ -27,6 +26,7 @@ from aiohttp import web
 
 from gateway.admission import bearer_key
 from gateway.batch_runner import BatchRunner, LineExecutor, answer_batch_line
+from gateway.client_writes import write_within
 from gateway.handlers import read_json
 from gateway.openai_api import ApiError
 from gateway.runtime import GATEWAY
@@ -136,21 +136,23 @@ async def file_content(request: web.Request) -> web.StreamResponse:
     file = _found(await runner.db(runner.store.file, file_id, owner=owner), "file_id", file_id)
     response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
     response.content_length = file["bytes"]
-    timeout = request.app[GATEWAY].config.gateway.write_timeout
+    gateway = request.app[GATEWAY]
+
+    def within(write):
+        return write_within(request, write, gateway.config.gateway.write_timeout, gateway.metrics, "none",
+                            f"file {file_id}: its content")
+
     await response.prepare(request)
     try:
         for offset in range(0, file["bytes"], CHUNK_BYTES):
             chunk = await runner.db(runner.store.file_content, file_id, owner=owner, offset=offset, size=CHUNK_BYTES)
-            await asyncio.wait_for(response.write(chunk), timeout)
-        await asyncio.wait_for(response.write_eof(), timeout)
+            await within(response.write(chunk))
+        await within(response.write_eof())
     except ApiError as exc:   # the store failed half-way: the body ends short of Content-Length, then the connection
         log.error("file %s: sending its content stopped: %s", file_id, exc.message)
         response.force_close()
-    except TimeoutError:
-        log.warning("file %s: the client read nothing for %g s (gateway.write_timeout); connection closed",
-                    file_id, timeout)
-        if request.transport is not None:
-            request.transport.abort()
+    except ConnectionError:
+        pass   # ClientGone: aborted and said; or the client went away meanwhile
     return response
 
 

@@ -32,7 +32,8 @@ from aiohttp import web
 from gateway import openai_api as api
 from gateway import openai_objects as objects
 from gateway.openai_api import ApiError, ChatRequest, CompletionRequest
-from gateway.responses import ClientGone, LocalResponse
+from gateway.client_writes import ClientGone
+from gateway.responses import LocalResponse
 from gateway.runtime import Gateway
 from gateway.tools import format_for
 from gateway.upstream import forward

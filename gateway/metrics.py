@@ -174,7 +174,7 @@ class GatewayMetrics:
                                             "without its first token.", _POOL)
 
     def _add_client_series(self) -> None:
-        """What the gateway holds for clients slower than their answers (gateway.responses.ResponseBuffers)."""
+        """What the gateway holds for clients slower than their answers (gateway.client_writes.ResponseBuffers)."""
         self.buffered_response_bytes = self._gauge("buffered_response_bytes", "Bytes of responses the gateway "
                                                    "holds unsent: queued stream chunks and JSON bodies being "
                                                    "written.", [])

@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -35,13 +34,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import Gauge
 
 from engine.outputs import RequestDelta, SampleDelta
 from engine.sampling import SamplingParams
 from engine.client import EngineDeadError, RequestFailedError
 from gateway import openai_objects as objects
 from gateway.admission import Placed
+from gateway.client_writes import RESPONSE_BUFFERS, ClientGone, ResponseBuffers, start_sse, write_within
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ApiError, ChatRequest, CompletionRequest
 from gateway.tools import ToolCallStream, ToolFormat, format_for
@@ -49,69 +48,6 @@ from pools.pool import Pool
 
 Routed = Sequence[tuple[Pool, list[int]]]   # each prompt's pool and token ids
 log = logging.getLogger("cliffguard.gateway")
-
-# Socket send buffers. Loopback autotuning grows them to megabytes, which a client that never reads fills
-# before any write blocks: with these, `write_timeout` starts counting once about that much is unread.
-STREAM_SNDBUF_BYTES = 256 << 10   # a stream
-BODY_SNDBUF_BYTES = 64 << 10      # a whole body larger than this (a JSON answer with logprobs: gateway.app)
-
-
-class ResponseBuffers:
-    """The bytes the gateway holds unsent for its clients, per stream and in total, and their bound (the
-    module docstring): pauses and resumes streams (`LocalResponse.set_paused`). One per app
-    (`RESPONSE_BUFFERS`, from `gateway.max_response_buffer_bytes` and `max_buffered_bytes`); event loop only."""
-
-    def __init__(self, max_response_bytes: int, max_total_bytes: int, gauge: Gauge | None = None) -> None:
-        self.max_response_bytes, self.max_total_bytes = max_response_bytes, max_total_bytes
-        self.num_bytes = 0                              # unsent, all responses together
-        self._gauge = gauge                             # cliffguard_buffered_response_bytes
-        self._unsent: dict[LocalResponse, int] = {}     # each stream's unsent bytes
-        self._paused: set[LocalResponse] = set()
-
-    def add(self, response: LocalResponse, num_bytes: int) -> None:
-        """`response` queued `num_bytes` more; it pauses if that takes it, or the total, over the bound."""
-        self._unsent[response] = self._unsent.get(response, 0) + num_bytes
-        self.count(num_bytes)
-        if response not in self._paused and (self._unsent[response] > self.max_response_bytes
-                                             or self.num_bytes > self.max_total_bytes):
-            self._paused.add(response)
-            response.set_paused(True)
-
-    def sent(self, response: LocalResponse, num_bytes: int) -> None:
-        """`num_bytes` of `response` were written; paused streams that are under both halves resume."""
-        left = self._unsent.pop(response, 0) - num_bytes
-        if left > 0:
-            self._unsent[response] = left
-        self.count(-num_bytes)
-
-    def forget(self, response: LocalResponse) -> None:
-        """The stream ended (written, or its client gone): nothing of it is held any more."""
-        self._paused.discard(response)
-        self.sent(response, self._unsent.get(response, 0))
-
-    def count(self, num_bytes: int) -> None:
-        """More (+) or fewer (-) unsent bytes in the total; also a whole body being written (nothing to pause)."""
-        self.num_bytes += num_bytes
-        if self._gauge is not None:
-            self._gauge.set(self.num_bytes)
-        if num_bytes < 0:
-            self._resume()
-
-    def _resume(self) -> None:
-        if not self._paused or self.num_bytes >= self.max_total_bytes / 2:
-            return
-        for response in [r for r in self._paused if self._unsent.get(r, 0) < self.max_response_bytes / 2]:
-            self._paused.discard(response)
-            response.set_paused(False)
-
-
-RESPONSE_BUFFERS = web.AppKey("response_buffers", ResponseBuffers)
-
-
-class ClientGone(ConnectionResetError):
-    """The client went away or read nothing for `write_timeout`: its connection is closed and there is
-    nothing left to answer (the handler returns quietly; the engine requests were aborted)."""
-
 
 @dataclass
 class _Choice:
@@ -408,42 +344,32 @@ class LocalResponse:
 
     async def _write(self) -> None:
         """Start the SSE response, write the queued events as the client takes them, end the stream
-        once `finish` queued the last. A client that takes nothing for `write_timeout` seconds, or
-        that is gone, stops the engine side (`run` raises ClientGone)."""
+        once `finish` queued the last. A client that takes nothing for `write_timeout` seconds
+        (`write_within`), or that is gone, stops the engine side (`run` raises ClientGone)."""
+        def within(write):
+            return write_within(self.request, write, self.write_timeout, self.metrics, self.routed[0][0].name,
+                                f"{self.request_id}: its stream (aborted with its engine requests)")
+
         try:
             if self.response is None:
-                self.response = await asyncio.wait_for(start_sse(self.request, self.headers), self.write_timeout)
+                self.response = await within(start_sse(self.request, self.headers))
             while True:
                 while self._chunks:
                     chunk = self._chunks[0]   # unsent (and counted) until written
-                    await asyncio.wait_for(self.response.write(chunk), self.write_timeout)
+                    await within(self.response.write(chunk))
                     self._chunks.popleft()
                     if self.buffers is not None:
                         self.buffers.sent(self, len(chunk))
                 if self._closing:
-                    await asyncio.wait_for(self.response.write_eof(), self.write_timeout)
+                    await within(self.response.write_eof())
                     return
                 self._wake.clear()
                 await self._wake.wait()
-        except TimeoutError:
-            self._client_stalled()
         except (ConnectionError, RuntimeError) as exc:   # RuntimeError: aiohttp's "transport is closing"
-            self._write_error = ClientGone(f"client went away: {exc}")
+            self._write_error = exc if isinstance(exc, ClientGone) else ClientGone(f"client went away: {exc}")
             self._drop_chunks()
         if self._runner is not None and not self._runner.done():
             self._runner.cancel()
-
-    def _client_stalled(self) -> None:
-        pool = self.routed[0][0].name
-        self._write_error = ClientGone(f"the client read nothing for {self.write_timeout:g} s "
-                                                 "(gateway.write_timeout): stream aborted")
-        log.warning("%s (pool %s): the client read nothing for %g s (gateway.write_timeout); aborting the "
-                    "stream and its engine requests", self.request_id, pool, self.write_timeout)
-        self.metrics.client_write_timeouts.labels(pool=pool).inc()
-        self._drop_chunks()
-        transport = self.request.transport if self.request is not None else None
-        if transport is not None:
-            transport.abort()
 
     def _json(self) -> web.Response:
         return web.json_response(self._body(), headers=self.headers)
@@ -472,20 +398,3 @@ class LocalResponse:
     def _usage(self) -> tuple[int, int]:
         """(prompt tokens, completion tokens) of the whole response."""
         return (sum(len(ids) for _, ids in self.routed), sum(c.num_tokens for c in self.choices.values()))
-
-
-async def start_sse(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
-    """A prepared `text/event-stream` response with `headers` (the pools and replicas that answer)."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           **headers})
-    limit_send_buffer(request)
-    await response.prepare(request)
-    return response
-
-
-def limit_send_buffer(request: web.Request, num_bytes: int = STREAM_SNDBUF_BYTES) -> None:
-    """Give the request's socket a send buffer of `num_bytes` (see `STREAM_SNDBUF_BYTES`)."""
-    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, num_bytes)

@@ -21,7 +21,6 @@ pool of them) for longer than that.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import time
@@ -34,7 +33,7 @@ from yarl import URL
 
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import ApiError
-from gateway.responses import ClientGone, start_sse
+from gateway.client_writes import start_sse, write_within
 from pools.pool import Pool
 
 # The forwarded request's Idempotency-Key: a batch line's `<batch id>:<custom_id>` (gateway.batch_runner), else None.
@@ -128,14 +127,8 @@ async def _relay_stream(request: web.Request, pool: Pool, upstream: aiohttp.Clie
     response = await start_sse(request, {"x-cliffguard-pool": pool.name})
 
     async def write(data: bytes) -> None:
-        try:
-            await asyncio.wait_for(response.write(data), write_timeout)
-        except TimeoutError:
-            metrics.client_write_timeouts.labels(pool=pool.name).inc()
-            if request.transport is not None:
-                request.transport.abort()
-            raise ClientGone(f"the client read nothing for {write_timeout:g} s (gateway.write_timeout): "
-                             "relay aborted") from None
+        await write_within(request, response.write(data), write_timeout, metrics, pool.name,
+                           f"{request.path}: its relayed stream")
 
     first = True
     buffer = b""
