@@ -355,11 +355,16 @@ class StepComposer:
 
     def _is_pressed(self, name: str) -> bool:
         """After the pool scheduled its step: whether it has requests waiting or due a prefill, or is
-        close to its `max_num_seqs` (the module docstring's step 3)."""
+        close to its `max_num_seqs` (the module docstring's step 3). A paused request (its client reads
+        too slowly) waits for its client, not for the device: it presses nothing, but its sequences
+        still hold their running slots."""
         scheduler = self.schedulers[name]
-        if scheduler.waiting or scheduler.swapped or self._external_waiting[name]:
+        if self._external_waiting[name]:
             return True
-        if any(seq.num_uncomputed_tokens > 1 for seq in scheduler.running):
+        active = (s for queue in (scheduler.waiting, scheduler.swapped) for s in queue if not scheduler.is_paused(s))
+        if next(active, None) is not None:
+            return True
+        if any(seq.num_uncomputed_tokens > 1 and not scheduler.is_paused(seq) for seq in scheduler.running):
             return True
         return len(scheduler.running) >= PRESSURE_OCCUPANCY * scheduler.config.max_num_seqs
 

@@ -309,6 +309,25 @@ def test_a_pool_near_its_max_num_seqs_or_with_a_gateway_queue_is_pressed():
     assert composer.schedule().pressed == ("chat",)
 
 
+def test_a_paused_request_presses_nothing_but_holds_its_slot():
+    # A request whose client reads too slowly is paused: waiting (or mid-prefill) it waits for its
+    # client, not for the device, so rag keeps its step; its running sequences still fill chat's slots.
+    composer = _make_composer(chat_seqs=8)
+    _decoding_chat(composer, 2)
+    chat = composer.schedulers["chat"]
+    chat.add(_make_seq(50, 60))
+    chat.pause("r50", True)
+    step = composer.schedule()
+    assert step.pressed == () and _rag_seconds(composer, step) > 0.02
+    _finish_step(composer, step)
+    chat.pause("r50", False)
+    assert composer.schedule().pressed == ("chat",)          # resumed: its prefill is due
+    composer = _make_composer(chat_seqs=4)
+    _decoding_chat(composer, 3)
+    composer.schedulers["chat"].pause("r0", True)
+    assert composer.schedule().pressed == ("chat",)          # 3 of 4 slots held, one of them paused
+
+
 def test_an_interactive_pool_chunks_its_own_long_prompt_so_its_decodes_keep_the_itl_target():
     composer = _make_composer()
     _decoding_chat(composer, 4)
