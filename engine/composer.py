@@ -39,7 +39,8 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    running slot or no free block; or waiting at the gateway for KV credits, which the gateway
    reports with `set_external_waiting`), a swapped-out request, a request whose prefill runs in
    this step (its first token, or a recompute, is due), or when it runs `PRESSURE_OCCUPANCY` of its
-   `max_num_seqs` (one burst from queueing). While any interactive pool is pressed, throughput pools
+   `max_num_seqs` (one burst from queueing; a paused request, whose client reads too slowly, presses
+   only by the slots it holds). While any interactive pool is pressed, throughput pools
    drop to their floor: nothing, unless they are owed their share (step 5). So an
    interactive request's prefill step costs what it costs with chat alone, and when chat's
    concurrency climbs (its steps carry throughput work, so each of its requests lasts longer) the
