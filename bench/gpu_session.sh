@@ -10,7 +10,8 @@
 # a machine whose speed holds still (GPU_STEPS=simulate runs it alone: about 20 minutes); the isolation
 # step runs `bench isolation --sweep --quick` on that model on CUDA, with the SLO the engine derives there;
 # the chaos step runs `bench chaos --quick` there on config/pools.yaml's pools (that model, an 8 GiB
-# device) with the faults of CHAOS_FAULTS. The device machine lacks msgspec (the worker protocol): carry
+# device) with the faults of CHAOS_FAULTS at their full sizes (--quick sizes them for a 2-core CPU); the
+# restart step times a CUDA worker's restart, forked and spawned (`bench restart`). The device machine lacks msgspec (the worker protocol): carry
 # its wheel in `.whl` and install it first (see the device tool's notes). Logs go to $OUT (or ./gpu-out); the last lines printed are a short summary.
 set -u
 OUT=${OUT:-gpu-out}
@@ -50,7 +51,9 @@ for what in ${GPU_STEPS:-tests kernels engine}; do
                 '    avg_len: 512' '    max_model_len: 2048' '    max_num_batched_tokens: 512' > "$SIM/pools.yaml" &&
               TAILN=40 step bench_simulate $CLI bench simulate --config "$SIM/pools.yaml" --duration 120 --out "$OUT/simulate" ;;
     chaos)   smollm2 && chaos_config && TAILN=45 step bench_chaos $CLI bench chaos --quick --config "$SIM/chaos.yaml" \
+               --burst 500 --silent-bodies 24 --tenant-burst 16 \
                --faults ${CHAOS_FAULTS:-silent_bodies,stop_idle_worker,poison,tenant_burst,kill_worker} --out "$OUT/chaos" ;;
+    restart) smollm2 && chaos_config && step bench_restart $CLI bench restart --config "$SIM/chaos.yaml" --runs 3 ;;
     isolation) smollm2 && TAILN=40 step bench_isolation $CLI bench isolation --sweep --quick --no-slo --device cuda \
                  --model "$SIM/smollm2" --out "$OUT/isolation" ;;
   esac
