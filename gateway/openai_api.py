@@ -9,6 +9,7 @@ objects the OpenAI API returns. Extra fields are accepted as vLLM accepts them:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,14 +173,19 @@ def response_format(value: Any, param: str = "response_format") -> StructuredOut
     return json_schema_constraint(spec, f"{param}.json_schema")
 
 
+_FORMAT_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")   # OpenAI's rule for a response format's name
+
+
 def json_schema_constraint(spec: dict[str, Any], param: str) -> StructuredOutput:
     """{name, schema, strict, description} (chat's json_schema; the Responses API's text.format carries the
     same fields beside its type) as a constraint."""
     for key in spec:
         if key not in ("name", "schema", "strict", "description", "type"):
             raise bad_request(f"{param}.{key}", "unrecognized field")
-    if not isinstance(spec.get("name", ""), str):
-        raise bad_request(f"{param}.name", f"expected a string, got {_json_type(spec['name'])}")
+    if "name" not in spec:
+        raise bad_request(f"{param}.name", "is required")
+    if not isinstance(spec["name"], str) or not _FORMAT_NAME.match(spec["name"]):
+        raise bad_request(f"{param}.name", f"must be 1-64 letters, digits, '_' or '-', got {spec['name']!r}")
     if not isinstance(spec.get("strict", False), (bool, type(None))):
         raise bad_request(f"{param}.strict", f"expected a boolean, got {_json_type(spec['strict'])}")
     schema = spec.get("schema", {})
@@ -303,6 +309,8 @@ def _message(i: int, m: Any) -> dict[str, Any]:
         if role != "assistant":
             raise bad_request(f"messages[{i}].tool_calls", "only assistant messages carry tool calls")
         message["tool_calls"] = _tool_error(lambda: parse_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls"))
+    if role == "tool" and m.get("tool_call_id") is None:
+        raise bad_request(f"messages[{i}].tool_call_id", "is required in a tool message (the id of the call it answers)")
     for key in ("tool_call_id", "name"):
         if m.get(key) is not None:
             if not isinstance(m[key], str):

@@ -17,6 +17,7 @@ then `response.output_item.done`; last `response.completed` (or `response.incomp
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -149,6 +150,8 @@ def parse_responses(body: Any, limits: RequestLimits = RequestLimits()) -> ChatR
             raise bad_request("text", f"expected an object, got {_json_type(text)}")
         fmt = text.get("format")
         if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+            if "schema" not in fmt:
+                raise bad_request("text.format.schema", "is required")
             fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
         if fmt is not None:
             chat["response_format"] = fmt
@@ -166,12 +169,18 @@ _RENAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "
 
 def _renamed(err: ApiError) -> ApiError:
     param = err.param or ""
+    new = _FUNCTION_FIELD.sub(r"tools[\1].", param)   # a chat tool's function.X is a flat tool's X
     for chat, responses in sorted(_RENAMES.items(), key=lambda kv: -len(kv[0])):
         if param == chat or param.startswith(chat + ".") or param.startswith(chat + "["):
             new = responses + param[len(chat):]
-            return ApiError(err.status, err.message.replace(param, new, 1), param=new, type=err.type,
-                            code=err.code, headers=err.headers)
-    return err
+            break
+    if new == param:
+        return err
+    return ApiError(err.status, err.message.replace(param, new, 1), param=new, type=err.type, code=err.code,
+                    headers=err.headers)
+
+
+_FUNCTION_FIELD = re.compile(r"^tools\[(\d+)\]\.function\.")
 
 
 class ResponsesAnswer(LocalResponse):

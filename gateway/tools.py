@@ -16,13 +16,14 @@ leaves the model free and parses what it wrote; "none" renders the tools and par
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.structured import JSON_OPTIONS, StructuredOutput
+from engine.structured import JSON_OPTIONS, StructuredOutput, check
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")   # OpenAI's rule for function names
@@ -90,6 +91,8 @@ def parse_tools(value: Any, param: str = "tools") -> list[Tool]:
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
             raise ToolError(f"{where}.function.parameters: expected a JSON schema object")
+        if (reason := schema_error(json.dumps(parameters, sort_keys=True))) is not None:
+            raise ToolError(f"{where}.function.parameters: not a JSON schema we can enforce: {reason}")
         tools.append(Tool(name, description, parameters))
     return tools
 
@@ -127,6 +130,17 @@ def parse_tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
         calls.append({"id": call.get("id") or f"call_{i}", "type": "function",
                       "function": {"name": function["name"], "arguments": arguments}})
     return calls
+
+
+@functools.lru_cache(maxsize=512)
+def schema_error(schema_text: str) -> str | None:
+    """Why the JSON schema `schema_text` cannot be enforced (the grammar library's reason), or None. Cached:
+    an agent sends the same tools every turn."""
+    try:
+        check(StructuredOutput.json_schema(json.loads(schema_text)))
+    except ValueError as exc:
+        return str(exc).removeprefix("structured output: ")
+    return None
 
 
 # --- formats ------------------------------------------------------------------------------------------

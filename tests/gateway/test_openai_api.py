@@ -78,6 +78,10 @@ BAD_CHAT = [
     ("json_schema whose schema is not an object",
      dict(CHAT, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}),
      "response_format.json_schema.schema"),
+    ("json_schema without a name", dict(CHAT, response_format={"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}}}), "response_format.json_schema.name"),
+    ("json_schema with a name OpenAI refuses", dict(CHAT, response_format={"type": "json_schema", "json_schema": {
+        "name": "a pet", "schema": {"type": "object"}}}), "response_format.json_schema.name"),
     ("min_tokens over max_tokens", dict(CHAT, min_tokens=5, max_tokens=2), "min_tokens"),
     ("top_k below -1", dict(CHAT, top_k=-5), "top_k"),
     ("seed string", dict(CHAT, seed="x"), "seed"),

@@ -92,9 +92,16 @@ async def test_a_tool_call_whole_and_streamed_then_its_result_as_input(client) -
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{**WEATHER, "parameters": {"type": "banana"}}]}, "tools[0].parameters"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format.name"),
+    ({"text": {"format": {"type": "json_schema", "name": "pet"}}}, "text.format.schema"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call_output", "output": "21 C"}]},
+     "input[1].call_id"),
 ])
 async def test_what_a_stateless_server_cannot_do_is_a_400_naming_the_field(client, extra, param) -> None:
     body = {"model": MODEL, "input": "hi", **extra}
     with pytest.raises(openai.BadRequestError) as info:
         await client.responses.create(**body)
     assert info.value.body["param"] == param, info.value.body
+    ok = await client.responses.create(model=MODEL, input="hi", max_output_tokens=2)   # the next one is served
+    assert ok.status == "incomplete" and ok.output_text is not None

@@ -52,6 +52,12 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
      "tool_choice.function.name"),
     (dict(CHAT, tool_choice="required"), "tool_choice"),
     (dict(CHAT, tools=[WEATHER], parallel_tool_calls="yes"), "parallel_tool_calls"),
+    (dict(CHAT, tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "banana"}}}]),
+     "tools[0].function.parameters"),
+    (dict(CHAT, tools=[WEATHER, {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": 5}}}]), "tools[1].function.parameters"),
+    (dict(CHAT, messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "21 C"}]),
+     "messages[1].tool_call_id"),
     (dict(CHAT, messages=[{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f",
                                                                                        "arguments": {}}}]}]),
      "messages[0].tool_calls[0].function.arguments"),
@@ -220,6 +226,23 @@ SAMPLING = {"frequency_penalty": 0.5, "max_tokens": 300}
 def client(live_builtin_server):
     """A fresh client per test: each test runs on its own event loop."""
     return openai.AsyncOpenAI(base_url=live_builtin_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+async def test_what_openai_refuses_is_a_400_naming_the_field_and_the_next_request_is_served(client) -> None:
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "banana"}}}
+    cases = [(dict(messages=[{"role": "user", "content": "hi"}], tools=[bad_tool]), "tools[0].function.parameters"),
+             (dict(messages=[{"role": "user", "content": "hi"}, {"role": "tool", "content": "21 C"}]),
+              "messages[1].tool_call_id"),
+             (dict(messages=[{"role": "user", "content": "hi"}],
+                   response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}),
+              "response_format.json_schema.name")]
+    for kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model=MODEL, max_tokens=2, **kwargs)
+        assert info.value.body["param"] == param, info.value.body
+        ok = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=2)
+        assert ok.choices[0].finish_reason == "length"
 
 
 def _assert_valid(call) -> None:
