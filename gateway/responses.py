@@ -298,13 +298,17 @@ class LocalResponse:
             choice.sent_role = True
         delta["content"], finish_reason = c.delta_text, c.finish_reason
         if choice.tool_stream is not None:
-            delta["content"] = choice.tool_stream.content_delta(choice.text)
-            if finish_reason is not None:
-                rest, calls = choice.tool_stream.finish(choice.text)
+            stream = choice.tool_stream
+            delta["content"] = stream.content_delta(choice.text)
+            if finish_reason is None:
+                calls = stream.call_deltas(choice.text)
+            else:
+                rest, calls, num_calls = stream.finish(choice.text)
                 delta["content"] += rest
-                if calls:
-                    delta["tool_calls"] = [{"index": k, **call.as_openai()} for k, call in enumerate(calls)]
+                if num_calls:
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            if calls:
+                delta["tool_calls"] = calls
         return {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
 
     # --- the client's side of a stream ----------------------------------------------------------

@@ -194,6 +194,7 @@ class ResponsesAnswer(LocalResponse):
         self._sequence = 0
         self._output: list[dict[str, Any]] = []        # the items streamed so far (completed ones whole)
         self._message: dict[str, Any] | None = None    # the message item being streamed
+        self._calls: dict[int, tuple[int, dict[str, Any]]] = {}   # call index -> (output index, its item)
         self._started = False
 
     # --- the Response object ---------------------------------------------------------------------
@@ -270,9 +271,9 @@ class ResponsesAnswer(LocalResponse):
             delta = chunk["delta"]
             if delta.get("content"):
                 self._text_delta(delta["content"])
-            for call in delta.get("tool_calls") or []:
+            for entry in delta.get("tool_calls") or []:
                 self._close_message()
-                self._function_call(ToolCall(call["function"]["name"], call["function"]["arguments"], call["id"]))
+                self._call_delta(entry)
 
     def _text_delta(self, text: str) -> None:
         if self._message is None:
@@ -303,17 +304,27 @@ class ResponsesAnswer(LocalResponse):
         self._event("response.output_item.done", output_index=index, item=dict(message))
         self._message = None
 
-    def _function_call(self, call: ToolCall) -> None:
-        item = self._call_item(call, "in_progress")
-        index = len(self._output)
-        self._output.append(item)
-        self._event("response.output_item.added", output_index=index, item=dict(item, arguments=""))
-        self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                    delta=call.arguments)
-        self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                    arguments=call.arguments, name=call.name)
-        item["status"] = "completed"
-        self._event("response.output_item.done", output_index=index, item=dict(item))
+    def _call_delta(self, entry: dict[str, Any]) -> None:
+        """One chat `tool_calls` delta entry as Response events: a new call's item (id and name first), then
+        `response.function_call_arguments.delta` for each piece of its arguments as the model writes them."""
+        if "id" in entry:
+            item = self._call_item(ToolCall(entry["function"]["name"], "", entry["id"]), "in_progress")
+            self._calls[entry["index"]] = (len(self._output), item)
+            self._output.append(item)
+            self._event("response.output_item.added", output_index=len(self._output) - 1, item=dict(item))
+        index, item = self._calls[entry["index"]]
+        piece = entry["function"].get("arguments") or ""
+        if piece:
+            item["arguments"] += piece
+            self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=piece)
+
+    def _close_calls(self) -> None:
+        for index, item in self._calls.values():
+            if item["status"] == "in_progress":
+                self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            arguments=item["arguments"], name=item["name"])
+                item["status"] = "completed"
+                self._event("response.output_item.done", output_index=index, item=dict(item))
 
     def _queue_tail(self) -> None:
         self._start()
@@ -322,6 +333,7 @@ class ResponsesAnswer(LocalResponse):
             self._event("error", code=error.get("code"), message=error["message"], param=error.get("param"))
             return
         self._close_message()
+        self._close_calls()
         status = self._status()
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         self._event(kind, response=self._response(status, self._output))

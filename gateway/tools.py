@@ -11,7 +11,8 @@ The pool model's chat template decides the format (`tool_format`):
 
 `tool_choice` "required" or a named function is enforced with a grammar (`ToolFormat.grammar`, a Lark
 grammar with the functions' parameter schemas inline) through the structured-output machinery; "auto"
-leaves the model free and parses what it wrote; "none" renders the tools and parses nothing.
+leaves the model free and parses what it wrote; "none" renders the tools and parses nothing. A stream
+sends each call as it is written (`ToolCallStream`: id and name, then the arguments' own text in pieces).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 from engine.structured import JSON_OPTIONS, StructuredOutput, check
@@ -186,9 +188,18 @@ class ToolFormat:
         and holds the rest until the reply ends and is parsed."""
         raise NotImplementedError
 
-    def _call(self, obj: Any) -> ToolCall | None:
+    def call_starts(self, text: str, pos: int) -> Iterator[int]:
+        """Where in `text` (from `pos`) each call object's `{` is, as far as written: a stream's calls."""
+        raise NotImplementedError
+
+    def _call(self, obj: Any, text: str = "", start: int = -1) -> ToolCall | None:
+        """A call of a known tool from a decoded object; its arguments are the model's own text of them
+        (`text[start]` opens the object), as a stream sent them, else the object's JSON."""
         if not isinstance(obj, dict) or obj.get("name") not in self.tools or not isinstance(obj.get(self.args_key), dict):
             return None
+        scan = scan_call(text, start, self.args_key) if start >= 0 else None
+        if scan is not None and scan.args_end is not None:
+            return ToolCall(obj["name"], text[scan.args_start:scan.args_end])
         return ToolCall(obj["name"], json.dumps(obj[self.args_key], ensure_ascii=False))
 
 
@@ -218,7 +229,7 @@ class HermesFormat(ToolFormat):
                 end = len(text) - len(rest) + len(self.end)
             elif rest:
                 continue   # no closing tag after the object: not a call
-            call = self._call(obj)
+            call = self._call(obj, text, body)
             if call is None:
                 continue
             calls.append(call)
@@ -228,6 +239,15 @@ class HermesFormat(ToolFormat):
             return text, []
         content = ("".join(kept) + text[last:]).strip()
         return content or None, calls
+
+    def call_starts(self, text: str, pos: int) -> Iterator[int]:
+        while (found := text.find(self.start, pos)) >= 0:
+            body = found + len(self.start)
+            body += len(text[body:]) - len(text[body:].lstrip())
+            if body >= len(text) or text[body] != "{":
+                return
+            yield body
+            pos = body
 
     def hold_from(self, text: str) -> int:
         found = text.find(self.start)
@@ -259,7 +279,7 @@ class Llama3JsonFormat(ToolFormat):
                 obj, end = decoder.raw_decode(stripped, pos)
             except json.JSONDecodeError:
                 return text, []
-            call = self._call(obj)
+            call = self._call(obj, stripped, pos)
             if call is None:
                 return text, []
             calls.append(call)
@@ -267,6 +287,19 @@ class Llama3JsonFormat(ToolFormat):
             while pos < len(stripped) and stripped[pos] in " ;\n\t":
                 pos += 1
         return None, calls
+
+    def call_starts(self, text: str, pos: int) -> Iterator[int]:
+        pos += len(text[pos:]) - len(text[pos:].lstrip())
+        if text.startswith("<|python_tag|>", pos):
+            pos += len("<|python_tag|>")
+        while pos < len(text) and text[pos] == "{":
+            yield pos
+            end = scan_call(text, pos, self.args_key).end
+            if end is None:
+                return
+            pos = end
+            while pos < len(text) and text[pos] in " ;\n\t":
+                pos += 1
 
     def hold_from(self, text: str) -> int:
         stripped = text.lstrip()
@@ -350,13 +383,74 @@ def format_for(tokenizer, tools: list[Tool]) -> ToolFormat:
     return tool_format(tokenizer.chat_template_source(use_tools=True), tools)
 
 
+@dataclass
+class CallScan:
+    """How far the call object starting at `start` has been written: its name once complete, where its
+    arguments object starts and ends (ends: once closed), and where the call object ends."""
+
+    name: str | None = None
+    args_start: int | None = None
+    args_end: int | None = None
+    end: int | None = None
+
+
+def scan_call(text: str, start: int, args_key: str) -> CallScan:
+    """Read the (maybe unfinished) call object `text[start:]` (`text[start]` is its `{`) character by
+    character: strings with their escapes, nesting, the top level's keys and values."""
+    scan, depth, key, in_value, string_at, escaped = CallScan(), 0, None, False, -1, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if string_at >= 0:                       # inside a string
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                if depth == 1:
+                    value = _loads(text[string_at:i + 1])
+                    if not in_value:
+                        key = value
+                    elif key == "name" and isinstance(value, str):
+                        scan.name = value
+                string_at = -1
+            continue
+        if ch == '"':
+            string_at = i
+        elif ch == ":" and depth == 1:
+            in_value = True
+        elif ch == "," and depth == 1:
+            in_value = False
+        elif ch in "{[":
+            if depth == 1 and in_value and key == args_key and ch == "{" and scan.args_start is None:
+                scan.args_start = i
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 1 and scan.args_start is not None and scan.args_end is None:
+                scan.args_end = i + 1
+            if depth == 0:
+                scan.end = i + 1
+                break
+    return scan
+
+
+@dataclass
+class _StreamedCall:
+    id: str
+    name: str
+    num_sent: int = 0    # characters of its arguments sent
+
+
 class ToolCallStream:
-    """One streamed choice of a chat with tools: what of its text can go out as content now, and at the
-    end the calls. A forced choice (tool_choice "required" or named) holds everything: it is calls only."""
+    """One streamed choice of a chat with tools: what of its text can go out as content now, and each call
+    as the model writes it: its id, type and name once the name is complete, then its arguments in pieces
+    (the model's own text of them, so the pieces concatenate to the final `arguments`). A forced choice
+    (tool_choice "required" or named) holds all text: it is calls only."""
 
     def __init__(self, fmt: ToolFormat, forced: bool) -> None:
         self.fmt, self.forced = fmt, forced
         self.num_sent = 0      # characters of the reply already sent as content
+        self.calls: list[_StreamedCall] = []
 
     def content_delta(self, text: str) -> str:
         """The reply so far is `text`: the content that can be sent now."""
@@ -366,8 +460,39 @@ class ToolCallStream:
         delta, self.num_sent = text[self.num_sent:upto], upto
         return delta
 
-    def finish(self, text: str) -> tuple[str, list[ToolCall]]:
-        """The reply is complete: (the held content to send, the calls)."""
+    def call_deltas(self, text: str) -> list[dict[str, Any]]:
+        """The reply so far is `text`: the calls' progress since the last look, as OpenAI's `tool_calls`
+        delta entries (one per call that moved)."""
+        out: dict[int, dict[str, Any]] = {}
+        for k, start in enumerate(self.fmt.call_starts(text, self.num_sent)):
+            scan = scan_call(text, start, self.fmt.args_key)
+            if k == len(self.calls):
+                if scan.name not in self.fmt.tools:
+                    break        # its name is not written yet (or names no tool offered)
+                self.calls.append(_StreamedCall(f"call_{uuid.uuid4().hex[:24]}", scan.name))
+                call = self.calls[k]
+                out[k] = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            call = self.calls[k]
+            if scan.args_start is not None:
+                piece = text[scan.args_start + call.num_sent:scan.args_end if scan.args_end is not None else len(text)]
+                if piece:
+                    call.num_sent += len(piece)
+                    out.setdefault(k, {"index": k, "function": {"arguments": ""}})["function"]["arguments"] += piece
+            if scan.end is None:
+                break
+        return list(out.values())
+
+    def finish(self, text: str) -> tuple[str, list[dict[str, Any]], int]:
+        """The reply is complete: (the held content to send, the last `tool_calls` delta entries, the number
+        of calls). A call the stream began is completed with the rest of its arguments; one it did not see
+        is sent whole."""
+        entries = {e["index"]: e for e in self.call_deltas(text)}
         content, calls = self.fmt.parse(text[self.num_sent:])
         self.num_sent = len(text)
-        return content or "", calls
+        for k, call in enumerate(calls):
+            if k >= len(self.calls):
+                entries[k] = {"index": k, **call.as_openai()}
+            elif len(call.arguments) > self.calls[k].num_sent:
+                rest = call.arguments[self.calls[k].num_sent:]
+                entries.setdefault(k, {"index": k, "function": {"arguments": ""}})["function"]["arguments"] += rest
+        return content or "", [entries[k] for k in sorted(entries)], len(calls)

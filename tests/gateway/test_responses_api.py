@@ -75,6 +75,15 @@ async def test_a_tool_call_whole_and_streamed_then_its_result_as_input(client) -
     events = await _events(client, **kwargs)
     done = [e.arguments for e in events if e.type == "response.function_call_arguments.done"]
     assert done == [c.arguments for c in calls]
+    pieces: dict[str, list[str]] = {}
+    for e in events:
+        if e.type == "response.function_call_arguments.delta":
+            pieces.setdefault(e.item_id, []).append(e.delta)
+    # each call's arguments streamed in pieces as written, joining to the whole answer's
+    assert [("".join(p), len(p) > 3) for p in pieces.values()] == [(c.arguments, True) for c in calls]
+    added = next(e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call")
+    assert added.item.name == "get_weather" and events.index(added) < next(
+        i for i, e in enumerate(events) if e.type == "response.function_call_arguments.delta")
     followup = await client.responses.create(
         model=MODEL, tools=[WEATHER], max_output_tokens=30, temperature=0,
         input=[{"role": "user", "content": "What's the weather in Paris?"},

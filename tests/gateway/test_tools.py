@@ -128,18 +128,53 @@ def test_the_forcing_grammars_are_valid_for_the_library(fmt_class, parallel) -> 
     check(fmt_class(tools).grammar(tools[:1], parallel))
 
 
-def test_a_stream_holds_back_a_call_and_sends_the_text_before_it() -> None:
+def test_a_stream_sends_the_text_before_a_call_then_the_call_as_it_is_written() -> None:
     fmt = HermesFormat(parse_tools(TOOLS))
-    reply = 'Sure.\n<tool_call>\n{"name": "search", "arguments": {"query": "x", "limit": 3}}\n</tool_call>'
-    stream, sent = ToolCallStream(fmt, forced=False), ""
+    call = {"name": "search", "arguments": {"query": 'x "}', "limit": 3}}   # a brace inside a string
+    reply = f"Sure.\n<tool_call>\n{json.dumps(call)}\n</tool_call>"
+    stream, sent, calls = ToolCallStream(fmt, forced=False), "", {}
     for end in range(1, len(reply) + 1):
         sent += stream.content_delta(reply[:end])
         assert "<tool" not in sent and reply.startswith(sent)
-    rest, calls = stream.finish(reply)
-    assert (sent + rest).strip() == "Sure." and [c.name for c in calls] == ["search"]
+        for entry in stream.call_deltas(reply[:end]):
+            _merge(calls, entry)
+            if "id" in entry:           # id and name first, before any of the arguments
+                assert entry["function"] == {"name": "search", "arguments": ""} and end < reply.index('"limit"')
+    rest, entries, num_calls = stream.finish(reply)
+    for entry in entries:
+        _merge(calls, entry)
+    _, parsed = fmt.parse(reply)
+    assert (sent + rest).strip() == "Sure." and num_calls == 1
+    assert calls[0]["name"] == "search" and calls[0]["arguments"] == parsed[0].arguments
+    assert json.loads(calls[0]["arguments"]) == call["arguments"]
     plain = ToolCallStream(fmt, forced=False)
     assert plain.content_delta("a < b") == "a < b" and plain.content_delta("a < b <tool") == " "
-    assert plain.finish("a < b <tool") == ("<tool", [])
+    assert plain.finish("a < b <tool") == ("<tool", [], 0)
+
+
+def test_llama3_json_calls_stream_one_after_another() -> None:
+    fmt = Llama3JsonFormat(parse_tools(TOOLS))
+    reply = '{"name": "search", "parameters": {"query": "a"}}; {"name": "search", "parameters": {"query": "b"}}'
+    stream, calls = ToolCallStream(fmt, forced=False), {}
+    for end in range(1, len(reply) + 1):
+        assert stream.content_delta(reply[:end]) == ""
+        for entry in stream.call_deltas(reply[:end]):
+            _merge(calls, entry)
+    rest, entries, num_calls = stream.finish(reply)
+    for entry in entries:
+        _merge(calls, entry)
+    assert rest == "" and num_calls == 2
+    assert [json.loads(calls[k]["arguments"]) for k in (0, 1)] == [{"query": "a"}, {"query": "b"}]
+    assert calls[0]["id"] != calls[1]["id"]
+
+
+def _merge(calls: dict[int, dict], entry: dict) -> None:
+    """A `tool_calls` delta entry into the calls so far, as the openai SDK accumulates them."""
+    call = calls.setdefault(entry["index"], {"id": None, "name": None, "arguments": ""})
+    if "id" in entry:
+        assert call["id"] is None, "a call's id is sent once"
+        call["id"], call["name"] = entry["id"], entry["function"]["name"]
+    call["arguments"] += entry["function"].get("arguments", "")
 
 
 def test_a_template_without_tools_gets_them_in_a_system_message() -> None:
@@ -289,13 +324,17 @@ async def test_streamed_tool_calls_reassemble_to_the_same_calls(client) -> None:
     async for chunk in await client.chat.completions.create(stream=True, **kwargs):
         for choice in chunk.choices:
             for delta in choice.delta.tool_calls or []:
-                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": "", "pieces": 0, "id": delta.id})
+                assert entry["id"] == delta.id or delta.id is None    # the id comes once, with the name, first
                 entry["name"] += delta.function.name or ""
                 entry["arguments"] += delta.function.arguments or ""
+                entry["pieces"] += bool(delta.function.arguments)
             finish = choice.finish_reason or finish
     assert finish == "tool_calls"
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
-        (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+    # the arguments came in pieces as the model wrote them, and they join to the whole answer's, character for character
+    assert all(c["id"] and c["pieces"] > 3 for c in calls.values()), calls
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
 
 
 async def test_a_two_turn_exchange_with_a_tool_result(client) -> None:
