@@ -70,6 +70,7 @@ class ChatRequest:
     tools: list[Tool] | None = None
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True
+    metadata: dict[str, str] | None = None   # the Responses API's, echoed in its Response object
 
 
 @dataclass

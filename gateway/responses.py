@@ -156,7 +156,7 @@ class LocalResponse:
             if req.stream:
                 forced = req.tool_choice.mode in ("required", "function")
                 for choice in self.choices.values():
-                    choice.tool_stream = ToolCallStream(self.tool_format, forced)
+                    choice.tool_stream = ToolCallStream(self.tool_format, forced, req.parallel_tool_calls)
         self.response: web.StreamResponse | None = None   # the SSE response, once started
         self.error: ApiError | None = None               # the engine's failure, answered by `finish`
         self.write_timeout = write_timeout
@@ -392,6 +392,7 @@ class LocalResponse:
             content, calls, finish_reason = choice.text, [], choice.finish_reason
             if self.tool_format is not None:
                 content, calls = self.tool_format.parse(choice.text)
+                calls = calls if self.req.parallel_tool_calls else calls[:1]   # parallel_tool_calls: false
                 if calls and finish_reason == "stop":
                     finish_reason = "tool_calls"
             body_choices.append(objects.chat_choice(index, content, lp, finish_reason,

@@ -16,6 +16,7 @@ then `response.output_item.done`; last `response.completed` (or `response.incomp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -136,6 +137,8 @@ def parse_responses(body: Any, limits: RequestLimits = RequestLimits()) -> ChatR
     if body.get("previous_response_id") is not None:
         raise bad_request("previous_response_id", "this server keeps no responses; send the whole conversation "
                           "as input")
+    _check_unsupported(body)
+    metadata = _metadata(body.get("metadata"))
     chat: dict[str, Any] = {"model": body.get("model"), "messages": _messages(body), **_chat_tools(body)}
     for key in ("temperature", "top_p", "parallel_tool_calls", "seed", "priority", "stream", "top_logprobs"):
         if body.get(key) is not None:
@@ -159,7 +162,39 @@ def parse_responses(body: Any, limits: RequestLimits = RequestLimits()) -> ChatR
         req = api.parse_chat(chat, limits)
     except ApiError as err:
         raise _renamed(err) from None
-    return req
+    return dataclasses.replace(req, metadata=metadata)
+
+
+def _check_unsupported(body: dict[str, Any]) -> None:
+    """Fields OpenAI takes that this server cannot honour: a 400 naming them, never a silent default."""
+    if body.get("truncation") not in (None, "disabled"):
+        raise bad_request("truncation", f"only 'disabled' is supported (an input over the context is a 400, "
+                          f"context_length_exceeded), got {body['truncation']!r}")
+    if body.get("service_tier") not in (None, "auto", "default"):
+        raise bad_request("service_tier", f"only 'auto' and 'default' are served, got {body['service_tier']!r}")
+    include = body.get("include")
+    if include is not None:
+        if not isinstance(include, list):
+            raise bad_request("include", f"expected an array, got {_json_type(include)}")
+        for i, value in enumerate(include):
+            if value != "message.output_text.logprobs":
+                raise bad_request(f"include[{i}]", f"only 'message.output_text.logprobs' is supported, got {value!r}")
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    """OpenAI's `metadata`: at most 16 string pairs, keys up to 64 characters, values up to 512."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("metadata", f"expected an object, got {_json_type(value)}")
+    if len(value) > 16:
+        raise bad_request("metadata", f"at most 16 pairs, got {len(value)}")
+    for key, item in value.items():
+        if len(key) > 64:
+            raise bad_request("metadata", f"keys are at most 64 characters, got one of {len(key)}")
+        if not isinstance(item, str) or len(item) > 512:
+            raise bad_request(f"metadata.{key}", "expected a string of at most 512 characters")
+    return dict(value)
 
 
 # chat field -> the Responses field it came from, for errors
@@ -206,10 +241,11 @@ class ResponsesAnswer(LocalResponse):
             "type": "function", "name": req.tool_choice.name}
         return {
             "id": self.request_id, "object": "response", "created_at": self.created_at, "status": status,
-            "model": req.model, "output": output, "error": None,
+            "model": req.model, "output": output,
+            "error": self.error.body()["error"] if status == "failed" and self.error is not None else None,
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
             "instructions": next((m["content"] for m in req.messages[:1] if m["role"] == "system"), None),
-            "metadata": {}, "parallel_tool_calls": req.parallel_tool_calls,
+            "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls,
             "temperature": req.params.temperature, "top_p": req.params.top_p,
             "max_output_tokens": req.params.max_tokens, "previous_response_id": None, "store": False,
             "tool_choice": choice if req.tools else "none",
@@ -248,9 +284,13 @@ class ResponsesAnswer(LocalResponse):
         content, calls = choice.text, []
         if self.tool_format is not None:
             content, calls = self.tool_format.parse(choice.text)
+            calls = calls if self.req.parallel_tool_calls else calls[:1]
         output = []
         if content:
             output.append(self._message_item(objects.new_id("msg"), content, self._status()))
+            if self.want_logprobs and not calls:   # each token's, when the reply is all text
+                output[-1]["content"][0]["logprobs"] = objects.chat_logprobs(
+                    choice.token_ids, choice.logprobs, choice.top_logprobs, choice.pool.token_text)["content"]
         output += [self._call_item(call) for call in calls]
         return self._response(self._status(), output)
 
@@ -270,12 +310,13 @@ class ResponsesAnswer(LocalResponse):
         for chunk in chunk_choices:
             delta = chunk["delta"]
             if delta.get("content"):
-                self._text_delta(delta["content"])
+                logprobs = chunk.get("logprobs") if self.tool_format is None else None
+                self._text_delta(delta["content"], (logprobs or {}).get("content") or [])
             for entry in delta.get("tool_calls") or []:
                 self._close_message()
                 self._call_delta(entry)
 
-    def _text_delta(self, text: str) -> None:
+    def _text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> None:
         if self._message is None:
             self._message = self._message_item(objects.new_id("msg"), "", "in_progress")
             self._message["content"] = []
@@ -287,8 +328,9 @@ class ResponsesAnswer(LocalResponse):
                         content_index=0, part=dict(self._message["content"][0]))
         part = self._message["content"][0]
         part["text"] += text
+        part["logprobs"] += logprobs
         self._event("response.output_text.delta", item_id=self._message["id"], output_index=len(self._output) - 1,
-                    content_index=0, delta=text, logprobs=[])
+                    content_index=0, delta=text, logprobs=logprobs)
 
     def _close_message(self) -> None:
         message = self._message
@@ -297,7 +339,7 @@ class ResponsesAnswer(LocalResponse):
         index = self._output.index(message)
         part = message["content"][0]
         self._event("response.output_text.done", item_id=message["id"], output_index=index, content_index=0,
-                    text=part["text"], logprobs=[])
+                    text=part["text"], logprobs=part["logprobs"])
         self._event("response.content_part.done", item_id=message["id"], output_index=index, content_index=0,
                     part=dict(part))
         message["status"] = self._status() if self.choices[0].finish_reason else "completed"
@@ -328,9 +370,9 @@ class ResponsesAnswer(LocalResponse):
 
     def _queue_tail(self) -> None:
         self._start()
-        if self.error is not None:
-            error = self.error.body()["error"]
-            self._event("error", code=error.get("code"), message=error["message"], param=error.get("param"))
+        if self.error is not None:   # the engine failed it: the Response fails, with the error object
+            self._close_message()
+            self._event("response.failed", response=self._response("failed", self._output))
             return
         self._close_message()
         self._close_calls()

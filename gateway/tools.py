@@ -447,8 +447,8 @@ class ToolCallStream:
     (the model's own text of them, so the pieces concatenate to the final `arguments`). A forced choice
     (tool_choice "required" or named) holds all text: it is calls only."""
 
-    def __init__(self, fmt: ToolFormat, forced: bool) -> None:
-        self.fmt, self.forced = fmt, forced
+    def __init__(self, fmt: ToolFormat, forced: bool, parallel: bool = True) -> None:
+        self.fmt, self.forced, self.parallel = fmt, forced, parallel   # parallel False: the first call only
         self.num_sent = 0      # characters of the reply already sent as content
         self.calls: list[_StreamedCall] = []
 
@@ -465,6 +465,8 @@ class ToolCallStream:
         delta entries (one per call that moved)."""
         out: dict[int, dict[str, Any]] = {}
         for k, start in enumerate(self.fmt.call_starts(text, self.num_sent)):
+            if k and not self.parallel:
+                break
             scan = scan_call(text, start, self.fmt.args_key)
             if k == len(self.calls):
                 if scan.name not in self.fmt.tools:
@@ -488,7 +490,7 @@ class ToolCallStream:
         is sent whole."""
         entries = {e["index"]: e for e in self.call_deltas(text)}
         content, calls = self.fmt.parse(text[self.num_sent:])
-        self.num_sent = len(text)
+        calls, self.num_sent = calls if self.parallel else calls[:1], len(text)
         for k, call in enumerate(calls):
             if k >= len(self.calls):
                 entries[k] = {"index": k, **call.as_openai()}

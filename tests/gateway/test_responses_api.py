@@ -106,6 +106,11 @@ async def test_a_tool_call_whole_and_streamed_then_its_result_as_input(client) -
     ({"text": {"format": {"type": "json_schema", "name": "pet"}}}, "text.format.schema"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call_output", "output": "21 C"}]},
      "input[1].call_id"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"service_tier": "flex"}, "service_tier"),
+    ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"metadata": {"app": 5}}, "metadata.app"),
 ])
 async def test_what_a_stateless_server_cannot_do_is_a_400_naming_the_field(client, extra, param) -> None:
     body = {"model": MODEL, "input": "hi", **extra}
@@ -114,3 +119,40 @@ async def test_what_a_stateless_server_cannot_do_is_a_400_naming_the_field(clien
     assert info.value.body["param"] == param, info.value.body
     ok = await client.responses.create(model=MODEL, input="hi", max_output_tokens=2)   # the next one is served
     assert ok.status == "incomplete" and ok.output_text is not None
+
+
+async def test_metadata_is_echoed_and_logprobs_come_with_the_text_whole_and_streamed(client) -> None:
+    kwargs = dict(model=MODEL, input="Name a colour.", max_output_tokens=4, temperature=0, top_logprobs=2,
+                  include=["message.output_text.logprobs"], metadata={"app": "tests", "turn": "1"})
+    whole = await client.responses.create(**kwargs)
+    assert whole.metadata == {"app": "tests", "turn": "1"}
+    part = whole.output[0].content[0]
+    assert len(part.logprobs) == whole.usage.output_tokens == 4
+    assert "".join(lp.token for lp in part.logprobs) == part.text and all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    events = await _events(client, **kwargs)
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]
+    assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in part.logprobs], abs=1e-3)
+    assert events[-1].response.metadata == {"app": "tests", "turn": "1"}
+
+
+def test_a_stream_whose_engine_request_fails_ends_in_response_failed_with_the_error() -> None:
+    from types import SimpleNamespace
+
+    from gateway.metrics import GatewayMetrics
+    from gateway.openai_api import ApiError
+    from gateway.responses_api import ResponsesAnswer, parse_responses
+
+    req = parse_responses({"model": MODEL, "input": "hi", "stream": True, "metadata": {"a": "b"}})
+    pool = SimpleNamespace(name="chat")
+    answer = ResponsesAnswer(None, req, [(pool, [1, 2])], placed={"chat": SimpleNamespace(replica=0)}, received=0.0,
+                             metrics=GatewayMetrics())
+    events: list[dict] = []
+    answer._queue = lambda obj, event=None: events.append(obj)
+    answer._text_delta("Hel", [])
+    answer.error = ApiError(500, "the device worker failed to handle it", type="server_error", code="request_failed")
+    answer._queue_tail()
+    assert [e["type"] for e in events][-2:] == ["response.output_item.done", "response.failed"]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "request_failed"
+    assert failed["output"][0]["content"][0]["text"] == "Hel" and failed["metadata"] == {"a": "b"}

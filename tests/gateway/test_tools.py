@@ -168,6 +168,20 @@ def test_llama3_json_calls_stream_one_after_another() -> None:
     assert calls[0]["id"] != calls[1]["id"]
 
 
+def test_parallel_tool_calls_false_streams_and_returns_the_first_call_only() -> None:
+    fmt = HermesFormat(parse_tools(TOOLS))
+    one = '<tool_call>\n{"name": "search", "arguments": {"query": "%s"}}\n</tool_call>'
+    reply = "\n".join([one % "a", one % "b"])
+    stream, calls = ToolCallStream(fmt, forced=False, parallel=False), {}
+    for end in range(1, len(reply) + 1):
+        for entry in stream.call_deltas(reply[:end]):
+            _merge(calls, entry)
+    rest, entries, num_calls = stream.finish(reply)
+    for entry in entries:
+        _merge(calls, entry)
+    assert num_calls == 1 and list(calls) == [0] and json.loads(calls[0]["arguments"]) == {"query": "a"}
+
+
 def _merge(calls: dict[int, dict], entry: dict) -> None:
     """A `tool_calls` delta entry into the calls so far, as the openai SDK accumulates them."""
     call = calls.setdefault(entry["index"], {"id": None, "name": None, "arguments": ""})
