@@ -12,8 +12,7 @@ The pool model's chat template decides the format (`tool_format`):
 `tool_choice` "required" or a named function is enforced with a grammar (`ToolFormat.grammar`, a Lark
 grammar with the functions' parameter schemas inline) through the structured-output machinery; "auto"
 leaves the model free and parses what it wrote; "none" renders the tools and parses nothing. A stream
-sends each call as it is written (`ToolCallStream`: id and name, then the arguments' own text in pieces).
-"""
+sends each call as it is written (`ToolCallStream`: id and name, then the arguments' text in pieces)."""
 
 from __future__ import annotations
 
@@ -247,7 +246,8 @@ class HermesFormat(ToolFormat):
             if body >= len(text) or text[body] != "{":
                 return
             yield body
-            pos = body
+            if (pos := scan_call(text, body, self.args_key).end) is None:   # the next starts after this one
+                return
 
     def hold_from(self, text: str) -> int:
         found = text.find(self.start)

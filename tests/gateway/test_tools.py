@@ -152,6 +152,19 @@ def test_a_stream_sends_the_text_before_a_call_then_the_call_as_it_is_written() 
     assert plain.finish("a < b <tool") == ("<tool", [], 0)
 
 
+def test_a_call_marker_inside_an_argument_does_not_stop_the_next_call_streaming() -> None:
+    fmt = HermesFormat(parse_tools(TOOLS))
+    first = json.dumps({"name": "search", "arguments": {"query": "write <tool_call>{ here"}})
+    second = json.dumps({"name": "search", "arguments": {"query": "b"}})
+    reply = f"<tool_call>\n{first}\n</tool_call>\n<tool_call>\n{second}\n</tool_call>"
+    stream, calls = ToolCallStream(fmt, forced=False), {}
+    for end in range(1, len(reply) + 1):
+        for entry in stream.call_deltas(reply[:end]):
+            _merge(calls, entry)
+    # both calls streamed whole before the reply ended (the marker inside the first is not a call)
+    assert [json.loads(calls[k]["arguments"])["query"] for k in (0, 1)] == ["write <tool_call>{ here", "b"]
+
+
 def test_llama3_json_calls_stream_one_after_another() -> None:
     fmt = Llama3JsonFormat(parse_tools(TOOLS))
     reply = '{"name": "search", "parameters": {"query": "a"}}; {"name": "search", "parameters": {"query": "b"}}'
