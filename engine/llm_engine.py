@@ -85,7 +85,6 @@ class _ExecutedStep:
     forward_started: float = 0.0
 
 
-
 class LLMEngine:
     """The engine of one device worker. Not thread-safe: one caller (the worker loop) drives it."""
 

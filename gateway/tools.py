@@ -187,17 +187,17 @@ class ToolFormat:
         and holds the rest until the reply ends and is parsed."""
         raise NotImplementedError
 
-    def call_starts(self, text: str, pos: int) -> Iterator[int]:
-        """Where in `text` (from `pos`) each call object's `{` is, as far as written: a stream's calls."""
+    def call_scans(self, text: str, pos: int) -> Iterator[CallScan]:
+        """Each call object in `text` (from `pos`) as far as written (`scan_call`): a stream's calls."""
         raise NotImplementedError
 
-    def _call(self, obj: Any, text: str = "", start: int = -1) -> ToolCall | None:
-        """A call of a known tool from a decoded object; its arguments are the model's own text of them
-        (`text[start]` opens the object), as a stream sent them, else the object's JSON."""
+    def _call(self, obj: Any, text: str, start: int) -> ToolCall | None:
+        """A call of a known tool from the object decoded at `text[start]`; its arguments are the model's
+        own text of them, as a stream sent them (the object's JSON if the scan finds no closed one)."""
         if not isinstance(obj, dict) or obj.get("name") not in self.tools or not isinstance(obj.get(self.args_key), dict):
             return None
-        scan = scan_call(text, start, self.args_key) if start >= 0 else None
-        if scan is not None and scan.args_end is not None:
+        scan = scan_call(text, start, self.args_key)
+        if scan.args_end is not None:
             return ToolCall(obj["name"], text[scan.args_start:scan.args_end])
         return ToolCall(obj["name"], json.dumps(obj[self.args_key], ensure_ascii=False))
 
@@ -239,14 +239,14 @@ class HermesFormat(ToolFormat):
         content = ("".join(kept) + text[last:]).strip()
         return content or None, calls
 
-    def call_starts(self, text: str, pos: int) -> Iterator[int]:
+    def call_scans(self, text: str, pos: int) -> Iterator[CallScan]:
         while (found := text.find(self.start, pos)) >= 0:
             body = found + len(self.start)
             body += len(text[body:]) - len(text[body:].lstrip())
             if body >= len(text) or text[body] != "{":
                 return
-            yield body
-            if (pos := scan_call(text, body, self.args_key).end) is None:   # the next starts after this one
+            yield (scan := scan_call(text, body, self.args_key))
+            if (pos := scan.end) is None:   # the next call starts after this one
                 return
 
     def hold_from(self, text: str) -> int:
@@ -288,16 +288,15 @@ class Llama3JsonFormat(ToolFormat):
                 pos += 1
         return None, calls
 
-    def call_starts(self, text: str, pos: int) -> Iterator[int]:
+    def call_scans(self, text: str, pos: int) -> Iterator[CallScan]:
         pos += len(text[pos:]) - len(text[pos:].lstrip())
         if text.startswith("<|python_tag|>", pos):
             pos += len("<|python_tag|>")
         while pos < len(text) and text[pos] == "{":
-            yield pos
-            end = scan_call(text, pos, self.args_key).end
-            if end is None:
+            yield (scan := scan_call(text, pos, self.args_key))
+            if scan.end is None:
                 return
-            pos = end
+            pos = scan.end
             while pos < len(text) and text[pos] in " ;\n\t":
                 pos += 1
 
@@ -464,10 +463,9 @@ class ToolCallStream:
         """The reply so far is `text`: the calls' progress since the last look, as OpenAI's `tool_calls`
         delta entries (one per call that moved)."""
         out: dict[int, dict[str, Any]] = {}
-        for k, start in enumerate(self.fmt.call_starts(text, self.num_sent)):
+        for k, scan in enumerate(self.fmt.call_scans(text, self.num_sent)):
             if k and not self.parallel:
                 break
-            scan = scan_call(text, start, self.fmt.args_key)
             if k == len(self.calls):
                 if scan.name not in self.fmt.tools:
                     break        # its name is not written yet (or names no tool offered)
