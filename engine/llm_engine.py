@@ -370,8 +370,8 @@ class LLMEngine:
         scheduled_at = time.monotonic()
         for item in scheduled.batch:
             request = self.requests[item.seq.request_id]
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = scheduled_at
+            if request.first_scheduled_time is None:   # its first admission: only its cached prefix is computed
+                request.first_scheduled_time, request.num_cached_tokens = scheduled_at, item.seq.num_computed_tokens
         return scheduled
 
     def _execute(self, scheduled: _ScheduledStep) -> _ExecutedStep:

@@ -33,14 +33,19 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """One request's report after a step; `outputs` holds the samples that changed in that step
-    (all samples in `LLMEngine.generate`'s final result)."""
+    (all samples in `LLMEngine.generate`'s final result).
+
+    `num_cached_tokens`: the prompt tokens whose K/V the prefix cache held when the request was first
+    admitted (whole blocks, at most `len(prompt) - 1`; 0 with prefix caching off). The request's, not its
+    samples': n > 1 samples fork from one prefill and count once; a recompute after a preemption that
+    finds the cache again does not change it."""
 
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool                               # every sample of the request has finished
     error: str | None = None                     # set when the request failed instead of finishing
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0                   # prompt tokens served from the prefix cache (see above)
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -62,24 +67,29 @@ class SampleDelta:
 class RequestDelta:
     """What the device worker sends for a request after a step: only the changes since its previous
     report, so the bytes per step do not grow with the prompt or the output.
-    `metrics` (queue time, time to first token) travel once, with the final delta."""
+    `metrics` (queue time, time to first token) and `num_cached_tokens` (`RequestOutput`'s) travel once,
+    with the final delta (0 on the others)."""
 
     request_id: str
     outputs: list[SampleDelta]
     finished: bool
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    num_cached_tokens: int = 0
 
     @classmethod
     def from_output(cls, out: RequestOutput) -> "RequestDelta":
         samples = [SampleDelta(c.index, c.delta_text, c.delta_token_ids, len(c.token_ids), c.finish_reason,
                                c.stop_reason, c.delta_logprobs, c.delta_top_logprobs) for c in out.outputs]
-        return cls(out.request_id, samples, out.finished, out.error, out.metrics if out.finished else {})
+        if not out.finished:
+            return cls(out.request_id, samples, False, out.error)
+        return cls(out.request_id, samples, True, out.error, out.metrics, out.num_cached_tokens)
 
 
 @dataclass
 class RequestState:
-    """A request in the engine: its sequences (one per sample), times, and detokenizers."""
+    """A request in the engine: its sequences (one per sample), times, and detokenizers.
+    `num_cached_tokens` is set with `first_scheduled_time`, at its first admission (`RequestOutput`'s)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -87,6 +97,7 @@ class RequestState:
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    num_cached_tokens: int = 0
     detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
 
     def output(self, seqs: list[Sequence]) -> RequestOutput:
@@ -121,4 +132,5 @@ class RequestState:
         if self.first_token_time is not None:
             metrics["time_to_first_token"] = self.first_token_time - self.arrival_time
         error = next((s.error for s in self.seqs if s.error), None)
-        return RequestOutput(self.request_id, self.prompt_token_ids, outputs, finished, error=error, metrics=metrics)
+        return RequestOutput(self.request_id, self.prompt_token_ids, outputs, finished, error=error,
+                             num_cached_tokens=self.num_cached_tokens, metrics=metrics)

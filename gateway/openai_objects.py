@@ -13,9 +13,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; with `cached_tokens` (chat completions) its `prompt_tokens_details`: the
+    prompt tokens whose K/V came from the prefix cache."""
+    body: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 TokenText = Callable[[int], str]
@@ -48,9 +53,9 @@ def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[float],
 
 
 def chat_response(request_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
-                  completion_tokens: int) -> dict[str, Any]:
+                  completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def chat_choice(index: int, text: str | None, logprobs: dict[str, Any] | None, finish_reason: str | None,
@@ -94,6 +99,7 @@ def completion_chunk(request_id: str, model: str, created: int, choices: list[di
 
 
 def usage_chunk(request_id: str, model: str, created: int, obj: str, prompt_tokens: int,
-                completion_tokens: int) -> dict[str, Any]:
+                completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """A stream's last chunk (`stream_options.include_usage`); `cached_tokens` as in `usage`."""
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

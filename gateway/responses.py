@@ -164,6 +164,7 @@ class LocalResponse:
         if buffers is None and request is not None:
             buffers = request.app.get(RESPONSE_BUFFERS)
         self.buffers = buffers
+        self._cached: dict[int, int] = {}               # prompt index -> its tokens from the prefix cache
         self._first_at: dict[int, float] = {}
         self._last_at: dict[int, float] = {}
         self._chunks: deque[bytes] = deque()             # SSE events the writer has not written yet
@@ -210,7 +211,9 @@ class LocalResponse:
             self._queue(self.error.body())
         elif self.req.include_usage:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
-            self._queue(objects.usage_chunk(self.request_id, self.req.model, self.created, obj, *self._usage()))
+            cached = self.cached_tokens() if self.chat else None
+            self._queue(objects.usage_chunk(self.request_id, self.req.model, self.created, obj, *self._usage(),
+                                            cached))
         self._push(b"data: [DONE]\n\n")
 
     @property
@@ -265,6 +268,8 @@ class LocalResponse:
 
     def _apply(self, i: int, out: RequestDelta) -> list[dict[str, Any]]:
         """Add prompt i's delta to its choices; the stream chunk's choices (empty when not streaming)."""
+        if out.num_cached_tokens:   # sent once, with the final delta
+            self._cached[i] = out.num_cached_tokens
         chunk_choices = []
         for c in out.outputs:
             choice = self.choices[i * self.req.params.n + c.index]
@@ -397,9 +402,17 @@ class LocalResponse:
                     finish_reason = "tool_calls"
             body_choices.append(objects.chat_choice(index, content, lp, finish_reason,
                                                 [call.as_openai() for call in calls]))
-        make = objects.chat_response if self.chat else objects.completion_response
-        return make(self.request_id, self.req.model, body_choices, *self._usage())
+        if self.chat:
+            return objects.chat_response(self.request_id, self.req.model, body_choices, *self._usage(),
+                                         self.cached_tokens())
+        return objects.completion_response(self.request_id, self.req.model, body_choices, *self._usage())
 
     def _usage(self) -> tuple[int, int]:
         """(prompt tokens, completion tokens) of the whole response."""
         return (sum(len(ids) for _, ids in self.routed), sum(c.num_tokens for c in self.choices.values()))
+
+    def cached_tokens(self) -> int:
+        """The response's prompt tokens whose K/V came from the prefix cache, summed over its prompts:
+        each engine request's `num_cached_tokens` (its first admission's hit, counted once for its n
+        samples), which arrives with its final delta, so complete once `run` returned."""
+        return sum(self._cached.values())

@@ -105,7 +105,10 @@ async def test_streamed_equals_non_streamed_and_usage_and_logprobs(aiohttp_clien
     text, chunks = await _stream_text(r)
     assert text == whole["choices"][0]["message"]["content"] and text
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    # the same prompt again: its two full blocks come from the prefix cache this time
+    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == dict(
+        whole["usage"], prompt_tokens_details={"cached_tokens": (whole["usage"]["prompt_tokens"] - 1) // 16 * 16})
     assert whole["usage"]["completion_tokens"] == 24
 
     # vLLM's continuous usage stats: the usage so far in every chunk, so a client can tell how many

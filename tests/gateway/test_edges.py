@@ -123,15 +123,16 @@ async def test_unset_max_tokens_takes_what_the_context_leaves(aiohttp_client, tm
     assert len(rag.prefix_ids + rag.counter.encode(prompt)) == 511
     messages = [{"role": "user", "content": " a" * 400}]
     chat_len = len(rag.counter.encode(rag.tokenizer.apply_chat_template(messages)))
-    for path, body, prompt_tokens in (
-            ("/v1/completions", {"prompt": prompt}, 511),
-            ("/v1/chat/completions", {"messages": messages}, chat_len)):
+    for path, body, prompt_tokens, details in (
+            ("/v1/completions", {"prompt": prompt}, 511, {}),
+            ("/v1/chat/completions", {"messages": messages}, chat_len,
+             {"prompt_tokens_details": {"cached_tokens": 0}})):   # chat's usage has the prefix-cache hit
         r = await client.post(path, json=dict(body, model=tiny_model.name, ignore_eos=True))
         whole = await r.json()
         assert r.status == 200, whole
         assert r.headers["x-cliffguard-pool"] == "rag"
         assert whole["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 512 - prompt_tokens,
-                                  "total_tokens": 512}
+                                  "total_tokens": 512, **details}
         assert whole["choices"][0]["finish_reason"] == "length"
     # an explicit max_tokens that does not fit is the gateway's 400 naming it, not the engine's
     r = await client.post("/v1/completions", json={"model": tiny_model.name, "prompt": prompt, "max_tokens": 2})
