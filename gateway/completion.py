@@ -29,13 +29,14 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.structured import StructuredOutput
 from gateway import openai_api as api
 from gateway import openai_objects as objects
 from gateway.openai_api import ApiError, ChatRequest, CompletionRequest
 from gateway.client_writes import ClientGone
 from gateway.responses import LocalResponse
 from gateway.runtime import Gateway
-from gateway.tools import format_for
+from gateway.tools import ToolFormat, format_for, schema_error
 from gateway.upstream import forward
 from pools.pool import Pool
 
@@ -148,14 +149,38 @@ def poison_error(request_id: str, deaths: int, last: ApiError) -> ApiError:
 def with_tool_grammar(req: ChatRequest | CompletionRequest, pool: Pool) -> ChatRequest | CompletionRequest:
     """A chat whose tool_choice is "required" or a named function, constrained to the pool's tool-call
     format by a grammar of the allowed functions' schemas (it takes the place of any response_format:
-    the reply is tool calls only)."""
-    if not isinstance(req, ChatRequest) or req.tool_choice.mode not in ("required", "function"):
+    the reply is tool calls only); under "auto" with at least one strict tool, by a grammar of plain text
+    that starts no call (or the response_format's JSON) or calls only, a strict tool's arguments under its
+    schema, another's any JSON object."""
+    if not isinstance(req, ChatRequest) or not req.tools:
         return req
-    tools = req.tools if req.tool_choice.mode == "required" else [t for t in req.tools if t.name == req.tool_choice.name]
-    parallel = req.parallel_tool_calls and req.tool_choice.mode == "required"
-    grammar = format_for(pool.tokenizer, req.tools).grammar(tools, parallel)
+    mode = req.tool_choice.mode
+    if mode in ("required", "function"):
+        tools = req.tools if mode == "required" else [t for t in req.tools if t.name == req.tool_choice.name]
+        grammar = format_for(pool.tokenizer, req.tools).grammar(tools, req.parallel_tool_calls and mode == "required")
+    elif mode == "auto" and any(t.strict for t in req.tools):
+        fmt = format_for(pool.tokenizer, req.tools)
+        grammar = fmt.auto_grammar(req.tools, req.parallel_tool_calls, _json_reply(req, fmt, pool))
+    else:
+        return req
     return dataclasses.replace(req, params=dataclasses.replace(req.params, structured=grammar),
                                structured_param="tools")
+
+
+def _json_reply(req: ChatRequest, fmt: ToolFormat, pool: Pool) -> StructuredOutput | None:
+    """Under "auto" with strict tools, what a reply that is not a call must be: the request's
+    response_format (JSON), or None (plain text). 400 naming the field where the pool's format writes calls
+    as bare JSON objects (a JSON reply could be read as a call) or the grammar library cannot enforce it."""
+    reply, param = req.params.structured, req.structured_param
+    if reply is None:
+        return None
+    if fmt.syntax.is_bare:
+        raise ApiError(400, f"{param}: pool {pool.name!r} writes tool calls as bare JSON objects ({fmt.name}), "
+                       "which a JSON reply could not be told from; with strict tools under tool_choice auto, leave "
+                       f"{param} out or make the tools non-strict", param=param)
+    if reply.kind == "json_schema" and (reason := schema_error(reply.spec)) is not None:
+        raise ApiError(400, f"{param}: the grammar library cannot enforce it: {reason}", param=param)
+    return reply
 
 
 def _relayed_error(response: web.Response) -> ApiError:

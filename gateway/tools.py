@@ -10,9 +10,11 @@ The pool model's chat template decides the format (`tool_format`):
   asks for the hermes form; assistant tool calls and tool results in the history are written the same way.
 
 `tool_choice` "required" or a named function is enforced with a grammar (`ToolFormat.grammar`, a Lark
-grammar with the functions' parameter schemas inline) through the structured-output machinery; "auto"
-leaves the model free and parses what it wrote; "none" renders the tools and parses nothing. A stream
-sends each call as it is written (`ToolCallStream`: id and name, then the arguments' text in pieces)."""
+grammar with the functions' parameter schemas inline: `gateway.tool_grammar`) through the structured-output
+machinery; "auto" leaves the model free and parses what it wrote, unless a tool is `strict`: then plain
+text or calls only, a strict tool's arguments under its schema (`ToolFormat.auto_grammar`); "none"
+renders the tools and parses nothing. A stream sends each call as it is written (`ToolCallStream`: id
+and name, then the arguments' text in pieces)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from dataclasses import dataclass, field
 from collections.abc import Iterator
 from typing import Any
 
-from engine.structured import JSON_OPTIONS, StructuredOutput, check
+from engine.structured import StructuredOutput, check
+from gateway.tool_grammar import ANY_OBJECT, CallSyntax, auto_grammar, forced_grammar
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")   # OpenAI's rule for function names
@@ -39,6 +42,7 @@ class Tool:
     name: str
     description: str | None
     parameters: dict[str, Any]   # a JSON schema of the arguments object
+    strict: bool = False         # its calls follow `parameters` under tool_choice "auto" too
 
     def as_template_dict(self) -> dict[str, Any]:
         """The form HF chat templates take in `tools=` (OpenAI's)."""
@@ -94,7 +98,10 @@ def parse_tools(value: Any, param: str = "tools") -> list[Tool]:
             raise ToolError(f"{where}.function.parameters: expected a JSON schema object")
         if (reason := schema_error(json.dumps(parameters, sort_keys=True))) is not None:
             raise ToolError(f"{where}.function.parameters: not a JSON schema we can enforce: {reason}")
-        tools.append(Tool(name, description, parameters))
+        strict = function.get("strict", False)
+        if not isinstance(strict, (bool, type(None))):
+            raise ToolError(f"{where}.function.strict: expected a boolean, got {strict!r}")
+        tools.append(Tool(name, description, parameters, bool(strict)))
     return tools
 
 
@@ -146,18 +153,6 @@ def schema_error(schema_text: str) -> str | None:
 
 # --- formats ------------------------------------------------------------------------------------------
 
-def _schema_text(schema: dict[str, Any]) -> str:
-    """A JSON schema for a Lark `%json` block, written compactly as the structured outputs are."""
-    return json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
-
-
-def _call_schema(tools: list[Tool], args_key: str) -> dict[str, Any]:
-    """One call: {"name": <one of the tools>, args_key: <that tool's parameters>}, name first."""
-    options = [{"type": "object", "properties": {"name": {"const": t.name}, args_key: t.parameters},
-                "required": ["name", args_key], "additionalProperties": False} for t in tools]
-    return options[0] if len(options) == 1 else {"anyOf": options}
-
-
 def _loads(text: str) -> Any:
     try:
         return json.loads(text)
@@ -169,14 +164,26 @@ class ToolFormat:
     """How one family of chat templates writes tool calls."""
 
     name: str
-    args_key: str = "arguments"
     start: str            # text that opens a call: from it on, a stream holds its text back until parsed
+    syntax: CallSyntax    # how calls are written (the arguments' key among it), for the grammars
 
     def __init__(self, tools: list[Tool]) -> None:
         self.tools = {t.name: t for t in tools}
 
+    @property
+    def args_key(self) -> str:
+        return self.syntax.args_key
+
     def grammar(self, tools: list[Tool], parallel: bool) -> StructuredOutput:
-        raise NotImplementedError
+        """Calls of `tools` only (tool_choice "required" or named), each under its schema."""
+        return forced_grammar(self.syntax, [(t.name, t.parameters) for t in tools], parallel)
+
+    def auto_grammar(self, tools: list[Tool], parallel: bool,
+                     reply: StructuredOutput | None = None) -> StructuredOutput:
+        """tool_choice "auto" with strict tools: plain text that never starts a call (`reply`'s JSON where
+        given), or calls only, a strict tool's arguments under its schema, another's any JSON object."""
+        functions = [(t.name, t.parameters if t.strict else ANY_OBJECT) for t in tools]
+        return auto_grammar(self.syntax, functions, parallel, reply)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content outside the calls or None, the calls). Text that only looks like a call is content."""
@@ -206,11 +213,7 @@ class HermesFormat(ToolFormat):
     name = "hermes"
     start = "<tool_call>"
     end = "</tool_call>"
-
-    def grammar(self, tools: list[Tool], parallel: bool) -> StructuredOutput:
-        call = f'call: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {_schema_text(_call_schema(tools, "arguments"))}'
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
-        return StructuredOutput("grammar", f"{start}\n{call}\n")
+    syntax = CallSyntax(f"{start}\n", f"\n{end}", "\n", "arguments", rf"/(?s:.)*/ & ~/(?s:.)*{start}(?s:.)*/")
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         # Each call's JSON is decoded where it starts, not cut at the next "</tool_call>": a string
@@ -261,13 +264,9 @@ class HermesFormat(ToolFormat):
 
 class Llama3JsonFormat(ToolFormat):
     name = "llama3_json"
-    args_key = "parameters"
     start = "{"
-
-    def grammar(self, tools: list[Tool], parallel: bool) -> StructuredOutput:
-        body = f"body: %json {_schema_text(_call_schema(tools, 'parameters'))}"
-        start = 'start: body ("; " body)*' if parallel else "start: body"
-        return StructuredOutput("grammar", f"{start}\n{body}\n")
+    # plain text: anything but what `parse` reads as calls (a JSON object, or the python tag, first)
+    syntax = CallSyntax("", "", "; ", "parameters", r"/(?s:.)*/ & ~/\s*(\{|<\|python_tag\|>)(?s:.)*/")
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         stripped = text.strip().removeprefix("<|python_tag|>")

@@ -1,0 +1,224 @@
+"""`strict` function tools under tool_choice "auto": the grammar that lets a reply be plain text or calls
+whose arguments match a strict tool's schema (checked with llguidance itself, token by token, on the
+builtin tokenizer), `strict` read and checked in the request, the grammar attached per request, and a
+live `cliffguard serve` (builtin SmolLM2) whose calls under auto validate with the jsonschema package."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import shutil
+
+import jsonschema
+import llguidance
+import openai
+import pytest
+
+from engine.structured import StructuredOutput, check
+from engine.tokenizer import Tokenizer
+from gateway.completion import with_tool_grammar
+from gateway.openai_api import ApiError, parse_chat
+from gateway.tools import HermesFormat, Llama3JsonFormat, ToolError, parse_tools
+from tests.gateway.conftest import DEFAULT_CONFIG
+
+MODEL = "smollm2-135m-instruct"
+WEATHER_SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city.",
+                                            "parameters": WEATHER_SCHEMA, "strict": True}}
+SEARCH = {"type": "function", "function": {"name": "search", "description": "Search the web.", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"],
+    "additionalProperties": False}}}   # not strict: any JSON object as its arguments
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+PLAIN_TEXTS = ["", "It is sunny in Paris: 21 C.", "Line one.\nA <tool> and a <tool_ that are not calls.\n\n"]
+PARIS = {"city": "Paris", "unit": "celsius"}
+
+
+def _hermes(*calls: tuple[str, dict]) -> str:
+    return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls)
+
+
+def _llama3(*calls: tuple[str, dict]) -> str:
+    return "; ".join(json.dumps({"name": n, "parameters": a}) for n, a in calls)
+
+
+FORMATS = [(HermesFormat, _hermes), (Llama3JsonFormat, _llama3)]
+
+
+@pytest.fixture(scope="module")
+def lltokenizer(builtin_path):
+    """llguidance's view of the builtin tokenizer (what the engine's matchers use)."""
+    return llguidance.LLTokenizer(Tokenizer.from_folder(builtin_path).to_json())
+
+
+def _accepts(lltokenizer, constraint: StructuredOutput, text: str) -> bool:
+    """Whether `text` (as the tokenizer splits it) is a whole output the grammar allows."""
+    matcher = llguidance.LLMatcher(lltokenizer, constraint.grammar_text(), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    tokens = lltokenizer.tokenize_str(text)
+    if matcher.validate_tokens(tokens) < len(tokens):
+        return False
+    matcher.consume_tokens(tokens)
+    return matcher.is_accepting()
+
+
+def _auto(fmt_class, parallel: bool = True, reply: StructuredOutput | None = None) -> StructuredOutput:
+    tools = parse_tools([WEATHER, SEARCH])
+    grammar = fmt_class(tools).auto_grammar(tools, parallel, reply)
+    check(grammar)
+    return grammar
+
+
+# --- the grammar -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt_class, write", FORMATS, ids=["hermes", "llama3_json"])
+def test_auto_with_a_strict_tool_admits_plain_text_or_calls_that_match_its_schema(lltokenizer, fmt_class, write):
+    grammar = _auto(fmt_class)
+    for text in PLAIN_TEXTS:
+        assert _accepts(lltokenizer, grammar, text), text
+    assert _accepts(lltokenizer, grammar, write(("get_weather", PARIS)))
+    # the strict tool's schema holds: a value outside the enum, a missing or an extra property are refused
+    for bad in ({"city": "Paris", "unit": "kelvin"}, {"city": "Paris"}, {**PARIS, "days": 3},
+                {"city": 5, "unit": "celsius"}):
+        assert not _accepts(lltokenizer, grammar, write(("get_weather", bad))), bad
+    # the tool that is not strict takes any JSON object (so its call always parses), not a non-object
+    assert _accepts(lltokenizer, grammar, write(("search", {"anything": [1, {"x": None}]})))
+    assert not _accepts(lltokenizer, grammar, write(("search", [1])))
+    assert not _accepts(lltokenizer, grammar, write(("not_offered", {})))
+
+
+def test_plain_text_never_starts_a_call(lltokenizer):
+    """hermes: text that holds the call marker is refused (a call is text-free); llama3_json: text that
+    begins as a call does (a JSON object, or the python tag, first)."""
+    call = _hermes(("get_weather", PARIS))
+    hermes = _auto(HermesFormat)
+    for text in (f"Let me check.\n{call}", f"{call}\nDone.", "a <tool_call> b"):
+        assert not _accepts(lltokenizer, hermes, text), text
+    llama3 = _auto(Llama3JsonFormat)
+    texts = ('{"answer": 4}', '  {"name": "get_weather"}', "<|python_tag|>hello",
+             f"Sure. {_llama3(('get_weather', PARIS))}")
+    for text in texts:   # a call after text is content to `parse`, so it is plain text
+        assert _accepts(lltokenizer, llama3, text) == text.startswith("Sure."), text
+
+
+@pytest.mark.parametrize("fmt_class, write", FORMATS, ids=["hermes", "llama3_json"])
+def test_parallel_tool_calls_false_allows_one_call(lltokenizer, fmt_class, write):
+    two = write(("get_weather", PARIS), ("search", {"query": "x"}))
+    assert _accepts(lltokenizer, _auto(fmt_class, parallel=True), two)
+    assert not _accepts(lltokenizer, _auto(fmt_class, parallel=False), two)
+    assert _accepts(lltokenizer, _auto(fmt_class, parallel=False), write(("search", {"query": "x"})))
+
+
+def test_a_response_format_is_what_a_reply_that_is_not_a_call_must_be(lltokenizer):
+    reply = StructuredOutput.json_schema({"type": "object", "properties": {"answer": {"type": "integer"}},
+                                          "required": ["answer"], "additionalProperties": False})
+    grammar = _auto(HermesFormat, reply=reply)
+    assert _accepts(lltokenizer, grammar, '{"answer": 4}')
+    assert _accepts(lltokenizer, grammar, _hermes(("get_weather", PARIS)))
+    for text in ("It is 4.", '{"answer": "four"}', _hermes(("get_weather", {"city": "Paris"}))):
+        assert not _accepts(lltokenizer, grammar, text), text
+    assert _accepts(lltokenizer, _auto(HermesFormat, reply=StructuredOutput("json_object")), '{"a": [1]}')
+
+
+# --- the request -------------------------------------------------------------------------------------
+
+def test_strict_is_kept_and_a_non_boolean_names_the_field():
+    weather, search = parse_tools([WEATHER, SEARCH])
+    assert weather.strict is True and search.strict is False
+    assert parse_tools([{"type": "function", "function": {"name": "f", "strict": None}}])[0].strict is False
+    with pytest.raises(ToolError, match=r"^tools\[1\]\.function\.strict: "):
+        parse_tools([SEARCH, {"type": "function", "function": {"name": "f", "strict": 1}}])
+    with pytest.raises(ApiError) as info:
+        parse_chat(dict(CHAT, tools=[{"type": "function", "function": {**WEATHER["function"], "strict": "yes"}}]))
+    assert info.value.status == 400 and info.value.param == "tools[0].function.strict", info.value.message
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """The default config's chat pool (the builtin SmolLM2: a template without tools, so hermes)."""
+    from gateway.runtime import Gateway
+    from pools.config_file import load_config
+
+    gateway = Gateway.from_config(load_config(DEFAULT_CONFIG))
+    yield gateway.pools["chat"]
+    gateway.executor.shutdown(wait=False)
+
+
+def test_the_grammar_is_attached_under_auto_only_with_a_strict_tool(pool, lltokenizer):
+    req = with_tool_grammar(parse_chat(dict(CHAT, tools=[WEATHER, SEARCH], parallel_tool_calls=False)), pool)
+    tools = parse_tools([WEATHER, SEARCH])
+    assert req.structured_param == "tools" and req.params.structured == HermesFormat(tools).auto_grammar(tools, False)
+    for body in (dict(CHAT, tools=[SEARCH]), dict(CHAT, tools=[WEATHER], tool_choice="none")):
+        assert with_tool_grammar(parse_chat(body), pool).params.structured is None
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    req = with_tool_grammar(parse_chat(dict(CHAT, tools=[WEATHER], response_format=fmt)), pool)
+    assert _accepts(lltokenizer, req.params.structured, '{"answer": 4}')
+    assert not _accepts(lltokenizer, req.params.structured, "It is 4.")
+
+
+def test_a_response_format_a_format_cannot_tell_from_a_call_is_a_400(pool, builtin_path, tmp_path):
+    """llama3_json writes a call as a bare JSON object: a JSON reply beside strict tools would read as one."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(builtin_path / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(
+        '{%- if tools %}Reply {"name": ..., "parameters": ...}{% endif %}'
+        "{%- for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    llama3 = dataclasses.replace(pool, tokenizer=Tokenizer.from_folder(tmp_path))
+    body = dict(CHAT, tools=[WEATHER], response_format={"type": "json_object"})
+    with pytest.raises(ApiError) as info:
+        with_tool_grammar(parse_chat(body), llama3)
+    assert info.value.status == 400 and info.value.param == "response_format", info.value.message
+    assert with_tool_grammar(parse_chat(body), pool).params.structured.kind == "grammar"   # hermes can
+    req = with_tool_grammar(parse_chat(dict(CHAT, tools=[WEATHER])), llama3)
+    assert req.params.structured == Llama3JsonFormat(req.tools).auto_grammar(req.tools, True)
+
+
+# --- a live server -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def client(live_builtin_server):
+    """A fresh client per test (each runs on its own event loop) of the session's `cliffguard serve`."""
+    return openai.AsyncOpenAI(base_url=live_builtin_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+async def test_a_non_boolean_strict_is_a_400_naming_it_and_the_next_request_is_served(client):
+    bad = {"type": "function", "function": {**WEATHER["function"], "strict": "yes"}}
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=MODEL, messages=CHAT["messages"], tools=[bad], max_tokens=2)
+    assert info.value.body["param"] == "tools[0].function.strict", info.value.body
+    ok = await client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def _call(i: int, city: str) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [{"id": f"c{i}", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": city})}}]}
+
+
+async def test_a_strict_tool_under_auto_is_called_with_arguments_that_match_its_schema(client):
+    """The history shows calls without `unit` (the tool's schema changed since): the model, left free,
+    copies them (calls its schema refuses); strict, each call it makes has a `unit`, and a reply that is
+    not a call holds no call marker."""
+    history = [{"role": "user", "content": "What's the weather in Rome?"}, _call(1, "Rome"),
+               {"role": "user", "content": "And in Madrid?"}, _call(2, "Madrid")]
+
+    async def ask(question: str):
+        messages = [*history, {"role": "user", "content": question}]
+        r = await client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=40,
+                                                 temperature=0)
+        return r.choices[0]
+
+    choices = await asyncio.gather(*(ask(q) for q in ("What's the weather in Paris?", "Is it cold in Oslo?")))
+    calls = [call for choice in choices for call in choice.message.tool_calls or []]
+    assert calls, [choice.message for choice in choices]     # the builtin model calls it at temperature 0
+    for choice in choices:
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls", choice.message
+        else:
+            assert "<tool_call>" not in (choice.message.content or ""), choice.message
+    for call in calls:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)
