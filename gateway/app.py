@@ -1,8 +1,8 @@
 """The aiohttp application: OpenAI-compatible endpoints in front of the pools.
 
 `create_app` builds the app from a `gateway.runtime.Gateway` (everything planned and loaded that can
-fail before a socket opens): the routes (`gateway.handlers`; with a data dir also the Batch API,
-`gateway.batches`), the error and auth middlewares, and the `cleanup_ctx` that owns the device
+fail before a socket opens): the routes (`gateway.handlers`, the Responses API's
+`gateway.stored_responses`; with a data dir also the Batch API, `gateway.batches`, and the kept responses), the error and auth middlewares, and the `cleanup_ctx` that owns the device
 workers and the one upstream `ClientSession`. Workers load in the background: `/health` answers at
 once, `/ready` once every device is loaded, and requests that arrive earlier wait for their pool
 instead of being refused.
@@ -32,7 +32,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from gateway import batches, dashboard, handlers
+from gateway import batches, dashboard, handlers, stored_responses
 from gateway.admission import bearer_key
 from gateway.openai_api import ApiError
 from gateway.client_writes import (BODY_SNDBUF_BYTES, RESPONSE_BUFFERS, ResponseBuffers, limit_send_buffer,
@@ -51,8 +51,9 @@ __all__ = ["GatewayRunner", "create_app", "run", "start_server"]
 def create_app(gateway: Gateway, *, data_dir: Path | str | None = None,
                batch_executor: batches.LineExecutor | None = None) -> web.Application:
     """The app over `gateway`. With `data_dir`, the Batch API too (`gateway.batches`: its state in
-    `data_dir`, its runner started after the gateway and stopped before it); without one (in-process
-    tests), no batch routes: there is nowhere durable to keep them. `batch_executor` replaces the line
+    `data_dir`, its runner started after the gateway and stopped before it) and kept responses
+    (`gateway.stored_responses`); without one (in-process tests), no batch routes and no response is
+    kept: there is nowhere durable to keep them. `batch_executor` replaces the line
     executor (tests)."""
     spec = gateway.config.gateway
     app = web.Application(client_max_size=spec.max_body_bytes,
@@ -63,9 +64,9 @@ def create_app(gateway: Gateway, *, data_dir: Path | str | None = None,
     app.cleanup_ctx.append(_lifecycle)
     if data_dir is not None:
         batches.setup(app, data_dir, batch_executor)
+    stored_responses.setup(app, data_dir)   # after the batch store: its file holds the responses' table
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
-    app.router.add_post("/v1/responses", handlers.responses)
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/v1/models/{model:.+}", handlers.retrieve_model)
     app.router.add_get("/health", handlers.health)

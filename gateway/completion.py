@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,7 @@ class Completion:
     tenant: str
     http: web.Request | None = None     # None: a batch line (JSON back, nothing streamed)
     background: bool = False            # a batch line: served behind interactive traffic
-    answer_type: type[LocalResponse] = LocalResponse   # how the answer is written (the Responses API's differs)
+    answer_type: Callable[..., LocalResponse] = LocalResponse   # makes the answer (the Responses API's differs)
 
     async def answer(self) -> web.StreamResponse | dict[str, Any]:
         """The stages of the module docstring. A client that went away (or stopped reading) gets

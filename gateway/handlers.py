@@ -18,7 +18,6 @@ from aiohttp import web
 from gateway import openai_api as api
 from gateway.openai_api import ApiError
 from gateway.completion import Completion
-from gateway.responses_api import ResponsesAnswer, parse_responses
 from gateway.runtime import GATEWAY, Gateway, model_not_found
 from gateway.upstream import redact
 from pools.pool import Pool
@@ -48,18 +47,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     routed = [await gateway.route_chat(req.model, req.messages, req.tools)]
     tenant = gateway.admission.tenant_of(request)
     return await Completion(gateway, req, routed, body, "/chat/completions", received, tenant, http=request).answer()
-
-
-async def responses(request: web.Request) -> web.StreamResponse:
-    """`POST /v1/responses`: the Responses API, stateless (`gateway.responses_api`), answered as the chat it is."""
-    gateway = request.app[GATEWAY]
-    received = time.perf_counter()
-    body = await read_json(request)
-    req = parse_responses(body, gateway.config.gateway.limits)
-    routed = [await gateway.route_chat(req.model, req.messages, req.tools)]
-    tenant = gateway.admission.tenant_of(request)
-    return await Completion(gateway, req, routed, body, "/responses", received, tenant, http=request,
-                            answer_type=ResponsesAnswer).answer()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

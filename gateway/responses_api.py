@@ -1,11 +1,13 @@
-"""The Responses API, `POST /v1/responses`, stateless: its body read as a chat request (`parse_responses`),
-its answer written as a Response object or as the typed stream events (`ResponsesAnswer`).
+"""The Responses API's request and answer: its body read as a chat request (`parse_responses`), its answer
+written as a Response object or as the typed stream events (`ResponsesAnswer`). Keeping responses
+(`store`, `previous_response_id`, `background`, GET / DELETE / cancel) is `gateway.stored_responses`.
 
 Read: `input` as text or items (messages with text parts, `function_call` and `function_call_output`),
 `instructions` (a system message first), function `tools`, `tool_choice`, `parallel_tool_calls`,
 `text.format` (text, json_object, json_schema: the chat's response_format), `max_output_tokens`,
-`temperature`, `top_p`, `stream`. Nothing is kept: `store: true` and `previous_response_id` are 400s
-(send the whole conversation as `input`). Routing, credits and the engine treat it as the chat it is.
+`temperature`, `top_p`, `stream`, `top_logprobs`, `metadata`, `store`, `background`, and the items of
+the earlier turns a `previous_response_id` names (looked up by the caller, passed as `prior`). Routing,
+credits and the engine treat it as the chat it is.
 
 Streamed: `response.created`, `response.in_progress`, then per output item `response.output_item.added`,
 for the message `response.content_part.added` / `response.output_text.delta`... / `response.output_text.done`
@@ -20,7 +22,11 @@ import dataclasses
 import json
 import re
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
+
+from aiohttp import web
 
 from gateway import openai_api as api
 from gateway import openai_objects as objects
@@ -32,7 +38,18 @@ from pools.gateway_spec import RequestLimits
 _FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
            "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id", "metadata",
            "user", "truncation", "include", "stream_options", "top_logprobs", "seed", "service_tier",
-           "priority"}
+           "priority", "background"}
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    """A Responses API request: the chat it is, and what the Response keeps beside it."""
+
+    chat: ChatRequest
+    items: list[dict[str, Any]]         # the conversation's input items: the earlier turns' first, then its own
+    store: bool = True                  # keep the Response (OpenAI's default), where the gateway has a store
+    background: bool = False            # answer at once (queued), run it, keep the result
+    previous_response_id: str | None = None
 
 
 def _json_type(value: Any) -> str:
@@ -56,23 +73,30 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """`instructions` and `input` as chat messages (consecutive function calls are one assistant turn)."""
+def input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The request's `input` as a list of items (a string is one user message)."""
+    items = body.get("input")
+    if items is None:
+        raise bad_request("input", "is required")
+    if isinstance(items, str):
+        return [{"type": "message", "role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad_request("input", "expected a string or a non-empty array of input items")
+    return items
+
+
+def _messages(body: dict[str, Any], prior: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`instructions`, the earlier turns' items (`prior`) and `input` as chat messages (consecutive
+    function calls are one assistant turn). A bad item is named by its place in `input`."""
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
             raise bad_request("instructions", f"expected a string, got {_json_type(instructions)}")
         messages.append({"role": "system", "content": instructions})
-    items = body.get("input")
-    if items is None:
-        raise bad_request("input", "is required")
-    if isinstance(items, str):
-        return messages + [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise bad_request("input", "expected a string or a non-empty array of input items")
-    for i, item in enumerate(items):
-        where = f"input[{i}]"
+    items = input_items(body)
+    for i, item in enumerate(prior + items):
+        where = f"input[{i - len(prior)}]" if i >= len(prior) else f"previous_response_id (its item {i})"
         if not isinstance(item, dict):
             raise bad_request(where, f"expected an object, got {_json_type(item)}")
         kind = item.get("type", "message")
@@ -114,8 +138,10 @@ def _chat_tools(body: dict[str, Any]) -> dict[str, Any]:
             if not isinstance(tool, dict) or tool.get("type") != "function":
                 kind = tool.get("type") if isinstance(tool, dict) else _json_type(tool)
                 raise bad_request(f"tools[{i}].type", f"only 'function' tools are supported, got {kind!r}")
-            chat_tools.append({"type": "function", "function": {
-                k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}})
+            function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+            if function.get("strict") is None:
+                function["strict"] = True   # the Responses API's default, unlike chat's
+            chat_tools.append({"type": "function", "function": function})
         out["tools"] = chat_tools or None
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function":
@@ -125,21 +151,31 @@ def _chat_tools(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def parse_responses(body: Any, limits: RequestLimits = RequestLimits()) -> ChatRequest:
-    """A Responses API body as the equivalent `ChatRequest`; ApiError 400 naming the Responses field."""
+def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
+                    prior: list[dict[str, Any]] | None = None) -> ResponsesRequest:
+    """A Responses API body as the equivalent chat request and what its Response keeps; `prior`: the
+    input and output items of the conversation `previous_response_id` names (found by the caller).
+    ApiError 400 naming the Responses field."""
     body = api._require_object(body)
     for key in body:
         if key not in _FIELDS:
             raise bad_request(key, "unrecognized request field")
-    if body.get("store"):
-        raise bad_request("store", "this server keeps no responses; send store: false (or leave it out) and the "
-                          "whole conversation as input")
-    if body.get("previous_response_id") is not None:
-        raise bad_request("previous_response_id", "this server keeps no responses; send the whole conversation "
-                          "as input")
+    flags = {key: body.get(key, default) for key, default in (("store", True), ("background", False))}
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise bad_request(key, f"expected a boolean, got {_json_type(value)}")
+    if flags["background"] and not flags["store"]:
+        raise bad_request("background", "a background response is kept until it is fetched; it needs store: true")
+    if flags["background"] and body.get("stream"):
+        raise bad_request("background", "a background response cannot stream here; create it, then poll "
+                          "GET /v1/responses/{id}")
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise bad_request("previous_response_id", f"expected a string, got {_json_type(previous)}")
     _check_unsupported(body)
     metadata = _metadata(body.get("metadata"))
-    chat: dict[str, Any] = {"model": body.get("model"), "messages": _messages(body), **_chat_tools(body)}
+    prior = prior or []
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": _messages(body, prior), **_chat_tools(body)}
     for key in ("temperature", "top_p", "parallel_tool_calls", "seed", "priority", "stream", "top_logprobs"):
         if body.get(key) is not None:
             chat[key] = body[key]
@@ -162,7 +198,8 @@ def parse_responses(body: Any, limits: RequestLimits = RequestLimits()) -> ChatR
         req = api.parse_chat(chat, limits)
     except ApiError as err:
         raise _renamed(err) from None
-    return dataclasses.replace(req, metadata=metadata)
+    return ResponsesRequest(dataclasses.replace(req, metadata=metadata), prior + input_items(body), **flags,
+                            previous_response_id=previous)
 
 
 def _check_unsupported(body: dict[str, Any]) -> None:
@@ -218,45 +255,67 @@ def _renamed(err: ApiError) -> ApiError:
 _FUNCTION_FIELD = re.compile(r"^tools\[(\d+)\]\.function\.")
 
 
+def response_object(asked: ResponsesRequest, response_id: str, created_at: float, status: str,
+                    output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+                    error: dict[str, Any] | None = None, *,
+                    structured_format: dict[str, Any] | None = None) -> dict[str, Any]:
+    """OpenAI's Response object of `asked` as it stands (`status`, the `output` items so far)."""
+    req = asked.chat
+    choice = req.tool_choice.mode if req.tool_choice.mode != "function" else {
+        "type": "function", "name": req.tool_choice.name}
+    return {
+        "id": response_id, "object": "response", "created_at": created_at, "status": status,
+        "background": asked.background, "model": req.model, "output": output, "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": next((m["content"] for m in req.messages[:1] if m["role"] == "system"), None),
+        "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls,
+        "temperature": req.params.temperature, "top_p": req.params.top_p,
+        "max_output_tokens": req.params.max_tokens, "previous_response_id": asked.previous_response_id,
+        "store": asked.store, "tool_choice": choice if req.tools else "none",
+        "tools": [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
+                   "strict": t.strict} for t in req.tools or []],
+        "text": {"format": structured_format or {"type": "text"}}, "usage": usage,
+    }
+
+
+def response_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+Keep = Callable[[dict[str, Any]], Awaitable[bool]]   # stores a finished Response; False if it could not
+
+
 class ResponsesAnswer(LocalResponse):
     """A Responses API answer from the local pools: the chat's deltas written as Response events, or as
-    one Response object. One choice (the Responses API has no `n`)."""
+    one Response object. One choice (the Responses API has no `n`). `asked` is the request; the Response
+    has the id `response_id` (a background run's, made when it was queued) or a new one; `keep`, if
+    given, stores the finished Response before its last bytes go out, so a client that has read it can
+    fetch it at once."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, asked: ResponsesRequest, response_id: str | None = None,
+                 created_at: float | None = None, keep: Keep | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.request_id = objects.new_id("resp")
-        self.created_at = time.time()
+        self.asked, self.keep = asked, keep
+        self.response_id = response_id or objects.new_id("resp")
+        self.created_at = time.time() if created_at is None else created_at
         self._sequence = 0
         self._output: list[dict[str, Any]] = []        # the items streamed so far (completed ones whole)
         self._message: dict[str, Any] | None = None    # the message item being streamed
         self._calls: dict[int, tuple[int, dict[str, Any]]] = {}   # call index -> (output index, its item)
         self._started = False
+        self._final: dict[str, Any] | None = None     # the finished Response, once `finish` built it
 
     # --- the Response object ---------------------------------------------------------------------
     def _response(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
-        req = self.req
-        incomplete = status == "incomplete"
-        prompt_tokens, completion_tokens = self._usage()
-        choice = req.tool_choice.mode if req.tool_choice.mode != "function" else {
-            "type": "function", "name": req.tool_choice.name}
-        return {
-            "id": self.request_id, "object": "response", "created_at": self.created_at, "status": status,
-            "model": req.model, "output": output,
-            "error": self.error.body()["error"] if status == "failed" and self.error is not None else None,
-            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-            "instructions": next((m["content"] for m in req.messages[:1] if m["role"] == "system"), None),
-            "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls,
-            "temperature": req.params.temperature, "top_p": req.params.top_p,
-            "max_output_tokens": req.params.max_tokens, "previous_response_id": None, "store": False,
-            "tool_choice": choice if req.tools else "none",
-            "tools": [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
-                       "strict": False} for t in req.tools or []],
-            "text": {"format": self._format()},
-            "usage": None if status == "in_progress" else {
-                "input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": prompt_tokens + completion_tokens},
-        }
+        usage = None
+        if status not in ("in_progress", "queued"):
+            prompt_tokens, completion_tokens = self._usage()
+            usage = response_usage(prompt_tokens, completion_tokens, self.cached_tokens())
+        error = self.error.body()["error"] if status == "failed" and self.error is not None else None
+        return response_object(self.asked, self.response_id, self.created_at, status, output, usage, error,
+                               structured_format=self._format())
 
     def _format(self) -> dict[str, Any]:
         structured = self.req.params.structured
@@ -368,14 +427,34 @@ class ResponsesAnswer(LocalResponse):
                 item["status"] = "completed"
                 self._event("response.output_item.done", output_index=index, item=dict(item))
 
-    def _queue_tail(self) -> None:
+    # --- the end ---------------------------------------------------------------------------------
+    async def finish(self) -> web.StreamResponse:
+        """The finished Response, kept (`keep`) before it is sent: as the JSON body, or as the stream's
+        last event."""
+        if self.error is not None and not self._chunks and self._writer is None:
+            raise self.error
+        self._final = self._finished()
+        if self.keep is not None and not await self.keep(self._final):
+            self._final["store"] = False   # the store failed (said in the log): the answer says it was not kept
+        return await super().finish()
+
+    def _finished(self) -> dict[str, Any]:
+        """The Response as it ends; a stream's open items are closed (their events queued)."""
+        if not self.req.stream:
+            return self._body()
         self._start()
-        if self.error is not None:   # the engine failed it: the Response fails, with the error object
-            self._close_message()
-            self._event("response.failed", response=self._response("failed", self._output))
-            return
         self._close_message()
+        if self.error is not None:   # the engine failed it: the Response fails, with the error object
+            for _, item in self._calls.values():
+                item["status"] = "incomplete" if item["status"] == "in_progress" else item["status"]
+            return self._response("failed", self._output)
         self._close_calls()
-        status = self._status()
-        kind = "response.incomplete" if status == "incomplete" else "response.completed"
-        self._event(kind, response=self._response(status, self._output))
+        return self._response(self._status(), self._output)
+
+    def _json(self) -> web.Response:
+        return web.json_response(self._final, headers=self.headers)
+
+    def _queue_tail(self) -> None:
+        kind = {"failed": "response.failed", "incomplete": "response.incomplete"}.get(self._final["status"],
+                                                                                     "response.completed")
+        self._event(kind, response=self._final)

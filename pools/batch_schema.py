@@ -1,11 +1,15 @@
-"""The Batch API store's SQLite schema (version 3) and its in-place migration from versions 1 and 2
-(`pools.batchstore` explains what each version holds and how old rows get their owner)."""
+"""The gateway store's SQLite schema (version 4) and its in-place migration from versions 1 to 3
+(`pools.batchstore` explains what each version holds and how old rows get their owner). The Batch API's
+tables and, from version 4, the Responses API's stored responses (`pools.response_store`) share the file."""
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import ContextManager
 
 TABLES = (   # the tables as version 3 creates them (see the module docstring for what older ones lack)
     """CREATE TABLE IF NOT EXISTS files (
@@ -32,7 +36,15 @@ TABLES = (   # the tables as version 3 creates them (see the module docstring fo
     """CREATE TABLE IF NOT EXISTS finalizing (   -- a finalizing batch's files: written up to after_line_no
     batch_id TEXT PRIMARY KEY, after_line_no INTEGER NOT NULL, output_bytes INTEGER NOT NULL,
     error_bytes INTEGER NOT NULL)""",
-    """CREATE TABLE IF NOT EXISTS legacy_owners (tenant TEXT PRIMARY KEY, owner TEXT NOT NULL)""")
+    """CREATE TABLE IF NOT EXISTS legacy_owners (tenant TEXT PRIMARY KEY, owner TEXT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS responses (   -- version 4: the Responses API's stored responses
+    seq INTEGER PRIMARY KEY,            -- creation order
+    id TEXT NOT NULL UNIQUE, owner TEXT NOT NULL, tenant TEXT NOT NULL, created_at REAL NOT NULL,
+    status TEXT NOT NULL,               -- the Response's status (queued, in_progress, completed, ...)
+    background INTEGER NOT NULL,        -- 1: run by the gateway, resumed after a restart
+    request TEXT NOT NULL,              -- the request body (JSON), as a background run needs it
+    items TEXT NOT NULL,                -- the conversation's input items, earlier turns' included (JSON)
+    response TEXT NOT NULL)             -- the Response object (JSON) as it stands""")
 ADDED_COLUMNS = (   # (table, column, definition) added to an older store's tables; DDL takes no parameters
     ("files", "tenant", "TEXT NOT NULL DEFAULT {default_tenant}"),
     ("batches", "tenant", "TEXT NOT NULL DEFAULT {default_tenant}"),
@@ -42,8 +54,56 @@ ADDED_COLUMNS = (   # (table, column, definition) added to an older store's tabl
     ("batches", "errors", "TEXT"))
 INDEXES = ("DROP INDEX IF EXISTS batches_by_tenant",   # version 2's; batches are listed by owner
             "CREATE INDEX IF NOT EXISTS lines_by_status ON lines (batch_id, status, response_status)",
-            "CREATE INDEX IF NOT EXISTS batches_by_owner ON batches (owner, seq)")
-SCHEMA_VERSION = 3
+            "CREATE INDEX IF NOT EXISTS batches_by_owner ON batches (owner, seq)",
+            "CREATE INDEX IF NOT EXISTS responses_by_owner ON responses (owner, seq)",
+            "CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created_at)")
+SCHEMA_VERSION = 4
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    """A connection to the store file: WAL, `synchronous=FULL` (a commit is on disk when it returns),
+    a 5 s busy timeout; usable from any thread under its owner's lock."""
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA busy_timeout=5000")
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+@contextmanager
+def transaction(db: sqlite3.Connection, lock: threading.Lock) -> Iterator[sqlite3.Connection]:
+    """One write transaction (BEGIN IMMEDIATE … COMMIT) under `lock`, rolled back on any error, a failed
+    COMMIT (disk full) included."""
+    with lock:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+
+
+class StoreFile:
+    """One connection to the store file (`connect`) and the lock every use of it holds, so any thread
+    may call a subclass's methods; `_txn` is one write transaction."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._db = connect(self.path)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _txn(self) -> ContextManager[sqlite3.Connection]:
+        return transaction(self._db, self._lock)
 
 
 def migrate(db: sqlite3.Connection, path: Path, default_tenant: str, legacy_owner: Callable[[str], str]) -> None:

@@ -40,7 +40,8 @@ Schema versions (`PRAGMA user_version`; the tables and the migration are `pools.
 migrated in place in one transaction when the store opens (a crash leaves the old version, and the
 next open migrates again; decided by the columns present):
 1 had no owners; 2 added `tenant` (version 1's rows: the store's `default_tenant`); 3 adds `owner`,
-the failed state (`failed_at`, `errors`), `file_chunks` and `finalizing`. A version-2 row keeps its
+the failed state (`failed_at`, `errors`), `file_chunks` and `finalizing`; 4 adds the Responses API's
+`responses` table (`pools.response_store`, which opens the same file). A version-2 row keeps its
 tenant as its tenant, and its owner is `legacy_owner(tenant)` (the gateway: `Tenants.legacy_owner`,
 whose rule keeps a row reachable by the key or shared tenant that reached it before wherever the
 configuration still tells which that is; without one, the tenant's name). That mapping is written
@@ -58,11 +59,9 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +70,7 @@ from pools.batch_input import (BATCH_ENDPOINTS, COMPLETION_WINDOWS, FILE_PURPOSE
 from pools import batch_files
 from pools.batch_files import (UNFINISHED, ChunkWriter, assemble_step, fail_batch, insert_file, marks, read_chunks,
                                result_file_ids)
-from pools.batch_schema import migrate
+from pools.batch_schema import StoreFile, migrate
 
 __all__ = ["BatchStore", "STORAGE_ERRORS"]
 
@@ -86,7 +85,7 @@ _BATCH_COLUMNS = ", ".join(_BATCH_KEYS)
 _FILE_OWNER = "COALESCE(files.owner, (SELECT owner FROM legacy_owners WHERE legacy_owners.tenant = files.tenant))"
 
 
-class BatchStore:
+class BatchStore(StoreFile):
     """Files, batches and request lines in `path` (SQLite, WAL), each file and batch with an owner (who
     may see it) and a tenant (whose share its lines run with). See the module docstring for the
     durability, exactly-once, bounded-memory and ownership rules. Methods return OpenAI-shaped dicts
@@ -96,36 +95,13 @@ class BatchStore:
 
     def __init__(self, path: Path | str, *, default_tenant: str,
                  legacy_owner: Callable[[str], str] | None = None) -> None:
-        self.path = Path(path)
-        self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        super().__init__(path)
         try:
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.execute("PRAGMA busy_timeout=5000")
             with self._txn() as db:
                 migrate(db, self.path, default_tenant, legacy_owner or (lambda tenant: tenant))
         except BaseException:
             self._db.close()
             raise
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
-    @contextmanager
-    def _txn(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction (BEGIN IMMEDIATE … COMMIT), rolled back on any error, a failed COMMIT
-        (disk full) included."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                raise
 
     # --- files -----------------------------------------------------------------------------------
     def add_file(self, content: bytes, filename: str, purpose: str, *, owner: str, tenant: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from engine.config import ConfigError, LatencySLO
-from pools.gateway_spec import DEFAULT_API_KEYS_ENV, Backoff, GatewaySpec, RequestLimits
+from pools.gateway_spec import DEFAULT_API_KEYS_ENV, Backoff, GatewaySpec, RequestLimits, RetentionSpec
 from pools.spec import CliffguardConfig, DeviceSpec, PoolSpec, RouteSpec, parse_bytes
 from pools.spiral import SpiralConfig
 from pools.tenants import parse_tenants
@@ -27,9 +27,10 @@ from pools.yamlcheck import SpecError, check_mapping, check_str, load_yaml, read
 _TOP_KEYS = ("gateway", "devices", "pools", "tenants")
 _GATEWAY_KEYS = ("host", "port", "api_keys", "api_keys_env", "max_body_bytes", "restart_backoff", "write_timeout",
                  "stall_seconds", "step_timeout_seconds", "device_wait_seconds", "max_response_buffer_bytes",
-                 "max_buffered_bytes", "metrics_auth", "limits")
+                 "max_buffered_bytes", "metrics_auth", "limits", "stored_responses")
 _LIMITS_KEYS = tuple(f.name for f in dataclasses.fields(RequestLimits))
 _BACKOFF_KEYS = tuple(f.name for f in dataclasses.fields(Backoff))
+_RETENTION_KEYS = tuple(f.name for f in dataclasses.fields(RetentionSpec))
 _DEVICE_KEYS = ("device", "memory", "memory_utilization", "dtype", "tensor_parallel_size", "replicas", "gpus",
                 "cpu_threads", "placement", "ray_address")
 _REPLICAS_KEYS = ("min", "max", "scale_up_wait_seconds", "scale_down_idle_seconds")   # `replicas: {min, max}`
@@ -71,10 +72,12 @@ def _parse_gateway(raw: Any, env: Mapping[str, str]) -> GatewaySpec:
     kwargs: dict[str, Any] = {k: raw[k] for k in ("host", "port", "write_timeout", "stall_seconds",
                                                   "step_timeout_seconds", "device_wait_seconds", "metrics_auth")
                               if k in raw}
-    if raw.get("limits") is not None:
-        limits = check_mapping("gateway.limits", raw["limits"], _LIMITS_KEYS)
-        with within("gateway"):
-            kwargs["limits"] = RequestLimits(**limits)
+    for key, spec_type, spec_keys in (("limits", RequestLimits, _LIMITS_KEYS),
+                                      ("stored_responses", RetentionSpec, _RETENTION_KEYS)):
+        if raw.get(key) is not None:
+            section = check_mapping(f"gateway.{key}", raw[key], spec_keys)
+            with within("gateway"):
+                kwargs[key] = spec_type(**section)
     for key in ("max_body_bytes", "max_response_buffer_bytes", "max_buffered_bytes"):
         if key in raw:
             kwargs[key] = parse_bytes(raw[key], f"gateway.{key}")

@@ -63,6 +63,22 @@ class RequestLimits:
 
 
 @dataclass(frozen=True)
+class RetentionSpec:
+    """How long the Responses API's stored responses are kept (YAML `gateway.stored_responses`): a
+    finished response at most `retention_days` (OpenAI keeps them 30 days), and each owner's newest
+    `max_per_owner` only (`pools.response_store`)."""
+
+    retention_days: float = 30.0
+    max_per_owner: int = 10000
+
+    def __post_init__(self) -> None:
+        days = self.retention_days
+        if not is_number(days) or not math.isfinite(days) or days <= 0:
+            raise SpecError(f"stored_responses.retention_days: must be a number of days > 0, got {show(days)}")
+        check_int("stored_responses.max_per_owner", self.max_per_owner, min_value=1)
+
+
+@dataclass(frozen=True)
 class GatewaySpec:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -78,6 +94,7 @@ class GatewaySpec:
     max_buffered_bytes: int = 256 << 20  # unsent bytes of every response together, likewise
     metrics_auth: bool = False           # /metrics and the dashboard need an API key too
     limits: RequestLimits = field(default_factory=RequestLimits)
+    stored_responses: RetentionSpec = field(default_factory=RetentionSpec)
 
     def __post_init__(self) -> None:
         check_str("host", self.host)
@@ -100,3 +117,5 @@ class GatewaySpec:
             raise SpecError(f"metrics_auth: must be true or false, got {show(self.metrics_auth)}")
         if not isinstance(self.limits, RequestLimits):
             raise SpecError(f"limits: must be a RequestLimits, got {show(self.limits)}")
+        if not isinstance(self.stored_responses, RetentionSpec):
+            raise SpecError(f"stored_responses: must be a RetentionSpec, got {show(self.stored_responses)}")

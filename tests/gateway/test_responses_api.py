@@ -1,6 +1,6 @@
 """The Responses API (`POST /v1/responses`) through the unchanged `openai` SDK against a live `cliffguard serve`
 (builtin SmolLM2): text, JSON schema and a tool call, each whole and streamed, a tool result sent back as
-input, and the 400s for what a stateless server cannot do."""
+input, and the 400s naming the field for what it refuses (kept responses: test_stored_responses.py)."""
 
 from __future__ import annotations
 
@@ -95,8 +95,11 @@ async def test_a_tool_call_whole_and_streamed_then_its_result_as_input(client) -
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"store": True}, "store"),
+    ({"store": "yes"}, "store"),
+    ({"background": True, "store": False}, "background"),
+    ({"background": True, "stream": True}, "background"),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"previous_response_id": 5}, "previous_response_id"),
     ({"input": [{"type": "image_generation_call"}]}, "input[0].type"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
@@ -112,7 +115,7 @@ async def test_a_tool_call_whole_and_streamed_then_its_result_as_input(client) -
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"metadata": {"app": 5}}, "metadata.app"),
 ])
-async def test_what_a_stateless_server_cannot_do_is_a_400_naming_the_field(client, extra, param) -> None:
+async def test_what_the_server_cannot_do_is_a_400_naming_the_field(client, extra, param) -> None:
     body = {"model": MODEL, "input": "hi", **extra}
     with pytest.raises(openai.BadRequestError) as info:
         await client.responses.create(**body)
@@ -143,14 +146,15 @@ def test_a_stream_whose_engine_request_fails_ends_in_response_failed_with_the_er
     from gateway.openai_api import ApiError
     from gateway.responses_api import ResponsesAnswer, parse_responses
 
-    req = parse_responses({"model": MODEL, "input": "hi", "stream": True, "metadata": {"a": "b"}})
+    asked = parse_responses({"model": MODEL, "input": "hi", "stream": True, "metadata": {"a": "b"}})
     pool = SimpleNamespace(name="chat")
-    answer = ResponsesAnswer(None, req, [(pool, [1, 2])], placed={"chat": SimpleNamespace(replica=0)}, received=0.0,
-                             metrics=GatewayMetrics())
+    answer = ResponsesAnswer(None, asked.chat, [(pool, [1, 2])], placed={"chat": SimpleNamespace(replica=0)},
+                             received=0.0, metrics=GatewayMetrics(), asked=asked)
     events: list[dict] = []
     answer._queue = lambda obj, event=None: events.append(obj)
     answer._text_delta("Hel", [])
     answer.error = ApiError(500, "the device worker failed to handle it", type="server_error", code="request_failed")
+    answer._final = answer._finished()
     answer._queue_tail()
     assert [e["type"] for e in events][-2:] == ["response.output_item.done", "response.failed"]
     failed = events[-1]["response"]

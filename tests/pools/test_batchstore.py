@@ -20,6 +20,7 @@ import pytest
 from pools import batch_files
 from pools.batch_files import result_file_ids
 from pools.batch_input import MAX_BATCH_LINE_BYTES, BatchInputError, parse_batch_input
+from pools.batch_schema import SCHEMA_VERSION
 from pools.batchstore import STORAGE_ERRORS, BatchStore
 from pools.tenants import DEFAULT_TENANT, Tenants, parse_tenants
 
@@ -245,7 +246,7 @@ def test_a_version_1_store_is_migrated_and_its_rows_belong_to_the_default_tenant
     _make_version_1_store(path)
     store = _make_store(path)
     with contextlib.closing(sqlite3.connect(path)) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert {row[1] for row in db.execute("PRAGMA table_info(files)")} >= {"id", "content", "tenant", "owner"}
     assert store.file("file-old", owner=DEFAULT_TENANT)["bytes"] == len(_jsonl(_line("old1"), _line("old2")))
     assert store.file("file-old", owner=OWNER) is None
@@ -265,8 +266,8 @@ def test_a_version_1_store_is_migrated_and_its_rows_belong_to_the_default_tenant
     store.check_integrity()
     store.close()
     with contextlib.closing(sqlite3.connect(path)) as db:
-        db.execute("PRAGMA user_version=4")                              # a newer store than this code reads
-    with pytest.raises(RuntimeError, match="schema version 4, this code reads 3"):
+        db.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")          # a newer store than this code reads
+    with pytest.raises(RuntimeError, match=f"schema version {SCHEMA_VERSION + 1}, this code reads {SCHEMA_VERSION}"):
         _make_store(path)
 
 
@@ -323,7 +324,7 @@ def test_a_version_2_store_is_migrated_keeping_each_row_reachable_where_the_conf
         assert store.file(f"file-in{i}", owner=tenant if tenant != "default" else "key-x") is None
     store.close()
     with contextlib.closing(sqlite3.connect(path)) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert db.execute("SELECT count(*) FROM files WHERE owner IS NOT NULL").fetchone()[0] == 0   # not rewritten
         legacy_rows = dict(db.execute("SELECT tenant, owner FROM legacy_owners"))
     assert legacy_rows == expected

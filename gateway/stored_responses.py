@@ -1,0 +1,285 @@
+"""The Responses API's endpoints: `POST /v1/responses` (answered by `gateway.responses_api`), and, for the
+responses the gateway keeps, `GET` / `DELETE /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`.
+
+Kept: a response whose request has `store: true` (OpenAI's default) when the gateway has a data dir
+(`cliffguard serve --data-dir`), in the same SQLite file as the Batch API (`pools.response_store`),
+owned by the API key that made it (`Tenants.owner`, as files and batches): another key's id answers
+404 exactly as an unknown one. A finished response is written before its last bytes go out, so a
+client that read it may fetch it or continue from it at once. Kept as long as
+`gateway.stored_responses` says (30 days, 10000 per owner by default).
+
+`previous_response_id` continues a kept conversation: its input items and its output items come
+before the request's own input (the instructions are the request's own, as OpenAI's), so the prompt
+starts as the last one did and the prefix cache reuses its blocks. An unknown (or another key's)
+id, or one still running, is a 400 naming `previous_response_id`.
+
+`background: true` answers at once with the Response `queued`, then runs it as any request of the
+key's tenant (credits, priority, routing) and keeps each change of status; GET polls it. `cancel`
+stops one queued or in progress (its engine request is aborted, its KV freed) and leaves it
+`cancelled`; a finished one is returned as it is; one not run in the background is a 400. A
+background response queued or in progress when the gateway stops is run again when it starts.
+
+Without a data dir (an in-process app) nothing is kept: `store` left out is answered with
+`store: false`, and `store: true`, `background` and `previous_response_id` are 400s naming them.
+Responses answered by an upstream pool are relayed, not kept here (`store: false` is sent on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from gateway import openai_objects as objects
+from gateway.admission import bearer_key
+from gateway.completion import Completion
+from gateway.handlers import read_json
+from gateway.openai_api import ApiError, bad_request
+from gateway.responses_api import ResponsesAnswer, ResponsesRequest, parse_responses, response_object
+from gateway.runtime import GATEWAY, Gateway
+from pools.batchstore import STORAGE_ERRORS
+from pools.response_store import FINISHED, ResponseStore, StoredResponse
+
+log = logging.getLogger("cliffguard.responses")
+
+__all__ = ["RESPONSES", "KeptResponses", "setup"]
+
+T = TypeVar("T")
+
+
+class KeptResponses:
+    """The gateway's kept responses: `store` (SQLite, used from one thread off the event loop) and the
+    background runs. `start` resumes the runs a stopped gateway left; `stop` cancels the running ones
+    (left unfinished in the store, for the next start) and closes the store."""
+
+    def __init__(self, store: ResponseStore, gateway: Gateway) -> None:
+        self.store, self.gateway = store, gateway
+        self._thread = ThreadPoolExecutor(1, "cliffguard-responses")
+        self._runs: dict[str, asyncio.Task] = {}
+        self._stopping = False
+
+    async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the store's thread; a storage error is a 503 `storage_unavailable`."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
+        except STORAGE_ERRORS as exc:
+            log.error("response store: %s", exc)
+            raise ApiError(503, f"the response store cannot be used now ({exc}); try again later",
+                           type="server_error", code="storage_unavailable", headers={"Retry-After": "10"}) from None
+
+    async def start(self) -> None:
+        for stored in await self.db(self.store.unfinished):
+            log.info("%s: a background response the gateway stopped under; running it again", stored.id)
+            self._launch(stored)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        runs = list(self._runs.values())
+        for task in runs:
+            task.cancel()
+        await asyncio.gather(*runs, return_exceptions=True)
+        await asyncio.to_thread(self._thread.shutdown)
+        self.store.close()
+
+    async def keep(self, final: dict[str, Any], *, owner: str, tenant: str, request: dict[str, Any],
+                   items: list[dict[str, Any]]) -> bool:
+        """Store a finished Response (`ResponsesAnswer.keep`); False, logged, if the store failed."""
+        try:
+            await self.db(self.store.put, final, owner=owner, tenant=tenant, request=request, items=items)
+            return True
+        except ApiError as exc:
+            log.error("%s: answered but not kept: %s", final["id"], exc.message)
+            return False
+
+    async def queue(self, asked: ResponsesRequest, body: dict[str, Any], *, owner: str,
+                    tenant: str) -> dict[str, Any]:
+        """Keep a background request's Response as `queued` and start its run; the queued Response."""
+        queued = response_object(asked, objects.new_id("resp"), time.time(), "queued", [])
+        await self.db(self.store.put, queued, owner=owner, tenant=tenant, request=body, items=asked.items,
+                      background=True)
+        self._launch(StoredResponse(queued["id"], owner, tenant, True, body, asked.items, queued))
+        return queued
+
+    def _launch(self, stored: StoredResponse) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(stored), name=f"response {stored.id}")
+        self._runs[stored.id] = task
+        task.add_done_callback(lambda _: self._runs.pop(stored.id, None))
+
+    async def _run(self, stored: StoredResponse) -> None:
+        """Run a background response and keep its end: the Response, `failed` with the error, or nothing
+        when the gateway stops (it stays unfinished, for the next start). A cancel already kept
+        `cancelled`, which a late end does not overwrite."""
+        await self.db(self.store.update, {**stored.response, "status": "in_progress"}, unless=FINISHED)
+        try:
+            final = await self._answer(stored)
+        except asyncio.CancelledError:
+            if self._stopping:
+                raise
+            final = {**stored.response, "status": "cancelled"}
+        except ApiError as exc:
+            final = {**stored.response, "status": "failed", "error": exc.body()["error"]}
+        except Exception as exc:   # noqa: BLE001 - kept as the response's failure, never lost
+            log.exception("%s: its background run failed", stored.id)
+            final = {**stored.response, "status": "failed",
+                     "error": {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}}
+        try:
+            await self.db(self.store.update, {**final, "id": stored.id}, unless=("cancelled",))
+        except ApiError as exc:
+            log.error("%s: its end could not be kept: %s", stored.id, exc.message)
+
+    async def _answer(self, stored: StoredResponse) -> dict[str, Any]:
+        """Run a kept request (its conversation's items as the input) as its tenant; the Response."""
+        gateway, body = self.gateway, stored.request
+        asked = parse_responses({**body, "input": stored.items, "previous_response_id": None},
+                                gateway.config.gateway.limits)
+        asked = dataclasses.replace(asked, previous_response_id=body.get("previous_response_id"))
+        req = asked.chat
+        routed = [await gateway.route_chat(req.model, req.messages, req.tools)]
+        answer_type = functools.partial(ResponsesAnswer, asked=asked, response_id=stored.id,
+                                        created_at=stored.response["created_at"])
+        return await Completion(gateway, req, routed, _relayed(body, asked), "/responses", time.perf_counter(),
+                                stored.tenant, answer_type=answer_type).answer()
+
+    async def cancel(self, response_id: str, *, owner: str) -> dict[str, Any]:
+        stored = await self.found(response_id, owner)
+        if not stored.background:
+            raise bad_request("response_id", f"response {response_id!r} was not created with background: true; "
+                              "only a background response can be cancelled")
+        if stored.status in FINISHED:
+            return stored.response
+        cancelled = {**stored.response, "status": "cancelled"}
+        if not await self.db(self.store.update, cancelled, unless=FINISHED):
+            return (await self.found(response_id, owner)).response   # it finished meanwhile
+        if (task := self._runs.get(response_id)) is not None:
+            task.cancel()
+        return cancelled
+
+    async def found(self, response_id: str, owner: str) -> StoredResponse:
+        stored = await self.db(self.store.get, response_id, owner=owner)
+        if stored is None:
+            raise ApiError(404, f"response_id: no response {response_id!r}", param="response_id", code="not_found")
+        return stored
+
+
+RESPONSES = web.AppKey("responses", KeptResponses)
+
+
+def setup(app: web.Application, data_dir: Path | str | None) -> None:
+    """The Responses API's routes; with `data_dir`, its store (the Batch API's file: call after
+    `gateway.batches.setup`, which made its tables) and background runs, started after the gateway
+    and stopped before it."""
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", retrieve_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
+    if data_dir is None:
+        return
+    from gateway.batches import STORE_FILE
+    gateway = app[GATEWAY]
+    app[RESPONSES] = KeptResponses(ResponseStore(Path(data_dir) / STORE_FILE, gateway.config.gateway.stored_responses),
+                                   gateway)
+    app.cleanup_ctx.append(_kept_ctx)
+
+
+async def _kept_ctx(app: web.Application) -> AsyncIterator[None]:
+    kept = app[RESPONSES]
+    await kept.start()
+    yield
+    await kept.stop()
+
+
+def _owner(request: web.Request) -> str:
+    return request.app[GATEWAY].admission.tenants.owner(bearer_key(request))
+
+
+def _kept(request: web.Request, param: str) -> KeptResponses:
+    """The app's kept responses; without a data dir, a 400 naming `param`."""
+    kept = request.app.get(RESPONSES)
+    if kept is None:
+        raise bad_request(param, "this gateway runs without a data dir and keeps no responses (cliffguard serve "
+                          "--data-dir keeps them)")
+    return kept
+
+
+def _relayed(body: dict[str, Any], asked: ResponsesRequest) -> dict[str, Any]:
+    """The body an upstream pool gets: the whole conversation as input, nothing for it to keep or look up."""
+    relayed = {k: v for k, v in body.items() if k not in ("previous_response_id", "background")}
+    return {**relayed, "input": asked.items, "store": False}
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/responses`: answered as the chat it is (`gateway.responses_api`); kept, continued or run in
+    the background as the module docstring says."""
+    gateway = request.app[GATEWAY]
+    received = time.perf_counter()
+    body = await read_json(request)
+    owner, tenant = _owner(request), gateway.admission.tenant_of(request)
+    prior = await _prior(request, body, owner)
+    asked = parse_responses(body, gateway.config.gateway.limits, prior)
+    kept = request.app.get(RESPONSES)
+    if kept is None:
+        for key in ("store", "background"):
+            if body.get(key):
+                _kept(request, key)
+        asked = dataclasses.replace(asked, store=False)
+    if asked.background:
+        return web.json_response(await kept.queue(asked, body, owner=owner, tenant=tenant))
+    keep = None
+    if asked.store:
+        keep = functools.partial(kept.keep, owner=owner, tenant=tenant, request=body, items=asked.items)
+    req = asked.chat
+    routed = [await gateway.route_chat(req.model, req.messages, req.tools)]
+    return await Completion(gateway, req, routed, _relayed(body, asked), "/responses", received, tenant, http=request,
+                            answer_type=functools.partial(ResponsesAnswer, asked=asked, keep=keep)).answer()
+
+
+async def _prior(request: web.Request, body: Any, owner: str) -> list[dict[str, Any]]:
+    """The input and output items of the conversation `previous_response_id` names (none without one)."""
+    previous = body.get("previous_response_id") if isinstance(body, dict) else None
+    if not isinstance(previous, str):
+        return []   # absent, or a wrong type parse_responses names
+    kept = _kept(request, "previous_response_id")
+    stored = await kept.db(kept.store.get, previous, owner=owner)
+    if stored is None:
+        raise ApiError(400, f"previous_response_id: no response {previous!r}", param="previous_response_id",
+                       code="previous_response_not_found")
+    if stored.status not in FINISHED:
+        raise bad_request("previous_response_id", f"response {previous!r} is {stored.status}; continue from a "
+                          "finished one")
+    return stored.items + [_as_input(item) for item in stored.response["output"]]
+
+
+def _as_input(item: dict[str, Any]) -> dict[str, Any]:
+    """An output item as the input item of the next turn (what the Responses API takes back)."""
+    if item.get("type") == "message":
+        return {"type": "message", "role": "assistant", "content": item["content"]}
+    return {k: item[k] for k in ("type", "call_id", "name", "arguments") if k in item}
+
+
+async def retrieve_response(request: web.Request) -> web.Response:
+    kept = _kept(request, "response_id")
+    return web.json_response((await kept.found(request.match_info["response_id"], _owner(request))).response)
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    """`DELETE /v1/responses/{id}`: a background one still running is cancelled first."""
+    kept, response_id, owner = _kept(request, "response_id"), request.match_info["response_id"], _owner(request)
+    stored = await kept.found(response_id, owner)
+    if stored.background and stored.status not in FINISHED:
+        await kept.cancel(response_id, owner=owner)
+    if not await kept.db(kept.store.delete, response_id, owner=owner):
+        raise ApiError(404, f"response_id: no response {response_id!r}", param="response_id", code="not_found")
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+async def cancel_response(request: web.Request) -> web.Response:
+    kept = _kept(request, "response_id")
+    return web.json_response(await kept.cancel(request.match_info["response_id"], owner=_owner(request)))
