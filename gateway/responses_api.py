@@ -160,7 +160,8 @@ def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
     for key in body:
         if key not in _FIELDS:
             raise bad_request(key, "unrecognized request field")
-    flags = {key: body.get(key, default) for key, default in (("store", True), ("background", False))}
+    flags = {key: default if body.get(key) is None else body[key]
+             for key, default in (("store", True), ("background", False))}
     for key, value in flags.items():
         if not isinstance(value, bool):
             raise bad_request(key, f"expected a boolean, got {_json_type(value)}")

@@ -91,9 +91,11 @@ class KeptResponses:
 
     async def keep(self, final: dict[str, Any], *, owner: str, tenant: str, request: dict[str, Any],
                    items: list[dict[str, Any]]) -> bool:
-        """Store a finished Response (`ResponsesAnswer.keep`); False, logged, if the store failed."""
+        """Store a finished Response (`ResponsesAnswer.keep`), even if its client leaves meanwhile; False,
+        logged, if the store failed."""
         try:
-            await self.db(self.store.put, final, owner=owner, tenant=tenant, request=request, items=items)
+            await asyncio.shield(self.db(self.store.put, final, owner=owner, tenant=tenant, request=request,
+                                         items=items))
             return True
         except ApiError as exc:
             log.error("%s: answered but not kept: %s", final["id"], exc.message)
@@ -101,12 +103,15 @@ class KeptResponses:
 
     async def queue(self, asked: ResponsesRequest, body: dict[str, Any], *, owner: str,
                     tenant: str) -> dict[str, Any]:
-        """Keep a background request's Response as `queued` and start its run; the queued Response."""
-        queued = response_object(asked, objects.new_id("resp"), time.time(), "queued", [])
-        await self.db(self.store.put, queued, owner=owner, tenant=tenant, request=body, items=asked.items,
-                      background=True)
-        self._launch(StoredResponse(queued["id"], owner, tenant, True, body, asked.items, queued))
-        return queued
+        """Keep a background request's Response as `queued` and start its run; the queued Response.
+        Shielded: a client that leaves meanwhile cannot leave a kept response that nothing runs."""
+        async def keep_and_launch() -> dict[str, Any]:
+            queued = response_object(asked, objects.new_id("resp"), time.time(), "queued", [])
+            await self.db(self.store.put, queued, owner=owner, tenant=tenant, request=body, items=asked.items,
+                          background=True)
+            self._launch(StoredResponse(queued["id"], owner, tenant, True, body, asked.items, queued))
+            return queued
+        return await asyncio.shield(keep_and_launch())
 
     def _launch(self, stored: StoredResponse) -> None:
         task = asyncio.get_running_loop().create_task(self._run(stored), name=f"response {stored.id}")
