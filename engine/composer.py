@@ -94,12 +94,10 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from engine.config import DEFAULT_MIN_SHARE, LatencySLO
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.slo_feedback import ITL_AIM, SLOTracker
-from engine.step_cost import StepCostModel, StepFeatures
+from engine.step_cost import StepCostModel, StepFeatures, misprediction_margin
 
 COLD_START_TOKENS = 64
 STARVATION_SECONDS = 0.8   # of step time with nothing for a throughput pool: then one block (8 steps of this CPU)
@@ -259,12 +257,10 @@ class StepComposer:
     def mixed_margin(self) -> float:
         """How much the cost model (its own margin included) under-predicted recent steps where a
         throughput prefill chunk rode with interactive work: the 90th percentile of measured /
-        predicted, at least 1, at most 3. A chunk after a long cached context reads all of it, which
+        predicted, at least 1, at most 3 (`misprediction_margin`). A chunk after a long cached context reads all of it, which
         the linear model, fitted mostly on other steps, prices low; the room such a chunk gets beside
         interactive work is divided by this, so the misprediction lands on the throughput pool."""
-        if not self._mixed_ratios:
-            return 1.0
-        return float(min(3.0, max(1.0, np.percentile(self._mixed_ratios, 90))))
+        return misprediction_margin(self._mixed_ratios)
 
     def set_slo(self, pool: str, slo: LatencySLO) -> None:
         """Give interactive pool `pool` a new SLO (isolation by default: the one derived from the

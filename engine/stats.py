@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 from engine.config import LatencySLO
 from engine.step_cost import LinearStepTime
 
+# Seconds between the stats a busy worker pushes with its step outputs; the gateway's credit
+# reconciliation and death-spiral watch read them on the same cadence (and the simulator models it).
+STATS_INTERVAL = 0.25
+
 
 @dataclass(frozen=True)
 class PoolInfo:

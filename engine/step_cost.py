@@ -261,7 +261,16 @@ class StepCostModel:
         if self.num_observed <= 2 * self.refit_every or self.num_observed % self.refit_every == 0:
             self.linear = _fit(list(self._xs), list(self._ts))
             if self._ratios:
-                self.margin = float(min(3.0, max(1.0, np.percentile(self._ratios, 90))))
+                self.margin = misprediction_margin(self._ratios)
+
+
+MAX_MARGIN = 3.0   # a misprediction margin past this is a model to refit, not a step to pad for
+
+
+def misprediction_margin(ratios) -> float:
+    """How much a cost model under-predicts: the 90th percentile of measured / predicted step times,
+    at least 1 (a model that over-predicts is not shrunk below its fit), at most MAX_MARGIN."""
+    return float(min(MAX_MARGIN, max(1.0, np.percentile(list(ratios), 90)))) if ratios else 1.0
 
 
 # --- measured steps: a real engine, a served run's trace, a calibration file ------------------------

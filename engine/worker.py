@@ -47,7 +47,7 @@ from engine.messages import (AbortRequest, AddRequest, Fatal, Heartbeat, Outputs
                              ReportWaiting, Shutdown, StartupError, StatsQuery, StatsReply)
 from engine.outputs import RequestDelta
 from engine.scheduler import Scheduler
-from engine.stats import EngineStats, PoolInfo, PoolStats, StepCounters, WorkerInfo
+from engine.stats import STATS_INTERVAL, EngineStats, PoolInfo, PoolStats, StepCounters, WorkerInfo
 
 log = logging.getLogger("cliffguard.engine")
 
@@ -97,7 +97,6 @@ def worker_main(config: EngineConfig, sock: socket.socket, environ: dict[str, st
 
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"   # the gateway's (gateway.cli) and the worker's
-STATS_INTERVAL = 0.25   # seconds between stats pushed with step outputs while busy
 CPU_WORKER_NICE = 10    # niceness of a worker that computes on the CPU (the gateway shares those cores)
 MAX_OUTBOX_BYTES = 64 << 20   # outputs the gateway has not read yet: past this the worker stops stepping
 LAST_WORDS_SECONDS = 5.0      # how long a failing worker tries to deliver its reason

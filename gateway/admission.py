@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from engine.stats import STATS_INTERVAL
 from gateway.metrics import REQUEST_LATENCY_BUCKETS
 from gateway.openai_api import ApiError
 from gateway.ticker import Ticker
@@ -48,7 +49,7 @@ from pools.tenants import Tenants
 
 log = logging.getLogger("cliffguard.admission")
 
-RECONCILE_INTERVAL = 0.25   # seconds; the worker pushes its stats as often while busy
+RECONCILE_INTERVAL = STATS_INTERVAL   # seconds: as often as a busy worker pushes its stats
 _PT = ["pool", "tenant"]
 _PR = ["pool", "replica"]
 

@@ -29,7 +29,7 @@ import aiohttp
 from aiohttp import web
 
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.stats import PoolStats, WorkerInfo
+from engine.stats import STATS_INTERVAL, PoolStats, WorkerInfo
 from engine import structured
 from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
@@ -59,7 +59,7 @@ log = logging.getLogger("cliffguard.gateway")
 INLINE_TOKENIZE_CHARS = 2048
 MESSAGE_OVERHEAD_CHARS = 32   # what each message adds to the rendered text (role and template markers), about
 MAX_CACHED_GRAMMAR_CHECKS = 1024   # distinct schemas whose check the gateway remembers
-SPIRAL_INTERVAL = 0.25   # seconds between death-spiral checks; the worker pushes its stats as often while busy
+SPIRAL_INTERVAL = STATS_INTERVAL   # seconds between death-spiral checks: as often as a busy worker pushes stats
 
 
 class SpiralWatch:

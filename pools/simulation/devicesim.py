@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.composer import StepComposer
+from engine.stats import STATS_INTERVAL
 from engine.config import PoolConfig
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, build_scheduler, commit_step
@@ -44,7 +45,7 @@ from pools.credits import CreditLedger, Ticket
 from pools.placement import Placement, Work
 from pools.spiral import SpiralConfig, SpiralDetector
 
-SPIRAL_SAMPLE_SECONDS = 0.25     # how often the gateway feeds the death-spiral detector (gateway.runtime)
+SPIRAL_SAMPLE_SECONDS = STATS_INTERVAL   # how often the gateway feeds the death-spiral detector (gateway.runtime)
 
 
 @dataclass
