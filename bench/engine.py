@@ -88,7 +88,8 @@ def make_workload(tokenizer, num_prompts: int, min_out: int, max_out: int, seed:
     return work
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on the CPU. Timing helpers call it around a measurement."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -102,7 +103,7 @@ def time_call(fn: Callable[[], object], device: torch.device, *, warmup: int = 1
     """
     for _ in range(warmup):
         fn()
-    _sync(device)
+    sync(device)
     if device.type == "cuda":
         with torch.cuda.device(device):
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -224,7 +225,7 @@ def run_ours(engine, work) -> dict:
         engine.add_request(f"bench-{i}", ids, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
     steps = []
     produced = 0
-    _sync(engine.device)
+    sync(engine.device)
     t = time.perf_counter()
     while engine.has_unfinished_requests():
         outs = engine.step()
@@ -237,7 +238,7 @@ def run_ours(engine, work) -> dict:
                     context += len(out.prompt_token_ids) + len(o.token_ids) - len(o.delta_token_ids)
         s = engine.last_step
         steps.append((s.num_decode_tokens, s.num_prefill_tokens, s.seconds, context))
-    _sync(engine.device)
+    sync(engine.device)
     wall = time.perf_counter() - t
     return {"wall_s": wall, "output_tokens": produced, "steps": steps}
 
@@ -265,14 +266,14 @@ def run_transformers(folder, work, batch_size: int, dtype: torch.dtype, device: 
     batch_generate(work[:2] if len(work) > 1 else work)  # warm-up
     useful = 0
     computed = 0
-    _sync(device)
+    sync(device)
     t = time.perf_counter()
     for start in range(0, len(work), batch_size):
         items = work[start:start + batch_size]
         out = batch_generate(items)
         useful += sum(n for _, n in items)
         computed += (out.shape[1] - max(len(ids) for ids, _ in items)) * len(items)
-    _sync(device)
+    sync(device)
     wall = time.perf_counter() - t
     return {"wall_s": wall, "output_tokens": useful, "computed_tokens": computed}
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 
 def int_list(text: str, option: str, minimum: int, rule: str) -> list[int]:
     """`"16,64"` -> [16, 64]; ValueError naming `option` when an item is not an integer, the list is
@@ -13,3 +16,15 @@ def int_list(text: str, option: str, minimum: int, rule: str) -> list[int]:
     if not values or min(values) < minimum:
         raise ValueError(f"{option}: {rule}, got {text!r}")
     return values
+
+
+def out_dir(out: str) -> Path:
+    """`--out`, created if missing; ValueError naming the option when it cannot be written."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out: cannot create {out}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--out: {out} is not writable")
+    return path

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.engine import _sync
+from bench.engine import sync
 from bench.options import int_list
 
 WORDS = ("time year people way day man thing woman life child world school state family student group "
@@ -69,7 +69,7 @@ def run_ours(engine, ids: list[int], request_id: str) -> dict:
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     chunks: list[int] = []
     final = None
-    _sync(engine.device)
+    sync(engine.device)
     started = time.perf_counter()
     engine.add_request(request_id, ids, params)
     while engine.has_unfinished_requests():
@@ -78,7 +78,7 @@ def run_ours(engine, ids: list[int], request_id: str) -> dict:
                 final = out
         if engine.last_step.num_prefill_tokens:
             chunks.append(engine.last_step.num_prefill_tokens)
-    _sync(engine.device)
+    sync(engine.device)
     seconds = time.perf_counter() - started
     if final is None or final.error:
         raise RuntimeError(f"engine: request {request_id} failed: {final.error if final else 'no output'}")
@@ -89,11 +89,11 @@ def run_ours(engine, ids: list[int], request_id: str) -> dict:
 def run_transformers(model, ids: list[int], device: torch.device) -> dict:
     """transformers' forward over `ids` (last row's logits only); seconds, argmax and its top-2 margin."""
     input_ids = torch.tensor([ids], device=device)
-    _sync(device)
+    sync(device)
     started = time.perf_counter()
     with torch.inference_mode():
         logits = model(input_ids=input_ids, logits_to_keep=1).logits[0, -1].float()
-    _sync(device)
+    sync(device)
     seconds = time.perf_counter() - started
     top = logits.topk(2).values
     return {"seconds": seconds, "token": int(logits.argmax()), "margin": float(top[0] - top[1])}

@@ -23,30 +23,29 @@ DEFAULT_CONFIG = "config/pools.yaml"
 DEFAULT_DATA_DIR = "./.cliffguard/"
 LOCK_FILE = "serve.lock"          # under --data-dir: held by the one server using the folder
 
-# name -> (module under bench/, help line)
-BENCHMARKS = {
-    "engine": ("engine", "our engine vs transformers generate, same workload"),
-    "tokenizer": ("token_counting", "tiktoken counter vs the HF tokenizer"),
-    "gateway": ("gateway", "latency the gateway adds, routed requests/s"),
-    "kernels": ("kernels", "paged attention vs copy bandwidth and SDPA (GPU; --dry-run on CPU)"),
-    "preemption": ("preemption", "recompute vs swap vs auto across pool-pressure regimes"),
-    "serve": ("serve", "open-loop load (gamma arrivals, workload classes) against any OpenAI-compatible "
-                       "server: TTFT/ITL/e2e, goodput, /metrics"),
-    "prefill": ("prefill", "long-prompt prefill: our engine vs transformers' forward"),
-    "admission": ("queue_vs_reject", "KV credit queue vs reject-when-full (429 + client back-off) on the same "
-                               "overload: goodput, p99, KV idle, wasted retries"),
-    "simulate": ("sim_vs_real", "cliffguard simulate's predictions (measured step model) against real runs at "
-                             "three rates: throughput, p50 and p99 TTFT"),
-    "isolation": ("isolation_sweep", "chat latency under a rag flood: chat alone, split pools (step composer), one "
-                               "shared pool; the itl_ms trade-off; --sweep: chat's SLO over a grid of loads"),
-    "structured": ("structured_outputs", "decode tokens/s with and without a JSON schema per batch size"),
-    "grammars": ("grammars", "grammar libraries on this machine: mask time per token at batch 1 and 32, compile "
-                             "time, schema support (llguidance, xgrammar, outlines-core: those installed)"),
-    "replicas": ("replicas", "one replica against N of the same pool file under the same open-loop load (chat, rag, "
-                             "shared documents): tokens/s, the split of token load, prefix affinity"),
-    "restart": ("restart", "a device worker's restart, start to ready: forked from the fork server vs spawned"),
-    "chaos": ("chaos", "faults (slow readers, disconnects, oversized inputs, kill -9 / STOP of the worker, a "
-                       "500-connection burst) under a steady load: lost, duplicated, p99 TTFT, recovery time, RSS"),
+BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's add_arguments and run
+    "engine": "our engine vs transformers generate, same workload",
+    "tokenizer": "tiktoken counter vs the HF tokenizer",
+    "gateway": "latency the gateway adds, routed requests/s",
+    "kernels": "paged attention vs copy bandwidth and SDPA (GPU; --dry-run on CPU)",
+    "preemption": "recompute vs swap vs auto across pool-pressure regimes",
+    "serve": "open-loop load (gamma arrivals, workload classes) against any OpenAI-compatible server: TTFT/ITL/e2e, "
+             "goodput, /metrics",
+    "prefill": "long-prompt prefill: our engine vs transformers' forward",
+    "admission": "KV credit queue vs reject-when-full (429 + client back-off) on the same overload: goodput, p99, KV "
+                 "idle, wasted retries",
+    "simulate": "cliffguard simulate's predictions (measured step model) against real runs at three rates: "
+                "throughput, p50 and p99 TTFT",
+    "isolation": "chat latency under a rag flood: chat alone, split pools (step composer), one shared pool; the "
+                 "itl_ms trade-off; --sweep: chat's SLO over a grid of loads",
+    "structured": "decode tokens/s with and without a JSON schema per batch size",
+    "grammars": "grammar libraries on this machine: mask time per token at batch 1 and 32, compile time, schema "
+                "support (llguidance, xgrammar, outlines-core: those installed)",
+    "replicas": "one replica against N of the same pool file under the same open-loop load (chat, rag, shared "
+                "documents): tokens/s, the split of token load, prefix affinity",
+    "restart": "a device worker's restart, start to ready: forked from the fork server vs spawned",
+    "chaos": "faults (slow readers, disconnects, oversized inputs, kill -9 / STOP of the worker, a 500-connection "
+             "burst) under a steady load: lost, duplicated, p99 TTFT, recovery time, RSS",
 }
 
 
@@ -458,8 +457,8 @@ def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks that print measured ratios",
                            description="Benchmarks: each prints ratios measured side by side in one run.")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    for name, (module, help_line) in BENCHMARKS.items():
-        import_module(f"bench.{module}").add_arguments(
+    for name, help_line in BENCHMARKS.items():
+        import_module(f"bench.{name}").add_arguments(
             bench_sub.add_parser(name, help=help_line, description=help_line[0].upper() + help_line[1:] + "."))
 
 
@@ -487,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             return _simulate(args)
         from importlib import import_module
 
-        return import_module(f"bench.{BENCHMARKS[args.bench][0]}").run(args)
+        return import_module(f"bench.{args.bench}").run(args)
     except (UsageError, ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"cliffguard {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -17,8 +17,8 @@ import pytest
 
 from bench.chaos import (DEFAULT_CONFIG, GOAL_RECOVERY_S, _log_summary, account, build_report, chaos_config,
                          format_report, window_ttft_p99)
-from bench.chaos_faults import FAULTS, FaultRun, Shot, recovery_time
-from bench.chaos_steady import (Sample, SteadyRecord, StreamTally, is_running, parse_credits, plan_steady, rss_bytes,
+from bench.chaos.fault_script import FAULTS, FaultRun, Shot, recovery_time
+from bench.chaos.steady import (Sample, SteadyRecord, StreamTally, is_running, parse_credits, plan_steady, rss_bytes,
                                 worker_pid)
 from bench.load.sender import DONE
 from gateway.cli import main

@@ -22,9 +22,9 @@ pytest.importorskip("ray")
 
 from bench.chaos import (DEFAULT_CONFIG, FAULT_TIMERS, _fault_names, build_report, chaos_config,  # noqa: E402
                          format_report, ttft_bins, ttft_recovered)
-from bench.chaos_faults import FaultRun, replica_outage  # noqa: E402
-from bench.chaos_options import FAULTS  # noqa: E402
-from bench.chaos_steady import Chaos, Sample, SteadyRecord, parse_replicas, replica_pids  # noqa: E402
+from bench.chaos.fault_script import FaultRun, replica_outage  # noqa: E402
+from bench.chaos.arguments import FAULTS  # noqa: E402
+from bench.chaos.steady import Chaos, Sample, SteadyRecord, parse_replicas, replica_pids  # noqa: E402
 from bench.ray_local import INSTALL_HINT, LocalRayCluster, _import_ray  # noqa: E402
 from gateway.cli import main  # noqa: E402
 from pools.config_file import load_config  # noqa: E402

@@ -11,11 +11,11 @@ import json
 
 import pytest
 
-from bench.isolation import (BARS, CHAT, add_ratios, format_table, judge, load_config as load_config_of, pools_yaml,
+from bench.isolation.scenarios import (BARS, CHAT, add_ratios, format_table, judge, load_config as load_config_of, pools_yaml,
                              scenarios, verdict, verdict_text)
-from bench.isolation_grid import (Grid, assemble, format_sweep_table, plan_runs, summary_line, sweep_grid,
+from bench.isolation.grid import (Grid, assemble, format_sweep_table, plan_runs, summary_line, sweep_grid,
                                   sweep_pool_files, write_heatmap)
-from bench.isolation_sweep import add_arguments, pending_work
+from bench.isolation import add_arguments, pending_work
 from gateway.cli import main
 from pools.capacity_plan import plan_capacity, resolve_model_configs
 from pools.config_file import load_config
@@ -73,7 +73,7 @@ def test_ratios_table_and_verdict():
 
 
 def test_a_chat_request_never_answered_counts_as_its_wait_not_as_nothing():
-    from bench.isolation import chat_ttfts
+    from bench.isolation.scenarios import chat_ttfts
     from bench.load.sender import RequestRecord
 
     answered = RequestRecord(0, "chat", "chat", 1.0, 10, 8, sent_s=1.0, end_s=2.0, status="ok", error=None)

@@ -49,7 +49,7 @@ def _trace(path, start: float, end: float) -> None:
 
 
 def test_bench_simulate_reports_each_runs_speed_against_the_calibration_run(tmp_path):
-    from bench.sim_vs_real import machine_speeds
+    from bench.simulate import machine_speeds
 
     probe = tmp_path / "probe.txt"
     probe.write_text("".join(f"{t} {0.001 if t < 100 else 0.0013}\n" for t in range(0, 200)))

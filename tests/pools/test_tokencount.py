@@ -319,7 +319,7 @@ def test_variant_falls_back(name: str, tmp_path: Path, builtin_path: Path, built
 
 @pytest.mark.parametrize("as_json", [False, True])
 def test_bench_tokenizer(as_json: bool, builtin_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from bench.token_counting import run
+    from bench.tokenizer import run
 
     args = argparse.Namespace(model=str(builtin_path), corpus_size=12, repeats=1, seed=0, json=as_json)
     assert run(args) == 0

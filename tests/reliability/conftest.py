@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 import yaml
 
-from bench.chaos_faults import silent_socket
-from bench.chaos_steady import parse_credits
-from bench.chaos_steady import worker_pid as chaos_worker_pid
+from bench.chaos.fault_script import silent_socket
+from bench.chaos.steady import parse_credits
+from bench.chaos.steady import worker_pid as chaos_worker_pid
 from bench.live import LiveServer
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import os
 import signal
 import time
 
-from tests.reliability.conftest import (MODEL, STALL_SECONDS, WRITE_TIMEOUT, Probe, chat, credits, get, post,
+from tests.reliability.conftest import (MODEL, STALL_SECONDS, Probe, chat, credits, get, post,
                                         resume, silent_client, wait_ready, worker_pid)
 
 

@@ -8,7 +8,7 @@ import types
 import pytest
 
 from bench.load.sender import RequestRecord
-from bench.sim_vs_real import POOLS_YAML, compare, format_rows, saturation
+from bench.simulate import POOLS_YAML, compare, format_rows, saturation
 from engine.step_cost import LinearStepTime
 from pools.capacity_plan import plan_capacity
 from pools.config_file import load_config
@@ -84,7 +84,7 @@ def trace(model: LinearStepTime, seed: int) -> list:
 
 
 def test_each_run_is_predicted_by_a_model_fitted_to_the_other_runs():
-    from bench.sim_vs_real import held_out_model
+    from bench.simulate import held_out_model
 
     served, odd = LinearStepTime(a=0.05, b=0.003, c=0.01, d=0.0015), LinearStepTime(a=0.5, b=0.03, c=0.1, d=0.015)
     traces = [trace(served, 0), trace(odd, 1), trace(served, 2)]    # calibration run, compared runs 0 and 1
@@ -95,7 +95,7 @@ def test_each_run_is_predicted_by_a_model_fitted_to_the_other_runs():
 
 
 def test_a_run_is_also_replayed_with_its_own_steps_in_sample(planned):
-    from bench.sim_vs_real import compare_runs
+    from bench.simulate import compare_runs
 
     config, models, plan = planned
     real, calibration = LinearStepTime(a=0.02, b=0.0004, c=0.003, d=0.0001), LinearStepTime(0.03, 0.0006, 0.0045, 0)
@@ -126,7 +126,7 @@ def test_a_kept_run_is_compared_again_by_replay(planned, tmp_path, capsys):
     """`--out` keeps what `--replay` needs: the same rows come back from the folder alone."""
     import json
 
-    from bench.sim_vs_real import compare_runs, write_records
+    from bench.simulate import compare_runs, write_records
     from gateway.cli import main
 
     config, models, plan = planned

@@ -11,7 +11,7 @@ import time
 import pytest
 from aiohttp import web
 
-from bench.queue_vs_reject import (Outcome, Scrapes, _one, add_arguments, format_table, ideal_run, ideal_table,
+from bench.admission import (Outcome, Scrapes, _one, add_arguments, format_table, ideal_run, ideal_table,
                              parse_rates, pools_yaml, retry_after_seconds, retry_delay, summarize)
 from pools.config_file import load_config
 

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.chaos_steady import (SAMPLE_INTERVAL_S, Chaos, Phases, Sample, Sampler, is_running, plan_steady,
+from bench.chaos.steady import (SAMPLE_INTERVAL_S, Chaos, Phases, Sample, Sampler, is_running, plan_steady,
                                 replica_pids, run_steady, send_signal)
 from bench.live import LiveServer
 from bench.load.sender import error_message

@@ -1,6 +1,6 @@
 """The grid of `cliffguard bench isolation --sweep` and its verdict: the cells (chat rate x rag rate
 x rag length), the runs they need (chat alone, rag alone, split, shared), whether chat keeps its SLO
-in each cell, the table and the heat map. No server here: `bench.isolation_sweep` runs them."""
+in each cell, the table and the heat map. No server here: `bench.isolation` runs them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.isolation import ROUTE_THRESHOLD, device_of, judge, pool_file, verdict_text
+from bench.isolation.scenarios import ROUTE_THRESHOLD, device_of, judge, pool_file, verdict_text
 from bench.options import int_list
 from pools.workload import LengthDist, WorkloadClass, parse_rates
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.chaos_faults import CLUSTER_FAULTS
-from bench.chaos_faults import FAULTS as CLIENT_AND_WORKER_FAULTS
-from bench.chaos_requests import REQUEST_FAULTS
-from bench.chaos_steady import Phases
+from bench.chaos.fault_script import CLUSTER_FAULTS
+from bench.chaos.fault_script import FAULTS as CLIENT_AND_WORKER_FAULTS
+from bench.chaos.careless import REQUEST_FAULTS
+from bench.chaos.steady import Phases
 from bench.ray_local import INSTALL_HINT, NODE_CPUS, ray_installed
 
 FAULTS = {**CLIENT_AND_WORKER_FAULTS, **REQUEST_FAULTS}    # the default run, in this order

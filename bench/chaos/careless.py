@@ -12,8 +12,8 @@ import signal
 import socket
 import time
 
-from bench.chaos_faults import FaultRun, Shot, shoot, sleep_until
-from bench.chaos_steady import Chaos, send_signal
+from bench.chaos.fault_script import FaultRun, Shot, shoot, sleep_until
+from bench.chaos.steady import Chaos, send_signal
 
 POISON_MARKER = "cliffguard-chaos-poison-2b7e"   # the server runs with CLIFFGUARD_FAULT_POISON set to it
 SILENT_CLOSE_GRACE_S = 2.0    # the gateway must close a silent reader's connection write_timeout + this after its answer

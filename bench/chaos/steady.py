@@ -20,7 +20,7 @@ from typing import Any
 from bench.load.plan import PromptMaker
 from bench.load.scrape import pool_samples
 from bench.load.sender import DONE, error_message, parse_sse_line
-from bench.queue_vs_reject import poisson_arrivals
+from bench.admission import poisson_arrivals
 
 SAMPLE_INTERVAL_S = 0.25
 PROBE_TIMEOUT_S = 2.0          # a /ready or /metrics probe slower than this counts as not ready

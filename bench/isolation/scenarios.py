@@ -28,7 +28,7 @@ Every pool file turns prefix caching off: the bench measures compute isolation, 
 prompts are random words, so a cache would find nothing anyway). The chunk-only row's chat pool says
 `slo: null`, so no default SLO makes it interactive.
 
-`--sweep` (bench.isolation_sweep) runs these scenarios over a grid of chat rate x rag rate x rag
+`--sweep` (bench.isolation) runs these scenarios over a grid of chat rate x rag rate x rag
 prompt length instead of at one point, on one server per layout, and judges per cell whether chat
 keeps its SLO; see that module for the runs, the bars and the files it writes.
 """

@@ -81,13 +81,13 @@ from typing import Any
 
 import yaml
 
-from bench.chaos_faults import FaultRun, Shot, chaos_run, recovery_time, replica_outage
-from bench.chaos_options import ALL_FAULTS, QUICK, _fault_names, add_arguments, check_args  # noqa: F401 - the CLI's
-from bench.chaos_requests import POISON_MARKER
-from bench.chaos_steady import CHAT_TOKENS, CHAT_WORDS, PROBE_TIMEOUT_S, RAG_TOKENS, RAG_WORDS, SteadyRecord
+from bench.chaos.fault_script import FaultRun, Shot, chaos_run, recovery_time, replica_outage
+from bench.chaos.arguments import ALL_FAULTS, QUICK, _fault_names, add_arguments, check_args  # noqa: F401 - the CLI's
+from bench.chaos.careless import POISON_MARKER
+from bench.chaos.steady import CHAT_TOKENS, CHAT_WORDS, PROBE_TIMEOUT_S, RAG_TOKENS, RAG_WORDS, SteadyRecord
 from bench.live import REPO, LiveServer
 from bench.ray_local import LocalRayCluster
-from bench.sim_vs_real import _out_dir
+from bench.options import out_dir
 from pools.workload import latency_stats
 
 DEFAULT_CONFIG = REPO / "config" / "pools.yaml"
@@ -394,7 +394,7 @@ def _config_label(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     """`cliffguard bench chaos`: 0 when the goal was met, 1 when not (2 for bad options, from the CLI)."""
     phases = check_args(args)
-    out = _out_dir(args.out) if args.out else None
+    out = out_dir(args.out) if args.out else None
     date, commit = datetime.datetime.now().astimezone().isoformat(timespec="seconds"), _commit()   # what is served
     local = LocalRayCluster(args.ray_nodes, args.ray_node_cpus) if args.ray_nodes else contextlib.nullcontext()
     with tempfile.TemporaryDirectory(prefix="cliffguard-chaos-") as folder, local as cluster:   # stopped on any exit

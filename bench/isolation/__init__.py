@@ -1,4 +1,5 @@
-"""`cliffguard bench isolation --sweep`: does chat keep its SLO over a region of loads, not one point?
+"""`cliffguard bench isolation`: its scenarios at one load (chat alone, rag alone, split, shared:
+`bench.isolation.scenarios`), or with `--sweep`: does chat keep its SLO over a region of loads, not one point?
 
 A grid of chat rate x rag rate x rag prompt length (`--chat-rates`, `--rag-rates`, `--rag-lens`; rag
 prompts uniform within +-20% of each length, `--rag-output-tokens` out). Per cell two runs: `split`
@@ -18,7 +19,7 @@ waiting or swapped in any pool, none queued for KV credits, every credit back), 
 Prefix caching is off on every pool of the bench's pool files: the bench measures compute isolation,
 not caching, and a cache warmed by one run would flatter the next on a reused server.
 
-Per cell, the verdict of `bench.isolation.judge` (the one definition, the same for a point of `bench
+Per cell, the verdict of `bench.isolation.scenarios.judge` (the one definition, the same for a point of `bench
 isolation`), against the SLO the split server's chat pool runs with: `--ttft-ms` / `--itl-ms` as its pool
 file names them, or with `--no-slo` the one isolation by default derived from the device's measured step
 at start (read from `cliffguard_pool_slo_seconds`):
@@ -48,7 +49,7 @@ chat p99 TTFT / ttft_ms around 1.0, a tick or cross for cell_ok, out-of-scope ce
 it has in the whole grid, so a cell that missed in a sweep can be run again by itself (with
 `CLIFFGUARD_STEP_TRACE` set, its steps traced).
 `--quick`: the same path on a 2 x 1 x 1 grid with 8 s of arrivals per run (about 2 minutes), for a test.
-The grid, the verdict, the table and the heat map are `bench.isolation_grid`; this module runs the
+The grid, the verdict, the table and the heat map are `bench.isolation.grid`; this module runs the
 servers and the loads.
 """
 
@@ -67,9 +68,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench.isolation import (CHAT, Scenario, add_arguments as isolation_arguments, chat_duration, load_config,
+from bench.isolation.scenarios import (CHAT, Scenario, add_arguments as isolation_arguments, chat_duration, load_config,
                              run as isolation_run, run_loads, run_times, server_slo, summarize)
-from bench.isolation_grid import (DEFAULT_GRID, QUICK_GRID, Grid, Run, assemble, format_sweep_table, plan_runs,
+from bench.isolation.grid import (DEFAULT_GRID, QUICK_GRID, Grid, Run, assemble, format_sweep_table, plan_runs,
                                   summary_line, sweep_grid, sweep_pool_files, write_heatmap)
 from bench.live import REPO, LiveServer
 from bench.load.scrape import pool_samples
@@ -85,14 +86,14 @@ PENDING_GAUGES = {"cliffguard_num_requests_running": "running", "cliffguard_num_
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of `cliffguard bench isolation`: the scenario benchmark's (bench.isolation) and the
-    sweep's. This module is the command's entry point, so bench.isolation never imports it."""
+    """The flags of `cliffguard bench isolation`: the scenario benchmark's (bench.isolation.scenarios) and the
+    sweep's. This module is the command's entry point, so bench.isolation.scenarios never imports it."""
     isolation_arguments(p)
     add_sweep_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    """`cliffguard bench isolation`: the sweep with --sweep, else the scenarios of bench.isolation."""
+    """`cliffguard bench isolation`: the sweep with --sweep, else the scenarios of bench.isolation.scenarios."""
     if args.sweep:
         return run_sweep(args)
     return isolation_run(args)

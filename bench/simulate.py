@@ -53,6 +53,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from bench.live import LiveServer
+from bench.options import out_dir
 from bench.load.plan import LoadConfig, plan_requests
 from bench.load.run import run_load
 from bench.speedprobe import SpeedProbe
@@ -332,18 +333,6 @@ def machine_speeds(probe_path: Path, trace_paths: list[Path]) -> list[dict[str, 
     return [speed_ratio(samples, start, end, reference) for start, end in spans]
 
 
-def _out_dir(out: str) -> Path:
-    """`--out`, created if missing; ValueError naming the option when it cannot be written."""
-    path = Path(out)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"--out: cannot create {out}: {exc.strerror or exc}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"--out: {out} is not writable")
-    return path
-
-
 def format_report(rows: list[dict[str, Any]]) -> str:
     """The table, and for traced runs the diagnostics and the in-sample replay."""
     text = format_rows(rows)
@@ -387,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
     classes = load_workload(args.workload)
-    out = _out_dir(args.out) if args.out else None
+    out = out_dir(args.out) if args.out else None
     pool_file = args.config
     if args.replay and not pool_file:
         pool_file = kept_results(Path(args.replay)).get("config")       # the pool file the kept runs had
