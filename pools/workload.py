@@ -38,7 +38,7 @@ def _required(key: str, value: Any) -> Any:
     return value
 
 
-def _check_positive(key: str, value: Any, *, optional: bool = False, zero: bool = False,
+def check_positive(key: str, value: Any, *, optional: bool = False, zero: bool = False,
                     allow_inf: bool = False) -> None:
     """A number > 0 (>= 0 with `zero`), finite unless `allow_inf`."""
     if value is None and optional:
@@ -86,8 +86,8 @@ class LengthDist:
             _check_len("min", _required("min", self.min))
             _check_len("max", _required("max", self.max))
         else:
-            _check_positive("mean", _required("mean", self.mean))
-            _check_positive("std", _required("std", self.std), zero=True)
+            check_positive("mean", _required("mean", self.mean))
+            check_positive("std", _required("std", self.std), zero=True)
             _check_len("min", self.min, optional=True)
             _check_len("max", self.max, optional=True)
         if self.min is not None and self.max is not None and self.min > self.max:
@@ -142,13 +142,13 @@ class WorkloadClass:
                 raise SpecError(f"{key}: must be a LengthDist, got {show(getattr(self, key))}")
         if self.endpoint not in ENDPOINTS:
             raise SpecError(f"endpoint: must be one of {', '.join(ENDPOINTS)}; got {self.endpoint!r}")
-        _check_positive("share", self.share, optional=True)
-        _check_positive("rate", self.rate, optional=True)
+        check_positive("share", self.share, optional=True)
+        check_positive("rate", self.rate, optional=True)
         if self.share is not None and self.rate is not None:
             raise SpecError(f"rate: give share or rate, not both (share {self.share!r}, rate {self.rate!r})")
         if not isinstance(self.ignore_eos, bool):
             raise SpecError(f"ignore_eos: must be true or false, got {show(self.ignore_eos)}")
-        _check_positive("temperature", self.temperature, optional=True, zero=True)
+        check_positive("temperature", self.temperature, optional=True, zero=True)
         if self.shared_prefix is not None and not isinstance(self.shared_prefix, SharedPrefix):
             raise SpecError(f"shared_prefix: must be a SharedPrefix, got {show(self.shared_prefix)}")
 

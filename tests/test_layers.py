@@ -298,3 +298,32 @@ def test_one_metrics_reader_and_one_percentile_function():
 
     assert _hits(re.compile(r"text_string_to_metric_families"), "bench/load/scrape.py") == []
     assert _hits(re.compile(r"def _?percentiles?\("), "pools/workload.py") == []
+
+
+def test_no_module_imports_a_private_name_of_another_package():
+    """A name that starts with `_` is its module's own: another top-level package (gateway, pools, engine,
+    kernels, bench) never imports it; what a package shares, it names without the underscore."""
+    found = []
+    for module, path in _all_modules().items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            source = node.module.split(".")[0]
+            if source in PACKAGES and source != module.split(".")[0]:
+                found += [f"{module}:{node.lineno} imports {node.module}.{alias.name}" for alias in node.names
+                          if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert found == []
+
+
+def test_every_subpackage_opens_with_a_one_line_summary():
+    """Each package and subpackage's `__init__.py` starts with a docstring whose first line says what it
+    holds (the map a newcomer reads folder by folder)."""
+    missing = []
+    for module, path in _all_modules().items():
+        if path.name != "__init__.py":
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"), str(path)))
+        if not doc or not doc.splitlines()[0].strip():
+            missing.append(module)
+    assert missing == []

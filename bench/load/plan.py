@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pools.workload import (DEFAULT_WORKLOAD, LengthDist, WorkloadClass, _check_positive, class_arrivals, class_rates,
+from pools.workload import (DEFAULT_WORKLOAD, LengthDist, WorkloadClass, check_positive, class_arrivals, class_rates,
                             gamma_arrivals)
 from pools.yamlcheck import SpecError, is_int, show
 
@@ -55,7 +55,7 @@ class Goodput:
 
     def __post_init__(self) -> None:
         for key in GOODPUT_KEYS:
-            _check_positive(key, getattr(self, key), optional=True)
+            check_positive(key, getattr(self, key), optional=True)
         if all(getattr(self, key) is None for key in GOODPUT_KEYS):
             raise SpecError(f"goodput: give at least one target of {', '.join(GOODPUT_KEYS)}")
 
@@ -132,11 +132,11 @@ class LoadConfig:
         names = [c.name for c in self.classes]
         if len(set(names)) != len(names) or (self.probe_rate and PROBE_CLASS in names):
             raise SpecError(f"classes: names must be unique (and not {PROBE_CLASS!r} with probes), got {names}")
-        _check_positive("request_rate", self.request_rate, allow_inf=True)
+        check_positive("request_rate", self.request_rate, allow_inf=True)
         for key in ("burstiness", "timeout", "drain_timeout", "scrape_interval"):
-            _check_positive(key, getattr(self, key))
-        _check_positive("duration", self.duration, optional=True)
-        _check_positive("probe_rate", self.probe_rate, zero=True)
+            check_positive(key, getattr(self, key))
+        check_positive("duration", self.duration, optional=True)
+        check_positive("probe_rate", self.probe_rate, zero=True)
         if self.num_requests is not None and (not is_int(self.num_requests) or self.num_requests < 1):
             raise SpecError(f"num_requests: must be an integer >= 1, got {show(self.num_requests)}")
         if self.duration is None and self.num_requests is None:
