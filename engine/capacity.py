@@ -13,6 +13,7 @@ not fit the device it runs on. Ints in, ints out: no torch.
 from __future__ import annotations
 
 DEFAULT_MEMORY_UTILIZATION = 0.9
+DEFAULT_BLOCK_SIZE = 16   # tokens per KV block where a pool names none (kernels.metadata.BLOCK_SIZES: 8, 16, 32)
 
 
 def usable_bytes(memory_bytes: int, memory_utilization: float = DEFAULT_MEMORY_UTILIZATION) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engine.capacity import DEFAULT_MEMORY_UTILIZATION
+from engine.capacity import DEFAULT_BLOCK_SIZE, DEFAULT_MEMORY_UTILIZATION
 from kernels.metadata import BLOCK_SIZES
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -221,7 +221,7 @@ class CacheConfig:
     """The paged KV cache of one device. Its size is the sum of its pools' `num_blocks`, which the
     capacity plan (`pools.capacity_plan`) computes; the engine never derives a size of its own."""
 
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:

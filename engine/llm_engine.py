@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.capacity import DEFAULT_BLOCK_SIZE
 from engine.calibration import derive_slo, slo_share, warm_up
 from engine.composer import ComposedStep, StepComposer
 from engine.config import (CacheConfig, ConfigError, EngineConfig, LatencySLO, ModelConfig, PoolConfig,
@@ -210,7 +211,7 @@ class LLMEngine:
         self.group.close()
 
     @classmethod
-    def from_args(cls, model: str = "builtin:smollm2-135m-instruct", *, block_size: int = 16,
+    def from_args(cls, model: str = "builtin:smollm2-135m-instruct", *, block_size: int = DEFAULT_BLOCK_SIZE,
                   num_blocks: int = 1024, max_num_seqs: int = 64,
                   max_num_batched_tokens: int = 2048, max_model_len: int = 0,
                   enable_chunked_prefill: bool = True, **kwargs) -> "LLMEngine":

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from engine.capacity import DEFAULT_BLOCK_SIZE
+
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 DEFAULT_CONFIG = "config/pools.yaml"
 DEFAULT_DATA_DIR = "./.cliffguard/"
@@ -63,7 +65,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--device", default="auto", help="auto (default: CUDA if present) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 "
                    "| float16")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block: 8, 16 (default) or 32")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block: 8, 16 or 32")
     p.add_argument("--kv-cache-mib", type=int, default=1024, help="KV cache budget in MiB (default 1024); it must "
                    "fit the device's 0.9 x memory - weights")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit in tokens (default: "

@@ -33,6 +33,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
+from engine.capacity import DEFAULT_BLOCK_SIZE
 from pools.credits import DEFAULT_TENANT, CreditLedger, TenantPolicy, Ticket
 from pools.demand import OfferedLoad
 from pools.placement import Placement, Work
@@ -82,7 +83,7 @@ class Admission:
                  flow_cap: int | None = None) -> None:
         self.pool = pool
         self.ledger = CreditLedger(total, tenants, quantum=quantum, max_seqs=max_seqs, flow_cap=flow_cap,
-                                   block_size=placement.block_size if placement is not None else 16)
+                                   block_size=placement.block_size if placement is not None else DEFAULT_BLOCK_SIZE)
         self.max_queue_seconds = max_queue_seconds
         self.placement = placement
         self.is_up: Callable[[int], bool] | None = None   # whether a replica takes new requests (the gateway's)

@@ -1,11 +1,10 @@
 """KV credits: the gateway's ledger of a pool's KV token slots, and the fair queue in front of it.
 
-The idea is virtual channels with KV-slot credits: the ledger starts with one credit per KV token slot
-of the pool (blocks x block_size, from the capacity plan). Admitting a request
-deducts `prompt_tokens + max_tokens` (the prompt part is exact: the gateway tokenized it); when the
-request finishes, stops early or is aborted, everything it held comes back at once. A request that
-does not fit waits here, not in the engine, so the engine's waiting lists stay short and nothing is
-rejected for capacity.
+The idea is virtual channels with KV-slot credits: the ledger starts with one credit per KV token slot of the
+pool (blocks x block_size, from the capacity plan). Admitting a request deducts `prompt_tokens + max_tokens`
+(the prompt part is exact: the gateway tokenized it); when the request finishes, stops early or is aborted,
+everything it held comes back at once. A request that does not fit waits here, not in the engine, so the
+engine's waiting lists stay short and nothing is rejected for capacity.
 
 Queues are channels keyed by (tenant, priority). Within a tenant the smallest priority value goes
 first (the engine's convention); within one priority, requests are split into flows by size and the
@@ -62,6 +61,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from engine.capacity import DEFAULT_BLOCK_SIZE
 from pools.flows import FlowChannel, Headroom, flow_class
 
 DEFAULT_TENANT = "default"
@@ -173,7 +173,7 @@ class CreditLedger:
     """
 
     def __init__(self, total: int | Sequence[int], tenants: Mapping[str, TenantPolicy] | None = None, *,
-                 quantum: int | None = None, block_size: int = 16, max_seqs: int | None = None,
+                 quantum: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE, max_seqs: int | None = None,
                  flow_cap: int | None = None) -> None:
         totals = [total] if isinstance(total, int) else list(total)
         if not totals or any(not isinstance(t, int) or isinstance(t, bool) or t <= 0 for t in totals):

@@ -18,6 +18,7 @@ from pathlib import PurePath
 from typing import Any
 from urllib.parse import urlsplit
 
+from engine.capacity import DEFAULT_BLOCK_SIZE
 from engine.config import DEFAULT_MIN_SHARE, CacheConfig, ConfigError, LatencySLO, SchedulerConfig
 from pools.device_spec import DeviceSpec
 from pools.gateway_spec import GatewaySpec
@@ -149,7 +150,7 @@ class PoolSpec:
     kv_share: float | None = None        # fraction of the device's KV bytes ...
     kv_cache_bytes: int | None = None    # ... or an explicit byte budget (exactly one for local pools)
     avg_len: int = 1024                  # tokens (prompt + output) of a typical request, for max_num_seqs
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     max_model_len: int | None = None     # None: the model's context length
     max_num_batched_tokens: int = 2048   # this pool's token budget per step
     max_num_seqs: int | None = None      # None: from the capacity formula
