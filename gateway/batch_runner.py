@@ -1,7 +1,7 @@
 """`BatchRunner`: runs the Batch API's lines, each through the line executor (by default
 `gateway.handlers.answer` as the batch's tenant, at batch priority), at most `MAX_IN_FLIGHT` of a batch
 at once; it resumes unfinished batches after a restart from the durable store
-(`pools.batchstore.BatchStore`) and holds no state a restart needs.
+(`pools.store.batch_store.BatchStore`) and holds no state a restart needs.
 
 A line answered 503 `engine_dead` / `pool_unavailable` or 502 `upstream_unreachable` (an upstream pool
 no connection could be made to: nothing was sent) is retried with back-off, at most MAX_LINE_ATTEMPTS
@@ -30,8 +30,8 @@ from urllib.parse import quote
 from gateway.openai_api import ApiError
 from gateway.runtime import Gateway
 from gateway.upstream import IDEMPOTENCY_KEY
-from pools.batch_input import BatchInputError, BatchLine
-from pools.batchstore import STORAGE_ERRORS, BatchStore
+from pools.store.batch_input import BatchInputError, BatchLine
+from pools.store.batch_store import STORAGE_ERRORS, BatchStore
 from pools.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("cliffguard.batches")

@@ -2,7 +2,7 @@
 /v1/batches`, `GET /v1/batches/{id}`, `POST /v1/batches/{id}/cancel`. `gateway.batch_runner.BatchRunner`
 runs the batches' lines.
 
-The state (files, batches, each line's status and result) is durable in `pools.batchstore.BatchStore`
+The state (files, batches, each line's status and result) is durable in `pools.store.batch_store.BatchStore`
 under the serve command's `--data-dir`; the runner holds none that a restart needs. Each line goes
 through the line executor, by default `gateway.handlers.answer` with `batch=True`: routed like any
 request and waiting for KV credits behind interactive traffic.
@@ -30,8 +30,8 @@ from gateway.client_writes import write_within
 from gateway.handlers import read_json
 from gateway.openai_api import ApiError
 from gateway.runtime import GATEWAY
-from pools.batch_files import CHUNK_BYTES
-from pools.batchstore import BatchStore
+from pools.store.batch_files import CHUNK_BYTES
+from pools.store.batch_store import BatchStore
 from pools.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("cliffguard.batches")

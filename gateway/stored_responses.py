@@ -2,7 +2,7 @@
 responses the gateway keeps, `GET` / `DELETE /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`.
 
 Kept: a response whose request has `store: true` (OpenAI's default) when the gateway has a data dir
-(`cliffguard serve --data-dir`), in the same SQLite file as the Batch API (`pools.response_store`),
+(`cliffguard serve --data-dir`), in the same SQLite file as the Batch API (`pools.store.response_store`),
 owned by the API key that made it (`Tenants.owner`, as files and batches): another key's id answers
 404 exactly as an unknown one. A finished response is written before its last bytes go out, so a
 client that read it may fetch it or continue from it at once. Kept as long as
@@ -45,8 +45,8 @@ from gateway.handlers import read_json
 from gateway.openai_api import ApiError, bad_request
 from gateway.responses_api import ResponsesAnswer, ResponsesRequest, parse_responses, response_object
 from gateway.runtime import GATEWAY, Gateway
-from pools.batchstore import STORAGE_ERRORS
-from pools.response_store import FINISHED, ResponseStore, StoredResponse
+from pools.store.batch_store import STORAGE_ERRORS
+from pools.store.response_store import FINISHED, ResponseStore, StoredResponse
 
 log = logging.getLogger("cliffguard.responses")
 

@@ -66,7 +66,7 @@ class RequestLimits:
 class RetentionSpec:
     """How long the Responses API's stored responses are kept (YAML `gateway.stored_responses`): a
     finished response at most `retention_days` (OpenAI keeps them 30 days), and each owner's newest
-    `max_per_owner` only (`pools.response_store`)."""
+    `max_per_owner` only (`pools.store.response_store`)."""
 
     retention_days: float = 30.0
     max_per_owner: int = 10000

@@ -23,8 +23,8 @@ from gateway.app import create_app
 from gateway.batches import BATCHES, STORE_FILE
 from gateway.cli import main
 from gateway.runtime import Gateway
-from pools import batch_files
-from pools.batch_input import MAX_BATCH_LINE_BYTES
+from pools.store import batch_files
+from pools.store.batch_input import MAX_BATCH_LINE_BYTES
 from pools.config_file import load_config
 from tests.gateway.conftest import LiveServer, pools_yaml
 

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from pools.batch_schema import SCHEMA_VERSION
-from pools.batchstore import BatchStore
+from pools.store.schema import SCHEMA_VERSION
+from pools.store.batch_store import BatchStore
 from pools.config_file import load_config
 from pools.gateway_spec import RetentionSpec
-from pools.response_store import ResponseStore
+from pools.store.response_store import ResponseStore
 from pools.yamlcheck import SpecError
 
 

@@ -23,7 +23,7 @@ every finalize gives the same files. An output or error file that would pass MAX
 fails the batch instead (`status: failed`, `errors` naming `output_too_large`), and a line answer
 whose JSON alone passes it is recorded as that line's error (`response_too_large`), not stored.
 
-Input lines are checked when the batch is created (`pools.batch_input.parse_batch_input`): an
+Input lines are checked when the batch is created (`pools.store.batch_input.parse_batch_input`): an
 unusable line is a per-line error for the error file; the batch itself never fails for it. A batch
 fails as a whole only through `fail` (the runner's reason: the store could not take its results) or
 an output past the limit.
@@ -36,12 +36,12 @@ file or batch exactly as one that does not exist (None, or the same BatchInputEr
 tells a caller that someone else has it. The runner's methods (`batch_tenant`, `batch_status`,
 `pending_lines`, `record`, `finalize_step`, `fail`...) take batch ids only.
 
-Schema versions (`PRAGMA user_version`; the tables and the migration are `pools.batch_schema`),
+Schema versions (`PRAGMA user_version`; the tables and the migration are `pools.store.schema`),
 migrated in place in one transaction when the store opens (a crash leaves the old version, and the
 next open migrates again; decided by the columns present):
 1 had no owners; 2 added `tenant` (version 1's rows: the store's `default_tenant`); 3 adds `owner`,
 the failed state (`failed_at`, `errors`), `file_chunks` and `finalizing`; 4 adds the Responses API's
-`responses` table (`pools.response_store`, which opens the same file). A version-2 row keeps its
+`responses` table (`pools.store.response_store`, which opens the same file). A version-2 row keeps its
 tenant as its tenant, and its owner is `legacy_owner(tenant)` (the gateway: `Tenants.legacy_owner`,
 whose rule keeps a row reachable by the key or shared tenant that reached it before wherever the
 configuration still tells which that is; without one, the tenant's name). That mapping is written
@@ -65,12 +65,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pools.batch_input import (BATCH_ENDPOINTS, COMPLETION_WINDOWS, FILE_PURPOSES, MAX_BATCH_LINES, BatchInputError,
+from pools.store.batch_input import (BATCH_ENDPOINTS, COMPLETION_WINDOWS, FILE_PURPOSES, MAX_BATCH_LINES, BatchInputError,
                                BatchLine, check_metadata, parse_batch_input)
-from pools import batch_files
-from pools.batch_files import (UNFINISHED, ChunkWriter, assemble_step, fail_batch, insert_file, marks, read_chunks,
+from pools.store import batch_files
+from pools.store.batch_files import (UNFINISHED, ChunkWriter, assemble_step, fail_batch, insert_file, marks, read_chunks,
                                result_file_ids)
-from pools.batch_schema import StoreFile, migrate
+from pools.store.schema import StoreFile, migrate
 
 __all__ = ["BatchStore", "STORAGE_ERRORS"]
 

@@ -1,5 +1,5 @@
 """`ResponseStore`: the Responses API's stored responses, in the `responses` table of the gateway's
-SQLite store (the Batch API's file under `--data-dir`; `pools.batch_schema` creates the table, so
+SQLite store (the Batch API's file under `--data-dir`; `pools.store.schema` creates the table, so
 open a `BatchStore` on the file first).
 
 A row is one response: its owner (who may see it; `Tenants.owner` of the key that made it), its
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pools.batch_schema import StoreFile
+from pools.store.schema import StoreFile
 from pools.gateway_spec import RetentionSpec
 
 __all__ = ["FINISHED", "ResponseStore", "StoredResponse"]

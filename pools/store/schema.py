@@ -1,6 +1,6 @@
 """The gateway store's SQLite schema (version 4) and its in-place migration from versions 1 to 3
-(`pools.batchstore` explains what each version holds and how old rows get their owner). The Batch API's
-tables and, from version 4, the Responses API's stored responses (`pools.response_store`) share the file."""
+(`pools.store.batch_store` explains what each version holds and how old rows get their owner). The Batch API's
+tables and, from version 4, the Responses API's stored responses (`pools.store.response_store`) share the file."""
 
 from __future__ import annotations
 

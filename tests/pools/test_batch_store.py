@@ -1,4 +1,4 @@
-"""pools.batchstore: parsing batch input, exactly-once results, output files written in pieces and steps,
+"""pools.store.batch_store: parsing batch input, exactly-once results, output files written in pieces and steps,
 the output size limit, failed batches, storage errors that change nothing, each owner seeing only its
 own files and batches, migrating version-1 and version-2 stores, and reopening after a process killed
 mid-transaction (SQLite in a temporary folder; no model, no event loop)."""
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from pools import batch_files
-from pools.batch_files import result_file_ids
-from pools.batch_input import MAX_BATCH_LINE_BYTES, BatchInputError, parse_batch_input
-from pools.batch_schema import SCHEMA_VERSION
-from pools.batchstore import STORAGE_ERRORS, BatchStore
+from pools.store import batch_files
+from pools.store.batch_files import result_file_ids
+from pools.store.batch_input import MAX_BATCH_LINE_BYTES, BatchInputError, parse_batch_input
+from pools.store.schema import SCHEMA_VERSION
+from pools.store.batch_store import STORAGE_ERRORS, BatchStore
 from pools.tenants import DEFAULT_TENANT, Tenants, parse_tenants
 
 CHAT = "/v1/chat/completions"
@@ -168,7 +168,7 @@ def test_an_owner_sees_only_its_own_files_and_batches_whatever_their_tenant(tmp_
 _CRASHING_CHILD = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
-from pools.batchstore import BatchStore   # stdlib only: no torch to import
+from pools.store.batch_store import BatchStore   # stdlib only: no torch to import
 assert "torch" not in sys.modules
 store = BatchStore(sys.argv[2], default_tenant=sys.argv[4])
 batch_id = sys.argv[3]

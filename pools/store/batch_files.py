@@ -2,7 +2,7 @@
 range at a time, and a finished batch's output and error files assembled a step at a time
 (`assemble_step`, each step one transaction of the caller's) from its answered lines, as OpenAI
 writes them. Ids of result lines and files are derived from the batch id, so a finalize resumed after
-a crash writes the same ones. `pools.batchstore` owns the connection and the transactions.
+a crash writes the same ones. `pools.store.batch_store` owns the connection and the transactions.
 """
 
 from __future__ import annotations
