@@ -68,7 +68,7 @@ from bench.load.plan import Goodput, LoadConfig
 from bench.load.report import format_report, write_report
 from bench.load.run import RatePhase, parse_rate_phases, phased_config, run_load
 from pools.workload import DEFAULT_WORKLOAD, load_workload
-from pools.yamlcheck import SpecError
+from pools.config.checks import SpecError
 
 # --- the command --------------------------------------------------------------------------------------------
 

@@ -101,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _plan(config_path: Path):
     from pools.capacity_plan import plan_capacity, resolve_model_configs
-    from pools.config_file import load_config
+    from pools.config.yaml_file import load_config
 
     config = load_config(config_path)
     model_configs = resolve_model_configs(config)

@@ -38,7 +38,7 @@ from gateway.openai_api import ApiError
 from gateway.client_writes import (BODY_SNDBUF_BYTES, RESPONSE_BUFFERS, ResponseBuffers, limit_send_buffer,
                                    write_within)
 from gateway.runtime import GATEWAY, Gateway
-from pools.spec import CliffguardConfig
+from pools.config.spec import CliffguardConfig
 
 log = logging.getLogger("cliffguard.gateway")
 

@@ -36,7 +36,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
 from pools.pool import Pool
-from pools.spec import DeviceSpec
+from pools.config.spec import DeviceSpec
 
 log = logging.getLogger("cliffguard.gateway")
 

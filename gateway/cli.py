@@ -151,8 +151,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     from engine.worker import LOG_FORMAT
     from gateway.app import run
-    from pools.config_file import load_config
-    from pools.spec import parse_bytes
+    from pools.config.yaml_file import load_config
+    from pools.config.spec import parse_bytes
 
     config = load_config(args.config)
     host = args.host or config.gateway.host
@@ -239,8 +239,8 @@ def _capacity(args: argparse.Namespace) -> int:
 
     from pools.capacity_plan import plan_capacity, resolve_model_configs
     from pools.plan_report import format_plan, format_verdicts, rate_verdicts
-    from pools.config_file import load_config
-    from pools.spec import SpecError, parse_bytes
+    from pools.config.yaml_file import load_config
+    from pools.config.spec import SpecError, parse_bytes
 
     if args.rate is None and (args.device or args.step_model):
         raise UsageError(f"{'--device' if args.device else '--step-model'}: only with --rate")
@@ -322,7 +322,7 @@ def _add_simulate(sub) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from pools.config_file import load_config
+    from pools.config.yaml_file import load_config
     from pools.simulation.knee import sweep
     from pools.simulation.recommend import format_recommendation, recommend
     from pools.workload import load_workload, parse_rates
@@ -365,7 +365,7 @@ def _simulation_setup(config, args: argparse.Namespace):
     from engine.step_cost import PRESETS
     from pools.capacity_plan import plan_capacity, resolve_model_configs
     from pools.simulation.runner import device_step_times, shared_layout
-    from pools.spec import SpecError, parse_bytes
+    from pools.config.spec import SpecError, parse_bytes
 
     if args.replicas is not None:
         if args.replicas < 1:

@@ -16,7 +16,7 @@ from typing import Any
 from engine.sampling import MAX_LOGPROBS, SamplingParams
 from engine.structured import StructuredOutput
 from gateway.tools import Tool, ToolChoice, ToolError, parse_tool_calls, parse_tool_choice, parse_tools
-from pools.gateway_spec import RequestLimits
+from pools.config.gateway_spec import RequestLimits
 
 
 class ApiError(Exception):

@@ -33,7 +33,7 @@ from gateway import openai_objects as objects
 from gateway.openai_api import ApiError, ChatRequest, bad_request
 from gateway.responses import LocalResponse
 from gateway.tools import ToolCall
-from pools.gateway_spec import RequestLimits
+from pools.config.gateway_spec import RequestLimits
 
 _FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
            "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id", "metadata",

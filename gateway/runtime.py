@@ -47,8 +47,8 @@ from pools.capacity_plan import (CapacityPlan, model_folder, plan_capacity, repl
                                  resolve_model_configs)
 from pools.pool import Pool
 from pools.router import NoRouteError, Router, UnknownModelError
-from pools.gateway_spec import Backoff
-from pools.spec import CliffguardConfig, PoolSpec
+from pools.config.gateway_spec import Backoff
+from pools.config.spec import CliffguardConfig, PoolSpec
 from pools.spiral import SpiralDetector
 from pools.tenants import Tenants
 from pools.tokencount import TokenCounter
@@ -407,7 +407,7 @@ def _upstream_max_len(spec: PoolSpec, folders: dict[str, Path]) -> int:
 
 def _check_placements(config: CliffguardConfig) -> None:
     """A device placed on Ray needs Ray installed and a cluster address (SpecError naming the key)."""
-    from pools.spec import SpecError
+    from pools.config.spec import SpecError
 
     for name, device in config.devices.items():
         if device.placement != "ray" or not any(p.device == name for p in config.local_pools):

@@ -56,7 +56,7 @@ from engine.remote_client import RemoteEngineClient, ReplicaLink
 from gateway.metrics import GatewayMetrics
 from gateway.ticker import Ticker
 from pools.pool import Pool
-from pools.gateway_spec import Backoff
+from pools.config.gateway_spec import Backoff
 
 log = logging.getLogger("cliffguard.gateway")
 

@@ -32,8 +32,8 @@ import engine.capacity as formula
 from engine.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, ceil_div, dtype_name,
                            parse_dtype)
 from engine.parallel import ShardShape
-from pools.spec import DEFAULT_CPU_MEMORY, CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
-from pools.yamlcheck import within
+from pools.config.spec import DEFAULT_CPU_MEMORY, CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
+from pools.config.checks import within
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from engine.config import ModelConfig
 from engine.step_cost import StepTime
 from pools.capacity_plan import CapacityPlan, DevicePlan, PoolPlan, fmt_bytes
 from pools.demand import OFF_LOAD, PlannedPool, planned_load, replicas_needed
-from pools.spec import CliffguardConfig, PoolSpec, SpecError
+from pools.config.spec import CliffguardConfig, PoolSpec, SpecError
 from pools.workload import load_workload
 
 DEFAULT_PRESET = "h100"     # capacity --rate's roofline for GPUs when neither --device nor --step-model is given

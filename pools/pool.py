@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.tokenizer import Tokenizer
-from pools.spec import PoolSpec
+from pools.config.spec import PoolSpec
 from pools.tokencount import TokenCounter
 
 if TYPE_CHECKING:

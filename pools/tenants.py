@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pools.credits import DEFAULT_TENANT, TenantPolicy
-from pools.yamlcheck import SpecError, check_mapping, is_int, show
+from pools.config.checks import SpecError, check_mapping, is_int, show
 
 _TENANT_KEYS = ("api_keys", "weight", "min_priority", "share_files")
 _TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # metric labels

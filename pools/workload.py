@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from pools.yamlcheck import SpecError, check_mapping, is_int, is_number, load_yaml, read_text, show, within
+from pools.config.checks import SpecError, check_mapping, is_int, is_number, load_yaml, read_text, show, within
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 DISTS = ("fixed", "uniform", "normal")

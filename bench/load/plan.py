@@ -15,7 +15,7 @@ import numpy as np
 
 from pools.workload import (DEFAULT_WORKLOAD, LengthDist, WorkloadClass, check_positive, class_arrivals, class_rates,
                             gamma_arrivals)
-from pools.yamlcheck import SpecError, is_int, show
+from pools.config.checks import SpecError, is_int, show
 
 PROBE_CLASS = "probe"
 GOODPUT_KEYS = ("ttft", "itl", "e2e")

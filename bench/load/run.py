@@ -16,7 +16,7 @@ from bench.load.sender import RequestRecord, send_request
 from bench.load.plan import PROBE, LoadConfig, PlannedRequest, plan_requests
 from bench.load.report import LoadReport, build_report
 from bench.load.scrape import SCRAPE_TIMEOUT_S, Scraper
-from pools.yamlcheck import SpecError
+from pools.config.checks import SpecError
 
 # --- rate phases ----------------------------------------------------------------------------------------------
 

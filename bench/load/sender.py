@@ -11,7 +11,7 @@ from typing import Any
 
 from bench.load.plan import LoadConfig, PlannedRequest, request_body
 from pools.workload import ENDPOINTS
-from pools.yamlcheck import is_int
+from pools.config.checks import is_int
 
 POOL_HEADER = "x-cliffguard-pool"
 REPLICA_HEADER = "x-cliffguard-replica"

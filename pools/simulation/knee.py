@@ -12,7 +12,7 @@ from engine.step_cost import StepTime
 from pools.capacity_plan import CapacityPlan
 from pools.simulation.runner import make_requests, simulate
 from pools.simulation.summary import ms, summarize
-from pools.spec import CliffguardConfig
+from pools.config.spec import CliffguardConfig
 from pools.workload import WorkloadClass
 
 

@@ -11,7 +11,7 @@ from engine.config import ModelConfig
 from engine.step_cost import StepTime
 from pools.simulation.runner import make_requests, simulate
 from pools.simulation.summary import ms, summarize
-from pools.spec import CliffguardConfig, SpecError
+from pools.config.spec import CliffguardConfig, SpecError
 from pools.workload import WorkloadClass
 
 SHARES = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)

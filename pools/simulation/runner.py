@@ -17,7 +17,7 @@ from engine.step_cost import PRESETS, RooflineStepTime, StepFeatures, StepTime, 
 from pools.capacity_plan import CapacityPlan, DevicePlan
 from pools.simulation.devicesim import DeviceSim, PoolTrace, SimRequest
 from pools.simulation.devicesim import ReplicaGroup
-from pools.spec import CliffguardConfig, PoolSpec, RouteSpec, SpecError
+from pools.config.spec import CliffguardConfig, PoolSpec, RouteSpec, SpecError
 from pools.workload import WorkloadClass, class_arrivals, class_rates
 
 

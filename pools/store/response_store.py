@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pools.store.schema import StoreFile
-from pools.gateway_spec import RetentionSpec
+from pools.config.gateway_spec import RetentionSpec
 
 __all__ = ["FINISHED", "ResponseStore", "StoredResponse"]
 

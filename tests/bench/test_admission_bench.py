@@ -13,7 +13,7 @@ from aiohttp import web
 
 from bench.admission import (Outcome, Scrapes, _one, add_arguments, format_table, ideal_run, ideal_table,
                              parse_rates, pools_yaml, retry_after_seconds, retry_delay, summarize)
-from pools.config_file import load_config
+from pools.config.yaml_file import load_config
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -22,7 +22,7 @@ from bench.chaos.steady import (Sample, SteadyRecord, StreamTally, is_running, p
                                 worker_pid)
 from bench.load.sender import DONE
 from gateway.cli import main
-from pools.config_file import load_config
+from pools.config.yaml_file import load_config
 
 
 def _chunk(cid: str, content: str = "", finish: str | None = None, index: int = 0) -> dict:

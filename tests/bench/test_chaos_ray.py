@@ -27,7 +27,7 @@ from bench.chaos.arguments import FAULTS  # noqa: E402
 from bench.chaos.steady import Chaos, Sample, SteadyRecord, parse_replicas, replica_pids  # noqa: E402
 from bench.ray_local import INSTALL_HINT, LocalRayCluster, _import_ray  # noqa: E402
 from gateway.cli import main  # noqa: E402
-from pools.config_file import load_config  # noqa: E402
+from pools.config.yaml_file import load_config  # noqa: E402
 from tests.conftest import make_tiny_model  # noqa: E402
 from tests.gateway.conftest import pools_yaml  # noqa: E402
 

@@ -18,8 +18,8 @@ from bench.isolation.grid import (Grid, assemble, format_sweep_table, plan_runs,
 from bench.isolation import add_arguments, pending_work
 from gateway.cli import main
 from pools.capacity_plan import plan_capacity, resolve_model_configs
-from pools.config_file import load_config
-from pools.yamlcheck import load_yaml
+from pools.config.yaml_file import load_config
+from pools.config.checks import load_yaml
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

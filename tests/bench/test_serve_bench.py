@@ -22,7 +22,7 @@ from bench.load.run import run_load
 from engine.stats import PoolStats
 from gateway.cli import main
 from gateway.metrics import GatewayMetrics
-from pools.spec import SpecError
+from pools.config.spec import SpecError
 from pools.workload import WORKLOAD_DIR, LengthDist, WorkloadClass, gamma_arrivals, latency_stats, load_workload
 from tests.gateway.conftest import DEFAULT_CONFIG, LiveServer
 

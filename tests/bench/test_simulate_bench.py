@@ -11,7 +11,7 @@ from bench.load.sender import RequestRecord
 from bench.simulate import POOLS_YAML, compare, format_rows, saturation
 from engine.step_cost import LinearStepTime
 from pools.capacity_plan import plan_capacity
-from pools.config_file import load_config
+from pools.config.yaml_file import load_config
 from pools.simulation.devicesim import SimRequest
 from pools.simulation.runner import make_requests, simulate
 from pools.workload import load_workload

@@ -78,7 +78,7 @@ async def start_gateway(aiohttp_client, tmp_path: Path, text: str):
     """(test client, Gateway) of an in-process app over the pool file `text`, once it is ready."""
     from gateway.app import create_app
     from gateway.runtime import Gateway
-    from pools.config_file import load_config
+    from pools.config.yaml_file import load_config
 
     path = tmp_path / "pools.yaml"
     path.write_text(text)

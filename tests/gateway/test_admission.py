@@ -11,7 +11,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.runtime import Gateway
-from pools.config_file import load_config
+from pools.config.yaml_file import load_config
 from tests.gateway.conftest import start_gateway
 
 

@@ -12,7 +12,7 @@ from engine.stats import EngineStats
 from gateway.app import create_app
 from gateway.metrics import TTFT_BUCKETS
 from gateway.runtime import Gateway
-from pools.config_file import load_config
+from pools.config.yaml_file import load_config
 from tests.gateway.conftest import pools_yaml
 
 

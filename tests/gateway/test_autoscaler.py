@@ -85,8 +85,8 @@ def test_without_ray_local_devices_serve_and_a_ray_device_is_a_clear_error(tmp_p
 import sys
 sys.modules["ray"] = None   # as if not installed: `import ray` raises ImportError
 from gateway.runtime import Gateway
-from pools.config_file import load_config
-from pools.spec import SpecError
+from pools.config.yaml_file import load_config
+from pools.config.spec import SpecError
 Gateway.from_config(load_config({str(local)!r}))
 assert sys.modules["ray"] is None
 try:
@@ -119,7 +119,7 @@ def test_an_overloaded_device_scales_up_with_no_credit_wait_and_never_down_while
     model says its replicas do, requests waiting) starts a replica too, and keeps an idle one from going."""
     from gateway.autoscaler import Autoscaler
     from gateway.metrics import GatewayMetrics
-    from pools.spec import DeviceSpec
+    from pools.config.spec import DeviceSpec
 
     spec = DeviceSpec(name="d", replicas=3, min_replicas=1, scale_down_idle_seconds=5.0)
     slots = [_Slot(0, "ready"), _Slot(1, "stopped"), _Slot(2, "stopped")]

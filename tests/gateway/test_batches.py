@@ -25,7 +25,7 @@ from gateway.cli import main
 from gateway.runtime import Gateway
 from pools.store import batch_files
 from pools.store.batch_input import MAX_BATCH_LINE_BYTES
-from pools.config_file import load_config
+from pools.config.yaml_file import load_config
 from tests.gateway.conftest import LiveServer, pools_yaml
 
 CHAT = "/v1/chat/completions"

@@ -17,7 +17,7 @@ from engine.llm_engine import LLMEngine
 from engine.messages import Outputs
 from engine.outputs import RequestDelta
 from engine.sampling import SamplingParams
-from pools.config_file import load_config
+from pools.config.yaml_file import load_config
 from tests.conftest import assert_all_free, make_tiny_model
 from tests.gateway.conftest import DEFAULT_CONFIG
 

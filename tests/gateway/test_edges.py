@@ -16,7 +16,7 @@ import pytest
 
 from gateway.app import create_app, start_server
 from gateway.runtime import Gateway
-from pools.config_file import load_config
+from pools.config.yaml_file import load_config
 from tests.gateway.conftest import pools_yaml
 
 FRONT = "front-model"

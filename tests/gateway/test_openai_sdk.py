@@ -10,7 +10,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.runtime import Gateway
-from pools.config_file import load_config
+from pools.config.yaml_file import load_config
 
 MODEL = "smollm2-135m-instruct"
 MESSAGES = [{"role": "system", "content": "You are terse."},

@@ -120,7 +120,7 @@ async def test_a_wrong_address_a_node_without_the_model_and_a_replica_never_plac
         aiohttp_client, tmp_path, tiny_model, ray_cluster):
     from gateway.app import create_app
     from gateway.runtime import Gateway
-    from pools.config_file import load_config
+    from pools.config.yaml_file import load_config
 
     async def _serving(text: str, name: str):
         path = tmp_path / f"{name}.yaml"

@@ -139,7 +139,7 @@ def test_strict_is_kept_and_a_non_boolean_names_the_field():
 def pool():
     """The default config's chat pool (the builtin SmolLM2: a template without tools, so hermes)."""
     from gateway.runtime import Gateway
-    from pools.config_file import load_config
+    from pools.config.yaml_file import load_config
 
     gateway = Gateway.from_config(load_config(DEFAULT_CONFIG))
     yield gateway.pools["chat"]

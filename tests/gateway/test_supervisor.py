@@ -15,7 +15,7 @@ import pytest
 from gateway.app import create_app
 from gateway.runtime import Gateway
 from gateway.supervisor import Backoff
-from pools.config_file import load_config
+from pools.config.yaml_file import load_config
 from tests.gateway.conftest import pools_yaml
 from tests.gateway.test_app import _client, _metrics, _model, _stream_text
 

@@ -18,7 +18,7 @@ from gateway.app import create_app
 from gateway.batches import BATCHES
 from gateway.metrics import GatewayMetrics
 from gateway.runtime import Gateway
-from pools.config_file import load_config
+from pools.config.yaml_file import load_config
 from tests.gateway.test_batches import _create, _jsonl, _jsonl_file, _wait
 
 FRONT = "front-model"

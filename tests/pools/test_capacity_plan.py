@@ -11,8 +11,8 @@ import yaml
 
 from engine.config import ModelConfig
 from pools.capacity_plan import engine_configs, plan_capacity, plan_single_pool, replica_engine_configs
-from pools.config_file import parse_config
-from pools.spec import DEFAULT_CPU_MEMORY, SpecError
+from pools.config.yaml_file import parse_config
+from pools.config.spec import DEFAULT_CPU_MEMORY, SpecError
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "config" / "examples" / "llama3-70b-8xh100.yaml"

@@ -23,7 +23,7 @@ import pytest
 
 from engine.step_cost import fit_linear, read_step_trace
 from pools.capacity_plan import plan_capacity, resolve_model_configs
-from pools.config_file import load_config
+from pools.config.yaml_file import load_config
 from pools.simulation.runner import make_requests, simulate
 from pools.workload import LengthDist, WorkloadClass
 

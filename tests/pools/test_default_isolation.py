@@ -1,4 +1,4 @@
-"""Isolation by default (pools.config_file.default_isolation): on a device of two or more local pools where no
+"""Isolation by default (pools.config.yaml_file.default_isolation): on a device of two or more local pools where no
 pool names an `slo`, the strictly shortest route's pool is interactive with `LatencySLO()`; `slo: null`
 opts a pool out. Also what `cliffguard capacity` and `serve` say about each pool's class."""
 
@@ -13,8 +13,8 @@ import pytest
 from engine.config import LatencySLO, ModelConfig
 from pools.capacity_plan import engine_configs, plan_capacity
 from pools.plan_report import format_plan
-from pools.config_file import parse_config
-from pools.spec import PoolSpec, SpecError
+from pools.config.yaml_file import parse_config
+from pools.config.spec import PoolSpec, SpecError
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA70B_JSON = REPO / "config" / "examples" / "llama-3-70b" / "config.json"

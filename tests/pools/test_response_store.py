@@ -8,10 +8,10 @@ import pytest
 
 from pools.store.schema import SCHEMA_VERSION
 from pools.store.batch_store import BatchStore
-from pools.config_file import load_config
-from pools.gateway_spec import RetentionSpec
+from pools.config.yaml_file import load_config
+from pools.config.gateway_spec import RetentionSpec
 from pools.store.response_store import ResponseStore
-from pools.yamlcheck import SpecError
+from pools.config.checks import SpecError
 
 
 def _open(tmp_path, retention: RetentionSpec = RetentionSpec()) -> ResponseStore:

@@ -6,7 +6,7 @@ import pytest
 
 from pools.pool import Pool
 from pools.router import NoRouteError, Router, UnknownModelError
-from pools.spec import PoolSpec, RouteSpec
+from pools.config.spec import PoolSpec, RouteSpec
 
 MODEL = "builtin:smollm2-135m-instruct"
 

@@ -20,7 +20,7 @@ from engine.step_cost import (KNEE_MIN_STEPS, PRESETS, LinearStepTime, RooflineS
                               fit_linear, nonnegative_lstsq, read_step_model, read_step_trace, write_step_model)
 from gateway.cli import main
 from pools.capacity_plan import plan_capacity, read_model_config
-from pools.config_file import load_config
+from pools.config.yaml_file import load_config
 from pools.simulation.devicesim import DeviceSim, SimRequest
 from pools.simulation.knee import format_sweep, plot_knee, sweep
 from pools.simulation.recommend import format_recommendation, recommend

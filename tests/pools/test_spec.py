@@ -1,4 +1,4 @@
-"""pools.spec: the YAML schema, its validation errors (key path + bad value), routes and model names."""
+"""pools.config.spec: the YAML schema, its validation errors (key path + bad value), routes and model names."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from engine.config import LatencySLO
-from pools.config_file import load_config, parse_config
-from pools.spec import DEFAULT_CPU_MEMORY, DeviceSpec, PoolSpec, RouteSpec, SpecError, parse_bytes
+from pools.config.yaml_file import load_config, parse_config
+from pools.config.spec import DEFAULT_CPU_MEMORY, DeviceSpec, PoolSpec, RouteSpec, SpecError, parse_bytes
 from pools.spiral import SpiralConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -228,7 +228,7 @@ def test_the_spec_and_the_engine_share_one_definition_of_each_choice():
     """Block sizes, preemption modes and victim policies: the YAML accepts exactly what the engine runs."""
     import engine.config
     import kernels
-    from pools import spec
+    from pools.config import spec
 
     assert engine.config.BLOCK_SIZES is kernels.BLOCK_SIZES
     for name in ("BLOCK_SIZES", "PREEMPTION_MODES", "VICTIM_POLICIES"):

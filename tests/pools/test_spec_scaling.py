@@ -1,4 +1,4 @@
-"""pools.device_spec: `replicas` as a number or `{min, max}` (autoscaled), `placement: ray` and its
+"""pools.config.device_spec: `replicas` as a number or `{min, max}` (autoscaled), `placement: ray` and its
 cluster address; and how `cliffguard capacity` (plan, JSON and the `--rate` verdict) shows them."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import yaml
 from engine.config import ModelConfig
 from engine.step_cost import LinearStepTime
 from pools.capacity_plan import plan_capacity
-from pools.config_file import load_config
-from pools.device_spec import DEFAULT_SCALE_DOWN_IDLE_SECONDS, DEFAULT_SCALE_UP_WAIT_SECONDS
+from pools.config.yaml_file import load_config
+from pools.config.device_spec import DEFAULT_SCALE_DOWN_IDLE_SECONDS, DEFAULT_SCALE_UP_WAIT_SECONDS
 from pools.plan_report import format_plan, format_verdicts, plan_verdicts
-from pools.spec import DeviceSpec, SpecError
+from pools.config.spec import DeviceSpec, SpecError
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA70B_JSON = REPO / "config" / "examples" / "llama-3-70b" / "config.json"

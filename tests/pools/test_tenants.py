@@ -9,7 +9,7 @@ import hashlib
 import pytest
 
 from pools.tenants import DEFAULT_OWNER, DEFAULT_TENANT, Tenants, parse_tenants
-from pools.yamlcheck import SpecError
+from pools.config.checks import SpecError
 
 
 def _key_owner(api_key: str) -> str:

@@ -1,5 +1,5 @@
 """Checking YAML documents against a schema by hand: the error type, the value checks and the loader
-that the pool spec (`pools.spec`) and the benchmark workloads (`bench.serve`) share.
+that the pool spec (`pools.config.spec`) and the benchmark workloads (`bench.serve`) share.
 
 Every error is a `SpecError` whose message starts with the key path of the bad value
 (`pools[1].kv_share: ...`); `within(prefix)` prepends a parent path as the error travels up.

@@ -1,4 +1,4 @@
-"""The pool file: YAML (a path or the text itself) into a `pools.spec.CliffguardConfig`.
+"""The pool file: YAML (a path or the text itself) into a `pools.config.spec.CliffguardConfig`.
 
 `load_config` reads and checks every key (`SpecError` naming the key path and the bad value), fills
 the defaults (`memory: auto`, `api_keys_env`, paths beside the file), and applies isolation by
@@ -16,11 +16,11 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from engine.config import ConfigError, LatencySLO
-from pools.gateway_spec import DEFAULT_API_KEYS_ENV, Backoff, GatewaySpec, RequestLimits, RetentionSpec
-from pools.spec import CliffguardConfig, DeviceSpec, PoolSpec, RouteSpec, parse_bytes
+from pools.config.gateway_spec import DEFAULT_API_KEYS_ENV, Backoff, GatewaySpec, RequestLimits, RetentionSpec
+from pools.config.spec import CliffguardConfig, DeviceSpec, PoolSpec, RouteSpec, parse_bytes
 from pools.spiral import SpiralConfig
 from pools.tenants import parse_tenants
-from pools.yamlcheck import SpecError, check_mapping, check_str, load_yaml, read_text, show, within
+from pools.config.checks import SpecError, check_mapping, check_str, load_yaml, read_text, show, within
 
 # --- keys -----------------------------------------------------------------------------------------
 

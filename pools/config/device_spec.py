@@ -3,7 +3,7 @@ as how many replicas (a fixed number, or autoscaled between a min and a max), on
 Ray cluster.
 
 `DeviceSpec` is a frozen dataclass validated on construction; its errors are `SpecError`s whose key
-path the YAML loader (`pools.config_file`) prefixes with `devices.<name>`. `pools.spec` re-exports it.
+path the YAML loader (`pools.config.yaml_file`) prefixes with `devices.<name>`. `pools.config.spec` re-exports it.
 The keys are documented in `config/README.md`.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from engine.capacity import DEFAULT_MEMORY_UTILIZATION
 from engine.config import ConfigError, check_device_name, parse_dtype
-from pools.yamlcheck import SpecError, check_fraction, check_int, check_str, is_int, is_number, show
+from pools.config.checks import SpecError, check_fraction, check_int, check_str, is_int, is_number, show
 
 PLACEMENTS = ("local", "ray")   # local: worker processes on this machine; ray: actors on a Ray cluster
 # Autoscaled devices: a request of the device's pools that has waited this long for KV credits adds a

@@ -1,8 +1,8 @@
 """The `gateway` section of the YAML: where the gateway listens, who may call it, what one request may ask,
 and how long it waits on clients and workers (`GatewaySpec`, `RequestLimits`, `Backoff`).
 
-Frozen dataclasses validated on construction, like the rest of the schema (`pools.spec`); errors are
-`SpecError`s naming the key. `pools.config_file` reads them from YAML.
+Frozen dataclasses validated on construction, like the rest of the schema (`pools.config.spec`); errors are
+`SpecError`s naming the key. `pools.config.yaml_file` reads them from YAML.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from pools.yamlcheck import SpecError, check_int, check_str, is_number, show
+from pools.config.checks import SpecError, check_int, check_str, is_number, show
 
 DEFAULT_API_KEYS_ENV = "CLIFFGUARD_API_KEYS"
 

@@ -1,8 +1,8 @@
 """The gateway's configuration as read from YAML: devices, pools and the gateway itself.
 
-Every class is a frozen dataclass validated on construction; `pools.config_file.load_config` turns a
+Every class is a frozen dataclass validated on construction; `pools.config.yaml_file.load_config` turns a
 YAML file into a `CliffguardConfig` or raises `SpecError` naming the key path and the bad value. A
-device's settings are `pools.device_spec.DeviceSpec`, re-exported here. Nothing that needs the
+device's settings are `pools.config.device_spec.DeviceSpec`, re-exported here. Nothing that needs the
 model (its context length, its KV bytes per token) is checked here: that is `pools.capacity_plan`'s job.
 The schema, key by key, is in `config/README.md`.
 """
@@ -20,11 +20,11 @@ from urllib.parse import urlsplit
 
 from engine.capacity import DEFAULT_BLOCK_SIZE
 from engine.config import DEFAULT_MIN_SHARE, CacheConfig, ConfigError, LatencySLO, SchedulerConfig
-from pools.device_spec import DeviceSpec
-from pools.gateway_spec import GatewaySpec
+from pools.config.device_spec import DeviceSpec
+from pools.config.gateway_spec import GatewaySpec
 from pools.spiral import SpiralConfig
 from pools.tenants import TenantSpec
-from pools.yamlcheck import SpecError, check_fraction, check_int, check_str, is_int, is_number, show
+from pools.config.checks import SpecError, check_fraction, check_int, check_str, is_int, is_number, show
 
 DEFAULT_CPU_MEMORY = 4 << 30   # `memory: auto` on a CPU device: the budget for weights + KV cache
 # A request queued longer for KV credits gets 503 + Retry-After: 50 s answers before the 60 s read timeout
