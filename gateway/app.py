@@ -1,11 +1,11 @@
 """The aiohttp application: OpenAI-compatible endpoints in front of the pools.
 
-`create_app` builds the app from a `gateway.runtime.Gateway` (everything planned and loaded that can
-fail before a socket opens): the routes (`gateway.handlers`, the Responses API's
-`gateway.stored_responses`; with a data dir also the Batch API, `gateway.batches`, and the kept responses), the error and auth middlewares, and the `cleanup_ctx` that owns the device
-workers and the one upstream `ClientSession`. Workers load in the background: `/health` answers at
-once, `/ready` once every device is loaded, and requests that arrive earlier wait for their pool
-instead of being refused.
+`create_app` builds the app from a `gateway.runtime.Gateway` (everything planned and loaded that can fail
+before a socket opens): the routes (`gateway.handlers`, the Responses API's
+`gateway.openai.stored_responses`; with a data dir also the Batch API, `gateway.batches`, and the kept
+responses), the error and auth middlewares, and the `cleanup_ctx` that owns the device workers and the
+one upstream `ClientSession`. Workers load in the background: `/health` answers at once, `/ready` once
+every device is loaded, and requests that arrive earlier wait for their pool instead of being refused.
 
 Every error is answered in the OpenAI format `{"error": {message, type, param, code}}`: the
 middleware does it for the handlers, `GatewayRunner` for aiohttp's own HTTP parser errors (a bad
@@ -14,7 +14,7 @@ request line, a header over 8 KiB), which never reach a handler.
 Every response a handler returns unsent (JSON answers and errors, file contents, relayed upstream
 bodies) is written by the outermost middleware within `gateway.write_timeout`: a client that takes
 nothing for that long has its connection aborted (a WARNING, `cliffguard_client_write_timeouts_total`).
-Streams write themselves under the same limit (`gateway.responses`).
+Streams write themselves under the same limit (`gateway.local_answer`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from gateway import batches, dashboard, handlers, stored_responses
+from gateway import batches, dashboard, handlers
+from gateway.openai import stored_responses
 from gateway.admission import bearer_key
-from gateway.openai_api import ApiError
+from gateway.openai.protocol import ApiError
 from gateway.client_writes import (BODY_SNDBUF_BYTES, RESPONSE_BUFFERS, ResponseBuffers, limit_send_buffer,
                                    write_within)
 from gateway.runtime import GATEWAY, Gateway
@@ -52,7 +53,7 @@ def create_app(gateway: Gateway, *, data_dir: Path | str | None = None,
                batch_executor: batches.LineExecutor | None = None) -> web.Application:
     """The app over `gateway`. With `data_dir`, the Batch API too (`gateway.batches`: its state in
     `data_dir`, its runner started after the gateway and stopped before it) and kept responses
-    (`gateway.stored_responses`); without one (in-process tests), no batch routes and no response is
+    (`gateway.openai.stored_responses`); without one (in-process tests), no batch routes and no response is
     kept: there is nowhere durable to keep them. `batch_executor` replaces the line
     executor (tests)."""
     spec = gateway.config.gateway

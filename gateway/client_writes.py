@@ -1,7 +1,7 @@
 """Writing to clients, bounded in time and in bytes.
 
 Every write the gateway makes to a client — a JSON body (`gateway.app`'s write middleware), a stream's
-SSE chunks (`gateway.responses`), a relayed upstream stream (`gateway.upstream`), a file's content
+SSE chunks (`gateway.local_answer`), a relayed upstream stream (`gateway.upstream`), a file's content
 (`gateway.batches`) — goes through `write_within`: a client that takes nothing for
 `gateway.write_timeout` seconds has its connection aborted, a WARNING logged,
 `cliffguard_client_write_timeouts_total{pool}` counted, and the writer gets `ClientGone`.
@@ -9,7 +9,7 @@ SSE chunks (`gateway.responses`), a relayed upstream stream (`gateway.upstream`)
 What the gateway holds unsent is bounded (`ResponseBuffers`): a stream whose queued chunks exceed
 `gateway.max_response_buffer_bytes`, or that adds one while all responses' unsent bytes exceed
 `gateway.max_buffered_bytes`, is paused (its engine requests are not stepped) until both are under
-half (`gateway.responses` says what a pause keeps).
+half (`gateway.local_answer` says what a pause keeps).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ BODY_SNDBUF_BYTES = 64 << 10      # a whole body larger than this (a JSON answer
 
 class ResponseBuffers:
     """The bytes the gateway holds unsent for its clients, per stream and in total, and their bound (the
-    module docstring): pauses and resumes streams (`gateway.responses.LocalResponse.set_paused`). One per app
+    module docstring): pauses and resumes streams (`gateway.local_answer.LocalResponse.set_paused`). One per app
     (`RESPONSE_BUFFERS`, from `gateway.max_response_buffer_bytes` and `max_buffered_bytes`); event loop only."""
 
     def __init__(self, max_response_bytes: int, max_total_bytes: int, gauge: Gauge | None = None) -> None:

@@ -10,7 +10,7 @@ The stages, in order (`Completion.answer`):
    is ready within `gateway.device_wait_seconds`;
 5. **hold credits**: the KV the request may need, in its tenant's channel of each pool's credit queue
    (`AdmissionControl.admitted`), on the replica that can start it soonest, until the engine is done;
-6. **run** on that replica and assemble the answer (`gateway.responses.LocalResponse`); a request a
+6. **run** on that replica and assemble the answer (`gateway.local_answer.LocalResponse`); a request a
    worker died under before its client saw anything gives its credits back and runs again, once,
    from stage 4: on another replica when the pool has one up, else on the restarted worker. A request
    in flight at two worker deaths is a poison request: 500 `poison_request`, never run a third time;
@@ -30,13 +30,13 @@ from typing import Any
 from aiohttp import web
 
 from engine.structured import StructuredOutput
-from gateway import openai_api as api
-from gateway import openai_objects as objects
-from gateway.openai_api import ApiError, ChatRequest, CompletionRequest
+from gateway.openai import protocol as api
+from gateway.openai import objects
+from gateway.openai.protocol import ApiError, ChatRequest, CompletionRequest
 from gateway.client_writes import ClientGone
-from gateway.responses import LocalResponse
+from gateway.local_answer import LocalResponse
 from gateway.runtime import Gateway
-from gateway.tools import ToolFormat, format_for, schema_error
+from gateway.openai.tools import ToolFormat, format_for, schema_error
 from gateway.upstream import forward
 from pools.pool import Pool
 

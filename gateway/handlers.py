@@ -1,6 +1,6 @@
 """The endpoints: OpenAI chat and text completions, models, health, readiness and metrics.
 
-A completion request: parse and validate (`gateway.openai_api`) -> count and route each prompt
+A completion request: parse and validate (`gateway.openai.protocol`) -> count and route each prompt
 (`Gateway.route_chat` / `route_prompt`) -> `gateway.completion.Completion.answer` (check the context,
 forward to an upstream pool, or hold KV credits, wait for the device and answer from the local pools).
 `answer` does the same for one batch line, without an HTTP request.
@@ -15,8 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import openai_api as api
-from gateway.openai_api import ApiError
+from gateway.openai import protocol as api
+from gateway.openai.protocol import ApiError
 from gateway.completion import Completion
 from gateway.runtime import GATEWAY, Gateway, model_not_found
 from gateway.upstream import redact

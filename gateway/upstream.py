@@ -32,7 +32,7 @@ from aiohttp import web
 from yarl import URL
 
 from gateway.metrics import GatewayMetrics
-from gateway.openai_api import ApiError
+from gateway.openai.protocol import ApiError
 from gateway.client_writes import start_sse, write_within
 from pools.pool import Pool
 

@@ -26,7 +26,7 @@ from engine.sampling import SamplingParams
 from engine.wire import FrameKeys
 from engine.worker import HeartbeatThread, WorkerChannel, _handle
 from gateway.metrics import GatewayMetrics
-from gateway.responses import engine_error
+from gateway.local_answer import engine_error
 from gateway.supervisor import DeviceSupervisor
 
 STALL, STEP_TIMEOUT = 10.0, 600.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.openai_api import ApiError, parse_chat, parse_completion
+from gateway.openai.protocol import ApiError, parse_chat, parse_completion
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}

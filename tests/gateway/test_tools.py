@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from engine.structured import check
-from gateway.openai_api import ApiError, parse_chat
-from gateway.tools import (HermesFormat, Llama3JsonFormat, ToolCallStream, fallback_messages, parse_tools,
+from gateway.openai.protocol import ApiError, parse_chat
+from gateway.openai.tools import (HermesFormat, Llama3JsonFormat, ToolCallStream, fallback_messages, parse_tools,
                            tool_format)
 
 MODEL = "smollm2-135m-instruct"
@@ -249,7 +249,7 @@ def test_a_template_with_tools_renders_them_itself(tmp_path, builtin_path) -> No
     import shutil
 
     from engine.tokenizer import Tokenizer
-    from gateway.tools import format_for, render
+    from gateway.openai.tools import format_for, render
 
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(builtin_path / name, tmp_path / name)

@@ -1,7 +1,7 @@
 """The OpenAI protocol's requests: parse and validate request bodies.
 
 No HTTP here: `parse_chat` / `parse_completion` turn a decoded JSON body into a request object or
-raise `ApiError` (status, message naming the field, `param`); `gateway.openai_objects` builds the JSON
+raise `ApiError` (status, message naming the field, `param`); `gateway.openai.objects` builds the JSON
 objects the OpenAI API returns. Extra fields are accepted as vLLM accepts them:
 `top_k`, `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`, `skip_special_tokens`,
 `include_stop_str_in_output`.
@@ -15,7 +15,7 @@ from typing import Any
 
 from engine.sampling import MAX_LOGPROBS, SamplingParams
 from engine.structured import StructuredOutput
-from gateway.tools import Tool, ToolChoice, ToolError, parse_tool_calls, parse_tool_choice, parse_tools
+from gateway.openai.tools import Tool, ToolChoice, ToolError, parse_tool_calls, parse_tool_choice, parse_tools
 from pools.config.gateway_spec import RequestLimits
 
 

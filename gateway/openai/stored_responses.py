@@ -1,4 +1,4 @@
-"""The Responses API's endpoints: `POST /v1/responses` (answered by `gateway.responses_api`), and, for the
+"""The Responses API's endpoints: `POST /v1/responses` (answered by `gateway.openai.responses`), and, for the
 responses the gateway keeps, `GET` / `DELETE /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`.
 
 Kept: a response whose request has `store: true` (OpenAI's default) when the gateway has a data dir
@@ -38,12 +38,12 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from gateway import openai_objects as objects
+from gateway.openai import objects
 from gateway.admission import bearer_key
 from gateway.completion import Completion
 from gateway.handlers import read_json
-from gateway.openai_api import ApiError, bad_request
-from gateway.responses_api import ResponsesAnswer, ResponsesRequest, parse_responses, response_object
+from gateway.openai.protocol import ApiError, bad_request
+from gateway.openai.responses import ResponsesAnswer, ResponsesRequest, parse_responses, response_object
 from gateway.runtime import GATEWAY, Gateway
 from pools.store.batch_store import STORAGE_ERRORS
 from pools.store.response_store import FINISHED, ResponseStore, StoredResponse
@@ -221,7 +221,7 @@ def _relayed(body: dict[str, Any], asked: ResponsesRequest) -> dict[str, Any]:
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
-    """`POST /v1/responses`: answered as the chat it is (`gateway.responses_api`); kept, continued or run in
+    """`POST /v1/responses`: answered as the chat it is (`gateway.openai.responses`); kept, continued or run in
     the background as the module docstring says."""
     gateway = request.app[GATEWAY]
     received = time.perf_counter()

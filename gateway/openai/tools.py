@@ -10,7 +10,7 @@ The pool model's chat template decides the format (`tool_format`):
   asks for the hermes form; assistant tool calls and tool results in the history are written the same way.
 
 `tool_choice` "required" or a named function is enforced with a grammar (`ToolFormat.grammar`, a Lark
-grammar with the functions' parameter schemas inline: `gateway.tool_grammar`) through the structured-output
+grammar with the functions' parameter schemas inline: `gateway.openai.tool_grammar`) through the structured-output
 machinery; "auto" leaves the model free and parses what it wrote, unless a tool is `strict`: then plain
 text or calls only, a strict tool's arguments under its schema (`ToolFormat.auto_grammar`); "none"
 renders the tools and parses nothing. A stream sends each call as it is written (`ToolCallStream`: id
@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from engine.structured import StructuredOutput, check
-from gateway.tool_grammar import ANY_OBJECT, CallSyntax, auto_grammar, forced_grammar
+from gateway.openai.tool_grammar import ANY_OBJECT, CallSyntax, auto_grammar, forced_grammar
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")   # OpenAI's rule for function names

@@ -1,6 +1,6 @@
 """The grammars of tool calls: Lark grammars (llguidance's dialect) built from a format's `CallSyntax` and
 the offered functions as (name, arguments schema) pairs. Plain data in, a `StructuredOutput` out: the
-formats and the requests live in `gateway.tools`.
+formats and the requests live in `gateway.openai.tools`.
 
 - **forced** (tool_choice "required" or a named function): calls only, one or (parallel) several;
 - **auto** (tool_choice "auto" with at least one `strict` tool): EITHER plain text that never starts a

@@ -38,12 +38,12 @@ from aiohttp import web
 from engine.outputs import RequestDelta, SampleDelta
 from engine.sampling import SamplingParams
 from engine.client import EngineDeadError, RequestFailedError
-from gateway import openai_objects as objects
+from gateway.openai import objects
 from gateway.admission import Placed
 from gateway.client_writes import RESPONSE_BUFFERS, ClientGone, ResponseBuffers, start_sse, write_within
 from gateway.metrics import GatewayMetrics
-from gateway.openai_api import ApiError, ChatRequest, CompletionRequest
-from gateway.tools import ToolCallStream, ToolFormat, format_for
+from gateway.openai.protocol import ApiError, ChatRequest, CompletionRequest
+from gateway.openai.tools import ToolCallStream, ToolFormat, format_for
 from pools.pool import Pool
 
 Routed = Sequence[tuple[Pool, list[int]]]   # each prompt's pool and token ids

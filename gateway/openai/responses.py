@@ -1,6 +1,6 @@
 """The Responses API's request and answer: its body read as a chat request (`parse_responses`), its answer
 written as a Response object or as the typed stream events (`ResponsesAnswer`). Keeping responses
-(`store`, `previous_response_id`, `background`, GET / DELETE / cancel) is `gateway.stored_responses`.
+(`store`, `previous_response_id`, `background`, GET / DELETE / cancel) is `gateway.openai.stored_responses`.
 
 Read: `input` as text or items (messages with text parts, `function_call` and `function_call_output`),
 `instructions` (a system message first), function `tools`, `tool_choice`, `parallel_tool_calls`,
@@ -28,11 +28,11 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway import openai_api as api
-from gateway import openai_objects as objects
-from gateway.openai_api import ApiError, ChatRequest, bad_request
-from gateway.responses import LocalResponse
-from gateway.tools import ToolCall
+from gateway.openai import protocol as api
+from gateway.openai import objects
+from gateway.openai.protocol import ApiError, ChatRequest, bad_request
+from gateway.local_answer import LocalResponse
+from gateway.openai.tools import ToolCall
 from pools.config.gateway_spec import RequestLimits
 
 _FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
