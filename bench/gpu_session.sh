@@ -16,7 +16,7 @@
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 PY=${PY:-python3}
 CLI="$PY -m gateway.cli"
 step() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS; "$@" >"$OUT/$name.log" 2>&1; local rc=$?;
