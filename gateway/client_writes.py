@@ -41,7 +41,8 @@ async def write_within(request: web.Request | None, write: Awaitable[T], timeout
     return its result; past it the connection is aborted, a WARNING says `what` was being written, the
     pool's `cliffguard_client_write_timeouts_total` is counted, and ClientGone is raised."""
     try:
-        return await asyncio.wait_for(write, timeout)
+        async with asyncio.timeout(timeout):   # a timer, no task: this runs for every write
+            return await write
     except TimeoutError:
         log.warning("%s (pool %s): the client read nothing for %g s (gateway.write_timeout); closing the "
                     "connection", what, pool, timeout)

@@ -78,7 +78,7 @@ class Completion:
 
     async def _answer(self) -> web.StreamResponse | dict[str, Any]:
         for pool, ids in self.routed:
-            self.gateway.metrics.routed.labels(pool=pool.name).inc()
+            self.gateway.metrics.pool_series(pool.name).routed.inc()
             api.check_context(self.req, len(ids), pool.max_model_len, pool.name)
             if not pool.is_upstream:
                 api.check_logit_bias(self.req, pool.tokenizer.vocab_size, pool.name)
@@ -98,7 +98,7 @@ class Completion:
             raise ApiError(400, "prompt: a list of prompts cannot be sent to an upstream pool; send them one "
                            "by one", param="prompt")
         gateway = self.gateway
-        response = await forward(self.http, gateway.session, pool, self.path, self.body, self.req.stream,
+        response = await forward(self.http, gateway.upstream, pool, self.path, self.body, self.req.stream,
                                  gateway.metrics, write_timeout=gateway.config.gateway.write_timeout)
         if self.http is not None:
             return response

@@ -232,7 +232,7 @@ class LocalResponse:
 
     async def _consume(self) -> None:
         for pool, ids in self.routed:
-            self.metrics.prompt_tokens.labels(pool=pool.name).inc(len(ids))
+            self.metrics.pool_series(pool.name).prompt_tokens.inc(len(ids))
         events = merged(self.routed, self.req.params, self.req.priority, self.request_id, self.placed, self.tenant)
         async with contextlib.aclosing(events):
             async for i, out in events:
@@ -256,15 +256,15 @@ class LocalResponse:
             self.placed[pool].observe(new_tokens)
             if i not in self._first_at:
                 self._first_at[i] = now
-                metrics.ttft.labels(pool=pool).observe(now - self.received)
+                metrics.pool_series(pool).ttft.observe(now - self.received)
             else:
-                metrics.itl.labels(pool=pool).observe((now - self._last_at[i]) / new_tokens)
+                metrics.pool_series(pool).itl.observe((now - self._last_at[i]) / new_tokens)
             self._last_at[i] = now
-            metrics.generation_tokens.labels(pool=pool).inc(new_tokens)
+            metrics.pool_series(pool).generation_tokens.inc(new_tokens)
         if out.finished:
-            metrics.e2e.labels(pool=pool).observe(now - self.received)
+            metrics.pool_series(pool).e2e.observe(now - self.received)
             if "queue_time" in out.metrics:
-                metrics.queue_time.labels(pool=pool).observe(out.metrics["queue_time"])
+                metrics.pool_series(pool).queue_time.observe(out.metrics["queue_time"])
 
     def _apply(self, i: int, out: RequestDelta) -> list[dict[str, Any]]:
         """Add prompt i's delta to its choices; the stream chunk's choices (empty when not streaming)."""

@@ -16,6 +16,7 @@ when a pool trips or clears, not at the scrape.
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
@@ -37,6 +38,18 @@ _P = "cliffguard_"
 _POOL = ["pool"]
 _PR = ["pool", "replica"]
 _DEVICE = ["device", "replica"]
+
+
+class PoolSeries(NamedTuple):
+    """One pool's children of the request series that every request touches (`GatewayMetrics.pool_series`)."""
+
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    routed: Counter
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    queue_time: Histogram
 
 
 class GatewayMetrics:
@@ -118,6 +131,23 @@ class GatewayMetrics:
                                           _POOL, REQUEST_LATENCY_BUCKETS)
         self.tokenizer_time = self._histogram("tokenizer_seconds", "Time to render and count a prompt.",
                                               ["backend"], TOKENIZER_BUCKETS)
+        self._pool_series: dict[str, PoolSeries] = {}
+        self._tokenizer_children: dict[str, Histogram] = {}
+
+    def pool_series(self, pool: str) -> PoolSeries:
+        """The pool's request series, labelled once (a `labels()` lookup costs microseconds per request)."""
+        series = self._pool_series.get(pool)
+        if series is None:
+            series = self._pool_series[pool] = PoolSeries(
+                *(getattr(self, name).labels(pool=pool) for name in PoolSeries._fields))
+        return series
+
+    def tokenizer_seconds(self, backend: str) -> Histogram:
+        """The `tokenizer_seconds` child of a counting backend, labelled once."""
+        child = self._tokenizer_children.get(backend)
+        if child is None:
+            child = self._tokenizer_children[backend] = self.tokenizer_time.labels(backend=backend)
+        return child
 
     def _add_device_series(self) -> None:
         """A device worker's step composer, and its restarts."""

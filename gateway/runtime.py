@@ -1,11 +1,11 @@
 """`Gateway`: everything a running gateway holds — config, capacity plan, pools, router, device
-workers and their readiness, metrics, the tokenizer thread pool and the upstream `ClientSession`.
+workers and their readiness, metrics, the tokenizer thread pool and the `UpstreamClient`.
 
 `Gateway.from_config` does everything that can fail before a socket opens (models resolved,
 tokenizers loaded, the capacity plan computed); `start` spawns the device workers, one per replica of
 each device, which load in the background, each under a `gateway.supervisor.DeviceSupervisor` that
 restarts it if it dies, and starts the `SpiralWatch` (death-spiral detection per local pool and
-replica). The app's `cleanup_ctx` (gateway.app) calls `start` and `stop` and owns the session. All methods run on the event loop; only
+replica). The app's `cleanup_ctx` (gateway.app) calls `start` and `stop` and owns the upstream client. All methods run on the event loop; only
 `Router.route` (via `route_chat` / `route_prompt`) and the tokenizers it calls may run on the
 tokenizer thread.
 """
@@ -25,7 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 from aiohttp import web
 
 from engine.config import ConfigError, EngineConfig, ModelConfig
@@ -43,6 +42,7 @@ from gateway.openai.protocol import ApiError
 from gateway.overload import OverloadWatch
 from gateway.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
+from gateway.upstream_connection import UpstreamClient
 from pools.capacity_plan import (CapacityPlan, model_folder, plan_capacity, replica_engine_configs,
                                  resolve_model_configs)
 from pools.pool import Pool
@@ -146,7 +146,7 @@ class Gateway:
     backoff: Backoff = field(default_factory=Backoff)   # between restarts of a dead device worker (YAML)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "cliffguard-tok"))
-    session: aiohttp.ClientSession | None = None
+    upstream: UpstreamClient | None = None   # forwards to `upstream:` pools (gateway.upstream)
     admission: AdmissionControl | None = None   # KV credits of the local pools, tenants (gateway.admission)
     spiral: SpiralWatch | None = None           # death-spiral detection of the local pools
     overload: OverloadWatch | None = None       # each device's offered load against its capacity
@@ -365,7 +365,7 @@ class Gateway:
         def timed(pool: Pool) -> list[int]:
             started = time.perf_counter()
             ids = tokenize(pool)
-            self.metrics.tokenizer_time.labels(backend=pool.counter.backend).observe(time.perf_counter() - started)
+            self.metrics.tokenizer_seconds(pool.counter.backend).observe(time.perf_counter() - started)
             return ids
         return timed
 

@@ -21,19 +21,22 @@ pool of them) for longer than that.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
 from contextvars import ContextVar
 from typing import Any
 
-import aiohttp
+import msgspec
 from aiohttp import web
 from yarl import URL
 
 from gateway.metrics import GatewayMetrics
 from gateway.openai.protocol import ApiError
 from gateway.client_writes import start_sse, write_within
+from gateway.upstream_connection import (UpstreamClient, UpstreamDisconnected, UpstreamResponse,
+                                         UpstreamUnreachable)
 from pools.pool import Pool
 
 # The forwarded request's Idempotency-Key: a batch line's `<batch id>:<custom_id>` (gateway.batch_runner), else None.
@@ -72,18 +75,18 @@ def _rename(obj: Any, model: str) -> Any:
     return obj
 
 
-async def forward(request: web.Request, session: aiohttp.ClientSession, pool: Pool, path: str,
+async def forward(request: web.Request, client: UpstreamClient, pool: Pool, path: str,
                   body: dict[str, Any], stream: bool, metrics: GatewayMetrics,
                   write_timeout: float = 30.0) -> web.StreamResponse:
     """Send `body` (with the upstream's model name) to `<pool.spec.upstream><path>` and relay the answer."""
     client_model = body["model"]
-    url = pool.spec.upstream.rstrip("/") + path
     received = time.perf_counter()
     try:
-        upstream = await session.post(url, json=dict(body, model=pool.spec.model), headers=_headers(pool, stream))
-    except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:   # no connection: nothing sent
+        upstream = await client.post(_url(pool.spec.upstream, path), _JSON.encode(dict(body, model=pool.spec.model)),
+                                     _headers(pool, stream))
+    except UpstreamUnreachable as exc:   # no connection: nothing sent
         raise _upstream_failed(pool, "is unreachable", exc, "upstream_unreachable") from None
-    except (aiohttp.ClientError, OSError) as exc:   # after the request may have gone out
+    except (UpstreamDisconnected, OSError) as exc:   # after the request may have gone out
         raise _upstream_failed(pool, "dropped the request", exc, "upstream_disconnected") from None
     async with upstream:
         if upstream.status >= 400:
@@ -91,23 +94,34 @@ async def forward(request: web.Request, session: aiohttp.ClientSession, pool: Po
         if stream:
             return await _relay_stream(request, pool, upstream, client_model, metrics, received, write_timeout)
         try:
-            payload = _rename(await upstream.json(content_type=None), client_model)
+            payload = _rename(msgspec.json.decode(await upstream.read()), client_model)
+        except (UpstreamDisconnected, OSError) as exc:
+            raise _upstream_failed(pool, "dropped the answer", exc, "upstream_disconnected") from None
         except ValueError as exc:
             raise _upstream_failed(pool, "sent an invalid response", exc, "upstream_error") from None
-        except (aiohttp.ClientError, OSError) as exc:
-            raise _upstream_failed(pool, "dropped the answer", exc, "upstream_disconnected") from None
-        usage = payload.get("usage") or {}
-        metrics.prompt_tokens.labels(pool=pool.name).inc(usage.get("prompt_tokens", 0))
-        metrics.generation_tokens.labels(pool=pool.name).inc(usage.get("completion_tokens", 0))
-        metrics.e2e.labels(pool=pool.name).observe(time.perf_counter() - received)
-        return web.json_response(payload, headers={"x-cliffguard-pool": pool.name})
+        usage = (payload.get("usage") if isinstance(payload, dict) else None) or {}
+        series = metrics.pool_series(pool.name)
+        series.prompt_tokens.inc(usage.get("prompt_tokens", 0))
+        series.generation_tokens.inc(usage.get("completion_tokens", 0))
+        series.e2e.observe(time.perf_counter() - received)
+        return web.Response(body=_JSON.encode(payload), content_type="application/json",
+                            headers={"x-cliffguard-pool": pool.name})
 
 
-async def _relay_error(pool: Pool, upstream: aiohttp.ClientResponse) -> web.Response:
+_JSON = msgspec.json.Encoder()
+
+
+@functools.lru_cache(maxsize=256)
+def _url(upstream: str, path: str) -> URL:
+    """`<upstream><path>` parsed once (a pool's few endpoints)."""
+    return URL(upstream.rstrip("/") + path)
+
+
+async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
     """The upstream's error with its status; its body when that is an OpenAI error, else one naming it."""
     try:
         raw = await upstream.read()
-    except (aiohttp.ClientError, OSError) as exc:
+    except (UpstreamDisconnected, OSError) as exc:
         raise _upstream_failed(pool, "dropped the answer", exc, "upstream_disconnected") from None
     try:
         payload = json.loads(raw)
@@ -120,7 +134,7 @@ async def _relay_error(pool: Pool, upstream: aiohttp.ClientResponse) -> web.Resp
     return web.json_response(payload, status=upstream.status, headers={"x-cliffguard-pool": pool.name})
 
 
-async def _relay_stream(request: web.Request, pool: Pool, upstream: aiohttp.ClientResponse, client_model: str,
+async def _relay_stream(request: web.Request, pool: Pool, upstream: UpstreamResponse, client_model: str,
                         metrics: GatewayMetrics, received: float, write_timeout: float) -> web.StreamResponse:
     """The upstream's SSE events, each relayed as it arrives with the client's model name put back; a
     client that takes nothing for `write_timeout` seconds is cut off (ClientGone)."""
@@ -132,17 +146,17 @@ async def _relay_stream(request: web.Request, pool: Pool, upstream: aiohttp.Clie
 
     first = True
     buffer = b""
-    async for data in upstream.content.iter_any():
+    async for data in upstream.chunks():
         buffer += data
         *events, buffer = buffer.split(b"\n\n")
         for event in events:
             await write(_relay_event(event, client_model) + b"\n\n")
             if first and event.startswith(b"data: {"):
-                metrics.ttft.labels(pool=pool.name).observe(time.perf_counter() - received)
+                metrics.pool_series(pool.name).ttft.observe(time.perf_counter() - received)
                 first = False
     if buffer.strip():
         await write(_relay_event(buffer, client_model) + b"\n\n")
-    metrics.e2e.labels(pool=pool.name).observe(time.perf_counter() - received)
+    metrics.pool_series(pool.name).e2e.observe(time.perf_counter() - received)
     await response.write_eof()
     return response
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import socket
 from collections import Counter
 
-import aiohttp
 import pytest
 from aiohttp import web
 
 from gateway import upstream
+from gateway.upstream_connection import UpstreamClient
 from gateway.app import create_app
 from gateway.batches import BATCHES
 from gateway.metrics import GatewayMetrics
@@ -128,9 +128,10 @@ async def test_forward_names_an_invalid_answer_and_a_dropped_one(aiohttp_client,
     app.router.add_post("/v1/chat/completions", chat)
     server = await aiohttp_client(app)
     pool = _gateway(tmp_path, str(server.make_url("/v1"))).pools["remote"]
-    async with aiohttp.ClientSession() as session:
-        with pytest.raises(upstream.ApiError) as info:
-            await upstream.forward(None, session, pool, "/chat/completions", {"model": FRONT, "messages": []},
-                                   False, GatewayMetrics())
+    client = UpstreamClient()
+    with pytest.raises(upstream.ApiError) as info:
+        await upstream.forward(None, client, pool, "/chat/completions", {"model": FRONT, "messages": []},
+                               False, GatewayMetrics())
+    await client.close()
     assert info.value.status == 502 and info.value.code == code, info.value.message
     assert "upstream pool 'remote'" in info.value.message

@@ -1,0 +1,164 @@
+"""`gateway.upstream_connection`: the gateway's HTTP/1.1 client for upstream pools, against raw servers
+that frame answers each way HTTP allows, drop connections and go silent."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from yarl import URL
+
+from gateway.upstream_connection import (UpstreamClient, UpstreamDisconnected, UpstreamUnreachable,
+                                         _request_bytes)
+
+
+async def _raw_server(answer):
+    """A server on 127.0.0.1 that reads each request on a connection and calls `answer(writer, request,
+    number)`; returns (server, url, the requests it read, connections accepted)."""
+    seen: list[bytes] = []
+    connections = [0]
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections[0] += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length"))
+                request = head + await reader.readexactly(length)
+                seen.append(request)
+                if await answer(writer, request, len(seen)) == "close":
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, URL(f"http://127.0.0.1:{port}/v1/chat/completions"), seen, connections
+
+
+def _answer(body: bytes, *headers: str) -> bytes:
+    return b"HTTP/1.1 200 OK\r\n" + "".join(h + "\r\n" for h in headers).encode() + b"\r\n" + body
+
+
+async def test_each_framing_reads_whole_and_a_kept_connection_is_reused():
+    async def answer(writer, request, n):
+        if n == 1:
+            writer.write(_answer(b'{"a": 1}', "Content-Length: 8"))
+        elif n == 2:
+            writer.write(_answer(b"3\r\n{\"a\r\n6\r\n\": 22}\r\n0\r\nX-Trailer: t\r\n\r\n", "Transfer-Encoding: chunked"))
+        else:
+            writer.write(_answer(b'{"end": true}', "Connection: close"))
+            await writer.drain()
+            return "close"
+        await writer.drain()
+
+    server, url, seen, connections = await _raw_server(answer)
+    client = UpstreamClient()
+    bodies = []
+    for _ in range(3):
+        async with await client.post(url, b'{"q": 1}', {"Content-Type": "application/json"}) as r:
+            assert r.status == 200
+            bodies.append(await r.read())
+    assert bodies == [b'{"a": 1}', b'{"a": 22}', b'{"end": true}']
+    assert connections[0] == 1, "three answers on one kept-alive connection"
+    assert seen[0].startswith(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:")
+    assert b"Content-Length: 8\r\n" in seen[0] and seen[0].endswith(b'\r\n\r\n{"q": 1}')
+    async with await client.post(url, b"{}", {}) as r:   # the last answer closed its connection: a new one
+        await r.read()
+    assert connections[0] == 2
+    await client.close()
+    server.close()
+
+
+async def test_a_stream_arrives_piece_by_piece():
+    release = asyncio.Event()
+
+    async def answer(writer, request, n):
+        writer.write(_answer(b"7\r\ndata: 1\r\n", "Transfer-Encoding: chunked"))
+        await writer.drain()
+        await release.wait()
+        writer.write(b"7\r\ndata: 2\r\n0\r\n\r\n")
+        await writer.drain()
+
+    server, url, _, _ = await _raw_server(answer)
+    client = UpstreamClient()
+    async with await client.post(url, b"{}", {}) as r:
+        pieces = r.chunks()
+        assert await pieces.__anext__() == b"data: 1"   # before the rest was even written
+        release.set()
+        assert [p async for p in pieces] == [b"data: 2"]
+    await client.close()
+    server.close()
+
+
+async def test_no_listener_is_unreachable_and_a_drop_after_sending_is_a_disconnection():
+    server, url, _, _ = await _raw_server(None)
+    port = url.port
+    server.close()
+    await server.wait_closed()
+    client = UpstreamClient(connect_timeout=2)
+    with pytest.raises(UpstreamUnreachable, match=f"127.0.0.1:{port}"):
+        await client.post(url, b"{}", {})
+
+    async def half(writer, request, n):   # the head and part of the body, then the connection drops
+        writer.write(_answer(b'{"id": ', "Content-Length: 100"))
+        await writer.drain()
+        writer.transport.abort()
+        return "close"
+
+    server, url, seen, _ = await _raw_server(half)
+    async with await client.post(url, b"{}", {}) as r:
+        with pytest.raises(UpstreamDisconnected):
+            await r.read()
+
+    async def nothing(writer, request, n):   # read the request, answer nothing, close
+        return "close"
+
+    server2, url2, _, _ = await _raw_server(nothing)
+    with pytest.raises(UpstreamDisconnected):
+        await client.post(url2, b"{}", {})
+    await client.close()
+    server.close()
+    server2.close()
+
+
+async def test_silence_past_the_read_timeout_is_a_disconnection_and_frees_the_slot():
+    async def silent(writer, request, n):
+        await asyncio.sleep(5)
+
+    server, url, _, _ = await _raw_server(silent)
+    client = UpstreamClient(read_timeout=0.2, max_connections=1)
+    for _ in range(2):   # with one slot, the second request proves the first gave its slot back
+        with pytest.raises(UpstreamDisconnected, match="no data for 0.2 s"):
+            await asyncio.wait_for(client.post(url, b"{}", {}), 3)
+    await client.close()
+    server.close()
+
+
+async def test_an_unread_body_closes_its_connection_and_an_idle_one_expires():
+    async def answer(writer, request, n):
+        writer.write(_answer(b"x" * 10, "Content-Length: 10"))
+        await writer.drain()
+
+    server, url, _, connections = await _raw_server(answer)
+    client = UpstreamClient(keepalive_seconds=0.1)
+    async with await client.post(url, b"{}", {}):
+        pass   # body left unread: the connection cannot be reused
+    async with await client.post(url, b"{}", {}) as r:
+        await r.read()
+    assert connections[0] == 2
+    await asyncio.sleep(0.2)   # idle past keepalive_seconds: closed, not reused
+    async with await client.post(url, b"{}", {}) as r:
+        await r.read()
+    assert connections[0] == 3
+    await client.close()
+    server.close()
+
+
+def test_a_line_break_in_a_header_is_refused():
+    with pytest.raises(ValueError, match="Idempotency-Key"):
+        _request_bytes(URL("http://127.0.0.1:8000/v1"), b"{}", {"Idempotency-Key": "b:1\r\nX-Evil: 1"})
+    assert _request_bytes(URL("https://example.com/v1/x?a=1"), b"", {}).startswith(
+        b"POST /v1/x?a=1 HTTP/1.1\r\nHost: example.com\r\n")
