@@ -371,7 +371,7 @@ def _simulation_setup(config, args: argparse.Namespace):
         if args.replicas < 1:
             raise UsageError(f"--replicas: must be >= 1, got {args.replicas}")
         config = dataclasses.replace(config, devices={
-            name: dataclasses.replace(d, replicas=args.replicas, gpus=None, min_replicas=None)
+            name: d.replace(replicas=args.replicas, gpus=None, min_replicas=None)
             for name, d in config.devices.items()})
     overrides = {}
     if args.preemption_mode:
@@ -379,7 +379,7 @@ def _simulation_setup(config, args: argparse.Namespace):
     if args.swap_space:
         overrides["swap_space_bytes"] = parse_bytes(args.swap_space, "--swap-space")
     if overrides:
-        config = dataclasses.replace(config, pools=tuple(dataclasses.replace(p, **overrides) for p in config.pools))
+        config = dataclasses.replace(config, pools=tuple(p.replace(**overrides) for p in config.pools))
     preset = PRESETS[args.device]
     vram = parse_bytes(args.vram, "--vram") if args.vram else (None if args.step_model else preset.memory_bytes)
     try:

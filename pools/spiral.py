@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import math
 from dataclasses import dataclass
-from typing import Any
+
+from pools.config.checks import NonNegative, Positive, Seconds, Spec
 
 __all__ = ["NUM_SLICES", "SpiralConfig", "SpiralDetector", "SpiralState", "SpiralWindow"]
 
@@ -44,32 +44,15 @@ __all__ = ["NUM_SLICES", "SpiralConfig", "SpiralDetector", "SpiralState", "Spira
 NUM_SLICES = 4
 
 
-def _check_number(name: str, value: Any, *, positive: bool) -> None:
-    bound = "> 0" if positive else ">= 0"
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-            or not (value > 0 if positive else value >= 0)):
-        raise ValueError(f"death_spiral.{name}: must be a number {bound}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class SpiralConfig:
-    """One pool's death-spiral thresholds (YAML `death_spiral`, config/README.md), checked on
-    construction; a ValueError names the field (`death_spiral.window_seconds: ...`)."""
+class SpiralConfig(Spec):
+    """One pool's death-spiral thresholds (YAML `death_spiral`, config/README.md), a model checked on
+    construction (`pools.config.checks.Spec`); a SpecError names the field (`window_seconds: ...`)."""
 
     enabled: bool = True
-    window_seconds: float = 30.0          # the window judged at each sample
-    min_preemptions_per_s: float = 0.5    # to trip: in each quarter of the window; to hold: on average
-    tokens_tolerance: float = 0.1         # newer half's tokens/s up to 1.1 x the older half's count as flat
-    clear_seconds: float | None = None    # absent this long to clear; None: window_seconds
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"death_spiral.enabled: must be true or false, got {self.enabled!r}")
-        _check_number("window_seconds", self.window_seconds, positive=True)
-        _check_number("min_preemptions_per_s", self.min_preemptions_per_s, positive=True)
-        _check_number("tokens_tolerance", self.tokens_tolerance, positive=False)
-        if self.clear_seconds is not None:
-            _check_number("clear_seconds", self.clear_seconds, positive=False)
+    window_seconds: Seconds = 30.0        # the window judged at each sample
+    min_preemptions_per_s: Positive = 0.5  # to trip: in each quarter of the window; to hold: on average
+    tokens_tolerance: NonNegative = 0.1   # newer half's tokens/s up to 1.1 x the older half's count as flat
+    clear_seconds: NonNegative | None = None   # absent this long to clear; None: window_seconds
 
     @property
     def clear_after_seconds(self) -> float:

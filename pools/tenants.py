@@ -31,26 +31,27 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 from pools.credits import DEFAULT_TENANT, TenantPolicy
-from pools.config.checks import SpecError, check_mapping, is_int, show
+from pools.config.checks import Spec, SpecError, Text, from_yaml
 
-_TENANT_KEYS = ("api_keys", "weight", "min_priority", "share_files")
 _TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # metric labels
 _PER_KEY_TENANT = re.compile(r"^key-[0-9a-f]{8}$")             # `resolve` without a tenants: section
 DEFAULT_OWNER = DEFAULT_TENANT                                  # owner of requests without a key
 
 
-@dataclass(frozen=True)
-class TenantSpec:
-    """One entry of the YAML's `tenants:` section."""
+class TenantSpec(Spec):
+    """One entry of the YAML's `tenants:` section (`name`: its key there)."""
+
+    NOT_IN_YAML = ("name",)
 
     name: str
-    api_keys: tuple[str, ...] = ()
-    weight: int = 1
-    min_priority: int = 0
+    api_keys: tuple[Text, ...] = ()
+    weight: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1   # share of the queue, relative to the others
+    min_priority: int = 0            # the best (smallest) priority its requests may ask for
     share_files: bool = False        # its keys own files and batches together (`tenant:<name>`)
 
     @property
@@ -120,34 +121,18 @@ class Tenants:
 
 def parse_tenants(raw: Any) -> dict[str, TenantSpec]:
     """The YAML's `tenants:` mapping -> {name: TenantSpec}; SpecError naming `tenants.<name>.<key>`."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise SpecError(f"tenants: must be a mapping of tenant name to settings, got {show(raw)}")
-    specs: dict[str, TenantSpec] = {}
+    specs = from_yaml({} if raw is None else raw, dict[str, Any], "tenants")
     owner: dict[str, str] = {}
-    for name, value in raw.items():
+    for name, value in specs.items():
         key = f"tenants.{name}"
-        if not isinstance(name, str) or not _TENANT_NAME.match(name):
-            raise SpecError(f"{key}: a tenant name uses letters, digits, '_', '.', '-', got {name!r}")
-        value = check_mapping(key, {} if value is None else value, _TENANT_KEYS)
-        api_keys = value.get("api_keys") or []
-        if not isinstance(api_keys, list) or not all(isinstance(k, str) and k.strip() for k in api_keys):
-            raise SpecError(f"{key}.api_keys: must be a list of non-empty strings, got {show(api_keys)}")
+        if not _TENANT_NAME.match(name):
+            raise SpecError(key, f"a tenant name uses letters, digits, '_', '.', '-', got {name!r}")
+        spec = from_yaml({} if value is None else value, TenantSpec, key, name=name)
+        api_keys = tuple(k.strip() for k in spec.api_keys)
         for api_key in api_keys:
-            if api_key.strip() in owner:
-                raise SpecError(f"{key}.api_keys: a key is listed for tenants {owner[api_key.strip()]!r} and "
-                                f"{name!r}; each key belongs to one tenant")
-            owner[api_key.strip()] = name
-        weight, min_priority = value.get("weight", 1), value.get("min_priority", 0)
-        share_files = value.get("share_files", False)
-        if not is_int(weight) or not 1 <= weight <= 1000:
-            raise SpecError(f"{key}.weight: must be an integer from 1 to 1000, got {show(weight)}")
-        if not is_int(min_priority):
-            raise SpecError(f"{key}.min_priority: must be an integer (smaller is served first), "
-                            f"got {show(min_priority)}")
-        if not isinstance(share_files, bool):
-            raise SpecError(f"{key}.share_files: must be true or false (its keys see each other's files and "
-                            f"batches), got {show(share_files)}")
-        specs[name] = TenantSpec(name, tuple(k.strip() for k in api_keys), weight, min_priority, share_files)
+            if api_key in owner:
+                raise SpecError(f"{key}.api_keys", f"a key is listed for tenants {owner[api_key]!r} and {name!r}; "
+                                                   "each key belongs to one tenant")
+            owner[api_key] = name
+        specs[name] = spec.replace(api_keys=api_keys)
     return specs

@@ -1,24 +1,48 @@
-"""Checking YAML documents against a schema by hand: the error type, the value checks and the loader
-that the pool spec (`pools.config.spec`) and the benchmark workloads (`bench.serve`) share.
+"""The YAML's models and errors: `Spec`, the msgspec base of every section's model, `from_yaml`, byte sizes,
+the `SpecError` naming the key path, and the YAML loader; the pool spec (`pools.config.spec`) and the
+benchmark workloads (`bench.serve`, `pools.workload`) share them.
 
-Every error is a `SpecError` whose message starts with the key path of the bad value
-(`pools[1].kv_share: ...`); `within(prefix)` prepends a parent path as the error travels up.
+A section's model states the schema in its field types (`Annotated[int, Meta(ge=1)]`, `Literal[...]`);
+`from_yaml` checks a YAML value against it (`pools.config.typed.convert`) and the model's `check()` adds
+the rules across fields. Every error is a `SpecError` whose message starts with the key path of the bad
+value and shows the value (`pools[1].kv_share: must be <= 1.0, got 1.5`); `within(prefix)` prepends a
+parent path as the error travels up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+import re
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
+from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar, Self, TypeVar
 
+import msgspec
 import yaml
 
 from engine.config import ConfigError
+from pools.config.typed import MISSING, FieldError, convert
+
+S = TypeVar("S")
+Text = Annotated[str, msgspec.Meta(min_length=1)]          # a non-empty string
+Count = Annotated[int, msgspec.Meta(ge=1)]                 # an integer >= 1
+Positive = Annotated[float, msgspec.Meta(gt=0)]            # a number > 0
+Seconds = Positive                                         # a number of seconds > 0
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]         # a number >= 0
+Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]      # a number in (0, 1]
 
 
-class SpecError(ConfigError):
-    """An invalid configuration file; the message starts with the key path, e.g. `pools[1].kv_share`."""
+class SpecError(ConfigError, FieldError):
+    """An invalid configuration file; the message starts with the key path, e.g. `pools[1].kv_share`.
+
+    `SpecError(message)`, or `SpecError(key, reason)` from a model's `check()`: `key` is then relative to
+    the model, and `from_yaml` puts the model's own path in front of it."""
+
+    def __init__(self, key_or_message: str, reason: str | None = None) -> None:
+        FieldError.__init__(self, *(("", key_or_message) if reason is None else (key_or_message, reason)))
 
 
 def show(value: Any) -> str:
@@ -33,36 +57,160 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def check_str(key: str, value: Any, *, optional: bool = False) -> None:
-    """`value` is a non-empty string (or None when `optional`); else SpecError naming the key."""
-    if value is None and optional:
-        return
-    if not isinstance(value, str) or not value.strip():
-        raise SpecError(f"{key}: must be a non-empty string, got {show(value)}")
+# --- the models -----------------------------------------------------------------------------------
+
+_CONVERTING: ContextVar[bool] = ContextVar("pools_config_converting", default=False)
 
 
-def check_int(key: str, value: Any, *, min_value: int | None = None, max_value: int | None = None,
-               optional: bool = False) -> None:
-    """`value` is an integer within the bounds given (or None when `optional`); else SpecError naming the key."""
-    if value is None and optional:
-        return
-    if not is_int(value):
-        raise SpecError(f"{key}: must be an integer, got {show(value)}")
-    if min_value is not None and max_value is not None and not min_value <= value <= max_value:
-        raise SpecError(f"{key}: must be in {min_value}..{max_value}, got {value}")
-    if min_value is not None and value < min_value:
-        raise SpecError(f"{key}: must be >= {min_value}, got {value}")
+class Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A YAML section as a frozen model: its field types and bounds are the schema, `check()` the rules
+    across fields. Read from YAML by `from_yaml`; built in Python it is validated on construction the
+    same way (its fields converted as YAML values would be), so a bad value is a SpecError naming the
+    field either way. `NOT_IN_YAML`: fields the loader derives (a name from the mapping's key), refused
+    as YAML keys."""
+
+    NOT_IN_YAML: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        if _CONVERTING.get():
+            self.check()
+        else:
+            _revalidate(self)
+
+    def check(self) -> None:
+        """The rules a schema cannot state; raise `SpecError(key, reason)`."""
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with `changes` (field names), validated like any new one."""
+        return msgspec.structs.replace(self, **changes)
 
 
-def check_fraction(key: str, value: Any, *, optional: bool = False) -> None:
-    """`value` is a number in (0, 1] (or None when `optional`); else SpecError naming the key."""
-    if value is None and optional:
-        return
-    if not is_number(value):
-        raise SpecError(f"{key}: must be a number in (0, 1], got {show(value)}")
-    if not 0 < value <= 1:
-        raise SpecError(f"{key}: must be in (0, 1], got {value}")
+def from_yaml(raw: Any, model: type[S], root: str, **derived: Any) -> S:
+    """The YAML value `raw` at key path `root` as a `model`, with the `derived` fields added (a name
+    taken from the mapping's key); a SpecError names the key path and the bad value."""
+    if isinstance(raw, dict):
+        hidden = getattr(model, "NOT_IN_YAML", ())
+        for key in (k for k in raw if k in hidden):
+            error = FieldError(f"{root}.{key}" if root else key, "unrecognized field")
+            error.value, error.allowed = raw[key], model.__struct_encode_fields__
+            raise SpecError(error.path, _reason(error, hidden))
+        raw = {**raw, **derived}
+    return _convert(raw, model, root)
 
+
+def _convert(raw: Any, model: type[S], root: str) -> S:
+    _check_finite(raw, root)
+    token = _CONVERTING.set(True)
+    try:
+        return convert(raw, model, root=root, dec_hook=_decode)
+    except FieldError as exc:
+        raise SpecError(exc.path or "(top level)", _reason(exc, getattr(model, "NOT_IN_YAML", ()))) from None
+    finally:
+        _CONVERTING.reset(token)
+
+
+def _check_finite(value: Any, path: str) -> None:
+    """An infinity or a NaN (YAML `.inf`, `.nan`) is no field's value: a SpecError naming its key."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SpecError(path, f"must be a finite number, got {value}")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        _check_finite(item, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key))
+
+
+def _revalidate(spec: Spec) -> None:
+    """A Spec built in Python, checked as its YAML would be: a field of the wrong kind (a dict for a
+    model, a list for a tuple) converts to something else, and is an error too."""
+    names = tuple(zip(spec.__struct_fields__, spec.__struct_encode_fields__))
+    checked = _convert({key: getattr(spec, name) for name, key in names}, type(spec), "")
+    for name, key in names:
+        if getattr(checked, name) != getattr(spec, name):
+            raise SpecError(key, f"expected {type(getattr(checked, name)).__name__}, got {show(getattr(spec, name))}")
+
+
+def _reason(error: FieldError, hidden: tuple[str, ...]) -> str:
+    """The reason with the bad value shown, and for an unknown key the keys allowed."""
+    value, reason = error.value, error.reason
+    if reason == "unrecognized field":
+        return f"unknown key (value {value!r}); allowed keys: {', '.join(k for k in error.allowed if k not in hidden)}"
+    if value is MISSING or value is None or ", got " in reason and not reason.startswith("expected "):
+        return reason
+    return f"{reason} {value!r}" if reason.startswith("expected ") else f"{reason}, got {value!r}"
+
+
+@contextmanager
+def engine_rules(yaml_keys: Mapping[str, str] | None = None) -> Iterator[None]:
+    """The engine's own validation (engine.config) inside: its ConfigError, whose message starts with the
+    engine's field name, becomes a SpecError(key, reason); `yaml_keys` maps a field to the YAML key."""
+    try:
+        yield
+    except SpecError:
+        raise
+    except ConfigError as exc:
+        name, _, reason = str(exc).partition(": ")
+        raise SpecError((yaml_keys or {}).get(name, name), reason) from None
+
+
+# --- byte sizes -----------------------------------------------------------------------------------
+
+class ByteSize(int):
+    """A field's type: a byte count, in YAML an integer or a string with a unit (`80GiB`); at least 1.
+    An int (read from YAML, the field holds this subclass; built in Python, whatever int it was given)."""
+
+    minimum: ClassVar[int] = 1
+
+
+class ByteSizeOrZero(ByteSize):
+    """A byte count that may be 0."""
+
+    minimum = 0
+
+
+_BYTE_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40,
+}
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: Any, key: str = "bytes") -> int:
+    """`80GiB`, `512 MiB`, `1.5GB`, `4096`, 4096 -> bytes (an int, rounded down).
+
+    GiB/MiB/KiB/TiB (and Gi, Mi, ...) are powers of 1024; GB/MB/KB/TB (and G, M, K, T) powers of 1000;
+    units are case-insensitive. Anything else, a negative number or a bool raises SpecError naming `key`.
+    """
+    try:
+        return _byte_count(value)
+    except ValueError as exc:
+        raise SpecError(key, str(exc)) from None
+
+
+def _byte_count(value: Any) -> int:
+    if is_int(value):
+        if value < 0:
+            raise ValueError(f"must be >= 0 bytes, got {value}")
+        return value
+    if isinstance(value, float) and value >= 0 and value.is_integer():
+        return int(value)
+    match = _BYTES.match(value) if isinstance(value, str) else None
+    if match is None or match.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError(f"not a byte size, got {show(value)}; "
+                         "write an integer or a number with a unit, e.g. 80GiB, 512 MiB, 1.5GB")
+    return int(Decimal(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+
+
+def _decode(kind: type, value: Any) -> Any:
+    """msgspec's hook for the models' custom types: byte sizes."""
+    if isinstance(kind, type) and issubclass(kind, ByteSize):
+        count = _byte_count(value)
+        if count < kind.minimum:
+            raise ValueError(f"must be at least {kind.minimum} byte, got {value!r}")
+        return kind(count)
+    raise NotImplementedError(kind)
+
+
+# --- hand-written checks (the benchmark workloads) and the YAML loader -----------------------------
 
 @contextmanager
 def within(prefix: str) -> Iterator[None]:
@@ -123,8 +271,6 @@ def load_yaml(text: str, source: str) -> Any:
                         f"    {snippet}\n    {' ' * mark.column}^") from None
     except yaml.YAMLError as exc:
         raise SpecError(f"{source}: YAML error: {exc}") from None
-
-
 
 
 def read_text(path: Path, what: str = "configuration file") -> str:

@@ -2,22 +2,25 @@
 as how many replicas (a fixed number, or autoscaled between a min and a max), on this machine or on a
 Ray cluster.
 
-`DeviceSpec` is a frozen dataclass validated on construction; its errors are `SpecError`s whose key
-path the YAML loader (`pools.config.yaml_file`) prefixes with `devices.<name>`. `pools.config.spec` re-exports it.
-The keys are documented in `config/README.md`.
+`DeviceSpec` is a frozen msgspec model (`pools.config.checks.Spec`): its field types are the schema and
+`check()` the rules across fields; its errors are `SpecError`s whose key path the YAML loader
+(`pools.config.yaml_file`) prefixes with `devices.<name>`. `pools.config.spec` re-exports it. The keys
+are documented in `config/README.md`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import Annotated, Literal, get_args
+
+import msgspec
 
 from engine.capacity import DEFAULT_MEMORY_UTILIZATION
-from engine.config import ConfigError, check_device_name, parse_dtype
-from pools.config.checks import SpecError, check_fraction, check_int, check_str, is_int, is_number, show
+from engine.config import check_device_name, parse_dtype
+from pools.config.checks import ByteSize, Count, Fraction, Seconds, Spec, SpecError, Text, engine_rules
 
-PLACEMENTS = ("local", "ray")   # local: worker processes on this machine; ray: actors on a Ray cluster
+Placement = Literal["local", "ray"]   # local: worker processes on this machine; ray: actors on a Ray cluster
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
 # Autoscaled devices: a request of the device's pools that has waited this long for KV credits adds a
 # replica (the wait `pools.demand` counts as a backlog: longer than a queue that drains on its own) ...
 DEFAULT_SCALE_UP_WAIT_SECONDS = 2.0
@@ -25,10 +28,24 @@ DEFAULT_SCALE_UP_WAIT_SECONDS = 2.0
 # minute outlasts the gaps between bursts, so a replica is not reloaded for each one.
 DEFAULT_SCALE_DOWN_IDLE_SECONDS = 60.0
 RAY_ADDRESS_ENV = "RAY_ADDRESS"   # Ray's own variable: the cluster `ray.init()` joins
+GpuIndex = Annotated[int, msgspec.Meta(ge=0)]
 
 
-@dataclass(frozen=True)
-class DeviceSpec:
+class ReplicaRange(Spec):
+    """YAML `replicas: {min, max, scale_up_wait_seconds, scale_down_idle_seconds}`: an autoscaled device,
+    read into DeviceSpec's `min_replicas`, `replicas` (the max) and timings."""
+
+    min: Count
+    max: Count
+    scale_up_wait_seconds: Seconds = DEFAULT_SCALE_UP_WAIT_SECONDS
+    scale_down_idle_seconds: Seconds = DEFAULT_SCALE_DOWN_IDLE_SECONDS
+
+    def device_fields(self) -> dict[str, int | float]:
+        return {"replicas": self.max, "min_replicas": self.min, "scale_up_wait_seconds": self.scale_up_wait_seconds,
+                "scale_down_idle_seconds": self.scale_down_idle_seconds}
+
+
+class DeviceSpec(Spec):
     """A device that local pools run on: one copy of the weights and one KV tensor, over
     `tensor_parallel_size` GPUs (one worker process per rank), run as up to `replicas` identical copies.
 
@@ -43,89 +60,52 @@ class DeviceSpec:
     the device claims none of this machine's.
     """
 
-    name: str = "default"
-    device: str = "auto"                 # auto | cpu | cuda | cuda:N
-    memory_bytes: int | None = None      # None (auto): the GPU's total memory; on CPU DEFAULT_CPU_MEMORY
-    memory_utilization: float = DEFAULT_MEMORY_UTILIZATION   # the capacity formula's 0.9
-    dtype: str = "auto"                  # auto | float32 | bfloat16 | float16
-    tensor_parallel_size: int = 1        # GPUs of one replica (engine.parallel)
-    replicas: int = 1                    # replica slots (autoscaled: the max), each serving every pool of the device
-    gpus: tuple[int, ...] | None = None  # CUDA: the GPU indices the replicas' ranks take, in order
-    cpu_threads: int | None = None       # CPU: torch threads of each rank (None: the cores shared out)
-    min_replicas: int | None = None      # autoscaled: the replicas always up (None: fixed, all `replicas` up)
-    scale_up_wait_seconds: float = DEFAULT_SCALE_UP_WAIT_SECONDS      # autoscaled: waited for credits this long: +1
-    scale_down_idle_seconds: float = DEFAULT_SCALE_DOWN_IDLE_SECONDS  # autoscaled: a replica idle this long: -1
-    placement: str = "local"             # local | ray (PLACEMENTS)
-    ray_address: str | None = None       # placement ray: the cluster (None: the RAY_ADDRESS environment variable)
+    NOT_IN_YAML = ("name", "min_replicas", "scale_up_wait_seconds", "scale_down_idle_seconds")
 
-    def __post_init__(self) -> None:
-        check_str("name", self.name)
-        check_str("device", self.device)
-        try:
+    name: Text = "default"               # the key under `devices`
+    device: str = "auto"                 # auto | cpu | cuda | cuda:N
+    memory_bytes: ByteSize | None = msgspec.field(default=None, name="memory")   # None (auto): the GPU's total
+    memory_utilization: Fraction = DEFAULT_MEMORY_UTILIZATION   # the capacity formula's 0.9
+    dtype: str = "auto"                  # auto | float32 | bfloat16 | float16
+    tensor_parallel_size: Count = 1      # GPUs of one replica (engine.parallel)
+    replicas: Count = 1                  # replica slots (autoscaled: the max), each serving every pool of the device
+    gpus: Annotated[tuple[GpuIndex, ...], msgspec.Meta(min_length=1)] | None = None   # CUDA: the ranks' GPUs
+    cpu_threads: Count | None = None     # CPU: torch threads of each rank (None: the cores shared out)
+    min_replicas: Count | None = None    # autoscaled: the replicas always up (None: fixed, all `replicas` up)
+    scale_up_wait_seconds: Seconds = DEFAULT_SCALE_UP_WAIT_SECONDS      # autoscaled: waited for credits this long: +1
+    scale_down_idle_seconds: Seconds = DEFAULT_SCALE_DOWN_IDLE_SECONDS  # autoscaled: a replica idle this long: -1
+    placement: Placement = "local"
+    ray_address: Text | None = None      # placement ray: the cluster (None: the RAY_ADDRESS environment variable)
+
+    def check(self) -> None:
+        with engine_rules():
             check_device_name(self.device)
-        except ConfigError as exc:
-            raise SpecError(str(exc)) from None
-        check_int("memory", self.memory_bytes, min_value=1, optional=True)
-        check_fraction("memory_utilization", self.memory_utilization)
-        check_str("dtype", self.dtype)
-        if self.dtype != "auto":
-            try:
+            if self.dtype != "auto":
                 parse_dtype(self.dtype)
-            except ConfigError:
-                raise SpecError(f"dtype: must be auto, float32, bfloat16 or float16; got {self.dtype!r}") from None
-        check_int("tensor_parallel_size", self.tensor_parallel_size, min_value=1)
-        self._check_replicas()
-        check_int("cpu_threads", self.cpu_threads, min_value=1, optional=True)
-        self._check_placement()
+        if self.min_replicas is not None and self.min_replicas > self.replicas:
+            raise SpecError("replicas.min", f"{self.min_replicas} is above max {self.replicas}")
+        if self.placement != "ray" and self.ray_address is not None:
+            raise SpecError("ray_address", f"only with placement: ray (placement is {self.placement!r}), "
+                                           f"got {self.ray_address!r}")
         if self.gpus is not None:
             self._check_gpus()
 
-    def _check_replicas(self) -> None:
-        """`replicas: N` (min_replicas None) or `replicas: {min, max, ...}`: errors name the key written."""
-        if self.min_replicas is None:
-            if not is_int(self.replicas):
-                raise SpecError(f"replicas: must be an integer >= 1 or a mapping {{min, max}}, "
-                                f"got {show(self.replicas)}")
-            check_int("replicas", self.replicas, min_value=1)
-        else:
-            check_int("replicas.max", self.replicas, min_value=1)
-            check_int("replicas.min", self.min_replicas, min_value=1)
-            if self.min_replicas > self.replicas:
-                raise SpecError(f"replicas.min: {self.min_replicas} is above max {self.replicas}")
-        for key in ("scale_up_wait_seconds", "scale_down_idle_seconds"):
-            value = getattr(self, key)
-            if not is_number(value) or not (value > 0 and math.isfinite(value)):
-                raise SpecError(f"replicas.{key}: must be a number of seconds > 0, got {show(value)}")
-
-    def _check_placement(self) -> None:
-        if self.placement not in PLACEMENTS:
-            raise SpecError(f"placement: must be {' or '.join(PLACEMENTS)}, got {show(self.placement)}")
-        if self.placement != "ray":
-            if self.ray_address is not None:
-                raise SpecError(f"ray_address: only with placement: ray (placement is {self.placement!r}), "
-                                f"got {show(self.ray_address)}")
-            return
-        check_str("ray_address", self.ray_address, optional=True)
-        if self.gpus is not None:
-            raise SpecError(f"gpus: not with placement: ray (Ray assigns each replica its GPUs), "
-                            f"got {show(list(self.gpus) if isinstance(self.gpus, tuple) else self.gpus)}")
-
     def _check_gpus(self) -> None:
-        if not isinstance(self.gpus, tuple) or not self.gpus:
-            raise SpecError(f"gpus: must be a non-empty list of GPU indices, got {show(self.gpus)}")
+        if self.placement == "ray":
+            raise SpecError("gpus", f"not with placement: ray (Ray assigns each replica its GPUs), "
+                                    f"got {list(self.gpus)}")
         if not self.device.startswith("cuda"):
-            raise SpecError(f"gpus: lists CUDA GPUs, and device is {self.device!r}; set device: cuda")
+            raise SpecError("gpus", f"lists CUDA GPUs, and device is {self.device!r}; set device: cuda")
         seen: dict[int, int] = {}
         for i, gpu in enumerate(self.gpus):
-            check_int(f"gpus[{i}]", gpu, min_value=0)
             if gpu in seen:
-                raise SpecError(f"gpus[{i}]: GPU {gpu} is listed twice (also gpus[{seen[gpu]}]); "
-                                "each rank of each replica needs a GPU of its own")
+                raise SpecError(f"gpus[{i}]", f"GPU {gpu} is listed twice (also gpus[{seen[gpu]}]); "
+                                              "each rank of each replica needs a GPU of its own")
             seen[gpu] = i
         need = self.replicas * self.tensor_parallel_size
         if len(self.gpus) != need:
-            raise SpecError(f"gpus: {len(self.gpus)} GPUs listed; replicas {self.replicas} x tensor_parallel_size "
-                            f"{self.tensor_parallel_size} need {need}")
+            raise SpecError("gpus", f"{len(self.gpus)} GPUs listed; replicas {self.replicas} x tensor_parallel_size "
+                                    f"{self.tensor_parallel_size} need {need}")
 
     @property
     def autoscaled(self) -> bool:

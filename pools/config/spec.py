@@ -1,8 +1,10 @@
 """The gateway's configuration as read from YAML: devices, pools and the gateway itself.
 
-Every class is a frozen dataclass validated on construction; `pools.config.yaml_file.load_config` turns a
-YAML file into a `CliffguardConfig` or raises `SpecError` naming the key path and the bad value. A
-device's settings are `pools.config.device_spec.DeviceSpec`, re-exported here. Nothing that needs the
+Each YAML section is a frozen msgspec model (`pools.config.checks.Spec`): its field types and bounds are
+the schema, its `check()` the rules across fields, both applied on construction. `CliffguardConfig`, a
+frozen dataclass, holds them and checks the rules across pools. `pools.config.yaml_file.load_config`
+turns a YAML file into a `CliffguardConfig` or raises `SpecError` naming the key path and the bad value.
+A device's settings are `pools.config.device_spec.DeviceSpec`, re-exported here. Nothing that needs the
 model (its context length, its KV bytes per token) is checked here: that is `pools.capacity_plan`'s job.
 The schema, key by key, is in `config/README.md`.
 """
@@ -10,21 +12,23 @@ The schema, key by key, is in `config/README.md`.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
 from pathlib import PurePath
-from typing import Any
+from typing import Annotated, ClassVar, Literal
 from urllib.parse import urlsplit
 
+import msgspec
+
+import engine.config
 from engine.capacity import DEFAULT_BLOCK_SIZE
-from engine.config import DEFAULT_MIN_SHARE, CacheConfig, ConfigError, LatencySLO, SchedulerConfig
+from engine.config import DEFAULT_MIN_SHARE, LatencySLO, SchedulerConfig
+from pools.config.checks import (ByteSize, ByteSizeOrZero, Count, Fraction, NonNegative, Spec, SpecError, Text,
+                                 engine_rules)
+from pools.config.checks import parse_bytes as parse_bytes   # re-exported: the CLI reads --vram with it
 from pools.config.device_spec import DeviceSpec
 from pools.config.gateway_spec import GatewaySpec
 from pools.spiral import SpiralConfig
 from pools.tenants import TenantSpec
-from pools.config.checks import SpecError, check_fraction, check_int, check_str, is_int, is_number, show
 
 DEFAULT_CPU_MEMORY = 4 << 30   # `memory: auto` on a CPU device: the budget for weights + KV cache
 # A request queued longer for KV credits gets 503 + Retry-After: 50 s answers before the 60 s read timeout
@@ -36,75 +40,27 @@ _POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # used in metric labe
 # Where a pool's service class came from (`PoolSpec.slo_source`; set by the YAML loader, never a YAML key):
 # `yaml`: an `slo` mapping; `default`: isolation by default (`default_isolation`); `opted_out`: `slo: null`;
 # `absent`: no `slo` key and not defaulted.
-SLO_SOURCES = ("yaml", "default", "opted_out", "absent")
+SloSource = Literal["yaml", "default", "opted_out", "absent"]
 _SLO_SOURCES_WITH_SLO = ("yaml", "default")
+# The engine's choices, one definition (engine.config, kernels): the YAML accepts exactly what it runs.
+BlockSize = Literal[engine.config.BLOCK_SIZES]
+PreemptionMode = Literal[engine.config.PREEMPTION_MODES]
+VictimPolicy = Literal[engine.config.VICTIM_POLICIES]
 
 
-@contextmanager
-def _engine_rules(yaml_keys: Mapping[str, str] | None = None) -> Iterator[None]:
-    """The engine's own validation (engine.config), its errors turned into SpecErrors; `yaml_keys` maps
-    an engine field named at the start of a message to the YAML key the user wrote."""
-    try:
-        yield
-    except SpecError:
-        raise
-    except ConfigError as exc:
-        field_name, sep, rest = str(exc).partition(":")
-        key = (yaml_keys or {}).get(field_name, field_name)
-        raise SpecError(f"{key}{sep}{rest}") from None
-
-
-_BYTE_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40,
-}
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(value: Any, key: str = "bytes") -> int:
-    """`80GiB`, `512 MiB`, `1.5GB`, `4096`, 4096 -> bytes (an int, rounded down).
-
-    GiB/MiB/KiB/TiB (and Gi, Mi, ...) are powers of 1024; GB/MB/KB/TB (and G, M, K, T) powers of 1000;
-    units are case-insensitive. Anything else, a negative number or a bool raises SpecError naming `key`.
-    """
-    if is_int(value):
-        if value < 0:
-            raise SpecError(f"{key}: must be >= 0 bytes, got {value}")
-        return value
-    if isinstance(value, float) and not isinstance(value, bool) and value >= 0 and value.is_integer():
-        return int(value)
-    match = _BYTES.match(value) if isinstance(value, str) else None
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _BYTE_UNITS:
-        raise SpecError(f"{key}: not a byte size, got {show(value)}; "
-                        "write an integer or a number with a unit, e.g. 80GiB, 512 MiB, 1.5GB")
-    try:
-        number = Decimal(match.group(1))
-    except InvalidOperation:  # pragma: no cover - the regex admits only decimals
-        raise SpecError(f"{key}: not a byte size, got {value!r}") from None
-    return int(number * _BYTE_UNITS[unit])
-
-
-# --- the dataclasses ------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class RouteSpec:
+class RouteSpec(Spec):
     """Prompts of `min_prompt_tokens..max_prompt_tokens` tokens (inclusive) go to the pool.
 
     `max_prompt_tokens=None` means up to the pool's max_model_len - 1.
     """
 
-    min_prompt_tokens: int = 0
-    max_prompt_tokens: int | None = None
+    min_prompt_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    max_prompt_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
-    def __post_init__(self) -> None:
-        check_int("min_prompt_tokens", self.min_prompt_tokens, min_value=0)
-        check_int("max_prompt_tokens", self.max_prompt_tokens, min_value=0, optional=True)
+    def check(self) -> None:
         if self.max_prompt_tokens is not None and self.min_prompt_tokens > self.max_prompt_tokens:
-            raise SpecError(
-                f"min_prompt_tokens: {self.min_prompt_tokens} is above max_prompt_tokens "
-                f"{self.max_prompt_tokens}; no prompt can reach this pool")
+            raise SpecError("min_prompt_tokens", f"{self.min_prompt_tokens} is above max_prompt_tokens "
+                                                 f"{self.max_prompt_tokens}; no prompt can reach this pool")
 
     def upper(self, max_model_len: int | None = None) -> int | None:
         """The largest admitted prompt: max_prompt_tokens, capped at max_model_len - 1 (room for one
@@ -131,118 +87,78 @@ class RouteSpec:
         return f"{self.min_prompt_tokens}..{upper}"
 
 
-@dataclass(frozen=True)
-class PoolSpec:
+class SloSpec(Spec):
+    """YAML `slo: {ttft_ms, itl_ms}`, read into the engine's `LatencySLO` (which bounds the values)."""
+
+    ttft_ms: float = LatencySLO.ttft_ms
+    itl_ms: float = LatencySLO.itl_ms
+
+
+class PoolSpec(Spec):
     """One pool: a route rule and either a block range on a local device or an upstream URL.
 
-    Local pools set exactly one of `kv_share` / `kv_cache_bytes`; upstream pools set neither (nor any
-    other local-only key: the YAML loader rejects those by name).
+    Local pools set exactly one of `kv_share` / `kv_cache_bytes`. The YAML keys only one kind of pool
+    takes are `LOCAL_KEYS` and `UPSTREAM_KEYS` (the loader refuses them on the other kind).
     """
 
-    name: str
-    model: str                           # builtin:..., an HF folder, a .gguf file; upstream: its model name
-    route: RouteSpec = field(default_factory=RouteSpec)
-    device: str = "default"              # a DeviceSpec name (local pools)
-    upstream: str | None = None          # base URL of an OpenAI-compatible server, e.g. http://h:8000/v1
-    upstream_api_key_env: str | None = None  # environment variable holding the upstream's API key
-    tokenizer: str | None = None         # model spec whose tokenizer counts tokens (default: `model`)
-    served_model_name: str | None = None # the `model` clients send (default: derived from `model`)
-    kv_share: float | None = None        # fraction of the device's KV bytes ...
-    kv_cache_bytes: int | None = None    # ... or an explicit byte budget (exactly one for local pools)
-    avg_len: int = 1024                  # tokens (prompt + output) of a typical request, for max_num_seqs
-    block_size: int = DEFAULT_BLOCK_SIZE
-    max_model_len: int | None = None     # None: the model's context length
-    max_num_batched_tokens: int = 2048   # this pool's token budget per step
-    max_num_seqs: int | None = None      # None: from the capacity formula
-    preemption_mode: str = "recompute"   # recompute | swap | auto
-    victim_policy: str = "reverse_fifo"  # reverse_fifo | longest_first | least_progress | lru | priority
-    swap_space_bytes: int = 0
+    NOT_IN_YAML = ("slo_source",)
+    UPSTREAM_KEYS: ClassVar[tuple[str, ...]] = ("upstream", "upstream_api_key_env", "tokenizer")
+    LOCAL_KEYS: ClassVar[tuple[str, ...]] = (
+        "device", "kv_share", "kv_cache_bytes", "avg_len", "block_size", "max_num_batched_tokens", "max_num_seqs",
+        "preemption_mode", "victim_policy", "swap_space", "enable_prefix_caching", "share_prefix_cache", "slo",
+        "max_queue_seconds", "min_share", "death_spiral")
+
+    name: Text
+    model: Text                          # builtin:..., an HF folder, a .gguf file; upstream: its model name
+    route: RouteSpec = msgspec.field(default_factory=RouteSpec)
+    device: Text = "default"             # a DeviceSpec name (local pools)
+    upstream: Text | None = None         # base URL of an OpenAI-compatible server, e.g. http://h:8000/v1
+    upstream_api_key_env: Text | None = None  # environment variable holding the upstream's API key
+    tokenizer: Text | None = None        # model spec whose tokenizer counts tokens (default: `model`)
+    served_model_name: Text | None = None  # the `model` clients send (default: derived from `model`)
+    kv_share: Fraction | None = None     # fraction of the device's KV bytes ...
+    kv_cache_bytes: ByteSize | None = None   # ... or an explicit byte budget (exactly one for local pools)
+    avg_len: Count = 1024                # tokens (prompt + output) of a typical request, for max_num_seqs
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE
+    max_model_len: Count | None = None   # None: the model's context length
+    max_num_batched_tokens: Count = 2048   # this pool's token budget per step
+    max_num_seqs: Count | None = None    # None: from the capacity formula
+    preemption_mode: PreemptionMode = "recompute"
+    victim_policy: VictimPolicy = "reverse_fifo"
+    swap_space_bytes: ByteSizeOrZero = msgspec.field(default=0, name="swap_space")
     enable_prefix_caching: bool = True
     share_prefix_cache: bool = False     # tenants reuse each other's cached prompt blocks (else one partition each)
     slo: LatencySLO | None = None        # interactive pool: latency targets; None: throughput pool
-    slo_source: str | None = None        # where `slo` came from (SLO_SOURCES); None: built in code, not from YAML
-    max_queue_seconds: float | None = DEFAULT_MAX_QUEUE_SECONDS   # queued longer: 503; None: waits; 0: 429 when full
-    min_share: float | None = None       # throughput pool: its floor of the device's step time (None: 0.2)
-    death_spiral: SpiralConfig = field(default_factory=SpiralConfig)   # the detector's thresholds (pools.spiral)
+    slo_source: SloSource | None = None  # where `slo` came from; None: built in code, not from YAML
+    max_queue_seconds: NonNegative | None = DEFAULT_MAX_QUEUE_SECONDS   # queued longer: 503; None: waits; 0: 429
+    min_share: Annotated[float, msgspec.Meta(ge=0, lt=1)] | None = None   # throughput pool: its floor (None: 0.2)
+    death_spiral: SpiralConfig = msgspec.field(default_factory=SpiralConfig)   # the detector's thresholds
 
-    def __post_init__(self) -> None:
-        check_str("name", self.name)
+    def check(self) -> None:
         if not _POOL_NAME.match(self.name):
-            raise SpecError(f"name: use letters, digits, '_', '.', '-' (starting with a letter or digit); "
-                            f"got {self.name!r}")
-        check_str("model", self.model)
-        if not isinstance(self.route, RouteSpec):
-            raise SpecError(f"route: must be a RouteSpec, got {show(self.route)}")
-        check_str("served_model_name", self.served_model_name, optional=True)
-        check_int("max_model_len", self.max_model_len, min_value=1, optional=True)
+            raise SpecError("name", f"use letters, digits, '_', '.', '-' (starting with a letter or digit); "
+                                    f"got {self.name!r}")
         if self.is_upstream:
-            self._check_upstream()
-        else:
-            self._check_local()
-
-    def _check_upstream(self) -> None:
-        check_str("upstream", self.upstream)
-        url = urlsplit(self.upstream)
-        if url.scheme not in ("http", "https") or not url.hostname:
-            raise SpecError(f"upstream: must be an http:// or https:// URL with a host, got {self.upstream!r}")
-        check_str("upstream_api_key_env", self.upstream_api_key_env, optional=True)
-        check_str("tokenizer", self.tokenizer, optional=True)
-        for key in ("kv_share", "kv_cache_bytes", "max_num_seqs"):
-            if getattr(self, key) is not None:
-                raise SpecError(f"{key}: not allowed on an upstream pool (it has no local KV cache), "
-                                f"got {getattr(self, key)!r}")
-
-    def _check_local(self) -> None:
-        for key in ("upstream_api_key_env", "tokenizer"):
-            if getattr(self, key) is not None:
-                raise SpecError(f"{key}: only for upstream pools (a local pool uses its model's own), "
-                                f"got {getattr(self, key)!r}")
-        check_str("device", self.device)
-        check_fraction("kv_share", self.kv_share, optional=True)
-        check_int("kv_cache_bytes", self.kv_cache_bytes, min_value=1, optional=True)
+            url = urlsplit(self.upstream)
+            if url.scheme not in ("http", "https") or not url.hostname:
+                raise SpecError("upstream", f"must be an http:// or https:// URL with a host, got {self.upstream!r}")
+            return
         if self.kv_share is not None and self.kv_cache_bytes is not None:
-            raise SpecError(f"kv_share: set kv_share or kv_cache_bytes, not both "
-                            f"(got kv_share {self.kv_share} and kv_cache_bytes {self.kv_cache_bytes})")
+            raise SpecError("kv_share", f"set kv_share or kv_cache_bytes, not both (got kv_share {self.kv_share} "
+                                        f"and kv_cache_bytes {self.kv_cache_bytes})")
         if self.kv_share is None and self.kv_cache_bytes is None:
-            raise SpecError("kv_share: a local pool needs kv_share (a fraction of its device's KV bytes) "
-                            "or kv_cache_bytes; got neither")
-        check_int("avg_len", self.avg_len, min_value=1)
-        check_int("block_size", self.block_size)
-        check_int("max_num_batched_tokens", self.max_num_batched_tokens, min_value=1)
-        check_int("max_num_seqs", self.max_num_seqs, min_value=1, optional=True)
-        check_int("swap_space", self.swap_space_bytes, min_value=0)
-        # The rest by the engine's own rules (one definition of block sizes, modes and policies).
-        with _engine_rules({"swap_space_bytes": "swap_space"}):
-            CacheConfig(block_size=self.block_size)
+            raise SpecError("kv_share", "a local pool needs kv_share (a fraction of its device's KV bytes) or "
+                                        "kv_cache_bytes; got neither")
+        with engine_rules({"swap_space_bytes": "swap_space"}):   # the engine's rules: swap needs swap_space
             self.scheduler_config(self.max_num_seqs or 1, self.max_model_len or 0)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise SpecError(f"enable_prefix_caching: must be true or false, got {show(self.enable_prefix_caching)}")
-        if not isinstance(self.share_prefix_cache, bool):
-            raise SpecError(f"share_prefix_cache: must be true or false, got {show(self.share_prefix_cache)}")
-        if self.slo is not None and not isinstance(self.slo, LatencySLO):
-            raise SpecError(f"slo: must be a mapping with ttft_ms and itl_ms, got {show(self.slo)}")
-        if self.slo_source is not None:
-            if self.slo_source not in SLO_SOURCES:
-                raise SpecError(f"slo_source: must be one of {', '.join(SLO_SOURCES)} or None, "
-                                f"got {show(self.slo_source)}")
-            if (self.slo is not None) != (self.slo_source in _SLO_SOURCES_WITH_SLO):
-                needs = "an slo" if self.slo_source in _SLO_SOURCES_WITH_SLO else "slo None"
-                raise SpecError(f"slo_source: {self.slo_source!r} needs {needs}, got slo {show(self.slo)}")
-        if self.max_queue_seconds is not None and (not is_number(self.max_queue_seconds)
-                                                   or not self.max_queue_seconds >= 0):
-            raise SpecError(f"max_queue_seconds: must be a number of seconds >= 0 (0: refuse with 429 instead "
-                            f"of queueing; null: no limit), got {show(self.max_queue_seconds)}")
-        if self.min_share is not None:
-            if not is_number(self.min_share) or not 0 <= self.min_share < 1:
-                raise SpecError(f"min_share: must be a number in [0, 1) (the part of the device's step time this "
-                                f"throughput pool keeps while it has work; 0: none), got {show(self.min_share)}")
-            if self.slo is not None:
-                why = (" (isolation by default made it interactive; `slo: null` keeps it a throughput pool)"
-                       if self.slo_source == "default" else "")
-                raise SpecError(f"min_share: only for throughput pools; this pool has an slo{why}, "
-                                f"got min_share {self.min_share}")
-        if not isinstance(self.death_spiral, SpiralConfig):
-            raise SpecError(f"death_spiral: must be a SpiralConfig, got {show(self.death_spiral)}")
+        if self.slo_source is not None and (self.slo is not None) != (self.slo_source in _SLO_SOURCES_WITH_SLO):
+            raise SpecError("slo_source", f"{self.slo_source!r} needs "
+                                          f"{'an slo' if self.slo is None else 'slo None'}, got slo {self.slo!r}")
+        if self.min_share is not None and self.slo is not None:
+            why = (" (isolation by default made it interactive; `slo: null` keeps it a throughput pool)"
+                   if self.slo_source == "default" else "")
+            raise SpecError("min_share", f"only for throughput pools; this pool has an slo{why}, "
+                                         f"got min_share {self.min_share}")
 
     def scheduler_config(self, max_num_seqs: int, max_model_len: int) -> SchedulerConfig:
         """The engine's limits for this pool, given the two numbers the capacity plan derives."""

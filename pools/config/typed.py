@@ -10,29 +10,39 @@ it in their own error: the OpenAI error format's `param` on HTTP, a `SpecError` 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
 
 T = TypeVar("T")
+MISSING: Any = msgspec.UNSET   # FieldError.value when the path names nothing in the input
 
 
 class FieldError(ValueError):
-    """A value that does not fit its model: `path` names the field (empty for the whole value)."""
+    """A value that does not fit its model: `path` names the field (empty for the whole value).
+
+    Beside the message: `value`, what the input holds at `path` (MISSING if nothing), and `allowed`, the
+    fields of the object holding an unrecognized one or the choices of an enum (empty otherwise)."""
 
     def __init__(self, path: str, reason: str) -> None:
         super().__init__(f"{path}: {reason}" if path else reason)
         self.path = path
         self.reason = reason
+        self.value: Any = MISSING
+        self.allowed: tuple[str, ...] = ()
 
 
-def convert(value: Any, model: type[T], *, root: str = "") -> T:
+def convert(value: Any, model: type[T], *, root: str = "",
+            dec_hook: Callable[[type, Any], Any] | None = None) -> T:
     """`value` (decoded JSON or YAML) as an instance of `model`; a misfit is a FieldError naming the path
-    under `root` (the path of `value` itself, e.g. `pools[1]`)."""
+    under `root` (the path of `value` itself, e.g. `pools[1]`). `dec_hook` builds the model's custom types
+    (msgspec's hook: a ValueError it raises is a misfit at that field). A FieldError raised by a
+    `__post_init__` (a rule across fields) keeps its own path, under the path of the object it checks."""
     try:
-        return msgspec.convert(value, model, strict=True)
+        return msgspec.convert(value, model, strict=True, dec_hook=dec_hook)
     except msgspec.ValidationError as exc:
-        raise explain(exc, model, root) from None
+        raise explain(exc, model, root, value) from None
 
 
 _AT = re.compile(r"^(?P<what>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.S)
@@ -40,19 +50,25 @@ _MISSING = re.compile(r"^Object missing required field `(?P<name>[^`]+)`$")
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]+)`$")
 _EXPECTED = re.compile(r"^Expected `(?P<want>[^`]+)`(?:, got `(?P<got>[^`]+)`)?(?P<rest>.*)$")
 _ENUM = re.compile(r"^Invalid enum value (?P<value>.+)$")
+_PART = re.compile(r"\.?([^.\[\]]+)|\[(\d+|\.\.\.)\]")
 _WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean",
           "array": "an array", "object": "an object", "null": "null"}
 _GOT = {"int": "integer", "float": "number", "str": "string", "bool": "boolean"}
 
 
-def explain(exc: msgspec.ValidationError, model: type, root: str = "") -> FieldError:
-    """msgspec's message (`Expected `int` >= 1 - at `$.n``) as a FieldError (`n`, `must be >= 1`)."""
+def explain(exc: msgspec.ValidationError, model: type, root: str = "", value: Any = MISSING) -> FieldError:
+    """msgspec's message (`Expected `int` >= 1 - at `$.n``) as a FieldError (`n`, `must be >= 1`);
+    `value`, the input converted, gives the error its `value`."""
     match = _AT.match(str(exc))
     what, path = match["what"], (match["path"] or "").lstrip(".")
-    reason = what
-    if found := _MISSING.match(what):
+    reason, allowed = what, ()
+    cause = exc.__cause__
+    if isinstance(cause, FieldError):   # a rule of a __post_init__: its path is under the object's
+        path, reason = _join(path, cause.path) if cause.path else path, cause.reason
+    elif found := _MISSING.match(what):
         path, reason = _join(path, found["name"]), "is required"
     elif found := _UNKNOWN.match(what):
+        allowed = _allowed(model, path)
         path, reason = _join(path, found["name"]), "unrecognized field"
     elif found := _ENUM.match(what):
         allowed = _allowed(model, path)
@@ -63,7 +79,22 @@ def explain(exc: msgspec.ValidationError, model: type, root: str = "") -> FieldE
     if match["key"]:
         reason = f"a key: {reason}"
     full = f"{root}{'' if not path or path.startswith('[') or not root else '.'}{path}" if root else path
-    return FieldError(full, reason)
+    error = FieldError(full, reason)   # a rule's reason names its values itself
+    error.value = MISSING if isinstance(cause, FieldError) else _value_at(value, path)
+    error.allowed = tuple(allowed)
+    return error
+
+
+def _value_at(value: Any, path: str) -> Any:
+    """What `value` holds at `path` (`pools[1].kv_share`), or MISSING."""
+    for name, index in _PART.findall(path):
+        if name and isinstance(value, dict) and name in value:
+            value = value[name]
+        elif index.isdigit() and isinstance(value, list) and int(index) < len(value):
+            value = value[int(index)]
+        else:
+            return MISSING
+    return value
 
 
 def _join(path: str, name: str) -> str:
@@ -85,9 +116,10 @@ def _kinds(want: str) -> str:
 
 
 def _allowed(model: type, path: str) -> list[str]:
-    """The literal values the field at `path` takes (for an enum error), found by walking the model."""
+    """The literal values the field at `path` takes (an enum error), or the fields of the object at `path`
+    (an unrecognized field in it), found by walking the model."""
     info: Any = msgspec.inspect.type_info(model)
-    for part in re.findall(r"\.?([^.\[\]]+)|\[\d+\]", path) if path else []:
+    for part, _ in _PART.findall(path):
         info = _unwrap(info)
         if part and isinstance(info, msgspec.inspect.StructType):
             info = next((f.type for f in info.fields if f.encode_name == part), None)
@@ -104,6 +136,8 @@ def _allowed(model: type, path: str) -> list[str]:
         return [str(v) for v in info.values]
     if isinstance(info, msgspec.inspect.EnumType):
         return [str(m.value) for m in info.cls]
+    if isinstance(info, msgspec.inspect.StructType):
+        return [f.encode_name for f in info.fields]
     return []
 
 

@@ -8,41 +8,30 @@ by key, is in `config/README.md`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from collections.abc import Mapping
 from pathlib import Path, PurePath
-from typing import Any
+from typing import Annotated, Any
 
-from engine.config import ConfigError, LatencySLO
-from pools.config.gateway_spec import DEFAULT_API_KEYS_ENV, Backoff, GatewaySpec, RequestLimits, RetentionSpec
-from pools.config.spec import CliffguardConfig, DeviceSpec, PoolSpec, RouteSpec, parse_bytes
-from pools.spiral import SpiralConfig
+import msgspec
+
+from engine.config import LatencySLO
+from pools.config.checks import SpecError, engine_rules, from_yaml, load_yaml, read_text, within
+from pools.config.device_spec import DeviceSpec, ReplicaRange
+from pools.config.gateway_spec import GatewaySpec
+from pools.config.spec import CliffguardConfig, PoolSpec, SloSpec
 from pools.tenants import parse_tenants
-from pools.config.checks import SpecError, check_mapping, check_str, load_yaml, read_text, show, within
 
-# --- keys -----------------------------------------------------------------------------------------
 
-_TOP_KEYS = ("gateway", "devices", "pools", "tenants")
-_GATEWAY_KEYS = ("host", "port", "api_keys", "api_keys_env", "max_body_bytes", "restart_backoff", "write_timeout",
-                 "stall_seconds", "step_timeout_seconds", "device_wait_seconds", "max_response_buffer_bytes",
-                 "max_buffered_bytes", "metrics_auth", "limits", "stored_responses")
-_LIMITS_KEYS = tuple(f.name for f in dataclasses.fields(RequestLimits))
-_BACKOFF_KEYS = tuple(f.name for f in dataclasses.fields(Backoff))
-_RETENTION_KEYS = tuple(f.name for f in dataclasses.fields(RetentionSpec))
-_DEVICE_KEYS = ("device", "memory", "memory_utilization", "dtype", "tensor_parallel_size", "replicas", "gpus",
-                "cpu_threads", "placement", "ray_address")
-_REPLICAS_KEYS = ("min", "max", "scale_up_wait_seconds", "scale_down_idle_seconds")   # `replicas: {min, max}`
-_ROUTE_KEYS = ("min_prompt_tokens", "max_prompt_tokens")
-_COMMON_POOL_KEYS = ("name", "model", "route", "served_model_name", "max_model_len")
-_LOCAL_POOL_KEYS = ("device", "kv_share", "kv_cache_bytes", "avg_len", "block_size", "max_num_batched_tokens",
-                    "max_num_seqs", "preemption_mode", "victim_policy", "swap_space", "enable_prefix_caching",
-                    "share_prefix_cache", "slo", "max_queue_seconds", "min_share", "death_spiral")
-_SLO_KEYS = ("ttft_ms", "itl_ms")
-_SPIRAL_KEYS = tuple(f.name for f in dataclasses.fields(SpiralConfig))   # the detector's own fields
-_UPSTREAM_POOL_KEYS = ("upstream", "upstream_api_key_env", "tokenizer")
-_BYTE_KEYS = {"kv_cache_bytes": "kv_cache_bytes", "swap_space": "swap_space_bytes"}
+class ConfigFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The file's top level; each section is then read by its own model (a device, a pool, a tenant at a
+    time, so that an error names it)."""
+
+    gateway: dict[str, Any] | None = None
+    devices: dict[str, Any] | None = None
+    pools: Annotated[list[Any], msgspec.Meta(min_length=1)]
+    tenants: dict[str, Any] | None = None
 
 
 def _beside(base_dir: Path | None, spec: str) -> str:
@@ -54,136 +43,63 @@ def _beside(base_dir: Path | None, spec: str) -> str:
     return os.path.normpath(candidate) if candidate.exists() else spec
 
 
-def _parse_gateway(raw: Any, env: Mapping[str, str]) -> GatewaySpec:
-    raw = check_mapping("gateway", {} if raw is None else raw, _GATEWAY_KEYS)
-    keys: list[str] = []
-    api_keys = raw.get("api_keys", [])
-    if api_keys is None:
-        api_keys = []
-    if not isinstance(api_keys, list):
-        raise SpecError(f"gateway.api_keys: must be a list of strings, got {show(api_keys)}")
-    for i, key in enumerate(api_keys):
-        check_str(f"gateway.api_keys[{i}]", key)
-        keys.append(key.strip())
-    env_name = raw.get("api_keys_env", DEFAULT_API_KEYS_ENV)
-    check_str("gateway.api_keys_env", env_name, optional=True)
-    if env_name:
-        keys += [k.strip() for k in env.get(env_name, "").split(",") if k.strip()]
-    kwargs: dict[str, Any] = {k: raw[k] for k in ("host", "port", "write_timeout", "stall_seconds",
-                                                  "step_timeout_seconds", "device_wait_seconds", "metrics_auth")
-                              if k in raw}
-    for key, spec_type, spec_keys in (("limits", RequestLimits, _LIMITS_KEYS),
-                                      ("stored_responses", RetentionSpec, _RETENTION_KEYS)):
-        if raw.get(key) is not None:
-            section = check_mapping(f"gateway.{key}", raw[key], spec_keys)
-            with within("gateway"):
-                kwargs[key] = spec_type(**section)
-    for key in ("max_body_bytes", "max_response_buffer_bytes", "max_buffered_bytes"):
-        if key in raw:
-            kwargs[key] = parse_bytes(raw[key], f"gateway.{key}")
-    if raw.get("restart_backoff") is not None:
-        backoff = check_mapping("gateway.restart_backoff", raw["restart_backoff"], _BACKOFF_KEYS)
-        with within("gateway"):
-            kwargs["restart_backoff"] = Backoff(**backoff)
-    with within("gateway"):
-        return GatewaySpec(api_keys=tuple(dict.fromkeys(keys)), api_keys_env=env_name, **kwargs)
+def _without_nulls(raw: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """`raw` less the `keys` written as null: those sections then take their defaults."""
+    return {k: v for k, v in raw.items() if v is not None or k not in keys}
 
 
-def _parse_devices(raw: Any) -> dict[str, DeviceSpec]:
-    if raw is None:
-        return {"default": DeviceSpec()}
+def _parse_gateway(raw: dict[str, Any] | None, env: Mapping[str, str]) -> GatewaySpec:
+    """The `gateway` section, its `api_keys` merged with those of the `api_keys_env` variable."""
+    gateway = from_yaml(_without_nulls(raw or {}, ("api_keys", "limits", "stored_responses", "restart_backoff")),
+                        GatewaySpec, "gateway")
+    keys = [k.strip() for k in gateway.api_keys]
+    if gateway.api_keys_env:
+        keys += [k.strip() for k in env.get(gateway.api_keys_env, "").split(",") if k.strip()]
+    return gateway.replace(api_keys=tuple(dict.fromkeys(k for k in keys if k)))
+
+
+def _parse_device(name: str, raw: Any) -> DeviceSpec:
+    """`devices.<name>`: `memory` and `cpu_threads` may be `auto` (None), `replicas` a number or a mapping
+    `{min, max, ...}` (autoscaled: `replicas` is the max, the slots planned)."""
+    key = f"devices.{name}"
+    raw = {} if raw is None else raw
     if not isinstance(raw, dict):
-        raise SpecError(f"devices: must be a mapping of device name to settings, got {show(raw)}")
-    devices = {}
-    for name, body in raw.items():
-        key = f"devices.{name}"
-        if not isinstance(name, str) or not name:
-            raise SpecError(f"devices: device names must be non-empty strings, got {show(name)}")
-        body = check_mapping(key, {} if body is None else body, _DEVICE_KEYS)
-        kwargs = {k: v for k, v in body.items() if k not in ("memory", "gpus", "cpu_threads", "replicas")}
-        if "replicas" in body:
-            kwargs.update(_replicas_fields(key, body["replicas"]))
-        if body.get("gpus") is not None:
-            if not isinstance(body["gpus"], list):
-                raise SpecError(f"{key}.gpus: must be a list of GPU indices, got {show(body['gpus'])}")
-            kwargs["gpus"] = tuple(body["gpus"])
-        if body.get("cpu_threads", "auto") != "auto":
-            kwargs["cpu_threads"] = body["cpu_threads"]
-        memory = body.get("memory", "auto")
-        if memory not in ("auto", None):
-            kwargs["memory_bytes"] = parse_bytes(memory, f"{key}.memory")
-            if kwargs["memory_bytes"] == 0:
-                raise SpecError(f"{key}.memory: must be > 0 bytes (or auto), got {memory!r}")
-        with within(key):
-            devices[name] = DeviceSpec(name=name, **kwargs)
-    return devices
-
-
-def _replicas_fields(key: str, raw: Any) -> dict[str, Any]:
-    """`replicas: N` (fixed) or `replicas: {min, max, scale_up_wait_seconds, scale_down_idle_seconds}`
-    (autoscaled) -> DeviceSpec fields: `replicas` is the max, the slots planned; DeviceSpec checks the values."""
-    if not isinstance(raw, dict):
-        return {"replicas": raw}
-    check_mapping(f"{key}.replicas", raw, _REPLICAS_KEYS)
-    for bound in ("min", "max"):
-        if raw.get(bound) is None:
-            raise SpecError(f"{key}.replicas.{bound}: required in the mapping form (e.g. `replicas: {{min: 1, "
-                            f"max: 4}}`), got nothing")
-    timings = {k: raw[k] for k in _REPLICAS_KEYS[2:] if k in raw}
-    return {"replicas": raw["max"], "min_replicas": raw["min"], **timings}
+        return from_yaml(raw, DeviceSpec, key)
+    raw = {k: v for k, v in raw.items() if k not in ("memory", "cpu_threads") or v not in ("auto", None)}
+    derived: dict[str, Any] = {}
+    if isinstance(raw.get("replicas"), dict):
+        derived = from_yaml(raw.pop("replicas"), ReplicaRange, f"{key}.replicas").device_fields()
+    return from_yaml(raw, DeviceSpec, key, name=name, **derived)
 
 
 def _parse_pool(i: int, raw: Any, base_dir: Path | None) -> PoolSpec:
+    """`pools[i]`: a local or (with an `upstream` key) an upstream pool, each refusing the other's keys;
+    `slo` (a mapping, or null: opted out) sets `slo_source`, `death_spiral` may be true or false."""
     key = f"pools[{i}]"
-    all_keys = _COMMON_POOL_KEYS + _UPSTREAM_POOL_KEYS + _LOCAL_POOL_KEYS
-    raw = check_mapping(key, raw, all_keys)
-    is_upstream = "upstream" in raw
-    for name, value in raw.items():
-        if is_upstream and name in _LOCAL_POOL_KEYS:
-            raise SpecError(f"{key}.{name}: not allowed on an upstream pool (got {value!r}); an upstream pool "
-                            f"takes only: {', '.join(_COMMON_POOL_KEYS + _UPSTREAM_POOL_KEYS)}")
-        if not is_upstream and name in _UPSTREAM_POOL_KEYS:
-            raise SpecError(f"{key}.{name}: only for upstream pools (got {value!r}); "
-                            "set `upstream: http://host:port/v1` or remove it")
-    for required in ("name", "model"):
-        if raw.get(required) is None:
-            raise SpecError(f"{key}.{required}: required, got nothing")
-    kwargs = {k: v for k, v in raw.items() if k not in _BYTE_KEYS and k not in ("route", "slo", "death_spiral")}
-    if raw.get("slo") is not None:
-        slo = check_mapping(f"{key}.slo", raw["slo"], _SLO_KEYS)
-        try:
-            kwargs["slo"] = LatencySLO(**slo)
-        except ConfigError as exc:
-            raise SpecError(f"{key}.{exc}") from None
-    if not is_upstream:   # `slo: null` (opted out of the default) differs from no `slo` key
-        kwargs["slo_source"] = "yaml" if "slo" in kwargs else "opted_out" if "slo" in raw else "absent"
-    if raw.get("death_spiral") is not None:
-        kwargs["death_spiral"] = _parse_spiral(f"{key}.death_spiral", raw["death_spiral"])
-    for yaml_key, field_name in _BYTE_KEYS.items():
-        if yaml_key in raw:
-            kwargs[field_name] = parse_bytes(raw[yaml_key], f"{key}.{yaml_key}")
-    route = check_mapping(f"{key}.route", {} if raw.get("route") is None else raw["route"], _ROUTE_KEYS)
-    with within(f"{key}.route"):
-        kwargs["route"] = RouteSpec(**route)
-    if not is_upstream and isinstance(kwargs.get("model"), str):
-        kwargs["model"] = _beside(base_dir, kwargs["model"])
-    if isinstance(kwargs.get("tokenizer"), str):
-        kwargs["tokenizer"] = _beside(base_dir, kwargs["tokenizer"])
-    with within(key):
-        return PoolSpec(**kwargs)
-
-
-def _parse_spiral(key: str, raw: Any) -> SpiralConfig:
-    """`death_spiral`: a mapping of thresholds, or `false` (detection off) / `true` (the defaults)."""
-    if isinstance(raw, bool):
-        return SpiralConfig(enabled=raw)
     if not isinstance(raw, dict):
-        raise SpecError(f"{key}: must be a mapping ({', '.join(_SPIRAL_KEYS)}) or false, got {show(raw)}")
-    check_mapping(key, raw, _SPIRAL_KEYS)
-    try:
-        return SpiralConfig(**raw)
-    except ValueError as exc:   # its message starts with `death_spiral.<field>`
-        raise SpecError(f"{key.rpartition('.')[0]}.{exc}") from None
+        return from_yaml(raw, PoolSpec, key)
+    upstream = "upstream" in raw
+    for name, value in raw.items():
+        if upstream and name in PoolSpec.LOCAL_KEYS:
+            raise SpecError(f"{key}.{name}", f"not allowed on an upstream pool (got {value!r}); an upstream pool "
+                                             "has no local KV cache")
+        if not upstream and name in PoolSpec.UPSTREAM_KEYS:
+            raise SpecError(f"{key}.{name}", f"only for upstream pools (got {value!r}); "
+                                             "set `upstream: http://host:port/v1` or remove it")
+    raw = _without_nulls(raw, ("route", "death_spiral"))
+    if isinstance(raw.get("death_spiral"), bool):
+        raw["death_spiral"] = {"enabled": raw["death_spiral"]}
+    if isinstance(raw.get("slo"), dict):
+        slo = from_yaml(raw["slo"], SloSpec, f"{key}.slo")
+        with within(key), engine_rules():
+            raw["slo"] = LatencySLO(ttft_ms=slo.ttft_ms, itl_ms=slo.itl_ms)
+    for name in ("tokenizer",) if upstream else ("model",):
+        if isinstance(raw.get(name), str):
+            raw[name] = _beside(base_dir, raw[name])
+    if upstream:
+        return from_yaml(raw, PoolSpec, key)
+    source = "yaml" if raw.get("slo") is not None else "opted_out" if "slo" in raw else "absent"
+    return from_yaml(raw, PoolSpec, key, slo_source=source)
 
 
 def parse_config(data: Any, *, env: Mapping[str, str] = os.environ,
@@ -194,25 +110,17 @@ def parse_config(data: Any, *, env: Mapping[str, str] = os.environ,
     paths are looked up there first.
     """
     if data is None:
-        raise SpecError("pools: the configuration is empty; at least one pool is required")
-    if not isinstance(data, dict):
-        raise SpecError(f"(top level): must be a mapping with keys {', '.join(_TOP_KEYS)}, got {show(data)}")
-    check_mapping("", data, _TOP_KEYS)
+        raise SpecError("pools", "the configuration is empty; at least one pool is required")
+    top = from_yaml(data, ConfigFile, "")
     base = Path(base_dir) if base_dir is not None else None
-    pools_raw = data.get("pools")
-    if pools_raw is None:
-        raise SpecError("pools: missing; at least one pool is required")
-    if not isinstance(pools_raw, list):
-        raise SpecError(f"pools: must be a list of pools, got {show(pools_raw)}")
-    if not pools_raw:
-        raise SpecError("pools: at least one pool is required, got []")
-    gateway = _parse_gateway(data.get("gateway"), env)
-    tenants = parse_tenants(data.get("tenants"))
+    gateway = _parse_gateway(top.gateway, env)
+    tenants = parse_tenants(top.tenants)
     tenant_keys = tuple(k for t in tenants.values() for k in t.api_keys)
     if tenant_keys:   # a tenant's keys are accepted keys
-        gateway = dataclasses.replace(gateway, api_keys=tuple(dict.fromkeys(gateway.api_keys + tenant_keys)))
-    devices = _parse_devices(data.get("devices"))
-    pools = default_isolation(tuple(_parse_pool(i, raw, base) for i, raw in enumerate(pools_raw)))
+        gateway = gateway.replace(api_keys=tuple(dict.fromkeys(gateway.api_keys + tenant_keys)))
+    devices = ({"default": DeviceSpec()} if top.devices is None
+               else {name: _parse_device(name, body) for name, body in top.devices.items()})
+    pools = default_isolation(tuple(_parse_pool(i, raw, base) for i, raw in enumerate(top.pools)))
     return CliffguardConfig(gateway=gateway, devices=devices, pools=pools, tenants=tenants)
 
 
@@ -242,7 +150,7 @@ def default_isolation(pools: tuple[PoolSpec, ...]) -> tuple[PoolSpec, ...]:
             continue
         if pools[shortest].slo_source == "absent":
             with within(f"pools[{shortest}]"):
-                result[shortest] = dataclasses.replace(pools[shortest], slo=LatencySLO(), slo_source="default")
+                result[shortest] = pools[shortest].replace(slo=LatencySLO(), slo_source="default")
     return tuple(result)
 
 

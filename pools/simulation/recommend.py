@@ -37,9 +37,9 @@ def recommend(config: CliffguardConfig, model_configs: Mapping[str, ModelConfig]
     candidates = []
     for share in shares:
         for budget in budgets:
-            split = {first.name: dataclasses.replace(first, kv_share=share, kv_cache_bytes=None),
-                     second.name: dataclasses.replace(second, kv_share=round(1 - share, 6), kv_cache_bytes=None,
-                                                      max_num_batched_tokens=budget)}
+            split = {first.name: first.replace(kv_share=share, kv_cache_bytes=None),
+                     second.name: second.replace(kv_share=round(1 - share, 6), kv_cache_bytes=None,
+                                                 max_num_batched_tokens=budget)}
             candidate = dataclasses.replace(config, pools=tuple(split.get(p.name, p) for p in config.pools))
             try:
                 plan = plan_capacity(candidate, model_configs, vram_bytes=vram_bytes)

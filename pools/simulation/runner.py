@@ -213,8 +213,8 @@ def shared_layout(config: CliffguardConfig, plan: CapacityPlan) -> CliffguardCon
         members = [plan.pools[name] for name in dplan.pools]
         first = members[0].spec
         share = sum(p.kv_cache_bytes_per_device for p in members) / dplan.kv_space_bytes_per_device
-        pools.append(dataclasses.replace(
-            first, name="shared" if len(plan.devices) == 1 else f"shared-{dplan.name}", route=RouteSpec(),
+        pools.append(first.replace(
+            name="shared" if len(plan.devices) == 1 else f"shared-{dplan.name}", route=RouteSpec(),
             kv_share=min(1.0, share), kv_cache_bytes=None, max_num_seqs=sum(p.max_num_seqs for p in members),
             max_model_len=max(p.max_model_len for p in members),
             max_num_batched_tokens=max(p.spec.max_num_batched_tokens for p in members), slo=None,

@@ -115,11 +115,11 @@ def test_restart_backoff_comes_from_yaml_and_bad_values_name_the_key():
     assert [config.gateway.restart_backoff.delay(i) for i in range(5)] == [0.5, 1, 2, 4, 4]
     assert load_config(base, env={}).gateway.restart_backoff == Backoff()
     for bad, message in (("{factor: 0.5}", "gateway.restart_backoff.factor: must be >= 1"),
-                         ("{initial_seconds: x}", "gateway.restart_backoff.initial_seconds: must be a finite number"),
+                         ("{initial_seconds: x}", "gateway.restart_backoff.initial_seconds: expected a number"),
                          ("{max_seconds: .inf}", "gateway.restart_backoff.max_seconds: must be a finite number"),
                          ("{initial_seconds: 40}", "gateway.restart_backoff.max_seconds: must be >= initial_seconds"),
                          ("{jitter: 1}", "gateway.restart_backoff.jitter"),
-                         ("5", "gateway.restart_backoff: must be a mapping")):
+                         ("5", "gateway.restart_backoff: expected an object")):
         with pytest.raises(ValueError, match=re.escape(message)):
             load_config(f"gateway: {{restart_backoff: {bad}}}\n" + base, env={})
 

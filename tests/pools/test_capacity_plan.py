@@ -281,5 +281,5 @@ def test_plan_single_pool_is_the_yaml_planner(builtin_path):
     assert (engine.device, engine.dtype, engine.cache.block_size) == ("cpu", "float32", 8)
     with pytest.raises(SpecError, match=r"kv_cache_bytes: .* one request of max_model_len 8192 needs 512"):
         plan_single_pool(str(builtin_path), device="cpu", kv_cache_bytes=64 << 20)
-    with pytest.raises(SpecError, match=r"block_size: must be one of 8, 16, 32; got 12"):
+    with pytest.raises(SpecError, match=r"block_size: must be one of 8, 16, 32, got 12"):
         plan_single_pool(str(builtin_path), device="cpu", kv_cache_bytes=64 << 20, block_size=12)

@@ -133,7 +133,7 @@ def test_code_built_pools_keep_what_they_are_given():
     assert PoolSpec(name="chat", model=MODEL, kv_share=0.5, slo=LatencySLO()).service_class == "interactive"
     with pytest.raises(SpecError, match="slo_source: 'default' needs an slo, got slo None"):
         PoolSpec(name="chat", model=MODEL, kv_share=0.5, slo_source="default")
-    with pytest.raises(SpecError, match="slo_source: must be one of yaml, default, opted_out, absent"):
+    with pytest.raises(SpecError, match="slo_source: must be one of absent, default, opted_out, yaml"):
         PoolSpec(name="chat", model=MODEL, kv_share=0.5, slo_source="yes")
 
 

@@ -516,7 +516,7 @@ def test_a_small_request_of_another_flow_starts_at_the_next_step_boundary_and_th
 
 def test_shared_layout_keeps_a_replicated_device_replicated():
     config = load_config(ROOT / "config" / "examples" / "llama3-70b-8xh100.yaml")
-    config = dataclasses.replace(config, devices={"h100x8": dataclasses.replace(config.devices["h100x8"], replicas=2)})
+    config = dataclasses.replace(config, devices={"h100x8": config.devices["h100x8"].replace(replicas=2)})
     models = {config.pools[0].model: read_model_config(LLAMA_70B)}
     plan = plan_capacity(config, models, vram_bytes=80 << 30)
     shared_plan = plan_capacity(shared_layout(config, plan), models, vram_bytes=80 << 30)

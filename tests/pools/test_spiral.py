@@ -172,14 +172,14 @@ def test_history_is_bounded_by_the_window():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"window_seconds": 0}, "death_spiral.window_seconds: must be a number > 0, got 0"),
-    ({"window_seconds": "30s"}, "death_spiral.window_seconds: must be a number > 0, got '30s'"),
-    ({"window_seconds": float("inf")}, "death_spiral.window_seconds"),
-    ({"min_preemptions_per_s": 0}, "death_spiral.min_preemptions_per_s: must be a number > 0, got 0"),
-    ({"min_preemptions_per_s": True}, "death_spiral.min_preemptions_per_s"),
-    ({"tokens_tolerance": -0.1}, "death_spiral.tokens_tolerance: must be a number >= 0, got -0.1"),
-    ({"clear_seconds": -1}, "death_spiral.clear_seconds: must be a number >= 0, got -1"),
-    ({"enabled": "no"}, "death_spiral.enabled: must be true or false, got 'no'"),
+    ({"window_seconds": 0}, "window_seconds: must be > 0.0, got 0"),
+    ({"window_seconds": "30s"}, "window_seconds: expected a number, got string '30s'"),
+    ({"window_seconds": float("inf")}, "window_seconds: must be a finite number, got inf"),
+    ({"min_preemptions_per_s": 0}, "min_preemptions_per_s: must be > 0.0, got 0"),
+    ({"min_preemptions_per_s": True}, "min_preemptions_per_s: expected a number, got boolean True"),
+    ({"tokens_tolerance": -0.1}, "tokens_tolerance: must be >= 0.0, got -0.1"),
+    ({"clear_seconds": -1}, "clear_seconds: must be >= 0.0, got -1"),
+    ({"enabled": "no"}, "enabled: expected a boolean, got string 'no'"),
 ])
 def test_config_is_checked_on_construction(kwargs, message):
     with pytest.raises(ValueError) as info:

@@ -26,7 +26,7 @@ def test_share_files_is_parsed_and_checked():
     specs = parse_tenants({"team": {"api_keys": ["sk-1"], "share_files": True}, "solo": {"api_keys": ["sk-2"]}})
     assert specs["team"].share_files is True and specs["solo"].share_files is False
     for bad in ("yes", 1, None, [True]):
-        with pytest.raises(SpecError, match=r"^tenants\.team\.share_files: must be true or false .* got "):
+        with pytest.raises(SpecError, match=r"^tenants\.team\.share_files: expected a boolean, got "):
             parse_tenants({"team": {"api_keys": ["sk-1"], "share_files": bad}})
 
 
