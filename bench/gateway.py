@@ -1,13 +1,15 @@
 """`cliffguard bench gateway`: what the gateway adds in front of a fast upstream, measured in one run.
 
-Three processes: a fast local OpenAI-compatible upstream (answers every chat completion at once with
+Four processes: a fast local OpenAI-compatible upstream (answers every chat completion at once with
 a fixed reply), `cliffguard serve` with one `upstream:` pool pointing at it (so every request is parsed,
-rendered with the chat template, counted exactly, routed and forwarded), and this load generator.
+rendered with the chat template, counted exactly, routed and forwarded), a bare pass-through proxy
+(aiohttp's server and client with nothing between them: what one more hop costs on this machine with
+the stock aiohttp stack), and this load generator.
 
-- Added latency: requests one at a time, alternating direct and through the gateway, so both see the
-  same machine state; p50/p99 of each and the difference.
+- Added latency: requests one at a time, round-robin direct, through the proxy and through the gateway,
+  so all see the same machine state; p50/p99 of each and what each adds to direct.
 - Routed requests/s: `--concurrency` requests in flight through the gateway, beside the same load sent
-  directly to the upstream.
+  directly to the upstream and through the proxy.
 """
 
 from __future__ import annotations
@@ -57,6 +59,31 @@ def serve_fast_upstream(port: int) -> None:
         f"upstream serving on http://127.0.0.1:{port} ", file=sys.stderr, flush=True))
 
 
+def serve_bare_proxy(port: int, upstream_port: int) -> None:
+    """The reference hop: aiohttp's server and client passing each body to the upstream and its answer
+    back, nothing read or changed (the gateway's server is aiohttp's; its client is lighter)."""
+    import aiohttp
+    from aiohttp import web
+
+    url = f"http://127.0.0.1:{upstream_port}/v1/chat/completions"
+    headers = {"Content-Type": "application/json", "Accept": "application/json"}
+
+    async def session_ctx(app: web.Application):
+        app["session"] = aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False)
+        yield
+        await app["session"].close()
+
+    async def chat(request: web.Request) -> web.Response:
+        async with request.app["session"].post(url, data=await request.read(), headers=headers) as answer:
+            return web.Response(body=await answer.read(), status=answer.status, content_type="application/json")
+
+    app = web.Application()
+    app.cleanup_ctx.append(session_ctx)
+    app.router.add_post("/v1/chat/completions", chat)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=lambda *a: print(
+        f"proxy serving on http://127.0.0.1:{port} ", file=sys.stderr, flush=True))
+
+
 def _free_port() -> int:
     import socket
 
@@ -79,56 +106,63 @@ def _wait_line(proc: subprocess.Popen, pattern: str, timeout: float = 120) -> st
     raise TimeoutError("".join(lines))
 
 
-async def _measure(direct_url: str, gateway_url: str, args: argparse.Namespace) -> dict:
+ARMS = ("direct", "proxy", "gateway")
+# The goals: the gateway adds at most the direct p50 again, and routes at least 0.4 of the direct requests/s.
+GOAL_ADDED_OVER_DIRECT = 1.0
+GOAL_ROUTED_OF_DIRECT = 0.4
+
+
+async def _measure(urls: dict[str, str], args: argparse.Namespace) -> dict:
+    """Latency (round-robin, one request at a time) and requests/s (a flood per arm) of each arm."""
     import aiohttp
 
     messages = [{"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": "What is the capital of France? Answer in one word."}]
-    direct_body = {"model": "upstream-model", "messages": messages, "max_tokens": 8}
-    gateway_body = dict(direct_body, model="bench")
+    body = {"model": "upstream-model", "messages": messages, "max_tokens": 8}
+    bodies = {"direct": body, "proxy": body, "gateway": dict(body, model="bench")}
     connector = aiohttp.TCPConnector(limit=max(args.concurrency, 1))
     async with aiohttp.ClientSession(connector=connector) as session:
-        async def one(url: str, body: dict) -> float:
+        async def one(arm: str) -> float:
             t = time.perf_counter()
-            async with session.post(url, json=body) as r:
+            async with session.post(urls[arm], json=bodies[arm]) as r:
                 await r.read()
                 if r.status != 200:
-                    raise RuntimeError(f"{url}: HTTP {r.status}: {await r.text()}")
+                    raise RuntimeError(f"{urls[arm]}: HTTP {r.status}: {await r.text()}")
             return time.perf_counter() - t
 
         for _ in range(50):  # warm-up: connections, caches
-            await one(direct_url, direct_body)
-            await one(gateway_url, gateway_body)
-        direct, through = [], []
+            for arm in ARMS:
+                await one(arm)
+        latency: dict[str, list[float]] = {arm: [] for arm in ARMS}
         for _ in range(args.latency_requests):
-            direct.append(await one(direct_url, direct_body))
-            through.append(await one(gateway_url, gateway_body))
+            for arm in ARMS:
+                latency[arm].append(await one(arm))
 
-        async def flood(url: str, body: dict) -> float:
+        async def flood(arm: str) -> float:
             remaining = args.requests
 
             async def worker():
                 nonlocal remaining
                 while remaining > 0:
                     remaining -= 1
-                    await one(url, body)
+                    await one(arm)
 
             t = time.perf_counter()
             await asyncio.gather(*(worker() for _ in range(args.concurrency)))
             return args.requests / (time.perf_counter() - t)
 
-        direct_rps = await flood(direct_url, direct_body)
-        gateway_rps = await flood(gateway_url, gateway_body)
-    ms = 1e3
-    d, g = latency_stats(direct), latency_stats(through)
-    return {
-        "direct_p50_ms": d["p50"] * ms, "direct_p99_ms": d["p99"] * ms,
-        "gateway_p50_ms": g["p50"] * ms, "gateway_p99_ms": g["p99"] * ms,
-        "added_p50_ms": (g["p50"] - d["p50"]) * ms,
-        "added_mean_ms": (statistics.mean(through) - statistics.mean(direct)) * ms,
-        "direct_rps": direct_rps, "gateway_rps": gateway_rps, "concurrency": args.concurrency,
-        "requests": args.requests, "latency_requests": args.latency_requests,
-    }
+        rps = {arm: await flood(arm) for arm in ARMS}
+    result: dict = {"concurrency": args.concurrency, "requests": args.requests,
+                    "latency_requests": args.latency_requests}
+    direct = latency_stats(latency["direct"])
+    for arm in ARMS:
+        stats = latency_stats(latency[arm])
+        result[arm] = {"p50_ms": stats["p50"] * 1e3, "p99_ms": stats["p99"] * 1e3, "rps": rps[arm],
+                       "added_p50_ms": (stats["p50"] - direct["p50"]) * 1e3,
+                       "added_mean_ms": (statistics.mean(latency[arm]) - statistics.mean(latency["direct"])) * 1e3,
+                       "added_over_direct_p50": (stats["p50"] - direct["p50"]) / direct["p50"],
+                       "rps_of_direct": rps[arm] / rps["direct"]}
+    return result
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,12 +170,14 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    up_port = _free_port()
-    upstream = subprocess.Popen([sys.executable, "-m", "bench.gateway", "upstream", str(up_port)],
-                                stderr=subprocess.PIPE, text=True, env=env)
-    gateway = None
+    up_port, proxy_port = _free_port(), _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.gateway", "upstream", str(up_port)],
+                              stderr=subprocess.PIPE, text=True, env=env)]
     try:
-        _wait_line(upstream, r"upstream serving on (\S+) ")
+        _wait_line(procs[0], r"upstream serving on (\S+) ")
+        procs.append(subprocess.Popen([sys.executable, "-m", "bench.gateway", "proxy", str(proxy_port), str(up_port)],
+                                      stderr=subprocess.PIPE, text=True, env=env))
+        _wait_line(procs[1], r"proxy serving on (\S+) ")
         with tempfile.TemporaryDirectory() as tmp:
             config = Path(tmp) / "bench.yaml"
             config.write_text(f"""
@@ -153,29 +189,39 @@ pools:
     tokenizer: {args.tokenizer}
     route: {{max_prompt_tokens: 1000000}}
 """)
-            gateway = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
-                                        "--port", "0"], stderr=subprocess.PIPE, text=True, env=env)
-            gateway_url = _wait_line(gateway, r"serving on (http://\S+) ")
-            subprocess_drain(gateway)
-            subprocess_drain(upstream)
-            result = asyncio.run(_measure(f"http://127.0.0.1:{up_port}/v1/chat/completions",
-                                          gateway_url + "/v1/chat/completions", args))
+            procs.append(subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+                                           "--port", "0"], stderr=subprocess.PIPE, text=True, env=env))
+            gateway_url = _wait_line(procs[2], r"serving on (http://\S+) ")
+            for proc in procs:
+                subprocess_drain(proc)
+            path = "/v1/chat/completions"
+            result = asyncio.run(_measure({"direct": f"http://127.0.0.1:{up_port}{path}",
+                                           "proxy": f"http://127.0.0.1:{proxy_port}{path}",
+                                           "gateway": gateway_url + path}, args))
     finally:
-        for proc in (gateway, upstream):
-            if proc is not None:
-                proc.terminate()
-                proc.wait(10)
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
     if args.json:
         print(json.dumps(result, indent=2))
-        return 0
-    print(f"gateway vs direct, {result['latency_requests']} sequential chat requests each, alternating:")
-    print(f"  direct   p50 {result['direct_p50_ms']:.3f} ms  p99 {result['direct_p99_ms']:.3f} ms")
-    print(f"  gateway  p50 {result['gateway_p50_ms']:.3f} ms  p99 {result['gateway_p99_ms']:.3f} ms")
-    print(f"  added    p50 {result['added_p50_ms']:.3f} ms  (mean {result['added_mean_ms']:.3f} ms)")
-    print(f"throughput, {result['requests']} requests at concurrency {result['concurrency']}:")
-    print(f"  direct   {result['direct_rps']:.0f} req/s")
-    print(f"  gateway  {result['gateway_rps']:.0f} routed req/s")
+    else:
+        _report(result)
     return 0
+
+
+def _report(result: dict) -> None:
+    print(f"{result['latency_requests']} sequential chat requests per arm, round-robin; then {result['requests']} "
+          f"per arm at concurrency {result['concurrency']}:")
+    print(f"  {'':8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'x direct p50':>12} {'req/s':>8} {'of direct':>9}")
+    for arm in ARMS:
+        r = result[arm]
+        print(f"  {arm:8} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} {r['added_p50_ms']:10.3f} "
+              f"{r['added_over_direct_p50']:12.2f} {r['rps']:8.0f} {r['rps_of_direct']:9.2f}")
+    g = result["gateway"]
+    print(f"goals: added p50 <= {GOAL_ADDED_OVER_DIRECT:g}x direct p50: "
+          f"{'met' if g['added_over_direct_p50'] <= GOAL_ADDED_OVER_DIRECT else 'NOT met'} "
+          f"({g['added_over_direct_p50']:.2f}x); routed >= {GOAL_ROUTED_OF_DIRECT:g} of direct: "
+          f"{'met' if g['rps_of_direct'] >= GOAL_ROUTED_OF_DIRECT else 'NOT met'} ({g['rps_of_direct']:.2f})")
 
 
 def subprocess_drain(proc: subprocess.Popen) -> None:
@@ -188,3 +234,5 @@ def subprocess_drain(proc: subprocess.Popen) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "upstream":
         serve_fast_upstream(int(sys.argv[2]))
+    elif len(sys.argv) == 4 and sys.argv[1] == "proxy":
+        serve_bare_proxy(int(sys.argv[2]), int(sys.argv[3]))
