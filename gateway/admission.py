@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.stats import STATS_INTERVAL
 from gateway.metrics import REQUEST_LATENCY_BUCKETS
-from gateway.openai.protocol import ApiError
+from gateway.openai.errors import ApiError
 from gateway.ticker import Ticker
 from pools.credit_hold import Admission, PoolFull, QueueTimeout, reservation
 from pools.credits import Ticket

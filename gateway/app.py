@@ -35,7 +35,7 @@ from aiohttp.web_protocol import RequestHandler
 from gateway import batches, dashboard, handlers
 from gateway.openai import stored_responses
 from gateway.admission import bearer_key
-from gateway.openai.protocol import ApiError
+from gateway.openai.errors import ApiError
 from gateway.client_writes import (BODY_SNDBUF_BYTES, RESPONSE_BUFFERS, ResponseBuffers, limit_send_buffer,
                                    write_within)
 from gateway.runtime import GATEWAY, Gateway

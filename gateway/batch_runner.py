@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from gateway.openai.protocol import ApiError
+from gateway.openai.errors import ApiError
 from gateway.runtime import Gateway
 from gateway.upstream import IDEMPOTENCY_KEY
 from pools.store.batch_input import BatchInputError, BatchLine

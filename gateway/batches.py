@@ -28,7 +28,7 @@ from gateway.admission import bearer_key
 from gateway.batch_runner import BatchRunner, LineExecutor, answer_batch_line
 from gateway.client_writes import write_within
 from gateway.handlers import read_json
-from gateway.openai.protocol import ApiError
+from gateway.openai.errors import ApiError
 from gateway.runtime import GATEWAY
 from pools.store.batch_files import CHUNK_BYTES
 from pools.store.batch_store import BatchStore

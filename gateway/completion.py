@@ -30,13 +30,16 @@ from typing import Any
 from aiohttp import web
 
 from engine.structured import StructuredOutput
-from gateway.openai import protocol as api
 from gateway.openai import objects
-from gateway.openai.protocol import ApiError, ChatRequest, CompletionRequest
+from gateway.openai.chat import ChatRequest
+from gateway.openai.completions import CompletionRequest
+from gateway.openai.errors import ApiError
+from gateway.openai.sampling_fields import check_context, check_logit_bias
 from gateway.client_writes import ClientGone
 from gateway.local_answer import LocalResponse
 from gateway.runtime import Gateway
-from gateway.openai.tools import ToolFormat, format_for, schema_error
+from gateway.openai.tool_specs import schema_error
+from gateway.openai.tools import ToolFormat, format_for
 from gateway.upstream import forward
 from pools.pool import Pool
 
@@ -79,9 +82,9 @@ class Completion:
     async def _answer(self) -> web.StreamResponse | dict[str, Any]:
         for pool, ids in self.routed:
             self.gateway.metrics.pool_series(pool.name).routed.inc()
-            api.check_context(self.req, len(ids), pool.max_model_len, pool.name)
+            check_context(self.req, len(ids), pool.max_model_len, pool.name)
             if not pool.is_upstream:
-                api.check_logit_bias(self.req, pool.tokenizer.vocab_size, pool.name)
+                check_logit_bias(self.req, pool.tokenizer.vocab_size, pool.name)
         upstream = [pool for pool, _ in self.routed if pool.is_upstream]
         if upstream:
             return await self._forward(upstream[0])

@@ -1,6 +1,6 @@
 """The endpoints: OpenAI chat and text completions, models, health, readiness and metrics.
 
-A completion request: parse and validate (`gateway.openai.protocol`) -> count and route each prompt
+A completion request: parse and validate (`gateway.openai.chat` / `completions`) -> count and route each prompt
 (`Gateway.route_chat` / `route_prompt`) -> `gateway.completion.Completion.answer` (check the context,
 forward to an upstream pool, or hold KV credits, wait for the device and answer from the local pools).
 `answer` does the same for one batch line, without an HTTP request.
@@ -15,8 +15,9 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.openai import protocol as api
-from gateway.openai.protocol import ApiError
+from gateway.openai.chat import parse_chat
+from gateway.openai.completions import parse_completion
+from gateway.openai.errors import ApiError
 from gateway.completion import Completion
 from gateway.runtime import GATEWAY, Gateway, model_not_found
 from gateway.upstream import redact
@@ -43,7 +44,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     received = time.perf_counter()
     body = await read_json(request)
-    req = api.parse_chat(body, gateway.config.gateway.limits)
+    req = parse_chat(body, gateway.config.gateway.limits)
     routed = [await gateway.route_chat(req.model, req.messages, req.tools)]
     tenant = gateway.admission.tenant_of(request)
     return await Completion(gateway, req, routed, body, "/chat/completions", received, tenant, http=request).answer()
@@ -53,7 +54,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     received = time.perf_counter()
     body = await read_json(request)
-    req = api.parse_completion(body, gateway.config.gateway.limits)
+    req = parse_completion(body, gateway.config.gateway.limits)
     routed = [await gateway.route_prompt(req.model, p) for p in req.prompts]
     tenant = gateway.admission.tenant_of(request)
     return await Completion(gateway, req, routed, body, "/completions", received, tenant, http=request).answer()
@@ -72,10 +73,10 @@ async def answer(gateway: Gateway, path: str, body: Any, *, tenant: str | None =
         if body.get("stream"):
             raise ApiError(400, "stream: a batch line cannot stream; remove stream", param="stream")
         if path == "/v1/chat/completions":
-            req = api.parse_chat(body, gateway.config.gateway.limits)
+            req = parse_chat(body, gateway.config.gateway.limits)
             routed = [await gateway.route_chat(req.model, req.messages, req.tools)]
         elif path == "/v1/completions":
-            req = api.parse_completion(body, gateway.config.gateway.limits)
+            req = parse_completion(body, gateway.config.gateway.limits)
             routed = [await gateway.route_prompt(req.model, p) for p in req.prompts]
         else:
             raise ApiError(400, f"url: {path!r} is not served; use /v1/chat/completions or /v1/completions",

@@ -42,7 +42,9 @@ from gateway.openai import objects
 from gateway.admission import Placed
 from gateway.client_writes import RESPONSE_BUFFERS, ClientGone, ResponseBuffers, start_sse, write_within
 from gateway.metrics import GatewayMetrics
-from gateway.openai.protocol import ApiError, ChatRequest, CompletionRequest
+from gateway.openai.chat import ChatRequest
+from gateway.openai.completions import CompletionRequest
+from gateway.openai.errors import ApiError
 from gateway.openai.tools import ToolCallStream, ToolFormat, format_for
 from pools.pool import Pool
 

@@ -32,13 +32,13 @@ from engine.stats import STATS_INTERVAL, PoolStats, WorkerInfo
 from engine import structured
 from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
-from gateway.openai.tools import Tool
+from gateway.openai.tool_specs import Tool
 from gateway.openai.tools import render as render_chat_with_tools
 from engine.client import AsyncEngineClient
 from gateway.admission import AdmissionControl
 from gateway.autoscaler import Autoscaler
 from gateway.metrics import GatewayMetrics
-from gateway.openai.protocol import ApiError
+from gateway.openai.errors import ApiError
 from gateway.overload import OverloadWatch
 from gateway.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker

@@ -33,7 +33,7 @@ from aiohttp import web
 from yarl import URL
 
 from gateway.metrics import GatewayMetrics
-from gateway.openai.protocol import ApiError
+from gateway.openai.errors import ApiError
 from gateway.client_writes import start_sse, write_within
 from gateway.upstream_connection import (UpstreamClient, UpstreamDisconnected, UpstreamResponse,
                                          UpstreamUnreachable)

@@ -2,12 +2,13 @@
 written as a Response object or as the typed stream events (`ResponsesAnswer`). Keeping responses
 (`store`, `previous_response_id`, `background`, GET / DELETE / cancel) is `gateway.openai.stored_responses`.
 
-Read: `input` as text or items (messages with text parts, `function_call` and `function_call_output`),
-`instructions` (a system message first), function `tools`, `tool_choice`, `parallel_tool_calls`,
-`text.format` (text, json_object, json_schema: the chat's response_format), `max_output_tokens`,
-`temperature`, `top_p`, `stream`, `top_logprobs`, `metadata`, `store`, `background`, and the items of
-the earlier turns a `previous_response_id` names (looked up by the caller, passed as `prior`). Routing,
-credits and the engine treat it as the chat it is.
+Read (the body checked against its model, `ResponsesBody`, then built into a chat body for `parse_chat`,
+whose refusals are renamed to the Responses fields): `input` as text or items (messages with text parts,
+`function_call` and `function_call_output`), `instructions` (a system message first), function `tools`,
+`tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema: the chat's
+response_format), `max_output_tokens`, `temperature`, `top_p`, `stream`, `top_logprobs`, `metadata`,
+`store`, `background`, and the items of the earlier turns a `previous_response_id` names (looked up by
+the caller, passed as `prior`). Routing, credits and the engine treat it as the chat it is.
 
 Streamed: `response.created`, `response.in_progress`, then per output item `response.output_item.added`,
 for the message `response.content_part.added` / `response.output_text.delta`... / `response.output_text.done`
@@ -24,21 +25,86 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
 from aiohttp import web
 
-from gateway.openai import protocol as api
-from gateway.openai import objects
-from gateway.openai.protocol import ApiError, ChatRequest, bad_request
 from gateway.local_answer import LocalResponse
+from gateway.openai import objects
+from gateway.openai.chat import ChatRequest, parse_chat
+from gateway.openai.errors import ApiError, bad_request, convert_body
+from gateway.openai.tool_specs import ToolMode
 from gateway.openai.tools import ToolCall
 from pools.config.gateway_spec import RequestLimits
 
-_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
-           "max_output_tokens", "temperature", "top_p", "stream", "store", "previous_response_id", "metadata",
-           "user", "truncation", "include", "stream_options", "top_logprobs", "seed", "service_tier",
-           "priority", "background"}
+
+class InputPart(msgspec.Struct):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputItem(msgspec.Struct):
+    """An input item: a message (the type when none is given), a function call the model made, or the
+    call's output. Other keys (an output item's `id` and `status`) are ignored: the earlier turns' output
+    items come back as input."""
+
+    type: Literal["message", "function_call", "function_call_output"] = "message"
+    role: Literal["user", "system", "developer", "assistant"] | None = None   # a message's
+    content: str | list[InputPart] = ""
+    call_id: str | None = None                                                # a call's and its output's
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[InputPart] = ""
+
+
+class FunctionTool(msgspec.Struct):
+    """A function tool, flat (chat's has its fields under `function`)."""
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None     # unset: true, the Responses API's default (chat's is false)
+
+
+class FunctionChoice(msgspec.Struct):
+    type: Literal["function"]
+    name: str
+
+
+class TextOptions(msgspec.Struct):
+    format: dict[str, Any] | None = None   # chat's response_format, a json_schema's fields beside its type
+
+
+class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A Responses API body. What this server cannot honour is refused, never a silent default:
+    `truncation` but disabled (an input over the context is a 400, context_length_exceeded), a
+    `service_tier` it does not serve, an `include` but the text's logprobs."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1)]
+    input: str | Annotated[list[InputItem], msgspec.Meta(min_length=1)]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: ToolMode | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextOptions | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = None
+    seed: int | None = None
+    priority: int | None = None
+    stream: bool | None = None
+    store: bool | None = None                 # unset: true
+    background: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, Any] | None = None    # `_metadata`
+    truncation: Literal["disabled"] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    user: Any = None                          # accepted and ignored
+    stream_options: Any = None
 
 
 @dataclass(frozen=True)
@@ -52,179 +118,97 @@ class ResponsesRequest:
     previous_response_id: str | None = None
 
 
-def _json_type(value: Any) -> str:
-    return api._json_type(value)
-
-
-def _text_of(content: Any, where: str) -> str:
-    """A message's content: a string, or its text parts (input_text, output_text) joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(where, f"expected a string or an array of content parts, got {_json_type(content)}")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            kind = part.get("type") if isinstance(part, dict) else _json_type(part)
-            raise bad_request(f"{where}[{j}].type", f"only text parts are supported, got {kind!r}")
-        if not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}[{j}].text", f"expected a string, got {_json_type(part.get('text'))}")
-        texts.append(part["text"])
-    return "\n".join(texts)
-
-
-def input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The request's `input` as a list of items (a string is one user message)."""
-    items = body.get("input")
-    if items is None:
-        raise bad_request("input", "is required")
-    if isinstance(items, str):
-        return [{"type": "message", "role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise bad_request("input", "expected a string or a non-empty array of input items")
-    return items
-
-
-def _messages(body: dict[str, Any], prior: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`instructions`, the earlier turns' items (`prior`) and `input` as chat messages (consecutive
-    function calls are one assistant turn). A bad item is named by its place in `input`."""
-    messages: list[dict[str, Any]] = []
-    instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise bad_request("instructions", f"expected a string, got {_json_type(instructions)}")
-        messages.append({"role": "system", "content": instructions})
-    items = input_items(body)
-    for i, item in enumerate(prior + items):
-        where = f"input[{i - len(prior)}]" if i >= len(prior) else f"previous_response_id (its item {i})"
-        if not isinstance(item, dict):
-            raise bad_request(where, f"expected an object, got {_json_type(item)}")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise bad_request(f"{where}.role", f"must be user, system, developer or assistant, got {role!r}")
-            messages.append({"role": role, "content": _text_of(item.get("content", ""), f"{where}.content")})
-        elif kind == "function_call":
-            for key in ("call_id", "name", "arguments"):
-                if not isinstance(item.get(key), str):
-                    raise bad_request(f"{where}.{key}", f"expected a string, got {_json_type(item.get(key))}")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
-                messages[-1]["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            if not isinstance(item.get("call_id"), str):
-                raise bad_request(f"{where}.call_id", f"expected a string, got {_json_type(item.get('call_id'))}")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _text_of(item.get("output", ""), f"{where}.output")})
-        else:
-            raise bad_request(f"{where}.type", "must be message, function_call or function_call_output, "
-                              f"got {kind!r}")
-    return messages
-
-
-def _chat_tools(body: dict[str, Any]) -> dict[str, Any]:
-    """The Responses API's flat function tools and tool_choice in the chat's shape."""
-    out: dict[str, Any] = {}
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise bad_request("tools", f"expected an array, got {_json_type(tools)}")
-        chat_tools = []
-        for i, tool in enumerate(tools):
-            if not isinstance(tool, dict) or tool.get("type") != "function":
-                kind = tool.get("type") if isinstance(tool, dict) else _json_type(tool)
-                raise bad_request(f"tools[{i}].type", f"only 'function' tools are supported, got {kind!r}")
-            function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
-            if function.get("strict") is None:
-                function["strict"] = True   # the Responses API's default, unlike chat's
-            chat_tools.append({"type": "function", "function": function})
-        out["tools"] = chat_tools or None
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
-    if choice is not None:
-        out["tool_choice"] = choice
-    return out
-
-
 def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
                     prior: list[dict[str, Any]] | None = None) -> ResponsesRequest:
     """A Responses API body as the equivalent chat request and what its Response keeps; `prior`: the
     input and output items of the conversation `previous_response_id` names (found by the caller).
     ApiError 400 naming the Responses field."""
-    body = api._require_object(body)
-    for key in body:
-        if key not in _FIELDS:
-            raise bad_request(key, "unrecognized request field")
-    flags = {key: default if body.get(key) is None else body[key]
-             for key, default in (("store", True), ("background", False))}
-    for key, value in flags.items():
-        if not isinstance(value, bool):
-            raise bad_request(key, f"expected a boolean, got {_json_type(value)}")
-    if flags["background"] and not flags["store"]:
+    req = convert_body(body, ResponsesBody)
+    store, background = req.store is not False, bool(req.background)
+    if background and not store:
         raise bad_request("background", "a background response is kept until it is fetched; it needs store: true")
-    if flags["background"] and body.get("stream"):
+    if background and req.stream:
         raise bad_request("background", "a background response cannot stream here; create it, then poll "
                           "GET /v1/responses/{id}")
-    previous = body.get("previous_response_id")
-    if previous is not None and not isinstance(previous, str):
-        raise bad_request("previous_response_id", f"expected a string, got {_json_type(previous)}")
-    _check_unsupported(body)
-    metadata = _metadata(body.get("metadata"))
+    metadata = _metadata(req.metadata)
     prior = prior or []
-    chat: dict[str, Any] = {"model": body.get("model"), "messages": _messages(body, prior), **_chat_tools(body)}
+    earlier = convert_body(prior, list[InputItem], root="previous_response_id")
+    chat: dict[str, Any] = {"model": req.model, "messages": _messages(req, earlier), **_chat_tools(req)}
     for key in ("temperature", "top_p", "parallel_tool_calls", "seed", "priority", "stream", "top_logprobs"):
-        if body.get(key) is not None:
-            chat[key] = body[key]
-    if body.get("top_logprobs") is not None:
+        if (value := getattr(req, key)) is not None:
+            chat[key] = value
+    if req.top_logprobs is not None:
         chat["logprobs"] = True
-    if body.get("max_output_tokens") is not None:
-        chat["max_completion_tokens"] = body["max_output_tokens"]
-    text = body.get("text")
-    if text is not None:
-        if not isinstance(text, dict):
-            raise bad_request("text", f"expected an object, got {_json_type(text)}")
-        fmt = text.get("format")
-        if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-            if "schema" not in fmt:
-                raise bad_request("text.format.schema", "is required")
-            fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-        if fmt is not None:
-            chat["response_format"] = fmt
+    if req.max_output_tokens is not None:
+        chat["max_completion_tokens"] = req.max_output_tokens
+    if (fmt := _response_format(req.text)) is not None:
+        chat["response_format"] = fmt
     try:
-        req = api.parse_chat(chat, limits)
+        parsed = parse_chat(chat, limits)
     except ApiError as err:
         raise _renamed(err) from None
-    return ResponsesRequest(dataclasses.replace(req, metadata=metadata), prior + input_items(body), **flags,
-                            previous_response_id=previous)
+    own = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else body["input"]
+    return ResponsesRequest(dataclasses.replace(parsed, metadata=metadata), prior + own, store=store,
+                            background=background, previous_response_id=req.previous_response_id)
 
 
-def _check_unsupported(body: dict[str, Any]) -> None:
-    """Fields OpenAI takes that this server cannot honour: a 400 naming them, never a silent default."""
-    if body.get("truncation") not in (None, "disabled"):
-        raise bad_request("truncation", f"only 'disabled' is supported (an input over the context is a 400, "
-                          f"context_length_exceeded), got {body['truncation']!r}")
-    if body.get("service_tier") not in (None, "auto", "default"):
-        raise bad_request("service_tier", f"only 'auto' and 'default' are served, got {body['service_tier']!r}")
-    include = body.get("include")
-    if include is not None:
-        if not isinstance(include, list):
-            raise bad_request("include", f"expected an array, got {_json_type(include)}")
-        for i, value in enumerate(include):
-            if value != "message.output_text.logprobs":
-                raise bad_request(f"include[{i}]", f"only 'message.output_text.logprobs' is supported, got {value!r}")
+def _text(content: str | list[InputPart]) -> str:
+    return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
 
-def _metadata(value: Any) -> dict[str, str]:
+def _messages(req: ResponsesBody, earlier: list[InputItem]) -> list[dict[str, Any]]:
+    """`instructions`, the earlier turns' items and `input` as chat messages (consecutive function calls
+    are one assistant turn). A bad item is named by its place in `input`."""
+    messages = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
+    own = [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    for i, item in enumerate(earlier + own):
+        where = f"input[{i - len(earlier)}]" if i >= len(earlier) else f"previous_response_id[{i}]"
+        required = {"message": ("role",), "function_call": ("call_id", "name", "arguments"),
+                    "function_call_output": ("call_id",)}[item.type]
+        if (missing := next((key for key in required if getattr(item, key) is None), None)) is not None:
+            raise bad_request(f"{where}.{missing}", f"is required in a {item.type} item")
+        if item.type == "message":
+            messages.append({"role": item.role, "content": _text(item.content)})
+        elif item.type == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+        else:
+            function = {"name": item.name, "arguments": item.arguments}
+            call = {"id": item.call_id, "type": "function", "function": function}
+            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+    return messages
+
+
+def _chat_tools(req: ResponsesBody) -> dict[str, Any]:
+    """The flat function tools and tool_choice in the chat's shape."""
+    out: dict[str, Any] = {}
+    if req.tools:
+        functions = [{k: v for k, v in msgspec.structs.asdict(tool).items() if k != "type" and v is not None}
+                     for tool in req.tools]
+        out["tools"] = [{"type": "function", "function": {"strict": True, **function}} for function in functions]
+    if isinstance(req.tool_choice, FunctionChoice):
+        out["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
+    elif req.tool_choice is not None:
+        out["tool_choice"] = req.tool_choice
+    return out
+
+
+def _response_format(text: TextOptions | None) -> dict[str, Any] | None:
+    """`text.format` as chat's response_format (its json_schema's fields under `json_schema`)."""
+    fmt = None if text is None else text.format
+    if fmt is not None and fmt.get("type") == "json_schema":
+        if "schema" not in fmt:
+            raise bad_request("text.format.schema", "is required")
+        fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    return fmt
+
+
+def _metadata(value: dict[str, Any] | None) -> dict[str, str]:
     """OpenAI's `metadata`: at most 16 string pairs, keys up to 64 characters, values up to 512."""
     if value is None:
         return {}
-    if not isinstance(value, dict):
-        raise bad_request("metadata", f"expected an object, got {_json_type(value)}")
     if len(value) > 16:
         raise bad_request("metadata", f"at most 16 pairs, got {len(value)}")
     for key, item in value.items():
@@ -237,7 +221,8 @@ def _metadata(value: Any) -> dict[str, str]:
 
 # chat field -> the Responses field it came from, for errors
 _RENAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
-            "response_format.json_schema": "text.format", "logprobs": "top_logprobs"}
+            "response_format.json_schema": "text.format", "logprobs": "top_logprobs",
+            "tool_choice.function": "tool_choice"}
 
 
 def _renamed(err: ApiError) -> ApiError:

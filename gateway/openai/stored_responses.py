@@ -42,7 +42,7 @@ from gateway.openai import objects
 from gateway.admission import bearer_key
 from gateway.completion import Completion
 from gateway.handlers import read_json
-from gateway.openai.protocol import ApiError, bad_request
+from gateway.openai.errors import ApiError, bad_request
 from gateway.openai.responses import ResponsesAnswer, ResponsesRequest, parse_responses, response_object
 from gateway.runtime import GATEWAY, Gateway
 from pools.store.batch_store import STORAGE_ERRORS

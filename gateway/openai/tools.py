@@ -1,5 +1,6 @@
-"""Tool calls: the tools a chat request offers, how the prompt shows them, the grammar that enforces
-`tool_choice`, and the parser that turns the model's text back into OpenAI `tool_calls`.
+"""Tool calls: how the prompt shows the offered tools, the grammar that enforces `tool_choice`, and the parser
+that turns the model's text back into OpenAI `tool_calls` (the request's `tools` are read in
+`gateway.openai.tool_specs`).
 
 The pool model's chat template decides the format (`tool_format`):
 - **hermes** (the template writes `<tool_call>`: Qwen2/2.5, Hermes, many fine-tunes): each call is
@@ -18,44 +19,15 @@ and name, then the arguments' text in pieces)."""
 
 from __future__ import annotations
 
-import functools
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from collections.abc import Iterator
 from typing import Any
 
-from engine.structured import StructuredOutput, check
+from engine.structured import StructuredOutput
 from gateway.openai.tool_grammar import ANY_OBJECT, CallSyntax, auto_grammar, forced_grammar
-
-MAX_TOOLS = 128
-_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")   # OpenAI's rule for function names
-
-
-class ToolError(ValueError):
-    """A malformed `tools`, `tool_choice` or tool message; the message starts with the field's path."""
-
-
-@dataclass(frozen=True)
-class Tool:
-    name: str
-    description: str | None
-    parameters: dict[str, Any]   # a JSON schema of the arguments object
-    strict: bool = False         # its calls follow `parameters` under tool_choice "auto" too
-
-    def as_template_dict(self) -> dict[str, Any]:
-        """The form HF chat templates take in `tools=` (OpenAI's)."""
-        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
-        if self.description:
-            function["description"] = self.description
-        return {"type": "function", "function": function}
-
-
-@dataclass(frozen=True)
-class ToolChoice:
-    mode: str                 # "none", "auto", "required" or "function"
-    name: str | None = None   # mode "function": the function that must be called
+from gateway.openai.tool_specs import Tool
 
 
 @dataclass
@@ -66,89 +38,6 @@ class ToolCall:
 
     def as_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-
-def parse_tools(value: Any, param: str = "tools") -> list[Tool]:
-    """OpenAI's `tools` (function tools only) as `Tool`s; ToolError naming the field."""
-    if not isinstance(value, list) or not value:
-        raise ToolError(f"{param}: expected a non-empty array of tools")
-    if len(value) > MAX_TOOLS:
-        raise ToolError(f"{param}: at most {MAX_TOOLS} tools, got {len(value)}")
-    tools, names = [], set()
-    for i, entry in enumerate(value):
-        where = f"{param}[{i}]"
-        if not isinstance(entry, dict):
-            raise ToolError(f"{where}: expected an object")
-        if entry.get("type") != "function":
-            raise ToolError(f"{where}.type: only 'function' tools are supported, got {entry.get('type')!r}")
-        function = entry.get("function")
-        if not isinstance(function, dict):
-            raise ToolError(f"{where}.function: expected an object with name and parameters")
-        name = function.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise ToolError(f"{where}.function.name: must be 1-64 letters, digits, '_', '.' or '-', got {name!r}")
-        if name in names:
-            raise ToolError(f"{where}.function.name: {name!r} is offered twice")
-        names.add(name)
-        description = function.get("description")
-        if description is not None and not isinstance(description, str):
-            raise ToolError(f"{where}.function.description: expected a string")
-        parameters = function.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(parameters, dict):
-            raise ToolError(f"{where}.function.parameters: expected a JSON schema object")
-        if (reason := schema_error(json.dumps(parameters, sort_keys=True))) is not None:
-            raise ToolError(f"{where}.function.parameters: not a JSON schema we can enforce: {reason}")
-        strict = function.get("strict", False)
-        if not isinstance(strict, (bool, type(None))):
-            raise ToolError(f"{where}.function.strict: expected a boolean, got {strict!r}")
-        tools.append(Tool(name, description, parameters, bool(strict)))
-    return tools
-
-
-def parse_tool_choice(value: Any, tools: list[Tool], param: str = "tool_choice") -> ToolChoice:
-    """OpenAI's `tool_choice`: "none" | "auto" | "required" | {"type": "function", "function": {"name"}}.
-    Unset: "auto" when tools are given, as OpenAI does."""
-    if value is None:
-        return ToolChoice("auto")
-    if value in ("none", "auto", "required"):
-        return ToolChoice(value)
-    if isinstance(value, dict) and value.get("type") == "function":
-        name = (value.get("function") or {}).get("name") if isinstance(value.get("function"), dict) else None
-        if name not in {t.name for t in tools}:
-            raise ToolError(f"{param}.function.name: {name!r} is not one of the tools offered "
-                            f"({', '.join(t.name for t in tools)})")
-        return ToolChoice("function", name)
-    raise ToolError(f"{param}: must be 'none', 'auto', 'required' or {{\"type\": \"function\", \"function\": "
-                    f"{{\"name\": ...}}}}, got {value!r}")
-
-
-def parse_tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
-    """An assistant message's `tool_calls` in the history, checked: [{id, type, function: {name, arguments}}]."""
-    if not isinstance(value, list):
-        raise ToolError(f"{param}: expected an array of tool calls")
-    calls = []
-    for i, call in enumerate(value):
-        where = f"{param}[{i}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ToolError(f"{where}.function: expected an object with a name and arguments")
-        arguments = function.get("arguments", "{}")
-        if not isinstance(arguments, str):
-            raise ToolError(f"{where}.function.arguments: expected a JSON string")
-        calls.append({"id": call.get("id") or f"call_{i}", "type": "function",
-                      "function": {"name": function["name"], "arguments": arguments}})
-    return calls
-
-
-@functools.lru_cache(maxsize=512)
-def schema_error(schema_text: str) -> str | None:
-    """Why the JSON schema `schema_text` cannot be enforced (the grammar library's reason), or None. Cached:
-    an agent sends the same tools every turn."""
-    try:
-        check(StructuredOutput.json_schema(json.loads(schema_text)))
-    except ValueError as exc:
-        return str(exc).removeprefix("structured output: ")
-    return None
 
 
 # --- formats ------------------------------------------------------------------------------------------

@@ -131,9 +131,11 @@ def _allowed(model: type, path: str) -> list[str]:
             return []
         if info is None:
             return []
+    info = info.type if isinstance(info, msgspec.inspect.Metadata) else info
+    members = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+    if literals := [str(v) for t in members if isinstance(t, msgspec.inspect.LiteralType) for v in t.values]:
+        return literals   # a Literal, or a union of one with other types ("auto" or {"name": ...})
     info = _unwrap(info)
-    if isinstance(info, msgspec.inspect.LiteralType):
-        return [str(v) for v in info.values]
     if isinstance(info, msgspec.inspect.EnumType):
         return [str(m.value) for m in info.cls]
     if isinstance(info, msgspec.inspect.StructType):
@@ -147,7 +149,7 @@ def _unwrap(info: Any) -> Any:
         info = info.type
     if isinstance(info, msgspec.inspect.UnionType):
         members = [t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)]
-        structured = [t for t in members if not isinstance(t, (msgspec.inspect.StrType,))]
+        structured = [t for t in members if not isinstance(t, (msgspec.inspect.StrType, msgspec.inspect.LiteralType))]
         if len(members) == 1:
             return _unwrap(members[0])
         if len(structured) == 1:

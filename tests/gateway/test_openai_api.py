@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.openai.protocol import ApiError, parse_chat, parse_completion
+from gateway.openai.chat import parse_chat
+from gateway.openai.completions import parse_completion
+from gateway.openai.errors import ApiError
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": "m", "prompt": "hi"}

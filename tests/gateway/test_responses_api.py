@@ -143,7 +143,7 @@ def test_a_stream_whose_engine_request_fails_ends_in_response_failed_with_the_er
     from types import SimpleNamespace
 
     from gateway.metrics import GatewayMetrics
-    from gateway.openai.protocol import ApiError
+    from gateway.openai.errors import ApiError
     from gateway.openai.responses import ResponsesAnswer, parse_responses
 
     asked = parse_responses({"model": MODEL, "input": "hi", "stream": True, "metadata": {"a": "b"}})

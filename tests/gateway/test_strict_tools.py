@@ -18,8 +18,10 @@ import pytest
 from engine.structured import StructuredOutput, check
 from engine.tokenizer import Tokenizer
 from gateway.completion import with_tool_grammar
-from gateway.openai.protocol import ApiError, parse_chat
-from gateway.openai.tools import HermesFormat, Llama3JsonFormat, ToolError, parse_tools
+from gateway.openai.chat import parse_chat
+from gateway.openai.errors import ApiError
+from gateway.openai.tool_specs import ToolError, parse_tools
+from gateway.openai.tools import HermesFormat, Llama3JsonFormat
 from tests.gateway.conftest import DEFAULT_CONFIG
 
 MODEL = "smollm2-135m-instruct"

@@ -12,9 +12,10 @@ import openai
 import pytest
 
 from engine.structured import check
-from gateway.openai.protocol import ApiError, parse_chat
-from gateway.openai.tools import (HermesFormat, Llama3JsonFormat, ToolCallStream, fallback_messages, parse_tools,
-                           tool_format)
+from gateway.openai.chat import parse_chat
+from gateway.openai.errors import ApiError
+from gateway.openai.tool_specs import parse_tools
+from gateway.openai.tools import HermesFormat, Llama3JsonFormat, ToolCallStream, fallback_messages, tool_format
 
 MODEL = "smollm2-135m-instruct"
 
@@ -61,8 +62,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     (dict(CHAT, messages=[{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f",
                                                                                        "arguments": {}}}]}]),
      "messages[0].tool_calls[0].function.arguments"),
-    (dict(CHAT, messages=[{"role": "user", "content": "x", "tool_calls": []}, {"role": "user", "content": "y",
-                                                                               "tool_calls": [{"x": 1}]}]),
+    (dict(CHAT, messages=[{"role": "user", "content": "x", "tool_calls": []},
+                          {"role": "user", "content": "y", "tool_calls": [{"function": {"name": "f"}}]}]),
      "messages[1].tool_calls"),
 ])
 def test_bad_tool_requests_name_the_field(body, param) -> None:

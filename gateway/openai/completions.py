@@ -1,0 +1,77 @@
+"""Completion requests: the body's model (`CompletionBody`), read into a `CompletionRequest` by `parse_completion`.
+
+`prompt` takes every OpenAI shape: a string, an array of token ids, or an array of strings and token-id
+arrays (one engine request per prompt). `echo` and `suffix` are refused (not supported), `best_of` only
+equal to `n`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+
+from engine.sampling import MAX_LOGPROBS, SamplingParams
+from gateway.openai.errors import bad_request, convert_body
+from gateway.openai.sampling_fields import (RequestFields, check_choices, response_format, sampling_params,
+                                            stream_flags)
+from pools.config.gateway_spec import RequestLimits
+
+TokenIds = Annotated[list[int], msgspec.Meta(min_length=1)]
+
+
+class CompletionBody(RequestFields, kw_only=True):
+    prompt: str | Annotated[list[Any], msgspec.Meta(min_length=1)]   # the items: `_prompts`
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+@dataclass
+class CompletionRequest:
+    model: str
+    prompts: list[str | list[int]]  # one engine request per prompt
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    priority: int
+    max_tokens_param: str = "max_tokens"
+    structured_param: str = "response_format"
+    continuous_usage: bool = False  # the usage so far in every stream chunk
+
+
+def parse_completion(body: Any, limits: RequestLimits = RequestLimits()) -> CompletionRequest:
+    """A completion body (decoded JSON) as a `CompletionRequest`; ApiError 400 naming the field (a count
+    over `limits` too)."""
+    req = convert_body(body, CompletionBody)
+    prompts = _prompts(req.prompt, limits)
+    if req.echo:
+        raise bad_request("echo", "is not supported by this server")
+    if req.suffix is not None:
+        raise bad_request("suffix", "is not supported by this server")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise bad_request("best_of", "only best_of == n is supported")
+    stream, include_usage, continuous_usage = stream_flags(req)
+    params = sampling_params(req, req.max_tokens, req.logprobs, response_format(req.response_format))
+    check_choices(params.n, len(prompts), limits)
+    return CompletionRequest(model=req.model, prompts=prompts, params=params, stream=stream,
+                             include_usage=include_usage, continuous_usage=continuous_usage,
+                             priority=req.priority or 0)
+
+
+def _prompts(prompt: str | list[Any], limits: RequestLimits) -> list[str | list[int]]:
+    """The prompts `prompt` holds: itself (a string, or an array of token ids), or each of its items."""
+    prompts: list[str | list[int]]
+    if isinstance(prompt, str) or all(type(t) is int for t in prompt):
+        prompts = [prompt]
+    else:
+        if len(prompt) > limits.max_prompts:
+            raise bad_request("prompt", f"at most {limits.max_prompts} prompts per request "
+                              f"(gateway.limits.max_prompts), got {len(prompt)}")
+        prompts = convert_body(prompt, list[str | TokenIds], root="prompt")
+    for i, p in enumerate(prompts):
+        if p == "":
+            raise bad_request("prompt" if len(prompts) == 1 else f"prompt[{i}]", "must not be empty")
+    return prompts

@@ -1,0 +1,49 @@
+"""The OpenAI error format: `ApiError`, and a request body checked against its model or refused with a 400.
+
+Every refusal names the field: `param` is its path as the client wrote it (`messages[0].content[1].type`,
+`stream_options.include_usage`), and the message starts with that path (`n: expected an integer, got string`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pools.config.typed import FieldError, convert
+
+T = TypeVar("T")
+
+
+class ApiError(Exception):
+    """An error answered in the OpenAI error format: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
+        self.code = code
+        self.headers = headers or {}   # e.g. Retry-After on a 503
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
+
+
+def field_error(err: FieldError) -> ApiError:
+    """A value that does not fit its model as a 400 naming its path (`body` for the whole body)."""
+    return bad_request(err.path or "body", err.reason)
+
+
+def convert_body(value: Any, model: type[T], *, root: str = "") -> T:
+    """`value` (decoded JSON) as an instance of the `msgspec.Struct` `model`, or an ApiError 400 naming the
+    field that does not fit (under `root`, the path of `value` itself)."""
+    try:
+        return convert(value, model, root=root)
+    except FieldError as err:
+        raise field_error(err) from None

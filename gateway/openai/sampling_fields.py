@@ -1,0 +1,167 @@
+"""The request fields chat completions and completions share, and the checks both answer to.
+
+`RequestFields` is the base model of both bodies: `model`, `stream` / `stream_options`, `max_tokens`,
+`response_format`, the sampling knobs (vLLM's extras too: `top_k`, `min_p`, `min_tokens`, `ignore_eos`,
+`stop_token_ids`, `priority`, `skip_special_tokens`, `include_stop_str_in_output`) and the fields accepted
+and ignored. Any other field is refused, so a misspelt parameter is not silently dropped; a field sent as
+JSON null is unset, as OpenAI's SDKs send it. The model checks types and the protocol's own bounds
+(temperature in [0, 2], max_tokens >= 1); the engine's bounds (n, top_p, penalties, stop strings,
+logit_bias) are `SamplingParams`' own, checked there once and reported naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Protocol
+
+import msgspec
+
+from engine.sampling import SamplingParams
+from engine.structured import StructuredOutput
+from gateway.openai.errors import ApiError, bad_request
+from pools.config.gateway_spec import RequestLimits
+
+MaxTokens = Annotated[int, msgspec.Meta(ge=1)]   # unset: whatever the context leaves, as vLLM does
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None   # vLLM's: with include_usage, the usage so far in every chunk
+
+
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
+    """`response_format.json_schema`: the schema is enforced, strict or not."""
+
+    name: str
+    schema: dict[str, Any] | bool = msgspec.field(default_factory=dict)
+    strict: bool | None = None
+    description: str | None = None
+    type: Any = None   # accepted and ignored
+
+
+class ResponseFormat(msgspec.Struct):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class RequestFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The fields of a chat completion or completion body but its input (messages, prompt)."""
+
+    model: Annotated[str, msgspec.Meta(min_length=1)]
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: MaxTokens | None = None
+    response_format: ResponseFormat | None = None
+    priority: int | None = None
+    n: int | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None   # {token id: bias}: ids, range and count are SamplingParams'
+    user: Any = None           # accepted and ignored: they change nothing we do
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+
+
+# RequestFields' names that are SamplingParams' too, passed on where set
+_SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens",
+             "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "logit_bias")
+
+
+def sampling_params(body: RequestFields, max_tokens: int | None, logprobs: int | None,
+                    structured: StructuredOutput | None = None) -> SamplingParams:
+    """The engine's parameters of `body`; its refusal ("top_p: ...", "logit_bias[5]: ...") a 400 naming
+    the field."""
+    kwargs: dict[str, Any] = {name: value for name in _SAMPLING if (value := getattr(body, name)) is not None}
+    try:
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured=structured, **kwargs)
+    except ValueError as exc:
+        message = str(exc)
+        field = message.split(":", 1)[0].split("[", 1)[0]
+        raise ApiError(400, message, param=field if field in kwargs else None) from None
+
+
+def stream_flags(body: RequestFields) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous usage): `stream_options.continuous_usage_stats` (vLLM's) with
+    `include_usage` puts the usage so far in every chunk, so a client can tell how many tokens a chunk
+    carries (two, when the detokenizer held back a token that ended inside a character)."""
+    stream, options = bool(body.stream), body.stream_options
+    if options is None:
+        return stream, False, False
+    if not stream:
+        raise bad_request("stream_options", "is only allowed with stream: true")
+    include = bool(options.include_usage)
+    return stream, include, include and bool(options.continuous_usage_stats)
+
+
+_FORMAT_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")   # OpenAI's rule for a response format's name
+
+
+def response_format(value: ResponseFormat | None, param: str = "response_format") -> StructuredOutput | None:
+    """OpenAI's `response_format` (chat, and completions as vLLM takes it) as the constraint it asks for:
+    type text none, json_object any JSON object, json_schema the schema of its `json_schema`."""
+    if value is None or value.type == "text":
+        return None
+    if value.type == "json_object":
+        return StructuredOutput("json_object")
+    spec, where = value.json_schema, f"{param}.json_schema"
+    if spec is None:
+        raise bad_request(where, "is required with type json_schema")
+    if not _FORMAT_NAME.match(spec.name):
+        raise bad_request(f"{where}.name", f"must be 1-64 letters, digits, '_' or '-', got {spec.name!r}")
+    try:
+        return StructuredOutput.json_schema(spec.schema)
+    except ValueError as exc:
+        raise bad_request(f"{where}.schema", str(exc).removeprefix("structured output: ")) from None
+
+
+def check_choices(n: int, num_prompts: int, limits: RequestLimits) -> None:
+    """n x prompts engine requests at most `limits.max_choices`."""
+    if n * num_prompts > limits.max_choices:
+        raise bad_request("n", f"n={n} for {num_prompts} prompt(s) asks for {n * num_prompts} completions; at most "
+                          f"{limits.max_choices} per request (gateway.limits.max_choices)")
+
+
+class PoolRequest(Protocol):
+    """What the checks against a pool read of a chat or completion request."""
+
+    params: SamplingParams
+    max_tokens_param: str   # the field that set params.max_tokens
+
+
+def check_logit_bias(req: PoolRequest, vocab_size: int, pool: str) -> None:
+    """Refuse logit_bias token ids outside the pool's vocabulary (a bias on a token that cannot be sampled
+    would silently do nothing)."""
+    outside = [t for t, _ in req.params.logit_bias if t >= vocab_size]
+    if outside:
+        raise bad_request("logit_bias", f"token ids {outside[:8]} are outside the vocabulary of pool {pool!r} "
+                          f"(ids 0..{vocab_size - 1})")
+
+
+def check_context(req: PoolRequest, num_prompt_tokens: int, max_model_len: int, pool: str) -> None:
+    """Refuse a request whose prompt + max_tokens exceed its pool's context, naming the output limit's
+    field: code `invalid_value` when max_tokens alone leaves no room for a prompt (OpenAI's code for a
+    max_tokens over the model's limit), else `context_length_exceeded` (OpenAI's code when prompt and
+    completion together exceed the context). Unset max_tokens always fits: it becomes what is left."""
+    max_tokens, param = req.params.max_tokens, req.max_tokens_param
+    if max_tokens is None or num_prompt_tokens + max_tokens <= max_model_len:
+        return
+    if max_tokens >= max_model_len:
+        raise ApiError(400, f"{param}: {max_tokens} is too large: pool {pool!r} has a context of "
+                       f"max_model_len {max_model_len} tokens, prompt included", param=param, code="invalid_value")
+    raise ApiError(400, f"{param}: {max_tokens} tokens after a {num_prompt_tokens}-token prompt exceed "
+                   f"max_model_len {max_model_len} of pool {pool!r}; at most {max_model_len - num_prompt_tokens} "
+                   "fit (or leave max_tokens unset)", param=param, code="context_length_exceeded")

@@ -1,0 +1,155 @@
+"""A chat request's `tools` and `tool_choice`: msgspec models of OpenAI's shapes, read into `Tool`s and a `ToolChoice`.
+
+The models check shapes and types (`tools[0].function.strict: expected a boolean, got integer`); the code
+here checks what a model cannot say: OpenAI's rule for function names, each offered once, at most
+`MAX_TOOLS`, a parameters schema the grammar library can enforce, a named choice among the offered tools.
+Objects inside a request (a tool, a call in the history) ignore keys they do not know, as OpenAI's SDKs
+may add some; the request itself refuses them (`gateway.openai.chat`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+
+from engine.structured import StructuredOutput, check
+from pools.config.typed import FieldError, convert
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")   # OpenAI's rule for function names
+
+
+class ToolError(ValueError):
+    """A bad `tools` or `tool_choice`; the message starts with the field's path."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str | None
+    parameters: dict[str, Any]   # a JSON schema of the arguments object
+    strict: bool = False         # its calls follow `parameters` under tool_choice "auto" too
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The form HF chat templates take in `tools=` (OpenAI's)."""
+        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    mode: str                 # "none", "auto", "required" or "function"
+    name: str | None = None   # mode "function": the function that must be called
+
+
+class FunctionSpec(msgspec.Struct):
+    """A function a request offers (chat's `tools[i].function`, the deprecated `functions[i]`); other keys
+    are ignored."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None   # a JSON schema of the arguments; None: an object
+    strict: bool | None = None
+
+
+class ToolSpec(msgspec.Struct):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct):
+    """`tool_choice` {"type": "function", "function": {"name": ...}}: that function must be called."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolMode = Literal["none", "auto", "required"]
+
+
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str = "{}"   # JSON text, as OpenAI sends it
+
+
+class ToolCallSpec(msgspec.Struct):
+    """A call in an assistant message of the history; other keys (`type`, a stream's `index`) are ignored."""
+
+    function: FunctionCall
+    id: str | None = None
+
+
+def parse_tools(value: Any, param: str = "tools") -> list[Tool]:
+    """OpenAI's `tools` (decoded JSON, function tools only) as `Tool`s; ToolError naming the field."""
+    try:
+        specs = convert(value, list[ToolSpec], root=param)
+    except FieldError as exc:
+        raise ToolError(str(exc)) from None
+    return tools_from([spec.function for spec in specs], param)
+
+
+def tools_from(functions: list[FunctionSpec], param: str = "tools", inner: str = ".function") -> list[Tool]:
+    """The offered functions (`param[i]{inner}`) as `Tool`s, checked: OpenAI's names, each once, and
+    parameter schemas the grammar library can enforce; ToolError naming the field."""
+    if not functions:
+        raise ToolError(f"{param}: expected a non-empty array of tools")
+    if len(functions) > MAX_TOOLS:
+        raise ToolError(f"{param}: at most {MAX_TOOLS} tools, got {len(functions)}")
+    tools: list[Tool] = []
+    for i, function in enumerate(functions):
+        where, name = f"{param}[{i}]{inner}", function.name
+        if not _NAME.match(name):
+            raise ToolError(f"{where}.name: must be 1-64 letters, digits, '_', '.' or '-', got {name!r}")
+        if any(tool.name == name for tool in tools):
+            raise ToolError(f"{where}.name: {name!r} is offered twice")
+        parameters = {"type": "object", "properties": {}} if function.parameters is None else function.parameters
+        if (reason := schema_error(json.dumps(parameters, sort_keys=True))) is not None:
+            raise ToolError(f"{where}.parameters: not a JSON schema we can enforce: {reason}")
+        tools.append(Tool(name, function.description, parameters, bool(function.strict)))
+    return tools
+
+
+def parse_tool_choice(value: ToolMode | NamedToolChoice | None, tools: list[Tool],
+                      name_at: str = "tool_choice.function.name") -> ToolChoice:
+    """OpenAI's `tool_choice` as its model read it. Unset: "auto" when tools are given, as OpenAI does; a
+    named function must be one of `tools` (`name_at`: the name's field, for the error)."""
+    if value is None:
+        return ToolChoice("auto")
+    if isinstance(value, str):
+        return ToolChoice(value)
+    name = value.function.name
+    if name not in {t.name for t in tools}:
+        raise ToolError(f"{name_at}: {name!r} is not one of the tools offered ({', '.join(t.name for t in tools)})")
+    return ToolChoice("function", name)
+
+
+def history_calls(calls: list[ToolCallSpec]) -> list[dict[str, Any]]:
+    """An assistant message's `tool_calls` in the history, as the templates take them (an id where none
+    was given)."""
+    return [{"id": call.id or f"call_{i}", "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}
+            for i, call in enumerate(calls)]
+
+
+@functools.lru_cache(maxsize=512)
+def schema_error(schema_text: str) -> str | None:
+    """Why the JSON schema `schema_text` cannot be enforced (the grammar library's reason), or None. Cached:
+    an agent sends the same tools every turn."""
+    try:
+        check(StructuredOutput.json_schema(json.loads(schema_text)))
+    except ValueError as exc:
+        return str(exc).removeprefix("structured output: ")
+    return None
+
+
