@@ -47,12 +47,16 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 def _as_int(name: str, value: object) -> int:
+    if type(value) is int:   # the common case, without the ABC check's cost (every request passes here)
+        return value
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
         raise ValueError(f"{name}: must be an integer, got {value!r}")
     return int(value)
 
 
 def _as_float(name: str, value: object) -> float:
+    if (type(value) is float or type(value) is int) and math.isfinite(value):
+        return float(value)
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise ValueError(f"{name}: must be a number, got {value!r}")
     if not math.isfinite(value):
