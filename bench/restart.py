@@ -1,7 +1,7 @@
 """`cliffguard bench restart`: what a device worker's restart costs, forked from the fork server against a
 freshly spawned interpreter.
 
-A dead or stalled worker is replaced by a new process (`gateway.supervisor`), so the device is down
+A dead or stalled worker is replaced by a new process (`gateway.workers.supervisor`), so the device is down
 for as long as a worker takes from start to ready. For one device of `--config` (its first, or
 `--device`), `--runs` times each, alternating: an `AsyncEngineClient` starts the worker, waits for
 `Ready`, then shuts it down; once with the gateway's way (`forkserver`: forked from a process that

@@ -16,7 +16,7 @@ any reason (`kill -9`, the OOM killer, a crash in a kernel, a `Fatal` step error
 In-flight streams and stats calls then fail with `EngineDeadError` naming the exit (`device worker
 process exited (signal 9, SIGKILL)`), the process is reaped in the background (joined, killed if it
 lingers, its socket and sentinel closed), and `client.died` resolves with the reason. A client is one
-process's life: to restart, make a new client (`gateway.supervisor` does, with back-off).
+process's life: to restart, make a new client (`gateway.workers.supervisor` does, with back-off).
 
 Liveness: the worker sends a `Heartbeat` every half second from a thread of its own, with how long its
 loop has been inside the current step. `silent_seconds()` (time since the worker last said anything)

@@ -1,7 +1,7 @@
 """A device replica served over TCP: the worker loop of `engine.worker`, reached across a network.
 
 A `ReplicaServer` lives in a process that a cluster manager placed (a Ray actor: `ReplicaActor`, and
-`gateway.ray_cluster` on the gateway's side). It binds a listening socket at once, then loads the
+`gateway.workers.ray_cluster` on the gateway's side). It binds a listening socket at once, then loads the
 engine on a thread of its own and serves one gateway connection at a time with the same messages,
 the same loop, the same heartbeat thread and the same back-pressure as a local worker
 (`engine.worker._serve`: the gateway's watchdog judges a replica as it judges a local worker). The engine
@@ -138,7 +138,7 @@ def _read_exact(conn: socket.socket, size: int) -> bytes:
 
 
 class ReplicaActor:
-    """The Ray actor of one replica (made a Ray class by `gateway.ray_cluster`; this module never imports
+    """The Ray actor of one replica (made a Ray class by `gateway.workers.ray_cluster`; this module never imports
     Ray at its top). It serves on the node's IP address; `endpoint` hands the gateway what it needs to
     connect, over Ray's own control plane. Run threaded (`max_concurrency` > 1) so that `endpoint`
     and `state` answer while the engine loads and `wait_stopped` can stay pending: its failure is

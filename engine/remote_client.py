@@ -3,7 +3,7 @@
 The same client as for a local worker (`engine.client.AsyncEngineClient`: the same messages, streams,
 back-pressure and death handling), over an authenticated TCP connection instead of a socket pair to a
 child process. What places the replica and says where it is, is a `ReplicaLink` (on Ray:
-`gateway.ray_cluster.RayReplica`): it gives the endpoint (waiting while the replica is placed or
+`gateway.workers.ray_cluster.RayReplica`): it gives the endpoint (waiting while the replica is placed or
 restarted), restarts a replica the watchdog finds stalled, and may report its death before the
 connection's loss shows (`lost`).
 
@@ -63,7 +63,7 @@ class RemoteEngineClient(AsyncEngineClient):
             self._on_exit(reason)
 
     def kill(self, reason: str) -> None:
-        """Drop the connection at once and have the replica restarted (a stalled one: `gateway.supervisor`)."""
+        """Drop the connection at once and have the replica restarted (a stalled one: `gateway.workers.supervisor`)."""
         if self._process is None or self._reaper is not None:
             return
         self.link.restart(reason)

@@ -11,7 +11,7 @@ worker. `StatsQuery` asks for a fresh copy and runs the allocators' integrity ch
 **Liveness.** A daemon thread beside the loop (`HeartbeatThread`) sends `Heartbeat(step_seconds)` every
 `HEARTBEAT_INTERVAL` seconds, whatever the loop is doing: `step_seconds` is how long the loop has been
 inside its current turn (its commands, the step, its outputs; 0 while it sleeps between turns). The
-gateway's watchdog (`gateway.supervisor`) takes a silent heartbeat for a stopped or hung process, and
+gateway's watchdog (`gateway.workers.supervisor`) takes a silent heartbeat for a stopped or hung process, and
 a beating one whose step has run past `gateway.step_timeout_seconds` for a hang inside the step. The
 two threads share the channel's sending side (`WorkerChannel`: one lock around send and flush);
 receiving and waiting stay the loop's.

@@ -6,10 +6,10 @@ and checked against its pool's context, and before anything reaches the device w
 1. its tenant comes from its API key (`pools.tenants`), and its body `priority` is clamped to what
    the tenant may use;
 2. per pool it touches, it reserves its prompt blocks plus the blocks its longest possible output
-   could take (`pools.credit_hold.reservation`; an unset max_tokens reserves the rest of the context);
+   could take (`pools.credits.queue.reservation`; an unset max_tokens reserves the rest of the context);
 3. it waits in its tenant's channel of that pool's queue until the credits are there (pools in name
    order, so two multi-prompt requests can never wait on each other) on one of the pool's replicas,
-   the one that can start it soonest (`pools.placement`), runs there, and gives everything back the
+   the one that can start it soonest (`pools.credits.placement`), runs there, and gives everything back the
    moment it ends — finished, failed or abandoned by its client. `admitted` yields where each pool's
    part was placed (`Placed`: the replica, its worker client, and what to tell the placement as
    tokens stream).
@@ -37,13 +37,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from engine.stats import STATS_INTERVAL
-from gateway.metrics import REQUEST_LATENCY_BUCKETS
+from gateway.monitoring.metrics import REQUEST_LATENCY_BUCKETS
 from gateway.openai.errors import ApiError
 from gateway.ticker import Ticker
-from pools.credit_hold import Admission, PoolFull, QueueTimeout, reservation
-from pools.credits import Ticket
-from pools.flows import FLOW_CAP
-from pools.placement import Placement, Work
+from pools.credits.queue import CreditQueue, PoolFull, QueueTimeout, reservation
+from pools.credits.ledger import Ticket
+from pools.credits.flows import FLOW_CAP
+from pools.credits.placement import Placement, Work
 from pools.pool import Pool
 from pools.tenants import Tenants
 
@@ -130,7 +130,7 @@ class AdmissionControl:
     @classmethod
     def build(cls, tenants: Tenants, pools: Sequence[Pool], registry: CollectorRegistry,
               credits: dict[str, int], max_num_seqs: dict[str, int] | None = None) -> AdmissionControl:
-        """One Admission per local pool, `credits[name]` KV token slots on each of its replicas (the
+        """One CreditQueue per local pool, `credits[name]` KV token slots on each of its replicas (the
         capacity plan's), placed by token load and prefix affinity; `max_num_seqs[name]` refuses at once
         an `n` the pool's engine would refuse."""
         policies = tenants.policies
@@ -141,7 +141,7 @@ class AdmissionControl:
             block_size = pool.spec.block_size
             placement = Placement(pool.num_replicas, block_size, max_cached_blocks=credits[pool.name] // block_size,
                                   avg_len=pool.spec.avg_len)
-            pool.admission = Admission(pool.name, [credits[pool.name]] * pool.num_replicas, tenants=policies,
+            pool.admission = CreditQueue(pool.name, [credits[pool.name]] * pool.num_replicas, tenants=policies,
                                        max_queue_seconds=pool.spec.max_queue_seconds, placement=placement,
                                        max_seqs=(max_num_seqs or {}).get(pool.name),
                                        flow_cap=FLOW_CAP if pool.spec.slo is not None else None)

@@ -2,9 +2,9 @@
 
 `create_app` builds the app from a `gateway.runtime.Gateway` (everything planned and loaded that can fail
 before a socket opens): the routes (`gateway.handlers`, the Responses API's
-`gateway.openai.stored_responses`; with a data dir also the Batch API, `gateway.batches`, and the kept
+`gateway.openai.stored_responses`; with a data dir also the Batch API, `gateway.batch.endpoints`, and the kept
 responses), the error and auth middlewares, and the `cleanup_ctx` that owns the device workers and the
-one `UpstreamClient` (`gateway.upstream_connection`). Workers load in the background: `/health` answers at once, `/ready` once
+one `UpstreamClient` (`gateway.upstream.connection`). Workers load in the background: `/health` answers at once, `/ready` once
 every device is loaded, and requests that arrive earlier wait for their pool instead of being refused.
 
 Every error is answered in the OpenAI format `{"error": {message, type, param, code}}`: the
@@ -32,14 +32,16 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from gateway import batches, dashboard, handlers
+from gateway import handlers
+from gateway.batch import endpoints as batches
+from gateway.monitoring import dashboard
 from gateway.openai import stored_responses
 from gateway.admission import bearer_key
 from gateway.openai.errors import ApiError
 from gateway.client_writes import (BODY_SNDBUF_BYTES, RESPONSE_BUFFERS, ResponseBuffers, limit_send_buffer,
                                    write_within)
 from gateway.runtime import GATEWAY, Gateway
-from gateway.upstream_connection import UpstreamClient
+from gateway.upstream.connection import UpstreamClient
 from pools.config.spec import CliffguardConfig
 
 log = logging.getLogger("cliffguard.gateway")
@@ -52,7 +54,7 @@ __all__ = ["GatewayRunner", "create_app", "run", "start_server"]
 
 def create_app(gateway: Gateway, *, data_dir: Path | str | None = None,
                batch_executor: batches.LineExecutor | None = None) -> web.Application:
-    """The app over `gateway`. With `data_dir`, the Batch API too (`gateway.batches`: its state in
+    """The app over `gateway`. With `data_dir`, the Batch API too (`gateway.batch.endpoints`: its state in
     `data_dir`, its runner started after the gateway and stopped before it) and kept responses
     (`gateway.openai.stored_responses`); without one (in-process tests), no batch routes and no response is
     kept: there is nowhere durable to keep them. `batch_executor` replaces the line

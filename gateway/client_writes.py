@@ -1,8 +1,8 @@
 """Writing to clients, bounded in time and in bytes.
 
 Every write the gateway makes to a client — a JSON body (`gateway.app`'s write middleware), a stream's
-SSE chunks (`gateway.local_answer`), a relayed upstream stream (`gateway.upstream`), a file's content
-(`gateway.batches`) — goes through `write_within`: a client that takes nothing for
+SSE chunks (`gateway.local_answer`), a relayed upstream stream (`gateway.upstream.relay`), a file's content
+(`gateway.batch.endpoints`) — goes through `write_within`: a client that takes nothing for
 `gateway.write_timeout` seconds has its connection aborted, a WARNING logged,
 `cliffguard_client_write_timeouts_total{pool}` counted, and the writer gets `ClientGone`.
 
@@ -24,7 +24,7 @@ from typing import Protocol, TypeVar
 from aiohttp import web
 from prometheus_client import Gauge
 
-from gateway.metrics import GatewayMetrics
+from gateway.monitoring.metrics import GatewayMetrics
 
 log = logging.getLogger("cliffguard.gateway")
 T = TypeVar("T")

@@ -3,7 +3,7 @@ for a batch line.
 
 The stages, in order (`Completion.answer`):
 1. **check**: each routed prompt leaves room for `max_tokens` in its pool's context;
-2. **forward** to an upstream pool (`gateway.upstream`), which answers it all; otherwise, local pools:
+2. **forward** to an upstream pool (`gateway.upstream.relay`), which answers it all; otherwise, local pools:
 3. **clamp** the priority to what the tenant may ask for (`AdmissionControl.clamp_priority`);
 4. **wait for the device**: a pool none of whose replicas has loaded yet holds the request, holding
    nothing (`Gateway.wait_device`); 503 if every replica failed to start, or (with Retry-After) if none
@@ -40,7 +40,7 @@ from gateway.local_answer import LocalResponse
 from gateway.runtime import Gateway
 from gateway.openai.tool_specs import schema_error
 from gateway.openai.tools import ToolFormat, format_for
-from gateway.upstream import forward
+from gateway.upstream.relay import forward
 from pools.pool import Pool
 
 log = logging.getLogger("cliffguard.gateway")
@@ -50,7 +50,7 @@ log = logging.getLogger("cliffguard.gateway")
 # sees one answer); once a chunk was streamed, 503 engine_dead (or an error event). A request in flight
 # at 1 + this many deaths is a poison request: 500 poison_request (or that error event), not run again.
 # So a request that itself kills the worker kills it twice, never three times. Batch lines are retried
-# by the batch runner instead, by the same count (`gateway.batch_runner.MAX_ENGINE_DEATHS`: a line that
+# by the batch runner instead, by the same count (`gateway.batch.execution.MAX_ENGINE_DEATHS`: a line that
 # kills the worker twice is a poison line).
 ENGINE_DEATH_RETRIES = 1
 

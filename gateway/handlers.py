@@ -20,7 +20,7 @@ from gateway.openai.completions import parse_completion
 from gateway.openai.errors import ApiError
 from gateway.completion import Completion
 from gateway.runtime import GATEWAY, Gateway, model_not_found
-from gateway.upstream import redact
+from gateway.upstream.relay import redact
 from pools.pool import Pool
 from pools.router import UnknownModelError
 

@@ -41,7 +41,7 @@ from engine.client import EngineDeadError, RequestFailedError
 from gateway.openai import objects
 from gateway.admission import Placed
 from gateway.client_writes import RESPONSE_BUFFERS, ClientGone, ResponseBuffers, start_sse, write_within
-from gateway.metrics import GatewayMetrics
+from gateway.monitoring.metrics import GatewayMetrics
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
 from gateway.openai.errors import ApiError

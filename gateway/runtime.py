@@ -3,7 +3,7 @@ workers and their readiness, metrics, the tokenizer thread pool and the `Upstrea
 
 `Gateway.from_config` does everything that can fail before a socket opens (models resolved,
 tokenizers loaded, the capacity plan computed); `start` spawns the device workers, one per replica of
-each device, which load in the background, each under a `gateway.supervisor.DeviceSupervisor` that
+each device, which load in the background, each under a `gateway.workers.supervisor.DeviceSupervisor` that
 restarts it if it dies, and starts the `SpiralWatch` (death-spiral detection per local pool and
 replica). The app's `cleanup_ctx` (gateway.app) calls `start` and `stop` and owns the upstream client. All methods run on the event loop; only
 `Router.route` (via `route_chat` / `route_prompt`) and the tokenizers it calls may run on the
@@ -36,13 +36,13 @@ from gateway.openai.tool_specs import Tool
 from gateway.openai.tools import render as render_chat_with_tools
 from engine.client import AsyncEngineClient
 from gateway.admission import AdmissionControl
-from gateway.autoscaler import Autoscaler
-from gateway.metrics import GatewayMetrics
+from gateway.workers.autoscaler import Autoscaler
+from gateway.monitoring.metrics import GatewayMetrics
 from gateway.openai.errors import ApiError
-from gateway.overload import OverloadWatch
-from gateway.supervisor import DeviceSupervisor
+from gateway.monitoring.overload import OverloadWatch
+from gateway.workers.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
-from gateway.upstream_connection import UpstreamClient
+from gateway.upstream.connection import UpstreamClient
 from pools.capacity_plan import (CapacityPlan, model_folder, plan_capacity, replica_engine_configs,
                                  resolve_model_configs)
 from pools.pool import Pool
@@ -146,12 +146,12 @@ class Gateway:
     backoff: Backoff = field(default_factory=Backoff)   # between restarts of a dead device worker (YAML)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(2, "cliffguard-tok"))
-    upstream: UpstreamClient | None = None   # forwards to `upstream:` pools (gateway.upstream)
+    upstream: UpstreamClient | None = None   # forwards to `upstream:` pools (gateway.upstream.relay)
     admission: AdmissionControl | None = None   # KV credits of the local pools, tenants (gateway.admission)
     spiral: SpiralWatch | None = None           # death-spiral detection of the local pools
     overload: OverloadWatch | None = None       # each device's offered load against its capacity
     autoscaler: Autoscaler | None = None        # replicas added and removed (autoscaled devices), their states
-    clusters: dict[str, Any] = field(default_factory=dict)   # Ray address -> gateway.ray_cluster.RayCluster
+    clusters: dict[str, Any] = field(default_factory=dict)   # Ray address -> gateway.workers.ray_cluster.RayCluster
     # constraint key -> the grammar library's objection ("" when it can enforce it); LRU, event-loop only
     grammar_checks: OrderedDict[str, str] = field(default_factory=OrderedDict)
 
@@ -218,7 +218,7 @@ class Gateway:
         spec = self.config.devices[device]
         if spec.placement != "ray":
             return [None] * len(configs)
-        from gateway.ray_cluster import RayCluster, RayReplica
+        from gateway.workers.ray_cluster import RayCluster, RayReplica
 
         address = spec.resolved_ray_address(os.environ)
         cluster = self.clusters.setdefault(address, RayCluster(address))

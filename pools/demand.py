@@ -2,7 +2,7 @@
 
 The capacity formula sizes a pool's concurrency; past it the seed's rule is to scale horizontally, and
 an operator can only do that if the gateway says when, and by how much. This module says it, from
-numbers, with no clock of its own and no I/O (the gateway feeds it: `gateway.overload`; `cliffguard
+numbers, with no clock of its own and no I/O (the gateway feeds it: `gateway.monitoring.overload`; `cliffguard
 capacity --rate` and `simulate` ask it for a planned arrival mix).
 
 **What a pool can do** (`pool_rates`), from the device's step-cost model (the linear model each

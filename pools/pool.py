@@ -18,7 +18,7 @@ from pools.tokencount import TokenCounter
 
 if TYPE_CHECKING:
     from engine.client import AsyncEngineClient
-    from pools.credit_hold import Admission
+    from pools.credits.queue import CreditQueue
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Pool:
     max_model_len: int
     num_replicas: int = 1                     # local pools: the replicas of its device (each serves it)
     clients: list[AsyncEngineClient | None] = field(default_factory=list)   # each replica's worker, once spawned
-    admission: Admission | None = None        # local pools: KV credits and the queue (set by the gateway)
+    admission: CreditQueue | None = None        # local pools: KV credits and the queue (set by the gateway)
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ its SHA-256, so keys never reach metric labels) and requests without a key share
 a listed key maps to its tenant and anything else to `default`: new keys cannot buy new shares. Keys
 listed here are accepted API keys too (the gateway then requires a key on /v1/...).
 
-`weight` and `min_priority` become the credit ledger's `TenantPolicy` (`pools.credits`): within a
+`weight` and `min_priority` become the credit ledger's `TenantPolicy` (`pools.credits.ledger`): within a
 tenant a smaller priority is served first, and a body's `priority` better than `min_priority` is
 clamped to it.
 
@@ -35,7 +35,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from pools.credits import DEFAULT_TENANT, TenantPolicy
+from pools.credits.ledger import DEFAULT_TENANT, TenantPolicy
 from pools.config.checks import Spec, SpecError, Text, from_yaml
 
 _TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # metric labels

@@ -189,12 +189,12 @@ def test_one_step_cost_model_and_one_step_commit():
 
 
 def test_the_credit_ledger_and_the_capacity_formula_import_without_torch():
-    """`import pools.credits` (the gateway's ledger) and `engine.capacity` (the formula) load neither
+    """`import pools.credits.ledger` (the gateway's ledger) and `engine.capacity` (the formula) load neither
     torch nor the engine: the packages' `__init__` import nothing."""
     import subprocess
     import sys
 
-    code = ("import sys, pools.credits, engine.capacity; "
+    code = ("import sys, pools.credits.ledger, engine.capacity; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('engine.llm')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -179,7 +179,7 @@ RESPONSES = web.AppKey("responses", KeptResponses)
 
 def setup(app: web.Application, data_dir: Path | str | None) -> None:
     """The Responses API's routes; with `data_dir`, its store (the Batch API's file: call after
-    `gateway.batches.setup`, which made its tables) and background runs, started after the gateway
+    `gateway.batch.endpoints.setup`, which made its tables) and background runs, started after the gateway
     and stopped before it."""
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{response_id}", retrieve_response)
@@ -187,7 +187,7 @@ def setup(app: web.Application, data_dir: Path | str | None) -> None:
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     if data_dir is None:
         return
-    from gateway.batches import STORE_FILE
+    from gateway.batch.endpoints import STORE_FILE
     gateway = app[GATEWAY]
     app[RESPONSES] = KeptResponses(ResponseStore(Path(data_dir) / STORE_FILE, gateway.config.gateway.stored_responses),
                                    gateway)

@@ -3,7 +3,7 @@ is real and what is modelled), and the requests it serves (`SimRequest`); `Repli
 replicas on one clock and the gateway's side of them (credit queues, placement, arrivals).
 
 A device with `replicas: R` runs R identical copies (`DeviceSim`: one replica's schedulers, step
-composer and clock). In front of them, as in the gateway (`pools.credit_hold`), each pool has ONE
+composer and clock). In front of them, as in the gateway (`pools.credits.queue`), each pool has ONE
 `CreditLedger` over R accounts (a replica's account: its blocks x block_size) and one `Placement`:
 a request that arrives waits in its pool's fair queue and is admitted on the replica the placement
 picks among those where its credits fit (token load; prefix affinity never matches: prompts are
@@ -40,9 +40,9 @@ from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, build_scheduler, commit_step
 from engine.sequence import FinishReason, Sequence as Seq
 from engine.step_cost import StepTime
-from pools.credit_hold import reservation
-from pools.credits import CreditLedger, Ticket
-from pools.placement import Placement, Work
+from pools.credits.queue import reservation
+from pools.credits.ledger import CreditLedger, Ticket
+from pools.credits.placement import Placement, Work
 from pools.spiral import SpiralConfig, SpiralDetector
 
 SPIRAL_SAMPLE_SECONDS = STATS_INTERVAL   # how often the gateway feeds the death-spiral detector (gateway.runtime)
@@ -325,7 +325,7 @@ class ReplicaGroup:
             self.replicas[ticket.replica].admit(request, seq, at)
 
     def _place(self, pool: str, ticket: Ticket, fitting: list[int]) -> int | None:
-        """The ledger's choice of replica, as the gateway's (`pools.credit_hold.Admission._place`)."""
+        """The ledger's choice of replica, as the gateway's (`pools.credits.queue.CreditQueue._place`)."""
         work = self._queued[ticket.request_id][2]
         ledger = self.ledgers[pool]
         free = [a.free for a in ledger.accounts]

@@ -21,7 +21,7 @@ from bench.load.report import class_summary, format_report, write_report
 from bench.load.run import run_load
 from engine.stats import PoolStats
 from gateway.cli import main
-from gateway.metrics import GatewayMetrics
+from gateway.monitoring.metrics import GatewayMetrics
 from pools.config.spec import SpecError
 from pools.workload import WORKLOAD_DIR, LengthDist, WorkloadClass, gamma_arrivals, latency_stats, load_workload
 from tests.gateway.conftest import DEFAULT_CONFIG, LiveServer

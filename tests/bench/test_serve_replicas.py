@@ -18,7 +18,7 @@ from bench.load.run import RatePhase, parse_rate_phases, phase_time, plan_phased
 from bench.load.scrape import ScrapeSample, Scraper, parse_metrics, replica_states
 from bench.load.sender import RequestRecord
 from gateway.admission import AdmissionMetrics
-from gateway.metrics import GatewayMetrics
+from gateway.monitoring.metrics import GatewayMetrics
 from pools.workload import LengthDist, WorkloadClass
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -1,6 +1,6 @@
 """A device worker's liveness and its failures, unit by unit (no model, no process; milliseconds each).
 
-- the watchdog's rules (`gateway.supervisor.DeviceSupervisor.check_stall` over the client's
+- the watchdog's rules (`gateway.workers.supervisor.DeviceSupervisor.check_stall` over the client's
   `silent_seconds` / `step_seconds`, on a fake clock): a silent heartbeat is a stall, busy or idle; a
   long step that keeps beating lives until `step_timeout_seconds`, then is a hang;
 - the worker's side: the heartbeat thread and the channel it shares with the loop;
@@ -25,9 +25,9 @@ from engine.messages import AbortRequest, AddRequest, Heartbeat, PauseRequest, R
 from engine.sampling import SamplingParams
 from engine.wire import FrameKeys
 from engine.worker import HeartbeatThread, WorkerChannel, _handle
-from gateway.metrics import GatewayMetrics
+from gateway.monitoring.metrics import GatewayMetrics
 from gateway.local_answer import engine_error
-from gateway.supervisor import DeviceSupervisor
+from gateway.workers.supervisor import DeviceSupervisor
 
 STALL, STEP_TIMEOUT = 10.0, 600.0
 

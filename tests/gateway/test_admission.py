@@ -246,7 +246,7 @@ async def test_kill_9_of_the_worker_loses_no_batch_line_and_no_queued_request(ai
     import os
     import signal
 
-    from gateway.supervisor import Backoff
+    from gateway.workers.supervisor import Backoff
 
     path = tmp_path / "pools.yaml"
     path.write_text(_yaml(tiny_model))

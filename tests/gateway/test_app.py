@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.stats import EngineStats
 from gateway.app import create_app
-from gateway.metrics import TTFT_BUCKETS
+from gateway.monitoring.metrics import TTFT_BUCKETS
 from gateway.runtime import Gateway
 from pools.config.yaml_file import load_config
 from tests.gateway.conftest import pools_yaml

@@ -117,8 +117,8 @@ class _Slot:
 def test_an_overloaded_device_scales_up_with_no_credit_wait_and_never_down_while_overloaded():
     """A compute-bound device's KV never fills: the overload verdict (offered load over what the step-cost
     model says its replicas do, requests waiting) starts a replica too, and keeps an idle one from going."""
-    from gateway.autoscaler import Autoscaler
-    from gateway.metrics import GatewayMetrics
+    from gateway.workers.autoscaler import Autoscaler
+    from gateway.monitoring.metrics import GatewayMetrics
     from pools.config.spec import DeviceSpec
 
     spec = DeviceSpec(name="d", replicas=3, min_replicas=1, scale_down_idle_seconds=5.0)

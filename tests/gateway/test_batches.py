@@ -18,9 +18,9 @@ import aiohttp
 import openai
 import pytest
 
-from gateway import batches
+from gateway.batch import endpoints as batches
 from gateway.app import create_app
-from gateway.batches import BATCHES, STORE_FILE
+from gateway.batch.endpoints import BATCHES, STORE_FILE
 from gateway.cli import main
 from gateway.runtime import Gateway
 from pools.store import batch_files

@@ -24,9 +24,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import dashboard
+from gateway.monitoring import dashboard
 from gateway.admission import AdmissionMetrics
-from gateway.metrics import TTFT_BUCKETS, GatewayMetrics
+from gateway.monitoring.metrics import TTFT_BUCKETS, GatewayMetrics
 from tests.gateway.conftest import DEFAULT_CONFIG, REPO, LiveServer, pools_yaml
 from tests.gateway.test_app import _client, _metrics, _model, _stream_text, _wait_idle
 

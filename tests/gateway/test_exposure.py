@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from gateway.app import create_app
 from gateway.runtime import Gateway
-from gateway.upstream import redact
+from gateway.upstream.relay import redact
 from pools.config.yaml_file import load_config
 from tests.gateway.conftest import chat_pool_yaml, start_gateway
 

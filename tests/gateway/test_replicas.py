@@ -8,7 +8,7 @@ import asyncio
 import os
 import signal
 
-from gateway.supervisor import Backoff
+from gateway.workers.supervisor import Backoff
 from tests.gateway.conftest import pools_yaml
 from tests.gateway.test_app import _client, _metrics, _model, _stream_text
 

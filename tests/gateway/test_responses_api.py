@@ -142,7 +142,7 @@ async def test_metadata_is_echoed_and_logprobs_come_with_the_text_whole_and_stre
 def test_a_stream_whose_engine_request_fails_ends_in_response_failed_with_the_error() -> None:
     from types import SimpleNamespace
 
-    from gateway.metrics import GatewayMetrics
+    from gateway.monitoring.metrics import GatewayMetrics
     from gateway.openai.errors import ApiError
     from gateway.openai.responses import ResponsesAnswer, parse_responses
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 from engine.sampling import SamplingParams
 from engine.stats import EngineStats, PoolStats
-from gateway.metrics import GatewayMetrics
+from gateway.monitoring.metrics import GatewayMetrics
 from gateway.runtime import Gateway, SpiralWatch
 from pools.spiral import SpiralConfig
 from tests.gateway.test_app import _client, _metrics

@@ -1,4 +1,4 @@
-"""gateway.supervisor: a device worker killed under load is noticed, reported and restarted; requests
+"""gateway.workers.supervisor: a device worker killed under load is noticed, reported and restarted; requests
 that arrive meanwhile wait for it; a worker that never loaded stays failed."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from gateway.app import create_app
 from gateway.runtime import Gateway
-from gateway.supervisor import Backoff
+from gateway.workers.supervisor import Backoff
 from pools.config.yaml_file import load_config
 from tests.gateway.conftest import pools_yaml
 from tests.gateway.test_app import _client, _metrics, _model, _stream_text
@@ -126,7 +126,7 @@ def test_restart_backoff_comes_from_yaml_and_bad_values_name_the_key():
 
 def test_engine_counters_of_a_restarted_worker_keep_counting():
     from engine.stats import PoolStats
-    from gateway.metrics import GatewayMetrics
+    from gateway.monitoring.metrics import GatewayMetrics
 
     metrics = GatewayMetrics()
 

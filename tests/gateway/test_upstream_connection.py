@@ -1,4 +1,4 @@
-"""`gateway.upstream_connection`: the gateway's HTTP/1.1 client for upstream pools, against raw servers
+"""`gateway.upstream.connection`: the gateway's HTTP/1.1 client for upstream pools, against raw servers
 that frame answers each way HTTP allows, drop connections and go silent."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import asyncio
 import pytest
 from yarl import URL
 
-from gateway.upstream_connection import (UpstreamClient, UpstreamDisconnected, UpstreamUnreachable,
+from gateway.upstream.connection import (UpstreamClient, UpstreamDisconnected, UpstreamUnreachable,
                                          _request_bytes)
 
 

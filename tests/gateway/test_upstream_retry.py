@@ -12,11 +12,11 @@ from collections import Counter
 import pytest
 from aiohttp import web
 
-from gateway import upstream
-from gateway.upstream_connection import UpstreamClient
+from gateway.upstream import relay as upstream
+from gateway.upstream.connection import UpstreamClient
 from gateway.app import create_app
-from gateway.batches import BATCHES
-from gateway.metrics import GatewayMetrics
+from gateway.batch.endpoints import BATCHES
+from gateway.monitoring.metrics import GatewayMetrics
 from gateway.runtime import Gateway
 from pools.config.yaml_file import load_config
 from tests.gateway.test_batches import _create, _jsonl, _jsonl_file, _wait

@@ -1,4 +1,4 @@
-"""pools.credits: the KV-credit ledger and its fair queue, in milliseconds (ints only)."""
+"""pools.credits.ledger: the KV-credit ledger and its fair queue, in milliseconds (ints only)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pools.credits import CreditLedger, TenantPolicy
+from pools.credits.ledger import CreditLedger, TenantPolicy
 
 
 def _drain(ledger: CreditLedger, order: list[str]) -> None:

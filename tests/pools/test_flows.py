@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pools.credits import CreditLedger
-from pools.flows import FLOW_CAP, FlowChannel, flow_class
+from pools.credits.ledger import CreditLedger
+from pools.credits.flows import FLOW_CAP, FlowChannel, flow_class
 
 
 def _ids(tickets) -> list[str]:

@@ -1,4 +1,4 @@
-"""pools.placement and the ledger across replicas: where a request goes (token load, prefix affinity),
+"""pools.credits.placement and the ledger across replicas: where a request goes (token load, prefix affinity),
 and a pool's one queue over several replicas' credits. Ints and hashes: milliseconds."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from pools.credit_hold import Admission
-from pools.credits import CreditLedger, TenantPolicy
-from pools.placement import Placement, block_hashes
+from pools.credits.queue import CreditQueue
+from pools.credits.ledger import CreditLedger, TenantPolicy
+from pools.credits.placement import Placement, block_hashes
 
 BS = 16
 
@@ -120,7 +120,7 @@ def test_a_queued_question_waits_for_its_documents_replica_and_is_admitted_there
     async def scenario():
         placement = _placement()
         doc = _ids(40 * BS, 17)
-        admission = Admission("rag", [700, 1000], placement=placement)
+        admission = CreditQueue("rag", [700, 1000], placement=placement)
         up = [False, True]                                        # replica 0 is still loading
         admission.is_up = lambda r: up[r]
         first = placement.work([doc + _ids(4, 18)], max_tokens=40, n=1, max_model_len=4096)
@@ -224,7 +224,7 @@ def test_tenant_weights_hold_across_replicas():
 def test_the_admission_places_each_request_and_counts_its_load_until_it_ends():
     async def scenario():
         placement = _placement()
-        admission = Admission("chat", [64, 64], placement=placement)
+        admission = CreditQueue("chat", [64, 64], placement=placement)
         up = [True, True]
         admission.is_up = lambda r: up[r]
         works = [placement.work([_ids(30, i)], max_tokens=20, n=1, max_model_len=512) for i in range(3)]

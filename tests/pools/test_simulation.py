@@ -500,7 +500,7 @@ def test_a_request_waiting_for_credits_goes_to_the_replica_that_frees_first(firs
 
 
 def test_a_small_request_of_another_flow_starts_at_the_next_step_boundary_and_the_head_waits():
-    """Fair order (`pools.flows`): the small request is of a flow not served yet, so it goes before the
+    """Fair order (`pools.credits.flows`): the small request is of a flow not served yet, so it goes before the
     big head of the queue, to replica 0, which is mid-step: it starts at that step's end. The head then
     waits, with no bypass, until a replica has room for it: replica 0 once a and the small one ended."""
     group = _group(_pool(num_blocks=12), 2)

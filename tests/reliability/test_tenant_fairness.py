@@ -1,5 +1,5 @@
 """Fairness inside one tenant (black box, live server): with no API keys every client is one tenant, and a
-burst of large requests must not hold a small request behind it (`pools.flows`)."""
+burst of large requests must not hold a small request behind it (`pools.credits.flows`)."""
 
 from __future__ import annotations
 

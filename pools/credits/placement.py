@@ -1,5 +1,5 @@
 """Which replica of a pool serves a request: the one that can start it soonest, by token load and
-prefix affinity. Ints and hashes only (no asyncio), tested in milliseconds; `pools.credit_hold` asks
+prefix affinity. Ints and hashes only (no asyncio), tested in milliseconds; `pools.credits.queue` asks
 it each time its ledger admits a request on a pool with several replicas.
 
 The gateway keeps, per replica, its **token load**: the work its admitted requests still ask of it,

@@ -8,7 +8,7 @@ no connection could be made to: nothing was sent) is retried with back-off, at m
 times; a line in flight when its device worker died twice (two 503 `engine_dead`) is a poison line.
 Either is recorded as the line's error, with its last answer. Any other answer is the line's: a line an
 upstream may have received (502 `upstream_disconnected`) is never sent again, so it never runs twice.
-Forwarded lines carry `Idempotency-Key: <batch id>:<custom_id>` (`gateway.upstream.IDEMPOTENCY_KEY`)
+Forwarded lines carry `Idempotency-Key: <batch id>:<custom_id>` (`gateway.upstream.relay.IDEMPOTENCY_KEY`)
 for upstreams that dedupe; the runner does not rely on it. A store call that fails for storage (disk
 full, database locked) is retried MAX_STORE_ATTEMPTS times, then the batch fails (`errors` naming
 `storage_error`) rather than stay in_progress or finalizing.
@@ -29,7 +29,7 @@ from urllib.parse import quote
 
 from gateway.openai.errors import ApiError
 from gateway.runtime import Gateway
-from gateway.upstream import IDEMPOTENCY_KEY
+from gateway.upstream.relay import IDEMPOTENCY_KEY
 from pools.store.batch_input import BatchInputError, BatchLine
 from pools.store.batch_store import STORAGE_ERRORS, BatchStore
 from pools.tenants import DEFAULT_TENANT

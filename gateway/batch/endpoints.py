@@ -1,5 +1,5 @@
 """The Batch API in OpenAI's shape — `POST /v1/files`, `GET /v1/files/{id}[/content]`, `POST/GET
-/v1/batches`, `GET /v1/batches/{id}`, `POST /v1/batches/{id}/cancel`. `gateway.batch_runner.BatchRunner`
+/v1/batches`, `GET /v1/batches/{id}`, `POST /v1/batches/{id}/cancel`. `gateway.batch.execution.BatchRunner`
 runs the batches' lines.
 
 The state (files, batches, each line's status and result) is durable in `pools.store.batch_store.BatchStore`
@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from gateway.admission import bearer_key
-from gateway.batch_runner import BatchRunner, LineExecutor, answer_batch_line
+from gateway.batch.execution import BatchRunner, LineExecutor, answer_batch_line
 from gateway.client_writes import write_within
 from gateway.handlers import read_json
 from gateway.openai.errors import ApiError

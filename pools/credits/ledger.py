@@ -8,7 +8,7 @@ engine's waiting lists stay short and nothing is rejected for capacity.
 
 Queues are channels keyed by (tenant, priority). Within a tenant the smallest priority value goes
 first (the engine's convention); within one priority, requests are split into flows by size and the
-flows take turns by the credits they ask (`pools.flows`: a burst of large requests does not hold a
+flows take turns by the credits they ask (`pools.credits.flows`: a burst of large requests does not hold a
 small one of the same tenant behind it), FIFO within a flow; a priority better than the tenant's
 `min_priority` is clamped to it, so a request body cannot buy more than its tenant may use. Across
 tenants, channels are served by deficit round robin in tokens: each visit gives a tenant
@@ -17,7 +17,7 @@ alternate by the tokens they ask for, not by arrival.
 
 No bypass: when the next request in fair order does not fit the free credits, admission stops until
 credits return, so a large request is never starved by a stream of small ones. The one exception is a
-flow at its cap (`flow_cap`, an interactive pool's: `pools.flows.Headroom`, one flow holds at most 7/8
+flow at its cap (`flow_cap`, an interactive pool's: `pools.credits.flows.Headroom`, one flow holds at most 7/8
 of a replica's credits and sequences while it holds any): its head waits for its own flow, and the
 next flow's head goes.
 
@@ -45,14 +45,14 @@ else is admitted fits beside them even if the engine's copy were evicted.)
 
 Replicas: a pool served by several replicas of its device has one queue and one credit account per
 replica (its blocks). The request at the head of the fair order is admitted on a replica where it
-fits, the one `place(ticket, fitting)` picks (`pools.placement`: token load and prefix affinity;
+fits, the one `place(ticket, fitting)` picks (`pools.credits.placement`: token load and prefix affinity;
 default: the most free credits); `Ticket.replica` says which. A replica that is down (`up` false:
 loading, restarting) takes nothing new. So a request waits on the pool, not on a replica, and goes to
 whichever frees first, unless `place` has it wait (None) for the replica that caches its prompt (which
 is not clearly busier); tenant channels and weights hold across replicas because there is one queue.
 
 Ints only, no asyncio, no locks: the gateway calls it from its event loop (ints, so it is tested in
-milliseconds). `pools.credit_hold` is the async layer the gateway awaits.
+milliseconds). `pools.credits.queue` is the async layer the gateway awaits.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.capacity import DEFAULT_BLOCK_SIZE
-from pools.flows import FlowChannel, Headroom, flow_class
+from pools.credits.flows import FlowChannel, Headroom, flow_class
 
 DEFAULT_TENANT = "default"
 
@@ -97,7 +97,7 @@ class Ticket:
     blocks: tuple[int, ...] = ()  # chain hashes of its prompt's full blocks (distinct), held once per replica
     prefilling: bool = False      # admitted, its first token not yet come: its blocks are not shared yet
     num_seqs: int = 1             # sequences it runs at once (n x prompts)
-    flow: int = 0                 # its size class within its tenant's channel (`pools.flows`)
+    flow: int = 0                 # its size class within its tenant's channel (`pools.credits.flows`)
     start: int = 0                # its start tag there (fair queueing)
     arrival: int = 0              # its place in the order of arrival there
 
@@ -120,8 +120,8 @@ class Account:
     refs: dict[int, int] = field(default_factory=dict)      # prompt block hash -> admitted requests naming it
     pending: dict[int, int] = field(default_factory=dict)   # ... of them still prefilling
     copies: dict[int, int] = field(default_factory=dict)    # ... copies of it held (1 .. refs)
-    flow_cap: int | None = None                             # `pools.flows.FLOW_CAP`, or None: no cap
-    headroom: Headroom | None = None                        # what each flow holds here (`pools.flows`)
+    flow_cap: int | None = None                             # `pools.credits.flows.FLOW_CAP`, or None: no cap
+    headroom: Headroom | None = None                        # what each flow holds here (`pools.credits.flows`)
 
     def __post_init__(self) -> None:
         self.headroom = Headroom(self.total, self.max_seqs, self.flow_cap)

@@ -183,9 +183,9 @@ class GatewayMetrics:
                                                    "client read nothing for gateway.write_timeout.", ["pool"])
 
     def _add_overload_series(self) -> None:
-        """Each device's offered load against what it can serve (gateway.overload)."""
+        """Each device's offered load against what it can serve (gateway.monitoring.overload)."""
         self.device_overloaded = self._gauge("device_overloaded", "1 while the device is offered more than it can "
-                                             "serve within its pools' targets (gateway.overload), else 0.", ["device"])
+                                             "serve within its pools' targets (gateway.monitoring.overload), else 0.", ["device"])
         self.device_offered_load = self._gauge("device_offered_load", "Offered load over capacity: the fraction of "
                                                "the device's ready replicas' time its pools' arrivals ask for.",
                                                ["device"])

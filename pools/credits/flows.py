@@ -1,4 +1,4 @@
-"""Flows: fairness inside one tenant's channel of the credit queue (`pools.credits`).
+"""Flows: fairness inside one tenant's channel of the credit queue (`pools.credits.ledger`).
 
 A tenant (one API key, or everyone when there are no keys) may send a burst of large requests and a
 small one at once. First come, first served would make the small one wait behind the whole burst;

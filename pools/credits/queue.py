@@ -1,6 +1,6 @@
 """The async face of a pool's credit ledger: what a request awaits before it may reach the engine.
 
-`Admission` owns one `CreditLedger` (pools.credits) for one local pool. A request computes what it
+`CreditQueue` owns one `CreditLedger` (pools.credits.ledger) for one local pool. A request computes what it
 may need (`reservation`: its prompt blocks plus, per sample, the blocks of its longest possible
 output, in whole blocks as the engine allocates them), then holds that many credits for as long as
 it runs:
@@ -16,10 +16,10 @@ with Retry-After); unset, it waits as long as its client does, so nothing is ref
 `max_queue_seconds: 0` is reject-when-full, what most servers do: a request that does not fit at
 once raises `PoolFull` (429) and its client retries (`cliffguard bench admission` compares the two).
 
-`reconcile(used_tokens, replica)` feeds a worker's real block use back in (pools.credits explains how).
+`reconcile(used_tokens, replica)` feeds a worker's real block use back in (pools.credits.ledger explains how).
 
-A pool served by several replicas has one `Admission` with one credit account per replica: a request
-waits in the pool's queue and is admitted on the replica `pools.placement.Placement` picks among those
+A pool served by several replicas has one `CreditQueue` with one credit account per replica: a request
+waits in the pool's queue and is admitted on the replica `pools.credits.placement.Placement` picks among those
 where it fits (token load, prefix affinity); `Ticket.replica` says which. `is_up(replica)` (set by
 the gateway: the replica's supervisor is ready) is read at each admission, so a dead or restarting
 replica takes nothing new from the moment its worker is gone; `replica_ready(replica)` admits whoever
@@ -34,9 +34,9 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 from engine.capacity import DEFAULT_BLOCK_SIZE
-from pools.credits import DEFAULT_TENANT, CreditLedger, TenantPolicy, Ticket
+from pools.credits.ledger import DEFAULT_TENANT, CreditLedger, TenantPolicy, Ticket
 from pools.demand import OfferedLoad
-from pools.placement import Placement, Work
+from pools.credits.placement import Placement, Work
 
 
 class PoolFull(Exception):
@@ -72,7 +72,7 @@ def reservation(prompt_lens: Iterable[int], max_tokens: int | None, n: int, *, b
     return blocks * block_size
 
 
-class Admission:
+class CreditQueue:
     """One local pool's credits and queue, awaited from the event loop. `total`: one replica's KV token
     slots, or each replica's; `placement`: where a request goes among several replicas (without one: the
     replica with the most free credits)."""
@@ -219,7 +219,7 @@ class Admission:
 
     def oldest_credit_wait(self, now: float | None = None) -> float:
         """Seconds the longest-queued request has waited for KV credits (0 when none waits): demand
-        past what the replicas' credits hold (`gateway.autoscaler`)."""
+        past what the replicas' credits hold (`gateway.workers.autoscaler`)."""
         if not self._queued_since:
             return 0.0
         return max(0.0, (time.monotonic() if now is None else now) - min(self._queued_since.values()))

@@ -4,7 +4,7 @@ There is one supervisor per replica of a device (a replicated device has several
 worker process, or its own tensor-parallel group, of which the worker is rank 0). The supervisor owns
 its replica's `engine.client.AsyncEngineClient`, a new one per worker process, and points the device's
 pools at the live one (`Pool.clients[replica]`); when a new worker is ready it tells each pool's
-admission (`Admission.replica_ready`), which places requests on it again. A replica that is not ready
+admission (`CreditQueue.replica_ready`), which places requests on it again. A replica that is not ready
 takes no new request: the pools' placement sees it at once (`is_ready`), so while it restarts the
 other replicas serve. The client notices a worker's death at once (its pipe's
 EOF or its process sentinel; `kill -9`, the OOM killer, a crashed kernel, a failed step) and fails
@@ -53,7 +53,7 @@ from engine.config import EngineConfig
 from engine.stats import WorkerInfo
 from engine.client import AsyncEngineClient, EngineDeadError
 from engine.remote_client import RemoteEngineClient, ReplicaLink
-from gateway.metrics import GatewayMetrics
+from gateway.monitoring.metrics import GatewayMetrics
 from gateway.ticker import Ticker
 from pools.pool import Pool
 from pools.config.gateway_spec import Backoff

@@ -1,12 +1,12 @@
 """`Autoscaler`: replicas added when a device's pools wait for KV credits, removed when one idles.
 
 The capacity formula gives each replica its pools' KV credits; requests past them queue at the
-gateway (`pools.credit_hold`), never refused. A device with `replicas: {min, max}` has `max` replica
+gateway (`pools.credits.queue`), never refused. A device with `replicas: {min, max}` has `max` replica
 slots, `min` of them started. Every `INTERVAL` seconds, for each such device:
 
 - **Up.** When some request of the device's pools has waited for credits longer than
   `scale_up_wait_seconds` (the formula's concurrency is exceeded: what is admitted fills every
-  replica's KV), or the device is overloaded (`gateway.overload`: its pools' arrivals ask more of its
+  replica's KV), or the device is overloaded (`gateway.monitoring.overload`: its pools' arrivals ask more of its
   ready replicas than the step-cost model says they can do, with requests waiting for their first
   token: a compute-bound device whose KV never fills), and no replica of the device is still loading,
   the lowest parked slot is started (on
@@ -32,8 +32,8 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-from gateway.metrics import GatewayMetrics
-from gateway.supervisor import DeviceSupervisor
+from gateway.monitoring.metrics import GatewayMetrics
+from gateway.workers.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
 from pools.pool import Pool
 from pools.config.spec import DeviceSpec
@@ -54,7 +54,7 @@ class Autoscaler:
                  pools: Mapping[str, Pool], metrics: GatewayMetrics,
                  overloaded: Callable[[], Mapping[str, str]] = dict) -> None:
         self.devices = devices
-        self.overloaded = overloaded   # device -> reason, for the devices overloaded now (gateway.overload)
+        self.overloaded = overloaded   # device -> reason, for the devices overloaded now (gateway.monitoring.overload)
         self.supervisors = supervisors
         self.pools = {device: [p for p in pools.values() if p.device == device] for device in supervisors}
         self.metrics = metrics

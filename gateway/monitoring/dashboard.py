@@ -3,7 +3,7 @@
 The numbers are the ones `/metrics` shows, by construction: `data` does the `/metrics` handler's
 refresh (`handlers.refresh_metrics`: the stats each device worker pushed last) and takes each pool's
 series from the same registry (`parse_snapshot`). The page itself is a static file,
-gateway/static/dashboard.html. What a
+gateway/monitoring/static/dashboard.html. What a
 single scrape cannot say, a rate or a recent p99, comes from the difference between this snapshot and
 an older one: `DashboardHistory` keeps the snapshots of the last `HISTORY_SECONDS`, taken as the page
 polls, and serves them as the page's time series, so a page opened late, or a second viewer, sees the
@@ -317,7 +317,7 @@ async def data(request: web.Request) -> web.Response:
 
 
 # --- the page --------------------------------------------------------------------------------------
-# gateway/static/dashboard.html, shipped as package data. No URL to anywhere in it: no fonts, scripts
+# gateway/monitoring/static/dashboard.html, shipped as package data. No URL to anywhere in it: no fonts, scripts
 # or images from outside, and no namespace strings (the sparklines are SVG written as markup inside
 # inline <svg> elements). Its one inline <style> and one inline <script> are allowed by hash.
 PAGE = (Path(__file__).parent / "static" / "dashboard.html").read_text(encoding="utf-8")

@@ -3,12 +3,12 @@
 Every `OVERLOAD_INTERVAL` seconds, per device with local pools, the watch builds a `pools.demand.DeviceLoad`
 from what the gateway and the device's workers know, and feeds the device's `OverloadDetector`:
 
-- offered load: each pool's `Admission.offered` (the interactive requests that arrived in the window:
+- offered load: each pool's `CreditQueue.offered` (the interactive requests that arrived in the window:
   their prompt tokens and estimated output tokens);
 - what the device can do for each pool (`pools.demand.pool_rates`): from the step-cost model a
   ready replica's worker fitted to the steps it measured (`StepCounters.step_model`), with the pool's
   `max_num_seqs` (the plan's), its KV credits per replica and its `max_num_batched_tokens`;
-- the oldest waiting request of each pool (`Admission.oldest_wait`) against its wait bound (half its
+- the oldest waiting request of each pool (`CreditQueue.oldest_wait`) against its wait bound (half its
   `max_queue_seconds`);
 - the replicas up (the device's ready supervisors).
 
@@ -28,8 +28,8 @@ from __future__ import annotations
 import logging
 import time
 
-from gateway.metrics import GatewayMetrics
-from gateway.supervisor import DeviceSupervisor
+from gateway.monitoring.metrics import GatewayMetrics
+from gateway.workers.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
 from pools.demand import DeviceLoad, OverloadDetector, PoolLoad, pool_rates, replicas_needed, wait_bound
 from pools.pool import Pool

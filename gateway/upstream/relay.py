@@ -32,14 +32,14 @@ import msgspec
 from aiohttp import web
 from yarl import URL
 
-from gateway.metrics import GatewayMetrics
+from gateway.monitoring.metrics import GatewayMetrics
 from gateway.openai.errors import ApiError
 from gateway.client_writes import start_sse, write_within
-from gateway.upstream_connection import (UpstreamClient, UpstreamDisconnected, UpstreamResponse,
+from gateway.upstream.connection import (UpstreamClient, UpstreamDisconnected, UpstreamResponse,
                                          UpstreamUnreachable)
 from pools.pool import Pool
 
-# The forwarded request's Idempotency-Key: a batch line's `<batch id>:<custom_id>` (gateway.batch_runner), else None.
+# The forwarded request's Idempotency-Key: a batch line's `<batch id>:<custom_id>` (gateway.batch.execution), else None.
 IDEMPOTENCY_KEY: ContextVar[str | None] = ContextVar("cliffguard_idempotency_key", default=None)
 
 

@@ -1,0 +1,1 @@
+"""What the gateway says about itself: Prometheus metrics, the dashboard, the overload watch."""

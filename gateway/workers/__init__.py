@@ -1,0 +1,1 @@
+"""The device workers' lives: supervision and restarts, autoscaling, placement on Ray."""

@@ -1,0 +1,1 @@
+"""KV credits: the ledger, the queue requests await, fair flows, placement on replicas."""
