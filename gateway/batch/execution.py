@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from gateway.openai.errors import ApiError
+from gateway.openai.errors import ApiError, storage_unavailable
 from gateway.runtime import Gateway
 from gateway.upstream.relay import IDEMPOTENCY_KEY
 from pools.store.batch_input import BatchInputError, BatchLine
@@ -169,24 +167,19 @@ class BatchRunner:
         self.max_in_flight = max_in_flight
         self.retry_first_s, self.retry_max_s = retry_first_s, retry_max_s
         self.max_line_attempts, self.max_store_attempts = max_line_attempts, max_store_attempts
-        self._thread = ThreadPoolExecutor(1, "cliffguard-batches")
         self._runs: dict[str, _Run] = {}
         self._gate = _Gate()
-
-    async def _on_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` on the store thread, for a client's request: a `BatchInputError` becomes
         a 400 naming its field, a storage error a 503 `storage_unavailable`."""
         try:
-            return await self._on_thread(fn, *args, **kwargs)
+            return await self.store.on_thread(fn, *args, **kwargs)
         except BatchInputError as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
         except STORAGE_ERRORS as exc:
             log.error("batch store: %s", exc)
-            raise ApiError(503, f"the batch store cannot be used now ({exc}); try again later", type="server_error",
-                           code="storage_unavailable", headers={"Retry-After": "10"}) from None
+            raise storage_unavailable("batch store", exc) from None
 
     async def durable(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` on the store thread, for the runner: tried again after a storage error
@@ -195,7 +188,7 @@ class BatchRunner:
         delay, attempt = self.retry_first_s, 1
         while True:
             try:
-                return await self._on_thread(fn, *args, **kwargs)
+                return await self.store.on_thread(fn, *args, **kwargs)
             except STORAGE_ERRORS as exc:
                 if attempt >= self.max_store_attempts:
                     raise StorageFailed(f"the batch store failed {attempt} times in a row: {exc}") from exc
@@ -217,8 +210,7 @@ class BatchRunner:
         for run in runs:
             run.task.cancel()
         await asyncio.gather(*(run.task for run in runs), return_exceptions=True)
-        await asyncio.to_thread(self._thread.shutdown)   # a record already handed to the thread lands
-        self.store.close()
+        await self.store.shutdown()   # a record already handed to the store's thread lands
 
     def run(self, batch_id: str) -> None:
         """Run the batch in the background, unless it already runs."""

@@ -47,3 +47,9 @@ def convert_body(value: Any, model: type[T], *, root: str = "") -> T:
         return convert(value, model, root=root)
     except FieldError as err:
         raise field_error(err) from None
+
+
+def storage_unavailable(store: str, exc: BaseException) -> ApiError:
+    """The 503 of a request whose store failed (disk full, locked past the busy timeout): retry later."""
+    return ApiError(503, f"the {store} cannot be used now ({exc}); try again later", type="server_error",
+                    code="storage_unavailable", headers={"Retry-After": "10"})

@@ -32,7 +32,6 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,7 +41,7 @@ from gateway.openai import objects
 from gateway.admission import bearer_key
 from gateway.completion import Completion
 from gateway.handlers import read_json
-from gateway.openai.errors import ApiError, bad_request
+from gateway.openai.errors import ApiError, bad_request, storage_unavailable
 from gateway.openai.responses import ResponsesAnswer, ResponsesRequest, parse_responses, response_object
 from gateway.runtime import GATEWAY, Gateway
 from pools.store.batch_store import STORAGE_ERRORS
@@ -62,18 +61,16 @@ class KeptResponses:
 
     def __init__(self, store: ResponseStore, gateway: Gateway) -> None:
         self.store, self.gateway = store, gateway
-        self._thread = ThreadPoolExecutor(1, "cliffguard-responses")
         self._runs: dict[str, asyncio.Task] = {}
         self._stopping = False
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` on the store's thread; a storage error is a 503 `storage_unavailable`."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
+            return await self.store.on_thread(fn, *args, **kwargs)
         except STORAGE_ERRORS as exc:
             log.error("response store: %s", exc)
-            raise ApiError(503, f"the response store cannot be used now ({exc}); try again later",
-                           type="server_error", code="storage_unavailable", headers={"Retry-After": "10"}) from None
+            raise storage_unavailable("response store", exc) from None
 
     async def start(self) -> None:
         for stored in await self.db(self.store.unfinished):
@@ -86,8 +83,7 @@ class KeptResponses:
         for task in runs:
             task.cancel()
         await asyncio.gather(*runs, return_exceptions=True)
-        await asyncio.to_thread(self._thread.shutdown)
-        self.store.close()
+        await self.store.shutdown()
 
     async def keep(self, final: dict[str, Any], *, owner: str, tenant: str, request: dict[str, Any],
                    items: list[dict[str, Any]]) -> bool:

@@ -4,12 +4,17 @@ tables and, from version 4, the Responses API's stored responses (`pools.store.r
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import ContextManager
+from typing import Any, ContextManager, TypeVar
+
+T = TypeVar("T")
 
 TABLES = (   # the tables as version 3 creates them (see the module docstring for what older ones lack)
     """CREATE TABLE IF NOT EXISTS files (
@@ -91,12 +96,23 @@ def transaction(db: sqlite3.Connection, lock: threading.Lock) -> Iterator[sqlite
 
 class StoreFile:
     """One connection to the store file (`connect`) and the lock every use of it holds, so any thread
-    may call a subclass's methods; `_txn` is one write transaction."""
+    may call a subclass's methods; `_txn` is one write transaction. The event loop calls them through
+    `on_thread`: one thread per store, so its calls keep their order and the loop never waits on SQLite."""
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._db = connect(self.path)
+        self._thread = ThreadPoolExecutor(1, f"cliffguard-{type(self).__name__}")
+
+    async def on_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` (a method of this store) on the store's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
+
+    async def shutdown(self) -> None:
+        """Let what was handed to the thread land (a record written stays written), then close."""
+        await asyncio.to_thread(self._thread.shutdown)
+        self.close()
 
     def close(self) -> None:
         with self._lock:
