@@ -4,6 +4,9 @@ that frame answers each way HTTP allows, drop connections and go silent."""
 from __future__ import annotations
 
 import asyncio
+import shutil
+import ssl
+import subprocess
 
 import pytest
 from yarl import URL
@@ -12,7 +15,7 @@ from gateway.upstream.connection import (UpstreamClient, UpstreamDisconnected, U
                                          _request_bytes)
 
 
-async def _raw_server(answer):
+async def _raw_server(answer, tls: ssl.SSLContext | None = None):
     """A server on 127.0.0.1 that reads each request on a connection and calls `answer(writer, request,
     number)`; returns (server, url, the requests it read, connections accepted)."""
     seen: list[bytes] = []
@@ -33,9 +36,10 @@ async def _raw_server(answer):
             pass
         writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=tls)
     port = server.sockets[0].getsockname()[1]
-    return server, URL(f"http://127.0.0.1:{port}/v1/chat/completions"), seen, connections
+    scheme = "https" if tls else "http"
+    return server, URL(f"{scheme}://127.0.0.1:{port}/v1/chat/completions"), seen, connections
 
 
 def _answer(body: bytes, *headers: str) -> bytes:
@@ -162,3 +166,30 @@ def test_a_line_break_in_a_header_is_refused():
         _request_bytes(URL("http://127.0.0.1:8000/v1"), b"{}", {"Idempotency-Key": "b:1\r\nX-Evil: 1"})
     assert _request_bytes(URL("https://example.com/v1/x?a=1"), b"", {}).startswith(
         b"POST /v1/x?a=1 HTTP/1.1\r\nHost: example.com\r\n")
+
+
+async def test_an_https_upstream_is_verified_and_reached_over_tls(tmp_path, monkeypatch):
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+
+    async def answer(writer, request, n):
+        writer.write(_answer(b'{"tls": true}', "Content-Length: 13"))
+        await writer.drain()
+
+    server, url, seen, _ = await _raw_server(answer, tls)
+    with pytest.raises(UpstreamUnreachable, match="certificate"):   # not trusted: nothing is sent
+        await UpstreamClient().post(url, b"{}", {})
+    assert seen == []
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))   # now it is (the system's trust store, as in production)
+    client = UpstreamClient()
+    async with await client.post(url, b"{}", {}) as r:
+        assert (r.status, await r.read()) == (200, b'{"tls": true}')
+    await client.close()
+    server.close()
