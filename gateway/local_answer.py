@@ -44,7 +44,7 @@ from gateway.client_writes import RESPONSE_BUFFERS, ClientGone, ResponseBuffers,
 from gateway.monitoring.metrics import GatewayMetrics
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
-from gateway.openai.errors import ApiError
+from gateway.openai.errors import ApiError, named_error
 from gateway.openai.tools import ToolCallStream, ToolFormat, format_for
 from pools.pool import Pool
 
@@ -123,8 +123,7 @@ def engine_error(exc: Exception) -> ApiError:
         return ApiError(503, f"engine unavailable: {exc}", type="server_error", code="engine_dead")
     if isinstance(exc, RequestFailedError):
         return ApiError(500, str(exc), type="server_error", code="request_failed")
-    message = str(exc)
-    return ApiError(400, message, param=message.split(":", 1)[0] if ":" in message else None)
+    return named_error(str(exc))
 
 
 class LocalResponse:

@@ -38,7 +38,7 @@ from engine.client import AsyncEngineClient
 from gateway.admission import AdmissionControl
 from gateway.workers.autoscaler import Autoscaler
 from gateway.monitoring.metrics import GatewayMetrics
-from gateway.openai.errors import ApiError
+from gateway.openai.errors import ApiError, named_error
 from gateway.monitoring.overload import OverloadWatch
 from gateway.workers.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
@@ -354,8 +354,7 @@ class Gateway:
         except NoRouteError as exc:
             raise ApiError(400, f"{param}: {exc}", param=param, code="context_length_exceeded") from None
         except ValueError as exc:  # bad messages or a template error, named by the tokenizer
-            message = str(exc)
-            raise ApiError(400, message, param=message.split(":", 1)[0]) from None
+            raise named_error(str(exc)) from None
         except TypeError as exc:  # JSON may carry text the tokenizer refuses, e.g. "\ud800"
             raise ApiError(400, f"{param}: the text cannot be tokenized ({exc}); it must be valid "
                            "Unicode (no lone surrogates)", param=param) from None

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from engine.sampling import MAX_LOGPROBS, SamplingParams
-from gateway.openai.errors import ApiError, bad_request, convert_body
+from gateway.openai.errors import bad_request, convert_body, named_error
 from gateway.openai.sampling_fields import (RequestFields, check_choices, response_format, sampling_params,
                                             stream_flags)
 from gateway.openai.tool_specs import (FunctionName, FunctionSpec, NamedToolChoice, Tool, ToolCallSpec, ToolChoice,
@@ -77,7 +77,7 @@ def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> ChatReques
     try:
         tools, tool_choice = _tools(chat)
     except ToolError as exc:   # its message starts with the field's path
-        raise ApiError(400, str(exc), param=str(exc).split(":", 1)[0]) from None
+        raise named_error(str(exc)) from None
     if chat.top_logprobs is not None and not chat.logprobs:
         raise bad_request("top_logprobs", "requires logprobs: true")
     top_logprobs = (chat.top_logprobs or 0) if chat.logprobs else None

@@ -35,6 +35,12 @@ def bad_request(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param)
 
 
+def named_error(message: str) -> ApiError:
+    """A 400 for a refusal whose message starts with the field's path (`"top_p: must be in (0, 1]"`, as the
+    tokenizer, the engine and the tool checks write them): that path is its `param`."""
+    return ApiError(400, message, param=message.split(":", 1)[0] if ":" in message else None)
+
+
 def field_error(err: FieldError) -> ApiError:
     """A value that does not fit its model as a 400 naming its path (`body` for the whole body)."""
     return bad_request(err.path or "body", err.reason)
