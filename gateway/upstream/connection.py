@@ -80,13 +80,13 @@ class _Connection(asyncio.Protocol):
         """Until more bytes (or the end) arrive; UpstreamDisconnected after `timeout` s of silence."""
         if self.eof:
             raise UpstreamDisconnected(f"the connection closed ({self.error or 'end of stream'})")
-        self._waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout, _time_out, waiter, timeout)   # lighter than asyncio.timeout
         try:
-            async with asyncio.timeout(timeout):
-                await self._waiter
-        except TimeoutError:
-            raise UpstreamDisconnected(f"no data for {timeout:g} s") from None
+            await waiter
         finally:
+            timer.cancel()
             self._waiter = None
 
     def take(self, n: int) -> bytes:
@@ -101,6 +101,11 @@ class _Connection(asyncio.Protocol):
     @property
     def usable(self) -> bool:
         return not self.eof and self.transport is not None and not self.transport.is_closing()
+
+
+def _time_out(waiter: asyncio.Future[None], timeout: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(UpstreamDisconnected(f"no data for {timeout:g} s"))
 
 
 class UpstreamResponse:
@@ -124,6 +129,12 @@ class UpstreamResponse:
 
     async def read(self) -> bytes:
         """The whole body."""
+        conn, left = self._conn, self._left
+        if conn is not None and left is not None and 0 < left <= len(conn.buffer):   # all here: the common case
+            body = conn.take(left)
+            self._left, self._done = 0, True
+            self.close()
+            return body
         return b"".join([piece async for piece in self.chunks()])
 
     async def chunks(self) -> AsyncIterator[bytes]:
