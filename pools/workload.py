@@ -4,62 +4,128 @@ sends it to a real server over HTTP, `cliffguard simulate` feeds it to the real 
 modelled step time.
 
 Classes come from a YAML file (`bench/workloads/*.yaml`, schema in `parse_workload`) or the default.
+The file is read, like the pool file, by frozen msgspec models (`pools.config.checks.Spec`), one per
+section: `WorkloadFile` (the top level: a non-empty `classes` list, names unique, an optional text
+`description`), `ClassSpec` (a class: a label `name`, `share` or `rate` > 0 but not both, `endpoint`
+chat|completion, `ignore_eos` a boolean, `temperature` >= 0), `LengthSpec` (a length distribution:
+`dist` fixed|uniform|normal, token counts integers >= 1, `mean` > 0, `std` >= 0, exactly the keys its
+`dist` takes, `min` <= `max`) and `PrefixSpec` (`shared_prefix`: `tokens` and `count` integers >= 1).
+Types and bounds are in the fields, rules across fields in `check()`; unknown keys, infinities and NaNs
+are refused; every error is a `SpecError` naming the key path (`classes[1].prompt_len.mean: ...`). The
+classes handed out are the frozen dataclasses `WorkloadClass`, `LengthDist` and `SharedPrefix`, which
+check themselves against the same models when built in Python.
+
 Arrivals per class are a gamma renewal process (`gamma_arrivals`): burstiness 1 is Poisson, below 1
 burstier, above 1 more regular.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
 import numpy as np
 
-from pools.config.checks import SpecError, check_mapping, is_int, is_number, load_yaml, read_text, show, within
+from pools.config.checks import (Count, NonNegative, Positive, Spec, SpecError, Text, from_yaml, load_yaml, read_text,
+                                 show)
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 DISTS = ("fixed", "uniform", "normal")
 _DIST_KEYS = {"fixed": ("value",), "uniform": ("min", "max"), "normal": ("mean", "std", "min", "max")}
-_CLASS_KEYS = ("name", "share", "rate", "endpoint", "prompt_len", "output_len", "ignore_eos", "temperature",
-               "shared_prefix")
-_PREFIX_KEYS = ("tokens", "count")
+_DIST_NEEDS = {"fixed": ("value",), "uniform": ("min", "max"), "normal": ("mean", "std")}
+_LENGTH_KEYS = ("value", "min", "max", "mean", "std")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "bench" / "workloads"
 
 
-def _required(key: str, value: Any) -> Any:
-    if value is None:
-        raise SpecError(f"{key}: required, got nothing")
-    return value
-
-
 def check_positive(key: str, value: Any, *, optional: bool = False, zero: bool = False,
-                    allow_inf: bool = False) -> None:
-    """A number > 0 (>= 0 with `zero`), finite unless `allow_inf`."""
-    if value is None and optional:
+                   allow_inf: bool = False) -> None:
+    """A number > 0 (>= 0 with `zero`), finite unless `allow_inf` (None passes when `optional`); else a
+    SpecError naming `key`. `bench.load.plan` checks its settings with it."""
+    if (value is None and optional) or (allow_inf and value == math.inf):
         return
-    bound = ">= 0" if zero else "> 0"
-    if not is_number(value) or math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise SpecError(f"{key}: must be a number {bound}, got {show(value)}")
-    if value < 0 or (value == 0 and not zero):
-        raise SpecError(f"{key}: must be {bound}, got {value!r}")
+    from_yaml(value, NonNegative if zero else Positive, key)
 
 
-def _check_len(key: str, value: Any, *, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not is_int(value) or value < 1:
-        raise SpecError(f"{key}: must be an integer >= 1 (tokens), got {show(value)}")
+# --- the models: the YAML's schema, section by section ---------------------------------------------
 
+class LengthSpec(Spec):
+    """`prompt_len` / `output_len` in YAML: `{dist: fixed, value: 64}`, `{dist: uniform, min, max}`,
+    `{dist: normal, mean, std, min?, max?}` (a bare `64` is read as the first)."""
+
+    dist: Literal[DISTS]
+    value: Count | None = None
+    min: Count | None = None
+    max: Count | None = None
+    mean: Positive | None = None
+    std: NonNegative | None = None
+
+    def check(self) -> None:
+        takes = _DIST_KEYS[self.dist]
+        for name in _LENGTH_KEYS:
+            given = getattr(self, name)
+            if given is not None and name not in takes:
+                raise SpecError(name, f"not used by dist {self.dist} (got {given!r}); "
+                                      f"{self.dist} takes: {', '.join(takes)}")
+        for name in _DIST_NEEDS[self.dist]:
+            if getattr(self, name) is None:
+                raise SpecError(name, f"required by dist {self.dist}")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise SpecError("max", f"must be >= min {self.min}, got {self.max}")
+
+
+class PrefixSpec(Spec):
+    """`shared_prefix: {tokens, count}`: each prompt starts with one of `count` documents of `tokens` tokens."""
+
+    tokens: Count
+    count: Count = 1
+
+
+class ClassSpec(Spec):
+    """One entry of `classes:`; `share` and `rate` exclude each other."""
+
+    name: Text
+    prompt_len: LengthSpec
+    output_len: LengthSpec
+    endpoint: Literal[tuple(ENDPOINTS)] = "chat"
+    share: Positive | None = None
+    rate: Positive | None = None
+    ignore_eos: bool = True
+    temperature: NonNegative | None = None
+    shared_prefix: PrefixSpec | None = None
+
+    def check(self) -> None:
+        if not _NAME.match(self.name):
+            raise SpecError("name", f"must be letters, digits, '_', '.' or '-' (a label), got {self.name!r}")
+        if self.share is not None and self.rate is not None:
+            raise SpecError("rate", f"give share or rate, not both (share {self.share!r}, rate {self.rate!r})")
+
+
+class WorkloadFile(Spec):
+    """The file's top level: the classes (their names unique) and a `description` for people."""
+
+    classes: Annotated[list[ClassSpec], msgspec.Meta(min_length=1)]
+    description: str | None = None
+
+    def check(self) -> None:
+        names = [c.name for c in self.classes]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise SpecError(f"classes[{i}].name", f"{name!r} is used by an earlier class")
+
+
+# --- the classes handed out ------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class LengthDist:
-    """A distribution of token counts, sampled as ints >= 1.
+    """A distribution of token counts, sampled as ints >= 1 (checked by `LengthSpec`).
 
     fixed: `value`; uniform: `min..max` inclusive; normal: round(N(mean, std)) clipped to `min..max`
     (min 1 and no max unless given). In YAML: `{dist: fixed, value: 64}` or just `64`.
@@ -73,25 +139,7 @@ class LengthDist:
     std: float | None = None
 
     def __post_init__(self) -> None:
-        if self.dist not in DISTS:
-            raise SpecError(f"dist: must be one of {', '.join(DISTS)}; got {self.dist!r}")
-        allowed = _DIST_KEYS[self.dist]
-        for name in ("value", "min", "max", "mean", "std"):
-            if getattr(self, name) is not None and name not in allowed:
-                raise SpecError(f"{name}: not used by dist {self.dist} (got {getattr(self, name)!r}); "
-                                f"{self.dist} takes: {', '.join(allowed)}")
-        if self.dist == "fixed":
-            _check_len("value", _required("value", self.value))
-        elif self.dist == "uniform":
-            _check_len("min", _required("min", self.min))
-            _check_len("max", _required("max", self.max))
-        else:
-            check_positive("mean", _required("mean", self.mean))
-            check_positive("std", _required("std", self.std), zero=True)
-            _check_len("min", self.min, optional=True)
-            _check_len("max", self.max, optional=True)
-        if self.min is not None and self.max is not None and self.min > self.max:
-            raise SpecError(f"max: must be >= min {self.min}, got {self.max}")
+        from_yaml(dataclasses.asdict(self), LengthSpec, "")
 
     def sample(self, rng: random.Random) -> int:
         """One length drawn with `rng`."""
@@ -112,13 +160,13 @@ class SharedPrefix:
     count: int = 1
 
     def __post_init__(self) -> None:
-        _check_len("tokens", self.tokens)
-        _check_len("count", self.count)
+        from_yaml(dataclasses.asdict(self), PrefixSpec, "")
 
 
 @dataclass(frozen=True)
 class WorkloadClass:
-    """One kind of request in the load: how often it arrives, its endpoint and its lengths in tokens.
+    """One kind of request in the load: how often it arrives, its endpoint and its lengths in tokens
+    (checked by `ClassSpec`).
 
     Share classes split `LoadConfig.request_rate` in proportion to `share` (1 when neither `share` nor
     `rate` is given); a class with its own `rate` (req/s) arrives at that rate on top of it.
@@ -135,72 +183,64 @@ class WorkloadClass:
     shared_prefix: SharedPrefix | None = None   # prompts = one of its documents + prompt_len tokens of their own
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
-            raise SpecError(f"name: must be letters, digits, '_', '.' or '-' (a label), got {show(self.name)}")
-        for key in ("prompt_len", "output_len"):
-            if not isinstance(getattr(self, key), LengthDist):
-                raise SpecError(f"{key}: must be a LengthDist, got {show(getattr(self, key))}")
-        if self.endpoint not in ENDPOINTS:
-            raise SpecError(f"endpoint: must be one of {', '.join(ENDPOINTS)}; got {self.endpoint!r}")
-        check_positive("share", self.share, optional=True)
-        check_positive("rate", self.rate, optional=True)
-        if self.share is not None and self.rate is not None:
-            raise SpecError(f"rate: give share or rate, not both (share {self.share!r}, rate {self.rate!r})")
-        if not isinstance(self.ignore_eos, bool):
-            raise SpecError(f"ignore_eos: must be true or false, got {show(self.ignore_eos)}")
-        check_positive("temperature", self.temperature, optional=True, zero=True)
-        if self.shared_prefix is not None and not isinstance(self.shared_prefix, SharedPrefix):
-            raise SpecError(f"shared_prefix: must be a SharedPrefix, got {show(self.shared_prefix)}")
+        for key, kind in (("prompt_len", LengthDist), ("output_len", LengthDist), ("shared_prefix", SharedPrefix)):
+            value = getattr(self, key)
+            if not isinstance(value, kind) and (value is not None or kind is LengthDist):
+                raise SpecError(key, f"must be a {kind.__name__}, got {show(value)}")
+        from_yaml(dataclasses.asdict(self), ClassSpec, "")
 
     @property
     def weight(self) -> float:
         """This class' weight among the share classes (0 for a class with its own rate)."""
         return 0.0 if self.rate is not None else (1.0 if self.share is None else float(self.share))
 
+    @classmethod
+    def from_spec(cls, spec: ClassSpec) -> WorkloadClass:
+        """The class a checked `ClassSpec` describes."""
+        prefix = spec.shared_prefix
+        return cls(**msgspec.structs.asdict(spec) | {
+            "prompt_len": LengthDist(**msgspec.structs.asdict(spec.prompt_len)),
+            "output_len": LengthDist(**msgspec.structs.asdict(spec.output_len)),
+            "shared_prefix": None if prefix is None else SharedPrefix(**msgspec.structs.asdict(prefix))})
+
 
 DEFAULT_WORKLOAD = (WorkloadClass("default", prompt_len=LengthDist("normal", mean=128, std=32, min=16, max=512),
                                   output_len=LengthDist("fixed", value=64)),)
-def _parse_length(key: str, raw: Any) -> LengthDist:
-    if is_int(raw):
-        raw = {"dist": "fixed", "value": raw}
-    if not isinstance(_required(key, raw), dict):
-        raise SpecError(f"{key}: must be a token count or a mapping like {{dist: uniform, min: 8, max: 64}}, "
-                        f"got {show(raw)}")
-    raw = check_mapping(key, raw, ("dist", *sorted({k for ks in _DIST_KEYS.values() for k in ks})))
-    with within(key):
-        return LengthDist(**{"dist": _required("dist", raw.get("dist")), **raw})
+
+
+def _written_out(data: Any) -> Any:
+    """`data` with each class's shorthand length (`prompt_len: 64`) written out as `{dist: fixed,
+    value: 64}`, so that `LengthSpec` reads both; anything else is left as it is, for the models to judge."""
+    classes = data.get("classes") if isinstance(data, dict) else None
+    if not isinstance(classes, list):
+        return data
+    written = []
+    for i, raw in enumerate(classes):
+        if isinstance(raw, dict):
+            raw = dict(raw)
+            for key in ("prompt_len", "output_len"):
+                value = raw.get(key)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    raw[key] = {"dist": "fixed", "value": value}
+                elif value is not None and not isinstance(value, dict):
+                    raise SpecError(f"classes[{i}].{key}", "must be a token count (an integer >= 1) or a "
+                                    f"distribution ({{dist: ...}}), got {show(value)}")
+        written.append(raw)
+    return {**data, "classes": written}
 
 
 def parse_workload(data: Any) -> tuple[WorkloadClass, ...]:
     """The dict of a workload YAML file -> its classes, or SpecError naming the key path and the bad value.
 
-    Schema: `classes:` a list of {name, share | rate, endpoint: chat|completion (chat), prompt_len,
-    output_len, ignore_eos (true), temperature (the server's default), shared_prefix ({tokens, count}:
-    each prompt starts with one of `count` shared documents)}; lengths as `LengthDist`.
-    An optional top-level `description:` is ignored.
+    Schema (`WorkloadFile`): `classes:` a list of {name, share | rate, endpoint: chat|completion (chat),
+    prompt_len, output_len, ignore_eos (true), temperature (the server's default), shared_prefix
+    ({tokens, count}: each prompt starts with one of `count` shared documents)}; lengths as `LengthSpec`.
+    An optional top-level `description:` (text) is ignored.
     """
-    if not isinstance(data, dict):
-        raise SpecError(f"(top level): must be a mapping with a `classes:` list, got {show(data)}")
-    data = check_mapping("", data, ("classes", "description"))
-    raw_classes = _required("classes", data.get("classes"))
-    if not isinstance(raw_classes, list) or not raw_classes:
-        raise SpecError(f"classes: must be a non-empty list of classes, got {show(raw_classes)}")
-    classes = []
-    for i, raw in enumerate(raw_classes):
-        key = f"classes[{i}]"
-        raw = check_mapping(key, raw, _CLASS_KEYS)
-        _required(f"{key}.name", raw.get("name"))
-        kwargs = dict(raw, prompt_len=_parse_length(f"{key}.prompt_len", raw.get("prompt_len")),
-                      output_len=_parse_length(f"{key}.output_len", raw.get("output_len")))
-        if raw.get("shared_prefix") is not None:
-            prefix = check_mapping(f"{key}.shared_prefix", raw["shared_prefix"], _PREFIX_KEYS)
-            with within(f"{key}.shared_prefix"):
-                kwargs["shared_prefix"] = SharedPrefix(**prefix)
-        with within(key):
-            classes.append(WorkloadClass(**kwargs))
-        if [c.name for c in classes].count(classes[-1].name) > 1:
-            raise SpecError(f"{key}.name: {classes[-1].name!r} is used by an earlier class")
-    return tuple(classes)
+    if data is None:
+        raise SpecError("classes", "the workload file is empty; give a `classes:` list")
+    spec = from_yaml(_written_out(data), WorkloadFile, "")
+    return tuple(WorkloadClass.from_spec(c) for c in spec.classes)
 
 
 def load_workload(path_or_name: str | Path) -> tuple[WorkloadClass, ...]:

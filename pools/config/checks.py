@@ -53,10 +53,6 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 # --- the models -----------------------------------------------------------------------------------
 
 _CONVERTING: ContextVar[bool] = ContextVar("pools_config_converting", default=False)
@@ -210,7 +206,7 @@ def _decode(kind: type, value: Any) -> Any:
     raise NotImplementedError(kind)
 
 
-# --- hand-written checks (the benchmark workloads) and the YAML loader -----------------------------
+# --- key paths of errors raised outside a model, and the YAML loader -----------------------------
 
 @contextmanager
 def within(prefix: str) -> Iterator[None]:
@@ -220,17 +216,6 @@ def within(prefix: str) -> Iterator[None]:
     except SpecError as exc:
         message = str(exc)
         raise SpecError(f"{prefix}{'' if message.startswith('[') else '.'}{message}") from None
-
-
-def check_mapping(key: str, value: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
-    """`value` is a dict whose keys are all in `allowed`; else SpecError naming the key."""
-    if not isinstance(value, dict):
-        raise SpecError(f"{key}: must be a mapping, got {show(value)}")
-    for name, item in value.items():
-        if name not in allowed:
-            path = f"{key}.{name}" if key else str(name)
-            raise SpecError(f"{path}: unknown key (value {item!r}); allowed keys: {', '.join(allowed)}")
-    return value
 
 
 class _Loader(yaml.SafeLoader):

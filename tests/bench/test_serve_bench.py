@@ -192,13 +192,13 @@ def test_shipped_workloads_load_by_path_and_by_name():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("classes: []", r"classes: must be a non-empty list"),
+    ("classes: []", r"classes: must not be empty"),
     ("clases: []", r"clases: unknown key"),
-    ("classes: [{name: a, prompt_len: 8}]", r"classes\[0\]\.output_len: required"),
+    ("classes: [{name: a, prompt_len: 8}]", r"classes\[0\]\.output_len: is required"),
     ("classes: [{name: a, prompt_len: 8, output_len: 0}]", r"classes\[0\]\.output_len\.value: .*got 0"),
     ("classes: [{name: a, prompt_len: 8.5, output_len: 4}]", r"classes\[0\]\.prompt_len: must be a token count.*8\.5"),
     ("classes: [{name: a, prompt_len: {dist: gauss, mean: 3}, output_len: 4}]",
-     r"classes\[0\]\.prompt_len\.dist: must be one of fixed, uniform, normal; got 'gauss'"),
+     r"classes\[0\]\.prompt_len\.dist: must be one of fixed, normal, uniform, got 'gauss'"),
     ("classes: [{name: a, prompt_len: {dist: uniform, min: 9, max: 3}, output_len: 4}]",
      r"classes\[0\]\.prompt_len\.max: must be >= min 9, got 3"),
     ("classes: [{name: a, prompt_len: {dist: fixed, value: 8, std: 2}, output_len: 4}]",
@@ -206,8 +206,8 @@ def test_shipped_workloads_load_by_path_and_by_name():
     ("classes: [{name: a, prompt_len: {dist: normal, mean: 8}, output_len: 4}]",
      r"classes\[0\]\.prompt_len\.std: required"),
     ("classes: [{name: a, prompt_len: 8, output_len: 4, endpoint: embeddings}]",
-     r"classes\[0\]\.endpoint: must be one of chat, completion; got 'embeddings'"),
-    ("classes: [{name: a, prompt_len: 8, output_len: 4, share: -1}]", r"classes\[0\]\.share: must be > 0, got -1"),
+     r"classes\[0\]\.endpoint: must be one of chat, completion, got 'embeddings'"),
+    ("classes: [{name: a, prompt_len: 8, output_len: 4, share: -1}]", r"classes\[0\]\.share: must be > 0\.0, got -1"),
     ("classes: [{name: a, prompt_len: 8, output_len: 4, share: 1, rate: 2}]", r"classes\[0\]\.rate: give share or"),
     ("classes: [{name: a, prompt_len: 8, output_len: 4, ignore_eos: 'yes'}]", r"classes\[0\]\.ignore_eos: .*'yes'"),
     ("classes: [{name: a, prompt_len: 8, output_len: 4}, {name: a, prompt_len: 8, output_len: 4}]",
