@@ -5,15 +5,15 @@ modelled step time.
 
 Classes come from a YAML file (`bench/workloads/*.yaml`, schema in `parse_workload`) or the default.
 The file is read, like the pool file, by frozen msgspec models (`pools.config.checks.Spec`), one per
-section: `WorkloadFile` (the top level: a non-empty `classes` list, names unique, an optional text
-`description`), `ClassSpec` (a class: a label `name`, `share` or `rate` > 0 but not both, `endpoint`
-chat|completion, `ignore_eos` a boolean, `temperature` >= 0), `LengthSpec` (a length distribution:
-`dist` fixed|uniform|normal, token counts integers >= 1, `mean` > 0, `std` >= 0, exactly the keys its
-`dist` takes, `min` <= `max`) and `PrefixSpec` (`shared_prefix`: `tokens` and `count` integers >= 1).
-Types and bounds are in the fields, rules across fields in `check()`; unknown keys, infinities and NaNs
-are refused; every error is a `SpecError` naming the key path (`classes[1].prompt_len.mean: ...`). The
-classes handed out are the frozen dataclasses `WorkloadClass`, `LengthDist` and `SharedPrefix`, which
-check themselves against the same models when built in Python.
+section, and those models are the classes handed out: `WorkloadFile` (the top level: a non-empty
+`classes` list, names unique, an optional text `description`), `WorkloadClass` (a class: a label `name`,
+`share` or `rate` > 0 but not both, `endpoint` chat|completion, `ignore_eos` a boolean, `temperature`
+>= 0), `LengthDist` (a length distribution: `dist` fixed|uniform|normal, token counts integers >= 1,
+`mean` > 0, `std` >= 0, exactly the keys its `dist` takes, `min` <= `max`) and `SharedPrefix`
+(`shared_prefix`: `tokens` and `count` integers >= 1). Types and bounds are in the fields, rules across
+fields in `check()`; unknown keys, infinities and NaNs are refused; every error is a `SpecError` naming
+the key path (`classes[1].prompt_len.mean: ...`), for a class built in Python too (`Spec` checks a new
+one as its YAML would be; `WorkloadClass.replace` makes a changed copy).
 
 Arrivals per class are a gamma renewal process (`gamma_arrivals`): burstiness 1 is Poisson, below 1
 burstier, above 1 more regular.
@@ -21,12 +21,10 @@ burstier, above 1 more regular.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -54,13 +52,16 @@ def check_positive(key: str, value: Any, *, optional: bool = False, zero: bool =
     from_yaml(value, NonNegative if zero else Positive, key)
 
 
-# --- the models: the YAML's schema, section by section ---------------------------------------------
+# --- the models: the YAML's schema, section by section, and the classes handed out -----------------
 
-class LengthSpec(Spec):
-    """`prompt_len` / `output_len` in YAML: `{dist: fixed, value: 64}`, `{dist: uniform, min, max}`,
-    `{dist: normal, mean, std, min?, max?}` (a bare `64` is read as the first)."""
+class LengthDist(Spec):
+    """A distribution of token counts, sampled as ints >= 1; `prompt_len` / `output_len` in YAML.
 
-    dist: Literal[DISTS]
+    fixed: `value`; uniform: `min..max` inclusive; normal: round(N(mean, std)) clipped to `min..max`
+    (min 1 and no max unless given). In YAML: `{dist: fixed, value: 64}` or just `64`.
+    """
+
+    dist: Literal[DISTS] = "fixed"
     value: Count | None = None
     min: Count | None = None
     max: Count | None = None
@@ -80,67 +81,6 @@ class LengthSpec(Spec):
         if self.min is not None and self.max is not None and self.min > self.max:
             raise SpecError("max", f"must be >= min {self.min}, got {self.max}")
 
-
-class PrefixSpec(Spec):
-    """`shared_prefix: {tokens, count}`: each prompt starts with one of `count` documents of `tokens` tokens."""
-
-    tokens: Count
-    count: Count = 1
-
-
-class ClassSpec(Spec):
-    """One entry of `classes:`; `share` and `rate` exclude each other."""
-
-    name: Text
-    prompt_len: LengthSpec
-    output_len: LengthSpec
-    endpoint: Literal[tuple(ENDPOINTS)] = "chat"
-    share: Positive | None = None
-    rate: Positive | None = None
-    ignore_eos: bool = True
-    temperature: NonNegative | None = None
-    shared_prefix: PrefixSpec | None = None
-
-    def check(self) -> None:
-        if not _NAME.match(self.name):
-            raise SpecError("name", f"must be letters, digits, '_', '.' or '-' (a label), got {self.name!r}")
-        if self.share is not None and self.rate is not None:
-            raise SpecError("rate", f"give share or rate, not both (share {self.share!r}, rate {self.rate!r})")
-
-
-class WorkloadFile(Spec):
-    """The file's top level: the classes (their names unique) and a `description` for people."""
-
-    classes: Annotated[list[ClassSpec], msgspec.Meta(min_length=1)]
-    description: str | None = None
-
-    def check(self) -> None:
-        names = [c.name for c in self.classes]
-        for i, name in enumerate(names):
-            if name in names[:i]:
-                raise SpecError(f"classes[{i}].name", f"{name!r} is used by an earlier class")
-
-
-# --- the classes handed out ------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class LengthDist:
-    """A distribution of token counts, sampled as ints >= 1 (checked by `LengthSpec`).
-
-    fixed: `value`; uniform: `min..max` inclusive; normal: round(N(mean, std)) clipped to `min..max`
-    (min 1 and no max unless given). In YAML: `{dist: fixed, value: 64}` or just `64`.
-    """
-
-    dist: str = "fixed"
-    value: int | None = None
-    min: int | None = None
-    max: int | None = None
-    mean: float | None = None
-    std: float | None = None
-
-    def __post_init__(self) -> None:
-        from_yaml(dataclasses.asdict(self), LengthSpec, "")
-
     def sample(self, rng: random.Random) -> int:
         """One length drawn with `rng`."""
         if self.dist == "fixed":
@@ -151,57 +91,56 @@ class LengthDist:
         return n if self.max is None else min(n, self.max)
 
 
-@dataclass(frozen=True)
-class SharedPrefix:
+class SharedPrefix(Spec):
     """Prompts that begin with one of `count` documents of `tokens` tokens each (drawn per request), as
-    questions on the same few documents do: what a prefix cache, and prefix affinity, are for."""
+    questions on the same few documents do: what a prefix cache, and prefix affinity, are for.
+    `shared_prefix: {tokens, count}` in YAML."""
 
-    tokens: int
-    count: int = 1
-
-    def __post_init__(self) -> None:
-        from_yaml(dataclasses.asdict(self), PrefixSpec, "")
+    tokens: Count
+    count: Count = 1
 
 
-@dataclass(frozen=True)
-class WorkloadClass:
-    """One kind of request in the load: how often it arrives, its endpoint and its lengths in tokens
-    (checked by `ClassSpec`).
+class WorkloadClass(Spec):
+    """One kind of request in the load (an entry of `classes:`): how often it arrives, its endpoint and its
+    lengths in tokens.
 
     Share classes split `LoadConfig.request_rate` in proportion to `share` (1 when neither `share` nor
     `rate` is given); a class with its own `rate` (req/s) arrives at that rate on top of it.
     """
 
-    name: str
+    name: Text
     prompt_len: LengthDist
     output_len: LengthDist
-    endpoint: str = "chat"
-    share: float | None = None
-    rate: float | None = None
+    endpoint: Literal[tuple(ENDPOINTS)] = "chat"
+    share: Positive | None = None
+    rate: Positive | None = None
     ignore_eos: bool = True
-    temperature: float | None = None
+    temperature: NonNegative | None = None
     shared_prefix: SharedPrefix | None = None   # prompts = one of its documents + prompt_len tokens of their own
 
-    def __post_init__(self) -> None:
-        for key, kind in (("prompt_len", LengthDist), ("output_len", LengthDist), ("shared_prefix", SharedPrefix)):
-            value = getattr(self, key)
-            if not isinstance(value, kind) and (value is not None or kind is LengthDist):
-                raise SpecError(key, f"must be a {kind.__name__}, got {show(value)}")
-        from_yaml(dataclasses.asdict(self), ClassSpec, "")
+    def check(self) -> None:
+        if not _NAME.match(self.name):
+            raise SpecError("name", f"must be letters, digits, '_', '.' or '-' (a label), got {self.name!r}")
+        if self.share is not None and self.rate is not None:
+            raise SpecError("rate", f"give share or rate, not both (share {self.share!r}, rate {self.rate!r})")
 
     @property
     def weight(self) -> float:
         """This class' weight among the share classes (0 for a class with its own rate)."""
         return 0.0 if self.rate is not None else (1.0 if self.share is None else float(self.share))
 
-    @classmethod
-    def from_spec(cls, spec: ClassSpec) -> WorkloadClass:
-        """The class a checked `ClassSpec` describes."""
-        prefix = spec.shared_prefix
-        return cls(**msgspec.structs.asdict(spec) | {
-            "prompt_len": LengthDist(**msgspec.structs.asdict(spec.prompt_len)),
-            "output_len": LengthDist(**msgspec.structs.asdict(spec.output_len)),
-            "shared_prefix": None if prefix is None else SharedPrefix(**msgspec.structs.asdict(prefix))})
+
+class WorkloadFile(Spec):
+    """The file's top level: the classes (their names unique) and a `description` for people."""
+
+    classes: Annotated[list[WorkloadClass], msgspec.Meta(min_length=1)]
+    description: str | None = None
+
+    def check(self) -> None:
+        names = [c.name for c in self.classes]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise SpecError(f"classes[{i}].name", f"{name!r} is used by an earlier class")
 
 
 DEFAULT_WORKLOAD = (WorkloadClass("default", prompt_len=LengthDist("normal", mean=128, std=32, min=16, max=512),
@@ -210,7 +149,7 @@ DEFAULT_WORKLOAD = (WorkloadClass("default", prompt_len=LengthDist("normal", mea
 
 def _written_out(data: Any) -> Any:
     """`data` with each class's shorthand length (`prompt_len: 64`) written out as `{dist: fixed,
-    value: 64}`, so that `LengthSpec` reads both; anything else is left as it is, for the models to judge."""
+    value: 64}`, so that `LengthDist` reads both; anything else is left as it is, for the models to judge."""
     classes = data.get("classes") if isinstance(data, dict) else None
     if not isinstance(classes, list):
         return data
@@ -234,13 +173,13 @@ def parse_workload(data: Any) -> tuple[WorkloadClass, ...]:
 
     Schema (`WorkloadFile`): `classes:` a list of {name, share | rate, endpoint: chat|completion (chat),
     prompt_len, output_len, ignore_eos (true), temperature (the server's default), shared_prefix
-    ({tokens, count}: each prompt starts with one of `count` shared documents)}; lengths as `LengthSpec`.
+    ({tokens, count}: each prompt starts with one of `count` shared documents)}; lengths as `LengthDist`.
     An optional top-level `description:` (text) is ignored.
     """
     if data is None:
         raise SpecError("classes", "the workload file is empty; give a `classes:` list")
     spec = from_yaml(_written_out(data), WorkloadFile, "")
-    return tuple(WorkloadClass.from_spec(c) for c in spec.classes)
+    return tuple(spec.classes)
 
 
 def load_workload(path_or_name: str | Path) -> tuple[WorkloadClass, ...]:

@@ -63,7 +63,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -105,8 +104,8 @@ def chat_class(args: argparse.Namespace) -> WorkloadClass:
     if args.chat_endpoint == "chat":
         return CHAT
     mean = args.chat_prompt_tokens
-    return replace(CHAT, endpoint="completion", prompt_len=LengthDist("normal", mean=mean, std=mean / 4,
-                                                                        min=max(1, mean // 2), max=2 * mean))
+    return CHAT.replace(endpoint="completion", prompt_len=LengthDist("normal", mean=mean, std=mean / 4,
+                                                                   min=max(1, mean // 2), max=2 * mean))
 
 
 def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
@@ -183,7 +182,7 @@ async def warm_up(url: str, grid: Grid, tokenizer, args: argparse.Namespace) -> 
     """Two chat requests at once, then one rag prompt of the longest length, unmeasured: a fresh
     server's first steps (allocations, first calls) must not land in the first run. Seconds taken."""
     began = time.perf_counter()
-    rag = replace(grid.rag_class(max(grid.rag_lens)), output_len=LengthDist("fixed", value=2))
+    rag = grid.rag_class(max(grid.rag_lens)).replace(output_len=LengthDist("fixed", value=2))
     for cls, n in ((chat_class(args), 2), (rag, 1)):
         config = LoadConfig(url=url, classes=(cls,), request_rate=math.inf, num_requests=n, seed=grid.seed,
                             timeout=120.0, drain_timeout=120.0, scrape=False, tokenizer=args.model)

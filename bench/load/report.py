@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from bench.load.sender import RequestRecord
@@ -180,6 +181,7 @@ class LoadReport:
         """JSON-ready dict: config (API key hidden; `rate_phases` [{rate, duration_s}] or None), model, summary,
         totals and, with `raw`, records, scrapes and, when the server counted replicas, `replicas_timeline`."""
         config = asdict(self.config)
+        config["classes"] = msgspec.to_builtins(self.config.classes)   # models, not dataclasses
         config["api_key"] = "***" if self.config.api_key else None
         if math.isinf(self.config.request_rate):
             config["request_rate"] = "inf"

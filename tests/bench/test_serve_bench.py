@@ -401,6 +401,9 @@ async def test_out_writes_results_json_and_two_pngs(aiohttp_server, tmp_path):
     data = json.loads((tmp_path / "out" / "results.json").read_text())
     assert set(data) == {"config", "model", "summary", "totals", "requests", "scrapes"}
     assert data["config"]["api_key"] == "***" and "secret" not in (tmp_path / "out" / "results.json").read_text()
+    assert [c["name"] for c in data["config"]["classes"]] == ["ok"]
+    assert data["config"]["classes"][0]["prompt_len"] == {"dist": "fixed", "value": config.classes[0].prompt_len.value,
+                                                          "min": None, "max": None, "mean": None, "std": None}
     assert len(data["requests"]) == report.totals["count"] and data["summary"]["probe"]["completed"] >= 1
     assert data["requests"][0]["ttft_s"] == data["requests"][0]["chunk_s"][0]
     assert data["scrapes"] and data["scrapes"][0]["pools"]["chat"]["num_requests_waiting"] == 1
