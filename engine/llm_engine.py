@@ -301,7 +301,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self.schedulers[seq.pool].finish(seq, FinishReason.ABORT)
         self.schedulers[request.seqs[0].pool].pause(request_id, False)   # one aborted while its grammar was built
-        del self.requests[request_id]
+        self._forget(request)
         return request.output(request.seqs)
 
     def pause(self, request_id: str, paused: bool) -> bool:
@@ -347,7 +347,7 @@ class LLMEngine:
                 self._forks.submit(request.seqs)
             else:
                 failed.append(request.output(request.seqs))
-                del self.requests[request_id]
+                self._forget(request)
         return failed
 
     def _schedule(self) -> _ScheduledStep:
@@ -388,7 +388,7 @@ class LLMEngine:
         tokens = None
         if sampled:
             rows = [SamplingRow(s.params, s.generator, s.num_output_tokens, self.eos_token_ids, s.token_ids,
-                                s.grammar) for s in sampled]
+                                s.grammar, s.seq_id) for s in sampled]
             tokens = self.sampler(logits, rows)
         return _ExecutedStep(sampled, tokens, forward_started)
 
@@ -429,9 +429,15 @@ class LLMEngine:
 
     def _finish_or_report(self, request: RequestState, seqs: list[Sequence]) -> RequestOutput:
         if all(s.is_finished for s in request.seqs) and not self._forks.has_pending(request.request_id):
-            del self.requests[request.request_id]
+            self._forget(request)
             return request.output(request.seqs)
         return request.output(seqs)
+
+    def _forget(self, request: RequestState) -> None:
+        """A request has ended: drop it and what the sampler keeps for its sequences."""
+        del self.requests[request.request_id]
+        for seq in request.seqs:
+            self.sampler.release(seq.seq_id)
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None,
                       top: list[tuple[int, float]] | None) -> None:

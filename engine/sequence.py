@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.outputs import OutputText
 from engine.sampling import SamplingParams
 from engine.structured import GrammarMatcher
 
@@ -56,7 +57,7 @@ class Sequence:
     error: str | None = None         # why the scheduler ended it (e.g. the pool cannot hold it)
     grammar: GrammarMatcher | None = None   # where its output stands in params.structured's grammar
     # output text state, kept by the engine's output processing
-    text: str = ""
+    text: OutputText = field(default_factory=OutputText)
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
@@ -86,7 +87,7 @@ class Sequence:
         """Truncate the text at the earliest stop string that the last `delta_len` characters complete;
         STOP (and `stop_reason` the string) if one did."""
         longest = max(len(s) for s in self.params.stop)
-        search_from = max(0, len(self.text) - delta_len - longest + 1)
+        search_from = max(0, len(self.text) - delta_len - longest + 1)   # the text is read from here on only
         found: tuple[int, str] | None = None
         for stop in self.params.stop:
             index = self.text.find(stop, search_from)
@@ -95,7 +96,7 @@ class Sequence:
         if found is None:
             return None
         index, stop = found
-        self.text = self.text[: index + (len(stop) if self.params.include_stop_str_in_output else 0)]
+        self.text.truncate(index + (len(stop) if self.params.include_stop_str_in_output else 0))
         self.stop_reason = stop
         return FinishReason.STOP
 

@@ -34,6 +34,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
+from engine.outputs import OutputText
+
 # transformers' SPECIAL_TOKENS_ATTRIBUTES; other `*_token` keys in the config are model-specific special tokens
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
@@ -187,12 +189,12 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix_offset = 0  # window start
         self._read_offset = 0  # end of the emitted tokens
-        self._text = ""
+        self._text = OutputText()   # appended without copying what came before
 
     @property
     def text(self) -> str:
         """All output text emitted so far."""
-        return self._text
+        return str(self._text)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -283,3 +283,35 @@ def test_step_time_is_read_after_the_device_finished(tiny_path, monkeypatch):
     while engine.has_unfinished_requests():
         engine.step()
     assert_all_free(engine)
+
+
+def test_penalty_counts_kept_across_steps_equal_counting_afresh(tiny_path, monkeypatch):
+    """The penalties read token counts the sampler keeps on the device from step to step (one scatter of
+    the sampled tokens per step); counting every row afresh from its tokens each step must give the same
+    tokens, through preemption (a recompute keeps the counts) and n > 1 forks; rows are freed at the end."""
+    from engine.sampling import PenaltyCounts
+
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=1.5,
+                             frequency_penalty=0.7, logit_bias={9: 3.0}),
+              SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=40, ignore_eos=True, frequency_penalty=-0.5,
+                             repetition_penalty=0.8, logprobs=2)]
+    prompts = [[5, 6, 7, 5, 5], [11, 12, 13, 14], [20, 21, 20, 22]]
+
+    def run(kept: bool) -> list[list[list[int]]]:
+        engine = _engine(tiny_path, block_size=8, num_blocks=16)   # too few for all four: some are preempted
+        if not kept:
+            real_rows = PenaltyCounts.rows
+            monkeypatch.setattr(PenaltyCounts, "rows", lambda self, rows: real_rows(
+                self, [type(r)(**{**r.__dict__, "key": None}) for r in rows]))
+        outs = engine.generate(prompts, params)
+        monkeypatch.undo()
+        assert engine.schedulers["default"].stats.num_preemptions > 0
+        assert len(engine.sampler.penalties) == 0   # every sequence's row released
+        assert_all_free(engine)
+        return [[o.token_ids for o in out.outputs] for out in outs]
+
+    kept = run(True)
+    assert kept == run(False)
+    plain = _engine(tiny_path).generate([prompts[0]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert kept[0][0] != plain[0].outputs[0].token_ids   # the penalty changed the output
