@@ -64,6 +64,9 @@ class StepStats:
     predicted_seconds: float | None = None  # the cost model's prediction (with its margin)
     pressed: list[str] = field(default_factory=list)   # interactive pools that put throughput at its floor
     pool_tokens: dict[str, int] = field(default_factory=dict)   # tokens each pool scheduled
+    # Host seconds of the step by phase: schedule (composer, block moves), inputs (the batch as tensors),
+    # forward (launching the model; on CUDA also waiting for it), sample, outputs (stop checks, text, reports).
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -324,12 +327,17 @@ class LLMEngine:
         if not self.has_work():   # nothing to run, or only paused requests
             self.last_step = StepStats()
             return []
+        started = time.perf_counter()
         failed = self._admit_built_grammars()
         scheduled = self._schedule()
         if not scheduled.batch and self._building:   # nothing to run until a grammar is built: do not spin
             self._building.wait()
+        scheduled.stats.phases["schedule"] = time.perf_counter() - started
         executed = self._execute(scheduled)
-        return failed + self._postprocess(scheduled, executed)
+        started = time.perf_counter()
+        outputs = failed + self._postprocess(scheduled, executed)
+        scheduled.stats.phases["outputs"] = time.perf_counter() - started
+        return outputs
 
     def _admit_built_grammars(self) -> list[RequestOutput]:
         """Requests whose grammar is built enter their scheduler, each sequence with its own matcher; those
@@ -382,14 +390,19 @@ class LLMEngine:
         forward_started = time.perf_counter()
         logits, sampled = self.runner.execute(scheduled.batch)
         self.runner.synchronize()   # the step's time is the device's, not its launch's
+        sampling_started = time.perf_counter()
         commit_step(self.schedulers, scheduled.batch, scheduled.stats.num_prefill_tokens,
-                    scheduled.stats.num_decode_tokens, time.perf_counter() - forward_started)
+                    scheduled.stats.num_decode_tokens, sampling_started - forward_started)
         logits, sampled = self._forks.fork(logits, sampled)
         tokens = None
         if sampled:
             rows = [SamplingRow(s.params, s.generator, s.num_output_tokens, self.eos_token_ids, s.token_ids,
                                 s.grammar, s.seq_id) for s in sampled]
             tokens = self.sampler(logits, rows)
+        phases = scheduled.stats.phases
+        phases["inputs"] = self.runner.last_inputs_seconds
+        phases["forward"] = sampling_started - forward_started - phases["inputs"]
+        phases["sample"] = time.perf_counter() - sampling_started
         return _ExecutedStep(sampled, tokens, forward_started)
 
     def _postprocess(self, scheduled: _ScheduledStep, executed: _ExecutedStep) -> list[RequestOutput]:

@@ -36,6 +36,7 @@ class _Forward:
     backend: object
     swap_spaces: dict[str, SwapSpace]
     tensor_parallel: bool
+    last_inputs_seconds: float = 0.0   # host seconds the last `run` spent making its inputs
 
     def _grad_mode(self):
         # gloo collectives need autograd's bookkeeping off the tensors, not inference tensors
@@ -45,13 +46,16 @@ class _Forward:
         """Logits [num_sampled, vocab] (float32) of the plan's sampled rows; None when none is sampled.
         Every rank calls it with the same plan (the collectives inside pair up)."""
         if not plan.input_ids:
+            self.last_inputs_seconds = 0.0
             return None
         with self._grad_mode():
             device = self.device
+            started = time.perf_counter()
             meta = AttentionMetadata.build(plan.block_tables, plan.query_lens, plan.seq_lens,
                                            self.kv_cache.block_size, device)
             input_ids = torch.tensor(plan.input_ids, dtype=torch.int64, device=device)
             positions = torch.tensor(plan.positions, dtype=torch.int64, device=device)
+            self.last_inputs_seconds = time.perf_counter() - started
             hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
             if not plan.sample_rows:
                 return None
@@ -114,11 +118,14 @@ class ModelRunner(_Forward):
     def execute(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[Sequence]]:
         """Run the step on every rank; return logits [num_sampled, vocab] (float32) and the sequences they
         belong to."""
+        started = time.perf_counter()
         plan, sampled = self.plan(batch)
+        planned = time.perf_counter() - started
         if self.tensor_parallel:
             plan.moves, self._moves = self._moves, []
             self.group.broadcast(plan)
         logits = self.run(plan)
+        self.last_inputs_seconds += planned
         if logits is None:
             logits = torch.empty(0, self.model.config.vocab_size, device=self.device)
         return logits, sampled

@@ -27,6 +27,8 @@ LOCK_FILE = "serve.lock"          # under --data-dir: held by the one server usi
 
 BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's add_arguments and run
     "engine": "our engine vs transformers generate, same workload",
+    "hostcost": "a decode step's host cost on a deep, narrow model: ours vs transformers' forward, ops per layer, "
+                "phases by batch size and output length",
     "tokenizer": "tiktoken counter vs the HF tokenizer",
     "gateway": "latency the gateway adds, routed requests/s",
     "kernels": "paged attention vs copy bandwidth and SDPA (GPU; --dry-run on CPU)",

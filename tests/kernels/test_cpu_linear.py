@@ -55,12 +55,23 @@ def test_pack_linears_swaps_every_linear_and_keeps_the_logits(tie):
     layer_input = torch.randn(5, 32, generator=torch.Generator().manual_seed(4))
     mlp_before = model.layers[1].mlp(layer_input)
     # per layer: qkv, o, gate_up, down; plus the LM head (its own, or a packed copy of the tied table)
-    assert pack_linears(model) == 4 * 2 + 1
+    assert pack_linears(model, min_elements=0) == 4 * 2 + 1
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert isinstance(model.lm_head, PackedLinear)
     assert model.embed_tokens.weight.layout == torch.strided   # the lookup table stays dense
     torch.testing.assert_close(model.compute_logits(hidden), before, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(model.layers[1].mlp(layer_input), mlp_before, rtol=1e-5, atol=1e-5)
+
+
+def test_small_weights_stay_on_torch_linears():
+    """A packed call's fixed cost outweighs what it saves on a small weight: only large ones are packed."""
+    model = _tiny_llama(tie=False)
+    sizes = {name: m.weight.numel() for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert pack_linears(model, min_elements=2048) == sum(n >= 2048 for n in sizes.values()) > 0
+    for name, module in model.named_modules():
+        if name in sizes:
+            assert isinstance(module, PackedLinear) == (sizes[name] >= 2048), name
+    assert pack_linears(_tiny_llama(tie=True)) == 0   # the default threshold: every weight here is small
 
 
 def test_choice_of_packed_linears(monkeypatch):

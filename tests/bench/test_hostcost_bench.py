@@ -1,0 +1,58 @@
+"""`cliffguard bench hostcost` on a shrunken model: every measurement comes back with its goal judged from
+its own figures, the phases add up to no more than the step, ops are counted on both sides, and bad options
+are refused by name before anything loads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from bench import hostcost
+
+SMALL = ("--layers", "2", "--batch", "4", "--steps", "3", "--batch-sizes", "1,3", "--lengths", "20,40",
+         "--length-batch", "2", "--json")
+
+
+def _run(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    hostcost.add_arguments(parser)
+    return hostcost.run(parser.parse_args(list(argv)))
+
+
+def test_every_measurement_is_reported_and_judged(capsys, one_thread):
+    assert _run(*SMALL) == 0
+    result = json.loads(capsys.readouterr().out)
+    compare = result["compare"]
+    assert compare["ours_ms"] > 0 and compare["transformers_ms"] > 0
+    assert compare["ratio"] == pytest.approx(compare["ours_ms"] / compare["transformers_ms"])
+    assert compare["met"] == (compare["ratio"] <= hostcost.HOST_GOAL)
+    assert set(compare["phases_ms"]) == set(hostcost.PHASES)
+    assert sum(compare["phases_ms"].values()) <= compare["ours_ms"] * 1.5   # medians of parts, near the whole
+    ops = compare["ops_per_layer"]
+    assert 5 < ops["ours"] < 200 and 5 < ops["transformers"] < 200
+    assert [row["batch"] for row in result["batch_table"]] == [1, 3]
+    lengths = result["length_table"]
+    assert [row["output_len"] for row in lengths["rows"]] == [20, 40]
+    assert lengths["ratio"] == pytest.approx(lengths["rows"][1]["step_ms"] / lengths["rows"][0]["step_ms"])
+    assert lengths["met"] == (lengths["ratio"] <= hostcost.LENGTH_GOAL)
+
+
+def test_the_text_report_names_each_goal(capsys, one_thread):
+    assert _run(*[a for a in SMALL if a != "--json"], "--skip-lengths") == 0
+    out = capsys.readouterr().out
+    assert "transformers forward + argmax" in out and "goal <= 0.5x" in out and "ops per layer" in out
+    assert "output length" not in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--batch-sizes", "0,2"), "--batch-sizes"),
+    (("--lengths", "5,100"), "--lengths"),
+    (("--hidden-size", "66"), "--hidden-size"),
+    (("--steps", "0"), "--steps"),
+    (("--vocab-size", "10"), "--vocab-size"),
+])
+def test_bad_options_are_named(argv, message):
+    with pytest.raises(ValueError, match=message):
+        _run(*argv)
