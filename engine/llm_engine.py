@@ -454,28 +454,9 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None,
                       top: list[tuple[int, float]] | None) -> None:
-        params = seq.params
-        seq.token_ids.append(token)
-        if logprob is not None:
-            seq.logprobs.append(logprob)
-            seq.top_logprobs.append(top or [])
         detok = self.requests[seq.request_id].detokenizers[seq.index]
-        delta = detok.step([token])
-        seq.text += delta
-
-        reason: FinishReason | None = None
-        n_out = seq.num_output_tokens
-        if seq.grammar is not None and seq.grammar.advance(token, seq.request_id):
-            reason, seq.stop_reason = FinishReason.STOP, None   # the grammar is complete
-        elif n_out >= params.min_tokens:
-            if token in self.eos_token_ids and not params.ignore_eos:
-                reason, seq.stop_reason = FinishReason.STOP, None
-            elif token in params.stop_token_ids:
-                reason, seq.stop_reason = FinishReason.STOP, token
-            elif params.stop:
-                reason = seq.cut_at_stop_string(len(delta))
-        if reason is None and (n_out >= seq.max_tokens or seq.num_tokens >= self.schedulers[seq.pool].max_model_len):
-            reason = FinishReason.LENGTH
+        reason = seq.append_token(token, logprob, top, detok.step([token]), self.eos_token_ids,
+                                  self.schedulers[seq.pool].max_model_len)
         if reason is not None:
             if not isinstance(seq.stop_reason, str):  # a stop string already cut the text
                 seq.text += detok.flush()

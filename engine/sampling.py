@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.penalties import PenaltyCounts, adjust_logits
 from engine.structured import GrammarMatcher, StructuredOutput, allocate_bitmask, allowed_tokens, fill_bitmask
 
 MAX_N = 128
@@ -314,117 +315,18 @@ def _apply_grammars(logits: torch.Tensor, rows: Sequence[SamplingRow], idx: list
         logits.index_add_(0, torch.tensor(idx, device=device), masked)
 
 
-class PenaltyCounts:
-    """Per-sequence token counts on the device, for the penalties, kept from step to step.
-
-    A sequence that uses a penalty gets a row the first time it is sampled: `counts[row]` [vocab] int32
-    holds how often each token occurs in its output, `in_prompt[row]` [vocab] bool which tokens its prompt
-    holds, both filled once from its tokens. After each step the sampled tokens are added to their rows
-    in one scatter (`record`), so a step's penalties cost O(rows x vocab) on the device whatever the
-    outputs' lengths, and never walk the tokens in Python. Rows are reused after `release`; the tensors
-    double when full. Owned by the `Sampler`.
-    """
-
-    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
-        self.vocab_size, self.device = vocab_size, torch.device(device)
-        self.counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=self.device)       # [capacity, vocab]
-        self.in_prompt = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)     # [capacity, vocab]
-        self._rows: dict[int, int] = {}     # sequence key -> row
-        self._free: list[int] = []
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def rows(self, sampling_rows: Sequence[SamplingRow]) -> tuple[torch.Tensor, list[int]]:
-        """The rows of `sampling_rows` ([len] int64 on the device), each filled from its tokens the first
-        time; and the rows made for keyless sampling rows, to `free` after the call."""
-        rows, temporary = [], []
-        for row in sampling_rows:
-            index = self._rows.get(row.key) if row.key is not None else None
-            if index is None:
-                index = self._fill(row)
-                if row.key is None:
-                    temporary.append(index)
-                else:
-                    self._rows[row.key] = index
-            rows.append(index)
-        return torch.tensor(rows, dtype=torch.int64, device=self.device), temporary
-
-    def record(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-        """Add one sampled token to each row: rows, token_ids [n] on the device."""
-        self.counts.index_put_((rows, token_ids), torch.ones_like(rows, dtype=torch.int32), accumulate=True)
-
-    def release(self, key: int) -> None:
-        """The sequence `key` ended: its row is free again (nothing if it has none)."""
-        index = self._rows.pop(key, None)
-        if index is not None:
-            self._free.append(index)
-
-    def free(self, rows: list[int]) -> None:
-        self._free.extend(rows)
-
-    def _fill(self, row: SamplingRow) -> int:
-        """A free row filled from the sequence's tokens (its one walk over them)."""
-        if not self._free:
-            self._grow()
-        index = self._free.pop()
-        prompt_len = len(row.token_ids) - row.num_output_tokens
-        prompt = torch.tensor(row.token_ids[:prompt_len], dtype=torch.int64, device=self.device)
-        output = torch.tensor(row.token_ids[prompt_len:], dtype=torch.int64, device=self.device)
-        self.counts[index].zero_()
-        self.in_prompt[index].zero_()
-        self.in_prompt[index, prompt[prompt < self.vocab_size]] = True
-        output = output[output < self.vocab_size]   # ids past the logits are never sampled
-        self.counts[index].index_put_((output,), torch.ones_like(output, dtype=torch.int32), accumulate=True)
-        return index
-
-    def _grow(self) -> None:
-        old = self.counts.shape[0]
-        new = max(8, 2 * old)
-        self.counts = torch.cat([self.counts, self.counts.new_zeros(new - old, self.vocab_size)])
-        self.in_prompt = torch.cat([self.in_prompt, self.in_prompt.new_zeros(new - old, self.vocab_size)])
-        self._free.extend(range(new - 1, old - 1, -1))
-
-
-def _adjust_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], idx: list[int],
-                   penalties: PenaltyCounts | None, penalty_rows: torch.Tensor | None) -> None:
-    """Rows `idx` of logits, in place: + logit_bias, then the repetition, frequency and presence penalties
-    of the rows that set one, read from their `penalty_rows` of `penalties` (in idx order)."""
-    # logits: [num_rows, vocab] float32
-    device, vocab_size = logits.device, logits.shape[1]
-    idx_t = torch.tensor(idx, device=device)
-    x = logits[idx_t]                                           # [num_adjusted, vocab], a copy
-    sub = [rows[i] for i in idx]
-    if any(row.params.logit_bias for row in sub):
-        row_ids, token_ids, values = [], [], []
-        for j, row in enumerate(sub):
-            pairs = [(t, v) for t, v in row.params.logit_bias if t < vocab_size]
-            row_ids += [j] * len(pairs)
-            token_ids += [t for t, _ in pairs]
-            values += [v for _, v in pairs]
-        if row_ids:
-            x.index_put_((torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device)),
-                         torch.tensor(values, dtype=torch.float32, device=device), accumulate=True)
-    penalized = [j for j, row in enumerate(sub) if row.params.penalizes]
-    if penalized:
-        every = len(penalized) == len(sub)
-        pen_t = None if every else torch.tensor(penalized, device=device)
-        y = x if every else x[pen_t]                              # [num_penalized, vocab]
-        params = [sub[j].params for j in penalized]
-        counts = penalties.counts[penalty_rows]                   # [num_penalized, vocab] int32
-        if any(p.repetition_penalty != 1 for p in params):
-            seen = penalties.in_prompt[penalty_rows] | (counts > 0)
-            penalty = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
-            y = torch.where(seen, torch.where(y > 0, y / penalty, y * penalty), y)
-        if any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params):
-            frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
-            presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
-            y = y - (counts * frequency + (counts > 0).float() * presence)
-        if every:
-            x = y
-        else:
-            x[pen_t] = y
-    logits[idx_t] = x
+def _read_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow],
+                   logprob_idx: list[int], logprobs: list, top_logprobs: list) -> None:
+    """Fill `logprobs` and `top_logprobs` at `logprob_idx`: each row's chosen token's logprob and its top k.
+    raw_logprobs: [num_logprob_rows, vocab] (rows logprob_idx); token_ids: [num_rows]."""
+    chosen_ids = _take(token_ids.unsqueeze(1), logprob_idx)                 # [num_logprob_rows, 1]
+    chosen = raw_logprobs.gather(1, chosen_ids).squeeze(1).tolist()
+    num_top = [min(rows[i].params.logprobs, raw_logprobs.shape[1]) for i in logprob_idx]
+    top_values, top_ids = raw_logprobs.topk(max(num_top), dim=-1)           # [num_logprob_rows, max_top]
+    top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
+    for j, i in enumerate(logprob_idx):
+        logprobs[i] = chosen[j]
+        top_logprobs[i] = list(zip(top_ids_list[j][:num_top[j]], top_values_list[j][:num_top[j]]))
 
 
 class Sampler:
@@ -483,34 +385,31 @@ class Sampler:
                 self.penalties = PenaltyCounts(vocab_size, device)
             penalty_rows, temporary = self.penalties.rows([rows[i] for i in penalty_idx])
         if adjust_idx:
-            _adjust_logits(x, rows, adjust_idx, self.penalties, penalty_rows)
+            adjust_logits(x, [rows[i] for i in adjust_idx], adjust_idx, self.penalties, penalty_rows)
 
-        if not random_idx:
-            token_ids = x.argmax(dim=-1)  # [num_rows]
-        elif not greedy_idx:
-            token_ids = self._sample(x, rows)
-        else:
-            token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
-            greedy_t = torch.tensor(greedy_idx, device=device)
-            random_t = torch.tensor(random_idx, device=device)
-            token_ids[greedy_t] = x[greedy_t].argmax(dim=-1)
-            token_ids[random_t] = self._sample(x[random_t], [rows[i] for i in random_idx])
-
+        token_ids = self._choose(x, rows, greedy_idx, random_idx)   # [num_rows]
         if penalty_idx:
             self.penalties.record(penalty_rows, _take(token_ids, penalty_idx))
             self.penalties.free(temporary)
         logprobs: list[float | None] = [None] * num_rows
         top_logprobs: list[list[tuple[int, float]] | None] = [None] * num_rows
         if raw_logprobs is not None:
-            chosen_ids = _take(token_ids.unsqueeze(1), logprob_idx)                 # [num_logprob_rows, 1]
-            chosen = raw_logprobs.gather(1, chosen_ids).squeeze(1).tolist()
-            num_top = [min(rows[i].params.logprobs, vocab_size) for i in logprob_idx]
-            top_values, top_ids = raw_logprobs.topk(max(num_top), dim=-1)           # [num_logprob_rows, max_top]
-            top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
-            for j, i in enumerate(logprob_idx):
-                logprobs[i] = chosen[j]
-                top_logprobs[i] = list(zip(top_ids_list[j][:num_top[j]], top_values_list[j][:num_top[j]]))
+            _read_logprobs(raw_logprobs, token_ids, rows, logprob_idx, logprobs, top_logprobs)
         return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
+
+    def _choose(self, x: torch.Tensor, rows: Sequence[SamplingRow], greedy_idx: list[int],
+                random_idx: list[int]) -> torch.Tensor:
+        """The token of each row of the adjusted logits x [num_rows, vocab]: argmax or a random draw."""
+        if not random_idx:
+            return x.argmax(dim=-1)
+        if not greedy_idx:
+            return self._sample(x, rows)
+        token_ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+        greedy_t = torch.tensor(greedy_idx, device=x.device)
+        random_t = torch.tensor(random_idx, device=x.device)
+        token_ids[greedy_t] = x[greedy_t].argmax(dim=-1)
+        token_ids[random_t] = self._sample(x[random_t], [rows[i] for i in random_idx])
+        return token_ids
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Random rows: temperature, top-k, top-p, min-p, then the exponential race. Modifies `logits`."""

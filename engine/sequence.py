@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.outputs import OutputText
+from engine.text import OutputText
 from engine.sampling import SamplingParams
 from engine.structured import GrammarMatcher
 
@@ -82,6 +82,33 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None, delta: str,
+                     eos_token_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
+        """Append a sampled token (its logprobs when asked for) and the text it made final (`delta`);
+        returns why the sequence ends with it, if it does: its grammar is complete; once `min_tokens` are
+        out, EOS (unless `ignore_eos`), a stop token or a stop string (the text is cut there); else
+        `max_tokens` or `max_model_len`. Its cost does not grow with the output."""
+        params = self.params
+        self.token_ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+            self.top_logprobs.append(top or [])
+        self.text += delta
+        reason: FinishReason | None = None
+        n_out = self.num_output_tokens
+        if self.grammar is not None and self.grammar.advance(token, self.request_id):
+            reason, self.stop_reason = FinishReason.STOP, None   # the grammar is complete
+        elif n_out >= params.min_tokens:
+            if token in eos_token_ids and not params.ignore_eos:
+                reason, self.stop_reason = FinishReason.STOP, None
+            elif token in params.stop_token_ids:
+                reason, self.stop_reason = FinishReason.STOP, token
+            elif params.stop:
+                reason = self.cut_at_stop_string(len(delta))
+        if reason is None and (n_out >= self.max_tokens or self.num_tokens >= max_model_len):
+            reason = FinishReason.LENGTH
+        return reason
 
     def cut_at_stop_string(self, delta_len: int) -> FinishReason | None:
         """Truncate the text at the earliest stop string that the last `delta_len` characters complete;

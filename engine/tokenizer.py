@@ -34,7 +34,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
-from engine.outputs import OutputText
+from engine.text import OutputText
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES; other `*_token` keys in the config are model-specific special tokens
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

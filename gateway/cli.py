@@ -27,8 +27,7 @@ LOCK_FILE = "serve.lock"          # under --data-dir: held by the one server usi
 
 BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's add_arguments and run
     "engine": "our engine vs transformers generate, same workload",
-    "hostcost": "a decode step's host cost on a deep, narrow model: ours vs transformers' forward, ops per layer, "
-                "phases by batch size and output length",
+    "hostcost": "a decode step's host cost: ours vs transformers' forward, ops per layer, by batch and output length",
     "tokenizer": "tiktoken counter vs the HF tokenizer",
     "gateway": "latency the gateway adds, routed requests/s",
     "kernels": "paged attention vs copy bandwidth and SDPA (GPU; --dry-run on CPU)",
@@ -65,8 +64,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="HF model folder, a .gguf file, or builtin:smollm2-135m-instruct (default)")
     p.add_argument("--device", default="auto", help="auto (default: CUDA if present) | cpu | cuda | cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 "
-                   "| float16")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block: 8, 16 or 32")
     p.add_argument("--kv-cache-mib", type=int, default=1024, help="KV cache budget in MiB (default 1024); it must "
                    "fit the device's 0.9 x memory - weights")
