@@ -1,4 +1,15 @@
-"""Triton paged attention: prefill chunks and decode tokens of one step in a single launch.
+"""Triton paged attention for a whole step: decode tokens and short chunks here, long chunks in
+`kernels.triton_prefill`.
+
+Dispatch: a chunk of at least `PREFILL_MIN_QUERY_LEN` (64) new tokens goes to the prefill kernel
+(`kernels.triton_prefill`: 128-query tiles of one query head, tensor-core dots, the tiles past the
+causal diagonal skipped); the decode rows and shorter chunks come here, in one launch. One launch
+per kind per layer. Why 64: below it a 128-row tile of one head would be mostly padding, and this
+kernel, whose rows are (token, query head of a GQA group) pairs, fills its tiles and loads each K/V
+tile once for the whole group, which is what a bandwidth-bound short query needs. From 64 tokens
+the prefill tile is at least half full and reads no more K/V per query head than this kernel's
+tiles (at most 64 rows each) do, and from 128 it does fewer, larger dots. Keeping the long chunks
+out also keeps this launch's `BLOCK_M`, which the step's longest query here sets, small for decodes.
 
 The step's tokens are cut into query tiles, each `BLOCK_Q` consecutive tokens of one sequence (a
 sequence's tokens never share a tile with another's, and no token is padded). A program takes one
@@ -10,10 +21,11 @@ visible, optionally a sliding window).
 
 Flash-decoding: when the tiles x KV heads are too few to fill the device (a few long decodes), each
 tile's KV range is also split into `num_splits` segments (grid axis 2). Each program then writes
-its segment's running max, sum and unnormalised output, and `_reduce_splits_kernel` combines them.
+its segment's running max, sum and unnormalised output, and `_reduce_splits_kernel` combines them
+for this kernel's rows.
 
 What is the same for every layer of a step (the tiles, the split count) is built once, into
-`meta.backend_cache["triton"]`.
+`meta.backend_cache["triton"]` (and `["triton_prefill"]`).
 """
 
 from __future__ import annotations
@@ -24,14 +36,18 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_prefill
 from kernels.metadata import AttentionMetadata
 from kernels.triton_kv_store import _store_kv_kernel, store_kv
+from kernels.triton_prefill import aligned_int32, check_attention_args, dot_dtype, is_interpreted, prefill_attention
 
 # This module is the Triton backend (`kernels.get_backend`): store_kv comes along with it.
 __all__ = ["paged_attention", "store_kv", "choose_num_splits", "compile_kernels", "compiled_variants",
            "launch_variants"]
 
 LOG2_E = 1.4426950408889634
+# Chunks of at least this many new tokens run through `kernels.triton_prefill` (see above).
+PREFILL_MIN_QUERY_LEN = 64
 # A split segment covers at least this many KV positions: shorter ones cost more in the reduce
 # (and in re-reading Q) than they win in parallelism.
 MIN_SPLIT_LEN = 256
@@ -45,7 +61,7 @@ MAX_SPLITS = 64
 def _paged_attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
-    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr, tile_row_ptr,
     qk_scale, window, num_heads, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -131,8 +147,9 @@ def _paged_attention_kernel(
         m_i = m_new
 
     if SPLIT:
-        # partials: m, l [num_tokens, num_heads, num_splits]; acc [..., HEAD_DIM], float32, contiguous
-        part = (token * num_heads + head) * num_splits + split
+        # partials: m, l [num_rows, num_heads, num_splits]; acc [..., HEAD_DIM], float32, contiguous
+        row = (tl.load(tile_row_ptr + tile) + offs_m // GROUP_PAD).to(tl.int64)
+        part = (row * num_heads + head) * num_splits + split
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
@@ -144,18 +161,20 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _reduce_splits_kernel(
-    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, row_token_ptr,
     num_heads, num_splits,
     stride_ot, stride_oh, stride_od,
     NUM_SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    # grid: (num_tokens, num_heads); combines one row's split partials into its output.
-    token = tl.program_id(0).to(tl.int64)
+    # grid: (num_rows, num_heads); combines the split partials of one of the paged kernel's rows into
+    # the output of its token (`row_token_ptr`).
+    row = tl.program_id(0).to(tl.int64)
+    token = tl.load(row_token_ptr + row).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_s = offs_s < num_splits
-    part = (token * num_heads + head) * num_splits + offs_s
+    part = (row * num_heads + head) * num_splits + offs_s
     m = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))
     l = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
     m_max = tl.max(m, axis=0)
@@ -166,14 +185,8 @@ def _reduce_splits_kernel(
     tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty))
 
 
-def _is_interpreted(kernel) -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(kernel, InterpretedFunction)
-
-
 # Whether these kernels run through Triton's interpreter (TRITON_INTERPRET=1 when triton was imported).
-INTERPRETED = _is_interpreted(_paged_attention_kernel)
+INTERPRETED = is_interpreted(_paged_attention_kernel)
 
 
 @functools.cache
@@ -216,35 +229,51 @@ def _launch_config(group: int, max_query_len: int, head_dim: int, element_size: 
 
 
 def _step_plan(meta: AttentionMetadata, block_q: int | None = None) -> dict:
-    """Query tiles of this step for `block_q`, built once and shared by every layer.
+    """This kernel's share of the step and its query tiles for `block_q`, built once and shared by every
+    layer. Its rows are the tokens of the sequences with 1 to PREFILL_MIN_QUERY_LEN - 1 new tokens, in
+    step order; the longer chunks are `kernels.triton_prefill`'s.
 
-    backend_cache["triton"]: {"num_query_tokens", "max_query_len", "max_seq_len",
-    ("tiles", block_q): (tile_seq, tile_q_start), ("num_splits", block_q, num_kv_heads): int}
-    tile_seq, tile_q_start: [num_tiles] int32 — the sequence of each tile and its first query within it.
+    backend_cache["triton"]: {"num_query_tokens" (the whole step), "seqs", "num_rows", "max_query_len",
+    "max_seq_len" (over this kernel's sequences), ("tiles", block_q): (tile_seq, tile_q_start, tile_row),
+    "row_tokens", ("num_splits", block_q, num_kv_heads): int}
+    tile_seq, tile_q_start, tile_row: [num_tiles] int32 — the sequence of each tile, its first query within
+    the sequence and that query's row; row_tokens: [num_rows] int32, each row's token.
     """
     plan = meta.backend_cache.get("triton")
     if plan is None:
-        plan = {"num_query_tokens": sum(meta.query_lens_list),
-                "max_query_len": max(meta.query_lens_list, default=0),
-                "max_seq_len": max(meta.seq_lens_list, default=0)}
+        q_lens, s_lens = meta.query_lens_list, meta.seq_lens_list
+        seqs = [i for i, q_len in enumerate(q_lens) if 0 < q_len < PREFILL_MIN_QUERY_LEN]
+        plan = {"num_query_tokens": sum(q_lens),
+                "seqs": seqs,
+                "num_rows": sum(q_lens[i] for i in seqs),
+                "max_query_len": max((q_lens[i] for i in seqs), default=0),
+                "max_seq_len": max((s_lens[i] for i in seqs), default=0)}
         meta.backend_cache["triton"] = plan
     if block_q is None:
         return plan
     key = ("tiles", block_q)
     if key not in plan:
-        seqs, starts = [], []
-        for i, q_len in enumerate(meta.query_lens_list):
-            for start in range(0, q_len, block_q):
+        seqs, starts, rows = [], [], []
+        row = 0
+        for i in plan["seqs"]:
+            for start in range(0, meta.query_lens_list[i], block_q):
                 seqs.append(i)
                 starts.append(start)
-        # Rows padded to 16 bytes, so both start aligned: Triton specializes a pointer argument on its
-        # 16-byte alignment, and an unaligned `tile_q_start` (an odd tile count) was a variant of its own,
-        # compiled mid-serving on a GPU.
-        pad = -len(seqs) % 4
-        tiles = torch.tensor([seqs + [0] * pad, starts + [0] * pad], dtype=torch.int32).reshape(2, len(seqs) + pad)
-        tiles = tiles.to(meta.query_start_loc.device)
-        plan[key] = (tiles[0, :len(seqs)], tiles[1, :len(seqs)])
+                rows.append(row + start)
+            row += meta.query_lens_list[i]
+        plan[key] = tuple(aligned_int32([seqs, starts, rows], meta.query_start_loc.device))
     return plan
+
+
+def _row_tokens(meta: AttentionMetadata, plan: dict) -> torch.Tensor:
+    """[num_rows] int32: the token of each of this kernel's rows (the split reduce's grid), built once."""
+    if "row_tokens" not in plan:
+        token_start = [0]
+        for q_len in meta.query_lens_list:
+            token_start.append(token_start[-1] + q_len)
+        tokens = [t for i in plan["seqs"] for t in range(token_start[i], token_start[i + 1])]
+        plan["row_tokens"] = aligned_int32([tokens], meta.query_start_loc.device)[0]
+    return plan["row_tokens"]
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -254,43 +283,28 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
     query: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     (strided views allowed, head_dim contiguous). Returns [num_tokens, num_heads, head_dim] in query's
-    dtype, written into `out` when given. `num_splits` forces the flash-decoding split count
-    (default: `choose_num_splits`).
+    dtype, written into `out` when given. Chunks of at least PREFILL_MIN_QUERY_LEN tokens run through
+    `kernels.triton_prefill`, the other rows through this module's kernel. `num_splits` forces the
+    flash-decoding split count of the latter (default: `choose_num_splits`).
     """
-    num_tokens, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    assert k_cache.shape == v_cache.shape == (num_blocks, block_size, num_kv_heads, head_dim), \
-        f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit query {tuple(query.shape)}"
-    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads for {num_kv_heads} KV heads"
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim}: a power of two >= 16"
-    assert block_size == meta.block_size, f"cache block_size {block_size} != metadata's {meta.block_size}"
-    assert query.dtype in (torch.float16, torch.bfloat16, torch.float32), f"query dtype {query.dtype}"
-    assert k_cache.dtype == v_cache.dtype and k_cache.dtype.is_floating_point, "cache dtypes"
-    plan = _step_plan(meta)
-    assert num_tokens == meta.num_tokens == plan["num_query_tokens"], \
-        f"{num_tokens} query rows for metadata of {meta.num_tokens} tokens"
-    assert meta.block_tables.dtype == torch.int32 and meta.block_tables.dim() == 2
-    assert meta.query_start_loc.dtype == meta.seq_lens.dtype == torch.int32
-    assert meta.query_start_loc.is_contiguous() and meta.seq_lens.is_contiguous()
-    assert meta.block_tables.stride(1) == 1 or meta.block_tables.shape[1] <= 1, "block_tables rows contiguous"
-    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", meta.block_tables),
-                    ("query_start_loc", meta.query_start_loc), ("seq_lens", meta.seq_lens)):
-        assert t.device == query.device, f"{name} on {t.device}, query on {query.device}"
-    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache)):
-        assert t.stride(-1) == 1, f"{name}: head_dim must be contiguous, strides {t.stride()}"
     if out is None:
         out = torch.empty_like(query)
-    assert out.shape == query.shape and out.dtype == query.dtype and out.device == query.device, \
-        f"out {tuple(out.shape)} {out.dtype} does not match query {tuple(query.shape)} {query.dtype}"
-    assert sliding_window is None or sliding_window > 0, f"sliding_window {sliding_window}"
+    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window)
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    plan = _step_plan(meta)
+    assert num_tokens == plan["num_query_tokens"], \
+        f"{num_tokens} query rows for metadata of {plan['num_query_tokens']} tokens"
     if num_tokens == 0:
+        return out
+    prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, min_query_len=PREFILL_MIN_QUERY_LEN)
+    if plan["num_rows"] == 0:
         return out
 
     group = num_heads // num_kv_heads
     group_pad, block_m, block_q, block_n, num_warps = _launch_config(
         group, plan["max_query_len"], head_dim, query.element_size())
-    _step_plan(meta, block_q)
-    tile_seq, tile_q_start = plan[("tiles", block_q)]
+    tile_seq, tile_q_start, tile_row = _step_plan(meta, block_q)[("tiles", block_q)]
     num_tiles = tile_seq.shape[0]
     if num_splits is None:
         splits_key = ("num_splits", block_q, num_kv_heads)
@@ -300,35 +314,32 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     assert num_splits >= 1, f"num_splits {num_splits}"
 
     split = num_splits > 1
-    # The dot's operand type: the query's, except under the interpreter, whose dot multiplies bf16 as
-    # raw uint16 bits: there bf16 operands are widened (exactly) to float32.
-    dot_dtype = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[query.dtype]
-    if INTERPRETED and dot_dtype == tl.bfloat16:
-        dot_dtype = tl.float32
+    dtype = dot_dtype(query.dtype)
     if split:
-        part_m = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        num_rows = plan["num_rows"]
+        part_m = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32,
-                               device=query.device)
+        part_acc = torch.empty(num_rows, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
     else:
         part_m = part_l = part_acc = out    # unused
     grid = (num_tiles, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         query, k_cache, v_cache, out,
         part_m, part_l, part_acc,
-        meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_q_start,
+        meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_q_start, tile_row,
         scale * LOG2_E, sliding_window or 0, num_heads, num_splits,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         USE_WINDOW=sliding_window is not None, SPLIT=split,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         num_warps=num_warps,
     )
     if split:
-        _reduce_splits_kernel[(num_tokens, num_heads)](
-            part_m, part_l, part_acc, out, num_heads, num_splits, *out.stride(),
+        row_tokens = _row_tokens(meta, plan)
+        _reduce_splits_kernel[(row_tokens.shape[0], num_heads)](
+            part_m, part_l, part_acc, out, row_tokens, num_heads, num_splits, *out.stride(),
             NUM_SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
             num_warps=1 if head_dim <= 64 else 2,
         )
@@ -337,21 +348,24 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, element_size: int) -> list[tuple[int, int]]:
     """(query length, num_splits) of one launch per compiled variant a step of this attention shape can
-    need: each distinct `_launch_config` over the query lengths, unsplit and split in two, then the
-    reduce kernel at every power-of-two pad up to MAX_SPLITS (`NUM_SPLITS_PAD` is its constexpr)."""
+    need: each distinct `_launch_config` over the query lengths this kernel takes (1 to
+    PREFILL_MIN_QUERY_LEN - 1), unsplit and split in two; the reduce kernel at every power-of-two pad up
+    to MAX_SPLITS (`NUM_SPLITS_PAD` is its constexpr); then one chunk of PREFILL_MIN_QUERY_LEN, the prefill
+    kernel's one variant (its configuration depends on the attention shape only)."""
     group = num_heads // num_kv_heads
     variants, configs = [], set()
-    query_len = 1
-    while query_len <= 64:     # BLOCK_M is capped at 64 rows: longer queries share the last config
+    # the config changes only past a power of two; the longest query here shares its power's
+    longest = PREFILL_MIN_QUERY_LEN - 1
+    for query_len in sorted({min(1 << k, longest) for k in range(longest.bit_length() + 1)}):
         config = _launch_config(group, query_len, head_dim, element_size)
         if config not in configs:
             configs.add(config)
             variants += [(query_len, 1), (query_len, 2)]
-        query_len *= 2
     pad = 4
     while pad <= triton.next_power_of_2(MAX_SPLITS):
         variants.append((1, pad))
         pad *= 2
+    variants.append((PREFILL_MIN_QUERY_LEN, 1))
     return variants
 
 
@@ -387,7 +401,8 @@ def compiled_variants() -> frozenset[str] | None:
     compiled (the interpreter) or this Triton keeps them elsewhere. A step trace compares it before and
     after each step, so a compile mid-serving shows up with what it specialized on."""
     keys = set()
-    for fn in (_paged_attention_kernel, _reduce_splits_kernel, _store_kv_kernel):
+    for fn in (_paged_attention_kernel, _reduce_splits_kernel, triton_prefill._prefill_attention_kernel,
+               _store_kv_kernel):
         caches = getattr(fn, "device_caches", None)
         if not isinstance(caches, dict):
             return None

@@ -65,6 +65,8 @@ def test_dry_run_json_parses(capsys):
     _assert_every_row_ok(result)
     assert result["backend"] == "torch"
     assert {r["sdpa_variant"] for r in result["prefill"]} <= {"enable_gqa", "expanded"}
+    assert {r["kernel"] for r in result["prefill"]} == {"reference"}
+    assert not any(r["goal"] for r in result["prefill"])  # only prompts of >= 2,048 tokens count for the goal
 
 
 @TRITON
@@ -74,6 +76,8 @@ def test_dry_run_on_the_triton_kernels_through_the_interpreter(extra, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["backend"] == "triton"
     _assert_every_row_ok(result)
+    # the whole 80-token prompt runs the prefill kernel, the 17-token ones the paged kernel
+    assert [(r["seq_len"], r["kernel"]) for r in result["prefill"]] == [(80, "prefill"), (17, "paged")]
 
 
 def test_a_wrong_kernel_is_flagged_and_fails_the_run(monkeypatch, capsys):
@@ -91,6 +95,16 @@ def test_a_wrong_kernel_is_flagged_and_fails_the_run(monkeypatch, capsys):
                         "--store-shapes", "2x3") == 1
     out = capsys.readouterr().out
     assert out.count("✗") == 3 + 1 and "FAILED" in out  # one per shape, one in the summary line
+
+
+def test_the_prefill_goal_is_judged_on_the_long_prompts_only():
+    rows = [{"seq_len": 4096, "ratio": 0.8, "goal": True}, {"seq_len": 2048, "ratio": 0.75, "goal": True},
+            {"seq_len": 512, "ratio": 0.3, "goal": False}]
+    goals = kernels_bench._goals({"decode": [], "prefill": rows}, judged=True)
+    assert goals["prefill_met"] and goals["prefill_min_ratio"] == 0.75
+    rows[1]["ratio"] = 0.6
+    assert not kernels_bench._goals({"decode": [], "prefill": rows}, judged=True)["prefill_met"]
+    assert kernels_bench._goals({"decode": [], "prefill": rows[2:]}, judged=True)["prefill_min_ratio"] is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")

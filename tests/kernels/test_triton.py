@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 import kernels  # noqa: E402
 import triton  # noqa: E402
 from kernels import AttentionMetadata, reference  # noqa: E402
-from kernels import triton_attention, triton_kv_store  # noqa: E402
+from kernels import triton_attention, triton_kv_store, triton_prefill  # noqa: E402
 
 # Explicit tolerances per dtype (atol, rtol), against the reference computed in float32. fp16/bf16
 # round P to the input dtype before the PV product, and the output once more.
@@ -294,15 +294,20 @@ def test_get_backend_triton_on_cpu_without_the_interpreter_is_a_clear_error(monk
 
 def test_launch_variants_cover_every_step_and_compile_kernels_runs_them(monkeypatch):
     """What `compile_kernels` launches before serving is every variant a step can compile: each
-    `_launch_config` any query length gives, unsplit and split, and the reduce kernel's every pad."""
+    `_launch_config` any query length of the paged kernel gives, unsplit and split, the reduce kernel's
+    every pad, and one chunk long enough for the prefill kernel (one variant per attention shape)."""
+    longest = triton_attention.PREFILL_MIN_QUERY_LEN - 1
     for num_kv_heads, group, head_dim, size in [(8, 4, 128, 2), (3, 3, 64, 2), (2, 1, 64, 4), (1, 8, 128, 4),
                                                 (4, 16, 64, 2)]:
         variants = triton_attention.launch_variants(group * num_kv_heads, num_kv_heads, head_dim, size)
-        configs = {triton_attention._launch_config(group, q, head_dim, size) for q, _ in variants}
+        paged = [(q, s) for q, s in variants if q <= longest]
+        configs = {triton_attention._launch_config(group, q, head_dim, size) for q, _ in paged}
         for split in (1, 2):
             assert configs == {triton_attention._launch_config(group, q, head_dim, size)
-                               for q, s in variants if s == split}
-        assert all(triton_attention._launch_config(group, q, head_dim, size) in configs for q in range(1, 1025))
+                               for q, s in paged if s == split}
+        assert all(triton_attention._launch_config(group, q, head_dim, size) in configs
+                   for q in range(1, longest + 1))
+        assert [v for v in variants if v not in paged] == [(longest + 1, 1)]
         pads = {triton.next_power_of_2(s) for _, s in variants if s > 1}
         assert {triton.next_power_of_2(n) for n in range(2, triton_attention.MAX_SPLITS + 1)} <= pads
     # under the interpreter, on a small shape (and at most 4 splits: 256 cached positions)
@@ -316,18 +321,20 @@ def test_launch_variants_cover_every_step_and_compile_kernels_runs_them(monkeypa
 
     monkeypatch.setattr(triton_attention, "paged_attention", paged_attention)
     count = triton_attention.compile_kernels(4, 2, 16, 16, torch.float32, torch.device("cpu"))
-    assert launched == triton_attention.launch_variants(4, 2, 16, 4) and count == len(launched) == 7
+    assert launched == triton_attention.launch_variants(4, 2, 16, 4) and count == len(launched) == 8
 
 
 class _LaunchKeys:
-    """Stands in for the three kernels and records each launch's compile key as Triton forms it (every
+    """Stands in for the four kernels and records each launch's compile key as Triton forms it (every
     argument's specialization, the constexprs, the launch options) without running anything; the
     attention outputs are zeroed so callers see finite rows."""
 
     def __init__(self, monkeypatch, specialize):
         self.specialize, self.keys, self.phase = specialize, {}, "compile"
+        self.launched: dict[str, set[str]] = {"compile": set(), "step": set()}   # kernel names by phase
         for module, name in [(triton_attention, "_paged_attention_kernel"),
-                             (triton_attention, "_reduce_splits_kernel"), (triton_kv_store, "_store_kv_kernel")]:
+                             (triton_attention, "_reduce_splits_kernel"), (triton_kv_store, "_store_kv_kernel"),
+                             (triton_prefill, "_prefill_attention_kernel")]:
             kernel = getattr(module, name)
             monkeypatch.setattr(module, name, _KeyRecorder(self, name, kernel.fn,
                                                            kernel.kwargs.get("do_not_specialize") or ()))
@@ -350,16 +357,19 @@ class _KeyRecorder:
                 else:
                     key.append((param.name, self.keys.specialize(arg, param.name not in self.dns)))
             self.keys.keys.setdefault(tuple(key), self.keys.phase)
+            self.keys.launched[self.keys.phase].add(self.name)
             if self.name != "_store_kv_kernel":
                 args[3].zero_()
         return launch
 
 
-def test_every_launch_a_step_makes_is_a_variant_compile_kernels_compiled(monkeypatch):
-    """Each launch of steps of any shape (decodes and chunks of any mix, split or not, a query and K/V
-    sliced out of one fused projection as the model does) has the compile key of a launch that
-    `compile_kernels` made, so no step compiles while serving. On a GPU an odd tile count left the
-    tiles' second row 4 bytes off 16-byte alignment, and Triton compiled that pointer's variant anew."""
+@pytest.mark.parametrize("window", [None, 1024])
+def test_every_launch_a_step_makes_is_a_variant_compile_kernels_compiled(monkeypatch, window):
+    """Each launch of steps of any shape (decodes and chunks of any mix, short chunks in the paged kernel
+    and long ones in the prefill kernel, split or not, a query and K/V sliced out of one fused projection
+    as the model does) has the compile key of a launch that `compile_kernels` made, so no step compiles
+    while serving. On a GPU an odd tile count left the tiles' second row 4 bytes off 16-byte alignment,
+    and Triton compiled that pointer's variant anew."""
     jit = pytest.importorskip("triton.runtime.jit")
     compiler = pytest.importorskip("triton.backends.compiler")
     if not hasattr(jit, "native_specialize_impl"):
@@ -368,7 +378,7 @@ def test_every_launch_a_step_makes_is_a_variant_compile_kernels_compiled(monkeyp
         compiler.BaseBackend, arg, False, specialize, True))
     num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16        # the builtin model's attention
     triton_attention.compile_kernels(num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16,
-                                     torch.device("cpu"))
+                                     torch.device("cpu"), window)
     keys.phase = "step"
     rng = random.Random(_make_seed())
     width = (num_heads + 2 * num_kv_heads) * head_dim
@@ -384,8 +394,10 @@ def test_every_launch_a_step_makes_is_a_variant_compile_kernels_compiled(monkeyp
         key = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(-1, num_kv_heads, head_dim)
         value = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(-1, num_kv_heads, head_dim)
         triton_attention.store_kv(key, value, cache[0], cache[1], meta)
-        triton_attention.paged_attention(query, cache[0], cache[1], meta, 0.125,
+        triton_attention.paged_attention(query, cache[0], cache[1], meta, 0.125, window,
                                          num_splits=rng.choice([None, 1, 2, 3, 5, 8, 17, 64]))
+    assert keys.launched["step"] == keys.launched["compile"] == {
+        "_paged_attention_kernel", "_reduce_splits_kernel", "_store_kv_kernel", "_prefill_attention_kernel"}
     new = [key for key, phase in keys.keys.items() if phase == "step"]
     assert not new, f"{len(new)} launch keys no compile_kernels launch had, e.g. {new[0]}"
     assert sum(phase == "compile" for phase in keys.keys.values()) >= len(triton_attention.launch_variants(

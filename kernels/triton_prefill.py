@@ -1,0 +1,318 @@
+"""Triton prefill attention over the paged KV cache: tensor-core tiles in the FlashAttention-2 style.
+
+A program takes `BLOCK_M` consecutive query tokens of one sequence's chunk and ONE query head, and
+walks that sequence's keys `BLOCK_N` positions at a time, loading each K/V tile straight from the
+cache blocks through the block table. QK^T and PV are `tl.dot`s on [BLOCK_M, HEAD_DIM] x
+[HEAD_DIM, BLOCK_N] and [BLOCK_M, BLOCK_N] x [BLOCK_N, HEAD_DIM] tiles, with an online softmax in
+float32 (exp2, the scale folded with log2 e). The walk has two parts:
+
+- the tiles wholly before the tile's first query: the cached prefix and the chunk's earlier tokens,
+  visible to every row, so no mask is computed (but a sliding window's lower edge, when there is one;
+  the tiles wholly outside every row's window are not visited);
+- the tiles the causal diagonal crosses, up to the tile's last query: masked. The tiles past the
+  diagonal are not visited, so a chunk costs about half its square plus its prefix.
+
+Tiles are listed heaviest first (the most keys to walk) and the grid is (query heads, tiles), heads
+fastest: the heads of one tile, which share that tile's K/V per GQA group, are scheduled together,
+and the long tiles start first instead of trailing at the end of the launch.
+
+The list of tiles is the same for every layer of a step: it is built once, into
+`meta.backend_cache["triton_prefill"]`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import AttentionMetadata
+
+__all__ = ["INTERPRETED", "aligned_int32", "check_attention_args", "dot_dtype", "is_interpreted",
+           "prefill_attention", "prefill_config"]
+
+LOG2_E = 1.4426950408889634
+# Shared memory per block assumed where no CUDA device says otherwise (the interpreter): an H100's.
+DEFAULT_SHARED_MEMORY = 227 * 1024
+# Left free of the pipelined K/V stages for the compiler's own buffers (layout conversions).
+SHARED_MEMORY_MARGIN = 8 * 1024
+
+
+@triton.jit
+def _attend_kv_range(
+    acc, l_i, m_i, q, q_pos,
+    table_ptr, k_head_ptr, v_head_ptr,
+    kv_from, kv_to, kv_end, qk_scale, window,
+    stride_kb, stride_ks, stride_vb, stride_vs,
+    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    P_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over the keys [kv_from, kv_to), BLOCK_N at a time (kv_from aligned to BLOCK_N).
+    MASKED: the causal diagonal (and kv_end, the tile's last key + 1) cuts into these tiles; else
+    every key is visible to every row and below kv_end, and only a window masks."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(kv_from, kv_to, BLOCK_N):
+        kv_pos = start + offs_n                                             # [BLOCK_N]
+        if MASKED:
+            kv_valid = kv_pos < kv_end
+            block = tl.load(table_ptr + kv_pos // BLOCK_SIZE, mask=kv_valid, other=0).to(tl.int64)
+        else:
+            block = tl.load(table_ptr + kv_pos // BLOCK_SIZE).to(tl.int64)
+        in_block = kv_pos % BLOCK_SIZE
+        # k, v: [BLOCK_N, HEAD_DIM]
+        k_ptrs = k_head_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks + offs_d[None, :]
+        v_ptrs = v_head_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :]
+        if MASKED:
+            k = tl.load(k_ptrs, mask=kv_valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        # s: [BLOCK_M, BLOCK_N], log2 units
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            allowed = kv_valid[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                allowed = allowed & (kv_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(allowed, s, float("-inf"))
+        elif USE_WINDOW:
+            s = tl.where(kv_pos[None, :] > q_pos[:, None] - window, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        if MASKED or USE_WINDOW:
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)      # a row with nothing visible yet
+        else:
+            m_new_safe = m_new
+        p = tl.exp2(s - m_new_safe[:, None])
+        alpha = tl.exp2(m_i - m_new_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=kv_valid[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        # P rounded to the query's dtype, as the tensor cores take it
+        p = p.to(P_DTYPE).to(DOT_DTYPE)
+        acc = tl.dot(p, v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+# The block tables' row width changes from step to step: not specialized on, so one compiled variant
+# serves every step of a model (`kernels.triton_attention.compile_kernels` compiles it before serving).
+@triton.jit(do_not_specialize=["stride_bt"])
+def _prefill_attention_kernel(
+    query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr,
+    qk_scale, window,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # grid: (num_heads, num_tiles); head_dim is contiguous everywhere (the launcher asserts it)
+    head = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_head = head // GROUP
+
+    seq = tl.load(tile_seq_ptr + tile)
+    tile_q = tl.load(tile_q_start_ptr + tile)          # first query of the tile, within its chunk
+    q_begin = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len                       # cached prefix before this step's tokens
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_local = tile_q + offs_m
+    row_valid = q_local < q_len
+    q_pos = context_len + q_local                       # [BLOCK_M] position of each row's token
+    token = (q_begin + q_local).to(tl.int64)
+
+    # q: [BLOCK_M, HEAD_DIM]
+    q = tl.load(query_ptr + token[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None], other=0.0).to(DOT_DTYPE)
+
+    # keys [kv_lo, kv_diag) are visible to every row (the window aside); [kv_diag, kv_end) are cut by
+    # the diagonal; kv_lo and kv_diag are aligned to BLOCK_N
+    diag = context_len + tile_q
+    kv_end = context_len + tl.minimum(tile_q + BLOCK_M, q_len)
+    kv_diag = (diag // BLOCK_N) * BLOCK_N
+    kv_lo = 0
+    if USE_WINDOW:
+        kv_lo = (tl.maximum(diag - window + 1, 0) // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head_ptr = k_cache_ptr + kv_head * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh
+    acc, l_i, m_i = _attend_kv_range(
+        acc, l_i, m_i, q, q_pos, table_ptr, k_head_ptr, v_head_ptr, kv_lo, kv_diag, kv_end, qk_scale, window,
+        stride_kb, stride_ks, stride_vb, stride_vs,
+        MASKED=False, USE_WINDOW=USE_WINDOW, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, HEAD_DIM=HEAD_DIM,
+        P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION)
+    acc, l_i, m_i = _attend_kv_range(
+        acc, l_i, m_i, q, q_pos, table_ptr, k_head_ptr, v_head_ptr, kv_diag, kv_end, kv_end, qk_scale, window,
+        stride_kb, stride_ks, stride_vb, stride_vs,
+        MASKED=True, USE_WINDOW=USE_WINDOW, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, HEAD_DIM=HEAD_DIM,
+        P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION)
+
+    o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]   # l_i = 0 only on padding rows
+    tl.store(out_ptr + token[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@functools.cache
+def _shared_memory_bytes(device: torch.device) -> int:
+    """Shared memory one block may use on `device` (opt-in maximum); DEFAULT_SHARED_MEMORY off CUDA."""
+    if device.type != "cuda":
+        return DEFAULT_SHARED_MEMORY
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or DEFAULT_SHARED_MEMORY)
+
+
+def prefill_config(head_dim: int, element_size: int, shared_bytes: int = DEFAULT_SHARED_MEMORY
+                   ) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel for a head_dim and element size.
+
+    16-bit types up to head_dim 128: 128 x 64 tiles, the shape of the FA2-style Triton kernels on
+    sm_80/sm_90 (the tensor cores' M per warp group is 64; 128 rows amortise each K/V tile over twice
+    as many queries). head_dim 256: 64 x 32, so the float32 accumulator stays in registers. float32
+    (no tensor-core path: the dots are FMAs, and spill some registers at head_dim 128 at any tile
+    size tried; a CPU dtype, not a serving one on a GPU): 64 x 32. 8 warps once the Q tile reaches 32 KiB (head_dim
+    128 at 16 bits), else 4. Pipeline stages: up to 3 K/V stages that fit the device's shared memory
+    (H100, H200, A100: 3; 99 KiB sm_86/sm_89 parts at head_dim 128: 2). Built ahead of time for sm_90
+    with Triton 3.9 (no GPU needed), bf16 at head_dim 128 is wgmma dots fed by 16-byte cp.async loads,
+    3 stages, 96 KiB of shared memory (three K/V stages; Q stays in registers), 183 registers, no spills.
+    """
+    if element_size <= 2 and head_dim <= 128:
+        block_m, block_n = 128, 64
+    else:
+        block_m, block_n = 64, 32
+    num_warps = 8 if block_m * head_dim * element_size >= 32 * 1024 else 4
+    stage_bytes = 2 * block_n * head_dim * element_size
+    num_stages = max(1, min(3, (shared_bytes - SHARED_MEMORY_MARGIN) // stage_bytes))
+    return block_m, block_n, num_warps, num_stages
+
+
+def _prefill_tiles(meta: AttentionMetadata, min_query_len: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tile_seq, tile_q_start), both [num_tiles] int32: the BLOCK_M-query tiles of every chunk of at
+    least `min_query_len` tokens, heaviest first (most keys to walk), built once per step.
+
+    backend_cache["triton_prefill"]: {(min_query_len, block_m): (tile_seq, tile_q_start)}
+    """
+    plan = meta.backend_cache.setdefault("triton_prefill", {})
+    key = (min_query_len, block_m)
+    if key not in plan:
+        tiles = []
+        for seq, (q_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+            if q_len >= min_query_len:
+                context_len = seq_len - q_len
+                for start in range(0, q_len, block_m):
+                    tiles.append((context_len + min(start + block_m, q_len), seq, start))
+        tiles.sort(key=lambda t: -t[0])
+        plan[key] = tuple(aligned_int32([[seq for _, seq, _ in tiles], [start for _, _, start in tiles]],
+                                        meta.query_start_loc.device))
+    return plan[key]
+
+
+def aligned_int32(rows: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Equal-length int lists as [len] int32 tensors on `device`, one copy for all, each starting 16-byte
+    aligned: Triton specializes a pointer argument on its 16-byte alignment, and an unaligned per-step
+    array (an odd tile count once left the second row 4 bytes off) is a variant of its own, compiled
+    mid-serving on a GPU."""
+    length = len(rows[0])
+    pad = -length % 4
+    table = torch.tensor([row + [0] * pad for row in rows], dtype=torch.int32).reshape(len(rows), length + pad)
+    table = table.to(device)
+    return [table[i, :length] for i in range(len(rows))]
+
+
+def check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, out: torch.Tensor, sliding_window: int | None) -> None:
+    """Assert what the paged-attention kernels assume of their arguments: shapes that fit each other and
+    the metadata, float query/cache/out, head_dim contiguous, int32 metadata arrays with contiguous rows,
+    one device."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    assert k_cache.shape == v_cache.shape == (num_blocks, block_size, num_kv_heads, head_dim), \
+        f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit query {tuple(query.shape)}"
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads for {num_kv_heads} KV heads"
+    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim}: a power of two >= 16"
+    assert block_size == meta.block_size, f"cache block_size {block_size} != metadata's {meta.block_size}"
+    assert num_tokens == meta.num_tokens, f"{num_tokens} query rows for metadata of {meta.num_tokens} tokens"
+    assert query.dtype in (torch.float16, torch.bfloat16, torch.float32), f"query dtype {query.dtype}"
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype.is_floating_point, "cache dtypes"
+    assert out.shape == query.shape and out.dtype == query.dtype and out.device == query.device, \
+        f"out {tuple(out.shape)} {out.dtype} does not match query {tuple(query.shape)} {query.dtype}"
+    assert meta.block_tables.dtype == torch.int32 and meta.block_tables.dim() == 2
+    assert meta.query_start_loc.dtype == meta.seq_lens.dtype == torch.int32
+    assert meta.query_start_loc.is_contiguous() and meta.seq_lens.is_contiguous()
+    assert meta.block_tables.stride(1) == 1 or meta.block_tables.shape[1] <= 1, "block_tables rows contiguous"
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", meta.block_tables),
+                    ("query_start_loc", meta.query_start_loc), ("seq_lens", meta.seq_lens)):
+        assert t.device == query.device, f"{name} on {t.device}, query on {query.device}"
+    for name, t in (("query", query), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
+        assert t.stride(-1) == 1, f"{name}: head_dim must be contiguous, strides {t.stride()}"
+    assert sliding_window is None or sliding_window > 0, f"sliding_window {sliding_window}"
+
+
+def is_interpreted(kernel) -> bool:
+    """Whether `kernel` runs through Triton's interpreter (TRITON_INTERPRET=1 when triton was imported)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+INTERPRETED = is_interpreted(_prefill_attention_kernel)
+
+
+def dot_dtype(dtype: torch.dtype):
+    """The dots' operand type for a query dtype: the query's own, except under the interpreter, whose dot
+    multiplies bf16 as raw uint16 bits: there bf16 operands are widened (exactly) to float32."""
+    if INTERPRETED and dtype == torch.bfloat16:
+        return tl.float32
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[dtype]
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, scale: float, sliding_window: int | None, out: torch.Tensor, *,
+                      min_query_len: int = 2) -> int:
+    """Causal attention of the chunks of at least `min_query_len` new tokens, written into their rows of
+    `out` (the other rows are left as they are). Returns the number of tiles launched (0: no launch).
+
+    query, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
+    head_dim] (strided views allowed, head_dim contiguous). Each chunk's keys are its sequence's cached
+    prefix (all visible) and its own tokens (causal); `sliding_window` keeps the last that many positions.
+    """
+    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window)
+    assert min_query_len >= 1, f"min_query_len {min_query_len}"
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    block_m, block_n, num_warps, num_stages = prefill_config(head_dim, query.element_size(),
+                                                             _shared_memory_bytes(query.device))
+    tile_seq, tile_q_start = _prefill_tiles(meta, min_query_len, block_m)
+    num_tiles = tile_seq.shape[0]
+    if num_tiles == 0:
+        return 0
+    dtype = dot_dtype(query.dtype)
+    _prefill_attention_kernel[(num_heads, num_tiles)](
+        query, k_cache, v_cache, out,
+        meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_q_start,
+        scale * LOG2_E, sliding_window or 0,
+        query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        meta.block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1],
+        HEAD_DIM=head_dim, USE_WINDOW=sliding_window is not None,
+        DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return num_tiles

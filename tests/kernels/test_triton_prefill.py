@@ -1,0 +1,287 @@
+"""The Triton prefill kernel (`kernels.triton_prefill`) against the torch reference: on the CPU through
+Triton's interpreter on small shapes, on CUDA at realistic sizes (`gpu` mark).
+
+Inputs are fresh random every run; the seed is in every assertion message (rerun one case with
+`CLIFFGUARD_TEST_SEED=<seed>`). Caches are poisoned with NaN outside the written slots and outputs with
+NaN before the call (the helpers of `tests/kernels/test_triton.py`), so a kernel that reads a slot it
+should not, or leaves a row unwritten, fails.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton (the gpu test's
+# child process sets it to 0)
+
+import json  # noqa: E402
+import random  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+from kernels import AttentionMetadata  # noqa: E402
+from kernels import triton_attention, triton_prefill  # noqa: E402
+from tests.kernels.test_triton import (  # noqa: E402
+    TOLERANCES,
+    _assert_attention_matches,
+    _make_attention_case,
+    _make_seed,
+    _reference_attention,
+)
+
+MIN_LEN = triton_attention.PREFILL_MIN_QUERY_LEN
+
+
+def _mixed_step(block_size):
+    """(seq_lens, query_lens): a whole prompt over two query tiles and a bit, a chunk over a cached prefix
+    that ends mid-block, a chunk of exactly PREFILL_MIN_QUERY_LEN, a short chunk and decode rows (the paged
+    kernel's), a sequence with no new token."""
+    b = block_size
+    seq_lens = [130, 3 * b + 5 + 70, 2 * b + 1, 7 * b + 3, MIN_LEN + 2, 9, 11]
+    query_lens = [130, 70, 1, 1, MIN_LEN, 9, 0]
+    return seq_lens, query_lens
+
+
+def _prefill_tiles(meta):
+    """The prefill kernel's tile lists this step built: {(min_query_len, block_m): (tile_seq, tile_q_start)}."""
+    return meta.backend_cache.get("triton_prefill", {})
+
+
+# Every dtype, GQA group 1 and 4, head_dim 64 and 128, block sizes 8/16/32, with and without a sliding
+# window, each on a step of prefill chunks and decode rows.
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size,sliding_window", [
+    (torch.float32, 2, 2, 64, 8, None),
+    (torch.float16, 8, 2, 128, 16, None),
+    (torch.bfloat16, 4, 1, 64, 32, 50),
+    (torch.float16, 2, 2, 64, 32, 70),
+    (torch.bfloat16, 2, 2, 128, 8, None),
+    (torch.float32, 4, 1, 128, 16, 100),
+])
+def test_mixed_prefill_and_decode_step_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size,
+                                                         sliding_window):
+    seed = _make_seed()
+    seq_lens, query_lens = _mixed_step(block_size)
+    case = _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed)
+    _assert_attention_matches(triton_attention, case, seed, sliding_window,
+                              label=f"{dtype} heads={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}")
+    block_m = triton_prefill.prefill_config(head_dim, dtype.itemsize)[0]
+    tile_seq, _ = _prefill_tiles(case[3])[(MIN_LEN, block_m)]
+    chunks = [i for i, q in enumerate(query_lens) if q >= MIN_LEN]
+    assert sorted(set(tile_seq.tolist())) == chunks, f"seed={seed}: prefill tiles {tile_seq.tolist()}"
+
+
+def test_prefill_kernel_alone_writes_exactly_its_chunks():
+    """Every chunk of two or more tokens through the prefill kernel (tiny ones too: mostly padding rows),
+    a GQA group of 3; the decode rows' outputs are left as they were (NaN)."""
+    seed = _make_seed()
+    seq_lens, query_lens = [40, 2, 17, 25, 5, 1], [40, 2, 1, 3, 0, 1]
+    query, k_cache, v_cache, meta = _make_attention_case(seq_lens, query_lens, 6, 2, 64, 8, torch.float16, seed)
+    scale = 64 ** -0.5
+    out = torch.full_like(query, float("nan"))
+    num_tiles = triton_prefill.prefill_attention(query, k_cache, v_cache, meta, scale, None, out, min_query_len=2)
+    assert num_tiles == 3
+    want = _reference_attention(query, k_cache, v_cache, meta, scale, None)
+    chunk_rows = torch.tensor([q >= 2 for q in query_lens for _ in range(q)])
+    assert out[~chunk_rows].isnan().all(), f"seed={seed}: the prefill kernel wrote a decode row"
+    assert not out[chunk_rows].isnan().any(), f"seed={seed}: chunk rows left unwritten"
+    atol, rtol = TOLERANCES[torch.float16]
+    torch.testing.assert_close(out[chunk_rows].float(), want[chunk_rows], atol=atol, rtol=rtol,
+                               msg=lambda m: f"seed={seed}\n{m}")
+
+
+@pytest.mark.parametrize("sliding_window", [None, 1, 40, 200])
+def test_chunk_over_a_long_prefix_starting_mid_block(sliding_window):
+    """A 100-token chunk over a 231-token cached prefix (mid-block, several K/V tiles): unmasked tiles,
+    the diagonal's tiles, a window that skips whole tiles (40), one that keeps only the token itself (1)
+    and one wider than the chunk's tile (200)."""
+    seed = _make_seed()
+    case = _make_attention_case([331, 70], [100, 70], 4, 4, 64, 16, torch.bfloat16, seed)
+    _assert_attention_matches(triton_attention, case, seed, sliding_window, label="100 of 331, 70 of 70")
+
+
+def test_random_steps_match_reference():
+    """A few random steps (shapes, dtype, batch, window all drawn from the seed), chunks long and short
+    beside decode rows: each run covers other corners."""
+    seed = _make_seed()
+    rng = random.Random(seed)
+    for _ in range(3):
+        dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
+        num_kv_heads, group = rng.choice([1, 2]), rng.choice([1, 3, 4])
+        head_dim, block_size = rng.choice([16, 64, 128]), rng.choice([8, 16, 32])
+        query_lens = [rng.choice([1, rng.randint(2, MIN_LEN - 1), rng.randint(MIN_LEN, 200)])
+                      for _ in range(rng.randint(1, 4))]
+        seq_lens = [q + rng.choice([0, rng.randint(1, 150)]) for q in query_lens]
+        window = rng.choice([None, rng.randint(1, 150)])
+        case = _make_attention_case(seq_lens, query_lens, num_kv_heads * group, num_kv_heads, head_dim, block_size,
+                                    dtype, rng.randrange(2**31))
+        _assert_attention_matches(triton_attention, case, seed, window,
+                                  label=f"{dtype} heads={num_kv_heads * group}/{num_kv_heads} d={head_dim} "
+                                        f"bs={block_size} seq_lens={seq_lens} query_lens={query_lens}")
+
+
+def test_tiles_are_heaviest_first_aligned_and_built_once_per_step():
+    seed = _make_seed()
+    seq_lens, query_lens = [64, 400, 300, 1, 129], [64, 300, 300, 1, 129]
+    query, k_cache, v_cache, meta = _make_attention_case(seq_lens, query_lens, 2, 1, 16, 16, torch.float16, seed)
+    out = torch.empty_like(query)
+    assert triton_prefill.prefill_attention(query, k_cache, v_cache, meta, 0.25, None, out, min_query_len=MIN_LEN) \
+        == 1 + 3 + 3 + 2
+    plan = _prefill_tiles(meta)
+    (key, (tile_seq, tile_q_start)), = plan.items()
+    assert key == (MIN_LEN, 128)
+    # the keys each tile walks: its sequence's prefix and the chunk up to the tile's last query
+    work = [seq_lens[s] - query_lens[s] + min(q + 128, query_lens[s])
+            for s, q in zip(tile_seq.tolist(), tile_q_start.tolist())]
+    assert work == sorted(work, reverse=True) and work[0] == 400
+    assert sorted(zip(tile_seq.tolist(), tile_q_start.tolist())) == \
+        [(0, 0), (1, 0), (1, 128), (1, 256), (2, 0), (2, 128), (2, 256), (4, 0), (4, 128)]
+    # an odd tile count: both arrays still start 16-byte aligned (Triton specializes pointers on it)
+    assert tile_seq.data_ptr() % 16 == 0 and tile_q_start.data_ptr() % 16 == 0
+    triton_prefill.prefill_attention(query, k_cache, v_cache, meta, 0.25, None, out, min_query_len=MIN_LEN)
+    assert _prefill_tiles(meta)[key][0] is tile_seq
+
+
+def test_prefill_config_per_head_dim_and_shared_memory():
+    h100 = 227 * 1024
+    assert triton_prefill.prefill_config(128, 2, h100) == (128, 64, 8, 3)
+    assert triton_prefill.prefill_config(64, 2, h100) == (128, 64, 4, 3)
+    assert triton_prefill.prefill_config(256, 2, h100) == (64, 32, 8, 3)
+    assert triton_prefill.prefill_config(128, 4, h100) == (64, 32, 8, 3)
+    assert triton_prefill.prefill_config(64, 4, h100) == (64, 32, 4, 3)
+    # a 99 KiB part (sm_86 / sm_89): fewer stages at head_dim 128, never none
+    assert triton_prefill.prefill_config(128, 2, 99 * 1024)[3] == 2
+    assert triton_prefill.prefill_config(64, 2, 99 * 1024)[3] == 3
+    assert triton_prefill.prefill_config(128, 2, 40 * 1024)[3] == 1
+
+
+def test_launcher_rejects_what_the_kernel_does_not_handle():
+    seed = _make_seed()
+    query, k_cache, v_cache, meta = _make_attention_case([70], [70], 2, 1, 64, 8, torch.float16, seed)
+    out = torch.empty_like(query)
+    with pytest.raises(AssertionError, match="head_dim must be contiguous"):
+        triton_prefill.prefill_attention(query.transpose(1, 2).contiguous().transpose(1, 2), k_cache, v_cache,
+                                         meta, 0.125, None, out)
+    with pytest.raises(AssertionError, match="does not match query"):
+        triton_prefill.prefill_attention(query, k_cache, v_cache, meta, 0.125, None, out.float())
+    with pytest.raises(AssertionError, match="do not fit"):
+        triton_prefill.prefill_attention(query[:, :, :32], k_cache, v_cache, meta, 0.125, None, out[:, :, :32])
+    with pytest.raises(AssertionError, match="query rows for metadata"):
+        triton_prefill.prefill_attention(query[:5], k_cache, v_cache, meta, 0.125, None, out[:5])
+    with pytest.raises(AssertionError, match="sliding_window"):
+        triton_prefill.prefill_attention(query, k_cache, v_cache, meta, 0.125, 0, out)
+    empty = AttentionMetadata.build([[0]], [0], [3], 8)
+    assert triton_prefill.prefill_attention(query[:0], k_cache, v_cache, empty, 0.125, None, out[:0]) == 0
+
+
+# --- built ahead of time for an H100, no GPU needed ------------------------------------------------
+
+def _build_for_sm90(dtype_name: str, head_dim: int, use_window: bool) -> dict:
+    """Compile the prefill kernel for sm_90 with Triton's own compiler and no device (run with
+    TRITON_INTERPRET=0), specialized as a launch on the engine's tensors is (16-byte aligned pointers and
+    strides, the block table's row width not); report what the build holds: shared memory, the count of
+    wgmma (Hopper tensor-core) instructions, the K/V copies' sizes, and registers and stack from cuobjdump."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = triton_prefill._prefill_attention_kernel
+    dtype = getattr(torch, dtype_name)
+    block_m, block_n, num_warps, num_stages = triton_prefill.prefill_config(head_dim, dtype.itemsize)
+    constexprs = dict(GROUP=4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=16, HEAD_DIM=head_dim,
+                      USE_WINDOW=use_window, DOT_DTYPE=triton_prefill.dot_dtype(dtype), DOT_PRECISION="tf32")
+    short = {"bfloat16": "bf16", "float16": "fp16"}[dtype_name]
+    signature, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = f"*{short}" if name in ("query_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr") else "*i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name == "qk_scale":
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride_") and name not in kernel.do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    built = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = built.asm["ptx"]
+    report = {"shared": built.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
+              "kv_copy_bytes": sorted(set(re.findall(r"cp\.async\.cg\.shared\.global .*, (0x[0-9a-f]+), ", ptx)))}
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if cuobjdump.exists():
+        cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"prefill-{os.getpid()}.cubin"
+        cubin.write_bytes(built.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        cubin.unlink()
+        found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+        if found:
+            report["registers"], report["stack"] = int(found[1]), int(found[2])
+    return report
+
+
+@pytest.mark.parametrize("dtype,head_dim,use_window", [("bfloat16", 128, False), ("float16", 64, True)])
+def test_prefill_kernel_builds_for_h100_with_tensor_cores(dtype, head_dim, use_window):
+    """What the interpreter cannot show: the kernel compiles for sm_90, its dots are wgmma, its K/V tiles
+    arrive in 16-byte asynchronous copies, and it neither spills nor outgrows an H100's shared memory."""
+    pytest.importorskip("triton.compiler")
+    code = ("import json; from tests.kernels.test_triton_prefill import _build_for_sm90; "
+            f"print(json.dumps(_build_for_sm90({dtype!r}, {head_dim}, {use_window})))")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["wgmma"] > 0, report
+    assert report["kv_copy_bytes"] == ["0x10"], report
+    assert report["shared"] <= triton_prefill.DEFAULT_SHARED_MEMORY, report
+    assert report.get("stack", 0) == 0, report
+
+
+# --- CUDA, realistic sizes ----------------------------------------------------------------------
+
+def _check_gpu_prefill(dtype_name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    """The body of the gpu test, run in a process started with TRITON_INTERPRET=0 (see test_triton.py's):
+    whole 4,096- and 2,048-token prompts, a 1,000-token chunk over a 3,000-token prefix beside decodes,
+    with and without a sliding window, every launch variant compiled before (none compiles during)."""
+    assert not triton_prefill.INTERPRETED, "the compiled check ran under Triton's interpreter"
+    dtype = getattr(torch, dtype_name)
+    seed = _make_seed()
+    for window in (None, 1024):
+        triton_attention.compile_kernels(num_heads, num_kv_heads, head_dim, block_size, dtype, torch.device("cuda"),
+                                         window)
+    compiled = triton_attention.compiled_variants()
+    steps = [([4096], [4096]), ([2048] * 4, [2048] * 4),
+             ([4000, 500, 3000, 17] + [900] * 8, [1000, 500, 1, 17] + [1] * 8)]
+    for lens, q_lens in steps:
+        case = _make_attention_case(lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
+                                    device="cuda")
+        for window in (None, 1024):
+            _assert_attention_matches(triton_attention, case, seed, window,
+                                      label=f"{dtype} {num_heads}/{num_kv_heads} d={head_dim} bs={block_size} "
+                                            f"lens={lens[:4]} q_lens={q_lens[:4]}")
+        assert _prefill_tiles(case[3]), "no chunk went through the prefill kernel"
+    if compiled is not None:
+        new = triton_attention.compiled_variants() - compiled
+        assert not new, f"{len(new)} variants compiled after compile_kernels:\n" + "\n".join(sorted(new))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size", [
+    ("bfloat16", 32, 8, 128, 16), ("float16", 24, 8, 64, 32)])
+def test_gpu_prefill_matches_reference_at_realistic_sizes(dtype, num_heads, num_kv_heads, head_dim, block_size):
+    code = (f"from tests.kernels.test_triton_prefill import _check_gpu_prefill; "
+            f"_check_gpu_prefill({dtype!r}, {num_heads}, {num_kv_heads}, {head_dim}, {block_size})")
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
