@@ -3,7 +3,9 @@
 
 The forward pass takes the whole step's tokens flat, `[num_tokens]`, sequence after sequence, with no
 padding; attention reads and writes the paged KV cache through `AttentionMetadata`. Only the rows
-that will be sampled go through the LM head (`compute_logits`).
+that will be sampled go through the LM head (`compute_logits`). The norms, the rotary embedding and
+SiLU x mul are `engine.layers`, fused kernels on CUDA (`kernels.triton_fused`) and as few torch
+operators as the numerics allow elsewhere (`kernels.fused`).
 
 Under tensor parallelism (`engine.parallel`) each rank builds the same classes with its `ShardShape`:
 its query and KV heads, its slice of the MLP and of the vocabulary; `load_weights` takes each rank's
@@ -14,79 +16,30 @@ collective is the identity and the shapes are the model's own.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.layers import RMSNorm, RopeRows, RotaryEmbedding, SiluAndMul
 from engine.parallel import Collectives, ShardShape
-from kernels import AttentionMetadata
+from kernels import AttentionMetadata, fused
+from kernels.fused import get_fused_ops
 
 
 class WeightLoadError(ValueError):
     """A checkpoint is missing tensors the model needs, or has them in the wrong shape."""
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The statistics in float32, as the reference implementation does.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """[head_dim // 2] inverse frequencies, with the config's scaling applied."""
-    dim = config.head_dim
-    # On the CPU whatever device is the default: on the meta device the division's Python kernel would
-    # import torch._dynamo (over a second of a worker's start).
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    scaling = config.rope_scaling
-    if scaling.rope_type == "linear":
-        inv_freq = inv_freq / scaling.factor
-    elif scaling.rope_type == "llama3":
-        # Llama 3.1: leave high frequencies, divide low ones by `factor`, blend in between.
-        old_len = scaling.original_max_position_embeddings
-        low_wavelen = old_len / scaling.low_freq_factor
-        high_wavelen = old_len / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor)
-        blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        inv_freq = torch.where(is_medium, blended, scaled)
-    return inv_freq
-
-
-def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [num_tokens, head_dim] for the rotate-half layout."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class Attention(nn.Module):
-    """Column-parallel q/k/v (this rank's heads), row-parallel o_proj (summed over the ranks)."""
+    """Column-parallel q/k/v (this rank's heads), row-parallel o_proj (summed over the ranks). `rotary_emb`
+    is the model's one instance, shared by every layer."""
 
-    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives,
+                 rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.config, self.comm = config, comm
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
@@ -96,17 +49,15 @@ class Attention(nn.Module):
         # Llama's attention_bias covers o_proj too; Qwen2 biases q/k/v only.
         o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.rotary_emb = rotary_emb
         self.scale = config.head_dim ** -0.5
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                backend) -> torch.Tensor:
-        d = self.config.head_dim
-        qkv = self.qkv_proj(hidden)                                  # [T, q_size + 2 kv_size] (this rank's)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, d), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, d), cos, sin)
-        v = v.view(-1, self.num_kv_heads, d)
+    def forward(self, hidden: torch.Tensor, rope_rows: RopeRows, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, backend) -> torch.Tensor:
+        num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden).view(-1, num_heads + 2 * num_kv_heads, self.config.head_dim)  # [T, heads, d]
+        self.rotary_emb(qkv[:, :num_heads + num_kv_heads], rope_rows)  # q and k, in place
+        q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta)
         out = backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.config.sliding_window)
@@ -116,38 +67,54 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """Column-parallel gate/up (this rank's intermediate rows), row-parallel down_proj."""
 
-    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
         super().__init__()
         self.comm = comm
         self.intermediate_size = shard.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
+        self.act_fn = SiluAndMul(ops)
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.comm.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.comm.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, shard, comm)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, shard, comm)
+    """One pre-norm block. The residual stream travels beside the hidden states (vLLM's way), so each
+    residual add is fused into the norm that follows it: on CUDA a layer is ten kernels (add+norm, qkv,
+    rotary, store_kv, attention, o_proj, add+norm, gate_up, silu x mul, down)."""
 
-    def forward(self, hidden, cos, sin, kv_cache, meta, backend):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, meta, backend)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
+                 ops: ModuleType) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.self_attn = Attention(config, shard, comm, rotary_emb)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.mlp = MLP(config, shard, comm, ops)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [num_tokens, hidden_size], the previous layer's output (the embeddings, with residual
+        None, for the first layer) -> (this layer's output, the residual stream before it is added)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope_rows, kv_cache, meta, backend)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """The Llama-family decoder. Build it on the meta device, then `load_weights` or `init_random`.
 
     `shard` and `comm`: this rank's part of a tensor-parallel group (default: the whole model, one rank).
+    `ops`: the fused small ops every layer runs (`kernels.fused.get_fused_ops`; default the torch ones).
     """
 
-    def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
+                 ops: ModuleType = fused) -> None:
         super().__init__()
         self.config = config
         self.shard = shard = shard or ShardShape.of(config)
@@ -156,11 +123,12 @@ class LlamaForCausalLM(nn.Module):
         # init, whose meta kernel imports torch._dynamo (over a second of every worker's start).
         self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size,
                                          _weight=torch.empty(shard.vocab_rows, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, shard, comm) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, ops)
+        self.layers = nn.ModuleList(DecoderLayer(config, shard, comm, self.rotary_emb, ops)
+                                    for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, shard.vocab_rows, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> [num_tokens, hidden_size]; vocab-parallel: each rank looks up the ids in its
@@ -176,11 +144,11 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 backend) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        hidden = self.embed(input_ids)
-        cos, sin = rotary_cos_sin(positions, self.inv_freq, hidden.dtype)
+        hidden, residual = self.embed(input_ids), None
+        rope_rows = self.rotary_emb.rows(positions)    # the step's cos/sin, for every layer
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, meta, backend)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope_rows, kv_cache, meta, backend)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden_size] -> logits [num_rows, vocab_size] in float32.
@@ -294,11 +262,11 @@ class LlamaForCausalLM(nn.Module):
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                 shard: ShardShape | None = None, comm: Collectives | None = None) -> LlamaForCausalLM:
     """An uninitialised model (or one rank's shard of it) on `device`, allocated, not filled: load or
-    init it next."""
+    init it next. Its layers run the fused ops `kernels.fused.get_fused_ops(device)` picks."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, shard, comm)
+        model = LlamaForCausalLM(config, shard, comm, get_fused_ops(device))
     _allocate(model, dtype, device)
-    model.inv_freq = rope_inv_freq(config).to(device)
+    model.rotary_emb.cos_sin_cache = model.rotary_emb.cos_sin_cache.to(device=device, dtype=dtype)
     return model.eval()
 
 

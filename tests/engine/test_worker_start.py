@@ -26,7 +26,7 @@ from engine.model import build_model
 config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1000, hidden_size=64, intermediate_size=160,
                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
 model = build_model(config, torch.float32, "cpu")
-assert model.embed_tokens.weight.shape == (1000, 64) and model.inv_freq.device.type == "cpu"
+assert model.embed_tokens.weight.shape == (1000, 64) and model.rotary_emb.cos_sin_cache.device.type == "cpu"
 print(sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules))
 """
 

@@ -1,0 +1,37 @@
+"""RMSNorm with the residual add fused into it, vLLM's way of carrying the residual stream."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from kernels import fused
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm: the statistics in float32, the normalised row rounded to the input's dtype, then
+    multiplied by `weight` (transformers' `LlamaRMSNorm`, in its order).
+
+    `forward(x)` -> normed, a new tensor. `forward(x, residual)` -> `(normed, residual)`, where the
+    residual stream has become `x + residual`: the decoder layer's add and the next norm in one op. It
+    consumes its inputs: `residual` is updated in place, `x` may be overwritten by `normed`.
+    `ops`: `kernels.fused` (torch) or `kernels.triton_fused`, from `kernels.fused.get_fused_ops`.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, ops: ModuleType = fused) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # x, residual: [num_tokens, hidden_size]
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, ops={self.ops.__name__}"

@@ -1,0 +1,79 @@
+"""Rotary position embedding (rotate-half layout) from a cos/sin cache computed once, at build.
+
+The cache holds every position up to `max_position_embeddings` (the engine refuses longer sequences),
+with the config's rope scaling applied to the frequencies. The model gathers the step's rows once per
+forward (`RotaryEmbedding.rows`) and every layer turns its q and k with them in place.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from kernels import fused
+
+# A step's rows of the cache, in the form the ops module's `rotary` takes (a tensor, or a tuple of them).
+RopeRows = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """[head_dim // 2] inverse frequencies (float32, on the CPU), with the config's scaling applied."""
+    dim = config.head_dim
+    # On the CPU whatever device is the default: on the meta device the division's Python kernel would
+    # import torch._dynamo (over a second of a worker's start).
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    scaling = config.rope_scaling
+    if scaling.rope_type == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.rope_type == "llama3":
+        # Llama 3.1: leave high frequencies, divide low ones by `factor`, blend in between.
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor)
+        blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(is_medium, blended, scaled)
+    return inv_freq
+
+
+def rope_cos_sin_cache(config: ModelConfig) -> torch.Tensor:
+    """[max_position_embeddings, head_dim] float32 on the CPU: row p is cos(p * inv_freq), then
+    sin(p * inv_freq) (transformers computes the same products, in float32, every forward)."""
+    inv_freq = rope_inv_freq(config)
+    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
+    freqs = positions[:, None] * inv_freq[None, :]                  # [max_positions, head_dim // 2]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary embedding over `cos_sin_cache` [max_position_embeddings, head_dim] (a buffer, built in
+    float32 on the CPU; `build_model` moves it to the model's device and dtype, which is where
+    transformers rounds its cos and sin too).
+
+    One instance serves every layer: `rows(positions)` once per forward, then `forward(query_key,
+    rows)` in each layer. `ops`: as `RMSNorm`'s; the rows' layout is that module's.
+    """
+
+    def __init__(self, config: ModelConfig, ops: ModuleType = fused) -> None:
+        super().__init__()
+        self.ops = ops
+        self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config), persistent=False)
+
+    def rows(self, positions: torch.Tensor) -> RopeRows:
+        """positions: [num_tokens] -> the step's rows of the cache, for every layer's `forward`."""
+        return self.ops.rotary_rows(self.cos_sin_cache, positions)
+
+    def forward(self, query_key: torch.Tensor, rows: RopeRows) -> None:
+        """Rotate in place: query_key [num_tokens, num_q_and_k_heads, head_dim], head_dim contiguous."""
+        self.ops.rotary(query_key, rows)
+
+    def extra_repr(self) -> str:
+        return f"cache={tuple(self.cos_sin_cache.shape)}, ops={self.ops.__name__}"

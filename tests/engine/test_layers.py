@@ -1,0 +1,222 @@
+"""The model's shared layers (`engine.layers`) against transformers' own modules, on both their paths
+(the torch ops, and the Triton kernels through the interpreter), and the operators a decoder layer runs.
+
+transformers' modules are the yardstick: `LlamaRMSNorm`, `LlamaRotaryEmbedding` with
+`apply_rotary_pos_emb` (default, `llama3` and `linear` rope scaling) and `LlamaMLP`, on the same
+weights and inputs, in float32 and bfloat16.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+pytest.importorskip("triton")
+transformers = pytest.importorskip("transformers")
+
+from transformers.models.llama import modeling_llama  # noqa: E402
+
+from engine.config import ModelConfig  # noqa: E402
+from engine.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+from engine.layers.rotary import rope_inv_freq  # noqa: E402
+from engine.model import MLP, build_model  # noqa: E402
+from engine.parallel import Collectives, ShardShape  # noqa: E402
+from kernels import AttentionMetadata, fused, reference, triton_fused  # noqa: E402
+
+OPS = {"torch": fused, "triton": triton_fused}
+DTYPES = (torch.float32, torch.bfloat16)
+# (atol, rtol) against transformers in the same dtype, for the Triton kernels (the torch path must match
+# exactly: it is transformers' operators in transformers' order). They round where transformers does,
+# but compute each step in float32 (rotary's two products and their sum rounded once) and sum the
+# squares in another order: in float32 within an ulp or so, in bfloat16 within two ulps.
+TOLERANCES = {torch.float32: (1e-6, 1e-6), torch.bfloat16: (2e-2, 2e-2)}
+ROPE_PARAMETERS = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+}
+
+
+def _make_configs(rope: str = "default") -> tuple[object, ModelConfig]:
+    """(transformers' LlamaConfig, ours from its dict): 4 query heads, 2 KV heads of 16, 2,048 positions."""
+    hf = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                  rms_norm_eps=1e-5, rope_parameters=ROPE_PARAMETERS[rope],
+                                  architectures=["LlamaForCausalLM"])
+    return hf, ModelConfig.from_hf_config(hf.to_dict())
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, exact: bool = False) -> None:
+    atol, rtol = (0.0, 0.0) if exact else TOLERANCES[expected.dtype]
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ops", OPS)
+def test_rms_norm_and_the_fused_residual_add_match_transformers(ops, dtype):
+    torch.manual_seed(0)
+    hf = modeling_llama.LlamaRMSNorm(64, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(1 + 0.3 * torch.randn(64))
+    ours = RMSNorm(64, 1e-5, OPS[ops]).to(dtype)
+    ours.load_state_dict(hf.state_dict())
+    x, residual = (torch.randn(9, 64) * 3).to(dtype), torch.randn(9, 64).to(dtype)
+    # The torch path is transformers' order, operator for operator. Triton's interpreter rounds float32
+    # to bfloat16 toward zero (a GPU to nearest even, as torch), so there even the residual sum may be an
+    # ulp off.
+    exact = ops == "torch"
+    with torch.inference_mode():
+        _assert_close(ours(x), hf(x), f"{ops} rms_norm", exact)
+        normed, new_residual = ours(x.clone(), residual.clone())
+        _assert_close(new_residual, x + residual, f"{ops} residual add", exact or dtype == torch.float32)
+        _assert_close(normed, hf(x + residual), f"{ops} add + rms_norm", exact)
+
+
+@pytest.mark.parametrize("rope", ROPE_PARAMETERS)
+def test_the_inverse_frequencies_are_transformers(rope):
+    hf_config, config = _make_configs(rope)
+    hf = modeling_llama.LlamaRotaryEmbedding(hf_config)
+    assert hf.attention_scaling == 1.0
+    torch.testing.assert_close(rope_inv_freq(config), hf.inv_freq, atol=0, rtol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ops", OPS)
+@pytest.mark.parametrize("rope", ROPE_PARAMETERS)
+def test_rotary_from_the_cache_matches_transformers(rope, ops, dtype):
+    hf_config, config = _make_configs(rope)
+    hf = modeling_llama.LlamaRotaryEmbedding(hf_config)
+    ours = RotaryEmbedding(config, OPS[ops])
+    ours.cos_sin_cache = ours.cos_sin_cache.to(dtype)      # as build_model leaves it
+    gen = torch.Generator().manual_seed(1)
+    positions = torch.cat((torch.randint(0, 2047, (10,), generator=gen), torch.tensor([0, 255, 2047])))
+    q = torch.randn(len(positions), 4, 16, generator=gen).to(dtype)
+    k = torch.randn(len(positions), 2, 16, generator=gen).to(dtype)
+
+    cos, sin = hf(q, positions[None])                        # [1, num_tokens, head_dim]
+    want_q, want_k = modeling_llama.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    query_key = torch.cat((q, k), dim=1)
+    with torch.inference_mode():
+        ours(query_key, ours.rows(positions))
+    _assert_close(query_key[:, :4], want_q[0].transpose(0, 1), f"{rope} {ops} q", exact=ops == "torch")
+    _assert_close(query_key[:, 4:], want_k[0].transpose(0, 1), f"{rope} {ops} k", exact=ops == "torch")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ops", OPS)
+def test_mlp_with_silu_and_mul_matches_transformers(ops, dtype):
+    hf_config, config = _make_configs()
+    torch.manual_seed(2)
+    hf = modeling_llama.LlamaMLP(hf_config).to(dtype)
+    ours = MLP(config, ShardShape.of(config), Collectives(), OPS[ops]).to(dtype)
+    with torch.no_grad():
+        ours.gate_up_proj.weight.copy_(torch.cat((hf.gate_proj.weight, hf.up_proj.weight)))
+        ours.down_proj.weight.copy_(hf.down_proj.weight)
+    x = torch.randn(7, 64).to(dtype)
+    with torch.inference_mode():
+        _assert_close(ours(x), hf(x), f"{ops} mlp", exact=ops == "torch")
+
+
+class _OpCounter(TorchDispatchMode):
+    """Records the aten operators that run inside it, two ways.
+
+    `calls`: each operator as the code calls it (a composite such as `rms_norm` or `linear` once).
+    `kernels`: the operators that run a kernel of their own: a composite counted as the operators it
+    decomposes into, views (which only make a tensor header) left out. `opaque(name, fn)` wraps `fn` to
+    count as one entry in both, its insides unrecorded: the attention backend, a Triton launch.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+        self.kernels: list[str] = []
+        self._depth = 0
+        self._paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if self._depth == 0:
+            self.calls.append(name)
+        self._depth += 1
+        try:
+            with self:
+                out = func.decompose(*args, **kwargs)
+        finally:
+            self._depth -= 1
+        if out is not NotImplemented:
+            return out
+        if not func.is_view:
+            self.kernels.append(name)
+        return func(*args, **kwargs)
+
+    def opaque(self, name: str, fn):
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            self.kernels.append(name)
+            self._paused = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._paused = False
+        return call
+
+
+def _count_decode_layer(monkeypatch, backend: str) -> _OpCounter:
+    """The operators of one decode token through layer 1 of a tiny Llama built for the CPU with
+    `CLIFFGUARD_ATTENTION_BACKEND=backend`; store_kv and attention count one each."""
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
+    _, config = _make_configs()
+    model = build_model(config, torch.float32, "cpu")
+    model.init_random()
+    counter = _OpCounter()
+    ops = OPS[backend]
+    assert model.layers[1].input_layernorm.ops is ops
+    if backend == "triton":
+        for name in ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul"):
+            monkeypatch.setattr(ops, name, counter.opaque(name, getattr(ops, name)))
+    attention = type("Backend", (), {"store_kv": staticmethod(counter.opaque("store_kv", reference.store_kv)),
+                                     "paged_attention": staticmethod(counter.opaque("attention",
+                                                                                    reference.paged_attention))})
+    kv_cache = torch.zeros(2, 8, 2, 16), torch.zeros(2, 8, 2, 16)
+    meta = AttentionMetadata.build([[0, 1]], [1], [9], 8, "cpu")
+    with torch.inference_mode():
+        hidden, residual = torch.randn(1, 64), torch.randn(1, 64)
+        rope_rows = model.rotary_emb.rows(torch.tensor([8]))
+        with counter:
+            model.layers[1](hidden, residual, rope_rows, kv_cache, meta, attention)
+    return counter
+
+
+def test_a_decode_layer_on_the_cpu_runs_26_kernels(monkeypatch):
+    """The torch path, float32: add + norm (the add, `rms_norm`'s pow, mean, add, rsqrt, mul, and the
+    weight: 7 kernels), qkv (1), rotary (flip, mul, mul, add: 4), store_kv, attention, o_proj, add + norm
+    (7), gate_up, silu x mul (2), down: 26 kernels run, from 18 operators called (24 with the views).
+    The layer before the fused ops called 50 operators (views included) and ran 32 kernels, rotary 10
+    of them, on cos and sin rebuilt from the positions every forward."""
+    counter = _count_decode_layer(monkeypatch, "torch")
+    assert counter.kernels == ["add_", "pow", "mean", "add_", "rsqrt", "mul", "mul_", "mm",
+                               "flip", "mul_", "mul_", "add_", "store_kv", "attention", "mm",
+                               "add_", "pow", "mean", "add_", "rsqrt", "mul", "mul_", "mm", "silu", "mul_", "mm"]
+    assert counter.calls == ["add_", "rms_norm", "mul_", "linear", "view", "slice",
+                             "view", "flip", "mul_", "mul_", "add_", "split_with_sizes", "store_kv", "attention",
+                             "reshape", "linear",
+                             "add_", "rms_norm", "mul_", "linear", "chunk", "silu", "mul_", "linear"]
+
+
+def test_a_decode_layer_on_triton_is_ten_launches(monkeypatch):
+    """The Triton path (here through the interpreter; on CUDA the same launches, the matmuls cuBLAS's):
+    add + norm, qkv, rotary, store_kv, attention, o_proj, add + norm, gate_up, silu x mul, down."""
+    counter = _count_decode_layer(monkeypatch, "triton")
+    assert counter.kernels == ["add_rms_norm", "mm", "rotary", "store_kv", "attention", "mm",
+                               "add_rms_norm", "mm", "silu_and_mul", "mm"]
+    assert counter.calls == ["add_rms_norm", "linear", "view", "slice", "rotary", "split_with_sizes", "store_kv",
+                             "attention", "reshape", "linear", "add_rms_norm", "linear", "silu_and_mul", "linear"]
