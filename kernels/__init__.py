@@ -2,8 +2,9 @@
 
 `get_backend(device)` returns the module whose `store_kv` and `paged_attention` the model calls: the
 Triton kernels (`kernels.triton_attention`, which re-exports `kernels.triton_kv_store.store_kv`) on
-CUDA when triton imports, the torch reference (`kernels.reference`) elsewhere.
-`CLIFFGUARD_ATTENTION_BACKEND=torch|triton` overrides the choice; Triton on a CPU device runs through
+CUDA when triton imports; on a CPU `kernels.cpu_attention` (decode tokens by our C kernel, compiled
+once per machine, the rest by the reference); the torch reference (`kernels.reference`) elsewhere.
+`CLIFFGUARD_ATTENTION_BACKEND=torch|cpu|triton` overrides the choice; Triton on a CPU device runs through
 its interpreter, which must be switched on with `TRITON_INTERPRET=1` before triton is first imported.
 Triton is imported only when chosen, so CPU users need not install it.
 """
@@ -18,7 +19,7 @@ import torch
 from kernels import reference
 from kernels.metadata import BLOCK_SIZES, AttentionMetadata
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "cpu", "triton")
 
 __all__ = ["AttentionMetadata", "BACKENDS", "BLOCK_SIZES", "get_backend", "reference"]
 
@@ -34,8 +35,14 @@ def get_backend(device: torch.device | str) -> ModuleType:
     if name is not None and name not in BACKENDS:
         raise ValueError(
             f"CLIFFGUARD_ATTENTION_BACKEND: unknown backend {name!r}; available: {', '.join(BACKENDS)}")
-    if name == "torch" or (name is None and device.type != "cuda"):
+    if name == "torch" or (name is None and device.type not in ("cuda", "cpu")):
         return reference
+    if name == "cpu" or (name is None and device.type == "cpu"):
+        if device.type != "cpu":
+            raise ValueError(f"CLIFFGUARD_ATTENTION_BACKEND=cpu: the CPU kernels cannot run on a {device.type} device")
+        from kernels import cpu_attention
+
+        return cpu_attention
     try:
         from kernels import triton_attention
     except ImportError as exc:

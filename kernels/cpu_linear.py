@@ -83,14 +83,15 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linears(model: nn.Module, min_elements: int = PACK_MIN_ELEMENTS) -> int:
-    """Swap every `nn.Linear` of `model` whose weight has at least `min_elements` elements for a
-    `PackedLinear`; returns how many were swapped.
+def pack_linears(model: nn.Module, min_elements: int | None = None) -> int:
+    """Swap every `nn.Linear` of `model` whose weight has at least `min_elements` elements (default
+    `PACK_MIN_ELEMENTS`) for a `PackedLinear`; returns how many were swapped.
 
     A `LlamaForCausalLM` with tied embeddings (a table that large) also gets `model.lm_head`, a packed
     copy of the embedding table that `compute_logits` then uses. The dense weights of the swapped layers
     are freed.
     """
+    min_elements = PACK_MIN_ELEMENTS if min_elements is None else min_elements
     swapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):

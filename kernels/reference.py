@@ -225,15 +225,21 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     query: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     returns: [num_tokens, num_heads, head_dim]
     """
+    out = torch.empty_like(query)
+    decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out)
+    prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out)
+    return out
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
+    """`paged_attention` of the step's decode tokens (query length 1), written into their rows of `out`."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    out = torch.empty_like(query)
-    plan = _step_plan(meta, sliding_window)
-
-    for rows, slots, allowed in plan["decode"]:
+    for rows, slots, allowed in _step_plan(meta, sliding_window)["decode"]:
         n, max_len = slots.shape
         # index_select, not advanced indexing: several times faster for row gathers on CPU
         q = query.index_select(0, rows).view(n, num_kv_heads, group, head_dim)  # [n, kv_heads, group, d]
@@ -245,6 +251,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
         out.index_copy_(0, rows, o.reshape(n, num_heads, head_dim))
 
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
+    """`paged_attention` of the step's prefill chunks (query length > 1), written into their rows of `out`."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    plan = _step_plan(meta, sliding_window)
     cpu_flash = bool(plan["prefill"]) and _use_cpu_flash(query)
     for chunk in plan["prefill"]:
         start, q_len = chunk.start, chunk.q_len
@@ -259,7 +275,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
         o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
         out[start:start + q_len] = o.reshape(q_len, num_heads, head_dim)
-    return out
 
 
 def dense_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,

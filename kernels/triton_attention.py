@@ -36,10 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_prefill
 from kernels.metadata import AttentionMetadata
 from kernels.triton_kv_store import _store_kv_kernel, store_kv
-from kernels.triton_prefill import aligned_int32, check_attention_args, dot_dtype, is_interpreted, prefill_attention
+from kernels.triton_prefill import (_prefill_attention_kernel, aligned_int32, check_attention_args, dot_dtype,
+                                    is_interpreted, prefill_attention)
 
 # This module is the Triton backend (`kernels.get_backend`): store_kv comes along with it.
 __all__ = ["paged_attention", "store_kv", "choose_num_splits", "compile_kernels", "compiled_variants",
@@ -401,7 +401,7 @@ def compiled_variants() -> frozenset[str] | None:
     compiled (the interpreter) or this Triton keeps them elsewhere. A step trace compares it before and
     after each step, so a compile mid-serving shows up with what it specialized on."""
     keys = set()
-    for fn in (_paged_attention_kernel, _reduce_splits_kernel, triton_prefill._prefill_attention_kernel,
+    for fn in (_paged_attention_kernel, _reduce_splits_kernel, _prefill_attention_kernel,
                _store_kv_kernel):
         caches = getattr(fn, "device_caches", None)
         if not isinstance(caches, dict):

@@ -99,6 +99,7 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     import transformers
 
     monkeypatch.setenv("CLIFFGUARD_CPU_LINEAR", cpu_linear)  # packed oneDNN linears, and torch's own
+    monkeypatch.setattr("kernels.cpu_linear.PACK_MIN_ELEMENTS", 0)   # a tiny model's weights packed all the same
     folder = make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides)
     assert (folder / "model.safetensors.index.json").exists()  # sharded checkpoint
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

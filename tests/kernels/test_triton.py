@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 import kernels  # noqa: E402
 import triton  # noqa: E402
 from kernels import AttentionMetadata, reference  # noqa: E402
-from kernels import triton_attention, triton_kv_store, triton_prefill  # noqa: E402
+from kernels import cpu_attention, triton_attention, triton_kv_store, triton_prefill  # noqa: E402
 
 # Explicit tolerances per dtype (atol, rtol), against the reference computed in float32. fp16/bf16
 # round P to the input dtype before the PV product, and the output once more.
@@ -273,7 +273,8 @@ def test_choose_num_splits(monkeypatch):
 
 def test_get_backend_choice_and_override(monkeypatch):
     monkeypatch.delenv("CLIFFGUARD_ATTENTION_BACKEND", raising=False)
-    assert kernels.get_backend("cpu") is reference
+    assert kernels.get_backend("cpu") is cpu_attention
+    assert kernels.get_backend("meta") is reference
     monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton")
     backend = kernels.get_backend("cpu")                                    # through the interpreter
     assert backend is triton_attention

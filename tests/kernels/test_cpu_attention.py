@@ -1,0 +1,132 @@
+"""The CPU backend's C decode kernel against the dense yardstick (`reference.dense_causal_attention`) and
+the torch reference, on fresh random steps: the seed is in every message (`CLIFFGUARD_TEST_SEED=<seed>`
+reruns one). Every cache slot no sequence wrote is NaN and so is every output row before the call, so a
+kernel that reads past a sequence or leaves a row unwritten fails."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+import kernels
+from kernels import AttentionMetadata, cpu_attention, reference
+
+TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2)}
+
+pytestmark = pytest.mark.skipif(cpu_attention.load_library() is None, reason="no C compiler on this machine")
+
+
+def _seed() -> int:
+    forced = os.environ.get("CLIFFGUARD_TEST_SEED")
+    return int(forced) if forced else random.SystemRandom().randrange(2**31)
+
+
+def _make_step(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
+    """A step over shuffled blocks (some owned by nobody): each sequence's K/V written, the rest NaN.
+    Returns the query, the caches, the metadata and each sequence's dense (keys, values)."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-s // block_size) for s in seq_lens]
+    ids = list(range(sum(counts) + 3))
+    rng.shuffle(ids)
+    tables, pos = [], 0
+    for n in counts:
+        tables.append(ids[pos:pos + n])
+        pos += n
+    cache = torch.full((2, len(ids), block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    dense = [(torch.randn(s, num_kv_heads, head_dim, generator=gen).to(dtype),
+              torch.randn(s, num_kv_heads, head_dim, generator=gen).to(dtype)) for s in seq_lens]
+    for table, (k, v) in zip(tables, dense):
+        for p in range(k.shape[0]):
+            cache[0, table[p // block_size], p % block_size] = k[p]
+            cache[1, table[p // block_size], p % block_size] = v[p]
+    meta = AttentionMetadata.build(tables, query_lens, seq_lens, block_size)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
+    return query, cache[0], cache[1], meta, dense
+
+
+def _assert_matches_dense(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                          window=None):
+    seed = _seed()
+    query, k_cache, v_cache, meta, dense = _make_step(seq_lens, query_lens, num_heads, num_kv_heads, head_dim,
+                                                      block_size, dtype, seed)
+    scale = head_dim ** -0.5
+    out = cpu_attention.paged_attention(query, k_cache, v_cache, meta, scale, window)
+    where = f"seed={seed} lens={seq_lens} queries={query_lens} heads={num_heads}/{num_kv_heads} d={head_dim} " \
+            f"block={block_size} {dtype} window={window}"
+    assert not out.isnan().any(), f"{where}: NaN in the output (a poisoned slot read, or a row unwritten)"
+    atol, rtol = TOLERANCES[dtype]
+    start = 0
+    for (k, v), q_len in zip(dense, query_lens):
+        want = reference.dense_causal_attention(query[start:start + q_len].float(), k.float(), v.float(), scale,
+                                                window)
+        torch.testing.assert_close(out[start:start + q_len].float(), want, atol=atol, rtol=rtol,
+                                   msg=lambda m: f"{where}\n{m}")
+        start += q_len
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 16), (4, 2, 16), (8, 1, 64), (12, 4, 128)])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decode_tokens_match_dense_attention(num_heads, num_kv_heads, head_dim, block_size):
+    b = block_size
+    seq_lens = [1, 5, b, b + 1, 3 * b + 7, 9 * b + 2]
+    _assert_matches_dense(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, torch.float32)
+
+
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_sliding_window(window):
+    _assert_matches_dense([3, 20, 41, 130], [1, 1, 1, 1], 4, 2, 32, 16, torch.float32, window)
+
+
+def test_bfloat16_cache():
+    _assert_matches_dense([2, 33, 90], [1, 1, 1], 8, 2, 64, 16, torch.bfloat16)
+
+
+def test_mixed_step_decode_by_the_kernel_prefill_by_the_reference(monkeypatch):
+    """Decode rows through the C kernel, prefill chunks (over a cached prefix, mid-block) through the
+    reference, in one call; and the kernel is what ran the decode rows."""
+    calls = []
+    real = cpu_attention.decode_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    _assert_matches_dense([40, 17, 1, 70, 9], [1, 5, 1, 30, 0], 4, 2, 16, 16, torch.float32)
+    assert calls == [1]
+
+
+def test_without_a_compiler_or_for_another_dtype_the_reference_runs(monkeypatch):
+    seed = _seed()
+    query, k_cache, v_cache, meta, _ = _make_step([12, 30], [1, 1], 4, 2, 16, 8, torch.float16, seed)
+    assert not cpu_attention.decode_attention(query, k_cache, v_cache, meta, 0.25, None, torch.empty_like(query))
+    want = reference.paged_attention(query, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(cpu_attention.paged_attention(query, k_cache, v_cache, meta, 0.25), want)
+    monkeypatch.setattr(cpu_attention, "load_library", lambda: None)
+    query, k_cache, v_cache, meta, _ = _make_step([12, 30], [1, 1], 4, 2, 16, 8, torch.float32, seed)
+    assert not cpu_attention.decode_attention(query, k_cache, v_cache, meta, 0.25, None, torch.empty_like(query))
+
+
+def test_the_compiled_kernel_is_cached_by_its_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path))
+    cpu_attention.load_library.cache_clear()
+    try:
+        assert cpu_attention.load_library() is not None
+        (built,) = tmp_path.glob("cpu_attention-*.so")
+        cpu_attention.load_library.cache_clear()
+        monkeypatch.setenv("CC", "/nonexistent/cc")      # a cached build needs no compiler
+        assert cpu_attention.load_library() is not None and list(tmp_path.glob("*.so")) == [built]
+        cpu_attention.load_library.cache_clear()
+        monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "empty"))
+        assert cpu_attention.load_library() is None   # nothing cached, and the compiler fails
+    finally:
+        cpu_attention.load_library.cache_clear()
+
+
+def test_the_cpu_device_gets_this_backend(monkeypatch):
+    monkeypatch.delenv("CLIFFGUARD_ATTENTION_BACKEND", raising=False)
+    assert kernels.get_backend("cpu") is cpu_attention
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "torch")
+    assert kernels.get_backend("cpu") is reference
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "cpu")
+    with pytest.raises(ValueError, match="CLIFFGUARD_ATTENTION_BACKEND=cpu"):
+        kernels.get_backend("meta")
