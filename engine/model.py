@@ -262,9 +262,9 @@ class LlamaForCausalLM(nn.Module):
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                 shard: ShardShape | None = None, comm: Collectives | None = None) -> LlamaForCausalLM:
     """An uninitialised model (or one rank's shard of it) on `device`, allocated, not filled: load or
-    init it next. Its layers run the fused ops `kernels.fused.get_fused_ops(device)` picks."""
+    init it next. Its layers run the fused ops `kernels.fused.get_fused_ops(device, dtype)` picks."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, shard, comm, get_fused_ops(device))
+        model = LlamaForCausalLM(config, shard, comm, get_fused_ops(device, dtype))
     _allocate(model, dtype, device)
     model.rotary_emb.cos_sin_cache = model.rotary_emb.cos_sin_cache.to(device=device, dtype=dtype)
     return model.eval()

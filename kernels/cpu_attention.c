@@ -3,11 +3,12 @@
  * compiles this file once per machine and checks every argument before the call.
  *
  * For each (decode row, KV head) the GQA group's query heads are scored against every position of the
- * sequence (its sliding window only), the scores kept in a per-call buffer, then softmax in float32 and the
- * weighted sum of V. K/V in float32 or bfloat16 (widened to float32 as read); accumulation in float32.
+ * sequence (its sliding window only), block by block, the scores kept in a per-call buffer, then softmax in
+ * float32 and the weighted sum of V. K/V in float32 or bfloat16 (widened to float32 as read); accumulation in float32.
  *
  * Layouts (element strides, all contiguous):
- *   query, out:    [num_tokens, num_heads, head_dim]
+ *   query:         [num_tokens, num_heads, head_dim], a token every `stride_q` elements (a fused qkv's slice)
+ *   out:           [num_tokens, num_heads, head_dim]
  *   k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_tables:  [num_seqs, max_blocks] int32;  seq_lens: [num_seqs] int32
  *   rows:          [num_decode] int64, the query row of each decode token;  seqs: [num_decode] int32, its sequence
@@ -34,7 +35,7 @@ static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as tor
 
 #define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                                  \
 int NAME(const T *query, const T *k_cache, const T *v_cache, T *out, const int32_t *block_tables,            \
-         const int32_t *seq_lens, const int64_t *rows, const int32_t *seqs, int64_t num_decode,             \
+         const int32_t *seq_lens, const int64_t *rows, const int32_t *seqs, int64_t num_decode, int64_t stride_q, \
          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,  \
          float scale, int64_t window) {                                                                      \
     const int64_t group = num_heads / num_kv_heads;                                                         \
@@ -51,7 +52,7 @@ int NAME(const T *query, const T *k_cache, const T *v_cache, T *out, const int32
         const int64_t n = len - first;                                                                       \
         const int32_t *table = block_tables + (int64_t)seqs[i] * max_blocks;                                \
         for (int64_t h = 0; h < num_kv_heads; h++) {                                                         \
-            const T *q_src = query + (rows[i] * num_heads + h * group) * head_dim;                          \
+            const T *q_src = query + rows[i] * stride_q + h * group * head_dim;                             \
             for (int64_t j = 0; j < group * head_dim; j++) q[j] = LOAD(q_src[j]) * scale;                  \
             for (int64_t b = first / block_size; b * block_size < len; b++) {      /* block by block */     \
                 const int64_t lo = b * block_size > first ? b * block_size : first;                          \

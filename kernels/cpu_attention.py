@@ -6,11 +6,10 @@ that is three large ops and ~250 us a layer on one thread, more than the layer's
 in `cpu_attention.c` scores each GQA group's query heads against the cached keys where they lie, takes
 the softmax in float32 and sums V, all decode tokens of a step in one call.
 
-It is compiled once per machine with the system's C compiler (`cc`, or `$CC`) into
-`~/.cache/cliffguard/kernels` (`$CLIFFGUARD_KERNEL_CACHE`), the file named by a hash of its source, the
-flags and the machine, and loaded with ctypes (the call releases the GIL). Without a compiler, or for a
-dtype it does not take (float32 and bfloat16), decode tokens take the reference's path. Prefill chunks
-always do (torch's CPU flash kernel is already what they need); `store_kv` is the reference's.
+It is compiled once per machine (`kernels.cpu_build`) and called through ctypes. Without a compiler, or
+for a dtype it does not take (float32 and bfloat16), decode tokens take the reference's path. Prefill chunks
+always do (torch's CPU flash kernel is already what they need). `store_kv` copies each token's K/V row
+in one call of `cpu_fused.c` (the reference's two `index_copy_` otherwise).
 
 `get_backend` picks this module on a CPU device (`CLIFFGUARD_ATTENTION_BACKEND=torch` picks the pure
 reference). Results equal the reference up to float32 summation order (tests/kernels/test_cpu_attention.py).
@@ -20,77 +19,30 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from kernels.cpu_build import load_c_library
+from kernels.cpu_fused import store_kv_rows
 from kernels.metadata import AttentionMetadata
 from kernels.reference import decode_attention as reference_decode_attention
-from kernels.reference import prefill_attention, store_kv
+from kernels.reference import prefill_attention
+from kernels.reference import store_kv as reference_store_kv
 
 __all__ = ["paged_attention", "store_kv", "load_library"]
-
-log = logging.getLogger("cliffguard.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
 _FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
-_ARGTYPES = [_P] * 8 + [_I64] * 6 + [ctypes.c_float, _I64]
-
-
-def _cache_dir() -> Path:
-    env = os.environ.get("CLIFFGUARD_KERNEL_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "cliffguard" / "kernels"
-
-
-def _machine() -> str:
-    """What -march=native compiles for: the CPU's model and flags (a cache shared by two CPUs keeps both)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return platform.machine()
-    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
-    return platform.machine() + "\n" + "\n".join(sorted(set(lines)))
+_ARGTYPES = [_P] * 8 + [_I64] * 7 + [ctypes.c_float, _I64]
 
 
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernel (compiled now if this machine has no copy yet), or None without a compiler."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.info("no C compiler: CPU decode attention takes the torch reference's path")
-        return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _machine().encode()).hexdigest()[:16]
-    path = _cache_dir() / f"cpu_attention-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            built = Path(tmp) / path.name
-            try:
-                result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"],
-                                        capture_output=True, text=True)
-                error = result.stderr[-2000:] if result.returncode != 0 else None
-            except OSError as exc:
-                error = str(exc)
-            if error is not None:
-                log.warning("compiling %s failed (%s): CPU decode attention takes the torch reference's path\n%s",
-                            SOURCE.name, compiler, error)
-                return None
-            os.replace(built, path)   # atomic: a concurrent compile leaves one whole file
-    library = ctypes.CDLL(str(path))
-    for name in _FUNCTIONS.values():
-        getattr(library, name).argtypes = _ARGTYPES
-        getattr(library, name).restype = ctypes.c_int
-    return library
+    return load_c_library(SOURCE, FLAGS, {name: _ARGTYPES for name in _FUNCTIONS.values()})
 
 
 def _decode_plan(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -116,8 +68,10 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     library = load_library() if function is not None else None
     if library is None or k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
         return False
-    tensors = (query, k_cache, v_cache, out, meta.block_tables, meta.seq_lens)
-    if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
+    tensors = (k_cache, v_cache, out, meta.block_tables, meta.seq_lens)
+    rows_ok = query.stride(2) == 1 and query.stride(1) == query.shape[2]   # tokens may be strided (a qkv slice)
+    if not (rows_ok and query.device.type == "cpu" and all(t.is_contiguous() and t.device.type == "cpu"
+                                                          for t in tensors)):
         return False
     plan = _decode_plan(meta)
     if plan is None:
@@ -131,11 +85,21 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     assert meta.block_tables.dtype == torch.int32 and meta.seq_lens.dtype == torch.int32
     status = getattr(library, function)(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), meta.block_tables.data_ptr(),
-        meta.seq_lens.data_ptr(), rows.data_ptr(), seqs.data_ptr(), len(rows), num_heads, num_kv_heads, head_dim,
-        block_size, meta.block_tables.shape[1], scale, sliding_window or 0)
+        meta.seq_lens.data_ptr(), rows.data_ptr(), seqs.data_ptr(), len(rows), query.stride(0), num_heads,
+        num_kv_heads, head_dim, block_size, meta.block_tables.shape[1], scale, sliding_window or 0)
     if status != 0:
         raise MemoryError("cpu_attention: the kernel could not allocate its score buffer")
     return True
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """`kernels.reference.store_kv`'s contract in one call of our C code where the layout allows.
+
+    key, value: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    """
+    if not store_kv_rows(key, value, k_cache, v_cache, meta.slot_mapping):
+        reference_store_kv(key, value, k_cache, v_cache, meta)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -145,7 +109,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     query: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     returns: [num_tokens, num_heads, head_dim]
     """
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if not decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out):
         reference_decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out)
     prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out)

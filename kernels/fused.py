@@ -29,12 +29,18 @@ import torch.nn.functional as F
 __all__ = ["add_rms_norm", "get_fused_ops", "rms_norm", "rotary", "rotary_rows", "silu_and_mul"]
 
 
-def get_fused_ops(device: torch.device | str) -> ModuleType:
-    """`kernels.triton_fused` where `kernels.get_backend(device)` is the Triton attention backend, this
-    module with any other (`CLIFFGUARD_ATTENTION_BACKEND` decides both alike)."""
+def get_fused_ops(device: torch.device | str, dtype: torch.dtype | None = None) -> ModuleType:
+    """`kernels.triton_fused` where `kernels.get_backend(device)` is the Triton attention backend;
+    `kernels.cpu_fused` (our C code) where it is the CPU backend and that code runs `dtype`; this module
+    otherwise (`CLIFFGUARD_ATTENTION_BACKEND` decides alike: `torch` keeps every op in torch)."""
     from kernels import get_backend
 
-    if get_backend(device) is not sys.modules.get("kernels.triton_attention"):
+    backend = get_backend(device)
+    if backend is sys.modules.get("kernels.cpu_attention"):
+        from kernels import cpu_fused
+
+        return cpu_fused if dtype is not None and cpu_fused.supports(dtype) else sys.modules[__name__]
+    if backend is not sys.modules.get("kernels.triton_attention"):
         return sys.modules[__name__]
     from kernels import triton_fused
 

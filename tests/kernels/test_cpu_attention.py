@@ -49,10 +49,14 @@ def _make_step(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_si
 
 
 def _assert_matches_dense(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                          window=None):
+                          window=None, strided=False):
     seed = _seed()
     query, k_cache, v_cache, meta, dense = _make_step(seq_lens, query_lens, num_heads, num_kv_heads, head_dim,
                                                       block_size, dtype, seed)
+    if strided:   # the query as the model has it: the first heads of a fused q/k/v projection's rows
+        fused = torch.full((query.shape[0], num_heads + 2 * num_kv_heads, head_dim), float("nan"), dtype=dtype)
+        fused[:, :num_heads] = query
+        query = fused[:, :num_heads]
     scale = head_dim ** -0.5
     out = cpu_attention.paged_attention(query, k_cache, v_cache, meta, scale, window)
     where = f"seed={seed} lens={seq_lens} queries={query_lens} heads={num_heads}/{num_kv_heads} d={head_dim} " \
@@ -74,6 +78,10 @@ def test_decode_tokens_match_dense_attention(num_heads, num_kv_heads, head_dim, 
     b = block_size
     seq_lens = [1, 5, b, b + 1, 3 * b + 7, 9 * b + 2]
     _assert_matches_dense(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim, block_size, torch.float32)
+
+
+def test_a_query_of_strided_tokens():
+    _assert_matches_dense([9, 40, 1, 77], [1, 1, 1, 1], 8, 2, 32, 16, torch.float32, strided=True)
 
 
 @pytest.mark.parametrize("window", [1, 7, 40])

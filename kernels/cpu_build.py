@@ -1,0 +1,72 @@
+"""Our C kernels for the CPU: compiled once per machine with the system's C compiler, loaded with ctypes.
+
+`load_c_library(source, flags, functions)` compiles `source` (a file beside its launcher in kernels/) with
+`cc` (or `$CC`) into `~/.cache/cliffguard/kernels` (`$CLIFFGUARD_KERNEL_CACHE`), the file named by a hash of
+the source, the flags and the machine (what `-march=native` compiles for), and returns the library with each
+function's argument types set. None when there is no compiler or the compile fails: the launchers then
+take their torch path. A ctypes call releases the GIL and costs about 2 us, one torch operator's dispatch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = ["load_c_library"]
+
+log = logging.getLogger("cliffguard.kernels")
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("CLIFFGUARD_KERNEL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "cliffguard" / "kernels"
+
+
+def _machine() -> str:
+    """The CPU's model and flags (a cache shared by two kinds of CPU keeps a build for each)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return platform.machine()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return platform.machine() + "\n" + "\n".join(sorted(set(lines)))
+
+
+def load_c_library(source: Path, flags: Sequence[str], functions: Mapping[str, Sequence[type]]
+                   ) -> ctypes.CDLL | None:
+    """`source` compiled with `flags` (built now if this machine has no copy), each of `functions` given
+    its argument types (int return); None without a compiler."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler: %s's callers take their torch path", source.name)
+        return None
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + _machine().encode()).hexdigest()[:16]
+    path = _cache_dir() / f"{source.stem}-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            built = Path(tmp) / path.name
+            try:
+                result = subprocess.run([compiler, *flags, "-o", str(built), str(source), "-lm"],
+                                        capture_output=True, text=True)
+                error = result.stderr[-2000:] if result.returncode != 0 else None
+            except OSError as exc:
+                error = str(exc)
+            if error is not None:
+                log.warning("compiling %s failed (%s): its callers take their torch path\n%s",
+                            source.name, compiler, error)
+                return None
+            os.replace(built, path)   # atomic: a concurrent compile leaves one whole file
+    library = ctypes.CDLL(str(path))
+    for name, argtypes in functions.items():
+        getattr(library, name).argtypes = list(argtypes)
+        getattr(library, name).restype = ctypes.c_int
+    return library
