@@ -37,6 +37,10 @@ def test_every_measurement_is_reported_and_judged(capsys, one_thread):
     assert [row["output_len"] for row in lengths["rows"]] == [20, 40]
     assert lengths["ratio"] == pytest.approx(lengths["rows"][1]["step_ms"] / lengths["rows"][0]["step_ms"])
     assert lengths["met"] == (lengths["ratio"] <= hostcost.LENGTH_GOAL)
+    for row in lengths["rows"]:   # the attention kernel was timed apart, inside the step
+        assert 0 < row["phases_ms"]["attention"] < row["step_ms"]
+        assert row["step_less_attention_ms"] < row["step_ms"]
+    assert lengths["host_met"] == (lengths["host_ratio"] <= hostcost.LENGTH_GOAL)
 
 
 def test_the_text_report_names_each_goal(capsys, one_thread):
