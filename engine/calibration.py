@@ -64,6 +64,7 @@ def warm_up(engine: Any) -> None:
     finally:
         for seq in seqs:
             bm.free(seq.block_table)
+            engine.runner.release(seq)
 
 
 # (prompt tokens, output tokens, how many at once): prefill chunks of growing length, then decode
@@ -154,6 +155,7 @@ def measure_decode_step(engine: Any, pool: str, batch: int, context: int, *,
     finally:
         for seq in seqs:
             bm.free(seq.block_table)
+            engine.runner.release(seq)
     return min(medians)
 
 

@@ -131,7 +131,11 @@ class LLMEngine:
         self.kv_cache = KVCache(self.model_config, self.num_blocks, config.cache.block_size, self.dtype,
                                 self.device, num_kv_heads=self.shard.num_kv_heads)
         lap("kv")
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, get_backend(self.device), self.group)
+        max_len = max((p.scheduler.max_model_len for p in config.pools), default=0) or \
+            self.model_config.max_position_embeddings
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, get_backend(self.device), self.group,
+                                  max_rows=sum(p.scheduler.max_num_seqs for p in config.pools),
+                                  max_blocks=-(-max_len // config.cache.block_size))
         self.runner.compile_kernels()
         lap("kernels")
         self.schedulers: dict[str, Scheduler] = {}
@@ -374,6 +378,8 @@ class LLMEngine:
             scheduled.batch.extend(out.scheduled)
             scheduled.ended.extend(out.finished)
             stats.num_preempted += len(out.preempted)
+            for seq in (*out.preempted, *out.finished):   # no longer running: their rows are free
+                self.runner.release(seq)
             self._move_blocks(name, self.schedulers[name], out)
         self._forks.end_with_first(scheduled.ended)
         scheduled_at = time.monotonic()
@@ -451,6 +457,7 @@ class LLMEngine:
         del self.requests[request.request_id]
         for seq in request.seqs:
             self.sampler.release(seq.seq_id)
+            self.runner.release(seq)
 
     def _append_token(self, seq: Sequence, token: int, logprob: float | None,
                       top: list[tuple[int, float]] | None) -> None:
@@ -461,6 +468,7 @@ class LLMEngine:
             if not isinstance(seq.stop_reason, str):  # a stop string already cut the text
                 seq.text += detok.flush()
             self.schedulers[seq.pool].finish(seq, reason)
+            self.runner.release(seq)
 
     # --- offline use -----------------------------------------------------------------------------
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
@@ -491,6 +499,10 @@ class LLMEngine:
             for seq in scheduler.running:
                 if not all(scheduler.block_manager.owns(b) for b in seq.block_table):
                     raise AssertionError(f"sequence {seq.seq_id} holds blocks outside pool {scheduler.name}")
+        running = sum(len(s.running) for s in self.schedulers.values())
+        if self.runner.input_batch.num_rows > running:
+            raise AssertionError(f"{self.runner.input_batch.num_rows} rows of the persistent batch held, "
+                                 f"{running} sequences running")
 
     def num_free_blocks(self) -> int:
         return sum(s.block_manager.num_free_blocks for s in self.schedulers.values())

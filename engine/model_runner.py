@@ -16,13 +16,14 @@ import time
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.input_batch import InputBatch
 from engine.kv_cache import KVCache, SwapSpace
 from engine.model import LlamaForCausalLM, build_model
 from engine.parallel import (Collectives, FollowerArgs, RankSetup, ShardShape, StepPlan, TensorParallelGroup,
                              die_with_parent, join_group, receive_plan)
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
-from kernels import AttentionMetadata, get_backend
+from kernels import get_backend
 
 log = logging.getLogger("cliffguard.engine")
 
@@ -36,6 +37,7 @@ class _Forward:
     backend: object
     swap_spaces: dict[str, SwapSpace]
     tensor_parallel: bool
+    input_batch: InputBatch
     last_inputs_seconds: float = 0.0   # host seconds the last `run` spent making its inputs
 
     def _grad_mode(self):
@@ -51,10 +53,9 @@ class _Forward:
         with self._grad_mode():
             device = self.device
             started = time.perf_counter()
-            meta = AttentionMetadata.build(plan.block_tables, plan.query_lens, plan.seq_lens,
-                                           self.kv_cache.block_size, device)
-            input_ids = torch.tensor(plan.input_ids, dtype=torch.int64, device=device)
-            positions = torch.tensor(plan.positions, dtype=torch.int64, device=device)
+            self.input_batch.apply(plan.row_updates)
+            input_ids, positions, meta = self.input_batch.prepare(plan.input_ids, plan.positions, plan.rows,
+                                                                  plan.query_lens, plan.seq_lens)
             self.last_inputs_seconds = time.perf_counter() - started
             hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
             if not plan.sample_rows:
@@ -88,7 +89,7 @@ class ModelRunner(_Forward):
     passes. `swap_spaces`: each swapping pool's CPU block pool, added by the engine as it builds them."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, backend,
-                 group: TensorParallelGroup | None = None) -> None:
+                 group: TensorParallelGroup | None = None, max_rows: int = 64, max_blocks: int = 64) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -96,24 +97,34 @@ class ModelRunner(_Forward):
         self.group = group or TensorParallelGroup.single()
         self.tensor_parallel = self.group.size > 1
         self.swap_spaces: dict[str, SwapSpace] = {}
+        self.input_batch = InputBatch(max_rows, max_blocks, kv_cache.block_size, device)
         self._moves: list[tuple[str, str, list[tuple[int, int]]]] = []   # for the followers' next plan
 
-    @staticmethod
-    def plan(batch: list[ScheduledSeq]) -> tuple[StepPlan, list[Sequence]]:
-        """The step as ints, and the sequences that produce a token this step (in sample-row order)."""
+    def plan(self, batch: list[ScheduledSeq]) -> tuple[StepPlan, list[Sequence]]:
+        """The step as ints (each sequence's row of the persistent batch, and what changed in the rows),
+        and the sequences that produce a token this step (in sample-row order)."""
         plan = StepPlan()
         sampled: list[Sequence] = []
+        plan.rows, plan.row_updates = self.input_batch.assign((item.seq.seq_id, item.seq.block_table)
+                                                              for item in batch)
         for item in batch:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            plan.input_ids.extend(seq.token_ids[start:start + n])
-            plan.positions.extend(range(start, start + n))
-            plan.block_tables.append(seq.block_table)
+            if n == 1:
+                plan.input_ids.append(seq.token_ids[start])
+                plan.positions.append(start)
+            else:
+                plan.input_ids.extend(seq.token_ids[start:start + n])
+                plan.positions.extend(range(start, start + n))
             plan.query_lens.append(n)
             plan.seq_lens.append(start + n)
             if start + n == seq.num_tokens:  # reached the end: sample the next token
                 plan.sample_rows.append(len(plan.input_ids) - 1)
                 sampled.append(seq)
         return plan, sampled
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` stopped running (finished, preempted, swapped out): its row of the persistent batch is free."""
+        self.input_batch.release(seq.seq_id)
 
     def execute(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[Sequence]]:
         """Run the step on every rank; return logits [num_sampled, vocab] (float32) and the sequences they
@@ -166,6 +177,7 @@ class FollowerRunner(_Forward):
         self.control = control
         self.tensor_parallel = True
         self.swap_spaces = {}
+        self.input_batch = InputBatch(64, 64, kv_cache.block_size, device)   # rows as rank 0's plans update them
 
     @classmethod
     def load(cls, config: EngineConfig, rank: int, size: int, device: torch.device, collectives: Collectives,

@@ -115,7 +115,8 @@ class StepPlan:
 
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)            # each sequence's row of the persistent batch
+    row_updates: list = field(default_factory=list)          # `engine.input_batch.RowUpdate`s, applied first
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)

@@ -836,7 +836,7 @@ def test_the_slo_probe_reads_the_calmest_stretch_of_a_busy_start():
 
     bm = BlockManager(64, 16)
     engine = SimpleNamespace(schedulers={"chat": SimpleNamespace(block_manager=bm)},
-                             runner=SimpleNamespace(execute=execute, synchronize=lambda: None))
+                             runner=SimpleNamespace(execute=execute, synchronize=lambda: None, release=lambda seq: None))
     assert calibration.measure_decode_step(engine, "chat", 4, 100, clock=lambda: now[0]) == pytest.approx(0.010)
     assert calls == [4] * len(costs)               # three untimed steps (0.6 s >= 0.5 s), five rounds of three
     assert bm.num_free_blocks == 64                 # the borrowed blocks are back
