@@ -41,6 +41,8 @@ def test_every_measurement_is_reported_and_judged(capsys, one_thread):
         assert 0 < row["phases_ms"]["attention"] < row["step_ms"]
         assert row["step_less_attention_ms"] < row["step_ms"]
     assert lengths["host_met"] == (lengths["host_ratio"] <= hostcost.LENGTH_GOAL)
+    assert lengths["outside_forward_met"] == (lengths["outside_forward_ratio"] <= hostcost.LENGTH_GOAL)
+    assert all(0 < row["outside_forward_ms"] < row["step_ms"] for row in lengths["rows"])
 
 
 def test_the_text_report_names_each_goal(capsys, one_thread):
