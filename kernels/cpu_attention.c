@@ -2,9 +2,10 @@
  * the cache blocks through the block table (no gather copy). Launched by kernels/cpu_attention.py, which
  * compiles this file once per machine and checks every argument before the call.
  *
- * For each (decode row, KV head) the GQA group's query heads are scored against every position of the
- * sequence (its sliding window only), block by block, the scores kept in a per-call buffer, then softmax in
- * float32 and the weighted sum of V. K/V in float32 or bfloat16 (widened to float32 as read); accumulation in float32.
+ * For each decode row every query head is scored against every position of the sequence (its sliding
+ * window only), block by block, all heads of a position while its K row is in cache (each cache line of
+ * K and V is read once), the scores kept in a per-call buffer; then softmax in float32 and the weighted
+ * sum of V, position by position again. K/V in float32 or bfloat16 (widened to float32 as read); accumulation in float32.
  *
  * Layouts (element strides, all contiguous):
  *   query:         [num_tokens, num_heads, head_dim], a token every `stride_q` elements (a fused qkv's slice)
@@ -38,61 +39,60 @@ int NAME(const T *query, const T *k_cache, const T *v_cache, T *out, const int32
          const int32_t *seq_lens, const int64_t *rows, const int32_t *seqs, int64_t num_decode, int64_t stride_q, \
          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,  \
          float scale, int64_t window) {                                                                      \
-    const int64_t group = num_heads / num_kv_heads;                                                         \
+    const int64_t group = num_heads / num_kv_heads, row = num_kv_heads * head_dim;                          \
     int64_t longest = 0;                                                                                     \
     for (int64_t i = 0; i < num_decode; i++)                                                                 \
         if (seq_lens[seqs[i]] > longest) longest = seq_lens[seqs[i]];                                       \
-    float *scores = malloc(sizeof(float) * (size_t)(group * longest + group * head_dim * 2));               \
+    float *scores = malloc(sizeof(float) * (size_t)(num_heads * longest + num_heads * head_dim * 2));       \
     if (scores == NULL) return 1;                                                                            \
-    float *q = scores + group * longest;           /* [group, head_dim] */                                  \
-    float *acc = q + group * head_dim;              /* [group, head_dim] */                                 \
+    float *q = scores + num_heads * longest;       /* [num_heads, head_dim] */                              \
+    float *acc = q + num_heads * head_dim;         /* [num_heads, head_dim] */                              \
     for (int64_t i = 0; i < num_decode; i++) {                                                               \
         const int64_t len = seq_lens[seqs[i]];                                                               \
         const int64_t first = (window > 0 && len > window) ? len - window : 0;                             \
         const int64_t n = len - first;                                                                       \
         const int32_t *table = block_tables + (int64_t)seqs[i] * max_blocks;                                \
-        for (int64_t h = 0; h < num_kv_heads; h++) {                                                         \
-            const T *q_src = query + rows[i] * stride_q + h * group * head_dim;                             \
-            for (int64_t j = 0; j < group * head_dim; j++) q[j] = LOAD(q_src[j]) * scale;                  \
-            for (int64_t b = first / block_size; b * block_size < len; b++) {      /* block by block */     \
-                const int64_t lo = b * block_size > first ? b * block_size : first;                          \
-                const int64_t hi = (b + 1) * block_size < len ? (b + 1) * block_size : len;                  \
-                const T *k = k_cache + (((int64_t)table[b] * block_size + lo - b * block_size) * num_kv_heads \
-                                        + h) * head_dim;                                                     \
-                for (int64_t pos = lo; pos < hi; pos++, k += num_kv_heads * head_dim) {                      \
-                    for (int64_t g = 0; g < group; g++) {                                                    \
-                        const float *qg = q + g * head_dim;                                                  \
-                        float s = 0.0f;                                                                      \
-                        for (int64_t d = 0; d < head_dim; d++) s += qg[d] * LOAD(k[d]);                     \
-                        scores[g * n + pos - first] = s;                                                     \
-                    }                                                                                        \
+        const T *q_src = query + rows[i] * stride_q;                                                         \
+        for (int64_t j = 0; j < num_heads * head_dim; j++) q[j] = LOAD(q_src[j]) * scale;                  \
+        /* scores[head][p]: every head of a position while its K row is in cache */                         \
+        for (int64_t b = first / block_size; b * block_size < len; b++) {                                    \
+            const int64_t lo = b * block_size > first ? b * block_size : first;                              \
+            const int64_t hi = (b + 1) * block_size < len ? (b + 1) * block_size : len;                      \
+            const T *k = k_cache + ((int64_t)table[b] * block_size + lo - b * block_size) * row;            \
+            for (int64_t pos = lo; pos < hi; pos++, k += row) {                                              \
+                for (int64_t head = 0; head < num_heads; head++) {                                           \
+                    const float *qh = q + head * head_dim;                                                   \
+                    const T *kh = k + (head / group) * head_dim;                                             \
+                    float dot = 0.0f;                                                                        \
+                    for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * LOAD(kh[d]);                      \
+                    scores[head * n + pos - first] = dot;                                                    \
                 }                                                                                            \
             }                                                                                                \
-            for (int64_t g = 0; g < group; g++) {                                                            \
-                float *sg = scores + g * n;                                                                  \
-                float m = -FLT_MAX, sum = 0.0f;                                                              \
-                for (int64_t p = 0; p < n; p++) m = sg[p] > m ? sg[p] : m;                                   \
-                for (int64_t p = 0; p < n; p++) { sg[p] = expf(sg[p] - m); sum += sg[p]; }                   \
-                const float inv = 1.0f / sum;                                                                \
-                for (int64_t p = 0; p < n; p++) sg[p] *= inv;                                                \
-            }                                                                                                \
-            memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));                                     \
-            for (int64_t b = first / block_size; b * block_size < len; b++) {                                \
-                const int64_t lo = b * block_size > first ? b * block_size : first;                          \
-                const int64_t hi = (b + 1) * block_size < len ? (b + 1) * block_size : len;                  \
-                const T *v = v_cache + (((int64_t)table[b] * block_size + lo - b * block_size) * num_kv_heads \
-                                        + h) * head_dim;                                                     \
-                for (int64_t pos = lo; pos < hi; pos++, v += num_kv_heads * head_dim) {                      \
-                    for (int64_t g = 0; g < group; g++) {                                                    \
-                        const float w = scores[g * n + pos - first];                                         \
-                        float *ag = acc + g * head_dim;                                                      \
-                        for (int64_t d = 0; d < head_dim; d++) ag[d] += w * LOAD(v[d]);                     \
-                    }                                                                                        \
-                }                                                                                            \
-            }                                                                                                \
-            T *o = out + (rows[i] * num_heads + h * group) * head_dim;                                      \
-            for (int64_t j = 0; j < group * head_dim; j++) o[j] = STORE(acc[j]);                            \
         }                                                                                                    \
+        for (int64_t head = 0; head < num_heads; head++) {                                                   \
+            float *sh = scores + head * n;                                                                   \
+            float m = -FLT_MAX, sum = 0.0f;                                                                  \
+            for (int64_t p = 0; p < n; p++) m = sh[p] > m ? sh[p] : m;                                       \
+            for (int64_t p = 0; p < n; p++) { sh[p] = expf(sh[p] - m); sum += sh[p]; }                       \
+            const float inv = 1.0f / sum;                                                                    \
+            for (int64_t p = 0; p < n; p++) sh[p] *= inv;                                                    \
+        }                                                                                                    \
+        memset(acc, 0, sizeof(float) * (size_t)(num_heads * head_dim));                                     \
+        for (int64_t b = first / block_size; b * block_size < len; b++) {                                    \
+            const int64_t lo = b * block_size > first ? b * block_size : first;                              \
+            const int64_t hi = (b + 1) * block_size < len ? (b + 1) * block_size : len;                      \
+            const T *v = v_cache + ((int64_t)table[b] * block_size + lo - b * block_size) * row;            \
+            for (int64_t pos = lo; pos < hi; pos++, v += row) {                                              \
+                for (int64_t head = 0; head < num_heads; head++) {                                           \
+                    const float w = scores[head * n + pos - first];                                          \
+                    const T *vh = v + (head / group) * head_dim;                                             \
+                    float *ah = acc + head * head_dim;                                                       \
+                    for (int64_t d = 0; d < head_dim; d++) ah[d] += w * LOAD(vh[d]);                        \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        T *o = out + rows[i] * num_heads * head_dim;                                                         \
+        for (int64_t j = 0; j < num_heads * head_dim; j++) o[j] = STORE(acc[j]);                            \
     }                                                                                                        \
     free(scores);                                                                                            \
     return 0;                                                                                                \
