@@ -17,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -51,6 +52,7 @@ def load_c_library(source: Path, flags: Sequence[str], functions: Mapping[str, S
     key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + _machine().encode()).hexdigest()[:16]
     path = _cache_dir() / f"{source.stem}-{key}.so"
     if not path.exists():
+        started = time.perf_counter()
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             built = Path(tmp) / path.name
@@ -65,6 +67,7 @@ def load_c_library(source: Path, flags: Sequence[str], functions: Mapping[str, S
                             source.name, compiler, error)
                 return None
             os.replace(built, path)   # atomic: a concurrent compile leaves one whole file
+        log.info("compiled %s in %.2f s, once for this machine (%s)", source.name, time.perf_counter() - started, path)
     library = ctypes.CDLL(str(path))
     for name, argtypes in functions.items():
         getattr(library, name).argtypes = list(argtypes)
