@@ -36,7 +36,7 @@ from engine.sampling import Sampler, SamplerOutput, SamplingParams, SamplingRow,
 from engine.scheduler import (RequestTooLargeError, ScheduledSeq, Scheduler, SchedulerOutput, build_scheduler,
                               commit_step)
 from engine.sequence import FinishReason, Sequence, SequenceStatus
-from engine.stats import Laps
+from engine.stats import Laps, StepStats
 from engine.structured import GrammarCompiler, PendingGrammars
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import iter_weights, resolve_model, weights_bytes
@@ -48,25 +48,6 @@ log = logging.getLogger("cliffguard.engine")
 
 class RequestError(ValueError):
     """A request was refused at submission; the message names the offending field."""
-
-
-@dataclass
-class StepStats:
-    """What the last step did, for benchmarks and metrics."""
-
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_attended: int = 0                   # query-key pairs of the step's attention (the composer's feature)
-    num_keys_read: int = 0                  # context positions its sequences read (another of its features)
-    num_preempted: int = 0
-    seconds: float = 0.0
-    target_seconds: float | None = None     # the composer's latency target for the step
-    predicted_seconds: float | None = None  # the cost model's prediction (with its margin)
-    pressed: list[str] = field(default_factory=list)   # interactive pools that put throughput at its floor
-    pool_tokens: dict[str, int] = field(default_factory=dict)   # tokens each pool scheduled
-    # Host seconds of the step by phase: schedule (composer, block moves), inputs (the batch as tensors),
-    # forward (launching the model; on CUDA also waiting for it), sample, outputs (stop checks, text, reports).
-    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -128,3 +128,22 @@ class Laps:
     def __call__(self, name: str) -> None:
         now = time.perf_counter()
         self.into[name], self.mark = round(now - self.mark, 3), now
+
+
+@dataclass
+class StepStats:
+    """What the last step did, for benchmarks and metrics."""
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_attended: int = 0                   # query-key pairs of the step's attention (the composer's feature)
+    num_keys_read: int = 0                  # context positions its sequences read (another of its features)
+    num_preempted: int = 0
+    seconds: float = 0.0
+    target_seconds: float | None = None     # the composer's latency target for the step
+    predicted_seconds: float | None = None  # the cost model's prediction (with its margin)
+    pressed: list[str] = field(default_factory=list)   # interactive pools that put throughput at its floor
+    pool_tokens: dict[str, int] = field(default_factory=dict)   # tokens each pool scheduled
+    # Host seconds of the step by phase: schedule (composer, block moves), inputs (the batch as tensors),
+    # forward (launching the model; on CUDA also waiting for it), sample, outputs (stop checks, text, reports).
+    phases: dict[str, float] = field(default_factory=dict)

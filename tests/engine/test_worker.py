@@ -135,7 +135,7 @@ def test_step_trace_names_the_kernel_variants_a_step_compiled(tmp_path, monkeypa
     steps before and after carry none (the variants compiled before serving are the baseline)."""
     from types import SimpleNamespace
 
-    from engine.llm_engine import StepStats
+    from engine.stats import StepStats
     from engine.worker import _StepTrace
 
     compiled = {"attn: a"}
