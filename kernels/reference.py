@@ -231,14 +231,18 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
+def _flat_caches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+    """(num_heads, head_dim, num_kv_heads, group, k_flat, v_flat): the caches as [slots, kv_heads, d]."""
+    _, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    return (num_heads, head_dim, num_kv_heads, num_heads // num_kv_heads,
+            k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim))
+
+
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
     """`paged_attention` of the step's decode tokens (query length 1), written into their rows of `out`."""
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    num_heads, head_dim, num_kv_heads, group, k_flat, v_flat = _flat_caches(query, k_cache, v_cache)
     for rows, slots, allowed in _step_plan(meta, sliding_window)["decode"]:
         n, max_len = slots.shape
         # index_select, not advanced indexing: several times faster for row gathers on CPU
@@ -255,11 +259,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
     """`paged_attention` of the step's prefill chunks (query length > 1), written into their rows of `out`."""
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    num_heads, head_dim, num_kv_heads, group, k_flat, v_flat = _flat_caches(query, k_cache, v_cache)
     plan = _step_plan(meta, sliding_window)
     cpu_flash = bool(plan["prefill"]) and _use_cpu_flash(query)
     for chunk in plan["prefill"]:
