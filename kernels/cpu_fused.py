@@ -46,26 +46,25 @@ def supports(dtype: torch.dtype) -> bool:
     return dtype in _SUFFIX and load_library() is not None
 
 
+@functools.cache
 def _function(name: str, dtype: torch.dtype):
     return getattr(load_library(), f"{name}_{_SUFFIX[dtype]}")
 
 
-def _check_rows(*tensors: torch.Tensor) -> None:
-    for t in tensors:
-        assert t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1, (t.device, t.shape, t.stride())
-
-
 def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x, residual: [num_tokens, hidden_size], rows contiguous; weight: [hidden_size]
+    # x, residual: [num_tokens, hidden_size], each row contiguous (rows may be strided); weight: [hidden_size]
     num_tokens, size = x.shape
     out = torch.empty(num_tokens, size, dtype=x.dtype)
-    _check_rows(x, out, *(() if residual is None else (residual,)))
-    assert weight.shape == (size,) and weight.is_contiguous() and weight.dtype == x.dtype
-    if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype
-    _function("rms_norm", x.dtype)(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                                   out.data_ptr(), num_tokens, size, x.stride(0),
-                                   0 if residual is None else residual.stride(0), out.stride(0), eps)
+    assert x.stride(1) == 1 and weight.stride(0) == 1 and weight.shape[0] == size and weight.dtype == x.dtype, \
+        (x.shape, x.stride(), weight.shape, weight.dtype)
+    if residual is None:
+        _function("rms_norm", x.dtype)(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), num_tokens, size,
+                                       x.stride(0), 0, size, eps)
+        return out
+    assert residual.stride(1) == 1 and residual.shape == x.shape and residual.dtype == x.dtype, \
+        (residual.shape, residual.stride(), residual.dtype)
+    _function("rms_norm", x.dtype)(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), num_tokens,
+                                   size, x.stride(0), residual.stride(0), size, eps)
     return out
 
 
@@ -90,9 +89,8 @@ def rotary(query_key: torch.Tensor, rows: torch.Tensor) -> None:
     """Rotate q and k in place: query_key [num_tokens, num_heads, head_dim] (heads contiguous within a token;
     the q and k heads of the qkv projection's output), rows from `rotary_rows` (one call)."""
     num_tokens, num_heads, head_dim = query_key.shape
-    assert query_key.stride(2) == 1 and query_key.stride(1) == head_dim and query_key.device.type == "cpu", \
-        (query_key.shape, query_key.stride())
-    assert rows.shape == (num_tokens, head_dim) and rows.is_contiguous() and rows.dtype == query_key.dtype
+    assert query_key.stride(2) == 1 and query_key.stride(1) == head_dim and rows.dtype == query_key.dtype \
+        and rows.shape[0] == num_tokens and rows.stride(0) == head_dim, (query_key.stride(), rows.shape, rows.stride())
     _function("rotary", query_key.dtype)(query_key.data_ptr(), rows.data_ptr(), num_tokens, num_heads, head_dim,
                                          query_key.stride(0))
 
@@ -101,9 +99,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, 2 * size] (gate, then up) -> silu(gate) * up, a new [num_tokens, size] (one call)."""
     num_tokens, width = x.shape
     out = torch.empty(num_tokens, width // 2, dtype=x.dtype)
-    _check_rows(x, out)
-    _function("silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), num_tokens, width // 2, x.stride(0),
-                                       out.stride(0))
+    assert x.stride(1) == 1, x.stride()
+    _function("silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), num_tokens, width // 2, x.stride(0), width // 2)
     return out
 
 
@@ -113,17 +110,18 @@ def store_kv_rows(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     when the tensors are not laid out as it copies them. key, value: [num_tokens, num_kv_heads, head_dim]
     (tokens may be strided); k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; slots [num_tokens]."""
     library = load_library()
-    row = key.shape[1] * key.shape[2]
+    num_tokens, num_kv_heads, head_dim = key.shape
+    row = num_kv_heads * head_dim
     layout_ok = (library is not None and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
-                 and k_cache.is_contiguous() and v_cache.is_contiguous() and slots.dtype == torch.int64
-                 and slots.is_contiguous() and key.device.type == "cpu"
-                 and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
-                 and k_cache.shape[2] * k_cache.shape[3] == row and value.shape == key.shape)
+                 and key.stride(2) == 1 and key.stride(1) == head_dim and value.stride(2) == 1
+                 and value.stride(1) == head_dim and value.shape == key.shape and k_cache.is_contiguous()
+                 and v_cache.is_contiguous() and k_cache.shape[2] * k_cache.shape[3] == row
+                 and slots.dtype == torch.int64 and slots.is_contiguous())
     if not layout_ok:
         return False
     size = key.element_size()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     if library.store_kv(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-                        key.shape[0], num_slots, row * size, key.stride(0) * size, value.stride(0) * size):
+                        num_tokens, num_slots, row * size, key.stride(0) * size, value.stride(0) * size):
         raise IndexError(f"store_kv: a slot past the cache's {num_slots} slots")
     return True
