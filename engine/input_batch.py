@@ -56,9 +56,6 @@ class InputBatch:
         """Rows held by running sequences."""
         return len(self._row_of)
 
-    def has_row(self, seq_id: int) -> bool:
-        return seq_id in self._row_of
-
     # --- rank 0: rows for the step's sequences ---------------------------------------------------
     def assign(self, seqs: Iterable[tuple[int, Sequence[int]]]) -> tuple[list[int], list[RowUpdate]]:
         """(seq_id, block table) of each scheduled sequence, in step order -> each one's row, and the
@@ -104,11 +101,11 @@ class InputBatch:
         """Write the updates into the rows: on the host copy, then one copy of the changed rows to the device."""
         if not updates:
             return
+        num_rows, num_blocks = self.block_tables.shape
         width = max(u.start + len(u.block_ids) for u in updates)
         top = max(u.row for u in updates)
-        if width > self.block_tables.shape[1] or top >= self.block_tables.shape[0]:   # followers grow here too
-            self._grow(rows=max(top + 1, self.block_tables.shape[0]) if top >= self.block_tables.shape[0] else None,
-                       blocks=max(width, 2 * self.block_tables.shape[1]) if width > self.block_tables.shape[1] else None)
+        if width > num_blocks or top >= num_rows:   # a follower learns of new rows here
+            self._grow(rows=max(top + 1, num_rows), blocks=max(width, 2 * num_blocks) if width > num_blocks else None)
         for u in updates:
             self._host[u.row, u.start:u.start + len(u.block_ids)] = torch.tensor(u.block_ids, dtype=torch.int32)
         if not self.on_host:
