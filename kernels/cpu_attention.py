@@ -33,7 +33,7 @@ from kernels.reference import store_kv as reference_store_kv
 __all__ = ["paged_attention", "store_kv", "load_library"]
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-ffast-math")
 _FUNCTIONS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P] * 8 + [_I64] * 7 + [ctypes.c_float, _I64]

@@ -41,27 +41,40 @@ def _machine() -> str:
     return platform.machine() + "\n" + "\n".join(sorted(set(lines)))
 
 
+def _compile(compiler: str, source: Path, flags: Sequence[str], built: Path) -> str | None:
+    """Compile `source` with `flags` into an object, then link it alone into the shared library `built`;
+    the error text, or None. Linked apart on purpose: a link given -ffast-math adds crtfastmath.o, whose
+    constructor turns on flush-to-zero and denormals-are-zero for the whole process that loads the
+    library (every float in it, Python's own included: 5e-324 > 0.0 became False)."""
+    steps = ([compiler, *flags, "-fPIC", "-c", "-o", str(built.with_suffix(".o")), str(source)],
+             [compiler, "-shared", "-o", str(built), str(built.with_suffix(".o")), "-lm"])
+    for step in steps:
+        try:
+            result = subprocess.run(step, capture_output=True, text=True)
+        except OSError as exc:
+            return str(exc)
+        if result.returncode != 0:
+            return result.stderr[-2000:]
+    return None
+
+
 def load_c_library(source: Path, flags: Sequence[str], functions: Mapping[str, Sequence[type]]
                    ) -> ctypes.CDLL | None:
     """`source` compiled with `flags` (built now if this machine has no copy), each of `functions` given
-    its argument types (int return); None without a compiler."""
+    its argument types (int return); None without a compiler. The cache key covers how it is built."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.info("no C compiler: %s's callers take their torch path", source.name)
         return None
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + _machine().encode()).hexdigest()[:16]
+    recipe = " ".join(flags) + " | -fPIC -c, then -shared -lm alone"
+    key = hashlib.sha256(source.read_bytes() + recipe.encode() + _machine().encode()).hexdigest()[:16]
     path = _cache_dir() / f"{source.stem}-{key}.so"
     if not path.exists():
         started = time.perf_counter()
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             built = Path(tmp) / path.name
-            try:
-                result = subprocess.run([compiler, *flags, "-o", str(built), str(source), "-lm"],
-                                        capture_output=True, text=True)
-                error = result.stderr[-2000:] if result.returncode != 0 else None
-            except OSError as exc:
-                error = str(exc)
+            error = _compile(compiler, source, flags, built)
             if error is not None:
                 log.warning("compiling %s failed (%s): its callers take their torch path\n%s",
                             source.name, compiler, error)

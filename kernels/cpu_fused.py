@@ -23,7 +23,7 @@ from kernels.cpu_build import load_c_library
 __all__ = ["add_rms_norm", "load_library", "rms_norm", "rotary", "rotary_rows", "silu_and_mul", "supports"]
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off")
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _ARGTYPES = {

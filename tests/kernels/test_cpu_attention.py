@@ -138,3 +138,18 @@ def test_the_cpu_device_gets_this_backend(monkeypatch):
     monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "cpu")
     with pytest.raises(ValueError, match="CLIFFGUARD_ATTENTION_BACKEND=cpu"):
         kernels.get_backend("meta")
+
+
+def test_loading_the_c_kernels_leaves_the_process_floats_alone():
+    """A library linked with -ffast-math would turn on flush-to-zero and denormals-are-zero for the whole
+    process that loads it (Python's floats included: `5e-324 > 0.0` became False, and every `gt=0` check
+    of the configs passed a zero). The kernels are compiled with their flags and linked without them."""
+    import subprocess
+    import sys
+
+    code = ("from kernels import cpu_attention, cpu_fused\n"
+            "assert cpu_attention.load_library() is not None and cpu_fused.load_library() is not None\n"
+            "tiny = 5e-324\n"
+            "assert tiny > 0.0 and tiny * 1.0 > 0.0, 'denormals flushed'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
