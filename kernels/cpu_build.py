@@ -71,15 +71,18 @@ def load_c_library(source: Path, flags: Sequence[str], functions: Mapping[str, S
     path = _cache_dir() / f"{source.stem}-{key}.so"
     if not path.exists():
         started = time.perf_counter()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            built = Path(tmp) / path.name
-            error = _compile(compiler, source, flags, built)
-            if error is not None:
-                log.warning("compiling %s failed (%s): its callers take their torch path\n%s",
-                            source.name, compiler, error)
-                return None
-            os.replace(built, path)   # atomic: a concurrent compile leaves one whole file
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                built = Path(tmp) / path.name
+                error = _compile(compiler, source, flags, built)
+                if error is None:
+                    os.replace(built, path)   # atomic: a concurrent compile leaves one whole file
+        except OSError as exc:   # a cache folder that cannot be written
+            error = f"{path.parent}: {exc}"
+        if error is not None:
+            log.warning("compiling %s failed (%s): its callers take their torch path\n%s", source.name, compiler, error)
+            return None
         log.info("compiled %s in %.2f s, once for this machine (%s)", source.name, time.perf_counter() - started, path)
     library = ctypes.CDLL(str(path))
     for name, argtypes in functions.items():

@@ -126,6 +126,11 @@ def test_the_compiled_kernel_is_cached_by_its_source(tmp_path, monkeypatch):
         cpu_attention.load_library.cache_clear()
         monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "empty"))
         assert cpu_attention.load_library() is None   # nothing cached, and the compiler fails
+        cpu_attention.load_library.cache_clear()
+        monkeypatch.delenv("CC")
+        (tmp_path / "a-file").write_text("")
+        monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "a-file" / "kernels"))
+        assert cpu_attention.load_library() is None   # a cache folder that cannot be made: the torch path
     finally:
         cpu_attention.load_library.cache_clear()
 
