@@ -68,4 +68,5 @@ def test_the_engine_reports_where_its_load_went(tmp_path, builtin_path):
     engine = LLMEngine(config, progress=False)
     assert list(engine.load_phases) == ["weights", "kv", "kernels", "schedulers", "warm-up", "slo"]
     assert all(s >= 0 for s in engine.load_phases.values())
-    assert sum(engine.load_phases.values()) <= engine.load_seconds
+    # each phase is rounded to the millisecond (`engine.stats.Laps`): their sum may pass the total by as much
+    assert sum(engine.load_phases.values()) <= engine.load_seconds + 0.0005 * len(engine.load_phases)
