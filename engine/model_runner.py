@@ -109,12 +109,8 @@ class ModelRunner(_Forward):
                                                               for item in batch)
         for item in batch:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            if n == 1:
-                plan.input_ids.append(seq.token_ids[start])
-                plan.positions.append(start)
-            else:
-                plan.input_ids.extend(seq.token_ids[start:start + n])
-                plan.positions.extend(range(start, start + n))
+            plan.input_ids.extend(seq.token_ids[start:start + n])
+            plan.positions.extend(range(start, start + n))
             plan.query_lens.append(n)
             plan.seq_lens.append(start + n)
             if start + n == seq.num_tokens:  # reached the end: sample the next token

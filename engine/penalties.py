@@ -87,15 +87,16 @@ class PenaltyCounts:
         self._free.extend(range(new - 1, old - 1, -1))
 
 
-def adjust_logits(logits: torch.Tensor, sub: Sequence, idx: list[int],
-                   penalties: PenaltyCounts | None, penalty_rows: torch.Tensor | None) -> None:
+def adjust_logits(logits: torch.Tensor, rows: Sequence, idx: list[int],
+                  penalties: PenaltyCounts | None, penalty_rows: torch.Tensor | None) -> None:
     """Rows `idx` of logits, in place: + logit_bias, then the repetition, frequency and presence penalties
-    of the rows that set one, read from their `penalty_rows` of `penalties` (in idx order). `sub`: the
-    sampling rows of idx."""
+    of the rows that set one, read from their `penalty_rows` of `penalties` (in idx order). `rows`: the
+    step's sampling rows (`engine.sampling.SamplingRow`s)."""
     # logits: [num_rows, vocab] float32
     device, vocab_size = logits.device, logits.shape[1]
     idx_t = torch.tensor(idx, device=device)
     x = logits[idx_t]                                           # [num_adjusted, vocab], a copy
+    sub = [rows[i] for i in idx]
     if any(row.params.logit_bias for row in sub):
         row_ids, token_ids, values = [], [], []
         for j, row in enumerate(sub):

@@ -385,7 +385,7 @@ class Sampler:
                 self.penalties = PenaltyCounts(vocab_size, device)
             penalty_rows, temporary = self.penalties.rows([rows[i] for i in penalty_idx])
         if adjust_idx:
-            adjust_logits(x, [rows[i] for i in adjust_idx], adjust_idx, self.penalties, penalty_rows)
+            adjust_logits(x, rows, adjust_idx, self.penalties, penalty_rows)
 
         token_ids = self._choose(x, rows, greedy_idx, random_idx)   # [num_rows]
         if penalty_idx:

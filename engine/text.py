@@ -21,11 +21,6 @@ class OutputText:
     def __str__(self) -> str:
         return self.slice(0, self._len)
 
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, OutputText):
-            other = str(other)
-        return str(self) == other if isinstance(other, str) else NotImplemented
-
     def __iadd__(self, text: str) -> "OutputText":
         if text:
             self._parts.append(text)
