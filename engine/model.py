@@ -129,6 +129,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, shard.vocab_rows, bias=False)
+        self._flat: tuple[object, object] | None = None   # (backend, its engine.cpu_forward.CpuForward or None)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> [num_tokens, hidden_size]; vocab-parallel: each rank looks up the ids in its
@@ -143,12 +144,30 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
                 backend) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size].
+
+        On the CPU backend the layers run as `engine.cpu_forward.CpuForward`'s flat loop (the same ops
+        without the module calls); elsewhere through the modules."""
+        if self._flat is None or self._flat[0] is not backend:
+            from engine.cpu_forward import CpuForward
+
+            self._flat = (backend, CpuForward.build(self, backend))
+        if self._flat[1] is not None:
+            return self._flat[1](input_ids, positions, kv_caches, meta)
         hidden, residual = self.embed(input_ids), None
         rope_rows = self.rotary_emb.rows(positions)    # the step's cos/sin, for every layer
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, rope_rows, kv_cache, meta, backend)
         return self.norm(hidden, residual)[0]
+
+    @property
+    def flat_forward(self):
+        """The `engine.cpu_forward.CpuForward` the last forward ran, or None (the module path, or none yet)."""
+        return None if self._flat is None else self._flat[1]
+
+    def layers_changed(self) -> None:
+        """A layer's module was swapped (`kernels.cpu_linear.pack_linears`): the flat forward is rebuilt."""
+        self._flat = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden_size] -> logits [num_rows, vocab_size] in float32.

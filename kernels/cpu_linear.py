@@ -103,4 +103,6 @@ def pack_linears(model: nn.Module, min_elements: int | None = None) -> int:
             and model.embed_tokens.weight.numel() >= min_elements):
         model.lm_head = PackedLinear(model.embed_tokens.weight, None)
         swapped += 1
+    if swapped and hasattr(model, "layers_changed"):
+        model.layers_changed()
     return swapped
