@@ -375,6 +375,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1   # ranks of the device (engine.parallel); rank 0 is the worker process
     gpu_ids: tuple[int, ...] = ()   # CUDA: each rank's GPU index (empty: the device's index + rank)
     cpu_threads: int = 0            # torch threads of each rank (0: torch's default)
+    enforce_eager: bool = False     # CUDA: no decode graphs (engine.cuda_graphs); every step launched eagerly
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -385,6 +386,8 @@ class EngineConfig:
         if self.gpu_ids and (len(self.gpu_ids) != tp or len(set(self.gpu_ids)) != tp
                              or any(not isinstance(i, int) or i < 0 for i in self.gpu_ids)):
             raise ConfigError(f"gpu_ids: must be {tp} distinct GPU indices (one per rank), got {list(self.gpu_ids)}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager: must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
             raise ConfigError(f"cpu_threads: must be an integer >= 0, got {self.cpu_threads!r}")
         names = [p.name for p in self.pools]

@@ -28,6 +28,7 @@ from engine.config import (CacheConfig, ConfigError, EngineConfig, LatencySLO, M
                            SchedulerConfig)
 from engine.forks import SampleForks
 from engine.kv_cache import KVCache, SwapSpace, check_fits_device
+from engine.cuda_graphs import MAX_GRAPH_BATCH
 from engine.model import build_model
 from engine.model_runner import ModelRunner, follower_main
 from engine.parallel import ShardShape, TensorParallelGroup
@@ -119,6 +120,10 @@ class LLMEngine:
                                   max_blocks=-(-max_len // config.cache.block_size))
         self.runner.compile_kernels()
         lap("kernels")
+        if self._use_graphs():
+            self.runner.capture_graphs(min(sum(p.scheduler.max_num_seqs for p in config.pools), MAX_GRAPH_BATCH),
+                                       max_len)
+            lap("graphs")
         self.schedulers: dict[str, Scheduler] = {}
         self.swap_spaces = self.runner.swap_spaces
         self._swap_bandwidth: float | None = None   # one device, one measurement shared by its pools
@@ -144,6 +149,14 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.last_step = StepStats()
+
+    def _use_graphs(self) -> bool:
+        """Decode steps as CUDA graph replays: on CUDA with the Triton kernels (the graph-safe ones), one
+        rank, unless the device says `enforce_eager`."""
+        import sys
+
+        return (self.device.type == "cuda" and not self.config.enforce_eager and self.shard.size == 1
+                and self.runner.backend is sys.modules.get("kernels.triton_attention"))
 
     def _derive_slos(self) -> dict[str, tuple[LatencySLO, float, int, int]]:
         """Pools under isolation by default get their SLO from this device's measured step

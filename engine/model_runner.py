@@ -16,6 +16,7 @@ import time
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
 from engine.input_batch import InputBatch
 from engine.kv_cache import KVCache, SwapSpace
 from engine.model import LlamaForCausalLM, build_model
@@ -39,6 +40,7 @@ class _Forward:
     tensor_parallel: bool
     input_batch: InputBatch
     last_inputs_seconds: float = 0.0   # host seconds the last `run` spent making its inputs
+    graphs: DecodeGraphs | None = None   # decode steps as CUDA graph replays (`capture_graphs`)
 
     def _grad_mode(self):
         # gloo collectives need autograd's bookkeeping off the tensors, not inference tensors
@@ -57,7 +59,10 @@ class _Forward:
             input_ids, positions, meta = self.input_batch.prepare(plan.input_ids, plan.positions, plan.rows,
                                                                   plan.query_lens, plan.seq_lens)
             self.last_inputs_seconds = time.perf_counter() - started
-            hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
+            if self.graphs is not None and self.graphs.can_run(plan.query_lens):
+                hidden = self.graphs.run(input_ids, positions, meta)
+            else:
+                hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
             if not plan.sample_rows:
                 return None
             rows = torch.tensor(plan.sample_rows, dtype=torch.int64, device=device)
@@ -74,6 +79,17 @@ class _Forward:
         count = compile_kernels(attn.num_heads, attn.num_kv_heads, attn.config.head_dim, self.kv_cache.block_size,
                                 self.kv_cache.dtype, self.device, attn.config.sliding_window)
         log.info("compiled %d attention kernel variants in %.1fs", count, time.perf_counter() - started)
+
+    def capture_graphs(self, max_batch: int, max_model_len: int, graphs: GraphBackend | None = None) -> None:
+        """Capture the decode forward for every padded batch size up to `max_batch` (`engine.cuda_graphs`);
+        from then on decode-only steps replay them. `graphs`: how (default: CUDA graphs on this device)."""
+        with self._grad_mode():
+            self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.backend, self.device, max_batch,
+                                       max_model_len, self.kv_cache.block_size,
+                                       graphs or CudaGraphBackend(self.device))
+            self.graphs.capture()
+        log.info("captured %d decode graphs (batch 1 to %d) in %.1fs, %.0f MiB", len(self.graphs.sizes),
+                 self.graphs.max_batch, self.graphs.capture_seconds, self.graphs.memory_bytes / 2**20)
 
     def _apply_move(self, kind: str, pool: str, pairs: list[tuple[int, int]]) -> None:
         if kind == "swap_out":

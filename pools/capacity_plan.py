@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 import engine.capacity as formula
+from engine.cuda_graphs import MAX_GRAPH_BATCH, graph_memory_bytes
 from engine.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, ceil_div, dtype_name,
                            parse_dtype)
 from engine.parallel import ShardShape
@@ -54,12 +55,13 @@ class DevicePlan:
     weights_bytes_per_device: int    # weights / T
     kv_bytes_per_token: int          # S_KV, whole model
     kv_bytes_per_token_per_device: int  # S_KV / T (KV heads split; replicated when T > num_kv_heads)
-    kv_space_bytes_per_device: int   # memory_utilization x memory - weights / T: what its pools share
+    kv_space_bytes_per_device: int   # memory_utilization x memory - weights / T - graphs: what its pools share
     block_size: int
     pools: tuple[str, ...]
     replicas: int = 1                # replica slots: the max of an autoscaled device
     min_replicas: int | None = None  # autoscaled: the fewest up (None: fixed, all `replicas` up)
     placement: str = "local"         # local | ray (DeviceSpec.placement)
+    graph_bytes_per_device: int = 0  # set aside for the decode CUDA graphs (engine.cuda_graphs); 0: none
 
     @property
     def autoscaled(self) -> bool:
@@ -254,7 +256,8 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         weights = model.num_params() * dtype.itemsize
         weights_dev = ceil_div(weights, tp)
         usable = formula.usable_bytes(memory, dev.memory_utilization)
-        kv_dev = formula.kv_cache_bytes(memory, weights_dev, dev.memory_utilization)
+        graphs_dev = _graph_reserve(model, dev, device_type, tp, dtype)
+        kv_dev = formula.kv_cache_bytes(memory, weights_dev, dev.memory_utilization) - graphs_dev
         if kv_dev <= 0:
             where = f" ({source})" if source != "config" else ""
             raise SpecError(
@@ -276,10 +279,21 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
             weights_bytes=weights, weights_bytes_per_device=weights_dev, kv_bytes_per_token=s_kv,
             kv_bytes_per_token_per_device=s_kv_dev, kv_space_bytes_per_device=kv_dev,
             block_size=p0.block_size, pools=tuple(p.name for _, p in members), replicas=dev.replicas,
-            min_replicas=dev.min_replicas, placement=dev.placement)
+            min_replicas=dev.min_replicas, placement=dev.placement, graph_bytes_per_device=graphs_dev)
     upstream = tuple(p.name for p in config.pools if p.is_upstream)
     return CapacityPlan(devices=devices, pools=pools, upstream_pools=upstream,
                         warnings=tuple(warnings))
+
+
+def _graph_reserve(model: ModelConfig, dev: DeviceSpec, device_type: str, tp: int, dtype: torch.dtype) -> int:
+    """Bytes per GPU set aside for the decode graphs: where the engine captures them (CUDA, one rank, not
+    `enforce_eager`), for the largest batch it captures (`MAX_GRAPH_BATCH`: the pools' sizes come from
+    what is left, so the plan takes the cap)."""
+    if device_type != "cuda" or dev.enforce_eager or tp != 1:
+        return 0
+    return graph_memory_bytes(model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim,
+                              model.intermediate_size, model.num_heads, model.head_dim, MAX_GRAPH_BATCH,
+                              dtype.itemsize)
 
 
 def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int, kv_dev: int, tp: int,
@@ -364,7 +378,7 @@ def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict
         template = EngineConfig(model=dplan.model, device=device, dtype=dplan.dtype,
                                 cache=CacheConfig(block_size=dplan.block_size), pools=tuple(pool_configs),
                                 memory_utilization=dplan.memory_utilization,
-                                tensor_parallel_size=dplan.tensor_parallel_size)
+                                tensor_parallel_size=dplan.tensor_parallel_size, enforce_eager=dev.enforce_eager)
         result[dplan.name] = [_replica_config(template, dev, r, key) for r in range(dev.replicas)]
     return result
 

@@ -71,6 +71,7 @@ class DeviceSpec(Spec):
     replicas: Count = 1                  # replica slots (autoscaled: the max), each serving every pool of the device
     gpus: Annotated[tuple[GpuIndex, ...], msgspec.Meta(min_length=1)] | None = None   # CUDA: the ranks' GPUs
     cpu_threads: Count | None = None     # CPU: torch threads of each rank (None: the cores shared out)
+    enforce_eager: bool = False          # CUDA: no decode graphs (their memory is then not set aside)
     min_replicas: Count | None = None    # autoscaled: the replicas always up (None: fixed, all `replicas` up)
     scale_up_wait_seconds: Seconds = DEFAULT_SCALE_UP_WAIT_SECONDS      # autoscaled: waited for credits this long: +1
     scale_down_idle_seconds: Seconds = DEFAULT_SCALE_DOWN_IDLE_SECONDS  # autoscaled: a replica idle this long: -1

@@ -283,3 +283,23 @@ def test_plan_single_pool_is_the_yaml_planner(builtin_path):
         plan_single_pool(str(builtin_path), device="cpu", kv_cache_bytes=64 << 20)
     with pytest.raises(SpecError, match=r"block_size: must be one of 8, 16, 32, got 12"):
         plan_single_pool(str(builtin_path), device="cpu", kv_cache_bytes=64 << 20, block_size=12)
+
+
+def test_a_single_gpu_sets_aside_the_decode_graphs_memory_unless_enforce_eager():
+    from engine.cuda_graphs import MAX_GRAPH_BATCH, graph_memory_bytes
+
+    model = _llama70b(num_hidden_layers=4, hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
+                      num_key_value_heads=4, vocab_size=1000)
+    plans = {}
+    for eager in (False, True):
+        data = _small_config()
+        data["devices"]["default"] = {"device": "cuda", "memory": "8GiB", "enforce_eager": eager}
+        config = parse_config(data, env={})
+        plans[eager] = plan_capacity(config, {"builtin:smollm2-135m-instruct": model}).devices["default"]
+    reserve = graph_memory_bytes(1024, 1024, 256, 2816, 16, 64, MAX_GRAPH_BATCH, 2)
+    assert plans[False].graph_bytes_per_device == reserve and plans[True].graph_bytes_per_device == 0
+    assert plans[True].kv_space_bytes_per_device - plans[False].kv_space_bytes_per_device == reserve
+    assert plans[False].kv_space_bytes_per_device == int(0.9 * 8 * GiB) - model.num_params() * 2 - reserve
+    data["devices"]["default"]["enforce_eager"] = "yes"
+    with pytest.raises(SpecError, match="enforce_eager"):
+        parse_config(data, env={})

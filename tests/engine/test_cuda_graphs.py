@@ -1,0 +1,145 @@
+"""Decode steps replayed from captured graphs (`engine.cuda_graphs`) give the tokens eager steps give.
+
+No GPU here: `tests.engine.graph_recorder.RecordingGraphBackend` captures what a CUDA graph captures
+(every launch with its arguments frozen) and replays only that, on the Triton kernels through the
+interpreter. The engine's greedy output with graphs equals its output without; a replay equals the
+eager forward and writes only the step's slots; the torch reference, which is not graph-safe, is caught
+by the same recorder; the sizes and what the plan sets aside.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig  # noqa: E402
+from engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_memory_bytes  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from kernels import AttentionMetadata  # noqa: E402
+from tests.conftest import assert_all_free, make_tiny_model  # noqa: E402
+from tests.engine.graph_recorder import GraphUnsafeError, RecordingGraphBackend  # noqa: E402
+
+MAX_SEQS = 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, builtin_path):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-graphs"), "llama", builtin_path)
+
+
+def _engine(path, monkeypatch, backend: str = "triton", num_blocks: int = 24) -> LLMEngine:
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
+    config = EngineConfig(model=str(path), cache=CacheConfig(block_size=8),
+                          pools=(PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(
+                              max_num_seqs=MAX_SEQS, max_num_batched_tokens=32, max_model_len=128)),))
+    return LLMEngine(config, progress=False)
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(4) == [1, 2, 4]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(256)[-3:] == [240, 248, 256] and len(capture_sizes(256)) == 35
+
+
+def test_greedy_tokens_are_the_same_with_graphs_and_without(tiny, monkeypatch):
+    """Four requests of different lengths decode together, finish at different steps (batches of 4,
+    3, 2 and 1 replay the graphs of 4, 4, 2 and 1, padded rows included); one pool of 24 blocks of 8
+    forces preemption and recompute (eager prefill between replays)."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 17, 30, 41)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 20, 11, 30)]
+    results = {}
+    for graphs in (False, True):
+        engine = _engine(tiny, monkeypatch, num_blocks=14)
+        if graphs:
+            recorder = RecordingGraphBackend()
+            engine.runner.capture_graphs(MAX_SEQS, 128, recorder)
+            assert recorder.captures == 3 and engine.runner.graphs.sizes == [1, 2, 4]
+        outs = engine.generate(prompts, params)
+        results[graphs] = [out.outputs[0].token_ids for out in outs]
+        assert_all_free(engine)
+        if graphs:
+            assert recorder.replays > 20    # most steps were decode-only replays
+            assert engine.schedulers["default"].stats.num_preemptions > 0
+    assert results[True] == results[False]
+
+
+def _direct(tiny, monkeypatch, backend: str):
+    """A DecodeGraphs over the engine's model, fed by hand: (graphs, engine)."""
+    engine = _engine(tiny, monkeypatch, backend)
+    graphs = DecodeGraphs(engine.model, engine.kv_cache.layers, engine.runner.backend, engine.device, MAX_SEQS,
+                          128, 8, RecordingGraphBackend())
+    with torch.inference_mode():
+        graphs.capture()
+    return graphs, engine
+
+
+def _decode_step(seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    tables = [list(range(3 * i, 3 * i + 3)) for i in range(len(seq_lens))]
+    meta = AttentionMetadata.build(tables, [1] * len(seq_lens), seq_lens, 8)
+    ids = torch.tensor([11 + i for i in range(len(seq_lens))])
+    return ids, torch.tensor([s - 1 for s in seq_lens]), meta
+
+
+def test_a_replay_equals_the_eager_forward_and_padded_rows_store_nothing(tiny, monkeypatch):
+    graphs, engine = _direct(tiny, monkeypatch, "triton")
+    caches = engine.kv_cache.layers
+    gen = torch.Generator().manual_seed(0)
+    for k, v in caches:
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+    with torch.inference_mode():
+        for seq_lens in ([20, 9, 17], [5], [24, 2]):          # padded to 4, 1, 2
+            ids, positions, meta = _decode_step(seq_lens)
+            before = [(k.clone(), v.clone()) for k, v in caches]
+            replayed = graphs.run(ids, positions, meta).clone()
+            after = [(k.clone(), v.clone()) for k, v in caches]
+            for (k, v), (k0, v0) in zip(caches, before):          # the eager forward writes the same K/V again
+                k.copy_(k0)
+                v.copy_(v0)
+            eager = engine.model(ids, positions, caches, _decode_step(seq_lens)[2], engine.runner.backend)
+            torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+            written = meta.slot_mapping          # the step's own slots; a padded row's -1 stores nothing
+            for (k, v), (k0, v0), (k1, v1) in zip(caches, before, after):
+                for eager_cache, old, replay_cache in ((k, k0, k1), (v, v0, v1)):
+                    flat_old, flat_replay = old.flatten(0, 1).clone(), replay_cache.flatten(0, 1).clone()
+                    torch.testing.assert_close(flat_replay[written], eager_cache.flatten(0, 1)[written],
+                                               rtol=1e-5, atol=1e-5)
+                    flat_old[written] = flat_replay[written] = 0
+                    assert torch.equal(flat_replay, flat_old), "the replay wrote slots outside the step's"
+
+
+def test_the_recorder_catches_what_a_graph_cannot_replay(tiny, monkeypatch):
+    """The torch reference is not graph-safe: its K/V store drops the padded rows by a boolean mask (an
+    output whose shape depends on the slots) and its decode gathers K/V by indices built from
+    `seq_lens_list`. The recorder refuses the replay, as a CUDA capture would refuse the mask's sync."""
+    graphs, engine = _direct(tiny, monkeypatch, "torch")
+    with torch.inference_mode(), pytest.raises(GraphUnsafeError, match="depends on the data"):
+        graphs.run(*_decode_step([20, 9, 17, 23]))
+
+
+def test_prefill_and_mixed_steps_stay_eager():
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs._graphs, graphs.max_batch = {1: None}, 8
+    assert graphs.can_run([1, 1, 1])
+    assert not graphs.can_run([1, 5])            # a chunk in the step
+    assert not graphs.can_run([1] * 9)           # more than the largest graph
+    assert not graphs.can_run([])
+
+
+def test_graph_memory_is_the_largest_batch_activations_and_a_workspace():
+    small = graph_memory_bytes(4096, 4096, 1024, 14336, 32, 128, 1, 2)
+    large = graph_memory_bytes(4096, 4096, 1024, 14336, 32, 128, 256, 2)
+    assert small > 64 << 20 and large - (64 << 20) == 256 * (small - (64 << 20))
+    assert large < 1 << 30   # an 8B at 256 sequences: ~120 MiB, a rounding error of a GPU's memory
