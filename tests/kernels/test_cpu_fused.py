@@ -36,7 +36,7 @@ def _assert_close(got, want, dtype, where):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens,size", [(1, 64), (7, 576), (33, 96)])
+@pytest.mark.parametrize("num_tokens,size", [(1, 64), (7, 576), (33, 96), (5, 1000), (3, 37)])
 def test_norms_match_torch(dtype, num_tokens, size):
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
@@ -54,7 +54,21 @@ def test_norms_match_torch(dtype, num_tokens, size):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (2, 1, 128)])
+def test_norm_in_place(dtype):
+    """The C contract (what the launcher never asks for): out may be x."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    x = _randn(9, 200, gen=gen, dtype=dtype)
+    weight = (1 + 0.1 * torch.randn(200, generator=gen)).to(dtype)
+    want = cpu_fused.rms_norm(x, weight, 1e-5)
+    norm = cpu_fused._function("rms_norm", dtype)
+    norm(x.data_ptr(), None, weight.data_ptr(), x.data_ptr(), 9, 200, 200, 0, 200, 1e-5)
+    assert torch.equal(x, want), f"seed={seed} {dtype}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
+                         [(4, 2, 16), (9, 3, 64), (2, 1, 128), (3, 1, 32), (2, 2, 48), (3, 1, 20)])
 def test_rotary_matches_torch(dtype, num_heads, num_kv_heads, head_dim):
     """q and k rotated in place inside a fused qkv row (v and everything else left alone)."""
     seed = _seed()
@@ -74,11 +88,38 @@ def test_rotary_matches_torch(dtype, num_heads, num_kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_matches_torch(dtype):
+@pytest.mark.parametrize("num_tokens,size,scale", [(13, 160, 2), (1, 1536, 2), (64, 1000, 2), (5, 1531, 40)])
+def test_silu_and_mul_matches_torch(dtype, num_tokens, size, scale):
+    """Rows strided (a slice of a wider tensor); sizes not a multiple of the vector width; scale 40 reaches
+    exp's overflow and underflow on both sides."""
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
-    x = _randn(13, 2 * 160, gen=gen, dtype=dtype)
-    _assert_close(cpu_fused.silu_and_mul(x), fused.silu_and_mul(x), dtype, f"seed={seed} {dtype}")
+    wide = (torch.randn(num_tokens, 2 * size + 24, generator=gen) * scale).to(dtype)
+    x = wide[:, :2 * size]
+    where = f"seed={seed} {dtype} {num_tokens}x{size} scale={scale}"
+    _assert_close(cpu_fused.silu_and_mul(x), fused.silu_and_mul(x), dtype, where)
+
+
+SILU_EXTREMES = [-100.0, -89.0, -88.7, -88.0, -87.5, -86.0, -20.0, -1.0, -0.0, 0.0, 1.0, 20.0, 86.0, 88.0, 88.7,
+                 100.0, 3e38, -3e38, float("inf"), float("-inf"), float("nan"), 1e-30, -1e-30, 1e-38, 1e-40, -1e-40,
+                 1e-45, -1e-45]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_at_the_extremes(dtype):
+    """Overflow and underflow of exp, infinities, NaN, signed zeros and subnormals, as torch gives them
+    (NaN where torch's is NaN: silu(-inf) is -inf / inf), each gate with several ups."""
+    gate = torch.tensor(SILU_EXTREMES).to(dtype)
+    ups = torch.tensor([1.0, -2.0, 0.5, 3.0]).to(dtype)
+    gates, up = gate.repeat(len(ups)), ups.repeat_interleave(len(gate))
+    moved = torch.arange(len(up)).roll(5)   # the second row: each pair in another vector lane
+    x = torch.stack((torch.cat((gates, up)), torch.cat((gates[moved], up[moved]))))
+    got, want = cpu_fused.silu_and_mul(x), fused.silu_and_mul(x)
+    # relative only: silu(-88) is 5e-37, and a result flushed to zero is wrong
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=TOLERANCES[dtype][1], equal_nan=True)
+    zeros = want == 0
+    assert torch.equal(got[zeros].signbit(), want[zeros].signbit()), "the sign of a zero differs"
+    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got.isnan(), want.isnan())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
