@@ -35,7 +35,7 @@ from engine.parallel import ShardShape, TensorParallelGroup
 from engine.outputs import RequestOutput, RequestState
 from engine.sampling import Sampler, SamplerOutput, SamplingParams, SamplingRow, make_generator
 from engine.scheduler import (RequestTooLargeError, ScheduledSeq, Scheduler, SchedulerOutput, build_scheduler,
-                              commit_step)
+                              commit_step, observe_step_time)
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.stats import Laps, StepStats
 from engine.structured import GrammarCompiler, PendingGrammars
@@ -389,20 +389,24 @@ class LLMEngine:
             return _ExecutedStep()
         forward_started = time.perf_counter()
         logits, sampled = self.runner.execute(scheduled.batch)
-        self.runner.synchronize()   # the step's time is the device's, not its launch's
-        sampling_started = time.perf_counter()
-        commit_step(self.schedulers, scheduled.batch, scheduled.stats.num_prefill_tokens,
-                    scheduled.stats.num_decode_tokens, sampling_started - forward_started)
+        # Launched: on CUDA the device runs the forward pass while the host does the step's bookkeeping,
+        # the forks and the sampling rows, and queues the sampling kernels behind it.
+        launched = time.perf_counter()
+        stats = scheduled.stats
+        commit_step(self.schedulers, scheduled.batch, stats.num_prefill_tokens, stats.num_decode_tokens, None)
         logits, sampled = self._forks.fork(logits, sampled)
         tokens = None
         if sampled:
             rows = [SamplingRow(s.params, s.generator, s.num_output_tokens, self.eos_token_ids, s.token_ids,
                                 s.grammar, s.seq_id) for s in sampled]
-            tokens = self.sampler(logits, rows)
-        phases = scheduled.stats.phases
+            tokens = self.sampler(logits, rows)   # its tokens reach the host when the device is done
+        self.runner.synchronize()   # the step's time is the device's, not its launch's (nothing sampled)
+        done = time.perf_counter()
+        observe_step_time(self.schedulers, stats.num_prefill_tokens, stats.num_decode_tokens, done - forward_started)
+        phases = stats.phases
         phases["inputs"] = self.runner.last_inputs_seconds
-        phases["forward"] = sampling_started - forward_started - phases["inputs"]
-        phases["sample"] = time.perf_counter() - sampling_started
+        phases["forward"] = launched - forward_started - phases["inputs"]
+        phases["sample"] = done - launched
         return _ExecutedStep(sampled, tokens, forward_started)
 
     def _postprocess(self, scheduled: _ScheduledStep, executed: _ExecutedStep) -> list[RequestOutput]:

@@ -476,19 +476,28 @@ def build_scheduler(pool: PoolConfig, *, block_size: int, first_block: int, max_
     return Scheduler(sc, bm, max_model_len, name=pool.name, swap_manager=swap_manager, cost_model=cost_model)
 
 
-def commit_step(schedulers: Mapping[str, Scheduler], batch: Iterable[ScheduledSeq], num_prefill_tokens: int,
-                num_decode_tokens: int, seconds: float) -> None:
-    """The bookkeeping after a step's forward pass, one copy for the engine, its warm-up and the
-    simulator: every scheduled sequence's computed tokens; for a sequence of a pool in `schedulers`,
-    the pool's counter and the blocks it filled, registered in the prefix cache; and, if prefill
-    dominated the step (at least half its tokens), the step's `seconds` fed to the auto mode's
-    re-prefill estimate of every pool that has one. (The step composer observes the step's whole
-    time itself: `StepComposer.observe`.)"""
+def observe_step_time(schedulers: Mapping[str, Scheduler], num_prefill_tokens: int, num_decode_tokens: int,
+                      seconds: float) -> None:
+    """A step's `seconds` fed to the auto mode's re-prefill estimate of every pool that has one, if
+    prefill dominated the step (at least half its tokens)."""
     total = num_prefill_tokens + num_decode_tokens
     if num_prefill_tokens and num_prefill_tokens * 2 >= total:
         for scheduler in schedulers.values():
             if scheduler.cost_model is not None:
                 scheduler.cost_model.observe_prefill(total, seconds)
+
+
+def commit_step(schedulers: Mapping[str, Scheduler], batch: Iterable[ScheduledSeq], num_prefill_tokens: int,
+                num_decode_tokens: int, seconds: float | None) -> None:
+    """The bookkeeping after a step's forward pass, one copy for the engine, its warm-up and the
+    simulator: every scheduled sequence's computed tokens; for a sequence of a pool in `schedulers`,
+    the pool's counter and the blocks it filled, registered in the prefix cache; and, if prefill
+    dominated the step (at least half its tokens), the step's `seconds` fed to the auto mode's
+    re-prefill estimate of every pool that has one. (The step composer observes the step's whole
+    time itself: `StepComposer.observe`.) `seconds` None: the time is not known yet (the device still
+    runs the step); `observe_step_time` gives it later."""
+    if seconds is not None:
+        observe_step_time(schedulers, num_prefill_tokens, num_decode_tokens, seconds)
     for item in batch:
         seq = item.seq
         seq.num_computed_tokens += item.num_new_tokens

@@ -145,5 +145,7 @@ class StepStats:
     pressed: list[str] = field(default_factory=list)   # interactive pools that put throughput at its floor
     pool_tokens: dict[str, int] = field(default_factory=dict)   # tokens each pool scheduled
     # Host seconds of the step by phase: schedule (composer, block moves), inputs (the batch as tensors),
-    # forward (launching the model; on CUDA also waiting for it), sample, outputs (stop checks, text, reports).
+    # forward (running the model on a CPU; launching it on CUDA), sample (bookkeeping, forks, sampling; on
+    # CUDA also the wait for the device, which runs the forward pass meanwhile), outputs (stop checks, text,
+    # reports).
     phases: dict[str, float] = field(default_factory=dict)

@@ -143,3 +143,29 @@ def test_graph_memory_is_the_largest_batch_activations_and_a_workspace():
     large = graph_memory_bytes(4096, 4096, 1024, 14336, 32, 128, 256, 2)
     assert small > 64 << 20 and large - (64 << 20) == 256 * (small - (64 << 20))
     assert large < 1 << 30   # an 8B at 256 sequences: ~120 MiB, a rounding error of a GPU's memory
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_on_cuda_greedy_tokens_are_the_same_with_graphs_and_without(tiny, dtype):
+    """The real thing: CUDA graphs captured by the engine at start (and `enforce_eager` without them),
+    eight requests decoding together and finishing at different steps."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 17, 30, 41, 8, 64, 3, 25)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 20, 11, 30, 40, 9, 33, 17)]
+    results = {}
+    for eager in (True, False):
+        config = EngineConfig(model=str(tiny), device="cuda", dtype=dtype, cache=CacheConfig(block_size=16),
+                              enforce_eager=eager,
+                              pools=(PoolConfig(num_blocks=64, scheduler=SchedulerConfig(
+                                  max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256)),))
+        engine = LLMEngine(config, progress=False)
+        assert (engine.runner.graphs is None) == eager
+        if not eager:
+            assert engine.runner.graphs.sizes == [1, 2, 4, 8]
+            assert "graphs" in engine.load_phases
+        results[eager] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert_all_free(engine)
+    assert results[False] == results[True]
