@@ -93,6 +93,43 @@ def test_bfloat16_cache():
     _assert_matches_dense([2, 33, 90], [1, 1, 1], 8, 2, 64, 16, torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256, 4, 20, 80, 264])
+def test_head_dims_compiled_as_constants_and_the_generic_path(head_dim, dtype):
+    """The head_dims the kernel specialises and others: a scalar tail past a multiple of 8 (20), only a tail
+    (4), bfloat16 rows too long to be widened once for all heads (264); lengths ending mid-block, over
+    several tiles."""
+    _assert_matches_dense([1, 7, 45, 130], [1] * 4, 6, 2, head_dim, 16, dtype)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(5, 5), (4, 2), (6, 2), (8, 2), (10, 2), (24, 2), (40, 8),
+                                                   (36, 1)])
+def test_gqa_groups_of_every_size(num_heads, num_kv_heads):
+    """GQA groups whose V sums take 1, 2, 3, 4 and 8 heads at a time (5 = 4 + 1, 12 = 8 + 4), and more heads
+    than one pass over the rows takes (32): a group split between two passes."""
+    _assert_matches_dense([3, 50, 97], [1] * 3, num_heads, num_kv_heads, 32, 8, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_sequences_long_and_short_rows(dtype):
+    """Rows of 4 KiB (32 heads of 128 over 8 KV heads: tiles of 8 positions, the next one prefetched), short
+    rows (tiles of 64 positions across blocks of 8), sequences ending mid-block."""
+    _assert_matches_dense([1, 300, 1029], [1] * 3, 32, 8, 128, 16, dtype)
+    _assert_matches_dense([700, 1, 66], [1] * 3, 4, 2, 16, 8, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 20])
+@pytest.mark.parametrize("window", [1, 5, 64, 100])
+def test_sliding_window_specialised_and_generic(window, head_dim, dtype):
+    _assert_matches_dense([3, 70, 201], [1] * 3, 9, 3, head_dim, 16, dtype, window, strided=True)
+
+
+def test_a_head_dim_past_the_stack_scratch():
+    """head_dim over 4096 floats: one head at a time, the scratch allocated."""
+    _assert_matches_dense([5, 20], [1, 1], 2, 1, 4104, 16, torch.float32)
+
+
 def test_mixed_step_decode_by_the_kernel_prefill_by_the_reference(monkeypatch):
     """Decode rows through the C kernel, prefill chunks (over a cached prefix, mid-block) through the
     reference, in one call; and the kernel is what ran the decode rows."""
