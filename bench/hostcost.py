@@ -214,11 +214,21 @@ def _median_phases(samples: list[dict[str, float]], names=PHASES) -> dict[str, f
     return {name: statistics.median(s.get(name, 0.0) for s in samples) * 1e3 for name in names}
 
 
+def warm_up_steps() -> int:
+    """Steps run before timing: a fresh engine's step composer refits its cost model after each of its
+    first 2 x `refit_every` steps (then every `refit_every`; ~1 ms a fit on the development VM), so the
+    steps timed are the steady state a serving engine runs in."""
+    from engine.step_cost import StepCostModel
+
+    return 2 * StepCostModel().refit_every + 1
+
+
 def compare(folder: Path, args: argparse.Namespace) -> dict:
     """Measurement 1 and 2: ours against transformers at `--batch`, steps alternating."""
-    ours = Ours(folder, args, args.batch, max_tokens=args.steps + 64)
+    warm = warm_up_steps()
+    ours = Ours(folder, args, args.batch, max_tokens=args.steps + warm + 64)
     hf = Transformers(folder, args, args.batch)
-    for _ in range(3):
+    for _ in range(warm):
         ours.step()
         hf.step()
     our_times, hf_times, phases = [], [], []
@@ -237,14 +247,15 @@ def batch_table(folder: Path, args: argparse.Namespace, sizes: list[int]) -> lis
     """Measurement 3: our step and its phases at each batch size."""
     rows = []
     for batch in sizes:
-        ours = Ours(folder, args, batch, max_tokens=args.steps + 8)
+        warm = warm_up_steps()
+        ours = Ours(folder, args, batch, max_tokens=args.steps + warm + 8)
         times, phases = [], []
-        for _ in range(args.steps + 3):
+        for _ in range(args.steps + warm):
             seconds, step_phases = ours.step()
             times.append(seconds)
             phases.append(step_phases)
-        rows.append({"batch": batch, "step_ms": statistics.median(times[3:]) * 1e3,
-                     "phases_ms": _median_phases(phases[3:])})
+        rows.append({"batch": batch, "step_ms": statistics.median(times[warm:]) * 1e3,
+                     "phases_ms": _median_phases(phases[warm:])})
     return rows
 
 

@@ -4,7 +4,7 @@ the request state (`RequestState`) the reports are made from."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.text import OutputText
 
@@ -13,12 +13,11 @@ if TYPE_CHECKING:
     from engine.tokenizer import IncrementalDetokenizer
 
 
-@dataclass(frozen=True)
-class _Snapshot:
+class _Snapshot(NamedTuple):
     """A sample's cumulative output at one report, held by reference: the token and logprob lists only
     ever grow, and the text only grows or loses what no report has emitted yet (a stop string), so the
     first `*_end` items of what these name are the values at the report. Nothing is copied until a
-    field is read."""
+    field is read. (A tuple: made for every sample of every step, at a third of a frozen dataclass's cost.)"""
 
     text: OutputText
     text_end: int

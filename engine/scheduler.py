@@ -226,7 +226,8 @@ class Scheduler:
                 skipped += 1
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while self._blocks_needed(seq, num_new) > bm.num_free_blocks:
+            shared = self._write_block_shared(seq)
+            while self._blocks_needed(seq, num_new, shared) > bm.num_free_blocks:
                 if self.running == [seq]:
                     self._finish_too_large(seq, out)
                     break
@@ -234,9 +235,10 @@ class Scheduler:
                 budget += self._preempt(victim, out)
                 if victim is seq:
                     break
+                shared = self._write_block_shared(seq)   # a victim may have shared the block
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            self._grow(seq, num_new, out)
+            self._grow(seq, num_new, out, shared)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             seq.last_scheduled_step = self._step
             budget -= num_new
@@ -320,14 +322,17 @@ class Scheduler:
         index = seq.num_computed_tokens // self.block_manager.block_size
         return index < len(seq.block_table) and self.block_manager.ref_count(seq.block_table[index]) > 1
 
-    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
+    def _blocks_needed(self, seq: Sequence, num_new: int, shared: bool | None = None) -> int:
+        """Blocks `seq` must take to compute `num_new` more tokens; `shared`: `_write_block_shared(seq)`,
+        if the caller has it."""
         bm = self.block_manager
-        return bm.num_new_blocks(seq.block_table, seq.num_computed_tokens + num_new) + \
-            (1 if self._write_block_shared(seq) else 0)
+        if shared is None:
+            shared = self._write_block_shared(seq)
+        return bm.num_new_blocks(seq.block_table, seq.num_computed_tokens + num_new) + (1 if shared else 0)
 
-    def _grow(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
+    def _grow(self, seq: Sequence, num_new: int, out: SchedulerOutput, shared: bool | None = None) -> None:
         bm = self.block_manager
-        if self._write_block_shared(seq):
+        if self._write_block_shared(seq) if shared is None else shared:
             copy = bm.copy_on_write(seq.block_table, seq.num_computed_tokens // bm.block_size)
             if copy is not None:
                 out.copies.append(copy)
