@@ -60,7 +60,7 @@ def warm_up(engine: Any) -> None:
             engine.runner.execute(batch)
             engine.runner.synchronize()
             engine.composer.cost_model.observe(features, time.perf_counter() - started)
-            commit_step({}, batch, 0, 0, 0.0)     # no pool's: the blocks are borrowed, nothing is cached
+            commit_step({}, batch)     # no pool's: the blocks are borrowed, nothing is cached
     finally:
         for seq in seqs:
             bm.free(seq.block_table)

@@ -25,33 +25,30 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
 
 import torch
 from torch import nn
 
 from kernels import AttentionMetadata
 
-if TYPE_CHECKING:
-    from engine.model import LlamaForCausalLM
-
 __all__ = ["CpuForward"]
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]   # (x, out buffer) -> x W^T + b
 
 
-def _linear(module: nn.Module) -> tuple[Linear, int]:
-    """A layer's matmul as (x, out) -> result, and its output width. `nn.Linear`: into `out`, the call
-    `F.linear` makes; a packed layer: oneDNN's call, which allocates its own result."""
+def _linear(module: nn.Module) -> Linear:
+    """A layer's matmul as (x, out) -> result. `nn.Linear`: into `out`, the call `F.linear` makes; a packed
+    layer: oneDNN's call, which allocates its own result."""
     from kernels.cpu_linear import PackedLinear
 
     if isinstance(module, PackedLinear):
         packed, bias, op = module.packed_weight, module.bias, torch.ops.mkldnn._linear_pointwise
-        return (lambda x, out: op(x, packed, bias, "none", [], "")), module.out_features
+        return lambda x, out: op(x, packed, bias, "none", [], "")
     weight_t, bias = module.weight.t(), module.bias
     if bias is None:
-        return (lambda x, out: torch.mm(x, weight_t, out=out)), module.out_features
-    return (lambda x, out: torch.addmm(bias, x, weight_t, out=out)), module.out_features
+        return lambda x, out: torch.mm(x, weight_t, out=out)
+    return lambda x, out: torch.addmm(bias, x, weight_t, out=out)
 
 
 class _Layer:
@@ -60,17 +57,17 @@ class _Layer:
     def __init__(self, layer: nn.Module) -> None:
         self.norm1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.eps
         self.norm2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
-        self.qkv = _linear(layer.self_attn.qkv_proj)[0]
-        self.o = _linear(layer.self_attn.o_proj)[0]
-        self.gate_up = _linear(layer.mlp.gate_up_proj)[0]
-        self.down = _linear(layer.mlp.down_proj)[0]
+        self.qkv = _linear(layer.self_attn.qkv_proj)
+        self.o = _linear(layer.self_attn.o_proj)
+        self.gate_up = _linear(layer.mlp.gate_up_proj)
+        self.down = _linear(layer.mlp.down_proj)
 
 
 class CpuForward:
     """`LlamaForCausalLM.forward`'s layers for the CPU backend (see the module docstring). Build it with
     `build`; call it as the model's forward without the backend argument."""
 
-    def __init__(self, model: LlamaForCausalLM, fused_lib: ctypes.CDLL, attention_lib: ctypes.CDLL) -> None:
+    def __init__(self, model: nn.Module, fused_lib: ctypes.CDLL, attention_lib: ctypes.CDLL) -> None:
         config, attn = model.config, model.layers[0].self_attn
         dtype = model.embed_tokens.weight.dtype
         suffix = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
@@ -89,7 +86,7 @@ class CpuForward:
         self.final_norm, self.final_eps = model.norm.weight, model.norm.eps
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM, backend) -> CpuForward | None:
+    def build(cls, model: nn.Module, backend) -> CpuForward | None:
         """The flat forward for `model` on `backend`, or None where it does not apply: a backend other
         than `kernels.cpu_attention`, layers whose ops are not `kernels.cpu_fused` (another dtype), or C
         libraries that did not compile."""
@@ -120,79 +117,87 @@ class CpuForward:
         if slots.dtype != torch.int64 or not slots.is_contiguous():
             raise ValueError("meta.slot_mapping: contiguous int64 expected")
 
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor,
+              kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> SimpleNamespace:
+        """One forward's buffers (every layer reuses them) and each C call's arguments that do not change
+        from layer to layer."""
+        from kernels import cpu_attention
+
+        self._check(kv_caches, meta)
+        dtype, n, hidden = self.dtype, int(input_ids.shape[0]), self.hidden_size
+        q_size, kv_size, hd = self.q_size, self.kv_size, self.head_dim
+        width = q_size + 2 * kv_size
+        element = torch.empty((), dtype=dtype).element_size()
+        step = SimpleNamespace(
+            num_tokens=n, residual=self.model.embed(input_ids).contiguous(),   # updated in place
+            normed=torch.empty(n, hidden, dtype=dtype), qkv=torch.empty(n, width, dtype=dtype),
+            attn_out=torch.empty(n, self.num_heads, hd, dtype=dtype), o=torch.empty(n, hidden, dtype=dtype),
+            gate_up=torch.empty(n, 2 * self.intermediate, dtype=dtype),
+            act=torch.empty(n, self.intermediate, dtype=dtype), down=torch.empty(n, hidden, dtype=dtype),
+            cos_sin=self.model.rotary_emb.cos_sin_cache.index_select(0, positions))   # [n, head_dim]
+        step.attn_flat = step.attn_out.view(n, q_size)
+        step.qkv_ptr = step.qkv.data_ptr()
+        step.k_ptr, step.v_ptr = step.qkv_ptr + q_size * element, step.qkv_ptr + (q_size + kv_size) * element
+        step.query = step.qkv.view(n, width // hd, hd)[:, :self.num_heads] \
+            if any(q_len > 1 for q_len in meta.query_lens_list) else None      # prefill chunks: torch's path
+        k0 = kv_caches[0][0]
+        step.num_slots = k0.shape[0] * k0.shape[1]
+        step.norm_tail = (n, hidden, hidden, hidden, hidden)
+        step.rotary_tail = (n, self.num_heads + self.num_kv_heads, hd, width)
+        step.store_tail = (n, step.num_slots, kv_size * element, width * element, width * element)
+        plan = cpu_attention._decode_plan(meta)
+        step.decode_head = None
+        if plan is not None:
+            rows, seqs = plan
+            tables = meta.block_tables
+            step.decode_head = (tables.data_ptr(), meta.seq_lens.data_ptr(), rows.data_ptr(), seqs.data_ptr(),
+                                len(rows), width, self.num_heads, self.num_kv_heads, hd, k0.shape[1], tables.shape[1],
+                                self.scale, self.window)
+        return step
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        from kernels import cpu_attention
         from kernels.reference import prefill_attention
 
-        model, dtype = self.model, self.dtype
-        self._check(kv_caches, meta)
-        num_tokens, hidden_size = int(input_ids.shape[0]), self.hidden_size
-        nh, nkv, hd, q_size, kv_size = self.num_heads, self.num_kv_heads, self.head_dim, self.q_size, self.kv_size
-        qkv_width = q_size + 2 * kv_size
-        element = torch.empty((), dtype=dtype).element_size()
-
-        residual = model.embed(input_ids).contiguous()            # the residual stream, updated in place
-        normed = torch.empty(num_tokens, hidden_size, dtype=dtype)
-        qkv_buf = torch.empty(num_tokens, qkv_width, dtype=dtype)
-        attn_out = torch.empty(num_tokens, nh, hd, dtype=dtype)
-        attn_flat = attn_out.view(num_tokens, q_size)
-        o_buf = torch.empty(num_tokens, hidden_size, dtype=dtype)
-        gate_up_buf = torch.empty(num_tokens, 2 * self.intermediate, dtype=dtype)
-        act = torch.empty(num_tokens, self.intermediate, dtype=dtype)
-        down_buf = torch.empty(num_tokens, hidden_size, dtype=dtype)
-        cos_sin = model.rotary_emb.cos_sin_cache.index_select(0, positions)   # [num_tokens, head_dim]
-
-        plan = cpu_attention._decode_plan(meta)
-        has_prefill = any(q_len > 1 for q_len in meta.query_lens_list)
-        block_tables, seq_lens, slots = meta.block_tables, meta.seq_lens, meta.slot_mapping
-        k0 = kv_caches[0][0]
-        block_size, num_slots = k0.shape[1], k0.shape[0] * k0.shape[1]
-        # the step's constant arguments of each C call, after the per-layer pointers
-        norm_tail = (num_tokens, hidden_size, hidden_size, hidden_size, hidden_size)
-        rotary_tail = (num_tokens, nh + nkv, hd, qkv_width)
-        store_tail = (num_tokens, num_slots, kv_size * element, qkv_width * element, qkv_width * element)
-        if plan is not None:
-            rows, seqs = plan
-            decode_head = (block_tables.data_ptr(), seq_lens.data_ptr(), rows.data_ptr(), seqs.data_ptr(), len(rows),
-                           qkv_width, nh, nkv, hd, block_size, block_tables.shape[1], self.scale, self.window)
-        qkv_ptr, normed_ptr, out_ptr = qkv_buf.data_ptr(), normed.data_ptr(), attn_out.data_ptr()
-        k_ptr, v_ptr = qkv_ptr + q_size * element, qkv_ptr + (q_size + kv_size) * element
-        query = qkv_buf.view(num_tokens, qkv_width // hd, hd)[:, :nh] if has_prefill else None
+        step = self._step(input_ids, positions, kv_caches, meta)
+        residual, normed, qkv_buf, query = step.residual, step.normed, step.qkv, step.query
+        residual_ptr, normed_ptr, qkv_ptr, out_ptr = (residual.data_ptr(), normed.data_ptr(), step.qkv_ptr,
+                                                      step.attn_out.data_ptr())
+        cos_sin_ptr, slots_ptr = step.cos_sin.data_ptr(), meta.slot_mapping.data_ptr()
+        norm_tail, decode_head = step.norm_tail, step.decode_head
         rms_norm, rotary, store_kv, decode, silu_and_mul = (self.rms_norm, self.rotary, self.store_kv, self.decode,
                                                             self.silu_and_mul)
-        all_reduce, window = self.all_reduce, self.window or None
+        all_reduce, window, inter = self.all_reduce, self.window or None, self.intermediate
 
         layer_input = None   # the previous layer's output (down_proj's), added into the residual by the norm
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             if layer_input is None:   # the first layer normalises the embeddings, which start the residual
-                rms_norm(residual.data_ptr(), None, layer.norm1.data_ptr(), normed_ptr, *norm_tail, layer.eps1)
+                rms_norm(residual_ptr, None, layer.norm1.data_ptr(), normed_ptr, *norm_tail, layer.eps1)
             else:
-                rms_norm(layer_input.data_ptr(), residual.data_ptr(), layer.norm1.data_ptr(), normed_ptr, *norm_tail,
+                rms_norm(layer_input.data_ptr(), residual_ptr, layer.norm1.data_ptr(), normed_ptr, *norm_tail,
                          layer.eps1)
             qkv = layer.qkv(normed, qkv_buf)
             if qkv is not qkv_buf:                        # a packed layer returns its own tensor
                 qkv_buf.copy_(qkv)
-            rotary(qkv_ptr, cos_sin.data_ptr(), *rotary_tail)
-            if store_kv(k_ptr, v_ptr, k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), *store_tail):
-                raise IndexError(f"store_kv: a slot past the cache's {num_slots} slots")
-            if plan is not None and decode(qkv_ptr, k_cache.data_ptr(), v_cache.data_ptr(), out_ptr, *decode_head):
+            rotary(qkv_ptr, cos_sin_ptr, *step.rotary_tail)
+            if store_kv(step.k_ptr, step.v_ptr, k_cache.data_ptr(), v_cache.data_ptr(), slots_ptr, *step.store_tail):
+                raise IndexError(f"store_kv: a slot past the cache's {step.num_slots} slots")
+            if decode_head is not None and decode(qkv_ptr, k_cache.data_ptr(), v_cache.data_ptr(), out_ptr,
+                                                  *decode_head):
                 raise MemoryError("cpu_attention: the kernel could not allocate its score buffer")
-            if has_prefill:
-                prefill_attention(query, k_cache, v_cache, meta, self.scale, window, attn_out)
-            hidden = layer.o(attn_flat, o_buf)
+            if query is not None:
+                prefill_attention(query, k_cache, v_cache, meta, self.scale, window, step.attn_out)
+            hidden = layer.o(step.attn_flat, step.o)
             if all_reduce is not None:
                 hidden = all_reduce(hidden)
-            rms_norm(hidden.data_ptr(), residual.data_ptr(), layer.norm2.data_ptr(), normed_ptr, *norm_tail,
-                     layer.eps2)
-            gate_up = layer.gate_up(normed, gate_up_buf)
-            silu_and_mul(gate_up.data_ptr(), act.data_ptr(), num_tokens, self.intermediate, gate_up.stride(0),
-                         self.intermediate)
-            layer_input = layer.down(act, down_buf)
+            rms_norm(hidden.data_ptr(), residual_ptr, layer.norm2.data_ptr(), normed_ptr, *norm_tail, layer.eps2)
+            gate_up = layer.gate_up(normed, step.gate_up)
+            silu_and_mul(gate_up.data_ptr(), step.act.data_ptr(), step.num_tokens, inter, gate_up.stride(0), inter)
+            layer_input = layer.down(step.act, step.down)
             if all_reduce is not None:
                 layer_input = all_reduce(layer_input)
-        out = torch.empty(num_tokens, hidden_size, dtype=dtype)
-        rms_norm(layer_input.data_ptr(), residual.data_ptr(), self.final_norm.data_ptr(), out.data_ptr(), *norm_tail,
+        out = torch.empty_like(normed)
+        rms_norm(layer_input.data_ptr(), residual_ptr, self.final_norm.data_ptr(), out.data_ptr(), *norm_tail,
                  self.final_eps)
         return out

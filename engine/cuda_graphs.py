@@ -31,7 +31,6 @@ that reserve. `enforce_eager: true` on a device (YAML) turns graphs off.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,8 +38,6 @@ from typing import Any
 import torch
 
 from kernels import AttentionMetadata
-
-log = logging.getLogger("cliffguard.engine")
 
 __all__ = ["MAX_GRAPH_BATCH", "CudaGraphBackend", "DecodeGraphs", "GraphBackend", "capture_sizes",
            "graph_memory_bytes"]

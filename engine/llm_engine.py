@@ -120,7 +120,7 @@ class LLMEngine:
                                   max_blocks=-(-max_len // config.cache.block_size))
         self.runner.compile_kernels()
         lap("kernels")
-        if self._use_graphs():
+        if self.runner.graphs_apply(config.enforce_eager):
             self.runner.capture_graphs(min(sum(p.scheduler.max_num_seqs for p in config.pools), MAX_GRAPH_BATCH),
                                        max_len)
             lap("graphs")
@@ -149,14 +149,6 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.last_step = StepStats()
-
-    def _use_graphs(self) -> bool:
-        """Decode steps as CUDA graph replays: on CUDA with the Triton kernels (the graph-safe ones), one
-        rank, unless the device says `enforce_eager`."""
-        import sys
-
-        return (self.device.type == "cuda" and not self.config.enforce_eager and self.shard.size == 1
-                and self.runner.backend is sys.modules.get("kernels.triton_attention"))
 
     def _derive_slos(self) -> dict[str, tuple[LatencySLO, float, int, int]]:
         """Pools under isolation by default get their SLO from this device's measured step
@@ -393,7 +385,7 @@ class LLMEngine:
         # the forks and the sampling rows, and queues the sampling kernels behind it.
         launched = time.perf_counter()
         stats = scheduled.stats
-        commit_step(self.schedulers, scheduled.batch, stats.num_prefill_tokens, stats.num_decode_tokens, None)
+        commit_step(self.schedulers, scheduled.batch)
         logits, sampled = self._forks.fork(logits, sampled)
         tokens = None
         if sampled:

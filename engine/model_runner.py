@@ -80,6 +80,12 @@ class _Forward:
                                 self.kv_cache.dtype, self.device, attn.config.sliding_window)
         log.info("compiled %d attention kernel variants in %.1fs", count, time.perf_counter() - started)
 
+    def graphs_apply(self, enforce_eager: bool) -> bool:
+        """Whether decode steps should replay CUDA graphs: on CUDA with the Triton kernels (the graph-safe
+        ones), one rank, unless the device says `enforce_eager`."""
+        return (self.device.type == "cuda" and not enforce_eager and not self.tensor_parallel
+                and self.backend is sys.modules.get("kernels.triton_attention"))
+
     def capture_graphs(self, max_batch: int, max_model_len: int, graphs: GraphBackend | None = None) -> None:
         """Capture the decode forward for every padded batch size up to `max_batch` (`engine.cuda_graphs`);
         from then on decode-only steps replay them. `graphs`: how (default: CUDA graphs on this device)."""

@@ -226,8 +226,7 @@ class Scheduler:
                 skipped += 1
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
-            shared = self._write_block_shared(seq)
-            while self._blocks_needed(seq, num_new, shared) > bm.num_free_blocks:
+            while self._blocks_needed(seq, num_new) > bm.num_free_blocks:
                 if self.running == [seq]:
                     self._finish_too_large(seq, out)
                     break
@@ -235,10 +234,9 @@ class Scheduler:
                 budget += self._preempt(victim, out)
                 if victim is seq:
                     break
-                shared = self._write_block_shared(seq)   # a victim may have shared the block
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            self._grow(seq, num_new, out, shared)
+            self._grow(seq, num_new, out)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             seq.last_scheduled_step = self._step
             budget -= num_new
@@ -322,17 +320,14 @@ class Scheduler:
         index = seq.num_computed_tokens // self.block_manager.block_size
         return index < len(seq.block_table) and self.block_manager.ref_count(seq.block_table[index]) > 1
 
-    def _blocks_needed(self, seq: Sequence, num_new: int, shared: bool | None = None) -> int:
-        """Blocks `seq` must take to compute `num_new` more tokens; `shared`: `_write_block_shared(seq)`,
-        if the caller has it."""
+    def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
         bm = self.block_manager
-        if shared is None:
-            shared = self._write_block_shared(seq)
-        return bm.num_new_blocks(seq.block_table, seq.num_computed_tokens + num_new) + (1 if shared else 0)
+        return bm.num_new_blocks(seq.block_table, seq.num_computed_tokens + num_new) + \
+            (1 if self._write_block_shared(seq) else 0)
 
-    def _grow(self, seq: Sequence, num_new: int, out: SchedulerOutput, shared: bool | None = None) -> None:
+    def _grow(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         bm = self.block_manager
-        if self._write_block_shared(seq) if shared is None else shared:
+        if self._write_block_shared(seq):
             copy = bm.copy_on_write(seq.block_table, seq.num_computed_tokens // bm.block_size)
             if copy is not None:
                 out.copies.append(copy)
@@ -481,28 +476,19 @@ def build_scheduler(pool: PoolConfig, *, block_size: int, first_block: int, max_
     return Scheduler(sc, bm, max_model_len, name=pool.name, swap_manager=swap_manager, cost_model=cost_model)
 
 
-def observe_step_time(schedulers: Mapping[str, Scheduler], num_prefill_tokens: int, num_decode_tokens: int,
-                      seconds: float) -> None:
-    """A step's `seconds` fed to the auto mode's re-prefill estimate of every pool that has one, if
-    prefill dominated the step (at least half its tokens)."""
-    total = num_prefill_tokens + num_decode_tokens
-    if num_prefill_tokens and num_prefill_tokens * 2 >= total:
+def observe_step_time(schedulers: Mapping[str, Scheduler], prefill: int, decode: int, seconds: float) -> None:
+    """A step's `seconds` to every pool's re-prefill estimate (auto mode), if prefill was half its tokens or more."""
+    if prefill and prefill * 2 >= prefill + decode:
         for scheduler in schedulers.values():
             if scheduler.cost_model is not None:
-                scheduler.cost_model.observe_prefill(total, seconds)
+                scheduler.cost_model.observe_prefill(prefill + decode, seconds)
 
 
-def commit_step(schedulers: Mapping[str, Scheduler], batch: Iterable[ScheduledSeq], num_prefill_tokens: int,
-                num_decode_tokens: int, seconds: float | None) -> None:
+def commit_step(schedulers: Mapping[str, Scheduler], batch: Iterable[ScheduledSeq]) -> None:
     """The bookkeeping after a step's forward pass, one copy for the engine, its warm-up and the
     simulator: every scheduled sequence's computed tokens; for a sequence of a pool in `schedulers`,
-    the pool's counter and the blocks it filled, registered in the prefix cache; and, if prefill
-    dominated the step (at least half its tokens), the step's `seconds` fed to the auto mode's
-    re-prefill estimate of every pool that has one. (The step composer observes the step's whole
-    time itself: `StepComposer.observe`.) `seconds` None: the time is not known yet (the device still
-    runs the step); `observe_step_time` gives it later."""
-    if seconds is not None:
-        observe_step_time(schedulers, num_prefill_tokens, num_decode_tokens, seconds)
+    the pool's counter and the blocks it filled, registered in the prefix cache. (Its time goes to
+    `observe_step_time` once the device has finished, and to `StepComposer.observe`.)"""
     for item in batch:
         seq = item.seq
         seq.num_computed_tokens += item.num_new_tokens

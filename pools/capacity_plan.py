@@ -255,15 +255,10 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         s_kv_dev = 2 * model.num_layers * kv_heads * model.head_dim * dtype.itemsize
         weights = model.num_params() * dtype.itemsize
         weights_dev = ceil_div(weights, tp)
-        usable = formula.usable_bytes(memory, dev.memory_utilization)
         graphs_dev = _graph_reserve(model, dev, device_type, tp, dtype)
         kv_dev = formula.kv_cache_bytes(memory, weights_dev, dev.memory_utilization) - graphs_dev
         if kv_dev <= 0:
-            where = f" ({source})" if source != "config" else ""
-            raise SpecError(
-                f"{dkey}.memory: {dev.memory_utilization} x {fmt_bytes(memory)}{where} = {fmt_bytes(usable)} per GPU "
-                f"cannot hold the weights of {p0.model!r}: {fmt_bytes(weights_dev)} per GPU in {dtype_name(dtype)} "
-                f"(TP={tp}), leaving {fmt_bytes(kv_dev)} for the KV cache")
+            raise _no_room_for_kv(dkey, dev, memory, source, p0.model, weights_dev, dtype, graphs_dev, kv_dev)
         device_pools = [_plan_pool(i, p, model, s_kv, s_kv_dev, kv_dev, tp, warnings, dev.replicas)
                         for i, p in members]
         asked = sum(pp.kv_cache_bytes_per_device for pp in device_pools)
@@ -283,6 +278,16 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
     upstream = tuple(p.name for p in config.pools if p.is_upstream)
     return CapacityPlan(devices=devices, pools=pools, upstream_pools=upstream,
                         warnings=tuple(warnings))
+
+
+def _no_room_for_kv(dkey: str, dev: DeviceSpec, memory: int, source: str, model: str, weights_dev: int,
+                    dtype: torch.dtype, graphs_dev: int, kv_dev: int) -> SpecError:
+    usable = formula.usable_bytes(memory, dev.memory_utilization)
+    where = f" ({source})" if source != "config" else ""
+    graphs = f" and {fmt_bytes(graphs_dev)} for decode graphs (enforce_eager: true frees it)" if graphs_dev else ""
+    return SpecError(f"{dkey}.memory: {dev.memory_utilization} x {fmt_bytes(memory)}{where} = {fmt_bytes(usable)} per "
+                     f"GPU cannot hold the weights of {model!r}: {fmt_bytes(weights_dev)} per GPU in {dtype_name(dtype)} "
+                     f"(TP={dev.tensor_parallel_size}){graphs}, leaving {fmt_bytes(kv_dev)} for the KV cache")
 
 
 def _graph_reserve(model: ModelConfig, dev: DeviceSpec, device_type: str, tp: int, dtype: torch.dtype) -> int:

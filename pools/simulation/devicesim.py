@@ -37,7 +37,7 @@ from engine.composer import StepComposer
 from engine.stats import STATS_INTERVAL
 from engine.config import PoolConfig
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler, build_scheduler, commit_step
+from engine.scheduler import ScheduledSeq, Scheduler, build_scheduler, commit_step, observe_step_time
 from engine.sequence import FinishReason, Sequence as Seq
 from engine.step_cost import StepTime
 from pools.credits.queue import reservation
@@ -218,8 +218,9 @@ class DeviceSim:
         self.clock += seconds + swap_s
         self.num_steps += 1
         self.composer.observe(composed, seconds + swap_s, self.clock)
-        commit_step(self.schedulers, batch, composed.features.num_prefill_tokens,
-                    composed.features.num_decode_tokens, seconds)
+        observe_step_time(self.schedulers, composed.features.num_prefill_tokens,
+                          composed.features.num_decode_tokens, seconds)
+        commit_step(self.schedulers, batch)
         for seq in sampled:
             self.schedulers[seq.pool].stats.num_generated_tokens += 1
             seq.token_ids.append(self._rng.randrange(1000, 30000))
