@@ -132,27 +132,21 @@ class Ours:
     def time_attention(self) -> None:
         """From now on each step's seconds inside the attention kernel go to its phases' `attention` (a
         CPU's kernels finish before they return, so the clock reads their work)."""
+        def timed(kernel):
+            def call(*args, **kwargs):
+                started = time.perf_counter()
+                out = kernel(*args, **kwargs)
+                self.attention_seconds += time.perf_counter() - started
+                return out
+            return call
+
         flat = self.engine.model.flat_forward
         if flat is not None:   # the CPU backend's flat loop calls the C kernel itself
-            decode = flat.decode
-
-            def timed_decode(*args):
-                started = time.perf_counter()
-                status = decode(*args)
-                self.attention_seconds += time.perf_counter() - started
-                return status
-
-            flat.decode = timed_decode
+            flat.decode = timed(flat.decode)
             return
         runner = self.engine.runner
         backend = runner.backend
-
-        def paged_attention(*args, **kwargs):
-            started = time.perf_counter()
-            out = backend.paged_attention(*args, **kwargs)
-            self.attention_seconds += time.perf_counter() - started
-            return out
-
+        paged_attention = timed(backend.paged_attention)
         runner.backend = SimpleNamespace(store_kv=backend.store_kv, paged_attention=paged_attention)
 
     def ops_per_layer(self) -> float:

@@ -89,12 +89,12 @@ class CpuForward:
     def build(cls, model: nn.Module, backend) -> CpuForward | None:
         """The flat forward for `model` on `backend`, or None where it does not apply: a backend other
         than `kernels.cpu_attention`, layers whose ops are not `kernels.cpu_fused` (another dtype), or C
-        libraries that did not compile."""
+        libraries that did not compile (`get_fused_ops` gives a model `cpu_fused` only for a dtype it runs)."""
         from kernels import cpu_attention, cpu_fused
 
         if backend is not cpu_attention or model.layers[0].input_layernorm.ops is not cpu_fused:
             return None
-        if model.embed_tokens.weight.device.type != "cpu" or not cpu_fused.supports(model.embed_tokens.weight.dtype):
+        if model.embed_tokens.weight.device.type != "cpu":
             return None
         fused_lib, attention_lib = cpu_fused.load_library(), cpu_attention.load_library()
         if fused_lib is None or attention_lib is None:

@@ -128,6 +128,8 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        # size -> (graph, its output, its metadata: the attention plan's tensors in `backend_cache` that the
+        # graph reads stay alive with it)
         self._graphs: dict[int, tuple[Any, torch.Tensor, AttentionMetadata]] = {}
         self.capture_seconds = 0.0
         self.memory_bytes = 0

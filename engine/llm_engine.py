@@ -115,14 +115,13 @@ class LLMEngine:
         lap("kv")
         max_len = max((p.scheduler.max_model_len for p in config.pools), default=0) or \
             self.model_config.max_position_embeddings
+        max_seqs = sum(p.scheduler.max_num_seqs for p in config.pools)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, get_backend(self.device), self.group,
-                                  max_rows=sum(p.scheduler.max_num_seqs for p in config.pools),
-                                  max_blocks=-(-max_len // config.cache.block_size))
+                                  max_rows=max_seqs, max_blocks=-(-max_len // config.cache.block_size))
         self.runner.compile_kernels()
         lap("kernels")
         if self.runner.graphs_apply(config.enforce_eager):
-            self.runner.capture_graphs(min(sum(p.scheduler.max_num_seqs for p in config.pools), MAX_GRAPH_BATCH),
-                                       max_len)
+            self.runner.capture_graphs(min(max_seqs, MAX_GRAPH_BATCH), max_len)
             lap("graphs")
         self.schedulers: dict[str, Scheduler] = {}
         self.swap_spaces = self.runner.swap_spaces
