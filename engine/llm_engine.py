@@ -165,6 +165,8 @@ class LLMEngine:
         """The tokenizer and this rank's weights (random ones if the config asks)."""
         config = self.config
         self.tokenizer = Tokenizer.from_folder(self.model_path)
+        if self.tokenizer.byte_tables is None:   # built here, not at the first request
+            log.debug("detokenizing through the tokenizer library (its decoder is not byte-level)")
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.model = build_model(self.model_config, self.dtype, self.device, self.shard, self.group.collectives)
         if config.random_weights:

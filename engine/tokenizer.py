@@ -19,6 +19,7 @@ flags, say) are read from tokenizer.json as it is.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import os
@@ -71,6 +72,34 @@ class Tokenizer:
         self._byte_token_ids = frozenset(
             i for i in (backend.token_to_id(f"<0x{b:02X}>") for b in range(256)) if i is not None
         ) if byte_fallback else frozenset()
+
+    @functools.cached_property
+    def byte_tables(self) -> tuple[tuple[bytes, ...], tuple[bytes, ...]] | None:
+        """Each id's bytes where decode is only "join the tokens' bytes, then UTF-8 with U+FFFD for what is
+        invalid" (a `ByteLevel` decoder, no clean-up): (bytes keeping special tokens, bytes skipping them).
+        None for any other decoder (sentencepiece's, byte fallback), which `IncrementalDetokenizer` then
+        decodes through the library. Built once (~60 ms for a 49k vocabulary)."""
+        decoder = self._backend.decoder
+        if self._clean_up_tokenization_spaces or decoder is None or \
+                json.loads(decoder.__getstate__()).get("type") != "ByteLevel":
+            return None
+        char_bytes = _byte_level_chars()
+        keep = [b""] * self.vocab_size   # ids the vocabulary lacks decode to nothing
+        for token, i in self._backend.get_vocab(with_added_tokens=True).items():
+            try:
+                keep[i] = bytes(char_bytes[c] for c in token)
+            except KeyError:   # a symbol outside the byte map: the decoder takes the token's own UTF-8
+                keep[i] = token.encode()
+        for i in self._backend.get_added_tokens_decoder():   # added tokens: the library's word, or no table
+            try:
+                if keep[i].decode() != self._backend.decode([i], skip_special_tokens=False):
+                    return None
+            except UnicodeDecodeError:
+                return None
+        skip = list(keep)
+        for i in self._skipped_ids:
+            skip[i] = b""
+        return tuple(keep), tuple(skip)
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> Tokenizer:
@@ -177,6 +206,11 @@ class IncrementalDetokenizer:
     The window starts at the first output token, never in the prompt: HF's reference decode of the output alone
     strips a sentencepiece tokenizer's leading space, which prompt context would keep. `prompt_token_ids` is
     accepted so callers can hand over the request as it is. One instance per sequence; not thread-safe.
+
+    A byte-level tokenizer (`Tokenizer.byte_tables`: GPT-2's, Llama 3's, Qwen's, SmolLM's) needs no window and no
+    library call: its decode is the UTF-8 of the tokens' bytes joined, so each step feeds the new tokens' bytes
+    to an incremental UTF-8 decoder, which holds an unfinished character back and replaces what can never be
+    valid as the whole decode does (~1 us a token instead of two decodes).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (),
@@ -190,6 +224,9 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # window start
         self._read_offset = 0  # end of the emitted tokens
         self._text = OutputText()   # appended without copying what came before
+        tables = tokenizer.byte_tables
+        self._bytes = None if tables is None else tables[skip_special_tokens]
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     @property
     def text(self) -> str:
@@ -204,11 +241,20 @@ class IncrementalDetokenizer:
     def step(self, new_token_ids: Sequence[int]) -> str:
         """Append generated tokens; returns the text that became final (maybe "")."""
         self._ids.extend(new_token_ids)
-        return self._emit(final=False)
+        if self._bytes is None:
+            return self._emit(final=False)
+        table, size = self._bytes, len(self._bytes)
+        delta = self._utf8.decode(b"".join([table[i] if 0 <= i < size else b"" for i in new_token_ids]))
+        self._text += delta
+        return delta
 
     def flush(self) -> str:
         """At finish: the text held back, decoded as HF would show it (an unfinished character as U+FFFD)."""
-        return self._emit(final=True)
+        if self._bytes is None:
+            return self._emit(final=True)
+        delta = self._utf8.decode(b"", final=True)
+        self._text += delta
+        return delta
 
     def _emit(self, final: bool) -> str:
         if self._read_offset == len(self._ids):
@@ -359,6 +405,15 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
+
+
+@functools.cache
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet undone: the printable symbol standing for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    shifted = [b for b in range(256) if b not in printable]   # the others stand as 256, 257, ...
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
 
 
 @functools.lru_cache(maxsize=32)

@@ -117,6 +117,15 @@ def tok(config_folder: Path) -> Tokenizer:
     return Tokenizer.from_folder(config_folder)
 
 
+@pytest.fixture(scope="module", params=["bytes", "library"])
+def detok_tok(request: pytest.FixtureRequest, config_folder: Path) -> Tokenizer:
+    """The byte-level tokenizer, its detokenizer on either path: its byte tables, or the library's decode."""
+    tokenizer = Tokenizer.from_folder(config_folder)
+    if request.param == "library":
+        tokenizer.byte_tables = None   # the cached property, answered in advance
+    return tokenizer
+
+
 @pytest.fixture(scope="module", params=["config", "jinja"])
 def chat_tok(request: pytest.FixtureRequest) -> Tokenizer:
     """Our tokenizer with the template in either form."""
@@ -357,56 +366,57 @@ def test_missing_tokenizer_json(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("text", _MULTIBYTE + _CORPUS)
-def test_detokenizer_token_by_token(tok: Tokenizer, hf_tok: Any, text: str) -> None:
-    ids = tok.encode(text, add_special_tokens=False)
-    deltas = _assert_stream(tok, ids, [1] * len(ids), hf_tok.decode(ids, skip_special_tokens=True))
+def test_detokenizer_token_by_token(detok_tok: Tokenizer, hf_tok: Any, text: str) -> None:
+    ids = detok_tok.encode(text, add_special_tokens=False)
+    deltas = _assert_stream(detok_tok, ids, [1] * len(ids), hf_tok.decode(ids, skip_special_tokens=True))
     assert deltas[-1] == ""  # valid text: nothing left for flush
 
 
 @_HYPOTHESIS
 @given(text=st.sampled_from(_MULTIBYTE), data=st.data())
-def test_detokenizer_random_chunks(tok: Tokenizer, hf_tok: Any, text: str, data: st.DataObject) -> None:
-    ids = tok.encode(text, add_special_tokens=False)
+def test_detokenizer_random_chunks(detok_tok: Tokenizer, hf_tok: Any, text: str, data: st.DataObject) -> None:
+    ids = detok_tok.encode(text, add_special_tokens=False)
     chunks = data.draw(st.lists(st.integers(0, 4), max_size=len(ids)))
-    _assert_stream(tok, ids, chunks, hf_tok.decode(ids, skip_special_tokens=True))
+    _assert_stream(detok_tok, ids, chunks, hf_tok.decode(ids, skip_special_tokens=True))
 
 
 @_HYPOTHESIS
 @given(ids=st.lists(st.integers(0, 49151), max_size=20), chunks=st.lists(st.integers(0, 3), max_size=20),
        skip_special_tokens=st.booleans())
-def test_detokenizer_random_ids(tok: Tokenizer, hf_tok: Any, ids: list[int], chunks: list[int],
+def test_detokenizer_random_ids(detok_tok: Tokenizer, hf_tok: Any, ids: list[int], chunks: list[int],
                                 skip_special_tokens: bool) -> None:
-    _assert_stream(tok, ids, chunks, hf_tok.decode(ids, skip_special_tokens=skip_special_tokens),
+    _assert_stream(detok_tok, ids, chunks, hf_tok.decode(ids, skip_special_tokens=skip_special_tokens),
                    skip_special_tokens)
 
 
 @_HYPOTHESIS
 @given(data=st.data())
-def test_detokenizer_split_multibyte_tokens(tok: Tokenizer, hf_tok: Any, data: st.DataObject) -> None:
+def test_detokenizer_split_multibyte_tokens(detok_tok: Tokenizer, hf_tok: Any, data: st.DataObject) -> None:
     # pieces of multi-byte characters (byte tokens), interleaved with specials and whole tokens
-    pieces = [tok.encode(c, add_special_tokens=False) for c in "😀👍🏽日é\u0301𝔘"]
+    pieces = [detok_tok.encode(c, add_special_tokens=False) for c in "😀👍🏽日é\u0301𝔘"]
     pool = sorted({i for p in pieces for i in p} | {0, 1, 2, 28120, 216})
     ids = data.draw(st.lists(st.sampled_from(pool), max_size=16))
     skip = data.draw(st.booleans())
-    _assert_stream(tok, ids, [1] * len(ids), hf_tok.decode(ids, skip_special_tokens=skip), skip)
+    _assert_stream(detok_tok, ids, [1] * len(ids), hf_tok.decode(ids, skip_special_tokens=skip), skip)
 
 
-def test_detokenizer_ignores_prompt_context(tok: Tokenizer) -> None:
-    prompt = tok.encode_chat([{"role": "user", "content": "Say hi 😀"}])
-    ids = tok.encode(" Hi there 😀! 日本", add_special_tokens=False)
-    reference = tok.decode(ids)
-    assert (_assert_stream(tok, ids, [1] * len(ids), reference, prompt_ids=prompt)
-            == _assert_stream(tok, ids, [1] * len(ids), reference))
+def test_detokenizer_ignores_prompt_context(detok_tok: Tokenizer) -> None:
+    prompt = detok_tok.encode_chat([{"role": "user", "content": "Say hi 😀"}])
+    ids = detok_tok.encode(" Hi there 😀! 日本", add_special_tokens=False)
+    reference = detok_tok.decode(ids)
+    assert (_assert_stream(detok_tok, ids, [1] * len(ids), reference, prompt_ids=prompt)
+            == _assert_stream(detok_tok, ids, [1] * len(ids), reference))
 
 
-def test_detokenizer_flush_shows_unfinished_character(tok: Tokenizer, hf_tok: Any) -> None:
-    ids = tok.encode("ok 😀", add_special_tokens=False)
+def test_detokenizer_flush_shows_unfinished_character(detok_tok: Tokenizer, hf_tok: Any) -> None:
+    ids = detok_tok.encode("ok 😀", add_special_tokens=False)
     cut = ids[:-1]  # the emoji's last byte token is missing
-    deltas = _assert_stream(tok, cut, [1] * len(cut), hf_tok.decode(cut))
+    deltas = _assert_stream(detok_tok, cut, [1] * len(cut), hf_tok.decode(cut))
     assert deltas[-1].endswith("\ufffd") and not any("\ufffd" in d for d in deltas[:-1])
 
 
 def test_detokenizer_window_stays_small(tok: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the library path: each step decodes a window of a few tokens, not the output
     ids = tok.encode(" ".join(_MULTIBYTE * 20), add_special_tokens=False)
     decode, window_lens = tok.decode, []
 
@@ -414,6 +424,7 @@ def test_detokenizer_window_stays_small(tok: Tokenizer, monkeypatch: pytest.Monk
         window_lens.append(len(window))
         return decode(window, skip_special_tokens)
 
+    monkeypatch.setattr(tok, "byte_tables", None)
     monkeypatch.setattr(tok, "decode", recording_decode)
     detok = IncrementalDetokenizer(tok)
     for i in ids:
@@ -421,6 +432,26 @@ def test_detokenizer_window_stays_small(tok: Tokenizer, monkeypatch: pytest.Monk
     monkeypatch.undo()
     assert detok.text + detok.flush() == tok.decode(ids)
     assert len(ids) > 1000 and max(window_lens) <= 8
+
+
+def test_byte_tables_are_the_decoders_bytes(tok: Tokenizer, sp_tok: Tokenizer, hf_tok: Any,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    keep, skip = tok.byte_tables
+    assert len(keep) == len(skip) == tok.vocab_size
+    checked = 0
+    for i, data in enumerate(keep):   # every id whose bytes are text on their own decodes to them
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            continue
+        assert text == tok._backend.decode([i], skip_special_tokens=False), i
+        checked += 1
+    assert checked > 45_000 and all(skip[i] == b"" for i in tok._skipped_ids) and keep[2] == b"<|im_end|>"
+    assert sp_tok.byte_tables is None   # sentencepiece + byte fallback: the library decodes
+    # the byte path never calls decode, and gives what HF gives
+    monkeypatch.setattr(tok, "decode", None)
+    ids = tok.encode("tables 😀 日本 é", add_special_tokens=False) + [2, 0]
+    _assert_stream(tok, ids, [1] * len(ids), hf_tok.decode(ids, skip_special_tokens=True))
 
 
 _SP_BYTE = 3  # id of <0x00> in the sentencepiece folder
