@@ -71,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf", action="store_true", help="measure our engine only")
     p.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no decode graphs (the device key enforce_eager), to compare with them")
+    p.add_argument("--async-scheduling", choices=("auto", "on", "off"), default="auto",
+                   help="overlapped steps (the device key async_scheduling): auto (on for CUDA), on, off")
     p.add_argument("--also-torch-linear", action="store_true",
                    help="on a CPU, also run our engine with CLIFFGUARD_CPU_LINEAR=torch (torch's sgemm instead "
                    "of packed oneDNN linears), in the same run")
@@ -336,8 +338,9 @@ def build_engine(args: argparse.Namespace, model: str):
     kv_mib = args.kv_cache_mib or (8192 if on_cuda else 2048)
     _, config = plan_single_pool(model, device=args.device, dtype=args.dtype, kv_cache_bytes=kv_mib << 20,
                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048)
+    overlap = {"auto": None, "on": True, "off": False}[getattr(args, "async_scheduling", "auto")]
     return LLMEngine(replace(config, random_weights=args.random_weights,
-                             enforce_eager=getattr(args, "enforce_eager", False)))
+                             enforce_eager=getattr(args, "enforce_eager", False), async_scheduling=overlap))
 
 
 def _run(args: argparse.Namespace, model: str, hf_batch_sizes: list[int]) -> int:

@@ -14,7 +14,8 @@
 # restart step times a CUDA worker's restart, forked and spawned (`bench restart`); the hostcost step runs
 # `bench hostcost` on CUDA (the host's share of a decode step of a deep, narrow model, beside transformers);
 # the engine step runs the 8B shape with decode graphs (the default) and the eager step the same with
-# --enforce-eager; the tests step includes greedy output with graphs against without (test_cuda_graphs.py). The device machine lacks msgspec (the worker protocol): carry
+# --enforce-eager, the sync step with --async-scheduling off (no overlapped steps); the tests step includes greedy
+# output with graphs against without (test_cuda_graphs.py) and no stream synchronize in a step's launch (test_overlap.py). The device machine lacks msgspec (the worker protocol): carry
 # its wheel in `.whl` and install it first (see the device tool's notes). Logs go to $OUT (or ./gpu-out); the last lines printed are a short summary.
 set -u
 OUT=${OUT:-gpu-out}
@@ -44,16 +45,18 @@ for pool in config["pools"]:
 yaml.safe_dump(config, open(f"{sim}/chaos.yaml", "w"), sort_keys=False)
 PYEOF
 }
-for what in ${GPU_STEPS:-tests kernels engine eager hostcost}; do
+for what in ${GPU_STEPS:-tests kernels engine sync eager hostcost}; do
   case $what in
     tests)   step gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton.py \
                tests/kernels/test_triton_prefill.py tests/kernels/test_triton_fused.py tests/engine/test_sampling.py \
-               tests/engine/test_cuda_graphs.py ;;
+               tests/engine/test_cuda_graphs.py tests/engine/test_overlap.py ;;
     kernels) step bench_kernels $CLI bench kernels ;;
     hostcost) step bench_hostcost $CLI bench hostcost --device cuda --lengths 100,1000 ;;
     engine)  step bench_engine $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 ;;
     eager)   step bench_engine_eager $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
                --skip-hf --enforce-eager ;;
+    sync)    step bench_engine_sync $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
+               --skip-hf --async-scheduling off ;;
     simulate) smollm2 && printf '%s\n' 'devices:' '  gpu: {device: cuda, memory: 4GiB, dtype: bfloat16}' 'pools:' \
                 '  - name: chat' "    model: $SIM/smollm2" '    device: gpu' '    kv_cache_bytes: 128MiB' \
                 '    avg_len: 512' '    max_model_len: 2048' '    max_num_batched_tokens: 512' > "$SIM/pools.yaml" &&

@@ -196,3 +196,16 @@ def derive_slo(engine: Any, pool: str, min_share: float = 0.0) -> tuple[LatencyS
     if step is None:
         return None
     return slo_from_step(step, min_share), step, batch, context
+
+
+def derive_slos(engine: Any) -> dict[str, tuple[LatencySLO, float, int, int]]:
+    """Every pool under isolation by default gets its SLO from this device's measured step (`derive_slo`,
+    keeping room for the largest throughput pool's min_share, `slo_share`), set on the composer:
+    pool -> (slo, step seconds, batch, context) of those measured. Sets `engine.slo_share`."""
+    derived = {}
+    engine.slo_share = slo_share(p.min_share for p in engine.config.pools if p.slo is None)
+    for pool in engine.config.pools:
+        if pool.derive_slo and (result := derive_slo(engine, pool.name, engine.slo_share)) is not None:
+            engine.composer.set_slo(pool.name, result[0])
+            derived[pool.name] = result
+    return derived

@@ -376,6 +376,7 @@ class EngineConfig:
     gpu_ids: tuple[int, ...] = ()   # CUDA: each rank's GPU index (empty: the device's index + rank)
     cpu_threads: int = 0            # torch threads of each rank (0: torch's default)
     enforce_eager: bool = False     # CUDA: no decode graphs (engine.cuda_graphs); every step launched eagerly
+    async_scheduling: bool | None = None   # overlapped steps (engine.overlap); None: on CUDA with one rank
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -388,6 +389,10 @@ class EngineConfig:
             raise ConfigError(f"gpu_ids: must be {tp} distinct GPU indices (one per rank), got {list(self.gpu_ids)}")
         if not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"enforce_eager: must be true or false, got {self.enforce_eager!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise ConfigError(f"async_scheduling: must be true, false or unset, got {self.async_scheduling!r}")
+        if self.async_scheduling and tp > 1:
+            raise ConfigError(f"async_scheduling: overlapped steps run on one rank; tensor_parallel_size is {tp}")
         if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
             raise ConfigError(f"cpu_threads: must be an integer >= 0, got {self.cpu_threads!r}")
         names = [p.name for p in self.pools]

@@ -7,6 +7,8 @@ import torch
 from engine.scheduler import Scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
+from kernels.transfer import to_device
+
 
 class SampleForks:
     """n > 1, in one place. A request's first sample prefills the prompt alone; its siblings wait
@@ -48,7 +50,7 @@ class SampleForks:
             seq.num_pending_forks = 0
         if not extra:
             return logits, sampled
-        rows = torch.tensor(extra_rows, device=logits.device)
+        rows = to_device(extra_rows, torch.int64, logits.device)
         return torch.cat([logits, logits.index_select(0, rows)]), sampled + extra
 
     def end(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:

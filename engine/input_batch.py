@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import AttentionMetadata
+from kernels.transfer import to_device, to_device_tensor
 
 
 @dataclass(frozen=True)
@@ -109,9 +110,10 @@ class InputBatch:
         for u in updates:
             self._host[u.row, u.start:u.start + len(u.block_ids)] = torch.tensor(u.block_ids, dtype=torch.int32)
         if not self.on_host:
-            rows = torch.tensor(sorted({u.row for u in updates}))
-            changed = self._host.index_select(0, rows).pin_memory()
-            self.block_tables.index_copy_(0, rows.to(self.device), changed.to(self.device, non_blocking=True))
+            rows = sorted({u.row for u in updates})
+            changed = self._host.index_select(0, torch.tensor(rows))
+            self.block_tables.index_copy_(0, to_device(rows, torch.int64, self.device),
+                                          to_device_tensor(changed, self.device))
 
     def prepare(self, input_ids: Sequence[int], positions: Sequence[int], rows: Sequence[int],
                 query_lens: Sequence[int], seq_lens: Sequence[int]
@@ -121,7 +123,7 @@ class InputBatch:
         num_tokens, num_seqs = len(input_ids), len(rows)
         packed = torch.tensor([*input_ids, *positions, *rows, *query_lens, *seq_lens], dtype=torch.int64)
         if not self.on_host:
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
+            packed = to_device_tensor(packed, self.device)
         ids, pos, row_t, q_lens, s_lens = packed.split([num_tokens, num_tokens, num_seqs, num_seqs, num_seqs])
         width = -(-max(seq_lens) // self.block_size) if seq_lens else 0
         tables = self.block_tables[:, :width].index_select(0, row_t)                   # [num_seqs, width]
@@ -147,4 +149,4 @@ class InputBatch:
             self.block_tables = self._host = grown
         else:
             self._host = grown.pin_memory()
-            self.block_tables = grown.to(self.device)
+            self.block_tables = to_device_tensor(grown, self.device)   # its own pinned copy: _host changes next

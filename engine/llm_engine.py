@@ -17,12 +17,11 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
 
 import torch
 
 from engine.capacity import DEFAULT_BLOCK_SIZE
-from engine.calibration import derive_slo, slo_share, warm_up
+from engine.calibration import derive_slos, warm_up
 from engine.composer import ComposedStep, StepComposer
 from engine.config import (CacheConfig, ConfigError, EngineConfig, LatencySLO, ModelConfig, PoolConfig,
                            SchedulerConfig)
@@ -33,9 +32,10 @@ from engine.model import build_model
 from engine.model_runner import ModelRunner, follower_main
 from engine.parallel import ShardShape, TensorParallelGroup
 from engine.outputs import RequestOutput, RequestState
-from engine.sampling import Sampler, SamplerOutput, SamplingParams, SamplingRow, make_generator
-from engine.scheduler import (RequestTooLargeError, ScheduledSeq, Scheduler, SchedulerOutput, build_scheduler,
-                              commit_step, observe_step_time)
+from engine.overlap import LaunchedStep, ScheduledStep, StepClock, overlap_applies
+from engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
+from engine.scheduler import (RequestTooLargeError, Scheduler, SchedulerOutput, build_scheduler, commit_step,
+                              observe_step_time)
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.stats import Laps, StepStats
 from engine.structured import GrammarCompiler, PendingGrammars
@@ -49,26 +49,6 @@ log = logging.getLogger("cliffguard.engine")
 
 class RequestError(ValueError):
     """A request was refused at submission; the message names the offending field."""
-
-
-@dataclass
-class _ScheduledStep:
-    """What `_schedule` chose for one step, across pools."""
-
-    composed: ComposedStep
-    batch: list[ScheduledSeq]        # every pool's scheduled sequences: one forward pass
-    ended: list[Sequence]            # sequences a scheduler ended on its own (its pool cannot hold them)
-    stats: StepStats
-    started: float                   # perf_counter() when the step began
-
-
-@dataclass
-class _ExecutedStep:
-    """What `_execute` computed: the sequences that produced a token, and the tokens."""
-
-    sampled: list[Sequence] = field(default_factory=list)
-    tokens: SamplerOutput | None = None
-    forward_started: float = 0.0
 
 
 class LLMEngine:
@@ -136,7 +116,7 @@ class LLMEngine:
         lap("schedulers")
         warm_up(self)
         lap("warm-up")
-        self.derived_slos = self._derive_slos()
+        self.derived_slos = derive_slos(self)
         lap("slo")
         self.default_pool = config.pools[0].name
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
@@ -145,21 +125,11 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                         sorted(self.eos_token_ids))
         self._building = PendingGrammars(self.grammars)   # requests whose grammar is being built
+        self.overlap = overlap_applies(config.async_scheduling, self.device, config.tensor_parallel_size)
+        self._in_flight: LaunchedStep | None = None   # overlapped: the step launched, its tokens not yet read
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.last_step = StepStats()
-
-    def _derive_slos(self) -> dict[str, tuple[LatencySLO, float, int, int]]:
-        """Pools under isolation by default get their SLO from this device's measured step
-        (`engine.calibration.derive_slo`, keeping room for the largest throughput pool's min_share,
-        `slo_share`): pool -> (slo, step seconds, batch, context) of those measured."""
-        derived = {}
-        self.slo_share = slo_share(p.min_share for p in self.config.pools if p.slo is None)
-        for pool in self.config.pools:
-            if pool.derive_slo and (result := derive_slo(self, pool.name, self.slo_share)) is not None:
-                self.composer.set_slo(pool.name, result[0])
-                derived[pool.name] = result
-        return derived
 
     def _load_model(self) -> None:
         """The tokenizer and this rank's weights (random ones if the config asks)."""
@@ -310,24 +280,33 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         """Whether `step()` would run anything: unfinished requests that are not all paused."""
-        return bool(self._building) or any(s.has_work for s in self.schedulers.values())
+        return bool(self._building) or self._in_flight is not None or any(s.has_work for s in self.schedulers.values())
 
     # --- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Compose the step across pools, run one merged forward pass, sample, and report what changed."""
-        if not self.has_work():   # nothing to run, or only paused requests
+        """Compose the step across pools, launch one merged forward pass and its sampling, and report what
+        changed: this step's tokens, or with overlapped steps (`engine.overlap`) the step before's, read
+        once this one is queued behind it."""
+        previous, self._in_flight = self._in_flight, None
+        if not self.has_work():   # nothing to run, or only paused requests: what is in flight settles
             self.last_step = StepStats()
-            return []
+            return self._postprocess(previous) if previous is not None else []
         started = time.perf_counter()
-        failed = self._admit_built_grammars()
+        outputs = self._admit_built_grammars()
+        if previous is not None and any(s.grammar is not None for s in previous.sampled):
+            outputs += self._postprocess(previous)   # a grammar masks the next token by this one's value
+            previous = None
         scheduled = self._schedule()
-        if not scheduled.batch and self._building:   # nothing to run until a grammar is built: do not spin
+        if not scheduled.batch and self._building and previous is None:   # nothing until a grammar is built
             self._building.wait()
         scheduled.stats.phases["schedule"] = time.perf_counter() - started
-        executed = self._execute(scheduled)
-        started = time.perf_counter()
-        outputs = failed + self._postprocess(scheduled, executed)
-        scheduled.stats.phases["outputs"] = time.perf_counter() - started
+        launched = self._execute(scheduled)
+        if previous is not None:
+            outputs += self._postprocess(previous)
+        if launched.tokens is not None and self.overlap:
+            self._in_flight = launched
+        else:
+            outputs += self._postprocess(launched)
         return outputs
 
     def _admit_built_grammars(self) -> list[RequestOutput]:
@@ -349,7 +328,7 @@ class LLMEngine:
                 self._forget(request)
         return failed
 
-    def _schedule(self) -> _ScheduledStep:
+    def _schedule(self) -> ScheduledStep:
         """Every pool's batch (the composer decides across pools), with the block copies it needs done."""
         started = time.perf_counter()
         composed = self.composer.schedule()
@@ -360,7 +339,7 @@ class LLMEngine:
                           target_seconds=composed.target_seconds, predicted_seconds=composed.predicted_seconds,
                           pressed=list(composed.pressed),
                           pool_tokens={name: out.num_batched_tokens for name, out in composed.outputs.items()})
-        scheduled = _ScheduledStep(composed, [], [], stats, started)
+        scheduled = ScheduledStep(composed, [], [], stats, started)
         for name, out in composed.outputs.items():
             scheduled.batch.extend(out.scheduled)
             scheduled.ended.extend(out.finished)
@@ -376,40 +355,58 @@ class LLMEngine:
                 request.first_scheduled_time, request.num_cached_tokens = scheduled_at, item.seq.num_computed_tokens
         return scheduled
 
-    def _execute(self, scheduled: _ScheduledStep) -> _ExecutedStep:
-        """One forward pass over the merged batch; forks the samples whose prefill ended; samples."""
+    def _execute(self, scheduled: ScheduledStep) -> LaunchedStep:
+        """One forward pass over the merged batch; forks the samples whose prefill ended; queues the sampling.
+        With overlap each sampled sequence counts its token as a placeholder, filled on the device in
+        the next step's inputs."""
+        launched = LaunchedStep(scheduled, clock=StepClock(self.device) if self.overlap else None)
         if not scheduled.batch:
-            return _ExecutedStep()
-        forward_started = time.perf_counter()
+            return launched
+        launched.forward_started = time.perf_counter()
         logits, sampled = self.runner.execute(scheduled.batch)
         # Launched: on CUDA the device runs the forward pass while the host does the step's bookkeeping,
         # the forks and the sampling rows, and queues the sampling kernels behind it.
-        launched = time.perf_counter()
-        stats = scheduled.stats
+        forward_launched = time.perf_counter()
         commit_step(self.schedulers, scheduled.batch)
-        logits, sampled = self._forks.fork(logits, sampled)
-        tokens = None
-        if sampled:
+        logits, launched.sampled = self._forks.fork(logits, sampled)
+        if launched.sampled:
             rows = [SamplingRow(s.params, s.generator, s.num_output_tokens, self.eos_token_ids, s.token_ids,
-                                s.grammar, s.seq_id) for s in sampled]
-            tokens = self.sampler(logits, rows)   # its tokens reach the host when the device is done
-        self.runner.synchronize()   # the step's time is the device's, not its launch's (nothing sampled)
-        done = time.perf_counter()
-        observe_step_time(self.schedulers, stats.num_prefill_tokens, stats.num_decode_tokens, done - forward_started)
-        phases = stats.phases
+                                s.grammar, s.seq_id) for s in launched.sampled]
+            launched.tokens = self.sampler.launch(logits, rows)   # its tokens reach the host when read
+        if launched.clock is not None:
+            launched.clock.stop()
+            if launched.tokens is not None:
+                for row, seq in enumerate(launched.sampled):
+                    seq.add_pending(row)
+                self.runner.pending_tokens = launched.tokens.token_ids
+        phases = scheduled.stats.phases
         phases["inputs"] = self.runner.last_inputs_seconds
-        phases["forward"] = launched - forward_started - phases["inputs"]
-        phases["sample"] = done - launched
-        return _ExecutedStep(sampled, tokens, forward_started)
+        phases["forward"] = forward_launched - launched.forward_started - phases["inputs"]
+        phases["sample"] = time.perf_counter() - forward_launched
+        return launched
 
-    def _postprocess(self, scheduled: _ScheduledStep, executed: _ExecutedStep) -> list[RequestOutput]:
-        """Append the sampled tokens (stop checks, detokenization) and report every request touched."""
+    def _postprocess(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Read the step's tokens (the wait for the device counts as sampling), append them (stop checks,
+        detokenization) and report every request touched. A sequence that ended while the step was in
+        flight (an abort, a stop in the step before) has its token dropped."""
+        scheduled, started = launched.scheduled, time.perf_counter()
+        tokens = launched.tokens.output() if launched.tokens is not None else None
+        if launched.clock is None and scheduled.batch:
+            self.runner.synchronize()   # the step's time is the device's, not its launch's (nothing sampled)
+        done = time.perf_counter()
+        stats = scheduled.stats
+        device_seconds = launched.clock.seconds() if launched.clock else done - launched.forward_started
+        if scheduled.batch:
+            observe_step_time(self.schedulers, stats.num_prefill_tokens, stats.num_decode_tokens, device_seconds)
+            stats.phases["sample"] = stats.phases.get("sample", 0.0) + done - started
         touched: dict[str, list[Sequence]] = {}
         for seq in scheduled.ended:
             touched.setdefault(seq.request_id, []).append(seq)
-        now, tokens = time.monotonic(), executed.tokens
+        now = time.monotonic()
         first_tokens = []                  # (pool, seconds since arrival), told the composer after the step
-        for i, seq in enumerate(executed.sampled):
+        for i, seq in enumerate(launched.sampled):
+            if seq.is_finished:
+                continue
             self.schedulers[seq.pool].stats.num_generated_tokens += 1
             self._append_token(seq, tokens.token_ids[i], tokens.logprobs[i], tokens.top_logprobs[i])
             request = self.requests[seq.request_id]
@@ -418,14 +415,17 @@ class LLMEngine:
                 first_tokens.append((seq.pool, now - request.arrival_time))
             touched.setdefault(seq.request_id, []).append(seq)
         # The last report of a request carries every sample, the untouched ones with empty deltas.
-        outputs = [self._finish_or_report(self.requests[rid], seqs) for rid, seqs in touched.items()]
+        outputs = [self._finish_or_report(self.requests[rid], seqs) for rid, seqs in touched.items()
+                   if rid in self.requests]
         if scheduled.batch:
             finished_at = time.perf_counter()
-            self.composer.observe(scheduled.composed, finished_at - executed.forward_started, finished_at)
+            self.composer.observe(scheduled.composed, device_seconds if launched.clock else
+                                  finished_at - launched.forward_started, finished_at)
             for pool, seconds in first_tokens:
                 self.composer.observe_first_token(pool, seconds, finished_at)
-            scheduled.stats.seconds = finished_at - scheduled.started
-        self.last_step = scheduled.stats
+            stats.seconds = finished_at - scheduled.started
+        stats.phases["outputs"] = time.perf_counter() - done
+        self.last_step = stats
         return outputs
 
     def _move_blocks(self, pool: str, scheduler: Scheduler, out: SchedulerOutput) -> None:

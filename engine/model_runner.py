@@ -20,11 +20,13 @@ from engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
 from engine.input_batch import InputBatch
 from engine.kv_cache import KVCache, SwapSpace
 from engine.model import LlamaForCausalLM, build_model
+from engine.overlap import fill_pending
 from engine.parallel import (Collectives, FollowerArgs, RankSetup, ShardShape, StepPlan, TensorParallelGroup,
                              die_with_parent, join_group, receive_plan)
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from kernels import get_backend
+from kernels.transfer import to_device
 
 log = logging.getLogger("cliffguard.engine")
 
@@ -41,6 +43,7 @@ class _Forward:
     input_batch: InputBatch
     last_inputs_seconds: float = 0.0   # host seconds the last `run` spent making its inputs
     graphs: DecodeGraphs | None = None   # decode steps as CUDA graph replays (`capture_graphs`)
+    pending_tokens: torch.Tensor | None = None   # overlapped steps: the step in flight's sampled ids [num_sampled]
 
     def _grad_mode(self):
         # gloo collectives need autograd's bookkeeping off the tensors, not inference tensors
@@ -58,6 +61,8 @@ class _Forward:
             self.input_batch.apply(plan.row_updates)
             input_ids, positions, meta = self.input_batch.prepare(plan.input_ids, plan.positions, plan.rows,
                                                                   plan.query_lens, plan.seq_lens)
+            if self.pending_tokens is not None and min(plan.input_ids) < 0:   # placeholders (engine.overlap)
+                input_ids = fill_pending(input_ids, self.pending_tokens)
             self.last_inputs_seconds = time.perf_counter() - started
             if self.graphs is not None and self.graphs.can_run(plan.query_lens):
                 hidden = self.graphs.run(input_ids, positions, meta)
@@ -65,7 +70,7 @@ class _Forward:
                 hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)
             if not plan.sample_rows:
                 return None
-            rows = torch.tensor(plan.sample_rows, dtype=torch.int64, device=device)
+            rows = to_device(plan.sample_rows, torch.int64, device)
             return self.model.compute_logits(hidden[rows])
 
     def compile_kernels(self) -> None:

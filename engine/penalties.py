@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.transfer import to_device
+
 
 class PenaltyCounts:
     """Per-sequence token counts on the device, for the penalties, kept from step to step.
@@ -49,7 +51,7 @@ class PenaltyCounts:
                 else:
                     self._rows[row.key] = index
             rows.append(index)
-        return torch.tensor(rows, dtype=torch.int64, device=self.device), temporary
+        return to_device(rows, torch.int64, self.device), temporary
 
     def record(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Add one sampled token to each row: rows, token_ids [n] on the device."""
@@ -70,12 +72,12 @@ class PenaltyCounts:
             self._grow()
         index = self._free.pop()
         prompt_len = len(row.token_ids) - row.num_output_tokens
-        prompt = torch.tensor(row.token_ids[:prompt_len], dtype=torch.int64, device=self.device)
-        output = torch.tensor(row.token_ids[prompt_len:], dtype=torch.int64, device=self.device)
+        prompt = to_device(row.token_ids[:prompt_len], torch.int64, self.device)
+        output = to_device(row.token_ids[prompt_len:], torch.int64, self.device)
         self.counts[index].zero_()
         self.in_prompt[index].zero_()
         self.in_prompt[index, prompt[prompt < self.vocab_size]] = True
-        output = output[output < self.vocab_size]   # ids past the logits are never sampled
+        output = output[(output >= 0) & (output < self.vocab_size)]   # not placeholders, nor past the logits
         self.counts[index].index_put_((output,), torch.ones_like(output, dtype=torch.int32), accumulate=True)
         return index
 
@@ -94,7 +96,7 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence, idx: list[int],
     step's sampling rows (`engine.sampling.SamplingRow`s)."""
     # logits: [num_rows, vocab] float32
     device, vocab_size = logits.device, logits.shape[1]
-    idx_t = torch.tensor(idx, device=device)
+    idx_t = to_device(idx, torch.int64, device)
     x = logits[idx_t]                                           # [num_adjusted, vocab], a copy
     sub = [rows[i] for i in idx]
     if any(row.params.logit_bias for row in sub):
@@ -105,22 +107,22 @@ def adjust_logits(logits: torch.Tensor, rows: Sequence, idx: list[int],
             token_ids += [t for t, _ in pairs]
             values += [v for _, v in pairs]
         if row_ids:
-            x.index_put_((torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device)),
-                         torch.tensor(values, dtype=torch.float32, device=device), accumulate=True)
+            x.index_put_((to_device(row_ids, torch.int64, device), to_device(token_ids, torch.int64, device)),
+                         to_device(values, torch.float32, device), accumulate=True)
     penalized = [j for j, row in enumerate(sub) if row.params.penalizes]
     if penalized:
         every = len(penalized) == len(sub)
-        pen_t = None if every else torch.tensor(penalized, device=device)
+        pen_t = None if every else to_device(penalized, torch.int64, device)
         y = x if every else x[pen_t]                              # [num_penalized, vocab]
         params = [sub[j].params for j in penalized]
         counts = penalties.counts[penalty_rows]                   # [num_penalized, vocab] int32
         if any(p.repetition_penalty != 1 for p in params):
             seen = penalties.in_prompt[penalty_rows] | (counts > 0)
-            penalty = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+            penalty = to_device([p.repetition_penalty for p in params], torch.float32, device).unsqueeze(1)
             y = torch.where(seen, torch.where(y > 0, y / penalty, y * penalty), y)
         if any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params):
-            frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
-            presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+            frequency = to_device([p.frequency_penalty for p in params], torch.float32, device).unsqueeze(1)
+            presence = to_device([p.presence_penalty for p in params], torch.float32, device).unsqueeze(1)
             y = y - (counts * frequency + (counts > 0).float() * presence)
         if every:
             x = y

@@ -32,6 +32,7 @@ import torch
 
 from engine.penalties import PenaltyCounts, adjust_logits
 from engine.structured import GrammarMatcher, StructuredOutput, allocate_bitmask, allowed_tokens, fill_bitmask
+from kernels.transfer import to_device, to_host
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -257,6 +258,40 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]] | None]  # (token id, logprob), highest first; None where not asked
 
 
+class SampledTokens:
+    """A step's sampled tokens (and the logprobs asked for) while the device may still be computing them:
+    `token_ids` [num_rows] int64 stays on the device (the next step's inputs read it there), and
+    `output()` reads the values. On CUDA the copies to the host are queued behind the sampling kernels
+    into pinned memory and an event marks their end, so `output()` waits for this step only, not for
+    whatever was launched after it; elsewhere the values are already there."""
+
+    def __init__(self, token_ids: torch.Tensor, num_rows: int,
+                 logprobs: tuple[list[int], list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        self.token_ids = token_ids
+        self._num_rows, self._logprob_rows = num_rows, logprobs   # (rows, num_top, chosen, top values, top ids)
+        self._event = None
+        self._host = [token_ids, *(logprobs[2:] if logprobs else ())]
+        if token_ids.device.type == "cuda":
+            self._host = [to_host(t) for t in self._host]
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def output(self) -> SamplerOutput:
+        """The values, as Python lists (waits for the device to finish this step's sampling)."""
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, num_rows = self._host[0].tolist(), self._num_rows
+        logprobs: list[float | None] = [None] * num_rows
+        top_logprobs: list[list[tuple[int, float]] | None] = [None] * num_rows
+        if self._logprob_rows is not None:
+            rows, num_top = self._logprob_rows[:2]
+            chosen, top_values, top_ids = (t.tolist() for t in self._host[1:])
+            for j, i in enumerate(rows):
+                logprobs[i] = chosen[j]
+                top_logprobs[i] = list(zip(top_ids[j][:num_top[j]], top_values[j][:num_top[j]]))
+        return SamplerOutput(tokens, logprobs, top_logprobs)
+
+
 def _min_tokens_banned(row: SamplingRow) -> set[int]:
     """Token ids masked for this row now: stop_token_ids, plus EOS unless ignore_eos, until min_tokens."""
     params = row.params
@@ -272,7 +307,7 @@ def _take(x: torch.Tensor, idx: list[int]) -> torch.Tensor:
     """Rows `idx` (ascending) of x: x itself when idx is every row, else a gathered copy."""
     if len(idx) == x.shape[0]:
         return x
-    return x[torch.tensor(idx, device=x.device)]
+    return x[to_device(idx, torch.int64, x.device)]
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> None:
@@ -281,7 +316,7 @@ def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> None:
     vocab_size = logits.shape[1]
     ks = [min(k, vocab_size) if k > 0 else 0 for k in top_k]
     top_values = logits.topk(max(ks), dim=-1).values           # [num_rows, max_k], descending
-    k = torch.tensor(ks, device=logits.device)                 # [num_rows]
+    k = to_device(ks, torch.int64, logits.device)              # [num_rows]
     thresholds = top_values.gather(1, (k - 1).clamp_min(0).unsqueeze(1))  # [num_rows, 1]
     thresholds.masked_fill_((k == 0).unsqueeze(1), -math.inf)
     logits.masked_fill_(logits < thresholds, -math.inf)
@@ -292,7 +327,7 @@ def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> None:
     (at least one; ties with the last kept logit are kept too, as in top-k)."""
     # logits: [num_rows, vocab]
     # Rows with top_p == 1 get an infinite bound so rounding in the cumsum never drops their tail.
-    p = torch.tensor([q if q < 1.0 else math.inf for q in top_p], device=logits.device)  # [num_rows]
+    p = to_device([q if q < 1.0 else math.inf for q in top_p], torch.float32, logits.device)  # [num_rows]
     sorted_logits = logits.sort(dim=-1, descending=True).values    # [num_rows, vocab]
     sorted_probs = sorted_logits.softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1).sub_(sorted_probs)  # exclusive cumsum; 0 for the top token
@@ -312,21 +347,19 @@ def _apply_grammars(logits: torch.Tensor, rows: Sequence[SamplingRow], idx: list
     if len(idx) == logits.shape[0]:
         logits.add_(masked)
     else:
-        logits.index_add_(0, torch.tensor(idx, device=device), masked)
+        logits.index_add_(0, to_device(idx, torch.int64, device), masked)
 
 
-def _read_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow],
-                   logprob_idx: list[int], logprobs: list, top_logprobs: list) -> None:
-    """Fill `logprobs` and `top_logprobs` at `logprob_idx`: each row's chosen token's logprob and its top k.
-    raw_logprobs: [num_logprob_rows, vocab] (rows logprob_idx); token_ids: [num_rows]."""
+def _logprob_tensors(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow],
+                     logprob_idx: list[int]) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `SampledTokens` reads the logprobs from: (rows, each row's top k, the chosen tokens' logprobs
+    [num_logprob_rows], the top values and ids [num_logprob_rows, max_top]). raw_logprobs: rows
+    logprob_idx of the step's [num_rows, vocab]; token_ids: [num_rows]."""
     chosen_ids = _take(token_ids.unsqueeze(1), logprob_idx)                 # [num_logprob_rows, 1]
-    chosen = raw_logprobs.gather(1, chosen_ids).squeeze(1).tolist()
+    chosen = raw_logprobs.gather(1, chosen_ids).squeeze(1)
     num_top = [min(rows[i].params.logprobs, raw_logprobs.shape[1]) for i in logprob_idx]
     top_values, top_ids = raw_logprobs.topk(max(num_top), dim=-1)           # [num_logprob_rows, max_top]
-    top_values_list, top_ids_list = top_values.tolist(), top_ids.tolist()
-    for j, i in enumerate(logprob_idx):
-        logprobs[i] = chosen[j]
-        top_logprobs[i] = list(zip(top_ids_list[j][:num_top[j]], top_values_list[j][:num_top[j]]))
+    return logprob_idx, num_top, chosen, top_values, top_ids
 
 
 class Sampler:
@@ -349,6 +382,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Sample one token per row. logits: [num_rows, vocab_size], any float dtype; left unchanged."""
+        return self.launch(logits, rows).output()
+
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampledTokens:
+        """`__call__` without reading the tokens: the sampling is queued on the logits' device."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits: expected shape [{len(rows)}, vocab_size], got {list(logits.shape)}")
         num_rows, vocab_size = logits.shape
@@ -367,15 +404,14 @@ class Sampler:
         random_idx = [i for i, row in enumerate(rows) if not row.params.greedy]
 
         if not random_idx and not logprob_idx and not mask_rows and not adjust_idx and not grammar_idx:
-            token_ids = logits.argmax(dim=-1)  # [num_rows]
-            return SamplerOutput(token_ids.tolist(), [None] * num_rows, [None] * num_rows)
+            return SampledTokens(logits.argmax(dim=-1), num_rows)   # [num_rows]
 
         x = logits.to(torch.float32, copy=True)  # x: [num_rows, vocab]; ours to modify
         raw_logprobs = None
         if logprob_idx:
             raw_logprobs = torch.log_softmax(_take(x, logprob_idx), dim=-1)  # [num_logprob_rows, vocab]
         if mask_rows:
-            x[torch.tensor(mask_rows, device=device), torch.tensor(mask_tokens, device=device)] = -math.inf
+            x[to_device(mask_rows, torch.int64, device), to_device(mask_tokens, torch.int64, device)] = -math.inf
         if grammar_idx:
             _apply_grammars(x, rows, grammar_idx)
         penalty_idx = [i for i in adjust_idx if rows[i].params.penalizes]
@@ -391,11 +427,9 @@ class Sampler:
         if penalty_idx:
             self.penalties.record(penalty_rows, _take(token_ids, penalty_idx))
             self.penalties.free(temporary)
-        logprobs: list[float | None] = [None] * num_rows
-        top_logprobs: list[list[tuple[int, float]] | None] = [None] * num_rows
-        if raw_logprobs is not None:
-            _read_logprobs(raw_logprobs, token_ids, rows, logprob_idx, logprobs, top_logprobs)
-        return SamplerOutput(token_ids.tolist(), logprobs, top_logprobs)
+        if raw_logprobs is None:
+            return SampledTokens(token_ids, num_rows)
+        return SampledTokens(token_ids, num_rows, _logprob_tensors(raw_logprobs, token_ids, rows, logprob_idx))
 
     def _choose(self, x: torch.Tensor, rows: Sequence[SamplingRow], greedy_idx: list[int],
                 random_idx: list[int]) -> torch.Tensor:
@@ -405,8 +439,8 @@ class Sampler:
         if not greedy_idx:
             return self._sample(x, rows)
         token_ids = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
-        greedy_t = torch.tensor(greedy_idx, device=x.device)
-        random_t = torch.tensor(random_idx, device=x.device)
+        greedy_t = to_device(greedy_idx, torch.int64, x.device)
+        random_t = to_device(random_idx, torch.int64, x.device)
         token_ids[greedy_t] = x[greedy_t].argmax(dim=-1)
         token_ids[random_t] = self._sample(x[random_t], [rows[i] for i in random_idx])
         return token_ids
@@ -417,7 +451,7 @@ class Sampler:
         device = logits.device
         params = [row.params for row in rows]
         if any(p.temperature != 1.0 for p in params):
-            temperature = torch.tensor([p.temperature for p in params], device=device)  # [num_rows]
+            temperature = to_device([p.temperature for p in params], torch.float32, device)  # [num_rows]
             logits.div_(temperature.unsqueeze(1))
         if any(p.top_k > 0 for p in params):
             _apply_top_k(logits, [p.top_k for p in params])
@@ -425,7 +459,7 @@ class Sampler:
             _apply_top_p(logits, [p.top_p for p in params])
         probs = logits.softmax(dim=-1)  # [num_rows, vocab]
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device)  # [num_rows]
+            min_p = to_device([p.min_p for p in params], torch.float32, device)  # [num_rows]
             thresholds = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [num_rows, 1]
             # No renormalisation: argmax(probs / q) does not depend on a row's scale.
             probs.masked_fill_(probs < thresholds, 0.0)

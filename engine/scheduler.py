@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, NoFreeBlocksError
 from engine.config import ConfigError, PoolConfig, SchedulerConfig
+from engine.preemption_cost import PreemptionCostModel
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -75,43 +76,6 @@ class SchedulerStats:
     num_too_large: int = 0           # sequences ended because the pool could not hold them
     num_computed_tokens: int = 0     # tokens whose K/V the pool's steps computed (prefill, decode, recompute)
     num_generated_tokens: int = 0    # tokens sampled: new output only, never a recomputed one
-
-
-@dataclass
-class PreemptionCostModel:
-    """What `auto` compares per victim: swap round trip vs re-prefill, both from measurements.
-
-    `swap_bytes_per_second` is measured by the engine at start-up (device <-> CPU copies);
-    `prefill_seconds_per_token` is a running estimate from real prefill-heavy steps.
-    """
-
-    kv_bytes_per_token: int
-    swap_bytes_per_second: float | None = None
-    prefill_seconds_per_token: float | None = None
-    smoothing: float = 0.2
-
-    def swap_seconds(self, num_tokens: int) -> float | None:
-        if not self.swap_bytes_per_second:
-            return None
-        return 2 * num_tokens * self.kv_bytes_per_token / self.swap_bytes_per_second
-
-    def recompute_seconds(self, num_tokens: int) -> float | None:
-        if self.prefill_seconds_per_token is None:
-            return None
-        return num_tokens * self.prefill_seconds_per_token
-
-    def choose(self, num_tokens: int) -> str:
-        """'swap' or 'recompute' for a victim holding `num_tokens` computed tokens."""
-        swap, recompute = self.swap_seconds(num_tokens), self.recompute_seconds(num_tokens)
-        if swap is None or recompute is None:
-            return "recompute"  # nothing measured yet: the shared-nothing choice
-        return "swap" if swap < recompute else "recompute"
-
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens <= 0 or seconds <= 0:
-            return
-        sample, last, a = seconds / num_tokens, self.prefill_seconds_per_token, self.smoothing
-        self.prefill_seconds_per_token = sample if last is None else (1 - a) * last + a * sample
 
 
 class Scheduler:
@@ -222,7 +186,7 @@ class Scheduler:
         skipped = 0
         while len(out.scheduled) + skipped < len(self.running) and budget > 0:
             seq = self.running[len(out.scheduled) + skipped]
-            if self.is_paused(seq):
+            if self.is_paused(seq) or (seq.num_pending and seq.ends_when_known(self.max_model_len)):
                 skipped += 1
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
@@ -433,6 +397,7 @@ class Scheduler:
             self.swapped.remove(seq)
             self.swap_manager.free(seq.cpu_block_table)
         self.block_manager.free(seq.block_table)
+        seq.drop_pending()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         if reason is FinishReason.ABORT:
@@ -493,7 +458,7 @@ def commit_step(schedulers: Mapping[str, Scheduler], batch: Iterable[ScheduledSe
         seq = item.seq
         seq.num_computed_tokens += item.num_new_tokens
         scheduler = schedulers.get(seq.pool)
-        if scheduler is not None:
+        if scheduler is not None:   # blocks ending in a placeholder wait until its value is known
             scheduler.stats.num_computed_tokens += item.num_new_tokens
-            scheduler.block_manager.register_computed(seq.block_table, seq.token_ids, seq.num_computed_tokens,
-                                                      seq.cache_salt)
+            scheduler.block_manager.register_computed(seq.block_table, seq.token_ids, min(
+                seq.num_computed_tokens, seq.num_tokens - seq.num_pending), seq.cache_salt)

@@ -3,6 +3,12 @@
 A request with `n` samples owns `n` sequences. A sequence's `token_ids` hold the prompt and then its
 output; `num_computed_tokens` of them have K/V in the cache. Each step computes the next slice, and a
 step that reaches the end of `token_ids` samples one more token.
+
+With overlapped steps (`engine.overlap`) a sampled token is counted before its value is known: the
+engine appends a placeholder (`pending_token`, a negative id naming the token's row in its step's
+sampled ids) and the next step is scheduled and launched with it; `append_token` later writes the
+value over the oldest placeholder. `num_pending` counts the placeholders at the end of `token_ids`
+(0 when steps do not overlap).
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class Sequence:
     num_emitted_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_pending: int = 0             # placeholders at the end of token_ids: sampled, values not read yet
 
     @property
     def num_tokens(self) -> int:
@@ -72,8 +79,30 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_known_output_tokens(self) -> int:
+        """Output tokens whose values are known (`num_output_tokens` less the placeholders)."""
+        return len(self.token_ids) - self.num_pending - self.num_prompt_tokens
+
+    @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_pending]
+
+    def ends_when_known(self, max_model_len: int) -> bool:
+        """Whether a placeholder's token ends the sequence whatever its value (max_tokens or max_model_len
+        reached): the scheduler computes nothing after it."""
+        return bool(self.num_pending) and (self.num_output_tokens >= self.max_tokens
+                                           or self.num_tokens >= max_model_len)
+
+    def add_pending(self, row: int) -> None:
+        """Count the token sampled into row `row` of its step's ids before its value is read."""
+        self.token_ids.append(pending_token(row))
+        self.num_pending += 1
+
+    def drop_pending(self) -> None:
+        """The sequence ended: the tokens sampled after the one that ended it are not part of it."""
+        if self.num_pending:
+            del self.token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -90,13 +119,17 @@ class Sequence:
         out, EOS (unless `ignore_eos`), a stop token or a stop string (the text is cut there); else
         `max_tokens` or `max_model_len`. Its cost does not grow with the output."""
         params = self.params
-        self.token_ids.append(token)
+        if self.num_pending:   # the oldest placeholder gets its value
+            self.token_ids[len(self.token_ids) - self.num_pending] = token
+            self.num_pending -= 1
+        else:
+            self.token_ids.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
             self.top_logprobs.append(top or [])
         self.text += delta
         reason: FinishReason | None = None
-        n_out = self.num_output_tokens
+        n_out = self.num_known_output_tokens
         if self.grammar is not None and self.grammar.advance(token, self.request_id):
             reason, self.stop_reason = FinishReason.STOP, None   # the grammar is complete
         elif n_out >= params.min_tokens:
@@ -106,7 +139,7 @@ class Sequence:
                 reason, self.stop_reason = FinishReason.STOP, token
             elif params.stop:
                 reason = self.cut_at_stop_string(len(delta))
-        if reason is None and (n_out >= self.max_tokens or self.num_tokens >= max_model_len):
+        if reason is None and (n_out >= self.max_tokens or self.num_prompt_tokens + n_out >= max_model_len):
             reason = FinishReason.LENGTH
         return reason
 
@@ -130,3 +163,8 @@ class Sequence:
     def sort_key(self) -> tuple[int, int, int]:
         """Waiting-queue order: lower priority value first, then arrival, then sample index."""
         return (self.priority, self.arrival_order, self.index)
+
+
+def pending_token(row: int) -> int:
+    """The placeholder of the token sampled into row `row` of a step's ids: -1 - row (token ids are >= 0)."""
+    return -1 - row

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
+from kernels.transfer import to_device_tensor
 
 __all__ = ["INTERPRETED", "aligned_int32", "check_attention_args", "dot_dtype", "is_interpreted",
            "prefill_attention", "prefill_config"]
@@ -229,7 +230,7 @@ def aligned_int32(rows: list[list[int]], device: torch.device) -> list[torch.Ten
     length = len(rows[0])
     pad = -length % 4
     table = torch.tensor([row + [0] * pad for row in rows], dtype=torch.int32).reshape(len(rows), length + pad)
-    table = table.to(device)
+    table = to_device_tensor(table, device)
     return [table[i, :length] for i in range(len(rows))]
 
 

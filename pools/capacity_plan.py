@@ -383,7 +383,8 @@ def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict
         template = EngineConfig(model=dplan.model, device=device, dtype=dplan.dtype,
                                 cache=CacheConfig(block_size=dplan.block_size), pools=tuple(pool_configs),
                                 memory_utilization=dplan.memory_utilization,
-                                tensor_parallel_size=dplan.tensor_parallel_size, enforce_eager=dev.enforce_eager)
+                                tensor_parallel_size=dplan.tensor_parallel_size, enforce_eager=dev.enforce_eager,
+                                async_scheduling=dev.async_scheduling)
         result[dplan.name] = [_replica_config(template, dev, r, key) for r in range(dev.replicas)]
     return result
 

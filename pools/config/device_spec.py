@@ -72,6 +72,7 @@ class DeviceSpec(Spec):
     gpus: Annotated[tuple[GpuIndex, ...], msgspec.Meta(min_length=1)] | None = None   # CUDA: the ranks' GPUs
     cpu_threads: Count | None = None     # CPU: torch threads of each rank (None: the cores shared out)
     enforce_eager: bool = False          # CUDA: no decode graphs (their memory is then not set aside)
+    async_scheduling: bool | None = None  # overlapped steps (engine.overlap); None: on CUDA with one GPU
     min_replicas: Count | None = None    # autoscaled: the replicas always up (None: fixed, all `replicas` up)
     scale_up_wait_seconds: Seconds = DEFAULT_SCALE_UP_WAIT_SECONDS      # autoscaled: waited for credits this long: +1
     scale_down_idle_seconds: Seconds = DEFAULT_SCALE_DOWN_IDLE_SECONDS  # autoscaled: a replica idle this long: -1
@@ -90,6 +91,9 @@ class DeviceSpec(Spec):
                                            f"got {self.ray_address!r}")
         if self.gpus is not None:
             self._check_gpus()
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise SpecError("async_scheduling", f"overlapped steps run on one GPU; tensor_parallel_size is "
+                                                f"{self.tensor_parallel_size}")
 
     def _check_gpus(self) -> None:
         if self.placement == "ray":

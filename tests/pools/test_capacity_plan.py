@@ -303,3 +303,19 @@ def test_a_single_gpu_sets_aside_the_decode_graphs_memory_unless_enforce_eager()
     data["devices"]["default"]["enforce_eager"] = "yes"
     with pytest.raises(SpecError, match="enforce_eager"):
         parse_config(data, env={})
+
+
+def test_async_scheduling_reaches_the_engine_and_is_refused_with_tensor_parallelism(builtin_path):
+    for setting in (True, False, None):
+        data = _small_config()
+        if setting is not None:
+            data["devices"]["default"]["async_scheduling"] = setting
+        config = parse_config(data, env={})
+        plan = plan_capacity(config, {"builtin:smollm2-135m-instruct": ModelConfig.from_folder(builtin_path)})
+        assert engine_configs(config, plan)["default"].async_scheduling is setting
+    data["devices"]["default"].update(async_scheduling=True, device="cuda", memory="80GiB", tensor_parallel_size=2)
+    with pytest.raises(SpecError, match=r"async_scheduling: .*tensor_parallel_size is 2"):
+        parse_config(data, env={})
+    data["devices"]["default"]["async_scheduling"] = "on"
+    with pytest.raises(SpecError, match="async_scheduling"):
+        parse_config(data, env={})

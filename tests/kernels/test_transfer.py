@@ -1,0 +1,51 @@
+"""Host <-> device copies that do not wait for the device (`kernels.transfer`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.transfer import to_device, to_device_tensor, to_host
+
+ROOT = Path(__file__).resolve().parents[2]
+# The modules a step's launch runs through: a list turned into a device tensor there goes through
+# kernels.transfer, never torch.tensor(..., device=...) or a blocking .to(device).
+STEP_PATH = ["engine/sampling.py", "engine/penalties.py", "engine/model_runner.py", "engine/input_batch.py",
+             "engine/forks.py", "engine/overlap.py", "engine/cuda_graphs.py", "kernels/triton_prefill.py",
+             "kernels/triton_attention.py", "kernels/triton_fused.py", "kernels/fused.py"]
+
+
+def test_on_a_cpu_they_are_the_plain_calls():
+    assert torch.equal(to_device([1, 2, 3], torch.int64, torch.device("cpu")), torch.tensor([1, 2, 3]))
+    values = to_device([0.5, 2.0], torch.float32, torch.device("cpu"))
+    assert values.dtype == torch.float32 and values.tolist() == [0.5, 2.0]
+    host = torch.arange(4)
+    assert to_device_tensor(host, torch.device("cpu")) is host and to_host(host) is host
+
+
+def test_the_step_path_makes_no_blocking_copy_to_the_device():
+    blocking = re.compile(r"torch\.tensor\([^)]*device=|\.to\((self\.)?device\)")
+    found = [f"{name}:{i}: {line.strip()}" for name in STEP_PATH
+             for i, line in enumerate((ROOT / name).read_text(encoding="utf-8").splitlines(), 1)
+             if blocking.search(line)]
+    assert found == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_nothing_waits_for_the_stream():
+    device = torch.device("cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ids = to_device([5, 6, 7], torch.int64, device)
+        table = to_device_tensor(torch.arange(8, dtype=torch.int32), device)
+        back = to_host(ids * 2)
+        event = torch.cuda.Event()
+        event.record()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    event.synchronize()
+    assert back.tolist() == [10, 12, 14] and table.device.type == "cuda" and back.is_pinned()
