@@ -453,12 +453,17 @@ def commit_step(schedulers: Mapping[str, Scheduler], batch: Iterable[ScheduledSe
     """The bookkeeping after a step's forward pass, one copy for the engine, its warm-up and the
     simulator: every scheduled sequence's computed tokens; for a sequence of a pool in `schedulers`,
     the pool's counter and the blocks it filled, registered in the prefix cache. (Its time goes to
-    `observe_step_time` once the device has finished, and to `StepComposer.observe`.)"""
+    `observe_step_time` once the device has finished, and to `StepComposer.observe`.) A step that
+    filled no block (most decodes) registers nothing; blocks holding a placeholder wait until its
+    value is known."""
     for item in batch:
-        seq = item.seq
-        seq.num_computed_tokens += item.num_new_tokens
+        seq, num_new = item.seq, item.num_new_tokens
+        seq.num_computed_tokens += num_new
         scheduler = schedulers.get(seq.pool)
-        if scheduler is not None:   # blocks ending in a placeholder wait until its value is known
-            scheduler.stats.num_computed_tokens += item.num_new_tokens
-            scheduler.block_manager.register_computed(seq.block_table, seq.token_ids, min(
-                seq.num_computed_tokens, seq.num_tokens - seq.num_pending), seq.cache_salt)
+        if scheduler is None:
+            continue
+        scheduler.stats.num_computed_tokens += num_new
+        bm = scheduler.block_manager
+        if seq.num_pending or seq.num_computed_tokens % bm.block_size < num_new:
+            bm.register_computed(seq.block_table, seq.token_ids, min(
+                seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending), seq.cache_salt)
