@@ -14,7 +14,8 @@ op dispatch, the engine's per-sequence bookkeeping. Four measurements, each prin
 3. **Step against batch size**: our step and its phases (`StepStats.phases`) at each of `--batch-sizes`.
 4. **Step against output length**: with `logprobs: 5`, `repetition_penalty`, `presence_penalty` and a stop
    string that never matches, the median step around output length 100 against around 1,000 (of the
-   lengths in `--lengths`). Goal: within 10%: nothing the host does per step may grow with the output.
+   lengths in `--lengths`; an engine per length, their steps alternating). Goal: within 10%: nothing the
+   host does per step may grow with the output.
    The attention kernel reads every cached token's K and V, so its time grows with the context on any
    device (the HBM floor counts those bytes); on a CPU it is timed apart (`attention`), and there its
    stream of K/V (270 MB a step at 1,000 tokens and batch 64 on the default model) also evicts what the
@@ -254,20 +255,22 @@ def batch_table(folder: Path, args: argparse.Namespace, sizes: list[int]) -> lis
 
 
 def length_table(folder: Path, args: argparse.Namespace, lengths: list[int]) -> dict:
-    """Measurement 4: the step around each output length, logprobs, penalties and a stop string on."""
-    ours = Ours(folder, args, args.length_batch, max_tokens=max(lengths) + 16, **LENGTH_PARAMS)
+    """Measurement 4: the step around each output length, logprobs, penalties and a stop string on. One
+    engine per length, each brought to its length first; then their steps alternate, one of each in turn,
+    so a machine whose speed drifts (this one's does, by 30% within minutes) slows every length alike."""
     on_cpu = torch.device(args.device).type == "cpu"
-    if on_cpu:
-        ours.time_attention()
     window = max(5, min(10, min(lengths) // 4))
+    engines = {}
+    for n in lengths:
+        engines[n] = Ours(folder, args, args.length_batch, max_tokens=n + window + 16, **LENGTH_PARAMS)
+        for _ in range(n - window - 1):   # the prefill sampled the first token
+            engines[n].step()
+        if on_cpu:
+            engines[n].time_attention()
     by_length: dict[int, list[tuple[float, dict]]] = {n: [] for n in lengths}
-    produced = 1   # the prefill sampled the first token
-    while produced < max(lengths) + window:
-        seconds, phases = ours.step()
-        produced += 1
-        for n in lengths:
-            if abs(produced - n) <= window:
-                by_length[n].append((seconds, phases))
+    for _ in range(2 * window + 1):
+        for n, ours in engines.items():
+            by_length[n].append(ours.step())
     rows = []
     for n, samples in by_length.items():
         row = {"output_len": n, "step_ms": statistics.median(s for s, _ in samples) * 1e3,
