@@ -16,8 +16,8 @@ import torch
 from engine.capacity import DEFAULT_BLOCK_SIZE, DEFAULT_MEMORY_UTILIZATION
 from kernels.metadata import BLOCK_SIZES
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -48,13 +48,21 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary scaling as in the HF config's `rope_scaling` (or `rope_parameters`) entry."""
+    """Rotary scaling as in the HF config's `rope_scaling` (or `rope_parameters`) entry. `llama3` reads
+    the freq factors; `yarn` the betas and the attention factor (None: from `factor`, `mscale` and
+    `mscale_all_dim`, as transformers infers it)."""
 
     rope_type: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -63,6 +71,11 @@ class RopeScaling:
                 f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         if self.factor <= 0:
             raise ConfigError(f"rope_scaling.factor: must be > 0, got {self.factor}")
+        if self.original_max_position_embeddings <= 0:
+            raise ConfigError(f"rope_scaling.original_max_position_embeddings: must be > 0, "
+                              f"got {self.original_max_position_embeddings}")
+        if self.attention_factor is not None and self.attention_factor <= 0:
+            raise ConfigError(f"rope_scaling.attention_factor: must be > 0, got {self.attention_factor}")
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> tuple[float | None, "RopeScaling"]:
@@ -79,18 +92,28 @@ class RopeScaling:
             return rope_theta, cls()
         if not isinstance(raw, dict):
             raise ConfigError(f"rope_scaling: must be a mapping, got {raw!r}")
+        original = int(raw.get("original_max_position_embeddings") or 8192)
+        factor = raw.get("factor")
+        if factor is None:   # yarn without a factor: the context's growth (transformers' reading)
+            factor = cfg.get("max_position_embeddings", original) / original
+        optional = {key: None if raw.get(key) is None else float(raw[key])
+                    for key in ("attention_factor", "mscale", "mscale_all_dim")}
         return rope_theta, cls(
             rope_type=raw.get("rope_type", raw.get("type", "default")),
-            factor=float(raw.get("factor", 1.0)),
+            factor=float(factor),
             low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
             high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=original,
+            beta_fast=float(raw.get("beta_fast") or 32.0),
+            beta_slow=float(raw.get("beta_slow") or 1.0),
+            truncate=bool(raw.get("truncate", True)),
+            **optional,
         )
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family model (Llama 2/3, Qwen2, Mistral), read from an HF config.json."""
+    """The shape of a Llama-family model (Llama 2/3, Qwen2, Qwen3, Mistral), read from an HF config.json."""
 
     architecture: str
     vocab_size: int
@@ -108,6 +131,7 @@ class ModelConfig:
     attention_bias: bool = False        # q/k/v projections carry a bias (Qwen2: always)
     mlp_bias: bool = False
     sliding_window: int | None = None   # Mistral: keys older than this many positions are not attended
+    qk_norm: bool = False               # Qwen3: each query and key head RMS-normed (its own weights) before rotary
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -154,7 +178,7 @@ class ModelConfig:
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         mlp = 3 * h * i
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + mlp + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * per_layer + h + head
 
@@ -178,8 +202,9 @@ class ModelConfig:
         sliding_window = None
         if arch == "MistralForCausalLM":
             sliding_window = cfg.get("sliding_window")
-        elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
-            raise ConfigError("use_sliding_window: Qwen2 per-layer sliding window is not supported")
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+            raise ConfigError(f"use_sliding_window: {arch.removesuffix('ForCausalLM')} per-layer sliding window "
+                              "is not supported")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         return cls(
@@ -199,6 +224,7 @@ class ModelConfig:
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_window=sliding_window,
+            qk_norm=arch == "Qwen3ForCausalLM",
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

@@ -5,7 +5,8 @@ module tree, not the arithmetic: each layer went through eleven `nn.Module` call
 slices and the C kernels' per-call layout checks, ~110 us a layer before any arithmetic (32 layers:
 3.5 ms of a step). `CpuForward` runs the same layers with what a layer needs and nothing else:
 
-    norm (C) -> qkv matmul -> rotary (C) -> K/V store (C) -> decode attention (C) [-> prefill chunks]
+    norm (C) -> qkv matmul [-> q/k head norms (Qwen3)] -> rotary (C) -> K/V store (C) -> decode attention (C)
+    [-> prefill chunks]
     -> o matmul [-> all-reduce] -> add + norm (C) -> gate/up matmul -> SiLU x mul (C) -> down matmul
     [-> all-reduce]
 
@@ -52,10 +53,11 @@ def _linear(module: nn.Module) -> Linear:
 
 
 class _Layer:
-    __slots__ = ("norm1", "eps1", "qkv", "o", "norm2", "eps2", "gate_up", "down")
+    __slots__ = ("norm1", "eps1", "qkv", "q_norm", "k_norm", "o", "norm2", "eps2", "gate_up", "down")
 
     def __init__(self, layer: nn.Module) -> None:
         self.norm1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.eps
+        self.q_norm, self.k_norm = layer.self_attn.q_norm, layer.self_attn.k_norm   # Qwen3's, else None
         self.norm2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
         self.qkv = _linear(layer.self_attn.qkv_proj)
         self.o = _linear(layer.self_attn.o_proj)
@@ -136,6 +138,7 @@ class CpuForward:
             act=torch.empty(n, self.intermediate, dtype=dtype), down=torch.empty(n, hidden, dtype=dtype),
             cos_sin=self.model.rotary_emb.cos_sin_cache.index_select(0, positions))   # [n, head_dim]
         step.attn_flat = step.attn_out.view(n, q_size)
+        step.heads = step.qkv.view(n, width // hd, hd)
         step.qkv_ptr = step.qkv.data_ptr()
         step.k_ptr, step.v_ptr = step.qkv_ptr + q_size * element, step.qkv_ptr + (q_size + kv_size) * element
         step.query = step.qkv.view(n, width // hd, hd)[:, :self.num_heads] \
@@ -180,6 +183,9 @@ class CpuForward:
             qkv = layer.qkv(normed, qkv_buf)
             if qkv is not qkv_buf:                        # a packed layer returns its own tensor
                 qkv_buf.copy_(qkv)
+            if layer.q_norm is not None:                  # each q and k head normed, in place
+                layer.q_norm(step.heads[:, :self.num_heads])
+                layer.k_norm(step.heads[:, self.num_heads:self.num_heads + self.num_kv_heads])
             rotary(qkv_ptr, cos_sin_ptr, *step.rotary_tail)
             if store_kv(step.k_ptr, step.v_ptr, k_cache.data_ptr(), v_cache.data_ptr(), slots_ptr, *step.store_tail):
                 raise IndexError(f"store_kv: a slot past the cache's {step.num_slots} slots")

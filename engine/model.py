@@ -1,5 +1,6 @@
-"""One model file for the Llama family: Llama 2/3 (llama3 rope scaling), Qwen2 (q/k/v bias), Mistral
-(sliding window); grouped-query attention; tied or untied embeddings.
+"""One model file for the Llama family: Llama 2/3 (llama3 and YaRN rope scaling), Qwen2 (q/k/v bias), Qwen3
+(each q and k head RMS-normed before rotary), Mistral (sliding window); grouped-query attention; tied or
+untied embeddings.
 
 The forward pass takes the whole step's tokens flat, `[num_tokens]`, sequence after sequence, with no
 padding; attention reads and writes the paged KV cache through `AttentionMetadata`. Only the rows
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.layers import RMSNorm, RopeRows, RotaryEmbedding, SiluAndMul
+from engine.layers import HeadRMSNorm, RMSNorm, RopeRows, RotaryEmbedding, SiluAndMul
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata, fused
 from kernels.fused import get_fused_ops
@@ -49,6 +50,8 @@ class Attention(nn.Module):
         # Llama's attention_bias covers o_proj too; Qwen2 biases q/k/v only.
         o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = HeadRMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = HeadRMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = rotary_emb
         self.scale = config.head_dim ** -0.5
 
@@ -56,6 +59,9 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, backend) -> torch.Tensor:
         num_heads, num_kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(hidden).view(-1, num_heads + 2 * num_kv_heads, self.config.head_dim)  # [T, heads, d]
+        if self.q_norm is not None:   # Qwen3: in place, before rotary
+            self.q_norm(qkv[:, :num_heads])
+            self.k_norm(qkv[:, num_heads:num_heads + num_kv_heads])
         self.rotary_emb(qkv[:, :num_heads + num_kv_heads], rope_rows)  # q and k, in place
         q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache

@@ -3,7 +3,7 @@ precomputed cos/sin cache, SiLU x mul; each runs the Triton kernels or the torch
 (`kernels.fused.get_fused_ops`)."""
 
 from engine.layers.activation import SiluAndMul
-from engine.layers.norm import RMSNorm
+from engine.layers.norm import HeadRMSNorm, RMSNorm
 from engine.layers.rotary import RopeRows, RotaryEmbedding
 
-__all__ = ["RMSNorm", "RopeRows", "RotaryEmbedding", "SiluAndMul"]
+__all__ = ["HeadRMSNorm", "RMSNorm", "RopeRows", "RotaryEmbedding", "SiluAndMul"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels import fused
@@ -35,3 +36,21 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, ops={self.ops.__name__}"
+
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over each head of a [num_tokens, num_heads, head_dim] view, one weight [head_dim] for every
+    head, written back in place (Qwen3's q_norm and k_norm, applied before rotary; transformers'
+    `Qwen3RMSNorm` order: float32 statistics, rounded to the input's dtype, then the weight)."""
+
+    def __init__(self, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.eps = eps
+
+    def forward(self, heads: torch.Tensor) -> None:
+        # heads: [num_tokens, num_heads, head_dim], head_dim contiguous (a slice of the fused qkv)
+        heads.copy_(F.rms_norm(heads, (heads.shape[-1],), None, self.eps).mul_(self.weight))
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -41,16 +41,61 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = torch.where(is_medium, blended, scaled)
+    elif scaling.rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(config)
     return inv_freq
+
+
+def _yarn_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """YaRN: the frequencies that turn more than `beta_fast` times over the original context kept, those
+    that turn fewer than `beta_slow` times divided by `factor`, a linear ramp between (transformers'
+    `_compute_yarn_parameters`, in its order of operations)."""
+    scaling, dim = config.rope_scaling, config.head_dim
+    original, base = scaling.original_max_position_embeddings, config.rope_theta
+
+    def correction_dim(rotations: float) -> float:   # the dimension that turns `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001   # no singularity
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp                       # 1: the frequency kept, 0: interpolated
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    return 1.0 / (scaling.factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What scales cos and sin (YaRN's attention factor, given or inferred from `factor` and the mscales);
+    1.0 for every other rope type."""
+    scaling = config.rope_scaling
+    if scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return float(mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor, scaling.mscale_all_dim))
+    return mscale(scaling.factor)
 
 
 def rope_cos_sin_cache(config: ModelConfig) -> torch.Tensor:
     """[max_position_embeddings, head_dim] float32 on the CPU: row p is cos(p * inv_freq), then
-    sin(p * inv_freq) (transformers computes the same products, in float32, every forward)."""
+    sin(p * inv_freq), both times the rope type's attention factor (transformers computes the same
+    products, in float32, every forward)."""
     inv_freq = rope_inv_freq(config)
     positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
     freqs = positions[:, None] * inv_freq[None, :]                  # [max_positions, head_dim // 2]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    factor = rope_attention_factor(config)
+    if factor == 1.0:
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    return torch.cat((freqs.cos() * factor, freqs.sin() * factor), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):

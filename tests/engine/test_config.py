@@ -17,7 +17,10 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
     ({"architectures": []}, "architectures"),
     ({"num_key_value_heads": 3}, "num_key_value_heads: 3 does not divide"),
     ({"hidden_size": -1}, "hidden_size"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type: unsupported 'yarn'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+     "rope_scaling.rope_type: unsupported 'dynamic'; supported: default, linear, llama3, yarn"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": -1}}, "rope_scaling.attention_factor"),
+    ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "use_sliding_window: Qwen3"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"vocab_size": None}, "vocab_size"),
 ])
@@ -66,3 +69,23 @@ def test_unsupported_architecture_in_a_model_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["FalconForCausalLM"]}))
     with pytest.raises(ConfigError, match="FalconForCausalLM"):
         LLMEngine.from_args(str(tmp_path), progress=False)
+
+
+def test_qwen3_with_yarn_as_its_model_card_writes_it():
+    """Qwen3's published configs: head_dim apart from hidden / heads, no biases, the legacy `rope_scaling`
+    key for YaRN past 32k (and transformers 5's `rope_parameters`, read alike)."""
+    qwen3 = {**LLAMA, "architectures": ["Qwen3ForCausalLM"], "hidden_size": 5120, "num_attention_heads": 64,
+             "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 64, "intermediate_size": 25600,
+             "vocab_size": 151936, "max_position_embeddings": 131072, "rope_theta": 1000000.0,
+             "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    cfg = ModelConfig.from_hf_config(qwen3)
+    assert cfg.qk_norm and not cfg.attention_bias and cfg.head_dim == 128 and cfg.rope_theta == 1e6
+    assert (cfg.rope_scaling.rope_type, cfg.rope_scaling.factor, cfg.rope_scaling.original_max_position_embeddings) \
+        == ("yarn", 4.0, 32768)
+    as_v5 = {k: v for k, v in qwen3.items() if k not in ("rope_scaling", "rope_theta")}
+    as_v5["rope_parameters"] = {**qwen3["rope_scaling"], "rope_theta": 1000000.0}
+    assert ModelConfig.from_hf_config(as_v5) == cfg
+    # 32.8 B parameters, the q/k norms counted
+    assert cfg.num_params() == 32_762_123_264
+    no_factor = {**qwen3, "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 32768}}
+    assert ModelConfig.from_hf_config(no_factor).rope_scaling.factor == 4.0   # 131072 / 32768

@@ -87,12 +87,19 @@ def test_builtin_smollm2_matches_transformers(smollm2_engine, hf_smollm2):
     assert_all_free(engine)
 
 
+# YaRN from an original context of 32 positions: the prompts and outputs below run far past it
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+
+
 @pytest.mark.parametrize("arch,overrides", [
     ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
     ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True)),
     ("qwen2", dict(tie_word_embeddings=True)),
     ("mistral", dict(sliding_window=12, head_dim=32)),
+    ("qwen3", dict(head_dim=32)),
+    ("qwen3", dict(tie_word_embeddings=True, attention_bias=True, rope_parameters=YARN)),
+    ("llama", dict(rope_parameters={**YARN, "beta_fast": 16, "beta_slow": 2, "factor": 8.0})),
 ])
 @pytest.mark.parametrize("cpu_linear", CPU_LINEARS)
 def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_path, arch, overrides, cpu_linear):

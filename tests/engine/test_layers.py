@@ -2,7 +2,7 @@
 (the torch ops, and the Triton kernels through the interpreter), and the operators a decoder layer runs.
 
 transformers' modules are the yardstick: `LlamaRMSNorm`, `LlamaRotaryEmbedding` with
-`apply_rotary_pos_emb` (default, `llama3` and `linear` rope scaling) and `LlamaMLP`, on the same
+`apply_rotary_pos_emb` (default, `llama3`, `linear` and `yarn` rope scaling) and `LlamaMLP`, on the same
 weights and inputs, in float32 and bfloat16.
 """
 
@@ -23,7 +23,7 @@ from transformers.models.llama import modeling_llama  # noqa: E402
 
 from engine.config import ModelConfig  # noqa: E402
 from engine.layers import RMSNorm, RotaryEmbedding  # noqa: E402
-from engine.layers.rotary import rope_inv_freq  # noqa: E402
+from engine.layers.rotary import rope_attention_factor, rope_inv_freq  # noqa: E402
 from engine.model import MLP, build_model  # noqa: E402
 from engine.parallel import Collectives, ShardShape  # noqa: E402
 from kernels import AttentionMetadata, fused, reference, triton_fused  # noqa: E402
@@ -40,6 +40,11 @@ ROPE_PARAMETERS = {
     "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 256},
+    "yarn-mscale": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0, "original_max_position_embeddings": 256,
+                    "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    "yarn-attention-factor": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "attention_factor": 1.25,
+                              "original_max_position_embeddings": 1024},
 }
 
 
@@ -82,7 +87,7 @@ def test_rms_norm_and_the_fused_residual_add_match_transformers(ops, dtype):
 def test_the_inverse_frequencies_are_transformers(rope):
     hf_config, config = _make_configs(rope)
     hf = modeling_llama.LlamaRotaryEmbedding(hf_config)
-    assert hf.attention_scaling == 1.0
+    assert rope_attention_factor(config) == hf.attention_scaling and (hf.attention_scaling != 1.0) == ("yarn" in rope)
     torch.testing.assert_close(rope_inv_freq(config), hf.inv_freq, atol=0, rtol=1e-7)
 
 

@@ -97,10 +97,13 @@ def prompts():
     return [[rng.randrange(3, 500) for _ in range(rng.randrange(8, 70))] for _ in range(5)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch):
-    # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen2 adds q/k/v biases.
-    path = str(make_tiny_model(tmp_path / arch, arch, builtin_path))
+    # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen2 adds q/k/v biases; Qwen3
+    # q/k head norms (whole on every rank) and YaRN.
+    overrides = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                     "original_max_position_embeddings": 32}} if arch == "qwen3" else {}
+    path = str(make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides))
     reference = _generate(_engine(path, 1), prompts)
     _assert_same_or_near_tie(reference, _generate(_engine(path, 2), prompts))
 
