@@ -245,7 +245,7 @@ def measure(lib: _Lib, instances: list[tuple[str, str, list[int]]], vocab_size: 
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.config import ModelConfig
+    from engine.model_config import ModelConfig
     from engine.tokenizer import Tokenizer
     from engine.weights import resolve_model
 

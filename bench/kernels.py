@@ -183,7 +183,7 @@ def parse_shapes(text: str, option: str) -> list[tuple[int, int]]:
 
 def _make_cache(setup: Setup, num_blocks: int):
     """One layer's K/V as the engine holds them, filled with N(0, 1)."""
-    from engine.config import ModelConfig
+    from engine.model_config import ModelConfig
     from engine.kv_cache import KVCache
 
     model = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1, hidden_size=setup.num_heads * setup.head_dim,

@@ -213,7 +213,8 @@ def compare_outputs(got: list[list[int]], ref: list[list[int]]) -> list[dict]:
 
 # --- the run --------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    from engine.config import CacheConfig, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig
+    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from engine.model_config import ModelConfig
     from engine.weights import resolve_model
 
     modes, factors = _parse_args(args)

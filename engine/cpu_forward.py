@@ -90,11 +90,13 @@ class CpuForward:
     @classmethod
     def build(cls, model: nn.Module, backend) -> CpuForward | None:
         """The flat forward for `model` on `backend`, or None where it does not apply: a backend other
-        than `kernels.cpu_attention`, layers whose ops are not `kernels.cpu_fused` (another dtype), or C
+        than `kernels.cpu_attention`, a model whose layers are not the Llama layer (Gemma 3's), layers whose
+        ops are not `kernels.cpu_fused` (another dtype), or C
         libraries that did not compile (`get_fused_ops` gives a model `cpu_fused` only for a dtype it runs)."""
         from kernels import cpu_attention, cpu_fused
 
-        if backend is not cpu_attention or model.layers[0].input_layernorm.ops is not cpu_fused:
+        if not model.supports_flat_forward or backend is not cpu_attention or \
+                model.layers[0].input_layernorm.ops is not cpu_fused:
             return None
         if model.embed_tokens.weight.device.type != "cpu":
             return None
@@ -148,7 +150,7 @@ class CpuForward:
         step.norm_tail = (n, hidden, hidden, hidden, hidden)
         step.rotary_tail = (n, self.num_heads + self.num_kv_heads, hd, width)
         step.store_tail = (n, step.num_slots, kv_size * element, width * element, width * element)
-        plan = cpu_attention._decode_plan(meta)
+        plan = cpu_attention.decode_plan(meta)
         step.decode_head = None
         if plan is not None:
             rows, seqs = plan

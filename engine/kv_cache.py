@@ -12,7 +12,8 @@ import mmap
 import torch
 
 import engine.capacity as capacity
-from engine.config import ConfigError, ModelConfig
+from engine.config import ConfigError
+from engine.model_config import ModelConfig
 
 
 class KVCache:

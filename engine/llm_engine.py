@@ -23,12 +23,12 @@ import torch
 from engine.capacity import DEFAULT_BLOCK_SIZE
 from engine.calibration import derive_slos, warm_up
 from engine.composer import ComposedStep, StepComposer
-from engine.config import (CacheConfig, ConfigError, EngineConfig, LatencySLO, ModelConfig, PoolConfig,
-                           SchedulerConfig)
+from engine.config import CacheConfig, ConfigError, EngineConfig, LatencySLO, PoolConfig, SchedulerConfig
+from engine.model_config import ModelConfig
 from engine.forks import SampleForks
 from engine.kv_cache import KVCache, SwapSpace, check_fits_device
 from engine.cuda_graphs import MAX_GRAPH_BATCH
-from engine.model import build_model
+from engine.models import build_model
 from engine.model_runner import ModelRunner, follower_main
 from engine.parallel import ShardShape, TensorParallelGroup
 from engine.outputs import RequestOutput, RequestState

@@ -24,11 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.layers import HeadRMSNorm, RMSNorm, RopeRows, RotaryEmbedding, SiluAndMul
+from engine.model_config import ModelConfig
+from engine.layers import GeluTanhAndMul, HeadRMSNorm, RMSNorm, RopeRows, RotaryEmbedding, SiluAndMul
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata, fused
-from kernels.fused import get_fused_ops
 
 
 class WeightLoadError(ValueError):
@@ -37,10 +36,11 @@ class WeightLoadError(ValueError):
 
 class Attention(nn.Module):
     """Column-parallel q/k/v (this rank's heads), row-parallel o_proj (summed over the ranks). `rotary_emb`
-    is the model's one instance, shared by every layer."""
+    is the model's instance for this layer's attention type, shared by those layers; `layer` its index
+    (its window, `ModelConfig.layer_window`); `head_norm` the q/k norm's class where the model has one."""
 
-    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives,
-                 rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
+                 layer: int = 0, head_norm: type[HeadRMSNorm] = HeadRMSNorm) -> None:
         super().__init__()
         self.config, self.comm = config, comm
         self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads
@@ -50,10 +50,11 @@ class Attention(nn.Module):
         # Llama's attention_bias covers o_proj too; Qwen2 biases q/k/v only.
         o_bias = config.attention_bias and config.architecture != "Qwen2ForCausalLM"
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
-        self.q_norm = HeadRMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = HeadRMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.q_norm = head_norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = head_norm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = rotary_emb
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attention_scale
+        self.sliding_window = config.layer_window(layer)
 
     def forward(self, hidden: torch.Tensor, rope_rows: RopeRows, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend) -> torch.Tensor:
@@ -66,19 +67,20 @@ class Attention(nn.Module):
         q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache
         backend.store_kv(k, v, k_cache, v_cache, meta)
-        out = backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.config.sliding_window)
+        out = backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    """Column-parallel gate/up (this rank's intermediate rows), row-parallel down_proj."""
+    """Column-parallel gate/up (this rank's intermediate rows), row-parallel down_proj; the gate's
+    activation by `hidden_act` (SiLU on the fused ops, or GELU-tanh)."""
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
         super().__init__()
         self.comm = comm
         self.intermediate_size = shard.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias)
-        self.act_fn = SiluAndMul(ops)
+        self.act_fn = SiluAndMul(ops) if config.hidden_act == "silu" else GeluTanhAndMul()
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,10 +93,10 @@ class DecoderLayer(nn.Module):
     rotary, store_kv, attention, o_proj, add+norm, gate_up, silu x mul, down)."""
 
     def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
-                 ops: ModuleType) -> None:
+                 ops: ModuleType, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.self_attn = Attention(config, shard, comm, rotary_emb)
+        self.self_attn = Attention(config, shard, comm, rotary_emb, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.mlp = MLP(config, shard, comm, ops)
 
@@ -117,7 +119,11 @@ class LlamaForCausalLM(nn.Module):
 
     `shard` and `comm`: this rank's part of a tensor-parallel group (default: the whole model, one rank).
     `ops`: the fused small ops every layer runs (`kernels.fused.get_fused_ops`; default the torch ones).
+    A variant (`engine.models`) changes its layers (`make_layer`), final norm (`make_norm`) and forward.
     """
+
+    supports_flat_forward = True   # engine.cpu_forward's loop runs these layers on the CPU backend
+    norm_init = 1.0                # a norm's weight in `init_random` (Gemma's 1 + weight: 0)
 
     def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
                  ops: ModuleType = fused) -> None:
@@ -130,12 +136,17 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(shard.vocab_rows, config.hidden_size,
                                          _weight=torch.empty(shard.vocab_rows, config.hidden_size))
         self.rotary_emb = RotaryEmbedding(config, ops)
-        self.layers = nn.ModuleList(DecoderLayer(config, shard, comm, self.rotary_emb, ops)
-                                    for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.layers = nn.ModuleList(self.make_layer(i, ops) for i in range(config.num_layers))
+        self.norm = self.make_norm(ops)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, shard.vocab_rows, bias=False)
         self._flat: tuple[object, object] | None = None   # (backend, its engine.cpu_forward.CpuForward or None)
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        return DecoderLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index)
+
+    def make_norm(self, ops: ModuleType) -> nn.Module:
+        return RMSNorm(self.config.hidden_size, self.config.rms_norm_eps, ops)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> [num_tokens, hidden_size]; vocab-parallel: each rank looks up the ids in its
@@ -278,32 +289,7 @@ class LlamaForCausalLM(nn.Module):
         gen = torch.Generator(device="cpu").manual_seed(seed + 7919 * self.shard.rank)
         with torch.no_grad():
             for name, param in self.named_parameters():
-                if name.endswith("layernorm.weight") or name == "norm.weight":
-                    param.fill_(1.0)
+                if name.endswith("norm.weight"):   # every norm, q/k norms included
+                    param.fill_(self.norm_init)
                 else:
                     param.copy_(torch.randn(param.shape, generator=gen) * std)
-
-
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                shard: ShardShape | None = None, comm: Collectives | None = None) -> LlamaForCausalLM:
-    """An uninitialised model (or one rank's shard of it) on `device`, allocated, not filled: load or
-    init it next. Its layers run the fused ops `kernels.fused.get_fused_ops(device, dtype)` picks."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, shard, comm, get_fused_ops(device, dtype))
-    _allocate(model, dtype, device)
-    model.rotary_emb.cos_sin_cache = model.rotary_emb.cos_sin_cache.to(device=device, dtype=dtype)
-    return model.eval()
-
-
-def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
-    """Each (meta) parameter replaced by an empty one of `dtype` on `device`, a shared one once: what
-    `to_empty(device).to(dtype)` does, without its Python meta kernels, whose first use imports
-    torch._dynamo and sympy (1.5 s of every worker's start on a CPU)."""
-    made: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                if id(param) not in made:
-                    made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
-                                                   requires_grad=param.requires_grad)
-                module._parameters[name] = made[id(param)]

@@ -15,11 +15,13 @@ import time
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
 from engine.input_batch import InputBatch
 from engine.kv_cache import KVCache, SwapSpace
-from engine.model import LlamaForCausalLM, build_model
+from engine.model import LlamaForCausalLM
+from engine.models import build_model
 from engine.overlap import fill_pending
 from engine.parallel import (Collectives, FollowerArgs, RankSetup, ShardShape, StepPlan, TensorParallelGroup,
                              die_with_parent, join_group, receive_plan)
@@ -81,8 +83,9 @@ class _Forward:
             return
         attn = self.model.layers[0].self_attn
         started = time.perf_counter()
-        count = compile_kernels(attn.num_heads, attn.num_kv_heads, attn.config.head_dim, self.kv_cache.block_size,
-                                self.kv_cache.dtype, self.device, attn.config.sliding_window)
+        windows = sorted({layer.self_attn.sliding_window or 0 for layer in self.model.layers})   # 0: none
+        count = sum(compile_kernels(attn.num_heads, attn.num_kv_heads, attn.config.head_dim, self.kv_cache.block_size,
+                                    self.kv_cache.dtype, self.device, window or None) for window in windows)
         log.info("compiled %d attention kernel variants in %.1fs", count, time.perf_counter() - started)
 
     def graphs_apply(self, enforce_eager: bool) -> bool:

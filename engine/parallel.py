@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import ConfigError, ModelConfig, ceil_div
+from engine.config import ConfigError, ceil_div
+from engine.model_config import ModelConfig
 
 log = logging.getLogger("cliffguard.engine")
 

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from engine.scheduler import ScheduledSeq

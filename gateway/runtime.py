@@ -27,7 +27,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.config import ConfigError, EngineConfig
+from engine.model_config import ModelConfig
 from engine.stats import STATS_INTERVAL, PoolStats, WorkerInfo
 from engine import structured
 from engine.structured import StructuredOutput

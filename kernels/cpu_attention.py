@@ -30,7 +30,7 @@ from kernels.reference import decode_attention as reference_decode_attention
 from kernels.reference import prefill_attention
 from kernels.reference import store_kv as reference_store_kv
 
-__all__ = ["paged_attention", "store_kv", "load_library"]
+__all__ = ["decode_plan", "paged_attention", "store_kv", "load_library"]
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ("-O3", "-march=native", "-ffast-math")
@@ -45,7 +45,7 @@ def load_library() -> ctypes.CDLL | None:
     return load_c_library(SOURCE, FLAGS, {name: _ARGTYPES for name in _FUNCTIONS.values()})
 
 
-def _decode_plan(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+def decode_plan(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The step's decode tokens as (query rows [n] int64, their sequences [n] int32), once per step."""
     plan = meta.backend_cache.get("cpu")
     if plan is None:
@@ -73,7 +73,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if not (rows_ok and query.device.type == "cpu" and all(t.is_contiguous() and t.device.type == "cpu"
                                                           for t in tensors)):
         return False
-    plan = _decode_plan(meta)
+    plan = decode_plan(meta)
     if plan is None:
         return True
     rows, seqs = plan

@@ -130,8 +130,10 @@ def _decode_call(meta: AttentionMetadata, decode: list[int], starts: list[int], 
 
 
 def _step_plan(meta: AttentionMetadata, sliding_window: int | None) -> dict:
-    """Per-step gather indices and masks, computed once and shared by every layer."""
-    plan = meta.backend_cache.get("torch")
+    """Per-step gather indices and masks, computed once and shared by every layer of the same window
+    (Gemma 3's sliding and full layers each have theirs)."""
+    key = ("torch", sliding_window)
+    plan = meta.backend_cache.get(key)
     if plan is not None:
         return plan
     q_lens, s_lens = meta.query_lens_list, meta.seq_lens_list
@@ -153,7 +155,7 @@ def _step_plan(meta: AttentionMetadata, sliding_window: int | None) -> dict:
         slots = _context_slots(meta, [i], s_len)[0][key_start:]
         plan["prefill"].append(_PrefillChunk(starts[i], q_len, s_len, key_start, slots,
                                              sliding_window if windowed else None))
-    meta.backend_cache["torch"] = plan
+    meta.backend_cache[key] = plan
     return plan
 
 

@@ -30,8 +30,8 @@ import torch
 
 import engine.capacity as formula
 from engine.cuda_graphs import MAX_GRAPH_BATCH, graph_memory_bytes
-from engine.config import (CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, ceil_div, dtype_name,
-                           parse_dtype)
+from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, ceil_div, dtype_name, parse_dtype
+from engine.model_config import ModelConfig
 from engine.parallel import ShardShape
 from pools.config.spec import DEFAULT_CPU_MEMORY, CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
 from pools.config.checks import within

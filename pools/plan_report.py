@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.step_cost import StepTime
 from pools.capacity_plan import CapacityPlan, DevicePlan, PoolPlan, fmt_bytes
 from pools.demand import OFF_LOAD, PlannedPool, planned_load, replicas_needed

@@ -36,7 +36,8 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
                   initializer_range=0.2, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
     common.update(overrides)
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config}[arch]
+           "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
+           "gemma3": transformers.Gemma3TextConfig}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

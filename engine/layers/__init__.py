@@ -1,9 +1,10 @@
-"""The decoder layer's shared pieces: RMSNorm with the residual add fused, rotary embedding from a
-precomputed cos/sin cache, SiLU x mul; each runs the Triton kernels or the torch versions it is given
-(`kernels.fused.get_fused_ops`)."""
+"""The decoder layer's shared pieces: RMSNorm with the residual add fused (Llama's and Gemma's), per-head
+q/k norms, rotary embedding from a precomputed cos/sin cache, SiLU x mul and GELU-tanh x mul; Llama's run
+the Triton kernels or the torch versions they are given (`kernels.fused.get_fused_ops`)."""
 
-from engine.layers.activation import SiluAndMul
-from engine.layers.norm import HeadRMSNorm, RMSNorm
+from engine.layers.activation import GeluTanhAndMul, SiluAndMul
+from engine.layers.norm import GemmaHeadRMSNorm, GemmaRMSNorm, HeadRMSNorm, RMSNorm
 from engine.layers.rotary import RopeRows, RotaryEmbedding
 
-__all__ = ["HeadRMSNorm", "RMSNorm", "RopeRows", "RotaryEmbedding", "SiluAndMul"]
+__all__ = ["GeluTanhAndMul", "GemmaHeadRMSNorm", "GemmaRMSNorm", "HeadRMSNorm", "RMSNorm", "RopeRows",
+           "RotaryEmbedding", "SiluAndMul"]

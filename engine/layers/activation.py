@@ -1,10 +1,11 @@
-"""SiLU x mul over the fused gate/up projection's output."""
+"""The gate activation times up over the fused gate/up projection's output: SiLU (Llama), GELU-tanh (Gemma)."""
 
 from __future__ import annotations
 
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels import fused
@@ -23,3 +24,12 @@ class SiluAndMul(nn.Module):
 
     def extra_repr(self) -> str:
         return f"ops={self.ops.__name__}"
+
+
+class GeluTanhAndMul(nn.Module):
+    """x: [num_tokens, 2 * size] (gate, then up) -> gelu_tanh(gate) * up: [num_tokens, size] (Gemma's MLP,
+    transformers' `gelu_pytorch_tanh` rounded to x's dtype before the product)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -54,3 +54,44 @@ class HeadRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def _gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm, transformers' `Gemma3RMSNorm` operator for operator: everything in float32, the
+    weight as (1 + weight), one rounding to x's dtype at the end."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).type_as(x)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm (`_gemma_norm`: scale 1 + weight, so a zero weight is the identity), with the
+    residual add fused as `RMSNorm`'s: `forward(x)` -> normed; `forward(x, residual)` -> `(normed,
+    residual)`, the residual stream `x + residual` (added in x's dtype, in place)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # x, residual: [num_tokens, hidden_size]
+        if residual is None:
+            return _gemma_norm(x, self.weight, self.eps)
+        residual.add_(x)
+        return _gemma_norm(residual, self.weight, self.eps), residual
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class GemmaHeadRMSNorm(HeadRMSNorm):
+    """`HeadRMSNorm` with Gemma's norm (Gemma 3's q_norm and k_norm)."""
+
+    def __init__(self, head_dim: int, eps: float) -> None:
+        super().__init__(head_dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, heads: torch.Tensor) -> None:
+        # heads: [num_tokens, num_heads, head_dim]
+        heads.copy_(_gemma_norm(heads, self.weight, self.eps))

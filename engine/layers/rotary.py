@@ -13,7 +13,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from kernels import fused
 
 # A step's rows of the cache, in the form the ops module's `rotary` takes (a tensor, or a tuple of them).

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.step_cost import StepTime
 from pools.capacity_plan import CapacityPlan
 from pools.simulation.runner import make_requests, simulate

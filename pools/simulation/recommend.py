@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.step_cost import StepTime
 from pools.simulation.runner import make_requests, simulate
 from pools.simulation.summary import ms, summarize

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.calibration import slo_from_step, slo_probe, slo_share
-from engine.config import LatencySLO, ModelConfig, PoolConfig, parse_dtype
+from engine.config import LatencySLO, PoolConfig, parse_dtype
+from engine.model_config import ModelConfig
 from engine.step_cost import PRESETS, RooflineStepTime, StepFeatures, StepTime, read_step_model
 from pools.capacity_plan import CapacityPlan, DevicePlan
 from pools.simulation.devicesim import DeviceSim, PoolTrace, SimRequest

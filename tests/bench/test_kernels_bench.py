@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from bench import engine as engine_bench, kernels as kernels_bench
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from kernels import reference
 
 LLAMA_3_8B = "bench/models/llama-3-8b"

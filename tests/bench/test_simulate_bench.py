@@ -19,7 +19,7 @@ from pools.workload import load_workload
 
 @pytest.fixture(scope="module")
 def planned(builtin_path):
-    from engine.config import ModelConfig
+    from engine.model_config import ModelConfig
 
     config = load_config(POOLS_YAML, env={})
     models = {config.pools[0].model: ModelConfig.from_folder(builtin_path)}

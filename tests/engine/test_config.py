@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig, parse_dtype
+from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, SchedulerConfig, parse_dtype
+from engine.model_config import ModelConfig
 from engine.llm_engine import LLMEngine
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,

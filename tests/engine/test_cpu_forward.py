@@ -11,9 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from engine.config import ModelConfig  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
 from engine.cpu_forward import CpuForward  # noqa: E402
-from engine.model import build_model  # noqa: E402
+from engine.models import build_model  # noqa: E402
 from kernels import AttentionMetadata, cpu_attention, cpu_fused, reference  # noqa: E402
 from kernels.cpu_linear import pack_linears  # noqa: E402
 

@@ -89,6 +89,12 @@ def test_builtin_smollm2_matches_transformers(smollm2_engine, hf_smollm2):
 
 # YaRN from an original context of 32 positions: the prompts and outputs below run far past it
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+# Gemma 3: sliding layers (a window of 8 positions, which the prompts and outputs outgrow) around a full one
+# with its own rope (linear scaling, as the larger Gemma 3 models'), q.k scaled by 1 / sqrt(24)
+GEMMA3 = dict(num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+              layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})
 
 
 @pytest.mark.parametrize("arch,overrides", [
@@ -100,6 +106,10 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
     ("qwen3", dict(head_dim=32)),
     ("qwen3", dict(tie_word_embeddings=True, attention_bias=True, rope_parameters=YARN)),
     ("llama", dict(rope_parameters={**YARN, "beta_fast": 16, "beta_slow": 2, "factor": 8.0})),
+    ("gemma3", GEMMA3),
+    ("gemma3", {**GEMMA3, "tie_word_embeddings": False, "num_key_value_heads": 4, "hidden_activation": "silu",
+                "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {**YARN, "rope_theta": 1000000.0}}}),
 ])
 @pytest.mark.parametrize("cpu_linear", CPU_LINEARS)
 def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_path, arch, overrides, cpu_linear):
@@ -112,6 +122,7 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     engine = LLMEngine.from_args(str(folder), block_size=8, num_blocks=64, max_num_batched_tokens=64,
                                  progress=False)
+    assert engine.model_config.num_params() == sum(p.numel() for p in hf.parameters())   # the capacity plan's count
     packed = isinstance(engine.model.layers[0].mlp.gate_up_proj, PackedLinear)
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)

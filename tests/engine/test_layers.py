@@ -21,10 +21,11 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.models.llama import modeling_llama  # noqa: E402
 
-from engine.config import ModelConfig  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
 from engine.layers import RMSNorm, RotaryEmbedding  # noqa: E402
 from engine.layers.rotary import rope_attention_factor, rope_inv_freq  # noqa: E402
-from engine.model import MLP, build_model  # noqa: E402
+from engine.model import MLP  # noqa: E402
+from engine.models import build_model  # noqa: E402
 from engine.parallel import Collectives, ShardShape  # noqa: E402
 from kernels import AttentionMetadata, fused, reference, triton_fused  # noqa: E402
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.llm_engine import LLMEngine, RequestError
 from engine.sampling import SamplingParams
 from tests.conftest import assert_all_free, make_tiny_model

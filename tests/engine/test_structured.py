@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.schemas import SCHEMAS
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.structured import StructuredOutput, allowed_tokens, check

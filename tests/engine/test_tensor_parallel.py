@@ -12,7 +12,8 @@ import random
 
 import pytest
 
-from engine.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, PoolConfig, SchedulerConfig
+from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, SchedulerConfig
+from engine.model_config import ModelConfig
 from engine.llm_engine import LLMEngine
 from engine.parallel import ShardShape, check_tensor_parallel
 from engine.sampling import SamplingParams

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine import weights
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.weights import (
     BUILTIN_MODELS, convert_gguf, iter_weights, resolve_model, weights_bytes, _hf_config,
     _unpermute_rows, _write_weights,

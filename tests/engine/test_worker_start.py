@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, ModelConfig, PoolConfig
+from engine.config import CacheConfig, EngineConfig, PoolConfig
+from engine.model_config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.llm_engine import LLMEngine
 from tests.conftest import make_tiny_model
@@ -21,8 +22,8 @@ BUILD_IN_A_FRESH_PROCESS = """
 import sys
 from pathlib import Path
 import torch
-from engine.config import ModelConfig
-from engine.model import build_model
+from engine.model_config import ModelConfig
+from engine.models import build_model
 config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1000, hidden_size=64, intermediate_size=160,
                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
 model = build_model(config, torch.float32, "cpu")

@@ -36,8 +36,8 @@ def test_packed_linear_takes_a_strided_input_and_keeps_no_dense_weight():
 
 
 def _tiny_llama(tie: bool):
-    from engine.config import ModelConfig
-    from engine.model import build_model
+    from engine.model_config import ModelConfig
+    from engine.models import build_model
 
     config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=32, intermediate_size=64,
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,

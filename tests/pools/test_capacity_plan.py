@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from pools.capacity_plan import engine_configs, plan_capacity, plan_single_pool, replica_engine_configs
 from pools.config.yaml_file import parse_config
 from pools.config.spec import DEFAULT_CPU_MEMORY, SpecError

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import LatencySLO, ModelConfig
+from engine.config import LatencySLO
+from engine.model_config import ModelConfig
 from pools.capacity_plan import engine_configs, plan_capacity
 from pools.plan_report import format_plan
 from pools.config.yaml_file import parse_config

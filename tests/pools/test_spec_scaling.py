@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.step_cost import LinearStepTime
 from pools.capacity_plan import plan_capacity
 from pools.config.yaml_file import load_config

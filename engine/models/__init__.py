@@ -1,0 +1,54 @@
+"""The model classes by architecture, and `build_model`, which makes one.
+
+The Llama family (Llama 2/3, Qwen2, Qwen3, Mistral) is `engine.model.LlamaForCausalLM`; a variant that
+changes the layer itself has a module here, built from the same shared layers (`engine.layers`) and the
+same weight loading and tensor-parallel cuts: `gemma3` (Gemma 3's text model).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model_config import ModelConfig
+from engine.layers import RotaryEmbedding
+from engine.model import LlamaForCausalLM
+from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.parallel import Collectives, ShardShape
+from kernels.fused import get_fused_ops
+
+__all__ = ["build_model", "model_class"]
+
+_VARIANTS: dict[str, type[LlamaForCausalLM]] = {"Gemma3ForCausalLM": Gemma3ForCausalLM}
+
+
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The class that runs `config.architecture` (a supported one: `ModelConfig` refuses the rest)."""
+    return _VARIANTS.get(config.architecture, LlamaForCausalLM)
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                shard: ShardShape | None = None, comm: Collectives | None = None) -> LlamaForCausalLM:
+    """An uninitialised model (or one rank's shard of it) on `device`, allocated, not filled: load or
+    init it next. Its layers run the fused ops `kernels.fused.get_fused_ops(device, dtype)` picks."""
+    with torch.device("meta"):
+        model = model_class(config)(config, shard, comm, get_fused_ops(device, dtype))
+    _allocate(model, dtype, device)
+    for module in model.modules():   # every rotary cache (Gemma 3 has one per attention type)
+        if isinstance(module, RotaryEmbedding):
+            module.cos_sin_cache = module.cos_sin_cache.to(device=device, dtype=dtype)
+    return model.eval()
+
+
+def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Each (meta) parameter replaced by an empty one of `dtype` on `device`, a shared one once: what
+    `to_empty(device).to(dtype)` does, without its Python meta kernels, whose first use imports
+    torch._dynamo and sympy (1.5 s of every worker's start on a CPU)."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                if id(param) not in made:
+                    made[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device=device),
+                                                   requires_grad=param.requires_grad)
+                module._parameters[name] = made[id(param)]

@@ -1,0 +1,103 @@
+"""Gemma 3's text model (`Gemma3ForCausalLM`): the Llama layer with Gemma's changes.
+
+- every norm is Gemma's (`GemmaRMSNorm`: float32 throughout, scale 1 + weight), and there are four a layer:
+  around attention (input, post-attention) and around the MLP (pre- and post-feed-forward), the post
+  norms applied to the sublayer's output before it joins the residual stream;
+- each query and key head is normed before rotary (`GemmaHeadRMSNorm`); q.k is scaled by
+  `query_pre_attn_scalar ** -0.5`;
+- `layer_types` gives each layer sliding or full attention: a sliding layer attends to its last
+  `sliding_window` positions (the paged kernels' window) with its own rope base
+  (`rope_local_theta`, no scaling); a full layer sees everything, with the config's rope and its scaling;
+- the embeddings are scaled by sqrt(hidden_size) (rounded to the weights' dtype, as transformers does);
+  the MLP's gate activation is GELU-tanh; the head is tied by default.
+
+It runs on the module path on every backend (the CPU flat loop is the Llama layer's). Every layer keeps
+its whole context in the paged cache, sliding ones too: a sliding layer only reads its window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.model_config import ModelConfig, RopeScaling
+from engine.layers import GemmaHeadRMSNorm, GemmaRMSNorm, RopeRows, RotaryEmbedding
+from engine.model import MLP, Attention, LlamaForCausalLM
+from engine.parallel import Collectives, ShardShape
+from kernels import AttentionMetadata, fused
+
+__all__ = ["Gemma3ForCausalLM"]
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """One Gemma 3 block; the residual stream travels beside the hidden states as in the Llama layer, so
+    the residual adds are fused into the input and pre-feed-forward norms."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, rotary_emb: RotaryEmbedding,
+                 ops: ModuleType, layer: int) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.self_attn = Attention(config, shard, comm, rotary_emb, layer, GemmaHeadRMSNorm)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.mlp = MLP(config, shard, comm, ops)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope_rows: RopeRows,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, backend
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [num_tokens, hidden_size], the previous layer's output (the scaled embeddings, with
+        residual None, for the first) -> (this layer's output, the residual stream before it is added)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(hidden, rope_rows, kv_cache, meta, backend))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Gemma 3's text model (see the module docstring): the Llama model's loading, tensor-parallel cuts and
+    head, with Gemma's layers, two rotary caches (full and sliding layers) and scaled embeddings."""
+
+    supports_flat_forward = False
+    norm_init = 0.0
+
+    def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
+                 ops: ModuleType = fused) -> None:
+        # The sliding layers' rope: their own base, no scaling (made with the first layer, which takes it).
+        self._local_config = replace(config, rope_theta=config.rope_local_theta or config.rope_theta,
+                                     rope_scaling=RopeScaling())
+        super().__init__(config, shard, comm, ops)
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        if index == 0:
+            self.rotary_local = RotaryEmbedding(self._local_config, ops)
+        sliding = self.config.layer_window(index) is not None
+        return Gemma3DecoderLayer(self.config, self.shard, self.comm,
+                                  self.rotary_local if sliding else self.rotary_emb, ops, index)
+
+    def make_norm(self, ops: ModuleType) -> nn.Module:
+        return GemmaRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings times sqrt(hidden_size), the factor rounded to their dtype first (a bfloat16
+        model multiplies by 34.0 at hidden size 1152, not 33.94), as transformers does."""
+        hidden = super().embed(input_ids)
+        return hidden * float(torch.tensor(self.config.hidden_size ** 0.5).to(hidden.dtype))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                backend) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        hidden, residual = self.embed(input_ids), None
+        rows = {id(rotary): rotary.rows(positions) for rotary in (self.rotary_emb, self.rotary_local)}
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            rope_rows = rows[id(layer.self_attn.rotary_emb)]
+            hidden, residual = layer(hidden, residual, rope_rows, kv_cache, meta, backend)
+        return self.norm(hidden, residual)[0]
