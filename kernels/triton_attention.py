@@ -24,6 +24,11 @@ tile's KV range is also split into `num_splits` segments (grid axis 2). Each pro
 its segment's running max, sum and unnormalised output, and `_reduce_splits_kernel` combines them
 for this kernel's rows.
 
+Any head_dim: both kernels here, like the prefill kernel, work on `HEAD_DIM_PAD =
+padded_head_dim(head_dim)` lanes (the next power of two, at least 16) and mask the lanes past the
+real `HEAD_DIM`: loaded as 0, so they add nothing to the dots and sums, and never stored (the split
+partials keep the real head_dim). A power-of-two head_dim pads nothing and compiles as before.
+
 What is the same for every layer of a step (the tiles, the split count) is built once, into
 `meta.backend_cache["triton"]` (and `["triton_prefill"]`).
 """
@@ -39,7 +44,7 @@ import triton.language as tl
 from kernels.metadata import AttentionMetadata
 from kernels.triton_kv_store import _store_kv_kernel, store_kv
 from kernels.triton_prefill import (_prefill_attention_kernel, aligned_int32, check_attention_args, dot_dtype,
-                                    is_interpreted, prefill_attention)
+                                    is_interpreted, padded_head_dim, prefill_attention)
 
 # This module is the Triton backend (`kernels.get_backend`): store_kv comes along with it.
 __all__ = ["paged_attention", "store_kv", "choose_num_splits", "compile_kernels", "compiled_variants",
@@ -69,7 +74,7 @@ def _paged_attention_kernel(
     stride_ot, stride_oh, stride_od,
     stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # grid: (num_tiles, num_kv_heads, num_splits)
@@ -86,7 +91,8 @@ def _paged_attention_kernel(
 
     # rows: (query token of the tile, query head of the group), head fastest
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask_d = offs_d < HEAD_DIM                          # all true when HEAD_DIM_PAD == HEAD_DIM
     q_local = tile_q + offs_m // GROUP_PAD
     head_in_group = offs_m % GROUP_PAD
     head = kv_head * GROUP + head_in_group
@@ -94,9 +100,9 @@ def _paged_attention_kernel(
     q_pos = context_len + q_local                       # [BLOCK_M] position of each row's token
     token = (q_begin + q_local).to(tl.int64)
 
-    # q: [BLOCK_M, HEAD_DIM]
+    # q: [BLOCK_M, HEAD_DIM_PAD]; the padded lanes are 0 in q, k and v, so add nothing to the dots
     q = tl.load(query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=row_valid[:, None], other=0.0).to(DOT_DTYPE)
+                mask=row_valid[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
 
     # KV positions this tile needs: [kv_start, kv_end), kv_start aligned to BLOCK_N
     kv_end = context_len + tl.minimum(tile_q + BLOCK_Q, q_len)
@@ -115,7 +121,7 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for t in range(t_lo, t_hi):
@@ -123,10 +129,10 @@ def _paged_attention_kernel(
         kv_mask = kv_pos < kv_end
         block = tl.load(table_ptr + kv_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
         in_block = kv_pos % BLOCK_SIZE
-        # k: [HEAD_DIM, BLOCK_N]
+        # k: [HEAD_DIM_PAD, BLOCK_N]
         k = tl.load(k_cache_ptr + block[None, :] * stride_kb + in_block[None, :] * stride_ks
                     + kv_head * stride_kh + offs_d[:, None] * stride_kd,
-                    mask=kv_mask[None, :], other=0.0)
+                    mask=kv_mask[None, :] & mask_d[:, None], other=0.0)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_M, BLOCK_N], log2 units
         allowed = kv_mask[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
@@ -137,10 +143,10 @@ def _paged_attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        # v: [BLOCK_N, HEAD_DIM]
+        # v: [BLOCK_N, HEAD_DIM_PAD]
         v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs
                     + kv_head * stride_vh + offs_d[None, :] * stride_vd,
-                    mask=kv_mask[:, None], other=0.0)
+                    mask=kv_mask[:, None] & mask_d[None, :], other=0.0)
         # P rounded to the query's dtype, as the tensor cores take it
         p = p.to(query_ptr.dtype.element_ty).to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
@@ -152,11 +158,12 @@ def _paged_attention_kernel(
         part = (row * num_heads + head) * num_splits + split
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=row_valid[:, None] & mask_d[None, :])
     else:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]   # l_i = 0 only on padding rows
         tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
-                 o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+                 o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & mask_d[None, :])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -164,7 +171,7 @@ def _reduce_splits_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, out_ptr, row_token_ptr,
     num_heads, num_splits,
     stride_ot, stride_oh, stride_od,
-    NUM_SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    NUM_SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
     # grid: (num_rows, num_heads); combines the split partials of one of the paged kernel's rows into
     # the output of its token (`row_token_ptr`).
@@ -172,7 +179,8 @@ def _reduce_splits_kernel(
     token = tl.load(row_token_ptr + row).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask_d = offs_d < HEAD_DIM
     mask_s = offs_s < num_splits
     part = (row * num_heads + head) * num_splits + offs_s
     m = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))
@@ -180,9 +188,11 @@ def _reduce_splits_kernel(
     m_max = tl.max(m, axis=0)
     w = tl.exp2(m - m_max)                              # empty segments (m = -inf) weigh 0
     l_sum = tl.sum(l * w, axis=0)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :],
+                  other=0.0)
     o = tl.sum(acc * w[:, None], axis=0) / l_sum
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d * stride_od, o.to(out_ptr.dtype.element_ty),
+             mask=mask_d)
 
 
 # Whether these kernels run through Triton's interpreter (TRITON_INTERPRET=1 when triton was imported).
@@ -213,6 +223,7 @@ def choose_num_splits(num_programs: int, max_seq_len: int, device: torch.device)
 def _launch_config(group: int, max_query_len: int, head_dim: int, element_size: int
                    ) -> tuple[int, int, int, int, int]:
     """(GROUP_PAD, BLOCK_M, BLOCK_Q, BLOCK_N, num_warps) for a launch; BLOCK_M, BLOCK_N >= 16 for tl.dot.
+    The tiles are `padded_head_dim(head_dim)` wide: head_dim below means that.
 
     BLOCK_M = BLOCK_Q tokens x GROUP_PAD heads: the fewest rows that fit the longest query (at least 16,
     the smallest dot; a decode tile holds its one token, the other rows are masked), at most 64 unless
@@ -223,8 +234,9 @@ def _launch_config(group: int, max_query_len: int, head_dim: int, element_size: 
     group_pad = triton.next_power_of_2(group)
     rows = triton.next_power_of_2(max(max_query_len, 1)) * group_pad
     block_m = max(min(max(rows, 16), 64), group_pad)
-    block_n = 64 if element_size <= 2 and head_dim <= 128 else 32
-    num_warps = 8 if block_m * head_dim * element_size >= 8192 else 4
+    head_dim_pad = padded_head_dim(head_dim)
+    block_n = 64 if element_size <= 2 and head_dim_pad <= 128 else 32
+    num_warps = 8 if block_m * head_dim_pad * element_size >= 8192 else 4
     return group_pad, block_m, block_m // group_pad, block_n, num_warps
 
 
@@ -282,15 +294,17 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """Causal attention of each new token over its sequence's cached K/V (new tokens included).
 
     query: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-    (strided views allowed, head_dim contiguous). Returns [num_tokens, num_heads, head_dim] in query's
-    dtype, written into `out` when given. Chunks of at least PREFILL_MIN_QUERY_LEN tokens run through
-    `kernels.triton_prefill`, the other rows through this module's kernel. `num_splits` forces the
-    flash-decoding split count of the latter (default: `choose_num_splits`).
+    (strided views allowed, head_dim contiguous and of any size: the kernels pad it to a power of two
+    inside, masked). Returns [num_tokens, num_heads, head_dim] in query's dtype, written into `out` when
+    given. Chunks of at least PREFILL_MIN_QUERY_LEN tokens run through `kernels.triton_prefill`, the other
+    rows through this module's kernel. `num_splits` forces the flash-decoding split count of the latter
+    (default: `choose_num_splits`).
     """
     if out is None:
         out = torch.empty_like(query)
     check_attention_args(query, k_cache, v_cache, meta, out, sliding_window)
     num_tokens, num_heads, head_dim = query.shape
+    head_dim_pad = padded_head_dim(head_dim)
     num_kv_heads = k_cache.shape[2]
     plan = _step_plan(meta)
     assert num_tokens == plan["num_query_tokens"], \
@@ -331,7 +345,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         USE_WINDOW=sliding_window is not None, SPLIT=split,
         DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         num_warps=num_warps,
@@ -340,8 +354,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         row_tokens = _row_tokens(meta, plan)
         _reduce_splits_kernel[(row_tokens.shape[0], num_heads)](
             part_m, part_l, part_acc, out, row_tokens, num_heads, num_splits, *out.stride(),
-            NUM_SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            num_warps=1 if head_dim <= 64 else 2,
+            NUM_SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            num_warps=1 if head_dim_pad <= 64 else 2,
         )
     return out
 

@@ -7,6 +7,10 @@ transformers' roundings where they matter: the residual sum and the normalised r
 model's dtype before the next step (so `weight * normed` is the same product as transformers'), and so
 is silu before the product with up. Rotary rounds once, where transformers rounds its two products and
 their sum (at most an ulp apart).
+
+Any size: a row (hidden size, half a head_dim for rotary, the MLP width) that is not a power of two is
+padded inside the kernel to the next one (`tl.arange` needs it) and the lanes past it are masked, loaded
+as 0 (nothing added to a norm's sum of squares) and never stored.
 """
 
 from __future__ import annotations
@@ -126,8 +130,8 @@ def rotary_rows(cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> torch.T
 
 def rotary(query_key: torch.Tensor, rows: torch.Tensor) -> None:
     """Rotate q and k in place, one launch: query_key [num_tokens, num_heads, head_dim] (head_dim
-    contiguous; the q and k heads of the qkv projection's output), rows [num_tokens, head_dim] from
-    `rotary_rows` (cos, then sin)."""
+    contiguous and even, of any size: the kernel pads head_dim // 2 to a power of two, masked; the q and
+    k heads of the qkv projection's output), rows [num_tokens, head_dim] from `rotary_rows` (cos, then sin)."""
     num_tokens, num_heads, head_dim = query_key.shape
     assert head_dim % 2 == 0, f"head_dim {head_dim} must be even"
     assert rows.shape == (num_tokens, head_dim), f"rows {tuple(rows.shape)} for query_key {tuple(query_key.shape)}"

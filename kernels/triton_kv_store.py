@@ -2,7 +2,8 @@
 
 Same semantics as `kernels.reference.store_kv`: slot = block_id * block_size + offset, and a negative
 slot (-1) is skipped. The cache may be a strided view (`KVCache.data[layer, 0]`), so every stride is
-passed to the kernel.
+passed to the kernel. Any head_dim: the kernel spans `HEAD_DIM_PAD` (the next power of two, which
+`tl.arange` needs) and masks the lanes past the real `HEAD_DIM`; a power-of-two head_dim pads nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def _store_kv_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     num_kv_heads,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # grid: (num_tokens, cdiv(num_kv_heads, BLOCK_H)); one program copies BLOCK_H heads of one token.
     token = tl.program_id(0)
@@ -33,8 +34,8 @@ def _store_kv_kernel(
         block = slot // BLOCK_SIZE
         offset = slot % BLOCK_SIZE
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        offs_d = tl.arange(0, HEAD_DIM)
-        mask = (offs_h < num_kv_heads)[:, None]
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        mask = (offs_h < num_kv_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
         tok = token.to(tl.int64)
         k = tl.load(key_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
                     mask=mask)
@@ -52,7 +53,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
              meta: AttentionMetadata) -> None:
     """Write each token's K and V into its slot; tokens whose slot is negative are skipped.
 
-    key, value: [num_tokens, num_kv_heads, head_dim] (any strides; head_dim contiguous)
+    key, value: [num_tokens, num_kv_heads, head_dim] (any strides; head_dim contiguous, of any size)
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (may be strided views)
     """
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -70,15 +71,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         assert t.stride(-1) == 1, f"{name}: head_dim must be contiguous, strides {t.stride()}"
         assert t.device == key.device, f"{name} on {t.device}, key on {key.device}"
     assert meta.slot_mapping.device == key.device, "slot_mapping on another device"
-    assert head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of two"
     if num_tokens == 0:
         return
-    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // head_dim))
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    block_h = min(triton.next_power_of_2(num_kv_heads), max(1, 4096 // head_dim_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
     _store_kv_kernel[grid](
         key, value, k_cache, v_cache, meta.slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         num_kv_heads,
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_H=block_h,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_H=block_h,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )

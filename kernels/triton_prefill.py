@@ -12,6 +12,11 @@ float32 (exp2, the scale folded with log2 e). The walk has two parts:
 - the tiles the causal diagonal crosses, up to the tile's last query: masked. The tiles past the
   diagonal are not visited, so a chunk costs about half its square plus its prefix.
 
+Any head_dim: the tiles' head dimension is `HEAD_DIM_PAD` (`padded_head_dim`: the next power of two,
+which `tl.arange` and `tl.dot` need, at least 16), and the lanes past the real `HEAD_DIM` are masked,
+loaded as 0 (nothing added to the dots) and never stored. A power-of-two head_dim has no padded lane:
+the mask is all true and the compiler drops it.
+
 Tiles are listed heaviest first (the most keys to walk) and the grid is (query heads, tiles), heads
 fastest: the heads of one tile, which share that tile's K/V per GQA group, are scheduled together,
 and the long tiles start first instead of trailing at the end of the launch.
@@ -32,7 +37,7 @@ from kernels.metadata import AttentionMetadata
 from kernels.transfer import to_device_tensor
 
 __all__ = ["INTERPRETED", "aligned_int32", "check_attention_args", "dot_dtype", "is_interpreted",
-           "prefill_attention", "prefill_config"]
+           "padded_head_dim", "prefill_attention", "prefill_config"]
 
 LOG2_E = 1.4426950408889634
 # Shared memory per block assumed where no CUDA device says otherwise (the interpreter): an H100's.
@@ -48,14 +53,16 @@ def _attend_kv_range(
     kv_from, kv_to, kv_end, qk_scale, window,
     stride_kb, stride_ks, stride_vb, stride_vs,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     P_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Online softmax over the keys [kv_from, kv_to), BLOCK_N at a time (kv_from aligned to BLOCK_N).
     MASKED: the causal diagonal (and kv_end, the tile's last key + 1) cuts into these tiles; else
-    every key is visible to every row and below kv_end, and only a window masks."""
+    every key is visible to every row and below kv_end, and only a window masks. The head_dim lanes
+    past HEAD_DIM (up to HEAD_DIM_PAD) load as 0 and add nothing to the dots."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask_d = offs_d < HEAD_DIM                                              # all true unless padded
     for start in range(kv_from, kv_to, BLOCK_N):
         kv_pos = start + offs_n                                             # [BLOCK_N]
         if MASKED:
@@ -64,13 +71,13 @@ def _attend_kv_range(
         else:
             block = tl.load(table_ptr + kv_pos // BLOCK_SIZE).to(tl.int64)
         in_block = kv_pos % BLOCK_SIZE
-        # k, v: [BLOCK_N, HEAD_DIM]
+        # k, v: [BLOCK_N, HEAD_DIM_PAD]
         k_ptrs = k_head_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks + offs_d[None, :]
         v_ptrs = v_head_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs + offs_d[None, :]
         if MASKED:
-            k = tl.load(k_ptrs, mask=kv_valid[:, None], other=0.0)
+            k = tl.load(k_ptrs, mask=kv_valid[:, None] & mask_d[None, :], other=0.0)
         else:
-            k = tl.load(k_ptrs)
+            k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
         # s: [BLOCK_M, BLOCK_N], log2 units
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
@@ -89,9 +96,9 @@ def _attend_kv_range(
         alpha = tl.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if MASKED:
-            v = tl.load(v_ptrs, mask=kv_valid[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=kv_valid[:, None] & mask_d[None, :], other=0.0)
         else:
-            v = tl.load(v_ptrs)
+            v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
         # P rounded to the query's dtype, as the tensor cores take it
         p = p.to(P_DTYPE).to(DOT_DTYPE)
         acc = tl.dot(p, v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -112,7 +119,8 @@ def _prefill_attention_kernel(
     stride_ot, stride_oh,
     stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # grid: (num_heads, num_tiles); head_dim is contiguous everywhere (the launcher asserts it)
     head = tl.program_id(0)
@@ -127,15 +135,16 @@ def _prefill_attention_kernel(
     context_len = seq_len - q_len                       # cached prefix before this step's tokens
 
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask_d = offs_d < HEAD_DIM                          # all true when HEAD_DIM_PAD == HEAD_DIM
     q_local = tile_q + offs_m
     row_valid = q_local < q_len
     q_pos = context_len + q_local                       # [BLOCK_M] position of each row's token
     token = (q_begin + q_local).to(tl.int64)
 
-    # q: [BLOCK_M, HEAD_DIM]
+    # q: [BLOCK_M, HEAD_DIM_PAD]
     q = tl.load(query_ptr + token[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=row_valid[:, None], other=0.0).to(DOT_DTYPE)
+                mask=row_valid[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
 
     # keys [kv_lo, kv_diag) are visible to every row (the window aside); [kv_diag, kv_end) are cut by
     # the diagonal; kv_lo and kv_diag are aligned to BLOCK_N
@@ -148,7 +157,7 @@ def _prefill_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     k_head_ptr = k_cache_ptr + kv_head * stride_kh
     v_head_ptr = v_cache_ptr + kv_head * stride_vh
@@ -156,16 +165,18 @@ def _prefill_attention_kernel(
         acc, l_i, m_i, q, q_pos, table_ptr, k_head_ptr, v_head_ptr, kv_lo, kv_diag, kv_end, qk_scale, window,
         stride_kb, stride_ks, stride_vb, stride_vs,
         MASKED=False, USE_WINDOW=USE_WINDOW, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, HEAD_DIM=HEAD_DIM,
-        P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION)
+        HEAD_DIM_PAD=HEAD_DIM_PAD, P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE,
+        DOT_PRECISION=DOT_PRECISION)
     acc, l_i, m_i = _attend_kv_range(
         acc, l_i, m_i, q, q_pos, table_ptr, k_head_ptr, v_head_ptr, kv_diag, kv_end, kv_end, qk_scale, window,
         stride_kb, stride_ks, stride_vb, stride_vs,
         MASKED=True, USE_WINDOW=USE_WINDOW, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, HEAD_DIM=HEAD_DIM,
-        P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE, DOT_PRECISION=DOT_PRECISION)
+        HEAD_DIM_PAD=HEAD_DIM_PAD, P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE,
+        DOT_PRECISION=DOT_PRECISION)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]   # l_i = 0 only on padding rows
     tl.store(out_ptr + token[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+             o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & mask_d[None, :])
 
 
 @functools.cache
@@ -177,9 +188,18 @@ def _shared_memory_bytes(device: torch.device) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or DEFAULT_SHARED_MEMORY)
 
 
+def padded_head_dim(head_dim: int) -> int:
+    """HEAD_DIM_PAD of the attention kernels for a head_dim: the next power of two (the shapes of
+    `tl.arange` and `tl.dot`), at least 16 (a dot's smallest K). head_dim itself when it is one of them."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def prefill_config(head_dim: int, element_size: int, shared_bytes: int = DEFAULT_SHARED_MEMORY
                    ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel for a head_dim and element size.
+
+    The tiles are `padded_head_dim(head_dim)` wide, so that is the size everything below goes by (head_dim
+    80 or 96 is configured as 128, 160 or 192 as 256).
 
     16-bit types up to head_dim 128: 128 x 64 tiles, the shape of the FA2-style Triton kernels on
     sm_80/sm_90 (the tensor cores' M per warp group is 64; 128 rows amortise each K/V tile over twice
@@ -191,12 +211,13 @@ def prefill_config(head_dim: int, element_size: int, shared_bytes: int = DEFAULT
     with Triton 3.9 (no GPU needed), bf16 at head_dim 128 is wgmma dots fed by 16-byte cp.async loads,
     3 stages, 96 KiB of shared memory (three K/V stages; Q stays in registers), 183 registers, no spills.
     """
-    if element_size <= 2 and head_dim <= 128:
+    head_dim_pad = padded_head_dim(head_dim)
+    if element_size <= 2 and head_dim_pad <= 128:
         block_m, block_n = 128, 64
     else:
         block_m, block_n = 64, 32
-    num_warps = 8 if block_m * head_dim * element_size >= 32 * 1024 else 4
-    stage_bytes = 2 * block_n * head_dim * element_size
+    num_warps = 8 if block_m * head_dim_pad * element_size >= 32 * 1024 else 4
+    stage_bytes = 2 * block_n * head_dim_pad * element_size
     num_stages = max(1, min(3, (shared_bytes - SHARED_MEMORY_MARGIN) // stage_bytes))
     return block_m, block_n, num_warps, num_stages
 
@@ -237,14 +258,14 @@ def aligned_int32(rows: list[list[int]], device: torch.device) -> list[torch.Ten
 def check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, out: torch.Tensor, sliding_window: int | None) -> None:
     """Assert what the paged-attention kernels assume of their arguments: shapes that fit each other and
-    the metadata, float query/cache/out, head_dim contiguous, int32 metadata arrays with contiguous rows,
-    one device."""
+    the metadata, float query/cache/out, head_dim contiguous (of any size: the kernels pad it to
+    `padded_head_dim`), int32 metadata arrays with contiguous rows, one device."""
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.shape == v_cache.shape == (num_blocks, block_size, num_kv_heads, head_dim), \
         f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit query {tuple(query.shape)}"
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads for {num_kv_heads} KV heads"
-    assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim}: a power of two >= 16"
+    assert head_dim >= 1, f"head_dim {head_dim}"
     assert block_size == meta.block_size, f"cache block_size {block_size} != metadata's {meta.block_size}"
     assert num_tokens == meta.num_tokens, f"{num_tokens} query rows for metadata of {meta.num_tokens} tokens"
     assert query.dtype in (torch.float16, torch.bfloat16, torch.float32), f"query dtype {query.dtype}"
@@ -288,8 +309,9 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     `out` (the other rows are left as they are). Returns the number of tiles launched (0: no launch).
 
     query, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
-    head_dim] (strided views allowed, head_dim contiguous). Each chunk's keys are its sequence's cached
-    prefix (all visible) and its own tokens (causal); `sliding_window` keeps the last that many positions.
+    head_dim] (strided views allowed, head_dim contiguous and of any size: padded to a power of two inside
+    the kernel, masked). Each chunk's keys are its sequence's cached prefix (all visible) and its own tokens
+    (causal); `sliding_window` keeps the last that many positions.
     """
     check_attention_args(query, k_cache, v_cache, meta, out, sliding_window)
     assert min_query_len >= 1, f"min_query_len {min_query_len}"
@@ -312,7 +334,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         out.stride(0), out.stride(1),
         meta.block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1],
-        HEAD_DIM=head_dim, USE_WINDOW=sliding_window is not None,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), USE_WINDOW=sliding_window is not None,
         DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )

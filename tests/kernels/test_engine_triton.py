@@ -1,5 +1,6 @@
 """The whole engine on the Triton kernels (through Triton's interpreter on the CPU) gives the same greedy
-tokens as on the torch reference: prefill, chunked prefill mixed with decode, preemption, n > 1."""
+tokens as on the torch reference: prefill, chunked prefill mixed with decode, preemption, n > 1, and a
+head_dim that is not a power of two (padded inside the kernels)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,18 @@ def tiny(tmp_path_factory, builtin_path):
     return make_tiny_model(tmp_path_factory.mktemp("tiny-triton"), "llama", builtin_path)
 
 
-def _engine(path, backend: str, monkeypatch, **sched) -> LLMEngine:
+@pytest.fixture(scope="module")
+def tiny_head_dim_40(tmp_path_factory, builtin_path):
+    # head_dim 40 (2 heads over 80, GQA 2): padded to 64 inside the kernels
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-triton-40"), "llama", builtin_path, hidden_size=80,
+                           num_attention_heads=2, num_key_value_heads=1)
+
+
+def _engine(path, backend: str, monkeypatch, num_blocks: int = 12, **sched) -> LLMEngine:
     monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
     sched.setdefault("max_num_batched_tokens", 24)  # chunked prefill: chunks start mid-block
     config = EngineConfig(model=str(path), cache=CacheConfig(block_size=8),
-                          pools=(PoolConfig(num_blocks=12, scheduler=SchedulerConfig(**sched)),))
+                          pools=(PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(**sched)),))
     engine = LLMEngine(config, progress=False)
     assert ("triton" in engine.runner.backend.paged_attention.__module__) == (backend == "triton")
     return engine
@@ -47,4 +55,26 @@ def test_engine_on_triton_kernels_matches_the_reference(tiny, monkeypatch):
         results[backend] = [[o.token_ids for o in out.outputs] for out in outs]
         assert engine.schedulers["default"].stats.num_preemptions > 0  # 12 blocks of 8: under pressure
         assert_all_free(engine)
+    assert results["triton"] == results["torch"]
+
+
+def test_engine_on_triton_kernels_with_head_dim_40_matches_the_reference(tiny_head_dim_40, monkeypatch):
+    """A 70-token prompt whose first chunk (64 tokens or more) goes through the prefill kernel, beside
+    short chunks and decodes through the paged kernel, all at head_dim 40."""
+    from kernels import triton_attention
+
+    prefill_tiles = []
+    real = triton_attention.prefill_attention
+    monkeypatch.setattr(triton_attention, "prefill_attention",
+                        lambda *args, **kwargs: prefill_tiles.append(real(*args, **kwargs)) or prefill_tiles[-1])
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (70, 5, 19)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "triton"):
+        engine = _engine(tiny_head_dim_40, backend, monkeypatch, num_blocks=24, max_num_batched_tokens=96)
+        assert engine.runner.model.layers[0].self_attn.config.head_dim == 40
+        results[backend] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert_all_free(engine)
+    assert sum(prefill_tiles) > 0, "no chunk went through the prefill kernel"
     assert results["triton"] == results["torch"]

@@ -4,6 +4,9 @@ at realistic sizes (`gpu` mark).
 Inputs are fresh random every run; the seed is in every assertion message (rerun one case with
 `CLIFFGUARD_TEST_SEED=<seed>`). Caches are poisoned with NaN outside the written slots and outputs
 with NaN before the call, so a kernel that reads a slot it should not, or leaves a row unwritten, fails.
+Where head_dim is not a power of two, the cases that name a `head_pad` lay query, caches and output out
+as views into rows padded with NaN up to the power of two the kernels pad to: a kernel that reads a
+padded lane unmasked gets NaN, one that writes one spoils the padding.
 """
 
 from __future__ import annotations
@@ -54,27 +57,38 @@ def _make_tables(seq_lens, block_size, rng, spare=3):
     return tables, len(ids)
 
 
-def _make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, num_layers=2):
-    """NaN-poisoned [L, 2, blocks, block_size, kv_heads, head_dim] and the strided views of its last layer."""
-    data = torch.full((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"),
+def _make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, num_layers=2, head_pad=0):
+    """NaN-poisoned [L, 2, blocks, block_size, kv_heads, head_dim + head_pad] and the strided views of its
+    last layer, [blocks, block_size, kv_heads, head_dim] each."""
+    data = torch.full((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim + head_pad), float("nan"),
                       dtype=dtype, device=device)
-    return data, data[-1, 0], data[-1, 1]
+    return data, data[-1, 0, ..., :head_dim], data[-1, 1, ..., :head_dim]
+
+
+def _head_pad(head_dim: int) -> int:
+    """How far the kernels pad head_dim (0 for a power of two >= 16): the NaN lanes a case lays beside each
+    head to catch a padded lane read or written unmasked."""
+    return triton_prefill.padded_head_dim(head_dim) - head_dim
 
 
 def _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                         seed, device="cpu"):
-    """A step: every sequence's K/V stored (prefix and new tokens), queries for the new tokens."""
+                         seed, device="cpu", head_pad=0):
+    """A step: every sequence's K/V stored (prefix and new tokens), queries for the new tokens. With
+    `head_pad`, query and caches are views into rows of head_dim + head_pad, the rest NaN."""
     rng = random.Random(seed)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     tables, num_blocks = _make_tables(seq_lens, block_size, rng)
-    data, k_cache, v_cache = _make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    data, k_cache, v_cache = _make_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                                         head_pad=head_pad)
     total = sum(seq_lens)
     keys = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(device, dtype)
     values = torch.randn(total, num_kv_heads, head_dim, generator=gen).to(device, dtype)
     everything = AttentionMetadata.build(tables, seq_lens, seq_lens, block_size, device)
     reference.store_kv(keys, values, k_cache, v_cache, everything)
     meta = AttentionMetadata.build(tables, query_lens, seq_lens, block_size, device)
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(device, dtype)
+    query = torch.full((sum(query_lens), num_heads, head_dim + head_pad), float("nan"), dtype=dtype,
+                       device=device)[..., :head_dim]
+    query.copy_(torch.randn(sum(query_lens), num_heads, head_dim, generator=gen))
     return query, k_cache, v_cache, meta
 
 
@@ -82,14 +96,17 @@ def _reference_attention(query, k_cache, v_cache, meta, scale, sliding_window):
     """The torch reference in float32, on a fresh copy of the metadata (its plan cache is its own)."""
     fresh = AttentionMetadata(meta.slot_mapping, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                               meta.block_size, meta.query_lens_list, meta.seq_lens_list)
-    return reference.paged_attention(query.float(), k_cache.float(), v_cache.float(), fresh, scale,
-                                     sliding_window)
+    return reference.paged_attention(query.float(), k_cache.float().contiguous(), v_cache.float().contiguous(),
+                                     fresh, scale, sliding_window)
 
 
 def _assert_attention_matches(backend, case, seed, sliding_window=None, num_splits=None, label=""):
     query, k_cache, v_cache, meta = case
-    scale = query.shape[-1] ** -0.5
-    out = torch.full_like(query, float("nan"))
+    head_dim = query.shape[-1]
+    scale = head_dim ** -0.5
+    # out: laid out as query is, in rows of query.stride(1) >= head_dim (the rest NaN, and left so)
+    out_rows = torch.full((*query.shape[:2], query.stride(1)), float("nan"), dtype=query.dtype, device=query.device)
+    out = out_rows[..., :head_dim]
     got = backend.paged_attention(query, k_cache, v_cache, meta, scale, sliding_window,
                                   num_splits=num_splits, out=out)
     assert got is out
@@ -97,6 +114,7 @@ def _assert_attention_matches(backend, case, seed, sliding_window=None, num_spli
     where = f"seed={seed} {label} window={sliding_window} splits={num_splits}"
     assert not out.isnan().any(), f"{where}: output rows left unwritten (NaN) at " \
                                   f"{out.isnan().nonzero()[:4].tolist()}"
+    assert out_rows[..., head_dim:].isnan().all(), f"{where}: written past head_dim {head_dim}"
     atol, rtol = TOLERANCES[query.dtype]
     torch.testing.assert_close(out.float(), want, atol=atol, rtol=rtol, msg=lambda m: f"{where}\n{m}")
 
@@ -139,11 +157,14 @@ def _assert_store_kv_matches(store_kv, seq_lens, query_lens, dtype, src_dtype, b
 
 
 # fp32 -> fp16 is converted in the kernel; fp32 -> bf16 is not tested on the CPU: the interpreter
-# truncates where the GPU (and torch) round to nearest even.
+# truncates where the GPU (and torch) round to nearest even. head_dim 40 and 96: not powers of two,
+# padded in the kernel (the lanes past head_dim must not be written: the next head's values are there).
 @pytest.mark.parametrize("dtype,src_dtype,block_size,num_kv_heads,head_dim", [
     (torch.float32, torch.float32, 8, 1, 64),
     (torch.float16, torch.float32, 16, 3, 128),
     (torch.bfloat16, torch.bfloat16, 32, 2, 64),
+    (torch.float16, torch.float32, 8, 3, 40),
+    (torch.bfloat16, torch.bfloat16, 16, 2, 96),
 ])
 def test_store_kv_matches_reference(dtype, src_dtype, block_size, num_kv_heads, head_dim):
     seed = _make_seed()
@@ -168,8 +189,9 @@ def test_store_kv_rejects_mismatched_shapes():
 
 # --- paged_attention --------------------------------------------------------------------------
 
-# Every GQA ratio (1, 3, 8), head dim (64, 128), block size (8, 16, 32) and dtype at least once, with and
-# without a sliding window, single pass and forced split-K, each on a mixed prefill + decode batch.
+# Every GQA ratio (1, 3, 8), head dim (64, 128; 40, 96 and 8, padded in the kernels to 64, 128 and 16),
+# block size (8, 16, 32) and dtype at least once, with and without a sliding window, single pass and
+# forced split-K, each on a mixed prefill + decode batch.
 @pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size,sliding_window,num_splits", [
     (torch.float32, 2, 2, 64, 8, None, None),
     (torch.float16, 6, 2, 128, 16, None, 3),
@@ -177,25 +199,33 @@ def test_store_kv_rejects_mismatched_shapes():
     (torch.float32, 6, 2, 64, 32, 70, 4),
     (torch.float16, 8, 1, 128, 8, None, None),
     (torch.bfloat16, 2, 2, 128, 16, 20, 2),
+    (torch.float16, 6, 2, 40, 16, None, None),
+    (torch.float32, 3, 1, 96, 8, 30, 3),
+    (torch.bfloat16, 2, 1, 96, 32, None, 2),
+    (torch.float32, 2, 2, 8, 8, None, 2),
 ])
 def test_paged_attention_mixed_batch_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size,
                                                        sliding_window, num_splits):
     seed = _make_seed()
     seq_lens, query_lens = _mixed_batch(block_size)
-    case = _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed)
+    case = _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
+                                head_pad=_head_pad(head_dim))
     _assert_attention_matches(triton_attention, case, seed, sliding_window, num_splits,
                               label=f"{dtype} heads={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}")
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_paged_attention_decode_split_k_matches_reference(num_splits):
+@pytest.mark.parametrize("num_splits,head_dim", [(1, 64), (3, 64), (8, 64), (1, 80), (3, 80)])
+def test_paged_attention_decode_split_k_matches_reference(num_splits, head_dim):
     """Decode only (the flash-decoding path: small query tiles), long contexts split into segments,
-    some of which are empty for the short sequences."""
+    some of which are empty for the short sequences; head_dim 80 pads to 128 in the paged kernel and
+    in the reduce of the split partials."""
     seed = _make_seed()
     rng = random.Random(seed)
     seq_lens = [rng.randint(150, 300), rng.randint(1, 20), rng.randint(60, 140)]
-    case = _make_attention_case(seq_lens, [1, 1, 1], 6, 2, 64, 16, torch.float16, seed)
-    _assert_attention_matches(triton_attention, case, seed, num_splits=num_splits, label=f"lens={seq_lens}")
+    case = _make_attention_case(seq_lens, [1, 1, 1], 6, 2, head_dim, 16, torch.float16, seed,
+                                head_pad=_head_pad(head_dim))
+    _assert_attention_matches(triton_attention, case, seed, num_splits=num_splits,
+                              label=f"d={head_dim} lens={seq_lens}")
 
 
 def test_paged_attention_random_steps_match_reference():
@@ -206,7 +236,7 @@ def test_paged_attention_random_steps_match_reference():
     for _ in range(3):
         dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
         num_kv_heads, group = rng.choice([1, 2]), rng.choice([1, 2, 3, 5, 8])
-        head_dim, block_size = rng.choice([16, 64, 128]), rng.choice([8, 16, 32])
+        head_dim, block_size = rng.choice([16, 64, 128, 40, 72, 96]), rng.choice([8, 16, 32])
         seq_lens = [rng.randint(1, 130) for _ in range(rng.randint(1, 5))]
         query_lens = [rng.choice([1, 1, rng.randint(0, s)]) for s in seq_lens]
         window = rng.choice([None, rng.randint(1, 80)])
@@ -299,7 +329,7 @@ def test_launch_variants_cover_every_step_and_compile_kernels_runs_them(monkeypa
     every pad, and one chunk long enough for the prefill kernel (one variant per attention shape)."""
     longest = triton_attention.PREFILL_MIN_QUERY_LEN - 1
     for num_kv_heads, group, head_dim, size in [(8, 4, 128, 2), (3, 3, 64, 2), (2, 1, 64, 4), (1, 8, 128, 4),
-                                                (4, 16, 64, 2)]:
+                                                (4, 16, 64, 2), (32, 1, 96, 2), (2, 4, 80, 4), (4, 2, 192, 2)]:
         variants = triton_attention.launch_variants(group * num_kv_heads, num_kv_heads, head_dim, size)
         paged = [(q, s) for q, s in variants if q <= longest]
         configs = {triton_attention._launch_config(group, q, head_dim, size) for q, _ in paged}
@@ -364,20 +394,20 @@ class _KeyRecorder:
         return launch
 
 
-@pytest.mark.parametrize("window", [None, 1024])
-def test_every_launch_a_step_makes_is_a_variant_compile_kernels_compiled(monkeypatch, window):
+@pytest.mark.parametrize("window,head_dim", [(None, 64), (1024, 64), (None, 80)])
+def test_every_launch_a_step_makes_is_a_variant_compile_kernels_compiled(monkeypatch, window, head_dim):
     """Each launch of steps of any shape (decodes and chunks of any mix, short chunks in the paged kernel
     and long ones in the prefill kernel, split or not, a query and K/V sliced out of one fused projection
     as the model does) has the compile key of a launch that `compile_kernels` made, so no step compiles
-    while serving. On a GPU an odd tile count left the tiles' second row 4 bytes off 16-byte alignment,
-    and Triton compiled that pointer's variant anew."""
+    while serving, at head_dim 80 too (padded to 128 in the kernels). On a GPU an odd tile count left the
+    tiles' second row 4 bytes off 16-byte alignment, and Triton compiled that pointer's variant anew."""
     jit = pytest.importorskip("triton.runtime.jit")
     compiler = pytest.importorskip("triton.backends.compiler")
     if not hasattr(jit, "native_specialize_impl"):
         pytest.skip("this Triton forms its compile keys elsewhere")
     keys = _LaunchKeys(monkeypatch, lambda arg, specialize: jit.native_specialize_impl(
         compiler.BaseBackend, arg, False, specialize, True))
-    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16        # the builtin model's attention
+    num_heads, num_kv_heads, block_size = 9, 3, 16                      # the builtin model's attention
     triton_attention.compile_kernels(num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16,
                                      torch.device("cpu"), window)
     keys.phase = "step"
@@ -411,7 +441,8 @@ def test_the_runner_compiles_kernels_on_cuda_only():
     from engine.model_runner import _Forward
 
     calls = []
-    attn = SimpleNamespace(num_heads=6, num_kv_heads=2, config=SimpleNamespace(head_dim=64, sliding_window=None))
+    attn = SimpleNamespace(num_heads=6, num_kv_heads=2, sliding_window=None,
+                           config=SimpleNamespace(head_dim=64, sliding_window=None))
     runner = SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(self_attn=attn)]),
                              kv_cache=SimpleNamespace(block_size=16, dtype=torch.bfloat16),
                              backend=SimpleNamespace(compile_kernels=lambda *a: calls.append(a) or 11),
@@ -467,7 +498,8 @@ def _check_gpu_kernels(dtype_name: str, num_heads: int, num_kv_heads: int, head_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(32, 8, 128, 16), (24, 8, 64, 32)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [(32, 8, 128, 16), (24, 8, 64, 32),
+                                                                      (32, 32, 96, 16)])
 def test_gpu_kernels_match_reference_at_realistic_sizes(dtype, num_heads, num_kv_heads, head_dim, block_size):
     code = (f"from tests.kernels.test_triton import _check_gpu_kernels; "
             f"_check_gpu_kernels({dtype!r}, {num_heads}, {num_kv_heads}, {head_dim}, {block_size})")

@@ -54,8 +54,9 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, seed: int, what:
     torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what} (seed {seed}): {m}")
 
 
+# hidden sizes 96 and 80 (a head_dim, as in a per-head q/k norm): not powers of two, padded in the kernel
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_tokens, hidden_size, pad", [(1, 64, 0), (5, 96, 32), (17, 256, 0)])
+@pytest.mark.parametrize("num_tokens, hidden_size, pad", [(1, 64, 0), (5, 96, 32), (17, 256, 0), (6, 80, 8)])
 def test_rms_norm_and_add_rms_norm_match_the_reference(dtype, num_tokens, hidden_size, pad, poisoned_allocations):
     seed = _make_seed()
     gen = torch.Generator().manual_seed(seed)
@@ -74,9 +75,10 @@ def test_rms_norm_and_add_rms_norm_match_the_reference(dtype, num_tokens, hidden
     _assert_close(normed, want_normed, seed, "add_rms_norm output")
 
 
+# head_dim 24, 80, 40: half of it (12, 40, 20) is not a power of two, padded in the kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens, num_heads, num_kv_heads, head_dim",
-                         [(1, 4, 2, 16), (6, 8, 1, 64), (11, 3, 3, 24)])
+                         [(1, 4, 2, 16), (6, 8, 1, 64), (11, 3, 3, 24), (5, 4, 2, 80), (3, 2, 1, 40)])
 def test_rotary_matches_the_reference_in_place_on_q_and_k(dtype, num_tokens, num_heads, num_kv_heads, head_dim):
     seed = _make_seed()
     gen = torch.Generator().manual_seed(seed)

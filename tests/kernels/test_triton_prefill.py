@@ -31,6 +31,7 @@ from kernels import triton_attention, triton_prefill  # noqa: E402
 from tests.kernels.test_triton import (  # noqa: E402
     TOLERANCES,
     _assert_attention_matches,
+    _head_pad,
     _make_attention_case,
     _make_seed,
     _reference_attention,
@@ -54,8 +55,9 @@ def _prefill_tiles(meta):
     return meta.backend_cache.get("triton_prefill", {})
 
 
-# Every dtype, GQA group 1 and 4, head_dim 64 and 128, block sizes 8/16/32, with and without a sliding
-# window, each on a step of prefill chunks and decode rows.
+# Every dtype, GQA group 1 and 4, head_dim 64 and 128 (and 40, 80, 96, 8: padded in the kernels to 64,
+# 128, 128, 16), block sizes 8/16/32, with and without a sliding window, each on a step of prefill chunks
+# and decode rows.
 @pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size,sliding_window", [
     (torch.float32, 2, 2, 64, 8, None),
     (torch.float16, 8, 2, 128, 16, None),
@@ -63,12 +65,17 @@ def _prefill_tiles(meta):
     (torch.float16, 2, 2, 64, 32, 70),
     (torch.bfloat16, 2, 2, 128, 8, None),
     (torch.float32, 4, 1, 128, 16, 100),
+    (torch.float16, 2, 1, 40, 16, None),
+    (torch.bfloat16, 2, 2, 96, 8, 60),
+    (torch.float32, 1, 1, 80, 32, None),
+    (torch.float16, 2, 1, 8, 16, 40),
 ])
 def test_mixed_prefill_and_decode_step_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size,
                                                          sliding_window):
     seed = _make_seed()
     seq_lens, query_lens = _mixed_step(block_size)
-    case = _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed)
+    case = _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
+                                head_pad=_head_pad(head_dim))
     _assert_attention_matches(triton_attention, case, seed, sliding_window,
                               label=f"{dtype} heads={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}")
     block_m = triton_prefill.prefill_config(head_dim, dtype.itemsize)[0]
@@ -114,7 +121,7 @@ def test_random_steps_match_reference():
     for _ in range(3):
         dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
         num_kv_heads, group = rng.choice([1, 2]), rng.choice([1, 3, 4])
-        head_dim, block_size = rng.choice([16, 64, 128]), rng.choice([8, 16, 32])
+        head_dim, block_size = rng.choice([16, 64, 128, 40, 80, 96]), rng.choice([8, 16, 32])
         query_lens = [rng.choice([1, rng.randint(2, MIN_LEN - 1), rng.randint(MIN_LEN, 200)])
                       for _ in range(rng.randint(1, 4))]
         seq_lens = [q + rng.choice([0, rng.randint(1, 150)]) for q in query_lens]
@@ -159,6 +166,13 @@ def test_prefill_config_per_head_dim_and_shared_memory():
     assert triton_prefill.prefill_config(128, 2, 99 * 1024)[3] == 2
     assert triton_prefill.prefill_config(64, 2, 99 * 1024)[3] == 3
     assert triton_prefill.prefill_config(128, 2, 40 * 1024)[3] == 1
+    # other head_dims are configured as the power of two their tiles are padded to
+    assert [triton_prefill.padded_head_dim(d) for d in (8, 16, 40, 64, 72, 80, 96, 112, 128, 160, 192, 256)] == \
+        [16, 16, 64, 64, 128, 128, 128, 128, 128, 256, 256, 256]
+    for head_dim in (40, 72, 80, 96, 112, 160, 192):
+        for size, shared in [(2, h100), (4, h100), (2, 99 * 1024)]:
+            assert triton_prefill.prefill_config(head_dim, size, shared) == \
+                triton_prefill.prefill_config(triton_prefill.padded_head_dim(head_dim), size, shared)
 
 
 def test_launcher_rejects_what_the_kernel_does_not_handle():
@@ -196,7 +210,8 @@ def _build_for_sm90(dtype_name: str, head_dim: int, use_window: bool) -> dict:
     dtype = getattr(torch, dtype_name)
     block_m, block_n, num_warps, num_stages = triton_prefill.prefill_config(head_dim, dtype.itemsize)
     constexprs = dict(GROUP=4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=16, HEAD_DIM=head_dim,
-                      USE_WINDOW=use_window, DOT_DTYPE=triton_prefill.dot_dtype(dtype), DOT_PRECISION="tf32")
+                      HEAD_DIM_PAD=triton_prefill.padded_head_dim(head_dim), USE_WINDOW=use_window,
+                      DOT_DTYPE=triton_prefill.dot_dtype(dtype), DOT_PRECISION="tf32")
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype_name]
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
@@ -228,10 +243,12 @@ def _build_for_sm90(dtype_name: str, head_dim: int, use_window: bool) -> dict:
     return report
 
 
-@pytest.mark.parametrize("dtype,head_dim,use_window", [("bfloat16", 128, False), ("float16", 64, True)])
+@pytest.mark.parametrize("dtype,head_dim,use_window", [("bfloat16", 128, False), ("float16", 64, True),
+                                                       ("bfloat16", 96, False), ("float16", 192, True)])
 def test_prefill_kernel_builds_for_h100_with_tensor_cores(dtype, head_dim, use_window):
     """What the interpreter cannot show: the kernel compiles for sm_90, its dots are wgmma, its K/V tiles
-    arrive in 16-byte asynchronous copies, and it neither spills nor outgrows an H100's shared memory."""
+    arrive in 16-byte asynchronous copies, and it neither spills nor outgrows an H100's shared memory;
+    at head_dim 96 and 192 too, padded to 128 and 256 (the masked lanes keep the copies 16 bytes wide)."""
     pytest.importorskip("triton.compiler")
     code = ("import json; from tests.kernels.test_triton_prefill import _build_for_sm90; "
             f"print(json.dumps(_build_for_sm90({dtype!r}, {head_dim}, {use_window})))")
@@ -277,7 +294,7 @@ def _check_gpu_prefill(dtype_name: str, num_heads: int, num_kv_heads: int, head_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size", [
-    ("bfloat16", 32, 8, 128, 16), ("float16", 24, 8, 64, 32)])
+    ("bfloat16", 32, 8, 128, 16), ("float16", 24, 8, 64, 32), ("bfloat16", 32, 32, 96, 16)])
 def test_gpu_prefill_matches_reference_at_realistic_sizes(dtype, num_heads, num_kv_heads, head_dim, block_size):
     code = (f"from tests.kernels.test_triton_prefill import _check_gpu_prefill; "
             f"_check_gpu_prefill({dtype!r}, {num_heads}, {num_kv_heads}, {head_dim}, {block_size})")
