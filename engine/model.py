@@ -17,7 +17,7 @@ collective is the identity and the shapes are the model's own.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 
 import torch
@@ -204,49 +204,46 @@ class LlamaForCausalLM(nn.Module):
     # --- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters, each cut to this rank's shard; every
-        parameter must be filled once."""
+        parameter must be filled whole, once."""
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
-        c, shard = self.config, self.shard
-        q, kv, inter = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size, shard.intermediate_size
-        fused = {  # HF suffix -> (our suffix, row offset, rows), in this rank's sizes
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            target, part = self._destination(name)
+            if target not in params:
+                raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
+            tensor = self._shard_of(hf_name, name, tensor)
+            dest = part(params[target].data)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise WeightLoadError(
+                    f"{hf_name}: shape {tuple(tensor.shape)} does not match the config's {tuple(dest.shape)}")
+            with torch.no_grad():
+                dest.copy_(tensor)
+            filled[target] = filled.get(target, 0) + dest.numel()
+        missing = [name for name, param in params.items() if filled.get(name, 0) != param.numel()]
+        if missing:
+            raise WeightLoadError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
+                                  + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+    def _destination(self, name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """Where checkpoint tensor `name` (without "model.") goes: our parameter's name, and the part of
+        it (a view of its data) the tensor fills: q/k/v into the fused qkv_proj's rows, gate/up into
+        gate_up_proj's, in this rank's sizes; anything else the whole parameter of the same name."""
+        q, kv = self.layers[0].self_attn.q_size, self.layers[0].self_attn.kv_size
+        inter = self.shard.intermediate_size
+        fused = {  # HF suffix -> (our suffix, row offset, rows)
             "self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
             "self_attn.k_proj": ("self_attn.qkv_proj", q, kv),
             "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, kv),
             "mlp.gate_proj": ("mlp.gate_up_proj", 0, inter),
             "mlp.up_proj": ("mlp.gate_up_proj", inter, inter),
         }
-        for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and c.tie_word_embeddings:
-                continue
-            target, rows = name, None
-            for hf_part, (ours, offset, size) in fused.items():
-                if f".{hf_part}." in f".{name}":
-                    target = name.replace(hf_part, ours)
-                    rows = (offset, size)
-                    break
-            if target not in params:
-                raise WeightLoadError(f"{hf_name}: not a tensor of {c.architecture} with this config")
-            tensor = self._shard_of(hf_name, name, tensor)
-            param = params[target]
-            dest = param.data if rows is None else param.data.narrow(0, rows[0], rows[1])
-            if tuple(dest.shape) != tuple(tensor.shape):
-                raise WeightLoadError(
-                    f"{hf_name}: shape {tuple(tensor.shape)} does not match the config's {tuple(dest.shape)}")
-            with torch.no_grad():
-                dest.copy_(tensor)
-            filled[target] = filled.get(target, 0) + (1 if rows is None else rows[1])
-        missing = []
-        for name, param in params.items():
-            want = param.shape[0] if (".qkv_proj." in name or ".gate_up_proj." in name) else 1
-            if filled.get(name, 0) != want:
-                missing.append(name)
-        if missing:
-            raise WeightLoadError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
-                                  + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        for hf_part, (ours, offset, size) in fused.items():
+            if f".{hf_part}." in f".{name}":
+                return name.replace(hf_part, ours), lambda data: data.narrow(0, offset, size)
+        return name, lambda data: data
 
     def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of one checkpoint tensor (the tensor itself with one rank)."""

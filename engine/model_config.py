@@ -16,7 +16,7 @@ import torch
 from engine.config import ConfigError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma3ForCausalLM")
+                           "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -114,6 +114,12 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()   # Gemma 3: full_attention | sliding_attention per layer; () all alike
     rope_local_theta: float | None = None   # Gemma 3: the sliding layers' rope base (no scaling)
     query_pre_attn_scalar: float | None = None   # Gemma 3: attention scale is its -1/2 power (else head_dim's)
+    num_experts: int = 0                # Qwen3-MoE: experts of a sparse layer's MLP (0: every MLP dense)
+    num_experts_per_tok: int = 0        # the experts each token is routed to (top-k of the router's softmax)
+    moe_intermediate_size: int = 0      # each expert's intermediate size
+    norm_topk_prob: bool = False        # the top-k weights renormalised to sum to 1
+    decoder_sparse_step: int = 1        # every this many layers is sparse ...
+    mlp_only_layers: tuple[int, ...] = ()   # ... except these, dense
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -142,6 +148,18 @@ class ModelConfig:
                               f"layers, got {list(self.layer_types)}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ConfigError("sliding_window: layer_types has sliding layers and no sliding_window")
+        if self.num_experts:
+            for name in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+                if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                    raise ConfigError(f"{name}: must be a positive integer with experts, got {getattr(self, name)!r}")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ConfigError(f"num_experts_per_tok: {self.num_experts_per_tok} is more than num_experts "
+                                  f"{self.num_experts}")
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the experts (Qwen3-MoE's rule), else the dense MLP."""
+        return bool(self.num_experts) and layer not in self.mlp_only_layers and \
+            (layer + 1) % self.decoder_sparse_step == 0
 
     def layer_window(self, layer: int) -> int | None:
         """The keys layer `layer` attends: its last `sliding_window` positions, or all (None)."""
@@ -176,10 +194,12 @@ class ModelConfig:
         if self.attention_bias:   # q/k/v; o_proj too except in Qwen2 (engine.model.Attention)
             attn += self.q_size + 2 * self.kv_size + (h if self.architecture != "Qwen2ForCausalLM" else 0)
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
+        experts = self.num_experts * (3 * h * self.moe_intermediate_size + h)   # every expert, and the router
         norms = 4 if self.architecture == "Gemma3ForCausalLM" else 2   # Gemma 3: around the MLP too
-        per_layer = attn + mlp + norms * h + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = attn + norms * h + (2 * self.head_dim if self.qk_norm else 0)
+        mlps = sum(experts if self.is_sparse_layer(layer) else mlp for layer in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + h + head
+        return v * h + self.num_layers * per_layer + mlps + h + head
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -198,11 +218,12 @@ class ModelConfig:
         hidden = need("hidden_size")
         head_dim = cfg.get("head_dim") or hidden // num_heads
         gemma = _gemma3_fields(cfg, need("num_hidden_layers")) if arch == "Gemma3ForCausalLM" else {}
+        moe = _moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else {}
         rope_theta, rope_scaling = RopeScaling.from_hf_config(gemma.pop("full_rope", cfg))
         sliding_window = None
         if arch == "MistralForCausalLM":
             sliding_window = cfg.get("sliding_window")
-        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+        elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and cfg.get("use_sliding_window"):
             raise ConfigError(f"use_sliding_window: {arch.removesuffix('ForCausalLM')} per-layer sliding window "
                               "is not supported")
         eos = cfg.get("eos_token_id")
@@ -224,11 +245,11 @@ class ModelConfig:
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_window=sliding_window,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
-        ), **gemma})
+        ), **gemma, **moe})
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -270,3 +291,15 @@ def _gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
             "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256),
             "hidden_act": cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
             "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)), "full_rope": full_rope}
+
+
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields (transformers' `Qwen3MoeConfig` names and defaults)."""
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise ConfigError(f"mlp_only_layers: must be a list of layer indices, got {only!r}")
+    experts = cfg.get("num_experts", cfg.get("num_local_experts", 128))   # transformers 5 writes the latter
+    return {"num_experts": experts, "num_experts_per_tok": cfg.get("num_experts_per_tok", 8),
+            "moe_intermediate_size": cfg.get("moe_intermediate_size", 768),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "decoder_sparse_step": cfg.get("decoder_sparse_step", 1), "mlp_only_layers": tuple(only)}

@@ -59,6 +59,7 @@ class ShardShape:
     head_start: int           # first query head
     kv_head_start: int        # first KV head
     intermediate_size: int    # rows of gate and of up
+    moe_intermediate_size: int   # rows of each expert's gate and up (0: no experts)
     vocab_rows: int           # rows of the embedding and LM head shards (ceil(V / size))
     vocab_size: int           # the model's whole vocabulary
 
@@ -76,6 +77,7 @@ class ShardShape:
             kv_start = rank // (size // model.num_kv_heads)
         return cls(rank=rank, size=size, num_heads=heads, num_kv_heads=kv_heads, head_start=rank * heads,
                    kv_head_start=kv_start, intermediate_size=model.intermediate_size // size,
+                   moe_intermediate_size=model.moe_intermediate_size // size,
                    vocab_rows=ceil_div(model.vocab_size, size), vocab_size=model.vocab_size)
 
     @property
@@ -105,6 +107,9 @@ def check_tensor_parallel(model: ModelConfig, size: int, key: str = "tensor_para
     if model.intermediate_size % size:
         raise ConfigError(f"{key}: {size} does not divide the model's intermediate_size "
                           f"{model.intermediate_size}")
+    if model.moe_intermediate_size % size:
+        raise ConfigError(f"{key}: {size} does not divide the model's moe_intermediate_size "
+                          f"{model.moe_intermediate_size} (each expert is split across the ranks)")
 
 
 @dataclass

@@ -37,7 +37,7 @@ def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **ove
     common.update(overrides)
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
            "mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
-           "gemma3": transformers.Gemma3TextConfig}[arch]
+           "gemma3": transformers.Gemma3TextConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
     config = cls(**common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

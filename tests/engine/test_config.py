@@ -90,3 +90,20 @@ def test_qwen3_with_yarn_as_its_model_card_writes_it():
     assert cfg.num_params() == 32_762_123_264
     no_factor = {**qwen3, "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 32768}}
     assert ModelConfig.from_hf_config(no_factor).rope_scaling.factor == 4.0   # 131072 / 32768
+
+
+def test_qwen3_moe_as_its_model_card_writes_it():
+    """Qwen3-30B-A3B's config: 128 experts of 768, 8 a token; every expert counted in the parameters."""
+    moe = {**LLAMA, "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "num_attention_heads": 32,
+           "num_key_value_heads": 4, "head_dim": 128, "num_hidden_layers": 48, "intermediate_size": 6144,
+           "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+           "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+    cfg = ModelConfig.from_hf_config(moe)
+    assert cfg.qk_norm and cfg.num_experts == 128 and all(cfg.is_sparse_layer(i) for i in range(48))
+    assert cfg.num_params() == 30_532_122_624   # 30.5 B, as the model card says
+    dense_one = ModelConfig.from_hf_config({**moe, "mlp_only_layers": [0], "decoder_sparse_step": 2})
+    assert [dense_one.is_sparse_layer(i) for i in range(4)] == [False, True, False, True]
+    with pytest.raises(ConfigError, match="num_experts_per_tok: 9 is more than num_experts 8"):
+        ModelConfig.from_hf_config({**moe, "num_experts": 8, "num_experts_per_tok": 9})
+    with pytest.raises(ConfigError, match="mlp_only_layers"):
+        ModelConfig.from_hf_config({**moe, "mlp_only_layers": "all"})

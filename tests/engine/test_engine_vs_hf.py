@@ -89,6 +89,8 @@ def test_builtin_smollm2_matches_transformers(smollm2_engine, hf_smollm2):
 
 # YaRN from an original context of 32 positions: the prompts and outputs below run far past it
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+# Qwen3-MoE: 8 experts of 32, 2 a token (renormalised), every layer sparse unless the case says otherwise
+QWEN3_MOE = dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
 # Gemma 3: sliding layers (a window of 8 positions, which the prompts and outputs outgrow) around a full one
 # with its own rope (linear scaling, as the larger Gemma 3 models'), q.k scaled by 1 / sqrt(24)
 GEMMA3 = dict(num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
@@ -106,6 +108,9 @@ GEMMA3 = dict(num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn
     ("qwen3", dict(head_dim=32)),
     ("qwen3", dict(tie_word_embeddings=True, attention_bias=True, rope_parameters=YARN)),
     ("llama", dict(rope_parameters={**YARN, "beta_fast": 16, "beta_slow": 2, "factor": 8.0})),
+    ("qwen3_moe", QWEN3_MOE),
+    ("qwen3_moe", {**QWEN3_MOE, "norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": [3],
+                   "num_hidden_layers": 4, "rope_parameters": YARN}),
     ("gemma3", GEMMA3),
     ("gemma3", {**GEMMA3, "tie_word_embeddings": False, "num_key_value_heads": 4, "hidden_activation": "silu",
                 "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -123,7 +128,7 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     engine = LLMEngine.from_args(str(folder), block_size=8, num_blocks=64, max_num_batched_tokens=64,
                                  progress=False)
     assert engine.model_config.num_params() == sum(p.numel() for p in hf.parameters())   # the capacity plan's count
-    packed = isinstance(engine.model.layers[0].mlp.gate_up_proj, PackedLinear)
+    packed = isinstance(engine.model.layers[0].self_attn.qkv_proj, PackedLinear)
     assert packed == (cpu_linear == "onednn" and torch.backends.mkldnn.is_available())
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 5, 17, 40, 9)]

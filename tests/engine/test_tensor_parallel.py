@@ -98,12 +98,19 @@ def prompts():
     return [[rng.randrange(3, 500) for _ in range(rng.randrange(8, 70))] for _ in range(5)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch):
+QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                             "original_max_position_embeddings": 32}}
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}), ("qwen2", {}), ("qwen3", QWEN3),
+    ("qwen3_moe", {**QWEN3, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "norm_topk_prob": True, "mlp_only_layers": [1]}),
+])
+def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen2 adds q/k/v biases; Qwen3
-    # q/k head norms (whole on every rank) and YaRN.
-    overrides = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                                     "original_max_position_embeddings": 32}} if arch == "qwen3" else {}
+    # q/k head norms (whole on every rank) and YaRN; Qwen3-MoE splits each expert's intermediate size
+    # (the router whole on every rank), its layer 1 dense.
     path = str(make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides))
     reference = _generate(_engine(path, 1), prompts)
     _assert_same_or_near_tie(reference, _generate(_engine(path, 2), prompts))

@@ -1,0 +1,107 @@
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`): Qwen3's attention, and on its sparse layers a mixture of experts.
+
+A sparse layer's MLP (`SparseMoeBlock`) routes each token to `num_experts_per_tok` of `num_experts`
+experts: the router's logits, their softmax in float32, the top k (renormalised to sum to 1 with
+`norm_topk_prob`), rounded to the model's dtype; each expert is a SiLU-gated MLP of
+`moe_intermediate_size`, and a token's output is the sum of its experts' outputs times their weights,
+added in increasing expert order (transformers' order, so the sums round alike). Which layers are
+sparse: every `decoder_sparse_step`-th, less `mlp_only_layers` (those keep the dense MLP).
+
+The experts are grouped: each expert the step routes to runs once over all its tokens (two matmuls over
+its gathered rows), so a step does work for the experts it uses, not for all of them. The loop asks the
+device which experts are hit, which is a synchronisation on CUDA (a fused grouped-GEMM kernel over the
+tokens sorted by expert is the GPU's way and is not built yet).
+
+Weights: the checkpoint's per-expert `mlp.experts.{e}.gate_proj / up_proj / down_proj` go into two
+tensors, `w13` [num_experts, 2 x intermediate, hidden] (gate rows, then up rows) and `w2` [num_experts,
+hidden, intermediate]. Under tensor parallelism each rank holds every expert's slice of the
+intermediate size (gate/up rows, down columns) and the partial outputs are summed; the router is whole
+on every rank, so every rank routes alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers import SiluAndMul
+from engine.model import LlamaForCausalLM, WeightLoadError
+from engine.model_config import ModelConfig
+from engine.parallel import Collectives, ShardShape
+
+__all__ = ["Qwen3MoeForCausalLM", "SparseMoeBlock"]
+
+
+class SparseMoeBlock(nn.Module):
+    """The experts of one sparse layer and their router (see the module docstring)."""
+
+    def __init__(self, config: ModelConfig, shard: ShardShape, comm: Collectives, ops: ModuleType) -> None:
+        super().__init__()
+        self.comm, self.num_experts, self.top_k = comm, config.num_experts, config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        inter, hidden = shard.moe_intermediate_size, config.hidden_size
+        self.gate = nn.Linear(hidden, config.num_experts, bias=False)           # the router
+        self.w13 = nn.Parameter(torch.empty(config.num_experts, 2 * inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(config.num_experts, hidden, inter))
+        self.act_fn = SiluAndMul(ops)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [num_tokens, hidden] -> (weights [num_tokens, top_k] in x's dtype, experts [num_tokens, top_k])."""
+        logits = self.gate(x)                                                    # [num_tokens, num_experts]
+        weights, experts = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float), self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, hidden]
+        weights, experts = self.route(x)
+        out = torch.zeros_like(x)
+        hits = F.one_hot(experts, self.num_experts).permute(2, 1, 0)             # [num_experts, top_k, num_tokens]
+        for e in hits.sum(dim=(1, 2)).nonzero().flatten().tolist():              # the experts used, in order
+            slot, token = torch.where(hits[e])
+            h = F.linear(self.act_fn(F.linear(x[token], self.w13[e])), self.w2[e])
+            out.index_add_(0, token, h * weights[token, slot, None])
+        return self.comm.all_reduce(out)
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    """Qwen3 with its sparse layers' MLPs replaced by `SparseMoeBlock`s; the Llama model's loading, with
+    the experts' tensors routed into `w13` / `w2` and cut per rank."""
+
+    supports_flat_forward = False
+
+    def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
+        layer = super().make_layer(index, ops)
+        if self.config.is_sparse_layer(index):
+            layer.mlp = SparseMoeBlock(self.config, self.shard, self.comm, ops)
+        return layer
+
+    def _destination(self, name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+        if ".mlp.experts." not in name:
+            return super()._destination(name)
+        prefix, rest = name.split(".mlp.experts.", 1)                 # "layers.3", "17.gate_proj.weight"
+        expert, proj = rest.split(".", 1)
+        inter = self.shard.moe_intermediate_size
+        if not expert.isdigit() or proj not in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+            raise WeightLoadError(f"{name}: not a tensor of {self.config.architecture} with this config")
+        e, mlp = int(expert), f"{prefix}.mlp"
+        if proj == "down_proj.weight":
+            return f"{mlp}.w2", lambda data: data[e]
+        offset = 0 if proj == "gate_proj.weight" else inter
+        return f"{mlp}.w13", lambda data: data[e].narrow(0, offset, inter)
+
+    def _shard_of(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """An expert's slice of the intermediate size: gate/up rows, down columns; the rest as Qwen3's."""
+        shard = self.shard
+        if shard.size == 1 or ".mlp.experts." not in name:
+            return super()._shard_of(hf_name, name, tensor)
+        dim, inter = (1 if name.endswith("down_proj.weight") else 0), self.config.moe_intermediate_size
+        if tensor.dim() != 2 or tensor.shape[dim] != inter:
+            raise WeightLoadError(f"{hf_name}: shape {tuple(tensor.shape)} does not match the config "
+                                  f"({inter} along dimension {dim})")
+        return tensor.narrow(dim, shard.rank * shard.moe_intermediate_size, shard.moe_intermediate_size)
