@@ -1,5 +1,7 @@
 """Answering from local pools: each prompt's engine request streamed back, its deltas assembled into
-choices (choice index = prompt × n + sample) and written as SSE chunks or as one JSON body.
+choices (choice index = prompt × n + sample) and written as SSE chunks or as one JSON body. On a pool whose
+chat template thinks, each reply's reasoning is split from its content as its deltas arrive
+(`gateway.openai.reasoning`): `reasoning_content` beside `content`, in the message and in the stream's deltas.
 
 The engine's side and the client's side run apart. `LocalResponse.run` consumes the engine's deltas
 and returns as soon as the engine is done with every request, so the caller gives the KV credits
@@ -45,6 +47,7 @@ from gateway.monitoring.metrics import GatewayMetrics
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
 from gateway.openai.errors import ApiError, named_error
+from gateway.openai.reasoning import ReasoningSplitter, prompt_opens_think, template_thinks
 from gateway.openai.tools import ToolCallStream, ToolFormat, format_for
 from pools.pool import Pool
 
@@ -65,6 +68,12 @@ class _Choice:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     tool_stream: ToolCallStream | None = None   # a streamed chat with tools: held text, calls at the end
+    reasoning: ReasoningSplitter | None = None  # a thinking model's chat: its reasoning split from its content
+
+    @property
+    def content_text(self) -> str:
+        """The reply so far but its reasoning (all of it for a model that does not think)."""
+        return self.text if self.reasoning is None else self.reasoning.content
 
 
 async def merged(routed: Routed, params: SamplingParams, priority: int, request_id: str,
@@ -175,6 +184,23 @@ class LocalResponse:
         self._runner: asyncio.Task | None = None
         self._write_error: ClientGone | None = None   # the client stopped reading or went away
 
+    def _split_reasoning(self) -> None:
+        """On a pool whose chat template thinks, each choice's reply split into reasoning and content; it
+        starts inside the think block when the prompt opened one (not under a grammar, which writes the
+        whole reply)."""
+        n = self.req.params.n
+        for i, (pool, ids) in enumerate(self.routed):
+            if not template_thinks(pool.tokenizer.chat_template_source(use_tools=self.req.tools is not None)):
+                continue
+            inside = self.req.params.structured is None and prompt_opens_think(pool.tokenizer, ids)
+            for j in range(n):
+                self.choices[i * n + j].reasoning = ReasoningSplitter(inside)
+
+    def reasoning_tokens(self) -> int | None:
+        """The output tokens of the choices' reasoning (None when the model does not think)."""
+        splitters = [c.reasoning for c in self.choices.values() if c.reasoning is not None]
+        return sum(s.num_reasoning_tokens for s in splitters) if splitters else None
+
     async def run(self) -> None:
         """Consume the engine's deltas until every engine request finished (a stream's chunks are queued
         for the writer as they come). An engine failure is kept in `error` for `finish`; a client that
@@ -213,8 +239,9 @@ class LocalResponse:
         elif self.req.include_usage:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
             cached = self.cached_tokens() if self.chat else None
+            reasoning = self.reasoning_tokens() if self.chat else None
             self._queue(objects.usage_chunk(self.request_id, self.req.model, self.created, obj, *self._usage(),
-                                            cached))
+                                            cached, reasoning))
         self._push(b"data: [DONE]\n\n")
 
     @property
@@ -232,6 +259,8 @@ class LocalResponse:
         return self._body()
 
     async def _consume(self) -> None:
+        if self.chat:
+            self._split_reasoning()
         for pool, ids in self.routed:
             self.metrics.pool_series(pool.name).prompt_tokens.inc(len(ids))
         events = merged(self.routed, self.req.params, self.req.priority, self.request_id, self.placed, self.tenant)
@@ -276,6 +305,7 @@ class LocalResponse:
             choice = self.choices[i * self.req.params.n + c.index]
             text_offset = len(choice.text)
             choice.text += c.delta_text
+            parts = self._reasoning_parts(choice, c)
             choice.num_tokens = c.num_tokens
             if self.want_logprobs:
                 choice.token_ids.extend(c.delta_token_ids)
@@ -286,11 +316,23 @@ class LocalResponse:
                 self.metrics.request_success.labels(pool=choice.pool.name, finished_reason=c.finish_reason).inc()
             has_logprobs = self.want_logprobs and bool(c.delta_token_ids)
             if self.req.stream and (c.delta_text or c.finish_reason or has_logprobs):
-                chunk_choices.append(self._stream_choice(choice, c, has_logprobs, text_offset))
+                chunk_choices.append(self._stream_choice(choice, c, has_logprobs, text_offset, parts))
         return chunk_choices
 
-    def _stream_choice(self, choice: _Choice, c: SampleDelta, has_logprobs: bool,
-                       text_offset: int) -> dict[str, Any]:
+    @staticmethod
+    def _reasoning_parts(choice: _Choice, c: SampleDelta) -> tuple[str, str] | None:
+        """A thinking model's delta as (reasoning, content) that can go out now (what was held back too,
+        at the reply's end); None for a model that does not think."""
+        if choice.reasoning is None:
+            return None
+        reasoning, content = choice.reasoning.feed(c.delta_text, len(c.delta_token_ids))
+        if c.finish_reason is not None and choice.finish_reason is None:
+            rest_reasoning, rest_content = choice.reasoning.finish()
+            reasoning, content = reasoning + rest_reasoning, content + rest_content
+        return reasoning, content
+
+    def _stream_choice(self, choice: _Choice, c: SampleDelta, has_logprobs: bool, text_offset: int,
+                       parts: tuple[str, str] | None) -> dict[str, Any]:
         lp = None
         if has_logprobs:
             ids, lps, tops = c.delta_token_ids, c.delta_logprobs or [], c.delta_top_logprobs or []
@@ -302,14 +344,19 @@ class LocalResponse:
         if not choice.sent_role:
             delta["role"] = "assistant"
             choice.sent_role = True
-        delta["content"], finish_reason = c.delta_text, c.finish_reason
+        reasoning, content = parts or ("", c.delta_text)
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if content or not reasoning:
+            delta["content"] = content
+        finish_reason = c.finish_reason
         if choice.tool_stream is not None:
-            stream = choice.tool_stream
-            delta["content"] = stream.content_delta(choice.text)
+            stream, text = choice.tool_stream, choice.content_text
+            delta["content"] = stream.content_delta(text)
             if finish_reason is None:
-                calls = stream.call_deltas(choice.text)
+                calls = stream.call_deltas(text)
             else:
-                rest, calls, num_calls = stream.finish(choice.text)
+                rest, calls, num_calls = stream.finish(text)
                 delta["content"] += rest
                 if num_calls:
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
@@ -395,17 +442,21 @@ class LocalResponse:
             if not self.chat:
                 body_choices.append(objects.completion_choice(index, choice.text, lp, choice.finish_reason))
                 continue
-            content, calls, finish_reason = choice.text, [], choice.finish_reason
+            content, calls, finish_reason = choice.content_text, [], choice.finish_reason
             if self.tool_format is not None:
-                content, calls = self.tool_format.parse(choice.text)
+                content, calls = self.tool_format.parse(content)
                 calls = calls if self.req.parallel_tool_calls else calls[:1]   # parallel_tool_calls: false
                 if calls and finish_reason == "stop":
                     finish_reason = "tool_calls"
-            body_choices.append(objects.chat_choice(index, content, lp, finish_reason,
-                                                [call.as_openai() for call in calls]))
+            reasoning = choice.reasoning
+            if reasoning is not None:   # a thinking model's: null where a part is empty
+                content = content or None
+            body_choices.append(objects.chat_choice(
+                index, content, lp, finish_reason, [call.as_openai() for call in calls], thinks=reasoning is not None,
+                reasoning_content=(reasoning.reasoning or None) if reasoning is not None else None))
         if self.chat:
             return objects.chat_response(self.request_id, self.req.model, body_choices, *self._usage(),
-                                         self.cached_tokens())
+                                         self.cached_tokens(), self.reasoning_tokens())
         return objects.completion_response(self.request_id, self.req.model, body_choices, *self._usage())
 
     def _usage(self) -> tuple[int, int]:

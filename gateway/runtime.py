@@ -324,15 +324,17 @@ class Gateway:
             raise ApiError(400, f"{param}: the grammar library cannot enforce it: {error}", param=param)
 
     # --- tokenization and routing ----------------------------------------------------------------
-    async def route_chat(self, model: str, messages: list[dict[str, Any]],
-                         tools: list[Tool] | None = None) -> tuple[Pool, list[int]]:
-        """Render each candidate pool's chat template (with the tools offered), count exactly, and take the
-        first pool that admits it."""
-        size = sum(len(m["content"]) + MESSAGE_OVERHEAD_CHARS for m in messages)   # many empty messages render long
+    async def route_chat(self, model: str, messages: list[dict[str, Any]], tools: list[Tool] | None = None,
+                         template_kwargs: dict[str, Any] | None = None) -> tuple[Pool, list[int]]:
+        """Render each candidate pool's chat template (with the tools offered and the request's
+        `chat_template_kwargs`), count exactly, and take the first pool that admits it."""
+        size = sum(len(m["content"]) + len(m.get("reasoning_content") or "") + MESSAGE_OVERHEAD_CHARS
+                   for m in messages)   # many empty messages render long
         if tools:
             size += sum(len(json.dumps(t.parameters)) + MESSAGE_OVERHEAD_CHARS for t in tools)
+        kwargs = template_kwargs or {}
         return await self._route(model, "messages", size,
-                                 self._timed(lambda pool: _render_and_count(pool, messages, tools)))
+                                 self._timed(lambda pool: _render_and_count(pool, messages, tools, kwargs)))
 
     async def route_prompt(self, model: str, prompt: str | list[int]) -> tuple[Pool, list[int]]:
         """Count a completion prompt (text with the tokenizer's prefix, or token ids) and route it."""
@@ -386,11 +388,12 @@ def _grammar_error(constraint: StructuredOutput) -> str:
     return ""
 
 
-def _render_and_count(pool: Pool, messages: list[dict[str, Any]], tools: list[Tool] | None) -> list[int]:
+def _render_and_count(pool: Pool, messages: list[dict[str, Any]], tools: list[Tool] | None,
+                      template_kwargs: dict[str, Any]) -> list[int]:
     if tools is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-        text = pool.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = pool.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
     else:
-        text = render_chat_with_tools(pool.tokenizer, messages, tools)
+        text = render_chat_with_tools(pool.tokenizer, messages, tools, template_kwargs)
     return pool.counter.encode(text)
 
 

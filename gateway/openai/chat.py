@@ -3,8 +3,10 @@
 The model checks each field's type and bounds, and a message's role and content parts (text only); the
 code here checks what spans fields: a tool message's `tool_call_id`, tool calls on assistant messages
 only, `top_logprobs` with `logprobs`, `tools` or the deprecated `functions` (read as tools), the counts
-in `gateway.limits`. A message's keys beyond those read are ignored: a client may send back the whole
-message a reply gave it (`refusal`, `annotations`).
+in `gateway.limits`, `chat_template_kwargs` (vLLM's: more variables for the chat template, such as Qwen3's
+`enable_thinking`; not those the gateway sets). A message's keys beyond those read are ignored: a client may
+send back the whole message a reply gave it (`refusal`, `annotations`); an assistant's `reasoning_content`
+is passed to the template, which may render it (Qwen3's does, after the last user turn).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Message(msgspec.Struct):
     tool_calls: list[ToolCallSpec] | None = None     # assistant messages
     tool_call_id: str | None = None                  # tool messages: the call answered
     name: str | None = None
+    reasoning_content: str | None = None             # assistant messages: their reasoning, for the template
 
 
 class ChatBody(RequestFields, kw_only=True):
@@ -46,6 +49,7 @@ class ChatBody(RequestFields, kw_only=True):
     parallel_tool_calls: bool | None = None
     functions: Annotated[list[FunctionSpec], msgspec.Meta(min_length=1)] | None = None   # deprecated tools
     function_call: Literal["none", "auto"] | FunctionName | None = None               # and tool_choice
+    chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: more variables for the chat template
 
 
 @dataclass
@@ -64,6 +68,7 @@ class ChatRequest:
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True
     metadata: dict[str, str] | None = None   # the Responses API's, echoed in its Response object
+    chat_template_kwargs: dict[str, Any] | None = None   # more variables for the chat template
 
 
 def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> ChatRequest:
@@ -89,7 +94,23 @@ def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> ChatReques
     return ChatRequest(model=chat.model, messages=messages, params=params, stream=stream,
                        include_usage=include_usage, continuous_usage=continuous_usage, priority=chat.priority or 0,
                        top_logprobs=top_logprobs, max_tokens_param=max_tokens_param, tools=tools,
-                       tool_choice=tool_choice, parallel_tool_calls=chat.parallel_tool_calls is not False)
+                       tool_choice=tool_choice, parallel_tool_calls=chat.parallel_tool_calls is not False,
+                       chat_template_kwargs=_template_kwargs(chat.chat_template_kwargs))
+
+
+# the chat template's variables the gateway sets itself (`Tokenizer.apply_chat_template`'s own arguments)
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+
+
+def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`chat_template_kwargs` (an object, checked by the model), refusing the variables the gateway sets."""
+    if not value:
+        return None
+    for key in value:
+        if key in RESERVED_TEMPLATE_VARIABLES:
+            raise bad_request(f"chat_template_kwargs.{key}", "is set by the gateway from the request; "
+                              f"chat_template_kwargs may not set {', '.join(RESERVED_TEMPLATE_VARIABLES)}")
+    return dict(value)
 
 
 def _message(i: int, m: Message) -> dict[str, Any]:
@@ -110,6 +131,8 @@ def _message(i: int, m: Message) -> dict[str, Any]:
         message["tool_call_id"] = m.tool_call_id
     if m.name is not None:
         message["name"] = m.name
+    if m.reasoning_content is not None and m.role == "assistant":
+        message["reasoning_content"] = m.reasoning_content
     return message
 
 

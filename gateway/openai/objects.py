@@ -13,13 +13,17 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+          reasoning_tokens: int | None = None) -> dict[str, Any]:
     """OpenAI's usage object; with `cached_tokens` (chat completions) its `prompt_tokens_details`: the
-    prompt tokens whose K/V came from the prefix cache."""
+    prompt tokens whose K/V came from the prefix cache; with `reasoning_tokens` (a thinking model's chat)
+    its `completion_tokens_details`."""
     body: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                             "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens is not None:
         body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return body
 
 
@@ -53,14 +57,19 @@ def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[float],
 
 
 def chat_response(request_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
-                  completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+                  completion_tokens: int, cached_tokens: int = 0,
+                  reasoning_tokens: int | None = None) -> dict[str, Any]:
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)}
 
 
 def chat_choice(index: int, text: str | None, logprobs: dict[str, Any] | None, finish_reason: str | None,
-                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                tool_calls: list[dict[str, Any]] | None = None, *, thinks: bool = False,
+                reasoning_content: str | None = None) -> dict[str, Any]:
+    """A chat choice; a thinking model's message has `reasoning_content` (None when it did not think)."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    if thinks:
+        message["reasoning_content"] = reasoning_content
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -99,7 +108,8 @@ def completion_chunk(request_id: str, model: str, created: int, choices: list[di
 
 
 def usage_chunk(request_id: str, model: str, created: int, obj: str, prompt_tokens: int,
-                completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
-    """A stream's last chunk (`stream_options.include_usage`); `cached_tokens` as in `usage`."""
+                completion_tokens: int, cached_tokens: int | None = None,
+                reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """A stream's last chunk (`stream_options.include_usage`); `cached_tokens`, `reasoning_tokens` as in `usage`."""
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)}

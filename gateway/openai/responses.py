@@ -10,11 +10,16 @@ response_format), `max_output_tokens`, `temperature`, `top_p`, `stream`, `top_lo
 `store`, `background`, and the items of the earlier turns a `previous_response_id` names (looked up by
 the caller, passed as `prior`). Routing, credits and the engine treat it as the chat it is.
 
+A thinking model's reasoning (`gateway.openai.reasoning`) is a `reasoning` item before the message, its
+text one `reasoning_text` content part, its tokens `usage.output_tokens_details.reasoning_tokens`; a
+reasoning item sent back as input goes to the next assistant turn as its `reasoning_content`.
+
 Streamed: `response.created`, `response.in_progress`, then per output item `response.output_item.added`,
-for the message `response.content_part.added` / `response.output_text.delta`... / `response.output_text.done`
-/ `response.content_part.done`, for a function call `response.function_call_arguments.delta` / `.done`,
-then `response.output_item.done`; last `response.completed` (or `response.incomplete` when
-`max_output_tokens` cut it) with the whole response. Each event carries `sequence_number`.
+for the reasoning and the message `response.content_part.added` / `response.reasoning_text.delta` or
+`response.output_text.delta`... / their `.done` / `response.content_part.done`, for a function call
+`response.function_call_arguments.delta` / `.done`, then `response.output_item.done`; last
+`response.completed` (or `response.incomplete` when `max_output_tokens` cut it) with the whole response.
+Each event carries `sequence_number`.
 """
 
 from __future__ import annotations
@@ -34,22 +39,23 @@ from gateway.local_answer import LocalResponse
 from gateway.openai import objects
 from gateway.openai.chat import ChatRequest, parse_chat
 from gateway.openai.errors import ApiError, bad_request, convert_body
+from gateway.openai.reasoning import reasoning_item
 from gateway.openai.tool_specs import ToolMode
 from gateway.openai.tools import ToolCall
 from pools.config.gateway_spec import RequestLimits
 
 
 class InputPart(msgspec.Struct):
-    type: Literal["input_text", "output_text", "text"]
+    type: Literal["input_text", "output_text", "text", "reasoning_text"]
     text: str
 
 
 class InputItem(msgspec.Struct):
-    """An input item: a message (the type when none is given), a function call the model made, or the
-    call's output. Other keys (an output item's `id` and `status`) are ignored: the earlier turns' output
-    items come back as input."""
+    """An input item: a message (the type when none is given), a function call the model made, the
+    call's output, or the model's reasoning. Other keys (an output item's `id` and `status`, a reasoning
+    item's `summary`) are ignored: the earlier turns' output items come back as input."""
 
-    type: Literal["message", "function_call", "function_call_output"] = "message"
+    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
     role: Literal["user", "system", "developer", "assistant"] | None = None   # a message's
     content: str | list[InputPart] = ""
     call_id: str | None = None                                                # a call's and its output's
@@ -161,12 +167,16 @@ def _messages(req: ResponsesBody, earlier: list[InputItem]) -> list[dict[str, An
     are one assistant turn). A bad item is named by its place in `input`."""
     messages = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
     own = [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    reasoning = None   # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(earlier + own):
         where = f"input[{i - len(earlier)}]" if i >= len(earlier) else f"previous_response_id[{i}]"
         required = {"message": ("role",), "function_call": ("call_id", "name", "arguments"),
-                    "function_call_output": ("call_id",)}[item.type]
+                    "function_call_output": ("call_id",), "reasoning": ()}[item.type]
         if (missing := next((key for key in required if getattr(item, key) is None), None)) is not None:
             raise bad_request(f"{where}.{missing}", f"is required in a {item.type} item")
+        if item.type == "reasoning":
+            reasoning = _text(item.content) or None
+            continue
         if item.type == "message":
             messages.append({"role": item.role, "content": _text(item.content)})
         elif item.type == "function_call_output":
@@ -178,6 +188,9 @@ def _messages(req: ResponsesBody, earlier: list[InputItem]) -> list[dict[str, An
                 messages[-1]["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        if reasoning is not None and messages[-1]["role"] == "assistant":
+            messages[-1].setdefault("reasoning_content", reasoning)
+        reasoning = None
     return messages
 
 
@@ -264,9 +277,10 @@ def response_object(asked: ResponsesRequest, response_id: str, created_at: float
     }
 
 
-def response_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def response_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+                   reasoning_tokens: int = 0) -> dict[str, Any]:
     return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + completion_tokens}
 
 
@@ -289,6 +303,7 @@ class ResponsesAnswer(LocalResponse):
         self._sequence = 0
         self._output: list[dict[str, Any]] = []        # the items streamed so far (completed ones whole)
         self._message: dict[str, Any] | None = None    # the message item being streamed
+        self._reasoning: dict[str, Any] | None = None  # the reasoning item, once streamed
         self._calls: dict[int, tuple[int, dict[str, Any]]] = {}   # call index -> (output index, its item)
         self._started = False
         self._final: dict[str, Any] | None = None     # the finished Response, once `finish` built it
@@ -298,7 +313,8 @@ class ResponsesAnswer(LocalResponse):
         usage = None
         if status not in ("in_progress", "queued"):
             prompt_tokens, completion_tokens = self._usage()
-            usage = response_usage(prompt_tokens, completion_tokens, self.cached_tokens())
+            usage = response_usage(prompt_tokens, completion_tokens, self.cached_tokens(),
+                                   self.reasoning_tokens() or 0)
         error = self.error.body()["error"] if status == "failed" and self.error is not None else None
         return response_object(self.asked, self.response_id, self.created_at, status, output, usage, error,
                                structured_format=self._format())
@@ -316,6 +332,10 @@ class ResponsesAnswer(LocalResponse):
         return {"type": "message", "id": item_id, "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
+    def _reasoning_status(self) -> str:
+        """A reasoning item's status once it ends: completed if its block closed, else the Response's."""
+        return "completed" if self.choices[0].reasoning.phase == "content" else self._status()
+
     @staticmethod
     def _call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
         return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}", "call_id": call.id,
@@ -326,14 +346,15 @@ class ResponsesAnswer(LocalResponse):
 
     def _body(self) -> dict[str, Any]:
         choice = self.choices[0]
-        content, calls = choice.text, []
+        content, calls = choice.content_text, []
         if self.tool_format is not None:
-            content, calls = self.tool_format.parse(choice.text)
+            content, calls = self.tool_format.parse(content)
             calls = calls if self.req.parallel_tool_calls else calls[:1]
-        output = []
+        reasoning = choice.reasoning.reasoning if choice.reasoning is not None else ""
+        output = [reasoning_item(objects.new_id("rs"), reasoning, self._reasoning_status())] if reasoning else []
         if content:
             output.append(self._message_item(objects.new_id("msg"), content, self._status()))
-            if self.want_logprobs and not calls:   # each token's, when the reply is all text
+            if self.want_logprobs and not calls and not reasoning:   # each token's, when the reply is all text
                 output[-1]["content"][0]["logprobs"] = objects.chat_logprobs(
                     choice.token_ids, choice.logprobs, choice.top_logprobs, choice.pool.token_text)["content"]
         output += [self._call_item(call) for call in calls]
@@ -354,12 +375,40 @@ class ResponsesAnswer(LocalResponse):
         self._start()
         for chunk in chunk_choices:
             delta = chunk["delta"]
+            if delta.get("reasoning_content"):
+                self._reasoning_delta(delta["reasoning_content"])
             if delta.get("content"):
-                logprobs = chunk.get("logprobs") if self.tool_format is None else None
+                self._close_reasoning()
+                logprobs = chunk.get("logprobs") if self.tool_format is None and self._reasoning is None else None
                 self._text_delta(delta["content"], (logprobs or {}).get("content") or [])
             for entry in delta.get("tool_calls") or []:
+                self._close_reasoning()
                 self._close_message()
                 self._call_delta(entry)
+
+    def _reasoning_delta(self, text: str) -> None:
+        if self._reasoning is None:
+            self._reasoning = reasoning_item(objects.new_id("rs"), "", "in_progress")
+            self._output.append(self._reasoning)
+            index = len(self._output) - 1
+            self._event("response.output_item.added", output_index=index, item=dict(self._reasoning, content=[]))
+            self._event("response.content_part.added", item_id=self._reasoning["id"], output_index=index,
+                        content_index=0, part=dict(self._reasoning["content"][0]))
+        self._reasoning["content"][0]["text"] += text
+        self._event("response.reasoning_text.delta", item_id=self._reasoning["id"],
+                    output_index=self._output.index(self._reasoning), content_index=0, delta=text)
+
+    def _close_reasoning(self) -> None:
+        item = self._reasoning
+        if item is None or item["status"] != "in_progress":
+            return
+        index, part = self._output.index(item), item["content"][0]
+        self._event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                    text=part["text"])
+        self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                    part=dict(part))
+        item["status"] = self._reasoning_status()
+        self._event("response.output_item.done", output_index=index, item=dict(item))
 
     def _text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> None:
         if self._message is None:
@@ -429,6 +478,7 @@ class ResponsesAnswer(LocalResponse):
         if not self.req.stream:
             return self._body()
         self._start()
+        self._close_reasoning()
         self._close_message()
         if self.error is not None:   # the engine failed it: the Response fails, with the error object
             for _, item in self._calls.values():

@@ -143,7 +143,7 @@ class KeptResponses:
                                 gateway.config.gateway.limits)
         asked = dataclasses.replace(asked, previous_response_id=body.get("previous_response_id"))
         req = asked.chat
-        routed = [await gateway.route_chat(req.model, req.messages, req.tools)]
+        routed = [await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs)]
         answer_type = functools.partial(ResponsesAnswer, asked=asked, response_id=stored.id,
                                         created_at=stored.response["created_at"])
         return await Completion(gateway, req, routed, _relayed(body, asked), "/responses", time.perf_counter(),
@@ -237,7 +237,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if asked.store:
         keep = functools.partial(kept.keep, owner=owner, tenant=tenant, request=body, items=asked.items)
     req = asked.chat
-    routed = [await gateway.route_chat(req.model, req.messages, req.tools)]
+    routed = [await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs)]
     return await Completion(gateway, req, routed, _relayed(body, asked), "/responses", received, tenant, http=request,
                             answer_type=functools.partial(ResponsesAnswer, asked=asked, keep=keep)).answer()
 

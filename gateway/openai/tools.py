@@ -256,13 +256,16 @@ def fallback_messages(messages: list[dict[str, Any]], tools: list[Tool] | None) 
     return out
 
 
-def render(tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None) -> str:
+def render(tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None,
+           template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt for a chat with (or a history of) tool calls, in the way the pool's template expects:
-    the template itself when it knows tools, else ours (`fallback_messages`) through the plain template."""
+    the template itself when it knows tools, else ours (`fallback_messages`) through the plain template.
+    `template_kwargs`: the request's `chat_template_kwargs`."""
+    kwargs = template_kwargs or {}
     if template_knows_tools(tokenizer.chat_template_source(use_tools=tools is not None)):
         return tokenizer.apply_chat_template(native_messages(messages), add_generation_prompt=True,
-                                             tools=[t.as_template_dict() for t in tools] if tools else None)
-    return tokenizer.apply_chat_template(fallback_messages(messages, tools), add_generation_prompt=True)
+                                             tools=[t.as_template_dict() for t in tools] if tools else None, **kwargs)
+    return tokenizer.apply_chat_template(fallback_messages(messages, tools), add_generation_prompt=True, **kwargs)
 
 
 def format_for(tokenizer, tools: list[Tool]) -> ToolFormat:

@@ -1,0 +1,136 @@
+"""Reasoning output of models that think in `<think>…</think>` (Qwen3, QwQ, DeepSeek-R1 distills), split
+from the answer as vLLM's reasoning parsers do: the text inside the block is `reasoning_content`, what
+follows `</think>` is `content`, and the tags are in neither.
+
+A pool's model thinks when its chat template mentions `<think>`, `</think>` or `enable_thinking`
+(`template_thinks`). Its reply may open the block itself (Qwen3 writes `<think>` first), or start inside
+it when the template's generation prompt opened it (DeepSeek-R1's, Qwen3-Thinking-2507's end in
+`<think>\\n`: `prompt_opens_think`). A reply that does neither is all content (Qwen3 under
+`enable_thinking: false`, whose prompt holds an empty block already). A reply cut inside the block (by
+`max_tokens`) is all reasoning. The whitespace around the tags is dropped (the template's separators).
+
+`ReasoningSplitter` splits one reply as its text arrives, holding back what may be the start of a tag;
+the whole reply's split is the same splitter fed at once (`split_reasoning`), so a stream's parts join
+to the non-streamed answer's.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+THINK_START, THINK_END = "<think>", "</think>"
+_PROMPT_TAIL_TOKENS = 16   # the prompt's last tokens decoded to see whether it ends inside a think block
+
+
+@functools.lru_cache(maxsize=64)
+def template_thinks(source: str) -> bool:
+    """Whether a chat template is a thinking model's: it writes or strips think blocks, or takes
+    `enable_thinking`."""
+    return THINK_START in source or THINK_END in source or "enable_thinking" in source
+
+
+def prompt_opens_think(tokenizer, prompt_ids: Sequence[int]) -> bool:
+    """Whether the rendered prompt ends in an open `<think>` (the template opened the block, so the
+    reply starts inside it)."""
+    tail = tokenizer.decode(list(prompt_ids[-_PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
+    return tail.rstrip().endswith(THINK_START)
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `tag` (0 if none)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ReasoningSplitter:
+    """One reply of a thinking model, split as its text arrives: `feed` each delta, `finish` at its end.
+
+    Phases: "opening" (nothing but whitespace or a start of `<think>` seen yet: held back), "thinking"
+    (text goes to reasoning; trailing whitespace and a possible start of `</think>` are held back) and
+    "content". `reasoning` and `content` are what was handed out so far; `num_reasoning_tokens` counts
+    the tokens of the deltas that carried reasoning or its tags (a delta's tokens are not split further).
+    One per choice, on the event loop."""
+
+    def __init__(self, starts_inside: bool) -> None:
+        self.starts_inside = starts_inside
+        self.phase = "opening"
+        self.reasoning = ""
+        self.content = ""
+        self.num_reasoning_tokens = 0
+        self._held = ""              # text received but not handed out
+        self._undecided_tokens = 0   # tokens of deltas held whole while opening
+
+    def feed(self, text: str, num_tokens: int = 0) -> tuple[str, str]:
+        """The reply grew by `text` (`num_tokens` tokens): the (reasoning, content) that can go out now."""
+        text, self._held = self._held + text, ""
+        reasoning, content, touched = "", "", False
+        while text:
+            if self.phase == "opening":
+                stripped = text.lstrip()
+                if stripped.startswith(THINK_START):
+                    text, self.phase, touched = stripped[len(THINK_START):], "thinking", True
+                elif THINK_START.startswith(stripped):   # whitespace, or a start of the tag: wait
+                    self._held, text = text, ""
+                else:
+                    self.phase = "thinking" if self.starts_inside else "content"
+            elif self.phase == "thinking":
+                touched = True
+                end = text.find(THINK_END)
+                if end >= 0:
+                    reasoning += text[:end].rstrip()
+                    text, self.phase = text[end + len(THINK_END):], "content"
+                    continue
+                cut = len(text) - _partial_tag(text, THINK_END)
+                cut = len(text[:cut].rstrip())   # whitespace that may be the last before `</think>`: held too
+                reasoning += text[:cut]
+                text, self._held = "", text[cut:]
+            else:
+                content, text = content + text, ""
+        self._count(num_tokens, touched)
+        return self._out(reasoning, content)
+
+    def finish(self) -> tuple[str, str]:
+        """The reply ended: what was held back, as the part it was held in (a start of `<think>` never
+        completed is the reply's first part's text)."""
+        held, self._held = self._held, ""
+        inside = self.phase == "thinking" or (self.phase == "opening" and self.starts_inside)
+        if self.phase == "opening":
+            self._count(0, inside)
+            self.phase = "thinking" if inside else "content"
+        return self._out(held, "") if inside else self._out("", held)
+
+    def _count(self, num_tokens: int, touched: bool) -> None:
+        if self.phase == "opening" and not touched:
+            self._undecided_tokens += num_tokens
+            return
+        if touched:
+            self.num_reasoning_tokens += num_tokens + self._undecided_tokens
+        self._undecided_tokens = 0
+
+    def _out(self, reasoning: str, content: str) -> tuple[str, str]:
+        """Hand out the parts, each part's leading whitespace dropped."""
+        if not self.reasoning:
+            reasoning = reasoning.lstrip()
+        if not self.content:
+            content = content.lstrip()
+        self.reasoning += reasoning
+        self.content += content
+        return reasoning, content
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """The Responses API's reasoning output item: the text as one `reasoning_text` content part, no summary."""
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def split_reasoning(text: str, starts_inside: bool = False) -> tuple[str | None, str | None]:
+    """A whole reply as (reasoning, content), each None when empty."""
+    splitter = ReasoningSplitter(starts_inside)
+    splitter.feed(text)
+    splitter.finish()
+    return splitter.reasoning or None, splitter.content or None

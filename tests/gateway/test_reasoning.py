@@ -1,0 +1,282 @@
+"""Reasoning output of thinking models (`gateway/openai/reasoning.py`): the splitter alone (tags split
+across deltas, no think block, a reply cut inside the block), then through the unchanged `openai` SDK
+against an in-process gateway whose model's chat template thinks — chat completions and the Responses
+API, whole and streamed — on a scripted engine (exact replies, the tags cut anywhere) and on the real
+tiny model (a template that opens `<think>` itself, and `chat_template_kwargs` closing it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import openai
+import pytest
+
+from engine.client import AsyncEngineClient
+from engine.outputs import RequestDelta, SampleDelta
+from engine.tokenizer import Tokenizer
+from gateway.openai.chat import parse_chat
+from gateway.openai.errors import ApiError
+from gateway.openai.reasoning import ReasoningSplitter, split_reasoning, template_thinks
+from tests.gateway.conftest import chat_pool_yaml, start_gateway
+# ChatML turns, an assistant's reasoning_content in its think block (as Qwen3's template writes it)
+_TURNS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m.reasoning_content is defined %}"
+          "{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}{% endif %}"
+          "{{ m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}")
+# Qwen3's shape: the model opens `<think>` itself; enable_thinking false writes an empty block.
+MODEL_OPENS = (_TURNS + "{% if enable_thinking is defined and enable_thinking is false %}"
+               "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}")
+# DeepSeek-R1's (and Qwen3-Thinking-2507's) shape: the generation prompt opens the block.
+TEMPLATE_OPENS = (_TURNS + "{% if enable_thinking is defined and enable_thinking is false %}"
+                  "{{ '<think>\\n\\n</think>\\n\\n' }}{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}")
+MESSAGES = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+# --- the splitter alone ---------------------------------------------------------------------------
+
+def _stream(text: str, cuts: list[int],
+            starts_inside: bool = False) -> tuple[list[tuple[str, str]], ReasoningSplitter]:
+    """`text` fed in the pieces `cuts` make (one token each), then finished: each step's parts."""
+    splitter, bounds = ReasoningSplitter(starts_inside), [0, *cuts, len(text)]
+    parts = [splitter.feed(text[a:b], 1) for a, b in zip(bounds, bounds[1:])]
+    return parts + [splitter.finish()], splitter
+
+
+def _joined(parts: list[tuple[str, str]]) -> tuple[str, str]:
+    return "".join(r for r, _ in parts), "".join(c for _, c in parts)
+
+
+@pytest.mark.parametrize("text,starts_inside,reasoning,content", [
+    ("<think>\nI add.\n</think>\n\nIt is 4.", False, "I add.", "It is 4."),
+    ("I add.\n</think>\n\nIt is 4.", True, "I add.", "It is 4."),        # the prompt opened the block
+    ("<think>I add.</think>It is 4.", True, "I add.", "It is 4."),      # ... and the model opened it again
+    ("It is 4.", False, "", "It is 4."),                                 # no think block: all content
+    ("  <thinking is fun", False, "", "<thinking is fun"),               # a tag's start that is not one
+    ("It is <think>4</think>.", False, "", "It is <think>4</think>."),   # a block after text is text
+    ("<think>I add 2 and 2 </thi", False, "I add 2 and 2 </thi", ""),    # cut by max_tokens: all reasoning
+    ("I add 2 and", True, "I add 2 and", ""),
+    ("<think>\n\n</think>\n\nIt is 4.", False, "", "It is 4."),           # enable_thinking false's empty block
+])
+def test_every_cut_of_a_reply_splits_as_the_whole_does(text, starts_inside, reasoning, content) -> None:
+    assert split_reasoning(text, starts_inside) == (reasoning or None, content or None)
+    for cut in range(1, len(text)):                       # one cut anywhere, tags included
+        parts, _ = _stream(text, [cut], starts_inside)
+        assert _joined(parts) == (reasoning, content), cut
+    parts, splitter = _stream(text, list(range(1, len(text))), starts_inside)   # a character a delta
+    assert _joined(parts) == (reasoning, content)
+    for r, c in parts:
+        assert "<think>" not in r and "</" not in r.removesuffix("</thi") and (not r or not c)
+    firsts = [i for i, (_, c) in enumerate(parts) if c]
+    assert not firsts or not any(r for r, _ in parts[firsts[0]:])   # reasoning never after content
+    assert (splitter.reasoning, splitter.content) == (reasoning, content)
+
+
+def test_held_back_text_waits_only_for_a_possible_tag() -> None:
+    splitter = ReasoningSplitter(starts_inside=False)
+    assert splitter.feed("<th", 1) == ("", "")           # may be <think>
+    assert splitter.feed("ink>Hm", 1) == ("Hm", "")
+    assert splitter.feed("m </", 1) == ("m", "")         # " </" may start </think>
+    assert splitter.feed("b> ok", 1) == (" </b> ok", "")  # it did not
+    assert splitter.feed("</think>\n", 1) == ("", "")
+    assert splitter.feed("\nFine", 1) == ("", "Fine")
+    assert splitter.finish() == ("", "")
+    assert splitter.num_reasoning_tokens == 5            # the deltas up to the one closing the block
+
+
+def test_which_templates_think() -> None:
+    assert template_thinks(MODEL_OPENS) and template_thinks(TEMPLATE_OPENS)
+    assert template_thinks("{{ content.split('</think>')[-1] }}")   # R1's history handling
+    assert not template_thinks("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+def test_chat_template_kwargs_are_an_object_without_the_gateways_variables() -> None:
+    body = {"model": "m", "messages": MESSAGES}
+    assert parse_chat({**body, "chat_template_kwargs": {"enable_thinking": False}}).chat_template_kwargs == {
+        "enable_thinking": False}
+    assert parse_chat(body).chat_template_kwargs is None
+    for bad, param in (([1], "chat_template_kwargs"), ("x", "chat_template_kwargs"),
+                       ({"messages": []}, "chat_template_kwargs.messages"),
+                       ({"tools": []}, "chat_template_kwargs.tools")):
+        with pytest.raises(ApiError) as info:
+            parse_chat({**body, "chat_template_kwargs": bad})
+        assert info.value.status == 400 and info.value.param == param, info.value.message
+        assert info.value.message.startswith(param)
+
+
+# --- through the SDK ----------------------------------------------------------------------------
+
+def _thinking_model(folder: Path, tiny_model: Path, template: str) -> Path:
+    """The tiny model's files (linked) with `template` as its chat template."""
+    folder.mkdir()
+    for path in tiny_model.iterdir():
+        if path.name != "chat_template.jinja":
+            os.symlink(path, folder / path.name)
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+async def _gateway(aiohttp_client, tmp_path: Path, tiny_model: Path, template: str):
+    """(AsyncOpenAI on an in-process gateway serving `thinker` with `template`, the model folder)."""
+    folder = _thinking_model(tmp_path / "thinker", tiny_model, template)
+    yaml = chat_pool_yaml(folder, max_model_len=256, extra="    served_model_name: thinker")
+    client, _ = await start_gateway(aiohttp_client, tmp_path, yaml)
+    return openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0), folder
+
+
+class _ScriptedEngine:
+    """Every engine request answers `pieces`, one delta (one token) each, the last finishing with
+    `finish_reason`; the prompts it got are kept."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.pieces: list[str] = []
+        self.finish_reason = "stop"
+        self.prompts: list[list[int]] = []
+        script = self
+
+        async def generate(client, prompt, params=None, *, request_id=None, priority=0, pool=None, cache_salt=None):
+            script.prompts.append(list(prompt))
+            for k, piece in enumerate(script.pieces):
+                last = k == len(script.pieces) - 1
+                sample = SampleDelta(0, piece, [300 + k], k + 1, script.finish_reason if last else None)
+                yield RequestDelta(request_id or "scripted", [sample], last)
+                await asyncio.sleep(0)
+
+        monkeypatch.setattr(AsyncEngineClient, "generate", generate)
+
+
+# the tags cut across deltas; reasoning: the 4 deltas up to the one that closes the block
+THOUGHT = ["<th", "ink>\nI should", " add.\n</", "think>\n", "\nIt is", " 4."]
+
+
+async def _chat_stream(sdk, **kwargs) -> list:
+    return [c async for c in await sdk.chat.completions.create(model="thinker", stream=True, **kwargs)]
+
+
+async def test_chat_whole_and_streamed_split_reasoning_from_content(aiohttp_client, tmp_path, tiny_model,
+                                                                   monkeypatch) -> None:
+    sdk, _ = await _gateway(aiohttp_client, tmp_path, tiny_model, MODEL_OPENS)
+    engine = _ScriptedEngine(monkeypatch)
+    engine.pieces = THOUGHT
+    whole = await sdk.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=16)
+    message = whole.choices[0].message
+    assert (message.reasoning_content, message.content) == ("I should add.", "It is 4.")
+    assert whole.usage.completion_tokens == 6 and whole.usage.completion_tokens_details.reasoning_tokens == 4
+    chunks = await _chat_stream(sdk, messages=MESSAGES, max_tokens=16, stream_options={"include_usage": True})
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = [getattr(d, "reasoning_content", None) or "" for d in deltas]
+    content = [d.content or "" for d in deltas]
+    assert "".join(reasoning) == "I should add." and "".join(content) == "It is 4."
+    assert not any("think" in piece or "<" in piece for piece in reasoning + content)
+    first_content = next(i for i, piece in enumerate(content) if piece)
+    assert not any(reasoning[first_content:]) and any(reasoning)
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 4
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+    engine.pieces = ["It", " is 4."]                                      # no think block: all content
+    whole = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES)).choices[0].message
+    assert (whole.reasoning_content, whole.content) == (None, "It is 4.")
+    engine.pieces, engine.finish_reason = ["<think>", "I add", " 2 and </th"], "length"   # cut while thinking
+    whole = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES)).choices[0]
+    assert (whole.message.reasoning_content, whole.message.content, whole.finish_reason) == (
+        "I add 2 and </th", None, "length")
+    deltas = [c.choices[0].delta for c in await _chat_stream(sdk, messages=MESSAGES) if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "I add 2 and </th"
+    assert not "".join(d.content or "" for d in deltas)
+
+
+async def test_a_tool_call_after_the_reasoning_is_parsed_from_the_content(aiohttp_client, tmp_path, tiny_model,
+                                                                          monkeypatch) -> None:
+    sdk, _ = await _gateway(aiohttp_client, tmp_path, tiny_model, MODEL_OPENS)
+    engine = _ScriptedEngine(monkeypatch)
+    engine.pieces = ["<think>", "I need the weather.", "</think>\n\n", "<tool_call>\n", '{"name": "get_weather", ',
+                     '"arguments": {"city": "Oslo"}}', "\n</tool_call>"]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    whole = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES, tools=tools)).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.reasoning_content == "I need the weather."
+    assert whole.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
+        ("get_weather", '{"city": "Oslo"}')]
+    deltas = [c.choices[0].delta for c in await _chat_stream(sdk, messages=MESSAGES, tools=tools) if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "I need the weather."
+    assert not "".join(d.content or "" for d in deltas)
+    arguments = "".join(call.function.arguments or "" for d in deltas for call in d.tool_calls or [])
+    assert arguments == '{"city": "Oslo"}'
+
+
+async def test_responses_have_a_reasoning_item_before_the_message(aiohttp_client, tmp_path, tiny_model,
+                                                                  monkeypatch) -> None:
+    sdk, folder = await _gateway(aiohttp_client, tmp_path, tiny_model, MODEL_OPENS)
+    engine = _ScriptedEngine(monkeypatch)
+    engine.pieces = THOUGHT
+    whole = await sdk.responses.create(model="thinker", input="What is 2 + 2?")
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert [part.text for part in whole.output[0].content] == ["I should add."] and whole.output[0].summary == []
+    assert whole.output_text == "It is 4." and whole.usage.output_tokens_details.reasoning_tokens == 4
+    events = [e async for e in await sdk.responses.create(model="thinker", input="What is 2 + 2?", stream=True)]
+    kinds = [e.type for e in events]
+    assert kinds[2:5] == ["response.output_item.added", "response.content_part.added",
+                          "response.reasoning_text.delta"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "I should add."
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "It is 4."
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "message"] and final.output_text == "It is 4."
+    assert final.output[0].content[0].text == "I should add." and final.output[0].status == "completed"
+    assert final.usage.output_tokens_details.reasoning_tokens == 4
+    async with sdk.responses.stream(model="thinker", input="What is 2 + 2?") as stream:   # the SDK's accumulator
+        streamed = await stream.get_final_response()
+    assert streamed.output[0].content[0].text == "I should add." and streamed.output_text == "It is 4."
+    # the reasoning item sent back as input goes to the template as the assistant turn's reasoning
+    again = await sdk.responses.create(model="thinker", input=[
+        {"role": "user", "content": "What is 2 + 2?"}, *[item.model_dump(exclude_none=True) for item in whole.output],
+        {"role": "user", "content": "And 3 + 3?"}])
+    assert again.output_text == "It is 4."
+    prompt = Tokenizer.from_folder(folder).decode(engine.prompts[-1], skip_special_tokens=False)
+    assert "<|im_start|>assistant\n<think>\nI should add.\n</think>\n\nIt is 4.<|im_end|>" in prompt
+
+
+async def test_a_template_that_opens_the_block_and_enable_thinking_false_on_the_real_model(
+        aiohttp_client, tmp_path, tiny_model) -> None:
+    sdk, folder = await _gateway(aiohttp_client, tmp_path, tiny_model, TEMPLATE_OPENS)
+    tokenizer = Tokenizer.from_folder(folder)
+    greedy = dict(max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+
+    async def reply(**kwargs) -> str:   # what the model writes after the rendered prompt, as a completion
+        prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, **kwargs)
+        return (await sdk.completions.create(model="thinker", prompt=prompt, **greedy)).choices[0].text
+
+    thought = await reply()
+    assert "</think>" not in thought and thought.strip()
+    whole = await sdk.chat.completions.create(model="thinker", messages=MESSAGES, **greedy)
+    message = whole.choices[0].message
+    assert (message.reasoning_content, message.content) == (thought.lstrip(), None)   # cut inside the block
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 8
+    deltas = [c.choices[0].delta for c in await _chat_stream(sdk, messages=MESSAGES, **greedy) if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == thought.lstrip()
+    assert not "".join(d.content or "" for d in deltas)
+
+    answer = await reply(enable_thinking=False)
+    off = dict(greedy, extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
+    whole = await sdk.chat.completions.create(model="thinker", messages=MESSAGES, **off)
+    message = whole.choices[0].message
+    assert (message.reasoning_content, message.content) == (None, answer.lstrip())
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 0
+    # the Responses API (no ignore_eos): as the same chat, its reasoning an item, the message absent
+    chat = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=8, temperature=0))
+    result = await sdk.responses.create(model="thinker", input="What is 2 + 2?", max_output_tokens=8, temperature=0)
+    assert [item.type for item in result.output] == ["reasoning"]
+    assert result.output[0].content[0].text == chat.choices[0].message.reasoning_content
+    assert result.status == result.output[0].status == (
+        "incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert result.usage.output_tokens_details.reasoning_tokens == chat.usage.completion_tokens
+
+    for bad, param in (({"enable_thinking": False, "messages": []}, "chat_template_kwargs.messages"),
+                       ([False], "chat_template_kwargs")):
+        with pytest.raises(openai.BadRequestError) as info:
+            await sdk.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=2,
+                                              extra_body={"chat_template_kwargs": bad})
+        assert info.value.body["param"] == param, json.dumps(info.value.body)
