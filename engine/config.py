@@ -58,10 +58,17 @@ class CacheConfig:
 
 
 # The one definition of each choice; the scheduler implements them and the YAML spec imports them.
+KV_CACHE_DTYPES = ("auto", "fp8")   # auto: the model's dtype; fp8: float8_e4m3fn with per-layer scales
 DEFAULT_MIN_SHARE = 0.2   # of the device's step time, for a throughput pool with work (engine.composer)
 PREEMPTION_MODES = ("recompute", "swap", "auto")   # auto: swap or recompute per victim, by measured cost
 VICTIM_POLICIES = ("reverse_fifo", "longest_first", "least_progress", "lru", "priority")
 _DEVICE_NAME = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+
+
+def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
+    """What `kv_cache_dtype` (auto | fp8) stores K and V as, beside a model in `model_dtype`: the one rule
+    for the engine and the capacity plan."""
+    return torch.float8_e4m3fn if setting == "fp8" else model_dtype
 
 
 def check_device_name(value: object) -> str:
@@ -205,6 +212,7 @@ class EngineConfig:
     cpu_threads: int = 0            # torch threads of each rank (0: torch's default)
     enforce_eager: bool = False     # CUDA: no decode graphs (engine.cuda_graphs); every step launched eagerly
     async_scheduling: bool | None = None   # overlapped steps (engine.overlap); None: on CUDA with one rank
+    kv_cache_dtype: str = "auto"    # auto: the model's dtype | fp8 (e4m3, per-layer K and V scales)
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -217,6 +225,8 @@ class EngineConfig:
             raise ConfigError(f"gpu_ids: must be {tp} distinct GPU indices (one per rank), got {list(self.gpu_ids)}")
         if not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"enforce_eager: must be true or false, got {self.enforce_eager!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.async_scheduling not in (None, True, False):
             raise ConfigError(f"async_scheduling: must be true, false or unset, got {self.async_scheduling!r}")
         if self.async_scheduling and tp > 1:
@@ -261,3 +271,7 @@ class EngineConfig:
         if self.dtype != "auto":
             return parse_dtype(self.dtype)
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def resolved_kv_dtype(self, device: torch.device) -> torch.dtype:
+        """The KV cache's element type: the model's, or float8_e4m3fn with `kv_cache_dtype: fp8`."""
+        return kv_cache_dtype(self.kv_cache_dtype, self.resolved_dtype(device))

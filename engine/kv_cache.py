@@ -19,8 +19,10 @@ from engine.model_config import ModelConfig
 class KVCache:
     """`num_blocks` blocks of `block_size` slots of K and V for each layer.
 
-    data: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-    `num_kv_heads`: this rank's under tensor parallelism (default: the model's).
+    data: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], in `dtype`: the model's, or
+    float8_e4m3fn for an FP8 cache (`kv_cache_dtype: fp8`; the kernels store and read it with per-layer
+    scales). `raw` is the same memory as the block copies move it (bytes for FP8, which has no
+    index_copy on a CPU). `num_kv_heads`: this rank's under tensor parallelism (default: the model's).
     """
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -35,6 +37,7 @@ class KVCache:
                            model.head_dim), dtype, torch.device(device))
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self.data[i, 0], self.data[i, 1]) for i in range(model.num_layers)]
+        self.raw = raw(self.data)
 
     @property
     def num_bytes(self) -> int:
@@ -50,7 +53,7 @@ class KVCache:
             return
         src = torch.tensor([s for s, _ in pairs], device=self.data.device)
         dst = torch.tensor([d for _, d in pairs], device=self.data.device)
-        self.data.index_copy_(2, dst, self.data.index_select(2, src))
+        self.raw.index_copy_(2, dst, self.raw.index_select(2, src))
 
 
 def check_fits_device(device: torch.device, num_blocks: int, block_bytes: int, memory_utilization: float) -> None:
@@ -68,6 +71,12 @@ def check_fits_device(device: torch.device, num_blocks: int, block_bytes: int, m
             f"pools: the plan's {num_blocks} blocks need {needed / 2**30:.2f} GiB of KV cache, but {memory_utilization} x "
             f"{total / 2**30:.2f} GiB - {loaded / 2**30:.2f} GiB of loaded weights leaves "
             f"{available / 2**30:.2f} GiB on {device}; plan with this GPU's memory")
+
+
+def raw(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's memory as the block copies move it: its bytes when its elements are one byte (FP8),
+    the tensor itself otherwise."""
+    return tensor.view(torch.uint8) if tensor.element_size() == 1 and tensor.dtype != torch.uint8 else tensor
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -100,6 +109,7 @@ class SwapSpace:
         self.num_blocks = num_blocks
         self.kv_cache = kv_cache
         self.data = torch.zeros(shape, dtype=kv_cache.dtype, device="cpu", pin_memory=pin)
+        self.raw = raw(self.data)
 
     @property
     def num_bytes(self) -> int:
@@ -111,7 +121,7 @@ class SwapSpace:
             return
         dev = torch.tensor([d for d, _ in pairs], device=self.kv_cache.data.device)
         cpu = torch.tensor([c for _, c in pairs])
-        self.data.index_copy_(2, cpu, self.kv_cache.data.index_select(2, dev).to("cpu"))
+        self.raw.index_copy_(2, cpu, self.kv_cache.raw.index_select(2, dev).to("cpu"))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(CPU block, device block) pairs: CPU -> device."""
@@ -120,10 +130,10 @@ class SwapSpace:
         device = self.kv_cache.data.device
         cpu = torch.tensor([c for c, _ in pairs])
         dev = torch.tensor([d for _, d in pairs], device=device)
-        blocks = self.data.index_select(2, cpu)
+        blocks = self.raw.index_select(2, cpu)
         if device.type == "cuda":
             blocks = blocks.pin_memory().to(device, non_blocking=True)
-        self.kv_cache.data.index_copy_(2, dev, blocks.to(device))
+        self.kv_cache.raw.index_copy_(2, dev, blocks.to(device))
 
     def measure_bandwidth(self, num_blocks: int = 32, repeats: int = 3) -> float:
         """Bytes per second of one direction of a swap, measured on real copies of this pool's blocks

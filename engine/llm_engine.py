@@ -22,11 +22,12 @@ import torch
 
 from engine.capacity import DEFAULT_BLOCK_SIZE
 from engine.calibration import derive_slos, warm_up
-from engine.composer import ComposedStep, StepComposer
-from engine.config import CacheConfig, ConfigError, EngineConfig, LatencySLO, PoolConfig, SchedulerConfig
+from engine.composer import StepComposer
+from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, SchedulerConfig
 from engine.model_config import ModelConfig
 from engine.forks import SampleForks
 from engine.kv_cache import KVCache, SwapSpace, check_fits_device
+from engine.kv_scales import calibrate_kv_scales
 from engine.cuda_graphs import MAX_GRAPH_BATCH
 from engine.models import build_model
 from engine.model_runner import ModelRunner, follower_main
@@ -59,6 +60,7 @@ class LLMEngine:
         rank_devices = config.rank_devices()
         self.device = rank_devices[0]
         self.dtype = config.resolved_dtype(self.device)
+        self.kv_dtype = config.resolved_kv_dtype(self.device)   # the model's, or float8_e4m3fn
         started = time.perf_counter()
         self.model_path = resolve_model(config.model, cache_dir=config.cache_dir)
         self.model_config = ModelConfig.from_folder(self.model_path)
@@ -90,7 +92,7 @@ class LLMEngine:
         self.num_blocks = config.num_blocks
         check_fits_device(self.device, self.num_blocks, self.kv_bytes_per_token * config.cache.block_size,
                           config.memory_utilization)
-        self.kv_cache = KVCache(self.model_config, self.num_blocks, config.cache.block_size, self.dtype,
+        self.kv_cache = KVCache(self.model_config, self.num_blocks, config.cache.block_size, self.kv_dtype,
                                 self.device, num_kv_heads=self.shard.num_kv_heads)
         lap("kv")
         max_len = max((p.scheduler.max_model_len for p in config.pools), default=0) or \
@@ -114,6 +116,7 @@ class LLMEngine:
         self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in config.pools},
                                      min_shares={p.name: p.min_share for p in config.pools})
         lap("schedulers")
+        calibrate_kv_scales(self)   # an FP8 cache without the checkpoint's scales
         warm_up(self)
         lap("warm-up")
         self.derived_slos = derive_slos(self)
@@ -133,14 +136,12 @@ class LLMEngine:
 
     def _load_model(self) -> None:
         """The tokenizer and this rank's weights (random ones if the config asks)."""
-        config = self.config
         self.tokenizer = Tokenizer.from_folder(self.model_path)
-        if self.tokenizer.byte_tables is None:   # built here, not at the first request
-            log.debug("detokenizing through the tokenizer library (its decoder is not byte-level)")
+        self.byte_detokenizer = self.tokenizer.byte_tables is not None   # the tables built now, not on a request
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(self.model_config.eos_token_ids)
         self.model = build_model(self.model_config, self.dtype, self.device, self.shard, self.group.collectives)
-        if config.random_weights:
-            self.model.init_random(seed=config.seed)
+        if self.config.random_weights:
+            self.model.init_random(seed=self.config.seed)
             self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         else:
             self.model.load_weights(iter_weights(self.model_path))
@@ -168,7 +169,7 @@ class LLMEngine:
     @property
     def kv_bytes_per_token(self) -> int:
         """S_KV of this rank's shard (the model's whole S_KV with one rank)."""
-        return self.shard.kv_bytes_per_token(self.model_config, self.dtype)
+        return self.shard.kv_bytes_per_token(self.model_config, self.kv_dtype)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel group (nothing with one rank). Idempotent."""

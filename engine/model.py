@@ -55,6 +55,10 @@ class Attention(nn.Module):
         self.rotary_emb = rotary_emb
         self.scale = config.attention_scale
         self.sliding_window = config.layer_window(layer)
+        # An FP8 cache stores K / k_scale and V / v_scale (the checkpoint's, else measured at start by
+        # engine.kv_scales, else 1.0); other caches ignore them. kv_observer: that measurement's hook.
+        self.k_scale = self.v_scale = 1.0
+        self.kv_observer = None
 
     def forward(self, hidden: torch.Tensor, rope_rows: RopeRows, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, backend) -> torch.Tensor:
@@ -66,8 +70,11 @@ class Attention(nn.Module):
         self.rotary_emb(qkv[:, :num_heads + num_kv_heads], rope_rows)  # q and k, in place
         q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache
-        backend.store_kv(k, v, k_cache, v_cache, meta)
-        out = backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        if self.kv_observer is not None:
+            self.kv_observer(k, v)
+        backend.store_kv(k, v, k_cache, v_cache, meta, k_scale=self.k_scale, v_scale=self.v_scale)
+        out = backend.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window,
+                                      k_scale=self.k_scale, v_scale=self.v_scale)
         return self.comm.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
@@ -169,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
             from engine.cpu_forward import CpuForward
 
             self._flat = (backend, CpuForward.build(self, backend))
-        if self._flat[1] is not None:
+        if self._flat[1] is not None and kv_caches[0][0].dtype == self.embed_tokens.weight.dtype:   # not FP8
             return self._flat[1](input_ids, positions, kv_caches, meta)
         hidden, residual = self.embed(input_ids), None
         rope_rows = self.rotary_emb.rows(positions)    # the step's cos/sin, for every layer
@@ -211,6 +218,9 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
+            if name.endswith((".k_scale", ".v_scale")):   # an FP8 checkpoint's per-layer KV scales
+                self._kv_scale(hf_name, name, tensor)
+                continue
             target, part = self._destination(name)
             if target not in params:
                 raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
@@ -226,6 +236,17 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise WeightLoadError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
                                   + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+    def _kv_scale(self, hf_name: str, name: str, tensor: torch.Tensor) -> None:
+        """`layers.N.self_attn.k_scale` (or v_scale, or under k_proj / v_proj as some exporters write it): the
+        scale an FP8 cache stores that layer's K (V) over. One positive number."""
+        parts = name.split(".")
+        if parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) >= len(self.layers) or tensor.numel() != 1:
+            raise WeightLoadError(f"{hf_name}: not a per-layer KV scale of this model (shape {tuple(tensor.shape)})")
+        value = float(tensor.float().reshape(()))
+        if not value > 0:
+            raise WeightLoadError(f"{hf_name}: a KV scale must be positive, got {value}")
+        setattr(self.layers[int(parts[1])].self_attn, parts[-1], value)
 
     def _destination(self, name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
         """Where checkpoint tensor `name` (without "model.") goes: our parameter's name, and the part of

@@ -84,8 +84,10 @@ class _Forward:
         attn = self.model.layers[0].self_attn
         started = time.perf_counter()
         windows = sorted({layer.self_attn.sliding_window or 0 for layer in self.model.layers})   # 0: none
+        dtype = self.model.embed_tokens.weight.dtype   # the model's; the cache's may be FP8
         count = sum(compile_kernels(attn.num_heads, attn.num_kv_heads, attn.config.head_dim, self.kv_cache.block_size,
-                                    self.kv_cache.dtype, self.device, window or None) for window in windows)
+                                    dtype, self.device, window or None, kv_dtype=self.kv_cache.dtype)
+                    for window in windows)
         log.info("compiled %d attention kernel variants in %.1fs", count, time.perf_counter() - started)
 
     def graphs_apply(self, enforce_eager: bool) -> bool:
@@ -224,7 +226,7 @@ class FollowerRunner(_Forward):
             model.load_weights(iter_weights(path))
         if use_packed_linears(device, dtype):
             pack_linears(model)
-        kv_cache = KVCache(model_config, config.num_blocks, config.cache.block_size, dtype, device,
+        kv_cache = KVCache(model_config, config.num_blocks, config.cache.block_size, config.resolved_kv_dtype(device), device,
                            num_kv_heads=shard.num_kv_heads)
         runner = cls(model, kv_cache, device, control)
         runner.compile_kernels()

@@ -28,6 +28,7 @@ LOCK_FILE = "serve.lock"          # under --data-dir: held by the one server usi
 BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's add_arguments and run
     "engine": "our engine vs transformers generate, same workload",
     "hostcost": "a decode step's host cost: ours vs transformers' forward, ops per layer, by batch and output length",
+    "kvcache": "an FP8 KV cache against the model-dtype cache: greedy agreement, log-prob error, bytes per token",
     "tokenizer": "tiktoken counter vs the HF tokenizer",
     "gateway": "latency the gateway adds, routed requests/s",
     "kernels": "paged attention vs copy bandwidth and SDPA (GPU; --dry-run on CPU)",
@@ -42,8 +43,7 @@ BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's
     "isolation": "chat latency under a rag flood: chat alone, split pools (step composer), one shared pool; the "
                  "itl_ms trade-off; --sweep: chat's SLO over a grid of loads",
     "structured": "decode tokens/s with and without a JSON schema per batch size",
-    "grammars": "grammar libraries on this machine: mask time per token at batch 1 and 32, compile time, schema "
-                "support (llguidance, xgrammar, outlines-core: those installed)",
+    "grammars": "grammar libraries installed here: mask time per token at batch 1 and 32, compile time, schemas",
     "replicas": "one replica against N of the same pool file under the same open-loop load (chat, rag, shared "
                 "documents): tokens/s, the split of token load, prefix affinity",
     "restart": "a device worker's restart, start to ready: forked from the fork server vs spawned",

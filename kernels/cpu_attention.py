@@ -93,24 +93,28 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             meta: AttentionMetadata) -> None:
-    """`kernels.reference.store_kv`'s contract in one call of our C code where the layout allows.
+             meta: AttentionMetadata, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """`kernels.reference.store_kv`'s contract in one call of our C code where the layout allows (an FP8
+    cache, whose values are converted, goes through the reference).
 
     key, value: [num_tokens, num_kv_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     """
     if not store_kv_rows(key, value, k_cache, v_cache, meta.slot_mapping):
-        reference_store_kv(key, value, k_cache, v_cache, meta)
+        reference_store_kv(key, value, k_cache, v_cache, meta, k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """`kernels.reference.paged_attention`'s contract; decode tokens by the C kernel where it can take them.
+                    scale: float, sliding_window: int | None = None, *, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
+    """`kernels.reference.paged_attention`'s contract; decode tokens by the C kernel where it can take them
+    (not from an FP8 cache, which the reference reads).
 
     query: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     returns: [num_tokens, num_heads, head_dim]
     """
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if not decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out):
-        reference_decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out)
-    prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out)
+        reference_decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale,
+                                   v_scale=v_scale)
+    prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale)
     return out

@@ -28,9 +28,31 @@ import torch.nn.functional as F
 from kernels.metadata import AttentionMetadata
 
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0   # float8_e4m3fn's largest finite value: what a stored value saturates to
+
+
+def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """K or V as the cache holds it: in an FP8 cache x / scale in float32, saturated to +-FP8_MAX, rounded to
+    e4m3 (nearest even); in any other cache x in its dtype (the scale is not used)."""
+    if cache_dtype != FP8_KV_DTYPE:
+        return x.to(cache_dtype)
+    # by a tensor: CUDA divides by a Python float as a multiply by its reciprocal, an ulp off now and then
+    x = x.float()
+    return (x / torch.full_like(x, scale)).clamp_(-FP8_MAX, FP8_MAX).to(cache_dtype)
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Cached K or V for the attention in `dtype`: an FP8 value times its scale in float32, rounded once to
+    `dtype`; any other cache's values converted (the scale is not used)."""
+    if x.dtype != FP8_KV_DTYPE:
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             meta: AttentionMetadata) -> None:
-    """Write each token's K and V into its slot.
+             meta: AttentionMetadata, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write each token's K and V into its slot (`quantize_kv`: an FP8 cache stores them over their scales).
 
     key, value: [num_tokens, num_kv_heads, head_dim]
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -41,8 +63,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if meta.has_invalid_slots:
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
-    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+    if k_cache.dtype == FP8_KV_DTYPE:   # no index_copy for FP8 on a CPU: its bytes
+        k_flat.view(torch.uint8).index_copy_(0, slots, quantize_kv(key, FP8_KV_DTYPE, k_scale).view(torch.uint8))
+        v_flat.view(torch.uint8).index_copy_(0, slots, quantize_kv(value, FP8_KV_DTYPE, v_scale).view(torch.uint8))
+        return
+    k_flat.index_copy_(0, slots, quantize_kv(key, k_cache.dtype, k_scale))
+    v_flat.index_copy_(0, slots, quantize_kv(value, v_cache.dtype, v_scale))
 
 
 def _context_slots(meta: AttentionMetadata, rows: list[int], length: int) -> torch.Tensor:
@@ -220,16 +246,17 @@ def _prefill_cpu_flash(chunk: _PrefillChunk, q: torch.Tensor, k: torch.Tensor, v
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
-    """Causal attention of each new token over its sequence's cached K/V (new tokens included).
+                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None, *,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """Causal attention of each new token over its sequence's cached K/V (new tokens included); an FP8
+    cache's values read as `dequantize_kv` gives them (times k_scale / v_scale, in the query's dtype).
 
     query: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     returns: [num_tokens, num_heads, head_dim]
     """
     out = torch.empty_like(query)
-    decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out)
-    prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out)
+    decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale)
+    prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale)
     return out
 
 
@@ -242,7 +269,8 @@ def _flat_caches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
+                     scale: float, sliding_window: int | None, out: torch.Tensor, *,
+                     k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """`paged_attention` of the step's decode tokens (query length 1), written into their rows of `out`."""
     num_heads, head_dim, num_kv_heads, group, k_flat, v_flat = _flat_caches(query, k_cache, v_cache)
     for rows, slots, allowed in _step_plan(meta, sliding_window)["decode"]:
@@ -252,22 +280,23 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         flat_slots = slots.reshape(-1)
         k = k_flat.index_select(0, flat_slots).view(n, max_len, num_kv_heads, head_dim)
         v = v_flat.index_select(0, flat_slots).view(n, max_len, num_kv_heads, head_dim)
-        k = k.to(query.dtype).transpose(1, 2)                      # [n, kv_heads, max_len, d]
-        v = v.to(query.dtype).transpose(1, 2)
+        k = dequantize_kv(k, query.dtype, k_scale).transpose(1, 2)   # [n, kv_heads, max_len, d]
+        v = dequantize_kv(v, query.dtype, v_scale).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
         out.index_copy_(0, rows, o.reshape(n, num_heads, head_dim))
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float, sliding_window: int | None, out: torch.Tensor) -> None:
+                      scale: float, sliding_window: int | None, out: torch.Tensor, *,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """`paged_attention` of the step's prefill chunks (query length > 1), written into their rows of `out`."""
     num_heads, head_dim, num_kv_heads, group, k_flat, v_flat = _flat_caches(query, k_cache, v_cache)
     plan = _step_plan(meta, sliding_window)
     cpu_flash = bool(plan["prefill"]) and _use_cpu_flash(query)
     for chunk in plan["prefill"]:
         start, q_len = chunk.start, chunk.q_len
-        k = k_flat.index_select(0, chunk.slots).to(query.dtype)     # [keys, kv_heads, d]
-        v = v_flat.index_select(0, chunk.slots).to(query.dtype)
+        k = dequantize_kv(k_flat.index_select(0, chunk.slots), query.dtype, k_scale)   # [keys, kv_heads, d]
+        v = dequantize_kv(v_flat.index_select(0, chunk.slots), query.dtype, v_scale)
         if cpu_flash:
             out[start:start + q_len] = _prefill_cpu_flash(chunk, query[start:start + q_len], k, v, scale)
             continue

@@ -24,6 +24,11 @@ tile's KV range is also split into `num_splits` segments (grid axis 2). Each pro
 its segment's running max, sum and unnormalised output, and `_reduce_splits_kernel` combines them
 for this kernel's rows.
 
+An FP8 cache (float8_e4m3fn, `KV_FP8`): each K/V tile is loaded as FP8 and read as
+`reference.dequantize_kv` gives it, times k_scale / v_scale in float32 and rounded once to the query's
+type (`triton_kv_store.dequantize_e4m3`), before the dots; the split partials and their reduce do not
+change. Other caches compile as before (the scales are passed and not used).
+
 Any head_dim: both kernels here, like the prefill kernel, work on `HEAD_DIM_PAD =
 padded_head_dim(head_dim)` lanes (the next power of two, at least 16) and mask the lanes past the
 real `HEAD_DIM`: loaded as 0, so they add nothing to the dots and sums, and never stored (the split
@@ -42,7 +47,8 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
-from kernels.triton_kv_store import _store_kv_kernel, store_kv
+from kernels.reference import FP8_KV_DTYPE
+from kernels.triton_kv_store import _store_kv_kernel, dequantize_e4m3, store_kv
 from kernels.triton_prefill import (_prefill_attention_kernel, aligned_int32, check_attention_args, dot_dtype,
                                     is_interpreted, padded_head_dim, prefill_attention)
 
@@ -67,7 +73,7 @@ def _paged_attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr, tile_row_ptr,
-    qk_scale, window, num_heads, num_splits,
+    qk_scale, k_scale, v_scale, window, num_heads, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -76,6 +82,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # grid: (num_tiles, num_kv_heads, num_splits)
     tile = tl.program_id(0)
@@ -133,6 +140,8 @@ def _paged_attention_kernel(
         k = tl.load(k_cache_ptr + block[None, :] * stride_kb + in_block[None, :] * stride_ks
                     + kv_head * stride_kh + offs_d[:, None] * stride_kd,
                     mask=kv_mask[None, :] & mask_d[:, None], other=0.0)
+        if KV_FP8:
+            k = dequantize_e4m3(k, k_scale, query_ptr.dtype.element_ty)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_M, BLOCK_N], log2 units
         allowed = kv_mask[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
@@ -147,6 +156,8 @@ def _paged_attention_kernel(
         v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs
                     + kv_head * stride_vh + offs_d[None, :] * stride_vd,
                     mask=kv_mask[:, None] & mask_d[None, :], other=0.0)
+        if KV_FP8:
+            v = dequantize_e4m3(v, v_scale, query_ptr.dtype.element_ty)
         # P rounded to the query's dtype, as the tensor cores take it
         p = p.to(query_ptr.dtype.element_ty).to(DOT_DTYPE)
         acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
@@ -290,8 +301,11 @@ def _row_tokens(meta: AttentionMetadata, plan: dict) -> torch.Tensor:
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None, *,
-                    num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of each new token over its sequence's cached K/V (new tokens included).
+                    k_scale: float = 1.0, v_scale: float = 1.0, num_splits: int | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each new token over its sequence's cached K/V (new tokens included); an FP8
+    cache (float8_e4m3fn) is read as `reference.dequantize_kv` gives it (times k_scale / v_scale, rounded to
+    the query's dtype), other caches ignore the scales.
 
     query: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     (strided views allowed, head_dim contiguous and of any size: the kernels pad it to a power of two
@@ -302,7 +316,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     if out is None:
         out = torch.empty_like(query)
-    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window)
+    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window, k_scale, v_scale)
     num_tokens, num_heads, head_dim = query.shape
     head_dim_pad = padded_head_dim(head_dim)
     num_kv_heads = k_cache.shape[2]
@@ -311,7 +325,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         f"{num_tokens} query rows for metadata of {plan['num_query_tokens']} tokens"
     if num_tokens == 0:
         return out
-    prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, min_query_len=PREFILL_MIN_QUERY_LEN)
+    prefill_attention(query, k_cache, v_cache, meta, scale, sliding_window, out, k_scale=k_scale, v_scale=v_scale,
+                      min_query_len=PREFILL_MIN_QUERY_LEN)
     if plan["num_rows"] == 0:
         return out
 
@@ -341,13 +356,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         query, k_cache, v_cache, out,
         part_m, part_l, part_acc,
         meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_q_start, tile_row,
-        scale * LOG2_E, sliding_window or 0, num_heads, num_splits,
+        scale * LOG2_E, float(k_scale), float(v_scale), sliding_window or 0, num_heads, num_splits,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         USE_WINDOW=sliding_window is not None, SPLIT=split,
         DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
+        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
         num_warps=num_warps,
     )
     if split:
@@ -384,17 +400,22 @@ def launch_variants(num_heads: int, num_kv_heads: int, head_dim: int, element_si
 
 
 def compile_kernels(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                    device: torch.device, sliding_window: int | None = None) -> int:
+                    device: torch.device, sliding_window: int | None = None, kv_dtype: torch.dtype | None = None
+                    ) -> int:
     """Launch store_kv and paged attention once per `launch_variants` entry on made-up tokens, so Triton
     compiles every variant (or loads it from its cache) before the engine serves, not at the first step
     that needs it: on a fresh GPU machine each compile stalled a step for 0.15-1.4 s, 16 times in the
     first 48 s of serving (docs/PERF.md). The tensors are scratch ones laid out as the model's (query
-    and key contiguous, value a view of the fused projection, a cache of [blocks, block_size, heads,
-    head_dim]). Returns the number of launches."""
+    and key contiguous in `dtype`, the model's; value a view of the fused projection; a cache of [blocks,
+    block_size, heads, head_dim] in `kv_dtype`, default `dtype`: an FP8 cache's kernels are variants of their
+    own). The scales are runtime arguments: one variant serves any. Returns the number of launches."""
+    assert dtype in (torch.float16, torch.bfloat16, torch.float32), \
+        f"dtype {dtype}: the model's (the query's); an FP8 cache's goes in kv_dtype"
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     variants = launch_variants(num_heads, num_kv_heads, head_dim, torch.empty((), dtype=dtype).element_size())
     seq_len = max(max(q for q, _ in variants), max(s for _, s in variants) * 64)   # 64 positions a segment
     num_blocks = triton.cdiv(seq_len, block_size)
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device).to(kv_dtype)
     table = list(range(num_blocks))
     for query_len, num_splits in variants:
         meta = AttentionMetadata.build([table], [query_len], [seq_len], block_size, device)

@@ -17,6 +17,11 @@ which `tl.arange` and `tl.dot` need, at least 16), and the lanes past the real `
 loaded as 0 (nothing added to the dots) and never stored. A power-of-two head_dim has no padded lane:
 the mask is all true and the compiler drops it.
 
+An FP8 cache (float8_e4m3fn, `KV_FP8`): K/V tiles are loaded as FP8 and read as `reference.dequantize_kv`
+gives them, times k_scale / v_scale in float32 and rounded once to the query's type
+(`triton_kv_store.dequantize_e4m3`), then the dots run as for a cache in the query's type. Other caches
+compile as before (the scales are passed and not used).
+
 Tiles are listed heaviest first (the most keys to walk) and the grid is (query heads, tiles), heads
 fastest: the heads of one tile, which share that tile's K/V per GQA group, are scheduled together,
 and the long tiles start first instead of trailing at the end of the launch.
@@ -34,7 +39,9 @@ import triton
 import triton.language as tl
 
 from kernels.metadata import AttentionMetadata
+from kernels.reference import FP8_KV_DTYPE
 from kernels.transfer import to_device_tensor
+from kernels.triton_kv_store import check_kv_dtype, dequantize_e4m3
 
 __all__ = ["INTERPRETED", "aligned_int32", "check_attention_args", "dot_dtype", "is_interpreted",
            "padded_head_dim", "prefill_attention", "prefill_config"]
@@ -51,15 +58,16 @@ def _attend_kv_range(
     acc, l_i, m_i, q, q_pos,
     table_ptr, k_head_ptr, v_head_ptr,
     kv_from, kv_to, kv_end, qk_scale, window,
-    stride_kb, stride_ks, stride_vb, stride_vs,
+    stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    P_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    P_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Online softmax over the keys [kv_from, kv_to), BLOCK_N at a time (kv_from aligned to BLOCK_N).
     MASKED: the causal diagonal (and kv_end, the tile's last key + 1) cuts into these tiles; else
     every key is visible to every row and below kv_end, and only a window masks. The head_dim lanes
-    past HEAD_DIM (up to HEAD_DIM_PAD) load as 0 and add nothing to the dots."""
+    past HEAD_DIM (up to HEAD_DIM_PAD) load as 0 and add nothing to the dots. P_DTYPE: the query's type,
+    which P and an FP8 cache's dequantized K/V (KV_FP8: times k_scale / v_scale) are rounded to."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask_d = offs_d < HEAD_DIM                                              # all true unless padded
@@ -78,6 +86,8 @@ def _attend_kv_range(
             k = tl.load(k_ptrs, mask=kv_valid[:, None] & mask_d[None, :], other=0.0)
         else:
             k = tl.load(k_ptrs, mask=mask_d[None, :], other=0.0)
+        if KV_FP8:
+            k = dequantize_e4m3(k, k_scale, P_DTYPE)
         # s: [BLOCK_M, BLOCK_N], log2 units
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
@@ -99,6 +109,8 @@ def _attend_kv_range(
             v = tl.load(v_ptrs, mask=kv_valid[:, None] & mask_d[None, :], other=0.0)
         else:
             v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+        if KV_FP8:
+            v = dequantize_e4m3(v, v_scale, P_DTYPE)
         # P rounded to the query's dtype, as the tensor cores take it
         p = p.to(P_DTYPE).to(DOT_DTYPE)
         acc = tl.dot(p, v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -112,7 +124,7 @@ def _attend_kv_range(
 def _prefill_attention_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, tile_seq_ptr, tile_q_start_ptr,
-    qk_scale, window,
+    qk_scale, k_scale, v_scale, window,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -120,7 +132,7 @@ def _prefill_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # grid: (num_heads, num_tiles); head_dim is contiguous everywhere (the launcher asserts it)
     head = tl.program_id(0)
@@ -163,16 +175,16 @@ def _prefill_attention_kernel(
     v_head_ptr = v_cache_ptr + kv_head * stride_vh
     acc, l_i, m_i = _attend_kv_range(
         acc, l_i, m_i, q, q_pos, table_ptr, k_head_ptr, v_head_ptr, kv_lo, kv_diag, kv_end, qk_scale, window,
-        stride_kb, stride_ks, stride_vb, stride_vs,
+        stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale,
         MASKED=False, USE_WINDOW=USE_WINDOW, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, HEAD_DIM=HEAD_DIM,
         HEAD_DIM_PAD=HEAD_DIM_PAD, P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE,
-        DOT_PRECISION=DOT_PRECISION)
+        DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8)
     acc, l_i, m_i = _attend_kv_range(
         acc, l_i, m_i, q, q_pos, table_ptr, k_head_ptr, v_head_ptr, kv_diag, kv_end, kv_end, qk_scale, window,
-        stride_kb, stride_ks, stride_vb, stride_vs,
+        stride_kb, stride_ks, stride_vb, stride_vs, k_scale, v_scale,
         MASKED=True, USE_WINDOW=USE_WINDOW, BLOCK_N=BLOCK_N, BLOCK_SIZE=BLOCK_SIZE, HEAD_DIM=HEAD_DIM,
         HEAD_DIM_PAD=HEAD_DIM_PAD, P_DTYPE=query_ptr.dtype.element_ty, DOT_DTYPE=DOT_DTYPE,
-        DOT_PRECISION=DOT_PRECISION)
+        DOT_PRECISION=DOT_PRECISION, KV_FP8=KV_FP8)
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]   # l_i = 0 only on padding rows
     tl.store(out_ptr + token[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -256,10 +268,12 @@ def aligned_int32(rows: list[list[int]], device: torch.device) -> list[torch.Ten
 
 
 def check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: AttentionMetadata, out: torch.Tensor, sliding_window: int | None) -> None:
+                         meta: AttentionMetadata, out: torch.Tensor, sliding_window: int | None,
+                         k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Assert what the paged-attention kernels assume of their arguments: shapes that fit each other and
-    the metadata, float query/cache/out, head_dim contiguous (of any size: the kernels pad it to
-    `padded_head_dim`), int32 metadata arrays with contiguous rows, one device."""
+    the metadata, a float16/bfloat16/float32 query and out, a float cache or an FP8 (float8_e4m3fn) one with
+    positive finite scales (`triton_kv_store.check_kv_dtype`), head_dim contiguous (of any size: the kernels
+    pad it to `padded_head_dim`), int32 metadata arrays with contiguous rows, one device."""
     num_tokens, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.shape == v_cache.shape == (num_blocks, block_size, num_kv_heads, head_dim), \
@@ -269,7 +283,8 @@ def check_attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     assert block_size == meta.block_size, f"cache block_size {block_size} != metadata's {meta.block_size}"
     assert num_tokens == meta.num_tokens, f"{num_tokens} query rows for metadata of {meta.num_tokens} tokens"
     assert query.dtype in (torch.float16, torch.bfloat16, torch.float32), f"query dtype {query.dtype}"
-    assert k_cache.dtype == v_cache.dtype and k_cache.dtype.is_floating_point, "cache dtypes"
+    assert k_cache.dtype == v_cache.dtype, f"cache dtypes {k_cache.dtype}, {v_cache.dtype} differ"
+    check_kv_dtype(k_cache.dtype, k_scale, v_scale)
     assert out.shape == query.shape and out.dtype == query.dtype and out.device == query.device, \
         f"out {tuple(out.shape)} {out.dtype} does not match query {tuple(query.shape)} {query.dtype}"
     assert meta.block_tables.dtype == torch.int32 and meta.block_tables.dim() == 2
@@ -304,16 +319,18 @@ def dot_dtype(dtype: torch.dtype):
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, sliding_window: int | None, out: torch.Tensor, *,
-                      min_query_len: int = 2) -> int:
+                      k_scale: float = 1.0, v_scale: float = 1.0, min_query_len: int = 2) -> int:
     """Causal attention of the chunks of at least `min_query_len` new tokens, written into their rows of
-    `out` (the other rows are left as they are). Returns the number of tiles launched (0: no launch).
+    `out` (the other rows are left as they are). Returns the number of tiles launched (0: no launch). An FP8
+    cache (float8_e4m3fn) is read as `reference.dequantize_kv` gives it (times k_scale / v_scale, rounded to
+    the query's dtype); other caches ignore the scales.
 
     query, out: [num_tokens, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
     head_dim] (strided views allowed, head_dim contiguous and of any size: padded to a power of two inside
     the kernel, masked). Each chunk's keys are its sequence's cached prefix (all visible) and its own tokens
     (causal); `sliding_window` keeps the last that many positions.
     """
-    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window)
+    check_attention_args(query, k_cache, v_cache, meta, out, sliding_window, k_scale, v_scale)
     assert min_query_len >= 1, f"min_query_len {min_query_len}"
     _, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -327,7 +344,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     _prefill_attention_kernel[(num_heads, num_tiles)](
         query, k_cache, v_cache, out,
         meta.block_tables, meta.query_start_loc, meta.seq_lens, tile_seq, tile_q_start,
-        scale * LOG2_E, sliding_window or 0,
+        scale * LOG2_E, float(k_scale), float(v_scale), sliding_window or 0,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -336,6 +353,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=k_cache.shape[1],
         HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_head_dim(head_dim), USE_WINDOW=sliding_window is not None,
         DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
+        KV_FP8=k_cache.dtype == FP8_KV_DTYPE,
         num_warps=num_warps, num_stages=num_stages,
     )
     return num_tiles

@@ -30,7 +30,8 @@ import torch
 
 import engine.capacity as formula
 from engine.cuda_graphs import MAX_GRAPH_BATCH, graph_memory_bytes
-from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, ceil_div, dtype_name, parse_dtype
+from engine.config import (CacheConfig, ConfigError, EngineConfig, PoolConfig, ceil_div, dtype_name, kv_cache_dtype,
+                           parse_dtype)
 from engine.model_config import ModelConfig
 from engine.parallel import ShardShape
 from pools.config.spec import DEFAULT_CPU_MEMORY, CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
@@ -47,6 +48,7 @@ class DevicePlan:
     device_type: str                 # cuda | cpu (what the plan assumed)
     dtype: str                       # float32 | bfloat16 | float16
     model: str
+    kv_cache_dtype: str              # the KV cache's elements: the model dtype, or float8_e4m3fn
     memory_bytes: int                # per GPU
     memory_source: str               # config | --vram | cuda (measured) | cpu default
     memory_utilization: float
@@ -251,8 +253,9 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         memory, source = _memory(dev, device_type, vram_bytes, cuda_memory)
         tp = dev.tensor_parallel_size
         kv_heads = _kv_heads_per_device(model, tp, f"{dkey}.tensor_parallel_size")
-        s_kv = model.kv_bytes_per_token(dtype)
-        s_kv_dev = 2 * model.num_layers * kv_heads * model.head_dim * dtype.itemsize
+        kv_dtype = kv_cache_dtype(dev.kv_cache_dtype, dtype)   # fp8: one byte an element
+        s_kv = model.kv_bytes_per_token(kv_dtype)
+        s_kv_dev = 2 * model.num_layers * kv_heads * model.head_dim * kv_dtype.itemsize
         weights = model.num_params() * dtype.itemsize
         weights_dev = ceil_div(weights, tp)
         graphs_dev = _graph_reserve(model, dev, device_type, tp, dtype)
@@ -270,6 +273,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         pools.update((pp.name, pp) for pp in device_pools)
         devices[dev_name] = DevicePlan(
             name=dev_name, device_type=device_type, dtype=dtype_name(dtype), model=p0.model, memory_bytes=memory,
+            kv_cache_dtype=dtype_name(kv_dtype),
             memory_source=source, memory_utilization=dev.memory_utilization, tensor_parallel_size=tp,
             weights_bytes=weights, weights_bytes_per_device=weights_dev, kv_bytes_per_token=s_kv,
             kv_bytes_per_token_per_device=s_kv_dev, kv_space_bytes_per_device=kv_dev,
@@ -384,7 +388,7 @@ def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict
                                 cache=CacheConfig(block_size=dplan.block_size), pools=tuple(pool_configs),
                                 memory_utilization=dplan.memory_utilization,
                                 tensor_parallel_size=dplan.tensor_parallel_size, enforce_eager=dev.enforce_eager,
-                                async_scheduling=dev.async_scheduling)
+                                async_scheduling=dev.async_scheduling, kv_cache_dtype=dev.kv_cache_dtype)
         result[dplan.name] = [_replica_config(template, dev, r, key) for r in range(dev.replicas)]
     return result
 

@@ -51,7 +51,7 @@ def _device_lines(d: DevicePlan) -> list[str]:
         ("KV bytes", f"{fmt_bytes(d.kv_space_bytes_per_device)}{per}"
                      + (f", {fmt_bytes(d.kv_space_bytes)} per replica" if tp > 1 and d.replicas > 1 else "")
                      + (f", {fmt_bytes(d.kv_space_bytes * d.replicas)} total" if tp > 1 or d.replicas > 1 else "")),
-        ("S_KV", f"{d.kv_bytes_per_token:,} B/token ({fmt_bytes(d.kv_bytes_per_token)})"
+        ("S_KV", f"{d.kv_bytes_per_token:,} B/token ({fmt_bytes(d.kv_bytes_per_token)}, {d.kv_cache_dtype})"
                  + (f", {d.kv_bytes_per_token_per_device:,} B per GPU" if tp > 1 else "")),
     ]
     return ([f"device {d.name}: {d.device_type}, {d.dtype}, TP={tp}{copies}, model {d.model}"]

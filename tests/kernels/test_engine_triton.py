@@ -1,6 +1,6 @@
 """The whole engine on the Triton kernels (through Triton's interpreter on the CPU) gives the same greedy
-tokens as on the torch reference: prefill, chunked prefill mixed with decode, preemption, n > 1, and a
-head_dim that is not a power of two (padded inside the kernels)."""
+tokens as on the torch reference: prefill, chunked prefill mixed with decode, preemption, n > 1, a
+head_dim that is not a power of two (padded inside the kernels), and an FP8 KV cache."""
 
 from __future__ import annotations
 
@@ -33,10 +33,11 @@ def tiny_head_dim_40(tmp_path_factory, builtin_path):
                            num_attention_heads=2, num_key_value_heads=1)
 
 
-def _engine(path, backend: str, monkeypatch, num_blocks: int = 12, **sched) -> LLMEngine:
+def _engine(path, backend: str, monkeypatch, num_blocks: int = 12, kv_cache_dtype: str = "auto",
+            **sched) -> LLMEngine:
     monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
     sched.setdefault("max_num_batched_tokens", 24)  # chunked prefill: chunks start mid-block
-    config = EngineConfig(model=str(path), cache=CacheConfig(block_size=8),
+    config = EngineConfig(model=str(path), cache=CacheConfig(block_size=8), kv_cache_dtype=kv_cache_dtype,
                           pools=(PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(**sched)),))
     engine = LLMEngine(config, progress=False)
     assert ("triton" in engine.runner.backend.paged_attention.__module__) == (backend == "triton")
@@ -75,6 +76,35 @@ def test_engine_on_triton_kernels_with_head_dim_40_matches_the_reference(tiny_he
         engine = _engine(tiny_head_dim_40, backend, monkeypatch, num_blocks=24, max_num_batched_tokens=96)
         assert engine.runner.model.layers[0].self_attn.config.head_dim == 40
         results[backend] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert_all_free(engine)
+    assert sum(prefill_tiles) > 0, "no chunk went through the prefill kernel"
+    assert results["triton"] == results["torch"]
+
+
+def test_engine_on_triton_kernels_with_an_fp8_cache_matches_the_reference(tiny, monkeypatch):
+    """kv_cache_dtype fp8: the Triton store writes the reference's bytes and the kernels read them as the
+    reference does (times each layer's scales), so greedy tokens are the torch backend's over its FP8 cache;
+    chunked prefill mixed with decode, under preemption, and a 70-token prompt whose first chunk goes
+    through the prefill kernel."""
+    import torch
+
+    from kernels import triton_attention
+
+    prefill_tiles = []
+    real = triton_attention.prefill_attention
+    monkeypatch.setattr(triton_attention, "prefill_attention",
+                        lambda *args, **kwargs: prefill_tiles.append(real(*args, **kwargs)) or prefill_tiles[-1])
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (70, 5, 19, 33)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "triton"):
+        engine = _engine(tiny, backend, monkeypatch, num_blocks=11, kv_cache_dtype="fp8", max_num_batched_tokens=80)
+        assert engine.kv_cache.data.dtype == torch.float8_e4m3fn
+        for i, layer in enumerate(engine.runner.model.layers):   # scales of each layer's own, not 1
+            layer.self_attn.k_scale, layer.self_attn.v_scale = 0.011 * (i + 1), 0.007 * (i + 2)
+        results[backend] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert engine.schedulers["default"].stats.num_preemptions > 0  # 11 blocks of 8: under pressure
         assert_all_free(engine)
     assert sum(prefill_tiles) > 0, "no chunk went through the prefill kernel"
     assert results["triton"] == results["torch"]

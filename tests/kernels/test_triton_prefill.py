@@ -4,7 +4,8 @@ Triton's interpreter on small shapes, on CUDA at realistic sizes (`gpu` mark).
 Inputs are fresh random every run; the seed is in every assertion message (rerun one case with
 `CLIFFGUARD_TEST_SEED=<seed>`). Caches are poisoned with NaN outside the written slots and outputs with
 NaN before the call (the helpers of `tests/kernels/test_triton.py`), so a kernel that reads a slot it
-should not, or leaves a row unwritten, fails.
+should not, or leaves a row unwritten, fails. FP8 caches (float8_e4m3fn with k_scale / v_scale) are held to the
+tolerances of a cache in the query's dtype, against the reference over the values it reads from them.
 """
 
 from __future__ import annotations
@@ -16,25 +17,24 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 import json  # noqa: E402
 import random  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-import triton  # noqa: E402
 from kernels import AttentionMetadata  # noqa: E402
 from kernels import triton_attention, triton_prefill  # noqa: E402
 from tests.kernels.test_triton import (  # noqa: E402
+    FP8,
     TOLERANCES,
     _assert_attention_matches,
+    _build_kernel_for_sm90,
     _head_pad,
     _make_attention_case,
     _make_seed,
     _reference_attention,
+    _run_compiled,
 )
 
 MIN_LEN = triton_attention.PREFILL_MIN_QUERY_LEN
@@ -82,6 +82,40 @@ def test_mixed_prefill_and_decode_step_matches_reference(dtype, num_heads, num_k
     tile_seq, _ = _prefill_tiles(case[3])[(MIN_LEN, block_m)]
     chunks = [i for i, q in enumerate(query_lens) if q >= MIN_LEN]
     assert sorted(set(tile_seq.tolist())) == chunks, f"seed={seed}: prefill tiles {tile_seq.tolist()}"
+
+
+# FP8 caches: bf16, float32 and fp16 queries, scales at 1, below (some K or V past 448 * scale saturate) and
+# above (powers of two with bf16: see test_triton.py's docstring), with and without a sliding window, a padded
+# head_dim, on the step of long and short chunks and decodes.
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size,sliding_window,k_scale,v_scale", [
+    (torch.bfloat16, 4, 1, 64, 16, None, 0.0625, 0.03125),
+    (torch.float32, 2, 2, 64, 8, 50, 1.0, 1.0),
+    (torch.bfloat16, 2, 1, 40, 32, 70, 2.0, 2.0**-8),
+    (torch.float32, 4, 2, 16, 16, None, 0.37, 0.21),
+    (torch.float16, 2, 2, 64, 8, 40, 0.125, 3.0),
+])
+def test_fp8_cache_mixed_prefill_and_decode_step_matches_reference(dtype, num_heads, num_kv_heads, head_dim,
+                                                                   block_size, sliding_window, k_scale, v_scale):
+    seed = _make_seed()
+    seq_lens, query_lens = _mixed_step(block_size)
+    case = _make_attention_case(seq_lens, query_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
+                                head_pad=_head_pad(head_dim), kv_dtype=FP8, k_scale=k_scale, v_scale=v_scale)
+    _assert_attention_matches(triton_attention, case, seed, sliding_window, k_scale=k_scale, v_scale=v_scale,
+                              label=f"{dtype} heads={num_heads}/{num_kv_heads} d={head_dim} bs={block_size}")
+    assert _prefill_tiles(case[3]), f"seed={seed}: no chunk went through the prefill kernel"
+
+
+@pytest.mark.parametrize("dtype,sliding_window,k_scale,v_scale", [(torch.bfloat16, None, 0.0625, 0.5),
+                                                                (torch.bfloat16, 40, 0.0625, 0.5),
+                                                                (torch.float32, 200, 0.06, 0.4)])
+def test_fp8_cache_chunk_over_a_long_prefix(dtype, sliding_window, k_scale, v_scale):
+    """Chunked prefill over an FP8 cache: a 100-token chunk over a 231-token cached prefix (mid-block, several
+    K/V tiles, unmasked and diagonal ones) beside a whole 70-token prompt, at non-unit scales."""
+    seed = _make_seed()
+    case = _make_attention_case([331, 70], [100, 70], 4, 2, 64, 16, dtype, seed, kv_dtype=FP8, k_scale=k_scale,
+                                v_scale=v_scale)
+    _assert_attention_matches(triton_attention, case, seed, sliding_window, k_scale=k_scale, v_scale=v_scale,
+                              label=f"{dtype} 100 of 331, 70 of 70")
 
 
 def test_prefill_kernel_alone_writes_exactly_its_chunks():
@@ -196,67 +230,42 @@ def test_launcher_rejects_what_the_kernel_does_not_handle():
 
 # --- built ahead of time for an H100, no GPU needed ------------------------------------------------
 
-def _build_for_sm90(dtype_name: str, head_dim: int, use_window: bool) -> dict:
+def _build_for_sm90(dtype_name: str, head_dim: int, use_window: bool, kv_fp8: bool = False) -> dict:
     """Compile the prefill kernel for sm_90 with Triton's own compiler and no device (run with
     TRITON_INTERPRET=0), specialized as a launch on the engine's tensors is (16-byte aligned pointers and
-    strides, the block table's row width not); report what the build holds: shared memory, the count of
-    wgmma (Hopper tensor-core) instructions, the K/V copies' sizes, and registers and stack from cuobjdump."""
+    strides, the block table's row width not), over a cache in the query's dtype or an FP8 one (`kv_fp8`);
+    report what the build holds: shared memory, the count of wgmma (Hopper tensor-core) instructions, the
+    K/V copies' sizes, and registers and stack from cuobjdump."""
     import re
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     kernel = triton_prefill._prefill_attention_kernel
     dtype = getattr(torch, dtype_name)
     block_m, block_n, num_warps, num_stages = triton_prefill.prefill_config(head_dim, dtype.itemsize)
     constexprs = dict(GROUP=4, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=16, HEAD_DIM=head_dim,
                       HEAD_DIM_PAD=triton_prefill.padded_head_dim(head_dim), USE_WINDOW=use_window,
-                      DOT_DTYPE=triton_prefill.dot_dtype(dtype), DOT_PRECISION="tf32")
+                      DOT_DTYPE=triton_prefill.dot_dtype(dtype), DOT_PRECISION="tf32", KV_FP8=kv_fp8)
     short = {"bfloat16": "bf16", "float16": "fp16"}[dtype_name]
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = f"*{short}" if name in ("query_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr") else "*i32"
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "qk_scale":
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-            if name.startswith("stride_") and name not in kernel.do_not_specialize:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    built = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=num_warps, num_stages=num_stages))
+    pointers = {"query_ptr": short, "out_ptr": short, "k_cache_ptr": "fp8e4nv" if kv_fp8 else short,
+                "v_cache_ptr": "fp8e4nv" if kv_fp8 else short}
+    built, report = _build_kernel_for_sm90(kernel, constexprs, pointers, num_warps=num_warps, num_stages=num_stages)
     ptx = built.asm["ptx"]
-    report = {"shared": built.metadata.shared, "wgmma": ptx.count("wgmma.mma_async"),
-              "kv_copy_bytes": sorted(set(re.findall(r"cp\.async\.cg\.shared\.global .*, (0x[0-9a-f]+), ", ptx)))}
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if cuobjdump.exists():
-        cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"prefill-{os.getpid()}.cubin"
-        cubin.write_bytes(built.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-        cubin.unlink()
-        found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-        if found:
-            report["registers"], report["stack"] = int(found[1]), int(found[2])
+    report.update(shared=built.metadata.shared, wgmma=ptx.count("wgmma.mma_async"),
+                  kv_copy_bytes=sorted(set(re.findall(r"cp\.async\.cg\.shared\.global .*, (0x[0-9a-f]+), ", ptx))))
     return report
 
 
-@pytest.mark.parametrize("dtype,head_dim,use_window", [("bfloat16", 128, False), ("float16", 64, True),
-                                                       ("bfloat16", 96, False), ("float16", 192, True)])
-def test_prefill_kernel_builds_for_h100_with_tensor_cores(dtype, head_dim, use_window):
+@pytest.mark.parametrize("dtype,head_dim,use_window,kv_fp8", [
+    ("bfloat16", 128, False, False), ("float16", 64, True, False), ("bfloat16", 96, False, False),
+    ("float16", 192, True, False), ("bfloat16", 128, True, True)])
+def test_prefill_kernel_builds_for_h100_with_tensor_cores(dtype, head_dim, use_window, kv_fp8):
     """What the interpreter cannot show: the kernel compiles for sm_90, its dots are wgmma, its K/V tiles
     arrive in 16-byte asynchronous copies, and it neither spills nor outgrows an H100's shared memory;
-    at head_dim 96 and 192 too, padded to 128 and 256 (the masked lanes keep the copies 16 bytes wide)."""
+    at head_dim 96 and 192 too, padded to 128 and 256 (the masked lanes keep the copies 16 bytes wide), and
+    over an FP8 cache (its tiles dequantized to bf16 in registers before the wgmma)."""
     pytest.importorskip("triton.compiler")
     code = ("import json; from tests.kernels.test_triton_prefill import _build_for_sm90; "
-            f"print(json.dumps(_build_for_sm90({dtype!r}, {head_dim}, {use_window})))")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).resolve().parents[2],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+            f"print(json.dumps(_build_for_sm90({dtype!r}, {head_dim}, {use_window}, {kv_fp8})))")
+    report = json.loads(_run_compiled(code, timeout=300).strip().splitlines()[-1])
     assert report["wgmma"] > 0, report
     assert report["kv_copy_bytes"] == ["0x10"], report
     assert report["shared"] <= triton_prefill.DEFAULT_SHARED_MEMORY, report
@@ -265,24 +274,27 @@ def test_prefill_kernel_builds_for_h100_with_tensor_cores(dtype, head_dim, use_w
 
 # --- CUDA, realistic sizes ----------------------------------------------------------------------
 
-def _check_gpu_prefill(dtype_name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+def _check_gpu_prefill(dtype_name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                       kv_fp8: bool = False) -> None:
     """The body of the gpu test, run in a process started with TRITON_INTERPRET=0 (see test_triton.py's):
     whole 4,096- and 2,048-token prompts, a 1,000-token chunk over a 3,000-token prefix beside decodes,
-    with and without a sliding window, every launch variant compiled before (none compiles during)."""
+    with and without a sliding window, every launch variant compiled before (none compiles during); with
+    `kv_fp8`, over an FP8 cache at non-unit scales."""
     assert not triton_prefill.INTERPRETED, "the compiled check ran under Triton's interpreter"
     dtype = getattr(torch, dtype_name)
     seed = _make_seed()
+    kv_dtype, k_scale, v_scale = (FP8, 0.05, 0.3) if kv_fp8 else (None, 1.0, 1.0)
     for window in (None, 1024):
         triton_attention.compile_kernels(num_heads, num_kv_heads, head_dim, block_size, dtype, torch.device("cuda"),
-                                         window)
+                                         window, kv_dtype=kv_dtype)
     compiled = triton_attention.compiled_variants()
     steps = [([4096], [4096]), ([2048] * 4, [2048] * 4),
              ([4000, 500, 3000, 17] + [900] * 8, [1000, 500, 1, 17] + [1] * 8)]
     for lens, q_lens in steps:
         case = _make_attention_case(lens, q_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed,
-                                    device="cuda")
+                                    device="cuda", kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
         for window in (None, 1024):
-            _assert_attention_matches(triton_attention, case, seed, window,
+            _assert_attention_matches(triton_attention, case, seed, window, k_scale=k_scale, v_scale=v_scale,
                                       label=f"{dtype} {num_heads}/{num_kv_heads} d={head_dim} bs={block_size} "
                                             f"lens={lens[:4]} q_lens={q_lens[:4]}")
         assert _prefill_tiles(case[3]), "no chunk went through the prefill kernel"
@@ -298,7 +310,14 @@ def _check_gpu_prefill(dtype_name: str, num_heads: int, num_kv_heads: int, head_
 def test_gpu_prefill_matches_reference_at_realistic_sizes(dtype, num_heads, num_kv_heads, head_dim, block_size):
     code = (f"from tests.kernels.test_triton_prefill import _check_gpu_prefill; "
             f"_check_gpu_prefill({dtype!r}, {num_heads}, {num_kv_heads}, {head_dim}, {block_size})")
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=Path(__file__).resolve().parents[2],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    _run_compiled(code, timeout=900)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size", [
+    ("bfloat16", 32, 8, 128, 16), ("float16", 32, 32, 96, 16)])
+def test_gpu_prefill_over_an_fp8_cache_matches_reference(dtype, num_heads, num_kv_heads, head_dim, block_size):
+    code = (f"from tests.kernels.test_triton_prefill import _check_gpu_prefill; "
+            f"_check_gpu_prefill({dtype!r}, {num_heads}, {num_kv_heads}, {head_dim}, {block_size}, kv_fp8=True)")
+    _run_compiled(code, timeout=900)

@@ -319,3 +319,25 @@ def test_async_scheduling_reaches_the_engine_and_is_refused_with_tensor_parallel
     data["devices"]["default"]["async_scheduling"] = "on"
     with pytest.raises(SpecError, match="async_scheduling"):
         parse_config(data, env={})
+
+
+def test_an_fp8_kv_cache_gives_each_pool_about_twice_the_blocks(builtin_path):
+    """kv_cache_dtype: fp8 stores one byte an element: S_KV halves against bfloat16 (a quarter of float32's
+    on a CPU), so each pool gets twice the blocks (four times) from the same bytes."""
+    model = {"builtin:smollm2-135m-instruct": ModelConfig.from_folder(builtin_path)}
+    for device, factor in (({"device": "cuda", "memory": "8GiB"}, 2), ({"device": "cpu", "memory": "2GiB"}, 4)):
+        plans = {}
+        for kv in ("auto", "fp8"):
+            data = _small_config()
+            data["devices"]["default"] = {**device, "kv_cache_dtype": kv}
+            config = parse_config(data, env={})
+            plans[kv] = plan_capacity(config, model)
+        auto, fp8 = plans["auto"], plans["fp8"]
+        assert fp8.devices["default"].kv_bytes_per_token * factor == auto.devices["default"].kv_bytes_per_token
+        assert fp8.devices["default"].kv_cache_dtype == "float8_e4m3fn"
+        for name in ("chat", "rag"):
+            assert fp8.pools[name].num_blocks >= 1.9 * auto.pools[name].num_blocks
+    assert engine_configs(config, fp8)["default"].kv_cache_dtype == "fp8"   # the CPU device's: the engine gets it
+    data["devices"]["default"]["kv_cache_dtype"] = "int4"
+    with pytest.raises(SpecError, match="kv_cache_dtype"):
+        parse_config(data, env={})

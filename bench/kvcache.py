@@ -1,0 +1,107 @@
+"""`cliffguard bench kvcache`: an FP8 KV cache against the model-dtype cache, on the same chat prompts.
+
+Three engines over the same model, one after the other: the default cache (`kv_cache_dtype: auto`), an FP8
+cache with the scales measured at start (`engine.kv_scales`), and an FP8 cache with every scale 1.0. Each
+answers `--prompts` fixed chat questions greedily (`--max-tokens`, logprobs on). Reported for each FP8
+variant against the default:
+
+- **agreement**: prompts answered token for token the same, and the mean share of each answer before the
+  first token that differs;
+- **log-probability error**: over the positions where both answers still agree (so both saw the same
+  context), the largest and the mean |difference| of the top-5 tokens' log-probabilities (log-softmax of
+  the logits: a logit error less the shift of their log-sum-exp);
+- **bytes**: S_KV per token of each cache, the ratio that the capacity formula turns into blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+CHAT_QUESTIONS = (
+    "Name a colour.", "Why do cats purr? Answer briefly.", "2+2=?", "Write one sentence about rivers.",
+    "What is the capital of France?", "List three fruits.", "Say hello in Spanish.", "What is 7 times 6?",
+    "Give me a synonym for happy.", "Who wrote Hamlet?", "How many legs does a spider have?",
+    "Describe the sea in five words.", "What does a baker do?", "Is ice heavier than water?",
+    "Suggest a name for a small dog.", "What is the opposite of early?", "Explain what a verb is.",
+    "Which planet is closest to the sun?", "Give one tip for sleeping well.", "What colour is grass?",
+)
+VARIANTS = ("fp8", "fp8, scales 1.0")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="builtin:smollm2-135m-instruct",
+                   help="HF model folder, .gguf file or builtin:smollm2-135m-instruct (default)")
+    p.add_argument("--device", default="auto", help="auto (default: CUDA if present) | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16")
+    p.add_argument("--prompts", type=int, default=20, help=f"chat questions asked (at most {len(CHAT_QUESTIONS)})")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per answer (default 16)")
+    p.add_argument("--kv-cache-mib", type=int, default=256, help="each engine's KV cache budget in MiB")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def _answers(model: str, args: argparse.Namespace, kv_cache_dtype: str, measure_scales: bool = True):
+    """(outputs, S_KV bytes per token) of one engine over the questions."""
+    from dataclasses import replace
+
+    import engine.llm_engine as llm_engine
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+    from pools.capacity_plan import plan_single_pool
+
+    _, config = plan_single_pool(model, device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mib << 20,
+                                 max_model_len=512, max_num_seqs=args.prompts)
+    calibrate = llm_engine.calibrate_kv_scales
+    if not measure_scales:
+        llm_engine.calibrate_kv_scales = lambda engine: None   # every scale stays 1.0
+    try:
+        engine = LLMEngine(replace(config, kv_cache_dtype=kv_cache_dtype), progress=False)
+    finally:
+        llm_engine.calibrate_kv_scales = calibrate
+    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": q}])
+               for q in CHAT_QUESTIONS[:args.prompts]]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=5))
+    return [o.outputs[0] for o in outs], engine.kv_bytes_per_token
+
+
+def compare(reference: list, outputs: list) -> dict:
+    """Agreement and log-probability error of `outputs` against `reference` (CompletionOutputs, in order)."""
+    same, shares, errors = 0, [], []
+    for ref, out in zip(reference, outputs):
+        a, b = ref.token_ids, out.token_ids
+        agree = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same += a == b
+        shares.append(agree / max(len(a), 1))
+        for i in range(agree):
+            mine = dict(out.top_logprobs[i])
+            errors += [abs(v - mine[t]) for t, v in ref.top_logprobs[i] if t in mine]
+    return {"identical": same, "prompts": len(reference), "agreed_share": statistics.mean(shares),
+            "max_logprob_error": max(errors, default=0.0), "mean_logprob_error": statistics.mean(errors or [0.0])}
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.weights import resolve_model
+
+    if not 1 <= args.prompts <= len(CHAT_QUESTIONS):
+        raise ValueError(f"--prompts: must be 1..{len(CHAT_QUESTIONS)}, got {args.prompts}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens: must be >= 1, got {args.max_tokens}")
+    model = str(resolve_model(args.model))
+    reference, ref_bytes = _answers(model, args, "auto")
+    result = {"model": args.model, "max_tokens": args.max_tokens, "kv_bytes_per_token": {"auto": ref_bytes}}
+    for name, measure in zip(VARIANTS, (True, False)):
+        outputs, kv_bytes = _answers(model, args, "fp8", measure)
+        result[name] = compare(reference, outputs)
+        result["kv_bytes_per_token"][name] = kv_bytes
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"{args.model}: {args.prompts} chat questions, {args.max_tokens} greedy tokens each; S_KV "
+          f"{ref_bytes:,} B/token, FP8 {result['kv_bytes_per_token']['fp8']:,} B/token "
+          f"({ref_bytes / result['kv_bytes_per_token']['fp8']:.1f}x the blocks from the same bytes)")
+    for name in VARIANTS:
+        r = result[name]
+        print(f"  {name:<16} identical {r['identical']}/{r['prompts']}, agreed share {r['agreed_share']:.2f}, "
+              f"log-prob error max {r['max_logprob_error']:.3f} mean {r['mean_logprob_error']:.4f}")
+    return 0

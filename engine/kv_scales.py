@@ -1,0 +1,98 @@
+"""The per-layer scales of an FP8 KV cache, measured when the checkpoint brings none.
+
+An FP8 (e4m3) cache stores K / k_scale and V / v_scale. e4m3 keeps about two significant digits from
+2^-6 up to 448: below 2^-6 a value loses precision (subnormals), above 448 it saturates. With a scale of 1.0
+a small model's values fall on both sides (the builtin SmolLM2's first layer keeps 41% of its V below 2^-6,
+while K reaches 20 in the middle layers), so a checkpoint without `k_scale` / `v_scale` gets them measured
+here: one prefill of a fixed text (`CALIBRATION_TEXT`, chat-templated as a user turn where the model has a
+template) with an observer on every layer's K and V, and each layer's scale set so its largest |K| (|V|)
+lands at `SCALE_RANGE`, leaving headroom under 448 for values larger than the text's. vLLM's
+`calculate_kv_scales` measures the same way, on the first batch it serves.
+
+The blocks are borrowed from the largest pool and given back (nothing is cached); the prefill's own K/V
+(stored with the scales of 1.0 they replace) are overwritten by the next use of those blocks. One rank
+only: a tensor-parallel group keeps the checkpoint's scales or 1.0 (its followers would have to measure
+their shards in lockstep).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from engine.sampling import SamplingParams
+from engine.scheduler import ScheduledSeq, commit_step
+from engine.sequence import Sequence
+from kernels.reference import FP8_KV_DTYPE
+
+log = logging.getLogger("cliffguard.engine")
+
+SCALE_RANGE = 200.0   # where a layer's largest measured |K| (|V|) lands: 2.24x headroom under e4m3's 448
+MIN_SCALE = 1e-6      # a layer whose values are all zero keeps a usable scale
+CALIBRATION_TEXT = (
+    "Read the following notes and answer the questions at the end. The river rises in the northern hills, "
+    "runs past three mill towns and reaches the sea after 212 kilometres; its delta floods every spring. "
+    "In 1887 the town council voted 7 to 4 to build a stone bridge, which opened in 1891 and still carries "
+    "about 18,000 vehicles a day. The recipe calls for 250 g of flour, two eggs, 300 ml of milk and a pinch "
+    "of salt; whisk, rest for thirty minutes, then cook on a hot pan. def mean(xs): return sum(xs) / len(xs) "
+    "# returns 0.0 for [0, 0]? No: it raises ZeroDivisionError on an empty list. Questions: How long is the "
+    "river? When did the bridge open? What goes into the batter, and why rest it? Fix the function.")
+
+
+def calibrate_kv_scales(engine: Any) -> dict[str, tuple[float, float]] | None:
+    """Measure and set every layer's k_scale / v_scale for `engine`'s FP8 cache (see the module
+    docstring). Returns {"k": (min, max), "v": (min, max)} of the scales set, or None when nothing was
+    measured: not an FP8 cache, scales from the checkpoint, tensor parallelism, or too few free blocks."""
+    attns = [layer.self_attn for layer in engine.model.layers]
+    if engine.kv_dtype != FP8_KV_DTYPE or engine.shard.size > 1 or \
+            any(a.k_scale != 1.0 or a.v_scale != 1.0 for a in attns):
+        return None
+    ids = _calibration_ids(engine)
+    bm = max(engine.schedulers.values(), key=lambda s: s.block_manager.num_blocks).block_manager
+    if bm.num_blocks_for(len(ids)) > bm.num_free_blocks:
+        return None
+    amax = [[0.0, 0.0] for _ in attns]
+
+    def observer(index: int):
+        def observe(key: torch.Tensor, value: torch.Tensor) -> None:
+            amax[index][0] = max(amax[index][0], float(key.abs().max()))
+            amax[index][1] = max(amax[index][1], float(value.abs().max()))
+        return observe
+
+    seq = Sequence(seq_id=-100, request_id="kv-scales", index=0, token_ids=ids, num_prompt_tokens=len(ids),
+                   params=SamplingParams(), max_tokens=1, priority=0, arrival_order=-1, generator=None)
+    try:
+        for i, attn in enumerate(attns):
+            attn.kv_observer = observer(i)
+        bm.allocate(seq.block_table, len(ids))
+        batch = [ScheduledSeq(seq, len(ids))]
+        engine.runner.execute(batch)
+        engine.runner.synchronize()
+        commit_step({}, batch)   # no pool's: the blocks are borrowed, nothing is cached
+    finally:
+        for attn in attns:
+            attn.kv_observer = None
+        bm.free(seq.block_table)
+        engine.runner.release(seq)
+    for attn, (k_max, v_max) in zip(attns, amax):
+        attn.k_scale, attn.v_scale = max(k_max / SCALE_RANGE, MIN_SCALE), max(v_max / SCALE_RANGE, MIN_SCALE)
+    ranges = {name: (min(getattr(a, f"{name}_scale") for a in attns), max(getattr(a, f"{name}_scale") for a in attns))
+              for name in ("k", "v")}
+    log.info("FP8 KV cache: scales measured on a %d-token text: k %.3g..%.3g, v %.3g..%.3g", len(ids),
+             *ranges["k"], *ranges["v"])
+    return ranges
+
+
+def _calibration_ids(engine: Any) -> list[int]:
+    """The text as a chat user turn where the tokenizer has a template, else plain; within every pool's
+    max_model_len."""
+    tokenizer = engine.tokenizer
+    try:
+        ids = tokenizer.encode_chat([{"role": "user", "content": CALIBRATION_TEXT}])
+    except ValueError:   # no chat template
+        ids = tokenizer.encode(CALIBRATION_TEXT)
+    limit = min(s.max_model_len for s in engine.schedulers.values()) - 1
+    vocab = engine.model_config.vocab_size
+    return [i for i in ids if i < vocab][:limit]
