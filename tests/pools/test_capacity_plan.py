@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from engine.model_config import ModelConfig
-from pools.capacity_plan import engine_configs, plan_capacity, plan_single_pool, replica_engine_configs
+from pools.capacity_plan import (engine_configs, plan_capacity, plan_single_pool, replica_engine_configs,
+                                 resolve_model_configs)
 from pools.config.yaml_file import parse_config
 from pools.config.spec import DEFAULT_CPU_MEMORY, SpecError
 
@@ -341,3 +342,23 @@ def test_an_fp8_kv_cache_gives_each_pool_about_twice_the_blocks(builtin_path):
     data["devices"]["default"]["kv_cache_dtype"] = "int4"
     with pytest.raises(SpecError, match="kv_cache_dtype"):
         parse_config(data, env={})
+
+
+@pytest.mark.parametrize("name,vram,dense_bytes,kv", [
+    ("qwen3-32b-2xh100-fp8.yaml", 80 * GiB, 65_524_246_528, "float8_e4m3fn"),
+    ("qwen3-30b-a3b-h200.yaml", 141 * GiB, 61_064_245_248, "bfloat16"),
+])
+def test_the_qwen3_examples_plan(name, vram, dense_bytes, kv):
+    """The example files plan from the config.json beside them: Qwen3-32B's weights (YaRN to 131,072
+    positions) with an FP8 cache, and Qwen3-30B-A3B's every expert."""
+    data = yaml.safe_load((REPO / "config" / "examples" / name).read_text())
+    config = parse_config(data, env={}, base_dir=REPO / "config" / "examples")
+    plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram)
+    (device,) = plan.devices.values()
+    assert device.weights_bytes == dense_bytes and device.kv_cache_dtype == kv
+    assert all(p.max_num_seqs >= 1 for p in plan.pools.values())
+    if kv == "float8_e4m3fn":   # the same file with a bfloat16 cache: half the blocks
+        data["devices"]["h100x2"]["kv_cache_dtype"] = "auto"
+        bf16 = plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
+                             resolve_model_configs(config), vram_bytes=vram)
+        assert all(p.num_blocks >= 1.9 * bf16.pools[n].num_blocks for n, p in plan.pools.items())
