@@ -15,7 +15,8 @@
 # `bench hostcost` on CUDA (the host's share of a decode step of a deep, narrow model, beside transformers);
 # the engine step runs the 8B shape with decode graphs (the default) and the eager step the same with
 # --enforce-eager, the sync step with --async-scheduling off (no overlapped steps); the tests step includes greedy
-# output with graphs against without (test_cuda_graphs.py) and no stream synchronize in a step's launch (test_overlap.py). The device machine lacks msgspec (the worker protocol): carry
+# output with graphs against without (test_cuda_graphs.py), no stream synchronize in a step's launch (test_overlap.py)
+# and the FP8 KV cache's kernels on the GPU (test_triton*.py); the kvcache step an FP8 cache's agreement on CUDA. The device machine lacks msgspec (the worker protocol): carry
 # its wheel in `.whl` and install it first (see the device tool's notes). Logs go to $OUT (or ./gpu-out); the last lines printed are a short summary.
 set -u
 OUT=${OUT:-gpu-out}
@@ -45,16 +46,18 @@ for pool in config["pools"]:
 yaml.safe_dump(config, open(f"{sim}/chaos.yaml", "w"), sort_keys=False)
 PYEOF
 }
-for what in ${GPU_STEPS:-tests kernels engine sync eager hostcost}; do
+for what in ${GPU_STEPS:-tests kernels engine sync eager hostcost kvcache}; do
   case $what in
     tests)   step gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton.py \
                tests/kernels/test_triton_prefill.py tests/kernels/test_triton_fused.py tests/engine/test_sampling.py \
-               tests/engine/test_cuda_graphs.py tests/engine/test_overlap.py ;;
+               tests/engine/test_cuda_graphs.py tests/engine/test_overlap.py tests/kernels/test_transfer.py \
+               tests/kernels/test_engine_triton.py ;;
     kernels) step bench_kernels $CLI bench kernels ;;
     hostcost) step bench_hostcost $CLI bench hostcost --device cuda --lengths 100,1000 ;;
     engine)  step bench_engine $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 ;;
     eager)   step bench_engine_eager $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
                --skip-hf --enforce-eager ;;
+    kvcache) step bench_kvcache $CLI bench kvcache --device cuda --max-tokens 16 ;;
     sync)    step bench_engine_sync $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
                --skip-hf --async-scheduling off ;;
     simulate) smollm2 && printf '%s\n' 'devices:' '  gpu: {device: cuda, memory: 4GiB, dtype: bfloat16}' 'pools:' \
