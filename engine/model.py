@@ -214,8 +214,13 @@ class LlamaForCausalLM(nn.Module):
         parameter must be filled whole, once."""
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
+        prefix = self.config.text_weights_prefix   # a multimodal checkpoint: its text model's tensors only
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
+            if prefix:
+                if not name.startswith(prefix):
+                    continue   # the vision tower, the projector
+                name = name.removeprefix(prefix).removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             if name.endswith((".k_scale", ".v_scale")):   # an FP8 checkpoint's per-layer KV scales

@@ -7,7 +7,7 @@ anything else is refused with a `ConfigError` naming the key, before any weight 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,8 @@ from engine.config import ConfigError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
+# Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix)
+TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.")}
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -120,6 +122,7 @@ class ModelConfig:
     norm_topk_prob: bool = False        # the top-k weights renormalised to sum to 1
     decoder_sparse_step: int = 1        # every this many layers is sparse ...
     mlp_only_layers: tuple[int, ...] = ()   # ... except these, dense
+    text_weights_prefix: str = ""       # a multimodal checkpoint's text model: its weights' prefix (the rest skipped)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -127,7 +130,7 @@ class ModelConfig:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(
                 f"architectures: unsupported architecture {self.architecture!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"supported: {', '.join((*SUPPORTED_ARCHITECTURES, *TEXT_MODELS))}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -207,6 +210,12 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not isinstance(archs, list) or not archs:
             raise ConfigError("architectures: config.json has no 'architectures' list")
+        if archs[0] in TEXT_MODELS and isinstance(cfg.get("text_config"), dict):   # its text model alone
+            arch, prefix = TEXT_MODELS[archs[0]]
+            text = cfg["text_config"]
+            config = cls.from_hf_config({**text, "architectures": [arch],
+                                         "eos_token_id": text.get("eos_token_id", cfg.get("eos_token_id"))})
+            return replace(config, text_weights_prefix=prefix)
         arch = archs[0]
 
         def need(key: str) -> Any:

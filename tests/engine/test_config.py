@@ -14,7 +14,7 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'.*Gemma3ForConditionalGeneration"),
     ({"architectures": []}, "architectures"),
     ({"num_key_value_heads": 3}, "num_key_value_heads: 3 does not divide"),
     ({"hidden_size": -1}, "hidden_size"),

@@ -138,6 +138,39 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     assert_all_free(engine)
 
 
+def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, builtin_path):
+    """Gemma 3's larger checkpoints are `Gemma3ForConditionalGeneration` (a vision tower beside the text model,
+    whose tensors sit under `language_model.`): served as the text model, the rest of the checkpoint skipped,
+    greedy text token-identical to transformers' multimodal model on text input."""
+    import shutil
+
+    import transformers
+
+    text_config = transformers.Gemma3TextConfig(vocab_size=512, hidden_size=64, intermediate_size=160,
+                                                num_attention_heads=4, num_key_value_heads=2,
+                                                max_position_embeddings=512, initializer_range=0.2,
+                                                rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **GEMMA3)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text_config.to_dict(), vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=4, initializer_range=0.2)
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    folder = tmp_path / "gemma3-mm"
+    hf.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(builtin_path / name, folder / name)
+    engine = LLMEngine.from_args(str(folder), block_size=8, num_blocks=64, max_num_batched_tokens=64, progress=False)
+    assert engine.model_config.architecture == "Gemma3ForCausalLM"
+    assert engine.model_config.text_weights_prefix == "language_model."
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 17, 40)]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 16, eos_ids=None)
+    assert_all_free(engine)
+
+
 # --- slow: the builtin model under every block size x preemption mode x prefix-cache state --------
 
 SWEEP_TOKENS = 64
