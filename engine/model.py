@@ -130,6 +130,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     supports_flat_forward = True   # engine.cpu_forward's loop runs these layers on the CPU backend
+    graph_safe = True              # its forward reads nothing back from the device: CUDA graphs can capture it
     norm_init = 1.0                # a norm's weight in `init_random` (Gemma's 1 + weight: 0)
 
     def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,

@@ -92,9 +92,10 @@ class _Forward:
 
     def graphs_apply(self, enforce_eager: bool) -> bool:
         """Whether decode steps should replay CUDA graphs: on CUDA with the Triton kernels (the graph-safe
-        ones), one rank, unless the device says `enforce_eager`."""
+        ones), one rank, a model whose forward never asks the device a question (`graph_safe`: Qwen3-MoE's
+        expert loop does), unless the device says `enforce_eager`."""
         return (self.device.type == "cuda" and not enforce_eager and not self.tensor_parallel
-                and self.backend is sys.modules.get("kernels.triton_attention"))
+                and self.model.graph_safe and self.backend is sys.modules.get("kernels.triton_attention"))
 
     def capture_graphs(self, max_batch: int, max_model_len: int, graphs: GraphBackend | None = None) -> None:
         """Capture the decode forward for every padded batch size up to `max_batch` (`engine.cuda_graphs`);

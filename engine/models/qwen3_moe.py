@@ -10,7 +10,8 @@ sparse: every `decoder_sparse_step`-th, less `mlp_only_layers` (those keep the d
 The experts are grouped: each expert the step routes to runs once over all its tokens (two matmuls over
 its gathered rows), so a step does work for the experts it uses, not for all of them. The loop asks the
 device which experts are hit, which is a synchronisation on CUDA (a fused grouped-GEMM kernel over the
-tokens sorted by expert is the GPU's way and is not built yet).
+tokens sorted by expert is the GPU's way and is not built yet): its decode steps run eagerly, no CUDA
+graphs (`graph_safe`), and overlapped steps wait there.
 
 Weights: the checkpoint's per-expert `mlp.experts.{e}.gate_proj / up_proj / down_proj` go into two
 tensors, `w13` [num_experts, 2 x intermediate, hidden] (gate rows, then up rows) and `w2` [num_experts,
@@ -74,6 +75,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     the experts' tensors routed into `w13` / `w2` and cut per rank."""
 
     supports_flat_forward = False
+    graph_safe = False   # the expert loop reads which experts are hit: no CUDA graphs (steps run eagerly)
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         layer = super().make_layer(index, ops)

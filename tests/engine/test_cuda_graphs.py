@@ -169,3 +169,20 @@ def test_on_cuda_greedy_tokens_are_the_same_with_graphs_and_without(tiny, dtype)
         results[eager] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
         assert_all_free(engine)
     assert results[False] == results[True]
+
+
+def test_graphs_apply_only_to_a_model_whose_forward_is_graph_safe():
+    """Qwen3-MoE's expert loop reads which experts a step hit (a device sync): CUDA graphs cannot capture it,
+    so its steps run eagerly; every other model, on CUDA with the Triton backend and one rank, is captured."""
+    from types import SimpleNamespace
+
+    from engine.model import LlamaForCausalLM
+    from engine.model_runner import _Forward
+    from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+    from kernels import triton_attention
+
+    for cls, expected in ((LlamaForCausalLM, True), (Qwen3MoeForCausalLM, False)):
+        runner = SimpleNamespace(device=torch.device("cuda"), tensor_parallel=False, backend=triton_attention,
+                                 model=SimpleNamespace(graph_safe=cls.graph_safe))
+        assert _Forward.graphs_apply(runner, enforce_eager=False) is expected
+        assert _Forward.graphs_apply(runner, enforce_eager=True) is False
