@@ -327,14 +327,14 @@ class Gateway:
     async def route_chat(self, model: str, messages: list[dict[str, Any]], tools: list[Tool] | None = None,
                          template_kwargs: dict[str, Any] | None = None) -> tuple[Pool, list[int]]:
         """Render each candidate pool's chat template (with the tools offered and the request's
-        `chat_template_kwargs`), count exactly, and take the first pool that admits it."""
+        `chat_template_kwargs` over the pool's), count exactly, and take the first pool that admits it."""
         size = sum(len(m["content"]) + len(m.get("reasoning_content") or "") + MESSAGE_OVERHEAD_CHARS
                    for m in messages)   # many empty messages render long
         if tools:
             size += sum(len(json.dumps(t.parameters)) + MESSAGE_OVERHEAD_CHARS for t in tools)
         kwargs = template_kwargs or {}
-        return await self._route(model, "messages", size,
-                                 self._timed(lambda pool: _render_and_count(pool, messages, tools, kwargs)))
+        return await self._route(model, "messages", size, self._timed(lambda pool: _render_and_count(
+            pool, messages, tools, {**(pool.spec.chat_template_kwargs or {}), **kwargs})))
 
     async def route_prompt(self, model: str, prompt: str | list[int]) -> tuple[Pool, list[int]]:
         """Count a completion prompt (text with the tokenizer's prefix, or token ids) and route it."""

@@ -4,9 +4,10 @@ The model checks each field's type and bounds, and a message's role and content 
 code here checks what spans fields: a tool message's `tool_call_id`, tool calls on assistant messages
 only, `top_logprobs` with `logprobs`, `tools` or the deprecated `functions` (read as tools), the counts
 in `gateway.limits`, `chat_template_kwargs` (vLLM's: more variables for the chat template, such as Qwen3's
-`enable_thinking`; not those the gateway sets). A message's keys beyond those read are ignored: a client may
-send back the whole message a reply gave it (`refusal`, `annotations`); an assistant's `reasoning_content`
-is passed to the template, which may render it (Qwen3's does, after the last user turn).
+`enable_thinking`; not those the gateway sets; they win over the pool's own `chat_template_kwargs`, key by
+key). A message's keys beyond those read are ignored: a client may send back the whole message a reply gave
+it (`refusal`, `annotations`); an assistant's `reasoning_content` is passed to the template, which may
+render it (Qwen3's does, after the last user turn).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from gateway.openai.sampling_fields import (RequestFields, check_choices, respon
 from gateway.openai.tool_specs import (FunctionName, FunctionSpec, NamedToolChoice, Tool, ToolCallSpec, ToolChoice,
                                        ToolError, ToolMode, ToolSpec, history_calls, parse_tool_choice, tools_from)
 from pools.config.gateway_spec import RequestLimits
+from pools.config.spec import RESERVED_TEMPLATE_VARIABLES
 
 
 class TextPart(msgspec.Struct):
@@ -96,10 +98,6 @@ def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> ChatReques
                        top_logprobs=top_logprobs, max_tokens_param=max_tokens_param, tools=tools,
                        tool_choice=tool_choice, parallel_tool_calls=chat.parallel_tool_calls is not False,
                        chat_template_kwargs=_template_kwargs(chat.chat_template_kwargs))
-
-
-# the chat template's variables the gateway sets itself (`Tokenizer.apply_chat_template`'s own arguments)
-RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
 
 
 def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:

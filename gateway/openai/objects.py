@@ -113,3 +113,11 @@ def usage_chunk(request_id: str, model: str, created: int, obj: str, prompt_toke
     """A stream's last chunk (`stream_options.include_usage`); `cached_tokens`, `reasoning_tokens` as in `usage`."""
     return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
             "usage": usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)}
+
+
+def response_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+                   reasoning_tokens: int = 0) -> dict[str, Any]:
+    """The Responses API's usage object."""
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": prompt_tokens + completion_tokens}

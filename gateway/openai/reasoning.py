@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
+
+import msgspec
 
 THINK_START, THINK_END = "<think>", "</think>"
 _PROMPT_TAIL_TOKENS = 16   # the prompt's last tokens decoded to see whether it ends inside a think block
@@ -120,6 +122,19 @@ class ReasoningSplitter:
         self.reasoning += reasoning
         self.content += content
         return reasoning, content
+
+
+Summary = Literal["auto", "concise", "detailed"]
+
+
+class ReasoningOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """The Responses API's `reasoning` request field, checked and then ignored: whether and how long a
+    model thinks is its chat template's (`chat_template_kwargs`) and `max_output_tokens`'; no summary is
+    written (a reasoning item's `summary` is empty)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Summary | None = None
+    generate_summary: Summary | None = None   # `summary`'s deprecated name
 
 
 def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:

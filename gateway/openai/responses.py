@@ -7,8 +7,10 @@ whose refusals are renamed to the Responses fields): `input` as text or items (m
 `function_call` and `function_call_output`), `instructions` (a system message first), function `tools`,
 `tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema: the chat's
 response_format), `max_output_tokens`, `temperature`, `top_p`, `stream`, `top_logprobs`, `metadata`,
-`store`, `background`, and the items of the earlier turns a `previous_response_id` names (looked up by
-the caller, passed as `prior`). Routing, credits and the engine treat it as the chat it is.
+`store`, `background`, `chat_template_kwargs` (as chat's), `reasoning` (checked, then ignored: whether a
+model thinks is its template's, e.g. `chat_template_kwargs`), and the items of the earlier turns a
+`previous_response_id` names (looked up by the caller, passed as `prior`). Routing, credits and the
+engine treat it as the chat it is.
 
 A thinking model's reasoning (`gateway.openai.reasoning`) is a `reasoning` item before the message, its
 text one `reasoning_text` content part, its tokens `usage.output_tokens_details.reasoning_tokens`; a
@@ -39,7 +41,7 @@ from gateway.local_answer import LocalResponse
 from gateway.openai import objects
 from gateway.openai.chat import ChatRequest, parse_chat
 from gateway.openai.errors import ApiError, bad_request, convert_body
-from gateway.openai.reasoning import reasoning_item
+from gateway.openai.reasoning import ReasoningOptions, reasoning_item
 from gateway.openai.tool_specs import ToolMode
 from gateway.openai.tools import ToolCall
 from pools.config.gateway_spec import RequestLimits
@@ -109,6 +111,8 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     truncation: Literal["disabled"] | None = None
     service_tier: Literal["auto", "default"] | None = None
     include: list[Literal["message.output_text.logprobs"]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None   # as chat's (vLLM's)
+    reasoning: ReasoningOptions | None = None  # checked, then ignored
     user: Any = None                          # accepted and ignored
     stream_options: Any = None
 
@@ -140,7 +144,8 @@ def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
     prior = prior or []
     earlier = convert_body(prior, list[InputItem], root="previous_response_id")
     chat: dict[str, Any] = {"model": req.model, "messages": _messages(req, earlier), **_chat_tools(req)}
-    for key in ("temperature", "top_p", "parallel_tool_calls", "seed", "priority", "stream", "top_logprobs"):
+    for key in ("temperature", "top_p", "parallel_tool_calls", "seed", "priority", "stream", "top_logprobs",
+                "chat_template_kwargs"):
         if (value := getattr(req, key)) is not None:
             chat[key] = value
     if req.top_logprobs is not None:
@@ -277,13 +282,6 @@ def response_object(asked: ResponsesRequest, response_id: str, created_at: float
     }
 
 
-def response_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-                   reasoning_tokens: int = 0) -> dict[str, Any]:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
 Keep = Callable[[dict[str, Any]], Awaitable[bool]]   # stores a finished Response; False if it could not
 
 
@@ -313,7 +311,7 @@ class ResponsesAnswer(LocalResponse):
         usage = None
         if status not in ("in_progress", "queued"):
             prompt_tokens, completion_tokens = self._usage()
-            usage = response_usage(prompt_tokens, completion_tokens, self.cached_tokens(),
+            usage = objects.response_usage(prompt_tokens, completion_tokens, self.cached_tokens(),
                                    self.reasoning_tokens() or 0)
         error = self.error.body()["error"] if status == "failed" and self.error is not None else None
         return response_object(self.asked, self.response_id, self.created_at, status, output, usage, error,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import PurePath
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -46,6 +46,9 @@ _SLO_SOURCES_WITH_SLO = ("yaml", "default")
 BlockSize = Literal[engine.config.BLOCK_SIZES]
 PreemptionMode = Literal[engine.config.PREEMPTION_MODES]
 VictimPolicy = Literal[engine.config.VICTIM_POLICIES]
+# The chat template's variables the gateway sets itself (`Tokenizer.apply_chat_template`'s own arguments):
+# neither a pool's `chat_template_kwargs` nor a request's may set them (gateway.openai.chat checks the request's).
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
 
 
 class RouteSpec(Spec):
@@ -106,7 +109,7 @@ class PoolSpec(Spec):
     LOCAL_KEYS: ClassVar[tuple[str, ...]] = (
         "device", "kv_share", "kv_cache_bytes", "avg_len", "block_size", "max_num_batched_tokens", "max_num_seqs",
         "preemption_mode", "victim_policy", "swap_space", "enable_prefix_caching", "share_prefix_cache", "slo",
-        "max_queue_seconds", "min_share", "death_spiral")
+        "max_queue_seconds", "min_share", "death_spiral", "chat_template_kwargs")
 
     name: Text
     model: Text                          # builtin:..., an HF folder, a .gguf file; upstream: its model name
@@ -133,11 +136,16 @@ class PoolSpec(Spec):
     max_queue_seconds: NonNegative | None = DEFAULT_MAX_QUEUE_SECONDS   # queued longer: 503; None: waits; 0: 429
     min_share: Annotated[float, msgspec.Meta(ge=0, lt=1)] | None = None   # throughput pool: its floor (None: 0.2)
     death_spiral: SpiralConfig = msgspec.field(default_factory=SpiralConfig)   # the detector's thresholds
+    chat_template_kwargs: dict[str, Any] | None = None   # template variables; a request's own win, key by key
 
     def check(self) -> None:
         if not _POOL_NAME.match(self.name):
             raise SpecError("name", f"use letters, digits, '_', '.', '-' (starting with a letter or digit); "
                                     f"got {self.name!r}")
+        for key in self.chat_template_kwargs or {}:
+            if key in RESERVED_TEMPLATE_VARIABLES:
+                raise SpecError(f"chat_template_kwargs.{key}", "is set by the gateway from each request; "
+                                f"chat_template_kwargs may not set {', '.join(RESERVED_TEMPLATE_VARIABLES)}")
         if self.is_upstream:
             url = urlsplit(self.upstream)
             if url.scheme not in ("http", "https") or not url.hostname:

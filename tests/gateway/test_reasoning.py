@@ -20,6 +20,7 @@ from engine.tokenizer import Tokenizer
 from gateway.openai.chat import parse_chat
 from gateway.openai.errors import ApiError
 from gateway.openai.reasoning import ReasoningSplitter, split_reasoning, template_thinks
+from gateway.openai.responses import parse_responses
 from tests.gateway.conftest import chat_pool_yaml, start_gateway
 # ChatML turns, an assistant's reasoning_content in its think block (as Qwen3's template writes it)
 _TURNS = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}{% if m.reasoning_content is defined %}"
@@ -106,6 +107,22 @@ def test_chat_template_kwargs_are_an_object_without_the_gateways_variables() -> 
         assert info.value.message.startswith(param)
 
 
+def test_the_responses_api_takes_chat_template_kwargs_and_a_well_formed_reasoning() -> None:
+    body = {"model": "m", "input": "What is 2 + 2?"}
+    req = parse_responses({**body, "chat_template_kwargs": {"enable_thinking": False},
+                           "reasoning": {"effort": "low", "summary": "auto"}})
+    assert req.chat.chat_template_kwargs == {"enable_thinking": False}
+    assert parse_responses({**body, "reasoning": {}}).chat.chat_template_kwargs is None
+    for bad, param in ((("chat_template_kwargs", [1]), "chat_template_kwargs"),
+                       (("chat_template_kwargs", {"documents": []}), "chat_template_kwargs.documents"),
+                       (("reasoning", "high"), "reasoning"), (("reasoning", {"effort": "max"}), "reasoning.effort"),
+                       (("reasoning", {"budget": 9}), "reasoning.budget")):
+        with pytest.raises(ApiError) as info:
+            parse_responses({**body, bad[0]: bad[1]})
+        assert info.value.status == 400 and info.value.param == param, info.value.message
+        assert info.value.message.startswith(param)
+
+
 # --- through the SDK ----------------------------------------------------------------------------
 
 def _thinking_model(folder: Path, tiny_model: Path, template: str) -> Path:
@@ -118,10 +135,11 @@ def _thinking_model(folder: Path, tiny_model: Path, template: str) -> Path:
     return folder
 
 
-async def _gateway(aiohttp_client, tmp_path: Path, tiny_model: Path, template: str):
-    """(AsyncOpenAI on an in-process gateway serving `thinker` with `template`, the model folder)."""
+async def _gateway(aiohttp_client, tmp_path: Path, tiny_model: Path, template: str, extra: str = ""):
+    """(AsyncOpenAI on an in-process gateway serving `thinker` with `template`, the model folder); `extra`:
+    more YAML lines of the pool."""
     folder = _thinking_model(tmp_path / "thinker", tiny_model, template)
-    yaml = chat_pool_yaml(folder, max_model_len=256, extra="    served_model_name: thinker")
+    yaml = chat_pool_yaml(folder, max_model_len=256, extra="    served_model_name: thinker\n" + extra)
     client, _ = await start_gateway(aiohttp_client, tmp_path, yaml)
     return openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0), folder
 
@@ -279,4 +297,39 @@ async def test_a_template_that_opens_the_block_and_enable_thinking_false_on_the_
         with pytest.raises(openai.BadRequestError) as info:
             await sdk.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=2,
                                               extra_body={"chat_template_kwargs": bad})
+        assert info.value.body["param"] == param, json.dumps(info.value.body)
+
+
+async def test_a_pools_chat_template_kwargs_are_the_default_a_request_overrides(aiohttp_client, tmp_path,
+                                                                                 tiny_model, monkeypatch) -> None:
+    sdk, folder = await _gateway(aiohttp_client, tmp_path, tiny_model, TEMPLATE_OPENS,
+                                 extra="    chat_template_kwargs: {enable_thinking: false}")
+    engine = _ScriptedEngine(monkeypatch)
+    engine.pieces = ["It is", " 4."]
+    tokenizer = Tokenizer.from_folder(folder)
+    whole = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES)).choices[0].message
+    assert (whole.reasoning_content, whole.content) == (None, "It is 4.")   # the pool's default: not thinking
+    assert tokenizer.decode(engine.prompts[-1], skip_special_tokens=False).endswith(
+        "assistant\n<think>\n\n</think>\n\n")
+    on = {"chat_template_kwargs": {"enable_thinking": True}}
+    whole = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES, extra_body=on)).choices[0]
+    assert (whole.message.reasoning_content, whole.message.content) == ("It is 4.", None)   # the request's win
+    assert tokenizer.decode(engine.prompts[-1], skip_special_tokens=False).endswith("assistant\n<think>\n")
+    # the Responses API: the pool's default, then the request's through the SDK's extra_body
+    result = await sdk.responses.create(model="thinker", input="What is 2 + 2?", reasoning={"effort": "low"})
+    assert [item.type for item in result.output] == ["message"] and result.output_text == "It is 4."
+    result = await sdk.responses.create(model="thinker", input="What is 2 + 2?", extra_body=on)
+    assert [item.type for item in result.output] == ["reasoning"]
+    assert result.output[0].content[0].text == "It is 4." and result.output_text == ""
+    events = [e async for e in await sdk.responses.create(model="thinker", input="What is 2 + 2?", stream=True,
+                                                          extra_body=on)]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "It is 4."
+
+    for bad, param in ((("chat_template_kwargs", {"add_generation_prompt": False}),
+                        "chat_template_kwargs.add_generation_prompt"),
+                       (("chat_template_kwargs", "x"), "chat_template_kwargs"),
+                       (("reasoning", {"effort": "extreme"}), "reasoning.effort"),
+                       (("reasoning", ["low"]), "reasoning")):
+        with pytest.raises(openai.BadRequestError) as info:
+            await sdk.responses.create(model="thinker", input="What is 2 + 2?", extra_body={bad[0]: bad[1]})
         assert info.value.body["param"] == param, json.dumps(info.value.body)

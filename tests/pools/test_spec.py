@@ -159,6 +159,18 @@ BAD = {
     "limits max_prompts zero": (_set("gateway/limits", {"max_prompts": 0}),
                                 ["gateway.limits.max_prompts", ">= 1", "got 0"]),
     "share_prefix_cache string": (_set("pools/0/share_prefix_cache", "no"), ["pools[0].share_prefix_cache", "'no'"]),
+    "chat_template_kwargs sets messages": (_set("pools/1/chat_template_kwargs", {"enable_thinking": False,
+                                                                               "messages": []}),
+                                           ["pools[1].chat_template_kwargs.messages: is set by the gateway"]),
+    "chat_template_kwargs sets add_generation_prompt": (
+        _set("pools/0/chat_template_kwargs", {"add_generation_prompt": False}),
+        ["pools[0].chat_template_kwargs.add_generation_prompt", "may not set messages, tools, documents"]),
+    "chat_template_kwargs not a mapping": (_set("pools/0/chat_template_kwargs", ["enable_thinking"]),
+                                           ["pools[0].chat_template_kwargs", "expected an object"]),
+    "chat_template_kwargs non-string key": (_set("pools/0/chat_template_kwargs", {1: True}),
+                                            ["pools[0].chat_template_kwargs"]),
+    "chat_template_kwargs on upstream": (_set("pools/2/chat_template_kwargs", {"enable_thinking": False}),
+                                         ["pools[2].chat_template_kwargs", "upstream"]),
 }
 
 
@@ -366,6 +378,14 @@ def test_dataclasses_validate_on_construction():
     with pytest.raises(SpecError, match="^memory: must be at least 1 byte, got 0"):
         DeviceSpec(memory_bytes=0)
     assert DeviceSpec().memory_bytes is None and DEFAULT_CPU_MEMORY == 4 << 30
+
+
+def test_a_pools_chat_template_kwargs_load_and_default_to_none():
+    config = load_config(_make_yaml(_set("pools/0/chat_template_kwargs", {"enable_thinking": False})), env={})
+    assert config.pools[0].chat_template_kwargs == {"enable_thinking": False}
+    assert config.pools[1].chat_template_kwargs is None
+    with pytest.raises(SpecError, match=r"^chat_template_kwargs\.tools: is set by the gateway"):
+        PoolSpec(name="p", model="m", kv_share=0.5, chat_template_kwargs={"tools": []})
 
 
 def test_gateway_fault_timers_limits_and_cache_sharing_load():
