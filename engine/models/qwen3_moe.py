@@ -7,11 +7,14 @@ experts: the router's logits, their softmax in float32, the top k (renormalised 
 added in increasing expert order (transformers' order, so the sums round alike). Which layers are
 sparse: every `decoder_sparse_step`-th, less `mlp_only_layers` (those keep the dense MLP).
 
-The experts are grouped: each expert the step routes to runs once over all its tokens (two matmuls over
-its gathered rows), so a step does work for the experts it uses, not for all of them. The loop asks the
-device which experts are hit, which is a synchronisation on CUDA (a fused grouped-GEMM kernel over the
-tokens sorted by expert is the GPU's way and is not built yet): its decode steps run eagerly, no CUDA
-graphs (`graph_safe`), and overlapped steps wait there.
+The experts are grouped: the step's (token, expert) pairs sorted by expert, then two grouped matmuls
+(`torch._grouped_mm`: one group an expert, the groups' ends computed on the device), so a step does work
+for the experts it uses and never asks the device which ones those are. Where the grouped matmul lacks the
+dtype or layout (it is built for float32 on a CPU and bfloat16 on Hopper GPUs) the block falls back, for
+good, to a loop over the experts hit (transformers' way; that loop reads which experts are hit, a
+synchronisation on CUDA). Both give transformers' greedy tokens on the tiny-model tests. Its decode steps
+are not captured in CUDA graphs (`graph_safe`) until the grouped path is measured on a GPU; a fused Triton
+MoE kernel (the routing, the two GEMMs and the weighted sum in fewer launches) is not built.
 
 Weights: the checkpoint's per-expert `mlp.experts.{e}.gate_proj / up_proj / down_proj` go into two
 tensors, `w13` [num_experts, 2 x intermediate, hidden] (gate rows, then up rows) and `w2` [num_experts,
@@ -36,6 +39,8 @@ from engine.parallel import Collectives, ShardShape
 
 __all__ = ["Qwen3MoeForCausalLM", "SparseMoeBlock"]
 
+GROUPED_MM = getattr(torch, "_grouped_mm", None)   # torch's grouped matmul (group ends on the device), where built
+
 
 class SparseMoeBlock(nn.Module):
     """The experts of one sparse layer and their router (see the module docstring)."""
@@ -49,6 +54,7 @@ class SparseMoeBlock(nn.Module):
         self.w13 = nn.Parameter(torch.empty(config.num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(config.num_experts, hidden, inter))
         self.act_fn = SiluAndMul(ops)
+        self._grouped = True   # the grouped matmul until it fails for this dtype / device
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_tokens, hidden] -> (weights [num_tokens, top_k] in x's dtype, experts [num_tokens, top_k])."""
@@ -61,6 +67,11 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden]
         weights, experts = self.route(x)
+        if GROUPED_MM is not None and self._grouped:
+            try:
+                return self.comm.all_reduce(self._grouped_forward(x, weights, experts))
+            except RuntimeError:   # a dtype or layout the grouped matmul lacks here: the loop from now on
+                self._grouped = False
         out = torch.zeros_like(x)
         hits = F.one_hot(experts, self.num_experts).permute(2, 1, 0)             # [num_experts, top_k, num_tokens]
         for e in hits.sum(dim=(1, 2)).nonzero().flatten().tolist():              # the experts used, in order
@@ -68,6 +79,20 @@ class SparseMoeBlock(nn.Module):
             h = F.linear(self.act_fn(F.linear(x[token], self.w13[e])), self.w2[e])
             out.index_add_(0, token, h * weights[token, slot, None])
         return self.comm.all_reduce(out)
+
+    def _grouped_forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The same sums without asking the device anything: the (token, expert) pairs sorted by expert, two
+        grouped matmuls over them (`torch._grouped_mm`, one group an expert, the group ends on the device),
+        and the weighted rows added back per token, in increasing expert order."""
+        flat = experts.flatten()                                                 # [num_tokens * top_k]
+        order = flat.argsort(stable=True)
+        token = order // self.top_k
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        ends = counts.scatter_add_(0, flat.to(torch.int32).long(), torch.ones_like(flat, dtype=torch.int32)).cumsum(0)
+        h = GROUPED_MM(x[token], self.w13.transpose(1, 2), offs=ends.to(torch.int32))   # [pairs, 2 x inter]
+        h = GROUPED_MM(self.act_fn(h), self.w2.transpose(1, 2), offs=ends.to(torch.int32))   # [pairs, hidden]
+        out = torch.zeros_like(x)
+        return out.index_add_(0, token, h * weights.flatten()[order, None])
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -233,3 +233,35 @@ def test_builtin_sweep_matches_transformers(builtin_path, sweep_reference, block
         hits = bm.num_prefix_hits
         _assert_matches(engine, prompts[3:4], want[3:4])
         assert bm.num_prefix_hits - hits == (len(prompts[3]) - 1) // block_size * block_size
+
+
+def test_the_grouped_experts_equal_the_expert_loop(monkeypatch):
+    """Qwen3-MoE's two ways to run the experts: the grouped matmuls (no question to the device) and the loop
+    over the experts hit (transformers' way, the fallback where the grouped matmul lacks a dtype), on the
+    same routing: equal to float32 rounding; a dtype the grouped matmul lacks falls back for good."""
+    from engine.model_config import ModelConfig
+    from engine.models.qwen3_moe import GROUPED_MM, SparseMoeBlock
+    from engine.parallel import Collectives, ShardShape
+    from kernels import fused
+
+    config = ModelConfig.from_hf_config({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8,
+        "num_experts_per_tok": 3, "moe_intermediate_size": 16, "norm_topk_prob": True})
+    block = SparseMoeBlock(config, ShardShape.of(config), Collectives(), fused)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+        x = torch.randn(37, 32, generator=gen)
+        grouped = block(x)
+        assert block._grouped == (GROUPED_MM is not None)
+        block._grouped = False
+        torch.testing.assert_close(grouped, block(x), atol=1e-5, rtol=1e-5)
+        def lacking(*args, **kwargs):
+            raise RuntimeError("grouped_mm: this dtype is not supported here")
+
+        monkeypatch.setattr("engine.models.qwen3_moe.GROUPED_MM", lacking)
+        block._grouped = True
+        torch.testing.assert_close(block(x), grouped, atol=1e-5, rtol=1e-5)   # the loop answered
+        assert block._grouped is False
