@@ -46,7 +46,7 @@ for pool in config["pools"]:
 yaml.safe_dump(config, open(f"{sim}/chaos.yaml", "w"), sort_keys=False)
 PYEOF
 }
-for what in ${GPU_STEPS:-tests kernels engine sync eager hostcost kvcache}; do
+for what in ${GPU_STEPS:-tests kernels engine sync eager hostcost kvcache moe}; do
   case $what in
     tests)   step gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton.py \
                tests/kernels/test_triton_prefill.py tests/kernels/test_triton_fused.py tests/engine/test_sampling.py \
@@ -58,6 +58,7 @@ for what in ${GPU_STEPS:-tests kernels engine sync eager hostcost kvcache}; do
     eager)   step bench_engine_eager $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
                --skip-hf --enforce-eager ;;
     kvcache) step bench_kvcache $CLI bench kvcache --device cuda --max-tokens 16 ;;
+    moe)     step bench_moe $CLI bench moe --device cuda --tokens 1,16,64,256,1024 ;;
     sync)    step bench_engine_sync $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
                --skip-hf --async-scheduling off ;;
     simulate) smollm2 && printf '%s\n' 'devices:' '  gpu: {device: cuda, memory: 4GiB, dtype: bfloat16}' 'pools:' \

@@ -29,6 +29,7 @@ BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's
     "engine": "our engine vs transformers generate, same workload",
     "hostcost": "a decode step's host cost: ours vs transformers' forward, ops per layer, by batch and output length",
     "kvcache": "an FP8 KV cache against the model-dtype cache: greedy agreement, log-prob error, bytes per token",
+    "moe": "one MoE layer's experts (Qwen3-30B-A3B's shape): grouped matmuls vs the loop over the experts hit",
     "tokenizer": "tiktoken counter vs the HF tokenizer",
     "gateway": "latency the gateway adds, routed requests/s",
     "kernels": "paged attention vs copy bandwidth and SDPA (GPU; --dry-run on CPU)",
@@ -36,8 +37,7 @@ BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's
     "serve": "open-loop load (gamma arrivals, workload classes) against any OpenAI-compatible server: TTFT/ITL/e2e, "
              "goodput, /metrics",
     "prefill": "long-prompt prefill: our engine vs transformers' forward",
-    "admission": "KV credit queue vs reject-when-full (429 + client back-off) on the same overload: goodput, p99, KV "
-                 "idle, wasted retries",
+    "admission": "KV credit queue vs reject-when-full (429 + back-off) on one overload: goodput, p99, KV idle, retries",
     "simulate": "cliffguard simulate's predictions (measured step model) against real runs at three rates: "
                 "throughput, p50 and p99 TTFT",
     "isolation": "chat latency under a rag flood: chat alone, split pools (step composer), one shared pool; the "

@@ -1,0 +1,110 @@
+"""`cliffguard bench moe`: one Qwen3-MoE layer's experts, grouped matmuls against the loop over the experts.
+
+A `SparseMoeBlock` of Qwen3-30B-A3B's shape by default (hidden 2048, 128 experts of 768, 8 a token), random
+weights, run at each of `--tokens` batch sizes both ways on the same inputs and routing: the grouped path
+(the (token, expert) pairs sorted by expert, two `torch._grouped_mm` calls, nothing read back from the
+device) and the loop over the experts hit (transformers' way, which reads which experts are hit). Reported:
+the median milliseconds of each, tokens per second, the ratio, and the largest difference of their outputs.
+On a GPU each timing synchronises before and after (`bench.engine.sync`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from bench.engine import sync
+from bench.options import int_list
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (default: CUDA if present) | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16")
+    p.add_argument("--hidden-size", type=int, default=2048, help="hidden size (Qwen3-30B-A3B's 2048)")
+    p.add_argument("--experts", type=int, default=128, help="experts (128)")
+    p.add_argument("--top-k", type=int, default=8, help="experts a token (8)")
+    p.add_argument("--moe-intermediate-size", type=int, default=768, help="each expert's intermediate size (768)")
+    p.add_argument("--tokens", default="1,16,64,256", help="batch sizes in tokens, comma-separated")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls per size and path (median)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def _block(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    from engine.model_config import ModelConfig
+    from engine.models.qwen3_moe import SparseMoeBlock
+    from engine.parallel import Collectives, ShardShape
+    from kernels.fused import get_fused_ops
+
+    config = ModelConfig.from_hf_config({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 1024, "hidden_size": args.hidden_size,
+        "intermediate_size": 4 * args.hidden_size, "num_hidden_layers": 1, "num_attention_heads": 8,
+        "num_key_value_heads": 8, "head_dim": args.hidden_size // 8, "num_experts": args.experts,
+        "num_experts_per_tok": args.top_k, "moe_intermediate_size": args.moe_intermediate_size,
+        "norm_topk_prob": True})
+    block = SparseMoeBlock(config, ShardShape.of(config), Collectives(), get_fused_ops(device, dtype))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+    return block.to(device=device, dtype=dtype)
+
+
+def _time(call, device: torch.device, repeats: int) -> float:
+    call()   # warm: kernels chosen and compiled
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        started = time.perf_counter()
+        call()
+        sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.config import EngineConfig
+    from engine.models.qwen3_moe import GROUPED_MM
+
+    sizes = int_list(args.tokens, "--tokens", 1, "batch sizes must be >= 1")
+    if not 1 <= args.top_k <= args.experts:
+        raise ValueError(f"--top-k: must be 1..--experts ({args.experts}), got {args.top_k}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats: must be >= 1, got {args.repeats}")
+    if GROUPED_MM is None:
+        raise ValueError("this torch build has no torch._grouped_mm: nothing to compare")
+    config = EngineConfig(device=args.device, dtype=args.dtype)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    dtype = config.resolved_dtype(device)
+    block = _block(args, device, dtype)
+    rows = []
+    with torch.inference_mode():
+        for n in sizes:
+            x = torch.randn(n, args.hidden_size, generator=torch.Generator().manual_seed(n)).to(device, dtype)
+            block._grouped = True
+            grouped_out = block(x)
+            if not block._grouped:
+                raise ValueError(f"the grouped matmul does not take {dtype} on {device} here")
+            grouped = _time(lambda: block(x), device, args.repeats)
+            block._grouped = False
+            loop_out = block(x)
+            loop = _time(lambda: block(x), device, args.repeats)
+            rows.append({"tokens": n, "grouped_ms": grouped * 1e3, "loop_ms": loop * 1e3, "speedup": loop / grouped,
+                         "grouped_tokens_per_s": n / grouped, "loop_tokens_per_s": n / loop,
+                         "max_abs_diff": float((grouped_out.float() - loop_out.float()).abs().max())})
+    result = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "hidden_size": args.hidden_size,
+              "experts": args.experts, "top_k": args.top_k, "moe_intermediate_size": args.moe_intermediate_size,
+              "rows": rows}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"one MoE layer on {device} ({result['dtype']}): hidden {args.hidden_size}, {args.experts} experts of "
+          f"{args.moe_intermediate_size}, {args.top_k} a token; grouped matmuls vs the loop over the experts hit")
+    for r in rows:
+        print(f"  {r['tokens']:>5} tokens: grouped {r['grouped_ms']:8.2f} ms ({r['grouped_tokens_per_s']:9.0f} tok/s), "
+              f"loop {r['loop_ms']:8.2f} ms: {r['speedup']:.2f}x; outputs differ by <= {r['max_abs_diff']:.2e}")
+    return 0
