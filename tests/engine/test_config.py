@@ -107,3 +107,19 @@ def test_qwen3_moe_as_its_model_card_writes_it():
         ModelConfig.from_hf_config({**moe, "num_experts": 8, "num_experts_per_tok": 9})
     with pytest.raises(ConfigError, match="mlp_only_layers"):
         ModelConfig.from_hf_config({**moe, "mlp_only_layers": "all"})
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping: logit soft-capping"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping: logit soft-capping"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0},
+                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+     "rope_parameters.sliding_attention.rope_type"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types: one of"),
+])
+def test_what_we_do_not_serve_of_gemma3_is_refused_by_name(change, named):
+    gemma = {**LLAMA, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 8, "head_dim": 16}
+    assert ModelConfig.from_hf_config(gemma).layer_types == ("sliding_attention", "sliding_attention")
+    with pytest.raises(ConfigError, match=named):
+        ModelConfig.from_hf_config({**gemma, **change})
