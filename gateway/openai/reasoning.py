@@ -40,8 +40,9 @@ def prompt_opens_think(tokenizer, prompt_ids: Sequence[int]) -> bool:
     return tail.rstrip().endswith(THINK_START)
 
 
-def _partial_tag(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `tag` (0 if none)."""
+def partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `tag` (0 if none): what a stream
+    holds back while a tag may be forming (the think tags here, a tool call's marker in `tools`)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
             return k
@@ -86,7 +87,7 @@ class ReasoningSplitter:
                     reasoning += text[:end].rstrip()
                     text, self.phase = text[end + len(THINK_END):], "content"
                     continue
-                cut = len(text) - _partial_tag(text, THINK_END)
+                cut = len(text) - partial_tag(text, THINK_END)
                 cut = len(text[:cut].rstrip())   # whitespace that may be the last before `</think>`: held too
                 reasoning += text[:cut]
                 text, self._held = "", text[cut:]

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from engine.structured import StructuredOutput
+from gateway.openai.reasoning import partial_tag
 from gateway.openai.tool_grammar import ANY_OBJECT, CallSyntax, auto_grammar, forced_grammar
 from gateway.openai.tool_specs import Tool
 
@@ -145,10 +146,7 @@ class HermesFormat(ToolFormat):
         found = text.find(self.start)
         if found >= 0:
             return found
-        for k in range(min(len(self.start) - 1, len(text)), 0, -1):   # the marker's first characters at the end
-            if text.endswith(self.start[:k]):
-                return len(text) - k
-        return len(text)
+        return len(text) - partial_tag(text, self.start)   # the marker's first characters at the end
 
 
 class Llama3JsonFormat(ToolFormat):
