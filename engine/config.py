@@ -194,6 +194,8 @@ class PoolConfig:
             raise ConfigError(f"pools.{self.name}.derive_slo: needs an slo to start from (the pool is interactive)")
 
 
+DEFAULT_COLLECTIVE_TIMEOUT_SECONDS = 120.0   # tensor parallelism: a collective one rank waits on this long fails
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything a device worker needs to start: the model, the device, the cache, the pools."""
@@ -213,6 +215,7 @@ class EngineConfig:
     enforce_eager: bool = False     # CUDA: no decode graphs (engine.cuda_graphs); every step launched eagerly
     async_scheduling: bool | None = None   # overlapped steps (engine.overlap); None: on CUDA with one rank
     kv_cache_dtype: str = "auto"    # auto: the model's dtype | fp8 (e4m3, per-layer K and V scales)
+    collective_timeout_seconds: float = DEFAULT_COLLECTIVE_TIMEOUT_SECONDS   # TP: a collective waited on this long fails
 
     def __post_init__(self) -> None:
         if not self.pools:
@@ -231,6 +234,9 @@ class EngineConfig:
             raise ConfigError(f"async_scheduling: must be true, false or unset, got {self.async_scheduling!r}")
         if self.async_scheduling and tp > 1:
             raise ConfigError(f"async_scheduling: overlapped steps run on one rank; tensor_parallel_size is {tp}")
+        timeout = self.collective_timeout_seconds
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"collective_timeout_seconds: must be a number of seconds > 0, got {timeout!r}")
         if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
             raise ConfigError(f"cpu_threads: must be an integer >= 0, got {self.cpu_threads!r}")
         names = [p.name for p in self.pools]

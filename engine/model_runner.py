@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import pickle
 import signal
+import socket
 import sys
 import time
 
@@ -23,8 +24,8 @@ from engine.kv_cache import KVCache, SwapSpace
 from engine.model import LlamaForCausalLM
 from engine.models import build_model
 from engine.overlap import fill_pending
-from engine.parallel import (Collectives, FollowerArgs, RankSetup, ShardShape, StepPlan, TensorParallelGroup,
-                             die_with_parent, join_group, receive_plan)
+from engine.parallel import (Collectives, FollowerArgs, PlanLink, RankSetup, ShardShape, StepPlan, TensorParallelGroup,
+                             die_with_parent, join_group)
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from kernels import get_backend
@@ -189,30 +190,33 @@ class ModelRunner(_Forward):
 
     def setup_followers(self) -> None:
         """Tell the other ranks what rank 0 built beside its KV cache (the pools' swap spaces), so they
-        allocate the same; then they wait for plans."""
+        allocate the same; then wait until each has loaded and said so (from then on rank 0 watches
+        them: `TensorParallelGroup.wait_ready`)."""
         if self.tensor_parallel:
             self.group.broadcast(RankSetup({pool: space.num_blocks for pool, space in self.swap_spaces.items()}))
+            self.group.wait_ready()
 
 
 class FollowerRunner(_Forward):
     """Rank r > 0 of a tensor-parallel group: its shard of the model and of the KV cache, and a loop
     that runs rank 0's plans until told to stop."""
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, control) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device, link: PlanLink) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.backend = get_backend(device)
-        self.control = control
+        self.link = link
         self.tensor_parallel = True
         self.swap_spaces = {}
         self.input_batch = InputBatch(64, 64, kv_cache.block_size, device)   # rows as rank 0's plans update them
 
     @classmethod
     def load(cls, config: EngineConfig, rank: int, size: int, device: torch.device, collectives: Collectives,
-             control) -> FollowerRunner:
+             link: PlanLink) -> FollowerRunner:
         """Load rank `rank`'s shard of `config`'s model and allocate its KV cache (the same blocks as rank 0,
-        its KV heads only), then the swap spaces rank 0 announces (`ModelRunner.setup_followers`)."""
+        its KV heads only), then the swap spaces rank 0 announces (`ModelRunner.setup_followers`); then
+        say ready."""
         from engine.weights import iter_weights, resolve_model
         from kernels.cpu_linear import pack_linears, use_packed_linears
 
@@ -229,18 +233,20 @@ class FollowerRunner(_Forward):
             pack_linears(model)
         kv_cache = KVCache(model_config, config.num_blocks, config.cache.block_size, config.resolved_kv_dtype(device), device,
                            num_kv_heads=shard.num_kv_heads)
-        runner = cls(model, kv_cache, device, control)
+        runner = cls(model, kv_cache, device, link)
         runner.compile_kernels()
-        setup = receive_plan(control)
+        setup = link.receive()
         for pool, num_blocks in setup.swap_blocks.items():
             runner.swap_spaces[pool] = SwapSpace(kv_cache, num_blocks)
+        link.say_ready()
         return runner
 
     def serve(self) -> None:
-        """Run plans until a `stop` plan comes (rank 0 closing); a collective that fails because rank 0
-        is gone raises RuntimeError to the caller."""
+        """Run plans until a `stop` plan comes (rank 0 closing). Waiting for a plan has no timeout (an
+        idle group stays whole); rank 0's end raises EOFError here, and a collective that fails because
+        a rank is gone (or past the collective timeout) RuntimeError, to the caller."""
         while True:
-            plan = receive_plan(self.control)
+            plan = self.link.receive()
             if plan.stop:
                 return
             for kind, pool, pairs in plan.moves:
@@ -258,11 +264,12 @@ def follower_main() -> None:
     config, rank, device = args.config, args.rank, torch.device(args.device)
     if config.cpu_threads:
         torch.set_num_threads(config.cpu_threads)
-    collectives, control = join_group(device, rank, args.size, args.init_method)
+    link = PlanLink(socket.socket(fileno=args.link_fd))
+    collectives = join_group(device, rank, args.size, args.init_method, config.collective_timeout_seconds)
     try:
-        runner = FollowerRunner.load(config, rank, args.size, device, collectives, control)
+        runner = FollowerRunner.load(config, rank, args.size, device, collectives, link)
         runner.serve()
-    except RuntimeError as exc:   # rank 0 went away mid-collective: nothing left to serve
+    except (EOFError, RuntimeError) as exc:   # rank 0 went away (idle, or mid-collective): nothing left to serve
         log.info("tensor-parallel rank %d stops: %s", rank, str(exc).splitlines()[0] if str(exc) else exc)
     finally:
         if torch.distributed.is_initialized():

@@ -4,11 +4,24 @@ The device worker process is rank 0. It runs the whole engine — the pools' sch
 composer, the sampler — exactly as with one rank, and spawns ranks 1..T-1 (`TensorParallelGroup.start`),
 processes (`engine.model_runner.follower_main`) that hold their shard of the weights and of the KV
 cache and do only what rank 0 tells them.
-Each step rank 0 broadcasts one `StepPlan` (the flat token ids, positions and block tables of the
-merged batch, and the block copies and swaps to do first) over a gloo group; every rank then runs the
-same forward pass on its shard, with two all-reduces per layer and an all-gather of the logits, which
-only rank 0 samples from. A follower that loses rank 0 (the worker was killed) dies with it
-(`PR_SET_PDEATHSIG`); rank 0 that loses a follower fails its step, and the worker is restarted whole.
+Each step rank 0 sends one `StepPlan` (the flat token ids, positions and block tables of the merged
+batch, and the block copies and swaps to do first) to every follower; every rank then runs the same
+forward pass on its shard, with two all-reduces per layer and an all-gather of the logits, which only
+rank 0 samples from.
+
+**Liveness.** Plans travel on a socket pair per follower (`PlanLink`: length-prefixed pickles), not on
+a collective: a follower waits for its next plan in a plain blocking read, which has no timeout, so a
+group idle for hours stays whole. Collectives (NCCL on CUDA, gloo on a CPU) run only inside a step,
+under `EngineConfig.collective_timeout_seconds` (the device key `collective_timeout_seconds`,
+`DEFAULT_COLLECTIVE_TIMEOUT_SECONDS`): a rank that has not reached a collective that long after
+another is hung, the collective fails, the step fails and the worker is restarted whole. Joining the
+group (the rendezvous) has its own bound, `INIT_TIMEOUT_SECONDS`. After loading, each follower says
+`ready` on its link, and rank 0 watches the links from a thread (`TensorParallelGroup.wait_ready` starts it): a
+follower's end closes when its process ends, however it ends (`kill -9`, the OOM killer, a crash), and
+rank 0 then calls `on_rank_exit` with the reason, which the device worker turns into its own death
+(`engine.worker`: a `Fatal` naming the rank, then exit) within milliseconds, idle or mid-step: the
+gateway restarts the worker as it restarts any dead worker. A follower that loses rank 0 dies with it
+(`PR_SET_PDEATHSIG`, and its link's end-of-file).
 
 How a model is cut (`ShardShape`), Megatron-style:
 - q/k/v and gate/up are column-parallel: rank r holds heads `[r·H/T, (r+1)·H/T)` and a 1/T slice of
@@ -29,22 +42,29 @@ import datetime
 import logging
 import os
 import pickle
+import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import ConfigError, ceil_div
+from engine.config import DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, ConfigError, ceil_div
 from engine.model_config import ModelConfig
 
 log = logging.getLogger("cliffguard.engine")
 
-INIT_TIMEOUT_SECONDS = 300   # how long rank 0 waits for its followers to join the group
+INIT_TIMEOUT_SECONDS = 300   # how long rank 0 waits for its followers to join the group (the rendezvous)
+LOAD_TIMEOUT_SECONDS = 3600   # how long rank 0 waits for its followers to load their shards and say ready
+_READY = b"R"
+_LENGTH = struct.Struct("<Q")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -139,6 +159,7 @@ class FollowerArgs:
     size: int
     device: str             # this rank's torch device
     init_method: str        # where the group meets (tcp://127.0.0.1:port)
+    link_fd: int            # this rank's end of its `PlanLink` to rank 0 (an inherited socket)
 
 
 @dataclass
@@ -171,19 +192,55 @@ class Collectives:
         return torch.cat(parts, dim=-1)
 
 
+class PlanLink:
+    """One end of the control channel between rank 0 and one follower: a stream socket carrying
+    length-prefixed pickles (plans down, one `ready` byte up). The peers are this machine's processes
+    of one group, started by rank 0 itself: the pickles are theirs (never read from a network)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def send(self, data: bytes) -> None:
+        """One frame (a pickle); OSError when the peer is gone."""
+        self.sock.sendall(_LENGTH.pack(len(data)) + data)
+
+    def receive(self) -> object:
+        """The next frame's object; blocks with no timeout. EOFError when the peer is gone."""
+        (size,) = _LENGTH.unpack(self._exact(_LENGTH.size))
+        return pickle.loads(self._exact(size))
+
+    def say_ready(self) -> None:
+        self.sock.sendall(_READY)
+
+    def _exact(self, size: int) -> bytes:
+        data = bytearray(size)
+        view, got = memoryview(data), 0
+        while got < size:
+            n = self.sock.recv_into(view[got:])
+            if not n:
+                raise EOFError("the other end of the tensor-parallel link closed")
+            got += n
+        return bytes(data)
+
+
 class TensorParallelGroup:
-    """Rank 0's handle on its group: the followers' processes and the control channel to them.
+    """Rank 0's handle on its group: the followers' processes and the links to them.
 
-    Built by `start` before rank 0 loads its own shard (the followers load theirs meanwhile); `close`
-    stops the followers. A group of one rank is `TensorParallelGroup.single()`: no processes, and
-    `broadcast` does nothing."""
+    Built by `start` before rank 0 loads its own shard (the followers load theirs meanwhile);
+    `wait_ready` waits for their loads and starts the watch; `close` stops the followers. A group of
+    one rank is `TensorParallelGroup.single()`: no processes, and `broadcast` does nothing.
+    `on_rank_exit(reason)` is called from the watch thread when a follower's process ends while the
+    group is open; by default it logs the reason and ends this process (`end_process`)."""
 
-    def __init__(self, size: int, collectives: Collectives, control=None,
+    def __init__(self, size: int, collectives: Collectives, links: list[PlanLink] | None = None,
                  processes: list | None = None) -> None:
         self.size = size
         self.collectives = collectives
-        self.control = control            # the gloo group plans travel on
+        self.links = links or []          # to ranks 1..size-1
         self.processes = processes or []
+        self.on_rank_exit: Callable[[str], None] = end_process
+        self._closing = False
+        self._watch: threading.Thread | None = None
 
     @classmethod
     def single(cls) -> TensorParallelGroup:
@@ -194,38 +251,97 @@ class TensorParallelGroup:
         """Start ranks 1..T-1 of `config` (an EngineConfig), join the group as rank 0 and return it.
         `rank_devices[r]` is the torch device of rank r. Each follower is a new Python process (not a
         multiprocessing child: the device worker may itself be a daemon) that runs `follower()`
-        (`engine.model_runner.follower_main`), which reads its `FollowerArgs` from its stdin."""
+        (`engine.model_runner.follower_main`), which reads its `FollowerArgs` from its stdin and
+        inherits its end of a socket pair, its `PlanLink`."""
         size = len(rank_devices)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         root = str(Path(__file__).resolve().parent.parent)   # where the `engine` package is
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
         command = [sys.executable, "-c", f"from {follower.__module__} import {follower.__name__}; "
                                          f"{follower.__name__}()"]
-        processes = []
+        processes, links = [], []
         try:
             for rank in range(1, size):
-                process = subprocess.Popen(command, stdin=subprocess.PIPE, env=env)
+                ours, theirs = socket.socketpair()
+                links.append(PlanLink(ours))
+                with theirs:   # the child inherits this end under the same number; ours closes it
+                    process = subprocess.Popen(command, stdin=subprocess.PIPE, env=env, pass_fds=(theirs.fileno(),))
+                    args = FollowerArgs(config, rank, size, str(rank_devices[rank]), init_method, theirs.fileno())
                 processes.append(process)
-                process.stdin.write(pickle.dumps(FollowerArgs(config, rank, size, str(rank_devices[rank]),
-                                                              init_method)))
+                process.stdin.write(pickle.dumps(args))
                 process.stdin.close()
-            collectives, control = join_group(rank_devices[0], 0, size, init_method)
+            collectives = join_group(rank_devices[0], 0, size, init_method, config.collective_timeout_seconds)
         except BaseException:
             for process in processes:
                 process.kill()
                 process.wait()
             raise
-        return cls(size, collectives, control, processes)
+        return cls(size, collectives, links, processes)
 
-    def broadcast(self, plan: StepPlan) -> None:
-        """Send one plan to every follower (rank 0 only)."""
-        if self.size > 1:
-            torch.distributed.broadcast_object_list([plan], src=0, group=self.control)
+    def broadcast(self, plan: object) -> None:
+        """Send one plan (or the `RankSetup`) to every follower (rank 0 only); RuntimeError naming the
+        rank when one is gone."""
+        if self.size == 1:
+            return
+        data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, link in enumerate(self.links, start=1):
+            try:
+                link.send(data)
+            except OSError as exc:
+                raise RuntimeError(f"tensor-parallel rank {rank} is gone ({self._exit_of(rank)}): {exc}") from exc
+
+    def wait_ready(self, timeout: float = LOAD_TIMEOUT_SECONDS) -> None:
+        """Wait until every follower has loaded its shard and said so, then start watching them.
+        RuntimeError naming the rank whose process ended first, or that is not ready by `timeout`."""
+        if self.size == 1:
+            return
+        deadline = time.monotonic() + timeout
+        for rank, link in enumerate(self.links, start=1):
+            link.sock.settimeout(max(0.0, deadline - time.monotonic()))
+            try:
+                said = link.sock.recv(1)
+            except TimeoutError:
+                raise RuntimeError(f"tensor-parallel rank {rank} did not load within {timeout:g} s") from None
+            except OSError as exc:
+                said = b""
+                log.warning("tensor-parallel rank %d: %s", rank, exc)
+            finally:
+                link.sock.settimeout(None)
+            if said != _READY:
+                raise RuntimeError(f"tensor-parallel rank {rank} exited while loading ({self._exit_of(rank)})")
+        self._watch = threading.Thread(target=self._watch_ranks, name="cliffguard-tp-watch", daemon=True)
+        self._watch.start()
+
+    def _watch_ranks(self) -> None:
+        """The watch thread: a follower says nothing after `ready`, so its link turning readable means
+        its process ended (end-of-file) or the link broke; either way the group is broken."""
+        socks = {link.sock: rank for rank, link in enumerate(self.links, start=1)}
+        while not self._closing:
+            try:
+                readable, _, _ = select.select(list(socks), [], [])
+            except (OSError, ValueError):
+                return   # the links were closed: the group is closing
+            if self._closing:
+                return
+            rank = socks[readable[0]]
+            reason = f"tensor-parallel rank {rank} of {self.size} {self._exit_of(rank, wait=2.0)}"
+            self.on_rank_exit(reason)
+            return
+
+    def _exit_of(self, rank: int, wait: float = 0.2) -> str:
+        """How follower `rank`'s process ended ("exited (signal 9, SIGKILL)"), or that it still runs."""
+        process = self.processes[rank - 1]
+        try:
+            code = process.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            return f"(pid {process.pid}) closed its link to rank 0 and is still running"
+        return f"(pid {process.pid}) exited ({describe_exit(code)})"
 
     def close(self) -> None:
         """Stop the followers (a `stop` plan, then a kill for one that lingers) and leave the group."""
         if self.size == 1:
             return
+        self._closing = True
         try:
             self.broadcast(StepPlan(stop=True))
         except RuntimeError:
@@ -236,31 +352,47 @@ class TensorParallelGroup:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        for link in self.links:
+            link.sock.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         self.size = 1
 
 
-def receive_plan(control) -> StepPlan:
-    """A follower's next plan from rank 0 (blocks until rank 0 sends one)."""
-    box = [None]
-    torch.distributed.broadcast_object_list(box, src=0, group=control)
-    return box[0]
+def describe_exit(code: int) -> str:
+    """A process's return code in words: `code 1`, `signal 9, SIGKILL`."""
+    if code is not None and code < 0:
+        try:
+            return f"signal {-code}, {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
 
 
-def join_group(device: torch.device, rank: int, size: int, init_method: str) -> tuple[Collectives, object]:
-    """Join the group as `rank`: NCCL for the tensors on CUDA (gloo on CPU), and a gloo group for plans."""
+def end_process(reason: str) -> None:
+    """The default `on_rank_exit`: a group that lost a rank cannot step again; log why and end this
+    process, so whoever supervises it (the gateway, a Ray actor's restart) starts the device again whole."""
+    log.error("%s; ending this device process so that it is restarted whole", reason)
+    logging.shutdown()
+    os._exit(1)
+
+
+def join_group(device: torch.device, rank: int, size: int, init_method: str,
+               collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_SECONDS) -> Collectives:
+    """Join the group as `rank` (NCCL on CUDA, gloo on a CPU): the rendezvous waits up to
+    `INIT_TIMEOUT_SECONDS`, every collective after it `collective_timeout` seconds."""
     timeout = datetime.timedelta(seconds=INIT_TIMEOUT_SECONDS)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.distributed.init_process_group("nccl", init_method=init_method, rank=rank, world_size=size,
                                              timeout=timeout, device_id=device)
-        control = torch.distributed.new_group(backend="gloo", timeout=timeout)
     else:
         torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size,
                                              timeout=timeout)
-        control = torch.distributed.group.WORLD
-    return Collectives(size, torch.distributed.group.WORLD), control
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(datetime.timedelta(seconds=collective_timeout), torch.distributed.group.WORLD)
+    return Collectives(size, torch.distributed.group.WORLD)
 
 
 def die_with_parent() -> None:

@@ -19,7 +19,9 @@ receiving and waiting stay the loop's.
 **Failures.** Whatever one request's command raises (add, abort, pause) fails that request alone: a
 ValueError is its input's fault (`Rejected`, 400 at the gateway), anything else the worker's handling
 of it (`Rejected(server_error=True)`, 500, logged here with its traceback). A failed step is reported
-as `Fatal` (its traceback) before the process exits; a failed load as `StartupError`.
+as `Fatal` (its traceback) before the process exits; a failed load as `StartupError`. A follower rank of
+its tensor-parallel group that ends (`kill -9`, a crash) ends the worker too, idle or mid-step, with a
+`Fatal` naming the rank (`engine.parallel`: the group watches its ranks).
 
 **Fault injection** (tests, `cliffguard bench chaos`): `CLIFFGUARD_FAULT_POISON=<marker>` makes a step
 with a request whose prompt holds the marker raise (the worker dies: a poison request);
@@ -77,6 +79,7 @@ def worker_main(config: EngineConfig, sock: socket.socket, environ: dict[str, st
         channel.send(StartupError(f"{type(exc).__name__}: {exc}"))
         channel.drain(LAST_WORDS_SECONDS)
         return
+    engine.group.on_rank_exit = lambda reason: _rank_lost(channel, reason)
     if engine.device.type == "cpu":
         # The model computes on the cores the gateway serves from: let the gateway's event loop (and
         # on a one-box setup its clients) win the CPU whenever they need it, a few ms at a time.
@@ -94,6 +97,21 @@ def worker_main(config: EngineConfig, sock: socket.socket, environ: dict[str, st
             pass
     finally:
         engine.close()   # the other ranks of a tensor-parallel group
+
+
+def _rank_lost(channel: "WorkerChannel", reason: str) -> None:
+    """A follower rank of this worker's tensor-parallel group ended (from the group's watch thread, idle
+    or mid-step): the group cannot step again. Say why as a `Fatal`, then end the process at once, as a
+    failed step does; the gateway restarts the worker, and its other ranks die with it."""
+    log.error("%s; the device worker ends so that it is restarted whole", reason)
+    try:
+        channel.send(Fatal(f"device worker's group broke: {reason}"))
+        channel.drain(LAST_WORDS_SECONDS)
+    except OSError:
+        pass
+    finally:
+        logging.shutdown()
+        os._exit(1)
 
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"   # the gateway's (gateway.cli) and the worker's

@@ -16,7 +16,7 @@ from typing import Annotated, Literal, get_args
 import msgspec
 
 from engine.capacity import DEFAULT_MEMORY_UTILIZATION
-from engine.config import KV_CACHE_DTYPES, check_device_name, parse_dtype
+from engine.config import DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, KV_CACHE_DTYPES, check_device_name, parse_dtype
 from pools.config.checks import ByteSize, Count, Fraction, Seconds, Spec, SpecError, Text, engine_rules
 
 KvCacheDtype = Literal[KV_CACHE_DTYPES]   # engine.config's choices, one definition
@@ -75,6 +75,7 @@ class DeviceSpec(Spec):
     enforce_eager: bool = False          # CUDA: no decode graphs (their memory is then not set aside)
     async_scheduling: bool | None = None  # overlapped steps (engine.overlap); None: on CUDA with one GPU
     kv_cache_dtype: KvCacheDtype = "auto"   # auto: the model's dtype; fp8: e4m3, 1 byte an element of S_KV
+    collective_timeout_seconds: Seconds = DEFAULT_COLLECTIVE_TIMEOUT_SECONDS   # tensor parallel: a rank this late is hung
     min_replicas: Count | None = None    # autoscaled: the replicas always up (None: fixed, all `replicas` up)
     scale_up_wait_seconds: Seconds = DEFAULT_SCALE_UP_WAIT_SECONDS      # autoscaled: waited for credits this long: +1
     scale_down_idle_seconds: Seconds = DEFAULT_SCALE_DOWN_IDLE_SECONDS  # autoscaled: a replica idle this long: -1

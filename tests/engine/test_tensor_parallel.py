@@ -179,3 +179,36 @@ def test_a_killed_worker_takes_its_other_ranks_with_it(tmp_path, builtin_path):
     while any(_alive(p) for p in followers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(p) for p in followers)
+
+
+def test_a_hung_rank_fails_the_step_within_the_collective_timeout_and_a_dead_one_is_reported(tmp_path, builtin_path):
+    """Plans travel on the followers' links, so only a step's collectives can time out: a follower stopped
+    with SIGSTOP fails rank 0's next step after `collective_timeout_seconds`; a follower killed is reported
+    through `on_rank_exit` (the device worker makes that its own death) with how its process ended."""
+    import os
+    import signal
+    import time
+
+    path = str(make_tiny_model(tmp_path / "llama", "llama", builtin_path))
+    config = EngineConfig(model=path, device="cpu", dtype="float32", tensor_parallel_size=2,
+                          collective_timeout_seconds=2, pools=(PoolConfig(num_blocks=64),))
+    engine = LLMEngine(config, progress=False)
+    lost: list[str] = []
+    engine.group.on_rank_exit = lost.append   # the default ends the process: this one is pytest
+    follower = engine.group.processes[0]
+    try:
+        engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=2, ignore_eos=True))
+        os.kill(follower.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - started < 10
+        assert not lost
+        os.kill(follower.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lost == [f"tensor-parallel rank 1 of 2 (pid {follower.pid}) exited (signal 9, SIGKILL)"]
+    finally:
+        engine.close()

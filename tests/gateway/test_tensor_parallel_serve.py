@@ -1,10 +1,17 @@
 """`cliffguard serve` of a device with `tensor_parallel_size: 3` (the builtin SmolLM2: 9 heads, 3 KV
 heads, one per rank; three processes over gloo on the CPU) passes the openai SDK's chat, stream and
-tool-call smoke tests."""
+tool-call smoke tests; the group outlives an idle spell longer than its collective timeout, and a
+follower rank killed with `kill -9` takes the replica out of `/ready` at once and the restarted one
+answers. A `slow` test idles ten minutes under the default timeouts."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
 
 import jsonschema
 import openai
@@ -24,10 +31,14 @@ def tp3_server(tmp_path_factory):
     text = text.replace("    tensor_parallel_size: 1 ", "    tensor_parallel_size: 3 ", 1)
     assert "tensor_parallel_size: 3" in text and "device: cpu" in text
     path = tmp_path_factory.mktemp("tp3") / "pools.yaml"
-    path.write_text(text)
+    path.write_text(text.replace("    tensor_parallel_size: 3 ", f"    collective_timeout_seconds: {COLLECTIVE_S}\n"
+                                 "    tensor_parallel_size: 3 ", 1))
     server = LiveServer(path)
     yield server
     server.stop()
+
+
+COLLECTIVE_S = 3   # the served group's collective timeout: the idle test waits past it
 
 
 @pytest.fixture
@@ -62,3 +73,91 @@ def test_tool_calls_whole_and_streamed_on_three_ranks(sdk):
                 entry["arguments"] += delta.function.arguments or ""
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
         (c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls]
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every process under `pid` (children, their children ...), each with its command line."""
+    found, todo = {}, [pid]
+    while todo:
+        parent = todo.pop()
+        for task in os.listdir(f"/proc/{parent}/task"):
+            try:
+                with open(f"/proc/{parent}/task/{task}/children") as f:
+                    children = [int(p) for p in f.read().split()]
+            except FileNotFoundError:
+                continue
+            for child in children:
+                try:
+                    with open(f"/proc/{child}/cmdline", "rb") as f:
+                        found[child] = f.read().replace(b"\0", b" ").decode(errors="replace")
+                except FileNotFoundError:
+                    continue
+                todo.append(child)
+    return found
+
+
+def followers(server: LiveServer) -> list[int]:
+    return sorted(pid for pid, cmd in descendants(server.proc.pid).items() if "follower_main" in cmd)
+
+
+def ready_status(server: LiveServer) -> int:
+    try:
+        with urllib.request.urlopen(server.url + "/ready", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def timed_answer(sdk) -> float:
+    started = time.perf_counter()
+    reply = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content
+    return time.perf_counter() - started
+
+
+def test_an_idle_group_outlives_its_collective_timeout(tp3_server, sdk):
+    timed_answer(sdk)
+    ranks = followers(tp3_server)
+    assert len(ranks) == 2
+    time.sleep(COLLECTIVE_S + 3)   # no collective runs while idle: nothing can time out
+    assert followers(tp3_server) == ranks
+    timed_answer(sdk)
+    assert followers(tp3_server) == ranks
+    log = "".join(tp3_server.log)
+    assert "tensor-parallel rank" not in log and "restarting" not in log
+
+
+def test_a_killed_follower_rank_restarts_the_replica_and_the_next_request_is_answered(tp3_server, sdk):
+    timed_answer(sdk)
+    ranks = followers(tp3_server)
+    os.kill(ranks[-1], signal.SIGKILL)
+    killed = time.monotonic()
+    while ready_status(tp3_server) == 200:
+        assert time.monotonic() - killed < 10, "the replica stayed in /ready 10 s after a rank's death"
+        time.sleep(0.1)
+    assert timed_answer(sdk) > 0   # waits for the restarted group (the gateway holds the request meanwhile)
+    new = followers(tp3_server)
+    assert len(new) == 2 and not set(new) & set(ranks)
+    log = "".join(tp3_server.log)
+    assert f"tensor-parallel rank 2 of 3 (pid {ranks[-1]}) exited (signal 9, SIGKILL)" in log
+
+
+@pytest.mark.slow
+def test_ten_idle_minutes_under_the_default_timeouts(tmp_path):
+    """Acceptance: a TP 3 replica idle for 10 minutes answers its next request as fast as before, with
+    no rank death or restart logged (the default collective timeout, 120 s, and gloo's default, 300 s,
+    both pass meanwhile)."""
+    text = DEFAULT_CONFIG.read_text().replace("    device: auto ", "    device: cpu ", 1)
+    path = tmp_path / "pools.yaml"
+    path.write_text(text.replace("    tensor_parallel_size: 1 ", "    tensor_parallel_size: 3 ", 1))
+    with LiveServer(path) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        timed_answer(client)
+        before = min(timed_answer(client) for _ in range(3))
+        ranks = followers(server)
+        time.sleep(600)
+        after = timed_answer(client)
+        print(f"\nbefore the idle spell {before:.2f} s, after {after:.2f} s")
+        assert followers(server) == ranks and after < 2 * before + 0.5
+        log = "".join(server.log)
+        assert "tensor-parallel rank" not in log and "restarting" not in log

@@ -362,3 +362,17 @@ def test_the_qwen3_examples_plan(name, vram, dense_bytes, kv):
         bf16 = plan_capacity(parse_config(data, env={}, base_dir=REPO / "config" / "examples"),
                              resolve_model_configs(config), vram_bytes=vram)
         assert all(p.num_blocks >= 1.9 * bf16.pools[n].num_blocks for n, p in plan.pools.items())
+
+
+def test_the_collective_timeout_reaches_the_engine_and_must_be_positive(builtin_path):
+    model = {"builtin:smollm2-135m-instruct": ModelConfig.from_folder(builtin_path)}
+    data = _small_config()
+    config = parse_config(data, env={})
+    assert engine_configs(config, plan_capacity(config, model))["default"].collective_timeout_seconds == 120
+    data["devices"]["default"]["collective_timeout_seconds"] = 30
+    config = parse_config(data, env={})
+    assert engine_configs(config, plan_capacity(config, model))["default"].collective_timeout_seconds == 30
+    for bad in (0, -5, "soon"):
+        data["devices"]["default"]["collective_timeout_seconds"] = bad
+        with pytest.raises(SpecError, match="collective_timeout_seconds"):
+            parse_config(data, env={})
