@@ -34,7 +34,6 @@ import contextlib
 import itertools
 import multiprocessing as mp
 import os
-import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -45,6 +44,7 @@ from engine.ipc import Channel
 from engine.messages import (AbortRequest, AddRequest, Fatal, Heartbeat, Outputs, PauseRequest, Ready, Rejected,
                              ReportWaiting, Shutdown, StartupError, StatsQuery, StatsReply)
 from engine.outputs import RequestDelta
+from engine.parallel import describe_exit
 from engine.sampling import SamplingParams
 from engine.stats import EngineStats, WorkerInfo
 from engine.worker import worker_main
@@ -64,16 +64,6 @@ class RequestFailedError(RuntimeError):
     def __init__(self, request_id: str, reason: str) -> None:
         super().__init__(f"request {request_id}: the device worker failed to handle it: {reason}")
         self.request_id, self.reason = request_id, reason
-
-
-def describe_exit(exitcode: int) -> str:
-    """A process's exit code in words: `exit code 1`, `signal 9, SIGKILL` (multiprocessing's negative codes)."""
-    if exitcode >= 0:
-        return f"exit code {exitcode}"
-    try:
-        return f"signal {-exitcode}, {signal.Signals(-exitcode).name}"
-    except ValueError:
-        return f"signal {-exitcode}"
 
 
 WORKER_PRELOAD = ["engine.worker"]   # what the fork server imports once (torch with it) for every worker

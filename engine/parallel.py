@@ -359,14 +359,14 @@ class TensorParallelGroup:
         self.size = 1
 
 
-def describe_exit(code: int) -> str:
-    """A process's return code in words: `code 1`, `signal 9, SIGKILL`."""
-    if code is not None and code < 0:
-        try:
-            return f"signal {-code}, {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"code {code}"
+def describe_exit(exitcode: int) -> str:
+    """A process's exit code in words: `exit code 1`, `signal 9, SIGKILL` (negative codes are signals)."""
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    try:
+        return f"signal {-exitcode}, {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"signal {-exitcode}"
 
 
 def end_process(reason: str) -> None:
