@@ -52,6 +52,7 @@ class Channel:
         self._mac_bytes = MAC_BYTES if keys is not None else 0
         self.eof = False
         self.num_pending_bytes = 0                 # queued in the outbox, not yet taken by the socket
+        self.num_received_bytes = 0                # read from the socket so far, whole frames or not
         self._outbox: deque[memoryview] = deque()
         self._inbox = bytearray()
 
@@ -98,6 +99,7 @@ class Channel:
             if not chunk:
                 self.eof = True
                 break
+            self.num_received_bytes += len(chunk)
             self._inbox += chunk
         return self._parse()
 

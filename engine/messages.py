@@ -5,7 +5,8 @@ process) and `engine.client` (the gateway's `AsyncEngineClient`) match on their 
 
 Gateway -> worker: `AddRequest`, `AbortRequest`, `PauseRequest` (a response whose client reads too
 slowly: its sequences keep their blocks but are not stepped until resumed), `ReportWaiting` (requests
-of an interactive pool waiting at the gateway: the step composer's pressure), `StatsQuery`, `Shutdown`.
+of an interactive pool waiting at the gateway: the step composer's pressure), `StatsQuery`, `Shutdown`,
+`Keepalive` (over a network only: the gateway is there; `engine.remote`).
 Worker -> gateway: `Ready` (once loaded), `StartupError`, `Outputs` (each step's deltas, and now and
 then the engine's counters), `Rejected` (a request the engine refused, or whose handling failed),
 `StatsReply`, `Heartbeat` (the worker is alive, from a thread of its own), `Fatal`.
@@ -58,6 +59,13 @@ class StatsQuery:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class Keepalive:
+    """The gateway is still there: sent every `engine.remote.KEEPALIVE_SECONDS` on a network connection; a
+    replica drops a connection that has carried nothing for `engine.remote.SILENCE_SECONDS`. Never reaches
+    the worker loop (`engine.remote.ReplicaChannel` consumes it)."""
 
 
 # --- worker -> gateway ------------------------------------------------------------------------------

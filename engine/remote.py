@@ -1,58 +1,124 @@
 """A device replica served over TCP: the worker loop of `engine.worker`, reached across a network.
 
 A `ReplicaServer` lives in a process that a cluster manager placed (a Ray actor: `ReplicaActor`, and
-`gateway.workers.ray_cluster` on the gateway's side). It binds a listening socket at once, then loads the
-engine on a thread of its own and serves one gateway connection at a time with the same messages,
+`gateway.workers.ray_cluster` on the gateway's side). It binds a listening socket at once and runs two
+threads. The **accept thread** takes each connection through the handshake (`engine.wire.Handshake`:
+nothing of a message is read from a peer that does not prove the key) and hands it to the **engine
+thread**, which loads the engine, then serves one gateway connection at a time with the same messages,
 the same loop, the same heartbeat thread and the same back-pressure as a local worker
-(`engine.worker._serve`: the gateway's watchdog judges a replica as it judges a local worker). The engine
-outlives connections: when a gateway goes away (or restarts), whatever it had in flight is aborted,
-its blocks freed, and the next gateway that proves the key is served by the loaded engine.
+(`engine.worker._serve`: the gateway's watchdog judges a replica as it judges a local worker). The
+engine is only ever touched by the engine thread (its CUDA device and streams are that thread's).
 
-Every connection is authenticated before a byte of a message is read (`engine.wire.Handshake`, then
-signed frames); the key is made here, at random, and handed out only through the cluster's control
-plane (`ReplicaActor.endpoint`). A step that fails ends the process (`os._exit`): the cluster manager
+**The newest authenticated gateway is served.** A connection that completes the handshake ends the one
+being served (its socket is shut down, which wakes the loop) and is served next; a gateway that
+restarted, or came back after a partition, never waits behind its own dead connection. The engine
+outlives connections: when one ends, whatever it had in flight is aborted and its blocks freed.
+
+**A silent link is dropped within `SILENCE_SECONDS`**, on both ends. Over the connection the replica
+sends a `Heartbeat` every half second and the gateway a `Keepalive` every `KEEPALIVE_SECONDS`, so in a
+healthy link neither direction is ever quiet that long. The replica's loop reads a connection that
+carried nothing for `SILENCE_SECONDS` as closed (`ReplicaChannel`); the gateway's client does the same
+(`engine.remote_client`). Beneath those rules the kernel bounds what the peer leaves unacknowledged
+(`TCP_USER_TIMEOUT`, which also counts a receive window the peer keeps closed): on the replica's socket
+`SILENCE_SECONDS`, since the gateway reads whenever data comes; on the gateway's, `UNREAD_SECONDS`, since a
+replica reads between steps only and a healthy step may last minutes. TCP keepalive probes
+(`TCP_KEEPALIVE`) watch a direction with nothing to send (`keep_alive`).
+
+The key is made here, at random, and handed out only through the cluster's control plane
+(`ReplicaActor.endpoint`). A step that fails ends the process (`os._exit`): the cluster manager
 restarts the replica, the gateway sees the connection drop and the actor's death, and retries what
 had sent no token elsewhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
 import threading
+import time
 import traceback
 
 from engine.config import EngineConfig
-from engine.ipc import Channel
-from engine.messages import Fatal, Ready, StartupError
+from engine.messages import Fatal, Keepalive, Ready, StartupError
 from engine.wire import KEY_BYTES, FrameKeys, Handshake, WireError
+from engine.worker import WorkerChannel
 
 log = logging.getLogger("cliffguard.engine")
 
-__all__ = ["ReplicaServer", "ReplicaActor", "HANDSHAKE_SECONDS", "connect"]
+__all__ = ["ReplicaServer", "ReplicaActor", "ReplicaChannel", "HANDSHAKE_SECONDS", "SILENCE_SECONDS",
+           "KEEPALIVE_SECONDS", "UNREAD_SECONDS", "connect", "placed_config"]
 
 HANDSHAKE_SECONDS = 10.0   # a peer that has not finished the handshake by then is dropped
-KEEPALIVE = (10, 5, 3)     # TCP keepalive: idle seconds, probe interval, probes: a silent peer is gone in ~25 s
+SILENCE_SECONDS = 20.0     # a connection that brought nothing this long is dropped, by either end
+KEEPALIVE_SECONDS = 2.0    # between the gateway's `Keepalive` frames
+UNREAD_SECONDS = 600.0     # the gateway's socket: how long a replica may leave its data unread (a step; as
+                           # gateway.step_timeout_seconds' default), then the kernel drops the connection
+TCP_KEEPALIVE = (5, 5, 3)  # TCP keepalive of a quiet direction: idle seconds, probe interval, probes
+BUNDLE_GPU_SECONDS = 60.0  # how long a replica waits to learn the GPUs of its group's other bundles
 
 
-def keep_alive(sock: socket.socket) -> None:
-    """Nagle off, and TCP keepalive probes so a peer behind a dead link (no FIN, no RST) is noticed."""
+def keep_alive(sock: socket.socket, user_timeout: float) -> None:
+    """Nagle off; `TCP_USER_TIMEOUT` so data the peer leaves unacknowledged (or unread, its window closed)
+    for `user_timeout` seconds ends the connection (Linux); TCP keepalive probes so a quiet direction
+    behind a dead link (no FIN, no RST) is noticed too."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    idle, interval, count = KEEPALIVE
-    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count)):
+    idle, interval, count = TCP_KEEPALIVE
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count),
+                        ("TCP_USER_TIMEOUT", int(user_timeout * 1000))):
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
+class ReplicaChannel(WorkerChannel):
+    """The replica's end of one gateway connection. It reads as closed (`eof`) once the gateway has sent
+    nothing for `silence_seconds` (the gateway's `Keepalive` frames keep a healthy idle connection
+    talking; they are consumed here, never returned), or once another thread called `end` (a newer
+    gateway proved the key). `wait` never sleeps past the silence deadline. `end_reason` says why it
+    ended, when it was not the peer closing. Thread rules: `WorkerChannel`'s; `end` from any thread."""
+
+    def __init__(self, sock: socket.socket, keys: FrameKeys, peer: object, silence_seconds: float) -> None:
+        super().__init__(sock, keys)
+        self.peer = peer
+        self.silence_seconds = silence_seconds
+        self.last_heard = time.monotonic()
+        self.end_reason: str | None = None
+
+    def receive(self) -> list[object]:
+        num_bytes = self.num_received_bytes
+        messages = [msg for msg in super().receive() if not isinstance(msg, Keepalive)]
+        now = time.monotonic()
+        if self.num_received_bytes != num_bytes:
+            self.last_heard = now
+        elif not self.eof and now - self.last_heard >= self.silence_seconds:
+            self.end_reason = f"nothing from the gateway for {now - self.last_heard:.1f} s"
+            self.eof = True
+        return messages
+
+    def wait(self, timeout: float | None = None) -> None:
+        left = max(0.0, self.last_heard + self.silence_seconds - time.monotonic())
+        super().wait(left if timeout is None else min(timeout, left))
+
+    def end(self, reason: str) -> None:
+        """Shut the connection down from another thread: the loop wakes, reads EOF and returns; the peer
+        sees the connection close."""
+        self.end_reason = reason
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass   # already closed
+
+
 class ReplicaServer:
-    """Loads `config`'s engine on a thread and serves gateways on `host`:`port` (0: any free port).
+    """Loads `config`'s engine and serves gateways on `host`:`port` (0: any free port).
 
     `address` is known at once; `state` is `loading`, `ready` or `failed: <reason>`; `key` is the
-    32-byte secret a gateway must prove. One connection is served at a time; another waits in the
-    listen backlog until the current one ends. Thread rules: `start` once, from any thread; the rest
-    is the server thread's."""
+    32-byte secret a gateway must prove; `gateway` is the address of the gateway being served (None
+    between connections). Thread rules: `start` once, from any thread; the engine (`_engine`) and
+    the connection being served are the engine thread's; the accept thread hands connections over
+    under `_lock` (`_next`, `_current`)."""
 
     def __init__(self, config: EngineConfig, host: str, port: int = 0, key: bytes | None = None) -> None:
         self.config = config
@@ -60,16 +126,22 @@ class ReplicaServer:
         self.listener = socket.create_server((host, port), backlog=8)
         self.address = (host, self.listener.getsockname()[1])
         self.state = "loading"
-        self.num_sessions = 0
+        self.num_sessions = 0      # connections served (each one a gateway's, from Ready to its end)
+        self.gateway: object | None = None
         self._engine = None
-        self._thread = threading.Thread(target=self._run, name="cliffguard-replica", daemon=True)
+        self._lock = threading.Condition()
+        self._next: ReplicaChannel | None = None      # proved the key, not served yet
+        self._current: ReplicaChannel | None = None   # being served
+        self._threads = (threading.Thread(target=self._run, name="cliffguard-replica", daemon=True),
+                         threading.Thread(target=self._accept, name="cliffguard-replica-accept", daemon=True))
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     def _run(self) -> None:
+        """The engine thread: load, then serve the connections handed over, one after another."""
         from engine.llm_engine import LLMEngine
-        from engine.worker import WorkerChannel
 
         if self.config.cpu_threads:   # as a local worker does (engine.worker): the bundle's CPUs, no more
             import torch
@@ -82,29 +154,60 @@ class ReplicaServer:
             self.state = f"failed: {type(exc).__name__}: {exc}"
             log.error("replica failed to load: %s", self.state)
         while True:
-            conn, peer = self.listener.accept()
+            with self._lock:
+                self._lock.wait_for(lambda: self._next is not None)
+                channel, self._next = self._next, None
+                self._current, self.gateway = channel, channel.peer
+            self._session(channel)
+
+    def _accept(self) -> None:
+        """The accept thread: prove each connection's key, then hand it to the engine thread, ending the
+        connection it replaces."""
+        while True:
+            try:
+                conn, peer = self.listener.accept()
+            except OSError as exc:   # out of descriptors, say: try again shortly
+                log.error("replica: accept failed: %s", exc)
+                time.sleep(1.0)
+                continue
             try:
                 keys = self._handshake(conn)
             except (OSError, WireError) as exc:
                 log.warning("replica: connection from %s refused: %s", peer, exc)
                 conn.close()
                 continue
-            self._session(WorkerChannel(conn, keys))   # the loop and its heartbeat thread send on it
+            self._hand_over(ReplicaChannel(conn, keys, peer, SILENCE_SECONDS))
+
+    def _hand_over(self, channel: ReplicaChannel) -> None:
+        """`channel` is served next; the connection served now (or waiting to be) is ended."""
+        with self._lock:
+            if self._next is not None:   # proved the key but never served: nothing to abort
+                self._next.end(f"the gateway at {channel.peer} connected after it")
+                self._next.close()
+            if self._current is not None:
+                log.warning("replica: the gateway at %s connected; ending the connection of %s", channel.peer,
+                            self._current.peer)
+                self._current.end(f"the gateway at {channel.peer} connected")
+            self._next = channel
+            self._lock.notify_all()
 
     def _handshake(self, conn: socket.socket) -> FrameKeys:
-        keep_alive(conn)
+        """The key proved both ways, all within `HANDSHAKE_SECONDS` (TimeoutError past it)."""
+        deadline = time.monotonic() + HANDSHAKE_SECONDS
+        keep_alive(conn, SILENCE_SECONDS)   # the gateway reads whenever data comes
         conn.settimeout(HANDSHAKE_SECONDS)
         shake = Handshake(self.key)
         conn.sendall(shake.hello())
-        conn.sendall(shake.server_proof(_read_exact(conn, Handshake.CLIENT_BYTES)))
+        conn.sendall(shake.server_proof(_read_exact(conn, Handshake.CLIENT_BYTES, deadline)))
         return shake.keys(server=True)
 
-    def _session(self, channel: Channel) -> None:
-        """Serve one gateway until it leaves; then abort what it left in flight."""
+    def _session(self, channel: ReplicaChannel) -> None:
+        """Serve one gateway until it leaves, goes silent or is replaced; then abort what it left in flight."""
         from engine.worker import LAST_WORDS_SECONDS, _serve, worker_info
 
         self.num_sessions += 1
         engine = self._engine
+        num_aborted = 0
         try:
             if engine is None:
                 channel.send(StartupError(self.state.removeprefix("failed: ")))
@@ -112,8 +215,9 @@ class ReplicaServer:
                 return
             channel.send(Ready(worker_info(engine)))
             _serve(engine, channel)
+            ended = channel.end_reason or ("it closed the connection" if channel.eof else "it said Shutdown")
         except OSError as exc:
-            log.warning("replica: gateway connection lost: %s", exc)
+            ended = channel.end_reason or f"the connection broke: {exc}"
         except Exception:  # noqa: BLE001 - a failed step: say why, then end the process for a restart
             try:
                 channel.send(Fatal(traceback.format_exc()))
@@ -121,15 +225,25 @@ class ReplicaServer:
             finally:
                 os._exit(1)
         finally:
+            with self._lock:
+                self._current, self.gateway = None, None
             channel.close()
             if engine is not None:
+                num_aborted = len(engine.requests)
                 for request_id in list(engine.requests):
                     engine.abort(request_id)
+        log.log(logging.WARNING if num_aborted or channel.end_reason else logging.INFO,
+                "replica: the gateway at %s left (%s); %d requests aborted", channel.peer, ended, num_aborted)
 
 
-def _read_exact(conn: socket.socket, size: int) -> bytes:
+def _read_exact(conn: socket.socket, size: int, deadline: float) -> bytes:
+    """`size` bytes, all before `deadline` (time.monotonic()): a peer trickling bytes is not waited for."""
     data = bytearray()
     while len(data) < size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the peer did not finish the handshake in time")
+        conn.settimeout(left)
         chunk = conn.recv(size - len(data))
         if not chunk:
             raise OSError("the peer closed the connection during the handshake")
@@ -137,23 +251,65 @@ def _read_exact(conn: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
+def placed_config(config: EngineConfig) -> EngineConfig:
+    """`config` on the GPUs Ray assigned to the calling actor's placement group *now* (call it inside the
+    actor, at every start: a restarted actor may be in a group Ray rescheduled on another node). Rank 0
+    is the actor itself (bundle 0): its own GPU; rank r runs on the GPU of bundle r, learned by a zero-CPU
+    task that asks for that bundle's GPU. A CPU device's config is returned as it is. RuntimeError if the
+    actor holds no GPU, or a bundle's GPU is not free within `BUNDLE_GPU_SECONDS`."""
+    if not config.device.startswith("cuda"):
+        return config
+    import ray
+
+    own = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+    if not own:
+        raise RuntimeError("a CUDA replica's actor holds no GPU: its bundles ask for none")
+    others: tuple[int, ...] = ()
+    if config.tensor_parallel_size > 1:
+        group = ray.util.get_current_placement_group()
+        if group is None:
+            raise RuntimeError(f"tensor_parallel_size {config.tensor_parallel_size} needs the actor in a "
+                               f"placement group of as many bundles")
+        others = _bundle_gpus(group, range(1, config.tensor_parallel_size))
+    return dataclasses.replace(config, device="cuda", gpu_ids=(int(own[0]), *others))
+
+
+def _bundle_gpus(group, bundles: range) -> tuple[int, ...]:
+    """The GPU each of `bundles` of `group` holds (bundle i keeps its GPU while the group stays placed)."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0, num_gpus=1)
+    def gpu_of_bundle() -> int:
+        return int(ray.get_runtime_context().get_accelerator_ids()["GPU"][0])
+
+    refs = [gpu_of_bundle.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, i)).remote()
+            for i in bundles]
+    try:
+        return tuple(ray.get(refs, timeout=BUNDLE_GPU_SECONDS))
+    except GetTimeoutError:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+        raise RuntimeError(f"the GPUs of bundles {list(bundles)} of the replica's placement group were not "
+                           f"free within {BUNDLE_GPU_SECONDS:g} s") from None
+
+
 class ReplicaActor:
     """The Ray actor of one replica (made a Ray class by `gateway.workers.ray_cluster`; this module never imports
-    Ray at its top). It serves on the node's IP address; `endpoint` hands the gateway what it needs to
-    connect, over Ray's own control plane. Run threaded (`max_concurrency` > 1) so that `endpoint`
-    and `state` answer while the engine loads and `wait_stopped` can stay pending: its failure is
-    the gateway's death notice."""
+    Ray at its top). At every start (a restart included) it takes its GPUs from Ray's assignment of its
+    placement group (`placed_config`), never from its arguments: Ray restarts an actor with the same
+    arguments wherever the group is now. It serves on the node's IP address; `endpoint` hands the gateway
+    what it needs to connect, over Ray's own control plane. Run threaded (`max_concurrency` > 1) so that
+    `endpoint` and `state` answer while the engine loads and `wait_stopped` can stay pending: its failure
+    is the gateway's death notice."""
 
-    def __init__(self, config: EngineConfig, gpu_ids: tuple[int, ...] = ()) -> None:
-        import dataclasses
-
+    def __init__(self, config: EngineConfig) -> None:
         import ray
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        if gpu_ids:
-            config = dataclasses.replace(config, device="cuda", gpu_ids=tuple(gpu_ids))
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.server = ReplicaServer(config, ray.util.get_node_ip_address())
+        self.server = ReplicaServer(placed_config(config), ray.util.get_node_ip_address())
         self.server.start()
         self._stopped = threading.Event()
 
@@ -163,6 +319,10 @@ class ReplicaActor:
 
     def state(self) -> str:
         return self.server.state
+
+    def gpu_ids(self) -> tuple[int, ...]:
+        """The GPU of each rank, as this process hands them to its engine (empty on a CPU device)."""
+        return tuple(self.server.config.gpu_ids)
 
     def pid(self) -> int:
         return os.getpid()
@@ -183,7 +343,7 @@ async def connect(host: str, port: int, key: bytes, timeout: float) -> tuple[soc
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setblocking(False)
-    keep_alive(sock)
+    keep_alive(sock, UNREAD_SECONDS)   # the replica reads between steps only
 
     async def shake() -> FrameKeys:
         await loop.sock_connect(sock, (host, port))

@@ -7,20 +7,25 @@ child process. What places the replica and says where it is, is a `ReplicaLink` 
 restarted), restarts a replica the watchdog finds stalled, and may report its death before the
 connection's loss shows (`lost`).
 
-A client is one connection's life: the connection dropping, the link's death notice, or `kill` ends
-it, and whatever was in flight fails with `EngineDeadError`; the supervisor then makes a new client,
-which connects to the restarted replica.
+A client is one connection's life: the connection dropping, the link's death notice, `kill`, or a
+connection silent for `engine.remote.SILENCE_SECONDS` (not even a heartbeat: a partition, or a peer
+that stopped forwarding) ends it, and whatever was in flight fails with `EngineDeadError`; the
+supervisor then makes a new client, which connects to the (restarted) replica. While it lives the
+client sends a `Keepalive` every `engine.remote.KEEPALIVE_SECONDS`, so that the replica, which judges
+the gateway by the same rule, never takes an idle gateway for a lost one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Protocol
 
-from engine.client import AsyncEngineClient
+from engine import remote
+from engine.client import AsyncEngineClient, EngineDeadError
 from engine.config import EngineConfig
 from engine.ipc import Channel
-from engine.remote import connect
+from engine.messages import Keepalive
 
 
 class ReplicaLink(Protocol):
@@ -43,13 +48,29 @@ class RemoteEngineClient(AsyncEngineClient):
         self.link = link
         self.address: tuple[str, int] | None = None
         self._lost_reason: str | None = None
+        self._keepalive: asyncio.Task | None = None
 
     async def _launch(self, timeout: float) -> Channel:
         host, port, key = await self.link.endpoint(timeout)
-        sock, keys = await connect(host, port, key, min(timeout, 30.0))
+        sock, keys = await remote.connect(host, port, key, min(timeout, 30.0))
         self.address = (host, port)
         self._process = self.link   # a client is alive while its connection is
+        self._keepalive = asyncio.ensure_future(self._keep_alive())
         return Channel(sock, keys)
+
+    async def _keep_alive(self) -> None:
+        """Every `KEEPALIVE_SECONDS`: end the connection if the loaded replica said nothing for
+        `SILENCE_SECONDS`, else send a `Keepalive`. Ends with the connection."""
+        while self.is_alive:
+            await asyncio.sleep(remote.KEEPALIVE_SECONDS)
+            silent = self.silent_seconds()
+            if silent >= remote.SILENCE_SECONDS:
+                self._lost_reason = f"{self._exit_reason()}: nothing received for {silent:.1f} s"
+                self._on_exit(self._lost_reason)
+                return
+            if self.is_alive:
+                with contextlib.suppress(EngineDeadError):
+                    self._send(Keepalive())
 
     async def start(self, timeout: float = 900.0):
         info = await super().start(timeout)
@@ -74,6 +95,8 @@ class RemoteEngineClient(AsyncEngineClient):
             await asyncio.sleep(0)   # a death notice racing the connection's loss may name the cause
         self._die(self._exit_reason())
         self._channel.close()
+        if self._keepalive is not None:
+            self._keepalive.cancel()
         if not self.died.done():
             self.died.set_result(self._dead)
 

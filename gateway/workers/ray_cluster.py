@@ -5,7 +5,9 @@ placement group of its own: one bundle per tensor-parallel rank (`{"CPU": thread
 on CUDA), `STRICT_PACK` so a replica's ranks share a node. Ray places the group (on the node that holds
 the fewest of the device's replicas, when it has room: a soft target), starts the actor, and restarts
 it (`max_restarts=-1`) when it dies — in a rescheduled group on another node when its own node is gone.
-A group Ray cannot place stays pending: that is how Ray's cluster autoscaler learns a node is needed.
+A group Ray cannot place stays pending (that is how Ray's cluster autoscaler learns a node is needed)
+for as long as the replica may take to start; then it is removed, and the next start places it anew.
+The actor learns its GPUs from Ray inside itself at every start (`engine.remote.placed_config`).
 
 The actor is named `cliffguard:<device>:<replica>:<digest>` in the `cliffguard` namespace and
 detached: it outlives the gateway, and a gateway that starts again with the same engine config (same
@@ -222,18 +224,31 @@ class RayReplica:
         group = await asyncio.to_thread(placement_group, self.bundles.as_list(), strategy="STRICT_PACK",
                                         name=self.name, lifetime="detached", _soft_target_node_id=target)
         self.status = f"waiting for Ray to place {self.bundles.as_list()} on one node"
-        await asyncio.wait_for(group.ready(), timeout)
-        gpu_ids = await self._gpu_ids(group) if self.bundles.gpus else ()
+        await self._wait_placed(group, timeout)
         from engine.remote import ReplicaActor
 
         options = dict(name=self.name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
                        max_concurrency=ACTOR_CONCURRENCY, num_cpus=self.bundles.cpus, num_gpus=self.bundles.gpus,
                        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
                        get_if_exists=True)
-        if gpu_ids:   # rank 0 starts the other ranks: it sees every GPU of its group
+        if self.bundles.gpus:   # rank 0 starts the other ranks: it sees every GPU of its node, and uses its group's
             options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
         cls = ray.remote(ReplicaActor)
-        return cls.options(**options).remote(self.config, gpu_ids)
+        return cls.options(**options).remote(self.config)   # it learns its GPUs from Ray at each (re)start
+
+    async def _wait_placed(self, group, timeout: float) -> None:
+        """Wait until Ray has placed `group`. One not placed within `timeout` seconds (or a wait
+        cancelled) is removed, so that no pending group is left asking the cluster autoscaler for a
+        node; the next `endpoint` places anew. TimeoutError saying what could not be placed."""
+        ray = _ray()
+        try:
+            await asyncio.wait_for(group.ready(), timeout)
+        except BaseException as exc:
+            await asyncio.to_thread(ray.util.remove_placement_group, group)
+            if not isinstance(exc, TimeoutError):
+                raise
+            self.status = f"Ray placed {self.bundles.as_list()} on no node within {timeout:g} s"
+            raise TimeoutError(f"replica {self.label}: {self.status} (its placement group was removed)") from None
 
     async def _target_node(self) -> str | None:
         """The alive node holding the fewest of the device's replicas (a soft target: Ray may go elsewhere)."""
@@ -246,19 +261,6 @@ class RayReplica:
                 held[peer.node_id] += 1
         # ties (replicas placed at once know no peer's node yet) go round-robin by slot
         return min(nodes, key=lambda n: (held[n], (nodes.index(n) - self.replica) % len(nodes)))
-
-    async def _gpu_ids(self, group) -> tuple[int, ...]:
-        """The GPU of each bundle of the group, as Ray assigned them (bundle i keeps its GPU)."""
-        ray = _ray()
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        @ray.remote(num_cpus=0, num_gpus=1)
-        def gpu_of_bundle() -> int:
-            return int(ray.get_gpu_ids()[0])
-
-        refs = [gpu_of_bundle.options(scheduling_strategy=PlacementGroupSchedulingStrategy(group, i)).remote()
-                for i in range(self.bundles.ranks)]
-        return tuple(await asyncio.gather(*refs))
 
     @property
     def label(self) -> str:

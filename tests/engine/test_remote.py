@@ -1,14 +1,22 @@
 """engine.remote: a replica served over TCP (no Ray here): only a peer holding the key is served, the
-engine outlives a gateway that leaves mid-request (its requests aborted, its blocks freed), and the next
-gateway is served by the loaded engine."""
+engine outlives a gateway that leaves mid-request (its requests aborted, its blocks freed), the next
+gateway is served by the loaded engine, a gateway that proves the key takes over from the one being
+served, one that connects during the load is proved at once, a peer that trickles its handshake is
+dropped at the deadline, and a link that stops carrying frames (a relay that stops forwarding, closing
+nothing) is dropped by both ends within `engine.remote.SILENCE_SECONDS`."""
 
 from __future__ import annotations
 
 import asyncio
+import select
+import socket
+import threading
 import time
 
 import pytest
 
+from engine import remote
+from engine.client import EngineDeadError
 from engine.config import CacheConfig, EngineConfig, PoolConfig
 from engine.remote import ReplicaServer, connect
 from engine.remote_client import RemoteEngineClient
@@ -37,12 +45,13 @@ class _Link:
     name = "test/0"
     status = "fixed address"
 
-    def __init__(self, server: ReplicaServer, key: bytes | None = None) -> None:
+    def __init__(self, server: ReplicaServer, key: bytes | None = None, address: tuple | None = None) -> None:
         self.server, self.key = server, key or server.key
+        self.address = address or server.address
         self.restarts = []
 
     async def endpoint(self, timeout: float):
-        return (*self.server.address, self.key)
+        return (*self.address, self.key)
 
     def restart(self, reason: str) -> None:
         self.restarts.append(reason)
@@ -69,12 +78,14 @@ def test_the_engine_outlives_a_gateway_that_leaves_mid_request_and_serves_the_ne
         tokens = []
         async for delta in client.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=8)):
             tokens += delta.outputs[0].delta_token_ids
-        stream = client.generate([9, 10, 11], params)
+        stream = client.generate([9, 10, 11], params, request_id="long")
         await stream.__anext__()                 # one long request in flight, then the gateway goes
+        client.pause("long", True)               # (it cannot finish first)
         client.lost("the gateway went away")     # drops the connection as a crashed gateway would
         assert "went away" in await client.died
         with pytest.raises(Exception, match="went away"):
-            await stream.__anext__()
+            async for _ in stream:               # the deltas that came before the loss, then its error
+                pass
         return tokens
 
     async def second_gateway() -> list[int]:
@@ -96,3 +107,202 @@ def test_the_engine_outlives_a_gateway_that_leaves_mid_request_and_serves_the_ne
         time.sleep(0.05)
     assert asyncio.run(second_gateway()) == first and len(first) == 8
     assert server.num_sessions == sessions + 2
+
+
+async def _assert_ends_with(stream, error: type[BaseException]) -> None:
+    """The deltas that arrived before the connection's end, then `error`."""
+    with pytest.raises(error):
+        async for _ in stream:
+            pass
+
+
+def _wait_until(condition, timeout: float) -> float:
+    """Seconds until `condition()` held; AssertionError past `timeout`."""
+    started = time.monotonic()
+    while not condition():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"not within {timeout} s")
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_a_gateway_that_proves_the_key_takes_over_and_the_one_served_sees_its_connection_end(server):
+    async def main():
+        first = RemoteEngineClient(server.config, _Link(server))
+        await first.start(timeout=30)
+        stream = first.generate([9, 10, 11], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                                request_id="held")
+        await stream.__anext__()
+        first.pause("held", True)                  # in flight for as long as the connection lives
+        await asyncio.sleep(0.1)
+        assert first.is_alive and server.gateway is not None
+        with pytest.raises((WireError, OSError)):   # a peer without the key ends nothing
+            await connect(*server.address, b"z" * KEY_BYTES, timeout=5)
+        assert first.is_alive
+
+        second = RemoteEngineClient(server.config, _Link(server))
+        await second.start(timeout=30)              # served at once, not after the first leaves
+        assert "connection lost" in await asyncio.wait_for(first.died, 10)
+        await _assert_ends_with(stream, EngineDeadError)
+        assert (await second.stats()).num_requests == 0   # the first's request aborted, its blocks freed
+        tokens = [t async for d in second.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=8))
+                  for t in d.outputs[0].delta_token_ids]
+        assert len(tokens) == 8
+        await second.shutdown()
+
+    sessions = server.num_sessions
+    asyncio.run(main())
+    assert server.num_sessions == sessions + 2
+
+
+class _Relay:
+    """A TCP forwarder on 127.0.0.1 between one gateway and `upstream`; `freeze()` stops it forwarding
+    (and reading) without closing anything, as a partitioned path does."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self.frozen = threading.Event()
+        self.closed = threading.Event()
+        self.sockets: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        inward, _ = self.listener.accept()
+        outward = socket.create_connection(self.upstream)
+        self.sockets += [inward, outward]
+        peer = {inward: outward, outward: inward}
+        while not self.closed.is_set():
+            if self.frozen.is_set():
+                time.sleep(0.05)
+                continue
+            readable, _, _ = select.select(list(peer), [], [], 0.05)
+            for sock in readable:
+                data = sock.recv(1 << 16)
+                if not data:
+                    return
+                peer[sock].sendall(data)
+
+    def freeze(self) -> None:
+        self.frozen.set()
+
+    def close(self) -> None:
+        self.closed.set()
+        for sock in self.sockets:
+            sock.close()
+
+
+def test_a_link_that_stops_carrying_frames_is_dropped_by_both_ends_within_the_bound(server, monkeypatch):
+    silence = 1.5
+    monkeypatch.setattr(remote, "SILENCE_SECONDS", silence)
+    monkeypatch.setattr(remote, "KEEPALIVE_SECONDS", 0.25)
+    relay = _Relay(server.address)
+
+    async def main():
+        client = RemoteEngineClient(server.config, _Link(server, address=relay.address))
+        await client.start(timeout=30)
+        tokens = [t async for d in client.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=4))
+                  for t in d.outputs[0].delta_token_ids]
+        assert len(tokens) == 4
+        await asyncio.sleep(2.5 * silence)         # idle but healthy: the keepalives and heartbeats keep it
+        assert client.is_alive and server.gateway is not None
+        stream = client.generate([9, 10, 11], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                                 request_id="partitioned")
+        await stream.__anext__()
+        client.pause("partitioned", True)
+        await asyncio.sleep(0.2)
+        relay.freeze()
+        frozen = time.monotonic()
+        replica_side = asyncio.to_thread(_wait_until, lambda: server.gateway is None, silence + 3)
+        reason = await asyncio.wait_for(client.died, silence + 3)
+        gateway_seconds = time.monotonic() - frozen
+        replica_seconds = await replica_side
+        assert "nothing received" in reason, reason
+        assert gateway_seconds <= silence + 0.25 + 1.5, gateway_seconds   # from the last frame that passed
+        assert replica_seconds <= silence + 1.5, replica_seconds
+        await _assert_ends_with(stream, EngineDeadError)
+
+    try:
+        asyncio.run(main())
+    finally:
+        relay.close()
+    _wait_until(lambda: not server._engine.requests, 5)   # the partitioned gateway's request was aborted
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="TCP_USER_TIMEOUT is Linux's")
+def test_each_end_bounds_what_its_peer_leaves_unacknowledged(server, monkeypatch):
+    monkeypatch.setattr(remote, "SILENCE_SECONDS", 7.5)
+
+    async def main():
+        client = RemoteEngineClient(server.config, _Link(server))
+        await client.start(timeout=30)
+        theirs = server._current.sock   # the replica's end: the gateway reads whenever data comes
+        assert theirs.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 7500
+        ours = client._channel.sock     # the gateway's end: a replica reads between steps only
+        assert ours.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == remote.UNREAD_SECONDS * 1000
+        assert all(s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) for s in (theirs, ours))
+        await client.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_peer_that_trickles_its_handshake_is_dropped_at_the_deadline_and_the_next_is_served(server, monkeypatch):
+    monkeypatch.setattr(remote, "HANDSHAKE_SECONDS", 1.0)
+    with socket.create_connection(server.address) as peer:
+        peer.settimeout(5)
+        peer.recv(64)                               # the replica's hello
+        assert _seconds_until_closed(peer) < 3.0    # a byte every 0.2 s: each read is quick, the whole is not
+
+    async def main():
+        client = RemoteEngineClient(server.config, _Link(server))
+        await client.start(timeout=30)
+        await client.shutdown()
+
+    asyncio.run(main())
+
+
+def _seconds_until_closed(peer: socket.socket, limit: float = 10.0) -> float:
+    """Send a byte every 0.2 s until the other end closes; how long that took."""
+    started = time.monotonic()
+    while time.monotonic() - started < limit:
+        try:
+            peer.sendall(b"x")
+            time.sleep(0.2)
+            if not peer.recv(1, socket.MSG_DONTWAIT):
+                return time.monotonic() - started
+        except BlockingIOError:
+            continue
+        except OSError:
+            return time.monotonic() - started
+    raise AssertionError(f"still open after {limit} s")
+
+
+def test_a_gateway_that_connects_while_the_engine_loads_is_proved_at_once_and_served_when_it_is_loaded(
+        server, monkeypatch):
+    import engine.llm_engine
+
+    loaded = threading.Event()
+    real = engine.llm_engine.LLMEngine
+
+    def held_engine(config):
+        loaded.wait(30)                              # the load lasts until the test lets it end
+        return real(config)
+
+    monkeypatch.setattr(engine.llm_engine, "LLMEngine", held_engine)
+    loading = ReplicaServer(server.config, "127.0.0.1")
+    loading.start()
+
+    async def main():
+        sock, _ = await connect(*loading.address, loading.key, timeout=5)   # no wait for the load
+        sock.close()
+        client = RemoteEngineClient(server.config, _Link(loading))
+        starting = asyncio.ensure_future(client.start(timeout=60))
+        await asyncio.sleep(0.3)
+        assert loading.state == "loading" and not starting.done()
+        loaded.set()
+        info = await starting                        # Ready once the load ends
+        assert loading.state == "ready" and info.num_blocks == 128
+        await client.shutdown()
+
+    asyncio.run(main())
