@@ -41,8 +41,8 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.ipc import Channel
-from engine.messages import (AbortRequest, AddRequest, Fatal, Heartbeat, Outputs, PauseRequest, Ready, Rejected,
-                             ReportWaiting, Shutdown, StartupError, StatsQuery, StatsReply)
+from engine.messages import (AbortRequest, AddRequest, Fatal, Heartbeat, Lease, LeaseAck, Outputs, PauseRequest, Ready,
+                             Rejected, ReportWaiting, Shutdown, StartupError, StatsQuery, StatsReply)
 from engine.outputs import RequestDelta
 from engine.parallel import describe_exit
 from engine.sampling import SamplingParams
@@ -116,6 +116,13 @@ class AsyncEngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats_waiters: list[asyncio.Future] = []
         self.latest_stats: EngineStats | None = None   # pushed by the worker with step outputs
+        # A replica shared by several gateways (`engine.sessions`): this gateway's lease on each pool, in
+        # KV credits (absent: a local worker, all of it). `on_lease(pool, tokens)` applies a new lease to
+        # the gateway's ledger and returns True once what it holds there is within it (then the client
+        # acknowledges it); False means later: whoever applied it calls `ack_leases` when it is.
+        self.leases: dict[str, int] = {}
+        self.on_lease = None
+        self._unacked: dict[str, tuple[int, int]] = {}   # pool -> (tokens, epoch) not acknowledged yet
 
     async def start(self, timeout: float = 900.0) -> WorkerInfo:
         """Spawn the worker and wait until the model is loaded; returns what it reported.
@@ -250,6 +257,19 @@ class AsyncEngineClient:
                     self._ready.set_exception(RuntimeError(f"device worker failed to start: {msg.reason}"))
             case Fatal():
                 self._on_exit(f"device worker failed:\n{msg.traceback}")
+            case Lease():
+                self.leases[msg.pool] = msg.tokens
+                self._unacked[msg.pool] = (msg.tokens, msg.epoch)
+                if self.on_lease is None or self.on_lease(msg.pool, msg.tokens):
+                    self.ack_leases([msg.pool])
+
+    def ack_leases(self, pools: Sequence[str] | None = None) -> None:
+        """Acknowledge the leases of `pools` (all pending ones: None) not acknowledged yet: the gateway
+        admits within them from now on and holds no more than them (`engine.sessions`)."""
+        for pool in list(self._unacked if pools is None else pools):
+            entry = self._unacked.pop(pool, None)
+            if entry is not None and self.is_alive:
+                self._send(LeaseAck(pool, *entry))
 
     def _on_exit(self, reason: str | None = None, grace: float = 10.0) -> None:
         """The worker is gone or going (pipe EOF, its sentinel, `fatal`, `shutdown`): stop reading and
@@ -302,9 +322,11 @@ class AsyncEngineClient:
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
-                       pool: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestDelta]:
+                       pool: str | None = None, cache_salt: str | None = None,
+                       credits: int = 0) -> AsyncIterator[RequestDelta]:
         """Submit a request and yield what each step added to it (`RequestDelta`) until it finishes.
-        `cache_salt`: the prefix-cache partition (`LLMEngine.add_request`).
+        `cache_salt`: the prefix-cache partition (`LLMEngine.add_request`); `credits`: the KV credits the
+        gateway holds for it (a shared replica counts them against this gateway's lease).
 
         Raises ValueError if the engine refused the request, RequestFailedError if the worker failed to
         handle it, EngineDeadError if the worker died.
@@ -320,7 +342,7 @@ class AsyncEngineClient:
         self._streams[request_id] = stream
         try:
             self._send(AddRequest(request_id, prompt if isinstance(prompt, str) else list(prompt),
-                                  params or SamplingParams(), priority, pool, cache_salt))
+                                  params or SamplingParams(), priority, pool, cache_salt, credits))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):

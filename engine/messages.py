@@ -6,10 +6,11 @@ process) and `engine.client` (the gateway's `AsyncEngineClient`) match on their 
 Gateway -> worker: `AddRequest`, `AbortRequest`, `PauseRequest` (a response whose client reads too
 slowly: its sequences keep their blocks but are not stepped until resumed), `ReportWaiting` (requests
 of an interactive pool waiting at the gateway: the step composer's pressure), `StatsQuery`, `Shutdown`,
-`Keepalive` (over a network only: the gateway is there; `engine.remote`).
+`Keepalive` (over a network only: the gateway is there; `engine.remote`), `LeaseAck`.
 Worker -> gateway: `Ready` (once loaded), `StartupError`, `Outputs` (each step's deltas, and now and
 then the engine's counters), `Rejected` (a request the engine refused, or whose handling failed),
-`StatsReply`, `Heartbeat` (the worker is alive, from a thread of its own), `Fatal`.
+`StatsReply`, `Heartbeat` (the worker is alive, from a thread of its own), `Fatal`, `Lease` (a replica
+served over a network: this gateway's share of a pool's KV credits, `engine.sessions`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class AddRequest:
     priority: int = 0
     pool: str | None = None
     cache_salt: str | None = None     # the prefix-cache partition (`LLMEngine.add_request`)
+    credits: int = 0                  # KV credits the gateway holds for it (a replica counts them: `engine.sessions`)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,15 @@ class StatsQuery:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class LeaseAck:
+    """The gateway honours a `Lease`: it admits within `tokens` on `pool` from now on, and what it holds
+    there is within it (`engine.sessions`)."""
+    pool: str
+    tokens: int
+    epoch: int
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,15 @@ class Rejected:
     request_id: str
     reason: str
     server_error: bool = False   # the request's handling failed in the worker (500), not its input (400)
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The KV credits of `pool` this gateway may hold on the replica from now on (`engine.sessions`):
+    a share that shrinks counts once the gateway acknowledges it (`LeaseAck`); `epoch` numbers them."""
+    pool: str
+    tokens: int
+    epoch: int
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,18 @@ A `ReplicaServer` lives in a process that a cluster manager placed (a Ray actor:
 `gateway.workers.ray_cluster` on the gateway's side). It binds a listening socket at once and runs two
 threads. The **accept thread** takes each connection through the handshake (`engine.wire.Handshake`:
 nothing of a message is read from a peer that does not prove the key) and hands it to the **engine
-thread**, which loads the engine, then serves one gateway connection at a time with the same messages,
-the same loop, the same heartbeat thread and the same back-pressure as a local worker
-(`engine.worker._serve`: the gateway's watchdog judges a replica as it judges a local worker). The
-engine is only ever touched by the engine thread (its CUDA device and streams are that thread's).
+thread**, which loads the engine, then serves every gateway connected, at once, with the same
+messages, the same loop, the same heartbeat thread and the same back-pressure as a local worker
+(`engine.worker._serve`, over an `engine.sessions.SessionHub`: the gateway's watchdog judges a replica
+as it judges a local worker). The engine is only ever touched by the engine thread (its CUDA device and
+streams are that thread's).
 
-**The newest authenticated gateway is served.** A connection that completes the handshake ends the one
-being served (its socket is shut down, which wakes the loop) and is served next; a gateway that
-restarted, or came back after a partition, never waits behind its own dead connection. The engine
-outlives connections: when one ends, whatever it had in flight is aborted and its blocks freed.
+**Several gateways, one replica.** Each authenticated connection is a session; sessions come and go
+while the engine serves on. Each gateway holds a lease on a share of every pool's KV credits, and the
+replica never leases more than it has (`engine.sessions`). When a session ends (the gateway closed it,
+was killed, or went silent), what it had in flight is aborted, its blocks freed, and its share offered
+to the others at once. A gateway that restarted, or came back after a partition, is served at once
+beside its old session, which ends within `SILENCE_SECONDS`.
 
 **A silent link is dropped within `SILENCE_SECONDS`**, on both ends. Over the connection the replica
 sends a `Heartbeat` every half second and the gateway a `Keepalive` every `KEEPALIVE_SECONDS`, so in a
@@ -75,8 +78,7 @@ def keep_alive(sock: socket.socket, user_timeout: float) -> None:
 class ReplicaChannel(WorkerChannel):
     """The replica's end of one gateway connection. It reads as closed (`eof`) once the gateway has sent
     nothing for `silence_seconds` (the gateway's `Keepalive` frames keep a healthy idle connection
-    talking; they are consumed here, never returned), or once another thread called `end` (a newer
-    gateway proved the key). `wait` never sleeps past the silence deadline. `end_reason` says why it
+    talking; they are consumed here, never returned), or once another thread called `end`. `wait` never sleeps past the silence deadline. `end_reason` says why it
     ended, when it was not the peer closing. Thread rules: `WorkerChannel`'s; `end` from any thread."""
 
     def __init__(self, sock: socket.socket, keys: FrameKeys, peer: object, silence_seconds: float) -> None:
@@ -112,13 +114,14 @@ class ReplicaChannel(WorkerChannel):
 
 
 class ReplicaServer:
-    """Loads `config`'s engine and serves gateways on `host`:`port` (0: any free port).
+    """Loads `config`'s engine and serves every gateway that proves the key on `host`:`port` (0: any free
+    port).
 
     `address` is known at once; `state` is `loading`, `ready` or `failed: <reason>`; `key` is the
-    32-byte secret a gateway must prove; `gateway` is the address of the gateway being served (None
-    between connections). Thread rules: `start` once, from any thread; the engine (`_engine`) and
-    the connection being served are the engine thread's; the accept thread hands connections over
-    under `_lock` (`_next`, `_current`)."""
+    32-byte secret a gateway must prove; `gateways` the addresses of the gateways served now. Thread
+    rules: `start` once, from any thread; the engine (`_engine`) and the sessions are the engine
+    thread's; the accept thread hands connections to the hub (`SessionHub.attach`), or, while the
+    engine loads, to `_early` under `_lock`."""
 
     def __init__(self, config: EngineConfig, host: str, port: int = 0, key: bytes | None = None) -> None:
         self.config = config
@@ -126,12 +129,10 @@ class ReplicaServer:
         self.listener = socket.create_server((host, port), backlog=8)
         self.address = (host, self.listener.getsockname()[1])
         self.state = "loading"
-        self.num_sessions = 0      # connections served (each one a gateway's, from Ready to its end)
-        self.gateway: object | None = None
         self._engine = None
-        self._lock = threading.Condition()
-        self._next: ReplicaChannel | None = None      # proved the key, not served yet
-        self._current: ReplicaChannel | None = None   # being served
+        self._hub = None                               # every gateway's session, once the engine is loaded
+        self._lock = threading.Lock()
+        self._early: list[ReplicaChannel] = []         # proved the key while the engine loads
         self._threads = (threading.Thread(target=self._run, name="cliffguard-replica", daemon=True),
                          threading.Thread(target=self._accept, name="cliffguard-replica-accept", daemon=True))
 
@@ -140,29 +141,45 @@ class ReplicaServer:
             thread.start()
 
     def _run(self) -> None:
-        """The engine thread: load, then serve the connections handed over, one after another."""
+        """The engine thread: load, then serve every gateway's session (`engine.sessions.SessionHub`)
+        until the process ends; a step that fails ends it (`os._exit`) after telling every gateway."""
         from engine.llm_engine import LLMEngine
+        from engine.sessions import SessionHub
+        from engine.worker import LAST_WORDS_SECONDS, _rank_lost, _serve
 
         if self.config.cpu_threads:   # as a local worker does (engine.worker): the bundle's CPUs, no more
             import torch
 
             torch.set_num_threads(self.config.cpu_threads)
         try:
-            self._engine = LLMEngine(self.config)
-            self.state = "ready"
+            engine = LLMEngine(self.config)
         except Exception as exc:  # noqa: BLE001 - told to every gateway that connects
-            self.state = f"failed: {type(exc).__name__}: {exc}"
-            log.error("replica failed to load: %s", self.state)
-        while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._next is not None)
-                channel, self._next = self._next, None
-                self._current, self.gateway = channel, channel.peer
-            self._session(channel)
+                self.state = f"failed: {type(exc).__name__}: {exc}"
+                early, self._early = self._early, []
+            log.error("replica failed to load: %s", self.state)
+            for channel in early:
+                self._refuse(channel)
+            return
+        hub = SessionHub(engine)
+        engine.group.on_rank_exit = lambda reason: _rank_lost(hub, reason)
+        with self._lock:
+            self._engine, self._hub, self.state = engine, hub, "ready"
+            early, self._early = self._early, []
+        for channel in early:
+            hub.attach(channel, str(channel.peer))
+        try:
+            _serve(engine, hub)
+        except Exception:  # noqa: BLE001 - a failed step: say why, then end the process for a restart
+            try:
+                hub.send(Fatal(traceback.format_exc()))
+                hub.drain(LAST_WORDS_SECONDS)
+            finally:
+                os._exit(1)
 
     def _accept(self) -> None:
-        """The accept thread: prove each connection's key, then hand it to the engine thread, ending the
-        connection it replaces."""
+        """The accept thread: prove each connection's key, then hand it to the engine's hub (or hold it
+        while the engine loads; refuse it with the reason if the load failed)."""
         while True:
             try:
                 conn, peer = self.listener.accept()
@@ -176,20 +193,37 @@ class ReplicaServer:
                 log.warning("replica: connection from %s refused: %s", peer, exc)
                 conn.close()
                 continue
-            self._hand_over(ReplicaChannel(conn, keys, peer, SILENCE_SECONDS))
+            channel = ReplicaChannel(conn, keys, peer, SILENCE_SECONDS)
+            with self._lock:
+                hub, loading = self._hub, self.state == "loading"
+                if loading:
+                    self._early.append(channel)
+            if hub is not None:
+                hub.attach(channel, str(peer))
+            elif not loading:
+                self._refuse(channel)
 
-    def _hand_over(self, channel: ReplicaChannel) -> None:
-        """`channel` is served next; the connection served now (or waiting to be) is ended."""
-        with self._lock:
-            if self._next is not None:   # proved the key but never served: nothing to abort
-                self._next.end(f"the gateway at {channel.peer} connected after it")
-                self._next.close()
-            if self._current is not None:
-                log.warning("replica: the gateway at %s connected; ending the connection of %s", channel.peer,
-                            self._current.peer)
-                self._current.end(f"the gateway at {channel.peer} connected")
-            self._next = channel
-            self._lock.notify_all()
+    def _refuse(self, channel: ReplicaChannel) -> None:
+        """A gateway that connected to a replica whose load failed: the reason, then close."""
+        from engine.worker import LAST_WORDS_SECONDS
+
+        try:
+            channel.send(StartupError(self.state.removeprefix("failed: ")))
+            channel.drain(LAST_WORDS_SECONDS)
+        except OSError:
+            pass
+        finally:
+            channel.close()
+
+    @property
+    def num_sessions(self) -> int:
+        """Gateway sessions served so far."""
+        return self._hub.num_sessions if self._hub is not None else 0
+
+    @property
+    def gateways(self) -> list[str]:
+        """The gateways being served now (their addresses)."""
+        return [session.name for session in self._hub.sessions] if self._hub is not None else []
 
     def _handshake(self, conn: socket.socket) -> FrameKeys:
         """The key proved both ways, all within `HANDSHAKE_SECONDS` (TimeoutError past it)."""
@@ -200,40 +234,6 @@ class ReplicaServer:
         conn.sendall(shake.hello())
         conn.sendall(shake.server_proof(_read_exact(conn, Handshake.CLIENT_BYTES, deadline)))
         return shake.keys(server=True)
-
-    def _session(self, channel: ReplicaChannel) -> None:
-        """Serve one gateway until it leaves, goes silent or is replaced; then abort what it left in flight."""
-        from engine.worker import LAST_WORDS_SECONDS, _serve, worker_info
-
-        self.num_sessions += 1
-        engine = self._engine
-        num_aborted = 0
-        try:
-            if engine is None:
-                channel.send(StartupError(self.state.removeprefix("failed: ")))
-                channel.drain(LAST_WORDS_SECONDS)
-                return
-            channel.send(Ready(worker_info(engine)))
-            _serve(engine, channel)
-            ended = channel.end_reason or ("it closed the connection" if channel.eof else "it said Shutdown")
-        except OSError as exc:
-            ended = channel.end_reason or f"the connection broke: {exc}"
-        except Exception:  # noqa: BLE001 - a failed step: say why, then end the process for a restart
-            try:
-                channel.send(Fatal(traceback.format_exc()))
-                channel.drain(LAST_WORDS_SECONDS)
-            finally:
-                os._exit(1)
-        finally:
-            with self._lock:
-                self._current, self.gateway = None, None
-            channel.close()
-            if engine is not None:
-                num_aborted = len(engine.requests)
-                for request_id in list(engine.requests):
-                    engine.abort(request_id)
-        log.log(logging.WARNING if num_aborted or channel.end_reason else logging.INFO,
-                "replica: the gateway at %s left (%s); %d requests aborted", channel.peer, ended, num_aborted)
 
 
 def _read_exact(conn: socket.socket, size: int, deadline: float) -> bytes:

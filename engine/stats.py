@@ -82,6 +82,12 @@ class PoolStats:
     num_computed_tokens: int = 0
     num_generated_tokens: int = 0    # output tokens sampled (a recomputed token is not generated again)
     device_seconds: float = 0.0      # the pool's part of every step's measured time (by its predicted cost)
+    # A replica serving gateways over a network (`engine.sessions`): the blocks this gateway's requests
+    # hold (None: a local worker, all of them its gateway's), and every gateway's credits together:
+    # reserved by requests running, and held (leases, or the reservations over one).
+    num_session_blocks: int | None = None
+    reserved_credits: int = 0
+    held_credits: int = 0
 
     @property
     def num_preemptions(self) -> int:

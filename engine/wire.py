@@ -30,15 +30,15 @@ from engine import messages as m
 
 __all__ = ["FrameKeys", "WireError", "decode", "encode", "Handshake", "MAGIC", "MAC_BYTES", "KEY_BYTES"]
 
-MAGIC = b"cliffgd2"          # a listener that is not a replica (or another version) is told apart at once
+MAGIC = b"cliffgd3"          # a listener that is not a replica (or another version) is told apart at once
 NONCE_BYTES = 32
 KEY_BYTES = 32
 MAC_BYTES = 16
 _COUNTER = struct.Struct("!Q")
 
 _MESSAGES: tuple[type, ...] = (m.AddRequest, m.AbortRequest, m.PauseRequest, m.ReportWaiting, m.StatsQuery,
-                               m.Shutdown, m.Keepalive, m.Ready, m.StartupError, m.Outputs, m.Rejected, m.StatsReply,
-                               m.Heartbeat, m.Fatal)
+                               m.Shutdown, m.Keepalive, m.LeaseAck, m.Ready, m.StartupError, m.Outputs, m.Rejected,
+                               m.StatsReply, m.Heartbeat, m.Fatal, m.Lease)
 _TAGS = {cls: cls.__name__ for cls in _MESSAGES}
 _DECODERS = {cls.__name__: msgspec.msgpack.Decoder(cls) for cls in _MESSAGES}
 _ENVELOPE = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])

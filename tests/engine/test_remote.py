@@ -1,7 +1,7 @@
 """engine.remote: a replica served over TCP (no Ray here): only a peer holding the key is served, the
 engine outlives a gateway that leaves mid-request (its requests aborted, its blocks freed), the next
-gateway is served by the loaded engine, a gateway that proves the key takes over from the one being
-served, one that connects during the load is proved at once, a peer that trickles its handshake is
+gateway is served by the loaded engine, two gateways are served at once, each within its lease on the
+pool's KV credits (a shrinking lease counts once acknowledged), one that connects during the load is proved at once, a peer that trickles its handshake is
 dropped at the deadline, and a link that stops carrying frames (a relay that stops forwarding, closing
 nothing) is dropped by both ends within `engine.remote.SILENCE_SECONDS`."""
 
@@ -126,33 +126,83 @@ def _wait_until(condition, timeout: float) -> float:
     return time.monotonic() - started
 
 
-def test_a_gateway_that_proves_the_key_takes_over_and_the_one_served_sees_its_connection_end(server):
+def _capacity(server: ReplicaServer) -> int:
+    pool = server.config.pools[0]
+    return pool.num_blocks * server.config.cache.block_size
+
+
+async def _until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time"
+        await asyncio.sleep(0.02)
+
+
+def test_two_gateways_are_served_at_once_each_on_its_lease_and_one_leaving_returns_its_share(server):
+    """Both clients number their requests alike (one process: `req-<pid>-0` ...): the replica keeps them
+    apart. The first alone leases the whole pool; when the second connects the first's lease shrinks to
+    half (acknowledged at once: nothing held) and the second is granted the other half; held credits
+    never pass the pool's capacity (the replica's own counters); when the first leaves, its requests
+    are aborted and the second's lease grows back to the whole pool."""
+    capacity = _capacity(server)
+    params = SamplingParams(temperature=0, max_tokens=8)
+
+    async def generate(client, prompt, credits):
+        return [t async for d in client.generate(prompt, params, credits=credits) for t in d.outputs[0].delta_token_ids]
+
     async def main():
         first = RemoteEngineClient(server.config, _Link(server))
         await first.start(timeout=30)
+        assert first.leases == {"default": capacity}
+        alone = await generate(first, [5, 6, 7], 64)
         stream = first.generate([9, 10, 11], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
-                                request_id="held")
+                                request_id="held", credits=300)
         await stream.__anext__()
-        first.pause("held", True)                  # in flight for as long as the connection lives
-        await asyncio.sleep(0.1)
-        assert first.is_alive and server.gateway is not None
+        first.pause("held", True)                   # in flight for as long as the first's session lives
         with pytest.raises((WireError, OSError)):   # a peer without the key ends nothing
             await connect(*server.address, b"z" * KEY_BYTES, timeout=5)
-        assert first.is_alive
-
         second = RemoteEngineClient(server.config, _Link(server))
-        await second.start(timeout=30)              # served at once, not after the first leaves
-        assert "connection lost" in await asyncio.wait_for(first.died, 10)
-        await _assert_ends_with(stream, EngineDeadError)
-        assert (await second.stats()).num_requests == 0   # the first's request aborted, its blocks freed
-        tokens = [t async for d in second.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=8))
-                  for t in d.outputs[0].delta_token_ids]
-        assert len(tokens) == 8
+        await second.start(timeout=30)
+        await _until(lambda: first.leases["default"] == capacity // 2 and second.leases.get("default") == capacity // 2)
+        both = await asyncio.gather(generate(first, [5, 6, 7], 64), generate(second, [5, 6, 7], 64))
+        assert both == [alone, alone]
+        pools = (await second.stats()).pools["default"]
+        assert pools.reserved_credits == 300 and pools.held_credits <= capacity
+        assert pools.num_session_blocks == 0           # the second's own requests hold nothing now
+        assert first.is_alive and len(server.gateways) == 2
+        await first.shutdown()
+        await _until(lambda: second.leases["default"] == capacity)
+        stats = await second.stats()
+        assert stats.num_requests == 0 and stats.pools["default"].reserved_credits == 0   # the held one aborted
+        assert await generate(second, [5, 6, 7], 64) == alone
         await second.shutdown()
 
     sessions = server.num_sessions
     asyncio.run(main())
     assert server.num_sessions == sessions + 2
+
+
+def test_a_shrinking_lease_counts_only_once_the_gateway_acknowledges_it(server):
+    """A gateway whose ledger still holds more than its new share does not acknowledge it: the newcomer
+    is granted only what nobody holds until it does."""
+    capacity = _capacity(server)
+
+    async def main():
+        first = RemoteEngineClient(server.config, _Link(server))
+        first.on_lease = lambda pool, tokens: tokens >= capacity   # holding all of it: a smaller one waits
+        await first.start(timeout=30)
+        second = RemoteEngineClient(server.config, _Link(server))
+        await second.start(timeout=30)
+        await _until(lambda: first.leases["default"] == capacity // 2)
+        await asyncio.sleep(0.3)
+        assert second.leases == {"default": 0}
+        first.ack_leases()
+        await _until(lambda: second.leases["default"] == capacity // 2)
+        await first.shutdown()
+        await _until(lambda: second.leases["default"] == capacity)
+        await second.shutdown()
+
+    asyncio.run(main())
 
 
 class _Relay:
@@ -206,7 +256,7 @@ def test_a_link_that_stops_carrying_frames_is_dropped_by_both_ends_within_the_bo
                   for t in d.outputs[0].delta_token_ids]
         assert len(tokens) == 4
         await asyncio.sleep(2.5 * silence)         # idle but healthy: the keepalives and heartbeats keep it
-        assert client.is_alive and server.gateway is not None
+        assert client.is_alive and len(server.gateways) == 1
         stream = client.generate([9, 10, 11], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
                                  request_id="partitioned")
         await stream.__anext__()
@@ -214,7 +264,7 @@ def test_a_link_that_stops_carrying_frames_is_dropped_by_both_ends_within_the_bo
         await asyncio.sleep(0.2)
         relay.freeze()
         frozen = time.monotonic()
-        replica_side = asyncio.to_thread(_wait_until, lambda: server.gateway is None, silence + 3)
+        replica_side = asyncio.to_thread(_wait_until, lambda: not server.gateways, silence + 3)
         reason = await asyncio.wait_for(client.died, silence + 3)
         gateway_seconds = time.monotonic() - frozen
         replica_seconds = await replica_side
@@ -237,7 +287,7 @@ def test_each_end_bounds_what_its_peer_leaves_unacknowledged(server, monkeypatch
     async def main():
         client = RemoteEngineClient(server.config, _Link(server))
         await client.start(timeout=30)
-        theirs = server._current.sock   # the replica's end: the gateway reads whenever data comes
+        theirs = server._hub.sessions[0].channel.sock   # the replica's end: the gateway reads whenever data comes
         assert theirs.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 7500
         ours = client._channel.sock     # the gateway's end: a replica reads between steps only
         assert ours.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == remote.UNREAD_SECONDS * 1000

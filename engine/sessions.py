@@ -1,0 +1,349 @@
+"""Several gateways on one replica: each connection a `Session`, all served by one engine loop, each
+holding a lease on a share of the replica's KV credits.
+
+A replica placed on a cluster (`engine.remote`) may be reached by several gateways at once (two gateways
+of one config behind a load balancer, or one restarting while the other serves). The engine loop
+(`engine.worker._serve`) then serves a `SessionHub`, which looks to it like one channel: `receive`
+returns every session's commands, `send` routes each output to the session whose request it is, a
+heartbeat goes to every session.
+
+**Request ids.** A session's ids are prefixed with its tag inside the engine (`s3/chatcmpl-…`), so two
+gateways that pick the same id never meet; what a session is sent carries its own ids again.
+
+**Leases: the replica is the authority on its blocks.** Each pool's capacity is its blocks x block
+size in KV token slots, the unit of the gateway's credits (`pools.credits.ledger`). A gateway admits
+requests only within its lease on each pool (`Lease`, the account's total); each `AddRequest` says the
+credits it holds (`credits`), which the session counts as `reserved` until the request ends. The hub
+keeps, for every pool,
+
+    sum over sessions of max(lease, reserved) <= capacity
+
+so the gateways together can never promise more KV than the replica has, whatever the order in which
+their messages cross. The shares follow the sessions: alone, a session leases the whole pool; with k
+sessions each is offered capacity / k (`targets`). A lease that shrinks takes effect when the gateway
+acknowledges it (`LeaseAck`: every request it admitted under the larger lease was sent before the ack,
+on the same ordered connection), and what it then frees goes to the sessions below their share as its
+reserved credits come back; a lease that grows is granted at once from what no session holds. A
+session that ends (its gateway closed, was killed, or went silent past the link's deadline) has its
+requests aborted, and its share is offered to the others at once.
+
+`num_session_blocks` in each pool's stats is the blocks the session's own requests hold, which the
+gateway reconciles its credits with (the replica's whole usage would count the other gateways' requests
+against it).
+
+Thread rules: `attach` is called from the thread that accepts connections; `send` from the loop and the
+heartbeat thread (a lock keeps the session list whole); everything else from the loop's thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import select
+import threading
+import time
+from dataclasses import dataclass, field
+
+from engine.messages import (AbortRequest, AddRequest, Fatal, Heartbeat, Lease, LeaseAck, Outputs, PauseRequest, Ready,
+                             Rejected, ReportWaiting, Shutdown, StatsQuery, StatsReply)
+
+log = logging.getLogger("cliffguard.engine")
+
+__all__ = ["Session", "SessionHub"]
+
+
+@dataclass
+class Session:
+    """One gateway's connection: its channel, tag, leases (acknowledged and offered) and reservations."""
+
+    channel: object                     # an engine.worker.WorkerChannel
+    tag: str                            # the prefix of its request ids in the engine
+    name: str = ""                      # for the log: the peer's address
+    leases: dict[str, int] = field(default_factory=dict)     # pool -> credits it may hold (acknowledged)
+    offered: dict[str, int] = field(default_factory=dict)    # pool -> a smaller lease sent, not yet acknowledged
+    reserved: dict[str, int] = field(default_factory=dict)   # pool -> credits its live requests hold
+    requests: dict[str, tuple[str, int]] = field(default_factory=dict)   # engine id -> (pool, credits)
+    waiting: dict[str, int] = field(default_factory=dict)    # pool -> requests waiting at its gateway
+    epoch: int = 0
+    closed: bool = False
+    stats_asked: int = 0                # StatsQuery messages not answered yet
+
+    def held(self, pool: str) -> int:
+        """What the hub counts this session as holding of `pool`: its lease, or more while its
+        reservations are over it (a lease just shrunk)."""
+        return max(self.leases.get(pool, 0), self.reserved.get(pool, 0))
+
+
+class SessionHub:
+    """The sessions of one replica's engine, as one channel for `engine.worker._serve`."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        block_size = engine.kv_cache.block_size
+        self.capacity = {name: s.block_manager.num_blocks * block_size for name, s in engine.schedulers.items()}
+        self.default_pool = engine.default_pool
+        self.sessions: list[Session] = []
+        self.eof = False                    # a replica's loop outlives its sessions
+        self._pending: list[Session] = []   # attached by the accept thread, adopted by the loop
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._tags = 0
+        self.num_sessions = 0
+
+    # --- sessions come and go ----------------------------------------------------------------------
+    def attach(self, channel, name: str = "") -> None:
+        """A new authenticated connection (any thread): the loop adopts it at its next turn."""
+        with self._lock:
+            self._tags += 1
+            self._pending.append(Session(channel, f"s{self._tags}/", name))
+        os.write(self._wake_w, b"x")
+
+    def _adopt(self) -> None:
+        """Sessions the accept thread attached: each is told its lease on every pool (perhaps 0 while
+        the others give theirs back), then `Ready`; so its gateway never admits before it knows."""
+        from engine.worker import engine_stats, worker_info
+
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self.sessions.extend(pending)
+        if not pending:
+            return
+        self.rebalance()
+        for session in pending:
+            self.num_sessions += 1
+            log.info("replica: gateway session %s%s opened (%d sessions)", session.tag, session.name,
+                     len(self.sessions))
+            for pool in self.capacity:
+                if not session.epoch or session.leases.get(pool, 0) == 0:
+                    self._send_lease(session, pool, session.leases.get(pool, 0))
+            self._safe_send(session, Ready(worker_info(self.engine)))
+            self._send_outputs(session, Outputs([], engine_stats(self.engine)))   # its metrics have numbers at once
+
+    def _end(self, session: Session, why: str) -> None:
+        """A session is over: abort what it left in flight, free its share for the others."""
+        if session.closed:
+            return
+        session.closed = True
+        with self._lock:
+            self.sessions.remove(session)
+        session.channel.close()
+        for request_id in list(session.requests):
+            if request_id in self.engine.requests:
+                self.engine.abort(request_id)
+        session.requests.clear()
+        session.reserved.clear()
+        session.leases.clear()
+        log.info("replica: gateway session %s%s ended (%s); %d left", session.tag, session.name, why,
+                 len(self.sessions))
+        self._report_waiting()
+        self.rebalance()
+
+    # --- leases ------------------------------------------------------------------------------------
+    def targets(self, pool: str) -> dict[int, int]:
+        """Each session's share of `pool` (by index): capacity / k, the remainder to the first."""
+        k = len(self.sessions)
+        if not k:
+            return {}
+        share, extra = divmod(self.capacity[pool], k)
+        return {i: share + (extra if i == 0 else 0) for i in range(k)}
+
+    def rebalance(self) -> None:
+        """Offer each session its share: a smaller lease is sent and waits for its ack; a larger one is
+        granted from what no session holds."""
+        for pool in self.capacity:
+            targets = self.targets(pool)
+            for i, session in enumerate(self.sessions):
+                target, lease = targets[i], session.leases.get(pool, 0)
+                if target < lease and session.offered.get(pool) != target:
+                    session.offered[pool] = target
+                    self._send_lease(session, pool, target)
+            for i, session in enumerate(self.sessions):
+                lease = session.leases.get(pool, 0)
+                if targets[i] > lease:
+                    grant = min(targets[i], lease + self.unheld(pool))
+                    if grant > lease:
+                        session.leases[pool] = grant
+                        session.offered.pop(pool, None)
+                        self._send_lease(session, pool, grant)
+
+    def unheld(self, pool: str) -> int:
+        """Credits of `pool` no session holds (neither leased nor reserved)."""
+        return self.capacity[pool] - sum(s.held(pool) for s in self.sessions)
+
+    def _send_lease(self, session: Session, pool: str, tokens: int) -> None:
+        session.epoch += 1
+        self._safe_send(session, Lease(pool, tokens, session.epoch))
+
+    def _acknowledged(self, session: Session, msg: LeaseAck) -> None:
+        offered = session.offered.get(msg.pool)
+        if offered is not None and msg.tokens == offered:
+            session.leases[msg.pool] = offered
+            del session.offered[msg.pool]
+            self.rebalance()
+
+    def check(self) -> None:
+        """The invariant, for tests: no pool is promised past its capacity."""
+        for pool, capacity in self.capacity.items():
+            held = sum(s.held(pool) for s in self.sessions)
+            assert held <= capacity, f"pool {pool}: sessions hold {held} credits of {capacity}"
+
+    # --- the channel the loop sees -----------------------------------------------------------------
+    @property
+    def num_pending_bytes(self) -> int:
+        return max((s.channel.num_pending_bytes for s in self.sessions), default=0)
+
+    def fileno(self) -> int:
+        return self._wake_r
+
+    def flush(self) -> bool:
+        done = True
+        for session in list(self.sessions):
+            try:
+                done = session.channel.flush() and done
+            except OSError as exc:
+                self._end(session, f"connection lost: {exc}")
+        return done
+
+    def receive(self) -> list:
+        """Every session's commands, their request ids in the engine's form."""
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
+        self._adopt()
+        messages = []
+        for session in list(self.sessions):
+            try:
+                received = session.channel.receive()
+            except OSError as exc:
+                self._end(session, f"connection lost: {exc}")
+                continue
+            for msg in received:
+                messages.extend(self._inbound(session, msg))
+            if session.channel.eof and not session.closed:
+                self._end(session, "the gateway closed the connection")
+        return messages
+
+    def _inbound(self, session: Session, msg) -> list:
+        match msg:
+            case AddRequest():
+                engine_id = session.tag + msg.request_id
+                pool = msg.pool or self.default_pool
+                session.requests[engine_id] = (pool, msg.credits)
+                session.reserved[pool] = session.reserved.get(pool, 0) + msg.credits
+                return [dataclasses.replace(msg, request_id=engine_id)]
+            case AbortRequest() | PauseRequest():
+                return [dataclasses.replace(msg, request_id=session.tag + msg.request_id)]
+            case ReportWaiting():
+                session.waiting[msg.pool] = msg.count
+                return [ReportWaiting(msg.pool, sum(s.waiting.get(msg.pool, 0) for s in self.sessions))]
+            case LeaseAck():
+                self._acknowledged(session, msg)
+                return []
+            case StatsQuery():
+                session.stats_asked += 1
+                return [msg]
+            case Shutdown():   # one gateway leaving: its session ends, the replica serves on
+                self._end(session, "the gateway shut down")
+                return []
+        return [msg]
+
+    def _report_waiting(self) -> None:
+        pools = {pool for s in self.sessions for pool in s.waiting}
+        for pool in pools:
+            self.engine.composer.set_external_waiting(pool, sum(s.waiting.get(pool, 0) for s in self.sessions))
+
+    def send(self, msg) -> None:
+        """Route one message of the loop (or of the heartbeat thread) to the sessions it concerns."""
+        with self._lock:
+            sessions = list(self.sessions)
+        match msg:
+            case Outputs():
+                for session in sessions:
+                    self._send_outputs(session, msg)
+            case Rejected():
+                session = self._owner(sessions, msg.request_id)
+                if session is not None:
+                    self._release(session, msg.request_id)
+                    self._safe_send(session, dataclasses.replace(msg, request_id=msg.request_id[len(session.tag):]))
+            case StatsReply():
+                for session in sessions:
+                    if session.stats_asked:
+                        session.stats_asked -= 1
+                        self._safe_send(session, StatsReply(self._stats_for(session, msg.stats)))
+            case Heartbeat() | Fatal():
+                for session in sessions:
+                    self._safe_send(session, msg)
+            case _:
+                for session in sessions:
+                    self._safe_send(session, msg)
+
+    def _send_outputs(self, session: Session, msg: Outputs) -> None:
+        deltas = []
+        for delta in msg.deltas:
+            if delta.request_id.startswith(session.tag):
+                if delta.finished:
+                    self._release(session, delta.request_id)
+                deltas.append(dataclasses.replace(delta, request_id=delta.request_id[len(session.tag):]))
+        stats = self._stats_for(session, msg.stats) if msg.stats is not None else None
+        if deltas or stats is not None:
+            self._safe_send(session, Outputs(deltas, stats))
+
+    def _owner(self, sessions: list[Session], request_id: str) -> Session | None:
+        return next((s for s in sessions if request_id.startswith(s.tag)), None)
+
+    def _release(self, session: Session, engine_id: str) -> None:
+        """A request ended: its credits are no longer reserved; a session below its share may grow."""
+        entry = session.requests.pop(engine_id, None)
+        if entry is not None:
+            pool, credits = entry
+            session.reserved[pool] = session.reserved.get(pool, 0) - credits
+            if credits and session.reserved[pool] + credits > session.leases.get(pool, 0):
+                self.rebalance()   # it held more than its lease: what it freed may go to another session
+
+    def _stats_for(self, session: Session, stats):
+        """The engine's stats with each pool's `num_session_blocks`: the blocks this session's requests hold."""
+        blocks: dict[str, int] = {}
+        for engine_id, (pool, _) in session.requests.items():
+            state = self.engine.requests.get(engine_id)
+            if state is not None:
+                blocks[pool] = blocks.get(pool, 0) + sum(len(seq.block_table) for seq in state.seqs)
+        pools = {name: dataclasses.replace(ps, num_session_blocks=blocks.get(name, 0),
+                                           reserved_credits=sum(s.reserved.get(name, 0) for s in self.sessions),
+                                           held_credits=sum(s.held(name) for s in self.sessions))
+                 for name, ps in stats.pools.items()}
+        return dataclasses.replace(stats, pools=pools)
+
+    def _safe_send(self, session: Session, msg) -> None:
+        try:
+            session.channel.send(msg)
+        except OSError:
+            pass   # the loop ends the session at its next flush or receive
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Sleep until a session's command (or a new session) arrives, an outbox may drain, or a
+        session's silence deadline passes (`engine.remote.ReplicaChannel`)."""
+        with self._lock:
+            sessions = list(self.sessions)
+        now = time.monotonic()
+        for session in sessions:
+            silence = getattr(session.channel, "silence_seconds", None)
+            if silence is not None:
+                left = max(0.0, session.channel.last_heard + silence - now)
+                timeout = left if timeout is None else min(timeout, left)
+        readers = [self._wake_r, *(s.channel.sock for s in sessions)]
+        writers = [s.channel.sock for s in sessions if s.channel.num_pending_bytes]
+        try:
+            select.select(readers, writers, [], timeout)
+        except (OSError, ValueError):
+            time.sleep(0.01)   # a socket closed under us: the next turn ends its session
+
+    def drain(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(s.channel.drain(max(0.0, deadline - time.monotonic())) for s in list(self.sessions))
+
+    def close(self) -> None:
+        for session in list(self.sessions):
+            session.channel.close()
