@@ -10,12 +10,27 @@ The stages, in order (`Completion.answer`):
    is ready within `gateway.device_wait_seconds`;
 5. **hold credits**: the KV the request may need, in its tenant's channel of each pool's credit queue
    (`AdmissionControl.admitted`), on the replica that can start it soonest, until the engine is done;
-6. **run** on that replica and assemble the answer (`gateway.local_answer.LocalResponse`); a request a
-   worker died under before its client saw anything gives its credits back and runs again, once,
-   from stage 4: on another replica when the pool has one up, else on the restarted worker. A request
-   in flight at two worker deaths is a poison request: 500 `poison_request`, never run a third time;
+6. **run** on that replica and assemble the answer (`gateway.local_answer.LocalResponse`); each prompt's
+   prefix-cache hit, as its engine reports it, corrects what placement guessed was cached there. A
+   request a worker died under before its client saw anything gives its credits back and runs again
+   from stage 4: on another replica when the pool has one up, else on the restarted worker (below);
 7. **answer**: the credits are back as soon as the engine is done; then the client gets its stream or
    body (an HTTP request), or the batch runner its JSON (a batch line, `http` None).
+
+Deaths are counted by cause (`gateway.workers.deaths`, read from the device's record, which its
+supervisors keep). A death counts against the request when it was its own: the worker's step failed
+(`Fatal`) or hung past `gateway.step_timeout_seconds`, or the replica was lost (the process gone without
+a word, the connection lost, the cluster's death notice, a stall) while no other replica of the device
+was lost within `LOSS_WINDOW_SECONDS` (2 s) of it. Several replicas lost together (a node, a network)
+are one fault that was not the request's: those deaths do not count. A request with two deaths that
+count is a poison request: 500 `poison_request`, never run again; so a request that kills its worker
+kills it twice, never three times. Before it is called one, a request whose verdict hangs on a loss
+waits (holding nothing) until the window after that loss has passed. Deaths that do not count still
+bound the retries: at the `MAX_DEATHS_PER_REQUEST`-th death of any cause the request is answered 503
+`engine_dead` with Retry-After; and a request whose replicas are all down waits for one
+(`Gateway.wait_device`), then gets 503 with Retry-After. A batch line is not retried here: the batch
+runner retries it (`gateway.batch.execution`), told by the code which deaths were the line's own:
+503 `engine_dead` for a death that counts, 503 `replica_lost` (with Retry-After) for one that does not.
 """
 
 from __future__ import annotations
@@ -23,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +52,10 @@ from gateway.openai.completions import CompletionRequest
 from gateway.openai.errors import ApiError
 from gateway.openai.sampling_fields import check_context, check_logit_bias
 from gateway.client_writes import ClientGone
+from gateway.admission import Placed
 from gateway.local_answer import LocalResponse
 from gateway.runtime import Gateway
+from gateway.workers.deaths import LOSS, Death, DeathsUnder
 from gateway.openai.tool_specs import schema_error
 from gateway.openai.tools import ToolFormat, format_for
 from gateway.upstream.relay import forward
@@ -46,13 +64,14 @@ from pools.pool import Pool
 log = logging.getLogger("cliffguard.gateway")
 
 # A request the device worker died under before its client saw anything (nothing streamed yet, or not
-# streamed at all) runs again this many times, on another replica or the restarted worker (its client
-# sees one answer); once a chunk was streamed, 503 engine_dead (or an error event). A request in flight
-# at 1 + this many deaths is a poison request: 500 poison_request (or that error event), not run again.
-# So a request that itself kills the worker kills it twice, never three times. Batch lines are retried
-# by the batch runner instead, by the same count (`gateway.batch.execution.MAX_ENGINE_DEATHS`: a line that
-# kills the worker twice is a poison line).
+# streamed at all) runs again, on another replica or the restarted worker (its client sees one answer);
+# once a chunk was streamed, 503 engine_dead (or an error event). It survives this many deaths that count
+# (the module docstring); the next makes it a poison request: 500 poison_request, not run again. Batch
+# lines are retried by the batch runner instead, by the same count (`gateway.batch.execution.MAX_ENGINE_DEATHS`).
 ENGINE_DEATH_RETRIES = 1
+MAX_DEATHS_PER_REQUEST = 3    # deaths of any cause under one request: at the last, 503 with Retry-After
+DEATH_NOTICE_SECONDS = 15.0   # a death its supervisor has not recorded by then is recorded by the request
+LOST_RETRY_AFTER = 2          # seconds: Retry-After of a 503 after deaths that were not the request's own
 
 
 @dataclass
@@ -111,10 +130,10 @@ class Completion:
 
     async def _run_local(self, req: ChatRequest | CompletionRequest) -> LocalResponse:
         """Wait for each pool's device, hold the credits on the replicas placement picks, run the request
-        there; once more (on another replica, or the restarted worker) if a worker died before the client
-        saw anything (HTTP only). A second death makes it a poison request (`poison_error`)."""
+        there; again (on another replica, or the restarted worker) if a worker died before the client saw
+        anything (HTTP only), until two deaths that count make it a poison request (`poison_error`)."""
         gateway = self.gateway
-        deaths = 0   # worker deaths this request was in flight at
+        under = DeathsUnder()   # the worker deaths this request was in flight at
         while True:
             for pool, _ in self.routed:
                 await gateway.wait_device(pool)
@@ -125,28 +144,94 @@ class Completion:
                 local = self.answer_type(self.http, req, self.routed, placed=placed, received=self.received,
                                          metrics=gateway.metrics, write_timeout=gateway.config.gateway.write_timeout,
                                          tenant=self.tenant)
+                clients = {name: p.client for name, p in placed.items()}   # the workers it runs on
                 await local.run()
-            if self.background or local.error is None or local.error.code != "engine_dead":
-                return local   # answered, failed otherwise, or a batch line (the batch runner counts deaths)
-            deaths += 1
-            where = ", ".join(f"{name} replica {p.replica}" for name, p in placed.items())
-            if deaths > ENGINE_DEATH_RETRIES:
-                log.error("%s: a poison request: the device worker (%s) died under it %d times (%s); not run again",
-                          local.request_id, where, deaths, local.error.message)
-                local.error = poison_error(local.request_id, deaths, local.error)
+                self._report_cache_hits(placed, local)
+            if local.error is None or local.error.code != "engine_dead":
+                return local   # answered, or failed otherwise
+            if not self.background and not local.retryable and not under:
+                return local   # its client saw part of it: the death's 503 (one death makes no poison request)
+            await self._record_deaths(under, placed, clients, local.error.message)
+            if self.background:
+                return await _judge_line(local, under)   # the batch runner retries it, counting its own deaths
+            if not await _judge(local, under):
                 return local
-            if not local.retryable:
-                return local
-            log.warning("%s: the device worker (%s) died before the client saw anything (%s); running it again",
-                        local.request_id, where, local.error.message)
+            log.warning("%s: the device worker died before the client saw anything (%s); running it again",
+                        local.request_id, under.describe())
+
+    def _report_cache_hits(self, placed: dict[str, Placed], local: LocalResponse) -> None:
+        """Each prompt's prefix-cache hit, as its engine request reported it, to its pool's placement: it
+        corrects what the placement guessed was cached on that replica."""
+        index: dict[str, int] = {}
+        hits = local.engine_cache_hits
+        for i, (pool, _) in enumerate(self.routed):
+            k = index[pool.name] = index.get(pool.name, -1) + 1   # the prompt's index in its pool's part
+            if i in hits:
+                pool.admission.engine_cached(placed[pool.name].key, k, hits[i])
+
+    async def _record_deaths(self, under: DeathsUnder, placed: dict[str, Placed], clients: dict[str, Any],
+                             message: str) -> None:
+        """Add to `under` the death of each worker the request ran on that is dead now, as its device's
+        record has it (at least one: a death nobody recorded in time counts as a loss noticed now)."""
+        seen: list[Any] = []
+        for name, client in clients.items():
+            if client.is_alive or any(client is c for c in seen):
+                continue
+            seen.append(client)
+            p = placed[name]
+            record = self.gateway.supervisors[p.pool.device][p.replica].deaths
+            death = await record.wait_for(client, DEATH_NOTICE_SECONDS)
+            under.add(record, death or record.record(client, p.replica, message, LOSS))
+        if not seen:
+            p = next(iter(placed.values()))
+            record = self.gateway.supervisors[p.pool.device][p.replica].deaths
+            under.add(record, Death(p.replica, time.monotonic(), LOSS, message))
+
+
+async def _judge(local: LocalResponse, under: DeathsUnder) -> bool:
+    """After a death under an HTTP request: True to run it again; else `local.error` is its answer (a
+    poison request's 500, the 503 of a request retried too often, or the death's own 503)."""
+    verdicts = under.verdicts()
+    if verdicts.count(True) + verdicts.count(None) > ENGINE_DEATH_RETRIES and None in verdicts:
+        await under.settle()   # a loss decides it: wait until its window has passed
+        verdicts = under.verdicts()
+    if verdicts.count(True) > ENGINE_DEATH_RETRIES:
+        log.error("%s: a poison request: the device worker died under it %d times by its own doing (%s); not run "
+                  "again", local.request_id, verdicts.count(True), under.describe())
+        local.error = poison_error(local.request_id, verdicts.count(True), local.error)
+        return False
+    if not local.retryable:
+        return False
+    if len(under) >= MAX_DEATHS_PER_REQUEST:
+        log.error("%s: the device's workers died under it %d times (%s); not run again", local.request_id,
+                  len(under), under.describe())
+        local.error = ApiError(503, f"request {local.request_id}: the device's workers died under it {len(under)} "
+                                    f"times (the last: {local.error.message}); retry later", type="server_error",
+                               code="engine_dead", headers={"Retry-After": str(LOST_RETRY_AFTER)})
+        return False
+    return True
+
+
+async def _judge_line(local: LocalResponse, under: DeathsUnder) -> LocalResponse:
+    """After a death under a batch line: its 503 `engine_dead` if the death counts (the line's own), else
+    503 `replica_lost` with Retry-After (the batch runner retries it without counting it)."""
+    verdicts = under.verdicts()
+    if True not in verdicts and None in verdicts:
+        await under.settle()
+        verdicts = under.verdicts()
+    if True not in verdicts:
+        local.error = ApiError(503, f"request {local.request_id}: its replica was lost with others of its device "
+                                    f"({under.describe()}); retry later", type="server_error", code="replica_lost",
+                               headers={"Retry-After": str(LOST_RETRY_AFTER)})
+    return local
 
 
 def poison_error(request_id: str, deaths: int, last: ApiError) -> ApiError:
-    """The 500 of a request in flight at `deaths` worker deaths (`last`: the last death's 503)."""
+    """The 500 of a request `deaths` worker deaths counted against (`last`: the last death's 503)."""
     return ApiError(500, f"request {request_id}: it was in flight when the device worker died "
-                         f"{'twice' if deaths == 2 else f'{deaths} times'} "
-                         f"(the last: {last.message}); not retried again", type="server_error",
-                    code="poison_request")
+                         f"{'twice' if deaths == 2 else f'{deaths} times'}, each time a death of its own (a failed "
+                         f"step, a hang, or a replica lost alone; the last: {last.message}); not retried again",
+                    type="server_error", code="poison_request")
 
 
 def with_tool_grammar(req: ChatRequest | CompletionRequest, pool: Pool) -> ChatRequest | CompletionRequest:

@@ -298,7 +298,7 @@ class LocalResponse:
 
     def _apply(self, i: int, out: RequestDelta) -> list[dict[str, Any]]:
         """Add prompt i's delta to its choices; the stream chunk's choices (empty when not streaming)."""
-        if out.num_cached_tokens:   # sent once, with the final delta
+        if out.finished and "queue_time" in out.metrics:   # sent once, with the final delta of a request that ran
             self._cached[i] = out.num_cached_tokens
         chunk_choices = []
         for c in out.outputs:
@@ -462,6 +462,12 @@ class LocalResponse:
     def _usage(self) -> tuple[int, int]:
         """(prompt tokens, completion tokens) of the whole response."""
         return (sum(len(ids) for _, ids in self.routed), sum(c.num_tokens for c in self.choices.values()))
+
+    @property
+    def engine_cache_hits(self) -> dict[int, int]:
+        """Prompt index -> its `num_cached_tokens` as its engine request reported it (with its final delta;
+        a prompt whose request never ran, or has not finished, is missing)."""
+        return dict(self._cached)
 
     def cached_tokens(self) -> int:
         """The response's prompt tokens whose K/V came from the prefix cache, summed over its prompts:

@@ -41,6 +41,7 @@ from gateway.workers.autoscaler import Autoscaler
 from gateway.monitoring.metrics import GatewayMetrics
 from gateway.openai.errors import ApiError, named_error
 from gateway.monitoring.overload import OverloadWatch
+from gateway.workers.deaths import DeviceDeaths
 from gateway.workers.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
 from gateway.upstream.connection import UpstreamClient
@@ -198,9 +199,10 @@ class Gateway:
             pools = [pool for pool in self.pools.values() if pool.device == device]
             links = self._links(device, configs)
             watchdog = self.config.gateway
+            deaths = DeviceDeaths(device, len(configs))   # one record of the device's replicas' deaths
             supervisors = [DeviceSupervisor(device, config, pools, self.metrics, self.backoff,
                                             stall_seconds=watchdog.stall_seconds, replica=r, link=link,
-                                            step_timeout_seconds=watchdog.step_timeout_seconds)
+                                            step_timeout_seconds=watchdog.step_timeout_seconds, deaths=deaths)
                            for r, (config, link) in enumerate(zip(configs, links))]
             self.supervisors[device] = supervisors
             for pool in pools:

@@ -3,15 +3,19 @@
 at once; it resumes unfinished batches after a restart from the durable store
 (`pools.store.batch_store.BatchStore`) and holds no state a restart needs.
 
-A line answered 503 `engine_dead` / `pool_unavailable` or 502 `upstream_unreachable` (an upstream pool
-no connection could be made to: nothing was sent) is retried with back-off, at most MAX_LINE_ATTEMPTS
-times; a line in flight when its device worker died twice (two 503 `engine_dead`) is a poison line.
-Either is recorded as the line's error, with its last answer. Any other answer is the line's: a line an
-upstream may have received (502 `upstream_disconnected`) is never sent again, so it never runs twice.
-Forwarded lines carry `Idempotency-Key: <batch id>:<custom_id>` (`gateway.upstream.relay.IDEMPOTENCY_KEY`)
-for upstreams that dedupe; the runner does not rely on it. A store call that fails for storage (disk
-full, database locked) is retried MAX_STORE_ATTEMPTS times, then the batch fails (`errors` naming
-`storage_error`) rather than stay in_progress or finalizing.
+A line answered 503 `engine_dead` / `replica_lost` / `pool_unavailable` or 502 `upstream_unreachable`
+(an upstream pool no connection could be made to: nothing was sent) is retried with back-off, at most
+MAX_LINE_ATTEMPTS times. Deaths are counted by cause, as for any request (`gateway.completion`): the
+gateway answers a line 503 `engine_dead` when the worker's death under it was its own (a failed step,
+a hang, or its replica lost alone) and 503 `replica_lost` when it was not (several replicas of the
+device lost at once: a node, a network). Only `engine_dead` counts: a line answered it twice is a
+poison line, and after the first it is tried again alone. Either end is recorded as the line's error,
+with its last answer. Any other answer is the line's: a line an upstream may have received (502
+`upstream_disconnected`) is never sent again, so it never runs twice. Forwarded lines carry
+`Idempotency-Key: <batch id>:<custom_id>` (`gateway.upstream.relay.IDEMPOTENCY_KEY`) for upstreams
+that dedupe; the runner does not rely on it. A store call that fails for storage (disk full, database
+locked) is retried MAX_STORE_ATTEMPTS times, then the batch fails (`errors` naming `storage_error`)
+rather than stay in_progress or finalizing.
 """
 
 from __future__ import annotations
@@ -38,9 +42,10 @@ MAX_IN_FLIGHT = 16                  # lines of one batch in flight; KV credits, 
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 10.0
 # Answers worth another try: the request never ran (a worker died under it before anything was sent
 # to the client, the pool was down, or no connection to the upstream was made).
-TRANSIENT = {(503, "engine_dead"), (503, "pool_unavailable"), (502, "upstream_unreachable")}
+TRANSIENT = {(503, "engine_dead"), (503, "replica_lost"), (503, "pool_unavailable"),
+             (502, "upstream_unreachable")}
 MAX_LINE_ATTEMPTS = 10              # tries of a line answered transiently (0.5 s ... 10 s apart: about a minute)
-MAX_ENGINE_DEATHS = 2               # 503 engine_dead answers after which a line is a poison line
+MAX_ENGINE_DEATHS = 2               # 503 engine_dead answers (its own deaths) that make a line a poison line
 MAX_STORE_ATTEMPTS = 6              # tries of a store call failing for storage, before the batch fails
 PAGE_LINES = 256                    # pending lines read from the store at a time
 
@@ -146,13 +151,14 @@ class BatchRunner:
     `start` resumes every batch a previous process left in_progress, finalizing or cancelling (lines
     that were in flight when it died are still pending and run again). Each line runs as the batch's
     tenant, read from the store. A batch has at most `max_in_flight` lines in flight. A transient
-    answer (`TRANSIENT`: 503 `engine_dead` / `pool_unavailable`, 502 `upstream_unreachable`) is not a
-    result: the line is tried again after a back-off (`retry_first_s` doubling, at most `retry_max_s`),
-    at most `max_line_attempts` times in all; a line answered `engine_dead` is tried again alone
-    (`_Gate`), and a second `engine_dead` makes it a poison line. Both end as the line's error. A store
-    call failing for storage is tried `max_store_attempts` times with the same back-off, then the batch
-    fails; so does a batch whose run raises anything else: a batch never stays unfinished while this
-    runner lives.
+    answer (`TRANSIENT`: 503 `engine_dead` / `replica_lost` / `pool_unavailable`, 502
+    `upstream_unreachable`) is not a result: the line is tried again after a back-off (`retry_first_s`
+    doubling, at most `retry_max_s`), at most `max_line_attempts` times in all; a line answered
+    `engine_dead` (a death of its own) is tried again alone (`_Gate`), and a second `engine_dead` makes
+    it a poison line; `replica_lost` (a death that was not its own) is retried like any transient
+    answer, and never counts. Both end as the line's error. A store call failing for storage is tried
+    `max_store_attempts` times with the same back-off, then the batch fails; so does a batch whose run
+    raises anything else: a batch never stays unfinished while this runner lives.
 
     Event loop only. Every store call goes through the runner's one thread: the loop never waits on
     SQLite, and the store sees one caller at a time. `stop` leaves unfinished batches as they are in
@@ -312,8 +318,8 @@ class BatchRunner:
 
     async def _answer(self, line: BatchLine, tenant: str, batch_id: str) -> _Outcome:
         """The line's outcome as `tenant` (a streaming line is the executor's 400): transient answers
-        are tried again up to `max_line_attempts`, a second `engine_dead` makes a poison line. Runs in
-        a task of its own, whose upstream requests carry the line's Idempotency-Key."""
+        are tried again up to `max_line_attempts`, a second `engine_dead` (never `replica_lost`) makes a
+        poison line. Runs in a task of its own, whose upstream requests carry the line's Idempotency-Key."""
         IDEMPOTENCY_KEY.set(f"{batch_id}:{quote(line.custom_id, safe='')}")
         delay, deaths = self.retry_first_s, 0
         for attempt in range(1, self.max_line_attempts + 1):
@@ -326,8 +332,9 @@ class BatchRunner:
                 if deaths >= MAX_ENGINE_DEATHS:
                     log.error("line %d (%s) of a batch is a poison line: %s", line.line_no, line.custom_id, message)
                     return _Outcome(status, body, {"code": "poison_line", "message": (
-                        f"line {line.line_no}: the device worker died {deaths} times while answering it, the last "
-                        f"time with no other batch line in flight ({message}); not tried again")})
+                        f"line {line.line_no}: the device worker died {deaths} times while answering it, each time "
+                        f"a death of its own, the last time with no other batch line in flight ({message}); not "
+                        "tried again")})
             if attempt < self.max_line_attempts:
                 log.warning("line %d (%s): %s; trying again in %.1f s", line.line_no, line.custom_id, message, delay)
                 await asyncio.sleep(delay)

@@ -32,12 +32,25 @@ throughout, so it is never killed before `step_timeout_seconds`. Either way the 
 with 503 `engine_dead` naming the reason (or run again: `gateway.completion`), `/ready` answers 503
 within `stall_seconds` plus one watchdog tick, and the worker is restarted as if it had died.
 
+Each death is recorded in the device's `gateway.workers.deaths.DeviceDeaths` (shared by its replicas)
+with its cause: a step's failure (`Fatal`), a hang or a stall (the watchdog's verdicts), or a loss
+(the process or the connection gone); a request that was in flight at it reads the record to tell
+its own deaths from a fault that took several replicas at once (`gateway.completion`).
+
 Requests that arrive meanwhile wait for a replica (`Gateway.wait_device`), holding nothing, and are
 served by the first replica ready: queued, not lost, for up to `gateway.device_wait_seconds` (then 503
-with Retry-After). A worker that fails its first start (a bad config, a
-missing model) stays `failed: <reason>`, and once every replica of a device has, its pools answer 503
-`pool_unavailable`; starting it again would fail the same way. A worker that was ready once is
-restarted for as long as it takes.
+with Retry-After). A local worker that fails its first start (a bad config, a missing model) stays
+`failed: <reason>`, and once every replica of a device has, its pools answer 503 `pool_unavailable`;
+starting it again would fail the same way. So does a remote replica that reports its load failed
+(`StartupError`: the engine's own error), or whose cluster the gateway cannot use at all
+(`ClusterError`: Ray missing, the address unreachable). A remote replica whose first connection
+failed otherwise (refused, timed out, reset: a partition, a replica busy serving another gateway, an
+actor being restarted) is tried again with the back-off, as `loading: … (the last try failed: …)`,
+like a replica that was ready once, which is restarted for as long as it takes.
+
+When a worker is ready, the pools' admission hears whether it is a new process (a restart: its prefix
+cache is empty, `CreditQueue.replica_ready(restarted=True)`) or the same one reached again (a remote
+replica reconnected: its cache is intact). The process is told by its address, pid and load time.
 
 Everything here runs on the event loop.
 """
@@ -54,6 +67,8 @@ from engine.stats import WorkerInfo
 from engine.client import AsyncEngineClient, EngineDeadError
 from engine.remote_client import RemoteEngineClient, ReplicaLink
 from gateway.monitoring.metrics import GatewayMetrics
+from gateway.workers.deaths import HANG, STALL, STOPPED, DeviceDeaths
+from gateway.workers.ray_cluster import ClusterError
 from gateway.ticker import Ticker
 from pools.pool import Pool
 from pools.config.gateway_spec import Backoff
@@ -63,21 +78,24 @@ log = logging.getLogger("cliffguard.gateway")
 __all__ = ["Backoff", "DeviceSupervisor"]
 
 WATCHDOG_INTERVAL = 0.5   # seconds between the watchdog's looks at the worker
+STARTUP_FAILED = "device worker failed to start:"   # how engine.client words a worker's `StartupError`
 
 
 class DeviceSupervisor:
-    """Starts one device's worker, and starts it again with back-off whenever it dies after having loaded.
+    """Starts one device's worker, and starts it again with back-off whenever it dies after having loaded
+    (a remote replica: also when its first connection failed; the module docstring).
 
     `client` is the current worker's client (a new one per process); the device's pools always point
     at it. `state` is what `/ready` shows: `loading`, `ready`, `restarting: <reason>` or
-    `failed: <reason>`. `wait_ready()` is what requests await before they reach the worker.
+    `failed: <reason>`. `wait_ready()` is what requests await before they reach the worker. `deaths`
+    is the device's record of its replicas' deaths (one shared by the device's supervisors).
     Event-loop only; `start` once, `stop` once.
     """
 
     def __init__(self, device: str, config: EngineConfig, pools: Sequence[Pool], metrics: GatewayMetrics,
                  backoff: Backoff = Backoff(), stall_seconds: float = 10.0, replica: int = 0,
                  link: ReplicaLink | None = None, start_seconds: float = 900.0,
-                 step_timeout_seconds: float = 600.0) -> None:
+                 step_timeout_seconds: float = 600.0, deaths: DeviceDeaths | None = None) -> None:
         self.device = device
         self.replica = replica
         self.name = device if replica == 0 and all(p.num_replicas == 1 for p in pools) else f"{device}/{replica}"
@@ -92,6 +110,7 @@ class DeviceSupervisor:
         self.start_seconds = start_seconds   # a worker not ready by then failed to start
         self.num_stalls = 0                # workers killed for a silent heartbeat
         self.num_step_timeouts = 0         # workers killed for a step over step_timeout_seconds
+        self.deaths = deaths if deaths is not None else DeviceDeaths(device)   # the device's, shared by its replicas
         self._watchdog = Ticker(f"cliffguard-watchdog-{self.name}", WATCHDOG_INTERVAL, self.check_stall, log,
                                 f"device {self.name}: watchdog check failed")
         self.client: AsyncEngineClient | None = None
@@ -99,6 +118,8 @@ class DeviceSupervisor:
         self._was_ready = False                    # some worker of this device loaded once
         self._restart_reason: str | None = None    # why the worker now loading replaces a dead one
         self._failure: str | None = None           # set when the device will not come back
+        self._first_failure: str | None = None     # why the last try of a first connection failed
+        self._process: tuple | None = None         # (address, pid, load time) of the last worker ready
         self._changed = asyncio.Condition()        # notified when a worker is ready, or the device failed
         self._task: asyncio.Task | None = None
         self.draining = False                      # the autoscaler is removing it: no new requests
@@ -112,6 +133,7 @@ class DeviceSupervisor:
         """Spawn the first worker; it loads in the background (`wait_ready`). A stopped supervisor may
         be started again (the autoscaler's parked slots)."""
         self._failure, self._was_ready, self._restart_reason, self.draining = None, False, None, False
+        self._first_failure = None
         self.metrics.worker_restarts.labels(**self.labels)   # exported from the start, at 0
         self.metrics.worker_stalls.labels(**self.labels)
         self.metrics.worker_step_timeouts.labels(**self.labels)
@@ -124,7 +146,8 @@ class DeviceSupervisor:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if self.client is not None:
+        if self.client is not None:   # recorded first: its requests in flight look for it at once
+            self.deaths.record(self.client, self.replica, "the gateway stopped the replica", STOPPED)
             await self.client.shutdown()
         if self._failure is None:
             self._failure = "the gateway is shutting down"
@@ -156,7 +179,10 @@ class DeviceSupervisor:
             return "draining" if self.draining else "ready"
         if self._was_ready:   # the worker died; the reason is known once it is reaped, a moment later
             return f"restarting: {self._restart_reason or 'device worker process exited'}"
-        return f"loading: {self.link.status}" if self.link is not None else "loading"
+        if self.link is None:
+            return "loading"
+        tried = f" (the last try failed: {self._first_failure})" if self._first_failure else ""
+        return f"loading: {self.link.status}{tried}"
 
     async def wait_ready(self) -> WorkerInfo:
         """What the worker loaded, once a worker is ready: at once, or after it loads or restarts.
@@ -176,11 +202,13 @@ class DeviceSupervisor:
             return False
         silent, step = client.silent_seconds(now), client.step_seconds(now)
         if silent >= self.stall_seconds:
+            cause = STALL
             reason = (f"stalled: no word from the device worker for {silent:.1f} s, not even its heartbeat, with "
                       f"{client.num_in_flight} requests in flight (gateway.stall_seconds {self.stall_seconds:g})")
             self.num_stalls += 1
             self.metrics.worker_stalls.labels(**self.labels).inc()
         elif step > self.step_timeout_seconds:
+            cause = HANG
             reason = (f"hung: one step of the device worker has run for {step:.1f} s with {client.num_in_flight} "
                       f"requests in flight; its heartbeat still beats (gateway.step_timeout_seconds "
                       f"{self.step_timeout_seconds:g})")
@@ -190,6 +218,7 @@ class DeviceSupervisor:
             return False
         self._restart_reason = reason
         log.error("device %s: %s; killing it", self.name, reason)
+        self.deaths.record(client, self.replica, reason, cause)   # before its requests hear of it
         client.kill(reason)
         return True
 
@@ -202,39 +231,58 @@ class DeviceSupervisor:
             try:
                 info = await client.start(self.start_seconds)
             except Exception as exc:  # noqa: BLE001 - the reason goes to the state, the log and the requests
-                if not self._was_ready:
+                if not self._was_ready and not self._tries_again(exc):
                     log.error("device %s failed to start: %s", self.name, exc)
                     self._failure = f"device {self.name!r} failed to start: {exc}"
                     await self._notify()
                     return
-                what, reason = "restart failed", str(exc)
+                what, reason = "restart failed" if self._was_ready else "first connection failed", str(exc)
             else:
                 up_since = time.monotonic()
-                log.info("device %s ready%s, %.1f s after its worker was spawned (%.1f s of it loading): %s",
-                         self.name, f" again (restart {self.num_restarts})" if self._was_ready else "",
-                         up_since - spawned, info.load_seconds, info)
-                for pool, slo in info.slos.items():
-                    self.metrics.pool_slo.labels(pool=pool, target="ttft").set(slo.ttft_ms / 1000)
-                    self.metrics.pool_slo.labels(pool=pool, target="itl").set(slo.itl_ms / 1000)
-                for pool, how in info.slo_derivations.items():
-                    slo = info.slos[pool]
-                    log.info("device %s pool %s: isolation by default, slo ttft %g ms, itl %g ms (%s)", self.name, pool,
-                             slo.ttft_ms, slo.itl_ms, how)
-                self._was_ready, self._restart_reason = True, None
-                for pool in self.pools:
-                    if pool.admission is not None:
-                        pool.admission.replica_ready(self.replica)
-                await self._notify()
+                await self._ready(client, info, up_since - spawned)
                 what, reason = "worker died", await self._until_died(client)
+                self.deaths.record(client, self.replica, reason)   # the watchdog's verdict stays, if it killed it
                 if time.monotonic() - up_since >= self.backoff.reset_after_seconds:
                     attempt = 0
             delay = self.backoff.delay(attempt)
             attempt += 1
-            self._restart_reason = _summary(reason)
-            log.error("device %s: %s: %s; restarting in %.1f s", self.name, what, reason, delay)
+            if self._was_ready:
+                self._restart_reason = _summary(reason)
+            else:
+                self._first_failure = _summary(reason)
+            log.error("device %s: %s: %s; %s in %.1f s", self.name, what, reason,
+                      "restarting" if self._was_ready else "trying again", delay)
             await asyncio.sleep(delay)
-            self.num_restarts += 1
-            self.metrics.worker_restarts.labels(**self.labels).inc()
+            if self._was_ready:
+                self.num_restarts += 1
+                self.metrics.worker_restarts.labels(**self.labels).inc()
+
+    def _tries_again(self, exc: Exception) -> bool:
+        """Whether a first start that failed with `exc` is tried again: only a remote replica's, and not
+        when the replica said its load failed (`StartupError`) or the cluster cannot be used at all."""
+        startup_error = type(exc) is RuntimeError and str(exc).startswith(STARTUP_FAILED)
+        return self.link is not None and not startup_error and not isinstance(exc, ClusterError)
+
+    async def _ready(self, client: AsyncEngineClient, info: WorkerInfo, took: float) -> None:
+        """A worker is ready: log it, export its SLOs, tell the pools' admission (a new process, or the
+        same one reached again) and wake the requests waiting for it."""
+        log.info("device %s ready%s, %.1f s after its worker was spawned (%.1f s of it loading): %s",
+                 self.name, f" again (restart {self.num_restarts})" if self._was_ready else "", took,
+                 info.load_seconds, info)
+        for pool, slo in info.slos.items():
+            self.metrics.pool_slo.labels(pool=pool, target="ttft").set(slo.ttft_ms / 1000)
+            self.metrics.pool_slo.labels(pool=pool, target="itl").set(slo.itl_ms / 1000)
+        for pool, how in info.slo_derivations.items():
+            slo = info.slos[pool]
+            log.info("device %s pool %s: isolation by default, slo ttft %g ms, itl %g ms (%s)", self.name, pool,
+                     slo.ttft_ms, slo.itl_ms, how)
+        self._was_ready, self._restart_reason, self._first_failure = True, None, None
+        process = (getattr(client, "address", None), info.pid, info.load_seconds)
+        restarted, self._process = process != self._process, process
+        for pool in self.pools:
+            if pool.admission is not None:
+                pool.admission.replica_ready(self.replica, restarted=restarted)
+        await self._notify()
 
     async def _until_died(self, client: AsyncEngineClient) -> str:
         """The reason the client's worker died. A remote replica's death is noticed by whichever comes

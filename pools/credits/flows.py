@@ -18,16 +18,18 @@ request larger than that still runs, alone in its flow. A flow held back by its 
 queue: the next flow's head goes. A throughput pool has no cap (its requests gain nothing from
 starting sooner, and its concurrency is a few sequences: a cap would cost it one in seven).
 
-Ints only, like the ledger.
+A tenant's share of the queue is its `TenantPolicy`; its channels, one per priority, and its allowance
+in the ledger's deficit round robin across tenants are a `TenantQueue`. Ints only, like the ledger.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+DEFAULT_TENANT = "default"
 FLOW_CAP = 8   # an interactive pool's flow holds at most 7/8 of a replica's credits and sequences (while it holds any)
 
 
@@ -120,3 +122,65 @@ class Headroom:
         entry[1] -= num_seqs
         if entry[0] == 0 and entry[1] == 0:
             del self.held[key]
+
+    def check_integrity(self, where: str, tickets: Iterable) -> None:
+        """What each flow holds == the sums of `tickets` (the requests admitted on this replica, each with a
+        `flow_key`, `num_tokens` and `num_seqs`); raises naming `where`, with both."""
+        flows: dict[tuple[str, int], list[int]] = {}
+        for t in tickets:
+            entry = flows.setdefault(t.flow_key, [0, 0])
+            entry[0], entry[1] = entry[0] + t.num_tokens, entry[1] + t.num_seqs
+        if flows != self.held:
+            raise AssertionError(f"{where}: flows {self.held}, tickets {flows}")
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """A tenant's share of the queue (`weight`, relative to the others) and the best priority its
+    requests may ask for (`min_priority`: smaller values are served first)."""
+
+    weight: int = 1
+    min_priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.weight, int) or isinstance(self.weight, bool) or self.weight < 1:
+            raise ValueError(f"weight: must be an integer >= 1, got {self.weight!r}")
+        if not isinstance(self.min_priority, int) or isinstance(self.min_priority, bool):
+            raise ValueError(f"min_priority: must be an integer, got {self.min_priority!r}")
+
+
+@dataclass
+class TenantQueue:
+    """One tenant's queued requests in the credit ledger: a `FlowChannel` per priority (the best first), and
+    its allowance left in the deficit round robin across tenants (`deficit`, in credits; below zero while it
+    owes for requests admitted out of turn)."""
+
+    weight: int
+    channels: dict[int, FlowChannel] = field(default_factory=dict)   # priority -> its flows, while any is queued
+    lanes: dict[int, FlowChannel] = field(default_factory=dict)      # priority -> its flows, kept while empty
+    deficit: int = 0
+
+    def append(self, ticket: Queued) -> None:
+        """Queue `ticket` (it has a `priority`) in its priority's channel, whose fair-queueing tags outlive its
+        empty spells: a burst admitted one by one still counts as served when the next request comes."""
+        channel = self.channels[ticket.priority] = self.lanes.setdefault(ticket.priority, FlowChannel())
+        channel.append(ticket)
+
+    def heads(self) -> Iterator:
+        """The candidates for the next admission, in order: the best priority's flows first."""
+        for priority in sorted(self.channels):
+            yield from self.channels[priority].heads()
+
+    def pop(self, ticket: Queued) -> None:
+        """`ticket`, the head of its flow, is served."""
+        self.channels[ticket.priority].pop(ticket)
+        self._drop_empty(ticket.priority)
+
+    def remove(self, ticket: Queued) -> None:
+        """A queued `ticket` is cancelled."""
+        self.channels[ticket.priority].remove(ticket)
+        self._drop_empty(ticket.priority)
+
+    def _drop_empty(self, priority: int) -> None:
+        if not self.channels[priority]:
+            del self.channels[priority]

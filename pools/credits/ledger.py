@@ -1,55 +1,49 @@
 """KV credits: the gateway's ledger of a pool's KV token slots, and the fair queue in front of it.
 
-The idea is virtual channels with KV-slot credits: the ledger starts with one credit per KV token slot of the
-pool (blocks x block_size, from the capacity plan). Admitting a request deducts `prompt_tokens + max_tokens`
-(the prompt part is exact: the gateway tokenized it); when the request finishes, stops early or is aborted,
-everything it held comes back at once. A request that does not fit waits here, not in the engine, so the
-engine's waiting lists stay short and nothing is rejected for capacity.
+One credit per KV token slot of the pool (blocks x block_size, from the capacity plan). Admitting a
+request deducts `prompt_tokens + max_tokens` (the prompt part is exact: the gateway tokenized it);
+when it finishes, stops early or is aborted, everything it held comes back at once. A request that
+does not fit waits here, not in the engine, and nothing is rejected for capacity.
 
-Queues are channels keyed by (tenant, priority). Within a tenant the smallest priority value goes
-first (the engine's convention); within one priority, requests are split into flows by size and the
-flows take turns by the credits they ask (`pools.credits.flows`: a burst of large requests does not hold a
-small one of the same tenant behind it), FIFO within a flow; a priority better than the tenant's
-`min_priority` is clamped to it, so a request body cannot buy more than its tenant may use. Across
-tenants, channels are served by deficit round robin in tokens: each visit gives a tenant
-`quantum x weight` tokens of allowance, so a tenant flooding with 200 requests and one sending 10
-alternate by the tokens they ask for, not by arrival.
+Queues are channels keyed by (tenant, priority): within a tenant the smallest priority value first
+(the engine's convention), a priority better than the tenant's `min_priority` clamped to it; within
+one priority, flows by size that take turns by the credits they ask (`pools.credits.flows`), FIFO
+within a flow. Across tenants, deficit round robin in tokens: each visit gives a tenant `quantum x
+weight` tokens of allowance, so a tenant flooding with 200 requests and one sending 10 alternate by
+the tokens they ask for, not by arrival.
 
-No bypass: when the next request in fair order does not fit the free credits, admission stops until
-credits return, so a large request is never starved by a stream of small ones. The one exception is a
-flow at its cap (`flow_cap`, an interactive pool's: `pools.credits.flows.Headroom`, one flow holds at most 7/8
-of a replica's credits and sequences while it holds any): its head waits for its own flow, and the
-next flow's head goes.
+Holding back: a request that cannot be admitted now holds back the replicas it waits for, and the
+requests after it in fair order may be admitted only on the others. One that fits nowhere holds every
+replica that is up (on one replica admission stops until credits return: a large request is never
+starved by a stream of small ones); one that `place` has wait for the replica caching its prompt
+holds only those it may not go to now, so the idle ones serve the rest of the queue. The first head
+that waited goes first at each later admission until admitted (`_first`), charged to its tenant. The
+one exception is a flow at its cap (`flow_cap`, an interactive pool's: `pools.credits.flows.Headroom`,
+one flow holds at most 7/8 of a replica's credits and sequences while it holds any): its head waits
+for its own flow, holds nothing, and the next flow's head goes.
 
 Sequences: a replica may also be given the most sequences its engine runs at once (`max_seqs`, the
-pool's max_num_seqs); a request of n samples over p prompts takes n x p of them (at most all). So
-requests wait here in fair order rather than in the engine's first-come queue.
+pool's max_num_seqs); a request of n samples over p prompts takes n x p of them (at most all), so
+requests wait here in fair order rather than in the engine's first-come queue. Background requests
+(batch lines) wait in one FIFO of their own, served only while no interactive request is queued.
 
-Background requests (batch lines) wait in one FIFO of their own that is served only while no
-interactive request is queued: they soak up KV that interactive traffic leaves idle and never pass
-an interactive request.
+Reconciliation: `reconcile(used)` takes the tokens the worker's blocks really hold; what exceeds the
+admitted requests' credits (an abort the worker has not processed yet, a lost release) is held
+"outside" until the next report, so the ledger never promises KV the engine does not have.
 
-Reconciliation: `reconcile(used)` takes the tokens the worker's blocks really hold. When that is more
-than the ledger's admitted requests hold (an abort the worker has not processed yet, or a lost
-release), the difference is held "outside" until the next report, so the ledger never promises KV
-the engine does not have; it comes back when the worker reports it free.
-
-Shared prompt blocks: a request may name the chain hashes of its prompt's full blocks (`blocks`).
-On one replica a block that several admitted requests name is held once, for as long as any of them
-runs, as the engine's prefix cache keeps one copy of it referenced by all of them: questions on one
-document hold its blocks once. Only a block some request there has finished prefilling
-(`prefilled`: its first token came) is shared: the engine caches a block once it is computed, so two
-requests prefilling the same document at once may each compute it, and each then holds it. (Held by
-the ledger until the last request naming them ends, shared blocks can never be needed twice: whatever
-else is admitted fits beside them even if the engine's copy were evicted.)
+Shared prompt blocks: a request may name the chain hashes of its prompt's full blocks (`blocks`). On
+one replica a block that several admitted requests name is held once while any of them runs, as the
+engine's prefix cache keeps one copy referenced by all, once some request there has prefilled it
+(`prefilled`: its first token came; two requests prefilling a document at once may each compute it,
+and each then holds a copy). Held until the last request naming them ends, shared blocks can never be
+needed twice: whatever else is admitted fits beside them even if the engine's copy were evicted.
 
 Replicas: a pool served by several replicas of its device has one queue and one credit account per
-replica (its blocks). The request at the head of the fair order is admitted on a replica where it
-fits, the one `place(ticket, fitting)` picks (`pools.credits.placement`: token load and prefix affinity;
-default: the most free credits); `Ticket.replica` says which. A replica that is down (`up` false:
-loading, restarting) takes nothing new. So a request waits on the pool, not on a replica, and goes to
-whichever frees first, unless `place` has it wait (None) for the replica that caches its prompt (which
-is not clearly busier); tenant channels and weights hold across replicas because there is one queue.
+replica (its blocks). A request is admitted on a replica where it fits, the one `place(ticket,
+fitting)` picks (`pools.credits.placement`: token load and prefix affinity; default: the most free
+credits), or waits (None) for one that caches its prompt; `Ticket.replica` says which. A replica that
+is down (`up` false: loading, restarting) takes nothing new. So a request waits on the pool, not on a
+replica; tenant channels and weights hold across replicas because there is one queue.
 
 Ints only, no asyncio, no locks: the gateway calls it from its event loop (ints, so it is tested in
 milliseconds). `pools.credits.queue` is the async layer the gateway awaits.
@@ -58,109 +52,12 @@ milliseconds). `pools.credits.queue` is the async layer the gateway awaits.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 
 from engine.capacity import DEFAULT_BLOCK_SIZE
-from pools.credits.flows import FlowChannel, Headroom, flow_class
-
-DEFAULT_TENANT = "default"
-
-
-@dataclass(frozen=True)
-class TenantPolicy:
-    """A tenant's share of the queue (`weight`, relative to the others) and the best priority its
-    requests may ask for (`min_priority`: smaller values are served first)."""
-
-    weight: int = 1
-    min_priority: int = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.weight, int) or isinstance(self.weight, bool) or self.weight < 1:
-            raise ValueError(f"weight: must be an integer >= 1, got {self.weight!r}")
-        if not isinstance(self.min_priority, int) or isinstance(self.min_priority, bool):
-            raise ValueError(f"min_priority: must be an integer, got {self.min_priority!r}")
-
-
-@dataclass
-class Ticket:
-    """One request in the ledger: queued until `admit` returns it, then holding `num_tokens` credits
-    until `release`."""
-
-    request_id: str
-    tenant: str
-    priority: int                # after clamping to the tenant's min_priority
-    num_tokens: int              # prompt + max_tokens
-    admitted: bool = False
-    background: bool = False     # a batch line: served only while no interactive request waits
-    replica: int | None = None   # where it was admitted (its credits are that replica's)
-    blocks: tuple[int, ...] = ()  # chain hashes of its prompt's full blocks (distinct), held once per replica
-    prefilling: bool = False      # admitted, its first token not yet come: its blocks are not shared yet
-    num_seqs: int = 1             # sequences it runs at once (n x prompts)
-    flow: int = 0                 # its size class within its tenant's channel (`pools.credits.flows`)
-    start: int = 0                # its start tag there (fair queueing)
-    arrival: int = 0              # its place in the order of arrival there
-
-    @property
-    def flow_key(self) -> tuple[str, int]:
-        return (self.tenant, self.flow)
-
-
-@dataclass
-class Account:
-    """One replica's credits: its KV token slots, what admitted requests hold (their own tokens, and the
-    copies of their prompt blocks: one for all the requests naming a block once one of them has
-    prefilled it), what reconciliation holds outside the ledger."""
-
-    total: int
-    max_seqs: int | None = None   # sequences the replica's engine runs at once; None: not counted
-    held: int = 0
-    outside: int = 0
-    num_seqs: int = 0             # sequences of the admitted requests (each at most max_seqs)
-    refs: dict[int, int] = field(default_factory=dict)      # prompt block hash -> admitted requests naming it
-    pending: dict[int, int] = field(default_factory=dict)   # ... of them still prefilling
-    copies: dict[int, int] = field(default_factory=dict)    # ... copies of it held (1 .. refs)
-    flow_cap: int | None = None                             # `pools.credits.flows.FLOW_CAP`, or None: no cap
-    headroom: Headroom | None = None                        # what each flow holds here (`pools.credits.flows`)
-
-    def __post_init__(self) -> None:
-        self.headroom = Headroom(self.total, self.max_seqs, self.flow_cap)
-
-    def seqs_of(self, ticket: Ticket) -> int:
-        """The sequences `ticket` takes here: all it runs, at most all the replica has."""
-        return ticket.num_seqs if self.max_seqs is None else min(ticket.num_seqs, self.max_seqs)
-
-    def has_seqs(self, ticket: Ticket) -> bool:
-        return self.max_seqs is None or self.num_seqs + self.seqs_of(ticket) <= self.max_seqs
-
-    @property
-    def free(self) -> int:
-        return self.total - self.held - self.outside
-
-
-@dataclass
-class _Tenant:
-    policy: TenantPolicy
-    channels: dict[int, FlowChannel] = field(default_factory=dict)   # priority -> its flows, while any is queued
-    lanes: dict[int, FlowChannel] = field(default_factory=dict)      # priority -> its flows, kept while empty
-    deficit: int = 0             # tokens of allowance left in this round (deficit round robin)
-
-    def append(self, ticket: Ticket) -> None:
-        """Queue `ticket` in its priority's channel (whose fair-queueing tags outlive its empty spells: a
-        burst admitted one by one still counts as served when the next request comes)."""
-        channel = self.channels[ticket.priority] = self.lanes.setdefault(ticket.priority, FlowChannel())
-        channel.append(ticket)
-
-    def heads(self) -> Iterator[Ticket]:
-        """The candidates for the next admission, in order: the best priority's flows first."""
-        for priority in sorted(self.channels):
-            yield from self.channels[priority].heads()
-
-    def pop(self, ticket: Ticket) -> None:
-        channel = self.channels[ticket.priority]
-        channel.pop(ticket)
-        if not channel:
-            del self.channels[ticket.priority]
+from pools.credits.flows import DEFAULT_TENANT, TenantPolicy  # noqa: F401 - the tenants' names, imported from here too
+from pools.credits.accounts import Account, Place, Ticket, drop
+from pools.credits.flows import TenantQueue, flow_class
 
 
 class CreditLedger:
@@ -185,9 +82,10 @@ class CreditLedger:
         self.up = [True] * len(totals)               # replicas that take new requests
         self.quantum = quantum or max(1, max(totals) // 8)   # tokens per weight per visit
         self.policies = dict(tenants or {})
-        self._tenants: dict[str, _Tenant] = {}
+        self._tenants: dict[str, TenantQueue] = {}
         self._active: deque[str] = deque()           # tenants with queued requests, in visiting order
         self._topped_up = False                      # the tenant at the front got its quantum this visit
+        self._first: Ticket | None = None            # the head that waits for its replicas (goes first)
         self._tickets: dict[str, Ticket] = {}        # request_id -> queued or admitted ticket
         self._background: deque[Ticket] = deque()    # batch lines, FIFO
 
@@ -272,7 +170,7 @@ class CreditLedger:
         if ticket is None or not ticket.prefilling:
             return False
         ticket.prefilling = False
-        _drop(self.accounts[ticket.replica].pending, ticket.blocks)
+        drop(self.accounts[ticket.replica].pending, ticket.blocks)
         return bool(ticket.blocks)
 
     # --- requests --------------------------------------------------------------------------------
@@ -303,23 +201,66 @@ class CreditLedger:
         if background:
             self._background.append(ticket)
             return ticket
-        state = self._tenants.setdefault(tenant, _Tenant(policy))
+        state = self._tenants.setdefault(tenant, TenantQueue(policy.weight))
         if not state.channels:
             self._active.append(tenant)
         state.append(ticket)
         return ticket
 
-    def admit(self, place: Callable[[Ticket, list[int]], int | None] | None = None) -> list[Ticket]:
-        """The queued requests that fit now, in fair order; their credits are deducted on the replica
-        `place(ticket, fitting)` picks among those (up, and with room) where it fits. `place` may return
-        None: the request waits for a replica that has no room now (as if it fitted nowhere)."""
-        admitted = self._admit_interactive(place)
-        while not self._active and self._background:
-            ticket = self._background[0]
-            replica = self._choose(ticket, place)
-            if replica is None:
+    def admit(self, place: Place = None) -> list[Ticket]:
+        """The queued requests that fit now, in fair order, each on the replica `place(ticket, fitting)` picks
+        among those (up, with room) where it fits, or waiting (None) for one with no room now. One not admitted
+        holds back the replicas it waits for (`_waited_for`) from the requests after it (module docstring)."""
+        held: set[int] = set()
+        admitted = self._admit_first(place, held) + self._admit_interactive(place, held)
+        if not self._active:
+            admitted += self._admit_background(place)
+        return admitted
+
+    def _admit_first(self, place: Place, held: set[int]) -> list[Ticket]:
+        """The head that waited for its replicas in an earlier pass goes before any other tenant's requests
+        (whatever the tenants' turns): its tenant's heads, in their fair order up to it, are admitted where
+        they can be now (charged to the tenant, past zero if need be), or hold back what they wait for."""
+        first = self._first
+        if first is None:
+            return []
+        tenant, admitted = self._tenants[first.tenant], []
+        for head in list(tenant.heads()):
+            if head is not first and self._capped(head):
+                continue
+            if (replica := self._choose(head, place, held)) is None:
+                held |= self._waited_for(head)
+            else:
+                tenant.pop(head)
+                tenant.deficit -= head.num_tokens   # below zero: its next turns are shorter
+                self._take(head, replica)
+                admitted.append(head)
+                self._first = None if head is first else self._first
+            if head is first:
                 break
-            self._background.popleft()
+        self._leave_if_empty(first.tenant)
+        return admitted
+
+    def _leave_if_empty(self, name: str) -> None:
+        """A tenant with nothing queued leaves the round robin, keeping no allowance (DRR)."""
+        tenant = self._tenants[name]
+        if not tenant.channels:
+            if self._active[0] == name:
+                self._topped_up = False
+            self._active.remove(name)
+            tenant.deficit = 0
+
+    def _admit_background(self, place: Place) -> list[Ticket]:
+        """Batch lines in FIFO order; one that is not admitted holds back the replicas it waits for."""
+        admitted: list[Ticket] = []
+        held: set[int] = set()
+        for ticket in list(self._background):
+            if self._all_held(held):
+                break
+            if (replica := self._choose(ticket, place, held)) is None:
+                held |= self._waited_for(ticket)
+                continue
+            self._background.remove(ticket)
             self._take(ticket, replica)
             admitted.append(ticket)
         return admitted
@@ -335,14 +276,25 @@ class CreditLedger:
         return [r for r, (a, up) in enumerate(zip(self.accounts, self.up))
                 if up and self.need(ticket, r) <= a.free and a.has_seqs(ticket)]
 
-    def waiting(self, ticket: Ticket) -> list[int]:
-        """The replicas that are up and could hold `ticket` once credits come back, but have no room now."""
+    def waiting(self, ticket: Ticket, fitting: Sequence[int] | None = None) -> list[int]:
+        """The replicas that are up and could hold `ticket` once credits come back (or once the requests
+        before it that wait for them are admitted), other than `fitting` (where it may be admitted now;
+        by default `self.fitting(ticket)`)."""
+        fitting = self.fitting(ticket) if fitting is None else fitting
         return [r for r, (a, up) in enumerate(zip(self.accounts, self.up))
-                if up and a.free < self.need(ticket, r) <= a.total - a.outside]
+                if up and r not in fitting and self.need(ticket, r) <= a.total - a.outside]
 
-    def _choose(self, ticket: Ticket, place: Callable[[Ticket, list[int]], int | None] | None) -> int | None:
-        """Where `ticket` is admitted now, or None (it fits nowhere, or `place` has it wait)."""
-        fitting = self.fitting(ticket)
+    def _waited_for(self, ticket: Ticket) -> set[int]:
+        """The replicas a request that was not admitted waits for: every one up where it may not go now
+        (all of them when it fits nowhere)."""
+        return {r for r, up in enumerate(self.up) if up} - set(self.fitting(ticket))
+
+    def _all_held(self, held: set[int]) -> bool:
+        return all(r in held for r, up in enumerate(self.up) if up)
+
+    def _choose(self, ticket: Ticket, place: Place, held: set[int] = frozenset()) -> int | None:
+        """Where `ticket` is admitted now, or None (it fits on no replica but `held`, or `place` has it wait)."""
+        fitting = [r for r in self.fitting(ticket) if r not in held]
         if not fitting:
             return None
         replica = place(ticket, fitting) if place is not None else max(fitting, key=lambda r: self.accounts[r].free)
@@ -363,13 +315,14 @@ class CreditLedger:
         account.headroom.add(ticket.flow_key, ticket.num_tokens, ticket.num_seqs)
         ticket.admitted, ticket.replica, ticket.prefilling = True, replica, True
 
-    def _admit_interactive(self, place: Callable[[Ticket, list[int]], int | None] | None) -> list[Ticket]:
+    def _admit_interactive(self, place: Place, held: set[int]) -> list[Ticket]:
         admitted: list[Ticket] = []
-        held_back = 0   # tenants visited in a row whose every head waits for its own flow
-        while self._active and held_back < len(self._active):
+        waiting: set[str] = set()   # heads not admitted in this pass (they hold their replicas)
+        held_back = 0   # tenants visited in a row with no head to try: each waits, for its flow or its replicas
+        while self._active and held_back < len(self._active) and not self._all_held(held):
             name = self._active[0]
             tenant = self._tenants[name]
-            head = self._next_head(tenant)
+            head = self._next_head(tenant, waiting)
             if head is None:
                 held_back += 1
                 tenant.deficit, self._topped_up = 0, False
@@ -377,12 +330,15 @@ class CreditLedger:
                 continue
             held_back = 0
             if not self._topped_up:
-                tenant.deficit += self.quantum * tenant.policy.weight
+                tenant.deficit += self.quantum * tenant.weight
                 self._topped_up = True
             if head.num_tokens <= tenant.deficit:
-                replica = self._choose(head, place)
-                if replica is None:
-                    break              # no bypass: wait for credits to come back
+                replica = self._choose(head, place, held)
+                if replica is None:    # it waits, holding back its replicas; the next head may go elsewhere
+                    waiting.add(head.request_id)
+                    held |= self._waited_for(head)
+                    self._first = self._first or head
+                    continue
                 tenant.pop(head)
                 tenant.deficit -= head.num_tokens
                 self._take(head, replica)
@@ -397,15 +353,20 @@ class CreditLedger:
             self._topped_up = False
         return admitted
 
-    def _next_head(self, tenant: _Tenant) -> Ticket | None:
-        """The tenant's next request in fair order, passing over heads whose flow is at its cap on every
-        replica that has room for them; None if every head is held back so."""
+    def _next_head(self, tenant: TenantQueue, waiting: set[str]) -> Ticket | None:
+        """The tenant's next request in fair order, passing over the first head (`_admit_first`'s), heads
+        that wait in this pass, and heads whose flow is at its cap on every replica that has room for them;
+        None if every head is passed over so."""
         for head in tenant.heads():
-            roomy = self._roomy(head)
-            if not roomy or any(self.accounts[r].headroom.allows(head.flow_key, head.num_tokens, head.num_seqs)
-                                for r in roomy):
+            if head is not self._first and head.request_id not in waiting and not self._capped(head):
                 return head
         return None
+
+    def _capped(self, head: Ticket) -> bool:
+        """`head`'s flow is at its cap on every replica that has room for it: it waits for its own flow."""
+        roomy = self._roomy(head)
+        return bool(roomy) and not any(self.accounts[r].headroom.allows(head.flow_key, head.num_tokens,
+                                                                        head.num_seqs) for r in roomy)
 
     def release(self, request_id: str) -> int:
         """A finished (or aborted) admitted request gives back everything it held; returns the credits that
@@ -418,9 +379,9 @@ class CreditLedger:
         account.num_seqs -= account.seqs_of(ticket)
         account.headroom.remove(ticket.flow_key, ticket.num_tokens, ticket.num_seqs)
         if ticket.prefilling:
-            _drop(account.pending, ticket.blocks)
+            drop(account.pending, ticket.blocks)
         freed = self._own(ticket)
-        _drop(account.refs, ticket.blocks)
+        drop(account.refs, ticket.blocks)
         for h in ticket.blocks:
             extra = account.copies[h] - account.refs.get(h, 0)   # copies beyond one per request left
             if extra > 0:
@@ -450,16 +411,10 @@ class CreditLedger:
         if ticket.background:
             self._background.remove(ticket)
             return True
-        tenant = self._tenants[ticket.tenant]
-        channel = tenant.channels[ticket.priority]
-        channel.remove(ticket)
-        if not channel:
-            del tenant.channels[ticket.priority]
-        if not tenant.channels:
-            if self._active[0] == ticket.tenant:
-                self._topped_up = False
-            self._active.remove(ticket.tenant)
-            tenant.deficit = 0
+        if ticket is self._first:
+            self._first = None
+        self._tenants[ticket.tenant].remove(ticket)
+        self._leave_if_empty(ticket.tenant)
         return True
 
     def check_integrity(self) -> None:
@@ -469,15 +424,11 @@ class CreditLedger:
             own, refs, pending = self._held_by_tickets(r)
             held = own + self.block_size * sum(account.copies.values())
             copies_ok = set(account.copies) == set(refs) and all(1 <= account.copies[h] <= refs[h] for h in refs)
-            flows: dict[tuple[str, int], list[int]] = {}
-            for t in self._tickets.values():
-                if t.admitted and t.replica == r:
-                    entry = flows.setdefault(t.flow_key, [0, 0])
-                    entry[0], entry[1] = entry[0] + t.num_tokens, entry[1] + t.num_seqs
-            seqs = sum(account.seqs_of(t) for t in self._tickets.values() if t.admitted and t.replica == r)
-            if flows != account.headroom.held or seqs != account.num_seqs:
-                raise AssertionError(f"credits of replica {r}: {account.num_seqs} sequences held (tickets {seqs}), "
-                                     f"flows {account.headroom.held} (tickets {flows})")
+            mine = [t for t in self._tickets.values() if t.admitted and t.replica == r]
+            account.headroom.check_integrity(f"credits of replica {r}", mine)
+            if sum(account.seqs_of(t) for t in mine) != account.num_seqs:
+                raise AssertionError(f"credits of replica {r}: {account.num_seqs} sequences held, tickets "
+                                     f"{sum(account.seqs_of(t) for t in mine)}")
             if (account.held != held or refs != account.refs or pending != account.pending or not copies_ok
                     or not 0 <= account.free <= account.total):
                 raise AssertionError(f"credits of replica {r}: held {account.held} (tickets {held}), outside "
@@ -490,11 +441,5 @@ class CreditLedger:
             raise AssertionError(f"queue: {len(in_channels)} tickets in channels, {len(queued)} queued")
         if sorted(self._active) != sorted(n for n, s in self._tenants.items() if s.channels):
             raise AssertionError(f"queue: active tenants {list(self._active)} do not match the channels")
-
-
-def _drop(counts: dict[int, int], keys: Sequence[int]) -> None:
-    """One less of each key; a key at zero leaves."""
-    for key in keys:
-        counts[key] -= 1
-        if not counts[key]:
-            del counts[key]
+        if self._first is not None and self._first.request_id not in queued:
+            raise AssertionError(f"queue: the first head {self._first.request_id!r} is not queued")

@@ -8,10 +8,17 @@ The gateway keeps, per replica, its **token load**: the work its admitted reques
            + sum of output tokens still to come        (max_tokens - generated, each sample capped at avg_len)
 
 and which prompt blocks it has likely cached: the chain hashes of the full blocks of every prompt
-sent to it (salted with the request's prefix-cache partition, as the engine salts them), newest
-first, at most as many as the pool has blocks (the engine's cache holds no more; it evicts the
-least recently used, as this does). A request of p prompt tokens whose first m tokens are cached on
-replica r (whole blocks), s of them still being prefilled there by a running request, scores
+sent to it (salted with the request's prefix-cache partition, as the engine salts them), least
+recently used first out, at most as many as the pool has blocks (the engine's cache holds no more;
+it evicts the least recently used, as this does). The engine corrects the guess: each request's
+final output says how many of its prompt tokens it found cached (`engine_cached`); when that is fewer
+than the record promised, the first block it missed was evicted, and with it (LRU) every block used
+less recently than that one: they leave the record (not for a block another request there was still
+computing when it was placed: no evidence of an eviction). The record survives a reconnection to the same
+replica process (its cache is intact) and is wiped when a new process serves the replica (`forget`).
+
+A request of p prompt tokens whose first m tokens are cached on replica r (whole blocks), s of them
+still being prefilled there by a running request, scores
 
     score_r = load_r - s + (p - m)
 
@@ -24,8 +31,9 @@ credits, then the lower index), except that a replica caching more of its prompt
 keeps it unless that replica is clearly busier: unless its score is over `1 + AFFINITY_SLACK` (1.25)
 times the lowest. That holds too when the caching replica has no room for it now: the request then
 waits in the pool's queue until that replica's credits come back (its score counts the work whose
-end frees them), rather than reading the document again on a replica that has room. Scores are
-estimates (outputs at their cap, a cache assumed from what was sent), and a prompt sent where it is
+end frees them), rather than reading the document again on a replica that has room; it holds back
+only that replica meanwhile, the others serve the rest of the queue (`pools.credits.ledger`). Scores
+are estimates (outputs at their cap, a cache assumed from what was sent), and a prompt sent where it is
 cached saves the whole system its prefill, while one sent elsewhere costs it again there. So with nothing cached requests spread by the tokens they ask for, not by
 their count, and a prompt whose prefix one replica holds goes there unless that replica would start
 it more than a quarter later than another. The load counts only what the gateway knows at once
@@ -35,6 +43,7 @@ the same instant see each other.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,6 +73,8 @@ class _Running:
     output: int           # output tokens still to come (the estimate)
     cached: int           # prompt tokens it found cached there when placed
     computing: list[int]  # hashes of the blocks it computes itself, until its first token
+    promised: list[tuple[int, tuple[int, ...]]]   # per prompt: its length, the last use of each leading block
+                                                  # found cached (and computed) there
 
 
 def block_hashes(ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
@@ -83,7 +94,8 @@ class Placement:
         self.max_cached_blocks = max_cached_blocks
         self.avg_len = avg_len
         self.load = [0] * num_replicas
-        self._cached: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
+        self._cached: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(num_replicas)]   # hash -> last use
+        self._clock = 0                                   # uses so far (`start`s): a block's last use is one
         self._computing: list[dict[int, int]] = [{} for _ in range(num_replicas)]   # hash -> requests prefilling it
         self._running: dict[str, _Running] = {}
 
@@ -132,10 +144,11 @@ class Placement:
     def choose(self, work: Work, fitting: Sequence[int], free: Sequence[int],
                waiting: Sequence[int] = ()) -> int | None:
         """The replica among `fitting` that starts `work` soonest, or the one that caches most of its prompt
-        unless that one is clearly busier; `free[r]`: replica r's free credits. `waiting`: replicas that are
-        up but have no room now (their credits come back as their requests end). When the replica caching
-        most of the prompt is one of those and is not clearly busier, None: the request waits for it
-        rather than computing its prefix again elsewhere (its score counts the load that frees it)."""
+        unless that one is clearly busier; `free[r]`: replica r's free credits. `waiting`: replicas that
+        are up but where it may not go now (no room: their credits come back as their requests end). When
+        the replica caching most of the prompt is one of those and is not clearly busier, None: the request
+        waits for it rather than computing its prefix again elsewhere (its score counts the load that frees
+        it)."""
         matches = {r: self._match(work, r) for r in (*fitting, *waiting)}   # hashes each prompt once per replica
         scores = self._scores(work, matches)
         soonest = min(fitting, key=lambda r: (scores[r], -free[r], r))
@@ -152,19 +165,42 @@ class Placement:
         """`work` (request `key`) now runs on `replica`: its load counts there and its prompt blocks are
         cached there from now on. Returns the prompt tokens that were already cached there."""
         matched, _, computing = self._match(work, replica)
-        running = _Running(replica, work.num_prompt_tokens - matched, work.output_tokens, matched, computing)
+        cached, pending = self._cached[replica], self._computing[replica]
+        self._clock += 1
+        promised = []   # blocks another request there is still computing promise nothing the engine must have
+        for ids in work.prompts:
+            hashes = block_hashes(ids, self.block_size, work.salt)
+            uses = itertools.takewhile(lambda use: use is not None, (None if pending.get(h) else cached.get(h)
+                                                                     for h in hashes))
+            promised.append((len(ids), tuple(uses)))
+            for h in hashes:
+                cached[h] = self._clock
+                cached.move_to_end(h)
+        while len(cached) > self.max_cached_blocks:
+            cached.popitem(last=False)
+        running = _Running(replica, work.num_prompt_tokens - matched, work.output_tokens, matched, computing,
+                           promised)
         self._running[key] = running
         self.load[replica] += running.prefill + running.output
         for h in computing:
             self._computing[replica][h] = self._computing[replica].get(h, 0) + 1
-        cached = self._cached[replica]
-        for ids in work.prompts:
-            for h in block_hashes(ids, self.block_size, work.salt):
-                cached[h] = None
-                cached.move_to_end(h)
-        while len(cached) > self.max_cached_blocks:
-            cached.popitem(last=False)
         return matched
+
+    def engine_cached(self, key: str, prompt: int, num_tokens: int) -> None:
+        """Running request `key`'s engine found `num_tokens` of prompt `prompt`'s tokens (of its `Work`)
+        cached. Fewer than the record promised (whole blocks, at most the prompt's length - 1, as the
+        engine counts them): the first block it missed was evicted, so every block used before that one's
+        last use leaves the record (the engine evicts the least recently used first)."""
+        running = self._running.get(key)
+        if running is None or not 0 <= prompt < len(running.promised):
+            return
+        prompt_len, uses = running.promised[prompt]
+        found = num_tokens // self.block_size
+        if found >= min(len(uses), max(0, prompt_len - 1) // self.block_size):
+            return
+        missed, cached = uses[found], self._cached[running.replica]
+        while cached and next(iter(cached.values())) < missed:
+            cached.popitem(last=False)
 
     def cached_tokens(self, key: str) -> int:
         """The prompt tokens running request `key` found cached where it was placed (0 if unknown)."""
@@ -198,7 +234,7 @@ class Placement:
         running.computing = []
 
     def forget(self, replica: int) -> None:
-        """`replica` restarted: its prefix cache is empty."""
+        """A new process serves `replica`: its prefix cache is empty."""
         self._cached[replica].clear()
 
     def check_integrity(self) -> None:

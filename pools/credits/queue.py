@@ -20,10 +20,13 @@ once raises `PoolFull` (429) and its client retries (`cliffguard bench admission
 
 A pool served by several replicas has one `CreditQueue` with one credit account per replica: a request
 waits in the pool's queue and is admitted on the replica `pools.credits.placement.Placement` picks among those
-where it fits (token load, prefix affinity); `Ticket.replica` says which. `is_up(replica)` (set by
-the gateway: the replica's supervisor is ready) is read at each admission, so a dead or restarting
-replica takes nothing new from the moment its worker is gone; `replica_ready(replica)` admits whoever
-fits on a replica that is back. Event-loop only, like the ledger.
+where it fits (token load, prefix affinity); `Ticket.replica` says which. A request waiting for the
+replica that caches its prompt holds back only that replica: the others serve the rest of the queue
+(the ledger's "Holding back"). `is_up(replica)` (set by the gateway: the replica's supervisor is ready)
+is read at each admission, so a dead or restarting replica takes nothing new from the moment its
+worker is gone; `replica_ready(replica, restarted)` admits whoever fits on a replica that is back (and
+forgets its cached prompts if a new process serves it); `engine_cached` corrects the placement's
+record of a replica's cache from what the engine reported. Event-loop only, like the ledger.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 from engine.capacity import DEFAULT_BLOCK_SIZE
-from pools.credits.ledger import DEFAULT_TENANT, CreditLedger, TenantPolicy, Ticket
+from pools.credits.flows import DEFAULT_TENANT, TenantPolicy
+from pools.credits.ledger import CreditLedger, Ticket
 from pools.demand import OfferedLoad
 from pools.credits.placement import Placement, Work
 
@@ -195,7 +199,7 @@ class CreditQueue:
         if self.placement is None or work is None:
             return max(fitting, key=lambda r: self.ledger.accounts[r].free)
         free = [a.free for a in self.ledger.accounts]
-        replica = self.placement.choose(work, fitting, free, self.ledger.waiting(ticket))
+        replica = self.placement.choose(work, fitting, free, self.ledger.waiting(ticket, fitting))
         if replica is not None:
             self.placement.start(ticket.request_id, replica, work)
         return replica
@@ -224,11 +228,19 @@ class CreditQueue:
             return 0.0
         return max(0.0, (time.monotonic() if now is None else now) - min(self._queued_since.values()))
 
-    def replica_ready(self, replica: int) -> None:
-        """A new worker of `replica` is ready: its prefix cache is empty; admit whoever now fits."""
-        if self.placement is not None:
+    def replica_ready(self, replica: int, restarted: bool = True) -> None:
+        """A worker of `replica` is ready: a new process (`restarted`: its prefix cache is empty, and the
+        placement forgets what it had), or the same one reached again (its cache intact); admit whoever
+        now fits."""
+        if self.placement is not None and restarted:
             self.placement.forget(replica)
         self._admit()
+
+    def engine_cached(self, request_id: str, prompt: int, num_tokens: int) -> None:
+        """The engine found `num_tokens` of the admitted request's prompt `prompt` (its index among the
+        request's prompts in this pool) cached: the placement corrects its record of that replica's cache."""
+        if self.placement is not None:
+            self.placement.engine_cached(request_id, prompt, num_tokens)
 
     def reconcile(self, used_tokens: int, replica: int = 0) -> None:
         """A worker's blocks in use x block size; may admit (credits came back) or hold some back."""

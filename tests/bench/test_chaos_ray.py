@@ -2,7 +2,9 @@
 go with it, the chat TTFT p99 per 5-s bin and when it is back within 1.5x the warm-up's, when /ready
 saw a replica down and back, the processes the faults aim at on a cluster, and (slow) one `--quick`
 run of `lose_node` on a two-node cluster of this machine: nothing lost, nothing answered twice, the
-lost replica back. Skipped where Ray is not installed (`pip install -e '.[ray]'`)."""
+lost replica back; and (slow) the only node of a cluster lost under load, in-process: each waiting
+request answered 503 with Retry-After, none as a poison request, then the node back and served.
+Skipped where Ray is not installed (`pip install -e '.[ray]'`)."""
 
 from __future__ import annotations
 
@@ -191,3 +193,69 @@ def test_quick_lose_node_on_two_nodes_loses_nothing_and_the_replica_comes_back(t
     assert fault["ttft_bins"] and report["warmup"]["ttft_p99_s"] is not None
     print(json.dumps({k: fault[k] for k in ("recovery_s", "ttft_p99_s", "ttft_bins", "ttft_recovered_s",
                                             "replica_down_s", "replica_back_s", "notes", "steady")}), file=sys.stderr)
+
+
+# --- the only node lost under load ---------------------------------------------------------------------------
+
+@pytest.fixture
+def one_node_cluster():
+    """A Ray cluster whose one node for replicas is a worker node (2 CPUs): the head holds the GCS and no
+    CPU, so removing the worker loses every replica, and adding a node brings them back (bench chaos's
+    `lose_node` removes a worker node the same way)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1",
+                                                            "include_dashboard": False})
+    try:
+        cluster.worker = cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        ray.shutdown()           # the in-process gateway's driver
+        cluster.shutdown()
+
+
+def _one_node_config(model, address: str) -> str:
+    from tests.gateway.conftest import chat_pool_yaml
+
+    gateway = ("{stall_seconds: 30, device_wait_seconds: 3, "
+               "restart_backoff: {initial_seconds: 0.2, factor: 2, max_seconds: 1}}")
+    text = chat_pool_yaml(model, max_model_len=256, gateway=gateway, extra="    max_queue_seconds: 6\n")
+    return text.replace("cpu: {device: cpu, memory: 256MiB, dtype: float32}",
+                        "cpu: {device: cpu, memory: 256MiB, dtype: float32, replicas: 2, cpu_threads: 1, "
+                        f"placement: ray, ray_address: '{address}'}}")
+
+
+async def test_losing_the_only_node_answers_each_waiting_request_503_with_retry_after_never_poison(
+        one_node_cluster, aiohttp_client, tmp_path, tiny_model):
+    import asyncio
+
+    from tests.gateway.test_app import _client
+    from tests.gateway.test_replicas import _all_ready
+
+    client, gateway = await _client(aiohttp_client, _one_node_config(tiny_model, one_node_cluster.address), tmp_path)
+    await _all_ready(client, timeout=180)
+    supervisors = gateway.supervisors["cpu"]
+    assert {s.link.node_id for s in supervisors} == {one_node_cluster.worker.node_id}   # both on the one node
+    body = {"model": tiny_model.name, "prompt": "Tell me a long story about the sea.", "max_tokens": 120,
+            "temperature": 0, "ignore_eos": True}
+    load = [asyncio.ensure_future(client.post("/v1/completions", json=dict(body, user=f"r{i}"))) for i in range(8)]
+    for _ in range(600):
+        if all(s.client.num_in_flight >= 2 for s in supervisors):
+            break
+        await asyncio.sleep(0.01)
+    assert all(s.client.num_in_flight for s in supervisors), "the load never reached both replicas"
+    await asyncio.to_thread(one_node_cluster.remove_node, one_node_cluster.worker)
+    meanwhile = await client.post("/v1/completions", json=dict(body, max_tokens=4))
+    answers = [(r.status, r.headers.get("Retry-After"), (await r.json())["error"]) for r in await asyncio.gather(*load)]
+    answers.append((meanwhile.status, meanwhile.headers.get("Retry-After"), (await meanwhile.json())["error"]))
+    assert all(status == 503 and retry_after for status, retry_after, _ in answers), answers
+    assert not any(error["code"] == "poison_request" for _, _, error in answers), answers
+    lost = [d for d in supervisors[0].deaths.deaths if d.cause == "loss"]
+    assert {d.replica for d in lost} == {0, 1} and not any(supervisors[0].deaths.counts(d) for d in lost)
+
+    one_node_cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")   # it comes back (Ray: on the main thread)
+    await _all_ready(client, timeout=240)
+    r = await client.post("/v1/completions", json=dict(body, max_tokens=4))
+    assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 4

@@ -1,6 +1,7 @@
 """A replicated device (`replicas: 2`): both replicas serve every pool, placed by token load and prefix
-affinity; each shows in /metrics, /ready and /v1/models; a replica killed under load loses no request
-that had sent no token, the other serves meanwhile, and the killed one rejoins."""
+affinity (each engine's report of its prefix-cache hit reaching the placement); each shows in /metrics,
+/ready and /v1/models; a replica killed under load loses no request that had sent no token, the other
+serves meanwhile, and the killed one rejoins."""
 
 from __future__ import annotations
 
@@ -49,11 +50,18 @@ async def test_both_replicas_serve_a_pool_and_a_repeated_prefix_goes_back_to_its
     answers = await asyncio.gather(*(_complete(client, model, f"Story number {i}:", 24) for i in range(10)))
     replicas = [replica for replica, _ in answers]
     assert sorted(set(replicas)) == ["0", "1"] and min(replicas.count("0"), replicas.count("1")) >= 4
-    # a long document (rag), then questions on it one after the other: each goes where it is cached
+    # a long document (rag), then questions on it one after the other: each goes where it is cached, and
+    # each engine's report of what it found cached reaches the placement (which keeps its record then)
+    rag = gateway.pools["rag"].admission
+    reports, report = [], rag.engine_cached
+    rag.engine_cached = lambda key, prompt, num: (reports.append((prompt, num)), report(key, prompt, num))
     document = [100 + i % 900 for i in range(320)]
     first, _ = await _complete(client, model, document + [5, 6, 7])
     again = [await _complete(client, model, document + [8 + i, 9]) for i in range(4)]
     assert [replica for replica, _ in again] == [first] * 4
+    assert reports == [(0, 0)] + [(0, 320)] * 4           # the document's 20 blocks, found by each question
+    work = rag.placement.work([document + [10, 11]], 8, 1, 512, gateway.pools["rag"].cache_salt("default"))
+    assert rag.placement.matched_tokens(work, int(first)) == 320
     m = _metrics(await (await client.get("/metrics")).text())
     cached = m["cliffguard_replica_cached_prompt_tokens_total"]
     assert cached[(("pool", "rag"), ("replica", first))] >= 4 * 320 - 4 * 16

@@ -1,5 +1,7 @@
 """gateway.workers.supervisor: a device worker killed under load is noticed, reported and restarted; requests
-that arrive meanwhile wait for it; a worker that never loaded stays failed."""
+that arrive meanwhile wait for it; a worker that never loaded stays failed; a remote replica whose first
+connection failed is tried again with the back-off (and a reconnection to the same process keeps its
+prefix-cache record), while one that reports its load failed stays failed."""
 
 from __future__ import annotations
 
@@ -9,12 +11,20 @@ import os
 import re
 import shutil
 import signal
+import socket
+import time
+from types import SimpleNamespace
 
 import pytest
 
+from engine.client import EngineDeadError
+from engine.config import CacheConfig, EngineConfig, PoolConfig
+from engine.remote import ReplicaServer
 from gateway.app import create_app
+from gateway.monitoring.metrics import GatewayMetrics
 from gateway.runtime import Gateway
-from gateway.workers.supervisor import Backoff
+from gateway.workers.deaths import LOSS
+from gateway.workers.supervisor import Backoff, DeviceSupervisor
 from pools.config.yaml_file import load_config
 from tests.gateway.conftest import pools_yaml
 from tests.gateway.test_app import _client, _metrics, _model, _stream_text
@@ -140,3 +150,115 @@ def test_engine_counters_of_a_restarted_worker_keep_counting():
     assert computed(100) == 100
     assert computed(30) == 130      # the new worker started from 0: its 30 are new
     assert computed(50) == 150
+
+
+# --- a remote replica's first connection ----------------------------------------------------------------
+
+class _Admission:
+    """What a pool's admission hears from the supervisor: each `replica_ready(replica, restarted)`."""
+
+    def __init__(self) -> None:
+        self.ready: list[tuple[int, bool]] = []
+
+    def replica_ready(self, replica: int, restarted: bool = True) -> None:
+        self.ready.append((replica, restarted))
+
+
+class _Link:
+    """A `ReplicaLink` to an in-process `ReplicaServer`; its first `refusals` endpoints name a port nobody
+    listens on (the first connections fail, as across a partition)."""
+
+    name = "cpu/0"
+
+    def __init__(self, server, refusals: int = 0) -> None:
+        self.server, self.refusals = server, refusals
+        self.status = "fixed address"
+        self.calls = 0
+        self.restarts: list[str] = []
+
+    async def endpoint(self, timeout: float):
+        self.calls += 1
+        if self.calls <= self.refusals:
+            with socket.socket() as probe:        # a free port, closed again: the connection is refused
+                probe.bind(("127.0.0.1", 0))
+                return "127.0.0.1", probe.getsockname()[1], self.server.key
+        return (*self.server.address, self.server.key)
+
+    async def watch(self) -> str:                 # no cluster manager here: its death notice never comes
+        await asyncio.Event().wait()
+
+    def restart(self, reason: str) -> None:
+        self.restarts.append(reason)
+
+
+def _replica_server(model) -> ReplicaServer:
+    config = EngineConfig(model=str(model), device="cpu", dtype="float32", cache=CacheConfig(block_size=16),
+                          pools=(PoolConfig(num_blocks=32),))
+    server = ReplicaServer(config, "127.0.0.1")
+    server.start()
+    for _ in range(1200):
+        if server.state != "loading":
+            break
+        time.sleep(0.05)
+    return server
+
+
+def _remote_supervisor(server, link: _Link) -> tuple[DeviceSupervisor, SimpleNamespace]:
+    pool = SimpleNamespace(name="chat", num_replicas=1, clients=[None], admission=_Admission())
+    supervisor = DeviceSupervisor("cpu", server.config, [pool], GatewayMetrics(), backoff=FAST, link=link,
+                                  start_seconds=30)
+    return supervisor, pool
+
+
+def test_a_remote_replica_whose_first_connection_failed_is_tried_again_and_keeps_its_cache_on_reconnection(
+        tiny_model):
+    server = _replica_server(tiny_model)
+    assert server.state == "ready"
+
+    async def scenario():
+        link = _Link(server, refusals=2)
+        supervisor, pool = _remote_supervisor(server, link)
+        states = []
+        supervisor.start()
+        try:
+            ready = asyncio.ensure_future(supervisor.wait_ready())
+            while not ready.done():
+                states.append(supervisor.state)
+                await asyncio.sleep(0.02)
+            await ready
+            assert link.calls == 3 and supervisor.is_ready and supervisor.num_restarts == 0
+            assert any("the last try failed" in s and "Connect call failed" in s for s in states), states[-5:]
+            assert pool.admission.ready == [(0, True)]            # the first worker ready: a new process
+            first = supervisor.client
+            first.lost("the connection dropped (a partition)")   # the same replica process, reached again
+            while len(pool.admission.ready) < 2:
+                await asyncio.sleep(0.02)
+            assert supervisor.client is not first and supervisor.client.pid == first.pid
+            assert pool.admission.ready[1] == (0, False)         # its cache is intact: the record stays
+            assert supervisor.num_restarts == 1 and supervisor.deaths.of(first).cause == LOSS
+        finally:
+            await supervisor.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_remote_replica_whose_load_failed_stays_failed(tiny_model, tmp_path):
+    bare = tmp_path / "no-weights"
+    shutil.copytree(tiny_model, bare, ignore=shutil.ignore_patterns("*.safetensors*"))
+    server = _replica_server(bare)
+    assert server.state.startswith("failed")
+
+    async def scenario():
+        link = _Link(server)
+        supervisor, _ = _remote_supervisor(server, link)
+        supervisor.start()
+        try:
+            with pytest.raises(EngineDeadError, match="failed to start"):
+                await asyncio.wait_for(supervisor.wait_ready(), 60)
+            await asyncio.sleep(3 * FAST.initial_seconds)
+            assert supervisor.state.startswith("failed: device 'cpu' failed to start: device worker failed to start")
+            assert link.calls == 1                              # its own error: starting again would fail alike
+        finally:
+            await supervisor.stop()
+
+    asyncio.run(scenario())

@@ -280,3 +280,178 @@ def test_two_copies_read_at_once_are_held_until_one_per_request_is_left():
     ledger.check_integrity()
     assert ledger.release("c") == 700 and ledger.free == 3000
     ledger.check_integrity()
+
+
+# --- a head that waits for its replica holds back that replica alone ---------------------------------------
+
+
+def _affine(replicas: dict[str, int]):
+    """A `place` that sends each request with an affinity in `replicas` there or has it wait (None), and
+    any other to the fitting replica with the most free credits, recording where each went."""
+    placed: dict[str, int] = {}
+
+    def place(ticket, fitting: list[int]) -> int | None:
+        want = replicas.get(ticket.request_id)
+        if want is not None:
+            replica = want if want in fitting else None
+        else:
+            replica = fitting[0]
+        if replica is not None:
+            placed[ticket.request_id] = replica
+        return replica
+    return place, placed
+
+
+def _ids_of(tickets) -> list[str]:
+    return [t.request_id for t in tickets]
+
+
+def test_a_head_waiting_for_its_replica_does_not_stop_the_others_and_is_not_starved():
+    ledger = CreditLedger([100, 100])
+    place, placed = _affine({"fill-a": 0, "fill-b": 0, "q": 0})
+    for rid in ("fill-a", "fill-b"):
+        ledger.submit(rid, 50)
+    assert _ids_of(ledger.admit(place)) == ["fill-a", "fill-b"] and ledger.accounts[0].free == 0
+    ledger.submit("q", 60)                                # waits for replica 0, which caches its prompt
+    for rid in ("x", "y", "z"):
+        ledger.submit(rid, 40)
+    # replica 1 sits idle: the requests behind the waiting head go there (it used to stop the whole pool)
+    assert _ids_of(ledger.admit(place)) == ["x", "y"] and placed["x"] == placed["y"] == 1
+    ledger.check_integrity()
+    ledger.release("fill-a")                              # 50 free on replica 0: z (40) would fit there ...
+    assert ledger.admit(place) == [] and ledger.accounts[0].free == 50   # ... but replica 0 is held for q
+    ledger.release("fill-b")
+    assert _ids_of(ledger.admit(place)) == ["q", "z"] and placed["q"] == placed["z"] == 0   # q first, where it waited
+    ledger.check_integrity()
+
+
+def test_the_waiting_head_goes_first_whatever_the_tenants_turns():
+    # Without the first head's precedence, the tenants' round robin puts t2 first once q's tenant has had its
+    # turn, and t2's r2 would take replica 0's freed credits before q: q would wait for ever.
+    ledger = CreditLedger([100, 100], quantum=1000)
+    place, placed = _affine({"fill": 0, "q": 0})
+    ledger.submit("fill", 100, tenant="t2")
+    ledger.admit(place)
+    ledger.submit("q", 60, tenant="t1")
+    assert ledger.admit(place) == []
+    ledger.submit("r1", 100, tenant="t2")
+    assert _ids_of(ledger.admit(place)) == ["r1"] and placed["r1"] == 1
+    ledger.submit("r2", 50, tenant="t2")
+    assert ledger.admit(place) == []
+    ledger.release("fill")
+    assert _ids_of(ledger.admit(place)) == ["q"] and placed["q"] == 0
+    ledger.check_integrity()
+    assert ledger.admit(place) == [] and ledger.num_queued == 1          # r2 (50) waits: 40 free on 0, none on 1
+    ledger.release("r1")
+    assert _ids_of(ledger.admit(place)) == ["r2"]
+    ledger.check_integrity()
+
+
+def test_a_better_priority_that_waits_holds_its_replicas_from_a_worse_one():
+    ledger = CreditLedger([100, 100], quantum=1000)
+    place, placed = _affine({"fill": 0, "q": 0})
+    ledger.submit("fill", 100)
+    ledger.submit("busy", 30)
+    assert _ids_of(ledger.admit(place)) == ["fill", "busy"] and placed["busy"] == 1
+    ledger.submit("q", 30)                                # fits on replica 1, but waits for replica 0
+    ledger.submit("low", 40, priority=5)                  # fits on replica 1 (70 free) ...
+    ledger.submit("high", 80, priority=0)                 # ... but high, before it in fair order, waits for room there
+    assert ledger.admit(place) == []                      # so low does not pass it
+    ledger.release("busy")
+    assert _ids_of(ledger.admit(place)) == ["high"] and placed["high"] == 1
+    ledger.check_integrity()
+    ledger.release("fill")
+    assert _ids_of(ledger.admit(place)) == ["q", "low"] and placed["q"] == placed["low"] == 0
+    ledger.check_integrity()
+
+
+def test_a_queued_question_holds_back_only_its_documents_replica():
+    async def scenario():
+        placement = _placement()
+        doc = _ids(40 * BS, 21)
+        admission = CreditQueue("rag", [1000, 1000], placement=placement)
+        first = placement.work([doc + _ids(4, 22)], max_tokens=40, n=1, max_model_len=4096)
+        async with admission.hold("first", 1000, work=first) as ticket:
+            assert ticket.replica == 0                        # the document is read on replica 0, full
+            question = placement.work([doc + _ids(4, 23)], max_tokens=40, n=1, max_model_len=4096)
+            waiting = asyncio.ensure_future(admission.hold("question", 700, work=question).__aenter__())
+            await asyncio.sleep(0)
+            assert not waiting.done()                         # it waits for replica 0, where the document is
+            other = placement.work([_ids(200, 24)], max_tokens=40, n=1, max_model_len=4096)
+            async with admission.hold("other", 300, work=other) as beside:
+                assert beside.replica == 1                    # replica 1 serves the rest of the queue meanwhile
+            assert not waiting.done()
+        got = await waiting
+        assert got.replica == 0 and placement.cached_tokens("question") == 40 * BS
+        admission.ledger.release("question")
+        placement.finish("question")
+        admission.ledger.check_integrity()
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))   # the whole pool used to wait for replica 0
+
+
+# --- the engine corrects the prefix record --------------------------------------------------------------
+
+
+def test_a_miss_the_engine_reports_drops_the_blocks_used_before_the_one_it_missed():
+    placement = _placement(1)
+    docs = {name: placement.work([_ids(4 * BS + 3, seed)], max_tokens=1, n=1, max_model_len=512)
+            for name, seed in (("a", 31), ("b", 32), ("c", 33))}
+    for name, work in docs.items():                        # a, then b, then c: a is the least recently used
+        placement.start(name, 0, work)
+        placement.finish(name)
+    assert all(placement.matched_tokens(w, 0) == 4 * BS for w in docs.values())
+    placement.start("b-again", 0, docs["b"])
+    assert placement.cached_tokens("b-again") == 4 * BS
+    placement.engine_cached("b-again", 0, 4 * BS)           # the engine found what the record promised
+    assert placement.matched_tokens(docs["a"], 0) == 4 * BS
+    placement.engine_cached("b-again", 0, BS)               # it found one block: b's second was evicted ...
+    assert placement.matched_tokens(docs["a"], 0) == 0      # ... and a, used before it, with it (LRU)
+    assert placement.matched_tokens(docs["c"], 0) == 4 * BS  # c was used after it: kept
+    assert placement.matched_tokens(docs["b"], 0) == 4 * BS  # b itself is cached again: b-again computed it
+    placement.engine_cached("nobody", 0, 0)                 # an unknown request, or prompt: nothing
+    placement.engine_cached("b-again", 3, 0)
+    placement.finish("b-again")
+    placement.check_integrity()
+
+
+def test_the_engine_counts_at_most_the_prompt_less_one_token_and_that_is_no_miss():
+    placement = _placement(1)
+    old = placement.work([_ids(2 * BS, 41)], max_tokens=1, n=1, max_model_len=512)
+    placement.start("old", 0, old)
+    placement.finish("old")
+    whole = placement.work([_ids(4 * BS, 42)], max_tokens=1, n=1, max_model_len=512)   # exactly 4 blocks
+    placement.start("w", 0, whole)
+    placement.finish("w")
+    placement.start("w2", 0, whole)
+    placement.engine_cached("w2", 0, 3 * BS)                # a hit of 3 blocks: the engine's most for 64 tokens
+    assert placement.matched_tokens(old, 0) == 2 * BS       # nothing dropped
+    placement.engine_cached("w2", 0, 2 * BS)                # one block short: a miss
+    assert placement.matched_tokens(old, 0) == 0
+
+
+def test_the_record_survives_a_reconnection_and_is_wiped_by_a_new_process():
+    placement = _placement()
+    admission = CreditQueue("rag", [1000, 1000], placement=placement)
+    doc = placement.work([_ids(8 * BS, 43)], max_tokens=1, n=1, max_model_len=512)
+    placement.start("doc", 1, doc)
+    placement.finish("doc")
+    admission.replica_ready(1, restarted=False)             # the same replica process, reached again
+    assert placement.matched_tokens(doc, 1) == 8 * BS
+    admission.replica_ready(1)                              # a new process: its cache is empty
+    assert placement.matched_tokens(doc, 1) == 0
+
+
+def test_a_block_still_being_computed_when_placed_is_no_evidence_of_an_eviction():
+    placement = _placement(1)
+    old = placement.work([_ids(2 * BS, 44)], max_tokens=1, n=1, max_model_len=512)
+    placement.start("old", 0, old)
+    placement.finish("old")
+    doc = placement.work([_ids(6 * BS + 1, 45)], max_tokens=1, n=1, max_model_len=512)
+    placement.start("reader", 0, doc)                      # reading the document: its blocks are not cached yet
+    placement.start("twin", 0, doc)                         # placed beside it, promised the blocks being read
+    placement.engine_cached("twin", 0, 0)                   # the engine had none of them: no eviction
+    assert placement.matched_tokens(old, 0) == 2 * BS
+    placement.finish("reader")
+    placement.finish("twin")
+    placement.check_integrity()

@@ -1,0 +1,79 @@
+"""What the credit ledger (`pools.credits.ledger`) keeps per request and per replica: a `Ticket` (one
+request, queued or holding credits) and an `Account` (one replica's credits: what its admitted
+requests hold, the copies of the prompt blocks they share, what reconciliation holds outside, and what
+each flow holds there). Plain records of ints; the ledger owns the rules that change them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pools.credits.flows import Headroom
+
+
+@dataclass
+class Ticket:
+    """One request in the ledger: queued until `admit` returns it, then holding `num_tokens` credits
+    until `release`."""
+
+    request_id: str
+    tenant: str
+    priority: int                # after clamping to the tenant's min_priority
+    num_tokens: int              # prompt + max_tokens
+    admitted: bool = False
+    background: bool = False     # a batch line: served only while no interactive request waits
+    replica: int | None = None   # where it was admitted (its credits are that replica's)
+    blocks: tuple[int, ...] = ()  # chain hashes of its prompt's full blocks (distinct), held once per replica
+    prefilling: bool = False      # admitted, its first token not yet come: its blocks are not shared yet
+    num_seqs: int = 1             # sequences it runs at once (n x prompts)
+    flow: int = 0                 # its size class within its tenant's channel (`pools.credits.flows`)
+    start: int = 0                # its start tag there (fair queueing)
+    arrival: int = 0              # its place in the order of arrival there
+
+    @property
+    def flow_key(self) -> tuple[str, int]:
+        return (self.tenant, self.flow)
+
+
+Place = Callable[[Ticket, list[int]], int | None] | None   # (ticket, replicas it fits) -> where, or None: it waits
+
+
+@dataclass
+class Account:
+    """One replica's credits: its KV token slots, what admitted requests hold (their own tokens, and the
+    copies of their prompt blocks: one for all the requests naming a block once one of them has
+    prefilled it), what reconciliation holds outside the ledger."""
+
+    total: int
+    max_seqs: int | None = None   # sequences the replica's engine runs at once; None: not counted
+    held: int = 0
+    outside: int = 0
+    num_seqs: int = 0             # sequences of the admitted requests (each at most max_seqs)
+    refs: dict[int, int] = field(default_factory=dict)      # prompt block hash -> admitted requests naming it
+    pending: dict[int, int] = field(default_factory=dict)   # ... of them still prefilling
+    copies: dict[int, int] = field(default_factory=dict)    # ... copies of it held (1 .. refs)
+    flow_cap: int | None = None                             # `pools.credits.flows.FLOW_CAP`, or None: no cap
+    headroom: Headroom | None = None                        # what each flow holds here (`pools.credits.flows`)
+
+    def __post_init__(self) -> None:
+        self.headroom = Headroom(self.total, self.max_seqs, self.flow_cap)
+
+    def seqs_of(self, ticket: Ticket) -> int:
+        """The sequences `ticket` takes here: all it runs, at most all the replica has."""
+        return ticket.num_seqs if self.max_seqs is None else min(ticket.num_seqs, self.max_seqs)
+
+    def has_seqs(self, ticket: Ticket) -> bool:
+        return self.max_seqs is None or self.num_seqs + self.seqs_of(ticket) <= self.max_seqs
+
+    @property
+    def free(self) -> int:
+        return self.total - self.held - self.outside
+
+
+def drop(counts: dict[int, int], keys: Sequence[int]) -> None:
+    """One less of each key; a key at zero leaves."""
+    for key in keys:
+        counts[key] -= 1
+        if not counts[key]:
+            del counts[key]
