@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import errno
 import json
 import os
 import socket
 import sys
+from importlib import import_module
 from pathlib import Path
 from typing import TextIO
 
@@ -123,6 +125,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="folder for durable state: the Batch API's "
                    f"files, batches and results (SQLite); created if missing; one server per folder (default "
                    f"{DEFAULT_DATA_DIR})")
+    p.add_argument("--take-over", action="store_true", help="replace the replicas of another config that run on a "
+                   "Ray cluster under this config's device names (YAML gateway.take_over); else such a device fails")
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -155,6 +159,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pools.config.spec import parse_bytes
 
     config = load_config(args.config)
+    config = dataclasses.replace(config, gateway=config.gateway.replace(take_over=True)) if args.take_over else config
     host = args.host or config.gateway.host
     port = config.gateway.port if args.port is None else args.port
     if not 0 <= port <= 65535:
@@ -360,8 +365,6 @@ def _simulate(args: argparse.Namespace) -> int:
 def _simulation_setup(config, args: argparse.Namespace):
     """The config with --replicas / --preemption-mode / --swap-space applied, its model configs, the memory
     the plan uses, the layouts to run ({name: (config, plan)}) and each device's step-time model."""
-    import dataclasses
-
     from engine.step_cost import PRESETS
     from pools.capacity_plan import plan_capacity, resolve_model_configs
     from pools.simulation.runner import device_step_times, shared_layout
@@ -454,8 +457,6 @@ def _calibrate(config, args: argparse.Namespace) -> int:
 
 # --- bench ------------------------------------------------------------------------------------------
 def _add_bench(sub) -> None:
-    from importlib import import_module
-
     bench = sub.add_parser("bench", help="benchmarks that print measured ratios",
                            description="Benchmarks: each prints ratios measured side by side in one run.")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -486,8 +487,6 @@ def main(argv: list[str] | None = None) -> int:
             return _capacity(args)
         if args.command == "simulate":
             return _simulate(args)
-        from importlib import import_module
-
         return import_module(f"bench.{args.bench}").run(args)
     except (UsageError, ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"cliffguard {args.command}: error: {exc}", file=sys.stderr)

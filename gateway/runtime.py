@@ -224,7 +224,7 @@ class Gateway:
         from gateway.workers.ray_cluster import RayCluster, RayReplica
 
         address = spec.resolved_ray_address(os.environ)
-        cluster = self.clusters.setdefault(address, RayCluster(address))
+        cluster = self.clusters.setdefault(address, RayCluster(address, take_over=self.config.gateway.take_over))
         links: list[RayReplica] = []
         links += [RayReplica(cluster, device, r, config, links) for r, config in enumerate(configs)]
         return links

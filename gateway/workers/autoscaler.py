@@ -21,8 +21,22 @@ slots, `min` of them started. Every `INTERVAL` seconds, for each such device:
   that point, and a request admitted just before is waited for) its worker is shut down and, on Ray,
   its actor and placement group removed. The highest started slot goes first; never below `min`.
 
+A device on Ray may be shared by several gateways of one config: one of them decides, the holder of
+the device's scaling lease (`gateway.workers.scaler_lease`, renewed every tick, each renewal carrying
+this gateway's reason to scale up). The leader decides as above, taking the other gateways' reasons
+as its own, and only it places replicas (`RayReplica.may_place`). A replica it drains is removed only
+if it is idle in its own counts (`AsyncEngineClient.stats().num_requests`: every gateway's requests):
+once this gateway's requests have left it, a replica that still counts some is kept (its idle time
+counts anew); else the drain is announced through the lease (every gateway sends it nothing new), and
+`ANNOUNCE_SECONDS` later, once its count is 0, it is removed. A follower places and removes nothing:
+each tick it starts the parked slots whose actor is alive (the supervisor connects to it), stops the
+started ones whose actor the leader removed, and drains the ones the leader drains; its `min` slots
+stay started, waiting for the leader to place them. The leader also connects to a live actor of a slot
+it has parked (one a previous leader placed as it lost the lease).
+
 `cliffguard_replicas{device,state}` counts every device's replicas by state, autoscaled or not, and
-`cliffguard_replica_scalings_total{device,direction}` the changes. Event-loop only.
+`cliffguard_replica_scalings_total{device,direction}` the changes this gateway decided (a follower's
+counts stay at 0). Event-loop only.
 """
 
 from __future__ import annotations
@@ -32,7 +46,9 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
+from engine.client import EngineDeadError
 from gateway.monitoring.metrics import GatewayMetrics
+from gateway.workers.scaler_lease import ScalerLease, device_lease
 from gateway.workers.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
 from pools.pool import Pool
@@ -45,6 +61,9 @@ __all__ = ["Autoscaler", "INTERVAL", "REPLICA_STATES"]
 INTERVAL = 0.5   # seconds between looks
 REPLICA_STATES = ("ready", "loading", "draining", "restarting", "failed", "stopped")
 DRAIN_POLL = 0.1   # seconds between looks at a draining replica's credits
+REPLICA_POLL = 0.5   # seconds between asks of a shared replica's own request count, while it drains
+ANNOUNCE_SECONDS = 2.0   # a leader's drain reaches every follower (a renewal and a tick) within this
+STATS_SECONDS = 10.0   # a replica that does not say its request count by then counts none
 
 
 class Autoscaler:
@@ -52,20 +71,31 @@ class Autoscaler:
 
     def __init__(self, devices: Mapping[str, DeviceSpec], supervisors: Mapping[str, list[DeviceSupervisor]],
                  pools: Mapping[str, Pool], metrics: GatewayMetrics,
-                 overloaded: Callable[[], Mapping[str, str]] = dict) -> None:
+                 overloaded: Callable[[], Mapping[str, str]] = dict,
+                 leases: Mapping[str, ScalerLease] | None = None) -> None:
         self.devices = devices
         self.overloaded = overloaded   # device -> reason, for the devices overloaded now (gateway.monitoring.overload)
         self.supervisors = supervisors
         self.pools = {device: [p for p in pools.values() if p.device == device] for device in supervisors}
         self.metrics = metrics
+        self.leases = dict(leases or {})   # device on Ray -> its scaling lease (made at `start` when not given)
         self._idle_since: dict[tuple[str, int], float] = {}
         self._removals: dict[tuple[str, int], asyncio.Task] = {}
+        self._stopped_at: dict[tuple[str, int], float] = {}   # monotonic: when this gateway last stopped a slot
+        self._announced: set[tuple[str, int]] = set()   # drains of shared replicas the followers are told of
         self._ticker = Ticker("cliffguard-autoscaler", INTERVAL, self.tick, log, "autoscaler: tick failed")
 
     def start(self) -> None:
-        for device in self.supervisors:
+        """Export the counters, make each Ray device's scaling lease (its replicas place only while this
+        gateway leads), tick once and keep ticking."""
+        for device, slots in self.supervisors.items():
             for direction in ("up", "down"):
                 self.metrics.replica_scalings.labels(device=device, direction=direction)
+            lease = self.leases.get(device) or device_lease(device, [s.link for s in slots])
+            if lease is not None:
+                self.leases[device] = lease
+                for s in slots:
+                    s.link.may_place = lease.is_leader
         self.tick()
         self._ticker.start()
 
@@ -74,19 +104,34 @@ class Autoscaler:
         for task in self._removals.values():
             task.cancel()
         await asyncio.gather(*self._removals.values(), return_exceptions=True)
+        await asyncio.gather(*(lease.release() for lease in self.leases.values()), return_exceptions=True)
 
     def tick(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         for device, slots in self.supervisors.items():
-            spec = self.devices[device]
-            if spec.autoscaled:
-                wait = self.credit_wait(device, now)
-                why = self.overloaded().get(device)
-                if wait > spec.scale_up_wait_seconds:
-                    why = (f"a request waited {wait:.1f} s for KV credits (over {spec.scale_up_wait_seconds:g} s)")
-                if why is None or not self._scale_up(device, slots, why):
-                    self._scale_down(device, spec, slots, pressed=why is not None or wait > 0, now=now)
+            spec, lease = self.devices[device], self.leases.get(device)
+            why, wait = self._pressure(device, spec, now) if spec.autoscaled else (None, 0.0)
+            if lease is not None:
+                lease.poke(why, sorted(r for (d, r) in self._announced if d == device))
+                if not lease.is_leader():
+                    if spec.autoscaled:
+                        self._follow(device, spec, slots, lease)
+                    continue
+                why = why or lease.view.pressure   # another gateway's queue counts as this one's
+                for s in slots:   # drains the previous leader asked for end with its lead
+                    s.draining = s.draining and (device, s.replica) in self._removals
+                if spec.autoscaled:
+                    self._start_placed(device, slots, lease)   # one a previous leader placed late
+            if spec.autoscaled and (why is None or not self._scale_up(device, slots, why)):
+                self._scale_down(device, spec, slots, pressed=why is not None or wait > 0, now=now)
         self.export()
+
+    def _pressure(self, device: str, spec: DeviceSpec, now: float) -> tuple[str | None, float]:
+        """(why the device needs another replica now, or None; the longest credit wait in seconds)."""
+        wait = self.credit_wait(device, now)
+        if wait > spec.scale_up_wait_seconds:
+            return f"a request waited {wait:.1f} s for KV credits (over {spec.scale_up_wait_seconds:g} s)", wait
+        return self.overloaded().get(device), wait
 
     def credit_wait(self, device: str, now: float | None = None) -> float:
         """The longest a request of the device's pools has now waited for credits (seconds)."""
@@ -133,25 +178,98 @@ class Autoscaler:
         self._idle_since.pop((device, victim.replica), None)
         self._removals[(device, victim.replica)] = asyncio.ensure_future(self._remove(device, victim))
 
+    def _follow(self, device: str, spec: DeviceSpec, slots: list[DeviceSupervisor], lease: ScalerLease) -> None:
+        """A follower's tick: start the parked slots whose actor is alive (placed by the leader), stop the
+        started ones whose actor is gone (removed by it), drain the ones it drains. The `min` slots stay
+        started (the leader keeps them placed)."""
+        if lease.live is None:
+            return   # not listed yet
+        self._start_placed(device, slots, lease)
+        for s in slots:
+            if (device, s.replica) in self._removals or s.state == "stopped":
+                continue
+            if s.replica not in lease.live and s.replica >= spec.initial_replicas:
+                log.info("autoscaler: device %s: the leader gateway removed replica %s; stopping it", device, s.name)
+                s.draining = True
+                self._removals[(device, s.replica)] = asyncio.ensure_future(self._remove(device, s, decided=False))
+            else:
+                s.draining = s.replica in lease.view.draining
+
+    def _start_placed(self, device: str, slots: list[DeviceSupervisor], lease: ScalerLease) -> None:
+        """Start (connect to) each parked slot whose actor was listed alive after this gateway last stopped it."""
+        for s in slots:
+            key = (device, s.replica)
+            if s.state == "stopped" and key not in self._removals and s.replica in (lease.live or ()) \
+                    and lease.live_at > self._stopped_at.get(key, float("-inf")):
+                log.info("autoscaler: device %s: replica %s is on the cluster; connecting to it", device, s.name)
+                s.start()
+
     def _busy(self, device: str, supervisor: DeviceSupervisor) -> bool:
-        """The replica holds credits or has a request in flight."""
+        """The replica holds credits or has a request in flight (of this gateway)."""
         client = supervisor.client
         if client is not None and client.num_in_flight:
             return True
         return any(p.admission is not None and p.admission.ledger.accounts[supervisor.replica].held
                    for p in self.pools[device])
 
-    async def _remove(self, device: str, supervisor: DeviceSupervisor) -> None:
-        """Wait until the drained replica holds nothing, then stop it (and remove it from the cluster)."""
-        while self._busy(device, supervisor):
-            await asyncio.sleep(DRAIN_POLL)
-        self._removals.pop((device, supervisor.replica), None)
-        await supervisor.stop()
-        supervisor.draining = False
-        if supervisor.link is not None:
-            await supervisor.link.remove()
-        self.metrics.replica_scalings.labels(device=device, direction="down").inc()
-        log.info("autoscaler: device %s: replica %s stopped", device, supervisor.name)
+    async def _remove(self, device: str, supervisor: DeviceSupervisor, *, decided: bool = True) -> None:
+        """Wait until the drained replica holds nothing, then stop it and, when this gateway `decided` so,
+        remove it from the cluster. A shared replica (a lease) is removed only if it is idle for every
+        gateway (`_drain_shared`); else it is kept, and its idle time counts again from now."""
+        key = (device, supervisor.replica)
+        lease = self.leases.get(device) if decided else None
+        try:
+            while self._busy(device, supervisor):
+                await asyncio.sleep(DRAIN_POLL)
+            if lease is not None and not await self._drain_shared(supervisor, lease):
+                supervisor.draining = False
+                log.info("autoscaler: device %s: replica %s serves other gateways' requests, or this gateway "
+                         "no longer leads; keeping it", device, supervisor.name)
+                return
+            self._removals.pop(key, None)
+            self._stopped_at[key] = float("inf")   # no listing asked for before the actor is gone counts
+            try:
+                await supervisor.stop()
+                supervisor.draining = False
+                if decided and supervisor.link is not None:
+                    await supervisor.link.remove()
+            finally:
+                self._stopped_at[key] = time.monotonic()
+            if decided:
+                self.metrics.replica_scalings.labels(device=device, direction="down").inc()
+            log.info("autoscaler: device %s: replica %s stopped", device, supervisor.name)
+        finally:
+            self._announced.discard(key)
+            if self._removals.get(key) is asyncio.current_task():
+                self._removals.pop(key)
+
+    async def _drain_shared(self, supervisor: DeviceSupervisor, lease: ScalerLease) -> bool:
+        """The leader's drain of a shared replica, once this gateway's requests left it: True when it may
+        be removed. False at once if the replica still counts requests (other gateways'); else the drain
+        is announced (the followers send it nothing new), and after `ANNOUNCE_SECONDS` it is removable
+        once its count is 0 — False if this gateway stops leading first."""
+        key = (supervisor.device, supervisor.replica)
+        if await self._num_requests(supervisor):
+            return False
+        self._announced.add(key)
+        await asyncio.sleep(ANNOUNCE_SECONDS)
+        while lease.is_leader():
+            if not await self._num_requests(supervisor):
+                return lease.is_leader()
+            await asyncio.sleep(REPLICA_POLL)
+        return False
+
+    @staticmethod
+    async def _num_requests(supervisor: DeviceSupervisor) -> int:
+        """The requests in flight on the replica as it counts them (every gateway's); 0 for one that is
+        dead or does not answer."""
+        client = supervisor.client
+        if client is None or not client.is_alive:
+            return 0
+        try:
+            return (await asyncio.wait_for(client.stats(), STATS_SECONDS)).num_requests
+        except (EngineDeadError, TimeoutError):
+            return 0
 
     def export(self) -> None:
         """`cliffguard_replicas{device,state}` as the supervisors say now (each tick, and each scrape)."""

@@ -11,8 +11,15 @@ The actor learns its GPUs from Ray inside itself at every start (`engine.remote.
 
 The actor is named `cliffguard:<device>:<replica>:<digest>` in the `cliffguard` namespace and
 detached: it outlives the gateway, and a gateway that starts again with the same engine config (same
-digest) finds it and connects without reloading it. A gateway whose config changed stops the
-device's actors of another digest, and those of slots past its `replicas`.
+digest) finds it and connects without reloading it; so do other gateways of the same config. A gateway
+whose config for the device differs (another digest) while replicas (actors or placement groups) of the
+old digest are on the cluster does not start the device (`ConfigConflict`, its state in `/ready`),
+unless it takes over (`RayCluster.take_over`: `cliffguard serve --take-over`, YAML
+`gateway.take_over`): then the old digest's actors and groups are removed first.
+
+Several gateways of one config share the device's replicas; one of them at a time places and removes
+them (`gateway.workers.scaler_lease`): a replica whose `may_place` says no only looks for its live
+actor, and waits for the leader gateway to place it.
 
 Everything that blocks (Ray's client calls) runs on a thread; awaiting an `ObjectRef` does not.
 Ray is imported here only, and only when a device asks for it.
@@ -21,26 +28,39 @@ Ray is imported here only, and only when a device asks for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
+import os
 import pickle
+import secrets
+import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
 
 log = logging.getLogger("cliffguard.gateway")
 
-__all__ = ["ClusterError", "RayCluster", "RayReplica", "NAMESPACE"]
+__all__ = ["ClusterError", "ConfigConflict", "RayCluster", "RayReplica", "NAMESPACE", "SCALER"]
 
 NAMESPACE = "cliffguard"
 CONNECT_SECONDS = 30.0      # how long `ray.init` may take before the address is called unreachable
 ACTOR_CONCURRENCY = 8       # endpoint / state / wait_stopped answer while the engine loads
 RESTART_POLL_SECONDS = 0.25   # between asks while Ray restarts an actor
 WATCH_SECONDS = 30.0        # each pending death-notice call returns after this long, and is made again
+FIND_POLL_SECONDS = 0.5     # between looks for an actor that the leader gateway is to place
+SCALER = "scaler"           # the slot word of a device's scaling lease: `cliffguard:<device>:scaler:<digest>`
 
 
 class ClusterError(RuntimeError):
     """The Ray cluster cannot be used: not installed, unreachable, or it refused a request."""
+
+
+class ConfigConflict(ClusterError):
+    """Replicas of the device under another engine config (digest) are on the cluster, and this gateway
+    does not take over."""
 
 
 def _ray():
@@ -56,13 +76,36 @@ def config_digest(config: EngineConfig) -> str:
     return hashlib.sha256(pickle.dumps(config)).hexdigest()[:8]
 
 
-class RayCluster:
-    """The gateway's connection to one Ray cluster (`ray.init` once per process)."""
+def actor_name(device: str, slot: int | str, digest: str) -> str:
+    """`cliffguard:<device>:<slot>:<digest>`: a replica's actor and group (slot a number), or the device's
+    scaling lease (slot `SCALER`)."""
+    return f"cliffguard:{device}:{slot}:{digest}"
 
-    def __init__(self, address: str) -> None:
+
+def parse_name(name: str, device: str) -> tuple[str, str] | None:
+    """(slot, digest) of an `actor_name` of `device`; None for another device's name or any other name."""
+    prefix = f"cliffguard:{device}:"
+    if not isinstance(name, str) or not name.startswith(prefix):
+        return None
+    slot, sep, digest = name[len(prefix):].partition(":")
+    if not sep or not digest or ":" in digest or not (slot.isdigit() or slot == SCALER):
+        return None
+    return slot, digest
+
+
+class RayCluster:
+    """The gateway's connection to one Ray cluster (`ray.init` once per process).
+
+    `gateway_id` names this gateway to the devices' scaling leases (host, pid and a random tag: two
+    gateways in one process are two). `take_over`: a device whose replicas of another config are on the
+    cluster has them removed at start, instead of being refused (`claim`)."""
+
+    def __init__(self, address: str, *, take_over: bool = False) -> None:
         self.address = address
+        self.take_over = take_over
+        self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._connecting: asyncio.Task | None = None
-        self._pruned: dict[str, asyncio.Task] = {}   # device -> its stale actors' removal, once
+        self._claimed: dict[str, asyncio.Task] = {}   # device -> its config's check at start, once
 
     async def connect(self, timeout: float = CONNECT_SECONDS) -> None:
         """ClusterError naming the address when the cluster does not answer within `timeout` seconds.
@@ -104,35 +147,73 @@ class RayCluster:
                                f"{exc.strerror or type(exc).__name__}") from None
         writer.close()
 
-    async def prune(self, device: str, keep: set[str]) -> None:
-        """Once per device: remove the device's actors in the namespace that are not in `keep` (those of
-        another engine config, or of slots past the device's `replicas`)."""
-        if device not in self._pruned:
-            self._pruned[device] = asyncio.ensure_future(self._prune(device, keep))
-        await asyncio.shield(self._pruned[device])
+    async def claim(self, device: str, digest: str) -> None:
+        """Once per device, at its start (every later call has the first one's answer): `check_config`."""
+        if device not in self._claimed:
+            self._claimed[device] = asyncio.ensure_future(self.check_config(device, digest))
+        await asyncio.shield(self._claimed[device])
 
-    async def _prune(self, device: str, keep: set[str]) -> None:
+    async def check_config(self, device: str, digest: str) -> None:
+        """ConfigConflict naming the device, the other digests and how to take over when actors or
+        placement groups of `device` under another digest are on the cluster; with `take_over` they are
+        removed instead (and that config's scaling lease with them)."""
+        found = await self.device_names(device)
+        others = {name: d for name, (slot, d) in found.items() if d != digest}
+        running = sorted({d for name, d in others.items() if found[name][0] != SCALER})
+        if running and not self.take_over:
+            raise ConfigConflict(
+                f"replicas of device {device!r} with another config (digest {', '.join(running)}) run on the Ray "
+                f"cluster at {self.address!r} (another gateway's, or left by one that stopped: replicas outlive "
+                "their gateway); start this gateway with --take-over (or gateway.take_over: true in its YAML) to "
+                "replace them")
+        for name in sorted(others) if self.take_over else ():
+            log.warning("device %s: taking over: removing %s (config digest %s; this gateway's is %s)",
+                        device, name, others[name], digest)
+            await self.remove(name)
+
+    async def device_names(self, device: str) -> dict[str, tuple[str, str]]:
+        """Each live actor (in the namespace) and placement group (not removed) named for `device`:
+        name -> (slot, digest) (`parse_name`)."""
+        ray = _ray()
+
+        def names() -> list[str]:
+            groups = ray.util.placement_group_table().values()
+            live = [g["name"] for g in groups if g.get("state") != "REMOVED"]
+            return list(ray.util.list_named_actors(all_namespaces=False)) + live
+
+        return {name: parsed for name in await asyncio.to_thread(names)
+                if (parsed := parse_name(name, device)) is not None}
+
+    async def live_slots(self, device: str, digest: str) -> set[int]:
+        """The slots of `device` whose actor of `digest` is alive (or being restarted by Ray)."""
         ray = _ray()
         names = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=False)
-        prefix = f"cliffguard:{device}:"
-        for name in names:
-            if isinstance(name, str) and name.startswith(prefix) and name not in keep:
-                log.info("device %s: removing the Ray actor %s (not in this configuration)", device, name)
+        parsed = [parse_name(name, device) for name in names]
+        return {int(p[0]) for p in parsed if p is not None and p[1] == digest and p[0].isdigit()}
+
+    async def remove_slots_past(self, device: str, digest: str, num_slots: int) -> None:
+        """Remove the actors and groups of `device` and `digest` whose slot is `num_slots` or past it (left
+        by a configuration with more `replicas`)."""
+        for name, (slot, d) in sorted((await self.device_names(device)).items()):
+            if d == digest and slot.isdigit() and int(slot) >= num_slots:
+                log.info("device %s: removing the Ray actor %s (past its %d replicas)", device, name, num_slots)
                 await self.remove(name)
 
     async def remove(self, name: str) -> None:
-        """Stop an actor and remove its placement group, by name (nothing if either is gone)."""
+        """Stop an actor and remove its placement groups, by name (nothing if they are gone)."""
         ray = _ray()
+        from ray.util.placement_group import PlacementGroup
 
         def remove() -> None:
             try:
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
             except ValueError:
                 pass
-            try:
-                ray.util.remove_placement_group(ray.util.get_placement_group(name))
-            except Exception:  # noqa: BLE001 - no such group
-                pass
+            for group in ray.util.placement_group_table().values():
+                if group.get("name") == name and group.get("state") != "REMOVED":
+                    with contextlib.suppress(Exception):   # removed meanwhile
+                        ray.util.remove_placement_group(
+                            PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group["placement_group_id"]))))
 
         await asyncio.to_thread(remove)
 
@@ -165,7 +246,10 @@ class RayReplica:
 
     `endpoint` waits until Ray has placed and started the actor; `watch` fails when the actor dies
     (Ray's death notice); `restart` has Ray kill it and start it again; `remove` ends it for good.
-    `status` says what it is waiting for (shown in `/ready` while the replica loads)."""
+    `status` says what it is waiting for (shown in `/ready` while the replica loads). `may_place` says
+    whether this gateway may place the replica now (the device's scaling leader does: the autoscaler sets
+    it to its `gateway.workers.scaler_lease.ScalerLease.is_leader`); while it may not, `endpoint` only
+    finds the live actor, and waits for it."""
 
     def __init__(self, cluster: RayCluster, device: str, replica: int, config: EngineConfig,
                  peers: list[RayReplica] | None = None) -> None:
@@ -173,17 +257,21 @@ class RayReplica:
         self.device = device
         self.replica = replica
         self.config = config
-        self.name = f"cliffguard:{device}:{replica}:{config_digest(config)}"
+        self.digest = config_digest(config)
+        self.name = actor_name(device, replica, self.digest)
         self.bundles = Bundles.of(config)
         self.peers = peers if peers is not None else []   # the device's other slots (placement spreads them)
         self.node_id: str | None = None
         self.status = "connecting to the Ray cluster"
+        self.may_place: Callable[[], bool] = lambda: True
         self._actor = None
 
     async def endpoint(self, timeout: float) -> tuple[str, int, bytes]:
-        """(host, port, key): places the replica if no actor of this name lives, then asks the actor."""
+        """(host, port, key): finds the live actor of this name, or places the replica if it may (else
+        waits for the leader gateway to place it), then asks the actor. ConfigConflict when replicas of
+        another config of the device are on the cluster (`RayCluster.check_config`)."""
         await self.cluster.connect()
-        await self.cluster.prune(self.device, {peer.name for peer in self.peers})
+        await self.cluster.claim(self.device, self.digest)
         if self._actor is None:
             self._actor = await self._find_or_place(timeout)
         self.status = "waiting for the actor to start"
@@ -210,13 +298,31 @@ class RayReplica:
                 await asyncio.sleep(RESTART_POLL_SECONDS)
 
     async def _find_or_place(self, timeout: float):
-        ray = _ray()
-        try:
-            actor = await asyncio.to_thread(ray.get_actor, self.name, NAMESPACE)
+        """The live actor; else, when this gateway may place it, a new one (after checking once more that
+        no other config's replicas of the device are there); else wait for one. TimeoutError past `timeout`."""
+        deadline = time.monotonic() + timeout
+        while (actor := await self._find()) is None and not self.may_place():
+            self.status = "waiting for the leader gateway to place it"
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"replica {self.label}: no gateway placed it within {timeout:g} s")
+            await asyncio.sleep(FIND_POLL_SECONDS)
+        if actor is not None:
             log.info("replica %s: found the live actor %s", self.label, self.name)
             return actor
+        await self.cluster.check_config(self.device, self.digest)   # another config may have come meanwhile
+        return await self._place(timeout)
+
+    async def _find(self):
+        """The live actor of this name, or None."""
+        try:
+            return await asyncio.to_thread(_ray().get_actor, self.name, NAMESPACE)
         except ValueError:
-            pass
+            return None
+
+    async def _place(self, timeout: float):
+        """A new placement group and actor (`get_if_exists`: a gateway placing the same name at once
+        gets the one actor)."""
+        ray = _ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -37,6 +37,23 @@ def ray_cluster():
     cluster.shutdown()
 
 
+@pytest.fixture(autouse=True)
+async def _no_replicas_left(ray_cluster):
+    """Each test starts without an earlier test's replicas of device `cpu`: one of another config would
+    refuse the device (tests/gateway/test_ray_leader_cluster.py)."""
+    await remove_device(ray_cluster.address, "cpu")
+
+
+async def remove_device(address: str, device: str) -> None:
+    """Remove every actor and placement group of `device` (replicas and scaling lease, any config)."""
+    from gateway.workers.ray_cluster import RayCluster
+
+    cluster = RayCluster(address)
+    await cluster.connect()
+    for name in await cluster.device_names(device):
+        await cluster.remove(name)
+
+
 def start_local_cluster(node_cpus: int):
     from ray.cluster_utils import Cluster
 
@@ -140,11 +157,12 @@ async def test_a_wrong_address_a_node_without_the_model_and_a_replica_never_plac
     client = await _serving(_on_ray(tiny_model, ray_cluster.address, replicas=1, model=bare), "bare")
     body = await _ready_body(client, lambda b: "failed" in b["devices"]["cpu"], timeout=120)
     assert "cpu" in body["devices"]["cpu"] and "safetensors" in body["devices"]["cpu"]
+    await remove_device(ray_cluster.address, "cpu")   # its actor lives on, and its config is not the next one's
 
     # a bundle no node can hold: /ready says what it waits for, a request gets a 503 naming the replica
     text = _on_ray(tiny_model, ray_cluster.address, replicas=1, extra="").replace("cpu_threads: 1", "cpu_threads: 64")
     client = await _serving(text.replace("max_queue_seconds: 20", "max_queue_seconds: 2"), "huge")
-    body = await _ready_body(client, lambda b: "place" in b["devices"]["cpu"])
+    body = await _ready_body(client, lambda b: "Ray to place" in b["devices"]["cpu"])   # once it leads (at once)
     assert "'CPU': 64.0" in body["devices"]["cpu"]
     r = await client.post("/v1/completions", json={"model": _model(tiny_model), "prompt": "x", "max_tokens": 2})
     error = (await r.json())["error"]
@@ -175,7 +193,8 @@ async def test_autoscaling_on_ray_adds_an_actor_for_a_burst_and_removes_it_when_
                                     tmp_path)
     await burst_then_quiet(client, gateway, _model(tiny_model))
     names = await asyncio.to_thread(ray.util.list_named_actors)
-    assert [n for n in names if n.startswith("cliffguard:cpu:")] == [gateway.supervisors["cpu"][0].link.name]
+    assert sorted(n for n in names if n.startswith("cliffguard:cpu:")) == sorted(
+        [gateway.supervisors["cpu"][0].link.name, gateway.autoscaler.leases["cpu"].name])   # slot 0 and the lease
     await client.close()
 
 

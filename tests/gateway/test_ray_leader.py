@@ -1,0 +1,261 @@
+"""The scaling leader of a device shared by several gateways, without Ray: the lease's rules on a given
+clock (one holder, renewal, expiry and takeover, release, a restarted lease granting nothing at first,
+the gateways' reasons to scale up), and the autoscaler as leader and as follower with fake slots and a
+fake lease (a follower places and removes nothing; the leader removes only a replica idle for every
+gateway). The same on a Ray cluster: tests/gateway/test_ray_leader_cluster.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from gateway.monitoring.metrics import GatewayMetrics
+from gateway.workers import autoscaler as autoscaler_module
+from gateway.workers.autoscaler import Autoscaler
+from gateway.workers.ray_cluster import parse_name
+from gateway.workers.scaler_lease import Lease, LeaseView
+from pools.config.spec import DeviceSpec
+
+
+def test_one_holder_renews_and_another_takes_over_only_when_its_lease_expired():
+    lease = Lease.started(10.0, now=0.0)
+    assert lease.renew("A", 0.0) == LeaseView("A", 10.0)
+    assert lease.renew("B", 1.0).holder == "A"                  # taken: B follows
+    assert lease.renew("A", 5.0).seconds_left == 10.0          # renewed
+    assert lease.renew("B", 14.9) == LeaseView("A", pytest.approx(0.1))
+    assert lease.renew("B", 15.0) == LeaseView("B", 10.0)      # A stopped renewing: B leads at its expiry
+    assert lease.renew("A", 16.0).holder == "B"                # A, back, follows
+    lease.release("B", 17.0)                                    # B stops: the lease is free at once
+    assert lease.renew("A", 17.0).holder == "A"
+    lease.release("B", 18.0)                                    # a follower's release changes nothing
+    assert lease.renew("B", 18.0).holder == "A"
+
+
+def test_a_restarted_lease_grants_nothing_until_any_lease_it_gave_is_over():
+    lease = Lease.started(10.0, now=100.0, restarted=True)
+    assert lease.renew("A", 105.0) == LeaseView(None, 5.0)
+    assert lease.renew("A", 110.0).holder == "A"
+
+
+def test_the_gateways_reasons_reach_the_others_and_the_holders_drains_reach_the_followers():
+    lease = Lease.started(10.0, now=0.0)
+    lease.renew("A", 0.0)
+    assert lease.renew("B", 1.0, pressure="a request waited 3.0 s for KV credits").pressure is None  # not its own
+    assert lease.renew("A", 2.0).pressure == "a request waited 3.0 s for KV credits"
+    assert lease.renew("A", 11.5).pressure is None              # B said it over 10 s ago: forgotten
+    lease.renew("B", 12.0, pressure="overloaded")
+    lease.renew("B", 12.5)                                       # no reason now
+    assert lease.renew("A", 13.0).pressure is None
+    lease.renew("A", 14.0, draining=[2])
+    assert lease.renew("B", 14.5, draining=[1]).draining == (2,)  # only the holder's drains count
+    assert lease.renew("A", 15.0, draining=[2]).draining == (2,)
+    assert lease.renew("A", 15.5, draining=()).draining == ()
+    lease.renew("A", 16.0, draining=[1])
+    assert lease.renew("B", 26.0).draining == ()                 # a new holder starts with none
+
+
+def test_names_of_a_device_are_told_from_other_devices_and_other_names():
+    assert parse_name("cliffguard:gpu:3:1a2b3c4d", "gpu") == ("3", "1a2b3c4d")
+    assert parse_name("cliffguard:gpu:scaler:1a2b3c4d", "gpu") == ("scaler", "1a2b3c4d")
+    assert parse_name("cliffguard:gpu:b:3:1a2b3c4d", "gpu") is None      # device `gpu:b`'s
+    assert parse_name("cliffguard:gpu2:3:1a2b3c4d", "gpu") is None
+    assert parse_name("cliffguard:gpu:x:1a2b3c4d", "gpu") is None
+    assert parse_name("cliffguard:gpu:3", "gpu") is None
+
+
+# --- the autoscaler as leader and as follower, with fakes ---------------------------------------------
+class _Client:
+    def __init__(self, num_requests: int = 0) -> None:
+        self.num_requests, self.num_in_flight, self.is_alive = num_requests, 0, True
+
+    async def stats(self):
+        return SimpleNamespace(num_requests=self.num_requests)
+
+
+class _Link:
+    def __init__(self) -> None:
+        self.removed = 0
+
+    async def remove(self) -> None:
+        self.removed += 1
+
+
+class _Slot:
+    """A replica slot as the autoscaler sees a `DeviceSupervisor` of a Ray device."""
+
+    def __init__(self, replica: int, state: str, num_requests: int = 0) -> None:
+        self.device, self.replica, self.state, self.name = "d", replica, state, f"d/{replica}"
+        self.draining, self.link = False, _Link()
+        self.client = _Client(num_requests) if state == "ready" else None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state == "ready"
+
+    def start(self) -> None:
+        self.state = "loading"
+
+    def ready(self, num_requests: int = 0) -> None:
+        self.state, self.client = "ready", _Client(num_requests)
+
+    async def stop(self) -> None:
+        self.state, self.client = "stopped", None
+
+
+class _Lease:
+    """What the autoscaler reads of a `ScalerLease`; `pokes` records each renewal asked for."""
+
+    def __init__(self, leader: bool, live: set[int] | None = None) -> None:
+        self.leader, self.live, self.live_at = leader, live, time.monotonic()
+        self.view = LeaseView("me" if leader else "other", 10.0)
+        self.pokes: list[tuple[str | None, tuple[int, ...]]] = []
+
+    def is_leader(self) -> bool:
+        return self.leader
+
+    def poke(self, pressure, draining=()) -> None:
+        self.pokes.append((pressure, tuple(draining)))
+
+    def listed(self, live: set[int]) -> None:
+        self.live, self.live_at = live, time.monotonic()
+
+
+def _make_scaler(slots, lease, verdict=None) -> Autoscaler:
+    spec = DeviceSpec(name="d", replicas=len(slots), min_replicas=1, scale_down_idle_seconds=5.0)
+    verdict = {} if verdict is None else verdict
+    return Autoscaler({"d": spec}, {"d": slots}, {}, GatewayMetrics(), overloaded=lambda: verdict,
+                      leases={"d": lease})
+
+
+def _scalings(scaler: Autoscaler) -> dict[str, float]:
+    counted = {s.labels["direction"]: s.value for s in scaler.metrics.replica_scalings.collect()[0].samples
+               if s.name.endswith("_total")}
+    return {"up": 0.0, "down": 0.0} | counted
+
+
+@pytest.fixture
+def quick(monkeypatch):
+    monkeypatch.setattr(autoscaler_module, "ANNOUNCE_SECONDS", 0.05)
+    monkeypatch.setattr(autoscaler_module, "REPLICA_POLL", 0.01)
+    monkeypatch.setattr(autoscaler_module, "DRAIN_POLL", 0.01)
+
+
+async def _settle() -> None:
+    """Let the drains started by a tick run to their end (the fakes answer at once)."""
+    for _ in range(20):
+        await asyncio.sleep(0.005)
+
+
+async def test_a_follower_follows_the_cluster_and_never_places_or_removes(quick):
+    slots = [_Slot(0, "ready"), _Slot(1, "stopped"), _Slot(2, "ready"), _Slot(3, "stopped")]
+    lease = _Lease(leader=False, live={0, 1})              # the leader placed 1 and removed 2; 3 is parked
+    verdict = {"d": "overloaded: offered load 1.8 of 2 replica(s)' time"}
+    scaler = _make_scaler(slots, lease, verdict)
+    for t in range(8):                                    # past the idle time: a follower drains nothing itself
+        scaler.tick(now=float(t))
+        await _settle()
+    assert [s.state for s in slots] == ["ready", "loading", "stopped", "stopped"]  # 1 connects, 2 stopped, 3 parked
+    assert [s.link.removed for s in slots] == [0, 0, 0, 0]                        # nothing removed from the cluster
+    assert lease.pokes[-1] == (verdict["d"], ())                 # its reason goes to the leader with each renewal
+    assert _scalings(scaler) == {"up": 0.0, "down": 0.0}         # the leader counts what it decides
+
+    slots[1].ready()
+    lease.view = LeaseView("other", 10.0, draining=(1,))         # the leader drains 1: this gateway too
+    scaler.tick(now=30.0)
+    assert slots[1].draining and slots[1].state == "ready"
+    lease.view = LeaseView("other", 10.0)                        # and takes it back
+    scaler.tick(now=31.0)
+    assert not slots[1].draining
+
+    lease.listed(set())                                          # every actor gone: the min slot stays started
+    scaler.tick(now=32.0)
+    await _settle()
+    assert [s.state for s in slots] == ["ready", "stopped", "stopped", "stopped"]
+    lease.live = {0, 1}                                          # a listing older than the stop: stale
+    scaler.tick(now=33.0)
+    assert slots[1].state == "stopped"
+    lease.listed({0, 1})
+    scaler.tick(now=34.0)
+    assert slots[1].state == "loading"
+
+
+async def test_the_leader_removes_only_a_replica_idle_for_every_gateway(quick, monkeypatch):
+    monkeypatch.setattr(autoscaler_module, "ANNOUNCE_SECONDS", 0.3)
+    slots = [_Slot(0, "ready"), _Slot(1, "ready", num_requests=2)]   # 1: another gateway's requests run on it
+    lease = _Lease(leader=True, live={0, 1})
+    scaler = _make_scaler(slots, lease)
+    for t in range(7):                                               # idle here for 6 s: drained, then kept
+        scaler.tick(now=float(t))
+    await _settle()
+    assert slots[1].state == "ready" and not slots[1].draining and slots[1].link.removed == 0
+    assert all(draining == () for _, draining in lease.pokes)        # never announced
+
+    slots[1].client.num_requests = 0                                 # idle for everyone now
+    for t in range(7, 14):
+        scaler.tick(now=float(t))
+    assert slots[1].draining
+    await asyncio.sleep(0.02)
+    scaler.tick(now=14.0)
+    assert lease.pokes[-1] == (None, (1,))                           # the drain is announced to the followers
+    await asyncio.sleep(0.5)
+    assert slots[1].state == "stopped" and slots[1].link.removed == 1 and slots[0].state == "ready"
+    assert _scalings(scaler) == {"up": 0.0, "down": 1.0}
+    scaler.tick(now=15.0)
+    assert lease.pokes[-1] == (None, ())
+
+
+async def test_a_request_that_comes_during_the_announcement_keeps_the_replica(quick, monkeypatch):
+    monkeypatch.setattr(autoscaler_module, "ANNOUNCE_SECONDS", 0.2)
+    slots = [_Slot(0, "ready"), _Slot(1, "ready")]
+    lease = _Lease(leader=True, live={0, 1})
+    scaler = _make_scaler(slots, lease)
+    for t in range(7):
+        scaler.tick(now=float(t))
+    await asyncio.sleep(0.05)
+    slots[1].client.num_requests = 1                               # a follower's request, sent before it heard
+    lease.leader = False                                           # and this gateway loses the lease meanwhile
+    await asyncio.sleep(0.4)
+    assert slots[1].state == "ready" and not slots[1].draining and slots[1].link.removed == 0
+
+
+async def test_the_leader_scales_up_for_another_gateways_queue_and_adopts_a_live_parked_slot(quick):
+    slots = [_Slot(0, "ready"), _Slot(1, "stopped"), _Slot(2, "stopped")]
+    lease = _Lease(leader=True, live={0})
+    scaler = _make_scaler(slots, lease)
+    scaler.tick(now=0.0)
+    assert [s.state for s in slots] == ["ready", "stopped", "stopped"]
+    lease.view = LeaseView("me", 10.0, pressure="a request waited 2.5 s for KV credits (over 2 s)")
+    scaler.tick(now=1.0)
+    assert [s.state for s in slots] == ["ready", "loading", "stopped"]
+    assert _scalings(scaler) == {"up": 1.0, "down": 0.0}
+    lease.view = LeaseView("me", 10.0)
+    lease.listed({0, 2})                                           # a previous leader placed 2 as it lost the lease
+    scaler.tick(now=2.0)
+    assert slots[2].state == "loading"
+    assert _scalings(scaler) == {"up": 1.0, "down": 0.0}
+
+
+async def test_drains_a_previous_leader_asked_for_end_when_this_gateway_leads(quick):
+    slots = [_Slot(0, "ready"), _Slot(1, "ready")]
+    lease = _Lease(leader=False, live={0, 1})
+    lease.view = LeaseView("other", 10.0, draining=(1,))
+    scaler = _make_scaler(slots, lease)
+    scaler.tick(now=0.0)
+    assert slots[1].draining
+    lease.leader, lease.view = True, LeaseView("me", 10.0)
+    scaler.tick(now=1.0)
+    assert not slots[1].draining
+
+
+def test_take_over_is_a_serve_flag_and_a_gateway_key(tmp_path, tiny_model):
+    from gateway.cli import build_parser
+    from pools.config.yaml_file import load_config
+    from tests.gateway.conftest import chat_pool_yaml
+
+    assert build_parser().parse_args(["serve", "--take-over"]).take_over
+    assert not build_parser().parse_args(["serve"]).take_over
+    assert not load_config(chat_pool_yaml(tiny_model)).gateway.take_over
+    assert load_config(chat_pool_yaml(tiny_model, gateway="{take_over: true}")).gateway.take_over
