@@ -104,6 +104,7 @@ class Placed:
     pool: Pool
     replica: int
     key: str                  # the request's id in the pool's ledger and placement
+    credits: int = 0          # what its admission took there (a shared replica counts them: `engine.sessions`)
 
     @property
     def client(self):
@@ -179,7 +180,7 @@ class AdmissionControl:
                 key = f"{request_id}@{name}"
                 ticket = await stack.enter_async_context(self._hold(pool, key, needs[name], tenant, priority,
                                                                     background, work, n * len(prompts[name])))
-                placed[name] = Placed(pool, ticket.replica, key)
+                placed[name] = Placed(pool, ticket.replica, key, ticket.charged)
                 self._count_placement(pool, ticket.replica, work, key)
             yield placed
 
@@ -267,7 +268,10 @@ class AdmissionControl:
                 self._seen[key] = stats.taken_at
                 ps = stats.pools[pool.name]
                 try:
-                    pool.admission.reconcile((ps.num_blocks - ps.num_free_blocks) * pool.spec.block_size, replica)
+                    used = ps.num_session_blocks   # a replica shared by gateways: this gateway's blocks
+                    if used is None:
+                        used = ps.num_blocks - ps.num_free_blocks
+                    pool.admission.reconcile(used * pool.spec.block_size, replica)
                 except Exception:  # noqa: BLE001 - a bad report must not stop admission
                     log.exception("pool %s replica %d: reconciling credits failed", pool.name, replica)
 

@@ -80,10 +80,16 @@ async def merged(routed: Routed, params: SamplingParams, priority: int, request_
                  placed: dict[str, Placed], tenant: str = "default") -> AsyncIterator[tuple[int, RequestDelta]]:
     """(prompt index, delta) from every prompt's engine request, as they arrive, each on the replica its
     pool's part was placed on (`placed`)."""
+    first = {}   # each pool's first prompt says the credits its part holds (the replica counts them)
+    for i, (pool, _) in enumerate(routed):
+        first.setdefault(pool.name, i)
+
     def generate(i: int, pool: Pool, ids: list[int]):
         engine_id = engine_request_id(request_id, i, len(routed))
-        return placed[pool.name].client.generate(ids, params, request_id=engine_id, priority=priority, pool=pool.name,
-                                                 cache_salt=pool.cache_salt(tenant))
+        where = placed[pool.name]
+        return where.client.generate(ids, params, request_id=engine_id, priority=priority, pool=pool.name,
+                                     cache_salt=pool.cache_salt(tenant),
+                                     credits=where.credits if first[pool.name] == i else 0)
 
     if len(routed) == 1:
         pool, ids = routed[0]

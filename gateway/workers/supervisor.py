@@ -302,7 +302,19 @@ class DeviceSupervisor:
             else AsyncEngineClient(self.config)
         for pool in self.pools:
             pool.clients[self.replica] = self.client
-        return self.client
+        client = self.client
+        client.on_lease = lambda pool, tokens: self._lease(client, pool, tokens)
+        return client
+
+    def _lease(self, client: AsyncEngineClient, pool_name: str, tokens: int) -> bool:
+        """A replica shared by several gateways (`engine.sessions`) leases this gateway `tokens` credits of
+        `pool_name`: its admission admits within them from now on, and the client acknowledges the lease
+        once what is held there is within it (at once, or as requests there finish)."""
+        pool = next((p for p in self.pools if p.name == pool_name and p.admission is not None), None)
+        if pool is None:
+            return True
+        pool.admission.lease(self.replica, tokens, lambda: client.ack_leases([pool_name]))
+        return False   # acknowledged by the admission's call, perhaps already
 
     async def _notify(self) -> None:
         async with self._changed:

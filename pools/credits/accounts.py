@@ -28,6 +28,7 @@ class Ticket:
     prefilling: bool = False      # admitted, its first token not yet come: its blocks are not shared yet
     num_seqs: int = 1             # sequences it runs at once (n x prompts)
     flow: int = 0                 # its size class within its tenant's channel (`pools.credits.flows`)
+    charged: int = 0              # the credits its admission took on its replica (its shared blocks not again)
     start: int = 0                # its start tag there (fair queueing)
     arrival: int = 0              # its place in the order of arrival there
 
@@ -55,9 +56,21 @@ class Account:
     copies: dict[int, int] = field(default_factory=dict)    # ... copies of it held (1 .. refs)
     flow_cap: int | None = None                             # `pools.credits.flows.FLOW_CAP`, or None: no cap
     headroom: Headroom | None = None                        # what each flow holds here (`pools.credits.flows`)
+    capacity: int = 0    # the replica's credits by the plan; `total` is less while a lease says so (0: total)
 
     def __post_init__(self) -> None:
+        self.capacity = self.capacity or self.total
         self.headroom = Headroom(self.total, self.max_seqs, self.flow_cap)
+
+    def lease(self, tokens: int) -> None:
+        """The replica leases this gateway `tokens` of its credits (a replica shared by several gateways,
+        `engine.sessions`): admit within them (at most the plan's capacity) from now on."""
+        self.total = self.headroom.total = max(0, min(tokens, self.capacity))
+
+    @property
+    def within_lease(self) -> bool:
+        """What the admitted requests hold here is within `total` (a shrunk lease may be acknowledged)."""
+        return self.held <= self.total
 
     def seqs_of(self, ticket: Ticket) -> int:
         """The sequences `ticket` takes here: all it runs, at most all the replica has."""
@@ -68,7 +81,7 @@ class Account:
 
     @property
     def free(self) -> int:
-        return self.total - self.held - self.outside
+        return max(0, self.total - self.held - self.outside)   # 0 while a shrunk lease is under what is held
 
 
 def drop(counts: dict[int, int], keys: Sequence[int]) -> None:

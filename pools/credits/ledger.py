@@ -184,7 +184,7 @@ class CreditLedger:
             raise ValueError(f"request_id: {request_id!r} is already in the ledger")
         if not isinstance(num_tokens, int) or num_tokens <= 0:
             raise ValueError(f"num_tokens: must be a positive integer, got {num_tokens!r}")
-        largest = max(a.total for a in self.accounts)
+        largest = max(a.capacity for a in self.accounts)
         if num_tokens > largest:
             raise ValueError(f"num_tokens: {num_tokens} credits asked, the pool has {largest} KV token slots"
                              + (" per replica" if self.num_replicas > 1 else ""))
@@ -304,6 +304,7 @@ class CreditLedger:
 
     def _take(self, ticket: Ticket, replica: int) -> None:
         account = self.accounts[replica]
+        before = account.held
         account.held += self._own(ticket)
         for h in ticket.blocks:
             if not self._shared(account, h):
@@ -314,6 +315,7 @@ class CreditLedger:
         account.num_seqs += account.seqs_of(ticket)
         account.headroom.add(ticket.flow_key, ticket.num_tokens, ticket.num_seqs)
         ticket.admitted, ticket.replica, ticket.prefilling = True, replica, True
+        ticket.charged = account.held - before
 
     def _admit_interactive(self, place: Place, held: set[int]) -> list[Ticket]:
         admitted: list[Ticket] = []
@@ -399,7 +401,7 @@ class CreditLedger:
         if not isinstance(used_tokens, int) or used_tokens < 0:
             raise ValueError(f"used_tokens: must be an integer >= 0, got {used_tokens!r}")
         account = self.accounts[replica]
-        account.outside = min(max(0, used_tokens - account.held), account.total - account.held)
+        account.outside = max(0, min(used_tokens - account.held, account.total - account.held))
         return account.outside
 
     def cancel(self, request_id: str) -> bool:

@@ -96,6 +96,7 @@ class CreditQueue:
         self._queued_since: dict[str, float] = {}      # request waiting for credits -> since when
         self.offered = OfferedLoad()                   # interactive requests that arrived (pools.demand)
         self._since: dict[str, float] = {}             # interactive request -> when it came (until its first token)
+        self._acks: dict[int, Callable[[], None]] = {}   # replica -> a lease to acknowledge once within it
         self.num_admitted = 0           # totals since start, for metrics and tests
         self.num_expired = 0
         self.num_cancelled = 0
@@ -107,8 +108,17 @@ class CreditQueue:
 
     @property
     def max_request(self) -> int:
-        """The most credits one request can ever hold: the largest replica's."""
-        return max(a.total for a in self.ledger.accounts)
+        """The most credits one request can ever hold: the largest replica's (by the plan, whatever a
+        replica's lease is now)."""
+        return max(a.capacity for a in self.ledger.accounts)
+
+    def lease(self, replica: int, tokens: int, acknowledge: Callable[[], None]) -> None:
+        """`replica` leases this gateway `tokens` credits (a replica shared by several gateways,
+        `engine.sessions`): admit within them from now on; `acknowledge()` is called once what is held
+        there is within them (at once, or when enough requests there have finished)."""
+        self.ledger.accounts[replica].lease(tokens)
+        self._acks[replica] = acknowledge
+        self._admit()
 
     @property
     def free(self) -> int:
@@ -183,6 +193,8 @@ class CreditQueue:
             self._admit()   # a request that left may have blocked the head of the queue
 
     def _admit(self) -> None:
+        for replica in [r for r in self._acks if self.ledger.accounts[r].within_lease]:
+            self._acks.pop(replica)()
         if self.is_up is not None:   # what the replicas' supervisors say now: a dead one takes nothing new
             for replica in range(self.ledger.num_replicas):
                 self.ledger.set_up(replica, self.is_up(replica))

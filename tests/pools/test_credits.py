@@ -178,3 +178,40 @@ def test_reconcile_holds_back_blocks_the_ledger_does_not_know_and_returns_them()
     ledger.check_integrity()
     with pytest.raises(ValueError, match="used_tokens"):
         ledger.reconcile(-1)
+
+
+def test_a_lease_bounds_admission_and_is_acknowledged_once_what_is_held_is_within_it():
+    """A replica shared by several gateways leases this one a share of its credits (`engine.sessions`):
+    admission stays within it; a lease under what is held is acknowledged only once requests there have
+    finished; a request larger than the lease but within the plan waits rather than being refused."""
+    import asyncio
+    import contextlib
+
+    from pools.credits.queue import CreditQueue
+
+    async def main():
+        queue = CreditQueue("chat", [1000])
+        acks: list[int] = []
+        async with contextlib.AsyncExitStack() as first, contextlib.AsyncExitStack() as second:
+            tickets = [await first.enter_async_context(queue.hold("r0", 300)),
+                       await second.enter_async_context(queue.hold("r1", 300))]   # 600 held
+            assert [t.charged for t in tickets] == [300, 300]
+            queue.lease(0, 400, lambda: acks.append(400))
+            assert acks == [] and queue.ledger.accounts[0].free == 0 and queue.max_request == 1000
+            big = asyncio.ensure_future(_hold_once(queue, "big", 700))
+            await asyncio.sleep(0.01)
+            assert not big.done()       # 700 fits the plan, not the lease: it waits
+            await first.aclose()        # r0 done: 300 held <= 400
+            assert acks == [400] and not big.done()
+            queue.lease(0, 1000, lambda: acks.append(1000))
+            assert acks == [400, 1000]
+            await second.aclose()
+            assert await asyncio.wait_for(big, 1) == 700
+        queue.ledger.check_integrity()
+
+    asyncio.run(main())
+
+
+async def _hold_once(queue, request_id: str, num_tokens: int) -> int:
+    async with queue.hold(request_id, num_tokens) as ticket:
+        return ticket.charged
