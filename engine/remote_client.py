@@ -39,6 +39,10 @@ class ReplicaLink(Protocol):
     def restart(self, reason: str) -> None:
         """Have the cluster manager kill the replica's process and start it again."""
 
+    async def restart_unless_responsive(self, reason: str) -> None:
+        """(Optional.) Restart the replica unless its process answers the cluster manager: a connection
+        that went silent may be a partition between this gateway and a healthy replica."""
+
 
 class RemoteEngineClient(AsyncEngineClient):
     """`AsyncEngineClient` over a network connection to a replica that `link` locates."""
@@ -49,6 +53,7 @@ class RemoteEngineClient(AsyncEngineClient):
         self.address: tuple[str, int] | None = None
         self._lost_reason: str | None = None
         self._keepalive: asyncio.Task | None = None
+        self._checking: asyncio.Future | None = None   # a stalled connection's replica being asked (`kill`)
 
     async def _launch(self, timeout: float) -> Channel:
         host, port, key = await self.link.endpoint(timeout)
@@ -83,11 +88,18 @@ class RemoteEngineClient(AsyncEngineClient):
             self._lost_reason = reason
             self._on_exit(reason)
 
-    def kill(self, reason: str) -> None:
-        """Drop the connection at once and have the replica restarted (a stalled one: `gateway.workers.supervisor`)."""
+    def kill(self, reason: str, *, unless_responsive: bool = False) -> None:
+        """Drop the connection at once and have the replica restarted (a hung one: `gateway.workers.supervisor`).
+        `unless_responsive` (a silent connection): restart it only if it does not answer its cluster manager
+        either (`ReplicaLink.restart_unless_responsive`); one that answers lost only this gateway's
+        connection (a partition), and other gateways it serves keep it: this one connects again."""
         if self._process is None or self._reaper is not None:
             return
-        self.link.restart(reason)
+        check = getattr(self.link, "restart_unless_responsive", None)
+        if unless_responsive and check is not None:
+            self._checking = asyncio.ensure_future(check(reason))
+        else:
+            self.link.restart(reason)
         self._on_exit(reason)
 
     async def _reap(self, grace: float) -> None:

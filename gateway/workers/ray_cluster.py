@@ -50,6 +50,7 @@ CONNECT_SECONDS = 30.0      # how long `ray.init` may take before the address is
 ACTOR_CONCURRENCY = 8       # endpoint / state / wait_stopped answer while the engine loads
 RESTART_POLL_SECONDS = 0.25   # between asks while Ray restarts an actor
 WATCH_SECONDS = 30.0        # each pending death-notice call returns after this long, and is made again
+RESPONSIVE_SECONDS = 5.0    # a silent connection's actor that does not answer Ray this long is restarted
 FIND_POLL_SECONDS = 0.5     # between looks for an actor that the leader gateway is to place
 SCALER = "scaler"           # the slot word of a device's scaling lease: `cliffguard:<device>:scaler:<digest>`
 
@@ -381,6 +382,23 @@ class RayReplica:
         except Exception as exc:  # noqa: BLE001 - RayActorError, ActorDiedError, ActorUnavailableError
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             return f"replica {self.label}: Ray reports the actor dead ({type(exc).__name__}: {first[:200]})"
+
+    async def restart_unless_responsive(self, reason: str) -> None:
+        """A connection that went silent: ask the actor through Ray (`state`, answered from a thread of its
+        own); restart it only if it does not answer within `RESPONSIVE_SECONDS`. An actor that answers
+        is alive and serving (other gateways, perhaps): the silence was this gateway's path to it, and
+        the supervisor connects again."""
+        actor = self._actor
+        if actor is None:
+            return
+        try:
+            state = await asyncio.wait_for(actor.state.remote(), RESPONSIVE_SECONDS)
+        except Exception as exc:  # noqa: BLE001 - timed out, or Ray reports it dead: restart it
+            log.error("replica %s: the actor does not answer Ray either (%s)", self.label, type(exc).__name__)
+            self.restart(reason)
+            return
+        log.warning("replica %s: the connection went silent (%s) but the actor answers Ray (%s): connecting "
+                    "again, not restarting it", self.label, reason, state)
 
     def restart(self, reason: str) -> None:
         if self._actor is not None:

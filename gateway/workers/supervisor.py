@@ -22,7 +22,9 @@ long its current step has lasted. The watchdog (every `WATCHDOG_INTERVAL` s) kil
 
 - whose heartbeat has been silent for `gateway.stall_seconds`, with or without requests in flight (a
   `kill -STOP`, a process frozen whole): `restarting: stalled: …`, counted in
-  `cliffguard_worker_stalls_total{device,replica}`;
+  `cliffguard_worker_stalls_total{device,replica}` (a Ray replica's connection is dropped and the actor
+  asked through Ray first: restarted only if it does not answer there either, since a silent connection
+  may be a partition between this gateway and a replica other gateways still use);
 - that still beats but whose current step has lasted over `gateway.step_timeout_seconds` (a kernel or a
   collective that never returns): `restarting: hung: …`, counted in
   `cliffguard_worker_step_timeouts_total{device,replica}`.
@@ -219,7 +221,10 @@ class DeviceSupervisor:
         self._restart_reason = reason
         log.error("device %s: %s; killing it", self.name, reason)
         self.deaths.record(client, self.replica, reason, cause)   # before its requests hear of it
-        client.kill(reason)
+        if isinstance(client, RemoteEngineClient):   # silent: restarted only if Ray gets no answer either
+            client.kill(reason, unless_responsive=cause == STALL)
+        else:
+            client.kill(reason)
         return True
 
     # --- the worker's life -----------------------------------------------------------------------

@@ -99,7 +99,7 @@ GEMMA3 = dict(num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn
                                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}})
 
 
-@pytest.mark.parametrize("arch,overrides", [
+TINY_MODELS = [
     ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
     ("llama", dict(num_key_value_heads=4, tie_word_embeddings=True, attention_bias=True)),
@@ -115,8 +115,16 @@ GEMMA3 = dict(num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn
     ("gemma3", {**GEMMA3, "tie_word_embeddings": False, "num_key_value_heads": 4, "hidden_activation": "silu",
                 "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {**YARN, "rope_theta": 1000000.0}}}),
-])
-@pytest.mark.parametrize("cpu_linear", CPU_LINEARS)
+]
+# Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
+# linears do not depend on the architecture around them).
+TINY_CASES = [pytest.param(CPU_LINEARS[0], arch, overrides, id=f"{CPU_LINEARS[0]}-{arch}-{i}")
+              for i, (arch, overrides) in enumerate(TINY_MODELS)]
+TINY_CASES += [pytest.param(linear, *TINY_MODELS[i], id=f"{linear}-{TINY_MODELS[i][0]}-{i}")
+               for linear in CPU_LINEARS[1:] for i in (0, 7)]
+
+
+@pytest.mark.parametrize("cpu_linear,arch,overrides", TINY_CASES)
 def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_path, arch, overrides, cpu_linear):
     import transformers
 

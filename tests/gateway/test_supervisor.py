@@ -262,3 +262,34 @@ def test_a_remote_replica_whose_load_failed_stays_failed(tiny_model, tmp_path):
             await supervisor.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_silent_ray_replica_is_restarted_only_if_it_does_not_answer_ray_either(monkeypatch):
+    """A connection that went silent may be this gateway's path to a healthy replica (a partition) that
+    other gateways still use: the actor is asked through Ray first, and restarted only without an answer."""
+    from engine.config import EngineConfig
+    from gateway.workers import ray_cluster
+
+    monkeypatch.setattr(ray_cluster, "RESPONSIVE_SECONDS", 0.1)
+
+    class Actor:
+        def __init__(self, answers: bool) -> None:
+            self.answers, self.state = answers, self
+
+        def remote(self):
+            future = asyncio.get_running_loop().create_future()
+            if self.answers:
+                future.set_result("ready")
+            return future   # an actor that does not answer: never resolved
+
+    restarted = []
+
+    async def main():
+        for answers in (True, False):
+            replica = ray_cluster.RayReplica(None, "d", 0, EngineConfig())
+            replica._actor = Actor(answers)
+            replica.restart = restarted.append
+            await replica.restart_unless_responsive(f"silent, answers {answers}")
+
+    asyncio.run(main())
+    assert restarted == ["silent, answers False"]
