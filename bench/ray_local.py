@@ -5,6 +5,9 @@ Ray resolves 127.0.0.1 to the machine's outward address unless multi-node cluste
 here: `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` keeps everything on the loopback. Ray reads it when it is
 imported, so this module sets it in `os.environ` before its (lazy) import of Ray; a gateway started
 afterwards (`bench.live.LiveServer`) inherits it. Ray is imported only when a cluster is started.
+
+`replica_counters` asks every replica's actor for its own counters (`engine.remote.ReplicaActor.sessions`):
+the first call makes this process a Ray driver of the cluster, which `stop` ends before the nodes go.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from typing import Any
 __all__ = ["LocalRayCluster", "NODE_CPUS", "ray_installed"]
 
 NODE_CPUS = 2        # each node: one replica (`cpu_threads: 1`) and room for a lost node's replica
+NAMESPACE = "cliffguard"   # the replicas' Ray namespace (gateway.workers.ray_cluster.NAMESPACE: bench may not
+                           # import the gateway)
+COUNTERS_TIMEOUT_S = 2.0   # a replica's actor that does not answer `sessions` this long (restarting) is left out
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
 INSTALL_HINT = "pip install -e '.[ray]'"
 
@@ -57,6 +63,7 @@ class LocalRayCluster:
             raise ValueError(f"a local Ray cluster needs >= 1 node and >= 1 CPU each, got {num_nodes}, {num_cpus}")
         self.num_nodes, self.num_cpus = num_nodes, num_cpus
         self._cluster: Any = None
+        self._driver = False               # this process called `ray.init` (`replica_counters`)
         self.nodes: list[Any] = []
         self._previous_sigterm: Any = None
 
@@ -106,8 +113,44 @@ class LocalRayCluster:
         self._cluster.remove_node(node)
         self.nodes.remove(node)
 
+    def replica_counters(self, timeout: float = COUNTERS_TIMEOUT_S) -> dict[str, dict[str, Any]]:
+        """Actor name -> the replica's own counters (`engine.remote.ReplicaActor.sessions`: its gateway
+        sessions, each pool's capacity, reserved and held credits and their high-water marks) of every
+        replica actor on the cluster that answers within `timeout` s and has loaded its engine. The first
+        call connects this process to the cluster as a driver (blocking: call it on a thread)."""
+        import ray
+        from ray.exceptions import RayError
+
+        if not self._driver:
+            ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False, logging_level="WARNING",
+                     configure_logging=False)
+            self._driver = True
+        refs = {}
+        for name in ray.util.list_named_actors(all_namespaces=False):
+            try:
+                refs[name] = ray.get_actor(name, namespace=NAMESPACE).sessions.remote()
+            except (ValueError, AttributeError):   # removed meanwhile, or not a replica (a scaling lease)
+                continue
+        if not refs:
+            return {}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout)
+        counters = {}
+        for name, ref in refs.items():
+            try:
+                answer = ray.get(ref) if ref in ready else None
+            except RayError:                 # the actor died meanwhile
+                continue
+            if answer:
+                counters[name] = answer
+        return counters
+
     def stop(self) -> None:
-        """Remove every node (idempotent)."""
+        """Remove every node (idempotent); first, this process's driver connection, if it made one."""
+        if self._driver:
+            import ray
+
+            ray.shutdown()
+            self._driver = False
         cluster, self._cluster, self.nodes = self._cluster, None, []
         if cluster is not None:
             cluster.shutdown()

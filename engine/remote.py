@@ -327,6 +327,13 @@ class ReplicaActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def sessions(self) -> dict:
+        """The replica's own counters of its gateways' sessions and each pool's credits, with their
+        high-water marks since the start (`engine.sessions.SessionHub.counters`): a look from outside,
+        without a gateway. Empty while the engine loads, or when its load failed."""
+        hub = self.server._hub
+        return hub.counters() if hub is not None else {}
+
     def wait_stopped(self, timeout: float) -> bool:
         """True once the actor is stopping, False after `timeout` seconds; the call fails (RayActorError)
         when the actor dies first. The gateway keeps one pending as its death notice: bounded, so a

@@ -76,7 +76,9 @@ class Session:
 
 
 class SessionHub:
-    """The sessions of one replica's engine, as one channel for `engine.worker._serve`."""
+    """The sessions of one replica's engine, as one channel for `engine.worker._serve`. `counters` is its own
+    account of each pool (reserved and held credits, their high-water marks `peak_reserved` and `peak_held`
+    since start), readable from any thread."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -91,6 +93,8 @@ class SessionHub:
         os.set_blocking(self._wake_r, False)
         self._tags = 0
         self.num_sessions = 0
+        self.peak_reserved = dict.fromkeys(self.capacity, 0)   # pool -> the most credits ever reserved at once
+        self.peak_held = dict.fromkeys(self.capacity, 0)       # pool -> the most credits ever held at once
 
     # --- sessions come and go ----------------------------------------------------------------------
     def attach(self, channel, name: str = "") -> None:
@@ -167,6 +171,7 @@ class SessionHub:
                         session.leases[pool] = grant
                         session.offered.pop(pool, None)
                         self._send_lease(session, pool, grant)
+            self._note_peaks(pool)
 
     def unheld(self, pool: str) -> int:
         """Credits of `pool` no session holds (neither leased nor reserved)."""
@@ -182,6 +187,26 @@ class SessionHub:
             session.leases[msg.pool] = offered
             del session.offered[msg.pool]
             self.rebalance()
+
+    def _note_peaks(self, pool: str) -> None:
+        """Raise `pool`'s high-water marks to its reserved and held credits now (called wherever either grows:
+        an `AddRequest`, a lease granted)."""
+        if pool in self.capacity:
+            reserved = sum(s.reserved.get(pool, 0) for s in self.sessions)
+            self.peak_reserved[pool] = max(self.peak_reserved[pool], reserved)
+            self.peak_held[pool] = max(self.peak_held[pool], sum(s.held(pool) for s in self.sessions))
+
+    def counters(self) -> dict:
+        """The replica's own counters, for a look from outside (any thread: it reads ints): the sessions now
+        and served so far, and per pool its capacity, the credits every session's requests reserve and every
+        session holds (`check`'s sum), their high-water marks since start, and each session's lease."""
+        with self._lock:
+            sessions = list(self.sessions)
+        pools = {pool: {"capacity": capacity, "reserved_credits": sum(s.reserved.get(pool, 0) for s in sessions),
+                        "held_credits": sum(s.held(pool) for s in sessions), "peak_reserved": self.peak_reserved[pool],
+                        "peak_held": self.peak_held[pool], "leases": [s.leases.get(pool, 0) for s in sessions]}
+                 for pool, capacity in self.capacity.items()}
+        return {"num_sessions": len(sessions), "num_sessions_served": self.num_sessions, "pools": pools}
 
     def check(self) -> None:
         """The invariant, for tests: no pool is promised past its capacity."""
@@ -233,6 +258,7 @@ class SessionHub:
                 pool = msg.pool or self.default_pool
                 session.requests[engine_id] = (pool, msg.credits)
                 session.reserved[pool] = session.reserved.get(pool, 0) + msg.credits
+                self._note_peaks(pool)
                 return [dataclasses.replace(msg, request_id=engine_id)]
             case AbortRequest() | PauseRequest():
                 return [dataclasses.replace(msg, request_id=session.tag + msg.request_id)]

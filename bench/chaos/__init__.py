@@ -33,11 +33,19 @@ each in its own window (`--fault-seconds`), then a quiet window (`--quiet-second
    before the burst's last answer.
 11. `lose_node` (only with `--ray-nodes` >= 2, and then in the default list): removes the worker node
    of the local Ray cluster that hosts a replica; Ray restarts its actor on a node left.
+12. `kill_gateway` (only with `--gateways 2`, and then last in the default list): `kill -9` of the second
+   gateway; goal: the survivor leased the whole of every pool again (the replicas' own counters) within
+   `LEASE_BACK_GOAL_S`.
 
 `--ray-nodes N` starts a local Ray cluster (`bench.ray_local`: a head and N - 1 workers, 127.0.0.1
 only, `--ray-node-cpus` each) and serves the config's copy with every device at `placement: ray`,
 `replicas: N` (one per node) and `cpu_threads: 1`; the kill faults then aim at a replica's actor.
-The cluster is stopped at the end, on any way out.
+The cluster is stopped at the end, on any way out. On a cluster the replicas' own counters are looked at
+every 0.25 s (`bench.chaos.replicas`: reserved and held KV credits against each pool's capacity, and the
+replica's own high-water marks); goal: never over the capacity. `--gateways 2` starts a second gateway on
+the same config and cluster (it follows the first, which places the replicas) and spreads the steady load
+over both in turn; a request that one gateway failed before any token is sent to the other, as a load
+balancer would (`retried` in the raw records).
 
 A sampler reads, every 0.25 s, `/ready` (and each replica's state in it), each pool's KV credits
 (`cliffguard_kv_credits_free` / `_total` from /metrics) and the gateway process's RSS (VmRSS). A
@@ -47,10 +55,11 @@ or error event), `lost` = none (no response, or the client's `--timeout`), `cut`
 ended with no `[DONE]`, error or finish, `duplicated` = more than one answer for one id. A fault's
 recovery time runs from its start to the first sample, after the fault was injected, at which
 `/ready` is 200, every pool's credits are full and a steady chat request sent after the injection has
-completed. Goal: 0 lost, 0 duplicated, every fault recovered within 15 s, and each fault's own goal
-(7-10, `goal_met` in its notes). The gateway's RSS at idle and at its peak is reported. Each fault's row also has
-the chat TTFT p99 in 5-s bins of send time from its start and `ttft_recovered_s`: the start of the
-first bin with >= 5 chat requests whose p99 is within 1.5x the warm-up window's p99; and when /ready
+completed. Goal: 0 lost, 0 duplicated, every fault recovered within 15 s, each fault's own goal (7-10
+and 12, `goal_met` in its notes) and, on a cluster, no replica ever over its capacity. The gateway's RSS
+at idle and at its peak is reported. Each fault's row also has the chat TTFT p99 in 5-s bins of send
+time from its start and `ttft_recovered_s`: the start of the first bin with >= 5 chat requests whose
+p99 is within 1.5x the warm-up window's p99; and when /ready
 first listed a replica down and then every replica up again (`replica_down_s`, `replica_back_s`).
 
 `--quick` shortens every window (the run takes 2-3 minutes on a 2-core CPU), for a test, and sizes the
@@ -82,6 +91,7 @@ from typing import Any
 import yaml
 
 from bench.chaos.fault_script import FaultRun, Shot, chaos_run, recovery_time, replica_outage
+from bench.chaos.replicas import counters_summary, format_counters, within_capacity
 from bench.chaos.arguments import ALL_FAULTS, QUICK, _fault_names, add_arguments, check_args  # noqa: F401 - the CLI's
 from bench.chaos.careless import POISON_MARKER
 from bench.chaos.steady import CHAT_TOKENS, CHAT_WORDS, PROBE_TIMEOUT_S, RAG_TOKENS, RAG_WORDS, SteadyRecord
@@ -197,6 +207,10 @@ def build_report(raw: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     verdict = {"lost": steady["lost"] + traffic["lost"] == 0, "duplicated": steady["duplicated"] == 0,
                "recovery": all(f["recovered"] for f in faults),
                "fault_goals": all(f["notes"].get("goal_met", True) for f in faults)}
+    counters = raw.get("counters")
+    replicas = counters_summary(counters.looks) if counters is not None else None
+    if replicas is not None:
+        verdict["within_capacity"] = bool(replicas) and within_capacity(replicas)
     return {**meta, "model": raw["model"], "duration_s": raw["duration_s"],
             "goal": {"lost": 0, "duplicated": 0, "recovery_s": GOAL_RECOVERY_S},
             "overall": {"steady": steady, "fault_traffic": traffic,
@@ -206,6 +220,8 @@ def build_report(raw: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
             "faults": faults,
             "rss": {"idle_bytes": max(idle, default=None), "peak_bytes": max(rss, default=None),
                     "end_bytes": rss[-1] if rss else None},
+            "replica_counters": None if replicas is None else {"replicas": replicas,
+                                                               "num_failed_looks": counters.num_failed},
             "verdict": {**verdict, "met": all(verdict.values())}}
 
 
@@ -267,11 +283,15 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [f"fault traffic: {t['sent']} sent, {t['answered']} answered, {t['lost']} lost",
               f"gateway RSS: idle {_mib(rss['idle_bytes'])}, peak {_mib(rss['peak_bytes'])}, "
               f"at the end {_mib(rss['end_bytes'])}",
-              f"server log: {report.get('server_log_counts', {})}", "",
-              f"goal: lost {o['lost']} ({_ok(v['lost'])}), duplicated {o['duplicated']} ({_ok(v['duplicated'])}), "
+              f"server log: {report.get('server_log_counts', {})}"]
+    counters = report.get("replica_counters")
+    if counters is not None:
+        lines += format_counters(counters["replicas"], counters["num_failed_looks"])
+    capacity = "" if "within_capacity" not in v else f", replicas within capacity ({_ok(v['within_capacity'])})"
+    lines += ["", f"goal: lost {o['lost']} ({_ok(v['lost'])}), duplicated {o['duplicated']} ({_ok(v['duplicated'])}), "
               f"recovered within {GOAL_RECOVERY_S:g} s: {sum(f['recovered'] for f in report['faults'])} of "
-              f"{len(report['faults'])} ({_ok(v['recovery'])}), each fault's own goal ({_ok(v['fault_goals'])}) "
-              f"-> {'MET' if v['met'] else 'NOT MET'}"]
+              f"{len(report['faults'])} ({_ok(v['recovery'])}), each fault's own goal ({_ok(v['fault_goals'])})"
+              f"{capacity} -> {'MET' if v['met'] else 'NOT MET'}"]
     return "\n".join(lines)
 
 
@@ -321,9 +341,11 @@ def write_timeline(report: dict[str, Any], raw: dict[str, Any], path: Path) -> N
 
 def raw_json(raw: dict[str, Any]) -> dict[str, Any]:
     """The raw measurements as JSON data: every steady request and every sample."""
+    counters = raw.get("counters")
     return {"requests": [asdict(r) for r in raw["records"]],
             "samples": [{**asdict(s), "credits_full": s.credits_full} for s in raw["samples"]],
-            "fault_requests": {run.name: [asdict(s) for s in run.shots] for run in raw["runs"]}}
+            "fault_requests": {run.name: [asdict(s) for s in run.shots] for run in raw["runs"]},
+            "replica_counter_looks": [asdict(look) for look in counters.looks] if counters is not None else []}
 
 
 # --- the command ----------------------------------------------------------------------------------------
@@ -387,7 +409,8 @@ def _config_label(args: argparse.Namespace) -> str:
     label = str(args.config or DEFAULT_CONFIG.relative_to(REPO))
     if args.ray_nodes:
         return (f"{label} with placement: ray, replicas: {args.ray_nodes} (1 thread each) on a local Ray cluster of "
-                f"{args.ray_nodes} nodes ({args.ray_node_cpus} CPUs each)")
+                f"{args.ray_nodes} nodes ({args.ray_node_cpus} CPUs each)"
+                + (f", served by {args.gateways} gateways" if args.gateways > 1 else ""))
     return label + (f" with replicas: {args.replicas} (1 thread each)" if args.replicas else "")
 
 
@@ -405,15 +428,17 @@ def run(args: argparse.Namespace) -> int:
         timers = yaml.safe_load(served.read_text(encoding="utf-8")).get("gateway") or {}
         args.write_timeout, args.stall_seconds = timers.get("write_timeout", 30.0), timers.get("stall_seconds", 10.0)
         env = dict(os.environ, CLIFFGUARD_FAULT_POISON=POISON_MARKER) if "poison" in args.fault_names else None
-        with LiveServer(served, env=env) as server:
-            raw = asyncio.run(chaos_run(server, args, phases, ALL_FAULTS, cluster))
-            log = list(server.log)
+        second = (lambda: LiveServer(served, env=env)) if args.gateways > 1 else contextlib.nullcontext
+        with LiveServer(served, env=env) as server, second() as other:   # the second follows the first's replicas
+            raw = asyncio.run(chaos_run(server, args, phases, ALL_FAULTS, cluster, other))
+            log = list(server.log) + (list(other.log) if other is not None else [])
     timers = "its own fault timers" if args.config else (
         f"write_timeout {FAULT_TIMERS['write_timeout']:g} s, stall_seconds {FAULT_TIMERS['stall_seconds']:g} s, "
         f"restart back-off from {FAULT_TIMERS['restart_backoff']['initial_seconds']:g} s")
     counts, bad_lines = _log_summary(log)
     meta = {"config": _config_label(args), "timers": timers, "date": date, "commit": commit,
             "ray": {"nodes": args.ray_nodes, "node_cpus": args.ray_node_cpus, "address": address} if address else None,
+            "gateways": args.gateways,
             "load": f"chat {args.rate:g} req/s ({CHAT_WORDS}-word prompts, {CHAT_TOKENS} tokens, streamed), rag-ish "
                     f"{args.rag_rate:g} req/s ({RAG_WORDS}-word prompts, {RAG_TOKENS} tokens)",
             "phases": asdict(phases), "seed": args.seed, "server_log_counts": counts}

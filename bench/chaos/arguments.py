@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.chaos.fault_script import CLUSTER_FAULTS
+from bench.chaos.fault_script import CLUSTER_FAULTS, GATEWAY_FAULTS
 from bench.chaos.fault_script import FAULTS as CLIENT_AND_WORKER_FAULTS
 from bench.chaos.careless import REQUEST_FAULTS
 from bench.chaos.steady import Phases
 from bench.ray_local import INSTALL_HINT, NODE_CPUS, ray_installed
 
 FAULTS = {**CLIENT_AND_WORKER_FAULTS, **REQUEST_FAULTS}    # the default run, in this order
-ALL_FAULTS = {**FAULTS, **CLUSTER_FAULTS}
+ALL_FAULTS = {**FAULTS, **CLUSTER_FAULTS, **GATEWAY_FAULTS}
 QUICK = Phases(warmup_s=8.0, fault_s=8.0, quiet_s=10.0, max_settle_s=25.0)
 # --quick sizes the load faults to a few seconds of a 2-core CPU's work, so their recovery (every credit
 # back) measures the gateway, not the device: 500 burst completions, 24 silent bodies or 16 x n=8 chats
@@ -31,6 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "127.0.0.1 (a head and N-1 workers) and place every device's replicas on it: placement: ray, "
                    "replicas: N (one per node), cpu_threads: 1; >= 2 adds the lose_node fault (default 0: off; "
                    f"needs Ray: {INSTALL_HINT})")
+    p.add_argument("--gateways", type=int, default=1, choices=(1, 2), help="2: start a second gateway on the "
+                   "same config, sharing the replicas on the Ray cluster (needs --ray-nodes >= 1); the steady load "
+                   "goes to both in turn, a request one failed before any token is sent to the other (as a load "
+                   "balancer would); adds the kill_gateway fault (default 1)")
     p.add_argument("--ray-node-cpus", type=int, default=NODE_CPUS, help=f"CPUs of each local Ray node (default "
                    f"{NODE_CPUS}: its replica and a lost node's)")
     p.add_argument("--rate", type=float, default=1.0, help="steady chat requests per second (default 1)")
@@ -40,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet-seconds", type=float, default=None, help="seconds of quiet after each fault, "
                    "extended until it recovered (default 25)")
     p.add_argument("--faults", default=None, help=f"comma-separated, in order (default all: {','.join(FAULTS)}, "
-                   f"and {','.join(CLUSTER_FAULTS)} with --ray-nodes >= 2)")
+                   f"{','.join(CLUSTER_FAULTS)} with --ray-nodes >= 2, {','.join(GATEWAY_FAULTS)} with "
+                   "--gateways 2)")
     p.add_argument("--burst", type=int, default=None, help="connections of the burst fault (default 500; 150 with "
                    "--quick: 500 two-token completions are ~19 s of a 2-core CPU's work)")
     p.add_argument("--disconnects", type=int, default=40, help="requests of the disconnect fault (default 40; "
@@ -86,7 +91,7 @@ def check_args(args: argparse.Namespace) -> Phases:
     if args.replicas is not None and args.replicas < 1:
         raise ValueError(f"--replicas: must be >= 1, got {args.replicas}")
     _check_ray(args)
-    args.fault_names = _fault_names(args.faults, args.ray_nodes)
+    args.fault_names = _fault_names(args.faults, args.ray_nodes, args.gateways)
     if args.quick and args.disconnects == 40:
         args.disconnects = 20
     return phases
@@ -102,12 +107,14 @@ def _check_ray(args: argparse.Namespace) -> None:
         raise ValueError("--replicas: not with --ray-nodes, which places one replica per node")
     if args.ray_nodes and not ray_installed():
         raise ValueError(f"--ray-nodes: needs Ray: {INSTALL_HINT}")
+    if args.gateways > 1 and args.ray_nodes < 1:
+        raise ValueError("--gateways: a second gateway shares the replicas on a Ray cluster: needs --ray-nodes >= 1")
 
 
-def _fault_names(faults: str | None, ray_nodes: int) -> list[str]:
+def _fault_names(faults: str | None, ray_nodes: int, gateways: int = 1) -> list[str]:
     """The faults to run, in order: `--faults`, or all those this run can inject (ValueError naming --faults)."""
     if faults is None:
-        return [*FAULTS, *(CLUSTER_FAULTS if ray_nodes >= 2 else ())]
+        return [*FAULTS, *(CLUSTER_FAULTS if ray_nodes >= 2 else ()), *(GATEWAY_FAULTS if gateways >= 2 else ())]
     names = [name.strip() for name in faults.split(",") if name.strip()]
     unknown = [name for name in names if name not in ALL_FAULTS]
     if unknown or not names:
@@ -119,4 +126,10 @@ def _fault_names(faults: str | None, ray_nodes: int) -> list[str]:
     if lost and lost > ray_nodes - 1:
         raise ValueError(f"--faults: lose_node {lost} times removes {lost} worker nodes; --ray-nodes {ray_nodes} "
                          f"starts {ray_nodes - 1}")
+    killed = names.count("kill_gateway")
+    if killed and gateways < 2:
+        raise ValueError(f"--faults: kill_gateway needs --gateways 2 (a second gateway on a Ray cluster: --ray-nodes "
+                         f">= 1), got --gateways {gateways}")
+    if killed > 1:
+        raise ValueError(f"--faults: kill_gateway {killed} times kills {killed} gateways; --gateways 2 starts one more")
     return names

@@ -1,13 +1,14 @@
 """The faults of `cliffguard bench chaos` (slow readers, disconnects, oversized inputs, kill -9 and
-kill -STOP of the worker, a burst of connections; on a local Ray cluster, the loss of a node), the
-script that runs them one after another with quiet windows, and the recovery time each one is
-measured by."""
+kill -STOP of the worker, a burst of connections; on a local Ray cluster, the loss of a node and the
+kill -9 of a second gateway), the script that runs them one after another with quiet windows, and the
+recovery time each one is measured by."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import math
 import signal
 import socket
 import sys
@@ -17,11 +18,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.chaos.replicas import ReplicaCounters, lease_back_s
 from bench.chaos.steady import (SAMPLE_INTERVAL_S, Chaos, Phases, Sample, Sampler, is_running, plan_steady,
                                 replica_pids, run_steady, send_signal)
 from bench.live import LiveServer
 from bench.load.sender import error_message
 
+LEASE_BACK_GOAL_S = 2.0        # kill_gateway: its share is the survivor's "at once" (docs/SCALE.md); a step
+                               # of the replica's loop and a look at its counters (every 0.25 s) fit in this
 IDLE_S = 2.0                   # the sampler alone before the load starts: the gateway's idle RSS
 OVERSIZED_LIMIT_S = 5.0        # each oversized request must be refused within this
 SLOW_READER_NS = (28, 8, 4)
@@ -268,6 +272,32 @@ async def lose_node(ctx: Chaos, run: FaultRun, until_s: float) -> None:
     run.notes["replica_actors_by_node"] = {n[:12]: len(pids) for n, pids in replica_pids(cluster).items()}
 
 
+async def kill_gateway(ctx: Chaos, run: FaultRun, until_s: float) -> None:
+    """`kill -9` of the second gateway (`ctx.second_gateway`; `--gateways 2`). Its connections to the
+    replicas close at once: each replica ends its session, aborts its requests and gives its share of the
+    KV credits to the survivor; the steady load sends what failed there before a token to the survivor.
+    Notes: its pid, the steady requests in flight there, when every replica served the survivor alone
+    with the whole of each pool leased to it (`lease_back_after_s`, from the replicas' own counters) and
+    whether that was within `LEASE_BACK_GOAL_S` (`goal_met`)."""
+    second = ctx.second_gateway
+    pid = second.proc.pid
+    in_flight = [r for r in ctx.records if r.end_s is None and r.gateway == 1]
+    run.notes.update(pid=pid, steady_in_flight_there=len(in_flight))
+    send_signal(pid, signal.SIGKILL)
+    run.injected_s = ctx.now()
+    await asyncio.to_thread(second.proc.wait, 10)      # reaped: `LiveServer.stop` then has nothing to do
+    while ctx.now() < until_s:
+        back = lease_back_s(ctx.counters.looks, run.injected_s) if ctx.counters is not None else None
+        if back is not None:
+            run.notes["lease_back_after_s"] = round(back, 2)
+            break
+        await asyncio.sleep(0.1)
+    run.notes["goal_met"] = run.notes.get("lease_back_after_s", math.inf) <= LEASE_BACK_GOAL_S
+    await sleep_until(ctx, until_s)
+    run.notes["retried_on_survivor"] = sum(r.retried for r in ctx.records)
+    run.notes["cut_after_tokens"] = sum(r.outcome == "cut" and r.gateway == 1 for r in ctx.records)
+
+
 FaultScript = Callable[[Chaos, FaultRun, float], Awaitable[None]]
 FAULTS: dict[str, tuple[FaultScript, str]] = {
     "slow_readers": (slow_readers, "slow readers"),
@@ -279,6 +309,9 @@ FAULTS: dict[str, tuple[FaultScript, str]] = {
 }
 CLUSTER_FAULTS: dict[str, tuple[FaultScript, str]] = {   # need a local Ray cluster of >= 2 nodes (--ray-nodes)
     "lose_node": (lose_node, "lose a Ray node"),
+}
+GATEWAY_FAULTS: dict[str, tuple[FaultScript, str]] = {   # need a second gateway (--gateways 2, on a Ray cluster)
+    "kill_gateway": (kill_gateway, "kill -9 a gateway"),
 }
 
 
@@ -347,9 +380,12 @@ async def _first_model(session: Any, url: str) -> str:
 
 
 async def chaos_run(server: LiveServer, args: argparse.Namespace, phases: Phases,
-                    registry: dict[str, tuple[FaultScript, str]], cluster: Any = None) -> dict[str, Any]:
+                    registry: dict[str, tuple[FaultScript, str]], cluster: Any = None,
+                    second: LiveServer | None = None) -> dict[str, Any]:
     """The whole run against a started server (its replicas on `cluster`, a `bench.ray_local.LocalRayCluster`,
-    or its own workers): idle samples, then load + faults, then the drain. Returns the raw measurements
+    or its own workers; with `second`, a second gateway of the same config sharing them, the steady load
+    spread over both): idle samples, then load + faults, then the drain. On a cluster the replicas' own
+    counters are looked at throughout (`bench.chaos.replicas`). Returns the raw measurements
     (`build_report` summarizes them)."""
     import aiohttp
 
@@ -363,9 +399,13 @@ async def chaos_run(server: LiveServer, args: argparse.Namespace, phases: Phases
                     Sampler(server.url, server.proc.pid, start), num_burst=args.burst,
                     num_disconnects=args.disconnects, num_silent_bodies=args.silent_bodies,
                     num_tenant_burst=args.tenant_burst, cluster=cluster, write_timeout=args.write_timeout,
-                    stall_seconds=args.stall_seconds)
+                    stall_seconds=args.stall_seconds, second_gateway=second,
+                    counters=ReplicaCounters(cluster, start) if cluster is not None else None,
+                    steady_urls=[server.url, second.url] if second is not None else [])
         stop_sampling, stop_load = asyncio.Event(), asyncio.Event()
-        sampling = asyncio.create_task(ctx.sampler.run(probes, stop_sampling))
+        sampling = [asyncio.create_task(ctx.sampler.run(probes, stop_sampling))]
+        if ctx.counters is not None:
+            sampling.append(asyncio.create_task(ctx.counters.run(stop_sampling)))
         longest = phases.warmup_s + len(args.fault_names) * (phases.fault_s + phases.quiet_s + phases.max_settle_s)
         load = asyncio.create_task(run_steady(ctx, plan_steady(model, args.rate, args.rag_rate, longest + 60,
                                                                args.seed), stop_load))
@@ -377,6 +417,7 @@ async def chaos_run(server: LiveServer, args: argparse.Namespace, phases: Phases
             load_end_s = ctx.now()
             await load
             stop_sampling.set()
-            await sampling
+            await asyncio.gather(*sampling)
     return {"model": model, "records": ctx.records, "runs": runs, "samples": ctx.sampler.samples,
-            "load_start_s": IDLE_S, "load_end_s": load_end_s, "duration_s": ctx.now()}
+            "load_start_s": IDLE_S, "load_end_s": load_end_s, "duration_s": ctx.now(),
+            "counters": ctx.counters}

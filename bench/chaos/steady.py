@@ -63,6 +63,9 @@ class Chaos:
     num_silent_bodies: int = 24
     num_tenant_burst: int = 16
     cluster: Any = None               # a `bench.ray_local.LocalRayCluster` the replicas run on, or None
+    counters: Any = None              # its replicas' own counters (`bench.chaos.replicas.ReplicaCounters`), or None
+    steady_urls: list[str] = field(default_factory=list)   # the gateways the steady load goes to (empty: `url`)
+    second_gateway: Any = None        # the second gateway's `bench.live.LiveServer` (--gateways 2), or None
     write_timeout: float = 30.0       # the served gateway's timers (faults time their checks by them)
     stall_seconds: float = 10.0
     paused: bool = False              # a fault needs the worker idle: planned requests are not sent meanwhile
@@ -181,6 +184,8 @@ class SteadyRecord:
     answers: int = 0
     outcome: str = "unsent"
     error: str | None = None
+    gateway: int = 0             # the gateway (index in `Chaos.steady_urls`) of its last attempt
+    retried: bool = False        # its first gateway failed before a token: sent again to the next one
 
     def finish(self, tally: StreamTally | None, timed_out: bool) -> None:
         """Classify the request from its HTTP status and what its stream held (`tally`; None when the
@@ -211,26 +216,56 @@ async def read_stream(response: Any, tally: StreamTally, sent: float) -> None:
             tally.add(parse_sse_line(line), now)
 
 
-async def send_steady(ctx: Chaos, planned: Planned, record: SteadyRecord) -> None:
-    """Send one steady request and classify its answer into `record`; never raises (but cancellation)."""
+async def _attempt(ctx: Chaos, url: str, planned: Planned, record: SteadyRecord,
+                   sent: float) -> tuple[StreamTally | None, bool]:
+    """One try of a steady request at the gateway `url`: (its stream's tally, None when no stream; whether
+    it timed out), its status and error in `record`."""
     import aiohttp
 
-    sent = time.perf_counter()
-    record.sent_s = sent - ctx.start
     tally, timed_out = None, False
+    record.http_status = record.error = None
     try:
         async with asyncio.timeout(ctx.timeout):
-            async with ctx.session.post(ctx.url + planned.path, json=planned.body) as response:
+            async with ctx.session.post(url + planned.path, json=planned.body) as response:
                 record.http_status = response.status
                 if response.status != 200:
                     record.error = f"HTTP {response.status}: {error_message(await response.text(errors='replace'))}"
-                    return
+                    return None, False
                 tally = StreamTally()
                 await read_stream(response, tally, sent)
     except TimeoutError:
         timed_out, record.error = True, f"timeout: no end within {ctx.timeout:g} s"
     except (aiohttp.ClientError, OSError, ValueError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:300]
+    return tally, timed_out
+
+
+def gateway_failed(record: SteadyRecord, tally: StreamTally | None, timed_out: bool) -> bool:
+    """The gateway failed the request before any token: no answer at all (the connection refused or
+    dropped), or a stream that ended with neither an answer nor a first token. A load balancer sends such
+    a request to another gateway; an answer (an error status included) or a timeout it does not."""
+    if timed_out:
+        return False
+    if record.http_status is None:
+        return True
+    return tally is not None and tally.answers == 0 and tally.first_content_s is None
+
+
+async def send_steady(ctx: Chaos, planned: Planned, record: SteadyRecord, gateway: int = 0) -> None:
+    """Send one steady request to gateway `gateway` of `ctx.steady_urls` (or `ctx.url`) and classify its
+    answer into `record`; one that gateway failed before any token (`gateway_failed`) is sent once more, to
+    the next gateway, as a load balancer would. TTFT and end count from the first send. Never raises (but
+    cancellation)."""
+    urls = ctx.steady_urls or [ctx.url]
+    sent = time.perf_counter()
+    record.sent_s = sent - ctx.start
+    tally, timed_out = None, False
+    try:
+        for attempt in range(min(2, len(urls))):
+            record.gateway, record.retried = (gateway + attempt) % len(urls), attempt > 0
+            tally, timed_out = await _attempt(ctx, urls[record.gateway], planned, record, sent)
+            if not gateway_failed(record, tally, timed_out):
+                break
     finally:
         record.end_s = time.perf_counter() - ctx.start
         record.finish(tally, timed_out)
@@ -253,7 +288,8 @@ async def run_steady(ctx: Chaos, plan: Sequence[Planned], stop: asyncio.Event) -
             continue
         record = SteadyRecord(planned.rid, planned.kind)
         ctx.records.append(record)
-        tasks.append(asyncio.create_task(send_steady(ctx, planned, record)))
+        gateway = (len(ctx.records) - 1) % max(1, len(ctx.steady_urls))   # spread over the gateways in turn
+        tasks.append(asyncio.create_task(send_steady(ctx, planned, record, gateway)))
     await asyncio.gather(*tasks)
 
 

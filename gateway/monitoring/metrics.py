@@ -87,6 +87,12 @@ class GatewayMetrics:
         self.num_blocks = self._gauge("pool_num_blocks", "KV blocks the pool owns (as allocated).", _PR)
         self.max_num_seqs = self._gauge("pool_max_num_seqs", "The pool's max_num_seqs (capacity formula).", _PR)
         self.kv_bytes = self._gauge("pool_kv_cache_bytes", "KV cache bytes the pool owns.", _PR)
+        self.replica_reserved = self._gauge("replica_reserved_credits", "KV credits that every gateway's running "
+                                            "requests reserve on the replica, as the replica counts them (a replica "
+                                            "served over the network; 0 for a local worker).", _PR)
+        self.replica_held = self._gauge("replica_held_credits", "KV credits the gateways connected to the replica "
+                                        "hold there, as it counts them: the sum over them of max(lease, reserved), "
+                                        "never past the pool's blocks x block size.", _PR)
 
     def _add_pool_preemption(self) -> None:
         """A pool's preemptions and swap traffic."""
@@ -235,6 +241,8 @@ class GatewayMetrics:
         self.num_blocks.labels(**labels).set(stats.num_blocks)
         self.max_num_seqs.labels(**labels).set(stats.max_num_seqs)
         self.kv_bytes.labels(**labels).set(stats.num_blocks * block_bytes)
+        self.replica_reserved.labels(**labels).set(stats.reserved_credits)
+        self.replica_held.labels(**labels).set(stats.held_credits)
         self.cpu_swap_usage.labels(**labels).set(stats.cpu_swap_usage)
         for mode, total in stats.num_preemptions_by_mode.items():
             self._advance(self.preemptions, "preemptions", total, **labels, mode=mode)

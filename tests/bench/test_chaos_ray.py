@@ -1,6 +1,8 @@
 """`cliffguard bench chaos --ray-nodes N`: the config copy placed on a local Ray cluster, the options that
 go with it, the chat TTFT p99 per 5-s bin and when it is back within 1.5x the warm-up's, when /ready
-saw a replica down and back, the processes the faults aim at on a cluster, and (slow) one `--quick`
+saw a replica down and back, the processes the faults aim at on a cluster, a second gateway (`--gateways
+2`: which failures the steady load sends to the other gateway, the kill_gateway fault's options) and the
+replicas' own counters in the report (over capacity, the lease back to one gateway), and (slow) one `--quick`
 run of `lose_node` on a two-node cluster of this machine: nothing lost, nothing answered twice, the
 lost replica back; and (slow) the only node of a cluster lost under load, in-process: each waiting
 request answered 503 with Retry-After, none as a poison request, then the node back and served.
@@ -25,8 +27,11 @@ pytest.importorskip("ray")
 from bench.chaos import (DEFAULT_CONFIG, FAULT_TIMERS, _fault_names, build_report, chaos_config,  # noqa: E402
                          format_report, ttft_bins, ttft_recovered)
 from bench.chaos.fault_script import FaultRun, replica_outage  # noqa: E402
+from bench.chaos.replicas import (CountersLook, ReplicaCounters, counters_summary, lease_back_s,  # noqa: E402
+                                  within_capacity)
 from bench.chaos.arguments import FAULTS  # noqa: E402
-from bench.chaos.steady import Chaos, Sample, SteadyRecord, parse_replicas, replica_pids  # noqa: E402
+from bench.chaos.steady import (Chaos, Sample, SteadyRecord, StreamTally, gateway_failed, parse_replicas,  # noqa: E402
+                                replica_pids)
 from bench.ray_local import INSTALL_HINT, LocalRayCluster, _import_ray  # noqa: E402
 from gateway.cli import main  # noqa: E402
 from pools.config.yaml_file import load_config  # noqa: E402
@@ -120,8 +125,67 @@ def test_fault_selection_and_the_ray_options():
         assert said in str(err.value)
 
 
+def test_kill_gateway_needs_a_second_gateway_which_needs_a_cluster():
+    assert _fault_names(None, 1, 2) == [*FAULTS, "kill_gateway"]
+    assert _fault_names(None, 2, 2) == [*FAULTS, "lose_node", "kill_gateway"]
+    assert "kill_gateway" not in _fault_names(None, 2)
+    assert _fault_names("kill_gateway", 1, 2) == ["kill_gateway"]
+    for faults, gateways, said in (("kill_gateway", 1, "--gateways 2"), ("kill_gateway,kill_gateway", 2, "2 gateways")):
+        with pytest.raises(ValueError, match="--faults") as err:
+            _fault_names(faults, 1, gateways)
+        assert said in str(err.value)
+
+
+def test_a_request_goes_to_the_other_gateway_only_when_its_gateway_failed_before_a_token():
+    def record(status: int | None) -> SteadyRecord:
+        return SteadyRecord("r", "chat", http_status=status)
+
+    def tally(lines: list) -> StreamTally:
+        t = StreamTally()
+        for i, event in enumerate(lines):
+            t.add(event, 0.1 * i)
+        return t
+
+    role = {"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant"}}]}
+    token = {"id": "c", "choices": [{"index": 0, "delta": {"content": "Hi"}}]}
+    assert gateway_failed(record(None), None, False)                        # refused, or dropped before headers
+    assert gateway_failed(record(200), tally([role]), False)                # headers, then gone before a token
+    assert not gateway_failed(record(200), tally([role, token]), False)     # tokens sent: cut, not retried
+    assert not gateway_failed(record(503), None, False)                     # an answer
+    assert not gateway_failed(record(None), None, True)                     # the client's timeout
+
+
+def _look(t: float, leases: list[int], reserved: int = 0, held: int | None = None, peak: int = 0) -> CountersLook:
+    pool = {"capacity": 512, "reserved_credits": reserved, "held_credits": sum(leases) if held is None else held,
+            "peak_reserved": peak, "peak_held": 512, "leases": leases}
+    return CountersLook(t, {"cliffguard:cpu:0:abcd": {"num_sessions": len(leases), "num_sessions_served": 2,
+                                                      "pools": {"chat": pool}}})
+
+
+def test_the_replicas_counters_over_capacity_and_the_lease_back_to_one_gateway():
+    looks = [_look(1.0, [512]), _look(2.0, [256, 256], 192, peak=240), _look(3.1, [256]), _look(3.3, [512], 48)]
+    assert lease_back_s(looks, 3.0) == pytest.approx(0.3) and lease_back_s(looks[:3], 3.0) is None
+    summary = counters_summary(looks)
+    pool = summary["cliffguard:cpu:0:abcd"]["pools"]["chat"]
+    assert summary["cliffguard:cpu:0:abcd"]["max_sessions"] == 2 and summary["cliffguard:cpu:0:abcd"]["num_looks"] == 4
+    assert (pool["max_reserved"], pool["max_held"], pool["peak_reserved"], pool["looks_over_capacity"]) == \
+        (192, 512, 240, 0)
+    assert within_capacity(summary)
+    assert not within_capacity(counters_summary([*looks, _look(4.0, [512], held=520)]))
+    assert not within_capacity(counters_summary([*looks, _look(4.0, [512], peak=600)]))   # its own mark says so
+    raw = {"model": "m", "records": [_chat(f"w{i}", 2.0 + 0.5 * i, 0.1) for i in range(4)], "runs": [],
+           "samples": [_sample(1.0)], "load_start_s": 2.0, "load_end_s": 5.0, "duration_s": 6.0,
+           "counters": ReplicaCounters(None, 0.0, looks=looks)}
+    report = build_report(raw, {"config": "c", "timers": "t", "date": "d", "commit": "x", "load": "l"})
+    assert report["verdict"]["within_capacity"] and report["verdict"]["met"]
+    table = format_report(report)
+    assert "up to 2 gateways at once" in table and "reserved max 192 (own peak 240)" in table
+    assert "replicas within capacity (ok)" in table
+
+
 @pytest.mark.parametrize("argv, option", [
     (["--faults", "lose_node"], "--faults"), (["--ray-nodes", "-1"], "--ray-nodes"),
+    (["--gateways", "2"], "--gateways"), (["--faults", "kill_gateway", "--ray-nodes", "1"], "--faults"),
     (["--ray-nodes", "2", "--ray-node-cpus", "0"], "--ray-node-cpus"),
     (["--ray-nodes", "2", "--replicas", "2"], "--replicas")])
 def test_bad_ray_options_exit_2_naming_the_option(argv, option, capsys):
