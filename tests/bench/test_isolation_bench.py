@@ -288,6 +288,7 @@ def test_pending_work_reads_the_metrics():
         "the device still says it is overloaded"]
 
 
+@pytest.mark.slow   # ~45 s; the quick single run above covers the same runner on the default path
 def test_sweep_quick_end_to_end(tmp_path, capsys):
     # the quick grid cut to one cell and 5 s of arrivals (the suite's time): chat alone, rag alone, split
     # on one server, shared on another

@@ -272,6 +272,11 @@ def test_a_link_that_stops_carrying_frames_is_dropped_by_both_ends_within_the_bo
         assert gateway_seconds <= silence + 0.25 + 1.5, gateway_seconds   # from the last frame that passed
         assert replica_seconds <= silence + 1.5, replica_seconds
         await _assert_ends_with(stream, EngineDeadError)
+        second = RemoteEngineClient(server.config, _Link(server))   # another gateway, on a good path
+        await second.start(timeout=30)
+        assert len([t async for d in second.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=4))
+                    for t in d.outputs[0].delta_token_ids]) == 4
+        await second.shutdown()
 
     try:
         asyncio.run(main())

@@ -84,6 +84,7 @@ async def _load_with_a_kill(cluster, survivor: LiveServer, doomed: LiveServer):
     return ctx.records, counters.looks, killed_s, (shared, whole)
 
 
+@pytest.mark.slow   # ~45 s of a local Ray cluster and two gateways: `pytest -m slow tests/gateway/test_two_gateways.py`
 def test_a_gateway_killed_mid_run_loses_nothing_unstarted_and_its_share_returns_to_the_survivor(
         cluster, tiny_model, tmp_path):
     from tests.gateway.test_ray_placement import _on_ray
