@@ -45,7 +45,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from engine.messages import (AbortRequest, AddRequest, Fatal, Heartbeat, Lease, LeaseAck, Outputs, PauseRequest, Ready,
+from engine.messages import (AbortRequest, AddRequest, Lease, LeaseAck, Outputs, PauseRequest, Ready,
                              Rejected, ReportWaiting, Shutdown, StatsQuery, StatsReply)
 
 log = logging.getLogger("cliffguard.engine")
@@ -73,6 +73,16 @@ class Session:
         """What the hub counts this session as holding of `pool`: its lease, or more while its
         reservations are over it (a lease just shrunk)."""
         return max(self.leases.get(pool, 0), self.reserved.get(pool, 0))
+
+
+def reserved_credits(sessions: list[Session], pool: str) -> int:
+    """What the running requests of `sessions` reserve of `pool`."""
+    return sum(s.reserved.get(pool, 0) for s in sessions)
+
+
+def held_credits(sessions: list[Session], pool: str) -> int:
+    """What `sessions` hold of `pool` (each its lease, or its reservations while over it): never over capacity."""
+    return sum(s.held(pool) for s in sessions)
 
 
 class SessionHub:
@@ -175,7 +185,7 @@ class SessionHub:
 
     def unheld(self, pool: str) -> int:
         """Credits of `pool` no session holds (neither leased nor reserved)."""
-        return self.capacity[pool] - sum(s.held(pool) for s in self.sessions)
+        return self.capacity[pool] - held_credits(self.sessions, pool)
 
     def _send_lease(self, session: Session, pool: str, tokens: int) -> None:
         session.epoch += 1
@@ -192,27 +202,21 @@ class SessionHub:
         """Raise `pool`'s high-water marks to its reserved and held credits now (called wherever either grows:
         an `AddRequest`, a lease granted)."""
         if pool in self.capacity:
-            reserved = sum(s.reserved.get(pool, 0) for s in self.sessions)
+            reserved = reserved_credits(self.sessions, pool)
             self.peak_reserved[pool] = max(self.peak_reserved[pool], reserved)
-            self.peak_held[pool] = max(self.peak_held[pool], sum(s.held(pool) for s in self.sessions))
+            self.peak_held[pool] = max(self.peak_held[pool], held_credits(self.sessions, pool))
 
     def counters(self) -> dict:
         """The replica's own counters, for a look from outside (any thread: it reads ints): the sessions now
         and served so far, and per pool its capacity, the credits every session's requests reserve and every
-        session holds (`check`'s sum), their high-water marks since start, and each session's lease."""
+        session holds (`held_credits`), their high-water marks since start, and each session's lease."""
         with self._lock:
             sessions = list(self.sessions)
-        pools = {pool: {"capacity": capacity, "reserved_credits": sum(s.reserved.get(pool, 0) for s in sessions),
-                        "held_credits": sum(s.held(pool) for s in sessions), "peak_reserved": self.peak_reserved[pool],
+        pools = {pool: {"capacity": capacity, "reserved_credits": reserved_credits(sessions, pool),
+                        "held_credits": held_credits(sessions, pool), "peak_reserved": self.peak_reserved[pool],
                         "peak_held": self.peak_held[pool], "leases": [s.leases.get(pool, 0) for s in sessions]}
                  for pool, capacity in self.capacity.items()}
         return {"num_sessions": len(sessions), "num_sessions_served": self.num_sessions, "pools": pools}
-
-    def check(self) -> None:
-        """The invariant, for tests: no pool is promised past its capacity."""
-        for pool, capacity in self.capacity.items():
-            held = sum(s.held(pool) for s in self.sessions)
-            assert held <= capacity, f"pool {pool}: sessions hold {held} credits of {capacity}"
 
     # --- the channel the loop sees -----------------------------------------------------------------
     @property
@@ -299,10 +303,7 @@ class SessionHub:
                     if session.stats_asked:
                         session.stats_asked -= 1
                         self._safe_send(session, StatsReply(self._stats_for(session, msg.stats)))
-            case Heartbeat() | Fatal():
-                for session in sessions:
-                    self._safe_send(session, msg)
-            case _:
+            case _:   # Heartbeat, Fatal: every session's
                 for session in sessions:
                     self._safe_send(session, msg)
 
@@ -337,8 +338,8 @@ class SessionHub:
             if state is not None:
                 blocks[pool] = blocks.get(pool, 0) + sum(len(seq.block_table) for seq in state.seqs)
         pools = {name: dataclasses.replace(ps, num_session_blocks=blocks.get(name, 0),
-                                           reserved_credits=sum(s.reserved.get(name, 0) for s in self.sessions),
-                                           held_credits=sum(s.held(name) for s in self.sessions))
+                                           reserved_credits=reserved_credits(self.sessions, name),
+                                           held_credits=held_credits(self.sessions, name))
                  for name, ps in stats.pools.items()}
         return dataclasses.replace(stats, pools=pools)
 

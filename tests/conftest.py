@@ -59,3 +59,18 @@ def assert_all_free(engine) -> None:
         if scheduler.swap_manager is not None:
             assert scheduler.swap_manager.num_free_blocks == scheduler.swap_manager.num_blocks, \
                 f"pool {scheduler.name}: CPU swap blocks leaked"
+
+
+def started_replica(config, timeout: float = 60.0):
+    """An `engine.remote.ReplicaServer` of `config` on 127.0.0.1, started, once its load has ended (ready,
+    or failed: its `state` says which)."""
+    import time
+
+    from engine.remote import ReplicaServer
+
+    server = ReplicaServer(config, "127.0.0.1")
+    server.start()
+    deadline = time.monotonic() + timeout
+    while server.state == "loading" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server

@@ -22,19 +22,14 @@ from engine.remote import ReplicaServer, connect
 from engine.remote_client import RemoteEngineClient
 from engine.sampling import SamplingParams
 from engine.wire import KEY_BYTES, WireError
-from tests.conftest import make_tiny_model
+from tests.conftest import make_tiny_model, started_replica
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, builtin_path):
     folder = make_tiny_model(tmp_path_factory.mktemp("tiny-remote"), "llama", builtin_path)
     config = EngineConfig(model=str(folder), cache=CacheConfig(block_size=8), pools=(PoolConfig(num_blocks=128),))
-    server = ReplicaServer(config, "127.0.0.1")
-    server.start()
-    for _ in range(600):
-        if server.state != "loading":
-            break
-        time.sleep(0.05)
+    server = started_replica(config, timeout=30)
     assert server.state == "ready"
     return server
 

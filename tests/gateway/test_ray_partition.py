@@ -23,25 +23,9 @@ from engine.remote_client import RemoteEngineClient  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from gateway.workers.ray_cluster import RayCluster, RayReplica  # noqa: E402
 from tests.conftest import make_tiny_model  # noqa: E402
-from tests.engine.test_remote import _Relay  # noqa: E402
+from tests.engine.test_remote import _Link, _Relay  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-class _Fixed:
-    """A `ReplicaLink` that hands out a fixed address and key: the relay's, or the actor's own."""
-
-    name = "part/0"
-    status = "fixed address"
-
-    def __init__(self, address: tuple[str, int], key: bytes) -> None:
-        self.address, self.key = address, key
-
-    async def endpoint(self, timeout: float):
-        return (*self.address, self.key)
-
-    def restart(self, reason: str) -> None:
-        raise AssertionError(f"nothing here restarts the replica ({reason})")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +65,8 @@ async def test_a_partition_is_noticed_by_both_ends_within_the_bound_then_another
         host, port, key = await replica.endpoint(timeout=120)
         await _ready(replica)
         relay = _Relay((host, port))
-        first = RemoteEngineClient(config, _Fixed(relay.address, key))
+        link = _Link(None, key, relay.address)   # the gateway's path to the actor goes through the relay
+        first = RemoteEngineClient(config, link)
         await first.start(timeout=60)
         stream = first.generate([9, 10, 11], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
                                 request_id="partitioned")
@@ -104,13 +89,14 @@ async def test_a_partition_is_noticed_by_both_ends_within_the_bound_then_another
             async for _ in stream:
                 pass
 
-        second = RemoteEngineClient(config, _Fixed((host, port), key))   # another gateway, on a good path
+        second = RemoteEngineClient(config, _Link(None, key, (host, port)))   # another gateway, on a good path
         await second.start(timeout=60)
         assert (await second.stats()).num_requests == 0   # the partitioned gateway's request was aborted
         tokens = [t async for d in second.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=4))
                   for t in d.outputs[0].delta_token_ids]
         assert len(tokens) == 4
         await second.shutdown()
+        assert link.restarts == []   # the connection went silent, nothing asked for a restart
         print(f"\ngateway noticed in {gateway_seconds:.1f} s, replica in {replica_seconds:.1f} s "
               f"(bound {remote.SILENCE_SECONDS:g} s)")
     finally:

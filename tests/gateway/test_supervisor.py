@@ -12,7 +12,6 @@ import re
 import shutil
 import signal
 import socket
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +25,7 @@ from gateway.runtime import Gateway
 from gateway.workers.deaths import LOSS
 from gateway.workers.supervisor import Backoff, DeviceSupervisor
 from pools.config.yaml_file import load_config
+from tests.conftest import started_replica
 from tests.gateway.conftest import pools_yaml
 from tests.gateway.test_app import _client, _metrics, _model, _stream_text
 
@@ -194,13 +194,7 @@ class _Link:
 def _replica_server(model) -> ReplicaServer:
     config = EngineConfig(model=str(model), device="cpu", dtype="float32", cache=CacheConfig(block_size=16),
                           pools=(PoolConfig(num_blocks=32),))
-    server = ReplicaServer(config, "127.0.0.1")
-    server.start()
-    for _ in range(1200):
-        if server.state != "loading":
-            break
-        time.sleep(0.05)
-    return server
+    return started_replica(config)
 
 
 def _remote_supervisor(server, link: _Link) -> tuple[DeviceSupervisor, SimpleNamespace]:
