@@ -45,20 +45,14 @@ def _answers(model: str, args: argparse.Namespace, kv_cache_dtype: str, measure_
     """(outputs, S_KV bytes per token) of one engine over the questions."""
     from dataclasses import replace
 
-    import engine.llm_engine as llm_engine
     from engine.llm_engine import LLMEngine
     from engine.sampling import SamplingParams
     from pools.capacity_plan import plan_single_pool
 
     _, config = plan_single_pool(model, device=args.device, dtype=args.dtype, kv_cache_bytes=args.kv_cache_mib << 20,
                                  max_model_len=512, max_num_seqs=args.prompts)
-    calibrate = llm_engine.calibrate_kv_scales
-    if not measure_scales:
-        llm_engine.calibrate_kv_scales = lambda engine: None   # every scale stays 1.0
-    try:
-        engine = LLMEngine(replace(config, kv_cache_dtype=kv_cache_dtype), progress=False)
-    finally:
-        llm_engine.calibrate_kv_scales = calibrate
+    engine = LLMEngine(replace(config, kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=measure_scales),
+                       progress=False)   # not measured: every scale stays 1.0
     prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": q}])
                for q in CHAT_QUESTIONS[:args.prompts]]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=5))

@@ -213,8 +213,10 @@ class EngineConfig:
     gpu_ids: tuple[int, ...] = ()   # CUDA: each rank's GPU index (empty: the device's index + rank)
     cpu_threads: int = 0            # torch threads of each rank (0: torch's default)
     enforce_eager: bool = False     # CUDA: no decode graphs (engine.cuda_graphs); every step launched eagerly
-    async_scheduling: bool | None = None   # overlapped steps (engine.overlap); None: on CUDA with one rank
+    async_scheduling: bool | None = None   # overlapped steps (engine.overlap); None: on CUDA
     kv_cache_dtype: str = "auto"    # auto: the model's dtype | fp8 (e4m3, per-layer K and V scales)
+    calculate_kv_scales: bool = True   # fp8 without the checkpoint's scales: measure them at start
+                                       # (engine.kv_scales); false: every scale 1.0, as vLLM's default
     collective_timeout_seconds: float = DEFAULT_COLLECTIVE_TIMEOUT_SECONDS   # TP: a collective waited on this long fails
 
     def __post_init__(self) -> None:
@@ -230,10 +232,10 @@ class EngineConfig:
             raise ConfigError(f"enforce_eager: must be true or false, got {self.enforce_eager!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ConfigError(f"calculate_kv_scales: must be true or false, got {self.calculate_kv_scales!r}")
         if self.async_scheduling not in (None, True, False):
             raise ConfigError(f"async_scheduling: must be true, false or unset, got {self.async_scheduling!r}")
-        if self.async_scheduling and tp > 1:
-            raise ConfigError(f"async_scheduling: overlapped steps run on one rank; tensor_parallel_size is {tp}")
         timeout = self.collective_timeout_seconds
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigError(f"collective_timeout_seconds: must be a number of seconds > 0, got {timeout!r}")

@@ -7,7 +7,9 @@ while K reaches 20 in the middle layers), so a checkpoint without `k_scale` / `v
 here: one prefill of a fixed text (`CALIBRATION_TEXT`, chat-templated as a user turn where the model has a
 template) with an observer on every layer's K and V, and each layer's scale set so its largest |K| (|V|)
 lands at `SCALE_RANGE`, leaving headroom under 448 for values larger than the text's. vLLM's
-`calculate_kv_scales` measures the same way, on the first batch it serves.
+`calculate_kv_scales` measures the same way, on the first batch it serves. The device key of the same name
+(`EngineConfig.calculate_kv_scales`, default true) turns the measuring off: every scale then stays 1.0
+unless the checkpoint brings its own, as in vLLM by default.
 
 The blocks are borrowed from the largest pool and given back (nothing is cached); the prefill's own K/V
 (stored with the scales of 1.0 they replace) are overwritten by the next use of those blocks. One rank
@@ -44,9 +46,10 @@ CALIBRATION_TEXT = (
 def calibrate_kv_scales(engine: Any) -> dict[str, tuple[float, float]] | None:
     """Measure and set every layer's k_scale / v_scale for `engine`'s FP8 cache (see the module
     docstring). Returns {"k": (min, max), "v": (min, max)} of the scales set, or None when nothing was
-    measured: not an FP8 cache, scales from the checkpoint, tensor parallelism, or too few free blocks."""
+    measured: not an FP8 cache, `calculate_kv_scales` false, scales from the checkpoint, tensor
+    parallelism, or too few free blocks."""
     attns = [layer.self_attn for layer in engine.model.layers]
-    if engine.kv_dtype != FP8_KV_DTYPE or engine.shard.size > 1 or \
+    if engine.kv_dtype != FP8_KV_DTYPE or not engine.config.calculate_kv_scales or engine.shard.size > 1 or \
             any(a.k_scale != 1.0 or a.v_scale != 1.0 for a in attns):
         return None
     ids = _calibration_ids(engine)

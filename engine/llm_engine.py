@@ -102,9 +102,6 @@ class LLMEngine:
                                   max_rows=max_seqs, max_blocks=-(-max_len // config.cache.block_size))
         self.runner.compile_kernels()
         lap("kernels")
-        if self.runner.graphs_apply(config.enforce_eager):
-            self.runner.capture_graphs(min(max_seqs, MAX_GRAPH_BATCH), max_len)
-            lap("graphs")
         self.schedulers: dict[str, Scheduler] = {}
         self.swap_spaces = self.runner.swap_spaces
         self._swap_bandwidth: float | None = None   # one device, one measurement shared by its pools
@@ -116,7 +113,10 @@ class LLMEngine:
         self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in config.pools},
                                      min_shares={p.name: p.min_share for p in config.pools})
         lap("schedulers")
-        calibrate_kv_scales(self)   # an FP8 cache without the checkpoint's scales
+        calibrate_kv_scales(self)   # an FP8 cache without the checkpoint's scales; before graphs bake them in
+        if self.runner.graphs_apply(config.enforce_eager):
+            self.runner.capture_graphs(min(max_seqs, MAX_GRAPH_BATCH), max_len)
+            lap("graphs")
         warm_up(self)
         lap("warm-up")
         self.derived_slos = derive_slos(self)
@@ -128,7 +128,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                         sorted(self.eos_token_ids))
         self._building = PendingGrammars(self.grammars)   # requests whose grammar is being built
-        self.overlap = overlap_applies(config.async_scheduling, self.device, config.tensor_parallel_size)
+        self.overlap = overlap_applies(config.async_scheduling, self.device)
         self._in_flight: LaunchedStep | None = None   # overlapped: the step launched, its tokens not yet read
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()

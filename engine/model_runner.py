@@ -54,7 +54,8 @@ class _Forward:
 
     def run(self, plan: StepPlan) -> torch.Tensor | None:
         """Logits [num_sampled, vocab] (float32) of the plan's sampled rows; None when none is sampled.
-        Every rank calls it with the same plan (the collectives inside pair up)."""
+        Every rank calls it with the same plan (the collectives inside pair up, `pending_ids`' too:
+        rank 0's sampled ids of the step before, where the plan's inputs hold placeholders)."""
         if not plan.input_ids:
             self.last_inputs_seconds = 0.0
             return None
@@ -64,8 +65,8 @@ class _Forward:
             self.input_batch.apply(plan.row_updates)
             input_ids, positions, meta = self.input_batch.prepare(plan.input_ids, plan.positions, plan.rows,
                                                                   plan.query_lens, plan.seq_lens)
-            if self.pending_tokens is not None and min(plan.input_ids) < 0:   # placeholders (engine.overlap)
-                input_ids = fill_pending(input_ids, self.pending_tokens)
+            if plan.num_pending:   # placeholders (engine.overlap), filled from the previous step's ids
+                input_ids = fill_pending(input_ids, self.pending_ids(plan.num_pending))
             self.last_inputs_seconds = time.perf_counter() - started
             if self.graphs is not None and self.graphs.can_run(plan.query_lens):
                 hidden = self.graphs.run(input_ids, positions, meta)
@@ -139,17 +140,21 @@ class ModelRunner(_Forward):
         and the sequences that produce a token this step (in sample-row order)."""
         plan = StepPlan()
         sampled: list[Sequence] = []
+        placeholders = False
         plan.rows, plan.row_updates = self.input_batch.assign((item.seq.seq_id, item.seq.block_table)
                                                               for item in batch)
         for item in batch:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             plan.input_ids.extend(seq.token_ids[start:start + n])
+            placeholders = placeholders or (seq.num_pending > 0 and start + n > seq.num_tokens - seq.num_pending)
             plan.positions.extend(range(start, start + n))
             plan.query_lens.append(n)
             plan.seq_lens.append(start + n)
             if start + n == seq.num_tokens:  # reached the end: sample the next token
                 plan.sample_rows.append(len(plan.input_ids) - 1)
                 sampled.append(seq)
+        if placeholders:
+            plan.num_pending = int(self.pending_tokens.shape[0])
         return plan, sampled
 
     def release(self, seq: Sequence) -> None:
@@ -170,6 +175,14 @@ class ModelRunner(_Forward):
         if logits is None:
             logits = torch.empty(0, self.model.config.vocab_size, device=self.device)
         return logits, sampled
+
+    def pending_ids(self, count: int) -> torch.Tensor:
+        """The ids of the step in flight (`pending_tokens`), sent to the other ranks first."""
+        ids = self.pending_tokens
+        if self.tensor_parallel:
+            ids = self.pending_tokens = ids.to(torch.int64).contiguous()
+            self.model.comm.broadcast(ids)
+        return ids
 
     def synchronize(self) -> None:
         """Wait until the device has finished the work launched so far: CUDA runs kernels asynchronously,
@@ -240,6 +253,10 @@ class FollowerRunner(_Forward):
             runner.swap_spaces[pool] = SwapSpace(kv_cache, num_blocks)
         link.say_ready()
         return runner
+
+    def pending_ids(self, count: int) -> torch.Tensor:
+        """Rank 0's sampled ids of the step before, received into a buffer of this rank's."""
+        return self.model.comm.broadcast(torch.empty(count, dtype=torch.int64, device=self.device))
 
     def serve(self) -> None:
         """Run plans until a `stop` plan comes (rank 0 closing). Waiting for a plan has no timeout (an

@@ -26,10 +26,16 @@ and step N's tokens are read only once step N+1 is queued behind it. What that a
   (`StepClock`); on a CPU the host clock around the launch, which computes it. The composer's cost
   model and SLO feedback learn one step later than without overlap.
 
-Overlap applies on CUDA with one rank unless the device says `async_scheduling: false`
-(`overlap_applies`); tensor-parallel followers cannot fill placeholders (they never see the sampled
-ids), and on a CPU the launch computes the step, so there is nothing to hide. `async_scheduling: true`
-turns it on anywhere with one rank, which is how the tests hold it to the same outputs on a CPU.
+- **Tensor parallelism.** Only rank 0 samples. A plan whose inputs hold placeholders says how many
+  ids the step before sampled (`StepPlan.num_pending`); every rank then takes part in one broadcast of
+  those ids from rank 0 (`Collectives.broadcast`: on CUDA an NCCL copy queued behind the sampling, so
+  nothing waits on the host) and fills its placeholders from them as rank 0 does.
+
+Overlap applies on CUDA (one rank or a tensor-parallel group) unless the device says
+`async_scheduling: false` (`overlap_applies`); on a CPU the launch computes the step, so there is
+nothing to hide. `async_scheduling: true` turns it on anywhere, which is how the tests hold it to the
+same outputs on a CPU (tests/engine/test_overlap.py; under tensor parallelism on gloo,
+tests/engine/test_tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -48,11 +54,8 @@ from engine.stats import StepStats
 __all__ = ["LaunchedStep", "ScheduledStep", "StepClock", "fill_pending", "overlap_applies"]
 
 
-def overlap_applies(setting: bool | None, device: torch.device, tensor_parallel_size: int) -> bool:
-    """Whether steps overlap: `setting` (a device's `async_scheduling`) if given, else on CUDA with one
-    rank. A config that asks for it with tensor parallelism is refused before this is asked."""
-    if tensor_parallel_size > 1:
-        return False
+def overlap_applies(setting: bool | None, device: torch.device) -> bool:
+    """Whether steps overlap: `setting` (a device's `async_scheduling`) if given, else on CUDA."""
     return setting if setting is not None else device.type == "cuda"
 
 

@@ -146,6 +146,7 @@ class StepPlan:
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
+    num_pending: int = 0   # placeholders in input_ids: rank 0 sends the previous step's this many sampled ids
     moves: list[tuple[str, str, list[tuple[int, int]]]] = field(default_factory=list)   # (kind, pool, pairs)
     stop: bool = False
 
@@ -181,6 +182,12 @@ class Collectives:
         """Sum `x` over the ranks, in place."""
         if self.size > 1:
             torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place (a device-side copy: NCCL queues it on CUDA)."""
+        if self.size > 1:
+            torch.distributed.broadcast(x, src=0, group=self.group)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:

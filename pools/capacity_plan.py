@@ -389,6 +389,7 @@ def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict
                                 memory_utilization=dplan.memory_utilization,
                                 tensor_parallel_size=dplan.tensor_parallel_size, enforce_eager=dev.enforce_eager,
                                 async_scheduling=dev.async_scheduling, kv_cache_dtype=dev.kv_cache_dtype,
+                                calculate_kv_scales=dev.calculate_kv_scales,
                                 collective_timeout_seconds=dev.collective_timeout_seconds)
         result[dplan.name] = [_replica_config(template, dev, r, key) for r in range(dev.replicas)]
     return result

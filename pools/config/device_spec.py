@@ -73,8 +73,9 @@ class DeviceSpec(Spec):
     gpus: Annotated[tuple[GpuIndex, ...], msgspec.Meta(min_length=1)] | None = None   # CUDA: the ranks' GPUs
     cpu_threads: Count | None = None     # CPU: torch threads of each rank (None: the cores shared out)
     enforce_eager: bool = False          # CUDA: no decode graphs (their memory is then not set aside)
-    async_scheduling: bool | None = None  # overlapped steps (engine.overlap); None: on CUDA with one GPU
+    async_scheduling: bool | None = None  # overlapped steps (engine.overlap); None: on CUDA
     kv_cache_dtype: KvCacheDtype = "auto"   # auto: the model's dtype; fp8: e4m3, 1 byte an element of S_KV
+    calculate_kv_scales: bool = True     # fp8 without the checkpoint's scales: measured at start (false: 1.0)
     collective_timeout_seconds: Seconds = DEFAULT_COLLECTIVE_TIMEOUT_SECONDS   # tensor parallel: a rank this late is hung
     min_replicas: Count | None = None    # autoscaled: the replicas always up (None: fixed, all `replicas` up)
     scale_up_wait_seconds: Seconds = DEFAULT_SCALE_UP_WAIT_SECONDS      # autoscaled: waited for credits this long: +1
@@ -94,9 +95,6 @@ class DeviceSpec(Spec):
                                            f"got {self.ray_address!r}")
         if self.gpus is not None:
             self._check_gpus()
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise SpecError("async_scheduling", f"overlapped steps run on one GPU; tensor_parallel_size is "
-                                                f"{self.tensor_parallel_size}")
 
     def _check_gpus(self) -> None:
         if self.placement == "ray":

@@ -49,6 +49,7 @@ def test_s_kv_and_llama3_70b_shape():
     (lambda: parse_dtype("float8"), "dtype: unsupported dtype 'float8'"),
     (lambda: EngineConfig(dtype="int4"), "dtype"),
     (lambda: EngineConfig(device="tpu"), "device"),
+    (lambda: EngineConfig(calculate_kv_scales="no"), "calculate_kv_scales: must be true or false"),
     (lambda: EngineConfig(pools=()), "pools"),
     (lambda: EngineConfig(pools=(PoolConfig("a"), PoolConfig("a", 5))), "duplicate"),
     (lambda: PoolConfig("x", num_blocks=0), "pools.x.num_blocks: must be a positive integer"),

@@ -75,6 +75,33 @@ def test_greedy_tokens_are_the_same_with_graphs_and_without(tiny, monkeypatch):
     assert results[True] == results[False]
 
 
+def test_graphs_captured_at_start_use_the_measured_fp8_scales(tiny, monkeypatch):
+    """A capture freezes each launch's scalars, the FP8 cache's k_scale / v_scale among them: the engine
+    measures the scales (engine.kv_scales) before it captures, so a replay reads the prefill's K/V with
+    the scales they were stored with. Graphs on (as on CUDA, recorded here) equal graphs off."""
+    import engine.model_runner as model_runner
+    from engine.model_runner import _Forward
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (9, 23)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton")
+    results = {}
+    for graphs in (False, True):
+        monkeypatch.setattr(_Forward, "graphs_apply", lambda self, enforce_eager: graphs)
+        monkeypatch.setattr(model_runner, "CudaGraphBackend", lambda device: RecordingGraphBackend())
+        engine = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8), kv_cache_dtype="fp8",
+                                        pools=(PoolConfig(num_blocks=16, scheduler=SchedulerConfig(
+                                            max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
+                           progress=False)
+        assert {layer.self_attn.k_scale for layer in engine.model.layers} != {1.0}   # measured
+        assert (engine.runner.graphs is not None) is graphs
+        results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        if graphs:
+            assert engine.runner.graphs.graphs.replays > 5
+    assert results[True] == results[False]
+
+
 def _direct(tiny, monkeypatch, backend: str):
     """A DecodeGraphs over the engine's model, fed by hand: (graphs, engine)."""
     engine = _engine(tiny, monkeypatch, backend)

@@ -22,10 +22,14 @@ from tests.conftest import assert_all_free, make_tiny_model
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def _engine(path, kv: str = "fp8", num_blocks: int = 256, **sched) -> LLMEngine:
+def _engine(path, kv: str = "fp8", num_blocks: int = 256, calculate_kv_scales: bool = True, **sched) -> LLMEngine:
     pool = PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(**sched))
     return LLMEngine(EngineConfig(model=str(path), device="cpu", cache=CacheConfig(block_size=8), pools=(pool,),
-                                  kv_cache_dtype=kv), progress=False)
+                                  kv_cache_dtype=kv, calculate_kv_scales=calculate_kv_scales), progress=False)
+
+
+def _scales(engine: LLMEngine) -> list[tuple[float, float]]:
+    return [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in engine.model.layers]
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +70,16 @@ def test_the_builtin_model_with_an_fp8_cache(builtin_path):
                        engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8))]
         assert_all_free(engine)
     assert engine.kv_cache.data.dtype == FP8_KV_DTYPE and engine.kv_bytes_per_token * 4 == 46_080
-    scales = [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in engine.model.layers]
-    assert all(0 < k != 1.0 and 0 < v != 1.0 for k, v in scales)
+    assert all(0 < k != 1.0 and 0 < v != 1.0 for k, v in _scales(engine))
     assert sum(a == b for a, b in zip(answers["auto"], answers["fp8"])) >= 13
+
+
+def test_calculate_kv_scales_false_keeps_every_scale_at_one(tiny_path):
+    """`calculate_kv_scales: false` (vLLM's default): no scales measured, every layer's stays 1.0; the
+    default measures them."""
+    assert all(k != 1.0 and v != 1.0 for k, v in _scales(_engine(tiny_path, num_blocks=32)))
+    engine = _engine(tiny_path, num_blocks=32, calculate_kv_scales=False)
+    assert _scales(engine) == [(1.0, 1.0)] * len(engine.model.layers)
 
 
 def test_checkpoint_scales_are_loaded_and_checked(tiny_path, tmp_path):

@@ -63,11 +63,12 @@ def test_the_engine_refuses_it_before_any_rank_starts():
                                pools=(PoolConfig(num_blocks=64),)), progress=False)
 
 
-def _engine(model: str, tp: int, num_blocks: int = 256, **sched) -> LLMEngine:
+def _engine(model: str, tp: int, num_blocks: int = 256, overlap: bool | None = None, **sched) -> LLMEngine:
     sched.setdefault("max_num_batched_tokens", 64)
     pool = PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(**sched))
     return LLMEngine(EngineConfig(model=model, device="cpu", dtype="float32", tensor_parallel_size=tp,
-                                  cache=CacheConfig(block_size=16), pools=(pool,)), progress=False)
+                                  cache=CacheConfig(block_size=16), pools=(pool,), async_scheduling=overlap),
+                     progress=False)
 
 
 def _generate(engine: LLMEngine, prompts) -> list:
@@ -102,26 +103,30 @@ QWEN3 = {"head_dim": 32, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
                                              "original_max_position_embeddings": 32}}
 
 
-@pytest.mark.parametrize("arch,overrides", [
-    ("llama", {}), ("qwen2", {}), ("qwen3", QWEN3),
+@pytest.mark.parametrize("arch,overrides,overlap", [
+    ("llama", {}, None), ("qwen2", {}, None), ("qwen3", QWEN3, True),
     ("qwen3_moe", {**QWEN3, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                   "norm_topk_prob": True, "mlp_only_layers": [1]}),
+                   "norm_topk_prob": True, "mlp_only_layers": [1]}, None),
 ])
-def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides):
+def test_two_ranks_generate_what_one_does(tmp_path, builtin_path, prompts, arch, overrides, overlap):
     # A tiny random model with even head counts (4 heads, 2 KV heads); Qwen2 adds q/k/v biases; Qwen3
     # q/k head norms (whole on every rank) and YaRN; Qwen3-MoE splits each expert's intermediate size
-    # (the router whole on every rank), its layer 1 dense.
+    # (the router whole on every rank), its layer 1 dense. Qwen3's group overlaps its steps: the other
+    # rank fills the placeholders of each step's inputs from rank 0's sampled ids (engine.overlap).
     path = str(make_tiny_model(tmp_path / arch, arch, builtin_path, **overrides))
     reference = _generate(_engine(path, 1), prompts)
-    _assert_same_or_near_tie(reference, _generate(_engine(path, 2), prompts))
+    engine = _engine(path, 2, overlap=overlap)
+    assert engine.overlap is bool(overlap)
+    _assert_same_or_near_tie(reference, _generate(engine, prompts))
 
 
 def test_swapped_and_copied_blocks_move_on_every_rank(tmp_path, builtin_path, prompts):
     # 10 blocks of 16 tokens: the five prompts together do not fit, so victims are swapped out and in,
-    # and the other rank must move its shard of their blocks exactly as rank 0 does.
+    # and the other rank must move its shard of their blocks exactly as rank 0 does; with overlapped
+    # steps, whose placeholders it fills from rank 0's sampled ids.
     path = str(make_tiny_model(tmp_path / "llama", "llama", builtin_path))
     reference = _generate(_engine(path, 1), prompts)
-    engine = _engine(path, 2, num_blocks=10, preemption_mode="swap", swap_space_bytes=1 << 20)
+    engine = _engine(path, 2, num_blocks=10, overlap=True, preemption_mode="swap", swap_space_bytes=1 << 20)
     got = _generate(engine, prompts)
     assert engine.schedulers["default"].stats.num_swap_preemptions > 0
     _assert_same_or_near_tie(reference, got)

@@ -306,7 +306,7 @@ def test_a_single_gpu_sets_aside_the_decode_graphs_memory_unless_enforce_eager()
         parse_config(data, env={})
 
 
-def test_async_scheduling_reaches_the_engine_and_is_refused_with_tensor_parallelism(builtin_path):
+def test_async_scheduling_reaches_the_engine_with_or_without_tensor_parallelism(builtin_path):
     for setting in (True, False, None):
         data = _small_config()
         if setting is not None:
@@ -315,8 +315,7 @@ def test_async_scheduling_reaches_the_engine_and_is_refused_with_tensor_parallel
         plan = plan_capacity(config, {"builtin:smollm2-135m-instruct": ModelConfig.from_folder(builtin_path)})
         assert engine_configs(config, plan)["default"].async_scheduling is setting
     data["devices"]["default"].update(async_scheduling=True, device="cuda", memory="80GiB", tensor_parallel_size=2)
-    with pytest.raises(SpecError, match=r"async_scheduling: .*tensor_parallel_size is 2"):
-        parse_config(data, env={})
+    parse_config(data, env={})
     data["devices"]["default"]["async_scheduling"] = "on"
     with pytest.raises(SpecError, match="async_scheduling"):
         parse_config(data, env={})
@@ -376,3 +375,17 @@ def test_the_collective_timeout_reaches_the_engine_and_must_be_positive(builtin_
         data["devices"]["default"]["collective_timeout_seconds"] = bad
         with pytest.raises(SpecError, match="collective_timeout_seconds"):
             parse_config(data, env={})
+
+
+def test_calculate_kv_scales_reaches_the_engine(builtin_path):
+    for setting in (True, False, None):
+        data = _small_config()
+        data["devices"]["default"]["kv_cache_dtype"] = "fp8"
+        if setting is not None:
+            data["devices"]["default"]["calculate_kv_scales"] = setting
+        config = parse_config(data, env={})
+        plan = plan_capacity(config, {"builtin:smollm2-135m-instruct": ModelConfig.from_folder(builtin_path)})
+        assert engine_configs(config, plan)["default"].calculate_kv_scales is (setting is not False)
+    data["devices"]["default"]["calculate_kv_scales"] = "yes"
+    with pytest.raises(SpecError, match="calculate_kv_scales"):
+        parse_config(data, env={})
