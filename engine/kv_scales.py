@@ -12,14 +12,17 @@ lands at `SCALE_RANGE`, leaving headroom under 448 for values larger than the te
 unless the checkpoint brings its own, as in vLLM by default.
 
 The blocks are borrowed from the largest pool and given back (nothing is cached); the prefill's own K/V
-(stored with the scales of 1.0 they replace) are overwritten by the next use of those blocks. One rank
-only: a tensor-parallel group keeps the checkpoint's scales or 1.0 (its followers would have to measure
-their shards in lockstep).
+(stored with the scales of 1.0 they replace) are overwritten by the next use of those blocks. In a
+tensor-parallel group the prefill's plan says to measure (`StepPlan.measure_kv_scales`): every rank
+observes its own KV heads, and one MAX all-reduce gives every rank the whole layer's largest |K| and |V|,
+so the group sets the scales one rank would (`measure_kv_scales`). The engine measures before it captures
+CUDA graphs, which freeze the scales a launch was given.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,46 +49,56 @@ CALIBRATION_TEXT = (
 def calibrate_kv_scales(engine: Any) -> dict[str, tuple[float, float]] | None:
     """Measure and set every layer's k_scale / v_scale for `engine`'s FP8 cache (see the module
     docstring). Returns {"k": (min, max), "v": (min, max)} of the scales set, or None when nothing was
-    measured: not an FP8 cache, `calculate_kv_scales` false, scales from the checkpoint, tensor
-    parallelism, or too few free blocks."""
+    measured: not an FP8 cache, `calculate_kv_scales` false, scales from the checkpoint, or too few free
+    blocks. Rank 0 of a tensor-parallel group measures with its other ranks (the module docstring)."""
     attns = [layer.self_attn for layer in engine.model.layers]
-    if engine.kv_dtype != FP8_KV_DTYPE or not engine.config.calculate_kv_scales or engine.shard.size > 1 or \
+    if engine.kv_dtype != FP8_KV_DTYPE or not engine.config.calculate_kv_scales or \
             any(a.k_scale != 1.0 or a.v_scale != 1.0 for a in attns):
         return None
     ids = _calibration_ids(engine)
     bm = max(engine.schedulers.values(), key=lambda s: s.block_manager.num_blocks).block_manager
     if bm.num_blocks_for(len(ids)) > bm.num_free_blocks:
         return None
-    amax = [[0.0, 0.0] for _ in attns]
-
-    def observer(index: int):
-        def observe(key: torch.Tensor, value: torch.Tensor) -> None:
-            amax[index][0] = max(amax[index][0], float(key.abs().max()))
-            amax[index][1] = max(amax[index][1], float(value.abs().max()))
-        return observe
-
     seq = Sequence(seq_id=-100, request_id="kv-scales", index=0, token_ids=ids, num_prompt_tokens=len(ids),
                    params=SamplingParams(), max_tokens=1, priority=0, arrival_order=-1, generator=None)
+    batch = [ScheduledSeq(seq, len(ids))]
     try:
-        for i, attn in enumerate(attns):
-            attn.kv_observer = observer(i)
         bm.allocate(seq.block_table, len(ids))
-        batch = [ScheduledSeq(seq, len(ids))]
-        engine.runner.execute(batch)
-        engine.runner.synchronize()
+        measure_kv_scales(engine.model, lambda: engine.runner.execute(batch, measure_kv_scales=True))
         commit_step({}, batch)   # no pool's: the blocks are borrowed, nothing is cached
     finally:
-        for attn in attns:
-            attn.kv_observer = None
         bm.free(seq.block_table)
         engine.runner.release(seq)
-    for attn, (k_max, v_max) in zip(attns, amax):
-        attn.k_scale, attn.v_scale = max(k_max / SCALE_RANGE, MIN_SCALE), max(v_max / SCALE_RANGE, MIN_SCALE)
     ranges = {name: (min(getattr(a, f"{name}_scale") for a in attns), max(getattr(a, f"{name}_scale") for a in attns))
               for name in ("k", "v")}
     log.info("FP8 KV cache: scales measured on a %d-token text: k %.3g..%.3g, v %.3g..%.3g", len(ids),
              *ranges["k"], *ranges["v"])
     return ranges
+
+
+def measure_kv_scales(model: Any, run: Callable[[], object]) -> None:
+    """Set every layer's k_scale / v_scale from what `run()` (a forward pass of this rank's) stores: its
+    largest |K| and |V| per layer, the MAX over the model's tensor-parallel group (every rank calls this
+    for the same plan), put at `SCALE_RANGE`."""
+    attns = [layer.self_attn for layer in model.layers]
+    device = model.embed_tokens.weight.device
+    amax = torch.zeros(len(attns), 2, dtype=torch.float32, device=device)   # on the device: no read per layer
+
+    def observer(index: int):
+        def observe(key: torch.Tensor, value: torch.Tensor) -> None:
+            amax[index, 0] = torch.maximum(amax[index, 0], key.abs().max().float())
+            amax[index, 1] = torch.maximum(amax[index, 1], value.abs().max().float())
+        return observe
+
+    try:
+        for i, attn in enumerate(attns):
+            attn.kv_observer = observer(i)
+        run()
+    finally:
+        for attn in attns:
+            attn.kv_observer = None
+    for attn, (k_max, v_max) in zip(attns, model.comm.all_reduce_max(amax).tolist()):
+        attn.k_scale, attn.v_scale = max(k_max / SCALE_RANGE, MIN_SCALE), max(v_max / SCALE_RANGE, MIN_SCALE)
 
 
 def _calibration_ids(engine: Any) -> list[int]:

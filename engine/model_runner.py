@@ -21,6 +21,7 @@ from engine.model_config import ModelConfig
 from engine.cuda_graphs import CudaGraphBackend, DecodeGraphs, GraphBackend
 from engine.input_batch import InputBatch
 from engine.kv_cache import KVCache, SwapSpace
+from engine.kv_scales import measure_kv_scales
 from engine.model import LlamaForCausalLM
 from engine.models import build_model
 from engine.overlap import fill_pending
@@ -161,11 +162,13 @@ class ModelRunner(_Forward):
         """`seq` stopped running (finished, preempted, swapped out): its row of the persistent batch is free."""
         self.input_batch.release(seq.seq_id)
 
-    def execute(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, list[Sequence]]:
+    def execute(self, batch: list[ScheduledSeq], measure_kv_scales: bool = False
+                ) -> tuple[torch.Tensor, list[Sequence]]:
         """Run the step on every rank; return logits [num_sampled, vocab] (float32) and the sequences they
-        belong to."""
+        belong to. `measure_kv_scales`: the other ranks measure their FP8 scales on it (`engine.kv_scales`)."""
         started = time.perf_counter()
         plan, sampled = self.plan(batch)
+        plan.measure_kv_scales = measure_kv_scales
         planned = time.perf_counter() - started
         if self.tensor_parallel:
             plan.moves, self._moves = self._moves, []
@@ -268,7 +271,10 @@ class FollowerRunner(_Forward):
                 return
             for kind, pool, pairs in plan.moves:
                 self._apply_move(kind, pool, pairs)
-            self.run(plan)
+            if plan.measure_kv_scales:
+                measure_kv_scales(self.model, lambda: self.run(plan))
+            else:
+                self.run(plan)
 
 
 def follower_main() -> None:

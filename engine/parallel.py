@@ -147,6 +147,7 @@ class StepPlan:
     seq_lens: list[int] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     num_pending: int = 0   # placeholders in input_ids: rank 0 sends the previous step's this many sampled ids
+    measure_kv_scales: bool = False   # an FP8 cache's scales measured on this plan (engine.kv_scales)
     moves: list[tuple[str, str, list[tuple[int, int]]]] = field(default_factory=list)   # (kind, pool, pairs)
     stop: bool = False
 
@@ -182,6 +183,12 @@ class Collectives:
         """Sum `x` over the ranks, in place."""
         if self.size > 1:
             torch.distributed.all_reduce(x, group=self.group)
+        return x
+
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise max of `x` over the ranks, in place."""
+        if self.size > 1:
+            torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX, group=self.group)
         return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:

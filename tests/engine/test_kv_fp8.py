@@ -22,10 +22,12 @@ from tests.conftest import assert_all_free, make_tiny_model
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def _engine(path, kv: str = "fp8", num_blocks: int = 256, calculate_kv_scales: bool = True, **sched) -> LLMEngine:
+def _engine(path, kv: str = "fp8", num_blocks: int = 256, calculate_kv_scales: bool = True, tp: int = 1,
+            **sched) -> LLMEngine:
     pool = PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(**sched))
     return LLMEngine(EngineConfig(model=str(path), device="cpu", cache=CacheConfig(block_size=8), pools=(pool,),
-                                  kv_cache_dtype=kv, calculate_kv_scales=calculate_kv_scales), progress=False)
+                                  kv_cache_dtype=kv, calculate_kv_scales=calculate_kv_scales,
+                                  tensor_parallel_size=tp), progress=False)
 
 
 def _scales(engine: LLMEngine) -> list[tuple[float, float]]:
@@ -80,6 +82,30 @@ def test_calculate_kv_scales_false_keeps_every_scale_at_one(tiny_path):
     assert all(k != 1.0 and v != 1.0 for k, v in _scales(_engine(tiny_path, num_blocks=32)))
     engine = _engine(tiny_path, num_blocks=32, calculate_kv_scales=False)
     assert _scales(engine) == [(1.0, 1.0)] * len(engine.model.layers)
+
+
+def test_a_tensor_parallel_group_measures_the_scales_one_rank_would(tiny_path):
+    """Each rank observes its own KV head; one MAX all-reduce gives every rank the layer's scale, so two
+    ranks set the scales one rank does and their answers (each rank storing and reading its half of the
+    cache with them) agree with one rank's to float rounding."""
+    prompts = [[5 + (7 * i + j) % 400 for j in range(12 + 9 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    outs = {}
+    for tp in (1, 2):
+        engine = _engine(tiny_path, num_blocks=64, tp=tp)
+        try:
+            outs[tp] = [o.outputs[0] for o in engine.generate(prompts, params)]
+            scales = _scales(engine)
+            if tp == 1:
+                reference = scales
+            assert all(s != (1.0, 1.0) for s in scales)
+            assert [x for pair in scales for x in pair] == pytest.approx([x for pair in reference for x in pair],
+                                                                        rel=1e-5)
+        finally:
+            engine.close()
+    for one, two in zip(outs[1], outs[2]):
+        assert one.token_ids == two.token_ids
+        assert two.logprobs == pytest.approx(one.logprobs, abs=1e-4)
 
 
 def test_checkpoint_scales_are_loaded_and_checked(tiny_path, tmp_path):
