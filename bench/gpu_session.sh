@@ -16,7 +16,8 @@
 # the engine step runs the 8B shape with decode graphs (the default) and the eager step the same with
 # --enforce-eager, the sync step with --async-scheduling off (no overlapped steps); the tests step includes greedy
 # output with graphs against without (test_cuda_graphs.py), no stream synchronize in a step's launch (test_overlap.py)
-# and the FP8 KV cache's kernels on the GPU (test_triton*.py); the kvcache step an FP8 cache's agreement on CUDA. The device machine lacks msgspec (the worker protocol): carry
+# and the FP8 KV cache's and the MoE layer's kernels on the GPU (test_triton*.py, compiled: TRITON_INTERPRET=0); the
+# moe step times the MoE experts' three ways (Triton, grouped matmuls, loop); the kvcache step an FP8 cache's agreement on CUDA. The device machine lacks msgspec (the worker protocol): carry
 # its wheel in `.whl` and install it first (see the device tool's notes). Logs go to $OUT (or ./gpu-out); the last lines printed are a short summary.
 set -u
 OUT=${OUT:-gpu-out}
@@ -48,8 +49,9 @@ PYEOF
 }
 for what in ${GPU_STEPS:-tests kernels engine sync eager hostcost kvcache moe}; do
   case $what in
-    tests)   step gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton.py \
-               tests/kernels/test_triton_prefill.py tests/kernels/test_triton_fused.py tests/engine/test_sampling.py \
+    tests)   TRITON_INTERPRET=0 step gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton.py \
+               tests/kernels/test_triton_prefill.py tests/kernels/test_triton_fused.py tests/kernels/test_triton_moe.py \
+               tests/engine/test_sampling.py \
                tests/engine/test_cuda_graphs.py tests/engine/test_overlap.py tests/kernels/test_transfer.py \
                tests/kernels/test_engine_triton.py ;;
     kernels) step bench_kernels $CLI bench kernels ;;

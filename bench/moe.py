@@ -1,11 +1,12 @@
-"""`cliffguard bench moe`: one Qwen3-MoE layer's experts, grouped matmuls against the loop over the experts.
+"""`cliffguard bench moe`: one Qwen3-MoE layer's experts, each way the engine can run them.
 
 A `SparseMoeBlock` of Qwen3-30B-A3B's shape by default (hidden 2048, 128 experts of 768, 8 a token), random
-weights, run at each of `--tokens` batch sizes both ways on the same inputs and routing: the grouped path
-(the (token, expert) pairs sorted by expert, two `torch._grouped_mm` calls, nothing read back from the
-device) and the loop over the experts hit (transformers' way, which reads which experts are hit). Reported:
-the median milliseconds of each, tokens per second, the ratio, and the largest difference of their outputs.
-On a GPU each timing synchronises before and after (`bench.engine.sync`).
+weights, run at each of `--tokens` batch sizes on the same inputs and routing: the Triton kernels where the
+block has them (CUDA: `kernels.triton_moe`, two grouped GEMMs over the pairs sorted by expert), the grouped
+matmuls where torch has them (`torch._grouped_mm`; nothing read back from the device either), and the loop
+over the experts hit (transformers' way, which reads which experts are hit). Reported: the median
+milliseconds of each, tokens per second, each path's speed-up over the loop, and the largest difference of
+its outputs from the loop's. On a GPU each timing synchronises before and after (`bench.engine.sync`).
 """
 
 from __future__ import annotations
@@ -65,46 +66,63 @@ def _time(call, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _paths(block) -> dict[str, tuple]:
+    """name -> (the block's Triton kernels or None, whether it tries the grouped matmul) of each way it runs."""
+    from engine.models.qwen3_moe import GROUPED_MM
+
+    paths = {}
+    if block.fused_moe is not None:
+        paths["triton"] = (block.fused_moe, False)
+    if GROUPED_MM is not None:
+        paths["grouped"] = (None, True)
+    paths["loop"] = (None, False)
+    return paths
+
+
+def _row(block, paths: dict[str, tuple], x: torch.Tensor, device: torch.device, repeats: int) -> dict:
+    outs, row = {}, {"tokens": x.shape[0]}
+    for name, (fused, grouped) in paths.items():
+        block.fused_moe, block._grouped = fused, grouped
+        outs[name] = block(x)
+        if grouped and not block._grouped:
+            raise ValueError(f"the grouped matmul does not take {x.dtype} on {device} here")
+        seconds = _time(lambda: block(x), device, repeats)
+        row[f"{name}_ms"], row[f"{name}_tokens_per_s"] = seconds * 1e3, x.shape[0] / seconds
+    for name in paths:
+        if name != "loop":
+            row[f"{name}_speedup"] = row["loop_ms"] / row[f"{name}_ms"]
+            row[f"{name}_max_abs_diff"] = float((outs[name].float() - outs["loop"].float()).abs().max())
+    return row
+
+
 def run(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
-    from engine.models.qwen3_moe import GROUPED_MM
 
     sizes = int_list(args.tokens, "--tokens", 1, "batch sizes must be >= 1")
     if not 1 <= args.top_k <= args.experts:
         raise ValueError(f"--top-k: must be 1..--experts ({args.experts}), got {args.top_k}")
     if args.repeats < 1:
         raise ValueError(f"--repeats: must be >= 1, got {args.repeats}")
-    if GROUPED_MM is None:
-        raise ValueError("this torch build has no torch._grouped_mm: nothing to compare")
     config = EngineConfig(device=args.device, dtype=args.dtype)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     dtype = config.resolved_dtype(device)
     block = _block(args, device, dtype)
-    rows = []
+    paths = _paths(block)
     with torch.inference_mode():
-        for n in sizes:
-            x = torch.randn(n, args.hidden_size, generator=torch.Generator().manual_seed(n)).to(device, dtype)
-            block._grouped = True
-            grouped_out = block(x)
-            if not block._grouped:
-                raise ValueError(f"the grouped matmul does not take {dtype} on {device} here")
-            grouped = _time(lambda: block(x), device, args.repeats)
-            block._grouped = False
-            loop_out = block(x)
-            loop = _time(lambda: block(x), device, args.repeats)
-            rows.append({"tokens": n, "grouped_ms": grouped * 1e3, "loop_ms": loop * 1e3, "speedup": loop / grouped,
-                         "grouped_tokens_per_s": n / grouped, "loop_tokens_per_s": n / loop,
-                         "max_abs_diff": float((grouped_out.float() - loop_out.float()).abs().max())})
+        rows = [_row(block, paths, torch.randn(n, args.hidden_size, generator=torch.Generator().manual_seed(n)
+                                               ).to(device, dtype), device, args.repeats) for n in sizes]
     result = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "hidden_size": args.hidden_size,
               "experts": args.experts, "top_k": args.top_k, "moe_intermediate_size": args.moe_intermediate_size,
-              "rows": rows}
+              "paths": list(paths), "rows": rows}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"one MoE layer on {device} ({result['dtype']}): hidden {args.hidden_size}, {args.experts} experts of "
-          f"{args.moe_intermediate_size}, {args.top_k} a token; grouped matmuls vs the loop over the experts hit")
+          f"{args.moe_intermediate_size}, {args.top_k} a token; {', '.join(paths)}")
     for r in rows:
-        print(f"  {r['tokens']:>5} tokens: grouped {r['grouped_ms']:8.2f} ms ({r['grouped_tokens_per_s']:9.0f} tok/s), "
-              f"loop {r['loop_ms']:8.2f} ms: {r['speedup']:.2f}x; outputs differ by <= {r['max_abs_diff']:.2e}")
+        cells = [f"{name} {r[f'{name}_ms']:8.2f} ms ({r[f'{name}_tokens_per_s']:9.0f} tok/s"
+                 + (f", {r[f'{name}_speedup']:.2f}x the loop, differs by <= {r[f'{name}_max_abs_diff']:.2e})"
+                    if name != "loop" else ")") for name in paths]
+        print(f"  {r['tokens']:>5} tokens: " + "; ".join(cells))
     return 0

@@ -7,14 +7,15 @@ experts: the router's logits, their softmax in float32, the top k (renormalised 
 added in increasing expert order (transformers' order, so the sums round alike). Which layers are
 sparse: every `decoder_sparse_step`-th, less `mlp_only_layers` (those keep the dense MLP).
 
-The experts are grouped: the step's (token, expert) pairs sorted by expert, then two grouped matmuls
-(`torch._grouped_mm`: one group an expert, the groups' ends computed on the device), so a step does work
-for the experts it uses and never asks the device which ones those are. Where the grouped matmul lacks the
-dtype or layout (it is built for float32 on a CPU and bfloat16 on Hopper GPUs) the block falls back, for
-good, to a loop over the experts hit (transformers' way; that loop reads which experts are hit, a
-synchronisation on CUDA). Both give transformers' greedy tokens on the tiny-model tests. Its decode steps
-are not captured in CUDA graphs (`graph_safe`) until the grouped path is measured on a GPU; a fused Triton
-MoE kernel (the routing, the two GEMMs and the weighted sum in fewer launches) is not built.
+The experts run one of three ways, each giving transformers' greedy tokens on the tiny-model tests:
+- with the Triton ops (CUDA, the Triton attention backend): `kernels.triton_moe.fused_moe`, two Triton
+  grouped GEMMs over the (token, expert) pairs sorted by expert on the device; nothing is read back, so
+  the model's decode steps are captured in CUDA graphs (`graph_safe`);
+- elsewhere, grouped matmuls: the pairs sorted by expert, then `torch._grouped_mm` twice (one group an
+  expert, the groups' ends computed on the device), so a step does work for the experts it uses only;
+- where the grouped matmul lacks the dtype or layout (it is built for float32 on a CPU and bfloat16 on
+  Hopper GPUs) the block falls back, for good, to a loop over the experts hit (transformers' way; that
+  loop reads which experts are hit, a synchronisation on CUDA, so these two are not captured in graphs).
 
 Weights: the checkpoint's per-expert `mlp.experts.{e}.gate_proj / up_proj / down_proj` go into two
 tensors, `w13` [num_experts, 2 x intermediate, hidden] (gate rows, then up rows) and `w2` [num_experts,
@@ -25,6 +26,7 @@ on every rank, so every rank routes alike.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from types import ModuleType
 
@@ -54,6 +56,7 @@ class SparseMoeBlock(nn.Module):
         self.w13 = nn.Parameter(torch.empty(config.num_experts, 2 * inter, hidden))
         self.w2 = nn.Parameter(torch.empty(config.num_experts, hidden, inter))
         self.act_fn = SiluAndMul(ops)
+        self.fused_moe = _fused_moe_for(ops)   # the Triton kernels, with the Triton ops; else None
         self._grouped = True   # the grouped matmul until it fails for this dtype / device
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,6 +70,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_tokens, hidden]
         weights, experts = self.route(x)
+        if self.fused_moe is not None:
+            return self.comm.all_reduce(self.fused_moe(x, self.w13, self.w2, weights, experts))
         if GROUPED_MM is not None and self._grouped:
             try:
                 return self.comm.all_reduce(self._grouped_forward(x, weights, experts))
@@ -95,12 +100,26 @@ class SparseMoeBlock(nn.Module):
         return out.index_add_(0, token, h * weights.flatten()[order, None])
 
 
+def _fused_moe_for(ops: ModuleType) -> Callable[..., torch.Tensor] | None:
+    """`kernels.triton_moe.fused_moe` where a layer's ops are the Triton ones (`kernels.fused.get_fused_ops`)."""
+    if ops is not sys.modules.get("kernels.triton_fused"):
+        return None
+    from kernels.triton_moe import fused_moe
+
+    return fused_moe
+
+
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """Qwen3 with its sparse layers' MLPs replaced by `SparseMoeBlock`s; the Llama model's loading, with
     the experts' tensors routed into `w13` / `w2` and cut per rank."""
 
     supports_flat_forward = False
-    graph_safe = False   # the expert loop reads which experts are hit: no CUDA graphs (steps run eagerly)
+
+    @property
+    def graph_safe(self) -> bool:
+        """CUDA graphs capture it when every sparse layer runs the Triton kernels (the grouped matmul may
+        fall back to the loop, which reads which experts are hit)."""
+        return all(getattr(layer.mlp, "fused_moe", True) is not None for layer in self.layers)
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         layer = super().make_layer(index, ops)

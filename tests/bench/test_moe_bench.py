@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
-import json
+import os
 
-import pytest
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
-from bench import moe
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+from bench import moe  # noqa: E402
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -16,15 +20,24 @@ def _parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def test_it_times_both_paths_on_the_same_routing(capsys):
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_it_times_every_path_on_the_same_routing(capsys, monkeypatch, backend):
+    # With the Triton ops (CUDA's; here through the interpreter) the block has the Triton kernels too.
+    if backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
     args = _parse("--device", "cpu", "--hidden-size", "64", "--experts", "8", "--top-k", "2",
                   "--moe-intermediate-size", "32", "--tokens", "1,8", "--repeats", "2", "--json")
     assert moe.run(args) == 0
     result = json.loads(capsys.readouterr().out)
     assert [r["tokens"] for r in result["rows"]] == [1, 8] and result["dtype"] == "float32"
+    fast = ["triton", "grouped"] if backend == "triton" else ["grouped"]
+    assert result["paths"] == [*fast, "loop"]
     for row in result["rows"]:
-        assert row["grouped_ms"] > 0 and row["loop_ms"] > 0 and row["max_abs_diff"] < 1e-4
-        assert row["speedup"] == pytest.approx(row["loop_ms"] / row["grouped_ms"])
+        assert row["loop_ms"] > 0
+        for name in fast:
+            assert row[f"{name}_ms"] > 0 and row[f"{name}_max_abs_diff"] < 1e-4
+            assert row[f"{name}_speedup"] == pytest.approx(row["loop_ms"] / row[f"{name}_ms"])
 
 
 @pytest.mark.parametrize("argv,named", [(["--top-k", "9", "--experts", "8"], "--top-k"),

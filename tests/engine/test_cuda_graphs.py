@@ -198,18 +198,30 @@ def test_on_cuda_greedy_tokens_are_the_same_with_graphs_and_without(tiny, dtype)
     assert results[False] == results[True]
 
 
-def test_graphs_apply_only_to_a_model_whose_forward_is_graph_safe():
-    """Qwen3-MoE's expert loop reads which experts a step hit (a device sync): CUDA graphs cannot capture it,
-    so its steps run eagerly; every other model, on CUDA with the Triton backend and one rank, is captured."""
+def test_graphs_apply_only_to_a_model_whose_forward_is_graph_safe(tmp_path, builtin_path, monkeypatch):
+    """Qwen3-MoE's expert loop and grouped matmuls read which experts a step hit (a device sync): CUDA graphs
+    cannot capture them, so those steps run eagerly; with the Triton ops its experts run the Triton
+    kernels, which read nothing back, and it is captured like every other model (on CUDA with the
+    Triton backend and one rank)."""
     from types import SimpleNamespace
 
     from engine.model import LlamaForCausalLM
+    from engine.model_config import ModelConfig
     from engine.model_runner import _Forward
-    from engine.models.qwen3_moe import Qwen3MoeForCausalLM
+    from engine.models import build_model
+    from engine.parallel import Collectives, ShardShape
     from kernels import triton_attention
 
-    for cls, expected in ((LlamaForCausalLM, True), (Qwen3MoeForCausalLM, False)):
+    path = make_tiny_model(tmp_path / "moe", "qwen3_moe", builtin_path, num_experts=4, num_experts_per_tok=2,
+                           moe_intermediate_size=32)
+    config = ModelConfig.from_folder(path)
+    models = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", backend)
+        models[backend] = build_model(config, torch.float32, torch.device("cpu"), ShardShape.of(config), Collectives())
+    for model, expected in ((SimpleNamespace(graph_safe=LlamaForCausalLM.graph_safe), True),
+                            (models["torch"], False), (models["triton"], True)):
         runner = SimpleNamespace(device=torch.device("cuda"), tensor_parallel=False, backend=triton_attention,
-                                 model=SimpleNamespace(graph_safe=cls.graph_safe))
+                                 model=model)
         assert _Forward.graphs_apply(runner, enforce_eager=False) is expected
         assert _Forward.graphs_apply(runner, enforce_eager=True) is False

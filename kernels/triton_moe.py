@@ -1,0 +1,135 @@
+"""A mixture-of-experts layer's experts as two Triton grouped GEMMs over the (token, expert) pairs.
+
+A step routes each of its T tokens to k experts: P = T x k pairs. `moe_align` sorts the pairs by expert
+on the device and lays each expert's pairs out in blocks of BLOCK_M rows (the last block of an expert
+padded with a sentinel), so one program of `_moe_gemm_kernel` multiplies BLOCK_M pairs of one expert
+by a BLOCK_N-column tile of that expert's weight, `tl.dot` tiles over K, the weight tile loaded once for
+the block's pairs (FlashInfer's and vLLM's fused MoE lay their work out the same way). Nothing is read
+back to the host: every shape follows from T, k and the expert count, so a decode step's launches can be
+captured in a CUDA graph.
+
+    h   = x[pair // k] @ w13[e]^T             [P, 2 x inter]   (gate rows, then up rows)
+    a   = silu(gate) * up                     [P, inter]        (`kernels.triton_fused.silu_and_mul`)
+    y   = (a[pair] @ w2[e]^T) x weight[pair]  [P, hidden]       float32
+    out = sum over a token's k pairs of y     [T, hidden]       rounded once to x's dtype
+
+`y` stays in float32 and each pair writes its own row (at its place in the unsorted order), so the sum
+over a token's experts has no atomics and is the same from run to run. Products accumulate in float32
+(`tl.dot`, exact IEEE for float32 inputs); the intermediate `h` and `a` are rounded to x's dtype, as the
+unfused layer rounds them. Weight layouts are the model's (`engine.models.qwen3_moe.SparseMoeBlock`):
+w13 [E, 2 x inter, hidden], w2 [E, hidden, inter]; any sizes (tiles masked at the edges).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_fused import silu_and_mul
+from kernels.triton_prefill import dot_dtype
+
+__all__ = ["fused_moe", "moe_align", "moe_block_m"]
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, weight_ptr, sorted_pairs_ptr, block_expert_ptr,
+    num_pairs, N, K, row_div,
+    stride_am, stride_we, stride_wn, stride_wk, stride_om,
+    MUL_WEIGHT: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # grid: (blocks of BLOCK_M pairs, cdiv(N, BLOCK_N)); a block's pairs all go to one expert.
+    block = tl.program_id(0)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert < 0:   # past the blocks this step uses
+        return
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_m)
+    valid = pairs < num_pairs                                   # the padding holds num_pairs
+    rows = tl.where(valid, pairs // row_div, 0).to(tl.int64)    # the input row of each pair
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        mask_k = ks < K
+        a = tl.load(a_ptr + rows[:, None] * stride_am + ks[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_base + ks[:, None] * stride_wk, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)   # [BLOCK_M, BLOCK_N]
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weight_ptr + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + pairs[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+
+
+def moe_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows of a block: 16 (a dot's least) while the experts get few pairs each (decode), 64 for prefill."""
+    return 16 if num_pairs < 16 * num_experts else 64
+
+
+def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """experts: [T, k] the experts of each token's pairs (pair i = token i // k, slot i % k) ->
+    (sorted_pairs [num_blocks x block_m] int32: the pairs by expert, each expert's run padded with P to a
+    multiple of block_m; block_expert [num_blocks] int32: each block's expert, -1 past the last used).
+    num_blocks is a bound from T, k and the expert count alone (no read of the data): cdiv(P, block_m)
+    plus one block a hit expert may leave partly empty."""
+    flat = experts.flatten().long()
+    num_pairs, device = flat.numel(), flat.device
+    num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = padded.cumsum(0) - padded                             # each expert's first row
+    order = flat.argsort(stable=True)                              # pairs by expert, in pair order within one
+    by_expert = flat[order]
+    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[by_expert]
+    dest = starts[by_expert] + rank
+    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs[dest] = order.to(torch.int32)
+    block_expert = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
+    block_expert[dest // block_m] = by_expert.to(torch.int32)
+    return sorted_pairs, block_expert
+
+
+def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
+          block_expert: torch.Tensor, block_m: int, row_div: int, weights: torch.Tensor | None) -> None:
+    """out[pair] = a[pair // row_div] @ w[expert of pair]^T (times weights[pair] when given)."""
+    num_pairs, n, k = out.shape[0], w.shape[1], w.shape[2]
+    dtype = dot_dtype(a.dtype)
+    block_n = min(128, max(16, triton.next_power_of_2(n)))
+    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    grid = (block_expert.shape[0], triton.cdiv(n, block_n))
+    _moe_gemm_kernel[grid](
+        a, w, out, weights if weights is not None else out, sorted_pairs, block_expert,
+        num_pairs, n, k, row_div,
+        a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+        MUL_WEIGHT=weights is not None, DOT_DTYPE=dtype, DOT_PRECISION="ieee" if dtype == tl.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4 if block_m * block_n < 64 * 128 else 8,
+    )
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              experts: torch.Tensor) -> torch.Tensor:
+    """x: [T, hidden]; w13: [E, 2 x inter, hidden]; w2: [E, hidden, inter]; weights, experts: [T, k] (the
+    router's) -> [T, hidden] in x's dtype: each token's experts' SiLU-gated MLPs, weighted and summed."""
+    num_tokens, top_k = experts.shape
+    num_experts, two_inter, hidden = w13.shape
+    assert x.dim() == 2 and x.shape[1] == hidden and x.stride(1) == 1, f"x {tuple(x.shape)}, hidden {hidden}"
+    assert w2.shape == (num_experts, hidden, two_inter // 2), f"w2 {tuple(w2.shape)} against w13 {tuple(w13.shape)}"
+    assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights need contiguous rows"
+    out = torch.zeros_like(x)
+    if num_tokens == 0:
+        return out
+    num_pairs = num_tokens * top_k
+    block_m = moe_block_m(num_pairs, num_experts)
+    sorted_pairs, block_expert = moe_align(experts, num_experts, block_m)
+    h = torch.empty(num_pairs, two_inter, dtype=x.dtype, device=x.device)
+    _gemm(x, w13, h, sorted_pairs, block_expert, block_m, top_k, None)
+    act = silu_and_mul(h)                                                      # [P, inter]
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    _gemm(act, w2, y, sorted_pairs, block_expert, block_m, 1, weights.flatten().contiguous())
+    return out.copy_(y.view(num_tokens, top_k, hidden).sum(dim=1))

@@ -1,0 +1,166 @@
+"""The Triton MoE experts (`kernels.triton_moe`) against the loop over the experts, through Triton's
+interpreter on the CPU; and a Qwen3-MoE engine on the Triton ops, eager and with its decode steps
+replayed from recorded graphs, against transformers.
+
+Inputs are fresh random every run; the seed is in every assertion message (rerun one case with
+`CLIFFGUARD_TEST_SEED=<seed>`).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+pytest.importorskip("triton")
+
+from kernels.triton_moe import fused_moe, moe_align, moe_block_m  # noqa: E402
+from tests.kernels.test_reference import _make_seed  # noqa: E402
+
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def _loop(x, w13, w2, weights, experts):
+    """Each token's experts one at a time, in float32: the sums the kernels must give."""
+    x, w13, w2, weights = x.float(), w13.float(), w2.float(), weights.float()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for slot in range(experts.shape[1]):
+            e = int(experts[t, slot])
+            gate, up = (x[t] @ w13[e].T).chunk(2)
+            out[t] += (F.silu(gate) * up) @ w2[e].T * weights[t, slot]
+    return out
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 4, 2, 16), (7, 8, 3, 16), (40, 3, 2, 16), (5, 64, 8, 64)])
+def test_align_lays_each_experts_pairs_out_in_whole_blocks(tokens, experts, top_k, block_m):
+    seed = _make_seed()
+    gen = torch.Generator().manual_seed(seed)
+    chosen = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    sorted_pairs, block_expert = moe_align(chosen, experts, block_m)
+    flat, pairs = chosen.flatten(), tokens * top_k
+    assert sorted_pairs.shape == (block_expert.shape[0] * block_m,), f"seed {seed}"
+    seen = []
+    for b, e in enumerate(block_expert.tolist()):
+        rows = sorted_pairs[b * block_m:(b + 1) * block_m].tolist()
+        real = [p for p in rows if p < pairs]
+        if e < 0:
+            assert not real, f"seed {seed}: block {b} unused but holds {real}"
+            continue
+        assert real and all(flat[p] == e for p in real), f"seed {seed}: block {b} of expert {e} holds {real}"
+        assert rows[:len(real)] == real and real == sorted(real), f"seed {seed}: block {b} padding or order"
+        seen += real
+    assert sorted(seen) == list(range(pairs)), f"seed {seed}: every pair once"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,hidden,inter,experts,top_k", [
+    (1, 64, 32, 4, 2), (6, 40, 24, 8, 3), (33, 48, 80, 5, 1), (20, 96, 40, 16, 4),
+])
+def test_fused_moe_equals_the_loop_over_the_experts(dtype, tokens, hidden, inter, experts, top_k):
+    # Sizes off the tiles (40, 24, 80 columns) mask the edges; 16 experts over 20 tokens leave some unused.
+    seed = _make_seed()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5).to(dtype)
+    scores = torch.randn(tokens, experts, generator=gen).softmax(-1)
+    weights, chosen = scores.topk(top_k, dim=-1)
+    out = fused_moe(x, w13, w2, weights.to(dtype), chosen)
+    assert out.dtype == dtype and out.shape == x.shape
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), _loop(x, w13, w2, weights.to(dtype), chosen), atol=atol, rtol=rtol,
+                               msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_block_rows_follow_the_pairs_per_expert():
+    assert moe_block_m(8, 128) == 16 and moe_block_m(64 * 8, 128) == 16 and moe_block_m(4096, 128) == 64
+
+
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+       "mlp_only_layers": [1], "head_dim": 32}
+
+
+def test_an_moe_engine_on_the_triton_kernels_decodes_as_transformers_and_replays_graphs(tmp_path, builtin_path,
+                                                                                       monkeypatch):
+    """Qwen3-MoE on the Triton ops runs its experts through `fused_moe`: greedy tokens equal transformers',
+    and with its decode steps replayed from recorded graphs (what a CUDA graph freezes) they stay equal."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+    from tests.conftest import make_tiny_model
+    from tests.engine.graph_recorder import RecordingGraphBackend
+
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton")
+    path = make_tiny_model(tmp_path / "moe", "qwen3_moe", builtin_path, **MOE)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (6, 19)]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        expected.append(out[0, len(ids):].tolist())
+    for graphs in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(path), cache=CacheConfig(block_size=8), pools=(PoolConfig(
+            num_blocks=16, scheduler=SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
+            progress=False)
+        assert all(layer.mlp.fused_moe is fused_moe for layer in engine.model.layers if hasattr(layer.mlp, "w13"))
+        if graphs:
+            recorder = RecordingGraphBackend()
+            engine.runner.capture_graphs(2, 64, recorder)
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert [o.outputs[0].token_ids for o in outs] == expected, f"graphs {graphs}"
+        if graphs:
+            assert recorder.replays >= 6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+def test_on_cuda_fused_moe_at_qwen3_30b_a3b_shape_equals_the_loop(tokens):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, inter, experts, top_k = 2048, 768, 128, 8
+    x = torch.randn(tokens, hidden, generator=gen).to("cuda", torch.bfloat16)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5).to("cuda", torch.bfloat16)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5).to("cuda", torch.bfloat16)
+    weights, chosen = torch.randn(tokens, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
+    weights, chosen = weights.to("cuda", torch.bfloat16), chosen.cuda()
+    out = fused_moe(x, w13, w2, weights, chosen)
+    rows = range(min(tokens, 8))   # the loop in float32 on the host is slow: a few tokens checked
+    expected = _loop(x[list(rows)].cpu(), w13.cpu(), w2.cpu(), weights[list(rows)].cpu(), chosen[list(rows)].cpu())
+    torch.testing.assert_close(out[list(rows)].float().cpu(), expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_on_cuda_an_moe_model_is_captured_in_graphs_and_decodes_as_eager(tmp_path, builtin_path):
+    from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+    from tests.conftest import make_tiny_model
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path = make_tiny_model(tmp_path / "moe", "qwen3_moe", builtin_path, **MOE)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 17, 30, 41)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 20, 11, 30)]
+    results = {}
+    for eager in (True, False):
+        engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="float32", enforce_eager=eager,
+                                        cache=CacheConfig(block_size=16), pools=(PoolConfig(
+                                            num_blocks=64, scheduler=SchedulerConfig(
+                                                max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256)),)),
+                           progress=False)
+        assert (engine.runner.graphs is None) == eager
+        results[eager] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    assert results[True] == results[False]
