@@ -141,20 +141,18 @@ class ModelRunner(_Forward):
         and the sequences that produce a token this step (in sample-row order)."""
         plan = StepPlan()
         sampled: list[Sequence] = []
-        placeholders = False
         plan.rows, plan.row_updates = self.input_batch.assign((item.seq.seq_id, item.seq.block_table)
                                                               for item in batch)
         for item in batch:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             plan.input_ids.extend(seq.token_ids[start:start + n])
-            placeholders = placeholders or (seq.num_pending > 0 and start + n > seq.num_tokens - seq.num_pending)
             plan.positions.extend(range(start, start + n))
             plan.query_lens.append(n)
             plan.seq_lens.append(start + n)
             if start + n == seq.num_tokens:  # reached the end: sample the next token
                 plan.sample_rows.append(len(plan.input_ids) - 1)
                 sampled.append(seq)
-        if placeholders:
+        if self.pending_tokens is not None and plan.input_ids and min(plan.input_ids) < 0:   # placeholders
             plan.num_pending = int(self.pending_tokens.shape[0])
         return plan, sampled
 
