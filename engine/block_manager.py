@@ -128,6 +128,14 @@ class BlockManager:
     def owns(self, block_id: int) -> bool:
         return self.first_block <= block_id < self.first_block + self.num_blocks
 
+    def writes_in_place(self, block_table: list[int], start: int, num_new: int) -> bool:
+        """Whether writing slots start .. start + num_new - 1 of `block_table` needs nothing from the pool:
+        they lie in blocks the table holds, and the one `start` falls in is held by this table alone (no
+        copy on write). Most decode steps; the scheduler's fast path (the table's ids were checked when
+        allocated)."""
+        return 0 < num_new and start + num_new <= len(block_table) * self.block_size and \
+            self._ref_counts[block_table[start // self.block_size] - self.first_block] == 1
+
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
         return self._ref_counts[block_id - self.first_block]

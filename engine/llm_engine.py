@@ -439,7 +439,7 @@ class LLMEngine:
             scheduler.stats.preempt_seconds += time.perf_counter() - started
 
     def _finish_or_report(self, request: RequestState, seqs: list[Sequence]) -> RequestOutput:
-        if all(s.is_finished for s in request.seqs) and not self._forks.has_pending(request.request_id):
+        if request.all_finished and not self._forks.has_pending(request.request_id):
             self._forget(request)
             return request.output(request.seqs)
         return request.output(seqs)

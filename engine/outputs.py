@@ -141,6 +141,12 @@ class RequestState:
     num_cached_tokens: int = 0
     detokenizers: list[IncrementalDetokenizer | None] = field(default_factory=list)
 
+    @property
+    def all_finished(self) -> bool:
+        """Whether every sample has finished (one look for the usual single sample)."""
+        seqs = self.seqs
+        return seqs[0].is_finished if len(seqs) == 1 else all(s.is_finished for s in seqs)
+
     def output(self, seqs: list[Sequence]) -> RequestOutput:
         """The report of `seqs` (some or all of this request's samples): what is new since their last
         report, a stop string that may be forming held back; marks it reported. Its cost grows with
@@ -168,12 +174,12 @@ class RequestState:
             ))
             seq.num_emitted_chars = emit_to
             seq.num_emitted_tokens = end_tok
-        finished = all(s.is_finished for s in self.seqs)
+        finished = self.all_finished
         metrics = {"arrival_time": self.arrival_time}
         if self.first_scheduled_time is not None:
             metrics["queue_time"] = self.first_scheduled_time - self.arrival_time
         if self.first_token_time is not None:
             metrics["time_to_first_token"] = self.first_token_time - self.arrival_time
-        error = next((s.error for s in self.seqs if s.error), None)
+        error = self.seqs[0].error if len(self.seqs) == 1 else next((s.error for s in self.seqs if s.error), None)
         return RequestOutput(self.request_id, self.prompt_token_ids, outputs, finished, error=error,
                              num_cached_tokens=self.num_cached_tokens, metrics=metrics)

@@ -390,18 +390,23 @@ class Sampler:
             raise ValueError(f"logits: expected shape [{len(rows)}, vocab_size], got {list(logits.shape)}")
         num_rows, vocab_size = logits.shape
         device = logits.device
-        logprob_idx = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        logprob_idx, adjust_idx, grammar_idx, greedy_idx, random_idx = [], [], [], [], []
         mask_rows: list[int] = []
         mask_tokens: list[int] = []
-        for i, row in enumerate(rows):
-            # Ids outside the vocabulary cannot be sampled anyway.
-            banned = [t for t in _min_tokens_banned(row) if t < vocab_size]
-            mask_rows += [i] * len(banned)
-            mask_tokens += banned
-        adjust_idx = [i for i, row in enumerate(rows) if row.params.adjusts_logits]
-        grammar_idx = [i for i, row in enumerate(rows) if row.grammar is not None]
-        greedy_idx = [i for i, row in enumerate(rows) if row.params.greedy]
-        random_idx = [i for i, row in enumerate(rows) if not row.params.greedy]
+        for i, row in enumerate(rows):   # one pass: it runs for every row of every step
+            params = row.params
+            if params.logprobs is not None:
+                logprob_idx.append(i)
+            if params.adjusts_logits:
+                adjust_idx.append(i)
+            if row.grammar is not None:
+                grammar_idx.append(i)
+            (greedy_idx if params.greedy else random_idx).append(i)
+            if row.num_output_tokens < params.min_tokens:
+                # Ids outside the vocabulary cannot be sampled anyway.
+                banned = [t for t in _min_tokens_banned(row) if t < vocab_size]
+                mask_rows += [i] * len(banned)
+                mask_tokens += banned
 
         if not random_idx and not logprob_idx and not mask_rows and not adjust_idx and not grammar_idx:
             return SampledTokens(logits.argmax(dim=-1), num_rows)   # [num_rows]

@@ -190,17 +190,18 @@ class Scheduler:
                 skipped += 1
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
-            while self._blocks_needed(seq, num_new) > bm.num_free_blocks:
-                if self.running == [seq]:
-                    self._finish_too_large(seq, out)
-                    break
-                victim = self._pick_victim(seq)
-                budget += self._preempt(victim, out)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            self._grow(seq, num_new, out)
+            if not bm.writes_in_place(seq.block_table, seq.num_computed_tokens, num_new):
+                while self._blocks_needed(seq, num_new) > bm.num_free_blocks:
+                    if self.running == [seq]:
+                        self._finish_too_large(seq, out)
+                        break
+                    victim = self._pick_victim(seq)
+                    budget += self._preempt(victim, out)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                self._grow(seq, num_new, out)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             seq.last_scheduled_step = self._step
             budget -= num_new
