@@ -34,6 +34,21 @@ def test_allocate_is_all_or_nothing():
     assert not bm.can_allocate(table, 8 * 4) and bm.can_allocate(table, 8 * 3)
 
 
+def test_writes_in_place_only_inside_held_blocks_that_are_not_shared():
+    """The scheduler's decode fast path: no block to take and none to copy on write."""
+    bm = BlockManager(num_blocks=4, block_size=4, first_block=7)
+    table: list[int] = []
+    bm.allocate(table, 6)                                     # slots 0..7 held
+    assert bm.writes_in_place(table, 5, 1) and bm.writes_in_place(table, 6, 2)
+    assert not bm.writes_in_place(table, 8, 1)                # the next block is not held yet
+    assert not bm.writes_in_place(table, 7, 2)                # runs past the held blocks
+    assert not bm.writes_in_place(table, 5, 0)
+    fork = bm.fork(table)
+    assert not bm.writes_in_place(table, 5, 1) and not bm.writes_in_place(fork, 6, 1)   # copy on write
+    bm.free(fork)
+    assert bm.writes_in_place(table, 5, 1)
+
+
 def test_fork_shares_blocks_until_last_free():
     bm = BlockManager(num_blocks=2, block_size=4)
     a: list[int] = []
