@@ -12,8 +12,9 @@
  *   V sums:  the heads of a GQA group (8, 4, 3, 2 or 1 at a time) share each V row load, into 8 chains of
  *            accumulators held in registers.
  * A tile is 8 to 64 positions, about 16 KiB of the rows these heads read; the next tile's rows are
- * prefetched while one is computed, and the next decode row's first rows while this row is. head_dim 16, 32, 64, 128 and 256 are compiled as constants; any other
- * takes the same code with a runtime head_dim (a scalar tail past its last multiple of W). The vectors are
+ * prefetched while one is computed, and after a row's last tile the next decode row's first (spread over
+ * this row's steps; with more heads than one pass takes, the next row's first rows at its start). head_dim
+ * 16, 32, 64, 128 and 256 are compiled as constants; any other takes the same code with a runtime head_dim (a scalar tail past its last multiple of W). The vectors are
  * GCC's generic vector extensions, W = 8 floats: AVX/AVX-512 on x86, register pairs on NEON, plain code
  * elsewhere. K/V in float32 or bfloat16 (widened to float32 as read); accumulation and softmax in float32.
  * Scratch on the stack (about 50 KiB, nothing shared between threads); the heap only for a head_dim past
@@ -236,7 +237,8 @@ static inline __attribute__((always_inline)) void NAME(                         
 static inline __attribute__((always_inline)) void NAME(                                                     \
         const T *q, T *o, int64_t h0, int64_t nh, int64_t group, const T *k_cache, const T *v_cache,        \
         const int32_t *table, int64_t first, int64_t len, int64_t block_size, int64_t row, float scale,    \
-        float *qs, float *acc, const int64_t D) {                                                            \
+        float *qs, float *acc, const int32_t *next_table, int64_t next_first, int64_t next_len,             \
+        const int64_t D) {                                                                                   \
     const int64_t DV = D / W * W;        /* the vector part of a head; D - DV a scalar tail */              \
     const vi lane = {0, 1, 2, 3, 4, 5, 6, 7};                                                                \
     float m[HEAD_CHUNK], m_old[HEAD_CHUNK], corr[HEAD_CHUNK], wide[W * WIDE];                                \
@@ -253,7 +255,10 @@ static inline __attribute__((always_inline)) void NAME(                         
      * alternates: the next tile's are worked out before this one is computed; rows past n repeat the last,  \
      * weight 0). The next tile's rows are prefetched, a KV head's part at each step of this one: the         \
      * hardware's prefetchers do not follow rows a few KiB apart read a part at a time, and stop at pages.   \
-     * Rows a multiple of 4 KiB apart fall in the same L1 sets, hence small tiles for long rows. */          \
+     * After a row's last tile the next is the next decode row's first (`next_table`): its K/V arrive while  \
+     * this row computes, spread over its steps (all at once they stalled the row: a cold batch-64 layer     \
+     * 115-125 us, spread 56-59 us, on the development VM). Rows a multiple of 4 KiB apart fall in the same \
+     * L1 sets, hence small tiles for long rows. */                                                         \
     int64_t at[2][TILE], ns[2] = {0, 0};                                                                     \
     const int64_t kv_lo = kv_of[0], bytes = (kv_of[nh - 1] + D - kv_lo) * (int64_t)sizeof(T);              \
     const int64_t fit = TILE_BYTES / bytes / W * W, tile = fit < W ? W : fit > TILE ? TILE : fit;            \
@@ -263,6 +268,11 @@ static inline __attribute__((always_inline)) void NAME(                         
             const int64_t count = len - lo - ahead * tile < tile ? len - lo - ahead * tile : tile;          \
             ns[t ^ ahead] = count > 0 ? count : 0;                                                           \
             if (count > 0) row_offsets(at[t ^ ahead], count, lo + ahead * tile, table, block_size, row, kv_lo); \
+            else if (ahead == 1 && next_table != NULL) {   /* the last tile: the next row's first is next */ \
+                const int64_t next = next_len - next_first < tile ? next_len - next_first : tile;          \
+                ns[t ^ 1] = next > 0 ? next : 0;                                                             \
+                if (next > 0) row_offsets(at[t ^ 1], next, next_first, next_table, block_size, row, kv_lo);  \
+            }                                                                                                \
         }                                                                                                    \
         const int64_t *rows_at = at[t], *next_at = at[t ^ 1], next_n = ns[t ^ 1];                            \
         for (int64_t c = 0; c < nv; c++)     /* scores, W positions at a time */                            \
@@ -332,8 +342,10 @@ static inline __attribute__((always_inline)) void NAME(                         
 
 #define ATTEND_PARAMS(T) const T *q, T *o, int64_t h0, int64_t nh, int64_t group, const T *k, const T *v,     \
                          const int32_t *table, int64_t first, int64_t len, int64_t block_size, int64_t row,    \
-                         float scale, float *qs, float *acc
-#define ATTEND_ARGS q, o, h0, nh, group, k, v, table, first, len, block_size, row, scale, qs, acc
+                         float scale, float *qs, float *acc, const int32_t *next_table, int64_t next_first,      \
+                         int64_t next_len
+#define ATTEND_ARGS q, o, h0, nh, group, k, v, table, first, len, block_size, row, scale, qs, acc, next_table,  \
+                    next_first, next_len
 
 /* The exported kernel: every decode row and chunk of its query heads, with head_dim a constant in the
  * specialised copies of ATTEND (the switch is outside every loop over positions). */
@@ -360,7 +372,14 @@ int NAME(const T *query, const T *k_cache, const T *v_cache, T *out, const int32
         const int64_t len = seq_lens[seqs[i]];                                                               \
         const int64_t first = (window > 0 && len > window) ? len - window : 0;                             \
         const int32_t *table = block_tables + (int64_t)seqs[i] * max_blocks;                                \
-        if (i + 1 < num_decode) {   /* the next row's first rows on their way (ATTEND prefetches the rest) */ \
+        const int32_t *next_table = NULL;                                                                    \
+        int64_t next_first = 0, next_len = 0;                                                                \
+        if (chunk >= num_heads && i + 1 < num_decode) {   /* its first tile, prefetched during this row */ \
+            next_len = seq_lens[seqs[i + 1]];                                                                \
+            next_first = window > 0 && next_len > window ? next_len - window : 0;                           \
+            next_table = block_tables + (int64_t)seqs[i + 1] * max_blocks;                                   \
+        }                                                                                                    \
+        if (chunk < num_heads && i + 1 < num_decode) {   /* head chunks: the next row's first rows at once */ \
             const int64_t next_len = seq_lens[seqs[i + 1]], row_bytes = row * (int64_t)sizeof(T);             \
             const int64_t next_first = window > 0 && next_len > window ? next_len - window : 0;            \
             const int64_t fit = TILE_BYTES / row_bytes > 1 ? TILE_BYTES / row_bytes : 1;                     \
