@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-sizes", default="1,8,16,32,64", help="batch sizes of the scaling table")
     p.add_argument("--lengths", default="100,1000", help="output lengths of the length table (default 100,1000)")
     p.add_argument("--length-batch", type=int, default=64, help="sequences in the length table (default 64)")
+    p.add_argument("--length-model", default=None,
+                   help="run the output-length table on this model (a folder or builtin:NAME) instead of the "
+                        "deep, narrow one: where the weights, not the K/V, dominate a step's bytes")
     p.add_argument("--skip-lengths", action="store_true", help="leave out the output-length table (the longest part)")
     p.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (default 1)")
     p.add_argument("--device", default="cpu", help="cpu (default) | cuda | cuda:N")
@@ -292,6 +295,8 @@ def length_table(folder: Path, args: argparse.Namespace, lengths: list[int]) -> 
 
 
 def run(args: argparse.Namespace) -> int:
+    from engine.weights import resolve_model
+
     sizes = int_list(args.batch_sizes, "--batch-sizes", 1, "batch sizes must be >= 1")
     lengths = sorted(int_list(args.lengths, "--lengths", 20, "output lengths must be >= 20"))
     for name in ("layers", "hidden_size", "batch", "prompt_len", "steps", "length_batch", "threads"):
@@ -312,7 +317,9 @@ def run(args: argparse.Namespace) -> int:
                   "prompt_len": args.prompt_len, "compare": compare(folder, args),
                   "batch_table": batch_table(folder, args, sizes)}
         if not args.skip_lengths:
-            result["length_table"] = length_table(folder, args, lengths)
+            length_folder = folder if args.length_model is None else resolve_model(args.length_model)
+            result["length_table"] = length_table(length_folder, args, lengths)
+            result["length_table"]["model"] = args.length_model or "the model above"
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -340,8 +347,8 @@ def _print_report(r: dict) -> None:
         print(f"  batch {row['batch']:4d}: step {row['step_ms']:7.2f}   {_phases(row['phases_ms'])}")
     if "length_table" in r:
         t = r["length_table"]
-        print(f"step against output length, batch {t['batch']}, logprobs 5, repetition and presence penalties, "
-              f"a stop string (ms, medians):")
+        print(f"step against output length, {t['model']}, batch {t['batch']}, logprobs 5, repetition and presence "
+              f"penalties, a stop string (ms, medians):")
         for row in t["rows"]:
             less = (f"   step less attention {row['step_less_attention_ms']:7.2f}"
                     if "step_less_attention_ms" in row else "")

@@ -45,6 +45,16 @@ def test_every_measurement_is_reported_and_judged(capsys, one_thread):
     assert all(0 < row["outside_forward_ms"] < row["step_ms"] for row in lengths["rows"])
 
 
+def test_the_length_table_runs_on_another_model_where_asked(capsys, one_thread, tmp_path, builtin_path):
+    from tests.conftest import make_tiny_model
+
+    path = str(make_tiny_model(tmp_path / "tiny", "llama", builtin_path))
+    assert _run(*SMALL, "--length-model", path) == 0
+    lengths = json.loads(capsys.readouterr().out)["length_table"]
+    assert lengths["model"] == path and [row["output_len"] for row in lengths["rows"]] == [20, 40]
+    assert all(0 < row["outside_forward_ms"] < row["step_ms"] for row in lengths["rows"])
+
+
 def test_the_text_report_names_each_goal(capsys, one_thread):
     assert _run(*[a for a in SMALL if a != "--json"], "--skip-lengths") == 0
     out = capsys.readouterr().out
