@@ -310,6 +310,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--device: {args.device} but CUDA is not available")
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
+    if args.length_model is not None and args.skip_lengths:
+        raise ValueError("--length-model: the output-length table is skipped (--skip-lengths)")
+    length_folder = None
+    if args.length_model is not None:   # a bad model fails now, not after the first tables
+        try:
+            length_folder = resolve_model(args.length_model)
+        except (FileNotFoundError, ValueError) as exc:
+            raise ValueError(f"--length-model: {exc}") from None
     with tempfile.TemporaryDirectory(prefix="cliffguard-hostcost-") as tmp:
         folder = make_model(Path(tmp) / "model", args.layers, args.hidden_size, args.vocab_size)
         result = {"model": {"layers": args.layers, "hidden_size": args.hidden_size, "vocab_size": args.vocab_size},
@@ -317,8 +325,7 @@ def run(args: argparse.Namespace) -> int:
                   "prompt_len": args.prompt_len, "compare": compare(folder, args),
                   "batch_table": batch_table(folder, args, sizes)}
         if not args.skip_lengths:
-            length_folder = folder if args.length_model is None else resolve_model(args.length_model)
-            result["length_table"] = length_table(length_folder, args, lengths)
+            result["length_table"] = length_table(length_folder or folder, args, lengths)
             result["length_table"]["model"] = args.length_model or "the model above"
     if args.json:
         print(json.dumps(result, indent=2))

@@ -131,10 +131,11 @@ class BlockManager:
     def writes_in_place(self, block_table: list[int], start: int, num_new: int) -> bool:
         """Whether writing slots start .. start + num_new - 1 of `block_table` needs nothing from the pool:
         they lie in blocks the table holds, and the one `start` falls in is held by this table alone (no
-        copy on write). Most decode steps; the scheduler's fast path (the table's ids were checked when
-        allocated)."""
-        return 0 < num_new and start + num_new <= len(block_table) * self.block_size and \
-            self._ref_counts[block_table[start // self.block_size] - self.first_block] == 1
+        copy on write). Most decode steps; the scheduler's fast path."""
+        if not 0 < num_new or start + num_new > len(block_table) * self.block_size:
+            return False
+        index = block_table[start // self.block_size] - self.first_block
+        return 0 <= index < self.num_blocks and self._ref_counts[index] == 1   # else the checked path says why
 
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)

@@ -55,16 +55,21 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 def graph_memory_bytes(hidden_size: int, q_size: int, kv_size: int, intermediate_size: int, num_heads: int,
-                       head_dim: int, max_batch: int, dtype_bytes: int, max_splits: int = 16) -> int:
+                       head_dim: int, max_batch: int, dtype_bytes: int, max_splits: int = 16, num_experts: int = 0,
+                       top_k: int = 0, moe_intermediate_size: int = 0) -> int:
     """What the capacity plan sets aside for the graphs of one rank: the largest batch's activations
     (the pool is shared, sizes are captured largest first, so the largest sets its size), doubled for the
     caching allocator's rounding and the graphs' own bookkeeping, plus 64 MiB for cuBLAS workspaces.
 
     Per decode token: the embeddings, the residual stream, the norm's output, o_proj's and down_proj's
     outputs (5 x hidden), qkv, attention's output, gate/up and its SiLU x mul, the rotary rows, and the
-    flash-decoding partials (float32: max, sum and an accumulator per head and split)."""
+    flash-decoding partials (float32: max, sum and an accumulator per head and split). A mixture of experts
+    (`num_experts` > 0, `kernels.triton_moe`) adds per token the router's float32 logits and, for each of its
+    `top_k` pairs, gate/up and SiLU x mul of `moe_intermediate_size`, a float32 output row and the pair ids."""
     per_token = dtype_bytes * (5 * hidden_size + q_size + 2 * kv_size + q_size + 3 * intermediate_size + head_dim)
     per_token += 4 * num_heads * max_splits * (head_dim + 2)
+    if num_experts:
+        per_token += 4 * num_experts + top_k * (3 * dtype_bytes * moe_intermediate_size + 4 * hidden_size + 3 * 8)
     return 2 * max_batch * per_token + (64 << 20)
 
 

@@ -12,8 +12,8 @@
  *   V sums:  the heads of a GQA group (8, 4, 3, 2 or 1 at a time) share each V row load, into 8 chains of
  *            accumulators held in registers.
  * A tile is 8 to 64 positions, about 16 KiB of the rows these heads read; the next tile's rows are
- * prefetched while one is computed, and after a row's last tile the next decode row's first (spread over
- * this row's steps; with more heads than one pass takes, the next row's first rows at its start). head_dim
+ * prefetched while one is computed, and during a row's last tile the next decode row's first (spread over
+ * the tile's steps; with more heads than one pass takes, the next row's first rows at its start). head_dim
  * 16, 32, 64, 128 and 256 are compiled as constants; any other takes the same code with a runtime head_dim (a scalar tail past its last multiple of W). The vectors are
  * GCC's generic vector extensions, W = 8 floats: AVX/AVX-512 on x86, register pairs on NEON, plain code
  * elsewhere. K/V in float32 or bfloat16 (widened to float32 as read); accumulation and softmax in float32.
@@ -256,7 +256,7 @@ static inline __attribute__((always_inline)) void NAME(                         
      * weight 0). The next tile's rows are prefetched, a KV head's part at each step of this one: the         \
      * hardware's prefetchers do not follow rows a few KiB apart read a part at a time, and stop at pages.   \
      * After a row's last tile the next is the next decode row's first (`next_table`): its K/V arrive while  \
-     * this row computes, spread over its steps (all at once they stalled the row: a cold batch-64 layer     \
+     * this tile computes, spread over its steps (all at once they stalled the row: a cold batch-64 layer    \
      * 115-125 us, spread 56-59 us, on the development VM). Rows a multiple of 4 KiB apart fall in the same \
      * L1 sets, hence small tiles for long rows. */                                                         \
     int64_t at[2][TILE], ns[2] = {0, 0};                                                                     \
@@ -324,6 +324,8 @@ static inline __attribute__((always_inline)) void NAME(                         
         for (int64_t h = 0; h < nh;) {       /* V sums: the heads of a KV head 8, 4, 3, 2 or 1 at a time */ \
             const int64_t run = RUN(h), off = kv_of[h] - kv_lo;                                              \
             for (int64_t j = 0; j < next_n; j++) prefetch(v_cache + next_at[j] + off, D * (int64_t)sizeof(T)); \
+            for (int64_t j = nv * W; j < next_n; j++)   /* K rows past this tile's: the next row's, after a short tile */ \
+                prefetch(k_cache + next_at[j] + off, D * (int64_t)sizeof(T));                                 \
             float *ah = acc + h * D;                                                                         \
             const T *v = v_cache + off;                                                                      \
             if (run >= 8) PV(ah, corr + h, sc + h, v, rows_at, n, 8, D);                                     \

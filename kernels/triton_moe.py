@@ -32,7 +32,7 @@ from kernels.triton_prefill import dot_dtype
 __all__ = ["fused_moe", "moe_align", "moe_block_m"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])   # one compiled variant whatever a step's pair count
 def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, weight_ptr, sorted_pairs_ptr, block_expert_ptr,
     num_pairs, N, K, row_div,

@@ -302,7 +302,8 @@ def _graph_reserve(model: ModelConfig, dev: DeviceSpec, device_type: str, tp: in
         return 0
     return graph_memory_bytes(model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim,
                               model.intermediate_size, model.num_heads, model.head_dim, MAX_GRAPH_BATCH,
-                              dtype.itemsize)
+                              dtype.itemsize, num_experts=model.num_experts, top_k=model.num_experts_per_tok,
+                              moe_intermediate_size=model.moe_intermediate_size)
 
 
 def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int, kv_dev: int, tp: int,

@@ -68,6 +68,8 @@ def test_the_text_report_names_each_goal(capsys, one_thread):
     (("--hidden-size", "66"), "--hidden-size"),
     (("--steps", "0"), "--steps"),
     (("--vocab-size", "10"), "--vocab-size"),
+    (("--length-model", "/nonexistent/model"), "--length-model"),
+    (("--length-model", "builtin:smollm2-135m-instruct", "--skip-lengths"), "--length-model"),
 ])
 def test_bad_options_are_named(argv, message):
     with pytest.raises(ValueError, match=message):

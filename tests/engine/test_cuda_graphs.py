@@ -170,6 +170,12 @@ def test_graph_memory_is_the_largest_batch_activations_and_a_workspace():
     large = graph_memory_bytes(4096, 4096, 1024, 14336, 32, 128, 256, 2)
     assert small > 64 << 20 and large - (64 << 20) == 256 * (small - (64 << 20))
     assert large < 1 << 30   # an 8B at 256 sequences: ~120 MiB, a rounding error of a GPU's memory
+    # Qwen3-30B-A3B's experts (128, 8 a token, 768 wide) add their pairs' rows: 2 x (512 + 8 x (3 x 2 x 768 + 4 x
+    # 2048 + 24)) bytes a token
+    dense = graph_memory_bytes(2048, 4096, 512, 6144, 32, 128, 512, 2)
+    moe = graph_memory_bytes(2048, 4096, 512, 6144, 32, 128, 512, 2, num_experts=128, top_k=8,
+                             moe_intermediate_size=768)
+    assert moe - dense == 2 * 512 * (4 * 128 + 8 * (3 * 2 * 768 + 4 * 2048 + 24))
 
 
 @pytest.mark.gpu
