@@ -127,13 +127,18 @@ class InputBatch:
         ids, pos, row_t, q_lens, s_lens = packed.split([num_tokens, num_tokens, num_seqs, num_seqs, num_seqs])
         width = -(-max(seq_lens) // self.block_size) if seq_lens else 0
         tables = self.block_tables[:, :width].index_select(0, row_t)                   # [num_seqs, width]
-        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=self.device), q_lens,
-                                               output_size=num_tokens)              # [num_tokens]
-        blocks = tables[seq_of_token, pos // self.block_size].to(torch.int64)
+        if num_tokens == num_seqs:   # decodes only: token i is sequence i's
+            blocks = tables.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1).to(torch.int64)
+            starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=self.device)
+        else:
+            seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=self.device), q_lens,
+                                                   output_size=num_tokens)          # [num_tokens]
+            blocks = tables[seq_of_token, pos // self.block_size].to(torch.int64)
+            starts = torch.cat([q_lens.new_zeros(1), q_lens.cumsum(0)]).to(torch.int32)
         meta = AttentionMetadata(
             slot_mapping=blocks * self.block_size + pos % self.block_size,
             block_tables=tables,
-            query_start_loc=torch.cat([q_lens.new_zeros(1), q_lens.cumsum(0)]).to(torch.int32),
+            query_start_loc=starts,
             seq_lens=s_lens.to(torch.int32),
             block_size=self.block_size,
             query_lens_list=list(query_lens),

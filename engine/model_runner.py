@@ -143,14 +143,19 @@ class ModelRunner(_Forward):
         sampled: list[Sequence] = []
         plan.rows, plan.row_updates = self.input_batch.assign((item.seq.seq_id, item.seq.block_table)
                                                               for item in batch)
+        input_ids, positions, sample_rows = plan.input_ids, plan.positions, plan.sample_rows
         for item in batch:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            plan.input_ids.extend(seq.token_ids[start:start + n])
-            plan.positions.extend(range(start, start + n))
+            if n == 1:   # a decode: no slice, no range
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+            else:
+                input_ids.extend(seq.token_ids[start:start + n])
+                positions.extend(range(start, start + n))
             plan.query_lens.append(n)
             plan.seq_lens.append(start + n)
-            if start + n == seq.num_tokens:  # reached the end: sample the next token
-                plan.sample_rows.append(len(plan.input_ids) - 1)
+            if start + n == len(seq.token_ids):  # reached the end: sample the next token
+                sample_rows.append(len(input_ids) - 1)
                 sampled.append(seq)
         if self.pending_tokens is not None and plan.input_ids and min(plan.input_ids) < 0:   # placeholders
             plan.num_pending = int(self.pending_tokens.shape[0])
