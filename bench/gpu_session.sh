@@ -25,7 +25,10 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 PY=${PY:-python3}
 CLI="$PY -m gateway.cli"
-step() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS; "$@" >"$OUT/$name.log" 2>&1; local rc=$?;
+# Each step is killed past STEP_TIMEOUT seconds (default 300; simulate 1800, chaos and isolation 900): a hung
+# step costs its own time, not the call's.
+step() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS;
+         timeout -k 10 "${STEP_TIMEOUT:-300}" "$@" >"$OUT/$name.log" 2>&1; local rc=$?;
          echo "=== $name: rc=$rc in $((SECONDS - t0)) s"; tail -n ${TAILN:-25} "$OUT/$name.log"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
@@ -66,12 +69,12 @@ for what in ${GPU_STEPS:-tests kernels engine sync eager hostcost kvcache moe}; 
     simulate) smollm2 && printf '%s\n' 'devices:' '  gpu: {device: cuda, memory: 4GiB, dtype: bfloat16}' 'pools:' \
                 '  - name: chat' "    model: $SIM/smollm2" '    device: gpu' '    kv_cache_bytes: 128MiB' \
                 '    avg_len: 512' '    max_model_len: 2048' '    max_num_batched_tokens: 512' > "$SIM/pools.yaml" &&
-              TAILN=40 step bench_simulate $CLI bench simulate --config "$SIM/pools.yaml" --duration 120 --out "$OUT/simulate" ;;
-    chaos)   smollm2 && chaos_config && TAILN=45 step bench_chaos $CLI bench chaos --quick --config "$SIM/chaos.yaml" \
+              TAILN=40 STEP_TIMEOUT=${STEP_TIMEOUT:-1800} step bench_simulate $CLI bench simulate --config "$SIM/pools.yaml" --duration 120 --out "$OUT/simulate" ;;
+    chaos)   smollm2 && chaos_config && TAILN=45 STEP_TIMEOUT=${STEP_TIMEOUT:-900} step bench_chaos $CLI bench chaos --quick --config "$SIM/chaos.yaml" \
                --burst 500 --silent-bodies 24 --tenant-burst 16 \
                --faults ${CHAOS_FAULTS:-silent_bodies,stop_idle_worker,poison,tenant_burst,kill_worker} --out "$OUT/chaos" ;;
     restart) smollm2 && chaos_config && step bench_restart $CLI bench restart --config "$SIM/chaos.yaml" --runs 3 ;;
-    isolation) smollm2 && TAILN=40 step bench_isolation $CLI bench isolation --sweep --quick --no-slo --device cuda \
+    isolation) smollm2 && TAILN=40 STEP_TIMEOUT=${STEP_TIMEOUT:-900} step bench_isolation $CLI bench isolation --sweep --quick --no-slo --device cuda \
                  --model "$SIM/smollm2" --out "$OUT/isolation" ;;
   esac
 done
