@@ -127,4 +127,8 @@ class StatsReply:
 
 @dataclass(frozen=True)
 class Fatal:
+    """The worker ends: a step failed (`traceback`), or its tensor-parallel group lost a rank
+    (`group_broke`: the process's loss, not the requests' doing)."""
+
     traceback: str
+    group_broke: bool = False

@@ -105,7 +105,7 @@ def _rank_lost(channel: "WorkerChannel", reason: str) -> None:
     failed step does; the gateway restarts the worker, and its other ranks die with it."""
     log.error("%s; the device worker ends so that it is restarted whole", reason)
     try:
-        channel.send(Fatal(f"device worker's group broke: {reason}"))
+        channel.send(Fatal(f"device worker's group broke: {reason}", group_broke=True))
         channel.drain(LAST_WORDS_SECONDS)
     except OSError:
         pass

@@ -6,11 +6,12 @@ itself must not run for ever, so the deaths that are its own are counted, and tw
 request (500 `poison_request`; a batch line: a poison line). Whether a death is the request's own
 depends on its cause (`cause_of`, and the watchdog's own verdicts):
 
-- `failure`: the worker reported `Fatal` with a step's traceback (a step raised). Counts.
+- `failure`: the worker reported `Fatal` with a step's traceback (a step raised; the client's
+  `step_failed`). Counts.
 - `hang`: the watchdog killed it, one step having run past `gateway.step_timeout_seconds`. Counts.
 - `loss`: the process gone without a word (a signal, the OOM killer), the connection lost or silent,
-  the cluster manager's death notice, a rank of its tensor-parallel group gone (a `Fatal` saying the
-  group broke). Counts only when no other replica of the device was lost within `LOSS_WINDOW_SECONDS`
+  the cluster manager's death notice, a rank of its tensor-parallel group gone (a `Fatal` with
+  `group_broke`). Counts only when no other replica of the device was lost within `LOSS_WINDOW_SECONDS`
   of it, before or after.
 - `stall`: the watchdog killed it, its heartbeat silent for `gateway.stall_seconds` (a process frozen
   whole). As a loss.
@@ -40,17 +41,13 @@ from dataclasses import dataclass, field
 FAILURE, HANG, LOSS, STALL, STOPPED = "failure", "hang", "loss", "stall", "stopped"
 LOSS_WINDOW_SECONDS = 2.0   # losses of two replicas this close together are one fault
 MAX_KEPT = 256              # deaths remembered per device
-# How engine.client words a worker's `Fatal` (a failed step), and engine.worker a rank of its group lost.
-STEP_FAILED = "device worker failed:"
-GROUP_BROKE = "device worker's group broke:"
 
 
-def cause_of(reason: str) -> str:
-    """The cause of a worker's death from its client's reason: a `Fatal` with a traceback is a step's
-    failure, a `Fatal` saying its group broke (a rank gone) or anything else a loss."""
-    if reason.startswith(STEP_FAILED) and GROUP_BROKE not in reason:
-        return FAILURE
-    return LOSS
+def cause_of(client: object) -> str:
+    """The cause of a worker's death as its client knows it: a failed step where the worker said so
+    (`AsyncEngineClient.step_failed`, from its `Fatal`), anything else (a `Fatal` whose group broke, a
+    process gone, a connection lost) a loss."""
+    return FAILURE if getattr(client, "step_failed", False) else LOSS
 
 
 @dataclass(frozen=True)
@@ -81,12 +78,12 @@ class DeviceDeaths:
 
     def record(self, client: object, replica: int, reason: str, cause: str | None = None,
                at: float | None = None) -> Death:
-        """The death of `client`'s worker (`cause`: by default `cause_of(reason)`), once: a client already
+        """The death of `client`'s worker (`cause`: by default `cause_of(client)`), once: a client already
         recorded keeps its first record, which is returned."""
         known = self.of(client)
         if known is not None:
             return known
-        death = Death(replica, time.monotonic() if at is None else at, cause or cause_of(reason), reason, client)
+        death = Death(replica, time.monotonic() if at is None else at, cause or cause_of(client), reason, client)
         self.deaths.append(death)
         self._recorded.set()
         self._recorded = asyncio.Event()

@@ -30,8 +30,13 @@ FAST = Backoff(initial_seconds=0.2, max_seconds=1.0)
 TRACEBACK = "device worker failed:\nTraceback (most recent call last):\n  File \"x.py\"\nRuntimeError: boom"
 
 
-def _client_of(name: str) -> object:
-    return SimpleNamespace(name=name)
+def _client_of(name: str, step_failed: bool = False) -> object:
+    return SimpleNamespace(name=name, step_failed=step_failed)
+
+
+def _failed(name: str) -> object:
+    """A client whose worker reported a failed step (its `Fatal`, as `engine.client` reads it)."""
+    return _client_of(name, step_failed=True)
 
 
 def _local(retryable: bool = True) -> SimpleNamespace:
@@ -42,13 +47,19 @@ def _local(retryable: bool = True) -> SimpleNamespace:
 
 # --- the classification ---------------------------------------------------------------------------------
 
-def test_causes_from_the_reasons_the_clients_give():
-    assert cause_of(TRACEBACK) == FAILURE
-    assert cause_of("device worker failed:\ndevice worker's group broke: rank 1 exited (signal 9)") == LOSS
-    assert cause_of("device worker process exited (signal 9, SIGKILL)") == LOSS
-    assert cause_of("replica cpu/1 at 127.0.0.1:4000: connection lost") == LOSS
-    assert cause_of("replica cpu/1: Ray reports the actor dead (ActorDiedError: ...)") == LOSS
-    assert cause_of("device worker failed to start: no weights") == LOSS   # not a step: never seen under a request
+def test_causes_from_what_the_clients_heard():
+    """A worker's `Fatal` tells a failed step from a group that lost a rank by a field, not by its words."""
+    from engine.client import AsyncEngineClient
+    from engine.messages import Fatal
+
+    assert cause_of(_failed("f")) == FAILURE and cause_of(_client_of("l")) == LOSS and cause_of(object()) == LOSS
+    for fatal, expected in ((Fatal(TRACEBACK), FAILURE),
+                            (Fatal("device worker's group broke: rank 1 exited (signal 9)", group_broke=True), LOSS)):
+        client = AsyncEngineClient.__new__(AsyncEngineClient)   # only what `_dispatch` reads and sets
+        client.step_failed, exits = False, []
+        client._on_exit = exits.append
+        client._dispatch(fatal)
+        assert cause_of(client) == expected and exits[0].startswith("device worker failed:")
     assert last_line(TRACEBACK) == "RuntimeError: boom" and last_line("") == ""
 
 
@@ -68,7 +79,7 @@ def test_a_loss_counts_only_when_no_other_replica_was_lost_within_the_window():
 def test_failures_and_hangs_count_stalls_are_losses_and_a_stop_never_counts():
     deaths = DeviceDeaths("cpu", num_replicas=2)
     now = time.monotonic()
-    failed = deaths.record(_client_of("f"), 0, TRACEBACK, at=now)
+    failed = deaths.record(_failed("f"), 0, TRACEBACK, at=now)
     hung = deaths.record(_client_of("h"), 1, "hung: one step has run for 700 s", HANG, at=now)
     assert deaths.counts(failed) is True and deaths.counts(hung) is True   # whatever else died meanwhile
     stalled = deaths.record(_client_of("s"), 0, "stalled: no word for 10 s", STALL, at=now)
@@ -108,9 +119,9 @@ def test_a_request_finds_a_death_recorded_after_it_saw_it_and_gives_up_after_its
 def test_two_failures_make_a_poison_request():
     async def scenario():
         deaths, under, local = DeviceDeaths("cpu", 2), DeathsUnder(), _local()
-        under.add(deaths, deaths.record(_client_of("a"), 0, TRACEBACK))
+        under.add(deaths, deaths.record(_failed("a"), 0, TRACEBACK))
         assert await _judge(local, under) is True           # the first: run it again
-        under.add(deaths, deaths.record(_client_of("b"), 1, TRACEBACK))
+        under.add(deaths, deaths.record(_failed("b"), 1, TRACEBACK))
         assert await _judge(local, under) is False
         assert local.error.status == 500 and local.error.code == "poison_request"
         assert "died twice" in local.error.message and "not retried again" in local.error.message
@@ -150,7 +161,7 @@ def test_two_lone_losses_make_a_poison_request_once_their_windows_have_passed():
 def test_a_streamed_request_keeps_its_engine_dead():
     async def scenario():
         deaths, under, local = DeviceDeaths("cpu", 2), DeathsUnder(), _local(retryable=False)
-        under.add(deaths, deaths.record(_client_of("a"), 0, TRACEBACK))
+        under.add(deaths, deaths.record(_failed("a"), 0, TRACEBACK))
         assert await _judge(local, under) is False and local.error.code == "engine_dead"
 
     asyncio.run(scenario())
@@ -160,7 +171,7 @@ def test_a_batch_line_hears_engine_dead_for_its_own_death_and_replica_lost_for_t
     async def scenario():
         deaths = DeviceDeaths("cpu", 2, window=0.1)
         own = DeathsUnder()
-        own.add(deaths, deaths.record(_client_of("f"), 0, TRACEBACK))
+        own.add(deaths, deaths.record(_failed("f"), 0, TRACEBACK))
         assert (await _judge_line(_local(), own)).error.code == "engine_dead"
         together, local = DeathsUnder(), _local()
         together.add(deaths, deaths.record(_client_of("a"), 0, "device worker process exited"))
