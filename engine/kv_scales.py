@@ -64,7 +64,7 @@ def calibrate_kv_scales(engine: Any) -> dict[str, tuple[float, float]] | None:
     batch = [ScheduledSeq(seq, len(ids))]
     try:
         bm.allocate(seq.block_table, len(ids))
-        measure_kv_scales(engine.model, lambda: engine.runner.execute(batch, measure_kv_scales=True))
+        measure_kv_scales(engine.model, lambda: engine.runner.execute(batch, measure_scales=True))
         commit_step({}, batch)   # no pool's: the blocks are borrowed, nothing is cached
     finally:
         bm.free(seq.block_table)

@@ -165,13 +165,13 @@ class ModelRunner(_Forward):
         """`seq` stopped running (finished, preempted, swapped out): its row of the persistent batch is free."""
         self.input_batch.release(seq.seq_id)
 
-    def execute(self, batch: list[ScheduledSeq], measure_kv_scales: bool = False
+    def execute(self, batch: list[ScheduledSeq], measure_scales: bool = False
                 ) -> tuple[torch.Tensor, list[Sequence]]:
         """Run the step on every rank; return logits [num_sampled, vocab] (float32) and the sequences they
-        belong to. `measure_kv_scales`: the other ranks measure their FP8 scales on it (`engine.kv_scales`)."""
+        belong to. `measure_scales`: the other ranks measure their FP8 scales on it (`engine.kv_scales`)."""
         started = time.perf_counter()
         plan, sampled = self.plan(batch)
-        plan.measure_kv_scales = measure_kv_scales
+        plan.measure_kv_scales = measure_scales
         planned = time.perf_counter() - started
         if self.tensor_parallel:
             plan.moves, self._moves = self._moves, []

@@ -79,20 +79,10 @@ class StepFeatures:
         self.num_keys_read += num_cached + num_new
 
     def add_scheduled(self, items: Sequence[ScheduledSeq]) -> None:
-        """`add` for each scheduled sequence (one loop, no call per sequence: it runs every step)."""
-        prefill = decode = attended = keys = 0
         for item in items:
-            cached, new = item.seq.num_computed_tokens, item.num_new_tokens
-            if new == 1 and cached >= item.seq.num_prompt_tokens:
-                decode += 1
-            else:
-                prefill += new
-            attended += new * cached + new * (new + 1) // 2
-            keys += cached + new
-        self.num_prefill_tokens += prefill
-        self.num_decode_tokens += decode
-        self.num_attended += attended
-        self.num_keys_read += keys
+            seq = item.seq
+            is_decode = item.num_new_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens
+            self.add(seq.num_computed_tokens, item.num_new_tokens, is_decode)
 
     def plus(self, other: StepFeatures) -> StepFeatures:
         return StepFeatures(self.num_prefill_tokens + other.num_prefill_tokens,

@@ -116,6 +116,14 @@ def test_a_prompt_waits_for_the_full_replica_that_caches_it_unless_that_one_is_c
     assert placement.choose(question, [1], free, waiting=[0]) == 1
 
 
+async def _question_admitted(waiting, admission: CreditQueue, placement: Placement, replica: int) -> None:
+    """The queued "question" is admitted on `replica`, its 40-block document found cached there; then it ends."""
+    got = await waiting
+    assert got.replica == replica and placement.cached_tokens("question") == 40 * BS
+    admission.ledger.release("question")
+    placement.finish("question")
+
+
 def test_a_queued_question_waits_for_its_documents_replica_and_is_admitted_there_when_it_is_read():
     async def scenario():
         placement = _placement()
@@ -139,10 +147,7 @@ def test_a_queued_question_waits_for_its_documents_replica_and_is_admitted_there
                 await asyncio.sleep(0)
                 assert not waiting.done()
             # fill ended: 300 credits back on replica 1, and the question's 60 fit beside the shared document
-            got = await waiting
-            assert got.replica == 1 and placement.cached_tokens("question") == 40 * BS
-            admission.ledger.release("question")
-            placement.finish("question")
+            await _question_admitted(waiting, admission, placement, replica=1)
         admission.ledger.check_integrity()
         assert placement.load == [0, 0]
 
@@ -381,10 +386,7 @@ def test_a_queued_question_holds_back_only_its_documents_replica():
             async with admission.hold("other", 300, work=other) as beside:
                 assert beside.replica == 1                    # replica 1 serves the rest of the queue meanwhile
             assert not waiting.done()
-        got = await waiting
-        assert got.replica == 0 and placement.cached_tokens("question") == 40 * BS
-        admission.ledger.release("question")
-        placement.finish("question")
+        await _question_admitted(waiting, admission, placement, replica=0)
         admission.ledger.check_integrity()
 
     asyncio.run(asyncio.wait_for(scenario(), 10))   # the whole pool used to wait for replica 0
