@@ -5,7 +5,7 @@ process) and `engine.client` (the gateway's `AsyncEngineClient`) match on their 
 
 Gateway -> worker: `AddRequest`, `AbortRequest`, `PauseRequest` (a response whose client reads too
 slowly: its sequences keep their blocks but are not stepped until resumed), `ReportWaiting` (requests
-of an interactive pool waiting at the gateway: the step composer's pressure), `StatsQuery`, `Shutdown`,
+of a pool waiting at the gateway: the step composer's pressure, and a shared replica's lease demand), `StatsQuery`, `Shutdown`,
 `Keepalive` (over a network only: the gateway is there; `engine.remote`), `LeaseAck`.
 Worker -> gateway: `Ready` (once loaded), `StartupError`, `Outputs` (each step's deltas, and now and
 then the engine's counters), `Rejected` (a request the engine refused, or whose handling failed),
@@ -49,8 +49,15 @@ class PauseRequest:
 
 @dataclass(frozen=True)
 class ReportWaiting:
+    """The pool's queue at the gateway: `count` interactive requests waiting (the step composer's
+    pressure); for a replica shared by several gateways (`engine.sessions`) also its demand on the
+    replica's credits: `queued`, what every waiting request asks for, and the request first in line,
+    `head` credits on this replica after `head_waited` seconds of waiting (0 and 0.0: none waits)."""
     pool: str
     count: int
+    queued: int = 0
+    head: int = 0
+    head_waited: float = 0.0
 
 
 @dataclass(frozen=True)

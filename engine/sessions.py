@@ -19,13 +19,21 @@ keeps, for every pool,
     sum over sessions of max(lease, reserved) <= capacity
 
 so the gateways together can never promise more KV than the replica has, whatever the order in which
-their messages cross. The shares follow the sessions: alone, a session leases the whole pool; with k
-sessions each is offered capacity / k (`targets`). A lease that shrinks takes effect when the gateway
-acknowledges it (`LeaseAck`: every request it admitted under the larger lease was sent before the ack,
-on the same ordered connection), and what it then frees goes to the sessions below their share as its
-reserved credits come back; a lease that grows is granted at once from what no session holds. A
-session that ends (its gateway closed, was killed, or went silent past the link's deadline) has its
-requests aborted, and its share is offered to the others at once.
+their messages cross. The shares follow demand (`SessionHub.targets`, `lease_shares`): each gateway
+reports what its queue asks of the replica (`ReportWaiting`: the credits its waiting requests ask for,
+and the request first in line, its credits and how long it has waited); a session's demand is what
+its running requests reserve plus what its queue asks, in steps of a sixteenth of the pool. The pool
+is shared max-min fair over the demands, every session keeping at least half an equal share (an idle
+gateway admits its next requests at once), and what no demand takes raises the smallest shares to one
+level: alone, a session leases the whole pool; k idle ones capacity / k each; one busy beside an idle
+one, three quarters. A request first in line that needs more than its gateway's share (a long
+document beside another busy gateway) is not starved: the session whose such request has waited
+longest is given that much, and the others share the rest, until it is admitted. A lease that shrinks
+takes effect when the gateway acknowledges it (`LeaseAck`: every request it admitted under the larger
+lease was sent before the ack, on the same ordered connection), and what it then frees goes to the
+sessions below their share as its reserved credits come back; a lease that grows is granted at once
+from what no session holds. A session that ends (its gateway closed, was killed, or went silent past
+the link's deadline) has its requests aborted, and its share is offered to the others at once.
 
 `num_session_blocks` in each pool's stats is the blocks the session's own requests hold, which the
 gateway reconciles its credits with (the replica's whole usage would count the other gateways' requests
@@ -43,6 +51,7 @@ import os
 import select
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.messages import (AbortRequest, AddRequest, Lease, LeaseAck, Outputs, PauseRequest, Ready,
@@ -50,7 +59,9 @@ from engine.messages import (AbortRequest, AddRequest, Lease, LeaseAck, Outputs,
 
 log = logging.getLogger("cliffguard.engine")
 
-__all__ = ["Session", "SessionHub"]
+__all__ = ["Session", "SessionHub", "lease_shares"]
+
+DEMAND_STEPS = 16   # demands count in steps of 1/16 of a pool: a lease moves with the queue, not with every request
 
 
 @dataclass
@@ -65,6 +76,8 @@ class Session:
     reserved: dict[str, int] = field(default_factory=dict)   # pool -> credits its live requests hold
     requests: dict[str, tuple[str, int]] = field(default_factory=dict)   # engine id -> (pool, credits)
     waiting: dict[str, int] = field(default_factory=dict)    # pool -> requests waiting at its gateway
+    queued: dict[str, int] = field(default_factory=dict)     # pool -> credits they ask for
+    heads: dict[str, tuple[int, float]] = field(default_factory=dict)   # pool -> (credits, since): first in line
     epoch: int = 0
     closed: bool = False
     stats_asked: int = 0                # StatsQuery messages not answered yet
@@ -73,6 +86,46 @@ class Session:
         """What the hub counts this session as holding of `pool`: its lease, or more while its
         reservations are over it (a lease just shrunk)."""
         return max(self.leases.get(pool, 0), self.reserved.get(pool, 0))
+
+
+def lease_shares(capacity: int, demands: Sequence[int], first: tuple[int, int] | None = None) -> list[int]:
+    """Shares of `capacity` (whole units) among sessions demanding `demands`: max-min fair over the demands,
+    each raised to at least half an equal share (capacity / 2k: room for an idle gateway's next requests),
+    and what no demand takes spread so the smallest shares rise to one level; the shares add up to
+    `capacity`. `first`: (index, units), a session given that much before the others share the rest."""
+    k = len(demands)
+    if not k:
+        return []
+    floor = capacity // (2 * k)
+    wants = [max(floor, min(d, capacity)) for d in demands]
+    if first is None or k == 1:
+        return _fair(capacity, wants)
+    j, need = first
+    need = min(max(need, 0), capacity)
+    rest = [i for i in range(k) if i != j]
+    shares = dict(zip(rest, _fair(capacity - need, [wants[i] for i in rest])))
+    shares[j] = need
+    return [shares[i] for i in range(k)]
+
+
+def _fair(budget: int, wants: list[int]) -> list[int]:
+    """Water-filling: the smallest demands are met first, each at most an equal part of what is left;
+    then what is left over raises the smallest shares to one level (the remainder to the lowest indices)."""
+    k = len(wants)
+    shares, left = [0] * k, budget
+    for n, i in enumerate(sorted(range(k), key=wants.__getitem__)):
+        shares[i] = min(wants[i], left // (k - n))
+        left -= shares[i]
+    order = sorted(range(k), key=shares.__getitem__)
+    total, m = left, 0
+    for m in range(1, k + 1):
+        total += shares[order[m - 1]]
+        if m == k or total // m <= shares[order[m]]:
+            break
+    level, extra = divmod(total, m)
+    for n, i in enumerate(sorted(order[:m])):
+        shares[i] = level + (n < extra)
+    return shares
 
 
 def reserved_credits(sessions: list[Session], pool: str) -> int:
@@ -92,7 +145,7 @@ class SessionHub:
 
     def __init__(self, engine) -> None:
         self.engine = engine
-        block_size = engine.kv_cache.block_size
+        self.block_size = block_size = engine.kv_cache.block_size
         self.capacity = {name: s.block_manager.num_blocks * block_size for name, s in engine.schedulers.items()}
         self.default_pool = engine.default_pool
         self.sessions: list[Session] = []
@@ -156,16 +209,27 @@ class SessionHub:
 
     # --- leases ------------------------------------------------------------------------------------
     def targets(self, pool: str) -> dict[int, int]:
-        """Each session's share of `pool` (by index): capacity / k, the remainder to the first."""
-        k = len(self.sessions)
-        if not k:
+        """Each session's lease on `pool` (by index), in whole blocks: `lease_shares` of the pool's blocks over
+        the sessions' demands (what their requests reserve plus what their queues ask, rounded up to a
+        `DEMAND_STEPS`th of the pool), the session whose request first in line has waited longest and
+        needs more than its share given that much first."""
+        sessions, bs = self.sessions, self.block_size
+        if not sessions:
             return {}
-        share, extra = divmod(self.capacity[pool], k)
-        return {i: share + (extra if i == 0 else 0) for i in range(k)}
+        blocks = self.capacity[pool] // bs
+        step = bs * max(1, blocks // DEMAND_STEPS)
+        demands = [-(-(s.reserved.get(pool, 0) + s.queued.get(pool, 0)) // step) * step // bs for s in sessions]
+        shares = lease_shares(blocks, demands)
+        heads = sorted((s.heads[pool][1], i, -(-s.heads[pool][0] // bs)) for i, s in enumerate(sessions)
+                       if pool in s.heads)
+        first = next(((i, need) for _, i, need in heads if shares[i] < need), None)
+        if first is not None:
+            shares = lease_shares(blocks, demands, first)
+        return {i: n * bs for i, n in enumerate(shares)}
 
     def rebalance(self) -> None:
-        """Offer each session its share: a smaller lease is sent and waits for its ack; a larger one is
-        granted from what no session holds."""
+        """Offer each session its target: a smaller lease is sent and waits for its ack (one offered and
+        no longer wanted gives way to the lease held); a larger one is granted from what no session holds."""
         for pool in self.capacity:
             targets = self.targets(pool)
             for i, session in enumerate(self.sessions):
@@ -173,13 +237,15 @@ class SessionHub:
                 if target < lease and session.offered.get(pool) != target:
                     session.offered[pool] = target
                     self._send_lease(session, pool, target)
+                elif target >= lease and pool in session.offered:
+                    del session.offered[pool]
+                    self._send_lease(session, pool, lease)
             for i, session in enumerate(self.sessions):
                 lease = session.leases.get(pool, 0)
                 if targets[i] > lease:
                     grant = min(targets[i], lease + self.unheld(pool))
                     if grant > lease:
                         session.leases[pool] = grant
-                        session.offered.pop(pool, None)
                         self._send_lease(session, pool, grant)
             self._note_peaks(pool)
 
@@ -268,6 +334,8 @@ class SessionHub:
                 return [dataclasses.replace(msg, request_id=session.tag + msg.request_id)]
             case ReportWaiting():
                 session.waiting[msg.pool] = msg.count
+                if msg.pool in self.capacity:
+                    self._demand(session, msg)
                 return [ReportWaiting(msg.pool, sum(s.waiting.get(msg.pool, 0) for s in self.sessions))]
             case LeaseAck():
                 self._acknowledged(session, msg)
@@ -279,6 +347,15 @@ class SessionHub:
                 self._end(session, "the gateway shut down")
                 return []
         return [msg]
+
+    def _demand(self, session: Session, msg: ReportWaiting) -> None:
+        """A gateway's demand on a pool changed: what its queue asks, and its request first in line."""
+        session.queued[msg.pool] = max(0, msg.queued)
+        if msg.head > 0:
+            session.heads[msg.pool] = (msg.head, time.monotonic() - max(0.0, msg.head_waited))
+        else:
+            session.heads.pop(msg.pool, None)
+        self.rebalance()
 
     def _report_waiting(self) -> None:
         pools = {pool for s in self.sessions for pool in s.waiting}
@@ -322,13 +399,13 @@ class SessionHub:
         return next((s for s in sessions if request_id.startswith(s.tag)), None)
 
     def _release(self, session: Session, engine_id: str) -> None:
-        """A request ended: its credits are no longer reserved; a session below its share may grow."""
+        """A request ended: its credits are no longer reserved; the shares follow the demand that is left."""
         entry = session.requests.pop(engine_id, None)
         if entry is not None:
             pool, credits = entry
             session.reserved[pool] = session.reserved.get(pool, 0) - credits
-            if credits and session.reserved[pool] + credits > session.leases.get(pool, 0):
-                self.rebalance()   # it held more than its lease: what it freed may go to another session
+            if credits:
+                self.rebalance()   # its demand fell; what it held over its lease may go to another session
 
     def _stats_for(self, session: Session, stats):
         """The engine's stats with each pool's `num_session_blocks`: the blocks this session's requests hold."""

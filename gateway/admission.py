@@ -126,7 +126,7 @@ class AdmissionControl:
     max_num_seqs: dict[str, int] = field(default_factory=dict)   # pool -> sequences it runs at once (the plan's)
     _ticker: Ticker | None = field(default=None, repr=False)
     _seen: dict[tuple[str, int], float] = field(default_factory=dict, repr=False)   # (pool, replica) -> `taken_at`
-    _reported: dict[tuple[str, int], tuple[object, int]] = field(default_factory=dict, repr=False)  # -> (client, count)
+    _reported: dict[tuple[str, int], tuple] = field(default_factory=dict, repr=False)   # -> (client, what it was told)
 
     @classmethod
     def build(cls, tenants: Tenants, pools: Sequence[Pool], registry: CollectorRegistry,
@@ -277,16 +277,21 @@ class AdmissionControl:
 
     def _report_waiting(self, pool: Pool, replica: int, client, count: int) -> None:
         """Every replica's composer hears the pool's whole queue: any of them may get its head next. A
-        report goes when the count changed, or to a new worker (the client object itself is the key: an
-        id() could be reused by the next client)."""
+        replica that leases this gateway its credits (one shared by several gateways, `engine.sessions`)
+        also hears what the queue asks of it (`CreditQueue.lease_demand`). A report goes when any of it
+        changed, or to a new worker (the client object itself is the key: an id() could be reused by the
+        next client)."""
         key = (pool.name, replica)
+        demand = (0, 0, 0.0, None)
+        if getattr(client, "leases", None):
+            demand = pool.admission.lease_demand(replica)
+        queued, head, waited, head_id = demand
         last = self._reported.get(key)
-        if last is not None and last[0] is client and last[1] == count:
+        if last is not None and last[0] is client and last[1:] == (count, queued, head, head_id):
             return
-        if count or last is not None:
-            client.report_waiting(pool.name, count)
-            self._reported[key] = (client, count)
-
+        if count or queued or last is not None:
+            client.report_waiting(pool.name, count, queued, head, waited)
+            self._reported[key] = (client, count, queued, head, head_id)
 
 def _largest_fit(prompt_lens: list[int], n: int, pool: Pool, total: int) -> int:
     """The largest max_tokens whose reservation fits `total` credits (0 if none does)."""

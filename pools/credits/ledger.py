@@ -88,6 +88,7 @@ class CreditLedger:
         self._first: Ticket | None = None            # the head that waits for its replicas (goes first)
         self._tickets: dict[str, Ticket] = {}        # request_id -> queued or admitted ticket
         self._background: deque[Ticket] = deque()    # batch lines, FIFO
+        self.queued_tokens = 0                       # credits the queued requests ask for, all together
 
     # --- state -----------------------------------------------------------------------------------
     @property
@@ -156,6 +157,13 @@ class CreditLedger:
     def num_background_queued(self) -> int:
         return len(self._background)
 
+    def first_waiting(self) -> Ticket | None:
+        """The request first in line: the interactive head that waits for its replicas (`_first`), else,
+        while no interactive request is queued, the oldest batch line; None when it is neither."""
+        if self._first is not None:
+            return self._first
+        return self._background[0] if self._background and not self._active else None
+
     def ticket(self, request_id: str) -> Ticket | None:
         return self._tickets.get(request_id)
 
@@ -198,6 +206,7 @@ class CreditLedger:
         ticket = Ticket(request_id, tenant, max(priority, policy.min_priority), num_tokens, background=background,
                         blocks=blocks, num_seqs=num_seqs, flow=flow_class(num_tokens, self.block_size))
         self._tickets[request_id] = ticket
+        self.queued_tokens += num_tokens
         if background:
             self._background.append(ticket)
             return ticket
@@ -316,6 +325,7 @@ class CreditLedger:
         account.headroom.add(ticket.flow_key, ticket.num_tokens, ticket.num_seqs)
         ticket.admitted, ticket.replica, ticket.prefilling = True, replica, True
         ticket.charged = account.held - before
+        self.queued_tokens -= ticket.num_tokens
 
     def _admit_interactive(self, place: Place, held: set[int]) -> list[Ticket]:
         admitted: list[Ticket] = []
@@ -410,6 +420,7 @@ class CreditLedger:
         if ticket is None or ticket.admitted:
             return False
         del self._tickets[request_id]
+        self.queued_tokens -= ticket.num_tokens
         if ticket.background:
             self._background.remove(ticket)
             return True
@@ -441,6 +452,9 @@ class CreditLedger:
         queued = sorted(r for r, t in self._tickets.items() if not t.admitted)
         if sorted(in_channels) != queued:
             raise AssertionError(f"queue: {len(in_channels)} tickets in channels, {len(queued)} queued")
+        if self.queued_tokens != sum(self._tickets[r].num_tokens for r in queued):
+            raise AssertionError(f"queue: {self.queued_tokens} credits counted queued, the tickets ask "
+                                 f"{sum(self._tickets[r].num_tokens for r in queued)}")
         if sorted(self._active) != sorted(n for n, s in self._tenants.items() if s.channels):
             raise AssertionError(f"queue: active tenants {list(self._active)} do not match the channels")
         if self._first is not None and self._first.request_id not in queued:

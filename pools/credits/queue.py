@@ -233,6 +233,18 @@ class CreditQueue:
             return 0.0
         return max(0.0, (time.monotonic() if now is None else now) - min(self._since.values()))
 
+    def lease_demand(self, replica: int, now: float | None = None) -> tuple[int, int, float, str | None]:
+        """What this gateway asks of `replica`'s credits beyond what it holds there, for a replica shared by
+        several gateways (`engine.sessions`): (the credits every queued request asks for, the credits the
+        request first in line needs there, the seconds it has waited, its id); (queued, 0, 0.0, None) when
+        nothing is first in line."""
+        head = self.ledger.first_waiting()
+        if head is None:
+            return self.ledger.queued_tokens, 0, 0.0, None
+        now = time.monotonic() if now is None else now
+        waited = max(0.0, now - self._queued_since.get(head.request_id, now))
+        return self.ledger.queued_tokens, self.ledger.need(head, replica), waited, head.request_id
+
     def oldest_credit_wait(self, now: float | None = None) -> float:
         """Seconds the longest-queued request has waited for KV credits (0 when none waits): demand
         past what the replicas' credits hold (`gateway.workers.autoscaler`)."""

@@ -1,0 +1,249 @@
+"""Leases on a shared replica's KV credits follow the gateways' demand (engine.sessions, docs/SCALE.md):
+the shares are max-min fair with an idle floor (`lease_shares`), a request larger than an equal share
+runs beside another connected gateway, and one that needs more than its share while the other gateway
+is busy is given it first, once the other's running requests are within its smaller lease, and the
+other's queue is served after it.
+
+Each gateway here is what `cliffguard serve` wires for a shared replica: a `CreditQueue` of the pool's
+credits whose lease the replica sets (as `gateway.workers.supervisor` does), the queue's demand reported
+by `AdmissionControl._report_waiting` (the admission's reconcile tick), and a `RemoteEngineClient`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from engine.config import CacheConfig, EngineConfig, PoolConfig
+from engine.remote_client import RemoteEngineClient
+from engine.sampling import SamplingParams
+from engine.messages import Lease, LeaseAck, ReportWaiting
+from engine.sessions import Session, SessionHub, held_credits, lease_shares
+from gateway.admission import AdmissionControl
+from pools.credits.queue import CreditQueue, reservation
+from tests.conftest import make_tiny_model, started_replica
+from tests.engine.test_remote import _Link
+
+BLOCK = 8
+BLOCKS = 64             # 512 credits: an equal share of two gateways is 256
+MAX_MODEL_LEN = 512     # the tiny model's
+
+
+def test_shares_are_max_min_fair_with_an_idle_floor_and_add_up_to_the_pool():
+    assert lease_shares(100, [0, 0]) == [50, 50]              # idle gateways: equal shares
+    assert lease_shares(100, [100, 0]) == [75, 25]            # busy beside idle: the idle keeps half a share
+    assert lease_shares(100, [30, 0]) == [50, 50]             # nobody wants more than an equal share
+    assert lease_shares(16, [10, 0]) == [10, 6]               # 5/8 asked beside idle: 5/8 and 3/8
+    assert lease_shares(100, [100, 100]) == [50, 50]
+    assert lease_shares(100, [10, 100, 100]) == [16, 42, 42]  # the small demand floored at 100 // 6, the rest split
+    assert lease_shares(100, [60, 20, 100]) == [40, 20, 40]   # 20 met, the others max-min fair
+    assert lease_shares(100, [70]) == [100]                   # alone: the whole pool
+    assert lease_shares(100, [100, 100], first=(1, 70)) == [30, 70]   # the longest-waiting large request first
+    assert lease_shares(100, [100, 0, 100], first=(0, 90)) == [90, 5, 5]
+    assert lease_shares(7, [0, 0]) == [4, 3] and lease_shares(0, [5, 5]) == [0, 0]
+    for demands in ([0], [3, 9], [50, 50, 1], [1, 2, 3, 4, 5], [100, 100, 100, 100]):
+        for first in (None, (0, 60)):
+            shares = lease_shares(97, demands, first)
+            assert sum(shares) == 97 and min(shares) >= 0, (demands, first, shares)
+
+
+def test_the_admission_reports_demand_only_to_a_replica_that_leases_and_only_when_it_changed():
+    """`AdmissionControl._report_waiting`: a local worker hears the queue's count; a shared replica (its
+    client holds a lease) also the credits queued and the request first in line; an unchanged report is
+    not sent again, a new client is told at once."""
+    class Client:
+        def __init__(self, leases):
+            self.leases, self.reports = leases, []
+
+        def report_waiting(self, *args):
+            self.reports.append(args)
+
+    async def main():
+        queue = CreditQueue("chat", 1000)
+        queue.lease(0, 400, lambda: None)
+        waiting = asyncio.ensure_future(_hold(queue, "big", 700))
+        await asyncio.sleep(0.01)
+        admission, pool = SimpleNamespace(_reported={}), SimpleNamespace(name="chat", admission=queue)
+        local, shared = Client({}), Client({"chat": 400})
+        for client in (local, shared, shared):
+            AdmissionControl._report_waiting(admission, pool, 0, client, 1)
+        assert local.reports == [("chat", 1, 0, 0, 0.0)]
+        assert len(shared.reports) == 1 and shared.reports[0][:4] == ("chat", 1, 700, 700)
+        waiting.cancel()
+        await asyncio.sleep(0.01)
+        AdmissionControl._report_waiting(admission, pool, 0, shared, 0)
+        assert shared.reports[-1] == ("chat", 0, 0, 0, 0.0)   # nothing waits any more: said once
+
+    asyncio.run(main())
+
+
+async def _hold(queue: CreditQueue, request_id: str, credits: int) -> None:
+    async with queue.hold(request_id, credits):
+        pass
+
+
+def test_an_offer_no_longer_wanted_gives_way_to_the_lease_held_and_its_late_ack_changes_nothing():
+    """The replica's side alone (`SessionHub`, a fake engine of one 64-block pool): the second session's
+    large request first in line has the first offered a smaller lease; the request leaves before the
+    first acknowledges, so the first is told its lease again, and its late ack of the old offer is
+    ignored."""
+    class Channel:
+        def __init__(self):
+            self.sent = []
+
+        def send(self, msg):
+            self.sent.append(msg)
+
+    pool = SimpleNamespace(block_manager=SimpleNamespace(num_blocks=BLOCKS))
+    engine = SimpleNamespace(kv_cache=SimpleNamespace(block_size=BLOCK), schedulers={"p": pool}, default_pool="p",
+                             composer=SimpleNamespace(set_external_waiting=lambda pool, count: None), requests={})
+    hub = SessionHub(engine)
+    first, second = Session(Channel(), "s1/"), Session(Channel(), "s2/")
+    hub.sessions.append(first)
+    hub.rebalance()
+    hub.sessions.append(second)
+    hub.rebalance()
+    hub._inbound(first, LeaseAck("p", 256, first.epoch))
+    assert (first.leases, second.leases) == ({"p": 256}, {"p": 256})
+    first.reserved["p"] = 240                                   # running requests, not within a smaller lease
+    hub._inbound(second, ReportWaiting("p", 1, queued=304, head=304, head_waited=0.5))
+    assert first.offered == {"p": 208} and first.channel.sent[-1] == Lease("p", 208, first.epoch)
+    hub._inbound(second, ReportWaiting("p", 0))                 # the large request left the queue
+    assert first.offered == {} and first.channel.sent[-1] == Lease("p", 256, first.epoch)
+    hub._inbound(first, LeaseAck("p", 208, first.epoch - 1))    # the ack of the withdrawn offer
+    assert (first.leases, second.leases) == ({"p": 256}, {"p": 256})
+    assert held_credits(hub.sessions, "p") <= BLOCKS * BLOCK
+
+
+class _Gateway:
+    """One gateway's side of the shared replica (see the module docstring)."""
+
+    def __init__(self, server, name: str) -> None:
+        self.name = name
+        self.queue = CreditQueue("default", BLOCKS * BLOCK)
+        self.client = RemoteEngineClient(server.config, _Link(server))
+        self.client.on_lease = self._lease
+        self.pool = SimpleNamespace(name="default", admission=self.queue)
+        self.admission = SimpleNamespace(_reported={})
+        self.admitted: list[tuple[str, float]] = []   # (request id, when) in the order admitted
+
+    def _lease(self, pool: str, tokens: int) -> bool:
+        self.queue.lease(0, tokens, lambda: self.client.ack_leases([pool]))
+        return False
+
+    async def start(self) -> None:
+        await self.client.start(timeout=30)
+        self._reporter = asyncio.create_task(self._report())
+
+    async def _report(self) -> None:
+        while True:   # the admission's reconcile tick, faster
+            count = self.queue.ledger.num_queued
+            AdmissionControl._report_waiting(self.admission, self.pool, 0, self.client, count)
+            await asyncio.sleep(0.02)
+
+    @property
+    def lease(self) -> int:
+        return self.client.leases.get("default", 0)
+
+    async def run(self, request_id: str, max_tokens: int, *, paused: asyncio.Event | None = None) -> int:
+        """Hold the request's credits, then stream it to the end (after `paused` is set, if given: the
+        request holds its credits and blocks meanwhile); returns the tokens it generated."""
+        credits = reservation([3], max_tokens, 1, block_size=BLOCK, max_model_len=MAX_MODEL_LEN)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        async with self.queue.hold(request_id, credits):
+            self.admitted.append((request_id, time.monotonic()))
+            stream = self.client.generate([5, 6, 7], params, request_id=request_id, credits=credits)
+            tokens = len((await stream.__anext__()).outputs[0].delta_token_ids)
+            if paused is not None:
+                self.client.pause(request_id, True)
+                await paused.wait()
+                self.client.pause(request_id, False)
+            async for delta in stream:
+                tokens += len(delta.outputs[0].delta_token_ids)
+        return tokens
+
+    async def stop(self) -> None:
+        self._reporter.cancel()
+        await self.client.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, builtin_path):
+    folder = make_tiny_model(tmp_path_factory.mktemp("tiny-leases"), "llama", builtin_path)
+    config = EngineConfig(model=str(folder), cache=CacheConfig(block_size=BLOCK), pools=(PoolConfig(num_blocks=BLOCKS),))
+    server = started_replica(config, timeout=30)
+    assert server.state == "ready"
+    return server
+
+
+async def _until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time"
+        await asyncio.sleep(0.02)
+
+
+async def _two_gateways(server) -> tuple[_Gateway, _Gateway]:
+    first, second = _Gateway(server, "first"), _Gateway(server, "second")
+    await first.start()
+    await second.start()
+    await _until(lambda: first.lease == second.lease == BLOCKS * BLOCK // 2)
+    return first, second
+
+
+def _counters(server) -> dict:
+    return server._hub.counters()["pools"]["default"]
+
+
+def test_a_request_larger_than_an_equal_share_runs_beside_an_idle_gateway(server):
+    """300 tokens (304 credits) against shares of 256: the busy gateway's lease grows to its demand (in
+    sixteenths of the pool: 320), the idle one keeps the rest and serves a small request at once meanwhile."""
+    async def main():
+        first, second = await _two_gateways(server)
+        large = asyncio.create_task(first.run("large", 300))
+        await _until(lambda: first.admitted)
+        assert first.lease == 320 and second.lease == 192
+        assert await asyncio.wait_for(second.run("small", 8), 10) == 8     # beside it, within its share
+        assert await asyncio.wait_for(large, 30) == 300
+        await _until(lambda: first.lease == second.lease == 256)            # both idle again
+        assert _counters(server)["peak_held"] <= BLOCKS * BLOCK
+        await first.stop()
+        await second.stop()
+
+    asyncio.run(main())
+
+
+def test_a_large_request_beside_a_busy_gateway_goes_first_once_the_other_is_within_its_smaller_lease(server):
+    """The second gateway runs three requests (120 credits each, held paused) and queues two more: busy
+    beside an idle gateway, it leases three quarters of the pool. The first then asks 304 credits, more
+    than any share: it is given them first, the second offered 208, which it acknowledges only once
+    two of its running requests have finished; then the large request is admitted, before the second's
+    queue, whose requests all run after it."""
+    async def main():
+        first, second = await _two_gateways(server)
+        go = [asyncio.Event() for _ in range(3)]
+        running = [asyncio.create_task(second.run(f"busy-{i}", 112, paused=go[i])) for i in range(3)]
+        await _until(lambda: len(second.admitted) == 3)
+        queued = [asyncio.create_task(second.run(f"queued-{i}", 112)) for i in range(2)]
+        await _until(lambda: second.queue.ledger.num_queued == 2)
+        assert (first.lease, second.lease) == (128, 384)
+        large = asyncio.create_task(first.run("large", 300))
+        await _until(lambda: second.queue.ledger.accounts[0].total == 208)   # its lease offered smaller
+        go[0].set()                                                            # 240 of its credits still held
+        await asyncio.sleep(0.3)
+        assert not first.admitted and first.lease == 128 and len(second.admitted) == 3
+        assert _counters(server)["held_credits"] <= BLOCKS * BLOCK
+        go[1].set()                                                            # 120 held: within 208
+        assert await asyncio.wait_for(large, 30) == 300
+        go[2].set()
+        assert await asyncio.wait_for(asyncio.gather(*running, *queued), 30) == [112] * 5
+        assert first.admitted[0][1] < min(t for rid, t in second.admitted if rid.startswith("queued"))
+        await _until(lambda: first.lease == second.lease == 256)
+        counters = _counters(server)
+        assert counters["peak_held"] <= BLOCKS * BLOCK and counters["reserved_credits"] == 0
+        await first.stop()
+        await second.stop()
+
+    asyncio.run(main())
