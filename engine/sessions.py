@@ -22,13 +22,15 @@ so the gateways together can never promise more KV than the replica has, whateve
 their messages cross. The shares follow demand (`SessionHub.targets`, `lease_shares`): each gateway
 reports what its queue asks of the replica (`ReportWaiting`: the credits its waiting requests ask for,
 and the request first in line, its credits and how long it has waited); a session's demand is what
-its running requests reserve plus what its queue asks, in steps of a sixteenth of the pool. The pool
-is shared max-min fair over the demands, every session keeping at least half an equal share (an idle
-gateway admits its next requests at once), and what no demand takes raises the smallest shares to one
-level: alone, a session leases the whole pool; k idle ones capacity / k each; one busy beside an idle
-one, three quarters. A request first in line that needs more than its gateway's share (a long
-document beside another busy gateway) is not starved: the session whose such request has waited
-longest is given that much, and the others share the rest, until it is admitted. A lease that shrinks
+its running requests reserve plus what its queue asks, in steps of a sixteenth of the pool (kept until
+it moves more than a step). The pool is shared max-min fair over the demands, every session keeping at
+least half an equal share (an idle gateway admits its next requests at once), and what no demand takes
+raises the smallest shares to one level: alone, a session leases the whole pool; k idle ones
+capacity / k each; one busy beside an idle one, three quarters. A request first in line that needs
+more than its gateway's share (a long document beside another busy gateway) is not starved: the
+session whose such request has waited longest (interactive requests before batch lines) is given that
+much, and the others share the rest, below their floor if need be, until it is admitted; meanwhile
+its own gateway admits nothing before it, so its running requests drain. A lease that shrinks
 takes effect when the gateway acknowledges it (`LeaseAck`: every request it admitted under the larger
 lease was sent before the ack, on the same ordered connection), and what it then frees goes to the
 sessions below their share as its reserved credits come back; a lease that grows is granted at once
@@ -72,12 +74,14 @@ class Session:
     tag: str                            # the prefix of its request ids in the engine
     name: str = ""                      # for the log: the peer's address
     leases: dict[str, int] = field(default_factory=dict)     # pool -> credits it may hold (acknowledged)
-    offered: dict[str, int] = field(default_factory=dict)    # pool -> a smaller lease sent, not yet acknowledged
+    offered: dict[str, tuple[int, int]] = field(default_factory=dict)   # pool -> (a smaller lease sent, its epoch)
     reserved: dict[str, int] = field(default_factory=dict)   # pool -> credits its live requests hold
     requests: dict[str, tuple[str, int]] = field(default_factory=dict)   # engine id -> (pool, credits)
     waiting: dict[str, int] = field(default_factory=dict)    # pool -> requests waiting at its gateway
     queued: dict[str, int] = field(default_factory=dict)     # pool -> credits they ask for
-    heads: dict[str, tuple[int, float]] = field(default_factory=dict)   # pool -> (credits, since): first in line
+    counted: dict[str, int] = field(default_factory=dict)    # pool -> the demand its share was last computed from
+    heads: dict[str, tuple[bool, float, int]] = field(default_factory=dict)   # pool -> first in line:
+    # (a batch line, since when it waits, the credits it needs)
     epoch: int = 0
     closed: bool = False
     stats_asked: int = 0                # StatsQuery messages not answered yet
@@ -126,6 +130,17 @@ def _fair(budget: int, wants: list[int]) -> list[int]:
     for n, i in enumerate(sorted(order[:m])):
         shares[i] = level + (n < extra)
     return shares
+
+
+def _counted(session: Session, pool: str, step: int) -> int:
+    """`session`'s demand on `pool` as the shares count it: what its requests reserve plus what its queue
+    asks, rounded up to `step`; kept until the demand moves more than a step away (a queue that hovers at
+    a step's edge does not move the leases with every report)."""
+    demand = session.reserved.get(pool, 0) + session.queued.get(pool, 0)
+    counted = session.counted.get(pool)
+    if counted is None or abs(demand - counted) > step:
+        counted = session.counted[pool] = -(-demand // step) * step
+    return counted
 
 
 def reserved_credits(sessions: list[Session], pool: str) -> int:
@@ -218,11 +233,11 @@ class SessionHub:
             return {}
         blocks = self.capacity[pool] // bs
         step = bs * max(1, blocks // DEMAND_STEPS)
-        demands = [-(-(s.reserved.get(pool, 0) + s.queued.get(pool, 0)) // step) * step // bs for s in sessions]
+        demands = [_counted(s, pool, step) // bs for s in sessions]
         shares = lease_shares(blocks, demands)
-        heads = sorted((s.heads[pool][1], i, -(-s.heads[pool][0] // bs)) for i, s in enumerate(sessions)
-                       if pool in s.heads)
-        first = next(((i, need) for _, i, need in heads if shares[i] < need), None)
+        heads = sorted((*s.heads[pool][:2], i, -(-s.heads[pool][2] // bs)) for i, s in enumerate(sessions)
+                       if pool in s.heads)   # interactive requests first, then the longest waiting
+        first = next(((i, need) for _, _, i, need in heads if shares[i] < need), None)
         if first is not None:
             shares = lease_shares(blocks, demands, first)
         return {i: n * bs for i, n in enumerate(shares)}
@@ -234,9 +249,9 @@ class SessionHub:
             targets = self.targets(pool)
             for i, session in enumerate(self.sessions):
                 target, lease = targets[i], session.leases.get(pool, 0)
-                if target < lease and session.offered.get(pool) != target:
-                    session.offered[pool] = target
+                if target < lease and session.offered.get(pool, (None,))[0] != target:
                     self._send_lease(session, pool, target)
+                    session.offered[pool] = (target, session.epoch)
                 elif target >= lease and pool in session.offered:
                     del session.offered[pool]
                     self._send_lease(session, pool, lease)
@@ -258,9 +273,8 @@ class SessionHub:
         self._safe_send(session, Lease(pool, tokens, session.epoch))
 
     def _acknowledged(self, session: Session, msg: LeaseAck) -> None:
-        offered = session.offered.get(msg.pool)
-        if offered is not None and msg.tokens == offered:
-            session.leases[msg.pool] = offered
+        if session.offered.get(msg.pool) == (msg.tokens, msg.epoch):   # that offer, not an older one of as much
+            session.leases[msg.pool] = msg.tokens
             del session.offered[msg.pool]
             self.rebalance()
 
@@ -352,7 +366,7 @@ class SessionHub:
         """A gateway's demand on a pool changed: what its queue asks, and its request first in line."""
         session.queued[msg.pool] = max(0, msg.queued)
         if msg.head > 0:
-            session.heads[msg.pool] = (msg.head, time.monotonic() - max(0.0, msg.head_waited))
+            session.heads[msg.pool] = (msg.head_background, time.monotonic() - max(0.0, msg.head_waited), msg.head)
         else:
             session.heads.pop(msg.pool, None)
         self.rebalance()

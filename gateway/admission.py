@@ -40,7 +40,7 @@ from engine.stats import STATS_INTERVAL
 from gateway.monitoring.metrics import REQUEST_LATENCY_BUCKETS
 from gateway.openai.errors import ApiError
 from gateway.ticker import Ticker
-from pools.credits.queue import CreditQueue, PoolFull, QueueTimeout, reservation
+from pools.credits.queue import CreditQueue, LeaseDemand, PoolFull, QueueTimeout, reservation
 from pools.credits.ledger import Ticket
 from pools.credits.flows import FLOW_CAP
 from pools.credits.placement import Placement, Work
@@ -282,16 +282,17 @@ class AdmissionControl:
         changed, or to a new worker (the client object itself is the key: an id() could be reused by the
         next client)."""
         key = (pool.name, replica)
-        demand = (0, 0, 0.0, None)
+        demand = LeaseDemand(0)
         if getattr(client, "leases", None):
             demand = pool.admission.lease_demand(replica)
-        queued, head, waited, head_id = demand
+        said = (count, demand.queued, demand.head, demand.head_id)
         last = self._reported.get(key)
-        if last is not None and last[0] is client and last[1:] == (count, queued, head, head_id):
+        if last is not None and last[0] is client and last[1] == said:
             return
-        if count or queued or last is not None:
-            client.report_waiting(pool.name, count, queued, head, waited)
-            self._reported[key] = (client, count, queued, head, head_id)
+        if count or demand.queued or last is not None:
+            client.report_waiting(pool.name, count, demand.queued, demand.head, demand.head_waited,
+                                  demand.head_background)
+            self._reported[key] = (client, said)
 
 def _largest_fit(prompt_lens: list[int], n: int, pool: Pool, total: int) -> int:
     """The largest max_tokens whose reservation fits `total` credits (0 if none does)."""

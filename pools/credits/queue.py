@@ -35,12 +35,22 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from typing import NamedTuple
 
 from engine.capacity import DEFAULT_BLOCK_SIZE
 from pools.credits.flows import DEFAULT_TENANT, TenantPolicy
 from pools.credits.ledger import CreditLedger, Ticket
 from pools.demand import OfferedLoad
 from pools.credits.placement import Placement, Work
+
+
+class LeaseDemand(NamedTuple):
+    """`CreditQueue.lease_demand`: what a gateway's queue asks of one replica."""
+    queued: int                   # credits every queued request asks for
+    head: int = 0                 # credits the request first in line needs there (0: none)
+    head_waited: float = 0.0      # seconds it has waited
+    head_id: str | None = None
+    head_background: bool = False
 
 
 class PoolFull(Exception):
@@ -233,17 +243,18 @@ class CreditQueue:
             return 0.0
         return max(0.0, (time.monotonic() if now is None else now) - min(self._since.values()))
 
-    def lease_demand(self, replica: int, now: float | None = None) -> tuple[int, int, float, str | None]:
+    def lease_demand(self, replica: int, now: float | None = None) -> LeaseDemand:
         """What this gateway asks of `replica`'s credits beyond what it holds there, for a replica shared by
-        several gateways (`engine.sessions`): (the credits every queued request asks for, the credits the
-        request first in line needs there, the seconds it has waited, its id); (queued, 0, 0.0, None) when
-        nothing is first in line."""
+        several gateways (`engine.sessions`): the credits every queued request asks for, and the request
+        first in line (`CreditLedger.first_waiting`): the credits it needs there, how long it has waited,
+        its id, whether it is a batch line."""
         head = self.ledger.first_waiting()
         if head is None:
-            return self.ledger.queued_tokens, 0, 0.0, None
+            return LeaseDemand(self.ledger.queued_tokens)
         now = time.monotonic() if now is None else now
         waited = max(0.0, now - self._queued_since.get(head.request_id, now))
-        return self.ledger.queued_tokens, self.ledger.need(head, replica), waited, head.request_id
+        return LeaseDemand(self.ledger.queued_tokens, self.ledger.need(head, replica), waited, head.request_id,
+                           head.background)
 
     def oldest_credit_wait(self, now: float | None = None) -> float:
         """Seconds the longest-queued request has waited for KV credits (0 when none waits): demand

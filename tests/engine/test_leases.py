@@ -69,12 +69,12 @@ def test_the_admission_reports_demand_only_to_a_replica_that_leases_and_only_whe
         local, shared = Client({}), Client({"chat": 400})
         for client in (local, shared, shared):
             AdmissionControl._report_waiting(admission, pool, 0, client, 1)
-        assert local.reports == [("chat", 1, 0, 0, 0.0)]
+        assert local.reports == [("chat", 1, 0, 0, 0.0, False)]
         assert len(shared.reports) == 1 and shared.reports[0][:4] == ("chat", 1, 700, 700)
         waiting.cancel()
         await asyncio.sleep(0.01)
         AdmissionControl._report_waiting(admission, pool, 0, shared, 0)
-        assert shared.reports[-1] == ("chat", 0, 0, 0, 0.0)   # nothing waits any more: said once
+        assert shared.reports[-1] == ("chat", 0, 0, 0, 0.0, False)   # nothing waits any more: said once
 
     asyncio.run(main())
 
@@ -84,37 +84,63 @@ async def _hold(queue: CreditQueue, request_id: str, credits: int) -> None:
         pass
 
 
-def test_an_offer_no_longer_wanted_gives_way_to_the_lease_held_and_its_late_ack_changes_nothing():
-    """The replica's side alone (`SessionHub`, a fake engine of one 64-block pool): the second session's
-    large request first in line has the first offered a smaller lease; the request leaves before the
-    first acknowledges, so the first is told its lease again, and its late ack of the old offer is
-    ignored."""
-    class Channel:
-        def __init__(self):
-            self.sent = []
+class _Channel:
+    def __init__(self):
+        self.sent = []
 
-        def send(self, msg):
-            self.sent.append(msg)
+    def send(self, msg):
+        self.sent.append(msg)
 
+
+def _hub() -> tuple[SessionHub, Session, Session]:
+    """The replica's side alone: a `SessionHub` over a fake engine of one 64-block pool, two sessions on
+    their equal leases."""
     pool = SimpleNamespace(block_manager=SimpleNamespace(num_blocks=BLOCKS))
     engine = SimpleNamespace(kv_cache=SimpleNamespace(block_size=BLOCK), schedulers={"p": pool}, default_pool="p",
                              composer=SimpleNamespace(set_external_waiting=lambda pool, count: None), requests={})
     hub = SessionHub(engine)
-    first, second = Session(Channel(), "s1/"), Session(Channel(), "s2/")
+    first, second = Session(_Channel(), "s1/"), Session(_Channel(), "s2/")
     hub.sessions.append(first)
     hub.rebalance()
     hub.sessions.append(second)
     hub.rebalance()
     hub._inbound(first, LeaseAck("p", 256, first.epoch))
     assert (first.leases, second.leases) == ({"p": 256}, {"p": 256})
+    return hub, first, second
+
+
+def test_an_offer_no_longer_wanted_gives_way_to_the_lease_held_and_its_late_ack_changes_nothing():
+    """The second session's large request first in line has the first offered a smaller lease; the
+    request leaves before the first acknowledges, so the first is told its lease again; the request
+    comes back and the same amount is offered anew: the late ack of the withdrawn offer (an older epoch)
+    changes nothing, only the ack of the new one does."""
+    hub, first, second = _hub()
     first.reserved["p"] = 240                                   # running requests, not within a smaller lease
-    hub._inbound(second, ReportWaiting("p", 1, queued=304, head=304, head_waited=0.5))
-    assert first.offered == {"p": 208} and first.channel.sent[-1] == Lease("p", 208, first.epoch)
+    large = ReportWaiting("p", 1, queued=304, head=304, head_waited=0.5)
+    hub._inbound(second, large)
+    offer = (208, first.epoch)
+    assert first.offered == {"p": offer} and first.channel.sent[-1] == Lease("p", *offer)
     hub._inbound(second, ReportWaiting("p", 0))                 # the large request left the queue
     assert first.offered == {} and first.channel.sent[-1] == Lease("p", 256, first.epoch)
-    hub._inbound(first, LeaseAck("p", 208, first.epoch - 1))    # the ack of the withdrawn offer
+    hub._inbound(second, large)                                 # and came back: 208 offered again
+    assert first.offered == {"p": (208, first.epoch)} and first.epoch == offer[1] + 2
+    hub._inbound(first, LeaseAck("p", *offer))                  # the late ack of the withdrawn offer
     assert (first.leases, second.leases) == ({"p": 256}, {"p": 256})
+    first.reserved["p"] = 120
+    hub._inbound(first, LeaseAck("p", 208, first.epoch))        # the ack of this one
+    assert (first.leases, second.leases) == ({"p": 208}, {"p": 304})
     assert held_credits(hub.sessions, "p") <= BLOCKS * BLOCK
+
+
+def test_an_interactive_request_first_in_line_goes_before_a_batch_line_that_waited_longer():
+    """Both sessions' first in line need 304 credits: the first's is a batch line queued an hour ago,
+    the second's an interactive request queued a second ago; the second's is given its credits first."""
+    hub, first, second = _hub()
+    hub._inbound(first, ReportWaiting("p", 0, queued=3040, head=304, head_waited=3600.0, head_background=True))
+    hub._inbound(second, ReportWaiting("p", 1, queued=304, head=304, head_waited=1.0))
+    assert hub.targets("p") == {0: 208, 1: 304}
+    hub._inbound(second, ReportWaiting("p", 0))
+    assert hub.targets("p") == {0: 384, 1: 128}   # then its share: busy beside idle
 
 
 class _Gateway:
@@ -247,3 +273,13 @@ def test_a_large_request_beside_a_busy_gateway_goes_first_once_the_other_is_with
         await second.stop()
 
     asyncio.run(main())
+
+
+def test_a_demand_that_moves_within_a_step_moves_no_lease():
+    """Demands count in sixteenths of the pool (32 credits here) and are kept until they move more than
+    a step: a queue hovering at a step's edge sends no lease to and fro."""
+    hub, first, second = _hub()
+    for queued, shares in ((300, {0: 320, 1: 192}), (330, {0: 320, 1: 192}), (290, {0: 320, 1: 192}),
+                           (360, {0: 384, 1: 128}), (0, {0: 256, 1: 256})):
+        hub._inbound(first, ReportWaiting("p", 1, queued=queued))
+        assert hub.targets("p") == shares, queued

@@ -201,8 +201,9 @@ def test_a_lease_bounds_admission_and_is_acknowledged_once_what_is_held_is_withi
             big = asyncio.ensure_future(_hold_once(queue, "big", 700))
             await asyncio.sleep(0.01)
             assert not big.done()       # 700 fits the plan, not the lease: it waits
-            queued, head, waited, head_id = queue.lease_demand(0)   # what the replica hears of it
-            assert (queued, head, head_id) == (700, 700, "big") and waited > 0
+            demand = queue.lease_demand(0)   # what the replica hears of it
+            assert demand[:2] == (700, 700) and demand.head_waited > 0
+            assert (demand.head_id, demand.head_background) == ("big", False)
             await first.aclose()        # r0 done: 300 held <= 400
             assert acks == [400] and not big.done()
             queue.lease(0, 1000, lambda: acks.append(1000))
