@@ -397,16 +397,16 @@ class AsyncEngineClient:
         self._process.kill()
         self._on_exit(reason)
 
-    def report_waiting(self, pool: str, count: int, queued: int = 0, head: int = 0, head_waited: float = 0.0,
-                       head_background: bool = False) -> None:
+    def report_waiting(self, pool: str, count: int, *, queued: int = 0, queued_batch: int = 0, head: int = 0,
+                       head_waited: float = 0.0, head_background: bool = False) -> None:
         """Tell the step composer how many requests of `pool` wait outside the engine (for KV credits
         at the gateway): an interactive pool with a queue there is pressed like one with a queue inside
         (`engine.composer`); and a replica shared by several gateways this gateway's demand on its credits
         (`messages.ReportWaiting`, `engine.sessions`). Nothing if the worker is gone."""
         if self.is_alive:
             with contextlib.suppress(EngineDeadError):
-                self._send(ReportWaiting(pool, int(count), int(queued), int(head), float(head_waited),
-                                         bool(head_background)))
+                self._send(ReportWaiting(pool, int(count), int(queued), int(queued_batch), int(head),
+                                         float(head_waited), bool(head_background)))
 
     def pause(self, request_id: str, paused: bool) -> None:
         """Stop stepping a request (`paused`; it keeps its blocks and place) or step it again (the

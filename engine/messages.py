@@ -51,12 +51,13 @@ class PauseRequest:
 class ReportWaiting:
     """The pool's queue at the gateway: `count` interactive requests waiting (the step composer's
     pressure); for a replica shared by several gateways (`engine.sessions`) also its demand on the
-    replica's credits: `queued`, what every waiting request asks for, and the request first in line,
-    `head` credits on this replica after `head_waited` seconds of waiting (0 and 0.0: none waits),
-    `head_background` if it is a batch line."""
+    replica's credits: `queued`, what its waiting interactive requests ask for, `queued_batch`, what its
+    waiting batch lines ask for, and the request first in line, `head` credits on this replica after
+    `head_waited` seconds of waiting (0 and 0.0: none waits), `head_background` if it is a batch line."""
     pool: str
     count: int
     queued: int = 0
+    queued_batch: int = 0
     head: int = 0
     head_waited: float = 0.0
     head_background: bool = False

@@ -22,13 +22,15 @@ so the gateways together can never promise more KV than the replica has, whateve
 their messages cross. The shares follow demand (`SessionHub.targets`, `lease_shares`): each gateway
 reports what its queue asks of the replica (`ReportWaiting`: the credits its waiting requests ask for,
 and the request first in line, its credits and how long it has waited); a session's demand is what
-its running requests reserve plus what its queue asks, in steps of a sixteenth of the pool (kept until
-it moves more than a step). The pool is shared max-min fair over the demands, every session keeping at
-least half an equal share (an idle gateway admits its next requests at once), and what no demand takes
-raises the smallest shares to one level: alone, a session leases the whole pool; k idle ones
+its running requests reserve plus what its interactive queue asks, in steps of a sixteenth of the pool
+(kept until it moves more than a step). The pool is shared max-min fair over the demands, every session
+keeping at least half an equal share (an idle gateway admits its next requests at once); what is left
+goes max-min fair to the sessions' queued batch lines (they take only what interactive demand leaves,
+as within one gateway), and what nothing takes raises the smallest shares to one level: alone, a session leases the whole pool; k idle ones
 capacity / k each; one busy beside an idle one, three quarters. A request first in line that needs
 more than its gateway's share (a long document beside another busy gateway) is not starved: the
-session whose such request has waited longest (interactive requests before batch lines) is given that
+session whose such request has waited longest (a batch line only while no interactive request is
+first in line at any gateway) is given that
 much, and the others share the rest, below their floor if need be, until it is admitted; meanwhile
 its own gateway admits nothing before it, so its running requests drain. A lease that shrinks
 takes effect when the gateway acknowledges it (`LeaseAck`: every request it admitted under the larger
@@ -78,8 +80,9 @@ class Session:
     reserved: dict[str, int] = field(default_factory=dict)   # pool -> credits its live requests hold
     requests: dict[str, tuple[str, int]] = field(default_factory=dict)   # engine id -> (pool, credits)
     waiting: dict[str, int] = field(default_factory=dict)    # pool -> requests waiting at its gateway
-    queued: dict[str, int] = field(default_factory=dict)     # pool -> credits they ask for
-    counted: dict[str, int] = field(default_factory=dict)    # pool -> the demand its share was last computed from
+    queued: dict[str, int] = field(default_factory=dict)     # pool -> credits its waiting requests ask for
+    queued_batch: dict[str, int] = field(default_factory=dict)   # pool -> ... its waiting batch lines
+    counted: dict[str, int] = field(default_factory=dict)    # the demands its share was last computed from
     heads: dict[str, tuple[bool, float, int]] = field(default_factory=dict)   # pool -> first in line:
     # (a batch line, since when it waits, the credits it needs)
     epoch: int = 0
@@ -92,34 +95,48 @@ class Session:
         return max(self.leases.get(pool, 0), self.reserved.get(pool, 0))
 
 
-def lease_shares(capacity: int, demands: Sequence[int], first: tuple[int, int] | None = None) -> list[int]:
+def lease_shares(capacity: int, demands: Sequence[int], first: tuple[int, int] | None = None,
+                 batch: Sequence[int] | None = None) -> list[int]:
     """Shares of `capacity` (whole units) among sessions demanding `demands`: max-min fair over the demands,
-    each raised to at least half an equal share (capacity / 2k: room for an idle gateway's next requests),
-    and what no demand takes spread so the smallest shares rise to one level; the shares add up to
-    `capacity`. `first`: (index, units), a session given that much before the others share the rest."""
+    each raised to at least half an equal share (capacity / 2k: room for an idle gateway's next requests);
+    then what is left, max-min fair over `batch` (what their queued batch lines ask: they take only what
+    the other demands leave, as within one gateway); then the rest spread so the smallest shares rise to
+    one level. The shares add up to `capacity`. `first`: (index, units), a session given that much before
+    the others share the rest."""
     k = len(demands)
     if not k:
         return []
     floor = capacity // (2 * k)
     wants = [max(floor, min(d, capacity)) for d in demands]
+    batch = [min(b, capacity) for b in batch] if batch is not None else [0] * k
     if first is None or k == 1:
-        return _fair(capacity, wants)
+        return _fair(capacity, wants, batch)
     j, need = first
     need = min(max(need, 0), capacity)
     rest = [i for i in range(k) if i != j]
-    shares = dict(zip(rest, _fair(capacity - need, [wants[i] for i in rest])))
+    shares = dict(zip(rest, _fair(capacity - need, [wants[i] for i in rest], [batch[i] for i in rest])))
     shares[j] = need
     return [shares[i] for i in range(k)]
 
 
-def _fair(budget: int, wants: list[int]) -> list[int]:
-    """Water-filling: the smallest demands are met first, each at most an equal part of what is left;
-    then what is left over raises the smallest shares to one level (the remainder to the lowest indices)."""
+def _fill(budget: int, wants: Sequence[int]) -> tuple[list[int], int]:
+    """Water-filling: the smallest demands are met first, each at most an equal part of what is left.
+    Returns (the shares, what is left)."""
     k = len(wants)
     shares, left = [0] * k, budget
     for n, i in enumerate(sorted(range(k), key=wants.__getitem__)):
         shares[i] = min(wants[i], left // (k - n))
         left -= shares[i]
+    return shares, left
+
+
+def _fair(budget: int, wants: Sequence[int], batch: Sequence[int]) -> list[int]:
+    """`wants` water-filled, then `batch` on top from what is left, then what is still left raises the
+    smallest shares to one level (the remainder to the lowest indices)."""
+    k = len(wants)
+    shares, left = _fill(budget, wants)
+    more, left = _fill(left, batch)
+    shares = [a + b for a, b in zip(shares, more)]
     order = sorted(range(k), key=shares.__getitem__)
     total, m = left, 0
     for m in range(1, k + 1):
@@ -132,14 +149,13 @@ def _fair(budget: int, wants: list[int]) -> list[int]:
     return shares
 
 
-def _counted(session: Session, pool: str, step: int) -> int:
-    """`session`'s demand on `pool` as the shares count it: what its requests reserve plus what its queue
-    asks, rounded up to `step`; kept until the demand moves more than a step away (a queue that hovers at
-    a step's edge does not move the leases with every report)."""
-    demand = session.reserved.get(pool, 0) + session.queued.get(pool, 0)
-    counted = session.counted.get(pool)
+def _counted(session: Session, key: str, demand: int, step: int) -> int:
+    """A demand of `session`'s as the shares count it (`key`: a pool, or a pool's batch lines): rounded up
+    to `step`, and kept until it moves more than a step away (a queue that hovers at a step's edge does not
+    move the leases with every report)."""
+    counted = session.counted.get(key)
     if counted is None or abs(demand - counted) > step:
-        counted = session.counted[pool] = -(-demand // step) * step
+        counted = session.counted[key] = -(-demand // step) * step
     return counted
 
 
@@ -226,20 +242,24 @@ class SessionHub:
     def targets(self, pool: str) -> dict[int, int]:
         """Each session's lease on `pool` (by index), in whole blocks: `lease_shares` of the pool's blocks over
         the sessions' demands (what their requests reserve plus what their queues ask, rounded up to a
-        `DEMAND_STEPS`th of the pool), the session whose request first in line has waited longest and
-        needs more than its share given that much first."""
+        `DEMAND_STEPS`th of the pool; their batch lines' apart), the session whose request first in line has
+        waited longest and needs more than its share given that much first (a batch line only while no
+        interactive request is first in line anywhere)."""
         sessions, bs = self.sessions, self.block_size
         if not sessions:
             return {}
         blocks = self.capacity[pool] // bs
         step = bs * max(1, blocks // DEMAND_STEPS)
-        demands = [_counted(s, pool, step) // bs for s in sessions]
-        shares = lease_shares(blocks, demands)
+        demands = [_counted(s, pool, s.reserved.get(pool, 0) + s.queued.get(pool, 0), step) // bs for s in sessions]
+        batch = [_counted(s, pool + " batch", s.queued_batch.get(pool, 0), step) // bs for s in sessions]
+        shares = lease_shares(blocks, demands, batch=batch)
         heads = sorted((*s.heads[pool][:2], i, -(-s.heads[pool][2] // bs)) for i, s in enumerate(sessions)
                        if pool in s.heads)   # interactive requests first, then the longest waiting
+        if heads and not heads[0][0]:       # while one waits, no batch line goes first (as in one gateway)
+            heads = [h for h in heads if not h[0]]
         first = next(((i, need) for _, _, i, need in heads if shares[i] < need), None)
         if first is not None:
-            shares = lease_shares(blocks, demands, first)
+            shares = lease_shares(blocks, demands, first, batch)
         return {i: n * bs for i, n in enumerate(shares)}
 
     def rebalance(self) -> None:
@@ -365,6 +385,7 @@ class SessionHub:
     def _demand(self, session: Session, msg: ReportWaiting) -> None:
         """A gateway's demand on a pool changed: what its queue asks, and its request first in line."""
         session.queued[msg.pool] = max(0, msg.queued)
+        session.queued_batch[msg.pool] = max(0, msg.queued_batch)
         if msg.head > 0:
             session.heads[msg.pool] = (msg.head_background, time.monotonic() - max(0.0, msg.head_waited), msg.head)
         else:

@@ -285,13 +285,14 @@ class AdmissionControl:
         demand = LeaseDemand(0)
         if getattr(client, "leases", None):
             demand = pool.admission.lease_demand(replica)
-        said = (count, demand.queued, demand.head, demand.head_id)
+        said = (count, demand.queued, demand.queued_batch, demand.head, demand.head_id)
         last = self._reported.get(key)
         if last is not None and last[0] is client and last[1] == said:
             return
-        if count or demand.queued or last is not None:
-            client.report_waiting(pool.name, count, demand.queued, demand.head, demand.head_waited,
-                                  demand.head_background)
+        if count or demand.queued or demand.queued_batch or last is not None:
+            client.report_waiting(pool.name, count, queued=demand.queued, queued_batch=demand.queued_batch,
+                                  head=demand.head, head_waited=demand.head_waited,
+                                  head_background=demand.head_background)
             self._reported[key] = (client, said)
 
 def _largest_fit(prompt_lens: list[int], n: int, pool: Pool, total: int) -> int:

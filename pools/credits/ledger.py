@@ -89,6 +89,7 @@ class CreditLedger:
         self._tickets: dict[str, Ticket] = {}        # request_id -> queued or admitted ticket
         self._background: deque[Ticket] = deque()    # batch lines, FIFO
         self.queued_tokens = 0                       # credits the queued requests ask for, all together
+        self.background_tokens = 0                   # ... of them, the batch lines'
 
     # --- state -----------------------------------------------------------------------------------
     @property
@@ -208,6 +209,7 @@ class CreditLedger:
         self._tickets[request_id] = ticket
         self.queued_tokens += num_tokens
         if background:
+            self.background_tokens += num_tokens
             self._background.append(ticket)
             return ticket
         state = self._tenants.setdefault(tenant, TenantQueue(policy.weight))
@@ -326,6 +328,7 @@ class CreditLedger:
         ticket.admitted, ticket.replica, ticket.prefilling = True, replica, True
         ticket.charged = account.held - before
         self.queued_tokens -= ticket.num_tokens
+        self.background_tokens -= ticket.num_tokens if ticket.background else 0
 
     def _admit_interactive(self, place: Place, held: set[int]) -> list[Ticket]:
         admitted: list[Ticket] = []
@@ -422,6 +425,7 @@ class CreditLedger:
         del self._tickets[request_id]
         self.queued_tokens -= ticket.num_tokens
         if ticket.background:
+            self.background_tokens -= ticket.num_tokens
             self._background.remove(ticket)
             return True
         if ticket is self._first:
@@ -452,9 +456,10 @@ class CreditLedger:
         queued = sorted(r for r, t in self._tickets.items() if not t.admitted)
         if sorted(in_channels) != queued:
             raise AssertionError(f"queue: {len(in_channels)} tickets in channels, {len(queued)} queued")
-        if self.queued_tokens != sum(self._tickets[r].num_tokens for r in queued):
-            raise AssertionError(f"queue: {self.queued_tokens} credits counted queued, the tickets ask "
-                                 f"{sum(self._tickets[r].num_tokens for r in queued)}")
+        asked = (sum(self._tickets[r].num_tokens for r in queued), sum(t.num_tokens for t in self._background))
+        if (self.queued_tokens, self.background_tokens) != asked:
+            raise AssertionError(f"queue: {self.queued_tokens} credits counted queued ({self.background_tokens} "
+                                 f"of batch lines), the tickets ask {asked[0]} ({asked[1]})")
         if sorted(self._active) != sorted(n for n, s in self._tenants.items() if s.channels):
             raise AssertionError(f"queue: active tenants {list(self._active)} do not match the channels")
         if self._first is not None and self._first.request_id not in queued:

@@ -46,7 +46,8 @@ from pools.credits.placement import Placement, Work
 
 class LeaseDemand(NamedTuple):
     """`CreditQueue.lease_demand`: what a gateway's queue asks of one replica."""
-    queued: int                   # credits every queued request asks for
+    queued: int                   # credits the queued interactive requests ask for
+    queued_batch: int = 0         # ... the queued batch lines
     head: int = 0                 # credits the request first in line needs there (0: none)
     head_waited: float = 0.0      # seconds it has waited
     head_id: str | None = None
@@ -245,16 +246,17 @@ class CreditQueue:
 
     def lease_demand(self, replica: int, now: float | None = None) -> LeaseDemand:
         """What this gateway asks of `replica`'s credits beyond what it holds there, for a replica shared by
-        several gateways (`engine.sessions`): the credits every queued request asks for, and the request
-        first in line (`CreditLedger.first_waiting`): the credits it needs there, how long it has waited,
+        several gateways (`engine.sessions`): the credits the queued interactive requests ask for and those
+        the batch lines ask for, and the request first in line (`CreditLedger.first_waiting`): the credits it needs there, how long it has waited,
         its id, whether it is a batch line."""
-        head = self.ledger.first_waiting()
+        ledger = self.ledger
+        queued, batch = ledger.queued_tokens - ledger.background_tokens, ledger.background_tokens
+        head = ledger.first_waiting()
         if head is None:
-            return LeaseDemand(self.ledger.queued_tokens)
+            return LeaseDemand(queued, batch)
         now = time.monotonic() if now is None else now
         waited = max(0.0, now - self._queued_since.get(head.request_id, now))
-        return LeaseDemand(self.ledger.queued_tokens, self.ledger.need(head, replica), waited, head.request_id,
-                           head.background)
+        return LeaseDemand(queued, batch, ledger.need(head, replica), waited, head.request_id, head.background)
 
     def oldest_credit_wait(self, now: float | None = None) -> float:
         """Seconds the longest-queued request has waited for KV credits (0 when none waits): demand

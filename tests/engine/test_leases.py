@@ -43,9 +43,13 @@ def test_shares_are_max_min_fair_with_an_idle_floor_and_add_up_to_the_pool():
     assert lease_shares(100, [100, 100], first=(1, 70)) == [30, 70]   # the longest-waiting large request first
     assert lease_shares(100, [100, 0, 100], first=(0, 90)) == [90, 5, 5]
     assert lease_shares(7, [0, 0]) == [4, 3] and lease_shares(0, [5, 5]) == [0, 0]
+    # batch lines take only what the other demands leave, as within one gateway
+    assert lease_shares(100, [0, 100], batch=[100, 0]) == [25, 75]
+    assert lease_shares(100, [0, 0], batch=[100, 0]) == [75, 25]
+    assert lease_shares(100, [0, 40], batch=[100, 0]) == [60, 40]
     for demands in ([0], [3, 9], [50, 50, 1], [1, 2, 3, 4, 5], [100, 100, 100, 100]):
         for first in (None, (0, 60)):
-            shares = lease_shares(97, demands, first)
+            shares = lease_shares(97, demands, first, batch=demands[::-1])
             assert sum(shares) == 97 and min(shares) >= 0, (demands, first, shares)
 
 
@@ -57,8 +61,8 @@ def test_the_admission_reports_demand_only_to_a_replica_that_leases_and_only_whe
         def __init__(self, leases):
             self.leases, self.reports = leases, []
 
-        def report_waiting(self, *args):
-            self.reports.append(args)
+        def report_waiting(self, pool, count, **demand):
+            self.reports.append((pool, count, demand))
 
     async def main():
         queue = CreditQueue("chat", 1000)
@@ -69,12 +73,15 @@ def test_the_admission_reports_demand_only_to_a_replica_that_leases_and_only_whe
         local, shared = Client({}), Client({"chat": 400})
         for client in (local, shared, shared):
             AdmissionControl._report_waiting(admission, pool, 0, client, 1)
-        assert local.reports == [("chat", 1, 0, 0, 0.0, False)]
-        assert len(shared.reports) == 1 and shared.reports[0][:4] == ("chat", 1, 700, 700)
+        nothing = dict(queued=0, queued_batch=0, head=0, head_waited=0.0, head_background=False)
+        assert local.reports == [("chat", 1, nothing)]
+        (said,) = shared.reports
+        assert said[:2] == ("chat", 1) and said[2]["head_waited"] > 0
+        assert said[2] | {"head_waited": 0.0} == nothing | {"queued": 700, "head": 700}
         waiting.cancel()
         await asyncio.sleep(0.01)
         AdmissionControl._report_waiting(admission, pool, 0, shared, 0)
-        assert shared.reports[-1] == ("chat", 0, 0, 0, 0.0, False)   # nothing waits any more: said once
+        assert shared.reports[-1] == ("chat", 0, nothing)   # nothing waits any more: said once
 
     asyncio.run(main())
 
@@ -133,14 +140,22 @@ def test_an_offer_no_longer_wanted_gives_way_to_the_lease_held_and_its_late_ack_
 
 
 def test_an_interactive_request_first_in_line_goes_before_a_batch_line_that_waited_longer():
-    """Both sessions' first in line need 304 credits: the first's is a batch line queued an hour ago,
-    the second's an interactive request queued a second ago; the second's is given its credits first."""
+    """The first session queues batch lines (3,040 credits), the second interactive requests (304): batch
+    lines take only what the interactive demand leaves (192 and 320). Both sessions' first in line need
+    304 credits: the first's a batch line queued an hour ago, which would need priority, the second's an
+    interactive request queued a second ago, which fits its share: no batch line goes first while an
+    interactive request waits anywhere; alone, the batch line does."""
     hub, first, second = _hub()
-    hub._inbound(first, ReportWaiting("p", 0, queued=3040, head=304, head_waited=3600.0, head_background=True))
+    hub._inbound(first, ReportWaiting("p", 0, queued_batch=3040))
+    hub._inbound(second, ReportWaiting("p", 1, queued=304))
+    assert hub.targets("p") == {0: 192, 1: 320}
+    hub._inbound(first, ReportWaiting("p", 0, queued_batch=3040, head=304, head_waited=3600.0, head_background=True))
     hub._inbound(second, ReportWaiting("p", 1, queued=304, head=304, head_waited=1.0))
-    assert hub.targets("p") == {0: 208, 1: 304}
+    assert hub.targets("p") == {0: 192, 1: 320}
+    hub._inbound(second, ReportWaiting("p", 1, queued=400, head=400, head_waited=1.0))   # more than its share
+    assert hub.targets("p") == {0: 112, 1: 400}
     hub._inbound(second, ReportWaiting("p", 0))
-    assert hub.targets("p") == {0: 384, 1: 128}   # then its share: busy beside idle
+    assert hub.targets("p") == {0: 384, 1: 128}   # then the batch lines' share: busy beside idle
 
 
 class _Gateway:

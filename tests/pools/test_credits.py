@@ -202,7 +202,7 @@ def test_a_lease_bounds_admission_and_is_acknowledged_once_what_is_held_is_withi
             await asyncio.sleep(0.01)
             assert not big.done()       # 700 fits the plan, not the lease: it waits
             demand = queue.lease_demand(0)   # what the replica hears of it
-            assert demand[:2] == (700, 700) and demand.head_waited > 0
+            assert (demand.queued, demand.queued_batch, demand.head) == (700, 0, 700) and demand.head_waited > 0
             assert (demand.head_id, demand.head_background) == ("big", False)
             await first.aclose()        # r0 done: 300 held <= 400
             assert acks == [400] and not big.done()
@@ -216,8 +216,9 @@ def test_a_lease_bounds_admission_and_is_acknowledged_once_what_is_held_is_withi
 
 
 def test_the_queue_says_what_it_asks_and_which_request_is_first_in_line():
-    """What a gateway reports to a shared replica (`CreditQueue.lease_demand`): the credits every queued
-    request asks for, kept as requests are queued, admitted and cancelled; the request first in line is the
+    """What a gateway reports to a shared replica (`CreditQueue.lease_demand`): the credits the queued
+    requests ask for, and of them the batch lines', kept as requests are queued, admitted and cancelled;
+    the request first in line is the
     interactive head that waits for its replicas, else the oldest batch line while nothing interactive
     waits; its need counts the prompt blocks already held on that replica once."""
     ledger = CreditLedger(1000, block_size=16)
@@ -227,15 +228,22 @@ def test_the_queue_says_what_it_asks_and_which_request_is_first_in_line():
     assert (ledger.queued_tokens, ledger.first_waiting()) == (0, None)
     ledger.submit("batch", 500, background=True)
     ledger.admit()
-    assert ledger.queued_tokens == 500 and ledger.first_waiting().request_id == "batch"
+    assert (ledger.queued_tokens, ledger.background_tokens) == (500, 500)
+    assert ledger.first_waiting().request_id == "batch"
     ledger.submit("doc", 480, blocks=(1, 2, 3))
     ledger.submit("small", 50)
     ledger.admit()                   # "doc" waits for 448 credits (two of its blocks are held), "small" behind it
-    assert ledger.queued_tokens == 1030 and ledger.first_waiting().request_id == "doc"
+    assert (ledger.queued_tokens, ledger.background_tokens) == (1030, 500)
+    assert ledger.first_waiting().request_id == "doc"
     assert ledger.need(ledger.first_waiting(), 0) == 448
     ledger.cancel("doc")
     assert [t.request_id for t in ledger.admit()] == ["small"]
     assert ledger.queued_tokens == 500 and ledger.first_waiting().request_id == "batch"
+    ledger.check_integrity()
+    ledger.release("small")
+    ledger.release("held")
+    assert [t.request_id for t in ledger.admit()] == ["batch"]
+    assert (ledger.queued_tokens, ledger.background_tokens, ledger.first_waiting()) == (0, 0, None)
     ledger.check_integrity()
     ledger.queued_tokens += 1
     with pytest.raises(AssertionError, match="credits counted queued"):
