@@ -325,10 +325,11 @@ class AsyncEngineClient:
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str | None = None, priority: int = 0,
                        pool: str | None = None, cache_salt: str | None = None,
-                       credits: int = 0) -> AsyncIterator[RequestDelta]:
+                       credits: int = 0, background: bool = False) -> AsyncIterator[RequestDelta]:
         """Submit a request and yield what each step added to it (`RequestDelta`) until it finishes.
         `cache_salt`: the prefix-cache partition (`LLMEngine.add_request`); `credits`: the KV credits the
-        gateway holds for it (a shared replica counts them against this gateway's lease).
+        gateway holds for it (a shared replica counts them against this gateway's lease), `background` if
+        they are a batch line's.
 
         Raises ValueError if the engine refused the request, RequestFailedError if the worker failed to
         handle it, EngineDeadError if the worker died.
@@ -344,7 +345,7 @@ class AsyncEngineClient:
         self._streams[request_id] = stream
         try:
             self._send(AddRequest(request_id, prompt if isinstance(prompt, str) else list(prompt),
-                                  params or SamplingParams(), priority, pool, cache_salt, credits))
+                                  params or SamplingParams(), priority, pool, cache_salt, credits, background))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):

@@ -22,11 +22,11 @@ so the gateways together can never promise more KV than the replica has, whateve
 their messages cross. The shares follow demand (`SessionHub.targets`, `lease_shares`): each gateway
 reports what its queue asks of the replica (`ReportWaiting`: the credits its waiting requests ask for,
 and the request first in line, its credits and how long it has waited); a session's demand is what
-its running requests reserve plus what its interactive queue asks, in steps of a sixteenth of the pool
-(kept until it moves more than a step). The pool is shared max-min fair over the demands, every session
+its running interactive requests reserve plus what its interactive queue asks, in steps of a sixteenth
+of the pool (kept until it moves more than a step). The pool is shared max-min fair over the demands, every session
 keeping at least half an equal share (an idle gateway admits its next requests at once); what is left
-goes max-min fair to the sessions' queued batch lines (they take only what interactive demand leaves,
-as within one gateway), and what nothing takes raises the smallest shares to one level: alone, a session leases the whole pool; k idle ones
+goes max-min fair to the sessions' batch lines, running (`AddRequest.background`) and queued (they
+take only what interactive demand leaves, as within one gateway), and what nothing takes raises the smallest shares to one level: alone, a session leases the whole pool; k idle ones
 capacity / k each; one busy beside an idle one, three quarters. A request first in line that needs
 more than its gateway's share (a long document beside another busy gateway) is not starved: the
 session whose such request has waited longest (a batch line only while no interactive request is
@@ -78,11 +78,14 @@ class Session:
     leases: dict[str, int] = field(default_factory=dict)     # pool -> credits it may hold (acknowledged)
     offered: dict[str, tuple[int, int]] = field(default_factory=dict)   # pool -> (a smaller lease sent, its epoch)
     reserved: dict[str, int] = field(default_factory=dict)   # pool -> credits its live requests hold
-    requests: dict[str, tuple[str, int]] = field(default_factory=dict)   # engine id -> (pool, credits)
+    requests: dict[str, tuple[str, int, bool]] = field(default_factory=dict)   # engine id -> (pool, credits,
+    # a batch line's)
+    reserved_batch: dict[str, int] = field(default_factory=dict)   # pool -> ... of `reserved`, batch lines'
     waiting: dict[str, int] = field(default_factory=dict)    # pool -> requests waiting at its gateway
     queued: dict[str, int] = field(default_factory=dict)     # pool -> credits its waiting requests ask for
     queued_batch: dict[str, int] = field(default_factory=dict)   # pool -> ... its waiting batch lines
-    counted: dict[str, int] = field(default_factory=dict)    # the demands its share was last computed from
+    counted: dict[tuple[str, bool], int] = field(default_factory=dict)   # (pool, batch lines') -> the demand
+    # its share was last computed from
     heads: dict[str, tuple[bool, float, int]] = field(default_factory=dict)   # pool -> first in line:
     # (a batch line, since when it waits, the credits it needs)
     epoch: int = 0
@@ -149,12 +152,12 @@ def _fair(budget: int, wants: Sequence[int], batch: Sequence[int]) -> list[int]:
     return shares
 
 
-def _counted(session: Session, key: str, demand: int, step: int) -> int:
-    """A demand of `session`'s as the shares count it (`key`: a pool, or a pool's batch lines): rounded up
-    to `step`, and kept until it moves more than a step away (a queue that hovers at a step's edge does not
-    move the leases with every report)."""
+def _counted(session: Session, key: tuple[str, bool], demand: int, step: int) -> int:
+    """A demand of `session`'s as the shares count it (`key`: a pool, and whether its batch lines'): rounded
+    up to `step`, and kept until it moves more than a step away (a queue that hovers at a step's edge does
+    not move the leases with every report) or to nothing."""
     counted = session.counted.get(key)
-    if counted is None or abs(demand - counted) > step:
+    if counted is None or abs(demand - counted) > step or not demand:
         counted = session.counted[key] = -(-demand // step) * step
     return counted
 
@@ -232,6 +235,7 @@ class SessionHub:
                 self.engine.abort(request_id)
         session.requests.clear()
         session.reserved.clear()
+        session.reserved_batch.clear()
         session.leases.clear()
         log.info("replica: gateway session %s%s ended (%s); %d left", session.tag, session.name, why,
                  len(self.sessions))
@@ -250,8 +254,12 @@ class SessionHub:
             return {}
         blocks = self.capacity[pool] // bs
         step = bs * max(1, blocks // DEMAND_STEPS)
-        demands = [_counted(s, pool, s.reserved.get(pool, 0) + s.queued.get(pool, 0), step) // bs for s in sessions]
-        batch = [_counted(s, pool + " batch", s.queued_batch.get(pool, 0), step) // bs for s in sessions]
+        demands, batch = [], []
+        for s in sessions:   # running batch lines count as batch demand
+            lines = s.reserved_batch.get(pool, 0)
+            demands.append(_counted(s, (pool, False), s.reserved.get(pool, 0) - lines + s.queued.get(pool, 0), step))
+            batch.append(_counted(s, (pool, True), lines + s.queued_batch.get(pool, 0), step))
+        demands, batch = [d // bs for d in demands], [b // bs for b in batch]
         shares = lease_shares(blocks, demands, batch=batch)
         heads = sorted((*s.heads[pool][:2], i, -(-s.heads[pool][2] // bs)) for i, s in enumerate(sessions)
                        if pool in s.heads)   # interactive requests first, then the longest waiting
@@ -360,8 +368,10 @@ class SessionHub:
             case AddRequest():
                 engine_id = session.tag + msg.request_id
                 pool = msg.pool or self.default_pool
-                session.requests[engine_id] = (pool, msg.credits)
+                session.requests[engine_id] = (pool, msg.credits, msg.background)
                 session.reserved[pool] = session.reserved.get(pool, 0) + msg.credits
+                if msg.background:
+                    session.reserved_batch[pool] = session.reserved_batch.get(pool, 0) + msg.credits
                 self._note_peaks(pool)
                 return [dataclasses.replace(msg, request_id=engine_id)]
             case AbortRequest() | PauseRequest():
@@ -437,15 +447,17 @@ class SessionHub:
         """A request ended: its credits are no longer reserved; the shares follow the demand that is left."""
         entry = session.requests.pop(engine_id, None)
         if entry is not None:
-            pool, credits = entry
+            pool, credits, background = entry
             session.reserved[pool] = session.reserved.get(pool, 0) - credits
+            if background:
+                session.reserved_batch[pool] -= credits
             if credits:
                 self.rebalance()   # its demand fell; what it held over its lease may go to another session
 
     def _stats_for(self, session: Session, stats):
         """The engine's stats with each pool's `num_session_blocks`: the blocks this session's requests hold."""
         blocks: dict[str, int] = {}
-        for engine_id, (pool, _) in session.requests.items():
+        for engine_id, (pool, _, _) in session.requests.items():
             state = self.engine.requests.get(engine_id)
             if state is not None:
                 blocks[pool] = blocks.get(pool, 0) + sum(len(seq.block_table) for seq in state.seqs)

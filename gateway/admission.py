@@ -105,6 +105,7 @@ class Placed:
     replica: int
     key: str                  # the request's id in the pool's ledger and placement
     credits: int = 0          # what its admission took there (a shared replica counts them: `engine.sessions`)
+    background: bool = False  # a batch line's credits
 
     @property
     def client(self):
@@ -180,7 +181,7 @@ class AdmissionControl:
                 key = f"{request_id}@{name}"
                 ticket = await stack.enter_async_context(self._hold(pool, key, needs[name], tenant, priority,
                                                                     background, work, n * len(prompts[name])))
-                placed[name] = Placed(pool, ticket.replica, key, ticket.charged)
+                placed[name] = Placed(pool, ticket.replica, key, ticket.charged, ticket.background)
                 self._count_placement(pool, ticket.replica, work, key)
             yield placed
 

@@ -89,7 +89,8 @@ async def merged(routed: Routed, params: SamplingParams, priority: int, request_
         where = placed[pool.name]
         return where.client.generate(ids, params, request_id=engine_id, priority=priority, pool=pool.name,
                                      cache_salt=pool.cache_salt(tenant),
-                                     credits=where.credits if first[pool.name] == i else 0)
+                                     credits=where.credits if first[pool.name] == i else 0,
+                                     background=where.background)
 
     if len(routed) == 1:
         pool, ids = routed[0]

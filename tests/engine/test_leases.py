@@ -19,7 +19,7 @@ import pytest
 from engine.config import CacheConfig, EngineConfig, PoolConfig
 from engine.remote_client import RemoteEngineClient
 from engine.sampling import SamplingParams
-from engine.messages import Lease, LeaseAck, ReportWaiting
+from engine.messages import AddRequest, Lease, LeaseAck, ReportWaiting
 from engine.sessions import Session, SessionHub, held_credits, lease_shares
 from gateway.admission import AdmissionControl
 from pools.credits.queue import CreditQueue, reservation
@@ -141,7 +141,7 @@ def test_an_offer_no_longer_wanted_gives_way_to_the_lease_held_and_its_late_ack_
 
 def test_an_interactive_request_first_in_line_goes_before_a_batch_line_that_waited_longer():
     """The first session queues batch lines (3,040 credits), the second interactive requests (304): batch
-    lines take only what the interactive demand leaves (192 and 320). Both sessions' first in line need
+    lines, queued or running, take only what the interactive demand leaves (192 and 320). Both sessions' first in line need
     304 credits: the first's a batch line queued an hour ago, which would need priority, the second's an
     interactive request queued a second ago, which fits its share: no batch line goes first while an
     interactive request waits anywhere; alone, the batch line does."""
@@ -149,6 +149,15 @@ def test_an_interactive_request_first_in_line_goes_before_a_batch_line_that_wait
     hub._inbound(first, ReportWaiting("p", 0, queued_batch=3040))
     hub._inbound(second, ReportWaiting("p", 1, queued=304))
     assert hub.targets("p") == {0: 192, 1: 320}
+    lines = [AddRequest(f"line-{i}", [1, 2], SamplingParams(), credits=128, background=True) for i in range(2)]
+    for line in lines:                          # running batch lines count as batch demand too
+        hub._inbound(first, line)
+    hub._inbound(second, ReportWaiting("p", 1, queued=1000))
+    assert hub.targets("p") == {0: 128, 1: 384} and first.reserved == {"p": 256}
+    for line in lines:
+        hub._release(first, "s1/" + line.request_id)
+    hub._inbound(second, ReportWaiting("p", 1, queued=304))
+    assert hub.targets("p") == {0: 192, 1: 320} and first.reserved_batch == {"p": 0}
     hub._inbound(first, ReportWaiting("p", 0, queued_batch=3040, head=304, head_waited=3600.0, head_background=True))
     hub._inbound(second, ReportWaiting("p", 1, queued=304, head=304, head_waited=1.0))
     assert hub.targets("p") == {0: 192, 1: 320}
@@ -298,3 +307,27 @@ def test_a_demand_that_moves_within_a_step_moves_no_lease():
                            (360, {0: 384, 1: 128}), (0, {0: 256, 1: 256})):
         hub._inbound(first, ReportWaiting("p", 1, queued=queued))
         assert hub.targets("p") == shares, queued
+
+
+def test_a_batch_lines_engine_request_says_it_is_one_and_carries_its_credits():
+    """What the gateway sends for a request placed by the admission (`local_answer.merged`): its credits,
+    and whether they are a batch line's (`Placed.background`, from the ledger's ticket), which a shared
+    replica counts as batch demand."""
+    from engine.outputs import RequestDelta
+    from gateway.admission import Placed
+    from gateway.local_answer import merged
+
+    sent = []
+
+    class Client:
+        async def generate(self, ids, params, **kwargs):
+            sent.append(kwargs)
+            yield RequestDelta(kwargs["request_id"], [], True)
+
+    async def main(background: bool):
+        pool = SimpleNamespace(name="chat", clients=[Client()], cache_salt=lambda tenant: None)
+        placed = {"chat": Placed(pool, 0, "r@chat", 96, background)}
+        return [i async for i, _ in merged([(pool, [1, 2, 3])], SamplingParams(), 0, "r", placed)]
+
+    assert asyncio.run(main(True)) == [0] and asyncio.run(main(False)) == [0]
+    assert [(k["credits"], k["background"]) for k in sent] == [(96, True), (96, False)]

@@ -154,7 +154,8 @@ class _ScriptedEngine:
         self.prompts: list[list[int]] = []
         script = self
 
-        async def generate(client, prompt, params=None, *, request_id=None, priority=0, pool=None, cache_salt=None, credits=0):
+        async def generate(client, prompt, params=None, *, request_id=None, priority=0, pool=None, cache_salt=None, credits=0,
+                           background=False):
             script.prompts.append(list(prompt))
             for k, piece in enumerate(script.pieces):
                 last = k == len(script.pieces) - 1
