@@ -116,10 +116,11 @@ def test_a_gateway_killed_mid_run_loses_nothing_unstarted_and_its_share_returns_
                for look in looks for c in look.replicas.values() for p in c["pools"].values())
     assert 0 < pool["peak_reserved"] <= capacity and pool["peak_held"] == capacity
 
-    # both gateways held half the pool; the survivor leases the whole of it again at once
+    # both gateways shared the pool (by demand: each at least its floor of a quarter; half and half while
+    # neither asks more, as under this light load); the survivor leases the whole of it again at once
     before = [look.replicas[name]["pools"]["chat"]["leases"] for look in looks if look.t_s < killed_s]
-    assert sorted(before[-1]) == [capacity // 2, capacity - capacity // 2], before[-1]
-    assert shared["cliffguard_kv_credits_total"] == capacity - capacity // 2     # the survivor's ledger: its lease
+    assert sum(before[-1]) == capacity and min(before[-1]) >= capacity // 4, before[-1]
+    assert capacity // 4 <= shared["cliffguard_kv_credits_total"] <= capacity - capacity // 4   # the survivor's lease
     assert whole["cliffguard_kv_credits_total"] == capacity
     assert shared["cliffguard_replica_held_credits"] == whole["cliffguard_replica_held_credits"] == capacity
     back = lease_back_s(looks, killed_s)
