@@ -3,9 +3,9 @@
 They travel as typed MessagePack frames (`engine.wire`) over the socket of `engine.ipc.Channel`; `engine.worker` (the worker
 process) and `engine.client` (the gateway's `AsyncEngineClient`) match on their types.
 
-Gateway -> worker: `AddRequest`, `AbortRequest`, `PauseRequest` (a response whose client reads too
-slowly: its sequences keep their blocks but are not stepped until resumed), `ReportWaiting` (requests
-of a pool waiting at the gateway: the step composer's pressure, and a shared replica's lease demand), `StatsQuery`, `Shutdown`,
+Gateway -> worker: `AddRequest`, `AbortRequest`, `PauseRequest` (a response whose client reads too slowly: its
+sequences keep their blocks but are not stepped until resumed), `ReportWaiting` (requests of a pool waiting at
+the gateway: the step composer's pressure, and a shared replica's lease demand), `StatsQuery`, `Shutdown`,
 `Keepalive` (over a network only: the gateway is there; `engine.remote`), `LeaseAck`.
 Worker -> gateway: `Ready` (once loaded), `StartupError`, `Outputs` (each step's deltas, and now and
 then the engine's counters), `Rejected` (a request the engine refused, or whose handling failed),

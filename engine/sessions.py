@@ -18,26 +18,25 @@ keeps, for every pool,
 
     sum over sessions of max(lease, reserved) <= capacity
 
-so the gateways together can never promise more KV than the replica has, whatever the order in which
-their messages cross. The shares follow demand (`SessionHub.targets`, `lease_shares`): each gateway
-reports what its queue asks of the replica (`ReportWaiting`: the credits its waiting requests ask for,
-and the request first in line, its credits and how long it has waited); a session's demand is what
-its running interactive requests reserve plus what its interactive queue asks, in steps of a sixteenth
-of the pool (kept until it moves more than a step). The pool is shared max-min fair over the demands, every session
-keeping at least half an equal share (an idle gateway admits its next requests at once); what is left
-goes max-min fair to the sessions' batch lines, running (`AddRequest.background`) and queued (they
-take only what interactive demand leaves, as within one gateway), and what nothing takes raises the smallest shares to one level: alone, a session leases the whole pool; k idle ones
-capacity / k each; one busy beside an idle one, three quarters. A request first in line that needs
-more than its gateway's share (a long document beside another busy gateway) is not starved: the
-session whose such request has waited longest (a batch line only while no interactive request is
-first in line at any gateway) is given that
-much, and the others share the rest, below their floor if need be, until it is admitted; meanwhile
-its own gateway admits nothing before it, so its running requests drain. A lease that shrinks
-takes effect when the gateway acknowledges it (`LeaseAck`: every request it admitted under the larger
-lease was sent before the ack, on the same ordered connection), and what it then frees goes to the
-sessions below their share as its reserved credits come back; a lease that grows is granted at once
-from what no session holds. A session that ends (its gateway closed, was killed, or went silent past
-the link's deadline) has its requests aborted, and its share is offered to the others at once.
+so the gateways together can never promise more KV than the replica has, whatever the order in which their
+messages cross. The shares follow demand (`SessionHub.targets`, `lease_shares`): each gateway reports what its
+queue asks of the replica (`ReportWaiting`: the credits its waiting requests ask for, and the request first in
+line, its credits and how long it has waited); a session's demand is what its running interactive requests
+reserve plus what its interactive queue asks, in steps of a sixteenth of the pool (kept until it moves more
+than a step). The pool is shared max-min fair over the demands, every session keeping at least half an equal
+share (an idle gateway admits its next requests at once); what is left goes max-min fair to the sessions'
+batch lines, running (`AddRequest.background`) and queued (they take only what interactive demand leaves, as
+within one gateway), and what nothing takes raises the smallest shares to one level: alone, a session leases
+the whole pool; k idle ones capacity / k each; one busy beside an idle one, three quarters. A request first in
+line that needs more than its gateway's share (a long document beside another busy gateway) is not starved:
+the session whose such request has waited longest (a batch line only while no interactive request is first in
+line at any gateway) is given that much, and the others share the rest, below their floor if need be, until it
+is admitted; meanwhile its own gateway admits nothing before it, so its running requests drain. A lease that
+shrinks takes effect when the gateway acknowledges it (`LeaseAck`: every request it admitted under the larger
+lease was sent before the ack, on the same ordered connection), and what it then frees goes to the sessions
+below their share as its reserved credits come back; a lease that grows is granted at once from what no
+session holds. A session that ends (its gateway closed, was killed, or went silent past the link's deadline)
+has its requests aborted, and its share is offered to the others at once.
 
 `num_session_blocks` in each pool's stats is the blocks the session's own requests hold, which the
 gateway reconciles its credits with (the replica's whole usage would count the other gateways' requests

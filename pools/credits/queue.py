@@ -247,8 +247,8 @@ class CreditQueue:
     def lease_demand(self, replica: int, now: float | None = None) -> LeaseDemand:
         """What this gateway asks of `replica`'s credits beyond what it holds there, for a replica shared by
         several gateways (`engine.sessions`): the credits the queued interactive requests ask for and those
-        the batch lines ask for, and the request first in line (`CreditLedger.first_waiting`): the credits it needs there, how long it has waited,
-        its id, whether it is a batch line."""
+        the batch lines ask for, and the request first in line (`CreditLedger.first_waiting`): the credits
+        it needs there, how long it has waited, its id, whether it is a batch line."""
         ledger = self.ledger
         queued, batch = ledger.queued_tokens - ledger.background_tokens, ledger.background_tokens
         head = ledger.first_waiting()

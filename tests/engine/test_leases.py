@@ -24,7 +24,7 @@ from engine.sessions import Session, SessionHub, held_credits, lease_shares
 from gateway.admission import AdmissionControl
 from pools.credits.queue import CreditQueue, reservation
 from tests.conftest import make_tiny_model, started_replica
-from tests.engine.test_remote import _Link
+from tests.engine.test_remote import _Link, _until
 
 BLOCK = 8
 BLOCKS = 64             # 512 credits: an equal share of two gateways is 256
@@ -141,10 +141,10 @@ def test_an_offer_no_longer_wanted_gives_way_to_the_lease_held_and_its_late_ack_
 
 def test_an_interactive_request_first_in_line_goes_before_a_batch_line_that_waited_longer():
     """The first session queues batch lines (3,040 credits), the second interactive requests (304): batch
-    lines, queued or running, take only what the interactive demand leaves (192 and 320). Both sessions' first in line need
-    304 credits: the first's a batch line queued an hour ago, which would need priority, the second's an
-    interactive request queued a second ago, which fits its share: no batch line goes first while an
-    interactive request waits anywhere; alone, the batch line does."""
+    lines, queued or running, take only what the interactive demand leaves (192 and 320). Both sessions'
+    first in line need 304 credits: the first's a batch line queued an hour ago, which would need
+    priority, the second's an interactive request queued a second ago, which fits its share: no batch
+    line goes first while an interactive request waits anywhere; alone, the batch line does."""
     hub, first, second = _hub()
     hub._inbound(first, ReportWaiting("p", 0, queued_batch=3040))
     hub._inbound(second, ReportWaiting("p", 1, queued=304))
@@ -222,17 +222,11 @@ class _Gateway:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, builtin_path):
     folder = make_tiny_model(tmp_path_factory.mktemp("tiny-leases"), "llama", builtin_path)
-    config = EngineConfig(model=str(folder), cache=CacheConfig(block_size=BLOCK), pools=(PoolConfig(num_blocks=BLOCKS),))
+    config = EngineConfig(model=str(folder), cache=CacheConfig(block_size=BLOCK),
+                          pools=(PoolConfig(num_blocks=BLOCKS),))
     server = started_replica(config, timeout=30)
     assert server.state == "ready"
     return server
-
-
-async def _until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "not within the time"
-        await asyncio.sleep(0.02)
 
 
 async def _two_gateways(server) -> tuple[_Gateway, _Gateway]:
