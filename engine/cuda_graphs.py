@@ -20,12 +20,18 @@ count suits any length), and every per-step tensor the kernels read (the attenti
 rotary rows, the metadata) is either a static buffer or built from one on the device. The plan is built
 by the eager warm-up run before each capture, so no host-to-device copy happens during capture.
 
+With tensor parallelism each rank captures its own shard's forward, the all-reduces of its row-parallel
+layers inside the graph (NCCL collectives are capturable; the communicator is set up by the eager
+warm-up before the first capture). Rank 0 tells the others when (`engine.parallel.CaptureGraphs`), so
+every rank runs the same warm-ups and captures in the same order, and each decode step replays the same
+size on every rank: the collectives pair up as they do in an eager step.
+
 `GraphBackend` hides `torch.cuda.CUDAGraph`: tests replay the same logic on the CPU with a recorder that
 re-runs exactly the launches it saw at capture (tests/engine/graph_recorder.py), which is what a CUDA
 graph does, so a launch decision read from a per-step Python value fails there as it would on a GPU.
 
 Memory: graphs keep their pool's activations; `graph_memory_bytes` is what the capacity plan sets aside
-(`pools.capacity_plan`), and `DecodeGraphs.capture` measures what capture took on CUDA and logs it beside
+on each GPU (`pools.capacity_plan`, of one rank's shard), and `DecodeGraphs.capture` measures what capture took on CUDA and logs it beside
 that reserve. `enforce_eager: true` on a device (YAML) turns graphs off.
 """
 

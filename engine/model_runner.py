@@ -25,8 +25,8 @@ from engine.kv_scales import measure_kv_scales
 from engine.model import LlamaForCausalLM
 from engine.models import build_model
 from engine.overlap import fill_pending
-from engine.parallel import (Collectives, FollowerArgs, PlanLink, RankSetup, ShardShape, StepPlan, TensorParallelGroup,
-                             die_with_parent, join_group)
+from engine.parallel import (CaptureGraphs, Collectives, FollowerArgs, PlanLink, RankSetup, ShardShape, StepPlan,
+                             TensorParallelGroup, die_with_parent, join_group)
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 from kernels import get_backend
@@ -95,14 +95,16 @@ class _Forward:
 
     def graphs_apply(self, enforce_eager: bool) -> bool:
         """Whether decode steps should replay CUDA graphs: on CUDA with the Triton kernels (the graph-safe
-        ones), one rank, a model whose forward never asks the device a question (`graph_safe`: Qwen3-MoE's
-        expert loop does), unless the device says `enforce_eager`."""
-        return (self.device.type == "cuda" and not enforce_eager and not self.tensor_parallel
+        ones), a model whose forward never asks the device a question (`graph_safe`: Qwen3-MoE's expert
+        loop does), unless the device says `enforce_eager`. With tensor parallelism every rank captures
+        (`ModelRunner.capture_graphs`), the all-reduces inside the graphs."""
+        return (self.device.type == "cuda" and not enforce_eager
                 and self.model.graph_safe and self.backend is sys.modules.get("kernels.triton_attention"))
 
     def capture_graphs(self, max_batch: int, max_model_len: int, graphs: GraphBackend | None = None) -> None:
-        """Capture the decode forward for every padded batch size up to `max_batch` (`engine.cuda_graphs`);
-        from then on decode-only steps replay them. `graphs`: how (default: CUDA graphs on this device)."""
+        """Capture this rank's decode forward for every padded batch size up to `max_batch`
+        (`engine.cuda_graphs`); from then on decode-only steps replay them. `graphs`: how (default: CUDA
+        graphs on this device)."""
         with self._grad_mode():
             self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, self.backend, self.device, max_batch,
                                        max_model_len, self.kv_cache.block_size,
@@ -207,6 +209,15 @@ class ModelRunner(_Forward):
                 if self.tensor_parallel:
                     self._moves.append((kind, pool, list(pairs)))
 
+    def capture_graphs(self, max_batch: int, max_model_len: int, graphs: GraphBackend | None = None) -> None:
+        """Capture the decode graphs here and, with tensor parallelism, on every other rank at once: they
+        are told first (`CaptureGraphs`, with `graphs` pickled: None means CUDA graphs on each rank's
+        device), so each rank's warm-up and capture run the same forwards in the same order and their
+        all-reduces pair up, as they do at every replay."""
+        if self.tensor_parallel:
+            self.group.broadcast(CaptureGraphs(max_batch, max_model_len, graphs))
+        super().capture_graphs(max_batch, max_model_len, graphs)
+
     def setup_followers(self) -> None:
         """Tell the other ranks what rank 0 built beside its KV cache (the pools' swap spaces), so they
         allocate the same; then wait until each has loaded and said so (from then on rank 0 watches
@@ -250,8 +261,8 @@ class FollowerRunner(_Forward):
             model.load_weights(iter_weights(path))
         if use_packed_linears(device, dtype):
             pack_linears(model)
-        kv_cache = KVCache(model_config, config.num_blocks, config.cache.block_size, config.resolved_kv_dtype(device), device,
-                           num_kv_heads=shard.num_kv_heads)
+        kv_cache = KVCache(model_config, config.num_blocks, config.cache.block_size, config.resolved_kv_dtype(device),
+                           device, num_kv_heads=shard.num_kv_heads)
         runner = cls(model, kv_cache, device, link)
         runner.compile_kernels()
         setup = link.receive()
@@ -265,11 +276,15 @@ class FollowerRunner(_Forward):
         return self.model.comm.broadcast(torch.empty(count, dtype=torch.int64, device=self.device))
 
     def serve(self) -> None:
-        """Run plans until a `stop` plan comes (rank 0 closing). Waiting for a plan has no timeout (an
-        idle group stays whole); rank 0's end raises EOFError here, and a collective that fails because
-        a rank is gone (or past the collective timeout) RuntimeError, to the caller."""
+        """Run plans until a `stop` plan comes (rank 0 closing); capture the decode graphs when told
+        (`CaptureGraphs`). Waiting for a plan has no timeout (an idle group stays whole); rank 0's end
+        raises EOFError here, and a collective that fails because a rank is gone (or past the collective
+        timeout) RuntimeError, to the caller."""
         while True:
             plan = self.link.receive()
+            if isinstance(plan, CaptureGraphs):
+                self.capture_graphs(plan.max_batch, plan.max_model_len, plan.backend)
+                continue
             if plan.stop:
                 return
             for kind, pool, pairs in plan.moves:

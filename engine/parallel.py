@@ -172,6 +172,17 @@ class RankSetup:
     swap_blocks: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class CaptureGraphs:
+    """Rank 0's word to capture the decode graphs (`engine.cuda_graphs`), sent between plans once an FP8
+    cache's scales are measured: every rank captures the same sizes in the same order, so the all-reduces
+    inside the captured forwards pair up at capture and at every replay."""
+
+    max_batch: int
+    max_model_len: int
+    backend: object = None   # the `GraphBackend` to capture with; None: CUDA graphs on the rank's device
+
+
 class Collectives:
     """The model's collectives over a tensor-parallel group; identity when the group has one rank."""
 

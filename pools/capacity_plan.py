@@ -4,7 +4,8 @@ Per device (with tensor parallelism T the weights and the KV heads are split ove
 
     S_KV        = 2 x num_layers x num_kv_heads x head_dim x dtype_bytes          (per token, whole model)
     weights     = num_params x dtype_bytes                                          (not file sizes)
-    KV space    = memory_utilization x memory - weights / T                         (per GPU)
+    graphs      = one rank's decode CUDA graphs (`graph_memory_bytes`; 0 off CUDA or enforce_eager)
+    KV space    = memory_utilization x memory - weights / T - graphs                (per GPU)
     pool KV     = kv_share x KV space   |   kv_cache_bytes                          (per GPU)
     blocks      = floor(pool KV / (S_KV / T x block_size))
     max_num_seqs = floor(pool KV / (S_KV / T x avg_len))                            (unless overridden)
@@ -295,15 +296,16 @@ def _no_room_for_kv(dkey: str, dev: DeviceSpec, memory: int, source: str, model:
 
 
 def _graph_reserve(model: ModelConfig, dev: DeviceSpec, device_type: str, tp: int, dtype: torch.dtype) -> int:
-    """Bytes per GPU set aside for the decode graphs: where the engine captures them (CUDA, one rank, not
+    """Bytes per GPU set aside for the decode graphs: where the engine captures them (CUDA, not
     `enforce_eager`), for the largest batch it captures (`MAX_GRAPH_BATCH`: the pools' sizes come from
-    what is left, so the plan takes the cap)."""
-    if device_type != "cuda" or dev.enforce_eager or tp != 1:
+    what is left, so the plan takes the cap), of one rank's shard (each rank captures its own)."""
+    if device_type != "cuda" or dev.enforce_eager:
         return 0
-    return graph_memory_bytes(model.hidden_size, model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim,
-                              model.intermediate_size, model.num_heads, model.head_dim, MAX_GRAPH_BATCH,
+    shard = ShardShape.of(model, 0, tp)
+    return graph_memory_bytes(model.hidden_size, shard.num_heads * model.head_dim, shard.num_kv_heads * model.head_dim,
+                              shard.intermediate_size, shard.num_heads, model.head_dim, MAX_GRAPH_BATCH,
                               dtype.itemsize, num_experts=model.num_experts, top_k=model.num_experts_per_tok,
-                              moe_intermediate_size=model.moe_intermediate_size)
+                              moe_intermediate_size=shard.moe_intermediate_size)
 
 
 def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int, kv_dev: int, tp: int,

@@ -48,6 +48,8 @@ def _device_lines(d: DevicePlan) -> list[str]:
         ("utilization", f"{d.memory_utilization} -> {fmt_bytes(d.usable_bytes)}{per}"),
         ("weights", f"{fmt_bytes(d.weights_bytes)} ({d.weights_bytes:,} B)"
                     + (f", {fmt_bytes(d.weights_bytes_per_device)} per GPU" if tp > 1 else "")),
+        *([("graphs", f"{fmt_bytes(d.graph_bytes_per_device)}{per} for the decode CUDA graphs "
+                      "(enforce_eager: true frees it)")] if d.graph_bytes_per_device else []),
         ("KV bytes", f"{fmt_bytes(d.kv_space_bytes_per_device)}{per}"
                      + (f", {fmt_bytes(d.kv_space_bytes)} per replica" if tp > 1 and d.replicas > 1 else "")
                      + (f", {fmt_bytes(d.kv_space_bytes * d.replicas)} total" if tp > 1 or d.replicas > 1 else "")),

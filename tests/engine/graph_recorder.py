@@ -6,6 +6,8 @@ them. `RecordingGraphBackend` does the same with what a CPU run launches: every 
 `TorchDispatchMode`, with its tensor arguments by identity) and every Triton kernel launch (through the
 interpreter, `TRITON_INTERPRET=1`, with its grid and scalars as they were). A replay re-runs that list;
 a functional op's fresh result is copied into the tensor the capture produced, which later ops hold.
+A collective (`c10d.allreduce_` over gloo, tensor parallelism) is an op like the others: replayed, it
+runs again with the other ranks' replays, and the replay waits for it as a graph's stream would.
 
 So a launch decision taken from a per-step Python value (a length read from a list, a plan built from
 `seq_lens_list`) is frozen at capture here as it would be on a GPU, and a test that changes the step
@@ -15,6 +17,7 @@ to it: tests that use it run the torch or Triton ops.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -46,9 +49,11 @@ class _Recorder(TorchDispatchMode):
 class RecordingGraphBackend(GraphBackend):
     """`GraphBackend` whose graphs are recordings replayed op by op (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tally: str | None = None) -> None:
         self.captures = 0
         self.replays = 0
+        self.tally = tally   # a file each capture and replay appends "<pid> capture|replay" to (a copy
+                             # pickled to another process, a follower rank, counts there)
 
     def capture(self, fn):
         from triton.runtime.interpreter import InterpretedFunction
@@ -72,12 +77,19 @@ class RecordingGraphBackend(GraphBackend):
         finally:
             InterpretedFunction.run = original
         self.captures += 1
+        self._mark("capture")
         return recorder.entries, out
+
+    def _mark(self, what: str) -> None:
+        if self.tally is not None:
+            with open(self.tally, "a") as f:
+                f.write(f"{os.getpid()} {what}\n")
 
     def replay(self, graph) -> None:
         from triton.runtime.interpreter import InterpretedFunction
 
         self.replays += 1
+        self._mark("replay")
         for kind, fn, args, kwargs, outputs in graph:
             if kind == "triton":
                 kwargs = dict(kwargs)
@@ -85,7 +97,11 @@ class RecordingGraphBackend(GraphBackend):
                 InterpretedFunction.run(fn, *args, grid=grid, warmup=False, **kwargs)
                 continue
             result = fn(*args, **kwargs)
-            fresh = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+            leaves = tree_flatten(result)[0]
+            for work in leaves:    # a collective (c10d): a graph's stream waits for it; here its Work
+                if isinstance(work, torch.ScriptObject) and hasattr(work, "wait"):
+                    work.wait()
+            fresh = [t for t in leaves if isinstance(t, torch.Tensor)]
             for captured, new in zip(outputs, fresh):
                 if captured.shape != new.shape:
                     raise GraphUnsafeError(f"{fn}: output {tuple(new.shape)} at replay, {tuple(captured.shape)} at "

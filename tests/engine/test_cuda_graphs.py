@@ -102,6 +102,36 @@ def test_graphs_captured_at_start_use_the_measured_fp8_scales(tiny, monkeypatch)
     assert results[True] == results[False]
 
 
+def test_two_ranks_capture_and_replay_their_graphs_in_lockstep(tiny, monkeypatch, tmp_path):
+    """Tensor parallelism 2 (gloo, two processes): rank 0 tells its follower to capture
+    (`engine.parallel.CaptureGraphs`), each rank records the same sizes, and every decode step replays on
+    both, the all-reduces inside the recordings pairing up at each replay. Greedy tokens equal the same
+    group's eager run; the follower's own recorder counts its replays (in `tally`)."""
+    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton")   # the followers inherit it
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 19, 33)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 14, 5)]
+    engine = LLMEngine(EngineConfig(model=str(tiny), device="cpu", dtype="float32", tensor_parallel_size=2,
+                                    cache=CacheConfig(block_size=8),
+                                    pools=(PoolConfig(num_blocks=24, scheduler=SchedulerConfig(
+                                        max_num_seqs=MAX_SEQS, max_num_batched_tokens=32, max_model_len=128,
+                                        enable_prefix_caching=False)),)), progress=False)
+    try:
+        assert engine.runner.graphs is None                       # CPU: eager unless told
+        eager = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        tally = tmp_path / "tally"
+        recorder = RecordingGraphBackend(str(tally))
+        engine.runner.capture_graphs(MAX_SEQS, 128, recorder)
+        replayed = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+        assert_all_free(engine)
+    finally:
+        engine.close()
+    assert replayed == eager
+    follower = [line.split()[1] for line in tally.read_text().splitlines() if int(line.split()[0]) != os.getpid()]
+    assert follower.count("capture") == 3 and recorder.captures == 3
+    assert follower.count("replay") == recorder.replays > 10   # every replay here was one there
+
+
 def _direct(tiny, monkeypatch, backend: str):
     """A DecodeGraphs over the engine's model, fed by hand: (graphs, engine)."""
     engine = _engine(tiny, monkeypatch, backend)

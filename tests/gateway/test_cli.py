@@ -61,7 +61,7 @@ def test_capacity_command_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
     assert [p["name"] for p in out["pools"]] == ["chat", "rag"]
-    assert [p["max_num_seqs"] for p in out["pools"]] == [569, 142]
+    assert [p["max_num_seqs"] for p in out["pools"]] == [566, 141]
     assert out["devices"][0]["kv_bytes_per_token"] == 327_680 and out["devices"][0]["tensor_parallel_size"] == 8
     assert "overload" not in out                       # only with --rate
 
@@ -70,7 +70,7 @@ def test_capacity_command_resolves_models_and_prints_tables(capsys):
     rc = main(["capacity", "--config", str(EXAMPLE), "--vram", "80GiB"])   # the model folder beside the YAML
     out = capsys.readouterr().out
     assert rc == 0
-    for text in ("S_KV", "327,680 B/token", "max_num_seqs", "569", "142", "max-len concurrent", "fragmentation",
+    for text in ("S_KV", "327,680 B/token", "max_num_seqs", "566", "141", "max-len concurrent", "fragmentation",
                  "80.00 GiB per GPU (--vram)"):
         assert text in out
 
@@ -112,7 +112,7 @@ def test_capacity_rate_says_overloaded_or_not_on_the_h100_roofline_by_default(ca
     verdict = json.loads(capsys.readouterr().out)["overload"]["h100x8"]
     assert verdict["overloaded"] and verdict["offered_load"] > 1 and verdict["replicas_needed"] >= 2
     assert verdict["pools"]["chat"]["rate"] == pytest.approx(40 * 0.8, rel=0.01)       # mixed: 80% chat
-    assert verdict["pools"]["chat"]["max_num_seqs"] == 569 and verdict["pools"]["rag"]["max_num_batched_tokens"] == 8192
+    assert verdict["pools"]["chat"]["max_num_seqs"] == 566 and verdict["pools"]["rag"]["max_num_batched_tokens"] == 8192
     assert main(argv + ["--rate", "40", "--device", "h200"]) == 0
     assert "overloaded; " in capsys.readouterr().out
     assert main(argv + ["--rate", "0"]) == 2 and "--rate: must be > 0" in _error_line(capsys)

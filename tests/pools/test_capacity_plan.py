@@ -53,19 +53,26 @@ def test_llama3_70b_on_8xh100_matches_hand_arithmetic():
     s_kv = 2 * 80 * 8 * 128 * 2
     assert s_kv == 327_680 and s_kv / 2**20 == 0.3125
     assert weights == 141_107_412_992                         # the seed's "140 GB for 70B FP16"
-    kv_per_gpu = int(0.9 * 80 * GiB) - weights // 8           # weights / TP=8 (exact here)
+    # each rank's decode graphs (engine.cuda_graphs.graph_memory_bytes): its shard's activations at batch
+    # 512 (8 of 64 heads, 1 of 8 KV heads, 3584 MLP rows; flash-decoding partials of 8 heads x 16 splits)
+    # doubled, plus 64 MiB
+    per_token = 2 * (5 * h + 1024 + 2 * 128 + 1024 + 3 * (i // 8) + 128) + 4 * 8 * 16 * (128 + 2)
+    graphs = 2 * 512 * per_token + (64 << 20)
+    assert graphs == 246_153_216                              # 234.75 MiB per GPU
+    kv_per_gpu = int(0.9 * 80 * GiB) - weights // 8 - graphs  # weights / TP=8 (exact here)
     d = plan.devices["h100x8"]
+    assert d.graph_bytes_per_device == graphs
     assert (d.weights_bytes, d.weights_bytes_per_device, d.kv_bytes_per_token) == (weights, weights // 8, s_kv)
     assert d.kv_bytes_per_token_per_device == s_kv // 8 == 40_960
     assert d.kv_space_bytes_per_device == kv_per_gpu and d.kv_space_bytes == 8 * kv_per_gpu
-    for name, share, avg_len, expected_seqs in (("chat", 0.4, 1024, 569), ("rag", 0.6, 6144, 142)):
+    for name, share, avg_len, expected_seqs in (("chat", 0.4, 1024, 566), ("rag", 0.6, 6144, 141)):
         p = plan.pools[name]
         pool_kv = int(share * kv_per_gpu)
         assert p.kv_cache_bytes_per_device == pool_kv
         assert p.num_blocks == pool_kv // (40_960 * 16)
         assert p.max_num_seqs == pool_kv // (40_960 * avg_len) == expected_seqs
-        # the same formula on the whole TP group: (0.9 x 8 x VRAM - weights) x share / (S_KV x avg_len)
-        assert abs(p.max_num_seqs - share * (0.9 * 8 * 80 * GiB - weights) / (s_kv * avg_len)) < 1
+        # the same formula on the whole TP group: (0.9 x 8 x VRAM - weights - graphs) x share / (S_KV x avg_len)
+        assert abs(p.max_num_seqs - share * (0.9 * 8 * 80 * GiB - weights - 8 * graphs) / (s_kv * avg_len)) < 1
         assert p.max_concurrent_at_max_len == p.num_blocks // 512
         assert p.fragmentation_bytes == 15 * 40_960 * p.max_num_seqs // 2
         assert p.fragmentation_fraction == pytest.approx(7.5 / avg_len, rel=0.01)
@@ -159,7 +166,7 @@ def test_explicit_budgets_above_the_device():
     for pool in data["pools"]:
         pool.pop("kv_share")
         pool["kv_cache_bytes"] = "30GiB"
-    with pytest.raises(SpecError, match=r"^pools\[0\]\.kv_cache_bytes: 30\.00 GiB.* 60\.00 GiB .*55\.57 GiB"):
+    with pytest.raises(SpecError, match=r"^pools\[0\]\.kv_cache_bytes: 30\.00 GiB.* 60\.00 GiB .*55\.34 GiB"):
         _plan_example(data)
 
 
@@ -168,7 +175,7 @@ def test_max_num_seqs_override_above_the_formula_is_reported():
     data["pools"][1]["max_num_seqs"] = 1000
     _, plan = _plan_example(data)
     rag = plan.pools["rag"]
-    assert (rag.max_num_seqs, rag.formula_max_num_seqs, rag.max_num_seqs_overridden) == (1000, 142, True)
+    assert (rag.max_num_seqs, rag.formula_max_num_seqs, rag.max_num_seqs_overridden) == (1000, 141, True)
     assert len(plan.warnings) == 1 and "pools[1].max_num_seqs: 1000" in plan.warnings[0]
 
 
@@ -286,7 +293,10 @@ def test_plan_single_pool_is_the_yaml_planner(builtin_path):
         plan_single_pool(str(builtin_path), device="cpu", kv_cache_bytes=64 << 20, block_size=12)
 
 
-def test_a_single_gpu_sets_aside_the_decode_graphs_memory_unless_enforce_eager():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_each_gpu_sets_aside_its_decode_graphs_memory_unless_enforce_eager(tp):
+    """Each rank captures its own shard's graphs: with two, a GPU sets aside the activations of half the
+    heads, KV heads and MLP rows."""
     from engine.cuda_graphs import MAX_GRAPH_BATCH, graph_memory_bytes
 
     model = _llama70b(num_hidden_layers=4, hidden_size=1024, intermediate_size=2816, num_attention_heads=16,
@@ -294,13 +304,15 @@ def test_a_single_gpu_sets_aside_the_decode_graphs_memory_unless_enforce_eager()
     plans = {}
     for eager in (False, True):
         data = _small_config()
-        data["devices"]["default"] = {"device": "cuda", "memory": "8GiB", "enforce_eager": eager}
+        data["devices"]["default"] = {"device": "cuda", "memory": "8GiB", "enforce_eager": eager,
+                                      "tensor_parallel_size": tp}
         config = parse_config(data, env={})
         plans[eager] = plan_capacity(config, {"builtin:smollm2-135m-instruct": model}).devices["default"]
-    reserve = graph_memory_bytes(1024, 1024, 256, 2816, 16, 64, MAX_GRAPH_BATCH, 2)
+    reserve = graph_memory_bytes(1024, 1024 // tp, 256 // tp, 2816 // tp, 16 // tp, 64, MAX_GRAPH_BATCH, 2)
     assert plans[False].graph_bytes_per_device == reserve and plans[True].graph_bytes_per_device == 0
     assert plans[True].kv_space_bytes_per_device - plans[False].kv_space_bytes_per_device == reserve
-    assert plans[False].kv_space_bytes_per_device == int(0.9 * 8 * GiB) - model.num_params() * 2 - reserve
+    assert plans[False].kv_space_bytes_per_device == \
+        int(0.9 * 8 * GiB) - -(-model.num_params() * 2 // tp) - reserve
     data["devices"]["default"]["enforce_eager"] = "yes"
     with pytest.raises(SpecError, match="enforce_eager"):
         parse_config(data, env={})
