@@ -21,8 +21,9 @@ rotary rows, the metadata) is either a static buffer or built from one on the de
 by the eager warm-up run before each capture, so no host-to-device copy happens during capture.
 
 With tensor parallelism each rank captures its own shard's forward, the all-reduces of its row-parallel
-layers inside the graph (NCCL collectives are capturable; the communicator is set up by the eager
-warm-up before the first capture). Rank 0 tells the others when (`engine.parallel.CaptureGraphs`), so
+layers inside the graph (NCCL collectives are capturable; the communicator exists from the group's
+start, `engine.parallel.join_group`, which also turns off NCCL's cuMem buffers that would cost each
+captured all-reduce memory of its own). Rank 0 tells the others when (`engine.parallel.CaptureGraphs`), so
 every rank runs the same warm-ups and captures in the same order, and each decode step replays the same
 size on every rank: the collectives pair up as they do in an eager step.
 
@@ -31,8 +32,8 @@ re-runs exactly the launches it saw at capture (tests/engine/graph_recorder.py),
 graph does, so a launch decision read from a per-step Python value fails there as it would on a GPU.
 
 Memory: graphs keep their pool's activations; `graph_memory_bytes` is what the capacity plan sets aside
-on each GPU (`pools.capacity_plan`, of one rank's shard), and `DecodeGraphs.capture` measures what capture took on CUDA and logs it beside
-that reserve. `enforce_eager: true` on a device (YAML) turns graphs off.
+on each GPU (`pools.capacity_plan`, of one rank's shard), and `DecodeGraphs.capture` measures what
+capture took on CUDA and logs it beside that reserve. `enforce_eager: true` on a device (YAML) turns graphs off.
 """
 
 from __future__ import annotations

@@ -214,8 +214,9 @@ class ModelRunner(_Forward):
         are told first (`CaptureGraphs`, with `graphs` pickled: None means CUDA graphs on each rank's
         device), so each rank's warm-up and capture run the same forwards in the same order and their
         all-reduces pair up, as they do at every replay."""
-        if self.tensor_parallel:
-            self.group.broadcast(CaptureGraphs(max_batch, max_model_len, graphs))
+        if self.tensor_parallel:   # a CUDA backend is made by each rank, on its own device
+            sent = None if graphs is None or isinstance(graphs, CudaGraphBackend) else graphs
+            self.group.broadcast(CaptureGraphs(max_batch, max_model_len, sent))
         super().capture_graphs(max_batch, max_model_len, graphs)
 
     def setup_followers(self) -> None:

@@ -408,6 +408,10 @@ def join_group(device: torch.device, rank: int, size: int, init_method: str,
     `INIT_TIMEOUT_SECONDS`, every collective after it `collective_timeout` seconds."""
     timeout = datetime.timedelta(seconds=INIT_TIMEOUT_SECONDS)
     if device.type == "cuda":
+        # NCCL's cuMem buffers cost each all-reduce captured in a decode graph memory of its own (1-2 GiB
+        # over the graphs of a large model, NVIDIA/nccl#1234) that the capacity plan does not set aside;
+        # one node's ranks need no cuMem. Set before the communicator exists; a user's own value wins.
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
         torch.cuda.set_device(device)
         torch.distributed.init_process_group("nccl", init_method=init_method, rank=rank, world_size=size,
                                              timeout=timeout, device_id=device)

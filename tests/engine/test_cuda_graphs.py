@@ -2,7 +2,8 @@
 
 No GPU here: `tests.engine.graph_recorder.RecordingGraphBackend` captures what a CUDA graph captures
 (every launch with its arguments frozen) and replays only that, on the Triton kernels through the
-interpreter. The engine's greedy output with graphs equals its output without; a replay equals the
+interpreter. The engine's greedy output with graphs equals its output without, on one rank and on two
+(the follower capturing and replaying in lockstep, an FP8 cache's scales measured first); a replay equals the
 eager forward and writes only the step's slots; the torch reference, which is not graph-safe, is caught
 by the same recorder; the sizes and what the plan sets aside.
 """
@@ -75,58 +76,42 @@ def test_greedy_tokens_are_the_same_with_graphs_and_without(tiny, monkeypatch):
     assert results[True] == results[False]
 
 
-def test_graphs_captured_at_start_use_the_measured_fp8_scales(tiny, monkeypatch):
-    """A capture freezes each launch's scalars, the FP8 cache's k_scale / v_scale among them: the engine
-    measures the scales (engine.kv_scales) before it captures, so a replay reads the prefill's K/V with
-    the scales they were stored with. Graphs on (as on CUDA, recorded here) equal graphs off."""
-    import engine.model_runner as model_runner
-    from engine.model_runner import _Forward
-
-    rng = random.Random(11)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (9, 23)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton")
-    results = {}
-    for graphs in (False, True):
-        monkeypatch.setattr(_Forward, "graphs_apply", lambda self, enforce_eager: graphs)
-        monkeypatch.setattr(model_runner, "CudaGraphBackend", lambda device: RecordingGraphBackend())
-        engine = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8), kv_cache_dtype="fp8",
-                                        pools=(PoolConfig(num_blocks=16, scheduler=SchedulerConfig(
-                                            max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64)),)),
-                           progress=False)
-        assert {layer.self_attn.k_scale for layer in engine.model.layers} != {1.0}   # measured
-        assert (engine.runner.graphs is not None) is graphs
-        results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
-        if graphs:
-            assert engine.runner.graphs.graphs.replays > 5
-    assert results[True] == results[False]
-
-
 def test_two_ranks_capture_and_replay_their_graphs_in_lockstep(tiny, monkeypatch, tmp_path):
-    """Tensor parallelism 2 (gloo, two processes): rank 0 tells its follower to capture
-    (`engine.parallel.CaptureGraphs`), each rank records the same sizes, and every decode step replays on
-    both, the all-reduces inside the recordings pairing up at each replay. Greedy tokens equal the same
-    group's eager run; the follower's own recorder counts its replays (in `tally`)."""
+    """Tensor parallelism 2 (gloo, two processes) with an FP8 cache, started as on CUDA: rank 0 measures
+    the scales with its follower (`engine.kv_scales`) before anything is captured, since a capture freezes
+    each launch's scalars, k_scale / v_scale among them; then tells it to capture
+    (`engine.parallel.CaptureGraphs`, the recorder pickled to it). Each rank records the same sizes, and
+    every decode step replays on both, the all-reduces inside the recordings pairing up at each replay.
+    Greedy tokens equal an eager two-rank engine's; the follower's own recorder counts its captures and
+    replays (in `tally`)."""
+    import engine.model_runner as model_runner
+
     monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton")   # the followers inherit it
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 19, 33)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 14, 5)]
-    engine = LLMEngine(EngineConfig(model=str(tiny), device="cpu", dtype="float32", tensor_parallel_size=2,
-                                    cache=CacheConfig(block_size=8),
-                                    pools=(PoolConfig(num_blocks=24, scheduler=SchedulerConfig(
-                                        max_num_seqs=MAX_SEQS, max_num_batched_tokens=32, max_model_len=128,
-                                        enable_prefix_caching=False)),)), progress=False)
-    try:
-        assert engine.runner.graphs is None                       # CPU: eager unless told
-        eager = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
-        tally = tmp_path / "tally"
-        recorder = RecordingGraphBackend(str(tally))
-        engine.runner.capture_graphs(MAX_SEQS, 128, recorder)
-        replayed = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
-        assert_all_free(engine)
-    finally:
-        engine.close()
-    assert replayed == eager
+    tally = tmp_path / "tally"
+    recorder = RecordingGraphBackend(str(tally))
+    capture = model_runner.ModelRunner.capture_graphs
+    results = {}
+    for graphs in (False, True):
+        if graphs:   # as on CUDA: the engine captures at start, here with the recorder
+            monkeypatch.setattr(model_runner._Forward, "graphs_apply", lambda self, enforce_eager: True)
+            monkeypatch.setattr(model_runner.ModelRunner, "capture_graphs",
+                                lambda self, max_batch, max_len: capture(self, max_batch, max_len, recorder))
+        engine = LLMEngine(EngineConfig(model=str(tiny), device="cpu", dtype="float32", tensor_parallel_size=2,
+                                        kv_cache_dtype="fp8", cache=CacheConfig(block_size=8),
+                                        pools=(PoolConfig(num_blocks=24, scheduler=SchedulerConfig(
+                                            max_num_seqs=MAX_SEQS, max_num_batched_tokens=32, max_model_len=128)),)),
+                           progress=False)
+        try:
+            assert (engine.runner.graphs is not None) is graphs
+            assert {layer.self_attn.k_scale for layer in engine.model.layers} != {1.0}   # measured
+            results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
+            assert_all_free(engine)
+        finally:
+            engine.close()
+    assert results[True] == results[False]
     follower = [line.split()[1] for line in tally.read_text().splitlines() if int(line.split()[0]) != os.getpid()]
     assert follower.count("capture") == 3 and recorder.captures == 3
     assert follower.count("replay") == recorder.replays > 10   # every replay here was one there
@@ -238,7 +223,7 @@ def test_graphs_apply_only_to_a_model_whose_forward_is_graph_safe(tmp_path, buil
     """Qwen3-MoE's expert loop and grouped matmuls read which experts a step hit (a device sync): CUDA graphs
     cannot capture them, so those steps run eagerly; with the Triton ops its experts run the Triton
     kernels, which read nothing back, and it is captured like every other model (on CUDA with the
-    Triton backend and one rank)."""
+    Triton backend, on one rank or several)."""
     from types import SimpleNamespace
 
     from engine.model import LlamaForCausalLM
@@ -257,7 +242,8 @@ def test_graphs_apply_only_to_a_model_whose_forward_is_graph_safe(tmp_path, buil
         models[backend] = build_model(config, torch.float32, torch.device("cpu"), ShardShape.of(config), Collectives())
     for model, expected in ((SimpleNamespace(graph_safe=LlamaForCausalLM.graph_safe), True),
                             (models["torch"], False), (models["triton"], True)):
-        runner = SimpleNamespace(device=torch.device("cuda"), tensor_parallel=False, backend=triton_attention,
-                                 model=model)
-        assert _Forward.graphs_apply(runner, enforce_eager=False) is expected
-        assert _Forward.graphs_apply(runner, enforce_eager=True) is False
+        for tensor_parallel in (False, True):
+            runner = SimpleNamespace(device=torch.device("cuda"), tensor_parallel=tensor_parallel,
+                                     backend=triton_attention, model=model)
+            assert _Forward.graphs_apply(runner, enforce_eager=False) is expected
+            assert _Forward.graphs_apply(runner, enforce_eager=True) is False
