@@ -50,12 +50,14 @@ from gateway.openai import objects
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
 from gateway.openai.errors import ApiError
+from gateway.openai.reasoning import think_mode
 from gateway.openai.sampling_fields import check_context, check_logit_bias
 from gateway.client_writes import ClientGone
 from gateway.admission import Placed
 from gateway.local_answer import LocalResponse
 from gateway.runtime import Gateway
 from gateway.workers.deaths import LOSS, Death, DeathsUnder
+from gateway.openai.tool_grammar import thinking_first
 from gateway.openai.tool_specs import schema_error
 from gateway.openai.tools import ToolFormat, format_for
 from gateway.upstream.relay import forward
@@ -107,7 +109,10 @@ class Completion:
         upstream = [pool for pool, _ in self.routed if pool.is_upstream]
         if upstream:
             return await self._forward(upstream[0])
-        self.req = with_tool_grammar(self.req, self.routed[0][0])
+        pool, ids = self.routed[0]
+        chat = isinstance(self.req, ChatRequest)
+        self.req = with_grammar(self.req, pool, think_mode(pool.tokenizer, ids, self.req.tools is not None) if chat
+                                else None)
         await self.gateway.check_grammar(self.req.params.structured, self.req.structured_param)
         admission = self.gateway.admission
         req = dataclasses.replace(self.req, priority=admission.clamp_priority(self.tenant, self.req.priority))
@@ -234,25 +239,32 @@ def poison_error(request_id: str, deaths: int, last: ApiError) -> ApiError:
                     type="server_error", code="poison_request")
 
 
-def with_tool_grammar(req: ChatRequest | CompletionRequest, pool: Pool) -> ChatRequest | CompletionRequest:
+def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,
+                 think: str | None = None) -> ChatRequest | CompletionRequest:
     """A chat whose tool_choice is "required" or a named function, constrained to the pool's tool-call
     format by a grammar of the allowed functions' schemas (it takes the place of any response_format:
     the reply is tool calls only); under "auto" with at least one strict tool, by a grammar of plain text
     that starts no call (or the response_format's JSON) or calls only, a strict tool's arguments under its
-    schema, another's any JSON object."""
-    if not isinstance(req, ChatRequest) or not req.tools:
+    schema, another's any JSON object. `think` (`gateway.openai.reasoning.think_mode`): a thinking model's
+    reply may think first (or, the prompt having opened the block, must close it first); a response_format
+    alone becomes a grammar that lets it."""
+    if not isinstance(req, ChatRequest):
         return req
-    mode = req.tool_choice.mode
+    mode = req.tool_choice.mode if req.tools else None
+    param = "tools"
     if mode in ("required", "function"):
         tools = req.tools if mode == "required" else [t for t in req.tools if t.name == req.tool_choice.name]
-        grammar = format_for(pool.tokenizer, req.tools).grammar(tools, req.parallel_tool_calls and mode == "required")
+        grammar = format_for(pool.tokenizer, req.tools).grammar(tools, req.parallel_tool_calls and mode == "required",
+                                                                think)
     elif mode == "auto" and any(t.strict for t in req.tools):
         fmt = format_for(pool.tokenizer, req.tools)
-        grammar = fmt.auto_grammar(req.tools, req.parallel_tool_calls, _json_reply(req, fmt, pool))
+        grammar = fmt.auto_grammar(req.tools, req.parallel_tool_calls, _json_reply(req, fmt, pool), think)
+    elif think is not None and req.params.structured is not None:
+        grammar, param = thinking_first(req.params.structured, think), req.structured_param
     else:
         return req
     return dataclasses.replace(req, params=dataclasses.replace(req.params, structured=grammar),
-                               structured_param="tools")
+                               structured_param=param)
 
 
 def _json_reply(req: ChatRequest, fmt: ToolFormat, pool: Pool) -> StructuredOutput | None:

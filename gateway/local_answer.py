@@ -47,7 +47,7 @@ from gateway.monitoring.metrics import GatewayMetrics
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
 from gateway.openai.errors import ApiError, named_error
-from gateway.openai.reasoning import ReasoningSplitter, prompt_opens_think, template_thinks
+from gateway.openai.reasoning import ReasoningSplitter, think_mode
 from gateway.openai.tools import ToolCallStream, ToolFormat, format_for
 from pools.pool import Pool
 
@@ -193,15 +193,15 @@ class LocalResponse:
 
     def _split_reasoning(self) -> None:
         """On a pool whose chat template thinks, each choice's reply split into reasoning and content; it
-        starts inside the think block when the prompt opened one (not under a grammar, which writes the
-        whole reply)."""
+        starts inside the think block when the prompt opened one (a grammar on the reply lets it think
+        first: `gateway.completion.with_grammar`)."""
         n = self.req.params.n
         for i, (pool, ids) in enumerate(self.routed):
-            if not template_thinks(pool.tokenizer.chat_template_source(use_tools=self.req.tools is not None)):
+            think = think_mode(pool.tokenizer, ids, use_tools=self.req.tools is not None)
+            if think is None:
                 continue
-            inside = self.req.params.structured is None and prompt_opens_think(pool.tokenizer, ids)
             for j in range(n):
-                self.choices[i * n + j].reasoning = ReasoningSplitter(inside)
+                self.choices[i * n + j].reasoning = ReasoningSplitter(think == "opened")
 
     def reasoning_tokens(self) -> int | None:
         """The output tokens of the choices' reasoning (None when the model does not think)."""

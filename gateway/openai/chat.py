@@ -24,7 +24,7 @@ from gateway.openai.sampling_fields import (RequestFields, check_choices, respon
 from gateway.openai.tool_specs import (FunctionName, FunctionSpec, NamedToolChoice, Tool, ToolCallSpec, ToolChoice,
                                        ToolError, ToolMode, ToolSpec, history_calls, parse_tool_choice, tools_from)
 from pools.config.gateway_spec import RequestLimits
-from pools.config.spec import RESERVED_TEMPLATE_VARIABLES
+from pools.config.spec import template_variable_error
 
 
 class TextPart(msgspec.Struct):
@@ -104,10 +104,9 @@ def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
     """`chat_template_kwargs` (an object, checked by the model), refusing the variables the gateway sets."""
     if not value:
         return None
-    for key in value:
-        if key in RESERVED_TEMPLATE_VARIABLES:
-            raise bad_request(f"chat_template_kwargs.{key}", "is set by the gateway from the request; "
-                              f"chat_template_kwargs may not set {', '.join(RESERVED_TEMPLATE_VARIABLES)}")
+    for key, item in value.items():
+        if (reason := template_variable_error(key, item)) is not None:
+            raise bad_request(f"chat_template_kwargs.{key}", reason)
     return dict(value)
 
 

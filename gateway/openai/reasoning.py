@@ -8,6 +8,8 @@ it when the template's generation prompt opened it (DeepSeek-R1's, Qwen3-Thinkin
 `<think>\\n`: `prompt_opens_think`). A reply that does neither is all content (Qwen3 under
 `enable_thinking: false`, whose prompt holds an empty block already). A reply cut inside the block (by
 `max_tokens`) is all reasoning. The whitespace around the tags is dropped (the template's separators).
+A structured reply (strict tools, a tool choice, a response_format) is constrained after the block only
+(`think_mode`, `gateway.openai.tool_grammar`): the model thinks first, as without one.
 
 `ReasoningSplitter` splits one reply as its text arrives, holding back what may be the start of a tag;
 the whole reply's split is the same splitter fed at once (`split_reasoning`), so a stream's parts join
@@ -40,6 +42,15 @@ def prompt_opens_think(tokenizer, prompt_ids: Sequence[int]) -> bool:
     return tail.rstrip().endswith(THINK_START)
 
 
+def think_mode(tokenizer, prompt_ids: Sequence[int], use_tools: bool) -> str | None:
+    """Where a chat reply of this prompt starts: None (the template does not think), "opened" (the prompt
+    opened a think block: the reply starts inside it) or "optional" (the reply may open one first). A
+    grammar on the reply lets it think first, as this says (`gateway.openai.tool_grammar`)."""
+    if not template_thinks(tokenizer.chat_template_source(use_tools=use_tools)):
+        return None
+    return "opened" if prompt_opens_think(tokenizer, prompt_ids) else "optional"
+
+
 def partial_tag(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is a proper start of `tag` (0 if none): what a stream
     holds back while a tag may be forming (the think tags here, a tool call's marker in `tools`)."""
@@ -70,7 +81,8 @@ class ReasoningSplitter:
     def feed(self, text: str, num_tokens: int = 0) -> tuple[str, str]:
         """The reply grew by `text` (`num_tokens` tokens): the (reasoning, content) that can go out now."""
         text, self._held = self._held + text, ""
-        reasoning, content, touched = "", "", False
+        # a delta that arrives while thinking is reasoning's, text or not (a withheld partial character)
+        reasoning, content, touched = "", "", self.phase == "thinking"
         while text:
             if self.phase == "opening":
                 stripped = text.lstrip()

@@ -352,9 +352,11 @@ class ResponsesAnswer(LocalResponse):
         output = [reasoning_item(objects.new_id("rs"), reasoning, self._reasoning_status())] if reasoning else []
         if content:
             output.append(self._message_item(objects.new_id("msg"), content, self._status()))
-            if self.want_logprobs and not calls and not reasoning:   # each token's, when the reply is all text
+            if self.want_logprobs and not calls:   # the text's tokens: those after the think block's
+                k = choice.reasoning.num_reasoning_tokens if choice.reasoning is not None else 0
                 output[-1]["content"][0]["logprobs"] = objects.chat_logprobs(
-                    choice.token_ids, choice.logprobs, choice.top_logprobs, choice.pool.token_text)["content"]
+                    choice.token_ids[k:], choice.logprobs[k:], choice.top_logprobs[k:],
+                    choice.pool.token_text)["content"]
         output += [self._call_item(call) for call in calls]
         return self._response(self._status(), output)
 
@@ -377,7 +379,8 @@ class ResponsesAnswer(LocalResponse):
                 self._reasoning_delta(delta["reasoning_content"])
             if delta.get("content"):
                 self._close_reasoning()
-                logprobs = chunk.get("logprobs") if self.tool_format is None and self._reasoning is None else None
+                reasoned = bool(delta.get("reasoning_content"))   # a delta that ends the block: the thought's
+                logprobs = chunk.get("logprobs") if self.tool_format is None and not reasoned else None
                 self._text_delta(delta["content"], (logprobs or {}).get("content") or [])
             for entry in delta.get("tool_calls") or []:
                 self._close_reasoning()

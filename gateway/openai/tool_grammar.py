@@ -6,7 +6,16 @@ formats and the requests live in `gateway.openai.tools`.
 - **auto** (tool_choice "auto" with at least one `strict` tool): EITHER plain text that never starts a
   call (the format's `text` lexeme) or a JSON reply (the request's response_format), OR calls only, as
   forced. A strict function's arguments follow its schema; the caller gives any other `ANY_OBJECT`, so a
-  call always parses."""
+  call always parses.
+
+A thinking model (`gateway.openai.reasoning`) writes its `<think>…</think>` block before the reply, and a
+grammar of the reply alone would forbid it (or, with the template's generation prompt inside the block,
+make the model answer there). `think` says where the reply starts: "optional" (it may open a block
+first), "opened" (the prompt opened one: the reply thinks and then closes it), None (no thinking). The
+block is one lexeme, any text without `</think>`, whitespace after it included; under "optional" plain
+text may not begin with `<think>` (so a block is always read as one). `thinking_first` puts the same
+block before a JSON reply (response_format alone). As vLLM does with a reasoning parser, only what
+follows the block is constrained."""
 
 from __future__ import annotations
 
@@ -46,21 +55,55 @@ def _call_schema(functions: Sequence[tuple[str, dict[str, Any]]], args_key: str)
     return options[0] if len(options) == 1 else {"anyOf": options}
 
 
+THINK_MODES = ("optional", "opened")
+# the thought: any text without the closing tag (llguidance's lexeme operators `&` and `~`)
+_THOUGHT = r'(/(?s:.)*/ & ~/(?s:.)*<\/think>(?s:.)*/) "</think>" /\s*/'
+
+
+def _think(think: str | None) -> tuple[str, str]:
+    """(what `start` begins with, the lexeme it names) for a reply that starts as `think` says."""
+    if think is None:
+        return "", ""
+    if think not in THINK_MODES:
+        raise ValueError(f"think: one of {', '.join(THINK_MODES)} or None, got {think!r}")
+    if think == "opened":
+        return "THOUGHT ", f"THOUGHT: {_THOUGHT}\n"
+    return "THINK? ", f'THINK: "<think>" {_THOUGHT}\n'
+
+
 def forced_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, Any]]],
-                   parallel: bool) -> StructuredOutput:
-    """Calls only: one, or (parallel) one or more."""
-    return StructuredOutput("grammar", f"start: calls\n{_calls(syntax, functions, parallel)}")
+                   parallel: bool, think: str | None = None) -> StructuredOutput:
+    """Calls only: one, or (parallel) one or more (after a think block, as `think` says)."""
+    head, block = _think(think)
+    return StructuredOutput("grammar", f"start: {head}calls\n{block}{_calls(syntax, functions, parallel)}")
 
 
 def auto_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, Any]]], parallel: bool,
-                 reply: StructuredOutput | None = None) -> StructuredOutput:
-    """Plain text that never starts a call (or, given `reply`, a JSON object or schema's JSON) or calls only."""
+                 reply: StructuredOutput | None = None, think: str | None = None) -> StructuredOutput:
+    """Plain text that never starts a call (or, given `reply`, a JSON object or schema's JSON) or calls only
+    (after a think block, as `think` says)."""
+    head, block = _think(think)
     if reply is None:
-        text = f"text: TEXT\nTEXT: {syntax.text}"
+        lexeme = syntax.text if think != "optional" else rf"({syntax.text}) & ~/\s*<think>(?s:.)*/"
+        text = f"text: TEXT\nTEXT: {lexeme}"
     else:
-        schema = ANY_OBJECT if reply.kind == "json_object" else json.loads(reply.spec)
-        text = f"text: %json {_schema_text(schema)}"
-    return StructuredOutput("grammar", f"start: text | calls\n{text}\n{_calls(syntax, functions, parallel)}")
+        text = f"text: %json {_schema_text(_reply_schema(reply))}"
+    return StructuredOutput("grammar", f"start: {head}(text | calls)\n{block}{text}\n"
+                                       f"{_calls(syntax, functions, parallel)}")
+
+
+def thinking_first(reply: StructuredOutput, think: str) -> StructuredOutput:
+    """A JSON reply (response_format: a JSON object or a schema's JSON) after a think block, as `think`
+    says."""
+    head, block = _think(think)
+    schema = _schema_text(_reply_schema(reply))
+    return StructuredOutput("grammar", f"start: {head}reply\n{block}reply: %json {schema}\n")
+
+
+def _reply_schema(reply: StructuredOutput) -> dict[str, Any] | bool:
+    if reply.kind not in ("json_object", "json_schema"):
+        raise ValueError(f"a JSON reply: kind json_object or json_schema, got {reply.kind!r}")
+    return ANY_OBJECT if reply.kind == "json_object" else json.loads(reply.spec)
 
 
 def _calls(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, Any]]], parallel: bool) -> str:

@@ -64,16 +64,17 @@ class ToolFormat:
     def args_key(self) -> str:
         return self.syntax.args_key
 
-    def grammar(self, tools: list[Tool], parallel: bool) -> StructuredOutput:
-        """Calls of `tools` only (tool_choice "required" or named), each under its schema."""
-        return forced_grammar(self.syntax, [(t.name, t.parameters) for t in tools], parallel)
+    def grammar(self, tools: list[Tool], parallel: bool, think: str | None = None) -> StructuredOutput:
+        """Calls of `tools` only (tool_choice "required" or named), each under its schema; `think`: where a
+        thinking model's reply starts (`gateway.openai.tool_grammar`)."""
+        return forced_grammar(self.syntax, [(t.name, t.parameters) for t in tools], parallel, think)
 
-    def auto_grammar(self, tools: list[Tool], parallel: bool,
-                     reply: StructuredOutput | None = None) -> StructuredOutput:
+    def auto_grammar(self, tools: list[Tool], parallel: bool, reply: StructuredOutput | None = None,
+                     think: str | None = None) -> StructuredOutput:
         """tool_choice "auto" with strict tools: plain text that never starts a call (`reply`'s JSON where
         given), or calls only, a strict tool's arguments under its schema, another's any JSON object."""
         functions = [(t.name, t.parameters if t.strict else ANY_OBJECT) for t in tools]
-        return auto_grammar(self.syntax, functions, parallel, reply)
+        return auto_grammar(self.syntax, functions, parallel, reply, think)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content outside the calls or None, the calls). Text that only looks like a call is content."""

@@ -49,6 +49,19 @@ VictimPolicy = Literal[engine.config.VICTIM_POLICIES]
 # The chat template's variables the gateway sets itself (`Tokenizer.apply_chat_template`'s own arguments):
 # neither a pool's `chat_template_kwargs` nor a request's may set them (gateway.openai.chat checks the request's).
 RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+# Switches the templates test with `is true` / `is false` (Qwen3's `enable_thinking`, DeepSeek's `thinking`): a
+# string there is neither and leaves the switch as it was, so a pool's or a request's must be a boolean.
+BOOLEAN_TEMPLATE_VARIABLES = ("enable_thinking", "thinking")
+
+
+def template_variable_error(key: str, value: Any) -> str | None:
+    """Why `chat_template_kwargs.<key>: value` cannot be taken (None: it can)."""
+    if key in RESERVED_TEMPLATE_VARIABLES:
+        return (f"is set by the gateway from each request; chat_template_kwargs may not set "
+                f"{', '.join(RESERVED_TEMPLATE_VARIABLES)}")
+    if key in BOOLEAN_TEMPLATE_VARIABLES and not isinstance(value, bool):
+        return f"must be true or false, got {value!r}"
+    return None
 
 
 class RouteSpec(Spec):
@@ -142,10 +155,9 @@ class PoolSpec(Spec):
         if not _POOL_NAME.match(self.name):
             raise SpecError("name", f"use letters, digits, '_', '.', '-' (starting with a letter or digit); "
                                     f"got {self.name!r}")
-        for key in self.chat_template_kwargs or {}:
-            if key in RESERVED_TEMPLATE_VARIABLES:
-                raise SpecError(f"chat_template_kwargs.{key}", "is set by the gateway from each request; "
-                                f"chat_template_kwargs may not set {', '.join(RESERVED_TEMPLATE_VARIABLES)}")
+        for key, value in (self.chat_template_kwargs or {}).items():
+            if (reason := template_variable_error(key, value)) is not None:
+                raise SpecError(f"chat_template_kwargs.{key}", reason)
         if self.is_upstream:
             url = urlsplit(self.upstream)
             if url.scheme not in ("http", "https") or not url.hostname:

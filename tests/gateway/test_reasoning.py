@@ -87,6 +87,16 @@ def test_held_back_text_waits_only_for_a_possible_tag() -> None:
     assert splitter.num_reasoning_tokens == 5            # the deltas up to the one closing the block
 
 
+def test_a_delta_without_text_while_thinking_counts_as_reasoning() -> None:
+    """The detokenizer withholds a partial character (and a stop string its possible start): such a
+    delta carries tokens and no text, and inside the block they are the reasoning's."""
+    splitter = ReasoningSplitter(starts_inside=False)
+    for text in ("<think>", "a", "", "", "", "", "", "b", "</think>", "c", ""):
+        splitter.feed(text, 1)
+    splitter.finish()
+    assert (splitter.reasoning, splitter.content, splitter.num_reasoning_tokens) == ("ab", "c", 9)
+
+
 def test_which_templates_think() -> None:
     assert template_thinks(MODEL_OPENS) and template_thinks(TEMPLATE_OPENS)
     assert template_thinks("{{ content.split('</think>')[-1] }}")   # R1's history handling
@@ -100,7 +110,9 @@ def test_chat_template_kwargs_are_an_object_without_the_gateways_variables() -> 
     assert parse_chat(body).chat_template_kwargs is None
     for bad, param in (([1], "chat_template_kwargs"), ("x", "chat_template_kwargs"),
                        ({"messages": []}, "chat_template_kwargs.messages"),
-                       ({"tools": []}, "chat_template_kwargs.tools")):
+                       ({"tools": []}, "chat_template_kwargs.tools"),
+                       ({"enable_thinking": "false"}, "chat_template_kwargs.enable_thinking"),
+                       ({"thinking": 0}, "chat_template_kwargs.thinking")):
         with pytest.raises(ApiError) as info:
             parse_chat({**body, "chat_template_kwargs": bad})
         assert info.value.status == 400 and info.value.param == param, info.value.message
@@ -146,20 +158,23 @@ async def _gateway(aiohttp_client, tmp_path: Path, tiny_model: Path, template: s
 
 class _ScriptedEngine:
     """Every engine request answers `pieces`, one delta (one token) each, the last finishing with
-    `finish_reason`; the prompts it got are kept."""
+    `finish_reason`; the prompts it got are kept, and each request's structured output (its grammar)."""
 
     def __init__(self, monkeypatch) -> None:
         self.pieces: list[str] = []
         self.finish_reason = "stop"
         self.prompts: list[list[int]] = []
+        self.structured: list = []
         script = self
 
-        async def generate(client, prompt, params=None, *, request_id=None, priority=0, pool=None, cache_salt=None, credits=0,
-                           background=False):
+        async def generate(client, prompt, params=None, *, request_id=None, priority=0, pool=None, cache_salt=None,
+                           credits=0, background=False):
             script.prompts.append(list(prompt))
+            script.structured.append(params.structured if params is not None else None)
             for k, piece in enumerate(script.pieces):
                 last = k == len(script.pieces) - 1
-                sample = SampleDelta(0, piece, [300 + k], k + 1, script.finish_reason if last else None)
+                sample = SampleDelta(0, piece, [300 + k], k + 1, script.finish_reason if last else None,
+                                     delta_logprobs=[-k / 8], delta_top_logprobs=[[(300 + k, -k / 8)]])
                 yield RequestDelta(request_id or "scripted", [sample], last)
                 await asyncio.sleep(0)
 
@@ -226,6 +241,60 @@ async def test_a_tool_call_after_the_reasoning_is_parsed_from_the_content(aiohtt
     assert arguments == '{"city": "Oslo"}'
 
 
+def _allows(folder: Path, constraint, text: str) -> bool:
+    """Whether the grammar the engine was given takes `text` as a whole reply (llguidance, token by token)."""
+    import llguidance
+
+    tokenizer = llguidance.LLTokenizer(Tokenizer.from_folder(folder).to_json())
+    matcher = llguidance.LLMatcher(tokenizer, constraint.grammar_text(), log_level=0)
+    tokens = tokenizer.tokenize_str(text)
+    if matcher.is_error() or matcher.validate_tokens(tokens) < len(tokens):
+        return False
+    matcher.consume_tokens(tokens)
+    return matcher.is_accepting()
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+        "additionalProperties": False}
+STRICT_WEATHER = [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": CITY}}]
+CALL = ["<tool_call>\n", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}', "\n</tool_call>"]
+
+
+async def test_a_grammar_on_the_reply_lets_the_model_think_first(aiohttp_client, tmp_path, tiny_model,
+                                                                 monkeypatch) -> None:
+    """Strict tools (the Responses API's are strict unless said otherwise), a forced tool choice and a
+    response_format constrain what follows the think block only: the grammar the engine gets takes the
+    thought, then the call or the JSON; where the template opened the block, the reply starts inside it
+    (the thought is reasoning, not content) and must close it before the constrained part."""
+    sdk, folder = await _gateway(aiohttp_client, tmp_path, tiny_model, MODEL_OPENS)
+    engine = _ScriptedEngine(monkeypatch)
+    engine.pieces = ["<think>", "I need the weather.", "</think>\n\n", *CALL]
+    for choice in ("auto", "required"):
+        whole = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES, tools=STRICT_WEATHER,
+                                                   tool_choice=choice)).choices[0]
+        assert whole.message.reasoning_content == "I need the weather." and whole.message.content is None
+        assert [c.function.arguments for c in whole.message.tool_calls] == ['{"city": "Oslo"}']
+        assert _allows(folder, engine.structured[-1], "".join(engine.pieces))
+        assert _allows(folder, engine.structured[-1], "".join(CALL))             # or no thought at all
+    tools = [{"type": "function", "name": "get_weather", "parameters": CITY}]
+    result = await sdk.responses.create(model="thinker", input="Weather in Oslo?", tools=tools)
+    assert [item.type for item in result.output] == ["reasoning", "function_call"]
+    assert _allows(folder, engine.structured[-1], "".join(engine.pieces))
+
+    (tmp_path / "opens").mkdir()
+    sdk, folder = await _gateway(aiohttp_client, tmp_path / "opens", tiny_model, TEMPLATE_OPENS)
+    engine.pieces = ["Okay", ", four.", "\n</think>\n\n", '{"answer": ', "4}"]
+    whole = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES,
+                                               response_format={"type": "json_object"})).choices[0].message
+    assert (whole.reasoning_content, whole.content) == ("Okay, four.", '{"answer": 4}')
+    grammar = engine.structured[-1]
+    assert _allows(folder, grammar, "".join(engine.pieces)) and not _allows(folder, grammar, '{"answer": 4}')
+    engine.pieces = ["I need it.", "\n</think>\n\n", *CALL]
+    whole = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES, tools=STRICT_WEATHER)).choices[0]
+    assert whole.message.reasoning_content == "I need it." and len(whole.message.tool_calls) == 1
+    assert _allows(folder, engine.structured[-1], "".join(engine.pieces))
+
+
 async def test_responses_have_a_reasoning_item_before_the_message(aiohttp_client, tmp_path, tiny_model,
                                                                   monkeypatch) -> None:
     sdk, folder = await _gateway(aiohttp_client, tmp_path, tiny_model, MODEL_OPENS)
@@ -246,6 +315,13 @@ async def test_responses_have_a_reasoning_item_before_the_message(aiohttp_client
     assert [item.type for item in final.output] == ["reasoning", "message"] and final.output_text == "It is 4."
     assert final.output[0].content[0].text == "I should add." and final.output[0].status == "completed"
     assert final.usage.output_tokens_details.reasoning_tokens == 4
+    # the message's logprobs are its text's tokens', after the block's (whole and streamed alike)
+    kwargs = dict(model="thinker", input="What is 2 + 2?", top_logprobs=1, include=["message.output_text.logprobs"])
+    logprobs = (await sdk.responses.create(**kwargs)).output[1].content[0].logprobs
+    assert [lp.logprob for lp in logprobs] == [-4 / 8, -5 / 8]
+    events = [e async for e in await sdk.responses.create(stream=True, **kwargs)]
+    streamed = [lp.logprob for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert streamed == [-4 / 8, -5 / 8]
     async with sdk.responses.stream(model="thinker", input="What is 2 + 2?") as stream:   # the SDK's accumulator
         streamed = await stream.get_final_response()
     assert streamed.output[0].content[0].text == "I should add." and streamed.output_text == "It is 4."

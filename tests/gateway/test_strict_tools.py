@@ -17,9 +17,10 @@ import pytest
 
 from engine.structured import StructuredOutput, check
 from engine.tokenizer import Tokenizer
-from gateway.completion import with_tool_grammar
+from gateway.completion import with_grammar
 from gateway.openai.chat import parse_chat
 from gateway.openai.errors import ApiError
+from gateway.openai.tool_grammar import thinking_first
 from gateway.openai.tool_specs import ToolError, parse_tools
 from gateway.openai.tools import HermesFormat, Llama3JsonFormat
 from tests.gateway.conftest import DEFAULT_CONFIG
@@ -124,6 +125,39 @@ def test_a_response_format_is_what_a_reply_that_is_not_a_call_must_be(lltokenize
     assert _accepts(lltokenizer, _auto(HermesFormat, reply=StructuredOutput("json_object")), '{"a": [1]}')
 
 
+@pytest.mark.parametrize("fmt_class, write", FORMATS, ids=["hermes", "llama3_json"])
+def test_a_thinking_models_reply_thinks_before_the_constrained_part(lltokenizer, fmt_class, write):
+    """`think` "optional": a `<think>` block may come first (whitespace after it), then what the grammar
+    asks; plain text never begins with `<think>` (the block is read as one) and a block after text is
+    text. "opened" (the prompt opened the block): the reply's thought must close it before the rest."""
+    tools = parse_tools([WEATHER, SEARCH])
+    call, thought = write(("get_weather", PARIS)), "Paris, so a call.\n</think>\n\n"
+    reply = StructuredOutput.json_schema({"type": "object"})
+    grammars = {"optional": [fmt_class(tools).auto_grammar(tools, True, think="optional"),
+                             fmt_class(tools).grammar(tools, True, "optional")],
+                "opened": [fmt_class(tools).auto_grammar(tools, True, think="opened"),
+                           fmt_class(tools).grammar(tools, True, "opened")]}
+    for grammar in grammars["optional"] + grammars["opened"]:
+        check(grammar)
+    for grammar in grammars["optional"]:
+        assert _accepts(lltokenizer, grammar, "<think>\n" + thought + call)
+        assert _accepts(lltokenizer, grammar, call)
+        assert not _accepts(lltokenizer, grammar, "<think>\nno end " + call)
+    assert not _accepts(lltokenizer, grammars["optional"][1], "<think>\n" + thought + "</think>" + call)   # one
+    for grammar in grammars["opened"]:
+        assert _accepts(lltokenizer, grammar, thought + call)
+        assert not _accepts(lltokenizer, grammar, call)                  # the block must be closed first
+    auto = grammars["optional"][0]
+    assert _accepts(lltokenizer, auto, "<think>\n" + thought + "It is sunny.")
+    assert _accepts(lltokenizer, auto, "It is sunny. <think>x</think>")
+    assert _accepts(lltokenizer, grammars["opened"][0], thought + "It is sunny.")
+    assert not _accepts(lltokenizer, auto, write(("get_weather", {"city": "Paris"})))   # the schema still holds
+    for think, pre in (("optional", "<think>\n" + thought), ("opened", thought)):
+        grammar = thinking_first(reply, think)
+        assert _accepts(lltokenizer, grammar, pre + '{"a": 1}') and not _accepts(lltokenizer, grammar, pre + "no")
+    assert _accepts(lltokenizer, thinking_first(reply, "optional"), '{"a": 1}')
+
+
 # --- the request -------------------------------------------------------------------------------------
 
 def test_strict_is_kept_and_a_non_boolean_names_the_field():
@@ -149,14 +183,14 @@ def pool():
 
 
 def test_the_grammar_is_attached_under_auto_only_with_a_strict_tool(pool, lltokenizer):
-    req = with_tool_grammar(parse_chat(dict(CHAT, tools=[WEATHER, SEARCH], parallel_tool_calls=False)), pool)
+    req = with_grammar(parse_chat(dict(CHAT, tools=[WEATHER, SEARCH], parallel_tool_calls=False)), pool)
     tools = parse_tools([WEATHER, SEARCH])
     assert req.structured_param == "tools" and req.params.structured == HermesFormat(tools).auto_grammar(tools, False)
     for body in (dict(CHAT, tools=[SEARCH]), dict(CHAT, tools=[WEATHER], tool_choice="none")):
-        assert with_tool_grammar(parse_chat(body), pool).params.structured is None
+        assert with_grammar(parse_chat(body), pool).params.structured is None
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
-    req = with_tool_grammar(parse_chat(dict(CHAT, tools=[WEATHER], response_format=fmt)), pool)
+    req = with_grammar(parse_chat(dict(CHAT, tools=[WEATHER], response_format=fmt)), pool)
     assert _accepts(lltokenizer, req.params.structured, '{"answer": 4}')
     assert not _accepts(lltokenizer, req.params.structured, "It is 4.")
 
@@ -171,10 +205,10 @@ def test_a_response_format_a_format_cannot_tell_from_a_call_is_a_400(pool, built
     llama3 = dataclasses.replace(pool, tokenizer=Tokenizer.from_folder(tmp_path))
     body = dict(CHAT, tools=[WEATHER], response_format={"type": "json_object"})
     with pytest.raises(ApiError) as info:
-        with_tool_grammar(parse_chat(body), llama3)
+        with_grammar(parse_chat(body), llama3)
     assert info.value.status == 400 and info.value.param == "response_format", info.value.message
-    assert with_tool_grammar(parse_chat(body), pool).params.structured.kind == "grammar"   # hermes can
-    req = with_tool_grammar(parse_chat(dict(CHAT, tools=[WEATHER])), llama3)
+    assert with_grammar(parse_chat(body), pool).params.structured.kind == "grammar"   # hermes can
+    req = with_grammar(parse_chat(dict(CHAT, tools=[WEATHER])), llama3)
     assert req.params.structured == Llama3JsonFormat(req.tools).auto_grammar(req.tools, True)
 
 
