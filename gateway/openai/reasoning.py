@@ -66,7 +66,10 @@ class ReasoningSplitter:
     Phases: "opening" (nothing but whitespace or a start of `<think>` seen yet: held back), "thinking"
     (text goes to reasoning; trailing whitespace and a possible start of `</think>` are held back) and
     "content". `reasoning` and `content` are what was handed out so far; `num_reasoning_tokens` counts
-    the tokens of the deltas that carried reasoning or its tags (a delta's tokens are not split further).
+    the tokens of the deltas that carried reasoning or its tags (a delta's tokens are not split further);
+    `num_tokens_before_content` those of every delta fed before the content's first character went out
+    (the reasoning's, and the whitespace after `</think>` that the content drops): the content's tokens,
+    whose logprobs the Responses API gives, are the rest, as a stream's chunks with content carry them.
     One per choice, on the event loop."""
 
     def __init__(self, starts_inside: bool) -> None:
@@ -75,6 +78,7 @@ class ReasoningSplitter:
         self.reasoning = ""
         self.content = ""
         self.num_reasoning_tokens = 0
+        self.num_tokens_before_content = 0
         self._held = ""              # text received but not handed out
         self._undecided_tokens = 0   # tokens of deltas held whole while opening
 
@@ -106,7 +110,10 @@ class ReasoningSplitter:
             else:
                 content, text = content + text, ""
         self._count(num_tokens, touched)
-        return self._out(reasoning, content)
+        parts = self._out(reasoning, content)
+        if not self.content:
+            self.num_tokens_before_content += num_tokens
+        return parts
 
     def finish(self) -> tuple[str, str]:
         """The reply ended: what was held back, as the part it was held in (a start of `<think>` never

@@ -318,8 +318,11 @@ class ResponsesAnswer(LocalResponse):
                                structured_format=self._format())
 
     def _format(self) -> dict[str, Any]:
-        structured = self.req.params.structured
-        if structured is None or self.req.structured_param != "response_format":
+        """The request's `text.format` (as asked: the grammar the engine got may wrap it, for tools or a
+        thinking model's block)."""
+        asked = self.asked.chat
+        structured = asked.params.structured
+        if structured is None or asked.structured_param != "response_format":
             return {"type": "text"}
         if structured.kind == "json_object":
             return {"type": "json_object"}
@@ -352,8 +355,8 @@ class ResponsesAnswer(LocalResponse):
         output = [reasoning_item(objects.new_id("rs"), reasoning, self._reasoning_status())] if reasoning else []
         if content:
             output.append(self._message_item(objects.new_id("msg"), content, self._status()))
-            if self.want_logprobs and not calls:   # the text's tokens: those after the think block's
-                k = choice.reasoning.num_reasoning_tokens if choice.reasoning is not None else 0
+            if self.want_logprobs and not calls:   # the text's tokens: none of the think block's
+                k = choice.reasoning.num_tokens_before_content if choice.reasoning is not None else 0
                 output[-1]["content"][0]["logprobs"] = objects.chat_logprobs(
                     choice.token_ids[k:], choice.logprobs[k:], choice.top_logprobs[k:],
                     choice.pool.token_text)["content"]
@@ -379,8 +382,7 @@ class ResponsesAnswer(LocalResponse):
                 self._reasoning_delta(delta["reasoning_content"])
             if delta.get("content"):
                 self._close_reasoning()
-                reasoned = bool(delta.get("reasoning_content"))   # a delta that ends the block: the thought's
-                logprobs = chunk.get("logprobs") if self.tool_format is None and not reasoned else None
+                logprobs = chunk.get("logprobs") if self.tool_format is None else None
                 self._text_delta(delta["content"], (logprobs or {}).get("content") or [])
             for entry in delta.get("tool_calls") or []:
                 self._close_reasoning()

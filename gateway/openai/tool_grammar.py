@@ -12,8 +12,8 @@ A thinking model (`gateway.openai.reasoning`) writes its `<think>…</think>` bl
 grammar of the reply alone would forbid it (or, with the template's generation prompt inside the block,
 make the model answer there). `think` says where the reply starts: "optional" (it may open a block
 first), "opened" (the prompt opened one: the reply thinks and then closes it), None (no thinking). The
-block is one lexeme, any text without `</think>`, whitespace after it included; under "optional" plain
-text may not begin with `<think>` (so a block is always read as one). `thinking_first` puts the same
+block is one lexeme, any text without `</think>`, whitespace around it included; plain text may not
+begin with `<think>` (so a block is always read as one, and no second block follows the first). `thinking_first` puts the same
 block before a JSON reply (response_format alone). As vLLM does with a reasoning parser, only what
 follows the block is constrained."""
 
@@ -68,7 +68,7 @@ def _think(think: str | None) -> tuple[str, str]:
         raise ValueError(f"think: one of {', '.join(THINK_MODES)} or None, got {think!r}")
     if think == "opened":
         return "THOUGHT ", f"THOUGHT: {_THOUGHT}\n"
-    return "THINK? ", f'THINK: "<think>" {_THOUGHT}\n'
+    return "THINK? ", f'THINK: /\\s*/ "<think>" {_THOUGHT}\n'
 
 
 def forced_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, Any]]],
@@ -84,7 +84,7 @@ def auto_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, An
     (after a think block, as `think` says)."""
     head, block = _think(think)
     if reply is None:
-        lexeme = syntax.text if think != "optional" else rf"({syntax.text}) & ~/\s*<think>(?s:.)*/"
+        lexeme = syntax.text if think is None else rf"({syntax.text}) & ~/\s*<think>(?s:.)*/"
         text = f"text: TEXT\nTEXT: {lexeme}"
     else:
         text = f"text: %json {_schema_text(_reply_schema(reply))}"

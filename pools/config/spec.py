@@ -59,8 +59,8 @@ def template_variable_error(key: str, value: Any) -> str | None:
     if key in RESERVED_TEMPLATE_VARIABLES:
         return (f"is set by the gateway from each request; chat_template_kwargs may not set "
                 f"{', '.join(RESERVED_TEMPLATE_VARIABLES)}")
-    if key in BOOLEAN_TEMPLATE_VARIABLES and not isinstance(value, bool):
-        return f"must be true or false, got {value!r}"
+    if key in BOOLEAN_TEMPLATE_VARIABLES and value is not None and not isinstance(value, bool):
+        return f"must be true or false (or null: the template's default), got {value!r}"
     return None
 
 

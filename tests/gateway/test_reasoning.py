@@ -281,6 +281,15 @@ async def test_a_grammar_on_the_reply_lets_the_model_think_first(aiohttp_client,
     assert [item.type for item in result.output] == ["reasoning", "function_call"]
     assert _allows(folder, engine.structured[-1], "".join(engine.pieces))
 
+    # the Responses API reports the text.format asked, whatever grammar the engine got
+    engine.pieces = ["<think>", "Four.", "</think>", '{"answer": 4}']
+    for fmt in ({"type": "json_object"}, {"type": "json_schema", "name": "answer", "schema": {"type": "object"}}):
+        result = await sdk.responses.create(model="thinker", input="What is 2 + 2?", text={"format": fmt})
+        assert [item.type for item in result.output] == ["reasoning", "message"]
+        assert result.output_text == '{"answer": 4}' and result.text.format.type == fmt["type"]
+        events = [e async for e in await sdk.responses.create(model="thinker", input="What is 2 + 2?",
+                                                              text={"format": fmt}, stream=True)]
+        assert events[-1].type == "response.completed" and events[-1].response.text.format.type == fmt["type"]
     (tmp_path / "opens").mkdir()
     sdk, folder = await _gateway(aiohttp_client, tmp_path / "opens", tiny_model, TEMPLATE_OPENS)
     engine.pieces = ["Okay", ", four.", "\n</think>\n\n", '{"answer": ', "4}"]
@@ -315,13 +324,18 @@ async def test_responses_have_a_reasoning_item_before_the_message(aiohttp_client
     assert [item.type for item in final.output] == ["reasoning", "message"] and final.output_text == "It is 4."
     assert final.output[0].content[0].text == "I should add." and final.output[0].status == "completed"
     assert final.usage.output_tokens_details.reasoning_tokens == 4
-    # the message's logprobs are its text's tokens', after the block's (whole and streamed alike)
+    # the message's logprobs are its text's tokens', none of the block's nor the whitespace after it
+    # (whole and streamed alike, the whitespace its own delta or not)
     kwargs = dict(model="thinker", input="What is 2 + 2?", top_logprobs=1, include=["message.output_text.logprobs"])
-    logprobs = (await sdk.responses.create(**kwargs)).output[1].content[0].logprobs
-    assert [lp.logprob for lp in logprobs] == [-4 / 8, -5 / 8]
-    events = [e async for e in await sdk.responses.create(stream=True, **kwargs)]
-    streamed = [lp.logprob for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
-    assert streamed == [-4 / 8, -5 / 8]
+    for pieces, first in ((THOUGHT, 4), (["<think>", "Hmm.", "\n", "</think>", "\n\n", "It is", " 4."], 5)):
+        engine.pieces = pieces
+        result = await sdk.responses.create(**kwargs)
+        assert result.output_text == "It is 4." and [lp.logprob for lp in result.output[1].content[0].logprobs] == [
+            -first / 8, -(first + 1) / 8]
+        events = [e async for e in await sdk.responses.create(stream=True, **kwargs)]
+        streamed = [lp.logprob for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+        assert streamed == [-first / 8, -(first + 1) / 8]
+    engine.pieces = THOUGHT
     async with sdk.responses.stream(model="thinker", input="What is 2 + 2?") as stream:   # the SDK's accumulator
         streamed = await stream.get_final_response()
     assert streamed.output[0].content[0].text == "I should add." and streamed.output_text == "It is 4."

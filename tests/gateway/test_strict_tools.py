@@ -147,6 +147,8 @@ def test_a_thinking_models_reply_thinks_before_the_constrained_part(lltokenizer,
     for grammar in grammars["opened"]:
         assert _accepts(lltokenizer, grammar, thought + call)
         assert not _accepts(lltokenizer, grammar, call)                  # the block must be closed first
+    assert _accepts(lltokenizer, grammars["optional"][1], "\n<think>\n" + thought + call)   # whitespace first
+    assert not _accepts(lltokenizer, grammars["opened"][0], thought + "<think>b</think>Sunny.")   # one block
     auto = grammars["optional"][0]
     assert _accepts(lltokenizer, auto, "<think>\n" + thought + "It is sunny.")
     assert _accepts(lltokenizer, auto, "It is sunny. <think>x</think>")

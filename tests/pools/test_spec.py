@@ -167,7 +167,7 @@ BAD = {
         ["pools[0].chat_template_kwargs.add_generation_prompt", "may not set messages, tools, documents"]),
     "chat_template_kwargs enable_thinking a string": (
         _set("pools/0/chat_template_kwargs", {"enable_thinking": "false"}),
-        ["pools[0].chat_template_kwargs.enable_thinking: must be true or false, got 'false'"]),
+        ["pools[0].chat_template_kwargs.enable_thinking: must be true or false", "got 'false'"]),
     "chat_template_kwargs not a mapping": (_set("pools/0/chat_template_kwargs", ["enable_thinking"]),
                                            ["pools[0].chat_template_kwargs", "expected an object"]),
     "chat_template_kwargs non-string key": (_set("pools/0/chat_template_kwargs", {1: True}),
