@@ -148,9 +148,10 @@ Summary = Literal["auto", "concise", "detailed"]
 
 
 class ReasoningOptions(msgspec.Struct, forbid_unknown_fields=True):
-    """The Responses API's `reasoning` request field, checked and then ignored: whether and how long a
-    model thinks is its chat template's (`chat_template_kwargs`) and `max_output_tokens`'; no summary is
-    written (a reasoning item's `summary` is empty)."""
+    """The Responses API's `reasoning` request field, checked: whether and how long a model thinks is its
+    chat template's (`chat_template_kwargs`) and `max_output_tokens`'; `effort: "none"` sets the template's
+    `enable_thinking: false` (unless the request's own kwargs set it), the other efforts change nothing; no
+    summary is written (a reasoning item's `summary` is empty)."""
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Summary | None = None

@@ -7,9 +7,10 @@ whose refusals are renamed to the Responses fields): `input` as text or items (m
 `function_call` and `function_call_output`), `instructions` (a system message first), function `tools`,
 `tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema: the chat's
 response_format), `max_output_tokens`, `temperature`, `top_p`, `stream`, `top_logprobs`, `metadata`,
-`store`, `background`, `chat_template_kwargs` (as chat's), `reasoning` (checked, then ignored: whether a
-model thinks is its template's, e.g. `chat_template_kwargs`), and the items of the earlier turns a
-`previous_response_id` names (looked up by the caller, passed as `prior`). Routing, credits and the
+`store`, `background`, `chat_template_kwargs` (as chat's), `reasoning` (checked; whether a model thinks is
+its template's, e.g. `chat_template_kwargs`, and `effort: "none"` sets `enable_thinking: false` there
+unless the request's own `chat_template_kwargs` say otherwise; the rest is ignored), and the items of the
+earlier turns a `previous_response_id` names (looked up by the caller, passed as `prior`). Routing, credits and the
 engine treat it as the chat it is.
 
 A thinking model's reasoning (`gateway.openai.reasoning`) is a `reasoning` item before the message, its
@@ -112,7 +113,7 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     service_tier: Literal["auto", "default"] | None = None
     include: list[Literal["message.output_text.logprobs"]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None   # as chat's (vLLM's)
-    reasoning: ReasoningOptions | None = None  # checked, then ignored
+    reasoning: ReasoningOptions | None = None  # checked; effort "none" turns thinking off
     user: Any = None                          # accepted and ignored
     stream_options: Any = None
 
@@ -148,6 +149,8 @@ def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
                 "chat_template_kwargs"):
         if (value := getattr(req, key)) is not None:
             chat[key] = value
+    if req.reasoning is not None and req.reasoning.effort == "none":   # no thinking: the templates' switch off
+        chat["chat_template_kwargs"] = {"enable_thinking": False, **(req.chat_template_kwargs or {})}
     if req.top_logprobs is not None:
         chat["logprobs"] = True
     if req.max_output_tokens is not None:

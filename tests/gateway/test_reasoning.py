@@ -125,6 +125,11 @@ def test_the_responses_api_takes_chat_template_kwargs_and_a_well_formed_reasonin
                            "reasoning": {"effort": "low", "summary": "auto"}})
     assert req.chat.chat_template_kwargs == {"enable_thinking": False}
     assert parse_responses({**body, "reasoning": {}}).chat.chat_template_kwargs is None
+    # effort "none": the template's switch off, unless the request's own kwargs set it
+    none = {**body, "reasoning": {"effort": "none"}}
+    assert parse_responses(none).chat.chat_template_kwargs == {"enable_thinking": False}
+    own = {"enable_thinking": True, "x": 1}
+    assert parse_responses({**none, "chat_template_kwargs": own}).chat.chat_template_kwargs == own
     for bad, param in ((("chat_template_kwargs", [1]), "chat_template_kwargs"),
                        (("chat_template_kwargs", {"documents": []}), "chat_template_kwargs.documents"),
                        (("reasoning", "high"), "reasoning"), (("reasoning", {"effort": "max"}), "reasoning.effort"),
@@ -298,6 +303,11 @@ async def test_a_grammar_on_the_reply_lets_the_model_think_first(aiohttp_client,
     assert (whole.reasoning_content, whole.content) == ("Okay, four.", '{"answer": 4}')
     grammar = engine.structured[-1]
     assert _allows(folder, grammar, "".join(engine.pieces)) and not _allows(folder, grammar, '{"answer": 4}')
+    engine.pieces = ["It is", " 4."]   # the Responses API's effort "none": the template does not open the block
+    result = await sdk.responses.create(model="thinker", input="What is 2 + 2?", reasoning={"effort": "none"})
+    assert [item.type for item in result.output] == ["message"] and result.output_text == "It is 4."
+    assert Tokenizer.from_folder(folder).decode(engine.prompts[-1], skip_special_tokens=False).endswith(
+        "assistant\n<think>\n\n</think>\n\n")
     engine.pieces = ["I need it.", "\n</think>\n\n", *CALL]
     whole = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES, tools=STRICT_WEATHER)).choices[0]
     assert whole.message.reasoning_content == "I need it." and len(whole.message.tool_calls) == 1
