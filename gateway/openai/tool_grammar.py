@@ -13,9 +13,9 @@ grammar of the reply alone would forbid it (or, with the template's generation p
 make the model answer there). `think` says where the reply starts: "optional" (it may open a block
 first), "opened" (the prompt opened one: the reply thinks and then closes it), None (no thinking). The
 block is one lexeme, any text without `</think>`, whitespace around it included; plain text may not
-begin with `<think>` (so a block is always read as one, and no second block follows the first). `thinking_first` puts the same
-block before a JSON reply (response_format alone). As vLLM does with a reasoning parser, only what
-follows the block is constrained."""
+begin with `<think>` (so a block is always read as one, and no second block follows the first).
+`thinking_first` puts the same block before a JSON reply (response_format alone). As vLLM does with a
+reasoning parser, only what follows the block is constrained."""
 
 from __future__ import annotations
 
