@@ -321,9 +321,7 @@ class ResponsesAnswer(LocalResponse):
                                structured_format=self._format())
 
     def _format(self) -> dict[str, Any]:
-        """The request's `text.format` (as asked: the grammar the engine got may wrap it, for tools or a
-        thinking model's block)."""
-        asked = self.asked.chat
+        asked = self.asked.chat   # the request's `text.format` as asked, not the grammar that may wrap it
         structured = asked.params.structured
         if structured is None or asked.structured_param != "response_format":
             return {"type": "text"}
