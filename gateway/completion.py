@@ -110,13 +110,14 @@ class Completion:
         if upstream:
             return await self._forward(upstream[0])
         pool, ids = self.routed[0]
+        # Where a thinking model's chat reply starts: its grammar and its reasoning split both follow it.
         chat = isinstance(self.req, ChatRequest)
-        self.req = with_grammar(self.req, pool, think_mode(pool.tokenizer, ids, self.req.tools is not None) if chat
-                                else None)
+        think = think_mode(pool.tokenizer, ids, self.req.tools is not None) if chat else None
+        self.req = with_grammar(self.req, pool, think)
         await self.gateway.check_grammar(self.req.params.structured, self.req.structured_param)
         admission = self.gateway.admission
         req = dataclasses.replace(self.req, priority=admission.clamp_priority(self.tenant, self.req.priority))
-        local = await self._run_local(req)
+        local = await self._run_local(req, think)
         # The engine is done with every request: its credits are back, however slowly the client reads.
         return await (local.finish() if self.http is not None else local.result())
 
@@ -133,10 +134,11 @@ class Completion:
             raise _relayed_error(response)
         return json.loads(response.body)
 
-    async def _run_local(self, req: ChatRequest | CompletionRequest) -> LocalResponse:
+    async def _run_local(self, req: ChatRequest | CompletionRequest, think: str | None) -> LocalResponse:
         """Wait for each pool's device, hold the credits on the replicas placement picks, run the request
-        there; again (on another replica, or the restarted worker) if a worker died before the client saw
-        anything (HTTP only), until two deaths that count make it a poison request (`poison_error`)."""
+        there (`think`: where a thinking model's reply starts, `LocalResponse`); again (on another replica,
+        or the restarted worker) if a worker died before the client saw anything (HTTP only), until two
+        deaths that count make it a poison request (`poison_error`)."""
         gateway = self.gateway
         under = DeathsUnder()   # the worker deaths this request was in flight at
         while True:
@@ -148,7 +150,7 @@ class Completion:
                                                   max_tokens_param=req.max_tokens_param) as placed:
                 local = self.answer_type(self.http, req, self.routed, placed=placed, received=self.received,
                                          metrics=gateway.metrics, write_timeout=gateway.config.gateway.write_timeout,
-                                         tenant=self.tenant)
+                                         tenant=self.tenant, think=think)
                 clients = {name: p.client for name, p in placed.items()}   # the workers it runs on
                 await local.run()
                 self._report_cache_hits(placed, local)

@@ -47,7 +47,7 @@ from gateway.monitoring.metrics import GatewayMetrics
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
 from gateway.openai.errors import ApiError, named_error
-from gateway.openai.reasoning import ReasoningSplitter, think_mode
+from gateway.openai.reasoning import ReasoningSplitter
 from gateway.openai.tools import ToolCallStream, ToolFormat, format_for
 from pools.pool import Pool
 
@@ -149,12 +149,15 @@ class LocalResponse:
     (it returns when the engine is done), then `await finish()` (the stream's end or the JSON
     response) or `await result()` (a batch line's body). `received` is when the request arrived
     (time.perf_counter), so time to first token and end-to-end latency include parsing and counting.
-    `buffers` bounds what a stream holds unsent (by default the app's `RESPONSE_BUFFERS`).
+    `buffers` bounds what a stream holds unsent (by default the app's `RESPONSE_BUFFERS`). `think` is a
+    chat prompt's `gateway.openai.reasoning.think_mode`, as its grammar was built for (None: no reasoning
+    is split from the replies).
     """
 
     def __init__(self, request: web.Request | None, req: ChatRequest | CompletionRequest, routed: Routed, *,
                  placed: dict[str, Placed], received: float, metrics: GatewayMetrics, write_timeout: float = 30.0,
-                 tenant: str = "default", buffers: ResponseBuffers | None = None) -> None:
+                 tenant: str = "default", buffers: ResponseBuffers | None = None,
+                 think: str | None = None) -> None:
         self.request, self.req, self.routed, self.placed = request, req, routed, placed
         self.chat = isinstance(req, ChatRequest)
         self.received, self.metrics = received, metrics
@@ -178,6 +181,7 @@ class LocalResponse:
         self.error: ApiError | None = None               # the engine's failure, answered by `finish`
         self.write_timeout = write_timeout
         self.tenant = tenant                             # whose prefix-cache partition it uses
+        self.think = think if self.chat else None        # `gateway.openai.reasoning.think_mode` of the prompt
         if buffers is None and request is not None:
             buffers = request.app.get(RESPONSE_BUFFERS)
         self.buffers = buffers
@@ -192,16 +196,12 @@ class LocalResponse:
         self._write_error: ClientGone | None = None   # the client stopped reading or went away
 
     def _split_reasoning(self) -> None:
-        """On a pool whose chat template thinks, each choice's reply split into reasoning and content; it
-        starts inside the think block when the prompt opened one (a grammar on the reply lets it think
-        first: `gateway.completion.with_grammar`)."""
-        n = self.req.params.n
-        for i, (pool, ids) in enumerate(self.routed):
-            think = think_mode(pool.tokenizer, ids, use_tools=self.req.tools is not None)
-            if think is None:
-                continue
-            for j in range(n):
-                self.choices[i * n + j].reasoning = ReasoningSplitter(think == "opened")
+        """On a pool whose chat template thinks (`think` given), each choice's reply split into reasoning
+        and content; it starts inside the think block when the prompt opened one (a grammar on the reply
+        lets it think first: `gateway.completion.with_grammar`)."""
+        if self.think is not None:
+            for choice in self.choices.values():
+                choice.reasoning = ReasoningSplitter(self.think == "opened")
 
     def reasoning_tokens(self) -> int | None:
         """The output tokens of the choices' reasoning (None when the model does not think)."""

@@ -20,11 +20,13 @@ reasoning parser, only what follows the block is constrained."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from engine.structured import JSON_OPTIONS, StructuredOutput
+from gateway.openai.reasoning import THINK_END, THINK_START
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}   # the arguments of a function that is not strict
 
@@ -56,8 +58,15 @@ def _call_schema(functions: Sequence[tuple[str, dict[str, Any]]], args_key: str)
 
 
 THINK_MODES = ("optional", "opened")
+
+
+def _regex(literal: str) -> str:
+    """`literal` inside a /regex/ of the grammar."""
+    return re.escape(literal).replace("/", r"\/")
+
+
 # the thought: any text without the closing tag (llguidance's lexeme operators `&` and `~`)
-_THOUGHT = r'(/(?s:.)*/ & ~/(?s:.)*<\/think>(?s:.)*/) "</think>" /\s*/'
+_THOUGHT = rf'(/(?s:.)*/ & ~/(?s:.)*{_regex(THINK_END)}(?s:.)*/) {json.dumps(THINK_END)} /\s*/'
 
 
 def _think(think: str | None) -> tuple[str, str]:
@@ -68,7 +77,7 @@ def _think(think: str | None) -> tuple[str, str]:
         raise ValueError(f"think: one of {', '.join(THINK_MODES)} or None, got {think!r}")
     if think == "opened":
         return "THOUGHT ", f"THOUGHT: {_THOUGHT}\n"
-    return "THINK? ", f'THINK: /\\s*/ "<think>" {_THOUGHT}\n'
+    return "THINK? ", f"THINK: /\\s*/ {json.dumps(THINK_START)} {_THOUGHT}\n"
 
 
 def forced_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, Any]]],
@@ -84,7 +93,7 @@ def auto_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, An
     (after a think block, as `think` says)."""
     head, block = _think(think)
     if reply is None:
-        lexeme = syntax.text if think is None else rf"({syntax.text}) & ~/\s*<think>(?s:.)*/"
+        lexeme = syntax.text if think is None else rf"({syntax.text}) & ~/\s*{_regex(THINK_START)}(?s:.)*/"
         text = f"text: TEXT\nTEXT: {lexeme}"
     else:
         text = f"text: %json {_schema_text(_reply_schema(reply))}"
