@@ -236,6 +236,7 @@ class Gateway:
         await self.spiral.stop()
         await self.overload.stop()
         await asyncio.gather(*(s.stop() for s in self.all_supervisors), return_exceptions=True)
+        await asyncio.gather(*(c.release_claims() for c in self.clusters.values()), return_exceptions=True)
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     @property

@@ -15,7 +15,12 @@ digest) finds it and connects without reloading it; so do other gateways of the 
 whose config for the device differs (another digest) while replicas (actors or placement groups) of the
 old digest are on the cluster does not start the device (`ConfigConflict`, its state in `/ready`),
 unless it takes over (`RayCluster.take_over`: `cliffguard serve --take-over`, YAML
-`gateway.take_over`): then the old digest's actors and groups are removed first.
+`gateway.take_over`): then the old digest's actors and groups are removed first. Two gateways of
+different configs that start at once see no replicas yet: before it places anything, a gateway claims
+the device for its digest from the device's config claim (`ConfigClaim`, a detached actor named
+`cliffguard:<device>:config`, whose calls Ray runs one at a time), which refuses another digest while a
+gateway of the holder's digest holds it (until it stops, or `CLAIM_SECONDS` after its last claim), as
+replicas of that config would: one of the two starts.
 
 Several gateways of one config share the device's replicas; one of them at a time places and removes
 them (`gateway.workers.scaler_lease`): a replica whose `may_place` says no only looks for its live
@@ -37,13 +42,13 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 
 log = logging.getLogger("cliffguard.gateway")
 
-__all__ = ["ClusterError", "ConfigConflict", "RayCluster", "RayReplica", "NAMESPACE", "SCALER"]
+__all__ = ["ClusterError", "ConfigClaim", "ConfigConflict", "RayCluster", "RayReplica", "NAMESPACE", "SCALER"]
 
 NAMESPACE = "cliffguard"
 CONNECT_SECONDS = 30.0      # how long `ray.init` may take before the address is called unreachable
@@ -53,6 +58,8 @@ WATCH_SECONDS = 30.0        # each pending death-notice call returns after this 
 RESPONSIVE_SECONDS = 5.0    # a silent connection's actor that does not answer Ray this long is restarted
 FIND_POLL_SECONDS = 0.5     # between looks for an actor that the leader gateway is to place
 SCALER = "scaler"           # the slot word of a device's scaling lease: `cliffguard:<device>:scaler:<digest>`
+CLAIM_SECONDS = 30.0        # a gateway's hold on a device's config claim outlasts its check to its placed group
+CLAIM_CALL_SECONDS = 30.0   # a device's config claim that does not answer a gateway's claim in this long fails it
 
 
 class ClusterError(RuntimeError):
@@ -94,6 +101,47 @@ def parse_name(name: str, device: str) -> tuple[str, str] | None:
     return slot, digest
 
 
+@dataclass
+class ConfigClaim:
+    """Which config (digest) of a device places its replicas, with the clock given. A gateway's claim is
+    granted (and its hold refreshed) when the claim is its digest's, held by no gateway, or taken over;
+    a hold lapses `claim_seconds` after the gateway last claimed, or when it releases it (it stops).
+    `claim` returns the digest that holds the claim."""
+
+    claim_seconds: float
+    digest: str | None = None
+    holders: dict[str, float] = field(default_factory=dict)   # gateway -> when it last claimed
+
+    def claim(self, digest: str, gateway: str, now: float, take_over: bool = False) -> str:
+        self.holders = {g: t for g, t in self.holders.items() if now - t < self.claim_seconds}
+        if self.digest != digest and (take_over or not self.holders):
+            self.digest, self.holders = digest, {}
+        if self.digest == digest:
+            self.holders[gateway] = now
+        return self.digest
+
+    def release(self, gateway: str) -> None:
+        self.holders.pop(gateway, None)
+
+
+class ConfigClaimActor:
+    """`ConfigClaim` as a detached Ray actor, on its monotonic clock (a restarted one holds nothing)."""
+
+    def __init__(self, claim_seconds: float) -> None:
+        self.rule = ConfigClaim(claim_seconds)
+
+    def claim(self, digest: str, gateway: str, take_over: bool) -> str:
+        return self.rule.claim(digest, gateway, time.monotonic(), take_over)
+
+    def release(self, gateway: str) -> None:
+        self.rule.release(gateway)
+
+
+def claim_name(device: str) -> str:
+    """The name of a device's `ConfigClaimActor` (not an `actor_name`: `parse_name` does not read it)."""
+    return f"cliffguard:{device}:config"
+
+
 class RayCluster:
     """The gateway's connection to one Ray cluster (`ray.init` once per process).
 
@@ -107,6 +155,7 @@ class RayCluster:
         self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._connecting: asyncio.Task | None = None
         self._claimed: dict[str, asyncio.Task] = {}   # device -> its config's check at start, once
+        self._claims: dict[str, object] = {}          # device -> its config claim's actor, once asked
 
     async def connect(self, timeout: float = CONNECT_SECONDS) -> None:
         """ClusterError naming the address when the cluster does not answer within `timeout` seconds.
@@ -156,21 +205,51 @@ class RayCluster:
 
     async def check_config(self, device: str, digest: str) -> None:
         """ConfigConflict naming the device, the other digests and how to take over when actors or
-        placement groups of `device` under another digest are on the cluster; with `take_over` they are
-        removed instead (and that config's scaling lease with them)."""
+        placement groups of `device` under another digest are on the cluster, or another digest claimed
+        the device moments ago (`ConfigClaim`); with `take_over` they are removed instead (and that
+        config's scaling lease with them), the claim taken."""
         found = await self.device_names(device)
         others = {name: d for name, (slot, d) in found.items() if d != digest}
         running = sorted({d for name, d in others.items() if found[name][0] != SCALER})
+        take_over = " (or gateway.take_over: true in its YAML) to replace them"
         if running and not self.take_over:
             raise ConfigConflict(
                 f"replicas of device {device!r} with another config (digest {', '.join(running)}) run on the Ray "
                 f"cluster at {self.address!r} (another gateway's, or left by one that stopped: replicas outlive "
-                "their gateway); start this gateway with --take-over (or gateway.take_over: true in its YAML) to "
-                "replace them")
+                f"their gateway); start this gateway with --take-over{take_over}")
+        if (holder := await self._claim(device, digest)) != digest:
+            raise ConfigConflict(
+                f"another gateway is starting replicas of device {device!r} with another config (digest {holder}) "
+                f"on the Ray cluster at {self.address!r}; start this gateway with --take-over{take_over}")
         for name in sorted(others) if self.take_over else ():
             log.warning("device %s: taking over: removing %s (config digest %s; this gateway's is %s)",
                         device, name, others[name], digest)
             await self.remove(name)
+
+    async def _claim(self, device: str, digest: str) -> str:
+        """Claim `device` for `digest` (`ConfigClaim`): the digest that holds the claim."""
+        ray = _ray()
+
+        def get_or_create():
+            return ray.remote(ConfigClaimActor).options(
+                name=claim_name(device), namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
+                max_task_retries=-1, num_cpus=0, get_if_exists=True).remote(CLAIM_SECONDS)
+
+        actor = await asyncio.to_thread(get_or_create)
+        self._claims[device] = actor
+        try:
+            return await asyncio.wait_for(actor.claim.remote(digest, self.gateway_id, self.take_over),
+                                          CLAIM_CALL_SECONDS)
+        except TimeoutError:
+            raise ClusterError(f"the config claim {claim_name(device)!r} of the Ray cluster at {self.address!r} "
+                               f"did not answer in {CLAIM_CALL_SECONDS:g} s") from None
+
+    async def release_claims(self) -> None:
+        """This gateway stops: its holds on its devices' config claims end (`ConfigClaim`), so that a
+        gateway of another config may start those devices at once."""
+        calls = [asyncio.wait_for(actor.release.remote(self.gateway_id), 5.0)
+                 for actor in self._claims.values()]
+        await asyncio.gather(*calls, return_exceptions=True)   # one that does not answer lapses
 
     async def device_names(self, device: str) -> dict[str, tuple[str, str]]:
         """Each live actor (in the namespace) and placement group (not removed) named for `device`:

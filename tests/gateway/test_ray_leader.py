@@ -1,8 +1,9 @@
 """The scaling leader of a device shared by several gateways, without Ray: the lease's rules on a given
 clock (one holder, renewal, expiry and takeover, release, a restarted lease granting nothing at first,
-the gateways' reasons to scale up), and the autoscaler as leader and as follower with fake slots and a
-fake lease (a follower places and removes nothing; the leader removes only a replica idle for every
-gateway). The same on a Ray cluster: tests/gateway/test_ray_leader_cluster.py."""
+the gateways' reasons to scale up), the config claim's (one digest while a gateway of it holds it, a
+hold lapsing or released, taken over), and the autoscaler as leader and as follower with fake slots
+and a fake lease (a follower places and removes nothing; the leader removes only a replica idle for
+every gateway). The same on a Ray cluster: tests/gateway/test_ray_leader_cluster.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from gateway.monitoring.metrics import GatewayMetrics
 from gateway.workers import autoscaler as autoscaler_module
 from gateway.workers.autoscaler import Autoscaler
-from gateway.workers.ray_cluster import parse_name
+from gateway.workers.ray_cluster import ConfigClaim, claim_name, parse_name
 from gateway.workers.scaler_lease import Lease, LeaseView
 from pools.config.spec import DeviceSpec
 
@@ -57,6 +58,22 @@ def test_the_gateways_reasons_reach_the_others_and_the_holders_drains_reach_the_
     assert lease.renew("B", 26.0).draining == ()                 # a new holder starts with none
 
 
+def test_a_config_claim_is_one_digests_while_a_gateway_of_it_holds_it_unless_taken_over():
+    claim = ConfigClaim(30.0)
+    assert claim.claim("aaaa", "A", now=0.0) == "aaaa"           # free: granted
+    assert claim.claim("bbbb", "B", now=1.0) == "aaaa"           # another config, moments later: refused
+    assert claim.claim("aaaa", "A2", now=20.0) == "aaaa"         # another gateway of the config holds it too
+    assert claim.claim("bbbb", "B", now=49.9) == "aaaa"          # A2's hold is 29.9 s old
+    assert claim.claim("bbbb", "B", now=50.0) == "bbbb"          # every hold lapsed: B's
+    assert claim.claim("aaaa", "A", now=51.0) == "bbbb"
+    claim.release("A")                                            # a gateway that holds nothing: no change
+    assert claim.claim("aaaa", "A", now=52.0) == "bbbb"
+    claim.release("B")                                            # B stops: free at once
+    assert claim.claim("aaaa", "A", now=53.0) == "aaaa"
+    assert claim.claim("cccc", "C", now=54.0, take_over=True) == "cccc"
+    assert claim.claim("aaaa", "A", now=55.0) == "cccc" and claim.holders == {"C": 54.0}
+
+
 def test_names_of_a_device_are_told_from_other_devices_and_other_names():
     assert parse_name("cliffguard:gpu:3:1a2b3c4d", "gpu") == ("3", "1a2b3c4d")
     assert parse_name("cliffguard:gpu:scaler:1a2b3c4d", "gpu") == ("scaler", "1a2b3c4d")
@@ -64,6 +81,7 @@ def test_names_of_a_device_are_told_from_other_devices_and_other_names():
     assert parse_name("cliffguard:gpu2:3:1a2b3c4d", "gpu") is None
     assert parse_name("cliffguard:gpu:x:1a2b3c4d", "gpu") is None
     assert parse_name("cliffguard:gpu:3", "gpu") is None
+    assert parse_name(claim_name("gpu"), "gpu") is None                # the config claim is no replica
 
 
 # --- the autoscaler as leader and as follower, with fakes ---------------------------------------------

@@ -2,8 +2,9 @@
 leases on the one lease actor (one leads, the other takes over when the lease expires or is handed
 back, a restarted lease actor grants nothing at first); a replica of a follower gateway never places,
 and connects to the actor the leader placed; a device whose replicas of another config run on the
-cluster is refused, in `/ready` and in each request's 503, unless the gateway takes over. Skipped where
-Ray is not installed."""
+cluster is refused, in `/ready` and in each request's 503, unless the gateway takes over; of two configs
+checked at once, before either has a replica, one starts, and the other once no gateway of the first
+holds the device's claim. Skipped where Ray is not installed."""
 
 from __future__ import annotations
 
@@ -148,6 +149,28 @@ async def test_replicas_of_another_config_refuse_the_device_unless_it_takes_over
     await taking.remove_slots_past("conf", digest, 2)     # what the leader does on taking the lease
     assert sorted(await taking.device_names("conf")) == [f"cliffguard:conf:0:{digest}"]
     await taking.remove(f"cliffguard:conf:0:{digest}")
+
+
+async def test_two_configs_checked_at_once_before_any_replica_exists_one_starts_and_the_other_is_refused(head):
+    await RayCluster(head.address).connect()
+    clusters = {digest: RayCluster(head.address) for digest in ("aaaa0000", "bbbb0000")}
+    results = await asyncio.gather(*(c.check_config("race", d) for d, c in clusters.items()), return_exceptions=True)
+    refused = [r for r in results if isinstance(r, ConfigConflict)]
+    assert len(refused) == 1 and results.count(None) == 1, results   # neither has placed anything
+    started = "aaaa0000" if results[0] is None else "bbbb0000"
+    assert f"digest {started}" in str(refused[0]) and "--take-over" in str(refused[0])
+    other = "bbbb0000" if started == "aaaa0000" else "aaaa0000"
+    joining = RayCluster(head.address)
+    await joining.check_config("race", started)                      # a gateway of the same config joins
+    await clusters[started].release_claims()                         # the first one stops
+    with pytest.raises(ConfigConflict):                              # the one that joined holds it still
+        await clusters[other].check_config("race", other)
+    await joining.release_claims()
+    await clusters[other].check_config("race", other)                # no gateway holds it: the other's now
+    await RayCluster(head.address, take_over=True).check_config("race", "cccc0000")
+    with pytest.raises(ConfigConflict, match="digest cccc0000"):     # the claim is the taker's now
+        await clusters[other].check_config("race", other)
+    assert await RayCluster(head.address).device_names("race") == {}   # the claim is no replica
 
 
 async def test_a_gateway_whose_device_has_replicas_of_another_config_says_so_in_ready_and_503s(
