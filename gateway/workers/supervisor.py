@@ -16,6 +16,10 @@ a stream. The supervisor then
 - starts the new worker after a back-off (`Backoff`: 1 s, 2 s, 4 s … 30 s; back to 1 s once a worker
   stayed up for `reset_after` seconds), counted in `cliffguard_worker_restarts_total{device,replica}`.
 
+A worker that ends while its replica drains (the autoscaler removes it; on a Ray device, a follower
+gateway sees the replica the leader gateway drains and then removes end this way) is logged at INFO and
+not counted as a restart.
+
 A worker that is alive but silent is as dead to its clients. The worker sends a heartbeat every half
 second from a thread beside its step loop (`engine.worker.HeartbeatThread`), busy or idle, saying how
 long its current step has lasted. The watchdog (every `WATCHDOG_INTERVAL` s) kills a loaded worker
@@ -255,10 +259,17 @@ class DeviceSupervisor:
                 self._restart_reason = _summary(reason)
             else:
                 self._first_failure = _summary(reason)
-            log.error("device %s: %s: %s; %s in %.1f s", self.name, what, reason,
-                      "restarting" if self._was_ready else "trying again", delay)
+            # A replica the autoscaler drains (this gateway's, or a Ray device's leader gateway's) is being
+            # removed: its end is the plan, not a fault.
+            planned = self.draining and what == "worker died"
+            if planned:
+                log.info("device %s: the worker ended while draining (%s); connecting again in %.1f s unless the "
+                         "autoscaler stops it first", self.name, reason, delay)
+            else:
+                log.error("device %s: %s: %s; %s in %.1f s", self.name, what, reason,
+                          "restarting" if self._was_ready else "trying again", delay)
             await asyncio.sleep(delay)
-            if self._was_ready:
+            if self._was_ready and not planned:
                 self.num_restarts += 1
                 self.metrics.worker_restarts.labels(**self.labels).inc()
 
