@@ -16,11 +16,9 @@ whose config for the device differs (another digest) while replicas (actors or p
 old digest are on the cluster does not start the device (`ConfigConflict`, its state in `/ready`),
 unless it takes over (`RayCluster.take_over`: `cliffguard serve --take-over`, YAML
 `gateway.take_over`): then the old digest's actors and groups are removed first. Two gateways of
-different configs that start at once see no replicas yet: before it places anything, a gateway claims
-the device for its digest from the device's config claim (`ConfigClaim`, a detached actor named
-`cliffguard:<device>:config`, whose calls Ray runs one at a time), which refuses another digest while a
-gateway of the holder's digest holds it (until it stops, or `CLAIM_SECONDS` after its last claim), as
-replicas of that config would: one of the two starts.
+different configs that start at once see no replicas yet: a gateway first claims the device for its
+digest (`gateway.workers.config_claim`), then lists; the claim is one digest's at a time, so one of the
+two starts and the other tries again (and is refused once the first one's replicas are listed).
 
 Several gateways of one config share the device's replicas; one of them at a time places and removes
 them (`gateway.workers.scaler_lease`): a replica whose `may_place` says no only looks for its live
@@ -42,13 +40,14 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from gateway.workers.config_claim import DeviceClaims
 
 log = logging.getLogger("cliffguard.gateway")
 
-__all__ = ["ClusterError", "ConfigClaim", "ConfigConflict", "RayCluster", "RayReplica", "NAMESPACE", "SCALER"]
+__all__ = ["ClusterError", "ConfigConflict", "RayCluster", "RayReplica", "NAMESPACE", "SCALER"]
 
 NAMESPACE = "cliffguard"
 CONNECT_SECONDS = 30.0      # how long `ray.init` may take before the address is called unreachable
@@ -58,8 +57,6 @@ WATCH_SECONDS = 30.0        # each pending death-notice call returns after this 
 RESPONSIVE_SECONDS = 5.0    # a silent connection's actor that does not answer Ray this long is restarted
 FIND_POLL_SECONDS = 0.5     # between looks for an actor that the leader gateway is to place
 SCALER = "scaler"           # the slot word of a device's scaling lease: `cliffguard:<device>:scaler:<digest>`
-CLAIM_SECONDS = 30.0        # a gateway's hold on a device's config claim outlasts its check to its placed group
-CLAIM_CALL_SECONDS = 30.0   # a device's config claim that does not answer a gateway's claim in this long fails it
 
 
 class ClusterError(RuntimeError):
@@ -101,45 +98,12 @@ def parse_name(name: str, device: str) -> tuple[str, str] | None:
     return slot, digest
 
 
-@dataclass
-class ConfigClaim:
-    """Which config (digest) of a device places its replicas, with the clock given. A gateway's claim is
-    granted (and its hold refreshed) when the claim is its digest's, held by no gateway, or taken over;
-    a hold lapses `claim_seconds` after the gateway last claimed, or when it releases it (it stops).
-    `claim` returns the digest that holds the claim."""
-
-    claim_seconds: float
-    digest: str | None = None
-    holders: dict[str, float] = field(default_factory=dict)   # gateway -> when it last claimed
-
-    def claim(self, digest: str, gateway: str, now: float, take_over: bool = False) -> str:
-        self.holders = {g: t for g, t in self.holders.items() if now - t < self.claim_seconds}
-        if self.digest != digest and (take_over or not self.holders):
-            self.digest, self.holders = digest, {}
-        if self.digest == digest:
-            self.holders[gateway] = now
-        return self.digest
-
-    def release(self, gateway: str) -> None:
-        self.holders.pop(gateway, None)
-
-
-class ConfigClaimActor:
-    """`ConfigClaim` as a detached Ray actor, on its monotonic clock (a restarted one holds nothing)."""
-
-    def __init__(self, claim_seconds: float) -> None:
-        self.rule = ConfigClaim(claim_seconds)
-
-    def claim(self, digest: str, gateway: str, take_over: bool) -> str:
-        return self.rule.claim(digest, gateway, time.monotonic(), take_over)
-
-    def release(self, gateway: str) -> None:
-        self.rule.release(gateway)
-
-
-def claim_name(device: str) -> str:
-    """The name of a device's `ConfigClaimActor` (not an `actor_name`: `parse_name` does not read it)."""
-    return f"cliffguard:{device}:config"
+def _standing(check: asyncio.Task) -> bool:
+    """A device's start check whose answer stands: running, passed, or refused for replicas of another
+    config."""
+    if not check.done():
+        return True
+    return not check.cancelled() and (check.exception() is None or isinstance(check.exception(), ConfigConflict))
 
 
 class RayCluster:
@@ -155,7 +119,7 @@ class RayCluster:
         self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._connecting: asyncio.Task | None = None
         self._claimed: dict[str, asyncio.Task] = {}   # device -> its config's check at start, once
-        self._claims: dict[str, object] = {}          # device -> its config claim's actor, once asked
+        self.claims = DeviceClaims(self.gateway_id, NAMESPACE, address, take_over)
 
     async def connect(self, timeout: float = CONNECT_SECONDS) -> None:
         """ClusterError naming the address when the cluster does not answer within `timeout` seconds.
@@ -198,58 +162,42 @@ class RayCluster:
         writer.close()
 
     async def claim(self, device: str, digest: str) -> None:
-        """Once per device, at its start (every later call has the first one's answer): `check_config`."""
-        if device not in self._claimed:
-            self._claimed[device] = asyncio.ensure_future(self.check_config(device, digest))
-        await asyncio.shield(self._claimed[device])
+        """Once per device, at its start: `check_config`. Its pass, or its refusal for another config's
+        replicas, is every later call's answer; a check that could not decide yet (`ClaimPending`, or
+        an error of Ray's) is made again at the next call."""
+        task = self._claimed.get(device)
+        if task is None or not _standing(task):
+            task = self._claimed[device] = asyncio.ensure_future(self.check_config(device, digest))
+        await asyncio.shield(task)
 
     async def check_config(self, device: str, digest: str) -> None:
-        """ConfigConflict naming the device, the other digests and how to take over when actors or
-        placement groups of `device` under another digest are on the cluster, or another digest claimed
-        the device moments ago (`ConfigClaim`); with `take_over` they are removed instead (and that
-        config's scaling lease with them), the claim taken."""
+        """Claim `device` for `digest` (`ClaimPending` while another config's gateway holds its claim),
+        then ConfigConflict naming the device, the other digests and how to take over when actors or
+        placement groups of `device` under another digest are on the cluster (the claim given back);
+        with `take_over` they are removed instead (and that config's scaling lease with them)."""
+        await self.claims.claim(device, digest)
         found = await self.device_names(device)
         others = {name: d for name, (slot, d) in found.items() if d != digest}
         running = sorted({d for name, d in others.items() if found[name][0] != SCALER})
-        take_over = " (or gateway.take_over: true in its YAML) to replace them"
         if running and not self.take_over:
+            await self.claims.release(device)
             raise ConfigConflict(
                 f"replicas of device {device!r} with another config (digest {', '.join(running)}) run on the Ray "
                 f"cluster at {self.address!r} (another gateway's, or left by one that stopped: replicas outlive "
-                f"their gateway); start this gateway with --take-over{take_over}")
-        if (holder := await self._claim(device, digest)) != digest:
-            raise ConfigConflict(
-                f"another gateway is starting replicas of device {device!r} with another config (digest {holder}) "
-                f"on the Ray cluster at {self.address!r}; start this gateway with --take-over{take_over}")
+                "their gateway); start this gateway with --take-over (or gateway.take_over: true in its YAML) to "
+                "replace them")
         for name in sorted(others) if self.take_over else ():
             log.warning("device %s: taking over: removing %s (config digest %s; this gateway's is %s)",
                         device, name, others[name], digest)
             await self.remove(name)
 
-    async def _claim(self, device: str, digest: str) -> str:
-        """Claim `device` for `digest` (`ConfigClaim`): the digest that holds the claim."""
-        ray = _ray()
-
-        def get_or_create():
-            return ray.remote(ConfigClaimActor).options(
-                name=claim_name(device), namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
-                max_task_retries=-1, num_cpus=0, get_if_exists=True).remote(CLAIM_SECONDS)
-
-        actor = await asyncio.to_thread(get_or_create)
-        self._claims[device] = actor
-        try:
-            return await asyncio.wait_for(actor.claim.remote(digest, self.gateway_id, self.take_over),
-                                          CLAIM_CALL_SECONDS)
-        except TimeoutError:
-            raise ClusterError(f"the config claim {claim_name(device)!r} of the Ray cluster at {self.address!r} "
-                               f"did not answer in {CLAIM_CALL_SECONDS:g} s") from None
-
     async def release_claims(self) -> None:
-        """This gateway stops: its holds on its devices' config claims end (`ConfigClaim`), so that a
-        gateway of another config may start those devices at once."""
-        calls = [asyncio.wait_for(actor.release.remote(self.gateway_id), 5.0)
-                 for actor in self._claims.values()]
-        await asyncio.gather(*calls, return_exceptions=True)   # one that does not answer lapses
+        """This gateway stops: the start checks still running end, then its holds on its devices' config
+        claims are given back, so that a gateway of another config may start those devices at once."""
+        for task in self._claimed.values():
+            task.cancel()
+        await asyncio.gather(*self._claimed.values(), return_exceptions=True)
+        await self.claims.release_all()
 
     async def device_names(self, device: str) -> dict[str, tuple[str, str]]:
         """Each live actor (in the namespace) and placement group (not removed) named for `device`:
@@ -349,8 +297,10 @@ class RayReplica:
     async def endpoint(self, timeout: float) -> tuple[str, int, bytes]:
         """(host, port, key): finds the live actor of this name, or places the replica if it may (else
         waits for the leader gateway to place it), then asks the actor. ConfigConflict when replicas of
-        another config of the device are on the cluster (`RayCluster.check_config`)."""
+        another config of the device are on the cluster, ClaimPending while another config's gateway
+        holds the device's claim (`RayCluster.check_config`)."""
         await self.cluster.connect()
+        self.status = "claiming the device for its config"
         await self.cluster.claim(self.device, self.digest)
         if self._actor is None:
             self._actor = await self._find_or_place(timeout)

@@ -30,6 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from gateway.workers.config_claim import ClaimPending
 from gateway.workers.ray_cluster import NAMESPACE, SCALER, ClusterError, RayCluster, RayReplica, _ray, actor_name
 
 log = logging.getLogger("cliffguard.gateway")
@@ -152,7 +153,7 @@ class ScalerLease:
             self._led = self.is_leader()
             listed = time.monotonic()
             self.live, self.live_at = await self.cluster.live_slots(self.device, self.digest), listed
-        except ClusterError:
+        except (ClusterError, ClaimPending):
             return   # the device's own state says why (unreachable, another config)
         except Exception as exc:  # noqa: BLE001 - Ray's errors: the lease lapses, the next tick asks again
             self._actor = None

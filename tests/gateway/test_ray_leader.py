@@ -16,7 +16,8 @@ import pytest
 from gateway.monitoring.metrics import GatewayMetrics
 from gateway.workers import autoscaler as autoscaler_module
 from gateway.workers.autoscaler import Autoscaler
-from gateway.workers.ray_cluster import ConfigClaim, claim_name, parse_name
+from gateway.workers.config_claim import ConfigClaim, claim_name
+from gateway.workers.ray_cluster import parse_name
 from gateway.workers.scaler_lease import Lease, LeaseView
 from pools.config.spec import DeviceSpec
 
@@ -72,6 +73,13 @@ def test_a_config_claim_is_one_digests_while_a_gateway_of_it_holds_it_unless_tak
     assert claim.claim("aaaa", "A", now=53.0) == "aaaa"
     assert claim.claim("cccc", "C", now=54.0, take_over=True) == "cccc"
     assert claim.claim("aaaa", "A", now=55.0) == "cccc" and claim.holders == {"C": 54.0}
+
+
+def test_a_restarted_config_claim_grants_nothing_until_every_hold_it_gave_lapsed():
+    claim = ConfigClaim.started(30.0, now=100.0, restarted=True)
+    assert claim.claim("aaaa", "A", now=129.9) is None
+    assert claim.claim("bbbb", "B", now=130.0) == "bbbb"
+    assert ConfigClaim.started(30.0, now=100.0).claim("aaaa", "A", now=100.0) == "aaaa"
 
 
 def test_names_of_a_device_are_told_from_other_devices_and_other_names():

@@ -3,8 +3,8 @@ leases on the one lease actor (one leads, the other takes over when the lease ex
 back, a restarted lease actor grants nothing at first); a replica of a follower gateway never places,
 and connects to the actor the leader placed; a device whose replicas of another config run on the
 cluster is refused, in `/ready` and in each request's 503, unless the gateway takes over; of two configs
-checked at once, before either has a replica, one starts, and the other once no gateway of the first
-holds the device's claim. Skipped where Ray is not installed."""
+started at once, before either has a replica, one starts and the other waits for the device's claim,
+then is refused for the first one's replicas. Skipped where Ray is not installed."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 ray = pytest.importorskip("ray")
 
 from engine.config import EngineConfig  # noqa: E402
+from gateway.workers.config_claim import ClaimPending, claim_name  # noqa: E402
 from gateway.workers.ray_cluster import ConfigConflict, RayCluster, RayReplica, config_digest  # noqa: E402
 from gateway.workers.scaler_lease import ScalerLease  # noqa: E402
 
@@ -151,26 +152,29 @@ async def test_replicas_of_another_config_refuse_the_device_unless_it_takes_over
     await taking.remove(f"cliffguard:conf:0:{digest}")
 
 
-async def test_two_configs_checked_at_once_before_any_replica_exists_one_starts_and_the_other_is_refused(head):
+async def test_two_configs_started_at_once_one_starts_the_other_waits_for_the_claim_then_is_refused(head):
     await RayCluster(head.address).connect()
     clusters = {digest: RayCluster(head.address) for digest in ("aaaa0000", "bbbb0000")}
-    results = await asyncio.gather(*(c.check_config("race", d) for d, c in clusters.items()), return_exceptions=True)
-    refused = [r for r in results if isinstance(r, ConfigConflict)]
-    assert len(refused) == 1 and results.count(None) == 1, results   # neither has placed anything
-    started = "aaaa0000" if results[0] is None else "bbbb0000"
-    assert f"digest {started}" in str(refused[0]) and "--take-over" in str(refused[0])
-    other = "bbbb0000" if started == "aaaa0000" else "aaaa0000"
+    results = await asyncio.gather(*(c.claim("race", d) for d, c in clusters.items()), return_exceptions=True)
+    waiting = [r for r in results if isinstance(r, ClaimPending)]
+    assert len(waiting) == 1 and results.count(None) == 1, results    # neither has placed anything yet
+    started, other = ("aaaa0000", "bbbb0000") if results[0] is None else ("bbbb0000", "aaaa0000")
+    assert f"(digest {started})" in str(waiting[0]) and "trying again" in str(waiting[0])
+    placed = _make_stand_in(f"cliffguard:race:0:{started}")            # the winner places its replica
+    await placed.ping.remote()
     joining = RayCluster(head.address)
-    await joining.check_config("race", started)                      # a gateway of the same config joins
-    await clusters[started].release_claims()                         # the first one stops
-    with pytest.raises(ConfigConflict):                              # the one that joined holds it still
-        await clusters[other].check_config("race", other)
+    await joining.claim("race", started)                               # a gateway of the same config joins
+    await clusters[started].release_claims()                           # the first one stops
+    with pytest.raises(ClaimPending):                                  # the one that joined holds it still
+        await clusters[other].claim("race", other)
     await joining.release_claims()
-    await clusters[other].check_config("race", other)                # no gateway holds it: the other's now
-    await RayCluster(head.address, take_over=True).check_config("race", "cccc0000")
-    with pytest.raises(ConfigConflict, match="digest cccc0000"):     # the claim is the taker's now
-        await clusters[other].check_config("race", other)
-    assert await RayCluster(head.address).device_names("race") == {}   # the claim is no replica
+    for _ in range(2):                                                 # asked again: now the replica is listed
+        with pytest.raises(ConfigConflict, match=f"digest {started}"):
+            await clusters[other].claim("race", other)
+    await RayCluster(head.address, take_over=True).claim("race", "cccc0000")   # removes the replica
+    with pytest.raises(ClaimPending, match="digest cccc0000"):        # the claim is the taker's
+        await clusters[started].check_config("race", started)
+    assert await RayCluster(head.address).device_names("race") == {}    # the claim actor is no replica
 
 
 async def test_a_gateway_whose_device_has_replicas_of_another_config_says_so_in_ready_and_503s(
@@ -229,7 +233,7 @@ async def test_two_gateways_share_an_autoscaled_device_one_decides_and_the_other
     await _wait_for(client_b, {"ready": 2, "stopped": 0}, timeout=90)   # A placed slot 1, B connected to it
     assert set(await burst) == {"0", "1"}
     names = sorted(n for n in await asyncio.to_thread(ray.util.list_named_actors) if n.startswith("cliffguard:cpu:"))
-    assert names == sorted([lease_a.name] + [s.link.name for s in gateway_a.supervisors["cpu"]])
+    assert names == sorted([lease_a.name, claim_name("cpu")] + [s.link.name for s in gateway_a.supervisors["cpu"]])
     # quiet: A removes slot 1 once no gateway's request runs on it; B stops its slot 1
     for client in (client_a, client_b):
         await _wait_for(client, {"ready": 1, "stopped": 1, "draining": 0}, timeout=60)

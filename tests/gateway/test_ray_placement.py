@@ -21,6 +21,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
+from gateway.workers.config_claim import claim_name  # noqa: E402
 from tests.gateway.conftest import chat_pool_yaml  # noqa: E402
 from tests.gateway.test_app import _client, _model  # noqa: E402
 from tests.gateway.test_replicas import _all_ready  # noqa: E402
@@ -195,7 +196,8 @@ async def test_autoscaling_on_ray_adds_an_actor_for_a_burst_and_removes_it_when_
     await burst_then_quiet(client, gateway, _model(tiny_model))
     names = await asyncio.to_thread(ray.util.list_named_actors)
     assert sorted(n for n in names if n.startswith("cliffguard:cpu:")) == sorted(
-        [gateway.supervisors["cpu"][0].link.name, gateway.autoscaler.leases["cpu"].name])   # slot 0 and the lease
+        [gateway.supervisors["cpu"][0].link.name, gateway.autoscaler.leases["cpu"].name,   # slot 0, the lease
+         claim_name("cpu")])                                                                # and the config claim
     await client.close()
 
 
