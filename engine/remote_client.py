@@ -43,6 +43,10 @@ class ReplicaLink(Protocol):
         """(Optional.) Restart the replica unless its process answers the cluster manager: a connection
         that went silent may be a partition between this gateway and a healthy replica."""
 
+    async def removed(self) -> bool:
+        """(Optional.) Whether the replica is gone for good (removed, not restarting): a replica that a
+        drain ended (another gateway's autoscaler removed it)."""
+
 
 class RemoteEngineClient(AsyncEngineClient):
     """`AsyncEngineClient` over a network connection to a replica that `link` locates."""

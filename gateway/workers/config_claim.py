@@ -9,8 +9,9 @@ device for its digest from the device's claim: a detached actor `cliffguard:<dev
 The claim is one digest's while a gateway of that digest holds it: a gateway holds it from its claim
 until it releases it (it stops, or its listing showed another config's replicas) or `CLAIM_SECONDS`
 pass without another claim (a gateway killed mid-start). A gateway of another digest meanwhile gets
-`ClaimPending` and tries again later (its supervisor's back-off); once nobody holds the claim, the next
-digest to ask gets it. A taker-over (`gateway.take_over`) takes it whoever holds it. A claim actor that
+`ClaimPending` and tries again later (its supervisor's back-off; `RayCluster.claim` checks again no
+sooner than `RECHECK_SECONDS` after its last check); once nobody holds the claim, the next digest to
+ask gets it. A taker-over (`gateway.take_over`) takes it whoever holds it. A claim actor that
 Ray restarted knows no holders, so it grants nothing for `CLAIM_SECONDS`, until every hold it gave may
 have lapsed.
 
@@ -21,8 +22,11 @@ have lapsed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
+
+log = logging.getLogger("cliffguard.gateway")
 
 __all__ = ["CLAIM_SECONDS", "ClaimPending", "ConfigClaim", "ConfigClaimActor", "DeviceClaims", "claim_name"]
 
@@ -92,6 +96,7 @@ class DeviceClaims:
     def __init__(self, gateway_id: str, namespace: str, address: str, take_over: bool = False) -> None:
         self.gateway_id, self.namespace, self.address, self.take_over = gateway_id, namespace, address, take_over
         self._actors: dict[str, object] = {}   # device -> its claim actor, once asked
+        self._failing: set[str] = set()         # devices whose claim failed to answer (said once)
 
     async def claim(self, device: str, digest: str) -> None:
         """Hold `device`'s claim for `digest`; ClaimPending naming the holder's digest when another
@@ -102,9 +107,16 @@ class DeviceClaims:
             holder = await asyncio.wait_for(actor.claim.remote(digest, self.gateway_id, self.take_over),
                                             CALL_SECONDS)
         except Exception as exc:  # noqa: BLE001 - Ray's errors and the timeout: asked again at the next try
-            self._actors.pop(device, None)
-            raise ClaimPending(f"the config claim {claim_name(device)!r} on the Ray cluster at {self.address!r} did "
-                               f"not answer ({type(exc).__name__}); trying again") from None
+            if not isinstance(exc, TimeoutError):
+                self._actors.pop(device, None)   # made again next time (a call that timed out may still hold)
+            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
+            message = (f"the config claim {claim_name(device)!r} on the Ray cluster at {self.address!r} did not "
+                       f"answer ({type(exc).__name__}{': ' + first if first else ''}); trying again")
+            if device not in self._failing:
+                log.warning("device %s: %s", device, message)
+                self._failing.add(device)
+            raise ClaimPending(message) from None
+        self._failing.discard(device)
         if holder is None:
             raise ClaimPending(f"the config claim {claim_name(device)!r} on the Ray cluster at {self.address!r} was "
                                f"restarted: it grants nothing for {CLAIM_SECONDS:g} s; trying again")

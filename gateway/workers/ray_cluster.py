@@ -56,6 +56,7 @@ RESTART_POLL_SECONDS = 0.25   # between asks while Ray restarts an actor
 WATCH_SECONDS = 30.0        # each pending death-notice call returns after this long, and is made again
 RESPONSIVE_SECONDS = 5.0    # a silent connection's actor that does not answer Ray this long is restarted
 FIND_POLL_SECONDS = 0.5     # between looks for an actor that the leader gateway is to place
+RECHECK_SECONDS = 2.0       # a device's config check that could not decide is not made again sooner
 SCALER = "scaler"           # the slot word of a device's scaling lease: `cliffguard:<device>:scaler:<digest>`
 
 
@@ -98,14 +99,6 @@ def parse_name(name: str, device: str) -> tuple[str, str] | None:
     return slot, digest
 
 
-def _standing(check: asyncio.Task) -> bool:
-    """A device's start check whose answer stands: running, passed, or refused for replicas of another
-    config."""
-    if not check.done():
-        return True
-    return not check.cancelled() and (check.exception() is None or isinstance(check.exception(), ConfigConflict))
-
-
 class RayCluster:
     """The gateway's connection to one Ray cluster (`ray.init` once per process).
 
@@ -118,7 +111,9 @@ class RayCluster:
         self.take_over = take_over
         self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._connecting: asyncio.Task | None = None
-        self._claimed: dict[str, asyncio.Task] = {}   # device -> its config's check at start, once
+        self._claimed: dict[str, asyncio.Task] = {}   # device -> its config's check at start
+        self._recheck_at: dict[str, float] = {}       # device -> when a check that did not decide may run again
+        self._conflicts: dict[str, ConfigConflict] = {}   # device -> another config's replicas were found
         self.claims = DeviceClaims(self.gateway_id, NAMESPACE, address, take_over)
 
     async def connect(self, timeout: float = CONNECT_SECONDS) -> None:
@@ -162,12 +157,17 @@ class RayCluster:
         writer.close()
 
     async def claim(self, device: str, digest: str) -> None:
-        """Once per device, at its start: `check_config`. Its pass, or its refusal for another config's
-        replicas, is every later call's answer; a check that could not decide yet (`ClaimPending`, or
-        an error of Ray's) is made again at the next call."""
+        """Once per device, at its start: `check_config`. Its pass is every later call's answer, and so is
+        a refusal for another config's replicas (found by any check of the device); a check that could
+        not decide yet (`ClaimPending`, or an error of Ray's) is made again by a call `RECHECK_SECONDS`
+        after it ended, and until then each call has its answer (the scaling lease asks every tick)."""
+        if device in self._conflicts:
+            raise self._conflicts[device]
         task = self._claimed.get(device)
-        if task is None or not _standing(task):
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)
+                            and time.monotonic() >= self._recheck_at.get(device, 0.0)):
             task = self._claimed[device] = asyncio.ensure_future(self.check_config(device, digest))
+            task.add_done_callback(lambda _: self._recheck_at.__setitem__(device, time.monotonic() + RECHECK_SECONDS))
         await asyncio.shield(task)
 
     async def check_config(self, device: str, digest: str) -> None:
@@ -181,11 +181,12 @@ class RayCluster:
         running = sorted({d for name, d in others.items() if found[name][0] != SCALER})
         if running and not self.take_over:
             await self.claims.release(device)
-            raise ConfigConflict(
+            self._conflicts[device] = ConfigConflict(
                 f"replicas of device {device!r} with another config (digest {', '.join(running)}) run on the Ray "
                 f"cluster at {self.address!r} (another gateway's, or left by one that stopped: replicas outlive "
                 "their gateway); start this gateway with --take-over (or gateway.take_over: true in its YAML) to "
                 "replace them")
+            raise self._conflicts[device]
         for name in sorted(others) if self.take_over else ():
             log.warning("device %s: taking over: removing %s (config digest %s; this gateway's is %s)",
                         device, name, others[name], digest)
@@ -341,6 +342,10 @@ class RayReplica:
             return actor
         await self.cluster.check_config(self.device, self.digest)   # another config may have come meanwhile
         return await self._place(timeout)
+
+    async def removed(self) -> bool:
+        """Whether the replica's actor is gone for good (removed from the cluster; Ray is not restarting it)."""
+        return await self._find() is None
 
     async def _find(self):
         """The live actor of this name, or None."""

@@ -16,9 +16,11 @@ a stream. The supervisor then
 - starts the new worker after a back-off (`Backoff`: 1 s, 2 s, 4 s … 30 s; back to 1 s once a worker
   stayed up for `reset_after` seconds), counted in `cliffguard_worker_restarts_total{device,replica}`.
 
-A worker that ends while its replica drains (the autoscaler removes it; on a Ray device, a follower
-gateway sees the replica the leader gateway drains and then removes end this way) is logged at INFO and
-not counted as a restart.
+A worker that ends while its replica drains and whose replica is then gone for good (on a Ray device, a
+follower gateway sees the replica the leader gateway drained and removed end this way) is logged at INFO
+and not counted as a restart; a draining replica that crashed (Ray restarts it) counts as any other.
+A Ray replica that waits for another config's gateway to give the device's config claim back
+(`gateway.workers.config_claim.ClaimPending`) logs each try at INFO.
 
 A worker that is alive but silent is as dead to its clients. The worker sends a heartbeat every half
 second from a thread beside its step loop (`engine.worker.HeartbeatThread`), busy or idle, saying how
@@ -73,6 +75,7 @@ from engine.stats import WorkerInfo
 from engine.client import AsyncEngineClient, EngineDeadError
 from engine.remote_client import RemoteEngineClient, ReplicaLink
 from gateway.monitoring.metrics import GatewayMetrics
+from gateway.workers.config_claim import ClaimPending
 from gateway.workers.deaths import HANG, STALL, STOPPED, DeviceDeaths
 from gateway.workers.ray_cluster import ClusterError
 from gateway.ticker import Ticker
@@ -84,6 +87,7 @@ log = logging.getLogger("cliffguard.gateway")
 __all__ = ["Backoff", "DeviceSupervisor"]
 
 WATCHDOG_INTERVAL = 0.5   # seconds between the watchdog's looks at the worker
+REMOVED_SECONDS = 5.0     # how long the cluster may take to say whether a drained replica was removed
 STARTUP_FAILED = "device worker failed to start:"   # how engine.client words a worker's `StartupError`
 
 
@@ -246,32 +250,43 @@ class DeviceSupervisor:
                     await self._notify()
                     return
                 what, reason = "restart failed" if self._was_ready else "first connection failed", str(exc)
+                waiting = isinstance(exc, ClaimPending)
             else:
                 up_since = time.monotonic()
                 await self._ready(client, info, up_since - spawned)
-                what, reason = "worker died", await self._until_died(client)
+                what, reason, waiting = "worker died", await self._until_died(client), False
                 self.deaths.record(client, self.replica, reason)   # the watchdog's verdict stays, if it killed it
                 if time.monotonic() - up_since >= self.backoff.reset_after_seconds:
                     attempt = 0
-            delay = self.backoff.delay(attempt)
-            attempt += 1
+            # A draining replica that is gone for good was removed (a Ray device's leader gateway ended its
+            # drain): the plan, not a fault. So is a wait for another config's gateway (`ClaimPending`).
+            planned = what == "worker died" and self.draining and await self._removed()
+            delay = self.backoff.delay(0 if planned else attempt)
+            attempt += 0 if planned else 1
             if self._was_ready:
                 self._restart_reason = _summary(reason)
             else:
                 self._first_failure = _summary(reason)
-            # A replica the autoscaler drains (this gateway's, or a Ray device's leader gateway's) is being
-            # removed: its end is the plan, not a fault.
-            planned = self.draining and what == "worker died"
             if planned:
-                log.info("device %s: the worker ended while draining (%s); connecting again in %.1f s unless the "
+                log.info("device %s: the drained replica was removed (%s); connecting again in %.1f s unless the "
                          "autoscaler stops it first", self.name, reason, delay)
             else:
-                log.error("device %s: %s: %s; %s in %.1f s", self.name, what, reason,
-                          "restarting" if self._was_ready else "trying again", delay)
+                log.log(logging.INFO if waiting else logging.ERROR, "device %s: %s: %s; %s in %.1f s", self.name,
+                        what, reason, "restarting" if self._was_ready else "trying again", delay)
             await asyncio.sleep(delay)
             if self._was_ready and not planned:
                 self.num_restarts += 1
                 self.metrics.worker_restarts.labels(**self.labels).inc()
+
+    async def _removed(self) -> bool:
+        """Whether this remote replica is gone for good (`ReplicaLink.removed`; False when it cannot say)."""
+        removed = getattr(self.link, "removed", None)
+        if removed is None:
+            return False
+        try:
+            return await asyncio.wait_for(removed(), REMOVED_SECONDS)
+        except Exception:  # noqa: BLE001 - the cluster did not answer: taken for a fault
+            return False
 
     def _tries_again(self, exc: Exception) -> bool:
         """Whether a first start that failed with `exc` is tried again: only a remote replica's, and not

@@ -20,6 +20,7 @@ ray = pytest.importorskip("ray")
 
 from engine.config import EngineConfig  # noqa: E402
 from gateway.workers.config_claim import ClaimPending, claim_name  # noqa: E402
+from gateway.workers import ray_cluster  # noqa: E402
 from gateway.workers.ray_cluster import ConfigConflict, RayCluster, RayReplica, config_digest  # noqa: E402
 from gateway.workers.scaler_lease import ScalerLease  # noqa: E402
 
@@ -47,6 +48,17 @@ def _make_stand_in(name: str):
             return True
 
     return StandIn.options(name=name, namespace="cliffguard", lifetime="detached").remote()
+
+
+def _count_checks(cluster: RayCluster, checks: list) -> None:
+    """Each `check_config` that `cluster` makes, appended to `checks`."""
+    check = cluster.check_config
+
+    async def counted(device: str, digest: str) -> None:
+        checks.append((device, digest))
+        await check(device, digest)
+
+    cluster.check_config = counted
 
 
 async def _lead_at_once(lease: ScalerLease, timeout: float) -> float:
@@ -152,23 +164,33 @@ async def test_replicas_of_another_config_refuse_the_device_unless_it_takes_over
     await taking.remove(f"cliffguard:conf:0:{digest}")
 
 
-async def test_two_configs_started_at_once_one_starts_the_other_waits_for_the_claim_then_is_refused(head):
+async def test_two_configs_started_at_once_one_starts_the_other_waits_for_the_claim_then_is_refused(
+        head, monkeypatch):
+    monkeypatch.setattr(ray_cluster, "RECHECK_SECONDS", 0.5)
     await RayCluster(head.address).connect()
     clusters = {digest: RayCluster(head.address) for digest in ("aaaa0000", "bbbb0000")}
+    checks = []
+    for cluster in clusters.values():
+        _count_checks(cluster, checks)
     results = await asyncio.gather(*(c.claim("race", d) for d, c in clusters.items()), return_exceptions=True)
     waiting = [r for r in results if isinstance(r, ClaimPending)]
     assert len(waiting) == 1 and results.count(None) == 1, results    # neither has placed anything yet
     started, other = ("aaaa0000", "bbbb0000") if results[0] is None else ("bbbb0000", "aaaa0000")
     assert f"(digest {started})" in str(waiting[0]) and "trying again" in str(waiting[0])
+    with pytest.raises(ClaimPending):                                  # asked again at once: the same answer,
+        await clusters[other].claim("race", other)
+    assert len(checks) == 2                                            # not a new check
     placed = _make_stand_in(f"cliffguard:race:0:{started}")            # the winner places its replica
     await placed.ping.remote()
     joining = RayCluster(head.address)
     await joining.claim("race", started)                               # a gateway of the same config joins
     await clusters[started].release_claims()                           # the first one stops
+    await asyncio.sleep(0.5)
     with pytest.raises(ClaimPending):                                  # the one that joined holds it still
         await clusters[other].claim("race", other)
     await joining.release_claims()
-    for _ in range(2):                                                 # asked again: now the replica is listed
+    await asyncio.sleep(0.5)
+    for _ in range(2):                                                 # now the replica is listed: refused for good
         with pytest.raises(ConfigConflict, match=f"digest {started}"):
             await clusters[other].claim("race", other)
     await RayCluster(head.address, take_over=True).claim("race", "cccc0000")   # removes the replica

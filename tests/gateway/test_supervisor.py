@@ -236,36 +236,48 @@ def test_a_remote_replica_whose_first_connection_failed_is_tried_again_and_keeps
     asyncio.run(scenario())
 
 
-def test_a_worker_that_ends_while_its_replica_drains_is_no_restart(tiny_model, caplog):
-    """A follower gateway sees the replica the leader gateway drained end (the leader removed it): INFO,
-    not an ERROR, and no restart counted; a death while not draining still counts."""
+class _RemovableLink(_Link):
+    """A `_Link` whose cluster manager says whether the replica was removed for good."""
+
+    gone = False
+
+    async def removed(self) -> bool:
+        return self.gone
+
+
+def test_a_drained_replica_that_was_removed_is_no_restart_but_a_crash_while_draining_is(tiny_model, caplog):
+    """A follower gateway sees the replica the leader gateway drained and removed end: INFO, not an ERROR,
+    and no restart counted. A draining replica that crashed (the cluster restarts it) counts as any other."""
     server = _replica_server(tiny_model)
+    link = _RemovableLink(server)
+
+    async def lose(supervisor, pool, reason: str) -> None:
+        ready = len(pool.admission.ready)
+        supervisor.client.lost(reason)
+        while len(pool.admission.ready) == ready:                 # the stand-in link reaches the replica again
+            await asyncio.sleep(0.02)
 
     async def scenario():
-        supervisor, pool = _remote_supervisor(server, _Link(server))
+        supervisor, pool = _remote_supervisor(server, link)
         supervisor.start()
         try:
             await supervisor.wait_ready()
-            supervisor.draining = True
-            supervisor.client.lost("replica cpu/0: Ray reports the actor dead (ActorDiedError: killed by ray.kill)")
-            while len(pool.admission.ready) < 2:                  # the stand-in link reaches the replica again
-                await asyncio.sleep(0.02)
+            supervisor.draining, link.gone = True, True
+            await lose(supervisor, pool, "Ray reports the actor dead (ActorDiedError: removed)")
             restarts = supervisor.metrics.registry.get_sample_value(
                 "cliffguard_worker_restarts_total", {"device": "cpu", "replica": "0"})
             assert supervisor.num_restarts == 0 and restarts == 0
-            supervisor.draining = False
-            supervisor.client.lost("the connection dropped")
-            while len(pool.admission.ready) < 3:
-                await asyncio.sleep(0.02)
+            link.gone = False
+            await lose(supervisor, pool, "the connection dropped (a crash)")
             assert supervisor.num_restarts == 1
         finally:
             await supervisor.stop()
 
     with caplog.at_level(logging.INFO, logger="cliffguard.gateway"):
         asyncio.run(scenario())
-    said = [(r.levelname, r.getMessage()) for r in caplog.records if "ActorDiedError" in r.getMessage()]
-    assert said and all(level == "INFO" and "while draining" in message for level, message in said), said
-    assert any(r.levelname == "ERROR" and "the connection dropped" in r.getMessage() for r in caplog.records)
+    said = {r.levelname for r in caplog.records if "ActorDiedError: removed" in r.getMessage()}
+    assert said == {"INFO"} and any("drained replica was removed" in r.getMessage() for r in caplog.records)
+    assert any(r.levelname == "ERROR" and "(a crash)" in r.getMessage() for r in caplog.records)
 
 
 def test_a_remote_replica_whose_load_failed_stays_failed(tiny_model, tmp_path):
