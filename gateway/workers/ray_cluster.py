@@ -99,6 +99,11 @@ def parse_name(name: str, device: str) -> tuple[str, str] | None:
     return slot, digest
 
 
+def _undecided(check: asyncio.Task) -> bool:
+    """A finished config check that neither passed nor found another config's replicas."""
+    return check.exception() is not None and not isinstance(check.exception(), ConfigConflict)
+
+
 class RayCluster:
     """The gateway's connection to one Ray cluster (`ray.init` once per process).
 
@@ -113,7 +118,6 @@ class RayCluster:
         self._connecting: asyncio.Task | None = None
         self._claimed: dict[str, asyncio.Task] = {}   # device -> its config's check at start
         self._recheck_at: dict[str, float] = {}       # device -> when a check that did not decide may run again
-        self._conflicts: dict[str, ConfigConflict] = {}   # device -> another config's replicas were found
         self.claims = DeviceClaims(self.gateway_id, NAMESPACE, address, take_over)
 
     async def connect(self, timeout: float = CONNECT_SECONDS) -> None:
@@ -157,15 +161,13 @@ class RayCluster:
         writer.close()
 
     async def claim(self, device: str, digest: str) -> None:
-        """Once per device, at its start: `check_config`. Its pass is every later call's answer, and so is
-        a refusal for another config's replicas (found by any check of the device); a check that could
-        not decide yet (`ClaimPending`, or an error of Ray's) is made again by a call `RECHECK_SECONDS`
-        after it ended, and until then each call has its answer (the scaling lease asks every tick)."""
-        if device in self._conflicts:
-            raise self._conflicts[device]
+        """Once per device, at its start: `check_config`. Its pass, or its refusal for another config's
+        replicas, is every later call's answer; a check that could not decide yet (`ClaimPending`, or an
+        error of Ray's) is made again by a call `RECHECK_SECONDS` after it ended, and until then each
+        call has its answer (the scaling lease asks every tick); a cancelled one is made again at once."""
         task = self._claimed.get(device)
-        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)
-                            and time.monotonic() >= self._recheck_at.get(device, 0.0)):
+        if task is None or task.cancelled() or (task.done() and _undecided(task)
+                                                and time.monotonic() >= self._recheck_at.get(device, 0.0)):
             task = self._claimed[device] = asyncio.ensure_future(self.check_config(device, digest))
             task.add_done_callback(lambda _: self._recheck_at.__setitem__(device, time.monotonic() + RECHECK_SECONDS))
         await asyncio.shield(task)
@@ -181,12 +183,11 @@ class RayCluster:
         running = sorted({d for name, d in others.items() if found[name][0] != SCALER})
         if running and not self.take_over:
             await self.claims.release(device)
-            self._conflicts[device] = ConfigConflict(
+            raise ConfigConflict(
                 f"replicas of device {device!r} with another config (digest {', '.join(running)}) run on the Ray "
                 f"cluster at {self.address!r} (another gateway's, or left by one that stopped: replicas outlive "
                 "their gateway); start this gateway with --take-over (or gateway.take_over: true in its YAML) to "
                 "replace them")
-            raise self._conflicts[device]
         for name in sorted(others) if self.take_over else ():
             log.warning("device %s: taking over: removing %s (config digest %s; this gateway's is %s)",
                         device, name, others[name], digest)

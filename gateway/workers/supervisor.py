@@ -259,7 +259,8 @@ class DeviceSupervisor:
                 if time.monotonic() - up_since >= self.backoff.reset_after_seconds:
                     attempt = 0
             # A draining replica that is gone for good was removed (a Ray device's leader gateway ended its
-            # drain): the plan, not a fault. So is a wait for another config's gateway (`ClaimPending`).
+            # drain): the plan, not a fault. A wait for another config's gateway (`ClaimPending`) is logged
+            # at INFO, and otherwise is a failed try like any other.
             planned = what == "worker died" and self.draining and await self._removed()
             delay = self.backoff.delay(0 if planned else attempt)
             attempt += 0 if planned else 1
