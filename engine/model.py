@@ -180,9 +180,12 @@ class LlamaForCausalLM(nn.Module):
         if self._flat[1] is not None and kv_caches[0][0].dtype == self.embed_tokens.weight.dtype:   # not FP8
             return self._flat[1](input_ids, positions, kv_caches, meta)
         hidden, residual = self.embed(input_ids), None
-        rope_rows = self.rotary_emb.rows(positions)    # the step's cos/sin, for every layer
+        rows: dict[int, RopeRows] = {}   # the step's cos/sin, once per rotary embedding (Gemma 3's layers have two)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, rope_rows, kv_cache, meta, backend)
+            rotary = layer.self_attn.rotary_emb
+            if id(rotary) not in rows:
+                rows[id(rotary)] = rotary.rows(positions)
+            hidden, residual = layer(hidden, residual, rows[id(rotary)], kv_cache, meta, backend)
         return self.norm(hidden, residual)[0]
 
     @property

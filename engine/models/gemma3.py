@@ -90,14 +90,3 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         model multiplies by 34.0 at hidden size 1152, not 33.94), as transformers does."""
         hidden = super().embed(input_ids)
         return hidden * float(torch.tensor(self.config.hidden_size ** 0.5).to(hidden.dtype))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                backend) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        hidden, residual = self.embed(input_ids), None
-        rows = {id(rotary): rotary.rows(positions) for rotary in (self.rotary_emb, self.rotary_local)}
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            rope_rows = rows[id(layer.self_attn.rotary_emb)]
-            hidden, residual = layer(hidden, residual, rope_rows, kv_cache, meta, backend)
-        return self.norm(hidden, residual)[0]
