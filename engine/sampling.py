@@ -106,8 +106,9 @@ def _as_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
             raise ValueError(f"logit_bias: must map token ids to biases, got {item!r}")
         key, bias = item
         if isinstance(key, str):
-            if not key.isdigit():   # "-1", "1.5", "a": not a token id
-                raise ValueError(f"logit_bias: keys must be token ids (non-negative integers), got {key!r}")
+            # "-1", "1.5", "a", "²" (a digit to str.isdigit, not to int): not a token id; 10 digits hold any
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"logit_bias: keys must be token ids (non-negative integers), got {key[:20]!r}")
             key = int(key)
         token = _as_int("logit_bias", key)
         if token < 0:

@@ -28,6 +28,7 @@ from pools.router import UnknownModelError
 log = logging.getLogger("cliffguard.gateway")
 
 _JSON = msgspec.json.Decoder()
+MAX_JSON_DEPTH = 64   # arrays and objects in a body nest no deeper (a JSON schema's few levels, and room)
 
 
 async def read_json(request: web.Request) -> Any:
@@ -37,17 +38,33 @@ async def read_json(request: web.Request) -> Any:
     if not raw:
         raise ApiError(400, "body: empty request body; expected a JSON object", param="body")
     try:
-        return _JSON.decode(raw)
+        return checked_depth(_JSON.decode(raw))
     except msgspec.DecodeError:
         pass   # refused, or what json takes and msgspec does not (NaN, 1e999, a lone surrogate): json decides
     except RecursionError:
         raise ApiError(400, "body: the JSON is nested too deeply", param="body") from None
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = json.loads(raw)
+    except ValueError as exc:   # malformed, not UTF-8, an integer over Python's digit limit
         raise ApiError(400, f"body: invalid JSON: {exc}", param="body") from None
     except RecursionError:
         raise ApiError(400, "body: the JSON is nested too deeply", param="body") from None
+    return checked_depth(body)
+
+
+def checked_depth(body: Any, limit: int = MAX_JSON_DEPTH) -> Any:
+    """`body`, or a 400 when its arrays and objects nest deeper than `limit` (what reads it later, the
+    schema compiler, `json.dumps` and the chat template, recurses)."""
+    level, depth = [body], 0
+    while level:
+        depth += 1
+        if depth > limit:
+            raise ApiError(400, f"body: the JSON is nested too deeply (arrays and objects over {limit} deep)",
+                           param="body")
+        level = [child for node in level
+                 for child in (node.values() if isinstance(node, dict) else node if isinstance(node, list) else ())
+                 if isinstance(child, (dict, list))]
+    return body
 
 
 # --- completions -----------------------------------------------------------------------------------

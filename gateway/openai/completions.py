@@ -14,11 +14,11 @@ import msgspec
 
 from engine.sampling import MAX_LOGPROBS, SamplingParams
 from gateway.openai.errors import bad_request, convert_body
-from gateway.openai.sampling_fields import (RequestFields, check_choices, response_format, sampling_params,
-                                            stream_flags)
+from gateway.openai.sampling_fields import (RequestFields, TokenId, check_choices, response_format,
+                                            sampling_params, stream_flags)
 from pools.config.gateway_spec import RequestLimits
 
-TokenIds = Annotated[list[int], msgspec.Meta(min_length=1)]
+TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1)]
 
 
 class CompletionBody(RequestFields, kw_only=True):
@@ -64,8 +64,10 @@ def parse_completion(body: Any, limits: RequestLimits = RequestLimits()) -> Comp
 def _prompts(prompt: str | list[Any], limits: RequestLimits) -> list[str | list[int]]:
     """The prompts `prompt` holds: itself (a string, or an array of token ids), or each of its items."""
     prompts: list[str | list[int]]
-    if isinstance(prompt, str) or all(type(t) is int for t in prompt):
+    if isinstance(prompt, str):
         prompts = [prompt]
+    elif all(type(t) is int for t in prompt):
+        prompts = [convert_body(prompt, TokenIds, root="prompt")]   # each id in range
     else:
         if len(prompt) > limits.max_prompts:
             raise bad_request("prompt", f"at most {limits.max_prompts} prompts per request "

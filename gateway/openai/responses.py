@@ -33,7 +33,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -42,80 +42,10 @@ from gateway.local_answer import LocalResponse
 from gateway.openai import objects
 from gateway.openai.chat import ChatRequest, parse_chat
 from gateway.openai.errors import ApiError, bad_request, convert_body
-from gateway.openai.reasoning import ReasoningOptions, reasoning_item
-from gateway.openai.tool_specs import ToolMode
+from gateway.openai.reasoning import reasoning_item
+from gateway.openai.responses_body import FunctionChoice, InputItem, InputPart, ResponsesBody, TextOptions
 from gateway.openai.tools import ToolCall
 from pools.config.gateway_spec import RequestLimits
-
-
-class InputPart(msgspec.Struct):
-    type: Literal["input_text", "output_text", "text", "reasoning_text"]
-    text: str
-
-
-class InputItem(msgspec.Struct):
-    """An input item: a message (the type when none is given), a function call the model made, the
-    call's output, or the model's reasoning. Other keys (an output item's `id` and `status`, a reasoning
-    item's `summary`) are ignored: the earlier turns' output items come back as input."""
-
-    type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
-    role: Literal["user", "system", "developer", "assistant"] | None = None   # a message's
-    content: str | list[InputPart] = ""
-    call_id: str | None = None                                                # a call's and its output's
-    name: str | None = None
-    arguments: str | None = None
-    output: str | list[InputPart] = ""
-
-
-class FunctionTool(msgspec.Struct):
-    """A function tool, flat (chat's has its fields under `function`)."""
-
-    type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None     # unset: true, the Responses API's default (chat's is false)
-
-
-class FunctionChoice(msgspec.Struct):
-    type: Literal["function"]
-    name: str
-
-
-class TextOptions(msgspec.Struct):
-    format: dict[str, Any] | None = None   # chat's response_format, a json_schema's fields beside its type
-
-
-class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A Responses API body. What this server cannot honour is refused, never a silent default:
-    `truncation` but disabled (an input over the context is a 400, context_length_exceeded), a
-    `service_tier` it does not serve, an `include` but the text's logprobs."""
-
-    model: Annotated[str, msgspec.Meta(min_length=1)]
-    input: str | Annotated[list[InputItem], msgspec.Meta(min_length=1)]
-    instructions: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: ToolMode | FunctionChoice | None = None
-    parallel_tool_calls: bool | None = None
-    text: TextOptions | None = None
-    max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_logprobs: int | None = None
-    seed: int | None = None
-    priority: int | None = None
-    stream: bool | None = None
-    store: bool | None = None                 # unset: true
-    background: bool | None = None
-    previous_response_id: str | None = None
-    metadata: dict[str, Any] | None = None    # `_metadata`
-    truncation: Literal["disabled"] | None = None
-    service_tier: Literal["auto", "default"] | None = None
-    include: list[Literal["message.output_text.logprobs"]] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None   # as chat's (vLLM's)
-    reasoning: ReasoningOptions | None = None  # checked; effort "none" turns thinking off
-    user: Any = None                          # accepted and ignored
-    stream_options: Any = None
 
 
 @dataclass(frozen=True)
@@ -160,10 +90,22 @@ def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
     try:
         parsed = parse_chat(chat, limits)
     except ApiError as err:
-        raise _renamed(err) from None
-    own = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else body["input"]
-    return ResponsesRequest(dataclasses.replace(parsed, metadata=metadata), prior + own, store=store,
-                            background=background, previous_response_id=req.previous_response_id)
+        raise renamed(err) from None
+    own = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else \
+        [_kept(item) for item in req.input]
+    # the checks after parsing (the context, the grammar) name the Responses fields too
+    parsed = dataclasses.replace(parsed, metadata=metadata, max_tokens_param="max_output_tokens",
+                                 structured_param="text.format")
+    return ResponsesRequest(parsed, prior + own, store=store, background=background,
+                            previous_response_id=req.previous_response_id)
+
+
+def _kept(item: InputItem) -> dict[str, Any]:
+    """An input item as the conversation keeps it: its type and the fields it set, nothing the client
+    added beside them (an output item's `id` and `status`, any other key), so that what a chain of
+    `previous_response_id` carries is what its prompts read."""
+    return {"type": item.type} | {key: value for key, value in msgspec.to_builtins(item).items()
+                                  if value is not None and value != ""}
 
 
 def _text(content: str | list[InputPart]) -> str:
@@ -246,7 +188,8 @@ _RENAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "
             "tool_choice.function": "tool_choice"}
 
 
-def _renamed(err: ApiError) -> ApiError:
+def renamed(err: ApiError) -> ApiError:
+    """A chat request's refusal with the field named as the Responses API names it (`messages` is `input`)."""
     param = err.param or ""
     new = _FUNCTION_FIELD.sub(r"tools[\1].", param)   # a chat tool's function.X is a flat tool's X
     for chat, responses in sorted(_RENAMES.items(), key=lambda kv: -len(kv[0])):
@@ -323,7 +266,7 @@ class ResponsesAnswer(LocalResponse):
     def _format(self) -> dict[str, Any]:
         asked = self.asked.chat   # the request's `text.format` as asked, not the grammar that may wrap it
         structured = asked.params.structured
-        if structured is None or asked.structured_param != "response_format":
+        if structured is None or asked.structured_param != "text.format":
             return {"type": "text"}
         if structured.kind == "json_object":
             return {"type": "json_object"}

@@ -21,7 +21,10 @@ from engine.structured import StructuredOutput
 from gateway.openai.errors import ApiError, bad_request
 from pools.config.gateway_spec import RequestLimits
 
-MaxTokens = Annotated[int, msgspec.Meta(ge=1)]   # unset: whatever the context leaves, as vLLM does
+# Integers the engine's wire (MessagePack) carries: a client's 10**23 is a 400 naming its field, not a 500.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]      # the vocabulary's range is the pool's check
+MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]   # unset: whatever the context leaves, as vLLM does
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -52,16 +55,16 @@ class RequestFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream_options: StreamOptions | None = None
     max_tokens: MaxTokens | None = None
     response_format: ResponseFormat | None = None
-    priority: int | None = None
-    n: int | None = None
+    priority: Int64 | None = None
+    n: Int64 | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0, le=2)] | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int | None = None
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: Int64 | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None

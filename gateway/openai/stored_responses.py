@@ -41,9 +41,11 @@ from gateway.openai import objects
 from gateway.admission import bearer_key
 from gateway.completion import Completion
 from gateway.handlers import read_json
+from gateway.openai.chat import ChatRequest
 from gateway.openai.errors import ApiError, bad_request, storage_unavailable
-from gateway.openai.responses import ResponsesAnswer, ResponsesRequest, parse_responses, response_object
+from gateway.openai.responses import ResponsesAnswer, ResponsesRequest, parse_responses, renamed, response_object
 from gateway.runtime import GATEWAY, Gateway
+from pools.pool import Pool
 from pools.store.batch_store import STORAGE_ERRORS
 from pools.store.response_store import FINISHED, ResponseStore, StoredResponse
 
@@ -143,7 +145,7 @@ class KeptResponses:
                                 gateway.config.gateway.limits)
         asked = dataclasses.replace(asked, previous_response_id=body.get("previous_response_id"))
         req = asked.chat
-        routed = [await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs)]
+        routed = [await _routed(gateway, req)]
         answer_type = functools.partial(ResponsesAnswer, asked=asked, response_id=stored.id,
                                         created_at=stored.response["created_at"])
         return await Completion(gateway, req, routed, _relayed(body, asked), "/responses", time.perf_counter(),
@@ -237,9 +239,17 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if asked.store:
         keep = functools.partial(kept.keep, owner=owner, tenant=tenant, request=body, items=asked.items)
     req = asked.chat
-    routed = [await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs)]
+    routed = [await _routed(gateway, req)]
     return await Completion(gateway, req, routed, _relayed(body, asked), "/responses", received, tenant, http=request,
                             answer_type=functools.partial(ResponsesAnswer, asked=asked, keep=keep)).answer()
+
+
+async def _routed(gateway: Gateway, req: ChatRequest) -> tuple[Pool, list[int]]:
+    """The request's chat counted and routed; a refusal names the Responses field (`input`, not `messages`)."""
+    try:
+        return await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs)
+    except ApiError as err:
+        raise renamed(err) from None
 
 
 async def _prior(request: web.Request, body: Any, owner: str) -> list[dict[str, Any]]:

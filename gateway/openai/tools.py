@@ -44,9 +44,11 @@ class ToolCall:
 # --- formats ------------------------------------------------------------------------------------------
 
 def _loads(text: str) -> Any:
+    """`text` as JSON; None for what is not (malformed, nested past the recursion limit, an integer over
+    Python's digit limit)."""
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return None
 
 

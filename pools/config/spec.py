@@ -52,6 +52,9 @@ RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation
 # Switches the templates test with `is true` / `is false` (Qwen3's `enable_thinking`, DeepSeek's `thinking`): a
 # string there is neither and leaves the switch as it was, so a pool's or a request's must be a boolean.
 BOOLEAN_TEMPLATE_VARIABLES = ("enable_thinking", "thinking")
+# The functions a chat template calls (Jinja's globals and the two transformers adds): a variable of the same
+# name would replace one, and the template fail on what it was sent.
+TEMPLATE_FUNCTIONS = ("namespace", "range", "dict", "lipsum", "cycler", "joiner", "raise_exception", "strftime_now")
 
 
 def template_variable_error(key: str, value: Any) -> str | None:
@@ -59,6 +62,9 @@ def template_variable_error(key: str, value: Any) -> str | None:
     if key in RESERVED_TEMPLATE_VARIABLES:
         return (f"is set by the gateway from each request; chat_template_kwargs may not set "
                 f"{', '.join(RESERVED_TEMPLATE_VARIABLES)}")
+    if key in TEMPLATE_FUNCTIONS:
+        return ("is a function the chat template calls; chat_template_kwargs may not set "
+                f"{', '.join(TEMPLATE_FUNCTIONS)}")
     if key in BOOLEAN_TEMPLATE_VARIABLES and value is not None and not isinstance(value, bool):
         return f"must be true or false (or null: the template's default), got {value!r}"
     return None

@@ -67,6 +67,23 @@ async def test_deeply_nested_json_is_a_400_and_the_server_keeps_serving(front):
     assert [m.id for m in (await sdk.models.list()).data] == [FRONT]
 
 
+async def test_json_that_decodes_but_later_readers_would_choke_on_is_a_400_naming_the_body(front):
+    """Nesting the decoders take but the schema compiler, json.dumps or a template would recurse out on
+    (900 deep: under the decoders' limit), and an integer over Python's 4,300-digit limit."""
+    client, _ = front
+    schema = '{"type": "object", "properties": {"a": ' * 450 + "{}" + "}}" * 450
+    tool = '{"type": "function", "function": {"name": "f", "parameters": ' + schema + "}}"
+    deep = f'{{"model": "{FRONT}", "messages": [], "tools": [{tool}]}}'.encode()
+    digits = f'{{"model": "{FRONT}", "messages": [], "seed": {"1" * 5000}}}'.encode()
+    for data, said in ((deep, "nested too deeply (arrays and objects over 64 deep)"), (digits, "invalid JSON")):
+        r = await client.post("/v1/chat/completions", data=data, headers={"Content-Type": "application/json"})
+        body = await r.json()
+        assert r.status == 400, body
+        _assert_openai_error(body, "body")
+        assert said in body["error"]["message"], body
+    assert (await client.get("/health")).status == 200
+
+
 async def test_retrieve_model_is_the_list_entry_and_unknown_ids_are_404(front):
     client, sdk = front
     model = await sdk.models.retrieve(FRONT)

@@ -88,7 +88,18 @@ BAD_CHAT = [
     ("top_k below -1", dict(CHAT, top_k=-5), "top_k"),
     ("seed string", dict(CHAT, seed="x"), "seed"),
     ("priority float", dict(CHAT, priority=1.5), "priority"),
-    ("stop_token_ids negative", dict(CHAT, stop_token_ids=[-3]), "stop_token_ids"),
+    ("stop_token_ids negative", dict(CHAT, stop_token_ids=[-3]), "stop_token_ids[0]"),
+    # integers past 64 bits, which the engine's wire cannot carry
+    ("seed past 64 bits", dict(CHAT, seed=10**23), "seed"),
+    ("top_k past 64 bits", dict(CHAT, top_k=10**23), "top_k"),
+    ("min_tokens past 64 bits", dict(CHAT, min_tokens=10**23), "min_tokens"),
+    ("priority past 64 bits", dict(CHAT, priority=-(10**23)), "priority"),
+    ("max_tokens past 64 bits", dict(CHAT, max_tokens=10**23), "max_tokens"),
+    ("stop_token_ids past a token id", dict(CHAT, stop_token_ids=[1, 2**40]), "stop_token_ids[1]"),
+    ("logit_bias key a digit only to isdigit", dict(CHAT, logit_bias={"\u00b2": 1}), "logit_bias"),
+    ("logit_bias key of 5,000 digits", dict(CHAT, logit_bias={"1" * 5000: 1}), "logit_bias"),
+    ("chat_template_kwargs replacing a template function", dict(CHAT, chat_template_kwargs={"namespace": 0}),
+     "chat_template_kwargs.namespace"),
 ]
 
 
@@ -113,6 +124,8 @@ BAD_COMPLETION = [
     ("logprobs too many", dict(COMPLETION, logprobs=30), "logprobs"),
     ("stop empty string", dict(COMPLETION, stop=""), "stop"),
     ("stop list with an empty string", dict(COMPLETION, stop=[""]), "stop"),
+    ("token id past 64 bits", dict(COMPLETION, prompt=[1, 10**23]), "prompt[1]"),
+    ("negative token id", dict(COMPLETION, prompt=[[1, 2], [3, -1]]), "prompt[1][1]"),
 ]
 
 

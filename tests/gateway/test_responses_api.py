@@ -114,6 +114,9 @@ async def test_a_tool_call_whole_and_streamed_then_its_result_as_input(client) -
     ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"metadata": {"app": 5}}, "metadata.app"),
+    # refused after parsing (the pool's context, the prompt's routing), named as the Responses API names them
+    ({"max_output_tokens": 99_999_999}, "max_output_tokens"),
+    ({"input": "hi " * 60_000}, "input"),
 ])
 async def test_what_the_server_cannot_do_is_a_400_naming_the_field(client, extra, param) -> None:
     body = {"model": MODEL, "input": "hi", **extra}

@@ -377,3 +377,12 @@ async def test_a_two_turn_exchange_with_a_tool_result(client) -> None:
                                                    tool_choice="none", temperature=0)).choices[0]
     assert second.message.content and not second.message.tool_calls
     assert second.finish_reason in ("stop", "length")
+
+
+def test_arguments_that_are_not_json_to_python_read_as_none() -> None:
+    """A call's arguments nested past the recursion limit, or an integer past the digit limit, are not
+    JSON to read (None), never an exception out of the prompt's rendering."""
+    from gateway.openai.tools import _loads
+
+    assert _loads("[" * 5000 + "]" * 5000) is None and _loads("1" * 5000) is None and _loads("{") is None
+    assert _loads('{"a": [1]}') == {"a": [1]}
