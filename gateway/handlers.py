@@ -18,7 +18,7 @@ from aiohttp import web
 
 from gateway.openai.chat import parse_chat
 from gateway.openai.completions import parse_completion
-from gateway.openai.errors import ApiError
+from gateway.openai.errors import ApiError, check_depth
 from gateway.completion import Completion
 from gateway.runtime import GATEWAY, Gateway, model_not_found
 from gateway.upstream.relay import redact
@@ -28,7 +28,6 @@ from pools.router import UnknownModelError
 log = logging.getLogger("cliffguard.gateway")
 
 _JSON = msgspec.json.Decoder()
-MAX_JSON_DEPTH = 64   # arrays and objects in a body nest no deeper (a JSON schema's few levels, and room)
 
 
 async def read_json(request: web.Request) -> Any:
@@ -38,7 +37,7 @@ async def read_json(request: web.Request) -> Any:
     if not raw:
         raise ApiError(400, "body: empty request body; expected a JSON object", param="body")
     try:
-        return checked_depth(_JSON.decode(raw))
+        return check_depth(_JSON.decode(raw), raw)
     except msgspec.DecodeError:
         pass   # refused, or what json takes and msgspec does not (NaN, 1e999, a lone surrogate): json decides
     except RecursionError:
@@ -49,22 +48,7 @@ async def read_json(request: web.Request) -> Any:
         raise ApiError(400, f"body: invalid JSON: {exc}", param="body") from None
     except RecursionError:
         raise ApiError(400, "body: the JSON is nested too deeply", param="body") from None
-    return checked_depth(body)
-
-
-def checked_depth(body: Any, limit: int = MAX_JSON_DEPTH) -> Any:
-    """`body`, or a 400 when its arrays and objects nest deeper than `limit` (what reads it later, the
-    schema compiler, `json.dumps` and the chat template, recurses)."""
-    level, depth = [body], 0
-    while level:
-        depth += 1
-        if depth > limit:
-            raise ApiError(400, f"body: the JSON is nested too deeply (arrays and objects over {limit} deep)",
-                           param="body")
-        level = [child for node in level
-                 for child in (node.values() if isinstance(node, dict) else node if isinstance(node, list) else ())
-                 if isinstance(child, (dict, list))]
-    return body
+    return check_depth(body, raw)
 
 
 # --- completions -----------------------------------------------------------------------------------
@@ -98,6 +82,7 @@ async def answer(gateway: Gateway, path: str, body: Any, *, tenant: str | None =
     try:
         if not isinstance(body, dict):
             raise ApiError(400, f"body: must be a JSON object, got {type(body).__name__}", param="body")
+        check_depth(body)
         if body.get("stream"):
             raise ApiError(400, "stream: a batch line cannot stream; remove stream", param="stream")
         if path == "/v1/chat/completions":

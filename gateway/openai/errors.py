@@ -59,3 +59,32 @@ def storage_unavailable(store: str, exc: BaseException) -> ApiError:
     """The 503 of a request whose store failed (disk full, locked past the busy timeout): retry later."""
     return ApiError(503, f"the {store} cannot be used now ({exc}); try again later", type="server_error",
                     code="storage_unavailable", headers={"Retry-After": "10"})
+
+
+MAX_JSON_DEPTH = 64   # arrays and objects in a request nest no deeper (a JSON schema's few levels, and room)
+
+
+def nested_over(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether `value`'s arrays and objects nest over `limit` deep (what reads a body later, the schema
+    compiler, `json.dumps`, a chat template's `tojson`, recurses)."""
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        level = [child for node in level
+                 for child in (node.values() if isinstance(node, dict) else node if isinstance(node, list) else ())
+                 if isinstance(child, (dict, list))]
+    return False
+
+
+def check_depth(body: Any, raw: bytes | None = None) -> Any:
+    """`body`, or a 400 naming it when it nests over `MAX_JSON_DEPTH` (`raw`: its JSON text, whose bracket
+    count bounds the depth, so a large flat body is not walked)."""
+    if raw is not None and raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return body
+    if nested_over(body):
+        raise ApiError(400, f"body: the JSON is nested too deeply (arrays and objects over {MAX_JSON_DEPTH} "
+                       "deep)", param="body")
+    return body
+

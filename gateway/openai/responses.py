@@ -100,12 +100,16 @@ def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
                             previous_response_id=req.previous_response_id)
 
 
+_ITEM_FIELDS = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
+                "function_call_output": ("call_id", "output"), "reasoning": ("content",)}
+
+
 def _kept(item: InputItem) -> dict[str, Any]:
-    """An input item as the conversation keeps it: its type and the fields it set, nothing the client
-    added beside them (an output item's `id` and `status`, any other key), so that what a chain of
+    """An input item as the conversation keeps it: its type's fields, nothing the client added beside
+    them (an output item's `id` and `status`, any other key), so that what a chain of
     `previous_response_id` carries is what its prompts read."""
-    return {"type": item.type} | {key: value for key, value in msgspec.to_builtins(item).items()
-                                  if value is not None and value != ""}
+    fields = msgspec.to_builtins(item)
+    return {"type": item.type} | {key: fields[key] for key in _ITEM_FIELDS[item.type] if fields[key] is not None}
 
 
 def _text(content: str | list[InputPart]) -> str:

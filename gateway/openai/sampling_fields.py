@@ -167,4 +167,4 @@ def check_context(req: PoolRequest, num_prompt_tokens: int, max_model_len: int, 
                        f"max_model_len {max_model_len} tokens, prompt included", param=param, code="invalid_value")
     raise ApiError(400, f"{param}: {max_tokens} tokens after a {num_prompt_tokens}-token prompt exceed "
                    f"max_model_len {max_model_len} of pool {pool!r}; at most {max_model_len - num_prompt_tokens} "
-                   "fit (or leave max_tokens unset)", param=param, code="context_length_exceeded")
+                   f"fit (or leave {param} unset)", param=param, code="context_length_exceeded")

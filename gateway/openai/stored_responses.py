@@ -215,7 +215,8 @@ def _kept(request: web.Request, param: str) -> KeptResponses:
 def _relayed(body: dict[str, Any], asked: ResponsesRequest) -> dict[str, Any]:
     """The body an upstream pool gets: the whole conversation as input, nothing for it to keep or look up."""
     relayed = {k: v for k, v in body.items() if k not in ("previous_response_id", "background")}
-    return {**relayed, "input": asked.items, "store": False}
+    own = body["input"] if isinstance(body.get("input"), list) else [asked.items[-1]]   # the client's own, as sent
+    return {**relayed, "input": asked.items[:len(asked.items) - len(own)] + own, "store": False}
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -272,7 +273,8 @@ def _as_input(item: dict[str, Any]) -> dict[str, Any]:
     """An output item as the input item of the next turn (what the Responses API takes back)."""
     if item.get("type") == "message":
         return {"type": "message", "role": "assistant", "content": item["content"]}
-    return {k: item[k] for k in ("type", "call_id", "name", "arguments") if k in item}
+    keys = ("type", "content") if item.get("type") == "reasoning" else ("type", "call_id", "name", "arguments")
+    return {k: item[k] for k in keys if k in item}   # a reasoning item's text goes to the next assistant turn
 
 
 async def retrieve_response(request: web.Request) -> web.Response:

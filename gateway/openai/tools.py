@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from engine.structured import StructuredOutput
+from gateway.openai.errors import nested_over
 from gateway.openai.reasoning import partial_tag
 from gateway.openai.tool_grammar import ANY_OBJECT, CallSyntax, auto_grammar, forced_grammar
 from gateway.openai.tool_specs import Tool
@@ -44,12 +45,13 @@ class ToolCall:
 # --- formats ------------------------------------------------------------------------------------------
 
 def _loads(text: str) -> Any:
-    """`text` as JSON; None for what is not (malformed, nested past the recursion limit, an integer over
-    Python's digit limit)."""
+    """`text` as JSON; None for what is not (malformed, an integer over Python's digit limit) or is nested
+    over `MAX_JSON_DEPTH` (a chat template's `tojson` would recurse out on it)."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except (ValueError, RecursionError):
         return None
+    return None if nested_over(value) else value
 
 
 class ToolFormat:

@@ -67,7 +67,7 @@ def parse_batch_input(content: bytes, endpoint: str) -> list[BatchLine]:
 def _parse_line(line_no: int, raw: bytes, endpoint: str) -> BatchLine:
     try:
         obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:   # not UTF-8, malformed, an integer over the digit limit
         return _bad(line_no, None, "invalid_json_line", f"line {line_no}: not valid JSON ({exc})")
     if not isinstance(obj, dict):
         return _bad(line_no, None, "invalid_json_line", f"line {line_no}: expected a JSON object, "

@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from gateway.app import create_app, start_server
-from gateway.runtime import Gateway
+from gateway.handlers import answer
+from gateway.runtime import GATEWAY, Gateway
 from pools.config.yaml_file import load_config
 from tests.gateway.conftest import pools_yaml
 
@@ -82,6 +83,9 @@ async def test_json_that_decodes_but_later_readers_would_choke_on_is_a_400_namin
         _assert_openai_error(body, "body")
         assert said in body["error"]["message"], body
     assert (await client.get("/health")).status == 200
+    gateway = client.server.app[GATEWAY]                      # a batch line is held to the same depth
+    status, body = await answer(gateway, "/v1/chat/completions", json.loads(deep), batch=True)
+    assert status == 400 and body["error"]["param"] == "body" and "over 64 deep" in body["error"]["message"]
 
 
 async def test_retrieve_model_is_the_list_entry_and_unknown_ids_are_404(front):

@@ -385,4 +385,5 @@ def test_arguments_that_are_not_json_to_python_read_as_none() -> None:
     from gateway.openai.tools import _loads
 
     assert _loads("[" * 5000 + "]" * 5000) is None and _loads("1" * 5000) is None and _loads("{") is None
+    assert _loads("[" * 900 + "]" * 900) is None          # json.loads takes it; a template's tojson would not
     assert _loads('{"a": [1]}') == {"a": [1]}

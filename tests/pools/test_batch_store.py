@@ -70,6 +70,12 @@ def test_bad_lines_become_per_line_errors_naming_the_problem():
     assert errors[10][2] == "extra_key: unknown field of a request line"
 
 
+def test_a_line_with_an_integer_over_pythons_digit_limit_is_a_line_error():
+    lines = parse_batch_input(_jsonl(_line("a"), b'{"custom_id": "b", "n": ' + b"1" * 5000 + b"}", _line("c")), CHAT)
+    assert [(ln.custom_id, ln.error and ln.error["code"]) for ln in lines] == [
+        ("a", None), (None, "invalid_json_line"), ("c", None)]
+
+
 def test_create_refuses_bad_arguments_naming_the_field(tmp_path):
     store = _make_store(tmp_path / "b.sqlite3")
     file = store.add_file(_jsonl(_line("a")), "in.jsonl", "batch", owner=OWNER, tenant=TENANT)
