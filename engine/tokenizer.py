@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.defaults
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -407,6 +408,12 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+# The functions transformers adds to a chat template's globals, beside Jinja's own.
+_TEMPLATE_GLOBALS = {"raise_exception": _raise_exception, "strftime_now": _strftime_now}
+# Every function a chat template may call: a template variable of the same name would replace it.
+TEMPLATE_FUNCTIONS = (*jinja2.defaults.DEFAULT_NAMESPACE, *_TEMPLATE_GLOBALS)
+
+
 @functools.cache
 def _byte_level_chars() -> dict[str, int]:
     """GPT-2's byte-level alphabet undone: the printable symbol standing for each byte -> the byte."""
@@ -422,6 +429,5 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env.globals.update(_TEMPLATE_GLOBALS)
     return env.from_string(source)

@@ -22,6 +22,7 @@ import msgspec
 import engine.config
 from engine.capacity import DEFAULT_BLOCK_SIZE
 from engine.config import DEFAULT_MIN_SHARE, LatencySLO, SchedulerConfig
+from engine.tokenizer import TEMPLATE_FUNCTIONS   # a chat_template_kwargs key may not replace one
 from pools.config.checks import (ByteSize, ByteSizeOrZero, Count, Fraction, NonNegative, Spec, SpecError, Text,
                                  engine_rules)
 from pools.config.checks import parse_bytes as parse_bytes   # re-exported: the CLI reads --vram with it
@@ -52,9 +53,6 @@ RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation
 # Switches the templates test with `is true` / `is false` (Qwen3's `enable_thinking`, DeepSeek's `thinking`): a
 # string there is neither and leaves the switch as it was, so a pool's or a request's must be a boolean.
 BOOLEAN_TEMPLATE_VARIABLES = ("enable_thinking", "thinking")
-# The functions a chat template calls (Jinja's globals and the two transformers adds): a variable of the same
-# name would replace one, and the template fail on what it was sent.
-TEMPLATE_FUNCTIONS = ("namespace", "range", "dict", "lipsum", "cycler", "joiner", "raise_exception", "strftime_now")
 
 
 def template_variable_error(key: str, value: Any) -> str | None:
