@@ -30,7 +30,8 @@ LOCK_FILE = "serve.lock"          # under --data-dir: held by the one server usi
 BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's add_arguments and run
     "engine": "our engine vs transformers generate, same workload",
     "hostcost": "a decode step's host cost: ours vs transformers' forward, ops per layer, by batch and output length",
-    "kvcache": "an FP8 KV cache against the model-dtype cache: greedy agreement, log-prob error, bytes per token",
+    "kvcache": "an FP8 KV cache against the model-dtype cache (and the model in another dtype): greedy agreement, "
+               "log-prob error, bytes per token",
     "moe": "one MoE layer's experts (Qwen3-30B-A3B's shape): grouped matmuls vs the loop over the experts hit",
     "tokenizer": "tiktoken counter vs the HF tokenizer",
     "gateway": "latency the gateway adds, routed requests/s",
