@@ -62,7 +62,7 @@ for what in ${GPU_STEPS:-tests kernels engine sync eager hostcost kvcache moe}; 
     engine)  step bench_engine $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 ;;
     eager)   step bench_engine_eager $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
                --skip-hf --enforce-eager ;;
-    kvcache) step bench_kvcache $CLI bench kvcache --device cuda --max-tokens 16 ;;
+    kvcache) step bench_kvcache $CLI bench kvcache --device cuda --max-tokens 32 ;;
     moe)     step bench_moe $CLI bench moe --device cuda --tokens 1,16,64,256,1024 ;;
     sync)    step bench_engine_sync $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
                --skip-hf --async-scheduling off ;;
