@@ -37,6 +37,7 @@ from bench.live import LiveServer
 from bench.load.plan import LoadConfig, plan_requests
 from bench.load.report import LoadReport, counter_rate, even_split_deviation, latencies, tokens_done, write_report
 from bench.load.run import run_load
+from pools.cli_types import non_negative_float, positive_float, positive_int, seed
 from pools.workload import LengthDist, SharedPrefix, WorkloadClass, latency_stats
 
 TOKENIZER = "builtin:smollm2-135m-instruct"   # makes completion prompts exactly their length (the builtin model's)
@@ -60,25 +61,31 @@ def workload(args: argparse.Namespace) -> tuple[WorkloadClass, ...]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="config/pools.yaml", help="pool file to serve (default config/pools.yaml); "
                    "its devices are run on the CPU unless they name CUDA")
-    p.add_argument("--replicas", type=int, default=2, help="replicas of the second layout (default 2)")
-    p.add_argument("--cpu-threads", type=int, default=1, help="torch threads of each worker (default 1)")
-    p.add_argument("--request-rate", type=float, default=4.5, help="chat requests per second (default 4.5: more "
+    p.add_argument("--replicas", type=positive_int, default=2, help="replicas of the second layout (default 2)")
+    p.add_argument("--cpu-threads", type=positive_int, default=1, help="torch threads of each worker (default 1)")
+    p.add_argument("--request-rate", type=positive_float, default=4.5,
+                   help="chat requests per second (default 4.5: more "
                    "than two one-thread replicas of config/pools.yaml serve, so both layouts run saturated and "
                    "tokens/s is what each can do)")
-    p.add_argument("--docs-rate", type=float, default=0.15, help="questions on the shared documents per second "
+    p.add_argument("--docs-rate", type=non_negative_float, default=0.15,
+                   help="questions on the shared documents per second "
                    "(default 0.15)")
-    p.add_argument("--rag-rate", type=float, default=0.03, help="unique long rag prompts per second (default 0.03)")
-    p.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals (default 90)")
-    p.add_argument("--warmup", type=float, default=10.0, help="seconds of arrivals left out of tokens/s "
+    p.add_argument("--rag-rate", type=non_negative_float, default=0.03,
+                   help="unique long rag prompts per second (default 0.03)")
+    p.add_argument("--duration", type=positive_float, default=90.0, help="seconds of arrivals (default 90)")
+    p.add_argument("--warmup", type=non_negative_float, default=10.0, help="seconds of arrivals left out of tokens/s "
                    "(default 10: the queues fill)")
-    p.add_argument("--drain-timeout", type=float, default=300.0, help="after the last arrival (default 300 s: the "
+    p.add_argument("--drain-timeout", type=positive_float, default=300.0,
+                   help="after the last arrival (default 300 s: the "
                    "long prompts, which chat's SLO holds back while chat is pressed, finish then, so their placement "
                    "is seen)")
-    p.add_argument("--timeout", type=float, default=400.0, help="per-request limit in s (default 400)")
-    p.add_argument("--long-tokens", type=int, default=4200, help="tokens of a rag prompt and of a shared document "
+    p.add_argument("--timeout", type=positive_float, default=400.0, help="per-request limit in s (default 400)")
+    p.add_argument("--long-tokens", type=positive_int, default=4200,
+                   help="tokens of a rag prompt and of a shared document "
                    "(default 4200: above config/pools.yaml's chat route, so they go to rag)")
-    p.add_argument("--documents", type=int, default=3, help="shared documents the docs class asks about (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompts (default 0)")
+    p.add_argument("--documents", type=positive_int, default=3,
+                   help="shared documents the docs class asks about (default 3)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of arrivals, lengths and prompts (default 0)")
     p.add_argument("--out", default=None, help="write replicas.json and each run's bench serve files here")
     p.add_argument("--quick", action="store_true", help="a short load (a test)")
 
@@ -188,6 +195,9 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.duration, args.request_rate, args.warmup, args.drain_timeout = 12.0, 1.5, 2.0, 30.0
         args.docs_rate, args.rag_rate = 0.5, 0.2
+    if args.warmup >= args.duration:
+        raise ValueError(f"--warmup: must be below --duration {args.duration:g} (the tokens/s are counted after it), "
+                         f"got {args.warmup:g}")
     source = Path(args.config)
     with tempfile.TemporaryDirectory(prefix="cliffguard-replicas-") as tmp:
         results = [asyncio.run(run_layout(source, n, args, Path(tmp))) for n in (1, args.replicas)]

@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def engine_config(path: str, device: str | None):
     """The EngineConfig of one device of a pools file, as `cliffguard serve` plans it (replica 0)."""
-    from pools.capacity_plan import plan_capacity, replica_engine_configs, resolve_model_configs
+    from pools.capacity_plan import plan_capacity, replica_engine_configs
+    from pools.model_configs import resolve_model_configs
     from pools.config.yaml_file import load_config
 
     config = load_config(path)

@@ -67,6 +67,7 @@ from dataclasses import fields
 from bench.load.plan import Goodput, LoadConfig
 from bench.load.report import format_report, write_report
 from bench.load.run import RatePhase, parse_rate_phases, phased_config, run_load
+from pools.cli_types import seed
 from pools.workload import DEFAULT_WORKLOAD, load_workload
 from pools.config.checks import SpecError
 
@@ -89,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-phases", default=None, metavar="RATE:S,...", help="arrivals at RATE req/s for S "
                    "seconds, phase after phase (e.g. 1:30,6:60,0:90; RATE 0: none), in place of --request-rate "
                    "and --duration; classes with their own rate and probes keep theirs")
-    p.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and prompts")
+    p.add_argument("--seed", type=seed, default=0, help="seed of arrivals, lengths and prompts")
     p.add_argument("--timeout", type=float, default=120.0, help="per-request limit in s; later: unfinished")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="after the last arrival, wait at most this "
                    "long for in-flight requests, then cancel them (reported as unfinished)")

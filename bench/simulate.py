@@ -100,7 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _plan(config_path: Path):
-    from pools.capacity_plan import plan_capacity, resolve_model_configs
+    from pools.capacity_plan import plan_capacity
+    from pools.model_configs import resolve_model_configs
     from pools.config.yaml_file import load_config
 
     config = load_config(config_path)

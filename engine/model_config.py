@@ -7,6 +7,7 @@ anything else is refused with a `ConfigError` naming the key, before any weight 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -54,38 +55,44 @@ class RopeScaling:
                               f"got {self.original_max_position_embeddings}")
         if self.attention_factor is not None and self.attention_factor <= 0:
             raise ConfigError(f"rope_scaling.attention_factor: must be > 0, got {self.attention_factor}")
+        if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ConfigError(f"rope_scaling.high_freq_factor: llama3 needs 0 < low_freq_factor < high_freq_factor, "
+                              f"got {self.low_freq_factor} and {self.high_freq_factor}")
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> tuple[float | None, "RopeScaling"]:
+    def from_hf_config(cls, cfg: dict[str, Any], params_name: str = "rope_parameters",
+                       ) -> tuple[float | None, "RopeScaling"]:
         """(rope_theta or None, scaling) from an HF config dict: `rope_theta` + `rope_scaling`, or the
-        `rope_parameters` entry transformers >= 5 writes instead."""
-        rope_theta = cfg.get("rope_theta")
-        raw = cfg.get("rope_scaling")
-        params = cfg.get("rope_parameters")
-        if isinstance(params, dict):
-            rope_theta = params.get("rope_theta", rope_theta)
+        `rope_parameters` entry transformers >= 5 writes instead (`params_name`: its key path in errors).
+        A value of the wrong type or out of range is a ConfigError naming its key."""
+        rope_theta = _float(cfg, "rope_theta", None)
+        raw, name = cfg.get("rope_scaling"), "rope_scaling"
+        params = _object(cfg, "rope_parameters", name=params_name)
+        if params is not None:
+            rope_theta = _float(params, "rope_theta", rope_theta, path=f"{params_name}.")
             if params.get("rope_type", "default") != "default":
-                raw = params
+                raw, name = params, params_name
         if not raw:
             return rope_theta, cls()
         if not isinstance(raw, dict):
-            raise ConfigError(f"rope_scaling: must be a mapping, got {raw!r}")
-        original = int(raw.get("original_max_position_embeddings") or 8192)
-        factor = raw.get("factor")
+            raise ConfigError(f"{name}: must be a mapping, got {raw!r}")
+        path = f"{name}."
+        original = _int(raw, "original_max_position_embeddings", 8192, path=path)
+        factor = _float(raw, "factor", None, path=path)
         if factor is None:   # yarn without a factor: the context's growth (transformers' reading)
-            factor = cfg.get("max_position_embeddings", original) / original
-        optional = {key: None if raw.get(key) is None else float(raw[key])
-                    for key in ("attention_factor", "mscale", "mscale_all_dim")}
+            factor = _int(cfg, "max_position_embeddings", original) / original
         return rope_theta, cls(
             rope_type=raw.get("rope_type", raw.get("type", "default")),
-            factor=float(factor),
-            low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+            factor=factor,
+            low_freq_factor=_float(raw, "low_freq_factor", 1.0, path=path),
+            high_freq_factor=_float(raw, "high_freq_factor", 4.0, path=path),
             original_max_position_embeddings=original,
-            beta_fast=float(raw.get("beta_fast") or 32.0),
-            beta_slow=float(raw.get("beta_slow") or 1.0),
-            truncate=bool(raw.get("truncate", True)),
-            **optional,
+            beta_fast=_float(raw, "beta_fast", 32.0, path=path),
+            beta_slow=_float(raw, "beta_slow", 1.0, path=path),
+            attention_factor=_float(raw, "attention_factor", None, path=path),
+            mscale=_float(raw, "mscale", None, positive=False, path=path),
+            mscale_all_dim=_float(raw, "mscale_all_dim", None, positive=False, path=path),
+            truncate=_bool(raw, "truncate", True, path=path),
         )
 
 
@@ -127,10 +134,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"architectures: unsupported architecture {self.architecture!r}; "
-                f"supported: {', '.join((*SUPPORTED_ARCHITECTURES, *TEXT_MODELS))}")
+        _check_architecture(self.architecture)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -142,7 +146,8 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ConfigError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
-            raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+            raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; "
+                              f"supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")
         if self.layer_types and (len(self.layer_types) != self.num_layers
@@ -206,59 +211,67 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Build from the dict of an HF config.json. Errors name the config key."""
+        """Build from the dict of an HF config.json. Errors name the config key: one missing, of the wrong
+        type (a size must be an integer, not a string or a bool) or out of range is a ConfigError; an
+        absent or null optional key takes its default."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"config.json: must be a JSON object, got {cfg!r:.80}")
         archs = cfg.get("architectures") or []
         if not isinstance(archs, list) or not archs:
             raise ConfigError("architectures: config.json has no 'architectures' list")
-        if archs[0] in TEXT_MODELS and isinstance(cfg.get("text_config"), dict):   # its text model alone
-            arch, prefix = TEXT_MODELS[archs[0]]
-            text = cfg["text_config"]
-            config = cls.from_hf_config({**text, "architectures": [arch],
-                                         "eos_token_id": text.get("eos_token_id", cfg.get("eos_token_id"))})
-            return replace(config, text_weights_prefix=prefix)
         arch = archs[0]
-
-        def need(key: str) -> Any:
-            if key not in cfg:
-                raise ConfigError(f"{key}: missing from config.json")
-            return cfg[key]
-
-        num_heads = need("num_attention_heads")
-        hidden = need("hidden_size")
-        head_dim = cfg.get("head_dim") or hidden // num_heads
-        gemma = _gemma3_fields(cfg, need("num_hidden_layers")) if arch == "Gemma3ForCausalLM" else {}
+        if isinstance(arch, str) and arch in TEXT_MODELS:
+            return cls._from_text_config(cfg, arch)
+        _check_architecture(arch)
+        num_heads = _int(cfg, "num_attention_heads")
+        hidden = _int(cfg, "hidden_size")
+        num_layers = _int(cfg, "num_hidden_layers")
+        gemma = _gemma3_fields(cfg, num_layers) if arch == "Gemma3ForCausalLM" else {}
         moe = _moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else {}
-        rope_theta, rope_scaling = RopeScaling.from_hf_config(gemma.pop("full_rope", cfg))
+        rope_theta, rope_scaling = RopeScaling.from_hf_config(*gemma.pop("full_rope", (cfg,)))
         sliding_window = None
         if arch == "MistralForCausalLM":
-            sliding_window = cfg.get("sliding_window")
+            sliding_window = _int(cfg, "sliding_window", None)
         elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and cfg.get("use_sliding_window"):
             raise ConfigError(f"use_sliding_window: {arch.removesuffix('ForCausalLM')} per-layer sliding window "
                               "is not supported")
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         return cls(**{**dict(
             architecture=arch,
-            vocab_size=need("vocab_size"),
+            vocab_size=_int(cfg, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
-            num_layers=need("num_hidden_layers"),
+            intermediate_size=_int(cfg, "intermediate_size"),
+            num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            num_kv_heads=_int(cfg, "num_key_value_heads", num_heads),
+            head_dim=_int(cfg, "head_dim", hidden // num_heads),
+            rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
+            rope_theta=rope_theta if rope_theta is not None else 10000.0,
             rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
+            tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
+            attention_bias=arch == "Qwen2ForCausalLM" or _bool(cfg, "attention_bias", False),
+            mlp_bias=_bool(cfg, "mlp_bias", False),
             sliding_window=sliding_window,
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             hidden_act=cfg.get("hidden_act", "silu"),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            bos_token_id=_int(cfg, "bos_token_id", None, minimum=0),
+            eos_token_ids=_token_ids(cfg, "eos_token_id"),
         ), **gemma, **moe})
+
+    @classmethod
+    def _from_text_config(cls, cfg: dict[str, Any], arch: str) -> "ModelConfig":
+        """A multimodal checkpoint (`arch` in TEXT_MODELS) served as its `text_config`'s text model alone;
+        errors name their key under `text_config.`."""
+        text_arch, prefix = TEXT_MODELS[arch]
+        text = _object(cfg, "text_config")
+        if text is None:
+            raise ConfigError(f"text_config: missing from config.json ({arch} is served as its text model)")
+        try:
+            config = cls.from_hf_config({**text, "architectures": [text_arch],
+                                         "eos_token_id": text.get("eos_token_id", cfg.get("eos_token_id"))})
+        except ConfigError as exc:
+            raise ConfigError(f"text_config.{exc}") from None
+        return replace(config, text_weights_prefix=prefix)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -266,8 +279,8 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"config.json: not found in model folder {folder}")
         try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+            cfg = json.loads(path.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config.json: not valid JSON ({exc})") from exc
         return cls.from_hf_config(cfg)
 
@@ -277,7 +290,7 @@ def _gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     (`layer_types`, or every `sliding_window_pattern`-th layer full), the full layers' rope (with its
     scaling: `rope_parameters.full_attention`, or `rope_theta` + `rope_scaling`) and the sliding ones'
     base (`rope_parameters.sliding_attention`, or `rope_local_base_freq`). Returns ModelConfig fields, and
-    under "full_rope" the config RopeScaling.from_hf_config reads. What we do not serve is refused."""
+    under "full_rope" the arguments of RopeScaling.from_hf_config. What we do not serve is refused."""
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if cfg.get(key) is not None:
             raise ConfigError(f"{key}: logit soft-capping (Gemma 2) is not supported, got {cfg[key]!r}")
@@ -285,30 +298,111 @@ def _gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
         raise ConfigError("use_bidirectional_attention: only causal attention is served")
     layer_types = cfg.get("layer_types")
     if layer_types is None:
-        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        pattern = _int(cfg, "sliding_window_pattern", None)
+        pattern = _int(cfg, "_sliding_window_pattern", 6) if pattern is None else pattern
         layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
-    params, local = cfg.get("rope_parameters"), {}
-    full_rope = cfg
-    if isinstance(params, dict) and "full_attention" in params:
-        full_rope = {**cfg, "rope_parameters": params["full_attention"], "rope_scaling": None}
-        local = params.get("sliding_attention") or {}
+    elif not isinstance(layer_types, list):
+        raise ConfigError(f"layer_types: must be a list, one of {', '.join(LAYER_TYPES)} for each layer, "
+                          f"got {layer_types!r}")
+    params, local = _object(cfg, "rope_parameters"), {}
+    full_rope: tuple[dict[str, Any], str] = (cfg, "rope_parameters")
+    if params is not None and "full_attention" in params:
+        full = _object(params, "full_attention", name="rope_parameters.full_attention")
+        full_rope = ({**cfg, "rope_parameters": full, "rope_scaling": None}, "rope_parameters.full_attention")
+        local = _object(params, "sliding_attention", name="rope_parameters.sliding_attention") or {}
     if local.get("rope_type", "default") != "default":
         raise ConfigError(f"rope_parameters.sliding_attention.rope_type: only 'default' is supported for the "
                           f"sliding layers, got {local['rope_type']!r}")
-    return {"layer_types": tuple(layer_types), "sliding_window": cfg.get("sliding_window"), "qk_norm": True,
-            "rope_local_theta": float(local.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0),
-            "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256),
+    local_theta = _float(local, "rope_theta", None, path="rope_parameters.sliding_attention.")
+    scalar = _float(cfg, "query_pre_attn_scalar", None)
+    return {"layer_types": tuple(layer_types), "sliding_window": _int(cfg, "sliding_window", None), "qk_norm": True,
+            "rope_local_theta": _float(cfg, "rope_local_base_freq", 10000.0) if local_theta is None else local_theta,
+            "query_pre_attn_scalar": float(_int(cfg, "head_dim", 256)) if scalar is None else scalar,
             "hidden_act": cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
-            "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)), "full_rope": full_rope}
+            "tie_word_embeddings": _bool(cfg, "tie_word_embeddings", True), "full_rope": full_rope}
 
 
 def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """Qwen3-MoE's expert fields (transformers' `Qwen3MoeConfig` names and defaults)."""
     only = cfg.get("mlp_only_layers") or []
-    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+    if not isinstance(only, list) or not all(_is_int(i) and i >= 0 for i in only):
         raise ConfigError(f"mlp_only_layers: must be a list of layer indices, got {only!r}")
-    experts = cfg.get("num_experts", cfg.get("num_local_experts", 128))   # transformers 5 writes the latter
-    return {"num_experts": experts, "num_experts_per_tok": cfg.get("num_experts_per_tok", 8),
-            "moe_intermediate_size": cfg.get("moe_intermediate_size", 768),
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
-            "decoder_sparse_step": cfg.get("decoder_sparse_step", 1), "mlp_only_layers": tuple(only)}
+    experts = _int(cfg, "num_experts", None)
+    if experts is None:   # transformers 5 writes num_local_experts
+        experts = _int(cfg, "num_local_experts", 128)
+    return {"num_experts": experts, "num_experts_per_tok": _int(cfg, "num_experts_per_tok", 8),
+            "moe_intermediate_size": _int(cfg, "moe_intermediate_size", 768),
+            "norm_topk_prob": _bool(cfg, "norm_topk_prob", False),
+            "decoder_sparse_step": _int(cfg, "decoder_sparse_step", 1), "mlp_only_layers": tuple(only)}
+
+
+# --- reading one config.json value: absent or null gives the default; the wrong type or range names the key --
+
+_REQUIRED: Any = object()
+
+
+def _check_architecture(arch: Any) -> None:
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"architectures: unsupported architecture {arch!r}; "
+                          f"supported: {', '.join((*SUPPORTED_ARCHITECTURES, *TEXT_MODELS))}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_MAX_INT = 2**31 - 1   # no size, count or token id of a model reaches it
+
+
+def _int(cfg: dict[str, Any], key: str, default: Any = _REQUIRED, *, minimum: int = 1, path: str = "") -> Any:
+    """cfg[key], an integer in `minimum`..2^31-1 (not a bool, a float or a string); `default` when absent or
+    null (without one: a ConfigError saying it is missing)."""
+    value = cfg.get(key)
+    if key not in cfg and default is _REQUIRED:
+        raise ConfigError(f"{path}{key}: missing from config.json")
+    if value is None and default is not _REQUIRED:
+        return default
+    if not _is_int(value) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ConfigError(f"{path}{key}: must be {kind}, got {value!r}")
+    if value > _MAX_INT:
+        raise ConfigError(f"{path}{key}: must be below 2^31, got {value!r:.40}")
+    return value
+
+
+def _float(cfg: dict[str, Any], key: str, default: Any, *, positive: bool = True, path: str = "") -> Any:
+    """cfg[key] as a finite float (> 0 if `positive`); `default` when absent or null."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(f"{path}{key}: expected a number, got {value!r}")
+    if _is_int(value) and abs(value) > 2**1000 or not math.isfinite(value) or (positive and value <= 0):
+        raise ConfigError(f"{path}{key}: must be a{' positive' if positive else ''} finite number, got {value!r:.40}")
+    return float(value)
+
+
+def _bool(cfg: dict[str, Any], key: str, default: bool, *, path: str = "") -> bool:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}{key}: must be true or false, got {value!r}")
+    return value
+
+
+def _object(cfg: dict[str, Any], key: str, *, name: str = "") -> dict[str, Any] | None:
+    """cfg[key], a JSON object, or None when absent or null; `name`: its key path in errors (default `key`)."""
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{name or key}: expected an object, got {value!r}")
+    return value
+
+
+def _token_ids(cfg: dict[str, Any], key: str) -> tuple[int, ...]:
+    """cfg[key]: a token id, a list of them, or absent / null (none)."""
+    value = cfg.get(key)
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(_is_int(i) and i >= 0 for i in ids):
+        raise ConfigError(f"{key}: must be a token id or a list of token ids, got {value!r}")
+    return tuple(ids)

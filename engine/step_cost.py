@@ -282,10 +282,7 @@ def read_step_trace(path: str | Path, *, skip: int = 2) -> list[tuple[StepFeatur
     machine. Lines without `cycle_seconds` (older traces) use `seconds`, lines without `num_keys_read`
     read it as 0. The first `skip` steps of the
     file (kernels warming) are left out. ValueError naming the file and line for anything malformed."""
-    try:
-        lines = Path(path).read_text().splitlines()
-    except FileNotFoundError:
-        raise ValueError(f"--from-trace: no such file {path}") from None
+    lines = _read_text(path, "--from-trace").splitlines()
     samples: list[tuple[StepFeatures, float]] = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -317,13 +314,24 @@ def write_step_model(path: str | Path, model: LinearStepTime, *, device: str, mo
         "cpu_threads": torch.get_num_threads(), "date": datetime.date.today().isoformat()}, indent=2) + "\n")
 
 
+def _read_text(path: str | Path, option: str) -> str:
+    """The UTF-8 text of the file `option` names; ValueError naming the option otherwise."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{option}: no such file {path}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{option}: {path} is not UTF-8 text") from None
+    except OSError as exc:   # a folder, no permission
+        raise ValueError(f"{option}: cannot read {path} ({exc.strerror or exc})") from None
+
+
 def read_step_model(path: str | Path) -> LinearStepTime:
     """A calibration file written by `write_step_model`; ValueError naming the file otherwise. A file
     without `e` (written before the keys-read term) reads as e = 0, one without `knee` as knee 0."""
+    text = _read_text(path, "--step-model")
     try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"--step-model: no such file {path}") from None
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"--step-model: {path} is not JSON ({exc})") from None
     if not isinstance(data, dict) or data.get("step_model") != "linear":

@@ -99,12 +99,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Write an HF-style folder from a GGUF file and return it: config.json, model.safetensors
     (float32), tokenizer.json, tokenizer_config.json, generation_config.json.
 
-    Supports general.architecture llama and qwen2; others raise ValueError naming the architecture.
+    Supports general.architecture llama and qwen2; others raise ValueError naming the architecture, as
+    does a file that is not a complete GGUF file.
     """
-    from gguf import GGUFReader
-
     gguf_path = Path(gguf_path)
-    reader = GGUFReader(gguf_path)
+    reader = _read_gguf(gguf_path)
     config = _hf_config(reader, gguf_path)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -185,6 +184,17 @@ def _cached_conversion(gguf_path: Path, cache_dir: Path) -> Path:
 # --- GGUF -> HF ------------------------------------------------------------------------------------
 
 _MISSING = object()
+
+
+def _read_gguf(gguf_path: Path) -> Any:
+    """A GGUFReader over the file; a truncated or corrupt one (gguf raises whatever its parse hit) is a
+    ValueError naming the file."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(gguf_path)
+    except (ValueError, IndexError, KeyError, struct.error) as exc:
+        raise ValueError(f"{gguf_path}: not a valid or complete GGUF file ({exc})") from exc
 
 
 def _field(reader: Any, key: str, default: Any = _MISSING) -> Any:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from engine.capacity import DEFAULT_BLOCK_SIZE
+from pools.cli_types import ArgumentParser, memory_size, positive_float, positive_int, seed
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 DEFAULT_CONFIG = "config/pools.yaml"
@@ -69,8 +70,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--device", default="auto", help="auto (default: CUDA if present) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block: 8, 16 or 32")
-    p.add_argument("--kv-cache-mib", type=int, default=1024, help="KV cache budget in MiB (default 1024); it must "
-                   "fit the device's 0.9 x memory - weights")
+    p.add_argument("--kv-cache-mib", type=positive_int, default=1024,
+                   help="KV cache budget in MiB (default 1024); it must fit the device's 0.9 x memory - weights")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit in tokens (default: "
                    "the model's context); the KV budget must hold one request this long")
     p.add_argument("--prompt", required=True, help="the prompt text")
@@ -79,7 +80,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the engine's)")
+    p.add_argument("--seed", type=seed, default=None, help="sampling seed (default: the engine's)")
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -88,8 +89,6 @@ async def _generate(args: argparse.Namespace) -> int:
     from engine.tokenizer import Tokenizer
     from pools.capacity_plan import plan_single_pool
 
-    if args.kv_cache_mib <= 0:
-        raise UsageError(f"--kv-cache-mib: must be > 0, got {args.kv_cache_mib}")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
     _, config = plan_single_pool(args.model, device=args.device, dtype=args.dtype,
@@ -121,7 +120,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--host", default=None, help="listen address (default: gateway.host of the file)")
     p.add_argument("--port", type=int, default=None, help="listen port, 0 for any free one "
                    "(default: gateway.port of the file)")
-    p.add_argument("--vram", default=None, help="plan with this much memory per device (e.g. 4GiB) instead "
+    p.add_argument("--vram", type=memory_size, default=None,
+                   help="plan with this much memory per device (e.g. 4GiB) instead "
                    "of the devices' own")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="folder for durable state: the Batch API's "
                    f"files, batches and results (SQLite); created if missing; one server per folder (default "
@@ -157,7 +157,6 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.worker import LOG_FORMAT
     from gateway.app import run
     from pools.config.yaml_file import load_config
-    from pools.config.spec import parse_bytes
 
     config = load_config(args.config)
     config = dataclasses.replace(config, gateway=config.gateway.replace(take_over=True)) if args.take_over else config
@@ -166,7 +165,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not 0 <= port <= 65535:
         raise UsageError(f"--port: must be in 0..65535, got {port}")
     check_port_free(host, port)
-    vram = parse_bytes(args.vram, "--vram") if args.vram else None
+    vram = args.vram
     data_dir = make_data_dir(args.data_dir)
     with lock_data_dir(data_dir):
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
@@ -220,14 +219,14 @@ def _add_capacity(sub) -> None:
                                    "max_num_seqs = floor(KV bytes / (S_KV x avg_len)), without loading weights; with "
                                    "--rate, whether each device is overloaded at that rate (docs/SIMULATE.md).")
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"pools YAML (default: {DEFAULT_CONFIG})")
-    p.add_argument("--vram", default=None,
+    p.add_argument("--vram", type=memory_size, default=None,
                    help="memory per GPU for every device, e.g. 80GiB; a device 'auto' is then planned as CUDA "
                         "(bfloat16), and a 'cuda' device can be planned on a machine without one")
     p.add_argument("--model-config", default=None,
                    help="an HF config.json (or a folder holding one) used for every local pool instead of "
                         "resolving each pool's model")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--rate", type=float, default=None, metavar="R",
+    p.add_argument("--rate", type=positive_float, default=None, metavar="R",
                    help="also judge each device under R requests/s of --workload: its offered load, overloaded or "
                         "not, the replicas that would carry it (docs/SIMULATE.md \"Overloaded or not\")")
     p.add_argument("--workload", default="mixed", help="with --rate: workload classes, a YAML file or a name under "
@@ -243,19 +242,16 @@ def _add_capacity(sub) -> None:
 def _capacity(args: argparse.Namespace) -> int:
     import torch
 
-    from pools.capacity_plan import plan_capacity, resolve_model_configs
+    from pools.capacity_plan import plan_capacity
+    from pools.model_configs import resolve_model_configs
     from pools.plan_report import format_plan, format_verdicts, rate_verdicts
     from pools.config.yaml_file import load_config
-    from pools.config.spec import SpecError, parse_bytes
+    from pools.config.spec import SpecError
 
     if args.rate is None and (args.device or args.step_model):
         raise UsageError(f"{'--device' if args.device else '--step-model'}: only with --rate")
-    if args.rate is not None and not args.rate > 0:
-        raise UsageError(f"--rate: must be > 0, got {args.rate}")
     config = load_config(args.config)
-    vram = parse_bytes(args.vram, "--vram") if args.vram is not None else None
-    if vram == 0:
-        raise SpecError("--vram: must be > 0 bytes, got 0")
+    vram = args.vram
     if vram is None and not torch.cuda.is_available():
         for name, device in config.devices.items():
             if device.device.startswith("cuda") and any(p.device == name for p in config.local_pools):
@@ -291,17 +287,18 @@ def _add_simulate(sub) -> None:
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"pools YAML (default: {DEFAULT_CONFIG})")
     p.add_argument("--workload", default="mixed", help="workload classes: a YAML file or a name under "
                    "bench/workloads (default: mixed)")
-    p.add_argument("--request-rate", type=float, default=1.0, help="requests/s over the share classes (default 1)")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals (default 60)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
+    p.add_argument("--request-rate", type=positive_float, default=1.0, help="requests/s over the share classes "
+                   "(default 1)")
+    p.add_argument("--duration", type=positive_float, default=60.0, help="seconds of arrivals (default 60)")
+    p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
     p.add_argument("--device", choices=sorted(PRESETS), default="h100", help="GPU preset (default h100)")
-    p.add_argument("--vram", default=None, help="memory per GPU for the plan (default: the preset's)")
+    p.add_argument("--vram", type=memory_size, default=None, help="memory per GPU for the plan (default: the preset's)")
     p.add_argument("--model-config", default=None, help="an HF config.json (or its folder) for every pool")
     p.add_argument("--preemption-mode", choices=("recompute", "swap", "auto"), default=None,
                    help="override every pool's preemption_mode")
     p.add_argument("--swap-space", default=None, help="override every pool's swap_space (e.g. 16GiB)")
     p.add_argument("--no-credits", action="store_true", help="admit at once, as a server without KV credits")
-    p.add_argument("--replicas", type=int, default=None, metavar="N",
+    p.add_argument("--replicas", type=positive_int, default=None, metavar="N",
                    help="simulate every device as N replicas behind one credit queue per pool (overrides the "
                         "config's replicas and drops its gpus list)")
     p.add_argument("--layout", choices=("split", "shared", "both"), default="split",
@@ -312,8 +309,8 @@ def _add_simulate(sub) -> None:
     p.add_argument("--recommend", action="store_true",
                    help="try kv_share splits of the device's two pools and the second pool's max_num_batched_tokens "
                         "at --request-rate; print the one that meets --slo-ttft-p99 with the most tokens/s")
-    p.add_argument("--slo-ttft-p99", type=float, default=None, help="with --recommend: p99 TTFT target (s)")
-    p.add_argument("--slo-itl-p99", type=float, default=None, help="with --recommend: p99 ITL target (s)")
+    p.add_argument("--slo-ttft-p99", type=positive_float, default=None, help="with --recommend: p99 TTFT target (s)")
+    p.add_argument("--slo-itl-p99", type=positive_float, default=None, help="with --recommend: p99 ITL target (s)")
     p.add_argument("--calibrate", default=None, metavar="FILE",
                    help="measure the config's first device on this machine (the real engine), fit the linear "
                         "step model, write it to FILE and exit")
@@ -323,7 +320,7 @@ def _add_simulate(sub) -> None:
     p.add_argument("--step-model", default=None, metavar="FILE",
                    help="use a measured step model (from --calibrate) instead of --device's roofline; the plan "
                         "then uses the config's own memory")
-    p.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and token ids (default 0)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of arrivals, lengths and token ids (default 0)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -333,14 +330,13 @@ def _simulate(args: argparse.Namespace) -> int:
     from pools.simulation.recommend import format_recommendation, recommend
     from pools.workload import load_workload, parse_rates
 
-    for name in ("request_rate", "duration", "burstiness"):
-        if not getattr(args, name) > 0:
-            raise UsageError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
-    rates = parse_rates(args.sweep_rate, "--sweep-rate") if args.sweep_rate else None
+    rates = parse_rates(args.sweep_rate, "--sweep-rate") if args.sweep_rate is not None else None
     if args.out and rates is None:
         raise UsageError("--out: only with --sweep-rate")
-    if args.recommend and not (args.slo_ttft_p99 or 0) > 0:
+    if args.recommend and args.slo_ttft_p99 is None:
         raise UsageError("--recommend: give --slo-ttft-p99 SECONDS (> 0)")
+    if not args.recommend and (args.slo_ttft_p99 or args.slo_itl_p99):
+        raise UsageError(f"--slo-{'ttft' if args.slo_ttft_p99 else 'itl'}-p99: only with --recommend")
     config = load_config(args.config)
     if args.from_trace and not args.calibrate:
         raise UsageError("--from-trace: only with --calibrate FILE")
@@ -367,13 +363,12 @@ def _simulation_setup(config, args: argparse.Namespace):
     """The config with --replicas / --preemption-mode / --swap-space applied, its model configs, the memory
     the plan uses, the layouts to run ({name: (config, plan)}) and each device's step-time model."""
     from engine.step_cost import PRESETS
-    from pools.capacity_plan import plan_capacity, resolve_model_configs
+    from pools.capacity_plan import plan_capacity
+    from pools.model_configs import resolve_model_configs
     from pools.simulation.runner import device_step_times, shared_layout
     from pools.config.spec import SpecError, parse_bytes
 
     if args.replicas is not None:
-        if args.replicas < 1:
-            raise UsageError(f"--replicas: must be >= 1, got {args.replicas}")
         config = dataclasses.replace(config, devices={
             name: d.replace(replicas=args.replicas, gpus=None, min_replicas=None)
             for name, d in config.devices.items()})
@@ -385,7 +380,7 @@ def _simulation_setup(config, args: argparse.Namespace):
     if overrides:
         config = dataclasses.replace(config, pools=tuple(p.replace(**overrides) for p in config.pools))
     preset = PRESETS[args.device]
-    vram = parse_bytes(args.vram, "--vram") if args.vram else (None if args.step_model else preset.memory_bytes)
+    vram = args.vram or (None if args.step_model else preset.memory_bytes)
     try:
         model_configs = resolve_model_configs(config, args.model_config)
     except SpecError as exc:
@@ -437,7 +432,8 @@ def _calibrate(config, args: argparse.Namespace) -> int:
     """`simulate --calibrate FILE`: the real engine of the config's first device on this machine, or
     (`--from-trace`) the steps a server of that config traced while serving."""
     from engine.step_cost import fit_linear, read_step_trace, write_step_model
-    from pools.capacity_plan import engine_configs, plan_capacity, resolve_model_configs
+    from pools.capacity_plan import engine_configs, plan_capacity
+    from pools.model_configs import resolve_model_configs
 
     plan = plan_capacity(config, resolve_model_configs(config))
     device, engine_config = next(iter(engine_configs(config, plan).items()))
@@ -467,7 +463,7 @@ def _add_bench(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cliffguard", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="cliffguard", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
@@ -478,7 +474,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:   # argparse said why (a bad option: 2) or printed --help (0)
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         if args.command == "generate":
             return asyncio.run(_generate(args))

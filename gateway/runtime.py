@@ -45,8 +45,8 @@ from gateway.workers.deaths import DeviceDeaths
 from gateway.workers.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
 from gateway.upstream.connection import UpstreamClient
-from pools.capacity_plan import (CapacityPlan, model_folder, plan_capacity, replica_engine_configs,
-                                 resolve_model_configs)
+from pools.capacity_plan import CapacityPlan, plan_capacity, replica_engine_configs
+from pools.model_configs import model_folder, resolve_model_configs
 from pools.pool import Pool
 from pools.router import NoRouteError, Router, UnknownModelError
 from pools.config.gateway_spec import Backoff

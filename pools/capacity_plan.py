@@ -21,11 +21,9 @@ of each device, with exactly the planned numbers (the engine derives none of its
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
@@ -336,11 +334,16 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
         raise SpecError(f"{budget_key}: {budget} gives pool {p.name!r} {fmt_bytes(pool_kv)} per GPU = {num_blocks} "
                         f"blocks of {p.block_size} tokens; one request of max_model_len {max_model_len} needs "
                         f"{per_request}: raise the budget or lower {key}.max_model_len")
+    _check_swap_space(key, p, s_kv_dev)
+    if p.avg_len > max_model_len:
+        warnings.append(f"{key}.avg_len: {p.avg_len} is above max_model_len {max_model_len}, which no request "
+                        f"exceeds: max_num_seqs is planned for fewer requests than fit (set avg_len <= max_model_len)")
     by_formula = formula.max_num_seqs(pool_kv, s_kv_dev, p.avg_len)
     if p.max_num_seqs is None:
         if by_formula == 0:
             raise SpecError(f"{budget_key}: {budget} gives max_num_seqs = floor({fmt_bytes(pool_kv)} / "
-                            f"({s_kv_dev} B x avg_len {p.avg_len})) = 0 for pool {p.name!r}")
+                            f"({s_kv_dev} B x avg_len {p.avg_len})) = 0 for pool {p.name!r}: raise the budget or "
+                            f"lower {key}.avg_len")
         max_num_seqs = by_formula
     else:
         max_num_seqs = p.max_num_seqs
@@ -352,6 +355,15 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
         kv_bytes_per_token=s_kv, kv_bytes_per_token_per_device=s_kv_dev, kv_cache_bytes_per_device=pool_kv,
         tensor_parallel_size=tp, num_blocks=num_blocks, formula_max_num_seqs=by_formula, max_num_seqs=max_num_seqs,
         replicas=replicas)
+
+
+def _check_swap_space(key: str, p: PoolSpec, s_kv_dev: int) -> None:
+    """A pool that may swap needs room for one KV block (S_KV of a GPU x block_size) in its swap space."""
+    block = s_kv_dev * p.block_size
+    if p.preemption_mode in ("swap", "auto") and 0 < p.swap_space_bytes < block:
+        raise SpecError(f"{key}.swap_space: {fmt_bytes(p.swap_space_bytes)} holds no KV block of {fmt_bytes(block)} "
+                        f"(block_size {p.block_size} x S_KV {s_kv_dev} B); preemption_mode {p.preemption_mode!r} "
+                        "swaps whole blocks: give it room for many")
 
 
 def engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, EngineConfig]:
@@ -395,7 +407,23 @@ def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict
                                 calculate_kv_scales=dev.calculate_kv_scales,
                                 collective_timeout_seconds=dev.collective_timeout_seconds)
         result[dplan.name] = [_replica_config(template, dev, r, key) for r in range(dev.replicas)]
+    _check_shared_gpus(config, result)
     return result
+
+
+def _check_shared_gpus(config: CliffguardConfig, result: dict[str, list[EngineConfig]]) -> None:
+    """No GPU runs two devices once `auto` is resolved (the file's own check cannot see an `auto` device
+    that lands on a GPU another device names): each plans 0.9 of the whole GPU."""
+    owner: dict[int, str] = {}
+    for name, configs in result.items():
+        if config.devices[name].placement == "ray":
+            continue
+        for gpu in {g for engine in configs for g in engine.gpu_ids or ()}:
+            if gpu in owner:
+                raise SpecError(f"devices.{name}.device: {config.devices[name].device!r} runs on GPU {gpu}, "
+                                f"which device {owner[gpu]!r} runs on too; a GPU runs one device (give each its own "
+                                "`device: cuda:N` or `gpus`)")
+            owner[gpu] = name
 
 
 def _replica_config(template: EngineConfig, dev: DeviceSpec, replica: int, key: str) -> EngineConfig:
@@ -416,54 +444,6 @@ def _replica_config(template: EngineConfig, dev: DeviceSpec, replica: int, key: 
     return dataclasses.replace(template, device=f"cuda:{gpus[0]}", gpu_ids=gpus)
 
 
-def resolve_model_configs(config: CliffguardConfig, model_config: str | None = None, *,
-                          folders: dict[str, Path] | None = None) -> dict[str, ModelConfig]:
-    """Each local pool's `model` -> its ModelConfig (models resolved, GGUF files converted once);
-    `model_config`: one config.json (or a folder holding one) used for every pool instead. `folders`
-    caches each resolved model spec's folder (see `model_folder`) for the caller to reuse."""
-    if model_config is not None:
-        given = read_model_config(model_config)
-        return {p.model: given for p in config.local_pools}
-    folders = {} if folders is None else folders
-    result: dict[str, ModelConfig] = {}
-    for i, p in enumerate(config.pools):
-        if p.is_upstream or p.model in result:
-            continue
-        key = f"pools[{i}].model"
-        path = model_folder(p.model, key, folders)
-        try:
-            result[p.model] = ModelConfig.from_folder(path)
-        except (FileNotFoundError, ValueError) as exc:
-            raise SpecError(f"{key}: {exc}") from None
-    return result
-
-
-def model_folder(spec: str, key: str, folders: dict[str, Path]) -> Path:
-    """`engine.weights.resolve_model(spec)`, once per spec (cached in `folders`); a SpecError naming
-    `key` when the model cannot be found or converted."""
-    if spec not in folders:
-        from engine.weights import resolve_model
-
-        try:
-            folders[spec] = resolve_model(spec)
-        except (FileNotFoundError, ValueError) as exc:
-            raise SpecError(f"{key}: {exc}") from None
-    return folders[spec]
-
-
-def read_model_config(path: str) -> ModelConfig:
-    """An HF config.json, or a folder holding one; errors name `--model-config`."""
-    target = Path(path).expanduser()
-    if target.is_dir():
-        return ModelConfig.from_folder(target)
-    if not target.is_file():
-        raise FileNotFoundError(f"--model-config: no such file or folder {path}")
-    try:
-        return ModelConfig.from_hf_config(json.loads(target.read_text()))
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--model-config: {path} is not valid JSON ({exc})") from None
-
-
 def plan_single_pool(model: str, *, device: str = "auto", dtype: str = "auto", kv_cache_bytes: int,
                      vram_bytes: int | None = None, **pool: object) -> tuple[CapacityPlan, EngineConfig]:
     """One pool named `default` on one device, planned like any YAML pool: its `kv_cache_bytes` budget
@@ -473,6 +453,8 @@ def plan_single_pool(model: str, *, device: str = "auto", dtype: str = "auto", k
     pool_spec = PoolSpec(name="default", model=model, kv_cache_bytes=kv_cache_bytes, **pool)
     config = CliffguardConfig(gateway=GatewaySpec(), devices={"default": DeviceSpec(device=device, dtype=dtype)},
                               pools=(pool_spec,))
+    from pools.model_configs import resolve_model_configs
+
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram_bytes)
     return plan, engine_configs(config, plan)["default"]
 

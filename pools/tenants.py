@@ -129,7 +129,9 @@ def parse_tenants(raw: Any) -> dict[str, TenantSpec]:
             raise SpecError(key, f"a tenant name uses letters, digits, '_', '.', '-', got {name!r}")
         spec = from_yaml({} if value is None else value, TenantSpec, key, name=name)
         api_keys = tuple(k.strip() for k in spec.api_keys)
-        for api_key in api_keys:
+        for i, api_key in enumerate(api_keys):
+            if not api_key:
+                raise SpecError(f"{key}.api_keys[{i}]", f"an API key must not be blank, got {spec.api_keys[i]!r}")
             if api_key in owner:
                 raise SpecError(f"{key}.api_keys", f"a key is listed for tenants {owner[api_key]!r} and {name!r}; "
                                                    "each key belongs to one tenant")

@@ -28,7 +28,8 @@ from pools.config.typed import MISSING, FieldError, convert
 
 S = TypeVar("S")
 Text = Annotated[str, msgspec.Meta(min_length=1)]          # a non-empty string
-Count = Annotated[int, msgspec.Meta(ge=1)]                 # an integer >= 1
+MAX_INT = 2**63 - 1                                        # the largest count or byte size a file may give
+Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]     # an integer >= 1
 Positive = Annotated[float, msgspec.Meta(gt=0)]            # a number > 0
 Seconds = Positive                                         # a number of seconds > 0
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]         # a number >= 0
@@ -128,10 +129,17 @@ def _reason(error: FieldError, hidden: tuple[str, ...]) -> str:
     """The reason with the bad value shown, and for an unknown key the keys allowed."""
     value, reason = error.value, error.reason
     if reason == "unrecognized field":
-        return f"unknown key (value {value!r}); allowed keys: {', '.join(k for k in error.allowed if k not in hidden)}"
+        return f"unknown key (value {_short(value)}); allowed keys: " \
+               f"{', '.join(k for k in error.allowed if k not in hidden)}"
     if value is MISSING or value is None or ", got " in reason and not reason.startswith("expected "):
         return reason
-    return f"{reason} {value!r}" if reason.startswith("expected ") else f"{reason}, got {value!r}"
+    return f"{reason} {_short(value)}" if reason.startswith("expected ") else f"{reason}, got {_short(value)}"
+
+
+def _short(value: Any, width: int = 80) -> str:
+    """repr(value), cut at `width` characters (a 400-digit number, a whole section given where a number goes)."""
+    text = repr(value)
+    return text if len(text) <= width else f"{text[:width - 3]}..."
 
 
 @contextmanager
@@ -177,29 +185,39 @@ def parse_bytes(value: Any, key: str = "bytes") -> int:
     units are case-insensitive. Anything else, a negative number or a bool raises SpecError naming `key`.
     """
     try:
-        return _byte_count(value)
+        return byte_count(value)
     except ValueError as exc:
         raise SpecError(key, str(exc)) from None
 
 
-def _byte_count(value: Any) -> int:
+def byte_count(value: Any) -> int:
+    """`parse_bytes` without a key: ValueError with the reason."""
     if is_int(value):
         if value < 0:
             raise ValueError(f"must be >= 0 bytes, got {value}")
-        return value
+        return _at_most_max(value, value)
     if isinstance(value, float) and value >= 0 and value.is_integer():
-        return int(value)
+        return _at_most_max(int(value), value)
     match = _BYTES.match(value) if isinstance(value, str) else None
     if match is None or match.group(2).lower() not in _BYTE_UNITS:
         raise ValueError(f"not a byte size, got {show(value)}; "
                          "write an integer or a number with a unit, e.g. 80GiB, 512 MiB, 1.5GB")
-    return int(Decimal(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+    if len(match.group(1)) > 40:   # Decimal would take it; no byte count has that many digits
+        raise ValueError(f"must be at most {MAX_INT} bytes (8 EiB), got {value[:40]!r}...")
+    return _at_most_max(int(Decimal(match.group(1)) * _BYTE_UNITS[match.group(2).lower()]), value)
+
+
+def _at_most_max(count: int, value: Any) -> int:
+    if count > MAX_INT:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:40]}..."
+        raise ValueError(f"must be at most {MAX_INT} bytes (8 EiB), got {shown}")
+    return count
 
 
 def _decode(kind: type, value: Any) -> Any:
     """msgspec's hook for the models' custom types: byte sizes."""
     if isinstance(kind, type) and issubclass(kind, ByteSize):
-        count = _byte_count(value)
+        count = byte_count(value)
         if count < kind.minimum:
             raise ValueError(f"must be at least {kind.minimum} byte, got {value!r}")
         return kind(count)
@@ -219,13 +237,22 @@ def within(prefix: str) -> Iterator[None]:
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that rejects a key given twice in one mapping (PyYAML silently keeps the last)."""
+    """SafeLoader that rejects a key given twice in one mapping (PyYAML silently keeps the last; a key
+    a merge (`<<: *anchor`) brings may be given again, and the mapping's own wins), and reads `1e-3` as
+    a number as YAML 1.2 does (YAML 1.1 wants a dot: `1.0e-3`)."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
+                              re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+MAX_YAML_VALUES = 100_000   # what a file's aliases may expand to: a pool file holds hundreds
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
     seen: set[Any] = set()
     for key_node, _ in node.value:
+        if key_node.tag == _MERGE_TAG:
+            continue
         key = loader.construct_object(key_node, deep=True)
         try:
             duplicate = key in seen
@@ -235,16 +262,42 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any
             raise yaml.constructor.ConstructorError(
                 "while reading a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark)
         seen.add(key)
+    loader.flatten_mapping(node)
     return loader.construct_mapping(node, deep=True)
 
 
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+def _expanded_values(node: yaml.Node, memo: dict[int, int], source: str) -> int:
+    """The values `node` stands for once every alias is written out (a node met again through an alias
+    counts its whole size again; memoized, so a chain of aliases costs its nodes, not its expansion).
+    Over MAX_YAML_VALUES: a SpecError, before anything expands them ("billion laughs")."""
+    if (known := memo.get(id(node))) is not None:
+        return known
+    memo[id(node)] = 1   # a node inside itself (a recursive alias) counts once here; construction refuses it
+    children = (node.value if isinstance(node, yaml.SequenceNode) else
+                [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else ())
+    total = 1 + sum(_expanded_values(child, memo, source) for child in children)
+    if total > MAX_YAML_VALUES:
+        raise SpecError(f"{source}: YAML aliases expand to more than {MAX_YAML_VALUES:,} values (line "
+                        f"{node.start_mark.line + 1}); write the repeated part out, or alias it fewer times")
+    memo[id(node)] = total
+    return total
+
+
 def load_yaml(text: str, source: str) -> Any:
-    """YAML text -> Python data; a syntax error is a SpecError with `source`, the line, the column and a caret."""
+    """YAML text -> Python data; a syntax error is a SpecError with `source`, the line, the column and a caret.
+    Aliases may not expand past MAX_YAML_VALUES values, nor nesting go past Python's recursion limit."""
+    loader = _Loader(text)
     try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _expanded_values(node, {}, source)
+        return loader.construct_document(node)
+    except RecursionError:
+        raise SpecError(f"{source}: YAML nested too deep (hundreds of levels); a configuration file is flat") from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         problem = exc.problem or exc.context or "invalid YAML"
@@ -256,6 +309,8 @@ def load_yaml(text: str, source: str) -> Any:
                         f"    {snippet}\n    {' ' * mark.column}^") from None
     except yaml.YAMLError as exc:
         raise SpecError(f"{source}: YAML error: {exc}") from None
+    finally:
+        loader.dispose()
 
 
 def read_text(path: Path, what: str = "configuration file") -> str:

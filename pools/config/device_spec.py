@@ -17,7 +17,7 @@ import msgspec
 
 from engine.capacity import DEFAULT_MEMORY_UTILIZATION
 from engine.config import DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, KV_CACHE_DTYPES, check_device_name, parse_dtype
-from pools.config.checks import ByteSize, Count, Fraction, Seconds, Spec, SpecError, Text, engine_rules
+from pools.config.checks import ByteSize, Fraction, Seconds, Spec, SpecError, Text, engine_rules
 
 KvCacheDtype = Literal[KV_CACHE_DTYPES]   # engine.config's choices, one definition
 Placement = Literal["local", "ray"]   # local: worker processes on this machine; ray: actors on a Ray cluster
@@ -30,14 +30,16 @@ DEFAULT_SCALE_UP_WAIT_SECONDS = 2.0
 DEFAULT_SCALE_DOWN_IDLE_SECONDS = 60.0
 RAY_ADDRESS_ENV = "RAY_ADDRESS"   # Ray's own variable: the cluster `ray.init()` joins
 GpuIndex = Annotated[int, msgspec.Meta(ge=0)]
+MAX_SLOTS = 1024   # replicas of one device, and ranks of one replica: far past any cluster's
+Slots = Annotated[int, msgspec.Meta(ge=1, le=MAX_SLOTS)]
 
 
 class ReplicaRange(Spec):
     """YAML `replicas: {min, max, scale_up_wait_seconds, scale_down_idle_seconds}`: an autoscaled device,
     read into DeviceSpec's `min_replicas`, `replicas` (the max) and timings."""
 
-    min: Count
-    max: Count
+    min: Slots
+    max: Slots
     scale_up_wait_seconds: Seconds = DEFAULT_SCALE_UP_WAIT_SECONDS
     scale_down_idle_seconds: Seconds = DEFAULT_SCALE_DOWN_IDLE_SECONDS
 
@@ -68,16 +70,16 @@ class DeviceSpec(Spec):
     memory_bytes: ByteSize | None = msgspec.field(default=None, name="memory")   # None (auto): the GPU's total
     memory_utilization: Fraction = DEFAULT_MEMORY_UTILIZATION   # the capacity formula's 0.9
     dtype: str = "auto"                  # auto | float32 | bfloat16 | float16
-    tensor_parallel_size: Count = 1      # GPUs of one replica (engine.parallel)
-    replicas: Count = 1                  # replica slots (autoscaled: the max), each serving every pool of the device
+    tensor_parallel_size: Slots = 1      # GPUs of one replica (engine.parallel)
+    replicas: Slots = 1                  # replica slots (autoscaled: the max), each serving every pool of the device
     gpus: Annotated[tuple[GpuIndex, ...], msgspec.Meta(min_length=1)] | None = None   # CUDA: the ranks' GPUs
-    cpu_threads: Count | None = None     # CPU: torch threads of each rank (None: the cores shared out)
+    cpu_threads: Slots | None = None     # CPU: torch threads of each rank (None: the cores shared out)
     enforce_eager: bool = False          # CUDA: no decode graphs (their memory is then not set aside)
     async_scheduling: bool | None = None  # overlapped steps (engine.overlap); None: on CUDA
     kv_cache_dtype: KvCacheDtype = "auto"   # auto: the model's dtype; fp8: e4m3, 1 byte an element of S_KV
     calculate_kv_scales: bool = True     # fp8 without the checkpoint's scales: measured at start (false: 1.0)
     collective_timeout_seconds: Seconds = DEFAULT_COLLECTIVE_TIMEOUT_SECONDS   # tensor parallel: a rank this late is hung
-    min_replicas: Count | None = None    # autoscaled: the replicas always up (None: fixed, all `replicas` up)
+    min_replicas: Slots | None = None    # autoscaled: the replicas always up (None: fixed, all `replicas` up)
     scale_up_wait_seconds: Seconds = DEFAULT_SCALE_UP_WAIT_SECONDS      # autoscaled: waited for credits this long: +1
     scale_down_idle_seconds: Seconds = DEFAULT_SCALE_DOWN_IDLE_SECONDS  # autoscaled: a replica idle this long: -1
     placement: Placement = "local"
@@ -90,6 +92,9 @@ class DeviceSpec(Spec):
                 parse_dtype(self.dtype)
         if self.min_replicas is not None and self.min_replicas > self.replicas:
             raise SpecError("replicas.min", f"{self.min_replicas} is above max {self.replicas}")
+        if self.cpu_threads is not None and self.device.startswith("cuda"):
+            raise SpecError("cpu_threads", f"only for a CPU device (device is {self.device!r}: its ranks run on "
+                                           f"GPUs), got {self.cpu_threads}")
         if self.placement != "ray" and self.ray_address is not None:
             raise SpecError("ray_address", f"only with placement: ray (placement is {self.placement!r}), "
                                            f"got {self.ray_address!r}")

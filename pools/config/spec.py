@@ -94,17 +94,19 @@ class RouteSpec(Spec):
         upper = self.upper(max_model_len)
         return self.min_prompt_tokens <= n and (upper is None or n <= upper)
 
-    def overlaps(self, other: RouteSpec) -> bool:
-        """Some prompt length is in both ranges (an open upper end counts as unbounded)."""
+    def overlaps(self, other: RouteSpec, max_model_len: int | None = None,
+                 other_max_model_len: int | None = None) -> bool:
+        """Some prompt length is in both ranges, each capped by its pool's max_model_len where known (`upper`;
+        an open upper end counts as unbounded)."""
         inf = float("inf")
-        self_max = inf if self.max_prompt_tokens is None else self.max_prompt_tokens
-        other_max = inf if other.max_prompt_tokens is None else other.max_prompt_tokens
+        self_max, other_max = self.upper(max_model_len), other.upper(other_max_model_len)
+        self_max, other_max = inf if self_max is None else self_max, inf if other_max is None else other_max
         return self.min_prompt_tokens <= other_max and other.min_prompt_tokens <= self_max
 
-    def describe(self) -> str:
-        """`0..4096`, `4097..` (open end)."""
-        upper = "" if self.max_prompt_tokens is None else str(self.max_prompt_tokens)
-        return f"{self.min_prompt_tokens}..{upper}"
+    def describe(self, max_model_len: int | None = None) -> str:
+        """`0..4096`, `4097..` (open end); with the pool's max_model_len, its cap (`0..4095`)."""
+        upper = self.upper(max_model_len)
+        return f"{self.min_prompt_tokens}..{'' if upper is None else upper}"
 
 
 class SloSpec(Spec):
@@ -163,7 +165,11 @@ class PoolSpec(Spec):
             if (reason := template_variable_error(key, value)) is not None:
                 raise SpecError(f"chat_template_kwargs.{key}", reason)
         if self.is_upstream:
-            url = urlsplit(self.upstream)
+            try:
+                url = urlsplit(self.upstream)
+                url.port   # noqa: B018 - raises for a port out of range or not a number
+            except ValueError as exc:
+                raise SpecError("upstream", f"not a valid URL ({exc}), got {self.upstream!r}") from None
             if url.scheme not in ("http", "https") or not url.hostname:
                 raise SpecError("upstream", f"must be an http:// or https:// URL with a host, got {self.upstream!r}")
             return
@@ -299,11 +305,11 @@ class CliffguardConfig:
     def _check_routes(self) -> None:
         for j, b in enumerate(self.pools):
             for i, a in enumerate(self.pools[:j]):
-                if a.model_name == b.model_name and a.route.overlaps(b.route):
+                if a.model_name == b.model_name and a.route.overlaps(b.route, a.max_model_len, b.max_model_len):
                     raise SpecError(
-                        f"pools[{j}].route: {b.route.describe()} overlaps pools[{i}] {a.name!r} route "
-                        f"{a.route.describe()}; both serve model {a.model_name!r} ({b.name!r} and {a.name!r}), "
-                        "so a prompt length must pick exactly one")
+                        f"pools[{j}].route: {b.route.describe(b.max_model_len)} overlaps pools[{i}] {a.name!r} "
+                        f"route {a.route.describe(a.max_model_len)}; both serve model {a.model_name!r} ({b.name!r} "
+                        f"and {a.name!r}), so a prompt length must pick exactly one")
 
     @property
     def local_pools(self) -> tuple[PoolSpec, ...]:

@@ -53,6 +53,9 @@ def _parse_gateway(raw: dict[str, Any] | None, env: Mapping[str, str]) -> Gatewa
     gateway = from_yaml(_without_nulls(raw or {}, ("api_keys", "limits", "stored_responses", "restart_backoff")),
                         GatewaySpec, "gateway")
     keys = [k.strip() for k in gateway.api_keys]
+    for i, key in enumerate(keys):
+        if not key:   # dropped, it could leave no key: authentication silently off
+            raise SpecError(f"gateway.api_keys[{i}]", f"an API key must not be blank, got {gateway.api_keys[i]!r}")
     if gateway.api_keys_env:
         keys += [k.strip() for k in env.get(gateway.api_keys_env, "").split(",") if k.strip()]
     return gateway.replace(api_keys=tuple(dict.fromkeys(k for k in keys if k)))
@@ -180,4 +183,7 @@ def load_config(path_or_text: str | os.PathLike, *, env: Mapping[str, str] = os.
         except SpecError as exc:
             raise SpecError(f"{exc} (in {path})") from None
     text = str(path_or_text)
-    return parse_config(load_yaml(text, "<text>"), env=env)
+    data = load_yaml(text, "<text>")
+    if isinstance(data, str) and "\n" not in text.strip():   # one line, no `key:`: a path that is not there
+        raise SpecError(f"{text}: no such configuration file")
+    return parse_config(data, env=env)

@@ -17,7 +17,8 @@ from bench.isolation.grid import (Grid, assemble, format_sweep_table, plan_runs,
                                   sweep_pool_files, write_heatmap)
 from bench.isolation import add_arguments, pending_work
 from gateway.cli import main
-from pools.capacity_plan import plan_capacity, resolve_model_configs
+from pools.capacity_plan import plan_capacity
+from pools.model_configs import resolve_model_configs
 from pools.config.yaml_file import load_config
 from pools.config.checks import load_yaml
 

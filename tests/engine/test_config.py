@@ -14,7 +14,8 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
 
 
 @pytest.mark.parametrize("change,match", [
-    ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'.*Gemma3ForConditionalGeneration"),
+    ({"architectures": ["GPT2LMHeadModel"]},
+     "unsupported architecture 'GPT2LMHeadModel'.*Gemma3ForConditionalGeneration"),
     ({"architectures": []}, "architectures"),
     ({"num_key_value_heads": 3}, "num_key_value_heads: 3 does not divide"),
     ({"hidden_size": -1}, "hidden_size"),
@@ -30,11 +31,82 @@ def test_bad_model_configs_are_named(change, match):
         ModelConfig.from_hf_config({**LLAMA, **change})
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("change,match", [
+    # sizes: read before any arithmetic, an integer (not a string, a bool or a float), positive
+    ({"num_attention_heads": 0}, "num_attention_heads: must be a positive integer, got 0"),
+    ({"num_attention_heads": "4"}, "num_attention_heads: must be a positive integer, got '4'"),
+    ({"hidden_size": "64"}, "hidden_size: must be a positive integer, got '64'"),
+    ({"num_hidden_layers": True}, "num_hidden_layers: must be a positive integer, got True"),
+    ({"num_key_value_heads": -2}, "num_key_value_heads: must be a positive integer, got -2"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": "4096"},
+     "sliding_window: must be a positive integer, got '4096'"),
+    ({"rope_scaling": {k: v for k, v in YARN.items() if k != "factor"}, "max_position_embeddings": "128"},
+     "max_position_embeddings: must be a positive integer, got '128'"),
+    ({"architectures": [{"name": "LlamaForCausalLM"}]}, "architectures: unsupported architecture"),
+    ({"bos_token_id": "1"}, "bos_token_id: must be an integer >= 0, got '1'"),
+    ({"eos_token_id": ["2"]}, r"eos_token_id: must be a token id or a list of token ids, got \['2'\]"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings: must be true or false, got 'false'"),
+    # floats: a number, finite, positive where 0 means nothing
+    ({"rms_norm_eps": "abc"}, "rms_norm_eps: expected a number, got 'abc'"),
+    ({"rms_norm_eps": 0}, "rms_norm_eps: must be a positive finite number, got 0"),
+    ({"rope_theta": float("inf")}, "rope_theta: must be a positive finite number, got inf"),
+    ({"rope_scaling": {**LLAMA3_ROPE, "factor": "abc"}}, "rope_scaling.factor: expected a number, got 'abc'"),
+    ({"rope_scaling": {**LLAMA3_ROPE, "original_max_position_embeddings": "8k"}},
+     "rope_scaling.original_max_position_embeddings: must be a positive integer, got '8k'"),
+    ({"rope_scaling": {**LLAMA3_ROPE, "low_freq_factor": float("nan")}}, "rope_scaling.low_freq_factor: must be"),
+    ({"rope_scaling": {**LLAMA3_ROPE, "high_freq_factor": 1.0}}, "rope_scaling.high_freq_factor: llama3 needs"),
+    ({"rope_scaling": {**YARN, "beta_fast": -1}}, "rope_scaling.beta_fast: must be a positive finite number"),
+    ({"rope_scaling": {**YARN, "mscale": "x"}}, "rope_scaling.mscale: expected a number, got 'x'"),
+    ({"rope_scaling": {**YARN, "truncate": "no"}}, "rope_scaling.truncate: must be true or false, got 'no'"),
+    ({"rope_parameters": {**YARN, "factor": -2}}, "rope_parameters.factor: must be a positive finite number"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e6"}},
+     "rope_parameters.rope_theta: expected a number, got '1e6'"),
+    ({"rope_parameters": "yarn"}, "rope_parameters: expected an object, got 'yarn'"),
+])
+def test_bad_values_and_types_are_named_before_any_arithmetic(change, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_hf_config({**LLAMA, **change})
+
+
+@pytest.mark.parametrize("key", ["num_key_value_heads", "head_dim"])
+def test_zero_heads_or_head_dim_are_refused_not_defaulted(key):
+    """`num_key_value_heads: 0` once became num_attention_heads (S_KV 8x on Llama 3 70B) and `head_dim: 0` the
+    derived one, silently; absent or null still take the default."""
+    with pytest.raises(ConfigError, match=f"{key}: must be a positive integer, got 0"):
+        ModelConfig.from_hf_config({**LLAMA, key: 0})
+    cfg = ModelConfig.from_hf_config({**LLAMA, key: None})
+    assert (cfg.num_kv_heads, cfg.head_dim) == ((4, 16) if key == "num_key_value_heads" else (2, 16))
+    assert ModelConfig.from_hf_config({k: v for k, v in LLAMA.items() if k != key}) == cfg
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": "x"}, "text_config: expected an object"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"]}, "text_config: missing from config.json"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {**LLAMA, "num_attention_heads": 0}},
+     "text_config.num_attention_heads: must be a positive integer, got 0"),
+])
+def test_a_multimodal_config_names_its_text_config(config, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        ModelConfig.from_hf_config(config)
+    assert "unsupported architecture" not in str(err.value)
+
+
 def test_missing_and_malformed_config_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         ModelConfig.from_folder(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="config.json: not valid JSON"):
+        ModelConfig.from_folder(tmp_path)
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe\x00{")
+    with pytest.raises(ConfigError, match="config.json: not valid JSON"):
+        ModelConfig.from_folder(tmp_path)
+    (tmp_path / "config.json").write_text("[1]")
+    with pytest.raises(ConfigError, match=r"config.json: must be a JSON object, got \[1\]"):
         ModelConfig.from_folder(tmp_path)
 
 
@@ -108,6 +180,15 @@ def test_qwen3_moe_as_its_model_card_writes_it():
         ModelConfig.from_hf_config({**moe, "num_experts": 8, "num_experts_per_tok": 9})
     with pytest.raises(ConfigError, match="mlp_only_layers"):
         ModelConfig.from_hf_config({**moe, "mlp_only_layers": "all"})
+    for change, named in [({"num_experts": 0}, "num_experts: must be a positive integer, got 0"),
+                          ({"num_experts": None, "num_local_experts": "8"}, "num_local_experts: must be a positive"),
+                          ({"decoder_sparse_step": 0}, "decoder_sparse_step: must be a positive integer, got 0"),
+                          ({"norm_topk_prob": "yes"}, "norm_topk_prob: must be true or false"),
+                          ({"mlp_only_layers": [True]}, "mlp_only_layers: must be a list of layer indices")]:
+        with pytest.raises(ConfigError, match=named):
+            ModelConfig.from_hf_config({**moe, **change})
+    local = {k: v for k, v in moe.items() if k != "num_experts"}
+    assert ModelConfig.from_hf_config({**local, "num_experts": None, "num_local_experts": 128}) == cfg
 
 
 @pytest.mark.parametrize("change,named", [
@@ -118,6 +199,19 @@ def test_qwen3_moe_as_its_model_card_writes_it():
                           "full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
      "rope_parameters.sliding_attention.rope_type"),
     ({"layer_types": ["sliding_attention"]}, "layer_types: one of"),
+    ({"layer_types": 2}, "layer_types: must be a list"),
+    ({"sliding_window_pattern": 0}, "sliding_window_pattern: must be a positive integer, got 0"),
+    ({"sliding_window_pattern": "6"}, "sliding_window_pattern: must be a positive integer, got '6'"),
+    ({"sliding_window": "8"}, "sliding_window: must be a positive integer, got '8'"),
+    ({"query_pre_attn_scalar": "x"}, "query_pre_attn_scalar: expected a number, got 'x'"),
+    ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar: must be a positive finite number, got 0"),
+    ({"rope_local_base_freq": "x"}, "rope_local_base_freq: expected a number"),
+    ({"rope_parameters": {"full_attention": "x", "sliding_attention": {}}},
+     "rope_parameters.full_attention: expected an object, got 'x'"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": "x"}, "sliding_attention": {}}},
+     "rope_parameters.full_attention.factor: expected a number, got 'x'"),
+    ({"rope_parameters": {"full_attention": {}, "sliding_attention": {"rope_theta": "x"}}},
+     "rope_parameters.sliding_attention.rope_theta: expected a number"),
 ])
 def test_what_we_do_not_serve_of_gemma3_is_refused_by_name(change, named):
     gemma = {**LLAMA, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 8, "head_dim": 16}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -201,6 +202,18 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     path = _make_gguf(tmp_path / "gpt2.gguf", "gpt2", {"token_embd.weight": np.zeros((4, 4), np.float32)})
     with pytest.raises(ValueError, match="'gpt2'"):
         convert_gguf(path, tmp_path / "out")
+
+
+@pytest.mark.parametrize("keep", [0, 4, 8, 24, 0.5])
+def test_a_truncated_gguf_file_is_named(tmp_path: Path, keep: int | float) -> None:
+    """A GGUF file cut short anywhere (an interrupted download) is a ValueError naming the file, not gguf's own
+    unpacking or indexing error; `keep`: the bytes kept (a fraction: of the whole file)."""
+    whole = _make_gguf(tmp_path / "whole.gguf", "llama", _make_layer(np.random.default_rng(0))).read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole[:int(len(whole) * keep) if isinstance(keep, float) else keep])
+    with pytest.raises(ValueError, match=re.escape(f"{cut}: not a valid or complete GGUF file")):
+        resolve_model(cut, cache_dir=tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []
 
 
 def test_interrupted_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from engine.model_config import ModelConfig
-from pools.capacity_plan import (engine_configs, plan_capacity, plan_single_pool, replica_engine_configs,
-                                 resolve_model_configs)
+from pools.capacity_plan import engine_configs, plan_capacity, plan_single_pool, replica_engine_configs
+from pools.model_configs import resolve_model_configs
 from pools.config.yaml_file import parse_config
 from pools.config.spec import DEFAULT_CPU_MEMORY, SpecError
 
@@ -401,3 +401,41 @@ def test_calculate_kv_scales_reaches_the_engine(builtin_path):
     data["devices"]["default"]["calculate_kv_scales"] = "yes"
     with pytest.raises(SpecError, match="calculate_kv_scales"):
         parse_config(data, env={})
+
+
+def test_an_avg_len_over_max_model_len_is_said_and_a_zero_formula_names_avg_len():
+    """No request is longer than max_model_len, so an avg_len above it plans fewer requests than fit:
+    a warning naming the key; an avg_len so large that the formula gives 0 is refused naming avg_len."""
+    data = _example_data()
+    data["pools"][0]["avg_len"] = 10000   # max_model_len 8192
+    _, plan = _plan_example(data)
+    assert any(w.startswith("pools[0].avg_len: 10000 is above max_model_len 8192") for w in plan.warnings)
+    data["pools"][0]["avg_len"] = 10**9
+    with pytest.raises(SpecError, match=r"gives max_num_seqs = floor\(.*\) = 0 .*lower pools\[0\]\.avg_len"):
+        _plan_example(data)
+
+
+def test_a_swap_space_below_one_block_is_refused_by_the_plan():
+    """Caught when the plan knows S_KV (before a worker loads the weights), naming the YAML key."""
+    data = _example_data()
+    data["pools"][0].update(preemption_mode="swap", swap_space="1KiB")
+    with pytest.raises(SpecError, match=r"^pools\[0\]\.swap_space: 1\.00 KiB holds no KV block of"):
+        _plan_example(data)
+    data["pools"][0]["swap_space"] = "1GiB"
+    _plan_example(data)
+
+
+def test_an_auto_device_may_not_land_on_a_gpu_another_device_names(monkeypatch):
+    """`device: auto` resolves to CUDA GPU 0 at start; a second device on `cuda` (GPU 0) would plan 0.9 of the
+    same GPU: refused once `auto` is resolved, naming both devices."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    data = _example_data()
+    device = data["devices"].pop("h100x8")
+    data["devices"] = {"a": {**device, "device": "auto", "tensor_parallel_size": 1, "memory": "400GiB"},
+                       "b": {**device, "device": "cuda", "tensor_parallel_size": 1, "memory": "400GiB"}}
+    data["pools"][0]["device"], data["pools"][1]["device"] = "a", "b"
+    with pytest.raises(SpecError, match=r"^devices\.b\.device: 'cuda' runs on GPU 0, which device 'a' runs on too"):
+        engine_configs(*_plan_example(data))
+    data["devices"]["b"]["device"] = "cuda:1"
+    assert {e.gpu_ids for e in engine_configs(*_plan_example(data)).values()} == {(0,), (1,)}

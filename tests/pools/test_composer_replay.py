@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from engine.step_cost import fit_linear, read_step_trace
-from pools.capacity_plan import plan_capacity, resolve_model_configs
+from pools.capacity_plan import plan_capacity
+from pools.model_configs import resolve_model_configs
 from pools.config.yaml_file import load_config
 from pools.simulation.runner import make_requests, simulate
 from pools.workload import LengthDist, WorkloadClass

@@ -20,7 +20,8 @@ from engine.scheduler import ScheduledSeq
 from engine.step_cost import (KNEE_MIN_STEPS, PRESETS, LinearStepTime, RooflineStepTime, StepCostModel, StepFeatures,
                               fit_linear, nonnegative_lstsq, read_step_model, read_step_trace, write_step_model)
 from gateway.cli import main
-from pools.capacity_plan import plan_capacity, read_model_config
+from pools.capacity_plan import plan_capacity
+from pools.model_configs import read_model_config
 from pools.config.yaml_file import load_config
 from pools.simulation.devicesim import DeviceSim, SimRequest
 from pools.simulation.knee import format_sweep, plot_knee, sweep
@@ -541,7 +542,7 @@ def test_cli_simulate_replicas_overrides_every_device(capsys):
     assert out["replicas"] == {"h100x8": 2} and len(out["pools"]["chat"]["replicas"]) == 2
     assert sum(r["requests"] for r in out["pools"]["chat"]["replicas"]) == out["classes"]["chat"]["requests"]
     assert main(args + ["--replicas", "0"]) == 2
-    assert "--replicas: must be >= 1" in capsys.readouterr().err
+    assert "argument --replicas: must be an integer in 1.." in capsys.readouterr().err
 
 
 # --- overloaded or not ------------------------------------------------------------------------------

@@ -174,6 +174,39 @@ BAD = {
                                             ["pools[0].chat_template_kwargs"]),
     "chat_template_kwargs on upstream": (_set("pools/2/chat_template_kwargs", {"enable_thinking": False}),
                                          ["pools[2].chat_template_kwargs", "upstream"]),
+    "replicas past the cap (a loop over them hung)": (_set("devices/default/replicas", 10**12),
+                                                      ["devices.default.replicas", "<= 1024"]),
+    "autoscaled max past the cap": (_set("devices/default/replicas", {"min": 1, "max": 10**12}),
+                                    ["devices.default.replicas.max", "<= 1024"]),
+    "tensor_parallel_size past the cap": (_set("devices/default/tensor_parallel_size", 10**9),
+                                          ["devices.default.tensor_parallel_size", "<= 1024"]),
+    "memory past 64 bits (a float overflow later)": (_set("devices/default/memory", 10**400),
+                                                     ["devices.default.memory", "at most 9223372036854775807 bytes"]),
+    "memory with a unit past 64 bits": (_set("devices/default/memory", "1" + "0" * 400 + "GiB"),
+                                        ["devices.default.memory", "at most"]),
+    "kv_cache_bytes past 64 bits": (_both(_pop("pools/0/kv_share"), _set("pools/0/kv_cache_bytes", 2**64)),
+                                    ["pools[0].kv_cache_bytes", "at most"]),
+    "max_num_seqs past 64 bits, its digits cut": (_set("pools/0/max_num_seqs", 10**400),
+                                                  ["pools[0].max_num_seqs: must be <= 9223372036854775807", "..."]),
+    "upstream port out of range (a 500 on every request)": (_set("pools/2/upstream", "http://127.0.0.1:99999/v1"),
+                                                            ["pools[2].upstream: not a valid URL", "Port out of range"]),
+    "upstream port not a number": (_set("pools/2/upstream", "http://h:abc/v1"), ["pools[2].upstream: not a valid URL"]),
+    "upstream malformed IPv6 host": (_set("pools/2/upstream", "http://[::1/v1"),
+                                     ["pools[2].upstream: not a valid URL", "IPv6"]),
+    "a blank API key (authentication silently off)": (_set("gateway/api_keys", ["  "]),
+                                                       ["gateway.api_keys[0]: an API key must not be blank"]),
+    "a tenant's blank API key": (_set("tenants", {"team": {"api_keys": [" "]}}),
+                                 ["tenants.team.api_keys[0]: an API key must not be blank"]),
+    "cpu_threads on a CUDA device (dropped)": (_set("devices/default", {"device": "cuda", "cpu_threads": 4}),
+                                               ["devices.default.cpu_threads: only for a CPU device"]),
+    "routes overlapping within max_model_len": (
+        _both(_set("pools/0/route", {"min_prompt_tokens": 0}), _set("pools/0/max_model_len", 4098)),
+        ["pools[1].route: 4097.. overlaps pools[0] 'chat' route 0..4097"]),
+    "an alias bomb (a 627-byte file walked for ever)": (
+        "\n".join(["a0: &a0 [x]"] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]),
+        ["<text>: YAML aliases expand to more than 100,000 values"]),
+    "nesting past the recursion limit": ("pools: " + "[" * 3000 + "]" * 3000 + "\n", ["<text>: YAML nested too deep"]),
+    "a path that is not there, with a colon": ("http://host/pools", ["http://host/pools: no such configuration file"]),
 }
 
 
@@ -186,6 +219,33 @@ def test_bad_yaml_names_key_and_value(case):
     message = str(info.value)
     for part in expected:
         assert part in message, f"{part!r} not in {message!r}"
+
+
+def test_a_route_capped_by_max_model_len_does_not_overlap_the_next():
+    """A pool without max_prompt_tokens ends at max_model_len - 1: a route from there on is no overlap."""
+    def capped(data):
+        data["pools"][0]["route"] = {"min_prompt_tokens": 0}
+        data["pools"][0]["max_model_len"] = 4097
+    config = load_config(_make_yaml(capped), env={})
+    assert config.pools[0].route.upper(config.pools[0].max_model_len) == 4096
+
+
+def test_merge_keys_may_be_overridden_and_exponents_are_numbers():
+    """A `<<: *anchor` merge may be followed by a key it brought (the mapping's own wins; a key the mapping
+    itself gives twice is still refused), and `1e-1` is a number as in YAML 1.2 (1.1 wants `1.0e-1`)."""
+    text = """
+pools:
+  - &chat {name: chat, model: builtin:smollm2-135m-instruct, kv_share: 1e-1, avg_len: 512,
+           route: {max_prompt_tokens: 100}}
+  - <<: *chat
+    name: rag
+    route: {min_prompt_tokens: 101}
+"""
+    config = load_config(text, env={})
+    assert [p.name for p in config.pools] == ["chat", "rag"]
+    assert [p.kv_share for p in config.pools] == [0.1, 0.1] and config.pools[1].route.min_prompt_tokens == 101
+    with pytest.raises(SpecError, match="duplicate key 'name'"):
+        load_config(text.replace("    name: rag\n", "    name: rag\n    name: again\n"), env={})
 
 
 def test_a_gpu_claimed_by_two_devices_is_refused():

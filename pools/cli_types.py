@@ -1,0 +1,69 @@
+"""Argument types of the `cliffguard` command line and its benchmarks: a value argparse cannot read as one
+is refused before anything runs, as `argument --rate: must be a finite number > 0, got 'inf'` (exit code 2)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from pools.config.checks import byte_count
+
+INT64_MAX = 2**63 - 1   # a seed travels to the worker as a 64-bit MessagePack integer
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too) saying a bad option in one line, `cliffguard capacity:
+    error: argument --rate: ...` (exit code 2), as every other error of the command line; `-h` shows usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _number(text: str, kind: type) -> float | int:
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a rate, a duration, a latency target)."""
+    value = _number(text, float)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (a count, a budget)."""
+    value = _number(text, int)
+    if not 1 <= value <= INT64_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1..{INT64_MAX}, got {text!r}")
+    return value
+
+
+def seed(text: str) -> int:
+    """A sampling or workload seed: an integer in 0..2^63-1."""
+    value = _number(text, int)
+    if not 0 <= value <= INT64_MAX:
+        raise argparse.ArgumentTypeError(f"must be an integer in 0..{INT64_MAX}, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (a warm-up, a rate that may be off)."""
+    value = _number(text, float)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def memory_size(text: str) -> int:
+    """A memory size > 0 in bytes: `80GiB`, `512 MiB`, `4096` (`pools.config.checks.parse_bytes`' units)."""
+    try:
+        count = byte_count(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if count <= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return count

@@ -1,0 +1,64 @@
+"""The model behind each pool: a pool's `model` (builtin, HF folder, GGUF file) resolved to a folder and
+read into its `engine.model_config.ModelConfig`, or one config.json given for every pool (`cliffguard
+capacity --model-config`). Errors are SpecErrors naming the pool's key, or ConfigErrors naming the option."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.config import ConfigError
+from engine.model_config import ModelConfig
+from pools.config.spec import CliffguardConfig, SpecError
+
+
+def resolve_model_configs(config: CliffguardConfig, model_config: str | None = None, *,
+                          folders: dict[str, Path] | None = None) -> dict[str, ModelConfig]:
+    """Each local pool's `model` -> its ModelConfig (models resolved, GGUF files converted once);
+    `model_config`: one config.json (or a folder holding one) used for every pool instead. `folders`
+    caches each resolved model spec's folder (see `model_folder`) for the caller to reuse."""
+    if model_config is not None:
+        given = read_model_config(model_config)
+        return {p.model: given for p in config.local_pools}
+    folders = {} if folders is None else folders
+    result: dict[str, ModelConfig] = {}
+    for i, p in enumerate(config.pools):
+        if p.is_upstream or p.model in result:
+            continue
+        key = f"pools[{i}].model"
+        path = model_folder(p.model, key, folders)
+        try:
+            result[p.model] = ModelConfig.from_folder(path)
+        except (FileNotFoundError, ValueError) as exc:
+            raise SpecError(f"{key}: {exc}") from None
+    return result
+
+
+def model_folder(spec: str, key: str, folders: dict[str, Path]) -> Path:
+    """`engine.weights.resolve_model(spec)`, once per spec (cached in `folders`); a SpecError naming
+    `key` when the model cannot be found or converted."""
+    if spec not in folders:
+        from engine.weights import resolve_model
+
+        try:
+            folders[spec] = resolve_model(spec)
+        except (FileNotFoundError, ValueError) as exc:
+            raise SpecError(f"{key}: {exc}") from None
+    return folders[spec]
+
+
+def read_model_config(path: str) -> ModelConfig:
+    """An HF config.json, or a folder holding one; errors name `--model-config`."""
+    target = Path(path).expanduser()
+    if target.is_dir():
+        return ModelConfig.from_folder(target)
+    if not target.is_file():
+        raise FileNotFoundError(f"--model-config: no such file or folder {path}")
+    try:
+        return ModelConfig.from_hf_config(json.loads(target.read_text(encoding="utf-8")))
+    except UnicodeDecodeError:
+        raise ConfigError(f"--model-config: {path} is not UTF-8 text; an HF config.json is JSON") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--model-config: {path} is not valid JSON ({exc})") from None
+    except ValueError as exc:   # ConfigError included: the key it names, in this file
+        raise ConfigError(f"--model-config: {path}: {exc}") from None
