@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -45,7 +45,7 @@ from pools.credits.ledger import Ticket
 from pools.credits.flows import FLOW_CAP
 from pools.credits.placement import Placement, Work
 from pools.pool import Pool
-from pools.tenants import Tenants
+from pools.tenants import DEFAULT_TENANT, Tenants
 
 log = logging.getLogger("cliffguard.admission")
 
@@ -55,16 +55,26 @@ _PR = ["pool", "replica"]
 
 
 def bearer_key(request: web.Request) -> str | None:
-    """The API key of `Authorization: Bearer <key>`, if any (the auth middleware already checked it)."""
+    """The API key of `Authorization: Bearer <key>`, if any (the auth middleware already checked it). A key
+    that is not UTF-8 text is no key of ours: None (aiohttp hands header bytes over as latin-1 or surrogates)."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return token.strip() or None if scheme.lower() == "bearer" else None
+    token = token.strip()
+    try:
+        token.encode()
+    except UnicodeEncodeError:
+        return None
+    return token or None if scheme.lower() == "bearer" else None
+
+
+UNLISTED_TENANT = "unlisted"   # the metrics' tenant of keys no file lists, while no key is checked
 
 
 class AdmissionMetrics:
     """The admission series, registered in the gateway's registry."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, tenant_label: Callable[[str], str] = str) -> None:
         p = "cliffguard_"
+        self.tenant_label = tenant_label   # a tenant's label value (a bounded set: see AdmissionControl.build)
         self.credits_total = Gauge(p + "kv_credits_total", "KV token slots of the pool on the replica (one "
                                    "credit each).", _PR, registry=registry)
         self.credits_free = Gauge(p + "kv_credits_free", "Credits not held by admitted requests (0 while the "
@@ -92,8 +102,12 @@ class AdmissionMetrics:
                 labels = {"pool": pool.name, "replica": str(replica)}
                 self.credits_total.labels(**labels).set(account.total)
                 self.credits_free.labels(**labels).set(account.free if up else 0)
+            depths: dict[str, int] = {}
             for tenant, depth in admission.ledger.queued_by_tenant().items():
-                self.queue_depth.labels(pool=pool.name, tenant=tenant).set(depth)
+                label = self.tenant_label(tenant)
+                depths[label] = depths.get(label, 0) + depth
+            for label, depth in depths.items():
+                self.queue_depth.labels(pool=pool.name, tenant=label).set(depth)
             self.queue_depth.labels(pool=pool.name, tenant="batch").set(admission.ledger.num_background_queued)
 
 
@@ -131,10 +145,13 @@ class AdmissionControl:
 
     @classmethod
     def build(cls, tenants: Tenants, pools: Sequence[Pool], registry: CollectorRegistry,
-              credits: dict[str, int], max_num_seqs: dict[str, int] | None = None) -> AdmissionControl:
+              credits: dict[str, int], max_num_seqs: dict[str, int] | None = None, *,
+              keys_checked: bool = True) -> AdmissionControl:
         """One CreditQueue per local pool, `credits[name]` KV token slots on each of its replicas (the
         capacity plan's), placed by token load and prefix affinity; `max_num_seqs[name]` refuses at once
-        an `n` the pool's engine would refuse."""
+        an `n` the pool's engine would refuse. `keys_checked`: only listed API keys get in, so the per-key
+        tenants are as many as the keys; otherwise the metrics put every unlisted key's tenant under
+        UNLISTED_TENANT (a client could make a series per request), while credits stay each key's own."""
         policies = tenants.policies
         local = {}
         for pool in pools:
@@ -148,7 +165,9 @@ class AdmissionControl:
                                        max_seqs=(max_num_seqs or {}).get(pool.name),
                                        flow_cap=FLOW_CAP if pool.spec.slo is not None else None)
             local[pool.name] = pool
-        return cls(tenants, local, AdmissionMetrics(registry), dict(max_num_seqs or {}))
+        def label(tenant: str) -> str:
+            return tenant if keys_checked or tenant in tenants.specs or tenant == DEFAULT_TENANT else UNLISTED_TENANT
+        return cls(tenants, local, AdmissionMetrics(registry, label), dict(max_num_seqs or {}))
 
     def tenant_of(self, request: web.Request) -> str:
         """The tenant of the request's API key: whose credits it spends, and who owns what it creates."""
@@ -223,7 +242,7 @@ class AdmissionControl:
     @contextlib.asynccontextmanager
     async def _hold(self, pool: Pool, key: str, need: int, tenant: str, priority: int, background: bool,
                     work: Work, num_seqs: int) -> AsyncIterator[Ticket]:
-        labels = {"pool": pool.name, "tenant": "batch" if background else tenant}
+        labels = {"pool": pool.name, "tenant": "batch" if background else self.metrics.tenant_label(tenant)}
         started = time.perf_counter()
         try:
             async with pool.admission.hold(key, need, tenant=tenant, priority=priority, background=background,

@@ -129,17 +129,28 @@ async def _send(request: web.Request, response: web.StreamResponse) -> None:
 
 
 def _error_json(err: ApiError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers)
+    response = web.json_response(err.body(), status=err.status, headers=err.headers)
+    if (err.headers or {}).get("Connection") == "close":   # the rest of the body is not read: close at once
+        response.force_close()
+    return response
 
 
 @web.middleware
 async def _error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Errors as OpenAI error bodies; one raised after a response began (a stream) cannot be one: aiohttp
+    then closes the connection, which the client reads as the stream cut short (never a second head)."""
     metrics = request.app[GATEWAY].metrics
     try:
         return await handler(request)
     except ApiError as err:
         metrics.errors.labels(status=str(err.status)).inc()
+        if request.writer is not None and request.writer.output_size:
+            raise ConnectionResetError(f"{err.status} after the response began: {err.message}") from None
         return _error_json(err)
+    except web.RequestPayloadError as exc:   # a body cut short, or its Content-Encoding not what it holds
+        metrics.errors.labels(status="400").inc()
+        return _error_json(ApiError(400, f"body: cannot be read ({' '.join(str(exc).split())})", param="body",
+                                    headers={"Connection": "close"}))
     except web.HTTPRequestEntityTooLarge as exc:
         metrics.errors.labels(status="413").inc()
         return _error_json(ApiError(413, f"body: request body is too large ({exc.text.strip()})",
@@ -155,6 +166,8 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
     except Exception as exc:  # noqa: BLE001 - a bug must not take the server down
         log.exception("unhandled error on %s %s", request.method, request.path)
         metrics.errors.labels(status="500").inc()
+        if request.writer is not None and request.writer.output_size:
+            raise ConnectionResetError("500 after the response began") from None
         return _error_json(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
 
 

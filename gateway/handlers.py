@@ -8,6 +8,7 @@ forward to an upstream pool, or hold KV credits, wait for the device and answer 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -30,10 +31,29 @@ log = logging.getLogger("cliffguard.gateway")
 _JSON = msgspec.json.Decoder()
 
 
+BODY_READ_SECONDS = 30.0   # a request body not whole by then is a 408 (aiohttp cuts off slow headers at 30 s too)
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole request body, or a 408 (connection closed) when the client has not sent it within
+    BODY_READ_SECONDS: a body that never finishes would otherwise hold its connection and handler for good."""
+    try:
+        async with asyncio.timeout(BODY_READ_SECONDS):
+            return await request.read()
+    except TimeoutError:
+        raise body_timeout() from None
+
+
+def body_timeout() -> ApiError:
+    return ApiError(408, f"body: not received within {BODY_READ_SECONDS:g} s", param="body", code="request_timeout",
+                    headers={"Connection": "close"})
+
+
 async def read_json(request: web.Request) -> Any:
-    """The request body as JSON; 400 naming `body` when it is empty, invalid or nested too deeply. msgspec
-    decodes it (6x json's speed); a body msgspec refuses gets json's answer, so both take the same bodies."""
-    raw = await request.read()
+    """The request body as JSON; 400 naming `body` when it is empty, invalid or nested too deeply, 408 when it
+    is not whole within BODY_READ_SECONDS. msgspec decodes it (6x json's speed); a body msgspec refuses gets
+    json's answer, so both take the same bodies."""
+    raw = await read_body(request)
     if not raw:
         raise ApiError(400, "body: empty request body; expected a JSON object", param="body")
     try:

@@ -185,8 +185,8 @@ class Gateway:
         credits = {name: p.num_blocks * p.block_size for name, p in plan.pools.items()}
         max_num_seqs = {name: p.max_num_seqs for name, p in plan.pools.items()}
         gateway.admission = AdmissionControl.build(Tenants(config.tenants), list(pools.values()),
-                                                   gateway.metrics.registry, credits,
-                                                   max_num_seqs)
+                                                   gateway.metrics.registry, credits, max_num_seqs,
+                                                   keys_checked=bool(config.gateway.api_keys))
         gateway.spiral = SpiralWatch(pools, gateway.metrics)
         gateway.overload = OverloadWatch(pools, max_num_seqs, gateway.metrics)
         return gateway

@@ -122,7 +122,7 @@ class KeptResponses:
         `cancelled`, which a late end does not overwrite."""
         await self.db(self.store.update, {**stored.response, "status": "in_progress"}, unless=FINISHED)
         try:
-            final = await self._answer(stored)
+            final = _finished(await self._answer(stored))
         except asyncio.CancelledError:
             if self._stopping:
                 raise
@@ -137,6 +137,8 @@ class KeptResponses:
             await self.db(self.store.update, {**final, "id": stored.id}, unless=("cancelled",))
         except ApiError as exc:
             log.error("%s: its end could not be kept: %s", stored.id, exc.message)
+        except Exception:   # noqa: BLE001 - logged; the run must not end as a task error nobody reads
+            log.exception("%s: its end could not be kept", stored.id)
 
     async def _answer(self, stored: StoredResponse) -> dict[str, Any]:
         """Run a kept request (its conversation's items as the input) as its tenant; the Response."""
@@ -170,6 +172,16 @@ class KeptResponses:
         if stored is None:
             raise ApiError(404, f"response_id: no response {response_id!r}", param="response_id", code="not_found")
         return stored
+
+
+def _finished(answer: Any) -> dict[str, Any]:
+    """A background run's Response, which must have ended (an upstream pool answers what it answers): else
+    an ApiError the run keeps as its failure."""
+    if not isinstance(answer, dict) or answer.get("status") not in FINISHED:
+        got = answer.get("status") if isinstance(answer, dict) else type(answer).__name__
+        raise ApiError(502, f"the pool answered no finished Response (status {got!r})", type="server_error",
+                       code="upstream_error")
+    return answer
 
 
 RESPONSES = web.AppKey("responses", KeptResponses)
@@ -259,7 +271,8 @@ async def _prior(request: web.Request, body: Any, owner: str) -> list[dict[str, 
     if not isinstance(previous, str):
         return []   # absent, or a wrong type parse_responses names
     kept = _kept(request, "previous_response_id")
-    stored = await kept.db(kept.store.get, previous, owner=owner)
+    stored = await kept.db(kept.store.get, previous, owner=owner) if previous.isprintable() and _utf8(previous) \
+        else None   # no id of ours has a control character or a lone surrogate (SQLite cannot take one)
     if stored is None:
         raise ApiError(400, f"previous_response_id: no response {previous!r}", param="previous_response_id",
                        code="previous_response_not_found")
@@ -267,6 +280,14 @@ async def _prior(request: web.Request, body: Any, owner: str) -> list[dict[str, 
         raise bad_request("previous_response_id", f"response {previous!r} is {stored.status}; continue from a "
                           "finished one")
     return stored.items + [_as_input(item) for item in stored.response["output"]]
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _as_input(item: dict[str, Any]) -> dict[str, Any]:
