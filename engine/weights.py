@@ -133,6 +133,8 @@ def weights_bytes(folder: Path) -> int:
     for path, names in _tensor_names_by_file(Path(folder)).items():
         header = _read_header(path)
         for name in names or (k for k in header if k != "__metadata__"):
+            if name not in header:
+                raise ValueError(f"{path}: has no tensor {name!r}, which {_INDEX_FILE} places there")
             begin, end = header[name]["data_offsets"]
             total += end - begin
     return total
@@ -371,7 +373,23 @@ def _stream_tensors(names_by_file: dict[Path, list[str]], total_bytes: int,
                     yield name, tensor
 
 
+_MAX_HEADER_BYTES = 100 << 20   # safetensors' own limit on a header
+
+
 def _read_header(path: Path) -> dict[str, Any]:
+    """A safetensors file's header (each tensor's dtype, shape and data_offsets); a file cut short or not
+    safetensors at all is a ValueError naming it."""
     with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(size))
+        prefix = f.read(8)
+        size = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        raw = f.read(size) if 0 < size <= _MAX_HEADER_BYTES else b""
+    try:
+        header = json.loads(raw) if len(raw) == size else None
+    except ValueError:
+        header = None
+    valid = isinstance(header, dict) and all(
+        k == "__metadata__" or isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
+        and len(v["data_offsets"]) == 2 for k, v in header.items())
+    if not valid:
+        raise ValueError(f"{path}: not a valid or complete safetensors file (its header cannot be read)")
+    return header

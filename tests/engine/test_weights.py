@@ -303,3 +303,29 @@ def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
     assert weights.default_cache_dir() == tmp_path
     monkeypatch.delenv("CLIFFGUARD_CACHE")
     assert weights.default_cache_dir() == Path.home() / ".cache" / "cliffguard" / "models"
+
+
+@pytest.mark.parametrize("keep", [0, 4, 8, 20, -3])
+def test_a_truncated_safetensors_file_is_named(tmp_path: Path, keep: int) -> None:
+    """A safetensors file cut short (or its header length garbage) is a ValueError naming the file, not a
+    struct or JSON error; `keep`: the bytes kept of the header (negative: all but that many)."""
+    save_file({"a": torch.ones(2, 3)}, str(tmp_path / "whole.safetensors"))
+    whole = (tmp_path / "whole.safetensors").read_bytes()
+    header_end = 8 + int.from_bytes(whole[:8], "little")
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(whole[:keep if keep >= 0 else header_end + keep])
+    with pytest.raises(ValueError, match=re.escape(f"{folder / 'model.safetensors'}: not a valid or complete "
+                                                   "safetensors file")):
+        weights_bytes(folder)
+    (folder / "model.safetensors").write_bytes(b"\xff" * 8 + whole[8:])   # a header length of 2^64 - 1
+    with pytest.raises(ValueError, match="not a valid or complete safetensors file"):
+        weights_bytes(folder)
+
+
+def test_an_index_naming_a_tensor_its_shard_lacks_is_named(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(2)}, str(tmp_path / "model-00001-of-00001.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00001.safetensors", "b": "model-00001-of-00001.safetensors"}}))
+    with pytest.raises(ValueError, match=r"model-00001-of-00001\.safetensors: has no tensor 'b'"):
+        weights_bytes(tmp_path)
