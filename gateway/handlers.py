@@ -12,7 +12,8 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -31,27 +32,45 @@ log = logging.getLogger("cliffguard.gateway")
 _JSON = msgspec.json.Decoder()
 
 
-BODY_READ_SECONDS = 30.0   # a request body not whole by then is a 408 (aiohttp cuts off slow headers at 30 s too)
+BODY_READ_SECONDS = 30.0   # a request body of which no byte came for this long is a 408 (as aiohttp's 30 s for headers)
+T = TypeVar("T")
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The whole request body, or a 408 (connection closed) when the client has not sent it within
-    BODY_READ_SECONDS: a body that never finishes would otherwise hold its connection and handler for good."""
+    """The whole request body (`read_within`)."""
+    return await read_within(request, request.read())
+
+
+async def read_within(request: web.Request, reading: Awaitable[T]) -> T:
+    """`reading` (what reads the request's body: `request.read()`, a multipart form), or a 408 (connection
+    closed) once the client has sent no byte of the body for BODY_READ_SECONDS: a body that never finishes
+    would hold its connection and handler for good. An idle deadline, not a whole-body one: a large upload
+    over a slow link keeps going while its bytes come."""
+    task = asyncio.ensure_future(reading)
+    content, loop = request.content, asyncio.get_running_loop()
+    seen, since = (content.total_bytes, content.total_raw_bytes), loop.time()
     try:
-        async with asyncio.timeout(BODY_READ_SECONDS):
-            return await request.read()
-    except TimeoutError:
-        raise body_timeout() from None
+        while not task.done():
+            await asyncio.wait({task}, timeout=min(1.0, BODY_READ_SECONDS))
+            now, progress = loop.time(), (content.total_bytes, content.total_raw_bytes)
+            if progress != seen:
+                seen, since = progress, now
+            elif not task.done() and now - since >= BODY_READ_SECONDS:
+                raise body_timeout()
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def body_timeout() -> ApiError:
-    return ApiError(408, f"body: not received within {BODY_READ_SECONDS:g} s", param="body", code="request_timeout",
+    return ApiError(408, f"body: no byte of it for {BODY_READ_SECONDS:g} s", param="body", code="request_timeout",
                     headers={"Connection": "close"})
 
 
 async def read_json(request: web.Request) -> Any:
     """The request body as JSON; 400 naming `body` when it is empty, invalid or nested too deeply, 408 when it
-    is not whole within BODY_READ_SECONDS. msgspec decodes it (6x json's speed); a body msgspec refuses gets
+    stalls for BODY_READ_SECONDS. msgspec decodes it (6x json's speed); a body msgspec refuses gets
     json's answer, so both take the same bodies."""
     raw = await read_body(request)
     if not raw:

@@ -11,11 +11,15 @@ Files and batches belong to the API key that created them (`Tenants.owner`: `key
 `tenant:<name>` for the keys of a tenant with `share_files: true`, or `default` without a key), and a
 batch's lines run as the tenant of that key (its share and priorities), also after a restart. Every
 endpoint sees only the caller's owner's: another owner's id answers exactly as an unknown one (404, or
-400 for an input file). A file's content is sent a piece at a time, never read whole.
+400 for an input file). A file's content is sent a piece at a time, never read whole (and not at all
+for a HEAD). An upload of which no byte came for `gateway.handlers.BODY_READ_SECONDS` is a 408, as any
+request body; a malformed one (a part header aiohttp refuses, a part with no name, a purpose in an unknown
+charset) a 400 naming `body`, `file` or `purpose`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator
@@ -23,11 +27,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.admission import bearer_key
 from gateway.batch.execution import BatchRunner, LineExecutor, answer_batch_line
 from gateway.client_writes import write_within
-from gateway.handlers import read_json
+from gateway.handlers import read_json, read_within
 from gateway.openai.errors import ApiError
 from gateway.runtime import GATEWAY
 from pools.store.batch_files import CHUNK_BYTES
@@ -40,6 +45,10 @@ __all__ = ["BATCHES", "BatchRunner", "LineExecutor", "setup"]
 
 STORE_FILE = "batches.sqlite3"      # under --data-dir
 MAX_FILE_BYTES = 200 << 20          # an upload, as OpenAI's limit for batch input files
+UPLOAD_FIELDS = ("file", "purpose")
+# what aiohttp's multipart reader raises for a malformed body: no boundary, a part header it refuses (a NUL, a
+# line over 8190 bytes: HttpProcessingError), an unknown charset or transfer encoding, a `_charset_` part too long
+MULTIPART_ERRORS = (ValueError, LookupError, RuntimeError, HttpProcessingError)
 T = TypeVar("T")
 BATCHES = web.AppKey("batches", BatchRunner)
 
@@ -85,30 +94,55 @@ def _tenant(request: web.Request) -> str:
 # --- files -----------------------------------------------------------------------------------------
 async def upload_file(request: web.Request) -> web.Response:
     """`POST /v1/files`: multipart/form-data with `file` (JSONL) and `purpose` ("batch"); the caller's
-    key owns the file."""
+    key owns the file. A body that stalls for BODY_READ_SECONDS is a 408 (`read_within`)."""
     runner = request.app[BATCHES]
     if request.content_type != "multipart/form-data":
         raise ApiError(400, "body: expected multipart/form-data with the fields 'file' and 'purpose', got "
                        f"{request.content_type!r}", param="body")
-    fields: dict[str, Any] = {}
-    try:
-        async for part in await request.multipart():
-            name = getattr(part, "name", None)   # None for a nested multipart
-            if name not in ("file", "purpose") or name in fields:
-                raise ApiError(400, f"{name}: {'repeated' if name in fields else 'unknown'} field of a file "
-                               "upload (expected 'file' and 'purpose')", param=name)
-            if name == "purpose":
-                fields["purpose"] = await part.text()
-            else:
-                fields["file"] = (part.filename or "upload.jsonl", await _read_upload(part))
-    except ValueError as exc:   # aiohttp's multipart parser: no boundary, a malformed part
-        raise ApiError(400, f"body: malformed multipart/form-data ({exc})", param="body") from None
-    for name in ("file", "purpose"):
-        if name not in fields:
-            raise ApiError(400, f"{name}: missing from the upload", param=name)
+    fields = await read_within(request, _read_form(request))
     filename, content = fields["file"]
     return web.json_response(await runner.db(runner.store.add_file, content, filename, fields["purpose"],
                                              owner=_owner(request), tenant=_tenant(request)))
+
+
+async def _read_form(request: web.Request) -> dict[str, Any]:
+    """The upload's fields: `file` as (its filename as sent or None: the store cleans it, its bytes),
+    `purpose` as text. A 400 naming `body` for a malformed body or a part with no name, naming the field
+    for a part not one of UPLOAD_FIELDS once, or missing."""
+    fields: dict[str, Any] = {}
+    try:
+        reader = await request.multipart()
+        while (part := await reader.next()) is not None:
+            name = _field_name(part, fields)
+            fields[name] = await _read_purpose(part) if name == "purpose" else (part.filename, await _read_upload(part))
+    except MULTIPART_ERRORS as exc:
+        reason = exc.message if isinstance(exc, HttpProcessingError) else str(exc)
+        raise ApiError(400, f"body: malformed multipart/form-data ({reason})", param="body") from None
+    for name in UPLOAD_FIELDS:
+        if name not in fields:
+            raise ApiError(400, f"{name}: missing from the upload", param=name)
+    return fields
+
+
+def _field_name(part: Any, fields: dict[str, Any]) -> str:
+    """The part's field name, one of UPLOAD_FIELDS not seen before; else a 400."""
+    name = getattr(part, "name", None)   # None: no Content-Disposition, no name in it, or a nested multipart
+    if not name:
+        raise ApiError(400, "body: a part of the upload has no name (expected the fields 'file' and 'purpose')",
+                       param="body")
+    if name not in UPLOAD_FIELDS or name in fields:
+        raise ApiError(400, f"{name}: {'repeated' if name in fields else 'unknown'} field of a file upload "
+                       "(expected 'file' and 'purpose')", param=name)
+    return name
+
+
+async def _read_purpose(part: Any) -> str:
+    """The `purpose` part as text in its charset (`Content-Type: ...; charset=`, UTF-8 by default)."""
+    try:
+        return await part.text()
+    except (LookupError, UnicodeError, RuntimeError) as exc:   # an unknown charset or transfer encoding
+        raise ApiError(400, f"purpose: not text in the part's charset or transfer encoding ({exc})",
+                       param="purpose") from None
 
 
 async def _read_upload(part: Any) -> bytes:
@@ -131,7 +165,8 @@ async def retrieve_file(request: web.Request) -> web.Response:
 async def file_content(request: web.Request) -> web.StreamResponse:
     """`GET /v1/files/{id}/content`: the file's bytes, read from the store and sent CHUNK_BYTES at a time (a
     storage error half-way closes the connection: the client sees the body end short). A client that takes
-    nothing for `gateway.write_timeout` is cut off, as for every response."""
+    nothing for `gateway.write_timeout` is cut off, as for every response. `HEAD`: the same headers
+    (Content-Length the file's size), no byte of the file."""
     runner, file_id, owner = request.app[BATCHES], request.match_info["file_id"], _owner(request)
     file = _found(await runner.db(runner.store.file, file_id, owner=owner), "file_id", file_id)
     response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
@@ -143,6 +178,9 @@ async def file_content(request: web.Request) -> web.StreamResponse:
                             f"file {file_id}: its content")
 
     await response.prepare(request)
+    if request.method == "HEAD":   # the headers only: what is written would reach the connection's next answer
+        await response.write_eof()
+        return response
     try:
         for offset in range(0, file["bytes"], CHUNK_BYTES):
             chunk = await runner.db(runner.store.file_content, file_id, owner=owner, offset=offset, size=CHUNK_BYTES)

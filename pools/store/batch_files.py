@@ -102,8 +102,9 @@ def assemble_step(db: sqlite3.Connection, batch_id: str, status: str) -> bool:
         writer = writers[target]
         if writer.size + len(text) > MAX_OUTPUT_FILE_BYTES:
             rows.close()
-            fail_batch(db, batch_id, "output_too_large", f"the batch's {('output', 'error')[target]} file would be larger "
-                  f"than {MAX_OUTPUT_FILE_BYTES} bytes at line {row[0]}; split the input into smaller batches")
+            fail_batch(db, batch_id, "output_too_large", f"the batch's {('output', 'error')[target]} file would be "
+                       f"larger than {MAX_OUTPUT_FILE_BYTES} bytes at line {row[0]}; split the input into smaller "
+                       "batches")
             return True
         writer.write(text)
         after, step_bytes = row[0], step_bytes + len(text)

@@ -1,14 +1,22 @@
 """What a client sends the Batch API, checked before anything is stored: a batch input file's JSONL
 lines (`parse_batch_input`), the batch's endpoint, window and metadata.
 
-A line that is not JSON, lacks `custom_id` / `method` / `url` / `body`, has another method or url
-than the batch's endpoint, repeats a `custom_id`, or is longer than MAX_BATCH_LINE_BYTES becomes a
-per-line error for the batch's error file; the batch itself never fails for it. Stdlib only.
+A line that is not JSON, lacks `custom_id` / `method` / `url` / `body`, has a `custom_id` that is not
+a non-empty string of valid Unicode, has another method or url than the batch's endpoint, repeats a
+`custom_id`, or is longer than MAX_BATCH_LINE_BYTES becomes a per-line error for the batch's error
+file; the batch itself never fails for it. A file of no request line or more than MAX_BATCH_LINES is
+refused whole, counted before any line is parsed. Every string that reaches SQLite as it is (a
+`custom_id`, a filename) is valid Unicode: JSON may carry a lone UTF-16 surrogate, which SQLite cannot
+store. Stdlib only.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
+import unicodedata
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +26,9 @@ FILE_PURPOSES = ("batch",)                                       # what an uploa
 MAX_BATCH_LINES = 50_000                                         # request lines per batch, as OpenAI
 MAX_BATCH_LINE_BYTES = 1 << 20          # one line of an input file (1 MiB); a longer one is that line's error
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+MAX_FILENAME_CHARS = 255                # an upload's filename as stored; a longer one is cut
+DEFAULT_FILENAME = "upload.jsonl"       # the filename of an upload that gives none
+_REQUEST_LINE = re.compile(rb"[^ \t\n\r\x0b\x0c][^\n]*")   # a non-blank line from its first non-blank byte
 
 
 class BatchInputError(ValueError):
@@ -41,20 +52,27 @@ class BatchLine:
     error: dict[str, Any] | None = None
 
 
-def parse_batch_input(content: bytes, endpoint: str) -> list[BatchLine]:
+def parse_batch_input(content: bytes, endpoint: str, file_id: str = "input") -> list[BatchLine]:
     """Every non-blank line of a JSONL input file, checked for the batch's `endpoint`. A `custom_id`
     belongs to the first line carrying it; later lines with it are `duplicate_custom_id` errors. A
-    line longer than MAX_BATCH_LINE_BYTES is a `line_too_large` error, not parsed."""
+    line longer than MAX_BATCH_LINE_BYTES is a `line_too_large` error, not parsed. BatchInputError
+    naming `input_file_id` (the file `file_id`) when the file has no request line or more than
+    MAX_BATCH_LINES: counted first, up to one past the limit, so a file of millions of short lines is
+    refused after a count of MAX_BATCH_LINES + 1, before any line is parsed."""
+    num_lines = sum(1 for _ in itertools.islice(_request_lines(content), MAX_BATCH_LINES + 1))
+    if not num_lines:
+        raise BatchInputError("input_file_id", f"file {file_id!r} has no request lines")
+    if num_lines > MAX_BATCH_LINES:
+        raise BatchInputError("input_file_id", f"file {file_id!r} has more than {MAX_BATCH_LINES} request lines; "
+                              f"a batch takes at most {MAX_BATCH_LINES}")
     lines: list[BatchLine] = []
     seen: set[str] = set()
-    for line_no, raw in enumerate(content.split(b"\n"), 1):
-        if not raw.strip():
-            continue
-        if len(raw) > MAX_BATCH_LINE_BYTES:
-            lines.append(_bad(line_no, None, "line_too_large", f"line {line_no}: {len(raw)} bytes; a request "
+    for line_no, start, end in _request_lines(content):
+        if end - start > MAX_BATCH_LINE_BYTES:
+            lines.append(_bad(line_no, None, "line_too_large", f"line {line_no}: {end - start} bytes; a request "
                               f"line may have at most {MAX_BATCH_LINE_BYTES} bytes"))
             continue
-        line = _parse_line(line_no, raw, endpoint)
+        line = _parse_line(line_no, content[start:end], endpoint)
         if line.custom_id is not None:
             if line.custom_id in seen and line.error is None:
                 line = _bad(line_no, line.custom_id, "duplicate_custom_id",
@@ -62,6 +80,16 @@ def parse_batch_input(content: bytes, endpoint: str) -> list[BatchLine]:
             seen.add(line.custom_id)
         lines.append(line)
     return lines
+
+
+def _request_lines(content: bytes) -> Iterator[tuple[int, int, int]]:
+    """(1-based line number, start, end) of each non-blank line of `content` (blank: what `bytes.strip`
+    removes), without a copy of any line; the regex engine, not Python, walks over the blank ones."""
+    line_no, counted_to = 1, 0
+    for match in _REQUEST_LINE.finditer(content):
+        line_no += content.count(b"\n", counted_to, match.start())
+        counted_to = match.start()
+        yield line_no, content.rfind(b"\n", 0, counted_to) + 1, match.end()
 
 
 def _parse_line(line_no: int, raw: bytes, endpoint: str) -> BatchLine:
@@ -72,13 +100,13 @@ def _parse_line(line_no: int, raw: bytes, endpoint: str) -> BatchLine:
     if not isinstance(obj, dict):
         return _bad(line_no, None, "invalid_json_line", f"line {line_no}: expected a JSON object, "
                     f"got {type(obj).__name__}")
-    custom_id = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) else None
+    custom_id = obj.get("custom_id") if is_text(obj.get("custom_id")) else None
     for key in ("custom_id", "method", "url", "body"):
         if key not in obj:
             return _bad(line_no, custom_id, "missing_required_parameter", f"{key}: missing")
-    if custom_id is None or not custom_id:
-        return _bad(line_no, None, "invalid_custom_id", f"custom_id: must be a non-empty string, got "
-                    f"{obj['custom_id']!r}")
+    if not custom_id:
+        return _bad(line_no, None, "invalid_custom_id", f"custom_id: must be a non-empty string of valid Unicode "
+                    f"(no lone surrogate), got {obj['custom_id']!r}")
     unknown = sorted(set(obj) - {"custom_id", "method", "url", "body"})
     if unknown:
         return _bad(line_no, custom_id, "invalid_request", f"{unknown[0]}: unknown field of a request line")
@@ -107,3 +135,23 @@ def check_metadata(metadata: Any) -> None:
         if len(key) > MAX_METADATA_KEY or not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
             raise BatchInputError(f"metadata.{key}", f"keys are at most {MAX_METADATA_KEY} characters and values "
                                   f"strings of at most {MAX_METADATA_VALUE}")
+
+
+def is_text(value: Any) -> bool:
+    """`value` is a string SQLite can store: one with no lone UTF-16 surrogate (JSON's `"\\ud800"`)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def clean_filename(filename: str | None) -> str:
+    """An upload's filename as stored: a lone surrogate (a byte of the header that was not UTF-8) as
+    U+FFFD, control characters (NUL, escapes, DEL...) dropped, at most MAX_FILENAME_CHARS characters;
+    DEFAULT_FILENAME when that leaves nothing."""
+    kept = ("\ufffd" if unicodedata.category(c) == "Cs" else c for c in filename or ""
+            if unicodedata.category(c) != "Cc")
+    return "".join(itertools.islice(kept, MAX_FILENAME_CHARS)) or DEFAULT_FILENAME

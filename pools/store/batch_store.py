@@ -65,11 +65,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pools.store.batch_input import (BATCH_ENDPOINTS, COMPLETION_WINDOWS, FILE_PURPOSES, MAX_BATCH_LINES, BatchInputError,
-                               BatchLine, check_metadata, parse_batch_input)
+from pools.store.batch_input import (BATCH_ENDPOINTS, COMPLETION_WINDOWS, FILE_PURPOSES, BatchInputError, BatchLine,
+                                     check_metadata, clean_filename, is_text, parse_batch_input)
 from pools.store import batch_files
-from pools.store.batch_files import (UNFINISHED, ChunkWriter, assemble_step, fail_batch, insert_file, marks, read_chunks,
-                               result_file_ids)
+from pools.store.batch_files import (UNFINISHED, ChunkWriter, assemble_step, fail_batch, insert_file, marks,
+                                     read_chunks, result_file_ids)
 from pools.store.schema import StoreFile, migrate
 
 __all__ = ["BatchStore", "STORAGE_ERRORS"]
@@ -104,21 +104,25 @@ class BatchStore(StoreFile):
             raise
 
     # --- files -----------------------------------------------------------------------------------
-    def add_file(self, content: bytes, filename: str, purpose: str, *, owner: str, tenant: str) -> dict[str, Any]:
-        """Store an upload of `owner` (made by a key of `tenant`); BatchInputError naming `purpose`
-        unless it is one of FILE_PURPOSES."""
+    def add_file(self, content: bytes, filename: str | None, purpose: str, *, owner: str,
+                 tenant: str) -> dict[str, Any]:
+        """Store an upload of `owner` (made by a key of `tenant`) under its filename as `clean_filename`
+        leaves it; BatchInputError naming `purpose` unless it is one of FILE_PURPOSES."""
         if purpose not in FILE_PURPOSES:
             raise BatchInputError("purpose", f"must be one of {', '.join(FILE_PURPOSES)}, got {purpose!r}")
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         with self._txn() as db:
-            insert_file(db, file_id, filename, purpose, len(content), owner, tenant)
+            insert_file(db, file_id, clean_filename(filename), purpose, len(content), owner, tenant)
             writer = ChunkWriter(db, file_id)
             writer.write(content)
             writer.close()
         return self.file(file_id, owner=owner)
 
     def file(self, file_id: str, *, owner: str) -> dict[str, Any] | None:
-        """The OpenAI file object, or None (no such file, or another owner's)."""
+        """The OpenAI file object, or None (no such file, or another owner's; also an id SQLite cannot
+        hold, which no file has: a lone surrogate from JSON)."""
+        if not is_text(file_id):
+            return None
         with self._lock:
             row = self._db.execute(f"SELECT id, purpose, filename, bytes, created_at FROM files WHERE id=? AND "
                                    f"{_FILE_OWNER}=?", (file_id, owner)).fetchone()
@@ -129,7 +133,9 @@ class BatchStore(StoreFile):
 
     def file_content(self, file_id: str, *, owner: str, offset: int = 0, size: int | None = None) -> bytes | None:
         """The file's bytes from `offset`, at most `size` of them (None: to the end; the gateway reads a
-        piece at a time), or None (no such file, or another owner's)."""
+        piece at a time), or None (no such file, or another owner's, or an id that is not `is_text`)."""
+        if not is_text(file_id):
+            return None
         with self._lock:
             row = self._db.execute(f"SELECT bytes, length(content) FROM files WHERE id=? AND {_FILE_OWNER}=?",
                                    (file_id, owner)).fetchone()
@@ -183,13 +189,7 @@ class BatchStore(StoreFile):
         if info["purpose"] != "batch":
             raise BatchInputError("input_file_id", f"file {input_file_id!r} has purpose {info['purpose']!r}, "
                                   "not 'batch'")
-        lines = parse_batch_input(content, endpoint)
-        if not lines:
-            raise BatchInputError("input_file_id", f"file {input_file_id!r} has no request lines")
-        if len(lines) > MAX_BATCH_LINES:
-            raise BatchInputError("input_file_id", f"file {input_file_id!r} has {len(lines)} request lines; "
-                                  f"a batch takes at most {MAX_BATCH_LINES}")
-        return lines
+        return parse_batch_input(content, endpoint, input_file_id)
 
     def batch(self, batch_id: str, *, owner: str) -> dict[str, Any] | None:
         """The OpenAI batch object (request_counts counted from the lines), or None (no such batch, or

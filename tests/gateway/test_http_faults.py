@@ -100,6 +100,29 @@ async def test_a_body_that_never_finishes_is_a_408(tmp_path, monkeypatch):
         await runner.cleanup()
 
 
+async def test_a_slow_body_that_keeps_coming_is_read_whole(tmp_path, monkeypatch):
+    """The deadline is one of silence: a body trickling in over four times BODY_READ_SECONDS is read (and
+    answered: the upstream is down, a 502), not cut off."""
+    monkeypatch.setattr(handlers, "BODY_READ_SECONDS", 0.5)
+    body = json.dumps({"model": FRONT, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    runner = await start_server(create_app(_gateway(tmp_path)), "127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+        pieces = [body[i:i + len(body) // 8 + 1] for i in range(0, len(body), len(body) // 8 + 1)]
+        for piece in pieces:   # ~2.4 s in all, never 0.5 s without a byte
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.3)
+        raw = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        status, answer = _status_and_body(raw)
+        assert status == 502 and answer["error"]["code"] != "request_timeout", raw
+    finally:
+        await runner.cleanup()
+
+
 async def test_an_error_after_a_stream_began_cuts_it_short_without_a_second_head(tmp_path):
     """The handler fails after its first bytes: the client reads the one head it got and then the end of the
     connection, never an error response written into the body."""

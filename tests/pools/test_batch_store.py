@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import inspect
 import json
 import sqlite3
 import subprocess
@@ -17,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from pools.store import batch_files
+from pools.store import batch_files, batch_input
 from pools.store.batch_files import result_file_ids
-from pools.store.batch_input import MAX_BATCH_LINE_BYTES, BatchInputError, parse_batch_input
+from pools.store.batch_input import MAX_BATCH_LINE_BYTES, MAX_BATCH_LINES, BatchInputError, parse_batch_input
 from pools.store.schema import SCHEMA_VERSION
 from pools.store.batch_store import STORAGE_ERRORS, BatchStore
 from pools.tenants import DEFAULT_TENANT, Tenants, parse_tenants
@@ -74,6 +75,77 @@ def test_a_line_with_an_integer_over_pythons_digit_limit_is_a_line_error():
     lines = parse_batch_input(_jsonl(_line("a"), b'{"custom_id": "b", "n": ' + b"1" * 5000 + b"}", _line("c")), CHAT)
     assert [(ln.custom_id, ln.error and ln.error["code"]) for ln in lines] == [
         ("a", None), (None, "invalid_json_line"), ("c", None)]
+
+
+def _count_calls(monkeypatch, module, name: str) -> list[int]:
+    """Replace `module.name` (a function, or a generator function: then its items count) by one that counts."""
+    counted, original = [], getattr(module, name)
+
+    def counting(*args, **kwargs):
+        counted.append(1)
+        return original(*args, **kwargs)
+
+    def counting_items(*args, **kwargs):
+        for item in original(*args, **kwargs):
+            counted.append(1)
+            yield item
+    monkeypatch.setattr(module, name, counting_items if inspect.isgeneratorfunction(original) else counting)
+    return counted
+
+
+def test_a_file_over_the_line_limit_is_refused_after_a_count_before_any_line_is_parsed(tmp_path, monkeypatch):
+    store = _make_store(tmp_path / "b.sqlite3")
+    parsed = _count_calls(monkeypatch, batch_input, "_parse_line")
+    over = store.add_file(b"{}\n\n" * (MAX_BATCH_LINES + 1), "over.jsonl", "batch", owner=OWNER, tenant=TENANT)
+    with pytest.raises(BatchInputError) as info:
+        store.create_batch(over["id"], CHAT, "24h", owner=OWNER, tenant=TENANT)
+    assert info.value.param == "input_file_id" and str(info.value) == (
+        f"input_file_id: file {over['id']!r} has more than {MAX_BATCH_LINES} request lines; a batch takes at most "
+        f"{MAX_BATCH_LINES}")
+    assert parsed == []                                                 # refused before any line was parsed
+    counted = _count_calls(monkeypatch, batch_input, "_request_lines")
+    many = store.add_file(b"{}\n" * (MAX_BATCH_LINES * 40), "many.jsonl", "batch", owner=OWNER, tenant=TENANT)
+    with pytest.raises(BatchInputError, match="more than"):
+        store.create_batch(many["id"], CHAT, "24h", owner=OWNER, tenant=TENANT)
+    assert (len(parsed), len(counted)) == (0, MAX_BATCH_LINES + 1)    # 2 million lines: the count stopped at the limit
+    monkeypatch.setattr(batch_input, "MAX_BATCH_LINES", 3)
+    for num_lines, accepted in [(3, True), (4, False)]:
+        parsed.clear()
+        content = b" \n\r\n".join(json.dumps(_line(f"r{i}")).encode() for i in range(num_lines)) + b"\n\t\n"
+        file = store.add_file(content, "in.jsonl", "batch", owner=OWNER, tenant=TENANT)
+        with contextlib.nullcontext() if accepted else pytest.raises(BatchInputError, match="more than 3 request"):
+            batch = store.create_batch(file["id"], CHAT, "24h", owner=OWNER, tenant=TENANT)
+            assert batch["request_counts"]["total"] == 3
+        assert len(parsed) == (3 if accepted else 0)
+    lines = parse_batch_input(b"\n  \x0b\n" + json.dumps(_line("a")).encode() + b"\r\n\n\t" + b"[1]", CHAT)
+    assert [(ln.line_no, ln.custom_id, ln.error and ln.error["code"]) for ln in lines] == \
+        [(3, "a", None), (5, None, "invalid_json_line")]                 # blank lines skipped, numbers kept
+    store.check_integrity()
+
+
+def test_strings_sqlite_cannot_hold_are_refused_or_cleaned_never_an_error_of_sqlite(tmp_path):
+    store = _make_store(tmp_path / "b.sqlite3")
+    content = _jsonl({**_line("x"), "custom_id": "\ud800"}, {**_line("x"), "custom_id": "y\udfff", "method": "GET"},
+                     _line("ok"))
+    lines = parse_batch_input(content, CHAT)
+    assert [(ln.custom_id, ln.error and ln.error["code"]) for ln in lines] == \
+        [(None, "invalid_custom_id"), (None, "invalid_custom_id"), ("ok", None)]
+    assert lines[0].error["message"].startswith("custom_id: must be a non-empty string of valid Unicode")
+    batch = _make_batch(store, content)
+    assert store.record(batch["id"], 3, 200, {"text": "\ud800"})
+    done = store.finalize(batch["id"])
+    assert [(e["custom_id"], e["error"]["code"]) for e in _read_jsonl(store, done["error_file_id"])] == \
+        [(None, "invalid_custom_id")] * 2
+    assert _read_jsonl(store, done["output_file_id"])[0]["response"]["body"] == {"text": "\ud800"}
+    assert store.file("\ud800", owner=OWNER) is None and store.file_content("\ud800", owner=OWNER) is None
+    with pytest.raises(BatchInputError, match="^input_file_id: no file '\\\\ud800'$"):
+        store.create_batch("\ud800", CHAT, "24h", owner=OWNER, tenant=TENANT)
+    names = {"a\x00b\udcff\x1b[31m.jsonl": "ab\ufffd[31m.jsonl", "\u00e9" * 300: "\u00e9" * 255, "\x00": "upload.jsonl",
+             None: "upload.jsonl"}
+    for sent, kept in names.items():
+        file = store.add_file(b"{}\n", sent, "batch", owner=OWNER, tenant=TENANT)
+        assert file["filename"] == store.file(file["id"], owner=OWNER)["filename"] == kept
+    store.check_integrity()
 
 
 def test_create_refuses_bad_arguments_naming_the_field(tmp_path):
