@@ -208,8 +208,9 @@ def _memory(device: DeviceSpec, device_type: str, vram_bytes: int | None,
     name = "cuda" if device.device == "auto" else device.device
     if cuda_memory is None:
         if not torch.cuda.is_available():
-            raise SpecError(f"devices.{device.name}.memory: auto needs a CUDA device to measure and none is "
-                            "available; set memory (e.g. 80GiB) or pass --vram")
+            raise SpecError(f"devices.{device.name}.device: {device.device!r} needs a CUDA device and this machine "
+                            "has none; use device: cpu or auto here, or plan a GPU elsewhere with `cliffguard "
+                            "capacity --vram 80GiB` (or a memory: size)")
         cuda_memory = _cuda_total_memory
     return cuda_memory(name), "cuda"
 

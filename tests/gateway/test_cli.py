@@ -257,3 +257,11 @@ def test_serve_help_describes_the_command(capsys):
     assert main(["serve", "--help"]) == 0
     out = capsys.readouterr().out
     assert "Validate the YAML, plan every pool's blocks" in out and "--vram" in out
+
+
+def test_generate_on_cuda_without_cuda_says_what_to_do(capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert main(["generate", "--device", "cuda", "--prompt", "hi"]) == 2
+    line = _error_line(capsys)
+    assert "devices.default.device: 'cuda' needs a CUDA device and this machine has none" in line
+    assert "use device: cpu or auto" in line
