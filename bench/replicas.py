@@ -37,7 +37,7 @@ from bench.live import LiveServer
 from bench.load.plan import LoadConfig, plan_requests
 from bench.load.report import LoadReport, counter_rate, even_split_deviation, latencies, tokens_done, write_report
 from bench.load.run import run_load
-from pools.cli_types import non_negative_float, positive_float, positive_int, seed
+from pools.cli_types import non_negative_float, positive_float, positive_int, seed, slots
 from pools.workload import LengthDist, SharedPrefix, WorkloadClass, latency_stats
 
 TOKENIZER = "builtin:smollm2-135m-instruct"   # makes completion prompts exactly their length (the builtin model's)
@@ -61,16 +61,16 @@ def workload(args: argparse.Namespace) -> tuple[WorkloadClass, ...]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="config/pools.yaml", help="pool file to serve (default config/pools.yaml); "
                    "its devices are run on the CPU unless they name CUDA")
-    p.add_argument("--replicas", type=positive_int, default=2, help="replicas of the second layout (default 2)")
-    p.add_argument("--cpu-threads", type=positive_int, default=1, help="torch threads of each worker (default 1)")
+    p.add_argument("--replicas", type=slots, default=2, help="replicas of the second layout (default 2)")
+    p.add_argument("--cpu-threads", type=slots, default=1, help="torch threads of each worker (default 1)")
     p.add_argument("--request-rate", type=positive_float, default=4.5,
                    help="chat requests per second (default 4.5: more "
                    "than two one-thread replicas of config/pools.yaml serve, so both layouts run saturated and "
                    "tokens/s is what each can do)")
-    p.add_argument("--docs-rate", type=non_negative_float, default=0.15,
+    p.add_argument("--docs-rate", type=positive_float, default=0.15,
                    help="questions on the shared documents per second "
                    "(default 0.15)")
-    p.add_argument("--rag-rate", type=non_negative_float, default=0.03,
+    p.add_argument("--rag-rate", type=positive_float, default=0.03,
                    help="unique long rag prompts per second (default 0.03)")
     p.add_argument("--duration", type=positive_float, default=90.0, help="seconds of arrivals (default 90)")
     p.add_argument("--warmup", type=non_negative_float, default=10.0, help="seconds of arrivals left out of tokens/s "
@@ -96,8 +96,8 @@ def pool_file(source: Path, replicas: int, cpu_threads: int) -> str:
     data = yaml.safe_load(source.read_text())
     for device in (data.get("devices") or {"default": {}}).values():
         if not str(device.get("device", "auto")).startswith("cuda"):
-            device["device"] = "cpu"
-        device.update(replicas=replicas, cpu_threads=cpu_threads)
+            device.update(device="cpu", cpu_threads=cpu_threads)   # a CUDA device's ranks run on GPUs
+        device["replicas"] = replicas
     if "devices" not in data:
         data["devices"] = {"default": {"device": "cpu", "replicas": replicas, "cpu_threads": cpu_threads}}
     return yaml.safe_dump(data, sort_keys=False)

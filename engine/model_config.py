@@ -76,12 +76,21 @@ class RopeScaling:
             return rope_theta, cls()
         if not isinstance(raw, dict):
             raise ConfigError(f"{name}: must be a mapping, got {raw!r}")
-        path = f"{name}."
+        try:
+            return rope_theta, cls._from_mapping(cfg, raw, f"{name}.")
+        except ConfigError as exc:   # RopeScaling's own checks say rope_scaling.: name the key it came from
+            message = str(exc)
+            if name == "rope_scaling" or not message.startswith("rope_scaling."):
+                raise
+            raise ConfigError(f"{name}.{message.removeprefix('rope_scaling.')}") from None
+
+    @classmethod
+    def _from_mapping(cls, cfg: dict[str, Any], raw: dict[str, Any], path: str) -> "RopeScaling":
         original = _int(raw, "original_max_position_embeddings", 8192, path=path)
         factor = _float(raw, "factor", None, path=path)
         if factor is None:   # yarn without a factor: the context's growth (transformers' reading)
             factor = _int(cfg, "max_position_embeddings", original) / original
-        return rope_theta, cls(
+        return cls(
             rope_type=raw.get("rope_type", raw.get("type", "default")),
             factor=factor,
             low_freq_factor=_float(raw, "low_freq_factor", 1.0, path=path),
@@ -266,9 +275,10 @@ class ModelConfig:
         text = _object(cfg, "text_config")
         if text is None:
             raise ConfigError(f"text_config: missing from config.json ({arch} is served as its text model)")
+        eos = _token_ids(text, "eos_token_id", path="text_config.") if text.get("eos_token_id") is not None \
+            else _token_ids(cfg, "eos_token_id")   # the text model's, else the checkpoint's
         try:
-            config = cls.from_hf_config({**text, "architectures": [text_arch],
-                                         "eos_token_id": text.get("eos_token_id", cfg.get("eos_token_id"))})
+            config = cls.from_hf_config({**text, "architectures": [text_arch], "eos_token_id": list(eos)})
         except ConfigError as exc:
             raise ConfigError(f"text_config.{exc}") from None
         return replace(config, text_weights_prefix=prefix)
@@ -399,10 +409,10 @@ def _object(cfg: dict[str, Any], key: str, *, name: str = "") -> dict[str, Any] 
     return value
 
 
-def _token_ids(cfg: dict[str, Any], key: str) -> tuple[int, ...]:
+def _token_ids(cfg: dict[str, Any], key: str, *, path: str = "") -> tuple[int, ...]:
     """cfg[key]: a token id, a list of them, or absent / null (none)."""
     value = cfg.get(key)
     ids = value if isinstance(value, list) else [] if value is None else [value]
-    if not all(_is_int(i) and i >= 0 for i in ids):
-        raise ConfigError(f"{key}: must be a token id or a list of token ids, got {value!r}")
+    if not all(_is_int(i) and 0 <= i <= _MAX_INT for i in ids):
+        raise ConfigError(f"{path}{key}: must be a token id or a list of token ids, got {value!r:.80}")
     return tuple(ids)

@@ -377,8 +377,9 @@ _MAX_HEADER_BYTES = 100 << 20   # safetensors' own limit on a header
 
 
 def _read_header(path: Path) -> dict[str, Any]:
-    """A safetensors file's header (each tensor's dtype, shape and data_offsets); a file cut short or not
-    safetensors at all is a ValueError naming it."""
+    """A safetensors file's header (each tensor's dtype, shape and data_offsets); a file cut short (its
+    tensors' bytes do not end where the file does, as safetensors requires) or not safetensors at all is a
+    ValueError naming it."""
     with open(path, "rb") as f:
         prefix = f.read(8)
         size = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
@@ -387,9 +388,13 @@ def _read_header(path: Path) -> dict[str, Any]:
         header = json.loads(raw) if len(raw) == size else None
     except ValueError:
         header = None
-    valid = isinstance(header, dict) and all(
-        k == "__metadata__" or isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
-        and len(v["data_offsets"]) == 2 for k, v in header.items())
+    tensors = [v for k, v in header.items() if k != "__metadata__"] if isinstance(header, dict) else None
+    valid = tensors is not None and all(isinstance(v, dict) and isinstance(v.get("data_offsets"), list)
+                                        and len(v["data_offsets"]) == 2 for v in tensors)
     if not valid:
         raise ValueError(f"{path}: not a valid or complete safetensors file (its header cannot be read)")
+    data_end = 8 + size + max((v["data_offsets"][1] for v in tensors), default=0)
+    if data_end != path.stat().st_size:
+        raise ValueError(f"{path}: not a valid or complete safetensors file ({path.stat().st_size} bytes, its header "
+                         f"places tensors up to byte {data_end})")
     return header

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TextIO
 
 from engine.capacity import DEFAULT_BLOCK_SIZE
-from pools.cli_types import ArgumentParser, memory_size, positive_float, positive_int, seed
+from pools.cli_types import ArgumentParser, memory_size, positive_float, positive_int, sampling_seed, seed, slots
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 DEFAULT_CONFIG = "config/pools.yaml"
@@ -80,7 +80,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
-    p.add_argument("--seed", type=seed, default=None, help="sampling seed (default: the engine's)")
+    p.add_argument("--seed", type=sampling_seed, default=None, help="sampling seed (default: the engine's)")
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -298,7 +298,7 @@ def _add_simulate(sub) -> None:
                    help="override every pool's preemption_mode")
     p.add_argument("--swap-space", default=None, help="override every pool's swap_space (e.g. 16GiB)")
     p.add_argument("--no-credits", action="store_true", help="admit at once, as a server without KV credits")
-    p.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+    p.add_argument("--replicas", type=slots, default=None, metavar="N",
                    help="simulate every device as N replicas behind one credit queue per pool (overrides the "
                         "config's replicas and drops its gpus list)")
     p.add_argument("--layout", choices=("split", "shared", "both"), default="split",

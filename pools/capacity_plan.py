@@ -35,6 +35,7 @@ from engine.model_config import ModelConfig
 from engine.parallel import ShardShape
 from pools.config.spec import DEFAULT_CPU_MEMORY, CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
 from pools.config.checks import within
+from pools.model_configs import resolve_model_configs
 
 
 @dataclass(frozen=True)
@@ -420,10 +421,13 @@ def _check_shared_gpus(config: CliffguardConfig, result: dict[str, list[EngineCo
         if config.devices[name].placement == "ray":
             continue
         for gpu in {g for engine in configs for g in engine.gpu_ids or ()}:
-            if gpu in owner:
-                raise SpecError(f"devices.{name}.device: {config.devices[name].device!r} runs on GPU {gpu}, "
-                                f"which device {owner[gpu]!r} runs on too; a GPU runs one device (give each its own "
-                                "`device: cuda:N` or `gpus`)")
+            if gpu in owner:   # name the `auto` one where one is: the file's own check saw the other
+                this, other = (owner[gpu], name) if config.devices[owner[gpu]].device == "auto" else (name, owner[gpu])
+                dev = config.devices[this]
+                key = f"devices.{this}.gpus" if dev.gpus is not None else f"devices.{this}.device"
+                shown = list(dev.gpus) if dev.gpus is not None else repr(dev.device)
+                raise SpecError(f"{key}: {shown} runs on GPU {gpu}, which device {other!r} runs on too; a GPU runs "
+                                "one device (give each its own `device: cuda:N` or `gpus`)")
             owner[gpu] = name
 
 
@@ -454,8 +458,6 @@ def plan_single_pool(model: str, *, device: str = "auto", dtype: str = "auto", k
     pool_spec = PoolSpec(name="default", model=model, kv_cache_bytes=kv_cache_bytes, **pool)
     config = CliffguardConfig(gateway=GatewaySpec(), devices={"default": DeviceSpec(device=device, dtype=dtype)},
                               pools=(pool_spec,))
-    from pools.model_configs import resolve_model_configs
-
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram_bytes)
     return plan, engine_configs(config, plan)["default"]
 

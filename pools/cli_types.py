@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
-from pools.config.checks import byte_count
-
-INT64_MAX = 2**63 - 1   # a seed travels to the worker as a 64-bit MessagePack integer
+from pools.config.checks import MAX_INT, byte_count
+from pools.config.device_spec import MAX_SLOTS
 
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser (its subcommands' too) saying a bad option in one line, `cliffguard capacity:
-    error: argument --rate: ...` (exit code 2), as every other error of the command line; `-h` shows usage."""
+    error: argument --rate: ...` (exit code 2), as every other error of the command line; a missing
+    command gets the usage line too (it lists the commands); `-h` shows usage."""
 
     def error(self, message: str):
+        if message.startswith("the following arguments are required"):
+            self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -37,16 +40,32 @@ def positive_float(text: str) -> float:
 def positive_int(text: str) -> int:
     """An integer >= 1 (a count, a budget)."""
     value = _number(text, int)
-    if not 1 <= value <= INT64_MAX:
-        raise argparse.ArgumentTypeError(f"must be an integer in 1..{INT64_MAX}, got {text!r}")
+    if not 1 <= value <= MAX_INT:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1..{MAX_INT}, got {text!r}")
+    return value
+
+
+def slots(text: str) -> int:
+    """Replicas, or threads of a rank: an integer in 1..MAX_SLOTS (a device's own cap)."""
+    value = _number(text, int)
+    if not 1 <= value <= MAX_SLOTS:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1..{MAX_SLOTS}, got {text!r}")
     return value
 
 
 def seed(text: str) -> int:
-    """A sampling or workload seed: an integer in 0..2^63-1."""
+    """A workload seed (numpy's generators take no negative one): an integer in 0..2^63-1."""
     value = _number(text, int)
-    if not 0 <= value <= INT64_MAX:
-        raise argparse.ArgumentTypeError(f"must be an integer in 0..{INT64_MAX}, got {text!r}")
+    if not 0 <= value <= MAX_INT:
+        raise argparse.ArgumentTypeError(f"must be an integer in 0..{MAX_INT}, got {text!r}")
+    return value
+
+
+def sampling_seed(text: str) -> int:
+    """A sampling seed, as the HTTP API takes one: a signed 64-bit integer (what the worker's wire carries)."""
+    value = _number(text, int)
+    if not -MAX_INT - 1 <= value <= MAX_INT:
+        raise argparse.ArgumentTypeError(f"must be a 64-bit integer, got {text!r}")
     return value
 
 

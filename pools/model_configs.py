@@ -51,14 +51,17 @@ def read_model_config(path: str) -> ModelConfig:
     """An HF config.json, or a folder holding one; errors name `--model-config`."""
     target = Path(path).expanduser()
     if target.is_dir():
-        return ModelConfig.from_folder(target)
+        try:
+            return ModelConfig.from_folder(target)
+        except (FileNotFoundError, ValueError) as exc:   # ConfigError included
+            raise ConfigError(f"--model-config: {path}: {exc}") from None
     if not target.is_file():
         raise FileNotFoundError(f"--model-config: no such file or folder {path}")
     try:
         return ModelConfig.from_hf_config(json.loads(target.read_text(encoding="utf-8")))
     except UnicodeDecodeError:
-        raise ConfigError(f"--model-config: {path} is not UTF-8 text; an HF config.json is JSON") from None
+        raise ConfigError(f"--model-config: {path}: not UTF-8 text; an HF config.json is JSON") from None
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"--model-config: {path} is not valid JSON ({exc})") from None
+        raise ConfigError(f"--model-config: {path}: not valid JSON ({exc})") from None
     except ValueError as exc:   # ConfigError included: the key it names, in this file
         raise ConfigError(f"--model-config: {path}: {exc}") from None

@@ -360,7 +360,9 @@ def chaos_config(source: Path, folder: Path, replicas: int | None = None, *, tim
         config.setdefault("gateway", {}).update(FAULT_TIMERS)
     if replicas is not None:
         for device in (config.get("devices") or {}).values():
-            device.update(replicas=replicas, cpu_threads=1)
+            device["replicas"] = replicas
+            if not str(device.get("device", "auto")).startswith("cuda"):
+                device["cpu_threads"] = 1   # a CUDA device's ranks run on GPUs
             if ray_address is not None:
                 device.update(placement="ray", ray_address=ray_address)
     path = folder / "pools.yaml"

@@ -133,7 +133,18 @@ def _reason(error: FieldError, hidden: tuple[str, ...]) -> str:
                f"{', '.join(k for k in error.allowed if k not in hidden)}"
     if value is MISSING or value is None or ", got " in reason and not reason.startswith("expected "):
         return reason
+    if reason.startswith("expected ") and "number" in reason and isinstance(value, str) and _EXPONENT.match(value):
+        return f"{reason} {_short(value)} (YAML reads an exponent without a dot as text: write {_dotted(value)})"
     return f"{reason} {_short(value)}" if reason.startswith("expected ") else f"{reason}, got {_short(value)}"
+
+
+_EXPONENT = re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$")
+
+
+def _dotted(text: str) -> str:
+    """`1e-3` as YAML 1.1 reads it as a number: `1.0e-3`."""
+    mantissa, exponent = re.split("[eE]", text, maxsplit=1)
+    return f"{mantissa}.0e{exponent}"
 
 
 def _short(value: Any, width: int = 80) -> str:
@@ -202,15 +213,14 @@ def byte_count(value: Any) -> int:
     if match is None or match.group(2).lower() not in _BYTE_UNITS:
         raise ValueError(f"not a byte size, got {show(value)}; "
                          "write an integer or a number with a unit, e.g. 80GiB, 512 MiB, 1.5GB")
-    if len(match.group(1)) > 40:   # Decimal would take it; no byte count has that many digits
-        raise ValueError(f"must be at most {MAX_INT} bytes (8 EiB), got {value[:40]!r}...")
+    if len(match.group(1).partition(".")[0].lstrip("0")) > 40:   # no byte count has that many digits
+        return _at_most_max(MAX_INT + 1, value)
     return _at_most_max(int(Decimal(match.group(1)) * _BYTE_UNITS[match.group(2).lower()]), value)
 
 
 def _at_most_max(count: int, value: Any) -> int:
     if count > MAX_INT:
-        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:40]}..."
-        raise ValueError(f"must be at most {MAX_INT} bytes (8 EiB), got {shown}")
+        raise ValueError(f"must be at most {MAX_INT} bytes (just under 8 EiB), got {_short(value)}")
     return count
 
 
@@ -238,13 +248,10 @@ def within(prefix: str) -> Iterator[None]:
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that rejects a key given twice in one mapping (PyYAML silently keeps the last; a key
-    a merge (`<<: *anchor`) brings may be given again, and the mapping's own wins), and reads `1e-3` as
-    a number as YAML 1.2 does (YAML 1.1 wants a dot: `1.0e-3`)."""
+    a merge (`<<: *anchor`) brings may be given again, and the mapping's own wins)."""
 
 
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
-                              re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
-MAX_YAML_VALUES = 100_000   # what a file's aliases may expand to: a pool file holds hundreds
+MAX_YAML_VALUES = 100_000   # the values a file's aliases may add by repeating what they name
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
@@ -269,19 +276,27 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+_IN_PROGRESS = -1
+
+
 def _expanded_values(node: yaml.Node, memo: dict[int, int], source: str) -> int:
     """The values `node` stands for once every alias is written out (a node met again through an alias
     counts its whole size again; memoized, so a chain of aliases costs its nodes, not its expansion).
-    Over MAX_YAML_VALUES: a SpecError, before anything expands them ("billion laughs")."""
+    When that is more than MAX_YAML_VALUES above the distinct nodes met so far, the aliases repeat too
+    much: a SpecError before anything expands them ("billion laughs"). So is a node inside itself."""
     if (known := memo.get(id(node))) is not None:
+        if known == _IN_PROGRESS:
+            raise SpecError(f"{source}: a YAML alias at line {node.start_mark.line + 1} names a value that "
+                            "contains it (a recursive alias)")
         return known
-    memo[id(node)] = 1   # a node inside itself (a recursive alias) counts once here; construction refuses it
+    memo[id(node)] = _IN_PROGRESS
     children = (node.value if isinstance(node, yaml.SequenceNode) else
                 [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else ())
     total = 1 + sum(_expanded_values(child, memo, source) for child in children)
-    if total > MAX_YAML_VALUES:
-        raise SpecError(f"{source}: YAML aliases expand to more than {MAX_YAML_VALUES:,} values (line "
-                        f"{node.start_mark.line + 1}); write the repeated part out, or alias it fewer times")
+    if total - len(memo) > MAX_YAML_VALUES:
+        raise SpecError(f"{source}: YAML aliases expand to more than {MAX_YAML_VALUES:,} values beyond what the "
+                        f"file writes (line {node.start_mark.line + 1}); write the repeated part out, or alias it "
+                        "fewer times")
     memo[id(node)] = total
     return total
 

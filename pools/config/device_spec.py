@@ -30,8 +30,9 @@ DEFAULT_SCALE_UP_WAIT_SECONDS = 2.0
 DEFAULT_SCALE_DOWN_IDLE_SECONDS = 60.0
 RAY_ADDRESS_ENV = "RAY_ADDRESS"   # Ray's own variable: the cluster `ray.init()` joins
 GpuIndex = Annotated[int, msgspec.Meta(ge=0)]
-MAX_SLOTS = 1024   # replicas of one device, and ranks of one replica: far past any cluster's
+MAX_SLOTS = 1024   # replicas of one device, ranks of one replica, torch threads of a rank: far past any machine's
 Slots = Annotated[int, msgspec.Meta(ge=1, le=MAX_SLOTS)]
+Threads = Slots
 
 
 class ReplicaRange(Spec):
@@ -73,7 +74,7 @@ class DeviceSpec(Spec):
     tensor_parallel_size: Slots = 1      # GPUs of one replica (engine.parallel)
     replicas: Slots = 1                  # replica slots (autoscaled: the max), each serving every pool of the device
     gpus: Annotated[tuple[GpuIndex, ...], msgspec.Meta(min_length=1)] | None = None   # CUDA: the ranks' GPUs
-    cpu_threads: Slots | None = None     # CPU: torch threads of each rank (None: the cores shared out)
+    cpu_threads: Threads | None = None     # CPU: torch threads of each rank (None: the cores shared out)
     enforce_eager: bool = False          # CUDA: no decode graphs (their memory is then not set aside)
     async_scheduling: bool | None = None  # overlapped steps (engine.overlap); None: on CUDA
     kv_cache_dtype: KvCacheDtype = "auto"   # auto: the model's dtype; fp8: e4m3, 1 byte an element of S_KV

@@ -185,5 +185,5 @@ def load_config(path_or_text: str | os.PathLike, *, env: Mapping[str, str] = os.
     text = str(path_or_text)
     data = load_yaml(text, "<text>")
     if isinstance(data, str) and "\n" not in text.strip():   # one line, no `key:`: a path that is not there
-        raise SpecError(f"{text}: no such configuration file")
+        raise SpecError(f"{text.strip()}: no such configuration file")
     return parse_config(data, env=env)

@@ -36,8 +36,8 @@ def test_the_pool_file_replicates_every_device_on_one_thread(tmp_path):
     source = tmp_path / "pools.yaml"
     source.write_text("devices:\n  a: {device: auto}\n  b: {device: cuda:1}\npools: []\n")
     devices = yaml.safe_load(pool_file(source, 2, 1))["devices"]
-    assert devices == {"a": {"device": "cpu", "replicas": 2, "cpu_threads": 1},
-                       "b": {"device": "cuda:1", "replicas": 2, "cpu_threads": 1}}
+    assert devices == {"a": {"device": "cpu", "cpu_threads": 1, "replicas": 2},
+                       "b": {"device": "cuda:1", "replicas": 2}}   # a CUDA device's ranks run on GPUs
 
 
 # two live servers under load for a minute: `make test-slow`

@@ -218,3 +218,22 @@ def test_what_we_do_not_serve_of_gemma3_is_refused_by_name(change, named):
     assert ModelConfig.from_hf_config(gemma).layer_types == ("sliding_attention", "sliding_attention")
     with pytest.raises(ConfigError, match=named):
         ModelConfig.from_hf_config({**gemma, **change})
+
+
+def test_rope_and_multimodal_errors_name_the_key_the_value_came_from():
+    """transformers 5 writes `rope_parameters`: RopeScaling's own checks name it, not `rope_scaling`; a
+    multimodal checkpoint's top-level eos_token_id is read (and named) only where its text model has none."""
+    base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+            "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100}
+    with pytest.raises(ConfigError, match=r"^rope_parameters\.rope_type: unsupported 'dynamic'"):
+        ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "dynamic"}})
+    with pytest.raises(ConfigError, match=r"^rope_parameters\.factor: must be a positive finite number"):
+        ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "yarn", "factor": -1}})
+    with pytest.raises(ConfigError, match=r"^rope_scaling\.high_freq_factor: llama3 needs"):
+        ModelConfig.from_hf_config({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                                                             "low_freq_factor": 4.0, "high_freq_factor": 1.0}})
+    text = {k: v for k, v in base.items() if k != "architectures"} | {"sliding_window": 8, "eos_token_id": [1, 106]}
+    multimodal = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": "x", "text_config": text}
+    assert ModelConfig.from_hf_config(multimodal).eos_token_ids == (1, 106)
+    with pytest.raises(ConfigError, match=r"^eos_token_id: must be a token id"):
+        ModelConfig.from_hf_config({**multimodal, "text_config": {**text, "eos_token_id": None}})

@@ -321,6 +321,9 @@ def test_a_truncated_safetensors_file_is_named(tmp_path: Path, keep: int) -> Non
     (folder / "model.safetensors").write_bytes(b"\xff" * 8 + whole[8:])   # a header length of 2^64 - 1
     with pytest.raises(ValueError, match="not a valid or complete safetensors file"):
         weights_bytes(folder)
+    (folder / "model.safetensors").write_bytes(whole[:-5])   # the tensors' bytes cut short
+    with pytest.raises(ValueError, match=r"not a valid or complete safetensors file \(\d+ bytes, its header places"):
+        list(iter_weights(folder))
 
 
 def test_an_index_naming_a_tensor_its_shard_lacks_is_named(tmp_path: Path) -> None:

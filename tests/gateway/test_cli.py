@@ -114,9 +114,12 @@ def test_capacity_command_errors(argv, message, capsys):
     (["simulate", "--seed", "-1"], "argument --seed: must be an integer in 0.."),
     (["simulate", "--sweep-rate", ""], "--sweep-rate: not a number: ''"),
     (["simulate", "--slo-itl-p99", "0.1"], "--slo-itl-p99: only with --recommend"),
-    (["generate", "--prompt", "x", "--seed", "1" + "0" * 30], "argument --seed: must be an integer in 0.."),
+    (["generate", "--prompt", "x", "--seed", "1" + "0" * 30], "argument --seed: must be a 64-bit integer"),
     (["generate", "--prompt", "x", "--kv-cache-mib", "0"], "argument --kv-cache-mib: must be an integer in 1.."),
-    (["bench", "replicas", "--docs-rate", "-1"], "argument --docs-rate: must be a finite number >= 0"),
+    (["bench", "replicas", "--docs-rate", "0"], "argument --docs-rate: must be a finite number > 0"),
+    (["bench", "replicas", "--replicas", "2000"], "argument --replicas: must be an integer in 1..1024"),
+    (["simulate", "--replicas", "2000"], "argument --replicas: must be an integer in 1..1024"),
+    (["generate", "--prompt", "x", "--seed", str(2**63)], "argument --seed: must be a 64-bit integer"),
     (["bench", "replicas", "--cpu-threads", "0"], "argument --cpu-threads: must be an integer in 1.."),
     (["bench", "replicas", "--warmup", "20", "--duration", "10"], "--warmup: must be below --duration 10"),
     (["bench", "serve", "--seed", "-1"], "argument --seed: must be an integer in 0.."),
@@ -127,16 +130,25 @@ def test_options_out_of_range_are_named_before_anything_runs(argv, message, caps
     assert message in _error_line(capsys)
 
 
+def test_a_missing_command_shows_the_usage_that_lists_the_commands(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: cliffguard") and "{generate,serve,capacity,simulate,bench}" in err
+    assert main(["generate", "--prompt", "x", "--seed", "-5", "--kv-cache-mib", "0"]) == 2   # a negative seed is
+    assert "--kv-cache-mib" in _error_line(capsys)                                         # one (as over HTTP)
+
+
 def test_model_config_errors_name_the_option_and_the_file(tmp_path, capsys):
     bad = tmp_path / "config.json"
-    for content, reason in ((b"[1]", "config.json: must be a JSON object"), (b"\xff\xfe", "is not UTF-8 text"),
+    for content, reason in ((b"[1]", "config.json: must be a JSON object"), (b"\xff\xfe", "not UTF-8 text"),
                             (b'{"architectures": ["LlamaForCausalLM"], "num_attention_heads": 0}',
                              "num_attention_heads: must be a positive integer, got 0")):
         bad.write_bytes(content)
-        argv = ["capacity", "--config", str(EXAMPLE), "--vram", "80GiB", "--model-config", str(bad)]
-        assert main(argv) == 2
-        line = _error_line(capsys)
-        assert f"--model-config: {bad}" in line and reason in line, line
+        for given in (bad, tmp_path):   # the file, or its folder
+            argv = ["capacity", "--config", str(EXAMPLE), "--vram", "80GiB", "--model-config", str(given)]
+            assert main(argv) == 2
+            line = _error_line(capsys)
+            assert f"--model-config: {given}: " in line and (given is tmp_path or reason in line), line
 
 
 def test_capacity_rate_says_overloaded_or_not_on_the_h100_roofline_by_default(capsys):

@@ -435,7 +435,7 @@ def test_an_auto_device_may_not_land_on_a_gpu_another_device_names(monkeypatch):
     data["devices"] = {"a": {**device, "device": "auto", "tensor_parallel_size": 1, "memory": "400GiB"},
                        "b": {**device, "device": "cuda", "tensor_parallel_size": 1, "memory": "400GiB"}}
     data["pools"][0]["device"], data["pools"][1]["device"] = "a", "b"
-    with pytest.raises(SpecError, match=r"^devices\.b\.device: 'cuda' runs on GPU 0, which device 'a' runs on too"):
+    with pytest.raises(SpecError, match=r"^devices\.a\.device: 'auto' runs on GPU 0, which device 'b' runs on too"):
         engine_configs(*_plan_example(data))
     data["devices"]["b"]["device"] = "cuda:1"
     assert {e.gpu_ids for e in engine_configs(*_plan_example(data)).values()} == {(0,), (1,)}

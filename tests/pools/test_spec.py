@@ -205,6 +205,9 @@ BAD = {
     "an alias bomb (a 627-byte file walked for ever)": (
         "\n".join(["a0: &a0 [x]"] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]),
         ["<text>: YAML aliases expand to more than 100,000 values"]),
+    "an exponent without a dot (YAML 1.1 reads it as text)": (_set("pools/0/kv_share", "1e-1"),
+        ["pools[0].kv_share: expected a number, got string '1e-1'", "write 1.0e-1"]),
+    "a recursive alias at the top": ("&a [*a]\n", ["<text>: a YAML alias at line 1 names a value that contains it"]),
     "nesting past the recursion limit": ("pools: " + "[" * 3000 + "]" * 3000 + "\n", ["<text>: YAML nested too deep"]),
     "a path that is not there, with a colon": ("http://host/pools", ["http://host/pools: no such configuration file"]),
 }
@@ -230,12 +233,12 @@ def test_a_route_capped_by_max_model_len_does_not_overlap_the_next():
     assert config.pools[0].route.upper(config.pools[0].max_model_len) == 4096
 
 
-def test_merge_keys_may_be_overridden_and_exponents_are_numbers():
+def test_merge_keys_may_be_overridden():
     """A `<<: *anchor` merge may be followed by a key it brought (the mapping's own wins; a key the mapping
-    itself gives twice is still refused), and `1e-1` is a number as in YAML 1.2 (1.1 wants `1.0e-1`)."""
+    itself gives twice is still refused)."""
     text = """
 pools:
-  - &chat {name: chat, model: builtin:smollm2-135m-instruct, kv_share: 1e-1, avg_len: 512,
+  - &chat {name: chat, model: builtin:smollm2-135m-instruct, kv_share: 0.1, avg_len: 512,
            route: {max_prompt_tokens: 100}}
   - <<: *chat
     name: rag
