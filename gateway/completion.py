@@ -286,7 +286,15 @@ def _json_reply(req: ChatRequest, fmt: ToolFormat, pool: Pool) -> StructuredOutp
 
 
 def _relayed_error(response: web.Response) -> ApiError:
-    """An upstream's error response (already in the OpenAI format) as an ApiError."""
-    error = json.loads(response.body).get("error") or {}
-    return ApiError(response.status, error.get("message", ""), param=error.get("param"),
+    """An upstream's error response (`gateway.upstream.relay` puts it in the OpenAI format) as an ApiError; an
+    error of another shape keeps its status, its text as the message."""
+    try:
+        body = json.loads(response.body)
+    except (ValueError, RecursionError):
+        body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        text = error if isinstance(error, str) else bytes(response.body)[:500].decode(errors="replace")
+        return ApiError(response.status, text, type="server_error", code="upstream_error")
+    return ApiError(response.status, str(error.get("message") or ""), param=error.get("param"),
                     type=error.get("type", "server_error"), code=error.get("code"))

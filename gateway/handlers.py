@@ -32,7 +32,8 @@ log = logging.getLogger("cliffguard.gateway")
 _JSON = msgspec.json.Decoder()
 
 
-BODY_READ_SECONDS = 30.0   # a request body of which no byte came for this long is a 408 (as aiohttp's 30 s for headers)
+BODY_READ_SECONDS = 30.0   # a request body of which no byte came for this long is a 408
+MIN_BODY_BYTES_PER_SECOND = 64 << 10   # ... and so is one slower on average than this, once that long has passed
 T = TypeVar("T")
 
 
@@ -43,29 +44,44 @@ async def read_body(request: web.Request) -> bytes:
 
 async def read_within(request: web.Request, reading: Awaitable[T]) -> T:
     """`reading` (what reads the request's body: `request.read()`, a multipart form), or a 408 (connection
-    closed) once the client has sent no byte of the body for BODY_READ_SECONDS: a body that never finishes
-    would hold its connection and handler for good. An idle deadline, not a whole-body one: a large upload
-    over a slow link keeps going while its bytes come."""
+    closed) once the client has sent no byte of the body for BODY_READ_SECONDS, or, past that time, has sent
+    it slower on average than MIN_BODY_BYTES_PER_SECOND: a body that never finishes, or trickles, would hold
+    its connection, handler and what it sent so far for good. A body already whole (most: it came with its
+    headers) is read at once, with no task and no watch."""
+    content = request.content
+    if content.is_eof():
+        return await reading
     task = asyncio.ensure_future(reading)
-    content, loop = request.content, asyncio.get_running_loop()
-    seen, since = (content.total_bytes, content.total_raw_bytes), loop.time()
+    loop = asyncio.get_running_loop()
+    start = since = loop.time()
+    seen = _received(content)
     try:
         while not task.done():
             await asyncio.wait({task}, timeout=min(1.0, BODY_READ_SECONDS))
-            now, progress = loop.time(), (content.total_bytes, content.total_raw_bytes)
-            if progress != seen:
-                seen, since = progress, now
-            elif not task.done() and now - since >= BODY_READ_SECONDS:
-                raise body_timeout()
+            if task.done():
+                break
+            now, received = loop.time(), _received(content)
+            if received != seen:
+                seen, since = received, now
+            if now - since >= BODY_READ_SECONDS:
+                raise body_timeout(f"no byte of it for {BODY_READ_SECONDS:g} s")
+            if now - start > BODY_READ_SECONDS + received / MIN_BODY_BYTES_PER_SECOND:
+                raise body_timeout(f"arriving slower than {MIN_BODY_BYTES_PER_SECOND >> 10} KiB/s")
         return task.result()
     finally:
         if not task.done():
             task.cancel()
+        elif not task.cancelled():
+            task.exception()   # retrieved: a connection lost as the handler is cancelled is no "never retrieved"
 
 
-def body_timeout() -> ApiError:
-    return ApiError(408, f"body: no byte of it for {BODY_READ_SECONDS:g} s", param="body", code="request_timeout",
-                    headers={"Connection": "close"})
+def _received(content: Any) -> int:
+    """The body's bytes received so far, as sent (compressed: aiohttp >= 3.13 counts them apart)."""
+    return getattr(content, "total_raw_bytes", None) or getattr(content, "total_bytes", 0)
+
+
+def body_timeout(reason: str) -> ApiError:
+    return ApiError(408, f"body: {reason}", param="body", code="request_timeout", headers={"Connection": "close"})
 
 
 async def read_json(request: web.Request) -> Any:

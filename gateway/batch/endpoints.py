@@ -7,14 +7,13 @@ under the serve command's `--data-dir`; the runner holds none that a restart nee
 through the line executor, by default `gateway.handlers.answer` with `batch=True`: routed like any
 request and waiting for KV credits behind interactive traffic.
 
-Files and batches belong to the API key that created them (`Tenants.owner`: `key-<sha256>`, or
-`tenant:<name>` for the keys of a tenant with `share_files: true`, or `default` without a key), and a
-batch's lines run as the tenant of that key (its share and priorities), also after a restart. Every
-endpoint sees only the caller's owner's: another owner's id answers exactly as an unknown one (404, or
-400 for an input file). A file's content is sent a piece at a time, never read whole (and not at all
-for a HEAD). An upload of which no byte came for `gateway.handlers.BODY_READ_SECONDS` is a 408, as any
-request body; a malformed one (a part header aiohttp refuses, a part with no name, a purpose in an unknown
-charset) a 400 naming `body`, `file` or `purpose`.
+Files and batches belong to the API key that created them (`Tenants.owner`: `key-<sha256>`, or `tenant:<name>`
+for the keys of a tenant with `share_files: true`, or `default` without a key), and a batch's lines run as the
+tenant of that key (its share and priorities), also after a restart. Every endpoint sees only the caller's
+owner's: another owner's id answers exactly as an unknown one (404, or 400 for an input file). A file's
+content is sent a piece at a time, never read whole (and not at all for a HEAD). An upload that stalls is a
+408, as any request body (`gateway.handlers.read_within`); a malformed one (a part header aiohttp refuses, a
+part with no name, a purpose in an unknown charset) a 400 naming `body`, `file` or `purpose`.
 """
 
 from __future__ import annotations
@@ -94,7 +93,7 @@ def _tenant(request: web.Request) -> str:
 # --- files -----------------------------------------------------------------------------------------
 async def upload_file(request: web.Request) -> web.Response:
     """`POST /v1/files`: multipart/form-data with `file` (JSONL) and `purpose` ("batch"); the caller's
-    key owns the file. A body that stalls for BODY_READ_SECONDS is a 408 (`read_within`)."""
+    key owns the file. A body that stalls is a 408 (`read_within`)."""
     runner = request.app[BATCHES]
     if request.content_type != "multipart/form-data":
         raise ApiError(400, "body: expected multipart/form-data with the fields 'file' and 'purpose', got "

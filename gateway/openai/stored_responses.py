@@ -177,10 +177,11 @@ class KeptResponses:
 def _finished(answer: Any) -> dict[str, Any]:
     """A background run's Response, which must have ended (an upstream pool answers what it answers): else
     an ApiError the run keeps as its failure."""
-    if not isinstance(answer, dict) or answer.get("status") not in FINISHED:
-        got = answer.get("status") if isinstance(answer, dict) else type(answer).__name__
-        raise ApiError(502, f"the pool answered no finished Response (status {got!r})", type="server_error",
-                       code="upstream_error")
+    if not isinstance(answer, dict) or answer.get("status") not in FINISHED or not isinstance(
+            answer.get("output"), list) or not all(isinstance(item, dict) for item in answer["output"]):
+        got = f"status {answer.get('status')!r}" if isinstance(answer, dict) else type(answer).__name__
+        raise ApiError(502, f"the pool answered no finished Response with its output items ({got})",
+                       type="server_error", code="upstream_error")
     return answer
 
 
@@ -271,8 +272,8 @@ async def _prior(request: web.Request, body: Any, owner: str) -> list[dict[str, 
     if not isinstance(previous, str):
         return []   # absent, or a wrong type parse_responses names
     kept = _kept(request, "previous_response_id")
-    stored = await kept.db(kept.store.get, previous, owner=owner) if previous.isprintable() and _utf8(previous) \
-        else None   # no id of ours has a control character or a lone surrogate (SQLite cannot take one)
+    stored = await kept.db(kept.store.get, previous, owner=owner) if previous.isprintable() \
+        else None   # no id of ours has a control character or a lone surrogate (which SQLite cannot take)
     if stored is None:
         raise ApiError(400, f"previous_response_id: no response {previous!r}", param="previous_response_id",
                        code="previous_response_not_found")
@@ -280,14 +281,6 @@ async def _prior(request: web.Request, body: Any, owner: str) -> list[dict[str, 
         raise bad_request("previous_response_id", f"response {previous!r} is {stored.status}; continue from a "
                           "finished one")
     return stored.items + [_as_input(item) for item in stored.response["output"]]
-
-
-def _utf8(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _as_input(item: dict[str, Any]) -> dict[str, Any]:

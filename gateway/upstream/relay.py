@@ -2,12 +2,18 @@
 
 The request body goes on unchanged except `model`, which becomes the upstream's model name; the
 answer comes back with the client's model name restored. Streams are relayed event by event as they
-arrive. Upstream errors keep their status and OpenAI error body. Our own 502s say whether the upstream
-may have received the request: `upstream_unreachable` when no connection could be made (nothing was
-sent: safe to send again, and the batch runner does), `upstream_disconnected` when the connection
-failed after the request may have gone out (the upstream may be running it: never sent again, so a
-batch line never runs twice), `upstream_error` for an answer that is not valid JSON.
-Token counts for metrics come from the upstream's `usage` when it reports one.
+arrive. Upstream errors (4xx and 5xx) keep their status and OpenAI error body; a body that is not one
+(`{"error": "text"}`, not JSON) is put in that format, quoting it, with code `upstream_error`; only its
+first `MAX_ERROR_BYTES` are read. Our own 502s say whether the upstream may have received the request:
+`upstream_unreachable` when no connection could be made (nothing was sent: safe to send again, and the
+batch runner does), `upstream_disconnected` when the connection failed after the request may have gone
+out (the upstream may be running it: never sent again, so a batch line never runs twice),
+`upstream_error` for an answer we cannot relay: not valid JSON, over `MAX_ANSWER_BYTES`, a status that
+is neither a success (2xx) nor an error (4xx, 5xx), or not a stream (text/event-stream) when one was
+asked for. A stream that fails once it started (dropped, a broken chunk, one event over
+`MAX_EVENT_BYTES`) ends as a local one that fails does: an error event with that 502's error object
+(`upstream_disconnected`, `upstream_error`), then `data: [DONE]`. Token counts for metrics come from
+the upstream's `usage` where its counts are non-negative integers; a malformed usage is relayed as it is.
 
 A batch line is forwarded with an `Idempotency-Key: <batch id>:<custom_id>` header (`IDEMPOTENCY_KEY`,
 set by the batch runner around the line): an upstream that honours it answers a repeat from its first
@@ -21,10 +27,13 @@ pool of them) for longer than that.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from contextvars import ContextVar
 from typing import Any
 
@@ -36,8 +45,16 @@ from gateway.monitoring.metrics import GatewayMetrics
 from gateway.openai.errors import ApiError
 from gateway.client_writes import start_sse, write_within
 from gateway.upstream.connection import (UpstreamClient, UpstreamDisconnected, UpstreamResponse,
-                                         UpstreamUnreachable)
+                                         UpstreamTooLarge, UpstreamUnreachable)
 from pools.pool import Pool
+
+log = logging.getLogger("cliffguard.gateway")
+
+# What is held of one upstream answer: a whole non-streamed body, one event of a stream (a `response.completed`
+# event holds a whole response), the start of an error body (its message is quoted from the first 500 bytes).
+MAX_ANSWER_BYTES = 64 << 20
+MAX_EVENT_BYTES = 16 << 20
+MAX_ERROR_BYTES = 16 << 10
 
 # The forwarded request's Idempotency-Key: a batch line's `<batch id>:<custom_id>` (gateway.batch.execution), else None.
 IDEMPOTENCY_KEY: ContextVar[str | None] = ContextVar("cliffguard_idempotency_key", default=None)
@@ -89,23 +106,42 @@ async def forward(request: web.Request, client: UpstreamClient, pool: Pool, path
     except (UpstreamDisconnected, OSError) as exc:   # after the request may have gone out
         raise _upstream_failed(pool, "dropped the request", exc, "upstream_disconnected") from None
     async with upstream:
-        if upstream.status >= 400:
+        if not 200 <= upstream.status < 300:
             return await _relay_error(pool, upstream)
-        if stream:
-            return await _relay_stream(request, pool, upstream, client_model, metrics, received, write_timeout)
-        try:
-            payload = _rename(msgspec.json.decode(await upstream.read()), client_model)
-        except (UpstreamDisconnected, OSError) as exc:
-            raise _upstream_failed(pool, "dropped the answer", exc, "upstream_disconnected") from None
-        except ValueError as exc:
-            raise _upstream_failed(pool, "sent an invalid response", exc, "upstream_error") from None
-        usage = (payload.get("usage") if isinstance(payload, dict) else None) or {}
-        series = metrics.pool_series(pool.name)
-        series.prompt_tokens.inc(usage.get("prompt_tokens", 0))
-        series.generation_tokens.inc(usage.get("completion_tokens", 0))
-        series.e2e.observe(time.perf_counter() - received)
-        return web.Response(body=_JSON.encode(payload), content_type="application/json",
-                            headers={"x-cliffguard-pool": pool.name})
+        if not stream:
+            return await _relay_answer(pool, upstream, client_model, metrics, received)
+        content_type = upstream.headers.get("content-type", "")
+        if content_type.split(";", 1)[0].strip().lower() != "text/event-stream":
+            raise _upstream_failed(pool, "did not stream", ValueError(
+                f"it answered a stream request with Content-Type {content_type[:80]!r}, not text/event-stream"),
+                "upstream_error")
+        return await _relay_stream(request, pool, upstream, client_model, metrics, received, write_timeout)
+
+
+async def _relay_answer(pool: Pool, upstream: UpstreamResponse, client_model: str, metrics: GatewayMetrics,
+                        received: float) -> web.Response:
+    """A non-streamed answer (at most MAX_ANSWER_BYTES) with the client's model name put back."""
+    try:
+        payload = _rename(msgspec.json.decode(await upstream.read(MAX_ANSWER_BYTES)), client_model)
+    except (UpstreamDisconnected, OSError) as exc:
+        raise _upstream_failed(pool, "dropped the answer", exc, "upstream_disconnected") from None
+    except UpstreamTooLarge as exc:
+        raise _upstream_failed(pool, "sent an answer too large to relay", exc, "upstream_error") from None
+    except (ValueError, RecursionError) as exc:   # not JSON, or nested past the decoder's depth
+        raise _upstream_failed(pool, "sent an invalid response", exc, "upstream_error") from None
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    series = metrics.pool_series(pool.name)
+    series.prompt_tokens.inc(_count(usage, "prompt_tokens"))
+    series.generation_tokens.inc(_count(usage, "completion_tokens"))
+    series.e2e.observe(time.perf_counter() - received)
+    return web.Response(body=_JSON.encode(payload), content_type="application/json",
+                        headers={"x-cliffguard-pool": pool.name})
+
+
+def _count(usage: Any, key: str) -> int:
+    """`usage[key]` where it is a count (a non-negative int), else 0: a malformed usage is relayed, not counted."""
+    value = usage.get(key) if isinstance(usage, dict) else None
+    return value if type(value) is int and value >= 0 else 0
 
 
 _JSON = msgspec.json.Encoder()
@@ -118,47 +154,92 @@ def _url(upstream: str, path: str) -> URL:
 
 
 async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
-    """The upstream's error with its status; its body when that is an OpenAI error, else one naming it."""
+    """The upstream's error (4xx, 5xx) with its status, in the OpenAI format: its body when it is one, else
+    one quoting it (its message text, or the body's start). Any other status that is not a success is our
+    502 `upstream_error`."""
+    status = upstream.status
+    if not 400 <= status <= 599:
+        raise _upstream_failed(pool, "sent an invalid response", ValueError(
+            f"status {status}, neither a success (2xx) nor an error (4xx, 5xx)"), "upstream_error")
     try:
-        raw = await upstream.read()
+        raw = await upstream.read_start(MAX_ERROR_BYTES)
     except (UpstreamDisconnected, OSError) as exc:
         raise _upstream_failed(pool, "dropped the answer", exc, "upstream_disconnected") from None
     try:
-        payload = json.loads(raw)
-        if not isinstance(payload, dict) or "error" not in payload:
-            raise ValueError
-    except ValueError:
-        payload = {"error": {"message": f"upstream pool {pool.name!r} answered {upstream.status}: "
-                                        f"{raw[:500].decode(errors='replace')}",
+        payload = msgspec.json.decode(raw)
+    except (ValueError, RecursionError):   # not JSON (or cut at MAX_ERROR_BYTES), or nested too deep
+        payload = None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if not isinstance(error, dict):
+        text = error if isinstance(error, str) and error else raw[:500].decode(errors="replace")
+        payload = {"error": {"message": f"upstream pool {pool.name!r} answered {status}: {text}",
                              "type": "server_error", "param": None, "code": "upstream_error"}}
-    return web.json_response(payload, status=upstream.status, headers={"x-cliffguard-pool": pool.name})
+    return web.json_response(payload, status=status, headers={"x-cliffguard-pool": pool.name})
 
 
 async def _relay_stream(request: web.Request, pool: Pool, upstream: UpstreamResponse, client_model: str,
                         metrics: GatewayMetrics, received: float, write_timeout: float) -> web.StreamResponse:
     """The upstream's SSE events, each relayed as it arrives with the client's model name put back; a
-    client that takes nothing for `write_timeout` seconds is cut off (ClientGone)."""
+    client that takes nothing for `write_timeout` seconds is cut off (ClientGone). An upstream that fails
+    midway ends the stream with an error event and `[DONE]` (none after its own `[DONE]`)."""
     response = await start_sse(request, {"x-cliffguard-pool": pool.name})
 
     async def write(data: bytes) -> None:
         await write_within(request, response.write(data), write_timeout, metrics, pool.name,
                            f"{request.path}: its relayed stream")
 
-    first = True
-    buffer = b""
-    async for data in upstream.chunks():
-        buffer += data
-        *events, buffer = buffer.split(b"\n\n")
-        for event in events:
+    first, done, failed = True, False, False
+    async with contextlib.aclosing(_events(pool, upstream)) as events:
+        async for event in events:
+            if isinstance(event, ApiError):
+                log.warning("%s: %s", request.path, event.message)
+                failed = True
+                if not done:
+                    await write(b"data: " + json.dumps(event.body(), ensure_ascii=False).encode()
+                                + b"\n\ndata: [DONE]\n\n")
+                break
             await write(_relay_event(event, client_model) + b"\n\n")
+            done = done or event == b"data: [DONE]"
             if first and event.startswith(b"data: {"):
                 metrics.pool_series(pool.name).ttft.observe(time.perf_counter() - received)
                 first = False
-    if buffer.strip():
-        await write(_relay_event(buffer, client_model) + b"\n\n")
-    metrics.pool_series(pool.name).e2e.observe(time.perf_counter() - received)
+    if not failed:
+        metrics.pool_series(pool.name).e2e.observe(time.perf_counter() - received)
     await response.write_eof()
     return response
+
+
+async def _events(pool: Pool, upstream: UpstreamResponse) -> AsyncIterator[bytes | ApiError]:
+    """The upstream stream's SSE events as they arrive; if it fails (dropped, a broken chunk, an event over
+    MAX_EVENT_BYTES), last our 502 for it."""
+    tail = bytearray()
+    try:
+        async with contextlib.aclosing(upstream.chunks()) as body:
+            async for data in body:
+                for event in _split_events(tail, data):
+                    yield event
+                if len(tail) > MAX_EVENT_BYTES:
+                    yield _upstream_failed(pool, "sent an event too large to relay", UpstreamTooLarge(
+                        f"an event over {MAX_EVENT_BYTES} bytes"), "upstream_error")
+                    return
+    except (UpstreamDisconnected, OSError) as exc:
+        yield _upstream_failed(pool, "dropped the stream", exc, "upstream_disconnected")
+        return
+    if tail.strip():
+        yield bytes(tail)
+
+
+def _split_events(tail: bytearray, data: bytes) -> list[bytes]:
+    """Add `data` to `tail` (a stream's bytes not yet split) and take out the events it completed; only
+    the new bytes are searched, so a long event costs its length once."""
+    start = max(len(tail) - 1, 0)   # a "\n\n" may straddle the old bytes and the new
+    tail += data
+    events, begin = [], 0
+    while (end := tail.find(b"\n\n", start)) >= 0:
+        events.append(bytes(tail[begin:end]))
+        begin = start = end + 2
+    del tail[:begin]
+    return events
 
 
 def _relay_event(event: bytes, model: str) -> bytes:
@@ -167,6 +248,6 @@ def _relay_event(event: bytes, model: str) -> bytes:
         return event
     try:
         obj = json.loads(event[6:])
-    except ValueError:
+    except (ValueError, RecursionError):
         return event
     return b"data: " + json.dumps(_rename(obj, model), ensure_ascii=False).encode()

@@ -72,6 +72,8 @@ async def test_an_authorization_header_that_is_not_utf8_is_a_401_or_no_key(tmp_p
 
 async def test_a_body_whose_content_encoding_lies_is_a_400_naming_the_body(aiohttp_client, tmp_path):
     client = await aiohttp_client(create_app(_gateway(tmp_path)))
+    r = await client.post("/v1/chat/completions", data=b"", headers={"Content-Type": "application/json"})
+    assert r.status == 400 and (await r.json())["error"]["param"] == "body"   # an empty one, as before
     for encoding in ("gzip", "deflate"):
         r = await client.post("/v1/chat/completions", data=b'{"model": "x", "messages": []}',
                               headers={"Content-Type": "application/json", "Content-Encoding": encoding})
@@ -100,10 +102,11 @@ async def test_a_body_that_never_finishes_is_a_408(tmp_path, monkeypatch):
         await runner.cleanup()
 
 
-async def test_a_slow_body_that_keeps_coming_is_read_whole(tmp_path, monkeypatch):
-    """The deadline is one of silence: a body trickling in over four times BODY_READ_SECONDS is read (and
-    answered: the upstream is down, a 502), not cut off."""
+async def test_a_slow_body_that_keeps_coming_is_read_whole_and_a_trickle_is_a_408(tmp_path, monkeypatch):
+    """A body coming in over four times BODY_READ_SECONDS, never silent that long and above the minimum
+    rate, is read (and answered: the upstream is down, a 502); below the rate it is a 408."""
     monkeypatch.setattr(handlers, "BODY_READ_SECONDS", 0.5)
+    monkeypatch.setattr(handlers, "MIN_BODY_BYTES_PER_SECOND", 1)
     body = json.dumps({"model": FRONT, "messages": [{"role": "user", "content": "hi"}]}).encode()
     runner = await start_server(create_app(_gateway(tmp_path)), "127.0.0.1", 0)
     try:
@@ -119,6 +122,17 @@ async def test_a_slow_body_that_keeps_coming_is_read_whole(tmp_path, monkeypatch
         writer.close()
         status, answer = _status_and_body(raw)
         assert status == 502 and answer["error"]["code"] != "request_timeout", raw
+        monkeypatch.setattr(handlers, "MIN_BODY_BYTES_PER_SECOND", 1000)   # ~33 B/s now trickles
+        reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.3)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 408"), head
     finally:
         await runner.cleanup()
 
@@ -165,8 +179,9 @@ async def test_a_background_run_whose_pool_answers_no_response_fails_instead_of_
     server, answers = fake_upstream
     gateway = _gateway(tmp_path, upstream=f"http://127.0.0.1:{server.port}/v1")
     client = await aiohttp_client(create_app(gateway, data_dir=tmp_path))
-    answers += [{"id": "chatcmpl-1", "object": "chat.completion"}, [1, 2]]   # no status; not an object
-    for _ in range(2):
+    answers += [{"id": "chatcmpl-1", "object": "chat.completion"}, [1, 2],   # no status; not an object
+                {"id": "resp_1", "status": "completed"}]                     # no output items
+    for _ in range(3):
         r = await client.post("/v1/responses", json={"model": FRONT, "input": "hi", "background": True})
         queued = await r.json()
         assert r.status == 200 and queued["status"] == "queued", queued

@@ -1,0 +1,295 @@
+"""Upstream answers that break the rules (bad framing, bad statuses, bad error bodies, bad usage, answers
+too large, a stream that fails midway or does not stream) against a raw upstream on 127.0.0.1: the
+client gets a 502 (or, once its stream started, an SSE error event and `[DONE]`), the answer the
+upstream did give where it is usable, and every connection slot comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+
+from gateway.app import create_app
+from gateway.completion import _relayed_error
+from gateway.upstream import relay
+from gateway.upstream.connection import UpstreamClient, UpstreamDisconnected
+from tests.gateway.test_upstream_connection import _answer, _raw_server
+from tests.gateway.test_upstream_retry import FRONT, _gateway, _run_batch
+
+CHAT = {"model": FRONT, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+EVENT = b'data: {"id": "c1", "model": "upstream-model", "choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n'
+
+
+def _reply(status: int, body: bytes, content_type: str = "application/json") -> bytes:
+    return (f"HTTP/1.1 {status} X\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
+            .encode() + body)
+
+
+def _chat_answer(usage) -> bytes:
+    return json.dumps({"id": "c1", "object": "chat.completion", "model": "upstream-model", "choices": [],
+                       "usage": usage}).encode()
+
+
+async def _serve(answer):
+    """(server, the pool's upstream URL) of a raw upstream answering each request with `answer(request)`'s bytes
+    (then closing the connection when they are a tuple)."""
+    async def write(writer, request, n):
+        data = answer(request)
+        writer.write(data[0] if isinstance(data, tuple) else data)
+        await writer.drain()
+        if isinstance(data, tuple):
+            writer.transport.abort()
+            return "close"
+
+    server, url, _, _ = await _raw_server(write)
+    return server, str(url.with_path("/v1"))
+
+
+async def _gateway_client(aiohttp_client, tmp_path, url: str):
+    gateway = _gateway(tmp_path, url)
+    return gateway, await aiohttp_client(create_app(gateway, data_dir=tmp_path))
+
+
+def _assert_no_slot_held(gateway) -> None:
+    assert gateway.upstream.num_in_use == 0
+
+
+def _assert_error_event_then_done(text: str, code: str) -> None:
+    events = [e for e in text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]", events
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == code and error["type"] == "server_error", error
+    assert "HTTP/1.1" not in text
+
+
+# --- the connection -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("length", [b"-1", "\N{SUPERSCRIPT TWO}".encode("latin-1"), b"1_0"],
+                         ids=["negative", "superscript", "underscore"])
+async def test_an_invalid_content_length_gives_its_slot_back(length):
+    async def answer(writer, request, n):
+        body = b"{}"
+        writer.write(_answer(body, f"Content-Length: {len(body)}") if n > 3 else
+                     b"HTTP/1.1 200 OK\r\nContent-Length: " + length + b"\r\n\r\n{}")
+        await writer.drain()
+
+    server, url, _, _ = await _raw_server(answer)
+    client = UpstreamClient(max_connections=2)
+    for _ in range(3):   # more bad answers than slots
+        with pytest.raises(UpstreamDisconnected, match="Content-Length"):
+            await asyncio.wait_for(client.post(url, b"{}", {}), 3)
+    assert client.num_in_use == 0
+    async with await asyncio.wait_for(client.post(url, b"{}", {}), 3) as r:
+        assert await r.read() == b"{}"
+    assert client.num_in_use == 0
+    await client.close()
+    server.close()
+
+
+@pytest.mark.parametrize("size", [b"-5", b"+5", b"0x5", b"ZZ"], ids=["minus", "plus", "0x", "ZZ"])
+async def test_an_invalid_chunk_size_is_a_disconnection(size):
+    async def answer(writer, request, n):
+        writer.write(_answer(size + b"\r\nhello\r\n0\r\n\r\n", "Transfer-Encoding: chunked"))
+        await writer.drain()
+
+    server, url, _, _ = await _raw_server(answer)
+    client = UpstreamClient(read_timeout=2)
+    async with await client.post(url, b"{}", {}) as r:
+        with pytest.raises(UpstreamDisconnected, match="invalid chunk size"):
+            await asyncio.wait_for(r.read(), 3)
+    assert client.num_in_use == 0
+    await client.close()
+    server.close()
+
+
+async def test_read_stops_at_its_limit_and_read_start_takes_the_first_bytes():
+    async def answer(writer, request, n):
+        if n == 1:   # announces more than it sends: refused from the head, nothing waited for
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000\r\n\r\n" + b"x" * 100)
+        elif n == 2:
+            writer.write(_answer(b"3e8\r\n" + b"x" * 1000 + b"\r\n0\r\n\r\n", "Transfer-Encoding: chunked"))
+        else:
+            writer.write(_answer(b"y" * 100, "Content-Length: 100"))
+        await writer.drain()
+
+    server, url, _, connections = await _raw_server(answer)
+    client = UpstreamClient(read_timeout=2)
+    for _ in range(2):
+        async with await client.post(url, b"{}", {}) as r:
+            with pytest.raises(relay.UpstreamTooLarge, match="over 500 bytes"):
+                await asyncio.wait_for(r.read(500), 3)
+        assert client.num_in_use == 0
+    async with await client.post(url, b"{}", {}) as r:
+        assert await r.read_start(10) == b"y" * 10
+    async with await client.post(url, b"{}", {}) as r:   # all of a short body: the connection is kept
+        assert await r.read_start(1000) == b"y" * 100
+    assert client.num_in_use == 0 and connections[0] == 4
+    await client.close()
+    server.close()
+
+
+def test_events_are_split_from_the_new_bytes_only():
+    tail = bytearray()
+    pieces = [b"data: 1\n", b"\ndata: 2\n\n\n", b"\ndata: 3", b"\n\ndata: 4"]
+    assert [relay._split_events(tail, p) for p in pieces] == [[], [b"data: 1", b"data: 2"], [b""], [b"data: 3"]]
+    assert tail == b"data: 4"   # as the whole stream split at once
+    assert b"".join(pieces).split(b"\n\n") == [b"data: 1", b"data: 2", b"", b"data: 3", b"data: 4"]
+
+
+# --- relayed through the gateway ---------------------------------------------------------------------
+@pytest.mark.parametrize("after", [b"", b"ZZ\r\n"], ids=["dropped", "invalid_chunk"])
+async def test_a_stream_that_fails_midway_ends_with_an_error_event(aiohttp_client, tmp_path, after):
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server, url = await _serve(lambda request: (head + b"%x\r\n" % len(EVENT) + EVENT + b"\r\n" + after,))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    text = await r.text()
+    assert r.status == 200 and r.content_type == "text/event-stream"
+    assert text.startswith('data: {"id": "c1", "model": "front-model"'), text
+    _assert_error_event_then_done(text, "upstream_disconnected")
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
+async def test_an_event_over_its_limit_ends_the_stream_with_an_error_event(aiohttp_client, tmp_path, monkeypatch):
+    monkeypatch.setattr(relay, "MAX_EVENT_BYTES", 1000)
+    body = EVENT + b"data: " + b"x" * 5000
+    server, url = await _serve(lambda request: _reply(200, body, "text/event-stream"))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    text = await r.text()
+    assert r.status == 200 and text.startswith('data: {"id": "c1", "model": "front-model"'), text
+    _assert_error_event_then_done(text, "upstream_error")
+    assert "over 1000 bytes" in text
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
+@pytest.mark.parametrize("head", [b"HTTP/1.1 200 OK\r\nContent-Length: 5000\r\n\r\n",
+                                  b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1388\r\n",
+                                  b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n"],
+                         ids=["content_length", "chunked", "close_delimited"])
+async def test_an_answer_over_its_limit_is_a_502(aiohttp_client, tmp_path, monkeypatch, head):
+    monkeypatch.setattr(relay, "MAX_ANSWER_BYTES", 1000)
+    server, url = await _serve(lambda request: (head + b" " * 5000,))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    error = (await r.json())["error"]
+    assert r.status == 502 and error["code"] == "upstream_error" and "over 1000 bytes" in error["message"], error
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
+async def test_only_the_start_of_an_error_body_is_read(aiohttp_client, tmp_path):
+    async def answer(writer, request, n):   # announces 100 MB, sends 100 kB, then waits
+        writer.write(b"HTTP/1.1 500 Oops\r\nContent-Length: 100000000\r\n\r\n" + b"e" * 100_000)
+        await writer.drain()
+        await asyncio.sleep(30)
+
+    server, url, _, _ = await _raw_server(answer)
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, str(url.with_path("/v1")))
+    r = await asyncio.wait_for(client.post("/v1/chat/completions", json=CHAT), 5)
+    error = (await r.json())["error"]
+    assert r.status == 500 and error["code"] == "upstream_error" and "e" * 400 in error["message"], error
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
+@pytest.mark.parametrize("status", [600, 1000, 302, 103])
+async def test_a_status_neither_success_nor_error_is_a_502(aiohttp_client, tmp_path, status):
+    server, url = await _serve(lambda request: _reply(status, b'{"error": {"message": "odd"}}'))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    for stream in (False, True):
+        r = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+        error = (await r.json())["error"]
+        assert r.status == 502 and error["code"] == "upstream_error" and f"status {status}" in error["message"]
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
+@pytest.mark.parametrize("body, message", [(b'{"error": "bad thing"}', "bad thing"),
+                                           (b'{"error": null}', '{"error": null}'),
+                                           (b'{"error": 7}', '{"error": 7}'),
+                                           (b"[1, 2]", "[1, 2]")], ids=["string", "null", "number", "list"])
+async def test_an_error_body_not_in_the_openai_format_is_put_in_it(aiohttp_client, tmp_path, body, message):
+    server, url = await _serve(lambda request: _reply(400, body))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    error = (await r.json())["error"]
+    assert r.status == 400, error
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == "upstream_error"
+    assert error["message"] == f"upstream pool 'remote' answered 400: {message}"
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
+@pytest.mark.parametrize("status, code", [(200, "upstream_error"), (400, "upstream_error")])
+async def test_json_nested_past_the_decoders_depth_is_not_a_500(aiohttp_client, tmp_path, status, code):
+    server, url = await _serve(lambda request: _reply(status, b"[" * 5000 + b"]" * 5000))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    error = (await r.json())["error"]
+    assert r.status == (502 if status == 200 else status) and error["code"] == code, error
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
+@pytest.mark.parametrize("body", [{"error": "bad thing"}, {"error": None}, {"error": 3}, [1], "x"])
+def test_a_relayed_error_of_any_shape_is_an_api_error(body):
+    error = _relayed_error(web.json_response(body, status=400))
+    assert error.status == 400 and isinstance(error.message, str)
+
+
+@pytest.mark.parametrize("usage", ["lots", {"prompt_tokens": -1}, "3", None, 3,
+                                   {"prompt_tokens": "3", "completion_tokens": "4"},
+                                   {"prompt_tokens": True, "completion_tokens": 2.5}])
+async def test_a_malformed_usage_is_relayed_and_not_counted(aiohttp_client, tmp_path, usage):
+    server, url = await _serve(lambda request: _reply(200, _chat_answer(usage)))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    answer = await r.json()
+    assert r.status == 200 and answer["usage"] == usage and answer["model"] == FRONT, answer
+    series = gateway.metrics.pool_series("remote")
+    assert series.prompt_tokens._value.get() == series.generation_tokens._value.get() == 0
+    server.close()
+
+
+async def test_the_valid_counts_of_a_usage_are_counted(aiohttp_client, tmp_path):
+    server, url = await _serve(lambda request: _reply(200, _chat_answer({"prompt_tokens": 5,
+                                                                           "completion_tokens": -2})))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status == 200
+    series = gateway.metrics.pool_series("remote")
+    assert (series.prompt_tokens._value.get(), series.generation_tokens._value.get()) == (5, 0)
+    server.close()
+
+
+async def test_a_stream_answered_without_streaming(aiohttp_client, tmp_path):
+    answers = iter([_reply(200, _chat_answer(None)), _reply(429, b'{"error": {"message": "slow down", "type": "x", '
+                                                                 b'"param": null, "code": "rate_limited"}}')])
+    server, url = await _serve(lambda request: next(answers))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    error = (await r.json())["error"]
+    assert r.status == 502 and error["code"] == "upstream_error" and "did not stream" in error["message"], error
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status == 429 and (await r.json())["error"]["code"] == "rate_limited"
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
+async def test_batch_lines_keep_what_the_upstream_answered(aiohttp_client, tmp_path):
+    def answer(request: bytes) -> bytes:
+        prompt = json.loads(request.split(b"\r\n\r\n", 1)[1])["messages"][0]["content"]
+        return {"usage": _reply(200, _chat_answer("lots")), "plain": _reply(400, b'{"error": "bad thing"}'),
+                "null": _reply(400, b'{"error": null}'), "odd": _reply(600, b"{}")}[prompt]
+
+    server, url = await _serve(answer)
+    done, errors = await _run_batch(aiohttp_client, tmp_path, url, "usage", "plain", "null", "odd")
+    assert done["request_counts"] == {"total": 4, "completed": 1, "failed": 3}, done
+    statuses = {e["custom_id"]: (e["response"]["status_code"], e["response"]["body"]["error"]) for e in errors}
+    assert statuses["plain"][0] == statuses["null"][0] == 400
+    assert "bad thing" in statuses["plain"][1]["message"]
+    assert statuses["odd"][0] == 502 and statuses["odd"][1]["code"] == "upstream_error"
+    server.close()
