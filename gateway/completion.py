@@ -60,7 +60,7 @@ from gateway.workers.deaths import LOSS, Death, DeathsUnder
 from gateway.openai.tool_grammar import thinking_first
 from gateway.openai.tool_specs import schema_error
 from gateway.openai.tools import ToolFormat, format_for
-from gateway.upstream.relay import forward
+from gateway.upstream.relay import forward, openai_error
 from pools.pool import Pool
 
 log = logging.getLogger("cliffguard.gateway")
@@ -286,15 +286,6 @@ def _json_reply(req: ChatRequest, fmt: ToolFormat, pool: Pool) -> StructuredOutp
 
 
 def _relayed_error(response: web.Response) -> ApiError:
-    """An upstream's error response (`gateway.upstream.relay` puts it in the OpenAI format) as an ApiError; an
-    error of another shape keeps its status, its text as the message."""
-    try:
-        body = json.loads(response.body)
-    except (ValueError, RecursionError):
-        body = None
-    error = body.get("error") if isinstance(body, dict) else None
-    if not isinstance(error, dict):
-        text = error if isinstance(error, str) else bytes(response.body)[:500].decode(errors="replace")
-        return ApiError(response.status, text, type="server_error", code="upstream_error")
-    return ApiError(response.status, str(error.get("message") or ""), param=error.get("param"),
-                    type=error.get("type", "server_error"), code=error.get("code"))
+    """An upstream's error response as an ApiError with its status (`relay.openai_error`'s rule)."""
+    error = openai_error(bytes(response.body), f"the upstream answered {response.status}")
+    return ApiError(response.status, error["message"], param=error["param"], type=error["type"], code=error["code"])

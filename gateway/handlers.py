@@ -33,7 +33,7 @@ _JSON = msgspec.json.Decoder()
 
 
 BODY_READ_SECONDS = 30.0   # a request body of which no byte came for this long is a 408
-MIN_BODY_BYTES_PER_SECOND = 64 << 10   # ... and so is one slower on average than this, once that long has passed
+MIN_BODY_BYTES_PER_SECOND = 64 << 10   # ... and one behind this pace after that grace: 30 s + received / this
 T = TypeVar("T")
 
 
@@ -44,10 +44,10 @@ async def read_body(request: web.Request) -> bytes:
 
 async def read_within(request: web.Request, reading: Awaitable[T]) -> T:
     """`reading` (what reads the request's body: `request.read()`, a multipart form), or a 408 (connection
-    closed) once the client has sent no byte of the body for BODY_READ_SECONDS, or, past that time, has sent
-    it slower on average than MIN_BODY_BYTES_PER_SECOND: a body that never finishes, or trickles, would hold
-    its connection, handler and what it sent so far for good. A body already whole (most: it came with its
-    headers) is read at once, with no task and no watch."""
+    closed) once the client has sent no byte of the body for BODY_READ_SECONDS, or more than BODY_READ_SECONDS
+    + (bytes received) / MIN_BODY_BYTES_PER_SECOND have passed since it began: a body that never finishes,
+    or trickles, would hold its connection, handler and what it sent so far for good. A body already whole
+    (most: it came with its headers) is read at once, with no task and no watch."""
     content = request.content
     if content.is_eof():
         return await reading
@@ -86,7 +86,7 @@ def body_timeout(reason: str) -> ApiError:
 
 async def read_json(request: web.Request) -> Any:
     """The request body as JSON; 400 naming `body` when it is empty, invalid or nested too deeply, 408 when it
-    stalls for BODY_READ_SECONDS. msgspec decodes it (6x json's speed); a body msgspec refuses gets
+    stalls (`read_within`). msgspec decodes it (6x json's speed); a body msgspec refuses gets
     json's answer, so both take the same bodies."""
     raw = await read_body(request)
     if not raw:

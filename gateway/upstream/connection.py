@@ -162,8 +162,8 @@ class UpstreamResponse:
             async for piece in body:
                 pieces.append(piece)
                 size += len(piece)
-                if size >= num_bytes:
-                    break
+                if size > num_bytes:
+                    break   # more than asked: the rest is left, the connection closed
         return b"".join(pieces)[:num_bytes]
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -332,6 +332,8 @@ async def _read_head(conn: _Connection, timeout: float) -> tuple[int, dict[str, 
     parts = lines[0].split(" ", 2)
     if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not (parts[1].isascii() and parts[1].isdigit()):
         raise UpstreamDisconnected(f"not an HTTP answer: {lines[0][:80]!r}")
+    if 100 <= int(parts[1]) < 200 and int(parts[1]) != 101:   # an interim answer (100, 103): the real one follows
+        return await _read_head(conn, timeout)
     headers: dict[str, str] = {}
     for line in lines[1:]:
         name, sep, value = line.partition(":")

@@ -87,8 +87,12 @@ def redact(url: str) -> str:
 
 
 def _rename(obj: Any, model: str) -> Any:
-    if isinstance(obj, dict) and "model" in obj:
-        obj["model"] = model
+    """The client's model name put back: at the top (a completion, a chunk, a Response) and in a Responses
+    stream event's `response`."""
+    if isinstance(obj, dict):
+        for holder in (obj, obj.get("response")):
+            if isinstance(holder, dict) and "model" in holder:
+                holder["model"] = model
     return obj
 
 
@@ -165,6 +169,15 @@ async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
         raw = await upstream.read_start(MAX_ERROR_BYTES)
     except (UpstreamDisconnected, OSError) as exc:
         raise _upstream_failed(pool, "dropped the answer", exc, "upstream_disconnected") from None
+    return web.json_response({"error": openai_error(raw, f"upstream pool {pool.name!r} answered {status}")},
+                             status=status, headers={"x-cliffguard-pool": pool.name})
+
+
+def openai_error(raw: bytes, context: str) -> dict[str, Any]:
+    """An upstream's error body as an OpenAI error object, every field there: its own `error` object (the
+    message as text, `param` and `code` as text or null), else one quoting its text (its `error` string or
+    the body's start) after `context`, with code `upstream_error`. The one rule for relayed HTTP errors
+    and for the batch and background runs that read them (`gateway.completion`)."""
     try:
         payload = msgspec.json.decode(raw)
     except (ValueError, RecursionError):   # not JSON (or cut at MAX_ERROR_BYTES), or nested too deep
@@ -172,17 +185,22 @@ async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
     error = payload.get("error") if isinstance(payload, dict) else None
     if not isinstance(error, dict):
         text = error if isinstance(error, str) and error else raw[:500].decode(errors="replace")
-        payload = {"error": {"message": f"upstream pool {pool.name!r} answered {status}: {text}",
-                             "type": "server_error", "param": None, "code": "upstream_error"}}
-    return web.json_response(payload, status=status, headers={"x-cliffguard-pool": pool.name})
+        return {"message": f"{context}: {text}", "type": "server_error", "param": None, "code": "upstream_error"}
+    def text_or_none(value: Any) -> str | None:
+        return None if value is None else str(value)
+    return {"message": str(error.get("message") or ""), "type": str(error.get("type") or "server_error"),
+            "param": text_or_none(error.get("param")), "code": text_or_none(error.get("code"))}
 
 
 async def _relay_stream(request: web.Request, pool: Pool, upstream: UpstreamResponse, client_model: str,
                         metrics: GatewayMetrics, received: float, write_timeout: float) -> web.StreamResponse:
     """The upstream's SSE events, each relayed as it arrives with the client's model name put back; a
     client that takes nothing for `write_timeout` seconds is cut off (ClientGone). An upstream that fails
-    midway ends the stream with an error event and `[DONE]` (none after its own `[DONE]`)."""
+    before its stream ended (`[DONE]`; a Responses stream: its `response.completed` / `incomplete` /
+    `failed` event) ends it with our error: a chat or completions stream `data: {"error": ...}` then
+    `[DONE]`, a Responses stream an `error` event (OpenAI's `ResponseErrorEvent`)."""
     response = await start_sse(request, {"x-cliffguard-pool": pool.name})
+    responses = request.path.endswith("/responses")
 
     async def write(data: bytes) -> None:
         await write_within(request, response.write(data), write_timeout, metrics, pool.name,
@@ -195,18 +213,33 @@ async def _relay_stream(request: web.Request, pool: Pool, upstream: UpstreamResp
                 log.warning("%s: %s", request.path, event.message)
                 failed = True
                 if not done:
-                    await write(b"data: " + json.dumps(event.body(), ensure_ascii=False).encode()
-                                + b"\n\ndata: [DONE]\n\n")
+                    await write(_error_tail(event, responses))
                 break
             await write(_relay_event(event, client_model) + b"\n\n")
-            done = done or event == b"data: [DONE]"
-            if first and event.startswith(b"data: {"):
+            done = done or _ends_stream(event)
+            if first and b"data: {" in event:
                 metrics.pool_series(pool.name).ttft.observe(time.perf_counter() - received)
                 first = False
     if not failed:
         metrics.pool_series(pool.name).e2e.observe(time.perf_counter() - received)
     await response.write_eof()
     return response
+
+
+_FINAL_RESPONSE_EVENTS = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
+
+
+def _ends_stream(event: bytes) -> bool:
+    """The event is a stream's last: `[DONE]`, or a Responses stream's final Response."""
+    return event == b"data: [DONE]" or event.startswith(_FINAL_RESPONSE_EVENTS)
+
+
+def _error_tail(error: ApiError, responses: bool) -> bytes:
+    body = error.body()["error"]
+    if responses:
+        event = {"type": "error", "code": body["code"], "message": body["message"], "param": body["param"]}
+        return b"event: error\ndata: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + json.dumps({"error": body}, ensure_ascii=False).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 async def _events(pool: Pool, upstream: UpstreamResponse) -> AsyncIterator[bytes | ApiError]:
@@ -226,12 +259,19 @@ async def _events(pool: Pool, upstream: UpstreamResponse) -> AsyncIterator[bytes
         yield _upstream_failed(pool, "dropped the stream", exc, "upstream_disconnected")
         return
     if tail.strip():
-        yield bytes(tail)
+        yield bytes(tail.rstrip(b"\r"))
 
 
 def _split_events(tail: bytearray, data: bytes) -> list[bytes]:
     """Add `data` to `tail` (a stream's bytes not yet split) and take out the events it completed; only
-    the new bytes are searched, so a long event costs its length once."""
+    the new bytes are searched, so a long event costs its length once. Line ends are `\n`, `\r\n` or `\r`
+    (the SSE grammar; sse-starlette sends `\r\n`), made `\n` as they come: a `\r` last in `data` is kept
+    as it is until the next bytes tell whether a `\n` follows it."""
+    if tail.endswith(b"\r"):
+        del tail[-1:]
+        data = data if data.startswith(b"\n") else b"\n" + data
+    pending = data.endswith(b"\r")
+    data = (data[:-1] if pending else data).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
     start = max(len(tail) - 1, 0)   # a "\n\n" may straddle the old bytes and the new
     tail += data
     events, begin = [], 0
@@ -239,15 +279,19 @@ def _split_events(tail: bytearray, data: bytes) -> list[bytes]:
         events.append(bytes(tail[begin:end]))
         begin = start = end + 2
     del tail[:begin]
+    if pending:
+        tail += b"\r"
     return events
 
 
 def _relay_event(event: bytes, model: str) -> bytes:
-    """One SSE event with the client's model name put back into its JSON data."""
-    if not event.startswith(b"data: {"):
+    """One SSE event with the client's model name put back into the JSON of its `data:` line (an event may
+    open with an `event:` line, as the Responses API's do)."""
+    head, sep, data = event.rpartition(b"data: ")
+    if not data.startswith(b"{") or (sep and head and not head.endswith(b"\n")):
         return event
     try:
-        obj = json.loads(event[6:])
+        obj = json.loads(data)
     except (ValueError, RecursionError):
         return event
-    return b"data: " + json.dumps(_rename(obj, model), ensure_ascii=False).encode()
+    return head + b"data: " + json.dumps(_rename(obj, model), ensure_ascii=False).encode()

@@ -196,7 +196,7 @@ async def test_only_the_start_of_an_error_body_is_read(aiohttp_client, tmp_path)
     server.close()
 
 
-@pytest.mark.parametrize("status", [600, 1000, 302, 103])
+@pytest.mark.parametrize("status", [600, 1000, 302])
 async def test_a_status_neither_success_nor_error_is_a_502(aiohttp_client, tmp_path, status):
     server, url = await _serve(lambda request: _reply(status, b'{"error": {"message": "odd"}}'))
     gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
@@ -204,6 +204,57 @@ async def test_a_status_neither_success_nor_error_is_a_502(aiohttp_client, tmp_p
         r = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
         error = (await r.json())["error"]
         assert r.status == 502 and error["code"] == "upstream_error" and f"status {status}" in error["message"]
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
+async def test_an_interim_answer_is_skipped_for_the_one_that_follows(aiohttp_client, tmp_path):
+    """100 Continue and 103 Early Hints come before the real answer (RFC 9110: a client skips them)."""
+    answer = _reply(200, _chat_answer({"prompt_tokens": 1, "completion_tokens": 1}))
+    server, url = await _serve(lambda request: b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\n"
+                                               b"Link: </x>\r\n\r\n" + answer)
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    assert r.status == 200 and (await r.json())["model"] == FRONT
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
+async def test_crlf_separated_events_are_relayed_one_by_one(aiohttp_client, tmp_path):
+    """sse-starlette (llama-cpp-python's server) ends lines with CRLF: each event is its own, renamed."""
+    events = EVENT.replace(b"\n", b"\r\n") * 2 + b"data: [DONE]\r\n\r\n"
+    server, url = await _serve(lambda request: _reply(200, events, "text/event-stream"))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    relayed = [e for e in (await r.text()).split("\n\n") if e]
+    assert len(relayed) == 3 and relayed[-1] == "data: [DONE]", relayed
+    assert all(json.loads(e.removeprefix("data: "))["model"] == FRONT for e in relayed[:2])
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
+@pytest.mark.parametrize("ended", [False, True])
+async def test_a_responses_stream_that_fails_ends_with_an_error_event_unless_it_had_ended(aiohttp_client, tmp_path,
+                                                                                       ended):
+    """A Responses stream has no [DONE]: a failure after `response.completed` adds nothing; before it, an
+    `error` event (OpenAI's ResponseErrorEvent), with the model names put back in the events relayed."""
+    created = (b'event: response.created\ndata: {"type": "response.created", '
+               b'"response": {"model": "upstream-model"}}\n\n')
+    completed = created.replace(b"response.created", b"response.completed")
+    body = created + (completed if ended else b"")
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server, url = await _serve(lambda request: (head + b"%x\r\n" % len(body) + body + b"\r\n",))   # then drops
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/responses", json={"model": FRONT, "input": "hi", "stream": True})
+    events = [e for e in (await r.text()).split("\n\n") if e]
+    assert json.loads(events[0].split("data: ", 1)[1])["response"]["model"] == FRONT
+    if ended:
+        assert len(events) == 2 and events[1].startswith("event: response.completed"), events
+    else:
+        assert len(events) == 2 and events[1].startswith("event: error\ndata: "), events
+        error = json.loads(events[1].split("data: ", 1)[1])
+        assert error["type"] == "error" and error["code"] == "upstream_disconnected"
+    assert "[DONE]" not in "".join(events)
     _assert_no_slot_held(gateway)
     server.close()
 
