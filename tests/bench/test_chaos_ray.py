@@ -291,6 +291,7 @@ def _one_node_config(model, address: str) -> str:
                         f"placement: ray, ray_address: '{address}'}}")
 
 
+@pytest.mark.slow   # ~25 s; a node lost under two replicas is in the default suite (test_ray_placement.py)
 async def test_losing_the_only_node_answers_each_waiting_request_503_with_retry_after_never_poison(
         one_node_cluster, aiohttp_client, tmp_path, tiny_model):
     import asyncio

@@ -105,7 +105,7 @@ async def test_a_body_that_never_finishes_is_a_408(tmp_path, monkeypatch):
 async def test_a_slow_body_that_keeps_coming_is_read_whole_and_a_trickle_is_a_408(tmp_path, monkeypatch):
     """A body coming in over four times BODY_READ_SECONDS, never silent that long and above the minimum
     rate, is read (and answered: the upstream is down, a 502); below the rate it is a 408."""
-    monkeypatch.setattr(handlers, "BODY_READ_SECONDS", 0.5)
+    monkeypatch.setattr(handlers, "BODY_READ_SECONDS", 0.3)
     monkeypatch.setattr(handlers, "MIN_BODY_BYTES_PER_SECOND", 1)
     body = json.dumps({"model": FRONT, "messages": [{"role": "user", "content": "hi"}]}).encode()
     runner = await start_server(create_app(_gateway(tmp_path)), "127.0.0.1", 0)
@@ -114,22 +114,22 @@ async def test_a_slow_body_that_keeps_coming_is_read_whole_and_a_trickle_is_a_40
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
         pieces = [body[i:i + len(body) // 8 + 1] for i in range(0, len(body), len(body) // 8 + 1)]
-        for piece in pieces:   # ~2.4 s in all, never 0.5 s without a byte
+        for piece in pieces:   # ~1.4 s in all, never 0.3 s without a byte
             writer.write(piece)
             await writer.drain()
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.15)
         raw = await asyncio.wait_for(reader.read(), 10)
         writer.close()
         status, answer = _status_and_body(raw)
         assert status == 502 and answer["error"]["code"] != "request_timeout", raw
-        monkeypatch.setattr(handlers, "MIN_BODY_BYTES_PER_SECOND", 1000)   # ~33 B/s now trickles
+        monkeypatch.setattr(handlers, "MIN_BODY_BYTES_PER_SECOND", 1000)   # ~70 B/s now trickles
         reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body))
         for piece in pieces:
             writer.write(piece)
             await writer.drain()
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.15)
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         writer.close()
         assert head.startswith(b"HTTP/1.1 408"), head

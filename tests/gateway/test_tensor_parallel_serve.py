@@ -57,6 +57,7 @@ def test_chat_streamed_equals_non_streamed_on_three_ranks(sdk):
     assert {p["tensor_parallel_size"] for p in pools} == {3}
 
 
+@pytest.mark.slow   # ~30 s; tool grammars are the gateway's, checked on one rank by test_tools.py, TP serving above
 def test_tool_calls_whole_and_streamed_on_three_ranks(sdk):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], tools=TOOLS,
                   tool_choice="required", max_tokens=200, temperature=0, frequency_penalty=0.5)
