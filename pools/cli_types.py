@@ -37,36 +37,32 @@ def positive_float(text: str) -> float:
     return value
 
 
+def _int_in(text: str, low: int, high: int, expected: str | None = None) -> int:
+    """`text` as an integer in low..high; else an ArgumentTypeError saying `expected` (default: the range)."""
+    value = _number(text, int)
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"must be {expected or f'an integer in {low}..{high}'}, got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1 (a count, a budget)."""
-    value = _number(text, int)
-    if not 1 <= value <= MAX_INT:
-        raise argparse.ArgumentTypeError(f"must be an integer in 1..{MAX_INT}, got {text!r}")
-    return value
+    return _int_in(text, 1, MAX_INT)
 
 
 def slots(text: str) -> int:
     """Replicas, or threads of a rank: an integer in 1..MAX_SLOTS (a device's own cap)."""
-    value = _number(text, int)
-    if not 1 <= value <= MAX_SLOTS:
-        raise argparse.ArgumentTypeError(f"must be an integer in 1..{MAX_SLOTS}, got {text!r}")
-    return value
+    return _int_in(text, 1, MAX_SLOTS)
 
 
 def seed(text: str) -> int:
     """A workload seed (numpy's generators take no negative one): an integer in 0..2^63-1."""
-    value = _number(text, int)
-    if not 0 <= value <= MAX_INT:
-        raise argparse.ArgumentTypeError(f"must be an integer in 0..{MAX_INT}, got {text!r}")
-    return value
+    return _int_in(text, 0, MAX_INT)
 
 
 def sampling_seed(text: str) -> int:
     """A sampling seed, as the HTTP API takes one: a signed 64-bit integer (what the worker's wire carries)."""
-    value = _number(text, int)
-    if not -MAX_INT - 1 <= value <= MAX_INT:
-        raise argparse.ArgumentTypeError(f"must be a 64-bit integer, got {text!r}")
-    return value
+    return _int_in(text, -MAX_INT - 1, MAX_INT, "a 64-bit integer")
 
 
 def non_negative_float(text: str) -> float:
