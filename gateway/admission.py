@@ -75,6 +75,7 @@ class AdmissionMetrics:
     def __init__(self, registry: CollectorRegistry, tenant_label: Callable[[str], str] = str) -> None:
         p = "cliffguard_"
         self.tenant_label = tenant_label   # a tenant's label value (a bounded set: see AdmissionControl.build)
+        self._depth_labels: dict[str, set[str]] = {}   # pool -> the tenant labels its queue depth was given
         self.credits_total = Gauge(p + "kv_credits_total", "KV token slots of the pool on the replica (one "
                                    "credit each).", _PR, registry=registry)
         self.credits_free = Gauge(p + "kv_credits_free", "Credits not held by admitted requests (0 while the "
@@ -102,10 +103,12 @@ class AdmissionMetrics:
                 labels = {"pool": pool.name, "replica": str(replica)}
                 self.credits_total.labels(**labels).set(account.total)
                 self.credits_free.labels(**labels).set(account.free if up else 0)
-            depths: dict[str, int] = {}
+            # a tenant whose last request ended is gone from the ledger: its series stays, at 0
+            depths = dict.fromkeys(self._depth_labels.setdefault(pool.name, set()), 0)
             for tenant, depth in admission.ledger.queued_by_tenant().items():
                 label = self.tenant_label(tenant)
                 depths[label] = depths.get(label, 0) + depth
+            self._depth_labels[pool.name].update(depths)
             for label, depth in depths.items():
                 self.queue_depth.labels(pool=pool.name, tenant=label).set(depth)
             self.queue_depth.labels(pool=pool.name, tenant="batch").set(admission.ledger.num_background_queued)

@@ -45,6 +45,10 @@ credits), or waits (None) for one that caches its prompt; `Ticket.replica` says 
 is down (`up` false: loading, restarting) takes nothing new. So a request waits on the pool, not on a
 replica; tenant channels and weights hold across replicas because there is one queue.
 
+Tenants seen: a tenant's queue state (its channels' fair-queueing tags, its allowance) lives while it has a
+request queued or admitted here, and is forgotten when its last one ends, so a gateway that takes any API key
+as a tenant of its own keeps no state for keys that came once.
+
 Ints only, no asyncio, no locks: the gateway calls it from its event loop (ints, so it is tested in
 milliseconds). `pools.credits.queue` is the async layer the gateway awaits.
 """
@@ -83,6 +87,7 @@ class CreditLedger:
         self.quantum = quantum or max(1, max(totals) // 8)   # tokens per weight per visit
         self.policies = dict(tenants or {})
         self._tenants: dict[str, TenantQueue] = {}
+        self._live: dict[str, int] = {}              # tenant -> its interactive tickets, queued or admitted
         self._active: deque[str] = deque()           # tenants with queued requests, in visiting order
         self._topped_up = False                      # the tenant at the front got its quantum this visit
         self._first: Ticket | None = None            # the head that waits for its replicas (goes first)
@@ -151,7 +156,7 @@ class CreditLedger:
         return ticket.num_tokens - self.block_size * sum(1 for h in ticket.blocks if self._shared(account, h))
 
     def queued_by_tenant(self) -> dict[str, int]:
-        """Queued interactive requests per tenant (tenants seen so far, zeros included)."""
+        """Queued interactive requests per tenant (those with a request queued or admitted, zeros included)."""
         return {name: sum(len(c) for c in tenant.channels.values()) for name, tenant in self._tenants.items()}
 
     @property
@@ -213,6 +218,7 @@ class CreditLedger:
             self._background.append(ticket)
             return ticket
         state = self._tenants.setdefault(tenant, TenantQueue(policy.weight))
+        self._live[tenant] = self._live.get(tenant, 0) + 1
         if not state.channels:
             self._active.append(tenant)
         state.append(ticket)
@@ -390,6 +396,7 @@ class CreditLedger:
         if ticket is None or not ticket.admitted:
             raise KeyError(f"request_id: {request_id!r} holds no credits")
         del self._tickets[request_id]
+        self._ended(ticket)
         account = self.accounts[ticket.replica]
         account.num_seqs -= account.seqs_of(ticket)
         account.headroom.remove(ticket.flow_key, ticket.num_tokens, ticket.num_seqs)
@@ -432,7 +439,18 @@ class CreditLedger:
             self._first = None
         self._tenants[ticket.tenant].remove(ticket)
         self._leave_if_empty(ticket.tenant)
+        self._ended(ticket)
         return True
+
+    def _ended(self, ticket: Ticket) -> None:
+        """`ticket` left the ledger: its tenant's queue state is forgotten with its last request (module docstring)."""
+        if ticket.background:
+            return
+        left = self._live[ticket.tenant] - 1
+        if left:
+            self._live[ticket.tenant] = left
+        else:
+            del self._live[ticket.tenant], self._tenants[ticket.tenant]
 
     def check_integrity(self) -> None:
         """held == what admitted tickets hold on each replica, 0 <= free <= total there, every queued
@@ -460,6 +478,12 @@ class CreditLedger:
         if (self.queued_tokens, self.background_tokens) != asked:
             raise AssertionError(f"queue: {self.queued_tokens} credits counted queued ({self.background_tokens} "
                                  f"of batch lines), the tickets ask {asked[0]} ({asked[1]})")
+        live: dict[str, int] = {}
+        for t in self._tickets.values():
+            if not t.background:
+                live[t.tenant] = live.get(t.tenant, 0) + 1
+        if live != self._live or set(self._tenants) != set(live):
+            raise AssertionError(f"queue: {len(self._tenants)} tenants kept, {len(live)} with requests here")
         if sorted(self._active) != sorted(n for n, s in self._tenants.items() if s.channels):
             raise AssertionError(f"queue: active tenants {list(self._active)} do not match the channels")
         if self._first is not None and self._first.request_id not in queued:

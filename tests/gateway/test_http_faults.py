@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 from aiohttp import web
@@ -17,6 +18,7 @@ from gateway.admission import UNLISTED_TENANT, AdmissionControl
 from gateway.app import create_app, start_server
 from gateway.runtime import Gateway
 from pools.config.yaml_file import load_config
+from pools.credits.ledger import CreditLedger
 from pools.tenants import DEFAULT_TENANT, Tenants
 
 FRONT = "front-model"
@@ -213,3 +215,22 @@ def test_unlisted_keys_share_one_metrics_tenant_while_no_key_is_checked():
         control = AdmissionControl.build(Tenants(), [], CollectorRegistry(), {}, keys_checked=checked)
         assert control.metrics.tenant_label("key-0123abcd") == expected
         assert control.metrics.tenant_label(DEFAULT_TENANT) == DEFAULT_TENANT
+
+
+def test_the_queue_depth_of_a_tenant_whose_last_request_ended_reads_zero():
+    """The ledger forgets a tenant with its last request; its series must not keep the last depth it had."""
+    registry = CollectorRegistry()
+    control = AdmissionControl.build(Tenants(), [], registry, {}, keys_checked=True)
+    ledger = CreditLedger(100)
+    pool = SimpleNamespace(name="chat", admission=SimpleNamespace(ledger=ledger))
+    ledger.submit("r0", 100, tenant="key-0123abcd")
+    ledger.submit("r1", 100, tenant="key-0123abcd")
+    ledger.admit()
+    depth = lambda: registry.get_sample_value("cliffguard_admission_queue_depth",  # noqa: E731
+                                              {"pool": "chat", "tenant": "key-0123abcd"})
+    control.metrics.refresh([pool])
+    assert depth() == 1
+    ledger.cancel("r1")
+    ledger.release("r0")
+    control.metrics.refresh([pool])
+    assert ledger.queued_by_tenant() == {} and depth() == 0

@@ -253,3 +253,36 @@ def test_the_queue_says_what_it_asks_and_which_request_is_first_in_line():
 async def _hold_once(queue, request_id: str, num_tokens: int) -> int:
     async with queue.hold(request_id, num_tokens) as ticket:
         return ticket.charged
+
+
+def test_a_tenant_is_forgotten_with_its_last_request_and_fair_within_its_busy_spell():
+    """Without a tenants: section every API key is a tenant: 2,000 keys that came once keep nothing once their
+    requests end (queued or admitted, released or cancelled), while a tenant with a request still running keeps
+    its fair-queueing tags: its burst admitted one by one still counts as served."""
+    ledger = CreditLedger(1000)
+    for i in range(2000):
+        ledger.submit(f"r{i}", 100, tenant=f"key-{i:08x}")
+        if i % 2:
+            ledger.cancel(f"r{i}")
+        else:
+            for ticket in ledger.admit():
+                ledger.release(ticket.request_id)
+    ledger.check_integrity()
+    assert ledger.queued_by_tenant() == {} and ledger.free == 1000
+
+    ledger.submit("big", 400, tenant="a")          # a's large flow, running for the rest of the test
+    assert [t.request_id for t in ledger.admit()] == ["big"]
+    for i in range(3):                             # a burst of a's large ones, each served as it comes
+        ledger.submit(f"a{i}", 100, tenant="a")
+        assert [t.request_id for t in ledger.admit()] == [f"a{i}"]
+        ledger.release(f"a{i}")
+    ledger.submit("late", 100, tenant="a")         # same flow as the burst: its tag is after the burst's
+    ledger.submit("small", 16, tenant="a")         # a flow that got nothing yet goes first
+    assert ledger.queued_by_tenant() == {"a": 2}
+    ledger.check_integrity()
+    ledger.release("big")
+    assert [t.request_id for t in ledger.admit()] == ["small", "late"]
+    for r in ("small", "late"):
+        ledger.release(r)
+    ledger.check_integrity()
+    assert ledger.queued_by_tenant() == {}
