@@ -158,12 +158,13 @@ class RequestState:
             if params.stop and not seq.is_finished:
                 # A stop string may be forming at the end: hold back what could be its start.
                 emit_to = max(seq.num_emitted_chars, emit_to - (max(len(s) for s in params.stop) - 1))
-            start_tok, end_tok = seq.num_emitted_tokens, seq.num_output_tokens
+            # overlapped steps: the tokens of the step in flight are placeholders until their values are read
+            start_tok, end_tok = seq.num_emitted_tokens, seq.num_known_output_tokens
             prompt_len = seq.num_prompt_tokens
             want_lp = params.logprobs is not None
             outputs.append(CompletionOutput(
                 index=seq.index, delta_text=seq.text.slice(seq.num_emitted_chars, emit_to),
-                delta_token_ids=seq.token_ids[prompt_len + start_tok:],
+                delta_token_ids=seq.token_ids[prompt_len + start_tok:prompt_len + end_tok],
                 num_tokens=end_tok,
                 finish_reason=seq.finish_reason.value if seq.finish_reason else None,
                 stop_reason=seq.stop_reason,

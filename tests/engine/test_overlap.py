@@ -44,13 +44,37 @@ def _result(out, reference: bool = False) -> list[tuple]:
             for c in sorted(out.outputs, key=lambda c: c.index)]
 
 
+def _generate_streamed(engine: LLMEngine, prompts, params) -> list:
+    """`engine.generate`, asserting that each sample's streamed deltas (what a client gets: ids, logprobs,
+    text, `num_tokens`) add up to its final output."""
+    params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    streamed: dict[tuple[str, int], list] = {}
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                ids, logprobs, text = streamed.setdefault((out.request_id, c.index), [[], [], ""])
+                ids += c.delta_token_ids
+                logprobs += c.delta_logprobs or []
+                streamed[out.request_id, c.index][2] = text + c.delta_text
+                assert c.num_tokens == len(ids) and all(t >= 0 for t in ids), (out.request_id, ids)
+            if out.finished:
+                final[out.request_id] = out
+    for (request_id, index), (ids, logprobs, text) in streamed.items():
+        c = next(c for c in final[request_id].outputs if c.index == index)
+        assert (ids, logprobs, text) == (c.token_ids, c.logprobs or [], c.text), (request_id, index)
+    return [final[f"r{i}"] for i in range(len(prompts))]
+
+
 def _run_both(path, prompts, params, **kwargs) -> tuple[list, LLMEngine]:
-    """Outputs without and with overlap (which must match), and the overlapped engine."""
+    """Outputs without and with overlap (which must match, streamed and whole), and the overlapped engine."""
     results = []
     for overlap in (False, True):
         engine = _engine(path, overlap, **kwargs)
         assert engine.overlap is overlap
-        results.append([_result(o, reference=not overlap) for o in engine.generate(prompts, params)])
+        results.append([_result(o, reference=not overlap) for o in _generate_streamed(engine, prompts, params)])
         assert_all_free(engine)
     assert results[0] == results[1]
     return results[1], engine
