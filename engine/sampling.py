@@ -41,6 +41,9 @@ MAX_STOP_TOKEN_IDS = 1024   # masked every step for every row: the list's length
 MAX_LOGIT_BIAS = 300        # OpenAI's limit on logit_bias entries
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
 MAX_ABS_PENALTY = 2.0       # presence_penalty and frequency_penalty: [-2, 2], as OpenAI
+# repetition_penalty's range: a seen token's logit is divided (or multiplied) by it in float32, where 1e-300 is 0
+# and 40 / 1e-38 is inf; within this range any finite logit stays finite
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 # What a grammar adds to a token it does not allow: far below any logit, and exp() of it is exactly 0 in
 # float32, so no sampling method can pick it (-inf would do the same, but 0 * -inf is NaN in the add).
 MASKED_LOGIT = -1e30
@@ -147,7 +150,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0     # [-2, 2]: subtracted once from each token already in the output
     frequency_penalty: float = 0.0    # [-2, 2]: subtracted once per occurrence in the output
-    repetition_penalty: float = 1.0   # > 0 (HF's): tokens in the prompt or output, logit / p if > 0 else * p
+    repetition_penalty: float = 1.0   # HF's, in [1e-6, 1e6]: tokens in the prompt or output, logit / p if > 0 else * p
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]) added to the logits
     structured: StructuredOutput | None = None     # the output must match this JSON schema or grammar
 
@@ -184,8 +187,9 @@ class SamplingParams:
             if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
                 raise ValueError(f"{name}: must be in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], got {value}")
         repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
-        if repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty: must be > 0, got {repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty: must be in [{low:g}, {high:g}] (1: none), got {repetition_penalty}")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured: must be a StructuredOutput, got {type(self.structured).__name__}")
         normalised = {
@@ -332,7 +336,8 @@ def _apply_top_p(logits: torch.Tensor, top_p: list[float]) -> None:
     sorted_logits = logits.sort(dim=-1, descending=True).values    # [num_rows, vocab]
     sorted_probs = sorted_logits.softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1).sub_(sorted_probs)  # exclusive cumsum; 0 for the top token
-    num_kept = (mass_before < p.unsqueeze(1)).sum(dim=-1, keepdim=True)  # [num_rows, 1], >= 1
+    # [num_rows, 1], >= 1 (a row of NaN logits, a model's overflow, keeps nothing: the clamp keeps it to a draw)
+    num_kept = (mass_before < p.unsqueeze(1)).sum(dim=-1, keepdim=True).clamp_(min=1)
     thresholds = sorted_logits.gather(1, num_kept - 1)             # [num_rows, 1]: the smallest kept logit
     logits.masked_fill_(logits < thresholds, -math.inf)
 

@@ -99,6 +99,8 @@ def _seeded_tokens(batch: list[SamplingRow], logits: torch.Tensor, position: int
     ({"frequency_penalty": -2.01}, "frequency_penalty"),
     ({"frequency_penalty": math.nan}, "frequency_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"),   # 0 in float32: a seen token's logit / 0 = inf
+    ({"repetition_penalty": 1e7}, "repetition_penalty"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"-1": 1}}, "logit_bias"),
     ({"logit_bias": {5: 100.5}}, "logit_bias[5]"),
@@ -184,6 +186,18 @@ def test_top_p_one_keeps_tail_in_a_top_p_batch() -> None:
     _apply_top_p(logits, [1.0, 0.5])
     assert logits[0].tolist() == [0.0, -30.0, -30.0]
     assert logits[1].tolist() == [0.0, -math.inf, -math.inf]
+
+
+def test_a_row_of_non_finite_logits_does_not_fail_the_step() -> None:
+    """A model's overflow gives one request NaN (or inf) logits: its top-p keeps nothing. The step must still
+    sample every row (it failed with an index of -1, ending the worker and every request in it)."""
+    logits = _make_logits(3, 64)
+    logits[1] = math.nan
+    logits[2, :5] = math.inf
+    rows = [_make_row(SamplingParams(temperature=0.7, top_p=0.9, seed=1))] * 3
+    good = _make_sampler()(logits[:1].clone(), rows[:1]).token_ids[0]
+    tokens = _make_sampler()(logits, rows).token_ids
+    assert tokens[0] == good and all(0 <= t < 64 for t in tokens)
 
 
 def test_min_p_drops_tokens_below_fraction_of_max() -> None:

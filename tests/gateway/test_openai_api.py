@@ -69,6 +69,7 @@ BAD_CHAT = [
     ("presence_penalty out of range", dict(CHAT, presence_penalty=2.5), "presence_penalty"),
     ("frequency_penalty string", dict(CHAT, frequency_penalty="x"), "frequency_penalty"),
     ("repetition_penalty zero", dict(CHAT, repetition_penalty=0), "repetition_penalty"),
+    ("repetition_penalty 0 in float32", dict(CHAT, repetition_penalty=1e-300), "repetition_penalty"),
     ("logit_bias not an object", dict(CHAT, logit_bias=[5, 1]), "logit_bias"),
     ("logit_bias key not a token id", dict(CHAT, logit_bias={"a": 1}), "logit_bias"),
     ("logit_bias bias out of range", dict(CHAT, logit_bias={"5": 101}), "logit_bias"),
