@@ -265,7 +265,6 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.schedulers[seq.pool].finish(seq, FinishReason.ABORT)
-        self.schedulers[request.seqs[0].pool].pause(request_id, False)   # one aborted while its grammar was built
         self._forget(request)
         return request.output(request.seqs)
 
@@ -445,8 +444,10 @@ class LLMEngine:
         return request.output(seqs)
 
     def _forget(self, request: RequestState) -> None:
-        """A request has ended: drop it and what the sampler keeps for its sequences."""
+        """A request has ended: drop it, what the sampler keeps for its sequences, and a pause that outlived
+        them (one paused while its grammar was built, which then failed or was aborted)."""
         del self.requests[request.request_id]
+        self.schedulers[request.seqs[0].pool].pause(request.request_id, False)
         for seq in request.seqs:
             self.sampler.release(seq.seq_id)
             self.runner.release(seq)

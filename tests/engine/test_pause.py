@@ -9,6 +9,7 @@ import pytest
 from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
+from engine.structured import StructuredOutput
 from tests.conftest import assert_all_free, make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -132,4 +133,19 @@ def test_a_paused_request_is_never_a_preemption_victim(tiny):
     engine.pause("b", False)
     final = _run_until_done(engine, ["a", "b"])
     assert all(len(out[0]) == 60 for out in final.values())
+    assert_all_free(engine)
+
+
+def test_a_request_paused_while_its_grammar_is_built_leaves_no_pause_when_the_build_fails(engine):
+    """A slow reader's pause can come before the request reaches its scheduler; if its grammar then fails to
+    build, the request ends there and its pause must end with it (it stayed for the worker's life)."""
+    vocab_size = engine.model_config.vocab_size
+    engine.add_request("g", PROMPTS[0], SamplingParams(max_tokens=5, structured=StructuredOutput(
+        "grammar", f'start: "a" <[{vocab_size + 9}]>')))
+    assert engine.pause("g", True)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [(o.finished, "grammar cannot be built" in (o.error or "")) for o in outs] == [(True, True)]
+    assert not engine.schedulers["default"].paused
     assert_all_free(engine)
