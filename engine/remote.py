@@ -2,12 +2,12 @@
 
 A `ReplicaServer` lives in a process that a cluster manager placed (a Ray actor: `ReplicaActor`, and
 `gateway.workers.ray_cluster` on the gateway's side). It binds a listening socket at once and runs two
-threads. The **accept thread** takes each connection through the handshake (`engine.wire.Handshake`:
-nothing of a message is read from a peer that does not prove the key) and hands it to the **engine
-thread**, which loads the engine, then serves every gateway connected, at once, with the same
-messages, the same loop, the same heartbeat thread and the same back-pressure as a local worker
-(`engine.worker._serve`, over an `engine.sessions.SessionHub`: the gateway's watchdog judges a replica
-as it judges a local worker). The engine is only ever touched by the engine thread (its CUDA device and
+threads. The **accept thread** starts a thread per connection that takes it through the handshake
+(`engine.wire.Handshake`: nothing of a message is read from a peer that does not prove the key; a silent
+peer holds only its own thread, for `HANDSHAKE_SECONDS`) and hands it to the **engine thread**, which
+loads the engine, then serves every gateway connected, at once, with the same messages, the same loop,
+the same heartbeat thread and the same back-pressure as a local worker (`engine.worker._serve`, over an
+`engine.sessions.SessionHub`: the gateway's watchdog judges a replica as it judges a local worker). The engine is only ever touched by the engine thread (its CUDA device and
 streams are that thread's).
 
 **Several gateways, one replica.** Each authenticated connection is a session; sessions come and go
@@ -54,6 +54,7 @@ __all__ = ["ReplicaServer", "ReplicaActor", "ReplicaChannel", "HANDSHAKE_SECONDS
            "KEEPALIVE_SECONDS", "UNREAD_SECONDS", "connect", "placed_config"]
 
 HANDSHAKE_SECONDS = 10.0   # a peer that has not finished the handshake by then is dropped
+MAX_HANDSHAKES = 64        # connections proving the key at once, each on its own thread; more are closed at once
 SILENCE_SECONDS = 20.0     # a connection that brought nothing this long is dropped, by either end
 KEEPALIVE_SECONDS = 2.0    # between the gateway's `Keepalive` frames
 UNREAD_SECONDS = 600.0     # the gateway's socket: how long a replica may leave its data unread (a step; as
@@ -120,7 +121,7 @@ class ReplicaServer:
     `address` is known at once; `state` is `loading`, `ready` or `failed: <reason>`; `key` is the
     32-byte secret a gateway must prove; `gateways` the addresses of the gateways served now. Thread
     rules: `start` once, from any thread; the engine (`_engine`) and the sessions are the engine
-    thread's; the accept thread hands connections to the hub (`SessionHub.attach`), or, while the
+    thread's; a connection's handshake thread hands it to the hub (`SessionHub.attach`), or, while the
     engine loads, to `_early` under `_lock`."""
 
     def __init__(self, config: EngineConfig, host: str, port: int = 0, key: bytes | None = None) -> None:
@@ -133,6 +134,7 @@ class ReplicaServer:
         self._hub = None                               # every gateway's session, once the engine is loaded
         self._lock = threading.Lock()
         self._early: list[ReplicaChannel] = []         # proved the key while the engine loads
+        self._handshakes = 0                           # connections proving their key now
         self._threads = (threading.Thread(target=self._run, name="cliffguard-replica", daemon=True),
                          threading.Thread(target=self._accept, name="cliffguard-replica-accept", daemon=True))
 
@@ -178,8 +180,8 @@ class ReplicaServer:
                 os._exit(1)
 
     def _accept(self) -> None:
-        """The accept thread: prove each connection's key, then hand it to the engine's hub (or hold it
-        while the engine loads; refuse it with the reason if the load failed)."""
+        """The accept thread: each connection proves its key on a thread of its own (`_admit`), so a peer that
+        connects and says nothing holds up no gateway; past `MAX_HANDSHAKES` at once a new one is closed."""
         while True:
             try:
                 conn, peer = self.listener.accept()
@@ -187,21 +189,37 @@ class ReplicaServer:
                 log.error("replica: accept failed: %s", exc)
                 time.sleep(1.0)
                 continue
-            try:
-                keys = self._handshake(conn)
-            except (OSError, WireError) as exc:
-                log.warning("replica: connection from %s refused: %s", peer, exc)
+            with self._lock:
+                busy = self._handshakes >= MAX_HANDSHAKES
+                self._handshakes += not busy
+            if busy:
+                log.warning("replica: connection from %s refused: %d handshakes under way", peer, MAX_HANDSHAKES)
                 conn.close()
                 continue
-            channel = ReplicaChannel(conn, keys, peer, SILENCE_SECONDS)
+            threading.Thread(target=self._admit, args=(conn, peer), name="cliffguard-replica-handshake",
+                             daemon=True).start()
+
+    def _admit(self, conn: socket.socket, peer) -> None:
+        """Prove `conn`'s key, then hand it to the engine's hub (or hold it while the engine loads; refuse it
+        with the reason if the load failed)."""
+        try:
+            keys = self._handshake(conn)
+        except (OSError, WireError) as exc:
+            log.warning("replica: connection from %s refused: %s", peer, exc)
+            conn.close()
+            return
+        finally:
             with self._lock:
-                hub, loading = self._hub, self.state == "loading"
-                if loading:
-                    self._early.append(channel)
-            if hub is not None:
-                hub.attach(channel, str(peer))
-            elif not loading:
-                self._refuse(channel)
+                self._handshakes -= 1
+        channel = ReplicaChannel(conn, keys, peer, SILENCE_SECONDS)
+        with self._lock:
+            hub, loading = self._hub, self.state == "loading"
+            if loading:
+                self._early.append(channel)
+        if hub is not None:
+            hub.attach(channel, str(peer))
+        elif not loading:
+            self._refuse(channel)
 
     def _refuse(self, channel: ReplicaChannel) -> None:
         """A gateway that connected to a replica whose load failed: the reason, then close."""
