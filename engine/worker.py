@@ -89,6 +89,12 @@ def worker_main(config: EngineConfig, sock: socket.socket, environ: dict[str, st
         _serve(engine, channel)
     except (BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         return  # the parent is gone
+    except UnreadableCommands as exc:   # the link's fault, not the requests': they may run elsewhere
+        try:
+            channel.send(Fatal(f"device worker: the gateway's commands cannot be read: {exc}", group_broke=True))
+            channel.drain(LAST_WORDS_SECONDS)
+        except OSError:
+            pass
     except Exception:  # noqa: BLE001 - a failed step: tell the parent, which fails the in-flight requests
         try:
             channel.send(Fatal(traceback.format_exc()))
@@ -172,6 +178,10 @@ class HeartbeatThread:
                 return   # the peer is gone; the loop notices too
 
 
+class UnreadableCommands(Exception):
+    """The gateway's side of the socket sent a frame the worker cannot decode."""
+
+
 def _serve(engine, channel: WorkerChannel) -> None:
     """The loop: drain commands, step, send deltas (and stats now and then) until told to stop, with a
     `HeartbeatThread` beside it for as long as it runs.
@@ -215,7 +225,10 @@ class _Loop:
         engine, channel = self.engine, self.channel
         turn_started = time.perf_counter()
         channel.flush()
-        messages = channel.receive()
+        try:
+            messages = channel.receive()
+        except OSError as exc:   # a frame that does not decode: a gateway of other code, or a corrupt stream
+            raise UnreadableCommands(str(exc)) from exc
         for msg in messages:
             if _handle(engine, channel, msg, self.faults):
                 return True

@@ -7,7 +7,9 @@ import json
 import os
 import pickle
 import signal
+import struct
 
+import msgspec
 import pytest
 
 from engine.client import AsyncEngineClient, EngineDeadError
@@ -205,5 +207,25 @@ def test_shutdown_reaps_and_a_client_starts_once(tiny_config):
         assert _num_fds() == fds
         with pytest.raises(RuntimeError, match="once"):
             await client.start()
+
+    asyncio.run(main())
+
+
+def test_a_command_the_worker_cannot_read_is_the_links_loss_not_the_requests(tiny_config):
+    """A frame that does not decode (a gateway of other code) ends the worker as a broken link: its requests
+    may run elsewhere. As a failed step it counted as the death of every request in flight (poison)."""
+    async def main():
+        client = AsyncEngineClient(tiny_config)
+        await client.start()
+        stream = client.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=480, ignore_eos=True))
+        await anext(stream)
+        body = msgspec.msgpack.encode(["AbortRequest", {"request_id": 7}])   # the id of the wrong type
+        client._channel.sock.send(struct.pack("!Q", len(body)) + body)
+        with pytest.raises(EngineDeadError, match="commands cannot be read"):
+            async with asyncio.timeout(10):
+                async for _ in stream:
+                    pass
+        assert not client.step_failed
+        await client.shutdown()
 
     asyncio.run(main())
