@@ -444,8 +444,7 @@ class LLMEngine:
         return request.output(seqs)
 
     def _forget(self, request: RequestState) -> None:
-        """A request has ended: drop it, what the sampler keeps for its sequences, and a pause that outlived
-        them (one paused while its grammar was built, which then failed or was aborted)."""
+        """A request has ended: drop it, what the sampler keeps for its sequences, and any pause of it."""
         del self.requests[request.request_id]
         self.schedulers[request.seqs[0].pool].pause(request.request_id, False)
         for seq in request.seqs:
