@@ -151,6 +151,26 @@ def complete_batch(db: sqlite3.Connection, batch_id: str, status: str, writers: 
     db.execute(f"UPDATE batches SET status=?, {final}_at=?, output_file_id=?, error_file_id=? WHERE id=?",
                (final, int(time.time()), *file_ids, batch_id))
     db.execute("DELETE FROM finalizing WHERE batch_id=?", (batch_id,))
+    drop_lines(db, batch_id)
+
+
+def request_counts(db: sqlite3.Connection, batch_id: str) -> dict[str, int]:
+    """OpenAI's `request_counts` of a batch: kept on its row once finished, else counted from its lines."""
+    kept = db.execute("SELECT request_counts FROM batches WHERE id=?", (batch_id,)).fetchone()
+    if kept is not None and kept[0] is not None:
+        return json.loads(kept[0])
+    counts = dict(db.execute("SELECT status = 'done' AND response_status BETWEEN 200 AND 299, count(*) FROM lines "
+                             "WHERE batch_id=? AND status != 'pending' GROUP BY 1", (batch_id,)).fetchall())
+    total = db.execute("SELECT count(*) FROM lines WHERE batch_id=?", (batch_id,)).fetchone()[0]
+    return {"total": total, "completed": counts.get(1, 0), "failed": counts.get(0, 0)}
+
+
+def drop_lines(db: sqlite3.Connection, batch_id: str) -> None:
+    """A finished batch keeps its request counts on its row, not its lines: its input and output files hold
+    their requests and answers, and the store kept every batch's traffic twice (deleted rows free whole
+    pages, which the next batch reuses; rows only emptied of their bodies freed none)."""
+    db.execute("UPDATE batches SET request_counts=? WHERE id=?", (json.dumps(request_counts(db, batch_id)), batch_id))
+    db.execute("DELETE FROM lines WHERE batch_id=?", (batch_id,))
 
 
 def fail_batch(db: sqlite3.Connection, batch_id: str, code: str, message: str) -> None:
@@ -161,3 +181,4 @@ def fail_batch(db: sqlite3.Connection, batch_id: str, code: str, message: str) -
     if cursor.rowcount:
         db.execute("DELETE FROM file_chunks WHERE file_id IN (?, ?)", result_file_ids(batch_id))
         db.execute("DELETE FROM finalizing WHERE batch_id=?", (batch_id,))
+        drop_lines(db, batch_id)

@@ -16,9 +16,10 @@ back a range at a time (`file_content(offset=, size=)`), so no value comes near 
 on one string or blob. The output and error files are assembled when the batch finalizes, by
 `finalize_step`: each step is one transaction that writes the next pieces of both files from the
 lines after a cursor (at most FINALIZE_STEP_BYTES of them, one line at a time out of SQLite) and
-moves the cursor (`finalizing` table); the last step adds the two files and marks the batch completed
-or cancelled. A crash between steps leaves the batch `finalizing` with the cursor of the last step
-committed, and finalizing again continues from it; the file ids are derived from the batch id, so
+moves the cursor (`finalizing` table); the last step adds the two files, marks the batch completed
+or cancelled, keeps its request counts on its row and deletes its lines (the files hold them). A crash between
+steps leaves the batch `finalizing` with the cursor of the last step committed, and finalizing again
+continues from it; the file ids are derived from the batch id, so
 every finalize gives the same files. An output or error file that would pass MAX_OUTPUT_FILE_BYTES
 fails the batch instead (`status: failed`, `errors` naming `output_too_large`), and a line answer
 whose JSON alone passes it is recorded as that line's error (`response_too_large`), not stored.
@@ -41,7 +42,9 @@ migrated in place in one transaction when the store opens (a crash leaves the ol
 next open migrates again; decided by the columns present):
 1 had no owners; 2 added `tenant` (version 1's rows: the store's `default_tenant`); 3 adds `owner`,
 the failed state (`failed_at`, `errors`), `file_chunks` and `finalizing`; 4 adds the Responses API's
-`responses` table (`pools.store.response_store`, which opens the same file). A version-2 row keeps its
+`responses` table (`pools.store.response_store`, which opens the same file); 5 adds `request_counts` to
+`batches`, where a batch finished since keeps its counts once its lines are deleted (a batch finished
+before keeps its lines). A version-2 row keeps its
 tenant as its tenant, and its owner is `legacy_owner(tenant)` (the gateway: `Tenants.legacy_owner`,
 whose rule keeps a row reachable by the key or shared tenant that reached it before wherever the
 configuration still tells which that is; without one, the tenant's name). That mapping is written
@@ -69,7 +72,7 @@ from pools.store.batch_input import (BATCH_ENDPOINTS, COMPLETION_WINDOWS, FILE_P
                                      check_metadata, clean_filename, is_text, parse_batch_input)
 from pools.store import batch_files
 from pools.store.batch_files import (UNFINISHED, ChunkWriter, assemble_step, fail_batch, insert_file, marks,
-                                     read_chunks, result_file_ids)
+                                     read_chunks, request_counts, result_file_ids)
 from pools.store.schema import StoreFile, migrate
 
 __all__ = ["BatchStore", "STORAGE_ERRORS"]
@@ -340,12 +343,7 @@ class BatchStore(StoreFile):
     def _batch_object(self, row: tuple) -> dict[str, Any]:
         """`row` (_BATCH_COLUMNS) as OpenAI's batch object; the caller holds the lock."""
         batch = dict(zip(_BATCH_KEYS, row))
-        counts = self._db.execute(
-            "SELECT status = 'done' AND response_status BETWEEN 200 AND 299, count(*) FROM lines "
-            "WHERE batch_id=? AND status != 'pending' GROUP BY 1", (batch["id"],)).fetchall()
-        total = self._db.execute("SELECT count(*) FROM lines WHERE batch_id=?", (batch["id"],)).fetchone()[0]
-        by_ok = dict(counts)
         metadata, errors = batch.pop("metadata"), batch.pop("errors")
         return {"object": "batch", **batch, "errors": None if errors is None else json.loads(errors),
                 "expires_at": None, "expired_at": None, "metadata": None if metadata is None else json.loads(metadata),
-                "request_counts": {"total": total, "completed": by_ok.get(1, 0), "failed": by_ok.get(0, 0)}}
+                "request_counts": request_counts(self._db, batch["id"])}

@@ -1,4 +1,4 @@
-"""The gateway store's SQLite schema (version 4) and its in-place migration from versions 1 to 3
+"""The gateway store's SQLite schema (version 5) and its in-place migration from versions 1 to 4
 (`pools.store.batch_store` explains what each version holds and how old rows get their owner). The Batch API's
 tables and, from version 4, the Responses API's stored responses (`pools.store.response_store`) share the file."""
 
@@ -56,13 +56,14 @@ ADDED_COLUMNS = (   # (table, column, definition) added to an older store's tabl
     ("files", "owner", "TEXT"),
     ("batches", "owner", "TEXT NOT NULL DEFAULT ''"),
     ("batches", "failed_at", "INTEGER"),
-    ("batches", "errors", "TEXT"))
+    ("batches", "errors", "TEXT"),
+    ("batches", "request_counts", "TEXT"))   # version 5: a finished batch's counts (JSON), its lines deleted
 INDEXES = ("DROP INDEX IF EXISTS batches_by_tenant",   # version 2's; batches are listed by owner
             "CREATE INDEX IF NOT EXISTS lines_by_status ON lines (batch_id, status, response_status)",
             "CREATE INDEX IF NOT EXISTS batches_by_owner ON batches (owner, seq)",
             "CREATE INDEX IF NOT EXISTS responses_by_owner ON responses (owner, seq)",
             "CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created_at)")
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 def connect(path: Path) -> sqlite3.Connection:

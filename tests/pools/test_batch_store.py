@@ -192,7 +192,15 @@ def test_a_result_is_recorded_once_and_the_files_assembled_at_finalize(tmp_path)
     assert store.file(done["output_file_id"], owner=OWNER)["purpose"] == "batch_output"   # the batch's owner's
     assert (done["output_file_id"], done["error_file_id"]) == result_file_ids(batch["id"])
     assert store.finalize(batch["id"]) == done                             # finalizing again: unchanged
+    assert done["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
+    assert _lines_kept(tmp_path / "b.sqlite3", batch["id"]) == 0   # the files hold them: not kept twice
     store.check_integrity()
+
+
+def _lines_kept(path: Path, batch_id: str) -> int:
+    """How many lines of the batch the store still keeps (a finished one's are in its files)."""
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        return db.execute("SELECT count(*) FROM lines WHERE batch_id=?", (batch_id,)).fetchone()[0]
 
 
 def test_cancel_keeps_what_finished_and_list_pages_newest_first(tmp_path):
@@ -536,6 +544,7 @@ def test_an_output_past_the_limit_fails_the_batch_and_keeps_nothing_of_it(tmp_pa
         assert db.execute("SELECT count(*) FROM file_chunks WHERE file_id IN (?, ?)",
                           result_file_ids(batch_id)).fetchone()[0] == 0
         assert db.execute("SELECT count(*) FROM finalizing").fetchone()[0] == 0
+    assert _lines_kept(path, batch_id) == 0
     store.check_integrity()
 
 
