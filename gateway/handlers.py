@@ -236,16 +236,11 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def refresh_metrics(gateway: Gateway) -> None:
-    """Bring the registry's device and credit series up to the stats each worker pushed last."""
+    """Bring the registry's device and credit series up to the stats each worker pushed last; a replica
+    not ready reads 0 for what it runs and ages its stats (`GatewayMetrics.update_replica`)."""
     if gateway.autoscaler is not None:
         gateway.autoscaler.export()
     for device, supervisors in gateway.supervisors.items():
         for replica, supervisor in enumerate(supervisors):
-            info, client = supervisor.info, supervisor.client
-            stats = client.latest_stats if client is not None else None
-            if info is None or stats is None:
-                continue
-            for name, pool_stats in stats.pools.items():
-                gateway.metrics.update_pool(name, replica, pool_stats, info.block_bytes)
-            gateway.metrics.update_device(device, replica, stats)
+            gateway.metrics.update_replica(device, replica, supervisor.client, supervisor.is_ready)
     gateway.admission.metrics.refresh(list(gateway.admission.pools.values()))

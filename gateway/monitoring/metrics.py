@@ -9,20 +9,26 @@ so existing dashboards translate; histogram buckets are vLLM's. Engine-side gaug
 (running, waiting, KV usage, preemptions) are refreshed at each scrape from the stats each device
 worker last pushed with its step outputs (`cliffguard_stats_age_seconds` says how old they are), so a
 scrape never waits for a model step; request-level histograms are observed by the gateway as
-responses stream. `cliffguard_death_spiral` is set by the gateway's detector (gateway.runtime.SpiralWatch)
-when a pool trips or clears, not at the scrape.
+responses stream. Counters count every worker's work across restarts (the dead worker's last totals
+once, the next worker's from 0 on top); a replica that is not ready reads 0 for what it runs while its
+stats age keeps growing (`update_replica`). `cliffguard_death_spiral` is set by the gateway's detector
+(gateway.runtime.SpiralWatch) when a pool trips or clears, not at the scrape.
 """
 
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, NamedTuple
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engine.stats import EngineStats, PoolStats
+
+if TYPE_CHECKING:
+    from engine.client import AsyncEngineClient
 
 # No `*_created` timestamp series (vLLM turns them off too): they double the exposition for nothing.
 disable_created_metrics()
@@ -66,8 +72,10 @@ class GatewayMetrics:
         self._add_device_series()
         self._add_overload_series()
         self._add_client_series()
-        # Engine counters arrive as totals; remember each series' last total to add only the difference.
-        self._last: dict[tuple[str, tuple[str, ...]], float] = {}
+        # Engine counters arrive as totals since their worker started: each series' worker and last total, to
+        # add only the difference; and per (device, replica) the client whose stats the series follow.
+        self._last: dict[tuple[str, tuple[str, ...]], tuple[Hashable, float]] = {}
+        self._followed: dict[tuple[str, int], AsyncEngineClient] = {}
 
     def _gauge(self, name: str, documentation: str, labels: list[str]) -> Gauge:
         return Gauge(_P + name, documentation, labels, registry=self.registry)
@@ -219,20 +227,23 @@ class GatewayMetrics:
                                               "(gateway.max_response_buffer_bytes, gateway.max_buffered_bytes).",
                                               _POOL)
 
-    def _advance(self, counter: Counter, series: str, total: float, **labels: str) -> None:
-        """Add what `total` grew by since the series' last total. The series is exported from the
-        first call on, zeros included."""
+    def _advance(self, counter: Counter, series: str, total: float, worker: Hashable, **labels: str) -> None:
+        """Add what `total` grew by since the series' last total from the same worker process (`worker`,
+        see `worker_identity`; None: not known, then a total that fell is taken for a restarted worker's):
+        all of another worker's total is new. The series is exported from the first call on, zeros included."""
         key = (series, tuple(labels.values()))
-        last = self._last.get(key, 0.0)
+        last_worker, last = self._last.get(key, (worker, 0.0))
         child = counter.labels(**labels)
-        if total < last:    # a restarted device worker counts from 0 again: all of its total is new
+        if worker != last_worker or total < last:    # a restarted device worker counts from 0 again
             last = 0.0
         if total > last:
             child.inc(total - last)
-        self._last[key] = total
+        self._last[key] = (worker, total)
 
-    def update_pool(self, name: str, replica: int, stats: PoolStats, block_bytes: int) -> None:
-        """Refresh one local pool on one replica from its worker's stats (see engine.worker.engine_stats)."""
+    def update_pool(self, name: str, replica: int, stats: PoolStats, block_bytes: int,
+                    worker: Hashable | None = None) -> None:
+        """Refresh one local pool on one replica from its worker's stats (see engine.worker.engine_stats);
+        `worker`: the identity of the worker process that counted them (`_advance`)."""
         labels = {"pool": name, "replica": str(replica)}
         self.running.labels(**labels).set(stats.num_running)
         self.waiting.labels(**labels).set(stats.num_waiting)
@@ -245,30 +256,95 @@ class GatewayMetrics:
         self.replica_held.labels(**labels).set(stats.held_credits)
         self.cpu_swap_usage.labels(**labels).set(stats.cpu_swap_usage)
         for mode, total in stats.num_preemptions_by_mode.items():
-            self._advance(self.preemptions, "preemptions", total, **labels, mode=mode)
-        self._advance(self.recomputed, "recomputed_tokens", stats.num_recomputed_tokens, **labels)
-        self._advance(self.aborted, "aborted", stats.num_aborted, **labels)
-        self._advance(self.swapped_out, "swapped_out_bytes", stats.swapped_out_bytes, **labels)
-        self._advance(self.swapped_in, "swapped_in_bytes", stats.swapped_in_bytes, **labels)
-        self._advance(self.preempt_time, "preempt_seconds", stats.preempt_seconds, **labels)
-        self._advance(self.prefix_queries, "prefix_queries", stats.num_prefix_queries, **labels)
-        self._advance(self.prefix_hits, "prefix_hits", stats.num_prefix_hits, **labels)
-        self._advance(self.computed_tokens, "computed_tokens", stats.num_computed_tokens, **labels)
-        self._advance(self.device_seconds, "device_seconds", stats.device_seconds, **labels)
+            self._advance(self.preemptions, "preemptions", total, worker, **labels, mode=mode)
+        self._advance(self.recomputed, "recomputed_tokens", stats.num_recomputed_tokens, worker, **labels)
+        self._advance(self.aborted, "aborted", stats.num_aborted, worker, **labels)
+        self._advance(self.swapped_out, "swapped_out_bytes", stats.swapped_out_bytes, worker, **labels)
+        self._advance(self.swapped_in, "swapped_in_bytes", stats.swapped_in_bytes, worker, **labels)
+        self._advance(self.preempt_time, "preempt_seconds", stats.preempt_seconds, worker, **labels)
+        self._advance(self.prefix_queries, "prefix_queries", stats.num_prefix_queries, worker, **labels)
+        self._advance(self.prefix_hits, "prefix_hits", stats.num_prefix_hits, worker, **labels)
+        self._advance(self.computed_tokens, "computed_tokens", stats.num_computed_tokens, worker, **labels)
+        self._advance(self.device_seconds, "device_seconds", stats.device_seconds, worker, **labels)
 
-    def update_device(self, device: str, replica: int, stats: EngineStats) -> None:
-        """Refresh the device-level series from the stats one replica's worker pushed last."""
+    def update_device(self, device: str, replica: int, stats: EngineStats,
+                      worker: Hashable | None = None) -> None:
+        """Refresh the device-level series from the stats one replica's worker pushed last (`worker`: as
+        for `update_pool`)."""
         labels = {"device": device, "replica": str(replica)}
         self.stats_age.labels(**labels).set(max(0.0, time.time() - stats.taken_at))
         step = stats.step
-        self._advance(self.steps, "steps", step.num_steps, **labels)
-        self._advance(self.busy_seconds, "busy_seconds", step.busy_seconds, **labels)
-        self._advance(self.targeted_steps, "targeted_steps", step.num_targeted_steps, **labels)
-        self._advance(self.steps_over_target, "steps_over_target", step.num_over_target, **labels)
+        self._advance(self.steps, "steps", step.num_steps, worker, **labels)
+        self._advance(self.busy_seconds, "busy_seconds", step.busy_seconds, worker, **labels)
+        self._advance(self.targeted_steps, "targeted_steps", step.num_targeted_steps, worker, **labels)
+        self._advance(self.steps_over_target, "steps_over_target", step.num_over_target, worker, **labels)
         self.step_target.labels(**labels).set(step.last_target_seconds or 0.0)
-        self._advance(self.pressed_steps, "pressed_steps", step.num_pressed_steps, **labels)
+        self._advance(self.pressed_steps, "pressed_steps", step.num_pressed_steps, worker, **labels)
         for pool, scale in step.target_scales.items():
             self.target_scale.labels(pool=pool, replica=str(replica)).set(scale)
 
+    def update_replica(self, device: str, replica: int, client: AsyncEngineClient | None, ready: bool) -> None:
+        """Refresh one replica's series from the stats its worker pushed last (`handlers.refresh_metrics`;
+        `client`: its supervisor's, `ready`: whether the supervisor says the replica is ready).
+
+        Counters count every step's work across restarts. The series follow one client at a time (one
+        worker process each: a restart is a new client, `DeviceSupervisor._new_client`) and switch to the
+        supervisor's client once it has pushed stats; the client followed until then is counted once
+        more first, with its final stats: what the dead worker counted between the last scrape and its
+        death is kept, and the new worker's totals are all new however far they got before the scrape.
+        A new client of the same process (a remote replica reached again, `worker_identity`) goes on
+        from where the old one left off. What a worker counted after its last push is never known.
+
+        Gauges: a replica not ready (its worker dead, restarting, loading again, stopped or parked by the
+        autoscaler), or ready but its new worker not heard from yet, runs and holds nothing as far as this gateway
+        can tell: its running, waiting, swapped, KV and CPU swap usage, credits and step target read 0. They are set
+        to 0 rather than removed, as series here are exported from the start on: each stays continuous (no gap or
+        staleness for Prometheus) and the replica stays listed on the dashboard and in sums over replicas, showing
+        that it runs nothing. The pool's allocation (blocks, max_num_seqs, KV bytes) keeps the last worker's, which
+        a restarted one allocates again. `stats_age_seconds` keeps growing from the last stats the replica pushed,
+        so an alert on it fires while a worker is down; a replica that never pushed stats to this gateway (loading
+        for the first time, failed to start, never started) exports none of these series: no stats are old, and
+        `cliffguard_replicas{state}` says why."""
+        followed = self._follow(device, replica, client)
+        if followed is None:
+            return
+        self._update_from(device, replica, followed)
+        if not (ready and followed is client):
+            self._zero_state(device, replica, followed.latest_stats)
+
+    def _follow(self, device: str, replica: int, client: AsyncEngineClient | None) -> AsyncEngineClient | None:
+        """The client whose stats the replica's series follow now (`update_replica`); None before any
+        pushed stats. Switching, the client followed until now is counted once more, with its final stats."""
+        key = (device, replica)
+        followed = self._followed.get(key)
+        if client is None or client is followed or client.latest_stats is None or client.info is None:
+            return followed
+        if followed is not None:
+            self._update_from(device, replica, followed)
+        self._followed[key] = client
+        return client
+
+    def _update_from(self, device: str, replica: int, client: AsyncEngineClient) -> None:
+        """Refresh the replica's pools and device series from the stats `client` holds."""
+        stats, worker = client.latest_stats, worker_identity(client)
+        for name, pool_stats in stats.pools.items():
+            self.update_pool(name, replica, pool_stats, client.info.block_bytes, worker)
+        self.update_device(device, replica, stats, worker)
+
+    def _zero_state(self, device: str, replica: int, stats: EngineStats) -> None:
+        """What a replica whose worker is not running runs and holds: nothing (`update_replica`)."""
+        for name in stats.pools:
+            labels = {"pool": name, "replica": str(replica)}
+            for gauge in (self.running, self.waiting, self.swapped, self.kv_usage, self.cpu_swap_usage,
+                          self.replica_reserved, self.replica_held):
+                gauge.labels(**labels).set(0)
+        self.step_target.labels(device=device, replica=str(replica)).set(0)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def worker_identity(client: AsyncEngineClient) -> Hashable:
+    """The worker process a loaded client talks to: its address (a remote replica's; None for a local
+    worker), pid and load time, as `DeviceSupervisor._ready` tells a new process from one reached again."""
+    return getattr(client, "address", None), client.info.pid, client.info.load_seconds

@@ -17,7 +17,8 @@ What it says: `cliffguard_device_overloaded{device}` (1 / 0), beside it `cliffgu
 `cliffguard_device_replicas_needed` (the replicas that would carry it at most 90% busy), per pool
 `cliffguard_pool_offered_tokens_per_second{pool,phase}`, `cliffguard_pool_capacity_tokens_per_second{pool,phase}`
 (over its ready replicas) and `cliffguard_pool_oldest_waiting_seconds{pool}`, per replica
-`cliffguard_device_busy_ratio` (the worker's measured step time over wall time); a WARNING when a
+`cliffguard_device_busy_ratio` (the worker's measured step time over wall time; 0 while the replica is not
+ready: a dead worker computes nothing); a WARNING when a
 device turns overloaded and an INFO line when it clears, each with the numbers; `/ready` lists it
 under `overloaded` (still 200: the device serves, slowly) and the dashboard shows it on its pools.
 Event-loop only; nothing here waits on a model step.
@@ -53,7 +54,8 @@ class OverloadWatch:
         self.detectors = {device: OverloadDetector() for device in self.pools}
         self.last: dict[str, DeviceLoad] = {}
         self._typical: dict[str, tuple[float, float]] = {}   # pool -> (prompt, output) of its last arrivals
-        self._busy: dict[tuple[str, int], tuple[float, float]] = {}   # (device, replica) -> (wall time, busy s)
+        # (device, replica) -> (the worker's client, wall time, its busy seconds) at the last check
+        self._busy: dict[tuple[str, int], tuple[object, float, float]] = {}
         self._ticker = Ticker("cliffguard-overload", OVERLOAD_INTERVAL, lambda: self.check(time.monotonic()), log,
                               "overload check failed")
         for device in self.pools:
@@ -84,11 +86,12 @@ class OverloadWatch:
         """The device's pools as the detector sees them now."""
         supervisors = self.supervisors.get(device, [])
         ready = [(r, s) for r, s in enumerate(supervisors) if s.is_ready and s.client is not None]
+        self._forget_down(device, {r for r, _ in ready})
         model = None
         for replica, supervisor in ready:
             stats = supervisor.client.latest_stats
             if stats is not None:
-                self._busy_ratio(device, replica, time.time(), stats.step.busy_seconds)
+                self._busy_ratio(device, replica, supervisor.client, time.time(), stats.step.busy_seconds)
                 model = model or stats.step.step_model
         loads = []
         for pool in self.pools[device]:
@@ -105,14 +108,23 @@ class OverloadWatch:
                                   wait_bound(pool.spec.max_queue_seconds)))
         return DeviceLoad(tuple(loads), len(ready))
 
-    def _busy_ratio(self, device: str, replica: int, wall: float, busy: float) -> None:
+    def _busy_ratio(self, device: str, replica: int, client: object, wall: float, busy: float) -> None:
         """The replica's step time since the last check over the wall time (its stats lag by at most the
-        worker's push interval; a restarted worker counts from 0 again and is measured from the next check)."""
+        worker's push interval; a restarted worker, a new client, counts from 0 again and is measured from
+        the next check)."""
         last = self._busy.get((device, replica))
-        if last is not None and wall > last[0] and busy >= last[1]:
+        if last is not None and last[0] is client and wall > last[1] and busy >= last[2]:
             self.metrics.device_busy.labels(device=device, replica=str(replica)).set(
-                min(1.0, (busy - last[1]) / (wall - last[0])))
-        self._busy[(device, replica)] = (wall, busy)
+                min(1.0, (busy - last[2]) / (wall - last[1])))
+        self._busy[(device, replica)] = (client, wall, busy)
+
+    def _forget_down(self, device: str, up: set[int]) -> None:
+        """The device's replicas measured before and not ready now (dead, restarting, parked): their busy
+        ratio reads 0, a dead worker computes nothing, rather than the last ratio frozen (the metrics'
+        gauges of such a replica read 0 too, `GatewayMetrics.update_replica`)."""
+        for key in [key for key in self._busy if key[0] == device and key[1] not in up]:
+            del self._busy[key]
+            self.metrics.device_busy.labels(device=device, replica=str(key[1])).set(0)
 
     def _export(self, device: str, load: DeviceLoad, overloaded: bool) -> None:
         m = self.metrics

@@ -1,0 +1,230 @@
+"""`/metrics` across a device worker's death and restart, at the level of the scrape's refresh
+(`handlers.refresh_metrics`) with fake supervisors and clients, so each scenario runs in milliseconds:
+
+- while a replica is not ready its stats age keeps growing and what it runs (running, waiting, swapped,
+  KV usage, step target, busy ratio) reads 0, and the dashboard says the same; a replica that never
+  pushed stats exports none;
+- engine counters count every step's work across a restart: the dead worker's last report is counted
+  once, whether or not a scrape saw it before the worker died, and the new worker's totals on top of it,
+  however far it got before the next scrape; a client reconnected to the same process goes on from where
+  the old one left off.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.stats import EngineStats, PoolStats, StepCounters, WorkerInfo
+from gateway import handlers
+from gateway.monitoring import dashboard, metrics as metrics_module, overload as overload_module
+from gateway.monitoring.metrics import GatewayMetrics
+from gateway.monitoring.overload import OverloadWatch
+
+DEVICE, POOL = "cpu", "chat"
+STATE_GAUGES = ("cliffguard_num_requests_running", "cliffguard_num_requests_waiting",
+                "cliffguard_num_requests_swapped", "cliffguard_kv_cache_usage_perc")
+COUNTERS = ("cliffguard_computed_tokens_total", "cliffguard_num_preemptions_total", "cliffguard_engine_steps_total")
+
+
+class _Client:
+    """What the scrape reads of an `AsyncEngineClient`: `info` once loaded, `latest_stats` once pushed."""
+
+    def __init__(self, pid: int, address: tuple[str, int] | None = None) -> None:
+        self.pid, self.info, self.latest_stats = pid, None, None
+        if address is not None:
+            self.address = address
+
+    def load(self, load_seconds: float = 1.0) -> _Client:
+        self.info = WorkerInfo(model_path="m", device=DEVICE, dtype="float32", num_blocks=8, block_size=16,
+                               kv_bytes_per_token=64, pools={}, load_seconds=load_seconds, pid=self.pid)
+        return self
+
+
+class _Supervisor:
+    """A `DeviceSupervisor` as the scrape sees it: its client, and whether its replica is ready."""
+
+    def __init__(self) -> None:
+        self.client: _Client | None = None
+        self.is_ready = False
+
+    @property
+    def info(self) -> WorkerInfo | None:
+        return self.client.info if self.is_ready else None
+
+
+def _make_stats(taken_at: float, computed: int = 0, running: int = 0, steps: int = 0,
+                preemptions: int = 0, busy: float = 0.0) -> EngineStats:
+    pool = PoolStats(num_running=running, num_waiting=running, num_swapped=running, num_blocks=8,
+                     num_free_blocks=8 - running, num_cached_free_blocks=0, kv_cache_usage=0.001 * running,
+                     max_num_seqs=4, cpu_swap_usage=0.0, num_recompute_preemptions=preemptions,
+                     num_computed_tokens=computed)
+    step = StepCounters(num_steps=steps, last_target_seconds=0.05 if running else None, busy_seconds=busy)
+    return EngineStats(num_requests=running, pools={POOL: pool}, step=step, taken_at=taken_at)
+
+
+def _make_gateway(replicas: int = 1) -> SimpleNamespace:
+    """What `refresh_metrics` reads of a `Gateway`."""
+    return SimpleNamespace(autoscaler=None, supervisors={DEVICE: [_Supervisor() for _ in range(replicas)]},
+                           metrics=GatewayMetrics(),
+                           admission=SimpleNamespace(metrics=SimpleNamespace(refresh=lambda pools: None), pools={}))
+
+
+def _scrape(gateway) -> dict[str, dict[tuple, float]]:
+    """Refresh and render as `/metrics` does, parsed by prometheus_client's parser: name -> labels -> value."""
+    handlers.refresh_metrics(gateway)
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(gateway.metrics.render().decode()):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def _pool(m: dict, name: str, replica: int = 0) -> float | None:
+    return m.get(name, {}).get((("pool", POOL), ("replica", str(replica))))
+
+
+def _device(m: dict, name: str, replica: int = 0) -> float | None:
+    return m.get(name, {}).get((("device", DEVICE), ("replica", str(replica))))
+
+
+def _total(m: dict, name: str) -> float:
+    """A counter's sample summed over its labels (preemption modes)."""
+    return sum(m.get(name, {}).values())
+
+
+def _assert_counters_never_fell(scrapes: list[dict]) -> None:
+    for name in COUNTERS:
+        totals = [_total(m, name) for m in scrapes]
+        assert totals == sorted(totals), (name, totals)
+
+
+def test_a_replica_not_ready_ages_its_stats_and_runs_nothing(monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(time=lambda: clock[0]))
+    gateway = _make_gateway(replicas=2)
+    sup, never = gateway.supervisors[DEVICE]
+    sup.client, sup.is_ready = _Client(pid=11).load(), True
+    sup.client.latest_stats = _make_stats(taken_at=999.9, computed=40, running=1, steps=5)
+    never.client = _Client(pid=12)        # replica 1 loads for ever: never pushed stats
+
+    m = _scrape(gateway)
+    assert _pool(m, "cliffguard_num_requests_running") == 1 and _pool(m, "cliffguard_kv_cache_usage_perc") == 0.001
+    assert math.isclose(_device(m, "cliffguard_stats_age_seconds"), 0.1)
+    assert _device(m, "cliffguard_engine_step_target_seconds") == 0.05
+
+    sup.is_ready = False                 # SIGKILL: the dead client keeps its last stats
+    clock[0] = 1020.0
+    dead = _scrape(gateway)
+    for name in STATE_GAUGES:
+        assert _pool(dead, name) == 0, name
+    assert _device(dead, "cliffguard_engine_step_target_seconds") == 0
+    assert math.isclose(_device(dead, "cliffguard_stats_age_seconds"), 20.1)
+    assert _pool(dead, "cliffguard_pool_num_blocks") == 8          # the pool's allocation stays
+    assert _device(dead, "cliffguard_stats_age_seconds", replica=1) is None   # no stats: no age
+    assert _pool(dead, "cliffguard_num_requests_running", replica=1) is None
+
+    families = text_string_to_metric_families(gateway.metrics.render().decode())
+    shown = dashboard.parse_snapshot(families, (POOL,), now=0.0, wall=clock[0])
+    assert shown.values[POOL]["num_requests_running"] == 0 and shown.values[POOL]["kv_cache_usage_perc"] == 0
+    assert shown.stats_age == {DEVICE: _device(dead, "cliffguard_stats_age_seconds")}
+
+    sup.client = _Client(pid=13)         # the restart: a new client, loading, no stats yet
+    clock[0] = 1030.0
+    loading = _scrape(gateway)
+    assert math.isclose(_device(loading, "cliffguard_stats_age_seconds"), 30.1)
+    assert all(_pool(loading, name) == 0 for name in STATE_GAUGES)
+
+    sup.client.load().latest_stats = _make_stats(taken_at=1030.0, running=2, steps=1)
+    sup.is_ready = True
+    back = _scrape(gateway)
+    assert _pool(back, "cliffguard_num_requests_running") == 2 and _device(back, "cliffguard_stats_age_seconds") == 0
+    _assert_counters_never_fell([m, dead, loading, back])
+
+
+def test_the_busy_ratio_of_a_replica_not_ready_reads_0(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(overload_module, "time", SimpleNamespace(time=lambda: clock[0]))
+    metrics = GatewayMetrics()
+    watch = OverloadWatch({}, {}, metrics)
+    watch.pools[DEVICE] = []             # a device without pools to judge: only its replicas' busy ratio
+    sup = _Supervisor()
+    watch.supervisors = {DEVICE: [sup]}
+    ratio = metrics.device_busy.labels(device=DEVICE, replica="0")._value
+
+    sup.client, sup.is_ready = _Client(pid=21).load(), True
+    for clock[0], busy in ((100.0, 10.0), (101.0, 10.5)):
+        sup.client.latest_stats = _make_stats(taken_at=clock[0], busy=busy)
+        watch.device_load(DEVICE, clock[0])
+    assert ratio.get() == 0.5
+    sup.is_ready, clock[0] = False, 110.0
+    watch.device_load(DEVICE, clock[0])
+    assert ratio.get() == 0             # not the 0.5 it had when it died
+    sup.client, sup.is_ready = _Client(pid=22).load(), True
+    for clock[0], busy in ((130.0, 0.2), (131.0, 0.9)):   # the new worker counts from 0: measured from its first
+        sup.client.latest_stats = _make_stats(taken_at=clock[0], busy=busy)
+        watch.device_load(DEVICE, clock[0])
+    assert math.isclose(ratio.get(), 0.7)
+
+
+def test_counters_keep_what_the_dead_worker_counted_after_the_last_scrape():
+    gateway = _make_gateway()
+    sup = gateway.supervisors[DEVICE][0]
+    old = sup.client = _Client(pid=31).load()
+    sup.is_ready = True
+    old.latest_stats = _make_stats(taken_at=1.0, computed=100, steps=10, preemptions=2)
+    scrapes = [_scrape(gateway)]
+    assert _total(scrapes[-1], "cliffguard_computed_tokens_total") == 100
+
+    old.latest_stats = _make_stats(taken_at=2.0, computed=130, steps=13, preemptions=3)   # pushed, not scraped
+    sup.is_ready = False                                                                  # then killed
+    new = sup.client = _Client(pid=32).load()                                             # restarted ...
+    new.latest_stats = _make_stats(taken_at=9.0, computed=150, steps=15, preemptions=4)   # ... past the old total
+    sup.is_ready = True
+    scrapes.append(_scrape(gateway))
+    assert _total(scrapes[-1], "cliffguard_computed_tokens_total") == 130 + 150
+    assert _total(scrapes[-1], "cliffguard_engine_steps_total") == 13 + 15
+    assert _total(scrapes[-1], "cliffguard_num_preemptions_total") == 3 + 4
+
+    new.latest_stats = _make_stats(taken_at=10.0, computed=160, steps=16, preemptions=4)
+    scrapes.append(_scrape(gateway))
+    assert _total(scrapes[-1], "cliffguard_computed_tokens_total") == 130 + 160
+    _assert_counters_never_fell(scrapes)
+
+
+def test_counters_count_a_dead_worker_once_when_a_scrape_saw_its_outage():
+    gateway = _make_gateway()
+    sup = gateway.supervisors[DEVICE][0]
+    old = sup.client = _Client(pid=41).load()
+    sup.is_ready = True
+    old.latest_stats = _make_stats(taken_at=1.0, computed=100, steps=10)
+    scrapes = [_scrape(gateway)]
+    old.latest_stats = _make_stats(taken_at=2.0, computed=130, steps=13)
+    sup.is_ready = False
+    scrapes.append(_scrape(gateway))    # the outage, the dead client still the supervisor's
+    assert _total(scrapes[-1], "cliffguard_computed_tokens_total") == 130
+    sup.client = _Client(pid=42)
+    scrapes += [_scrape(gateway), _scrape(gateway)]   # loading: the dead worker is not counted again
+    assert _total(scrapes[-1], "cliffguard_computed_tokens_total") == 130
+    sup.client.load().latest_stats = _make_stats(taken_at=9.0, computed=20, steps=2)
+    sup.is_ready = True
+    scrapes.append(_scrape(gateway))
+    assert _total(scrapes[-1], "cliffguard_computed_tokens_total") == 130 + 20
+    assert _total(scrapes[-1], "cliffguard_engine_steps_total") == 13 + 2
+    _assert_counters_never_fell(scrapes)
+
+
+def test_a_client_reconnected_to_the_same_process_goes_on_from_its_totals():
+    gateway = _make_gateway()
+    sup = gateway.supervisors[DEVICE][0]
+    sup.client, sup.is_ready = _Client(pid=51, address=("127.0.0.1", 9000)).load(load_seconds=3.0), True
+    sup.client.latest_stats = _make_stats(taken_at=1.0, computed=100, steps=10)
+    scrapes = [_scrape(gateway)]
+    sup.client = _Client(pid=51, address=("127.0.0.1", 9000)).load(load_seconds=3.0)   # the connection came back
+    sup.client.latest_stats = _make_stats(taken_at=5.0, computed=120, steps=12)
+    scrapes.append(_scrape(gateway))
+    assert _total(scrapes[-1], "cliffguard_computed_tokens_total") == 120
+    assert _total(scrapes[-1], "cliffguard_engine_steps_total") == 12
+    _assert_counters_never_fell(scrapes)
