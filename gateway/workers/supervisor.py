@@ -60,6 +60,12 @@ When a worker is ready, the pools' admission hears whether it is a new process (
 cache is empty, `CreditQueue.replica_ready(restarted=True)`) or the same one reached again (a remote
 replica reconnected: its cache is intact). The process is told by its address, pid and load time.
 
+A fault of the supervisor's own (a pool's admission raising when told a worker is ready, a metric, the
+death record) is logged at ERROR with its traceback, and supervision goes on after the back-off: a worker
+still up is dropped and replaced (the pools may not have heard it is ready). The replica is never left
+unwatched: a supervision task that ends otherwise than by a stop or a failed first start is logged, and
+the replica shown `failed`.
+
 Everything here runs on the event loop.
 """
 
@@ -148,6 +154,7 @@ class DeviceSupervisor:
         self.metrics.worker_stalls.labels(**self.labels)
         self.metrics.worker_step_timeouts.labels(**self.labels)
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"cliffguard-device-{self.name}")
+        self._task.add_done_callback(self._ended)
         self._watchdog.start()
 
     async def stop(self) -> None:
@@ -237,47 +244,105 @@ class DeviceSupervisor:
 
     # --- the worker's life -----------------------------------------------------------------------
     async def _run(self) -> None:
+        """Supervise worker after worker until stopped (cancelled) or a first start failed for good. A fault
+        of the supervisor's own in a round (a pool's admission raising when told a worker is ready, a metric,
+        the death record) is logged with its traceback and supervision goes on after the back-off, as a
+        `Ticker` goes on after a failed tick: a replica is never left unwatched (`_after_fault`)."""
         attempt = 0   # restarts since a worker last stayed up `reset_after_seconds`
-        while True:
-            client = self._new_client()
-            spawned = time.monotonic()
+        while self._failure is None:
             try:
-                info = await client.start(self.start_seconds)
-            except Exception as exc:  # noqa: BLE001 - the reason goes to the state, the log and the requests
-                if not self._was_ready and not self._tries_again(exc):
-                    log.error("device %s failed to start: %s", self.name, exc)
-                    self._failure = f"device {self.name!r} failed to start: {exc}"
-                    await self._notify()
-                    return
-                what, reason = "restart failed" if self._was_ready else "first connection failed", str(exc)
-                waiting = isinstance(exc, ClaimPending)
+                attempt = await self._round(attempt)
+            except Exception as exc:  # noqa: BLE001 - a fault of ours must not leave the replica unwatched
+                attempt = await self._after_fault(exc, attempt)
+
+    async def _round(self, attempt: int) -> int:
+        """One worker's life: start it, wait for its death (or a failed start), back off; the next `attempt`.
+        A first start that failed for good sets `_failure` instead."""
+        client = self._new_client()
+        spawned = time.monotonic()
+        try:
+            info = await client.start(self.start_seconds)
+        except Exception as exc:  # noqa: BLE001 - the reason goes to the state, the log and the requests
+            if not self._was_ready and not self._tries_again(exc):
+                log.error("device %s failed to start: %s", self.name, exc)
+                self._failure = f"device {self.name!r} failed to start: {exc}"
+                await self._notify()
+                return attempt
+            what, reason = "restart failed" if self._was_ready else "first connection failed", str(exc)
+            waiting = isinstance(exc, ClaimPending)
+        else:
+            up_since = time.monotonic()
+            await self._ready(client, info, up_since - spawned)
+            what, reason, waiting = "worker died", await self._until_died(client), False
+            self.deaths.record(client, self.replica, reason)   # the watchdog's verdict stays, if it killed it
+            if time.monotonic() - up_since >= self.backoff.reset_after_seconds:
+                attempt = 0
+        # A draining replica that is gone for good was removed (a Ray device's leader gateway ended its
+        # drain): the plan, not a fault. A wait for another config's gateway (`ClaimPending`) is logged
+        # at INFO, and otherwise is a failed try like any other.
+        planned = what == "worker died" and self.draining and await self._removed()
+        delay = self.backoff.delay(0 if planned else attempt)
+        attempt += 0 if planned else 1
+        self._note_reason(reason)
+        if planned:
+            log.info("device %s: the drained replica was removed (%s); connecting again in %.1f s unless the "
+                     "autoscaler stops it first", self.name, reason, delay)
+        else:
+            log.log(logging.INFO if waiting else logging.ERROR, "device %s: %s: %s; %s in %.1f s", self.name,
+                    what, reason, "restarting" if self._was_ready else "trying again", delay)
+        await asyncio.sleep(delay)
+        if self._was_ready and not planned:
+            self._count_restart()
+        return attempt
+
+    async def _after_fault(self, exc: Exception, attempt: int) -> int:
+        """A round raised on a fault of the supervisor's own (the worker's faults are its death): logged once,
+        with the traceback. A worker still up is dropped as the gateway's doing (`STOPPED`: no request's
+        fault), since the pools may not have heard it is ready (their placement may trust a cache a new
+        process lacks): a local one is killed, a remote one's connection dropped (the replica, perhaps
+        shared, keeps running and is reached again). Then the back-off, and the next round; returns the
+        next `attempt`. A fault in here too ends the task, which `_ended` reports."""
+        delay, client = self.backoff.delay(attempt), self.client
+        alive = client is not None and client.is_alive
+        log.error("device %s: supervising the replica failed (a fault in the gateway, not in its worker)%s; going "
+                  "on in %.1f s", self.name, ": its worker is dropped" if alive else "", delay, exc_info=exc)
+        if alive:
+            reason = f"the gateway's supervision of the replica failed: {type(exc).__name__}: {exc}"
+            if isinstance(client, RemoteEngineClient):
+                client.lost(reason)
             else:
-                up_since = time.monotonic()
-                await self._ready(client, info, up_since - spawned)
-                what, reason, waiting = "worker died", await self._until_died(client), False
-                self.deaths.record(client, self.replica, reason)   # the watchdog's verdict stays, if it killed it
-                if time.monotonic() - up_since >= self.backoff.reset_after_seconds:
-                    attempt = 0
-            # A draining replica that is gone for good was removed (a Ray device's leader gateway ended its
-            # drain): the plan, not a fault. A wait for another config's gateway (`ClaimPending`) is logged
-            # at INFO, and otherwise is a failed try like any other.
-            planned = what == "worker died" and self.draining and await self._removed()
-            delay = self.backoff.delay(0 if planned else attempt)
-            attempt += 0 if planned else 1
-            if self._was_ready:
-                self._restart_reason = _summary(reason)
-            else:
-                self._first_failure = _summary(reason)
-            if planned:
-                log.info("device %s: the drained replica was removed (%s); connecting again in %.1f s unless the "
-                         "autoscaler stops it first", self.name, reason, delay)
-            else:
-                log.log(logging.INFO if waiting else logging.ERROR, "device %s: %s: %s; %s in %.1f s", self.name,
-                        what, reason, "restarting" if self._was_ready else "trying again", delay)
-            await asyncio.sleep(delay)
-            if self._was_ready and not planned:
-                self.num_restarts += 1
-                self.metrics.worker_restarts.labels(**self.labels).inc()
+                client.kill(reason)
+            self.deaths.record(client, self.replica, reason, STOPPED)   # before its requests look (they await)
+            self._note_reason(reason)
+            await asyncio.shield(client.died)   # reaped before the next is spawned, as after any death
+        await self._notify()   # `_ready` may have failed before it woke the requests waiting for the worker
+        await asyncio.sleep(delay)
+        if self._was_ready:
+            self._count_restart()
+        return attempt + 1
+
+    def _ended(self, task: asyncio.Task) -> None:
+        """The supervision task's done-callback. It ends by a stop (cancelled) or once a first start failed
+        for good (logged then); any other end (an exception that escaped `_run`, its fault handler's too)
+        is logged with its traceback, and the replica is shown failed (`/ready`, the placement) rather
+        than left unwatched and seemingly fine."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("device %s: the supervision of the replica ended; its worker will not be restarted", self.name,
+                  exc_info=task.exception())
+        if self._failure is None:
+            self._failure = f"the gateway's supervision of the replica ended: {task.exception()!r}"
+
+    def _note_reason(self, reason: str) -> None:
+        """Why the next worker replaces this one (shown in `state`)."""
+        if self._was_ready:
+            self._restart_reason = _summary(reason)
+        else:
+            self._first_failure = _summary(reason)
+
+    def _count_restart(self) -> None:
+        self.num_restarts += 1
+        self.metrics.worker_restarts.labels(**self.labels).inc()
 
     async def _removed(self) -> bool:
         """Whether this remote replica is gone for good (`ReplicaLink.removed`; False when it cannot say)."""
@@ -310,10 +375,11 @@ class DeviceSupervisor:
                      slo.ttft_ms, slo.itl_ms, how)
         self._was_ready, self._restart_reason, self._first_failure = True, None, None
         process = (getattr(client, "address", None), info.pid, info.load_seconds)
-        restarted, self._process = process != self._process, process
+        restarted = process != self._process
         for pool in self.pools:
             if pool.admission is not None:
                 pool.admission.replica_ready(self.replica, restarted=restarted)
+        self._process = process   # once every pool heard: a pool that raised hears `restarted` again next time
         await self._notify()
 
     async def _until_died(self, client: AsyncEngineClient) -> str:
