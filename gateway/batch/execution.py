@@ -191,16 +191,11 @@ class BatchRunner:
         """`fn(*args, **kwargs)` on the store thread, for the runner: tried again after a storage error
         (each store call is one transaction, so a failed one changed nothing), StorageFailed after
         `max_store_attempts`."""
-        delay, attempt = self.retry_first_s, 1
-        while True:
-            try:
-                return await self.store.on_thread(fn, *args, **kwargs)
-            except STORAGE_ERRORS as exc:
-                if attempt >= self.max_store_attempts:
-                    raise StorageFailed(f"the batch store failed {attempt} times in a row: {exc}") from exc
-                log.warning("batch store: %s (%s); trying again in %.1f s", exc, fn.__name__, delay)
-            await asyncio.sleep(delay)
-            delay, attempt = min(delay * 2, self.retry_max_s), attempt + 1
+        try:
+            return await self.store.retried("batch store", fn, *args, tries=self.max_store_attempts,
+                                            first_s=self.retry_first_s, max_s=self.retry_max_s, **kwargs)
+        except STORAGE_ERRORS as exc:
+            raise StorageFailed(f"the batch store failed {self.max_store_attempts} times in a row: {exc}") from exc
 
     async def start(self) -> None:
         """Resume every unfinished batch in the store."""

@@ -39,6 +39,7 @@ from aiohttp import web
 
 from gateway.openai import objects
 from gateway.admission import bearer_key
+from gateway.batch.execution import MAX_STORE_ATTEMPTS, RETRY_FIRST_S, RETRY_MAX_S
 from gateway.completion import Completion
 from gateway.handlers import read_json
 from gateway.openai.chat import ChatRequest
@@ -59,10 +60,12 @@ T = TypeVar("T")
 class KeptResponses:
     """The gateway's kept responses: `store` (SQLite, used from one thread off the event loop) and the
     background runs. `start` resumes the runs a stopped gateway left; `stop` cancels the running ones
-    (left unfinished in the store, for the next start) and closes the store."""
+    (left unfinished in the store, for the next start) and closes the store. A run's store writes are
+    tried again after a storage error (`durable`), with the batch runner's back-off and number of tries."""
 
     def __init__(self, store: ResponseStore, gateway: Gateway) -> None:
         self.store, self.gateway = store, gateway
+        self.retry_first_s, self.retry_max_s, self.max_store_attempts = RETRY_FIRST_S, RETRY_MAX_S, MAX_STORE_ATTEMPTS
         self._runs: dict[str, asyncio.Task] = {}
         self._stopping = False
 
@@ -72,6 +75,18 @@ class KeptResponses:
             return await self.store.on_thread(fn, *args, **kwargs)
         except STORAGE_ERRORS as exc:
             log.error("response store: %s", exc)
+            raise storage_unavailable("response store", exc) from None
+
+    async def durable(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the store's thread, for a background run: tried again after a storage error
+        (disk full, locked past the busy timeout; each store call is one transaction, so a failed one changed
+        nothing), as `gateway.batch.execution.BatchRunner.durable` does; after `max_store_attempts`, the 503
+        `storage_unavailable` that `db` raises, which the run keeps as its failure."""
+        try:
+            return await self.store.retried("response store", fn, *args, tries=self.max_store_attempts,
+                                            first_s=self.retry_first_s, max_s=self.retry_max_s, **kwargs)
+        except STORAGE_ERRORS as exc:
+            log.error("response store: %s (%s), %d times in a row", exc, fn.__name__, self.max_store_attempts)
             raise storage_unavailable("response store", exc) from None
 
     async def start(self) -> None:
@@ -114,14 +129,24 @@ class KeptResponses:
     def _launch(self, stored: StoredResponse) -> None:
         task = asyncio.get_running_loop().create_task(self._run(stored), name=f"response {stored.id}")
         self._runs[stored.id] = task
-        task.add_done_callback(lambda _: self._runs.pop(stored.id, None))
+        task.add_done_callback(functools.partial(self._ended, stored.id))
+
+    def _ended(self, response_id: str, task: asyncio.Task) -> None:
+        """A run's done-callback: forget it, and log an exception it ended with (`_run` keeps every failure it
+        can as the response's; none may end as a task error nobody reads)."""
+        self._runs.pop(response_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s: its background run ended on an error", response_id, exc_info=task.exception())
 
     async def _run(self, stored: StoredResponse) -> None:
         """Run a background response and keep its end: the Response, `failed` with the error, or nothing
         when the gateway stops (it stays unfinished, for the next start). A cancel already kept
-        `cancelled`, which a late end does not overwrite."""
-        await self.db(self.store.update, {**stored.response, "status": "in_progress"}, unless=FINISHED)
+        `cancelled`, which a late end does not overwrite. Its writes are `durable`: a store that fails for
+        good as the run starts leaves the response `failed` with the 503 `storage_unavailable` naming the
+        error, not `queued` with nothing running it (unless even that cannot be written: then it stays
+        unfinished, logged, and the next start runs it again)."""
         try:
+            await self.durable(self.store.update, {**stored.response, "status": "in_progress"}, unless=FINISHED)
             final = _finished(await self._answer(stored))
         except asyncio.CancelledError:
             if self._stopping:
@@ -134,7 +159,7 @@ class KeptResponses:
             final = {**stored.response, "status": "failed",
                      "error": {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}}
         try:
-            await self.db(self.store.update, {**final, "id": stored.id}, unless=("cancelled",))
+            await self.durable(self.store.update, {**final, "id": stored.id}, unless=("cancelled",))
         except ApiError as exc:
             log.error("%s: its end could not be kept: %s", stored.id, exc.message)
         except Exception:   # noqa: BLE001 - logged; the run must not end as a task error nobody reads

@@ -9,9 +9,11 @@ may add some; the request itself refuses them (`gateway.openai.chat`).
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,6 +23,8 @@ from engine.structured import StructuredOutput, check
 from pools.config.typed import FieldError, convert
 
 MAX_TOOLS = 128
+MAX_CACHED_SCHEMAS = 512          # parameter schemas whose check `schema_error` remembers
+MAX_CACHED_REASON_CHARS = 1024    # a longer reason is not remembered (the library's reasons may quote the schema)
 _NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")   # OpenAI's rule for function names
 
 
@@ -142,14 +146,37 @@ def history_calls(calls: list[ToolCallSpec]) -> list[dict[str, Any]]:
             for i, call in enumerate(calls)]
 
 
-@functools.lru_cache(maxsize=512)
+# `schema_error`'s memory, by a 16-byte digest of the schema's text, not the text: a client may send a distinct
+# schema of up to `gateway.max_body_bytes` (8 MiB) in each request, and a cache keyed by the text kept each for
+# the process's life (512 of 8 MiB: 4 GiB). The digest is blake2b's, as `StructuredOutput.key` (which keys the
+# gateway's grammar checks): a result comes back identical, and a collision is out of reach. The library's reasons
+# may quote the schema ("Unknown format: xxx…"), so only short ones are kept: a schema refused with a long reason
+# is checked again when sent again (a repeat costs what a new schema costs). At most MAX_CACHED_SCHEMAS x (digest
+# + MAX_CACHED_REASON_CHARS): under 1 MiB. Any thread may call; the lock guards the dict, not the check.
+_checked: OrderedDict[bytes, str | None] = OrderedDict()
+_checked_lock = threading.Lock()
+
+
 def schema_error(schema_text: str) -> str | None:
-    """Why the JSON schema `schema_text` cannot be enforced (the grammar library's reason), or None. Cached:
-    an agent sends the same tools every turn."""
+    """Why the JSON schema `schema_text` cannot be enforced (the grammar library's reason), or None. Remembered
+    (`_checked`, by digest): an agent sends the same tools every turn."""
+    digest = hashlib.blake2b(schema_text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    with _checked_lock:
+        if digest in _checked:
+            _checked.move_to_end(digest)
+            return _checked[digest]
+    reason = _schema_error(schema_text)
+    if reason is None or len(reason) <= MAX_CACHED_REASON_CHARS:
+        with _checked_lock:
+            _checked[digest] = reason
+            while len(_checked) > MAX_CACHED_SCHEMAS:
+                _checked.popitem(last=False)
+    return reason
+
+
+def _schema_error(schema_text: str) -> str | None:
     try:
         check(StructuredOutput.json_schema(json.loads(schema_text)))
     except ValueError as exc:
         return str(exc).removeprefix("structured output: ")
     return None
-
-

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, ContextManager, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("cliffguard.store")
 
 TABLES = (   # the tables as version 3 creates them (see the module docstring for what older ones lack)
     """CREATE TABLE IF NOT EXISTS files (
@@ -109,6 +111,24 @@ class StoreFile:
     async def on_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` (a method of this store) on the store's thread."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
+
+    async def retried(self, what: str, fn: Callable[..., T], *args: Any, tries: int, first_s: float, max_s: float,
+                      **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` (a method of this store) on its thread, tried again after a storage error (disk
+        full, locked past the busy timeout: each call is one transaction, so a failed one changed nothing), at
+        most `tries` times in all, `first_s` apart at first and doubling to `max_s`; past that the last error.
+        `what` names the store in the log's warnings."""
+        delay = first_s
+        for attempt in range(1, tries + 1):
+            try:
+                return await self.on_thread(fn, *args, **kwargs)
+            except sqlite3.OperationalError as exc:
+                if attempt == tries:
+                    raise
+                log.warning("%s: %s (%s); trying again in %.1f s", what, exc, fn.__name__, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_s)
+        raise ValueError(f"tries: must be >= 1, got {tries}")
 
     async def shutdown(self) -> None:
         """Let what was handed to the thread land (a record written stays written), then close."""

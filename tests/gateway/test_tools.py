@@ -387,3 +387,37 @@ def test_arguments_that_are_not_json_to_python_read_as_none() -> None:
     assert _loads("[" * 5000 + "]" * 5000) is None and _loads("1" * 5000) is None and _loads("{") is None
     assert _loads("[" * 900 + "]" * 900) is None          # json.loads takes it; a template's tojson would not
     assert _loads('{"a": [1]}') == {"a": [1]}
+
+
+def test_the_schema_check_remembers_digests_not_schemas_and_answers_the_same() -> None:
+    """`schema_error` is keyed by a digest of the schema's text: many large distinct schemas (a client may send
+    8 MiB ones) leave it holding next to nothing, where a cache keyed by the text kept each one for good; and
+    its answers, the first time or remembered, are the library's."""
+    import gc
+    import tracemalloc
+
+    from gateway.openai.tool_specs import schema_error
+
+    def text(schema) -> str:
+        return json.dumps(schema, sort_keys=True)
+
+    long_format = text({"type": "object", "properties": {"a": {"type": "string", "format": "x" * 5000}}})
+    cases = {text(WEATHER["function"]["parameters"]): None,
+             text({"type": "object", "properties": {"a": {"type": "strin"}}}): "Invalid type: strin",
+             long_format: "Unknown format: " + "x" * 5000}   # a reason too long to remember: checked again
+    for _ in range(2):
+        assert {t: schema_error(t) for t in cases} == cases
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(40):   # 40 distinct schemas of 300 kB: 12 MB, were they kept
+            schema = {"type": "object", "description": f"{i} " + "d" * 300_000}
+            compact = len(json.dumps(schema, separators=(",", ":")))   # what the library is given
+            assert schema_error(text(schema)) == f"at most 262144 characters of schema or grammar, got {compact}"
+        del schema
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 1_000_000, f"{kept} bytes kept for 40 schemas"

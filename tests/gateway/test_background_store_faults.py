@@ -1,0 +1,115 @@
+"""gateway.openai.stored_responses: a background response's store writes fail for storage (an injected
+sqlite3.OperationalError: disk full, locked past the busy timeout). One failure is tried again and the run goes
+on; failures past the tries leave the response `failed` naming the error; neither leaves it `queued` with nothing
+running it, nor ends its run as a task error nobody reads."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from pathlib import Path
+
+from gateway.app import create_app
+from gateway.openai.stored_responses import RESPONSES
+from gateway.runtime import Gateway
+from pools.config.yaml_file import load_config
+from tests.gateway.conftest import pools_yaml
+
+LOCKED = "database is locked"
+
+
+async def _client(aiohttp_client, tmp_path: Path, tiny_model: Path):
+    """An app with a data dir and no device worker; a background run's answer is a stand-in (`_answered`)."""
+    path = tmp_path / "pools.yaml"
+    path.write_text(pools_yaml(tiny_model))
+    gateway = Gateway.from_config(load_config(path))
+    gateway.engines = {}      # no device worker to spawn: the stand-in answer never reaches one
+    app = create_app(gateway, data_dir=tmp_path)
+    kept = app[RESPONSES]
+    kept.retry_first_s = kept.retry_max_s = 0.01
+    kept.max_store_attempts = 3
+
+    async def answered(stored):
+        return {**stored.response, "status": "completed", "output": []}
+
+    kept._answer = answered
+    return await aiohttp_client(app), kept
+
+
+def _failing(kept, times: int) -> list[dict]:
+    """`kept.store.update` raising a storage error on its first `times` calls; every response it was called with."""
+    calls, real = [], kept.store.update
+
+    def update(response, **kwargs):
+        calls.append(response)
+        if len(calls) <= times:
+            raise sqlite3.OperationalError(LOCKED)
+        return real(response, **kwargs)
+
+    kept.store.update = update
+    return calls
+
+
+async def _settled(client, response_id: str, timeout: float = 10.0) -> dict:
+    """The response once it is no longer queued or in progress."""
+    deadline = time.monotonic() + timeout
+    while (response := await (await client.get(f"/v1/responses/{response_id}")).json())["status"] in (
+            "queued", "in_progress"):
+        assert time.monotonic() < deadline, f"still {response['status']} after {timeout:g} s"
+        await asyncio.sleep(0.02)
+    return response
+
+
+async def _background(client, tiny_model: Path) -> str:
+    r = await client.post("/v1/responses", json={"model": tiny_model.name, "input": "hi", "background": True})
+    assert r.status == 200, await r.text()
+    queued = await r.json()
+    assert queued["status"] == "queued"
+    return queued["id"]
+
+
+def _unretrieved() -> list[dict]:
+    """The loop's exception-handler calls, kept (a task error nobody read is reported there once the task goes)."""
+    seen: list[dict] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: seen.append(context))
+    return seen
+
+
+async def test_a_failed_first_store_write_is_tried_again_and_the_run_goes_on(aiohttp_client, tmp_path, tiny_model,
+                                                                            caplog):
+    client, kept = await _client(aiohttp_client, tmp_path, tiny_model)
+    seen = _unretrieved()
+    calls = _failing(kept, 1)
+    response = await _settled(client, await _background(client, tiny_model))
+    assert response["status"] == "completed"
+    assert [c["status"] for c in calls] == ["in_progress", "in_progress", "completed"]
+    assert f"response store: {LOCKED} (update); trying again" in caplog.text
+    assert not kept._runs and not seen
+
+
+async def test_a_store_failing_past_its_tries_leaves_the_response_failed_saying_why(aiohttp_client, tmp_path,
+                                                                                   tiny_model):
+    client, kept = await _client(aiohttp_client, tmp_path, tiny_model)
+    seen = _unretrieved()
+    calls = _failing(kept, kept.max_store_attempts)   # every try to mark it in progress; its failure is kept
+    response = await _settled(client, await _background(client, tiny_model))
+    assert response["status"] == "failed", response
+    assert response["error"]["code"] == "storage_unavailable" and LOCKED in response["error"]["message"]
+    assert [c["status"] for c in calls] == ["in_progress"] * kept.max_store_attempts + ["failed"]
+    assert not kept._runs and not seen
+
+
+async def test_a_store_that_cannot_even_keep_the_failure_logs_it_and_leaves_it_for_the_next_start(
+        aiohttp_client, tmp_path, tiny_model, caplog):
+    client, kept = await _client(aiohttp_client, tmp_path, tiny_model)
+    seen = _unretrieved()
+    calls = _failing(kept, 2 * kept.max_store_attempts)
+    response_id = await _background(client, tiny_model)
+    deadline = time.monotonic() + 10
+    while len(calls) < 2 * kept.max_store_attempts or kept._runs:
+        assert time.monotonic() < deadline, [c["status"] for c in calls]
+        await asyncio.sleep(0.02)
+    assert f"{response_id}: its end could not be kept" in caplog.text
+    assert [s.id for s in kept.store.unfinished()] == [response_id]   # the next start runs it again
+    assert not seen
