@@ -1,6 +1,11 @@
-"""The Batch API in OpenAI's shape — `POST /v1/files`, `GET /v1/files/{id}[/content]`, `POST/GET
-/v1/batches`, `GET /v1/batches/{id}`, `POST /v1/batches/{id}/cancel`. `gateway.batch.execution.BatchRunner`
-runs the batches' lines.
+"""The Batch API in OpenAI's shape — `POST /v1/files`, `GET /v1/files/{id}[/content]`, `DELETE /v1/files/{id}`,
+`POST/GET /v1/batches`, `GET /v1/batches/{id}`, `POST /v1/batches/{id}/cancel`.
+`gateway.batch.execution.BatchRunner` runs the batches' lines.
+
+Files expire as OpenAI's do: an upload after its `expires_after` (form fields `expires_after[anchor]`,
+`expires_after[seconds]`, as the openai SDK sends them), 30 days without one; a batch's output and error
+files after its `output_expires_after`, else never. An expired or deleted file is gone at once to every
+reader; the store drops its bytes (`BatchStore.purge_expired`).
 
 The state (files, batches, each line's status and result) is durable in `pools.store.batch_store.BatchStore`
 under the serve command's `--data-dir`; the runner holds none that a restart needs. Each line goes
@@ -44,7 +49,9 @@ __all__ = ["BATCHES", "BatchRunner", "LineExecutor", "setup"]
 
 STORE_FILE = "batches.sqlite3"      # under --data-dir
 MAX_FILE_BYTES = 200 << 20          # an upload, as OpenAI's limit for batch input files
-UPLOAD_FIELDS = ("file", "purpose")
+MAX_TEXT_FIELD_CHARS = 4096         # an upload's text fields (purpose, expires_after[...])
+UPLOAD_FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")
+REQUIRED_UPLOAD_FIELDS = ("file", "purpose")
 # what aiohttp's multipart reader raises for a malformed body: no boundary, a part header it refuses (a NUL, a
 # line over 8190 bytes: HttpProcessingError), an unknown charset or transfer encoding, a `_charset_` part too long
 MULTIPART_ERRORS = (ValueError, LookupError, RuntimeError, HttpProcessingError)
@@ -65,6 +72,7 @@ def setup(app: web.Application, data_dir: Path | str, executor: LineExecutor | N
     app.cleanup_ctx.append(_runner_ctx)
     app.router.add_post("/v1/files", upload_file)
     app.router.add_get("/v1/files/{file_id}", retrieve_file)
+    app.router.add_delete("/v1/files/{file_id}", delete_file)
     app.router.add_get("/v1/files/{file_id}/content", file_content)
     app.router.add_post("/v1/batches", create_batch)
     app.router.add_get("/v1/batches", list_batches)
@@ -101,7 +109,24 @@ async def upload_file(request: web.Request) -> web.Response:
     fields = await read_within(request, _read_form(request))
     filename, content = fields["file"]
     return web.json_response(await runner.db(runner.store.add_file, content, filename, fields["purpose"],
-                                             owner=_owner(request), tenant=_tenant(request)))
+                                             owner=_owner(request), tenant=_tenant(request),
+                                             expires_after=_expires_after(fields)))
+
+
+def _expires_after(fields: dict[str, Any]) -> dict[str, Any] | None:
+    """The upload's expiration policy from its form fields (None: none sent); the store checks its values."""
+    anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return None
+    if anchor is None or seconds is None:
+        missing = "expires_after[anchor]" if anchor is None else "expires_after[seconds]"
+        raise ApiError(400, f"{missing}: missing (an expiration policy has an anchor and seconds)", param=missing)
+    try:
+        seconds = int(seconds)
+    except ValueError:
+        raise ApiError(400, f"expires_after[seconds]: must be an integer, got {seconds[:40]!r}",
+                       param="expires_after[seconds]") from None
+    return {"anchor": anchor, "seconds": seconds}
 
 
 async def _read_form(request: web.Request) -> dict[str, Any]:
@@ -113,11 +138,11 @@ async def _read_form(request: web.Request) -> dict[str, Any]:
         reader = await request.multipart()
         while (part := await reader.next()) is not None:
             name = _field_name(part, fields)
-            fields[name] = await _read_purpose(part) if name == "purpose" else (part.filename, await _read_upload(part))
+            fields[name] = (part.filename, await _read_upload(part)) if name == "file" else await _read_text(part, name)
     except MULTIPART_ERRORS as exc:
         reason = exc.message if isinstance(exc, HttpProcessingError) else str(exc)
         raise ApiError(400, f"body: malformed multipart/form-data ({reason})", param="body") from None
-    for name in UPLOAD_FIELDS:
+    for name in REQUIRED_UPLOAD_FIELDS:
         if name not in fields:
             raise ApiError(400, f"{name}: missing from the upload", param=name)
     return fields
@@ -131,17 +156,21 @@ def _field_name(part: Any, fields: dict[str, Any]) -> str:
                        param="body")
     if name not in UPLOAD_FIELDS or name in fields:
         raise ApiError(400, f"{name}: {'repeated' if name in fields else 'unknown'} field of a file upload "
-                       "(expected 'file' and 'purpose')", param=name)
+                       f"(expected {', '.join(map(repr, UPLOAD_FIELDS))})", param=name)
     return name
 
 
-async def _read_purpose(part: Any) -> str:
-    """The `purpose` part as text in its charset (`Content-Type: ...; charset=`, UTF-8 by default)."""
+async def _read_text(part: Any, name: str) -> str:
+    """A text part (`purpose`, the expiration policy's) in its charset (`Content-Type: ...; charset=`, UTF-8 by
+    default), at most a few KiB of it."""
     try:
-        return await part.text()
+        text = await part.text()
     except (LookupError, UnicodeError, RuntimeError) as exc:   # an unknown charset or transfer encoding
-        raise ApiError(400, f"purpose: not text in the part's charset or transfer encoding ({exc})",
-                       param="purpose") from None
+        raise ApiError(400, f"{name}: not text in the part's charset or transfer encoding ({exc})",
+                       param=name) from None
+    if len(text) > MAX_TEXT_FIELD_CHARS:
+        raise ApiError(400, f"{name}: longer than {MAX_TEXT_FIELD_CHARS} characters", param=name)
+    return text
 
 
 async def _read_upload(part: Any) -> bytes:
@@ -159,6 +188,15 @@ async def retrieve_file(request: web.Request) -> web.Response:
     runner, file_id = request.app[BATCHES], request.match_info["file_id"]
     file = await runner.db(runner.store.file, file_id, owner=_owner(request))
     return web.json_response(_found(file, "file_id", file_id))
+
+
+async def delete_file(request: web.Request) -> web.Response:
+    """`DELETE /v1/files/{id}`: the caller's file is gone at once (its bytes too); a batch that named it keeps
+    its id. 404 for an unknown id, another owner's, or one already deleted or expired."""
+    runner, file_id = request.app[BATCHES], request.match_info["file_id"]
+    deleted = await runner.db(runner.store.delete_file, file_id, owner=_owner(request))
+    _found(deleted or None, "file_id", file_id)
+    return web.json_response({"id": file_id, "object": "file", "deleted": True})
 
 
 async def file_content(request: web.Request) -> web.StreamResponse:
@@ -183,6 +221,8 @@ async def file_content(request: web.Request) -> web.StreamResponse:
     try:
         for offset in range(0, file["bytes"], CHUNK_BYTES):
             chunk = await runner.db(runner.store.file_content, file_id, owner=owner, offset=offset, size=CHUNK_BYTES)
+            if chunk is None:   # deleted or expired while it was being sent: the body ends short, as below
+                raise ApiError(404, f"file_id: file {file_id!r} was deleted or expired while it was being sent")
             await within(response.write(chunk))
         await within(response.write_eof())
     except ApiError as exc:   # the store failed half-way: the body ends short of Content-Length, then the connection
@@ -202,7 +242,8 @@ def _found(value: T | None, param: str, key: str) -> T:
 
 
 # --- batches ---------------------------------------------------------------------------------------
-_CREATE_FIELDS = {"input_file_id": True, "endpoint": True, "completion_window": True, "metadata": False}
+_CREATE_FIELDS = {"input_file_id": True, "endpoint": True, "completion_window": True, "metadata": False,
+                  "output_expires_after": False}
 
 
 async def create_batch(request: web.Request) -> web.Response:
@@ -219,8 +260,8 @@ async def create_batch(request: web.Request) -> web.Response:
         if required and not isinstance(body.get(name), str):
             raise ApiError(400, f"{name}: {'missing' if name not in body else 'must be a string'}", param=name)
     return web.json_response(await runner.create(body["input_file_id"], body["endpoint"], body["completion_window"],
-                                                 body.get("metadata"), owner=_owner(request),
-                                                 tenant=_tenant(request)))
+                                                 body.get("metadata"), owner=_owner(request), tenant=_tenant(request),
+                                                 output_expires_after=body.get("output_expires_after")))
 
 
 async def retrieve_batch(request: web.Request) -> web.Response:

@@ -33,7 +33,7 @@ from gateway.openai.errors import ApiError, storage_unavailable
 from gateway.runtime import Gateway
 from gateway.upstream.relay import IDEMPOTENCY_KEY
 from pools.store.batch_input import BatchInputError, BatchLine
-from pools.store.batch_store import STORAGE_ERRORS, BatchStore
+from pools.store.batch_store import PURGE_EVERY_S, STORAGE_ERRORS, BatchStore
 from pools.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("cliffguard.batches")
@@ -175,6 +175,7 @@ class BatchRunner:
         self.max_line_attempts, self.max_store_attempts = max_line_attempts, max_store_attempts
         self._runs: dict[str, _Run] = {}
         self._gate = _Gate()
+        self._purging: asyncio.Task | None = None
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` on the store thread, for a client's request: a `BatchInputError` becomes
@@ -197,8 +198,21 @@ class BatchRunner:
         except STORAGE_ERRORS as exc:
             raise StorageFailed(f"the batch store failed {self.max_store_attempts} times in a row: {exc}") from exc
 
+    async def _purge(self) -> None:
+        """Every PURGE_EVERY_S, drop expired files' bytes (`BatchStore.purge_expired`, a bounded transaction at
+        a time, on the store's thread beside the runs' calls); a storage error waits for the next turn."""
+        while True:
+            await asyncio.sleep(PURGE_EVERY_S)
+            try:
+                while await self.store.on_thread(self.store.purge_expired):   # more may be due
+                    await asyncio.sleep(0)
+            except STORAGE_ERRORS as exc:
+                log.warning("batch store: purging expired files failed: %s; trying again in %.0f s", exc,
+                            PURGE_EVERY_S)
+
     async def start(self) -> None:
-        """Resume every unfinished batch in the store."""
+        """Resume every unfinished batch in the store, and purge expired files from time to time."""
+        self._purging = asyncio.get_running_loop().create_task(self._purge(), name="batch store purge")
         ids = await self.durable(self.store.unfinished_batch_ids)
         if ids:
             log.info("resuming %d unfinished batches: %s", len(ids), ", ".join(ids))
@@ -207,10 +221,10 @@ class BatchRunner:
 
     async def stop(self) -> None:
         """Stop every run (their batches stay unfinished in the store) and close the store."""
-        runs = list(self._runs.values())
-        for run in runs:
-            run.task.cancel()
-        await asyncio.gather(*(run.task for run in runs), return_exceptions=True)
+        tasks = [run.task for run in self._runs.values()] + ([self._purging] if self._purging is not None else [])
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.store.shutdown()   # a record already handed to the store's thread lands
 
     def run(self, batch_id: str) -> None:
@@ -220,12 +234,13 @@ class BatchRunner:
             run.task = asyncio.get_running_loop().create_task(self._run_batch(run), name=f"batch {batch_id}")
 
     async def create(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: Any = None, *, owner: str, tenant: str) -> dict[str, Any]:
+                     metadata: Any = None, *, owner: str, tenant: str,
+                     output_expires_after: Any = None) -> dict[str, Any]:
         """Store a new batch of `owner`, run as `tenant` (`BatchStore.create_batch`), and run it;
         shielded, so a client that leaves meanwhile cannot leave a stored batch that nothing runs."""
         async def create_and_run() -> dict[str, Any]:
             batch = await self.db(self.store.create_batch, input_file_id, endpoint, completion_window, metadata,
-                                  owner=owner, tenant=tenant)
+                                  owner=owner, tenant=tenant, output_expires_after=output_expires_after)
             self.run(batch["id"])
             return batch
         return await asyncio.shield(create_and_run())

@@ -36,11 +36,13 @@ def result_file_ids(batch_id: str) -> tuple[str, str]:
 
 
 def insert_file(db: sqlite3.Connection, file_id: str, filename: str, purpose: str, num_bytes: int, owner: str,
-                 tenant: str) -> None:
-    """The file's row; its bytes go to `file_chunks` (`ChunkWriter`)."""
-    db.execute("INSERT INTO files (id, purpose, filename, bytes, created_at, content, tenant, owner) "
-               "VALUES (?, ?, ?, ?, ?, x'', ?, ?)", (file_id, purpose, filename, num_bytes, int(time.time()), tenant,
-                                                     owner))
+                 tenant: str, expires_after: int | None = None) -> None:
+    """The file's row, expiring `expires_after` seconds from now (None: kept until deleted); its bytes go to
+    `file_chunks` (`ChunkWriter`)."""
+    now = int(time.time())
+    db.execute("INSERT INTO files (id, purpose, filename, bytes, created_at, content, tenant, owner, expires_at) "
+               "VALUES (?, ?, ?, ?, ?, x'', ?, ?, ?)", (file_id, purpose, filename, num_bytes, now, tenant, owner,
+                                                        None if expires_after is None else now + expires_after))
 
 
 class ChunkWriter:
@@ -141,11 +143,13 @@ def result_line(batch_id: str, row: tuple) -> tuple[int, bytes]:
 def complete_batch(db: sqlite3.Connection, batch_id: str, status: str, writers: list[ChunkWriter]) -> None:
     """Add the written output and error files (a file only when it has a line) and mark the batch
     completed, or cancelled if it was cancelling."""
-    owner, tenant = db.execute("SELECT owner, tenant FROM batches WHERE id=?", (batch_id,)).fetchone()
+    owner, tenant, expires_after = db.execute("SELECT owner, tenant, output_expires_seconds FROM batches WHERE id=?",
+                                              (batch_id,)).fetchone()
     file_ids = []
     for writer, name in zip(writers, ("output", "error")):
         if writer.size:
-            insert_file(db, writer.file_id, f"{batch_id}_{name}.jsonl", "batch_output", writer.size, owner, tenant)
+            insert_file(db, writer.file_id, f"{batch_id}_{name}.jsonl", "batch_output", writer.size, owner, tenant,
+                        expires_after)
         file_ids.append(writer.file_id if writer.size else None)
     final = "cancelled" if status == "cancelling" else "completed"
     db.execute(f"UPDATE batches SET status=?, {final}_at=?, output_file_id=?, error_file_id=? WHERE id=?",

@@ -27,6 +27,10 @@ MAX_BATCH_LINES = 50_000                                         # request lines
 MAX_BATCH_LINE_BYTES = 1 << 20          # one line of an input file (1 MiB); a longer one is that line's error
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 MAX_FILENAME_CHARS = 255                # an upload's filename as stored; a longer one is cut
+# An expiration policy (`expires_after` of an upload, `output_expires_after` of a batch), as OpenAI's: from the
+# file's creation, 1 hour to 30 days; an upload for a batch without one expires after 30 days (OpenAI's default)
+EXPIRES_AFTER_SECONDS = (3600, 30 * 86400)
+DEFAULT_BATCH_FILE_SECONDS = 30 * 86400
 DEFAULT_FILENAME = "upload.jsonl"       # the filename of an upload that gives none
 _REQUEST_LINE = re.compile(rb"[^ \t\n\r\x0b\x0c][^\n]*")   # a non-blank line from its first non-blank byte
 
@@ -135,6 +139,21 @@ def check_metadata(metadata: Any) -> None:
         if len(key) > MAX_METADATA_KEY or not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
             raise BatchInputError(f"metadata.{key}", f"keys are at most {MAX_METADATA_KEY} characters and values "
                                   f"strings of at most {MAX_METADATA_VALUE}")
+
+
+def check_expires_after(policy: Any, field: str) -> int | None:
+    """The seconds of OpenAI's expiration policy `{"anchor": "created_at", "seconds": n}` (None: no policy);
+    BatchInputError naming `field`.anchor or `field`.seconds (n in EXPIRES_AFTER_SECONDS, an integer)."""
+    if policy is None:
+        return None
+    if not isinstance(policy, dict) or set(policy) != {"anchor", "seconds"}:
+        raise BatchInputError(field, "must be an object with exactly 'anchor' and 'seconds'")
+    if policy["anchor"] != "created_at":
+        raise BatchInputError(f"{field}.anchor", f"must be 'created_at', got {policy['anchor']!r}")
+    seconds, (low, high) = policy["seconds"], EXPIRES_AFTER_SECONDS
+    if not isinstance(seconds, int) or isinstance(seconds, bool) or not low <= seconds <= high:
+        raise BatchInputError(f"{field}.seconds", f"must be an integer in {low}..{high}, got {seconds!r}")
+    return seconds
 
 
 def is_text(value: Any) -> bool:

@@ -24,6 +24,11 @@ every finalize gives the same files. An output or error file that would pass MAX
 fails the batch instead (`status: failed`, `errors` naming `output_too_large`), and a line answer
 whose JSON alone passes it is recorded as that line's error (`response_too_large`), not stored.
 
+Expiry and deletion: a file has `expires_at` (an upload's from its policy, 30 days without one; a batch's
+output and error files' from the batch's `output_expires_after`, else none). An expired or deleted file is
+gone at once to every reader (`_FILE_LIVE`); its bytes are dropped by `delete_file`, or by `purge_expired`
+(the batch runner's, every PURGE_EVERY_S), and its row stays, marked `deleted_at`, since a batch may name it. A batch's lines were stored when it was created: it runs on without its input file.
+
 Input lines are checked when the batch is created (`pools.store.batch_input.parse_batch_input`): an
 unusable line is a per-line error for the error file; the batch itself never fails for it. A batch
 fails as a whole only through `fail` (the runner's reason: the store could not take its results) or
@@ -44,7 +49,9 @@ next open migrates again; decided by the columns present):
 the failed state (`failed_at`, `errors`), `file_chunks` and `finalizing`; 4 adds the Responses API's
 `responses` table (`pools.store.response_store`, which opens the same file); 5 adds `request_counts` to
 `batches`, where a batch finished since keeps its counts once its lines are deleted (a batch finished
-before keeps its lines). A version-2 row keeps its
+before keeps its lines), `output_expires_seconds` to `batches`, `expires_at` and `deleted_at` to `files`
+(files stored before never expire) and the index `files_by_expiry`. A version-5 store is refused by
+older code (its version), so a downgrade needs the store file from before the upgrade. A version-2 row keeps its
 tenant as its tenant, and its owner is `legacy_owner(tenant)` (the gateway: `Tenants.legacy_owner`,
 whose rule keeps a row reachable by the key or shared tenant that reached it before wherever the
 configuration still tells which that is; without one, the tenant's name). That mapping is written
@@ -68,8 +75,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pools.store.batch_input import (BATCH_ENDPOINTS, COMPLETION_WINDOWS, FILE_PURPOSES, BatchInputError, BatchLine,
-                                     check_metadata, clean_filename, is_text, parse_batch_input)
+from pools.store.batch_input import (BATCH_ENDPOINTS, COMPLETION_WINDOWS, DEFAULT_BATCH_FILE_SECONDS, FILE_PURPOSES,
+                                     BatchInputError, BatchLine, check_expires_after, check_metadata, clean_filename,
+                                     is_text, parse_batch_input)
 from pools.store import batch_files
 from pools.store.batch_files import (UNFINISHED, ChunkWriter, assemble_step, fail_batch, insert_file, marks,
                                      read_chunks, request_counts, result_file_ids)
@@ -86,6 +94,9 @@ _BATCH_KEYS = ("id", "input_file_id", "endpoint", "completion_window", "status",
                "error_file_id", "metadata", "errors")
 _BATCH_COLUMNS = ", ".join(_BATCH_KEYS)
 _FILE_OWNER = "COALESCE(files.owner, (SELECT owner FROM legacy_owners WHERE legacy_owners.tenant = files.tenant))"
+_FILE_LIVE = "files.deleted_at IS NULL AND (files.expires_at IS NULL OR files.expires_at > ?)"   # ? = now
+PURGE_EVERY_S = 60.0      # how often the batch runner drops expired files' bytes (`purge_expired`)
+PURGE_BYTES = 64 << 20    # bytes one purge transaction drops at most (past one file; the next call drops more)
 
 
 class BatchStore(StoreFile):
@@ -107,19 +118,51 @@ class BatchStore(StoreFile):
             raise
 
     # --- files -----------------------------------------------------------------------------------
-    def add_file(self, content: bytes, filename: str | None, purpose: str, *, owner: str,
-                 tenant: str) -> dict[str, Any]:
+    def add_file(self, content: bytes, filename: str | None, purpose: str, *, owner: str, tenant: str,
+                 expires_after: dict[str, Any] | None = None) -> dict[str, Any]:
         """Store an upload of `owner` (made by a key of `tenant`) under its filename as `clean_filename`
-        leaves it; BatchInputError naming `purpose` unless it is one of FILE_PURPOSES."""
+        leaves it, expiring as `expires_after` says (OpenAI's policy; none: a batch file's 30 days);
+        BatchInputError naming `purpose` unless it is one of FILE_PURPOSES, or the policy's field."""
         if purpose not in FILE_PURPOSES:
             raise BatchInputError("purpose", f"must be one of {', '.join(FILE_PURPOSES)}, got {purpose!r}")
+        seconds = check_expires_after(expires_after, "expires_after") or DEFAULT_BATCH_FILE_SECONDS
         file_id = f"file-{uuid.uuid4().hex[:24]}"
         with self._txn() as db:
-            insert_file(db, file_id, clean_filename(filename), purpose, len(content), owner, tenant)
+            insert_file(db, file_id, clean_filename(filename), purpose, len(content), owner, tenant, seconds)
             writer = ChunkWriter(db, file_id)
             writer.write(content)
             writer.close()
         return self.file(file_id, owner=owner)
+
+    def delete_file(self, file_id: str, *, owner: str) -> bool:
+        """Delete `owner`'s file: its bytes go at once, its row stays as the mark that it was (a batch may
+        name it) and is never shown again. False if there is no such file (or another owner's, or gone)."""
+        if not is_text(file_id):
+            return False
+        now = int(time.time())
+        with self._txn() as db:
+            found = db.execute(f"UPDATE files SET deleted_at=?, bytes=0, content=x'' WHERE id=? AND {_FILE_OWNER}=? "
+                               f"AND {_FILE_LIVE}", (now, file_id, owner, now)).rowcount
+            if found:
+                db.execute("DELETE FROM file_chunks WHERE file_id=?", (file_id,))
+        return bool(found)
+
+    def purge_expired(self, now: float | None = None) -> int:
+        """Drop the bytes of files past their `expires_at` (as a deletion: their rows stay, marked), in one
+        transaction of at most PURGE_BYTES (at least one file), so the store is never held long; how many
+        files (0: none was due). Expired files are gone to every reader from that second, purged or not."""
+        now = int(time.time() if now is None else now)
+        ids, total = [], 0
+        with self._txn() as db:
+            for file_id, num_bytes in db.execute("SELECT id, bytes FROM files WHERE deleted_at IS NULL AND "
+                                                 "expires_at <= ?", (now,)):
+                if ids and total + num_bytes > PURGE_BYTES:
+                    break
+                ids.append(file_id)
+                total += num_bytes
+            db.executemany("UPDATE files SET deleted_at=?, bytes=0, content=x'' WHERE id=?", ((now, i) for i in ids))
+            db.executemany("DELETE FROM file_chunks WHERE file_id=?", ((i,) for i in ids))
+        return len(ids)
 
     def file(self, file_id: str, *, owner: str) -> dict[str, Any] | None:
         """The OpenAI file object, or None (no such file, or another owner's; also an id SQLite cannot
@@ -127,12 +170,13 @@ class BatchStore(StoreFile):
         if not is_text(file_id):
             return None
         with self._lock:
-            row = self._db.execute(f"SELECT id, purpose, filename, bytes, created_at FROM files WHERE id=? AND "
-                                   f"{_FILE_OWNER}=?", (file_id, owner)).fetchone()
+            row = self._db.execute(f"SELECT id, purpose, filename, bytes, created_at, expires_at FROM files WHERE id=? "
+                                   f"AND {_FILE_OWNER}=? AND {_FILE_LIVE}",
+                                   (file_id, owner, int(time.time()))).fetchone()
         if row is None:
             return None
         return {"id": row[0], "object": "file", "purpose": row[1], "filename": row[2], "bytes": row[3],
-                "created_at": row[4], "status": "processed", "expires_at": None, "status_details": None}
+                "created_at": row[4], "status": "processed", "expires_at": row[5], "status_details": None}
 
     def file_content(self, file_id: str, *, owner: str, offset: int = 0, size: int | None = None) -> bytes | None:
         """The file's bytes from `offset`, at most `size` of them (None: to the end; the gateway reads a
@@ -140,8 +184,8 @@ class BatchStore(StoreFile):
         if not is_text(file_id):
             return None
         with self._lock:
-            row = self._db.execute(f"SELECT bytes, length(content) FROM files WHERE id=? AND {_FILE_OWNER}=?",
-                                   (file_id, owner)).fetchone()
+            row = self._db.execute(f"SELECT bytes, length(content) FROM files WHERE id=? AND {_FILE_OWNER}=? AND "
+                                   f"{_FILE_LIVE}", (file_id, owner, int(time.time()))).fetchone()
             if row is None:
                 return None
             total, num_legacy = row
@@ -157,18 +201,22 @@ class BatchStore(StoreFile):
 
     # --- batches ---------------------------------------------------------------------------------
     def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: dict[str, str] | None = None, *, owner: str, tenant: str) -> dict[str, Any]:
+                     metadata: dict[str, str] | None = None, *, owner: str, tenant: str,
+                     output_expires_after: dict[str, Any] | None = None) -> dict[str, Any]:
         """Parse `owner`'s input file and store the batch, owned by `owner` and run as `tenant`, with all
-        its lines in one transaction, `in_progress` (bad lines already recorded as errors).
+        its lines in one transaction, `in_progress` (bad lines already recorded as errors); its output and
+        error files expire as `output_expires_after` says (OpenAI's policy; none: kept until deleted).
         BatchInputError naming the field for a bad argument; another owner's input file is refused as
         one that does not exist."""
+        expires_after = check_expires_after(output_expires_after, "output_expires_after")
         lines = self._input_lines(input_file_id, endpoint, completion_window, metadata, owner)
         batch_id, now = f"batch_{uuid.uuid4().hex[:24]}", int(time.time())
         with self._txn() as db:
             db.execute("INSERT INTO batches (id, input_file_id, endpoint, completion_window, status, created_at, "
-                       "in_progress_at, metadata, tenant, owner) VALUES (?, ?, ?, ?, 'in_progress', ?, ?, ?, ?, ?)",
+                       "in_progress_at, metadata, tenant, owner, output_expires_seconds) VALUES (?, ?, ?, ?, "
+                       "'in_progress', ?, ?, ?, ?, ?, ?)",
                        (batch_id, input_file_id, endpoint, completion_window, now, now,
-                        None if metadata is None else json.dumps(metadata), tenant, owner))
+                        None if metadata is None else json.dumps(metadata), tenant, owner, expires_after))
             db.executemany(
                 "INSERT INTO lines (batch_id, line_no, custom_id, method, url, body, status, error) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
@@ -195,8 +243,8 @@ class BatchStore(StoreFile):
         return parse_batch_input(content, endpoint, input_file_id)
 
     def batch(self, batch_id: str, *, owner: str) -> dict[str, Any] | None:
-        """The OpenAI batch object (request_counts counted from the lines), or None (no such batch, or
-        another owner's)."""
+        """The OpenAI batch object (request_counts counted from the lines, or kept on a finished batch's row),
+        or None (no such batch, or another owner's)."""
         with self._lock:
             row = self._db.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id=? AND owner=?",
                                    (batch_id, owner)).fetchone()

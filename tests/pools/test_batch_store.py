@@ -14,6 +14,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -581,4 +582,47 @@ def test_a_storage_error_changes_nothing_and_a_batch_can_be_failed_with_a_reason
                                                                        "disk full"}]}
     assert store.batch(batch["id"], owner=OWNER) == failed and store.unfinished_batch_ids() == []
     assert store.fail("batch_x", "storage_error", "x") is None
+    store.check_integrity()
+
+
+def test_files_expire_and_deleted_files_are_gone_at_once_while_their_batch_keeps_its_lines(tmp_path, monkeypatch):
+    path = tmp_path / "b.sqlite3"
+    store = _make_store(path)
+    content = _jsonl(_line("a"), _line("b"))
+    kept = store.add_file(content, "in.jsonl", "batch", owner=OWNER, tenant=DEFAULT_TENANT)
+    assert kept["expires_at"] == kept["created_at"] + 30 * 86400            # OpenAI's default for a batch file
+    hour = store.add_file(content, "in.jsonl", "batch", owner=OWNER, tenant=DEFAULT_TENANT,
+                          expires_after={"anchor": "created_at", "seconds": 3600})
+    assert hour["expires_at"] == hour["created_at"] + 3600
+    for policy, param in (({"anchor": "created_at", "seconds": 3599}, "expires_after.seconds"),
+                          ({"anchor": "created_at", "seconds": True}, "expires_after.seconds"),
+                          ({"anchor": "now", "seconds": 3600}, "expires_after.anchor"),
+                          ({"seconds": 3600}, "expires_after"), ("1h", "expires_after")):
+        with pytest.raises(BatchInputError) as bad:
+            store.add_file(content, "in.jsonl", "batch", owner=OWNER, tenant=DEFAULT_TENANT, expires_after=policy)
+        assert bad.value.param == param, policy
+    batch = store.create_batch(kept["id"], CHAT, "24h", owner=OWNER, tenant=DEFAULT_TENANT,
+                               output_expires_after={"anchor": "created_at", "seconds": 7200})
+    assert not store.delete_file(kept["id"], owner="key-other")              # another owner's: as unknown
+    assert store.delete_file(kept["id"], owner=OWNER) and not store.delete_file(kept["id"], owner=OWNER)
+    assert store.file(kept["id"], owner=OWNER) is None and store.file_content(kept["id"], owner=OWNER) is None
+    for ln in store.pending_lines(batch["id"]):                              # the batch runs on without its file
+        store.record(batch["id"], ln.line_no, 200, {"choices": [ln.custom_id]})
+    store.begin_finalizing(batch["id"])
+    done = store.finalize(batch["id"])
+    output = store.file(done["output_file_id"], owner=OWNER)
+    assert done["input_file_id"] == kept["id"] and output["expires_at"] == output["created_at"] + 7200
+    store.check_integrity()
+
+    later = time.time() + 3601                                               # an hour on: `hour` has expired
+    monkeypatch.setattr(time, "time", lambda: later)
+    assert store.file(hour["id"], owner=OWNER) is None and store.file_content(hour["id"], owner=OWNER) is None
+    with pytest.raises(BatchInputError, match="input_file_id"):
+        store.create_batch(hour["id"], CHAT, "24h", owner=OWNER, tenant=DEFAULT_TENANT)
+    assert not store.delete_file(hour["id"], owner=OWNER)
+    assert store.purge_expired() == 1 and store.purge_expired() == 0
+    assert store.file(done["output_file_id"], owner=OWNER) is not None      # 2 hours: not yet
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        assert db.execute("SELECT count(*) FROM file_chunks WHERE file_id IN (?, ?)",
+                          (kept["id"], hour["id"])).fetchone()[0] == 0
     store.check_integrity()
