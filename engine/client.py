@@ -117,6 +117,7 @@ class AsyncEngineClient:
         self._stats_waiters: list[asyncio.Future] = []
         self.latest_stats: EngineStats | None = None   # pushed by the worker with step outputs
         self.step_failed = False   # the worker ended saying a step failed (its `Fatal`), not a loss
+        self.commands_unreadable = False   # ... saying it could not read a command of ours (its `Fatal`)
         # A replica shared by several gateways (`engine.sessions`): this gateway's lease on each pool, in
         # KV credits (absent: a local worker, all of it). `on_lease(pool, tokens)` applies a new lease to
         # the gateway's ledger and returns True once what it holds there is within it (then the client
@@ -257,7 +258,8 @@ class AsyncEngineClient:
                 if not self._ready.done():
                     self._ready.set_exception(RuntimeError(f"device worker failed to start: {msg.reason}"))
             case Fatal():
-                self.step_failed = not msg.group_broke
+                self.step_failed = not (msg.group_broke or msg.unreadable)
+                self.commands_unreadable = msg.unreadable
                 self._on_exit(f"device worker failed:\n{msg.traceback}")
             case Lease():
                 self.leases[msg.pool] = msg.tokens

@@ -139,7 +139,9 @@ class StatsReply:
 @dataclass(frozen=True)
 class Fatal:
     """The worker ends: a step failed (`traceback`), or its tensor-parallel group lost a rank
-    (`group_broke`: the process's loss, not the requests' doing)."""
+    (`group_broke`: the process's loss, not the requests' doing), or it could not read a command
+    (`unreadable`: the gateway's doing, nobody else's)."""
 
     traceback: str
     group_broke: bool = False
+    unreadable: bool = False

@@ -45,7 +45,7 @@ import traceback
 
 from engine.config import EngineConfig
 from engine.messages import Fatal, Keepalive, Ready, StartupError
-from engine.wire import KEY_BYTES, FrameKeys, Handshake, WireError
+from engine.wire import KEY_BYTES, FrameKeys, Handshake
 from engine.worker import WorkerChannel
 
 log = logging.getLogger("cliffguard.engine")
@@ -196,15 +196,21 @@ class ReplicaServer:
                 log.warning("replica: connection from %s refused: %d handshakes under way", peer, MAX_HANDSHAKES)
                 conn.close()
                 continue
-            threading.Thread(target=self._admit, args=(conn, peer), name="cliffguard-replica-handshake",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._admit, args=(conn, peer), name="cliffguard-replica-handshake",
+                                 daemon=True).start()
+            except RuntimeError as exc:   # no thread to be had now: this connection is refused, the next may not be
+                log.error("replica: connection from %s refused: %s", peer, exc)
+                with self._lock:
+                    self._handshakes -= 1
+                conn.close()
 
     def _admit(self, conn: socket.socket, peer) -> None:
         """Prove `conn`'s key, then hand it to the engine's hub (or hold it while the engine loads; refuse it
         with the reason if the load failed)."""
         try:
             keys = self._handshake(conn)
-        except (OSError, WireError) as exc:
+        except Exception as exc:  # noqa: BLE001 - OSError, WireError, or a bug: the connection is refused, not leaked
             log.warning("replica: connection from %s refused: %s", peer, exc)
             conn.close()
             return

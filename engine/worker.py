@@ -91,7 +91,7 @@ def worker_main(config: EngineConfig, sock: socket.socket, environ: dict[str, st
         return  # the parent is gone
     except UnreadableCommands as exc:   # the link's fault, not the requests': they may run elsewhere
         try:
-            channel.send(Fatal(f"device worker: the gateway's commands cannot be read: {exc}", group_broke=True))
+            channel.send(Fatal(f"device worker: the gateway's commands cannot be read: {exc}", unreadable=True))
             channel.drain(LAST_WORDS_SECONDS)
         except OSError:
             pass

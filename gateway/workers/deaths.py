@@ -16,6 +16,8 @@ depends on its cause (`cause_of`, and the watchdog's own verdicts):
 - `stall`: the watchdog killed it, its heartbeat silent for `gateway.stall_seconds` (a process frozen
   whole). As a loss.
 - `stopped`: the gateway stopped the replica (shutting down, the autoscaler removing it). Never.
+- `unreadable`: the worker could not read a command the gateway sent (a `Fatal` with `unreadable`: a
+  gateway and worker of other code, a corrupt stream). The gateway's doing: never.
 
 A lone loss counts: a request can make its worker run out of memory, and the OOM killer's signal is a
 loss. Replicas lost together are one fault that took them all (a node, a network, the cluster
@@ -38,15 +40,17 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-FAILURE, HANG, LOSS, STALL, STOPPED = "failure", "hang", "loss", "stall", "stopped"
+FAILURE, HANG, LOSS, STALL, STOPPED, UNREADABLE = "failure", "hang", "loss", "stall", "stopped", "unreadable"
 LOSS_WINDOW_SECONDS = 2.0   # losses of two replicas this close together are one fault
 MAX_KEPT = 256              # deaths remembered per device
 
 
 def cause_of(client: object) -> str:
     """The cause of a worker's death as its client knows it: a failed step where the worker said so
-    (`AsyncEngineClient.step_failed`, from its `Fatal`), anything else (a `Fatal` whose group broke, a
-    process gone, a connection lost) a loss."""
+    (`AsyncEngineClient.step_failed`, from its `Fatal`), a command it could not read where it said that,
+    anything else (a `Fatal` whose group broke, a process gone, a connection lost) a loss."""
+    if getattr(client, "commands_unreadable", False):
+        return UNREADABLE
     return FAILURE if getattr(client, "step_failed", False) else LOSS
 
 

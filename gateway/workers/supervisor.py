@@ -138,6 +138,7 @@ class DeviceSupervisor:
         self._process: tuple | None = None         # (address, pid, load time) of the last worker ready
         self._changed = asyncio.Condition()        # notified when a worker is ready, or the device failed
         self._task: asyncio.Task | None = None
+        self._woken: asyncio.Task | None = None    # `_ended`'s wake-up of the requests waiting for the replica
         self.draining = False                      # the autoscaler is removing it: no new requests
 
     @property
@@ -332,6 +333,7 @@ class DeviceSupervisor:
                   exc_info=task.exception())
         if self._failure is None:
             self._failure = f"the gateway's supervision of the replica ended: {task.exception()!r}"
+        self._woken = asyncio.get_running_loop().create_task(self._notify())
 
     def _note_reason(self, reason: str) -> None:
         """Why the next worker replaces this one (shown in `state`)."""

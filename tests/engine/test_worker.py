@@ -225,7 +225,7 @@ def test_a_command_the_worker_cannot_read_is_the_links_loss_not_the_requests(tin
             async with asyncio.timeout(10):
                 async for _ in stream:
                     pass
-        assert not client.step_failed
+        assert client.commands_unreadable and not client.step_failed   # gateway.workers.deaths: UNREADABLE
         await client.shutdown()
 
     asyncio.run(main())

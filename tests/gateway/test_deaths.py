@@ -18,8 +18,8 @@ from engine.faults import POISON_ENV
 from gateway.batch.endpoints import BATCHES
 from gateway.completion import MAX_DEATHS_PER_REQUEST, _judge, _judge_line
 from gateway.openai.errors import ApiError
-from gateway.workers.deaths import (FAILURE, HANG, LOSS, STALL, STOPPED, DeathsUnder, DeviceDeaths, cause_of,
-                                    last_line)
+from gateway.workers.deaths import (FAILURE, HANG, LOSS, STALL, STOPPED, UNREADABLE, DeathsUnder, DeviceDeaths,
+                                    cause_of, last_line)
 from gateway.workers.supervisor import Backoff
 from tests.gateway.test_app import _client, _model
 from tests.gateway.test_batches import _FakeExecutor, _create, _jsonl, _jsonl_file, _line, _wait
@@ -54,13 +54,24 @@ def test_causes_from_what_the_clients_heard():
 
     assert cause_of(_failed("f")) == FAILURE and cause_of(_client_of("l")) == LOSS and cause_of(object()) == LOSS
     for fatal, expected in ((Fatal(TRACEBACK), FAILURE),
-                            (Fatal("device worker's group broke: rank 1 exited (signal 9)", group_broke=True), LOSS)):
+                            (Fatal("device worker's group broke: rank 1 exited (signal 9)", group_broke=True), LOSS),
+                            (Fatal("device worker: the gateway's commands cannot be read", unreadable=True),
+                             UNREADABLE)):
         client = AsyncEngineClient.__new__(AsyncEngineClient)   # only what `_dispatch` reads and sets
         client.step_failed, exits = False, []
         client._on_exit = exits.append
         client._dispatch(fatal)
         assert cause_of(client) == expected and exits[0].startswith("device worker failed:")
     assert last_line(TRACEBACK) == "RuntimeError: boom" and last_line("") == ""
+
+
+def test_a_worker_that_could_not_read_a_command_is_no_requests_death_even_alone():
+    """The gateway's own doing (a frame the worker cannot decode): never counted, even on a device of one
+    replica, where a lone loss counts at once (it was recorded as a loss: two made every request poison)."""
+    deaths = DeviceDeaths("cpu")
+    unreadable = deaths.record(SimpleNamespace(name="u", step_failed=False, commands_unreadable=True), 0,
+                               "device worker failed:\ndevice worker: the gateway's commands cannot be read")
+    assert unreadable.cause == UNREADABLE and deaths.counts(unreadable) is False
 
 
 def test_a_loss_counts_only_when_no_other_replica_was_lost_within_the_window():

@@ -9,6 +9,9 @@ import logging
 import os
 import signal
 
+import pytest
+
+from engine.client import EngineDeadError
 from gateway.workers.deaths import STOPPED
 from tests.gateway.conftest import pools_yaml
 from tests.gateway.test_app import _client
@@ -108,10 +111,13 @@ def test_a_supervision_task_that_ends_anyway_is_logged_and_the_replica_shown_fai
 
         supervisor._after_fault = broken
         supervisor.start()
+        waiter = asyncio.create_task(supervisor.wait_ready())   # a request waiting for the replica
         try:
             await _until(lambda: not supervisor.is_active)
             assert supervisor.state.startswith("failed: the gateway's supervision of the replica ended")
             assert not supervisor.is_ready
+            with pytest.raises(EngineDeadError, match="supervision of the replica ended"):
+                await asyncio.wait_for(waiter, 5)                # woken, not left to its own timeout
         finally:
             await supervisor.stop()
 
