@@ -238,7 +238,8 @@ def poison_error(request_id: str, deaths: int, last: ApiError) -> ApiError:
     return ApiError(500, f"request {request_id}: it was in flight when the device worker died "
                          f"{'twice' if deaths == 2 else f'{deaths} times'}, each time a death of its own (a failed "
                          f"step, a hang, or a replica lost alone; the last: {last.message}); not retried again",
-                    type="server_error", code="poison_request")
+                    type="server_error", code="poison_request",
+                    headers={"x-should-retry": "false"})   # the openai SDK retries a 500 unless told not to
 
 
 def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,

@@ -118,6 +118,8 @@ def usage_chunk(request_id: str, model: str, created: int, obj: str, prompt_toke
 def response_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
                    reasoning_tokens: int = 0) -> dict[str, Any]:
     """The Responses API's usage object."""
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+    # cache_write_tokens: the openai SDK's type requires it (an int); a prefix cache writes as it computes: 0 billed
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens,
+                                                                     "cache_write_tokens": 0},
             "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + completion_tokens}

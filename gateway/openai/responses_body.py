@@ -81,5 +81,8 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include: list[Literal["message.output_text.logprobs"]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None   # as chat's (vLLM's)
     reasoning: ReasoningOptions | None = None  # checked; effort "none" turns thinking off
-    user: Any = None                          # accepted and ignored
+    user: Any = None                          # accepted and ignored, as the three after it (chat's reasons)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     stream_options: Any = None

@@ -30,6 +30,7 @@ MaxTokens = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]   # unset: whatever
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None   # vLLM's: with include_usage, the usage so far in every chunk
+    include_obfuscation: bool | None = None      # accepted: no stream of ours is padded against side channels
 
 
 class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
@@ -73,6 +74,9 @@ class RequestFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     repetition_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None   # {token id: bias}: ids, range and count are SamplingParams'
     user: Any = None           # accepted and ignored: they change nothing we do
+    safety_identifier: str | None = None       # `user`'s successor in OpenAI's API
+    prompt_cache_key: str | None = None        # a cache hint: our prefix cache and placement find prefixes unasked
+    prompt_cache_retention: str | None = None
     store: Any = None
     metadata: Any = None
     service_tier: Any = None

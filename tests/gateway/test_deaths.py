@@ -258,6 +258,7 @@ async def test_a_request_that_fails_the_step_on_both_replicas_is_still_a_poison_
                                                    "max_tokens": 8, "temperature": 0})
     body = await r.json()
     assert r.status == 500 and body["error"]["code"] == "poison_request", body
+    assert r.headers["x-should-retry"] == "false"            # the openai SDK would send it twice more
     assert "died twice" in body["error"]["message"]
     deaths = gateway.supervisors["cpu"][0].deaths
     assert sorted(d.replica for d in deaths.deaths if d.cause == FAILURE) == [0, 1]   # one step failure on each

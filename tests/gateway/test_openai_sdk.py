@@ -27,7 +27,9 @@ def test_sync_chat_streamed_equals_non_streamed(sdk):
     assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content
     assert 0 < whole.usage.completion_tokens <= 24
     chunks = list(sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0,
-                                              stream=True, stream_options={"include_usage": True}))
+                                              stream=True, stream_options={"include_usage": True,
+                                                                           "include_obfuscation": False},
+                                              safety_identifier="user-1", prompt_cache_key="greeting"))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens

@@ -38,9 +38,11 @@ async def _events(client, **kwargs) -> list:
 async def test_text_whole_and_streamed(client) -> None:
     kwargs = dict(model=MODEL, instructions="You are terse.", input="Name three colours.", max_output_tokens=24,
                   temperature=0)
-    whole = await client.responses.create(**kwargs)
+    whole = await client.responses.create(**kwargs, safety_identifier="user-1", prompt_cache_key="colours")
     assert whole.object == "response" and whole.status in ("completed", "incomplete") and whole.output_text
     assert whole.usage.output_tokens <= 24 and whole.usage.input_tokens > 0
+    openai.types.responses.Response.model_validate(whole.model_dump())   # every field the SDK requires is there
+    assert whole.usage.input_tokens_details.cache_write_tokens == 0
     events = await _events(client, **kwargs)
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
