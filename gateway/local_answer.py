@@ -363,10 +363,11 @@ class LocalResponse:
             if finish_reason is None:
                 calls = stream.call_deltas(text)
             else:
-                rest, calls, num_calls = stream.finish(text)
+                rest, calls, num_calls = stream.finish(text, cut=finish_reason == "length")
                 delta["content"] += rest
                 if num_calls:
                     finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            delta["content"] = delta["content"] or None   # OpenAI's null, not "", beside calls or nothing
             if calls:
                 delta["tool_calls"] = calls
         return {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
@@ -451,7 +452,7 @@ class LocalResponse:
                 continue
             content, calls, finish_reason = choice.content_text, [], choice.finish_reason
             if self.tool_format is not None:
-                content, calls = self.tool_format.parse(content)
+                content, calls = self.tool_format.parse_reply(content, cut=finish_reason == "length")
                 calls = calls if self.req.parallel_tool_calls else calls[:1]   # parallel_tool_calls: false
                 if calls and finish_reason == "stop":
                     finish_reason = "tool_calls"

@@ -297,7 +297,7 @@ class ResponsesAnswer(LocalResponse):
         choice = self.choices[0]
         content, calls = choice.content_text, []
         if self.tool_format is not None:
-            content, calls = self.tool_format.parse(content)
+            content, calls = self.tool_format.parse_reply(content, cut=choice.finish_reason == "length")
             calls = calls if self.req.parallel_tool_calls else calls[:1]
         reasoning = choice.reasoning.reasoning if choice.reasoning is not None else ""
         output = [reasoning_item(objects.new_id("rs"), reasoning, self._reasoning_status())] if reasoning else []
@@ -308,7 +308,7 @@ class ResponsesAnswer(LocalResponse):
                 output[-1]["content"][0]["logprobs"] = objects.chat_logprobs(
                     choice.token_ids[k:], choice.logprobs[k:], choice.top_logprobs[k:],
                     choice.pool.token_text)["content"]
-        output += [self._call_item(call) for call in calls]
+        output += [self._call_item(call, "incomplete" if call.cut else "completed") for call in calls]
         return self._response(self._status(), output)
 
     # --- the stream --------------------------------------------------------------------------------
@@ -406,11 +406,13 @@ class ResponsesAnswer(LocalResponse):
             self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=piece)
 
     def _close_calls(self) -> None:
-        for index, item in self._calls.values():
+        stream = self.choices[0].tool_stream
+        cut = stream.cut_call if stream is not None else None
+        for k, (index, item) in self._calls.items():
             if item["status"] == "in_progress":
                 self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                             arguments=item["arguments"], name=item["name"])
-                item["status"] = "completed"
+                item["status"] = "incomplete" if k == cut else "completed"   # max_tokens ended it
                 self._event("response.output_item.done", output_index=index, item=dict(item))
 
     # --- the end ---------------------------------------------------------------------------------

@@ -35,8 +35,9 @@ from gateway.openai.tool_specs import Tool
 @dataclass
 class ToolCall:
     name: str
-    arguments: str            # JSON text, as OpenAI sends it
+    arguments: str            # JSON text, as OpenAI sends it (a call cut by max_tokens: as far as it got)
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    cut: bool = False         # max_tokens ended the reply inside it
 
     def as_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -83,6 +84,25 @@ class ToolFormat:
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content outside the calls or None, the calls). Text that only looks like a call is content."""
         raise NotImplementedError
+
+    def parse_reply(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """`parse` of a whole reply; `cut`: max_tokens ended it. A call it was writing when it was cut is a call
+        as far as it got (`ToolCall.cut`, its arguments perhaps not yet JSON), as a stream sent it, never text;
+        one cut before its name was whole is dropped (a stream held it back: it was never content either)."""
+        begin = self._open_call(text) if cut else None
+        if begin is None:
+            return self.parse(text)
+        content, calls = self.parse(text[:begin])
+        tail = next(iter(self.call_scans(text, begin)), None)
+        if tail is not None and tail.name in self.tools:
+            args = "" if tail.args_start is None else text[tail.args_start:tail.args_end or len(text)]
+            calls = [*calls, ToolCall(tail.name, args, cut=True)]
+        return ((content or "").strip() or None) if calls else content, calls
+
+    def _open_call(self, text: str) -> int | None:
+        """Where a call the reply was still writing at its end begins, if it was."""
+        scans = list(self.call_scans(text, 0))
+        return scans[-1].start if scans and scans[-1].end is None else None
 
     def hold_from(self, text: str) -> int:
         """Where in the reply so far a call may be starting: a stream sends the text before it as content
@@ -136,6 +156,21 @@ class HermesFormat(ToolFormat):
             return text, []
         content = ("".join(kept) + text[last:]).strip()
         return content or None, calls
+
+    def _open_call(self, text: str) -> int | None:
+        # the marker of the last call object if it is open, or closed with its closing tag begun and not whole
+        # (`parse` reads an object with no tag after it at the end as a call), else a marker after it with no
+        # object yet; markers inside a call's strings are not calls (`call_scans` skips them), and a marker's
+        # first characters alone are text
+        last = None
+        for last in self.call_scans(text, 0):
+            pass
+        if last is not None:
+            rest = text[last.end:].lstrip() if last.end is not None else None
+            if rest is None or (rest and rest != self.end and self.end.startswith(rest)):
+                return text.rfind(self.start, 0, last.start)
+        found = text.find(self.start, 0 if last is None else last.end)
+        return found if found >= 0 and not text[found + len(self.start):].strip() else None
 
     def call_scans(self, text: str, pos: int) -> Iterator[CallScan]:
         while (found := text.find(self.start, pos)) >= 0:
@@ -285,12 +320,13 @@ class CallScan:
     args_start: int | None = None
     args_end: int | None = None
     end: int | None = None
+    start: int = 0        # where the call object's `{` is
 
 
 def scan_call(text: str, start: int, args_key: str) -> CallScan:
     """Read the (maybe unfinished) call object `text[start:]` (`text[start]` is its `{`) character by
     character: strings with their escapes, nesting, the top level's keys and values."""
-    scan, depth, key, in_value, string_at, escaped = CallScan(), 0, None, False, -1, False
+    scan, depth, key, in_value, string_at, escaped = CallScan(start=start), 0, None, False, -1, False
     for i in range(start, len(text)):
         ch = text[i]
         if string_at >= 0:                       # inside a string
@@ -344,6 +380,7 @@ class ToolCallStream:
         self.fmt, self.forced, self.parallel = fmt, forced, parallel   # parallel False: the first call only
         self.num_sent = 0      # characters of the reply already sent as content
         self.calls: list[_StreamedCall] = []
+        self.cut_call: int | None = None   # once finished: the index of a call max_tokens cut, if one was
 
     def content_delta(self, text: str) -> str:
         """The reply so far is `text`: the content that can be sent now."""
@@ -376,13 +413,15 @@ class ToolCallStream:
                 break
         return list(out.values())
 
-    def finish(self, text: str) -> tuple[str, list[dict[str, Any]], int]:
-        """The reply is complete: (the held content to send, the last `tool_calls` delta entries, the number
-        of calls). A call the stream began is completed with the rest of its arguments; one it did not see
+    def finish(self, text: str, cut: bool = False) -> tuple[str, list[dict[str, Any]], int]:
+        """The reply is complete (`cut`: by max_tokens): (the held content to send, the last `tool_calls` delta
+        entries, the number of calls). A call the stream began is completed with the rest of its arguments (a
+        cut one with what there is: `ToolFormat.parse_reply`, as a whole answer reads it); one it did not see
         is sent whole."""
         entries = {e["index"]: e for e in self.call_deltas(text)}
-        content, calls = self.fmt.parse(text[self.num_sent:])
+        content, calls = self.fmt.parse_reply(text[self.num_sent:], cut)
         calls, self.num_sent = calls if self.parallel else calls[:1], len(text)
+        self.cut_call = next((k for k, call in enumerate(calls) if call.cut), None)
         for k, call in enumerate(calls):
             if k >= len(self.calls):
                 entries[k] = {"index": k, **call.as_openai()}

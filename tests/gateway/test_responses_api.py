@@ -96,6 +96,18 @@ async def test_a_tool_call_whole_and_streamed_then_its_result_as_input(client) -
     assert followup.output_text
 
 
+async def test_a_call_cut_by_max_output_tokens_is_an_incomplete_call_whole_and_streamed(client) -> None:
+    kwargs = dict(model=MODEL, input="What's the weather in Paris?", tools=[WEATHER], tool_choice="required",
+                  max_output_tokens=14, temperature=0)
+    whole = await client.responses.create(**kwargs)
+    assert whole.status == "incomplete" and [(i.type, i.status) for i in whole.output] == [
+        ("function_call", "incomplete")]
+    events = await _events(client, **kwargs)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert events[-1].type == "response.incomplete" and not any("output_text" in e.type for e in events)
+    assert [(i.type, i.status, i.arguments) for i in done] == [("function_call", "incomplete", whole.output[0].arguments)]
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"store": "yes"}, "store"),
     ({"background": True, "store": False}, "background"),

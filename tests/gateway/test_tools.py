@@ -365,6 +365,25 @@ async def test_streamed_tool_calls_reassemble_to_the_same_calls(client) -> None:
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
 
 
+async def test_a_call_cut_by_max_tokens_is_the_same_partial_call_streamed_or_whole_and_no_markup(client) -> None:
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], tools=TOOLS,
+                  tool_choice="required", max_tokens=14, temperature=0)
+    whole = (await client.chat.completions.create(**kwargs)).choices[0]
+    assert whole.finish_reason == "length" and whole.message.content is None, whole
+    calls, content = {}, ""
+    async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            assert choice.delta.content is None      # OpenAI's null beside calls, not "" in every chunk
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+    assert content == "" and len(whole.message.tool_calls) == 1
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
 async def test_a_two_turn_exchange_with_a_tool_result(client) -> None:
     messages = [{"role": "user", "content": "What's the weather in Paris?"}]
     first = (await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=120,
@@ -421,3 +440,38 @@ def test_the_schema_check_remembers_digests_not_schemas_and_answers_the_same() -
     finally:
         tracemalloc.stop()
     assert kept < 1_000_000, f"{kept} bytes kept for 40 schemas"
+
+
+@pytest.mark.parametrize("fmt_class", [HermesFormat, Llama3JsonFormat])
+def test_a_reply_cut_by_max_tokens_inside_a_call_is_that_call_as_far_as_it_got_streamed_or_whole(fmt_class) -> None:
+    """Cut at every character of a reply of two calls: the whole answer (`parse_reply`) and the stream agree,
+    the cut call is a call (`cut`, its arguments as far as written), never the format's markup as content (it
+    leaked as content, and a stream sent the call and then the markup too)."""
+    fmt = fmt_class(parse_tools(TOOLS))
+    calls = [{"name": "search", "arguments": {"query": "a </tool_call> b", "limit": 3}},
+             {"name": "get_weather", "arguments": {"city": "Oslo"}}]
+    if fmt_class is HermesFormat:
+        reply = "Let me look.\n" + "\n".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls)
+    else:
+        reply = "; ".join(json.dumps({"name": c["name"], "parameters": c["arguments"]}) for c in calls)
+    for cut in range(1, len(reply) + 1):
+        text = reply[:cut]
+        content, whole = fmt.parse_reply(text, cut=True)
+        stream, sent, streamed = ToolCallStream(fmt, forced=False), "", {}
+        for end in range(1, cut + 1):
+            sent += stream.content_delta(text[:end])
+            for entry in stream.call_deltas(text[:end]):
+                _merge(streamed, entry)
+        rest, entries, num_calls = stream.finish(text, cut=True)
+        for entry in entries:
+            _merge(streamed, entry)
+        assert (sent + rest).split() == (content or "").split(), (cut, text)   # the same words (spacing may differ)
+        assert [(streamed[k]["name"], streamed[k]["arguments"]) for k in sorted(streamed)] == \
+            [(c.name, c.arguments) for c in whole], (cut, text)
+        assert "<tool_call>" not in (content or "") and '"name"' not in (content or ""), (cut, text)
+        assert [c.cut for c in whole][:-1] == [False] * (len(whole) - 1)
+        if whole and whole[-1].cut:
+            assert stream.cut_call == len(whole) - 1 and reply.count(whole[-1].arguments) >= 1
+    content, whole = fmt.parse_reply(reply, cut=True)         # the whole reply: two calls, none cut
+    assert [c.cut for c in whole] == [False, False] and [json.loads(c.arguments) for c in whole] == \
+        [c["arguments"] for c in calls]
