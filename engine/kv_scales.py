@@ -55,9 +55,12 @@ def calibrate_kv_scales(engine: Any) -> dict[str, tuple[float, float]] | None:
     if engine.kv_dtype != FP8_KV_DTYPE or not engine.config.calculate_kv_scales or \
             any(a.k_scale != 1.0 or a.v_scale != 1.0 for a in attns):
         return None
-    ids = _calibration_ids(engine)
-    bm = max(engine.schedulers.values(), key=lambda s: s.block_manager.num_blocks).block_manager
+    scheduler = max(engine.schedulers.values(), key=lambda s: s.block_manager.num_blocks)   # lends the blocks
+    ids, bm = _calibration_ids(engine, scheduler.max_model_len), scheduler.block_manager
     if bm.num_blocks_for(len(ids)) > bm.num_free_blocks:
+        log.warning("FP8 KV cache: the scales were not measured (the largest pool has %d free blocks, the %d-token "
+                    "calibration text needs %d): every layer's stay 1.0, which loses precision on small values",
+                    bm.num_free_blocks, len(ids), bm.num_blocks_for(len(ids)))
         return None
     seq = Sequence(seq_id=-100, request_id="kv-scales", index=0, token_ids=ids, num_prompt_tokens=len(ids),
                    params=SamplingParams(), max_tokens=1, priority=0, arrival_order=-1, generator=None)
@@ -101,14 +104,14 @@ def measure_kv_scales(model: Any, run: Callable[[], object]) -> None:
         attn.k_scale, attn.v_scale = max(k_max / SCALE_RANGE, MIN_SCALE), max(v_max / SCALE_RANGE, MIN_SCALE)
 
 
-def _calibration_ids(engine: Any) -> list[int]:
-    """The text as a chat user turn where the tokenizer has a template, else plain; within every pool's
-    max_model_len."""
+def _calibration_ids(engine: Any, max_model_len: int) -> list[int]:
+    """The text as a chat user turn where the tokenizer has a template, else plain; within the max_model_len
+    of the pool lending the blocks (another pool's shorter one does not change the scales)."""
     tokenizer = engine.tokenizer
     try:
         ids = tokenizer.encode_chat([{"role": "user", "content": CALIBRATION_TEXT}])
     except ValueError:   # no chat template
         ids = tokenizer.encode(CALIBRATION_TEXT)
-    limit = min(s.max_model_len for s in engine.schedulers.values()) - 1
+    limit = max_model_len - 1
     vocab = engine.model_config.vocab_size
     return [i for i in ids if i < vocab][:limit]

@@ -430,10 +430,10 @@ class LLMEngine:
 
     def _move_blocks(self, pool: str, scheduler: Scheduler, out: SchedulerOutput) -> None:
         """Do the copies the scheduler asked for, before the forward pass reuses any freed block."""
-        if not (out.swap_out or out.swap_in or out.copies):
+        if not out.moves:
             return
         started = time.perf_counter()
-        self.runner.move_blocks(pool, out.swap_out, out.swap_in, out.copies)
+        self.runner.move_blocks(pool, out.moves)
         if out.swap_out or out.swap_in:
             scheduler.stats.preempt_seconds += time.perf_counter() - started
 

@@ -199,11 +199,11 @@ class ModelRunner(_Forward):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def move_blocks(self, pool: str, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
-                    copies: list[tuple[int, int]]) -> None:
-        """A scheduler's block moves, before the next forward pass reuses any freed block: done here now,
-        and on the other ranks before they run the next plan (in the same order)."""
-        for kind, pairs in (("swap_out", swap_out), ("swap_in", swap_in), ("copy", copies)):
+    def move_blocks(self, pool: str, moves: list[tuple[str, list[tuple[int, int]]]]) -> None:
+        """A scheduler's block moves (`SchedulerOutput.moves`: kind and pairs, in the order decided), before the
+        next forward pass reuses any freed block: done here now, and on the other ranks before they run the
+        next plan (in the same order)."""
+        for kind, pairs in moves:
             if pairs:
                 self._apply_move(kind, pool, pairs)
                 if self.tensor_parallel:

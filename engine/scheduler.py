@@ -55,10 +55,22 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (CPU block, device block)
     copies: list[tuple[int, int]] = field(default_factory=list)     # copy-on-write (src, dst) device blocks
     finished: list[Sequence] = field(default_factory=list)          # ended by the scheduler (pool too small)
+    # the three kinds of moves above in the order they were decided, consecutive ones of a kind together: run
+    # in that order, each finds the blocks as the decisions before it left them (a sample given a copy-on-write
+    # block, then preempted and swapped out, is swapped out with the copy in it)
+    moves: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    def move(self, kind: str, pairs: list[tuple[int, int]]) -> None:
+        """Record block moves of `kind` ("swap_out", "swap_in" or "copy") after those decided before."""
+        {"swap_out": self.swap_out, "swap_in": self.swap_in, "copy": self.copies}[kind].extend(pairs)
+        if self.moves and self.moves[-1][0] == kind:
+            self.moves[-1][1].extend(pairs)
+        else:
+            self.moves.append((kind, list(pairs)))
 
 
 @dataclass
@@ -210,7 +222,8 @@ class Scheduler:
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         """Swapped-out sequences back in, in order, while blocks and limits allow; returns the budget left."""
         resumable = [s for s in self.swapped if not self.is_paused(s)]
-        while resumable and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while resumable and budget > 0 and self._num_seqs_held() + 1 + resumable[0].num_pending_forks <= \
+                self.config.max_num_seqs:
             seq = resumable[0]
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.can_allocate([], seq.num_computed_tokens + num_new):
@@ -230,7 +243,7 @@ class Scheduler:
         index = 0
         while index < len(self.waiting) and budget > 0:
             seq = self.waiting[index]
-            if len(self.running) + 1 + seq.num_pending_forks > self.config.max_num_seqs:
+            if self._num_seqs_held() + 1 + seq.num_pending_forks > self.config.max_num_seqs:
                 break
             if self.is_paused(seq):   # passed by the others; admitted once resumed
                 index += 1
@@ -265,10 +278,15 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
 
+    def _num_seqs_held(self) -> int:
+        """The sequences running, and the samples their first samples will fork once prefilled (n > 1): what
+        counts against max_num_seqs (the forks join `running` without passing admission)."""
+        return len(self.running) + sum(s.num_pending_forks for s in self.running)
+
     def _being_read(self, seq: Sequence) -> bool:
         """Whether a running sequence of the pool is prefilling the next block `seq` would otherwise
         compute itself: the same tokens up to that block's end (same prefix-cache partition), not yet
-        computed there. Only with prefix caching (without it nothing would be shared)."""
+        computed there, and not paused. Only with prefix caching (without it nothing would be shared)."""
         bm = self.block_manager
         if not bm.enable_prefix_caching:
             return False
@@ -278,6 +296,7 @@ class Scheduler:
         head = seq.token_ids[:end]
         return any(other.num_uncomputed_tokens > 1 and other.cache_salt == seq.cache_salt
                    and other.num_computed_tokens < end <= other.num_tokens and other.token_ids[:end] == head
+                   and not self.is_paused(other)   # a paused reader reads nothing: it would hold `seq` back for good
                    for other in self.running)
 
     def _write_block_shared(self, seq: Sequence) -> bool:
@@ -295,7 +314,7 @@ class Scheduler:
         if self._write_block_shared(seq):
             copy = bm.copy_on_write(seq.block_table, seq.num_computed_tokens // bm.block_size)
             if copy is not None:
-                out.copies.append(copy)
+                out.move("copy", [copy])
         bm.allocate(seq.block_table, seq.num_computed_tokens + num_new)
 
     # --- preemption --------------------------------------------------------------------------
@@ -357,7 +376,7 @@ class Scheduler:
             cpu.allocate(cpu_table, seq.num_computed_tokens)
         except NoFreeBlocksError:
             return False
-        out.swap_out.extend(zip(seq.block_table[:num_blocks], cpu_table))
+        out.move("swap_out", list(zip(seq.block_table[:num_blocks], cpu_table)))
         self.stats.num_swapped_out_blocks += num_blocks
         bm.free(seq.block_table)
         seq.cpu_block_table = cpu_table
@@ -368,7 +387,7 @@ class Scheduler:
     def _swap_in(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         bm = self.block_manager
         bm.allocate(seq.block_table, seq.num_computed_tokens + num_new)
-        out.swap_in.extend(zip(seq.cpu_block_table, seq.block_table))
+        out.move("swap_in", list(zip(seq.cpu_block_table, seq.block_table)))
         self.stats.num_swapped_in_blocks += len(seq.cpu_block_table)
         self.swap_manager.free(seq.cpu_block_table)
         seq.status = SequenceStatus.RUNNING

@@ -4,6 +4,8 @@ caching and copy-on-write move its bytes."""
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import replace
 
 import pytest
@@ -82,6 +84,23 @@ def test_calculate_kv_scales_false_keeps_every_scale_at_one(tiny_path):
     assert all(k != 1.0 and v != 1.0 for k, v in _scales(_engine(tiny_path, num_blocks=32)))
     engine = _engine(tiny_path, num_blocks=32, calculate_kv_scales=False)
     assert _scales(engine) == [(1.0, 1.0)] * len(engine.model.layers)
+
+
+def test_scales_do_not_depend_on_another_pools_length_and_a_pool_too_small_to_measure_says_so(tiny_path, caplog):
+    """The calibration text was cut to the shortest pool's max_model_len (a second pool changed every pool's
+    numerics) and a pool too small to hold it kept every scale at 1.0 without a word."""
+    def engine(*pools):
+        return LLMEngine(EngineConfig(model=str(tiny_path), device="cpu", cache=CacheConfig(block_size=8),
+                                      pools=pools, kv_cache_dtype="fp8"), progress=False)
+
+    alone = _scales(engine(PoolConfig(name="rag", num_blocks=256)))
+    beside = _scales(engine(PoolConfig(name="rag", num_blocks=256),
+                            PoolConfig(name="chat", num_blocks=64, scheduler=SchedulerConfig(max_model_len=32))))
+    assert beside == alone
+    with caplog.at_level(logging.WARNING, logger="cliffguard.engine"):
+        small = engine(PoolConfig(num_blocks=4))
+    assert _scales(small) == [(1.0, 1.0)] * len(small.model.layers)
+    assert "the scales were not measured" in caplog.text
 
 
 def test_a_tensor_parallel_group_measures_the_scales_one_rank_would(tiny_path):

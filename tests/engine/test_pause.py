@@ -149,3 +149,37 @@ def test_a_request_paused_while_its_grammar_is_built_leaves_no_pause_when_the_bu
     assert [(o.finished, "grammar cannot be built" in (o.error or "")) for o in outs] == [(True, True)]
     assert not engine.schedulers["default"].paused
     assert_all_free(engine)
+
+
+def test_a_request_paused_while_it_reads_a_document_holds_back_no_other_reader_of_it(tiny):
+    """A request with the same prefix waits for a running one that is prefilling it (to take it from the
+    prefix cache), but not for a paused one: that one reads nothing, and it was waited for until resumed
+    while the worker stepped empty batches."""
+    engine = _make_engine(tiny, max_num_batched_tokens=16)
+    doc, params = list(range(10, 74)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("A", doc + [200], params)
+    engine.step()                                    # A has prefilled 16 of its 65 tokens
+    assert engine.pause("A", True)
+    engine.add_request("B", doc + [300], params)
+    finished = set()
+    for _ in range(30):
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert finished == {"B"} and not engine.has_work()
+    assert engine.schedulers["default"].stats.num_prefix_waits == 0
+    engine.abort("A")
+    assert_all_free(engine)
+
+
+def test_samples_to_be_forked_count_against_max_num_seqs(tiny):
+    """n = 4 requests each fit max_num_seqs 8 alone; admitted together, the forks of the ones admitted first
+    were not counted and 20 sequences ran at once (past the decode graphs and the plan's concurrency)."""
+    engine = _make_engine(tiny, max_num_seqs=8)
+    for i in range(5):
+        engine.add_request(f"r{i}", [5 + i, 6, 7], SamplingParams(n=4, temperature=0, max_tokens=8, ignore_eos=True))
+    peak, outputs = 0, {}
+    while engine.has_unfinished_requests():
+        outputs |= {o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished}
+        peak = max(peak, len(engine.schedulers["default"].running))
+    assert peak == 8 and len(outputs) == 5
+    assert all(len(samples) == 4 and all(s == samples[0] for s in samples) for samples in outputs.values())
+    assert_all_free(engine)

@@ -222,3 +222,31 @@ def test_n_samples_share_the_prompt_blocks(tiny):
     again = _engine(tiny).generate([prompt], params)[0]
     assert [o.token_ids for o in again.outputs] == samples  # seeded: reproducible
     assert_all_free(engine)
+
+
+def test_a_sample_preempted_after_its_copy_on_write_is_swapped_out_with_the_copy_in_it(tiny, monkeypatch):
+    """n = 3 samples share their prompt's last block; one given a copy-on-write block and then preempted in the
+    same step was swapped out before the copy ran (swap-outs ran before copies), taking another request's
+    stale K/V to the CPU and back: wrong tokens. Moves now run in the order they were decided."""
+    hazards = []
+    schedule = Scheduler.schedule
+
+    def watched(self, *args, **kwargs):
+        out = schedule(self, *args, **kwargs)
+        copied = {dst for _, dst in out.copies}
+        if any(src in copied for src, _ in out.swap_out):
+            hazards.append([kind for kind, _ in out.moves])
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", watched)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(24)], [rng.randrange(3, 500) for _ in range(12)]]
+    params = SamplingParams(n=3, temperature=0, max_tokens=12, ignore_eos=True)
+    squeezed = _engine(tiny, num_blocks=4, preemption_mode="swap", swap_space_bytes=1 << 20,
+                       victim_policy="longest_first", stability_floor_tokens=0)
+    got = [[c.token_ids for c in o.outputs] for o in squeezed.generate(prompts, params)]
+    monkeypatch.undo()
+    want = [[c.token_ids for c in o.outputs] for o in _engine(tiny).generate(prompts, params)]
+    assert hazards and all(kinds.index("copy") < kinds.index("swap_out") for kinds in hazards)
+    assert got == want
+    assert_all_free(squeezed)
