@@ -55,8 +55,8 @@ def calibrate_kv_scales(engine: Any) -> dict[str, tuple[float, float]] | None:
     if engine.kv_dtype != FP8_KV_DTYPE or not engine.config.calculate_kv_scales or \
             any(a.k_scale != 1.0 or a.v_scale != 1.0 for a in attns):
         return None
-    scheduler = max(engine.schedulers.values(), key=lambda s: s.block_manager.num_blocks)   # lends the blocks
-    ids, bm = _calibration_ids(engine, scheduler.max_model_len), scheduler.block_manager
+    bm = max((s.block_manager for s in engine.schedulers.values()), key=lambda b: b.num_blocks)   # lends blocks
+    ids = _calibration_ids(engine, max(s.max_model_len for s in engine.schedulers.values()))
     if bm.num_blocks_for(len(ids)) > bm.num_free_blocks:
         log.warning("FP8 KV cache: the scales were not measured (the largest pool has %d free blocks, the %d-token "
                     "calibration text needs %d): every layer's stay 1.0, which loses precision on small values",
@@ -105,8 +105,9 @@ def measure_kv_scales(model: Any, run: Callable[[], object]) -> None:
 
 
 def _calibration_ids(engine: Any, max_model_len: int) -> list[int]:
-    """The text as a chat user turn where the tokenizer has a template, else plain; within the max_model_len
-    of the pool lending the blocks (another pool's shorter one does not change the scales)."""
+    """The text as a chat user turn where the tokenizer has a template, else plain; within the longest pool's
+    max_model_len (a pool with a shorter one does not change the scales; only a device whose every pool is
+    shorter than the text, a few hundred tokens, measures on less of it)."""
     tokenizer = engine.tokenizer
     try:
         ids = tokenizer.encode_chat([{"role": "user", "content": CALIBRATION_TEXT}])

@@ -65,12 +65,17 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     def move(self, kind: str, pairs: list[tuple[int, int]]) -> None:
-        """Record block moves of `kind` ("swap_out", "swap_in" or "copy") after those decided before."""
+        """Record block moves of `kind` ("swap_out", "swap_in" or "copy") after those decided before. A run of
+        one kind is one batched copy, whose writes to one block twice land in no set order: a pair that reads or
+        writes a block the run already writes starts a new run (a recompute frees a copy's destination, which
+        the next copy-on-write may take)."""
         {"swap_out": self.swap_out, "swap_in": self.swap_in, "copy": self.copies}[kind].extend(pairs)
-        if self.moves and self.moves[-1][0] == kind:
-            self.moves[-1][1].extend(pairs)
-        else:
-            self.moves.append((kind, list(pairs)))
+        for pair in pairs:
+            run = self.moves[-1] if self.moves and self.moves[-1][0] == kind else None
+            if run is None or any(block in {dst for _, dst in run[1]} for block in pair):
+                self.moves.append((kind, [pair]))
+            else:
+                run[1].append(pair)
 
 
 @dataclass
@@ -243,11 +248,11 @@ class Scheduler:
         index = 0
         while index < len(self.waiting) and budget > 0:
             seq = self.waiting[index]
-            if self._num_seqs_held() + 1 + seq.num_pending_forks > self.config.max_num_seqs:
-                break
             if self.is_paused(seq):   # passed by the others; admitted once resumed
                 index += 1
                 continue
+            if self._num_seqs_held() + 1 + seq.num_pending_forks > self.config.max_num_seqs:
+                break
             counted = (bm.num_prefix_queries, bm.num_prefix_hits)
             if seq.num_computed_tokens == 0 and not seq.block_table:
                 seq.num_computed_tokens = bm.acquire_cached(seq.block_table, seq.token_ids, seq.cache_salt)

@@ -171,12 +171,13 @@ class LocalResponse:
         self.want_logprobs = req.params.logprobs is not None
         # A chat offering tools (tool_choice not "none"): its replies are parsed into tool calls.
         self.tool_format: ToolFormat | None = None
+        self.calls_only = False   # tool_choice required or named: a reply is calls only
         if self.chat and req.tools and req.tool_choice.mode != "none":
             self.tool_format = format_for(routed[0][0].tokenizer, req.tools)
+            self.calls_only = req.tool_choice.mode in ("required", "function")
             if req.stream:
-                forced = req.tool_choice.mode in ("required", "function")
                 for choice in self.choices.values():
-                    choice.tool_stream = ToolCallStream(self.tool_format, forced, req.parallel_tool_calls)
+                    choice.tool_stream = ToolCallStream(self.tool_format, self.calls_only, req.parallel_tool_calls)
         self.response: web.StreamResponse | None = None   # the SSE response, once started
         self.error: ApiError | None = None               # the engine's failure, answered by `finish`
         self.write_timeout = write_timeout
@@ -453,6 +454,7 @@ class LocalResponse:
             content, calls, finish_reason = choice.content_text, [], choice.finish_reason
             if self.tool_format is not None:
                 content, calls = self.tool_format.parse_reply(content, cut=finish_reason == "length")
+                content = None if self.calls_only else content   # what is left is a marker cut short
                 calls = calls if self.req.parallel_tool_calls else calls[:1]   # parallel_tool_calls: false
                 if calls and finish_reason == "stop":
                     finish_reason = "tool_calls"

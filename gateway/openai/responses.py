@@ -298,11 +298,13 @@ class ResponsesAnswer(LocalResponse):
         content, calls = choice.content_text, []
         if self.tool_format is not None:
             content, calls = self.tool_format.parse_reply(content, cut=choice.finish_reason == "length")
+            content = None if self.calls_only else content
             calls = calls if self.req.parallel_tool_calls else calls[:1]
         reasoning = choice.reasoning.reasoning if choice.reasoning is not None else ""
         output = [reasoning_item(objects.new_id("rs"), reasoning, self._reasoning_status())] if reasoning else []
         if content:
-            output.append(self._message_item(objects.new_id("msg"), content, self._status()))
+            # a message before calls was written whole (a stream closes it at the first call)
+            output.append(self._message_item(objects.new_id("msg"), content, "completed" if calls else self._status()))
             if self.want_logprobs and not calls:   # the text's tokens: none of the think block's
                 k = choice.reasoning.num_tokens_before_content if choice.reasoning is not None else 0
                 output[-1]["content"][0]["logprobs"] = objects.chat_logprobs(

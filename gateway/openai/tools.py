@@ -176,8 +176,11 @@ class HermesFormat(ToolFormat):
         while (found := text.find(self.start, pos)) >= 0:
             body = found + len(self.start)
             body += len(text[body:]) - len(text[body:].lstrip())
-            if body >= len(text) or text[body] != "{":
-                return
+            if body >= len(text):
+                return                     # a call may be starting
+            if text[body] != "{":          # the marker in prose, not a call: look past it
+                pos = body
+                continue
             yield (scan := scan_call(text, body, self.args_key))
             if (pos := scan.end) is None:   # the next call starts after this one
                 return
@@ -225,6 +228,13 @@ class Llama3JsonFormat(ToolFormat):
             pos = scan.end
             while pos < len(text) and text[pos] in " ;\n\t":
                 pos += 1
+
+    def _open_call(self, text: str) -> int | None:
+        begin = super()._open_call(text)
+        tag = "<|python_tag|>"
+        if begin is not None and text[:begin].strip() == tag:   # the tag opens the calls: it is theirs
+            return text.index(tag)
+        return begin
 
     def hold_from(self, text: str) -> int:
         stripped = text.lstrip()
@@ -420,6 +430,7 @@ class ToolCallStream:
         is sent whole."""
         entries = {e["index"]: e for e in self.call_deltas(text)}
         content, calls = self.fmt.parse_reply(text[self.num_sent:], cut)
+        content = None if self.forced else content   # calls only: what is left is a marker cut short
         calls, self.num_sent = calls if self.parallel else calls[:1], len(text)
         self.cut_call = next((k for k, call in enumerate(calls) if call.cut), None)
         for k, call in enumerate(calls):

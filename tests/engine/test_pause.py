@@ -183,3 +183,23 @@ def test_samples_to_be_forked_count_against_max_num_seqs(tiny):
     assert peak == 8 and len(outputs) == 5
     assert all(len(samples) == 4 and all(s == samples[0] for s in samples) for samples in outputs.values())
     assert_all_free(engine)
+
+
+def test_a_paused_request_at_the_head_of_the_queue_is_passed_by_whatever_it_needs(tiny):
+    """A paused waiting request of n = 4 that does not fit max_num_seqs now stopped admission (the limit was
+    checked before the pause), so an unpaused one behind it that fits never ran and the worker spun."""
+    engine = _make_engine(tiny, max_num_seqs=4)
+    params = lambda n: SamplingParams(n=n, temperature=0, max_tokens=6, ignore_eos=True)  # noqa: E731
+    engine.add_request("A", [5, 6, 7], params(1))
+    engine.step()
+    engine.pause("A", True)
+    engine.add_request("W", [8, 9, 10], params(4))
+    engine.pause("W", True)
+    engine.add_request("U", [11, 12, 13], params(1))
+    finished = set()
+    for _ in range(40):
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert finished == {"U"} and not engine.has_work()
+    for request_id in ("A", "W"):
+        engine.abort(request_id)
+    assert_all_free(engine)

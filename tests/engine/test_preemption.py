@@ -12,7 +12,7 @@ from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
 from engine.config import (PREEMPTION_MODES, VICTIM_POLICIES, CacheConfig, EngineConfig, PoolConfig,
                            SchedulerConfig)
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from tests.conftest import assert_all_free, make_tiny_model
 
@@ -250,3 +250,20 @@ def test_a_sample_preempted_after_its_copy_on_write_is_swapped_out_with_the_copy
     assert hazards and all(kinds.index("copy") < kinds.index("swap_out") for kinds in hazards)
     assert got == want
     assert_all_free(squeezed)
+
+
+def test_a_run_of_moves_never_writes_one_block_twice():
+    """Consecutive moves of a kind are one batched copy, whose writes to one block twice land in no set order
+    (torch's index_copy_): a copy-on-write destination that a recompute freed and the next copy-on-write took
+    starts a new run, as does a pair reading a block the run writes."""
+    out = SchedulerOutput()
+    out.move("copy", [(4, 9)])
+    out.move("copy", [(6, 14)])
+    out.move("copy", [(4, 14)])          # 14 again: freed by a recompute, taken by the next copy-on-write
+    out.move("copy", [(14, 20)])         # reads 14, which this run writes
+    out.move("copy", [(7, 21)])
+    out.move("swap_out", [(3, 0)])
+    out.move("swap_out", [(5, 1)])
+    assert out.moves == [("copy", [(4, 9), (6, 14)]), ("copy", [(4, 14)]), ("copy", [(14, 20), (7, 21)]),
+                         ("swap_out", [(3, 0), (5, 1)])]
+    assert out.copies == [(4, 9), (6, 14), (4, 14), (14, 20), (7, 21)] and out.swap_out == [(3, 0), (5, 1)]

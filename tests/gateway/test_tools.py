@@ -475,3 +475,16 @@ def test_a_reply_cut_by_max_tokens_inside_a_call_is_that_call_as_far_as_it_got_s
     content, whole = fmt.parse_reply(reply, cut=True)         # the whole reply: two calls, none cut
     assert [c.cut for c in whole] == [False, False] and [json.loads(c.arguments) for c in whole] == \
         [c["arguments"] for c in calls]
+
+
+def test_a_cut_reply_leaks_no_markup_after_a_marker_in_prose_nor_a_python_tag_nor_a_forced_choices_marker() -> None:
+    hermes = HermesFormat(parse_tools(TOOLS))
+    reply = 'Use <tool_call> tags. <tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>'
+    for cut in range(reply.index("<tool_call>\n") + 1, len(reply) + 1):
+        content, calls = hermes.parse_reply(reply[:cut], cut=True)
+        assert content is None or content.startswith("Use <tool_call> tags.") and "{" not in content, reply[:cut]
+    assert hermes.parse(reply)[0] == "Use <tool_call> tags." and len(hermes.parse(reply)[1]) == 1
+    llama = Llama3JsonFormat(parse_tools(TOOLS))
+    assert llama.parse_reply('<|python_tag|>{"name": "search", "parameters": {"qu', cut=True)[0] is None
+    forced = ToolCallStream(hermes, forced=True)
+    assert forced.finish("<tool", cut=True) == ("", [], 0)     # calls only: a marker cut short is no content
