@@ -408,10 +408,13 @@ class StepComposer:
         if budget > 0:
             return budget
         block = scheduler.block_manager.block_size
+        if not (so_far.num_prefill_tokens or so_far.num_decode_tokens):
+            # nothing else would run: a step of nothing never ends the wait, pressed or not (a pressed pool that
+            # scheduled nothing cannot start its waiting request now: its credits or sequences may be held by a
+            # request that also waits on this pool, and the owed and starved clocks count step time only)
+            return block
         if floor:
             return 0
-        if not (so_far.num_prefill_tokens or so_far.num_decode_tokens):
-            return block                          # nothing else would run: a step of nothing never ends the wait
         if self._starved[name] >= STARVATION_SECONDS and self._block_fits(scheduler, so_far, block):
             return block
         return 0

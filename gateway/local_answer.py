@@ -311,6 +311,8 @@ class LocalResponse:
         chunk_choices = []
         for c in out.outputs:
             choice = self.choices[i * self.req.params.n + c.index]
+            if choice.finish_reason is not None:   # reported again with the request's last sample: nothing new
+                continue
             text_offset = len(choice.text)
             choice.text += c.delta_text
             parts = self._reasoning_parts(choice, c)

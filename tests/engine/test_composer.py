@@ -898,3 +898,18 @@ def test_an_owed_pool_keeps_to_the_interactive_slo_until_it_has_waited_or_the_sl
     assert block >= 16 and _true_seconds(waited.features) > 0.009
     lost, share = owed_step(6.0)                  # chat alone is over its 6 ms: the share rides
     assert share >= 16
+
+
+def test_a_pressed_step_with_nothing_interactive_to_run_still_steps_the_throughput_pool():
+    """Chat pressed by its gateway queue but running nothing (its waiting request needs credits that a
+    request waiting on rag holds): a pressed floor of 0 gave rag nothing, the owed and starved clocks count
+    step time and an empty step adds none, so the device stepped empty batches for good (a deadlock across
+    pools, found by an HTTP fuzzer). A step of nothing else gives rag its block."""
+    composer = _make_composer()
+    composer.schedulers["rag"].add(_make_seq(70, 40, max_tokens=10_000))
+    _finish_step(composer, composer.schedule())            # rag's prefill ran; it decodes from now on
+    composer.set_external_waiting("chat", 3)
+    for _ in range(5):
+        step = composer.schedule()
+        assert step.pressed == ("chat",) and [i.num_new_tokens for i in step.outputs["rag"].scheduled] == [1]
+        _finish_step(composer, step)

@@ -148,3 +148,16 @@ def test_capacity_plan_of_the_default_file_is_what_the_server_allocated(live_bui
     for name, plan in planned["pools"].items():
         assert f'cliffguard_pool_num_blocks{{pool="{name}",replica="0"}} {float(plan["num_blocks"])}' in metrics
         assert f'cliffguard_pool_max_num_seqs{{pool="{name}",replica="0"}} {float(plan["max_num_seqs"])}' in metrics
+
+
+def test_each_streamed_choice_finishes_once_when_samples_end_in_different_steps(sdk):
+    """n = 3 with a stop string: samples end in different steps, and the request's last report repeats every
+    sample's ending; a choice that had finished was streamed a second chunk with its finish_reason."""
+    for seed in range(3):
+        finishes: dict[int, int] = {}
+        for chunk in sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0.7,
+                                                 seed=seed, n=3, stop=["e"], stream=True):
+            for choice in chunk.choices:
+                if choice.finish_reason:
+                    finishes[choice.index] = finishes.get(choice.index, 0) + 1
+        assert finishes == {0: 1, 1: 1, 2: 1}, (seed, finishes)
