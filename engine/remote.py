@@ -7,8 +7,8 @@ threads. The **accept thread** starts a thread per connection that takes it thro
 peer holds only its own thread, for `HANDSHAKE_SECONDS`) and hands it to the **engine thread**, which
 loads the engine, then serves every gateway connected, at once, with the same messages, the same loop,
 the same heartbeat thread and the same back-pressure as a local worker (`engine.worker._serve`, over an
-`engine.sessions.SessionHub`: the gateway's watchdog judges a replica as it judges a local worker). The engine is only ever touched by the engine thread (its CUDA device and
-streams are that thread's).
+`engine.sessions.SessionHub`: the gateway's watchdog judges a replica as it judges a local worker). The
+engine is only ever touched by the engine thread (its CUDA device and streams are that thread's).
 
 **Several gateways, one replica.** Each authenticated connection is a session; sessions come and go
 while the engine serves on. Each gateway holds a lease on a share of every pool's KV credits, and the

@@ -59,6 +59,7 @@ class SchedulerOutput:
     # in that order, each finds the blocks as the decisions before it left them (a sample given a copy-on-write
     # block, then preempted and swapped out, is swapped out with the copy in it)
     moves: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
+    _written: set[int] = field(default_factory=set, repr=False)     # the destinations of the last run
 
     @property
     def num_batched_tokens(self) -> int:
@@ -70,12 +71,13 @@ class SchedulerOutput:
         writes a block the run already writes starts a new run (a recompute frees a copy's destination, which
         the next copy-on-write may take)."""
         {"swap_out": self.swap_out, "swap_in": self.swap_in, "copy": self.copies}[kind].extend(pairs)
-        for pair in pairs:
-            run = self.moves[-1] if self.moves and self.moves[-1][0] == kind else None
-            if run is None or any(block in {dst for _, dst in run[1]} for block in pair):
-                self.moves.append((kind, [pair]))
-            else:
-                run[1].append(pair)
+        for src, dst in pairs:   # a swap's source and destination are blocks of different pools (device, CPU)
+            if not self.moves or self.moves[-1][0] != kind or dst in self._written or \
+                    (kind == "copy" and src in self._written):
+                self.moves.append((kind, []))
+                self._written = set()
+            self.moves[-1][1].append((src, dst))
+            self._written.add(dst)
 
 
 @dataclass

@@ -442,6 +442,15 @@ class LocalResponse:
     def _json(self) -> web.Response:
         return web.json_response(self._body(), headers=self.headers)
 
+    def _reply(self, choice: _Choice) -> tuple[str | None, list]:
+        """A whole choice's content and tool calls (none without tools): a call max_tokens cut kept as far as it
+        got, nothing but calls under tool_choice required or named (what is left is a marker cut short), the
+        first call only under parallel_tool_calls false."""
+        if self.tool_format is None:
+            return choice.content_text, []
+        content, calls = self.tool_format.parse_reply(choice.content_text, cut=choice.finish_reason == "length")
+        return None if self.calls_only else content, calls if self.req.parallel_tool_calls else calls[:1]
+
     def _body(self) -> dict[str, Any]:
         body_choices = []
         for index in sorted(self.choices):
@@ -453,11 +462,9 @@ class LocalResponse:
             if not self.chat:
                 body_choices.append(objects.completion_choice(index, choice.text, lp, choice.finish_reason))
                 continue
-            content, calls, finish_reason = choice.content_text, [], choice.finish_reason
+            finish_reason = choice.finish_reason
+            content, calls = self._reply(choice)
             if self.tool_format is not None:
-                content, calls = self.tool_format.parse_reply(content, cut=finish_reason == "length")
-                content = None if self.calls_only else content   # what is left is a marker cut short
-                calls = calls if self.req.parallel_tool_calls else calls[:1]   # parallel_tool_calls: false
                 if calls and finish_reason == "stop":
                     finish_reason = "tool_calls"
             reasoning = choice.reasoning

@@ -295,11 +295,7 @@ class ResponsesAnswer(LocalResponse):
 
     def _body(self) -> dict[str, Any]:
         choice = self.choices[0]
-        content, calls = choice.content_text, []
-        if self.tool_format is not None:
-            content, calls = self.tool_format.parse_reply(content, cut=choice.finish_reason == "length")
-            content = None if self.calls_only else content
-            calls = calls if self.req.parallel_tool_calls else calls[:1]
+        content, calls = self._reply(choice)
         reasoning = choice.reasoning.reasoning if choice.reasoning is not None else ""
         output = [reasoning_item(objects.new_id("rs"), reasoning, self._reasoning_status())] if reasoning else []
         if content:

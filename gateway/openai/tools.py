@@ -93,7 +93,7 @@ class ToolFormat:
         if begin is None:
             return self.parse(text)
         content, calls = self.parse(text[:begin])
-        tail = next(iter(self.call_scans(text, begin)), None)
+        tail = next(self.call_scans(text, begin), None)
         if tail is not None and tail.name in self.tools:
             args = "" if tail.args_start is None else text[tail.args_start:tail.args_end or len(text)]
             calls = [*calls, ToolCall(tail.name, args, cut=True)]

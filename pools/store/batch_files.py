@@ -45,6 +45,12 @@ def insert_file(db: sqlite3.Connection, file_id: str, filename: str, purpose: st
                                                         None if expires_after is None else now + expires_after))
 
 
+def drop_files(db: sqlite3.Connection, file_ids: list[str], now: int) -> None:
+    """Deleted or expired files: their bytes go, their rows stay marked `deleted_at` (a batch may name them)."""
+    db.executemany("UPDATE files SET deleted_at=?, bytes=0, content=x'' WHERE id=?", ((now, i) for i in file_ids))
+    db.executemany("DELETE FROM file_chunks WHERE file_id=?", ((i,) for i in file_ids))
+
+
 class ChunkWriter:
     """Appends bytes to a file's pieces in `file_chunks`, from byte `start` on, CHUNK_BYTES at a time
     (`close` writes the last, shorter one); holds at most one piece. Inside the caller's transaction."""

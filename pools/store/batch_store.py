@@ -27,7 +27,8 @@ whose JSON alone passes it is recorded as that line's error (`response_too_large
 Expiry and deletion: a file has `expires_at` (an upload's from its policy, 30 days without one; a batch's
 output and error files' from the batch's `output_expires_after`, else none). An expired or deleted file is
 gone at once to every reader (`_FILE_LIVE`); its bytes are dropped by `delete_file`, or by `purge_expired`
-(the batch runner's, every PURGE_EVERY_S), and its row stays, marked `deleted_at`, since a batch may name it. A batch's lines were stored when it was created: it runs on without its input file.
+(the batch runner's, every PURGE_EVERY_S), and its row stays, marked `deleted_at`, since a batch may name
+it. A batch's lines were stored when it was created: it runs on without its input file.
 
 Input lines are checked when the batch is created (`pools.store.batch_input.parse_batch_input`): an
 unusable line is a per-line error for the error file; the batch itself never fails for it. A batch
@@ -79,8 +80,8 @@ from pools.store.batch_input import (BATCH_ENDPOINTS, COMPLETION_WINDOWS, DEFAUL
                                      BatchInputError, BatchLine, check_expires_after, check_metadata, clean_filename,
                                      is_text, parse_batch_input)
 from pools.store import batch_files
-from pools.store.batch_files import (UNFINISHED, ChunkWriter, assemble_step, fail_batch, insert_file, marks,
-                                     read_chunks, request_counts, result_file_ids)
+from pools.store.batch_files import (UNFINISHED, ChunkWriter, assemble_step, drop_files, fail_batch, insert_file,
+                                     marks, read_chunks, request_counts, result_file_ids)
 from pools.store.schema import StoreFile, migrate
 
 __all__ = ["BatchStore", "STORAGE_ERRORS"]
@@ -141,11 +142,11 @@ class BatchStore(StoreFile):
             return False
         now = int(time.time())
         with self._txn() as db:
-            found = db.execute(f"UPDATE files SET deleted_at=?, bytes=0, content=x'' WHERE id=? AND {_FILE_OWNER}=? "
-                               f"AND {_FILE_LIVE}", (now, file_id, owner, now)).rowcount
+            found = db.execute(f"SELECT 1 FROM files WHERE id=? AND {_FILE_OWNER}=? AND {_FILE_LIVE}",
+                               (file_id, owner, now)).fetchone()
             if found:
-                db.execute("DELETE FROM file_chunks WHERE file_id=?", (file_id,))
-        return bool(found)
+                drop_files(db, [file_id], now)
+        return found is not None
 
     def purge_expired(self, now: float | None = None) -> int:
         """Drop the bytes of files past their `expires_at` (as a deletion: their rows stay, marked), in one
@@ -160,8 +161,7 @@ class BatchStore(StoreFile):
                     break
                 ids.append(file_id)
                 total += num_bytes
-            db.executemany("UPDATE files SET deleted_at=?, bytes=0, content=x'' WHERE id=?", ((now, i) for i in ids))
-            db.executemany("DELETE FROM file_chunks WHERE file_id=?", ((i,) for i in ids))
+            drop_files(db, ids, now)
         return len(ids)
 
     def file(self, file_id: str, *, owner: str) -> dict[str, Any] | None:

@@ -105,7 +105,8 @@ async def test_a_call_cut_by_max_output_tokens_is_an_incomplete_call_whole_and_s
     events = await _events(client, **kwargs)
     done = [e.item for e in events if e.type == "response.output_item.done"]
     assert events[-1].type == "response.incomplete" and not any("output_text" in e.type for e in events)
-    assert [(i.type, i.status, i.arguments) for i in done] == [("function_call", "incomplete", whole.output[0].arguments)]
+    assert [(i.type, i.status, i.arguments) for i in done] == [
+        ("function_call", "incomplete", whole.output[0].arguments)]
 
 
 @pytest.mark.parametrize("extra, param", [
