@@ -260,6 +260,8 @@ def run(config: CliffguardConfig, *, host: str | None = None, port: int | None =
     """`cliffguard serve`: validate and plan everything, then serve until interrupted; the Batch API
     keeps its state in `data_dir` (an existing folder)."""
     gateway = Gateway.from_config(config, vram_bytes=vram_bytes)
+    for warning in gateway.plan.warnings:   # what `cliffguard capacity` prints under its plan
+        log.warning("capacity plan: %s", warning)
     host = host or config.gateway.host
     port = config.gateway.port if port is None else port
     app = create_app(gateway, data_dir=data_dir)

@@ -249,6 +249,10 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
             raise SpecError(f"pools[{i0}].model: no model config for {p0.model!r}")
         dkey = f"devices.{dev_name}"
         device_type = _device_type(dev, vram_bytes)
+        if dev.placement == "ray" and dev.device == "auto" and device_type == "cpu":
+            warnings.append(f"{dkey}.device: auto on a Ray device resolves on this machine, which has no GPU: its "
+                            "replicas are planned for and placed on CPUs; write device: cuda (and memory: the GPU's "
+                            "size, or --vram) to place them on the cluster's GPUs")
         dtype = parse_dtype(dev.dtype) if dev.dtype != "auto" else (
             torch.bfloat16 if device_type == "cuda" else torch.float32)
         memory, source = _memory(dev, device_type, vram_bytes, cuda_memory)

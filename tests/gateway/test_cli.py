@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import socket
 from pathlib import Path
 
@@ -224,6 +225,29 @@ def test_serve_with_a_cuda_device_on_a_machine_without_one_exits_2(tmp_path, bui
     assert main(["serve", "--config", str(path), "--port", "0", "--data-dir", str(tmp_path / "data")]) == 2
     assert "devices.default.device: 'cuda' needs a CUDA device" in _error_line(capsys)
     assert not started
+
+
+def test_serve_logs_the_plans_warnings_before_it_serves(tmp_path, builtin_path, caplog, monkeypatch):
+    """What `cliffguard capacity` prints under its plan (here an avg_len above max_model_len) is in the
+    server's log too, at WARNING, before a socket opens."""
+    data = yaml.safe_load((REPO / "config" / "pools.yaml").read_text())
+    pool = data["pools"][0]
+    pool["avg_len"] = pool["max_model_len"] + 1
+    path = tmp_path / "pools.yaml"
+    path.write_text(yaml.safe_dump(data))
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr("gateway.app.create_app", stop)
+    with caplog.at_level(logging.WARNING, logger="cliffguard.gateway"), pytest.raises(Stop):
+        main(["serve", "--config", str(path), "--port", "0", "--data-dir", str(tmp_path / "data")])
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(m.startswith(f"capacity plan: pools[0].avg_len: {pool['avg_len']} is above max_model_len")
+               for m in said), said
 
 
 @pytest.mark.parametrize("device, message", [

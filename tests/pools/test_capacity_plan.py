@@ -439,3 +439,19 @@ def test_an_auto_device_may_not_land_on_a_gpu_another_device_names(monkeypatch):
         engine_configs(*_plan_example(data))
     data["devices"]["b"]["device"] = "cuda:1"
     assert {e.gpu_ids for e in engine_configs(*_plan_example(data)).values()} == {(0,), (1,)}
+
+
+def test_an_auto_device_on_ray_planned_as_cpu_is_said():
+    """`device: auto` resolves on the gateway's machine: on one without a GPU a Ray device's replicas would
+    ask the cluster for no GPU. The plan says so naming the key; cpu, cuda and a --vram plan say nothing."""
+    data = _small_config()
+    data["devices"]["default"] |= {"device": "auto", "placement": "ray", "ray_address": "127.0.0.1:6379"}
+    config = parse_config(data, env={})
+    models = resolve_model_configs(config)
+    plan = plan_capacity(config, models, cuda_memory=lambda _: 80 * GiB)
+    said = [w for w in plan.warnings if w.startswith("devices.default.device: auto on a Ray device")]
+    assert len(said) == (plan.devices["default"].device_type == "cpu")
+    assert not any("Ray device" in w for w in plan_capacity(config, models, vram_bytes=8 * GiB).warnings)
+    data["devices"]["default"]["device"] = "cpu"
+    config = parse_config(data, env={})
+    assert not any("Ray device" in w for w in plan_capacity(config, models).warnings)
