@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -336,8 +336,15 @@ class Gateway:
         if tools:
             size += sum(len(json.dumps(t.parameters)) + MESSAGE_OVERHEAD_CHARS for t in tools)
         kwargs = template_kwargs or {}
-        return await self._route(model, "messages", size, self._timed(lambda pool: _render_and_count(
-            pool, messages, tools, {**(pool.spec.chat_template_kwargs or {}), **kwargs})))
+
+        def variables(pool: Pool) -> dict[str, Any]:
+            return {**(pool.spec.chat_template_kwargs or {}), **kwargs}
+
+        def rendering(pool: Pool) -> tuple[int, str]:   # pools of one tokenizer render alike with the same variables
+            return id(pool.counter), json.dumps(variables(pool), sort_keys=True, default=repr)
+
+        return await self._route(model, "messages", size, self._timed(
+            lambda pool: _render_and_count(pool, messages, tools, variables(pool))), rendering)
 
     async def route_prompt(self, model: str, prompt: str | list[int]) -> tuple[Pool, list[int]]:
         """Count a completion prompt (text with the tokenizer's prefix, or token ids) and route it."""
@@ -346,11 +353,12 @@ class Gateway:
         return await self._route(model, "prompt", len(prompt),
                                  self._timed(lambda pool: pool.prefix_ids + pool.counter.encode(prompt)))
 
-    async def _route(self, model: str, param: str, size: int,
-                     tokenize: Callable[[Pool], list[int]]) -> tuple[Pool, list[int]]:
-        """`Router.route`, on the tokenizer thread when the prompt has over INLINE_TOKENIZE_CHARS
-        characters; its errors as ApiError (`param` names the prompt's field)."""
-        route = functools.partial(self.router.route, model, tokenize)
+    async def _route(self, model: str, param: str, size: int, tokenize: Callable[[Pool], list[int]],
+                     key: Callable[[Pool], Hashable] | None = None) -> tuple[Pool, list[int]]:
+        """`Router.route` (`key`: when two pools' ids are the same, by default when they share a
+        tokenizer), on the tokenizer thread when the prompt has over INLINE_TOKENIZE_CHARS characters;
+        its errors as ApiError (`param` names the prompt's field)."""
+        route = functools.partial(self.router.route, model, tokenize, **({"key": key} if key else {}))
         try:
             if size <= INLINE_TOKENIZE_CHARS:
                 return route()

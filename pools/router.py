@@ -8,7 +8,7 @@ tokenizer thread when the prompt is long.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from pools.pool import Pool
 
@@ -46,20 +46,22 @@ class Router:
                 f"model: {model_name!r} is not served here; available: {', '.join(self._by_model) or 'none'}")
         return pools
 
-    def route(self, model_name: str, tokenize: Callable[[Pool], list[int]]) -> tuple[Pool, list[int]]:
+    def route(self, model_name: str, tokenize: Callable[[Pool], list[int]],
+              key: Callable[[Pool], Hashable] = lambda pool: id(pool.counter)) -> tuple[Pool, list[int]]:
         """The first candidate pool whose route admits the prompt's exact count, and the prompt's ids.
 
         `tokenize(pool)` gives the prompt's token ids as that pool's tokenizer makes them; it is
-        called once per distinct tokenizer (`Pool.counter`) and its errors propagate. Raises
-        UnknownModelError or NoRouteError.
+        called once per distinct `key(pool)` (by default the pool's tokenizer, `Pool.counter`; a caller
+        whose ids depend on more of the pool, such as its chat template's variables, says so in the key)
+        and its errors propagate. Raises UnknownModelError or NoRouteError.
         """
         pools = self.candidates(model_name)
-        ids_by_counter: dict[int, list[int]] = {}
+        ids_by_key: dict[Hashable, list[int]] = {}
         for pool in pools:
-            key = id(pool.counter)
-            if key not in ids_by_counter:
-                ids_by_counter[key] = tokenize(pool)
-            ids = ids_by_counter[key]
+            k = key(pool)
+            if k not in ids_by_key:
+                ids_by_key[k] = tokenize(pool)
+            ids = ids_by_key[k]
             if pool.admits(len(ids)):
                 return pool, ids
-        raise NoRouteError(model_name, len(ids_by_counter[id(pools[0].counter)]), pools)
+        raise NoRouteError(model_name, len(ids_by_key[key(pools[0])]), pools)

@@ -434,3 +434,30 @@ async def test_a_pools_chat_template_kwargs_are_the_default_a_request_overrides(
         with pytest.raises(openai.BadRequestError) as info:
             await sdk.responses.create(model="thinker", input="What is 2 + 2?", extra_body={bad[0]: bad[1]})
         assert info.value.body["param"] == param, json.dumps(info.value.body)
+
+
+async def test_pools_of_one_tokenizer_with_their_own_template_variables_count_their_own_rendering(
+        tmp_path, tiny_model) -> None:
+    """Two pools of one model differ only in chat_template_kwargs: the router counts (and sends) each pool's
+    own rendering. Both renderings are over `short`'s limit; only `long`'s own admits it, with thinking on."""
+    from gateway.runtime import Gateway
+    from pools.config.yaml_file import load_config
+
+    folder = _thinking_model(tmp_path / "thinker", tiny_model, TEMPLATE_OPENS)
+    tokenizer = Tokenizer.from_folder(folder)
+    own = {flag: tokenizer.encode(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                                                  enable_thinking=flag), add_special_tokens=False)
+           for flag in (False, True)}
+    limit = min(map(len, own.values())) - 1
+    gateway = Gateway.from_config(load_config(f"""
+devices: {{default: {{device: cpu, memory: 1GiB}}}}
+pools:
+  - {{name: short, model: {folder}, served_model_name: thinker, kv_share: 0.5, max_model_len: 256, slo: null,
+     route: {{max_prompt_tokens: {limit}}}, chat_template_kwargs: {{enable_thinking: false}}}}
+  - {{name: long, model: {folder}, served_model_name: thinker, kv_share: 0.5, max_model_len: 256, slo: null,
+     route: {{min_prompt_tokens: {limit + 1}}}, chat_template_kwargs: {{enable_thinking: true}}}}
+"""))
+    pool, ids = await gateway.route_chat("thinker", MESSAGES)
+    assert (pool.name, ids) == ("long", own[True])
+    pool, ids = await gateway.route_chat("thinker", MESSAGES, template_kwargs={"enable_thinking": False})
+    assert (pool.name, ids) == ("long", own[False])   # the request's variables over both pools': one rendering
