@@ -222,7 +222,9 @@ async def ready(request: web.Request) -> web.Response:
     pools = {name: f"degraded: {degraded[name]}" if name in degraded else "ok" for name in gateway.spiral.pools}
     devices = gateway.device_states()
     replicas = gateway.replica_states()
-    some_down = any(state != "ready" for states in replicas.values() for state in states)
+    # down: a replica the device counts that does not serve (an autoscaled device's parked slots, `stopped`,
+    # and one it is removing, `draining`, are at rest, not down)
+    some_down = any(state not in ("ready", "draining", "stopped") for states in replicas.values() for state in states)
     status = "not ready" if not ok else "degraded" if degraded or some_down or overloaded else "ready"
     return web.json_response({"status": status, "devices": devices, "replicas": replicas, "pools": pools,
                               "overloaded": overloaded}, status=200 if ok else 503)

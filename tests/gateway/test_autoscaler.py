@@ -42,7 +42,8 @@ async def burst_then_quiet(client, gateway, model: str) -> None:
     await _wait_for(client, {"ready": 1, "stopped": 1}, timeout=60)
     assert _replicas(_metrics(await (await client.get("/metrics")).text())) == {
         "ready": 1, "stopped": 1, "loading": 0, "draining": 0, "restarting": 0, "failed": 0}
-    assert (await (await client.get("/ready")).json())["replicas"] == {"cpu": ["ready", "stopped"]}
+    ready = await (await client.get("/ready")).json()
+    assert (ready["status"], ready["replicas"]) == ("ready", {"cpu": ["ready", "stopped"]})   # a parked slot: at rest
 
     async def one(i: int) -> tuple[int, str]:
         r = await client.post("/v1/completions", json={"model": model, "prompt": f"Story {i}:", "max_tokens": 200,
@@ -59,6 +60,7 @@ async def burst_then_quiet(client, gateway, model: str) -> None:
     assert gateway.autoscaler.credit_wait("cpu") == 0.0
     # quiet: replica 1 idles past scale_down_idle_seconds, is drained and stopped; replica 0 stays
     await _wait_for(client, {"ready": 1, "stopped": 1, "draining": 0}, timeout=30)
+    assert (await (await client.get("/ready")).json())["status"] == "ready"
     m = _metrics(await (await client.get("/metrics")).text())
     scalings = {dict(labels)["direction"]: v for labels, v in m["cliffguard_replica_scalings_total"].items()}
     assert scalings == {"up": 1.0, "down": 1.0}
