@@ -269,11 +269,14 @@ class AsyncEngineClient:
 
     def ack_leases(self, pools: Sequence[str] | None = None) -> None:
         """Acknowledge the leases of `pools` (all pending ones: None) not acknowledged yet: the gateway
-        admits within them from now on and holds no more than them (`engine.sessions`)."""
+        admits within them from now on and holds no more than them (`engine.sessions`). Nothing for a worker
+        that is gone or going, as for `report_waiting`: a credit queue admitting (which calls this) must
+        never fail for it."""
         for pool in list(self._unacked if pools is None else pools):
             entry = self._unacked.pop(pool, None)
             if entry is not None and self.is_alive:
-                self._send(LeaseAck(pool, *entry))
+                with contextlib.suppress(EngineDeadError):   # the worker is going: its death says so
+                    self._send(LeaseAck(pool, *entry))
 
     def _on_exit(self, reason: str | None = None, grace: float = 10.0) -> None:
         """The worker is gone or going (pipe EOF, its sentinel, `fatal`, `shutdown`): stop reading and

@@ -454,13 +454,14 @@ class SessionHub:
                 self.rebalance()   # its demand fell; what it held over its lease may go to another session
 
     def _stats_for(self, session: Session, stats):
-        """The engine's stats with each pool's `num_session_blocks`: the blocks this session's requests hold."""
-        blocks: dict[str, int] = {}
+        """The engine's stats with each pool's `num_session_blocks`: the blocks this session's requests hold, each
+        once (a prompt's are shared by its samples and its prefix cache's readers; the gateway's ledger too)."""
+        blocks: dict[str, set[int]] = {}
         for engine_id, (pool, _, _) in session.requests.items():
             state = self.engine.requests.get(engine_id)
             if state is not None:
-                blocks[pool] = blocks.get(pool, 0) + sum(len(seq.block_table) for seq in state.seqs)
-        pools = {name: dataclasses.replace(ps, num_session_blocks=blocks.get(name, 0),
+                blocks.setdefault(pool, set()).update(b for seq in state.seqs for b in seq.block_table)
+        pools = {name: dataclasses.replace(ps, num_session_blocks=len(blocks.get(name, ())),
                                            reserved_credits=reserved_credits(self.sessions, name),
                                            held_credits=held_credits(self.sessions, name))
                  for name, ps in stats.pools.items()}

@@ -32,6 +32,7 @@ record of a replica's cache from what the engine reported. Event-loop only, like
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -42,6 +43,8 @@ from pools.credits.flows import DEFAULT_TENANT, TenantPolicy
 from pools.credits.ledger import CreditLedger, Ticket
 from pools.demand import OfferedLoad
 from pools.credits.placement import Placement, Work
+
+log = logging.getLogger("cliffguard.credits")
 
 
 class LeaseDemand(NamedTuple):
@@ -166,6 +169,7 @@ class CreditQueue:
                 await self._wait(ticket)
         except BaseException:
             self._since.pop(request_id, None)
+            self._drop(request_id)
             raise
         finally:
             self._work.pop(request_id, None)
@@ -177,6 +181,17 @@ class CreditQueue:
                 self.placement.finish(request_id)
             self.ledger.release(request_id)
             self._admit()
+
+    def _drop(self, request_id: str) -> None:
+        """A request that fails before it holds its credits leaves nothing in the ledger: queued, it is
+        taken out; admitted meanwhile, what it was given comes back (on whatever raised: a waiter's end has
+        done this already, an acknowledgement's or a placement's fault has not)."""
+        ticket = self.ledger.ticket(request_id)
+        if ticket is None or self.ledger.cancel(request_id):
+            return
+        if self.placement is not None:
+            self.placement.finish(request_id)
+        self.ledger.release(request_id)
 
     async def _wait(self, ticket: Ticket) -> None:
         waiter = asyncio.get_running_loop().create_future()
@@ -205,7 +220,10 @@ class CreditQueue:
 
     def _admit(self) -> None:
         for replica in [r for r in self._acks if self.ledger.accounts[r].within_lease]:
-            self._acks.pop(replica)()
+            try:
+                self._acks.pop(replica)()
+            except Exception:  # noqa: BLE001 - a replica's acknowledgement must not stop admission (or a release)
+                log.exception("pool %s: acknowledging replica %d's lease failed", self.pool, replica)
         if self.is_up is not None:   # what the replicas' supervisors say now: a dead one takes nothing new
             for replica in range(self.ledger.num_replicas):
                 self.ledger.set_up(replica, self.is_up(replica))

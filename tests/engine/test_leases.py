@@ -139,6 +139,28 @@ def test_an_offer_no_longer_wanted_gives_way_to_the_lease_held_and_its_late_ack_
     assert held_credits(hub.sessions, "p") <= BLOCKS * BLOCK
 
 
+def test_a_sessions_blocks_are_counted_once_however_many_of_its_sequences_share_them():
+    """`num_session_blocks` (what the gateway reconciles its ledger with) counts each block a session's
+    requests hold once: an n = 4 request's 5 prompt blocks and 4 own blocks are 9, and a second request
+    reading the same prefix adds only its own block; another session's request is not this one's."""
+    from engine.stats import EngineStats, PoolStats
+
+    hub, first, second = _hub()
+    prompt = list(range(5))
+    hub.engine.requests = {
+        "s1/a": SimpleNamespace(seqs=[SimpleNamespace(block_table=prompt + [10 + i]) for i in range(4)]),
+        "s1/b": SimpleNamespace(seqs=[SimpleNamespace(block_table=prompt + [20])]),
+        "s2/c": SimpleNamespace(seqs=[SimpleNamespace(block_table=[30, 31])])}
+    first.requests.update({"s1/a": ("p", 0, False), "s1/b": ("p", 0, False)})
+    second.requests["s2/c"] = ("p", 0, False)
+    stats = EngineStats(num_requests=3, pools={"p": PoolStats(
+        num_running=6, num_waiting=0, num_swapped=0, num_blocks=BLOCKS, num_free_blocks=BLOCKS - 12,
+        num_cached_free_blocks=0, kv_cache_usage=12 / BLOCKS, max_num_seqs=8, cpu_swap_usage=0.0)}, step=None,
+        taken_at=0.0)
+    assert hub._stats_for(first, stats).pools["p"].num_session_blocks == 10
+    assert hub._stats_for(second, stats).pools["p"].num_session_blocks == 2
+
+
 def test_an_interactive_request_first_in_line_goes_before_a_batch_line_that_waited_longer():
     """The first session queues batch lines (3,040 credits), the second interactive requests (304): batch
     lines, queued or running, take only what the interactive demand leaves (192 and 320). Both sessions'

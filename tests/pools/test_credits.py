@@ -215,6 +215,46 @@ def test_a_lease_bounds_admission_and_is_acknowledged_once_what_is_held_is_withi
     asyncio.run(main())
 
 
+def test_a_failed_acknowledgement_or_admission_leaves_nothing_held_and_the_queue_admitting():
+    """A lease's acknowledgement that raises (a worker's send failing once did) is logged: the release that
+    triggered it completes and the request queued behind it is admitted. Whatever else raises while a
+    request is admitted leaves no ticket behind, neither queued nor holding credits nobody gives back."""
+    import asyncio
+    import contextlib
+
+    from pools.credits.queue import CreditQueue
+
+    class Fault(Exception):
+        pass
+
+    def fails() -> None:
+        raise Fault
+
+    async def main():
+        queue = CreditQueue("chat", [1000])
+        async with contextlib.AsyncExitStack() as first:
+            await first.enter_async_context(queue.hold("r0", 300))
+            queue.lease(0, 100, fails)   # under what is held: acknowledged once r0 is done
+            waiting = asyncio.ensure_future(_hold_once(queue, "r1", 50))
+            await asyncio.sleep(0.01)
+            assert not waiting.done()
+        assert await asyncio.wait_for(waiting, 1) == 50   # r0's release acknowledged (and failed), r1 admitted
+        queue.ledger.check_integrity()
+
+        def broken_place(*args, **kwargs):
+            raise Fault
+
+        queue.lease(0, 1000, lambda: None)
+        queue._place = broken_place   # a fault while the ledger places the request
+        with pytest.raises(Fault):
+            async with queue.hold("r2", 50):
+                pass
+        assert queue.ledger.ticket("r2") is None and queue.ledger.accounts[0].held == 0
+        queue.ledger.check_integrity()
+
+    asyncio.run(main())
+
+
 def test_the_queue_says_what_it_asks_and_which_request_is_first_in_line():
     """What a gateway reports to a shared replica (`CreditQueue.lease_demand`): the credits the queued
     requests ask for, and of them the batch lines', kept as requests are queued, admitted and cancelled;
