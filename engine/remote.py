@@ -77,10 +77,12 @@ def keep_alive(sock: socket.socket, user_timeout: float) -> None:
 
 
 class ReplicaChannel(WorkerChannel):
-    """The replica's end of one gateway connection. It reads as closed (`eof`) once the gateway has sent
-    nothing for `silence_seconds` (the gateway's `Keepalive` frames keep a healthy idle connection
-    talking; they are consumed here, never returned), or once another thread called `end`. `wait` never sleeps past the silence deadline. `end_reason` says why it
-    ended, when it was not the peer closing. Thread rules: `WorkerChannel`'s; `end` from any thread."""
+    """The replica's end of one gateway connection. It reads as closed (`eof`) once no whole message has
+    come from the gateway for `silence_seconds` (the gateway's `Keepalive` frames keep a healthy idle
+    connection talking; they are consumed here, never returned; one message's bytes must all arrive within
+    that time), or once another thread called `end`. `wait` never sleeps past the silence deadline.
+    `end_reason` says why it ended, when it was not the peer closing. Thread rules: `WorkerChannel`'s;
+    `end` from any thread."""
 
     def __init__(self, sock: socket.socket, keys: FrameKeys, peer: object, silence_seconds: float) -> None:
         super().__init__(sock, keys)
@@ -90,15 +92,14 @@ class ReplicaChannel(WorkerChannel):
         self.end_reason: str | None = None
 
     def receive(self) -> list[object]:
-        num_bytes = self.num_received_bytes
-        messages = [msg for msg in super().receive() if not isinstance(msg, Keepalive)]
+        received = super().receive()
         now = time.monotonic()
-        if self.num_received_bytes != num_bytes:
-            self.last_heard = now
+        if received:   # whole frames, their MACs checked: bytes alone (a frame whose length was changed in
+            self.last_heard = now   # transit waits for a body that never ends) are not a gateway talking
         elif not self.eof and now - self.last_heard >= self.silence_seconds:
-            self.end_reason = f"nothing from the gateway for {now - self.last_heard:.1f} s"
+            self.end_reason = f"no whole message from the gateway for {now - self.last_heard:.1f} s"
             self.eof = True
-        return messages
+        return [msg for msg in received if not isinstance(msg, Keepalive)]
 
     def wait(self, timeout: float | None = None) -> None:
         left = max(0.0, self.last_heard + self.silence_seconds - time.monotonic())

@@ -281,6 +281,35 @@ def test_a_link_that_stops_carrying_frames_is_dropped_by_both_ends_within_the_bo
 
 
 @pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="TCP_USER_TIMEOUT is Linux's")
+def test_bytes_that_make_no_whole_message_do_not_keep_a_replicas_connection_alive():
+    """A frame whose length header was changed in transit leaves the replica waiting for a body that never
+    ends while the gateway's keepalives keep adding bytes behind it: the connection is judged by whole
+    messages, so it reads as closed once none came for the silence bound (it stayed open for good)."""
+    from engine.messages import Keepalive
+    from engine.worker import WorkerChannel
+    from engine.wire import FrameKeys
+
+    gateway_end, replica_end = socket.socketpair()
+    gateway = WorkerChannel(gateway_end, FrameKeys(send_key=b"a" * KEY_BYTES, receive_key=b"b" * KEY_BYTES))
+    replica = remote.ReplicaChannel(replica_end, FrameKeys(send_key=b"b" * KEY_BYTES, receive_key=b"a" * KEY_BYTES),
+                                    "peer", silence_seconds=0.5)
+    try:
+        for _ in range(4):   # a healthy idle link: keepalives, consumed, keep it open past the bound
+            gateway.send(Keepalive())
+            time.sleep(0.2)
+            assert replica.receive() == [] and not replica.eof
+        gateway_end.sendall((1 << 30).to_bytes(8, "big") + b"x" * 16)   # a 1 GiB frame announced
+        deadline = time.monotonic() + 5
+        while not replica.eof and time.monotonic() < deadline:
+            gateway.send(Keepalive())   # bytes keep coming, behind the frame that never ends
+            time.sleep(0.1)
+            replica.receive()
+        assert replica.eof and replica.end_reason.startswith("no whole message from the gateway for")
+    finally:
+        gateway.close()
+        replica.close()
+
+
 def test_each_end_bounds_what_its_peer_leaves_unacknowledged(server, monkeypatch):
     monkeypatch.setattr(remote, "SILENCE_SECONDS", 7.5)
 
