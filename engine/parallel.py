@@ -322,7 +322,8 @@ class TensorParallelGroup:
             return
         deadline = time.monotonic() + timeout
         for rank, link in enumerate(self.links, start=1):
-            link.sock.settimeout(max(0.0, deadline - time.monotonic()))
+            # past the deadline a rank whose word has come is still read: never 0, which means non-blocking
+            link.sock.settimeout(max(1e-3, deadline - time.monotonic()))
             try:
                 said = link.sock.recv(1)
             except TimeoutError:

@@ -57,6 +57,25 @@ def test_a_model_the_ranks_cannot_split_is_refused_naming_tensor_parallel_size(h
         check_tensor_parallel(model, tp)
 
 
+def test_a_rank_not_ready_by_the_deadline_is_named_as_late_not_as_exited():
+    """Rank 1 said it is ready, rank 2 has said nothing by the deadline (here at once): rank 2 did not load in
+    time. The links' sockets never turn non-blocking past the deadline (rank 2 read as exited before)."""
+    import socket
+
+    from engine.parallel import Collectives, PlanLink, TensorParallelGroup
+
+    pairs = [socket.socketpair() for _ in range(2)]
+    group = TensorParallelGroup(3, Collectives(), [PlanLink(ours) for ours, _ in pairs])
+    try:
+        pairs[0][1].sendall(b"R")
+        with pytest.raises(RuntimeError, match="tensor-parallel rank 2 did not load within 0 s"):
+            group.wait_ready(timeout=0)
+    finally:
+        for ours, theirs in pairs:
+            ours.close()
+            theirs.close()
+
+
 def test_the_engine_refuses_it_before_any_rank_starts():
     with pytest.raises(ConfigError, match="^tensor_parallel_size: 2 does not divide the model's 9 attention heads"):
         LLMEngine(EngineConfig(model=BUILTIN, device="cpu", tensor_parallel_size=2,
