@@ -45,7 +45,7 @@ from pools.credits.ledger import Ticket
 from pools.credits.flows import FLOW_CAP
 from pools.credits.placement import Placement, Work
 from pools.pool import Pool
-from pools.tenants import DEFAULT_TENANT, Tenants
+from pools.tenants import BATCH_LABEL, DEFAULT_TENANT, Tenants
 
 log = logging.getLogger("cliffguard.admission")
 
@@ -111,7 +111,7 @@ class AdmissionMetrics:
             self._depth_labels[pool.name].update(depths)
             for label, depth in depths.items():
                 self.queue_depth.labels(pool=pool.name, tenant=label).set(depth)
-            self.queue_depth.labels(pool=pool.name, tenant="batch").set(admission.ledger.num_background_queued)
+            self.queue_depth.labels(pool=pool.name, tenant=BATCH_LABEL).set(admission.ledger.num_background_queued)
 
 
 @dataclass

@@ -119,6 +119,9 @@ class Tenants:
         return f"tenant:{tenant}"
 
 
+BATCH_LABEL = "batch"   # the tenant label of the batch lines waiting for credits (`gateway.admission`)
+
+
 def parse_tenants(raw: Any) -> dict[str, TenantSpec]:
     """The YAML's `tenants:` mapping -> {name: TenantSpec}; SpecError naming `tenants.<name>.<key>`."""
     specs = from_yaml({} if raw is None else raw, dict[str, Any], "tenants")
@@ -127,6 +130,9 @@ def parse_tenants(raw: Any) -> dict[str, TenantSpec]:
         key = f"tenants.{name}"
         if not _TENANT_NAME.match(name):
             raise SpecError(key, f"a tenant name uses letters, digits, '_', '.', '-', got {name!r}")
+        if name == BATCH_LABEL:
+            raise SpecError(key, f"{name!r} is reserved: the admission queue's metrics name the batch lines "
+                                 "waiting so (tenant=\"batch\"); choose another name")
         spec = from_yaml({} if value is None else value, TenantSpec, key, name=name)
         api_keys = tuple(k.strip() for k in spec.api_keys)
         for i, api_key in enumerate(api_keys):

@@ -30,6 +30,14 @@ def test_share_files_is_parsed_and_checked():
             parse_tenants({"team": {"api_keys": ["sk-1"], "share_files": bad}})
 
 
+def test_the_batch_lines_label_is_not_a_tenant_name():
+    """The admission queue's depth names the batch lines waiting `tenant="batch"`: a tenant of that name
+    would have its own depth overwritten, so the name is refused."""
+    with pytest.raises(SpecError, match=r"^tenants\.batch: 'batch' is reserved"):
+        parse_tenants({"batch": {"api_keys": ["sk-1"]}})
+    assert "batch-jobs" in parse_tenants({"batch-jobs": {"api_keys": ["sk-1"]}})
+
+
 def test_a_key_owns_what_it_creates_unless_its_tenant_shares_files():
     tenants = _make_tenants()
     assert tenants.owner("sk-s") == _key_owner("sk-s") and len(tenants.owner("sk-s")) == 4 + 64
