@@ -244,5 +244,6 @@ def refresh_metrics(gateway: Gateway) -> None:
         gateway.autoscaler.export()
     for device, supervisors in gateway.supervisors.items():
         for replica, supervisor in enumerate(supervisors):
-            gateway.metrics.update_replica(device, replica, supervisor.client, supervisor.is_ready)
+            gateway.metrics.update_replica(device, replica, supervisor.client, supervisor.is_ready,
+                                           parked=not supervisor.is_active)
     gateway.admission.metrics.refresh(list(gateway.admission.pools.values()))

@@ -11,7 +11,7 @@ worker last pushed with its step outputs (`cliffguard_stats_age_seconds` says ho
 scrape never waits for a model step; request-level histograms are observed by the gateway as
 responses stream. Counters count every worker's work across restarts (the dead worker's last totals
 once, the next worker's from 0 on top); a replica that is not ready reads 0 for what it runs while its
-stats age keeps growing (`update_replica`). `cliffguard_death_spiral` is set by the gateway's detector
+stats age keeps growing, and one the autoscaler parked exports no gauges (`update_replica`). `cliffguard_death_spiral` is set by the gateway's detector
 (gateway.runtime.SpiralWatch) when a pool trips or clears, not at the scrape.
 """
 
@@ -283,7 +283,8 @@ class GatewayMetrics:
         for pool, scale in step.target_scales.items():
             self.target_scale.labels(pool=pool, replica=str(replica)).set(scale)
 
-    def update_replica(self, device: str, replica: int, client: AsyncEngineClient | None, ready: bool) -> None:
+    def update_replica(self, device: str, replica: int, client: AsyncEngineClient | None, ready: bool,
+                       parked: bool = False) -> None:
         """Refresh one replica's series from the stats its worker pushed last (`handlers.refresh_metrics`;
         `client`: its supervisor's, `ready`: whether the supervisor says the replica is ready).
 
@@ -304,12 +305,16 @@ class GatewayMetrics:
         a restarted one allocates again. `stats_age_seconds` keeps growing from the last stats the replica pushed,
         so an alert on it fires while a worker is down; a replica that never pushed stats to this gateway (loading
         for the first time, failed to start, never started) exports none of these series: no stats are old, and
-        `cliffguard_replicas{state}` says why."""
+        `cliffguard_replicas{state}` says why. So does a replica `parked` by the autoscaler (stopped until the
+        load asks for it again: at rest, not down): its gauges are removed, its worker's last counts kept in the
+        counters, so that neither the pool's means (KV usage) nor the device's oldest stats count it."""
         followed = self._follow(device, replica, client)
         if followed is None:
             return
         self._update_from(device, replica, followed)
-        if not (ready and followed is client):
+        if parked:
+            self._remove_state(device, replica, followed.latest_stats)
+        elif not (ready and followed is client):
             self._zero_state(device, replica, followed.latest_stats)
 
     def _follow(self, device: str, replica: int, client: AsyncEngineClient | None) -> AsyncEngineClient | None:
@@ -330,6 +335,16 @@ class GatewayMetrics:
         for name, pool_stats in stats.pools.items():
             self.update_pool(name, replica, pool_stats, client.info.block_bytes, worker)
         self.update_device(device, replica, stats, worker)
+
+    def _remove_state(self, device: str, replica: int, stats: EngineStats) -> None:
+        """A parked replica's gauges go (`update_replica`); its counters stay."""
+        for name in stats.pools:
+            for gauge in (self.running, self.waiting, self.swapped, self.kv_usage, self.cpu_swap_usage,
+                          self.replica_reserved, self.replica_held, self.num_blocks, self.max_num_seqs, self.kv_bytes,
+                          self.target_scale):
+                gauge.remove(name, str(replica))
+        for gauge in (self.stats_age, self.step_target):
+            gauge.remove(device, str(replica))
 
     def _zero_state(self, device: str, replica: int, stats: EngineStats) -> None:
         """What a replica whose worker is not running runs and holds: nothing (`update_replica`)."""

@@ -44,11 +44,13 @@ class _Client:
 
 
 class _Supervisor:
-    """A `DeviceSupervisor` as the scrape sees it: its client, and whether its replica is ready."""
+    """A `DeviceSupervisor` as the scrape sees it: its client, whether its replica is ready, and whether it
+    is started at all (the autoscaler parks the rest)."""
 
     def __init__(self) -> None:
         self.client: _Client | None = None
         self.is_ready = False
+        self.is_active = True
 
     @property
     def info(self) -> WorkerInfo | None:
@@ -142,6 +144,39 @@ def test_a_replica_not_ready_ages_its_stats_and_runs_nothing(monkeypatch):
     back = _scrape(gateway)
     assert _pool(back, "cliffguard_num_requests_running") == 2 and _device(back, "cliffguard_stats_age_seconds") == 0
     _assert_counters_never_fell([m, dead, loading, back])
+
+
+def test_a_parked_replica_exports_no_gauges_and_keeps_its_counts(monkeypatch):
+    """The autoscaler parks replica 1 after it served: at rest, not down. Its gauges go, so the pool's mean
+    KV usage is the serving replica's and the device's oldest stats are that replica's (a parked one read 0
+    usage and ever older stats, which kept the KV bar green and an age alert firing); its counts stay in the
+    counters; started again, its series come back."""
+    clock = [1000.0]
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(time=lambda: clock[0]))
+    gateway = _make_gateway(replicas=2)
+    live, parked = gateway.supervisors[DEVICE]
+    for sup, pid in ((live, 21), (parked, 22)):
+        sup.client, sup.is_ready = _Client(pid=pid).load(), True
+        sup.client.latest_stats = _make_stats(taken_at=999.9, computed=40, running=4, steps=5)
+    before = _scrape(gateway)
+    parked.is_ready, parked.is_active = False, False
+    clock[0] = 1600.0
+    live.client.latest_stats = _make_stats(taken_at=1599.9, computed=80, running=4, steps=9)
+    at_rest = _scrape(gateway)
+    for name in (*STATE_GAUGES, "cliffguard_pool_num_blocks"):
+        assert _pool(at_rest, name, replica=1) is None and _pool(at_rest, name) is not None, name
+    assert _device(at_rest, "cliffguard_stats_age_seconds", replica=1) is None
+    assert _total(at_rest, "cliffguard_computed_tokens_total") == 40 + 80
+    _assert_counters_never_fell([before, at_rest])
+    families = text_string_to_metric_families(gateway.metrics.render().decode())
+    shown = dashboard.parse_snapshot(families, (POOL,), now=0.0, wall=clock[0])
+    assert shown.values[POOL]["kv_cache_usage_perc"] == 0.004 and math.isclose(shown.stats_age[DEVICE], 0.1)
+
+    parked.client, parked.is_active = _Client(pid=23).load(), True   # the load asks for it again
+    parked.client.latest_stats, parked.is_ready = _make_stats(taken_at=1600.0, running=1, steps=1), True
+    back = _scrape(gateway)
+    assert _pool(back, "cliffguard_num_requests_running", replica=1) == 1
+    _assert_counters_never_fell([before, at_rest, back])
 
 
 def test_the_busy_ratio_of_a_replica_not_ready_reads_0(monkeypatch):
