@@ -191,11 +191,18 @@ def _cuda_total_memory(device: str) -> int:
     return torch.cuda.get_device_properties(torch.device(device)).total_memory
 
 
-def _device_type(device: DeviceSpec, vram_bytes: int | None) -> str:
-    """auto -> cuda when CUDA is present, or when --vram says we plan for a GPU; else cpu."""
-    if device.device == "auto":
-        return "cuda" if vram_bytes is not None or torch.cuda.is_available() else "cpu"
-    return "cuda" if device.device.startswith("cuda") else "cpu"
+def _device_type(device: DeviceSpec, vram_bytes: int | None, warnings: list[str]) -> str:
+    """auto -> cuda when CUDA is present, or when --vram says we plan for a GPU; else cpu (which a Ray
+    device's replicas, placed elsewhere, may not want: said in `warnings`)."""
+    if device.device != "auto":
+        return "cuda" if device.device.startswith("cuda") else "cpu"
+    if vram_bytes is not None or torch.cuda.is_available():
+        return "cuda"
+    if device.placement == "ray":
+        warnings.append(f"devices.{device.name}.device: auto on a Ray device resolves on this machine, which has "
+                        "no GPU: its replicas are planned for and placed on CPUs; write device: cuda (and memory: "
+                        "the GPU's size, or --vram) to place them on the cluster's GPUs")
+    return "cpu"
 
 
 def _memory(device: DeviceSpec, device_type: str, vram_bytes: int | None,
@@ -248,11 +255,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         if model is None:
             raise SpecError(f"pools[{i0}].model: no model config for {p0.model!r}")
         dkey = f"devices.{dev_name}"
-        device_type = _device_type(dev, vram_bytes)
-        if dev.placement == "ray" and dev.device == "auto" and device_type == "cpu":
-            warnings.append(f"{dkey}.device: auto on a Ray device resolves on this machine, which has no GPU: its "
-                            "replicas are planned for and placed on CPUs; write device: cuda (and memory: the GPU's "
-                            "size, or --vram) to place them on the cluster's GPUs")
+        device_type = _device_type(dev, vram_bytes, warnings)
         dtype = parse_dtype(dev.dtype) if dev.dtype != "auto" else (
             torch.bfloat16 if device_type == "cuda" else torch.float32)
         memory, source = _memory(dev, device_type, vram_bytes, cuda_memory)
