@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import TextIO
 
 from engine.capacity import DEFAULT_BLOCK_SIZE
-from pools.cli_types import ArgumentParser, memory_size, positive_float, positive_int, sampling_seed, seed, slots
+from pools.cli_types import (ArgumentParser, UsageError, check_simulate_options, memory_size, output_file,
+                             output_folder, positive_float, positive_int, sampling_seed, seed, slots, writing)
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 DEFAULT_CONFIG = "config/pools.yaml"
@@ -54,10 +55,6 @@ BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's
     "chaos": "faults (slow readers, disconnects, oversized inputs, kill -9 / STOP of the worker, a 500-connection "
              "burst) under a steady load: lost, duplicated, p99 TTFT, recovery time, RSS",
 }
-
-
-class UsageError(Exception):
-    """Something the user can fix before anything loads; printed as one line, exit code 2."""
 
 
 # --- generate ---------------------------------------------------------------------------------------
@@ -245,6 +242,7 @@ def _capacity(args: argparse.Namespace) -> int:
     from pools.capacity_plan import plan_capacity
     from pools.model_configs import resolve_model_configs
     from pools.plan_report import format_plan, format_verdicts, rate_verdicts
+    from pools.simulation.runner import upstream_rates
     from pools.config.yaml_file import load_config
     from pools.config.spec import SpecError
 
@@ -267,11 +265,14 @@ def _capacity(args: argparse.Namespace) -> int:
         return 0
     verdicts, unrouted = rate_verdicts(config, plan, model_configs, args.workload, args.rate, preset=args.device,
                                        step_model=args.step_model)
+    upstream = upstream_rates(config, plan, args.workload, args.rate)
     if args.json:
-        print(json.dumps(plan.to_dict() | {"overload": verdicts, "unrouted_rate": unrouted}, indent=2))
+        print(json.dumps(plan.to_dict() | {"overload": verdicts, "unrouted_rate": unrouted,
+                                           "upstream_rates": upstream}, indent=2))
     else:
         print("\n".join([format_plan(plan), "", f"overload at {args.rate:g} requests/s of {args.workload}:",
-                         *format_verdicts(verdicts, unrouted=unrouted)]))
+                         *format_verdicts(verdicts, unrouted=unrouted), *(f"upstream pool {name}: {rate:.2f} "
+                         "requests/s routed there (on no device's load)" for name, rate in upstream.items())]))
     return 0
 
 
@@ -305,13 +306,14 @@ def _add_simulate(sub) -> None:
                    help="the config's pools (split), each device's pools merged into one (shared), or both")
     p.add_argument("--sweep-rate", default=None, metavar="R1,R2,...",
                    help="run at each request rate and print p99 TTFT per class (the knee)")
-    p.add_argument("--out", default=None, help="with --sweep-rate: write results.json and knee.png here")
+    p.add_argument("--out", type=output_folder, default=None, help="with --sweep-rate: write results.json and "
+                   "knee.png here (created if missing)")
     p.add_argument("--recommend", action="store_true",
                    help="try kv_share splits of the device's two pools and the second pool's max_num_batched_tokens "
                         "at --request-rate; print the one that meets --slo-ttft-p99 with the most tokens/s")
     p.add_argument("--slo-ttft-p99", type=positive_float, default=None, help="with --recommend: p99 TTFT target (s)")
     p.add_argument("--slo-itl-p99", type=positive_float, default=None, help="with --recommend: p99 ITL target (s)")
-    p.add_argument("--calibrate", default=None, metavar="FILE",
+    p.add_argument("--calibrate", type=output_file, default=None, metavar="FILE",
                    help="measure the config's first device on this machine (the real engine), fit the linear "
                         "step model, write it to FILE and exit")
     p.add_argument("--from-trace", default=None, metavar="TRACE",
@@ -328,22 +330,17 @@ def _simulate(args: argparse.Namespace) -> int:
     from pools.config.yaml_file import load_config
     from pools.simulation.knee import sweep
     from pools.simulation.recommend import format_recommendation, recommend
-    from pools.workload import load_workload, parse_rates
+    from pools.workload import check_arrivals, load_workload, parse_rates
 
     rates = parse_rates(args.sweep_rate, "--sweep-rate") if args.sweep_rate is not None else None
-    if args.out and rates is None:
-        raise UsageError("--out: only with --sweep-rate")
-    if args.recommend and args.slo_ttft_p99 is None:
-        raise UsageError("--recommend: give --slo-ttft-p99 SECONDS (> 0)")
-    if not args.recommend and (args.slo_ttft_p99 or args.slo_itl_p99):
-        raise UsageError(f"--slo-{'ttft' if args.slo_ttft_p99 else 'itl'}-p99: only with --recommend")
+    check_simulate_options(args)
     config = load_config(args.config)
-    if args.from_trace and not args.calibrate:
-        raise UsageError("--from-trace: only with --calibrate FILE")
     if args.calibrate:
         return _calibrate(config, args)
-    config, model_configs, vram, layouts, step_times = _simulation_setup(config, args)
     classes = load_workload(args.workload)
+    check_arrivals(classes, max(rates or [args.request_rate]), args.duration,
+                   "--sweep-rate" if rates else "--request-rate")
+    config, model_configs, vram, layouts, step_times = _simulation_setup(config, args)
     credits = not args.no_credits
     if args.recommend:
         result = recommend(config, model_configs, classes, args.request_rate, step_times, ttft_p99=args.slo_ttft_p99,
@@ -402,9 +399,11 @@ def _print_sweep(rows, args: argparse.Namespace) -> None:
     print(json.dumps(rows, indent=2) if args.json else format_sweep(rows))
     if args.out:
         out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(rows, indent=2))
-        plot_knee(rows, out / "knee.png", title=f"{Path(args.config).name} on {args.device}, workload {args.workload}")
+        with writing("--out", out):
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "results.json").write_text(json.dumps(rows, indent=2))
+            plot_knee(rows, out / "knee.png",
+                      title=f"{Path(args.config).name} on {args.device}, workload {args.workload}")
         print(f"wrote {out / 'results.json'} and {out / 'knee.png'}", file=sys.stderr)
 
 
@@ -447,7 +446,8 @@ def _calibrate(config, args: argparse.Namespace) -> int:
         engine = LLMEngine(engine_config)
         model, samples = measure_steps(engine, seed=args.seed)
         num_steps, where = len(samples), f"{device} ({engine.device}, {engine.dtype})"
-    write_step_model(args.calibrate, model, device=where, model_name=engine_config.model, num_steps=num_steps)
+    with writing("--calibrate", args.calibrate):
+        write_step_model(args.calibrate, model, device=where, model_name=engine_config.model, num_steps=num_steps)
     print(f"{num_steps} steps measured; {model.describe()}; wrote {args.calibrate}")
     return 0
 

@@ -1,14 +1,24 @@
 """Argument types of the `cliffguard` command line and its benchmarks: a value argparse cannot read as one
-is refused before anything runs, as `argument --rate: must be a finite number > 0, got 'inf'` (exit code 2)."""
+is refused before anything runs, as `argument --rate: must be a finite number > 0, got 'inf'` (exit code 2).
+Also the checks of options that only go together (`check_simulate_options`) and of the paths a command
+writes (`output_folder`, `output_file`, `writing`): `UsageError`s naming the option, one line, exit code 2."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 from pools.config.checks import MAX_INT, byte_count
 from pools.config.device_spec import MAX_SLOTS
+
+
+class UsageError(Exception):
+    """Something the user can fix before anything loads; printed as one line, exit code 2."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -82,3 +92,62 @@ def memory_size(text: str) -> int:
     if count <= 0:
         raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
     return count
+
+
+def _cannot_write_under(path: Path) -> str | None:
+    """Why files cannot be made under the folder `path` (created if missing), None if they can: its
+    nearest existing ancestor must be a folder this process may write."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
+
+
+def output_folder(text: str) -> str:
+    """A folder the command writes its files into, created if missing: refused before anything runs
+    when it cannot be (a file on its path, no write permission)."""
+    if (reason := _cannot_write_under(Path(text))) is not None:
+        raise argparse.ArgumentTypeError(f"cannot write into {text!r}: {reason}")
+    return text
+
+
+def output_file(text: str) -> str:
+    """A file the command writes, in an existing folder: refused before anything runs when it is a
+    folder or its folder cannot be written."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; give a file name")
+    if not path.parent.is_dir():
+        why = "is not a folder" if path.parent.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {path.parent} {why}")
+    if (reason := _cannot_write_under(path.parent)) is not None:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {reason}")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: it is not writable")
+    return text
+
+
+@contextmanager
+def writing(option: str, path: str | Path) -> Iterator[None]:
+    """Writes to the file or folder `option` names: an OSError in them (a disk full, a folder gone or
+    made read-only since the check) becomes a UsageError naming the option."""
+    try:
+        yield
+    except OSError as exc:
+        raise UsageError(f"{option}: cannot write {path} ({exc.strerror or exc})") from None
+
+
+def check_simulate_options(args: argparse.Namespace) -> None:
+    """`cliffguard simulate`'s options that only go with another: UsageError naming the first that lacks it."""
+    if args.out and args.sweep_rate is None:
+        raise UsageError("--out: only with --sweep-rate")
+    if args.recommend and args.slo_ttft_p99 is None:
+        raise UsageError("--recommend: give --slo-ttft-p99 SECONDS (> 0)")
+    if not args.recommend and (args.slo_ttft_p99 or args.slo_itl_p99):
+        raise UsageError(f"--slo-{'ttft' if args.slo_ttft_p99 else 'itl'}-p99: only with --recommend")
+    if args.from_trace and not args.calibrate:
+        raise UsageError("--from-trace: only with --calibrate FILE")

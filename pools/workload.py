@@ -16,7 +16,7 @@ the key path (`classes[1].prompt_len.mean: ...`), for a class built in Python to
 one as its YAML would be; `WorkloadClass.replace` makes a changed copy).
 
 Arrivals per class are a gamma renewal process (`gamma_arrivals`): burstiness 1 is Poisson, below 1
-burstier, above 1 more regular.
+burstier, above 1 more regular. One run generates at most `MAX_ARRIVALS` of them (`check_arrivals`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ _DIST_KEYS = {"fixed": ("value",), "uniform": ("min", "max"), "normal": ("mean",
 _DIST_NEEDS = {"fixed": ("value",), "uniform": ("min", "max"), "normal": ("mean", "std")}
 _LENGTH_KEYS = ("value", "min", "max", "mean", "std")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+MAX_ARRIVALS = 10_000_000    # requests one run may generate (rate x duration): their times and requests fit memory
 WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "bench" / "workloads"
 
 
@@ -206,6 +207,10 @@ def gamma_arrivals(rate: float, burstiness: float, rng: np.random.Generator, *, 
     (1: Poisson). The first `count` arrivals, those before `duration`, or both limits."""
     if count is None and duration is None:
         raise ValueError("gamma_arrivals: give duration and/or count")
+    expected = min(math.inf if count is None else count, math.inf if duration is None else rate * duration)
+    if expected > MAX_ARRIVALS:
+        raise ValueError(f"gamma_arrivals: {expected:.3g} arrivals (rate {rate:g}/s, duration {duration}, count "
+                         f"{count}) is above the {MAX_ARRIVALS:,} one run may generate")
     scale = 1.0 / (rate * burstiness)
     if count is not None:
         times = np.cumsum(rng.gamma(burstiness, scale, size=count))
@@ -217,6 +222,19 @@ def gamma_arrivals(rate: float, burstiness: float, rng: np.random.Generator, *, 
             last = float(part[-1])
         times = np.concatenate(parts)
     return times if duration is None else times[times < duration]
+
+
+def check_arrivals(classes: tuple[WorkloadClass, ...], request_rate: float, duration: float,
+                   option: str = "--request-rate") -> None:
+    """ValueError naming `option` and --duration when `classes` at `request_rate` (`class_rates`) for
+    `duration` seconds would generate more than `MAX_ARRIVALS` requests, before any is drawn."""
+    total = sum(class_rates(classes, request_rate).values())
+    if total * duration > MAX_ARRIVALS:
+        lower = (f"{option}, --duration or the workload's class rates" if any(c.rate is not None for c in classes)
+                 else f"{option} or --duration")
+        raise ValueError(f"{option} {request_rate:g} x --duration {duration:g}: {total:g} requests/s for "
+                         f"{duration:g} s is {total * duration:.3g} requests, above the {MAX_ARRIVALS:,} one run "
+                         f"may generate; lower {lower}")
 
 
 def class_rates(classes: tuple[WorkloadClass, ...], request_rate: float) -> dict[str, float]:

@@ -19,7 +19,7 @@ from pools.capacity_plan import CapacityPlan, DevicePlan
 from pools.simulation.devicesim import DeviceSim, PoolTrace, SimRequest
 from pools.simulation.devicesim import ReplicaGroup
 from pools.config.spec import CliffguardConfig, PoolSpec, RouteSpec, SpecError
-from pools.workload import WorkloadClass, class_arrivals, class_rates
+from pools.workload import WorkloadClass, class_arrivals, class_rates, load_workload
 
 
 @dataclass
@@ -37,11 +37,35 @@ class SimulationResult:
     replicas: dict[str, int] = field(default_factory=dict)
 
 
-def route(config: CliffguardConfig, plan: CapacityPlan, prompt_len: int) -> str | None:
-    """The pool the gateway would route a prompt of `prompt_len` tokens to (first local pool in config
-    order whose route admits it; one model per configuration here), or None."""
-    for spec in config.pools:
-        if spec.name in plan.pools and spec.route.admits(prompt_len, plan.pools[spec.name].max_model_len):
+def served_model(config: CliffguardConfig) -> str | None:
+    """The one model name (`PoolSpec.model_name`) the local pools serve, None without local pools. A
+    workload names no model, so `simulate` and `capacity --rate` take one model's pools at a time:
+    SpecError naming each model's pools when the local pools serve several."""
+    models: dict[str, list[str]] = {}
+    for spec in config.local_pools:
+        models.setdefault(spec.model_name, []).append(spec.name)
+    if len(models) > 1:
+        listed = "; ".join(f"{model!r}: {', '.join(names)}" for model, names in models.items())
+        raise SpecError(f"pools: the local pools serve {len(models)} models ({listed}); a workload names no "
+                        "model, so simulate and capacity --rate take one model at a time: keep one model's pools "
+                        "(and their devices) in a copy of the file")
+    return next(iter(models), None)
+
+
+def model_pools(config: CliffguardConfig) -> tuple[PoolSpec, ...]:
+    """The pools, local and upstream, that serve the local pools' one model (`served_model`), in
+    configuration order: the gateway's candidates for the workload's requests."""
+    model = served_model(config)
+    return tuple(spec for spec in config.pools if spec.model_name == model)
+
+
+def route(pools: tuple[PoolSpec, ...], plan: CapacityPlan, prompt_len: int) -> str | None:
+    """The pool the gateway would route a prompt of `prompt_len` tokens to: the first of `pools`
+    (`model_pools`) whose route admits it, an upstream pool included (then its name: no local pool
+    takes that prompt); None if none."""
+    for spec in pools:
+        max_model_len = plan.pools[spec.name].max_model_len if spec.name in plan.pools else None
+        if spec.route.admits(prompt_len, max_model_len):
             return spec.name
     return None
 
@@ -67,28 +91,40 @@ def _draw_lengths(cls: WorkloadClass, rng: random.Random) -> tuple[int, int]:
 
 def workload_mix(config: CliffguardConfig, plan: CapacityPlan, classes: tuple[WorkloadClass, ...], request_rate: float,
                  *, num_draws: int = 4096, seed: int = 0) -> tuple[dict[str, tuple[float, float, float]], float]:
-    """Each local pool's (requests/s, mean prompt tokens, mean output tokens) when `classes` arrive at
+    """Each pool's (requests/s, mean prompt tokens, mean output tokens) when `classes` arrive at
     `request_rate`, and the requests/s whose prompt no pool takes (left out): each class at its rate
     (`class_rates`), its lengths drawn `num_draws` times as `make_requests` draws them and each draw
     routed as `simulate` routes it (a class whose lengths straddle a route splits between pools). A
-    pool offered nothing gets (0, 0, 0)."""
+    local pool offered nothing gets (0, 0, 0); an upstream pool is in the mix only when it is offered
+    something, and no device carries it. One model's pools (`served_model`)."""
     rng = random.Random(seed)
     rates = class_rates(classes, request_rate)
+    pools = model_pools(config)
     sums = {name: [0.0, 0.0, 0.0] for name in plan.pools}       # requests/s, prompt and output tokens/s
     unrouted = 0.0
     for cls in classes:
         share = rates[cls.name] / num_draws
         for _ in range(num_draws):
             prompt_len, output_len = _draw_lengths(cls, rng)
-            pool = route(config, plan, prompt_len)
+            pool = route(pools, plan, prompt_len)
             if pool is None:
                 unrouted += share
                 continue
             for i, value in enumerate((share, share * prompt_len, share * output_len)):
-                sums[pool][i] += value
+                sums.setdefault(pool, [0.0, 0.0, 0.0])[i] += value
     mix = {name: (rate, prompt / rate, output / rate) if rate > 0 else (0.0, 0.0, 0.0)
            for name, (rate, prompt, output) in sums.items()}
     return mix, unrouted
+
+
+def upstream_rates(config: CliffguardConfig, plan: CapacityPlan, workload: str,
+                   request_rate: float) -> dict[str, float]:
+    """The requests/s of `workload` (`load_workload`'s file or name) at `request_rate` that go to each
+    upstream pool offered any (`workload_mix`): the gateway sends them on, so no device's load has them."""
+    if not plan.upstream_pools:
+        return {}
+    mix, _ = workload_mix(config, plan, load_workload(workload), request_rate)
+    return {name: mix[name][0] for name in plan.upstream_pools if name in mix}
 
 
 def device_step_times(plan: CapacityPlan, model_configs: Mapping[str, ModelConfig], *, preset: str,
@@ -113,11 +149,10 @@ def simulate(config: CliffguardConfig, plan: CapacityPlan, model_configs: Mappin
              seed: int = 0) -> SimulationResult:
     """Route `requests` and run every planned device on its step-time model (`step_times[device]`)."""
     started = time.perf_counter()
-    if plan.upstream_pools:
-        raise SpecError(f"pools: {', '.join(plan.upstream_pools)} are remote upstreams; simulate plans local "
-                        "pools only")
+    _check_local(plan)
+    pools = model_pools(config)
     for request in requests:
-        request.pool = route(config, plan, request.prompt_len)
+        request.pool = route(pools, plan, request.prompt_len)
         if request.pool is None:
             request.error = f"no pool takes a prompt of {request.prompt_len} tokens"
     groups: dict[str, ReplicaGroup] = {}
@@ -135,6 +170,13 @@ def simulate(config: CliffguardConfig, plan: CapacityPlan, model_configs: Mappin
                             wall_seconds=time.perf_counter() - started,
                             num_steps=sum(s.num_steps for s in sims),
                             replicas={name: group.num_replicas for name, group in groups.items()})
+
+
+def _check_local(plan: CapacityPlan) -> None:
+    """SpecError when the plan has upstream pools: a simulation runs local pools only."""
+    if plan.upstream_pools:
+        raise SpecError(f"pools: {', '.join(plan.upstream_pools)} are remote upstreams; simulate plans local "
+                        "pools only")
 
 
 _COUNTERS = {"preemptions": "num_preemptions", "recompute_preemptions": "num_recompute_preemptions",
@@ -203,21 +245,40 @@ def _device_group(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePla
 
 
 def shared_layout(config: CliffguardConfig, plan: CapacityPlan) -> CliffguardConfig:
-    """The same devices with each device's local pools merged into one pool named `shared` that takes
-    every prompt: the sum of their KV, the sum of their planned `max_num_seqs` (so the shared pool
-    runs as many sequences as the split ones together), the largest `max_model_len` and
-    `max_num_batched_tokens`, the first pool's other settings (preemption, block size, prefix cache)
-    and no SLO. What one server without pools would be, planned with the same numbers. A replicated
-    device stays replicated: each replica's pools are merged (the plan's numbers are one replica's)."""
+    """The same devices with each device's local pools merged into one pool that takes the prompts its
+    pools took: `shared` taking every prompt for one device; for several, `shared-<device>` taking the
+    lengths from its pools' shortest to their longest prompt, so each prompt goes to the device the
+    split layout sends it to (SpecError when two devices' ranges interleave). Each has the sum of its
+    pools' KV, the sum of their planned `max_num_seqs` (so it runs as many sequences as the split ones
+    together), the largest `max_model_len` and `max_num_batched_tokens`, the first pool's other
+    settings (preemption, block size, prefix cache) and no SLO: what one server without pools would
+    be, planned with the same numbers. A replicated device stays replicated: each replica's pools are
+    merged (the plan's numbers are one replica's). One model's local pools (`served_model`)."""
+    served_model(config)
+    _check_local(plan)
     pools: list[PoolSpec] = []
     for dplan in plan.devices.values():
         members = [plan.pools[name] for name in dplan.pools]
         first = members[0].spec
         share = sum(p.kv_cache_bytes_per_device for p in members) / dplan.kv_space_bytes_per_device
         pools.append(first.replace(
-            name="shared" if len(plan.devices) == 1 else f"shared-{dplan.name}", route=RouteSpec(),
+            name="shared" if len(plan.devices) == 1 else f"shared-{dplan.name}",
+            route=RouteSpec() if len(plan.devices) == 1 else _device_route(plan, dplan),
             kv_share=min(1.0, share), kv_cache_bytes=None, max_num_seqs=sum(p.max_num_seqs for p in members),
             max_model_len=max(p.max_model_len for p in members),
             max_num_batched_tokens=max(p.spec.max_num_batched_tokens for p in members), slo=None,
             slo_source=None, avg_len=first.avg_len))
+    for i, a in enumerate(pools):
+        for b in pools[:i]:
+            if a.route.overlaps(b.route):
+                raise SpecError(f"--layout shared: {b.name} would take prompts {b.route.describe()} and {a.name} "
+                                f"{a.route.describe()}: their devices' routes interleave, so one pool per device "
+                                "cannot route as the split layout does; compare the split layout alone")
     return dataclasses.replace(config, pools=tuple(pools))
+
+
+def _device_route(plan: CapacityPlan, dplan: DevicePlan) -> RouteSpec:
+    """From the shortest to the longest prompt the device's pools take."""
+    members = [plan.pools[name] for name in dplan.pools]
+    return RouteSpec(min_prompt_tokens=min(p.spec.route.min_prompt_tokens for p in members),
+                     max_prompt_tokens=max(p.spec.route.upper(p.max_model_len) for p in members))

@@ -4,6 +4,7 @@ texts. Every user mistake exits 2 with one line naming what to fix, before anyth
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import socket
@@ -200,6 +201,50 @@ def test_a_binary_yaml_file_is_named(tmp_path, capsys):
     assert main(["capacity", "--config", str(path)]) == 2
     line = _error_line(capsys)
     assert str(path) in line and "not a UTF-8 text file" in line
+
+
+# --- simulate ---------------------------------------------------------------------------------------
+def _simulate_args(*more: str) -> list[str]:
+    return ["simulate", "--config", str(EXAMPLE), "--model-config", str(LLAMA70B_JSON), *more]
+
+
+def test_simulate_refuses_more_arrivals_than_one_run_may_generate(tmp_path, capsys):
+    """1e12 requests/s for a minute once died in numpy after planning (a MemoryError traceback), 1e6
+    never finished: rate x duration over 10 million requests is refused before anything runs."""
+    assert main(_simulate_args("--request-rate", "1e12", "--duration", "60")) == 2
+    assert ("--request-rate 1e+12 x --duration 60: 1e+12 requests/s for 60 s is 6e+13 requests, above the "
+            "10,000,000 one run may generate; lower --request-rate or --duration") in _error_line(capsys)
+    assert main(_simulate_args("--sweep-rate", "1,1e6", "--duration", "60")) == 2
+    assert "--sweep-rate 1e+06 x --duration 60: " in _error_line(capsys)
+    flood = tmp_path / "flood.yaml"
+    flood.write_text("classes:\n  - {name: flood, prompt_len: 8, output_len: 4, rate: 1.0e+9}\n")
+    assert main(_simulate_args("--workload", str(flood), "--recommend", "--slo-ttft-p99", "1")) == 2
+    assert "lower --request-rate, --duration or the workload's class rates" in _error_line(capsys)
+
+
+def test_simulate_refuses_an_out_folder_or_calibrate_file_it_cannot_write_before_running(tmp_path, capsys):
+    """`--out` under a file once ran the whole sweep, then died with NotADirectoryError (a traceback)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(_simulate_args("--sweep-rate", "1", "--duration", "1", "--out", str(blocker / "knee"))) == 2
+    assert f"argument --out: cannot write into '{blocker / 'knee'}': {blocker} is not a folder" in _error_line(capsys)
+    for path, why in ((blocker / "step.json", f"{blocker} is not a folder"),
+                      (tmp_path / "gone" / "step.json", f"{tmp_path / 'gone'} does not exist"),
+                      (tmp_path, "is a folder; give a file name")):
+        assert main(_simulate_args("--calibrate", str(path), "--from-trace", str(tmp_path / "none.jsonl"))) == 2
+        assert "argument --calibrate: " in (line := _error_line(capsys)) and why in line
+
+
+def test_a_write_that_fails_after_the_run_names_the_option(tmp_path, capsys, monkeypatch):
+    """The folder passed the check, the disk filled while the sweep ran: one line naming --out, exit 2."""
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("pools.simulation.knee.plot_knee", full)
+    out = tmp_path / "new" / "knee"
+    assert main(_simulate_args("--sweep-rate", "1", "--duration", "1", "--out", str(out))) == 2
+    assert f"cliffguard simulate: error: --out: cannot write {out} (No space left on device)" == _error_line(capsys)
+    assert (out / "results.json").exists()                 # created, as a folder that did not exist is
 
 
 # --- serve ------------------------------------------------------------------------------------------

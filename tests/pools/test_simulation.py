@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from engine.step_cost import (KNEE_MIN_STEPS, PRESETS, LinearStepTime, RooflineS
 from gateway.cli import main
 from pools.capacity_plan import plan_capacity
 from pools.model_configs import read_model_config
+from pools.config.spec import SpecError
 from pools.config.yaml_file import load_config
 from pools.simulation.devicesim import DeviceSim, SimRequest
 from pools.simulation.knee import format_sweep, plot_knee, sweep
@@ -620,3 +622,100 @@ def test_isolation_by_default_derives_its_slo_from_the_modelled_step(builtin_pat
     chat = plan.pools["chat"]
     expected = modelled_slo(linear, chat.max_num_seqs, chat.num_blocks, 16, chat.max_model_len, 0.2)   # rag's share
     assert group.replicas[0].composer.slos == {"chat": expected, "rag": None} and expected != LatencySLO()
+
+
+# --- what the gateway would route: one model's pools, upstream ranges, several devices --------------
+QWEN_32B = ROOT / "config" / "examples" / "qwen3-32b"
+
+
+def _make_config(tmp_path, pools: list[dict], devices=("a", "b")):
+    """A config of `pools` (YAML keys) on `devices` (cuda:0, cuda:1, ...), planned at 200 GiB per GPU."""
+    import yaml
+
+    path = tmp_path / "pools.yaml"
+    path.write_text(yaml.safe_dump({"devices": {d: {"device": f"cuda:{i}"} for i, d in enumerate(devices)},
+                                    "pools": pools}))
+    config = load_config(path)
+    models = {str(LLAMA_70B): read_model_config(LLAMA_70B), str(QWEN_32B): read_model_config(QWEN_32B)}
+    return path, config, models, plan_capacity(config, models, vram_bytes=200 << 30)
+
+
+def _fixed(name: str, prompt_len: int, share: float = 1.0) -> WorkloadClass:
+    return WorkloadClass(name, prompt_len=LengthDist("fixed", value=prompt_len),
+                         output_len=LengthDist("fixed", value=20), share=share)
+
+
+def test_pools_of_two_models_are_refused_naming_each_models_pools(tmp_path, capsys):
+    """A workload names no model: spreading it over two models' pools by length alone put all of it on
+    the first model's pool and nothing on the other's; now the configuration is refused."""
+    path, config, models, plan = _make_config(tmp_path, [
+        {"name": "llama", "model": str(LLAMA_70B), "device": "a", "kv_share": 1.0, "slo": None},
+        {"name": "qwen", "model": str(QWEN_32B), "device": "b", "kv_share": 1.0, "slo": None,
+         "max_model_len": 32768}])
+    message = "the local pools serve 2 models ('llama-3-70b': llama; 'qwen3-32b': qwen)"
+    with pytest.raises(SpecError, match=re.escape(message)):
+        workload_mix(config, plan, (_fixed("chat", 300),), 4.0)
+    with pytest.raises(SpecError, match="take one model at a time"):
+        simulate(config, plan, models, make_requests((_fixed("chat", 300),), 1.0, duration=2.0), {})
+    assert main(["capacity", "--config", str(path), "--vram", "200GiB", "--rate", "4", "--workload", "chat"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_prompts_an_upstream_pool_takes_are_on_no_device(tmp_path, capsys):
+    """The router sends 1025..4096-token prompts of the model to the upstream pool: they are neither a
+    local pool's load nor 'no pool takes them'; an upstream pool of another model changes nothing."""
+    path, config, models, plan = _make_config(tmp_path, [
+        {"name": "chat", "model": str(LLAMA_70B), "device": "a", "kv_share": 0.5, "slo": None,
+         "route": {"max_prompt_tokens": 1024}, "max_model_len": 8192},
+        {"name": "remote", "model": "llama-3-70b", "upstream": "http://h:8000/v1",
+         "route": {"min_prompt_tokens": 1025, "max_prompt_tokens": 4096}},
+        {"name": "rag", "model": str(LLAMA_70B), "device": "a", "kv_share": 0.5, "slo": None,
+         "route": {"min_prompt_tokens": 4097}, "max_model_len": 8192},
+        {"name": "other", "model": "gpt-x", "upstream": "http://h:8000/v1"}], devices=("a",))
+    mix, unrouted = workload_mix(config, plan, (_fixed("short", 300), _fixed("mid", 2000), _fixed("long", 6000)), 6.0)
+    assert unrouted == 0 and "other" not in mix
+    assert mix["chat"][0] == pytest.approx(2.0) and mix["rag"][0] == pytest.approx(2.0)
+    assert mix["remote"] == pytest.approx((2.0, 2000, 20))
+    workload = tmp_path / "mid.yaml"
+    workload.write_text("classes:\n  - {name: mid, prompt_len: 2000, output_len: 20}\n")
+    assert main(["capacity", "--config", str(path), "--vram", "200GiB", "--rate", "3", "--workload",
+                 str(workload)]) == 0
+    out = capsys.readouterr().out
+    assert "upstream pool remote: 3.00 requests/s routed there (on no device's load)" in out
+    assert "no pool takes" not in out and "chat: offered nothing" in out
+
+
+def test_the_shared_layout_of_two_devices_routes_each_prompt_to_its_split_device(tmp_path, capsys):
+    """One model's pools on two devices: each device's merged pool takes the lengths its pools took (the
+    same served model name, routes that do not overlap), so the shared layout plans and runs."""
+    path, config, models, plan = _make_config(tmp_path, [
+        {"name": "chat", "model": str(LLAMA_70B), "device": "a", "kv_share": 1.0,
+         "route": {"max_prompt_tokens": 1024}, "max_model_len": 8192},
+        {"name": "rag", "model": str(LLAMA_70B), "device": "b", "kv_share": 1.0,
+         "route": {"min_prompt_tokens": 1025}, "max_model_len": 8192}])
+    shared = shared_layout(config, plan)
+    shared_plan = plan_capacity(shared, models, vram_bytes=200 << 30)
+    assert [(p.name, p.device, p.route.describe(8192)) for p in shared.pools] == [
+        ("shared-a", "a", "0..1024"), ("shared-b", "b", "1025..8191")]
+    assert shared_plan.pools["shared-a"].max_num_seqs == plan.pools["chat"].max_num_seqs
+    step = {d: RooflineStepTime(PRESETS["h100"], models[str(LLAMA_70B)], 2) for d in ("a", "b")}
+    requests = make_requests((_fixed("short", 300), _fixed("long", 6000)), 2.0, duration=4.0, seed=1)
+    simulate(shared, shared_plan, models, requests, step)
+    assert {(r.cls, r.pool) for r in requests} == {("short", "shared-a"), ("long", "shared-b")}
+    assert main(["simulate", "--config", str(path), "--vram", "200GiB", "--layout", "both", "--duration", "2",
+                 "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["shared"]["pools"]) == {"shared-a", "shared-b"}
+
+
+def test_the_shared_layout_refuses_devices_whose_routes_interleave(tmp_path):
+    _, config, _, plan = _make_config(tmp_path, [
+        {"name": "short", "model": str(LLAMA_70B), "device": "a", "kv_share": 0.5,
+         "route": {"max_prompt_tokens": 1024}, "max_model_len": 8192},
+        {"name": "mid", "model": str(LLAMA_70B), "device": "b", "kv_share": 1.0,
+         "route": {"min_prompt_tokens": 1025, "max_prompt_tokens": 4096}, "max_model_len": 8192},
+        {"name": "long", "model": str(LLAMA_70B), "device": "a", "kv_share": 0.5,
+         "route": {"min_prompt_tokens": 4097}, "max_model_len": 8192}])
+    with pytest.raises(SpecError, match=r"--layout shared: shared-a would take prompts 0\.\.8191 and shared-b "
+                                        r"1025\.\.4096: their devices' routes interleave"):
+        shared_layout(config, plan)

@@ -107,3 +107,27 @@ def test_check_positive():
                            (True, r"^rate: expected a number, got boolean True$")):
         with pytest.raises(SpecError, match=message):
             check_positive("rate", value)
+
+
+def test_arrivals_above_the_cap_are_refused_before_any_is_drawn():
+    """1e12 requests/s for a minute once asked numpy for 7e13 floats (a MemoryError); 1e6 for ever."""
+    import numpy as np
+
+    from pools.workload import MAX_ARRIVALS, check_arrivals, class_arrivals, gamma_arrivals
+
+    rng = np.random.default_rng(0)
+    for kwargs in ({"duration": 60.0}, {"count": MAX_ARRIVALS + 1}, {"duration": 60.0, "count": 10**9}):
+        with pytest.raises(ValueError, match=r"above the 10,000,000 one run may generate"):
+            gamma_arrivals(1e12, 1.0, rng, **kwargs)
+    assert len(gamma_arrivals(1e12, 1.0, rng, duration=60.0, count=5)) == 5      # the count bounds it
+    chat = WorkloadClass("chat", prompt_len=LengthDist("fixed", value=4), output_len=LengthDist("fixed", value=4))
+    with pytest.raises(ValueError, match=r"above the 10,000,000"):
+        class_arrivals((chat,), 1e6, duration=60.0)
+    check_arrivals((chat,), 1e5, 100.0)                                            # 10 million exactly: allowed
+    with pytest.raises(ValueError, match=r"^--request-rate 1e\+06 x --duration 60: 1e\+06 requests/s for 60 s is "
+                                         r"6e\+07 requests, above the 10,000,000 one run may generate; lower "
+                                         r"--request-rate or --duration$"):
+        check_arrivals((chat,), 1e6, 60.0)
+    flood = chat.replace(name="flood", rate=1e9)
+    with pytest.raises(ValueError, match=r"lower --sweep-rate, --duration or the workload's class rates$"):
+        check_arrivals((chat, flood), 1.0, 60.0, "--sweep-rate")
