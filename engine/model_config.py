@@ -20,6 +20,13 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
                            "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 # Multimodal checkpoints served as their text model: architecture -> (the text model's, its weights' prefix)
 TEXT_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "language_model.")}
+# transformers' Gemma3TextConfig defaults where they differ from the keys' defaults here: a composite checkpoint's
+# text_config is saved as its difference from them (gemma-3-4b-it's names no head count, head_dim or vocabulary)
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "bos_token_id": 2, "eos_token_id": 1}
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -232,6 +239,8 @@ class ModelConfig:
         if isinstance(arch, str) and arch in TEXT_MODELS:
             return cls._from_text_config(cfg, arch)
         _check_architecture(arch)
+        if arch == "Gemma3ForCausalLM":
+            cfg = GEMMA3_TEXT_DEFAULTS | cfg
         num_heads = _int(cfg, "num_attention_heads")
         hidden = _int(cfg, "hidden_size")
         num_layers = _int(cfg, "num_hidden_layers")

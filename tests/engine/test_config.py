@@ -84,6 +84,25 @@ def test_zero_heads_or_head_dim_are_refused_not_defaulted(key):
     assert ModelConfig.from_hf_config({k: v for k, v in LLAMA.items() if k != key}) == cfg
 
 
+def test_a_composite_gemma3_config_takes_transformers_defaults_for_what_its_text_config_leaves_out():
+    """transformers saves a composite checkpoint's text_config as its difference from Gemma3TextConfig's
+    defaults: gemma-3-4b-it's (this one) names no head count, head_dim, vocabulary, context or rope base. It
+    reads as transformers reads it (its own config class fills the rest), not with Llama's defaults."""
+    import dataclasses
+
+    transformers = pytest.importorskip("transformers")
+    diff = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+    ours = ModelConfig.from_hf_config({"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106],
+                                       "model_type": "gemma3", "text_config": diff})
+    full = transformers.Gemma3Config(text_config=diff).text_config.to_dict()
+    theirs = ModelConfig.from_hf_config({**full, "architectures": ["Gemma3ForCausalLM"], "eos_token_id": [1, 106]})
+    assert dataclasses.replace(ours, text_weights_prefix=theirs.text_weights_prefix) == theirs
+    assert (ours.num_heads, ours.num_kv_heads, ours.head_dim, ours.vocab_size) == (8, 4, 256, 262_208)
+    assert (ours.rope_theta, ours.rope_local_theta, ours.max_position_embeddings) == (1e6, 1e4, 131_072)
+    assert ours.tie_word_embeddings and ours.sliding_window == 1024 and ours.layer_types[5] == "full_attention"
+
+
 @pytest.mark.parametrize("config,match", [
     ({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": "x"}, "text_config: expected an object"),
     ({"architectures": ["Gemma3ForConditionalGeneration"]}, "text_config: missing from config.json"),
