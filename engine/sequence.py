@@ -137,20 +137,29 @@ class Sequence:
                 reason, self.stop_reason = FinishReason.STOP, None
             elif token in params.stop_token_ids:
                 reason, self.stop_reason = FinishReason.STOP, token
-            elif params.stop:
+            elif params.stop and n_out > params.min_tokens:   # the first min_tokens' text stops nothing
                 reason = self.cut_at_stop_string(len(delta))
         if reason is None and (n_out >= self.max_tokens or self.num_prompt_tokens + n_out >= max_model_len):
             reason = FinishReason.LENGTH
         return reason
 
+    def hides_text_of(self, token: int, eos_token_ids: frozenset[int]) -> bool:
+        """Whether appending `token` ends the sequence on it as a stop token (EOS unless `ignore_eos`, or one of
+        `stop_token_ids`, once `min_tokens` are out) whose text is not the answer's: a stop token's is not, as
+        a stop string's is not, unless `include_stop_str_in_output` (vLLM's rule); its id and logprob are."""
+        params = self.params
+        return not params.include_stop_str_in_output and self.num_known_output_tokens + 1 >= params.min_tokens \
+            and (token in params.stop_token_ids or (token in eos_token_ids and not params.ignore_eos))
+
     def cut_at_stop_string(self, delta_len: int) -> FinishReason | None:
-        """Truncate the text at the earliest stop string that the last `delta_len` characters complete;
-        STOP (and `stop_reason` the string) if one did."""
-        longest = max(len(s) for s in self.params.stop)
-        search_from = max(0, len(self.text) - delta_len - longest + 1)   # the text is read from here on only
+        """Truncate the text at the earliest stop string that the last `delta_len` characters complete
+        (one ending in them: text before them stopped nothing, the first `min_tokens`' included); STOP (and
+        `stop_reason` the string) if one did."""
+        if not delta_len:
+            return None
         found: tuple[int, str] | None = None
         for stop in self.params.stop:
-            index = self.text.find(stop, search_from)
+            index = self.text.find(stop, max(0, len(self.text) - delta_len - len(stop) + 1))
             if index >= 0 and (found is None or index < found[0]):
                 found = (index, stop)
         if found is None:

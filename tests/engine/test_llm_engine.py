@@ -202,6 +202,39 @@ def test_streamed_deltas_add_up_and_never_leak_a_stop_string(builtin_path, chat_
     assert_all_free(engine)
 
 
+def test_a_stop_tokens_text_is_not_the_answers_and_the_first_min_tokens_stop_no_string(builtin_path, chat_prompts):
+    """vLLM's rules: the token that stops a sequence (a stop token id, or EOS shown with skip_special_tokens
+    off) keeps its id but not its text, unless include_stop_str_in_output; a stop string ending in the text
+    of the first min_tokens tokens stops nothing. Streamed deltas add up to the same text."""
+    engine = _engine(builtin_path)
+    greedy = engine.generate([chat_prompts[3]], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
+    decode = engine.tokenizer.decode
+    stop_tok = greedy.token_ids[4]
+    upto = greedy.token_ids[:greedy.token_ids.index(stop_tok) + 1]
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_tok],
+                                include_stop_str_in_output=include)
+        text, tokens, last = _stream(engine, chat_prompts[3], params)
+        assert tokens == last.token_ids == upto and last.stop_reason == stop_tok
+        assert text == last.text == decode(upto if include else upto[:-1])
+    short = engine.generate([chat_prompts[2]], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    eos = short.token_ids[-1]
+    assert short.finish_reason == "stop" and eos in engine.eos_token_ids
+    for include in (False, True):
+        shown = SamplingParams(temperature=0, max_tokens=40, skip_special_tokens=False,
+                               include_stop_str_in_output=include)
+        text, tokens, last = _stream(engine, chat_prompts[2], shown)
+        assert tokens == short.token_ids
+        assert text == decode(tokens if include else tokens[:-1], skip_special_tokens=False)
+    opening = decode(greedy.token_ids[:3])   # what the first three tokens say, found nowhere after them
+    assert greedy.text.count(opening) == 1
+    for min_tokens, want in ((2, ""), (3, greedy.text)):
+        params = SamplingParams(temperature=0, max_tokens=30, stop=[opening], min_tokens=min_tokens)
+        out = engine.generate([chat_prompts[3]], params)[0].outputs[0]
+        assert out.text == want and out.stop_reason == (opening if want == "" else greedy.stop_reason), min_tokens
+    assert_all_free(engine)
+
+
 def test_siblings_end_with_a_first_sample_that_ends_before_its_prefill(tiny_path, monkeypatch):
     engine = _engine(tiny_path, block_size=8, num_blocks=4)
     monkeypatch.setattr(engine.schedulers["default"], "check_fits", lambda *args: None)  # let a too-large one in
