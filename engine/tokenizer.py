@@ -144,6 +144,18 @@ class Tokenizer:
         """`encode` for each text (in parallel inside `tokenizers`)."""
         return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes, as OpenAI's logprobs report them (a character split over several tokens
+        is whole only in their joined bytes; decoding one of them alone gives U+FFFD): the byte-level
+        table's (`byte_tables`, special tokens as written), a byte-fallback `<0xXX>` token's byte, else
+        the UTF-8 of its decoded text."""
+        tables = self.byte_tables
+        if tables is not None and 0 <= token_id < len(tables[0]):
+            return tables[0][token_id]
+        if token_id in self._byte_token_ids:
+            return bytes([int(self._backend.id_to_token(token_id)[3:5], 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`, as HF `tokenizer.decode(ids, skip_special_tokens=...)`."""
         text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

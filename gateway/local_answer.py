@@ -346,8 +346,9 @@ class LocalResponse:
         lp = None
         if has_logprobs:
             ids, lps, tops = c.delta_token_ids, c.delta_logprobs or [], c.delta_top_logprobs or []
-            lp = (objects.chat_logprobs(ids, lps, tops, choice.pool.token_text) if self.chat else
-                  objects.completion_logprobs(ids, lps, tops, choice.pool.token_text, text_offset))
+            pool = choice.pool
+            lp = (objects.chat_logprobs(ids, lps, tops, pool.token_text, pool.token_bytes) if self.chat else
+                  objects.completion_logprobs(ids, lps, tops, pool.token_text, text_offset))
         if not self.chat:
             return {"index": choice.index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
         delta: dict[str, Any] = {}
@@ -457,8 +458,10 @@ class LocalResponse:
             choice = self.choices[index]
             lp = None
             if self.want_logprobs:
-                lp = (objects.chat_logprobs if self.chat else objects.completion_logprobs)(
-                    choice.token_ids, choice.logprobs, choice.top_logprobs, choice.pool.token_text)
+                lp = objects.chat_logprobs(choice.token_ids, choice.logprobs, choice.top_logprobs,
+                                           choice.pool.token_text, choice.pool.token_bytes) if self.chat else \
+                    objects.completion_logprobs(choice.token_ids, choice.logprobs, choice.top_logprobs,
+                                                choice.pool.token_text)
             if not self.chat:
                 body_choices.append(objects.completion_choice(index, choice.text, lp, choice.finish_reason))
                 continue

@@ -92,3 +92,8 @@ class Pool:
         if text is None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of one token, as logprobs report them (`Tokenizer.token_bytes`: its own, where
+        `token_text` shows U+FFFD for part of a character)."""
+        return self.tokenizer.token_bytes(token_id)

@@ -28,17 +28,19 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
 
 
 TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 
-def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[float],
-                  top: Sequence[Sequence[tuple[int, float]]], token_text: TokenText) -> dict[str, Any]:
-    content = []
-    for i, (tok, lp) in enumerate(zip(token_ids, logprobs)):
-        text = token_text(tok)
-        entry_top = [{"token": token_text(t), "logprob": v, "bytes": list(token_text(t).encode())}
-                     for t, v in (top[i] if i < len(top) else [])]
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": entry_top})
-    return {"content": content}
+def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[float], top: Sequence[Sequence[tuple[int, float]]],
+                  token_text: TokenText, token_bytes: TokenBytes | None = None) -> dict[str, Any]:
+    """Chat's (and the Responses API's) logprobs: each token's text and its own bytes (`token_bytes`, by
+    default its text's UTF-8): joined, a character split over tokens is whole again, as OpenAI's are."""
+    def entry(tok: int) -> dict[str, Any]:
+        return {"token": token_text(tok), "bytes": list(token_bytes(tok) if token_bytes else token_text(tok).encode())}
+
+    return {"content": [entry(tok) | {"logprob": lp, "top_logprobs": [
+        entry(t) | {"logprob": v} for t, v in (top[i] if i < len(top) else [])]}
+        for i, (tok, lp) in enumerate(zip(token_ids, logprobs))]}
 
 
 def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[float],

@@ -305,7 +305,7 @@ class ResponsesAnswer(LocalResponse):
                 k = choice.reasoning.num_tokens_before_content if choice.reasoning is not None else 0
                 output[-1]["content"][0]["logprobs"] = objects.chat_logprobs(
                     choice.token_ids[k:], choice.logprobs[k:], choice.top_logprobs[k:],
-                    choice.pool.token_text)["content"]
+                    choice.pool.token_text, choice.pool.token_bytes)["content"]
         output += [self._call_item(call, "incomplete" if call.cut else "completed") for call in calls]
         return self._response(self._status(), output)
 

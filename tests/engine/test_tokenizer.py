@@ -483,3 +483,19 @@ def test_detokenizer_byte_fallback_text(sp_tok: Tokenizer, sp_hf: Any) -> None:
                             prompt_ids=ours.encode("say"))
     assert deltas[0] == "the"  # no leading space, as HF's decode of the output alone
     assert any("😀" in d for d in deltas)  # emitted whole, once its byte run ended
+
+
+def test_a_tokens_bytes_are_its_own_where_its_text_is_part_of_a_character(tok: Tokenizer, sp_tok: Tokenizer) -> None:
+    """Logprobs report each token's bytes (`Tokenizer.token_bytes`): joined they are the text, although a token
+    that is part of a character decodes alone to U+FFFD; a byte-fallback <0xXX> token is its byte."""
+    from gateway.openai.objects import chat_logprobs
+
+    text = "😀 日本 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)   # some token is part of a character
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    content = chat_logprobs(ids, [0.0] * len(ids), [[(i, 0.0)] for i in ids], lambda i: tok.decode([i]),
+                           tok.token_bytes)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in content) == text.encode()
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in content)
+    assert [sp_tok.token_bytes(_SP_BYTE + b) for b in (0xC3, 0xA9)] == [b"\xc3", b"\xa9"]
