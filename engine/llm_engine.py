@@ -5,10 +5,9 @@ pools' chunks sized to the step's latency target) -> `_execute` (one merged forw
 forks, sampling) -> `_postprocess` (stop checks, detokenization, outputs). It runs in the device
 worker process (`engine.worker`); use it directly for offline batch work (`generate`).
 
-A request with a structured output (`SamplingParams.structured`) waits outside its scheduler until its
-grammar is built on the grammar thread (`engine.structured.GrammarCompiler`); each of its sequences then
-carries a matcher that masks its next token and follows the tokens it takes, and the sequence stops as
-soon as its grammar is complete.
+A request with a structured output (`SamplingParams.structured`) waits outside its scheduler until its grammar
+is built on the grammar thread (`engine.structured.GrammarCompiler`); each of its sequences then carries a
+matcher that masks its next token and follows the tokens it takes, and stops as soon as its grammar is complete.
 """
 
 from __future__ import annotations
@@ -209,14 +208,13 @@ class LLMEngine:
         if pool not in self.schedulers:
             raise RequestError(f"pool: unknown pool {pool!r}; pools: {', '.join(self.schedulers)}")
         scheduler = self.schedulers[pool]
-        prompt_ids = self._prompt_ids(prompt)
+        prompt_ids = self._prompt_ids(prompt, params)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = scheduler.max_model_len - len(prompt_ids)
             if max_tokens < 1:
-                raise RequestError(
-                    f"prompt: {len(prompt_ids)} tokens leave no room to generate within max_model_len "
-                    f"{scheduler.max_model_len}")
+                raise RequestError(f"prompt: {len(prompt_ids)} tokens leave no room to generate within "
+                                   f"max_model_len {scheduler.max_model_len}")
         if params.n > scheduler.config.max_num_seqs:   # its samples run together: it would wait forever
             raise RequestError(f"n: {params.n} samples run together, and pool {pool!r} runs at most "
                                f"max_num_seqs {scheduler.config.max_num_seqs} sequences at once")
@@ -240,14 +238,16 @@ class LLMEngine:
         else:
             self._building.add(request_id, params.structured)
 
-    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+    def _prompt_ids(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
+        vocab = self.model_config.vocab_size   # and no logit_bias past it: the sampler could not apply it
+        if outside := [t for t, _ in params.logit_bias if t >= vocab]:
+            raise RequestError(f"logit_bias: token ids {outside[:8]} are outside the vocabulary (0..{vocab - 1})")
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt: must not be empty")
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, Seq) or not prompt:
             raise RequestError("prompt: must be a non-empty string or a non-empty list of token ids")
-        vocab = self.model_config.vocab_size
         for i, tok in enumerate(prompt):
             if not isinstance(tok, int) or isinstance(tok, bool) or not 0 <= tok < vocab:
                 raise RequestError(f"prompt[{i}]: token id {tok!r} is not in the vocabulary (0..{vocab - 1})")

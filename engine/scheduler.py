@@ -406,7 +406,7 @@ class Scheduler:
         bm = self.block_manager
         if seq.status is SequenceStatus.WAITING and seq not in self.waiting:
             seq.status = SequenceStatus.FINISHED  # already taken off the queue
-        seq.error = (f"pool {self.name!r} cannot hold this sequence: it needs "
+        seq.error = (f"prompt: pool {self.name!r} cannot hold this sequence: it needs "
                      f"{bm.num_blocks_for(seq.num_tokens)} blocks of {bm.block_size} tokens, the pool has "
                      f"{bm.num_blocks}")
         self.stats.num_too_large += 1

@@ -305,7 +305,10 @@ class LocalResponse:
                 metrics.pool_series(pool).queue_time.observe(out.metrics["queue_time"])
 
     def _apply(self, i: int, out: RequestDelta) -> list[dict[str, Any]]:
-        """Add prompt i's delta to its choices; the stream chunk's choices (empty when not streaming)."""
+        """Add prompt i's delta to its choices; the stream chunk's choices (empty when not streaming). A request
+        that failed before any token raises its error (a ValueError naming the field, which `run` answers)."""
+        if out.finished and out.error is not None and not any(c.num_tokens for c in out.outputs):
+            raise ValueError(out.error)
         if out.finished and "queue_time" in out.metrics:   # sent once, with the final delta of a request that ran
             self._cached[i] = out.num_cached_tokens
         chunk_choices = []
@@ -345,8 +348,7 @@ class LocalResponse:
                        parts: tuple[str, str] | None) -> dict[str, Any]:
         lp = None
         if has_logprobs:
-            ids, lps, tops = c.delta_token_ids, c.delta_logprobs or [], c.delta_top_logprobs or []
-            pool = choice.pool
+            ids, lps, tops, pool = c.delta_token_ids, c.delta_logprobs or [], c.delta_top_logprobs or [], choice.pool
             lp = (objects.chat_logprobs(ids, lps, tops, pool.token_text, pool.token_bytes) if self.chat else
                   objects.completion_logprobs(ids, lps, tops, pool.token_text, text_offset))
         if not self.chat:

@@ -115,6 +115,9 @@ def test_requests_that_can_never_fit_are_refused(builtin_path):
         engine.add_request("d", [1, 10**9], SamplingParams())
     with pytest.raises(RequestError, match="pool"):
         engine.add_request("e", [1, 2], SamplingParams(), pool="nope")
+    vocab = engine.model_config.vocab_size   # a bias the sampler could not apply is refused, not ignored
+    with pytest.raises(RequestError, match=rf"^logit_bias: token ids \[{vocab}\] are outside the vocabulary"):
+        engine.add_request("e", [1, 2], SamplingParams(logit_bias={vocab: 5.0, 3: 1.0}))
     engine.add_request("f", [1, 2], SamplingParams(max_tokens=2))
     with pytest.raises(RequestError, match="already in flight"):
         engine.add_request("f", [1, 2], SamplingParams(max_tokens=2))

@@ -461,3 +461,22 @@ pools:
     assert (pool.name, ids) == ("long", own[True])
     pool, ids = await gateway.route_chat("thinker", MESSAGES, template_kwargs={"enable_thinking": False})
     assert (pool.name, ids) == ("long", own[False])   # the request's variables over both pools': one rendering
+
+
+async def test_an_engine_request_that_fails_before_any_token_is_answered_its_error(aiohttp_client, tmp_path,
+                                                                                   tiny_model, monkeypatch) -> None:
+    """The engine ends a request with an error and no token (its grammar could not be built there): the
+    client gets a 400 naming the field, whole or streamed, not a 200 with an empty answer ended 'abort'."""
+    sdk, _ = await _gateway(aiohttp_client, tmp_path, tiny_model, MODEL_OPENS)
+    failure = "response_format: the grammar cannot be built: too complex"
+
+    async def generate(client, prompt, params=None, *, request_id=None, **kwargs):
+        yield RequestDelta(request_id or "failed", [SampleDelta(0, "", [], 0, "abort")], True, error=failure)
+
+    monkeypatch.setattr(AsyncEngineClient, "generate", generate)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            answer = await sdk.chat.completions.create(model="thinker", messages=MESSAGES, stream=stream)
+            if stream:
+                [chunk async for chunk in answer]
+        assert info.value.body["param"] == "response_format" and failure in info.value.body["message"]
