@@ -15,11 +15,16 @@ slots, `min` of them started. Every `INTERVAL` seconds, for each such device:
   wait bound, 2 s by default, is long enough that a burst one replica absorbs within a decode or two
   does not start a replica (loading one takes seconds to minutes), short enough that a queue that
   keeps growing is answered well inside a client's timeout.
-- **Down.** A started replica that has held no credits and had no request in flight for
-  `scale_down_idle_seconds` (60 s by default), while nothing waits for credits, is drained: it takes no
-  new request (`DeviceSupervisor.draining`), and once what it holds is released (it holds nothing at
-  that point, and a request admitted just before is waited for) its worker is shut down and, on Ray,
-  its actor and placement group removed. The highest started slot goes first; never below `min`.
+- **Down.** A serving replica (ready, not draining) that has held no credits and had no request in
+  flight for `scale_down_idle_seconds` (60 s by default), while nothing waits for credits, is drained: it
+  takes no new request (`DeviceSupervisor.draining`), and once what it holds is released (it holds
+  nothing at that point, and a request admitted just before is waited for) its worker is shut down and,
+  on Ray, its actor and placement group removed. Only the highest serving slot is drained, and only
+  while `min` replicas serve without it: a loading, restarting or failed replica serves nothing, so it
+  never stands in for one. Its idle time counts from when it last became ready (a replica that restarts
+  starts anew). A replica still loading in a slot past `min` (a placement group Ray cannot place, a long
+  load) that no request waited for during `scale_down_idle_seconds`, while `min` replicas serve, is not
+  needed: it is removed the same way, before any serving one.
 
 A device on Ray may be shared by several gateways of one config: one of them decides, the holder of
 the device's scaling lease (`gateway.workers.scaler_lease`, renewed every tick, each renewal carrying
@@ -79,8 +84,10 @@ class Autoscaler:
         self.pools = {device: [p for p in pools.values() if p.device == device] for device in supervisors}
         self.metrics = metrics
         self.leases = dict(leases or {})   # device on Ray -> its scaling lease (made at `start` when not given)
-        self._idle_since: dict[tuple[str, int], float] = {}
-        self._removals: dict[tuple[str, int], asyncio.Task] = {}
+        self._idle_since: dict[tuple[str, int], float] = {}   # serving slots only: idle since then
+        self._unneeded_since: dict[tuple[str, int], float] = {}   # loading slots past `min`: nothing pressed since
+        self._removals: dict[tuple[str, int], asyncio.Task] = {}   # until the removal has ended, however it ends
+        self._finishing: set[tuple[str, int]] = set()   # removals past taking back: stopping or removing it
         self._stopped_at: dict[tuple[str, int], float] = {}   # monotonic: when this gateway last stopped a slot
         self._announced: set[tuple[str, int]] = set()   # drains of shared replicas the followers are told of
         self._ticker = Ticker("cliffguard-autoscaler", INTERVAL, self.tick, log, "autoscaler: tick failed")
@@ -114,6 +121,7 @@ class Autoscaler:
             if lease is not None:
                 lease.poke(why, sorted(r for (d, r) in self._announced if d == device))
                 if not lease.is_leader():
+                    self._forget_clocks(device)   # a follower decides nothing: leading again, it counts anew
                     if spec.autoscaled:
                         self._follow(device, spec, slots, lease)
                     continue
@@ -139,7 +147,8 @@ class Autoscaler:
                    default=0.0)
 
     def _scale_up(self, device: str, slots: list[DeviceSupervisor], why: str) -> bool:
-        draining = [s for s in slots if s.state == "draining" and (device, s.replica) in self._removals]
+        draining = [s for s in slots if s.draining and (device, s.replica) in self._removals
+                    and (device, s.replica) not in self._finishing]
         if draining:
             supervisor = draining[0]
             self._removals.pop((device, supervisor.replica)).cancel()
@@ -159,24 +168,54 @@ class Autoscaler:
 
     def _scale_down(self, device: str, spec: DeviceSpec, slots: list[DeviceSupervisor], *, pressed: bool,
                     now: float) -> None:
-        """`pressed`: something waits for credits, or the device is overloaded: no replica is idle."""
+        """Drain at most one replica: a loading one past `min` that is not needed, else the highest serving
+        one once idle for `scale_down_idle_seconds`; either only while `min` replicas serve without it.
+        `pressed`: something waits for credits, or the device is overloaded: no replica is idle."""
         serving = [s for s in slots if s.is_ready and not s.draining]
-        for s in serving:
-            if pressed or self._busy(device, s):
-                self._idle_since[(device, s.replica)] = now
-            else:
-                self._idle_since.setdefault((device, s.replica), now)
-        started = [s for s in slots if s.state != "stopped" and not s.draining]
-        if len(started) <= spec.initial_replicas or not serving:
+        loading = [s for s in slots if s.state.startswith("loading") and not s.draining
+                   and s.replica >= spec.initial_replicas]
+        self._count_idle(device, slots, serving, loading, pressed=pressed, now=now)
+        limit = spec.scale_down_idle_seconds
+        unneeded = [s for s in loading if now - self._unneeded_since[(device, s.replica)] >= limit]
+        if unneeded and len(serving) >= spec.initial_replicas:
+            victim = max(unneeded, key=lambda s: s.replica)
+            log.info("autoscaler: device %s: replica %s still loads and no request waited for %.0f s; removing it",
+                     device, victim.name, limit)
+        elif len(serving) > spec.initial_replicas:   # `min` still serve without the victim
+            victim = max(serving, key=lambda s: s.replica)
+            idle = now - self._idle_since[(device, victim.replica)]
+            if idle < limit:
+                return
+            log.info("autoscaler: device %s: replica %s idle for %.0f s; draining it", device, victim.name, idle)
+        else:
             return
-        victim = max(serving, key=lambda s: s.replica)
-        idle = now - self._idle_since[(device, victim.replica)]
-        if idle < spec.scale_down_idle_seconds:
-            return
-        log.info("autoscaler: device %s: replica %s idle for %.0f s; draining it", device, victim.name, idle)
         victim.draining = True
         self._idle_since.pop((device, victim.replica), None)
+        self._unneeded_since.pop((device, victim.replica), None)
         self._removals[(device, victim.replica)] = asyncio.ensure_future(self._remove(device, victim))
+
+    def _count_idle(self, device: str, slots: list[DeviceSupervisor], serving: list[DeviceSupervisor],
+                    loading: list[DeviceSupervisor], *, pressed: bool, now: float) -> None:
+        """Each serving slot's idle clock, each loading slot's (past `min`) unneeded clock: restarted when
+        `pressed` (or the replica is busy), dropped for every other slot, so that a replica that stops
+        serving (restarts, reloads) counts anew once it serves again."""
+        for s in slots:
+            key = (device, s.replica)
+            if s in serving and (pressed or self._busy(device, s)):
+                self._idle_since[key] = now
+            elif s in serving:
+                self._idle_since.setdefault(key, now)
+            else:
+                self._idle_since.pop(key, None)
+            if s in loading:
+                self._unneeded_since[key] = now if pressed else self._unneeded_since.get(key, now)
+            else:
+                self._unneeded_since.pop(key, None)
+
+    def _forget_clocks(self, device: str) -> None:
+        for clocks in (self._idle_since, self._unneeded_since):
+            for key in [k for k in clocks if k[0] == device]:
+                del clocks[key]
 
     def _follow(self, device: str, spec: DeviceSpec, slots: list[DeviceSupervisor], lease: ScalerLease) -> None:
         """A follower's tick: start the parked slots whose actor is alive (placed by the leader), stop the
@@ -226,22 +265,27 @@ class Autoscaler:
                 log.info("autoscaler: device %s: replica %s serves other gateways' requests, or this gateway "
                          "no longer leads; keeping it", device, supervisor.name)
                 return
-            self._removals.pop(key, None)
+            # past taking back: the slot stays in `_removals` (not started again, nor connected to) until the
+            # worker is stopped and the actor and group are gone, or the removal failed
+            self._finishing.add(key)
             self._stopped_at[key] = float("inf")   # no listing asked for before the actor is gone counts
             try:
                 await supervisor.stop()
-                supervisor.draining = False
                 if decided and supervisor.link is not None:
                     await supervisor.link.remove()
             finally:
+                supervisor.draining = False
                 self._stopped_at[key] = time.monotonic()
             if decided:
                 self.metrics.replica_scalings.labels(device=device, direction="down").inc()
             log.info("autoscaler: device %s: replica %s stopped", device, supervisor.name)
+        except Exception:
+            log.exception("autoscaler: device %s: removing replica %s failed", device, supervisor.name)
         finally:
             self._announced.discard(key)
             if self._removals.get(key) is asyncio.current_task():
                 self._removals.pop(key)
+                self._finishing.discard(key)
 
     async def _drain_shared(self, supervisor: DeviceSupervisor, lease: ScalerLease) -> bool:
         """The leader's drain of a shared replica, once this gateway's requests left it: True when it may

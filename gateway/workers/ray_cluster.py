@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -51,7 +52,9 @@ __all__ = ["ClusterError", "ConfigConflict", "RayCluster", "RayReplica", "NAMESP
 
 NAMESPACE = "cliffguard"
 CONNECT_SECONDS = 30.0      # how long `ray.init` may take before the address is called unreachable
-ACTOR_CONCURRENCY = 8       # endpoint / state / wait_stopped answer while the engine loads
+ACTOR_CONCURRENCY = 8       # endpoint / state / the other calls answer while the engine loads
+WATCH_GROUP = "watch"       # the actor's concurrency group of its `wait_stopped` calls (`replica_actor_class`)
+WATCH_CONCURRENCY = 64      # pending death notices: one per connected gateway, and each dropped one's for <30 s
 RESTART_POLL_SECONDS = 0.25   # between asks while Ray restarts an actor
 WATCH_SECONDS = 30.0        # each pending death-notice call returns after this long, and is made again
 RESPONSIVE_SECONDS = 5.0    # a silent connection's actor that does not answer Ray this long is restarted
@@ -75,6 +78,28 @@ def _ray():
     except ImportError:
         raise ClusterError("placement ray needs Ray: pip install -e '.[ray]'") from None
     return ray
+
+
+@functools.cache
+def replica_actor_class():
+    """`engine.remote.ReplicaActor` as a Ray actor class whose `wait_stopped` calls run in a concurrency
+    group of their own (`WATCH_GROUP`, `WATCH_CONCURRENCY` threads) beside the default group's
+    `ACTOR_CONCURRENCY`: each connected gateway keeps one pending (and a dropped connection's stays up to
+    `WATCH_SECONDS`: Ray does not end it). On shared threads, enough gateways (or one whose connection
+    flaps) would queue `state` and `endpoint` behind them, and `restart_unless_responsive` would restart
+    a healthy replica. The actor routes each call to its group itself: callers name no group, and an
+    actor placed before (one group for all) is asked as before. Still named `ReplicaActor`: its process
+    is titled `ray::ReplicaActor`."""
+    ray = _ray()
+    from engine.remote import ReplicaActor
+
+    @ray.method(concurrency_group=WATCH_GROUP)
+    def wait_stopped(self, timeout: float) -> bool:
+        return ReplicaActor.wait_stopped(self, timeout)
+
+    wait_stopped.__doc__ = ReplicaActor.wait_stopped.__doc__
+    cls = type("ReplicaActor", (ReplicaActor,), {"wait_stopped": wait_stopped, "__doc__": ReplicaActor.__doc__})
+    return ray.remote(concurrency_groups={WATCH_GROUP: WATCH_CONCURRENCY})(cls)
 
 
 def config_digest(config: EngineConfig) -> str:
@@ -358,7 +383,7 @@ class RayReplica:
     async def _place(self, timeout: float):
         """A new placement group and actor (`get_if_exists`: a gateway placing the same name at once
         gets the one actor)."""
-        ray = _ray()
+        _ray()   # ClusterError where Ray is not installed
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -367,15 +392,13 @@ class RayReplica:
                                         name=self.name, lifetime="detached", _soft_target_node_id=target)
         self.status = f"waiting for Ray to place {self.bundles.as_list()} on one node"
         await self._wait_placed(group, timeout)
-        from engine.remote import ReplicaActor
-
         options = dict(name=self.name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
                        max_concurrency=ACTOR_CONCURRENCY, num_cpus=self.bundles.cpus, num_gpus=self.bundles.gpus,
                        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
                        get_if_exists=True)
         if self.bundles.gpus:   # rank 0 starts the other ranks: it sees every GPU of its node, and uses its group's
             options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
-        cls = ray.remote(ReplicaActor)
+        cls = replica_actor_class()
         return cls.options(**options).remote(self.config)   # it learns its GPUs from Ray at each (re)start
 
     async def _wait_placed(self, group, timeout: float) -> None:

@@ -280,3 +280,22 @@ async def _scraped(client) -> dict:
     from tests.gateway.test_app import _metrics
 
     return _metrics(await (await client.get("/metrics")).text())
+
+
+async def test_pending_death_notices_never_hold_up_a_replicas_state(head):
+    """Each gateway keeps one `wait_stopped` pending per replica (and a dropped connection's stays up to
+    30 s): more of them than the actor's threads must not queue `state`, or `restart_unless_responsive`
+    restarts a healthy replica (`ray_cluster.replica_actor_class`: their own concurrency group)."""
+    from gateway.workers.ray_cluster import ACTOR_CONCURRENCY, RESPONSIVE_SECONDS, WATCH_SECONDS
+
+    gateway = RayCluster(head.address)
+    await gateway.connect()
+    replica = RayReplica(gateway, "notices", 0, NEVER_LOADED)
+    actor = await replica._place(60.0)
+    assert isinstance(await asyncio.wait_for(actor.state.remote(), 60.0), str)   # started
+    waits = [actor.wait_stopped.remote(WATCH_SECONDS) for _ in range(ACTOR_CONCURRENCY + 4)]
+    await asyncio.sleep(1.0)
+    await asyncio.wait_for(actor.state.remote(), RESPONSIVE_SECONDS)     # answered beside them
+    await asyncio.wait_for(actor.endpoint.remote(), RESPONSIVE_SECONDS)
+    assert not any(ray.wait(waits, timeout=0)[0])                        # still pending: they were running
+    await gateway.remove(replica.name)

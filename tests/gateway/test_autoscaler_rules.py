@@ -1,0 +1,221 @@
+"""The autoscaler's scale-down rules, with fake slots and a given clock (no worker, no Ray): never fewer
+serving replicas than `min` (a loading, restarting or failed one serves nothing), a loading replica past
+`min` that is not needed removed, idle time counted anew after a restart, and a slot being removed never
+started again before its removal has ended."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.monitoring.metrics import GatewayMetrics
+from gateway.workers.autoscaler import Autoscaler
+from pools.config.spec import DeviceSpec
+
+IDLE = 60.0   # scale_down_idle_seconds
+RESTARTING = "restarting: device worker process exited (signal 9, SIGKILL)"
+PENDING = "loading: waiting for Ray to place [{'CPU': 1.0}] on one node"
+
+
+class _Link:
+    """A slot's cluster link; `remove` waits for `release` when `gate` is set, and raises `error` if set."""
+
+    def __init__(self) -> None:
+        self.removed, self.gate, self.error = 0, None, None
+
+    async def remove(self) -> None:
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.error is not None:
+            raise self.error
+        self.removed += 1
+
+
+class _Slot:
+    """A replica slot as the autoscaler sees a `DeviceSupervisor`."""
+
+    def __init__(self, replica: int, state: str) -> None:
+        self.device, self.replica, self.state, self.name = "d", replica, state, f"d/{replica}"
+        self.draining, self.client, self.link = False, None, _Link()
+        self.num_starts = 0
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state in ("ready", "draining")
+
+    def start(self) -> None:
+        self.state, self.draining = "loading", False
+        self.num_starts += 1
+
+    async def stop(self) -> None:
+        self.state = "stopped"
+
+
+def _make_scaler(slots: list[_Slot], verdict: dict[str, str], min_replicas: int = 1) -> Autoscaler:
+    spec = DeviceSpec(name="d", replicas=len(slots), min_replicas=min_replicas, scale_down_idle_seconds=IDLE)
+    return Autoscaler({"d": spec}, {"d": slots}, {}, GatewayMetrics(), overloaded=lambda: verdict)
+
+
+def _ticks(scaler: Autoscaler, start: int, stop: int) -> None:
+    for t in range(start, stop):
+        scaler.tick(now=float(t))
+
+
+async def _settle() -> None:
+    """Let the removals started by a tick run to their end (the fakes answer at once)."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def _assert_serving(slots: list[_Slot], want: list[int]) -> None:
+    got = [s.replica for s in slots if s.is_ready and not s.draining]
+    assert got == want, f"serving {got}, want {want}: {[(s.state, s.draining) for s in slots]}"
+
+
+async def test_the_only_serving_replica_stays_while_another_loads_and_the_unneeded_one_goes():
+    slots = [_Slot(0, "ready"), _Slot(1, "stopped")]
+    verdict = {"d": "overloaded"}
+    scaler = _make_scaler(slots, verdict)
+    scaler.tick(now=0.0)
+    assert [s.state for s in slots] == ["ready", "loading"]     # the burst starts slot 1
+    verdict.clear()                                              # the burst ends; slot 1 still loads (pending)
+    slots[1].state = PENDING
+    _ticks(scaler, 1, 60)
+    await _settle()
+    _assert_serving(slots, [0])
+    assert not slots[1].draining                                 # not yet unneeded for IDLE seconds
+    _ticks(scaler, 60, 70)
+    await _settle()
+    _assert_serving(slots, [0])                                  # slot 0, the only one serving, is never drained
+    assert slots[1].state == "stopped" and slots[1].link.removed == 1   # the unneeded loading one is removed
+    verdict["d"] = "a request waited 30 s for KV credits"
+    scaler.tick(now=70.0)
+    assert slots[1].state == "loading" and slots[1].num_starts == 2     # pressure starts it again
+
+
+async def test_a_loading_replica_is_kept_while_pressed_or_while_fewer_than_min_serve():
+    slots = [_Slot(0, "ready"), _Slot(1, PENDING)]
+    verdict = {"d": "overloaded"}
+    scaler = _make_scaler(slots, verdict)
+    _ticks(scaler, 0, 100)                                       # pressed all along: it is needed
+    await _settle()
+    assert slots[1].state == PENDING and not slots[1].draining
+    verdict.clear()
+    slots[0].state = RESTARTING                                  # slot 0 crashes: slot 1 is needed for `min`
+    _ticks(scaler, 100, 300)
+    await _settle()
+    assert slots[1].state == PENDING and not slots[1].draining and slots[0].state == RESTARTING
+
+
+async def test_a_crashed_replica_never_leaves_the_other_one_to_be_drained():
+    slots = [_Slot(0, "ready"), _Slot(1, "ready")]
+    scaler = _make_scaler(slots, {})
+    _ticks(scaler, 0, 50)                                        # both idle for 49 s
+    slots[0].state = RESTARTING
+    _ticks(scaler, 50, 200)
+    await _settle()
+    _assert_serving(slots, [1])                                  # slot 1 is all that serves: kept
+    slots[0].state = "failed: device 'd/0' failed to start"
+    _ticks(scaler, 200, 300)
+    await _settle()
+    _assert_serving(slots, [1])
+    slots[0].state = "ready"                                     # back: now the highest goes, after its idle time
+    _ticks(scaler, 300, 370)
+    await _settle()
+    _assert_serving(slots, [0])
+    assert slots[1].state == "stopped"
+
+
+async def test_min_two_keeps_two_serving_even_with_a_higher_slot_idle():
+    slots = [_Slot(0, RESTARTING), _Slot(1, "ready"), _Slot(2, "ready")]
+    scaler = _make_scaler(slots, {}, min_replicas=2)
+    _ticks(scaler, 0, 200)
+    await _settle()
+    _assert_serving(slots, [1, 2])
+
+
+async def test_a_replica_ready_again_after_a_restart_counts_its_idle_time_anew():
+    slots = [_Slot(0, "ready"), _Slot(1, "ready")]
+    verdict = {"d": "overloaded"}
+    scaler = _make_scaler(slots, verdict)
+    scaler.tick(now=0.0)
+    verdict.clear()
+    scaler.tick(now=10.0)                                        # idle from t=10
+    slots[1].state = RESTARTING                                  # crashes at t=20
+    scaler.tick(now=20.0)
+    assert ("d", 1) not in scaler._idle_since
+    slots[1].state = "ready"                                     # back after a 3-minute reload
+    scaler.tick(now=200.0)
+    assert not slots[1].draining                                 # idle since t=200, not t=10
+    _ticks(scaler, 201, 260)
+    assert not slots[1].draining
+    scaler.tick(now=260.0)
+    assert slots[1].draining
+    await _settle()
+    assert slots[1].state == "stopped"
+
+
+async def test_a_slot_being_removed_is_not_started_again_until_its_removal_ended():
+    slots = [_Slot(0, "ready"), _Slot(1, "ready")]
+    verdict: dict[str, str] = {}
+    scaler = _make_scaler(slots, verdict)
+    slots[1].link.gate = asyncio.Event()                         # the cluster's removal takes a while
+    _ticks(scaler, 0, 61)
+    await _settle()
+    assert slots[1].state == "stopped" and slots[1].link.removed == 0    # stopped, its actor not yet removed
+    verdict["d"] = "a request waited 30 s for KV credits"
+    _ticks(scaler, 61, 70)                                       # pressure meanwhile: nothing taken back mid-way
+    assert slots[1].state == "stopped" and slots[1].num_starts == 0 and ("d", 1) in scaler._removals
+    slots[1].link.gate.set()
+    await _settle()
+    assert slots[1].link.removed == 1 and ("d", 1) not in scaler._removals
+    scaler.tick(now=70.0)
+    assert slots[1].state == "loading" and slots[1].num_starts == 1      # now a new start
+
+
+async def test_a_failed_removal_frees_the_slot():
+    slots = [_Slot(0, "ready"), _Slot(1, "ready")]
+    verdict: dict[str, str] = {}
+    scaler = _make_scaler(slots, verdict)
+    slots[1].link.error = RuntimeError("the Ray cluster refused")
+    _ticks(scaler, 0, 61)
+    await _settle()
+    assert ("d", 1) not in scaler._removals and not scaler._finishing and not slots[1].draining
+    verdict["d"] = "a request waited 30 s for KV credits"
+    scaler.tick(now=61.0)
+    assert slots[1].state == "loading"
+
+
+async def test_a_drain_is_taken_back_before_the_worker_stops_but_not_after():
+    slots = [_Slot(0, "ready"), _Slot(1, "ready")]
+    verdict: dict[str, str] = {}
+    scaler = _make_scaler(slots, verdict)
+    _ticks(scaler, 0, 61)
+    assert slots[1].draining                                     # its removal has not run yet
+    verdict["d"] = "overloaded"
+    scaler.tick(now=61.0)                                        # pressure comes back: taken back
+    assert not slots[1].draining and ("d", 1) not in scaler._removals
+    await _settle()
+    assert slots[1].state == "ready"
+
+    verdict.clear()
+    gate = asyncio.Event()
+    stopped = slots[1].stop
+
+    async def slow_stop() -> None:                               # the worker takes a while to shut down
+        await gate.wait()
+        await stopped()
+
+    slots[1].stop = slow_stop
+    _ticks(scaler, 62, 123)
+    await _settle()
+    assert slots[1].draining and ("d", 1) in scaler._finishing   # stopping: past taking back
+    verdict["d"] = "overloaded"
+    scaler.tick(now=123.0)
+    assert slots[1].draining and ("d", 1) in scaler._removals
+    gate.set()
+    await _settle()
+    assert slots[1].state == "stopped" and slots[1].link.removed == 1 and not scaler._removals
+    scaler.tick(now=124.0)
+    assert slots[1].state == "loading"
