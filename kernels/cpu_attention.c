@@ -113,9 +113,11 @@ static inline vf transpose_sum(const vf p[W]) {
 }
 
 /* e^x for the softmax's arguments, x <= 0 (Cephes' expf: 2^n times a polynomial of the remainder, within
- * 2 ulp). x is clamped at -80, whose e^x ~ 2e-35 stands for 0 beside the running max's weight of 1. */
+ * 2 ulp). x is clamped at -80, whose e^x ~ 2e-35 stands for 0 beside the running max's weight of 1; a NaN
+ * stays NaN (vmax returns its second operand when either is NaN), so a NaN score poisons the output as in
+ * the reference rather than vanishing from the softmax. */
 static inline vf vexp(vf x) {
-    x = vmax(x, splat(-80.0f));
+    x = vmax(splat(-80.0f), x);
     const vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);   /* rounded, as x <= 0 */
     const vf nf = __builtin_convertvector(n, vf);
     const vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;

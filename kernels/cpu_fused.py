@@ -115,8 +115,9 @@ def store_kv_rows(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     layout_ok = (library is not None and key.dtype == value.dtype == k_cache.dtype == v_cache.dtype
                  and key.stride(2) == 1 and key.stride(1) == head_dim and value.stride(2) == 1
                  and value.stride(1) == head_dim and value.shape == key.shape and k_cache.is_contiguous()
-                 and v_cache.is_contiguous() and k_cache.shape[2] * k_cache.shape[3] == row
-                 and slots.dtype == torch.int64 and slots.is_contiguous())
+                 and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+                 and k_cache.shape[2] * k_cache.shape[3] == row
+                 and slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape == (num_tokens,))
     if not layout_ok:
         return False
     size = key.element_size()

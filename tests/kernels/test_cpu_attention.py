@@ -195,3 +195,18 @@ def test_loading_the_c_kernels_leaves_the_process_floats_alone():
             "assert tiny > 0.0 and tiny * 1.0 > 0.0, 'denormals flushed'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_nan_in_an_attended_key_or_the_query_reaches_the_output_as_in_the_reference():
+    """A NaN score poisons the softmax, as in the reference and torch's SDPA: a corrupt cache row or query
+    shows, and a stray read of a NaN-filled slot (the steps above) fails for K as for V."""
+    block_size, head_dim, length = 16, 64, 40
+    k_cache, v_cache = torch.randn(3, block_size, 1, head_dim), torch.randn(3, block_size, 1, head_dim)
+    query = torch.randn(1, 1, head_dim)
+    meta = AttentionMetadata.build([[0, 1, 2]], [1], [length], block_size)
+    k_cache[1, 3, 0, 5] = float("nan")   # position 19's key
+    for q in (query, query.clone().fill_(float("nan"))):
+        want = reference.paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5)
+        assert want.isnan().all()
+        assert cpu_attention.paged_attention(q, k_cache, v_cache, meta, head_dim ** -0.5).isnan().all()
+        k_cache[1, 3, 0, 5] = 0.0        # the query alone, the second time

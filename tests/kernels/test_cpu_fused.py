@@ -150,6 +150,17 @@ def test_store_kv_refuses_a_slot_past_the_cache():
     assert not cache.any()   # nothing written
 
 
+def test_the_c_store_takes_only_tensors_whose_sizes_agree():
+    """Fewer slots than tokens, or a V cache of another shape than K's, is not the C copy's to do (it would
+    read past the slots or write past the V cache): the call declines, and the reference names the fault."""
+    cache = torch.zeros(2, 4, 4, 1, 8)
+    key = torch.ones(3, 1, 8)
+    assert not cpu_fused.store_kv_rows(key, key, cache[0], cache[1], torch.arange(2))
+    assert not cpu_fused.store_kv_rows(key, key, cache[0], torch.zeros(2, 4, 1, 8), torch.arange(3))
+    assert not cache.any()
+    assert cpu_fused.store_kv_rows(key, key, cache[0], cache[1], torch.arange(3)) and cache[:, 0, :3].eq(1).all()
+
+
 def test_the_cpu_gets_these_ops_for_the_dtypes_they_run(monkeypatch):
     monkeypatch.delenv("CLIFFGUARD_ATTENTION_BACKEND", raising=False)
     assert fused.get_fused_ops("cpu", torch.float32) is cpu_fused
