@@ -454,8 +454,8 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, token: int, logprob: float | None,
                       top: list[tuple[int, float]] | None) -> None:
         detok = self.requests[seq.request_id].detokenizers[seq.index]
-        reason = seq.append_token(token, logprob, top, "" if seq.hides_text_of(token, self.eos_token_ids) else
-                                  detok.step([token]), self.eos_token_ids, self.schedulers[seq.pool].max_model_len)
+        reason = seq.append_token(token, logprob, top, lambda t: detok.step([t]), self.eos_token_ids,
+                                  self.schedulers[seq.pool].max_model_len)
         if reason is not None:
             if not isinstance(seq.stop_reason, str):  # a stop string already cut the text
                 seq.text += detok.flush()

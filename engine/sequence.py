@@ -14,6 +14,7 @@ value over the oldest placeholder. `num_pending` counts the placeholders at the 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -112,12 +113,15 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None, delta: str,
-                     eos_token_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
-        """Append a sampled token (its logprobs when asked for) and the text it made final (`delta`);
-        returns why the sequence ends with it, if it does: its grammar is complete; once `min_tokens` are
-        out, EOS (unless `ignore_eos`), a stop token or a stop string (the text is cut there); else
-        `max_tokens` or `max_model_len`. Its cost does not grow with the output."""
+    def append_token(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
+                     detokenize: Callable[[int], str], eos_token_ids: frozenset[int],
+                     max_model_len: int) -> FinishReason | None:
+        """Append a sampled token (its logprobs when asked for) and the text it makes final (`detokenize`:
+        its detokenizer's step); returns why the sequence ends with it, if it does: its grammar is complete;
+        once `min_tokens` are out, EOS (unless `ignore_eos`) or a stop token, whose text is not the answer's
+        (vLLM's rule; unless `include_stop_str_in_output`; its id and logprob are), or, past `min_tokens`, a
+        stop string ending in its text (the text is cut there); else `max_tokens` or `max_model_len`. Its
+        cost does not grow with the output."""
         params = self.params
         if self.num_pending:   # the oldest placeholder gets its value
             self.token_ids[len(self.token_ids) - self.num_pending] = token
@@ -127,29 +131,24 @@ class Sequence:
         if logprob is not None:
             self.logprobs.append(logprob)
             self.top_logprobs.append(top or [])
-        self.text += delta
         reason: FinishReason | None = None
         n_out = self.num_known_output_tokens
         if self.grammar is not None and self.grammar.advance(token, self.request_id):
-            reason, self.stop_reason = FinishReason.STOP, None   # the grammar is complete
-        elif n_out >= params.min_tokens:
-            if token in eos_token_ids and not params.ignore_eos:
-                reason, self.stop_reason = FinishReason.STOP, None
-            elif token in params.stop_token_ids:
-                reason, self.stop_reason = FinishReason.STOP, token
-            elif params.stop and n_out > params.min_tokens:   # the first min_tokens' text stops nothing
-                reason = self.cut_at_stop_string(len(delta))
+            reason, self.stop_reason = FinishReason.STOP, None   # the grammar is complete (on EOS, or its text)
+            by_token = token in eos_token_ids
+        elif n_out >= params.min_tokens and token in eos_token_ids and not params.ignore_eos:
+            reason, self.stop_reason, by_token = FinishReason.STOP, None, True
+        elif n_out >= params.min_tokens and token in params.stop_token_ids:
+            reason, self.stop_reason, by_token = FinishReason.STOP, token, True
+        else:
+            by_token = False
+        delta = "" if by_token and not params.include_stop_str_in_output else detokenize(token)
+        self.text += delta
+        if reason is None and params.stop and n_out > params.min_tokens:   # the first min_tokens' text stops nothing
+            reason = self.cut_at_stop_string(len(delta))
         if reason is None and (n_out >= self.max_tokens or self.num_prompt_tokens + n_out >= max_model_len):
             reason = FinishReason.LENGTH
         return reason
-
-    def hides_text_of(self, token: int, eos_token_ids: frozenset[int]) -> bool:
-        """Whether appending `token` ends the sequence on it as a stop token (EOS unless `ignore_eos`, or one of
-        `stop_token_ids`, once `min_tokens` are out) whose text is not the answer's: a stop token's is not, as
-        a stop string's is not, unless `include_stop_str_in_output` (vLLM's rule); its id and logprob are."""
-        params = self.params
-        return not params.include_stop_str_in_output and self.num_known_output_tokens + 1 >= params.min_tokens \
-            and (token in params.stop_token_ids or (token in eos_token_ids and not params.ignore_eos))
 
     def cut_at_stop_string(self, delta_len: int) -> FinishReason | None:
         """Truncate the text at the earliest stop string that the last `delta_len` characters complete

@@ -119,6 +119,21 @@ def test_json_object_and_unconstrained_rows_share_a_batch(engine) -> None:
     assert isinstance(json.loads(outs[1].outputs[0].text), dict)
 
 
+def test_a_grammar_complete_on_eos_adds_no_eos_text_whatever_else_is_asked(engine) -> None:
+    """The EOS that completes a grammar ends the sequence as a stop token: its text (shown with
+    skip_special_tokens off) is not the answer's unless include_stop_str_in_output, with min_tokens (which a
+    grammar row does not wait for) or ignore_eos too; its id is kept."""
+    prompt = _chat(engine, "How many legs does a cat have? Answer with a number.")
+    grammar = StructuredOutput("grammar", 'start: "4" | "4 legs"')
+    for extra, shown in (({}, False), ({"min_tokens": 3}, False), ({"ignore_eos": True}, False),
+                         ({"include_stop_str_in_output": True}, True)):
+        params = SamplingParams(temperature=0, max_tokens=40, structured=grammar, skip_special_tokens=False, **extra)
+        out = engine.generate([prompt], params)[0].outputs[0]
+        eos = out.token_ids[-1]
+        assert out.finish_reason == "stop" and eos in engine.eos_token_ids, extra
+        assert out.text.startswith("4") and out.text.endswith(engine.tokenizer.decode([eos], False)) == shown, extra
+
+
 def test_n_samples_each_follow_their_own_grammar(engine) -> None:
     """n samples fork after the prefill; each carries its own matcher from the grammar's start."""
     schema = dict(SCHEMAS[0][1])
