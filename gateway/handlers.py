@@ -245,5 +245,5 @@ def refresh_metrics(gateway: Gateway) -> None:
     for device, supervisors in gateway.supervisors.items():
         for replica, supervisor in enumerate(supervisors):
             gateway.metrics.update_replica(device, replica, supervisor.client, supervisor.is_ready,
-                                           parked=not supervisor.is_active)
+                                           parked=supervisor.state == "stopped")
     gateway.admission.metrics.refresh(list(gateway.admission.pools.values()))

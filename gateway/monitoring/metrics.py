@@ -76,6 +76,7 @@ class GatewayMetrics:
         # add only the difference; and per (device, replica) the client whose stats the series follow.
         self._last: dict[tuple[str, tuple[str, ...]], tuple[Hashable, float]] = {}
         self._followed: dict[tuple[str, int], AsyncEngineClient] = {}
+        self._parked: dict[tuple[str, int], AsyncEngineClient] = {}   # the last worker of a replica parked since
 
     def _gauge(self, name: str, documentation: str, labels: list[str]) -> Gauge:
         return Gauge(_P + name, documentation, labels, registry=self.registry)
@@ -312,8 +313,9 @@ class GatewayMetrics:
         if followed is None:
             return
         self._update_from(device, replica, followed)
-        if parked:
+        if parked:   # its last counts are in; it is followed again only through a new worker's stats
             self._remove_state(device, replica, followed.latest_stats)
+            self._parked[(device, replica)] = self._followed.pop((device, replica))
         elif not (ready and followed is client):
             self._zero_state(device, replica, followed.latest_stats)
 
@@ -322,11 +324,13 @@ class GatewayMetrics:
         pushed stats. Switching, the client followed until now is counted once more, with its final stats."""
         key = (device, replica)
         followed = self._followed.get(key)
-        if client is None or client is followed or client.latest_stats is None or client.info is None:
+        if client is None or client is followed or client.latest_stats is None or client.info is None \
+                or client is self._parked.get(key):
             return followed
         if followed is not None:
             self._update_from(device, replica, followed)
         self._followed[key] = client
+        self._parked.pop(key, None)
         return client
 
     def _update_from(self, device: str, replica: int, client: AsyncEngineClient) -> None:

@@ -53,6 +53,10 @@ class _Supervisor:
         self.is_active = True
 
     @property
+    def state(self) -> str:
+        return "stopped" if not self.is_active else "ready" if self.is_ready else "loading"
+
+    @property
     def info(self) -> WorkerInfo | None:
         return self.client.info if self.is_ready else None
 
@@ -172,11 +176,16 @@ def test_a_parked_replica_exports_no_gauges_and_keeps_its_counts(monkeypatch):
     shown = dashboard.parse_snapshot(families, (POOL,), now=0.0, wall=clock[0])
     assert shown.values[POOL]["kv_cache_usage_perc"] == 0.004 and math.isclose(shown.stats_age[DEVICE], 0.1)
 
-    parked.client, parked.is_active = _Client(pid=23).load(), True   # the load asks for it again
-    parked.client.latest_stats, parked.is_ready = _make_stats(taken_at=1600.0, running=1, steps=1), True
+    clock[0] = 5200.0
+    parked.is_active = True   # the load asks for it again: it loads, its old worker's stats an hour old
+    loading = _scrape(gateway)
+    assert _device(loading, "cliffguard_stats_age_seconds", replica=1) is None
+    assert _pool(loading, "cliffguard_kv_cache_usage_perc", replica=1) is None
+    parked.client = _Client(pid=23).load()
+    parked.client.latest_stats, parked.is_ready = _make_stats(taken_at=5200.0, running=1, steps=1), True
     back = _scrape(gateway)
     assert _pool(back, "cliffguard_num_requests_running", replica=1) == 1
-    _assert_counters_never_fell([before, at_rest, back])
+    _assert_counters_never_fell([before, at_rest, loading, back])
 
 
 def test_the_busy_ratio_of_a_replica_not_ready_reads_0(monkeypatch):
