@@ -1,26 +1,25 @@
-"""Answering from local pools: each prompt's engine request streamed back, its deltas assembled into
-choices (choice index = prompt × n + sample) and written as SSE chunks or as one JSON body. On a pool whose
-chat template thinks, each reply's reasoning is split from its content as its deltas arrive
-(`gateway.openai.reasoning`): `reasoning_content` beside `content`, in the message and in the stream's deltas.
+"""Answering from local pools: each prompt's engine request streamed back, its deltas assembled into choices (choice
+index = prompt × n + sample) and written as SSE chunks or as one JSON body. On a pool whose chat template thinks, each
+reply's reasoning is split from its content as its deltas arrive (`gateway.openai.reasoning`): `reasoning_content`
+beside `content`, in the message and in the stream's deltas.
 
-The engine's side and the client's side run apart. `LocalResponse.run` consumes the engine's deltas
-and returns as soon as the engine is done with every request, so the caller gives the KV credits
-back then (credits follow the engine, not the socket). A stream's chunks go to a writer task that
-writes them as fast as the client reads; a client that takes nothing for `write_timeout` seconds
-(`gateway.write_timeout`) has its connection aborted, its engine requests aborted if they still run,
-a WARNING logged and `cliffguard_client_write_timeouts_total` counted. A JSON body (and every other
-response the gateway sends) is written by `gateway.app`'s write middleware under the same limit.
+The engine's side and the client's side run apart. `LocalResponse.run` consumes the engine's deltas and returns as
+soon as the engine is done with every request, so the caller gives the KV credits back then (credits follow the
+engine, not the socket). A stream's chunks go to a writer task that writes them as fast as the client reads; a client
+that takes nothing for `write_timeout` seconds (`gateway.write_timeout`) has its connection aborted, its engine
+requests aborted if they still run, a WARNING logged and `cliffguard_client_write_timeouts_total` counted. A JSON body
+(and every other response the gateway sends) is written by `gateway.app`'s write middleware under the same limit.
 
 What the gateway holds unsent is bounded (`ResponseBuffers`): a stream whose queued chunks exceed
-`gateway.max_response_buffer_bytes` (1 MiB), or that adds one while all responses' unsent bytes (JSON
-bodies being written too; `cliffguard_buffered_response_bytes`) exceed `gateway.max_buffered_bytes`
-(256 MiB), **pauses** its engine requests (`cliffguard_paused_responses_total`): they keep their KV
-blocks and the response its credits, but are not stepped (no preemption, no recompute; deltas already
-computed still arrive). They resume once the stream is under half its bound and the total under half
-its own. A paused client that reads nothing for `write_timeout` is aborted like any other.
+`gateway.max_response_buffer_bytes` (1 MiB), or that adds one while all responses' unsent bytes (JSON bodies being
+written too; `cliffguard_buffered_response_bytes`) exceed `gateway.max_buffered_bytes` (256 MiB), **pauses** its
+engine requests (`cliffguard_paused_responses_total`): they keep their KV blocks and the response its credits, but are
+not stepped (no preemption, no recompute; deltas already computed still arrive). They resume once the stream is under
+half its bound and the total under half its own. A paused client that reads nothing for `write_timeout` is aborted
+like any other.
 
-Leaving early for any reason — the client goes away mid-stream, the writer times out, or the handler
-is cancelled — closes the engine streams, which aborts their requests and frees their blocks.
+Leaving early for any reason — the client goes away mid-stream, the writer times out, or the handler is cancelled —
+closes the engine streams, which aborts their requests and frees their blocks.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ from gateway.client_writes import RESPONSE_BUFFERS, ClientGone, ResponseBuffers,
 from gateway.monitoring.metrics import GatewayMetrics
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
-from gateway.openai.errors import ApiError, named_error
+from gateway.openai.errors import ApiError, named_error, renamed_field
 from gateway.openai.reasoning import ReasoningSplitter
 from gateway.openai.tools import ToolCallStream, ToolFormat, format_for
 from pools.pool import Pool
@@ -308,7 +307,8 @@ class LocalResponse:
         """Add prompt i's delta to its choices; the stream chunk's choices (empty when not streaming). A request
         that failed before any token raises its error (a ValueError naming the field, which `run` answers)."""
         if out.finished and out.error is not None and not any(c.num_tokens for c in out.outputs):
-            raise ValueError(out.error)
+            raise ValueError(renamed_field(out.error, {"response_format": self.req.structured_param,
+                                                       "prompt": self.req.prompt_param}))
         if out.finished and "queue_time" in out.metrics:   # sent once, with the final delta of a request that ran
             self._cached[i] = out.num_cached_tokens
         chunk_choices = []

@@ -66,6 +66,7 @@ class ChatRequest:
     continuous_usage: bool = False  # the usage so far in every stream chunk
     max_tokens_param: str = "max_tokens"   # the field that set params.max_tokens, for errors
     structured_param: str = "response_format"   # the field that set params.structured, for errors
+    prompt_param: str = "messages"              # the field of the prompt, for errors
     tools: list[Tool] | None = None
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True

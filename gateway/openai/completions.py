@@ -39,6 +39,7 @@ class CompletionRequest:
     priority: int
     max_tokens_param: str = "max_tokens"
     structured_param: str = "response_format"
+    prompt_param: str = "prompt"
     continuous_usage: bool = False  # the usage so far in every stream chunk
 
 

@@ -41,6 +41,13 @@ def named_error(message: str) -> ApiError:
     return ApiError(400, message, param=message.split(":", 1)[0] if ":" in message else None)
 
 
+def renamed_field(message: str, names: dict[str, str]) -> str:
+    """`message` (`"field: reason"`, as the engine names a chat body's fields) with its field as `names` calls
+    it for this request (the field that set its grammar, `messages` for a chat prompt)."""
+    field, colon, rest = message.partition(":")
+    return names.get(field, field) + colon + rest if colon else message
+
+
 def field_error(err: FieldError) -> ApiError:
     """A value that does not fit its model as a 400 naming its path (`body` for the whole body)."""
     return bad_request(err.path or "body", err.reason)

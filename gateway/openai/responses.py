@@ -95,7 +95,7 @@ def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
         [_kept(item) for item in req.input]
     # the checks after parsing (the context, the grammar) name the Responses fields too
     parsed = dataclasses.replace(parsed, metadata=metadata, max_tokens_param="max_output_tokens",
-                                 structured_param="text.format")
+                                 structured_param="text.format", prompt_param="input")
     return ResponsesRequest(parsed, prior + own, store=store, background=background,
                             previous_response_id=req.previous_response_id)
 

@@ -480,3 +480,13 @@ async def test_an_engine_request_that_fails_before_any_token_is_answered_its_err
             if stream:
                 [chunk async for chunk in answer]
         assert info.value.body["param"] == "response_format" and failure in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:   # named as the Responses API names it
+        await sdk.responses.create(model="thinker", input="What is 2 + 2?")
+    assert info.value.body["param"] == "text.format"
+    failure = "prompt: pool 'chat' cannot hold this sequence: it needs 9 blocks of 16 tokens, the pool has 8"
+    for create, param in ((sdk.chat.completions.create(model="thinker", messages=MESSAGES), "messages"),
+                          (sdk.completions.create(model="thinker", prompt="2 + 2 ="), "prompt"),
+                          (sdk.responses.create(model="thinker", input="What is 2 + 2?"), "input")):
+        with pytest.raises(openai.BadRequestError) as info:
+            await create
+        assert info.value.body["param"] == param and "cannot hold this sequence" in info.value.body["message"]
