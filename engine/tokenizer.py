@@ -69,7 +69,10 @@ class Tokenizer:
         # ids that decode(skip_special_tokens=True) drops
         self._skipped_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         # <0xXX> tokens of a ByteFallback decoder, which decodes each run of them as one unit
-        byte_fallback = b'"ByteFallback"' in (backend.decoder.__getstate__() if backend.decoder else b"")
+        decoder_state = backend.decoder.__getstate__() if backend.decoder else b""
+        byte_fallback = b'"ByteFallback"' in decoder_state
+        self._metaspace = "\u2581".encode() in decoder_state or b"\\u2581" in decoder_state   # its "\u2581" is " "
+        self._byte_level = b'"type":"ByteLevel"' in decoder_state.replace(b" ", b"")
         self._byte_token_ids = frozenset(
             i for i in (backend.token_to_id(f"<0x{b:02X}>") for b in range(256)) if i is not None
         ) if byte_fallback else frozenset()
@@ -147,13 +150,20 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """One token's own bytes, as OpenAI's logprobs report them (a character split over several tokens
         is whole only in their joined bytes; decoding one of them alone gives U+FFFD): the byte-level
-        table's (`byte_tables`, special tokens as written), a byte-fallback `<0xXX>` token's byte, else
-        the UTF-8 of its decoded text."""
+        table's (`byte_tables`, special tokens as written; a byte-level piece's where clean-up leaves no
+        table), a byte-fallback `<0xXX>` token's byte, a sentencepiece piece with its spaces, else the UTF-8
+        of its decoded text."""
         tables = self.byte_tables
         if tables is not None and 0 <= token_id < len(tables[0]):
             return tables[0][token_id]
+        piece = self._backend.id_to_token(token_id)
         if token_id in self._byte_token_ids:
-            return bytes([int(self._backend.id_to_token(token_id)[3:5], 16)])
+            return bytes([int(piece[3:5], 16)])
+        if self._byte_level and piece is not None:   # one with clean-up has no table: the piece's own bytes
+            char_bytes = _byte_level_chars()
+            return bytes(char_bytes[c] for c in piece) if all(c in char_bytes for c in piece) else piece.encode()
+        if self._metaspace and piece is not None:   # decoded alone, "\u2581the" loses its space to the Strip
+            return piece.replace("\u2581", " ").encode()
         return self.decode([token_id], skip_special_tokens=False).encode()
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -499,3 +499,18 @@ def test_a_tokens_bytes_are_its_own_where_its_text_is_part_of_a_character(tok: T
     assert b"".join(bytes(e["bytes"]) for e in content) == text.encode()
     assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] for e in content)
     assert [sp_tok.token_bytes(_SP_BYTE + b) for b in (0xC3, 0xA9)] == [b"\xc3", b"\xa9"]
+    words = "the cat the"   # sentencepiece pieces keep their spaces (decoded alone, "\u2581the" is "the")
+    pieces = sp_tok.encode(words, add_special_tokens=False)
+    assert b"".join(sp_tok.token_bytes(i) for i in pieces) == f" {words}".encode()
+
+
+def test_a_byte_level_tokenizer_without_a_table_reports_each_tokens_own_bytes(config_folder: Path) -> None:
+    """Where a byte-level tokenizer has no byte table (`byte_tables` is None: an added token that decodes
+    otherwise than its bytes), the bytes still come from each piece, so a character split over tokens joins
+    whole."""
+    ours = Tokenizer.from_folder(config_folder)
+    ours.__dict__["byte_tables"] = None   # the cached property, as such a tokenizer computes it
+    text = "😀 日本 ok"
+    ids = ours.encode(text, add_special_tokens=False)
+    assert any(ours.decode([i]) == "\ufffd" for i in ids)
+    assert b"".join(ours.token_bytes(i) for i in ids) == text.encode()
