@@ -192,6 +192,7 @@ class CreditQueue:
         if self.placement is not None:
             self.placement.finish(request_id)
         self.ledger.release(request_id)
+        self._admit()   # what it gave back may admit the next in line
 
     async def _wait(self, ticket: Ticket) -> None:
         waiter = asyncio.get_running_loop().create_future()

@@ -252,6 +252,16 @@ def test_a_failed_acknowledgement_or_admission_leaves_nothing_held_and_the_queue
         assert queue.ledger.ticket("r2") is None and queue.ledger.accounts[0].held == 0
         queue.ledger.check_integrity()
 
+        del queue._place   # the class's again
+        queue.ledger.submit("admitted", 1000)   # admitted, then its request fails before it holds the credits
+        assert [t.request_id for t in queue.ledger.admit()] == ["admitted"]
+        waiting = asyncio.ensure_future(_hold_once(queue, "r3", 50))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        queue._drop("admitted")           # what hold does on such a failure: gives back, and admits the next
+        assert await asyncio.wait_for(waiting, 1) == 50
+        queue.ledger.check_integrity()
+
     asyncio.run(main())
 
 
