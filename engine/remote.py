@@ -56,6 +56,7 @@ __all__ = ["ReplicaServer", "ReplicaActor", "ReplicaChannel", "HANDSHAKE_SECONDS
 HANDSHAKE_SECONDS = 10.0   # a peer that has not finished the handshake by then is dropped
 MAX_HANDSHAKES = 64        # connections proving the key at once, each on its own thread; more are closed at once
 SILENCE_SECONDS = 20.0     # a connection that brought nothing this long is dropped, by either end
+MESSAGE_SECONDS = 120.0    # the replica's end: bytes of one unfinished message count as heard this long at most
 KEEPALIVE_SECONDS = 2.0    # between the gateway's `Keepalive` frames
 UNREAD_SECONDS = 600.0     # the gateway's socket: how long a replica may leave its data unread (a step; as
                            # gateway.step_timeout_seconds' default), then the kernel drops the connection
@@ -77,27 +78,35 @@ def keep_alive(sock: socket.socket, user_timeout: float) -> None:
 
 
 class ReplicaChannel(WorkerChannel):
-    """The replica's end of one gateway connection. It reads as closed (`eof`) once no whole message has
-    come from the gateway for `silence_seconds` (the gateway's `Keepalive` frames keep a healthy idle
-    connection talking; they are consumed here, never returned; one message's bytes must all arrive within
-    that time), or once another thread called `end`. `wait` never sleeps past the silence deadline.
-    `end_reason` says why it ended, when it was not the peer closing. Thread rules: `WorkerChannel`'s;
-    `end` from any thread."""
+    """The replica's end of one gateway connection. It reads as closed (`eof`) once the gateway has said
+    nothing for `silence_seconds` (the gateway's `Keepalive` frames keep a healthy idle connection talking;
+    they are consumed here, never returned), or once another thread called `end`. Saying something is a
+    whole message, its MAC checked, or bytes of one still arriving, for at most `message_seconds` after
+    the last whole one: a large message on a slow link is heard, a frame whose length header was changed
+    in transit (its body never ends, keepalives pile up behind it) is not for long. `wait` never sleeps
+    past the silence deadline. `end_reason` says why it ended, when it was not the peer closing. Thread
+    rules: `WorkerChannel`'s; `end` from any thread."""
 
-    def __init__(self, sock: socket.socket, keys: FrameKeys, peer: object, silence_seconds: float) -> None:
+    def __init__(self, sock: socket.socket, keys: FrameKeys, peer: object, silence_seconds: float,
+                 message_seconds: float = MESSAGE_SECONDS) -> None:
         super().__init__(sock, keys)
         self.peer = peer
-        self.silence_seconds = silence_seconds
-        self.last_heard = time.monotonic()
+        self.silence_seconds, self.message_seconds = silence_seconds, message_seconds
+        self.last_heard = self.last_whole = time.monotonic()
         self.end_reason: str | None = None
 
     def receive(self) -> list[object]:
+        num_bytes = self.num_received_bytes
         received = super().receive()
         now = time.monotonic()
-        if received:   # whole frames, their MACs checked: bytes alone (a frame whose length was changed in
-            self.last_heard = now   # transit waits for a body that never ends) are not a gateway talking
+        if received:
+            self.last_heard = self.last_whole = now
+        elif self.num_received_bytes != num_bytes and now - self.last_whole < self.message_seconds:
+            self.last_heard = now
         elif not self.eof and now - self.last_heard >= self.silence_seconds:
-            self.end_reason = f"no whole message from the gateway for {now - self.last_heard:.1f} s"
+            self.end_reason = (f"no whole message from the gateway for {now - self.last_whole:.1f} s"
+                               if self.num_received_bytes != num_bytes else
+                               f"nothing from the gateway for {now - self.last_heard:.1f} s")
             self.eof = True
         return [msg for msg in received if not isinstance(msg, Keepalive)]
 

@@ -281,32 +281,55 @@ def test_a_link_that_stops_carrying_frames_is_dropped_by_both_ends_within_the_bo
 
 
 @pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="TCP_USER_TIMEOUT is Linux's")
-def test_bytes_that_make_no_whole_message_do_not_keep_a_replicas_connection_alive():
-    """A frame whose length header was changed in transit leaves the replica waiting for a body that never
-    ends while the gateway's keepalives keep adding bytes behind it: the connection is judged by whole
-    messages, so it reads as closed once none came for the silence bound (it stayed open for good)."""
-    from engine.messages import Keepalive
-    from engine.worker import WorkerChannel
-    from engine.wire import FrameKeys
+def test_a_message_slower_than_the_silence_bound_is_heard_and_a_frame_that_never_ends_is_not_for_long():
+    """A message whose bytes take longer than the silence bound to arrive keeps the connection open; a frame
+    whose length header was changed in transit leaves the replica waiting for a body that never ends while
+    the gateway's keepalives pile up behind it: its bytes count as heard only up to `message_seconds` after
+    the last whole message, then the connection reads as closed (it stayed open for good)."""
+    from engine.messages import Keepalive, StatsQuery
+    from engine.wire import FrameKeys, encode
 
-    gateway_end, replica_end = socket.socketpair()
-    gateway = WorkerChannel(gateway_end, FrameKeys(send_key=b"a" * KEY_BYTES, receive_key=b"b" * KEY_BYTES))
-    replica = remote.ReplicaChannel(replica_end, FrameKeys(send_key=b"b" * KEY_BYTES, receive_key=b"a" * KEY_BYTES),
-                                    "peer", silence_seconds=0.5)
+    def pair(silence: float, message: float):
+        gateway_end, replica_end = socket.socketpair()
+        keys = FrameKeys(send_key=b"a" * KEY_BYTES, receive_key=b"b" * KEY_BYTES)
+        replica = remote.ReplicaChannel(replica_end, FrameKeys(send_key=b"b" * KEY_BYTES,
+                                                               receive_key=b"a" * KEY_BYTES), "peer", silence, message)
+
+        def frame(msg) -> bytes:   # as the gateway's channel writes one
+            payload = encode(msg)
+            return len(payload).to_bytes(8, "big") + payload + keys.sign(payload)
+        return gateway_end, replica, frame
+
+    gateway_end, replica, frame = pair(silence=0.3, message=5.0)
+    try:
+        slow = frame(StatsQuery())
+        for i in range(len(slow)):   # 1.2 s or more for one message, four times the silence bound
+            gateway_end.sendall(slow[i:i + 1])
+            time.sleep(1.2 / len(slow))
+            got = replica.receive()
+            assert not replica.eof, i
+        assert [type(m) for m in got] == [StatsQuery]
+    finally:
+        gateway_end.close()
+        replica.close()
+
+    gateway_end, replica, frame = pair(silence=0.5, message=1.0)
     try:
         for _ in range(4):   # a healthy idle link: keepalives, consumed, keep it open past the bound
-            gateway.send(Keepalive())
+            gateway_end.sendall(frame(Keepalive()))
             time.sleep(0.2)
             assert replica.receive() == [] and not replica.eof
+        last_whole = time.monotonic()
         gateway_end.sendall((1 << 30).to_bytes(8, "big") + b"x" * 16)   # a 1 GiB frame announced
         deadline = time.monotonic() + 5
         while not replica.eof and time.monotonic() < deadline:
-            gateway.send(Keepalive())   # bytes keep coming, behind the frame that never ends
+            gateway_end.sendall(frame(Keepalive()))   # bytes keep coming, behind the frame that never ends
             time.sleep(0.1)
             replica.receive()
         assert replica.eof and replica.end_reason.startswith("no whole message from the gateway for")
+        assert time.monotonic() - last_whole >= 1.0 + 0.5 - 0.3   # heard for message_seconds, then silent
     finally:
-        gateway.close()
+        gateway_end.close()
         replica.close()
 
 
