@@ -87,13 +87,9 @@ class Tokenizer:
         if self._clean_up_tokenization_spaces or decoder is None or \
                 json.loads(decoder.__getstate__()).get("type") != "ByteLevel":
             return None
-        char_bytes = _byte_level_chars()
         keep = [b""] * self.vocab_size   # ids the vocabulary lacks decode to nothing
         for token, i in self._backend.get_vocab(with_added_tokens=True).items():
-            try:
-                keep[i] = bytes(char_bytes[c] for c in token)
-            except KeyError:   # a symbol outside the byte map: the decoder takes the token's own UTF-8
-                keep[i] = token.encode()
+            keep[i] = _byte_level_bytes(token)
         for i in self._backend.get_added_tokens_decoder():   # added tokens: the library's word, or no table
             try:
                 if keep[i].decode() != self._backend.decode([i], skip_special_tokens=False):
@@ -160,8 +156,7 @@ class Tokenizer:
         if token_id in self._byte_token_ids:
             return bytes([int(piece[3:5], 16)])
         if self._byte_level and piece is not None:   # one with clean-up has no table: the piece's own bytes
-            char_bytes = _byte_level_chars()
-            return bytes(char_bytes[c] for c in piece) if all(c in char_bytes for c in piece) else piece.encode()
+            return _byte_level_bytes(piece)
         if self._metaspace and piece is not None:   # decoded alone, "\u2581the" loses its space to the Strip
             return piece.replace("\u2581", " ").encode()
         return self.decode([token_id], skip_special_tokens=False).encode()
@@ -434,6 +429,16 @@ def _strftime_now(format: str) -> str:
 _TEMPLATE_GLOBALS = {"raise_exception": _raise_exception, "strftime_now": _strftime_now}
 # Every function a chat template may call: a template variable of the same name would replace it.
 TEMPLATE_FUNCTIONS = (*jinja2.defaults.DEFAULT_NAMESPACE, *_TEMPLATE_GLOBALS)
+
+
+def _byte_level_bytes(piece: str) -> bytes:
+    """A byte-level piece's bytes; a piece with a symbol outside the byte map is its own UTF-8, as the
+    decoder takes it."""
+    char_bytes = _byte_level_chars()
+    try:
+        return bytes(char_bytes[c] for c in piece)
+    except KeyError:
+        return piece.encode()
 
 
 @functools.cache

@@ -11,8 +11,9 @@ worker last pushed with its step outputs (`cliffguard_stats_age_seconds` says ho
 scrape never waits for a model step; request-level histograms are observed by the gateway as
 responses stream. Counters count every worker's work across restarts (the dead worker's last totals
 once, the next worker's from 0 on top); a replica that is not ready reads 0 for what it runs while its
-stats age keeps growing, and one the autoscaler parked exports no gauges (`update_replica`). `cliffguard_death_spiral` is set by the gateway's detector
-(gateway.runtime.SpiralWatch) when a pool trips or clears, not at the scrape.
+stats age keeps growing, and one the autoscaler parked exports no gauges (`update_replica`).
+`cliffguard_death_spiral` is set by the gateway's detector (gateway.runtime.SpiralWatch) when a pool trips
+or clears, not at the scrape.
 """
 
 from __future__ import annotations
@@ -340,12 +341,15 @@ class GatewayMetrics:
             self.update_pool(name, replica, pool_stats, client.info.block_bytes, worker)
         self.update_device(device, replica, stats, worker)
 
+    def _held_gauges(self) -> tuple[Gauge, ...]:
+        """A replica's per-pool gauges of what it runs and holds (0 while its worker is not running)."""
+        return (self.running, self.waiting, self.swapped, self.kv_usage, self.cpu_swap_usage, self.replica_reserved,
+                self.replica_held)
+
     def _remove_state(self, device: str, replica: int, stats: EngineStats) -> None:
         """A parked replica's gauges go (`update_replica`); its counters stay."""
         for name in stats.pools:
-            for gauge in (self.running, self.waiting, self.swapped, self.kv_usage, self.cpu_swap_usage,
-                          self.replica_reserved, self.replica_held, self.num_blocks, self.max_num_seqs, self.kv_bytes,
-                          self.target_scale):
+            for gauge in (*self._held_gauges(), self.num_blocks, self.max_num_seqs, self.kv_bytes, self.target_scale):
                 gauge.remove(name, str(replica))
         for gauge in (self.stats_age, self.step_target):
             gauge.remove(device, str(replica))
@@ -353,10 +357,8 @@ class GatewayMetrics:
     def _zero_state(self, device: str, replica: int, stats: EngineStats) -> None:
         """What a replica whose worker is not running runs and holds: nothing (`update_replica`)."""
         for name in stats.pools:
-            labels = {"pool": name, "replica": str(replica)}
-            for gauge in (self.running, self.waiting, self.swapped, self.kv_usage, self.cpu_swap_usage,
-                          self.replica_reserved, self.replica_held):
-                gauge.labels(**labels).set(0)
+            for gauge in self._held_gauges():
+                gauge.labels(pool=name, replica=str(replica)).set(0)
         self.step_target.labels(device=device, replica=str(replica)).set(0)
 
     def render(self) -> bytes:

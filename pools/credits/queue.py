@@ -209,10 +209,7 @@ class CreditQueue:
                 self.num_cancelled += 1
                 raise
             if not isinstance(exc, TimeoutError):            # admitted meanwhile, then cancelled
-                if self.placement is not None:
-                    self.placement.finish(ticket.request_id)
-                self.ledger.release(ticket.request_id)
-                self._admit()
+                self._drop(ticket.request_id)
                 raise
         finally:
             self._waiters.pop(ticket.request_id, None)
