@@ -213,14 +213,22 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        """Parameters of the whole model (one rank's: engine.parallel.ShardShape.num_params)."""
+        return self.count_params(self.num_heads, self.num_kv_heads, self.intermediate_size,
+                                 self.moe_intermediate_size, self.vocab_size)
+
+    def count_params(self, heads: int, kv_heads: int, i: int, moe_i: int, v: int) -> int:
+        """Parameters of this model's layers built with `heads` query heads, `kv_heads` KV heads, `i` MLP
+        rows, `moe_i` rows per expert and `v` vocab rows (engine.model); the norms and the router whole."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = heads * d, kv_heads * d
+        attn = h * (q + 2 * kv) + q * h
         if self.attention_bias:   # q/k/v; o_proj too except in Qwen2 (engine.model.Attention)
-            attn += self.q_size + 2 * self.kv_size + (h if self.architecture != "Qwen2ForCausalLM" else 0)
+            attn += q + 2 * kv + (h if self.architecture != "Qwen2ForCausalLM" else 0)
         mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
-        experts = self.num_experts * (3 * h * self.moe_intermediate_size + h)   # every expert, and the router
+        experts = self.num_experts * (3 * h * moe_i + h)   # every expert, and the router
         norms = 4 if self.architecture == "Gemma3ForCausalLM" else 2   # Gemma 3: around the MLP too
-        per_layer = attn + norms * h + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = attn + norms * h + (2 * d if self.qk_norm else 0)
         mlps = sum(experts if self.is_sparse_layer(layer) else mlp for layer in range(self.num_layers))
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * per_layer + mlps + h + head

@@ -109,6 +109,13 @@ class ShardShape:
         """Rows of this rank's vocab shard that hold real tokens (the last rank's tail is padding)."""
         return max(0, min(self.vocab_size, self.vocab_start + self.vocab_rows) - self.vocab_start)
 
+    def num_params(self, model: ModelConfig) -> int:
+        """Parameters this rank holds: its query heads, its KV heads (replicated when the group outnumbers
+        them), its MLP and expert rows, its padded vocab rows; the norms, the router and the row-parallel
+        biases whole on every rank (`engine.model`). What the capacity plan sets aside for its weights."""
+        return model.count_params(self.num_heads, self.num_kv_heads, self.intermediate_size,
+                                  self.moe_intermediate_size, self.vocab_rows)
+
     def kv_bytes_per_token(self, model: ModelConfig, dtype: torch.dtype) -> int:
         """This rank's S_KV: 2 x num_layers x its KV heads x head_dim x dtype bytes."""
         return 2 * model.num_layers * self.num_kv_heads * model.head_dim * dtype.itemsize

@@ -5,6 +5,8 @@ Per device (with tensor parallelism T the weights and the KV heads are split ove
     S_KV        = 2 x num_layers x num_kv_heads x head_dim x dtype_bytes          (per token, whole model)
     weights     = num_params x dtype_bytes                                          (not file sizes)
     graphs      = one rank's decode CUDA graphs (`graph_memory_bytes`; 0 off CUDA or enforce_eager)
+    weights / T = one rank's parameters x dtype_bytes: its share of every matrix, K/V projections
+                  replicated with their heads, norms and row-parallel biases whole (`ShardShape.num_params`)
     KV space    = memory_utilization x memory - weights / T - graphs                (per GPU)
     pool KV     = kv_share x KV space   |   kv_cache_bytes                          (per GPU)
     blocks      = floor(pool KV / (S_KV / T x block_size))
@@ -54,7 +56,7 @@ class DevicePlan:
     memory_utilization: float
     tensor_parallel_size: int
     weights_bytes: int               # num_params x dtype bytes, whole model
-    weights_bytes_per_device: int    # weights / T
+    weights_bytes_per_device: int    # one rank's shard (ShardShape.num_params): about weights / T
     kv_bytes_per_token: int          # S_KV, whole model
     kv_bytes_per_token_per_device: int  # S_KV / T (KV heads split; replicated when T > num_kv_heads)
     kv_space_bytes_per_device: int   # memory_utilization x memory - weights / T - graphs: what its pools share
@@ -265,7 +267,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         s_kv = model.kv_bytes_per_token(kv_dtype)
         s_kv_dev = 2 * model.num_layers * kv_heads * model.head_dim * kv_dtype.itemsize
         weights = model.num_params() * dtype.itemsize
-        weights_dev = ceil_div(weights, tp)
+        weights_dev = ShardShape.of(model, 0, tp).num_params(model) * dtype.itemsize   # each rank alike
         graphs_dev = _graph_reserve(model, dev, device_type, tp, dtype)
         kv_dev = formula.kv_cache_bytes(memory, weights_dev, dev.memory_utilization) - graphs_dev
         if kv_dev <= 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, SchedulerConfig
 from engine.model_config import ModelConfig
@@ -40,6 +41,36 @@ def test_shards_split_heads_and_replicate_kv_heads_past_their_count():
     # the vocabulary in ceil(V/T) rows per rank, the last rank's tail padding
     vocab = [ShardShape.of(_model(4, 2, vocab_size=1001), r, 2) for r in range(2)]
     assert [(s.vocab_start, s.vocab_rows, s.num_vocab_rows_used) for s in vocab] == [(0, 501, 501), (501, 501, 500)]
+
+
+def _hf(arch: str, **extra) -> ModelConfig:
+    base = {"architectures": [arch], "vocab_size": 1001, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
+            "max_position_embeddings": 256, "rms_norm_eps": 1e-6}
+    return ModelConfig.from_hf_config(base | extra)
+
+
+@pytest.mark.parametrize("config", [
+    _hf("LlamaForCausalLM", attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
+    _hf("Qwen2ForCausalLM", attention_bias=True, tie_word_embeddings=True),
+    _hf("Qwen3ForCausalLM"),
+    _hf("Qwen3MoeForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
+    _hf("Gemma3ForCausalLM", sliding_window=8, query_pre_attn_scalar=16),
+], ids=lambda c: c.architecture)
+def test_the_capacity_plans_count_of_a_ranks_weights_is_what_the_rank_builds(config):
+    """ShardShape.num_params: what the plan sets aside on each GPU for the weights is what the
+    rank's model holds, KV heads replicated past their count (8 ranks, 2 KV heads), the vocab padded."""
+    from engine.models import model_class
+    from kernels import fused
+
+    for tp in (1, 2, 8):
+        for rank in {0, tp - 1}:
+            shard = ShardShape.of(config, rank, tp)
+            with torch.device("meta"):
+                model = model_class(config)(config, shard, None, fused)
+            assert shard.num_params(config) == sum(p.numel() for p in model.parameters()), (tp, rank)
+    assert ShardShape.of(config).num_params(config) == config.num_params()
+    assert ShardShape.of(config, 0, 8).num_params(config) > config.num_params() // 8   # K/V held 4 times
 
 
 @pytest.mark.parametrize("heads, kv_heads, inter, tp, named", [

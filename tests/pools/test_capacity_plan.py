@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from engine.model_config import ModelConfig
+from engine.parallel import ShardShape
 from pools.capacity_plan import engine_configs, plan_capacity, plan_single_pool, replica_engine_configs
 from pools.model_configs import resolve_model_configs
 from pools.config.yaml_file import parse_config
@@ -59,10 +60,14 @@ def test_llama3_70b_on_8xh100_matches_hand_arithmetic():
     per_token = 2 * (5 * h + 1024 + 2 * 128 + 1024 + 3 * (i // 8) + 128) + 4 * 8 * 16 * (128 + 2)
     graphs = 2 * 512 * per_token + (64 << 20)
     assert graphs == 246_153_216                              # 234.75 MiB per GPU
-    kv_per_gpu = int(0.9 * 80 * GiB) - weights // 8 - graphs  # weights / TP=8 (exact here)
+    # each rank's weights: an eighth of every matrix (V = 128256 splits evenly), the norms whole on every rank
+    norms = layers * 2 * h + h
+    weights_per_gpu = ((params - norms) // 8 + norms) * 2
+    assert weights_per_gpu - weights // 8 == 2_308_096       # 2.2 MiB above weights / TP
+    kv_per_gpu = int(0.9 * 80 * GiB) - weights_per_gpu - graphs
     d = plan.devices["h100x8"]
     assert d.graph_bytes_per_device == graphs
-    assert (d.weights_bytes, d.weights_bytes_per_device, d.kv_bytes_per_token) == (weights, weights // 8, s_kv)
+    assert (d.weights_bytes, d.weights_bytes_per_device, d.kv_bytes_per_token) == (weights, weights_per_gpu, s_kv)
     assert d.kv_bytes_per_token_per_device == s_kv // 8 == 40_960
     assert d.kv_space_bytes_per_device == kv_per_gpu and d.kv_space_bytes == 8 * kv_per_gpu
     for name, share, avg_len, expected_seqs in (("chat", 0.4, 1024, 566), ("rag", 0.6, 6144, 141)):
@@ -312,7 +317,7 @@ def test_each_gpu_sets_aside_its_decode_graphs_memory_unless_enforce_eager(tp):
     assert plans[False].graph_bytes_per_device == reserve and plans[True].graph_bytes_per_device == 0
     assert plans[True].kv_space_bytes_per_device - plans[False].kv_space_bytes_per_device == reserve
     assert plans[False].kv_space_bytes_per_device == \
-        int(0.9 * 8 * GiB) - -(-model.num_params() * 2 // tp) - reserve
+        int(0.9 * 8 * GiB) - ShardShape.of(model, 0, tp).num_params(model) * 2 - reserve
     data["devices"]["default"]["enforce_eager"] = "yes"
     with pytest.raises(SpecError, match="enforce_eager"):
         parse_config(data, env={})
