@@ -298,19 +298,23 @@ class BatchRunner:
             await asyncio.gather(*workers, return_exceptions=True)
 
     async def _next_line(self, run: _Run) -> BatchLine | None:
+        """The next pending line to start, or None once none is left or the batch is cancelling. Waiting
+        for the lock and fetching a page both yield, and a cancel may land meanwhile: `_Run.cancel` aborts
+        only the lines already in flight, so `cancelling` is checked again after them, and the caller
+        starts the line it gets before it yields again."""
         async with run.lock:
-            if not run.buffer and not run.exhausted:
+            if not run.cancelling and not run.buffer and not run.exhausted:
                 page = await self.durable(self.store.pending_lines, run.batch_id, run.after_line_no, PAGE_LINES)
                 run.buffer.extend(page)
                 run.exhausted = len(page) < PAGE_LINES
                 if page:
                     run.after_line_no = page[-1].line_no
-            return run.buffer.popleft() if run.buffer else None
+            return run.buffer.popleft() if run.buffer and not run.cancelling else None
 
     async def _worker(self, run: _Run) -> None:
         """Take lines until none is left or the batch is cancelled; record each outcome. A line aborted
-        by a cancel is not recorded."""
-        while not run.cancelling and (line := await self._next_line(run)) is not None:
+        by a cancel is not recorded, and none starts after it (`_next_line`)."""
+        while (line := await self._next_line(run)) is not None:
             task = asyncio.ensure_future(self._answer(line, run.tenant, run.batch_id))
             run.in_flight.add(task)
             try:

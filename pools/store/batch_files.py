@@ -161,7 +161,7 @@ def complete_batch(db: sqlite3.Connection, batch_id: str, status: str, writers: 
     db.execute(f"UPDATE batches SET status=?, {final}_at=?, output_file_id=?, error_file_id=? WHERE id=?",
                (final, int(time.time()), *file_ids, batch_id))
     db.execute("DELETE FROM finalizing WHERE batch_id=?", (batch_id,))
-    drop_lines(db, batch_id)
+    drop_lines(db, batch_id, request_counts(db, batch_id))
 
 
 def request_counts(db: sqlite3.Connection, batch_id: str) -> dict[str, int]:
@@ -175,20 +175,22 @@ def request_counts(db: sqlite3.Connection, batch_id: str) -> dict[str, int]:
     return {"total": total, "completed": counts.get(1, 0), "failed": counts.get(0, 0)}
 
 
-def drop_lines(db: sqlite3.Connection, batch_id: str) -> None:
-    """A finished batch keeps its request counts on its row, not its lines: its input and output files hold
-    their requests and answers, and the store kept every batch's traffic twice (deleted rows free whole
-    pages, which the next batch reuses; rows only emptied of their bodies freed none)."""
-    db.execute("UPDATE batches SET request_counts=? WHERE id=?", (json.dumps(request_counts(db, batch_id)), batch_id))
+def drop_lines(db: sqlite3.Connection, batch_id: str, counts: dict[str, int]) -> None:
+    """A finished batch keeps its request counts (`counts`) on its row, not its lines: its input and output
+    files hold their requests and answers, and the store kept every batch's traffic twice (deleted rows free
+    whole pages, which the next batch reuses; rows only emptied of their bodies freed none)."""
+    db.execute("UPDATE batches SET request_counts=? WHERE id=?", (json.dumps(counts), batch_id))
     db.execute("DELETE FROM lines WHERE batch_id=?", (batch_id,))
 
 
 def fail_batch(db: sqlite3.Connection, batch_id: str, code: str, message: str) -> None:
-    """Mark an unfinished batch failed with OpenAI's `errors` list, and drop what finalizing wrote."""
+    """Mark an unfinished batch failed with OpenAI's `errors` list, and drop what finalizing wrote. Its
+    lines' answers go with it (no output or error file holds them), so it counts none: `completed` and
+    `failed` are 0, `total` its number of requests; `errors` says why."""
     errors = {"object": "list", "data": [{"code": code, "message": message, "param": None, "line": None}]}
     cursor = db.execute(f"UPDATE batches SET status='failed', failed_at=?, errors=? WHERE id=? AND status IN "
                         f"({marks(UNFINISHED)})", (int(time.time()), json.dumps(errors), batch_id, *UNFINISHED))
     if cursor.rowcount:
         db.execute("DELETE FROM file_chunks WHERE file_id IN (?, ?)", result_file_ids(batch_id))
         db.execute("DELETE FROM finalizing WHERE batch_id=?", (batch_id,))
-        drop_lines(db, batch_id)
+        drop_lines(db, batch_id, {"total": request_counts(db, batch_id)["total"], "completed": 0, "failed": 0})

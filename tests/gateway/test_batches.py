@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import sqlite3
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -218,6 +219,45 @@ async def test_cancel_aborts_lines_in_flight_and_keeps_what_finished(aiohttp_cli
     await _wait(client, finished["id"])
     r = await client.post(f"/v1/batches/{finished['id']}/cancel")
     assert r.status == 409 and (await r.json())["error"]["param"] == "batch_id"
+
+
+async def test_no_line_starts_after_a_cancel_that_lands_while_the_next_page_is_read(aiohttp_client, tmp_path,
+                                                                                      tiny_model, monkeypatch):
+    """The store thread keeps its calls' order: the cancel is handed to it while the first answer's record
+    holds it, so the next page's read, asked for after that record, returns after the cancel has aborted
+    the lines in flight. The lines of that page must not start."""
+    monkeypatch.setattr(execution, "PAGE_LINES", 2)
+    fake = _FakeExecutor()
+    client = await _client(aiohttp_client, tmp_path, tiny_model, fake)
+    runner = client.app[BATCHES]
+    runner.max_in_flight = 2
+    store, record, on_thread = runner.store, runner.store.record, runner.store.on_thread
+    entered, release, handed = threading.Event(), threading.Event(), []
+
+    def held_record(*args, **kwargs):
+        if not entered.is_set():
+            entered.set()
+            assert release.wait(10)
+        return record(*args, **kwargs)
+
+    async def handing(fn, *args, **kwargs):
+        handed.append(getattr(fn, "__name__", ""))
+        return await on_thread(fn, *args, **kwargs)
+
+    monkeypatch.setattr(store, "record", held_record)
+    monkeypatch.setattr(store, "on_thread", handing)
+    batch = await _create(client, _jsonl(*(_line(x) for x in "abcd")))
+    while not entered.is_set():                                         # a and b answered, a's record held
+        await asyncio.sleep(0.01)
+    cancel = asyncio.ensure_future(client.post(f"/v1/batches/{batch['id']}/cancel"))
+    while "cancel" not in handed:
+        await asyncio.sleep(0.01)
+    release.set()
+    assert (await cancel).status == 200
+    done = await _wait(client, batch["id"])
+    assert done["status"] == "cancelled" and set(fake.calls) == {"a", "b"}
+    assert done["request_counts"] == {"total": 4, "completed": 2, "failed": 0}
+    store.check_integrity()
 
 
 async def test_list_pages_and_requests_are_checked_field_by_field(aiohttp_client, tmp_path, tiny_model):
@@ -481,12 +521,14 @@ async def test_an_output_over_the_limit_fails_the_batch_with_a_reason(aiohttp_cl
     monkeypatch.setattr(batch_files, "MAX_OUTPUT_FILE_BYTES", 1000)
     client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor())
     sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
-    file = await sdk.files.create(file=("in.jsonl", _jsonl(*(_line(f"r{i}") for i in range(20)))), purpose="batch")
+    content = _jsonl(*(_line(f"r{i}") for i in range(20)), _line("bad"))
+    file = await sdk.files.create(file=("in.jsonl", content), purpose="batch")
     batch = await _sdk_done(sdk, (await sdk.batches.create(input_file_id=file.id, endpoint=CHAT,
                                                            completion_window="24h")).id)
-    assert batch.status == "failed" and batch.failed_at and batch.output_file_id is None
+    assert batch.status == "failed" and batch.failed_at and batch.output_file_id is batch.error_file_id is None
     assert batch.errors.data[0].code == "output_too_large" and "1000 bytes" in batch.errors.data[0].message
-    assert batch.request_counts.completed == 20                         # every line ran; the file could not be kept
+    # every line ran, but no file holds their answers: the batch counts none of them
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (21, 0, 0)
     client.app[BATCHES].store.check_integrity()
     await sdk.close()
 
@@ -519,8 +561,9 @@ async def test_storage_errors_are_tried_again_then_fail_the_batch_and_the_runner
     assert "failed 3 times in a row: database is locked" in failed["errors"]["data"][0]["message"]
     monkeypatch.setattr(store, "record", record)
     monkeypatch.setattr(store, "finalize_step", _failing(finalize_step, float("inf")))
-    failed = await _wait(client, (await _create(client, _jsonl(_line("c"))))["id"])
+    failed = await _wait(client, (await _create(client, _jsonl(_line("c"), _line("bad"))))["id"])
     assert failed["status"] == "failed" and "database or disk is full" in failed["errors"]["data"][0]["message"]
+    assert failed["request_counts"] == {"total": 2, "completed": 0, "failed": 0}    # both answered, neither kept
     monkeypatch.setattr(store, "fail", _failing(fail, float("inf")))   # not even the failure can be written
     stuck = await _create(client, _jsonl(_line("d")))
     await _wait(client, stuck["id"], lambda b: b["status"] == "finalizing" and stuck["id"] not in runner._runs)

@@ -567,7 +567,7 @@ class _FailingCommits:
 
 def test_a_storage_error_changes_nothing_and_a_batch_can_be_failed_with_a_reason(tmp_path):
     store = _make_store(tmp_path / "b.sqlite3")
-    batch = _make_batch(store, _jsonl(_line("a"), _line("b")))
+    batch = _make_batch(store, _jsonl(_line("a"), _line("b"), b"not json"))
     store._db = _FailingCommits(store._db, fail=1)
     assert isinstance(sqlite3.OperationalError("x"), STORAGE_ERRORS)
     with pytest.raises(STORAGE_ERRORS):
@@ -576,7 +576,8 @@ def test_a_storage_error_changes_nothing_and_a_batch_can_be_failed_with_a_reason
     assert [ln.line_no for ln in store.pending_lines(batch["id"])] == [1, 2]
     assert store.record(batch["id"], 1, 200, {"n": 1})                  # tried again: recorded once
     failed = store.fail(batch["id"], "storage_error", "the batch store failed 6 times in a row: disk full")
-    assert failed["status"] == "failed" and failed["failed_at"] and failed["request_counts"]["completed"] == 1
+    assert failed["status"] == "failed" and failed["failed_at"] and failed["output_file_id"] is None
+    assert failed["request_counts"] == {"total": 3, "completed": 0, "failed": 0}   # no file holds lines 1 and 3
     assert failed["errors"] == {"object": "list", "data": [{"code": "storage_error", "param": None, "line": None,
                                                             "message": "the batch store failed 6 times in a row: "
                                                                        "disk full"}]}
