@@ -298,16 +298,28 @@ class ResponsesAnswer(LocalResponse):
         content, calls = self._reply(choice)
         reasoning = choice.reasoning.reasoning if choice.reasoning is not None else ""
         output = [reasoning_item(objects.new_id("rs"), reasoning, self._reasoning_status())] if reasoning else []
-        if content:
+        before, after = self._around_calls(choice.content_text, content or "", calls)
+        if before:
             # a message before calls was written whole (a stream closes it at the first call)
-            output.append(self._message_item(objects.new_id("msg"), content, "completed" if calls else self._status()))
+            output.append(self._message_item(objects.new_id("msg"), before, "completed" if calls else self._status()))
             if self.want_logprobs and not calls:   # the text's tokens: none of the think block's
                 k = choice.reasoning.num_tokens_before_content if choice.reasoning is not None else 0
                 output[-1]["content"][0]["logprobs"] = objects.chat_logprobs(
                     choice.token_ids[k:], choice.logprobs[k:], choice.top_logprobs[k:],
                     choice.pool.token_text, choice.pool.token_bytes)["content"]
         output += [self._call_item(call, "incomplete" if call.cut else "completed") for call in calls]
+        if after.strip():
+            output.append(self._message_item(objects.new_id("msg"), after.lstrip(), self._status()))
         return self._response(self._status(), output)
+
+    def _around_calls(self, text: str, content: str, calls: list[ToolCall]) -> tuple[str, str]:
+        """A reply's content as the message before its calls and the one after them, as a stream sends them:
+        the text before the first possible call (`ToolFormat.hold_from`), then the rest (a message of its own
+        from its first word on)."""
+        if not calls:
+            return content, ""
+        before = text[:self.tool_format.hold_from(text)].rstrip()
+        return (before, content[len(before):]) if content.startswith(before) else (content, "")
 
     # --- the stream --------------------------------------------------------------------------------
     def _event(self, kind: str, **fields: Any) -> None:
@@ -321,19 +333,27 @@ class ResponsesAnswer(LocalResponse):
             self._event("response.in_progress", response=self._response("in_progress", []))
 
     def _queue_chunk(self, chunk_choices: list[dict[str, Any]]) -> None:
+        """A chat chunk as Response events. The last chunk of a reply with calls may carry text that comes after
+        them (`ToolCallStream.rest`): it goes out after the calls, in a message of its own, as `_body` has it."""
         self._start()
+        stream = self.choices[0].tool_stream
         for chunk in chunk_choices:
             delta = chunk["delta"]
             if delta.get("reasoning_content"):
                 self._reasoning_delta(delta["reasoning_content"])
-            if delta.get("content"):
+            content = delta.get("content") or ""
+            after = stream.rest if stream is not None and chunk["finish_reason"] and content.endswith(stream.rest) else ""
+            if content[:len(content) - len(after)]:
                 self._close_reasoning()
                 logprobs = chunk.get("logprobs") if self.tool_format is None else None
-                self._text_delta(delta["content"], (logprobs or {}).get("content") or [])
+                self._text_delta(content[:len(content) - len(after)], (logprobs or {}).get("content") or [])
             for entry in delta.get("tool_calls") or []:
                 self._close_reasoning()
-                self._close_message()
+                self._close_message("completed")
                 self._call_delta(entry)
+            if after.strip():
+                self._close_reasoning()
+                self._text_delta(after.lstrip(), [])
 
     def _reasoning_delta(self, text: str) -> None:
         if self._reasoning is None:
@@ -375,7 +395,9 @@ class ResponsesAnswer(LocalResponse):
         self._event("response.output_text.delta", item_id=self._message["id"], output_index=len(self._output) - 1,
                     content_index=0, delta=text, logprobs=logprobs)
 
-    def _close_message(self) -> None:
+    def _close_message(self, status: str | None = None) -> None:
+        """The open message ends: `status` (completed where a call follows it), else the Response's once it has
+        finished."""
         message = self._message
         if message is None:
             return
@@ -385,7 +407,7 @@ class ResponsesAnswer(LocalResponse):
                     text=part["text"], logprobs=part["logprobs"])
         self._event("response.content_part.done", item_id=message["id"], output_index=index, content_index=0,
                     part=dict(part))
-        message["status"] = self._status() if self.choices[0].finish_reason else "completed"
+        message["status"] = status or (self._status() if self.choices[0].finish_reason else "completed")
         self._event("response.output_item.done", output_index=index, item=dict(message))
         self._message = None
 

@@ -38,6 +38,7 @@ class ToolCall:
     arguments: str            # JSON text, as OpenAI sends it (a call cut by max_tokens: as far as it got)
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
     cut: bool = False         # max_tokens ended the reply inside it
+    start: int = field(default=-1, compare=False)   # where in the reply its JSON object begins
 
     def as_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -55,12 +56,28 @@ def _loads(text: str) -> Any:
     return None if nested_over(value) else value
 
 
+def _decode(decoder: json.JSONDecoder, text: str, pos: int) -> tuple[Any, int] | None:
+    """The JSON value starting at `text[pos]` and where it ends; None where `_loads` would give None."""
+    try:
+        value, end = decoder.raw_decode(text, pos)
+    except (ValueError, RecursionError):
+        return None
+    return None if nested_over(value) else (value, end)
+
+
+def beside_calls(text: str) -> str | None:
+    """The content of a reply with calls: its text outside them, the whitespace at its end (where a call
+    followed) dropped, none where that is all there is."""
+    return text.rstrip() if text.strip() else None
+
+
 class ToolFormat:
     """How one family of chat templates writes tool calls."""
 
     name: str
     start: str            # text that opens a call: from it on, a stream holds its text back until parsed
     syntax: CallSyntax    # how calls are written (the arguments' key among it), for the grammars
+    text_before_calls = True   # prose may precede the calls (hermes); llama3_json's reply is calls or text
 
     def __init__(self, tools: list[Tool]) -> None:
         self.tools = {t.name: t for t in tools}
@@ -68,6 +85,11 @@ class ToolFormat:
     @property
     def args_key(self) -> str:
         return self.syntax.args_key
+
+    @property
+    def args_keys(self) -> tuple[str, ...]:
+        """The keys a call's arguments are read under: the format's own first (what its grammars write)."""
+        return (self.args_key,)
 
     def grammar(self, tools: list[Tool], parallel: bool, think: str | None = None) -> StructuredOutput:
         """Calls of `tools` only (tool_choice "required" or named), each under its schema; `think`: where a
@@ -94,10 +116,10 @@ class ToolFormat:
             return self.parse(text)
         content, calls = self.parse(text[:begin])
         tail = next(self.call_scans(text, begin), None)
-        if tail is not None and tail.name in self.tools:
+        if tail is not None and tail.name in self.tools and (calls or self.text_before_calls or not (content or "").strip()):
             args = "" if tail.args_start is None else text[tail.args_start:tail.args_end or len(text)]
-            calls = [*calls, ToolCall(tail.name, args, cut=True)]
-        return ((content or "").strip() or None) if calls else content, calls
+            calls = [*calls, ToolCall(tail.name, args, cut=True, start=tail.start)]
+        return beside_calls(content or "") if calls else content, calls
 
     def _open_call(self, text: str) -> int | None:
         """Where a call the reply was still writing at its end begins, if it was."""
@@ -114,14 +136,18 @@ class ToolFormat:
         raise NotImplementedError
 
     def _call(self, obj: Any, text: str, start: int) -> ToolCall | None:
-        """A call of a known tool from the object decoded at `text[start]`; its arguments are the model's
-        own text of them, as a stream sent them (the object's JSON if the scan finds no closed one)."""
-        if not isinstance(obj, dict) or obj.get("name") not in self.tools or not isinstance(obj.get(self.args_key), dict):
+        """A call of a known tool from the object decoded at `text[start]`: its name the first one written
+        (what a stream sends once it is whole), its arguments the model's own text of them, as a stream sent
+        them (the object's JSON if the scan finds no closed one)."""
+        if not isinstance(obj, dict):
             return None
-        scan = scan_call(text, start, self.args_key)
+        key = next((k for k in self.args_keys if k in obj), None)
+        scan = scan_call(text, start, self.args_keys)
+        if scan.name not in self.tools or key is None or not isinstance(obj[key], dict):
+            return None
         if scan.args_end is not None:
-            return ToolCall(obj["name"], text[scan.args_start:scan.args_end])
-        return ToolCall(obj["name"], json.dumps(obj[self.args_key], ensure_ascii=False))
+            return ToolCall(scan.name, text[scan.args_start:scan.args_end], start=start)
+        return ToolCall(scan.name, json.dumps(obj[key], ensure_ascii=False), start=start)
 
 
 class HermesFormat(ToolFormat):
@@ -137,10 +163,9 @@ class HermesFormat(ToolFormat):
         while (start := text.find(self.start, pos)) >= 0:
             pos = start + len(self.start)
             body = len(text) - len(text[pos:].lstrip())
-            try:
-                obj, end = decoder.raw_decode(text, body)
-            except json.JSONDecodeError:
+            if (decoded := _decode(decoder, text, body)) is None:
                 continue
+            obj, end = decoded
             rest = text[end:].lstrip()
             if rest.startswith(self.end):
                 end = len(text) - len(rest) + len(self.end)
@@ -154,8 +179,7 @@ class HermesFormat(ToolFormat):
             last = pos = end
         if not calls:
             return text, []
-        content = ("".join(kept) + text[last:]).strip()
-        return content or None, calls
+        return beside_calls("".join(kept) + text[last:]), calls
 
     def _open_call(self, text: str) -> int | None:
         # the marker of the last call object if it is open, or closed with its closing tag begun and not whole
@@ -181,7 +205,7 @@ class HermesFormat(ToolFormat):
             if text[body] != "{":          # the marker in prose, not a call: look past it
                 pos = body
                 continue
-            yield (scan := scan_call(text, body, self.args_key))
+            yield (scan := scan_call(text, body, self.args_keys))
             if (pos := scan.end) is None:   # the next call starts after this one
                 return
 
@@ -197,23 +221,27 @@ class Llama3JsonFormat(ToolFormat):
     start = "{"
     # plain text: anything but what `parse` reads as calls (a JSON object, or the python tag, first)
     syntax = CallSyntax("", "", "; ", "parameters", r"/(?s:.)*/ & ~/\s*(\{|<\|python_tag\|>)(?s:.)*/")
+    text_before_calls = False
+
+    @property
+    def args_keys(self) -> tuple[str, ...]:
+        return ("parameters", "arguments")   # Llama 3.1's own prompt asks for "parameters"; some write the other
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        stripped = text.strip().removeprefix("<|python_tag|>")
-        if not stripped.startswith("{"):
+        pos = len(text) - len(text.lstrip())
+        if text.startswith("<|python_tag|>", pos):
+            pos += len("<|python_tag|>")
+        if not text.startswith("{", pos):
             return text, []
-        decoder, calls, pos = json.JSONDecoder(), [], 0
-        while pos < len(stripped):
-            try:
-                obj, end = decoder.raw_decode(stripped, pos)
-            except json.JSONDecodeError:
-                return text, []
-            call = self._call(obj, stripped, pos)
+        decoder, calls, end_of_text = json.JSONDecoder(), [], len(text.rstrip())
+        while pos < end_of_text:
+            decoded = _decode(decoder, text, pos)
+            call = None if decoded is None else self._call(decoded[0], text, pos)
             if call is None:
                 return text, []
             calls.append(call)
-            pos = end
-            while pos < len(stripped) and stripped[pos] in " ;\n\t":
+            pos = decoded[1]
+            while pos < end_of_text and text[pos] in " ;\n\t":
                 pos += 1
         return None, calls
 
@@ -222,7 +250,7 @@ class Llama3JsonFormat(ToolFormat):
         if text.startswith("<|python_tag|>", pos):
             pos += len("<|python_tag|>")
         while pos < len(text) and text[pos] == "{":
-            yield (scan := scan_call(text, pos, self.args_key))
+            yield (scan := scan_call(text, pos, self.args_keys))
             if scan.end is None:
                 return
             pos = scan.end
@@ -333,9 +361,10 @@ class CallScan:
     start: int = 0        # where the call object's `{` is
 
 
-def scan_call(text: str, start: int, args_key: str) -> CallScan:
+def scan_call(text: str, start: int, args_keys: tuple[str, ...]) -> CallScan:
     """Read the (maybe unfinished) call object `text[start:]` (`text[start]` is its `{`) character by
-    character: strings with their escapes, nesting, the top level's keys and values."""
+    character: strings with their escapes, nesting, the top level's keys and values; the arguments are
+    the first object under one of `args_keys`, the name the first string under "name"."""
     scan, depth, key, in_value, string_at, escaped = CallScan(start=start), 0, None, False, -1, False
     for i in range(start, len(text)):
         ch = text[i]
@@ -349,7 +378,7 @@ def scan_call(text: str, start: int, args_key: str) -> CallScan:
                     value = _loads(text[string_at:i + 1])
                     if not in_value:
                         key = value
-                    elif key == "name" and isinstance(value, str):
+                    elif key == "name" and isinstance(value, str) and scan.name is None:
                         scan.name = value
                 string_at = -1
             continue
@@ -360,7 +389,7 @@ def scan_call(text: str, start: int, args_key: str) -> CallScan:
         elif ch == "," and depth == 1:
             in_value = False
         elif ch in "{[":
-            if depth == 1 and in_value and key == args_key and ch == "{" and scan.args_start is None:
+            if depth == 1 and in_value and key in args_keys and ch == "{" and scan.args_start is None:
                 scan.args_start = i
             depth += 1
         elif ch in "}]":
@@ -377,27 +406,40 @@ def scan_call(text: str, start: int, args_key: str) -> CallScan:
 class _StreamedCall:
     id: str
     name: str
+    start: int           # where in the reply its JSON object begins (`CallScan.start`, `ToolCall.start`)
     num_sent: int = 0    # characters of its arguments sent
 
 
 class ToolCallStream:
     """One streamed choice of a chat with tools: what of its text can go out as content now, and each call
-    as the model writes it: its id, type and name once the name is complete, then its arguments in pieces
-    (the model's own text of them, so the pieces concatenate to the final `arguments`). A forced choice
-    (tool_choice "required" or named) holds all text: it is calls only."""
+    as the model writes it: its id, type and name once the name is whole and its arguments object has begun,
+    then its arguments in pieces (the model's own text of them, so the pieces concatenate to the final
+    `arguments`). A forced choice (tool_choice "required" or named) holds all text: it is calls only.
+
+    What a stream sends adds up to the whole answer (`ToolFormat.parse_reply`): the content is the text
+    before the first possible call (whitespace at its end held back, as the whole answer drops it beside a
+    call), then at the end the rest of the whole answer's content; each call the whole answer has is the
+    streamed one that began at the same place, completed, or sent whole. One exception: a call streamed
+    whose object turns out not to be one (malformed after its arguments, or text after it where the format
+    allows none, or a reply that ends inside it other than by max_tokens: EOS or a stop string) cannot be
+    taken back: the stream has it, with its text also as content; the whole answer has the text only
+    (vLLM's parsers do the same)."""
 
     def __init__(self, fmt: ToolFormat, forced: bool, parallel: bool = True) -> None:
         self.fmt, self.forced, self.parallel = fmt, forced, parallel   # parallel False: the first call only
-        self.num_sent = 0      # characters of the reply already sent as content
+        self.num_sent = 0      # characters of the reply looked past as content (held whitespace included)
+        self.sent = ""         # the content sent
         self.calls: list[_StreamedCall] = []
         self.cut_call: int | None = None   # once finished: the index of a call max_tokens cut, if one was
+        self.rest = ""         # once finished: the content `finish` sent (after the calls, where there are any)
 
     def content_delta(self, text: str) -> str:
         """The reply so far is `text`: the content that can be sent now."""
         if self.forced:
             return ""
-        upto = max(self.num_sent, self.fmt.hold_from(text))
-        delta, self.num_sent = text[self.num_sent:upto], upto
+        self.num_sent = max(self.num_sent, self.fmt.hold_from(text))
+        sendable = text[:self.num_sent].rstrip()
+        delta, self.sent = sendable[len(self.sent):], max(self.sent, sendable, key=len)
         return delta
 
     def call_deltas(self, text: str) -> list[dict[str, Any]]:
@@ -408,35 +450,42 @@ class ToolCallStream:
             if k and not self.parallel:
                 break
             if k == len(self.calls):
-                if scan.name not in self.fmt.tools:
-                    break        # its name is not written yet (or names no tool offered)
-                self.calls.append(_StreamedCall(f"call_{uuid.uuid4().hex[:24]}", scan.name))
-                call = self.calls[k]
+                if scan.name not in self.fmt.tools or scan.args_start is None:
+                    break        # its name or its arguments' start not written yet (or it names no tool offered)
+                call = _StreamedCall(f"call_{uuid.uuid4().hex[:24]}", scan.name, scan.start)
+                self.calls.append(call)
                 out[k] = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
             call = self.calls[k]
-            if scan.args_start is not None:
-                piece = text[scan.args_start + call.num_sent:scan.args_end if scan.args_end is not None else len(text)]
-                if piece:
-                    call.num_sent += len(piece)
-                    out.setdefault(k, {"index": k, "function": {"arguments": ""}})["function"]["arguments"] += piece
+            piece = text[scan.args_start + call.num_sent:scan.args_end if scan.args_end is not None else len(text)]
+            if piece:
+                call.num_sent += len(piece)
+                out.setdefault(k, {"index": k, "function": {"arguments": ""}})["function"]["arguments"] += piece
             if scan.end is None:
                 break
         return list(out.values())
 
     def finish(self, text: str, cut: bool = False) -> tuple[str, list[dict[str, Any]], int]:
-        """The reply is complete (`cut`: by max_tokens): (the held content to send, the last `tool_calls` delta
-        entries, the number of calls). A call the stream began is completed with the rest of its arguments (a
-        cut one with what there is: `ToolFormat.parse_reply`, as a whole answer reads it); one it did not see
-        is sent whole."""
+        """The reply is complete (`cut`: by max_tokens): (the rest of the content, the last `tool_calls` delta
+        entries, the number of calls sent). The whole answer's calls (`ToolFormat.parse_reply`) are matched to
+        the streamed ones by where they begin: one the stream began is completed with the rest of its
+        arguments (a cut one with what there is), one it did not see is sent whole under the next index."""
         entries = {e["index"]: e for e in self.call_deltas(text)}
-        content, calls = self.fmt.parse_reply(text[self.num_sent:], cut)
-        content = None if self.forced else content   # calls only: what is left is a marker cut short
-        calls, self.num_sent = calls if self.parallel else calls[:1], len(text)
-        self.cut_call = next((k for k, call in enumerate(calls) if call.cut), None)
-        for k, call in enumerate(calls):
-            if k >= len(self.calls):
+        content, calls = self.fmt.parse_reply(text, cut)
+        content = "" if self.forced else content or ""
+        rest = content[len(self.sent):] if content.startswith(self.sent) else ""
+        self.num_sent, self.sent, self.rest = len(text), content, rest
+        streamed = {call.start: k for k, call in enumerate(self.calls)}
+        count = len(self.calls)
+        for call in calls:
+            k = streamed.get(call.start)
+            if k is None:
+                if count and not self.parallel:
+                    break
+                k, count = count, count + 1
                 entries[k] = {"index": k, **call.as_openai()}
             elif len(call.arguments) > self.calls[k].num_sent:
-                rest = call.arguments[self.calls[k].num_sent:]
-                entries.setdefault(k, {"index": k, "function": {"arguments": ""}})["function"]["arguments"] += rest
-        return content or "", [entries[k] for k in sorted(entries)], len(calls)
+                more = call.arguments[self.calls[k].num_sent:]
+                entries.setdefault(k, {"index": k, "function": {"arguments": ""}})["function"]["arguments"] += more
+            if call.cut:
+                self.cut_call = k
+        return rest, [entries[k] for k in sorted(entries)], count

@@ -178,3 +178,51 @@ def test_a_stream_whose_engine_request_fails_ends_in_response_failed_with_the_er
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "request_failed"
     assert failed["output"][0]["content"][0]["text"] == "Hel" and failed["metadata"] == {"a": "b"}
+
+
+def _items(pieces: list[str], stream: bool, finish: str) -> list[tuple]:
+    """The output items of a Response whose reply arrives in `pieces` (a template without tools of its own:
+    the hermes format), streamed (its events' items) or whole."""
+    from types import SimpleNamespace
+
+    from engine.outputs import RequestDelta, SampleDelta
+    from gateway.monitoring.metrics import GatewayMetrics
+    from gateway.openai.responses import ResponsesAnswer, parse_responses
+
+    asked = parse_responses({"model": MODEL, "input": "hi", "stream": stream, "tools": [WEATHER]})
+    pool = SimpleNamespace(name="chat", tokenizer=SimpleNamespace(chat_template_source=lambda use_tools: ""))
+    answer = ResponsesAnswer(None, asked.chat, [(pool, [1, 2])], placed={"chat": SimpleNamespace(replica=0)},
+                             received=0.0, metrics=GatewayMetrics(), asked=asked)
+    events: list[dict] = []
+    answer._queue = lambda obj, event=None: events.append(obj)
+    for k, piece in enumerate(pieces, 1):
+        end = finish if k == len(pieces) else None
+        chunks = answer._apply(0, RequestDelta("r", [SampleDelta(0, piece, [k], k, end)], end is not None))
+        if chunks:
+            answer._queue_chunk(chunks)
+    final = answer._finished()
+    if stream:
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        assert sorted(json.dumps(i, sort_keys=True) for i in done) == \
+            sorted(json.dumps(i, sort_keys=True) for i in final["output"])
+    return [(i["type"], i.get("name") or i["content"][0]["text"], i.get("arguments"), i["status"])
+            for i in final["output"]]
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_text_around_a_call_is_the_same_items_streamed_or_whole_however_the_reply_arrives(finish) -> None:
+    """The text before a call is one message (completed: the call follows it), the text after it another
+    after the call (the Response's status), streamed in any pieces or whole (the whole answer merged them
+    into one message before the call; a stream that got them in one chunk did too, one that did not made
+    two, and its first was `incomplete` when max_output_tokens ended the reply)."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
+    reply = "Sure. " + call + " after that."
+    whole = _items([reply], stream=False, finish=finish)
+    status = "completed" if finish == "stop" else "incomplete"
+    assert whole == [("message", "Sure.", None, "completed"),
+                     ("function_call", "get_weather", '{"city": "Oslo", "unit": "celsius"}', "completed"),
+                     ("message", "after that.", None, status)]
+    for pieces in ([reply], list(reply), [reply[:3], reply[3:40], reply[40:]], [reply[:-5], reply[-5:]]):
+        assert _items(pieces, stream=True, finish=finish) == whole, pieces
+    assert _items(["\n" + call], stream=True, finish=finish) == _items(["\n" + call], stream=False, finish=finish) \
+        == whole[1:2]

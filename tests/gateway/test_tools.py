@@ -139,18 +139,18 @@ def test_a_stream_sends_the_text_before_a_call_then_the_call_as_it_is_written() 
         assert "<tool" not in sent and reply.startswith(sent)
         for entry in stream.call_deltas(reply[:end]):
             _merge(calls, entry)
-            if "id" in entry:           # id and name first, before any of the arguments
-                assert entry["function"] == {"name": "search", "arguments": ""} and end < reply.index('"limit"')
+            if "id" in entry:           # id and name first, once the arguments' object has begun
+                assert entry["function"] == {"name": "search", "arguments": "{"} and end < reply.index('"limit"')
     rest, entries, num_calls = stream.finish(reply)
     for entry in entries:
         _merge(calls, entry)
     _, parsed = fmt.parse(reply)
-    assert (sent + rest).strip() == "Sure." and num_calls == 1
+    assert sent + rest == "Sure." and num_calls == 1   # the whitespace before the call held, then dropped
     assert calls[0]["name"] == "search" and calls[0]["arguments"] == parsed[0].arguments
     assert json.loads(calls[0]["arguments"]) == call["arguments"]
     plain = ToolCallStream(fmt, forced=False)
-    assert plain.content_delta("a < b") == "a < b" and plain.content_delta("a < b <tool") == " "
-    assert plain.finish("a < b <tool") == ("<tool", [], 0)
+    assert plain.content_delta("a < b") == "a < b" and plain.content_delta("a < b <tool") == ""
+    assert plain.finish("a < b <tool") == (" <tool", [], 0)   # the held space, sent once text follows it
 
 
 def test_a_call_marker_inside_an_argument_does_not_stop_the_next_call_streaming() -> None:
@@ -194,6 +194,83 @@ def test_parallel_tool_calls_false_streams_and_returns_the_first_call_only() -> 
     for entry in entries:
         _merge(calls, entry)
     assert num_calls == 1 and list(calls) == [0] and json.loads(calls[0]["arguments"]) == {"query": "a"}
+
+
+def _streamed(fmt, pieces: list[str], cut: bool = False, parallel: bool = True) -> tuple[str | None, list[tuple]]:
+    """What a client of the stream reads when the reply arrives in `pieces`: (content, [(name, arguments)])."""
+    stream, sent, calls, text = ToolCallStream(fmt, forced=False, parallel=parallel), "", {}, ""
+    for piece in pieces:
+        text += piece
+        sent += stream.content_delta(text)
+        for entry in stream.call_deltas(text):
+            _merge(calls, entry)
+    rest, entries, num_calls = stream.finish(text, cut)
+    for entry in entries:
+        _merge(calls, entry)
+    assert num_calls == len(calls) and sorted(calls) == list(range(len(calls)))
+    return sent + rest or None, [(calls[k]["name"], calls[k]["arguments"]) for k in sorted(calls)]
+
+
+def _whole(fmt, text: str, cut: bool = False, parallel: bool = True) -> tuple[str | None, list[tuple]]:
+    content, calls = fmt.parse_reply(text, cut)
+    return content or None, [(c.name, c.arguments) for c in (calls if parallel else calls[:1])]
+
+
+CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "%s", "limit": 2}}\n</tool_call>'
+REPLIES = [
+    ("hermes", "Sure.\n" + CALL % "a"),
+    ("hermes", "\n" + CALL % "a"),                               # whitespace only before the call: no content
+    ("hermes", "  Sure. " + CALL % "a" + " ok " + CALL % "b" + " bye\n"),   # text around and between calls
+    ("hermes", CALL % "a" + CALL.replace('"search"', '"nope"') % "b" + CALL % "c"),   # a tool not offered
+    ("hermes", '<tool_call>\n{"name": "search", "name": "get_weather", "arguments": {"city": "x"}}\n</tool_call>'),
+    ("hermes", '<tool_call>\n{"name": "search", "arguments": "{\\"q\\": 1}"}\n</tool_call>'),   # arguments a string
+    ("hermes", '<tool_call>\n{"name": "search"}\n</tool_call> then text'),                     # no arguments
+    ("hermes", "use <tool_call> tags to call; " + CALL % "a"),    # the marker in prose first
+    ("llama3", '{"name": "search", "arguments": {"query": "a"}}; {"name": "search", "parameters": {"query": "b"}}'),
+    ("llama3", ' <|python_tag|>{"name": "search", "parameters": {"query": "a"}}\n'),
+    ("llama3", 'Plain text, no call.\n'),
+]
+
+
+@pytest.mark.parametrize("kind, reply", REPLIES)
+def test_what_a_stream_sends_adds_up_to_the_whole_answer_however_the_reply_is_split(kind, reply) -> None:
+    """Split at every one and every pair of characters, with parallel calls or not, and cut by max_tokens
+    at every character: the stream's content and calls are the whole answer's, to the character (the
+    whitespace before a call was sent, and dropped from the whole answer; a later call's arguments went
+    to the call before it that was not one; a call was streamed whose arguments were not an object)."""
+    fmt = (HermesFormat if kind == "hermes" else Llama3JsonFormat)(parse_tools(TOOLS))
+    splits = [[reply[:a], reply[a:]] for a in range(len(reply))] + [list(reply)]
+    splits += [[reply[:a], reply[a:b], reply[b:]] for a in range(0, len(reply), 7) for b in range(a, len(reply), 5)]
+    for parallel in (True, False):
+        whole = _whole(fmt, reply, parallel=parallel)
+        for pieces in splits:
+            assert _streamed(fmt, pieces, parallel=parallel) == whole, (pieces, parallel)
+    for end in range(len(reply) + 1):
+        assert _streamed(fmt, [reply[:end]], cut=True) == _whole(fmt, reply[:end], cut=True), reply[:end]
+        assert _streamed(fmt, list(reply[:end]), cut=True) == _whole(fmt, reply[:end], cut=True), reply[:end]
+
+
+def test_a_malformed_call_streamed_before_a_good_one_keeps_each_calls_arguments_its_own() -> None:
+    """A call object that turns out malformed after its arguments was streamed and cannot be taken back,
+    but the next call's arguments go to that call, not onto the end of the first (they did: the whole
+    answer's calls were matched to the stream's by count, not by where they begin)."""
+    fmt = HermesFormat(parse_tools(TOOLS))
+    bad = '<tool_call>\n{"name": "search", "arguments": {"query": "a"},}\n</tool_call>\n'
+    reply = bad + CALL % "b"
+    content, calls = _streamed(fmt, [reply[:60], reply[60:]])
+    assert calls == [("search", '{"query": "a"}'), ("search", '{"query": "b", "limit": 2}')]
+    assert _whole(fmt, reply) == (bad.rstrip(), [("search", '{"query": "b", "limit": 2}')]) and content == bad.rstrip()
+
+
+@pytest.mark.parametrize("fmt_class", [HermesFormat, Llama3JsonFormat])
+@pytest.mark.parametrize("body", ["9" * 5000, "[" * 5000, '{"a": ' * 3000])
+def test_a_call_too_long_or_too_deep_to_decode_is_text_not_a_server_error(fmt_class, body) -> None:
+    """An integer over Python's 4300 digits, or JSON nested past the recursion limit, where a call's object
+    would be: content, as any text that is not a call (`raw_decode` raised ValueError or RecursionError:
+    a 500 whole, a broken stream)."""
+    fmt = fmt_class(parse_tools(TOOLS))
+    reply = (f"<tool_call>\n{body}" if fmt_class is HermesFormat else body) + "\n"
+    assert fmt.parse_reply(reply) == (reply, []) and _streamed(fmt, [reply[:9], reply[9:]]) == (reply, [])
 
 
 def _merge(calls: dict[int, dict], entry: dict) -> None:
@@ -465,7 +542,7 @@ def test_a_reply_cut_by_max_tokens_inside_a_call_is_that_call_as_far_as_it_got_s
         rest, entries, num_calls = stream.finish(text, cut=True)
         for entry in entries:
             _merge(streamed, entry)
-        assert (sent + rest).split() == (content or "").split(), (cut, text)   # the same words (spacing may differ)
+        assert sent + rest == (content or ""), (cut, text)
         assert [(streamed[k]["name"], streamed[k]["arguments"]) for k in sorted(streamed)] == \
             [(c.name, c.arguments) for c in whole], (cut, text)
         assert "<tool_call>" not in (content or "") and '"name"' not in (content or ""), (cut, text)
