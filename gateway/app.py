@@ -24,7 +24,7 @@ import contextlib
 import gc
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -79,7 +79,23 @@ def create_app(gateway: Gateway, *, data_dir: Path | str | None = None,
     app[dashboard.DASHBOARD] = dashboard.DashboardHistory()
     app.router.add_get("/dashboard", dashboard.page)
     app.router.add_get("/dashboard/data", dashboard.data)
+    for route in app.router.routes():   # those added above and by the batch and responses modules
+        route._expect_handler = _expectation(route._expect_handler)
     return app
+
+
+def _expectation(default: Callable[[web.Request], Awaitable[Any]]) -> Callable[[web.Request], Awaitable[Any]]:
+    """A route's answer to an `Expect` header: `100-continue` as aiohttp's (`default`: the interim 100, then
+    the body), any other a 417 in the OpenAI error format naming the header. aiohttp answers an expectation
+    before any middleware runs, its refusal in plain text; a route takes its handler only when it is made."""
+    async def expect(request: web.Request) -> Any:
+        value = request.headers.get("Expect", "")
+        if value.lower() == "100-continue":
+            return await default(request)
+        request.app[GATEWAY].metrics.errors.labels(status="417").inc()
+        return _error_json(ApiError(417, f"Expect: {value[:80]!r} is not an expectation this server meets (only "
+                                         "100-continue)", param="Expect", headers={"Connection": "close"}))
+    return expect
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:

@@ -72,6 +72,24 @@ async def test_an_authorization_header_that_is_not_utf8_is_a_401_or_no_key(tmp_p
             await runner.cleanup()
 
 
+async def test_an_expectation_other_than_100_continue_is_a_417_naming_the_header(tmp_path):
+    """`Expect: 200-ok` got aiohttp's plain-text 417 (it answers an expectation before any middleware); now
+    the OpenAI error format, on the routes of every module. `100-continue` still gets its interim 100."""
+    runner = await start_server(create_app(_gateway(tmp_path)), "127.0.0.1", 0)
+    try:
+        port = runner.addresses[0][1]
+        for path in (b"/v1/chat/completions", b"/v1/responses"):
+            raw = await _raw(port, b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nExpect: 200-ok\r\n"
+                                   b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+            status, body = _status_and_body(raw)
+            assert status == 417 and body["error"]["param"] == "Expect" and "200-ok" in body["error"]["message"], raw
+        raw = await _raw(port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                               b"Connection: close\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+        assert raw.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 400"), raw[:80]
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_body_whose_content_encoding_lies_is_a_400_naming_the_body(aiohttp_client, tmp_path):
     client = await aiohttp_client(create_app(_gateway(tmp_path)))
     r = await client.post("/v1/chat/completions", data=b"", headers={"Content-Type": "application/json"})
