@@ -27,8 +27,12 @@ at start (read from `cliffguard_pool_slo_seconds`):
 - in scope by load: chat alone used at most 1 - min_share of the device's time (`--min-share`, the rag
   pool's, default 0.2), measured as the chat pool's part of the engine's step time
   (`cliffguard_pool_device_seconds_total`) over the run's arrivals: rag's guaranteed share fits beside it;
+- `send_lag_ok`: the chat-alone, split and rag-alone runs each sent every request at most a tenth of
+  ttft_ms after its drawn arrival (latency is timed from the send, so a client starved of the CPU would
+  hide its own delay: `bench.isolation.scenarios.send_lag_bound`); else the cell is `invalid`, not judged;
 - `split_ttft_ok`: split chat p99 TTFT <= min(ttft_ms, 1.25 x (chat alone p99 TTFT + itl_ms));
-- `split_itl_ok`: split chat p99 ITL <= itl_ms;
+- `split_itl_ok`: split chat p99 ITL <= itl_ms, over every gap of every chat request sent (finished or
+  not, one per token);
 - `split_no_preemption`: no preemption in the split layout's chat pool during the split run;
 - `rag_share_ok`: rag's part of the device's time during the split run's arrivals >= min(min_share, rag
   alone's part during its own run);
@@ -36,7 +40,7 @@ at start (read from `cliffguard_pool_slo_seconds`):
   seconds of arrivals; not with --quick, whose cells are judged as too few);
 - `overloaded`: `cliffguard_device_overloaded` read 1 during the split run: marked in the table and the
   heat map, still judged;
-- `cell_ok`: every bar of an in-scope cell (None for out-of-scope cells).
+- `cell_ok`: every bar of an in-scope cell (None for out-of-scope and invalid cells).
 
 Between runs the bench waits until the server is idle and no longer says it is overloaded (the gauge
 clears after 10 s of calm once the arrivals have left its 20 s window), so one run's overload is not
@@ -44,7 +48,8 @@ read in the next.
 
 `--out DIR` writes `sweep.json` (args, commit, date, the grid, every baseline and cell with its runs,
 the summary) and `sweep.png` (per rag length a heat map, rows chat rate, columns rag rate, colour split
-chat p99 TTFT / ttft_ms around 1.0, a tick or cross for cell_ok, out-of-scope cells hatched grey).
+chat p99 TTFT / ttft_ms around 1.0, a tick or cross for cell_ok, out-of-scope cells hatched grey, invalid
+ones marked and left uncoloured).
 `--cells "C,R,N;..."`: only those cells of the grid (with the baselines they need), each with the arrivals
 it has in the whole grid, so a cell that missed in a sweep can be run again by itself (with
 `CLIFFGUARD_STEP_TRACE` set, its steps traced).

@@ -176,7 +176,9 @@ def assemble(grid: Grid, runs: list[tuple[Run, dict[str, Any]]], args: argparse.
                       "rag_alone": [result for run, result in runs if run.kind == "rag alone"]},
         "cells": cells,
         "slo_ms": [ttft_ms, itl_ms],
-        "summary": {"cells": len(cells), "in_scope": len(in_scope), "met": sum(c["cell_ok"] for c in in_scope),
+        "summary": {"cells": len(cells), "in_scope": len(in_scope),
+                    "met": sum(c["cell_ok"] is True for c in in_scope),
+                    "invalid": sum(not c["send_lag_ok"] for c in in_scope),
                     "overloaded": sum(c["overloaded"] for c in cells),
                     "runs": len(runs), "servers": len({result["server_url"] for _, result in runs}),
                     "runs_s": sum(result["wall_s"] + result["idle_wait_s"] for _, result in runs)},
@@ -186,7 +188,8 @@ def assemble(grid: Grid, runs: list[tuple[Run, dict[str, Any]]], args: argparse.
 def summary_line(data: dict[str, Any]) -> str:
     s = data["summary"]
     return (f"cells in scope: {s['in_scope']} of {s['cells']} (the rest: chat alone uses more than 1 - min_share "
-            f"of the device); met: {s['met']} of {s['in_scope']}; overloaded (the gauge said so): {s['overloaded']}")
+            f"of the device); met: {s['met']} of {s['in_scope']}; invalid (a run's requests sent too late, not "
+            f"judged): {s['invalid']}; overloaded (the gauge said so): {s['overloaded']}")
 
 
 def format_sweep_table(data: dict[str, Any]) -> str:
@@ -233,13 +236,15 @@ def write_heatmap(data: dict[str, Any], path: Path, ttft_ms: float) -> None:
         for c in (c for c in data["cells"] if c["rag_len"] == rag_len):
             i, j = chat_rates.index(c["chat_rate"]), rag_rates.index(c["rag_rate"])
             ratio = c["split_ttft_slo_ratio"]
-            if c["in_scope"] and ratio is not None:
+            if c["in_scope"] and c["send_lag_ok"] and ratio is not None:
                 values[i, j] = ratio
             text = "-" if ratio is None else f"{ratio:.2f}"
             if c["overloaded"]:
                 text += "\noverloaded"
                 ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, edgecolor="black", linewidth=2.5))
-            if c["in_scope"]:
+            if c["in_scope"] and not c["send_lag_ok"]:
+                text += "\ninvalid: send lag"
+            elif c["in_scope"]:
                 text += " \u2713" if c["cell_ok"] else " \u2717"
             else:
                 text += "\nout of scope"
@@ -256,5 +261,6 @@ def write_heatmap(data: dict[str, Any], path: Path, ttft_ms: float) -> None:
     s = data["summary"]
     fig.suptitle(f"bench isolation --sweep: {s['met']} of {s['in_scope']} cells in scope met "
                  f"({s['cells']} cells)\n\u2713 cell_ok, \u2717 a bar missed; hatched grey: out of scope "
-                 "(chat alone uses more than 1 - min_share of the device); black frame: overloaded", fontsize=9)
+                 "(chat alone uses more than 1 - min_share of the device); black frame: overloaded; invalid: "
+                 "a run's requests left too late (not judged, not coloured)", fontsize=9)
     fig.savefig(path, dpi=110)

@@ -14,15 +14,16 @@ every scenario (same seeds). Scenarios:
   the split layout without an SLO (each pool fills its own `max_num_batched_tokens`: plain chunked
   prefill, the behaviour before the step composer).
 
-Per scenario: chat TTFT and ITL p50/p99 (TTFT over every chat request sent: one that never got its
-first token counts as the time it waited until the run ended, a lower bound, so a pool that leaves
-chat unanswered shows it as its tail instead of dropping it), chat's ratio to chat alone,
-preemptions in chat's pool, rag tokens/s (the rag pool's `cliffguard_computed_tokens_total` per
-second between the first and the last scrape: prefill and decode tokens the engine computed for
-rag; in the shared pool, less the tokens of chat requests) and its ratio to rag alone. `--out DIR`
-writes `isolation.json` and `isolation.png` (chat TTFT/ITL CDFs per scenario, and chat p99 vs rag
-tokens/s). `--quick` runs the four main scenarios with short loads (under 3 minutes on a 2-core
-CPU), for a test.
+Per scenario: chat TTFT and ITL p50/p99 (TTFT over every chat request sent: one that never got its first
+token counts as the time it waited until the run ended, a lower bound, so a pool that leaves chat unanswered
+shows it as its tail instead of dropping it; ITL over every gap streamed to every chat request sent, one per
+token, finished or not: a stream cut off at the drain, timed out or failed keeps the slow gaps it saw), chat's
+ratio to chat alone, preemptions in chat's pool, rag tokens/s (the rag pool's `cliffguard_computed_tokens_total`
+per second between the first and the last successful scrape: prefill and decode tokens the engine computed for
+rag; in the shared pool, less the tokens of chat requests in that same window) and its ratio to rag alone, and
+the send lag (max, p99: how late the client sent the run's requests). `--out DIR` writes `isolation.json` and
+`isolation.png` (chat TTFT/ITL CDFs per scenario, and chat p99 vs rag tokens/s). `--quick` runs the four main
+scenarios with short loads (under 3 minutes on a 2-core CPU), for a test.
 
 Every pool file turns prefix caching off: the bench measures compute isolation, not caching (the
 prompts are random words, so a cache would find nothing anyway). The chunk-only row's chat pool says
@@ -47,7 +48,7 @@ from typing import Any
 
 from bench.live import LiveServer
 from bench.load.plan import LoadConfig, load_tokenizer, plan_requests
-from bench.load.report import LoadReport, counter_rate, latencies, tokens_done
+from bench.load.report import LoadReport, counter_rate, counter_window, latencies, send_lags, tokens_done
 from bench.load.run import run_load
 from engine.config import DEFAULT_MIN_SHARE
 from pools.workload import LengthDist, WorkloadClass, latency_stats
@@ -62,6 +63,7 @@ MIN_CHAT_REQUESTS = 100      # a chat load runs long enough for this many reques
 CHAT_REQUESTS_MARGIN = 1.3   # ... times this many expected: Poisson arrivals fall short of their mean (3 sigma)
 SPLIT_SLACK = 1.25           # split chat p99 TTFT may exceed chat alone's (+ itl_ms) by 25%, never the SLO
 BARS = ("split_ttft_ok", "split_itl_ok", "split_no_preemption", "rag_share_ok")
+MAX_SEND_LAG = 0.1           # a judged run's requests left at most this fraction of ttft_ms late (`send_lag_ok`)
 
 
 @dataclass(frozen=True)
@@ -226,9 +228,10 @@ async def server_slo(url: str, pool: str = "chat") -> list[float] | None:
 
 def summarize(scenario: Scenario, chat: LoadReport | None, rag: LoadReport | None,
               arrivals_s: float | None = None) -> dict[str, Any]:
-    """One run's numbers: chat's p50/p99s and counts, rag's tokens/s and answers, each pool's share of
-    the device's time during the arrivals (`arrivals_s`; the engine's step time divided among pools,
-    `cliffguard_pool_device_seconds_total`), and what `cliffguard_device_overloaded` said."""
+    """One run's numbers: chat's p50/p99s (TTFT: `chat_ttfts`; ITL: every gap of every chat request sent)
+    and counts, rag's tokens/s and answers, each pool's share of the device's time during the arrivals
+    (`arrivals_s`; the engine's step time divided among pools, `cliffguard_pool_device_seconds_total`),
+    what `cliffguard_device_overloaded` said, and the send lag (max, p99) of every request of the run."""
     result: dict[str, Any] = {"scenario": scenario.name, "layout": scenario.layout, "itl_ms": scenario.itl_ms}
     scrapes = (chat or rag).scrapes
     scraped = (chat or rag).totals["scrape"]["pools"]
@@ -239,21 +242,23 @@ def summarize(scenario: Scenario, chat: LoadReport | None, rag: LoadReport | Non
         for pool in ("chat", "rag"):
             result[f"{pool}_device_share"] = device_share(scrapes, pool, arrivals_s)
     result.update(overload_timeline(scrapes))
+    lag = latency_stats(send_lags(r for report in (chat, rag) if report is not None for r in report.records))
+    result.update(send_lag_max_s=lag["max"], send_lag_p99_s=lag["p99"])
     if chat is not None:
         s = chat.summary["chat"]
         ttfts = chat_ttfts(chat.records, chat.totals["duration_s"])
-        ttft = latency_stats(ttfts)
+        ttft, itls = latency_stats(ttfts), latencies(chat.records, "itl", completed_only=False)
+        itl = latency_stats(itls)
         result.update(chat_completed=s["completed"], chat_count=s["count"],
                       chat_unanswered=sum(r.sent_s is not None and r.ttft is None for r in chat.records),
                       ttft_p50=ttft["p50"], ttft_p99=ttft["p99"],
-                      itl_p50=s["itl"]["p50"], itl_p99=s["itl"]["p99"], ttft_samples=ttfts,
-                      itl_samples=latencies([r for r in chat.records if r.status == "ok"], "itl"))
+                      itl_p50=itl["p50"], itl_p99=itl["p99"], ttft_samples=ttfts, itl_samples=itls)
     if rag is not None:
         rag_pool = "shared" if scenario.layout == "shared" else "rag"
         computed, seconds = counter_rate(scrapes, rag_pool, "computed_tokens_total")
-        if scenario.layout == "shared" and chat is not None:   # the shared pool's tokens less chat's
-            first, last = (chat.scrapes[0].t_s, chat.scrapes[-1].t_s) if chat.scrapes else (0.0, 0.0)
-            computed -= sum(tokens_done(r, first, last) for r in chat.records)
+        window = counter_window(scrapes, rag_pool, "computed_tokens_total")
+        if scenario.layout == "shared" and chat is not None and window:   # less chat's tokens, same window
+            computed -= sum(tokens_done(r, window[0].t_s, window[1].t_s) for r in chat.records)
         result["rag_tokens_per_s"] = computed / seconds if seconds > 0 else None
         result["rag_completed"] = rag.summary["rag"]["completed"]
         result["rag_count"] = rag.summary["rag"]["count"]
@@ -311,15 +316,28 @@ def format_table(results: list[dict[str, Any]]) -> str:
         return "-" if v is None else f"{v:6.2f}x"
 
     lines = [f"{'scenario':<18} {'chat TTFT p50':>13} {'p99':>8} {'/alone':>7} {'ITL p50':>8} {'p99':>8} "
-             f"{'/alone':>7} {'chat preempt':>12} {'rag tok/s':>9} {'/alone':>7}",
-             f"{'':<18} {'(ms)':>13} {'(ms)':>8} {'':>7} {'(ms)':>8} {'(ms)':>8}"]
+             f"{'/alone':>7} {'chat preempt':>12} {'rag tok/s':>9} {'/alone':>7} {'send lag':>8}",
+             f"{'':<18} {'(ms)':>13} {'(ms)':>8} {'':>7} {'(ms)':>8} {'(ms)':>8} {'':>7} {'':>12} {'':>9} {'':>7} "
+             f"{'max (ms)':>8}"]
     for r in results:
         rag = r.get("rag_tokens_per_s")
         lines.append(f"{r['scenario']:<18} {ms(r.get('ttft_p50')):>13} {ms(r.get('ttft_p99')):>8} "
                      f"{x(r.get('ttft_p99_ratio')):>7} {ms(r.get('itl_p50')):>8} {ms(r.get('itl_p99')):>8} "
                      f"{x(r.get('itl_p99_ratio')):>7} {str(r.get('chat_preemptions')):>12} "
-                     f"{'-' if rag is None else f'{rag:9.1f}':>9} {x(r.get('rag_ratio')):>7}")
+                     f"{'-' if rag is None else f'{rag:9.1f}':>9} {x(r.get('rag_ratio')):>7} "
+                     f"{ms(r.get('send_lag_max_s')):>8}")
     return "\n".join(lines)
+
+
+def send_lag_bound(ttft_ms: float) -> float:
+    """The most a judged run's requests may leave late against their drawn arrivals (s): `MAX_SEND_LAG` (a
+    tenth) of the TTFT bar `ttft_ms`. Latency is timed from a request's actual send, so a wait before it
+    left is in no figure: a client starved of the CPU (the 2-core machine also runs the CPU server) sends
+    late just when the server is slow, and reads clean TTFTs (coordinated omission). A tenth of the bar
+    caps what a judged run can hide at a tenth of the SLO, less than repeats of one cell differ by on that
+    machine (docs/PERF.md: split p99 TTFT up to 40% apart between sweeps g and h), while a client that fell
+    behind by whole tenths of a second is caught."""
+    return MAX_SEND_LAG * ttft_ms / 1e3
 
 
 def judge(alone: dict[str, Any], split: dict[str, Any], rag_alone: dict[str, Any], *, ttft_ms: float,
@@ -329,15 +347,18 @@ def judge(alone: dict[str, Any], split: dict[str, Any], rag_alone: dict[str, Any
 
     - in scope by load: chat alone used at most 1 - min_share of the device's time (its device share,
       from the engine's step time), so rag's guaranteed share fits beside it;
+    - `send_lag_ok`: each of the three runs sent every request at most `send_lag_bound(ttft_ms)` after its
+      arrival (`send_lag_max_s`: each run's largest lag); else the load is invalid, not judged;
     - `split_ttft_ok`: split chat p99 TTFT <= min(ttft_ms, 1.25 x (chat alone p99 TTFT + itl_ms));
-    - `split_itl_ok`: split chat p99 ITL <= itl_ms (the SLO itself);
+    - `split_itl_ok`: split chat p99 ITL (every gap of every chat request sent) <= itl_ms (the SLO itself);
     - `split_no_preemption`: no preemption in chat's pool during the split run;
     - `rag_share_ok`: rag's device share during the split run's arrivals >= min(min_share, rag alone's),
       or rag computed at least the tokens/s it does alone (it had all the device time it could use: on
       a GPU whose steps are host-bound a decode beside chat's costs little, yet the step's time is
       divided among the pools by tokens, so a rag served in full can read a small share);
     - `enough_samples`: both chat runs sent at least `MIN_CHAT_REQUESTS` requests (else not met);
-    - `overloaded`: `cliffguard_device_overloaded` read 1 during the split run (marked, still judged)."""
+    - `overloaded`: `cliffguard_device_overloaded` read 1 during the split run (marked, still judged).
+    `cell_ok`: every bar met; None when out of scope or invalid."""
     ttft_s, itl_s = ttft_ms / 1e3, itl_ms / 1e3
 
     def at_most(value: float | None, bound: float | None) -> bool:
@@ -354,22 +375,32 @@ def judge(alone: dict[str, Any], split: dict[str, Any], rag_alone: dict[str, Any
                                                   or at_most(rag_tokens, rag_split))}
     enough = min(alone.get("chat_count") or 0, split.get("chat_count") or 0) >= MIN_CHAT_REQUESTS
     in_scope = alone_share is not None and alone_share <= 1 - min_share
+    lags = {name: run.get("send_lag_max_s") for name, run in (("chat alone", alone), ("split", split),
+                                                              ("rag alone", rag_alone))}
+    lag_ok = all((lag or 0.0) <= send_lag_bound(ttft_ms) for lag in lags.values())   # none sent: none late
+    judged = in_scope and lag_ok
     failed = [b for b in BARS if not bars[b]] + ([] if enough else ["enough_samples"])
     return {**bars, "enough_samples": enough, "in_scope": in_scope, "chat_alone_device_share": alone_share,
-            "rag_device_share_owed": owed, "split_ttft_bound_s": ttft_bound, "failed_bars": failed if in_scope else [],
-            "cell_ok": (not failed) if in_scope else None, "overloaded": split.get("overloaded_first_s") is not None,
+            "send_lag_ok": lag_ok, "send_lag_max_s": lags, "send_lag_bound_s": send_lag_bound(ttft_ms),
+            "rag_device_share_owed": owed, "split_ttft_bound_s": ttft_bound, "failed_bars": failed if judged else [],
+            "cell_ok": (not failed) if judged else None, "overloaded": split.get("overloaded_first_s") is not None,
             "split_ttft_slo_ratio": None if split_ttft is None else split_ttft / ttft_s,
             "rag_ratio": rag_split / rag_tokens if rag_split is not None and rag_tokens else None,
             "ttft_ms": ttft_ms, "itl_ms": itl_ms}
 
 
 def verdict_text(cell: dict[str, Any]) -> str:
-    """`met`, `NOT met: ttft, rag share`, or `out of scope (...)`; `[overloaded]` where the gauge said so."""
+    """`met`, `NOT met: ttft, rag share`, `out of scope (...)` or `invalid: send lag ...` (the client fell
+    behind its arrivals: its latencies are not judged); `[overloaded]` where the gauge said so."""
     mark = " [overloaded]" if cell.get("overloaded") else ""
     if not cell["in_scope"]:
         share = cell.get("chat_alone_device_share")
         return ("out of scope (chat alone uses " + ("?" if share is None else f"{share:.0%}")
                 + " of the device)" + mark)
+    if not cell.get("send_lag_ok", True):
+        late = ", ".join(f"{name} {1000 * lag:.0f} ms" for name, lag in cell["send_lag_max_s"].items()
+                         if (lag or 0.0) > cell["send_lag_bound_s"])
+        return f"invalid: send lag over {1000 * cell['send_lag_bound_s']:.0f} ms ({late}), not judged" + mark
     if cell["cell_ok"]:
         return "met" + mark
     short = {"split_ttft_ok": "ttft", "split_itl_ok": "itl", "split_no_preemption": "preempt",
@@ -378,7 +409,8 @@ def verdict_text(cell: dict[str, Any]) -> str:
 
 
 def verdict(results: list[dict[str, Any]]) -> list[str]:
-    """The point's verdict (`judge`, against the SLO the split server ran with), and the shared pool's cliff."""
+    """The point's verdict (`judge`, against the SLO the split server ran with), and the shared pool's cliff;
+    a run whose requests left too late (`send_lag_bound`) leaves its bars `not judged`."""
     by = {r["scenario"]: r for r in results}
     split, shared = by["split"], by["shared"]
     ttft_ms, itl_ms = split.get("slo_ms") or [1000.0, split.get("itl_ms") or 100.0]
@@ -386,13 +418,20 @@ def verdict(results: list[dict[str, Any]]) -> list[str]:
     lines = [f"verdict: {verdict_text(cell)} (slo ttft {ttft_ms:g} ms, itl {itl_ms:g} ms; chat alone used "
              + ("?" if cell["chat_alone_device_share"] is None else f"{cell['chat_alone_device_share']:.0%}")
              + " of the device)"]
+    lags = ", ".join(f"{name} {'-' if lag is None else f'{1000 * lag:.0f}'}"
+                     for name, lag in cell["send_lag_max_s"].items())
+    lines.append(f"{'met' if cell['send_lag_ok'] else 'NOT met'}: every request sent within "
+                 f"{1000 * cell['send_lag_bound_s']:g} ms of its arrival (send lag max ms: {lags})")
     names = {"split_ttft_ok": "split chat p99 TTFT <= min(ttft_ms, 1.25 x (alone + itl_ms))",
              "split_itl_ok": "split chat p99 ITL <= itl_ms", "split_no_preemption": "split: 0 chat preemptions",
              "rag_share_ok": "split rag device share >= min(min_share, rag alone's)",
              "enough_samples": f"at least {MIN_CHAT_REQUESTS} chat requests per run"}
-    lines += [f"{'met' if cell[b] else 'NOT met'}: {text}" for b, text in names.items()]
+    lines += [f"{('met' if cell[b] else 'NOT met') if cell['send_lag_ok'] else 'not judged'}: {text}"
+              for b, text in names.items()]
     cliff = shared.get("ttft_p99_ratio", 0) >= 5 or (shared.get("chat_preemptions") or 0) > 0
-    lines.append(f"{'met' if cliff else 'NOT met'}: shared shows the cliff (chat p99 TTFT >= 5x alone, or preemptions)")
+    shared_late = (shared.get("send_lag_max_s") or 0.0) > cell["send_lag_bound_s"]
+    lines.append(f"{'not judged' if shared_late else 'met' if cliff else 'NOT met'}: shared shows the cliff "
+                 "(chat p99 TTFT >= 5x alone, or preemptions)")
     return lines
 
 

@@ -25,11 +25,14 @@ LATENCIES = ("ttft", "itl", "tpot", "e2e")
 
 # --- summaries ---------------------------------------------------------------------------------------------
 
-def latencies(records: Iterable[RequestRecord], metric: str) -> list[float]:
-    """The completed requests' values of one of `LATENCIES` (ITL: every gap of every request)."""
+def latencies(records: Iterable[RequestRecord], metric: str, *, completed_only: bool = True) -> list[float]:
+    """The values of one of `LATENCIES` (ITL: every gap of every request, one per token) over the completed
+    requests, or with `completed_only` False over every request that measured one: the gaps a cancelled,
+    timed-out or failed stream did stream count too (its slow tail), and its TTFT once its first token came
+    (e2e and TPOT exist only for completed requests)."""
     out: list[float] = []
     for r in records:
-        if r.status != "ok":
+        if completed_only and r.status != "ok":
             continue
         if metric == "itl":
             out += r.itl
@@ -39,9 +42,11 @@ def latencies(records: Iterable[RequestRecord], metric: str) -> list[float]:
 
 
 def class_summary(records: Sequence[RequestRecord], duration_s: float, goodput: Goodput | None) -> dict[str, Any]:
-    """Counts, latency stats (s, `latency_stats` of each of LATENCIES), tokens, throughput over the run
-    (completed requests and their output tokens per second of `duration_s`), the pools that answered, the
-    most common errors, and goodput: good requests per second and `fraction` = good / all requests."""
+    """Counts, latency stats of the completed requests (s, `latency_stats` of each of LATENCIES: a request
+    cut off, timed out or failed counts in `unfinished` or `errors`, not in the percentiles), tokens,
+    throughput over the run (completed requests and their output tokens per second of `duration_s`), the
+    pools that answered, the most common errors, and goodput: good requests per second and `fraction` =
+    good / all requests."""
     done = [r for r in records if r.status == "ok"]
     output_tokens = sum(r.num_output_tokens for r in done)
     summary: dict[str, Any] = {
@@ -162,9 +167,10 @@ def replica_summary(scrapes: Iterable[ScrapeSample]) -> dict[str, dict[str, floa
 class LoadReport:
     """The outcome of `run_load`: plain data, times in seconds.
 
-    `summary[class]`: `class_summary` (the probe class too, under `probe`); `totals`: the run as a whole
-    (every class) plus `scrape` (`scrape_summary`) and `send_lag_s` (how late requests left against their
-    drawn arrival: the client's own overload shows here); `records`/`scrapes`: the raw measurements;
+    `summary[class]`: `class_summary` (its latency percentiles over the completed requests; the probe
+    class too, under `probe`); `totals`: the run as a whole (every class) plus `scrape` (`scrape_summary`)
+    and `send_lag_s` (stats of `send_lags`, how late requests left against their drawn arrival: the
+    client's own overload shows here, hidden from the latencies); `records`/`scrapes`: the raw measurements;
     `rate_phases`: (rate req/s, seconds) of each phase when the arrival rate followed phases
     (`bench.load.run.RatePhase`), else empty.
     """
@@ -206,18 +212,32 @@ def build_report(config: LoadConfig, model: str, records: Sequence[RequestRecord
                                           "prompt_tokens", "request_throughput", "output_throughput", "replicas")}
     totals["token_throughput"] = (whole["prompt_tokens"] + whole["output_tokens"]) / duration_s
     totals.update(duration_s=duration_s, last_arrival_s=max((r.scheduled_s for r in records), default=0.0),
-                  send_lag_s=latency_stats([r.sent_s - r.scheduled_s for r in records if r.sent_s is not None]),
+                  send_lag_s=latency_stats(send_lags(records)),
                   scrape=scrape_summary(scraper, config.scrape_url))
     return LoadReport(config, model, summary, totals, tuple(records), tuple(scraper.samples if scraper else ()),
                       tuple((float(rate), float(seconds)) for rate, seconds in rate_phases))
 
 
-def counter_rate(scrapes, pool: str, key: str) -> tuple[float, float]:
-    """(increase of a pool's counter, seconds) between the first and the last successful scrape."""
+def send_lags(records: Iterable[RequestRecord]) -> list[float]:
+    """How late each sent request left against its drawn arrival (s). Latency is timed from the actual
+    send, so a client too busy to send on time hides that wait from every figure (coordinated omission)."""
+    return [r.sent_s - r.scheduled_s for r in records if r.sent_s is not None]
+
+
+def counter_window(scrapes, pool: str, key: str) -> tuple[ScrapeSample, ScrapeSample] | None:
+    """The first and the last successful scrape that read a pool's counter; None with fewer than two.
+    `counter_rate`'s window: what is compared with its increase must be counted between the same two."""
     ok = [s for s in scrapes if s.error is None and key in s.pools.get(pool, {})]
-    if len(ok) < 2:
+    return (ok[0], ok[-1]) if len(ok) >= 2 else None
+
+
+def counter_rate(scrapes, pool: str, key: str) -> tuple[float, float]:
+    """(increase of a pool's counter, seconds) over its `counter_window`; (0, 0) without one."""
+    window = counter_window(scrapes, pool, key)
+    if window is None:
         return 0.0, 0.0
-    return ok[-1].pools[pool][key] - ok[0].pools[pool][key], ok[-1].t_s - ok[0].t_s
+    first, last = window
+    return last.pools[pool][key] - first.pools[pool][key], last.t_s - first.t_s
 
 
 def tokens_done(record, first: float, last: float) -> int:
@@ -426,7 +446,8 @@ def format_report(report: LoadReport) -> str:
                   f"  {s['request_throughput']:.2f} req/s, {s['output_throughput']:.1f} output tok/s"
                   + ("" if s["goodput"] is None else f"; goodput {s['goodput']['requests_per_s']:.2f} req/s "
                      f"({100 * (s['goodput']['fraction'] or 0):.1f}% of requests good)"),
-                  f"  {'ms':<6}" + "".join(f"{k:>10}" for k in ("mean", "p50", "p90", "p99", "max"))]
+                  f"  {'ms':<6}" + "".join(f"{k:>10}" for k in ("mean", "p50", "p90", "p99", "max"))
+                  + "   (completed requests)"]
         for metric in LATENCIES:
             lines.append(f"  {metric.upper():<6}" + "".join(f"{_ms(s[metric][k]):>10}"
                                                            for k in ("mean", "p50", "p90", "p99", "max")))

@@ -110,8 +110,11 @@ class RequestRecord:
 
     @property
     def itl(self) -> list[float]:
-        """Gaps between consecutive content chunks, each divided by the tokens of the later chunk."""
-        return [(b - a) / n for a, b, n in zip(self.chunk_s, self.chunk_s[1:], self.chunk_tokens[1:])]
+        """One gap per output token after the first (`LoadConfig.continuous_usage`): a chunk that carried n
+        tokens `wait` s after the one before counts as n gaps of wait / n, so a stall that delivered n tokens
+        at once weighs in the percentiles as the n tokens it delayed, not as one."""
+        return [(b - a) / n for a, b, n in zip(self.chunk_s, self.chunk_s[1:], self.chunk_tokens[1:])
+                for _ in range(n)]
 
     @property
     def num_output_tokens(self) -> int:

@@ -7,20 +7,27 @@ heat map, and a `--sweep --quick` run end to end (two servers, seven runs)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
 
-from bench.isolation.scenarios import (BARS, CHAT, add_ratios, format_table, judge, load_config as load_config_of, pools_yaml,
-                             scenarios, verdict, verdict_text)
+from bench.isolation.scenarios import (BARS, CHAT, RAG, Scenario, add_ratios, format_table, judge,
+                                       load_config as load_config_of, pools_yaml, scenarios, summarize, verdict,
+                                       verdict_text)
 from bench.isolation.grid import (Grid, assemble, format_sweep_table, plan_runs, summary_line, sweep_grid,
                                   sweep_pool_files, write_heatmap)
 from bench.isolation import add_arguments, pending_work
+from bench.load.plan import LoadConfig
+from bench.load.report import build_report
+from bench.load.scrape import ScrapeSample
+from bench.load.sender import RequestRecord
 from gateway.cli import main
 from pools.capacity_plan import plan_capacity
 from pools.model_configs import resolve_model_configs
 from pools.config.yaml_file import load_config
 from pools.config.checks import load_yaml
+from pools.workload import latency_stats
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -84,6 +91,73 @@ def test_a_chat_request_never_answered_counts_as_its_wait_not_as_nothing():
     waiting = RequestRecord(2, "chat", "chat", 3.0, 10, 8, sent_s=3.0, status="unfinished", error="in flight")
     never_sent = RequestRecord(3, "chat", "chat", 29.0, 10, 8)
     assert chat_ttfts([answered, streaming, waiting, never_sent], run_seconds=30.0) == [0.3, 5.0, 27.0]
+
+
+def _make_chat_record(index: int, chunk_s: list[float], status: str = "ok", late_s: float = 0.0) -> RequestRecord:
+    """A chat request drawn at `index` s, sent `late_s` after, whose one-token chunks came `chunk_s` after."""
+    r = RequestRecord(index, "chat", "chat", float(index), 60, 32, sent_s=index + late_s, status=status,
+                      error=None if status == "ok" else "cut off")
+    r.chunk_s, r.chunk_tokens, r.end_s = list(chunk_s), [1] * len(chunk_s), index + late_s + chunk_s[-1]
+    return r
+
+
+def _make_report(records: list[RequestRecord], cls=CHAT, scrapes: tuple = ()):
+    config = LoadConfig(url="http://127.0.0.1:1", classes=(cls,), duration=150.0, scrape=False)
+    return dataclasses.replace(build_report(config, "m", records, None, 165.0), scrapes=scrapes)
+
+
+def test_chat_itl_counts_the_gaps_of_every_chat_request_sent():
+    """140 streams at 20 ms a token, 10 at 1 s a token cut off at the drain, 2 failed mid-stream: the ITL
+    verdict sees the slow streams' gaps (as TTFT counts every request sent); `bench serve`'s per-class
+    summary stays over the completed requests, as it says."""
+    records = [_make_chat_record(i, [0.2 + 0.02 * k for k in range(32)]) for i in range(140)]
+    records += [_make_chat_record(140 + j, [0.2 + 1.0 * k for k in range(15)], "unfinished") for j in range(10)]
+    records += [_make_chat_record(150 + j, [0.2, 0.22, 2.22], "error") for j in range(2)]
+    result = summarize(Scenario("split", "split", True, False, 100.0), _make_report(records), None)
+    gaps = [gap for r in records for gap in r.itl]
+    assert len(result["itl_samples"]) == len(gaps) == 140 * 31 + 10 * 14 + 2 * 2
+    assert result["itl_p99"] == pytest.approx(latency_stats(gaps)["p99"]) and result["itl_p99"] > 0.9
+    cell = _judge(_run(0.2, 0.02), {**result, "chat_preemptions": 0, "rag_device_share": 0.5},
+                  _run(rag=10.0, rag_share=0.5))
+    assert cell["failed_bars"] == ["split_itl_ok"]
+    assert _make_report(records).summary["chat"]["itl"]["p99"] == pytest.approx(0.02)
+
+
+def test_shared_rag_tokens_subtract_chat_tokens_of_the_counter_window():
+    """The first scrape failed: the counter's window is 1..11 s; chat's tokens (all before 1 s) are outside it,
+    so every counted token is rag's."""
+    def scrape(t: float, computed: float) -> ScrapeSample:
+        return ScrapeSample(t, 0.01, {"shared": {"computed_tokens_total": computed, "num_preemptions_total": 0.0}})
+
+    scrapes = (ScrapeSample(0.0, 10.0, {}, "TimeoutError: "), scrape(1.0, 100.0), scrape(11.0, 1100.0))
+    chat = _make_report([_make_chat_record(0, [0.4 + 0.04 * k for k in range(10)])], scrapes=scrapes)
+    result = summarize(Scenario("shared", "shared", True, True), chat, _make_report([], RAG))
+    assert result["rag_tokens_per_s"] == pytest.approx(100.0)
+
+
+def test_send_lag_makes_a_run_invalid_not_judged():
+    """Requests that left 3 s late read TTFTs of 50 ms; the run carries its send lag, and the verdict calls the
+    load invalid rather than met (a tenth of ttft_ms: 100 ms), at the point and in a sweep's cell."""
+    late = [_make_chat_record(i, [0.05, 0.07], late_s=3.0) for i in range(150)]
+    result = summarize(Scenario("split", "split", True, False, 100.0), _make_report(late), None)
+    assert result["send_lag_max_s"] == pytest.approx(3.0) and result["send_lag_p99_s"] == pytest.approx(3.0)
+    alone, base = _run(0.4, 0.05), _run(rag=100.0, rag_share=0.9)
+    split = {**_run(0.05, 0.02, rag_share=0.3), "send_lag_max_s": result["send_lag_max_s"]}
+    cell = _judge(alone, split, base)
+    assert not cell["send_lag_ok"] and cell["in_scope"] and cell["cell_ok"] is None and cell["failed_bars"] == []
+    assert verdict_text(cell) == "invalid: send lag over 100 ms (split 3000 ms), not judged"
+    on_time = _judge(alone, {**split, "send_lag_max_s": 0.099}, {**base, "send_lag_max_s": 0.01})
+    assert on_time["send_lag_ok"] and on_time["cell_ok"] is True
+    assert not _judge({**alone, "send_lag_max_s": 0.2}, {**split, "send_lag_max_s": 0.0}, base)["send_lag_ok"]
+    results = [{**alone, "scenario": "chat alone"}, {**base, "scenario": "rag alone"},
+               {**split, "scenario": "split", "slo_ms": [1000, 100]},
+               {**_run(4.0, 2.0), "scenario": "shared", "send_lag_max_s": 0.01}]
+    add_ratios(results)
+    lines = verdict(results)
+    assert lines[0].startswith("verdict: invalid: send lag over 100 ms (split 3000 ms)")
+    assert lines[1].startswith("NOT met: every request sent within 100 ms of its arrival")
+    assert all(line.startswith("not judged: ") for line in lines[2:-1]) and lines[-1].startswith("met: shared")
+    assert "3000" in format_table(results).splitlines()[4]
 
 
 def test_quick_run_end_to_end(tmp_path, capsys):
@@ -244,6 +318,8 @@ def _made_up_runs(grid: Grid) -> list:
         r = {"server_url": f"http://127.0.0.1:{1 if run.layout == 'split' else 2}", "wall_s": 30.0,
              "idle_wait_s": 0.5, "idle_before": True, "chat_preemptions": 0, "overloaded_first_s": None}
         flood = run.rag_rate == 0.4 and run.rag_len == 3000
+        r["send_lag_max_s"] = 0.25 if (run.kind, run.chat_rate, run.rag_rate, run.rag_len) == (
+            "split", 0.5, 0.1, 1500) else 0.002      # the client fell behind in one split run
         if run.chat_rate:
             ttft = 0.3 + (0.5 if run.kind == "split" and flood else 0)
             r.update(ttft_p99=8.0 if run.kind == "shared" else ttft, chat_count=120,
@@ -263,13 +339,18 @@ def test_sweep_table_summary_and_heatmap(tmp_path):
     data = assemble(grid, _made_up_runs(grid), args)
     cells = data["cells"]
     assert len(cells) == 18 and len(data["baselines"]["chat_alone"]) == 3 and len(data["baselines"]["rag_alone"]) == 6
-    assert data["summary"] == {"cells": 18, "in_scope": 12, "met": 10, "overloaded": 3, "runs": 45, "servers": 2,
-                               "runs_s": 45 * 30.5}
-    assert [c["verdict"] for c in cells if c["in_scope"] and not c["cell_ok"]] == ["NOT met: ttft [overloaded]"] * 2
+    assert data["summary"] == {"cells": 18, "in_scope": 12, "met": 9, "invalid": 1, "overloaded": 3, "runs": 45,
+                               "servers": 2, "runs_s": 45 * 30.5}
+    assert [c["verdict"] for c in cells if c["in_scope"] and c["cell_ok"] is False] == [
+        "NOT met: ttft [overloaded]"] * 2
+    assert [c["verdict"] for c in cells if c["in_scope"] and c["cell_ok"] is None] == [
+        "invalid: send lag over 100 ms (split 250 ms), not judged"]
     assert summary_line(data) == ("cells in scope: 12 of 18 (the rest: chat alone uses more than 1 - min_share of the "
-                                  "device); met: 10 of 12; overloaded (the gauge said so): 3")
+                                  "device); met: 9 of 12; invalid (a run's requests sent too late, not judged): 1; "
+                                  "overloaded (the gauge said so): 3")
     table = format_sweep_table(data)
     assert len(table.splitlines()) == 19 and "out of scope" in table and "NOT met: ttft" in table
+    assert "invalid: send lag" in table
     write_heatmap(data, tmp_path / "sweep.png", 1000)
     assert (tmp_path / "sweep.png").read_bytes()[:8] == PNG
 
@@ -316,8 +397,9 @@ def test_sweep_quick_end_to_end(tmp_path, capsys):
         split, shared = cell["runs"]["split"], cell["runs"]["shared"]
         base = alone[cell["chat_rate"]]
         assert all(isinstance(cell[b], bool) for b in BARS) and cell["cell_ok"] in (True, False, None)
-        assert (cell["cell_ok"] is None) == (not cell["in_scope"])
-        assert "enough_samples" in cell["failed_bars"] or not cell["in_scope"]     # --quick: too few to judge
+        judged = cell["in_scope"] and cell["send_lag_ok"]
+        assert (cell["cell_ok"] is None) == (not judged)
+        assert "enough_samples" in cell["failed_bars"] or not judged     # --quick: too few to judge
         # the same chat arrivals alone, split and shared; the same rag arrivals alone and in the cell
         assert base["chat_seed"] == split["chat_seed"] == shared["chat_seed"] == cell["chat_seed"]
         assert base["chat_count"] == split["chat_count"] == shared["chat_count"] > 0

@@ -282,13 +282,24 @@ def test_sse_lines_chunks_usage_and_error_chunks():
     c.add_chunk({"choices": [{"text": "x"}], "usage": {"prompt_tokens": 5, "completion_tokens": 1}}, 0.2)
     c.add_chunk({"choices": [{"text": "yz", "finish_reason": "length"}],
                  "usage": {"prompt_tokens": 5, "completion_tokens": 4}}, 0.5)
-    assert c.chunk_tokens == [1, 3] and c.itl == pytest.approx([0.1]) and c.finish_reason == "length"
+    assert c.chunk_tokens == [1, 3] and c.itl == pytest.approx([0.1] * 3) and c.finish_reason == "length"
 
     e = RequestRecord(2, "chat", "chat", 0.0, 8, 4)
     e.add_chunk({"error": {"message": "engine unavailable", "type": "server_error"}}, 0.3)
     assert e.status == "error" and "engine unavailable" in e.error
     assert error_message('{"error": {"message": "bad temperature"}}') == "bad temperature"
     assert error_message("<html>oops</html>") == "<html>oops</html>"
+
+
+def test_a_chunk_of_n_tokens_counts_as_n_gaps():
+    """29 one-token chunks 10 ms apart, then a 1 s stall that delivers 10 tokens in one chunk: 39 gaps, the
+    last 10 of 0.1 s each, so the p99 is the stall's 0.1 s (one gap of 0.1 s among 30 would read 74 ms)."""
+    r = RequestRecord(0, "chat", "chat", 0.0, 8, 40)
+    times, counts = [0.1 + 0.01 * i for i in range(30)] + [0.39 + 1.0], list(range(1, 31)) + [40]
+    for t, n in zip(times, counts):
+        r.add_chunk({"choices": [{"text": "a"}], "usage": {"completion_tokens": n}}, t)
+    assert len(r.itl) == r.num_output_tokens - 1 == 39
+    assert r.itl[-10:] == pytest.approx([0.1] * 10) and latency_stats(r.itl)["p99"] == pytest.approx(0.1)
 
 
 def test_continuous_usage_asks_for_the_usage_in_every_chunk():
