@@ -43,7 +43,8 @@ from gateway.openai import objects
 from gateway.openai.chat import ChatRequest, parse_chat
 from gateway.openai.errors import ApiError, bad_request, convert_body
 from gateway.openai.reasoning import reasoning_item
-from gateway.openai.responses_body import FunctionChoice, InputItem, InputPart, ResponsesBody, TextOptions
+from gateway.openai.responses_body import (FunctionChoice, InputItem, InputPart, ResponsesBody, TextOptions,
+                                           check_calls)
 from gateway.openai.tools import ToolCall
 from pools.config.gateway_spec import RequestLimits
 
@@ -57,6 +58,7 @@ class ResponsesRequest:
     store: bool = True                  # keep the Response (OpenAI's default), where the gateway has a store
     background: bool = False            # answer at once (queued), run it, keep the result
     previous_response_id: str | None = None
+    instructions: str | None = None     # the request's own (the Response echoes them; never an input item's)
 
 
 def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
@@ -97,7 +99,7 @@ def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
     parsed = dataclasses.replace(parsed, metadata=metadata, max_tokens_param="max_output_tokens",
                                  structured_param="text.format", prompt_param="input")
     return ResponsesRequest(parsed, prior + own, store=store, background=background,
-                            previous_response_id=req.previous_response_id)
+                            previous_response_id=req.previous_response_id, instructions=req.instructions)
 
 
 _ITEM_FIELDS = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
@@ -118,7 +120,8 @@ def _text(content: str | list[InputPart]) -> str:
 
 def _messages(req: ResponsesBody, earlier: list[InputItem]) -> list[dict[str, Any]]:
     """`instructions`, the earlier turns' items and `input` as chat messages (consecutive function calls
-    are one assistant turn). A bad item is named by its place in `input`."""
+    are one assistant turn). A bad item is named by its place in `input`; calls and their outputs must pair
+    (`check_calls`)."""
     messages = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
     own = [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     reasoning = None   # a reasoning item's text, for the assistant turn after it
@@ -145,6 +148,7 @@ def _messages(req: ResponsesBody, earlier: list[InputItem]) -> list[dict[str, An
         if reasoning is not None and messages[-1]["role"] == "assistant":
             messages[-1].setdefault("reasoning_content", reasoning)
         reasoning = None
+    check_calls(earlier + own)
     return messages
 
 
@@ -221,7 +225,7 @@ def response_object(asked: ResponsesRequest, response_id: str, created_at: float
         "id": response_id, "object": "response", "created_at": created_at, "status": status,
         "background": asked.background, "model": req.model, "output": output, "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": next((m["content"] for m in req.messages[:1] if m["role"] == "system"), None),
+        "instructions": asked.instructions,
         "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls,
         "temperature": req.params.temperature, "top_p": req.params.top_p,
         "max_output_tokens": req.params.max_tokens, "previous_response_id": asked.previous_response_id,

@@ -1,18 +1,24 @@
 """The Responses API's request body as `msgspec` structs (`ResponsesBody` and its items), read by
 `gateway.openai.responses.parse_responses`: a field of the wrong type, out of range or unknown is a 400
-naming it (`gateway.openai.errors.convert_body`)."""
+naming it (`gateway.openai.errors.convert_body`). Beside them, the rules on a conversation's items as a
+whole: each function call answered by its output and each output answering a call (`check_calls`, OpenAI's
+400s), and a kept item written back in a shape another Responses server takes as input (`relayed_item`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
 
+from gateway.openai import objects
+from gateway.openai.errors import ApiError
 from gateway.openai.reasoning import ReasoningOptions
 from gateway.openai.sampling_fields import Int64
 from gateway.openai.tool_specs import ToolMode
 
-__all__ = ["FunctionChoice", "FunctionTool", "InputItem", "InputPart", "ResponsesBody", "TextOptions"]
+__all__ = ["FunctionChoice", "FunctionTool", "InputItem", "InputPart", "ResponsesBody", "TextOptions", "check_calls",
+           "relayed_item"]
 
 
 class InputPart(msgspec.Struct):
@@ -86,3 +92,54 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     stream_options: Any = None
+
+
+def check_calls(items: Sequence[InputItem]) -> None:
+    """OpenAI's rule on a conversation's function calls (the earlier turns' items and the request's own, in
+    order, each with its `call_id`): every `function_call_output` answers a `function_call` before it, and
+    every `function_call` is answered by an output after it; else a 400 naming `input` in OpenAI's words.
+    Without it an output would become a tool turn that answers nothing, and a call the next turn ignores
+    an assistant turn whose result never comes: prompts no template renders as the model was trained."""
+    unanswered: dict[str, None] = {}   # call ids in order, until their output comes
+    called: set[str] = set()
+    for item in items:
+        if item.type == "function_call":
+            called.add(item.call_id)
+            unanswered[item.call_id] = None
+        elif item.type == "function_call_output":
+            if item.call_id not in called:
+                raise ApiError(400, f"No tool call found for function call output with call_id {item.call_id}.",
+                               param="input")
+            unanswered.pop(item.call_id, None)
+    if unanswered:
+        raise ApiError(400, f"No tool output found for function call {next(iter(unanswered))}.", param="input")
+
+
+def relayed_item(item: dict[str, Any]) -> dict[str, Any]:
+    """A kept input item (the fields the API reads, no `id` nor `status`: `responses._kept`, an earlier
+    output item taken back) as an upstream Responses server takes it in `input` (the openai package's
+    `ResponseInputItemParam`, which vLLM's request model reads): an assistant message's text as one string
+    (as this gateway's own prompt joins it), another message's parts as `input_text`, a call's output as
+    text or `input_text` parts, a reasoning item with the `id` and `summary` its type requires."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        content = item["content"]
+        if item["role"] == "assistant":
+            return {"type": "message", "role": "assistant", "content": _joined(content)}
+        return {"type": "message", "role": item["role"], "content": _input_parts(content)}
+    if kind == "function_call_output":
+        return {**item, "output": _input_parts(item["output"])}
+    if kind == "reasoning":
+        content = item.get("content") or []
+        texts = [content] if isinstance(content, str) else [part["text"] for part in content]
+        return {"type": "reasoning", "id": item.get("id") or objects.new_id("rs"), "summary": [],
+                "content": [{"type": "reasoning_text", "text": text} for text in texts]}
+    return item   # a function_call: its call_id, name and arguments are the input shape
+
+
+def _joined(content: str | list[dict[str, Any]]) -> str:
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
+
+
+def _input_parts(content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    return content if isinstance(content, str) else [{"type": "input_text", "text": part["text"]} for part in content]

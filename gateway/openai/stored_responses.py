@@ -11,17 +11,22 @@ client that read it may fetch it or continue from it at once. Kept as long as
 `previous_response_id` continues a kept conversation: its input items and its output items come
 before the request's own input (the instructions are the request's own, as OpenAI's), so the prompt
 starts as the last one did and the prefix cache reuses its blocks. An unknown (or another key's)
-id, or one still running, is a 400 naming `previous_response_id`.
+id, one still running, or one that failed or was cancelled before it had any output (its input never
+ran: continuing it would carry that input on, turn after turn) is a 400 naming `previous_response_id`.
 
-`background: true` answers at once with the Response `queued`, then runs it as any request of the
-key's tenant (credits, priority, routing) and keeps each change of status; GET polls it. `cancel`
+`background: true` is routed and checked as a foreground request is (an unknown model, a prompt over
+the context, a grammar that cannot be enforced: the same 4xx, nothing kept), then answered at once with
+the Response `queued`, run as any request of the key's tenant (credits, priority, routing) and each
+change of status kept; GET polls it (streaming it, `stream` or `starting_after`, is a 400). `cancel`
 stops one queued or in progress (its engine request is aborted, its KV freed) and leaves it
 `cancelled`; a finished one is returned as it is; one not run in the background is a 400. A
 background response queued or in progress when the gateway stops is run again when it starts.
 
 Without a data dir (an in-process app) nothing is kept: `store` left out is answered with
 `store: false`, and `store: true`, `background` and `previous_response_id` are 400s naming them.
-Responses answered by an upstream pool are relayed, not kept here (`store: false` is sent on).
+Responses answered by an upstream pool are relayed, not kept here (`store: false` is sent on), the earlier
+turns' items in the input shape another server reads (`relayed_item`); a background one's Response is kept
+with the gateway's own `id`, `created_at`, `background`, `store`, `previous_response_id` and `metadata`.
 """
 
 from __future__ import annotations
@@ -40,11 +45,14 @@ from aiohttp import web
 from gateway.openai import objects
 from gateway.admission import bearer_key
 from gateway.batch.execution import MAX_STORE_ATTEMPTS, RETRY_FIRST_S, RETRY_MAX_S
-from gateway.completion import Completion
+from gateway.completion import Completion, with_grammar
 from gateway.handlers import read_json
 from gateway.openai.chat import ChatRequest
 from gateway.openai.errors import ApiError, bad_request, storage_unavailable
+from gateway.openai.reasoning import think_mode
 from gateway.openai.responses import ResponsesAnswer, ResponsesRequest, parse_responses, renamed, response_object
+from gateway.openai.responses_body import relayed_item
+from gateway.openai.sampling_fields import check_context
 from gateway.runtime import GATEWAY, Gateway
 from pools.pool import Pool
 from pools.store.batch_store import STORAGE_ERRORS
@@ -159,7 +167,7 @@ class KeptResponses:
             final = {**stored.response, "status": "failed",
                      "error": {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}}
         try:
-            await self.durable(self.store.update, {**final, "id": stored.id}, unless=("cancelled",))
+            await self.durable(self.store.update, _ours(final, stored.response), unless=("cancelled",))
         except ApiError as exc:
             log.error("%s: its end could not be kept: %s", stored.id, exc.message)
         except Exception:   # noqa: BLE001 - logged; the run must not end as a task error nobody reads
@@ -210,6 +218,17 @@ def _finished(answer: Any) -> dict[str, Any]:
     return answer
 
 
+# what a kept background Response says as the request asked it, whatever the pool that ran it answered
+_OWN_FIELDS = ("id", "created_at", "background", "store", "previous_response_id", "metadata")
+
+
+def _ours(final: dict[str, Any], queued: dict[str, Any]) -> dict[str, Any]:
+    """A background run's end as it is kept: the gateway's own values (`queued`, the Response made when it was
+    queued) over those of the Response that answered. An upstream pool answers its own object, of the relayed
+    body (no background, no previous_response_id, store false), made at its own time and with its own id."""
+    return {**final, **{key: queued[key] for key in _OWN_FIELDS}}
+
+
 RESPONSES = web.AppKey("responses", KeptResponses)
 
 
@@ -251,10 +270,12 @@ def _kept(request: web.Request, param: str) -> KeptResponses:
 
 
 def _relayed(body: dict[str, Any], asked: ResponsesRequest) -> dict[str, Any]:
-    """The body an upstream pool gets: the whole conversation as input, nothing for it to keep or look up."""
+    """The body an upstream pool gets: the whole conversation as input (the earlier turns' kept items in the
+    input shape it reads, `relayed_item`), nothing for it to keep or look up."""
     relayed = {k: v for k, v in body.items() if k not in ("previous_response_id", "background")}
     own = body["input"] if isinstance(body.get("input"), list) else [asked.items[-1]]   # the client's own, as sent
-    return {**relayed, "input": asked.items[:len(asked.items) - len(own)] + own, "store": False}
+    earlier = [relayed_item(item) for item in asked.items[:len(asked.items) - len(own)]]
+    return {**relayed, "input": earlier + own, "store": False}
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
@@ -273,6 +294,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                 _kept(request, key)
         asked = dataclasses.replace(asked, store=False)
     if asked.background:
+        await _checked(gateway, asked.chat)   # refused now as a foreground request is, not kept `failed`
         return web.json_response(await kept.queue(asked, body, owner=owner, tenant=tenant))
     keep = None
     if asked.store:
@@ -291,6 +313,18 @@ async def _routed(gateway: Gateway, req: ChatRequest) -> tuple[Pool, list[int]]:
         raise renamed(err) from None
 
 
+async def _checked(gateway: Gateway, req: ChatRequest) -> None:
+    """A background request refused before it is kept, as `Completion` refuses a foreground one before it
+    runs: routing (an unknown model is a 404, a prompt no pool's context holds a 400), the room left for
+    `max_output_tokens` in the pool's context, and on a local pool the grammar on the reply. Its run routes
+    again (a restart runs it from the kept request)."""
+    pool, ids = await _routed(gateway, req)
+    check_context(req, len(ids), pool.max_model_len, pool.name)
+    if not pool.is_upstream:
+        constrained = with_grammar(req, pool, think_mode(pool.tokenizer, ids, req.tools is not None))
+        await gateway.check_grammar(constrained.params.structured, constrained.structured_param)
+
+
 async def _prior(request: web.Request, body: Any, owner: str) -> list[dict[str, Any]]:
     """The input and output items of the conversation `previous_response_id` names (none without one)."""
     previous = body.get("previous_response_id") if isinstance(body, dict) else None
@@ -305,6 +339,9 @@ async def _prior(request: web.Request, body: Any, owner: str) -> list[dict[str, 
     if stored.status not in FINISHED:
         raise bad_request("previous_response_id", f"response {previous!r} is {stored.status}; continue from a "
                           "finished one")
+    if stored.status in ("failed", "cancelled") and not stored.response["output"]:
+        raise bad_request("previous_response_id", f"response {previous!r} was {stored.status} before it had any "
+                          "output, so it has no turn to continue; send its input again instead")
     return stored.items + [_as_input(item) for item in stored.response["output"]]
 
 
@@ -317,6 +354,14 @@ def _as_input(item: dict[str, Any]) -> dict[str, Any]:
 
 
 async def retrieve_response(request: web.Request) -> web.Response:
+    """`GET /v1/responses/{id}`: the Response as it stands. Its stream (`stream=true`, resumed after
+    `starting_after`) is not served: a 400 naming the parameter, which the openai SDK raises, rather than a
+    JSON body its stream reader would read as no events at all."""
+    for param in ("stream", "starting_after"):
+        value = request.query.get(param)
+        if value is not None and (param == "starting_after" or value.lower() != "false"):
+            raise bad_request(param, "streaming a kept response (or resuming its stream) is not served here; "
+                              "GET it without stream and poll until its status is final")
     kept = _kept(request, "response_id")
     return web.json_response((await kept.found(request.match_info["response_id"], _owner(request))).response)
 

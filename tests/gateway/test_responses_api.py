@@ -226,3 +226,44 @@ def test_text_around_a_call_is_the_same_items_streamed_or_whole_however_the_repl
         assert _items(pieces, stream=True, finish=finish) == whole, pieces
     assert _items(["\n" + call], stream=True, finish=finish) == _items(["\n" + call], stream=False, finish=finish) \
         == whole[1:2]
+
+
+def test_calls_and_their_outputs_pair_as_openai_requires() -> None:
+    """An output answers a call before it, this turn's or a kept earlier turn's; a call is answered by an output
+    after it. Else OpenAI's 400 naming `input` (an output answering nothing became a tool turn of its own, a
+    call left unanswered an assistant turn whose result never came)."""
+    from gateway.openai.errors import ApiError
+    from gateway.openai.responses import parse_responses
+
+    asked = {"type": "message", "role": "user", "content": "Weather in Paris?"}
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}
+    body = {"model": MODEL, "tools": [WEATHER]}
+    for items, prior in (([asked, call, output], []), ([output], [asked, call])):
+        roles = [m["role"] for m in parse_responses({**body, "input": items}, prior=prior).chat.messages]
+        assert roles == ["user", "assistant", "tool"]
+    no_call, no_output = "No tool call found for function call output with call_id {}.", \
+        "No tool output found for function call {}."
+    for items, prior, message in (
+            ([asked, {**output, "call_id": "call_2"}], [], no_call.format("call_2")),
+            ([asked, output, call], [], no_call.format("call_1")),                       # the output before its call
+            ([{**output, "call_id": "call_9"}], [asked, call], no_call.format("call_9")),
+            ([asked, call, {"role": "user", "content": "Never mind."}], [], no_output.format("call_1")),
+            ("Never mind.", [asked, call], no_output.format("call_1"))):               # the kept turn's call
+        with pytest.raises(ApiError) as info:
+            parse_responses({**body, "input": items}, prior=prior)
+        assert (info.value.status, info.value.param, info.value.message) == (400, "input", message), items
+
+
+def test_the_response_says_the_requests_own_instructions_never_a_system_message_of_its_input() -> None:
+    from gateway.openai.responses import parse_responses, response_object
+
+    system = {"role": "system", "content": "From the input."}
+    first = parse_responses({"model": MODEL, "input": [system, {"role": "user", "content": "Hi."}]})
+    later = parse_responses({"model": MODEL, "input": "Again."},
+                            prior=first.items + [{"type": "message", "role": "assistant", "content": "Hello."}])
+    own = parse_responses({"model": MODEL, "instructions": "Be terse.", "input": "Hi."},
+                          prior=first.items + [{"type": "message", "role": "assistant", "content": "Hello."}])
+    assert [response_object(asked, "resp_1", 0.0, "completed", [])["instructions"] for asked in (first, later, own)] \
+        == [None, None, "Be terse."]
+    assert own.chat.messages[:2] == [{"role": "system", "content": "Be terse."}, system]

@@ -1,7 +1,9 @@
 """Kept responses through the unchanged `openai` SDK against a live `cliffguard serve` (builtin SmolLM2):
 a conversation continued by `previous_response_id` (its second turn served from the prefix cache),
 retrieve and delete, another key's view, background runs polled and cancelled, and what survives a
-gateway restart."""
+gateway restart. In process: a background request refused before it is kept, a turn that never ran not
+continued, a kept response's stream refused, and responses an upstream pool answers (a background one kept
+as it was asked, the earlier turns relayed in the input shape vLLM reads)."""
 
 from __future__ import annotations
 
@@ -10,13 +12,25 @@ import re
 import sqlite3
 import time
 import urllib.request
+from typing import Union
 
 import openai
 import pytest
+from aiohttp import web
+from openai.types.responses import ResponseInputItemParam, ResponseOutputItem
+from pydantic import TypeAdapter, ValidationError
 
-from tests.gateway.conftest import DEFAULT_CONFIG, LiveServer
+from gateway.app import create_app
+from gateway.openai.errors import ApiError
+from gateway.openai.stored_responses import RESPONSES
+from gateway.runtime import Gateway
+from pools.config.yaml_file import load_config
+from tests.gateway.conftest import DEFAULT_CONFIG, LiveServer, pools_yaml
 
 MODEL = "smollm2-135m-instruct"
+FRONT = "front-model"
+# what vLLM's ResponsesRequest reads as `input` items (ResponseInputOutputItem)
+INPUT_ITEMS = TypeAdapter(list[Union[ResponseInputItemParam, ResponseOutputItem]])
 
 
 def _client(server, key: str = "key-a") -> openai.AsyncOpenAI:
@@ -131,3 +145,169 @@ def test_kept_responses_and_a_background_run_survive_a_gateway_restart(tmp_path)
         other = openai.OpenAI(base_url=server.url + "/v1", api_key="key-b", max_retries=0)
         with pytest.raises(openai.NotFoundError):
             other.responses.retrieve(kept.id)
+
+
+def _sdk(client, key: str = "key-a") -> openai.AsyncOpenAI:
+    """The openai SDK on an in-process app (`aiohttp_client`)."""
+    return openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0)
+
+
+def _num_kept(data_dir) -> int:
+    with sqlite3.connect(data_dir / "batches.sqlite3") as db:
+        return db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
+
+
+async def _no_worker(aiohttp_client, tmp_path, tiny_model) -> tuple[openai.AsyncOpenAI, list[str]]:
+    """(the SDK on an app with a data dir over local pools of the tiny model and no device worker, the ids of the
+    background runs started): the first run fails (503) before any output, the next ones run until cancelled."""
+    path = tmp_path / "pools.yaml"
+    path.write_text(pools_yaml(tiny_model))
+    gateway = Gateway.from_config(load_config(path))
+    gateway.engines = {}      # no device worker: a background run's answer is `answered`
+    app = create_app(gateway, data_dir=tmp_path)
+    runs: list[str] = []
+
+    async def answered(stored):
+        runs.append(stored.id)
+        if len(runs) == 1:
+            raise ApiError(503, "no replica is up", type="server_error", code="engine_dead")
+        await asyncio.Event().wait()
+
+    app[RESPONSES]._answer = answered
+    return _sdk(await aiohttp_client(app)), runs
+
+
+async def test_a_background_request_is_refused_as_a_foreground_one_before_it_is_kept(aiohttp_client, tmp_path,
+                                                                                    tiny_model) -> None:
+    """An unknown model, a prompt over every pool's context, max_output_tokens past it, a schema the grammar
+    library cannot enforce: the same 4xx as in the foreground, not `queued` then `failed`; nothing kept or run."""
+    sdk, runs = await _no_worker(aiohttp_client, tmp_path, tiny_model)
+    broken = {"type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}, "required": ["a"]}
+    for extra, error, param in (({"model": "no-such-model"}, openai.NotFoundError, "model"),
+                                ({"input": "hi " * 2000}, openai.BadRequestError, "input"),
+                                ({"max_output_tokens": 100_000}, openai.BadRequestError, "max_output_tokens"),
+                                ({"text": {"format": {"type": "json_schema", "name": "b", "schema": broken}}},
+                                 openai.BadRequestError, "text.format")):
+        with pytest.raises(error) as info:
+            await sdk.responses.create(**{"model": tiny_model.name, "input": "hi", "background": True, **extra})
+        assert info.value.body["param"] == param, info.value.body
+    assert runs == [] and _num_kept(tmp_path) == 0
+
+
+async def test_a_response_that_failed_or_was_cancelled_before_any_output_is_not_continued(aiohttp_client, tmp_path,
+                                                                                         tiny_model) -> None:
+    """Its input never ran: there is no turn to continue, and each new turn would carry that input on (a chain
+    of them grew a row without bound)."""
+    sdk, runs = await _no_worker(aiohttp_client, tmp_path, tiny_model)
+    failed = await _settled(sdk, (await sdk.responses.create(model=tiny_model.name, input="hi", background=True)).id)
+    assert failed.status == "failed" and failed.output == []
+    running = await sdk.responses.create(model=tiny_model.name, input="hi", background=True)
+    while len(runs) < 2:
+        await asyncio.sleep(0.01)
+    assert (await sdk.responses.cancel(running.id)).status == "cancelled"
+    for previous in (failed.id, running.id):
+        for background in (True, False):
+            with pytest.raises(openai.BadRequestError) as info:
+                await sdk.responses.create(model=tiny_model.name, input="again", previous_response_id=previous,
+                                           background=background)
+            assert info.value.body["param"] == "previous_response_id", info.value.body
+    assert len(runs) == 2 and _num_kept(tmp_path) == 2
+
+
+@pytest.fixture
+async def upstream(aiohttp_server):
+    """A vLLM-like upstream Responses server: it reads `input` as vLLM's request model does (`INPUT_ITEMS`; a
+    400 otherwise) and answers a Response of its own (its id and time; the relayed body's `background`, `store`
+    and `previous_response_id` echoed), a reasoning item and a message. The bodies it got, in order."""
+    bodies: list[dict] = []
+
+    async def responses(request: web.Request) -> web.Response:
+        body = await request.json()
+        bodies.append(body)
+        try:
+            INPUT_ITEMS.validate_python(body["input"] if isinstance(body["input"], list) else [])
+        except ValidationError as exc:
+            return web.json_response({"error": {"message": str(exc), "type": "invalid_request_error",
+                                                "param": "input", "code": None}}, status=400)
+        reasoning = {"type": "reasoning", "id": "rs_up", "summary": [], "status": "completed",
+                     "content": [{"type": "reasoning_text", "text": "Thinking."}]}
+        message = {"type": "message", "id": "msg_up", "status": "completed", "role": "assistant",
+                   "content": [{"type": "output_text", "text": "Answer.", "annotations": []}]}
+        return web.json_response({
+            "id": "resp_upstream", "object": "response", "created_at": 1.0, "status": "completed",
+            "model": body["model"], "output": [reasoning, message], "error": None, "incomplete_details": None,
+            "usage": {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5},
+            "background": body.get("background", False), "store": body.get("store", True),
+            "previous_response_id": body.get("previous_response_id"), "metadata": body.get("metadata") or {},
+            "instructions": body.get("instructions"), "tools": [], "tool_choice": "auto",
+            "parallel_tool_calls": True})
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", responses)
+    return await aiohttp_server(app, host="127.0.0.1"), bodies
+
+
+@pytest.fixture
+async def relaying(aiohttp_client, tmp_path, upstream):
+    """(the SDK on an app with a data dir whose one pool is `upstream`, the bodies the upstream got)."""
+    server, bodies = upstream
+    path = tmp_path / "front.yaml"
+    path.write_text(f"""
+pools:
+  - name: remote
+    upstream: http://127.0.0.1:{server.port}/v1
+    model: upstream-model
+    served_model_name: {FRONT}
+    tokenizer: builtin:smollm2-135m-instruct
+    max_model_len: 512
+""")
+    client = await aiohttp_client(create_app(Gateway.from_config(load_config(path)), data_dir=tmp_path))
+    return _sdk(client), bodies
+
+
+async def test_a_background_response_an_upstream_pool_answered_is_kept_as_it_was_asked(relaying) -> None:
+    sdk, _ = relaying
+    queued = await sdk.responses.create(model=FRONT, input="First.", background=True, metadata={"job": "1"})
+    first = await _settled(sdk, queued.id, timeout=10)
+    assert first.status == "completed" and first.output_text == "Answer."
+    assert (first.id, first.created_at, first.background, first.store, first.previous_response_id, first.metadata) \
+        == (queued.id, queued.created_at, True, True, None, {"job": "1"})
+    queued = await sdk.responses.create(model=FRONT, input="Second.", background=True, previous_response_id=first.id)
+    second = await _settled(sdk, queued.id, timeout=10)
+    assert (second.status, second.background, second.store, second.previous_response_id, second.created_at) == (
+        "completed", True, True, first.id, queued.created_at), second.error
+
+
+async def test_a_continued_conversation_reaches_an_upstream_pool_in_the_input_shape_it_reads(relaying) -> None:
+    """The earlier turns' kept items (assistant messages and reasoning items kept without their ids) are relayed
+    as input items vLLM's request model takes, in the background and in the foreground alike."""
+    sdk, bodies = relaying
+    first = await _settled(sdk, (await sdk.responses.create(model=FRONT, input="First.", background=True)).id, 10)
+    own = [{"role": "user", "content": [{"type": "input_text", "text": "Second."}]}]
+    second = await _settled(sdk, (await sdk.responses.create(model=FRONT, input=own, background=True,
+                                                             previous_response_id=first.id)).id, 10)
+    assert second.status == "completed", second.error
+    third = await sdk.responses.create(model=FRONT, input="Third.", previous_response_id=second.id)
+    assert third.output_text == "Answer."
+    relayed = bodies[-1]["input"]
+    INPUT_ITEMS.validate_python(relayed)
+    assert [(item["type"], item.get("role")) for item in relayed] == [
+        ("message", "user"), ("reasoning", None), ("message", "assistant"), ("message", "user"),
+        ("reasoning", None), ("message", "assistant"), ("message", "user")]
+    assert relayed[1]["content"] == [{"type": "reasoning_text", "text": "Thinking."}] and relayed[2]["content"] == \
+        "Answer." and relayed[3]["content"] == [{"type": "input_text", "text": "Second."}]
+    assert all(body["store"] is False and "previous_response_id" not in body and "background" not in body
+               for body in bodies)
+
+
+async def test_streaming_a_kept_response_is_a_400_naming_the_parameter(relaying) -> None:
+    """The openai SDK's retrieve(stream=True) read the JSON answer as a stream of no events."""
+    sdk, _ = relaying
+    done = await _settled(sdk, (await sdk.responses.create(model=FRONT, input="hi", background=True)).id, 10)
+    with pytest.raises(openai.BadRequestError) as info:
+        await sdk.responses.retrieve(done.id, stream=True)
+    assert info.value.body["param"] == "stream"
+    with pytest.raises(openai.BadRequestError) as info:
+        await sdk.responses.retrieve(done.id, starting_after=3)
+    assert info.value.body["param"] == "starting_after"
+    assert (await sdk.responses.retrieve(done.id, stream=False)).output_text == done.output_text
