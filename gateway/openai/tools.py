@@ -116,7 +116,8 @@ class ToolFormat:
             return self.parse(text)
         content, calls = self.parse(text[:begin])
         tail = next(self.call_scans(text, begin), None)
-        if tail is not None and tail.name in self.tools and (calls or self.text_before_calls or not (content or "").strip()):
+        alone = calls or self.text_before_calls or not (content or "").strip()   # llama3_json: no text before
+        if tail is not None and tail.name in self.tools and alone:
             args = "" if tail.args_start is None else text[tail.args_start:tail.args_end or len(text)]
             calls = [*calls, ToolCall(tail.name, args, cut=True, start=tail.start)]
         return beside_calls(content or "") if calls else content, calls

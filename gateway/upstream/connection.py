@@ -8,7 +8,10 @@ a whole body (at most the bytes the caller allows: `UpstreamTooLarge` past them)
 bytes only, `chunks` relays it piece by piece as it arrives (a stream). Bodies are framed by
 `Content-Length`, `Transfer-Encoding: chunked`, or the connection's end; a head or chunk size that breaks
 HTTP's rules (a Content-Length or status that is not plain ASCII digits, a chunk size that is not plain
-hex digits) is a disconnection. However an answer ends, its connection slot is given back.
+hex digits) is a disconnection. A body framed by the connection's end cannot tell a connection that
+dropped from its end: its reader checks it is whole (the relay: a stream's last event). However an
+answer ends, its connection slot is given back. A connection is kept for the next request only after an
+HTTP/1.1 answer without `Connection: close` or an HTTP/1.0 one with `Connection: keep-alive`.
 
 What failed decides what the caller may do: `UpstreamUnreachable` when no connection could be made
 (nothing was sent: safe to send again), `UpstreamDisconnected` when the connection failed once the
@@ -120,11 +123,11 @@ class UpstreamResponse:
     """An answer whose head was read: `status`, `headers` (lower-case names), then its body once."""
 
     def __init__(self, client: UpstreamClient, key: tuple[str, str, int], conn: _Connection, status: int,
-                 headers: dict[str, str], read_timeout: float) -> None:
+                 headers: dict[str, str], read_timeout: float, version: str = "HTTP/1.1") -> None:
         self.status, self.headers = status, headers
         self._client, self._key, self._conn, self._timeout = client, key, conn, read_timeout
         self._done = False
-        self._reusable = headers.get("connection", "").lower() != "close"
+        self._reusable = _keeps_alive(version, headers)
         if status in (204, 304) or 100 <= status < 200:
             self._left: int | None = 0
         elif "chunked" in headers.get("transfer-encoding", "").lower():
@@ -253,8 +256,8 @@ class UpstreamClient:
             conn = self._idle_connection(key) or await self._connect(key)
             try:
                 conn.transport.write(request)
-                status, head = await _read_head(conn, self.read_timeout)
-                return UpstreamResponse(self, key, conn, status, head, self.read_timeout)   # may refuse the head
+                version, status, head = await _read_head(conn, self.read_timeout)
+                return UpstreamResponse(self, key, conn, status, head, self.read_timeout, version)   # may refuse it
             except BaseException:
                 conn.transport.abort()
                 raise
@@ -322,8 +325,8 @@ def _request_bytes(url: URL, body: bytes, headers: dict[str, str]) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-async def _read_head(conn: _Connection, timeout: float) -> tuple[int, dict[str, str]]:
-    """The status and headers of the answer (the bytes after them stay buffered)."""
+async def _read_head(conn: _Connection, timeout: float) -> tuple[str, int, dict[str, str]]:
+    """The HTTP version (`HTTP/1.1`), status and headers of the answer (the bytes after them stay buffered)."""
     while (end := conn.buffer.find(b"\r\n\r\n")) < 0:
         if len(conn.buffer) > MAX_HEAD_BYTES:
             raise UpstreamDisconnected(f"an answer's head over {MAX_HEAD_BYTES} bytes")
@@ -339,7 +342,15 @@ async def _read_head(conn: _Connection, timeout: float) -> tuple[int, dict[str, 
         name, sep, value = line.partition(":")
         if sep:
             headers[name.strip().lower()] = value.strip()
-    return int(parts[1]), headers
+    return parts[0], int(parts[1]), headers
+
+
+def _keeps_alive(version: str, headers: dict[str, str]) -> bool:
+    """Whether the connection stays open after this answer (RFC 9112 section 9.3): never with a `close`
+    connection option; otherwise an HTTP/1.1 answer's does, an HTTP/1.0 one's only with `keep-alive`
+    (an HTTP/1.0 server closes it after each answer: a request written on it would be lost)."""
+    options = {option.strip().lower() for option in headers.get("connection", "").split(",")}
+    return "close" not in options and (version != "HTTP/1.0" or "keep-alive" in options)
 
 
 async def _line(conn: _Connection, timeout: float) -> bytes:

@@ -2,18 +2,25 @@
 
 The request body goes on unchanged except `model`, which becomes the upstream's model name; the
 answer comes back with the client's model name restored. Streams are relayed event by event as they
-arrive. Upstream errors (4xx and 5xx) keep their status and OpenAI error body; a body that is not one
-(`{"error": "text"}`, not JSON) is put in that format, quoting it, with code `upstream_error`; only its
-first `MAX_ERROR_BYTES` are read. Our own 502s say whether the upstream may have received the request:
+arrive, their fields read as the SSE spec says (`data:x` is `data: x`). Upstream errors (4xx and 5xx)
+keep their status and OpenAI error body; a body that is not one (`{"error": "text"}`, not JSON) is put
+in that format, quoting it, with code `upstream_error`; only its first `MAX_ERROR_BYTES` are read. A
+401 or 403 is not relayed: the client's key is never forwarded, so it refused the gateway's own
+credentials, and the client gets our 502 `upstream_error` saying so (the upstream's message is logged).
+Our own 502s say whether the upstream may have received the request:
 `upstream_unreachable` when no connection could be made (nothing was sent: safe to send again, and the
 batch runner does), `upstream_disconnected` when the connection failed after the request may have gone
 out (the upstream may be running it: never sent again, so a batch line never runs twice),
 `upstream_error` for an answer we cannot relay: not valid JSON, over `MAX_ANSWER_BYTES`, a status that
 is neither a success (2xx) nor an error (4xx, 5xx), or not a stream (text/event-stream) when one was
 asked for. A stream that fails once it started (dropped, a broken chunk, one event over
-`MAX_EVENT_BYTES`) ends as a local one that fails does: an error event with that 502's error object
-(`upstream_disconnected`, `upstream_error`), then `data: [DONE]`. Token counts for metrics come from
-the upstream's `usage` where its counts are non-negative integers; a malformed usage is relayed as it is.
+`MAX_EVENT_BYTES`), or whose body ends before its last event (`data: [DONE]`; a Responses stream's
+`response.completed` / `incomplete` / `failed`, or an `error` of its own), ends as a local one that
+fails does: an error event with that 502's error object (`upstream_disconnected`, `upstream_error`),
+then `data: [DONE]` (a Responses stream: an `error` event numbered after its last). Token counts for
+metrics come from the upstream's `usage` (`prompt_tokens` / `completion_tokens`; the Responses API's
+`input_tokens` / `output_tokens`; a stream's last usage, once) where its counts are non-negative
+integers; a malformed usage is relayed as it is.
 
 A batch line is forwarded with an `Idempotency-Key: <batch id>:<custom_id>` header (`IDEMPOTENCY_KEY`,
 set by the batch runner around the line): an upstream that honours it answers a repeat from its first
@@ -41,7 +48,7 @@ import msgspec
 from aiohttp import web
 from yarl import URL
 
-from gateway.monitoring.metrics import GatewayMetrics
+from gateway.monitoring.metrics import GatewayMetrics, PoolSeries
 from gateway.openai.errors import ApiError
 from gateway.client_writes import start_sse, write_within
 from gateway.upstream.connection import (UpstreamClient, UpstreamDisconnected, UpstreamResponse,
@@ -101,6 +108,7 @@ async def forward(request: web.Request, client: UpstreamClient, pool: Pool, path
                   write_timeout: float = 30.0) -> web.StreamResponse:
     """Send `body` (with the upstream's model name) to `<pool.spec.upstream><path>` and relay the answer."""
     client_model = body["model"]
+    responses = path.endswith("/responses")   # its usage and its stream's events are the Responses API's
     received = time.perf_counter()
     try:
         upstream = await client.post(_url(pool.spec.upstream, path), _JSON.encode(dict(body, model=pool.spec.model)),
@@ -113,17 +121,18 @@ async def forward(request: web.Request, client: UpstreamClient, pool: Pool, path
         if not 200 <= upstream.status < 300:
             return await _relay_error(pool, upstream)
         if not stream:
-            return await _relay_answer(pool, upstream, client_model, metrics, received)
+            return await _relay_answer(pool, upstream, client_model, metrics, received, responses)
         content_type = upstream.headers.get("content-type", "")
         if content_type.split(";", 1)[0].strip().lower() != "text/event-stream":
             raise _upstream_failed(pool, "did not stream", ValueError(
                 f"it answered a stream request with Content-Type {content_type[:80]!r}, not text/event-stream"),
                 "upstream_error")
-        return await _relay_stream(request, pool, upstream, client_model, metrics, received, write_timeout)
+        return await _relay_stream(request, pool, upstream, client_model, metrics, received, write_timeout,
+                                   responses)
 
 
 async def _relay_answer(pool: Pool, upstream: UpstreamResponse, client_model: str, metrics: GatewayMetrics,
-                        received: float) -> web.Response:
+                        received: float, responses: bool) -> web.Response:
     """A non-streamed answer (at most MAX_ANSWER_BYTES) with the client's model name put back."""
     try:
         payload = _rename(msgspec.json.decode(await upstream.read(MAX_ANSWER_BYTES)), client_model)
@@ -133,13 +142,23 @@ async def _relay_answer(pool: Pool, upstream: UpstreamResponse, client_model: st
         raise _upstream_failed(pool, "sent an answer too large to relay", exc, "upstream_error") from None
     except (ValueError, RecursionError) as exc:   # not JSON, or nested past the decoder's depth
         raise _upstream_failed(pool, "sent an invalid response", exc, "upstream_error") from None
-    usage = payload.get("usage") if isinstance(payload, dict) else None
     series = metrics.pool_series(pool.name)
-    series.prompt_tokens.inc(_count(usage, "prompt_tokens"))
-    series.generation_tokens.inc(_count(usage, "completion_tokens"))
+    _count_usage(series, payload.get("usage") if isinstance(payload, dict) else None, responses)
     series.e2e.observe(time.perf_counter() - received)
     return web.Response(body=_JSON.encode(payload), content_type="application/json",
                         headers={"x-cliffguard-pool": pool.name})
+
+
+# A usage's (prompt, output) token counts: chat and completions, then the Responses API.
+_USAGE_KEYS = {False: ("prompt_tokens", "completion_tokens"), True: ("input_tokens", "output_tokens")}
+
+
+def _count_usage(series: PoolSeries, usage: Any, responses: bool) -> None:
+    """One relayed answer's `usage` added to its pool's token counters (once an answer: a stream's last
+    usage, never each chunk's), by the keys of its API."""
+    prompt_key, output_key = _USAGE_KEYS[responses]
+    series.prompt_tokens.inc(_count(usage, prompt_key))
+    series.generation_tokens.inc(_count(usage, output_key))
 
 
 def _count(usage: Any, key: str) -> int:
@@ -160,7 +179,7 @@ def _url(upstream: str, path: str) -> URL:
 async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
     """The upstream's error (4xx, 5xx) with its status, in the OpenAI format: its body when it is one, else
     one quoting it (its message text, or the body's start). Any other status that is not a success is our
-    502 `upstream_error`."""
+    502 `upstream_error`, and so is a 401 or 403 (`_credentials_refused`)."""
     status = upstream.status
     if not 400 <= status <= 599:
         raise _upstream_failed(pool, "sent an invalid response", ValueError(
@@ -169,8 +188,24 @@ async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
         raw = await upstream.read_start(MAX_ERROR_BYTES)
     except (UpstreamDisconnected, OSError) as exc:
         raise _upstream_failed(pool, "dropped the answer", exc, "upstream_disconnected") from None
-    return web.json_response({"error": openai_error(raw, f"upstream pool {pool.name!r} answered {status}")},
-                             status=status, headers={"x-cliffguard-pool": pool.name})
+    error = openai_error(raw, f"upstream pool {pool.name!r} answered {status}")
+    if status in (401, 403):
+        raise _credentials_refused(pool, status, error)
+    return web.json_response({"error": error}, status=status, headers={"x-cliffguard-pool": pool.name})
+
+
+def _credentials_refused(pool: Pool, status: int, error: dict[str, Any]) -> ApiError:
+    """Our 502 `upstream_error` for an upstream's 401 or 403. The client's key is never forwarded: the
+    upstream refused the gateway's own (the pool's `upstream_api_key_env`, or none sent). Relayed, it
+    would tell the client that its key is wrong (the SDKs raise AuthenticationError) and show the
+    upstream's message, which may quote the gateway's key (OpenAI's shows its last characters): the
+    message goes to the log, for the operator, and not to the client."""
+    where, env = redact(pool.spec.upstream), pool.spec.upstream_api_key_env
+    sent = f"the key in ${env}" if env and os.environ.get(env) else "no key (upstream_api_key_env unset or empty)"
+    log.warning("upstream pool %r at %s answered %d to %s: %s", pool.name, where, status, sent, error["message"])
+    return ApiError(502, f"upstream pool {pool.name!r} at {where} refused the gateway's credentials (it answered "
+                         f"{status}); the gateway's operator must fix them", type="server_error",
+                    code="upstream_error")
 
 
 def openai_error(raw: bytes, context: str) -> dict[str, Any]:
@@ -193,51 +228,131 @@ def openai_error(raw: bytes, context: str) -> dict[str, Any]:
 
 
 async def _relay_stream(request: web.Request, pool: Pool, upstream: UpstreamResponse, client_model: str,
-                        metrics: GatewayMetrics, received: float, write_timeout: float) -> web.StreamResponse:
+                        metrics: GatewayMetrics, received: float, write_timeout: float,
+                        responses: bool) -> web.StreamResponse:
     """The upstream's SSE events, each relayed as it arrives with the client's model name put back; a
-    client that takes nothing for `write_timeout` seconds is cut off (ClientGone). An upstream that fails
-    before its stream ended (`[DONE]`; a Responses stream: its `response.completed` / `incomplete` /
-    `failed` event) ends it with our error: a chat or completions stream `data: {"error": ...}` then
-    `[DONE]`, a Responses stream an `error` event (OpenAI's `ResponseErrorEvent`)."""
+    client that takes nothing for `write_timeout` seconds is cut off (ClientGone). A stream that fails
+    or ends before its last event (`[DONE]`; a Responses stream: its `response.completed` / `incomplete`
+    / `failed` event, or an `error` event of its own) ends with our error: a chat or completions stream
+    `data: {"error": ...}` then `[DONE]`, a Responses stream an `error` event (OpenAI's
+    `ResponseErrorEvent`). The last usage the stream reported is counted once, at its end."""
     response = await start_sse(request, {"x-cliffguard-pool": pool.name})
-    responses = request.path.endswith("/responses")
 
     async def write(data: bytes) -> None:
         await write_within(request, response.write(data), write_timeout, metrics, pool.name,
                            f"{request.path}: its relayed stream")
 
-    first, done, failed = True, False, False
+    seen, failure, series = _StreamSeen(), None, metrics.pool_series(pool.name)
     async with contextlib.aclosing(_events(pool, upstream)) as events:
         async for event in events:
             if isinstance(event, ApiError):
-                log.warning("%s: %s", request.path, event.message)
-                failed = True
-                if not done:
-                    await write(_error_tail(event, responses))
+                failure = event
                 break
-            await write(_relay_event(event, client_model) + b"\n\n")
-            done = done or _ends_stream(event)
-            if first and b"data: {" in event:
-                metrics.pool_series(pool.name).ttft.observe(time.perf_counter() - received)
-                first = False
-    if not failed:
-        metrics.pool_series(pool.name).e2e.observe(time.perf_counter() - received)
+            num_objects = seen.num_objects
+            await write(seen.relay(event, client_model) + b"\n\n")
+            if num_objects == 0 and seen.num_objects:   # its first event with a JSON object
+                series.ttft.observe(time.perf_counter() - received)
+    if failure is None and not seen.ended:   # a clean end of the body (a connection's FIN, a last chunk) too early
+        last = "a response.completed, .incomplete or .failed event" if responses else "data: [DONE]"
+        failure = _upstream_failed(pool, "dropped the stream", UpstreamDisconnected(
+            f"it ended before its last event ({last})"), "upstream_disconnected")
+    _count_usage(series, seen.usage, responses)
+    if failure is not None:
+        log.warning("%s: %s", request.path, failure.message)
+        if not seen.ended:
+            await write(_error_tail(failure, responses, seen.sequence_number + 1))
+    else:
+        series.e2e.observe(time.perf_counter() - received)
     await response.write_eof()
     return response
 
 
-_FINAL_RESPONSE_EVENTS = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
+# A Responses stream's last events; after the upstream's own `error` event too, ours would only repeat it.
+# A tuple: `in` compares, hashing nothing (an event's `type` may be a list).
+_FINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete", "response.failed", "error")
 
 
-def _ends_stream(event: bytes) -> bool:
-    """The event is a stream's last: `[DONE]`, or a Responses stream's final Response."""
-    return event == b"data: [DONE]" or event.startswith(_FINAL_RESPONSE_EVENTS)
+class _StreamSeen:
+    """What one relayed stream's events said so far: whether its last event came (`ended`), the last
+    `usage` it reported (a chat stream's usage chunk, a Responses stream's final Response; vLLM's
+    continuous usage stats repeat running totals in every chunk, so only the last is counted), its last
+    `sequence_number` (a Responses stream: our error event follows it), how many events held a JSON
+    object. Events are read as the SSE spec says (`_field`)."""
+
+    def __init__(self) -> None:
+        self.ended = False
+        self.usage: Any = None
+        self.sequence_number = -1
+        self.num_objects = 0
+
+    def relay(self, event: bytes, model: str) -> bytes:
+        """`event` to relay, the client's model name put back into the JSON object of its data, noted."""
+        kind, data = _event_fields(event)
+        self.ended = self.ended or data == b"[DONE]" or kind in _FINAL_RESPONSE_EVENTS
+        obj = _json_object(data)
+        if obj is None:   # `data:[DONE]` goes on as `data: [DONE]`, for clients that look for that line
+            return _with_data(event, data) if data == b"[DONE]" else event
+        self.num_objects += 1
+        self.ended = self.ended or obj.get("type") in _FINAL_RESPONSE_EVENTS
+        holder = obj.get("response") if isinstance(obj.get("response"), dict) else obj
+        if holder.get("usage") is not None:
+            self.usage = holder["usage"]
+        if type(obj.get("sequence_number")) is int:
+            self.sequence_number = obj["sequence_number"]
+        return _with_data(event, json.dumps(_rename(obj, model), ensure_ascii=False).encode())
 
 
-def _error_tail(error: ApiError, responses: bool) -> bytes:
+def _field(line: bytes) -> tuple[bytes, bytes]:
+    """An SSE line's field name and value. The SSE spec: the value follows the first colon, less one space
+    if one follows it (`data:x` is `data: x`); a line without a colon is a field with an empty value; a
+    line that starts with a colon is a comment (the name is empty)."""
+    name, _, value = line.partition(b":")
+    return name, value[1:] if value.startswith(b" ") else value
+
+
+def _event_fields(event: bytes) -> tuple[str, bytes | None]:
+    """An event's type (its `event:` field, "" without one) and data (its `data:` lines joined by a line
+    break, None without one)."""
+    kind, data = b"", None
+    for line in event.split(b"\n"):
+        name, value = _field(line)
+        if name == b"event":
+            kind = value
+        elif name == b"data":
+            data = value if data is None else data + b"\n" + value
+    return kind.decode("latin-1"), data
+
+
+def _json_object(data: bytes | None) -> dict[str, Any] | None:
+    """`data` decoded when it is a JSON object, else None (text, `[DONE]`, JSON that is invalid or nested
+    past the decoder's depth: relayed as it is)."""
+    if not data or data[:1] != b"{":
+        return None
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _with_data(event: bytes, data: bytes) -> bytes:
+    """`event` with its `data:` lines made one, `data: <data>`, where the first was; its other lines kept."""
+    lines, put = [], False
+    for line in event.split(b"\n"):
+        if _field(line)[0] != b"data":
+            lines.append(line)
+        elif not put:
+            lines.append(b"data: " + data)
+            put = True
+    return b"\n".join(lines)
+
+
+def _error_tail(error: ApiError, responses: bool, sequence_number: int) -> bytes:
+    """Our error as a stream's last event(s); a Responses `error` event numbered after the stream's last."""
     body = error.body()["error"]
     if responses:
-        event = {"type": "error", "code": body["code"], "message": body["message"], "param": body["param"]}
+        event = {"type": "error", "code": body["code"], "message": body["message"], "param": body["param"],
+                 "sequence_number": sequence_number}
         return b"event: error\ndata: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
     return b"data: " + json.dumps({"error": body}, ensure_ascii=False).encode() + b"\n\ndata: [DONE]\n\n"
 
@@ -282,16 +397,3 @@ def _split_events(tail: bytearray, data: bytes) -> list[bytes]:
     if pending:
         tail += b"\r"
     return events
-
-
-def _relay_event(event: bytes, model: str) -> bytes:
-    """One SSE event with the client's model name put back into the JSON of its `data:` line (an event may
-    open with an `event:` line, as the Responses API's do)."""
-    head, sep, data = event.rpartition(b"data: ")
-    if not data.startswith(b"{") or (sep and head and not head.endswith(b"\n")):
-        return event
-    try:
-        obj = json.loads(data)
-    except (ValueError, RecursionError):
-        return event
-    return head + b"data: " + json.dumps(_rename(obj, model), ensure_ascii=False).encode()

@@ -172,6 +172,9 @@ class PoolSpec(Spec):
                 raise SpecError("upstream", f"not a valid URL ({exc}), got {self.upstream!r}") from None
             if url.scheme not in ("http", "https") or not url.hostname:
                 raise SpecError("upstream", f"must be an http:// or https:// URL with a host, got {self.upstream!r}")
+            if "?" in self.upstream or "#" in self.upstream:   # the request's path is added at the URL's end
+                raise SpecError("upstream", f"must have no query (?) or fragment (#): the request's path "
+                                            f"(/chat/completions) is added after it; got {self.upstream!r}")
             return
         if self.kv_share is not None and self.kv_cache_bytes is not None:
             raise SpecError("kv_share", f"set kv_share or kv_cache_bytes, not both (got kv_share {self.kv_share} "

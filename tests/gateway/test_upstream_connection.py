@@ -76,6 +76,28 @@ async def test_each_framing_reads_whole_and_a_kept_connection_is_reused():
     server.close()
 
 
+@pytest.mark.parametrize("status_line, connection, kept", [
+    (b"HTTP/1.0 200 OK", b"", False), (b"HTTP/1.0 200 OK", b"Connection: Keep-Alive\r\n", True),
+    (b"HTTP/1.1 200 OK", b"", True), (b"HTTP/1.1 200 OK", b"Connection: keep-alive, close\r\n", False)],
+    ids=["http1.0", "http1.0_keep_alive", "http1.1", "close_among_options"])
+async def test_a_connection_is_kept_only_when_its_answer_keeps_it_alive(status_line, connection, kept):
+    """RFC 9112 section 9.3: an HTTP/1.0 server (Python's http.server by default) closes the connection
+    after its answer unless it says `keep-alive`; a request written on it would be lost. A `close` option
+    closes it whatever the version."""
+    async def answer(writer, request, n):   # answers, leaves the connection open: only the client decides
+        writer.write(status_line + b"\r\nContent-Length: 2\r\n" + connection + b"\r\n{}")
+        await writer.drain()
+
+    server, url, _, connections = await _raw_server(answer)
+    client = UpstreamClient()
+    for _ in range(3):
+        async with await client.post(url, b"{}", {}) as r:
+            assert await r.read() == b"{}"
+    assert connections[0] == (1 if kept else 3)
+    await client.close()
+    server.close()
+
+
 async def test_a_stream_arrives_piece_by_piece():
     release = asyncio.Event()
 

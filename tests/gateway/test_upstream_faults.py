@@ -152,6 +152,38 @@ async def test_a_stream_that_fails_midway_ends_with_an_error_event(aiohttp_clien
     server.close()
 
 
+RESPONSE_CREATED = (b'event: response.created\ndata: {"type": "response.created", "sequence_number": 0, '
+                    b'"response": {"model": "upstream-model", "usage": null}}\n\n')
+CHUNKED = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@pytest.mark.parametrize("path, answer", [
+    ("/v1/chat/completions", b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n" + EVENT),
+    ("/v1/chat/completions", CHUNKED + b"%x\r\n" % len(EVENT) + EVENT + b"\r\n0\r\n\r\n"),
+    ("/v1/responses", CHUNKED + b"%x\r\n" % len(RESPONSE_CREATED) + RESPONSE_CREATED + b"\r\n0\r\n\r\n")],
+    ids=["ended_by_the_connection", "chunked_without_done", "responses_without_its_final_event"])
+async def test_a_stream_whose_body_ends_before_its_last_event_ends_with_an_error_event(aiohttp_client, tmp_path,
+                                                                                     path, answer):
+    """A body that ends cleanly (the connection's FIN for one framed by it, the last chunk) before `[DONE]`
+    or a Responses stream's final event was cut short all the same: the client must not take it as whole."""
+    server, url = await _serve(lambda request: (answer,))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    body = {"model": FRONT, "input": "hi"} if path == "/v1/responses" else CHAT
+    r = await client.post(path, json={**body, "stream": True})
+    events = [e for e in (await r.text()).split("\n\n") if e]
+    assert r.status == 200 and FRONT in events[0], events
+    if path == "/v1/responses":
+        assert len(events) == 2 and events[1].startswith("event: error\ndata: "), events
+        error = json.loads(events[1].split("data: ", 1)[1])
+        assert error["code"] == "upstream_disconnected" and "before its last event" in error["message"], error
+    else:
+        _assert_error_event_then_done("\n\n".join(events), "upstream_disconnected")
+    series = gateway.metrics.pool_series("remote")
+    assert series.e2e._sum.get() == 0   # not a request that completed
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
 async def test_an_event_over_its_limit_ends_the_stream_with_an_error_event(aiohttp_client, tmp_path, monkeypatch):
     monkeypatch.setattr(relay, "MAX_EVENT_BYTES", 1000)
     body = EVENT + b"data: " + b"x" * 5000
@@ -271,6 +303,32 @@ async def test_an_error_body_not_in_the_openai_format_is_put_in_it(aiohttp_clien
     assert r.status == 400, error
     assert set(error) == {"message", "type", "param", "code"} and error["code"] == "upstream_error"
     assert error["message"] == f"upstream pool 'remote' answered 400: {message}"
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("status", [401, 403])
+async def test_an_upstream_refusing_the_gateways_key_is_a_502_without_its_message(aiohttp_client, tmp_path,
+                                                                                   monkeypatch, caplog, status,
+                                                                                   stream):
+    """The client's key never goes upstream: a 401 or 403 refuses the gateway's own, which the client can do
+    nothing about (relayed, the SDKs would raise AuthenticationError for the client's key), and the
+    upstream's message (which quotes the end of that key) is for the operator's log only."""
+    monkeypatch.setenv("POOL_KEY", "sk-pool-secret-ABCD")
+    refusal = (b'{"error": {"message": "Incorrect API key provided: sk-pool-****ABCD.", '
+               b'"type": "invalid_request_error", "param": null, "code": "invalid_api_key"}}')
+    server, url = await _serve(lambda request: _reply(status, refusal))
+    gateway = _gateway(tmp_path, url, "upstream_api_key_env: POOL_KEY")
+    client = await aiohttp_client(create_app(gateway, data_dir=tmp_path))
+    with caplog.at_level("WARNING", logger="cliffguard.gateway"):
+        r = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+        error = (await r.json())["error"]
+    assert r.status == 502 and error["code"] == "upstream_error" and error["type"] == "server_error", error
+    assert "refused the gateway's credentials" in error["message"] and f"answered {status}" in error["message"]
+    assert "ABCD" not in error["message"] and "Incorrect API key" not in error["message"]
+    assert any("Incorrect API key provided" in rec.getMessage() and "$POOL_KEY" in rec.getMessage()
+               and rec.levelname == "WARNING" for rec in caplog.records), caplog.records
     _assert_no_slot_held(gateway)
     server.close()
 

@@ -63,7 +63,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _gateway(tmp_path, upstream_url: str) -> Gateway:
+def _gateway(tmp_path, upstream_url: str, *pool_lines: str) -> Gateway:
+    """An upstream-only gateway: the pool `remote` at `upstream_url`, with `pool_lines` (`key: value`) added."""
     path = tmp_path / "pools.yaml"
     path.write_text(f"""
 pools:
@@ -73,7 +74,7 @@ pools:
     served_model_name: {FRONT}
     tokenizer: builtin:smollm2-135m-instruct
     max_model_len: 512
-""")
+""" + "".join(f"    {line}\n" for line in pool_lines))
     return Gateway.from_config(load_config(path))
 
 

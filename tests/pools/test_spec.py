@@ -193,6 +193,11 @@ BAD = {
     "upstream port not a number": (_set("pools/2/upstream", "http://h:abc/v1"), ["pools[2].upstream: not a valid URL"]),
     "upstream malformed IPv6 host": (_set("pools/2/upstream", "http://[::1/v1"),
                                      ["pools[2].upstream: not a valid URL", "IPv6"]),
+    "upstream URL with a query (the path would follow it)": (
+        _set("pools/2/upstream", "http://h:8000/v1?api-version=2024-10-21"),
+        ["pools[2].upstream: must have no query (?) or fragment (#)", "'http://h:8000/v1?api-version=2024-10-21'"]),
+    "upstream URL with an empty query": (_set("pools/2/upstream", "http://h/v1?"), ["pools[2].upstream", "query"]),
+    "upstream URL with a fragment": (_set("pools/2/upstream", "http://h/v1#x"), ["pools[2].upstream", "fragment"]),
     "a blank API key (authentication silently off)": (_set("gateway/api_keys", ["  "]),
                                                        ["gateway.api_keys[0]: an API key must not be blank"]),
     "a tenant's blank API key": (_set("tenants", {"team": {"api_keys": [" "]}}),

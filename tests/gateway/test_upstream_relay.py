@@ -1,0 +1,125 @@
+"""What a relayed upstream answer tells the gateway and its client: the token counts of each API's usage
+(counted once an answer), SSE fields read as the spec says (`data:x` is `data: x`), and the Responses
+`error` event numbered after the stream's last. A raw upstream on 127.0.0.1 answers each request."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai.types.responses import ResponseErrorEvent
+
+from tests.gateway.test_upstream_faults import (CHAT, CHUNKED, RESPONSE_CREATED, _assert_no_slot_held,
+                                                _gateway_client, _reply, _serve)
+from tests.gateway.test_upstream_retry import FRONT
+
+RESPONSES = {"model": FRONT, "input": "hi"}
+
+
+def _chunk(usage: dict | None, content: str = "x") -> bytes:
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "model": "upstream-model",
+             "choices": [{"index": 0, "delta": {"content": content}}], "usage": usage}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def _response_event(kind: str, sequence_number: int, usage: dict | None = None) -> bytes:
+    event = {"type": kind, "sequence_number": sequence_number,
+             "response": {"id": "resp_1", "model": "upstream-model", "usage": usage}}
+    return f"event: {kind}\ndata: ".encode() + json.dumps(event).encode() + b"\n\n"
+
+
+def _num_observed(histogram) -> float:
+    return next(s.value for s in histogram._child_samples() if s.name == "_count")
+
+
+def _assert_counted(gateway, prompt_tokens: int, generation_tokens: int) -> None:
+    series = gateway.metrics.pool_series("remote")
+    assert (series.prompt_tokens._value.get(), series.generation_tokens._value.get()) == (
+        prompt_tokens, generation_tokens)
+
+
+async def test_a_responses_answer_counts_its_input_and_output_tokens(aiohttp_client, tmp_path):
+    answer = {"id": "resp_1", "object": "response", "status": "completed", "model": "upstream-model", "output": [],
+              "usage": {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4}}
+    server, url = await _serve(lambda request: _reply(200, json.dumps(answer).encode()))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/responses", json=RESPONSES)
+    assert r.status == 200 and (await r.json())["model"] == FRONT
+    _assert_counted(gateway, 3, 1)
+    server.close()
+
+
+@pytest.mark.parametrize("usages", [[None, None, {"prompt_tokens": 7, "completion_tokens": 5}],
+                                    [{"prompt_tokens": 7, "completion_tokens": n} for n in (1, 3, 5)]],
+                         ids=["usage_chunk_last", "running_totals_in_every_chunk"])
+async def test_a_chat_stream_counts_its_last_usage_once(aiohttp_client, tmp_path, usages):
+    """OpenAI's `include_usage` sends the usage in a last chunk (null before it); vLLM's continuous usage
+    stats send running totals in every chunk: either way the answer's tokens are counted once."""
+    body = b"".join(_chunk(usage) for usage in usages) + b"data: [DONE]\n\n"
+    server, url = await _serve(lambda request: _reply(200, body, "text/event-stream"))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert r.status == 200 and (await r.text()).endswith("data: [DONE]\n\n")
+    _assert_counted(gateway, 7, 5)
+    server.close()
+
+
+async def test_a_responses_stream_counts_its_final_responses_usage(aiohttp_client, tmp_path):
+    body = (_response_event("response.created", 0) + _response_event("response.in_progress", 1)
+            + _response_event("response.completed", 2, {"input_tokens": 3, "output_tokens": 2}))
+    server, url = await _serve(lambda request: _reply(200, body, "text/event-stream"))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/responses", json={**RESPONSES, "stream": True})
+    events = [e for e in (await r.text()).split("\n\n") if e]
+    assert r.status == 200 and len(events) == 3 and events[-1].startswith("event: response.completed"), events
+    _assert_counted(gateway, 3, 2)
+    server.close()
+
+
+async def test_fields_without_the_space_after_their_colon_are_read(aiohttp_client, tmp_path):
+    """`data:{...}` and `event:response.completed` are what `data: {...}` and `event: response.completed`
+    are (the SSE spec makes the one space optional): renamed, timed, and the stream's end."""
+    chat = _chunk({"prompt_tokens": 2, "completion_tokens": 1}).replace(b"data: ", b"data:") + b"data:[DONE]\n\n"
+    completed = (_response_event("response.completed", 0, {"input_tokens": 3, "output_tokens": 2})
+                 .replace(b"event: ", b"event:").replace(b"data: ", b"data:"))
+    server, url = await _serve(lambda request: _reply(200, chat if b"messages" in request else completed,
+                                                      "text/event-stream"))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    events = [e for e in (await r.text()).split("\n\n") if e]
+    assert events[-1] == "data: [DONE]" and len(events) == 2, events
+    assert json.loads(events[0].removeprefix("data: "))["model"] == FRONT
+    r = await client.post("/v1/responses", json={**RESPONSES, "stream": True})
+    events = [e for e in (await r.text()).split("\n\n") if e]
+    assert len(events) == 1 and events[0].startswith("event:response.completed\ndata: "), events
+    assert json.loads(events[0].split("data: ", 1)[1])["response"]["model"] == FRONT
+    assert _num_observed(gateway.metrics.pool_series("remote").ttft) == 2
+    _assert_counted(gateway, 2 + 3, 1 + 2)
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
+async def test_a_responses_error_event_follows_the_streams_last_sequence_number(aiohttp_client, tmp_path):
+    """openai-python's ResponseErrorEvent needs a `sequence_number`: ours is the one after the last relayed."""
+    body = RESPONSE_CREATED + _response_event("response.in_progress", 1)
+    server, url = await _serve(lambda request: (CHUNKED + b"%x\r\n" % len(body) + body + b"\r\n",))   # then drops
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/responses", json={**RESPONSES, "stream": True})
+    events = [e for e in (await r.text()).split("\n\n") if e]
+    assert len(events) == 3 and events[-1].startswith("event: error\ndata: "), events
+    error = ResponseErrorEvent.model_validate_json(events[-1].split("data: ", 1)[1])
+    assert (error.sequence_number, error.code) == (2, "upstream_disconnected")
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
+async def test_a_responses_stream_ended_by_the_upstreams_own_error_event_gets_no_second_one(aiohttp_client, tmp_path):
+    error = b'event: error\ndata: {"type": "error", "sequence_number": 1, "code": "x", "message": "m", "param": null}'
+    body = RESPONSE_CREATED + error + b"\n\n"
+    server, url = await _serve(lambda request: _reply(200, body, "text/event-stream"))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/responses", json={**RESPONSES, "stream": True})
+    events = [e for e in (await r.text()).split("\n\n") if e]
+    assert len(events) == 2 and json.loads(events[1].split("data: ", 1)[1])["code"] == "x", events
+    _assert_no_slot_held(gateway)
+    server.close()
