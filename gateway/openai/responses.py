@@ -346,7 +346,8 @@ class ResponsesAnswer(LocalResponse):
             if delta.get("reasoning_content"):
                 self._reasoning_delta(delta["reasoning_content"])
             content = delta.get("content") or ""
-            after = stream.rest if stream is not None and chunk["finish_reason"] and content.endswith(stream.rest) else ""
+            last = stream is not None and chunk["finish_reason"] is not None
+            after = stream.rest if last and content.endswith(stream.rest) else ""
             if content[:len(content) - len(after)]:
                 self._close_reasoning()
                 logprobs = chunk.get("logprobs") if self.tool_format is None else None
