@@ -109,12 +109,7 @@ class Completion:
         upstream = [pool for pool, _ in self.routed if pool.is_upstream]
         if upstream:
             return await self._forward(upstream[0])
-        pool, ids = self.routed[0]
-        # Where a thinking model's chat reply starts: its grammar and its reasoning split both follow it.
-        chat = isinstance(self.req, ChatRequest)
-        think = think_mode(pool.tokenizer, ids, self.req.tools is not None) if chat else None
-        self.req = with_grammar(self.req, pool, think)
-        await self.gateway.check_grammar(self.req.params.structured, self.req.structured_param)
+        self.req, think = await constrained(self.gateway, self.req, *self.routed[0])
         admission = self.gateway.admission
         req = dataclasses.replace(self.req, priority=admission.clamp_priority(self.tenant, self.req.priority))
         local = await self._run_local(req, think)
@@ -240,6 +235,18 @@ def poison_error(request_id: str, deaths: int, last: ApiError) -> ApiError:
                          f"step, a hang, or a replica lost alone; the last: {last.message}); not retried again",
                     type="server_error", code="poison_request",
                     headers={"x-should-retry": "false"})   # the openai SDK retries a 500 unless told not to
+
+
+async def constrained(gateway: Gateway, req: ChatRequest | CompletionRequest, pool: Pool, ids: list[int]
+                      ) -> tuple[ChatRequest | CompletionRequest, str | None]:
+    """(`req` with the grammar on its reply in a local `pool`, where a thinking model's chat reply starts:
+    `think_mode`, None for a completion), once the grammar library has checked that grammar (a 400 naming
+    its field if it cannot be enforced). The prompt's token `ids` say where the reply starts: its grammar
+    and its reasoning split both follow it."""
+    think = think_mode(pool.tokenizer, ids, req.tools is not None) if isinstance(req, ChatRequest) else None
+    req = with_grammar(req, pool, think)
+    await gateway.check_grammar(req.params.structured, req.structured_param)
+    return req, think
 
 
 def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,

@@ -45,11 +45,10 @@ from aiohttp import web
 from gateway.openai import objects
 from gateway.admission import bearer_key
 from gateway.batch.execution import MAX_STORE_ATTEMPTS, RETRY_FIRST_S, RETRY_MAX_S
-from gateway.completion import Completion, with_grammar
+from gateway.completion import Completion, constrained
 from gateway.handlers import read_json
 from gateway.openai.chat import ChatRequest
 from gateway.openai.errors import ApiError, bad_request, storage_unavailable
-from gateway.openai.reasoning import think_mode
 from gateway.openai.responses import ResponsesAnswer, ResponsesRequest, parse_responses, renamed, response_object
 from gateway.openai.responses_body import relayed_item
 from gateway.openai.sampling_fields import check_context
@@ -321,8 +320,7 @@ async def _checked(gateway: Gateway, req: ChatRequest) -> None:
     pool, ids = await _routed(gateway, req)
     check_context(req, len(ids), pool.max_model_len, pool.name)
     if not pool.is_upstream:
-        constrained = with_grammar(req, pool, think_mode(pool.tokenizer, ids, req.tools is not None))
-        await gateway.check_grammar(constrained.params.structured, constrained.structured_param)
+        await constrained(gateway, req, pool, ids)
 
 
 async def _prior(request: web.Request, body: Any, owner: str) -> list[dict[str, Any]]:
