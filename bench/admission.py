@@ -163,7 +163,7 @@ async def _scrape(session, url: str, scrapes: Scrapes, start: float) -> None:
             async with session.get(url + "/metrics") as r:
                 text = await r.text()
             values = pool_samples(text).get("chat", {})
-            held = 1 - values["cliffguard_kv_credits_free"] / values["cliffguard_kv_credits_total"]
+            held = 1 - values["cliffguard_kv_credits_free"] / values["cliffguard_kv_credits"]
             scrapes.samples.append((time.perf_counter() - start, values["cliffguard_kv_cache_usage_perc"], held))
         except (OSError, KeyError):
             pass

@@ -62,7 +62,7 @@ KV_CACHE_DTYPES = ("auto", "fp8")   # auto: the model's dtype; fp8: float8_e4m3f
 DEFAULT_MIN_SHARE = 0.2   # of the device's step time, for a throughput pool with work (engine.composer)
 PREEMPTION_MODES = ("recompute", "swap", "auto")   # auto: swap or recompute per victim, by measured cost
 VICTIM_POLICIES = ("reverse_fifo", "longest_first", "least_progress", "lru", "priority")
-_DEVICE_NAME = re.compile(r"^(auto|cpu|cuda|cuda:\d+)$")
+_DEVICE_NAME = re.compile(r"auto|cpu|cuda|cuda:[0-9]+")   # matched whole (`$` lets a final newline by)
 
 
 def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -73,7 +73,7 @@ def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
 
 def check_device_name(value: object) -> str:
     """`auto`, `cpu`, `cuda` or `cuda:N`, else ConfigError naming `device`."""
-    if not isinstance(value, str) or not _DEVICE_NAME.match(value):
+    if not isinstance(value, str) or not _DEVICE_NAME.fullmatch(value):
         raise ConfigError(f"device: must be auto, cpu, cuda or cuda:N, got {value!r}")
     return value
 
@@ -130,6 +130,9 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+MAX_SLO_MS = 3_600_000   # an hour: a latency target this long targets nothing
+
+
 @dataclass(frozen=True)
 class LatencySLO:
     """The latency targets of an interactive pool (YAML `slo: {ttft_ms, itl_ms}`).
@@ -149,8 +152,9 @@ class LatencySLO:
     def __post_init__(self) -> None:
         for name in ("ttft_ms", "itl_ms"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 3.6e6:
-                raise ConfigError(f"slo.{name}: must be a number of milliseconds > 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < MAX_SLO_MS:
+                raise ConfigError(f"slo.{name}: must be a number of milliseconds > 0 and < {MAX_SLO_MS} "
+                                  f"(an hour), got {value!r}")
 
     @property
     def step_seconds(self) -> float:

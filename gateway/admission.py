@@ -17,7 +17,7 @@ and checked against its pool's context, and before anything reaches the device w
 A ticker reconciles each replica's credits with its worker's reported block use every
 `RECONCILE_INTERVAL` seconds and admits whatever that frees; on the same tick it tells each worker how
 many interactive requests of each pool wait for credits (the step composer favours a pool with a
-queue, wherever the queue is). Metrics: `cliffguard_kv_credits_total` / `_free` per pool and replica,
+queue, wherever the queue is). Metrics: `cliffguard_kv_credits` / `_free` per pool and replica,
 `cliffguard_admission_queue_depth` per pool and tenant (refreshed at each scrape),
 `cliffguard_admission_wait_seconds`, `cliffguard_admission_admitted_total` and
 `cliffguard_admission_expired_total` per pool and tenant, `cliffguard_replica_requests_total` and
@@ -76,8 +76,8 @@ class AdmissionMetrics:
         p = "cliffguard_"
         self.tenant_label = tenant_label   # a tenant's label value (a bounded set: see AdmissionControl.build)
         self._depth_labels: dict[str, set[str]] = {}   # pool -> the tenant labels its queue depth was given
-        self.credits_total = Gauge(p + "kv_credits_total", "KV token slots of the pool on the replica (one "
-                                   "credit each).", _PR, registry=registry)
+        self.credits = Gauge(p + "kv_credits", "KV token slots of the pool on the replica (one credit each).",
+                             _PR, registry=registry)
         self.credits_free = Gauge(p + "kv_credits_free", "Credits not held by admitted requests (0 while the "
                                   "replica is down).", _PR, registry=registry)
         self.placed = Counter(p + "replica_requests", "Requests placed on the replica.", _PR, registry=registry)
@@ -101,7 +101,7 @@ class AdmissionMetrics:
             ledger = admission.ledger
             for replica, (account, up) in enumerate(zip(ledger.accounts, ledger.up)):
                 labels = {"pool": pool.name, "replica": str(replica)}
-                self.credits_total.labels(**labels).set(account.total)
+                self.credits.labels(**labels).set(account.total)
                 self.credits_free.labels(**labels).set(account.free if up else 0)
             # a tenant whose last request ended is gone from the ledger: its series stays, at 0
             depths = dict.fromkeys(self._depth_labels.setdefault(pool.name, set()), 0)

@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "simulate":
             return _simulate(args)
         return import_module(f"bench.{args.bench}").run(args)
-    except (UsageError, ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (UsageError, ValueError, OSError, RuntimeError) as exc:   # OSError: a path that cannot be read
         print(f"cliffguard {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -26,6 +26,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 
 import torch
 
@@ -36,7 +37,7 @@ from engine.config import (CacheConfig, ConfigError, EngineConfig, PoolConfig, c
 from engine.model_config import ModelConfig
 from engine.parallel import ShardShape
 from pools.config.spec import DEFAULT_CPU_MEMORY, CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
-from pools.config.checks import within
+from pools.config.checks import fmt_bytes, within
 from pools.model_configs import resolve_model_configs
 
 
@@ -272,14 +273,10 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         kv_dev = formula.kv_cache_bytes(memory, weights_dev, dev.memory_utilization) - graphs_dev
         if kv_dev <= 0:
             raise _no_room_for_kv(dkey, dev, memory, source, p0.model, weights_dev, dtype, graphs_dev, kv_dev)
-        device_pools = [_plan_pool(i, p, model, s_kv, s_kv_dev, kv_dev, tp, warnings, dev.replicas)
-                        for i, p in members]
-        asked = sum(pp.kv_cache_bytes_per_device for pp in device_pools)
-        if asked > kv_dev:
-            i, p = next(((i, p) for i, p in members if p.kv_cache_bytes is not None), members[0])
-            parts = ", ".join(f"{pp.name} {fmt_bytes(pp.kv_cache_bytes_per_device)}" for pp in device_pools)
-            raise SpecError(f"pools[{i}].kv_cache_bytes: {fmt_bytes(p.kv_cache_bytes or 0)}; the pools of device "
-                            f"{dev_name!r} ask for {fmt_bytes(asked)} per GPU ({parts}) but it has {fmt_bytes(kv_dev)}")
+        shares = sum((Fraction(p.kv_share) for _, p in members if p.kv_share is not None), Fraction(0))
+        device_pools = [_plan_pool(i, p, model, s_kv, s_kv_dev, _pool_bytes(p, kv_dev, shares), tp, warnings,
+                                   dev.replicas) for i, p in members]
+        _check_device_budget(dev_name, members, device_pools, kv_dev)
         pools.update((pp.name, pp) for pp in device_pools)
         devices[dev_name] = DevicePlan(
             name=dev_name, device_type=device_type, dtype=dtype_name(dtype), model=p0.model, memory_bytes=memory,
@@ -289,9 +286,41 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
             kv_bytes_per_token_per_device=s_kv_dev, kv_space_bytes_per_device=kv_dev,
             block_size=p0.block_size, pools=tuple(p.name for _, p in members), replicas=dev.replicas,
             min_replicas=dev.min_replicas, placement=dev.placement, graph_bytes_per_device=graphs_dev)
+    if (over := config.swap_past_memory(host_memory_bytes())) is not None:
+        warnings.append(f"{over}; `cliffguard serve` refuses it on this machine")
     upstream = tuple(p.name for p in config.pools if p.is_upstream)
     return CapacityPlan(devices=devices, pools=pools, upstream_pools=upstream,
                         warnings=tuple(warnings))
+
+
+def _pool_bytes(p: PoolSpec, kv_dev: int, shares: Fraction) -> int:
+    """A pool's KV bytes per GPU: kv_cache_bytes, or kv_share of `kv_dev` in integers (a float product rounds
+    past a large device); `shares` (the device's, exact) a hair over 1 are scaled down to fit `kv_dev`."""
+    if p.kv_share is None:
+        return p.kv_cache_bytes
+    return int(Fraction(p.kv_share) * kv_dev / max(shares, Fraction(1)))
+
+
+def _check_device_budget(dev_name: str, members: list[tuple[int, PoolSpec]], device_pools: list[PoolPlan],
+                         kv_dev: int) -> None:
+    """The pools of a device ask for no more than its KV bytes per GPU; else a SpecError naming the first
+    explicit `kv_cache_bytes` (shares alone always fit: `_pool_bytes`)."""
+    asked = sum(pp.kv_cache_bytes_per_device for pp in device_pools)
+    if asked <= kv_dev:
+        return
+    parts = ", ".join(f"{pp.name} {fmt_bytes(pp.kv_cache_bytes_per_device)}" for pp in device_pools)
+    i, p = next((i, p) for i, p in members if p.kv_cache_bytes is not None)
+    raise SpecError(f"pools[{i}].kv_cache_bytes: {fmt_bytes(p.kv_cache_bytes)}; the pools of device {dev_name!r} "
+                    f"ask for {fmt_bytes(asked)} per GPU ({parts}) but it has {fmt_bytes(kv_dev)}")
+
+
+def host_memory_bytes() -> int | None:
+    """This machine's physical memory, or None where the system does not say."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return total if total > 0 else None
 
 
 def _no_room_for_kv(dkey: str, dev: DeviceSpec, memory: int, source: str, model: str, weights_dev: int,
@@ -317,7 +346,7 @@ def _graph_reserve(model: ModelConfig, dev: DeviceSpec, device_type: str, tp: in
                               moe_intermediate_size=shard.moe_intermediate_size)
 
 
-def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int, kv_dev: int, tp: int,
+def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int, pool_kv: int, tp: int,
                warnings: list[str], replicas: int = 1) -> PoolPlan:
     key = f"pools[{i}]"
     context = model.max_position_embeddings
@@ -335,10 +364,8 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
                         f"{max_model_len}; no prompt can reach this pool")
     if p.kv_share is not None:
         budget_key, budget = f"{key}.kv_share", f"{p.kv_share}"
-        pool_kv = min(int(p.kv_share * kv_dev), kv_dev)
     else:
         budget_key, budget = f"{key}.kv_cache_bytes", fmt_bytes(p.kv_cache_bytes)
-        pool_kv = p.kv_cache_bytes
     num_blocks = formula.num_blocks(pool_kv, s_kv_dev, p.block_size)
     per_request = ceil_div(max_model_len, p.block_size)
     if num_blocks < per_request:
@@ -371,7 +398,7 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
 def _check_swap_space(key: str, p: PoolSpec, s_kv_dev: int) -> None:
     """A pool that may swap needs room for one KV block (S_KV of a GPU x block_size) in its swap space."""
     block = s_kv_dev * p.block_size
-    if p.preemption_mode in ("swap", "auto") and 0 < p.swap_space_bytes < block:
+    if p.uses_swap and 0 < p.swap_space_bytes < block:
         raise SpecError(f"{key}.swap_space: {fmt_bytes(p.swap_space_bytes)} holds no KV block of {fmt_bytes(block)} "
                         f"(block_size {p.block_size} x S_KV {s_kv_dev} B); preemption_mode {p.preemption_mode!r} "
                         "swaps whole blocks: give it room for many")
@@ -382,9 +409,9 @@ def engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, En
     replica's): the planned dtype, blocks and limits, nothing re-derived.
 
     This is the start-up check of `serve` and `generate`: a device `auto` becomes the device type the
-    plan assumed; a CUDA device on a machine without CUDA (a plan made with `--vram`), or asking for
-    GPUs the machine does not have, is refused here, before anything loads. Errors are SpecError
-    naming the key path.
+    plan assumed; a CUDA device on a machine without CUDA (a plan made with `--vram`), asking for GPUs
+    the machine does not have, or swap spaces past its memory, is refused here, before anything loads.
+    Errors are SpecError naming the key path.
     """
     return {name: configs[0] for name, configs in replica_engine_configs(config, plan).items()}
 
@@ -392,6 +419,8 @@ def engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, En
 def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, list[EngineConfig]]:
     """Each planned device's EngineConfig per replica: the same pools and block ranges, each replica on
     its own GPUs (`DeviceSpec.replica_gpus`), or on the CPU with its share of the cores."""
+    if (over := config.swap_past_memory(host_memory_bytes())) is not None:
+        raise SpecError(f"{over}: its workers would run out of memory; lower swap_space")
     result = {}
     for dplan in plan.devices.values():
         dev = config.devices[dplan.name]
@@ -469,12 +498,3 @@ def plan_single_pool(model: str, *, device: str = "auto", dtype: str = "auto", k
                               pools=(pool_spec,))
     plan = plan_capacity(config, resolve_model_configs(config), vram_bytes=vram_bytes)
     return plan, engine_configs(config, plan)["default"]
-
-
-def fmt_bytes(n: int) -> str:
-    """Bytes in binary units: 1.50 GiB."""
-    sign, n = ("-", -n) if n < 0 else ("", n)
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{sign}{n / size:.2f} {unit}"
-    return f"{sign}{n} B"

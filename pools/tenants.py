@@ -36,10 +36,9 @@ from typing import Annotated, Any
 import msgspec
 
 from pools.credits.ledger import DEFAULT_TENANT, TenantPolicy
-from pools.config.checks import Spec, SpecError, Text, from_yaml
+from pools.config.checks import Spec, SpecError, Text, from_yaml, is_label
 
-_TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # metric labels
-_PER_KEY_TENANT = re.compile(r"^key-[0-9a-f]{8}$")             # `resolve` without a tenants: section
+_PER_KEY_TENANT = re.compile(r"key-[0-9a-f]{8}")                # `resolve` without a tenants: section (whole)
 DEFAULT_OWNER = DEFAULT_TENANT                                  # owner of requests without a key
 
 
@@ -111,7 +110,7 @@ class Tenants:
             return DEFAULT_OWNER
         if spec is not None and len(spec.api_keys) == 1:
             return self.owner(spec.api_keys[0])
-        if spec is None and _PER_KEY_TENANT.match(tenant):
+        if spec is None and _PER_KEY_TENANT.fullmatch(tenant):
             keys = {key for key in (*api_keys, *self._by_key)
                     if hashlib.sha256(key.encode()).hexdigest()[:8] == tenant[4:]}
             if len(keys) == 1:
@@ -128,7 +127,7 @@ def parse_tenants(raw: Any) -> dict[str, TenantSpec]:
     owner: dict[str, str] = {}
     for name, value in specs.items():
         key = f"tenants.{name}"
-        if not _TENANT_NAME.match(name):
+        if not is_label(name):   # metric labels
             raise SpecError(key, f"a tenant name uses letters, digits, '_', '.', '-', got {name!r}")
         if name == BATCH_LABEL:
             raise SpecError(key, f"{name!r} is reserved: the admission queue's metrics name the batch lines "

@@ -320,8 +320,8 @@ class Sample:
 
 
 def parse_credits(text: str) -> dict[str, tuple[float, float]]:
-    """Prometheus text -> pool -> (free, total) of `cliffguard_kv_credits_free` / `_total`."""
-    names = ("cliffguard_kv_credits_free", "cliffguard_kv_credits_total")
+    """Prometheus text -> pool -> (free, total) of `cliffguard_kv_credits_free` / `cliffguard_kv_credits`."""
+    names = ("cliffguard_kv_credits_free", "cliffguard_kv_credits")
     return {pool: (v[names[0]], v[names[1]]) for pool, v in pool_samples(text).items() if set(names) <= set(v)}
 
 

@@ -156,7 +156,7 @@ def pending_work(metrics_text: str) -> list[str]:
     for pool, samples in pools.items():
         pending += [f"{pool}: {samples[name]:g} {what}" for name, what in PENDING_GAUGES.items() if samples.get(name)]
     for pool, samples in sorted(pools.items()):
-        held = samples.get("cliffguard_kv_credits_total", 0.0) - samples.get("cliffguard_kv_credits_free", 0.0)
+        held = samples.get("cliffguard_kv_credits", 0.0) - samples.get("cliffguard_kv_credits_free", 0.0)
         if held > 0:
             pending.append(f"{pool}: {held:g} KV credits held")
     return pending

@@ -67,7 +67,7 @@ VALUES = {
     "num_requests_waiting": _P + "num_requests_waiting",
     "num_requests_swapped": _P + "num_requests_swapped",
     "num_preemptions_total": _P + "num_preemptions_total",
-    "kv_credits_total": _P + "kv_credits_total",
+    "kv_credits": _P + "kv_credits",
     "kv_credits_free": _P + "kv_credits_free",
     "admission_queue_depth": _P + "admission_queue_depth",
     "death_spiral": _P + "death_spiral",

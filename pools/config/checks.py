@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -52,6 +53,21 @@ def show(value: Any) -> str:
 
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# A name that goes into metric labels, URLs and headers (a pool's, a tenant's): matched whole, since a
+# pattern ending in `$` also matches before a final newline, and "chat\n" in a header breaks every response.
+_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def is_label(name: str) -> bool:
+    """`name` is letters, digits, '_', '.' and '-', starting with a letter or digit, and nothing else."""
+    return _LABEL.fullmatch(name) is not None
+
+
+def has_control_characters(text: str) -> bool:
+    """`text` holds a control character (a newline, a tab, an escape): nothing a client can send back."""
+    return any(unicodedata.category(c) == "Cc" for c in text)
 
 
 # --- the models -----------------------------------------------------------------------------------
@@ -133,18 +149,24 @@ def _reason(error: FieldError, hidden: tuple[str, ...]) -> str:
                f"{', '.join(k for k in error.allowed if k not in hidden)}"
     if value is MISSING or value is None or ", got " in reason and not reason.startswith("expected "):
         return reason
-    if reason.startswith("expected ") and "number" in reason and isinstance(value, str) and _EXPONENT.match(value):
-        return f"{reason} {_short(value)} (YAML reads an exponent without a dot as text: write {_dotted(value)})"
+    if reason.startswith("expected ") and "number" in reason and (number := _yaml_number(value)) is not None:
+        return f"{reason} {_short(value)} (YAML reads an exponent without a dot or without its sign as text: " \
+               f"write {number})"
     return f"{reason} {_short(value)}" if reason.startswith("expected ") else f"{reason}, got {_short(value)}"
 
 
-_EXPONENT = re.compile(r"^[-+]?[0-9]+[eE][-+]?[0-9]+$")
+_EXPONENT = re.compile(r"(?P<sign>[-+]?)(?P<whole>[0-9]*)(?:\.(?P<fraction>[0-9]*))?[eE](?P<exp>[-+]?[0-9]+)")
 
 
-def _dotted(text: str) -> str:
-    """`1e-3` as YAML 1.1 reads it as a number: `1.0e-3`."""
-    mantissa, exponent = re.split("[eE]", text, maxsplit=1)
-    return f"{mantissa}.0e{exponent}"
+def _yaml_number(value: Any) -> str | None:
+    """The text YAML 1.1 (PyYAML) reads as the number a string in exponent form means (`1e-3` -> `1.0e-3`,
+    `1e300` and `1.0e300` -> `1.0e+300`: a dot in the mantissa and a sign on the exponent), or None."""
+    match = _EXPONENT.fullmatch(value) if isinstance(value, str) else None
+    if match is None or not (match["whole"] or match["fraction"]):
+        return None
+    exponent = match["exp"] if match["exp"][0] in "+-" else f"+{match['exp']}"
+    number = f"{match['sign']}{match['whole'] or '0'}.{match['fraction'] or '0'}e{exponent}"
+    return number if number != value else None
 
 
 def _short(value: Any, width: int = 80) -> str:
@@ -222,6 +244,15 @@ def _at_most_max(count: int, value: Any) -> int:
     if count > MAX_INT:
         raise ValueError(f"must be at most {MAX_INT} bytes (just under 8 EiB), got {_short(value)}")
     return count
+
+
+def fmt_bytes(n: int) -> str:
+    """Bytes in binary units: 1.50 GiB."""
+    sign, n = ("-", -n) if n < 0 else ("", n)
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}"
+    return f"{sign}{n} B"
 
 
 def _decode(kind: type, value: Any) -> Any:

@@ -8,13 +8,24 @@ field types are the schema, `check()` the rules across fields; errors are `SpecE
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 import msgspec
 
+from engine.worker import HEARTBEAT_INTERVAL
 from pools.config.checks import ByteSize, Count, NonNegative, Positive, Seconds, Spec, SpecError, Text
 
 DEFAULT_API_KEYS_ENV = "CLIFFGUARD_API_KEYS"
+MAX_BACKOFF_FACTOR = 100.0   # `restart_backoff.factor`: the third wait 10,000 times the first; more is a typo
+_MAX_LOG_GROWTH = 700.0      # `Backoff.delay`: e ** 700 is a float (e ** 710 overflows)
+# The watchdog hears a device worker through its heartbeat, one every HEARTBEAT_INTERVAL seconds, and sees how
+# long its step runs only from those beats: a timeout of fewer than four beats takes one late beat (a loaded
+# host, the gateway's loop busy a moment) for a dead or hung worker, and kills a healthy one.
+MIN_WATCHDOG_SECONDS = 4 * HEARTBEAT_INTERVAL
+# `write_timeout`: a client that reads may still pause this long (a round trip across the world, a busy
+# machine); a shorter timeout cuts off clients that read, whenever their socket buffer is full.
+MIN_WRITE_TIMEOUT = 0.5
 
 
 class Backoff(Spec):
@@ -23,7 +34,7 @@ class Backoff(Spec):
     at most `max_seconds`."""
 
     initial_seconds: NonNegative = 1.0
-    factor: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    factor: Annotated[float, msgspec.Meta(ge=1, le=MAX_BACKOFF_FACTOR)] = 2.0
     max_seconds: NonNegative = 30.0
     reset_after_seconds: NonNegative = 60.0
 
@@ -33,8 +44,18 @@ class Backoff(Spec):
                                            f"got {self.max_seconds}")
 
     def delay(self, attempt: int) -> float:
-        """Seconds to wait before restart number `attempt` (0-based) since the last reset."""
-        return min(self.initial_seconds * self.factor ** min(attempt, 64), self.max_seconds)
+        """Seconds to wait before restart number `attempt` (0-based) since the last reset. Compared in log
+        space first: `factor ** attempt` is only taken where it stays below max_seconds / initial_seconds,
+        so no factor or attempt overflows (an OverflowError would end the replica's supervisor)."""
+        if self.initial_seconds == 0:
+            return 0.0
+        growth = attempt * math.log(self.factor)   # log(factor ** attempt)
+        log_delay = math.log(self.initial_seconds) + growth
+        if log_delay >= math.log(self.max_seconds):
+            return self.max_seconds
+        if growth < _MAX_LOG_GROWTH:
+            return min(self.initial_seconds * self.factor ** attempt, self.max_seconds)   # exact: 1, 2, 4, ...
+        return math.exp(log_delay)   # a tiny initial_seconds: factor ** attempt alone would overflow
 
 
 class RequestLimits(Spec):
@@ -76,3 +97,14 @@ class GatewaySpec(Spec):
     take_over: bool = False              # a Ray device's replicas of another config are replaced (else refused)
     limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
     stored_responses: RetentionSpec = msgspec.field(default_factory=RetentionSpec)
+
+    def check(self) -> None:
+        for key in ("stall_seconds", "step_timeout_seconds"):
+            if getattr(self, key) < MIN_WATCHDOG_SECONDS:
+                raise SpecError(key, f"must be at least {MIN_WATCHDOG_SECONDS:g} s (4 heartbeats of the device "
+                                     f"worker, one every {HEARTBEAT_INTERVAL:g} s: shorter, one late beat kills a "
+                                     f"healthy worker), got {getattr(self, key)}")
+        if self.write_timeout < MIN_WRITE_TIMEOUT:
+            raise SpecError("write_timeout", f"must be at least {MIN_WRITE_TIMEOUT:g} s (shorter, a client that "
+                                             f"reads is cut off whenever its socket buffer fills), "
+                                             f"got {self.write_timeout}")

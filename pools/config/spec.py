@@ -11,7 +11,6 @@ The schema, key by key, is in `config/README.md`.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Annotated, Any, ClassVar, Literal
@@ -24,7 +23,7 @@ from engine.capacity import DEFAULT_BLOCK_SIZE
 from engine.config import DEFAULT_MIN_SHARE, LatencySLO, SchedulerConfig
 from engine.tokenizer import TEMPLATE_FUNCTIONS   # a chat_template_kwargs key may not replace one
 from pools.config.checks import (ByteSize, ByteSizeOrZero, Count, Fraction, NonNegative, Spec, SpecError, Text,
-                                 engine_rules)
+                                 engine_rules, fmt_bytes, has_control_characters, is_label)
 from pools.config.checks import parse_bytes as parse_bytes   # re-exported: the CLI reads --vram with it
 from pools.config.device_spec import DeviceSpec
 from pools.config.gateway_spec import GatewaySpec
@@ -36,7 +35,9 @@ DEFAULT_CPU_MEMORY = 4 << 30   # `memory: auto` on a CPU device: the budget for 
 # of the proxies most often in front of a gateway (nginx's proxy_read_timeout, an AWS ALB's idle timeout),
 # so the client hears "retry later" from us rather than a 504 from the proxy (config/README.md).
 DEFAULT_MAX_QUEUE_SECONDS = 50.0
-_POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")   # used in metric labels and URLs
+# A pool's CPU swap space (per rank) may not pass this: more memory than any one machine has, so a typo, and the
+# worker's swap block list would fill its memory; `pools.capacity_plan` also holds it to this machine's memory.
+MAX_SWAP_SPACE_BYTES = 1 << 50   # 1 PiB
 
 # Where a pool's service class came from (`PoolSpec.slo_source`; set by the YAML loader, never a YAML key):
 # `yaml`: an `slo` mapping; `default`: isolation by default (`default_isolation`); `opted_out`: `slo: null`;
@@ -158,9 +159,10 @@ class PoolSpec(Spec):
     chat_template_kwargs: dict[str, Any] | None = None   # template variables; a request's own win, key by key
 
     def check(self) -> None:
-        if not _POOL_NAME.match(self.name):
+        if not is_label(self.name):   # metric labels, URLs and the x-cliffguard-pool header
             raise SpecError("name", f"use letters, digits, '_', '.', '-' (starting with a letter or digit); "
                                     f"got {self.name!r}")
+        self._check_names_and_route()
         for key, value in (self.chat_template_kwargs or {}).items():
             if (reason := template_variable_error(key, value)) is not None:
                 raise SpecError(f"chat_template_kwargs.{key}", reason)
@@ -182,6 +184,9 @@ class PoolSpec(Spec):
         if self.kv_share is None and self.kv_cache_bytes is None:
             raise SpecError("kv_share", "a local pool needs kv_share (a fraction of its device's KV bytes) or "
                                         "kv_cache_bytes; got neither")
+        if self.swap_space_bytes > MAX_SWAP_SPACE_BYTES:
+            raise SpecError("swap_space", f"must be at most {MAX_SWAP_SPACE_BYTES} bytes (1 PiB, more than one "
+                                          f"machine's memory), got {self.swap_space_bytes}")
         with engine_rules({"swap_space_bytes": "swap_space"}):   # the engine's rules: swap needs swap_space
             self.scheduler_config(self.max_num_seqs or 1, self.max_model_len or 0)
         if self.slo_source is not None and (self.slo is not None) != (self.slo_source in _SLO_SOURCES_WITH_SLO):
@@ -193,6 +198,17 @@ class PoolSpec(Spec):
             raise SpecError("min_share", f"only for throughput pools; this pool has an slo{why}, "
                                          f"got min_share {self.min_share}")
 
+    def _check_names_and_route(self) -> None:
+        """The name clients send, and a route some prompt can take where max_model_len is known here (the
+        capacity plan checks it again against the model's context)."""
+        if self.served_model_name is not None and (not self.served_model_name.strip()
+                                                   or has_control_characters(self.served_model_name)):
+            raise SpecError("served_model_name", f"the model name clients send: not blank and no control "
+                                                 f"characters (a newline, a tab), got {self.served_model_name!r}")
+        if self.max_model_len is not None and self.route.min_prompt_tokens >= self.max_model_len:
+            raise SpecError("route.min_prompt_tokens", f"{self.route.min_prompt_tokens} must be below max_model_len "
+                                                       f"{self.max_model_len}; no prompt can reach this pool")
+
     def scheduler_config(self, max_num_seqs: int, max_model_len: int) -> SchedulerConfig:
         """The engine's limits for this pool, given the two numbers the capacity plan derives."""
         return SchedulerConfig(
@@ -203,6 +219,11 @@ class PoolSpec(Spec):
     @property
     def is_upstream(self) -> bool:
         return self.upstream is not None
+
+    @property
+    def uses_swap(self) -> bool:
+        """A local pool whose victims may be swapped to its CPU swap space (preemption_mode swap or auto)."""
+        return not self.is_upstream and self.preemption_mode in ("swap", "auto")
 
     @property
     def engine_min_share(self) -> float:
@@ -317,6 +338,25 @@ class CliffguardConfig:
     @property
     def local_pools(self) -> tuple[PoolSpec, ...]:
         return tuple(p for p in self.pools if not p.is_upstream)
+
+    def swap_past_memory(self, host_bytes: int | None) -> str | None:
+        """Why the CPU swap spaces of the devices one machine runs cannot fit its memory (`host_bytes`; None:
+        unknown), naming the first `pools[i].swap_space` past it; None when they fit. Each rank of each
+        replica of a local device holds its swapping pools' swap_space in that machine's memory (a Ray
+        device's replicas run on the cluster's nodes: not counted)."""
+        if host_bytes is None:
+            return None
+        total = 0
+        for i, pool in enumerate(self.pools):
+            if not pool.uses_swap or (device := self.devices[pool.device]).placement == "ray":
+                continue
+            ranks = device.replicas * device.tensor_parallel_size
+            total += ranks * pool.swap_space_bytes
+            if total > host_bytes:
+                return (f"pools[{i}].swap_space: {fmt_bytes(pool.swap_space_bytes)} for each of the {ranks} ranks "
+                        f"of device {pool.device!r} (replicas x tensor_parallel_size) brings the swap spaces of this "
+                        f"machine's devices to {fmt_bytes(total)}, past its {fmt_bytes(host_bytes)} of memory")
+        return None
 
     def describe_service_classes(self) -> list[str]:
         """One line per device with local pools, what `cliffguard serve` logs at start: `device default:

@@ -8,6 +8,7 @@ by key, is in `config/README.md`.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from collections.abc import Mapping
@@ -34,13 +35,22 @@ class ConfigFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     tenants: dict[str, Any] | None = None
 
 
-def _beside(base_dir: Path | None, spec: str) -> str:
+def _beside(base_dir: Path | None, spec: str, key: str) -> str:
     """A relative model/tokenizer path is looked up beside the YAML file first, then left as written
-    (the working directory, or a hub id for an upstream tokenizer)."""
+    (the working directory, or a hub id for an upstream tokenizer). A name no file system can hold (a
+    component past its limit) is a SpecError naming `key`; one that cannot be looked up there (no
+    permission) is not there."""
     if base_dir is None or spec.startswith("builtin:") or PurePath(spec).is_absolute() or spec.startswith("~"):
         return spec
     candidate = base_dir / spec
-    return os.path.normpath(candidate) if candidate.exists() else spec
+    try:
+        found = candidate.exists()
+    except OSError as exc:
+        if exc.errno == errno.ENAMETOOLONG:
+            raise SpecError(key, f"not a path this machine can open ({exc.strerror}), got {spec[:80]!r}"
+                                 f"{'...' if len(spec) > 80 else ''}") from None
+        found = False
+    return os.path.normpath(candidate) if found else spec
 
 
 def _without_nulls(raw: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
@@ -98,7 +108,7 @@ def _parse_pool(i: int, raw: Any, base_dir: Path | None) -> PoolSpec:
             raw["slo"] = LatencySLO(ttft_ms=slo.ttft_ms, itl_ms=slo.itl_ms)
     for name in ("tokenizer",) if upstream else ("model",):
         if isinstance(raw.get(name), str):
-            raw[name] = _beside(base_dir, raw[name])
+            raw[name] = _beside(base_dir, raw[name], f"{key}.{name}")
     if upstream:
         return from_yaml(raw, PoolSpec, key)
     source = "yaml" if raw.get("slo") is not None else "opted_out" if "slo" in raw else "absent"
@@ -167,7 +177,7 @@ def _is_path(value: str | os.PathLike) -> bool:
         return True
     if "\n" in value:
         return False
-    return value.strip().endswith((".yaml", ".yml", ".json")) or ":" not in value or Path(value).is_file()
+    return value.strip().endswith((".yaml", ".yml", ".json")) or ":" not in value or os.path.isfile(value)
 
 
 def load_config(path_or_text: str | os.PathLike, *, env: Mapping[str, str] = os.environ) -> CliffguardConfig:

@@ -170,8 +170,8 @@ def test_config_copy_shortens_the_fault_timers_only(tmp_path):
 
 def test_credits_from_metrics_text():
     text = ('# TYPE cliffguard_kv_credits_free gauge\ncliffguard_kv_credits_free{pool="chat"} 10.0\n'
-            'cliffguard_kv_credits_free{pool="rag"} 5.0\n# TYPE cliffguard_kv_credits_total gauge\n'
-            'cliffguard_kv_credits_total{pool="chat"} 10.0\ncliffguard_kv_credits_total{pool="rag"} 8.0\n')
+            'cliffguard_kv_credits_free{pool="rag"} 5.0\n# TYPE cliffguard_kv_credits gauge\n'
+            'cliffguard_kv_credits{pool="chat"} 10.0\ncliffguard_kv_credits{pool="rag"} 8.0\n')
     assert parse_credits(text) == {"chat": (10.0, 10.0), "rag": (5.0, 8.0)}
     assert not Sample(0.0, True, 0.0, parse_credits(text), None).credits_full
     assert not Sample(0.0, True, 0.0, {}, None).credits_full

@@ -9,7 +9,9 @@ import time
 import aiohttp
 import pytest
 
+from gateway.admission import AdmissionMetrics
 from gateway.app import create_app
+from gateway.monitoring.metrics import GatewayMetrics
 from gateway.runtime import Gateway
 from pools.config.yaml_file import load_config
 from tests.gateway.conftest import start_gateway
@@ -301,3 +303,12 @@ async def test_kill_9_of_the_worker_loses_no_batch_line_and_no_queued_request(ai
     assert pool.admission.free == pool.admission.total, (pool.admission.free, pool.admission.ledger.num_held)
     pool.admission.ledger.check_integrity()
 
+
+
+def test_no_gauge_is_named_like_a_counter():
+    """Prometheus keeps the `_total` suffix for counters (a scraper may take the series for one): the credits
+    gauge was `cliffguard_kv_credits_total`, and is `cliffguard_kv_credits`."""
+    metrics = GatewayMetrics()
+    AdmissionMetrics(metrics.registry)
+    gauges = [family.name for family in metrics.registry.collect() if family.type == "gauge"]
+    assert "cliffguard_kv_credits" in gauges and [name for name in gauges if name.endswith("_total")] == []

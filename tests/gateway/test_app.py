@@ -263,7 +263,7 @@ async def test_a_rag_flood_waits_for_credits_and_chat_keeps_its_blocks(aiohttp_c
     assert any(free == 1024 - 2 * 384 and queued > 0 for free, queued in zip(rag_free, rag_queued))
     assert after["cliffguard_admission_admitted_total"][(("pool", "rag"), ("tenant", "default"))] == 8
     assert after["cliffguard_kv_credits_free"][(("pool", "rag"), ("replica", "0"))] == after[
-        "cliffguard_kv_credits_total"][(("pool", "rag"), ("replica", "0"))] == 1024
+        "cliffguard_kv_credits"][(("pool", "rag"), ("replica", "0"))] == 1024
     assert all(m["cliffguard_pool_num_blocks"][(("pool", "chat"), ("replica", "0"))] == gateway.plan.pools["chat"].num_blocks
                for m in samples)
     assert after["cliffguard_kv_cache_usage_perc"][(("pool", "chat"), ("replica", "0"))] == 0

@@ -203,6 +203,18 @@ def test_a_binary_yaml_file_is_named(tmp_path, capsys):
     assert str(path) in line and "not a UTF-8 text file" in line
 
 
+def test_a_model_path_no_file_system_holds_is_one_line(tmp_path, capsys):
+    """A 300-character model path was a traceback (OSError, ENAMETOOLONG): relative, looked up beside the
+    file, it is an error naming the key; absolute, the model's lookup fails with one line naming it."""
+    path = tmp_path / "pools.yaml"
+    path.write_text(yaml.safe_dump({"pools": [{"name": "p", "model": "m" * 300, "kv_share": 1}]}))
+    assert main(["capacity", "--config", str(path)]) == 2
+    assert "pools[0].model: not a path this machine can open (File name too long)" in _error_line(capsys)
+    path.write_text(yaml.safe_dump({"pools": [{"name": "p", "model": str(tmp_path / ("m" * 300)), "kv_share": 1}]}))
+    assert main(["capacity", "--config", str(path)]) == 2
+    assert "File name too long" in _error_line(capsys)
+
+
 # --- simulate ---------------------------------------------------------------------------------------
 def _simulate_args(*more: str) -> list[str]:
     return ["simulate", "--config", str(EXAMPLE), "--model-config", str(LLAMA70B_JSON), *more]

@@ -98,7 +98,7 @@ def _make_replicas(metrics: GatewayMetrics, credits: AdmissionMetrics, pool: str
         metrics.kv_usage.labels(**labels).set(kv)
         metrics.running.labels(**labels).set(running)
         metrics.waiting.labels(**labels).set(waiting)
-        credits.credits_total.labels(**labels).set(1000)
+        credits.credits.labels(**labels).set(1000)
         credits.credits_free.labels(**labels).set(free)
         if placed:
             credits.placed.labels(**labels).inc(requests)
@@ -116,7 +116,7 @@ def test_a_replicated_pool_shows_each_replica_and_the_split_of_its_placed_prompt
     chat = snapshot.values["chat"]
     assert chat["kv_cache_usage_perc"] == pytest.approx(0.4)       # the mean of the replicas' ...
     assert (chat["num_requests_running"], chat["num_requests_waiting"]) == (8, 1)   # ... the sum of their counts
-    assert (chat["kv_credits_free"], chat["kv_credits_total"]) == (1000, 2000)
+    assert (chat["kv_credits_free"], chat["kv_credits"]) == (1000, 2000)
     assert snapshot.replicas["chat"] == {
         "0": {"kv_cache_usage_perc": 0.2, "num_requests_running": 3, "num_requests_waiting": 1, "kv_credits_free": 700,
               "replica_requests_total": None, "replica_prompt_tokens_total": None},   # nothing placed yet
@@ -147,14 +147,14 @@ def test_a_replicated_pool_shows_each_replica_and_the_split_of_its_placed_prompt
 def test_rates_and_p99s_are_taken_over_the_window_and_the_series_kept_for_the_history():
     metrics = GatewayMetrics()
     credits = AdmissionMetrics(metrics.registry)
-    credits.credits_total.labels(pool="chat", replica="0").set(1024)
+    credits.credits.labels(pool="chat", replica="0").set(1024)
     history = dashboard.DashboardHistory(window_seconds=10, history_seconds=30, min_interval=0.5)
     preempt = metrics.preemptions.labels(pool="chat", replica="0", mode="recompute")
     metrics.kv_usage.labels(pool="chat", replica="0").set(0.25)
 
     first = history.add(_make_snapshot(metrics, 0.0, pools=("chat", "rag")))
     chat = first["pools"]["chat"]
-    assert chat["kv_cache_usage_perc"] == 0.25 and chat["kv_credits_total"] == 1024
+    assert chat["kv_cache_usage_perc"] == 0.25 and chat["kv_credits"] == 1024
     assert chat["preemptions_per_second"] is None and chat["ttft_p99_seconds"] is None   # nothing to compare yet
     assert chat["death_spiral"] is None and first["pools"]["rag"]["kv_cache_usage_perc"] is None   # not exported
 
@@ -240,7 +240,7 @@ async def test_the_data_equals_metrics_and_needs_the_key_like_the_api(aiohttp_cl
         assert shown["preemptions_per_second"] == 0
         assert shown["series"]["age_seconds"][-1] == 0 and len(shown["series"]["age_seconds"]) >= 2
     assert data["pools"]["chat"]["itl_window_count"] == 3 * 7          # 7 gaps between 8 streamed tokens
-    assert data["pools"]["chat"]["kv_credits_free"] == data["pools"]["chat"]["kv_credits_total"] > 0
+    assert data["pools"]["chat"]["kv_credits_free"] == data["pools"]["chat"]["kv_credits"] > 0
     assert data["stats_age_seconds"].keys() == _ages(after).keys()
 
 
@@ -444,7 +444,7 @@ def _assert_shown_within_scrapes(shown: dict, scrapes: list[dict]) -> None:
                 continue
             slack = _SLACK.get(key, 0)
             if key == "kv_credits_free":
-                slack = 0.1 * shown[pool, "kv_credits_total"]
+                slack = 0.1 * shown[pool, "kv_credits"]
             assert value is not None and min(seen) - slack <= value <= max(seen) + slack, \
                 (pool, key, value, min(seen), max(seen))
         for key in ("ttft", "itl"):

@@ -67,7 +67,7 @@ async def test_both_replicas_serve_a_pool_and_a_repeated_prefix_goes_back_to_its
     assert cached[(("pool", "rag"), ("replica", first))] >= 4 * 320 - 4 * 16
     for replica in ("0", "1"):
         labels = (("pool", "chat"), ("replica", replica))
-        assert m["cliffguard_kv_credits_total"][labels] == m["cliffguard_kv_credits_free"][labels] > 0
+        assert m["cliffguard_kv_credits"][labels] == m["cliffguard_kv_credits_free"][labels] > 0
         assert m["cliffguard_replica_requests_total"][labels] >= 4
         assert labels in m["cliffguard_num_requests_running"]
         assert (("device", "cpu"), ("replica", replica)) in m["cliffguard_engine_steps_total"]

@@ -118,6 +118,17 @@ def test_backoff_doubles_up_to_its_cap_and_checks_its_fields():
         Backoff(factor=0.5)
 
 
+def test_backoff_delay_never_overflows_and_its_factor_is_bounded():
+    """`factor ** attempt` overflowed a float (factor 1e5, some restarts in): the OverflowError ended the
+    replica's supervisor, which then never restarted its worker. The factor is at most 100, and the delay is
+    found in log space whatever the attempt."""
+    assert Backoff(factor=100, max_seconds=1e300).delay(10_000) == 1e300
+    assert Backoff(initial_seconds=1e-300, factor=100, max_seconds=1e300).delay(200) == pytest.approx(1e100)
+    assert Backoff(initial_seconds=0, max_seconds=0).delay(10**9) == 0
+    with pytest.raises(ValueError, match=r"^factor: must be <= 100"):
+        Backoff(factor=1e5)
+
+
 def test_restart_backoff_comes_from_yaml_and_bad_values_name_the_key():
     base = "pools: [{name: p, model: builtin:smollm2-135m-instruct, kv_share: 1.0}]\n"
     config = load_config("gateway: {restart_backoff: {initial_seconds: 0.5, max_seconds: 4}}\n" + base, env={})
@@ -125,6 +136,7 @@ def test_restart_backoff_comes_from_yaml_and_bad_values_name_the_key():
     assert [config.gateway.restart_backoff.delay(i) for i in range(5)] == [0.5, 1, 2, 4, 4]
     assert load_config(base, env={}).gateway.restart_backoff == Backoff()
     for bad, message in (("{factor: 0.5}", "gateway.restart_backoff.factor: must be >= 1"),
+                         ("{factor: 100000}", "gateway.restart_backoff.factor: must be <= 100"),
                          ("{initial_seconds: x}", "gateway.restart_backoff.initial_seconds: expected a number"),
                          ("{max_seconds: .inf}", "gateway.restart_backoff.max_seconds: must be a finite number"),
                          ("{initial_seconds: 40}", "gateway.restart_backoff.max_seconds: must be >= initial_seconds"),

@@ -120,8 +120,8 @@ def test_a_gateway_killed_mid_run_loses_nothing_unstarted_and_its_share_returns_
     # neither asks more, as under this light load); the survivor leases the whole of it again at once
     before = [look.replicas[name]["pools"]["chat"]["leases"] for look in looks if look.t_s < killed_s]
     assert sum(before[-1]) == capacity and min(before[-1]) >= capacity // 4, before[-1]
-    assert capacity // 4 <= shared["cliffguard_kv_credits_total"] <= capacity - capacity // 4   # the survivor's lease
-    assert whole["cliffguard_kv_credits_total"] == capacity
+    assert capacity // 4 <= shared["cliffguard_kv_credits"] <= capacity - capacity // 4   # the survivor's lease
+    assert whole["cliffguard_kv_credits"] == capacity
     assert shared["cliffguard_replica_held_credits"] == whole["cliffguard_replica_held_credits"] == capacity
     back = lease_back_s(looks, killed_s)
     assert back is not None and back <= LEASE_BACK_S, back

@@ -4,6 +4,7 @@ configs it yields (the `cliffguard capacity` command is tested in tests/gateway/
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -460,3 +461,50 @@ def test_an_auto_device_on_ray_planned_as_cpu_is_said():
     data["devices"]["default"]["device"] = "cpu"
     config = parse_config(data, env={})
     assert not any("Ray device" in w for w in plan_capacity(config, models).warnings)
+
+
+def test_the_shares_of_a_huge_device_are_taken_in_integers_and_fit_it():
+    """0.4 and 0.6 of `memory: 9223372036854775807` in floats rounded past the device's KV bytes, and the plan
+    blamed `pools[0].kv_cache_bytes`, which nobody set. Shares are exact now: together they fit."""
+    data = _small_config()
+    data["devices"]["default"]["memory"] = 2**63 - 1
+    config = parse_config(data, env={})
+    plan = plan_capacity(config, resolve_model_configs(config))
+    kv_dev = plan.devices["default"].kv_space_bytes_per_device
+    chat, rag = plan.pools["chat"].kv_cache_bytes_per_device, plan.pools["rag"].kv_cache_bytes_per_device
+    assert chat + rag <= kv_dev and kv_dev - (chat + rag) <= 2
+    assert abs(chat - 0.4 * kv_dev) < kv_dev * 1e-12
+
+
+def test_an_explicit_budget_past_the_device_is_named_where_it_is_set():
+    """Beside a share, the pool that set `kv_cache_bytes` is named, with the bytes it asked for."""
+    data = _small_config()
+    data["pools"][1].pop("kv_share")
+    data["pools"][1]["kv_cache_bytes"] = "1800MiB"
+    config = parse_config(data, env={})
+    with pytest.raises(SpecError, match=r"^pools\[1\]\.kv_cache_bytes: 1\.76 GiB; the pools of device 'default'"):
+        plan_capacity(config, resolve_model_configs(config))
+
+
+def test_swap_spaces_past_this_machines_memory_are_said_by_the_plan_and_refused_at_start(monkeypatch):
+    """`swap_space: 8EiB` passed `capacity`, then the worker built a swap block list of 10^13 blocks and died of
+    memory. Each rank of each replica of a local device holds its swapping pools' swap_space: past this
+    machine's memory the plan warns and the start-up check refuses it, naming the key."""
+    data = _small_config(preemption_mode="swap", swap_space="3GiB")
+    data["devices"]["default"]["replicas"] = 2
+    config = parse_config(data, env={})
+    monkeypatch.setattr("pools.capacity_plan.host_memory_bytes", lambda: 4 * GiB)
+    plan = plan_capacity(config, resolve_model_configs(config))
+    said = (r"^pools\[0\]\.swap_space: 3\.00 GiB for each of the 2 ranks of device 'default' .* to 6\.00 GiB, "
+            r"past its 4\.00 GiB of memory")
+    assert any(re.match(said, w) and "`cliffguard serve` refuses it" in w for w in plan.warnings), plan.warnings
+    with pytest.raises(SpecError, match=said + ".*lower swap_space"):
+        engine_configs(config, plan)
+    monkeypatch.setattr("pools.capacity_plan.host_memory_bytes", lambda: 8 * GiB)
+    plan = plan_capacity(config, resolve_model_configs(config))
+    assert not any("swap_space" in w for w in plan.warnings)
+    assert engine_configs(config, plan)["default"].pools[0].scheduler.swap_space_bytes == 3 * GiB
+    data["devices"]["default"] |= {"placement": "ray", "ray_address": "127.0.0.1:6379"}   # on the cluster's nodes
+    config = parse_config(data, env={})
+    monkeypatch.setattr("pools.capacity_plan.host_memory_bytes", lambda: 4 * GiB)
+    assert not any("swap_space" in w for w in plan_capacity(config, resolve_model_configs(config)).warnings)

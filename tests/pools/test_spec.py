@@ -215,6 +215,36 @@ BAD = {
     "a recursive alias at the top": ("&a [*a]\n", ["<text>: a YAML alias at line 1 names a value that contains it"]),
     "nesting past the recursion limit": ("pools: " + "[" * 3000 + "]" * 3000 + "\n", ["<text>: YAML nested too deep"]),
     "a path that is not there, with a colon": ("http://host/pools", ["http://host/pools: no such configuration file"]),
+    "a pool name with a final newline (it broke every response's x-cliffguard-pool header)": (
+        _set("pools/0/name", "chat\n"), ["pools[0].name: use letters, digits", r"'chat\n'"]),
+    "a tenant name with a final newline (a metric label)": (
+        _set("tenants", {"team\n": {"api_keys": ["sk-1"]}}), ["a tenant name uses letters, digits", r"'team\n'"]),
+    "a blank served_model_name": (_set("pools/1/served_model_name", "  "),
+                                  ["pools[1].served_model_name: the model name clients send: not blank", "'  '"]),
+    "a served_model_name with a control character": (_set("pools/1/served_model_name", "long\t"),
+                                                     ["pools[1].served_model_name", "no control characters",
+                                                      r"'long\t'"]),
+    "a device name with a final newline": (
+        _set("devices/default/device", "cuda:0\n"), ["devices.default.device: must be auto, cpu, cuda or cuda:N",
+                                                      r"'cuda:0\n'"]),
+    "an upstream route no prompt can reach (min_prompt_tokens at max_model_len)": (
+        _both(_set("pools/2/max_model_len", 4096), _set("pools/2/route/min_prompt_tokens", 4096)),
+        ["pools[2].route.min_prompt_tokens: 4096 must be below max_model_len 4096; no prompt can reach this pool"]),
+    "restart_backoff factor past 100 (its OverflowError ended the supervisor)": (
+        _set("gateway/restart_backoff", {"factor": 100000}), ["gateway.restart_backoff.factor: must be <= 100"]),
+    "stall_seconds under four heartbeats (the watchdog killed healthy workers)": (
+        _set("gateway/stall_seconds", 0.01),
+        ["gateway.stall_seconds: must be at least 2 s", "one every 0.5 s", "got 0.01"]),
+    "step_timeout_seconds under four heartbeats": (_set("gateway/step_timeout_seconds", 1e-9),
+                                                   ["gateway.step_timeout_seconds: must be at least 2 s", "1e-09"]),
+    "write_timeout of a nanosecond (every client cut off)": (
+        _set("gateway/write_timeout", 1e-9), ["gateway.write_timeout: must be at least 0.5 s", "1e-09"]),
+    "swap_space of 8 EiB (the worker's swap block list filled its memory)": (
+        _both(_set("pools/0/preemption_mode", "swap"), _set("pools/0/swap_space", 2**63 - 1)),
+        ["pools[0].swap_space: must be at most 1125899906842624 bytes (1 PiB", "got 9223372036854775807"]),
+    "an slo of an hour or more (its error said only > 0)": (_set("pools/0/slo", {"ttft_ms": 3_600_000}),
+                                                             ["pools[0].slo.ttft_ms: must be a number of milliseconds "
+                                                              "> 0 and < 3600000 (an hour), got 3600000"]),
 }
 
 
@@ -468,3 +498,38 @@ def test_gateway_fault_timers_limits_and_cache_sharing_load():
     assert (gateway.write_timeout, gateway.stall_seconds, gateway.metrics_auth) == (5, 2.5, True)
     assert (gateway.limits.max_prompts, gateway.limits.max_choices, gateway.limits.max_messages) == (8, 1024, 16)
     assert config.pools[0].share_prefix_cache and not config.pools[1].share_prefix_cache
+
+
+def test_the_watchdog_and_write_timeout_floors_are_allowed():
+    """The floors themselves load: four heartbeats for the watchdog's timeouts, half a second for writes."""
+    from engine.worker import HEARTBEAT_INTERVAL
+
+    gateway = load_config(_make_yaml(_both(
+        _set("gateway/stall_seconds", 4 * HEARTBEAT_INTERVAL), _set("gateway/step_timeout_seconds", 2),
+        _set("gateway/write_timeout", 0.5))), env={}).gateway
+    assert (gateway.stall_seconds, gateway.step_timeout_seconds, gateway.write_timeout) == (2, 2, 0.5)
+
+
+@pytest.mark.parametrize("written", ["1e300", "1.0e300", "3e2", "2.5E2", ".5e1"])
+def test_the_exponent_hint_is_text_yaml_reads_as_that_number(written):
+    """YAML 1.1 reads `1e300` and `1.0e300` as strings; the error's hint is what PyYAML reads as the number
+    (a dot in the mantissa and a sign on the exponent: `1.0e+300`; it said `1.0e300`, text again)."""
+    text = ("gateway: {{restart_backoff: {{max_seconds: {}}}}}\n"
+            "pools: [{{name: p, model: builtin:smollm2-135m-instruct, kv_share: 1}}]\n")
+    with pytest.raises(SpecError, match=r"^gateway\.restart_backoff\.max_seconds: expected a number") as info:
+        load_config(text.format(written), env={})
+    hint = re.search(r"write (\S+)\)$", str(info.value)).group(1)
+    assert load_config(text.format(hint), env={}).gateway.restart_backoff.max_seconds == float(written)
+
+
+def test_a_model_path_too_long_for_the_file_system_names_the_pool(tmp_path):
+    """Looking a 300-character relative path up beside the file raised OSError (ENAMETOOLONG): a traceback
+    from `cliffguard capacity` and `serve`. It is a SpecError naming the key."""
+    path = tmp_path / "pools.yaml"
+    path.write_text(yaml.safe_dump({"pools": [{"name": "p", "model": "m" * 300, "kv_share": 1}]}))
+    with pytest.raises(SpecError, match=r"^pools\[0\]\.model: not a path this machine can open \(File name too long\), "
+                                        r"got 'mmm"):
+        load_config(path, env={})
+    name = "x" * 300
+    one_line = f"pools: [{{name: p, model: builtin:smollm2-135m-instruct, kv_share: 1, served_model_name: {name}}}]"
+    assert load_config(one_line, env={}).pools[0].model_name == name   # YAML text, not a path to look up

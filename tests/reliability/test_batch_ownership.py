@@ -71,7 +71,7 @@ def _assert_server_well(server: LiveServer) -> None:
     while True:
         with urllib.request.urlopen(server.url + "/metrics", timeout=5) as r:
             text = r.read().decode()
-        total = dict(re.findall(r'^cliffguard_kv_credits_total\{pool="(\w+)",replica="0"\} (\S+)$', text, re.M))
+        total = dict(re.findall(r'^cliffguard_kv_credits\{pool="(\w+)",replica="0"\} (\S+)$', text, re.M))
         free = dict(re.findall(r'^cliffguard_kv_credits_free\{pool="(\w+)",replica="0"\} (\S+)$', text, re.M))
         if total and free == total:
             return

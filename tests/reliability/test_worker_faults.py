@@ -155,4 +155,4 @@ def test_a_request_for_a_dead_device_waits_holding_nothing_then_503_with_retry_a
     assert DEVICE_WAIT_SECONDS - 0.1 <= waited < DEVICE_WAIT_SECONDS + 3, waited
     # It waited for the device before admission: never queued for KV credits, never admitted (held none).
     assert len(seen) >= 5 and set(seen) == {(admitted, 0.0)}, seen
-    assert metric(server.url, "cliffguard_kv_credits_total", pool="chat") > 0
+    assert metric(server.url, "cliffguard_kv_credits", pool="chat") > 0
