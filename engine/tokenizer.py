@@ -6,12 +6,13 @@ generation_config.json, config.json and chat_template.jinja) itself, and reprodu
 `AutoTokenizer.from_pretrained(folder)` gives:
 
 - special tokens named in tokenizer_config.json but missing from tokenizer.json's added tokens are added as special;
+  without an `added_tokens_decoder` there, special_tokens_map.json's (older folders) are taken over the config's;
 - `add_bos_token` / `add_eos_token` in tokenizer_config.json are ignored: transformers 5 drops them when there is a
   tokenizer.json, whose post-processor alone decides what `add_special_tokens=True` adds;
 - `split_special_tokens` makes special-token strings in text encode as plain text;
 - decode applies `clean_up_tokenization_spaces` only to non-BPE models, as transformers does;
-- chat templates render in transformers' sandboxed jinja environment, with the special tokens as variables and
-  None-valued message keys dropped.
+- chat templates render as transformers renders them (`engine.chat_template`), with the special tokens as
+  variables.
 
 Model-specific tokenizer classes that transformers rebuilds from vocab and merges (a `LlamaTokenizer` with `legacy`
 flags, say) are read from tokenizer.json as it is.
@@ -24,19 +25,17 @@ import functools
 import json
 import os
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.defaults
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _Backend
 
+from engine.chat_template import TEMPLATE_FUNCTIONS, check_messages, compile_chat_template, render
 from engine.text import OutputText
+
+__all__ = ["TEMPLATE_FUNCTIONS", "IncrementalDetokenizer", "Tokenizer"]
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES; other `*_token` keys in the config are model-specific special tokens
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -111,7 +110,8 @@ class Tokenizer:
         backend = _Backend.from_file(str(path))
         backend.no_truncation()
         backend.no_padding()
-        config = _read_json(folder / "tokenizer_config.json")
+        config = _with_special_tokens_map(_read_json(folder / "tokenizer_config.json"),
+                                          _read_json(folder / "special_tokens_map.json"))
         _add_config_tokens(backend, config)
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
 
@@ -138,6 +138,17 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, as HF `tokenizer(text, add_special_tokens=...).input_ids`."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def special_ids_around(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The ids `encode(text, add_special_tokens=True)` puts before and after the text's own: its
+        post-processor's (`<bos> $A <eos>` gives ((bos,), (eos,))), read off a probe's encoding, where they
+        are the tokens of no input sequence."""
+        encoding = self._backend.encode("a", add_special_tokens=True)
+        own = [i for i, sequence in enumerate(encoding.sequence_ids) if sequence is not None]
+        if not own:   # the probe encodes to nothing of its own: all is added, as to an empty text
+            return tuple(encoding.ids), ()
+        return tuple(encoding.ids[:own[0]]), tuple(encoding.ids[own[-1] + 1:])
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """`encode` for each text (in parallel inside `tokenizers`)."""
@@ -166,23 +177,20 @@ class Tokenizer:
         text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up_tokenization_spaces else text
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The prompt string for `messages`, as HF `apply_chat_template(messages, tokenize=False, ...)`.
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
+        """The prompt string for `messages`, as HF `apply_chat_template(messages, tokenize=False, ...)`
+        (`engine.chat_template.render`).
 
         `kwargs` become template variables (over the special tokens of the same name); `tools` also picks the
-        folder's "tool_use" template when there is one. Bad messages, a folder without a template and errors the
-        template raises are ValueErrors.
+        folder's "tool_use" template when there is one. `continue_final_message` ends the prompt inside the last
+        message's content, for the model to continue it (not with `add_generation_prompt`). Bad messages, a
+        folder without a template and errors the template raises are ValueErrors.
         """
-        _check_messages(messages)
-        tools, documents = kwargs.pop("tools", None), kwargs.pop("documents", None)
-        template = self._chat_template(use_tools=tools is not None)
-        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]  # HF drops None values
-        try:
-            return template.render(messages=messages, tools=tools, documents=documents,
-                                   add_generation_prompt=add_generation_prompt,
-                                   **{**self._special_tokens_map, **kwargs})
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"chat template: {exc}") from exc
+        check_messages(messages)
+        source = self._chat_template(use_tools=kwargs.get("tools") is not None)
+        variables = {"tools": None, "documents": None, **self._special_tokens_map, **kwargs}
+        return render(source, messages, add_generation_prompt, continue_final_message, variables)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat template; the template writes its own special tokens (HF semantics)."""
@@ -195,8 +203,9 @@ class Tokenizer:
         name = "tool_use" if use_tools and "tool_use" in self._chat_templates else "default"
         return self._chat_templates.get(name, "")
 
-    def _chat_template(self, use_tools: bool) -> jinja2.Template:
-        """The compiled template: "tool_use" when tools are given and it exists, else "default" (HF's choice)."""
+    def _chat_template(self, use_tools: bool) -> str:
+        """The template's text, checked to compile: "tool_use" when tools are given and it exists, else
+        "default" (HF's choice)."""
         if not self._chat_templates:
             raise ValueError(f"chat template: model folder {self._folder} has none; send a completion prompt instead")
         name = "tool_use" if use_tools and "tool_use" in self._chat_templates else "default"
@@ -204,9 +213,10 @@ class Tokenizer:
             raise ValueError(f"chat template: model folder {self._folder} has several ({sorted(self._chat_templates)})"
                              " and no 'default' one")
         try:
-            return _compile_chat_template(self._chat_templates[name])
+            compile_chat_template(self._chat_templates[name])
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"chat template: {self._folder}: line {exc.lineno}: {exc.message}") from exc
+        return self._chat_templates[name]
 
 
 class IncrementalDetokenizer:
@@ -326,6 +336,14 @@ def _special_tokens_map(config: dict[str, Any]) -> dict[str, str]:
     return {key: value for key, value in {**named, **specific}.items() if value is not None}
 
 
+def _with_special_tokens_map(config: dict[str, Any], tokens_map: dict[str, Any]) -> dict[str, Any]:
+    """transformers' legacy read: without an `added_tokens_decoder` in tokenizer_config.json, the entries of
+    special_tokens_map.json (bos, eos, unk, pad, additional tokens) are taken over the config's."""
+    if not tokens_map or "added_tokens_decoder" in config:
+        return config
+    return {**config, **tokens_map}
+
+
 def _extra_special_tokens(config: dict[str, Any]) -> list[str]:
     """The unnamed special tokens: `extra_special_tokens` (v5) or `additional_special_tokens` as a list."""
     extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
@@ -378,59 +396,6 @@ def _clean_up_tokenization(text: str) -> str:
     return text
 
 
-# --- chat template ----------------------------------------------------------------------------------------------
-
-
-def _check_messages(messages: Any) -> None:
-    """messages must be a non-empty list of dicts with str 'role' and str 'content'; the error names the field."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"messages: expected a non-empty list of {{role, content}} objects, got {messages!r:.80}")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ValueError(f"messages[{i}]: expected an object with 'role' and 'content', "
-                             f"got {type(message).__name__}")
-        for field in ("role", "content"):
-            if field not in message:
-                raise ValueError(f"messages[{i}].{field}: missing")
-            if not isinstance(message[field], str):
-                raise ValueError(f"messages[{i}].{field}: expected a string, got {type(message[field]).__name__}")
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """transformers' `{% generation %}...{% endgeneration %}` block (it marks assistant text for training masks);
-    here it renders its body unchanged."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: jinja2.runtime.Macro) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # HF's tojson: no HTML escaping (jinja's own filter escapes <, >, &, ')
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-# The functions transformers adds to a chat template's globals, beside Jinja's own.
-_TEMPLATE_GLOBALS = {"raise_exception": _raise_exception, "strftime_now": _strftime_now}
-# Every function a chat template may call: a template variable of the same name would replace it.
-TEMPLATE_FUNCTIONS = (*jinja2.defaults.DEFAULT_NAMESPACE, *_TEMPLATE_GLOBALS)
-
-
 def _byte_level_bytes(piece: str) -> bytes:
     """A byte-level piece's bytes; a piece with a symbol outside the byte map is its own UTF-8, as the
     decoder takes it."""
@@ -448,13 +413,3 @@ def _byte_level_chars() -> dict[str, int]:
                  *range(ord("\u00ae"), ord("\u00ff") + 1)]
     shifted = [b for b in range(256) if b not in printable]   # the others stand as 256, 257, ...
     return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(shifted)}}
-
-
-@functools.lru_cache(maxsize=32)
-def _compile_chat_template(source: str) -> jinja2.Template:
-    """transformers' chat template environment: sandboxed, trim_blocks + lstrip_blocks, loop controls."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals.update(_TEMPLATE_GLOBALS)
-    return env.from_string(source)

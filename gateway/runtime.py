@@ -5,9 +5,9 @@ workers and their readiness, metrics, the tokenizer thread pool and the `Upstrea
 tokenizers loaded, the capacity plan computed); `start` spawns the device workers, one per replica of
 each device, which load in the background, each under a `gateway.workers.supervisor.DeviceSupervisor` that
 restarts it if it dies, and starts the `SpiralWatch` (death-spiral detection per local pool and
-replica). The app's `cleanup_ctx` (gateway.app) calls `start` and `stop` and owns the upstream client. All methods run on the event loop; only
-`Router.route` (via `route_chat` / `route_prompt`) and the tokenizers it calls may run on the
-tokenizer thread.
+replica). The app's `cleanup_ctx` (gateway.app) calls `start` and `stop` and owns the upstream client. All
+methods run on the event loop; only `Router.route` (via `route_chat` / `route_prompt`) and the tokenizers
+it calls may run on the tokenizer thread.
 """
 
 from __future__ import annotations
@@ -166,20 +166,21 @@ class Gateway:
         model_configs = resolve_model_configs(config, folders=folders)
         plan = plan_capacity(config, model_configs, vram_bytes=vram_bytes)
         engines = replica_engine_configs(config, plan)
-        tokenizers: dict[str, tuple[Tokenizer, TokenCounter, list[int]]] = {}
+        tokenizers: dict[str, tuple[Tokenizer, TokenCounter, list[int], list[int]]] = {}
         pools: dict[str, Pool] = {}
         for i, spec in enumerate(config.pools):
             tok_spec = spec.tokenizer or spec.model
             if tok_spec not in tokenizers:
                 key = f"pools[{i}].tokenizer" if spec.tokenizer else f"pools[{i}].model"
                 tokenizer = Tokenizer.from_folder(model_folder(tok_spec, key, folders))
-                tokenizers[tok_spec] = (tokenizer, TokenCounter(tokenizer),
-                                        tokenizer.encode("", add_special_tokens=True))
+                tokenizers[tok_spec] = (tokenizer, TokenCounter(tokenizer), *map(list, tokenizer.special_ids_around))
             if spec.is_upstream:
                 max_model_len, replicas = spec.max_model_len or _upstream_max_len(spec, folders), 1
             else:
                 max_model_len, replicas = plan.pools[spec.name].max_model_len, config.devices[spec.device].replicas
-            pools[spec.name] = Pool(spec, *tokenizers[tok_spec], max_model_len=max_model_len, num_replicas=replicas)
+            tokenizer, counter, prefix_ids, suffix_ids = tokenizers[tok_spec]
+            pools[spec.name] = Pool(spec, tokenizer, counter, prefix_ids, max_model_len=max_model_len,
+                                    suffix_ids=suffix_ids, num_replicas=replicas)
         gateway = cls(config=config, plan=plan, engines=engines, pools=pools, router=Router(list(pools.values())),
                       backoff=config.gateway.restart_backoff)
         credits = {name: p.num_blocks * p.block_size for name, p in plan.pools.items()}
@@ -330,12 +331,13 @@ class Gateway:
     async def route_chat(self, model: str, messages: list[dict[str, Any]], tools: list[Tool] | None = None,
                          template_kwargs: dict[str, Any] | None = None) -> tuple[Pool, list[int]]:
         """Render each candidate pool's chat template (with the tools offered and the request's
-        `chat_template_kwargs` over the pool's), count exactly, and take the first pool that admits it."""
-        size = sum(len(m["content"]) + len(m.get("reasoning_content") or "") + MESSAGE_OVERHEAD_CHARS
-                   for m in messages)   # many empty messages render long
-        if tools:
-            size += sum(len(json.dumps(t.parameters)) + MESSAGE_OVERHEAD_CHARS for t in tools)
+        `chat_template_kwargs` over the pool's; `add_generation_prompt` / `continue_final_message` among them
+        are the renderer's flags, as `gateway.openai.chat` sets them), count exactly, and take the first pool
+        that admits it. Tokenized inline only when every string the template may write (contents, reasoning,
+        tool calls' arguments, the tools, the variables) is short."""
         kwargs = template_kwargs or {}
+        size = MESSAGE_OVERHEAD_CHARS * (len(messages) + len(tools or ())) + _num_chars(
+            [messages, [t.as_template_dict() for t in tools or ()], kwargs], INLINE_TOKENIZE_CHARS)
 
         def variables(pool: Pool) -> dict[str, Any]:
             return {**(pool.spec.chat_template_kwargs or {}), **kwargs}
@@ -347,17 +349,17 @@ class Gateway:
             lambda pool: _render_and_count(pool, messages, tools, variables(pool))), rendering)
 
     async def route_prompt(self, model: str, prompt: str | list[int]) -> tuple[Pool, list[int]]:
-        """Count a completion prompt (text with the tokenizer's prefix, or token ids) and route it."""
+        """Count a completion prompt (text between what the tokenizer adds around it, or token ids) and route it."""
         if isinstance(prompt, list):
             return await self._route(model, "prompt", 0, lambda pool: list(prompt))
-        return await self._route(model, "prompt", len(prompt),
-                                 self._timed(lambda pool: pool.prefix_ids + pool.counter.encode(prompt)))
+        return await self._route(model, "prompt", len(prompt), self._timed(lambda pool: pool.prompt_ids(prompt)))
 
     async def _route(self, model: str, param: str, size: int, tokenize: Callable[[Pool], list[int]],
                      key: Callable[[Pool], Hashable] | None = None) -> tuple[Pool, list[int]]:
         """`Router.route` (`key`: when two pools' ids are the same, by default when they share a
         tokenizer), on the tokenizer thread when the prompt has over INLINE_TOKENIZE_CHARS characters;
-        its errors as ApiError (`param` names the prompt's field)."""
+        its errors as ApiError (`param` names the prompt's field; a chat template's error says what the
+        template said)."""
         route = functools.partial(self.router.route, model, tokenize, **({"key": key} if key else {}))
         try:
             if size <= INLINE_TOKENIZE_CHARS:
@@ -368,6 +370,8 @@ class Gateway:
         except NoRouteError as exc:
             raise ApiError(400, f"{param}: {exc}", param=param, code="context_length_exceeded") from None
         except ValueError as exc:  # bad messages or a template error, named by the tokenizer
+            if str(exc).startswith("chat template"):   # the template's error on this request (or there is none)
+                raise ApiError(400, f"{param}: {exc}", param=param) from None
             raise named_error(str(exc)) from None
         except TypeError as exc:  # JSON may carry text the tokenizer refuses, e.g. "\ud800"
             raise ApiError(400, f"{param}: the text cannot be tokenized ({exc}); it must be valid "
@@ -401,11 +405,35 @@ def _grammar_error(constraint: StructuredOutput) -> str:
 
 def _render_and_count(pool: Pool, messages: list[dict[str, Any]], tools: list[Tool] | None,
                       template_kwargs: dict[str, Any]) -> list[int]:
+    """The ids of the chat prompt a pool renders; `template_kwargs` holds the renderer's flags beside the
+    template variables."""
+    variables = dict(template_kwargs)
+    flags = {"add_generation_prompt": variables.pop("add_generation_prompt", True),
+             "continue_final_message": variables.pop("continue_final_message", False)}
     if tools is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-        text = pool.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        text = pool.tokenizer.apply_chat_template(messages, **flags, **variables)
     else:
-        text = render_chat_with_tools(pool.tokenizer, messages, tools, template_kwargs)
+        text = render_chat_with_tools(pool.tokenizer, messages, tools, variables, flags)
     return pool.counter.encode(text)
+
+
+def _num_chars(value: Any, limit: int) -> int:
+    """The characters of every string in `value` (JSON: keys and values, at any depth; 8 for another
+    scalar), counted until past `limit`: a bound on what a template writes of it, in time that does not
+    grow with a long string."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        else:
+            total += 8
+    return total
 
 
 def _upstream_max_len(spec: PoolSpec, folders: dict[str, Path]) -> int:

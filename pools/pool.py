@@ -32,8 +32,9 @@ class Pool:
     spec: PoolSpec
     tokenizer: Tokenizer            # chat template, token texts for logprobs
     counter: TokenCounter           # exact ids and counts (tiktoken where identical)
-    prefix_ids: list[int]           # what the tokenizer adds to a completion prompt (e.g. BOS)
+    prefix_ids: list[int]           # what the tokenizer adds before a completion prompt's text (e.g. BOS)
     max_model_len: int
+    suffix_ids: list[int] = field(default_factory=list)   # and after it (an EOS, for some post-processors)
     num_replicas: int = 1                     # local pools: the replicas of its device (each serves it)
     clients: list[AsyncEngineClient | None] = field(default_factory=list)   # each replica's worker, once spawned
     admission: CreditQueue | None = None        # local pools: KV credits and the queue (set by the gateway)
@@ -85,6 +86,11 @@ class Pool:
     def admits(self, num_prompt_tokens: int) -> bool:
         """Whether a prompt of this many tokens goes to this pool."""
         return self.spec.route.admits(num_prompt_tokens, self.max_model_len)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A completion prompt's ids: the text's own (`counter`) between what the tokenizer adds around it, as
+        transformers' `tokenizer(text).input_ids` (`Tokenizer.special_ids_around`)."""
+        return [*self.prefix_ids, *self.counter.encode(text), *self.suffix_ids]
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, as logprobs report it (special tokens included)."""

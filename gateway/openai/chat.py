@@ -1,13 +1,26 @@
 """Chat completion requests: the body's model (`ChatBody`), read into a `ChatRequest` by `parse_chat`.
 
-The model checks each field's type and bounds, and a message's role and content parts (text only); the
-code here checks what spans fields: a tool message's `tool_call_id`, tool calls on assistant messages
-only, `top_logprobs` with `logprobs`, `tools` or the deprecated `functions` (read as tools), the counts
-in `gateway.limits`, `chat_template_kwargs` (vLLM's: more variables for the chat template, such as Qwen3's
-`enable_thinking`; not those the gateway sets; they win over the pool's own `chat_template_kwargs`, key by
-key). A message's keys beyond those read are ignored: a client may send back the whole message a reply gave
-it (`refusal`, `annotations`); an assistant's `reasoning_content` is passed to the template, which may
-render it (Qwen3's does, after the last user turn).
+The model checks each field's type and bounds, and a message's role and content parts (text, and an
+assistant's refusal, rendered as its text); the code here checks what spans fields: a tool message's
+`tool_call_id`, tool calls on assistant messages only, `top_logprobs` with `logprobs`, `tools` or the
+deprecated `functions` (read as tools), the counts in `gateway.limits`, `chat_template_kwargs` (vLLM's: more
+variables for the chat template, such as Qwen3's `enable_thinking`; not those the gateway sets; they win over
+the pool's own `chat_template_kwargs`, key by key).
+
+Read as vLLM reads them: `add_generation_prompt` (default true) and `continue_final_message` (the prompt ends
+inside the last message, for the model to continue it; not with `add_generation_prompt: true`, which it turns
+off when unset), rendered as transformers renders them; `reasoning_effort`, passed to the template as the
+variable `reasoning_effort` (gpt-oss's reads it; a template that does not renders as without it), "none" also
+setting `enable_thinking: false` unless `chat_template_kwargs` set it (as the Responses API's `reasoning.effort`).
+The deprecated function messages are read as OpenAI reads them: an assistant's `function_call` is one tool
+call, a message of role "function" (its `name` required) is the result of its function's last call.
+
+A message's content parts reach a template that iterates them as parts, any other joined with "\n"
+(`engine.chat_template`). A message's keys beyond those read are ignored: a client may send back the whole
+message a reply gave it (`refusal`, `annotations`); an assistant's reasoning, as `reasoning_content` or
+`reasoning` (vLLM's name), is passed to the template, also as `reasoning_content` and `thinking` (transformers'
+aliases), which may render it (Qwen3's does, after the last user turn); a `thinking` key is ignored, as vLLM
+ignores it.
 """
 
 from __future__ import annotations
@@ -17,28 +30,38 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from engine.chat_template import content_text
 from engine.sampling import MAX_LOGPROBS, SamplingParams
 from gateway.openai.errors import bad_request, convert_body, named_error
 from gateway.openai.sampling_fields import (RequestFields, check_choices, response_format, sampling_params,
                                             stream_flags)
-from gateway.openai.tool_specs import (FunctionName, FunctionSpec, NamedToolChoice, Tool, ToolCallSpec, ToolChoice,
-                                       ToolError, ToolMode, ToolSpec, history_calls, parse_tool_choice, tools_from)
+from gateway.openai.tool_specs import (FunctionCall, FunctionName, FunctionSpec, NamedToolChoice, Tool, ToolCallSpec,
+                                       ToolChoice, ToolError, ToolMode, ToolSpec, history_calls, parse_tool_choice,
+                                       tools_from)
 from pools.config.gateway_spec import RequestLimits
 from pools.config.spec import template_variable_error
 
 
-class TextPart(msgspec.Struct):
-    type: Literal["text"]
-    text: str
+class ContentPart(msgspec.Struct):
+    """A content part: text, or an assistant's refusal (rendered as its text, as vLLM renders it)."""
+
+    type: Literal["text", "refusal"]
+    text: str | None = None
+    refusal: str | None = None
 
 
 class Message(msgspec.Struct):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None | msgspec.UnsetType = msgspec.UNSET   # required but for assistant
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None | msgspec.UnsetType = msgspec.UNSET   # required but for assistant
     tool_calls: list[ToolCallSpec] | None = None     # assistant messages
+    function_call: FunctionCall | None = None        # assistant messages: the deprecated form of one tool call
     tool_call_id: str | None = None                  # tool messages: the call answered
-    name: str | None = None
+    name: str | None = None                          # function messages: the function answering (required)
     reasoning_content: str | None = None             # assistant messages: their reasoning, for the template
+    reasoning: str | None = None                     # its name in vLLM's API
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]   # OpenAI's
 
 
 class ChatBody(RequestFields, kw_only=True):
@@ -52,12 +75,15 @@ class ChatBody(RequestFields, kw_only=True):
     functions: Annotated[list[FunctionSpec], msgspec.Meta(min_length=1)] | None = None   # deprecated tools
     function_call: Literal["none", "auto"] | FunctionName | None = None               # and tool_choice
     chat_template_kwargs: dict[str, Any] | None = None   # vLLM's: more variables for the chat template
+    add_generation_prompt: bool | None = None            # vLLM's: end the prompt with a new assistant turn
+    continue_final_message: bool | None = None           # vLLM's: end the prompt inside the last message
+    reasoning_effort: ReasoningEffort | None = None      # the template variable `reasoning_effort`, as vLLM's
 
 
 @dataclass
 class ChatRequest:
     model: str
-    messages: list[dict[str, Any]]   # role, content (text); tool_calls / tool_call_id / name where given
+    messages: list[dict[str, Any]]   # role, content (text or text parts); tool_calls / tool_call_id / name / reasoning
     params: SamplingParams
     stream: bool
     include_usage: bool
@@ -71,7 +97,8 @@ class ChatRequest:
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True
     metadata: dict[str, str] | None = None   # the Responses API's, echoed in its Response object
-    chat_template_kwargs: dict[str, Any] | None = None   # more variables for the chat template
+    # the renderer's: variables for the chat template, and its flags add_generation_prompt / continue_final_message
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> ChatRequest:
@@ -81,7 +108,8 @@ def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> ChatReques
     if len(chat.messages) > limits.max_messages:
         raise bad_request("messages", f"at most {limits.max_messages} messages (gateway.limits.max_messages), "
                           f"got {len(chat.messages)}")
-    messages = [_message(i, m) for i, m in enumerate(chat.messages)]
+    calls: dict[str, str] = {}   # a function's name -> the id of its last deprecated `function_call`
+    messages = [_message(i, m, calls) for i, m in enumerate(chat.messages)]
     try:
         tools, tool_choice = _tools(chat)
     except ToolError as exc:   # its message starts with the field's path
@@ -98,30 +126,54 @@ def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> ChatReques
                        include_usage=include_usage, continuous_usage=continuous_usage, priority=chat.priority or 0,
                        top_logprobs=top_logprobs, max_tokens_param=max_tokens_param, tools=tools,
                        tool_choice=tool_choice, parallel_tool_calls=chat.parallel_tool_calls is not False,
-                       chat_template_kwargs=_template_kwargs(chat.chat_template_kwargs))
+                       chat_template_kwargs=_template_kwargs(chat))
 
 
-def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`chat_template_kwargs` (an object, checked by the model), refusing the variables the gateway sets."""
-    if not value:
-        return None
+def _template_kwargs(chat: ChatBody) -> dict[str, Any] | None:
+    """What the chat template renderer takes beside the messages: `chat_template_kwargs` (checked by the model),
+    refusing the variables the gateway sets; `reasoning_effort` as the variable of that name (over the kwargs'),
+    and for "none" `enable_thinking: false` unless the kwargs set it; then the flags, where not the default:
+    `add_generation_prompt` false, or `continue_final_message` true (which implies it)."""
+    value = dict(chat.chat_template_kwargs or {})
     for key, item in value.items():
+        if key == "continue_final_message":
+            raise bad_request(f"chat_template_kwargs.{key}", "is a field of the request: send it there")
         if (reason := template_variable_error(key, item)) is not None:
             raise bad_request(f"chat_template_kwargs.{key}", reason)
-    return dict(value)
+    if chat.reasoning_effort is not None:
+        value["reasoning_effort"] = chat.reasoning_effort
+        if chat.reasoning_effort == "none":   # no thinking: the templates' switch off, as the Responses API's
+            value.setdefault("enable_thinking", False)
+    if chat.continue_final_message:
+        if chat.add_generation_prompt:
+            raise bad_request("continue_final_message", "cannot be true with add_generation_prompt true (the prompt "
+                              "would end in a new assistant turn, not inside the last message)")
+        value.update(add_generation_prompt=False, continue_final_message=True)
+    elif chat.add_generation_prompt is False:
+        value["add_generation_prompt"] = False
+    return value or None
 
 
-def _message(i: int, m: Message) -> dict[str, Any]:
-    """One chat message as the templates take it: role and text content, plus an assistant's tool_calls
-    and a tool result's tool_call_id (and a name) where given."""
-    if m.content is msgspec.UNSET and m.role != "assistant":
-        raise bad_request(f"messages[{i}].content", "is required")
-    content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content or ())
-    message: dict[str, Any] = {"role": m.role, "content": content}
+def _message(i: int, m: Message, calls: dict[str, str]) -> dict[str, Any]:
+    """One chat message as the templates take it: role and content (`_content`), plus an assistant's
+    tool_calls (its deprecated `function_call` as one, whose id `calls` keeps by name), its reasoning, and a
+    tool result's tool_call_id and name (a deprecated function message is a tool result answering the last
+    call of its function)."""
+    message: dict[str, Any] = {"role": m.role, "content": _content(i, m)}
+    if (m.tool_calls or m.function_call is not None) and m.role != "assistant":
+        raise bad_request(f"messages[{i}].{'tool_calls' if m.tool_calls else 'function_call'}",
+                          "only assistant messages carry tool calls")
+    if m.tool_calls and m.function_call is not None:
+        raise bad_request(f"messages[{i}].function_call", "send tool_calls or function_call, not both")
+    if m.function_call is not None:
+        calls[m.function_call.name] = f"call_{i}"
+        m = msgspec.structs.replace(m, tool_calls=[ToolCallSpec(m.function_call, f"call_{i}")])
     if m.tool_calls:
-        if m.role != "assistant":
-            raise bad_request(f"messages[{i}].tool_calls", "only assistant messages carry tool calls")
         message["tool_calls"] = history_calls(m.tool_calls)
+    if m.role == "function":
+        if m.name is None:
+            raise bad_request(f"messages[{i}].name", "is required in a function message (the function answering)")
+        message.update(role="tool", tool_call_id=calls.get(m.name, f"call_{i}"))
     if m.role == "tool" and m.tool_call_id is None:
         raise bad_request(f"messages[{i}].tool_call_id",
                           "is required in a tool message (the id of the call it answers)")
@@ -129,9 +181,29 @@ def _message(i: int, m: Message) -> dict[str, Any]:
         message["tool_call_id"] = m.tool_call_id
     if m.name is not None:
         message["name"] = m.name
-    if m.reasoning_content is not None and m.role == "assistant":
-        message["reasoning_content"] = m.reasoning_content
+    if m.role == "assistant":
+        message.update({key: value for key, value in (("reasoning_content", m.reasoning_content),
+                                                      ("reasoning", m.reasoning)) if value is not None})
     return message
+
+
+def _content(i: int, m: Message) -> str | list[dict[str, str]]:
+    """A message's content: its text, or its parts as text parts (a refusal's text as a text part's), which
+    the template takes as parts or joined (`engine.chat_template`); a tool result's parts joined, as vLLM
+    joins them (templates write a tool result as one string)."""
+    if m.content is msgspec.UNSET and m.role != "assistant":
+        raise bad_request(f"messages[{i}].content", "is required")
+    if not isinstance(m.content, list):
+        return m.content or ""
+    parts = []
+    for j, part in enumerate(m.content):
+        text = part.text if part.type == "text" else part.refusal
+        if text is None:
+            raise bad_request(f"messages[{i}].content[{j}].{part.type}", f"is required in a {part.type} part")
+        if part.type == "refusal" and m.role != "assistant":
+            raise bad_request(f"messages[{i}].content[{j}].type", "a refusal part is an assistant message's")
+        parts.append({"type": "text", "text": text})
+    return content_text(parts) if m.role in ("tool", "function") else parts
 
 
 def _tools(chat: ChatBody) -> tuple[list[Tool] | None, ToolChoice]:

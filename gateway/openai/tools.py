@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from collections.abc import Iterator
 from typing import Any
 
+from engine.chat_template import content_text
 from engine.structured import StructuredOutput
 from gateway.openai.errors import nested_over
 from gateway.openai.reasoning import partial_tag
@@ -334,15 +335,18 @@ def fallback_messages(messages: list[dict[str, Any]], tools: list[Tool] | None) 
 
 
 def render(tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None,
-           template_kwargs: dict[str, Any] | None = None) -> str:
+           template_kwargs: dict[str, Any] | None = None, flags: dict[str, bool] | None = None) -> str:
     """The prompt for a chat with (or a history of) tool calls, in the way the pool's template expects:
-    the template itself when it knows tools, else ours (`fallback_messages`) through the plain template.
-    `template_kwargs`: the request's `chat_template_kwargs`."""
-    kwargs = template_kwargs or {}
+    the template itself when it knows tools, else ours (`fallback_messages`, text contents) through the plain
+    template. `template_kwargs`: the request's `chat_template_kwargs`; `flags`: `add_generation_prompt` and
+    `continue_final_message` (default: a generation prompt)."""
+    kwargs = {**(template_kwargs or {}), **(flags or {"add_generation_prompt": True})}
     if template_knows_tools(tokenizer.chat_template_source(use_tools=tools is not None)):
-        return tokenizer.apply_chat_template(native_messages(messages), add_generation_prompt=True,
+        return tokenizer.apply_chat_template(native_messages(messages),
                                              tools=[t.as_template_dict() for t in tools] if tools else None, **kwargs)
-    return tokenizer.apply_chat_template(fallback_messages(messages, tools), add_generation_prompt=True, **kwargs)
+    texts = [{**m, "content": content_text(m["content"])} if isinstance(m.get("content"), list) else m
+             for m in messages]
+    return tokenizer.apply_chat_template(fallback_messages(texts, tools), **kwargs)
 
 
 def format_for(tokenizer, tools: list[Tool]) -> ToolFormat:

@@ -261,6 +261,61 @@ def test_config_only_special_token_is_added_like_hf(saved_folder: Path, tmp_path
     assert ours.decode(ours.encode(text)) == hf.decode(hf(text).input_ids, skip_special_tokens=True) == "ab "
 
 
+@pytest.mark.parametrize(("before", "after"), [([], []), (["<|im_start|>"], []), ([], ["<|im_end|>"]),
+                                               (["<|im_start|>", "<|endoftext|>"], ["<|im_end|>"])])
+def test_special_ids_around_are_what_hf_adds(saved_folder: Path, tmp_path: Path, before: list[str],
+                                             after: list[str]) -> None:
+    # what the post-processor adds before and after a text, both sides (a completion prompt is built from them)
+    from transformers import AutoTokenizer
+
+    folder = _make_folder(saved_folder, tmp_path, chat_template=None)
+    _set_post_processor(folder, before, after)
+    hf, ours = AutoTokenizer.from_pretrained(str(folder)), Tokenizer.from_folder(folder)
+    prefix, suffix = ours.special_ids_around
+    assert (len(prefix), len(suffix)) == (len(before), len(after))
+    for text in ["Hello world", "", " a", "<|im_end|>x"]:
+        assert [*prefix, *ours.encode(text, add_special_tokens=False), *suffix] == hf(text).input_ids
+
+
+def _set_post_processor(folder: Path, before: list[str], after: list[str]) -> None:
+    """tokenizer.json's post-processor made a TemplateProcessing `before $A after` (special tokens by content)."""
+    data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    ids = {t["content"]: t["id"] for t in data["added_tokens"]}
+    single = [*({"SpecialToken": {"id": t, "type_id": 0}} for t in before), {"Sequence": {"id": "A", "type_id": 0}},
+              *({"SpecialToken": {"id": t, "type_id": 0}} for t in after)]
+    data["post_processor"] = {"type": "TemplateProcessing", "single": single,
+                              "pair": [*single, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {t: {"id": t, "ids": [ids[t]], "tokens": [t]} for t in before + after}}
+    (folder / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
+
+
+def test_special_tokens_map_json_is_read_like_hf(saved_folder: Path, tmp_path: Path) -> None:
+    # an older folder: its named special tokens only in special_tokens_map.json, read when tokenizer_config.json
+    # has no added_tokens_decoder (else transformers ignores the file)
+    from transformers import AutoTokenizer
+
+    template = "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}"
+    folder = _make_folder(saved_folder, tmp_path, chat_template=template)
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config = {k: v for k, v in config.items() if not k.endswith("_token") and k != "added_tokens_decoder"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    bos = {"content": "<|im_start|>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+    (folder / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": bos, "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>"}), encoding="utf-8")
+    messages = [{"role": "user", "content": "hi"}]
+    for with_decoder in (False, True):
+        if with_decoder:
+            decoder = {"0": {"content": "<|endoftext|>", "special": True, "normalized": False}}
+            (folder / "tokenizer_config.json").write_text(json.dumps({**config, "added_tokens_decoder": decoder}))
+        hf, ours = AutoTokenizer.from_pretrained(str(folder)), Tokenizer.from_folder(folder)
+        expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours.apply_chat_template(messages) == expected
+        assert ours.bos_token_id == hf.bos_token_id
+        assert ours.eos_token_ids == ({hf.eos_token_id} if hf.eos_token_id is not None else set())
+        assert ours.all_special_ids == frozenset(hf.all_special_ids)
+        assert (expected == "<|im_start|>hi<|im_end|>") is not with_decoder
+
+
 @pytest.mark.parametrize("model", ["bpe", "word_level"])
 def test_clean_up_tokenization_spaces_like_hf(saved_folder: Path, tmp_path: Path, model: str) -> None:
     # transformers applies clean_up_tokenization_spaces to non-BPE models only

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.chat_template import content_text
 from gateway.openai.chat import parse_chat
 from gateway.openai.completions import parse_completion
 from gateway.openai.errors import ApiError
@@ -29,10 +30,11 @@ def test_vllm_extra_fields_reach_the_sampling_params():
     assert req.priority == 3 and req.include_usage and req.top_logprobs == 3
 
 
-def test_content_parts_are_joined_and_completion_prompts_take_every_openai_shape():
+def test_content_parts_are_kept_and_completion_prompts_take_every_openai_shape():
     req = parse_chat(dict(CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                         {"type": "text", "text": "b"}]}]))
-    assert req.messages[0]["content"] == "a\nb"
+    assert req.messages[0]["content"] == [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert content_text(req.messages[0]["content"]) == "a\nb"   # what a template of strings gets
     assert parse_completion(dict(COMPLETION, prompt=[1, 2, 3])).prompts == [[1, 2, 3]]
     assert parse_completion(dict(COMPLETION, prompt=["a", [4, 5]])).prompts == ["a", [4, 5]]
     assert parse_completion(dict(COMPLETION)).params.max_tokens is None  # what the context leaves, as vLLM

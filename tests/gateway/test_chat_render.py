@@ -1,0 +1,232 @@
+"""What a request's prompt becomes, against transformers: a completion prompt's ids (what the post-processor adds
+before and after the text), and a chat's rendered prompt (content parts, reasoning, the deprecated function
+messages, `continue_final_message` / `add_generation_prompt`, `reasoning_effort`); where the rendering runs
+(the tokenizer thread for a long request, whatever field is long) and what a template's own error says.
+
+The model folders are the tiny model's files (linked) with another chat template or post-processor.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from engine.tokenizer import Tokenizer
+from gateway import runtime
+from gateway.openai.chat import parse_chat
+from gateway.openai.errors import ApiError
+from gateway.runtime import Gateway, _render_and_count
+from pools.config.yaml_file import load_config
+from pools.tokencount import TokenCounter
+from tests.gateway.conftest import chat_pool_yaml
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the reference loads local files only
+
+GEMMA_LIKE = (   # Gemma 3's way with content: a string, or parts it loops over (each trimmed)
+    "{{ bos_token }}{%- for message in messages -%}{{ '<start_of_turn>' + message['role'] + '\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+THINKING = (   # reads the reasoning under transformers' names, and two variables
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.thinking %}<think>{{ m.thinking }}</think>{% endif %}"
+    "{% if m.reasoning_content %}[rc:{{ m.reasoning_content }}]{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% if reasoning_effort is defined %}effort={{ reasoning_effort }}{% endif %}"
+    "{% if enable_thinking is defined %} thinking={{ enable_thinking }}{% endif %}")
+USER = {"role": "user", "content": "Hi"}
+
+
+def _make_folder(folder: Path, tiny_model: Path, template: str | None = None,
+                 around: tuple[list[str], list[str]] | None = None) -> Path:
+    """The tiny model's files (linked), with `template` as its chat template and a post-processor adding the
+    special tokens `around[0]` before a text and `around[1]` after it."""
+    folder.mkdir()
+    for path in tiny_model.iterdir():
+        if path.name not in ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json"):
+            os.symlink(path, folder / path.name)
+    config = json.loads((tiny_model / "tokenizer_config.json").read_text())
+    if template is not None or "chat_template" not in config:
+        config["chat_template"] = template or (tiny_model / "chat_template.jinja").read_text()
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    data = json.loads((tiny_model / "tokenizer.json").read_text())
+    if around is not None:
+        ids = {t["content"]: t["id"] for t in data["added_tokens"]}
+        special = [[{"SpecialToken": {"id": t, "type_id": 0}} for t in side] for side in around]
+        single = [*special[0], {"Sequence": {"id": "A", "type_id": 0}}, *special[1]]
+        data["post_processor"] = {"type": "TemplateProcessing", "single": single,
+                                  "pair": [*single, {"Sequence": {"id": "B", "type_id": 1}}],
+                                  "special_tokens": {t: {"id": t, "ids": [ids[t]], "tokens": [t]}
+                                                     for t in around[0] + around[1]}}
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    return folder
+
+
+def _gateway(folder: Path, tmp_path: Path) -> Gateway:
+    """A gateway (not started: routing needs no worker) with one pool `chat` of 1024 tokens on `folder`."""
+    path = tmp_path / "pools.yaml"
+    yaml = chat_pool_yaml(folder, max_model_len=1024)
+    path.write_text(yaml.replace("kv_cache_bytes: 256KiB", "kv_cache_bytes: 1MiB"))
+    return Gateway.from_config(load_config(path))
+
+
+def _render(folder: Path, body: dict[str, Any]) -> list[int]:
+    """The ids the gateway routes for chat `body` (its messages, tools and template variables)."""
+    req = parse_chat({"model": "m", **body})
+    return _render_and_count(_pool(folder), req.messages, req.tools, req.chat_template_kwargs or {})
+
+
+@functools.lru_cache(maxsize=8)
+def _pool(folder: Path) -> SimpleNamespace:
+    """What rendering reads of a pool on `folder`: its tokenizer and counter."""
+    tokenizer = Tokenizer.from_folder(folder)
+    return SimpleNamespace(tokenizer=tokenizer, counter=TokenCounter(tokenizer))
+
+
+def _hf_ids(folder: Path, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+    """transformers' ids of the chat (the rendered text tokenized without special tokens, as it does)."""
+    hf = _hf(folder)
+    text = hf.apply_chat_template(messages, tokenize=False, **{"add_generation_prompt": True, **kwargs})
+    return hf(text, add_special_tokens=False).input_ids
+
+
+@functools.lru_cache(maxsize=8)
+def _hf(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+# --- completion prompts ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("around", [([], []), (["<|im_start|>"], []), ([], ["<|im_end|>"]),
+                                    (["<|im_start|>"], ["<|im_end|>", "<|endoftext|>"])])
+async def test_a_completion_prompt_is_tokenized_as_hf_does(tiny_model: Path, tmp_path: Path,
+                                                           around: tuple[list[str], list[str]]) -> None:
+    folder = _make_folder(tmp_path / "model", tiny_model, around=around)
+    gateway, hf = _gateway(folder, tmp_path), _hf(folder)
+    for text in ["Hello world", "", " a b"]:
+        _, ids = await gateway.route_prompt(gateway.pools["chat"].model_name, text)
+        assert ids == hf(text).input_ids, (around, text)
+
+
+# --- chat prompts ------------------------------------------------------------------------------------------------
+
+
+def test_content_parts_reach_a_template_that_loops_over_them(tiny_model: Path, tmp_path: Path) -> None:
+    folder = _make_folder(tmp_path / "model", tiny_model, GEMMA_LIKE)
+    parts = [{"type": "text", "text": "Summarize:"}, {"type": "text", "text": " The cat sat. "}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
+    assert _render(folder, {"messages": messages}) == _hf_ids(folder, messages)
+    smol = _make_folder(tmp_path / "smol", tiny_model)   # a string template: the parts joined, as vLLM joins them
+    joined = [messages[0], {"role": "user", "content": "Summarize:\n The cat sat. "}]
+    assert _render(smol, {"messages": messages}) == _hf_ids(smol, joined)
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_an_assistants_reasoning_renders_as_hf_renders_it(tiny_model: Path, tmp_path: Path, field: str) -> None:
+    folder = _make_folder(tmp_path / "model", tiny_model, THINKING)
+    messages = [USER, {"role": "assistant", "content": "a", field: "r1"}, {"role": "user", "content": "q2"}]
+    ids = _render(folder, {"messages": messages})
+    assert ids == _hf_ids(folder, messages)
+    assert "<think>r1</think>[rc:r1]" in Tokenizer.from_folder(folder).decode(ids, skip_special_tokens=False)
+
+
+def test_a_refusal_part_renders_as_its_text(tiny_model: Path, tmp_path: Path) -> None:
+    folder = _make_folder(tmp_path / "model", tiny_model, GEMMA_LIKE)
+    refused = [USER, {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}, USER]
+    as_text = [USER, {"role": "assistant", "content": [{"type": "text", "text": "I can't."}]}, USER]
+    assert _render(folder, {"messages": refused}) == _hf_ids(folder, as_text)
+    with pytest.raises(ApiError) as info:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]})
+    assert info.value.param == "messages[0].content[0].type"
+
+
+@pytest.mark.parametrize("template", [None, GEMMA_LIKE])
+def test_continue_final_message_and_add_generation_prompt(tiny_model: Path, tmp_path: Path,
+                                                          template: str | None) -> None:
+    folder = _make_folder(tmp_path / "model", tiny_model, template)
+    messages = [USER, {"role": "assistant", "content": "The answer is"}]
+    for flags in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False}):
+        ids = _render(folder, {"messages": messages, **flags})
+        assert ids == _hf_ids(folder, messages, add_generation_prompt=False, continue_final_message=True)
+    assert _render(folder, {"messages": [USER], "add_generation_prompt": False}) == \
+        _hf_ids(folder, [USER], add_generation_prompt=False)
+    with pytest.raises(ApiError) as info:
+        parse_chat({"model": "m", "messages": messages, "continue_final_message": True, "add_generation_prompt": True})
+    assert info.value.param == "continue_final_message"
+
+
+def test_reasoning_effort_is_the_template_variable(tiny_model: Path, tmp_path: Path) -> None:
+    folder = _make_folder(tmp_path / "model", tiny_model, THINKING)
+    assert _render(folder, {"messages": [USER], "reasoning_effort": "low"}) == \
+        _hf_ids(folder, [USER], reasoning_effort="low")
+    # "none" also turns thinking off, unless chat_template_kwargs say otherwise (the Responses API's reading)
+    assert _render(folder, {"messages": [USER], "reasoning_effort": "none"}) == \
+        _hf_ids(folder, [USER], reasoning_effort="none", enable_thinking=False)
+    kwargs = {"enable_thinking": True, "reasoning_effort": "high"}   # the field wins over the kwargs' variable
+    assert _render(folder, {"messages": [USER], "reasoning_effort": "none", "chat_template_kwargs": kwargs}) == \
+        _hf_ids(folder, [USER], reasoning_effort="none", enable_thinking=True)
+
+
+def test_deprecated_function_messages_are_a_tool_call_and_its_result(tiny_model: Path, tmp_path: Path) -> None:
+    folder = _make_folder(tmp_path / "model", tiny_model)
+    functions = [{"name": "weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    call = {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    legacy = [USER, {"role": "assistant", "content": None, "function_call": call},
+              {"role": "function", "name": "weather", "content": "12 C"}]
+    current = [USER, {"role": "assistant", "content": None,
+                      "tool_calls": [{"id": "call_1", "type": "function", "function": call}]},
+               {"role": "tool", "tool_call_id": "call_1", "name": "weather", "content": "12 C"}]
+    ids = _render(folder, {"messages": legacy, "functions": functions})
+    assert ids == _render(folder, {"messages": current, "functions": functions})
+    assert '"Oslo"' in Tokenizer.from_folder(folder).decode(ids)   # the call is rendered, not an empty turn
+    with pytest.raises(ApiError) as info:
+        parse_chat({"model": "m", "messages": [USER, {"role": "function", "content": "12 C"}]})
+    assert info.value.param == "messages[1].name"
+
+
+# --- where the rendering runs, and a template's own error --------------------------------------------------------
+
+
+@pytest.mark.parametrize("long", ["arguments", "description", "kwargs"])
+async def test_a_long_request_is_rendered_off_the_event_loop(tiny_model: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch, long: str) -> None:
+    gateway = _gateway(_make_folder(tmp_path / "model", tiny_model), tmp_path)
+    threads = []
+
+    def recording(*args: Any) -> list[int]:
+        threads.append(threading.current_thread())
+        return _render_and_count(*args)
+
+    monkeypatch.setattr(runtime, "_render_and_count", recording)
+    blob = "word " * 420   # over INLINE_TOKENIZE_CHARS characters, under the pool's 1024 tokens
+    tool = {"type": "function", "function": {"name": "f", "description": blob if long == "description" else "f",
+                                             "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": json.dumps({"blob": blob if long == "arguments" else 1})}}
+    body = {"model": "m", "tools": [tool], "chat_template_kwargs": {"note": blob} if long == "kwargs" else None,
+            "messages": [USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
+    req = parse_chat(body)
+    await gateway.route_chat(gateway.pools["chat"].model_name, req.messages, req.tools, req.chat_template_kwargs)
+    await gateway.route_chat(gateway.pools["chat"].model_name, [USER])
+    assert threads[0] is not threading.main_thread() and threads[1] is threading.main_thread()
+
+
+async def test_a_templates_python_error_is_a_400_that_says_what_happened(tiny_model: Path, tmp_path: Path) -> None:
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}\n{{ 'limit: ' + limit }}"
+    gateway = _gateway(_make_folder(tmp_path / "model", tiny_model, template), tmp_path)
+    with pytest.raises(ApiError) as info:
+        await gateway.route_chat(gateway.pools["chat"].model_name, [USER], template_kwargs={"limit": 5})
+    assert (info.value.status, info.value.param) == (400, "messages")
+    assert info.value.message.startswith("messages: chat template: line 2: TypeError: can only concatenate str")
+    assert "surrogate" not in info.value.message
