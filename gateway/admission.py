@@ -185,11 +185,12 @@ class AdmissionControl:
     @contextlib.asynccontextmanager
     async def admitted(self, routed: Sequence[tuple[Pool, list[int]]], *, max_tokens: int | None, n: int,
                        request_id: str, tenant: str, priority: int, background: bool = False,
-                       max_tokens_param: str = "max_tokens") -> AsyncIterator[dict[str, Placed]]:
+                       max_tokens_param: str = "max_tokens", patient: bool = False) -> AsyncIterator[dict[str, Placed]]:
         """Hold every credit the routed prompts may need for the duration of the block; yields where
         each pool's prompts were placed (pool name -> `Placed`).
 
-        ApiError 400 if the request can never fit a pool; 503 + Retry-After past max_queue_seconds."""
+        ApiError 400 if the request can never fit a pool; 503 + Retry-After past max_queue_seconds (not for
+        `background` or `patient` requests: `CreditQueue.hold`)."""
         needs = self._needs(routed, max_tokens, n, max_tokens_param)
         prompts: dict[str, list[list[int]]] = {}
         for pool, ids in routed:
@@ -202,7 +203,8 @@ class AdmissionControl:
                                                      pool.cache_salt(tenant))
                 key = f"{request_id}@{name}"
                 ticket = await stack.enter_async_context(self._hold(pool, key, needs[name], tenant, priority,
-                                                                    background, work, n * len(prompts[name])))
+                                                                    background, work, n * len(prompts[name]),
+                                                                    patient))
                 placed[name] = Placed(pool, ticket.replica, key, ticket.charged, ticket.background)
                 self._count_placement(pool, ticket.replica, work, key)
             yield placed
@@ -244,12 +246,12 @@ class AdmissionControl:
 
     @contextlib.asynccontextmanager
     async def _hold(self, pool: Pool, key: str, need: int, tenant: str, priority: int, background: bool,
-                    work: Work, num_seqs: int) -> AsyncIterator[Ticket]:
+                    work: Work, num_seqs: int, patient: bool = False) -> AsyncIterator[Ticket]:
         labels = {"pool": pool.name, "tenant": "batch" if background else self.metrics.tenant_label(tenant)}
         started = time.perf_counter()
         try:
             async with pool.admission.hold(key, need, tenant=tenant, priority=priority, background=background,
-                                           work=work, num_seqs=num_seqs) as ticket:
+                                           work=work, num_seqs=num_seqs, patient=patient) as ticket:
                 self.metrics.wait.labels(**labels).observe(time.perf_counter() - started)
                 self.metrics.admitted.labels(**labels).inc()
                 yield ticket

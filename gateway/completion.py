@@ -89,6 +89,7 @@ class Completion:
     tenant: str
     http: web.Request | None = None     # None: a batch line (JSON back, nothing streamed)
     background: bool = False            # a batch line: served behind interactive traffic
+    patient: bool = False               # a background Response: waits for credits however long (its client polls)
     answer_type: Callable[..., LocalResponse] = LocalResponse   # makes the answer (the Responses API's differs)
 
     async def answer(self) -> web.StreamResponse | dict[str, Any]:
@@ -142,7 +143,8 @@ class Completion:
             async with gateway.admission.admitted(self.routed, max_tokens=req.params.max_tokens, n=req.params.n,
                                                   request_id=objects.new_id("adm"), tenant=self.tenant,
                                                   priority=req.priority, background=self.background,
-                                                  max_tokens_param=req.max_tokens_param) as placed:
+                                                  max_tokens_param=req.max_tokens_param,
+                                                  patient=self.patient) as placed:
                 local = self.answer_type(self.http, req, self.routed, placed=placed, received=self.received,
                                          metrics=gateway.metrics, write_timeout=gateway.config.gateway.write_timeout,
                                          tenant=self.tenant, think=think)

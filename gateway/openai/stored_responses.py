@@ -16,8 +16,9 @@ ran: continuing it would carry that input on, turn after turn) is a 400 naming `
 
 `background: true` is routed and checked as a foreground request is (an unknown model, a prompt over
 the context, a grammar that cannot be enforced: the same 4xx, nothing kept), then answered at once with
-the Response `queued`, run as any request of the key's tenant (credits, priority, routing) and each
-change of status kept; GET polls it (streaming it, `stream` or `starting_after`, is a 400). `cancel`
+the Response `queued`, run as any request of the key's tenant (credits, priority, routing) but for one
+thing: it waits for its credits however long (the pool's `max_queue_seconds` is for a client holding a
+connection; this one polls), and each change of status kept; GET polls it (streaming it, `stream` or `starting_after`, is a 400). `cancel`
 stops one queued or in progress (its engine request is aborted, its KV freed) and leaves it
 `cancelled`; a finished one is returned as it is; one not run in the background is a 400. A
 background response queued or in progress when the gateway stops is run again when it starts.
@@ -36,6 +37,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -74,6 +76,7 @@ class KeptResponses:
         self.store, self.gateway = store, gateway
         self.retry_first_s, self.retry_max_s, self.max_store_attempts = RETRY_FIRST_S, RETRY_MAX_S, MAX_STORE_ATTEMPTS
         self._runs: dict[str, asyncio.Task] = {}
+        self._per_owner: Counter[str] = Counter()   # background runs queued or in progress (and being queued)
         self._stopping = False
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -123,25 +126,43 @@ class KeptResponses:
 
     async def queue(self, asked: ResponsesRequest, body: dict[str, Any], *, owner: str,
                     tenant: str) -> dict[str, Any]:
-        """Keep a background request's Response as `queued` and start its run; the queued Response.
-        Shielded: a client that leaves meanwhile cannot leave a kept response that nothing runs."""
+        """Keep a background request's Response as `queued` and start its run; the queued Response. A 429
+        when its owner has `max_background_per_owner` queued or in progress already (counted from before the
+        store's write, so requests at once cannot pass it together). Shielded: a client that leaves meanwhile
+        cannot leave a kept response that nothing runs."""
+        limit = self.gateway.config.gateway.stored_responses.max_background_per_owner
+        if self._per_owner[owner] >= limit:
+            raise ApiError(429, f"background: this API key has {self._per_owner[owner]} background responses queued "
+                           f"or in progress, the most gateway.stored_responses.max_background_per_owner ({limit}) "
+                           "allows; wait for one to end, or cancel one", param="background", type="requests",
+                           code="rate_limit_exceeded")
+        self._per_owner[owner] += 1   # this one's place, until its run ends (or it is not kept)
+
         async def keep_and_launch() -> dict[str, Any]:
-            queued = response_object(asked, objects.new_id("resp"), time.time(), "queued", [])
-            await self.db(self.store.put, queued, owner=owner, tenant=tenant, request=body, items=asked.items,
-                          background=True)
-            self._launch(StoredResponse(queued["id"], owner, tenant, True, body, asked.items, queued))
+            try:
+                queued = response_object(asked, objects.new_id("resp"), time.time(), "queued", [])
+                await self.db(self.store.put, queued, owner=owner, tenant=tenant, request=body, items=asked.items,
+                              background=True)
+            except BaseException:
+                self._per_owner -= Counter([owner])
+                raise
+            self._launch(StoredResponse(queued["id"], owner, tenant, True, body, asked.items, queued), counted=True)
             return queued
         return await asyncio.shield(keep_and_launch())
 
-    def _launch(self, stored: StoredResponse) -> None:
+    def _launch(self, stored: StoredResponse, counted: bool = False) -> None:
+        """Run `stored` in the background; its owner's count of runs goes up (`counted`: already) until it ends."""
+        if not counted:
+            self._per_owner[stored.owner] += 1
         task = asyncio.get_running_loop().create_task(self._run(stored), name=f"response {stored.id}")
         self._runs[stored.id] = task
-        task.add_done_callback(functools.partial(self._ended, stored.id))
+        task.add_done_callback(functools.partial(self._ended, stored.id, stored.owner))
 
-    def _ended(self, response_id: str, task: asyncio.Task) -> None:
+    def _ended(self, response_id: str, owner: str, task: asyncio.Task) -> None:
         """A run's done-callback: forget it, and log an exception it ended with (`_run` keeps every failure it
         can as the response's; none may end as a task error nobody reads)."""
         self._runs.pop(response_id, None)
+        self._per_owner -= Counter([owner])
         if not task.cancelled() and task.exception() is not None:
             log.error("%s: its background run ended on an error", response_id, exc_info=task.exception())
 
@@ -183,7 +204,7 @@ class KeptResponses:
         answer_type = functools.partial(ResponsesAnswer, asked=asked, response_id=stored.id,
                                         created_at=stored.response["created_at"])
         return await Completion(gateway, req, routed, _relayed(body, asked), "/responses", time.perf_counter(),
-                                stored.tenant, answer_type=answer_type).answer()
+                                stored.tenant, patient=True, answer_type=answer_type).answer()
 
     async def cancel(self, response_id: str, *, owner: str) -> dict[str, Any]:
         stored = await self.found(response_id, owner)

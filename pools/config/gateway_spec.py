@@ -71,10 +71,12 @@ class RequestLimits(Spec):
 class RetentionSpec(Spec):
     """How long the Responses API's stored responses are kept (YAML `gateway.stored_responses`): a
     finished response at most `retention_days` (OpenAI keeps them 30 days), and each owner's newest
-    `max_per_owner` only (`pools.store.response_store`)."""
+    `max_per_owner` only (`pools.store.response_store`); and how many background responses an owner may
+    have queued or in progress at once (`max_background_per_owner`; one more is a 429)."""
 
     retention_days: Positive = 30.0
     max_per_owner: Count = 10000
+    max_background_per_owner: Count = 256
 
 
 class GatewaySpec(Spec):

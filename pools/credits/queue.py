@@ -140,13 +140,16 @@ class CreditQueue:
 
     @asynccontextmanager
     async def hold(self, request_id: str, num_tokens: int, *, tenant: str = DEFAULT_TENANT, priority: int = 0,
-                   background: bool = False, work: Work | None = None, num_seqs: int = 1) -> AsyncIterator[Ticket]:
+                   background: bool = False, work: Work | None = None, num_seqs: int = 1,
+                   patient: bool = False) -> AsyncIterator[Ticket]:
         """Wait until `num_tokens` credits are admitted on a replica, hold them for the block, then give
         them back. `work`: what the request asks of a replica, for placement (`Ticket.replica`); its prompt
         blocks are held once on a replica with the other requests there that share them.
 
-        ValueError if the request can never fit the pool; QueueTimeout past `max_queue_seconds`
-        (background requests never time out: their runner retries nothing, it waits)."""
+        ValueError if the request can never fit the pool; QueueTimeout past `max_queue_seconds`, PoolFull
+        at once where that is 0. Background requests (batch lines, served behind the others) and `patient`
+        ones (served among them: a background Response, whose client polls for it) never time out: nobody
+        waits on their connection, and their runners retry nothing, they wait."""
         blocks = self.placement.prompt_blocks(work) if self.placement is not None and work is not None else ()
         ticket = self.ledger.submit(request_id, num_tokens, tenant=tenant, priority=priority, background=background,
                                     blocks=blocks, num_seqs=num_seqs)
@@ -160,13 +163,14 @@ class CreditQueue:
         try:
             if not ticket.admitted:
                 self._admit()
-            if not ticket.admitted and self.max_queue_seconds == 0 and not background:
+            waits = background or patient
+            if not ticket.admitted and self.max_queue_seconds == 0 and not waits:
                 self.ledger.cancel(request_id)
                 self.num_expired += 1
                 self._admit()
                 raise PoolFull(self.pool, num_tokens, self.ledger.free)
             if not ticket.admitted:
-                await self._wait(ticket)
+                await self._wait(ticket, None if waits else self.max_queue_seconds)
         except BaseException:
             self._since.pop(request_id, None)
             self._drop(request_id)
@@ -194,11 +198,11 @@ class CreditQueue:
         self.ledger.release(request_id)
         self._admit()   # what it gave back may admit the next in line
 
-    async def _wait(self, ticket: Ticket) -> None:
+    async def _wait(self, ticket: Ticket, limit: float | None) -> None:
+        """Wait for `ticket`'s admission, at most `limit` seconds (None: however long)."""
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[ticket.request_id] = waiter
         started = self._queued_since[ticket.request_id] = time.monotonic()
-        limit = None if ticket.background else self.max_queue_seconds
         try:
             await asyncio.wait_for(asyncio.shield(waiter), limit)
         except BaseException as exc:

@@ -25,7 +25,7 @@ from gateway.openai.errors import ApiError
 from gateway.openai.stored_responses import RESPONSES
 from gateway.runtime import Gateway
 from pools.config.yaml_file import load_config
-from tests.gateway.conftest import DEFAULT_CONFIG, LiveServer, pools_yaml
+from tests.gateway.conftest import DEFAULT_CONFIG, LiveServer, chat_pool_yaml, pools_yaml
 
 MODEL = "smollm2-135m-instruct"
 FRONT = "front-model"
@@ -157,11 +157,13 @@ def _num_kept(data_dir) -> int:
         return db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
 
 
-async def _no_worker(aiohttp_client, tmp_path, tiny_model) -> tuple[openai.AsyncOpenAI, list[str]]:
+async def _no_worker(aiohttp_client, tmp_path, tiny_model, gateway_keys: str = "") -> tuple[openai.AsyncOpenAI,
+                                                                                            list[str]]:
     """(the SDK on an app with a data dir over local pools of the tiny model and no device worker, the ids of the
-    background runs started): the first run fails (503) before any output, the next ones run until cancelled."""
+    background runs started): the first run fails (503) before any output, the next ones run until cancelled.
+    `gateway_keys`: more keys of the YAML's `gateway` section ("key: value, ")."""
     path = tmp_path / "pools.yaml"
-    path.write_text(pools_yaml(tiny_model))
+    path.write_text(pools_yaml(tiny_model).replace("gateway: {", "gateway: {" + gateway_keys, 1))
     gateway = Gateway.from_config(load_config(path))
     gateway.engines = {}      # no device worker: a background run's answer is `answered`
     app = create_app(gateway, data_dir=tmp_path)
@@ -212,6 +214,64 @@ async def test_a_response_that_failed_or_was_cancelled_before_any_output_is_not_
                                            background=background)
             assert info.value.body["param"] == "previous_response_id", info.value.body
     assert len(runs) == 2 and _num_kept(tmp_path) == 2
+
+
+async def test_an_api_key_may_have_so_many_background_responses_running_at_once(aiohttp_client, tmp_path,
+                                                                                 tiny_model) -> None:
+    """`gateway.stored_responses.max_background_per_owner` 2: a key's third queued or in progress is a 429
+    naming `background`; another key's is not; one that ended (failed, cancelled) gives its place back."""
+    sdk, runs = await _no_worker(aiohttp_client, tmp_path, tiny_model,
+                                 "stored_responses: {max_background_per_owner: 2}, ")
+    failed = await _settled(sdk, (await sdk.responses.create(model=tiny_model.name, input="hi", background=True)).id)
+    assert failed.status == "failed"
+    running = [await sdk.responses.create(model=tiny_model.name, input="hi", background=True) for _ in range(2)]
+    with pytest.raises(openai.RateLimitError) as info:
+        await sdk.responses.create(model=tiny_model.name, input="hi", background=True)
+    assert info.value.body["param"] == "background" and info.value.body["code"] == "rate_limit_exceeded"
+    assert "max_background_per_owner (2)" in info.value.body["message"]
+    other = await sdk.with_options(api_key="key-b").responses.create(model=tiny_model.name, input="hi",
+                                                                      background=True)
+    assert other.status == "queued"
+    assert (await sdk.responses.cancel(running[0].id)).status == "cancelled"
+    deadline = time.monotonic() + 10
+    while True:   # its place is back once its run has ended
+        try:
+            again = await sdk.responses.create(model=tiny_model.name, input="hi", background=True)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+    assert again.status == "queued" and _num_kept(tmp_path) == 5
+
+
+async def test_a_background_response_waits_for_credits_past_its_pools_queue_limit(aiohttp_client, tmp_path,
+                                                                                  tiny_model) -> None:
+    """`max_queue_seconds: 0` (reject-when-full): with every credit held, a foreground request is a 429 at once;
+    a background one stays queued (its client polls; it failed `pool_full` at once), then runs once they free."""
+    path = tmp_path / "pools.yaml"
+    path.write_text(chat_pool_yaml(tiny_model, extra="    max_queue_seconds: 0\n"))
+    gateway = Gateway.from_config(load_config(path))
+    client = await aiohttp_client(create_app(gateway, data_dir=tmp_path))
+    while (await client.get("/ready")).status != 200:
+        await asyncio.sleep(0.1)
+    sdk, queue, release = _sdk(client), gateway.pools["chat"].admission, asyncio.Event()
+
+    async def hold_every_credit() -> None:
+        async with queue.hold("blocker", queue.free):
+            await release.wait()
+
+    blocker = asyncio.ensure_future(hold_every_credit())
+    await asyncio.sleep(0.05)
+    asked = {"model": tiny_model.name, "input": "hi", "max_output_tokens": 4}
+    with pytest.raises(openai.RateLimitError):
+        await sdk.responses.create(**asked)
+    queued = await sdk.responses.create(**asked, background=True)
+    await asyncio.sleep(0.5)
+    assert (await sdk.responses.retrieve(queued.id)).status in ("queued", "in_progress")
+    release.set()
+    await blocker
+    done = await _settled(sdk, queued.id)
+    assert done.status in ("completed", "incomplete") and done.output_text, done
 
 
 @pytest.fixture

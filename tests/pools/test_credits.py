@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 
 from pools.credits.ledger import CreditLedger, TenantPolicy
+from pools.credits.queue import CreditQueue, PoolFull, QueueTimeout
 
 
 def _drain(ledger: CreditLedger, order: list[str]) -> None:
@@ -336,3 +338,28 @@ def test_a_tenant_is_forgotten_with_its_last_request_and_fair_within_its_busy_sp
         ledger.release(r)
     ledger.check_integrity()
     assert ledger.queued_by_tenant() == {}
+
+
+def test_a_patient_request_outwaits_max_queue_seconds_where_another_would_expire():
+    """A background Response waits for its credits however long (its client polls, nobody holds a
+    connection): past a pool's max_queue_seconds, and when that is 0 (reject-when-full) too."""
+    async def main(limit: float) -> None:
+        queue, release = CreditQueue("chat", 100, max_queue_seconds=limit), asyncio.Event()
+
+        async def hold(request_id: str, credits: int, **kwargs) -> bool:
+            async with queue.hold(request_id, credits, **kwargs) as ticket:
+                await release.wait()
+                return ticket.admitted
+
+        first = asyncio.ensure_future(hold("first", 100))
+        await asyncio.sleep(0.01)
+        with pytest.raises(QueueTimeout if limit else PoolFull):
+            await hold("impatient", 50)
+        patient = asyncio.ensure_future(hold("patient", 50, patient=True))
+        await asyncio.sleep(0.1 + 2 * limit)
+        assert not patient.done() and queue.ledger.num_queued == 1
+        release.set()
+        assert await first and await patient and queue.free == 100
+
+    for limit in (0.05, 0):
+        asyncio.run(main(limit))
