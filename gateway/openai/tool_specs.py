@@ -40,10 +40,13 @@ class Tool:
     strict: bool = False         # its calls follow `parameters` under tool_choice "auto" too
 
     def as_template_dict(self) -> dict[str, Any]:
-        """The form HF chat templates take in `tools=` (OpenAI's)."""
-        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        """The form HF chat templates take in `tools=`: OpenAI's, keys in OpenAI's order (name, description,
+        parameters), as a client's own tool dict has them: a template that writes `tool | tojson` (Qwen's)
+        writes them in this order."""
+        function: dict[str, Any] = {"name": self.name}
         if self.description:
             function["description"] = self.description
+        function["parameters"] = self.parameters
         return {"type": "function", "function": function}
 
 

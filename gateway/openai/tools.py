@@ -57,6 +57,10 @@ def _loads(text: str) -> Any:
     return None if nested_over(value) else value
 
 
+def _value_or_text(text: str) -> Any:
+    return text if (value := _loads(text)) is None else value   # `_loads`'s None: not JSON (or JSON's null)
+
+
 def _decode(decoder: json.JSONDecoder, text: str, pos: int) -> tuple[Any, int] | None:
     """The JSON value starting at `text[pos]` and where it ends; None where `_loads` would give None."""
     try:
@@ -297,14 +301,14 @@ def template_knows_tools(template: str) -> bool:
 
 
 def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The history as HF templates with tool support take it: tool call arguments as objects, not text."""
+    """The history as HF templates with tool support take it: tool call arguments as the JSON they hold (as
+    vLLM parses them); text that is not JSON (a model's broken call, sent back) stays text, never replaced."""
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            calls = [{"id": c["id"], "type": "function",
-                      "function": {"name": c["function"]["name"],
-                                   "arguments": _loads(c["function"]["arguments"]) or {}}}
-                     for c in m["tool_calls"]]
+            calls = [{"id": c["id"], "type": "function", "function": {
+                "name": c["function"]["name"], "arguments": _value_or_text(c["function"]["arguments"])}}
+                for c in m["tool_calls"]]
             m = {**m, "tool_calls": calls}
         out.append(m)
     return out

@@ -345,6 +345,33 @@ def test_a_template_with_tools_renders_them_itself(tmp_path, builtin_path) -> No
     assert isinstance(format_for(tokenizer, tools), HermesFormat)
 
 
+def test_tools_reach_a_template_as_the_client_sent_them(tmp_path, builtin_path) -> None:
+    """A template that writes `tool | tojson` (Qwen's) writes the tools as transformers does with the client's
+    own dicts: OpenAI's key order (name, description, parameters), the prompt character for character; and a
+    call in the history whose arguments are not JSON as the text it is."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from engine.tokenizer import Tokenizer
+    from gateway.openai.tools import render
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(builtin_path / name, tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    hf, ours = AutoTokenizer.from_pretrained(tmp_path), Tokenizer.from_folder(tmp_path)
+    messages = [{"role": "user", "content": "weather in Oslo?"}]
+    assert render(ours, messages, parse_tools(TOOLS)) == hf.apply_chat_template(
+        messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    # a model's broken call sent back: its text reaches the template as text (it was replaced by {})
+    messages += [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "error: bad arguments"}]
+    text = render(ours, messages, parse_tools(TOOLS))
+    assert text == hf.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert '"arguments": "{\\"city\\": \\"Oslo\\""' in text
+
+
 # --- the SDK against a live server --------------------------------------------------------------------
 
 PROMPTS = ["What's the weather in Paris?", "Book lunch with Sam on the 12th.", "Search for llama recipes.",
