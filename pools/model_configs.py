@@ -42,7 +42,7 @@ def model_folder(spec: str, key: str, folders: dict[str, Path]) -> Path:
 
         try:
             folders[spec] = resolve_model(spec)
-        except (FileNotFoundError, ValueError) as exc:
+        except (OSError, ValueError) as exc:   # OSError: not found, or a path no file system can hold
             raise SpecError(f"{key}: {exc}") from None
     return folders[spec]
 

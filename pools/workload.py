@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import random
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -31,15 +30,14 @@ from typing import Annotated, Any, Literal
 import msgspec
 import numpy as np
 
-from pools.config.checks import (Count, NonNegative, Positive, Spec, SpecError, Text, from_yaml, load_yaml, read_text,
-                                 show)
+from pools.config.checks import (Count, NonNegative, Positive, Spec, SpecError, Text, from_yaml, is_label, load_yaml,
+                                 read_text, show)
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 DISTS = ("fixed", "uniform", "normal")
 _DIST_KEYS = {"fixed": ("value",), "uniform": ("min", "max"), "normal": ("mean", "std", "min", "max")}
 _DIST_NEEDS = {"fixed": ("value",), "uniform": ("min", "max"), "normal": ("mean", "std")}
 _LENGTH_KEYS = ("value", "min", "max", "mean", "std")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 MAX_ARRIVALS = 10_000_000    # requests one run may generate (rate x duration): their times and requests fit memory
 WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "bench" / "workloads"
 
@@ -120,7 +118,7 @@ class WorkloadClass(Spec):
     shared_prefix: SharedPrefix | None = None   # prompts = one of its documents + prompt_len tokens of their own
 
     def check(self) -> None:
-        if not _NAME.match(self.name):
+        if not is_label(self.name):
             raise SpecError("name", f"must be letters, digits, '_', '.' or '-' (a label), got {self.name!r}")
         if self.share is not None and self.rate is not None:
             raise SpecError("rate", f"give share or rate, not both (share {self.share!r}, rate {self.rate!r})")

@@ -19,6 +19,8 @@ from engine.capacity import DEFAULT_MEMORY_UTILIZATION
 from engine.config import DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, KV_CACHE_DTYPES, check_device_name, parse_dtype
 from pools.config.checks import ByteSize, Fraction, Seconds, Spec, SpecError, Text, engine_rules
 
+MIN_COLLECTIVE_TIMEOUT_SECONDS = 1.0   # `collective_timeout_seconds`: below a step's own time on a loaded host
+
 KvCacheDtype = Literal[KV_CACHE_DTYPES]   # engine.config's choices, one definition
 Placement = Literal["local", "ray"]   # local: worker processes on this machine; ray: actors on a Ray cluster
 PLACEMENTS: tuple[str, ...] = get_args(Placement)
@@ -87,6 +89,10 @@ class DeviceSpec(Spec):
     ray_address: Text | None = None      # placement ray: the cluster (None: the RAY_ADDRESS environment variable)
 
     def check(self) -> None:
+        if self.collective_timeout_seconds < MIN_COLLECTIVE_TIMEOUT_SECONDS:
+            raise SpecError("collective_timeout_seconds", f"must be at least {MIN_COLLECTIVE_TIMEOUT_SECONDS:g} s (a "
+                            "step's all-reduces wait for its slowest rank: shorter, a healthy step fails and the "
+                            f"replica restarts), got {self.collective_timeout_seconds}")
         with engine_rules():
             check_device_name(self.device)
             if self.dtype != "auto":

@@ -389,7 +389,7 @@ def test_the_collective_timeout_reaches_the_engine_and_must_be_positive(builtin_
     data["devices"]["default"]["collective_timeout_seconds"] = 30
     config = parse_config(data, env={})
     assert engine_configs(config, plan_capacity(config, model))["default"].collective_timeout_seconds == 30
-    for bad in (0, -5, "soon"):
+    for bad in (0, -5, "soon", 1e-9, 0.5):   # under a second: every healthy step of a loaded host would fail
         data["devices"]["default"]["collective_timeout_seconds"] = bad
         with pytest.raises(SpecError, match="collective_timeout_seconds"):
             parse_config(data, env={})

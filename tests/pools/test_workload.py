@@ -38,6 +38,7 @@ def test_a_wrong_type_names_the_key_path(extra, message):
     ({"temperature": -0.5}, r"^classes\[1\]\.temperature: must be >= 0\.0, got -0\.5$"),
     ({"rate": float("inf")}, r"^classes\[1\]\.rate: must be a finite number, got inf$"),
     ({"prompt_len": {"dist": "uniform", "min": 9, "max": 3}}, r"^classes\[1\]\.prompt_len\.max: must be >= min 9, got 3$"),
+    ({"name": "chat\n"}, r"^classes\[1\]\.name: must be letters, digits, '_', '\.' or '-' \(a label\), got 'chat\\n'$"),
 ])
 def test_an_out_of_range_value_names_the_key_path(extra, message):
     with pytest.raises(SpecError, match=message):
