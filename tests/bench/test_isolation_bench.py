@@ -28,6 +28,7 @@ from pools.model_configs import resolve_model_configs
 from pools.config.yaml_file import load_config
 from pools.config.checks import load_yaml
 from pools.workload import latency_stats
+from tests.conftest import make_tiny_model
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -172,13 +173,21 @@ def test_send_lag_makes_a_run_invalid_not_judged():
     assert "3000" in format_table(results).splitlines()[4]
 
 
-def test_quick_run_end_to_end(tmp_path, capsys):
-    """`--quick` with 6 s of arrivals: four servers, one per scenario, their records printed and saved and
-    the plot drawn. What the run measures is timing on a machine the suite shares, so it is not judged
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, builtin_path):
+    # the builtin tokenizer's whole vocabulary (the bench's prompts are its words), a context for rag's prompts
+    return make_tiny_model(tmp_path_factory.mktemp("isolation-bench") / "llama", "llama", builtin_path,
+                           vocab_size=49152, max_position_embeddings=4096)
+
+
+def test_quick_run_end_to_end(tmp_path, capsys, tiny_model):
+    """`--quick` with 3 s of arrivals on a tiny model (the command's path, not the builtin model's speed): four
+    servers, one per scenario, their records printed and saved and the plot drawn. What the run measures is timing on a machine the suite shares, so it is not judged
     here: what makes the cliff is shown by tests/engine/test_isolation.py (chat behind a rag chunk, and
     the step composer's bound) and tests/gateway/test_spiral.py (the shared layout trips the spiral gauge
     under a load the split one does not), and the cliff is measured by the full bench (docs/PERF.md)."""
-    argv = ["bench", "isolation", "--quick", "--duration", "6", "--drain-timeout", "3", "--json"]
+    argv = ["bench", "isolation", "--quick", "--duration", "3", "--drain-timeout", "2", "--chat-rate", "2",
+            "--rag-rate", "1", "--json", "--model", str(tiny_model)]   # seeded: 8 chat and 2 rag requests
     assert main([*argv, "--out", str(tmp_path)]) == 0
     printed = {r["scenario"]: r for r in json.loads(capsys.readouterr().out)}
     saved = {r["scenario"]: r for r in json.loads((tmp_path / "isolation.json").read_text())}
