@@ -33,6 +33,7 @@ import msgspec
 from engine.chat_template import content_text
 from engine.sampling import MAX_LOGPROBS, SamplingParams
 from gateway.openai.errors import bad_request, convert_body, named_error
+from gateway.openai.reasoning import ReasoningEffort
 from gateway.openai.sampling_fields import (RequestFields, check_choices, response_format, sampling_params,
                                             stream_flags)
 from gateway.openai.tool_specs import (FunctionCall, FunctionName, FunctionSpec, NamedToolChoice, Tool, ToolCallSpec,
@@ -59,9 +60,6 @@ class Message(msgspec.Struct):
     name: str | None = None                          # function messages: the function answering (required)
     reasoning_content: str | None = None             # assistant messages: their reasoning, for the template
     reasoning: str | None = None                     # its name in vLLM's API
-
-
-ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]   # OpenAI's
 
 
 class ChatBody(RequestFields, kw_only=True):

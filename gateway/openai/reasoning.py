@@ -147,13 +147,16 @@ class ReasoningSplitter:
 Summary = Literal["auto", "concise", "detailed"]
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]   # OpenAI's
+
+
 class ReasoningOptions(msgspec.Struct, forbid_unknown_fields=True):
     """The Responses API's `reasoning` request field, checked: whether and how long a model thinks is its
-    chat template's (`chat_template_kwargs`) and `max_output_tokens`'; `effort: "none"` sets the template's
-    `enable_thinking: false` (unless the request's own kwargs set it), the other efforts change nothing; no
-    summary is written (a reasoning item's `summary` is empty)."""
+    chat template's (`chat_template_kwargs`) and `max_output_tokens`'; `effort` is chat's `reasoning_effort`
+    (`gateway.openai.chat`: the template variable, and "none" sets `enable_thinking: false` unless the
+    request's own kwargs set it); no summary is written (a reasoning item's `summary` is empty)."""
 
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: ReasoningEffort | None = None
     summary: Summary | None = None
     generate_summary: Summary | None = None   # `summary`'s deprecated name
 

@@ -8,8 +8,9 @@ whose refusals are renamed to the Responses fields): `input` as text or items (m
 `tool_choice`, `parallel_tool_calls`, `text.format` (text, json_object, json_schema: the chat's
 response_format), `max_output_tokens`, `temperature`, `top_p`, `stream`, `top_logprobs`, `metadata`,
 `store`, `background`, `chat_template_kwargs` (as chat's), `reasoning` (checked; whether a model thinks is
-its template's, e.g. `chat_template_kwargs`, and `effort: "none"` sets `enable_thinking: false` there
-unless the request's own `chat_template_kwargs` say otherwise; the rest is ignored), and the items of the
+its template's: `effort` is chat's `reasoning_effort`, the template variable, and "none" also sets
+`enable_thinking: false` unless the request's own `chat_template_kwargs` say otherwise; a summary is never
+written), and the items of the
 earlier turns a `previous_response_id` names (looked up by the caller, passed as `prior`). Routing, credits and the
 engine treat it as the chat it is.
 
@@ -81,8 +82,8 @@ def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
                 "chat_template_kwargs"):
         if (value := getattr(req, key)) is not None:
             chat[key] = value
-    if req.reasoning is not None and req.reasoning.effort == "none":   # no thinking: the templates' switch off
-        chat["chat_template_kwargs"] = {"enable_thinking": False, **(req.chat_template_kwargs or {})}
+    if req.reasoning is not None and req.reasoning.effort is not None:   # what it does is chat's
+        chat["reasoning_effort"] = req.reasoning.effort
     if req.top_logprobs is not None:
         chat["logprobs"] = True
     if req.max_output_tokens is not None:

@@ -123,13 +123,15 @@ def test_the_responses_api_takes_chat_template_kwargs_and_a_well_formed_reasonin
     body = {"model": "m", "input": "What is 2 + 2?"}
     req = parse_responses({**body, "chat_template_kwargs": {"enable_thinking": False},
                            "reasoning": {"effort": "low", "summary": "auto"}})
-    assert req.chat.chat_template_kwargs == {"enable_thinking": False}
+    # the effort is chat's reasoning_effort: the template variable (gpt-oss's template reads it)
+    assert req.chat.chat_template_kwargs == {"enable_thinking": False, "reasoning_effort": "low"}
     assert parse_responses({**body, "reasoning": {}}).chat.chat_template_kwargs is None
-    # effort "none": the template's switch off, unless the request's own kwargs set it
+    # effort "none": the template's switch off too, unless the request's own kwargs set it
     none = {**body, "reasoning": {"effort": "none"}}
-    assert parse_responses(none).chat.chat_template_kwargs == {"enable_thinking": False}
+    assert parse_responses(none).chat.chat_template_kwargs == {"enable_thinking": False, "reasoning_effort": "none"}
     own = {"enable_thinking": True, "x": 1}
-    assert parse_responses({**none, "chat_template_kwargs": own}).chat.chat_template_kwargs == own
+    assert parse_responses({**none, "chat_template_kwargs": own}).chat.chat_template_kwargs == {
+        **own, "reasoning_effort": "none"}
     for bad, param in ((("chat_template_kwargs", [1]), "chat_template_kwargs"),
                        (("chat_template_kwargs", {"documents": []}), "chat_template_kwargs.documents"),
                        (("reasoning", "high"), "reasoning"), (("reasoning", {"effort": "max"}), "reasoning.effort"),
