@@ -89,7 +89,7 @@ class Completion:
     tenant: str
     http: web.Request | None = None     # None: a batch line (JSON back, nothing streamed)
     background: bool = False            # a batch line: served behind interactive traffic
-    patient: bool = False               # a background Response: waits for credits however long (its client polls)
+    patient: bool = False               # a background Response: waits for its device and credits however long
     answer_type: Callable[..., LocalResponse] = LocalResponse   # makes the answer (the Responses API's differs)
 
     async def answer(self) -> web.StreamResponse | dict[str, Any]:
@@ -139,7 +139,7 @@ class Completion:
         under = DeathsUnder()   # the worker deaths this request was in flight at
         while True:
             for pool, _ in self.routed:
-                await gateway.wait_device(pool)
+                await gateway.wait_device(pool, patient=self.patient)
             async with gateway.admission.admitted(self.routed, max_tokens=req.params.max_tokens, n=req.params.n,
                                                   request_id=objects.new_id("adm"), tenant=self.tenant,
                                                   priority=req.priority, background=self.background,

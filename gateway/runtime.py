@@ -280,23 +280,23 @@ class Gateway:
         replicas = self.supervisors.get(device) if device is not None else None
         return replicas[replica].info if replicas else None
 
-    async def wait_device(self, pool: Pool) -> None:
+    async def wait_device(self, pool: Pool, patient: bool = False) -> None:
         """Wait until a replica of the pool's device has loaded (at once when one is up), holding nothing
         (no KV credits: those are taken after); 503 if every replica failed to start, or with
         `Retry-After` if none is ready within `gateway.device_wait_seconds` (or the pool's
-        `max_queue_seconds`, when smaller and not 0); the 503 names each replica's state: loading,
-        placing on a cluster, restarting."""
+        `max_queue_seconds`, when smaller and not 0; `patient`: however long, as for its credits); the 503
+        names each replica's state: loading, placing on a cluster, restarting."""
         replicas = self.supervisors[pool.device]
         if any(s.is_ready for s in replicas):
             return
         waits = [asyncio.ensure_future(s.wait_ready()) for s in replicas]
-        limit = self.config.gateway.device_wait_seconds
-        if pool.spec.max_queue_seconds:
+        limit = None if patient else self.config.gateway.device_wait_seconds
+        if limit is not None and pool.spec.max_queue_seconds:
             limit = min(limit, pool.spec.max_queue_seconds)
-        deadline = time.monotonic() + limit
+        deadline = None if limit is None else time.monotonic() + limit
         try:
             while waits:
-                left = max(0.0, deadline - time.monotonic())
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 done, pending = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 if not done:
                     states = "; ".join(f"{s.name}: {s.state}" for s in replicas)

@@ -48,7 +48,7 @@ over both in turn; a request that one gateway failed before any token is sent to
 balancer would (`retried` in the raw records).
 
 A sampler reads, every 0.25 s, `/ready` (and each replica's state in it), each pool's KV credits
-(`cliffguard_kv_credits_free` / `_total` from /metrics) and the gateway process's RSS (VmRSS). A
+(`cliffguard_kv_credits_free` / `cliffguard_kv_credits` from /metrics) and the gateway process's RSS (VmRSS). A
 fault's quiet window also waits for every replica to be up again. Steady requests are counted by the
 window they were sent in: `answered` = an HTTP answer (200 with a complete stream, or an error status
 or error event), `lost` = none (no response, or the client's `--timeout`), `cut` = a 200 whose stream

@@ -134,8 +134,6 @@ def _template_kwargs(chat: ChatBody) -> dict[str, Any] | None:
     `add_generation_prompt` false, or `continue_final_message` true (which implies it)."""
     value = dict(chat.chat_template_kwargs or {})
     for key, item in value.items():
-        if key == "continue_final_message":
-            raise bad_request(f"chat_template_kwargs.{key}", "is a field of the request: send it there")
         if (reason := template_variable_error(key, item)) is not None:
             raise bad_request(f"chat_template_kwargs.{key}", reason)
     if chat.reasoning_effort is not None:

@@ -57,8 +57,8 @@ def _loads(text: str) -> Any:
     return None if nested_over(value) else value
 
 
-def _value_or_text(text: str) -> Any:
-    return text if (value := _loads(text)) is None else value   # `_loads`'s None: not JSON (or JSON's null)
+def _value_or_text(text: str) -> Any:   # history's arguments: their JSON; {} for none ("", null: vLLM's); else text
+    return {} if text.strip() in ("", "null") else text if (value := _loads(text)) is None else value
 
 
 def _decode(decoder: json.JSONDecoder, text: str, pos: int) -> tuple[Any, int] | None:

@@ -48,9 +48,10 @@ _SLO_SOURCES_WITH_SLO = ("yaml", "default")
 BlockSize = Literal[engine.config.BLOCK_SIZES]
 PreemptionMode = Literal[engine.config.PREEMPTION_MODES]
 VictimPolicy = Literal[engine.config.VICTIM_POLICIES]
-# The chat template's variables the gateway sets itself (`Tokenizer.apply_chat_template`'s own arguments):
-# neither a pool's `chat_template_kwargs` nor a request's may set them (gateway.openai.chat checks the request's).
-RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
+# The chat template's variables the gateway sets itself (`Tokenizer.apply_chat_template`'s own arguments, the
+# last two from a chat request's fields of those names): neither a pool's `chat_template_kwargs` nor a request's
+# may set them (gateway.openai.chat checks the request's).
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")
 # Switches the templates test with `is true` / `is false` (Qwen3's `enable_thinking`, DeepSeek's `thinking`): a
 # string there is neither and leaves the switch as it was, so a pool's or a request's must be a boolean.
 BOOLEAN_TEMPLATE_VARIABLES = ("enable_thinking", "thinking")
@@ -59,8 +60,8 @@ BOOLEAN_TEMPLATE_VARIABLES = ("enable_thinking", "thinking")
 def template_variable_error(key: str, value: Any) -> str | None:
     """Why `chat_template_kwargs.<key>: value` cannot be taken (None: it can)."""
     if key in RESERVED_TEMPLATE_VARIABLES:
-        return (f"is set by the gateway from each request; chat_template_kwargs may not set "
-                f"{', '.join(RESERVED_TEMPLATE_VARIABLES)}")
+        return (f"is set by the gateway from each request (a chat request's field of that name, where it has one); "
+                f"chat_template_kwargs may not set {', '.join(RESERVED_TEMPLATE_VARIABLES)}")
     if key in TEMPLATE_FUNCTIONS:
         return ("is a function the chat template calls; chat_template_kwargs may not set "
                 f"{', '.join(TEMPLATE_FUNCTIONS)}")

@@ -157,7 +157,8 @@ class CreditQueue:
             self._work[request_id] = work
         if not background:
             now = time.monotonic()
-            self._since[request_id] = now
+            if not patient:   # its wait is no sign of overload: it is meant to wait (`oldest_wait`)
+                self._since[request_id] = now
             if work is not None:
                 self.offered.add(now, work.num_prompt_tokens, work.output_tokens)
         try:

@@ -163,6 +163,10 @@ def test_continue_final_message_and_add_generation_prompt(tiny_model: Path, tmp_
     with pytest.raises(ApiError) as info:
         parse_chat({"model": "m", "messages": messages, "continue_final_message": True, "add_generation_prompt": True})
     assert info.value.param == "continue_final_message"
+    for flag in ("continue_final_message", "add_generation_prompt"):   # the request's fields, not variables
+        with pytest.raises(ApiError) as info:
+            parse_chat({"model": "m", "messages": messages, "chat_template_kwargs": {flag: True}})
+        assert info.value.param == f"chat_template_kwargs.{flag}" and "request's field" in info.value.message
 
 
 def test_reasoning_effort_is_the_template_variable(tiny_model: Path, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from engine.config import CacheConfig, EngineConfig, PoolConfig
 from engine.remote import ReplicaServer
 from gateway.app import create_app
 from gateway.monitoring.metrics import GatewayMetrics
+from gateway.openai.errors import ApiError
 from gateway.runtime import Gateway
 from gateway.workers.deaths import LOSS
 from gateway.workers.supervisor import Backoff, DeviceSupervisor
@@ -86,6 +87,30 @@ async def test_a_killed_worker_is_reported_restarted_and_requests_wait_for_it(ai
     stats = await new.stats()   # runs check_integrity in the worker
     assert stats.num_requests == 0
     assert all(p.num_free_blocks == p.num_blocks for p in stats.pools.values())
+
+
+async def test_a_patient_request_waits_for_its_device_however_long():
+    """A background Response's run waits for a replica of its device past device_wait_seconds (it was kept
+    failed, 503 pool_unavailable, when a restart took longer); any other request gets that 503."""
+    ready = asyncio.Event()
+
+    class Restarting:
+        name, state, is_ready = "cpu", "restarting", False
+
+        async def wait_ready(self) -> None:
+            await ready.wait()
+
+    gateway = SimpleNamespace(supervisors={"cpu": [Restarting()]},
+                              config=SimpleNamespace(gateway=SimpleNamespace(device_wait_seconds=0.05)))
+    pool = SimpleNamespace(name="chat", device="cpu", spec=SimpleNamespace(max_queue_seconds=50))
+    with pytest.raises(ApiError) as info:
+        await Gateway.wait_device(gateway, pool)
+    assert info.value.code == "pool_unavailable" and "cpu: restarting" in info.value.message
+    waiting = asyncio.ensure_future(Gateway.wait_device(gateway, pool, patient=True))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    ready.set()
+    await asyncio.wait_for(waiting, 5)
 
 
 async def test_a_worker_that_fails_its_first_start_stays_failed(aiohttp_client, tmp_path, tiny_model):

@@ -370,6 +370,9 @@ def test_tools_reach_a_template_as_the_client_sent_them(tmp_path, builtin_path) 
     text = render(ours, messages, parse_tools(TOOLS))
     assert text == hf.apply_chat_template(messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
     assert '"arguments": "{\\"city\\": \\"Oslo\\""' in text
+    for none in ("", " ", "null"):   # no arguments: {} (vLLM's), not a text a template writes raw
+        messages[1]["tool_calls"][0]["function"]["arguments"] = none
+        assert '{"name": "get_weather", "arguments": {}}' in render(ours, messages, parse_tools(TOOLS))
 
 
 # --- the SDK against a live server --------------------------------------------------------------------

@@ -342,7 +342,8 @@ def test_a_tenant_is_forgotten_with_its_last_request_and_fair_within_its_busy_sp
 
 def test_a_patient_request_outwaits_max_queue_seconds_where_another_would_expire():
     """A background Response waits for its credits however long (its client polls, nobody holds a
-    connection): past a pool's max_queue_seconds, and when that is 0 (reject-when-full) too."""
+    connection): past a pool's max_queue_seconds, and when that is 0 (reject-when-full) too; its wait is not
+    read as overload (`oldest_wait`, which the overload signal and the autoscaler read)."""
     async def main(limit: float) -> None:
         queue, release = CreditQueue("chat", 100, max_queue_seconds=limit), asyncio.Event()
 
@@ -351,13 +352,14 @@ def test_a_patient_request_outwaits_max_queue_seconds_where_another_would_expire
                 await release.wait()
                 return ticket.admitted
 
-        first = asyncio.ensure_future(hold("first", 100))
+        first = asyncio.ensure_future(hold("first", 100, background=True))   # a batch line holds every credit
         await asyncio.sleep(0.01)
         with pytest.raises(QueueTimeout if limit else PoolFull):
             await hold("impatient", 50)
         patient = asyncio.ensure_future(hold("patient", 50, patient=True))
         await asyncio.sleep(0.1 + 2 * limit)
         assert not patient.done() and queue.ledger.num_queued == 1
+        assert queue.oldest_wait() == 0.0   # what the overload signal reads: a patient wait is no sign of it
         release.set()
         assert await first and await patient and queue.free == 100
 

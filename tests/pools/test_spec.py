@@ -165,6 +165,9 @@ BAD = {
     "chat_template_kwargs sets add_generation_prompt": (
         _set("pools/0/chat_template_kwargs", {"add_generation_prompt": False}),
         ["pools[0].chat_template_kwargs.add_generation_prompt", "may not set messages, tools, documents"]),
+    "chat_template_kwargs sets continue_final_message": (   # a request's field: every chat request failed
+        _set("pools/0/chat_template_kwargs", {"continue_final_message": True}),
+        ["pools[0].chat_template_kwargs.continue_final_message", "a chat request's field of that name"]),
     "chat_template_kwargs enable_thinking a string": (
         _set("pools/0/chat_template_kwargs", {"enable_thinking": "false"}),
         ["pools[0].chat_template_kwargs.enable_thinking: must be true or false", "got 'false'"]),
