@@ -15,8 +15,7 @@ What the gateway holds unsent is bounded (`ResponseBuffers`): a stream whose que
 written too; `cliffguard_buffered_response_bytes`) exceed `gateway.max_buffered_bytes` (256 MiB), **pauses** its
 engine requests (`cliffguard_paused_responses_total`): they keep their KV blocks and the response its credits, but are
 not stepped (no preemption, no recompute; deltas already computed still arrive). They resume once the stream is under
-half its bound and the total under half its own. A paused client that reads nothing for `write_timeout` is aborted
-like any other.
+half its bound and the total under half its own. A paused client reading nothing for `write_timeout` is aborted too.
 
 Leaving early for any reason — the client goes away mid-stream, the writer times out, or the handler is cancelled —
 closes the engine streams, which aborts their requests and frees their blocks.
@@ -346,11 +345,12 @@ class LocalResponse:
 
     def _stream_choice(self, choice: _Choice, c: SampleDelta, has_logprobs: bool, text_offset: int,
                        parts: tuple[str, str] | None) -> dict[str, Any]:
-        lp = None
-        if has_logprobs:
-            ids, lps, tops, pool = c.delta_token_ids, c.delta_logprobs or [], c.delta_top_logprobs or [], choice.pool
-            lp = (objects.chat_logprobs(ids, lps, tops, pool.token_text, pool.token_bytes) if self.chat else
-                  objects.completion_logprobs(ids, lps, tops, pool.token_text, text_offset))
+        lp, ids, pool = None, c.delta_token_ids, choice.pool
+        if has_logprobs:   # a completion's text offsets: and the 4 tokens before, whose character one may finish
+            lp = objects.chat_logprobs(ids, c.delta_logprobs or [], c.delta_top_logprobs or [], pool.token_text,
+                                       pool.token_bytes) if self.chat else objects.completion_logprobs(
+                ids, c.delta_logprobs or [], c.delta_top_logprobs or [], pool.token_text, pool.token_bytes,
+                text_offset, choice.token_ids[-len(ids) - 4:-len(ids)])
         if not self.chat:
             return {"index": choice.index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
         delta: dict[str, Any] = {}
@@ -463,7 +463,7 @@ class LocalResponse:
                 lp = objects.chat_logprobs(choice.token_ids, choice.logprobs, choice.top_logprobs,
                                            choice.pool.token_text, choice.pool.token_bytes) if self.chat else \
                     objects.completion_logprobs(choice.token_ids, choice.logprobs, choice.top_logprobs,
-                                                choice.pool.token_text)
+                                                choice.pool.token_text, choice.pool.token_bytes)
             if not self.chat:
                 body_choices.append(objects.completion_choice(index, choice.text, lp, choice.finish_reason))
                 continue

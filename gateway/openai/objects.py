@@ -3,6 +3,7 @@ logprobs. Plain dicts, built from what the engine produced; no HTTP here."""
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -45,15 +46,36 @@ def chat_logprobs(token_ids: Sequence[int], logprobs: Sequence[float], top: Sequ
 
 def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[float],
                         top: Sequence[Sequence[tuple[int, float]]], token_text: TokenText,
-                        text_offset: int = 0) -> dict[str, Any]:
-    tokens, offsets, tops = [], [], []
-    offset = text_offset
-    for i, tok in enumerate(token_ids):
+                        token_bytes: TokenBytes | None = None, text_offset: int = 0,
+                        before: Sequence[int] = ()) -> dict[str, Any]:
+    """The completions API's logprobs (`token_bytes`: each token's own bytes): a token by its text, or, where
+    its bytes are part of a character, as `bytes:\\xNN...` (OpenAI's name: the pieces of different characters
+    no longer share the text U+FFFD, and a top_logprobs entry no longer takes another's place); top_logprobs
+    with the sampled token among them (up to logprobs + 1, as OpenAI); each token's text_offset where the
+    text stood before it, counting whole characters (`before`: the output's tokens before these, at least its
+    last three, whose unfinished character one of these may finish; `text_offset`: their text's length)."""
+    def name(tok: int) -> str:
         text = token_text(tok)
-        tokens.append(text)
+        if token_bytes is None or "\ufffd" not in text:
+            return text
+        raw = token_bytes(tok)
+        try:
+            return raw.decode("utf-8")   # a token whose text is U+FFFD itself
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    for tok in before if token_bytes is not None else ():
+        decoder.decode(token_bytes(tok))   # only its state: the bytes of a character begun there
+    tokens, offsets, tops, offset = [], [], [], text_offset
+    for i, tok in enumerate(token_ids):
+        tokens.append(name(tok))
         offsets.append(offset)
-        offset += len(text)
-        tops.append({token_text(t): v for t, v in (top[i] if i < len(top) else [])})
+        offset += len(decoder.decode(token_bytes(tok)) if token_bytes is not None else token_text(tok))
+        entries: dict[str, float] = {}
+        for t, v in [*(top[i] if i < len(top) else []), (tok, logprobs[i])]:
+            entries.setdefault(name(t), v)   # the best of any that share a name
+        tops.append(entries)
     return {"tokens": tokens, "token_logprobs": list(logprobs[:len(tokens)]), "top_logprobs": tops,
             "text_offset": offsets}
 

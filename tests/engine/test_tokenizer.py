@@ -559,6 +559,41 @@ def test_a_tokens_bytes_are_its_own_where_its_text_is_part_of_a_character(tok: T
     assert b"".join(sp_tok.token_bytes(i) for i in pieces) == f" {words}".encode()
 
 
+def test_completion_logprobs_name_a_part_of_a_character_by_its_bytes(tok: Tokenizer) -> None:
+    """The completions API's logprobs: a token that is part of a character is `bytes:\\xNN` (OpenAI's name; by
+    its text, U+FFFD, the pieces of different characters took each other's place in top_logprobs); the sampled
+    token is among top_logprobs; text_offset counts whole characters, the same streamed chunk by chunk."""
+    from gateway.openai.objects import completion_logprobs
+
+    text = "😀 日本 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [i for i in ids if tok.decode([i]) == "\ufffd"]
+    assert len(pieces) >= 3
+    lps = [-0.5 - k for k in range(len(ids))]
+    tops = [[(p, -0.1) for p in pieces if p != i] for i in ids]   # every other piece, not the sampled token
+
+    def name(tok_id: int) -> bytes:
+        got = completion_logprobs([tok_id], [0.0], [[]], lambda i: tok.decode([i]), tok.token_bytes)["tokens"][0]
+        return bytes.fromhex(got[6:].replace("\\x", "")) if got.startswith("bytes:") else got.encode()
+
+    whole = completion_logprobs(ids, lps, tops, lambda i: tok.decode([i]), tok.token_bytes)
+    assert b"".join(name(i) for i in ids) == text.encode() and "\ufffd" not in "".join(whole["tokens"])
+    def chars(upto: int) -> int:   # the whole characters of the first `upto` tokens
+        return len(b"".join(tok.token_bytes(j) for j in ids[:upto]).decode("utf-8", "ignore"))
+
+    for k in range(len(ids)):
+        assert len(whole["top_logprobs"][k]) == len(tops[k]) + 1   # distinct names, and the sampled token's
+        assert whole["top_logprobs"][k][whole["tokens"][k]] == lps[k] and whole["text_offset"][k] == chars(k)
+    streamed, done = {"tokens": [], "text_offset": []}, 0
+    for start in range(0, len(ids), 2):   # two tokens a chunk, each chunk from the text's length so far
+        chunk = completion_logprobs(ids[start:start + 2], lps[start:start + 2], tops[start:start + 2],
+                                    lambda i: tok.decode([i]), tok.token_bytes, done, ids[:start][-4:])
+        streamed["tokens"] += chunk["tokens"]
+        streamed["text_offset"] += chunk["text_offset"]
+        done = chars(start + 2)
+    assert streamed == {"tokens": whole["tokens"], "text_offset": whole["text_offset"]}
+
+
 def test_a_byte_level_tokenizer_without_a_table_reports_each_tokens_own_bytes(config_folder: Path) -> None:
     """Where a byte-level tokenizer has no byte table (`byte_tables` is None: an added token that decodes
     otherwise than its bytes), the bytes still come from each piece, so a character split over tokens joins
