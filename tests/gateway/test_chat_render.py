@@ -44,10 +44,22 @@ THINKING = (   # reads the reasoning under transformers' names, and two variable
 USER = {"role": "user", "content": "Hi"}
 
 
+_FOLDERS: dict[tuple, Path] = {}   # one folder per template and post-processor: each tokenizer is read once
+
+
 def _make_folder(folder: Path, tiny_model: Path, template: str | None = None,
                  around: tuple[list[str], list[str]] | None = None) -> Path:
     """The tiny model's files (linked), with `template` as its chat template and a post-processor adding the
-    special tokens `around[0]` before a text and `around[1]` after it."""
+    special tokens `around[0]` before a text and `around[1]` after it; made at `folder` the first time, the
+    same folder again after that (the tests read it, never change it)."""
+    key = (tiny_model, template, None if around is None else tuple(map(tuple, around)))
+    if key not in _FOLDERS:
+        _FOLDERS[key] = _write_folder(folder, tiny_model, template, around)
+    return _FOLDERS[key]
+
+
+def _write_folder(folder: Path, tiny_model: Path, template: str | None,
+                  around: tuple[list[str], list[str]] | None) -> Path:
     folder.mkdir()
     for path in tiny_model.iterdir():
         if path.name not in ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json"):
