@@ -302,9 +302,12 @@ class CreditLedger:
                 if up and r not in fitting and self.need(ticket, r) <= a.total - a.outside]
 
     def _waited_for(self, ticket: Ticket) -> set[int]:
-        """The replicas a request that was not admitted waits for: every one up where it may not go now
-        (all of them when it fits nowhere)."""
-        return {r for r, up in enumerate(self.up) if up} - set(self.fitting(ticket))
+        """The replicas a request that was not admitted waits for: those up that could hold it once credits
+        come back (`waiting`: a replica with fewer credits than it needs, less those held outside, stays free
+        for the others); where there is none, every one up where it may not go now (all of them when it fits
+        nowhere)."""
+        fitting = self.fitting(ticket)
+        return set(self.waiting(ticket, fitting)) or {r for r, up in enumerate(self.up) if up} - set(fitting)
 
     def _all_held(self, held: set[int]) -> bool:
         return all(r in held for r, up in enumerate(self.up) if up)

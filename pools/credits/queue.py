@@ -150,6 +150,9 @@ class CreditQueue:
         at once where that is 0. Background requests (batch lines, served behind the others) and `patient`
         ones (served among them: a background Response, whose client polls for it) never time out: nobody
         waits on their connection, and their runners retry nothing, they wait."""
+        # where nothing else waits (max_queue_seconds 0), a patient request waits behind the others, never
+        # holding them back: else one too large for the free credits would have every other refused
+        background = background or patient and self.max_queue_seconds == 0
         blocks = self.placement.prompt_blocks(work) if self.placement is not None and work is not None else ()
         ticket = self.ledger.submit(request_id, num_tokens, tenant=tenant, priority=priority, background=background,
                                     blocks=blocks, num_seqs=num_seqs)
@@ -240,13 +243,17 @@ class CreditQueue:
         """The ledger's choice of replica: the placement's, which starts counting the request's load there
         (None: it waits for the replica that caches its prompt)."""
         work = self._work.get(ticket.request_id)
-        if self.placement is None or work is None:
-            return max(fitting, key=lambda r: self.ledger.accounts[r].free)
-        free = [a.free for a in self.ledger.accounts]
-        replica = self.placement.choose(work, fitting, free, self.ledger.waiting(ticket, fitting))
-        if replica is not None:
-            self.placement.start(ticket.request_id, replica, work)
-        return replica
+        if self.placement is not None and work is not None:
+            free = [a.free for a in self.ledger.accounts]
+            try:
+                replica = self.placement.choose(work, fitting, free, self.ledger.waiting(ticket, fitting))
+                if replica is not None:
+                    self.placement.start(ticket.request_id, replica, work)
+                return replica
+            except Exception:  # noqa: BLE001 - else the tickets this pass took before it would never be woken
+                log.exception("pool %s: placing %s failed; it goes where most credits are free", self.pool,
+                              ticket.request_id)
+        return max(fitting, key=lambda r: self.ledger.accounts[r].free)
 
     def observe(self, request_id: str, num_tokens: int) -> None:
         """The request streamed `num_tokens` more tokens: its prompt is computed (its blocks are shared from

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -365,3 +366,84 @@ def test_a_patient_request_outwaits_max_queue_seconds_where_another_would_expire
 
     for limit in (0.05, 0):
         asyncio.run(main(limit))
+
+
+def test_a_waiting_request_holds_back_only_the_replicas_it_could_run_on():
+    """A head of 500 credits waits for replica 1 (1000 credits); replica 0 (100) can never hold it and stays free
+    for the others (it held both, and the small request waited with 100 credits free)."""
+    ledger = CreditLedger([100, 1000])
+    ledger.submit("big1", 900, tenant="A")
+    ledger.submit("big2", 500, tenant="A")
+    assert [t.request_id for t in ledger.admit()] == ["big1"]
+    ledger.submit("small", 50, tenant="B")
+    assert [(t.request_id, t.replica) for t in ledger.admit()] == [("small", 0)]
+    ledger.check_integrity()
+    ledger.release("big1")
+    assert [t.request_id for t in ledger.admit()] == ["big2"]
+
+
+def test_a_placement_that_raises_strands_no_admitted_request():
+    """A fault in placement (here: choosing for C) sends that request where most credits are free: the requests
+    the same pass admitted are woken (B held its credits unwoken), and the fault is not raised in the request
+    whose release ran the pass (A's, which had ended well)."""
+    class Placement:
+        def prompt_blocks(self, work):
+            return ()
+
+        def choose(self, work, fitting, free, waiting):
+            if work.name == "C":
+                raise RuntimeError("placement bug")
+            return fitting[0]
+
+        def start(self, *args):
+            pass
+
+        def finish(self, key):
+            pass
+
+    async def main() -> None:
+        queue, ends = CreditQueue("p", [100, 100]), {name: asyncio.Event() for name in "AXBC"}
+        queue.placement = Placement()
+
+        async def hold(request_id: str, credits: int, tenant: str = "default") -> int:
+            work = SimpleNamespace(name=request_id, num_prompt_tokens=credits, output_tokens=0)
+            async with queue.hold(request_id, credits, tenant=tenant, work=work) as ticket:
+                await ends[request_id].wait()
+                return ticket.replica
+
+        a, x = asyncio.ensure_future(hold("A", 100)), asyncio.ensure_future(hold("X", 100))
+        await asyncio.sleep(0.01)
+        b, c = asyncio.ensure_future(hold("B", 40)), asyncio.ensure_future(hold("C", 40, tenant="T2"))
+        await asyncio.sleep(0.01)
+        ends["A"].set()
+        assert await asyncio.wait_for(a, 2) in (0, 1)
+        for name in "BCX":
+            ends[name].set()
+        await asyncio.wait_for(asyncio.gather(b, c, x), 2)
+        assert queue.free == 200
+        queue.ledger.check_integrity()
+
+    asyncio.run(main())
+
+
+def test_a_patient_request_never_has_others_refused_where_nothing_queues():
+    """max_queue_seconds 0 (reject-when-full): a background Response too large for the free credits waits behind
+    the others; a request that fits is admitted (it was refused, 429, while the patient one headed the queue)."""
+    async def main() -> None:
+        queue, release = CreditQueue("p", 100, max_queue_seconds=0), asyncio.Event()
+
+        async def hold(request_id: str, credits: int, **kwargs) -> bool:
+            async with queue.hold(request_id, credits, **kwargs) as ticket:
+                await release.wait()
+                return ticket.admitted
+
+        a = asyncio.ensure_future(hold("A", 60))
+        await asyncio.sleep(0.01)
+        patient = asyncio.ensure_future(hold("P", 80, patient=True, tenant="T"))   # another tenant's
+        await asyncio.sleep(0.01)
+        async with queue.hold("S", 10) as small:
+            assert small.admitted
+        release.set()
+        assert await a and await asyncio.wait_for(patient, 2) and queue.free == 100
+
+    asyncio.run(main())
