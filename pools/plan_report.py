@@ -15,7 +15,8 @@ from typing import Any
 
 from engine.model_config import ModelConfig
 from engine.step_cost import StepTime
-from pools.capacity_plan import CapacityPlan, DevicePlan, PoolPlan, fmt_bytes
+from pools.capacity_plan import CapacityPlan, DevicePlan, PoolPlan
+from pools.config.checks import fmt_bytes
 from pools.demand import OFF_LOAD, PlannedPool, planned_load, replicas_needed
 from pools.config.spec import CliffguardConfig, PoolSpec, SpecError
 from pools.workload import load_workload

@@ -17,11 +17,12 @@ ran: continuing it would carry that input on, turn after turn) is a 400 naming `
 `background: true` is routed and checked as a foreground request is (an unknown model, a prompt over
 the context, a grammar that cannot be enforced: the same 4xx, nothing kept), then answered at once with
 the Response `queued`, run as any request of the key's tenant (credits, priority, routing) but for one
-thing: it waits for its credits however long (the pool's `max_queue_seconds` is for a client holding a
-connection; this one polls), and each change of status kept; GET polls it (streaming it, `stream` or `starting_after`, is a 400). `cancel`
-stops one queued or in progress (its engine request is aborted, its KV freed) and leaves it
-`cancelled`; a finished one is returned as it is; one not run in the background is a 400. A
-background response queued or in progress when the gateway stops is run again when it starts.
+thing: it waits for its device and its credits however long (`gateway.device_wait_seconds` and the pool's
+`max_queue_seconds` are for a client holding a connection; this one polls), and each change of status kept;
+GET polls it (streaming it, `stream` or `starting_after`, is a 400). `cancel` stops one queued or in
+progress (its engine request is aborted, its KV freed) and leaves it `cancelled`; a finished one is returned
+as it is; one not run in the background is a 400. A background response queued or in progress when the
+gateway stops is run again when it starts.
 
 Without a data dir (an in-process app) nothing is kept: `store` left out is answered with
 `store: false`, and `store: true`, `background` and `previous_response_id` are 400s naming them.
