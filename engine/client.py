@@ -5,8 +5,9 @@ non-blocking outbox on both sides; the messages are `engine.messages`) and reads
 `loop.add_reader`: no thread, no blocking call. Each request's deltas go to its own queue, which
 `generate` yields from; the counters that come with them are kept as `latest_stats`.
 
-Workers are forked from multiprocessing's fork server, a process started with the first worker that
-has imported `engine.worker` (torch with it) and nothing else: no CUDA context, no thread, no model.
+Workers are forked from multiprocessing's fork server, a process that has imported `engine.worker` (torch
+with it) and nothing else: no CUDA context, no thread, no model. It starts with the first worker, or earlier
+(`start_fork_server`: `cliffguard serve` starts it before planning, so that its import runs beside the gateway's).
 A restart then skips the interpreter's start and torch's import (1.7 s of the 2.9 s a spawned worker
 took on a 2-core CPU; `cliffguard bench restart`), and one gateway's replicas share one import. The
 worker gets the gateway's environment as it is when the worker starts (`worker_main`'s `environ`).
@@ -69,6 +70,16 @@ class RequestFailedError(RuntimeError):
 WORKER_PRELOAD = ["engine.worker"]   # what the fork server imports once (torch with it) for every worker
 SEND_HIGH_WATER = 8 << 20   # bytes of commands queued for the worker: new requests wait above this
 SEND_LOW_WATER = 1 << 20    # ... until the outbox is back under this
+
+
+def start_fork_server() -> None:
+    """Start the fork server now rather than with the first worker: its import of `WORKER_PRELOAD` (torch
+    with it, about 1.5 s on a 2-core CPU) then runs beside whatever the caller does before it starts a
+    worker (`cliffguard serve`: its own imports, the capacity plan, the tokenizers). Idempotent."""
+    import multiprocessing.forkserver
+
+    mp.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
+    multiprocessing.forkserver.ensure_running()
 
 
 @dataclass

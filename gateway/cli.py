@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import errno
 import json
+import logging
 import os
 import socket
 import sys
@@ -118,8 +119,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--port", type=int, default=None, help="listen port, 0 for any free one "
                    "(default: gateway.port of the file)")
     p.add_argument("--vram", type=memory_size, default=None,
-                   help="plan with this much memory per device (e.g. 4GiB) instead "
-                   "of the devices' own")
+                   help="plan with this much memory per device (e.g. 4GiB) instead of the devices' own")
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="folder for durable state: the Batch API's "
                    f"files, batches and results (SQLite); created if missing; one server per folder (default "
                    f"{DEFAULT_DATA_DIR})")
@@ -130,6 +130,8 @@ def _add_serve(sub) -> None:
 def check_port_free(host: str, port: int) -> None:
     """UsageError when nothing can listen on (host, port): in use, or not an address of this machine.
     Checked before any model loads, so the mistake costs a second, not a model load."""
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port: must be in 0..65535, got {port}")
     if port == 0:
         return
     try:
@@ -149,24 +151,23 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import logging
-
-    from engine.worker import LOG_FORMAT
-    from gateway.app import run
+    from engine.client import start_fork_server
     from pools.config.yaml_file import load_config
 
     config = load_config(args.config)
     config = dataclasses.replace(config, gateway=config.gateway.replace(take_over=True)) if args.take_over else config
     host = args.host or config.gateway.host
     port = config.gateway.port if args.port is None else args.port
-    if not 0 <= port <= 65535:
-        raise UsageError(f"--port: must be in 0..65535, got {port}")
     check_port_free(host, port)
-    vram = args.vram
+    if config.runs_workers_here:
+        start_fork_server()   # the workers' imports run beside the gateway's own start-up, not after it
+    from engine.worker import LOG_FORMAT
+    from gateway.app import run
+
     data_dir = make_data_dir(args.data_dir)
     with lock_data_dir(data_dir):
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-        run(config, host=host, port=port, vram_bytes=vram, data_dir=data_dir)
+        run(config, host=host, port=port, vram_bytes=args.vram, data_dir=data_dir)
     return 0
 
 

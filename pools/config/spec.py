@@ -340,6 +340,11 @@ class CliffguardConfig:
     def local_pools(self) -> tuple[PoolSpec, ...]:
         return tuple(p for p in self.pools if not p.is_upstream)
 
+    @property
+    def runs_workers_here(self) -> bool:
+        """Some pool runs on a device whose workers are processes of this machine (placement local)."""
+        return any(self.devices[p.device].placement == "local" for p in self.local_pools)
+
     def swap_past_memory(self, host_bytes: int | None) -> str | None:
         """Why the CPU swap spaces of the devices one machine runs cannot fit its memory (`host_bytes`; None:
         unknown), naming the first `pools[i].swap_space` past it; None when they fit. Each rank of each

@@ -285,6 +285,25 @@ def test_serve_with_a_cuda_device_on_a_machine_without_one_exits_2(tmp_path, bui
     assert not started
 
 
+@pytest.mark.parametrize("local", [True, False])
+def test_serve_starts_the_workers_fork_server_before_it_plans_when_it_has_local_workers(tmp_path, monkeypatch, local):
+    """The workers' fork server (and its imports) starts before the gateway imports its app and plans, so the
+    two run side by side; a gateway whose pools are all upstream starts none."""
+    import engine.client
+
+    said = []
+    monkeypatch.setattr(engine.client, "start_fork_server", lambda: said.append("fork server"))
+    monkeypatch.setattr("gateway.app.run", lambda config, **kwargs: said.append(f"run {[p.name for p in config.pools]}"))
+    path = tmp_path / "pools.yaml"
+    if local:
+        path.write_text((REPO / "config" / "pools.yaml").read_text())
+    else:
+        path.write_text("pools:\n  - {name: remote, upstream: 'http://127.0.0.1:9/v1', model: m, "
+                        "tokenizer: 'builtin:smollm2-135m-instruct', max_model_len: 512}\n")
+    assert main(["serve", "--config", str(path), "--port", "0", "--data-dir", str(tmp_path / "data")]) == 0
+    assert said == (["fork server", "run ['chat', 'rag']"] if local else ["run ['remote']"])
+
+
 def test_serve_logs_the_plans_warnings_before_it_serves(tmp_path, builtin_path, caplog, monkeypatch):
     """What `cliffguard capacity` prints under its plan (here an avg_len above max_model_len) is in the
     server's log too, at WARNING, before a socket opens."""

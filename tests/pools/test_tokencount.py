@@ -187,6 +187,24 @@ def test_from_folder(builtin_path: Path, builtin_tokenizer: Tokenizer) -> None:
     assert counter.encode(text) == builtin_tokenizer.encode(text, add_special_tokens=False)
 
 
+def test_a_tokenizer_is_rebuilt_for_tiktoken_once_per_process(builtin_path: Path, builtin_spec: dict[str, Any],
+                                                              builtin_counter: TokenCounter, tmp_path: Path) -> None:
+    """Counters on one tokenizer (a gateway's pools, a second gateway) share its encoding; a tokenizer that
+    differs gets its own, and a fallback's reason is kept with it."""
+    again = TokenCounter(Tokenizer.from_folder(builtin_path))
+    assert again._fast is builtin_counter._fast
+    (tmp_path / "shuffled").mkdir()
+    shuffled = Tokenizer.from_folder(_make_variant(tmp_path / "shuffled", builtin_path, builtin_spec, _shuffle_ids))
+    other = TokenCounter(shuffled)
+    assert other.backend == "tiktoken" and other._fast is not builtin_counter._fast
+    _assert_same_ids(other, shuffled, _PLAIN_CORPUS[:4])
+    nfkc = Tokenizer.from_folder(_make_variant(tmp_path, builtin_path, builtin_spec,
+                                               lambda s: s.update(normalizer={"type": "NFKC"})))
+    first, second = TokenCounter(nfkc), TokenCounter(nfkc)
+    assert first.backend == second.backend == "hf" and first.fallback_reason == second.fallback_reason
+    assert "normalizer" in second.fallback_reason
+
+
 @pytest.mark.parametrize("texts", [_CODE, _UNICODE, _WHITESPACE, _DIGITS, _LOOKALIKES],
                          ids=["code", "unicode", "whitespace", "digits", "special-lookalikes"])
 def test_builtin_ids_equal_hf(builtin_counter: TokenCounter, builtin_tokenizer: Tokenizer, texts: list[str]) -> None:
