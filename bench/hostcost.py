@@ -308,8 +308,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--vocab-size: must be >= 64, got {args.vocab_size}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device: {args.device} but CUDA is not available")
-    if args.device == "cpu":
-        torch.set_num_threads(args.threads)
     if args.length_model is not None and args.skip_lengths:
         raise ValueError("--length-model: the output-length table is skipped (--skip-lengths)")
     length_folder = None
@@ -318,20 +316,33 @@ def run(args: argparse.Namespace) -> int:
             length_folder = resolve_model(args.length_model)
         except (FileNotFoundError, ValueError) as exc:
             raise ValueError(f"--length-model: {exc}") from None
+    threads = torch.get_num_threads()   # the caller's, given back: `run` may be called in a process that goes on
     with tempfile.TemporaryDirectory(prefix="cliffguard-hostcost-") as tmp:
-        folder = make_model(Path(tmp) / "model", args.layers, args.hidden_size, args.vocab_size)
-        result = {"model": {"layers": args.layers, "hidden_size": args.hidden_size, "vocab_size": args.vocab_size},
-                  "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
-                  "prompt_len": args.prompt_len, "compare": compare(folder, args),
-                  "batch_table": batch_table(folder, args, sizes)}
-        if not args.skip_lengths:
-            result["length_table"] = length_table(length_folder or folder, args, lengths)
-            result["length_table"]["model"] = args.length_model or "the model above"
+        try:
+            if args.device == "cpu":
+                torch.set_num_threads(args.threads)
+            result = _measure(Path(tmp), args, sizes, lengths, length_folder)
+        finally:
+            torch.set_num_threads(threads)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         _print_report(result)
     return 0
+
+
+def _measure(tmp: Path, args: argparse.Namespace, sizes: list[int], lengths: list[int],
+             length_folder: Path | None) -> dict:
+    """Every table of the report, on a model made in `tmp` (and the length table on `length_folder` if given)."""
+    folder = make_model(tmp / "model", args.layers, args.hidden_size, args.vocab_size)
+    result = {"model": {"layers": args.layers, "hidden_size": args.hidden_size, "vocab_size": args.vocab_size},
+              "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
+              "prompt_len": args.prompt_len, "compare": compare(folder, args),
+              "batch_table": batch_table(folder, args, sizes)}
+    if not args.skip_lengths:
+        result["length_table"] = length_table(length_folder or folder, args, lengths)
+        result["length_table"]["model"] = args.length_model or "the model above"
+    return result
 
 
 def _phases(p: dict[str, float]) -> str:

@@ -16,6 +16,19 @@ BUILTIN = "builtin:smollm2-135m-instruct"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_given_back():
+    """A test, or the code it calls in this process, may change torch's thread count (`one_thread`), but it
+    must give it back: every later test would run on what it left (a suite on one thread of two runs its
+    model-size tests at about half speed). The count is restored, and the test that left it fails."""
+    threads = torch.get_num_threads()
+    yield
+    left = torch.get_num_threads()
+    if left != threads:
+        torch.set_num_threads(threads)
+        pytest.fail(f"torch's thread count left at {left} (was {threads}): give it back when done")
+
+
 @pytest.fixture(scope="session")
 def builtin_path() -> Path:
     """The builtin SmolLM2 converted once into the user cache (reused across runs)."""
