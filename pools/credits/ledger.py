@@ -124,6 +124,10 @@ class CreditLedger:
         return sum(1 for t in self._tickets.values() if not t.admitted)
 
     @property
+    def num_admitted(self) -> int:
+        return len(self._tickets) - self.num_queued
+
+    @property
     def num_held(self) -> int:
         """Credits held by admitted tickets: their own, counted afresh, and their prompt blocks' copies."""
         return sum(self._held_by_tickets(r)[0] + self.block_size * sum(a.copies.values())
