@@ -30,8 +30,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from pools.workload import latency_stats
-
 REPLY = {"id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "upstream-model",
          "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop",
                       "logprobs": None}],
@@ -209,6 +207,8 @@ GOAL_ROUTED_OF_DIRECT = 0.4
 async def _measure(urls: dict[str, str], args: argparse.Namespace) -> dict:
     """Latency (round-robin, one request at a time) and requests/s (a flood per arm) of each arm."""
     import aiohttp
+
+    from pools.workload import latency_stats   # here: the helper processes run without torch
 
     messages = [{"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": "What is the capital of France? Answer in one word."}]
