@@ -181,13 +181,14 @@ def tiny_model(tmp_path_factory, builtin_path):
 
 
 def test_quick_run_end_to_end(tmp_path, capsys, tiny_model):
-    """`--quick` with 3 s of arrivals on a tiny model (the command's path, not the builtin model's speed): four
-    servers, one per scenario, their records printed and saved and the plot drawn. What the run measures is timing on a machine the suite shares, so it is not judged
-    here: what makes the cliff is shown by tests/engine/test_isolation.py (chat behind a rag chunk, and
-    the step composer's bound) and tests/gateway/test_spiral.py (the shared layout trips the spiral gauge
-    under a load the split one does not), and the cliff is measured by the full bench (docs/PERF.md)."""
-    argv = ["bench", "isolation", "--quick", "--duration", "3", "--drain-timeout", "2", "--chat-rate", "2",
-            "--rag-rate", "1", "--json", "--model", str(tiny_model)]   # seeded: 8 chat and 2 rag requests
+    """`--quick` with 1.5 s of arrivals on a tiny model (the command's path, not the builtin model's speed):
+    four servers, one per scenario, their records printed and saved and the plot drawn. What the run measures
+    is timing on a machine the suite shares, so it is not judged here: what makes the cliff is shown by
+    tests/engine/test_isolation.py (chat behind a rag chunk, and the step composer's bound) and
+    tests/gateway/test_spiral.py (the shared layout trips the spiral gauge under a load the split one does
+    not), and the cliff is measured by the full bench (docs/PERF.md)."""
+    argv = ["bench", "isolation", "--quick", "--duration", "1.5", "--drain-timeout", "2", "--chat-rate", "4",
+            "--rag-rate", "2", "--json", "--model", str(tiny_model)]   # seeded: 8 chat and 2 rag requests
     assert main([*argv, "--out", str(tmp_path)]) == 0
     printed = {r["scenario"]: r for r in json.loads(capsys.readouterr().out)}
     saved = {r["scenario"]: r for r in json.loads((tmp_path / "isolation.json").read_text())}
