@@ -164,7 +164,7 @@ class AsyncEngineClient:
         """Start the worker process; the channel to it (sets `_process`, `_sentinel`, `pid`)."""
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
-            ctx.set_forkserver_preload(WORKER_PRELOAD)   # read when the fork server starts (the first worker)
+            ctx.set_forkserver_preload(WORKER_PRELOAD)   # read when the fork server starts (if it has not)
         parent, child = socket.socketpair()
         process = ctx.Process(target=worker_main, args=(self.config, child, dict(os.environ)), daemon=True,
                               name="cliffguard-device-worker")

@@ -159,13 +159,13 @@ def _serve(args: argparse.Namespace) -> int:
     host = args.host or config.gateway.host
     port = config.gateway.port if args.port is None else args.port
     check_port_free(host, port)
-    if config.runs_workers_here:
-        start_fork_server()   # the workers' imports run beside the gateway's own start-up, not after it
-    from engine.worker import LOG_FORMAT
-    from gateway.app import run
-
     data_dir = make_data_dir(args.data_dir)
     with lock_data_dir(data_dir):
+        if config.runs_workers_here:
+            start_fork_server()   # the workers' imports run beside the gateway's own start-up, not after it
+        from engine.worker import LOG_FORMAT
+        from gateway.app import run
+
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
         run(config, host=host, port=port, vram_bytes=args.vram, data_dir=data_dir)
     return 0

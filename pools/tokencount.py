@@ -34,6 +34,7 @@ import os
 import re
 import threading
 import unicodedata
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -138,9 +139,11 @@ def _hf_backend(tokenizer: Tokenizer) -> tokenizers.Tokenizer:
 
 # sha256 of a tokenizer's JSON (and its encode_special_tokens flag) -> its fast path, or why there is none. Building
 # one runs HF's merges on every vocabulary token (about 1 s for a 49k vocabulary on a 2-core CPU); a process that
-# builds several gateways or pools on one tokenizer builds it once. A _FastPath is read-only.
-_FAST_PATHS: dict[str, _FastPath | str] = {}
+# builds several gateways or pools on one tokenizer builds it once. A _FastPath is read-only. The last
+# _MAX_FAST_PATHS tokenizers are kept (a gateway has one per model; a 150k vocabulary's takes tens of MB).
+_FAST_PATHS: OrderedDict[str, _FastPath | str] = OrderedDict()
 _FAST_PATHS_LOCK = threading.Lock()
+_MAX_FAST_PATHS = 8
 
 
 def _fast_path(backend: tokenizers.Tokenizer) -> _FastPath:
@@ -153,6 +156,9 @@ def _fast_path(backend: tokenizers.Tokenizer) -> _FastPath:
                 _FAST_PATHS[key] = _build_fast_path(backend, text)
             except _Inexact as exc:
                 _FAST_PATHS[key] = str(exc)
+            while len(_FAST_PATHS) > _MAX_FAST_PATHS:
+                _FAST_PATHS.popitem(last=False)
+        _FAST_PATHS.move_to_end(key)
         found = _FAST_PATHS[key]
     if isinstance(found, str):
         raise _Inexact(found)

@@ -20,7 +20,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 def torch_threads_given_back():
     """A test, or the code it calls in this process, may change torch's thread count (`one_thread`), but it
     must give it back: every later test would run on what it left (a suite on one thread of two runs its
-    model-size tests at about half speed). The count is restored, and the test that left it fails."""
+    model-size tests at about half speed). The count is restored, and the test that left it errors."""
     threads = torch.get_num_threads()
     yield
     left = torch.get_num_threads()

@@ -287,8 +287,8 @@ def test_serve_with_a_cuda_device_on_a_machine_without_one_exits_2(tmp_path, bui
 
 @pytest.mark.parametrize("local", [True, False])
 def test_serve_starts_the_workers_fork_server_before_it_plans_when_it_has_local_workers(tmp_path, monkeypatch, local):
-    """The workers' fork server (and its imports) starts before the gateway imports its app and plans, so the
-    two run side by side; a gateway whose pools are all upstream starts none."""
+    """The workers' fork server (and its imports) starts before `gateway.app.run`, which plans and starts the
+    workers, so the two run side by side; a gateway whose pools are all upstream starts none."""
     import engine.client
 
     said = []

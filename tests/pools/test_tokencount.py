@@ -188,21 +188,27 @@ def test_from_folder(builtin_path: Path, builtin_tokenizer: Tokenizer) -> None:
 
 
 def test_a_tokenizer_is_rebuilt_for_tiktoken_once_per_process(builtin_path: Path, builtin_spec: dict[str, Any],
-                                                              builtin_counter: TokenCounter, tmp_path: Path) -> None:
+                                                              builtin_counter: TokenCounter, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Counters on one tokenizer (a gateway's pools, a second gateway) share its encoding; a tokenizer that
-    differs gets its own, and a fallback's reason is kept with it."""
+    differs gets its own, and a fallback's reason is kept too: each is built once."""
+    import pools.tokencount as tokencount
+
+    built = []
+    build = tokencount._build_fast_path
+    monkeypatch.setattr(tokencount, "_build_fast_path", lambda *args: built.append(1) or build(*args))
     again = TokenCounter(Tokenizer.from_folder(builtin_path))
-    assert again._fast is builtin_counter._fast
+    assert again._fast is builtin_counter._fast and built == []
     (tmp_path / "shuffled").mkdir()
     shuffled = Tokenizer.from_folder(_make_variant(tmp_path / "shuffled", builtin_path, builtin_spec, _shuffle_ids))
     other = TokenCounter(shuffled)
-    assert other.backend == "tiktoken" and other._fast is not builtin_counter._fast
+    assert other.backend == "tiktoken" and other._fast is not builtin_counter._fast and len(built) == 1
     _assert_same_ids(other, shuffled, _PLAIN_CORPUS[:4])
     nfkc = Tokenizer.from_folder(_make_variant(tmp_path, builtin_path, builtin_spec,
                                                lambda s: s.update(normalizer={"type": "NFKC"})))
     first, second = TokenCounter(nfkc), TokenCounter(nfkc)
-    assert first.backend == second.backend == "hf" and first.fallback_reason == second.fallback_reason
-    assert "normalizer" in second.fallback_reason
+    assert first.backend == second.backend == "hf" and len(built) == 2
+    assert "normalizer" in second.fallback_reason and first.fallback_reason == second.fallback_reason
 
 
 @pytest.mark.parametrize("texts", [_CODE, _UNICODE, _WHITESPACE, _DIGITS, _LOOKALIKES],
