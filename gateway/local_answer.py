@@ -345,14 +345,12 @@ class LocalResponse:
 
     def _stream_choice(self, choice: _Choice, c: SampleDelta, has_logprobs: bool, text_offset: int,
                        parts: tuple[str, str] | None) -> dict[str, Any]:
-        lp, ids, pool = None, c.delta_token_ids, choice.pool
-        if has_logprobs:   # a completion's text offsets: and the 4 tokens before, whose character one may finish
-            lp = objects.chat_logprobs(ids, c.delta_logprobs or [], c.delta_top_logprobs or [], pool.token_text,
-                                       pool.token_bytes) if self.chat else objects.completion_logprobs(
-                ids, c.delta_logprobs or [], c.delta_top_logprobs or [], pool.token_text, pool.token_bytes,
-                text_offset, choice.token_ids[-len(ids) - 4:-len(ids)])
-        if not self.chat:
+        ids, pool, lps, tops = c.delta_token_ids, choice.pool, c.delta_logprobs or [], c.delta_top_logprobs or []
+        if not self.chat:   # text offsets count whole characters: the 4 tokens before may have begun one
+            lp = objects.completion_logprobs(ids, lps, tops, pool.token_text, pool.token_bytes, text_offset,
+                                             choice.token_ids[-len(ids) - 4:-len(ids)]) if has_logprobs else None
             return {"index": choice.index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
+        lp = objects.chat_logprobs(ids, lps, tops, pool.token_text, pool.token_bytes) if has_logprobs else None
         delta: dict[str, Any] = {}
         if not choice.sent_role:
             delta["role"] = "assistant"

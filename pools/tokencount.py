@@ -27,14 +27,12 @@ call by call. Last, the ids of a built-in corpus are compared with HF's at const
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import json
 import logging
 import os
 import re
-import threading
 import unicodedata
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -137,36 +135,29 @@ def _hf_backend(tokenizer: Tokenizer) -> tokenizers.Tokenizer:
 
 # --- building the tiktoken encoding -------------------------------------------------------------------------------
 
-# sha256 of a tokenizer's JSON (and its encode_special_tokens flag) -> its fast path, or why there is none. Building
-# one runs HF's merges on every vocabulary token (about 1 s for a 49k vocabulary on a 2-core CPU); a process that
-# builds several gateways or pools on one tokenizer builds it once. A _FastPath is read-only. The last
-# _MAX_FAST_PATHS tokenizers are kept (a gateway has one per model; a 150k vocabulary's takes tens of MB).
-_FAST_PATHS: OrderedDict[str, _FastPath | str] = OrderedDict()
-_FAST_PATHS_LOCK = threading.Lock()
-_MAX_FAST_PATHS = 8
-
 
 def _fast_path(backend: tokenizers.Tokenizer) -> _FastPath:
-    """`_build_fast_path` of `backend`, once per process for each distinct tokenizer; _Inexact as it raised."""
-    text = backend.to_str()
-    key = hashlib.sha256(f"{backend.encode_special_tokens}:{text}".encode()).hexdigest()
-    with _FAST_PATHS_LOCK:
-        if key not in _FAST_PATHS:
-            try:
-                _FAST_PATHS[key] = _build_fast_path(backend, text)
-            except _Inexact as exc:
-                _FAST_PATHS[key] = str(exc)
-            while len(_FAST_PATHS) > _MAX_FAST_PATHS:
-                _FAST_PATHS.popitem(last=False)
-        _FAST_PATHS.move_to_end(key)
-        found = _FAST_PATHS[key]
+    """`_build_fast_path` of `backend`, built once per process for each distinct tokenizer (`_cached_fast_path`)."""
+    found = _cached_fast_path(backend.to_str(), backend.encode_special_tokens)
     if isinstance(found, str):
         raise _Inexact(found)
     return found
 
 
-def _build_fast_path(backend: tokenizers.Tokenizer, text: str) -> _FastPath:
-    """The tiktoken encoding of `backend`, whose JSON is `text`; _Inexact where it cannot be shown exact."""
+@functools.lru_cache(maxsize=8)
+def _cached_fast_path(text: str, encode_special_tokens: bool) -> _FastPath | str:
+    """The fast path of the tokenizer whose JSON is `text`, or why there is none. Building one runs HF's merges on
+    every vocabulary token (about 1 s for a 49k vocabulary on a 2-core CPU): a process that builds several gateways
+    or pools on one tokenizer builds it once. The last 8 are kept (a gateway has one per model; a 150k
+    vocabulary's takes tens of MB). A _FastPath is read-only."""
+    try:
+        return _build_fast_path(text, encode_special_tokens)
+    except _Inexact as exc:
+        return str(exc)
+
+
+def _build_fast_path(text: str, encode_special_tokens: bool) -> _FastPath:
+    """The tiktoken encoding of the tokenizer whose JSON is `text`; _Inexact where it cannot be shown exact."""
     spec = json.loads(text)
     model = spec["model"]
     if model.get("type") != "BPE":
@@ -177,7 +168,7 @@ def _build_fast_path(backend: tokenizers.Tokenizer, text: str) -> _FastPath:
             raise _Inexact(f"BPE {key}={model[key]!r}")
     nfc = _normalizer_is_nfc(spec.get("normalizer"))
     pat_str = _pattern(spec.get("pre_tokenizer"))
-    special = _special_tokens(spec.get("added_tokens") or [], backend.encode_special_tokens, nfc)
+    special = _special_tokens(spec.get("added_tokens") or [], encode_special_tokens, nfc)
     ranks, rank_to_id = _mergeable_ranks(model)
     if rank_to_id is not None:  # special tokens need ranks of their own, mapped to their ids
         special_ids, special = special, {}
