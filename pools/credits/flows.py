@@ -19,17 +19,21 @@ queue: the next flow's head goes. A throughput pool has no cap (its requests gai
 starting sooner, and its concurrency is a few sequences: a cap would cost it one in seven).
 
 A tenant's share of the queue is its `TenantPolicy`; its channels, one per priority, and its allowance
-in the ledger's deficit round robin across tenants are a `TenantQueue`. Ints only, like the ledger.
+in the ledger's deficit round robin across tenants are a `TenantQueue`. Batch lines, served behind every
+interactive request, share their own queue across tenants the same way, a tenant being a flow there, its
+tag moved on by its credits over its weight (`BatchLines`). Ints only, like the ledger.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 DEFAULT_TENANT = "default"
+WEIGHT_SCALE = 1 << 10   # batch lines' fair-queueing tags: credits x WEIGHT_SCALE / the tenant's weight
 FLOW_CAP = 8   # an interactive pool's flow holds at most 7/8 of a replica's credits and sequences (while it holds any)
 
 
@@ -42,6 +46,7 @@ def flow_class(num_tokens: int, block_size: int) -> int:
 
 
 class Queued(Protocol):
+    tenant: str
     flow: int
     num_tokens: int
     start: int
@@ -53,16 +58,21 @@ class FlowChannel:
     """One (tenant, priority) channel: a FIFO per flow, served by start-time fair queueing in credits.
     Supports what the ledger does with a FIFO: append, the order of heads, pop, remove, len, iter."""
 
-    flows: dict[int, deque] = field(default_factory=dict)   # flow -> its tickets, FIFO
-    finish: dict[int, int] = field(default_factory=dict)    # flow -> finish tag of its last ticket queued
-    vtime: int = 0                                          # start tag of the last ticket served
+    flows: dict[Hashable, deque] = field(default_factory=dict)   # flow -> its tickets, FIFO
+    finish: dict[Hashable, int] = field(default_factory=dict)    # flow -> finish tag of its last ticket queued
+    vtime: int = 0                                               # start tag of the last ticket served
     num_arrived: int = 0
 
-    def append(self, ticket: Queued) -> None:
-        ticket.start = max(self.finish.get(ticket.flow, 0), self.vtime)
+    def _flow(self, ticket: Queued) -> Hashable:
+        return ticket.flow
+
+    def append(self, ticket: Queued, cost: int | None = None) -> None:
+        """Queue `ticket`; its flow's tag moves on by `cost` (default: the credits it asks)."""
+        flow = self._flow(ticket)
+        ticket.start = max(self.finish.get(flow, 0), self.vtime)
         ticket.arrival, self.num_arrived = self.num_arrived, self.num_arrived + 1
-        self.finish[ticket.flow] = ticket.start + ticket.num_tokens
-        self.flows.setdefault(ticket.flow, deque()).append(ticket)
+        self.finish[flow] = ticket.start + (ticket.num_tokens if cost is None else cost)
+        self.flows.setdefault(flow, deque()).append(ticket)
 
     def heads(self) -> list:
         """Each flow's first ticket, the smallest start tag first (ties: the first to arrive)."""
@@ -70,20 +80,18 @@ class FlowChannel:
 
     def pop(self, ticket: Queued) -> None:
         """Take `ticket`, the head of its flow, out: it is served."""
-        queue = self.flows[ticket.flow]
-        if queue[0] is not ticket:
+        if self.flows[self._flow(ticket)][0] is not ticket:
             raise ValueError("pop: not the head of its flow")
-        queue.popleft()
-        if not queue:
-            del self.flows[ticket.flow]
+        self.remove(ticket)
         self.vtime = max(self.vtime, ticket.start)
 
     def remove(self, ticket: Queued) -> None:
         """Take a queued ticket out (cancelled)."""
-        queue = self.flows[ticket.flow]
+        flow = self._flow(ticket)
+        queue = self.flows[flow]
         queue.remove(ticket)
         if not queue:
-            del self.flows[ticket.flow]
+            del self.flows[flow]
 
     def __len__(self) -> int:
         return sum(len(q) for q in self.flows.values())
@@ -91,6 +99,46 @@ class FlowChannel:
     def __iter__(self) -> Iterator:
         for queue in self.flows.values():
             yield from queue
+
+
+@dataclass
+class BatchLines(FlowChannel):
+    """The batch lines of a pool (the ledger's background tickets), a FIFO per tenant, the tenants sharing
+    the lines' turns by start-time fair queueing in credits over their weights: a tenant with ten batches
+    queued and one with one batch take turns by the credits their lines ask (divided by the tenant's
+    weight), not by arrival. Lines are tried in that order (`in_order`); one that waits for its replicas
+    may be passed by a later one (`serve` takes any ticket). A tenant's tag is forgotten once it has no
+    line queued and its tag is behind the virtual time (it would start there anyway), and every tag when
+    no line is queued (nobody is owed a turn): a gateway taking any key as a tenant keeps nothing for keys
+    that came once."""
+
+    def _flow(self, ticket: Queued) -> Hashable:
+        return ticket.tenant
+
+    def append_line(self, ticket: Queued, weight: int) -> None:
+        # tags in credits x WEIGHT_SCALE / weight: ints, and a weight of up to WEIGHT_SCALE keeps its share
+        self.append(ticket, cost=-(-ticket.num_tokens * WEIGHT_SCALE // weight))
+
+    def in_order(self) -> Iterator:
+        """Every queued line, the smallest start tag first (ties: the first to arrive); FIFO per tenant (a
+        tenant's tags grow with its arrivals, so its FIFOs merge). The queue may change while it is read."""
+        return heapq.merge(*(list(q) for q in self.flows.values()), key=lambda t: (t.start, t.arrival))
+
+    def first(self) -> Queued | None:
+        heads = self.heads()
+        return heads[0] if heads else None
+
+    def serve(self, ticket: Queued) -> None:
+        """Take `ticket` out, admitted (not necessarily its tenant's first: its first may wait for its replicas)."""
+        self.remove(ticket)
+        self.vtime = max(self.vtime, ticket.start)
+        for tenant in [t for t, tag in self.finish.items() if tag <= self.vtime and t not in self.flows]:
+            del self.finish[tenant]
+
+    def remove(self, ticket: Queued) -> None:
+        super().remove(ticket)
+        if not self.flows:
+            self.finish.clear()
 
 
 @dataclass

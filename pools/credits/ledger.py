@@ -25,7 +25,8 @@ for its own flow, holds nothing, and the next flow's head goes.
 Sequences: a replica may also be given the most sequences its engine runs at once (`max_seqs`, the
 pool's max_num_seqs); a request of n samples over p prompts takes n x p of them (at most all), so
 requests wait here in fair order rather than in the engine's first-come queue. Background requests
-(batch lines) wait in one FIFO of their own, served only while no interactive request is queued.
+(batch lines) wait in a queue of their own, served only while no interactive request is queued, the
+tenants taking turns by the credits their lines ask over their weights (`pools.credits.flows.BatchLines`).
 
 Reconciliation: `reconcile(used)` takes the tokens the worker's blocks really hold; what exceeds the
 admitted requests' credits (an abort the worker has not processed yet, a lost release) is held
@@ -61,7 +62,7 @@ from collections.abc import Mapping, Sequence
 from engine.capacity import DEFAULT_BLOCK_SIZE
 from pools.credits.flows import DEFAULT_TENANT, TenantPolicy  # noqa: F401 - the tenants' names, imported from here too
 from pools.credits.accounts import Account, Place, Ticket, drop
-from pools.credits.flows import TenantQueue, flow_class
+from pools.credits.flows import BatchLines, TenantQueue, flow_class
 
 
 class CreditLedger:
@@ -92,7 +93,7 @@ class CreditLedger:
         self._topped_up = False                      # the tenant at the front got its quantum this visit
         self._first: Ticket | None = None            # the head that waits for its replicas (goes first)
         self._tickets: dict[str, Ticket] = {}        # request_id -> queued or admitted ticket
-        self._background: deque[Ticket] = deque()    # batch lines, FIFO
+        self._background = BatchLines()              # batch lines, fair across tenants
         self.queued_tokens = 0                       # credits the queued requests ask for, all together
         self.background_tokens = 0                   # ... of them, the batch lines'
 
@@ -172,7 +173,7 @@ class CreditLedger:
         while no interactive request is queued, the oldest batch line; None when it is neither."""
         if self._first is not None:
             return self._first
-        return self._background[0] if self._background and not self._active else None
+        return self._background.first() if not self._active else None
 
     def ticket(self, request_id: str) -> Ticket | None:
         return self._tickets.get(request_id)
@@ -219,7 +220,7 @@ class CreditLedger:
         self.queued_tokens += num_tokens
         if background:
             self.background_tokens += num_tokens
-            self._background.append(ticket)
+            self._background.append_line(ticket, policy.weight)
             return ticket
         state = self._tenants.setdefault(tenant, TenantQueue(policy.weight))
         self._live[tenant] = self._live.get(tenant, 0) + 1
@@ -272,16 +273,16 @@ class CreditLedger:
             tenant.deficit = 0
 
     def _admit_background(self, place: Place) -> list[Ticket]:
-        """Batch lines in FIFO order; one that is not admitted holds back the replicas it waits for."""
+        """Batch lines in their fair order; one that is not admitted holds back the replicas it waits for."""
         admitted: list[Ticket] = []
         held: set[int] = set()
-        for ticket in list(self._background):
+        for ticket in self._background.in_order():
             if self._all_held(held):
                 break
             if (replica := self._choose(ticket, place, held)) is None:
                 held |= self._waited_for(ticket)
                 continue
-            self._background.remove(ticket)
+            self._background.serve(ticket)
             self._take(ticket, replica)
             admitted.append(ticket)
         return admitted

@@ -165,6 +165,63 @@ def test_background_waits_behind_interactive_and_soaks_up_idle_credits():
     assert ledger.free == 100 and ledger.num_queued == 0
 
 
+def test_batch_lines_of_tenants_take_turns_by_credits_over_weight():
+    """Batch lines are fair across tenants: one tenant's 32 queued lines do not run ahead of another's 4
+    (a FIFO served all 32 first), a tenant of weight 3 gets three lines' turns to one, and a tenant whose
+    lines are all served keeps no tag."""
+    ledger = CreditLedger(100, {"heavy": TenantPolicy(weight=3)})
+    for i in range(32):
+        ledger.submit(f"a{i}", 60, tenant="a", background=True)
+    for i in range(4):
+        ledger.submit(f"b{i}", 60, tenant="b", background=True)
+    order: list[str] = []
+    _drain(ledger, order)
+    assert order[:8] == ["a0", "b0", "a1", "b1", "a2", "b2", "a3", "b3"]
+    assert order[8:] == [f"a{i}" for i in range(4, 32)]
+
+    for i in range(12):
+        ledger.submit(f"h{i}", 60, tenant="heavy", background=True)
+        ledger.submit(f"l{i}", 60, tenant="light", background=True)
+    order = []
+    _drain(ledger, order)
+    assert [r[0] for r in order[:16]] == list("hlhhlhhhlhhhlhhh")   # 3 : 1 by credits
+    assert ledger.first_waiting() is None and ledger._background.finish == {}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_batch_lines_among_interactive_requests_and_cancels_keep_the_ledger_whole(seed):
+    """Random submits (batch lines of four tenants, interactive requests), admissions, releases and cancels
+    on two replicas: the ledger is whole after each step, and every line is admitted or cancelled once."""
+    rng = random.Random(seed)
+    ledger = CreditLedger([300, 200], {"w3": TenantPolicy(weight=3)})
+    running: list[str] = []
+    queued: set[str] = set()
+    for step in range(300):
+        action = rng.random()
+        if action < 0.45:
+            rid = f"{step}"
+            ledger.submit(rid, rng.randint(10, 200), tenant=rng.choice(["w3", "a", "b", "c"]),
+                          background=rng.random() < 0.7)
+            queued.add(rid)
+        elif action < 0.55 and queued:
+            rid = rng.choice(sorted(queued))
+            assert ledger.cancel(rid) is True
+            queued.discard(rid)
+        elif running:
+            ledger.release(running.pop(rng.randrange(len(running))))
+        for ticket in ledger.admit():
+            queued.remove(ticket.request_id)
+            running.append(ticket.request_id)
+        ledger.check_integrity()
+    while queued or running:
+        for ticket in ledger.admit():
+            queued.remove(ticket.request_id)
+            running.append(ticket.request_id)
+        ledger.release(running.pop(0))
+        ledger.check_integrity()
+    assert ledger.free == ledger.total and ledger._background.finish == {}
+
+
 def test_reconcile_holds_back_blocks_the_ledger_does_not_know_and_returns_them():
     ledger = CreditLedger(100)
     ledger.submit("a", 40)
