@@ -68,7 +68,8 @@ def setup(app: web.Application, data_dir: Path | str, executor: LineExecutor | N
     gateway = app[GATEWAY]
     legacy_owner = functools.partial(gateway.admission.tenants.legacy_owner, api_keys=gateway.config.gateway.api_keys)
     store = BatchStore(Path(data_dir) / STORE_FILE, default_tenant=DEFAULT_TENANT, legacy_owner=legacy_owner)
-    app[BATCHES] = BatchRunner(store, executor or functools.partial(answer_batch_line, gateway))
+    app[BATCHES] = BatchRunner(store, executor or functools.partial(answer_batch_line, gateway),
+                               max_unfinished_per_owner=gateway.config.gateway.batches.max_unfinished_per_owner)
     app.cleanup_ctx.append(_runner_ctx)
     app.router.add_post("/v1/files", upload_file)
     app.router.add_get("/v1/files/{file_id}", retrieve_file)

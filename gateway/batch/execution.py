@@ -32,7 +32,7 @@ from urllib.parse import quote
 from gateway.openai.errors import ApiError, storage_unavailable
 from gateway.runtime import Gateway
 from gateway.upstream.relay import IDEMPOTENCY_KEY
-from pools.store.batch_input import BatchInputError, BatchLine
+from pools.store.batch_input import BatchInputError, BatchLine, TooManyBatches
 from pools.store.batch_store import PURGE_EVERY_S, STORAGE_ERRORS, BatchStore
 from pools.tenants import DEFAULT_TENANT
 
@@ -167,8 +167,10 @@ class BatchRunner:
 
     def __init__(self, store: BatchStore, executor: LineExecutor, *, max_in_flight: int = MAX_IN_FLIGHT,
                  retry_first_s: float = RETRY_FIRST_S, retry_max_s: float = RETRY_MAX_S,
-                 max_line_attempts: int = MAX_LINE_ATTEMPTS, max_store_attempts: int = MAX_STORE_ATTEMPTS) -> None:
+                 max_line_attempts: int = MAX_LINE_ATTEMPTS, max_store_attempts: int = MAX_STORE_ATTEMPTS,
+                 max_unfinished_per_owner: int | None = None) -> None:
         self.store = store
+        self.max_unfinished_per_owner = max_unfinished_per_owner   # `gateway.batches`; None: no limit
         self.executor = executor
         self.max_in_flight = max_in_flight
         self.retry_first_s, self.retry_max_s = retry_first_s, retry_max_s
@@ -237,10 +239,18 @@ class BatchRunner:
                      metadata: Any = None, *, owner: str, tenant: str,
                      output_expires_after: Any = None) -> dict[str, Any]:
         """Store a new batch of `owner`, run as `tenant` (`BatchStore.create_batch`), and run it;
-        shielded, so a client that leaves meanwhile cannot leave a stored batch that nothing runs."""
+        shielded, so a client that leaves meanwhile cannot leave a stored batch that nothing runs. A 429
+        when the owner has `max_unfinished_per_owner` batches unfinished already."""
         async def create_and_run() -> dict[str, Any]:
-            batch = await self.db(self.store.create_batch, input_file_id, endpoint, completion_window, metadata,
-                                  owner=owner, tenant=tenant, output_expires_after=output_expires_after)
+            try:
+                batch = await self.db(self.store.create_batch, input_file_id, endpoint, completion_window, metadata,
+                                      owner=owner, tenant=tenant, output_expires_after=output_expires_after,
+                                      max_unfinished=self.max_unfinished_per_owner)
+            except TooManyBatches as exc:
+                raise ApiError(429, f"this API key has {exc.unfinished} batches in progress, finalizing or "
+                               f"cancelling, the most gateway.batches.max_unfinished_per_owner ({exc.limit}) allows; "
+                               "wait for one to end, or cancel one", type="requests",
+                               code="rate_limit_exceeded") from None
             self.run(batch["id"])
             return batch
         return await asyncio.shield(create_and_run())

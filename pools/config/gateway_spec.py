@@ -79,6 +79,15 @@ class RetentionSpec(Spec):
     max_background_per_owner: Count = 256
 
 
+class BatchLimits(Spec):
+    """What the Batch API lets one owner (API key) have at once (YAML `gateway.batches`): at most
+    `max_unfinished_per_owner` batches the runner still owes work (in progress, finalizing, cancelling;
+    one more is a 429). Each runs up to 16 lines at a time, which wait for KV credits however long:
+    this bounds what one key can queue."""
+
+    max_unfinished_per_owner: Count = 100
+
+
 class GatewaySpec(Spec):
     """The `gateway` section. `api_keys`: once loaded, the YAML's keys, those of the `api_keys_env`
     variable and the tenants' keys, merged (`pools.config.yaml_file`)."""
@@ -99,6 +108,7 @@ class GatewaySpec(Spec):
     take_over: bool = False              # a Ray device's replicas of another config are replaced (else refused)
     limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
     stored_responses: RetentionSpec = msgspec.field(default_factory=RetentionSpec)
+    batches: BatchLimits = msgspec.field(default_factory=BatchLimits)
 
     def check(self) -> None:
         for key in ("stall_seconds", "step_timeout_seconds"):

@@ -43,6 +43,14 @@ class BatchInputError(ValueError):
         self.param = param
 
 
+class TooManyBatches(Exception):
+    """`create_batch` refused: the owner has `unfinished` batches the runner still owes work, `limit` allowed."""
+
+    def __init__(self, unfinished: int, limit: int) -> None:
+        super().__init__(f"{unfinished} unfinished batches, at most {limit}")
+        self.unfinished, self.limit = unfinished, limit
+
+
 @dataclass(frozen=True)
 class BatchLine:
     """One line of a batch input file. `error` ({"code", "message", "line"}) when the line is unusable;

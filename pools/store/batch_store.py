@@ -77,12 +77,12 @@ from pathlib import Path
 from typing import Any
 
 from pools.store.batch_input import (BATCH_ENDPOINTS, COMPLETION_WINDOWS, DEFAULT_BATCH_FILE_SECONDS, FILE_PURPOSES,
-                                     BatchInputError, BatchLine, check_expires_after, check_metadata, clean_filename,
-                                     is_text, parse_batch_input)
+                                     BatchInputError, BatchLine, TooManyBatches, check_expires_after, check_metadata,
+                                     clean_filename, is_text, parse_batch_input)
 from pools.store import batch_files
 from pools.store.batch_files import (UNFINISHED, ChunkWriter, assemble_step, drop_files, fail_batch, insert_file,
                                      marks, read_chunks, request_counts, result_file_ids)
-from pools.store.schema import StoreFile, migrate
+from pools.store.schema import UNFINISHED_SQL, StoreFile, migrate
 
 __all__ = ["BatchStore", "STORAGE_ERRORS"]
 
@@ -202,16 +202,23 @@ class BatchStore(StoreFile):
     # --- batches ---------------------------------------------------------------------------------
     def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
                      metadata: dict[str, str] | None = None, *, owner: str, tenant: str,
-                     output_expires_after: dict[str, Any] | None = None) -> dict[str, Any]:
+                     output_expires_after: dict[str, Any] | None = None,
+                     max_unfinished: int | None = None) -> dict[str, Any]:
         """Parse `owner`'s input file and store the batch, owned by `owner` and run as `tenant`, with all
         its lines in one transaction, `in_progress` (bad lines already recorded as errors); its output and
         error files expire as `output_expires_after` says (OpenAI's policy; none: kept until deleted).
         BatchInputError naming the field for a bad argument; another owner's input file is refused as
-        one that does not exist."""
+        one that does not exist. TooManyBatches when `owner` has `max_unfinished` batches unfinished
+        already (counted in the same transaction: batches created at once cannot pass it together)."""
         expires_after = check_expires_after(output_expires_after, "output_expires_after")
         lines = self._input_lines(input_file_id, endpoint, completion_window, metadata, owner)
         batch_id, now = f"batch_{uuid.uuid4().hex[:24]}", int(time.time())
         with self._txn() as db:
+            if max_unfinished is not None:
+                (unfinished,) = db.execute(f"SELECT COUNT(*) FROM batches WHERE owner=? AND {UNFINISHED_SQL}",
+                                           (owner,)).fetchone()
+                if unfinished >= max_unfinished:
+                    raise TooManyBatches(unfinished, max_unfinished)
             db.execute("INSERT INTO batches (id, input_file_id, endpoint, completion_window, status, created_at, "
                        "in_progress_at, metadata, tenant, owner, output_expires_seconds) VALUES (?, ?, ?, ?, "
                        "'in_progress', ?, ?, ?, ?, ?, ?)",

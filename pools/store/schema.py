@@ -63,9 +63,13 @@ ADDED_COLUMNS = (   # (table, column, definition) added to an older store's tabl
     ("batches", "output_expires_seconds", "INTEGER"),   # 5: its output and error files expire so long after
     ("files", "expires_at", "INTEGER"),     # 5: when its bytes go (NULL: kept until deleted)
     ("files", "deleted_at", "INTEGER"))     # 5: deleted or expired: its bytes gone, its row kept (a batch names it)
+# a batch a runner still owes work (`pools.store.batch_files.UNFINISHED`), as literals: a partial index's test
+UNFINISHED_SQL = "status IN ('validating', 'in_progress', 'finalizing', 'cancelling')"
 INDEXES = ("DROP INDEX IF EXISTS batches_by_tenant",   # version 2's; batches are listed by owner
             "CREATE INDEX IF NOT EXISTS lines_by_status ON lines (batch_id, status, response_status)",
             "CREATE INDEX IF NOT EXISTS batches_by_owner ON batches (owner, seq)",
+            # an owner's unfinished batches, counted at each create (`BatchStore.create_batch`'s max_unfinished)
+            f"CREATE INDEX IF NOT EXISTS unfinished_by_owner ON batches (owner) WHERE {UNFINISHED_SQL}",
             "CREATE INDEX IF NOT EXISTS responses_by_owner ON responses (owner, seq)",
             "CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created_at)",
             "CREATE INDEX IF NOT EXISTS files_by_expiry ON files (expires_at) WHERE deleted_at IS NULL")

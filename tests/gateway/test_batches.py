@@ -433,6 +433,36 @@ async def test_an_api_key_sees_only_its_own_files_and_batches_unless_its_tenant_
         await sdk.close()
 
 
+async def test_an_api_key_may_have_so_many_unfinished_batches(aiohttp_client, tmp_path, tiny_model):
+    """`gateway.batches.max_unfinished_per_owner` 2: a key's third batch while two are in progress is a 429
+    `rate_limit_exceeded` naming the setting (the SDK's RateLimitError), nothing stored; another key's is
+    not; a batch that ended (cancelled, completed) gives its place back."""
+    fake = _FakeExecutor(gated={"slow"})
+    client = await _client(aiohttp_client, tmp_path, tiny_model, fake, api_keys=KEYS,
+                           max_body="1MiB, batches: {max_unfinished_per_owner: 2}")
+    sdk_a, sdk_b = (openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0)
+                    for key in ("key-a", "key-b"))
+    file = await sdk_a.files.create(file=("in.jsonl", _jsonl(_line("slow"))), purpose="batch")
+    running = [await sdk_a.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
+               for _ in range(2)]
+    with pytest.raises(openai.RateLimitError) as info:
+        await sdk_a.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
+    assert info.value.body["code"] == "rate_limit_exceeded"
+    assert "2 batches in progress" in info.value.body["message"]
+    assert "max_unfinished_per_owner (2)" in info.value.body["message"]
+    assert [b.id async for b in sdk_a.batches.list()] == [b.id for b in reversed(running)]
+    other = await sdk_b.files.create(file=("in.jsonl", _jsonl(_line("b1"))), purpose="batch")
+    assert (await _sdk_done(sdk_b, (await sdk_b.batches.create(input_file_id=other.id, endpoint=CHAT,
+                                                               completion_window="24h")).id)).status == "completed"
+    await sdk_a.batches.cancel(running[0].id)
+    assert (await _sdk_done(sdk_a, running[0].id)).status == "cancelled"
+    third = await sdk_a.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
+    fake.gate.set()
+    assert [(await _sdk_done(sdk_a, b.id)).status for b in (running[1], third)] == ["completed", "completed"]
+    for sdk in (sdk_a, sdk_b):
+        await sdk.close()
+
+
 async def test_transient_answers_are_tried_a_bounded_number_of_times(aiohttp_client, tmp_path, tiny_model):
     # A 502 is tried again only when nothing reached the upstream (upstream_unreachable): one that may
     # have (upstream_disconnected, or an upstream's own 502) is the line's answer, never sent twice.

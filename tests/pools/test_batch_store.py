@@ -21,8 +21,9 @@ import pytest
 
 from pools.store import batch_files, batch_input
 from pools.store.batch_files import result_file_ids
-from pools.store.batch_input import MAX_BATCH_LINE_BYTES, MAX_BATCH_LINES, BatchInputError, parse_batch_input
-from pools.store.schema import SCHEMA_VERSION
+from pools.store.batch_input import (MAX_BATCH_LINE_BYTES, MAX_BATCH_LINES, BatchInputError, TooManyBatches,
+                                     parse_batch_input)
+from pools.store.schema import SCHEMA_VERSION, UNFINISHED_SQL
 from pools.store.batch_store import STORAGE_ERRORS, BatchStore
 from pools.tenants import DEFAULT_TENANT, Tenants, parse_tenants
 
@@ -51,6 +52,35 @@ def _make_batch(store: BatchStore, content: bytes, endpoint: str = CHAT, owner: 
 
 def _read_jsonl(store: BatchStore, file_id: str | None, owner: str = OWNER) -> list[dict]:
     return [] if file_id is None else [json.loads(x) for x in store.file_content(file_id, owner=owner).splitlines()]
+
+
+def test_an_owner_has_at_most_max_unfinished_batches_counted_by_the_partial_index(tmp_path):
+    """`create_batch(max_unfinished=2)`: an owner's third unfinished batch is refused (nothing stored),
+    another owner's batches are not counted, nor a finished or cancelled one; the count reads the partial
+    index, whose statuses are `batch_files.UNFINISHED`."""
+    assert UNFINISHED_SQL == f"status IN ({', '.join(repr(s) for s in batch_files.UNFINISHED)})"
+    store = _make_store(tmp_path / "b.db")
+    file = store.add_file(_jsonl(_line("x")), "in.jsonl", "batch", owner=OWNER, tenant=TENANT)
+    other = store.add_file(_jsonl(_line("y")), "in.jsonl", "batch", owner="key-b", tenant=TENANT)
+    create = functools.partial(store.create_batch, file["id"], CHAT, "24h", owner=OWNER, tenant=TENANT,
+                               max_unfinished=2)
+    first, second = create(), create()
+    store.create_batch(other["id"], CHAT, "24h", owner="key-b", tenant=TENANT, max_unfinished=1)
+    with pytest.raises(TooManyBatches) as info:
+        create()
+    assert (info.value.unfinished, info.value.limit) == (2, 2)
+    assert len(store.list_batches(owner=OWNER)[0]) == 2
+    store.record(first["id"], 1, 200, {"ok": True})
+    store.finalize(first["id"])
+    store.cancel(second["id"], owner=OWNER)
+    third = create()          # the cancelling one still counts until it is finalized
+    with pytest.raises(TooManyBatches):
+        create()
+    store.finalize(second["id"])
+    assert create()["status"] == "in_progress" and third["status"] == "in_progress"
+    plan = store._db.execute(f"EXPLAIN QUERY PLAN SELECT COUNT(*) FROM batches WHERE owner=? AND {UNFINISHED_SQL}",
+                             (OWNER,)).fetchall()
+    assert "unfinished_by_owner" in str(plan)
 
 
 def test_bad_lines_become_per_line_errors_naming_the_problem():
