@@ -90,13 +90,14 @@ class CpuForward:
     @classmethod
     def build(cls, model: nn.Module, backend) -> CpuForward | None:
         """The flat forward for `model` on `backend`, or None where it does not apply: a backend other
-        than `kernels.cpu_attention`, a model whose layers are not the Llama layer (Gemma 3's), layers whose
-        ops are not `kernels.cpu_fused` (another dtype), or C
-        libraries that did not compile (`get_fused_ops` gives a model `cpu_fused` only for a dtype it runs)."""
+        than `kernels.cpu_attention`, a model whose layers are not the Llama layer (Gemma 3's) or whose MLP
+        is not SiLU-gated (the loop runs silu_and_mul: a gelu_pytorch_tanh Llama runs the modules), layers
+        whose ops are not `kernels.cpu_fused` (another dtype), or C libraries that did not compile
+        (`get_fused_ops` gives a model `cpu_fused` only for a dtype it runs)."""
         from kernels import cpu_attention, cpu_fused
 
-        if not model.supports_flat_forward or backend is not cpu_attention or \
-                model.layers[0].input_layernorm.ops is not cpu_fused:
+        if not model.supports_flat_forward or backend is not cpu_attention or model.config.hidden_act != "silu" \
+                or model.layers[0].input_layernorm.ops is not cpu_fused:
             return None
         if model.embed_tokens.weight.device.type != "cpu":
             return None

@@ -17,7 +17,9 @@ collective is the identity and the shapes are the model's own.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from types import ModuleType
 
 import torch
@@ -28,6 +30,8 @@ from engine.model_config import ModelConfig
 from engine.layers import GeluTanhAndMul, HeadRMSNorm, RMSNorm, RopeRows, RotaryEmbedding, SiluAndMul
 from engine.parallel import Collectives, ShardShape
 from kernels import AttentionMetadata, fused
+
+log = logging.getLogger("cliffguard.engine")
 
 
 class WeightLoadError(ValueError):
@@ -215,9 +219,11 @@ class LlamaForCausalLM(nn.Module):
     # --- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters, each cut to this rank's shard; every
-        parameter must be filled whole, once."""
+        parameter must be filled whole, once. A tied model's stored `lm_head.weight` that is not the
+        embedding table becomes the head (`_untie`)."""
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
+        stored_head: torch.Tensor | None = None
         prefix = self.config.text_weights_prefix   # a multimodal checkpoint: its text model's tensors only
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
@@ -225,7 +231,10 @@ class LlamaForCausalLM(nn.Module):
                 if not name.startswith(prefix):
                     continue   # the vision tower, the projector
                 name = name.removeprefix(prefix).removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                stored_head = self._shard_of(hf_name, name, tensor)
                 continue
             if name.endswith((".k_scale", ".v_scale")):   # an FP8 checkpoint's per-layer KV scales
                 self._kv_scale(hf_name, name, tensor)
@@ -241,10 +250,31 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 dest.copy_(tensor)
             filled[target] = filled.get(target, 0) + dest.numel()
+        if stored_head is not None and filled.get("embed_tokens.weight") == self.embed_tokens.weight.numel():
+            self._untie(stored_head)
         missing = [name for name, param in params.items() if filled.get(name, 0) != param.numel()]
         if missing:
             raise WeightLoadError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
                                   + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+    def _untie(self, head: torch.Tensor) -> None:
+        """config.json ties the head to the embedding, yet the checkpoint stores an `lm_head.weight` (this
+        rank's rows: `head`). The same table (a redundant copy, as some exporters write): nothing to do.
+        Another one (a fine-tune that trained the head alone and kept the flag): it is the head, as
+        transformers 5 reads such a checkpoint (it unties with a warning), not the embedding."""
+        embed = self.embed_tokens.weight
+        if tuple(head.shape) == tuple(embed.shape) and torch.equal(head.to(embed.dtype), embed.data):
+            return
+        if tuple(head.shape) != tuple(embed.shape):
+            raise WeightLoadError(f"lm_head.weight: shape {tuple(head.shape)} does not match the config's "
+                                  f"{tuple(embed.shape)}")
+        log.warning("lm_head.weight: config.json says tie_word_embeddings, but the checkpoint's head differs from "
+                    "its embedding table; serving the stored head (as transformers does)")
+        self.lm_head = nn.Linear(self.config.hidden_size, embed.shape[0], bias=False, device=embed.device,
+                                 dtype=embed.dtype)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(head)
+        self.config = replace(self.config, tie_word_embeddings=False)
 
     def _kv_scale(self, hf_name: str, name: str, tensor: torch.Tensor) -> None:
         """`layers.N.self_attn.k_scale` (or v_scale, or under k_proj / v_proj as some exporters write it): the

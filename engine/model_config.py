@@ -71,13 +71,20 @@ class RopeScaling:
                        ) -> tuple[float | None, "RopeScaling"]:
         """(rope_theta or None, scaling) from an HF config dict: `rope_theta` + `rope_scaling`, or the
         `rope_parameters` entry transformers >= 5 writes instead (`params_name`: its key path in errors).
-        A value of the wrong type or out of range is a ConfigError naming its key."""
+        Both given with `rope_scaling` saying anything `rope_parameters` does not is refused: transformers
+        then reads `rope_scaling` alone and drops `rope_parameters`' `rope_theta`, rarely what a config
+        edited by hand means. The type may be spelled `type` in either. A value of the wrong type or out of
+        range is a ConfigError naming its key."""
         rope_theta = _float(cfg, "rope_theta", None)
         raw, name = cfg.get("rope_scaling"), "rope_scaling"
         params = _object(cfg, "rope_parameters", name=params_name)
         if params is not None:
+            if isinstance(raw, dict) and raw and any(_rope_entry(params, k) != _rope_entry(raw, k) for k in raw):
+                raise ConfigError(f"rope_scaling: config.json also has {params_name}, which says otherwise "
+                                  f"(transformers would read rope_scaling alone and drop {params_name}' rope_theta); "
+                                  f"keep one: the scaling's keys belong in {params_name}")
             rope_theta = _float(params, "rope_theta", rope_theta, path=f"{params_name}.")
-            if params.get("rope_type", "default") != "default":
+            if _rope_type(params) != "default":
                 raw, name = params, params_name
         if not raw:
             return rope_theta, cls()
@@ -93,12 +100,18 @@ class RopeScaling:
 
     @classmethod
     def _from_mapping(cls, cfg: dict[str, Any], raw: dict[str, Any], path: str) -> "RopeScaling":
-        original = _int(raw, "original_max_position_embeddings", 8192, path=path)
+        # transformers' order: a top-level original_max_position_embeddings (Phi-3's habit), the scaling's
+        # own, else max_position_embeddings
+        original = _int(cfg, "original_max_position_embeddings", None)
+        if original is None:
+            original = _int(raw, "original_max_position_embeddings", None, path=path)
+        if original is None:
+            original = _int(cfg, "max_position_embeddings", 8192)
         factor = _float(raw, "factor", None, path=path)
         if factor is None:   # yarn without a factor: the context's growth (transformers' reading)
             factor = _int(cfg, "max_position_embeddings", original) / original
         return cls(
-            rope_type=raw.get("rope_type", raw.get("type", "default")),
+            rope_type=_rope_type(raw),
             factor=factor,
             low_freq_factor=_float(raw, "low_freq_factor", 1.0, path=path),
             high_freq_factor=_float(raw, "high_freq_factor", 4.0, path=path),
@@ -256,8 +269,8 @@ class ModelConfig:
         moe = _moe_fields(cfg) if arch == "Qwen3MoeForCausalLM" else {}
         rope_theta, rope_scaling = RopeScaling.from_hf_config(*gemma.pop("full_rope", (cfg,)))
         sliding_window = None
-        if arch == "MistralForCausalLM":
-            sliding_window = _int(cfg, "sliding_window", None)
+        if arch == "MistralForCausalLM":   # absent: MistralConfig's 4096; null: none
+            sliding_window = _int(cfg, "sliding_window", None) if "sliding_window" in cfg else 4096
         elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and cfg.get("use_sliding_window"):
             raise ConfigError(f"use_sliding_window: {arch.removesuffix('ForCausalLM')} per-layer sliding window "
                               "is not supported")
@@ -335,17 +348,17 @@ def _gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     full_rope: tuple[dict[str, Any], str] = (cfg, "rope_parameters")
     if params is not None and "full_attention" in params:
         full = _object(params, "full_attention", name="rope_parameters.full_attention")
-        full_rope = ({**cfg, "rope_parameters": full, "rope_scaling": None}, "rope_parameters.full_attention")
+        full_rope = ({**cfg, "rope_parameters": full}, "rope_parameters.full_attention")
         local = _object(params, "sliding_attention", name="rope_parameters.sliding_attention") or {}
-    if local.get("rope_type", "default") != "default":
+    if _rope_type(local) != "default":
         raise ConfigError(f"rope_parameters.sliding_attention.rope_type: only 'default' is supported for the "
-                          f"sliding layers, got {local['rope_type']!r}")
+                          f"sliding layers, got {_rope_type(local)!r}")
     local_theta = _float(local, "rope_theta", None, path="rope_parameters.sliding_attention.")
     scalar = _float(cfg, "query_pre_attn_scalar", None)
     return {"layer_types": tuple(layer_types), "sliding_window": _int(cfg, "sliding_window", None), "qk_norm": True,
             "rope_local_theta": _float(cfg, "rope_local_base_freq", 10000.0) if local_theta is None else local_theta,
             "query_pre_attn_scalar": float(_int(cfg, "head_dim", 256)) if scalar is None else scalar,
-            "hidden_act": cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+            "hidden_act": cfg.get("hidden_activation") or "gelu_pytorch_tanh",   # Gemma3TextConfig reads no hidden_act
             "tie_word_embeddings": _bool(cfg, "tie_word_embeddings", True), "full_rope": full_rope}
 
 
@@ -357,6 +370,9 @@ def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     experts = _int(cfg, "num_experts", None)
     if experts is None:   # transformers 5 writes num_local_experts
         experts = _int(cfg, "num_local_experts", 128)
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act: Qwen3-MoE's experts are served with silu only (the fused MoE kernel's), "
+                          f"got {cfg['hidden_act']!r}")
     return {"num_experts": experts, "num_experts_per_tok": _int(cfg, "num_experts_per_tok", 8),
             "moe_intermediate_size": _int(cfg, "moe_intermediate_size", 768),
             "norm_topk_prob": _bool(cfg, "norm_topk_prob", False),
@@ -372,6 +388,16 @@ def _check_architecture(arch: Any) -> None:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"architectures: unsupported architecture {arch!r}; "
                           f"supported: {', '.join((*SUPPORTED_ARCHITECTURES, *TEXT_MODELS))}")
+
+
+def _rope_type(rope: dict[str, Any]) -> Any:
+    """A rope mapping's type, spelled `rope_type` or (older) `type`."""
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
+def _rope_entry(rope: dict[str, Any], key: str) -> Any:
+    """A rope mapping's value for `key`, the type under either spelling."""
+    return _rope_type(rope) if key in ("type", "rope_type") else rope.get(key)
 
 
 def _is_int(value: Any) -> bool:

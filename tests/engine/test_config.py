@@ -1,5 +1,6 @@
 """Config validation: every bad value is named in the error."""
 
+import copy
 import json
 
 import pytest
@@ -256,3 +257,66 @@ def test_rope_and_multimodal_errors_name_the_key_the_value_came_from():
     assert ModelConfig.from_hf_config(multimodal).eos_token_ids == (1, 106)
     with pytest.raises(ConfigError, match=r"^eos_token_id: must be a token id"):
         ModelConfig.from_hf_config({**multimodal, "text_config": {**text, "eos_token_id": None}})
+
+
+def _transformers_rope(cfg: dict) -> tuple[dict, torch.Tensor, float]:
+    """What transformers' Qwen3 rotary embedding makes of `cfg` (a config.json dict): the rope parameters
+    it standardized, its inverse frequencies and attention scaling."""
+    import transformers
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    rotary = Qwen3RotaryEmbedding(transformers.Qwen3Config.from_dict(copy.deepcopy(cfg)))   # it fills in cfg's dicts
+    return dict(rotary.config.rope_parameters), rotary.inv_freq, rotary.attention_scaling
+
+
+def test_rope_keys_are_read_as_transformers_reads_them():
+    """The rope entries transformers fills in or renames are read alike: `type` for `rope_type` inside
+    rope_parameters too (a yarn config ran as default rope), original_max_position_embeddings from the top
+    level first, else the scaling's, else max_position_embeddings (it was 8192); and both rope keys, where
+    they disagree, are refused (transformers reads rope_scaling alone, losing rope_parameters' rope_theta)."""
+    from engine.layers.rotary import rope_attention_factor, rope_inv_freq
+
+    base = {**LLAMA, "architectures": ["Qwen3ForCausalLM"], "head_dim": 16, "max_position_embeddings": 512}
+    cases = [{"rope_parameters": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                  "rope_theta": 1e6}},
+             {"rope_theta": 1e6, "rope_scaling": {"type": "yarn", "factor": 4.0}},
+             {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+             {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+              "original_max_position_embeddings": 128}]
+    for case in cases:
+        want, inv_freq, attention_scaling = _transformers_rope({**base, **case})
+        cfg = ModelConfig.from_hf_config({**base, **case})
+        got = cfg.rope_scaling
+        assert (got.rope_type, got.factor, got.original_max_position_embeddings, cfg.rope_theta) == \
+            (want["rope_type"], want["factor"], want["original_max_position_embeddings"], want["rope_theta"]), case
+        assert torch.allclose(rope_inv_freq(cfg), inv_freq) and rope_attention_factor(cfg) == attention_scaling
+    both = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}
+    with pytest.raises(ConfigError, match="^rope_scaling: config.json also has rope_parameters"):
+        ModelConfig.from_hf_config({**base, **both})
+    same = {"rope_parameters": {"type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+            "rope_scaling": {"rope_type": "yarn"}}
+    assert ModelConfig.from_hf_config({**base, **same}).rope_scaling.factor == 4.0   # one says what the other does
+    gemma = {**base, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 8,
+             "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+             "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    with pytest.raises(ConfigError, match="^rope_scaling: config.json also has rope_parameters.full_attention"):
+        ModelConfig.from_hf_config(gemma)
+
+
+def test_defaults_are_transformers_config_classes():
+    """A Mistral config.json without sliding_window has MistralConfig's 4096 (null: none), Gemma 3 reads
+    hidden_activation alone (Gemma3TextConfig ignores hidden_act), and Qwen3-MoE experts other than SiLU are
+    refused by name (the dense layers followed hidden_act, the experts stayed SiLU)."""
+    import transformers
+
+    mistral = {**LLAMA, "architectures": ["MistralForCausalLM"]}
+    assert ModelConfig.from_hf_config(mistral).sliding_window == 4096 == transformers.MistralConfig().sliding_window
+    assert ModelConfig.from_hf_config({**mistral, "sliding_window": None}).sliding_window is None
+    gemma = {**LLAMA, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 8, "hidden_act": "silu"}
+    assert ModelConfig.from_hf_config(gemma).hidden_act == "gelu_pytorch_tanh" == \
+        transformers.Gemma3TextConfig(hidden_act="silu").hidden_activation
+    moe = {**LLAMA, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2}
+    with pytest.raises(ConfigError, match="^hidden_act: Qwen3-MoE's experts are served with silu only"):
+        ModelConfig.from_hf_config({**moe, "hidden_act": "gelu_pytorch_tanh"})

@@ -8,11 +8,16 @@ size x preemption mode x prefix-cache state, in a pool small enough that preempt
 
 from __future__ import annotations
 
+import json
+import logging
+
 import pytest
 import torch
 
 from engine.config import PREEMPTION_MODES, CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
+from engine.models import build_model
+from engine.weights import iter_weights
 from engine.sampling import SamplingParams
 from kernels import BLOCK_SIZES
 from kernels.cpu_linear import CPU_LINEARS, PackedLinear
@@ -101,6 +106,7 @@ TINY_MODELS = [
     ("gemma3", {**GEMMA3, "tie_word_embeddings": False, "num_key_value_heads": 4, "hidden_activation": "silu",
                 "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {**YARN, "rope_theta": 1000000.0}}}),
+    ("llama", dict(hidden_act="gelu_pytorch_tanh")),   # the CPU's flat forward runs SiLU: the modules run this
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
@@ -130,6 +136,30 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == _hf_greedy(hf, prompt, 24, eos_ids=None)
     assert_all_free(engine)
+
+
+def test_a_tied_config_whose_checkpoint_stores_another_head_serves_that_head(tmp_path, builtin_path, caplog):
+    """config.json says tie_word_embeddings, the checkpoint stores an lm_head.weight of its own (a fine-tune
+    that kept the flag): transformers 5 unties and uses the stored head, so does the engine, saying so (it
+    dropped the head and decoded with the embedding). A stored head equal to the table is no head of its own."""
+    import transformers
+
+    folder = make_tiny_model(tmp_path / "m", "llama", builtin_path, tie_word_embeddings=False)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)   # transformers: the stored head
+    with caplog.at_level(logging.WARNING, logger="cliffguard.engine"):
+        engine = LLMEngine.from_args(str(folder), block_size=8, num_blocks=64, progress=False)
+    assert "serving the stored head" in caplog.text
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 7, 30)]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 16, eos_ids=None) for p in prompts]
+    model = build_model(engine.model_config, torch.float32, "cpu")
+    embed = dict(iter_weights(folder))["model.embed_tokens.weight"]
+    model.load_weights((n, embed if n == "lm_head.weight" else t) for n, t in iter_weights(folder))
+    assert "lm_head" not in model._modules and model.config.tie_word_embeddings
 
 
 def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, builtin_path):
