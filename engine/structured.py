@@ -62,13 +62,15 @@ class StructuredOutput:
     def json_schema(cls, schema: dict[str, Any] | bool) -> StructuredOutput:
         """The schema as compact JSON text. Key order is kept: the output writes an object's properties in
         the order the schema lists them (as OpenAI's strict mode does), so a reordered schema is another
-        constraint."""
-        return cls("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+        constraint. The schema `true` (any value) is `{}`; `false` (no value) is refused (`grammar_text`)."""
+        return cls("json_schema", json.dumps({} if schema is True else schema, separators=(",", ":"),
+                                             ensure_ascii=False))
 
     @property
     def key(self) -> str:
-        """The cache key: a hash of kind and spec."""
-        return hashlib.blake2b(f"{self.kind}\0{self.spec}".encode(), digest_size=16).hexdigest()
+        """The cache key: a hash of kind and spec (a lone surrogate, which JSON may carry, hashed as it is:
+        the grammar library then refuses it, a 400)."""
+        return hashlib.blake2b(f"{self.kind}\0{self.spec}".encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
     def grammar_text(self) -> str:
         """The llguidance grammar (its JSON "top-level grammar" form) for this constraint. JSON is written
@@ -76,8 +78,14 @@ class StructuredOutput:
         anywhere can pad forever (small models do), and every JSON parser reads the compact form."""
         import llguidance
 
+        try:
+            self.spec.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"holds a lone surrogate ({self.spec[exc.start]!r}), which is no Unicode text") from None
         if self.kind == "grammar":
             return llguidance.LLMatcher.grammar_from_lark(self.spec)
+        if self.spec == "false":
+            raise ValueError("the schema false allows no value")
         schema = {"type": "object"} if self.kind == "json_object" else self.spec
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
 

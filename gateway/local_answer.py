@@ -304,8 +304,10 @@ class LocalResponse:
 
     def _apply(self, i: int, out: RequestDelta) -> list[dict[str, Any]]:
         """Add prompt i's delta to its choices; the stream chunk's choices (empty when not streaming). A request
-        that failed before any token raises its error (a ValueError naming the field, which `run` answers)."""
-        if out.finished and out.error is not None and not any(c.num_tokens for c in out.outputs):
+        that failed before any token raises its error (a ValueError naming the field, which `run` answers), as
+        does one whose grammar failed midway (its output is not what the schema asks: never a 'stop')."""
+        grammar_failed = out.error is not None and out.error.startswith("response_format:")
+        if out.finished and out.error is not None and (grammar_failed or not any(c.num_tokens for c in out.outputs)):
             raise ValueError(renamed_field(out.error, {"response_format": self.req.structured_param,
                                                        "prompt": self.req.prompt_param}))
         if out.finished and "queue_time" in out.metrics:   # sent once, with the final delta of a request that ran

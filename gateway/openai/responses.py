@@ -29,7 +29,6 @@ Each event carries `sequence_number`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -60,6 +59,7 @@ class ResponsesRequest:
     background: bool = False            # answer at once (queued), run it, keep the result
     previous_response_id: str | None = None
     instructions: str | None = None     # the request's own (the Response echoes them; never an input item's)
+    text_format: dict[str, Any] | None = None   # the request's own text.format (the Response echoes it)
 
 
 def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
@@ -100,7 +100,8 @@ def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
     parsed = dataclasses.replace(parsed, metadata=metadata, max_tokens_param="max_output_tokens",
                                  structured_param="text.format", prompt_param="input")
     return ResponsesRequest(parsed, prior + own, store=store, background=background,
-                            previous_response_id=req.previous_response_id, instructions=req.instructions)
+                            previous_response_id=req.previous_response_id, instructions=req.instructions,
+                            text_format=None if req.text is None else req.text.format)
 
 
 _ITEM_FIELDS = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
@@ -216,8 +217,7 @@ _FUNCTION_FIELD = re.compile(r"^tools\[(\d+)\]\.function\.")
 
 def response_object(asked: ResponsesRequest, response_id: str, created_at: float, status: str,
                     output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
-                    error: dict[str, Any] | None = None, *,
-                    structured_format: dict[str, Any] | None = None) -> dict[str, Any]:
+                    error: dict[str, Any] | None = None) -> dict[str, Any]:
     """OpenAI's Response object of `asked` as it stands (`status`, the `output` items so far)."""
     req = asked.chat
     choice = req.tool_choice.mode if req.tool_choice.mode != "function" else {
@@ -233,7 +233,7 @@ def response_object(asked: ResponsesRequest, response_id: str, created_at: float
         "store": asked.store, "tool_choice": choice if req.tools else "none",
         "tools": [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
                    "strict": t.strict} for t in req.tools or []],
-        "text": {"format": structured_format or {"type": "text"}}, "usage": usage,
+        "text": {"format": asked.text_format or {"type": "text"}}, "usage": usage,
     }
 
 
@@ -269,17 +269,7 @@ class ResponsesAnswer(LocalResponse):
             usage = objects.response_usage(prompt_tokens, completion_tokens, self.cached_tokens(),
                                    self.reasoning_tokens() or 0)
         error = self.error.body()["error"] if status == "failed" and self.error is not None else None
-        return response_object(self.asked, self.response_id, self.created_at, status, output, usage, error,
-                               structured_format=self._format())
-
-    def _format(self) -> dict[str, Any]:
-        asked = self.asked.chat   # the request's `text.format` as asked, not the grammar that may wrap it
-        structured = asked.params.structured
-        if structured is None or asked.structured_param != "text.format":
-            return {"type": "text"}
-        if structured.kind == "json_object":
-            return {"type": "json_object"}
-        return {"type": "json_schema", "name": "response", "schema": json.loads(structured.spec), "strict": True}
+        return response_object(self.asked, self.response_id, self.created_at, status, output, usage, error)
 
     @staticmethod
     def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:

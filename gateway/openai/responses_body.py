@@ -55,8 +55,9 @@ class FunctionChoice(msgspec.Struct):
     name: str
 
 
-class TextOptions(msgspec.Struct):
+class TextOptions(msgspec.Struct, forbid_unknown_fields=True):
     format: dict[str, Any] | None = None   # chat's response_format, a json_schema's fields beside its type
+    verbosity: Literal["low", "medium", "high"] | None = None   # accepted: a hint to OpenAI's own models only
 
 
 class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -43,7 +43,7 @@ class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
     type: Any = None   # accepted and ignored
 
 
-class ResponseFormat(msgspec.Struct):
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 

@@ -187,3 +187,16 @@ def test_abort_and_failure_while_the_grammar_builds(builtin_path, monkeypatch) -
         outs += engine.step()
     assert outs[-1].request_id == "b" and outs[-1].finished and "grammar" in outs[-1].error
     assert_all_free(engine)
+
+
+def test_a_grammar_that_fails_midway_ends_its_request_with_an_error_not_a_stop(engine) -> None:
+    """500 optional properties pass the library's check, but the parser's row limit (2000 items) is passed
+    once the object opens: the output ('{' and no more) is not what the schema asks, so the request ends
+    with an error naming response_format (it ended 'stop', and the gateway answered it 200)."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}}
+    check(StructuredOutput.json_schema(schema))   # the gateway's check passes it
+    params = SamplingParams(temperature=0, max_tokens=20, structured=StructuredOutput.json_schema(schema))
+    out = engine.generate([_chat(engine, "Give a JSON object.")], params)[0]
+    assert out.error.startswith("response_format: the grammar could not follow the output"), out.error
+    assert "max is 2000" in out.error and len(out.outputs[0].token_ids) < 20
+    assert_all_free(engine)

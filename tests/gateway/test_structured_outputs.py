@@ -9,6 +9,7 @@ import enum
 import json
 from typing import Literal
 
+import aiohttp
 import openai
 import pytest
 from pydantic import BaseModel, Field
@@ -234,6 +235,49 @@ async def test_what_the_grammar_library_refuses_is_a_400_naming_response_format(
         await client.chat.completions.create(model=MODEL, messages=_messages("x"), max_tokens=5,
                                              response_format={"type": "xml"})
     assert info.value.body["param"] == "response_format.type"
+    async with aiohttp.ClientSession() as http:   # JSON's escape of a lone surrogate, which no SDK can encode
+        async with http.post(f"{client.base_url}chat/completions", data=json.dumps(
+                {"model": MODEL, "messages": _messages("x"), "max_tokens": 5, "response_format": {
+                    "type": "json_schema", "json_schema": {"name": "s", "schema": {"const": "\ud800"}}}})) as answer:
+            error = (await answer.json())["error"]
+    assert answer.status == 400 and error["param"] == "response_format" and "lone surrogate" in error["message"]
+    for response_format, param in [
+            ({"type": "json_schema", "json_schema": {"name": "f", "schema": False}}, "response_format"),
+            ({"type": "json_object", "schema": {"type": "object"}}, "response_format.schema"),   # not silently dropped
+            ({"type": "text", "strict": True}, "response_format.strict")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.chat.completions.create(model=MODEL, messages=_messages("x"), max_tokens=5,
+                                                 response_format=response_format)
+        assert info.value.body["param"] == param, (response_format, info.value.body)
+    any_value = {"type": "json_schema", "json_schema": {"name": "t", "schema": True}}
+    anything = await client.chat.completions.create(model=MODEL, messages=_messages("A number."), max_tokens=8,
+                                                    temperature=0, response_format=any_value)
+    assert anything.choices[0].message.content
+    # Past the parser's limits once the output began (500 optional properties: a row of over 2000 items after
+    # "{"): an error naming the field, not a 200 'stop' with "{" for an answer.
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(500)}}
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model=MODEL, messages=_messages("x"), max_tokens=20, response_format={
+            "type": "json_schema", "json_schema": {"name": "wide", "schema": wide}})
+    assert info.value.body["param"] == "response_format" and "max is 2000" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.create(model=MODEL, input="x", max_output_tokens=20,
+                                      text={"format": {"type": "json_schema", "name": "wide", "schema": wide}})
+    assert info.value.body["param"] == "text.format"
     # The server is unharmed: a plain request still works.
     ok = await client.chat.completions.create(model=MODEL, messages=_messages("Hi"), max_tokens=3)
     assert ok.choices[0].message.content
+
+
+async def test_a_response_echoes_its_text_format_as_asked(async_sdk):
+    """The Response's text.format is the request's own (its name, strict and description), not a made-up
+    {"name": "response", "strict": true}; text.verbosity is accepted, another key of text is a 400."""
+    client = async_sdk()
+    asked = {"type": "json_schema", "name": "my_format", "strict": False, "description": "a city",
+             "schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    response = await client.responses.create(model=MODEL, input="A city as JSON.", max_output_tokens=24,
+                                             temperature=0, text={"format": asked, "verbosity": "low"})
+    assert response.text.format.model_dump(by_alias=True, exclude_none=True) == asked
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.create(model=MODEL, input="x", max_output_tokens=4, text={"bogus": 1})
+    assert info.value.body["param"] == "text.bogus"
