@@ -255,9 +255,11 @@ def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,
                  think: str | None = None) -> ChatRequest | CompletionRequest:
     """A chat whose tool_choice is "required" or a named function, constrained to the pool's tool-call
     format by a grammar of the allowed functions' schemas (it takes the place of any response_format:
-    the reply is tool calls only); under "auto" with at least one strict tool, by a grammar of plain text
-    that starts no call (or the response_format's JSON) or calls only, a strict tool's arguments under its
-    schema, another's any JSON object. `think` (`gateway.openai.reasoning.think_mode`): a thinking model's
+    the reply is tool calls only); under "auto" with at least one strict tool, or with a response_format,
+    by a grammar of plain text that starts no call (or the response_format's JSON) or calls only, a strict
+    tool's arguments under its schema, another's any JSON object: as OpenAI, the response_format binds
+    the reply, not the calls (a format writing calls as bare JSON objects, which the reply could not be
+    told from, keeps non-strict tools out of it: the JSON reply alone). `think` (`gateway.openai.reasoning.think_mode`): a thinking model's
     reply may think first (or, the prompt having opened the block, must close it first); a response_format
     alone becomes a grammar that lets it."""
     if not isinstance(req, ChatRequest):
@@ -268,7 +270,7 @@ def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,
         tools = req.tools if mode == "required" else [t for t in req.tools if t.name == req.tool_choice.name]
         grammar = format_for(pool.tokenizer, req.tools).grammar(tools, req.parallel_tool_calls and mode == "required",
                                                                 think)
-    elif mode == "auto" and any(t.strict for t in req.tools):
+    elif mode == "auto" and (any(t.strict for t in req.tools) or _calls_beside_reply(req, pool)):
         fmt = format_for(pool.tokenizer, req.tools)
         grammar = fmt.auto_grammar(req.tools, req.parallel_tool_calls, _json_reply(req, fmt, pool), think)
     elif think is not None and req.params.structured is not None:
@@ -277,6 +279,12 @@ def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,
         return req
     return dataclasses.replace(req, params=dataclasses.replace(req.params, structured=grammar),
                                structured_param=param)
+
+
+def _calls_beside_reply(req: ChatRequest, pool: Pool) -> bool:
+    """Non-strict tools under "auto" beside a response_format: a grammar of calls or the JSON reply, unless the
+    pool's format writes calls as bare JSON objects (then the reply alone, as the response_format asks)."""
+    return req.params.structured is not None and not format_for(pool.tokenizer, req.tools).syntax.is_bare
 
 
 def _json_reply(req: ChatRequest, fmt: ToolFormat, pool: Pool) -> StructuredOutput | None:

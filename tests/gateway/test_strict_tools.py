@@ -195,6 +195,13 @@ def test_the_grammar_is_attached_under_auto_only_with_a_strict_tool(pool, lltoke
     req = with_grammar(parse_chat(dict(CHAT, tools=[WEATHER], response_format=fmt)), pool)
     assert _accepts(lltokenizer, req.params.structured, '{"answer": 4}')
     assert not _accepts(lltokenizer, req.params.structured, "It is 4.")
+    # Non-strict tools beside a response_format: the format binds the reply, and the tools stay callable (as
+    # OpenAI; the grammar was the response_format alone, no call could be written)
+    req = with_grammar(parse_chat(dict(CHAT, tools=[SEARCH], response_format=fmt)), pool)
+    assert req.structured_param == "tools"
+    for text in ('{"answer": 4}', _hermes(("search", {"query": "Paris", "any": [1]}))):
+        assert _accepts(lltokenizer, req.params.structured, text), text
+    assert not _accepts(lltokenizer, req.params.structured, "It is 4.")
 
 
 def test_a_response_format_a_format_cannot_tell_from_a_call_is_a_400(pool, builtin_path, tmp_path):
@@ -212,6 +219,8 @@ def test_a_response_format_a_format_cannot_tell_from_a_call_is_a_400(pool, built
     assert with_grammar(parse_chat(body), pool).params.structured.kind == "grammar"   # hermes can
     req = with_grammar(parse_chat(dict(CHAT, tools=[WEATHER])), llama3)
     assert req.params.structured == Llama3JsonFormat(req.tools).auto_grammar(req.tools, True)
+    req = with_grammar(parse_chat(dict(body, tools=[SEARCH])), llama3)   # non-strict: the JSON reply alone
+    assert req.params.structured == StructuredOutput("json_object") and req.structured_param == "response_format"
 
 
 # --- a live server -----------------------------------------------------------------------------------
