@@ -20,6 +20,7 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ KINDS = ("json_object", "json_schema", "grammar")
 GRAMMAR_WAIT_SECONDS = 0.005   # an engine with nothing to run but grammars being built sleeps this long
 MAX_SPEC_CHARS = 256 * 1024     # a schema or grammar larger than this is refused (it is compiled per request)
 MAX_CACHED_GRAMMARS = 256
+GRAMMAR_THREADS = 2   # builds at once: a schema that takes seconds to build does not hold back every other
 # How constrained JSON is written (llguidance's JSON compile options; a Lark grammar's %json{...} takes the
 # same under "x-guidance").
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -164,14 +166,17 @@ def allowed_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.device)
 class GrammarCompiler:
     """Builds grammar matchers for one engine: the library's view of the tokenizer (built on first use,
     about a second for a 50k vocabulary), a cache of built grammars by constraint hash (LRU, at most
-    MAX_CACHED_GRAMMARS), and one background thread that builds them, so the engine's step never waits on a
-    new schema. Owned by the engine; `submit` and `matcher` are called from the engine's thread only."""
+    MAX_CACHED_GRAMMARS), and GRAMMAR_THREADS background threads that build them (the library releases the
+    GIL), so the engine's step never waits on a new schema, and one schema taking seconds to build (an
+    object of thousands of properties) does not hold back the next. Owned by the engine; `submit` and
+    `matcher` are called from the engine's thread only."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
         self._source = tokenizer    # read (as tokenizer.json text) on the grammar thread, at the first build
         self._vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._thread = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
+        self._first_use = threading.Lock()   # the builds' first one makes the tokenizer's view
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._tokenizer = None      # llguidance.LLTokenizer, built on the grammar thread
         self._executor = None       # llguidance.LLExecutor
@@ -197,10 +202,11 @@ class GrammarCompiler:
     def _build(self, constraint: StructuredOutput) -> Any:
         import llguidance
 
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(self._source.to_json(), n_vocab=self._vocab_size,
-                                                     eos_token=self._eos_token_ids)
-            self._executor = llguidance.LLExecutor()
+        with self._first_use:
+            if self._tokenizer is None:
+                self._executor = llguidance.LLExecutor()
+                self._tokenizer = llguidance.LLTokenizer(self._source.to_json(), n_vocab=self._vocab_size,
+                                                         eos_token=self._eos_token_ids)
         matcher = llguidance.LLMatcher(self._tokenizer, constraint.grammar_text(), log_level=0)
         if matcher.is_error():
             raise ValueError(matcher.get_error())

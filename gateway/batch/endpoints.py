@@ -23,7 +23,6 @@ part with no name, a purpose in an unknown charset) a 400 naming `body`, `file` 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator

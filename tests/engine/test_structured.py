@@ -173,6 +173,27 @@ def test_a_grammar_being_built_holds_its_request_only(builtin_path, monkeypatch)
     assert_all_free(engine)
 
 
+def test_a_slow_grammar_build_does_not_hold_back_another(builtin_path, monkeypatch) -> None:
+    """Two builds run at once (GRAMMAR_THREADS): while one schema's build takes long, another schema's
+    request is built, runs and finishes (one build thread queued it behind the slow one)."""
+    engine = _engine(builtin_path)
+    release, build = threading.Event(), engine.grammars._build
+    slow = StructuredOutput.json_schema({"type": "object", "properties": {"slow": {"type": "integer"}}})
+    monkeypatch.setattr(engine.grammars, "_build", lambda c: (c == slow and release.wait(30), build(c))[1])
+    prompt = _chat(engine, "Name a colour.")
+    engine.add_request("slow", prompt, SamplingParams(temperature=0, max_tokens=20, structured=slow))
+    engine.add_request("quick", prompt, SamplingParams(temperature=0, max_tokens=20,
+                                                       structured=StructuredOutput("json_object")))
+    finished = {}
+    while "quick" not in finished:
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "slow" not in finished and not release.is_set()
+    release.set()
+    while "slow" not in finished:
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert_all_free(engine)
+
+
 def test_abort_and_failure_while_the_grammar_builds(builtin_path, monkeypatch) -> None:
     engine, release = _engine_with_held_builds(builtin_path, monkeypatch)
     prompt = _chat(engine, "x")
