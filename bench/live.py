@@ -22,19 +22,24 @@ class LiveServer:
 
     `url` is the base URL; `log` collects the server's stderr (drained on a thread so the server
     never blocks on a full pipe); `stop()` terminates it (and kills it after `stop_timeout` s).
+    `started`, `listening` and `ready` are when (time.perf_counter) the process was started, said it was
+    serving, and first answered `/ready` 200, which is asked every `poll_seconds`.
     `args` are more `serve` options (e.g. `["--data-dir", path]`). Without a `--data-dir` the server
     gets a fresh temporary one, removed by `stop()`: a server holds its data dir alone, and one test
     or benchmark must not see another's batches.
     """
 
     def __init__(self, config_path: Path | str, timeout: float = 180, *, env: dict[str, str] | None = None,
-                 args: list[str] | None = None) -> None:
+                 args: list[str] | None = None, poll_seconds: float = 0.2) -> None:
         env = dict(os.environ if env is None else env, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         args = list(args or [])
         self._data_dir: str | None = None
         if "--data-dir" not in args:
             self._data_dir = tempfile.mkdtemp(prefix="cliffguard-live-")
             args += ["--data-dir", self._data_dir]
+        self.poll_seconds = poll_seconds
+        self.listening = self.ready = None
+        self.started = time.perf_counter()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), "--host", "127.0.0.1",
              "--port", "0", *args], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
@@ -54,7 +59,7 @@ class LiveServer:
             self.log.append(line)
             match = re.search(r"serving on (http://\S+) ", line)
             if match:
-                self.url = match.group(1)
+                self.url, self.listening = match.group(1), time.perf_counter()
             if time.monotonic() > deadline:
                 raise TimeoutError("".join(self.log))
         threading.Thread(target=self._drain, daemon=True).start()
@@ -62,12 +67,13 @@ class LiveServer:
             try:
                 with urllib.request.urlopen(self.url + "/ready", timeout=5) as r:
                     if r.status == 200:
+                        self.ready = time.perf_counter()
                         return
             except OSError:
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("server never became ready:\n" + "".join(self.log))
-            time.sleep(0.2)
+            time.sleep(self.poll_seconds)
 
     def _drain(self) -> None:
         for line in self.proc.stderr:

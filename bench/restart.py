@@ -10,6 +10,11 @@ the engine first, as every start did before 2026-11-27). The fork server is star
 imports paid) before the timed runs: what a restart costs. Reported: start-to-ready seconds of each
 (median, worst), the ratio spawn / forkserver, and the worker's load in phases (`LLMEngine.load_phases`:
 weights, KV tensor, kernels, schedulers, warm-up, SLO measurement), the part no start method removes.
+
+`--gateway` times a gateway's cold start instead: `cliffguard serve --config` in a new process, from its
+start to the line saying it serves (the port open: imports, config, plan, tokenizers; the workers' fork
+server starts meanwhile) and to `/ready` answering 200 (every local device's worker loaded), `--runs`
+times; `/ready` is asked every 20 ms.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "config/pools.yaml)")
     p.add_argument("--device", default=None, help="which device of the file (default: its first)")
     p.add_argument("--runs", type=int, default=3, help="restarts to time (default 3)")
+    p.add_argument("--gateway", action="store_true", help="time `cliffguard serve`'s cold start (to serving, to "
+                   "/ready 200) instead of a worker's restart")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -66,9 +73,38 @@ async def _restarts(config, runs: int) -> dict[str, list[dict]]:
     return results
 
 
+def _cold_starts(config_path: str, runs: int) -> dict:
+    """`runs` cold starts of `cliffguard serve --config config_path`: seconds to serving and to ready."""
+    from bench.live import LiveServer
+
+    listening, ready = [], []
+    for _ in range(runs):
+        server = LiveServer(config_path, poll_seconds=0.02)
+        server.stop()
+        listening.append(server.listening - server.started)
+        ready.append(server.ready - server.started)
+    return {"config": config_path, "runs": runs, "serving_s": statistics.median(listening),
+            "ready_s": statistics.median(ready), "max_s": max(ready), "all_s": ready}
+
+
+def _report_cold_starts(args: argparse.Namespace) -> int:
+    report = _cold_starts(args.config, args.runs)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"bench restart --gateway: cliffguard serve --config {args.config}, {args.runs} cold starts")
+    print(f"  start to serving (port open) median {report['serving_s']:.2f} s; to /ready 200 median "
+          f"{report['ready_s']:.2f} s, worst {report['max_s']:.2f} s")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.runs < 1:
         raise ValueError(f"--runs: must be >= 1, got {args.runs}")
+    if args.gateway:
+        if args.device is not None:
+            raise ValueError("--device: a gateway's cold start starts every device of --config; leave it out")
+        return _report_cold_starts(args)
     name, config = engine_config(args.config, args.device)
     results = asyncio.run(_restarts(config, args.runs))
     report = {"config": args.config, "device": name, "on": config.device, "model": config.model, "runs": args.runs}

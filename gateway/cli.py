@@ -52,7 +52,7 @@ BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's
     "grammars": "grammar libraries installed here: mask time per token at batch 1 and 32, compile time, schemas",
     "replicas": "one replica against N of the same pool file under the same open-loop load (chat, rag, shared "
                 "documents): tokens/s, the split of token load, prefix affinity",
-    "restart": "a device worker's restart, start to ready: forked from the fork server vs spawned",
+    "restart": "a device worker's restart to ready, forked vs spawned (--gateway: a gateway's cold start)",
     "chaos": "faults (slow readers, disconnects, oversized inputs, kill -9 / STOP of the worker, a 500-connection "
              "burst) under a steady load: lost, duplicated, p99 TTFT, recovery time, RSS",
 }

@@ -30,3 +30,13 @@ def test_bench_restart_names_a_bad_option(tmp_path, tiny_model, capsys):  # noqa
     assert main(["bench", "restart", "--config", str(path), "--device", "gpu9"]) == 2
     err = capsys.readouterr().err
     assert "--runs: must be >= 1" in err and "--device: 'gpu9' is not a local device" in err
+
+
+def test_bench_restart_gateway_times_a_cold_start_to_serving_and_ready(tmp_path, tiny_model, capsys):  # noqa: F811
+    path = tmp_path / "pools.yaml"
+    path.write_text(pools_yaml(tiny_model))
+    assert main(["bench", "restart", "--gateway", "--config", str(path), "--runs", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["runs"] == 1 and 0 < report["serving_s"] < report["ready_s"] == report["max_s"] < 120
+    assert main(["bench", "restart", "--gateway", "--config", str(path), "--device", "cpu"]) == 2
+    assert "--device: a gateway's cold start starts every device" in capsys.readouterr().err
