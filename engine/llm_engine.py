@@ -457,8 +457,8 @@ class LLMEngine:
         reason = seq.append_token(token, logprob, top, lambda t: detok.step([t]), self.eos_token_ids,
                                   self.schedulers[seq.pool].max_model_len)
         if reason is not None:
-            if not isinstance(seq.stop_reason, str):  # a stop string already cut the text
-                seq.text += detok.flush()
+            if not isinstance(seq.stop_reason, str) and seq.append_flushed(detok.flush()):   # not cut yet
+                reason = FinishReason.STOP   # the held text had a stop string
             self.schedulers[seq.pool].finish(seq, reason)
             self.runner.release(seq)
 

@@ -153,6 +153,13 @@ class Sequence:
             reason = FinishReason.LENGTH
         return reason
 
+    def append_flushed(self, delta: str) -> bool:
+        """At its end, the text its detokenizer held back (`delta`: a byte-fallback run's, "\n" among them,
+        comes only once the run ends), checked for stop strings as each token's text is; True if one cut it."""
+        self.text += delta
+        return bool(self.params.stop) and self.num_known_output_tokens > self.params.min_tokens \
+            and self.cut_at_stop_string(len(delta)) is not None
+
     def cut_at_stop_string(self, delta_len: int) -> FinishReason | None:
         """Truncate the text at the earliest stop string that the last `delta_len` characters complete
         (one ending in them: text before them stopped nothing, the first `min_tokens`' included); STOP (and

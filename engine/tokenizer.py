@@ -228,8 +228,11 @@ class IncrementalDetokenizer:
     what the window decodes to beyond its context, and it is emitted only once it is final: the window's text does
     not end in U+FFFD (a UTF-8 sequence that later bytes may complete) and, for byte-fallback tokenizers, its last
     token is not an <0xXX> byte token (their decoder turns a whole run of byte tokens into U+FFFDs if any byte of the
-    run is invalid, so a run's text is final only once the run ends). A step costs O(window), not O(output); the
-    window is a few tokens, longer only while invalid bytes keep its text unfinished.
+    run is invalid, so a run's text is final only once the run ends: while one is open nothing is decoded, and
+    the run is decoded once when it ends). Special tokens that decode skips are left out of the window, as the
+    library leaves them out before its decoder (so a byte run stays one run across them, and a run of them costs
+    nothing). A step costs O(window), not O(output); the window is a few tokens, a byte run's, or longer only while
+    invalid bytes keep its text unfinished.
 
     The window starts at the first output token, never in the prompt: HF's reference decode of the output alone
     strips a sentencepiece tokenizer's leading space, which prompt context would keep. `prompt_token_ids` is
@@ -245,12 +248,12 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        # with byte fallback, a run of byte tokens stays open across special tokens that decode skips
-        skipped = tokenizer._skipped_ids if skip_special_tokens else frozenset()
-        self._hold_ids = tokenizer._byte_token_ids | skipped if tokenizer._byte_token_ids else frozenset()
+        self._skipped = tokenizer._skipped_ids if skip_special_tokens else frozenset()
+        self._byte_ids = tokenizer._byte_token_ids
         self._ids: list[int] = []
-        self._prefix_offset = 0  # window start
-        self._read_offset = 0  # end of the emitted tokens
+        self._text_ids: list[int] = []   # the ids decode reads: `_ids` less the special tokens it skips
+        self._prefix_offset = 0  # window start, in _text_ids
+        self._read_offset = 0  # end of the emitted tokens, in _text_ids
         self._text = OutputText()   # appended without copying what came before
         tables = tokenizer.byte_tables
         self._bytes = None if tables is None else tables[skip_special_tokens]
@@ -270,6 +273,7 @@ class IncrementalDetokenizer:
         """Append generated tokens; returns the text that became final (maybe "")."""
         self._ids.extend(new_token_ids)
         if self._bytes is None:
+            self._text_ids.extend(i for i in new_token_ids if i not in self._skipped)
             return self._emit(final=False)
         table, size = self._bytes, len(self._bytes)
         delta = self._utf8.decode(b"".join([table[i] if 0 <= i < size else b"" for i in new_token_ids]))
@@ -285,17 +289,17 @@ class IncrementalDetokenizer:
         return delta
 
     def _emit(self, final: bool) -> str:
-        if self._read_offset == len(self._ids):
+        ids = self._text_ids
+        if self._read_offset == len(ids) or (not final and ids[-1] in self._byte_ids):   # a byte run is open
             return ""
         decode, skip = self._tokenizer.decode, self._skip_special_tokens
-        context_text = decode(self._ids[self._prefix_offset:self._read_offset], skip)
-        window_text = decode(self._ids[self._prefix_offset:], skip)
+        context_text = decode(ids[self._prefix_offset:self._read_offset], skip)
+        window_text = decode(ids[self._prefix_offset:], skip)
         # "longer than the context": a window must start with text, else a sentencepiece decoder strips its space
-        if not final and (len(window_text) <= len(context_text) or window_text.endswith(_REPLACEMENT_CHAR)
-                          or self._ids[-1] in self._hold_ids):
+        if not final and (len(window_text) <= len(context_text) or window_text.endswith(_REPLACEMENT_CHAR)):
             return ""
         delta = window_text[len(context_text):]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
         self._text += delta
         return delta
 

@@ -531,6 +531,51 @@ def test_detokenizer_byte_run_across_special_token(sp_tok: Tokenizer, sp_hf: Any
     _assert_stream(sp_tok, ids, [1] * len(ids), reference, skip_special_tokens)
 
 
+@pytest.mark.parametrize("run", ["bytes", "skipped"])
+def test_detokenizer_decodes_a_long_run_once(sp_tok: Tokenizer, sp_hf: Any, run: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run of byte tokens (text a byte-fallback model writes for characters it has no piece for) is decoded
+    once, when it ends, and skipped special tokens never: every step decoded the open run again (6.6 s for
+    8,000 byte tokens), and each skipped token grew the window."""
+    ids = ([_SP_BYTE + b for b in "é".encode()] * 1500 if run == "bytes" else [2] * 3000) + [6]   # 6: "a"
+    decode, decoded = sp_tok.decode, []
+
+    def counting_decode(window: Sequence[int], skip_special_tokens: bool = True) -> str:
+        decoded.append(len(window))
+        return decode(window, skip_special_tokens)
+
+    monkeypatch.setattr(sp_tok, "decode", counting_decode)
+    detok = IncrementalDetokenizer(sp_tok)
+    deltas = [detok.step([i]) for i in ids] + [detok.flush()]
+    monkeypatch.undo()
+    assert "".join(deltas) == sp_hf.decode(ids, skip_special_tokens=True)
+    assert sum(decoded) <= 2 * len(ids) + 8, sum(decoded)
+
+
+def test_a_stop_string_in_the_text_held_to_the_end_stops_the_sequence(sp_folder: Path, builtin_path: Path,
+                                                                      tmp_path: Path) -> None:
+    """A byte-fallback model writes "\n" as the byte token <0x0A>, whose text comes once its run ends: at the
+    last token (max_tokens, EOS) it came at the flush, which no stop string was checked against ('\n' was the
+    answer, ended 'length')."""
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+    from tests.conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "m", "llama", builtin_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(sp_folder / name, folder / name)
+    newline = Tokenizer.from_folder(folder)._backend.token_to_id("<0x0A>")
+    engine = LLMEngine.from_args(str(folder), block_size=8, num_blocks=32, progress=False)
+    for stop, max_tokens in ((["\n"], 1), (["\n"], 3), (["x"], 2)):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, stop=stop, logit_bias={newline: 100.0})
+        out = engine.generate([[1, 10, 11]], params)[0].outputs[0]
+        assert out.token_ids[0] == newline
+        if stop == ["\n"]:
+            assert (out.text, out.finish_reason, out.stop_reason) == ("", "stop", "\n"), out
+        else:
+            assert (out.text, out.finish_reason) == ("\n\n", "length"), out
+
+
 def test_detokenizer_byte_fallback_text(sp_tok: Tokenizer, sp_hf: Any) -> None:
     ours = sp_tok
     ids = ours.encode("the é cat 😀 é the", add_special_tokens=False)
