@@ -67,6 +67,7 @@ class _Choice:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     tool_stream: ToolCallStream | None = None   # a streamed chat with tools: held text, calls at the end
     reasoning: ReasoningSplitter | None = None  # a thinking model's chat: its reasoning split from its content
+    token_chars: int = 0   # a streamed completion's text_offset: characters of its tokens so far (sent or held)
 
     @property
     def content_text(self) -> str:
@@ -317,7 +318,6 @@ class LocalResponse:
             choice = self.choices[i * self.req.params.n + c.index]
             if choice.finish_reason is not None:   # reported again with the request's last sample: nothing new
                 continue
-            text_offset = len(choice.text)
             choice.text += c.delta_text
             parts = self._reasoning_parts(choice, c)
             choice.num_tokens = c.num_tokens
@@ -330,7 +330,7 @@ class LocalResponse:
                 self.metrics.request_success.labels(pool=choice.pool.name, finished_reason=c.finish_reason).inc()
             has_logprobs = self.want_logprobs and bool(c.delta_token_ids)
             if self.req.stream and (c.delta_text or c.finish_reason or has_logprobs):
-                chunk_choices.append(self._stream_choice(choice, c, has_logprobs, text_offset, parts))
+                chunk_choices.append(self._stream_choice(choice, c, has_logprobs, parts))
         return chunk_choices
 
     @staticmethod
@@ -345,12 +345,13 @@ class LocalResponse:
             reasoning, content = reasoning + rest_reasoning, content + rest_content
         return reasoning, content
 
-    def _stream_choice(self, choice: _Choice, c: SampleDelta, has_logprobs: bool, text_offset: int,
+    def _stream_choice(self, choice: _Choice, c: SampleDelta, has_logprobs: bool,
                        parts: tuple[str, str] | None) -> dict[str, Any]:
         ids, pool, lps, tops = c.delta_token_ids, choice.pool, c.delta_logprobs or [], c.delta_top_logprobs or []
-        if not self.chat:   # text offsets count whole characters: the 4 tokens before may have begun one
-            lp = objects.completion_logprobs(ids, lps, tops, pool.token_text, pool.token_bytes, text_offset,
-                                             choice.token_ids[-len(ids) - 4:-len(ids)]) if has_logprobs else None
+        if not self.chat:   # offsets count the tokens' characters, sent or held (the 4 before may begin one)
+            lp, choice.token_chars = objects.completion_logprobs_from(
+                ids, lps, tops, pool.token_text, pool.token_bytes, choice.token_chars,
+                choice.token_ids[-len(ids) - 4:-len(ids)]) if has_logprobs else (None, choice.token_chars)
             return {"index": choice.index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
         lp = objects.chat_logprobs(ids, lps, tops, pool.token_text, pool.token_bytes) if has_logprobs else None
         delta: dict[str, Any] = {}
@@ -469,9 +470,8 @@ class LocalResponse:
                 continue
             finish_reason = choice.finish_reason
             content, calls = self._reply(choice)
-            if self.tool_format is not None:
-                if calls and finish_reason == "stop":
-                    finish_reason = "tool_calls"
+            if self.tool_format is not None and calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
             reasoning = choice.reasoning
             if reasoning is not None:   # a thinking model's: null where a part is empty
                 content = content or None

@@ -48,12 +48,21 @@ def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[float],
                         top: Sequence[Sequence[tuple[int, float]]], token_text: TokenText,
                         token_bytes: TokenBytes | None = None, text_offset: int = 0,
                         before: Sequence[int] = ()) -> dict[str, Any]:
-    """The completions API's logprobs (`token_bytes`: each token's own bytes): a token by its text, or, where
+    """The completions API's logprobs of these tokens (`completion_logprobs_from`)."""
+    return completion_logprobs_from(token_ids, logprobs, top, token_text, token_bytes, text_offset, before)[0]
+
+
+def completion_logprobs_from(token_ids: Sequence[int], logprobs: Sequence[float],
+                             top: Sequence[Sequence[tuple[int, float]]], token_text: TokenText,
+                             token_bytes: TokenBytes | None = None, text_offset: int = 0,
+                             before: Sequence[int] = ()) -> tuple[dict[str, Any], int]:
+    """(The completions API's logprobs (`token_bytes`: each token's own bytes): a token by its text, or, where
     its bytes are part of a character, as `bytes:\\xNN...` (OpenAI's name: the pieces of different characters
     no longer share the text U+FFFD, and a top_logprobs entry no longer takes another's place); top_logprobs
     with the sampled token among them (up to logprobs + 1, as OpenAI); each token's text_offset where the
     text stood before it, counting whole characters (`before`: the output's tokens before these, at least its
-    last three, whose unfinished character one of these may finish; `text_offset`: their text's length)."""
+    last three, whose unfinished character one of these may finish; `text_offset`: their text's length);
+    and where the last token's text ends, the next offset (`completion_logprobs`: the logprobs alone)."""
     def name(tok: int) -> str:
         text = token_text(tok)
         if token_bytes is None or "\ufffd" not in text:
@@ -64,20 +73,30 @@ def completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[float],
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    for tok in before if token_bytes is not None else ():
-        decoder.decode(token_bytes(tok))   # only its state: the bytes of a character begun there
-    tokens, offsets, tops, offset = [], [], [], text_offset
+    offsets = token_offsets(token_ids, token_text, token_bytes, text_offset, before)
+    tokens, tops = [], []
     for i, tok in enumerate(token_ids):
         tokens.append(name(tok))
-        offsets.append(offset)
-        offset += len(decoder.decode(token_bytes(tok)) if token_bytes is not None else token_text(tok))
         entries: dict[str, float] = {}
         for t, v in [*(top[i] if i < len(top) else []), (tok, logprobs[i])]:
             entries.setdefault(name(t), v)   # the best of any that share a name
         tops.append(entries)
     return {"tokens": tokens, "token_logprobs": list(logprobs[:len(tokens)]), "top_logprobs": tops,
-            "text_offset": offsets}
+            "text_offset": offsets[:-1]}, offsets[-1]
+
+
+def token_offsets(token_ids: Sequence[int], token_text: TokenText, token_bytes: TokenBytes | None = None,
+                  text_offset: int = 0, before: Sequence[int] = ()) -> list[int]:
+    """Where each token's text begins, counting whole characters from `text_offset` (`before`: as
+    `completion_logprobs`), then where the last one's ends: one more offset than tokens."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    for tok in before if token_bytes is not None else ():
+        decoder.decode(token_bytes(tok))   # only its state: the bytes of a character begun there
+    offsets = [text_offset]
+    for tok in token_ids:
+        offsets.append(offsets[-1] + len(decoder.decode(token_bytes(tok)) if token_bytes is not None
+                                          else token_text(tok)))
+    return offsets
 
 
 def chat_response(request_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,

@@ -133,6 +133,14 @@ async def test_streamed_equals_non_streamed_and_usage_and_logprobs(aiohttp_clien
     for c in lp["choices"]:
         assert len(c["logprobs"]["tokens"]) == 5 and len(c["logprobs"]["top_logprobs"][0]) >= 2
         assert "".join(c["logprobs"]["tokens"]) == c["text"]
+    # a stop string no text completes holds the last characters back: the streamed text_offsets count the
+    # tokens' text, as the whole answer's do, not the text sent so far
+    held = {"model": _model(tiny_model), "prompt": "Tell me about cliffs.", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "logprobs": 1, "stop": ["NEVER-SEEN-STOP"]}
+    whole = (await (await client.post("/v1/completions", json=held)).json())["choices"][0]["logprobs"]
+    _, chunks = await _stream_text(await client.post("/v1/completions", json=dict(held, stream=True)))
+    offsets = [o for c in chunks for ch in c["choices"] if ch["logprobs"] for o in ch["logprobs"]["text_offset"]]
+    assert offsets == whole["text_offset"] and len(offsets) == 12
 
 
 async def test_bad_requests_get_clear_errors_while_a_stream_keeps_going(aiohttp_client, tmp_path, tiny_model):
