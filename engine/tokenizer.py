@@ -41,6 +41,7 @@ __all__ = ["TEMPLATE_FUNCTIONS", "IncrementalDetokenizer", "Tokenizer"]
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
 _REPLACEMENT_CHAR = "\ufffd"
+_MIN_CONTEXT, _MAX_CONTEXT = 4, 24   # prompt tokens an output's first window begins with (IncrementalDetokenizer)
 
 
 class Tokenizer:
@@ -234,9 +235,11 @@ class IncrementalDetokenizer:
     nothing). A step costs O(window), not O(output); the window is a few tokens, a byte run's, or longer only while
     invalid bytes keep its text unfinished.
 
-    The window starts at the first output token, never in the prompt: HF's reference decode of the output alone
-    strips a sentencepiece tokenizer's leading space, which prompt context would keep. `prompt_token_ids` is
-    accepted so callers can hand over the request as it is. One instance per sequence; not thread-safe.
+    The output is read in its prompt's context, as vLLM reads it: the first window begins with the prompt's last
+    tokens (`_prompt_context`: 4 or more that decode to whole characters), so a sentencepiece tokenizer's leading
+    space before the first output word is kept (its decoder strips the space a text begins with: decoded alone,
+    "The cat" + "▁sat" gave "sat", and a completion did not follow on from its prompt). The text is then the
+    decode of prompt + output past the prompt's text. One instance per sequence; not thread-safe.
 
     A byte-level tokenizer (`Tokenizer.byte_tables`: GPT-2's, Llama 3's, Qwen's, SmolLM's) needs no window and no
     library call: its decode is the UTF-8 of the tokens' bytes joined, so each step feeds the new tokens' bytes
@@ -258,6 +261,18 @@ class IncrementalDetokenizer:
         tables = tokenizer.byte_tables
         self._bytes = None if tables is None else tables[skip_special_tokens]
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        if self._bytes is None:   # byte-level text has no leading space to lose: no context needed
+            self._text_ids = self._prompt_context(prompt_token_ids)
+            self._read_offset = len(self._text_ids)   # the context: read, not emitted
+
+    def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The shortest suffix of the prompt, 4 tokens or more (at most 24; special tokens decode skips left
+        out), that decodes to whole characters (vLLM's choice); none when there is no such suffix."""
+        ids = [i for i in prompt_token_ids[-_MAX_CONTEXT:] if i not in self._skipped]
+        for n in range(min(_MIN_CONTEXT, len(ids)), len(ids) + 1):
+            if n and _REPLACEMENT_CHAR not in self._tokenizer.decode(ids[-n:], self._skip_special_tokens):
+                return ids[-n:]
+        return []
 
     @property
     def text(self) -> str:

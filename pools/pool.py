@@ -93,10 +93,16 @@ class Pool:
         return [*self.prefix_ids, *self.counter.encode(text), *self.suffix_ids]
 
     def token_text(self, token_id: int) -> str:
-        """The text of one token, as logprobs report it (special tokens included)."""
+        """The text of one token, as logprobs report it (special tokens included): its bytes' text (a
+        sentencepiece piece with its space, " cat", which decoding it alone strips), or, where they are part of
+        a character, what decoding it gives (U+FFFD)."""
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            try:
+                text = self.tokenizer.token_bytes(token_id).decode("utf-8")
+            except UnicodeDecodeError:
+                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
         return text
 
     def token_bytes(self, token_id: int) -> bytes:

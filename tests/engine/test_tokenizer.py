@@ -455,7 +455,7 @@ def test_detokenizer_split_multibyte_tokens(detok_tok: Tokenizer, hf_tok: Any, d
     _assert_stream(detok_tok, ids, [1] * len(ids), hf_tok.decode(ids, skip_special_tokens=skip), skip)
 
 
-def test_detokenizer_ignores_prompt_context(detok_tok: Tokenizer) -> None:
+def test_detokenizer_reads_byte_level_output_alike_with_or_without_its_prompt(detok_tok: Tokenizer) -> None:
     prompt = detok_tok.encode_chat([{"role": "user", "content": "Say hi 😀"}])
     ids = detok_tok.encode(" Hi there 😀! 日本", add_special_tokens=False)
     reference = detok_tok.decode(ids)
@@ -577,12 +577,16 @@ def test_a_stop_string_in_the_text_held_to_the_end_stops_the_sequence(sp_folder:
 
 
 def test_detokenizer_byte_fallback_text(sp_tok: Tokenizer, sp_hf: Any) -> None:
+    """The output is read after its prompt (vLLM's way): a sentencepiece decoder strips the space a text begins
+    with, so decoded alone "say" + "▁the" lost the space a completion needs after its prompt."""
     ours = sp_tok
-    ids = ours.encode("the é cat 😀 é the", add_special_tokens=False)
-    deltas = _assert_stream(ours, ids, [1] * len(ids), sp_hf.decode(ids, skip_special_tokens=True),
-                            prompt_ids=ours.encode("say"))
-    assert deltas[0] == "the"  # no leading space, as HF's decode of the output alone
+    ids, prompt = ours.encode("the é cat 😀 é the", add_special_tokens=False), ours.encode("say")
+    after_prompt = sp_hf.decode(prompt + ids)[len(sp_hf.decode(prompt)):]
+    deltas = _assert_stream(ours, ids, [1] * len(ids), after_prompt, prompt_ids=prompt)
+    assert deltas[0] == " the" and after_prompt == " " + sp_hf.decode(ids)
     assert any("😀" in d for d in deltas)  # emitted whole, once its byte run ended
+    # no prompt, or one of special tokens only: the output alone, as HF decodes it
+    assert _assert_stream(ours, ids, [1] * len(ids), sp_hf.decode(ids), prompt_ids=[1, 1])[0] == "the"
 
 
 def test_a_tokens_bytes_are_its_own_where_its_text_is_part_of_a_character(tok: Tokenizer, sp_tok: Tokenizer) -> None:
@@ -602,6 +606,15 @@ def test_a_tokens_bytes_are_its_own_where_its_text_is_part_of_a_character(tok: T
     words = "the cat the"   # sentencepiece pieces keep their spaces (decoded alone, "\u2581the" is "the")
     pieces = sp_tok.encode(words, add_special_tokens=False)
     assert b"".join(sp_tok.token_bytes(i) for i in pieces) == f" {words}".encode()
+    # logprobs name a token by its bytes' text: " cat" (it read "cat": joined, "thecatthe"), a byte token of
+    # part of a character U+FFFD, a special token as written
+    from types import SimpleNamespace
+
+    from pools.pool import Pool
+
+    pool = SimpleNamespace(tokenizer=sp_tok, _token_texts={})
+    assert [Pool.token_text(pool, i) for i in pieces] == [" the", " cat", " the"]
+    assert [Pool.token_text(pool, i) for i in (_SP_BYTE + 0xC3, _SP_BYTE + 0x0A, 2)] == ["\ufffd", "\n", "</s>"]
 
 
 def test_completion_logprobs_name_a_part_of_a_character_by_its_bytes(tok: Tokenizer) -> None:
