@@ -182,9 +182,7 @@ class LocalResponse:
         self.write_timeout = write_timeout
         self.tenant = tenant                             # whose prefix-cache partition it uses
         self.think = think if self.chat else None        # `gateway.openai.reasoning.think_mode` of the prompt
-        if buffers is None and request is not None:
-            buffers = request.app.get(RESPONSE_BUFFERS)
-        self.buffers = buffers
+        self.buffers = request.app.get(RESPONSE_BUFFERS) if buffers is None and request is not None else buffers
         self._cached: dict[int, int] = {}               # prompt index -> its tokens from the prefix cache
         self._first_at: dict[int, float] = {}
         self._last_at: dict[int, float] = {}
@@ -294,8 +292,9 @@ class LocalResponse:
             if i not in self._first_at:
                 self._first_at[i] = now
                 metrics.pool_series(pool).ttft.observe(now - self.received)
-            else:
-                metrics.pool_series(pool).itl.observe((now - self._last_at[i]) / new_tokens)
+            else:   # per sample, as vLLM's (each of n samples is a request of its own there)
+                for c in (c for c in out.outputs if c.delta_token_ids):
+                    metrics.pool_series(pool).itl.observe((now - self._last_at[i]) / len(c.delta_token_ids))
             self._last_at[i] = now
             metrics.pool_series(pool).generation_tokens.inc(new_tokens)
         if out.finished:

@@ -33,6 +33,7 @@ to its own origin.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import math
@@ -310,9 +311,10 @@ async def data(request: web.Request) -> web.Response:
     would render it now (the same refresh from the stats each worker pushed last)."""
     gateway = request.app[GATEWAY]
     handlers.refresh_metrics(gateway)
-    snapshot = parse_snapshot(gateway.metrics.registry.collect(), gateway.pools, now=time.monotonic(),
-                              wall=time.time(), devices={name: p.device for name, p in gateway.pools.items()
-                                                         if not p.is_upstream})
+    devices = {name: p.device for name, p in gateway.pools.items() if not p.is_upstream}
+    snapshot = await asyncio.to_thread(   # on a thread, as /metrics is written
+        lambda: parse_snapshot(gateway.metrics.registry.collect(), gateway.pools, now=time.monotonic(),
+                               wall=time.time(), devices=devices))
     return web.json_response(request.app[DASHBOARD].add(snapshot), headers={"Cache-Control": "no-store"})
 
 

@@ -18,6 +18,7 @@ or clears, not at the scrape.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING, NamedTuple
@@ -347,12 +348,14 @@ class GatewayMetrics:
                 self.replica_held)
 
     def _remove_state(self, device: str, replica: int, stats: EngineStats) -> None:
-        """A parked replica's gauges go (`update_replica`); its counters stay."""
-        for name in stats.pools:
-            for gauge in (*self._held_gauges(), self.num_blocks, self.max_num_seqs, self.kv_bytes, self.target_scale):
-                gauge.remove(name, str(replica))
-        for gauge in (self.stats_age, self.step_target):
-            gauge.remove(device, str(replica))
+        """A parked replica's gauges go (`update_replica`); its counters stay. Only series it has are removed (a
+        throughput pool has no target scale; prometheus-client before 0.22 raises for a missing one)."""
+        series = [((name, str(replica)), (*self._held_gauges(), self.num_blocks, self.max_num_seqs, self.kv_bytes,
+                                          self.target_scale)) for name in stats.pools]
+        for labels, gauges in [*series, ((device, str(replica)), (self.stats_age, self.step_target))]:
+            for gauge in gauges:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*labels)
 
     def _zero_state(self, device: str, replica: int, stats: EngineStats) -> None:
         """What a replica whose worker is not running runs and holds: nothing (`update_replica`)."""

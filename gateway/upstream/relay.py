@@ -248,9 +248,9 @@ async def _relay_stream(request: web.Request, pool: Pool, upstream: UpstreamResp
             if isinstance(event, ApiError):
                 failure = event
                 break
-            num_objects = seen.num_objects
+            num_outputs = seen.num_outputs
             await write(seen.relay(event, client_model) + b"\n\n")
-            if num_objects == 0 and seen.num_objects:   # its first event with a JSON object
+            if num_outputs == 0 and seen.num_outputs:   # its first event of output
                 series.ttft.observe(time.perf_counter() - received)
     if failure is None and not seen.ended:   # a clean end of the body (a connection's FIN, a last chunk) too early
         last = "a response.completed, .incomplete or .failed event" if responses else "data: [DONE]"
@@ -270,20 +270,22 @@ async def _relay_stream(request: web.Request, pool: Pool, upstream: UpstreamResp
 # A Responses stream's last events; after the upstream's own `error` event too, ours would only repeat it.
 # A tuple: `in` compares, hashing nothing (an event's `type` may be a list).
 _FINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete", "response.failed", "error")
+_ANNOUNCING_EVENTS = ("response.created", "response.in_progress", "response.queued")   # before any output
 
 
 class _StreamSeen:
     """What one relayed stream's events said so far: whether its last event came (`ended`), the last
     `usage` it reported (a chat stream's usage chunk, a Responses stream's final Response; vLLM's
     continuous usage stats repeat running totals in every chunk, so only the last is counted), its last
-    `sequence_number` (a Responses stream: our error event follows it), how many events held a JSON
-    object. Events are read as the SSE spec says (`_field`)."""
+    `sequence_number` (a Responses stream: our error event follows it), how many events held output (a
+    chunk, or a Responses event past the ones that announce the Response before it runs: time to first token
+    counts to the first of them). Events are read as the SSE spec says (`_field`)."""
 
     def __init__(self) -> None:
         self.ended = False
         self.usage: Any = None
         self.sequence_number = -1
-        self.num_objects = 0
+        self.num_outputs = 0
 
     def relay(self, event: bytes, model: str) -> bytes:
         """`event` to relay, the client's model name put back into the JSON object of its data, noted."""
@@ -292,7 +294,7 @@ class _StreamSeen:
         obj = _json_object(data)
         if obj is None:   # `data:[DONE]` goes on as `data: [DONE]`, for clients that look for that line
             return _with_data(event, data) if data == b"[DONE]" else event
-        self.num_objects += 1
+        self.num_outputs += obj.get("type") not in _ANNOUNCING_EVENTS
         self.ended = self.ended or obj.get("type") in _FINAL_RESPONSE_EVENTS
         holder = obj.get("response") if isinstance(obj.get("response"), dict) else obj
         if holder.get("usage") is not None:

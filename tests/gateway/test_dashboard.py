@@ -204,14 +204,14 @@ async def test_the_data_equals_metrics_and_needs_the_key_like_the_api(aiohttp_cl
     first = await (await client.get("/dashboard/data", headers=auth)).json()
     assert list(first["pools"]) == ["chat", "rag"]
 
-    async def chat(i: int) -> None:
+    async def chat(i: int, n: int = 1) -> None:
         r = await client.post("/v1/chat/completions", headers=auth, json={
             "model": _model(tiny_model), "messages": [{"role": "user", "content": f"Count to {i}"}],
-            "max_tokens": 8, "ignore_eos": True, "stream": True})
+            "max_tokens": 8, "ignore_eos": True, "stream": True, "n": n})
         assert r.status == 200
         await _stream_text(r)
 
-    await asyncio.gather(*(chat(i) for i in range(3)))
+    await asyncio.gather(*(chat(i) for i in range(3)), chat(3, n=2))
     await _wait_idle(gateway)
     for _ in range(100):      # each handler gives its credits back after its client read the end: soon, not at once
         if all(pool.admission.ledger.free == pool.admission.ledger.total for pool in gateway.pools.values()
@@ -235,11 +235,12 @@ async def test_the_data_equals_metrics_and_needs_the_key_like_the_api(aiohttp_cl
         for key, name in dashboard.REPLICA_VALUES.items():
             assert shown["replicas"]["0"][key] == after.get(name, {}).get((("pool", pool), ("replica", "0"))), key
         ttft = _bucket_increase(after, before, "cliffguard_time_to_first_token_seconds", pool)
-        assert shown["ttft_window_count"] == (3 if pool == "chat" else 0)
+        assert shown["ttft_window_count"] == (4 if pool == "chat" else 0)
         assert shown["ttft_p99_seconds"] == (dashboard.histogram_quantile(0.99, ttft) if ttft[-1][1] else None)
         assert shown["preemptions_per_second"] == 0
         assert shown["series"]["age_seconds"][-1] == 0 and len(shown["series"]["age_seconds"]) >= 2
-    assert data["pools"]["chat"]["itl_window_count"] == 3 * 7          # 7 gaps between 8 streamed tokens
+    # 7 gaps between 8 streamed tokens, for each sample (as vLLM counts them: n = 2 counted one per step)
+    assert data["pools"]["chat"]["itl_window_count"] == 3 * 7 + 2 * 7
     assert data["pools"]["chat"]["kv_credits_free"] == data["pools"]["chat"]["kv_credits"] > 0
     assert data["stats_age_seconds"].keys() == _ages(after).keys()
 

@@ -272,3 +272,23 @@ def test_a_client_reconnected_to_the_same_process_goes_on_from_its_totals():
     assert _total(scrapes[-1], "cliffguard_computed_tokens_total") == 120
     assert _total(scrapes[-1], "cliffguard_engine_steps_total") == 12
     _assert_counters_never_fell(scrapes)
+
+
+def test_parking_a_replica_removes_only_the_series_it_has(monkeypatch):
+    """A throughput pool has no target scale series: parking its replica removes the others and does not
+    raise where prometheus-client (before 0.22) raises for a series it does not have (every scrape was then a
+    500, and the replica never counted as parked)."""
+    import prometheus_client
+
+    def strict_remove(self, *labels):
+        if tuple(str(v) for v in labels) not in self._metrics:
+            raise KeyError(labels)
+        del self._metrics[tuple(str(v) for v in labels)]
+
+    monkeypatch.setattr(prometheus_client.Gauge, "remove", strict_remove)
+    metrics = GatewayMetrics()
+    stats = _make_stats(taken_at=1.0)
+    metrics.running.labels(pool=POOL, replica="1").set(2)
+    metrics._remove_state(DEVICE, 1, stats)
+    assert ((POOL, "1") not in metrics.running._metrics
+            and not metrics.target_scale._metrics and not metrics.stats_age._metrics)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from openai.types.responses import ResponseErrorEvent
 
 from tests.gateway.test_upstream_faults import (CHAT, CHUNKED, RESPONSE_CREATED, _assert_no_slot_held,
                                                 _gateway_client, _reply, _serve)
+from tests.gateway.test_upstream_connection import _raw_server
 from tests.gateway.test_upstream_retry import FRONT
 
 RESPONSES = {"model": FRONT, "input": "hi"}
@@ -73,6 +75,32 @@ async def test_a_responses_stream_counts_its_final_responses_usage(aiohttp_clien
     events = [e for e in (await r.text()).split("\n\n") if e]
     assert r.status == 200 and len(events) == 3 and events[-1].startswith("event: response.completed"), events
     _assert_counted(gateway, 3, 2)
+    server.close()
+
+
+async def test_time_to_first_token_of_a_relayed_responses_stream_is_its_first_output(aiohttp_client, tmp_path):
+    """A Responses stream announces its Response (created, in_progress) before it generates: time to first
+    token counts to its first output event, 0.4 s later here (it counted to response.created)."""
+    def chunk(data: bytes) -> bytes:
+        return b"%x\r\n" % len(data) + data + b"\r\n"
+
+    async def answer(writer, request, n):
+        announced = _response_event("response.created", 0) + _response_event("response.in_progress", 1)
+        writer.write(CHUNKED + chunk(announced))
+        await writer.drain()
+        await asyncio.sleep(0.4)
+        delta = b'event: response.output_text.delta\ndata: {"type": "response.output_text.delta", ' \
+                b'"sequence_number": 2, "delta": "hi"}\n\n'
+        writer.write(chunk(delta + _response_event("response.completed", 3)) + b"0\r\n\r\n")
+        await writer.drain()
+
+    server, url, _, _ = await _raw_server(answer)
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, str(url.with_path("/v1")))
+    r = await client.post("/v1/responses", json={**RESPONSES, "stream": True})
+    assert r.status == 200 and "response.output_text.delta" in await r.text()
+    ttft = gateway.metrics.pool_series("remote").ttft
+    assert _num_observed(ttft) == 1
+    assert next(s.value for s in ttft._child_samples() if s.name == "_sum") >= 0.4
     server.close()
 
 
