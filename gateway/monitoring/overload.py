@@ -54,6 +54,7 @@ class OverloadWatch:
         self.detectors = {device: OverloadDetector() for device in self.pools}
         self.last: dict[str, DeviceLoad] = {}
         self._typical: dict[str, tuple[float, float]] = {}   # pool -> (prompt, output) of its last arrivals
+        self._models: dict[str, object] = {}   # device -> the last step-cost model a replica of it reported
         # (device, replica) -> (the worker's client, wall time, its busy seconds) at the last check
         self._busy: dict[tuple[str, int], tuple[object, float, float]] = {}
         self._ticker = Ticker("cliffguard-overload", OVERLOAD_INTERVAL, lambda: self.check(time.monotonic()), log,
@@ -93,6 +94,9 @@ class OverloadWatch:
             if stats is not None:
                 self._busy_ratio(device, replica, supervisor.client, time.time(), stats.step.busy_seconds)
                 model = model or stats.step.step_model
+        # with no replica ready the device's cost model still holds: its capacity reads 0 (its ready replicas'
+        # rates), the load offered to it what it is (it read no rates: capacity frozen, offered load 0)
+        model = self._models[device] = model or self._models.get(device)
         loads = []
         for pool in self.pools[device]:
             admission = pool.admission

@@ -397,7 +397,10 @@ class DeviceSupervisor:
             watch.cancel()
 
     def _new_client(self) -> AsyncEngineClient:
-        """A client for a new worker process, with the device's pools pointed at it."""
+        """A client for a new worker process, with the device's pools pointed at it. The worker it replaces
+        has its last counts taken into the metrics first: one that lived between two scrapes was never counted."""
+        if self.client is not None:
+            self.metrics.update_replica(self.device, self.replica, self.client, ready=False)
         self.client = RemoteEngineClient(self.config, self.link) if self.link is not None \
             else AsyncEngineClient(self.config)
         for pool in self.pools:

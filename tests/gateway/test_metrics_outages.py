@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -292,3 +293,49 @@ def test_parking_a_replica_removes_only_the_series_it_has(monkeypatch):
     metrics._remove_state(DEVICE, 1, stats)
     assert ((POOL, "1") not in metrics.running._metrics
             and not metrics.target_scale._metrics and not metrics.stats_age._metrics)
+
+
+def test_with_no_replica_ready_a_pools_capacity_reads_0_and_the_offered_load_stays_measured():
+    """The device's step-cost model outlives its replicas: with none ready, capacity (what the ready replicas
+    can do) reads 0 and the load offered is still measured (capacity kept its last value and the offered load
+    read 0, the model being read from ready replicas only)."""
+    from engine.step_cost import LinearStepTime
+
+    offered = SimpleNamespace(totals=lambda now: (0, 0, 0), window=10.0)
+    admission = SimpleNamespace(offered=offered, max_request=2048, oldest_wait=lambda now: 0.0)
+    spec = SimpleNamespace(avg_len=64, max_num_batched_tokens=512, max_queue_seconds=30.0)
+    pool = SimpleNamespace(name="chat", device=DEVICE, is_upstream=False, admission=admission, spec=spec)
+    metrics = GatewayMetrics()
+    watch = OverloadWatch({"chat": pool}, {"chat": 32}, metrics)
+    stats = dataclasses.replace(_make_stats(taken_at=0.0), step=StepCounters(
+        busy_seconds=1.0, step_model=LinearStepTime(a=0.01, b=1e-4, c=1e-3, d=0.0)))
+    sup = SimpleNamespace(is_ready=True, client=SimpleNamespace(latest_stats=stats))
+    watch.supervisors = {DEVICE: [sup]}
+    capacity = metrics.pool_capacity.labels(pool="chat", phase="decode")._value
+    watch.check(100.0)
+    assert capacity.get() > 0
+    sup.is_ready = False
+    offered.totals = lambda now: (50, 5000, 2500)
+    watch.check(101.0)
+    assert capacity.get() == 0 and metrics.device_offered_load.labels(device=DEVICE)._value.get() > 0
+
+
+def test_a_worker_that_lived_between_two_scrapes_is_counted(monkeypatch):
+    """Worker A is scraped, B loads, works, pushes its stats and dies, C replaces it before the next scrape:
+    B's counts are taken when its supervisor replaces it (the series followed one client per scrape: B's
+    1,000 tokens were never counted)."""
+    from gateway.workers import supervisor as supervisor_module
+
+    gateway = _make_gateway()
+    sup = gateway.supervisors[DEVICE][0]
+    sup.client, sup.is_ready = _Client(pid=1).load(), True
+    sup.client.latest_stats = _make_stats(taken_at=1.0, computed=100)
+    _scrape(gateway)
+    b, c = _Client(pid=2).load(), _Client(pid=3).load()
+    b.latest_stats, c.latest_stats = _make_stats(taken_at=2.0, computed=1000), _make_stats(taken_at=3.0, computed=5)
+    owner = SimpleNamespace(client=b, link=None, config=None, pools=[], device=DEVICE, replica=0,
+                            metrics=gateway.metrics, _lease=lambda *a: True)
+    monkeypatch.setattr(supervisor_module, "AsyncEngineClient", lambda config: c)
+    assert supervisor_module.DeviceSupervisor._new_client(owner) is c   # B died: its supervisor makes C's
+    sup.client = c
+    assert _total(_scrape(gateway), "cliffguard_computed_tokens_total") == 100 + 1000 + 5
