@@ -104,7 +104,7 @@ class GatewaySpec(Spec):
     device_wait_seconds: Seconds = 30.0  # a request waits this long for a restarting device, then 503
     max_response_buffer_bytes: ByteSize = 1 << 20   # unsent bytes of one response before its engine request pauses
     max_buffered_bytes: ByteSize = 256 << 20  # unsent bytes of every response together, likewise
-    metrics_auth: bool = False           # /metrics and the dashboard need an API key too
+    metrics_auth: bool = False           # /metrics needs an API key too (the dashboard's data always does)
     take_over: bool = False              # a Ray device's replicas of another config are replaced (else refused)
     limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
     stored_responses: RetentionSpec = msgspec.field(default_factory=RetentionSpec)

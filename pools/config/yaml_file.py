@@ -131,6 +131,9 @@ def parse_config(data: Any, *, env: Mapping[str, str] = os.environ,
     tenant_keys = tuple(k for t in tenants.values() for k in t.api_keys)
     if tenant_keys:   # a tenant's keys are accepted keys
         gateway = gateway.replace(api_keys=tuple(dict.fromkeys(gateway.api_keys + tenant_keys)))
+    if gateway.metrics_auth and not gateway.api_keys:   # no key to ask for: /metrics would stay open, silently
+        raise SpecError("gateway.metrics_auth", "asks /metrics for an API key, and no API key is configured "
+                        f"(gateway.api_keys, the {gateway.api_keys_env or 'api_keys_env'} variable, the tenants')")
     devices = ({"default": DeviceSpec()} if top.devices is None
                else {name: _parse_device(name, body) for name, body in top.devices.items()})
     pools = default_isolation(tuple(_parse_pool(i, raw, base) for i, raw in enumerate(top.pools)))

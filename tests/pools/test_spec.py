@@ -496,9 +496,12 @@ def test_gateway_fault_timers_limits_and_cache_sharing_load():
     config = load_config(_make_yaml(_both(
         _set("gateway/write_timeout", 5), _set("gateway/stall_seconds", 2.5), _set("gateway/metrics_auth", True),
         _set("gateway/limits", {"max_prompts": 8, "max_messages": 16}), _set("pools/0/share_prefix_cache", True))),
-        env={})
+        env={"CLIFFGUARD_API_KEYS": "k1"})
     gateway = config.gateway
     assert (gateway.write_timeout, gateway.stall_seconds, gateway.metrics_auth) == (5, 2.5, True)
+    # metrics_auth with no key to ask for would leave /metrics open: refused, naming where keys come from
+    with pytest.raises(SpecError, match=r"^gateway\.metrics_auth: asks /metrics for an API key, and no API key"):
+        load_config(_make_yaml(_set("gateway/metrics_auth", True)), env={})
     assert (gateway.limits.max_prompts, gateway.limits.max_choices, gateway.limits.max_messages) == (8, 1024, 16)
     assert config.pools[0].share_prefix_cache and not config.pools[1].share_prefix_cache
 
