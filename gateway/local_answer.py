@@ -478,9 +478,10 @@ class LocalResponse:
                 index, content, lp, finish_reason, [call.as_openai() for call in calls], thinks=reasoning is not None,
                 reasoning_content=(reasoning.reasoning or None) if reasoning is not None else None))
         if self.chat:
-            return objects.chat_response(self.request_id, self.req.model, body_choices, *self._usage(),
+            return objects.chat_response(self.request_id, self.req.model, self.created, body_choices, *self._usage(),
                                          self.cached_tokens(), self.reasoning_tokens())
-        return objects.completion_response(self.request_id, self.req.model, body_choices, *self._usage())
+        return objects.completion_response(self.request_id, self.req.model, self.created, body_choices,
+                                           *self._usage())
 
     def _usage(self) -> tuple[int, int]:
         """(prompt tokens, completion tokens) of the whole response."""

@@ -2,7 +2,8 @@
 
 `prompt` takes every OpenAI shape: a string, an array of token ids, or an array of strings and token-id
 arrays (one engine request per prompt). `echo` and `suffix` are refused (not supported), `best_of` only
-equal to `n`.
+equal to `n`. `max_tokens` unset or null is 16, OpenAI's default and vLLM's for this API (chat's runs to the
+context's end).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from gateway.openai.sampling_fields import (RequestFields, TokenId, check_choice
 from pools.config.gateway_spec import RequestLimits
 
 TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+DEFAULT_MAX_TOKENS = 16   # OpenAI's legacy completions, and vLLM's /v1/completions
 
 
 class CompletionBody(RequestFields, kw_only=True):
@@ -46,16 +48,17 @@ class CompletionRequest:
 def parse_completion(body: Any, limits: RequestLimits = RequestLimits()) -> CompletionRequest:
     """A completion body (decoded JSON) as a `CompletionRequest`; ApiError 400 naming the field (a count
     over `limits` too)."""
+    if isinstance(body, dict) and body.get("echo") is True:   # named first: its max_tokens 0 is no error of its own
+        raise bad_request("echo", "is not supported by this server")
     req = convert_body(body, CompletionBody)
     prompts = _prompts(req.prompt, limits)
-    if req.echo:
-        raise bad_request("echo", "is not supported by this server")
     if req.suffix is not None:
         raise bad_request("suffix", "is not supported by this server")
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_request("best_of", "only best_of == n is supported")
     stream, include_usage, continuous_usage = stream_flags(req)
-    params = sampling_params(req, req.max_tokens, req.logprobs, response_format(req.response_format))
+    max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    params = sampling_params(req, max_tokens, req.logprobs, response_format(req.response_format))
     check_choices(params.n, len(prompts), limits)
     return CompletionRequest(model=req.model, prompts=prompts, params=params, stream=stream,
                              include_usage=include_usage, continuous_usage=continuous_usage,

@@ -4,7 +4,6 @@ logprobs. Plain dicts, built from what the engine produced; no HTTP here."""
 from __future__ import annotations
 
 import codecs
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -99,10 +98,11 @@ def token_offsets(token_ids: Sequence[int], token_text: TokenText, token_bytes: 
     return offsets
 
 
-def chat_response(request_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
+def chat_response(request_id: str, model: str, created: int, choices: list[dict[str, Any]], prompt_tokens: int,
                   completion_tokens: int, cached_tokens: int = 0,
                   reasoning_tokens: int | None = None) -> dict[str, Any]:
-    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+    """A chat completion; `created` when the request came (as its stream's chunks say, and vLLM)."""
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)}
 
 
@@ -129,9 +129,9 @@ def chat_chunk(request_id: str, model: str, created: int, choices: list[dict[str
     return chunk
 
 
-def completion_response(request_id: str, model: str, choices: list[dict[str, Any]], prompt_tokens: int,
-                        completion_tokens: int) -> dict[str, Any]:
-    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+def completion_response(request_id: str, model: str, created: int, choices: list[dict[str, Any]],
+                        prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 

@@ -30,6 +30,16 @@ def test_vllm_extra_fields_reach_the_sampling_params():
     assert req.priority == 3 and req.include_usage and req.top_logprobs == 3
 
 
+def test_a_completions_max_tokens_unset_or_null_is_16_and_a_chats_the_context():
+    """OpenAI's legacy completions and vLLM's /v1/completions default max_tokens to 16 (it ran to the context's
+    end); a chat's unset max_tokens is whatever the context leaves, as vLLM's chat."""
+    body = {k: v for k, v in COMPLETION.items() if k != "max_tokens"}
+    assert parse_completion(body).params.max_tokens == parse_completion(dict(body, max_tokens=None)).params.max_tokens \
+        == 16
+    assert parse_completion(dict(body, max_tokens=40)).params.max_tokens == 40
+    assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).params.max_tokens is None
+
+
 def test_content_parts_are_kept_and_completion_prompts_take_every_openai_shape():
     req = parse_chat(dict(CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                         {"type": "text", "text": "b"}]}]))
@@ -37,7 +47,6 @@ def test_content_parts_are_kept_and_completion_prompts_take_every_openai_shape()
     assert content_text(req.messages[0]["content"]) == "a\nb"   # what a template of strings gets
     assert parse_completion(dict(COMPLETION, prompt=[1, 2, 3])).prompts == [[1, 2, 3]]
     assert parse_completion(dict(COMPLETION, prompt=["a", [4, 5]])).prompts == ["a", [4, 5]]
-    assert parse_completion(dict(COMPLETION)).params.max_tokens is None  # what the context leaves, as vLLM
 
 
 BAD_CHAT = [
@@ -122,6 +131,7 @@ BAD_COMPLETION = [
     ("prompt list with bad item", dict(COMPLETION, prompt=["a", 5]), "prompt[1]"),
     ("empty prompt", dict(COMPLETION, prompt=""), "prompt"),
     ("echo unsupported", dict(COMPLETION, echo=True), "echo"),
+    ("echo to score a prompt", dict(COMPLETION, echo=True, max_tokens=0, logprobs=1), "echo"),   # not max_tokens
     ("suffix unsupported", dict(COMPLETION, suffix="x"), "suffix"),
     ("best_of differs from n", dict(COMPLETION, best_of=3), "best_of"),
     ("logprobs too many", dict(COMPLETION, logprobs=30), "logprobs"),
