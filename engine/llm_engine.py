@@ -6,7 +6,7 @@ forks, sampling) -> `_postprocess` (stop checks, detokenization, outputs). It ru
 worker process (`engine.worker`); use it directly for offline batch work (`generate`).
 
 A request with a structured output (`SamplingParams.structured`) waits outside its scheduler until its grammar
-is built on the grammar thread (`engine.structured.GrammarCompiler`); each of its sequences then carries a
+is built on a grammar thread (`engine.structured.GrammarCompiler`); each of its sequences then carries a
 matcher that masks its next token and follows the tokens it takes, and stops as soon as its grammar is complete.
 """
 

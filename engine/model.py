@@ -263,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
         Another one (a fine-tune that trained the head alone and kept the flag): it is the head, as
         transformers 5 reads such a checkpoint (it unties with a warning), not the embedding."""
         embed = self.embed_tokens.weight
-        if tuple(head.shape) == tuple(embed.shape) and torch.equal(head.to(embed.dtype), embed.data):
+        if tuple(head.shape) == tuple(embed.shape) and torch.equal(head.to(embed.device, embed.dtype), embed.data):
             return
         if tuple(head.shape) != tuple(embed.shape):
             raise WeightLoadError(f"lm_head.weight: shape {tuple(head.shape)} does not match the config's "

@@ -172,13 +172,13 @@ class GrammarCompiler:
     `matcher` are called from the engine's thread only."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
-        self._source = tokenizer    # read (as tokenizer.json text) on the grammar thread, at the first build
+        self._source = tokenizer    # read (as tokenizer.json text) on a grammar thread, at the first build
         self._vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
         self._thread = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
         self._first_use = threading.Lock()   # the builds' first one makes the tokenizer's view
         self._cache: OrderedDict[str, Future] = OrderedDict()
-        self._tokenizer = None      # llguidance.LLTokenizer, built on the grammar thread
+        self._tokenizer = None      # llguidance.LLTokenizer, built on a grammar thread
         self._executor = None       # llguidance.LLExecutor
 
     def submit(self, constraint: StructuredOutput) -> Future:

@@ -259,9 +259,9 @@ def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,
     by a grammar of plain text that starts no call (or the response_format's JSON) or calls only, a strict
     tool's arguments under its schema, another's any JSON object: as OpenAI, the response_format binds
     the reply, not the calls (a format writing calls as bare JSON objects, which the reply could not be
-    told from, keeps non-strict tools out of it: the JSON reply alone). `think` (`gateway.openai.reasoning.think_mode`): a thinking model's
-    reply may think first (or, the prompt having opened the block, must close it first); a response_format
-    alone becomes a grammar that lets it."""
+    told from, keeps non-strict tools out of it: the JSON reply alone). `think`
+    (`gateway.openai.reasoning.think_mode`): a thinking model's reply may think first (or, the prompt having
+    opened the block, must close it first); a response_format alone becomes a grammar that lets it."""
     if not isinstance(req, ChatRequest):
         return req
     mode = req.tool_choice.mode if req.tools else None

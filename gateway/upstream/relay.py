@@ -270,7 +270,8 @@ async def _relay_stream(request: web.Request, pool: Pool, upstream: UpstreamResp
 # A Responses stream's last events; after the upstream's own `error` event too, ours would only repeat it.
 # A tuple: `in` compares, hashing nothing (an event's `type` may be a list).
 _FINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete", "response.failed", "error")
-_ANNOUNCING_EVENTS = ("response.created", "response.in_progress", "response.queued")   # before any output
+# events that carry no output: the Response announced before it runs, and failures
+_NOT_OUTPUT = ("response.created", "response.in_progress", "response.queued", "response.failed", "error")
 
 
 class _StreamSeen:
@@ -294,7 +295,7 @@ class _StreamSeen:
         obj = _json_object(data)
         if obj is None:   # `data:[DONE]` goes on as `data: [DONE]`, for clients that look for that line
             return _with_data(event, data) if data == b"[DONE]" else event
-        self.num_outputs += obj.get("type") not in _ANNOUNCING_EVENTS
+        self.num_outputs += obj.get("type") not in _NOT_OUTPUT and "error" not in obj
         self.ended = self.ended or obj.get("type") in _FINAL_RESPONSE_EVENTS
         holder = obj.get("response") if isinstance(obj.get("response"), dict) else obj
         if holder.get("usage") is not None:

@@ -80,7 +80,8 @@ class RetentionSpec(Spec):
 
 
 class BatchLimits(Spec):
-    """What the Batch API lets one owner (API key) have at once (YAML `gateway.batches`): at most
+    """What the Batch API lets one owner (an API key; a tenant with `share_files`; everyone where no key is
+    configured) have at once (YAML `gateway.batches`): at most
     `max_unfinished_per_owner` batches the runner still owes work (in progress, finalizing, cancelling;
     one more is a 429). Each runs up to 16 lines at a time, which wait for KV credits however long:
     this bounds what one key can queue."""
@@ -104,7 +105,7 @@ class GatewaySpec(Spec):
     device_wait_seconds: Seconds = 30.0  # a request waits this long for a restarting device, then 503
     max_response_buffer_bytes: ByteSize = 1 << 20   # unsent bytes of one response before its engine request pauses
     max_buffered_bytes: ByteSize = 256 << 20  # unsent bytes of every response together, likewise
-    metrics_auth: bool = False           # /metrics needs an API key too (the dashboard's data always does)
+    metrics_auth: bool = False           # /metrics needs an API key too (the dashboard's data does with any key)
     take_over: bool = False              # a Ray device's replicas of another config are replaced (else refused)
     limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
     stored_responses: RetentionSpec = msgspec.field(default_factory=RetentionSpec)

@@ -170,7 +170,7 @@ class CreditLedger:
 
     def first_waiting(self) -> Ticket | None:
         """The request first in line: the interactive head that waits for its replicas (`_first`), else,
-        while no interactive request is queued, the oldest batch line; None when it is neither."""
+        while no interactive request is queued, the batch line first in their fair order; None when neither."""
         if self._first is not None:
             return self._first
         return self._background.first() if not self._active else None

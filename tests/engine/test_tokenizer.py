@@ -587,6 +587,11 @@ def test_detokenizer_byte_fallback_text(sp_tok: Tokenizer, sp_hf: Any) -> None:
     assert any("😀" in d for d in deltas)  # emitted whole, once its byte run ended
     # no prompt, or one of special tokens only: the output alone, as HF decodes it
     assert _assert_stream(ours, ids, [1] * len(ids), sp_hf.decode(ids), prompt_ids=[1, 1])[0] == "the"
+    # a prompt ending in a byte run (the € has no piece) and an output beginning with a bad byte: two runs, as
+    # the output alone decodes (read as one run, the prompt's € became U+FFFDs of the output's text)
+    euro = ours.encode("the cat", add_special_tokens=False) + [_SP_BYTE + b for b in "€".encode()]
+    out = [_SP_BYTE + 0x80, *ours.encode("the", add_special_tokens=False)]
+    _assert_stream(ours, out, [1] * len(out), "\ufffd the", prompt_ids=euro)
 
 
 def test_a_tokens_bytes_are_its_own_where_its_text_is_part_of_a_character(tok: Tokenizer, sp_tok: Tokenizer) -> None:
