@@ -122,7 +122,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     received = time.perf_counter()
     body = await read_json(request)
     req = parse_completion(body, gateway.config.gateway.limits)
-    routed = [await gateway.route_prompt(req.model, p) for p in req.prompts]
+    routed = await gateway.route_prompts(req.model, req.prompts)
     tenant = gateway.admission.tenant_of(request)
     return await Completion(gateway, req, routed, body, "/completions", received, tenant, http=request).answer()
 
@@ -145,7 +145,7 @@ async def answer(gateway: Gateway, path: str, body: Any, *, tenant: str | None =
             routed = [await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs)]
         elif path == "/v1/completions":
             req = parse_completion(body, gateway.config.gateway.limits)
-            routed = [await gateway.route_prompt(req.model, p) for p in req.prompts]
+            routed = await gateway.route_prompts(req.model, req.prompts)
         else:
             raise ApiError(400, f"url: {path!r} is not served; use /v1/chat/completions or /v1/completions",
                            param="url")

@@ -348,11 +348,17 @@ class Gateway:
         return await self._route(model, "messages", size, self._timed(
             lambda pool: _render_and_count(pool, messages, tools, variables(pool))), rendering)
 
-    async def route_prompt(self, model: str, prompt: str | list[int]) -> tuple[Pool, list[int]]:
-        """Count a completion prompt (text between what the tokenizer adds around it, or token ids) and route it."""
+    async def route_prompts(self, model: str, prompts: list[str | list[int]]) -> list[tuple[Pool, list[int]]]:
+        """Each prompt of a completion routed (`route_prompt`); errors name `prompt[i]` where there are several."""
+        return [await self.route_prompt(model, p, "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+                for i, p in enumerate(prompts)]
+
+    async def route_prompt(self, model: str, prompt: str | list[int], param: str = "prompt") -> tuple[Pool, list[int]]:
+        """Count a completion prompt (text between what the tokenizer adds around it, or token ids, each in the
+        pool's vocabulary as vLLM checks them) and route it; errors name `param`."""
         if isinstance(prompt, list):
-            return await self._route(model, "prompt", 0, lambda pool: list(prompt))
-        return await self._route(model, "prompt", len(prompt), self._timed(lambda pool: pool.prompt_ids(prompt)))
+            return await self._route(model, param, 0, lambda pool: _known_ids(pool, prompt, param))
+        return await self._route(model, param, len(prompt), self._timed(lambda pool: pool.prompt_ids(prompt)))
 
     async def _route(self, model: str, param: str, size: int, tokenize: Callable[[Pool], list[int]],
                      key: Callable[[Pool], Hashable] | None = None) -> tuple[Pool, list[int]]:
@@ -460,3 +466,12 @@ def _check_placements(config: CliffguardConfig) -> None:
             raise SpecError(f"devices.{name}.placement: ray, and Ray is not installed: pip install -e '.[ray]'") \
                 from None
         device.resolved_ray_address(os.environ)
+
+
+def _known_ids(pool: Pool, ids: list[int], param: str) -> list[int]:
+    """A token-id prompt's ids, each in `pool`'s vocabulary; else a ValueError naming the id's path."""
+    size = pool.tokenizer.vocab_size
+    for j, token in enumerate(ids):
+        if token >= size:
+            raise ValueError(f"{param}[{j}]: token id {token} is not in the vocabulary (0..{size - 1})")
+    return list(ids)

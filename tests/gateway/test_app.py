@@ -174,7 +174,9 @@ async def test_bad_requests_get_clear_errors_while_a_stream_keeps_going(aiohttp_
         ("max_tokens past max_model_len", chat, dict(json=dict(ok, max_tokens=5000), headers=auth), 400,
          "max_model_len"),
         ("token id outside the vocabulary", comp, dict(json={"model": model, "prompt": [1, 99999]},
-                                                       headers=auth), 400, "vocabulary"),
+                                                       headers=auth), 400, "prompt[1]: token id 99999"),
+        ("token id outside the vocabulary in the second prompt", comp, dict(   # its path, not prompt[1] or [3]
+            json={"model": model, "prompt": ["hello", [5, 6, 7, 99999]]}, headers=auth), 400, "prompt[1][3]: token"),
         ("temperature out of range", chat, dict(json=dict(ok, temperature=9), headers=auth), 400, "temperature"),
         ("n is a string", chat, dict(json=dict(ok, n="2"), headers=auth), 400, "n:"),
         ("unknown field", chat, dict(json=dict(ok, max_token=3), headers=auth), 400, "max_token"),
