@@ -102,6 +102,7 @@ class Completion:
             return web.Response(status=499)   # nginx's "client closed request"
 
     async def _answer(self) -> web.StreamResponse | dict[str, Any]:
+        self.req = _within_context(self.req, self.routed)
         for pool, ids in self.routed:
             self.gateway.metrics.pool_series(pool.name).routed.inc()
             check_context(self.req, len(ids), pool.max_model_len, pool.name)
@@ -279,6 +280,18 @@ def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,
         return req
     return dataclasses.replace(req, params=dataclasses.replace(req.params, structured=grammar),
                                structured_param=param)
+
+
+def _within_context(req: ChatRequest | CompletionRequest, routed: Sequence[tuple[Pool, list[int]]]
+                    ) -> ChatRequest | CompletionRequest:
+    """A completion whose max_tokens is the default (unset: 16), at most what its prompts' contexts leave, so
+    that every prompt a route admits is answered (511 tokens in a 512-token context: one token, not a 400)."""
+    if not getattr(req, "max_tokens_unset", False):
+        return req
+    room = min(pool.max_model_len - len(ids) for pool, ids in routed)
+    if room >= req.params.max_tokens:
+        return req
+    return dataclasses.replace(req, params=dataclasses.replace(req.params, max_tokens=max(1, room)))
 
 
 def _calls_beside_reply(req: ChatRequest, pool: Pool) -> bool:

@@ -43,6 +43,7 @@ class CompletionRequest:
     structured_param: str = "response_format"
     prompt_param: str = "prompt"
     continuous_usage: bool = False  # the usage so far in every stream chunk
+    max_tokens_unset: bool = False  # params.max_tokens is the default: at most what the context leaves
 
 
 def parse_completion(body: Any, limits: RequestLimits = RequestLimits()) -> CompletionRequest:
@@ -62,7 +63,7 @@ def parse_completion(body: Any, limits: RequestLimits = RequestLimits()) -> Comp
     check_choices(params.n, len(prompts), limits)
     return CompletionRequest(model=req.model, prompts=prompts, params=params, stream=stream,
                              include_usage=include_usage, continuous_usage=continuous_usage,
-                             priority=req.priority or 0)
+                             priority=req.priority or 0, max_tokens_unset=req.max_tokens is None)
 
 
 def _prompts(prompt: str | list[Any], limits: RequestLimits) -> list[str | list[int]]:

@@ -132,7 +132,8 @@ async def test_empty_stop_strings_are_refused_in_either_form(front):
         assert info.value.param == "stop", stop
 
 
-async def test_unset_max_tokens_takes_what_the_context_leaves(aiohttp_client, tmp_path, tiny_model):
+async def test_unset_max_tokens_is_16_for_a_completion_within_what_the_context_leaves(aiohttp_client, tmp_path,
+                                                                                     tiny_model):
     # rag admits up to max_model_len - 1 = 511 prompt tokens; without max_tokens such a prompt must be
     # served (one token), not refused for a default output length that does not fit
     path = tmp_path / "pools.yaml"
@@ -155,6 +156,10 @@ async def test_unset_max_tokens_takes_what_the_context_leaves(aiohttp_client, tm
         assert whole["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 512 - prompt_tokens,
                                   "total_tokens": 512, **details}
         assert whole["choices"][0]["finish_reason"] == "length"
+    # a short completion prompt without max_tokens gets 16 tokens, OpenAI's and vLLM's default (the rule
+    # above only keeps it within the context); a chat's runs to the context's end
+    r = await client.post("/v1/completions", json={"model": tiny_model.name, "prompt": "hi", "ignore_eos": True})
+    assert (await r.json())["usage"]["completion_tokens"] == 16
     # an explicit max_tokens that does not fit is the gateway's 400 naming it, not the engine's
     r = await client.post("/v1/completions", json={"model": tiny_model.name, "prompt": prompt, "max_tokens": 2})
     body = await r.json()

@@ -138,8 +138,8 @@ def test_request_limits_are_400s_naming_the_field(live):
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": ""}] * 200_000},
          "messages"),
         ("/v1/completions", {"model": MODEL, "prompt": ["hi"] * 200, "n": 64, "max_tokens": 1}, "n"),
-        # max_tokens unset: each of the 100 prompts may run to the end of the context, which no pool holds.
-        ("/v1/completions", {"model": MODEL, "prompt": ["hi"] * 100}, "max_tokens"),
+        # each of the 100 prompts may run 8,000 tokens, which no pool holds
+        ("/v1/completions", {"model": MODEL, "prompt": ["hi"] * 100, "max_tokens": 8000}, "max_tokens"),
         ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 8},
          "max_tokens"),
     ]
