@@ -73,13 +73,13 @@ class RequestFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, Any] | None = None   # {token id: bias}: ids, range and count are SamplingParams'
-    user: Any = None           # accepted and ignored: they change nothing we do
+    user: str | None = None    # accepted and ignored (typed as OpenAI and vLLM type them): they change nothing we do
     safety_identifier: str | None = None       # `user`'s successor in OpenAI's API
     prompt_cache_key: str | None = None        # a cache hint: our prefix cache and placement find prefixes unasked
     prompt_cache_retention: str | None = None
-    store: Any = None
-    metadata: Any = None
-    service_tier: Any = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
 
 
 # RequestFields' names that are SamplingParams' too, passed on where set

@@ -53,6 +53,8 @@ BAD_CHAT = [
     ("not an object", [1, 2], "body"),
     ("missing model", {"messages": CHAT["messages"]}, "model"),
     ("model not a string", dict(CHAT, model=5), "model"),
+    ("user not a string", dict(CHAT, user={"id": 5}), "user"),   # typed as OpenAI and vLLM type it
+    ("store not a boolean", dict(CHAT, store="yes"), "store"),
     ("missing messages", {"model": "m"}, "messages"),
     ("empty messages", dict(CHAT, messages=[]), "messages"),
     ("message not an object", dict(CHAT, messages=["hi"]), "messages[0]"),
