@@ -263,11 +263,11 @@ class LlamaForCausalLM(nn.Module):
         Another one (a fine-tune that trained the head alone and kept the flag): it is the head, as
         transformers 5 reads such a checkpoint (it unties with a warning), not the embedding."""
         embed = self.embed_tokens.weight
-        if tuple(head.shape) == tuple(embed.shape) and torch.equal(head.to(embed.device, embed.dtype), embed.data):
-            return
         if tuple(head.shape) != tuple(embed.shape):
             raise WeightLoadError(f"lm_head.weight: shape {tuple(head.shape)} does not match the config's "
                                   f"{tuple(embed.shape)}")
+        if torch.equal(head.to(embed.device, embed.dtype), embed.data):
+            return
         log.warning("lm_head.weight: config.json says tie_word_embeddings, but the checkpoint's head differs from "
                     "its embedding table; serving the stored head (as transformers does)")
         self.lm_head = nn.Linear(self.config.hidden_size, embed.shape[0], bias=False, device=embed.device,

@@ -147,8 +147,8 @@ class Sequence:
             by_token = False
         delta = "" if by_token and not params.include_stop_str_in_output else detokenize(token)
         self.text += delta
-        if reason is None and params.stop and n_out > params.min_tokens:   # the first min_tokens' text stops nothing
-            reason = self.cut_at_stop_string(len(delta))
+        if reason is None:
+            reason = self._stopped_by_string(len(delta))
         if reason is None and (n_out >= self.max_tokens or self.num_prompt_tokens + n_out >= max_model_len):
             reason = FinishReason.LENGTH
         return reason
@@ -157,8 +157,13 @@ class Sequence:
         """At its end, the text its detokenizer held back (`delta`: a byte-fallback run's, "\n" among them,
         comes only once the run ends), checked for stop strings as each token's text is; True if one cut it."""
         self.text += delta
-        return bool(self.params.stop) and self.num_known_output_tokens > self.params.min_tokens \
-            and self.cut_at_stop_string(len(delta)) is not None
+        return self._stopped_by_string(len(delta)) is not None
+
+    def _stopped_by_string(self, delta_len: int) -> FinishReason | None:
+        """`cut_at_stop_string` once past `min_tokens` (the first min_tokens' text stops nothing)."""
+        if not self.params.stop or self.num_known_output_tokens <= self.params.min_tokens:
+            return None
+        return self.cut_at_stop_string(delta_len)
 
     def cut_at_stop_string(self, delta_len: int) -> FinishReason | None:
         """Truncate the text at the earliest stop string that the last `delta_len` characters complete

@@ -286,7 +286,7 @@ def _within_context(req: ChatRequest | CompletionRequest, routed: Sequence[tuple
                     ) -> ChatRequest | CompletionRequest:
     """A completion whose max_tokens is the default (unset: 16), at most what its prompts' contexts leave, so
     that every prompt a route admits is answered (511 tokens in a 512-token context: one token, not a 400)."""
-    if not getattr(req, "max_tokens_unset", False):
+    if not (isinstance(req, CompletionRequest) and req.max_tokens_unset):
         return req
     room = min(pool.max_model_len - len(ids) for pool, ids in routed)
     if room >= req.params.max_tokens:
