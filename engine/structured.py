@@ -8,10 +8,11 @@ feeds the chosen token back (`accept`). The grammar library is llguidance (docs/
 with xgrammar and outlines-core that chose it): its matchers need no up-front compilation of token masks,
 so a new schema costs the first request milliseconds, not the seconds a precomputed automaton can take.
 
-`GrammarCompiler` owns the library's view of the tokenizer and builds matchers off the engine's thread (a
-pool of one); a request whose grammar is not ready yet waits outside the scheduler, so a slow schema never
-stalls a step. Built grammars are cached by the constraint's hash. The gateway checks a constraint with
-`check` (no tokenizer needed) and answers a 400 naming the field before the request reaches a device.
+`GrammarCompiler` owns the library's view of the tokenizer and builds matchers off the engine's thread
+(GRAMMAR_THREADS of them); a request whose grammar is not ready yet waits outside the scheduler, so a slow
+schema never stalls a step. Built grammars are cached by the constraint's hash, least recently used out past
+a count and a size. The gateway checks a constraint with `check` (no tokenizer needed) and answers a 400
+naming the field before the request reaches a device.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ KINDS = ("json_object", "json_schema", "grammar")
 GRAMMAR_WAIT_SECONDS = 0.005   # an engine with nothing to run but grammars being built sleeps this long
 MAX_SPEC_CHARS = 256 * 1024     # a schema or grammar larger than this is refused (it is compiled per request)
 MAX_CACHED_GRAMMARS = 256
+# ...and at most this many characters of schema or grammar among them: a built grammar holds about ten bytes
+# per character of its source (a 230 KB schema: 2.3 MB), so 256 of the largest would hold 600 MB of the
+# worker's memory; these hold about 80 MB
+MAX_CACHED_SPEC_CHARS = 8 << 20
 GRAMMAR_THREADS = 2   # builds at once: a schema that takes seconds to build does not hold back every other
 # How constrained JSON is written (llguidance's JSON compile options; a Lark grammar's %json{...} takes the
 # same under "x-guidance").
@@ -169,7 +174,8 @@ class GrammarCompiler:
     MAX_CACHED_GRAMMARS), and GRAMMAR_THREADS background threads that build them (the library releases the
     GIL), so the engine's step never waits on a new schema, and one schema taking seconds to build (an
     object of thousands of properties) does not hold back the next. Owned by the engine; `submit` and
-    `matcher` are called from the engine's thread only."""
+    `matcher` are called from the engine's thread only. The cache is bounded by count and by the characters
+    of the constraints it holds (MAX_CACHED_SPEC_CHARS), the memory of a built grammar following its size."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
         self._source = tokenizer    # read (as tokenizer.json text) on a grammar thread, at the first build
@@ -177,7 +183,8 @@ class GrammarCompiler:
         self._eos_token_ids = list(eos_token_ids)
         self._thread = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
         self._first_use = threading.Lock()   # the builds' first one makes the tokenizer's view
-        self._cache: OrderedDict[str, Future] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[Future, int]] = OrderedDict()   # key -> (build, spec's characters)
+        self._cached_chars = 0
         self._tokenizer = None      # llguidance.LLTokenizer, built on a grammar thread
         self._executor = None       # llguidance.LLExecutor
 
@@ -185,15 +192,21 @@ class GrammarCompiler:
         """A future of the built grammar for `constraint` (done at once when cached); its exception is a
         ValueError with the library's reason when the grammar cannot be built."""
         key = constraint.key
-        future = self._cache.get(key)
-        if future is not None and not (future.done() and future.exception() is not None):
-            self._cache.move_to_end(key)
-            return future
-        future = self._thread.submit(self._build, constraint)
-        self._cache[key] = future
-        while len(self._cache) > MAX_CACHED_GRAMMARS:
-            self._cache.popitem(last=False)
+        future, chars = self._cache.pop(key, (None, 0))
+        self._cached_chars -= chars
+        if future is None or (future.done() and future.exception() is not None):   # a failed build is retried
+            future = self._thread.submit(self._build, constraint)
+        self._cache[key] = (future, len(constraint.spec))
+        self._cached_chars += len(constraint.spec)
+        while len(self._cache) > 1 and (len(self._cache) > MAX_CACHED_GRAMMARS
+                                        or self._cached_chars > MAX_CACHED_SPEC_CHARS):
+            self._cached_chars -= self._cache.popitem(last=False)[1][1]
         return future
+
+    @property
+    def cached(self) -> tuple[int, int]:
+        """(grammars, characters of their constraints) in the cache."""
+        return len(self._cache), self._cached_chars
 
     def matcher(self, built: Any) -> GrammarMatcher:
         """A fresh matcher at the start of a built grammar (a copy: built grammars are shared)."""

@@ -16,6 +16,7 @@ from bench.schemas import SCHEMAS
 from engine.model_config import ModelConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
+from engine import structured
 from engine.structured import StructuredOutput, allowed_tokens, check
 from tests.conftest import assert_all_free
 
@@ -144,6 +145,28 @@ def test_n_samples_each_follow_their_own_grammar(engine) -> None:
     for sample in out.outputs:
         assert sample.finish_reason == "stop", sample.text
         _assert_matches(schema, sample.text)
+
+
+def test_the_grammar_cache_is_bounded_by_the_size_of_its_schemas(engine, monkeypatch) -> None:
+    """Distinct large schemas evict the least recently used once their characters pass the bound (a built
+    grammar's memory follows its schema's size), whatever their count; a recent one is still a hit, an
+    evicted one is built again."""
+    monkeypatch.setattr(structured, "MAX_CACHED_SPEC_CHARS", 4000)
+    compiler = structured.GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size, [0])
+    builds = []
+    build = compiler._build
+    monkeypatch.setattr(compiler, "_build", lambda c: (builds.append(c), build(c))[1])
+    schemas = [StructuredOutput.json_schema({"type": "object", "properties": {
+        f"s{i}_{k}": {"type": "string", "description": "x" * 80} for k in range(10)}}) for i in range(8)]
+    assert all(1000 < len(s.spec) < 1400 for s in schemas)
+    futures = [compiler.submit(s) for s in schemas]
+    assert all(f.result(60) is not None for f in futures)
+    count, chars = compiler.cached
+    assert chars <= 4000 and count == 3, compiler.cached      # 8 schemas asked, far under the count bound
+    assert compiler.submit(schemas[-1]) is futures[-1]          # a hit
+    assert compiler.submit(schemas[0]) is not futures[0]        # evicted by size: built anew
+    assert compiler.submit(schemas[0]).result(60) is not None and len(builds) == 9
+    compiler.close()
 
 
 def _engine_with_held_builds(builtin_path, monkeypatch) -> tuple[LLMEngine, threading.Event]:
