@@ -258,6 +258,7 @@ class ResponsesAnswer(LocalResponse):
         self._message: dict[str, Any] | None = None    # the message item being streamed
         self._reasoning: dict[str, Any] | None = None  # the reasoning item, once streamed
         self._calls: dict[int, tuple[int, dict[str, Any]]] = {}   # call index -> (output index, its item)
+        self._logprobs_from = 0   # the first token whose logprob no text delta carried yet
         self._started = False
         self._final: dict[str, Any] | None = None     # the finished Response, once `finish` built it
 
@@ -286,7 +287,8 @@ class ResponsesAnswer(LocalResponse):
                 "name": call.name, "arguments": call.arguments, "status": status}
 
     def _status(self) -> str:
-        return "incomplete" if self.choices[0].finish_reason == "length" else "completed"
+        """How the reply ended: cut by max_tokens or by a failure, incomplete."""
+        return "incomplete" if self.choices[0].finish_reason == "length" or self.error is not None else "completed"
 
     def _body(self) -> dict[str, Any]:
         choice = self.choices[0]
@@ -329,27 +331,41 @@ class ResponsesAnswer(LocalResponse):
 
     def _queue_chunk(self, chunk_choices: list[dict[str, Any]]) -> None:
         """A chat chunk as Response events. The last chunk of a reply with calls may carry text that comes after
-        them (`ToolCallStream.rest`): it goes out after the calls, in a message of its own, as `_body` has it."""
+        them (`ToolCallStream.rest`): it goes out after the calls, in a message of its own, as `_body` has it
+        (without calls, the held text is the message's own). A text delta carries the logprobs of the tokens
+        received since the last one (a token may hold part of a character, or text held as a possible call's
+        start), but for the think block's and a call's, as `_body` counts them."""
         self._start()
         stream = self.choices[0].tool_stream
         for chunk in chunk_choices:
             delta = chunk["delta"]
             if delta.get("reasoning_content"):
                 self._reasoning_delta(delta["reasoning_content"])
-            content = delta.get("content") or ""
-            last = stream is not None and chunk["finish_reason"] is not None
+            content, calls = delta.get("content") or "", delta.get("tool_calls") or []
+            last = stream is not None and chunk["finish_reason"] is not None and bool(self._calls or calls)
             after = stream.rest if last and content.endswith(stream.rest) else ""
             if content[:len(content) - len(after)]:
                 self._close_reasoning()
-                logprobs = chunk.get("logprobs") if self.tool_format is None else None
-                self._text_delta(content[:len(content) - len(after)], (logprobs or {}).get("content") or [])
-            for entry in delta.get("tool_calls") or []:
+                self._text_delta(content[:len(content) - len(after)], self._new_logprobs())
+            for entry in calls:
                 self._close_reasoning()
+                self._logprobs_from = len(self.choices[0].token_ids)   # the call's tokens
                 self._close_message("completed")
                 self._call_delta(entry)
             if after.strip():
                 self._close_reasoning()
+                self._close_calls()
                 self._text_delta(after.lstrip(), [])
+
+    def _new_logprobs(self) -> list[dict[str, Any]]:
+        """The logprobs of the reply's tokens since the last text delta's, none of the think block's."""
+        choice = self.choices[0]
+        start = max(self._logprobs_from, choice.reasoning.num_tokens_before_content if choice.reasoning else 0)
+        self._logprobs_from = len(choice.token_ids)
+        if not self.want_logprobs or start >= len(choice.token_ids):
+            return []
+        return objects.chat_logprobs(choice.token_ids[start:], choice.logprobs[start:], choice.top_logprobs[start:],
+                                     choice.pool.token_text, choice.pool.token_bytes)["content"]
 
     def _reasoning_delta(self, text: str) -> None:
         if self._reasoning is None:
@@ -399,18 +415,22 @@ class ResponsesAnswer(LocalResponse):
             return
         index = self._output.index(message)
         part = message["content"][0]
+        part["logprobs"] += self._new_logprobs()   # tokens whose text never came (a character cut by max_tokens)
         self._event("response.output_text.done", item_id=message["id"], output_index=index, content_index=0,
                     text=part["text"], logprobs=part["logprobs"])
         self._event("response.content_part.done", item_id=message["id"], output_index=index, content_index=0,
                     part=dict(part))
-        message["status"] = status or (self._status() if self.choices[0].finish_reason else "completed")
+        ended = self.choices[0].finish_reason is not None or self.error is not None
+        message["status"] = status or (self._status() if ended else "completed")
         self._event("response.output_item.done", output_index=index, item=dict(message))
         self._message = None
 
     def _call_delta(self, entry: dict[str, Any]) -> None:
         """One chat `tool_calls` delta entry as Response events: a new call's item (id and name first), then
-        `response.function_call_arguments.delta` for each piece of its arguments as the model writes them."""
+        `response.function_call_arguments.delta` for each piece of its arguments as the model writes them. A
+        call's items are done when the next begins: its arguments are whole then."""
         if "id" in entry:
+            self._close_calls()
             item = self._call_item(ToolCall(entry["function"]["name"], "", entry["id"]), "in_progress")
             self._calls[entry["index"]] = (len(self._output), item)
             self._output.append(item)
@@ -421,14 +441,13 @@ class ResponsesAnswer(LocalResponse):
             item["arguments"] += piece
             self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=piece)
 
-    def _close_calls(self) -> None:
-        stream = self.choices[0].tool_stream
-        cut = stream.cut_call if stream is not None else None
+    def _close_calls(self, cut: int | None = None, status: str = "completed") -> None:
+        """The open call ends: `status`, incomplete if it is call `cut` (max_tokens ended it)."""
         for k, (index, item) in self._calls.items():
             if item["status"] == "in_progress":
                 self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                             arguments=item["arguments"], name=item["name"])
-                item["status"] = "incomplete" if k == cut else "completed"   # max_tokens ended it
+                item["status"] = "incomplete" if k == cut else status
                 self._event("response.output_item.done", output_index=index, item=dict(item))
 
     # --- the end ---------------------------------------------------------------------------------
@@ -450,10 +469,10 @@ class ResponsesAnswer(LocalResponse):
         self._close_reasoning()
         self._close_message()
         if self.error is not None:   # the engine failed it: the Response fails, with the error object
-            for _, item in self._calls.values():
-                item["status"] = "incomplete" if item["status"] == "in_progress" else item["status"]
+            self._close_calls(status="incomplete")
             return self._response("failed", self._output)
-        self._close_calls()
+        stream = self.choices[0].tool_stream
+        self._close_calls(stream.cut_call if stream is not None else None)
         return self._response(self._status(), self._output)
 
     def _json(self) -> web.Response:

@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from engine.client import AsyncEngineClient
+from engine.client import AsyncEngineClient, RequestFailedError
 from engine.outputs import RequestDelta, SampleDelta
 from engine.tokenizer import Tokenizer
 from gateway.openai.chat import parse_chat
@@ -164,8 +164,8 @@ async def _gateway(aiohttp_client, tmp_path: Path, tiny_model: Path, template: s
 
 
 class _ScriptedEngine:
-    """Every engine request answers `pieces`, one delta (one token) each, the last finishing with
-    `finish_reason`; the prompts it got are kept, and each request's structured output (its grammar)."""
+    """Every engine request answers `pieces`, one delta (one token) each (an exception: raised there), the
+    last finishing with `finish_reason`; the prompts it got are kept, and each request's structured output (its grammar)."""
 
     def __init__(self, monkeypatch) -> None:
         self.pieces: list[str] = []
@@ -179,6 +179,8 @@ class _ScriptedEngine:
             script.prompts.append(list(prompt))
             script.structured.append(params.structured if params is not None else None)
             for k, piece in enumerate(script.pieces):
+                if isinstance(piece, Exception):   # the worker fails the request here
+                    raise piece
                 last = k == len(script.pieces) - 1
                 sample = SampleDelta(0, piece, [300 + k], k + 1, script.finish_reason if last else None,
                                      delta_logprobs=[-k / 8], delta_top_logprobs=[[(300 + k, -k / 8)]])
@@ -492,3 +494,87 @@ async def test_an_engine_request_that_fails_before_any_token_is_answered_its_err
         with pytest.raises(openai.BadRequestError) as info:
             await create
         assert info.value.body["param"] == param and "cannot hold this sequence" in info.value.body["message"]
+
+
+TOOLS = [{"type": "function", "name": name, "parameters": {"type": "object", "properties": {key: {"type": "string"}}}}
+         for name, key in (("get_weather", "city"), ("get_time", "tz"))]
+TWO_CALLS = ["Sure.", " <tool_call>\n", '{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}', "\n</tool_call>\n",
+             "<tool_call>\n", '{"name": "get_time", "arguments": {"tz": "CET"}}', "\n</tool_call>", "\n\nDone."]
+
+
+def _one_item_at_a_time(events) -> list[str]:
+    """The stream's items in order, each asserted done before the next one is added (as OpenAI sends them)."""
+    order, open_item = [], None
+    for event in events:
+        if event.type == "response.output_item.added":
+            assert open_item is None, f"{event.item.id} added while {open_item} is open"
+            open_item = event.item.id
+            order.append(event.item.type)
+        elif event.type == "response.output_item.done":
+            assert event.item.id == open_item
+            open_item = None
+    assert open_item is None
+    return order
+
+
+async def test_a_responses_stream_sends_each_item_whole_before_the_next(aiohttp_client, tmp_path, tiny_model,
+                                                                        monkeypatch) -> None:
+    """A call's item is done (its arguments whole) when the next item begins, not at the end of the reply:
+    a client runs the first call while the model writes the second, and records the items in their order."""
+    sdk, _ = await _gateway(aiohttp_client, tmp_path, tiny_model, MODEL_OPENS)
+    engine = _ScriptedEngine(monkeypatch)
+    engine.pieces = TWO_CALLS
+    whole = await sdk.responses.create(model="thinker", input="Weather and time?", tools=TOOLS)
+    assert [item.type for item in whole.output] == ["message", "function_call", "function_call", "message"]
+    events = [e async for e in await sdk.responses.create(model="thinker", input="Weather and time?", tools=TOOLS,
+                                                          stream=True)]
+    assert _one_item_at_a_time(events) == ["message", "function_call", "function_call", "message"]
+    kinds = [e.type for e in events]
+    first_done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert first_done.arguments == '{"city": "Oslo"}'
+    second = [i for i, e in enumerate(events) if e.type == "response.output_item.added"][2]
+    assert kinds.index("response.function_call_arguments.done") < second
+    final = events[-1].response
+    assert [(i.type, getattr(i, "arguments", None)) for i in final.output] == [
+        (i.type, getattr(i, "arguments", None)) for i in whole.output]
+    assert final.output_text == whole.output_text == "Sure.Done."
+    async with sdk.responses.stream(model="thinker", input="?", tools=TOOLS) as stream:   # the SDK's accumulator
+        assert [item.type for item in (await stream.get_final_response()).output] == [
+            "message", "function_call", "function_call", "message"]
+
+
+async def test_held_text_that_is_no_call_streams_as_the_whole_reply_has_it(aiohttp_client, tmp_path, tiny_model,
+                                                                          monkeypatch) -> None:
+    """Text held back as a possible call's start, then no call: the stream's message is the whole reply's,
+    its whitespace kept, and its logprobs one per token as the whole reply's (the held tokens' too, and a
+    token's whose text is none)."""
+    sdk, _ = await _gateway(aiohttp_client, tmp_path, tiny_model, MODEL_OPENS)
+    engine = _ScriptedEngine(monkeypatch)
+    kwargs = dict(model="thinker", input="?", tools=TOOLS, top_logprobs=1, include=["message.output_text.logprobs"])
+    for pieces in (["Use the", " <tool_call>", " tag."], ["Hello", " <tool"], ["x", "\n\n<tool_call>\n{}"],
+                   ["It", "", " is \u00e9."]):   # a token of no text (part of a character)
+        engine.pieces = pieces
+        whole = await sdk.responses.create(**kwargs)
+        assert whole.output_text == "".join(pieces)
+        events = [e async for e in await sdk.responses.create(stream=True, **kwargs)]
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "".join(pieces)
+        streamed = [lp.logprob for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+        assert streamed == [lp.logprob for lp in whole.output[0].content[0].logprobs] == [
+            -k / 8 for k in range(len(pieces))]
+        assert events[-1].response.output_text == "".join(pieces)
+
+
+async def test_a_stream_the_worker_fails_ends_its_open_items_incomplete(aiohttp_client, tmp_path, tiny_model,
+                                                                        monkeypatch) -> None:
+    """The worker fails the request while a call is being written: the call's item is done, incomplete, before
+    response.failed; a message cut by the failure is incomplete too."""
+    sdk, _ = await _gateway(aiohttp_client, tmp_path, tiny_model, MODEL_OPENS)
+    engine = _ScriptedEngine(monkeypatch)
+    failure = RequestFailedError("scripted", "RuntimeError: the device fell over")
+    for pieces, cut in ((TWO_CALLS[:3] + ['"arguments": {"city": "Os', failure], "function_call"), (["It is", failure], "message")):
+        engine.pieces = pieces
+        events = [e async for e in await sdk.responses.create(model="thinker", input="?", tools=TOOLS, stream=True)]
+        assert events[-1].type == "response.failed" and _one_item_at_a_time(events)[-1] == cut
+        done = [e.item for e in events if e.type == "response.output_item.done"]
+        assert done[-1].type == cut and done[-1].status == "incomplete"
+        assert [i.status for i in events[-1].response.output][-1] == "incomplete"
