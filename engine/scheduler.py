@@ -200,12 +200,12 @@ class Scheduler:
         """A decode token or the next prefill chunk of each running sequence, preempting victims when
         blocks run out; returns the budget left."""
         bm = self.block_manager
-        # The sequences scheduled or skipped (paused) so far are always a prefix of `running` (victims,
-        # never paused, leave from anywhere, the order of the rest is kept): the next is running[that].
+        # The sequences scheduled or skipped (paused or ending) so far are always a prefix of `running` (victims,
+        # never skipped ones, leave from anywhere, the order of the rest is kept): the next is running[that].
         skipped = 0
         while len(out.scheduled) + skipped < len(self.running) and budget > 0:
             seq = self.running[len(out.scheduled) + skipped]
-            if self.is_paused(seq) or (seq.num_pending and seq.ends_when_known(self.max_model_len)):
+            if self.is_paused(seq) or self._ending(seq):
                 skipped += 1
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
@@ -325,13 +325,17 @@ class Scheduler:
         bm.allocate(seq.block_table, seq.num_computed_tokens + num_new)
 
     # --- preemption --------------------------------------------------------------------------
+    def _ending(self, seq: Sequence) -> bool:
+        """`seq` ends with its token in flight (overlapped steps): no step, its blocks free when it lands."""
+        return bool(seq.num_pending) and seq.ends_when_known(self.max_model_len)
+
     def _pick_victim(self, needy: Sequence) -> Sequence:
         """The running sequence to preempt so that `needy` can grow, by the pool's victim policy.
 
-        Sequences under the stability floor are spared while another candidate exists.
-        """
+        Sequences under the stability floor are spared while another candidate exists. Paused ones keep
+        their blocks, and ending ones give theirs back a step later: neither is a victim."""
         floor = self.config.stability_floor_tokens
-        active = [s for s in self.running if not self.is_paused(s)]   # paused ones keep their blocks
+        active = [s for s in self.running if not self.is_paused(s) and not self._ending(s)]
         candidates = [s for s in active if s.num_output_tokens - s.admitted_at_output >= floor] or active
         order = {id(s): i for i, s in enumerate(self.running)}   # admission order
         policy = self.config.victim_policy

@@ -13,7 +13,7 @@ from engine.sampling import SamplingParams
 from engine.config import (PREEMPTION_MODES, VICTIM_POLICIES, CacheConfig, EngineConfig, PoolConfig,
                            SchedulerConfig)
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 from tests.conftest import assert_all_free, make_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -146,6 +146,38 @@ def test_a_sequence_alone_that_cannot_grow_ends_with_an_error():
     scheduler.add(small)
     out = scheduler.schedule()
     assert out.finished == [big] and [s.seq for s in out.scheduled] == [small]
+    scheduler.check_integrity()
+
+
+def _three_in_flight(a_max_tokens: int) -> tuple[Scheduler, list[Sequence]]:
+    """Overlapped steps, each running sequence's next token in flight, no block free: A (7 prompt tokens,
+    `a_max_tokens`), B (4 + 4 generated, needs a new block), C (4 + 1 generated, decodes in place)."""
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, victim_policy="least_progress",
+                                          stability_floor_tokens=0, enable_prefix_caching=False), bm, max_model_len=100)
+    seqs = [_seq(7, 0), _seq(8, 1), _seq(5, 2)]
+    for seq, prompt, max_tokens, computed, extra in zip(seqs, (7, 4, 4), (a_max_tokens, 50, 50), (7, 8, 5), (1, 0, 1)):
+        seq.num_prompt_tokens, seq.max_tokens = prompt, max_tokens
+        bm.allocate(seq.block_table, computed + extra)
+        seq.num_computed_tokens, seq.status = computed, SequenceStatus.RUNNING
+        scheduler.running.append(seq)
+        seq.add_pending(seq.seq_id)
+    assert bm.num_free_blocks == 0
+    return scheduler, seqs
+
+
+def test_a_sequence_ending_with_its_token_in_flight_is_no_victim():
+    """A's last token is in flight (it ends when that lands, freeing its blocks) and B needs a block: the
+    victim is C, not A, whose preemption would throw away a finished request's work and leave C, the next
+    after the skipped A, silently out of the step. With A not ending, least_progress takes A and C runs."""
+    scheduler, (a, b, c) = _three_in_flight(a_max_tokens=1)
+    assert a.ends_when_known(100) and not b.ends_when_known(100)
+    out = scheduler.schedule()
+    assert out.preempted == [c] and [s.seq for s in out.scheduled] == [b] and scheduler.running == [a, b]
+    scheduler.check_integrity()
+    scheduler, (a, b, c) = _three_in_flight(a_max_tokens=4)
+    out = scheduler.schedule()
+    assert out.preempted == [a] and [s.seq for s in out.scheduled] == [b, c]
     scheduler.check_integrity()
 
 
