@@ -466,7 +466,5 @@ def _budget_features(decodes: list[int], prefill_context: int | None, tokens: in
 def _next_prefill_remaining(scheduler: Scheduler) -> int:
     """Tokens left to prefill of the sequence whose prefill a budget would continue or start
     (the one `Scheduler.pending_work` reports the context of); 0 when none is pending."""
-    seq = next((s for s in scheduler.running if s.num_uncomputed_tokens > 1), None)
-    if seq is None and (scheduler.swapped or scheduler.waiting):
-        seq = (scheduler.swapped or scheduler.waiting)[0]
+    seq = scheduler.next_prefill()
     return seq.num_uncomputed_tokens if seq is not None else 0

@@ -18,7 +18,8 @@ another candidate exists, and preempted:
 A step that preempted admits nothing. A sequence alone in its pool that still cannot grow is finished
 with a `length` result and an error message, never spun forever.
 A **paused** request (`pause`: its client reads too slowly) is skipped: its running sequences keep their
-blocks and place but get no token and are never victims; its waiting or swapped ones are passed by.
+blocks and place but get no token and are never victims; its waiting or swapped ones are passed by. So is
+a running sequence whose last token is in flight (overlapped steps): it frees its blocks when that lands.
 
 The scheduler only decides; the block copies it asks for (swap out, swap in, copy-on-write) travel in
 `SchedulerOutput` and the engine performs them before the step's forward pass.
@@ -98,10 +99,8 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Owns one pool's waiting, running and swapped sequences and decides each step's batch.
-
-    Single-threaded: called only from the device worker's engine loop.
-    """
+    """Owns one pool's waiting, running and swapped sequences and decides each step's batch. Single-threaded:
+    called only from the device worker's engine loop."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
                  name: str = "default", swap_manager: BlockManager | None = None,
@@ -168,15 +167,17 @@ class Scheduler:
         return any(not self.is_paused(s) for queue in (self.running, self.waiting, self.swapped) for s in queue)
 
     def pending_work(self) -> tuple[list[int], int | None]:
-        """What the next step would compute, for the step composer's cost estimate: the context
-        lengths of the running sequences that would decode, and the cached context of the sequence
-        whose prefill would continue or start next (None when no prefill is pending)."""
-        running = [s for s in self.running if not self.is_paused(s)]
-        queued = next((s for queue in (self.swapped, self.waiting) for s in queue if not self.is_paused(s)), None)
-        decodes = [s.num_computed_tokens for s in running if s.num_uncomputed_tokens == 1]
-        prefill = next((s.num_computed_tokens for s in running if s.num_uncomputed_tokens > 1),
-                       queued.num_computed_tokens if queued is not None else None)
-        return decodes, prefill
+        """What the next step would compute, for the step composer's cost estimate: the context lengths of the
+        running sequences that would decode, and the cached context of `next_prefill` (None: none pending)."""
+        decodes = [s.num_computed_tokens for s in self.running
+                   if s.num_uncomputed_tokens == 1 and not self.is_paused(s) and not self._ending(s)]
+        prefill = self.next_prefill()
+        return decodes, prefill.num_computed_tokens if prefill is not None else None
+
+    def next_prefill(self) -> Sequence | None:
+        """The sequence whose prefill the next step would continue or start (paused ones wait: skipped)."""
+        return next((s for queue in (self.running, self.swapped, self.waiting) for s in queue
+                     if not self.is_paused(s) and (queue is not self.running or s.num_uncomputed_tokens > 1)), None)
 
     # --- the step ----------------------------------------------------------------------------
     def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
@@ -325,8 +326,7 @@ class Scheduler:
         bm.allocate(seq.block_table, seq.num_computed_tokens + num_new)
 
     # --- preemption --------------------------------------------------------------------------
-    def _ending(self, seq: Sequence) -> bool:
-        """`seq` ends with its token in flight (overlapped steps): no step, its blocks free when it lands."""
+    def _ending(self, seq: Sequence) -> bool:   # its last token is in flight: no step, blocks free when it lands
         return bool(seq.num_pending) and seq.ends_when_known(self.max_model_len)
 
     def _pick_victim(self, needy: Sequence) -> Sequence:

@@ -13,7 +13,8 @@ from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
-from engine.composer import COLD_START_TOKENS, MIN_PREFILL_CHUNK, STARVATION_SECONDS, StepComposer
+from engine.composer import (COLD_START_TOKENS, MIN_PREFILL_CHUNK, STARVATION_SECONDS, StepComposer,
+                             _next_prefill_remaining)
 from engine.slo_feedback import HOLD_SECONDS, ITL_AIM, ITL_WINDOW_SECONDS, MIN_SCALE, UPDATE_SECONDS, SLOTracker
 from engine.config import ConfigError, LatencySLO
 from engine.sampling import SamplingParams as Params
@@ -326,6 +327,24 @@ def test_a_paused_request_presses_nothing_but_holds_its_slot():
     _decoding_chat(composer, 3)
     composer.schedulers["chat"].pause("r0", True)
     assert composer.schedule().pressed == ("chat",)          # 3 of 4 slots held, one of them paused
+
+
+def test_the_cost_estimate_reads_the_prefill_the_next_step_would_run():
+    """A paused request at the head of the queue is passed by: the prefill the composer prices (its context
+    and what is left of it) is the next unpaused one's, as the scheduler would run it; a running sequence whose
+    last token is in flight (it takes no step) is no decode of the next step."""
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=2048), BlockManager(256, 16), 4096)
+    scheduler.add(_make_seq(1, 3000))
+    scheduler.add(_make_seq(2, 40))
+    scheduler.pause("r1", True)
+    assert _next_prefill_remaining(scheduler) == 40 and scheduler.next_prefill().seq_id == 2
+    out = scheduler.schedule()
+    assert [s.seq.seq_id for s in out.scheduled] == [2]          # what the estimate priced
+    ending = scheduler.running[0]
+    ending.num_computed_tokens, ending.max_tokens = 40, 1
+    ending.add_pending(0)                                        # its one output token in flight
+    scheduler.pause("r1", False)
+    assert scheduler.pending_work() == ([], 0) and _next_prefill_remaining(scheduler) == 3000
 
 
 def test_an_interactive_pool_chunks_its_own_long_prompt_so_its_decodes_keep_the_itl_target():
