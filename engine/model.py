@@ -219,10 +219,12 @@ class LlamaForCausalLM(nn.Module):
     # --- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the (fused) parameters, each cut to this rank's shard; every
-        parameter must be filled whole, once. A tied model's stored `lm_head.weight` that is not the
-        embedding table becomes the head (`_untie`)."""
+        parameter must be filled whole, once: a part filled twice (a tensor stored twice, which would hide a
+        missing one) is refused. A tied model's stored `lm_head.weight` that is not the embedding table
+        becomes the head (`_untie`)."""
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
+        parts: dict[tuple[str, int], str] = {}   # (parameter, storage offset of the part) -> the tensor that filled it
         stored_head: torch.Tensor | None = None
         prefix = self.config.text_weights_prefix   # a multimodal checkpoint: its text model's tensors only
         for hf_name, tensor in weights:
@@ -247,6 +249,10 @@ class LlamaForCausalLM(nn.Module):
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise WeightLoadError(
                     f"{hf_name}: shape {tuple(tensor.shape)} does not match the config's {tuple(dest.shape)}")
+            if (target, dest.storage_offset()) in parts:
+                raise WeightLoadError(f"{hf_name}: fills the part of {target} that "
+                                      f"{parts[target, dest.storage_offset()]} filled (a tensor stored twice)")
+            parts[target, dest.storage_offset()] = hf_name
             with torch.no_grad():
                 dest.copy_(tensor)
             filled[target] = filled.get(target, 0) + dest.numel()

@@ -344,7 +344,12 @@ def _tensor_names_by_file(folder: Path) -> dict[Path, list[str]]:
     """The safetensors files to read, each with the tensor names to take from it ([]: all of them)."""
     index = folder / _INDEX_FILE
     if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index}: weight_map must map tensor names to file names")
         by_file: dict[Path, list[str]] = {}
         for name, shard in weight_map.items():
             by_file.setdefault(folder / shard, []).append(name)

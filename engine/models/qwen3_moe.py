@@ -135,6 +135,9 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         inter = self.shard.moe_intermediate_size
         if not expert.isdigit() or proj not in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
             raise WeightLoadError(f"{name}: not a tensor of {self.config.architecture} with this config")
+        if int(expert) >= self.config.num_experts:
+            raise WeightLoadError(f"{name}: expert {int(expert)} of a config with num_experts "
+                                  f"{self.config.num_experts}")
         e, mlp = int(expert), f"{prefix}.mlp"
         if proj == "down_proj.weight":
             return f"{mlp}.w2", lambda data: data[e]

@@ -162,6 +162,40 @@ def test_a_tied_config_whose_checkpoint_stores_another_head_serves_that_head(tmp
     assert "lm_head" not in model._modules and model.config.tie_word_embeddings
 
 
+@pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3_moe", QWEN3_MOE)])
+def test_a_checkpoint_that_stores_a_tensor_twice_or_lacks_one_is_refused_by_name(tmp_path, builtin_path, arch,
+                                                                                 overrides):
+    """A missing tensor is named. A tensor stored twice (two files of one folder, or an expert written as
+    `experts.0` and `experts.00`) is refused, also when it fills the room of a missing one: counting filled
+    elements alone would take it for the missing tensor and serve uninitialised memory. An expert past
+    num_experts is named too."""
+    from engine.model import WeightLoadError
+    from engine.model_config import ModelConfig
+
+    folder = make_tiny_model(tmp_path / "m", arch, builtin_path, **overrides)
+    state = dict(iter_weights(folder))
+    config = ModelConfig.from_folder(folder)
+
+    def load(tensors):
+        build_model(config, torch.float32, "cpu").load_weights(tensors.items())
+
+    load(state)
+    mlp = "model.layers.0.mlp.experts.1" if arch == "qwen3_moe" else "model.layers.0.mlp"
+    lacking = {n: t for n, t in state.items() if n != f"{mlp}.up_proj.weight"}
+    with pytest.raises(WeightLoadError, match="missing weights: layers.0.mlp"):
+        load(lacking)
+    twice = list(lacking.items()) + [(f"{mlp}.gate_proj.weight", state[f"{mlp}.gate_proj.weight"])]
+    with pytest.raises(WeightLoadError, match=f"{mlp}.gate_proj.weight: fills the part .* stored twice"):
+        build_model(config, torch.float32, "cpu").load_weights(twice)
+    if arch == "qwen3_moe":
+        padded = "model.layers.0.mlp.experts.01.down_proj.weight"
+        with pytest.raises(WeightLoadError, match="experts.01.down_proj.weight: fills the part"):
+            load({**state, padded: state["model.layers.0.mlp.experts.1.down_proj.weight"]})
+        past = f"model.layers.0.mlp.experts.{config.num_experts}.down_proj.weight"
+        with pytest.raises(WeightLoadError, match=f"expert {config.num_experts} of a config with num_experts"):
+            load({**state, past: state["model.layers.0.mlp.experts.1.down_proj.weight"]})
+
+
 def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, builtin_path):
     """Gemma 3's larger checkpoints are `Gemma3ForConditionalGeneration` (a vision tower beside the text model,
     whose tensors sit under `language_model.`): served as the text model, the rest of the checkpoint skipped,

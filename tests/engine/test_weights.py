@@ -266,6 +266,15 @@ def test_index_naming_a_missing_shard(tmp_path: Path) -> None:
         iter_weights(tmp_path)
 
 
+@pytest.mark.parametrize("index", ["{not json", '{"metadata": {}}', '{"weight_map": ["a"]}', '[1]',
+                                   '{"weight_map": {"a": 3}}'])
+def test_an_index_that_is_no_index_is_named(tmp_path: Path, index: str) -> None:
+    save_file({"a": torch.ones(2)}, tmp_path / "model-00001-of-00001.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: (not a safetensors index|weight_map)"):
+        iter_weights(tmp_path)
+
+
 def test_unknown_builtin_name() -> None:
     with pytest.raises(ValueError, match="builtin:nope") as err:
         resolve_model("builtin:nope")
