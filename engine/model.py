@@ -244,6 +244,8 @@ class LlamaForCausalLM(nn.Module):
             target, part = self._destination(name)
             if target not in params:
                 raise WeightLoadError(f"{hf_name}: not a tensor of {self.config.architecture} with this config")
+            if not tensor.is_floating_point() or tensor.element_size() == 1:
+                raise WeightLoadError(f"{hf_name}: {tensor.dtype} weights (a quantized checkpoint) are not supported")
             tensor = self._shard_of(hf_name, name, tensor)
             dest = part(params[target].data)
             if tuple(dest.shape) != tuple(tensor.shape):

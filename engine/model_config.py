@@ -257,6 +257,11 @@ class ModelConfig:
         if not isinstance(archs, list) or not archs:
             raise ConfigError("architectures: config.json has no 'architectures' list")
         arch = archs[0]
+        if cfg.get("quantization_config") is not None:   # its weights are not what a float model reads
+            quant = cfg["quantization_config"]
+            method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else repr(quant)
+            raise ConfigError(f"quantization_config: quantized checkpoints ({method}) are not supported; serve "
+                              "the model's bfloat16 checkpoint (an FP8 KV cache is the device key kv_cache_dtype)")
         if isinstance(arch, str) and arch in TEXT_MODELS:
             return cls._from_text_config(cfg, arch)
         _check_architecture(arch)

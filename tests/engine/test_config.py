@@ -26,6 +26,12 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
     ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "use_sliding_window: Qwen3"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"vocab_size": None}, "vocab_size"),
+    # a quantized checkpoint's weights are no float model's: refused before they are read as one
+    ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}},
+     r"quantization_config: quantized checkpoints \(fp8\) are not supported"),
+    ({"quantization_config": {"quant_method": "compressed-tensors"}}, r"quantization_config: .*compressed-tensors"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {},
+      "quantization_config": {"quant_method": "awq"}}, r"quantization_config: .*\(awq\)"),
 ])
 def test_bad_model_configs_are_named(change, match):
     with pytest.raises(ConfigError, match=match):

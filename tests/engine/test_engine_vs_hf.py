@@ -168,7 +168,7 @@ def test_a_checkpoint_that_stores_a_tensor_twice_or_lacks_one_is_refused_by_name
     """A missing tensor is named. A tensor stored twice (two files of one folder, or an expert written as
     `experts.0` and `experts.00`) is refused, also when it fills the room of a missing one: counting filled
     elements alone would take it for the missing tensor and serve uninitialised memory. An expert past
-    num_experts is named too."""
+    num_experts is named too, and float8 weights (a quantized checkpoint) are refused, not cast."""
     from engine.model import WeightLoadError
     from engine.model_config import ModelConfig
 
@@ -180,6 +180,10 @@ def test_a_checkpoint_that_stores_a_tensor_twice_or_lacks_one_is_refused_by_name
         build_model(config, torch.float32, "cpu").load_weights(tensors.items())
 
     load(state)
+    quantized = {**state, "model.layers.0.self_attn.q_proj.weight":
+                 state["model.layers.0.self_attn.q_proj.weight"].to(torch.float8_e4m3fn)}
+    with pytest.raises(WeightLoadError, match="q_proj.weight: torch.float8_e4m3fn weights .*not supported"):
+        load(quantized)   # a float8 checkpoint without its quantization_config: no silent cast
     mlp = "model.layers.0.mlp.experts.1" if arch == "qwen3_moe" else "model.layers.0.mlp"
     lacking = {n: t for n, t in state.items() if n != f"{mlp}.up_proj.weight"}
     with pytest.raises(WeightLoadError, match="missing weights: layers.0.mlp"):
