@@ -2,7 +2,10 @@
 
 A model is named by an HF-style folder, a `.gguf` file or a builtin name (`builtin:<name>`, a GGUF file
 shipped inside a pip package). GGUF files are converted once into an HF-style folder (float32
-safetensors, config.json, tokenizer files) under the cache directory; later calls reuse that folder.
+safetensors, config.json, tokenizer files) under the cache directory; later calls reuse that folder,
+whichever copy of the file they name (the folder is keyed by the file's content: each checkout's or
+virtual environment's copy of a builtin model shares one conversion). A new conversion removes those of
+the same file name unused for STALE_CONVERSION_SECONDS (an older content or conversion version).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import shutil
 import struct
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -58,6 +62,7 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 _INDEX_FILE = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
+STALE_CONVERSION_SECONDS = 24 * 3600   # a conversion of the same file name unused this long is removed
 
 
 def default_cache_dir() -> Path:
@@ -70,7 +75,7 @@ def resolve_model(model: str | os.PathLike, cache_dir: Path | None = None) -> Pa
     """Return a local HF-style model folder for `model`.
 
     - an existing directory: returned as is, once it is checked to hold a config.json;
-    - a `.gguf` file: converted once into `cache_dir/<stem>-<hash of path, size, mtime>/`;
+    - a `.gguf` file: converted once into `cache_dir/<stem>-<hash of its content>/`;
     - `builtin:<name>` from BUILTIN_MODELS: the GGUF file inside its package, converted the same way
       (the package is located, never imported).
     Anything else raises FileNotFoundError (ValueError for an unknown builtin name), naming it.
@@ -158,12 +163,52 @@ def _builtin_gguf(name: str) -> Path:
     return path
 
 
+def _source_digest(gguf_path: Path, cache_dir: Path) -> str:
+    """The sha256 of the file's bytes, remembered under cache_dir/.sources by path, size and mtime: each
+    copy of a file is read once (a large GGUF takes seconds), later starts look it up."""
+    stat = gguf_path.stat()
+    stamp = hashlib.sha256(f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    memo = cache_dir / ".sources" / stamp
+    try:
+        return memo.read_text().strip()
+    except OSError:
+        pass
+    with open(gguf_path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{stamp}.{os.getpid()}")
+        tmp.write_text(digest)
+        os.replace(tmp, memo)
+    except OSError:   # a read-only cache: the digest is read again next time
+        pass
+    return digest
+
+
+def _prune_stale(cache_dir: Path, stem: str, keep: Path) -> None:
+    """Remove the conversions of files named `stem` other than `keep` (and temporary folders of interrupted
+    ones) that no start used for STALE_CONVERSION_SECONDS."""
+    conversion = re.compile(rf"{re.escape(stem)}-[0-9a-f]{{12}}|\.{re.escape(stem)}-[0-9a-f]{{12}}\..*\.partial")
+    now = time.time()
+    for path in cache_dir.iterdir():
+        try:
+            stale = now - path.stat().st_mtime > STALE_CONVERSION_SECONDS
+        except OSError:
+            continue
+        if path != keep and stale and path.is_dir() and conversion.fullmatch(path.name):
+            log.info("removing %s: a conversion no start used for %d hours", path, STALE_CONVERSION_SECONDS // 3600)
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _cached_conversion(gguf_path: Path, cache_dir: Path) -> Path:
     gguf_path = gguf_path.resolve()
-    stat = gguf_path.stat()
-    key = f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{_CONVERSION_VERSION}"
+    key = f"{_source_digest(gguf_path, cache_dir)}\0{_CONVERSION_VERSION}"
     target = cache_dir / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if target.is_dir():  # only ever created by the rename below, so it is complete
+        try:
+            os.utime(target)   # used now: not stale
+        except OSError:
+            pass
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     log.info("converting %s into %s (once; later runs reuse it)", gguf_path, target)
@@ -180,6 +225,7 @@ def _cached_conversion(gguf_path: Path, cache_dir: Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _prune_stale(cache_dir, gguf_path.stem, target)
     return target
 
 

@@ -143,7 +143,7 @@ def test_second_resolve_is_cached(converted: Path, cache_dir: Path) -> None:
     again = resolve_model(BUILTIN, cache_dir=cache_dir)
     assert time.perf_counter() - start < 0.5
     assert again == converted
-    assert list(cache_dir.iterdir()) == [converted]  # no temp folder left beside it
+    assert [p for p in cache_dir.iterdir() if p.name != ".sources"] == [converted]  # no temp folder beside it
 
 
 # --- conversion details -----------------------------------------------------------------------------
@@ -202,7 +202,7 @@ def test_a_truncated_gguf_file_is_named(tmp_path: Path, keep: int | float) -> No
     cut.write_bytes(whole[:int(len(whole) * keep) if isinstance(keep, float) else keep])
     with pytest.raises(ValueError, match=re.escape(f"{cut}: not a valid or complete GGUF file")):
         resolve_model(cut, cache_dir=tmp_path / "cache")
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [".sources"]   # the file's digest alone
 
 
 def test_interrupted_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -215,7 +215,58 @@ def test_interrupted_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(weights, "convert_gguf", _fail_halfway)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(fake, cache_dir=tmp_path / "cache")
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [".sources"]   # the file's digest alone
+
+
+def _fake_conversions(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """convert_gguf replaced by one that writes a config.json; the folders it wrote, in order."""
+    made = []
+
+    def convert(gguf_path: Path, out_dir: Path) -> Path:
+        (out_dir / "config.json").write_text("{}")
+        made.append(out_dir)
+        return out_dir
+
+    monkeypatch.setattr(weights, "convert_gguf", convert)
+    return made
+
+
+def test_copies_of_one_gguf_file_share_one_conversion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache is keyed by the file's content, not its path: each checkout's (or virtual environment's)
+    copy of the builtin model reuses the one conversion instead of writing another (they piled up, 500 MB
+    each); another content is another conversion."""
+    made = _fake_conversions(monkeypatch)
+    cache = tmp_path / "cache"
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "m.gguf").write_bytes(b"GGUF same bytes")
+    first = resolve_model(tmp_path / "a" / "m.gguf", cache_dir=cache)
+    assert resolve_model(tmp_path / "b" / "m.gguf", cache_dir=cache) == first and len(made) == 1
+    assert resolve_model(tmp_path / "a" / "m.gguf", cache_dir=cache) == first and len(made) == 1
+    (tmp_path / "b" / "m.gguf").write_bytes(b"GGUF other bytes")
+    assert resolve_model(tmp_path / "b" / "m.gguf", cache_dir=cache) != first and len(made) == 2
+
+
+def test_a_new_conversion_removes_stale_ones_of_its_file_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Conversions of the same file name no start used for a day (an older content or conversion version),
+    and the temporary folders of interrupted ones, go when a new one is written; a recent one, one in use
+    (each start marks it used) and another file's stay."""
+    _fake_conversions(monkeypatch)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    old = time.time() - weights.STALE_CONVERSION_SECONDS - 60
+    names = ["m-0123456789ab", "m-aaaaaaaaaaaa", ".m-bbbbbbbbbbbb.x1y2.partial", "other-cccccccccccc", "m-dddddddddddd"]
+    for name in names:
+        (cache / name).mkdir()
+        if name != "m-aaaaaaaaaaaa":
+            os.utime(cache / name, (old, old))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    kept = resolve_model(gguf, cache_dir=cache)
+    assert sorted(p.name for p in cache.iterdir()) == sorted([".sources", kept.name, "m-aaaaaaaaaaaa",
+                                                              "other-cccccccccccc"])
+    os.utime(kept, (old, old))
+    assert resolve_model(gguf, cache_dir=cache) == kept and time.time() - kept.stat().st_mtime < 60
 
 
 # --- safetensors folders ----------------------------------------------------------------------------
