@@ -20,6 +20,7 @@ import shutil
 import struct
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,10 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 log = logging.getLogger("cliffguard.engine")
+# tqdm's default lock holds a multiprocessing semaphore, a named file in /dev/shm under the forkserver start
+# method that a killed device worker leaves behind (one per death of a crash-looping replica); the bars here
+# are drawn by one process each, so a thread lock is enough
+tqdm.set_lock(threading.RLock())
 
 BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     # name -> (package holding the file, GGUF file name inside the package folder)

@@ -14,7 +14,8 @@ inside its current turn (its commands, the step, its outputs; 0 while it sleeps 
 gateway's watchdog (`gateway.workers.supervisor`) takes a silent heartbeat for a stopped or hung process, and
 a beating one whose step has run past `gateway.step_timeout_seconds` for a hang inside the step. The
 two threads share the channel's sending side (`WorkerChannel`: one lock around send and flush);
-receiving and waiting stay the loop's.
+receiving and waiting stay the loop's. A heartbeat that cannot be sent means the gateway is gone: the
+worker ends `LAST_WORDS_SECONDS` later, mid-step too (`_orphaned`), and frees the device.
 
 **Failures.** Whatever one request's command raises (add, abort, pause) fails that request alone: a
 ValueError is its input's fault (`Rejected`, 400 at the gateway), anything else the worker's handling
@@ -86,7 +87,7 @@ def worker_main(config: EngineConfig, sock: socket.socket, environ: dict[str, st
         os.nice(CPU_WORKER_NICE)
     try:
         channel.send(Ready(worker_info(engine)))
-        _serve(engine, channel)
+        _serve(engine, channel, on_peer_gone=_orphaned)
     except (BrokenPipeError, ConnectionResetError, KeyboardInterrupt):
         return  # the parent is gone
     except UnreadableCommands as exc:   # the link's fault, not the requests': they may run elsewhere
@@ -120,6 +121,17 @@ def _rank_lost(channel: "WorkerChannel", reason: str) -> None:
         os._exit(1)
 
 
+def _orphaned() -> None:
+    """The gateway is gone (a heartbeat could not be sent: it was killed, or its machine's OOM killer took it)
+    while the loop may be inside a step, which notices only once the step ends, or never if it hangs: after
+    LAST_WORDS_SECONDS for the loop to leave on its own, the process ends, so that it holds no device memory
+    from the gateway that replaces it (its tensor-parallel followers end with it)."""
+    time.sleep(LAST_WORDS_SECONDS)
+    log.error("the gateway is gone (its socket closed) while a step runs; the device worker ends")
+    logging.shutdown()
+    os._exit(1)
+
+
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"   # the gateway's (gateway.cli) and the worker's
 CPU_WORKER_NICE = 10    # niceness of a worker that computes on the CPU (the gateway shares those cores)
 MAX_OUTBOX_BYTES = 64 << 20   # outputs the gateway has not read yet: past this the worker stops stepping
@@ -150,8 +162,9 @@ class HeartbeatThread:
     the `with` block ends (or the peer is gone). The loop sets `turn_started` (time.monotonic()) when a
     turn begins and 0 when it ends; `step_seconds` is then how long the current turn has lasted."""
 
-    def __init__(self, channel: WorkerChannel, interval: float = HEARTBEAT_INTERVAL) -> None:
+    def __init__(self, channel: WorkerChannel, interval: float = HEARTBEAT_INTERVAL, on_peer_gone=None) -> None:
         self.channel, self.interval = channel, interval
+        self.on_peer_gone = on_peer_gone   # called on this thread when a heartbeat cannot be sent
         self.turn_started = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cliffguard-heartbeat", daemon=True)
@@ -174,17 +187,19 @@ class HeartbeatThread:
         while not self._stop.wait(self.interval):
             try:
                 self.channel.send(Heartbeat(self.step_seconds()))
-            except OSError:
-                return   # the peer is gone; the loop notices too
+            except OSError:   # the peer is gone: the loop notices too, between turns
+                if self.on_peer_gone is not None and not self._stop.is_set():
+                    self.on_peer_gone()
+                return
 
 
 class UnreadableCommands(Exception):
     """The gateway's side of the socket sent a frame the worker cannot decode."""
 
 
-def _serve(engine, channel: WorkerChannel) -> None:
+def _serve(engine, channel: WorkerChannel, on_peer_gone=None) -> None:
     """The loop: drain commands, step, send deltas (and stats now and then) until told to stop, with a
-    `HeartbeatThread` beside it for as long as it runs.
+    `HeartbeatThread` beside it for as long as it runs (`on_peer_gone`: what it does when the peer is gone).
 
     Nothing here blocks on the gateway: outputs go to the channel's outbox. While the outbox holds
     over `MAX_OUTBOX_BYTES` (the gateway is not reading) the worker stops stepping, keeps reading
@@ -199,7 +214,7 @@ def _serve(engine, channel: WorkerChannel) -> None:
     """
     loop = _Loop(engine, channel, _StepTrace.from_env(engine), Faults.from_env())
     channel.send(Outputs([], engine_stats(engine)))   # the gateway's metrics have numbers from the start
-    with HeartbeatThread(channel) as beat:
+    with HeartbeatThread(channel, on_peer_gone=on_peer_gone) as beat:
         while True:
             if not loop.can_step():
                 channel.wait()   # idle, or the gateway is behind: sleep until a command comes or the socket drains

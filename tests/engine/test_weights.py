@@ -269,6 +269,25 @@ def test_a_new_conversion_removes_stale_ones_of_its_file_name(tmp_path: Path, mo
     assert resolve_model(gguf, cache_dir=cache) == kept and time.time() - kept.stat().st_mtime < 60
 
 
+def test_a_progress_bar_leaves_no_semaphore_file_behind() -> None:
+    """A device worker (forkserver start method) draws its loading bar without tqdm's multiprocessing lock: that
+    lock is a named semaphore in /dev/shm which a killed worker leaves behind, one per death."""
+    import subprocess
+    import sys
+
+    script = ("import multiprocessing as mp, os, sys\n"
+              "mp.set_start_method('forkserver')\n"
+              "before = set(os.listdir('/dev/shm'))\n"
+              "import engine.weights\n"
+              "from tqdm import tqdm\n"
+              "for _ in tqdm(range(3), file=sys.stderr): pass\n"
+              "print(sorted(n for n in set(os.listdir('/dev/shm')) - before if n.startswith('sem.mp-')))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=Path(weights.__file__).parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 # --- safetensors folders ----------------------------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ import os
 import pickle
 import signal
 import struct
+import time
 
 import msgspec
 import pytest
@@ -196,6 +197,36 @@ def test_a_killed_worker_fails_its_streams_at_once_and_is_reaped(tiny_config):
 
     client = asyncio.run(main())
     assert client.died.result().endswith("(signal 9, SIGKILL)")
+
+
+def test_a_worker_whose_gateway_is_gone_mid_step_ends_without_waiting_for_the_step(tiny_config, monkeypatch):
+    """The gateway is killed while a step runs (here one held 60 s): the worker learns it from its heartbeat
+    and ends LAST_WORDS_SECONDS later, so that it frees the device for the gateway that replaces it; it no
+    longer ran until the step ended (or forever, the step hung)."""
+    from engine.faults import SLOW_STEP_ENV
+    from engine.worker import LAST_WORDS_SECONDS
+
+    monkeypatch.setenv(SLOW_STEP_ENV, "SLOW:60")
+
+    async def main():
+        client = AsyncEngineClient(tiny_config)
+        await client.start()
+        process = client._process
+        stream = client.generate("be SLOW", SamplingParams(max_tokens=4))
+        pending = asyncio.ensure_future(anext(stream))
+        async with asyncio.timeout(30):
+            while client.last_step_seconds < 0.5:        # the held step runs
+                await asyncio.sleep(0.1)
+        client._loop.remove_reader(client._channel.fileno())
+        client._channel.close()                          # the gateway's end closes, as when it is killed
+        gone = time.monotonic()
+        await asyncio.to_thread(process.join, LAST_WORDS_SECONDS + 10)
+        ended = time.monotonic() - gone
+        pending.cancel()
+        return process.exitcode, ended
+
+    exitcode, ended = asyncio.run(main())
+    assert exitcode == 1 and ended < 15, (exitcode, ended)
 
 
 def test_shutdown_reaps_and_a_client_starts_once(tiny_config):
