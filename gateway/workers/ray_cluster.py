@@ -337,7 +337,10 @@ class RayReplica:
         try:
             host, port, key, node_id = await asyncio.wait_for(self._ask_endpoint(), timeout)
         except ActorDiedError:
-            self._actor = None   # gone for good (removed, or out of restarts): placed anew on the next start
+            # gone for good (removed, or its constructor failed): placed anew on the next start, in a new group
+            if self.may_place():
+                await self.cluster.remove(self.name)
+            self._actor = None
             raise
         self.node_id = node_id
         self.status = f"on node {node_id[:12]} at {host}:{port}"
@@ -381,15 +384,21 @@ class RayReplica:
             return None
 
     async def _place(self, timeout: float):
-        """A new placement group and actor (`get_if_exists`: a gateway placing the same name at once
-        gets the one actor)."""
+        """A new actor (`get_if_exists`: a gateway placing the same name at once gets the one actor), in the
+        slot's placement group: one left without its actor if there is one (a gateway killed between placing
+        the group and starting the actor: Ray refuses a second group of the name), else a new one."""
         _ray()   # ClusterError where Ray is not installed
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        target = await self._target_node()
-        group = await asyncio.to_thread(placement_group, self.bundles.as_list(), strategy="STRICT_PACK",
-                                        name=self.name, lifetime="detached", _soft_target_node_id=target)
+        group = await asyncio.to_thread(self._left_group)
+        if group is not None:
+            log.warning("replica %s: placing it in the placement group %s, left without its actor", self.label,
+                        self.name)
+        else:
+            target = await self._target_node()
+            group = await asyncio.to_thread(placement_group, self.bundles.as_list(), strategy="STRICT_PACK",
+                                            name=self.name, lifetime="detached", _soft_target_node_id=target)
         self.status = f"waiting for Ray to place {self.bundles.as_list()} on one node"
         await self._wait_placed(group, timeout)
         options = dict(name=self.name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
@@ -400,6 +409,16 @@ class RayReplica:
             options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
         cls = replica_actor_class()
         return cls.options(**options).remote(self.config)   # it learns its GPUs from Ray at each (re)start
+
+    def _left_group(self):
+        """The slot's placement group that is not removed, or None (a blocking call of Ray's)."""
+        ray = _ray()
+        from ray.util.placement_group import PlacementGroup
+
+        for group in ray.util.placement_group_table().values():
+            if group.get("name") == self.name and group.get("state") != "REMOVED":
+                return PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group["placement_group_id"])))
+        return None
 
     async def _wait_placed(self, group, timeout: float) -> None:
         """Wait until Ray has placed `group`. One not placed within `timeout` seconds (or a wait

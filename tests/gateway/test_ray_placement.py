@@ -172,6 +172,32 @@ async def test_a_wrong_address_a_node_without_the_model_and_a_replica_never_plac
     await client.close()
 
 
+async def test_a_placement_group_left_without_its_actor_is_placed_in_not_refused(tiny_model, ray_cluster):
+    """A gateway killed between placing a replica's (detached, named) group and starting its actor leaves the
+    group behind: Ray refuses a second group of that name, so every later start of the slot failed. The slot
+    is placed in the group it left, and serves."""
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from engine.config import CacheConfig, EngineConfig, PoolConfig
+    from gateway.workers.ray_cluster import RayCluster, RayReplica
+
+    config = EngineConfig(model=str(tiny_model), device="cpu", dtype="float32", cpu_threads=1,
+                          cache=CacheConfig(block_size=8), pools=(PoolConfig(num_blocks=64),))
+    cluster = RayCluster(ray_cluster.address)
+    replica = RayReplica(cluster, "cpu", 0, config)
+    await cluster.connect()
+    left = await asyncio.to_thread(placement_group, replica.bundles.as_list(), strategy="STRICT_PACK",
+                                   name=replica.name, lifetime="detached")
+    try:
+        host, port, _ = await replica.endpoint(120)
+        assert host and port
+        groups = [g for g in placement_group_table().values() if g["name"] == replica.name and g["state"] != "REMOVED"]
+        assert [g["placement_group_id"] for g in groups] == [left.id.hex()]
+    finally:
+        await replica.remove()
+        await cluster.release_claims()
+
+
 async def _ready_body(client, want, timeout: float = 30.0) -> dict:
     body = {}
     for _ in range(int(timeout / 0.1)):
