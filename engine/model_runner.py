@@ -7,6 +7,7 @@ what each of those ranks runs: the same forward pass from the same plan, on its 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import signal
@@ -309,7 +310,13 @@ def follower_main() -> None:
     link = PlanLink(socket.socket(fileno=args.link_fd))
     collectives = join_group(device, rank, args.size, args.init_method, config.collective_timeout_seconds)
     try:
-        runner = FollowerRunner.load(config, rank, args.size, device, collectives, link)
+        try:
+            runner = FollowerRunner.load(config, rank, args.size, device, collectives, link)
+        except Exception as exc:  # noqa: BLE001 - its own failure (out of memory, a bad shard): rank 0 says it
+            log.error("tensor-parallel rank %d failed to load: %s: %s", rank, type(exc).__name__, exc)
+            with contextlib.suppress(OSError):
+                link.say_failed(f"{type(exc).__name__}: {exc}")
+            raise SystemExit(1) from None
         runner.serve()
     except (EOFError, RuntimeError) as exc:   # rank 0 went away (idle, or mid-collective): nothing left to serve
         log.info("tensor-parallel rank %d stops: %s", rank, str(exc).splitlines()[0] if str(exc) else exc)

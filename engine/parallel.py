@@ -64,6 +64,8 @@ log = logging.getLogger("cliffguard.engine")
 INIT_TIMEOUT_SECONDS = 300   # how long rank 0 waits for its followers to join the group (the rendezvous)
 LOAD_TIMEOUT_SECONDS = 3600   # how long rank 0 waits for its followers to load their shards and say ready
 _READY = b"R"
+_FAILED = b"F"   # a follower that could not load: its reason follows, up to MAX_REASON_BYTES, then it exits
+MAX_REASON_BYTES = 4096
 _LENGTH = struct.Struct("<Q")
 _PR_SET_PDEATHSIG = 1
 
@@ -244,6 +246,17 @@ class PlanLink:
     def say_ready(self) -> None:
         self.sock.sendall(_READY)
 
+    def say_failed(self, reason: str) -> None:
+        """The follower could not load: its reason for rank 0 to give (OSError when rank 0 is gone)."""
+        self.sock.sendall(_FAILED + reason.encode("utf-8", "replace")[:MAX_REASON_BYTES])
+
+    def read_reason(self) -> str:
+        """After `_FAILED`: the reason, to the end of the link."""
+        reason = b""
+        while len(reason) < MAX_REASON_BYTES and (chunk := self.sock.recv(MAX_REASON_BYTES)):
+            reason += chunk
+        return reason.decode("utf-8", "replace")
+
     def _exact(self, size: int) -> bytes:
         data = bytearray(size)
         view, got = memoryview(data), 0
@@ -320,6 +333,8 @@ class TensorParallelGroup:
             try:
                 link.send(data)
             except OSError as exc:
+                if (failure := self._failure(rank)) is not None:
+                    raise RuntimeError(f"tensor-parallel rank {rank} failed to load: {failure}") from exc
                 raise RuntimeError(f"tensor-parallel rank {rank} is gone ({self._exit_of(rank)}): {exc}") from exc
 
     def wait_ready(self, timeout: float = LOAD_TIMEOUT_SECONDS) -> None:
@@ -340,6 +355,8 @@ class TensorParallelGroup:
                 log.warning("tensor-parallel rank %d: %s", rank, exc)
             finally:
                 link.sock.settimeout(None)
+            if said == _FAILED:
+                raise RuntimeError(f"tensor-parallel rank {rank} failed to load: {self._failure(rank, said)}")
             if said != _READY:
                 raise RuntimeError(f"tensor-parallel rank {rank} exited while loading ({self._exit_of(rank)})")
         self._watch = threading.Thread(target=self._watch_ranks, name="cliffguard-tp-watch", daemon=True)
@@ -360,6 +377,20 @@ class TensorParallelGroup:
             reason = f"tensor-parallel rank {rank} of {self.size} {self._exit_of(rank, wait=2.0)}"
             self.on_rank_exit(reason)
             return
+
+    def _failure(self, rank: int, said: bytes | None = None) -> str | None:
+        """What follower `rank` said of its failure to load before it ended (`PlanLink.say_failed`), if it did
+        (`said`: its first byte, when read already)."""
+        link = self.links[rank - 1]
+        link.sock.settimeout(1.0)
+        try:
+            if said is None:
+                said = link.sock.recv(1)
+            return link.read_reason() if said == _FAILED else None
+        except OSError:
+            return None
+        finally:
+            link.sock.settimeout(None)
 
     def _exit_of(self, rank: int, wait: float = 0.2) -> str:
         """How follower `rank`'s process ended ("exited (signal 9, SIGKILL)"), or that it still runs."""

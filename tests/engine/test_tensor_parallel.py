@@ -107,6 +107,58 @@ def test_a_rank_not_ready_by_the_deadline_is_named_as_late_not_as_exited():
             theirs.close()
 
 
+def test_a_rank_that_fails_to_load_is_named_with_its_own_reason():
+    """A follower whose load fails (out of memory, a bad shard) says why on its link before it exits (non-zero):
+    rank 0's error (the gateway's StartupError) gives that reason, whether it reads it while waiting for the
+    ranks or when it finds the link closed as it sends them their setup. It said nothing before and exited 0:
+    rank 0 reported "exited while loading (exit code 0)", the cause only in the follower's log."""
+    import socket
+
+    from engine.parallel import Collectives, PlanLink, RankSetup, TensorParallelGroup
+
+    for sending_first in (False, True):
+        pairs = [socket.socketpair() for _ in range(2)]
+        group = TensorParallelGroup(3, Collectives(), [PlanLink(ours) for ours, _ in pairs])
+        try:
+            pairs[0][1].sendall(b"R")
+            PlanLink(pairs[1][1]).say_failed("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+            pairs[1][1].close()
+            with pytest.raises(RuntimeError, match="tensor-parallel rank 2 failed to load: OutOfMemoryError: "
+                                                   "CUDA out of memory. Tried to allocate 2.00 GiB$"):
+                group.broadcast(RankSetup({})) if sending_first else group.wait_ready(timeout=5)
+        finally:
+            for ours, theirs in pairs:
+                ours.close()
+                theirs.close()
+
+
+def follower_that_cannot_load() -> None:
+    """`engine.model_runner.follower_main` whose shard's load fails as a GPU out of memory does (a follower's
+    process runs it: `TensorParallelGroup.start`)."""
+    import engine.model_runner as runner
+
+    def load(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    runner.FollowerRunner.load = staticmethod(load)
+    runner.follower_main()
+
+
+def test_a_real_follower_that_fails_to_load_exits_non_zero_and_says_why(tmp_path, builtin_path):
+    from engine.parallel import TensorParallelGroup
+
+    path = str(make_tiny_model(tmp_path / "llama", "llama", builtin_path))
+    config = EngineConfig(model=path, device="cpu", dtype="float32", tensor_parallel_size=2,
+                          cache=CacheConfig(block_size=8), pools=(PoolConfig(num_blocks=16),))
+    group = TensorParallelGroup.start(config, [torch.device("cpu")] * 2, follower_that_cannot_load)
+    try:
+        with pytest.raises(RuntimeError, match="rank 1 failed to load: RuntimeError: CUDA out of memory"):
+            group.wait_ready(60)
+        assert group.processes[0].wait(30) == 1
+    finally:
+        group.close()
+
+
 def test_the_engine_refuses_it_before_any_rank_starts():
     with pytest.raises(ConfigError, match="^tensor_parallel_size: 2 does not divide the model's 9 attention heads"):
         LLMEngine(EngineConfig(model=BUILTIN, device="cpu", tensor_parallel_size=2,
