@@ -40,7 +40,7 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.stats import Laps, StepStats
 from engine.structured import GrammarCompiler, PendingGrammars
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from engine.weights import iter_weights, resolve_model, weights_bytes
+from engine.weights import iter_weights, resolve_model
 from kernels import get_backend
 from kernels.cpu_linear import pack_linears, use_packed_linears
 
@@ -141,10 +141,10 @@ class LLMEngine:
         self.model = build_model(self.model_config, self.dtype, self.device, self.shard, self.group.collectives)
         if self.config.random_weights:
             self.model.init_random(seed=self.config.seed)
-            self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         else:
             self.model.load_weights(iter_weights(self.model_path))
-            self.weights_bytes = weights_bytes(self.model_path)
+        # what this rank holds in its dtype (not the checkpoint's size: another dtype's, every rank's, a vision tower)
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         if use_packed_linears(self.device, self.dtype):
             pack_linears(self.model)
 

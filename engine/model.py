@@ -29,6 +29,7 @@ from torch import nn
 from engine.model_config import ModelConfig
 from engine.layers import GeluTanhAndMul, HeadRMSNorm, RMSNorm, RopeRows, RotaryEmbedding, SiluAndMul
 from engine.parallel import Collectives, ShardShape
+from engine.weights import model_tensor_name
 from kernels import AttentionMetadata, fused
 
 log = logging.getLogger("cliffguard.engine")
@@ -228,11 +229,9 @@ class LlamaForCausalLM(nn.Module):
         stored_head: torch.Tensor | None = None
         prefix = self.config.text_weights_prefix   # a multimodal checkpoint: its text model's tensors only
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if prefix:
-                if not name.startswith(prefix):
-                    continue   # the vision tower, the projector
-                name = name.removeprefix(prefix).removeprefix("model.")
+            name = model_tensor_name(hf_name, prefix)
+            if name is None:
+                continue   # the vision tower, the projector
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:

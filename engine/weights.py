@@ -150,6 +150,37 @@ def weights_bytes(folder: Path) -> int:
     return total
 
 
+def model_tensor_name(hf_name: str, text_prefix: str = "") -> str | None:
+    """A checkpoint tensor's name in the model, without "model." (`text_prefix`: a multimodal checkpoint's
+    text model, `ModelConfig.text_weights_prefix`); None for a tensor outside the text model."""
+    name = hf_name.removeprefix("model.")
+    if text_prefix:
+        if not name.startswith(text_prefix):
+            return None
+        name = name.removeprefix(text_prefix).removeprefix("model.")
+    return name
+
+
+def stores_own_head(folder: Path, tie_word_embeddings: bool, text_prefix: str = "") -> bool:
+    """Whether a checkpoint whose config ties the head to the embedding stores an `lm_head.weight` that is
+    not the embedding table: the engine serves that head (`LlamaForCausalLM._untie`, as transformers 5
+    does), so the capacity plan counts it. Read from the headers, and the two tensors only when both are
+    stored (a fine-tune that kept the flag; most tied checkpoints store no head)."""
+    if not tie_word_embeddings:
+        return False
+    where: dict[str, tuple[Path, str]] = {}
+    for path, names in _tensor_names_by_file(Path(folder)).items():
+        for hf_name in names or (k for k in _read_header(path) if k != "__metadata__"):
+            name = model_tensor_name(hf_name, text_prefix)
+            if name in ("lm_head.weight", "embed_tokens.weight"):
+                where[name] = (path, hf_name)
+    if len(where) < 2:
+        return False
+    head, embed = ((safe_open(path, "pt").get_tensor(hf_name)) for path, hf_name in
+                   (where["lm_head.weight"], where["embed_tokens.weight"]))
+    return tuple(head.shape) != tuple(embed.shape) or not torch.equal(head, embed)
+
+
 # --- resolving -------------------------------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ capacity --model-config`). Errors are SpecErrors naming the pool's key, or Confi
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from engine.config import ConfigError
@@ -16,10 +17,13 @@ def resolve_model_configs(config: CliffguardConfig, model_config: str | None = N
                           folders: dict[str, Path] | None = None) -> dict[str, ModelConfig]:
     """Each local pool's `model` -> its ModelConfig (models resolved, GGUF files converted once);
     `model_config`: one config.json (or a folder holding one) used for every pool instead. `folders`
-    caches each resolved model spec's folder (see `model_folder`) for the caller to reuse."""
+    caches each resolved model spec's folder (see `model_folder`) for the caller to reuse. A tied config
+    whose checkpoint stores a head of its own is read untied: the engine serves that head."""
     if model_config is not None:
         given = read_model_config(model_config)
         return {p.model: given for p in config.local_pools}
+    from engine.weights import stores_own_head
+
     folders = {} if folders is None else folders
     result: dict[str, ModelConfig] = {}
     for i, p in enumerate(config.pools):
@@ -28,9 +32,12 @@ def resolve_model_configs(config: CliffguardConfig, model_config: str | None = N
         key = f"pools[{i}].model"
         path = model_folder(p.model, key, folders)
         try:
-            result[p.model] = ModelConfig.from_folder(path)
+            model = ModelConfig.from_folder(path)
+            if stores_own_head(path, model.tie_word_embeddings, model.text_weights_prefix):
+                model = replace(model, tie_word_embeddings=False)   # the head the engine serves: counted
         except (FileNotFoundError, ValueError) as exc:
             raise SpecError(f"{key}: {exc}") from None
+        result[p.model] = model
     return result
 
 

@@ -161,6 +161,29 @@ def test_a_tied_config_whose_checkpoint_stores_another_head_serves_that_head(tmp
     model.load_weights((n, embed if n == "lm_head.weight" else t) for n, t in iter_weights(folder))
     assert "lm_head" not in model._modules and model.config.tie_word_embeddings
 
+    # the capacity plan counts the head the engine serves (it counted the table once, the head not at all)
+    from safetensors.torch import save_file
+
+    from pools.config.yaml_file import parse_config
+    from pools.model_configs import resolve_model_configs
+
+    def planned(model_folder) -> object:
+        config = parse_config({"devices": {"cpu": {"device": "cpu", "memory": "256MiB", "dtype": "float32"}},
+                               "pools": [{"name": "chat", "model": str(model_folder), "device": "cpu",
+                                          "max_model_len": 64, "kv_share": 1}]}, env={})
+        return resolve_model_configs(config)[str(model_folder)]
+
+    assert not planned(folder).tie_word_embeddings
+    assert planned(folder).num_params() == sum(p.numel() for p in engine.model.parameters())
+    redundant = tmp_path / "redundant"            # a head equal to the table: one table, as config.json says
+    redundant.mkdir()
+    for item in folder.iterdir():
+        if not item.name.endswith(".safetensors") and item.name != "model.safetensors.index.json":
+            (redundant / item.name).write_bytes(item.read_bytes())
+    save_file({n: (embed if n == "lm_head.weight" else t).contiguous() for n, t in iter_weights(folder)},
+              redundant / "model.safetensors")
+    assert planned(redundant).tie_word_embeddings
+
 
 @pytest.mark.parametrize("arch, overrides", [("llama", {}), ("qwen3_moe", QWEN3_MOE)])
 def test_a_checkpoint_that_stores_a_tensor_twice_or_lacks_one_is_refused_by_name(tmp_path, builtin_path, arch,
@@ -225,6 +248,8 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, builtin_
     engine = LLMEngine.from_args(str(folder), block_size=8, num_blocks=64, max_num_batched_tokens=64, progress=False)
     assert engine.model_config.architecture == "Gemma3ForCausalLM"
     assert engine.model_config.text_weights_prefix == "language_model."
+    # the weights it reports holding are the text model's (the checkpoint on disk holds the vision tower too)
+    assert engine.weights_bytes == sum(p.numel() * p.element_size() for p in engine.model.parameters())
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 17, 40)]
     outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
