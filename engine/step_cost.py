@@ -34,7 +34,9 @@ with it (`StepTime`), and the benchmarks fit it to measured steps and compare it
   (2 FLOPs per weight per token, attention 4 FLOPs per query-key pair per head dimension, the LM head
   for sampled tokens, at a fraction of peak) and memory traffic (all weights once per step, the K/V
   every token attends to, the K/V written, at a fraction of peak bandwidth), plus two ring all-reduces
-  per layer over the interconnect when TP > 1. The efficiencies and the overhead are assumptions
+  per layer over the interconnect when TP > 1. A mixture of experts computes each token with its
+  `num_experts_per_tok` experts only, and a step reads the experts its tokens hit (under uniform
+  routing, a fraction 1 - (1 - k/E)^tokens of them); K/V bytes are the cache's (an FP8 cache's one). The efficiencies and the overhead are assumptions
   written in the preset, not measurements.
 """
 
@@ -374,11 +376,28 @@ PRESETS = {
 }
 
 
+def expert_params(model: ModelConfig) -> int:
+    """The weights of every expert of the sparse layers (their routers not included); 0 for a dense model."""
+    sparse = sum(model.is_sparse_layer(layer) for layer in range(model.num_layers))
+    return sparse * model.num_experts * 3 * model.hidden_size * model.moe_intermediate_size
+
+
+def experts_read(model: ModelConfig, num_tokens: int) -> float:
+    """The fraction of the experts a step of `num_tokens` tokens reads, each token routed to
+    `num_experts_per_tok` of them uniformly (1 for a dense model: nothing to leave out)."""
+    if not model.num_experts:
+        return 1.0
+    return 1.0 - (1.0 - model.num_experts_per_tok / model.num_experts) ** num_tokens
+
+
 def step_flops(model: ModelConfig, num_tokens: int, num_attended: int, num_sampled: int) -> float:
     """FLOPs of one step: 2 per matmul weight per token (the embedding lookup is no matmul, the LM
-    head counts only for sampled tokens), 4 per query-key pair per head dimension of every layer."""
+    head counts only for sampled tokens, a token computes with its own experts only), 4 per query-key
+    pair per head dimension of every layer."""
     head = model.vocab_size * model.hidden_size
-    matmul_params = model.num_params() - head * (1 if model.tie_word_embeddings else 2)
+    experts = expert_params(model)
+    idle = experts - experts * model.num_experts_per_tok // model.num_experts if model.num_experts else 0
+    matmul_params = model.num_params() - head * (1 if model.tie_word_embeddings else 2) - idle
     attention = 4 * model.num_layers * model.num_heads * model.head_dim * num_attended
     return 2 * matmul_params * num_tokens + attention + 2 * head * num_sampled
 
@@ -386,14 +405,17 @@ def step_flops(model: ModelConfig, num_tokens: int, num_attended: int, num_sampl
 class RooflineStepTime:
     """A GPU preset's roofline for one model on a tensor-parallel group of `tp` GPUs (module docstring)."""
 
-    def __init__(self, preset: DevicePreset, model: ModelConfig, dtype_bytes: int, tp: int = 1) -> None:
+    def __init__(self, preset: DevicePreset, model: ModelConfig, dtype_bytes: int, tp: int = 1,
+                 kv_dtype_bytes: int | None = None) -> None:
         self.preset = preset
         self.model = model
         self.dtype_bytes = dtype_bytes
         self.tp = tp
         self.swap_bandwidth = preset.swap_bandwidth
-        self.weights_bytes = model.num_params() * dtype_bytes
-        self.kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
+        self.expert_bytes = expert_params(model) * dtype_bytes         # read as far as the tokens hit them
+        self.weights_bytes = model.num_params() * dtype_bytes - self.expert_bytes   # read whole every step
+        kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes   # an FP8 cache: 1
+        self.kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv_bytes
 
     def seconds(self, batch: Sequence[ScheduledSeq], features: StepFeatures, num_sampled: int) -> float:
         m, p = self.model, self.preset
@@ -402,7 +424,8 @@ class RooflineStepTime:
         # the K/V each sequence reads before its new tokens: its keys read less those new tokens (the
         # features carry it, so a step described without its batch, as pools.demand asks, costs the same)
         kv_read = (features.num_keys_read - tokens) * self.kv_bytes_per_token
-        traffic = self.weights_bytes + kv_read + tokens * self.kv_bytes_per_token
+        weights = self.weights_bytes + self.expert_bytes * experts_read(m, tokens)
+        traffic = weights + kv_read + tokens * self.kv_bytes_per_token
         compute_s = flops / self.tp / (p.peak_flops * p.flops_efficiency)
         memory_s = traffic / self.tp / (p.memory_bandwidth * p.bandwidth_efficiency)
         allreduce_s = 0.0

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from engine.calibration import slo_from_step, slo_probe, slo_share
 from engine.config import LatencySLO, PoolConfig, parse_dtype
 from engine.model_config import ModelConfig
@@ -131,12 +133,13 @@ def device_step_times(plan: CapacityPlan, model_configs: Mapping[str, ModelConfi
                       step_model: str | None = None) -> dict[str, StepTime]:
     """Each planned device's step-time model: the measured one in the `step_model` file (from
     `simulate --calibrate`) for every device, else the `preset` GPU's roofline for the device's model,
-    dtype and tensor parallelism."""
+    dtype, KV cache dtype and tensor parallelism."""
     if step_model is not None:
         measured = read_step_model(step_model)
         return {d.name: measured for d in plan.devices.values()}
     return {d.name: RooflineStepTime(PRESETS[preset], model_configs[d.model], parse_dtype(d.dtype).itemsize,
-                                     d.tensor_parallel_size) for d in plan.devices.values()}
+                                     d.tensor_parallel_size, getattr(torch, d.kv_cache_dtype).itemsize)
+            for d in plan.devices.values()}
 
 
 def step_model_label(preset: str, step_model: str | None = None) -> str:

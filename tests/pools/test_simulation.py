@@ -73,6 +73,35 @@ def test_roofline_decode_is_memory_bound_and_prefill_compute_bound():
     assert _step(RooflineStepTime(PRESETS["h200"], model, 2, tp=8), decodes=64) < many   # more bandwidth
 
 
+def test_the_roofline_computes_a_mixture_of_experts_with_its_routed_experts_and_an_fp8_cache_at_a_byte():
+    """Qwen3-30B-A3B computes each token with 8 of its 128 experts: its FLOPs per token are its 3.3 B activated
+    parameters (Qwen's count: 30.5 B in all), not every expert's, and a decode of one token reads a sixteenth
+    of the experts where a batch of 64 reads nearly all. An FP8 cache's K/V is a byte an element."""
+    from engine.step_cost import step_flops
+
+    model = read_model_config(str(ROOT / "config" / "examples" / "qwen3-30b-a3b"))
+    assert 30.4e9 < model.num_params() < 30.6e9
+    activated = step_flops(model, 1, 0, 1) / 2 + model.vocab_size * model.hidden_size   # with the embedding
+    assert 3.2e9 < activated < 3.45e9, activated
+    roofline = RooflineStepTime(PRESETS["h200"], model, 2)
+    overhead = PRESETS["h200"].step_overhead_s
+    one, batch = _step(roofline, decodes=1) - overhead, _step(roofline, decodes=64) - overhead
+    all_weights_s = model.num_params() * 2 / (4.8e12 * 0.8)
+    assert one < 0.25 * all_weights_s and 0.9 * all_weights_s < batch < 1.2 * all_weights_s
+    prefill_s = _step(roofline, prefill=2048)
+    assert prefill_s < 0.05, prefill_s                     # every expert computing each token: 0.21 s
+    fp8 = RooflineStepTime(PRESETS["h200"], model, 2, kv_dtype_bytes=1)
+    assert 2 * fp8.kv_bytes_per_token == roofline.kv_bytes_per_token == model.kv_bytes_per_token(torch.bfloat16)
+    from pools.model_configs import resolve_model_configs
+    from pools.simulation.runner import device_step_times
+
+    config = load_config(ROOT / "config" / "examples" / "qwen3-32b-2xh100-fp8.yaml")   # kv_cache_dtype: fp8
+    models = resolve_model_configs(config)
+    plan = plan_capacity(config, models, vram_bytes=80 * 2**30)
+    [(name, step)] = device_step_times(plan, models, preset="h100").items()
+    assert step.kv_bytes_per_token == plan.devices[name].kv_bytes_per_token   # a byte an element
+
+
 def _sim(pools: list[PoolConfig], step_time: LinearStepTime, *, credits: bool = True) -> DeviceSim:
     return DeviceSim(pools, block_size=16, max_model_lens={p.name: 1024 for p in pools}, step_time=step_time,
                      kv_bytes_per_token=TINY.kv_bytes_per_token(torch.bfloat16), credits=credits)
