@@ -118,8 +118,14 @@ def _rotary_kernel(
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
     dtype = qk_ptr.dtype.element_ty
-    tl.store(first, (x1 * cos[None, :] - x2 * sin[None, :]).to(dtype), mask=mask)
-    tl.store(first + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(dtype), mask=mask)
+    # transformers' roundings: each product to the dtype, then their sum (`x * cos + rotate_half(x) * sin`);
+    # one rounding of the whole is an ulp away in a quarter of the elements, enough to change a greedy path
+    a1 = (x1 * cos[None, :]).to(dtype).to(tl.float32)
+    b1 = (x2 * sin[None, :]).to(dtype).to(tl.float32)
+    a2 = (x2 * cos[None, :]).to(dtype).to(tl.float32)
+    b2 = (x1 * sin[None, :]).to(dtype).to(tl.float32)
+    tl.store(first, (a1 - b1).to(dtype), mask=mask)
+    tl.store(first + HALF, (a2 + b2).to(dtype), mask=mask)
 
 
 def rotary_rows(cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
