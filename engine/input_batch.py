@@ -127,7 +127,7 @@ class InputBatch:
         ids, pos, row_t, q_lens, s_lens = packed.split([num_tokens, num_tokens, num_seqs, num_seqs, num_seqs])
         width = -(-max(seq_lens) // self.block_size) if seq_lens else 0
         tables = self.block_tables[:, :width].index_select(0, row_t)                   # [num_seqs, width]
-        if num_tokens == num_seqs:   # decodes only: token i is sequence i's
+        if all(q == 1 for q in query_lens):   # decodes only: token i is sequence i's (not counts: 0 + 2 rows tie)
             blocks = tables.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1).to(torch.int64)
             starts = torch.arange(num_seqs + 1, dtype=torch.int32, device=self.device)
         else:

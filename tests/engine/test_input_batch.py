@@ -92,3 +92,11 @@ def test_a_decode_step_sends_only_the_blocks_it_appended():
     (update,) = _step(batch, follower, seqs, [2, 1])
     assert (update.start, update.block_ids) == (0, (11, 12))
     assert _step(batch, follower, {**seqs, 1: {**seqs[1], "len": 11}}, [1]) == []
+
+
+def test_a_row_of_no_new_tokens_beside_a_chunk_of_two_is_no_decode_step():
+    """Two rows and two tokens are not two decodes when one row brings none and the other two (a row of 0
+    tokens beside a 2-token chunk): each token's slot is its own sequence's."""
+    batch, follower = (InputBatch(4, 4, BLOCK_SIZE, torch.device("cpu")) for _ in range(2))
+    seqs = {1: {"len": 5, "new": 0, "table": [10, 11]}, 2: {"len": 6, "new": 2, "table": [20, 21]}}
+    _step(batch, follower, seqs, [1, 2])
