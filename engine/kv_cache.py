@@ -58,8 +58,9 @@ class KVCache:
 
 def check_fits_device(device: torch.device, num_blocks: int, block_bytes: int, memory_utilization: float) -> None:
     """On CUDA, the capacity formula once more with what is real now: the GPU's memory and the weights as
-    loaded, against the plan's `num_blocks` KV blocks. A plan made for another GPU (`--vram`) is refused
-    here with the numbers, instead of failing later in the middle of an allocation."""
+    loaded, against the plan's `num_blocks` KV blocks; then against the memory the driver has free now,
+    which other processes' use takes from. A plan made for another GPU (`--vram`), or a GPU another process
+    holds, is refused here with the numbers, instead of failing later in the middle of an allocation."""
     if device.type != "cuda":
         return
     needed = num_blocks * block_bytes
@@ -71,6 +72,12 @@ def check_fits_device(device: torch.device, num_blocks: int, block_bytes: int, m
             f"pools: the plan's {num_blocks} blocks need {needed / 2**30:.2f} GiB of KV cache, but {memory_utilization} x "
             f"{total / 2**30:.2f} GiB - {loaded / 2**30:.2f} GiB of loaded weights leaves "
             f"{available / 2**30:.2f} GiB on {device}; plan with this GPU's memory")
+    free, _ = torch.cuda.mem_get_info(device)   # what the driver can still give: other processes' use is gone
+    if needed > free:
+        raise ConfigError(
+            f"pools: the plan's {num_blocks} blocks need {needed / 2**30:.2f} GiB of KV cache, but {device} has "
+            f"{free / 2**30:.2f} GiB free now: {(total - free - torch.cuda.memory_reserved(device)) / 2**30:.2f} GiB "
+            "are held outside this worker (another process, or a worker of this device still ending)")
 
 
 def raw(tensor: torch.Tensor) -> torch.Tensor:

@@ -351,3 +351,28 @@ def test_penalty_counts_kept_across_steps_equal_counting_afresh(tiny_path, monke
     assert kept == run(False)
     plain = _engine(tiny_path).generate([prompts[0]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     assert kept[0][0] != plain[0].outputs[0].token_ids   # the penalty changed the output
+
+
+def test_a_plan_the_gpu_cannot_hold_now_is_refused_with_its_numbers(monkeypatch):
+    """On CUDA, before the KV tensor is allocated: a plan beyond memory_utilization of the GPU less the loaded
+    weights, or beyond what the driver has free now (another process holds it: a worker of this device still
+    ending), is a ConfigError with the numbers, not an out-of-memory error in the middle of the allocation.
+    The CUDA queries are stood in for (no GPU here)."""
+    from types import SimpleNamespace
+
+    from engine.config import ConfigError
+    from engine.kv_cache import check_fits_device
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 16 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 16 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (64 * gib, 80 * gib))
+    cuda = torch.device("cuda:0")
+    check_fits_device(torch.device("cpu"), 10**9, 1 << 20, 0.9)   # the CPU: nothing to check
+    check_fits_device(cuda, 50 * 1024, 1 << 20, 0.9)               # 50 GiB of 0.9 x 80 - 16 = 56
+    with pytest.raises(ConfigError, match="leaves 56.00 GiB on cuda:0"):
+        check_fits_device(cuda, 60 * 1024, 1 << 20, 0.9)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (30 * gib, 80 * gib))   # 34 GiB held elsewhere
+    with pytest.raises(ConfigError, match="30.00 GiB free now: 34.00 GiB are held outside this worker"):
+        check_fits_device(cuda, 50 * 1024, 1 << 20, 0.9)
