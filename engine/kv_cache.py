@@ -72,12 +72,14 @@ def check_fits_device(device: torch.device, num_blocks: int, block_bytes: int, m
             f"pools: the plan's {num_blocks} blocks need {needed / 2**30:.2f} GiB of KV cache, but {memory_utilization} x "
             f"{total / 2**30:.2f} GiB - {loaded / 2**30:.2f} GiB of loaded weights leaves "
             f"{available / 2**30:.2f} GiB on {device}; plan with this GPU's memory")
-    free, _ = torch.cuda.mem_get_info(device)   # what the driver can still give: other processes' use is gone
+    # what the driver can still give (other processes' use is gone from it), and what torch's allocator holds free
+    reserved = torch.cuda.memory_reserved(device)
+    free = torch.cuda.mem_get_info(device)[0] + reserved - loaded
     if needed > free:
         raise ConfigError(
             f"pools: the plan's {num_blocks} blocks need {needed / 2**30:.2f} GiB of KV cache, but {device} has "
-            f"{free / 2**30:.2f} GiB free now: {(total - free - torch.cuda.memory_reserved(device)) / 2**30:.2f} GiB "
-            "are held outside this worker (another process, or a worker of this device still ending)")
+            f"{free / 2**30:.2f} GiB free now: {(total - free - loaded) / 2**30:.2f} GiB are held outside this "
+            "worker (another process, or a worker of this device still ending)")
 
 
 def raw(tensor: torch.Tensor) -> torch.Tensor:

@@ -376,3 +376,7 @@ def test_a_plan_the_gpu_cannot_hold_now_is_refused_with_its_numbers(monkeypatch)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (30 * gib, 80 * gib))   # 34 GiB held elsewhere
     with pytest.raises(ConfigError, match="30.00 GiB free now: 34.00 GiB are held outside this worker"):
         check_fits_device(cuda, 50 * 1024, 1 << 20, 0.9)
+    with pytest.raises(ConfigError, match="30.00 GiB free now"):
+        check_fits_device(cuda, 33 * 1024, 1 << 20, 0.9)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 20 * gib)   # 4 GiB torch holds free: ours
+    check_fits_device(cuda, 33 * 1024, 1 << 20, 0.9)
