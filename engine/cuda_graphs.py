@@ -171,9 +171,11 @@ class DecodeGraphs:
         self.memory_bytes = max(0, self.graphs.memory_in_use() - before)
         self.capture_seconds = time.perf_counter() - started
 
-    def can_run(self, query_lens: list[int]) -> bool:
-        """Whether a step of these query lengths replays a graph: decode tokens only, few enough."""
-        return bool(self._graphs) and 0 < len(query_lens) <= self.max_batch and all(q == 1 for q in query_lens)
+    def can_run(self, query_lens: list[int], seq_lens: list[int] | None = None) -> bool:
+        """Whether a step of these query lengths (and sequence lengths) replays a graph: decode tokens only,
+        few enough, none longer than the graphs' block tables hold (a longer one runs eagerly)."""
+        return bool(self._graphs) and 0 < len(query_lens) <= self.max_batch and all(q == 1 for q in query_lens) \
+            and (not seq_lens or max(seq_lens) <= self.max_model_len)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The step's hidden states [n, hidden_size] from the graph of the smallest size >= n (a view of

@@ -94,8 +94,8 @@ class LLMEngine:
         self.kv_cache = KVCache(self.model_config, self.num_blocks, config.cache.block_size, self.kv_dtype,
                                 self.device, num_kv_heads=self.shard.num_kv_heads)
         lap("kv")
-        max_len = max((p.scheduler.max_model_len for p in config.pools), default=0) or \
-            self.model_config.max_position_embeddings
+        context = self.model_config.max_position_embeddings   # a pool's max_model_len 0: the model's context
+        max_len = max((p.scheduler.max_model_len or context for p in config.pools), default=context)
         max_seqs = sum(p.scheduler.max_num_seqs for p in config.pools)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, get_backend(self.device), self.group,
                                   max_rows=max_seqs, max_blocks=-(-max_len // config.cache.block_size))

@@ -70,7 +70,7 @@ class _Forward:
             if plan.num_pending:   # placeholders (engine.overlap), filled from the previous step's ids
                 input_ids = fill_pending(input_ids, self.pending_ids(plan.num_pending))
             self.last_inputs_seconds = time.perf_counter() - started
-            if self.graphs is not None and self.graphs.can_run(plan.query_lens):
+            if self.graphs is not None and self.graphs.can_run(plan.query_lens, plan.seq_lens):
                 hidden = self.graphs.run(input_ids, positions, meta)
             else:
                 hidden = self.model(input_ids, positions, self.kv_cache.layers, meta, self.backend)

@@ -173,11 +173,27 @@ def test_the_recorder_catches_what_a_graph_cannot_replay(tiny, monkeypatch):
 
 def test_prefill_and_mixed_steps_stay_eager():
     graphs = DecodeGraphs.__new__(DecodeGraphs)
-    graphs._graphs, graphs.max_batch = {1: None}, 8
-    assert graphs.can_run([1, 1, 1])
+    graphs._graphs, graphs.max_batch, graphs.max_model_len = {1: None}, 8, 128
+    assert graphs.can_run([1, 1, 1]) and graphs.can_run([1, 1], [128, 7])
     assert not graphs.can_run([1, 5])            # a chunk in the step
     assert not graphs.can_run([1] * 9)           # more than the largest graph
     assert not graphs.can_run([])
+    assert not graphs.can_run([1, 1], [129, 7])  # longer than the graphs' block tables hold
+
+
+def test_graphs_hold_the_longest_context_of_any_pool(tiny, monkeypatch):
+    """A pool whose max_model_len is 0 (the model's context) beside one of 128: the decode graphs are captured
+    for the model's context, not for 128 (the first decode past 128 tokens in the other pool broke the step)."""
+    import engine.model_runner as model_runner
+
+    captured = []
+    monkeypatch.setattr(model_runner._Forward, "graphs_apply", lambda self, enforce_eager: True)
+    monkeypatch.setattr(model_runner.ModelRunner, "capture_graphs",
+                        lambda self, max_batch, max_model_len, graphs=None: captured.append(max_model_len))
+    pools = tuple(PoolConfig(name=name, num_blocks=16, scheduler=SchedulerConfig(max_model_len=length))
+                  for name, length in (("chat", 128), ("rag", 0)))
+    engine = LLMEngine(EngineConfig(model=str(tiny), cache=CacheConfig(block_size=8), pools=pools), progress=False)
+    assert captured == [engine.model_config.max_position_embeddings] == [engine.schedulers["rag"].max_model_len]
 
 
 def test_graph_memory_is_the_largest_batch_activations_and_a_workspace():
