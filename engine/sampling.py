@@ -6,9 +6,9 @@ this order: while a sequence has generated fewer than `min_tokens` tokens, its s
 positive logits (multiplies the negative ones) of every token in the prompt or the output, as in HF
 transformers; the frequency and presence penalties are subtracted from the logits of tokens already in the
 output (OpenAI's formula: logit - count * frequency_penalty - (count > 0) * presence_penalty). Greedy rows
-take the argmax of the result. Random rows divide by temperature, then apply top-k, top-p and min-p, then
-draw with the exponential race: token = argmax(probs / q), q ~ Exponential(1), which samples exactly from
-probs (it is the Gumbel-max trick) without a cumulative sum. Rows that set none of these pay nothing for
+take the argmax of the result. Random rows divide by temperature, then apply min-p, top-k and top-p (vLLM
+v1's order), then draw with the exponential race: token = argmax(probs / q), q ~ Exponential(1), which
+samples exactly from probs (it is the Gumbel-max trick) without a cumulative sum. Rows that set none of these pay nothing for
 them: an all-greedy batch without them is one argmax.
 
 A row with a grammar (`SamplingParams.structured`, matched by the row's `GrammarMatcher`) has MASKED_LOGIT
@@ -457,23 +457,24 @@ class Sampler:
         return token_ids
 
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """Random rows: temperature, top-k, top-p, min-p, then the exponential race. Modifies `logits`."""
+        """Random rows: temperature, min-p, top-k, top-p (vLLM v1's order: top-p takes its share of the mass
+        min-p left), then the exponential race. Modifies `logits`."""
         # logits: [num_rows, vocab] float32
         device = logits.device
         params = [row.params for row in rows]
         if any(p.temperature != 1.0 for p in params):
             temperature = to_device([p.temperature for p in params], torch.float32, device)  # [num_rows]
             logits.div_(temperature.unsqueeze(1))
+        if any(p.min_p > 0.0 for p in params):
+            min_p = to_device([p.min_p for p in params], torch.float32, device)  # [num_rows]
+            probs = logits.softmax(dim=-1)
+            thresholds = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [num_rows, 1]
+            logits.masked_fill_(probs < thresholds, float("-inf"))
         if any(p.top_k > 0 for p in params):
             _apply_top_k(logits, [p.top_k for p in params])
         if any(p.top_p < 1.0 for p in params):
             _apply_top_p(logits, [p.top_p for p in params])
         probs = logits.softmax(dim=-1)  # [num_rows, vocab]
-        if any(p.min_p > 0.0 for p in params):
-            min_p = to_device([p.min_p for p in params], torch.float32, device)  # [num_rows]
-            thresholds = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [num_rows, 1]
-            # No renormalisation: argmax(probs / q) does not depend on a row's scale.
-            probs.masked_fill_(probs < thresholds, 0.0)
 
         q = torch.empty_like(probs)  # [num_rows, vocab]
         if any(row.generator is None for row in rows):

@@ -235,6 +235,9 @@ PROBS = [0.5, 0.25, 0.15, 0.07, 0.03]
     (SamplingParams(top_p=0.8), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0.0, 0.0]),
     (SamplingParams(top_k=2), [2 / 3, 1 / 3, 0.0, 0.0, 0.0]),
     (SamplingParams(min_p=0.2), [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0.0, 0.0]),
+    # vLLM v1's order: min-p (0.4 x 0.5 leaves 0.5 and 0.25), then top-p of what is left (2/3 >= 0.6: one
+    # token); top-p first would keep two (0.5 + 0.25 of the whole mass)
+    (SamplingParams(min_p=0.4, top_p=0.6), [1.0, 0.0, 0.0, 0.0, 0.0]),
 ])
 def test_empirical_distribution_matches(params: SamplingParams, expected: list[float]) -> None:
     _assert_matches_distribution(_draw(PROBS, params, 20_000), expected)
