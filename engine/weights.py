@@ -176,8 +176,11 @@ def stores_own_head(folder: Path, tie_word_embeddings: bool, text_prefix: str = 
                 where[name] = (path, hf_name)
     if len(where) < 2:
         return False
-    head, embed = ((safe_open(path, "pt").get_tensor(hf_name)) for path, hf_name in
-                   (where["lm_head.weight"], where["embed_tokens.weight"]))
+    tensors = []
+    for path, hf_name in (where["lm_head.weight"], where["embed_tokens.weight"]):
+        with safe_open(path, "pt") as f:
+            tensors.append(f.get_tensor(hf_name))
+    head, embed = tensors
     return tuple(head.shape) != tuple(embed.shape) or not torch.equal(head, embed)
 
 
