@@ -161,13 +161,11 @@ def _counted(session: Session, key: tuple[str, bool], demand: int, step: int) ->
     return counted
 
 
-def reserved_credits(sessions: list[Session], pool: str) -> int:
-    """What the running requests of `sessions` reserve of `pool`."""
+def reserved_credits(sessions: list[Session], pool: str) -> int:   # what their running requests reserve
     return sum(s.reserved.get(pool, 0) for s in sessions)
 
 
-def held_credits(sessions: list[Session], pool: str) -> int:
-    """What `sessions` hold of `pool` (each its lease, or its reservations while over it): never over capacity."""
+def held_credits(sessions: list[Session], pool: str) -> int:   # each its lease or its reservations over it
     return sum(s.held(pool) for s in sessions)
 
 
@@ -343,7 +341,9 @@ class SessionHub:
         return done
 
     def receive(self) -> list:
-        """Every session's commands, their request ids in the engine's form."""
+        """Every session's commands, their request ids in the engine's form. A session that ends here (its
+        Shutdown, or the end of its connection) has nothing after its Shutdown read, and no request of it
+        added or resumed: its requests would run for nobody, on blocks its share no longer counts."""
         try:
             os.read(self._wake_r, 4096)
         except BlockingIOError:
@@ -356,16 +356,19 @@ class SessionHub:
             except OSError as exc:
                 self._end(session, f"connection lost: {exc}")
                 continue
-            for msg in received:
-                messages.extend(self._inbound(session, msg))
+            inbound = [out for msg in received if not session.closed for out in self._inbound(session, msg)]
             if session.channel.eof and not session.closed:
                 self._end(session, "the gateway closed the connection")
+            messages += [m for m in inbound if not (session.closed and isinstance(m, (AddRequest, PauseRequest)))]
         return messages
 
     def _inbound(self, session: Session, msg) -> list:
         match msg:
             case AddRequest():
                 engine_id = session.tag + msg.request_id
+                if engine_id in session.requests:   # its own running request's id: the first one stays counted
+                    self._safe_send(session, Rejected(msg.request_id, f"request id {msg.request_id!r} is in use"))
+                    return []
                 pool = msg.pool or self.default_pool
                 session.requests[engine_id] = (pool, msg.credits, msg.background)
                 session.reserved[pool] = session.reserved.get(pool, 0) + msg.credits
@@ -381,14 +384,12 @@ class SessionHub:
                     self._demand(session, msg)
                 return [ReportWaiting(msg.pool, sum(s.waiting.get(msg.pool, 0) for s in self.sessions))]
             case LeaseAck():
-                self._acknowledged(session, msg)
-                return []
+                return self._acknowledged(session, msg) or []
             case StatsQuery():
                 session.stats_asked += 1
                 return [msg]
             case Shutdown():   # one gateway leaving: its session ends, the replica serves on
-                self._end(session, "the gateway shut down")
-                return []
+                return self._end(session, "the gateway shut down") or []
         return [msg]
 
     def _demand(self, session: Session, msg: ReportWaiting) -> None:
@@ -401,9 +402,8 @@ class SessionHub:
             session.heads.pop(msg.pool, None)
         self.rebalance()
 
-    def _report_waiting(self) -> None:
-        pools = {pool for s in self.sessions for pool in s.waiting}
-        for pool in pools:
+    def _report_waiting(self) -> None:   # every pool: one that a session that left waited on falls to 0
+        for pool in set(self.capacity) | {pool for s in self.sessions for pool in s.waiting}:
             self.engine.composer.set_external_waiting(pool, sum(s.waiting.get(pool, 0) for s in self.sessions))
 
     def send(self, msg) -> None:

@@ -19,7 +19,7 @@ import pytest
 from engine.config import CacheConfig, EngineConfig, PoolConfig
 from engine.remote_client import RemoteEngineClient
 from engine.sampling import SamplingParams
-from engine.messages import AddRequest, Lease, LeaseAck, ReportWaiting
+from engine.messages import AddRequest, Lease, LeaseAck, Rejected, ReportWaiting, Shutdown
 from engine.sessions import Session, SessionHub, held_credits, lease_shares
 from gateway.admission import AdmissionControl
 from pools.credits.queue import CreditQueue, reservation
@@ -94,17 +94,28 @@ async def _hold(queue: CreditQueue, request_id: str, credits: int) -> None:
 class _Channel:
     def __init__(self):
         self.sent = []
+        self.incoming = []   # what the next `receive` reads
+        self.eof = False
 
     def send(self, msg):
         self.sent.append(msg)
+
+    def receive(self):
+        received, self.incoming = self.incoming, []
+        return received
+
+    def close(self):
+        pass
 
 
 def _hub() -> tuple[SessionHub, Session, Session]:
     """The replica's side alone: a `SessionHub` over a fake engine of one 64-block pool, two sessions on
     their equal leases."""
     pool = SimpleNamespace(block_manager=SimpleNamespace(num_blocks=BLOCKS))
+    waiting = {}
     engine = SimpleNamespace(kv_cache=SimpleNamespace(block_size=BLOCK), schedulers={"p": pool}, default_pool="p",
-                             composer=SimpleNamespace(set_external_waiting=lambda pool, count: None), requests={})
+                             composer=SimpleNamespace(set_external_waiting=waiting.__setitem__, waiting=waiting),
+                             requests={})
     hub = SessionHub(engine)
     first, second = Session(_Channel(), "s1/"), Session(_Channel(), "s2/")
     hub.sessions.append(first)
@@ -137,6 +148,46 @@ def test_an_offer_no_longer_wanted_gives_way_to_the_lease_held_and_its_late_ack_
     hub._inbound(first, LeaseAck("p", 208, first.epoch))        # the ack of this one
     assert (first.leases, second.leases) == ({"p": 208}, {"p": 304})
     assert held_credits(hub.sessions, "p") <= BLOCKS * BLOCK
+
+
+def test_what_a_leaving_gateway_sent_in_its_last_read_is_not_run_for_nobody():
+    """A gateway's requests that arrive in the same read as its Shutdown (or as the end of its connection: a
+    killed gateway's last step) are not added: they would run for nobody, on blocks its share, now the
+    other's, no longer counts. Nothing after a Shutdown is read; the other session gets the whole pool."""
+    params = SamplingParams(max_tokens=4)
+    for ending in ("shutdown", "eof"):
+        hub, first, second = _hub()
+        first.channel.incoming = [AddRequest("a", [1, 2], params, pool="p", credits=64)]
+        if ending == "shutdown":
+            first.channel.incoming += [Shutdown(), AddRequest("b", [3], params, pool="p", credits=64)]
+        else:
+            first.channel.eof = True
+        second.channel.incoming = [AddRequest("c", [4], params, pool="p", credits=64)]
+        messages = hub.receive()
+        assert [m.request_id for m in messages if isinstance(m, AddRequest)] == ["s2/c"], ending
+        assert hub.sessions == [second] and first.reserved == {} and second.leases.get("p", 0) <= BLOCKS * BLOCK
+        assert held_credits(hub.sessions, "p") <= BLOCKS * BLOCK
+
+
+def test_a_leaving_gateways_queue_no_longer_presses_the_pool():
+    """The composer hears each pool's gateway queue summed over sessions: a gateway that leaves takes its
+    queue with it, also when no other session ever reported one for that pool."""
+    hub, first, second = _hub()
+    hub._inbound(first, ReportWaiting("p", 5))
+    hub._report_waiting()
+    assert hub.engine.composer.waiting == {"p": 5}
+    hub._inbound(first, Shutdown())
+    assert hub.engine.composer.waiting == {"p": 0}
+
+
+def test_a_request_id_in_use_on_its_session_is_refused_and_the_first_stays_counted():
+    hub, first, second = _hub()
+    params = SamplingParams(max_tokens=4)
+    assert hub._inbound(first, AddRequest("a", [1], params, pool="p", credits=64))
+    assert hub._inbound(first, AddRequest("a", [2], params, pool="p", credits=96)) == []
+    assert first.channel.sent[-1] == Rejected("a", "request id 'a' is in use")
+    assert first.requests == {"s1/a": ("p", 64, False)} and first.reserved == {"p": 64}
+    assert hub._inbound(second, AddRequest("a", [3], params, pool="p", credits=64))   # another session's own id
 
 
 def test_a_sessions_blocks_are_counted_once_however_many_of_its_sequences_share_them():
