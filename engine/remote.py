@@ -35,6 +35,7 @@ had sent no token elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -44,7 +45,7 @@ import time
 import traceback
 
 from engine.config import EngineConfig
-from engine.messages import Fatal, Keepalive, Ready, StartupError
+from engine.messages import Fatal, Keepalive, StartupError
 from engine.wire import KEY_BYTES, FrameKeys, Handshake
 from engine.worker import WorkerChannel
 
@@ -54,7 +55,8 @@ __all__ = ["ReplicaServer", "ReplicaActor", "ReplicaChannel", "HANDSHAKE_SECONDS
            "KEEPALIVE_SECONDS", "UNREAD_SECONDS", "connect", "placed_config"]
 
 HANDSHAKE_SECONDS = 10.0   # a peer that has not finished the handshake by then is dropped
-MAX_HANDSHAKES = 64        # connections proving the key at once, each on its own thread; more are closed at once
+MAX_HANDSHAKES = 64        # connections proving the key at once, each on its own thread; a new one past it drops the
+# oldest (a gateway's handshake takes milliseconds: the oldest are silent peers), so no flood of them locks gateways out
 SILENCE_SECONDS = 20.0     # a connection that brought nothing this long is dropped, by either end
 MESSAGE_SECONDS = 120.0    # the replica's end: bytes of one unfinished message count as heard this long at most
 KEEPALIVE_SECONDS = 2.0    # between the gateway's `Keepalive` frames
@@ -144,7 +146,7 @@ class ReplicaServer:
         self._hub = None                               # every gateway's session, once the engine is loaded
         self._lock = threading.Lock()
         self._early: list[ReplicaChannel] = []         # proved the key while the engine loads
-        self._handshakes = 0                           # connections proving their key now
+        self._handshakes: dict[socket.socket, float] = {}   # connections proving their key now: when they came
         self._threads = (threading.Thread(target=self._run, name="cliffguard-replica", daemon=True),
                          threading.Thread(target=self._accept, name="cliffguard-replica-accept", daemon=True))
 
@@ -191,7 +193,7 @@ class ReplicaServer:
 
     def _accept(self) -> None:
         """The accept thread: each connection proves its key on a thread of its own (`_admit`), so a peer that
-        connects and says nothing holds up no gateway; past `MAX_HANDSHAKES` at once a new one is closed."""
+        connects and says nothing holds up no gateway; past `MAX_HANDSHAKES` at once the oldest is dropped."""
         while True:
             try:
                 conn, peer = self.listener.accept()
@@ -200,19 +202,20 @@ class ReplicaServer:
                 time.sleep(1.0)
                 continue
             with self._lock:
-                busy = self._handshakes >= MAX_HANDSHAKES
-                self._handshakes += not busy
-            if busy:
-                log.warning("replica: connection from %s refused: %d handshakes under way", peer, MAX_HANDSHAKES)
-                conn.close()
-                continue
+                oldest = min(self._handshakes, key=self._handshakes.get) if len(self._handshakes) >= MAX_HANDSHAKES \
+                    else None
+                self._handshakes[conn] = time.monotonic()
+            if oldest is not None:
+                log.warning("replica: %d handshakes under way: the oldest is dropped for %s", MAX_HANDSHAKES, peer)
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)   # its thread's read ends, and the thread with it
             try:
                 threading.Thread(target=self._admit, args=(conn, peer), name="cliffguard-replica-handshake",
                                  daemon=True).start()
             except RuntimeError as exc:   # no thread to be had now: this connection is refused, the next may not be
                 log.error("replica: connection from %s refused: %s", peer, exc)
                 with self._lock:
-                    self._handshakes -= 1
+                    self._handshakes.pop(conn, None)
                 conn.close()
 
     def _admit(self, conn: socket.socket, peer) -> None:
@@ -226,7 +229,7 @@ class ReplicaServer:
             return
         finally:
             with self._lock:
-                self._handshakes -= 1
+                self._handshakes.pop(conn, None)
         channel = ReplicaChannel(conn, keys, peer, SILENCE_SECONDS)
         with self._lock:
             hub, loading = self._hub, self.state == "loading"
