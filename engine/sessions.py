@@ -38,6 +38,11 @@ below their share as its reserved credits come back; a lease that grows is grant
 session holds. A session that ends (its gateway closed, was killed, or went silent past the link's deadline)
 has its requests aborted, and its share is offered to the others at once.
 
+**Back-pressure per session.** A gateway that reads its outputs slowly (a busy event loop) is this
+session's concern alone: once its outbox holds over `engine.worker.MAX_OUTBOX_BYTES`, its requests are
+paused (they keep their blocks and place) until the outbox is down to half of that, and the loop steps on
+for the others; the loop's own back-pressure counts only the sessions not throttled.
+
 `num_session_blocks` in each pool's stats is the blocks the session's own requests hold, which the
 gateway reconciles its credits with (the replica's whole usage would count the other gateways' requests
 against it).
@@ -54,9 +59,9 @@ import os
 import select
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.lease_shares import lease_shares
 from engine.messages import (AbortRequest, AddRequest, Lease, LeaseAck, Outputs, PauseRequest, Ready,
                              Rejected, ReportWaiting, Shutdown, StatsQuery, StatsReply)
 
@@ -90,65 +95,13 @@ class Session:
     epoch: int = 0
     closed: bool = False
     stats_asked: int = 0                # StatsQuery messages not answered yet
+    throttled: bool = False             # its outbox is over MAX_OUTBOX_BYTES: its requests are paused here
+    paused: set[str] = field(default_factory=set)   # engine ids its gateway paused (a throttle never resumes them)
 
     def held(self, pool: str) -> int:
         """What the hub counts this session as holding of `pool`: its lease, or more while its
         reservations are over it (a lease just shrunk)."""
         return max(self.leases.get(pool, 0), self.reserved.get(pool, 0))
-
-
-def lease_shares(capacity: int, demands: Sequence[int], first: tuple[int, int] | None = None,
-                 batch: Sequence[int] | None = None) -> list[int]:
-    """Shares of `capacity` (whole units) among sessions demanding `demands`: max-min fair over the demands,
-    each raised to at least half an equal share (capacity / 2k: room for an idle gateway's next requests);
-    then what is left, max-min fair over `batch` (what their queued batch lines ask: they take only what
-    the other demands leave, as within one gateway); then the rest spread so the smallest shares rise to
-    one level. The shares add up to `capacity`. `first`: (index, units), a session given that much before
-    the others share the rest."""
-    k = len(demands)
-    if not k:
-        return []
-    floor = capacity // (2 * k)
-    wants = [max(floor, min(d, capacity)) for d in demands]
-    batch = [min(b, capacity) for b in batch] if batch is not None else [0] * k
-    if first is None or k == 1:
-        return _fair(capacity, wants, batch)
-    j, need = first
-    need = min(max(need, 0), capacity)
-    rest = [i for i in range(k) if i != j]
-    shares = dict(zip(rest, _fair(capacity - need, [wants[i] for i in rest], [batch[i] for i in rest])))
-    shares[j] = need
-    return [shares[i] for i in range(k)]
-
-
-def _fill(budget: int, wants: Sequence[int]) -> tuple[list[int], int]:
-    """Water-filling: the smallest demands are met first, each at most an equal part of what is left.
-    Returns (the shares, what is left)."""
-    k = len(wants)
-    shares, left = [0] * k, budget
-    for n, i in enumerate(sorted(range(k), key=wants.__getitem__)):
-        shares[i] = min(wants[i], left // (k - n))
-        left -= shares[i]
-    return shares, left
-
-
-def _fair(budget: int, wants: Sequence[int], batch: Sequence[int]) -> list[int]:
-    """`wants` water-filled, then `batch` on top from what is left, then what is still left raises the
-    smallest shares to one level (the remainder to the lowest indices)."""
-    k = len(wants)
-    shares, left = _fill(budget, wants)
-    more, left = _fill(left, batch)
-    shares = [a + b for a, b in zip(shares, more)]
-    order = sorted(range(k), key=shares.__getitem__)
-    total, m = left, 0
-    for m in range(1, k + 1):
-        total += shares[order[m - 1]]
-        if m == k or total // m <= shares[order[m]]:
-            break
-    level, extra = divmod(total, m)
-    for n, i in enumerate(sorted(order[:m])):
-        shares[i] = level + (n < extra)
-    return shares
 
 
 def _counted(session: Session, key: tuple[str, bool], demand: int, step: int) -> int:
@@ -325,8 +278,8 @@ class SessionHub:
 
     # --- the channel the loop sees -----------------------------------------------------------------
     @property
-    def num_pending_bytes(self) -> int:
-        return max((s.channel.num_pending_bytes for s in self.sessions), default=0)
+    def num_pending_bytes(self) -> int:   # a throttled session's outbox holds up none but its own requests
+        return max((s.channel.num_pending_bytes for s in self.sessions if not s.throttled), default=0)
 
     def fileno(self) -> int:
         return self._wake_r
@@ -338,7 +291,23 @@ class SessionHub:
                 done = session.channel.flush() and done
             except OSError as exc:
                 self._end(session, f"connection lost: {exc}")
+                continue
+            self._throttle(session)
         return done
+
+    def _throttle(self, session: Session) -> None:
+        """Pause a session's requests while its outbox is over MAX_OUTBOX_BYTES, until it is down to half
+        (those its gateway paused stay paused)."""
+        from engine.worker import MAX_OUTBOX_BYTES
+
+        pending = session.channel.num_pending_bytes
+        if session.throttled == (pending > (MAX_OUTBOX_BYTES // 2 if session.throttled else MAX_OUTBOX_BYTES)):
+            return
+        session.throttled = not session.throttled
+        log.warning("replica: gateway session %s%s %s (%d bytes unread)", session.tag, session.name,
+                    "reads too slowly: its requests pause" if session.throttled else "reads again", pending)
+        for engine_id in session.requests.keys() - session.paused:
+            self.engine.pause(engine_id, session.throttled)
 
     def receive(self) -> list:
         """Every session's commands, their request ids in the engine's form. A session that ends here (its
@@ -375,9 +344,16 @@ class SessionHub:
                 if msg.background:
                     session.reserved_batch[pool] = session.reserved_batch.get(pool, 0) + msg.credits
                 self._note_peaks(pool)
-                return [dataclasses.replace(msg, request_id=engine_id)]
-            case AbortRequest() | PauseRequest():
+                added = dataclasses.replace(msg, request_id=engine_id)
+                return [added, PauseRequest(engine_id, True)] if session.throttled else [added]
+            case AbortRequest():
                 return [dataclasses.replace(msg, request_id=session.tag + msg.request_id)]
+            case PauseRequest():
+                engine_id = session.tag + msg.request_id
+                (session.paused.add if msg.paused else session.paused.discard)(engine_id)
+                if session.throttled and not msg.paused:
+                    return []   # it steps again once its gateway reads (`_throttle`)
+                return [dataclasses.replace(msg, request_id=engine_id)]
             case ReportWaiting():
                 session.waiting[msg.pool] = msg.count
                 if msg.pool in self.capacity:
@@ -445,6 +421,7 @@ class SessionHub:
     def _release(self, session: Session, engine_id: str) -> None:
         """A request ended: its credits are no longer reserved; the shares follow the demand that is left."""
         entry = session.requests.pop(engine_id, None)
+        session.paused.discard(engine_id)
         if entry is not None:
             pool, credits, background = entry
             session.reserved[pool] = session.reserved.get(pool, 0) - credits

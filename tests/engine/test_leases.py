@@ -19,7 +19,7 @@ import pytest
 from engine.config import CacheConfig, EngineConfig, PoolConfig
 from engine.remote_client import RemoteEngineClient
 from engine.sampling import SamplingParams
-from engine.messages import AddRequest, Lease, LeaseAck, Rejected, ReportWaiting, Shutdown
+from engine.messages import AddRequest, Lease, LeaseAck, PauseRequest, Rejected, ReportWaiting, Shutdown
 from engine.sessions import Session, SessionHub, held_credits, lease_shares
 from gateway.admission import AdmissionControl
 from pools.credits.queue import CreditQueue, reservation
@@ -96,6 +96,10 @@ class _Channel:
         self.sent = []
         self.incoming = []   # what the next `receive` reads
         self.eof = False
+        self.num_pending_bytes = 0   # what its gateway has not read yet
+
+    def flush(self):
+        return not self.num_pending_bytes
 
     def send(self, msg):
         self.sent.append(msg)
@@ -188,6 +192,35 @@ def test_a_request_id_in_use_on_its_session_is_refused_and_the_first_stays_count
     assert first.channel.sent[-1] == Rejected("a", "request id 'a' is in use")
     assert first.requests == {"s1/a": ("p", 64, False)} and first.reserved == {"p": 64}
     assert hub._inbound(second, AddRequest("a", [3], params, pool="p", credits=64))   # another session's own id
+
+
+def test_a_gateway_that_reads_slowly_pauses_its_own_requests_not_the_replica():
+    """One gateway stops reading (its outbox past MAX_OUTBOX_BYTES): its requests pause, new ones too, and the
+    loop's back-pressure counts only the other session, which steps on (the whole replica stopped at the slow
+    gateway's pace). Read again (down to half), they resume, but for the one its gateway paused itself."""
+    from engine.worker import MAX_OUTBOX_BYTES
+
+    hub, first, second = _hub()
+    paused = {}
+    hub.engine.pause = paused.__setitem__
+    params = SamplingParams(max_tokens=4)
+    for request_id in ("a", "b"):
+        hub._inbound(first, AddRequest(request_id, [1], params, pool="p", credits=8))
+    hub._inbound(second, AddRequest("c", [1], params, pool="p", credits=8))
+    hub._inbound(first, PauseRequest("b", True))               # its gateway's own pause (a slow client)
+    first.channel.num_pending_bytes, second.channel.num_pending_bytes = MAX_OUTBOX_BYTES + 1, 1000
+    hub.flush()
+    assert first.throttled and paused == {"s1/a": True} and hub.num_pending_bytes == 1000
+    added = hub._inbound(first, AddRequest("d", [1], params, pool="p", credits=8))
+    assert [type(m).__name__ for m in added] == ["AddRequest", "PauseRequest"] and added[1].paused
+    assert hub._inbound(first, PauseRequest("b", False)) == []   # resumed by its gateway: once it reads again
+    first.channel.num_pending_bytes = MAX_OUTBOX_BYTES // 2 + 1
+    hub.flush()
+    assert first.throttled                                      # not yet down to half
+    first.channel.num_pending_bytes = MAX_OUTBOX_BYTES // 2
+    hub.flush()
+    assert not first.throttled and paused == {"s1/a": False, "s1/b": False, "s1/d": False}
+    assert "s2/c" not in paused and hub.num_pending_bytes == MAX_OUTBOX_BYTES // 2
 
 
 def test_a_sessions_blocks_are_counted_once_however_many_of_its_sequences_share_them():
