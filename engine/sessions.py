@@ -461,10 +461,12 @@ class SessionHub:
             if silence is not None:
                 left = max(0.0, session.channel.last_heard + silence - now)
                 timeout = left if timeout is None else min(timeout, left)
-        readers = [self._wake_r, *(s.channel.sock for s in sessions)]
-        writers = [s.channel.sock for s in sessions if s.channel.num_pending_bytes]
+        poller = select.poll()   # not select(): a replica of many connections has descriptors past 1024
         try:
-            select.select(readers, writers, [], timeout)
+            poller.register(self._wake_r, select.POLLIN)
+            for s in sessions:
+                poller.register(s.channel.sock, select.POLLIN | (select.POLLOUT if s.channel.num_pending_bytes else 0))
+            poller.poll(None if timeout is None else timeout * 1000)
         except (OSError, ValueError):
             time.sleep(0.01)   # a socket closed under us: the next turn ends its session
 

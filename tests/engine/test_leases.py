@@ -431,3 +431,27 @@ def test_a_batch_lines_engine_request_says_it_is_one_and_carries_its_credits():
 
     assert asyncio.run(main(True)) == [0] and asyncio.run(main(False)) == [0]
     assert [(k["credits"], k["background"]) for k in sent] == [(96, True), (96, False)]
+
+
+def test_the_hub_waits_on_connections_past_descriptor_1024():
+    """A replica holding many connections has sockets past descriptor 1024, which select() cannot watch
+    (ValueError: the hub slept 10 ms and polled again, a busy loop): the hub sleeps until a session speaks."""
+    import os
+    import socket
+
+    hub, first, second = _hub()
+    ours, theirs = socket.socketpair()
+    high = os.dup2(ours.fileno(), 1500)
+    first.channel.sock = socket.socket(fileno=high)
+    second.channel.sock = theirs
+    try:
+        started = time.monotonic()
+        hub.wait(0.5)
+        assert time.monotonic() - started >= 0.45            # nothing to read: it slept
+        theirs.sendall(b"x")
+        started = time.monotonic()
+        hub.wait(5.0)
+        assert time.monotonic() - started < 1.0               # the high socket spoke: it woke
+    finally:
+        for sock in (ours, theirs, first.channel.sock):
+            sock.close()
