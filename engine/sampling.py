@@ -1,6 +1,8 @@
 """Sampling: per-request parameters, and the sampler that turns one step's logits into one token per row.
 
-Semantics follow vLLM. Logprobs come from the raw logits (float32 log_softmax, before any masking). Then, in
+Semantics follow vLLM. Logprobs come from the raw logits (float32 log_softmax) with a structured output's
+grammar applied (vLLM masks the logits with it before its sampler: a forbidden token is no alternative, a
+forced one certain), before any other masking. Then, in
 this order: while a sequence has generated fewer than `min_tokens` tokens, its stop_token_ids and, unless
 `ignore_eos`, its EOS ids are masked to -inf; `logit_bias` is added; the repetition penalty divides the
 positive logits (multiplies the negative ones) of every token in the prompt or the output, as in HF
@@ -418,13 +420,13 @@ class Sampler:
             return SampledTokens(logits.argmax(dim=-1), num_rows)   # [num_rows]
 
         x = logits.to(torch.float32, copy=True)  # x: [num_rows, vocab]; ours to modify
+        if grammar_idx:   # before the logprobs, as vLLM masks the logits with the grammar before its sampler
+            _apply_grammars(x, rows, grammar_idx)
         raw_logprobs = None
         if logprob_idx:
             raw_logprobs = torch.log_softmax(_take(x, logprob_idx), dim=-1)  # [num_logprob_rows, vocab]
         if mask_rows:
             x[to_device(mask_rows, torch.int64, device), to_device(mask_tokens, torch.int64, device)] = -math.inf
-        if grammar_idx:
-            _apply_grammars(x, rows, grammar_idx)
         penalty_idx = [i for i in adjust_idx if rows[i].params.penalizes]
         penalty_rows, temporary = None, []
         if penalty_idx:

@@ -110,6 +110,18 @@ def test_every_output_matches_its_schema(engine, temperature) -> None:          
     assert_all_free(engine)
 
 
+def test_a_grammar_rows_logprobs_are_of_the_tokens_it_allows(engine) -> None:
+    """A grammar row's logprobs come from the logits its grammar masked, as vLLM's do: greedy, the best of
+    its top logprobs is the token chosen at every step (the raw logits listed tokens the grammar forbids
+    above it, and reported a forced '{' as unlikely)."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    out = engine.generate([_chat(engine, "Describe a person.")], SamplingParams(
+        temperature=0, max_tokens=24, logprobs=3, structured=StructuredOutput.json_schema(schema)))[0].outputs[0]
+    assert out.top_logprobs and all(top[0][0] == token for token, top in zip(out.token_ids, out.top_logprobs))
+    assert all(lp == top[0][1] for lp, top in zip(out.logprobs, out.top_logprobs))
+
+
 def test_json_object_and_unconstrained_rows_share_a_batch(engine) -> None:
     prompt = _chat(engine, "Describe a cat.")
     plain = SamplingParams(temperature=0, max_tokens=24)
