@@ -138,7 +138,7 @@ class Sequence:
             by_token = token in eos_token_ids
             if self.grammar.error is not None:   # or the matcher failed (a parser limit): the output is not whole
                 self.error = (f"response_format: the grammar could not follow the output past its {n_out} tokens "
-                              f"(a schema this complex passes the grammar library's limits): {self.grammar.error}")
+                              f"(a complex schema can pass the grammar library's limits): {self.grammar.error}")
         elif n_out >= params.min_tokens and token in eos_token_ids and not params.ignore_eos:
             reason, self.stop_reason, by_token = FinishReason.STOP, None, True
         elif n_out >= params.min_tokens and token in params.stop_token_ids:

@@ -42,6 +42,7 @@ MAX_CACHED_GRAMMARS = 256
 # per character of its source (a 230 KB schema: 2.3 MB), so 256 of the largest would hold 600 MB of the
 # worker's memory; these hold about 80 MB
 MAX_CACHED_SPEC_CHARS = 8 << 20
+MAX_ERROR_CHARS = 500   # of the library's reason a matcher reports (`GrammarMatcher.error`)
 GRAMMAR_THREADS = 2   # builds at once: a schema that takes seconds to build does not hold back every other
 # How constrained JSON is written (llguidance's JSON compile options; a Lark grammar's %json{...} takes the
 # same under "x-guidance").
@@ -137,7 +138,11 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str | None:
-        return (self._matcher.get_error() or "error") if self._matcher.is_error() else None
+        """The library's reason, its first line: what follows is its parser's state and the whole grammar
+        (13 KB for a schema of 500 properties), which an error message and a log line do without."""
+        if not self._matcher.is_error():
+            return None
+        return (self._matcher.get_error() or "error").split("\n", 1)[0][:MAX_ERROR_CHARS]
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:

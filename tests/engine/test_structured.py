@@ -255,4 +255,5 @@ def test_a_grammar_that_fails_midway_ends_its_request_with_an_error_not_a_stop(e
     out = engine.generate([_chat(engine, "Give a JSON object.")], params)[0]
     assert out.error.startswith("response_format: the grammar could not follow the output"), out.error
     assert "max is 2000" in out.error and len(out.outputs[0].token_ids) < 20
+    assert len(out.error) < 700 and "<grammar>" not in out.error   # the reason, not the parser's state and grammar
     assert_all_free(engine)
