@@ -123,10 +123,9 @@ def _rank_lost(channel: "WorkerChannel", reason: str) -> None:
 
 def _orphaned() -> None:
     """The gateway is gone (a heartbeat could not be sent: it was killed, or its machine's OOM killer took it)
-    while the loop may be inside a step, which notices only once the step ends, or never if it hangs: after
-    LAST_WORDS_SECONDS for the loop to leave on its own, the process ends, so that it holds no device memory
-    from the gateway that replaces it (its tensor-parallel followers end with it)."""
-    time.sleep(LAST_WORDS_SECONDS)
+    while the loop may be inside a step, which notices only once the step ends, or never if it hangs: the
+    loop did not leave within LAST_WORDS_SECONDS (`HeartbeatThread`), so the process ends, and holds no device
+    memory from the gateway that replaces it (its tensor-parallel followers end with it)."""
     log.error("the gateway is gone (its socket closed) while a step runs; the device worker ends")
     logging.shutdown()
     os._exit(1)
@@ -164,7 +163,8 @@ class HeartbeatThread:
 
     def __init__(self, channel: WorkerChannel, interval: float = HEARTBEAT_INTERVAL, on_peer_gone=None) -> None:
         self.channel, self.interval = channel, interval
-        self.on_peer_gone = on_peer_gone   # called on this thread when a heartbeat cannot be sent
+        self.on_peer_gone = on_peer_gone   # called on this thread when a heartbeat cannot be sent and the loop
+        # has not left within LAST_WORDS_SECONDS
         self.turn_started = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cliffguard-heartbeat", daemon=True)
@@ -188,7 +188,7 @@ class HeartbeatThread:
             try:
                 self.channel.send(Heartbeat(self.step_seconds()))
             except OSError:   # the peer is gone: the loop notices too, between turns
-                if self.on_peer_gone is not None and not self._stop.is_set():
+                if self.on_peer_gone is not None and not self._stop.wait(LAST_WORDS_SECONDS):
                     self.on_peer_gone()
                 return
 

@@ -137,6 +137,21 @@ def test_the_heartbeat_thread_says_how_long_the_current_turn_has_lasted():
     assert busy and all(5.0 <= m.step_seconds < 15.0 for m in busy)
 
 
+def test_a_heartbeat_that_finds_the_peer_gone_waits_for_the_loop_to_leave_before_giving_up_on_it():
+    """The gateway's end closed: the heartbeat thread calls `on_peer_gone` (the worker ends) only if the
+    loop has not left within LAST_WORDS_SECONDS; a loop that leaves on its own (it read the end) is not kept
+    waiting on the thread (it slept its grace out, and the join waited)."""
+    gone = []
+    worker, gateway = _make_signed_pair()
+    gateway.sock.close()
+    beat = HeartbeatThread(worker, interval=0.01, on_peer_gone=lambda: gone.append(1))
+    with beat:
+        time.sleep(0.2)                                   # a heartbeat found the socket closed
+    started = time.monotonic()
+    beat._thread.join(5)
+    assert not beat._thread.is_alive() and time.monotonic() - started < 0.5 and gone == []
+
+
 def test_the_loop_and_the_heartbeat_share_a_signed_channel_without_breaking_frames():
     # Two threads sending at once on a plain Channel interleave partial frames and MAC counters; the
     # worker's channel keeps every frame whole, in each thread's order, and authentic.
