@@ -360,12 +360,14 @@ class SessionHub:
                     self._demand(session, msg)
                 return [ReportWaiting(msg.pool, sum(s.waiting.get(msg.pool, 0) for s in self.sessions))]
             case LeaseAck():
-                return self._acknowledged(session, msg) or []
+                self._acknowledged(session, msg)
+                return []
             case StatsQuery():
                 session.stats_asked += 1
                 return [msg]
             case Shutdown():   # one gateway leaving: its session ends, the replica serves on
-                return self._end(session, "the gateway shut down") or []
+                self._end(session, "the gateway shut down")
+                return []
         return [msg]
 
     def _demand(self, session: Session, msg: ReportWaiting) -> None:

@@ -257,18 +257,15 @@ class RayCluster:
     async def remove(self, name: str) -> None:
         """Stop an actor and remove its placement groups, by name (nothing if they are gone)."""
         ray = _ray()
-        from ray.util.placement_group import PlacementGroup
 
         def remove() -> None:
             try:
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
             except ValueError:
                 pass
-            for group in ray.util.placement_group_table().values():
-                if group.get("name") == name and group.get("state") != "REMOVED":
-                    with contextlib.suppress(Exception):   # removed meanwhile
-                        ray.util.remove_placement_group(
-                            PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group["placement_group_id"]))))
+            for group in placement_groups_named(name):
+                with contextlib.suppress(Exception):   # removed meanwhile
+                    ray.util.remove_placement_group(group)
 
         await asyncio.to_thread(remove)
 
@@ -276,6 +273,16 @@ class RayCluster:
         ray = _ray()
         nodes = await asyncio.to_thread(ray.nodes)
         return [n["NodeID"] for n in nodes if n.get("Alive")]
+
+
+def placement_groups_named(name: str) -> list:
+    """The placement groups of this name that are not removed (a blocking call of Ray's)."""
+    ray = _ray()
+    from ray.util.placement_group import PlacementGroup
+
+    return [PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group["placement_group_id"])))
+            for group in ray.util.placement_group_table().values()
+            if group.get("name") == name and group.get("state") != "REMOVED"]
 
 
 @dataclass(frozen=True)
@@ -391,7 +398,7 @@ class RayReplica:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        group = await asyncio.to_thread(self._left_group)
+        group = next(iter(await asyncio.to_thread(placement_groups_named, self.name)), None)
         if group is not None:
             log.warning("replica %s: placing it in the placement group %s, left without its actor", self.label,
                         self.name)
@@ -409,16 +416,6 @@ class RayReplica:
             options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
         cls = replica_actor_class()
         return cls.options(**options).remote(self.config)   # it learns its GPUs from Ray at each (re)start
-
-    def _left_group(self):
-        """The slot's placement group that is not removed, or None (a blocking call of Ray's)."""
-        ray = _ray()
-        from ray.util.placement_group import PlacementGroup
-
-        for group in ray.util.placement_group_table().values():
-            if group.get("name") == self.name and group.get("state") != "REMOVED":
-                return PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group["placement_group_id"])))
-        return None
 
     async def _wait_placed(self, group, timeout: float) -> None:
         """Wait until Ray has placed `group`. One not placed within `timeout` seconds (or a wait
