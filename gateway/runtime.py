@@ -34,7 +34,7 @@ from engine import structured
 from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
 from gateway.openai.tool_specs import Tool
-from gateway.openai.tools import render as render_chat_with_tools
+from gateway.openai.chat_prompt import render as render_chat
 from engine.client import AsyncEngineClient
 from gateway.admission import AdmissionControl
 from gateway.workers.autoscaler import Autoscaler
@@ -416,11 +416,7 @@ def _render_and_count(pool: Pool, messages: list[dict[str, Any]], tools: list[To
     variables = dict(template_kwargs)
     flags = {"add_generation_prompt": variables.pop("add_generation_prompt", True),
              "continue_final_message": variables.pop("continue_final_message", False)}
-    if tools is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-        text = pool.tokenizer.apply_chat_template(messages, **flags, **variables)
-    else:
-        text = render_chat_with_tools(pool.tokenizer, messages, tools, variables, flags)
-    return pool.counter.encode(text)
+    return pool.counter.encode(render_chat(pool.tokenizer, messages, tools, variables, flags))
 
 
 def _num_chars(value: Any, limit: int) -> int:

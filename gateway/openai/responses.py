@@ -121,9 +121,9 @@ def _text(content: str | list[InputPart]) -> str:
 
 
 def _messages(req: ResponsesBody, earlier: list[InputItem]) -> list[dict[str, Any]]:
-    """`instructions`, the earlier turns' items and `input` as chat messages (consecutive function calls
-    are one assistant turn). A bad item is named by its place in `input`; calls and their outputs must pair
-    (`check_calls`)."""
+    """`instructions`, the earlier turns' items and `input` as chat messages (an assistant message and the
+    function calls after it are one assistant turn, as the model wrote them). A bad item is named by its
+    place in `input`; calls and their outputs must pair (`check_calls`)."""
     messages = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
     own = [InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     reasoning = None   # a reasoning item's text, for the assistant turn after it
@@ -143,8 +143,8 @@ def _messages(req: ResponsesBody, earlier: list[InputItem]) -> list[dict[str, An
         else:
             function = {"name": item.name, "arguments": item.arguments}
             call = {"id": item.call_id, "type": "function", "function": function}
-            if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
-                messages[-1]["tool_calls"].append(call)
+            if messages and messages[-1]["role"] == "assistant":   # the turn's text, then its calls: one turn
+                messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         if reasoning is not None and messages[-1]["role"] == "assistant":

@@ -7,8 +7,9 @@ The pool model's chat template decides the format (`tool_format`):
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, several one after another;
 - **llama3_json** (the template asks for `"parameters"`: Llama 3.1-3.3): the reply is
   `{"name": ..., "parameters": {...}}`, several joined by `; `;
-- a template that knows no tools (SmolLM2's): `render` shows the tools in a system message of ours and
-  asks for the hermes form; assistant tool calls and tool results in the history are written the same way.
+- a template that knows no tools (SmolLM2's): `gateway.openai.chat_prompt` shows the tools in a system message
+  of ours and asks for the hermes form; assistant tool calls and tool results in the history are written the
+  same way.
 
 `tool_choice` "required" or a named function is enforced with a grammar (`ToolFormat.grammar`, a Lark
 grammar with the functions' parameter schemas inline: `gateway.openai.tool_grammar`) through the structured-output
@@ -25,7 +26,6 @@ from dataclasses import dataclass, field
 from collections.abc import Iterator
 from typing import Any
 
-from engine.chat_template import content_text
 from engine.structured import StructuredOutput
 from gateway.openai.errors import nested_over
 from gateway.openai.reasoning import partial_tag
@@ -47,7 +47,7 @@ class ToolCall:
 
 # --- formats ------------------------------------------------------------------------------------------
 
-def _loads(text: str) -> Any:
+def loads(text: str) -> Any:
     """`text` as JSON; None for what is not (malformed, an integer over Python's digit limit) or is nested
     over `MAX_JSON_DEPTH` (a chat template's `tojson` would recurse out on it)."""
     try:
@@ -57,12 +57,8 @@ def _loads(text: str) -> Any:
     return None if nested_over(value) else value
 
 
-def _value_or_text(text: str) -> Any:   # history's arguments: their JSON; {} for none ("", null: vLLM's); else text
-    return {} if text.strip() in ("", "null") else text if (value := _loads(text)) is None else value
-
-
 def _decode(decoder: json.JSONDecoder, text: str, pos: int) -> tuple[Any, int] | None:
-    """The JSON value starting at `text[pos]` and where it ends; None where `_loads` would give None."""
+    """The JSON value starting at `text[pos]` and where it ends; None where `loads` would give None."""
     try:
         value, end = decoder.raw_decode(text, pos)
     except (ValueError, RecursionError):
@@ -287,72 +283,6 @@ def tool_format(template: str, tools: list[Tool]) -> ToolFormat:
     return HermesFormat(tools)
 
 
-# --- prompts -----------------------------------------------------------------------------------------
-
-_SYSTEM_TOOLS = (
-    "You can call functions to answer. These are the functions, as JSON schemas, between <tools> and </tools>:\n"
-    "<tools>\n{tools}\n</tools>\n"
-    "To call one, reply with its name and arguments as a JSON object between <tool_call> and </tool_call>:\n"
-    "<tool_call>\n{{\"name\": \"<function name>\", \"arguments\": {{<the arguments>}}}}\n</tool_call>")
-
-
-def template_knows_tools(template: str) -> bool:
-    return "tools" in template
-
-
-def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The history as HF templates with tool support take it: tool call arguments as the JSON they hold (as
-    vLLM parses them); text that is not JSON (a model's broken call, sent back) stays text, never replaced."""
-    out = []
-    for m in messages:
-        if m.get("tool_calls"):
-            calls = [{"id": c["id"], "type": "function", "function": {
-                "name": c["function"]["name"], "arguments": _value_or_text(c["function"]["arguments"])}}
-                for c in m["tool_calls"]]
-            m = {**m, "tool_calls": calls}
-        out.append(m)
-    return out
-
-
-def fallback_messages(messages: list[dict[str, Any]], tools: list[Tool] | None) -> list[dict[str, Any]]:
-    """For a template that knows no tools: the tools in a system message of ours (merged into the first
-    system message), assistant tool calls written in the hermes form, tool results as user turns."""
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        role, content = m["role"], m.get("content") or ""
-        if role == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"])}, "arguments": '
-                              f'{c["function"]["arguments"]}}}\n</tool_call>' for c in m["tool_calls"])
-            out.append({"role": "assistant", "content": f"{content}\n{calls}".strip()})
-        elif role == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
-        else:
-            out.append({"role": role, "content": content})
-    if tools:
-        listing = "\n".join(json.dumps(t.as_template_dict(), ensure_ascii=False) for t in tools)
-        system = _SYSTEM_TOOLS.format(tools=listing)
-        if out and out[0]["role"] in ("system", "developer"):
-            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{system}"}
-        else:
-            out.insert(0, {"role": "system", "content": system})
-    return out
-
-
-def render(tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None,
-           template_kwargs: dict[str, Any] | None = None, flags: dict[str, bool] | None = None) -> str:
-    """The prompt for a chat with (or a history of) tool calls, in the way the pool's template expects:
-    the template itself when it knows tools, else ours (`fallback_messages`, text contents) through the plain
-    template. `template_kwargs`: the request's `chat_template_kwargs`; `flags`: `add_generation_prompt` and
-    `continue_final_message` (default: a generation prompt)."""
-    kwargs = {**(template_kwargs or {}), **(flags or {"add_generation_prompt": True})}
-    if template_knows_tools(tokenizer.chat_template_source(use_tools=tools is not None)):
-        return tokenizer.apply_chat_template(native_messages(messages),
-                                             tools=[t.as_template_dict() for t in tools] if tools else None, **kwargs)
-    texts = [{**m, "content": content_text(m["content"])} if isinstance(m.get("content"), list) else m
-             for m in messages]
-    return tokenizer.apply_chat_template(fallback_messages(texts, tools), **kwargs)
-
-
 def format_for(tokenizer, tools: list[Tool]) -> ToolFormat:
     """The tool-call format of a pool's tokenizer (its chat template)."""
     return tool_format(tokenizer.chat_template_source(use_tools=True), tools)
@@ -384,7 +314,7 @@ def scan_call(text: str, start: int, args_keys: tuple[str, ...]) -> CallScan:
                 escaped = True
             elif ch == '"':
                 if depth == 1:
-                    value = _loads(text[string_at:i + 1])
+                    value = loads(text[string_at:i + 1])
                     if not in_value:
                         key = value
                     elif key == "name" and isinstance(value, str) and scan.name is None:

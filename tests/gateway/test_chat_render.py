@@ -35,6 +35,14 @@ GEMMA_LIKE = (   # Gemma 3's way with content: a string, or parts it loops over 
     "{%- else -%}{%- for item in message['content'] -%}"
     "{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- endif -%}"
     "{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+GEMMA_STRICT = (   # Gemma 3's way with turns: a system message folded into the first user turn, roles alternating
+    "{%- if messages[0]['role'] == 'system' -%}{%- set first = messages[0]['content'] + '\n\n' -%}"
+    "{%- set turns = messages[1:] -%}{%- else -%}{%- set first = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for message in turns -%}{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{%- endif -%}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}"
+    "{{ (first if loop.first else '') + message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
 THINKING = (   # reads the reasoning under transformers' names, and two variables
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.thinking %}<think>{{ m.thinking }}</think>{% endif %}"
     "{% if m.reasoning_content %}[rc:{{ m.reasoning_content }}]{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -208,6 +216,39 @@ def test_deprecated_function_messages_are_a_tool_call_and_its_result(tiny_model:
     with pytest.raises(ApiError) as info:
         parse_chat({"model": "m", "messages": [USER, {"role": "function", "content": "12 C"}]})
     assert info.value.param == "messages[1].name"
+
+
+def test_a_developer_message_is_a_system_message_where_the_template_never_names_the_role(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """Gemma 3's template would refuse the role and Qwen3's drop it; a template that names it gets it as sent."""
+    folder = _make_folder(tmp_path / "strict", tiny_model, GEMMA_STRICT)
+    developer = {"role": "developer", "content": "Answer in French."}
+    assert _render(folder, {"messages": [developer, USER]}) == \
+        _hf_ids(folder, [{"role": "system", "content": "Answer in French."}, USER])
+    system = {"role": "system", "content": "Be terse."}   # the Responses API's instructions, then a developer item
+    assert _render(folder, {"messages": [system, developer, USER]}) == \
+        _hf_ids(folder, [{"role": "system", "content": "Be terse.\n\nAnswer in French."}, USER])
+    names_it = _make_folder(tmp_path / "names", tiny_model, "{% for m in messages %}{% if m.role == 'developer' %}"
+                            "[dev]{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    assert _render(names_it, {"messages": [system, developer, USER]}) == _hf_ids(names_it, [system, developer, USER])
+
+
+def test_parallel_calls_and_their_results_for_a_template_without_tools_that_alternates_turns(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """Two calls' results are one user turn (Gemma 3's template refuses two user turns in a row); a call whose
+    arguments were sent empty is written with `{}`, valid JSON, as a template with tools writes it."""
+    folder = _make_folder(tmp_path / "strict", tiny_model, GEMMA_STRICT)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "weather", "arguments": args}}
+             for i, args in enumerate(['{"city": "Oslo"}', ""])]
+    messages = [USER, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "call_0", "content": "12 C"},
+                {"role": "tool", "tool_call_id": "call_1", "content": "20 C"}]
+    text = Tokenizer.from_folder(folder).decode(_render(folder, {"messages": messages, "tools": tools}),
+                                                skip_special_tokens=False)
+    assert '{"name": "weather", "arguments": {}}' in text
+    assert "<start_of_turn>user\n<tool_response>\n12 C\n</tool_response>\n<tool_response>\n20 C\n</tool_response>" \
+        "<end_of_turn>\n<start_of_turn>model\n" in text
 
 
 # --- where the rendering runs, and a template's own error --------------------------------------------------------

@@ -255,6 +255,22 @@ def test_calls_and_their_outputs_pair_as_openai_requires() -> None:
         assert (info.value.status, info.value.param, info.value.message) == (400, "input", message), items
 
 
+def test_a_turn_that_says_something_then_calls_is_one_assistant_turn() -> None:
+    """The output of a reply that thinks, writes and calls ([reasoning, message, function_call]), sent back as
+    input, is the one assistant turn the model wrote, not a text turn and a call turn."""
+    from gateway.openai.responses import parse_responses
+
+    turn = [{"type": "message", "role": "user", "content": "Weather in Paris?"},
+            {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Need the weather."}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}]
+    messages = parse_responses({"model": MODEL, "tools": [WEATHER], "input": turn}).chat.messages
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1]["content"] == "Let me check." and messages[1]["reasoning_content"] == "Need the weather."
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["call_1"]
+
+
 def test_the_response_says_the_requests_own_instructions_never_a_system_message_of_its_input() -> None:
     from gateway.openai.responses import parse_responses, response_object
 

@@ -12,10 +12,11 @@ import openai
 import pytest
 
 from engine.structured import check
+from gateway.openai.chat_prompt import fallback_messages
 from gateway.openai.chat import parse_chat
 from gateway.openai.errors import ApiError
 from gateway.openai.tool_specs import parse_tools
-from gateway.openai.tools import HermesFormat, Llama3JsonFormat, ToolCallStream, fallback_messages, tool_format
+from gateway.openai.tools import HermesFormat, Llama3JsonFormat, ToolCallStream, tool_format
 
 MODEL = "smollm2-135m-instruct"
 
@@ -327,7 +328,8 @@ def test_a_template_with_tools_renders_them_itself(tmp_path, builtin_path) -> No
     import shutil
 
     from engine.tokenizer import Tokenizer
-    from gateway.openai.tools import format_for, render
+    from gateway.openai.chat_prompt import render
+    from gateway.openai.tools import format_for
 
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(builtin_path / name, tmp_path / name)
@@ -354,7 +356,7 @@ def test_tools_reach_a_template_as_the_client_sent_them(tmp_path, builtin_path) 
     from transformers import AutoTokenizer
 
     from engine.tokenizer import Tokenizer
-    from gateway.openai.tools import render
+    from gateway.openai.chat_prompt import render
 
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(builtin_path / name, tmp_path / name)
@@ -508,7 +510,7 @@ async def test_a_two_turn_exchange_with_a_tool_result(client) -> None:
 def test_arguments_that_are_not_json_to_python_read_as_none() -> None:
     """A call's arguments nested past the recursion limit, or an integer past the digit limit, are not
     JSON to read (None), never an exception out of the prompt's rendering."""
-    from gateway.openai.tools import _loads
+    from gateway.openai.tools import loads as _loads
 
     assert _loads("[" * 5000 + "]" * 5000) is None and _loads("1" * 5000) is None and _loads("{") is None
     assert _loads("[" * 900 + "]" * 900) is None          # json.loads takes it; a template's tojson would not

@@ -1,0 +1,118 @@
+"""A chat's messages as the pool's chat template takes them, and the prompt it renders (`render`).
+
+- **The developer role**: OpenAI's name for the application's instructions. A template that never names it
+  (Qwen3's, Gemma 3's, Llama's: most) would drop such a message or refuse the request, so it becomes a system
+  message; where it follows a system message at the start (the Responses API's `instructions`, then a developer
+  item) the two are one system message, as templates that take a single leading system message need. A
+  template that names the role gets it as sent.
+- **Tools**: a template that knows tools renders them and the calls in the history itself (the calls'
+  arguments as the JSON they hold: `native_messages`); for one that knows none (SmolLM2's, Gemma 3's),
+  `fallback_messages` lists the tools in a system message of ours, writes the history's calls in the hermes
+  form and the results as user turns (the results of one turn's calls together in one user turn, as Qwen's
+  template groups them), so the model answers in the form `gateway.openai.tools.HermesFormat` parses.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.chat_template import content_text
+from gateway.openai.tool_specs import Tool
+from gateway.openai.tools import loads
+
+_SYSTEM_TOOLS = (
+    "You can call functions to answer. These are the functions, as JSON schemas, between <tools> and </tools>:\n"
+    "<tools>\n{tools}\n</tools>\n"
+    "To call one, reply with its name and arguments as a JSON object between <tool_call> and </tool_call>:\n"
+    "<tool_call>\n{{\"name\": \"<function name>\", \"arguments\": {{<the arguments>}}}}\n</tool_call>")
+
+
+def render(tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None,
+           template_kwargs: dict[str, Any] | None = None, flags: dict[str, bool] | None = None) -> str:
+    """The prompt of a chat, rendered the way the pool's template expects (the module's notes).
+    `template_kwargs`: the request's `chat_template_kwargs`; `flags`: `add_generation_prompt` and
+    `continue_final_message` (default: a generation prompt)."""
+    kwargs = {**(template_kwargs or {}), **(flags or {"add_generation_prompt": True})}
+    source = tokenizer.chat_template_source(use_tools=tools is not None)
+    messages = template_roles(messages, source)
+    if tools is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    if template_knows_tools(source):
+        return tokenizer.apply_chat_template(native_messages(messages),
+                                             tools=[t.as_template_dict() for t in tools] if tools else None, **kwargs)
+    return tokenizer.apply_chat_template(fallback_messages(messages, tools), **kwargs)
+
+
+def template_knows_tools(template: str) -> bool:
+    return "tools" in template
+
+
+def template_roles(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
+    """`messages` with the developer role as a template that never names it takes it (the module's notes)."""
+    if "developer" in template or not any(m["role"] == "developer" for m in messages):
+        return messages
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "developer" and len(out) == sum(o["role"] == "system" for o in out) > 0:
+            out[-1] = {**out[-1], "content": f"{content_text(out[-1]['content'])}\n\n{content_text(m['content'])}"}
+        else:
+            out.append({**m, "role": "system"} if m["role"] == "developer" else m)
+    return out
+
+
+def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The history as HF templates with tool support take it: tool call arguments as the JSON they hold (as
+    vLLM parses them); text that is not JSON (a model's broken call, sent back) stays text, never replaced."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [{"id": c["id"], "type": "function", "function": {
+                "name": c["function"]["name"], "arguments": _value_or_text(c["function"]["arguments"])}}
+                for c in m["tool_calls"]]
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def fallback_messages(messages: list[dict[str, Any]], tools: list[Tool] | None) -> list[dict[str, Any]]:
+    """For a template that knows no tools (the module's notes): the tools in a system message of ours (merged
+    into a leading system message), assistant tool calls in the hermes form (arguments as `native_messages`
+    has them, written as JSON), tool results as user turns, consecutive ones in one. Other messages as sent
+    (content parts kept)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"], ensure_ascii=False)}, '
+                              f'"arguments": {_arguments_text(c["function"]["arguments"])}}}\n</tool_call>'
+                              for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": f"{content_text(content)}\n{calls}".strip()})
+        elif role == "tool":
+            result = f"<tool_response>\n{content_text(content)}\n</tool_response>"
+            if out and out[-1].get("tool_results"):
+                out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{result}"}
+            else:
+                out.append({"role": "user", "content": result, "tool_results": True})
+        else:
+            out.append({**{k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")}, "content": content})
+    out = [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
+    if tools:
+        listing = "\n".join(json.dumps(t.as_template_dict(), ensure_ascii=False) for t in tools)
+        system = _SYSTEM_TOOLS.format(tools=listing)
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": f"{content_text(out[0]['content'])}\n\n{system}"}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+def _value_or_text(text: str) -> Any:   # history's arguments: their JSON; {} for none ("", null: vLLM's); else text
+    return {} if text.strip() in ("", "null") else text if (value := loads(text)) is None else value
+
+
+def _arguments_text(text: str) -> str:
+    """A history call's arguments as the hermes form writes them: their JSON (`{}` for none), or the model's
+    own text where it was not JSON."""
+    value = _value_or_text(text)
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
