@@ -162,7 +162,7 @@ class AdmissionControl:
                 continue
             block_size = pool.spec.block_size
             placement = Placement(pool.num_replicas, block_size, max_cached_blocks=credits[pool.name] // block_size,
-                                  avg_len=pool.spec.avg_len)
+                                  avg_len=pool.spec.avg_len, share_blocks=pool.spec.enable_prefix_caching)
             pool.admission = CreditQueue(pool.name, [credits[pool.name]] * pool.num_replicas, tenants=policies,
                                        max_queue_seconds=pool.spec.max_queue_seconds, placement=placement,
                                        max_seqs=(max_num_seqs or {}).get(pool.name),

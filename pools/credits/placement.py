@@ -89,8 +89,10 @@ def block_hashes(ids: Sequence[int], block_size: int, salt: str | None = None) -
 class Placement:
     """The token load and likely-cached blocks of each replica of one pool. Event-loop only."""
 
-    def __init__(self, num_replicas: int, block_size: int, max_cached_blocks: int, avg_len: int = 1024) -> None:
+    def __init__(self, num_replicas: int, block_size: int, max_cached_blocks: int, avg_len: int = 1024,
+                 share_blocks: bool = True) -> None:
         self.block_size = block_size
+        self.share_blocks = share_blocks   # the pool's engine has its prefix cache on (`enable_prefix_caching`)
         self.max_cached_blocks = max_cached_blocks
         self.avg_len = avg_len
         self.load = [0] * num_replicas
@@ -109,8 +111,14 @@ class Placement:
         return Work(tuple(tuple(p) for p in prompts), sum(per_prompt), salt)
 
     def prompt_blocks(self, work: Work) -> tuple[int, ...]:
-        """The chain hashes of `work`'s prompt blocks (each prompt's full blocks), distinct, in order."""
-        return tuple(dict.fromkeys(h for ids in work.prompts for h in block_hashes(ids, self.block_size, work.salt)))
+        """The chain hashes of the prompt blocks `work` may share with other requests on a replica, distinct,
+        in order: each prompt's full blocks before its last token (the engine computes a prompt's last token
+        itself, so a prompt of whole blocks reuses all but its last: `BlockManager.acquire_cached`); none
+        where the engine caches no prefix."""
+        if not self.share_blocks:
+            return ()
+        return tuple(dict.fromkeys(h for ids in work.prompts
+                                   for h in block_hashes(ids[:len(ids) - 1], self.block_size, work.salt)))
 
     def matched_tokens(self, work: Work, replica: int) -> int:
         """Prompt tokens of `work` whose blocks replica `replica` likely has cached (leading whole blocks)."""

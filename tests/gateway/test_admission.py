@@ -305,6 +305,18 @@ async def test_kill_9_of_the_worker_loses_no_batch_line_and_no_queued_request(ai
 
 
 
+def test_a_pool_without_a_prefix_cache_shares_no_prompt_block_in_its_credits(tmp_path, tiny_model):
+    """Its engine gives every request its whole prompt: the credits hold each request's whole prompt too."""
+    from pools.credits.placement import Work
+
+    work = Work((tuple(range(100)),), 16)
+    for line, shared in (("", 6), ("enable_prefix_caching: false", 0)):
+        path = tmp_path / f"pools{len(line)}.yaml"
+        path.write_text(_yaml(tiny_model, max_queue=line))
+        placement = Gateway.from_config(load_config(path)).pools["chat"].admission.placement
+        assert len(placement.prompt_blocks(work)) == shared, line
+
+
 def test_no_gauge_is_named_like_a_counter():
     """Prometheus keeps the `_total` suffix for counters (a scraper may take the series for one): the credits
     gauge was `cliffguard_kv_credits_total`, and is `cliffguard_kv_credits`."""

@@ -270,6 +270,26 @@ def test_questions_on_one_document_hold_its_blocks_once_after_it_is_read():
     ledger.check_integrity()
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_the_blocks_a_request_names_are_those_the_engine_reuses(prefix_caching):
+    """Of a prompt the engine reuses the cached full blocks before its last token (none with caching off):
+    what the ledger holds once for several requests is what the engine shares, so a request charged less
+    for a shared block never finds the block missing (a prompt of whole blocks: its last one is its own)."""
+    from engine.block_manager import BlockManager
+
+    for length in (63, 64, 65, 80):
+        prompt = _ids(length, length)
+        placement = Placement(1, BS, max_cached_blocks=100, share_blocks=prefix_caching)
+        named = placement.prompt_blocks(placement.work([prompt], 16, 1, max_model_len=256))
+        engine = BlockManager(100, BS, enable_prefix_caching=prefix_caching)
+        first: list[int] = []
+        engine.allocate(first, length)
+        engine.register_computed(first, prompt, length)
+        reused = engine.acquire_cached([], prompt) // BS
+        assert len(named) == reused == (((length - 1) // BS) if prefix_caching else 0), length
+        assert named == tuple(block_hashes(prompt, BS)[:reused])
+
+
 def test_two_copies_read_at_once_are_held_until_one_per_request_is_left():
     ledger = CreditLedger([3000], block_size=BS)
     doc = tuple(range(40))
