@@ -69,9 +69,10 @@ class SpiralWatch:
     `death_spiral` is enabled, fed every `SPIRAL_INTERVAL` seconds from the stats its device worker
     last pushed (`AsyncEngineClient.latest_stats`), so nothing here waits on a model step.
 
-    A report is fed once, at the time it was taken. While a pool's last report shows it idle (nothing
-    running, waiting or swapped) its totals cannot move, so they are fed again at the current time:
-    an idle pool's detector keeps judging, and clears. A busy pool whose report is late (a long step)
+    A report is fed once, at the gateway's monotonic time when it is first seen (within a check of when
+    it was taken; never by the worker's wall clock, which may step back). While a pool's last report
+    shows it idle (nothing running, waiting or swapped) its totals cannot move, so they are fed again at
+    the current time: an idle pool's detector keeps judging, and clears. A busy pool whose report is late (a long step)
     is not extrapolated; the detector waits for the next report.
 
     When a pool trips: `cliffguard_death_spiral{pool}` 1, a WARNING naming the pool and the numbers,
@@ -86,7 +87,7 @@ class SpiralWatch:
                           if pool.spec.death_spiral.enabled for r in range(pool.num_replicas)}
         self.metrics = metrics
         self._seen: dict[tuple[str, int], float] = {}   # (pool, replica) -> `taken_at` of the report fed last
-        self._ticker = Ticker("cliffguard-spiral", SPIRAL_INTERVAL, lambda: self.check(time.time()), log,
+        self._ticker = Ticker("cliffguard-spiral", SPIRAL_INTERVAL, lambda: self.check(time.monotonic()), log,
                               "death-spiral check failed")
         for name, replica in self.detectors:
             metrics.death_spiral.labels(pool=name, replica=str(replica)).set(0)   # exported from the start
@@ -108,7 +109,9 @@ class SpiralWatch:
         return out
 
     def check(self, now: float) -> None:
-        """Feed each watched pool's latest report (`now`: `time.time()`, the clock of `taken_at`)."""
+        """Feed each watched pool's latest report, new since the last check, at `now` (the gateway's
+        `time.monotonic()`): a report is timed when the gateway first sees it, within a check of when the
+        worker took it, so a step of either machine's wall clock (`taken_at`'s) never stalls the detector."""
         for (name, replica), detector in self.detectors.items():
             client = self.pools[name].clients[replica]
             stats = client.latest_stats if client is not None else None
@@ -116,14 +119,10 @@ class SpiralWatch:
                 continue
             pool_stats = stats.pools[name]
             key = (name, replica)
-            if self._seen.get(key) != stats.taken_at:
-                self._seen[key] = stats.taken_at
-                at = stats.taken_at
-            elif _is_idle(pool_stats):
-                at = now
-            else:
-                continue
-            state = detector.observe(at, pool_stats.num_preemptions, pool_stats.num_generated_tokens)
+            if self._seen.get(key) == stats.taken_at and not _is_idle(pool_stats):
+                continue   # busy, and no new report: not extrapolated
+            self._seen[key] = stats.taken_at
+            state = detector.observe(now, pool_stats.num_preemptions, pool_stats.num_generated_tokens)
             if not state.changed:
                 continue
             self.metrics.death_spiral.labels(pool=name, replica=str(replica)).set(1 if state.tripped else 0)
@@ -214,7 +213,7 @@ class Gateway:
         self.spiral.start()
         self.overload.start(self.supervisors)
         self.autoscaler = Autoscaler(self.config.devices, self.supervisors, self.pools, self.metrics,
-                                     overloaded=self.overload.overloaded)
+                                     overloaded=self.overload.short_of_replicas)
         self.autoscaler.start()
 
     def _links(self, device: str, configs: list[EngineConfig]) -> list:

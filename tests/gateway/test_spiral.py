@@ -192,3 +192,21 @@ def test_the_watch_feeds_each_report_once_and_an_idle_pool_at_the_current_time(c
     assert [level for level, _ in messages] == ["WARNING", "INFO"]
     assert messages[0][1].startswith("pool p: death spiral: ") and "preemptions/s over 4 s" in messages[0][1]
     assert messages[1][1].startswith("pool p: death spiral cleared: ")
+
+
+def test_a_wall_clock_step_back_does_not_hold_the_watch_tripped():
+    """Reports are timed by the gateway's monotonic clock when seen: after the worker's wall clock steps back
+    an hour (an NTP step, a VM resumed), its reports still count and a recovered pool clears."""
+    client = SimpleNamespace(latest_stats=None)
+    spec = SimpleNamespace(death_spiral=SpiralConfig(window_seconds=4, min_preemptions_per_s=1, clear_seconds=2))
+    watch = SpiralWatch({"p": SimpleNamespace(is_upstream=False, spec=spec, clients=[client], num_replicas=1)},
+                        GatewayMetrics())
+    for i in range(17):                                 # 4 s of spiralling reports
+        client.latest_stats = _report(1_000_000.0 + i / 4, i // 2, 12 * i)
+        watch.check(50.0 + i / 4)
+    assert watch.degraded()
+    for i in range(1, 40):                              # the clock stepped back: calm, busy reports
+        client.latest_stats = _report(1_000_000.0 - 3600 + i / 4, 8, 204 + 50 * i)
+        watch.check(54.0 + i / 4)
+    assert watch.degraded() == {}
+
