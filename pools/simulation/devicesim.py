@@ -40,9 +40,10 @@ from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, build_scheduler, commit_step, observe_step_time
 from engine.sequence import FinishReason, Sequence as Seq
 from engine.step_cost import StepTime
-from pools.credits.queue import reservation
+from pools.credits.flows import FLOW_CAP
 from pools.credits.ledger import CreditLedger, Ticket
 from pools.credits.placement import Placement, Work
+from pools.credits.queue import reservation
 from pools.spiral import SpiralConfig, SpiralDetector
 
 SPIRAL_SAMPLE_SECONDS = STATS_INTERVAL   # how often the gateway feeds the death-spiral detector (gateway.runtime)
@@ -270,8 +271,10 @@ class ReplicaGroup:
         self.num_replicas = num_replicas
         self.block_size = block_size
         self.pools = tuple(p.name for p in pools)
-        self.ledgers = ({p.name: CreditLedger([p.num_blocks * block_size] * num_replicas) for p in pools}
-                        if credits else {})
+        self.ledgers = ({p.name: CreditLedger([p.num_blocks * block_size] * num_replicas, block_size=block_size,
+                                              max_seqs=p.scheduler.max_num_seqs,
+                                              flow_cap=FLOW_CAP if p.slo is not None else None)
+                         for p in pools} if credits else {})   # the gateway's (`gateway.admission`)
         self.placements: dict[str, Placement] = {}
         for p in pools:          # the gateway's: as many cached blocks as the pool has
             avg_len = {"avg_len": avg_lens[p.name]} if avg_lens and p.name in avg_lens else {}

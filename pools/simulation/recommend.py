@@ -34,6 +34,9 @@ def recommend(config: CliffguardConfig, model_configs: Mapping[str, ModelConfig]
         raise SpecError("pools: --recommend splits one device between exactly two local pools; this config has "
                         f"{len(local)} local pool(s)" + ("" if len(local) != 2 else " on different devices"))
     first, second = local
+    if not make_requests(classes, rate, duration=duration, seed=seed):
+        raise SpecError("--request-rate", f"no request arrives in {duration:g} s at {rate:g} requests/s: a "
+                                          "recommendation judges requests; raise --request-rate or --duration")
     candidates = []
     for share in shares:
         for budget in budgets:

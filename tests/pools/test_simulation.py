@@ -467,6 +467,8 @@ def test_recommend_picks_the_budget_that_meets_an_itl_target():
     none = recommend(config, models, classes, 8.0, step, ttft_p99=0.001, duration=5.0, vram_bytes=80 << 30,
                      shares=(0.4,), budgets=(512,))
     assert none["recommended"] is None and "no candidate meets" in format_recommendation(none)
+    with pytest.raises(SpecError, match=r"^--request-rate: no request arrives in 1 s"):   # nothing to judge
+        recommend(config, models, classes, 0.001, step, ttft_p99=1.0, duration=1.0, vram_bytes=80 << 30)
 
 
 # --- replicas ------------------------------------------------------------------------------------
@@ -493,7 +495,7 @@ def test_two_replicas_nearly_double_the_tokens_of_a_saturated_one_and_split_them
         assert result.replicas == {"gpu": replicas} and len(result.traces["chat"]) == replicas
         summaries[replicas] = summarize(result)
     one, two = summaries[1]["pools"]["chat"], summaries[2]["pools"]["chat"]
-    assert one["max_waiting"] > 20                                  # one replica is saturated
+    assert one["max_queued"] > 20                                   # one replica is saturated: a queue for credits
     tokens_per_s = {n: summary["classes"]["chat"]["output_tokens_per_s"] for n, summary in summaries.items()}
     assert tokens_per_s[2] >= 1.7 * tokens_per_s[1]
     assert two["output_tokens_per_s"] >= 1.7 * one["output_tokens_per_s"]
@@ -513,6 +515,23 @@ def _group(pool: PoolConfig, num_replicas: int) -> ReplicaGroup:
                   step_time=LinearStepTime(a=0.01, b=0.0001, c=0.001, d=0.0),
                   kv_bytes_per_token=TINY.kv_bytes_per_token(torch.bfloat16), group=group)
     return group
+
+
+def test_the_simulated_credit_queue_admits_what_the_gateways_does():
+    """The gateway's ledger of a pool (`gateway.admission`: the plan's max_num_seqs, an interactive pool's flow
+    at most 7/8 of them, the pool's block size) is the simulator's: 30 identical short requests on one replica
+    of max_num_seqs 11 run 10 at once in an interactive pool, 11 in a throughput one; never 30."""
+    from engine.config import LatencySLO
+    from pools.credits.queue import reservation
+
+    need = reservation([256], 64, 1, block_size=32, max_model_len=2048)
+    for slo, at_once in ((LatencySLO(ttft_ms=1000, itl_ms=200), 10), (None, 11)):
+        pool = PoolConfig(name="chat", num_blocks=756, slo=slo,
+                          scheduler=SchedulerConfig(max_num_seqs=11, max_num_batched_tokens=512, max_model_len=2048))
+        ledger = ReplicaGroup([pool], block_size=32).ledgers["chat"]
+        for i in range(30):
+            ledger.submit(f"r{i}", need)
+        assert len(ledger.admit()) == at_once, slo
 
 
 @pytest.mark.parametrize("first_len, second_len", [(80, 10), (10, 80)])
