@@ -157,6 +157,13 @@ class DeviceLoad:
     def over_bound(self) -> list[PoolLoad]:
         return [p for p in self.pools if p.oldest_wait > p.wait_bound]
 
+    @property
+    def short_of_replicas(self) -> bool:
+        """Whether another replica is needed now: the offered load needs more than are ready
+        (`replicas_needed`), or a request waits past its pool's bound. Not the detector's verdict, which
+        holds `OFF_SECONDS` after a new replica took the load, long enough to start one more for nothing."""
+        return replicas_needed(self.pools) > self.replicas or bool(self.over_bound())
+
     def describe(self) -> str:
         """One line with the numbers: load, each pool's part and rates, the oldest waits."""
         parts = []

@@ -73,6 +73,17 @@ class OverloadWatch:
         """The devices overloaded now, each with its reason (one line with the numbers)."""
         return {device: d.reason for device, d in self.detectors.items() if d.overloaded}
 
+    def short_of_replicas(self) -> dict[str, str]:
+        """The overloaded devices that need another replica now (`DeviceLoad.short_of_replicas` at the last
+        check, taken with the replicas ready now: one that became ready since is judged at the next check),
+        each with its reason: what the autoscaler starts a replica for."""
+        return {device: reason for device, reason in self.overloaded().items()
+                if (load := self.last.get(device)) is not None and load.replicas == len(self._ready(device))
+                and load.short_of_replicas}
+
+    def _ready(self, device: str) -> list[tuple[int, DeviceSupervisor]]:
+        return [(r, s) for r, s in enumerate(self.supervisors.get(device, [])) if s.is_ready and s.client is not None]
+
     def check(self, now: float) -> None:
         """Judge every device once (`now`: `time.monotonic()`, the clock of the admissions' records)."""
         for device, detector in self.detectors.items():
@@ -85,8 +96,7 @@ class OverloadWatch:
 
     def device_load(self, device: str, now: float) -> DeviceLoad:
         """The device's pools as the detector sees them now."""
-        supervisors = self.supervisors.get(device, [])
-        ready = [(r, s) for r, s in enumerate(supervisors) if s.is_ready and s.client is not None]
+        ready = self._ready(device)
         self._forget_down(device, {r for r, _ in ready})
         model = None
         for replica, supervisor in ready:

@@ -6,15 +6,17 @@ slots, `min` of them started. Every `INTERVAL` seconds, for each such device:
 
 - **Up.** When some request of the device's pools has waited for credits longer than
   `scale_up_wait_seconds` (the formula's concurrency is exceeded: what is admitted fills every
-  replica's KV), or the device is overloaded (`gateway.monitoring.overload`: its pools' arrivals ask more of its
-  ready replicas than the step-cost model says they can do, with requests waiting for their first
-  token: a compute-bound device whose KV never fills), and no replica of the device is still loading,
-  the lowest parked slot is started (on
-  Ray, a placement group is created; one Ray cannot place stays pending, which is how Ray's cluster
-  autoscaler learns that a node is needed). A replica being drained is taken back first instead. The
-  wait bound, 2 s by default, is long enough that a burst one replica absorbs within a decode or two
-  does not start a replica (loading one takes seconds to minutes), short enough that a queue that
-  keeps growing is answered well inside a client's timeout.
+  replica's KV; batch lines and patient requests wait by design and are not counted), or one was refused
+  for credits (`max_queue_seconds` 0 or past it) in the last `REFUSED_SECONDS` and no replica came up
+  since, or the device is overloaded and short of replicas (`gateway.monitoring.overload`: its pools'
+  arrivals ask more of its ready replicas than the step-cost model says they can do, with requests
+  waiting for their first token: a compute-bound device whose KV never fills; `short_of_replicas`: the
+  load needs more replicas than are ready), and no replica of the device is still loading, the lowest
+  parked slot is started (on Ray, a placement group is created; one Ray cannot place stays pending,
+  which is how Ray's cluster autoscaler learns that a node is needed). A replica being drained is taken
+  back first instead. The wait bound, 2 s by default, is long enough that a burst one replica absorbs
+  within a decode or two does not start a replica (loading one takes seconds to minutes), short enough
+  that a queue that keeps growing is answered well inside a client's timeout.
 - **Down.** A serving replica (ready, not draining) that has held no credits and had no request in
   flight for `scale_down_idle_seconds` (60 s by default), while nothing waits for credits, is drained: it
   takes no new request (`DeviceSupervisor.draining`), and once what it holds is released (it holds
@@ -69,6 +71,7 @@ DRAIN_POLL = 0.1   # seconds between looks at a draining replica's credits
 REPLICA_POLL = 0.5   # seconds between asks of a shared replica's own request count, while it drains
 ANNOUNCE_SECONDS = 2.0   # a leader's drain reaches every follower (a renewal and a tick) within this
 STATS_SECONDS = 10.0   # a replica that does not say its request count by then counts none
+REFUSED_SECONDS = 1.0   # a refusal for capacity asks for a replica during this long (two looks)
 
 
 class Autoscaler:
@@ -85,6 +88,8 @@ class Autoscaler:
         self.metrics = metrics
         self.leases = dict(leases or {})   # device on Ray -> its scaling lease (made at `start` when not given)
         self._idle_since: dict[tuple[str, int], float] = {}   # serving slots only: idle since then
+        self._num_ready: dict[str, int] = {}   # device -> its ready replicas at the last look
+        self._grown_at: dict[str, float] = {}   # device -> when a replica last came up
         self._unneeded_since: dict[tuple[str, int], float] = {}   # loading slots past `min`: nothing pressed since
         self._removals: dict[tuple[str, int], asyncio.Task] = {}   # until the removal has ended, however it ends
         self._finishing: set[tuple[str, int]] = set()   # removals past taking back: stopping or removing it
@@ -117,7 +122,7 @@ class Autoscaler:
         now = time.monotonic() if now is None else now
         for device, slots in self.supervisors.items():
             spec, lease = self.devices[device], self.leases.get(device)
-            why, wait = self._pressure(device, spec, now) if spec.autoscaled else (None, 0.0)
+            why, wait = self._pressure(device, spec, slots, now) if spec.autoscaled else (None, 0.0)
             if lease is not None:
                 lease.poke(why, sorted(r for (d, r) in self._announced if d == device))
                 if not lease.is_leader():
@@ -134,11 +139,22 @@ class Autoscaler:
                 self._scale_down(device, spec, slots, pressed=why is not None or wait > 0, now=now)
         self.export()
 
-    def _pressure(self, device: str, spec: DeviceSpec, now: float) -> tuple[str | None, float]:
-        """(why the device needs another replica now, or None; the longest credit wait in seconds)."""
+    def _pressure(self, device: str, spec: DeviceSpec, slots: list[DeviceSupervisor],
+                  now: float) -> tuple[str | None, float]:
+        """(why the device needs another replica now, or None; the longest credit wait in seconds). A
+        refusal for capacity counts until `REFUSED_SECONDS` after it, unless a replica came up since."""
+        ready = sum(s.is_ready for s in slots)
+        if ready > self._num_ready.get(device, ready):
+            self._grown_at[device] = now
+        self._num_ready[device] = ready
         wait = self.credit_wait(device, now)
         if wait > spec.scale_up_wait_seconds:
             return f"a request waited {wait:.1f} s for KV credits (over {spec.scale_up_wait_seconds:g} s)", wait
+        refused = max((p.admission.refused_at for p in self.pools[device]
+                       if p.admission is not None and p.admission.refused_at is not None), default=None)
+        if refused is not None and now - refused <= REFUSED_SECONDS and refused > self._grown_at.get(device, -1e300):
+            return (f"a request was refused for KV credits {max(0.0, now - refused):.1f} s ago (its pool's "
+                    "max_queue_seconds)"), wait
         return self.overloaded().get(device), wait
 
     def credit_wait(self, device: str, now: float | None = None) -> float:

@@ -108,6 +108,8 @@ class CreditQueue:
         self._work: dict[str, Work] = {}               # queued requests' work, for placement
         self._waiters: dict[str, asyncio.Future[None]] = {}
         self._queued_since: dict[str, float] = {}      # request waiting for credits -> since when
+        self._pressing_since: dict[str, float] = {}    # those of them not meant to wait (`oldest_credit_wait`)
+        self.refused_at: float | None = None           # monotonic time of the last refusal for capacity
         self.offered = OfferedLoad()                   # interactive requests that arrived (pools.demand)
         self._since: dict[str, float] = {}             # interactive request -> when it came (until its first token)
         self._acks: dict[int, Callable[[], None]] = {}   # replica -> a lease to acknowledge once within it
@@ -171,10 +173,11 @@ class CreditQueue:
             if not ticket.admitted and self.max_queue_seconds == 0 and not waits:
                 self.ledger.cancel(request_id)
                 self.num_expired += 1
+                self.refused_at = time.monotonic()
                 self._admit()
                 raise PoolFull(self.pool, num_tokens, self.ledger.free)
             if not ticket.admitted:
-                await self._wait(ticket, None if waits else self.max_queue_seconds)
+                await self._wait(ticket, None if waits else self.max_queue_seconds, pressing=not waits)
         except BaseException:
             self._since.pop(request_id, None)
             self._drop(request_id)
@@ -202,17 +205,21 @@ class CreditQueue:
         self.ledger.release(request_id)
         self._admit()   # what it gave back may admit the next in line
 
-    async def _wait(self, ticket: Ticket, limit: float | None) -> None:
-        """Wait for `ticket`'s admission, at most `limit` seconds (None: however long)."""
+    async def _wait(self, ticket: Ticket, limit: float | None, pressing: bool = True) -> None:
+        """Wait for `ticket`'s admission, at most `limit` seconds (None: however long); `pressing`: its wait
+        is a sign the replicas are too few (not a background or patient request's, meant to wait)."""
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[ticket.request_id] = waiter
         started = self._queued_since[ticket.request_id] = time.monotonic()
+        if pressing:
+            self._pressing_since[ticket.request_id] = started
         try:
             await asyncio.wait_for(asyncio.shield(waiter), limit)
         except BaseException as exc:
             if self.ledger.cancel(ticket.request_id):        # still queued: leave holding nothing
                 if isinstance(exc, TimeoutError):
                     self.num_expired += 1
+                    self.refused_at = time.monotonic()
                     raise QueueTimeout(self.pool, time.monotonic() - started, limit) from None
                 self.num_cancelled += 1
                 raise
@@ -222,6 +229,7 @@ class CreditQueue:
         finally:
             self._waiters.pop(ticket.request_id, None)
             self._queued_since.pop(ticket.request_id, None)
+            self._pressing_since.pop(ticket.request_id, None)
             self._admit()   # a request that left may have blocked the head of the queue
 
     def _admit(self) -> None:
@@ -288,10 +296,11 @@ class CreditQueue:
 
     def oldest_credit_wait(self, now: float | None = None) -> float:
         """Seconds the longest-queued request has waited for KV credits (0 when none waits): demand
-        past what the replicas' credits hold (`gateway.workers.autoscaler`)."""
-        if not self._queued_since:
+        past what the replicas' credits hold (`gateway.workers.autoscaler`). Batch lines and patient
+        requests are left out: they wait by design, for KV the interactive load leaves."""
+        if not self._pressing_since:
             return 0.0
-        return max(0.0, (time.monotonic() if now is None else now) - min(self._queued_since.values()))
+        return max(0.0, (time.monotonic() if now is None else now) - min(self._pressing_since.values()))
 
     def replica_ready(self, replica: int, restarted: bool = True) -> None:
         """A worker of `replica` is ready: a new process (`restarted`: its prefix cache is empty, and the

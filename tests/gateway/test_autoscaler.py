@@ -4,6 +4,7 @@ whose credits take the queue; an idle minute (here two seconds) stops it again; 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from tests.gateway.conftest import chat_pool_yaml
 from tests.gateway.test_app import _client, _metrics, _model
@@ -144,3 +145,71 @@ def test_an_overloaded_device_scales_up_with_no_credit_wait_and_never_down_while
     ups = [s.value for s in scaler.metrics.replica_scalings.collect()[0].samples
            if s.name.endswith("_total") and s.labels["direction"] == "up"]
     assert ups == [2.0]
+
+
+def test_a_steady_overload_starts_the_replicas_it_needs_and_no_more():
+    """Offered 1.5 replicas' worth, steadily: the overload verdict starts a second replica; once it is ready
+    the two carry the load (`replicas_needed` 2), and the verdict, which holds for `OFF_SECONDS` after the
+    load is carried, starts no third (`OverloadWatch.short_of_replicas`: what the autoscaler is given)."""
+    from gateway.monitoring.metrics import GatewayMetrics
+    from gateway.monitoring.overload import OverloadWatch
+    from gateway.workers.autoscaler import Autoscaler
+    from pools.config.spec import DeviceSpec
+    from pools.demand import DeviceLoad, OverloadDetector, PoolLoad, PoolRates
+
+    slots = [_Slot(0, "ready")] + [_Slot(r, "stopped") for r in (1, 2, 3)]
+    for s in slots:
+        s.client = SimpleNamespace(num_in_flight=3)   # the steady load keeps each replica busy
+    watch = OverloadWatch({}, {}, GatewayMetrics())
+    watch.supervisors = {"d": slots}
+    watch.detectors["d"] = OverloadDetector()
+    scaler = Autoscaler({"d": DeviceSpec(name="d", replicas=4, min_replicas=1)}, {"d": slots}, {}, GatewayMetrics(),
+                        overloaded=watch.short_of_replicas)
+    rates, backlog_since, ready_at = PoolRates(prefill=1000.0, decode=100.0, batch=8), None, {}
+    for step in range(120):   # a minute, the autoscaler's ticks; a replica loads in 5 s
+        t = step * 0.5
+        for s in slots:
+            if s.state == "loading":
+                ready_at.setdefault(s.replica, t + 5.0)
+                s.state = "ready" if t >= ready_at[s.replica] else s.state
+        ready = sum(s.is_ready for s in slots)
+        short = 150.0 > 100.0 * ready   # the ready replicas fall behind: the oldest request waits longer
+        backlog_since = (t if backlog_since is None else backlog_since) if short else None
+        load = DeviceLoad((PoolLoad("chat", 0.0, 150.0, rates, t - backlog_since if short else 0.0, 25.0),), ready)
+        if step % 2 == 0:   # the watch judges every second
+            watch.last["d"] = load
+            watch.detectors["d"].observe(t, load)
+        scaler.tick(now=t)
+    assert [s.state for s in slots] == ["ready", "ready", "stopped", "stopped"]
+    assert watch.detectors["d"].overloaded is False   # it cleared, OFF_SECONDS after the second was ready
+
+
+
+def test_refusals_for_capacity_start_a_replica_where_nothing_waits():
+    """With `max_queue_seconds: 0` no request waits for credits: a refusal (429) is what asks for a replica,
+    for a second after it; one refused while the new replica loaded starts no other once it is up."""
+    from gateway.monitoring.metrics import GatewayMetrics
+    from gateway.workers.autoscaler import Autoscaler
+    from pools.config.spec import DeviceSpec
+    from pools.credits.queue import CreditQueue
+
+    queue = CreditQueue("p", [100] * 3, max_queue_seconds=0)
+    slots = [_Slot(0, "ready"), _Slot(1, "stopped"), _Slot(2, "stopped")]
+    scaler = Autoscaler({"d": DeviceSpec(name="d", replicas=3, min_replicas=1)}, {"d": slots},
+                        {"p": SimpleNamespace(device="d", admission=queue)}, GatewayMetrics())
+    scaler.tick(now=10.0)
+    assert [s.state for s in slots] == ["ready", "stopped", "stopped"]
+    queue.refused_at = 10.2
+    scaler.tick(now=10.5)
+    assert [s.state for s in slots] == ["ready", "loading", "stopped"]
+    queue.refused_at = 10.8                      # refused while the second loads ...
+    slots[1].state = "ready"
+    scaler.tick(now=11.0)
+    assert slots[2].state == "stopped"           # ... asked for the replica that just came up
+    queue.refused_at = 11.2                      # refused with two up: a third
+    scaler.tick(now=11.5)
+    assert slots[2].state == "loading"
+    slots[2].state = "ready"
+    queue.refused_at = 11.6
+    scaler.tick(now=13.0)                        # a refusal counts for a second: none left to start anyway
+    assert [s.state for s in slots] == ["ready"] * 3

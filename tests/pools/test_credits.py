@@ -504,3 +504,35 @@ def test_a_patient_request_never_has_others_refused_where_nothing_queues():
         assert await a and await asyncio.wait_for(patient, 2) and queue.free == 100
 
     asyncio.run(main())
+
+
+def test_what_the_autoscaler_reads_of_a_queue_its_refusals_and_the_waits_that_press():
+    """A refusal for capacity is timed (`refused_at`); a batch line's or a patient request's wait is no
+    sign the replicas are too few (`oldest_credit_wait` leaves it out), an interactive request's is."""
+
+    async def waiting(queue: CreditQueue, request_id: str, **kwargs) -> asyncio.Task:
+        async def hold() -> None:
+            async with queue.hold(request_id, 60, **kwargs):
+                pass
+        task = asyncio.ensure_future(hold())
+        await asyncio.sleep(0.05)
+        return task
+
+    async def scenario() -> None:
+        rejecting = CreditQueue("p", 100, max_queue_seconds=0)
+        async with rejecting.hold("a", 100):
+            assert rejecting.refused_at is None
+            with pytest.raises(PoolFull):
+                async with rejecting.hold("b", 60):
+                    pass
+            assert rejecting.refused_at is not None
+        queue = CreditQueue("p", 100)
+        async with queue.hold("a", 100):
+            tasks = [await waiting(queue, "line", background=True), await waiting(queue, "kept", patient=True)]
+            assert queue.oldest_credit_wait() == 0.0
+            tasks.append(await waiting(queue, "chat"))
+            assert queue.oldest_credit_wait() > 0.0
+        await asyncio.gather(*tasks)
+        assert queue.oldest_credit_wait() == 0.0 and queue.refused_at is None
+
+    asyncio.run(scenario())
