@@ -20,7 +20,6 @@ Streams write themselves under the same limit (`gateway.local_answer`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import hmac
 import logging
@@ -41,6 +40,7 @@ from gateway.openai.errors import ApiError
 from gateway.client_writes import (BODY_SNDBUF_BYTES, RESPONSE_BUFFERS, ResponseBuffers, limit_send_buffer,
                                    write_within)
 from gateway.runtime import GATEWAY, Gateway
+from gateway.signals import serve_until_stopped
 from gateway.upstream.connection import UpstreamClient
 from pools.config.spec import CliffguardConfig
 
@@ -253,15 +253,17 @@ class GatewayRunner(web.AppRunner):
 MIN_KEEPALIVE_S = 5.0   # an idle keep-alive connection is closed after max(this, gateway.write_timeout)
 
 
-async def start_server(app: web.Application, host: str, port: int) -> GatewayRunner:
-    """Serve `app` on host:port (0: a free port, see `runner.addresses`); `runner.cleanup()` stops it.
+async def start_server(app: web.Application, host: str, port: int, drain_seconds: float = 60.0) -> GatewayRunner:
+    """Serve `app` on host:port (0: a free port, see `runner.addresses`); `runner.cleanup()` stops it, giving
+    the requests in flight `drain_seconds` to finish.
 
     A connection idle between requests is closed after `gateway.write_timeout` (at least
     `MIN_KEEPALIVE_S`; aiohttp's default is 75 s): a client that sent a request and never reads its
     small answer (which the kernel's buffers took whole) holds the socket no longer than one that
     reads nothing of a large one."""
     keepalive = max(MIN_KEEPALIVE_S, app[GATEWAY].config.gateway.write_timeout) if GATEWAY in app else 75.0
-    runner = GatewayRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=keepalive)
+    runner = GatewayRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=keepalive,
+                           shutdown_timeout=drain_seconds)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
@@ -272,9 +274,9 @@ async def start_server(app: web.Application, host: str, port: int) -> GatewayRun
 
 
 def run(config: CliffguardConfig, *, host: str | None = None, port: int | None = None,
-        vram_bytes: int | None = None, data_dir: Path | str | None = None) -> None:
-    """`cliffguard serve`: validate and plan everything, then serve until interrupted; the Batch API
-    keeps its state in `data_dir` (an existing folder)."""
+        vram_bytes: int | None = None, data_dir: Path | str | None = None) -> int:
+    """`cliffguard serve`: validate and plan everything, then serve until SIGTERM or Ctrl-C
+    (`gateway.signals`); the exit status. The Batch API keeps its state in `data_dir` (an existing folder)."""
     gateway = Gateway.from_config(config, vram_bytes=vram_bytes)
     for warning in gateway.plan.warnings:   # what `cliffguard capacity` prints under its plan
         log.warning("capacity plan: %s", warning)
@@ -282,15 +284,15 @@ def run(config: CliffguardConfig, *, host: str | None = None, port: int | None =
     port = config.gateway.port if port is None else port
     app = create_app(gateway, data_dir=data_dir)
 
-    async def main() -> None:
-        runner = await start_server(app, host, port)
+    async def main() -> int:
+        drain = config.gateway.drain_seconds
+        runner = await start_server(app, host, port, drain_seconds=drain)
         log.info("serving on http://%s:%s (pools: %s)", host, runner.addresses[0][1], ", ".join(gateway.pools))
         for line in config.describe_service_classes():   # interactive or throughput, and why
             log.info("%s", line)
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await runner.cleanup()
+        return await serve_until_stopped(runner, drain)
 
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    except KeyboardInterrupt:   # Ctrl-C before the server listened
+        return 130

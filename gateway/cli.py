@@ -2,7 +2,8 @@
 
 Argument parsing, printing and exit codes live here and nowhere else: 0 on success, 2 with one line
 `cliffguard <command>: error: ...` on stderr for anything the user can fix (a bad option, an invalid
-YAML file, a model that cannot be found, a port in use, a device this machine lacks), 130 on Ctrl-C.
+YAML file, a model that cannot be found, a port in use, a device this machine lacks, a data folder whose
+store cannot be read), 130 on Ctrl-C; `serve` stopped by SIGTERM: 0 (`gateway.signals`).
 This module is the only one that imports `bench`; the gateway's app does not.
 """
 
@@ -167,8 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
         from gateway.app import run
 
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-        run(config, host=host, port=port, vram_bytes=args.vram, data_dir=data_dir)
-    return 0
+        return run(config, host=host, port=port, vram_bytes=args.vram, data_dir=data_dir)
 
 
 def make_data_dir(path: str) -> Path:

@@ -103,6 +103,7 @@ class GatewaySpec(Spec):
     stall_seconds: Seconds = 10.0        # a worker whose heartbeat stops this long is restarted
     step_timeout_seconds: Seconds = 600.0  # one step longer than this is a hang (the heartbeat still beats)
     device_wait_seconds: Seconds = 30.0  # a request waits this long for a restarting device, then 503
+    drain_seconds: Seconds = 25.0        # on SIGTERM / Ctrl-C, requests in flight get this long to finish
     max_response_buffer_bytes: ByteSize = 1 << 20   # unsent bytes of one response before its engine request pauses
     max_buffered_bytes: ByteSize = 256 << 20  # unsent bytes of every response together, likewise
     metrics_auth: bool = False           # /metrics needs an API key too (the dashboard's data does with any key)

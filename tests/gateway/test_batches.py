@@ -631,7 +631,7 @@ def test_one_server_per_data_dir(tmp_path, capsys, monkeypatch):
     from gateway.cli import lock_data_dir, make_data_dir
 
     served = []
-    monkeypatch.setattr("gateway.app.run", lambda *a, **k: served.append(k["data_dir"]))
+    monkeypatch.setattr("gateway.app.run", lambda *a, **k: served.append(k["data_dir"]) or 0)
     config = Path(__file__).resolve().parents[2] / "config" / "pools.yaml"
     folder = make_data_dir(str(tmp_path / "state"))
     args = ["serve", "--config", str(config), "--port", "0", "--data-dir", str(folder)]

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from gateway.cli import build_parser, main
+from tests.gateway.conftest import chat_pool_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "config" / "examples" / "llama3-70b-8xh100.yaml"
@@ -293,7 +294,8 @@ def test_serve_starts_the_workers_fork_server_before_it_plans_when_it_has_local_
 
     said = []
     monkeypatch.setattr(engine.client, "start_fork_server", lambda: said.append("fork server"))
-    monkeypatch.setattr("gateway.app.run", lambda config, **kwargs: said.append(f"run {[p.name for p in config.pools]}"))
+    monkeypatch.setattr("gateway.app.run",
+                        lambda config, **kwargs: said.append(f"run {[p.name for p in config.pools]}") or 0)
     path = tmp_path / "pools.yaml"
     if local:
         path.write_text((REPO / "config" / "pools.yaml").read_text())
@@ -302,6 +304,33 @@ def test_serve_starts_the_workers_fork_server_before_it_plans_when_it_has_local_
                         "tokenizer: 'builtin:smollm2-135m-instruct', max_model_len: 512}\n")
     assert main(["serve", "--config", str(path), "--port", "0", "--data-dir", str(tmp_path / "data")]) == 0
     assert said == (["fork server", "run ['chat', 'rag']"] if local else ["run ['remote']"])
+
+
+def test_a_store_or_a_tokenizer_that_cannot_be_read_is_one_line_before_a_socket_opens(tmp_path, tiny_model, capsys,
+                                                                                      monkeypatch):
+    """A damaged store file (or one another program holds) and a tokenizer.json that is a Git LFS pointer: exit 2
+    with one line naming the file, never a traceback."""
+    import shutil
+
+    import engine.client
+
+    monkeypatch.setattr(engine.client, "start_fork_server", lambda: None)
+    config = tmp_path / "pools.yaml"
+    config.write_text(chat_pool_yaml(tiny_model))
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "batches.sqlite3").write_bytes(b"not a database, whatever it was" * 100)
+    assert main(["serve", "--config", str(config), "--port", "0", "--data-dir", str(data)]) == 2
+    line = _error_line(capsys)
+    assert line.startswith(f"cliffguard serve: error: --data-dir: the store {data / 'batches.sqlite3'} cannot be "
+                           "opened (file is not a database)"), line
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    (model / "tokenizer.json").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 9\n")
+    config.write_text(chat_pool_yaml(model))
+    assert main(["serve", "--config", str(config), "--port", "0", "--data-dir", str(tmp_path / "fresh")]) == 2
+    line = _error_line(capsys)
+    assert line.startswith(f"cliffguard serve: error: tokenizer.json: {model / 'tokenizer.json'} is not a tokenizer"), \
+        line
 
 
 def test_serve_logs_the_plans_warnings_before_it_serves(tmp_path, builtin_path, caplog, monkeypatch):

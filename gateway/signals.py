@@ -1,0 +1,55 @@
+"""How `cliffguard serve` stops: on SIGTERM (systemd, `docker stop`, Kubernetes) as on Ctrl-C (SIGINT).
+
+The first signal closes the listener and the idle keep-alive connections at once and gives the requests in
+flight `gateway.drain_seconds` to finish (aiohttp's `shutdown_timeout`, set on the runner: `start_server`);
+those still running then are cancelled (a stream ends without `[DONE]`) and the app's cleanup runs: the
+background Responses and batch lines still running are kept unfinished, run again at the next start, and
+the device workers are shut down. A second signal cuts everything at once (the workers end on their own,
+their gateway gone: `engine.worker`). The exit status: 130 after Ctrl-C (the shell's), 0 after SIGTERM (a
+stop that was asked for), 143 when a second SIGTERM cut the drain short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+log = logging.getLogger("cliffguard.gateway")
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+async def serve_until_stopped(runner: web.AppRunner, drain_seconds: float) -> int:
+    """Serve until SIGTERM or SIGINT, then stop as the module says; the exit status."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    stop, received = asyncio.Event(), []
+
+    def on_signal(signum: signal.Signals) -> None:
+        if received:
+            log.warning("%s again: stopping now; requests still in flight are cut", signum.name)
+            task.cancel()
+            return
+        received.append(signum)
+        stop.set()
+
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        await stop.wait()
+    except asyncio.CancelledError:   # not by a signal of ours: stop all the same
+        await runner.cleanup()
+        raise
+    log.info("%s: stopping; the listener is closed, requests in flight get up to %g s to finish "
+             "(gateway.drain_seconds)", received[0].name, drain_seconds)
+    try:
+        await runner.cleanup()
+    except asyncio.CancelledError:   # a second signal: what is left is cut by asyncio.run's end
+        return 130 if received[0] == signal.SIGINT else 143
+    finally:
+        for signum in STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
+    log.info("stopped")
+    return 130 if received[0] == signal.SIGINT else 0

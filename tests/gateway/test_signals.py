@@ -1,0 +1,76 @@
+"""How `cliffguard serve` stops (`gateway.signals`): SIGTERM, as systemd, `docker stop` and Kubernetes send it,
+drains the requests in flight like Ctrl-C, within `gateway.drain_seconds`; a second signal cuts the drain short.
+A slow first step (the fault injection's `CLIFFGUARD_FAULT_SLOW_STEP`) keeps a request in flight."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+from bench.live import LiveServer
+from engine.faults import SLOW_STEP_ENV
+from tests.gateway.conftest import chat_pool_yaml
+
+
+def _serve(tmp_path, tiny_model, drain_seconds: float, slow_seconds: float) -> LiveServer:
+    path = tmp_path / "pools.yaml"
+    path.write_text(chat_pool_yaml(tiny_model, gateway=f"{{drain_seconds: {drain_seconds}}}"))
+    return LiveServer(path, env={**os.environ, SLOW_STEP_ENV: f"slow-step:{slow_seconds}"})
+
+
+def _in_flight(server: LiveServer, model: str) -> tuple[threading.Thread, list]:
+    """A streamed completion whose first step is slow, sent on a thread; its lines (or the error) land in
+    the list. Returns once the gateway has it."""
+    got: list = []
+
+    def ask() -> None:
+        body = {"model": model, "prompt": "slow-step", "max_tokens": 8, "stream": True, "ignore_eos": True}
+        request = urllib.request.Request(server.url + "/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                got.extend(line.decode().strip() for line in response if line.strip())
+        except Exception as exc:   # noqa: BLE001 - what the client saw is the test's to judge
+            got.append(exc)
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    time.sleep(1.0)   # sent, and the worker is in its slow step
+    return thread, got
+
+
+def test_sigterm_drains_the_request_in_flight_then_exits_0(tmp_path, tiny_model):
+    server = _serve(tmp_path, tiny_model, drain_seconds=20, slow_seconds=3)
+    try:
+        thread, got = _in_flight(server, tiny_model.name)
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        thread.join(30)
+        assert got and got[-1] == "data: [DONE]", got                  # answered whole, after the signal
+        assert server.proc.wait(30) == 0 and time.monotonic() - start < 20
+        assert any("SIGTERM: stopping" in line for line in server.log), server.log
+        assert any(line.rstrip().endswith("stopped") for line in server.log), server.log
+    finally:
+        server.stop()
+
+
+def test_a_second_signal_cuts_the_drain_short(tmp_path, tiny_model):
+    """Ctrl-C, then Ctrl-C again: the request in flight is cut and the gateway is gone at once (130), not after
+    `drain_seconds`; its device worker follows it out."""
+    server = _serve(tmp_path, tiny_model, drain_seconds=60, slow_seconds=30)
+    try:
+        thread, got = _in_flight(server, tiny_model.name)
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(20) == 130 and time.monotonic() - start < 15
+        thread.join(30)
+        assert got and got[-1] != "data: [DONE]", got
+        assert any("SIGINT again: stopping now" in line for line in server.log), server.log
+    finally:
+        server.stop()
