@@ -59,6 +59,7 @@ from gateway.runtime import GATEWAY, Gateway
 from pools.pool import Pool
 from pools.store.batch_store import STORAGE_ERRORS
 from pools.store.response_store import FINISHED, ResponseStore, StoredResponse
+from pools.store.schema import opened
 
 log = logging.getLogger("cliffguard.responses")
 
@@ -78,7 +79,6 @@ class KeptResponses:
         self.retry_first_s, self.retry_max_s, self.max_store_attempts = RETRY_FIRST_S, RETRY_MAX_S, MAX_STORE_ATTEMPTS
         self._runs: dict[str, asyncio.Task] = {}
         self._per_owner: Counter[str] = Counter()   # background runs queued or in progress (and being queued)
-        self._stopping = False
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` on the store's thread; a storage error is a 503 `storage_unavailable`."""
@@ -106,7 +106,6 @@ class KeptResponses:
             self._launch(stored)
 
     async def stop(self) -> None:
-        self._stopping = True
         runs = list(self._runs.values())
         for task in runs:
             task.cancel()
@@ -169,18 +168,15 @@ class KeptResponses:
 
     async def _run(self, stored: StoredResponse) -> None:
         """Run a background response and keep its end: the Response, `failed` with the error, or nothing
-        when the gateway stops (it stays unfinished, for the next start). A cancel already kept
-        `cancelled`, which a late end does not overwrite. Its writes are `durable`: a store that fails for
+        when the run is cancelled: by `cancel`, which kept `cancelled` first (a late end does not overwrite
+        it), or by the gateway stopping, however abruptly (a second Ctrl-C cancels every task before `stop`
+        runs): the response stays unfinished, for the next start. Its writes are `durable`: a store that fails for
         good as the run starts leaves the response `failed` with the 503 `storage_unavailable` naming the
         error, not `queued` with nothing running it (unless even that cannot be written: then it stays
         unfinished, logged, and the next start runs it again)."""
         try:
             await self.durable(self.store.update, {**stored.response, "status": "in_progress"}, unless=FINISHED)
             final = _finished(await self._answer(stored))
-        except asyncio.CancelledError:
-            if self._stopping:
-                raise
-            final = {**stored.response, "status": "cancelled"}
         except ApiError as exc:
             final = {**stored.response, "status": "failed", "error": exc.body()["error"]}
         except Exception as exc:   # noqa: BLE001 - kept as the response's failure, never lost
@@ -265,8 +261,9 @@ def setup(app: web.Application, data_dir: Path | str | None) -> None:
         return
     from gateway.batch.endpoints import STORE_FILE
     gateway = app[GATEWAY]
-    app[RESPONSES] = KeptResponses(ResponseStore(Path(data_dir) / STORE_FILE, gateway.config.gateway.stored_responses),
-                                   gateway)
+    path = Path(data_dir) / STORE_FILE
+    store = opened(functools.partial(ResponseStore, path, gateway.config.gateway.stored_responses), path)
+    app[RESPONSES] = KeptResponses(store, gateway)
     app.cleanup_ctx.append(_kept_ctx)
 
 

@@ -157,11 +157,11 @@ def _num_kept(data_dir) -> int:
         return db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
 
 
-async def _no_worker(aiohttp_client, tmp_path, tiny_model, gateway_keys: str = "") -> tuple[openai.AsyncOpenAI,
-                                                                                            list[str]]:
+async def _no_worker(aiohttp_client, tmp_path, tiny_model, gateway_keys: str = "",
+                     apps: list | None = None) -> tuple[openai.AsyncOpenAI, list[str]]:
     """(the SDK on an app with a data dir over local pools of the tiny model and no device worker, the ids of the
     background runs started): the first run fails (503) before any output, the next ones run until cancelled.
-    `gateway_keys`: more keys of the YAML's `gateway` section ("key: value, ")."""
+    `gateway_keys`: more keys of the YAML's `gateway` section ("key: value, "); `apps` gets the app."""
     path = tmp_path / "pools.yaml"
     path.write_text(pools_yaml(tiny_model).replace("gateway: {", "gateway: {" + gateway_keys, 1))
     gateway = Gateway.from_config(load_config(path))
@@ -176,6 +176,8 @@ async def _no_worker(aiohttp_client, tmp_path, tiny_model, gateway_keys: str = "
         await asyncio.Event().wait()
 
     app[RESPONSES]._answer = answered
+    if apps is not None:
+        apps.append(app)
     return _sdk(await aiohttp_client(app)), runs
 
 
@@ -214,6 +216,22 @@ async def test_a_response_that_failed_or_was_cancelled_before_any_output_is_not_
                                            background=background)
             assert info.value.body["param"] == "previous_response_id", info.value.body
     assert len(runs) == 2 and _num_kept(tmp_path) == 2
+
+
+async def test_a_run_cancelled_by_a_forced_stop_stays_unfinished_for_the_next_start(aiohttp_client, tmp_path,
+                                                                                    tiny_model) -> None:
+    """A second Ctrl-C cancels every task before the kept responses are stopped: a run cancelled so was not
+    cancelled by its client; it stays in progress, and the next start runs it again (it was kept `cancelled`)."""
+    apps: list = []
+    sdk, runs = await _no_worker(aiohttp_client, tmp_path, tiny_model, apps=apps)
+    await _settled(sdk, (await sdk.responses.create(model=tiny_model.name, input="hi", background=True)).id)
+    running = await sdk.responses.create(model=tiny_model.name, input="hi", background=True)
+    while len(runs) < 2:
+        await asyncio.sleep(0.01)
+    task = apps[0][RESPONSES]._runs[running.id]
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert (await sdk.responses.retrieve(running.id)).status == "in_progress"
 
 
 async def test_an_api_key_may_have_so_many_background_responses_running_at_once(aiohttp_client, tmp_path,
