@@ -103,12 +103,17 @@ class Tokenizer:
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> Tokenizer:
-        """Load tokenizer.json and the folder's configs; a missing tokenizer.json is a FileNotFoundError."""
+        """Load tokenizer.json and the folder's configs; a missing tokenizer.json is a FileNotFoundError, an
+        unreadable one a ValueError."""
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"tokenizer.json: not found in model folder {folder}")
-        backend = _Backend.from_file(str(path))
+        try:
+            backend = _Backend.from_file(str(path))
+        except Exception as exc:   # noqa: BLE001 - the tokenizers library raises a bare Exception on a bad file
+            raise ValueError(f"tokenizer.json: {path} is not a tokenizer the tokenizers library reads ({exc}); "
+                             "a Git LFS pointer or a damaged download?") from None
         backend.no_truncation()
         backend.no_padding()
         config = _with_special_tokens_map(_read_json(folder / "tokenizer_config.json"),

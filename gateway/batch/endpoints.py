@@ -40,6 +40,7 @@ from gateway.openai.errors import ApiError
 from gateway.runtime import GATEWAY
 from pools.store.batch_files import CHUNK_BYTES
 from pools.store.batch_store import BatchStore
+from pools.store.schema import opened
 from pools.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("cliffguard.batches")
@@ -66,7 +67,8 @@ def setup(app: web.Application, data_dir: Path | str, executor: LineExecutor | N
     is migrated with `Tenants.legacy_owner` under the gateway's configuration."""
     gateway = app[GATEWAY]
     legacy_owner = functools.partial(gateway.admission.tenants.legacy_owner, api_keys=gateway.config.gateway.api_keys)
-    store = BatchStore(Path(data_dir) / STORE_FILE, default_tenant=DEFAULT_TENANT, legacy_owner=legacy_owner)
+    path = Path(data_dir) / STORE_FILE
+    store = opened(functools.partial(BatchStore, path, default_tenant=DEFAULT_TENANT, legacy_owner=legacy_owner), path)
     app[BATCHES] = BatchRunner(store, executor or functools.partial(answer_batch_line, gateway),
                                max_unfinished_per_owner=gateway.config.gateway.batches.max_unfinished_per_owner)
     app.cleanup_ctx.append(_runner_ctx)

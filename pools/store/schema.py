@@ -76,6 +76,16 @@ INDEXES = ("DROP INDEX IF EXISTS batches_by_tenant",   # version 2's; batches ar
 SCHEMA_VERSION = 5
 
 
+def opened(make: Callable[[], T], path: Path) -> T:
+    """`make()`, a store on the file at `path`; a RuntimeError naming the file where SQLite cannot open it
+    (locked past the busy timeout by another program, not a database, damaged): `serve` says so in one line."""
+    try:
+        return make()
+    except sqlite3.Error as exc:
+        raise RuntimeError(f"--data-dir: the store {path} cannot be opened ({exc}): another program holds it, "
+                           "or it is damaged (move it away to start with an empty store)") from None
+
+
 def connect(path: Path) -> sqlite3.Connection:
     """A connection to the store file: WAL, `synchronous=FULL` (a commit is on disk when it returns),
     a 5 s busy timeout; usable from any thread under its owner's lock."""
