@@ -94,7 +94,7 @@ class LLMEngine:
         self.kv_cache = KVCache(self.model_config, self.num_blocks, config.cache.block_size, self.kv_dtype,
                                 self.device, num_kv_heads=self.shard.num_kv_heads)
         lap("kv")
-        context = self.model_config.max_position_embeddings   # a pool's max_model_len 0: the model's context
+        context = self.model_config.context_length   # a pool's max_model_len 0: the model's context
         max_len = max((p.scheduler.max_model_len or context for p in config.pools), default=context)
         max_seqs = sum(p.scheduler.max_num_seqs for p in config.pools)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, get_backend(self.device), self.group,
@@ -150,11 +150,10 @@ class LLMEngine:
 
     def _make_scheduler(self, pool: PoolConfig, first_block: int) -> Scheduler:
         """The scheduler of one pool: its block range from `first_block` on, and its CPU swap space."""
-        max_model_len = pool.scheduler.max_model_len or self.model_config.max_position_embeddings
-        if max_model_len > self.model_config.max_position_embeddings:
-            raise ConfigError(
-                f"pools.{pool.name}.max_model_len: {max_model_len} exceeds the model's "
-                f"max_position_embeddings {self.model_config.max_position_embeddings}")
+        max_model_len = pool.scheduler.max_model_len or self.model_config.context_length
+        if max_model_len > self.model_config.context_length:
+            raise ConfigError(f"pools.{pool.name}.max_model_len: {max_model_len} exceeds the model's context "
+                              f"{self.model_config.context_length} (max_position_embeddings, or YaRN's x factor)")
         scheduler = build_scheduler(pool, block_size=self.config.cache.block_size, first_block=first_block,
                                     max_model_len=max_model_len, bytes_per_block=self.kv_cache.bytes_per_block,
                                     kv_bytes_per_token=self.kv_bytes_per_token)

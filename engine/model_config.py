@@ -205,6 +205,16 @@ class ModelConfig:
         return self.sliding_window
 
     @property
+    def context_length(self) -> int:
+        """The longest sequence the model serves: `max_position_embeddings`, or with YaRN the original context
+        times the factor where that is longer (vLLM's reading: Qwen3's model card adds YaRN, factor 4 over
+        32,768 positions, and leaves max_position_embeddings at 40,960: the model serves 131,072)."""
+        rope = self.rope_scaling
+        if rope.rope_type == "yarn":
+            return max(self.max_position_embeddings, int(rope.original_max_position_embeddings * rope.factor))
+        return self.max_position_embeddings
+
+    @property
     def attention_scale(self) -> float:
         """What q.k is multiplied by: query_pre_attn_scalar ** -0.5 (Gemma 3), else head_dim ** -0.5."""
         return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
@@ -287,7 +297,7 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=_int(cfg, "num_key_value_heads", num_heads),
-            head_dim=_int(cfg, "head_dim", hidden // num_heads),
+            head_dim=_int(cfg, "head_dim", 128 if arch == "Qwen3ForCausalLM" else hidden // num_heads),  # Qwen3's: 128
             rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta if rope_theta is not None else 10000.0,
             rope_scaling=rope_scaling,
@@ -351,10 +361,10 @@ def _gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
                           f"got {layer_types!r}")
     params, local = _object(cfg, "rope_parameters"), {}
     full_rope: tuple[dict[str, Any], str] = (cfg, "rope_parameters")
-    if params is not None and "full_attention" in params:
+    if params is not None and ("full_attention" in params or "sliding_attention" in params):   # per layer type
+        local = _object(params, "sliding_attention", name="rope_parameters.sliding_attention") or {}
         full = _object(params, "full_attention", name="rope_parameters.full_attention")
         full_rope = ({**cfg, "rope_parameters": full}, "rope_parameters.full_attention")
-        local = _object(params, "sliding_attention", name="rope_parameters.sliding_attention") or {}
     if _rope_type(local) != "default":
         raise ConfigError(f"rope_parameters.sliding_attention.rope_type: only 'default' is supported for the "
                           f"sliding layers, got {_rope_type(local)!r}")

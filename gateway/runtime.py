@@ -442,7 +442,7 @@ def _upstream_max_len(spec: PoolSpec, folders: dict[str, Path]) -> int:
     path = folders.get(spec.tokenizer or spec.model)
     if path is not None and (path / "config.json").is_file():
         try:
-            return ModelConfig.from_folder(path).max_position_embeddings
+            return ModelConfig.from_folder(path).context_length
         except (ConfigError, ValueError):
             pass
     return 2**31 - 1

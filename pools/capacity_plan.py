@@ -349,10 +349,10 @@ def _graph_reserve(model: ModelConfig, dev: DeviceSpec, device_type: str, tp: in
 def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int, pool_kv: int, tp: int,
                warnings: list[str], replicas: int = 1) -> PoolPlan:
     key = f"pools[{i}]"
-    context = model.max_position_embeddings
+    context = model.context_length
     if p.max_model_len is not None and p.max_model_len > context:
         raise SpecError(f"{key}.max_model_len: {p.max_model_len} is above the model's context "
-                        f"(max_position_embeddings {context})")
+                        f"({context}: max_position_embeddings, or YaRN's original context x factor)")
     max_model_len = p.max_model_len or context
     route = p.route
     if route.max_prompt_tokens is not None and route.max_prompt_tokens >= max_model_len:

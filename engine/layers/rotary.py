@@ -1,7 +1,7 @@
 """Rotary position embedding (rotate-half layout) from a cos/sin cache computed once, at build.
 
-The cache holds every position up to `max_position_embeddings` (the engine refuses longer sequences),
-with the config's rope scaling applied to the frequencies. The model gathers the step's rows once per
+The cache holds every position of the model's context (`ModelConfig.context_length`; the engine refuses
+longer sequences), with the config's rope scaling applied to the frequencies. The model gathers the step's rows once per
 forward (`RotaryEmbedding.rows`) and every layer turns its q and k with them in place.
 """
 
@@ -86,11 +86,11 @@ def rope_attention_factor(config: ModelConfig) -> float:
 
 
 def rope_cos_sin_cache(config: ModelConfig) -> torch.Tensor:
-    """[max_position_embeddings, head_dim] float32 on the CPU: row p is cos(p * inv_freq), then
+    """[context_length, head_dim] float32 on the CPU: row p is cos(p * inv_freq), then
     sin(p * inv_freq), both times the rope type's attention factor (transformers computes the same
     products, in float32, every forward)."""
     inv_freq = rope_inv_freq(config)
-    positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
+    positions = torch.arange(config.context_length, dtype=torch.float32, device="cpu")
     freqs = positions[:, None] * inv_freq[None, :]                  # [max_positions, head_dim // 2]
     factor = rope_attention_factor(config)
     if factor == 1.0:
@@ -99,7 +99,7 @@ def rope_cos_sin_cache(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary embedding over `cos_sin_cache` [max_position_embeddings, head_dim] (a buffer, built in
+    """Rotary embedding over `cos_sin_cache` [context_length, head_dim] (a buffer, built in
     float32 on the CPU; `build_model` moves it to the model's device and dtype, which is where
     transformers rounds its cos and sin too).
 

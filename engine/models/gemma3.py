@@ -70,9 +70,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig, shard: ShardShape | None = None, comm: Collectives | None = None,
                  ops: ModuleType = fused) -> None:
-        # The sliding layers' rope: their own base, no scaling (made with the first layer, which takes it).
+        # The sliding layers' rope: their own base, no scaling, over the model's whole context (made with the
+        # first layer, which takes it).
         self._local_config = replace(config, rope_theta=config.rope_local_theta or config.rope_theta,
-                                     rope_scaling=RopeScaling())
+                                     rope_scaling=RopeScaling(), max_position_embeddings=config.context_length)
         super().__init__(config, shard, comm, ops)
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:

@@ -189,6 +189,9 @@ def test_qwen3_with_yarn_as_its_model_card_writes_it():
     assert cfg.num_params() == 32_762_123_264
     no_factor = {**qwen3, "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 32768}}
     assert ModelConfig.from_hf_config(no_factor).rope_scaling.factor == 4.0   # 131072 / 32768
+    # the model card's way: YaRN added to config.json, max_position_embeddings left at 40,960 (vLLM serves 131,072)
+    card = ModelConfig.from_hf_config({**qwen3, "max_position_embeddings": 40960})
+    assert (cfg.context_length, card.context_length, card.max_position_embeddings) == (131072, 131072, 40960)
 
 
 def test_qwen3_moe_as_its_model_card_writes_it():
@@ -313,7 +316,8 @@ def test_rope_keys_are_read_as_transformers_reads_them():
 
 def test_defaults_are_transformers_config_classes():
     """A Mistral config.json without sliding_window has MistralConfig's 4096 (null: none), Gemma 3 reads
-    hidden_activation alone (Gemma3TextConfig ignores hidden_act), and Qwen3-MoE experts other than SiLU are
+    hidden_activation alone (Gemma3TextConfig ignores hidden_act) and a rope_parameters of its sliding layers
+    alone (the full layers' default), a Qwen3 config.json without head_dim has 128, and Qwen3-MoE experts other than SiLU are
     refused by name (the dense layers followed hidden_act, the experts stayed SiLU)."""
     import transformers
 
@@ -323,6 +327,14 @@ def test_defaults_are_transformers_config_classes():
     gemma = {**LLAMA, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 8, "hidden_act": "silu"}
     assert ModelConfig.from_hf_config(gemma).hidden_act == "gelu_pytorch_tanh" == \
         transformers.Gemma3TextConfig(hidden_act="silu").hidden_activation
+    qwen3 = {key: value for key, value in LLAMA.items() if key != "head_dim"}   # Qwen3Config's head_dim: 128
+    assert ModelConfig.from_hf_config({**qwen3, "architectures": ["Qwen3ForCausalLM"]}).head_dim == 128 == \
+        transformers.Qwen3Config(**qwen3).head_dim
+    sliding_only = {**gemma, "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}
+    ours = ModelConfig.from_hf_config(sliding_only)   # the full layers' rope: Gemma3TextConfig's default
+    theirs = transformers.Gemma3TextConfig(**{k: v for k, v in sliding_only.items() if k != "architectures"})
+    assert (ours.rope_local_theta, ours.rope_theta) == (100.0, 1e6) == \
+        (theirs.rope_parameters["sliding_attention"]["rope_theta"], theirs.rope_parameters["full_attention"]["rope_theta"])
     moe = {**LLAMA, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2}
     with pytest.raises(ConfigError, match="^hidden_act: Qwen3-MoE's experts are served with silu only"):
         ModelConfig.from_hf_config({**moe, "hidden_act": "gelu_pytorch_tanh"})

@@ -97,7 +97,8 @@ TINY_MODELS = [
     ("qwen2", dict(tie_word_embeddings=True)),
     ("mistral", dict(sliding_window=12, head_dim=32)),
     ("qwen3", dict(head_dim=32)),
-    ("qwen3", dict(tie_word_embeddings=True, attention_bias=True, rope_parameters=YARN)),
+    ("qwen3", dict(tie_word_embeddings=True, attention_bias=True, rope_parameters=YARN,
+                   max_position_embeddings=40)),   # YaRN serves 32 x 4 positions: the outputs run past 40
     ("llama", dict(rope_parameters={**YARN, "beta_fast": 16, "beta_slow": 2, "factor": 8.0})),
     ("qwen3_moe", QWEN3_MOE),
     ("qwen3_moe", {**QWEN3_MOE, "norm_topk_prob": False, "decoder_sparse_step": 2, "mlp_only_layers": [3],
