@@ -53,7 +53,7 @@ def calibrate_kv_scales(engine: Any) -> dict[str, tuple[float, float]] | None:
     blocks. Rank 0 of a tensor-parallel group measures with its other ranks (the module docstring)."""
     attns = [layer.self_attn for layer in engine.model.layers]
     if engine.kv_dtype != FP8_KV_DTYPE or not engine.config.calculate_kv_scales or \
-            any(a.k_scale != 1.0 or a.v_scale != 1.0 for a in attns):
+            engine.model.kv_scales_from_checkpoint:   # its 1.0s too: they were chosen
         return None
     bm = max((s.block_manager for s in engine.schedulers.values()), key=lambda b: b.num_blocks)   # lends blocks
     ids = _calibration_ids(engine, max(s.max_model_len for s in engine.schedulers.values()))

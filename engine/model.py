@@ -154,6 +154,7 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, shard.vocab_rows, bias=False)
         self._flat: tuple[object, object] | None = None   # (backend, its engine.cpu_forward.CpuForward or None)
+        self.kv_scales_from_checkpoint = False   # an FP8 cache's scales: the checkpoint's (`_kv_scale`), not measured
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         return DecoderLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index)
@@ -293,6 +294,7 @@ class LlamaForCausalLM(nn.Module):
         if not value > 0:
             raise WeightLoadError(f"{hf_name}: a KV scale must be positive, got {value}")
         setattr(self.layers[int(parts[1])].self_attn, parts[-1], value)
+        self.kv_scales_from_checkpoint = True
 
     def _destination(self, name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
         """Where checkpoint tensor `name` (without "model.") goes: our parameter's name, and the part of

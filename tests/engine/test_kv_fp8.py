@@ -143,6 +143,11 @@ def test_checkpoint_scales_are_loaded_and_checked(tiny_path, tmp_path):
     attns = [layer.self_attn for layer in engine.model.layers]
     assert (attns[0].k_scale, attns[0].v_scale, attns[1].k_scale, attns[1].v_scale) == (0.25, 1.0, 1.0, 0.5)
     engine.generate([[5, 6, 7]], GREEDY)   # served with them
+    tensors.update({"model.layers.0.self_attn.k_scale": torch.tensor(1.0),   # the checkpoint's 1.0s: its own,
+                    "model.layers.1.self_attn.v_scale": torch.tensor(1.0)})  # kept, not measured over
+    save_file(tensors, folder / "model.safetensors")
+    attns = [layer.self_attn for layer in _engine(folder).model.layers]
+    assert {a.k_scale for a in attns} == {a.v_scale for a in attns} == {1.0}
     tensors["model.layers.1.self_attn.v_scale"] = torch.tensor(-1.0)
     save_file(tensors, folder / "model.safetensors")
     with pytest.raises(WeightLoadError, match="v_scale: a KV scale must be positive"):
