@@ -172,8 +172,7 @@ class CreditQueue:
             waits = background or patient
             if not ticket.admitted and self.max_queue_seconds == 0 and not waits:
                 self.ledger.cancel(request_id)
-                self.num_expired += 1
-                self.refused_at = time.monotonic()
+                self._refused()
                 self._admit()
                 raise PoolFull(self.pool, num_tokens, self.ledger.free)
             if not ticket.admitted:
@@ -218,8 +217,7 @@ class CreditQueue:
         except BaseException as exc:
             if self.ledger.cancel(ticket.request_id):        # still queued: leave holding nothing
                 if isinstance(exc, TimeoutError):
-                    self.num_expired += 1
-                    self.refused_at = time.monotonic()
+                    self._refused()
                     raise QueueTimeout(self.pool, time.monotonic() - started, limit) from None
                 self.num_cancelled += 1
                 raise
@@ -231,6 +229,11 @@ class CreditQueue:
             self._queued_since.pop(ticket.request_id, None)
             self._pressing_since.pop(ticket.request_id, None)
             self._admit()   # a request that left may have blocked the head of the queue
+
+    def _refused(self) -> None:
+        """A request refused for capacity (PoolFull, QueueTimeout): counted, and timed for the autoscaler."""
+        self.num_expired += 1
+        self.refused_at = time.monotonic()
 
     def _admit(self) -> None:
         for replica in [r for r in self._acks if self.ledger.accounts[r].within_lease]:

@@ -44,8 +44,7 @@ def _in_flight(server: LiveServer, model: str) -> tuple[threading.Thread, list]:
 
 
 def test_sigterm_drains_the_request_in_flight_then_exits_0(tmp_path, tiny_model):
-    server = _serve(tmp_path, tiny_model, drain_seconds=20, slow_seconds=3)
-    try:
+    with _serve(tmp_path, tiny_model, drain_seconds=20, slow_seconds=3) as server:
         thread, got = _in_flight(server, tiny_model.name)
         start = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
@@ -54,15 +53,12 @@ def test_sigterm_drains_the_request_in_flight_then_exits_0(tmp_path, tiny_model)
         assert server.proc.wait(30) == 0 and time.monotonic() - start < 20
         assert any("SIGTERM: stopping" in line for line in server.log), server.log
         assert any(line.rstrip().endswith("stopped") for line in server.log), server.log
-    finally:
-        server.stop()
 
 
 def test_a_second_signal_cuts_the_drain_short(tmp_path, tiny_model):
     """Ctrl-C, then Ctrl-C again: the request in flight is cut and the gateway is gone at once (130), not after
     `drain_seconds`; its device worker follows it out."""
-    server = _serve(tmp_path, tiny_model, drain_seconds=60, slow_seconds=30)
-    try:
+    with _serve(tmp_path, tiny_model, drain_seconds=60, slow_seconds=30) as server:
         thread, got = _in_flight(server, tiny_model.name)
         start = time.monotonic()
         server.proc.send_signal(signal.SIGINT)
@@ -72,5 +68,3 @@ def test_a_second_signal_cuts_the_drain_short(tmp_path, tiny_model):
         thread.join(30)
         assert got and got[-1] != "data: [DONE]", got
         assert any("SIGINT again: stopping now" in line for line in server.log), server.log
-    finally:
-        server.stop()
