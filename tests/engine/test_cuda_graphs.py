@@ -56,13 +56,13 @@ def test_capture_sizes():
 def test_greedy_tokens_are_the_same_with_graphs_and_without(tiny, monkeypatch):
     """Four requests of different lengths decode together, finish at different steps (batches of 4,
     3, 2 and 1 replay the graphs of 4, 4, 2 and 1, padded rows included); one pool of 24 blocks of 8
-    forces preemption and recompute (eager prefill between replays)."""
+    forces preemption and recompute (eager prefill between replays). The eager run is the torch reference's."""
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 17, 30, 41)]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 20, 11, 30)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 14, 8, 22)]
     results = {}
     for graphs in (False, True):
-        engine = _engine(tiny, monkeypatch, num_blocks=14)
+        engine = _engine(tiny, monkeypatch, "triton" if graphs else "torch", num_blocks=14)
         if graphs:
             recorder = RecordingGraphBackend()
             engine.runner.capture_graphs(MAX_SEQS, 128, recorder)
@@ -71,7 +71,7 @@ def test_greedy_tokens_are_the_same_with_graphs_and_without(tiny, monkeypatch):
         results[graphs] = [out.outputs[0].token_ids for out in outs]
         assert_all_free(engine)
         if graphs:
-            assert recorder.replays > 20    # most steps were decode-only replays
+            assert recorder.replays > 10    # most steps were decode-only replays
             assert engine.schedulers["default"].stats.num_preemptions > 0
     assert results[True] == results[False]
 
@@ -82,39 +82,42 @@ def test_two_ranks_capture_and_replay_their_graphs_in_lockstep(tiny, monkeypatch
     each launch's scalars, k_scale / v_scale among them; then tells it to capture
     (`engine.parallel.CaptureGraphs`, the recorder pickled to it). Each rank records the same sizes, and
     every decode step replays on both, the all-reduces inside the recordings pairing up at each replay.
-    Greedy tokens equal an eager two-rank engine's; the follower's own recorder counts its captures and
-    replays (in `tally`)."""
+    Greedy tokens equal those of the eager torch reference on one rank, which measures the same scales; the
+    follower's own recorder counts its captures and replays (in `tally`)."""
     import engine.model_runner as model_runner
 
-    monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton")   # the followers inherit it
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (7, 19, 33)]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 14, 5)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (5, 8, 3)]
     tally = tmp_path / "tally"
     recorder = RecordingGraphBackend(str(tally))
     capture = model_runner.ModelRunner.capture_graphs
-    results = {}
+    results, scales = {}, {}
     for graphs in (False, True):
+        monkeypatch.setenv("CLIFFGUARD_ATTENTION_BACKEND", "triton" if graphs else "torch")   # followers inherit it
         if graphs:   # as on CUDA: the engine captures at start, here with the recorder
             monkeypatch.setattr(model_runner._Forward, "graphs_apply", lambda self, enforce_eager: True)
             monkeypatch.setattr(model_runner.ModelRunner, "capture_graphs",
                                 lambda self, max_batch, max_len: capture(self, max_batch, max_len, recorder))
-        engine = LLMEngine(EngineConfig(model=str(tiny), device="cpu", dtype="float32", tensor_parallel_size=2,
+        engine = LLMEngine(EngineConfig(model=str(tiny), device="cpu", dtype="float32", tensor_parallel_size=1 + graphs,
                                         kv_cache_dtype="fp8", cache=CacheConfig(block_size=8),
                                         pools=(PoolConfig(num_blocks=24, scheduler=SchedulerConfig(
                                             max_num_seqs=MAX_SEQS, max_num_batched_tokens=32, max_model_len=128)),)),
                            progress=False)
         try:
             assert (engine.runner.graphs is not None) is graphs
-            assert {layer.self_attn.k_scale for layer in engine.model.layers} != {1.0}   # measured
+            scales[graphs] = [scale for layer in engine.model.layers
+                              for scale in (layer.self_attn.k_scale, layer.self_attn.v_scale)]
+            assert set(scales[graphs]) != {1.0}   # measured
             results[graphs] = [out.outputs[0].token_ids for out in engine.generate(prompts, params)]
             assert_all_free(engine)
         finally:
             engine.close()
     assert results[True] == results[False]
+    assert scales[True] == pytest.approx(scales[False], rel=1e-6)
     follower = [line.split()[1] for line in tally.read_text().splitlines() if int(line.split()[0]) != os.getpid()]
     assert follower.count("capture") == 3 and recorder.captures == 3
-    assert follower.count("replay") == recorder.replays > 10   # every replay here was one there
+    assert follower.count("replay") == recorder.replays > 5   # every replay here was one there
 
 
 def _direct(tiny, monkeypatch, backend: str):
