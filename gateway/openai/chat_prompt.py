@@ -9,7 +9,8 @@
   arguments as the JSON they hold: `native_messages`); for one that knows none (SmolLM2's, Gemma 3's),
   `fallback_messages` lists the tools in a system message of ours, writes the history's calls in the hermes
   form and the results as user turns (the results of one turn's calls together in one user turn, as Qwen's
-  template groups them), so the model answers in the form `gateway.openai.tools.HermesFormat` parses.
+  template groups them, a user message right after them joined to that turn: templates that alternate roles,
+  Gemma 3's, refuse two user turns in a row), so the model answers in the form `gateway.openai.tools.HermesFormat` parses.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def fallback_messages(messages: list[dict[str, Any]], tools: list[Tool] | None) -> list[dict[str, Any]]:
     """For a template that knows no tools (the module's notes): the tools in a system message of ours (merged
     into a leading system message), assistant tool calls in the hermes form (arguments as `native_messages`
-    has them, written as JSON), tool results as user turns, consecutive ones in one. Other messages as sent
+    has them, written as JSON), tool results as user turns, consecutive ones and a user message right after them
+    in one. Other messages as sent
     (content parts kept)."""
     out: list[dict[str, Any]] = []
     for m in messages:
@@ -94,6 +96,8 @@ def fallback_messages(messages: list[dict[str, Any]], tools: list[Tool] | None) 
                 out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{result}"}
             else:
                 out.append({"role": "user", "content": result, "tool_results": True})
+        elif role == "user" and out and out[-1].get("tool_results"):   # the user's word with the results
+            out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n\n{content_text(content)}", "tool_results": False}
         else:
             out.append({**{k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")}, "content": content})
     out = [{k: v for k, v in m.items() if k != "tool_results"} for m in out]

@@ -235,8 +235,9 @@ def test_a_developer_message_is_a_system_message_where_the_template_never_names_
 
 def test_parallel_calls_and_their_results_for_a_template_without_tools_that_alternates_turns(
         tiny_model: Path, tmp_path: Path) -> None:
-    """Two calls' results are one user turn (Gemma 3's template refuses two user turns in a row); a call whose
-    arguments were sent empty is written with `{}`, valid JSON, as a template with tools writes it."""
+    """Two calls' results are one user turn (Gemma 3's template refuses two user turns in a row), and so is a
+    user message sent right after them; a call whose arguments were sent empty is written with `{}`, valid JSON,
+    as a template with tools writes it."""
     folder = _make_folder(tmp_path / "strict", tiny_model, GEMMA_STRICT)
     tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
     calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "weather", "arguments": args}}
@@ -249,6 +250,10 @@ def test_parallel_calls_and_their_results_for_a_template_without_tools_that_alte
     assert '{"name": "weather", "arguments": {}}' in text
     assert "<start_of_turn>user\n<tool_response>\n12 C\n</tool_response>\n<tool_response>\n20 C\n</tool_response>" \
         "<end_of_turn>\n<start_of_turn>model\n" in text
+    messages.append({"role": "user", "content": [{"type": "text", "text": "And in Bergen?"}]})
+    text = Tokenizer.from_folder(folder).decode(_render(folder, {"messages": messages, "tools": tools}),
+                                                skip_special_tokens=False)
+    assert "<tool_response>\n20 C\n</tool_response>\n\nAnd in Bergen?<end_of_turn>\n<start_of_turn>model\n" in text
 
 
 # --- where the rendering runs, and a template's own error --------------------------------------------------------
