@@ -10,7 +10,8 @@
   `fallback_messages` lists the tools in a system message of ours, writes the history's calls in the hermes
   form and the results as user turns (the results of one turn's calls together in one user turn, as Qwen's
   template groups them, a user message right after them joined to that turn: templates that alternate roles,
-  Gemma 3's, refuse two user turns in a row), so the model answers in the form `gateway.openai.tools.HermesFormat` parses.
+  Gemma 3's, refuse two user turns in a row), so the model answers in the form `gateway.openai.tools.HermesFormat`
+  parses.
 """
 
 from __future__ import annotations
