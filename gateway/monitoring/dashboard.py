@@ -81,7 +81,8 @@ DEVICE_VALUES = {
     "device_replicas_needed": _P + "device_replicas_needed",
 }
 # JSON keys of the pool's device's replicas by state (`cliffguard_replicas{device,state}`)
-REPLICA_STATE_VALUES = ("replicas_ready", "replicas_loading", "replicas_draining", "replicas_stopped")
+REPLICA_STATE_VALUES = ("replicas_ready", "replicas_loading", "replicas_draining", "replicas_restarting",
+                        "replicas_failed", "replicas_stopped")
 # ... averaged over the pool's replicas instead of summed (a fraction of each replica's blocks)
 MEANS = {_P + "kv_cache_usage_perc"}
 # JSON key -> the sample shown per replica of a pool (`replicas` in each pool's JSON): the engine's and the
@@ -94,7 +95,8 @@ REPLICA_VALUES = {key: VALUES[key] for key in ("kv_cache_usage_perc", "num_reque
 HISTOGRAMS = {"ttft": _P + "time_to_first_token_seconds", "itl": _P + "inter_token_latency_seconds"}
 SERIES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting", "num_requests_swapped",
           "preemptions_per_second", "ttft_p99_seconds", "itl_p99_seconds", "kv_credits_free",
-          "admission_queue_depth", "death_spiral", "oldest_waiting_seconds", "device_offered_load")
+          "admission_queue_depth", "death_spiral", "oldest_waiting_seconds", "device_offered_load",
+          "replicas_ready")   # one per tile of the page (its sparkline), and the gauge
 
 Buckets = tuple[tuple[float, float], ...]   # (upper bound `le`, cumulative count), ascending, +Inf last
 

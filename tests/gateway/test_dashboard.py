@@ -47,6 +47,15 @@ def test_the_page_names_no_url_and_its_csp_admits_exactly_its_inline_script_and_
     assert "default-src 'none'" in csp and "connect-src 'self'" in csp
 
 
+def test_every_tile_of_the_page_has_its_series():
+    """The page draws each tile's sparkline from the pool's `series` of the tile's metric: one missing
+    (replicas ready's was) threw in the first pool's card, and no other pool was drawn."""
+    tiles = dashboard.PAGE[dashboard.PAGE.index("const TILES = ["):]
+    keys = re.findall(r'^  \["(\w+)", "', tiles[:tiles.index("\n];")], re.MULTILINE)
+    assert len(keys) >= 12 and "replicas_ready" in keys
+    assert set(keys) <= set(dashboard.SERIES), set(keys) - set(dashboard.SERIES)
+
+
 # --- p99 and rates, on a registry of our own -----------------------------------------------------------------
 @pytest.mark.parametrize("counts, expected", [
     ({}, None),                                  # no observation
@@ -462,6 +471,8 @@ def test_each_pool_shows_its_devices_overload_and_its_oldest_wait():
     metrics.device_replicas_needed.labels(device="gpu0").set(3)
     metrics.device_overloaded.labels(device="gpu1").set(0)
     metrics.pool_oldest_wait.labels(pool="rag").set(12.5)
+    for state, n in (("ready", 1), ("restarting", 1), ("failed", 1), ("stopped", 0)):
+        metrics.replicas.labels(device="gpu0", state=state).set(n)
     snapshot = dashboard.parse_snapshot(metrics.registry.collect(), ("chat", "rag", "other"), now=0.0, wall=1000.0,
                                         devices={"chat": "gpu0", "rag": "gpu0", "other": "gpu1"})
     view = dashboard.DashboardHistory().add(snapshot)["pools"]
@@ -470,3 +481,6 @@ def test_each_pool_shows_its_devices_overload_and_its_oldest_wait():
                 view[pool]["device_replicas_needed"]) == (1, 2.5, 3)
     assert view["other"]["device_overloaded"] == 0 and view["other"]["device_offered_load"] is None
     assert view["rag"]["oldest_waiting_seconds"] == 12.5 and view["rag"]["series"]["device_offered_load"] == [2.5]
+    chat = view["chat"]
+    assert (chat["replicas_failed"], chat["replicas_restarting"], chat["series"]["replicas_ready"],
+            view["other"]["replicas_failed"]) == (1, 1, [1], None)   # a dead replica shows
