@@ -37,7 +37,7 @@ from bench.live import LiveServer
 from bench.load.plan import LoadConfig, plan_requests
 from bench.load.report import LoadReport, counter_rate, even_split_deviation, latencies, tokens_done, write_report
 from bench.load.run import run_load
-from pools.cli_types import non_negative_float, positive_float, positive_int, seed, slots
+from pools.cli_types import non_negative_float, output_folder, positive_float, positive_int, seed, slots
 from pools.workload import LengthDist, SharedPrefix, WorkloadClass, latency_stats
 
 TOKENIZER = "builtin:smollm2-135m-instruct"   # makes completion prompts exactly their length (the builtin model's)
@@ -86,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--documents", type=positive_int, default=3,
                    help="shared documents the docs class asks about (default 3)")
     p.add_argument("--seed", type=seed, default=0, help="seed of arrivals, lengths and prompts (default 0)")
-    p.add_argument("--out", default=None, help="write replicas.json and each run's bench serve files here")
+    p.add_argument("--out", type=output_folder, default=None,
+                   help="write replicas.json and each run's bench serve files here")
     p.add_argument("--quick", action="store_true", help="a short load (a test)")
 
 

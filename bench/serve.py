@@ -67,7 +67,7 @@ from dataclasses import fields
 from bench.load.plan import Goodput, LoadConfig
 from bench.load.report import format_report, write_report
 from bench.load.run import RatePhase, parse_rate_phases, phased_config, run_load
-from pools.cli_types import seed
+from pools.cli_types import output_folder, seed
 from pools.workload import DEFAULT_WORKLOAD, load_workload
 from pools.config.checks import SpecError
 
@@ -107,7 +107,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scrape-interval", type=float, default=1.0, help="seconds between scrapes (default 1)")
     p.add_argument("--tokenizer", default=None, help="model spec whose tokenizer makes completion prompts "
                    "exactly the asked length (e.g. builtin:smollm2-135m-instruct or a model folder)")
-    p.add_argument("--out", default=None, help="write results.json, latency_cdf.png, server_timeline.png here "
+    p.add_argument("--out", type=output_folder, default=None,
+                   help="write results.json, latency_cdf.png, server_timeline.png here "
                    "(and replicas_timeline.png when the server counts replicas)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -57,6 +57,7 @@ from bench.options import out_dir
 from bench.load.plan import LoadConfig, plan_requests
 from bench.load.run import run_load
 from bench.speedprobe import SpeedProbe
+from pools.cli_types import output_folder
 from pools.workload import latency_stats, load_workload, parse_rates
 
 GOALS = {"throughput": 0.10, "ttft_p50": 0.10, "ttft_p99": 0.20}
@@ -92,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibration-duration", type=float, default=60.0,
                    help="seconds of arrivals of the served calibration run (default 60)")
     p.add_argument("--seed", type=int, default=0, help="seed of the calibration, arrivals and lengths (default 0)")
-    p.add_argument("--out", default=None, help="keep the served runs' step traces and the results (results.json) "
+    p.add_argument("--out", type=output_folder, default=None,
+                   help="keep the served runs' step traces and the results (results.json) "
                    "in this folder, to study the step model offline")
     p.add_argument("--replay", default=None, help="compare again from a folder --out wrote (its traces and "
                    "requests, on the pool file it names unless --config), without running anything")

@@ -10,6 +10,7 @@ from bench.chaos.fault_script import FAULTS as CLIENT_AND_WORKER_FAULTS
 from bench.chaos.careless import REQUEST_FAULTS
 from bench.chaos.steady import Phases
 from bench.ray_local import INSTALL_HINT, NODE_CPUS, ray_installed
+from pools.cli_types import output_folder
 
 FAULTS = {**CLIENT_AND_WORKER_FAULTS, **REQUEST_FAULTS}    # the default run, in this order
 ALL_FAULTS = {**FAULTS, **CLUSTER_FAULTS, **GATEWAY_FAULTS}
@@ -58,7 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "lost (default 120)")
     p.add_argument("--seed", type=int, default=0, help="seed of arrivals and prompts (default 0)")
     p.add_argument("--quick", action="store_true", help="short windows (the run takes 2-3 minutes), for a test")
-    p.add_argument("--out", default=None, help="write results.json (with every request and sample) and "
+    p.add_argument("--out", type=output_folder, default=None,
+                   help="write results.json (with every request and sample) and "
                    "timeline.png here")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 

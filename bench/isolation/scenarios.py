@@ -51,6 +51,7 @@ from bench.load.plan import LoadConfig, load_tokenizer, plan_requests
 from bench.load.report import LoadReport, counter_rate, counter_window, latencies, send_lags, tokens_done
 from bench.load.run import run_load
 from engine.config import DEFAULT_MIN_SHARE
+from pools.cli_types import output_folder
 from pools.workload import LengthDist, WorkloadClass, latency_stats
 
 MODEL = "builtin:smollm2-135m-instruct"
@@ -101,7 +102,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the four main scenarios with short loads (< 3 min), "
                    "no trade-off curve; with --sweep: a 2 x 1 x 1 grid with short loads (about 2 min)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and the sampler (default 0)")
-    p.add_argument("--out", default=None, help="write isolation.json and isolation.png here (with --sweep: "
+    p.add_argument("--out", type=output_folder, default=None,
+                   help="write isolation.json and isolation.png here (with --sweep: "
                    "sweep.json and sweep.png)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 

@@ -249,6 +249,17 @@ def test_simulate_refuses_an_out_folder_or_calibrate_file_it_cannot_write_before
         assert "argument --calibrate: " in (line := _error_line(capsys)) and why in line
 
 
+@pytest.mark.parametrize("bench", ["serve", "replicas", "isolation", "chaos", "simulate"])
+def test_every_benchmark_refuses_an_out_folder_it_cannot_write_before_running(tmp_path, capsys, bench):
+    """`bench serve --out` under a file once ran the whole load, then printed only the write's error (the
+    report lost); each benchmark writing a folder checks it as it reads its arguments."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["bench", bench, "--out", str(blocker / "sub")]) == 2
+    assert _error_line(capsys) == (f"cliffguard bench {bench}: error: argument --out: cannot write into "
+                                   f"'{blocker / 'sub'}': {blocker} is not a folder")
+
+
 def test_a_write_that_fails_after_the_run_names_the_option(tmp_path, capsys, monkeypatch):
     """The folder passed the check, the disk filled while the sweep ran: one line naming --out, exit 2."""
     def full(*args, **kwargs):
