@@ -60,6 +60,7 @@ MODEL = "builtin:smollm2-135m-instruct"
 CLIENTS = ("sdk", "jitter")
 MAX_BACKOFF = 8.0          # seconds: openai-python's MAX_RETRY_DELAY, and the jitter client's cap
 MAX_RETRY_AFTER = 60.0     # a longer Retry-After is not honoured (openai-python: not retried at all)
+MAX_OUTPUT_TOKENS = 128    # the pool's max_model_len (256) less the longest prompt (40 words, the template)
 WORDS = ("cliff", "river", "stone", "lamp", "orbit", "maple", "copper", "harbor", "signal", "window", "garden",
          "thunder", "violet", "engine", "summit", "canyon")
 
@@ -68,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", default="4", help="request arrivals per second; a comma-separated list sweeps "
                    "(default 4: an overload)")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals (default 30)")
-    p.add_argument("--output-tokens", type=int, default=48, help="tokens each request generates (default 48)")
+    p.add_argument("--output-tokens", type=int, default=48, help="tokens each request generates, 1 to "
+                   f"{MAX_OUTPUT_TOKENS} (default 48)")
     p.add_argument("--kv-cache", default="32MiB", help="the pool's KV cache (default 32MiB: a few requests "
                    "fill it)")
     p.add_argument("--client", choices=CLIENTS, default="sdk", help="reject mode: how clients retry a 429: "
@@ -256,7 +258,7 @@ def ideal_run(mode: str, rate: float, args: argparse.Namespace, slots: int, serv
 
 
 def ideal_table(args: argparse.Namespace, rates: list[float], modes: list[str], seeds: int = 8) -> str:
-    """The idealised pool at each rate, averaged over `seeds` arrival sequences."""
+    """The idealised pool at each rate, averaged over `seeds` arrival sequences (`--seed` the first)."""
     slots_text, _, seconds_text = args.ideal.partition(",")
     try:
         slots, service_s = int(slots_text), float(seconds_text)
@@ -265,12 +267,12 @@ def ideal_table(args: argparse.Namespace, rates: list[float], modes: list[str], 
     if slots < 1 or not service_s > 0:
         raise ValueError(f"--ideal: SLOTS must be >= 1 and SECONDS > 0, got {args.ideal!r}")
     rows = [f"idealised pool: {slots} slots, {service_s:g} s per request (capacity {slots / service_s:.2f} "
-            f"req/s), {args.client} clients, {args.max_retries} retries, {seeds} seeds",
+            f"req/s), {args.client} clients, {args.max_retries} retries, {seeds} seeds from {args.seed}",
             f"{'rate':>6}  {'mode':<8}{'answered':>9}{'rejected':>9}{'429s':>7}{'req/s':>8}{'slots idle':>12}"]
     for rate in rates:
         goodput = {}
         for mode in modes:
-            runs = [ideal_run(mode, rate, args, slots, service_s, seed) for seed in range(seeds)]
+            runs = [ideal_run(mode, rate, args, slots, service_s, seed) for seed in range(args.seed, args.seed + seeds)]
             mean = {k: sum(r[k] for r in runs) / seeds for k in ("answered", "rejected", "wasted_attempts",
                                                                  "goodput_rps", "slots_idle_fraction")}
             goodput[mode] = mean["goodput_rps"]
@@ -290,8 +292,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
         idle = "-" if r["kv_idle_fraction"] is None else f"{r['kv_idle_fraction']:.0%}"
         credits = "-" if r["credits_idle_fraction"] is None else f"{r['credits_idle_fraction']:.0%}"
         rows.append(f"{r['rate']:>6g}  {r['mode']:<8}{r['answered']:>9}{r['rejected']:>9}{r['wasted_attempts']:>7}"
-                    f"{r['goodput_rps']:>8.2f}{r['goodput_tokens_s']:>8.1f}{r['e2e_p50_s']:>8.1f}s"
-                    f"{r['e2e_p99_s']:>8.1f}s{idle:>9}{credits:>14}")
+                    f"{r['goodput_rps']:>8.2f}{r['goodput_tokens_s']:>8.1f}{_seconds(r['e2e_p50_s']):>9}"
+                    f"{_seconds(r['e2e_p99_s']):>9}{idle:>9}{credits:>14}")
     for rate in dict.fromkeys(r["rate"] for r in results):
         by_mode = {r["mode"]: r for r in results if r["rate"] == rate}
         if "queue" in by_mode and "reject" in by_mode:
@@ -302,8 +304,12 @@ def format_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b else "-"
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "-"
+
+
+def _seconds(value: float | None) -> str:   # a latency, "-" where no request was answered
+    return "-" if value is None else f"{value:.1f}s"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -312,6 +318,9 @@ def run(args: argparse.Namespace) -> int:
         if mode not in ("queue", "reject"):
             raise ValueError(f"--modes: unknown mode {mode!r}; use queue, reject")
     rates = parse_rates(args.rate)
+    if not 1 <= args.output_tokens <= MAX_OUTPUT_TOKENS:
+        raise ValueError(f"--output-tokens: must be 1 to {MAX_OUTPUT_TOKENS} (the bench pool's max_model_len is 256), "
+                         f"got {args.output_tokens}")
     for name in ("duration", "backoff"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name}: must be > 0, got {getattr(args, name)}")

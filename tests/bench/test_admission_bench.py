@@ -106,6 +106,9 @@ def test_summary_and_table_per_rate():
     assert queue["kv_idle_fraction"] == pytest.approx(0.4) and queue["credits_idle_fraction"] == pytest.approx(0.15)
     table = format_table(results)
     assert "rate 1: goodput queue / reject 1.33x requests/s" in table
+    none = summarize("queue", 1.0, [Outcome(arrival=0.1, done=0.2, status=400, attempts=1)], scrapes)
+    assert none["e2e_p99_s"] is None   # no request answered (every one refused): no latency, no crash
+    assert "-        -" in format_table([none, reject]) and "e2e p99 -" in format_table([none, reject])
 
 
 def test_ideal_pool_queue_never_loses_and_is_never_slower():
@@ -131,7 +134,21 @@ def test_ideal_table_and_its_errors():
     table = ideal_table(args, [0.5, 2.0], ["queue", "reject"], seeds=2)
     assert "capacity 0.50 req/s" in table and "rate 0.5: goodput queue / reject" in table
     assert "rate 2: goodput queue / reject" in table
+    args.seed = 5   # --seed moves the arrival sequences (it did nothing with --ideal)
+    shifted = ideal_table(args, [0.5, 2.0], ["queue", "reject"], seeds=2)
+    assert "2 seeds from 5" in shifted and shifted.splitlines()[2:] != table.splitlines()[2:]
     for bad in ("2", "x,4", "0,4", "2,-1"):
         args.ideal = bad
         with pytest.raises(ValueError, match="--ideal"):
             ideal_table(args, [1.0], ["queue"], seeds=1)
+
+
+@pytest.mark.parametrize("tokens", ["0", "129", "300"])
+def test_output_tokens_past_the_pools_context_are_refused_before_any_server_starts(capsys, tokens):
+    """300 tokens once ran the whole load, every request a 400 (past max_model_len 256), then the table
+    died formatting the missing latencies."""
+    from gateway.cli import main
+
+    assert main(["bench", "admission", "--output-tokens", tokens]) == 2
+    assert capsys.readouterr().err.strip() == (f"cliffguard bench: error: --output-tokens: must be 1 to 128 (the bench "
+                                               f"pool's max_model_len is 256), got {tokens}")
