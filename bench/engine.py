@@ -34,6 +34,7 @@ from unittest import mock
 import torch
 
 from bench.options import int_list
+from pools.cli_types import positive_int
 from kernels.cpu_linear import PackedLinear, use_packed_linears
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -51,10 +52,12 @@ ASKS = ["Write a short poem about {t}.", "Explain {t} to a ten-year-old.", "Give
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="builtin:smollm2-135m-instruct",
                    help="HF model folder, .gguf file or builtin:smollm2-135m-instruct (default)")
-    p.add_argument("--num-prompts", type=int, default=64, help="prompts in the workload (default 64)")
-    p.add_argument("--min-output", type=int, default=16, help="shortest requested output in tokens (default 16)")
-    p.add_argument("--max-output", type=int, default=256, help="longest requested output in tokens (default 256)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="our engine's concurrency limit")
+    p.add_argument("--num-prompts", type=positive_int, default=64, help="prompts in the workload (default 64)")
+    p.add_argument("--min-output", type=positive_int, default=16,
+                   help="shortest requested output in tokens (default 16)")
+    p.add_argument("--max-output", type=positive_int, default=256,
+                   help="longest requested output in tokens (default 256)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=64, help="our engine's concurrency limit")
     p.add_argument("--hf-batch-sizes", default="16,64",
                    help="transformers' static batch sizes, comma-separated: one run and one ratio each")
     p.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | float16 | auto")
@@ -314,6 +317,8 @@ def run(args: argparse.Namespace) -> int:
     # bad input fails before any work
     hf_batch_sizes = ([] if args.skip_hf else
                       int_list(args.hf_batch_sizes, "--hf-batch-sizes", 1, "batch sizes must be >= 1"))
+    if args.min_output > args.max_output:
+        raise ValueError(f"--min-output {args.min_output} is above --max-output {args.max_output}")
     overrides = parse_overrides(args.config_override)
     if overrides and not args.random_weights:
         raise ValueError("--config-override: only with --random-weights (the checkpoint's shape is fixed)")

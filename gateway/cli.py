@@ -68,14 +68,14 @@ def _add_generate(sub) -> None:
                    help="HF model folder, a .gguf file, or builtin:smollm2-135m-instruct (default)")
     p.add_argument("--device", default="auto", help="auto (default: CUDA if present) | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV block: 8, 16 or 32")
+    p.add_argument("--block-size", type=int, choices=(8, 16, 32), default=DEFAULT_BLOCK_SIZE, help="KV block tokens")
     p.add_argument("--kv-cache-mib", type=positive_int, default=1024,
                    help="KV cache budget in MiB (default 1024); it must fit the device's 0.9 x memory - weights")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit in tokens (default: "
                    "the model's context); the KV budget must hold one request this long")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
-    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--system", default=None, help="system message (implies --chat)")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
@@ -95,7 +95,7 @@ async def _generate(args: argparse.Namespace) -> int:
                                  max_model_len=args.max_model_len)
     async with AsyncEngineClient(config) as client:
         prompt: str | list[int] = args.prompt
-        if args.chat:
+        if args.chat or args.system is not None:
             tokenizer = Tokenizer.from_folder(client.model_path)
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
             messages.append({"role": "user", "content": args.prompt})
@@ -129,12 +129,10 @@ def _add_serve(sub) -> None:
 
 
 def check_port_free(host: str, port: int) -> None:
-    """UsageError when nothing can listen on (host, port): in use, or not an address of this machine.
-    Checked before any model loads, so the mistake costs a second, not a model load."""
+    """UsageError when nothing can listen on (host, port): in use, or not an address of this machine (port 0
+    too). Checked before any model loads, so the mistake costs a second, not a model load."""
     if not 0 <= port <= 65535:
         raise UsageError(f"--port: must be in 0..65535, got {port}")
-    if port == 0:
-        return
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -145,6 +143,8 @@ def check_port_free(host: str, port: int) -> None:
             try:
                 probe.bind(address)
             except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    raise UsageError(f"--host: {host} is not an address of this machine") from None
                 reason = ("already in use" if exc.errno == errno.EADDRINUSE
                           else f"cannot be bound ({exc.strerror or exc})")
                 raise UsageError(f"--port: {host}:{port} is {reason}; stop what listens there or pass --port "

@@ -35,11 +35,19 @@ def _never_loads(monkeypatch) -> None:
 
 
 # --- generate ---------------------------------------------------------------------------------------
-def test_generate_prints_a_chat_completion(builtin_path, capsys):
-    rc = main(["generate", "--model", str(builtin_path), "--chat", "--kv-cache-mib", "64", "--max-model-len", "512",
-               "--max-tokens", "12", "--prompt", "What is the capital of France?"])
+def test_generate_prints_a_chat_completion(builtin_path, capsys, monkeypatch):
+    """--system implies --chat (it was dropped without it: the prompt went raw)."""
+    from engine.tokenizer import Tokenizer
+
+    chats, encode_chat = [], Tokenizer.encode_chat
+    monkeypatch.setattr(Tokenizer, "encode_chat", lambda self, messages, **kw: chats.append(messages) or
+                        encode_chat(self, messages, **kw))
+    rc = main(["generate", "--model", str(builtin_path), "--system", "You are a helpful assistant.", "--kv-cache-mib", "64",
+               "--max-model-len", "512", "--max-tokens", "12", "--prompt", "What is the capital of France?"])
     out = capsys.readouterr().out
     assert rc == 0 and "Paris" in out
+    assert chats == [[{"role": "system", "content": "You are a helpful assistant."},
+                      {"role": "user", "content": "What is the capital of France?"}]]
 
 
 def test_generate_reports_a_bad_model_clearly(tmp_path, capsys):
@@ -56,6 +64,11 @@ def test_generate_plans_its_pool_with_the_capacity_formula(builtin_path, capsys)
 def test_bench_engine_rejects_bad_batch_sizes_before_loading(capsys):
     rc = main(["bench", "engine", "--hf-batch-sizes", "16,x", "--model", "/nonexistent"])
     assert rc == 2 and "--hf-batch-sizes" in capsys.readouterr().err
+    for bad, said in ((["--num-prompts", "0"], "argument --num-prompts: must be an integer in 1.."),
+                      (["--min-output", "20", "--max-output", "10"], "--min-output 20 is above --max-output 10")):
+        assert main(["bench", "engine", "--model", "/nonexistent", *bad]) == 2 and said in _error_line(capsys)
+    assert main(["generate", "--prompt", "hi", "--block-size", "7"]) == 2
+    assert "argument --block-size: invalid choice: 7 (choose from 8, 16, 32)" in _error_line(capsys)
 
 
 # --- capacity ---------------------------------------------------------------------------------------
@@ -282,6 +295,19 @@ def test_serve_on_a_port_in_use_exits_2_before_loading(builtin_path, capsys, mon
         rc = main(["serve", "--config", str(REPO / "config" / "pools.yaml"), "--port", str(port)])
     assert rc == 2
     assert f"--port: 127.0.0.1:{port} is already in use" in _error_line(capsys)
+
+
+def test_serve_on_port_0_checks_its_host_before_loading(builtin_path, capsys, monkeypatch):
+    """With --port 0 the host went unchecked: the model loaded, then an error that named no option."""
+    _never_loads(monkeypatch)
+
+    def unknown(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr("gateway.cli.socket.getaddrinfo", unknown)
+    assert main(["serve", "--config", str(REPO / "config" / "pools.yaml"), "--host", "bogus.invalid",
+                 "--port", "0"]) == 2
+    assert "--host: cannot resolve 'bogus.invalid' (Name or service not known)" in _error_line(capsys)
 
 
 def test_serve_with_a_cuda_device_on_a_machine_without_one_exits_2(tmp_path, builtin_path, capsys, monkeypatch):
