@@ -42,8 +42,9 @@ def test_generate_prints_a_chat_completion(builtin_path, capsys, monkeypatch):
     chats, encode_chat = [], Tokenizer.encode_chat
     monkeypatch.setattr(Tokenizer, "encode_chat", lambda self, messages, **kw: chats.append(messages) or
                         encode_chat(self, messages, **kw))
-    rc = main(["generate", "--model", str(builtin_path), "--system", "You are a helpful assistant.", "--kv-cache-mib", "64",
-               "--max-model-len", "512", "--max-tokens", "12", "--prompt", "What is the capital of France?"])
+    rc = main(["generate", "--model", str(builtin_path), "--system", "You are a helpful assistant.",
+               "--kv-cache-mib", "64", "--max-model-len", "512", "--max-tokens", "12",
+               "--prompt", "What is the capital of France?"])
     out = capsys.readouterr().out
     assert rc == 0 and "Paris" in out
     assert chats == [[{"role": "system", "content": "You are a helpful assistant."},
