@@ -462,6 +462,8 @@ def format_report(report: LoadReport) -> str:
                      f"{_ms(sc['max_s'])} ms, p99 {_ms(sc['p99_s'])} ms")
         lines += [f"  {n}x {message}" for message, n in sc["errors"].items()]
     for pool, p in sc["pools"].items():
+        if not pool:   # the device's series (no pool label): not a pool's line
+            continue
         kv = "-" if p["max_kv_cache_usage_perc"] is None else f"{100 * p['max_kv_cache_usage_perc']:.1f}%"
         lines.append(f"  pool {pool}: KV usage max {kv}, running max {_count(p['max_num_requests_running'])}, "
                      f"waiting max {_count(p['max_num_requests_waiting'])}, "

@@ -94,6 +94,7 @@ def _make_fake_app(*, metrics: bool = True, first_delay: float = 0.0) -> web.App
                           cpu_swap_usage=0.0, num_recompute_preemptions=state["scrapes"],
                           num_swap_preemptions=2 * state["scrapes"])
         registry.update_pool("chat", 0, stats, block_bytes=1024)
+        registry.device_overloaded.labels(device="cpu").set(0)   # a device's series: no pool label
         return web.Response(body=registry.render(), headers={"Content-Type": registry.content_type})
 
     app.router.add_post("/v1/chat/completions", completions)
@@ -422,6 +423,7 @@ async def test_out_writes_results_json_and_two_pngs(aiohttp_server, tmp_path):
         assert png.read_bytes()[:8] == PNG_SIGNATURE and png.stat().st_size > 5000
     n = report.summary["ok"]["count"]
     assert n > 0 and f"ok: {n} requests, {n} completed" in format_report(report)
+    assert "  pool chat: KV usage max" in format_report(report) and "pool :" not in format_report(report)
 
 
 async def test_no_metrics_endpoint_is_skipped_with_a_warning(aiohttp_server, tmp_path, caplog):
