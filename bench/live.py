@@ -24,13 +24,14 @@ class LiveServer:
     never blocks on a full pipe); `stop()` terminates it (and kills it after `stop_timeout` s).
     `started`, `listening` and `ready` are when (time.perf_counter) the process was started, said it was
     serving, and first answered `/ready` 200, which is asked every `poll_seconds`.
-    `args` are more `serve` options (e.g. `["--data-dir", path]`). Without a `--data-dir` the server
+    `args` are more `serve` options (e.g. `["--data-dir", path]`); `own_group`: the server leads a process group
+    of its own (its workers in it), which a test can signal whole as systemd does. Without a `--data-dir` the server
     gets a fresh temporary one, removed by `stop()`: a server holds its data dir alone, and one test
     or benchmark must not see another's batches.
     """
 
     def __init__(self, config_path: Path | str, timeout: float = 180, *, env: dict[str, str] | None = None,
-                 args: list[str] | None = None, poll_seconds: float = 0.2) -> None:
+                 args: list[str] | None = None, poll_seconds: float = 0.2, own_group: bool = False) -> None:
         env = dict(os.environ if env is None else env, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         args = list(args or [])
         self._data_dir: str | None = None
@@ -42,7 +43,8 @@ class LiveServer:
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path), "--host", "127.0.0.1",
-             "--port", "0", *args], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+             "--port", "0", *args], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True,
+            process_group=0 if own_group else None)
         self.log: list[str] = []
         self.url: str | None = None
         try:

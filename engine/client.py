@@ -31,12 +31,16 @@ with `RequestFailedError`; the worker goes on serving the others.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import itertools
 import multiprocessing as mp
 import os
+import signal
 import socket
+import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -75,11 +79,33 @@ SEND_LOW_WATER = 1 << 20    # ... until the outbox is back under this
 def start_fork_server() -> None:
     """Start the fork server now rather than with the first worker: its import of `WORKER_PRELOAD` (torch
     with it, about 1.5 s on a 2-core CPU) then runs beside whatever the caller does before it starts a
-    worker (`cliffguard serve`: its own imports, the capacity plan, the tokenizers). Idempotent."""
+    worker (`cliffguard serve`: its own imports, the capacity plan, the tokenizers). Idempotent.
+
+    It ignores SIGTERM, as the workers do (`engine.worker`): sent to the process group (systemd's default), it
+    ended the fork server, and each worker's exit status, which it reports, read as a death (exit code 255)
+    in the gateway's drain. It still ends with its parent (multiprocessing's own pipe)."""
     import multiprocessing.forkserver
 
     mp.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
-    multiprocessing.forkserver.ensure_running()
+    on_main_thread = threading.current_thread() is threading.main_thread()   # where a handler may be set
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if on_main_thread else None
+    try:
+        multiprocessing.forkserver.ensure_running()   # the server inherits the ignored SIGTERM
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+_LEFT_AT_EXIT: weakref.WeakSet = weakref.WeakSet()   # workers started: killed if alive when the process ends
+
+
+def _kill_at_exit(process: mp.process.BaseProcess) -> None:
+    """A worker ignores the SIGTERM multiprocessing sends its daemon children at exit before joining them: one
+    left running (a second Ctrl-C cuts everything) is killed first, or the exit would wait for its step. The
+    hook is registered after multiprocessing's own (at the first start): the later runs first."""
+    _LEFT_AT_EXIT.add(process)
+    if not getattr(_kill_at_exit, "registered", False):
+        _kill_at_exit.registered = atexit.register(lambda: [p.kill() for p in list(_LEFT_AT_EXIT) if p.is_alive()])
 
 
 @dataclass
@@ -164,7 +190,7 @@ class AsyncEngineClient:
         """Start the worker process; the channel to it (sets `_process`, `_sentinel`, `pid`)."""
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
-            ctx.set_forkserver_preload(WORKER_PRELOAD)   # read when the fork server starts (if it has not)
+            start_fork_server()   # if it has not started
         parent, child = socket.socketpair()
         process = ctx.Process(target=worker_main, args=(self.config, child, dict(os.environ)), daemon=True,
                               name="cliffguard-device-worker")
@@ -176,6 +202,7 @@ class AsyncEngineClient:
         finally:
             child.close()
         self._process, self._sentinel, self.pid = process, process.sentinel, process.pid
+        _kill_at_exit(process)
         return Channel(parent)
 
     @property

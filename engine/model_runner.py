@@ -301,7 +301,8 @@ def follower_main() -> None:
     """A follower rank's process (`python -c`): read its `FollowerArgs` from stdin, join the group, load
     its shard, then run rank 0's plans until `stop`."""
     die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C reaches the process group; rank 0 says when to go
+    for signum in (signal.SIGINT, signal.SIGTERM):   # sent to the process group: rank 0 says when to go
+        signal.signal(signum, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args: FollowerArgs = pickle.load(sys.stdin.buffer)
     config, rank, device = args.config, args.rank, torch.device(args.device)

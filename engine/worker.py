@@ -59,10 +59,12 @@ def worker_main(config: EngineConfig, sock: socket.socket, environ: dict[str, st
     """Entry point of the device worker process: load, then loop (drain commands, step, send).
 
     `environ`: the gateway's environment when it started this worker (the fork server it is forked from
-    holds the one it started with). Ctrl-C in a terminal reaches the whole process group; the worker
-    ignores it and leaves when the gateway says so (or its socket closes), so a shutdown is never
+    holds the one it started with). Ctrl-C in a terminal reaches the whole process group, and so does
+    SIGTERM from systemd (its default `KillMode=control-group`) or `kill -TERM -PGID`; the worker ignores
+    both and leaves when the gateway says so (or its socket closes), so a shutdown drains, and is never
     mistaken for a crash."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     if environ is not None:
         os.environ.clear()
         os.environ.update(environ)

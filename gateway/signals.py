@@ -5,7 +5,9 @@ flight `gateway.drain_seconds` to finish (aiohttp's `shutdown_timeout`, set on t
 those still running then are cancelled (a stream ends without `[DONE]`) and the app's cleanup runs: the
 background Responses and batch lines still running are kept unfinished, run again at the next start, and
 the device workers are shut down. A second signal cuts everything at once (the workers end on their own,
-their gateway gone: `engine.worker`). The exit status: 130 after Ctrl-C (the shell's), 0 after SIGTERM (a
+their gateway gone: `engine.worker`). The workers ignore both signals, so a signal sent to the whole process
+group (Ctrl-C in a terminal; systemd's default `KillMode=control-group`) stops only the gateway, which then
+stops them. The exit status: 130 after Ctrl-C (the shell's), 0 after SIGTERM (a
 stop that was asked for), 143 when a second SIGTERM cut the drain short.
 """
 
@@ -39,9 +41,12 @@ async def serve_until_stopped(runner: web.AppRunner, drain_seconds: float) -> in
         loop.add_signal_handler(signum, on_signal, signum)
     try:
         await stop.wait()
-    except asyncio.CancelledError:   # not by a signal of ours: stop all the same
-        await runner.cleanup()
-        raise
+    except asyncio.CancelledError:
+        if not received:   # not by a signal of ours: stop all the same
+            await runner.cleanup()
+            raise
+        _remove_handlers(loop)   # two signals in one turn of the loop: the second cuts, as below
+        return 130 if received[0] == signal.SIGINT else 143
     log.info("%s: stopping; the listener is closed, requests in flight get up to %g s to finish "
              "(gateway.drain_seconds)", received[0].name, drain_seconds)
     try:
@@ -49,7 +54,11 @@ async def serve_until_stopped(runner: web.AppRunner, drain_seconds: float) -> in
     except asyncio.CancelledError:   # a second signal: what is left is cut by asyncio.run's end
         return 130 if received[0] == signal.SIGINT else 143
     finally:
-        for signum in STOP_SIGNALS:
-            loop.remove_signal_handler(signum)
+        _remove_handlers(loop)
     log.info("stopped")
     return 130 if received[0] == signal.SIGINT else 0
+
+
+def _remove_handlers(loop: asyncio.AbstractEventLoop) -> None:
+    for signum in STOP_SIGNALS:
+        loop.remove_signal_handler(signum)

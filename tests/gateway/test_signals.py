@@ -4,6 +4,7 @@ A slow first step (the fault injection's `CLIFFGUARD_FAULT_SLOW_STEP`) keeps a r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -13,13 +14,14 @@ import urllib.request
 
 from bench.live import LiveServer
 from engine.faults import SLOW_STEP_ENV
+from gateway.signals import serve_until_stopped
 from tests.gateway.conftest import chat_pool_yaml
 
 
-def _serve(tmp_path, tiny_model, drain_seconds: float, slow_seconds: float) -> LiveServer:
+def _serve(tmp_path, tiny_model, drain_seconds: float, slow_seconds: float, own_group: bool = False) -> LiveServer:
     path = tmp_path / "pools.yaml"
     path.write_text(chat_pool_yaml(tiny_model, gateway=f"{{drain_seconds: {drain_seconds}}}"))
-    return LiveServer(path, env={**os.environ, SLOW_STEP_ENV: f"slow-step:{slow_seconds}"})
+    return LiveServer(path, env={**os.environ, SLOW_STEP_ENV: f"slow-step:{slow_seconds}"}, own_group=own_group)
 
 
 def _in_flight(server: LiveServer, model: str) -> tuple[threading.Thread, list]:
@@ -44,15 +46,42 @@ def _in_flight(server: LiveServer, model: str) -> tuple[threading.Thread, list]:
 
 
 def test_sigterm_drains_the_request_in_flight_then_exits_0(tmp_path, tiny_model):
-    with _serve(tmp_path, tiny_model, drain_seconds=20, slow_seconds=3) as server:
+    """Sent to the whole process group, as systemd's default `KillMode=control-group` sends it: the device
+    worker ignores it (it once died at once: the stream got an engine_dead error, the worker was restarted
+    inside the drain) and the gateway drains, then stops it."""
+    with _serve(tmp_path, tiny_model, drain_seconds=20, slow_seconds=3, own_group=True) as server:
         thread, got = _in_flight(server, tiny_model.name)
         start = time.monotonic()
-        server.proc.send_signal(signal.SIGTERM)
+        os.killpg(server.proc.pid, signal.SIGTERM)
         thread.join(30)
         assert got and got[-1] == "data: [DONE]", got                  # answered whole, after the signal
+        assert not any("error" in str(line) for line in got), got
         assert server.proc.wait(30) == 0 and time.monotonic() - start < 20
         assert any("SIGTERM: stopping" in line for line in server.log), server.log
         assert any(line.rstrip().endswith("stopped") for line in server.log), server.log
+        assert not any("worker died" in line for line in server.log), server.log
+
+
+def test_two_signals_in_one_turn_of_the_loop_cut_the_drain():
+    """Both handled before the serving task left its wait: the second's cancel once landed there, ran the
+    whole drain as if no signal of ours had come, and escaped as CancelledError (a traceback, exit 1)."""
+    class Runner:
+        drained = False
+
+        async def cleanup(self) -> None:
+            await asyncio.sleep(5)
+            self.drained = True
+
+    def twice() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    async def serve(runner: Runner) -> int:
+        asyncio.get_running_loop().call_later(0.1, twice)
+        return await serve_until_stopped(runner, 5)
+
+    runner, start = Runner(), time.monotonic()
+    assert asyncio.run(serve(runner)) == 143 and not runner.drained and time.monotonic() - start < 2
 
 
 def test_a_second_signal_cuts_the_drain_short(tmp_path, tiny_model):
