@@ -35,11 +35,12 @@ runner retries it (`gateway.batch.execution`), told by the code which deaths wer
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +57,7 @@ from gateway.client_writes import ClientGone
 from gateway.admission import Placed
 from gateway.local_answer import LocalResponse
 from gateway.runtime import Gateway
-from gateway.workers.deaths import LOSS, Death, DeathsUnder
+from gateway.workers.deaths import LOSS, Death, DeathsUnder, Hold
 from gateway.openai.tool_grammar import thinking_first
 from gateway.openai.tool_specs import schema_error
 from gateway.openai.tools import ToolFormat, format_for
@@ -135,23 +136,25 @@ class Completion:
         """Wait for each pool's device, hold the credits on the replicas placement picks, run the request
         there (`think`: where a thinking model's reply starts, `LocalResponse`); again (on another replica,
         or the restarted worker) if a worker died before the client saw anything (HTTP only), until two
-        deaths that count make it a poison request (`poison_error`)."""
+        deaths that count make it a poison request (`poison_error`), the last with no other suspect beside it
+        (`_suspect_gates`)."""
         gateway = self.gateway
-        under = DeathsUnder()   # the worker deaths this request was in flight at
+        under, hold = DeathsUnder(), Hold()   # the worker deaths it was in flight at; its last run's hold
         while True:
-            for pool, _ in self.routed:
-                await gateway.wait_device(pool, patient=self.patient)
-            async with gateway.admission.admitted(self.routed, max_tokens=req.params.max_tokens, n=req.params.n,
-                                                  request_id=objects.new_id("adm"), tenant=self.tenant,
-                                                  priority=req.priority, background=self.background,
-                                                  max_tokens_param=req.max_tokens_param,
-                                                  patient=self.patient) as placed:
-                local = self.answer_type(self.http, req, self.routed, placed=placed, received=self.received,
-                                         metrics=gateway.metrics, write_timeout=gateway.config.gateway.write_timeout,
-                                         tenant=self.tenant, think=think)
-                clients = {name: p.client for name, p in placed.items()}   # the workers it runs on
-                await local.run()
-                self._report_cache_hits(placed, local)
+            async with self._suspect_gates(under, hold) as hold:
+                for pool, _ in self.routed:
+                    await gateway.wait_device(pool, patient=self.patient)
+                async with gateway.admission.admitted(
+                        self.routed, max_tokens=req.params.max_tokens, n=req.params.n,
+                        request_id=objects.new_id("adm"), tenant=self.tenant, priority=req.priority,
+                        background=self.background, max_tokens_param=req.max_tokens_param,
+                        patient=self.patient) as placed:
+                    local = self.answer_type(self.http, req, self.routed, placed=placed, received=self.received,
+                                             metrics=gateway.metrics, tenant=self.tenant, think=think,
+                                             write_timeout=gateway.config.gateway.write_timeout)
+                    clients = {name: p.client for name, p in placed.items()}   # the workers it runs on
+                    await local.run()
+                    self._report_cache_hits(placed, local)
             if local.error is None or local.error.code != "engine_dead":
                 return local   # answered, or failed otherwise
             if not self.background and not local.retryable and not under:
@@ -159,10 +162,30 @@ class Completion:
             await self._record_deaths(under, placed, clients, local.error.message)
             if self.background:
                 return await _judge_line(local, under)   # the batch runner retries it, counting its own deaths
-            if not await _judge(local, under):
+            if not await _judge(local, under, hold.crowded):
                 return local
             log.warning("%s: the device worker died before the client saw anything (%s); running it again",
                         local.request_id, under.describe())
+
+    @contextlib.asynccontextmanager
+    async def _suspect_gates(self, under: DeathsUnder, last: Hold) -> AsyncIterator[Hold]:
+        """An HTTP request a worker death counted against runs holding its devices' `SuspectGate`s: beside
+        the others (shared), or alone among them (exclusive) once its last such death came with others beside
+        it, the ones in flight then all suspects. A fresh request, or a batch line (its runner has its own
+        gate), holds none."""
+        counted = under.verdicts().count(True)
+        if self.background or not counted:
+            yield Hold()
+            return
+        exclusive = last.crowded and counted > ENGINE_DEATH_RETRIES
+        async with contextlib.AsyncExitStack() as stack:
+            holds = [await stack.enter_async_context(gate.exclusive() if exclusive else gate.shared())
+                     for gate in self.gateway.suspect_gates(pool for pool, _ in self.routed)]
+            hold = Hold(exclusive)
+            try:
+                yield hold
+            finally:   # crowded by a suspect that came while it ran too
+                hold.crowded = any(h.crowded for h in holds)
 
     def _report_cache_hits(self, placed: dict[str, Placed], local: LocalResponse) -> None:
         """Each prompt's prefix-cache hit, as its engine request reported it, to its pool's placement: it
@@ -193,14 +216,15 @@ class Completion:
             under.add(record, Death(p.replica, time.monotonic(), LOSS, message))
 
 
-async def _judge(local: LocalResponse, under: DeathsUnder) -> bool:
+async def _judge(local: LocalResponse, under: DeathsUnder, crowded: bool) -> bool:
     """After a death under an HTTP request: True to run it again; else `local.error` is its answer (a
-    poison request's 500, the 503 of a request retried too often, or the death's own 503)."""
+    poison request's 500, the 503 of a request retried too often, or the death's own 503). `crowded`:
+    other suspects ran beside it (`_suspect_gates`), so a death that counts is not yet its own verdict."""
     verdicts = under.verdicts()
     if verdicts.count(True) + verdicts.count(None) > ENGINE_DEATH_RETRIES and None in verdicts:
         await under.settle()   # a loss decides it: wait until its window has passed
         verdicts = under.verdicts()
-    if verdicts.count(True) > ENGINE_DEATH_RETRIES:
+    if verdicts.count(True) > ENGINE_DEATH_RETRIES and not crowded:
         log.error("%s: a poison request: the device worker died under it %d times by its own doing (%s); not run "
                   "again", local.request_id, verdicts.count(True), under.describe())
         local.error = poison_error(local.request_id, verdicts.count(True), local.error)

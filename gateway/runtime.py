@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +41,7 @@ from gateway.workers.autoscaler import Autoscaler
 from gateway.monitoring.metrics import GatewayMetrics
 from gateway.openai.errors import ApiError, named_error
 from gateway.monitoring.overload import OverloadWatch
-from gateway.workers.deaths import DeviceDeaths
+from gateway.workers.deaths import DeviceDeaths, SuspectGate
 from gateway.workers.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
 from gateway.upstream.connection import UpstreamClient
@@ -278,6 +278,12 @@ class Gateway:
         """What a replica's worker loaded; None while it loads or restarts, if it failed, or for no device."""
         replicas = self.supervisors.get(device) if device is not None else None
         return replicas[replica].info if replicas else None
+
+    def suspect_gates(self, pools: Iterable[Pool]) -> list[SuspectGate]:
+        """The `SuspectGate` of each local pool's device, in device order (one order: no two requests
+        holding some wait on each other)."""
+        devices = sorted({pool.device for pool in pools if pool.device in self.supervisors})
+        return [self.supervisors[device][0].deaths.suspects for device in devices]
 
     async def wait_device(self, pool: Pool, patient: bool = False) -> None:
         """Wait until a replica of the pool's device has loaded (at once when one is up), holding nothing

@@ -21,10 +21,9 @@ rather than stay in_progress or finalizing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -32,6 +31,7 @@ from urllib.parse import quote
 from gateway.openai.errors import ApiError, storage_unavailable
 from gateway.runtime import Gateway
 from gateway.upstream.relay import IDEMPOTENCY_KEY
+from gateway.workers.deaths import SuspectGate
 from pools.store.batch_input import BatchInputError, BatchLine, TooManyBatches
 from pools.store.batch_store import PURGE_EVERY_S, STORAGE_ERRORS, BatchStore
 from pools.tenants import DEFAULT_TENANT
@@ -97,53 +97,6 @@ class _Run:
             task.cancel()
 
 
-class _Gate:
-    """Batch lines run together (`shared`), except a line tried again after its device worker died
-    under it: that one runs with no other batch line in flight (`exclusive`; waiting ones go first), so
-    that a second death points at it and not at the lines beside it. Event loop only."""
-
-    def __init__(self) -> None:
-        self._num_shared = 0
-        self._num_waiting = 0
-        self._exclusive = False
-        self._changed = asyncio.Event()
-
-    async def _wait(self, ready: Callable[[], bool]) -> None:
-        while not ready():
-            await self._changed.wait()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    @contextlib.asynccontextmanager
-    async def shared(self) -> AsyncIterator[None]:
-        """Hold the gate beside other lines, once no line waits for it alone."""
-        await self._wait(lambda: not self._exclusive and not self._num_waiting)
-        self._num_shared += 1
-        try:
-            yield
-        finally:
-            self._num_shared -= 1
-            self._notify()
-
-    @contextlib.asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
-        """Hold the gate alone, once the lines in flight have finished."""
-        self._num_waiting += 1
-        try:
-            await self._wait(lambda: not self._exclusive and not self._num_shared)
-        finally:
-            self._num_waiting -= 1
-            self._notify()
-        self._exclusive = True
-        try:
-            yield
-        finally:
-            self._exclusive = False
-            self._notify()
-
-
 class BatchRunner:
     """Runs the pending lines of every unfinished batch through the line executor, records each answer
     once, and finalizes the batch (output and error files).
@@ -154,7 +107,7 @@ class BatchRunner:
     answer (`TRANSIENT`: 503 `engine_dead` / `replica_lost` / `pool_unavailable`, 502
     `upstream_unreachable`) is not a result: the line is tried again after a back-off (`retry_first_s`
     doubling, at most `retry_max_s`), at most `max_line_attempts` times in all; a line answered
-    `engine_dead` (a death of its own) is tried again alone (`_Gate`), and a second `engine_dead` makes
+    `engine_dead` (a death of its own) is tried again alone (`SuspectGate`), and a second `engine_dead` makes
     it a poison line; `replica_lost` (a death that was not its own) is retried like any transient
     answer, and never counts. Both end as the line's error. A store call failing for storage is tried
     `max_store_attempts` times with the same back-off, then the batch fails; so does a batch whose run
@@ -176,7 +129,7 @@ class BatchRunner:
         self.retry_first_s, self.retry_max_s = retry_first_s, retry_max_s
         self.max_line_attempts, self.max_store_attempts = max_line_attempts, max_store_attempts
         self._runs: dict[str, _Run] = {}
-        self._gate = _Gate()
+        self._gate = SuspectGate()
         self._purging: asyncio.Task | None = None
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -36,8 +36,10 @@ on with `wait_for`. The last `MAX_KEPT` deaths are kept. Event-loop only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 FAILURE, HANG, LOSS, STALL, STOPPED, UNREADABLE = "failure", "hang", "loss", "stall", "stopped", "unreadable"
@@ -70,6 +72,65 @@ class Death:
         return self.cause in (LOSS, STALL)
 
 
+@dataclass
+class Hold:
+    """One hold of a `SuspectGate`; `crowded` once another shared hold was taken while it lasted."""
+
+    exclusive: bool = False
+    crowded: bool = False
+
+
+class SuspectGate:
+    """Requests a worker death counted against run together (`shared`), except one whose last such death
+    came while others held the gate beside it: that one runs with no other suspect in flight (`exclusive`;
+    waiting ones go first), so that a next death points at it and not at those beside it. A device's
+    (`DeviceDeaths.suspects`) for HTTP requests, the batch runner's own for its lines. Event loop only."""
+
+    def __init__(self) -> None:
+        self._shared: list[Hold] = []
+        self._num_waiting = 0
+        self._exclusive = False
+        self._changed = asyncio.Event()
+
+    async def _wait(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[Hold]:
+        """Hold the gate beside others, once none waits for it alone."""
+        await self._wait(lambda: not self._exclusive and not self._num_waiting)
+        hold = Hold()
+        for other in self._shared:
+            other.crowded = hold.crowded = True
+        self._shared.append(hold)
+        try:
+            yield hold
+        finally:
+            self._shared.remove(hold)
+            self._notify()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[Hold]:
+        """Hold the gate alone, once the holds in flight have ended."""
+        self._num_waiting += 1
+        try:
+            await self._wait(lambda: not self._exclusive and not self._shared)
+        finally:
+            self._num_waiting -= 1
+            self._notify()
+        self._exclusive = True
+        try:
+            yield Hold(exclusive=True)
+        finally:
+            self._exclusive = False
+            self._notify()
+
+
 class DeviceDeaths:
     """The recent deaths of `device`'s replicas (`num_replicas` of them), and their verdicts."""
 
@@ -78,6 +139,7 @@ class DeviceDeaths:
         self.num_replicas = num_replicas
         self.window = window
         self.deaths: deque[Death] = deque(maxlen=MAX_KEPT)
+        self.suspects = SuspectGate()   # the device's HTTP requests a death counted against
         self._recorded = asyncio.Event()   # replaced after each record: wakes `wait_for`
 
     def record(self, client: object, replica: int, reason: str, cause: str | None = None,

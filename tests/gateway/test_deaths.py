@@ -19,7 +19,7 @@ from gateway.batch.endpoints import BATCHES
 from gateway.completion import MAX_DEATHS_PER_REQUEST, _judge, _judge_line
 from gateway.openai.errors import ApiError
 from gateway.workers.deaths import (FAILURE, HANG, LOSS, STALL, STOPPED, UNREADABLE, DeathsUnder, DeviceDeaths,
-                                    cause_of, last_line)
+                                    SuspectGate, cause_of, last_line)
 from gateway.workers.supervisor import Backoff
 from tests.gateway.test_app import _client, _model
 from tests.gateway.test_batches import _FakeExecutor, _create, _jsonl, _jsonl_file, _line, _wait
@@ -131,11 +131,51 @@ def test_two_failures_make_a_poison_request():
     async def scenario():
         deaths, under, local = DeviceDeaths("cpu", 2), DeathsUnder(), _local()
         under.add(deaths, deaths.record(_failed("a"), 0, TRACEBACK))
-        assert await _judge(local, under) is True           # the first: run it again
+        assert await _judge(local, under, False) is True           # the first: run it again
         under.add(deaths, deaths.record(_failed("b"), 1, TRACEBACK))
-        assert await _judge(local, under) is False
+        assert await _judge(local, under, False) is False
         assert local.error.status == 500 and local.error.code == "poison_request"
         assert "died twice" in local.error.message and "not retried again" in local.error.message
+
+    asyncio.run(scenario())
+
+
+def test_a_second_death_with_other_suspects_beside_it_is_judged_only_after_one_alone():
+    """Two failures, the second while other suspects held the gate beside it: run once more (alone); a
+    third failure then makes it a poison request."""
+    async def scenario():
+        deaths, under, local = DeviceDeaths("cpu", 1), DeathsUnder(), _local()
+        for name in ("a", "b"):
+            under.add(deaths, deaths.record(_failed(name), 0, TRACEBACK))
+            assert await _judge(local, under, True) is True
+        under.add(deaths, deaths.record(_failed("c"), 0, TRACEBACK))
+        assert await _judge(local, under, False) is False
+        assert local.error.code == "poison_request" and "died 3 times" in local.error.message
+
+    asyncio.run(scenario())
+
+
+def test_the_suspect_gate_marks_holds_side_by_side_and_runs_one_alone_after_them():
+    async def scenario():
+        gate, order = SuspectGate(), []
+
+        async def alone() -> None:
+            async with gate.exclusive() as hold:
+                order.append(("alone", hold.exclusive, hold.crowded))
+
+        async with gate.shared() as first:
+            assert not first.crowded
+            async with gate.shared() as second:
+                assert first.crowded and second.crowded
+            waiting = asyncio.ensure_future(alone())
+            await asyncio.sleep(0.01)
+            assert not order                                   # it waits for the shared hold in flight
+            late = asyncio.ensure_future(gate.shared().__aenter__())
+            await asyncio.sleep(0.01)
+            assert not late.done()                             # a waiting exclusive hold goes first
+        await waiting
+        assert order == [("alone", True, False)]
+        assert not (await late).crowded
 
     asyncio.run(scenario())
 
@@ -145,10 +185,10 @@ def test_replicas_lost_together_are_no_poison_and_the_retries_are_still_bounded(
         deaths, under, local = DeviceDeaths("cpu", 2, window=0.2), DeathsUnder(), _local()
         for i in range(MAX_DEATHS_PER_REQUEST - 1):
             under.add(deaths, deaths.record(_client_of(f"a{i}"), i % 2, "device worker process exited"))
-            assert await _judge(local, under) is True
+            assert await _judge(local, under, False) is True
         started = time.monotonic()
         under.add(deaths, deaths.record(_client_of("last"), 1, "replica cpu/1: connection lost"))
-        assert await _judge(local, under) is False
+        assert await _judge(local, under, False) is False
         assert time.monotonic() - started < 0.15              # decided without waiting: others were lost beside it
         assert local.error.status == 503 and local.error.code == "engine_dead"
         assert local.error.headers["Retry-After"] == "2" and f"{MAX_DEATHS_PER_REQUEST} times" in local.error.message
@@ -160,10 +200,10 @@ def test_two_lone_losses_make_a_poison_request_once_their_windows_have_passed():
     async def scenario():
         deaths, under, local = DeviceDeaths("cpu", 2, window=0.2), DeathsUnder(), _local()
         under.add(deaths, deaths.record(_client_of("a"), 0, "device worker process exited", at=time.monotonic() - 1))
-        assert await _judge(local, under) is True
+        assert await _judge(local, under, False) is True
         started = time.monotonic()
         under.add(deaths, deaths.record(_client_of("b"), 1, "device worker process exited"))
-        assert await _judge(local, under) is False            # it waited for b's window: nothing else was lost
+        assert await _judge(local, under, False) is False            # it waited for b's window: nothing else was lost
         assert time.monotonic() - started >= 0.18 and local.error.code == "poison_request"
 
     asyncio.run(scenario())
@@ -173,7 +213,7 @@ def test_a_streamed_request_keeps_its_engine_dead():
     async def scenario():
         deaths, under, local = DeviceDeaths("cpu", 2), DeathsUnder(), _local(retryable=False)
         under.add(deaths, deaths.record(_failed("a"), 0, TRACEBACK))
-        assert await _judge(local, under) is False and local.error.code == "engine_dead"
+        assert await _judge(local, under, False) is False and local.error.code == "engine_dead"
 
     asyncio.run(scenario())
 

@@ -6,7 +6,8 @@ that does not come back (black box, live server).
 - a request whose handling fails in the worker (`CLIFFGUARD_FAULT_REJECT`'s marker) gets 500
   `request_failed` alone: the worker and a concurrent request carry on;
 - a request that crashes the worker's step (`CLIFFGUARD_FAULT_POISON`'s marker) kills it twice, never
-  three times, and gets 500 `poison_request`; a request in flight at one of those deaths is answered;
+  three times, and gets 500 `poison_request`; a request in flight at one of those deaths is answered, and
+  so is one in flight at both, the poison one then refused at a third death, alone among the suspects;
 - a request that arrives while the only worker is down waits `gateway.device_wait_seconds` holding no
   KV credits, then gets 503 with Retry-After.
 """
@@ -109,6 +110,26 @@ def test_a_request_that_kills_its_worker_twice_is_a_poison_request_never_run_a_t
     assert metric(live.url, RESTARTS, device="default") == restarts + 2
     assert _device_state(live.url) == "ready" and worker_pid(live) != pid
     assert "".join(live.log).count("a poison request") == 1
+
+
+def test_a_request_beside_a_poison_one_at_both_its_deaths_is_answered(live):
+    """In flight when the poison request first kills the worker, both run again beside each other and both
+    are in flight (or held) at the second death: it once made both poison requests, the innocent one
+    refused with x-should-retry false. Now neither is judged by a death that came with another suspect
+    beside it: each runs again alone among the suspects, the innocent one is answered, and the poison one
+    is refused at the third death."""
+    restarts, num_lines = metric(live.url, RESTARTS, device="default"), len(live.log)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        innocent = pool.submit(chat, live.url, "Tell me about the sea.", 32, 120)
+        time.sleep(0.3)   # decoding when the poison request comes
+        poison = pool.submit(chat, live.url, f"Say {POISON_MARKER} once.", 8, 120)
+        (status, body), (ok, answer) = poison.result(), innocent.result()
+    assert ok == 200 and answer["choices"][0]["message"]["content"], answer
+    assert status == 500 and body["error"]["code"] == "poison_request", body
+    assert "died 3 times" in body["error"]["message"], body
+    wait_ready(live.url, 60)
+    assert metric(live.url, RESTARTS, device="default") == restarts + 3
+    assert "".join(live.log[num_lines:]).count("a poison request") == 1
 
 
 @pytest.fixture(scope="module")
