@@ -96,15 +96,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="every pool's token budget per step")
     p.add_argument("--model", default=MODEL, help=f"every pool's model: a model folder or builtin name "
                    f"(default {MODEL}); the load's prompts are made with its tokenizer")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the device the pools run on "
-                   "(default cpu)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the pools' device (default cpu)")
     p.add_argument("--dtype", default=None, help="the device's dtype (default float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--quick", action="store_true", help="the four main scenarios with short loads (< 3 min), "
                    "no trade-off curve; with --sweep: a 2 x 1 x 1 grid with short loads (about 2 min)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload and the sampler (default 0)")
     p.add_argument("--out", type=output_folder, default=None,
-                   help="write isolation.json and isolation.png here (with --sweep: "
-                   "sweep.json and sweep.png)")
+                   help="write isolation.json and isolation.png here (with --sweep: sweep.json and sweep.png)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
