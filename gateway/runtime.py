@@ -287,14 +287,19 @@ class Gateway:
 
     async def wait_device(self, pool: Pool, patient: bool = False) -> None:
         """Wait until a replica of the pool's device has loaded (at once when one is up), holding nothing
-        (no KV credits: those are taken after); 503 if every replica failed to start, or with
+        (no KV credits: those are taken after); 503 if every replica started failed to start, or with
         `Retry-After` if none is ready within `gateway.device_wait_seconds` (or the pool's
         `max_queue_seconds`, when smaller and not 0; `patient`: however long, as for its credits); the 503
         names each replica's state: loading, placing on a cluster, restarting."""
         replicas = self.supervisors[pool.device]
         if any(s.is_ready for s in replicas):
             return
-        waits = [asyncio.ensure_future(s.wait_ready()) for s in replicas]
+        # an autoscaled device's parked slots ("stopped") are not waited for: one never started would never
+        # answer, and with every started replica failed the request waited for nothing (a background one for ever)
+        waits = [asyncio.ensure_future(s.wait_ready()) for s in replicas if s.state != "stopped"]
+        if not waits:
+            raise ApiError(503, f"pool {pool.name!r}: no replica of device {pool.device!r} is started; retry later",
+                           type="server_error", code="pool_unavailable", headers={"Retry-After": "1"})
         limit = None if patient else self.config.gateway.device_wait_seconds
         if limit is not None and pool.spec.max_queue_seconds:
             limit = min(limit, pool.spec.max_queue_seconds)

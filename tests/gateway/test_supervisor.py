@@ -113,6 +113,25 @@ async def test_a_patient_request_waits_for_its_device_however_long():
     await asyncio.wait_for(waiting, 5)
 
 
+async def test_an_autoscaled_device_whose_started_replicas_failed_answers_at_once():
+    """Its parked slot, never started, is not waited for: the request (and a patient one, which waited for
+    ever) gets the failed start's 503 at once, not a retry-later one after device_wait_seconds."""
+    metrics = GatewayMetrics()
+    failed, parked = (DeviceSupervisor("cpu", None, [], metrics, replica=i) for i in range(2))
+    failed._failure = "device 'cpu/0' failed to start: RuntimeError: no such model"
+    failed._task = asyncio.get_running_loop().create_future()   # started, ended
+    failed._task.set_result(None)
+    assert (failed.state.split(":")[0], parked.state) == ("failed", "stopped")
+    gateway = SimpleNamespace(supervisors={"cpu": [failed, parked]},
+                              config=SimpleNamespace(gateway=SimpleNamespace(device_wait_seconds=30)))
+    pool = SimpleNamespace(name="chat", device="cpu", spec=SimpleNamespace(max_queue_seconds=0))
+    for patient in (False, True):
+        with pytest.raises(ApiError) as info:
+            await asyncio.wait_for(Gateway.wait_device(gateway, pool, patient=patient), 2)
+        assert info.value.code == "pool_unavailable" and "no such model" in info.value.message
+        assert "Retry-After" not in info.value.headers
+
+
 async def test_a_worker_that_fails_its_first_start_stays_failed(aiohttp_client, tmp_path, tiny_model):
     copy = tmp_path / "broken"
     shutil.copytree(tiny_model, copy)
