@@ -342,6 +342,7 @@ class AsyncEngineClient:
             await loop.run_in_executor(None, process.join)
         self.exitcode = process.exitcode
         self._die(self._exit_reason())   # a no-op after `fatal` or `shutdown`, which named the reason
+        _LEFT_AT_EXIT.discard(process)
         process.close()
         self._channel.close()
         if not self.died.done():
