@@ -198,7 +198,7 @@ def test_quick_run_end_to_end(tmp_path, capsys, tiny_model):
     assert all(printed[name]["chat_count"] > 0 for name in ("chat alone", "split", "shared"))
     assert split["chat_preemptions"] == 0 and split["rag_count"] > 0 and shared["rag_count"] > 0
     assert split["rag_tokens_per_s"] > 0 and printed["rag alone"]["rag_tokens_per_s"] > 0
-    assert shared["rag_tokens_per_s"] >= 0 and shared["ttft_p99"] > 0
+    assert shared["ttft_p99"] > 0
     assert max(r["max_scrape_s"] for r in printed.values()) < 0.5
 
 

@@ -68,6 +68,6 @@ def test_the_engine_reports_where_its_load_went(tmp_path, builtin_path):
     config = EngineConfig(model=str(folder), cache=CacheConfig(block_size=8), pools=(PoolConfig(num_blocks=64),))
     engine = LLMEngine(config, progress=False)
     assert list(engine.load_phases) == ["weights", "kv", "kernels", "schedulers", "warm-up", "slo"]
-    assert all(s >= 0 for s in engine.load_phases.values())
+    assert engine.load_phases["weights"] > 0   # reading the shards takes time; the others may round to 0
     # each phase is rounded to the millisecond (`engine.stats.Laps`): their sum may pass the total by as much
     assert sum(engine.load_phases.values()) <= engine.load_seconds + 0.0005 * len(engine.load_phases)

@@ -205,7 +205,6 @@ async def test_bad_requests_get_clear_errors_while_a_stream_keeps_going(aiohttp_
         assert set(body["error"]) == {"message", "type", "param", "code"}, what
     r = await client.get("/v1/chat/completions", headers=auth)
     assert r.status == 405 and "error" in await r.json()
-    assert len(cases) + 1 >= 20
 
     status, (text, chunks) = await survivor
     assert status == 200 and chunks[-1]["choices"][0]["finish_reason"] == "length"

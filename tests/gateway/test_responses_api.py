@@ -139,7 +139,8 @@ async def test_what_the_server_cannot_do_is_a_400_naming_the_field(client, extra
         await client.responses.create(**body)
     assert info.value.body["param"] == param, info.value.body
     ok = await client.responses.create(model=MODEL, input="hi", max_output_tokens=2)   # the next one is served
-    assert ok.status == "incomplete" and ok.output_text is not None
+    assert ok.status == "incomplete" and ok.incomplete_details.reason == "max_output_tokens"
+    assert ok.usage.output_tokens == 2 and ok.output_text
 
 
 async def test_metadata_is_echoed_and_logprobs_come_with_the_text_whole_and_streamed(client) -> None:
