@@ -422,34 +422,29 @@ def _assert_valid(call) -> None:
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
-async def test_required_gives_valid_calls_twenty_of_twenty(client) -> None:
-    async def ask(i: int, prompt: str):
-        r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                                 tools=TOOLS, tool_choice="required", **SAMPLING,
-                                                 temperature=0.8, seed=i)
-        return r.choices[0]
-
-    choices = await asyncio.gather(*(ask(i, p) for i, p in enumerate(PROMPTS)))
-    for choice in choices:
-        assert choice.finish_reason == "tool_calls", choice.message
-        assert choice.message.tool_calls
-        for call in choice.message.tool_calls:
-            _assert_valid(call)
-
-
-async def test_a_named_function_is_the_one_called_twenty_of_twenty(client) -> None:
+async def test_required_and_a_named_function_give_valid_calls_twenty_of_twenty_each(client) -> None:
+    """tool_choice "required" (any function, sampled at 0.8) and a named function (at 0.5), twenty prompts
+    each, sent together: every reply is a call, of the named function where one was named, with arguments
+    valid against its schema."""
     names = [t["function"]["name"] for t in TOOLS]
 
-    async def ask(i: int, prompt: str):
-        name = names[i % 3]
+    async def ask(i: int, prompt: str, named: bool):
+        choice = ({"type": "function", "function": {"name": names[i % 3]}} if named else "required")
         r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                                 tools=TOOLS, tool_choice={"type": "function", "function": {"name": name}},
-                                                 **SAMPLING, temperature=0.5, seed=100 + i)
-        return name, r.choices[0]
+                                                 tools=TOOLS, tool_choice=choice, **SAMPLING,
+                                                 temperature=0.5 if named else 0.8, seed=100 + i if named else i)
+        return named, names[i % 3], r.choices[0]
 
-    for name, choice in await asyncio.gather(*(ask(i, p) for i, p in enumerate(PROMPTS))):
-        assert [c.function.name for c in choice.message.tool_calls] == [name]
-        _assert_valid(choice.message.tool_calls[0])
+    answers = await asyncio.gather(*(ask(i, p, named) for named in (False, True) for i, p in enumerate(PROMPTS)))
+    assert len(answers) == 40
+    for named, name, choice in answers:
+        assert choice.message.tool_calls, choice.message
+        if named:
+            assert [c.function.name for c in choice.message.tool_calls] == [name]
+        else:
+            assert choice.finish_reason == "tool_calls", choice.message
+        for call in choice.message.tool_calls:
+            _assert_valid(call)
 
 
 async def test_streamed_tool_calls_reassemble_to_the_same_calls(client) -> None:
