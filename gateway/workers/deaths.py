@@ -72,7 +72,7 @@ class Death:
         return self.cause in (LOSS, STALL)
 
 
-@dataclass
+@dataclass(eq=False)   # each hold is itself: the gate removes its own, not an equal one
 class Hold:
     """One hold of a `SuspectGate`; `crowded` once another shared hold was taken while it lasted."""
 
