@@ -290,7 +290,7 @@ def run(config: CliffguardConfig, *, host: str | None = None, port: int | None =
         log.info("serving on http://%s:%s (pools: %s)", host, runner.addresses[0][1], ", ".join(gateway.pools))
         for line in config.describe_service_classes():   # interactive or throughput, and why
             log.info("%s", line)
-        return await serve_until_stopped(runner, drain)
+        return await serve_until_stopped(runner, drain, gateway.cut_in_flight)
 
     try:
         return asyncio.run(main())

@@ -35,6 +35,7 @@ runner retries it (`gateway.batch.execution`), told by the code which deaths wer
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -50,7 +51,7 @@ from engine.structured import StructuredOutput
 from gateway.openai import objects
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
-from gateway.openai.errors import ApiError
+from gateway.openai.errors import ApiError, drain_cut
 from gateway.openai.reasoning import think_mode
 from gateway.openai.sampling_fields import check_context, check_logit_bias
 from gateway.client_writes import ClientGone
@@ -115,7 +116,7 @@ class Completion:
         self.req, think = await constrained(self.gateway, self.req, *self.routed[0])
         admission = self.gateway.admission
         req = dataclasses.replace(self.req, priority=admission.clamp_priority(self.tenant, self.req.priority))
-        local = await self._run_local(req, think)
+        local = await self._run_cuttable(req, think)
         # The engine is done with every request: its credits are back, however slowly the client reads.
         return await (local.finish() if self.http is not None else local.result())
 
@@ -131,6 +132,24 @@ class Completion:
         if response.status >= 400:
             raise _relayed_error(response)
         return json.loads(response.body)
+
+    async def _run_cuttable(self, req: ChatRequest | CompletionRequest, think: str | None) -> LocalResponse:
+        """`_run_local`, which the gateway cuts if it still runs when its drain ends (an HTTP request's: a
+        background one or a batch line is kept unfinished for the next start): waiting for its device or its
+        credits, a 503 `server_shutting_down`; running, that error as its answer (`LocalResponse.run`)."""
+        task = asyncio.current_task()
+        if self.background or self.http is None:
+            return await self._run_local(req, think)
+        self.gateway.cuttable.add(task)
+        try:
+            return await self._run_local(req, think)
+        except asyncio.CancelledError as exc:
+            if (error := drain_cut(exc)) is None:
+                raise
+            task.uncancel()
+            raise error from None
+        finally:
+            self.gateway.cuttable.discard(task)
 
     async def _run_local(self, req: ChatRequest | CompletionRequest, think: str | None) -> LocalResponse:
         """Wait for each pool's device, hold the credits on the replicas placement picks, run the request

@@ -6,9 +6,9 @@ beside `content`, in the message and in the stream's deltas.
 The engine's side and the client's side run apart. `LocalResponse.run` consumes the engine's deltas and returns as
 soon as the engine is done with every request, so the caller gives the KV credits back then (credits follow the
 engine, not the socket). A stream's chunks go to a writer task that writes them as fast as the client reads; a client
-that takes nothing for `write_timeout` seconds (`gateway.write_timeout`) has its connection aborted, its engine
-requests aborted if they still run, a WARNING logged and `cliffguard_client_write_timeouts_total` counted. A JSON body
-(and every other response the gateway sends) is written by `gateway.app`'s write middleware under the same limit.
+that takes nothing for `write_timeout` seconds (`gateway.write_timeout`) has its connection aborted, its engine requests
+aborted if they still run, a WARNING logged and `cliffguard_client_write_timeouts_total` counted. A JSON body (and
+every other response the gateway sends) is written by `gateway.app`'s write middleware under the same limit.
 
 What the gateway holds unsent is bounded (`ResponseBuffers`): a stream whose queued chunks exceed
 `gateway.max_response_buffer_bytes` (1 MiB), or that adds one while all responses' unsent bytes (JSON bodies being
@@ -17,8 +17,9 @@ engine requests (`cliffguard_paused_responses_total`): they keep their KV blocks
 not stepped (no preemption, no recompute; deltas already computed still arrive). They resume once the stream is under
 half its bound and the total under half its own. A paused client reading nothing for `write_timeout` is aborted too.
 
-Leaving early for any reason — the client goes away mid-stream, the writer times out, or the handler is cancelled —
-closes the engine streams, which aborts their requests and frees their blocks.
+Leaving early for any reason — the client goes away mid-stream, the writer times out, the handler is cancelled, or
+the gateway's drain ends (its 503 `server_shutting_down` then the answer: a stream's error event) — closes the engine
+streams, which aborts their requests and frees their blocks.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from gateway.client_writes import RESPONSE_BUFFERS, ClientGone, ResponseBuffers,
 from gateway.monitoring.metrics import GatewayMetrics
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
-from gateway.openai.errors import ApiError, named_error, renamed_field
+from gateway.openai.errors import ApiError, drain_cut, named_error, renamed_field
 from gateway.openai.reasoning import ReasoningSplitter
 from gateway.openai.tools import ToolCallStream, ToolFormat, format_for
 from pools.pool import Pool
@@ -79,9 +80,8 @@ async def merged(routed: Routed, params: SamplingParams, priority: int, request_
                  placed: dict[str, Placed], tenant: str = "default") -> AsyncIterator[tuple[int, RequestDelta]]:
     """(prompt index, delta) from every prompt's engine request, as they arrive, each on the replica its
     pool's part was placed on (`placed`)."""
-    first = {}   # each pool's first prompt says the credits its part holds (the replica counts them)
-    for i, (pool, _) in enumerate(routed):
-        first.setdefault(pool.name, i)
+    # each pool's first prompt says the credits its part holds (the replica counts them)
+    first = {pool.name: i for i, (pool, _) in reversed(list(enumerate(routed)))}
 
     def generate(i: int, pool: Pool, ids: list[int]):
         engine_id = engine_request_id(request_id, i, len(routed))
@@ -184,8 +184,7 @@ class LocalResponse:
         self.think = think if self.chat else None        # `gateway.openai.reasoning.think_mode` of the prompt
         self.buffers = request.app.get(RESPONSE_BUFFERS) if buffers is None and request is not None else buffers
         self._cached: dict[int, int] = {}               # prompt index -> its tokens from the prefix cache
-        self._first_at: dict[int, float] = {}
-        self._last_at: dict[int, float] = {}
+        self._first_at, self._last_at = {}, {}           # prompt index -> its first / last token's perf_counter
         self._chunks: deque[bytes] = deque()             # SSE events the writer has not written yet
         self._wake = asyncio.Event()                     # set when chunks were added or the stream ends
         self._closing = False                            # the last chunk is queued
@@ -213,9 +212,13 @@ class LocalResponse:
         self._runner = asyncio.ensure_future(self._consume())
         try:
             await self._runner
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
             if self._write_error is not None:
                 raise self._write_error from None
+            if (cut := drain_cut(exc)) is not None:   # the drain ended: what was sent ends with this error
+                asyncio.current_task().uncancel()
+                self.error = cut
+                return
             if self._writer is not None:
                 self._writer.cancel()   # the handler itself was cancelled: nobody will finish the stream
             raise
@@ -353,10 +356,8 @@ class LocalResponse:
                 choice.token_ids[-len(ids) - 4:-len(ids)]) if has_logprobs else (None, choice.token_chars)
             return {"index": choice.index, "text": c.delta_text, "logprobs": lp, "finish_reason": c.finish_reason}
         lp = objects.chat_logprobs(ids, lps, tops, pool.token_text, pool.token_bytes) if has_logprobs else None
-        delta: dict[str, Any] = {}
-        if not choice.sent_role:
-            delta["role"] = "assistant"
-            choice.sent_role = True
+        delta: dict[str, Any] = {} if choice.sent_role else {"role": "assistant"}   # the role in the first only
+        choice.sent_role = True
         reasoning, content = parts or ("", c.delta_text)
         if reasoning:
             delta["reasoning_content"] = reasoning
@@ -471,8 +472,7 @@ class LocalResponse:
             content, calls = self._reply(choice)
             if self.tool_format is not None and calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
-            reasoning = choice.reasoning
-            if reasoning is not None:   # a thinking model's: null where a part is empty
+            if (reasoning := choice.reasoning) is not None:   # a thinking model's: null where a part is empty
                 content = content or None
             body_choices.append(objects.chat_choice(
                 index, content, lp, finish_reason, [call.as_openai() for call in calls], thinks=reasoning is not None,

@@ -39,7 +39,7 @@ from engine.client import AsyncEngineClient
 from gateway.admission import AdmissionControl
 from gateway.workers.autoscaler import Autoscaler
 from gateway.monitoring.metrics import GatewayMetrics
-from gateway.openai.errors import ApiError, named_error
+from gateway.openai.errors import DRAIN_CUT, ApiError, named_error
 from gateway.monitoring.overload import OverloadWatch
 from gateway.workers.deaths import DeviceDeaths, SuspectGate
 from gateway.workers.supervisor import DeviceSupervisor
@@ -155,6 +155,7 @@ class Gateway:
     clusters: dict[str, Any] = field(default_factory=dict)   # Ray address -> gateway.workers.ray_cluster.RayCluster
     # constraint key -> the grammar library's objection ("" when it can enforce it); LRU, event-loop only
     grammar_checks: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    cuttable: set[asyncio.Task] = field(default_factory=set)   # HTTP requests waiting or running: `cut_in_flight`
 
     @classmethod
     def from_config(cls, config: CliffguardConfig, *, vram_bytes: int | None = None) -> Gateway:
@@ -278,6 +279,13 @@ class Gateway:
         """What a replica's worker loaded; None while it loads or restarts, if it failed, or for no device."""
         replicas = self.supervisors.get(device) if device is not None else None
         return replicas[replica].info if replicas else None
+
+    def cut_in_flight(self) -> int:
+        """At the end of the drain (`gateway.signals`): cut every HTTP request still waiting or running, each
+        answered 503 `server_shutting_down` (a stream: that error event, then `[DONE]`); how many."""
+        for task in list(self.cuttable):
+            task.cancel(DRAIN_CUT)
+        return len(self.cuttable)
 
     def suspect_gates(self, pools: Iterable[Pool]) -> list[SuspectGate]:
         """The `SuspectGate` of each local pool's device, in device order (one order: no two requests

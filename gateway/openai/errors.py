@@ -6,6 +6,7 @@ Every refusal names the field: `param` is its path as the client wrote it (`mess
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, TypeVar
 
 from pools.config.typed import FieldError, convert
@@ -60,6 +61,18 @@ def convert_body(value: Any, model: type[T], *, root: str = "") -> T:
         return convert(value, model, root=root)
     except FieldError as err:
         raise field_error(err) from None
+
+
+DRAIN_CUT = "cliffguard: the drain ended"   # the cancel message of a request cut at the end of the drain
+
+
+def drain_cut(exc: BaseException) -> ApiError | None:
+    """The 503 of an HTTP request still running when the gateway's drain ended (`exc`: the CancelledError the
+    gateway cut it with, `gateway.runtime.Gateway.cut_in_flight`); None for any other cancel."""
+    if not (isinstance(exc, asyncio.CancelledError) and exc.args == (DRAIN_CUT,)):
+        return None
+    return ApiError(503, "the gateway is stopping: the request ran past gateway.drain_seconds and was cut; retry it",
+                    type="server_error", code="server_shutting_down", headers={"Retry-After": "1"})
 
 
 def storage_unavailable(store: str, exc: BaseException) -> ApiError:

@@ -62,6 +62,43 @@ def test_sigterm_drains_the_request_in_flight_then_exits_0(tmp_path, tiny_model)
         assert not any("worker died" in line for line in server.log), server.log
 
 
+def test_requests_still_in_flight_when_the_drain_ends_are_answered_503(tmp_path, tiny_model):
+    """drain_seconds 2: a stream that had begun, stalled behind another request's 6 s step, ends with an error
+    event (`server_shutting_down`) then `[DONE]`; the request whose step it is, which had sent nothing, is
+    answered 503 as JSON. Both were dropped without a word, and only after twice the drain (aiohttp waits
+    its shutdown_timeout again before it cancels a handler)."""
+    path = tmp_path / "pools.yaml"
+    path.write_text(chat_pool_yaml(tiny_model, gateway="{drain_seconds: 2}", max_model_len=512))
+    with LiveServer(path, env={**os.environ, SLOW_STEP_ENV: "slow-step:6"}) as server:
+        lines, begun = [], threading.Event()
+
+        def stream() -> None:
+            body = {"model": tiny_model.name, "prompt": "hello", "max_tokens": 480, "stream": True, "ignore_eos": True}
+            request = urllib.request.Request(server.url + "/v1/completions", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=60) as response:
+                for line in response:
+                    if line.strip():
+                        lines.append(line.decode().strip())
+                        begun.set()
+
+        streaming = threading.Thread(target=stream)
+        streaming.start()
+        assert begun.wait(30)
+        thread, got = _in_flight(server, tiny_model.name)   # its first step lasts 6 s: the stream stalls
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        streaming.join(30)
+        thread.join(30)
+        assert len(lines) > 3 and lines[-1] == "data: [DONE]", lines
+        assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "server_shutting_down", lines
+        assert len(got) == 1 and getattr(got[0], "code", None) == 503, got
+        assert json.loads(got[0].read())["error"]["code"] == "server_shutting_down"
+        assert time.monotonic() - start < 3.5   # cut at the drain's end
+        assert server.proc.wait(30) == 0
+        assert any("2 requests still in flight are cut" in line for line in server.log), server.log
+
+
 def test_two_signals_in_one_turn_of_the_loop_cut_the_drain():
     """Both handled before the serving task left its wait: the second's cancel once landed there, ran the
     whole drain as if no signal of ours had come, and escaped as CancelledError (a traceback, exit 1)."""
