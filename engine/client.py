@@ -38,7 +38,6 @@ import multiprocessing as mp
 import os
 import signal
 import socket
-import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Sequence
@@ -81,19 +80,21 @@ def start_fork_server() -> None:
     with it, about 1.5 s on a 2-core CPU) then runs beside whatever the caller does before it starts a
     worker (`cliffguard serve`: its own imports, the capacity plan, the tokenizers). Idempotent.
 
-    It ignores SIGTERM, as the workers do (`engine.worker`): sent to the process group (systemd's default), it
-    ended the fork server, and each worker's exit status, which it reports, read as a death (exit code 255)
-    in the gateway's drain. It still ends with its parent (multiprocessing's own pipe)."""
+    It never sees SIGTERM, as the workers ignore it (`engine.worker`): sent to the process group (systemd's
+    default), it ended the fork server, and each worker's exit status, which it reports, read as a death (exit
+    code 255) in the gateway's drain. The signal is blocked in this thread while the server is spawned, so
+    the server starts with it blocked, and one meant for the caller stays pending meanwhile, not lost. It
+    still ends with its parent (multiprocessing's own pipe)."""
     import multiprocessing.forkserver
+    from multiprocessing import resource_tracker
 
     mp.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
-    on_main_thread = threading.current_thread() is threading.main_thread()   # where a handler may be set
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if on_main_thread else None
+    resource_tracker.ensure_running()   # first: starting it unblocks SIGTERM in this thread (its own spawn's)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
-        multiprocessing.forkserver.ensure_running()   # the server inherits the ignored SIGTERM
+        multiprocessing.forkserver.ensure_running()   # the server inherits the mask
     finally:
-        if on_main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 _LEFT_AT_EXIT: weakref.WeakSet = weakref.WeakSet()   # workers started: killed if alive when the process ends

@@ -23,9 +23,10 @@ supervisors keep). A death counts against the request when it was its own: the w
 a word, the connection lost, the cluster's death notice, a stall) while no other replica of the device
 was lost within `LOSS_WINDOW_SECONDS` (2 s) of it. Several replicas lost together (a node, a network)
 are one fault that was not the request's: those deaths do not count. A request with two deaths that
-count is a poison request: 500 `poison_request`, never run again; so a request that kills its worker
-kills it twice, never three times. Before it is called one, a request whose verdict hangs on a loss
-waits (holding nothing) until the window after that loss has passed. Deaths that do not count still
+count, the last one its own while no other suspect ran beside it (`Completion._suspect_gates`), is a poison
+request: 500 `poison_request`, never run again; so a request that kills its worker kills it twice, or
+three times where the second came with other suspects beside it. Before it is called one, a request whose
+verdict hangs on a loss waits (holding nothing) until the window after that loss has passed. Deaths that do not count still
 bound the retries: at the `MAX_DEATHS_PER_REQUEST`-th death of any cause the request is answered 503
 `engine_dead` with Retry-After; and a request whose replicas are all down waits for one
 (`Gateway.wait_device`), then gets 503 with Retry-After. A batch line is not retried here: the batch
@@ -51,7 +52,7 @@ from engine.structured import StructuredOutput
 from gateway.openai import objects
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
-from gateway.openai.errors import ApiError, drain_cut
+from gateway.openai.errors import ApiError, drain_cut, shutting_down
 from gateway.openai.reasoning import think_mode
 from gateway.openai.sampling_fields import check_context, check_logit_bias
 from gateway.client_writes import ClientGone
@@ -93,6 +94,7 @@ class Completion:
     background: bool = False            # a batch line: served behind interactive traffic
     patient: bool = False               # a background Response: waits for its device and credits however long
     answer_type: Callable[..., LocalResponse] = LocalResponse   # makes the answer (the Responses API's differs)
+    _local: LocalResponse | None = dataclasses.field(default=None, init=False, repr=False)   # its latest run's
 
     async def answer(self) -> web.StreamResponse | dict[str, Any]:
         """The stages of the module docstring. A client that went away (or stopped reading) gets
@@ -140,6 +142,8 @@ class Completion:
         task = asyncio.current_task()
         if self.background or self.http is None:
             return await self._run_local(req, think)
+        if self.gateway.drain_over:
+            raise shutting_down()
         self.gateway.cuttable.add(task)
         try:
             return await self._run_local(req, think)
@@ -147,6 +151,9 @@ class Completion:
             if (error := drain_cut(exc)) is None:
                 raise
             task.uncancel()
+            if self._local is not None and self._local.response is not None:   # a stream begun: its error event
+                self._local.error = error
+                return self._local
             raise error from None
         finally:
             self.gateway.cuttable.discard(task)
@@ -168,9 +175,9 @@ class Completion:
                         request_id=objects.new_id("adm"), tenant=self.tenant, priority=req.priority,
                         background=self.background, max_tokens_param=req.max_tokens_param,
                         patient=self.patient) as placed:
-                    local = self.answer_type(self.http, req, self.routed, placed=placed, received=self.received,
-                                             metrics=gateway.metrics, tenant=self.tenant, think=think,
-                                             write_timeout=gateway.config.gateway.write_timeout)
+                    local = self._local = self.answer_type(
+                        self.http, req, self.routed, placed=placed, received=self.received, metrics=gateway.metrics,
+                        tenant=self.tenant, think=think, write_timeout=gateway.config.gateway.write_timeout)
                     clients = {name: p.client for name, p in placed.items()}   # the workers it runs on
                     await local.run()
                     self._report_cache_hits(placed, local)
@@ -188,18 +195,28 @@ class Completion:
 
     @contextlib.asynccontextmanager
     async def _suspect_gates(self, under: DeathsUnder, last: Hold) -> AsyncIterator[Hold]:
-        """An HTTP request a worker death counted against runs holding its devices' `SuspectGate`s: beside
-        the others (shared), or alone among them (exclusive) once its last such death came with others beside
-        it, the ones in flight then all suspects. A fresh request, or a batch line (its runner has its own
-        gate), holds none."""
-        counted = under.verdicts().count(True)
-        if self.background or not counted:
+        """An HTTP request a worker death counts (or may yet count: a loss whose window is open) against runs
+        holding its devices' `SuspectGate`s: beside the others (shared), or alone among them (exclusive) once
+        its last such death came with others beside it, the ones in flight then all suspects; 503 with
+        Retry-After if that takes over `gateway.device_wait_seconds`. A fresh request, a batch line (its runner
+        has its own gate) or a background Response (it waits however long: it would hold up the others) holds
+        none."""
+        suspected = sum(verdict is not False for verdict in under.verdicts())
+        if self.background or self.patient or not suspected:
             yield Hold()
             return
-        exclusive = last.crowded and counted > ENGINE_DEATH_RETRIES
+        exclusive = last.crowded and suspected > ENGINE_DEATH_RETRIES
+        limit = self.gateway.config.gateway.device_wait_seconds
         async with contextlib.AsyncExitStack() as stack:
-            holds = [await stack.enter_async_context(gate.exclusive() if exclusive else gate.shared())
-                     for gate in self.gateway.suspect_gates(pool for pool, _ in self.routed)]
+            try:
+                async with asyncio.timeout(limit):
+                    holds = [await stack.enter_async_context(gate.exclusive() if exclusive else gate.shared())
+                             for gate in self.gateway.suspect_gates(pool for pool, _ in self.routed)]
+            except TimeoutError:
+                raise ApiError(503, f"the device worker died under this request, which waited {limit:g} s to run "
+                                    "again beside (or after) the others that were in flight then; retry later",
+                               type="server_error", code="pool_unavailable",
+                               headers={"Retry-After": str(LOST_RETRY_AFTER)}) from None
             hold = Hold(exclusive)
             try:
                 yield hold
@@ -237,13 +254,14 @@ class Completion:
 
 async def _judge(local: LocalResponse, under: DeathsUnder, crowded: bool) -> bool:
     """After a death under an HTTP request: True to run it again; else `local.error` is its answer (a
-    poison request's 500, the 503 of a request retried too often, or the death's own 503). `crowded`:
-    other suspects ran beside it (`_suspect_gates`), so a death that counts is not yet its own verdict."""
+    poison request's 500, the 503 of a request retried too often, or the death's own 503). Poison takes two
+    deaths that count, the last of them too, with no other suspect beside it then (`crowded`:
+    `_suspect_gates`)."""
     verdicts = under.verdicts()
     if verdicts.count(True) + verdicts.count(None) > ENGINE_DEATH_RETRIES and None in verdicts:
         await under.settle()   # a loss decides it: wait until its window has passed
         verdicts = under.verdicts()
-    if verdicts.count(True) > ENGINE_DEATH_RETRIES and not crowded:
+    if verdicts.count(True) > ENGINE_DEATH_RETRIES and verdicts[-1] is True and not crowded:
         log.error("%s: a poison request: the device worker died under it %d times by its own doing (%s); not run "
                   "again", local.request_id, verdicts.count(True), under.describe())
         local.error = poison_error(local.request_id, verdicts.count(True), local.error)

@@ -156,6 +156,7 @@ class Gateway:
     # constraint key -> the grammar library's objection ("" when it can enforce it); LRU, event-loop only
     grammar_checks: OrderedDict[str, str] = field(default_factory=OrderedDict)
     cuttable: set[asyncio.Task] = field(default_factory=set)   # HTTP requests waiting or running: `cut_in_flight`
+    drain_over: bool = False
 
     @classmethod
     def from_config(cls, config: CliffguardConfig, *, vram_bytes: int | None = None) -> Gateway:
@@ -283,6 +284,7 @@ class Gateway:
     def cut_in_flight(self) -> int:
         """At the end of the drain (`gateway.signals`): cut every HTTP request still waiting or running, each
         answered 503 `server_shutting_down` (a stream: that error event, then `[DONE]`); how many."""
+        self.drain_over = True   # one that reaches its run later is answered so at once
         for task in list(self.cuttable):
             task.cancel(DRAIN_CUT)
         return len(self.cuttable)

@@ -66,13 +66,16 @@ def convert_body(value: Any, model: type[T], *, root: str = "") -> T:
 DRAIN_CUT = "cliffguard: the drain ended"   # the cancel message of a request cut at the end of the drain
 
 
-def drain_cut(exc: BaseException) -> ApiError | None:
-    """The 503 of an HTTP request still running when the gateway's drain ended (`exc`: the CancelledError the
-    gateway cut it with, `gateway.runtime.Gateway.cut_in_flight`); None for any other cancel."""
-    if not (isinstance(exc, asyncio.CancelledError) and exc.args == (DRAIN_CUT,)):
-        return None
+def shutting_down() -> ApiError:
+    """The 503 of an HTTP request still waiting or running when the gateway's drain ended."""
     return ApiError(503, "the gateway is stopping: the request ran past gateway.drain_seconds and was cut; retry it",
                     type="server_error", code="server_shutting_down", headers={"Retry-After": "1"})
+
+
+def drain_cut(exc: BaseException) -> ApiError | None:
+    """`shutting_down()` where `exc` is the CancelledError the gateway cut a request with at the drain's end
+    (`gateway.runtime.Gateway.cut_in_flight`); None for any other cancel."""
+    return shutting_down() if isinstance(exc, asyncio.CancelledError) and exc.args == (DRAIN_CUT,) else None
 
 
 def storage_unavailable(store: str, exc: BaseException) -> ApiError:

@@ -16,10 +16,10 @@ import pytest
 
 from engine.faults import POISON_ENV
 from gateway.batch.endpoints import BATCHES
-from gateway.completion import MAX_DEATHS_PER_REQUEST, _judge, _judge_line
+from gateway.completion import MAX_DEATHS_PER_REQUEST, Completion, _judge, _judge_line
 from gateway.openai.errors import ApiError
 from gateway.workers.deaths import (FAILURE, HANG, LOSS, STALL, STOPPED, UNREADABLE, DeathsUnder, DeviceDeaths,
-                                    SuspectGate, cause_of, last_line)
+                                    Hold, SuspectGate, cause_of, last_line)
 from gateway.workers.supervisor import Backoff
 from tests.gateway.test_app import _client, _model
 from tests.gateway.test_batches import _FakeExecutor, _create, _jsonl, _jsonl_file, _line, _wait
@@ -153,6 +153,56 @@ def test_a_second_death_with_other_suspects_beside_it_is_judged_only_after_one_a
         assert local.error.code == "poison_request" and "died 3 times" in local.error.message
 
     asyncio.run(scenario())
+
+
+def test_a_death_not_its_own_after_a_crowded_one_is_no_poison_verdict():
+    """Two failures, the second crowded; on its run alone two replicas are lost together (not its fault):
+    no poison request (it was once), the third death of any cause answers 503 engine_dead."""
+    async def scenario():
+        deaths, under, local = DeviceDeaths("cpu", 2, window=0.2), DeathsUnder(), _local()
+        for name in ("a", "b"):
+            under.add(deaths, deaths.record(_failed(name), 0, TRACEBACK))
+            assert await _judge(local, under, True) is True
+        deaths.record(_client_of("other"), 1, "device worker process exited")
+        under.add(deaths, deaths.record(_client_of("c"), 0, "device worker process exited"))
+        assert await _judge(local, under, False) is False
+        assert local.error.status == 503 and local.error.code == "engine_dead"
+
+    asyncio.run(scenario())
+
+
+def _suspect(under: DeathsUnder, gate: SuspectGate, wait_seconds: float = 5.0) -> Completion:
+    """A Completion of an HTTP request on one device whose suspect gate is `gate`."""
+    gateway = SimpleNamespace(config=SimpleNamespace(gateway=SimpleNamespace(device_wait_seconds=wait_seconds)),
+                              suspect_gates=lambda pools: [gate], drain_over=False, cuttable=set())
+    return Completion(gateway, SimpleNamespace(), [(SimpleNamespace(device="cpu"), [1])], {}, "/completions", 0.0,
+                      "default", http=SimpleNamespace())
+
+
+def test_a_request_under_a_loss_still_undecided_is_a_suspect_and_waits_its_turn_at_most_device_wait():
+    async def scenario():
+        deaths, gate = DeviceDeaths("cpu", 2, window=5.0), SuspectGate()
+        under = DeathsUnder()
+        under.add(deaths, deaths.record(_client_of("a"), 0, "device worker process exited"))
+        assert under.verdicts() == [None]                    # a lone loss: its window is still open
+        async with _suspect(under, gate)._suspect_gates(under, Hold()) as hold:
+            assert not hold.exclusive and gate._shared        # it holds the gate beside the others
+        async with gate.shared():                            # another suspect runs: an exclusive turn waits
+            crowded_twice = DeathsUnder([*under.seen, *under.seen])
+            with pytest.raises(ApiError) as info:
+                async with _suspect(crowded_twice, gate, 0.1)._suspect_gates(crowded_twice, Hold(crowded=True)):
+                    pass
+        assert info.value.status == 503 and info.value.code == "pool_unavailable"
+
+    asyncio.run(scenario())
+
+
+def test_a_request_reaching_its_run_after_the_drain_ended_is_answered_503_at_once():
+    completion = _suspect(DeathsUnder(), SuspectGate())
+    completion.gateway.drain_over = True
+    with pytest.raises(ApiError) as info:
+        asyncio.run(completion._run_cuttable(SimpleNamespace(), None))
+    assert info.value.status == 503 and info.value.code == "server_shutting_down"
 
 
 def test_the_suspect_gate_marks_holds_side_by_side_and_runs_one_alone_after_them():

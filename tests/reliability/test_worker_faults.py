@@ -5,7 +5,7 @@ that does not come back (black box, live server).
   `stall_seconds` and a watchdog tick, then the restarted worker serves;
 - a request whose handling fails in the worker (`CLIFFGUARD_FAULT_REJECT`'s marker) gets 500
   `request_failed` alone: the worker and a concurrent request carry on;
-- a request that crashes the worker's step (`CLIFFGUARD_FAULT_POISON`'s marker) kills it twice, never
+- a request that crashes the worker's step (`CLIFFGUARD_FAULT_POISON`'s marker) alone kills it twice, never
   three times, and gets 500 `poison_request`; a request in flight at one of those deaths is answered, and
   so is one in flight at both, the poison one then refused at a third death, alone among the suspects;
 - a request that arrives while the only worker is down waits `gateway.device_wait_seconds` holding no
