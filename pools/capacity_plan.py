@@ -428,15 +428,15 @@ def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict
         device = dplan.device_type if dev.device == "auto" else dev.device
         on_ray = dev.placement == "ray"   # Ray assigns each replica its GPUs, on nodes other than this one
         if device.startswith("cuda") and not on_ray and not torch.cuda.is_available():
-            raise SpecError(f"{key}.device: {dev.device!r} needs a CUDA device and this machine has none "
-                            f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built'}); use device: cpu "
-                            "or auto, or plan it with `cliffguard capacity --vram`")
+            raise SpecError(f"{key}.device: {dev.device!r} needs a CUDA device and this machine has none (torch "
+                            f"{torch.__version__}, CUDA {torch.version.cuda or 'not built'}); " + (
+                                "--vram plans it as a GPU: serve without --vram" if dev.device == "auto" else
+                                "use device: cpu or auto") + ", or plan it with `cliffguard capacity --vram`")
         pool_configs = []
-        for name in dplan.pools:
-            pplan = plan.pools[name]
+        for pplan in (plan.pools[name] for name in dplan.pools):
             with within(f"pools[{config.pools.index(pplan.spec)}]"):
                 scheduler = pplan.spec.scheduler_config(pplan.max_num_seqs, pplan.max_model_len)
-            pool_configs.append(PoolConfig(name=name, num_blocks=pplan.num_blocks, scheduler=scheduler,
+            pool_configs.append(PoolConfig(name=pplan.spec.name, num_blocks=pplan.num_blocks, scheduler=scheduler,
                                            slo=pplan.spec.slo, min_share=pplan.spec.engine_min_share,
                                            derive_slo=pplan.spec.slo_source == "default"))
         template = EngineConfig(model=dplan.model, device=device, dtype=dplan.dtype,
