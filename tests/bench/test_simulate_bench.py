@@ -119,7 +119,7 @@ def test_an_out_folder_that_cannot_be_written_is_named(tmp_path, capsys):
     taken = tmp_path / "a-file"
     taken.write_text("")
     assert main(["bench", "simulate", "--out", str(taken / "sub")]) == 2
-    assert "--out: cannot create" in capsys.readouterr().err
+    assert f"argument --out: cannot write into {str(taken / 'sub')!r}: {taken} is not a folder" in capsys.readouterr().err
 
 
 def test_a_kept_run_is_compared_again_by_replay(planned, tmp_path, capsys):
