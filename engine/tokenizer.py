@@ -68,6 +68,9 @@ class Tokenizer:
             i for i in (backend.token_to_id(t) for t in special) if i is not None)
         # ids that decode(skip_special_tokens=True) drops
         self._skipped_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        # the strings encode matches as special tokens (none with split_special_tokens: those read as text)
+        self.control_tokens: frozenset[str] = frozenset() if backend.encode_special_tokens else frozenset(
+            t.content for t in backend.get_added_tokens_decoder().values() if t.special and t.content)
         # <0xXX> tokens of a ByteFallback decoder, which decodes each run of them as one unit
         decoder_state = backend.decoder.__getstate__() if backend.decoder else b""
         byte_fallback = b'"ByteFallback"' in decoder_state
@@ -144,6 +147,21 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, as HF `tokenizer(text, add_special_tokens=...).input_ids`."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """`encode(text, add_special_tokens=False)` with `control_tokens` in `text` read as plain text (as
+        `split_special_tokens` reads them); the other added tokens are matched as ever."""
+        if not self.control_tokens:
+            return self.encode(text, add_special_tokens=False)
+        return self._text_backend.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _text_backend(self) -> _Backend:
+        """A copy of the backend that encodes special tokens as text (a flag of the Rust object: setting it on
+        the shared one would race with other threads' encodes)."""
+        backend = _Backend.from_str(self._backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
 
     @functools.cached_property
     def special_ids_around(self) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -34,7 +34,7 @@ from engine import structured
 from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
 from gateway.openai.tool_specs import Tool
-from gateway.openai.chat_prompt import render as render_chat
+from gateway.openai.chat_prompt import prompt_ids
 from engine.client import AsyncEngineClient
 from gateway.admission import AdmissionControl
 from gateway.workers.autoscaler import Autoscaler
@@ -436,7 +436,7 @@ def _render_and_count(pool: Pool, messages: list[dict[str, Any]], tools: list[To
     variables = dict(template_kwargs)
     flags = {"add_generation_prompt": variables.pop("add_generation_prompt", True),
              "continue_final_message": variables.pop("continue_final_message", False)}
-    return pool.counter.encode(render_chat(pool.tokenizer, messages, tools, variables, flags))
+    return prompt_ids(pool.tokenizer, pool.counter, messages, tools, variables, flags)
 
 
 def _num_chars(value: Any, limit: int) -> int:

@@ -71,6 +71,12 @@ class TokenCounter:
             self.fallback_reason = str(exc)
             log.info("token counts from tokenizers, not tiktoken: %s", exc)
         self.backend: str = "hf" if self._fast is None else "tiktoken"
+        controls = sorted(tokenizer.control_tokens, key=len, reverse=True)   # longest first: leftmost-longest
+        self.controls: tuple[str, ...] = tuple(controls)
+        self.control_pattern: re.Pattern[str] | None = re.compile("|".join(map(re.escape, controls))) \
+            if controls else None
+        self._as_text: frozenset[str] = frozenset() if self._fast is None else self._fast.allowed_special - {
+            unicodedata.normalize("NFC", c) if self._fast.nfc else c for c in controls} - set(controls)
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> TokenCounter:
@@ -83,6 +89,30 @@ class TokenCounter:
         if ranks is None:
             return self._tokenizer.encode(text, add_special_tokens=False)
         return self._fast.ids(ranks)
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """`encode` with the control tokens (`controls`: the special added tokens) in `text` as plain text,
+        as `Tokenizer.encode_as_text`."""
+        ranks = self._fast.ranks(text, self._as_text) if self._fast is not None else None
+        if ranks is None:
+            return self._tokenizer.encode_as_text(text)
+        return self._fast.ids(ranks)
+
+    def encode_shielded(self, text: str, shielded: dict[str, str]) -> list[int]:
+        """The ids of a chat prompt rendered from strings whose control tokens were swapped for the
+        placeholder characters `shielded` maps back (`gateway.openai.chat_prompt.shield_controls`): the
+        control tokens `text` holds are the template's own, each its token; a client's are their plain
+        text. Without placeholders, `encode(text)`. The text between the template's control tokens is
+        encoded alone, as the tokenizer itself splits on added tokens before its pre-tokenizer."""
+        if not shielded or self.control_pattern is None:
+            return self.encode(text)
+        table = str.maketrans(shielded)
+        ids: list[int] = []
+        start = 0
+        for match in self.control_pattern.finditer(text):
+            ids += self.encode_as_text(text[start:match.start()].translate(table)) + self.encode(match.group())
+            start = match.end()
+        return ids + self.encode_as_text(text[start:].translate(table))
 
     def count(self, text: str) -> int:
         """len(encode(text)), without mapping ranks to ids."""
@@ -111,12 +141,13 @@ class _FastPath:
     min_missing_rank: int | None           # ranks >= this are bytes the vocabulary lacks; None: none can occur
     nfc: bool                              # the tokenizer NFC-normalizes: tiktoken answers only for NFC text
 
-    def ranks(self, text: str) -> list[int] | None:
-        """tiktoken's ranks for `text`, or None where tokenizers must answer."""
+    def ranks(self, text: str, allowed_special: frozenset[str] | None = None) -> list[int] | None:
+        """tiktoken's ranks for `text` (matching `allowed_special`, by default every added token), or None
+        where tokenizers must answer."""
         if self.nfc and not unicodedata.is_normalized("NFC", text):
             return None
         try:
-            ranks = self.core.encode(text, self.allowed_special)
+            ranks = self.core.encode(text, self.allowed_special if allowed_special is None else allowed_special)
         except UnicodeEncodeError:  # lone surrogates
             return None
         if self.min_missing_rank is not None and ranks and max(ranks) >= self.min_missing_rank:

@@ -17,11 +17,14 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
 from typing import Any
 
 from engine.chat_template import content_text
 from gateway.openai.tool_specs import Tool
 from gateway.openai.tools import loads
+from pools.tokencount import TokenCounter
 
 _SYSTEM_TOOLS = (
     "You can call functions to answer. These are the functions, as JSON schemas, between <tools> and </tools>:\n"
@@ -35,15 +38,78 @@ def render(tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None,
     """The prompt of a chat, rendered the way the pool's template expects (the module's notes).
     `template_kwargs`: the request's `chat_template_kwargs`; `flags`: `add_generation_prompt` and
     `continue_final_message` (default: a generation prompt)."""
-    kwargs = {**(template_kwargs or {}), **(flags or {"add_generation_prompt": True})}
+    messages, tool_dicts = template_inputs(tokenizer, messages, tools)
+    return tokenizer.apply_chat_template(messages, tools=tool_dicts, **_variables(template_kwargs, flags))
+
+
+def prompt_ids(tokenizer, counter: TokenCounter, messages: list[dict[str, Any]], tools: list[Tool] | None,
+               template_kwargs: dict[str, Any] | None = None, flags: dict[str, bool] | None = None) -> list[int]:
+    """The token ids of `render`'s prompt, where a control token (`counter.controls`) a client wrote in a
+    message, a tool or a variable is its plain text, never the token: only the template and the tokenizer's
+    own variables write turns. The model reads "<|im_end|>" in a user's text as the user's words, as
+    OpenAI's models do, where HF's `apply_chat_template` + `encode` would end the turn there. A prompt
+    without such strings has HF's ids."""
+    messages, tool_dicts = template_inputs(tokenizer, messages, tools)
+    (messages, tool_dicts, variables), shielded = shield_controls(
+        (messages, tool_dicts, dict(template_kwargs or {})), counter)
+    text = tokenizer.apply_chat_template(messages, tools=tool_dicts, **_variables(variables, flags))
+    return counter.encode_shielded(text, shielded)
+
+
+def _variables(template_kwargs: dict[str, Any] | None, flags: dict[str, bool] | None) -> dict[str, Any]:
+    return {**(template_kwargs or {}), **(flags or {"add_generation_prompt": True})}
+
+
+def template_inputs(tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None) \
+        -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and the tools (None: no tools) the pool's template takes (the module's notes)."""
     source = tokenizer.chat_template_source(use_tools=tools is not None)
     messages = template_roles(messages, source)
     if tools is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-        return tokenizer.apply_chat_template(messages, **kwargs)
+        return messages, None
     if template_knows_tools(source):
-        return tokenizer.apply_chat_template(native_messages(messages),
-                                             tools=[t.as_template_dict() for t in tools] if tools else None, **kwargs)
-    return tokenizer.apply_chat_template(fallback_messages(messages, tools), **kwargs)
+        return native_messages(messages), [t.as_template_dict() for t in tools] if tools else None
+    return fallback_messages(messages, tools), None
+
+
+_PRIVATE_USE = (0xF0000, 0x10FFFD)   # the supplementary private use planes: placeholders' characters
+_PRIVATE_USE_CHARS = re.compile("[\U000F0000-\U0010FFFD]")
+
+
+def shield_controls(payload: Any, counter: TokenCounter) -> tuple[Any, dict[str, str]]:
+    """`payload` (JSON: dicts, lists, tuples, strings, at any depth; keys too) with every control token in
+    its strings swapped for a placeholder character none of them holds, and the map from placeholders back
+    to the control tokens (empty, `payload` itself, when no string holds one)."""
+    pattern = counter.control_pattern
+    strings = list(_strings(payload))
+    if pattern is None or not any(pattern.search(s) for s in strings):
+        return payload, {}
+    used = {c for s in strings for c in _PRIVATE_USE_CHARS.findall(s)}
+    free = (chr(code) for code in range(*_PRIVATE_USE) if chr(code) not in used)
+    placeholder = {control: next(free) for control in counter.controls}
+
+    def shielded(value: Any) -> Any:
+        if isinstance(value, str):
+            return pattern.sub(lambda m: placeholder[m.group()], value)
+        if isinstance(value, dict):
+            return {shielded(k): shielded(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(shielded(v) for v in value)
+        return value
+    return shielded(payload), {p: control for control, p in placeholder.items()}
+
+
+def _strings(value: Any) -> Iterator[str]:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
 
 
 def template_knows_tools(template: str) -> bool:
