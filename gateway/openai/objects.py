@@ -9,8 +9,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    """A fresh id: `chatcmpl-…`, `cmpl-…` as chat and text completions have them; the Responses API's
+    objects take `sep` "_" (`resp_…`, `msg_…`, `rs_…`, as OpenAI's, which clients may tell apart by it)."""
+    return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,

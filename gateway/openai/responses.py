@@ -78,14 +78,13 @@ def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
     prior = prior or []
     earlier = convert_body(prior, list[InputItem], root="previous_response_id")
     chat: dict[str, Any] = {"model": req.model, "messages": _messages(req, earlier), **_chat_tools(req)}
-    for key in ("temperature", "top_p", "parallel_tool_calls", "seed", "priority", "stream", "top_logprobs",
-                "chat_template_kwargs"):
+    for key in ("temperature", "top_p", "parallel_tool_calls", "seed", "priority", "stream", "chat_template_kwargs"):
         if (value := getattr(req, key)) is not None:
             chat[key] = value
     if req.reasoning is not None and req.reasoning.effort is not None:   # what it does is chat's
         chat["reasoning_effort"] = req.reasoning.effort
-    if req.top_logprobs is not None:
-        chat["logprobs"] = True
+    if "message.output_text.logprobs" in (req.include or ()):   # as OpenAI: `top_logprobs` alone adds none
+        chat.update(logprobs=True, top_logprobs=req.top_logprobs)
     if req.max_output_tokens is not None:
         chat["max_completion_tokens"] = req.max_output_tokens
     if (fmt := _response_format(req.text)) is not None:
@@ -129,12 +128,12 @@ def _messages(req: ResponsesBody, earlier: list[InputItem]) -> list[dict[str, An
     reasoning = None   # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(earlier + own):
         where = f"input[{i - len(earlier)}]" if i >= len(earlier) else f"previous_response_id[{i}]"
-        required = {"message": ("role",), "function_call": ("call_id", "name", "arguments"),
-                    "function_call_output": ("call_id",), "reasoning": ()}[item.type]
+        required = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
+                    "function_call_output": ("call_id", "output"), "reasoning": ()}[item.type]
         if (missing := next((key for key in required if getattr(item, key) is None), None)) is not None:
             raise bad_request(f"{where}.{missing}", f"is required in a {item.type} item")
         if item.type == "reasoning":
-            reasoning = _text(item.content) or None
+            reasoning = _text(item.content or "") or None
             continue
         if item.type == "message":
             messages.append({"role": item.role, "content": _text(item.content)})
@@ -215,7 +214,7 @@ def renamed(err: ApiError) -> ApiError:
 _FUNCTION_FIELD = re.compile(r"^tools\[(\d+)\]\.function\.")
 
 
-def response_object(asked: ResponsesRequest, response_id: str, created_at: float, status: str,
+def response_object(asked: ResponsesRequest, response_id: str, created_at: int, status: str,
                     output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                     error: dict[str, Any] | None = None) -> dict[str, Any]:
     """OpenAI's Response object of `asked` as it stands (`status`, the `output` items so far)."""
@@ -237,6 +236,20 @@ def response_object(asked: ResponsesRequest, response_id: str, created_at: float
     }
 
 
+# the codes of OpenAI's ResponseError that ours map to; every other code is server_error
+_RESPONSE_ERROR_CODES = {"rate_limit_exceeded": "rate_limit_exceeded", "server_error": "server_error",
+                         "context_length_exceeded": "invalid_prompt", "poison_request": "invalid_prompt",
+                         "invalid_prompt": "invalid_prompt"}
+
+
+def response_error(err: ApiError) -> dict[str, Any]:
+    """A failed Response's `error` as OpenAI's `ResponseError` has it: `code` one of its own (which the SDK's
+    type lists), ours at the start of the message where it is not one of them."""
+    code, message = err.code, err.body()["error"]["message"]
+    own = _RESPONSE_ERROR_CODES.get(code or "", "server_error")
+    return {"code": own, "message": message if code in (None, own) else f"{code}: {message}"}
+
+
 Keep = Callable[[dict[str, Any]], Awaitable[bool]]   # stores a finished Response; False if it could not
 
 
@@ -248,11 +261,11 @@ class ResponsesAnswer(LocalResponse):
     fetch it at once."""
 
     def __init__(self, *args: Any, asked: ResponsesRequest, response_id: str | None = None,
-                 created_at: float | None = None, keep: Keep | None = None, **kwargs: Any) -> None:
+                 created_at: int | None = None, keep: Keep | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.asked, self.keep = asked, keep
-        self.response_id = response_id or objects.new_id("resp")
-        self.created_at = time.time() if created_at is None else created_at
+        self.response_id = response_id or objects.new_id("resp", "_")
+        self.created_at = int(time.time()) if created_at is None else created_at   # whole seconds, as OpenAI's
         self._sequence = 0
         self._output: list[dict[str, Any]] = []        # the items streamed so far (completed ones whole)
         self._message: dict[str, Any] | None = None    # the message item being streamed
@@ -269,7 +282,7 @@ class ResponsesAnswer(LocalResponse):
             prompt_tokens, completion_tokens = self._usage()
             usage = objects.response_usage(prompt_tokens, completion_tokens, self.cached_tokens(),
                                    self.reasoning_tokens() or 0)
-        error = self.error.body()["error"] if status == "failed" and self.error is not None else None
+        error = response_error(self.error) if status == "failed" and self.error is not None else None
         return response_object(self.asked, self.response_id, self.created_at, status, output, usage, error)
 
     @staticmethod
@@ -294,11 +307,12 @@ class ResponsesAnswer(LocalResponse):
         choice = self.choices[0]
         content, calls = self._reply(choice)
         reasoning = choice.reasoning.reasoning if choice.reasoning is not None else ""
-        output = [reasoning_item(objects.new_id("rs"), reasoning, self._reasoning_status())] if reasoning else []
+        output = [reasoning_item(objects.new_id("rs", "_"), reasoning, self._reasoning_status())] if reasoning else []
         before, after = self._around_calls(choice.content_text, content or "", calls)
         if before:
             # a message before calls was written whole (a stream closes it at the first call)
-            output.append(self._message_item(objects.new_id("msg"), before, "completed" if calls else self._status()))
+            status = "completed" if calls else self._status()
+            output.append(self._message_item(objects.new_id("msg", "_"), before, status))
             if self.want_logprobs and not calls:   # the text's tokens: none of the think block's
                 k = choice.reasoning.num_tokens_before_content if choice.reasoning is not None else 0
                 output[-1]["content"][0]["logprobs"] = objects.chat_logprobs(
@@ -306,7 +320,7 @@ class ResponsesAnswer(LocalResponse):
                     choice.pool.token_text, choice.pool.token_bytes)["content"]
         output += [self._call_item(call, "incomplete" if call.cut else "completed") for call in calls]
         if after.strip():
-            output.append(self._message_item(objects.new_id("msg"), after.lstrip(), self._status()))
+            output.append(self._message_item(objects.new_id("msg", "_"), after.lstrip(), self._status()))
         return self._response(self._status(), output)
 
     def _around_calls(self, text: str, content: str, calls: list[ToolCall]) -> tuple[str, str]:
@@ -369,7 +383,7 @@ class ResponsesAnswer(LocalResponse):
 
     def _reasoning_delta(self, text: str) -> None:
         if self._reasoning is None:
-            self._reasoning = reasoning_item(objects.new_id("rs"), "", "in_progress")
+            self._reasoning = reasoning_item(objects.new_id("rs", "_"), "", "in_progress")
             self._output.append(self._reasoning)
             index = len(self._output) - 1
             self._event("response.output_item.added", output_index=index, item=dict(self._reasoning, content=[]))
@@ -393,7 +407,7 @@ class ResponsesAnswer(LocalResponse):
 
     def _text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> None:
         if self._message is None:
-            self._message = self._message_item(objects.new_id("msg"), "", "in_progress")
+            self._message = self._message_item(objects.new_id("msg", "_"), "", "in_progress")
             self._message["content"] = []
             self._output.append(self._message)
             index = len(self._output) - 1

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from engine.sampling import MAX_LOGPROBS
 from gateway.openai import objects
 from gateway.openai.errors import ApiError
 from gateway.openai.reasoning import ReasoningOptions
@@ -33,11 +34,11 @@ class InputItem(msgspec.Struct):
 
     type: Literal["message", "function_call", "function_call_output", "reasoning"] = "message"
     role: Literal["user", "system", "developer", "assistant"] | None = None   # a message's
-    content: str | list[InputPart] = ""
+    content: str | list[InputPart] | None = None                              # a message's, a reasoning item's
     call_id: str | None = None                                                # a call's and its output's
     name: str | None = None
     arguments: str | None = None
-    output: str | list[InputPart] = ""
+    output: str | list[InputPart] | None = None                               # a call output's
 
 
 class FunctionTool(msgspec.Struct):
@@ -75,7 +76,7 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_output_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_logprobs: Int64 | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None   # alternatives per token
     seed: Int64 | None = None
     priority: Int64 | None = None
     stream: bool | None = None
@@ -85,7 +86,7 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     metadata: dict[str, Any] | None = None    # `_metadata`
     truncation: Literal["disabled"] | None = None
     service_tier: Literal["auto", "default"] | None = None
-    include: list[Literal["message.output_text.logprobs"]] | None = None
+    include: list[Literal["message.output_text.logprobs"]] | None = None   # the logprobs' only switch
     chat_template_kwargs: dict[str, Any] | None = None   # as chat's (vLLM's)
     reasoning: ReasoningOptions | None = None  # checked; effort "none" turns thinking off
     user: Any = None                          # accepted and ignored, as the three after it (chat's reasons)
@@ -133,7 +134,7 @@ def relayed_item(item: dict[str, Any]) -> dict[str, Any]:
     if kind == "reasoning":
         content = item.get("content") or []
         texts = [content] if isinstance(content, str) else [part["text"] for part in content]
-        return {"type": "reasoning", "id": item.get("id") or objects.new_id("rs"), "summary": [],
+        return {"type": "reasoning", "id": item.get("id") or objects.new_id("rs", "_"), "summary": [],
                 "content": [{"type": "reasoning_text", "text": text} for text in texts]}
     return item   # a function_call: its call_id, name and arguments are the input shape
 

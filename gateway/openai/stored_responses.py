@@ -52,7 +52,8 @@ from gateway.completion import Completion, constrained
 from gateway.handlers import read_json
 from gateway.openai.chat import ChatRequest
 from gateway.openai.errors import ApiError, bad_request, storage_unavailable
-from gateway.openai.responses import ResponsesAnswer, ResponsesRequest, parse_responses, renamed, response_object
+from gateway.openai.responses import (ResponsesAnswer, ResponsesRequest, parse_responses, renamed, response_error,
+                                      response_object)
 from gateway.openai.responses_body import relayed_item
 from gateway.openai.sampling_fields import check_context
 from gateway.runtime import GATEWAY, Gateway
@@ -140,7 +141,7 @@ class KeptResponses:
 
         async def keep_and_launch() -> dict[str, Any]:
             try:
-                queued = response_object(asked, objects.new_id("resp"), time.time(), "queued", [])
+                queued = response_object(asked, objects.new_id("resp", "_"), int(time.time()), "queued", [])
                 await self.db(self.store.put, queued, owner=owner, tenant=tenant, request=body, items=asked.items,
                               background=True)
             except BaseException:
@@ -178,7 +179,7 @@ class KeptResponses:
             await self.durable(self.store.update, {**stored.response, "status": "in_progress"}, unless=FINISHED)
             final = _finished(await self._answer(stored))
         except ApiError as exc:
-            final = {**stored.response, "status": "failed", "error": exc.body()["error"]}
+            final = {**stored.response, "status": "failed", "error": response_error(exc)}
         except Exception as exc:   # noqa: BLE001 - kept as the response's failure, never lost
             log.exception("%s: its background run failed", stored.id)
             final = {**stored.response, "status": "failed",
@@ -363,9 +364,12 @@ async def _prior(request: web.Request, body: Any, owner: str) -> list[dict[str, 
 
 
 def _as_input(item: dict[str, Any]) -> dict[str, Any]:
-    """An output item as the input item of the next turn (what the Responses API takes back)."""
+    """An output item as the input item of the next turn (what the Responses API takes back): a message's
+    parts their type and text only (the next turn's prompt reads no logprobs, and each later turn of a
+    chain keeps these items again)."""
     if item.get("type") == "message":
-        return {"type": "message", "role": "assistant", "content": item["content"]}
+        return {"type": "message", "role": "assistant",
+                "content": [{"type": part["type"], "text": part.get("text", "")} for part in item["content"]]}
     keys = ("type", "content") if item.get("type") == "reasoning" else ("type", "call_id", "name", "arguments")
     return {k: item[k] for k in keys if k in item}   # a reasoning item's text goes to the next assistant turn
 

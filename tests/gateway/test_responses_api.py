@@ -42,6 +42,7 @@ async def test_text_whole_and_streamed(client) -> None:
     assert whole.object == "response" and whole.status in ("completed", "incomplete") and whole.output_text
     assert whole.usage.output_tokens <= 24 and whole.usage.input_tokens > 0
     openai.types.responses.Response.model_validate(whole.model_dump())   # every field the SDK requires is there
+    assert whole.id.startswith("resp_") and whole.output[-1].id.startswith("msg_") and whole.created_at.is_integer()
     assert whole.usage.input_tokens_details.cache_write_tokens == 0
     events = await _events(client, **kwargs)
     kinds = [e.type for e in events]
@@ -124,6 +125,9 @@ async def test_a_call_cut_by_max_output_tokens_is_an_incomplete_call_whole_and_s
     ({"text": {"format": {"type": "json_schema", "name": "pet"}}}, "text.format.schema"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call_output", "output": "21 C"}]},
      "input[1].call_id"),
+    ({"input": [{"role": "user"}]}, "input[0].content"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1"}]}, "input[1].output"),
     ({"truncation": "auto"}, "truncation"),
     ({"service_tier": "flex"}, "service_tier"),
     ({"include": ["reasoning.encrypted_content"]}, "include[0]"),
@@ -158,6 +162,20 @@ async def test_metadata_is_echoed_and_logprobs_come_with_the_text_whole_and_stre
     assert events[-1].response.metadata == {"app": "tests", "turn": "1"}
 
 
+async def test_include_turns_the_logprobs_on_and_top_logprobs_alone_does_not(client) -> None:
+    """As OpenAI's: `include: ["message.output_text.logprobs"]` asks for them (with no alternatives unless
+    `top_logprobs` says how many); `top_logprobs` alone returns none."""
+    kwargs = dict(model=MODEL, input="Name a colour.", max_output_tokens=3, temperature=0)
+    included = await client.responses.create(**kwargs, include=["message.output_text.logprobs"])
+    part = included.output[0].content[0]
+    assert len(part.logprobs) == included.usage.output_tokens == 3 and all(not lp.top_logprobs for lp in part.logprobs)
+    alone = await client.responses.create(**kwargs, top_logprobs=3)
+    assert alone.output[0].content[0].logprobs == [] and alone.output_text == included.output_text
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.create(**kwargs, top_logprobs=21)
+    assert info.value.body["param"] == "top_logprobs"
+
+
 def test_a_stream_whose_engine_request_fails_ends_in_response_failed_with_the_error() -> None:
     from types import SimpleNamespace
 
@@ -177,8 +195,13 @@ def test_a_stream_whose_engine_request_fails_ends_in_response_failed_with_the_er
     answer._queue_tail()
     assert [e["type"] for e in events][-2:] == ["response.output_item.done", "response.failed"]
     failed = events[-1]["response"]
-    assert failed["status"] == "failed" and failed["error"]["code"] == "request_failed"
+    assert failed["status"] == "failed" and failed["error"] == {
+        "code": "server_error", "message": "request_failed: the device worker failed to handle it"}
     assert failed["output"][0]["content"][0]["text"] == "Hel" and failed["metadata"] == {"a": "b"}
+    openai.types.responses.Response.model_validate(failed)   # the SDK's type: its error codes are OpenAI's own
+    answer.error = ApiError(400, "input: too long", code="context_length_exceeded")
+    assert answer._response("failed", [])["error"] == {
+        "code": "invalid_prompt", "message": "context_length_exceeded: input: too long"}
 
 
 def _items(pieces: list[str], stream: bool, finish: str) -> list[tuple]:

@@ -89,6 +89,18 @@ async def test_a_conversation_continues_from_its_kept_turns_and_hits_the_prefix_
         await client.responses.retrieve(unkept.id)
 
 
+def test_a_kept_answer_comes_back_as_the_next_turns_input_with_its_text_only() -> None:
+    """What a chain of responses keeps of an earlier answer is what the next prompt reads: no logprobs (up to
+    20 alternatives a token, which every later turn would keep again), no annotations."""
+    from gateway.openai.stored_responses import _as_input
+
+    logprob = {"token": "Hi", "logprob": -0.1, "bytes": [72, 105], "top_logprobs": []}
+    item = {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant", "content": [
+        {"type": "output_text", "text": "Hi", "annotations": [], "logprobs": [logprob]}]}
+    back = _as_input(item)
+    assert back == {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hi"}]}
+
+
 async def test_a_background_response_is_polled_to_its_end_or_cancelled(live_builtin_server) -> None:
     client = _client(live_builtin_server)
     queued = await client.responses.create(model=MODEL, input="Name a colour.", background=True, max_output_tokens=8,
