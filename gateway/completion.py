@@ -58,7 +58,7 @@ from gateway.openai.sampling_fields import check_context, check_logit_bias
 from gateway.client_writes import ClientGone
 from gateway.admission import Placed
 from gateway.local_answer import LocalResponse
-from gateway.runtime import Gateway
+from gateway.runtime import Gateway, device_wait_limit
 from gateway.workers.deaths import LOSS, Death, DeathsUnder, Hold
 from gateway.openai.tool_grammar import thinking_first
 from gateway.openai.tool_specs import schema_error
@@ -198,7 +198,7 @@ class Completion:
         """An HTTP request a worker death counts (or may yet count: a loss whose window is open) against runs
         holding its devices' `SuspectGate`s: beside the others (shared), or alone among them (exclusive) once
         its last such death came with others beside it, the ones in flight then all suspects; 503 with
-        Retry-After if that takes over `gateway.device_wait_seconds`. A fresh request, a batch line (its runner
+        Retry-After if that takes over `gateway.device_wait_seconds` (or a pool's `max_queue_seconds`). A fresh request, a batch line (its runner
         has its own gate) or a background Response (it waits however long: it would hold up the others) holds
         none."""
         suspected = sum(verdict is not False for verdict in under.verdicts())
@@ -206,7 +206,7 @@ class Completion:
             yield Hold()
             return
         exclusive = last.crowded and suspected > ENGINE_DEATH_RETRIES
-        limit = self.gateway.config.gateway.device_wait_seconds
+        limit = device_wait_limit(self.gateway.config, (pool for pool, _ in self.routed))
         async with contextlib.AsyncExitStack() as stack:
             try:
                 async with asyncio.timeout(limit):

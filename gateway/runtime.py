@@ -310,9 +310,7 @@ class Gateway:
         if not waits:
             raise ApiError(503, f"pool {pool.name!r}: no replica of device {pool.device!r} is started; retry later",
                            type="server_error", code="pool_unavailable", headers={"Retry-After": "1"})
-        limit = None if patient else self.config.gateway.device_wait_seconds
-        if limit is not None and pool.spec.max_queue_seconds:
-            limit = min(limit, pool.spec.max_queue_seconds)
+        limit = None if patient else device_wait_limit(self.config, [pool])
         deadline = None if limit is None else time.monotonic() + limit
         try:
             while waits:
@@ -414,6 +412,13 @@ class Gateway:
 
 
 GATEWAY = web.AppKey("gateway", Gateway)
+
+
+def device_wait_limit(config: CliffguardConfig, pools: Iterable[Pool]) -> float:
+    """How long a client's request waits for its devices: `gateway.device_wait_seconds`, or the least
+    `max_queue_seconds` (not 0: refused at once instead; not None: no limit) of its pools when smaller."""
+    return min([config.gateway.device_wait_seconds, *(p.spec.max_queue_seconds for p in pools
+                                                      if p.spec.max_queue_seconds)])
 
 
 def model_not_found(exc: UnknownModelError) -> ApiError:

@@ -171,12 +171,15 @@ def test_a_death_not_its_own_after_a_crowded_one_is_no_poison_verdict():
     asyncio.run(scenario())
 
 
-def _suspect(under: DeathsUnder, gate: SuspectGate, wait_seconds: float = 5.0) -> Completion:
-    """A Completion of an HTTP request on one device whose suspect gate is `gate`."""
+def _suspect(under: DeathsUnder, gate: SuspectGate, wait_seconds: float = 5.0,
+             max_queue_seconds: float | None = None) -> Completion:
+    """A Completion of an HTTP request on one device whose suspect gate is `gate`, routed to a pool with
+    `max_queue_seconds`."""
     gateway = SimpleNamespace(config=SimpleNamespace(gateway=SimpleNamespace(device_wait_seconds=wait_seconds)),
                               suspect_gates=lambda pools: [gate], drain_over=False, cuttable=set())
-    return Completion(gateway, SimpleNamespace(), [(SimpleNamespace(device="cpu"), [1])], {}, "/completions", 0.0,
-                      "default", http=SimpleNamespace())
+    pool = SimpleNamespace(device="cpu", spec=SimpleNamespace(max_queue_seconds=max_queue_seconds))
+    return Completion(gateway, SimpleNamespace(), [(pool, [1])], {}, "/completions", 0.0, "default",
+                      http=SimpleNamespace())
 
 
 def test_a_request_under_a_loss_still_undecided_is_a_suspect_and_waits_its_turn_at_most_device_wait():
@@ -193,6 +196,12 @@ def test_a_request_under_a_loss_still_undecided_is_a_suspect_and_waits_its_turn_
                 async with _suspect(crowded_twice, gate, 0.1)._suspect_gates(crowded_twice, Hold(crowded=True)):
                     pass
         assert info.value.status == 503 and info.value.code == "pool_unavailable"
+        async with gate.shared():                            # a pool's max_queue_seconds shorter: that is the bound
+            started = time.monotonic()
+            with pytest.raises(ApiError) as info:
+                async with _suspect(crowded_twice, gate, 30, 0.2)._suspect_gates(crowded_twice, Hold(crowded=True)):
+                    pass
+        assert info.value.status == 503 and 0.2 <= time.monotonic() - started < 5
 
     asyncio.run(scenario())
 
