@@ -42,7 +42,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +114,7 @@ class Completion:
                 check_logit_bias(self.req, pool.tokenizer.vocab_size, pool.name)
         upstream = [pool for pool, _ in self.routed if pool.is_upstream]
         if upstream:
-            return await self._forward(upstream[0])
+            return await self._forward_cuttable(upstream[0])
         self.req, think = await constrained(self.gateway, self.req, *self.routed[0])
         admission = self.gateway.admission
         req = dataclasses.replace(self.req, priority=admission.clamp_priority(self.tenant, self.req.priority))
@@ -139,22 +139,44 @@ class Completion:
         """`_run_local`, which the gateway cuts if it still runs when its drain ends (an HTTP request's: a
         background one or a batch line is kept unfinished for the next start): waiting for its device or its
         credits, a 503 `server_shutting_down`; running, that error as its answer (`LocalResponse.run`)."""
-        task = asyncio.current_task()
         if self.background or self.http is None:
             return await self._run_local(req, think)
+        with self._cuttable():
+            try:
+                return await self._run_local(req, think)
+            except asyncio.CancelledError as exc:
+                if (error := drain_cut(exc)) is None:
+                    raise
+                asyncio.current_task().uncancel()
+                if self._local is not None and self._local.response is not None:   # a stream begun: its error event
+                    self._local.error = error
+                    return self._local
+                raise error from None
+
+    async def _forward_cuttable(self, pool: Pool) -> web.StreamResponse | dict[str, Any]:
+        """`_forward`, cut as `_run_cuttable` is: before the answer began, a 503 `server_shutting_down` (the
+        upstream's connection closed, so it stops); a relayed stream ends with that error event itself."""
+        if self.background or self.http is None:
+            return await self._forward(pool)
+        with self._cuttable():
+            try:
+                return await self._forward(pool)
+            except asyncio.CancelledError as exc:
+                if (error := drain_cut(exc)) is None:
+                    raise
+                asyncio.current_task().uncancel()
+                raise error from None
+
+    @contextlib.contextmanager
+    def _cuttable(self) -> Iterator[None]:
+        """The request's task in the gateway's `cuttable` while the block runs (`Gateway.cut_in_flight`); a
+        503 `server_shutting_down` at once if the drain already ended."""
         if self.gateway.drain_over:
             raise shutting_down()
+        task = asyncio.current_task()
         self.gateway.cuttable.add(task)
         try:
-            return await self._run_local(req, think)
-        except asyncio.CancelledError as exc:
-            if (error := drain_cut(exc)) is None:
-                raise
-            task.uncancel()
-            if self._local is not None and self._local.response is not None:   # a stream begun: its error event
-                self._local.error = error
-                return self._local
-            raise error from None
+            yield
         finally:
             self.gateway.cuttable.discard(task)
 

@@ -3,8 +3,9 @@
 at once; it resumes unfinished batches after a restart from the durable store
 (`pools.store.batch_store.BatchStore`) and holds no state a restart needs.
 
-A line answered 503 `engine_dead` / `replica_lost` / `pool_unavailable` or 502 `upstream_unreachable`
-(an upstream pool no connection could be made to: nothing was sent) is retried with back-off, at most
+A line answered 503 `engine_dead` / `replica_lost` / `pool_unavailable`, 502 `upstream_unreachable`
+(an upstream pool no connection could be made to: nothing was sent) or 429 (an upstream's rate limit:
+refused, not run) is retried with back-off, at most
 MAX_LINE_ATTEMPTS times. Deaths are counted by cause, as for any request (`gateway.completion`): the
 gateway answers a line 503 `engine_dead` when the worker's death under it was its own (a failed step,
 a hang, or its replica lost alone) and 503 `replica_lost` when it was not (several replicas of the
@@ -105,7 +106,7 @@ class BatchRunner:
     that were in flight when it died are still pending and run again). Each line runs as the batch's
     tenant, read from the store. A batch has at most `max_in_flight` lines in flight. A transient
     answer (`TRANSIENT`: 503 `engine_dead` / `replica_lost` / `pool_unavailable`, 502
-    `upstream_unreachable`) is not a result: the line is tried again after a back-off (`retry_first_s`
+    `upstream_unreachable`; any 429) is not a result: the line is tried again after a back-off (`retry_first_s`
     doubling, at most `retry_max_s`), at most `max_line_attempts` times in all; a line answered
     `engine_dead` (a death of its own) is tried again alone (`SuspectGate`), and a second `engine_dead` makes
     it a poison line; `replica_lost` (a death that was not its own) is retried like any transient
@@ -343,4 +344,5 @@ def _describe(status: int, body: Any) -> str:
 
 
 def _is_transient(status: int, body: Any) -> bool:
-    return (status, _error(body).get("code")) in TRANSIENT
+    """`TRANSIENT`, or any 429: refused for now (an upstream's rate limit), so never run."""
+    return status == 429 or (status, _error(body).get("code")) in TRANSIENT

@@ -2,8 +2,10 @@
 
 The request body goes on unchanged except `model`, which becomes the upstream's model name; the
 answer comes back with the client's model name restored. Streams are relayed event by event as they
-arrive, their fields read as the SSE spec says (`data:x` is `data: x`). Upstream errors (4xx and 5xx)
-keep their status and OpenAI error body; a body that is not one (`{"error": "text"}`, not JSON) is put
+arrive, their fields read as the SSE spec says (`data:x` is `data: x`; an event the body ends inside, with
+no blank line after it, only where it is whole: `[DONE]` or a JSON object). Upstream errors (4xx and 5xx)
+keep their status, OpenAI error body and the headers that say when to try again (`Retry-After`,
+`retry-after-ms`, `x-ratelimit-*`); a body that is not one (`{"error": "text"}`, not JSON) is put
 in that format, quoting it, with code `upstream_error`; only its first `MAX_ERROR_BYTES` are read. A
 401 or 403 is not relayed: the client's key is never forwarded, so it refused the gateway's own
 credentials, and the client gets our 502 `upstream_error` saying so (the upstream's message is logged).
@@ -17,7 +19,8 @@ asked for. A stream that fails once it started (dropped, a broken chunk, one eve
 `MAX_EVENT_BYTES`), or whose body ends before its last event (`data: [DONE]`; a Responses stream's
 `response.completed` / `incomplete` / `failed`, or an `error` of its own), ends as a local one that
 fails does: an error event with that 502's error object (`upstream_disconnected`, `upstream_error`),
-then `data: [DONE]` (a Responses stream: an `error` event numbered after its last). Token counts for
+then `data: [DONE]` (a Responses stream: an `error` event numbered after its last); so does one cut at the
+end of the gateway's drain, with 503 `server_shutting_down`. Token counts for
 metrics come from the upstream's `usage` (`prompt_tokens` / `completion_tokens`; the Responses API's
 `input_tokens` / `output_tokens`; a stream's last usage, once) where its counts are non-negative
 integers; a malformed usage is relayed as it is.
@@ -34,6 +37,7 @@ pool of them) for longer than that.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -49,7 +53,7 @@ from aiohttp import web
 from yarl import URL
 
 from gateway.monitoring.metrics import GatewayMetrics, PoolSeries
-from gateway.openai.errors import ApiError
+from gateway.openai.errors import ApiError, drain_cut
 from gateway.client_writes import start_sse, write_within
 from gateway.upstream.connection import (UpstreamClient, UpstreamDisconnected, UpstreamResponse,
                                          UpstreamTooLarge, UpstreamUnreachable)
@@ -191,7 +195,18 @@ async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
     error = openai_error(raw, f"upstream pool {pool.name!r} answered {status}")
     if status in (401, 403):
         raise _credentials_refused(pool, status, error)
-    return web.json_response({"error": error}, status=status, headers={"x-cliffguard-pool": pool.name})
+    return web.json_response({"error": error}, status=status,
+                             headers={"x-cliffguard-pool": pool.name, **retry_headers(upstream.headers)})
+
+
+_RETRY_HEADERS = ("retry-after", "retry-after-ms")
+
+
+def retry_headers(headers: Any) -> dict[str, str]:
+    """The upstream's word on when to try again (`Retry-After`, `retry-after-ms`, the `x-ratelimit-*`
+    headers OpenAI sends with a 429), relayed with its error: the SDKs wait what it says."""
+    return {name: value for name, value in headers.items()
+            if (low := name.lower()) in _RETRY_HEADERS or low.startswith("x-ratelimit-")}
 
 
 def _credentials_refused(pool: Pool, status: int, error: dict[str, Any]) -> ApiError:
@@ -243,15 +258,20 @@ async def _relay_stream(request: web.Request, pool: Pool, upstream: UpstreamResp
                            f"{request.path}: its relayed stream")
 
     seen, failure, series = _StreamSeen(), None, metrics.pool_series(pool.name)
-    async with contextlib.aclosing(_events(pool, upstream)) as events:
-        async for event in events:
-            if isinstance(event, ApiError):
-                failure = event
-                break
-            num_outputs = seen.num_outputs
-            await write(seen.relay(event, client_model) + b"\n\n")
-            if num_outputs == 0 and seen.num_outputs:   # its first event of output
-                series.ttft.observe(time.perf_counter() - received)
+    try:
+        async with contextlib.aclosing(_events(pool, upstream)) as events:
+            async for event in events:
+                if isinstance(event, ApiError):
+                    failure = event
+                    break
+                num_outputs = seen.num_outputs
+                await write(seen.relay(event, client_model) + b"\n\n")
+                if num_outputs == 0 and seen.num_outputs:   # its first event of output
+                    series.ttft.observe(time.perf_counter() - received)
+    except asyncio.CancelledError as exc:   # cut at the drain's end: its error event ends the stream
+        if (failure := drain_cut(exc)) is None:
+            raise
+        asyncio.current_task().uncancel()
     if failure is None and not seen.ended:   # a clean end of the body (a connection's FIN, a last chunk) too early
         last = "a response.completed, .incomplete or .failed event" if responses else "data: [DONE]"
         failure = _upstream_failed(pool, "dropped the stream", UpstreamDisconnected(
@@ -376,8 +396,16 @@ async def _events(pool: Pool, upstream: UpstreamResponse) -> AsyncIterator[bytes
     except (UpstreamDisconnected, OSError) as exc:
         yield _upstream_failed(pool, "dropped the stream", exc, "upstream_disconnected")
         return
-    if tail.strip():
+    if tail.strip() and _whole(bytes(tail.rstrip(b"\r"))):
         yield bytes(tail.rstrip(b"\r"))
+
+
+def _whole(event: bytes) -> bool:
+    """Whether an event the body ended inside, with no blank line after it, is whole: its data `[DONE]` or
+    a JSON object. The SSE spec drops such an event; a server that ends its last one with one line break is
+    still read, but a cut one (`data: {"id": "c1", "choi`) is never relayed as if whole."""
+    data = _event_fields(event)[1]
+    return data == b"[DONE]" or _json_object(data) is not None
 
 
 def _split_events(tail: bytearray, data: bytes) -> list[bytes]:

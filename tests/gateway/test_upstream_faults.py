@@ -402,3 +402,82 @@ async def test_batch_lines_keep_what_the_upstream_answered(aiohttp_client, tmp_p
     assert "bad thing" in statuses["plain"][1]["message"]
     assert statuses["odd"][0] == 502 and statuses["odd"][1]["code"] == "upstream_error"
     server.close()
+
+
+# --- what the client is told: when to try again, an event cut short, the drain's end ------------------------------
+async def test_an_upstream_429_keeps_its_retry_headers_and_a_batch_line_is_tried_again(aiohttp_client, tmp_path):
+    """A rate limit's Retry-After (and OpenAI's x-ratelimit-* headers) reach the client, whose SDK waits what
+    it says; a batch line answered 429 was refused, never run, so it is tried again like a line whose
+    upstream could not be reached."""
+    refusal = b'{"error": {"message": "slow down", "code": "rate_limit_exceeded"}}'
+    limited = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 7\r\n"
+               b"x-ratelimit-remaining-requests: 0\r\nContent-Length: %d\r\n\r\n%s" % (len(refusal), refusal))
+    tries: dict[str, int] = {}
+
+    def answer(request: bytes) -> bytes:
+        prompt = json.loads(request.split(b"\r\n\r\n", 1)[1])["messages"][0]["content"]
+        tries[prompt] = tries.get(prompt, 0) + 1
+        if prompt == "bad":
+            return _reply(400, b'{"error": "bad thing"}')
+        return limited if tries[prompt] == 1 or prompt == "hi" else _reply(200, _chat_answer(None))
+
+    server, url = await _serve(answer)
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    assert r.status == 429 and (await r.json())["error"]["code"] == "rate_limit_exceeded"
+    assert (r.headers["Retry-After"], r.headers["x-ratelimit-remaining-requests"]) == ("7", "0")
+    (tmp_path / "batch").mkdir()
+    done, errors = await _run_batch(aiohttp_client, tmp_path / "batch", url, "later", "bad")
+    assert done["request_counts"] == {"total": 2, "completed": 1, "failed": 1}, done
+    assert tries["later"] == 2 and tries["bad"] == 1 and [e["custom_id"] for e in errors] == ["bad"]
+    server.close()
+
+
+async def test_an_event_the_body_ends_inside_is_never_relayed_as_whole(aiohttp_client, tmp_path):
+    """A body framed by its connection that ends (a FIN, no error) inside an event: that tail is not an event
+    (the SSE spec drops it) and the client gets the stream's error and `[DONE]`, every data line JSON."""
+    async def write(writer, request, n):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n" + EVENT
+                     + b'data: {"id": "c1", "choi')
+        await writer.drain()
+        return "close"
+
+    server, url, _, _ = await _raw_server(write)
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, str(url.with_path("/v1")))
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    text = await r.text()
+    datas = [line.removeprefix("data: ") for line in text.split("\n") if line.startswith("data: ")]
+    assert datas[-1] == "[DONE]" and all(isinstance(json.loads(d), dict) for d in datas[:-1]), text
+    _assert_error_event_then_done(text, "upstream_disconnected")
+    server.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_relayed_request_in_flight_when_the_drain_ends_is_answered_503(aiohttp_client, tmp_path, stream):
+    """Cut at the drain's end as a local one is: a relayed stream ends with the `server_shutting_down`
+    error event and `[DONE]`, a request not yet answered gets that 503; the upstream's connection is closed
+    (it stops), and the slot comes back."""
+    stalled = asyncio.Event()
+
+    async def write(writer, request, n):
+        if stream:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n" + EVENT)
+            await writer.drain()
+        stalled.set()
+        await asyncio.sleep(60)
+
+    server, url, _, _ = await _raw_server(write)
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, str(url.with_path("/v1")))
+    post = asyncio.ensure_future(client.post("/v1/chat/completions", json={**CHAT, "stream": stream}))
+    await asyncio.wait_for(stalled.wait(), 5)
+    await asyncio.sleep(0.1)
+    assert gateway.cut_in_flight() == 1
+    r = await asyncio.wait_for(post, 5)
+    if stream:
+        text = await asyncio.wait_for(r.text(), 5)
+        assert r.status == 200 and text.startswith(EVENT.decode().replace("upstream-model", FRONT)[:20]), text
+        _assert_error_event_then_done(text, "server_shutting_down")
+    else:
+        assert r.status == 503 and (await r.json())["error"]["code"] == "server_shutting_down"
+    _assert_no_slot_held(gateway)
+    server.close()
