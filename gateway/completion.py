@@ -128,8 +128,11 @@ class Completion:
                            "by one", param="prompt")
         gateway = self.gateway
         response = await forward(self.http, gateway.upstream, pool, self.path, self.body, self.req.stream,
-                                 gateway.metrics, write_timeout=gateway.config.gateway.write_timeout)
+                                 gateway.metrics, write_timeout=gateway.config.gateway.write_timeout,
+                                 prompt_tokens=len(self.routed[0][1]))
         if self.http is not None:
+            if response.status >= 400:   # the upstream's error, relayed as it answered (not raised)
+                gateway.metrics.errors.labels(status=str(response.status)).inc()
             return response
         if response.status >= 400:
             raise _relayed_error(response)

@@ -46,6 +46,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -109,14 +110,17 @@ def _rename(obj: Any, model: str) -> Any:
 
 async def forward(request: web.Request, client: UpstreamClient, pool: Pool, path: str,
                   body: dict[str, Any], stream: bool, metrics: GatewayMetrics,
-                  write_timeout: float = 30.0) -> web.StreamResponse:
-    """Send `body` (with the upstream's model name) to `<pool.spec.upstream><path>` and relay the answer."""
-    client_model = body["model"]
+                  write_timeout: float = 30.0, prompt_tokens: int = 0) -> web.StreamResponse:
+    """Send `body` (with the upstream's model name) to `<pool.spec.upstream><path>` and relay the answer;
+    `prompt_tokens`: the gateway's own count of the prompt (`_Relayed`)."""
     responses = path.endswith("/responses")   # its usage and its stream's events are the Responses API's
-    received = time.perf_counter()
+    relayed = _Relayed(pool, metrics, body["model"], responses, time.perf_counter(), prompt_tokens,
+                       hide_usage=stream and not responses and not _asks_usage(body))
+    sent = dict(body, model=pool.spec.model)
+    if relayed.hide_usage:   # the stream's usage chunk, for the counters; the client did not ask for it
+        sent["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     try:
-        upstream = await client.post(_url(pool.spec.upstream, path), _JSON.encode(dict(body, model=pool.spec.model)),
-                                     _headers(pool, stream))
+        upstream = await client.post(_url(pool.spec.upstream, path), _JSON.encode(sent), _headers(pool, stream))
     except UpstreamUnreachable as exc:   # no connection: nothing sent
         raise _upstream_failed(pool, "is unreachable", exc, "upstream_unreachable") from None
     except (UpstreamDisconnected, OSError) as exc:   # after the request may have gone out
@@ -125,50 +129,92 @@ async def forward(request: web.Request, client: UpstreamClient, pool: Pool, path
         if not 200 <= upstream.status < 300:
             return await _relay_error(pool, upstream)
         if not stream:
-            return await _relay_answer(pool, upstream, client_model, metrics, received, responses)
+            return await _relay_answer(relayed, upstream)
         content_type = upstream.headers.get("content-type", "")
         if content_type.split(";", 1)[0].strip().lower() != "text/event-stream":
             raise _upstream_failed(pool, "did not stream", ValueError(
                 f"it answered a stream request with Content-Type {content_type[:80]!r}, not text/event-stream"),
                 "upstream_error")
-        return await _relay_stream(request, pool, upstream, client_model, metrics, received, write_timeout,
-                                   responses)
+        return await _relay_stream(request, relayed, upstream, write_timeout)
 
 
-async def _relay_answer(pool: Pool, upstream: UpstreamResponse, client_model: str, metrics: GatewayMetrics,
-                        received: float, responses: bool) -> web.Response:
+def _asks_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+# A usage's (prompt, output) token counts: chat and completions, then the Responses API.
+_USAGE_KEYS = {False: ("prompt_tokens", "completion_tokens"), True: ("input_tokens", "output_tokens")}
+# a Response's status as a finish reason, for request_success
+_RESPONSE_FINISH = {"completed": "stop", "incomplete": "length"}
+
+
+@dataclass
+class _Relayed:
+    """One relayed answer's request: what its counters need. `prompt_tokens` is the gateway's own count,
+    counted where the upstream's usage has none; `hide_usage`: a stream the gateway asked for its usage
+    (`stream_options.include_usage`) where the client did not, so that its tokens are counted: the usage
+    chunk is not relayed, nor the `usage: null` of the others."""
+
+    pool: Pool
+    metrics: GatewayMetrics
+    client_model: str
+    responses: bool
+    received: float
+    prompt_tokens: int
+    hide_usage: bool = False
+
+    @property
+    def series(self) -> PoolSeries:
+        return self.metrics.pool_series(self.pool.name)
+
+    def count(self, usage: Any, finish_reasons: list[str]) -> None:
+        """The answer's `usage` added to its pool's token counters (once an answer: a stream's last usage,
+        never each chunk's), by the keys of its API; each choice's end in request_success."""
+        prompt_key, output_key = _USAGE_KEYS[self.responses]
+        series, prompt = self.series, _count(usage, prompt_key)
+        series.prompt_tokens.inc(self.prompt_tokens if prompt is None else prompt)
+        series.generation_tokens.inc(_count(usage, output_key) or 0)
+        for reason in finish_reasons:
+            self.metrics.request_success.labels(pool=self.pool.name, finished_reason=reason).inc()
+
+
+def _count(usage: Any, key: str) -> int | None:
+    """`usage[key]` where it is a count (a non-negative int), else None: a malformed usage is relayed, not
+    counted."""
+    value = usage.get(key) if isinstance(usage, dict) else None
+    return value if type(value) is int and value >= 0 else None
+
+
+def _finish_reasons(obj: Any, responses: bool) -> list[str]:
+    """How an answer (or a stream's chunk, or a Responses event's `response`) says its choices ended."""
+    if not isinstance(obj, dict):
+        return []
+    if responses:
+        holder = obj.get("response") if isinstance(obj.get("response"), dict) else obj
+        reason = _RESPONSE_FINISH.get(holder.get("status")) if holder.get("object") == "response" else None
+        return [reason] if reason else []
+    choices = obj.get("choices")
+    return [c["finish_reason"] for c in choices if isinstance(c, dict) and isinstance(c.get("finish_reason"), str)] \
+        if isinstance(choices, list) else []
+
+
+async def _relay_answer(relayed: _Relayed, upstream: UpstreamResponse) -> web.Response:
     """A non-streamed answer (at most MAX_ANSWER_BYTES) with the client's model name put back."""
+    pool = relayed.pool
     try:
-        payload = _rename(msgspec.json.decode(await upstream.read(MAX_ANSWER_BYTES)), client_model)
+        payload = _rename(msgspec.json.decode(await upstream.read(MAX_ANSWER_BYTES)), relayed.client_model)
     except (UpstreamDisconnected, OSError) as exc:
         raise _upstream_failed(pool, "dropped the answer", exc, "upstream_disconnected") from None
     except UpstreamTooLarge as exc:
         raise _upstream_failed(pool, "sent an answer too large to relay", exc, "upstream_error") from None
     except (ValueError, RecursionError) as exc:   # not JSON, or nested past the decoder's depth
         raise _upstream_failed(pool, "sent an invalid response", exc, "upstream_error") from None
-    series = metrics.pool_series(pool.name)
-    _count_usage(series, payload.get("usage") if isinstance(payload, dict) else None, responses)
-    series.e2e.observe(time.perf_counter() - received)
+    relayed.count(payload.get("usage") if isinstance(payload, dict) else None,
+                  _finish_reasons(payload, relayed.responses))
+    relayed.series.e2e.observe(time.perf_counter() - relayed.received)
     return web.Response(body=_JSON.encode(payload), content_type="application/json",
                         headers={"x-cliffguard-pool": pool.name})
-
-
-# A usage's (prompt, output) token counts: chat and completions, then the Responses API.
-_USAGE_KEYS = {False: ("prompt_tokens", "completion_tokens"), True: ("input_tokens", "output_tokens")}
-
-
-def _count_usage(series: PoolSeries, usage: Any, responses: bool) -> None:
-    """One relayed answer's `usage` added to its pool's token counters (once an answer: a stream's last
-    usage, never each chunk's), by the keys of its API."""
-    prompt_key, output_key = _USAGE_KEYS[responses]
-    series.prompt_tokens.inc(_count(usage, prompt_key))
-    series.generation_tokens.inc(_count(usage, output_key))
-
-
-def _count(usage: Any, key: str) -> int:
-    """`usage[key]` where it is a count (a non-negative int), else 0: a malformed usage is relayed, not counted."""
-    value = usage.get(key) if isinstance(usage, dict) else None
-    return value if type(value) is int and value >= 0 else 0
 
 
 _JSON = msgspec.json.Encoder()
@@ -242,32 +288,33 @@ def openai_error(raw: bytes, context: str) -> dict[str, Any]:
             "param": text_or_none(error.get("param")), "code": text_or_none(error.get("code"))}
 
 
-async def _relay_stream(request: web.Request, pool: Pool, upstream: UpstreamResponse, client_model: str,
-                        metrics: GatewayMetrics, received: float, write_timeout: float,
-                        responses: bool) -> web.StreamResponse:
+async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: UpstreamResponse,
+                        write_timeout: float) -> web.StreamResponse:
     """The upstream's SSE events, each relayed as it arrives with the client's model name put back; a
     client that takes nothing for `write_timeout` seconds is cut off (ClientGone). A stream that fails
     or ends before its last event (`[DONE]`; a Responses stream: its `response.completed` / `incomplete`
     / `failed` event, or an `error` event of its own) ends with our error: a chat or completions stream
     `data: {"error": ...}` then `[DONE]`, a Responses stream an `error` event (OpenAI's
     `ResponseErrorEvent`). The last usage the stream reported is counted once, at its end."""
+    pool, metrics, responses = relayed.pool, relayed.metrics, relayed.responses
     response = await start_sse(request, {"x-cliffguard-pool": pool.name})
 
     async def write(data: bytes) -> None:
         await write_within(request, response.write(data), write_timeout, metrics, pool.name,
                            f"{request.path}: its relayed stream")
 
-    seen, failure, series = _StreamSeen(), None, metrics.pool_series(pool.name)
+    seen, failure = _StreamSeen(responses, relayed.hide_usage), None
     try:
         async with contextlib.aclosing(_events(pool, upstream)) as events:
             async for event in events:
                 if isinstance(event, ApiError):
                     failure = event
                     break
-                num_outputs = seen.num_outputs
-                await write(seen.relay(event, client_model) + b"\n\n")
+                num_outputs, out = seen.num_outputs, seen.relay(event, relayed.client_model)
+                if out is not None:
+                    await write(out + b"\n\n")
                 if num_outputs == 0 and seen.num_outputs:   # its first event of output
-                    series.ttft.observe(time.perf_counter() - received)
+                    relayed.series.ttft.observe(time.perf_counter() - relayed.received)
     except asyncio.CancelledError as exc:   # cut at the drain's end: its error event ends the stream
         if (failure := drain_cut(exc)) is None:
             raise
@@ -276,13 +323,13 @@ async def _relay_stream(request: web.Request, pool: Pool, upstream: UpstreamResp
         last = "a response.completed, .incomplete or .failed event" if responses else "data: [DONE]"
         failure = _upstream_failed(pool, "dropped the stream", UpstreamDisconnected(
             f"it ended before its last event ({last})"), "upstream_disconnected")
-    _count_usage(series, seen.usage, responses)
+    relayed.count(seen.usage, seen.finish_reasons if failure is None else [])
     if failure is not None:
         log.warning("%s: %s", request.path, failure.message)
         if not seen.ended:
             await write(_error_tail(failure, responses, seen.sequence_number + 1))
     else:
-        series.e2e.observe(time.perf_counter() - received)
+        relayed.series.e2e.observe(time.perf_counter() - relayed.received)
     await response.write_eof()
     return response
 
@@ -302,26 +349,35 @@ class _StreamSeen:
     chunk, or a Responses event past the ones that announce the Response before it runs: time to first token
     counts to the first of them). Events are read as the SSE spec says (`_field`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, responses: bool = False, hide_usage: bool = False) -> None:
+        self.responses, self.hide_usage = responses, hide_usage
         self.ended = False
         self.usage: Any = None
         self.sequence_number = -1
         self.num_outputs = 0
+        self.finish_reasons: list[str] = []
 
-    def relay(self, event: bytes, model: str) -> bytes:
-        """`event` to relay, the client's model name put back into the JSON object of its data, noted."""
+    def relay(self, event: bytes, model: str) -> bytes | None:
+        """`event` to relay, the client's model name put back into the JSON object of its data, noted;
+        None for the usage chunk the client did not ask for (`_Relayed.hide_usage`)."""
         kind, data = _event_fields(event)
         self.ended = self.ended or data == b"[DONE]" or kind in _FINAL_RESPONSE_EVENTS
         obj = _json_object(data)
         if obj is None:   # `data:[DONE]` goes on as `data: [DONE]`, for clients that look for that line
             return _with_data(event, data) if data == b"[DONE]" else event
-        self.num_outputs += obj.get("type") not in _NOT_OUTPUT and "error" not in obj
+        self.num_outputs += obj.get("type") not in _NOT_OUTPUT and "error" not in obj and obj.get("choices") != []
         self.ended = self.ended or obj.get("type") in _FINAL_RESPONSE_EVENTS
+        self.finish_reasons += _finish_reasons(obj, self.responses)
         holder = obj.get("response") if isinstance(obj.get("response"), dict) else obj
         if holder.get("usage") is not None:
             self.usage = holder["usage"]
         if type(obj.get("sequence_number")) is int:
             self.sequence_number = obj["sequence_number"]
+        if self.hide_usage and "usage" in obj:
+            if obj["usage"] is not None and obj.get("choices") == []:
+                return None
+            if obj["usage"] is None:
+                del obj["usage"]
         return _with_data(event, json.dumps(_rename(obj, model), ensure_ascii=False).encode())
 
 

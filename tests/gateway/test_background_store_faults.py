@@ -95,7 +95,8 @@ async def test_a_store_failing_past_its_tries_leaves_the_response_failed_saying_
     calls = _failing(kept, kept.max_store_attempts)   # every try to mark it in progress; its failure is kept
     response = await _settled(client, await _background(client, tiny_model))
     assert response["status"] == "failed", response
-    assert response["error"]["code"] == "storage_unavailable" and LOCKED in response["error"]["message"]
+    assert response["error"]["code"] == "server_error" and LOCKED in response["error"]["message"]
+    assert response["error"]["message"].startswith("storage_unavailable: ")
     assert [c["status"] for c in calls] == ["in_progress"] * kept.max_store_attempts + ["failed"]
     assert not kept._runs and not seen
 

@@ -354,13 +354,15 @@ def test_a_relayed_error_of_any_shape_is_an_api_error(body):
                                    {"prompt_tokens": "3", "completion_tokens": "4"},
                                    {"prompt_tokens": True, "completion_tokens": 2.5}])
 async def test_a_malformed_usage_is_relayed_and_not_counted(aiohttp_client, tmp_path, usage):
+    """Relayed as it is; the prompt's tokens are the gateway's own count, the output's none."""
     server, url = await _serve(lambda request: _reply(200, _chat_answer(usage)))
     gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
     r = await client.post("/v1/chat/completions", json=CHAT)
     answer = await r.json()
     assert r.status == 200 and answer["usage"] == usage and answer["model"] == FRONT, answer
     series = gateway.metrics.pool_series("remote")
-    assert series.prompt_tokens._value.get() == series.generation_tokens._value.get() == 0
+    _, ids = await gateway.route_chat(FRONT, CHAT["messages"])
+    assert (series.prompt_tokens._value.get(), series.generation_tokens._value.get()) == (len(ids), 0)
     server.close()
 
 
@@ -480,4 +482,46 @@ async def test_a_relayed_request_in_flight_when_the_drain_ends_is_answered_503(a
     else:
         assert r.status == 503 and (await r.json())["error"]["code"] == "server_shutting_down"
     _assert_no_slot_held(gateway)
+    server.close()
+
+
+@pytest.mark.parametrize("asks_usage", [False, True])
+async def test_a_relayed_stream_is_counted_whether_or_not_its_client_asked_for_usage(aiohttp_client, tmp_path,
+                                                                                    asks_usage):
+    """The gateway asks the upstream for the stream's usage (`stream_options.include_usage`) to count its
+    tokens; a client that did not ask gets no usage chunk and no `usage: null`, as from the upstream alone.
+    Its end counts in request_success; an upstream's error in request_errors."""
+    forwarded = []
+
+    def answer(request: bytes) -> bytes:
+        body = json.loads(request.split(b"\r\n\r\n", 1)[1])
+        forwarded.append(body)
+        if body["messages"][0]["content"] == "fail":
+            return _reply(500, b'{"error": {"message": "boom", "type": "server_error", "code": null}}')
+        usage = body.get("stream_options", {}).get("include_usage")
+        chunk = {"id": "c1", "model": "upstream-model", "choices": [
+            {"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
+        last = {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        events = [dict(c, usage=None) if usage else c for c in (chunk, last)]
+        if usage:
+            events.append({"id": "c1", "model": "upstream-model", "choices": [],
+                           "usage": {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}})
+        sse = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+        return _reply(200, sse, "text/event-stream")
+
+    server, url = await _serve(answer)
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    extra = {"stream_options": {"include_usage": True}} if asks_usage else {}
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True, **extra})
+    chunks = [json.loads(line[6:]) for line in (await r.text()).split("\n") if line.startswith("data: {")]
+    assert forwarded[0]["stream_options"] == {"include_usage": True}
+    assert [c["choices"] for c in chunks][-1] == ([] if asks_usage else [
+        {"index": 0, "delta": {}, "finish_reason": "stop"}])
+    assert all(("usage" in c) == asks_usage for c in chunks), chunks
+    series = gateway.metrics.pool_series("remote")
+    assert (series.prompt_tokens._value.get(), series.generation_tokens._value.get()) == (9, 2)
+    success = gateway.metrics.request_success.labels(pool="remote", finished_reason="stop")._value.get()
+    assert success == 1
+    r = await client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "fail"}]})
+    assert r.status == 500 and gateway.metrics.errors.labels(status="500")._value.get() == 1
     server.close()
