@@ -23,7 +23,10 @@ then `data: [DONE]` (a Responses stream: an `error` event numbered after its las
 end of the gateway's drain, with 503 `server_shutting_down`. Token counts for
 metrics come from the upstream's `usage` (`prompt_tokens` / `completion_tokens`; the Responses API's
 `input_tokens` / `output_tokens`; a stream's last usage, once) where its counts are non-negative
-integers; a malformed usage is relayed as it is.
+integers, the prompt's from the gateway's own count where they are not; a malformed usage is relayed as
+it is. A chat or completions stream whose client did not ask for its usage is sent with
+`stream_options.include_usage` all the same, and its usage chunk (and the `usage: null` of the others) is
+not relayed. Each choice's end counts in `request_success`, an upstream's error in `request_errors`.
 
 A batch line is forwarded with an `Idempotency-Key: <batch id>:<custom_id>` header (`IDEMPOTENCY_KEY`,
 set by the batch runner around the line): an upstream that honours it answers a repeat from its first
