@@ -227,7 +227,7 @@ def _add_capacity(sub) -> None:
     p.add_argument("--rate", type=positive_float, default=None, metavar="R",
                    help="also judge each device under R requests/s of --workload: its offered load, overloaded or "
                         "not, the replicas that would carry it (docs/SIMULATE.md \"Overloaded or not\")")
-    p.add_argument("--workload", default="mixed", help="with --rate: workload classes, a YAML file or a name under "
+    p.add_argument("--workload", default=None, help="with --rate: workload classes, a YAML file or a name under "
                    "bench/workloads (default: mixed)")
     steps = p.add_mutually_exclusive_group()
     steps.add_argument("--device", choices=sorted(PRESETS), default=None, help="with --rate: the GPU preset whose "
@@ -247,11 +247,11 @@ def _capacity(args: argparse.Namespace) -> int:
     from pools.config.yaml_file import load_config
     from pools.config.spec import SpecError
 
-    if args.rate is None and (args.device or args.step_model):
-        raise UsageError(f"{'--device' if args.device else '--step-model'}: only with --rate")
+    if args.rate is None and (given := next((o for o in ("device", "step_model", "workload") if getattr(args, o)), 0)):
+        raise UsageError(f"--{given.replace('_', '-')}: only with --rate")
+    args.workload = args.workload or "mixed"
     config = load_config(args.config)
-    vram = args.vram
-    if vram is None and not torch.cuda.is_available():
+    if args.vram is None and not torch.cuda.is_available():
         for name, device in config.devices.items():
             if device.device.startswith("cuda") and any(p.device == name for p in config.local_pools):
                 raise SpecError(f"devices.{name}.device: {device.device!r} but this machine has no CUDA device; "
@@ -260,7 +260,7 @@ def _capacity(args: argparse.Namespace) -> int:
         model_configs = resolve_model_configs(config, args.model_config)
     except SpecError as exc:
         raise SpecError(f"{exc} (or pass --model-config config.json)") from None
-    plan = plan_capacity(config, model_configs, vram_bytes=vram)
+    plan = plan_capacity(config, model_configs, vram_bytes=args.vram)
     if args.rate is None:
         print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
         return 0

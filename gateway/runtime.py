@@ -27,8 +27,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from engine.config import ConfigError, EngineConfig
-from engine.model_config import ModelConfig
+from engine.config import EngineConfig
 from engine.stats import STATS_INTERVAL, PoolStats, WorkerInfo
 from engine import structured
 from engine.structured import StructuredOutput
@@ -46,11 +45,11 @@ from gateway.workers.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
 from gateway.upstream.connection import UpstreamClient
 from pools.capacity_plan import CapacityPlan, plan_capacity, replica_engine_configs
-from pools.model_configs import model_folder, resolve_model_configs
+from pools.model_configs import model_folder, resolve_model_configs, upstream_context
 from pools.pool import Pool
 from pools.router import NoRouteError, Router, UnknownModelError
 from pools.config.gateway_spec import Backoff
-from pools.config.spec import CliffguardConfig, PoolSpec
+from pools.config.spec import CliffguardConfig
 from pools.spiral import SpiralDetector
 from pools.tenants import Tenants
 from pools.tokencount import TokenCounter
@@ -176,7 +175,7 @@ class Gateway:
                 tokenizer = Tokenizer.from_folder(model_folder(tok_spec, key, folders))
                 tokenizers[tok_spec] = (tokenizer, TokenCounter(tokenizer), *map(list, tokenizer.special_ids_around))
             if spec.is_upstream:
-                max_model_len, replicas = spec.max_model_len or _upstream_max_len(spec, folders), 1
+                max_model_len, replicas = spec.max_model_len or upstream_context(spec, folders, i), 1
             else:
                 max_model_len, replicas = plan.pools[spec.name].max_model_len, config.devices[spec.device].replicas
             tokenizer, counter, prefix_ids, suffix_ids = tokenizers[tok_spec]
@@ -461,17 +460,6 @@ def _num_chars(value: Any, limit: int) -> int:
         else:
             total += 8
     return total
-
-
-def _upstream_max_len(spec: PoolSpec, folders: dict[str, Path]) -> int:
-    """An upstream pool's context length: its `max_model_len`, else its tokenizer model's config, else 2^31."""
-    path = folders.get(spec.tokenizer or spec.model)
-    if path is not None and (path / "config.json").is_file():
-        try:
-            return ModelConfig.from_folder(path).context_length
-        except (ConfigError, ValueError):
-            pass
-    return 2**31 - 1
 
 
 def _check_placements(config: CliffguardConfig) -> None:

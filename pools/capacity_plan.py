@@ -217,11 +217,11 @@ def _memory(device: DeviceSpec, device_type: str, vram_bytes: int | None,
     if device_type == "cpu":
         return DEFAULT_CPU_MEMORY, "cpu default"
     name = "cuda" if device.device == "auto" else device.device
-    if cuda_memory is None:
-        if not torch.cuda.is_available():
-            raise SpecError(f"devices.{device.name}.device: {device.device!r} needs a CUDA device and this machine "
-                            "has none; use device: cpu or auto here, or plan a GPU elsewhere with `cliffguard "
-                            "capacity --vram 80GiB` (or a memory: size)")
+    if cuda_memory is None:   # a GPU index past this machine's: torch asserts, so said here first
+        if (torch.device(name).index or 0) >= (count := torch.cuda.device_count() if torch.cuda.is_available() else 0):
+            raise SpecError(f"devices.{device.name}.device: {device.device!r} needs that CUDA device and this machine "
+                            f"has {f'{count} GPU(s)' if count else 'none'}; use a device it has (or cpu, auto), or "
+                            "plan a GPU elsewhere with `cliffguard capacity --vram 80GiB` (or a memory: size)")
         cuda_memory = _cuda_total_memory
     return cuda_memory(name), "cuda"
 

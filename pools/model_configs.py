@@ -10,7 +10,7 @@ from pathlib import Path
 
 from engine.config import ConfigError
 from engine.model_config import ModelConfig
-from pools.config.spec import CliffguardConfig, SpecError
+from pools.config.spec import CliffguardConfig, PoolSpec, SpecError
 
 
 def resolve_model_configs(config: CliffguardConfig, model_config: str | None = None, *,
@@ -72,3 +72,22 @@ def read_model_config(path: str) -> ModelConfig:
         raise ConfigError(f"--model-config: {path}: not valid JSON ({exc})") from None
     except ValueError as exc:   # ConfigError included: the key it names, in this file
         raise ConfigError(f"--model-config: {path}: {exc}") from None
+
+
+def upstream_context(spec: PoolSpec, folders: dict[str, Path], i: int) -> int:
+    """An upstream pool without `max_model_len`: its tokenizer model's context (config.json's), else 2^31.
+    A route that starts at or past that context could never be taken: a SpecError saying to set the
+    upstream's own `max_model_len` (one serving a longer context than its config says, say)."""
+    path = folders.get(spec.tokenizer or spec.model)
+    if path is None or not (path / "config.json").is_file():
+        return 2**31 - 1
+    try:
+        context = ModelConfig.from_folder(path).context_length
+    except (ConfigError, ValueError):
+        return 2**31 - 1
+    if spec.route.min_prompt_tokens >= context:
+        raise SpecError(f"pools[{i}].route.min_prompt_tokens: {spec.route.min_prompt_tokens} is at or past "
+                        f"{context}, the context in {spec.tokenizer or spec.model}'s config.json, which an "
+                        f"upstream pool without max_model_len is held to; no prompt could reach it: set "
+                        f"pools[{i}].max_model_len to the context the upstream serves")
+    return context

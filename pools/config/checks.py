@@ -304,7 +304,20 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict[Any, Any
     return loader.construct_mapping(node, deep=True)
 
 
+def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
+    """An integer, unless YAML 1.1 reads it as something its writer hardly meant: `010` as octal 8, `1:30`
+    as 90 (base 60); refused, naming the line (YAML 1.2 reads both otherwise)."""
+    digits = node.value.replace("_", "").lstrip("+-")
+    if ":" in digits or (len(digits) > 1 and digits[0] == "0" and digits[1].isdigit()):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{node.value!r} reads as YAML 1.1's {'octal' if ':' not in digits else 'base 60'} number "
+            f"{loader.construct_yaml_int(node)}: write it without the leading zero (or colon), or quote it",
+            node.start_mark)
+    return loader.construct_yaml_int(node)
+
+
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 _IN_PROGRESS = -1

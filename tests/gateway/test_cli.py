@@ -183,6 +183,7 @@ def test_capacity_rate_says_overloaded_or_not_on_the_h100_roofline_by_default(ca
     assert "overloaded; " in capsys.readouterr().out
     assert main(argv + ["--rate", "0"]) == 2 and "--rate: must be a finite number > 0, got '0'" in _error_line(capsys)
     assert main(argv + ["--device", "h200"]) == 2 and "--device: only with --rate" in _error_line(capsys)
+    assert main(argv + ["--workload", "nosuch"]) == 2 and "--workload: only with --rate" in _error_line(capsys)
 
 
 def test_capacity_rate_of_a_cpu_device_needs_a_measured_step_model(tmp_path, capsys):
@@ -443,5 +444,17 @@ def test_generate_on_cuda_without_cuda_says_what_to_do(capsys, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert main(["generate", "--device", "cuda", "--prompt", "hi"]) == 2
     line = _error_line(capsys)
-    assert "devices.default.device: 'cuda' needs a CUDA device and this machine has none" in line
-    assert "use device: cpu or auto" in line
+    assert "devices.default.device: 'cuda' needs that CUDA device and this machine has none" in line
+    assert "(or cpu, auto)" in line
+
+
+def test_a_gpu_index_past_the_machines_gpus_is_named_not_a_traceback(capsys, monkeypatch, tmp_path):
+    """A file copied from an 8-GPU node onto a 1-GPU one: `cuda:1` is an error naming the device's key
+    (torch itself asserts "Invalid device id")."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    path = tmp_path / "pools.yaml"
+    path.write_text("devices:\n  g: {device: 'cuda:1'}\npools:\n  - {name: chat, device: g, kv_share: 1.0, "
+                    "model: 'builtin:smollm2-135m-instruct'}\n")
+    assert main(["capacity", "--config", str(path)]) == 2
+    assert "devices.g.device: 'cuda:1' needs that CUDA device and this machine has 1 GPU(s)" in _error_line(capsys)

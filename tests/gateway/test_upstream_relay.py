@@ -151,3 +151,23 @@ async def test_a_responses_stream_ended_by_the_upstreams_own_error_event_gets_no
     assert len(events) == 2 and json.loads(events[1].split("data: ", 1)[1])["code"] == "x", events
     _assert_no_slot_held(gateway)
     server.close()
+
+
+def test_an_upstream_route_past_the_context_its_tokenizer_model_declares_is_refused_at_start(tmp_path):
+    """An upstream pool without max_model_len is held to its tokenizer model's context (SmolLM2's 8192): a
+    route starting there could never be taken, so the gateway does not start, naming the key; with the
+    upstream's own max_model_len set, it routes such prompts."""
+    from gateway.runtime import Gateway
+    from pools.config.spec import SpecError
+    from pools.config.yaml_file import load_config
+
+    def gateway(*lines: str) -> Gateway:
+        path = tmp_path / "pools.yaml"
+        path.write_text("pools:\n  - name: remote\n    upstream: http://127.0.0.1:9/v1\n    model: m\n"
+                        "    tokenizer: builtin:smollm2-135m-instruct\n" + "".join(f"    {x}\n" for x in lines))
+        return Gateway.from_config(load_config(path))
+
+    assert gateway().pools["remote"].max_model_len == 8192
+    with pytest.raises(SpecError, match=r"pools\[0\]\.route\.min_prompt_tokens: 8192 .* pools\[0\]\.max_model_len"):
+        gateway("route: {min_prompt_tokens: 8192}")
+    assert gateway("route: {min_prompt_tokens: 8192}", "max_model_len: 32768").pools["remote"].admits(20_000)
