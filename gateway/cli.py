@@ -41,8 +41,7 @@ BENCHMARKS = {   # command -> help line; `cliffguard bench NAME` is bench.NAME's
     "gateway": "latency the gateway adds, routed requests/s",
     "kernels": "paged attention vs copy bandwidth and SDPA (GPU; --dry-run on CPU)",
     "preemption": "recompute vs swap vs auto across pool-pressure regimes",
-    "serve": "open-loop load (gamma arrivals, workload classes) against any OpenAI-compatible server: TTFT/ITL/e2e, "
-             "goodput, /metrics",
+    "serve": "open-loop load (gamma arrivals) on any OpenAI-compatible server: TTFT/ITL/e2e, goodput, /metrics",
     "prefill": "long-prompt prefill: our engine vs transformers' forward",
     "admission": "KV credit queue vs reject-when-full (429 + back-off) on one overload: goodput, p99, KV idle, retries",
     "simulate": "cliffguard simulate's predictions (measured step model) against real runs at three rates: "
@@ -249,7 +248,6 @@ def _capacity(args: argparse.Namespace) -> int:
 
     if args.rate is None and (given := next((o for o in ("device", "step_model", "workload") if getattr(args, o)), 0)):
         raise UsageError(f"--{given.replace('_', '-')}: only with --rate")
-    args.workload = args.workload or "mixed"
     config = load_config(args.config)
     if args.vram is None and not torch.cuda.is_available():
         for name, device in config.devices.items():
@@ -264,14 +262,15 @@ def _capacity(args: argparse.Namespace) -> int:
     if args.rate is None:
         print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
         return 0
-    verdicts, unrouted = rate_verdicts(config, plan, model_configs, args.workload, args.rate, preset=args.device,
+    workload = args.workload or "mixed"
+    verdicts, unrouted = rate_verdicts(config, plan, model_configs, workload, args.rate, preset=args.device,
                                        step_model=args.step_model)
-    upstream = upstream_rates(config, plan, args.workload, args.rate)
+    upstream = upstream_rates(config, plan, workload, args.rate)
     if args.json:
         print(json.dumps(plan.to_dict() | {"overload": verdicts, "unrouted_rate": unrouted,
                                            "upstream_rates": upstream}, indent=2))
     else:
-        print("\n".join([format_plan(plan), "", f"overload at {args.rate:g} requests/s of {args.workload}:",
+        print("\n".join([format_plan(plan), "", f"overload at {args.rate:g} requests/s of {workload}:",
                          *format_verdicts(verdicts, unrouted=unrouted), *(f"upstream pool {name}: {rate:.2f} "
                          "requests/s routed there (on no device's load)" for name, rate in upstream.items())]))
     return 0

@@ -190,10 +190,6 @@ class CapacityPlan:
         }
 
 
-def _cuda_total_memory(device: str) -> int:
-    return torch.cuda.get_device_properties(torch.device(device)).total_memory
-
-
 def _device_type(device: DeviceSpec, vram_bytes: int | None, warnings: list[str]) -> str:
     """auto -> cuda when CUDA is present, or when --vram says we plan for a GPU; else cpu (which a Ray
     device's replicas, placed elsewhere, may not want: said in `warnings`)."""
@@ -217,13 +213,16 @@ def _memory(device: DeviceSpec, device_type: str, vram_bytes: int | None,
     if device_type == "cpu":
         return DEFAULT_CPU_MEMORY, "cpu default"
     name = "cuda" if device.device == "auto" else device.device
-    if cuda_memory is None:   # a GPU index past this machine's: torch asserts, so said here first
-        if (torch.device(name).index or 0) >= (count := torch.cuda.device_count() if torch.cuda.is_available() else 0):
-            raise SpecError(f"devices.{device.name}.device: {device.device!r} needs that CUDA device and this machine "
-                            f"has {f'{count} GPU(s)' if count else 'none'}; use a device it has (or cpu, auto), or "
-                            "plan a GPU elsewhere with `cliffguard capacity --vram 80GiB` (or a memory: size)")
-        cuda_memory = _cuda_total_memory
-    return cuda_memory(name), "cuda"
+    if device.placement == "ray":   # its replicas run on the cluster's GPUs: a GPU here says nothing of them
+        raise SpecError(f"devices.{device.name}.memory: a Ray device on CUDA needs the size of one of the "
+                        "cluster's GPUs (e.g. memory: 80GiB, or --vram); this machine's is not theirs")
+    if cuda_memory is not None:
+        return cuda_memory(name), "cuda"
+    if (torch.device(name).index or 0) >= (count := torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        raise SpecError(f"devices.{device.name}.device: {device.device!r} needs that CUDA device and this machine "
+                        f"has {f'{count} GPU(s)' if count else 'none'}; use a device it has (or cpu, auto), or "
+                        "plan a GPU elsewhere with `cliffguard capacity --vram 80GiB` (or a memory: size)")
+    return torch.cuda.get_device_properties(torch.device(name)).total_memory, "cuda"   # (torch asserts past them)
 
 
 def _kv_heads_per_device(model: ModelConfig, tp: int, key: str) -> int:

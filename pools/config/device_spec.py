@@ -112,7 +112,7 @@ class DeviceSpec(Spec):
         if self.placement == "ray":
             raise SpecError("gpus", f"not with placement: ray (Ray assigns each replica its GPUs), "
                                     f"got {list(self.gpus)}")
-        if not self.device.startswith("cuda"):
+        if self.device != "cuda":   # cuda:N names one GPU, which the list would silently overrule
             raise SpecError("gpus", f"lists CUDA GPUs, and device is {self.device!r}; set device: cuda")
         seen: dict[int, int] = {}
         for i, gpu in enumerate(self.gpus):

@@ -451,10 +451,11 @@ def test_an_auto_device_on_ray_planned_as_cpu_is_said():
     """`device: auto` resolves on the gateway's machine: on one without a GPU a Ray device's replicas would
     ask the cluster for no GPU. The plan says so naming the key; cpu, cuda and a --vram plan say nothing."""
     data = _small_config()
-    data["devices"]["default"] |= {"device": "auto", "placement": "ray", "ray_address": "127.0.0.1:6379"}
+    data["devices"]["default"] |= {"device": "auto", "placement": "ray", "ray_address": "127.0.0.1:6379",
+                                   "memory": "80GiB"}
     config = parse_config(data, env={})
     models = resolve_model_configs(config)
-    plan = plan_capacity(config, models, cuda_memory=lambda _: 80 * GiB)
+    plan = plan_capacity(config, models)
     said = [w for w in plan.warnings if w.startswith("devices.default.device: auto on a Ray device")]
     assert len(said) == (plan.devices["default"].device_type == "cpu")
     assert not any("Ray device" in w for w in plan_capacity(config, models, vram_bytes=8 * GiB).warnings)
@@ -508,3 +509,19 @@ def test_swap_spaces_past_this_machines_memory_are_said_by_the_plan_and_refused_
     config = parse_config(data, env={})
     monkeypatch.setattr("pools.capacity_plan.host_memory_bytes", lambda: 4 * GiB)
     assert not any("swap_space" in w for w in plan_capacity(config, resolve_model_configs(config)).warnings)
+
+
+def test_a_ray_device_on_cuda_is_planned_on_the_clusters_gpu_size_never_this_machines():
+    """Its replicas run on the cluster's GPUs: without `memory` (or --vram) the plan refuses naming the key,
+    whatever GPU the gateway's own machine has (or lacks)."""
+    data = _small_config()
+    data["devices"]["default"] |= {"device": "cuda", "placement": "ray", "ray_address": "127.0.0.1:6379"}
+    del data["devices"]["default"]["memory"]
+    config = parse_config(data, env={})
+    models = resolve_model_configs(config)
+    with pytest.raises(SpecError, match=r"^devices\.default\.memory: a Ray device on CUDA needs the size of one"):
+        plan_capacity(config, models, cuda_memory=lambda _: 80 * GiB)
+    assert plan_capacity(config, models, vram_bytes=24 * GiB).devices["default"].memory_bytes == 24 * GiB
+    data["devices"]["default"]["memory"] = "24GiB"
+    plan = plan_capacity(parse_config(data, env={}), models)
+    assert (plan.devices["default"].memory_bytes, plan.devices["default"].memory_source) == (24 * GiB, "config")

@@ -115,6 +115,8 @@ BAD = {
     "replicas string": (_set("devices/default/replicas", "two"), ["devices.default.replicas", "'two'"]),
     "gpus on a cpu device": (_set("devices/default", {"device": "cpu", "gpus": [0]}),
                              ["devices.default.gpus", "'cpu'", "device: cuda"]),
+    "gpus with cuda:N": (_set("devices/default", {"device": "cuda:3", "gpus": [0]}),
+                         ["devices.default.gpus", "device is 'cuda:3'", "set device: cuda"]),
     "a GPU listed twice": (_set("devices/default", {"device": "cuda", "replicas": 2, "gpus": [0, 0]}),
                            ["devices.default.gpus[1]: GPU 0 is listed twice (also gpus[0])"]),
     "gpus not a list": (_set("devices/default", {"device": "cuda", "gpus": 0}), ["devices.default.gpus", "got integer 0"]),
