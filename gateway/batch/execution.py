@@ -12,9 +12,10 @@ a hang, or its replica lost alone) and 503 `replica_lost` when it was not (sever
 device lost at once: a node, a network). Only `engine_dead` counts: a line answered it twice is a
 poison line, and after the first it is tried again alone. Either end is recorded as the line's error,
 with its last answer. Any other answer is the line's: a line an upstream may have received (502
-`upstream_disconnected`) is never sent again, so it never runs twice. Forwarded lines carry
-`Idempotency-Key: <batch id>:<custom_id>` (`gateway.upstream.relay.IDEMPOTENCY_KEY`) for upstreams
-that dedupe; the runner does not rely on it. A store call that fails for storage (disk full, database
+`upstream_disconnected`) is never sent again, so it never runs twice; nor is one a stop cut while the
+upstream had it (kept as sent before it goes out: answered `upstream_disconnected` at the next start).
+Forwarded lines carry `Idempotency-Key: <batch id>:<custom_id>` (`gateway.upstream.relay.IDEMPOTENCY_KEY`)
+for upstreams that dedupe; the runner does not rely on it. A store call that fails for storage (disk full, database
 locked) is retried MAX_STORE_ATTEMPTS times, then the batch fails (`errors` naming `storage_error`)
 rather than stay in_progress or finalizing.
 """
@@ -31,7 +32,7 @@ from urllib.parse import quote
 
 from gateway.openai.errors import ApiError, storage_unavailable
 from gateway.runtime import Gateway
-from gateway.upstream.relay import IDEMPOTENCY_KEY
+from gateway.upstream.relay import IDEMPOTENCY_KEY, UPSTREAM_SEND
 from gateway.workers.deaths import SuspectGate
 from pools.store.batch_input import BatchInputError, BatchLine, TooManyBatches
 from pools.store.batch_store import PURGE_EVERY_S, STORAGE_ERRORS, BatchStore
@@ -297,8 +298,15 @@ class BatchRunner:
     async def _answer(self, line: BatchLine, tenant: str, batch_id: str) -> _Outcome:
         """The line's outcome as `tenant` (a streaming line is the executor's 400): transient answers
         are tried again up to `max_line_attempts`, a second `engine_dead` (never `replica_lost`) makes a
-        poison line. Runs in a task of its own, whose upstream requests carry the line's Idempotency-Key."""
+        poison line. Runs in a task of its own, whose upstream requests carry the line's Idempotency-Key
+        and are kept as sent before they go out: one a stop cut there is not sent again at the next start,
+        but answered 502 `upstream_disconnected` (the upstream may have run it)."""
         IDEMPOTENCY_KEY.set(f"{batch_id}:{quote(line.custom_id, safe='')}")
+        UPSTREAM_SEND.set(lambda sent: self.durable(self.store.mark_sent, batch_id, line.line_no, sent))
+        if line.sent:
+            return _Outcome(502, ApiError(502, f"line {line.line_no}: sent to its upstream pool before the gateway "
+                                               "stopped, which cut it; the upstream may have run it, so it is not "
+                                               "sent again", type="server_error", code="upstream_disconnected").body())
         delay, deaths = self.retry_first_s, 0
         for attempt in range(1, self.max_line_attempts + 1):
             status, body = await self._attempt(line, tenant, alone=deaths > 0)

@@ -62,6 +62,7 @@ class BatchLine:
     url: str | None = None
     body: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
+    sent: bool = False              # a run before this one sent it to an upstream pool (`BatchStore.mark_sent`)
 
 
 def parse_batch_input(content: bytes, endpoint: str, file_id: str = "input") -> list[BatchLine]:

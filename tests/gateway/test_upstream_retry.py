@@ -6,6 +6,7 @@ upstream on 127.0.0.1 that counts what it received."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections import Counter
 
@@ -136,3 +137,37 @@ async def test_forward_names_an_invalid_answer_and_a_dropped_one(aiohttp_client,
     await client.close()
     assert info.value.status == 502 and info.value.code == code, info.value.message
     assert "upstream pool 'remote'" in info.value.message
+
+
+async def test_a_line_the_upstream_held_when_the_gateway_stopped_is_not_sent_again(aiohttp_client, tmp_path):
+    """The upstream has the line (it may run it) when the gateway stops: at the next start the line is not
+    sent again but answered 502 `upstream_disconnected`, and the line that never went out runs as ever."""
+    received: Counter[str] = Counter()
+    holding = asyncio.Event()
+
+    async def chat(request: web.Request) -> web.Response:
+        prompt = (await request.json())["messages"][0]["content"]
+        received[prompt] += 1
+        if prompt == "held":
+            holding.set()
+            await asyncio.sleep(60)
+        return web.json_response({"id": "c", "object": "chat.completion", "model": "upstream-model",
+                                  "choices": [{"index": 0, "finish_reason": "stop",
+                                               "message": {"role": "assistant", "content": "ok"}}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    server = await aiohttp_client(app)
+    url = str(server.make_url("/v1"))
+    first = await aiohttp_client(create_app(_gateway(tmp_path, url), data_dir=tmp_path))
+    first.app[BATCHES].max_in_flight = 1   # "held" first; "later" waits behind it and never goes out
+    batch_id = (await _create(first, _jsonl(_line("held"), _line("later"))))["id"]
+    await asyncio.wait_for(holding.wait(), 10)
+    await first.close()   # the app's cleanup stops the runner: "held" cut while the upstream has it
+    again = await aiohttp_client(create_app(_gateway(tmp_path, url), data_dir=tmp_path))
+    done = await _wait(again, batch_id)
+    assert received == {"held": 1, "later": 1}, received
+    assert done["request_counts"] == {"total": 2, "completed": 1, "failed": 1}, done
+    (error,) = await _jsonl_file(again, done["error_file_id"])
+    assert error["custom_id"] == "held" and error["response"]["status_code"] == 502
+    assert error["response"]["body"]["error"]["code"] == "upstream_disconnected", error
