@@ -232,14 +232,17 @@ _HEX_DIGITS = b"0123456789abcdefABCDEF"
 
 
 class UpstreamClient:
-    """Kept-alive connections per upstream host, at most `max_connections` in use at once."""
+    """Kept-alive connections per upstream host, at most `max_connections` in use at once to each (one
+    slow upstream's streams never hold up another's); a request that finds its host's all in use waits
+    for one at most `connect_timeout`, then is UpstreamUnreachable (nothing was sent)."""
 
     def __init__(self, *, connect_timeout: float = 10.0, read_timeout: float = 600.0,
                  max_connections: int = 100, keepalive_seconds: float = 4.0) -> None:
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.keepalive_seconds = keepalive_seconds
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
-        self._slots = asyncio.Semaphore(max_connections)
+        self.max_connections = max_connections
+        self._slots: dict[tuple[str, str, int], asyncio.Semaphore] = {}   # per host
         self.num_in_use = 0   # connection slots taken: requests being sent and answers not yet closed
         self._tls: ssl.SSLContext | None = None
         self._closed = False
@@ -250,7 +253,13 @@ class UpstreamClient:
             raise UpstreamUnreachable("the client is closed")
         request = _request_bytes(url, body, headers)
         key = (url.scheme, url.host or "", url.explicit_port or (443 if url.scheme == "https" else 80))
-        await self._slots.acquire()
+        slots = self._slots.setdefault(key, asyncio.Semaphore(self.max_connections))
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                await slots.acquire()
+        except TimeoutError:
+            raise UpstreamUnreachable(f"all {self.max_connections} connections to {url.host}:{key[2]} stayed in "
+                                      f"use for {self.connect_timeout:g} s") from None
         self.num_in_use += 1
         try:
             conn = self._idle_connection(key) or await self._connect(key)
@@ -262,7 +271,7 @@ class UpstreamClient:
                 conn.transport.abort()
                 raise
         except BaseException:
-            self._release_slot()
+            self._release_slot(key)
             raise
 
     def _idle_connection(self, key: tuple[str, str, int]) -> _Connection | None:
@@ -292,16 +301,16 @@ class UpstreamClient:
         return conn
 
     def _release(self, key: tuple[str, str, int], conn: _Connection, reusable: bool) -> None:
-        self._release_slot()
+        self._release_slot(key)
         if reusable and conn.usable and not self._closed:
             conn.idle_since = time.monotonic()
             self._idle.setdefault(key, []).append(conn)
         elif conn.transport is not None:
             conn.transport.close()
 
-    def _release_slot(self) -> None:
+    def _release_slot(self, key: tuple[str, str, int]) -> None:
         self.num_in_use -= 1
-        self._slots.release()
+        self._slots[key].release()
 
     async def close(self) -> None:
         """Close every idle connection; those in use close as their responses end."""

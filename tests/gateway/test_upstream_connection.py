@@ -7,6 +7,7 @@ import asyncio
 import shutil
 import ssl
 import subprocess
+import time
 
 import pytest
 from yarl import URL
@@ -215,3 +216,33 @@ async def test_an_https_upstream_is_verified_and_reached_over_tls(tmp_path, monk
         assert (r.status, await r.read()) == (200, b'{"tls": true}')
     await client.close()
     server.close()
+
+
+async def test_a_hosts_connections_all_in_use_hold_up_no_other_host_and_a_wait_for_one_is_bounded():
+    """At most `max_connections` to each host: one upstream whose answers stall holds up neither another
+    upstream nor, past `connect_timeout`, the request waiting for its slot (UpstreamUnreachable: nothing
+    was sent), and its slot comes back once the stalled answer is closed."""
+    async def stall(writer, request, n):
+        await asyncio.sleep(60)
+
+    async def answer(writer, request, n):
+        writer.write(_answer(b'{"a": 1}', "Content-Length: 8"))
+        await writer.drain()
+
+    slow, slow_url, _, _ = await _raw_server(stall)
+    fast, fast_url, _, _ = await _raw_server(answer)
+    client = UpstreamClient(connect_timeout=0.3, read_timeout=30, max_connections=1)
+    held = asyncio.ensure_future(client.post(slow_url, b"{}", {}))
+    await asyncio.sleep(0.1)
+    async with await asyncio.wait_for(client.post(fast_url, b"{}", {}), 2) as response:   # another host: at once
+        assert await response.read() == b'{"a": 1}'
+    started = time.monotonic()
+    with pytest.raises(UpstreamUnreachable, match="all 1 connections to 127.0.0.1"):
+        await client.post(slow_url, b"{}", {})
+    assert 0.25 < time.monotonic() - started < 2
+    held.cancel()
+    await asyncio.gather(held, return_exceptions=True)
+    assert client.num_in_use == 0
+    await client.close()
+    slow.close()
+    fast.close()
