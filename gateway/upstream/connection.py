@@ -323,9 +323,7 @@ class UpstreamClient:
 
 def _request_bytes(url: URL, body: bytes, headers: dict[str, str]) -> bytes:
     """The request's bytes; a header value with a line break is a ValueError (no header injection)."""
-    host = url.host or ""
-    if url.explicit_port:
-        host = f"{host}:{url.explicit_port}"
+    host = url.host_port_subcomponent or ""   # an IPv6 address in brackets, a name in its ASCII (IDNA) form
     lines = [f"POST {url.raw_path_qs or '/'} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}"]
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:

@@ -191,6 +191,13 @@ def test_a_line_break_in_a_header_is_refused():
         b"POST /v1/x?a=1 HTTP/1.1\r\nHost: example.com\r\n")
 
 
+@pytest.mark.parametrize("url, host", [("http://[::1]:8000/v1", b"[::1]:8000"), ("http://[::1]/v1", b"[::1]"),
+                                       ("http://b\u00fccher.example:81/v1", b"xn--bcher-kva.example:81")])
+def test_the_host_header_brackets_an_ipv6_address_and_writes_a_name_in_ascii(url, host):
+    """RFC 9110's Host: `[::1]:8000`, never `::1:8000`; an internationalized name as its IDNA form."""
+    assert b"\r\nHost: " + host + b"\r\n" in _request_bytes(URL(url), b"", {})
+
+
 async def test_an_https_upstream_is_verified_and_reached_over_tls(tmp_path, monkeypatch):
     openssl = shutil.which("openssl")
     if openssl is None:
