@@ -20,6 +20,8 @@ from engine.config import DEFAULT_COLLECTIVE_TIMEOUT_SECONDS, KV_CACHE_DTYPES, c
 from pools.config.checks import ByteSize, Fraction, Seconds, Spec, SpecError, Text, engine_rules
 
 MIN_COLLECTIVE_TIMEOUT_SECONDS = 1.0   # `collective_timeout_seconds`: below a step's own time on a loaded host
+MAX_COLLECTIVE_TIMEOUT_SECONDS = 86_400.0   # a day: a rank that late is hung whatever the step (and past what
+                                            # torch.distributed's timedelta holds, a rank's start fails)
 
 KvCacheDtype = Literal[KV_CACHE_DTYPES]   # engine.config's choices, one definition
 Placement = Literal["local", "ray"]   # local: worker processes on this machine; ray: actors on a Ray cluster
@@ -93,6 +95,9 @@ class DeviceSpec(Spec):
             raise SpecError("collective_timeout_seconds", f"must be at least {MIN_COLLECTIVE_TIMEOUT_SECONDS:g} s (a "
                             "step's all-reduces wait for its slowest rank: shorter, a healthy step fails and the "
                             f"replica restarts), got {self.collective_timeout_seconds}")
+        if self.collective_timeout_seconds > MAX_COLLECTIVE_TIMEOUT_SECONDS:
+            raise SpecError("collective_timeout_seconds", f"must be at most {MAX_COLLECTIVE_TIMEOUT_SECONDS:g} s (a "
+                            f"day), got {self.collective_timeout_seconds:g}")
         with engine_rules():
             check_device_name(self.device)
             if self.dtype != "auto":

@@ -115,6 +115,8 @@ BAD = {
     "replicas string": (_set("devices/default/replicas", "two"), ["devices.default.replicas", "'two'"]),
     "gpus on a cpu device": (_set("devices/default", {"device": "cpu", "gpus": [0]}),
                              ["devices.default.gpus", "'cpu'", "device: cuda"]),
+    "collective timeout past a day": (_set("devices/default/collective_timeout_seconds", 1.0e+14),
+                                      ["devices.default.collective_timeout_seconds: must be at most 86400 s"]),
     "gpus with cuda:N": (_set("devices/default", {"device": "cuda:3", "gpus": [0]}),
                          ["devices.default.gpus", "device is 'cuda:3'", "set device: cuda"]),
     "a GPU listed twice": (_set("devices/default", {"device": "cuda", "replicas": 2, "gpus": [0, 0]}),
