@@ -93,6 +93,9 @@ def _parse_pool(i: int, raw: Any, base_dir: Path | None) -> PoolSpec:
     if not isinstance(raw, dict):
         return from_yaml(raw, PoolSpec, key)
     upstream = "upstream" in raw
+    if upstream and raw["upstream"] is None:
+        raise SpecError(f"{key}.upstream", "is empty: an upstream pool needs its server's URL (http://host:port/v1); "
+                                           "remove the key for a pool on a local device")
     for name, value in raw.items():
         if upstream and name in PoolSpec.LOCAL_KEYS:
             raise SpecError(f"{key}.{name}", f"not allowed on an upstream pool (got {value!r}); an upstream pool "

@@ -117,6 +117,8 @@ BAD = {
                              ["devices.default.gpus", "'cpu'", "device: cuda"]),
     "collective timeout past a day": (_set("devices/default/collective_timeout_seconds", 1.0e+14),
                                       ["devices.default.collective_timeout_seconds: must be at most 86400 s"]),
+    "an empty upstream": ("pools:\n  - name: remote\n    upstream:\n    model: m\n",
+                          ["pools[0].upstream: is empty: an upstream pool needs its server's URL"]),
     "gpus with cuda:N": (_set("devices/default", {"device": "cuda:3", "gpus": [0]}),
                          ["devices.default.gpus", "device is 'cuda:3'", "set device: cuda"]),
     "a GPU listed twice": (_set("devices/default", {"device": "cuda", "replicas": 2, "gpus": [0, 0]}),
