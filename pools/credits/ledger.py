@@ -243,8 +243,9 @@ class CreditLedger:
         """The head that waited for its replicas in an earlier pass goes before any other tenant's requests
         (whatever the tenants' turns): its tenant's heads, in their fair order up to it, are admitted where
         they can be now (charged to the tenant, past zero if need be), or hold back what they wait for."""
-        first = self._first
-        if first is None:
+        if self._first is not None and self._capped(self._first):   # waits for its own flow: no longer the first
+            self._first = None
+        if (first := self._first) is None:
             return []
         tenant, admitted = self._tenants[first.tenant], []
         for head in list(tenant.heads()):
@@ -392,10 +393,11 @@ class CreditLedger:
         return None
 
     def _capped(self, head: Ticket) -> bool:
-        """`head`'s flow is at its cap on every replica that has room for it: it waits for its own flow."""
-        roomy = self._roomy(head)
-        return bool(roomy) and not any(self.accounts[r].headroom.allows(head.flow_key, head.num_tokens,
-                                                                        head.num_seqs) for r in roomy)
+        """`head`'s flow is at its cap on every replica up that could hold it (room now or once credits come
+        back): it waits for its own flow, holding back no other's, whether or not there is room now."""
+        could = self.waiting(head, fitting=())
+        return bool(could) and not any(self.accounts[r].headroom.allows(head.flow_key, head.num_tokens,
+                                                                        head.num_seqs) for r in could)
 
     def release(self, request_id: str) -> int:
         """A finished (or aborted) admitted request gives back everything it held; returns the credits that

@@ -75,6 +75,29 @@ def test_sequences_are_credits_too():
     ledger.check_integrity()
 
 
+def test_a_flow_at_its_cap_holds_back_no_other_tenant():
+    """One API key's burst (n=8 requests, then large prompts) at its flow's cap waits for its own flow: the
+    room the cap leaves is another tenant's at once, in sequences and in credits, however long it waits."""
+    ledger = CreditLedger(100_000, quantum=100_000, max_seqs=28, flow_cap=FLOW_CAP)
+    for i in range(6):
+        ledger.submit(f"n8-{i}", 2000, num_seqs=8, tenant="a")
+    assert _ids(ledger.admit()) == ["n8-0", "n8-1", "n8-2"]
+    ledger.submit("one", 250, num_seqs=1, tenant="b")
+    assert _ids(ledger.admit()) == ["one"]
+    ledger.check_integrity()
+    credits = CreditLedger(10_000, quantum=10_000, flow_cap=FLOW_CAP)
+    for i in range(10):
+        credits.submit(f"big-{i}", 2100, tenant="a")
+    assert _ids(credits.admit()) == ["big-0", "big-1", "big-2", "big-3"]   # 8,400: a fifth passes 7/8
+    credits.submit("b0", 1000, tenant="b")
+    assert _ids(credits.admit()) == ["b0"]
+    credits.submit("b1", 500, tenant="b")
+    assert _ids(credits.admit()) == ["b1"]   # still: a's head waits for its own flow, never as the first
+    credits.release("big-0")
+    assert _ids(credits.admit()) == ["big-4"]
+    credits.check_integrity()
+
+
 def test_a_request_larger_than_the_cap_runs_alone_in_its_flow():
     ledger = CreditLedger(1000, quantum=1000, flow_cap=FLOW_CAP)
     ledger.submit("whole", 1000)
