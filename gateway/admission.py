@@ -185,12 +185,15 @@ class AdmissionControl:
     @contextlib.asynccontextmanager
     async def admitted(self, routed: Sequence[tuple[Pool, list[int]]], *, max_tokens: int | None, n: int,
                        request_id: str, tenant: str, priority: int, background: bool = False,
-                       max_tokens_param: str = "max_tokens", patient: bool = False) -> AsyncIterator[dict[str, Placed]]:
+                       max_tokens_param: str = "max_tokens", patient: bool = False,
+                       received: float | None = None) -> AsyncIterator[dict[str, Placed]]:
         """Hold every credit the routed prompts may need for the duration of the block; yields where
         each pool's prompts were placed (pool name -> `Placed`).
 
-        ApiError 400 if the request can never fit a pool; 503 + Retry-After past max_queue_seconds (not for
-        `background` or `patient` requests: `CreditQueue.hold`)."""
+        ApiError 400 if the request can never fit a pool; 503 + Retry-After past max_queue_seconds counted
+        from `received` (the request's arrival, perf_counter; default now), whatever it waited for before
+        (not for `background` or `patient` requests: `CreditQueue.hold`)."""
+        received = time.perf_counter() if received is None else received
         needs = self._needs(routed, max_tokens, n, max_tokens_param)
         prompts: dict[str, list[list[int]]] = {}
         for pool, ids in routed:
@@ -204,7 +207,7 @@ class AdmissionControl:
                 key = f"{request_id}@{name}"
                 ticket = await stack.enter_async_context(self._hold(pool, key, needs[name], tenant, priority,
                                                                     background, work, n * len(prompts[name]),
-                                                                    patient))
+                                                                    patient, time.perf_counter() - received))
                 placed[name] = Placed(pool, ticket.replica, key, ticket.charged, ticket.background)
                 self._count_placement(pool, ticket.replica, work, key)
             yield placed
@@ -246,12 +249,12 @@ class AdmissionControl:
 
     @contextlib.asynccontextmanager
     async def _hold(self, pool: Pool, key: str, need: int, tenant: str, priority: int, background: bool,
-                    work: Work, num_seqs: int, patient: bool = False) -> AsyncIterator[Ticket]:
+                    work: Work, num_seqs: int, patient: bool = False, spent: float = 0.0) -> AsyncIterator[Ticket]:
         labels = {"pool": pool.name, "tenant": "batch" if background else self.metrics.tenant_label(tenant)}
         started = time.perf_counter()
         try:
             async with pool.admission.hold(key, need, tenant=tenant, priority=priority, background=background,
-                                           work=work, num_seqs=num_seqs, patient=patient) as ticket:
+                                           work=work, num_seqs=num_seqs, patient=patient, spent=spent) as ticket:
                 self.metrics.wait.labels(**labels).observe(time.perf_counter() - started)
                 self.metrics.admitted.labels(**labels).inc()
                 yield ticket

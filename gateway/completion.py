@@ -199,7 +199,7 @@ class Completion:
                         self.routed, max_tokens=req.params.max_tokens, n=req.params.n,
                         request_id=objects.new_id("adm"), tenant=self.tenant, priority=req.priority,
                         background=self.background, max_tokens_param=req.max_tokens_param,
-                        patient=self.patient) as placed:
+                        patient=self.patient, received=self.received) as placed:
                     local = self._local = self.answer_type(
                         self.http, req, self.routed, placed=placed, received=self.received, metrics=gateway.metrics,
                         tenant=self.tenant, think=think, write_timeout=gateway.config.gateway.write_timeout)
@@ -223,9 +223,9 @@ class Completion:
         """An HTTP request a worker death counts (or may yet count: a loss whose window is open) against runs
         holding its devices' `SuspectGate`s: beside the others (shared), or alone among them (exclusive) once
         its last such death came with others beside it, the ones in flight then all suspects; 503 with
-        Retry-After if that takes over `gateway.device_wait_seconds` (or a pool's `max_queue_seconds`). A fresh request, a batch line (its runner
-        has its own gate) or a background Response (it waits however long: it would hold up the others) holds
-        none."""
+        Retry-After if that takes over `gateway.device_wait_seconds` (or a pool's `max_queue_seconds`). A
+        fresh request, a batch line (its runner has its own gate) or a background Response (it waits however
+        long: it would hold up the others) holds none."""
         suspected = sum(verdict is not False for verdict in under.verdicts())
         if self.background or self.patient or not suspected:
             yield Hold()

@@ -143,12 +143,13 @@ class CreditQueue:
     @asynccontextmanager
     async def hold(self, request_id: str, num_tokens: int, *, tenant: str = DEFAULT_TENANT, priority: int = 0,
                    background: bool = False, work: Work | None = None, num_seqs: int = 1,
-                   patient: bool = False) -> AsyncIterator[Ticket]:
+                   patient: bool = False, spent: float = 0.0) -> AsyncIterator[Ticket]:
         """Wait until `num_tokens` credits are admitted on a replica, hold them for the block, then give
         them back. `work`: what the request asks of a replica, for placement (`Ticket.replica`); its prompt
         blocks are held once on a replica with the other requests there that share them.
 
-        ValueError if the request can never fit the pool; QueueTimeout past `max_queue_seconds`, PoolFull
+        ValueError if the request can never fit the pool; QueueTimeout past `max_queue_seconds` counted from
+        the request's arrival, `spent` seconds ago (its wait for a device, another pool's credits), PoolFull
         at once where that is 0. Background requests (batch lines, served behind the others) and `patient`
         ones (served among them: a background Response, whose client polls for it) never time out: nobody
         waits on their connection, and their runners retry nothing, they wait."""
@@ -176,7 +177,7 @@ class CreditQueue:
                 self._admit()
                 raise PoolFull(self.pool, num_tokens, self.ledger.free)
             if not ticket.admitted:
-                await self._wait(ticket, None if waits else self.max_queue_seconds, pressing=not waits)
+                await self._wait(ticket, None if waits else self.max_queue_seconds, pressing=not waits, spent=spent)
         except BaseException:
             self._since.pop(request_id, None)
             self._drop(request_id)
@@ -204,21 +205,22 @@ class CreditQueue:
         self.ledger.release(request_id)
         self._admit()   # what it gave back may admit the next in line
 
-    async def _wait(self, ticket: Ticket, limit: float | None, pressing: bool = True) -> None:
-        """Wait for `ticket`'s admission, at most `limit` seconds (None: however long); `pressing`: its wait
-        is a sign the replicas are too few (not a background or patient request's, meant to wait)."""
+    async def _wait(self, ticket: Ticket, limit: float | None, pressing: bool = True, spent: float = 0.0) -> None:
+        """Wait for `ticket`'s admission until `limit` seconds after its request arrived, `spent` seconds ago
+        (None: however long); `pressing`: its wait is a sign the replicas are too few (not a background or
+        patient request's, meant to wait)."""
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[ticket.request_id] = waiter
         started = self._queued_since[ticket.request_id] = time.monotonic()
         if pressing:
             self._pressing_since[ticket.request_id] = started
         try:
-            await asyncio.wait_for(asyncio.shield(waiter), limit)
+            await asyncio.wait_for(asyncio.shield(waiter), None if limit is None else max(0.0, limit - spent))
         except BaseException as exc:
             if self.ledger.cancel(ticket.request_id):        # still queued: leave holding nothing
                 if isinstance(exc, TimeoutError):
                     self._refused()
-                    raise QueueTimeout(self.pool, time.monotonic() - started, limit) from None
+                    raise QueueTimeout(self.pool, spent + time.monotonic() - started, limit) from None
                 self.num_cancelled += 1
                 raise
             if not isinstance(exc, TimeoutError):            # admitted meanwhile, then cancelled

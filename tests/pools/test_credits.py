@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -396,6 +397,25 @@ def test_a_tenant_is_forgotten_with_its_last_request_and_fair_within_its_busy_sp
         ledger.release(r)
     ledger.check_integrity()
     assert ledger.queued_by_tenant() == {}
+
+
+def test_max_queue_seconds_counts_from_the_requests_arrival_not_from_its_turn_in_this_queue():
+    """A request that already spent most of max_queue_seconds (waiting for its device, for another pool's
+    credits) is refused once the whole has passed, saying so, not after another full max_queue_seconds."""
+    async def main() -> None:
+        queue = CreditQueue("chat", 100, max_queue_seconds=0.5)
+        async with queue.hold("occupier", 100):
+            started = time.monotonic()
+            with pytest.raises(QueueTimeout, match=r"waited 0\.5 s for KV capacity \(max_queue_seconds 0\.5\)"):
+                async with queue.hold("late", 50, spent=0.4):
+                    pass
+            assert 0.05 <= time.monotonic() - started < 0.3
+            with pytest.raises(QueueTimeout):   # spent it all already: refused at once
+                async with queue.hold("later", 50, spent=0.6):
+                    pass
+        assert queue.free == 100 and queue.ledger.num_queued == 0
+
+    asyncio.run(main())
 
 
 def test_a_patient_request_outwaits_max_queue_seconds_where_another_would_expire():
