@@ -169,6 +169,9 @@ class Autoscaler:
             supervisor = draining[0]
             self._removals.pop((device, supervisor.replica)).cancel()
             supervisor.draining = False
+            for pool in self.pools[device]:   # up again: whoever waits may go there now, not at the next event
+                if pool.admission is not None:
+                    pool.admission.replica_ready(supervisor.replica, restarted=False)
             log.info("autoscaler: device %s: %s; keeping replica %s", device, why, supervisor.name)
             return True
         if any(s.state.startswith("loading") for s in slots):

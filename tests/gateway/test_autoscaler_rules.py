@@ -6,11 +6,13 @@ started again before its removal has ended."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from gateway.monitoring.metrics import GatewayMetrics
 from gateway.workers.autoscaler import Autoscaler
+from pools.credits.queue import CreditQueue
 from pools.config.spec import DeviceSpec
 
 IDLE = 60.0   # scale_down_idle_seconds
@@ -191,11 +193,16 @@ async def test_a_drain_is_taken_back_before_the_worker_stops_but_not_after():
     slots = [_Slot(0, "ready"), _Slot(1, "ready")]
     verdict: dict[str, str] = {}
     scaler = _make_scaler(slots, verdict)
+    readied: list[tuple[int, bool]] = []   # the pools' admission passes: the replica taken back is up at once
+    admission = CreditQueue("p", [100, 100])
+    admission.replica_ready = lambda replica, restarted: readied.append((replica, restarted))
+    scaler.pools["d"] = [SimpleNamespace(admission=admission)]
     _ticks(scaler, 0, 61)
     assert slots[1].draining                                     # its removal has not run yet
     verdict["d"] = "overloaded"
     scaler.tick(now=61.0)                                        # pressure comes back: taken back
     assert not slots[1].draining and ("d", 1) not in scaler._removals
+    assert readied == [(1, False)]                               # its cache intact: a pass to admit who waits
     await _settle()
     assert slots[1].state == "ready"
 
