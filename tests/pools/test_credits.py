@@ -556,3 +556,21 @@ def test_what_the_autoscaler_reads_of_a_queue_its_refusals_and_the_waits_that_pr
         assert queue.oldest_credit_wait() == 0.0 and queue.refused_at is None
 
     asyncio.run(scenario())
+
+
+def test_the_free_credits_gauge_reads_0_for_a_replica_down_now_before_any_admission_pass():
+    """A replica whose worker died with nothing in flight: no admission pass has run since, yet the gauge
+    already says it takes nothing (the supervisors' word, not the ledger's last pass)."""
+    from prometheus_client import CollectorRegistry
+
+    from gateway.admission import AdmissionMetrics
+
+    queue = CreditQueue("chat", [100, 100])
+    down: set[int] = set()
+    queue.is_up = lambda replica: replica not in down
+    metrics = AdmissionMetrics(CollectorRegistry())
+    pool = SimpleNamespace(name="chat", admission=queue)
+    down.add(1)
+    metrics.refresh([pool])
+    free = [metrics.credits_free.labels(pool="chat", replica=str(r))._value.get() for r in (0, 1)]
+    assert free == [100, 0]
