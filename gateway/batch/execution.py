@@ -299,10 +299,15 @@ class BatchRunner:
         """The line's outcome as `tenant` (a streaming line is the executor's 400): transient answers
         are tried again up to `max_line_attempts`, a second `engine_dead` (never `replica_lost`) makes a
         poison line. Runs in a task of its own, whose upstream requests carry the line's Idempotency-Key
-        and are kept as sent before they go out: one a stop cut there is not sent again at the next start,
+        and are kept as sent as they go out (a 429's refusal unmarks it): one a stop cut there is not sent again at the next start,
         but answered 502 `upstream_disconnected` (the upstream may have run it)."""
         IDEMPOTENCY_KEY.set(f"{batch_id}:{quote(line.custom_id, safe='')}")
-        UPSTREAM_SEND.set(lambda sent: self.durable(self.store.mark_sent, batch_id, line.line_no, sent))
+        sent: list[bool] = []   # this try went out to an upstream (kept: `line.sent` at the next start)
+
+        async def sending() -> None:
+            await self.durable(self.store.mark_sent, batch_id, line.line_no)
+            sent.append(True)
+        UPSTREAM_SEND.set(sending)
         if line.sent:
             return _Outcome(502, ApiError(502, f"line {line.line_no}: sent to its upstream pool before the gateway "
                                                "stopped, which cut it; the upstream may have run it, so it is not "
@@ -312,6 +317,9 @@ class BatchRunner:
             status, body = await self._attempt(line, tenant, alone=deaths > 0)
             if not _is_transient(status, body):
                 return _Outcome(status, body)
+            if sent:   # a 429: the upstream refused it, it did not run there (a stop now: sent again next start)
+                await self.durable(self.store.mark_sent, batch_id, line.line_no, False)
+                sent.clear()
             message = _describe(status, body)
             if _error(body).get("code") == "engine_dead":
                 deaths += 1

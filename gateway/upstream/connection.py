@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from yarl import URL
 
@@ -247,8 +247,10 @@ class UpstreamClient:
         self._tls: ssl.SSLContext | None = None
         self._closed = False
 
-    async def post(self, url: URL, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
-        """Send `body` to `url` and read the answer's head; close the response (or use it in `async with`)."""
+    async def post(self, url: URL, body: bytes, headers: dict[str, str],
+                   on_send: Callable[[], Awaitable[None]] | None = None) -> UpstreamResponse:
+        """Send `body` to `url` and read the answer's head; close the response (or use it in `async with`).
+        `on_send` is awaited once a connection is made, just before the request's bytes go out."""
         if self._closed:
             raise UpstreamUnreachable("the client is closed")
         request = _request_bytes(url, body, headers)
@@ -264,6 +266,8 @@ class UpstreamClient:
         try:
             conn = self._idle_connection(key) or await self._connect(key)
             try:
+                if on_send is not None:
+                    await on_send()
                 conn.transport.write(request)
                 version, status, head = await _read_head(conn, self.read_timeout)
                 return UpstreamResponse(self, key, conn, status, head, self.read_timeout, version)   # may refuse it

@@ -30,8 +30,8 @@ not relayed. Each choice's end counts in `request_success`, an upstream's error 
 
 A batch line is forwarded with an `Idempotency-Key: <batch id>:<custom_id>` header (`IDEMPOTENCY_KEY`,
 set by the batch runner around the line): an upstream that honours it answers a repeat from its first
-run. cliffguard does not rely on it: it never sends a line again once it may have been received, not even
-after a stop that cut it (the runner keeps that it was sent before it goes out: `UPSTREAM_SEND`).
+run. cliffguard does not rely on it: it never sends a line again once it may have run there (a 429 did
+not), not even after a stop that cut it (the runner keeps that it was sent as it goes out: `UPSTREAM_SEND`).
 
 The upstream's URL is shown to clients (errors, `/v1/models`) only through `redact`, without any user
 or password in it. A relayed stream's writes to the client are bounded by `write_timeout` like a
@@ -74,10 +74,10 @@ MAX_ERROR_BYTES = 16 << 10
 
 # The forwarded request's Idempotency-Key: a batch line's `<batch id>:<custom_id>` (gateway.batch.execution), else None.
 IDEMPOTENCY_KEY: ContextVar[str | None] = ContextVar("cliffguard_idempotency_key", default=None)
-# Awaited with True before a request goes out (the upstream may run it from then on), with False if no
-# connection could be made after all: a batch line's runner keeps it (gateway.batch.execution), else None.
-UPSTREAM_SEND: ContextVar[Callable[[bool], Awaitable[None]] | None] = ContextVar("cliffguard_upstream_send",
-                                                                                default=None)
+# Awaited once a connection to the upstream is made, just before the request goes out (the upstream may run
+# it from then on): a batch line's runner keeps that (gateway.batch.execution), else None.
+UPSTREAM_SEND: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar("cliffguard_upstream_send",
+                                                                            default=None)
 
 
 def _headers(pool: Pool, stream: bool) -> dict[str, str]:
@@ -127,13 +127,10 @@ async def forward(request: web.Request, client: UpstreamClient, pool: Pool, path
     sent = dict(body, model=pool.spec.model)
     if relayed.hide_usage:   # the stream's usage chunk, for the counters; the client did not ask for it
         sent["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-    if (noted := UPSTREAM_SEND.get()) is not None:
-        await noted(True)
     try:
-        upstream = await client.post(_url(pool.spec.upstream, path), _JSON.encode(sent), _headers(pool, stream))
+        upstream = await client.post(_url(pool.spec.upstream, path), _JSON.encode(sent), _headers(pool, stream),
+                                     on_send=UPSTREAM_SEND.get())
     except UpstreamUnreachable as exc:   # no connection: nothing sent
-        if noted is not None:
-            await noted(False)
         raise _upstream_failed(pool, "is unreachable", exc, "upstream_unreachable") from None
     except (UpstreamDisconnected, OSError) as exc:   # after the request may have gone out
         raise _upstream_failed(pool, "dropped the request", exc, "upstream_disconnected") from None

@@ -310,9 +310,9 @@ class BatchStore(StoreFile):
         return [BatchLine(r[0], r[1], r[2], r[3], json.loads(r[4]), sent=r[5] is not None) for r in rows]
 
     def mark_sent(self, batch_id: str, line_no: int, sent: bool = True) -> None:
-        """Note, before a pending line goes to an upstream pool, that it may run there (`sent`; False: it
-        did not, no connection was made): a line a stop cut while the upstream ran it is never sent again
-        at the next start (`gateway.batch.execution`)."""
+        """Note, as a pending line goes to an upstream pool, that it may run there (`sent`; False: it did
+        not, the upstream refused it): a line a stop cut while the upstream ran it is never sent again at
+        the next start (`gateway.batch.execution`)."""
         with self._txn() as db:
             db.execute("UPDATE lines SET sent_at=? WHERE batch_id=? AND line_no=? AND status='pending'",
                        (int(time.time()) if sent else None, batch_id, line_no))

@@ -171,3 +171,31 @@ async def test_a_line_the_upstream_held_when_the_gateway_stopped_is_not_sent_aga
     (error,) = await _jsonl_file(again, done["error_file_id"])
     assert error["custom_id"] == "held" and error["response"]["status_code"] == 502
     assert error["response"]["body"]["error"]["code"] == "upstream_disconnected", error
+
+
+async def test_a_line_the_upstream_refused_with_429_is_sent_again_after_a_stop(aiohttp_client, tmp_path):
+    """A 429 means the upstream did not run the line: a stop during the back-off after it leaves the line to
+    be sent again at the next start, not answered `upstream_disconnected`."""
+    received: Counter[str] = Counter()
+
+    async def chat(request: web.Request) -> web.Response:
+        received[(await request.json())["messages"][0]["content"]] += 1
+        return web.json_response({"error": {"message": "slow down", "code": "rate_limit_exceeded"}}, status=429)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    url = str((await aiohttp_client(app)).make_url("/v1"))
+    first = await aiohttp_client(create_app(_gateway(tmp_path, url), data_dir=tmp_path))
+    first.app[BATCHES].retry_first_s = 60   # the back-off the stop cuts
+    batch_id = (await _create(first, _jsonl(_line("refused"))))["id"]
+    for _ in range(200):
+        if received["refused"]:
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.1)   # past its answer, into the back-off
+    await first.close()
+    again = await aiohttp_client(create_app(_gateway(tmp_path, url), data_dir=tmp_path))
+    again.app[BATCHES].max_line_attempts = 1
+    done = await _wait(again, batch_id)
+    (error,) = await _jsonl_file(again, done["error_file_id"])
+    assert received["refused"] == 2 and error["response"]["status_code"] == 429, (received, error)
