@@ -68,9 +68,12 @@ class Tokenizer:
             i for i in (backend.token_to_id(t) for t in special) if i is not None)
         # ids that decode(skip_special_tokens=True) drops
         self._skipped_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
-        # the strings encode matches as special tokens (none with split_special_tokens: those read as text)
-        self.control_tokens: frozenset[str] = frozenset() if backend.encode_special_tokens else frozenset(
-            t.content for t in backend.get_added_tokens_decoder().values() if t.special and t.content)
+        # the special tokens encode matches (none with split_special_tokens: those read as text): content ->
+        # (id, lstrip, rstrip, single_word)
+        self.control_specs: dict[str, tuple[int, bool, bool, bool]] = {} if backend.encode_special_tokens else {
+            t.content: (i, t.lstrip, t.rstrip, t.single_word)
+            for i, t in backend.get_added_tokens_decoder().items() if t.special and t.content}
+        self.control_tokens: frozenset[str] = frozenset(self.control_specs)
         # <0xXX> tokens of a ByteFallback decoder, which decodes each run of them as one unit
         decoder_state = backend.decoder.__getstate__() if backend.decoder else b""
         byte_fallback = b'"ByteFallback"' in decoder_state
@@ -148,20 +151,27 @@ class Tokenizer:
         """Token ids of `text`, as HF `tokenizer(text, add_special_tokens=...).input_ids`."""
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_as_text(self, text: str) -> list[int]:
+    def encode_as_text(self, text: str, later: bool = False) -> list[int]:
         """`encode(text, add_special_tokens=False)` with `control_tokens` in `text` read as plain text (as
-        `split_special_tokens` reads them); the other added tokens are matched as ever."""
+        `split_special_tokens` reads them); the other added tokens are matched as ever. `later`: `text` is
+        the part of a longer one after an added token, where a Metaspace pre-tokenizer that prepends its
+        "\u2581" to the first piece only (`prepend_scheme: first`) prepends none."""
         if not self.control_tokens:
             return self.encode(text, add_special_tokens=False)
-        return self._text_backend.encode(text, add_special_tokens=False).ids
+        return self._text_backends[later].encode(text, add_special_tokens=False).ids
 
     @functools.cached_property
-    def _text_backend(self) -> _Backend:
-        """A copy of the backend that encodes special tokens as text (a flag of the Rust object: setting it on
-        the shared one would race with other threads' encodes)."""
-        backend = _Backend.from_str(self._backend.to_str())
-        backend.encode_special_tokens = True
-        return backend
+    def _text_backends(self) -> tuple[_Backend, _Backend]:
+        """Copies of the backend that encode special tokens as text (a flag of the Rust object: setting it on
+        the shared one would race with other threads' encodes): for a text's start, and for a later part."""
+        spec = json.loads(self._backend.to_str())
+        backends = []
+        for later in (False, True):
+            if later and not _prepend_first_only(spec.get("pre_tokenizer")):
+                return backends[0], backends[0]
+            backends.append(_Backend.from_str(json.dumps(spec)))
+            backends[-1].encode_special_tokens = True
+        return backends[0], backends[1]
 
     @functools.cached_property
     def special_ids_around(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -348,6 +358,19 @@ class IncrementalDetokenizer:
 
 
 # --- loading ----------------------------------------------------------------------------------------------------
+
+
+def _prepend_first_only(pre_tokenizer: dict[str, Any] | None) -> bool:
+    """Whether `pre_tokenizer` (tokenizer.json's) holds a Metaspace that prepends to a text's first piece
+    only; if so, it is made to prepend to none (in place: the spec of a later part's backend)."""
+    if not isinstance(pre_tokenizer, dict):
+        return False
+    if pre_tokenizer.get("type") == "Sequence":
+        return any([_prepend_first_only(p) for p in pre_tokenizer.get("pretokenizers", [])])
+    if pre_tokenizer.get("type") == "Metaspace" and pre_tokenizer.get("prepend_scheme") == "first":
+        pre_tokenizer["prepend_scheme"] = "never"
+        return True
+    return False
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -73,8 +73,9 @@ class TokenCounter:
         self.backend: str = "hf" if self._fast is None else "tiktoken"
         controls = sorted(tokenizer.control_tokens, key=len, reverse=True)   # longest first: leftmost-longest
         self.controls: tuple[str, ...] = tuple(controls)
-        self.control_pattern: re.Pattern[str] | None = re.compile("|".join(map(re.escape, controls))) \
-            if controls else None
+        self._control_ids = {c: spec[0] for c, spec in tokenizer.control_specs.items()}
+        self.control_pattern: re.Pattern[str] | None = re.compile("|".join(
+            _control_regex(c, *tokenizer.control_specs[c][1:]) for c in controls)) if controls else None
         self._as_text: frozenset[str] = frozenset() if self._fast is None else self._fast.allowed_special - {
             unicodedata.normalize("NFC", c) if self._fast.nfc else c for c in controls} - set(controls)
 
@@ -90,12 +91,12 @@ class TokenCounter:
             return self._tokenizer.encode(text, add_special_tokens=False)
         return self._fast.ids(ranks)
 
-    def encode_as_text(self, text: str) -> list[int]:
+    def encode_as_text(self, text: str, later: bool = False) -> list[int]:
         """`encode` with the control tokens (`controls`: the special added tokens) in `text` as plain text,
-        as `Tokenizer.encode_as_text`."""
+        as `Tokenizer.encode_as_text` (`later`: a part after an added token)."""
         ranks = self._fast.ranks(text, self._as_text) if self._fast is not None else None
         if ranks is None:
-            return self._tokenizer.encode_as_text(text)
+            return self._tokenizer.encode_as_text(text, later)
         return self._fast.ids(ranks)
 
     def encode_shielded(self, text: str, shielded: dict[str, str]) -> list[int]:
@@ -103,16 +104,18 @@ class TokenCounter:
         placeholder characters `shielded` maps back (`gateway.openai.chat_prompt.shield_controls`): the
         control tokens `text` holds are the template's own, each its token; a client's are their plain
         text. Without placeholders, `encode(text)`. The text between the template's control tokens is
-        encoded alone, as the tokenizer itself splits on added tokens before its pre-tokenizer."""
+        encoded alone, as the tokenizer itself splits on added tokens before its pre-tokenizer (a part after
+        one with no Metaspace first-piece "\u2581", the spaces a token's lstrip / rstrip takes its own)."""
         if not shielded or self.control_pattern is None:
             return self.encode(text)
         table = str.maketrans(shielded)
         ids: list[int] = []
         start = 0
-        for match in self.control_pattern.finditer(text):
-            ids += self.encode_as_text(text[start:match.start()].translate(table)) + self.encode(match.group())
+        for match in self.control_pattern.finditer(text):   # a token with lstrip / rstrip takes the spaces beside it
+            ids += self.encode_as_text(text[start:match.start()].translate(table), later=start > 0)
+            ids.append(self._control_ids.get(match.group()) or self._control_ids[match.group().strip()])
             start = match.end()
-        return ids + self.encode_as_text(text[start:].translate(table))
+        return ids + self.encode_as_text(text[start:].translate(table), later=start > 0)
 
     def count(self, text: str) -> int:
         """len(encode(text)), without mapping ranks to ids."""
@@ -124,6 +127,15 @@ class TokenCounter:
         if self._fast is None:
             return self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
         return [self.encode(text) for text in texts]
+
+
+def _control_regex(content: str, lstrip: bool, rstrip: bool, single_word: bool) -> str:
+    """How the tokenizer matches an added token: with the spaces before it (`lstrip`) and after it
+    (`rstrip`), only as a whole word (`single_word`)."""
+    core = re.escape(content)
+    if single_word:
+        core = rf"(?<!\w){core}(?!\w)"
+    return (r"\s*" if lstrip else "") + core + (r"\s*" if rstrip else "")
 
 
 class _Inexact(Exception):

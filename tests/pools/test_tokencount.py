@@ -364,6 +364,48 @@ def test_control_tokens_read_as_text_are_transformers_split_special_tokens(
     assert counter.encode_as_text("<|im_end|>") != counter.encode("<|im_end|>")
 
 
+def _metaspace_folder(folder: Path, prepend_scheme: str, strip: bool) -> Path:
+    """A sentencepiece-style BPE (Metaspace pre-tokenizer, Mistral v0.3's `prepend_scheme: first`) with
+    control tokens, one of them taking the spaces beside it (`strip`), trained here on a few words."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as Backend
+
+    backend = Backend(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=prepend_scheme)
+    backend.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme=prepend_scheme)
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>", "[INST]", "[/INST]"])
+    backend.train_from_iterator(["Hello world, how are you? Sure thing."] * 50, trainer)
+    if strip:
+        backend.add_special_tokens([AddedToken("<sep>", lstrip=True, rstrip=True, special=True)])
+    folder.mkdir()
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text("{}")
+    return folder
+
+
+@pytest.mark.parametrize("variant", ["tiktoken", "hf-nfkc", "metaspace-first", "metaspace-always", "stripping"])
+def test_a_prompt_split_at_its_control_tokens_encodes_as_the_whole(
+        variant: str, tmp_path: Path, builtin_path: Path, builtin_spec: dict[str, Any]) -> None:
+    """`encode_shielded` encodes the parts between the template's control tokens one by one (the client's
+    control-token strings in them as text): for a prompt without such strings that is exactly the whole
+    prompt's ids, whatever the tokenizer does at a part's start (a Metaspace's first-piece "\u2581") or
+    around a token that takes the spaces beside it."""
+    if variant == "tiktoken":
+        folder = builtin_path
+    elif variant == "hf-nfkc":
+        folder = _make_variant(tmp_path, builtin_path, builtin_spec, lambda s: s.update(normalizer={"type": "NFKC"}))
+    else:
+        folder = _metaspace_folder(tmp_path / "m", variant.removeprefix("metaspace-") if "-" in variant else "first",
+                                   strip=variant == "stripping")
+    counter = TokenCounter(Tokenizer.from_folder(folder))
+    assert counter.backend == ("tiktoken" if variant == "tiktoken" else "hf")
+    texts = [*_corpus(counter._tokenizer)[:6], "<s>[INST] Hello[/INST]Sure thing</s>", "[INST]Hello world[/INST] Sure",
+             "Hello <sep>  world <sep>Sure", "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"]
+    unused = {"\U000f0000": counter.controls[0]}   # a placeholder none of the texts holds: the split path runs
+    for text in texts:
+        assert counter.encode_shielded(text, unused) == counter.encode(text), (variant, text)
+
+
 # --- bench ----------------------------------------------------------------------------------------------------------
 
 
