@@ -131,9 +131,10 @@ class Placed:
         """The replica's worker client (`Pool.clients`)."""
         return self.pool.clients[self.replica]
 
-    def observe(self, num_tokens: int) -> None:
-        """`num_tokens` more tokens streamed: the replica's token load goes down."""
-        self.pool.admission.observe(self.key, num_tokens)
+    def observe(self, num_tokens: int, prefilled: bool = True) -> None:
+        """`num_tokens` more tokens streamed: the replica's token load goes down; `prefilled`: every prompt
+        of the request in this pool has streamed one (their blocks are computed)."""
+        self.pool.admission.observe(self.key, num_tokens, prefilled)
 
 
 @dataclass

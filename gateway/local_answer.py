@@ -291,9 +291,12 @@ class LocalResponse:
         now, pool, metrics = time.perf_counter(), self.routed[i][0].name, self.metrics
         new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)
         if new_tokens:
-            self.placed[pool].observe(new_tokens)
-            if i not in self._first_at:
-                self._first_at[i] = now
+            first = i not in self._first_at
+            self._first_at.setdefault(i, now)
+            # its prompts' blocks are computed once each prompt of the pool has streamed a token
+            self.placed[pool].observe(new_tokens, prefilled=first and all(
+                j in self._first_at for j, (p, _) in enumerate(self.routed) if p.name == pool))
+            if first:
                 metrics.pool_series(pool).ttft.observe(now - self.received)
             else:   # per sample, as vLLM's (each of n samples is a request of its own there)
                 for c in (c for c in out.outputs if c.delta_token_ids):

@@ -268,10 +268,11 @@ class CreditQueue:
                               ticket.request_id)
         return max(fitting, key=lambda r: self.ledger.accounts[r].free)
 
-    def observe(self, request_id: str, num_tokens: int) -> None:
-        """The request streamed `num_tokens` more tokens: its prompt is computed (its blocks are shared from
-        now on) and its replica's load goes down."""
-        shared = self.ledger.prefilled(request_id)
+    def observe(self, request_id: str, num_tokens: int, prefilled: bool = True) -> None:
+        """The request streamed `num_tokens` more tokens: its replica's load goes down, and where
+        `prefilled` (each of its prompts streamed one: a request of several is not computed at its first
+        token) its prompts' blocks are shared from now on."""
+        shared = prefilled and self.ledger.prefilled(request_id)
         self._since.pop(request_id, None)
         if self.placement is not None:
             self.placement.observe(request_id, num_tokens)

@@ -574,3 +574,32 @@ def test_the_free_credits_gauge_reads_0_for_a_replica_down_now_before_any_admiss
     metrics.refresh([pool])
     free = [metrics.credits_free.labels(pool="chat", replica=str(r))._value.get() for r in (0, 1)]
     assert free == [100, 0]
+
+
+def test_the_prompts_of_a_request_are_shared_once_each_has_streamed_a_token():
+    """A completion of several prompts in one pool: its first token (the short prompt's) does not make the
+    long document's blocks, still being prefilled, count as computed for the requests that share them;
+    the last prompt's first token does (`LocalResponse._observe` -> `CreditQueue.observe`)."""
+    from gateway.local_answer import LocalResponse
+    from gateway.monitoring.metrics import GatewayMetrics
+    from gateway.openai.completions import parse_completion
+
+    queue = CreditQueue("chat", 1000)
+    calls: list[bool] = []
+
+    async def main() -> None:
+        async with queue.hold("a", 100) as ticket:
+            placed = SimpleNamespace(replica=0, observe=lambda num_tokens, prefilled=True: calls.append(prefilled) or
+                                     queue.observe("a", num_tokens, prefilled))
+            pool = SimpleNamespace(name="chat")
+            req = parse_completion({"model": "m", "prompt": ["short", "a long document"], "max_tokens": 4})
+            local = LocalResponse(None, req, [(pool, [1]), (pool, [2, 3, 4])], placed={"chat": placed},
+                                  received=0.0, metrics=GatewayMetrics())
+            delta = SimpleNamespace(outputs=[SimpleNamespace(delta_token_ids=[7])], finished=False, metrics={})
+            local._observe(0, delta)
+            local._observe(0, delta)
+            assert calls == [False, False] and ticket.prefilling       # the document is still being prefilled
+            local._observe(1, delta)
+            assert calls[-1] is True and not ticket.prefilling
+
+    asyncio.run(main())
