@@ -155,8 +155,7 @@ class LocalResponse:
 
     def __init__(self, request: web.Request | None, req: ChatRequest | CompletionRequest, routed: Routed, *,
                  placed: dict[str, Placed], received: float, metrics: GatewayMetrics, write_timeout: float = 30.0,
-                 tenant: str = "default", buffers: ResponseBuffers | None = None,
-                 think: str | None = None) -> None:
+                 tenant: str = "default", buffers: ResponseBuffers | None = None, think: str | None = None) -> None:
         self.request, self.req, self.routed, self.placed = request, req, routed, placed
         self.chat = isinstance(req, ChatRequest)
         self.received, self.metrics = received, metrics
@@ -283,8 +282,7 @@ class LocalResponse:
         """One stream chunk of the choices' deltas (OpenAI's chat or completion chunk)."""
         make = objects.chat_chunk if self.chat else objects.completion_chunk
         so_far = objects.usage(*self._usage()) if self.req.continuous_usage else None
-        self._queue(make(self.request_id, self.req.model, self.created, chunk_choices, self.req.include_usage,
-                         so_far))
+        self._queue(make(self.request_id, self.req.model, self.created, chunk_choices, self.req.include_usage, so_far))
 
     def _observe(self, i: int, out: RequestDelta) -> None:
         """Latency and token metrics of prompt i's delta."""
@@ -483,8 +481,7 @@ class LocalResponse:
         if self.chat:
             return objects.chat_response(self.request_id, self.req.model, self.created, body_choices, *self._usage(),
                                          self.cached_tokens(), self.reasoning_tokens())
-        return objects.completion_response(self.request_id, self.req.model, self.created, body_choices,
-                                           *self._usage())
+        return objects.completion_response(self.request_id, self.req.model, self.created, body_choices, *self._usage())
 
     def _usage(self) -> tuple[int, int]:
         """(prompt tokens, completion tokens) of the whole response."""
