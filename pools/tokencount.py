@@ -74,7 +74,10 @@ class TokenCounter:
         controls = sorted(tokenizer.control_tokens, key=len, reverse=True)   # longest first: leftmost-longest
         self.controls: tuple[str, ...] = tuple(controls)
         self._control_ids = {c: spec[0] for c, spec in tokenizer.control_specs.items()}
-        self.control_pattern: re.Pattern[str] | None = re.compile("|".join(
+        # the control tokens' strings (what a client's text is shielded of), and how the tokenizer matches them
+        self.control_pattern: re.Pattern[str] | None = re.compile("|".join(map(re.escape, controls))) \
+            if controls else None
+        self._template_pattern = re.compile("|".join(
             _control_regex(c, *tokenizer.control_specs[c][1:]) for c in controls)) if controls else None
         self._as_text: frozenset[str] = frozenset() if self._fast is None else self._fast.allowed_special - {
             unicodedata.normalize("NFC", c) if self._fast.nfc else c for c in controls} - set(controls)
@@ -106,12 +109,12 @@ class TokenCounter:
         text. Without placeholders, `encode(text)`. The text between the template's control tokens is
         encoded alone, as the tokenizer itself splits on added tokens before its pre-tokenizer (a part after
         one with no Metaspace first-piece "\u2581", the spaces a token's lstrip / rstrip takes its own)."""
-        if not shielded or self.control_pattern is None:
+        if not shielded or self._template_pattern is None:
             return self.encode(text)
         table = str.maketrans(shielded)
         ids: list[int] = []
         start = 0
-        for match in self.control_pattern.finditer(text):   # a token with lstrip / rstrip takes the spaces beside it
+        for match in self._template_pattern.finditer(text):   # a token with lstrip / rstrip takes the spaces beside it
             ids += self.encode_as_text(text[start:match.start()].translate(table), later=start > 0)
             ids.append(self._control_ids.get(match.group()) or self._control_ids[match.group().strip()])
             start = match.end()

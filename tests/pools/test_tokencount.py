@@ -406,6 +406,18 @@ def test_a_prompt_split_at_its_control_tokens_encodes_as_the_whole(
         assert counter.encode_shielded(text, unused) == counter.encode(text), (variant, text)
 
 
+def test_a_clients_control_token_that_strips_spaces_keeps_them_as_its_text(tmp_path: Path) -> None:
+    """A client's "<sep>" (a token that takes the spaces beside it when the tokenizer matches it) is shielded
+    as the string alone: the client's spaces stay its text, and the whole is what split_special_tokens reads."""
+    from gateway.openai.chat_prompt import shield_controls
+
+    counter = TokenCounter(Tokenizer.from_folder(_metaspace_folder(tmp_path / "m", "first", strip=True)))
+    client = "Hello <sep>  world"
+    (shielded_text,), shielded = shield_controls((client,), counter)
+    assert "<sep>" not in shielded_text and shielded_text.count(" ") == client.count(" ")
+    assert counter.encode_shielded(shielded_text, shielded) == counter._tokenizer.encode_as_text(client)
+
+
 # --- bench ----------------------------------------------------------------------------------------------------------
 
 
