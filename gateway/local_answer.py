@@ -84,12 +84,10 @@ async def merged(routed: Routed, params: SamplingParams, priority: int, request_
     first = {pool.name: i for i, (pool, _) in reversed(list(enumerate(routed)))}
 
     def generate(i: int, pool: Pool, ids: list[int]):
-        engine_id = engine_request_id(request_id, i, len(routed))
-        where = placed[pool.name]
-        return where.client.generate(ids, params, request_id=engine_id, priority=priority, pool=pool.name,
-                                     cache_salt=pool.cache_salt(tenant),
-                                     credits=where.credits if first[pool.name] == i else 0,
-                                     background=where.background)
+        where, credits = placed[pool.name], placed[pool.name].credits if first[pool.name] == i else 0
+        return where.client.generate(ids, params, request_id=engine_request_id(request_id, i, len(routed)),
+                                     priority=priority, pool=pool.name, cache_salt=pool.cache_salt(tenant),
+                                     credits=credits, background=where.background)
 
     if len(routed) == 1:
         pool, ids = routed[0]
@@ -231,6 +229,8 @@ class LocalResponse:
             raise self.error
         if not self.req.stream:
             return self._json()
+        if self.error is not None:   # the stream's error event: a request that failed all the same
+            self.metrics.errors.labels(status=str(self.error.status)).inc()
         self._queue_tail()
         self._closing = True
         self._start_writer()
@@ -254,8 +254,7 @@ class LocalResponse:
     @property
     def retryable(self) -> bool:
         """The engine died before the client saw anything of this response (no chunk streamed; a JSON
-        answer is only built at the end): it can run again on the restarted worker, and the client
-        sees one answer."""
+        answer is only built at the end): it can run again on the restarted worker, the client sees one."""
         return self.error is not None and self.error.code == "engine_dead" and self._writer is None
 
     async def result(self) -> dict[str, Any]:
@@ -285,26 +284,26 @@ class LocalResponse:
         self._queue(make(self.request_id, self.req.model, self.created, chunk_choices, self.req.include_usage, so_far))
 
     def _observe(self, i: int, out: RequestDelta) -> None:
-        """Latency and token metrics of prompt i's delta."""
-        now, pool, metrics = time.perf_counter(), self.routed[i][0].name, self.metrics
-        new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)
+        """Latency and token metrics of prompt i's delta (no latency where no client waits: a batch line's, a
+        background Response's); its pool's prompts are prefilled once each has streamed a token."""
+        now, pool, timed = time.perf_counter(), self.routed[i][0].name, self.request is not None
+        series, new_tokens = self.metrics.pool_series(pool), sum(len(c.delta_token_ids) for c in out.outputs)
         if new_tokens:
             first = i not in self._first_at
             self._first_at.setdefault(i, now)
-            # its prompts' blocks are computed once each prompt of the pool has streamed a token
             self.placed[pool].observe(new_tokens, prefilled=first and all(
                 j in self._first_at for j, (p, _) in enumerate(self.routed) if p.name == pool))
-            if first:
-                metrics.pool_series(pool).ttft.observe(now - self.received)
-            else:   # per sample, as vLLM's (each of n samples is a request of its own there)
+            if timed and first:
+                series.ttft.observe(now - self.received)
+            elif timed:   # per sample, as vLLM's (each of n samples is a request of its own there)
                 for c in (c for c in out.outputs if c.delta_token_ids):
-                    metrics.pool_series(pool).itl.observe((now - self._last_at[i]) / len(c.delta_token_ids))
+                    series.itl.observe((now - self._last_at[i]) / len(c.delta_token_ids))
             self._last_at[i] = now
-            metrics.pool_series(pool).generation_tokens.inc(new_tokens)
-        if out.finished:
-            metrics.pool_series(pool).e2e.observe(now - self.received)
+            series.generation_tokens.inc(new_tokens)
+        if out.finished and timed:
+            series.e2e.observe(now - self.received)
             if "queue_time" in out.metrics:
-                metrics.pool_series(pool).queue_time.observe(out.metrics["queue_time"])
+                series.queue_time.observe(out.metrics["queue_time"])
 
     def _apply(self, i: int, out: RequestDelta) -> list[dict[str, Any]]:
         """Add prompt i's delta to its choices; the stream chunk's choices (empty when not streaming). A request

@@ -144,8 +144,9 @@ class GatewayMetrics:
                                    ITL_BUCKETS)
         self.e2e = self._histogram("e2e_request_latency_seconds", "End-to-end request latency.", _POOL,
                                    REQUEST_LATENCY_BUCKETS)
+        # milliseconds mostly: the request latencies' buckets, from 0.3 s, hid them
         self.queue_time = self._histogram("request_queue_time_seconds", "Time a request waited to be scheduled.",
-                                          _POOL, REQUEST_LATENCY_BUCKETS)
+                                          _POOL, TTFT_BUCKETS)
         self.tokenizer_time = self._histogram("tokenizer_seconds", "Time to render and count a prompt.",
                                               ["backend"], TOKENIZER_BUCKETS)
         self._pool_series: dict[str, PoolSeries] = {}

@@ -102,7 +102,9 @@ class OverloadWatch:
         for replica, supervisor in ready:
             stats = supervisor.client.latest_stats
             if stats is not None:
-                self._busy_ratio(device, replica, supervisor.client, time.time(), stats.step.busy_seconds)
+                # over the time between the two stats (pushed every 0.25 s at most), not between two checks
+                self._busy_ratio(device, replica, supervisor.client, stats.taken_at or time.time(),
+                                 stats.step.busy_seconds)
                 model = model or stats.step.step_model
         # with no replica ready the device's cost model still holds: its capacity reads 0 (its ready replicas'
         # rates), the load offered to it what it is (it read no rates: capacity frozen, offered load 0)

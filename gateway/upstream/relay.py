@@ -333,8 +333,9 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
         failure = _upstream_failed(pool, "dropped the stream", UpstreamDisconnected(
             f"it ended before its last event ({last})"), "upstream_disconnected")
     relayed.count(seen.usage, seen.finish_reasons if failure is None else [])
-    if failure is not None:
+    if failure is not None:   # a failed request all the same, though its status was 200
         log.warning("%s: %s", request.path, failure.message)
+        metrics.errors.labels(status=str(failure.status)).inc()
         if not seen.ended:
             await write(_error_tail(failure, responses, seen.sequence_number + 1))
     else:

@@ -241,7 +241,7 @@ def test_the_queue_depth_of_a_tenant_whose_last_request_ended_reads_zero():
     registry = CollectorRegistry()
     control = AdmissionControl.build(Tenants(), [], registry, {}, keys_checked=True)
     ledger = CreditLedger(100)
-    pool = SimpleNamespace(name="chat", admission=SimpleNamespace(ledger=ledger))
+    pool = SimpleNamespace(name="chat", admission=SimpleNamespace(ledger=ledger, is_up=None))   # a CreditQueue's fields
     ledger.submit("r0", 100, tenant="key-0123abcd")
     ledger.submit("r1", 100, tenant="key-0123abcd")
     ledger.admit()

@@ -212,6 +212,10 @@ def test_the_busy_ratio_of_a_replica_not_ready_reads_0(monkeypatch):
         sup.client.latest_stats = _make_stats(taken_at=clock[0], busy=busy)
         watch.device_load(DEVICE, clock[0])
     assert math.isclose(ratio.get(), 0.7)
+    for clock[0], taken_at, busy in ((132.0, 131.75, 1.65), (133.0, 132.5, 2.4)):   # a fully busy worker whose
+        sup.client.latest_stats = _make_stats(taken_at=taken_at, busy=busy)      # stats lag the checks
+        watch.device_load(DEVICE, clock[0])
+    assert math.isclose(ratio.get(), 1.0)   # its 0.75 s of steps over the 0.75 s between its stats
 
 
 def test_counters_keep_what_the_dead_worker_counted_after_the_last_scrape():
@@ -339,3 +343,25 @@ def test_a_worker_that_lived_between_two_scrapes_is_counted(monkeypatch):
     assert supervisor_module.DeviceSupervisor._new_client(owner) is c   # B died: its supervisor makes C's
     sup.client = c
     assert _total(_scrape(gateway), "cliffguard_computed_tokens_total") == 100 + 1000 + 5
+
+
+def test_latencies_are_of_the_requests_a_client_waits_on():
+    """A batch line or a background Response (no client connection: `request` None) waits by design, behind
+    the interactive load: its tokens count, its latencies do not go into the pool's histograms."""
+    from gateway.local_answer import LocalResponse
+    from gateway.openai.completions import parse_completion
+
+    metrics = GatewayMetrics()
+    series = metrics.pool_series(POOL)
+    pool, placed = SimpleNamespace(name=POOL), {POOL: SimpleNamespace(replica=0, observe=lambda n, prefilled: None)}
+    req = parse_completion({"model": "m", "prompt": "hi", "max_tokens": 4})
+    first = SimpleNamespace(outputs=[SimpleNamespace(delta_token_ids=[7])], finished=False, metrics={})
+    last = SimpleNamespace(outputs=[SimpleNamespace(delta_token_ids=[8])], finished=True, metrics={"queue_time": 0.01})
+    for request in (None, SimpleNamespace(app={})):   # a batch line, then an HTTP request
+        local = LocalResponse(request, req, [(pool, [1])], placed=placed, received=0.0, metrics=metrics)
+        local._observe(0, first)
+        local._observe(0, last)
+    assert series.generation_tokens._value.get() == 4
+    assert [h._sum.get() > 0 for h in (series.ttft, series.itl, series.e2e, series.queue_time)] == [True] * 4
+    counts = [sum(b.get() for b in h._buckets) for h in (series.ttft, series.itl, series.e2e, series.queue_time)]
+    assert counts == [1, 1, 1, 1]   # the HTTP request's only

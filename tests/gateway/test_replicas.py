@@ -105,6 +105,7 @@ async def test_a_killed_replica_loses_no_request_that_sent_no_token_and_rejoins(
     _, chunks = await _stream_text(stream)
     if stream.headers["x-cliffguard-replica"] == "0":   # tokens had gone out: a clear error ends it
         assert chunks[-1]["error"]["code"] == "engine_dead"
+        assert gateway.metrics.errors.labels(status="503")._value.get() == 1   # a failed request, its 200 aside
     else:
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     await _all_ready(client)                            # the killed replica rejoins

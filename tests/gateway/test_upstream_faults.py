@@ -179,7 +179,8 @@ async def test_a_stream_whose_body_ends_before_its_last_event_ends_with_an_error
     else:
         _assert_error_event_then_done("\n\n".join(events), "upstream_disconnected")
     series = gateway.metrics.pool_series("remote")
-    assert series.e2e._sum.get() == 0   # not a request that completed
+    assert series.e2e._sum.get() == 0   # not a request that completed: a failed one, though its status was 200
+    assert gateway.metrics.errors.labels(status="502")._value.get() == 1
     _assert_no_slot_held(gateway)
     server.close()
 
