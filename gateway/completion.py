@@ -129,7 +129,7 @@ class Completion:
         gateway = self.gateway
         response = await forward(self.http, gateway.upstream, pool, self.path, self.body, self.req.stream,
                                  gateway.metrics, write_timeout=gateway.config.gateway.write_timeout,
-                                 prompt_tokens=len(self.routed[0][1]))
+                                 prompt_tokens=len(self.routed[0][1]), received=self.received)
         if self.http is not None:
             if response.status >= 400:   # the upstream's error, relayed as it answered (not raised)
                 gateway.metrics.errors.labels(status=str(response.status)).inc()

@@ -59,7 +59,7 @@ from yarl import URL
 
 from gateway.monitoring.metrics import GatewayMetrics, PoolSeries
 from gateway.openai.errors import ApiError, drain_cut
-from gateway.client_writes import start_sse, write_within
+from gateway.client_writes import ClientGone, start_sse, write_within
 from gateway.upstream.connection import (UpstreamClient, UpstreamDisconnected, UpstreamResponse,
                                          UpstreamTooLarge, UpstreamUnreachable)
 from pools.pool import Pool
@@ -116,14 +116,15 @@ def _rename(obj: Any, model: str) -> Any:
     return obj
 
 
-async def forward(request: web.Request, client: UpstreamClient, pool: Pool, path: str,
-                  body: dict[str, Any], stream: bool, metrics: GatewayMetrics,
-                  write_timeout: float = 30.0, prompt_tokens: int = 0) -> web.StreamResponse:
+async def forward(request: web.Request, client: UpstreamClient, pool: Pool, path: str, body: dict[str, Any],
+                  stream: bool, metrics: GatewayMetrics, write_timeout: float = 30.0, prompt_tokens: int = 0,
+                  received: float | None = None) -> web.StreamResponse:
     """Send `body` (with the upstream's model name) to `<pool.spec.upstream><path>` and relay the answer;
-    `prompt_tokens`: the gateway's own count of the prompt (`_Relayed`)."""
+    `prompt_tokens`: the gateway's own count of the prompt (`_Relayed`); `received`: when the request
+    arrived (perf_counter; default now), which its time to first token and latency count from."""
     responses = path.endswith("/responses")   # its usage and its stream's events are the Responses API's
-    relayed = _Relayed(pool, metrics, body["model"], responses, time.perf_counter(), prompt_tokens,
-                       hide_usage=stream and not responses and not _asks_usage(body))
+    relayed = _Relayed(pool, metrics, body["model"], responses, time.perf_counter() if received is None else received,
+                       prompt_tokens, hide_usage=stream and not responses and not _asks_usage(body))
     sent = dict(body, model=pool.spec.model)
     if relayed.hide_usage:   # the stream's usage chunk, for the counters; the client did not ask for it
         sent["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
@@ -328,6 +329,9 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
         if (failure := drain_cut(exc)) is None:
             raise
         asyncio.current_task().uncancel()
+    except ClientGone:   # what it cost the upstream so far counts all the same
+        relayed.count(seen.usage, [])
+        raise
     if failure is None and not seen.ended:   # a clean end of the body (a connection's FIN, a last chunk) too early
         last = "a response.completed, .incomplete or .failed event" if responses else "data: [DONE]"
         failure = _upstream_failed(pool, "dropped the stream", UpstreamDisconnected(

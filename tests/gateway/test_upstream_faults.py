@@ -6,12 +6,17 @@ upstream did give where it is usable, and every connection slot comes back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 from aiohttp import web
 
 from gateway.app import create_app
+from gateway.client_writes import ClientGone
 from gateway.completion import _relayed_error
 from gateway.upstream import relay
 from gateway.upstream.connection import UpstreamClient, UpstreamDisconnected
@@ -525,4 +530,42 @@ async def test_a_relayed_stream_is_counted_whether_or_not_its_client_asked_for_u
     assert success == 1
     r = await client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "fail"}]})
     assert r.status == 500 and gateway.metrics.errors.labels(status="500")._value.get() == 1
+    server.close()
+
+
+async def test_a_relayed_answers_latency_counts_from_the_requests_arrival():
+    """Parsing, counting and routing are in a relayed request's latency, as in a local one's: `forward`
+    times it from the arrival it is given."""
+    from gateway.monitoring.metrics import GatewayMetrics
+    from tests.gateway.test_upstream_retry import _gateway
+
+    server, url = await _serve(lambda request: _reply(200, _chat_answer({"prompt_tokens": 3, "completion_tokens": 1})))
+    pool, metrics, client = _gateway(Path(tempfile.mkdtemp()), url).pools["remote"], GatewayMetrics(), UpstreamClient()
+    await relay.forward(None, client, pool, "/chat/completions", CHAT, False, metrics,
+                        received=time.perf_counter() - 5.0)
+    assert metrics.pool_series("remote").e2e._sum.get() >= 5.0
+    await client.close()
+    server.close()
+
+
+async def test_a_relayed_stream_whose_client_stops_reading_still_counts_its_prompt(aiohttp_client, tmp_path,
+                                                                                  monkeypatch):
+    """A client cut off for not reading (ClientGone): the upstream ran its prompt all the same."""
+    body = EVENT * 3 + b"data: [DONE]\n\n"
+    server, url = await _serve(lambda request: _reply(200, body, "text/event-stream"))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    writes = []
+
+    async def write_within(request, write, *args):
+        writes.append(1)
+        if len(writes) > 1:
+            write.close()
+            raise ClientGone("not reading")
+        await write
+
+    monkeypatch.setattr(relay, "write_within", write_within)
+    with contextlib.suppress(Exception):   # the gateway drops such a client (here: its stream cut short)
+        await (await client.post("/v1/chat/completions", json={**CHAT, "stream": True})).read()
+    _, ids = await gateway.route_chat(FRONT, CHAT["messages"])
+    assert gateway.metrics.pool_series("remote").prompt_tokens._value.get() == len(ids) > 0
     server.close()
