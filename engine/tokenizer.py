@@ -164,14 +164,14 @@ class Tokenizer:
     def _text_backends(self) -> tuple[_Backend, _Backend]:
         """Copies of the backend that encode special tokens as text (a flag of the Rust object: setting it on
         the shared one would race with other threads' encodes): for a text's start, and for a later part."""
+        def as_text(spec: dict[str, Any]) -> _Backend:
+            backend = _Backend.from_str(json.dumps(spec))
+            backend.encode_special_tokens = True
+            return backend
+
         spec = json.loads(self._backend.to_str())
-        backends = []
-        for later in (False, True):
-            if later and not _prepend_first_only(spec.get("pre_tokenizer")):
-                return backends[0], backends[0]
-            backends.append(_Backend.from_str(json.dumps(spec)))
-            backends[-1].encode_special_tokens = True
-        return backends[0], backends[1]
+        first = as_text(spec)
+        return (first, as_text(spec)) if _prepend_first_only(spec.get("pre_tokenizer")) else (first, first)
 
     @functools.cached_property
     def special_ids_around(self) -> tuple[tuple[int, ...], tuple[int, ...]]:

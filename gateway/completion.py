@@ -150,7 +150,6 @@ class Completion:
             except asyncio.CancelledError as exc:
                 if (error := drain_cut(exc)) is None:
                     raise
-                asyncio.current_task().uncancel()
                 if self._local is not None and self._local.response is not None:   # a stream begun: its error event
                     self._local.error = error
                     return self._local
@@ -167,7 +166,6 @@ class Completion:
             except asyncio.CancelledError as exc:
                 if (error := drain_cut(exc)) is None:
                     raise
-                asyncio.current_task().uncancel()
                 raise error from None
 
     @contextlib.contextmanager

@@ -213,7 +213,6 @@ class LocalResponse:
             if self._write_error is not None:
                 raise self._write_error from None
             if (cut := drain_cut(exc)) is not None:   # the drain ended: what was sent ends with this error
-                asyncio.current_task().uncancel()
                 self.error = cut
                 return
             if self._writer is not None:

@@ -299,8 +299,8 @@ class BatchRunner:
         """The line's outcome as `tenant` (a streaming line is the executor's 400): transient answers
         are tried again up to `max_line_attempts`, a second `engine_dead` (never `replica_lost`) makes a
         poison line. Runs in a task of its own, whose upstream requests carry the line's Idempotency-Key
-        and are kept as sent as they go out (a 429's refusal unmarks it): one a stop cut there is not sent again at the next start,
-        but answered 502 `upstream_disconnected` (the upstream may have run it)."""
+        and are kept as sent as they go out (a 429's refusal unmarks it): one a stop cut there is not sent
+        again at the next start, but answered 502 `upstream_disconnected` (the upstream may have run it)."""
         IDEMPOTENCY_KEY.set(f"{batch_id}:{quote(line.custom_id, safe='')}")
         sent: list[bool] = []   # this try went out to an upstream (kept: `line.sent` at the next start)
 

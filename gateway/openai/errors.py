@@ -74,8 +74,12 @@ def shutting_down() -> ApiError:
 
 def drain_cut(exc: BaseException) -> ApiError | None:
     """`shutting_down()` where `exc` is the CancelledError the gateway cut a request with at the drain's end
-    (`gateway.runtime.Gateway.cut_in_flight`); None for any other cancel."""
-    return shutting_down() if isinstance(exc, asyncio.CancelledError) and exc.args == (DRAIN_CUT,) else None
+    (`gateway.runtime.Gateway.cut_in_flight`), the cancel taken back from the current task (whose except
+    block asks: the request goes on to answer that error); None for any other cancel."""
+    if not (isinstance(exc, asyncio.CancelledError) and exc.args == (DRAIN_CUT,)):
+        return None
+    asyncio.current_task().uncancel()
+    return shutting_down()
 
 
 def storage_unavailable(store: str, exc: BaseException) -> ApiError:

@@ -328,7 +328,6 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
     except asyncio.CancelledError as exc:   # cut at the drain's end: its error event ends the stream
         if (failure := drain_cut(exc)) is None:
             raise
-        asyncio.current_task().uncancel()
     except ClientGone:   # what it cost the upstream so far counts all the same
         relayed.count(seen.usage, [])
         raise
