@@ -65,6 +65,9 @@ VICTIM_POLICIES = ("reverse_fifo", "longest_first", "least_progress", "lru", "pr
 _DEVICE_NAME = re.compile(r"auto|cpu|cuda|cuda:[0-9]+")   # matched whole (`$` lets a final newline by)
 
 
+FP8_MIN_CAPABILITY = (8, 9)   # the GPUs with e4m3 conversions (Triton's fp8e4nv): Ada, Hopper and later
+
+
 def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
     """What `kv_cache_dtype` (auto | fp8) stores K and V as, beside a model in `model_dtype`: the one rule
     for the engine and the capacity plan."""
@@ -285,5 +288,13 @@ class EngineConfig:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
 
     def resolved_kv_dtype(self, device: torch.device) -> torch.dtype:
-        """The KV cache's element type: the model's, or float8_e4m3fn with `kv_cache_dtype: fp8`."""
-        return kv_cache_dtype(self.kv_cache_dtype, self.resolved_dtype(device))
+        """The KV cache's element type: the model's, or float8_e4m3fn with `kv_cache_dtype: fp8`, which a GPU
+        stores and reads with its own FP8 conversions (Triton's e4m3 type: compute capability 8.9 and up)."""
+        dtype = kv_cache_dtype(self.kv_cache_dtype, self.resolved_dtype(device))
+        if dtype == torch.float8_e4m3fn and device.type == "cuda":
+            capability = torch.cuda.get_device_capability(device)
+            if capability < FP8_MIN_CAPABILITY:
+                raise ConfigError(f"kv_cache_dtype: fp8 needs a GPU of compute capability "
+                                  f"{'.'.join(map(str, FP8_MIN_CAPABILITY))} or newer (Ada, Hopper, Blackwell); "
+                                  f"{device} is {'.'.join(map(str, capability))}: use kv_cache_dtype: auto")
+        return dtype

@@ -58,6 +58,8 @@ class LLMEngine:
         self.config = config
         rank_devices = config.rank_devices()
         self.device = rank_devices[0]
+        if self.device.type == "cuda":   # Triton's launches, the events and graph captures use the current device
+            torch.cuda.set_device(self.device)
         self.dtype = config.resolved_dtype(self.device)
         self.kv_dtype = config.resolved_kv_dtype(self.device)   # the model's, or float8_e4m3fn
         started = time.perf_counter()
@@ -358,9 +360,9 @@ class LLMEngine:
         """One forward pass over the merged batch; forks the samples whose prefill ended; queues the sampling.
         With overlap each sampled sequence counts its token as a placeholder, filled on the device in
         the next step's inputs."""
+        if not scheduled.batch:   # nothing to time: no clock (a CUDA clock never stopped cannot be read)
+            return LaunchedStep(scheduled)
         launched = LaunchedStep(scheduled, clock=StepClock(self.device) if self.overlap else None)
-        if not scheduled.batch:
-            return launched
         launched.forward_started = time.perf_counter()
         logits, sampled = self.runner.execute(scheduled.batch)
         # Launched: on CUDA the device runs the forward pass while the host does the step's bookkeeping,
@@ -394,8 +396,8 @@ class LLMEngine:
             self.runner.synchronize()   # the step's time is the device's, not its launch's (nothing sampled)
         done = time.perf_counter()
         stats = scheduled.stats
-        device_seconds = launched.clock.seconds() if launched.clock else done - launched.forward_started
         if scheduled.batch:
+            device_seconds = launched.clock.seconds() if launched.clock else done - launched.forward_started
             observe_step_time(self.schedulers, stats.num_prefill_tokens, stats.num_decode_tokens, device_seconds)
             stats.phases["sample"] = stats.phases.get("sample", 0.0) + done - started
         touched: dict[str, list[Sequence]] = {}

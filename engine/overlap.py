@@ -77,7 +77,7 @@ class StepClock:
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             self._events[0].record()
         self._started = time.perf_counter()
-        self._stopped = self._started
+        self._stopped: float | None = None
 
     def stop(self) -> None:
         """After the step's last kernel is queued."""
@@ -86,6 +86,10 @@ class StepClock:
         self._stopped = time.perf_counter()
 
     def seconds(self) -> float:
+        """The step's seconds; only once stopped (CUDA cannot time an end event never recorded: so that the
+        CPU's tests see the misuse the device would, no clock reads unstopped)."""
+        if self._stopped is None:
+            raise RuntimeError("a step clock is read before it is stopped")
         if self._events is None:
             return self._stopped - self._started
         self._events[1].synchronize()

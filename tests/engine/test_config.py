@@ -165,6 +165,46 @@ def test_bad_engine_configs_are_named(make, match):
         make()
 
 
+def _cuda_machine(monkeypatch, capability=(9, 0)):
+    """A CPU machine that says it has two GPUs of `capability`: what a one-rank engine does on CUDA before
+    it touches a GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+def test_a_one_rank_engine_on_a_second_gpu_makes_it_the_current_device_first(monkeypatch):
+    # Triton launches on the current device, and events and graph captures use its stream: an engine on
+    # cuda:1 that left cuda:0 current would die at its first kernel (or read tokens before they are written)
+    _cuda_machine(monkeypatch)
+    selected = []
+
+    class Selected(Exception):
+        pass
+
+    def set_device(device):
+        selected.append(torch.device(device))
+        raise Selected
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    for device, gpu_ids in (("cuda:1", ()), ("cuda", (1,))):
+        with pytest.raises(Selected):
+            LLMEngine(EngineConfig(model="builtin", device=device, gpu_ids=gpu_ids), progress=False)
+    assert selected == [torch.device("cuda", 1)] * 2
+
+
+def test_an_fp8_cache_on_a_gpu_without_fp8_conversions_is_refused_by_name(monkeypatch):
+    config = EngineConfig(kv_cache_dtype="fp8", device="cuda:1")
+    _cuda_machine(monkeypatch, (8, 0))   # an A100
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype: fp8 needs a GPU of compute capability 8.9 .*cuda:1 is "
+                                          r"8.0: use kv_cache_dtype: auto"):
+        config.resolved_kv_dtype(torch.device("cuda", 1))
+    _cuda_machine(monkeypatch, (8, 9))   # an L4
+    assert config.resolved_kv_dtype(torch.device("cuda", 1)) == torch.float8_e4m3fn
+    assert EngineConfig(device="cuda:1").resolved_kv_dtype(torch.device("cuda", 1)) == torch.bfloat16
+    assert config.resolved_kv_dtype(torch.device("cpu")) == torch.float8_e4m3fn
+
+
 def test_unsupported_architecture_in_a_model_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["FalconForCausalLM"]}))
     with pytest.raises(ConfigError, match="FalconForCausalLM"):
