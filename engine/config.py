@@ -6,11 +6,8 @@ Each class is validated on construction and never written back; derived values a
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import torch
 

@@ -30,7 +30,7 @@ from engine.kv_scales import calibrate_kv_scales
 from engine.cuda_graphs import MAX_GRAPH_BATCH
 from engine.models import build_model
 from engine.model_runner import ModelRunner, follower_main
-from engine.parallel import ShardShape, TensorParallelGroup
+from engine.parallel import ShardShape, TensorParallelGroup, use_device
 from engine.outputs import RequestOutput, RequestState
 from engine.overlap import LaunchedStep, ScheduledStep, StepClock, overlap_applies
 from engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
@@ -58,8 +58,7 @@ class LLMEngine:
         self.config = config
         rank_devices = config.rank_devices()
         self.device = rank_devices[0]
-        if self.device.type == "cuda":   # Triton's launches, the events and graph captures use the current device
-            torch.cuda.set_device(self.device)
+        use_device(self.device)   # Triton's launches, the events and graph captures use the current device
         self.dtype = config.resolved_dtype(self.device)
         self.kv_dtype = config.resolved_kv_dtype(self.device)   # the model's, or float8_e4m3fn
         started = time.perf_counter()

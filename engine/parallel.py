@@ -441,6 +441,13 @@ def end_process(reason: str) -> None:
     os._exit(1)
 
 
+def use_device(device: torch.device) -> None:
+    """Make a GPU `device` this thread's current CUDA device, which Triton launches on and events and graph
+    captures take their stream from (nothing for a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def join_group(device: torch.device, rank: int, size: int, init_method: str,
                collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_SECONDS) -> Collectives:
     """Join the group as `rank` (NCCL on CUDA, gloo on a CPU): the rendezvous waits up to
@@ -451,7 +458,7 @@ def join_group(device: torch.device, rank: int, size: int, init_method: str,
         # over the graphs of a large model, NVIDIA/nccl#1234) that the capacity plan does not set aside;
         # one node's ranks need no cuMem. Set before the communicator exists; a user's own value wins.
         os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
-        torch.cuda.set_device(device)
+        use_device(device)
         torch.distributed.init_process_group("nccl", init_method=init_method, rank=rank, world_size=size,
                                              timeout=timeout, device_id=device)
     else:
