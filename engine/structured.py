@@ -49,6 +49,10 @@ GRAMMAR_THREADS = 2   # builds at once: a schema that takes seconds to build doe
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+class SpecTooLarge(ValueError):
+    """A schema or grammar past MAX_SPEC_CHARS."""
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """What the output must match. kind "json_object": any JSON object; "json_schema": `spec` is the schema as
@@ -63,7 +67,7 @@ class StructuredOutput:
         if not isinstance(self.spec, str):
             raise ValueError(f"structured output: spec must be a string, got {type(self.spec).__name__}")
         if len(self.spec) > MAX_SPEC_CHARS:
-            raise ValueError(f"structured output: at most {MAX_SPEC_CHARS} characters of schema or grammar, "
+            raise SpecTooLarge(f"structured output: at most {MAX_SPEC_CHARS} characters of schema or grammar, "
                              f"got {len(self.spec)}")
 
     @classmethod

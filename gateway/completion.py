@@ -48,7 +48,7 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.structured import StructuredOutput
+from engine.structured import SpecTooLarge, StructuredOutput
 from gateway.openai import objects
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
@@ -350,20 +350,27 @@ def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,
     if not isinstance(req, ChatRequest):
         return req
     mode = req.tool_choice.mode if req.tools else None
-    param = "tools"
-    if mode in ("required", "function"):
-        tools = req.tools if mode == "required" else [t for t in req.tools if t.name == req.tool_choice.name]
-        grammar = format_for(pool.tokenizer, req.tools).grammar(tools, req.parallel_tool_calls and mode == "required",
-                                                                think)
-    elif mode == "auto" and (any(t.strict for t in req.tools) or _calls_beside_reply(req, pool)):
-        fmt = format_for(pool.tokenizer, req.tools)
-        grammar = fmt.auto_grammar(req.tools, req.parallel_tool_calls, _json_reply(req, fmt, pool), think)
-    elif think is not None and req.params.structured is not None:
-        grammar, param = thinking_first(req.params.structured, think), req.structured_param
-    else:
+    calls = mode in ("required", "function") or (mode == "auto" and (any(t.strict for t in req.tools)
+                                                                      or _calls_beside_reply(req, pool)))
+    if not calls and (think is None or req.params.structured is None):
         return req
+    param = "tools" if calls else req.structured_param
+    try:
+        grammar = _calls_grammar(req, pool, mode, think) if calls else thinking_first(req.params.structured, think)
+    except SpecTooLarge as exc:   # the grammar holds every schema the reply may follow: together past the bound
+        raise ApiError(400, f"{param}: the grammar of the reply, with every schema it holds, is too large: "
+                       f"{str(exc).removeprefix('structured output: ')}", param=param) from None
     return dataclasses.replace(req, params=dataclasses.replace(req.params, structured=grammar),
                                structured_param=param)
+
+
+def _calls_grammar(req: ChatRequest, pool: Pool, mode: str, think: str | None) -> StructuredOutput:
+    """Calls only ("required", a named function), or text or calls ("auto")."""
+    fmt = format_for(pool.tokenizer, req.tools)
+    if mode == "auto":
+        return fmt.auto_grammar(req.tools, req.parallel_tool_calls, _json_reply(req, fmt, pool), think)
+    tools = req.tools if mode == "required" else [t for t in req.tools if t.name == req.tool_choice.name]
+    return fmt.grammar(tools, req.parallel_tool_calls and mode == "required", think)
 
 
 def _within_context(req: ChatRequest | CompletionRequest, routed: Sequence[tuple[Pool, list[int]]]

@@ -372,10 +372,10 @@ class LocalResponse:
                 rest, calls, num_calls = stream.finish(text, cut=finish_reason == "length")
                 delta["content"] += rest
                 if num_calls:
-                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+                    finish_reason = objects.calls_finish(self.req.legacy) if finish_reason == "stop" else finish_reason
             delta["content"] = delta["content"] or None   # OpenAI's null, not "", beside calls or nothing
             if calls:
-                delta["tool_calls"] = calls
+                delta.update(objects.calls_field(calls, self.req.legacy))
         return {"index": choice.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
 
     # --- the client's side of a stream ----------------------------------------------------------
@@ -470,12 +470,13 @@ class LocalResponse:
             finish_reason = choice.finish_reason
             content, calls = self._reply(choice)
             if self.tool_format is not None and calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
+                finish_reason = objects.calls_finish(self.req.legacy)
             if (reasoning := choice.reasoning) is not None:   # a thinking model's: null where a part is empty
                 content = content or None
-            body_choices.append(objects.chat_choice(
-                index, content, lp, finish_reason, [call.as_openai() for call in calls], thinks=reasoning is not None,
-                reasoning_content=(reasoning.reasoning or None) if reasoning is not None else None))
+            thought = (reasoning.reasoning or None) if reasoning is not None else None
+            body_choices.append(objects.chat_choice(index, content, lp, finish_reason, [c.as_openai() for c in calls],
+                                                    thinks=reasoning is not None, reasoning_content=thought,
+                                                    legacy=self.req.legacy))
         if self.chat:
             return objects.chat_response(self.request_id, self.req.model, self.created, body_choices, *self._usage(),
                                          self.cached_tokens(), self.reasoning_tokens())

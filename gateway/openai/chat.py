@@ -94,6 +94,7 @@ class ChatRequest:
     tools: list[Tool] | None = None
     tool_choice: ToolChoice = ToolChoice("none")
     parallel_tool_calls: bool = True
+    legacy: bool = False   # the tools came as the deprecated `functions`: one call, answered as `function_call`
     metadata: dict[str, str] | None = None   # the Responses API's, echoed in its Response object
     # the renderer's: variables for the chat template, and its flags add_generation_prompt / continue_final_message
     chat_template_kwargs: dict[str, Any] | None = None
@@ -123,7 +124,8 @@ def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> ChatReques
     return ChatRequest(model=chat.model, messages=messages, params=params, stream=stream,
                        include_usage=include_usage, continuous_usage=continuous_usage, priority=chat.priority or 0,
                        top_logprobs=top_logprobs, max_tokens_param=max_tokens_param, tools=tools,
-                       tool_choice=tool_choice, parallel_tool_calls=chat.parallel_tool_calls is not False,
+                       tool_choice=tool_choice, legacy=chat.functions is not None,
+                       parallel_tool_calls=chat.parallel_tool_calls is not False and chat.functions is None,
                        chat_template_kwargs=_template_kwargs(chat))
 
 

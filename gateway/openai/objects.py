@@ -110,14 +110,27 @@ def chat_response(request_id: str, model: str, created: int, choices: list[dict[
 
 def chat_choice(index: int, text: str | None, logprobs: dict[str, Any] | None, finish_reason: str | None,
                 tool_calls: list[dict[str, Any]] | None = None, *, thinks: bool = False,
-                reasoning_content: str | None = None) -> dict[str, Any]:
-    """A chat choice; a thinking model's message has `reasoning_content` (None when it did not think)."""
+                reasoning_content: str | None = None, legacy: bool = False) -> dict[str, Any]:
+    """A chat choice; a thinking model's message has `reasoning_content` (None when it did not think);
+    `legacy`: the request offered the deprecated `functions` (`calls_field`)."""
     message: dict[str, Any] = {"role": "assistant", "content": text}
     if thinks:
         message["reasoning_content"] = reasoning_content
     if tool_calls:
-        message["tool_calls"] = tool_calls
+        message.update(calls_field(tool_calls, legacy))
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def calls_field(calls: list[dict[str, Any]], legacy: bool) -> dict[str, Any]:
+    """A message's (or a stream delta's) calls: `tool_calls`; for a request that offered the deprecated
+    `functions`, its one call as OpenAI's `function_call` ({name, arguments}: a delta's name in its first
+    piece only), what clients of that API read."""
+    return {"function_call": calls[0]["function"]} if legacy else {"tool_calls": calls}
+
+
+def calls_finish(legacy: bool) -> str:
+    """The finish_reason of a reply that made calls: "tool_calls", or the deprecated `functions`'."""
+    return "function_call" if legacy else "tool_calls"
 
 
 def chat_chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]],

@@ -114,7 +114,7 @@ def stream_flags(body: RequestFields) -> tuple[bool, bool, bool]:
     return stream, include, include and bool(options.continuous_usage_stats)
 
 
-_FORMAT_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")   # OpenAI's rule for a response format's name
+_FORMAT_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")   # OpenAI's rule for a response format's name
 
 
 def response_format(value: ResponseFormat | None, param: str = "response_format") -> StructuredOutput | None:
@@ -127,7 +127,7 @@ def response_format(value: ResponseFormat | None, param: str = "response_format"
     spec, where = value.json_schema, f"{param}.json_schema"
     if spec is None:
         raise bad_request(where, "is required with type json_schema")
-    if not _FORMAT_NAME.match(spec.name):
+    if not _FORMAT_NAME.fullmatch(spec.name):
         raise bad_request(f"{where}.name", f"must be 1-64 letters, digits, '_' or '-', got {spec.name!r}")
     try:
         return StructuredOutput.json_schema(spec.schema)

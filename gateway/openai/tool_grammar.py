@@ -51,10 +51,42 @@ class CallSyntax:
 
 
 def _call_schema(functions: Sequence[tuple[str, dict[str, Any]]], args_key: str) -> dict[str, Any]:
-    """One call: {"name": <one of the functions>, args_key: <its arguments schema>}, name first."""
-    options = [{"type": "object", "properties": {"name": {"const": name}, args_key: schema},
-                "required": ["name", args_key], "additionalProperties": False} for name, schema in functions]
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    """One call: {"name": <one of the functions>, args_key: <its arguments schema>}, name first. Each
+    arguments schema sits inside this one, the root its local `$ref`s ("#/$defs/X", "#") resolve against:
+    they are rebased onto where it sits (`_rebased`), so that they mean what they meant alone."""
+    def option(name: str, schema: dict[str, Any], at: str) -> dict[str, Any]:
+        arguments = _rebased(schema if "type" in schema else {"type": "object", **schema}, at)   # an object, always
+        return {"type": "object", "properties": {"name": {"const": name}, args_key: arguments},
+                "required": ["name", args_key], "additionalProperties": False}
+
+    if len(functions) == 1:
+        return option(*functions[0], f"#/properties/{args_key}")
+    return {"anyOf": [option(name, schema, f"#/anyOf/{i}/properties/{args_key}")
+                      for i, (name, schema) in enumerate(functions)]}
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})   # their values are JSON data, not schemas
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rebased(schema: Any, at: str) -> Any:
+    """`schema` with each local `$ref` ("#" and a JSON pointer) made relative to `at`, the pointer to where
+    the schema now sits (a schema without one comes back as it was; a remote or `$id` ref is left alone)."""
+    if isinstance(schema, list):
+        return [_rebased(item, at) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            rebased[key] = at + value[1:]
+        elif key in _DATA_KEYWORDS:
+            rebased[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):   # names (any, "enum" too) to schemas
+            rebased[key] = {name: _rebased(sub, at) for name, sub in value.items()}
+        else:
+            rebased[key] = _rebased(value, at)
+    return rebased
 
 
 THINK_MODES = ("optional", "opened")

@@ -25,7 +25,7 @@ from pools.config.typed import FieldError, convert
 MAX_TOOLS = 128
 MAX_CACHED_SCHEMAS = 512          # parameter schemas whose check `schema_error` remembers
 MAX_CACHED_REASON_CHARS = 1024    # a longer reason is not remembered (the library's reasons may quote the schema)
-_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")   # OpenAI's rule for function names
+_NAME = re.compile(r"[a-zA-Z0-9_.-]{1,64}")   # OpenAI's rule for function names (`fullmatch`: "f\n" is not one)
 
 
 class ToolError(ValueError):
@@ -116,11 +116,14 @@ def tools_from(functions: list[FunctionSpec], param: str = "tools", inner: str =
     tools: list[Tool] = []
     for i, function in enumerate(functions):
         where, name = f"{param}[{i}]{inner}", function.name
-        if not _NAME.match(name):
+        if not _NAME.fullmatch(name):
             raise ToolError(f"{where}.name: must be 1-64 letters, digits, '_', '.' or '-', got {name!r}")
         if any(tool.name == name for tool in tools):
             raise ToolError(f"{where}.name: {name!r} is offered twice")
         parameters = {"type": "object", "properties": {}} if function.parameters is None else function.parameters
+        if parameters.get("type", "object") != "object":   # as OpenAI: the arguments are an object
+            raise ToolError(f"{where}.parameters: the arguments are a JSON object: its schema's type must be "
+                            f"\"object\", got {parameters['type']!r}")
         if (reason := schema_error(json.dumps(parameters, sort_keys=True))) is not None:
             raise ToolError(f"{where}.parameters: not a JSON schema we can enforce: {reason}")
         tools.append(Tool(name, function.description, parameters, bool(function.strict)))

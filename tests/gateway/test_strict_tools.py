@@ -160,6 +160,41 @@ def test_a_thinking_models_reply_thinks_before_the_constrained_part(lltokenizer,
     assert _accepts(lltokenizer, thinking_first(reply, "optional"), '{"a": 1}')
 
 
+@pytest.mark.parametrize("fmt_class, write", FORMATS, ids=["hermes", "llama3_json"])
+def test_a_schemas_own_refs_mean_in_the_call_grammar_what_they_mean_alone(lltokenizer, fmt_class, write):
+    """`$ref`s resolve against the schema's root: inside the grammar of calls, where each arguments schema sits
+    in a schema of its own, they are rebased onto it (a `$defs` ref was refused, "#" meant the call)."""
+    address = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+               "additionalProperties": False}
+    person = {"$defs": {"Addr": address}, "type": "object", "properties": {"home": {"$ref": "#/$defs/Addr"}},
+              "required": ["home"], "additionalProperties": False}
+    tree = {"type": "object", "properties": {"label": {"type": "string"}, "children": {
+        "type": "array", "items": {"$ref": "#"}}}, "required": ["label", "children"], "additionalProperties": False}
+    tools = parse_tools([{"type": "function", "function": {"name": "person", "parameters": person, "strict": True}},
+                         {"type": "function", "function": {"name": "tree", "parameters": tree, "strict": True}}])
+    leaf = {"label": "b", "children": []}
+    for offered in (tools[:1], tools):
+        for grammar in (fmt_class(tools).grammar(offered, True), fmt_class(tools).auto_grammar(offered, True)):
+            check(grammar)
+            assert _accepts(lltokenizer, grammar, write(("person", {"home": {"city": "Oslo"}})))
+            assert not _accepts(lltokenizer, grammar, write(("person", {"home": {"town": "Oslo"}})))
+            if len(offered) == 2:
+                assert _accepts(lltokenizer, grammar, write(("tree", {"label": "a", "children": [leaf]})))
+                assert not _accepts(lltokenizer, grammar, write(("tree", {"label": "a", "children": [
+                    {"name": "tree", "arguments": leaf}]})))
+
+
+def test_a_grammar_of_tools_past_the_librarys_bound_together_is_a_400_naming_tools(pool):
+    """Each schema is under the bound alone; the grammar of calls holds them all."""
+    tools = [{"type": "function", "function": {"name": f"f{i}", "strict": True, "parameters": {
+        "type": "object", "description": "d" * 140_000, "properties": {}}}} for i in range(2)]
+    for choice in ("required", "auto"):
+        with pytest.raises(ApiError) as info:
+            with_grammar(parse_chat(dict(CHAT, tools=tools, tool_choice=choice)), pool)
+        assert info.value.status == 400 and info.value.param == "tools", info.value.message
+        assert "too large: at most 262144 characters" in info.value.message
+
+
 # --- the request -------------------------------------------------------------------------------------
 
 def test_strict_is_kept_and_a_non_boolean_names_the_field():

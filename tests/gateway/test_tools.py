@@ -58,6 +58,14 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
      "tools[0].function.parameters"),
     (dict(CHAT, tools=[WEATHER, {"type": "function", "function": {"name": "g", "parameters": {
         "type": "object", "properties": 5}}}]), "tools[1].function.parameters"),
+    # a name's end is the string's: "\n" after it is not one of OpenAI's characters
+    (dict(CHAT, tools=[{"type": "function", "function": {"name": "get_weather\n"}}]), "tools[0].function.name"),
+    (dict(CHAT, response_format={"type": "json_schema", "json_schema": {"name": "w\n", "schema": {}}}),
+     "response_format.json_schema.name"),
+    # the arguments are an object: a schema of another type would force calls no parser reads as one
+    (dict(CHAT, tools=[{"type": "function", "function": {"name": "echo", "parameters": {"type": "string"}}}]),
+     "tools[0].function.parameters"),
+    (dict(CHAT, functions=[{"name": "f", "parameters": {"type": "array", "items": {}}}]), "functions[0].parameters"),
     (dict(CHAT, messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "21 C"}]),
      "messages[1].tool_call_id"),
     (dict(CHAT, messages=[{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f",
@@ -486,6 +494,29 @@ async def test_a_call_cut_by_max_tokens_is_the_same_partial_call_streamed_or_who
     assert content == "" and len(whole.message.tool_calls) == 1
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+
+
+async def test_the_deprecated_functions_are_answered_as_one_function_call_whole_and_streamed(client) -> None:
+    """A request offering `functions` gets OpenAI's answer of that API: `message.function_call` (no `tool_calls`),
+    finish_reason "function_call", a stream's `delta.function_call` pieces (the name in the first), one call."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=120, temperature=0,
+                  functions=[t["function"] for t in TOOLS], function_call={"name": "get_weather"})
+    whole = (await client.chat.completions.create(**kwargs)).choices[0]
+    assert whole.finish_reason == "function_call" and whole.message.tool_calls is None, whole
+    assert whole.message.function_call.name == "get_weather"
+    jsonschema.validate(json.loads(whole.message.function_call.arguments), SCHEMAS["get_weather"])
+    pieces, finish = [], None
+    async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            assert choice.delta.tool_calls is None
+            if choice.delta.function_call is not None:
+                pieces.append(choice.delta.function_call)
+            finish = choice.finish_reason or finish
+    assert finish == "function_call" and len(pieces) > 2
+    assert [p.name for p in pieces] == ["get_weather"] + [None] * (len(pieces) - 1)
+    assert "".join(p.arguments for p in pieces) == whole.message.function_call.arguments
+    auto = (await client.chat.completions.create(**{**kwargs, "function_call": "auto"})).choices[0]
+    assert auto.message.tool_calls is None   # one call at most, or none
 
 
 async def test_a_two_turn_exchange_with_a_tool_result(client) -> None:
