@@ -251,7 +251,9 @@ class BatchStore(StoreFile):
 
     def batch(self, batch_id: str, *, owner: str) -> dict[str, Any] | None:
         """The OpenAI batch object (request_counts counted from the lines, or kept on a finished batch's row),
-        or None (no such batch, or another owner's)."""
+        or None (no such batch, or another owner's, or an id that is not `is_text`: a URL's byte past UTF-8)."""
+        if not is_text(batch_id):
+            return None
         with self._lock:
             row = self._db.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id=? AND owner=?",
                                    (batch_id, owner)).fetchone()
@@ -276,8 +278,9 @@ class BatchStore(StoreFile):
         with self._lock:
             before = None
             if after is not None:
-                found = self._db.execute("SELECT seq FROM batches WHERE id=? AND owner=?", (after, owner)).fetchone()
-                if found is None:
+                found = is_text(after) and self._db.execute("SELECT seq FROM batches WHERE id=? AND owner=?",
+                                                            (after, owner)).fetchone()
+                if not found:
                     raise BatchInputError("after", f"no batch {after!r}")
                 before = found[0]
             rows = self._db.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE owner=? AND (? IS NULL OR seq < ?) "
@@ -288,6 +291,8 @@ class BatchStore(StoreFile):
         """Mark a validating or in_progress batch `cancelling` (its runner stops taking lines and then
         finalizes it as `cancelled`); any other batch is returned unchanged. None if there is none, or
         it is another owner's (which is left alone)."""
+        if not is_text(batch_id):
+            return None
         with self._txn() as db:
             db.execute(f"UPDATE batches SET status='cancelling', cancelling_at=? WHERE id=? AND owner=? AND "
                        f"status IN ({marks(CANCELLABLE)})", (int(time.time()), batch_id, owner, *CANCELLABLE))

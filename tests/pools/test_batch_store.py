@@ -171,6 +171,10 @@ def test_strings_sqlite_cannot_hold_are_refused_or_cleaned_never_an_error_of_sql
     assert store.file("\ud800", owner=OWNER) is None and store.file_content("\ud800", owner=OWNER) is None
     with pytest.raises(BatchInputError, match="^input_file_id: no file '\\\\ud800'$"):
         store.create_batch("\ud800", CHAT, "24h", owner=OWNER, tenant=TENANT)
+    # a URL's byte past UTF-8 reaches an id as a lone surrogate (aiohttp decodes with surrogateescape)
+    assert store.batch("batch_\udcff", owner=OWNER) is None and store.cancel("batch_\udcff", owner=OWNER) is None
+    with pytest.raises(BatchInputError, match="^after: no batch '\\\\udcff'$"):
+        store.list_batches(after="\udcff", owner=OWNER)
     names = {"a\x00b\udcff\x1b[31m.jsonl": "ab\ufffd[31m.jsonl", "\u00e9" * 300: "\u00e9" * 255, "\x00": "upload.jsonl",
              None: "upload.jsonl"}
     for sent, kept in names.items():
