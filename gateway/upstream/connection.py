@@ -24,6 +24,7 @@ request is never written on a connection the server is closing. The server's sil
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import ssl
 import time
@@ -326,9 +327,14 @@ class UpstreamClient:
 
 
 def _request_bytes(url: URL, body: bytes, headers: dict[str, str]) -> bytes:
-    """The request's bytes; a header value with a line break is a ValueError (no header injection)."""
+    """The request's bytes; a header value with a line break is a ValueError (no header injection). The URL's
+    `user:password@` goes as HTTP Basic credentials (RFC 7617, UTF-8), as curl and aiohttp send them, unless
+    `headers` has its own Authorization (the pool's `upstream_api_key_env`)."""
     host = url.host_port_subcomponent or ""   # an IPv6 address in brackets, a name in its ASCII (IDNA) form
     lines = [f"POST {url.raw_path_qs or '/'} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}"]
+    if url.user is not None and not any(name.lower() == "authorization" for name in headers):
+        basic = base64.b64encode(f"{url.user}:{url.password or ''}".encode()).decode()
+        lines.append(f"Authorization: Basic {basic}")
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
             raise ValueError(f"header {name!r}: a line break in a header")

@@ -4,6 +4,7 @@ that frame answers each way HTTP allows, drop connections and go silent."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import shutil
 import ssl
 import subprocess
@@ -189,6 +190,19 @@ def test_a_line_break_in_a_header_is_refused():
         _request_bytes(URL("http://127.0.0.1:8000/v1"), b"{}", {"Idempotency-Key": "b:1\r\nX-Evil: 1"})
     assert _request_bytes(URL("https://example.com/v1/x?a=1"), b"", {}).startswith(
         b"POST /v1/x?a=1 HTTP/1.1\r\nHost: example.com\r\n")
+
+
+def test_a_urls_user_and_password_go_as_basic_credentials_unless_a_key_is_sent():
+    """`http://user:pass@host/v1` (percent-encoded, as URLs write them) authenticates with HTTP Basic, as curl
+    does; the pool's own key (an Authorization header) takes its place; the Host never shows them."""
+    url = URL("http://ad%40min:p%C3%A4ss:w@127.0.0.1:8000/v1")
+    sent = _request_bytes(url, b"", {})
+    assert b"\r\nHost: 127.0.0.1:8000\r\n" in sent and b"p%C3" not in sent
+    assert f"\r\nAuthorization: Basic {base64.b64encode('ad@min:päss:w'.encode()).decode()}\r\n".encode() in sent
+    keyed = _request_bytes(url, b"", {"Authorization": "Bearer sk-pool"})
+    assert keyed.count(b"Authorization") == 1 and b"Bearer sk-pool" in keyed
+    assert b"Authorization" not in _request_bytes(URL("http://127.0.0.1:8000/v1"), b"", {})
+    assert b"Basic " + base64.b64encode(b"u:") in _request_bytes(URL("http://u@127.0.0.1/v1"), b"", {})
 
 
 @pytest.mark.parametrize("url, host", [("http://[::1]:8000/v1", b"[::1]:8000"), ("http://[::1]/v1", b"[::1]"),
