@@ -14,6 +14,9 @@ from engine.step_cost import LinearStepTime
 # Seconds between the stats a busy worker pushes with its step outputs; the gateway's credit
 # reconciliation and death-spiral watch read them on the same cadence (and the simulator models it).
 STATS_INTERVAL = 0.25
+# Seconds between the stats an idle worker pushes (it steps nothing, so nothing else would): the gateway's
+# gauges read from them (a device's busy ratio, the stats' age) stay current while nothing runs.
+IDLE_STATS_INTERVAL = 2.0
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@
 `engine.client.AsyncEngineClient` spawns it (`worker_main`) with one end of a socket pair. The loop
 (`_serve`) drains the gateway's commands (`engine.messages`), steps the engine and sends each step's
 deltas (`RequestDelta`) back as one `Outputs`; every `STATS_INTERVAL` seconds of stepping (and
-whenever the engine falls idle) `Outputs` carries the engine's counters too, stamped with the time
-they were taken: the gateway answers `/metrics` from the latest of these without waiting for the
+whenever the engine falls idle, then every `IDLE_STATS_INTERVAL` while it stays so) `Outputs` carries
+the engine's counters too, stamped with the time they were taken: the gateway answers `/metrics` from the latest of these without waiting for the
 worker. `StatsQuery` asks for a fresh copy and runs the allocators' integrity check (tests).
 
 **Liveness.** A daemon thread beside the loop (`HeartbeatThread`) sends `Heartbeat(step_seconds)` every
@@ -50,7 +50,7 @@ from engine.messages import (AbortRequest, AddRequest, Fatal, Heartbeat, Outputs
                              ReportWaiting, Shutdown, StartupError, StatsQuery, StatsReply)
 from engine.outputs import RequestDelta
 from engine.scheduler import Scheduler
-from engine.stats import STATS_INTERVAL, EngineStats, PoolInfo, PoolStats, StepCounters, WorkerInfo
+from engine.stats import IDLE_STATS_INTERVAL, STATS_INTERVAL, EngineStats, PoolInfo, PoolStats, StepCounters, WorkerInfo
 
 log = logging.getLogger("cliffguard.engine")
 
@@ -215,11 +215,12 @@ def _serve(engine, channel: WorkerChannel, on_peer_gone=None) -> None:
     and `new_variants`: the kernel variants Triton compiled during the step (none once serving is warm).
     """
     loop = _Loop(engine, channel, _StepTrace.from_env(engine), Faults.from_env())
-    channel.send(Outputs([], engine_stats(engine)))   # the gateway's metrics have numbers from the start
+    loop.send_stats()   # the gateway's metrics have numbers from the start
     with HeartbeatThread(channel, on_peer_gone=on_peer_gone) as beat:
         while True:
             if not loop.can_step():
-                channel.wait()   # idle, or the gateway is behind: sleep until a command comes or the socket drains
+                # idle, or the gateway is behind: sleep until a command comes, the socket drains, or stats are due
+                channel.wait(IDLE_STATS_INTERVAL)
             beat.turn_started = time.monotonic()
             if loop.turn():
                 return
@@ -236,6 +237,10 @@ class _Loop:
 
     def can_step(self) -> bool:
         return self.has_work() and self.channel.num_pending_bytes <= MAX_OUTBOX_BYTES
+
+    def send_stats(self) -> None:
+        self.channel.send(Outputs([], engine_stats(self.engine)))
+        self.last_stats = time.monotonic()
 
     def turn(self) -> bool:
         """Commands, then a step if there is work; True when the loop should end."""
@@ -263,8 +268,8 @@ class _Loop:
                 channel.send(Outputs(deltas, stats))
             if self.trace is not None and engine.last_step.seconds > 0:
                 self.trace.write(engine, turn_started)
-        elif messages and not self.has_work():
-            channel.send(Outputs([], engine_stats(engine)))   # commands left it idle: its last state counts
+        elif not self.has_work() and (messages or time.monotonic() - self.last_stats >= IDLE_STATS_INTERVAL):
+            self.send_stats()   # commands left it idle (its last state counts), or it has idled a while
         return False
 
 

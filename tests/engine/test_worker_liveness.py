@@ -176,6 +176,34 @@ def test_the_loop_and_the_heartbeat_share_a_signed_channel_without_breaking_fram
         assert [m.request_id for m in received if m.request_id[0] == tag] == [f"{tag}{i}" for i in range(num)]
 
 
+def test_an_idle_worker_pushes_its_stats_every_idle_interval_and_sleeps_no_longer(monkeypatch):
+    """Stepping nothing, the loop pushes fresh stats every IDLE_STATS_INTERVAL (a device's busy ratio reads 0 and
+    its stats' age stays small while it idles; they froze at the last busy values) and never sleeps longer."""
+    import engine.worker as worker_module
+    from engine.stats import IDLE_STATS_INTERVAL
+
+    taken = []
+    monkeypatch.setattr(worker_module, "engine_stats", lambda engine: taken.append(time.monotonic()) or "stats")
+    sent, waits = [], []
+    channel = SimpleNamespace(flush=lambda: True, receive=lambda: [], eof=False, num_pending_bytes=0,
+                              send=sent.append, wait=waits.append)
+    idle = SimpleNamespace(has_work=lambda: False, has_unfinished_requests=lambda: False)
+    loop = worker_module._Loop(idle, channel, None, None)
+    loop.send_stats()
+    assert not loop.turn() and len(sent) == 1   # just pushed: nothing new
+    loop.last_stats -= IDLE_STATS_INTERVAL
+    assert not loop.turn() and [m.stats for m in sent] == ["stats", "stats"] and sent[1].deltas == []
+    assert not loop.turn() and len(sent) == 2 and len(taken) == 2
+    channel.receive = lambda: [SimpleNamespace()]   # a command that left it idle: its state goes at once
+    monkeypatch.setattr(worker_module, "_handle", lambda *args: False)
+    assert not loop.turn() and len(sent) == 3
+    # `_serve` sleeps at most the interval between two turns
+    turns = iter([False, True])
+    monkeypatch.setattr(worker_module._Loop, "turn", lambda self: next(turns))
+    worker_module._serve(idle, channel)
+    assert waits and all(timeout == IDLE_STATS_INTERVAL for timeout in waits), waits
+
+
 # --- one request's failure --------------------------------------------------------------------------
 
 class _FakeEngine:
