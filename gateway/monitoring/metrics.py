@@ -44,6 +44,8 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 TOKENIZER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _P = "cliffguard_"
 _POOL = ["pool"]
+# request_success's finished_reason values: the engine's (stop, length, abort) and OpenAI's
+FINISH_REASONS = frozenset({"stop", "length", "abort", "tool_calls", "function_call", "content_filter"})
 _PR = ["pool", "replica"]
 _DEVICE = ["device", "replica"]
 
@@ -136,8 +138,8 @@ class GatewayMetrics:
         self.prompt_tokens = self._counter("prompt_tokens", "Prompt tokens of routed requests.", _POOL)
         self.generation_tokens = self._counter("generation_tokens", "Generated tokens.", _POOL)
         self.routed = self._counter("routed_requests", "Requests routed to each pool.", _POOL)
-        self.request_success = self._counter("request_success", "Finished requests, by finish reason.",
-                                             ["pool", "finished_reason"])
+        self.request_success = self._counter("request_success", "Finished requests, by finish reason (FINISH_REASONS, "
+                                             "else other).", ["pool", "finished_reason"])
         self.errors = self._counter("request_errors", "Requests answered with an error, by HTTP status.", ["status"])
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token.", _POOL, TTFT_BUCKETS)
         self.itl = self._histogram("inter_token_latency_seconds", "Time between streamed tokens.", _POOL,
@@ -270,6 +272,11 @@ class GatewayMetrics:
         self._advance(self.prefix_hits, "prefix_hits", stats.num_prefix_hits, worker, **labels)
         self._advance(self.computed_tokens, "computed_tokens", stats.num_computed_tokens, worker, **labels)
         self._advance(self.device_seconds, "device_seconds", stats.device_seconds, worker, **labels)
+
+    def finished(self, pool: str, reason: str) -> None:
+        """One choice ended `reason` (an upstream's, which may be any string: one outside FINISH_REASONS
+        counts as "other", so that no answer adds series of its own)."""
+        self.request_success.labels(pool=pool, finished_reason=reason if reason in FINISH_REASONS else "other").inc()
 
     def update_device(self, device: str, replica: int, stats: EngineStats,
                       worker: Hashable | None = None) -> None:

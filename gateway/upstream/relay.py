@@ -186,7 +186,7 @@ class _Relayed:
         series.prompt_tokens.inc(self.prompt_tokens if prompt is None else prompt)
         series.generation_tokens.inc(_count(usage, output_key) or 0)
         for reason in finish_reasons:
-            self.metrics.request_success.labels(pool=self.pool.name, finished_reason=reason).inc()
+            self.metrics.finished(self.pool.name, reason)
 
 
 def _count(usage: Any, key: str) -> int | None:

@@ -365,3 +365,14 @@ def test_latencies_are_of_the_requests_a_client_waits_on():
     assert [h._sum.get() > 0 for h in (series.ttft, series.itl, series.e2e, series.queue_time)] == [True] * 4
     counts = [sum(b.get() for b in h._buckets) for h in (series.ttft, series.itl, series.e2e, series.queue_time)]
     assert counts == [1, 1, 1, 1]   # the HTTP request's only
+
+
+def test_an_upstreams_finish_reasons_outside_openais_count_as_other():
+    """An upstream may write any finish_reason (an id in it, a long list of its own): each would be a series of
+    its own for the process's life; outside the known ones they count as "other"."""
+    metrics = GatewayMetrics()
+    for reason in ("stop", "length", "tool_calls", "stop-7f3a", "stop-9c1e", "x" * 5000):
+        metrics.finished("remote", reason)
+    counts = {s.labels["finished_reason"]: s.value for f in text_string_to_metric_families(metrics.render().decode())
+              if f.name == "cliffguard_request_success" for s in f.samples if s.name.endswith("_total")}
+    assert counts == {"stop": 1, "length": 1, "tool_calls": 1, "other": 3}
