@@ -38,6 +38,7 @@ from engine.model_config import ModelConfig
 from engine.parallel import ShardShape
 from pools.config.spec import DEFAULT_CPU_MEMORY, CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
 from pools.config.checks import fmt_bytes, within
+from pools.host_memory import host_memory_bytes, past_host_memory
 from pools.model_configs import resolve_model_configs
 
 
@@ -285,11 +286,12 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
             kv_bytes_per_token_per_device=s_kv_dev, kv_space_bytes_per_device=kv_dev,
             block_size=p0.block_size, pools=tuple(p.name for _, p in members), replicas=dev.replicas,
             min_replicas=dev.min_replicas, placement=dev.placement, graph_bytes_per_device=graphs_dev)
-    if (over := config.swap_past_memory(host_memory_bytes())) is not None:
-        warnings.append(f"{over}; `cliffguard serve` refuses it on this machine")
     upstream = tuple(p.name for p in config.pools if p.is_upstream)
-    return CapacityPlan(devices=devices, pools=pools, upstream_pools=upstream,
-                        warnings=tuple(warnings))
+    plan = CapacityPlan(devices=devices, pools=pools, upstream_pools=upstream, warnings=tuple(warnings))
+    if (over := past_host_memory(config, plan, host_memory_bytes())) is not None:
+        plan = dataclasses.replace(plan, warnings=(*warnings, f"{over}; `cliffguard serve` refuses it on this "
+                                                                "machine"))
+    return plan
 
 
 def _pool_bytes(p: PoolSpec, kv_dev: int, shares: Fraction) -> int:
@@ -311,15 +313,6 @@ def _check_device_budget(dev_name: str, members: list[tuple[int, PoolSpec]], dev
     i, p = next((i, p) for i, p in members if p.kv_cache_bytes is not None)
     raise SpecError(f"pools[{i}].kv_cache_bytes: {fmt_bytes(p.kv_cache_bytes)}; the pools of device {dev_name!r} "
                     f"ask for {fmt_bytes(asked)} per GPU ({parts}) but it has {fmt_bytes(kv_dev)}")
-
-
-def host_memory_bytes() -> int | None:
-    """This machine's physical memory, or None where the system does not say."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
-    return total if total > 0 else None
 
 
 def _no_room_for_kv(dkey: str, dev: DeviceSpec, memory: int, source: str, model: str, weights_dev: int,
@@ -418,8 +411,9 @@ def engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, En
 def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, list[EngineConfig]]:
     """Each planned device's EngineConfig per replica: the same pools and block ranges, each replica on
     its own GPUs (`DeviceSpec.replica_gpus`), or on the CPU with its share of the cores."""
-    if (over := config.swap_past_memory(host_memory_bytes())) is not None:
-        raise SpecError(f"{over}: its workers would run out of memory; lower swap_space")
+    if (over := past_host_memory(config, plan, host_memory_bytes())) is not None:
+        raise SpecError(over if over.startswith("devices.") else f"{over}: its workers would run out of memory; "
+                                                                 "lower swap_space")
     result = {}
     for dplan in plan.devices.values():
         dev = config.devices[dplan.name]

@@ -501,7 +501,7 @@ def test_swap_spaces_past_this_machines_memory_are_said_by_the_plan_and_refused_
     assert any(re.match(said, w) and "`cliffguard serve` refuses it" in w for w in plan.warnings), plan.warnings
     with pytest.raises(SpecError, match=said + ".*lower swap_space"):
         engine_configs(config, plan)
-    monkeypatch.setattr("pools.capacity_plan.host_memory_bytes", lambda: 8 * GiB)
+    monkeypatch.setattr("pools.capacity_plan.host_memory_bytes", lambda: 16 * GiB)   # swap, weights and KV
     plan = plan_capacity(config, resolve_model_configs(config))
     assert not any("swap_space" in w for w in plan.warnings)
     assert engine_configs(config, plan)["default"].pools[0].scheduler.swap_space_bytes == 3 * GiB
@@ -509,6 +509,35 @@ def test_swap_spaces_past_this_machines_memory_are_said_by_the_plan_and_refused_
     config = parse_config(data, env={})
     monkeypatch.setattr("pools.capacity_plan.host_memory_bytes", lambda: 4 * GiB)
     assert not any("swap_space" in w for w in plan_capacity(config, resolve_model_configs(config)).warnings)
+
+
+def test_cpu_devices_past_this_machines_memory_are_said_by_the_plan_and_refused_at_start(monkeypatch):
+    """A CPU device's ranks hold their weights and KV caches in this machine's memory, beside the swap spaces:
+    4 replicas of 2 GiB started on a 4 GiB machine (the KV tensor fills lazily) and ran out of memory under
+    load. The plan warns and the start-up check refuses, naming the device's memory; a Ray device's replicas
+    run on the cluster's nodes."""
+    data = _small_config()
+    data["devices"]["default"]["replicas"] = 4
+    config = parse_config(data, env={})
+    models = resolve_model_configs(config)
+    monkeypatch.setattr("pools.capacity_plan.host_memory_bytes", lambda: 4 * GiB)
+    plan = plan_capacity(config, models)
+    each = plan.devices["default"].weights_bytes_per_device + sum(
+        plan.pools[p].kv_cache_bytes_per_device for p in ("chat", "rag"))
+    assert 1.7 * GiB < each <= 0.9 * 2 * GiB
+    said = (rf"^devices\.default\.memory: the CPU devices of this machine hold {4 * each / GiB:.2f} GiB of weights and "
+            rf"KV cache \(default 4 x {each / GiB:.2f} GiB: replicas x tensor_parallel_size ranks\), past its 4\.00 "
+            rf"GiB of memory; .* lower memory \(or replicas\)")
+    assert any(re.match(said, w) and "`cliffguard serve` refuses it" in w for w in plan.warnings), plan.warnings
+    with pytest.raises(SpecError, match=said + "$"):
+        engine_configs(config, plan)
+    monkeypatch.setattr("pools.capacity_plan.host_memory_bytes", lambda: 8 * GiB)
+    plan = plan_capacity(config, models)
+    assert not any("memory" in w for w in plan.warnings) and len(replica_engine_configs(config, plan)["default"]) == 4
+    data["devices"]["default"] |= {"placement": "ray", "ray_address": "127.0.0.1:6379"}
+    monkeypatch.setattr("pools.capacity_plan.host_memory_bytes", lambda: 1 * GiB)
+    config = parse_config(data, env={})
+    assert not any("memory" in w for w in plan_capacity(config, models).warnings)
 
 
 def test_a_ray_device_on_cuda_is_planned_on_the_clusters_gpu_size_never_this_machines():
