@@ -85,9 +85,11 @@ def upstream_context(spec: PoolSpec, folders: dict[str, Path], i: int) -> int:
         context = ModelConfig.from_folder(path).context_length
     except (ConfigError, ValueError):
         return 2**31 - 1
-    if spec.route.min_prompt_tokens >= context:
-        raise SpecError(f"pools[{i}].route.min_prompt_tokens: {spec.route.min_prompt_tokens} is at or past "
-                        f"{context}, the context in {spec.tokenizer or spec.model}'s config.json, which an "
-                        f"upstream pool without max_model_len is held to; no prompt could reach it: set "
-                        f"pools[{i}].max_model_len to the context the upstream serves")
+    for end, tokens, what in (("min", spec.route.min_prompt_tokens, "no prompt could reach it"),
+                              ("max", spec.route.max_prompt_tokens, "the route's tail could never be taken")):
+        if tokens is not None and tokens >= context:
+            raise SpecError(f"pools[{i}].route.{end}_prompt_tokens: {tokens} is at or past {context}, the context "
+                            f"in {spec.tokenizer or spec.model}'s config.json, which an upstream pool without "
+                            f"max_model_len is held to; {what}: set pools[{i}].max_model_len to the context the "
+                            f"upstream serves")
     return context

@@ -18,15 +18,18 @@ class UnknownModelError(LookupError):
 
 
 class NoRouteError(ValueError):
-    """No pool of the model admits a prompt of this many tokens; the message has the count and every
-    pool's limits (no field prefix: the caller names the field, `prompt` or `messages`)."""
+    """No pool of the model admits the prompt; the message has its count and every pool's limits, each pool's
+    count beside its limits where the pools' tokenizers count it differently (no field prefix: the caller
+    names the field, `prompt` or `messages`). `num_prompt_tokens`: the first pool's count."""
 
-    def __init__(self, model_name: str, num_prompt_tokens: int, pools: Sequence[Pool]) -> None:
-        limits = "; ".join(f"pool {p.name!r} takes {p.min_prompt_tokens}..{p.max_prompt_tokens}" for p in pools)
-        super().__init__(f"{num_prompt_tokens} tokens; no pool of model {model_name!r} takes a prompt of this "
-                         f"length ({limits})")
+    def __init__(self, model_name: str, counts: Sequence[int], pools: Sequence[Pool]) -> None:
+        one = len(set(counts)) == 1
+        limits = "; ".join(f"pool {p.name!r} takes {p.min_prompt_tokens}..{p.max_prompt_tokens}"
+                           + ("" if one else f", {n} tokens by its tokenizer") for p, n in zip(pools, counts))
+        super().__init__(f"{counts[0]} tokens; no pool of model {model_name!r} takes a prompt of this length "
+                         f"({limits})" if one else f"no pool of model {model_name!r} takes this prompt ({limits})")
         self.model_name = model_name
-        self.num_prompt_tokens = num_prompt_tokens
+        self.num_prompt_tokens = counts[0]
 
 
 class Router:
@@ -64,4 +67,4 @@ class Router:
             ids = ids_by_key[k]
             if pool.admits(len(ids)):
                 return pool, ids
-        raise NoRouteError(model_name, len(ids_by_key[key(pools[0])]), pools)
+        raise NoRouteError(model_name, [len(ids_by_key[key(pool)]) for pool in pools], pools)

@@ -209,6 +209,11 @@ class PoolSpec(Spec):
         if self.max_model_len is not None and self.route.min_prompt_tokens >= self.max_model_len:
             raise SpecError("route.min_prompt_tokens", f"{self.route.min_prompt_tokens} must be below max_model_len "
                                                        f"{self.max_model_len}; no prompt can reach this pool")
+        top = self.route.max_prompt_tokens   # a local pool's: the capacity plan's, against the model's context too
+        if self.is_upstream and self.max_model_len is not None and top is not None and top >= self.max_model_len:
+            raise SpecError("route.max_prompt_tokens", f"{top} must be below max_model_len {self.max_model_len}: a "
+                                                       f"prompt needs room for one generated token, so the route's "
+                                                       f"tail is unreachable")
 
     def scheduler_config(self, max_num_seqs: int, max_model_len: int) -> SchedulerConfig:
         """The engine's limits for this pool, given the two numbers the capacity plan derives."""

@@ -171,3 +171,11 @@ def test_an_upstream_route_past_the_context_its_tokenizer_model_declares_is_refu
     with pytest.raises(SpecError, match=r"pools\[0\]\.route\.min_prompt_tokens: 8192 .* pools\[0\]\.max_model_len"):
         gateway("route: {min_prompt_tokens: 8192}")
     assert gateway("route: {min_prompt_tokens: 8192}", "max_model_len: 32768").pools["remote"].admits(20_000)
+    # a route's tail past the context (a 400 contradicting the YAML, a gap to the next pool's route): refused,
+    # as a local pool's is
+    with pytest.raises(SpecError, match=r"pools\[0\]\.route\.max_prompt_tokens: 9000 .*tail could never be taken"):
+        gateway("route: {max_prompt_tokens: 9000}")
+    with pytest.raises(SpecError, match=r"pools\[0\]\.route\.max_prompt_tokens: 4096 must be below max_model_len "
+                                        r"4096: .* the route's tail is unreachable"):
+        gateway("route: {max_prompt_tokens: 4096}", "max_model_len: 4096")
+    assert gateway("route: {max_prompt_tokens: 4095}", "max_model_len: 4096").pools["remote"].admits(4095)

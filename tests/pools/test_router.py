@@ -53,6 +53,14 @@ def test_errors_name_the_model_the_count_and_every_pools_limits():
     assert str(info.value) == ("1024 tokens; no pool of model 'smollm2-135m-instruct' takes a prompt of this "
                                "length (pool 'chat' takes 0..64; pool 'rag' takes 65..1023)")
     assert info.value.num_prompt_tokens == 1024
+    # pools whose tokenizers count the prompt differently: each pool's count beside its limits (the first's
+    # alone read as if it were every pool's: 1024 tokens, and rag takes 65..1023)
+    router = Router([_make_pool("chat", RouteSpec(max_prompt_tokens=64)),
+                     _make_pool("rag", RouteSpec(min_prompt_tokens=65, max_prompt_tokens=512))])
+    with pytest.raises(NoRouteError) as info:
+        router.route("smollm2-135m-instruct", lambda pool: [1] * (1024 if pool.name == "chat" else 600))
+    assert str(info.value) == ("no pool of model 'smollm2-135m-instruct' takes this prompt (pool 'chat' takes 0..64, "
+                               "1024 tokens by its tokenizer; pool 'rag' takes 65..511, 600 tokens by its tokenizer)")
 
 
 def test_a_pool_admits_up_to_its_context_less_one_token():
