@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import TextIO
 
 from engine.capacity import DEFAULT_BLOCK_SIZE
-from pools.cli_types import (ArgumentParser, UsageError, check_simulate_options, memory_size, output_file,
-                             output_folder, positive_float, positive_int, sampling_seed, seed, slots, writing)
+from gateway.simulate_cli import add_simulate, simulate
+from pools.cli_types import (DEFAULT_CONFIG, ArgumentParser, UsageError, memory_size, non_negative_float,
+                             positive_float, positive_int, probability_mass, sampling_seed)
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
-DEFAULT_CONFIG = "config/pools.yaml"
 DEFAULT_DATA_DIR = "./.cliffguard/"
 LOCK_FILE = "serve.lock"          # under --data-dir: held by the one server using the folder
 
@@ -70,14 +70,14 @@ def _add_generate(sub) -> None:
     p.add_argument("--block-size", type=int, choices=(8, 16, 32), default=DEFAULT_BLOCK_SIZE, help="KV block tokens")
     p.add_argument("--kv-cache-mib", type=positive_int, default=1024,
                    help="KV cache budget in MiB (default 1024); it must fit the device's 0.9 x memory - weights")
-    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit in tokens (default: "
+    p.add_argument("--max-model-len", type=positive_int, default=None, help="prompt + output limit in tokens (default: "
                    "the model's context); the KV budget must hold one request this long")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     p.add_argument("--system", default=None, help="system message (implies --chat)")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens to generate at most (default 128)")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=probability_mass, default=1.0, help="nucleus sampling mass (default 1: off)")
     p.add_argument("--seed", type=sampling_seed, default=None, help="sampling seed (default: the engine's)")
 
 
@@ -276,182 +276,6 @@ def _capacity(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- simulate ---------------------------------------------------------------------------------------
-def _add_simulate(sub) -> None:
-    from engine.step_cost import PRESETS
-
-    p = sub.add_parser("simulate", help="run the real schedulers on a modelled GPU: predicted latency per class",
-                       description="Plan the pools of a config for a GPU preset (memory from the preset), then "
-                                   "drive the real schedulers, step composer and KV credits over a workload on a "
-                                   "virtual clock whose steps take the preset's roofline time. See "
-                                   "docs/SIMULATE.md.")
-    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"pools YAML (default: {DEFAULT_CONFIG})")
-    p.add_argument("--workload", default="mixed", help="workload classes: a YAML file or a name under "
-                   "bench/workloads (default: mixed)")
-    p.add_argument("--request-rate", type=positive_float, default=1.0, help="requests/s over the share classes "
-                   "(default 1)")
-    p.add_argument("--duration", type=positive_float, default=60.0, help="seconds of arrivals (default 60)")
-    p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
-    p.add_argument("--device", choices=sorted(PRESETS), default="h100", help="GPU preset (default h100)")
-    p.add_argument("--vram", type=memory_size, default=None, help="memory per GPU for the plan (default: the preset's)")
-    p.add_argument("--model-config", default=None, help="an HF config.json (or its folder) for every pool")
-    p.add_argument("--preemption-mode", choices=("recompute", "swap", "auto"), default=None,
-                   help="override every pool's preemption_mode")
-    p.add_argument("--swap-space", default=None, help="override every pool's swap_space (e.g. 16GiB)")
-    p.add_argument("--no-credits", action="store_true", help="admit at once, as a server without KV credits")
-    p.add_argument("--replicas", type=slots, default=None, metavar="N",
-                   help="simulate every device as N replicas behind one credit queue per pool (overrides the "
-                        "config's replicas and drops its gpus list)")
-    p.add_argument("--layout", choices=("split", "shared", "both"), default="split",
-                   help="the config's pools (split), each device's pools merged into one (shared), or both")
-    p.add_argument("--sweep-rate", default=None, metavar="R1,R2,...",
-                   help="run at each request rate and print p99 TTFT per class (the knee)")
-    p.add_argument("--out", type=output_folder, default=None, help="with --sweep-rate: write results.json and "
-                   "knee.png here (created if missing)")
-    p.add_argument("--recommend", action="store_true",
-                   help="try kv_share splits of the device's two pools and the second pool's max_num_batched_tokens "
-                        "at --request-rate; print the one that meets --slo-ttft-p99 with the most tokens/s")
-    p.add_argument("--slo-ttft-p99", type=positive_float, default=None, help="with --recommend: p99 TTFT target (s)")
-    p.add_argument("--slo-itl-p99", type=positive_float, default=None, help="with --recommend: p99 ITL target (s)")
-    p.add_argument("--calibrate", type=output_file, default=None, metavar="FILE",
-                   help="measure the config's first device on this machine (the real engine), fit the linear "
-                        "step model, write it to FILE and exit")
-    p.add_argument("--from-trace", default=None, metavar="TRACE",
-                   help="with --calibrate: fit the step model to a served run's step trace (the file a server "
-                        "started with CLIFFGUARD_STEP_TRACE=TRACE wrote) instead of running the engine here")
-    p.add_argument("--step-model", default=None, metavar="FILE",
-                   help="use a measured step model (from --calibrate) instead of --device's roofline; the plan "
-                        "then uses the config's own memory")
-    p.add_argument("--seed", type=seed, default=0, help="seed of arrivals, lengths and token ids (default 0)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-
-
-def _simulate(args: argparse.Namespace) -> int:
-    from pools.config.yaml_file import load_config
-    from pools.simulation.knee import sweep
-    from pools.simulation.recommend import format_recommendation, recommend
-    from pools.workload import check_arrivals, load_workload, parse_rates
-
-    rates = parse_rates(args.sweep_rate, "--sweep-rate") if args.sweep_rate is not None else None
-    check_simulate_options(args)
-    config = load_config(args.config)
-    if args.calibrate:
-        return _calibrate(config, args)
-    classes = load_workload(args.workload)
-    check_arrivals(classes, max(rates or [args.request_rate]), args.duration,
-                   "--sweep-rate" if rates else "--request-rate")
-    config, model_configs, vram, layouts, step_times = _simulation_setup(config, args)
-    credits = not args.no_credits
-    if args.recommend:
-        result = recommend(config, model_configs, classes, args.request_rate, step_times, ttft_p99=args.slo_ttft_p99,
-                           itl_p99=args.slo_itl_p99, duration=args.duration, vram_bytes=vram, credits=credits,
-                           seed=args.seed)
-        print(json.dumps(result, indent=2) if args.json else format_recommendation(result))
-    elif rates is not None:
-        rows = sweep(layouts, model_configs, classes, rates, step_times, duration=args.duration,
-                     burstiness=args.burstiness, credits=credits, seed=args.seed)
-        _print_sweep(rows, args)
-    else:
-        _print_runs(layouts, model_configs, classes, step_times, args)
-    return 0
-
-
-def _simulation_setup(config, args: argparse.Namespace):
-    """The config with --replicas / --preemption-mode / --swap-space applied, its model configs, the memory
-    the plan uses, the layouts to run ({name: (config, plan)}) and each device's step-time model."""
-    from engine.step_cost import PRESETS
-    from pools.capacity_plan import plan_capacity
-    from pools.model_configs import resolve_model_configs
-    from pools.simulation.runner import device_step_times, shared_layout
-    from pools.config.spec import SpecError, parse_bytes
-
-    if args.replicas is not None:
-        config = dataclasses.replace(config, devices={
-            name: d.replace(replicas=args.replicas, gpus=None, min_replicas=None)
-            for name, d in config.devices.items()})
-    overrides = {}
-    if args.preemption_mode:
-        overrides["preemption_mode"] = args.preemption_mode
-    if args.swap_space:
-        overrides["swap_space_bytes"] = parse_bytes(args.swap_space, "--swap-space")
-    if overrides:
-        config = dataclasses.replace(config, pools=tuple(p.replace(**overrides) for p in config.pools))
-    preset = PRESETS[args.device]
-    vram = args.vram or (None if args.step_model else preset.memory_bytes)
-    try:
-        model_configs = resolve_model_configs(config, args.model_config)
-    except SpecError as exc:
-        raise SpecError(f"{exc} (or pass --model-config config.json)") from None
-    plan = plan_capacity(config, model_configs, vram_bytes=vram)
-    layouts = {}
-    if args.layout in ("split", "both"):
-        layouts["split"] = (config, plan)
-    if args.layout in ("shared", "both"):
-        shared = shared_layout(config, plan)
-        layouts["shared"] = (shared, plan_capacity(shared, model_configs, vram_bytes=vram))
-    return config, model_configs, vram, layouts, device_step_times(plan, model_configs, preset=args.device,
-                                                                   step_model=args.step_model)
-
-
-def _print_sweep(rows, args: argparse.Namespace) -> None:
-    from pools.simulation.knee import format_sweep, plot_knee
-
-    print(json.dumps(rows, indent=2) if args.json else format_sweep(rows))
-    if args.out:
-        out = Path(args.out)
-        with writing("--out", out):
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "results.json").write_text(json.dumps(rows, indent=2))
-            plot_knee(rows, out / "knee.png",
-                      title=f"{Path(args.config).name} on {args.device}, workload {args.workload}")
-        print(f"wrote {out / 'results.json'} and {out / 'knee.png'}", file=sys.stderr)
-
-
-def _print_runs(layouts, model_configs, classes, step_times, args: argparse.Namespace) -> None:
-    """One run of each layout at --request-rate, same arrivals; each device's overload verdict for them."""
-    from pools.simulation.runner import make_requests, simulate, step_model_label
-    from pools.simulation.summary import format_summary, overload_verdicts, summarize
-
-    summaries, label = {}, step_model_label(args.device, args.step_model)
-    for name, (layout_config, layout_plan) in layouts.items():
-        requests = make_requests(classes, args.request_rate, duration=args.duration, burstiness=args.burstiness,
-                                 seed=args.seed)
-        result = simulate(layout_config, layout_plan, model_configs, requests, step_times,
-                          credits=not args.no_credits, seed=args.seed)
-        summaries[name] = summarize(result) | {"overload": overload_verdicts(
-            result, layout_plan, step_times, duration=args.duration, step_model=label)}
-    if args.json:
-        print(json.dumps(summaries if len(summaries) > 1 else summaries[next(iter(summaries))], indent=2))
-    else:
-        print("\n\n".join(f"== {name} ==\n{format_summary(summary)}" if len(summaries) > 1
-                           else format_summary(summary) for name, summary in summaries.items()))
-
-
-def _calibrate(config, args: argparse.Namespace) -> int:
-    """`simulate --calibrate FILE`: the real engine of the config's first device on this machine, or
-    (`--from-trace`) the steps a server of that config traced while serving."""
-    from engine.step_cost import fit_linear, read_step_trace, write_step_model
-    from pools.capacity_plan import engine_configs, plan_capacity
-    from pools.model_configs import resolve_model_configs
-
-    plan = plan_capacity(config, resolve_model_configs(config))
-    device, engine_config = next(iter(engine_configs(config, plan).items()))
-    if args.from_trace:
-        samples = read_step_trace(args.from_trace)
-        model, num_steps, where = fit_linear(samples), len(samples), f"{device} (served, trace {args.from_trace})"
-    else:
-        from engine.calibration import measure_steps
-        from engine.llm_engine import LLMEngine
-
-        engine = LLMEngine(engine_config)
-        model, samples = measure_steps(engine, seed=args.seed)
-        num_steps, where = len(samples), f"{device} ({engine.device}, {engine.dtype})"
-    with writing("--calibrate", args.calibrate):
-        write_step_model(args.calibrate, model, device=where, model_name=engine_config.model, num_steps=num_steps)
-    print(f"{num_steps} steps measured; {model.describe()}; wrote {args.calibrate}")
-    return 0
-
-
 # --- bench ------------------------------------------------------------------------------------------
 def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks that print measured ratios",
@@ -468,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_capacity(sub)
-    _add_simulate(sub)
+    add_simulate(sub)
     _add_bench(sub)
     return parser
 
@@ -486,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "capacity":
             return _capacity(args)
         if args.command == "simulate":
-            return _simulate(args)
+            return simulate(args)
         return import_module(f"bench.{args.bench}").run(args)
     except (UsageError, ValueError, OSError, RuntimeError) as exc:   # OSError: a path that cannot be read
         print(f"cliffguard {args.command}: error: {exc}", file=sys.stderr)

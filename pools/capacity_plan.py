@@ -190,6 +190,13 @@ class CapacityPlan:
             "warnings": list(self.warnings),
         }
 
+    def cpu_ranks(self) -> list[tuple[str, int, int]]:
+        """Each CPU device this machine runs (not a Ray one's): its name, ranks (replicas x tensor_parallel_size)
+        and the bytes one rank holds in the machine's memory (its weights and its pools' KV caches)."""
+        return [(d.name, d.replicas * d.tensor_parallel_size, d.weights_bytes_per_device + sum(
+            self.pools[p].kv_cache_bytes_per_device for p in d.pools))
+            for d in self.devices.values() if d.device_type == "cpu" and d.placement != "ray"]
+
 
 def _device_type(device: DeviceSpec, vram_bytes: int | None, warnings: list[str]) -> str:
     """auto -> cuda when CUDA is present, or when --vram says we plan for a GPU; else cpu (which a Ray
@@ -288,7 +295,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
             min_replicas=dev.min_replicas, placement=dev.placement, graph_bytes_per_device=graphs_dev)
     upstream = tuple(p.name for p in config.pools if p.is_upstream)
     plan = CapacityPlan(devices=devices, pools=pools, upstream_pools=upstream, warnings=tuple(warnings))
-    if (over := past_host_memory(config, plan, host_memory_bytes())) is not None:
+    if (over := past_host_memory(config, plan.cpu_ranks(), host_memory_bytes())) is not None:
         plan = dataclasses.replace(plan, warnings=(*warnings, f"{over}; `cliffguard serve` refuses it on this "
                                                                 "machine"))
     return plan
@@ -411,7 +418,7 @@ def engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, En
 def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, list[EngineConfig]]:
     """Each planned device's EngineConfig per replica: the same pools and block ranges, each replica on
     its own GPUs (`DeviceSpec.replica_gpus`), or on the CPU with its share of the cores."""
-    if (over := past_host_memory(config, plan, host_memory_bytes())) is not None:
+    if (over := past_host_memory(config, plan.cpu_ranks(), host_memory_bytes())) is not None:
         raise SpecError(over if over.startswith("devices.") else f"{over}: its workers would run out of memory; "
                                                                  "lower swap_space")
     result = {}

@@ -16,6 +16,8 @@ from pathlib import Path
 from pools.config.checks import MAX_INT, byte_count
 from pools.config.device_spec import MAX_SLOTS
 
+DEFAULT_CONFIG = "config/pools.yaml"   # the pools YAML a command reads unless given --config
+
 
 class UsageError(Exception):
     """Something the user can fix before anything loads; printed as one line, exit code 2."""
@@ -80,6 +82,14 @@ def non_negative_float(text: str) -> float:
     value = _number(text, float)
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def probability_mass(text: str) -> float:
+    """A number in (0, 1] (top_p)."""
+    value = _number(text, float)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
     return value
 
 

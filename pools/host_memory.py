@@ -11,13 +11,10 @@ device's replicas run on the cluster's nodes: not counted.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from pools.config.checks import fmt_bytes
-
-if TYPE_CHECKING:
-    from pools.capacity_plan import CapacityPlan
-    from pools.config.spec import CliffguardConfig
+from pools.config.spec import CliffguardConfig
 
 
 def host_memory_bytes() -> int | None:
@@ -29,10 +26,12 @@ def host_memory_bytes() -> int | None:
     return total if total > 0 else None
 
 
-def past_host_memory(config: CliffguardConfig, plan: CapacityPlan, host_bytes: int | None) -> str | None:
+def past_host_memory(config: CliffguardConfig, cpu_ranks: Sequence[tuple[str, int, int]],
+                     host_bytes: int | None) -> str | None:
     """Why the devices this machine runs cannot fit its memory (`host_bytes`; None: unknown, nothing said):
     their swap spaces alone (naming the `pools[i].swap_space` past it), or with its CPU devices' weights and
-    KV caches (naming the `devices.<name>.memory` past it); None when they fit."""
+    KV caches (`cpu_ranks`: each local CPU device's name, ranks, and bytes one rank holds: `CapacityPlan.
+    cpu_ranks`; naming the `devices.<name>.memory` past it); None when they fit."""
     if host_bytes is None:
         return None
     if (over := config.swap_past_memory(host_bytes)) is not None:
@@ -41,16 +40,12 @@ def past_host_memory(config: CliffguardConfig, plan: CapacityPlan, host_bytes: i
                        * p.swap_space_bytes for p in config.local_pools
                        if p.uses_swap and config.devices[p.device].placement == "local")
     held = []
-    for device in plan.devices.values():
-        if device.device_type != "cpu" or device.placement == "ray":
-            continue
-        ranks = device.replicas * device.tensor_parallel_size
-        each = device.weights_bytes_per_device + sum(plan.pools[p].kv_cache_bytes_per_device for p in device.pools)
+    for name, ranks, each in cpu_ranks:
         total += ranks * each
-        held.append(f"{device.name} {ranks} x {fmt_bytes(each)}")
+        held.append(f"{name} {ranks} x {fmt_bytes(each)}")
         if total > host_bytes:
             swapped = f" and {fmt_bytes(swap)} of swap spaces" if swap else ""
-            return (f"devices.{device.name}.memory: the CPU devices of this machine hold {fmt_bytes(total - swap)} of "
+            return (f"devices.{name}.memory: the CPU devices of this machine hold {fmt_bytes(total - swap)} of "
                     f"weights and KV cache ({', '.join(held)}: replicas x tensor_parallel_size ranks){swapped}, past "
                     f"its {fmt_bytes(host_bytes)} of memory; a KV cache fills as it serves, so the workers would run "
                     f"out of memory under load: lower memory (or replicas)")

@@ -133,6 +133,12 @@ def test_capacity_command_errors(argv, message, capsys):
     (["simulate", "--slo-itl-p99", "0.1"], "--slo-itl-p99: only with --recommend"),
     (["generate", "--prompt", "x", "--seed", "1" + "0" * 30], "argument --seed: must be a 64-bit integer"),
     (["generate", "--prompt", "x", "--kv-cache-mib", "0"], "argument --kv-cache-mib: must be an integer in 1.."),
+    # the sampling options by their flags, as the others (they were named by the engine's fields: `max_tokens: ...`)
+    (["generate", "--prompt", "x", "--max-tokens", "0"], "argument --max-tokens: must be an integer in 1.."),
+    (["generate", "--prompt", "x", "--max-model-len", "0"], "argument --max-model-len: must be an integer in 1.."),
+    (["generate", "--prompt", "x", "--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
+    (["generate", "--prompt", "x", "--top-p", "0"], "argument --top-p: must be a number in (0, 1], got '0'"),
+    (["generate", "--prompt", "x", "--top-p", "nan"], "argument --top-p: must be a number in (0, 1]"),
     (["bench", "replicas", "--docs-rate", "0"], "argument --docs-rate: must be a finite number > 0"),
     (["bench", "replicas", "--replicas", "2000"], "argument --replicas: must be an integer in 1..1024"),
     (["simulate", "--replicas", "2000"], "argument --replicas: must be an integer in 1..1024"),

@@ -317,6 +317,16 @@ def test_a_served_step_trace_fits_the_turns_it_recorded(tmp_path, capsys):
     assert json.loads(out.read_text())["num_steps"] == 80
     assert main(["simulate", "--from-trace", str(trace)]) == 2
     assert "--from-trace: only with --calibrate" in capsys.readouterr().err
+    # a GPU server's trace fitted on this machine: planned with --model-config and --vram, no engine here
+    gpu = ["--config", str(ROOT / "config" / "examples" / "llama3-70b-8xh100.yaml"), "--model-config", str(LLAMA_70B)]
+    assert main(["simulate", "--calibrate", str(out), "--from-trace", str(trace), *gpu, "--vram", "80GiB"]) == 0
+    assert json.loads(out.read_text())["model"].endswith("llama-3-70b") and read_step_model(out).c == pytest.approx(served.c)
+    upstream = tmp_path / "upstream.yaml"
+    upstream.write_text("pools:\n  - {name: remote, upstream: 'http://127.0.0.1:9/v1', model: m, "
+                        "tokenizer: 'builtin:smollm2-135m-instruct'}\n")
+    capsys.readouterr()
+    assert main(["simulate", "--calibrate", str(out), "--from-trace", str(trace), "--config", str(upstream)]) == 2
+    assert "--config: " in (err := capsys.readouterr().err) and "no local device to calibrate" in err, err
     trace.write_text(trace.read_text() + '{"num_decode_tokens": 1}\n')
     with pytest.raises(ValueError, match="line 83 is not a step record"):
         read_step_trace(trace)
