@@ -47,6 +47,8 @@ def engine_config(path: str, device: str | None):
 
     config = load_config(path)
     configs = replica_engine_configs(config, plan_capacity(config, resolve_model_configs(config)))
+    if not configs:
+        raise ValueError(f"--config: {path} has no local device to restart (its pools are all upstream)")
     name = device or next(iter(configs))
     if name not in configs:
         raise ValueError(f"--device: {name!r} is not a local device of {path}; it has {', '.join(configs)}")

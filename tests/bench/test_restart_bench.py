@@ -30,6 +30,10 @@ def test_bench_restart_names_a_bad_option(tmp_path, tiny_model, capsys):  # noqa
     assert main(["bench", "restart", "--config", str(path), "--device", "gpu9"]) == 2
     err = capsys.readouterr().err
     assert "--runs: must be >= 1" in err and "--device: 'gpu9' is not a local device" in err
+    path.write_text("pools:\n  - {name: remote, upstream: 'http://127.0.0.1:9/v1', model: m, "
+                    "tokenizer: 'builtin:smollm2-135m-instruct'}\n")
+    assert main(["bench", "restart", "--config", str(path)]) == 2   # a StopIteration's traceback, exit 1
+    assert "no local device to restart" in capsys.readouterr().err
 
 
 def test_bench_restart_gateway_times_a_cold_start_to_serving_and_ready(tmp_path, tiny_model, capsys):  # noqa: F811
