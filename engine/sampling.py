@@ -84,6 +84,11 @@ def _as_stop(value: object) -> tuple[str, ...]:
     for s in stop:
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop: each stop string must be a non-empty string, got {s!r}")
+        if not s.isascii():
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:   # a lone surrogate from JSON ("\ud800"): no text the model writes holds one
+                raise ValueError(f"stop: each stop string must be valid Unicode, got {s!r}") from None
     if len(stop) > MAX_STOP_STRINGS:
         raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
     return tuple(stop)

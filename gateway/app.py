@@ -176,7 +176,8 @@ async def _error_middleware(request: web.Request, handler) -> web.StreamResponse
             raise
         metrics.errors.labels(status=str(exc.status)).inc()
         return _error_json(ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}",
-                                    type="invalid_request_error" if exc.status < 500 else "server_error"))
+                                    type="invalid_request_error" if exc.status < 500 else "server_error",
+                                    headers={"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception as exc:  # noqa: BLE001 - a bug must not take the server down

@@ -189,8 +189,9 @@ def _content(i: int, m: Message) -> str | list[dict[str, str]]:
     """A message's content: its text, or its parts as text parts (a refusal's text as a text part's), which
     the template takes as parts or joined (`engine.chat_template`); a tool result's parts joined, as vLLM
     joins them (templates write a tool result as one string)."""
-    if m.content is msgspec.UNSET and m.role != "assistant":
-        raise bad_request(f"messages[{i}].content", "is required")
+    if m.content in (msgspec.UNSET, None) and m.role != "assistant":   # null: an assistant's calls only
+        raise bad_request(f"messages[{i}].content", "is required" if m.content is msgspec.UNSET else
+                          f"must be a string or an array of parts in a {m.role} message, got null")
     if not isinstance(m.content, list):
         return m.content or ""
     parts = []
@@ -209,10 +210,14 @@ def _tools(chat: ChatBody) -> tuple[list[Tool] | None, ToolChoice]:
     if chat.functions is not None:
         if chat.tools is not None:
             raise bad_request("functions", "send tools or functions, not both")
+        if chat.tool_choice is not None:   # ignored, the choice the client made would be lost
+            raise bad_request("tool_choice", "goes with tools; with functions, send function_call")
         tools = tools_from(chat.functions, "functions", inner="")
         call = chat.function_call
         choice = NamedToolChoice("function", call) if isinstance(call, FunctionName) else call
         return tools, parse_tool_choice(choice, tools, name_at="function_call.name")
+    if chat.function_call not in (None, "none"):
+        raise bad_request("function_call", "is only allowed when functions are given (with tools, send tool_choice)")
     if chat.tools is None:
         if chat.tool_choice not in (None, "none"):
             raise bad_request("tool_choice", "is only allowed when tools are given")

@@ -196,6 +196,14 @@ async def test_bad_requests_get_clear_errors_while_a_stream_keeps_going(aiohttp_
         ("lone surrogate in a message", chat, dict(data=b'{"model": "%s", "messages": [{"role": "user", '
                                                    b'"content": "a\\ud800b"}]}' % model.encode(), headers=auth),
          400, "valid Unicode"),
+        # refused as it is read, naming the field (it was a 400 naming the codec's error, after the credits' wait)
+        ("lone surrogate in a stop string", chat, dict(data=b'{"model": "%s", "messages": [{"role": "user", '
+                                                       b'"content": "a"}], "stop": ["x", "\\ud800"]}'
+                                                       % model.encode(), headers=auth), 400, "stop: each stop string "
+                                                                                              "must be valid Unicode"),
+        ("null content of a user message", chat, dict(json={"model": model, "messages": [
+            {"role": "user", "content": None}]}, headers=auth), 400, "messages[0].content: must be a string or an "
+                                                                     "array of parts in a user message, got null"),
     ]
     for what, path, kwargs, status, needle in cases:
         r = await client.post(path, **kwargs)
@@ -204,7 +212,7 @@ async def test_bad_requests_get_clear_errors_while_a_stream_keeps_going(aiohttp_
         assert needle in body["error"]["message"], (what, body)
         assert set(body["error"]) == {"message", "type", "param", "code"}, what
     r = await client.get("/v1/chat/completions", headers=auth)
-    assert r.status == 405 and "error" in await r.json()
+    assert r.status == 405 and "error" in await r.json() and r.headers["Allow"] == "POST"   # RFC 9110's Allow
 
     status, (text, chunks) = await survivor
     assert status == 200 and chunks[-1]["choices"][0]["finish_reason"] == "length"

@@ -66,6 +66,10 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     (dict(CHAT, tools=[{"type": "function", "function": {"name": "echo", "parameters": {"type": "string"}}}]),
      "tools[0].function.parameters"),
     (dict(CHAT, functions=[{"name": "f", "parameters": {"type": "array", "items": {}}}]), "functions[0].parameters"),
+    # a choice in the other API's style was dropped, the model left free where the client had chosen
+    (dict(CHAT, tools=[WEATHER], function_call={"name": "get_weather"}), "function_call"),
+    (dict(CHAT, function_call={"name": "get_weather"}), "function_call"),
+    (dict(CHAT, functions=[WEATHER["function"]], tool_choice="required"), "tool_choice"),
     (dict(CHAT, messages=[{"role": "user", "content": "x"}, {"role": "tool", "content": "21 C"}]),
      "messages[1].tool_call_id"),
     (dict(CHAT, messages=[{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f",
