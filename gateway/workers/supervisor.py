@@ -260,7 +260,7 @@ class DeviceSupervisor:
         """One worker's life: start it, wait for its death (or a failed start), back off; the next `attempt`.
         A first start that failed for good sets `_failure` instead."""
         client = self._new_client()
-        spawned = time.monotonic()
+        spawned, planned = time.monotonic(), False
         try:
             info = await client.start(self.start_seconds)
         except Exception as exc:  # noqa: BLE001 - the reason goes to the state, the log and the requests
@@ -275,13 +275,14 @@ class DeviceSupervisor:
             up_since = time.monotonic()
             await self._ready(client, info, up_since - spawned)
             what, reason, waiting = "worker died", await self._until_died(client), False
-            self.deaths.record(client, self.replica, reason)   # the watchdog's verdict stays, if it killed it
+            # A draining replica that is gone for good was removed (a Ray device's leader gateway ended its
+            # drain): the plan, not a fault, and no request's death (STOPPED). The watchdog's verdict stays,
+            # if it killed it. A wait for another config's gateway (`ClaimPending`) is logged at INFO, and
+            # otherwise is a failed try like any other.
+            planned = self.draining and await self._removed()
+            self.deaths.record(client, self.replica, reason, STOPPED if planned else None)
             if time.monotonic() - up_since >= self.backoff.reset_after_seconds:
                 attempt = 0
-        # A draining replica that is gone for good was removed (a Ray device's leader gateway ended its
-        # drain): the plan, not a fault. A wait for another config's gateway (`ClaimPending`) is logged
-        # at INFO, and otherwise is a failed try like any other.
-        planned = what == "worker died" and self.draining and await self._removed()
         delay = self.backoff.delay(0 if planned else attempt)
         attempt += 0 if planned else 1
         self._note_reason(reason)

@@ -323,9 +323,11 @@ def test_a_drained_replica_that_was_removed_is_no_restart_but_a_crash_while_drai
             restarts = supervisor.metrics.registry.get_sample_value(
                 "cliffguard_worker_restarts_total", {"device": "cpu", "replica": "0"})
             assert supervisor.num_restarts == 0 and restarts == 0
+            # the gateway's own removal: no death of a request in flight there (a loss counted against it)
+            assert [d.cause for d in supervisor.deaths.deaths] == ["stopped"]
             link.gone = False
             await lose(supervisor, pool, "the connection dropped (a crash)")
-            assert supervisor.num_restarts == 1
+            assert supervisor.num_restarts == 1 and [d.cause for d in supervisor.deaths.deaths] == ["stopped", "loss"]
         finally:
             await supervisor.stop()
 
