@@ -271,6 +271,10 @@ class DeviceSupervisor:
                 return attempt
             what, reason = "restart failed" if self._was_ready else "first connection failed", str(exc)
             waiting = isinstance(exc, ClaimPending)
+            if self._was_ready and self.link is not None and _startup_error(exc):
+                # A remote replica's process stays up with its failed load, refusing every connection: only a
+                # new process loads again (an out-of-memory while the dead one's ranks held the GPU, say).
+                self.link.restart(f"its load failed after a restart: {exc}")
         else:
             up_since = time.monotonic()
             await self._ready(client, info, up_since - spawned)
@@ -360,8 +364,7 @@ class DeviceSupervisor:
     def _tries_again(self, exc: Exception) -> bool:
         """Whether a first start that failed with `exc` is tried again: only a remote replica's, and not
         when the replica said its load failed (`StartupError`) or the cluster cannot be used at all."""
-        startup_error = type(exc) is RuntimeError and str(exc).startswith(STARTUP_FAILED)
-        return self.link is not None and not startup_error and not isinstance(exc, ClusterError)
+        return self.link is not None and not _startup_error(exc) and not isinstance(exc, ClusterError)
 
     async def _ready(self, client: AsyncEngineClient, info: WorkerInfo, took: float) -> None:
         """A worker is ready: log it, export its SLOs, tell the pools' admission (a new process, or the
@@ -431,3 +434,8 @@ def _summary(reason: str) -> str:
     if len(lines) <= 1:
         return reason.strip()
     return f"{lines[0].rstrip(':')}: {lines[-1]}"
+
+
+def _startup_error(exc: Exception) -> bool:
+    """The worker (or the remote replica) said its load failed (`StartupError`)."""
+    return type(exc) is RuntimeError and str(exc).startswith(STARTUP_FAILED)

@@ -360,6 +360,41 @@ def test_a_remote_replica_whose_load_failed_stays_failed(tiny_model, tmp_path):
     asyncio.run(scenario())
 
 
+def test_a_ray_replica_whose_load_fails_after_a_restart_has_its_actor_restarted_and_comes_back(tiny_model,
+                                                                                                    tmp_path):
+    """A replica that served, died, and whose new process failed to load (out of memory while the dead one's
+    ranks held the GPU, say) stays up refusing every connection: retrying the connection alone never ended.
+    The supervisor asks Ray to restart the actor; the next process loads, and the replica serves again."""
+    bare = tmp_path / "no-weights"
+    shutil.copytree(tiny_model, bare, ignore=shutil.ignore_patterns("*.safetensors*"))
+    good, failed = _replica_server(tiny_model), _replica_server(bare)
+    link = _Link(good)
+
+    def restart(reason: str) -> None:   # what Ray does: a new process, whose load works this time
+        link.restarts.append(reason)
+        link.server = good
+
+    link.restart = restart
+
+    async def scenario():
+        supervisor, pool = _remote_supervisor(good, link)
+        supervisor.start()
+        try:
+            await supervisor.wait_ready()
+            link.server = failed                   # the restarted process's load fails
+            supervisor.client.lost("the actor's process died")
+            while not link.restarts:
+                await asyncio.sleep(0.02)
+            while len(pool.admission.ready) < 2:   # ready again, restarted
+                await asyncio.sleep(0.02)
+            assert supervisor.state == "ready"
+        finally:
+            await supervisor.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert len(link.restarts) == 1 and "its load failed after a restart" in link.restarts[0], link.restarts
+
+
 def test_a_silent_ray_replica_is_restarted_only_if_it_does_not_answer_ray_either(monkeypatch):
     """A connection that went silent may be this gateway's path to a healthy replica (a partition) that
     other gateways still use: the actor is asked through Ray first, and restarted only without an answer."""
