@@ -198,6 +198,9 @@ class Completion:
                         request_id=objects.new_id("adm"), tenant=self.tenant, priority=req.priority,
                         background=self.background, max_tokens_param=req.max_tokens_param,
                         patient=self.patient, received=self.received) as placed:
+                    if not all(_serving(p) for p in placed.values()):
+                        continue   # a replica it holds went down while it waited for another pool's credits: placed
+                        # again (on the replica up, or the restarted worker), no death its own
                     local = self._local = self.answer_type(
                         self.http, req, self.routed, placed=placed, received=self.received, metrics=gateway.metrics,
                         tenant=self.tenant, think=think, write_timeout=gateway.config.gateway.write_timeout)
@@ -313,6 +316,13 @@ async def _judge_line(local: LocalResponse, under: DeathsUnder) -> LocalResponse
                                     f"({under.describe()}); retry later", type="server_error", code="replica_lost",
                                headers={"Retry-After": str(LOST_RETRY_AFTER)})
     return local
+
+
+def _serving(placed: Placed) -> bool:
+    """The replica a pool's part was placed on is up now (loaded, alive, not draining), so its client is the
+    one the placement picked."""
+    is_up = placed.pool.admission.is_up
+    return is_up is None or is_up(placed.replica)
 
 
 def poison_error(request_id: str, deaths: int, last: ApiError) -> ApiError:

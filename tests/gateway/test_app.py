@@ -94,6 +94,36 @@ async def test_routing_at_the_threshold_by_exact_count(aiohttp_client, tmp_path,
     assert m["cliffguard_routed_requests_total"][(("pool", "rag"),)] == 2
 
 
+async def test_a_replica_down_when_a_request_is_dispatched_is_left_for_another_placement(aiohttp_client, tmp_path,
+                                                                                          tiny_model, caplog):
+    """A request of two pools holds the first one's credits on a replica while it waits for the second's; a
+    replica down by the time both are held (its worker dead, or the new one still connecting: the slot's client
+    is another) is not sent to: the request is placed again, with no worker death its own."""
+    import contextlib
+
+    client, gateway = await _client(aiohttp_client, pools_yaml(tiny_model, chat_max=64), tmp_path)
+    chat, real_admitted, entered = gateway.pools["chat"].admission, gateway.admission.admitted, []
+    up = chat.is_up
+
+    @contextlib.asynccontextmanager
+    async def admitted(*args, **kwargs):
+        async with real_admitted(*args, **kwargs) as placed:
+            entered.append(sorted(placed))
+            chat.is_up = (lambda replica: False) if len(entered) == 1 else up   # chat's replica went down meanwhile
+            try:
+                yield placed
+            finally:
+                chat.is_up = up
+
+    gateway.admission.admitted = admitted
+    r = await client.post("/v1/completions", json={"model": _model(tiny_model), "prompt": [" a" * 10, " a" * 80],
+                                                   "max_tokens": 2, "temperature": 0})
+    body = await r.json()
+    assert r.status == 200 and len(body["choices"]) == 2, body
+    assert entered == [["chat", "rag"], ["chat", "rag"]]
+    assert not any("running it again" in rec.getMessage() for rec in caplog.records)
+
+
 async def test_streamed_equals_non_streamed_and_usage_and_logprobs(aiohttp_client, tmp_path, tiny_model):
     client, _ = await _client(aiohttp_client, pools_yaml(tiny_model), tmp_path)
     body = {"model": _model(tiny_model), "messages": [{"role": "user", "content": "Tell me about cliffs."}],
