@@ -275,6 +275,11 @@ class RayCluster:
         return [n["NodeID"] for n in nodes if n.get("Alive")]
 
 
+def _actor_id(actor) -> object:
+    """An actor handle's id: the same across Ray's restarts of the actor, another for a new actor of the name."""
+    return actor._actor_id
+
+
 def placement_groups_named(name: str) -> list:
     """The placement groups of this name that are not removed (a blocking call of Ray's)."""
     ray = _ray()
@@ -344,10 +349,12 @@ class RayReplica:
         try:
             host, port, key, node_id = await asyncio.wait_for(self._ask_endpoint(), timeout)
         except ActorDiedError:
-            # gone for good (removed, or its constructor failed): placed anew on the next start, in a new group
-            if self.may_place():
+            # gone for good (removed, or its constructor failed): placed anew on the next start, in a new group.
+            # A handle kept from before may be of an actor removed since and placed again under the name (by
+            # the leader then): that one lives, serving, and is not this gateway's to remove.
+            dead, self._actor = self._actor, None
+            if self.may_place() and ((live := await self._find()) is None or _actor_id(live) == _actor_id(dead)):
                 await self.cluster.remove(self.name)
-            self._actor = None
             raise
         self.node_id = node_id
         self.status = f"on node {node_id[:12]} at {host}:{port}"

@@ -285,3 +285,46 @@ def test_take_over_is_a_serve_flag_and_a_gateway_key(tmp_path, tiny_model):
     assert not build_parser().parse_args(["serve"]).take_over
     assert not load_config(chat_pool_yaml(tiny_model)).gateway.take_over
     assert load_config(chat_pool_yaml(tiny_model, gateway="{take_over: true}")).gateway.take_over
+
+
+def test_a_stale_actor_handle_removes_only_its_own_actor_never_one_placed_since_under_the_name():
+    """A follower keeps the handle of an actor the leader removed; the leader places the slot again (a new actor
+    of the same name, serving other gateways); this gateway, now leading, finds its handle dead: it removes the
+    name only when no actor holds it or the one there is its own (restarted by Ray), never the new one."""
+    pytest.importorskip("ray")
+    from ray.exceptions import ActorDiedError
+
+    from engine.config import EngineConfig
+    from gateway.workers.ray_cluster import RayReplica
+
+    removed = []
+
+    async def nothing(*args) -> None:
+        return None
+
+    async def remove(name: str) -> None:
+        removed.append(name)
+
+    cluster = SimpleNamespace(connect=nothing, claim=nothing, remove=remove)
+    replica = RayReplica(cluster, "gpu", 0, EngineConfig())
+    old, new = SimpleNamespace(_actor_id="a1"), SimpleNamespace(_actor_id="a2")
+
+    async def died():
+        raise ActorDiedError()
+
+    replica._ask_endpoint = died
+
+    async def endpoint_with(live) -> None:
+        async def find():
+            return live
+        replica._actor, replica._find = old, find
+        with pytest.raises(ActorDiedError):
+            await replica.endpoint(1.0)
+        assert replica._actor is None   # found again on the next start
+
+    for live, removes in ((new, []), (None, [replica.name]), (old, [replica.name] * 2)):
+        asyncio.run(endpoint_with(live))
+        assert removed == removes, (live, removed)
+    replica.may_place = lambda: False   # a follower removes nothing
+    asyncio.run(endpoint_with(None))
+    assert removed == [replica.name] * 2
