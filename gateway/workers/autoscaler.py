@@ -246,7 +246,10 @@ class Autoscaler:
         for s in slots:
             if (device, s.replica) in self._removals or s.state == "stopped":
                 continue
-            if s.replica not in lease.live and s.replica >= spec.initial_replicas:
+            gone = s.replica not in lease.live and s.replica >= spec.initial_replicas
+            if gone and getattr(s.link, "placing", False):
+                continue   # this gateway, leader until just now, is placing it: its actor is not listed yet
+            if gone:
                 log.info("autoscaler: device %s: the leader gateway removed replica %s; stopping it", device, s.name)
                 s.draining = True
                 self._removals[(device, s.replica)] = asyncio.ensure_future(self._remove(device, s, decided=False))

@@ -331,6 +331,7 @@ class RayReplica:
         self.node_id: str | None = None
         self.status = "connecting to the Ray cluster"
         self.may_place: Callable[[], bool] = lambda: True
+        self.placing = False   # waiting for Ray to place the group this gateway asked for
         self._actor = None
 
     async def endpoint(self, timeout: float) -> tuple[str, int, bytes]:
@@ -414,7 +415,11 @@ class RayReplica:
             group = await asyncio.to_thread(placement_group, self.bundles.as_list(), strategy="STRICT_PACK",
                                             name=self.name, lifetime="detached", _soft_target_node_id=target)
         self.status = f"waiting for Ray to place {self.bundles.as_list()} on one node"
-        await self._wait_placed(group, timeout)
+        self.placing = True   # its group is listed, its actor not yet: a follower's tick leaves it be
+        try:
+            await self._wait_placed(group, timeout)
+        finally:
+            self.placing = False
         options = dict(name=self.name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
                        max_concurrency=ACTOR_CONCURRENCY, num_cpus=self.bundles.cpus, num_gpus=self.bundles.gpus,
                        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),

@@ -208,6 +208,22 @@ async def test_a_follower_follows_the_cluster_and_never_places_or_removes(quick)
     assert slots[1].state == "loading"
 
 
+async def test_a_gateway_that_lost_the_lease_while_placing_a_replica_leaves_the_placement_be(quick):
+    """Its actor is not listed yet (Ray has not placed its group): stopping it cancelled the wait and removed the
+    group, which the new leader, placing the same slot, had adopted."""
+    slots = [_Slot(0, "ready"), _Slot(1, "loading")]
+    slots[1].link.placing = True
+    lease = _Lease(leader=False, live={0})
+    scaler = _make_scaler(slots, lease)
+    scaler.tick(now=0.0)
+    await _settle()
+    assert [s.state for s in slots] == ["ready", "loading"] and not slots[1].draining
+    slots[1].link.placing = False                                # placed, and the actor gone from the listing
+    scaler.tick(now=1.0)
+    await _settle()
+    assert slots[1].state == "stopped"
+
+
 async def test_the_leader_removes_only_a_replica_idle_for_every_gateway(quick, monkeypatch):
     monkeypatch.setattr(autoscaler_module, "ANNOUNCE_SECONDS", 0.3)
     slots = [_Slot(0, "ready"), _Slot(1, "ready", num_requests=2)]   # 1: another gateway's requests run on it
