@@ -284,7 +284,6 @@ pools:
     model: upstream-model
     served_model_name: bench
     tokenizer: {args.tokenizer}
-    route: {{max_prompt_tokens: 1000000}}
 """)
             procs.append(subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
                                            "--port", "0", "--data-dir", tmp], stderr=subprocess.PIPE, text=True,

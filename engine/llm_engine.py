@@ -455,7 +455,7 @@ class LLMEngine:
                       top: list[tuple[int, float]] | None) -> None:
         detok = self.requests[seq.request_id].detokenizers[seq.index]
         reason = seq.append_token(token, logprob, top, lambda t: detok.step([t]), self.eos_token_ids,
-                                  self.schedulers[seq.pool].max_model_len)
+                                  self.schedulers[seq.pool].max_model_len, detok.held_text)
         if reason is not None:
             if not isinstance(seq.stop_reason, str) and seq.append_flushed(detok.flush()):   # not cut yet
                 reason = FinishReason.STOP   # the held text had a stop string

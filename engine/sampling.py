@@ -49,6 +49,9 @@ REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 # What a grammar adds to a token it does not allow: far below any logit, and exp() of it is exactly 0 in
 # float32, so no sampling method can pick it (-inf would do the same, but 0 * -inf is NaN in the add).
 MASKED_LOGIT = -1e30
+# Past it every token is about equally likely already; and a grammar's masked tokens stay out of reach (MASKED_LOGIT,
+# at worst x 1e-6 by a repetition penalty, over this temperature is still -1e20: exp() of it is 0)
+MAX_TEMPERATURE = 1e4
 # Temperatures below this are greedy, as in vLLM (_SAMPLING_EPS): dividing logits by less overflows float32.
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
@@ -166,8 +169,8 @@ class SamplingParams:
         if not 1 <= n <= MAX_N:
             raise ValueError(f"n: must be in 1..{MAX_N}, got {n}")
         temperature = _as_float("temperature", self.temperature)
-        if temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {temperature}")
+        if not 0 <= temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature: must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
         top_p = _as_float("top_p", self.top_p)
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {top_p}")

@@ -115,13 +115,14 @@ class Sequence:
 
     def append_token(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
                      detokenize: Callable[[int], str], eos_token_ids: frozenset[int],
-                     max_model_len: int) -> FinishReason | None:
+                     max_model_len: int, held: Callable[[], str] = str) -> FinishReason | None:
         """Append a sampled token (its logprobs when asked for) and the text it makes final (`detokenize`:
         its detokenizer's step); returns why the sequence ends with it, if it does: its grammar is complete;
         once `min_tokens` are out, EOS (unless `ignore_eos`) or a stop token, whose text is not the answer's
         (vLLM's rule; unless `include_stop_str_in_output`; its id and logprob are), or, past `min_tokens`, a
-        stop string ending in its text (the text is cut there); else `max_tokens` or `max_model_len`. Its
-        cost does not grow with the output."""
+        stop string ending in its text (the text is cut there), or in the text its detokenizer holds back
+        (`held`: an open byte run's, `IncrementalDetokenizer.held_text`; cut once flushed at the end, by the
+        caller); else `max_tokens` or `max_model_len`. Its cost does not grow with the output."""
         params = self.params
         if self.num_pending:   # the oldest placeholder gets its value
             self.token_ids[len(self.token_ids) - self.num_pending] = token
@@ -147,11 +148,22 @@ class Sequence:
             by_token = False
         delta = "" if by_token and not params.include_stop_str_in_output else detokenize(token)
         self.text += delta
-        if reason is None:
-            reason = self._stopped_by_string(len(delta))
+        if reason is None or not by_token:   # a token that completes the grammar writes text a stop string may end
+            reason = self._stopped_by_string(len(delta)) or reason
+        if reason is None and params.stop and self.stops_in(held()):   # "\n" as the byte token <0x0A>, say
+            reason = FinishReason.STOP
         if reason is None and (n_out >= self.max_tokens or self.num_prompt_tokens + n_out >= max_model_len):
             reason = FinishReason.LENGTH
         return reason
+
+    def stops_in(self, held: str) -> bool:
+        """Whether text the detokenizer holds back (an open byte run's, `IncrementalDetokenizer.held_text`)
+        completes a stop string, once past `min_tokens`: the sequence ends on this token, not once the run does."""
+        stops = self.params.stop
+        if not held or not stops or self.num_known_output_tokens <= self.params.min_tokens:
+            return False
+        end = len(self.text)
+        return any(stop in self.text.slice(max(0, end - len(stop) + 1), end) + held for stop in stops)
 
     def append_flushed(self, delta: str) -> bool:
         """At its end, the text its detokenizer held back (`delta`: a byte-fallback run's, "\n" among them,

@@ -341,6 +341,16 @@ class IncrementalDetokenizer:
         self._text += delta
         return delta
 
+    def held_text(self) -> str:
+        """The text of an open byte-fallback run (its whole characters; not emitted yet: the run's end may turn
+        them into U+FFFDs, as HF decodes a bad run), for the stop strings to see at once; "" if none is open."""
+        ids = self._text_ids
+        if self._bytes is not None or self._read_offset == len(ids) or ids[-1] not in self._byte_ids:
+            return ""
+        decode, skip = self._tokenizer.decode, self._skip_special_tokens
+        held = decode(ids[self._prefix_offset:], skip)[len(decode(ids[self._prefix_offset:self._read_offset], skip)):]
+        return held.rstrip(_REPLACEMENT_CHAR)   # an unfinished character is no text yet
+
     def _emit(self, final: bool) -> str:
         ids = self._text_ids
         if self._read_offset == len(ids) or (not final and ids[-1] in self._byte_ids):   # a byte run is open

@@ -72,6 +72,8 @@ def _seeded_tokens(batch: list[SamplingRow], logits: torch.Tensor, position: int
     ({"temperature": "hot"}, "temperature"),
     ({"temperature": math.nan}, "temperature"),
     ({"temperature": math.inf}, "temperature"),
+    ({"temperature": 1e29}, "temperature"),   # a grammar's masked tokens came in reach
+    ({"stop": ["ok", "\ud800"]}, "stop"),    # no text holds a lone surrogate (the wire refused it, late)
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_p": math.nan}, "top_p"),

@@ -147,6 +147,18 @@ def test_a_grammar_complete_on_eos_adds_no_eos_text_whatever_else_is_asked(engin
         assert out.text.startswith("4") and out.text.endswith(engine.tokenizer.decode([eos], False)) == shown, extra
 
 
+def test_a_token_that_completes_the_grammar_is_checked_for_stop_strings(engine) -> None:
+    """A grammar completes on its last text token (nothing but EOS may follow): that token's text is checked
+    for stop strings as any other's (its "}" was kept, stop_reason None)."""
+    prompt = _chat(engine, "Give a JSON object with a set to 1.")
+    schema = {"type": "object", "properties": {"a": {"const": 1}}, "required": ["a"], "additionalProperties": False}
+    for stop, include, text in ((["}"], False, '{"a": 1'), (["}"], True, '{"a": 1}'), ([": 1}"], False, '{"a"')):
+        params = SamplingParams(temperature=0, max_tokens=40, structured=StructuredOutput.json_schema(schema),
+                                stop=stop, include_stop_str_in_output=include)
+        out = engine.generate([prompt], params)[0].outputs[0]
+        assert (out.text, out.finish_reason, out.stop_reason) == (text, "stop", stop[0]), (stop, out)
+
+
 def test_n_samples_each_follow_their_own_grammar(engine) -> None:
     """n samples fork after the prefill; each carries its own matcher from the grammar's start."""
     schema = dict(SCHEMAS[0][1])

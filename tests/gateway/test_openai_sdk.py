@@ -92,7 +92,6 @@ pools:
     model: {MODEL}
     served_model_name: front-model
     tokenizer: builtin:smollm2-135m-instruct
-    route: {{max_prompt_tokens: 100000}}
 """)
     gateway = Gateway.from_config(load_config(path))
     assert not gateway.clients  # no device worker for an upstream-only gateway
