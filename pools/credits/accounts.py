@@ -30,6 +30,7 @@ class Ticket:
     flow: int = 0                 # its size class within its tenant's channel (`pools.credits.flows`)
     charged: int = 0              # the credits its admission took on its replica (its shared blocks not again)
     start: int = 0                # its start tag there (fair queueing)
+    cost: int = 0                 # what it moved its flow's tag by there
     arrival: int = 0              # its place in the order of arrival there
 
     @property

@@ -50,6 +50,7 @@ class Queued(Protocol):
     flow: int
     num_tokens: int
     start: int
+    cost: int
     arrival: int
 
 
@@ -71,7 +72,8 @@ class FlowChannel:
         flow = self._flow(ticket)
         ticket.start = max(self.finish.get(flow, 0), self.vtime)
         ticket.arrival, self.num_arrived = self.num_arrived, self.num_arrived + 1
-        self.finish[flow] = ticket.start + (ticket.num_tokens if cost is None else cost)
+        ticket.cost = ticket.num_tokens if cost is None else cost
+        self.finish[flow] = ticket.start + ticket.cost
         self.flows.setdefault(flow, deque()).append(ticket)
 
     def heads(self) -> list:
@@ -82,11 +84,24 @@ class FlowChannel:
         """Take `ticket`, the head of its flow, out: it is served."""
         if self.flows[self._flow(ticket)][0] is not ticket:
             raise ValueError("pop: not the head of its flow")
-        self.remove(ticket)
+        self._take_out(ticket)
         self.vtime = max(self.vtime, ticket.start)
 
     def remove(self, ticket: Queued) -> None:
-        """Take a queued ticket out (cancelled)."""
+        """Take a queued ticket out (cancelled: its client left, or it waited past its limit), and its cost out
+        of its flow's tags (the later tickets' and the flow's finish): a flow is charged for what it ran, not
+        for what it asked and gave up (ten timed-out requests put its next one behind ten requests' credits of
+        the other flows')."""
+        flow = self._flow(ticket)
+        later = False
+        for queued in self.flows[flow]:
+            if later:
+                queued.start -= ticket.cost
+            later = later or queued is ticket
+        self.finish[flow] -= ticket.cost
+        self._take_out(ticket)
+
+    def _take_out(self, ticket: Queued) -> None:
         flow = self._flow(ticket)
         queue = self.flows[flow]
         queue.remove(ticket)
@@ -130,13 +145,13 @@ class BatchLines(FlowChannel):
 
     def serve(self, ticket: Queued) -> None:
         """Take `ticket` out, admitted (not necessarily its tenant's first: its first may wait for its replicas)."""
-        self.remove(ticket)
+        self._take_out(ticket)
         self.vtime = max(self.vtime, ticket.start)
         for tenant in [t for t, tag in self.finish.items() if tag <= self.vtime and t not in self.flows]:
             del self.finish[tenant]
 
-    def remove(self, ticket: Queued) -> None:
-        super().remove(ticket)
+    def _take_out(self, ticket: Queued) -> None:
+        super()._take_out(ticket)
         if not self.flows:
             self.finish.clear()
 
@@ -173,11 +188,11 @@ class Headroom:
 
     def check_integrity(self, where: str, tickets: Iterable) -> None:
         """What each flow holds == the sums of `tickets` (the requests admitted on this replica, each with a
-        `flow_key`, `num_tokens` and `num_seqs`); raises naming `where`, with both."""
+        `flow_key`, the credits it was `charged` and `num_seqs`); raises naming `where`, with both."""
         flows: dict[tuple[str, int], list[int]] = {}
         for t in tickets:
             entry = flows.setdefault(t.flow_key, [0, 0])
-            entry[0], entry[1] = entry[0] + t.num_tokens, entry[1] + t.num_seqs
+            entry[0], entry[1] = entry[0] + t.charged, entry[1] + t.num_seqs
         if flows != self.held:
             raise AssertionError(f"{where}: flows {self.held}, tickets {flows}")
 

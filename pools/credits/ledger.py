@@ -290,9 +290,9 @@ class CreditLedger:
 
     def fitting(self, ticket: Ticket) -> list[int]:
         """The replicas that are up and have the free credits and sequences `ticket` needs there, within its
-        flow's cap."""
+        flow's cap (by the credits it would take there: its prompt blocks shared there are not its own)."""
         return [r for r in self._roomy(ticket)
-                if self.accounts[r].headroom.allows(ticket.flow_key, ticket.num_tokens, ticket.num_seqs)]
+                if self.accounts[r].headroom.allows(ticket.flow_key, self.need(ticket, r), ticket.num_seqs)]
 
     def _roomy(self, ticket: Ticket) -> list[int]:
         """The replicas that are up and have the free credits and sequences `ticket` needs there."""
@@ -339,9 +339,9 @@ class CreditLedger:
             account.refs[h] = account.refs.get(h, 0) + 1
             account.pending[h] = account.pending.get(h, 0) + 1
         account.num_seqs += account.seqs_of(ticket)
-        account.headroom.add(ticket.flow_key, ticket.num_tokens, ticket.num_seqs)
         ticket.admitted, ticket.replica, ticket.prefilling = True, replica, True
         ticket.charged = account.held - before
+        account.headroom.add(ticket.flow_key, ticket.charged, ticket.num_seqs)   # what its flow holds: as charged
         self.queued_tokens -= ticket.num_tokens
         self.background_tokens -= ticket.num_tokens if ticket.background else 0
 
@@ -396,7 +396,7 @@ class CreditLedger:
         """`head`'s flow is at its cap on every replica up that could hold it (room now or once credits come
         back): it waits for its own flow, holding back no other's, whether or not there is room now."""
         could = self.waiting(head, fitting=())
-        return bool(could) and not any(self.accounts[r].headroom.allows(head.flow_key, head.num_tokens,
+        return bool(could) and not any(self.accounts[r].headroom.allows(head.flow_key, self.need(head, r),
                                                                         head.num_seqs) for r in could)
 
     def release(self, request_id: str) -> int:
@@ -409,7 +409,7 @@ class CreditLedger:
         self._ended(ticket)
         account = self.accounts[ticket.replica]
         account.num_seqs -= account.seqs_of(ticket)
-        account.headroom.remove(ticket.flow_key, ticket.num_tokens, ticket.num_seqs)
+        account.headroom.remove(ticket.flow_key, ticket.charged, ticket.num_seqs)
         if ticket.prefilling:
             drop(account.pending, ticket.blocks)
         freed = self._own(ticket)

@@ -143,3 +143,45 @@ def test_a_burst_admitted_one_by_one_still_counts_when_the_small_one_comes():
     admitted += _ids(ledger.admit())
     assert admitted == ["b0", "b1", "b2", "small"]
     ledger.check_integrity()
+
+
+def test_questions_on_one_read_document_are_capped_by_the_credits_they_hold_not_by_its_copies():
+    """A flow holds at most 7/8 of a replica in an interactive pool: of the credits it is charged. Questions on
+    a document already read take their own 60 credits each, not 700: the cap stopped them at 12 (12 x 700 is
+    past 8,750) with 8,640 credits and 16 sequences free. The flow's sequences (25 of 28) bound them now."""
+    ledger = CreditLedger(10_000, max_seqs=28, flow_cap=FLOW_CAP, quantum=10_000, block_size=16)
+    doc = tuple(range(40))                                  # 40 blocks of 16: 640 of each request's 700
+    ledger.submit("first", 700, blocks=doc)
+    assert _ids(ledger.admit()) == ["first"]
+    ledger.prefilled("first")
+    for i in range(30):
+        ledger.submit(f"q{i}", 700, blocks=doc)
+    assert _ids(ledger.admit()) == [f"q{i}" for i in range(24)]
+    assert ledger.free == 10_000 - 640 - 25 * 60
+    ledger.check_integrity()
+    for i in range(24):
+        ledger.release(f"q{i}")
+    ledger.release("first")
+    assert ledger.free == ledger.total
+    ledger.check_integrity()
+
+
+def test_requests_a_flow_gave_up_cost_it_no_turns():
+    """Ten large requests that time out (oldest first) moved their flow's tag on by their credits: its next
+    request came behind ten large requests' worth of a small flow's. Cancelled, they cost it nothing."""
+    channel = FlowChannel()
+    large = [CreditLedger(10_000).submit(f"L{i}", 1040) for i in range(11)]
+    for ticket in large:
+        channel.append(ticket)
+    channel.pop(large[0])                                   # served
+    for ticket in large[1:]:                                # ten time out, the oldest first
+        channel.remove(ticket)
+    channel.append(nxt := CreditLedger(10_000).submit("L-next", 1040))
+    for i in range(30):
+        channel.append(CreditLedger(10_000).submit(f"s{i}", 48))
+    order = []
+    while len(channel):
+        head = channel.heads()[0]
+        channel.pop(head)
+        order.append(head.request_id)
+    assert order.index(nxt.request_id) == 22                # after the small flow's first 1,040 credits
