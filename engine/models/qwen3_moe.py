@@ -131,7 +131,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         if ".mlp.experts." not in name:
             return super()._destination(name)
         prefix, rest = name.split(".mlp.experts.", 1)                 # "layers.3", "17.gate_proj.weight"
-        expert, proj = rest.split(".", 1)
+        expert, _, proj = rest.partition(".")   # a fused checkpoint's "gate_up_proj": no expert index, refused
         inter = self.shard.moe_intermediate_size
         if not expert.isdigit() or proj not in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
             raise WeightLoadError(f"{name}: not a tensor of {self.config.architecture} with this config")

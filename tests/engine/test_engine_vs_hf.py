@@ -222,6 +222,9 @@ def test_a_checkpoint_that_stores_a_tensor_twice_or_lacks_one_is_refused_by_name
         past = f"model.layers.0.mlp.experts.{config.num_experts}.down_proj.weight"
         with pytest.raises(WeightLoadError, match=f"expert {config.num_experts} of a config with num_experts"):
             load({**state, past: state["model.layers.0.mlp.experts.1.down_proj.weight"]})
+        fused = "model.layers.0.mlp.experts.gate_up_proj"   # transformers' fused layout: named, not a ValueError
+        with pytest.raises(WeightLoadError, match="experts.gate_up_proj: not a tensor of Qwen3MoeForCausalLM"):
+            load({**state, fused: state["model.layers.0.mlp.experts.1.down_proj.weight"]})
 
 
 def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, builtin_path):
