@@ -291,10 +291,10 @@ def overload_timeline(scrapes) -> dict[str, Any]:
 
 
 def chat_ttfts(records, run_seconds: float) -> list[float]:
-    """TTFT of every request sent: measured when its first token came (finished or not), else the
-    seconds from its send to the end of the run (`run_seconds` from the run's start, the drain
-    included): it waited at least that long."""
-    return [r.ttft if r.ttft is not None else run_seconds - r.sent_s for r in records if r.sent_s is not None]
+    """TTFT of every request sent, from its scheduled arrival: measured when its first token came (finished or
+    not), else the seconds from its arrival to the end of the run (`run_seconds` from the run's start, the
+    drain included): it waited at least that long."""
+    return [r.ttft if r.ttft is not None else run_seconds - r.scheduled_s for r in records if r.sent_s is not None]
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:

@@ -101,12 +101,20 @@ class RequestRecord:
             self.chunk_tokens.append(max(1, tokens))
 
     @property
+    def send_lag(self) -> float:
+        """How late the request left against its scheduled arrival (the client's own delay: 0 when on time)."""
+        return max(0.0, self.sent_s - self.scheduled_s) if self.sent_s is not None else 0.0
+
+    @property
     def ttft(self) -> float | None:
-        return self.chunk_s[0] if self.chunk_s else None
+        """From the scheduled arrival (open loop: a client that sent late makes no latency vanish) to the first
+        token."""
+        return self.send_lag + self.chunk_s[0] if self.chunk_s else None
 
     @property
     def e2e(self) -> float | None:
-        return self.end_s - self.sent_s if self.status == "ok" else None
+        """From the scheduled arrival to the end of the answer."""
+        return self.end_s - self.sent_s + self.send_lag if self.status == "ok" else None
 
     @property
     def itl(self) -> list[float]:

@@ -275,9 +275,13 @@ def test_sse_lines_chunks_usage_and_error_chunks():
     for t, text in ((0.1, "a"), (0.15, "b"), (0.25, "c")):
         r.add_chunk({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}], "usage": None}, t)
     r.add_chunk({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 3}}, 0.26)
-    r.status, r.sent_s, r.end_s = "ok", 1.0, 1.3
+    r.status, r.sent_s, r.end_s = "ok", 0.0, 0.3
     assert (r.ttft, r.prompt_tokens, r.output_tokens) == (0.1, 11, 3)
     assert r.itl == pytest.approx([0.05, 0.1]) and r.tpot == pytest.approx((0.3 - 0.1) / 2)
+    # sent 1 s after its scheduled arrival (a busy client): latency counts from the arrival (open loop: a late
+    # send made that second vanish from TTFT and e2e)
+    r.sent_s, r.end_s = 1.0, 1.3
+    assert (r.send_lag, r.ttft, r.e2e) == pytest.approx((1.0, 1.1, 1.3)) and r.tpot == pytest.approx(0.1)
 
     c = RequestRecord(1, "rag", "completion", 0.0, 8, 4)  # vLLM's continuous usage: tokens per chunk known
     c.add_chunk({"choices": [{"text": "x"}], "usage": {"prompt_tokens": 5, "completion_tokens": 1}}, 0.2)
@@ -417,7 +421,8 @@ async def test_out_writes_results_json_and_two_pngs(aiohttp_server, tmp_path):
     assert data["config"]["classes"][0]["prompt_len"] == {"dist": "fixed", "value": config.classes[0].prompt_len.value,
                                                           "min": None, "max": None, "mean": None, "std": None}
     assert len(data["requests"]) == report.totals["count"] and data["summary"]["probe"]["completed"] >= 1
-    assert data["requests"][0]["ttft_s"] == data["requests"][0]["chunk_s"][0]
+    first = data["requests"][0]
+    assert first["ttft_s"] == pytest.approx(first["chunk_s"][0] + max(0.0, first["sent_s"] - first["scheduled_s"]))
     assert data["scrapes"] and data["scrapes"][0]["pools"]["chat"]["num_requests_waiting"] == 1
     for png in paths[1:]:
         assert png.read_bytes()[:8] == PNG_SIGNATURE and png.stat().st_size > 5000
