@@ -115,7 +115,7 @@ class Sequence:
 
     def append_token(self, token: int, logprob: float | None, top: list[tuple[int, float]] | None,
                      detokenize: Callable[[int], str], eos_token_ids: frozenset[int],
-                     max_model_len: int, held: Callable[[], str] = str) -> FinishReason | None:
+                     max_model_len: int, held: Callable[[int], str] = lambda max_chars: "") -> FinishReason | None:
         """Append a sampled token (its logprobs when asked for) and the text it makes final (`detokenize`:
         its detokenizer's step); returns why the sequence ends with it, if it does: its grammar is complete;
         once `min_tokens` are out, EOS (unless `ignore_eos`) or a stop token, whose text is not the answer's
@@ -150,20 +150,25 @@ class Sequence:
         self.text += delta
         if reason is None or not by_token:   # a token that completes the grammar writes text a stop string may end
             reason = self._stopped_by_string(len(delta)) or reason
-        if reason is None and params.stop and self.stops_in(held()):   # "\n" as the byte token <0x0A>, say
+        if reason is None and params.stop and self.stops_in(held):   # "\n" as the byte token <0x0A>, say
             reason = FinishReason.STOP
         if reason is None and (n_out >= self.max_tokens or self.num_prompt_tokens + n_out >= max_model_len):
             reason = FinishReason.LENGTH
         return reason
 
-    def stops_in(self, held: str) -> bool:
-        """Whether text the detokenizer holds back (an open byte run's, `IncrementalDetokenizer.held_text`)
-        completes a stop string, once past `min_tokens`: the sequence ends on this token, not once the run does."""
+    def stops_in(self, held: Callable[[int], str]) -> bool:
+        """Whether the text the detokenizer holds back (an open byte run's, `IncrementalDetokenizer.held_text`)
+        now ends in a stop string, once past `min_tokens`: the sequence ends on the token that completed it,
+        not once the run does (each token is checked, so a stop string ends where the held text ends)."""
         stops = self.params.stop
-        if not held or not stops or self.num_known_output_tokens <= self.params.min_tokens:
+        if not stops or self.num_known_output_tokens <= self.params.min_tokens:
+            return False
+        longest = max(map(len, stops))
+        if not (text := held(longest)):
             return False
         end = len(self.text)
-        return any(stop in self.text.slice(max(0, end - len(stop) + 1), end) + held for stop in stops)
+        text = self.text.slice(max(0, end - longest), end) + text
+        return any(text.endswith(stop) for stop in stops)
 
     def append_flushed(self, delta: str) -> bool:
         """At its end, the text its detokenizer held back (`delta`: a byte-fallback run's, "\n" among them,

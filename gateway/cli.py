@@ -24,8 +24,8 @@ from typing import TextIO
 
 from engine.capacity import DEFAULT_BLOCK_SIZE
 from gateway.simulate_cli import add_simulate, simulate
-from pools.cli_types import (DEFAULT_CONFIG, ArgumentParser, UsageError, memory_size, non_negative_float,
-                             positive_float, positive_int, probability_mass, sampling_seed)
+from pools.cli_types import (DEFAULT_CONFIG, ArgumentParser, UsageError, memory_size, positive_float, positive_int,
+                             probability_mass, sampling_seed, temperature)
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 DEFAULT_DATA_DIR = "./.cliffguard/"
@@ -76,7 +76,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     p.add_argument("--system", default=None, help="system message (implies --chat)")
     p.add_argument("--max-tokens", type=positive_int, default=128, help="tokens to generate at most (default 128)")
-    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--temperature", type=temperature, default=0.0, help="sampling temperature (default 0: greedy)")
     p.add_argument("--top-p", type=probability_mass, default=1.0, help="nucleus sampling mass (default 1: off)")
     p.add_argument("--seed", type=sampling_seed, default=None, help="sampling seed (default: the engine's)")
 

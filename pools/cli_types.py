@@ -93,6 +93,16 @@ def probability_mass(text: str) -> float:
     return value
 
 
+def temperature(text: str) -> float:
+    """A sampling temperature: a number in [0, `engine.sampling.MAX_TEMPERATURE`]."""
+    from engine.sampling import MAX_TEMPERATURE
+
+    value = _number(text, float)
+    if not 0 <= value <= MAX_TEMPERATURE:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, {MAX_TEMPERATURE:g}], got {text!r}")
+    return value
+
+
 def memory_size(text: str) -> int:
     """A memory size > 0 in bytes: `80GiB`, `512 MiB`, `4096` (`pools.config.checks.parse_bytes`' units)."""
     try:
@@ -161,3 +171,6 @@ def check_simulate_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--slo-{'ttft' if args.slo_ttft_p99 else 'itl'}-p99: only with --recommend")
     if args.from_trace and not args.calibrate:
         raise UsageError("--from-trace: only with --calibrate FILE")
+    if args.calibrate and not args.from_trace and (args.model_config or args.vram):   # it runs the real engine here
+        raise UsageError(f"--{'model-config' if args.model_config else 'vram'}: with --calibrate, only beside "
+                         "--from-trace (a calibration here runs the config's own model on this machine)")

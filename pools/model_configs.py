@@ -76,8 +76,8 @@ def read_model_config(path: str) -> ModelConfig:
 
 def upstream_context(spec: PoolSpec, folders: dict[str, Path], i: int) -> int:
     """An upstream pool without `max_model_len`: its tokenizer model's context (config.json's), else 2^31.
-    A route that starts at or past that context could never be taken: a SpecError saying to set the
-    upstream's own `max_model_len` (one serving a longer context than its config says, say)."""
+    A route that starts or ends at or past that context could never be taken (in full): a SpecError saying to
+    set the upstream's own `max_model_len` (one serving a longer context than its config says, say)."""
     path = folders.get(spec.tokenizer or spec.model)
     if path is None or not (path / "config.json").is_file():
         return 2**31 - 1

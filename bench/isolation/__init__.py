@@ -28,8 +28,8 @@ at start (read from `cliffguard_pool_slo_seconds`):
   pool's, default 0.2), measured as the chat pool's part of the engine's step time
   (`cliffguard_pool_device_seconds_total`) over the run's arrivals: rag's guaranteed share fits beside it;
 - `send_lag_ok`: the chat-alone, split and rag-alone runs each sent every request at most a tenth of
-  ttft_ms after its drawn arrival (latency is timed from the send, so a client starved of the CPU would
-  hide its own delay: `bench.isolation.scenarios.send_lag_bound`); else the cell is `invalid`, not judged;
+  ttft_ms after its drawn arrival (a client starved of the CPU measures itself as much as the server:
+  `bench.isolation.scenarios.send_lag_bound`); else the cell is `invalid`, not judged;
 - `split_ttft_ok`: split chat p99 TTFT <= min(ttft_ms, 1.25 x (chat alone p99 TTFT + itl_ms));
 - `split_itl_ok`: split chat p99 ITL <= itl_ms, over every gap of every chat request sent (finished or
   not, one per token);

@@ -332,12 +332,10 @@ def format_table(results: list[dict[str, Any]]) -> str:
 
 def send_lag_bound(ttft_ms: float) -> float:
     """The most a judged run's requests may leave late against their drawn arrivals (s): `MAX_SEND_LAG` (a
-    tenth) of the TTFT bar `ttft_ms`. Latency is timed from a request's actual send, so a wait before it
-    left is in no figure: a client starved of the CPU (the 2-core machine also runs the CPU server) sends
-    late just when the server is slow, and reads clean TTFTs (coordinated omission). A tenth of the bar
-    caps what a judged run can hide at a tenth of the SLO, less than repeats of one cell differ by on that
-    machine (docs/PERF.md: split p99 TTFT up to 40% apart between sweeps g and h), while a client that fell
-    behind by whole tenths of a second is caught."""
+    tenth) of the TTFT bar `ttft_ms`. Latency is timed from a request's drawn arrival, so a late send is in
+    the figures; but a client starved of the CPU (the 2-core machine also runs the CPU server) also reads the
+    server's stream late, and a run where it fell behind by whole tenths of a second measured its own client
+    as much as the server: not judged."""
     return MAX_SEND_LAG * ttft_ms / 1e3
 
 

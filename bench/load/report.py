@@ -219,8 +219,8 @@ def build_report(config: LoadConfig, model: str, records: Sequence[RequestRecord
 
 
 def send_lags(records: Iterable[RequestRecord]) -> list[float]:
-    """How late each sent request left against its drawn arrival (s). Latency is timed from the actual
-    send, so a client too busy to send on time hides that wait from every figure (coordinated omission)."""
+    """How late each sent request left against its drawn arrival (s): the client's own delay, which the
+    latency figures count in (they are timed from the arrival), kept as a diagnostic of the client."""
     return [r.sent_s - r.scheduled_s for r in records if r.sent_s is not None]
 
 

@@ -70,15 +70,16 @@ _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitio
 
 
 def _rebased(schema: Any, at: str) -> Any:
-    """`schema` with each local `$ref` ("#" and a JSON pointer) made relative to `at`, the pointer to where
-    the schema now sits (a schema without one comes back as it was; a remote or `$id` ref is left alone)."""
+    """`schema` with each local `$ref` ("#", "#/" and a JSON pointer) made relative to `at`, the pointer to
+    where the schema now sits (a schema without one comes back as it was; a remote ref or an anchor's "#name"
+    is left alone)."""
     if isinstance(schema, list):
         return [_rebased(item, at) for item in schema]
     if not isinstance(schema, dict):
         return schema
     rebased = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):   # a pointer
             rebased[key] = at + value[1:]
         elif key in _DATA_KEYWORDS:
             rebased[key] = value

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 
@@ -247,7 +248,7 @@ class Autoscaler:
             if (device, s.replica) in self._removals or s.state == "stopped":
                 continue
             gone = s.replica not in lease.live and s.replica >= spec.initial_replicas
-            if gone and getattr(s.link, "placing", False):
+            if gone and (getattr(s.link, "placing", False) or getattr(s.link, "placed_at", -math.inf) >= lease.live_at):
                 continue   # this gateway, leader until just now, is placing it: its actor is not listed yet
             if gone:
                 log.info("autoscaler: device %s: the leader gateway removed replica %s; stopping it", device, s.name)

@@ -332,6 +332,7 @@ class RayReplica:
         self.status = "connecting to the Ray cluster"
         self.may_place: Callable[[], bool] = lambda: True
         self.placing = False   # waiting for Ray to place the group this gateway asked for
+        self.placed_at = float("-inf")   # when this gateway's last placement ended (time.monotonic())
         self._actor = None
 
     async def endpoint(self, timeout: float) -> tuple[str, int, bytes]:
@@ -420,6 +421,7 @@ class RayReplica:
             await self._wait_placed(group, timeout)
         finally:
             self.placing = False
+            self.placed_at = time.monotonic()   # nor does a tick whose listing was asked for before (`live_at`)
         options = dict(name=self.name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
                        max_concurrency=ACTOR_CONCURRENCY, num_cpus=self.bundles.cpus, num_gpus=self.bundles.gpus,
                        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),

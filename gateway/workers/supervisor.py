@@ -279,12 +279,13 @@ class DeviceSupervisor:
             up_since = time.monotonic()
             await self._ready(client, info, up_since - spawned)
             what, reason, waiting = "worker died", await self._until_died(client), False
+            died_at = time.monotonic()   # the death's time, not the cluster's answer's: losses together stay so
             # A draining replica that is gone for good was removed (a Ray device's leader gateway ended its
             # drain): the plan, not a fault, and no request's death (STOPPED). The watchdog's verdict stays,
             # if it killed it. A wait for another config's gateway (`ClaimPending`) is logged at INFO, and
             # otherwise is a failed try like any other.
             planned = self.draining and await self._removed()
-            self.deaths.record(client, self.replica, reason, STOPPED if planned else None)
+            self.deaths.record(client, self.replica, reason, STOPPED if planned else None, at=died_at)
             if time.monotonic() - up_since >= self.backoff.reset_after_seconds:
                 attempt = 0
         delay = self.backoff.delay(0 if planned else attempt)

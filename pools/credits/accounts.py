@@ -31,6 +31,7 @@ class Ticket:
     charged: int = 0              # the credits its admission took on its replica (its shared blocks not again)
     start: int = 0                # its start tag there (fair queueing)
     cost: int = 0                 # what it moved its flow's tag by there
+    floor: int = 0                # the virtual time when it was queued there (its start is at least that)
     arrival: int = 0              # its place in the order of arrival there
 
     @property

@@ -51,6 +51,7 @@ class Queued(Protocol):
     num_tokens: int
     start: int
     cost: int
+    floor: int
     arrival: int
 
 
@@ -70,6 +71,7 @@ class FlowChannel:
     def append(self, ticket: Queued, cost: int | None = None) -> None:
         """Queue `ticket`; its flow's tag moves on by `cost` (default: the credits it asks)."""
         flow = self._flow(ticket)
+        ticket.floor = self.vtime
         ticket.start = max(self.finish.get(flow, 0), self.vtime)
         ticket.arrival, self.num_arrived = self.num_arrived, self.num_arrived + 1
         ticket.cost = ticket.num_tokens if cost is None else cost
@@ -89,16 +91,18 @@ class FlowChannel:
 
     def remove(self, ticket: Queued) -> None:
         """Take a queued ticket out (cancelled: its client left, or it waited past its limit), and its cost out
-        of its flow's tags (the later tickets' and the flow's finish): a flow is charged for what it ran, not
-        for what it asked and gave up (ten timed-out requests put its next one behind ten requests' credits of
-        the other flows')."""
+        of its flow's tags: the later tickets' starts and the flow's finish are tagged again as if it had never
+        come (each still at least the virtual time it came at). A flow is charged for what it ran, not for what
+        it asked and gave up (ten timed-out requests put its next one behind ten requests' credits of others')."""
         flow = self._flow(ticket)
-        later = False
-        for queued in self.flows[flow]:
-            if later:
-                queued.start -= ticket.cost
-            later = later or queued is ticket
-        self.finish[flow] -= ticket.cost
+        queue = self.flows[flow]
+        # Its start is where the flow's tag stood before it, or its floor, which every later ticket's is past
+        # (the virtual time only grows): the tags after it, started from there, are those it never touched.
+        finish = ticket.start
+        for later in list(queue)[queue.index(ticket) + 1:]:
+            later.start = max(finish, later.floor)
+            finish = later.start + later.cost
+        self.finish[flow] = finish
         self._take_out(ticket)
 
     def _take_out(self, ticket: Queued) -> None:

@@ -550,6 +550,13 @@ def test_detokenizer_decodes_a_long_run_once(sp_tok: Tokenizer, sp_hf: Any, run:
     monkeypatch.undo()
     assert "".join(deltas) == sp_hf.decode(ids, skip_special_tokens=True)
     assert sum(decoded) <= 2 * len(ids) + 8, sum(decoded)
+    if run == "bytes":   # the stop strings' look at the open run (each step, a stop 3 long) costs a bounded window
+        detok, decoded[:] = IncrementalDetokenizer(sp_tok), []
+        monkeypatch.setattr(sp_tok, "decode", counting_decode)
+        held = [(detok.step([i]), detok.held_text(3))[1] for i in ids[:-1]]
+        monkeypatch.undo()
+        assert held[1] == "é" and held[-1].endswith("éééé") and all(len(h) <= 8 for h in held[100:]), held[-1]
+        assert sum(decoded) <= 2 * 16 * len(ids), sum(decoded)
 
 
 def test_a_stop_string_in_the_text_held_to_the_end_stops_the_sequence(sp_folder: Path, builtin_path: Path,

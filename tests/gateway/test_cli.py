@@ -136,7 +136,9 @@ def test_capacity_command_errors(argv, message, capsys):
     # the sampling options by their flags, as the others (they were named by the engine's fields: `max_tokens: ...`)
     (["generate", "--prompt", "x", "--max-tokens", "0"], "argument --max-tokens: must be an integer in 1.."),
     (["generate", "--prompt", "x", "--max-model-len", "0"], "argument --max-model-len: must be an integer in 1.."),
-    (["generate", "--prompt", "x", "--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
+    (["generate", "--prompt", "x", "--temperature", "-1"], "argument --temperature: must be a number in [0, 10000]"),
+    (["generate", "--prompt", "x", "--temperature", "2e4"], "argument --temperature: must be a number in [0, 10000]"),
+    (["simulate", "--calibrate", "/tmp/m.json", "--vram", "80GiB"], "--vram: with --calibrate, only beside --from-trace"),
     (["generate", "--prompt", "x", "--top-p", "0"], "argument --top-p: must be a number in (0, 1], got '0'"),
     (["generate", "--prompt", "x", "--top-p", "nan"], "argument --top-p: must be a number in (0, 1]"),
     (["bench", "replicas", "--docs-rate", "0"], "argument --docs-rate: must be a finite number > 0"),

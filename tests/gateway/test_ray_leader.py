@@ -218,8 +218,12 @@ async def test_a_gateway_that_lost_the_lease_while_placing_a_replica_leaves_the_
     scaler.tick(now=0.0)
     await _settle()
     assert [s.state for s in slots] == ["ready", "loading"] and not slots[1].draining
-    slots[1].link.placing = False                                # placed, and the actor gone from the listing
+    slots[1].link.placing, slots[1].link.placed_at = False, time.monotonic()   # placed since the last listing
     scaler.tick(now=1.0)
+    await _settle()
+    assert slots[1].state == "loading"
+    lease.listed({0})                                            # listed since, and not there: removed
+    scaler.tick(now=2.0)
     await _settle()
     assert slots[1].state == "stopped"
 

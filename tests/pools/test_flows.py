@@ -185,3 +185,15 @@ def test_requests_a_flow_gave_up_cost_it_no_turns():
         channel.pop(head)
         order.append(head.request_id)
     assert order.index(nxt.request_id) == 22                # after the small flow's first 1,040 credits
+    # a later request that came once the virtual time had passed its flow's tag keeps that floor: taken back to
+    # before the virtual time of its arrival, it would pass requests of other flows queued before it
+    channel = FlowChannel()
+    first, other = CreditLedger(10_000).submit("A1", 1040), CreditLedger(10_000).submit("B1", 48)
+    channel.append(first)
+    channel.append(other)
+    channel.vtime = 5_000                                   # other flows were served meanwhile
+    channel.append(late := CreditLedger(10_000).submit("A2", 1040))
+    assert late.start == 5_000
+    channel.remove(first)
+    assert late.start == 5_000 and channel.finish[first.flow] == 6_040
+
