@@ -434,6 +434,7 @@ def _assert_valid(call) -> None:
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+@pytest.mark.slow   # ~25 s of sampling; the grammar's guarantee is shown token by token in test_strict_tools.py
 async def test_required_and_a_named_function_give_valid_calls_twenty_of_twenty_each(client) -> None:
     """tool_choice "required" (any function, sampled at 0.8) and a named function (at 0.5), twenty prompts
     each, sent together: every reply is a call, of the named function where one was named, with arguments
