@@ -180,6 +180,7 @@ def tiny_model(tmp_path_factory, builtin_path):
                            vocab_size=49152, max_position_embeddings=4096)
 
 
+@pytest.mark.slow   # ~25 s: four servers; the runner's pieces are tested above, the cliff by tests/gateway/test_spiral.py
 def test_quick_run_end_to_end(tmp_path, capsys, tiny_model):
     """`--quick` with 1.5 s of arrivals on a tiny model (the command's path, not the builtin model's speed):
     four servers, one per scenario, their records printed and saved and the plot drawn. What the run measures
@@ -396,7 +397,7 @@ def test_pending_work_reads_the_metrics():
         "the device still says it is overloaded"]
 
 
-@pytest.mark.slow   # ~45 s; the quick single run above covers the same runner on the default path
+@pytest.mark.slow   # ~45 s; the quick single run above covers the same runner (slow too)
 def test_sweep_quick_end_to_end(tmp_path, capsys):
     # the quick grid cut to one cell and 5 s of arrivals (the suite's time): chat alone, rag alone, split
     # on one server, shared on another
