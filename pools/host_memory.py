@@ -36,9 +36,7 @@ def past_host_memory(config: CliffguardConfig, cpu_ranks: Sequence[tuple[str, in
         return None
     if (over := config.swap_past_memory(host_bytes)) is not None:
         return over
-    total = swap = sum(config.devices[p.device].replicas * config.devices[p.device].tensor_parallel_size
-                       * p.swap_space_bytes for p in config.local_pools
-                       if p.uses_swap and config.devices[p.device].placement == "local")
+    total = swap = sum(ranks * pool.swap_space_bytes for _, pool, ranks in config.host_swaps())
     held = []
     for name, ranks, each in cpu_ranks:
         total += ranks * each

@@ -350,6 +350,12 @@ class CliffguardConfig:
         """Some pool runs on a device whose workers are processes of this machine (placement local)."""
         return any(self.devices[p.device].placement == "local" for p in self.local_pools)
 
+    def host_swaps(self) -> list[tuple[int, PoolSpec, int]]:
+        """(index, pool, ranks) of each pool whose swap_space this machine holds: a swapping pool of a local
+        device, once on each of its ranks (replicas x tensor_parallel_size; a Ray device's run elsewhere)."""
+        return [(i, pool, device.replicas * device.tensor_parallel_size) for i, pool in enumerate(self.pools)
+                if pool.uses_swap and (device := self.devices[pool.device]).placement != "ray"]
+
     def swap_past_memory(self, host_bytes: int | None) -> str | None:
         """Why the CPU swap spaces of the devices one machine runs cannot fit its memory (`host_bytes`; None:
         unknown), naming the first `pools[i].swap_space` past it; None when they fit. Each rank of each
@@ -358,10 +364,7 @@ class CliffguardConfig:
         if host_bytes is None:
             return None
         total = 0
-        for i, pool in enumerate(self.pools):
-            if not pool.uses_swap or (device := self.devices[pool.device]).placement == "ray":
-                continue
-            ranks = device.replicas * device.tensor_parallel_size
+        for i, pool, ranks in self.host_swaps():
             total += ranks * pool.swap_space_bytes
             if total > host_bytes:
                 return (f"pools[{i}].swap_space: {fmt_bytes(pool.swap_space_bytes)} for each of the {ranks} ranks "
