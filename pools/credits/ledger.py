@@ -60,9 +60,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from engine.capacity import DEFAULT_BLOCK_SIZE
-from pools.credits.flows import DEFAULT_TENANT, TenantPolicy  # noqa: F401 - the tenants' names, imported from here too
 from pools.credits.accounts import Account, Place, Ticket, drop
-from pools.credits.flows import BatchLines, TenantQueue, flow_class
+from pools.credits.flows import DEFAULT_TENANT, BatchLines, TenantPolicy, TenantQueue, flow_class  # noqa: F401
 
 
 class CreditLedger:
@@ -309,11 +308,12 @@ class CreditLedger:
 
     def _waited_for(self, ticket: Ticket) -> set[int]:
         """The replicas a request that was not admitted waits for: those up that could hold it once credits
-        come back (`waiting`: a replica with fewer credits than it needs, less those held outside, stays free
-        for the others); where there is none, every one up where it may not go now (all of them when it fits
-        nowhere)."""
+        come back, its flow under the cap there (`waiting`; one where its flow is at the cap waits for that flow,
+        holding nothing); where there is none, every one up where it may not go now (all when it fits nowhere)."""
         fitting = self.fitting(ticket)
-        return set(self.waiting(ticket, fitting)) or {r for r, up in enumerate(self.up) if up} - set(fitting)
+        could = {r for r in self.waiting(ticket, fitting)
+                 if self.accounts[r].headroom.allows(ticket.flow_key, self.need(ticket, r), ticket.num_seqs)}
+        return could or {r for r, up in enumerate(self.up) if up} - set(fitting)
 
     def _all_held(self, held: set[int]) -> bool:
         return all(r in held for r, up in enumerate(self.up) if up)

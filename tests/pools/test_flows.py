@@ -197,3 +197,19 @@ def test_requests_a_flow_gave_up_cost_it_no_turns():
     channel.remove(first)
     assert late.start == 5_000 and channel.finish[first.flow] == 6_040
 
+
+
+def test_a_head_waiting_on_one_replica_leaves_the_replica_where_its_flow_is_capped_to_others():
+    """Tenant a's head waits for credits on replica 0 (tenant c's large request holds it) while on replica 1 its
+    own flow is at the cap: it waits for replica 0 only, and tenant b's request goes on replica 1 at once."""
+    ledger = CreditLedger([10_000, 10_000], quantum=10_000, flow_cap=FLOW_CAP)
+    ledger.submit("c", 9_000, tenant="c")
+    assert [(t.request_id, t.replica) for t in ledger.admit()] == [("c", 0)]
+    for i in range(9):
+        ledger.submit(f"a{i}", 1040, tenant="a")
+    assert [(t.request_id, t.replica) for t in ledger.admit()] == [(f"a{i}", 1) for i in range(8)]   # 8,320
+    ledger.submit("b", 500, tenant="b")
+    assert [(t.request_id, t.replica) for t in ledger.admit()] == [("b", 1)]
+    ledger.release("c")
+    assert [(t.request_id, t.replica) for t in ledger.admit()] == [("a8", 0)]
+    ledger.check_integrity()
