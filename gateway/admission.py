@@ -99,9 +99,8 @@ class AdmissionMetrics:
         for pool in pools:
             admission = pool.admission
             ledger = admission.ledger
-            for replica, (account, up) in enumerate(zip(ledger.accounts, ledger.up)):
-                if admission.is_up is not None:   # the supervisors' word now (the ledger's: at its last pass)
-                    up = admission.is_up(replica)
+            for replica, account in enumerate(ledger.accounts):
+                up = admission.replica_up(replica)   # the supervisors' word now (the ledger's: at its last pass)
                 labels = {"pool": pool.name, "replica": str(replica)}
                 self.credits.labels(**labels).set(account.total)
                 self.credits_free.labels(**labels).set(account.free if up else 0)

@@ -321,8 +321,7 @@ async def _judge_line(local: LocalResponse, under: DeathsUnder) -> LocalResponse
 def _serving(placed: Placed) -> bool:
     """The replica a pool's part was placed on is up now (loaded, alive, not draining), so its client is the
     one the placement picked."""
-    is_up = placed.pool.admission.is_up
-    return is_up is None or is_up(placed.replica)
+    return placed.pool.admission.replica_up(placed.replica)
 
 
 def poison_error(request_id: str, deaths: int, last: ApiError) -> ApiError:

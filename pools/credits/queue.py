@@ -243,14 +243,17 @@ class CreditQueue:
                 self._acks.pop(replica)()
             except Exception:  # noqa: BLE001 - a replica's acknowledgement must not stop admission (or a release)
                 log.exception("pool %s: acknowledging replica %d's lease failed", self.pool, replica)
-        if self.is_up is not None:   # what the replicas' supervisors say now: a dead one takes nothing new
-            for replica in range(self.ledger.num_replicas):
-                self.ledger.set_up(replica, self.is_up(replica))
+        for replica in range(self.ledger.num_replicas):   # the supervisors' word now: a dead one takes nothing new
+            self.ledger.set_up(replica, self.replica_up(replica))
         for ticket in self.ledger.admit(self._place):
             self.num_admitted += 1
             waiter = self._waiters.get(ticket.request_id)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
+
+    def replica_up(self, replica: int) -> bool:
+        """Whether `replica` takes new requests now: its supervisor's word (`is_up`), else the ledger's."""
+        return self.is_up(replica) if self.is_up is not None else self.ledger.up[replica]
 
     def _place(self, ticket: Ticket, fitting: list[int]) -> int | None:
         """The ledger's choice of replica: the placement's, which starts counting the request's load there

@@ -19,6 +19,7 @@ from gateway.app import create_app, start_server
 from gateway.runtime import Gateway
 from pools.config.yaml_file import load_config
 from pools.credits.ledger import CreditLedger
+from pools.credits.queue import CreditQueue
 from pools.tenants import DEFAULT_TENANT, Tenants
 
 FRONT = "front-model"
@@ -240,8 +241,9 @@ def test_the_queue_depth_of_a_tenant_whose_last_request_ended_reads_zero():
     """The ledger forgets a tenant with its last request; its series must not keep the last depth it had."""
     registry = CollectorRegistry()
     control = AdmissionControl.build(Tenants(), [], registry, {}, keys_checked=True)
-    ledger = CreditLedger(100)
-    pool = SimpleNamespace(name="chat", admission=SimpleNamespace(ledger=ledger, is_up=None))   # a CreditQueue's fields
+    admission = CreditQueue("chat", 100)
+    ledger = admission.ledger
+    pool = SimpleNamespace(name="chat", admission=admission)
     ledger.submit("r0", 100, tenant="key-0123abcd")
     ledger.submit("r1", 100, tenant="key-0123abcd")
     ledger.admit()
