@@ -18,7 +18,6 @@ from gateway.admission import UNLISTED_TENANT, AdmissionControl
 from gateway.app import create_app, start_server
 from gateway.runtime import Gateway
 from pools.config.yaml_file import load_config
-from pools.credits.ledger import CreditLedger
 from pools.credits.queue import CreditQueue
 from pools.tenants import DEFAULT_TENANT, Tenants
 
