@@ -339,7 +339,8 @@ async def constrained(gateway: Gateway, req: ChatRequest | CompletionRequest, po
     `think_mode`, None for a completion), once the grammar library has checked that grammar (a 400 naming
     its field if it cannot be enforced). The prompt's token `ids` say where the reply starts: its grammar
     and its reasoning split both follow it."""
-    think = think_mode(pool.tokenizer, ids, req.tools is not None) if isinstance(req, ChatRequest) else None
+    think = think_mode(pool.tokenizer, ids, req.tools is not None, req.continued) if isinstance(req, ChatRequest) \
+        else None
     req = with_grammar(req, pool, think)
     await gateway.check_grammar(req.params.structured, req.structured_param)
     return req, think

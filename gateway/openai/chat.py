@@ -99,6 +99,14 @@ class ChatRequest:
     # the renderer's: variables for the chat template, and its flags add_generation_prompt / continue_final_message
     chat_template_kwargs: dict[str, Any] | None = None
 
+    @property
+    def continued(self) -> str | None:
+        """The text of the message the prompt ends inside (`continue_final_message`: the reply goes on from
+        it), else None."""
+        if not (self.chat_template_kwargs or {}).get("continue_final_message"):
+            return None
+        return content_text(self.messages[-1]["content"] or "")
+
 
 def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> ChatRequest:
     """A chat completion body (decoded JSON) as a `ChatRequest`; ApiError 400 naming the field (a count

@@ -42,12 +42,16 @@ def prompt_opens_think(tokenizer, prompt_ids: Sequence[int]) -> bool:
     return tail.rstrip().endswith(THINK_START)
 
 
-def think_mode(tokenizer, prompt_ids: Sequence[int], use_tools: bool) -> str | None:
+def think_mode(tokenizer, prompt_ids: Sequence[int], use_tools: bool, continued: str | None = None) -> str | None:
     """Where a chat reply of this prompt starts: None (the template does not think), "opened" (the prompt
     opened a think block: the reply starts inside it) or "optional" (the reply may open one first). A
-    grammar on the reply lets it think first, as this says (`gateway.openai.tool_grammar`)."""
+    grammar on the reply lets it think first, as this says (`gateway.openai.tool_grammar`). `continued`: the
+    text of the message the prompt ends inside (`continue_final_message`); where it holds a think tag, its
+    last says (a block it opens and leaves open, `<think>\nLet me`, is where the reply goes on)."""
     if not template_thinks(tokenizer.chat_template_source(use_tools=use_tools)):
         return None
+    if continued is not None and (THINK_START in continued or THINK_END in continued):
+        return "opened" if continued.rfind(THINK_START) > continued.rfind(THINK_END) else "optional"
     return "opened" if prompt_opens_think(tokenizer, prompt_ids) else "optional"
 
 
@@ -69,8 +73,9 @@ class ReasoningSplitter:
     the tokens of the deltas that carried reasoning or its tags (a delta's tokens are not split further);
     `num_tokens_before_content` those of every delta fed before the content's first character went out
     (the reasoning's, and the whitespace after `</think>` that the content drops): the content's tokens,
-    whose logprobs the Responses API gives, are the rest, as a stream's chunks with content carry them.
-    One per choice, on the event loop."""
+    whose logprobs the Responses API gives, are the rest, as a stream's chunks with content carry them (and
+    the deltas of no text just before the content's first: a character split over byte tokens, held back by
+    the detokenizer until whole). One per choice, on the event loop."""
 
     def __init__(self, starts_inside: bool) -> None:
         self.starts_inside = starts_inside
@@ -81,9 +86,11 @@ class ReasoningSplitter:
         self.num_tokens_before_content = 0
         self._held = ""              # text received but not handed out
         self._undecided_tokens = 0   # tokens of deltas held whole while opening
+        self._textless_tokens = 0    # tokens of the deltas of no text since the last with text
 
     def feed(self, text: str, num_tokens: int = 0) -> tuple[str, str]:
         """The reply grew by `text` (`num_tokens` tokens): the (reasoning, content) that can go out now."""
+        text_in = bool(text)
         text, self._held = self._held + text, ""
         # a delta that arrives while thinking is reasoning's, text or not (a withheld partial character)
         reasoning, content, touched = "", "", self.phase == "thinking"
@@ -111,8 +118,10 @@ class ReasoningSplitter:
                 content, text = content + text, ""
         self._count(num_tokens, touched)
         parts = self._out(reasoning, content)
-        if not self.content:
-            self.num_tokens_before_content += num_tokens
+        if not self.content:   # a delta of no text waits: its tokens are the next text's
+            if text_in:
+                self.num_tokens_before_content += num_tokens + self._textless_tokens
+            self._textless_tokens = 0 if text_in else self._textless_tokens + num_tokens
         return parts
 
     def finish(self) -> tuple[str, str]:

@@ -97,6 +97,19 @@ def test_a_delta_without_text_while_thinking_counts_as_reasoning() -> None:
     assert (splitter.reasoning, splitter.content, splitter.num_reasoning_tokens) == ("ab", "c", 9)
 
 
+def test_deltas_without_text_just_before_the_content_are_the_contents_tokens() -> None:
+    """A character split over byte tokens arrives as deltas of no text, then one with the character: where
+    that starts the content, its tokens are the content's (the Responses API's logprobs start there)."""
+    splitter = ReasoningSplitter(starts_inside=False)
+    for text in ("<think>", "x", "", "</think>", "\n\n", "", "", "\U0001F600", " hi"):
+        splitter.feed(text, 1)
+    assert (splitter.reasoning, splitter.content, splitter.num_tokens_before_content) == ("x", "\U0001F600 hi", 5)
+    plain = ReasoningSplitter(starts_inside=False)   # no block at all: the reply's first tokens are content's
+    for text in ("", "\U0001F600", " hi"):
+        plain.feed(text, 1)
+    assert (plain.content, plain.num_tokens_before_content) == ("\U0001F600 hi", 0)
+
+
 def test_which_templates_think() -> None:
     assert template_thinks(MODEL_OPENS) and template_thinks(TEMPLATE_OPENS)
     assert template_thinks("{{ content.split('</think>')[-1] }}")   # R1's history handling
@@ -218,6 +231,13 @@ async def test_chat_whole_and_streamed_split_reasoning_from_content(aiohttp_clie
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 4
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
 
+    # the prompt ends inside the last message, which opened a block: the reply goes on inside it
+    engine.pieces = [" should", " add.</think>", "\n\nIt is 4."]
+    continued = await sdk.chat.completions.create(model="thinker", max_tokens=16, messages=[
+        *MESSAGES, {"role": "assistant", "content": "<think>\nI"}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    message = continued.choices[0].message
+    assert (message.reasoning_content, message.content) == ("should add.", "It is 4.")
     engine.pieces = ["It", " is 4."]                                      # no think block: all content
     whole = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES)).choices[0].message
     assert (whole.reasoning_content, whole.content) == (None, "It is 4.")
@@ -341,14 +361,16 @@ async def test_responses_have_a_reasoning_item_before_the_message(aiohttp_client
     # the message's logprobs are its text's tokens', none of the block's nor the whitespace after it
     # (whole and streamed alike, the whitespace its own delta or not)
     kwargs = dict(model="thinker", input="What is 2 + 2?", top_logprobs=1, include=["message.output_text.logprobs"])
-    for pieces, first in ((THOUGHT, 4), (["<think>", "Hmm.", "\n", "</think>", "\n\n", "It is", " 4."], 5)):
+    # (a delta of no text just before the text, a character's first byte token, is the text's)
+    for pieces, first in ((THOUGHT, 4), (["<think>", "Hmm.", "\n", "</think>", "\n\n", "It is", " 4."], 5),
+                          (["<think>", "Hmm.", "</think>", "\n\n", "", "It is", " 4."], 4)):
         engine.pieces = pieces
+        want = [-k / 8 for k in range(first, len(pieces))]
         result = await sdk.responses.create(**kwargs)
-        assert result.output_text == "It is 4." and [lp.logprob for lp in result.output[1].content[0].logprobs] == [
-            -first / 8, -(first + 1) / 8]
+        assert result.output_text == "It is 4." and [lp.logprob for lp in result.output[1].content[0].logprobs] == want
         events = [e async for e in await sdk.responses.create(stream=True, **kwargs)]
         streamed = [lp.logprob for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
-        assert streamed == [-first / 8, -(first + 1) / 8]
+        assert streamed == want
     engine.pieces = THOUGHT
     async with sdk.responses.stream(model="thinker", input="What is 2 + 2?") as stream:   # the SDK's accumulator
         streamed = await stream.get_final_response()
