@@ -46,7 +46,7 @@ from gateway.monitoring.metrics import GatewayMetrics
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
 from gateway.openai.errors import ApiError, drain_cut, named_error, renamed_field
-from gateway.openai.reasoning import ReasoningSplitter
+from gateway.openai.reasoning import ReasoningSplitter, think_end_id
 from gateway.openai.tools import ToolCallStream, ToolFormat, format_for
 from pools.pool import Pool
 
@@ -195,12 +195,12 @@ class LocalResponse:
         lets it think first: `gateway.completion.with_grammar`)."""
         if self.think is not None:
             for choice in self.choices.values():
-                choice.reasoning = ReasoningSplitter(self.think == "opened")
+                choice.reasoning = ReasoningSplitter(self.think == "opened", think_end_id(choice.pool.tokenizer))
 
     def reasoning_tokens(self) -> int | None:
         """The output tokens of the choices' reasoning (None when the model does not think)."""
         splitters = [c.reasoning for c in self.choices.values() if c.reasoning is not None]
-        return sum(s.num_reasoning_tokens for s in splitters) if splitters else None
+        return sum(s.reasoning_tokens for s in splitters) if splitters else None
 
     async def run(self) -> None:
         """Consume the engine's deltas until every engine request finished (a stream's chunks are queued
@@ -340,7 +340,7 @@ class LocalResponse:
         at the reply's end); None for a model that does not think."""
         if choice.reasoning is None:
             return None
-        reasoning, content = choice.reasoning.feed(c.delta_text, len(c.delta_token_ids))
+        reasoning, content = choice.reasoning.feed(c.delta_text, len(c.delta_token_ids), c.delta_token_ids)
         if c.finish_reason is not None and choice.finish_reason is None:
             rest_reasoning, rest_content = choice.reasoning.finish()
             reasoning, content = reasoning + rest_reasoning, content + rest_content

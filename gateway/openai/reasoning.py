@@ -55,6 +55,13 @@ def think_mode(tokenizer, prompt_ids: Sequence[int], use_tools: bool, continued:
     return "opened" if prompt_opens_think(tokenizer, prompt_ids) else "optional"
 
 
+@functools.lru_cache(maxsize=16)
+def think_end_id(tokenizer) -> int | None:
+    """The id of `</think>` where the vocabulary writes it as one token (Qwen3's, the R1 distills'), else None."""
+    ids = tokenizer.encode(THINK_END, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
 def partial_tag(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is a proper start of `tag` (0 if none): what a stream
     holds back while a tag may be forming (the think tags here, a tool call's marker in `tools`)."""
@@ -75,10 +82,15 @@ class ReasoningSplitter:
     (the reasoning's, and the whitespace after `</think>` that the content drops): the content's tokens,
     whose logprobs the Responses API gives, are the rest, as a stream's chunks with content carry them (and
     the deltas of no text just before the content's first: a character split over byte tokens, held back by
-    the detokenizer until whole). One per choice, on the event loop."""
+    the detokenizer until whole). Text may come tokens after its own (a stop string's possible start is held
+    back): where `</think>` is one token (`end_id`), the reasoning's tokens are counted by it, up to and with
+    it. One per choice, on the event loop."""
 
-    def __init__(self, starts_inside: bool) -> None:
+    def __init__(self, starts_inside: bool, end_id: int | None = None) -> None:
         self.starts_inside = starts_inside
+        self.end_id = end_id
+        self._num_fed = 0            # tokens fed so far
+        self._end_token_at = None    # tokens up to and with the first `end_id`
         self.phase = "opening"
         self.reasoning = ""
         self.content = ""
@@ -88,8 +100,12 @@ class ReasoningSplitter:
         self._undecided_tokens = 0   # tokens of deltas held whole while opening
         self._textless_tokens = 0    # tokens of the deltas of no text since the last with text
 
-    def feed(self, text: str, num_tokens: int = 0) -> tuple[str, str]:
-        """The reply grew by `text` (`num_tokens` tokens): the (reasoning, content) that can go out now."""
+    def feed(self, text: str, num_tokens: int = 0, token_ids: Sequence[int] = ()) -> tuple[str, str]:
+        """The reply grew by `text` (`num_tokens` tokens, `token_ids` where known): the (reasoning, content)
+        that can go out now."""
+        if self._end_token_at is None and self.end_id in token_ids:
+            self._end_token_at = self._num_fed + list(token_ids).index(self.end_id) + 1
+        self._num_fed += num_tokens
         text_in = bool(text)
         text, self._held = self._held + text, ""
         # a delta that arrives while thinking is reasoning's, text or not (a withheld partial character)
@@ -133,6 +149,14 @@ class ReasoningSplitter:
             self._count(0, inside)
             self.phase = "thinking" if inside else "content"
         return self._out(held, "") if inside else self._out("", held)
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """The reply's tokens of reasoning: those up to and with the `</think>` token once the block closed
+        (where it is one token), else those of the deltas that carried reasoning or its tags."""
+        if self.num_reasoning_tokens and self.phase == "content" and self._end_token_at is not None:
+            return self._end_token_at
+        return self.num_reasoning_tokens
 
     def _count(self, num_tokens: int, touched: bool) -> None:
         if self.phase == "opening" and not touched:

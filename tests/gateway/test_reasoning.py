@@ -17,6 +17,7 @@ import pytest
 from engine.client import AsyncEngineClient, RequestFailedError
 from engine.outputs import RequestDelta, SampleDelta
 from engine.tokenizer import Tokenizer
+from gateway import local_answer
 from gateway.openai.chat import parse_chat
 from gateway.openai.errors import ApiError
 from gateway.openai.reasoning import ReasoningSplitter, split_reasoning, template_thinks
@@ -108,6 +109,20 @@ def test_deltas_without_text_just_before_the_content_are_the_contents_tokens() -
     for text in ("", "\U0001F600", " hi"):
         plain.feed(text, 1)
     assert (plain.content, plain.num_tokens_before_content) == ("\U0001F600 hi", 0)
+
+
+def test_reasoning_tokens_are_counted_by_the_end_tag_token_when_text_comes_late() -> None:
+    """Under a stop string the detokenizer holds back text that may start it: `</think>`'s token (id 12) comes
+    with no text and its text with a later token's; the reasoning is the tokens up to and with that one."""
+    splitter = ReasoningSplitter(starts_inside=False, end_id=12)
+    for text, token in (("<think>", 10), ("a", 11), ("", 12), ("", 13), ("</think>\n\nIt", 14), (" is", 15)):
+        splitter.feed(text, 1, [token])
+    assert (splitter.reasoning, splitter.content, splitter.reasoning_tokens) == ("a", "It is", 3)
+    assert splitter.num_reasoning_tokens == 5                        # by the text alone
+    content_only = ReasoningSplitter(starts_inside=False, end_id=12)   # a tag in a reply that never thought
+    for text, token in (("It", 20), (" </think>", 12)):
+        content_only.feed(text, 1, [token])
+    assert content_only.reasoning_tokens == 0
 
 
 def test_which_templates_think() -> None:
@@ -238,6 +253,12 @@ async def test_chat_whole_and_streamed_split_reasoning_from_content(aiohttp_clie
         extra_body={"continue_final_message": True, "add_generation_prompt": False})
     message = continued.choices[0].message
     assert (message.reasoning_content, message.content) == ("should add.", "It is 4.")
+    # `</think>` as one token (here the third, id 302) whose text came late: the reasoning counted up to it
+    monkeypatch.setattr(local_answer, "think_end_id", lambda tokenizer: 302)
+    engine.pieces = ["<think>", "I add.", "", "", "</think>\n\nIt is 4."]
+    late = await sdk.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=16, stop=["User:"])
+    assert (late.choices[0].message.reasoning_content, late.choices[0].message.content) == ("I add.", "It is 4.")
+    assert late.usage.completion_tokens_details.reasoning_tokens == 3
     engine.pieces = ["It", " is 4."]                                      # no think block: all content
     whole = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES)).choices[0].message
     assert (whole.reasoning_content, whole.content) == (None, "It is 4.")
