@@ -27,6 +27,10 @@ GEMMA3_TEXT_DEFAULTS = {
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
     "bos_token_id": 2, "eos_token_id": 1}
+# transformers' config classes' max_position_embeddings, for a config.json without one (the context served, and
+# YaRN's original context where its scaling names none)
+DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "MistralForCausalLM": 131_072,
+                         "Qwen3ForCausalLM": 32_768, "Qwen3MoeForCausalLM": 32_768, "Gemma3ForCausalLM": 131_072}
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -78,6 +82,8 @@ class RopeScaling:
         rope_theta = _float(cfg, "rope_theta", None)
         raw, name = cfg.get("rope_scaling"), "rope_scaling"
         params = _object(cfg, "rope_parameters", name=params_name)
+        if params is None and isinstance(raw, dict):   # transformers reads rope_scaling as rope_parameters: its own
+            rope_theta = _float(raw, "rope_theta", rope_theta, path="rope_scaling.")   # rope_theta first
         if params is not None:
             if isinstance(raw, dict) and raw and any(_rope_entry(params, k) != _rope_entry(raw, k) for k in raw):
                 raise ConfigError(f"rope_scaling: config.json also has {params_name}, which says otherwise "
@@ -277,6 +283,8 @@ class ModelConfig:
         _check_architecture(arch)
         if arch == "Gemma3ForCausalLM":
             cfg = GEMMA3_TEXT_DEFAULTS | cfg
+        if cfg.get("max_position_embeddings") is None:
+            cfg = {**cfg, "max_position_embeddings": DEFAULT_MAX_POSITIONS[arch]}
         num_heads = _int(cfg, "num_attention_heads")
         hidden = _int(cfg, "hidden_size")
         num_layers = _int(cfg, "num_hidden_layers")
@@ -301,7 +309,7 @@ class ModelConfig:
             rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta if rope_theta is not None else 10000.0,
             rope_scaling=rope_scaling,
-            max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
+            max_position_embeddings=_int(cfg, "max_position_embeddings"),
             tie_word_embeddings=_bool(cfg, "tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or _bool(cfg, "attention_bias", False),
             mlp_bias=_bool(cfg, "mlp_bias", False),
@@ -364,7 +372,15 @@ def _gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
     if params is not None and ("full_attention" in params or "sliding_attention" in params):   # per layer type
         local = _object(params, "sliding_attention", name="rope_parameters.sliding_attention") or {}
         full = _object(params, "full_attention", name="rope_parameters.full_attention")
-        full_rope = ({**cfg, "rope_parameters": full}, "rope_parameters.full_attention")
+        if full is not None and full.get("truncate", True) is not True:   # transformers reads it beside the types
+            raise ConfigError(f"rope_parameters.full_attention.truncate: Gemma 3's yarn is served with truncate true "
+                              f"(transformers reads no layer type's own), got {full['truncate']!r}")
+        # a layer type's yarn takes its own original context, else max_position_embeddings (never the top level's)
+        top = {key: value for key, value in cfg.items() if key != "original_max_position_embeddings"}
+        full_rope = ({**top, "rope_parameters": full}, "rope_parameters.full_attention")
+    elif params:   # transformers' Gemma3TextConfig reads only the layer types' entries: the rest would be dropped
+        raise ConfigError(f"rope_parameters: Gemma 3 takes one entry per layer type (full_attention, "
+                          f"sliding_attention), got {sorted(params)}")
     if _rope_type(local) != "default":
         raise ConfigError(f"rope_parameters.sliding_attention.rope_type: only 'default' is supported for the "
                           f"sliding layers, got {_rope_type(local)!r}")

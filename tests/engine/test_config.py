@@ -331,7 +331,8 @@ def test_rope_keys_are_read_as_transformers_reads_them():
              {"rope_theta": 1e6, "rope_scaling": {"type": "yarn", "factor": 4.0}},
              {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
              {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-              "original_max_position_embeddings": 128}]
+              "original_max_position_embeddings": 128},
+             {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}]   # its own rope_theta
     for case in cases:
         want, inv_freq, attention_scaling = _transformers_rope({**base, **case})
         cfg = ModelConfig.from_hf_config({**base, **case})
@@ -339,6 +340,10 @@ def test_rope_keys_are_read_as_transformers_reads_them():
         assert (got.rope_type, got.factor, got.original_max_position_embeddings, cfg.rope_theta) == \
             (want["rope_type"], want["factor"], want["original_max_position_embeddings"], want["rope_theta"]), case
         assert torch.allclose(rope_inv_freq(cfg), inv_freq) and rope_attention_factor(cfg) == attention_scaling
+    default = {**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "default", "rope_theta": 1e6}}
+    want, inv_freq, _ = _transformers_rope(default)
+    cfg = ModelConfig.from_hf_config(default)   # rope_scaling's rope_theta before the top level's, as transformers'
+    assert cfg.rope_theta == want["rope_theta"] == 1e6 and torch.allclose(rope_inv_freq(cfg), inv_freq)
     both = {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
             "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}
     with pytest.raises(ConfigError, match="^rope_scaling: config.json also has rope_parameters"):
@@ -352,6 +357,32 @@ def test_rope_keys_are_read_as_transformers_reads_them():
              "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
     with pytest.raises(ConfigError, match="^rope_scaling: config.json also has rope_parameters.full_attention"):
         ModelConfig.from_hf_config(gemma)
+
+
+def test_gemma3_full_layers_yarn_is_read_as_transformers_reads_it():
+    """Gemma 3's rope per layer type: a full layers' yarn takes its own original context, else
+    max_position_embeddings, never the top level's (as transformers' Gemma3RotaryEmbedding); a flat rope_parameters
+    (transformers drops it) and a layer type's truncate false (transformers reads none) are refused by name."""
+    import transformers
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    from engine.layers.rotary import rope_attention_factor, rope_inv_freq
+
+    cfg = {**LLAMA, "architectures": ["Gemma3ForCausalLM"], "head_dim": 16, "sliding_window": 8,
+           "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 512, "original_max_position_embeddings": 128,
+           "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+                               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    theirs = Gemma3RotaryEmbedding(transformers.Gemma3TextConfig.from_dict(copy.deepcopy(cfg)))
+    ours = ModelConfig.from_hf_config(copy.deepcopy(cfg))
+    assert ours.rope_scaling.original_max_position_embeddings == 512
+    assert torch.allclose(rope_inv_freq(ours), theirs.full_attention_inv_freq)
+    assert rope_attention_factor(ours) == theirs.full_attention_attention_scaling
+    with pytest.raises(ConfigError, match="^rope_parameters: Gemma 3 takes one entry per layer type"):
+        ModelConfig.from_hf_config({**cfg, "rope_parameters": {"rope_type": "linear", "factor": 8.0}})
+    truncated = copy.deepcopy(cfg)
+    truncated["rope_parameters"]["full_attention"]["truncate"] = False
+    with pytest.raises(ConfigError, match="^rope_parameters.full_attention.truncate: "):
+        ModelConfig.from_hf_config(truncated)
 
 
 def test_defaults_are_transformers_config_classes():
@@ -375,6 +406,14 @@ def test_defaults_are_transformers_config_classes():
     theirs = transformers.Gemma3TextConfig(**{k: v for k, v in sliding_only.items() if k != "architectures"})
     assert (ours.rope_local_theta, ours.rope_theta) == (100.0, 1e6) == \
         (theirs.rope_parameters["sliding_attention"]["rope_theta"], theirs.rope_parameters["full_attention"]["rope_theta"])
+    for arch, config_class in (("LlamaForCausalLM", transformers.LlamaConfig), ("Qwen3ForCausalLM", transformers.Qwen3Config),
+                               ("Qwen3MoeForCausalLM", transformers.Qwen3MoeConfig)):
+        # without max_position_embeddings: the class's, the context served and YaRN's original context alike
+        cfg = {**LLAMA, "architectures": [arch], "head_dim": 16, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+        ours = ModelConfig.from_hf_config(cfg)
+        theirs = config_class(**{k: v for k, v in cfg.items() if k != "architectures"})
+        assert ours.max_position_embeddings == theirs.max_position_embeddings, arch
+        assert ours.rope_scaling.original_max_position_embeddings == theirs.max_position_embeddings, arch
     moe = {**LLAMA, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2}
     with pytest.raises(ConfigError, match="^hidden_act: Qwen3-MoE's experts are served with silu only"):
         ModelConfig.from_hf_config({**moe, "hidden_act": "gelu_pytorch_tanh"})
