@@ -28,7 +28,10 @@ def _llama70b(**overrides) -> ModelConfig:
 
 
 def _example_data() -> dict:
-    return yaml.safe_load(EXAMPLE.read_text())
+    """The example's YAML, its device planned for 80 GiB GPUs (the file's `memory` is auto: measured where served)."""
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data["devices"]["h100x8"]["memory"] = "80GiB"
+    return data
 
 
 def _plan_example(data: dict | None = None, model: ModelConfig | None = None, **kwargs):
@@ -359,6 +362,14 @@ def test_an_fp8_kv_cache_gives_each_pool_about_twice_the_blocks(builtin_path):
     data["devices"]["default"]["kv_cache_dtype"] = "int4"
     with pytest.raises(SpecError, match="kv_cache_dtype"):
         parse_config(data, env={})
+
+
+def test_the_examples_measure_their_gpus_where_they_are_served():
+    """A GPU's size as sold is more than torch measures (an H100 80GB: ~79.6 GiB): an example pinning `memory`
+    to it plans blocks the engine refuses at start on that very GPU. They leave it auto (--vram plans elsewhere)."""
+    for path in sorted((REPO / "config" / "examples").glob("*.yaml")):
+        devices = yaml.safe_load(path.read_text())["devices"]
+        assert [name for name, d in devices.items() if d.get("device") == "cuda" and "memory" in d] == [], path.name
 
 
 @pytest.mark.parametrize("name,vram,dense_bytes,kv", [
