@@ -241,6 +241,11 @@ class ModelConfig:
         """S_KV = 2 x num_layers x num_kv_heads x head_dim x dtype_bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
+    def rotary_cache_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the rotary cos/sin caches every rank holds beside its weights: [context_length, head_dim]
+        each, one (Gemma 3: two, its sliding layers' own base)."""
+        return (2 if self.architecture == "Gemma3ForCausalLM" else 1) * self.context_length * self.head_dim * dtype.itemsize
+
     def num_params(self) -> int:
         """Parameters of the whole model (one rank's: engine.parallel.ShardShape.num_params)."""
         return self.count_params(self.num_heads, self.num_kv_heads, self.intermediate_size,

@@ -243,8 +243,7 @@ def _kv_heads_per_device(model: ModelConfig, tp: int, key: str) -> int:
 
 
 def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelConfig], *,
-                  vram_bytes: int | None = None,
-                  cuda_memory: Callable[[str], int] | None = None) -> CapacityPlan:
+                  vram_bytes: int | None = None, cuda_memory: Callable[[str], int] | None = None) -> CapacityPlan:
     """The capacity plan of every device that has local pools.
 
     `model_configs`: each local pool's `model` string -> its ModelConfig (the caller resolves them).
@@ -277,7 +276,8 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         weights = model.num_params() * dtype.itemsize
         weights_dev = ShardShape.of(model, 0, tp).num_params(model) * dtype.itemsize   # each rank alike
         graphs_dev = _graph_reserve(model, dev, device_type, tp, dtype)
-        kv_dev = formula.kv_cache_bytes(memory, weights_dev, dev.memory_utilization) - graphs_dev
+        loaded_dev = weights_dev + model.rotary_cache_bytes(dtype)   # what the engine finds loaded: the rope's too
+        kv_dev = formula.kv_cache_bytes(memory, loaded_dev, dev.memory_utilization) - graphs_dev
         if kv_dev <= 0:
             raise _no_room_for_kv(dkey, dev, memory, source, p0.model, weights_dev, dtype, graphs_dev, kv_dev)
         shares = sum((Fraction(p.kv_share) for _, p in members if p.kv_share is not None), Fraction(0))

@@ -4,6 +4,7 @@ configs it yields (the `cliffguard capacity` command is tested in tests/gateway/
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 import re
 from pathlib import Path
 
@@ -68,7 +69,8 @@ def test_llama3_70b_on_8xh100_matches_hand_arithmetic():
     norms = layers * 2 * h + h
     weights_per_gpu = ((params - norms) // 8 + norms) * 2
     assert weights_per_gpu - weights // 8 == 2_308_096       # 2.2 MiB above weights / TP
-    kv_per_gpu = int(0.9 * 80 * GiB) - weights_per_gpu - graphs
+    rope = 8192 * 128 * 2                                     # each rank's rotary cos/sin cache: loaded beside them
+    kv_per_gpu = int(0.9 * 80 * GiB) - weights_per_gpu - rope - graphs
     d = plan.devices["h100x8"]
     assert d.graph_bytes_per_device == graphs
     assert (d.weights_bytes, d.weights_bytes_per_device, d.kv_bytes_per_token) == (weights, weights_per_gpu, s_kv)
@@ -76,12 +78,12 @@ def test_llama3_70b_on_8xh100_matches_hand_arithmetic():
     assert d.kv_space_bytes_per_device == kv_per_gpu and d.kv_space_bytes == 8 * kv_per_gpu
     for name, share, avg_len, expected_seqs in (("chat", 0.4, 1024, 566), ("rag", 0.6, 6144, 141)):
         p = plan.pools[name]
-        pool_kv = int(share * kv_per_gpu)
+        pool_kv = int(Fraction(share) * kv_per_gpu)
         assert p.kv_cache_bytes_per_device == pool_kv
         assert p.num_blocks == pool_kv // (40_960 * 16)
         assert p.max_num_seqs == pool_kv // (40_960 * avg_len) == expected_seqs
         # the same formula on the whole TP group: (0.9 x 8 x VRAM - weights - graphs) x share / (S_KV x avg_len)
-        assert abs(p.max_num_seqs - share * (0.9 * 8 * 80 * GiB - weights - 8 * graphs) / (s_kv * avg_len)) < 1
+        assert abs(p.max_num_seqs - share * (0.9 * 8 * 80 * GiB - weights - 8 * (rope + graphs)) / (s_kv * avg_len)) < 1
         assert p.max_concurrent_at_max_len == p.num_blocks // 512
         assert p.fragmentation_bytes == 15 * 40_960 * p.max_num_seqs // 2
         assert p.fragmentation_fraction == pytest.approx(7.5 / avg_len, rel=0.01)
@@ -213,7 +215,7 @@ def test_engine_configs_carry_the_planned_numbers(builtin_path):
     assert [pc.slo for pc in engine.pools] == [p.slo for p in config.pools]   # service classes pass through
     # hand arithmetic for SmolLM2 (30 layers, 3 KV heads of 64, float32) on 2 GiB
     s_kv = 2 * 30 * 3 * 64 * 4
-    kv = int(0.9 * 2 * GiB) - model.num_params() * 4
+    kv = int(0.9 * 2 * GiB) - model.num_params() * 4 - model.context_length * 64 * 4   # weights, rotary cache
     assert plan.pools["chat"].num_blocks == int(0.4 * kv) // (s_kv * 16)
     assert plan.pools["rag"].max_num_seqs == int(0.6 * kv) // (s_kv * 900)
 
@@ -321,7 +323,7 @@ def test_each_gpu_sets_aside_its_decode_graphs_memory_unless_enforce_eager(tp):
     assert plans[False].graph_bytes_per_device == reserve and plans[True].graph_bytes_per_device == 0
     assert plans[True].kv_space_bytes_per_device - plans[False].kv_space_bytes_per_device == reserve
     assert plans[False].kv_space_bytes_per_device == \
-        int(0.9 * 8 * GiB) - ShardShape.of(model, 0, tp).num_params(model) * 2 - reserve
+        int(0.9 * 8 * GiB) - ShardShape.of(model, 0, tp).num_params(model) * 2 - model.context_length * 64 * 2 - reserve
     data["devices"]["default"]["enforce_eager"] = "yes"
     with pytest.raises(SpecError, match="enforce_eager"):
         parse_config(data, env={})
@@ -565,3 +567,36 @@ def test_a_ray_device_on_cuda_is_planned_on_the_clusters_gpu_size_never_this_mac
     data["devices"]["default"]["memory"] = "24GiB"
     plan = plan_capacity(parse_config(data, env={}), models)
     assert (plan.devices["default"].memory_bytes, plan.devices["default"].memory_source) == (24 * GiB, "config")
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma3ForCausalLM"])
+def test_an_eager_plan_fits_what_the_engine_finds_loaded(monkeypatch, arch):
+    """Without decode graphs nothing is set aside past the weights: the plan must subtract all the engine
+    holds once loaded (`torch.cuda.memory_allocated`: the parameters and the rotary caches, Gemma 3's two), or
+    `check_fits_device` refuses the plan at every start. The CUDA queries are stood in for by the model as
+    `build_model` allocates it."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.kv_cache import check_fits_device
+    from engine.models import build_model
+
+    model = ModelConfig.from_hf_config({
+        "architectures": [arch], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 2048, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8})
+    net = build_model(model, torch.bfloat16, "cpu")
+    loaded = sum(t.numel() * t.element_size() for t in (*net.parameters(), *net.buffers()))
+    data = _small_config()
+    data["devices"]["default"] = {"device": "cuda", "memory": "64MiB", "enforce_eager": True}
+    plan = plan_capacity(parse_config(data, env={}), {"builtin:smollm2-135m-instruct": model})
+    device = plan.devices["default"]
+    assert device.graph_bytes_per_device == 0
+    assert device.kv_space_bytes_per_device == int(0.9 * (64 << 20)) - loaded
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=64 << 20))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: loaded)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: loaded)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: ((64 << 20) - loaded, 64 << 20))
+    block_bytes = device.kv_bytes_per_token_per_device * device.block_size
+    check_fits_device(torch.device("cuda:0"), sum(p.num_blocks for p in plan.pools.values()), block_bytes, 0.9)
