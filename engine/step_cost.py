@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from engine.scheduler import ScheduledSeq
 
 GiB = 1 << 30
+MiB = 1 << 20
 MIN_FIT_STEPS = 8         # measured steps `fit_linear` needs for its 5 coefficients
 MAX_KNEE_CANDIDATES = 8   # knees a fit tries: 0 and the largest powers of two below its largest step
 KNEE_MIN_STEPS = 32       # fewer measured steps are fitted with knee 0 (too few to tell a knee from noise)
@@ -368,11 +369,13 @@ class DevicePreset:
 
 # Vendor datasheets: H100 SXM5 989 TFLOP/s bf16 dense, 3.35 TB/s, NVLink 900 GB/s (both directions),
 # PCIe Gen5; H200 SXM the same compute, 4.8 TB/s, 141 GB; A100 SXM4 80GB 312 TFLOP/s, 2.04 TB/s,
-# NVLink 600 GB/s, PCIe Gen4. Host copies at about 55 GB/s (Gen5) and 25 GB/s (Gen4) pinned.
+# NVLink 600 GB/s, PCIe Gen4. Host copies at about 55 GB/s (Gen5) and 25 GB/s (Gen4) pinned. Memory: the
+# total the driver reports for the card (nvidia-smi's memory.total: H100 80GB HBM3 81,559 MiB, an H200 143,771
+# MiB as measured for docs/PERF.md, A100 80GB 81,920 MiB), not the datasheet's "141 GB" (141e9 B, 9 GiB short).
 PRESETS = {
-    "h100": DevicePreset("h100", 989e12, 3.35e12, 55e9, 450e9, 80 * GiB),
-    "h200": DevicePreset("h200", 989e12, 4.8e12, 55e9, 450e9, 141 * 10**9),
-    "a100": DevicePreset("a100", 312e12, 2.04e12, 25e9, 300e9, 80 * GiB),
+    "h100": DevicePreset("h100", 989e12, 3.35e12, 55e9, 450e9, 81_559 * MiB),
+    "h200": DevicePreset("h200", 989e12, 4.8e12, 55e9, 450e9, 143_771 * MiB),
+    "a100": DevicePreset("a100", 312e12, 2.04e12, 25e9, 300e9, 81_920 * MiB),
 }
 
 

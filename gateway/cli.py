@@ -111,9 +111,9 @@ def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="run the OpenAI-compatible gateway over the pools of a YAML file",
                        description="Validate the YAML, plan every pool's blocks and max_num_seqs, check the "
                                    "listen address and the devices, then load the models and serve the OpenAI "
-                                   "API (/v1/chat/completions, /v1/completions, /v1/models, and the Batch API "
-                                   "/v1/files and /v1/batches, durable in --data-dir), /health, /ready and "
-                                   "/metrics until interrupted.")
+                                   "API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models, and the "
+                                   "Batch API /v1/files and /v1/batches, durable in --data-dir), /health, "
+                                   "/ready, /metrics and /dashboard until interrupted.")
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"pool definitions (default {DEFAULT_CONFIG})")
     p.add_argument("--host", default=None, help="listen address (default: gateway.host of the file)")
     p.add_argument("--port", type=int, default=None, help="listen port, 0 for any free one "

@@ -1,4 +1,4 @@
-"""The gateway store's SQLite schema (version 5) and its in-place migration from versions 1 to 4
+"""The gateway store's SQLite schema (version 6) and its in-place migration from versions 1 to 5
 (`pools.store.batch_store` explains what each version holds and how old rows get their owner). The Batch API's
 tables and, from version 4, the Responses API's stored responses (`pools.store.response_store`) share the file."""
 
