@@ -38,6 +38,7 @@ DISTS = ("fixed", "uniform", "normal")
 _DIST_KEYS = {"fixed": ("value",), "uniform": ("min", "max"), "normal": ("mean", "std", "min", "max")}
 _DIST_NEEDS = {"fixed": ("value",), "uniform": ("min", "max"), "normal": ("mean", "std")}
 _LENGTH_KEYS = ("value", "min", "max", "mean", "std")
+MIN_P99_SAMPLES = 100        # a p99 over fewer samples is a lower bound on the tail, and is reported as one
 MAX_ARRIVALS = 10_000_000    # requests one run may generate (rate x duration): their times and requests fit memory
 WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "bench" / "workloads"
 
@@ -266,14 +267,14 @@ def class_arrivals(classes: tuple[WorkloadClass, ...], request_rate: float, *, b
 
 
 def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
-    """mean, p50, p90, p99 and max of `values` (percentiles interpolated linearly, as numpy's and vLLM's);
-    all None when there are none."""
+    """mean, p50, p90, p99 and max of `values` (percentiles interpolated linearly, as numpy's and vLLM's),
+    all None when there are none, and `n`, how many (a p99 of fewer than `MIN_P99_SAMPLES` is a lower bound)."""
     if len(values) == 0:
-        return dict.fromkeys(("mean", "p50", "p90", "p99", "max"))
+        return {**dict.fromkeys(("mean", "p50", "p90", "p99", "max")), "n": 0}
     arr = np.asarray(values, dtype=float)
     p50, p90, p99 = np.percentile(arr, [50, 90, 99])
     return {"mean": float(arr.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99),
-            "max": float(arr.max())}
+            "max": float(arr.max()), "n": len(arr)}
 
 
 def parse_rates(text: str, option: str = "--rate") -> list[float]:

@@ -18,7 +18,7 @@ import numpy as np
 from bench.load.sender import RequestRecord
 from bench.load.plan import PROBE_CLASS, Goodput, LoadConfig
 from bench.load.scrape import COUNTERS, SCRAPED, ScrapeSample, Scraper
-from pools.workload import latency_stats
+from pools.workload import MIN_P99_SAMPLES, latency_stats
 
 LATENCIES = ("ttft", "itl", "tpot", "e2e")
 
@@ -449,8 +449,12 @@ def format_report(report: LoadReport) -> str:
                   f"  {'ms':<6}" + "".join(f"{k:>10}" for k in ("mean", "p50", "p90", "p99", "max"))
                   + "   (completed requests)"]
         for metric in LATENCIES:
-            lines.append(f"  {metric.upper():<6}" + "".join(f"{_ms(s[metric][k]):>10}"
+            stats = s[metric]
+            few = stats["p99"] is not None and stats["n"] < MIN_P99_SAMPLES   # a lower bound: marked
+            lines.append(f"  {metric.upper():<6}" + "".join(f"{_ms(stats[k]) + ('*' if k == 'p99' and few else ''):>10}"
                                                            for k in ("mean", "p50", "p90", "p99", "max")))
+        if any(s[m]["p99"] is not None and s[m]["n"] < MIN_P99_SAMPLES for m in LATENCIES):
+            lines.append(f"  * p99 of fewer than {MIN_P99_SAMPLES} samples: a lower bound on the tail")
         lines += [f"  {n}x {message}" for message, n in s["error_messages"].items()]
         lines += _replica_lines(s)
     sc = t["scrape"]

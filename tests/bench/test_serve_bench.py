@@ -318,9 +318,9 @@ def test_continuous_usage_asks_for_the_usage_in_every_chunk():
 
 def test_latency_stats_interpolate_like_numpy():
     stats = latency_stats(list(range(1, 101)))
-    assert stats == pytest.approx({"mean": 50.5, "p50": 50.5, "p90": 90.1, "p99": 99.01, "max": 100})
-    assert latency_stats([0.2]) == pytest.approx({k: 0.2 for k in ("mean", "p50", "p90", "p99", "max")})
-    assert latency_stats([]) == dict.fromkeys(("mean", "p50", "p90", "p99", "max"))
+    assert stats == pytest.approx({"mean": 50.5, "p50": 50.5, "p90": 90.1, "p99": 99.01, "max": 100, "n": 100})
+    assert latency_stats([0.2]) == pytest.approx({**{k: 0.2 for k in ("mean", "p50", "p90", "p99", "max")}, "n": 1})
+    assert latency_stats([]) == {**dict.fromkeys(("mean", "p50", "p90", "p99", "max")), "n": 0}
 
 
 def _record(ttft: float, e2e: float, tokens: int, status: str = "ok") -> RequestRecord:
@@ -429,6 +429,9 @@ async def test_out_writes_results_json_and_two_pngs(aiohttp_server, tmp_path):
     n = report.summary["ok"]["count"]
     assert n > 0 and f"ok: {n} requests, {n} completed" in format_report(report)
     assert "  pool chat: KV usage max" in format_report(report) and "pool :" not in format_report(report)
+    ttft = next(line for line in format_report(report).splitlines() if line.startswith("  TTFT"))
+    assert ttft.split()[4].endswith("*") and data["summary"]["ok"]["ttft"]["n"] == n < 100   # p99 of a few: marked
+    assert "  * p99 of fewer than 100 samples: a lower bound on the tail" in format_report(report)
 
 
 async def test_no_metrics_endpoint_is_skipped_with_a_warning(aiohttp_server, tmp_path, caplog):
