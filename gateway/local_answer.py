@@ -42,10 +42,10 @@ from engine.client import EngineDeadError, RequestFailedError
 from gateway.openai import objects
 from gateway.admission import Placed
 from gateway.client_writes import RESPONSE_BUFFERS, ClientGone, ResponseBuffers, start_sse, write_within
-from gateway.monitoring.metrics import GatewayMetrics
+from gateway.monitoring.metrics import GatewayMetrics, HeldLatencies
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
-from gateway.openai.errors import ApiError, drain_cut, named_error, renamed_field
+from gateway.openai.errors import ApiError, drain_cut, engine_error, renamed_field
 from gateway.openai.reasoning import ReasoningSplitter, think_end_id
 from gateway.openai.tools import ToolCallStream, ToolFormat, format_for
 from pools.pool import Pool
@@ -128,17 +128,6 @@ def engine_request_id(request_id: str, i: int, num_prompts: int) -> str:
     return request_id if num_prompts == 1 else f"{request_id}-{i}"
 
 
-def engine_error(exc: Exception) -> ApiError:
-    """A refused or failed engine request as an API error (the engine's message names the field): the
-    worker died (503 `engine_dead`), it failed to handle this request alone (500 `request_failed`), or
-    it refused the request's input (400)."""
-    if isinstance(exc, EngineDeadError):
-        return ApiError(503, f"engine unavailable: {exc}", type="server_error", code="engine_dead")
-    if isinstance(exc, RequestFailedError):
-        return ApiError(500, str(exc), type="server_error", code="request_failed")
-    return named_error(str(exc))
-
-
 class LocalResponse:
     """One response to a chat or completion request served by local pools, built as its deltas arrive.
 
@@ -155,11 +144,10 @@ class LocalResponse:
                  placed: dict[str, Placed], received: float, metrics: GatewayMetrics, write_timeout: float = 30.0,
                  tenant: str = "default", buffers: ResponseBuffers | None = None, think: str | None = None) -> None:
         self.request, self.req, self.routed, self.placed = request, req, routed, placed
-        self.chat = isinstance(req, ChatRequest)
-        self.received, self.metrics = received, metrics
+        self.chat, self.received, self.metrics = isinstance(req, ChatRequest), received, metrics
+        self.latencies = HeldLatencies()   # observed once no rerun can replace this run (`retryable`)
         self.request_id = objects.new_id("chatcmpl" if self.chat else "cmpl")
-        self.created = int(time.time())
-        n = req.params.n
+        self.created, n = int(time.time()), req.params.n
         self.choices = {i * n + j: _Choice(i * n + j, pool) for i, (pool, _) in enumerate(routed) for j in range(n)}
         pools = list(dict.fromkeys(pool.name for pool, _ in routed))
         self.headers = {"x-cliffguard-pool": ",".join(pools),
@@ -220,6 +208,9 @@ class LocalResponse:
             raise
         except (EngineDeadError, RequestFailedError, ValueError) as exc:
             self.error = engine_error(exc)
+        finally:
+            if not self.retryable:   # this run is the client's (one lost with its worker is not observed)
+                self.latencies.release()
 
     async def finish(self) -> web.StreamResponse:
         """After `run`: the JSON response, or the stream's last events (the error event, or the usage
@@ -293,16 +284,16 @@ class LocalResponse:
             self.placed[pool].observe(new_tokens, prefilled=first and all(
                 j in self._first_at for j, (p, _) in enumerate(self.routed) if p.name == pool))
             if timed and first:
-                series.ttft.observe(now - self.received)
+                self.latencies.observe(series.ttft, now - self.received)
             elif timed:   # per sample, as vLLM's (each of n samples is a request of its own there)
                 for c in (c for c in out.outputs if c.delta_token_ids):
-                    series.itl.observe((now - self._last_at[i]) / len(c.delta_token_ids))
+                    self.latencies.observe(series.itl, (now - self._last_at[i]) / len(c.delta_token_ids))
             self._last_at[i] = now
             series.generation_tokens.inc(new_tokens)
         if out.finished and timed:
-            series.e2e.observe(now - self.received)
+            self.latencies.observe(series.e2e, now - self.received)
             if "queue_time" in out.metrics:
-                series.queue_time.observe(out.metrics["queue_time"])
+                self.latencies.observe(series.queue_time, out.metrics["queue_time"])
 
     def _apply(self, i: int, out: RequestDelta) -> list[dict[str, Any]]:
         """Add prompt i's delta to its choices; the stream chunk's choices (empty when not streaming). A request
@@ -408,7 +399,8 @@ class LocalResponse:
             self.placed[pool.name].client.pause(engine_request_id(self.request_id, i, len(self.routed)), paused)
 
     def _start_writer(self) -> None:
-        if self._writer is None:
+        if self._writer is None:   # the client sees this run: it will not run again
+            self.latencies.release()
             self._writer = asyncio.ensure_future(self._write())
             self._writer.add_done_callback(lambda _: self._drop_chunks())
         self._wake.set()

@@ -62,6 +62,27 @@ class PoolSeries(NamedTuple):
     queue_time: Histogram
 
 
+class HeldLatencies:
+    """A request's latency observations, held while it may yet run again (a worker died before its client saw
+    anything: `LocalResponse.retryable`) and observed once it cannot: the run a client waited for is observed,
+    once, not the one lost with its worker. `observe` holds or observes; `release` observes what was held and
+    what comes after at once."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[Histogram, float]] | None = []   # None: released, later ones observed at once
+
+    def observe(self, histogram: Histogram, value: float) -> None:
+        if self.held is None:
+            histogram.observe(value)
+        else:
+            self.held.append((histogram, value))
+
+    def release(self) -> None:
+        for histogram, value in self.held or ():
+            histogram.observe(value)
+        self.held = None
+
+
 class GatewayMetrics:
     """All series of one gateway. Not thread-safe beyond what prometheus_client guarantees."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, TypeVar
 
+from engine.client import EngineDeadError, RequestFailedError
 from pools.config.typed import FieldError, convert
 
 T = TypeVar("T")
@@ -115,3 +116,13 @@ def check_depth(body: Any, raw: bytes | None = None) -> Any:
                        "deep)", param="body")
     return body
 
+
+def engine_error(exc: Exception) -> ApiError:
+    """A refused or failed engine request as an API error (the engine's message names the field): the
+    worker died (503 `engine_dead`), it failed to handle this request alone (500 `request_failed`), or
+    it refused the request's input (400)."""
+    if isinstance(exc, EngineDeadError):
+        return ApiError(503, f"engine unavailable: {exc}", type="server_error", code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return ApiError(500, str(exc), type="server_error", code="request_failed")
+    return named_error(str(exc))

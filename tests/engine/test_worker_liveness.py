@@ -26,7 +26,7 @@ from engine.sampling import SamplingParams
 from engine.wire import FrameKeys
 from engine.worker import HeartbeatThread, WorkerChannel, _handle
 from gateway.monitoring.metrics import GatewayMetrics
-from gateway.local_answer import engine_error
+from gateway.openai.errors import engine_error
 from gateway.workers.supervisor import DeviceSupervisor
 
 STALL, STEP_TIMEOUT = 10.0, 600.0

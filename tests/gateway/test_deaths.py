@@ -24,6 +24,7 @@ from gateway.workers.supervisor import Backoff
 from tests.gateway.test_app import _client, _model
 from tests.gateway.test_batches import _FakeExecutor, _create, _jsonl, _jsonl_file, _line, _wait
 from tests.gateway.test_batches import _client as _batch_client
+from tests.gateway.conftest import pools_yaml
 from tests.gateway.test_replicas import _all_ready, _replicated
 
 FAST = Backoff(initial_seconds=0.2, max_seconds=1.0)
@@ -342,6 +343,32 @@ async def test_two_replicas_lost_together_under_a_request_are_not_its_fault(aioh
     assert deaths is other.deaths
     lost = [d for d in deaths.deaths if d.cause == LOSS]
     assert {d.replica for d in lost} == {0, 1} and not any(deaths.counts(d) for d in lost)
+    await _all_ready(client)
+
+
+async def test_a_request_run_again_after_its_worker_died_is_observed_once(aiohttp_client, tmp_path, tiny_model):
+    """Its first run streamed tokens inside the gateway (a JSON answer: the client saw none) when its worker died;
+    it runs again and its client waits for one answer: one TTFT, one end-to-end latency, not two."""
+    client, gateway = await _client(aiohttp_client, pools_yaml(tiny_model), tmp_path)
+    await _all_ready(client)
+    supervisors = gateway.supervisors["cpu"]
+    for supervisor in supervisors:
+        supervisor.backoff = FAST
+    pool = next(name for name, p in gateway.pools.items() if not p.is_upstream)
+    series = gateway.metrics.pool_series(pool)
+    body = {"model": _model(tiny_model), "prompt": "Tell me about the cliffs of the north.", "max_tokens": 300,
+            "temperature": 0, "ignore_eos": True}
+    answer = asyncio.ensure_future(client.post("/v1/completions", json=body))
+    deadline = time.monotonic() + 30
+    while series.generation_tokens._value.get() < 1:                # its first run's tokens came
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.005)
+    os.kill(next(s for s in supervisors if s.client.num_in_flight).client.pid, signal.SIGKILL)
+    r = await answer
+    assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 300
+    sample = gateway.metrics.registry.get_sample_value
+    assert sample("cliffguard_time_to_first_token_seconds_count", {"pool": pool}) == 1
+    assert sample("cliffguard_e2e_request_latency_seconds_count", {"pool": pool}) == 1
     await _all_ready(client)
 
 
