@@ -71,6 +71,18 @@ def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
     return torch.float8_e4m3fn if setting == "fp8" else model_dtype
 
 
+def quantizes_kv_cache_only(quant: object) -> bool:
+    """Whether a config.json's `quantization_config` quantizes the KV cache alone (the weights stay in their float
+    dtype; the checkpoint carries the cache's per-layer scales): llm-compressor's compressed-tensors with a
+    `kv_cache_scheme` and no weight groups, or ModelOpt's with `kv_cache_quant_algo` and no `quant_algo`."""
+    if not isinstance(quant, dict):
+        return False
+    if quant.get("quant_method") == "compressed-tensors":
+        return bool(quant.get("kv_cache_scheme")) and not quant.get("config_groups")
+    return quant.get("quant_method") == "modelopt" and bool(quant.get("kv_cache_quant_algo")) \
+        and quant.get("quant_algo") is None
+
+
 def check_device_name(value: object) -> str:
     """`auto`, `cpu`, `cuda` or `cuda:N`, else ConfigError naming `device`."""
     if not isinstance(value, str) or not _DEVICE_NAME.fullmatch(value):

@@ -18,6 +18,7 @@ collective is the identity and the shapes are the model's own.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from types import ModuleType
@@ -33,6 +34,8 @@ from engine.weights import model_tensor_name
 from kernels import AttentionMetadata, fused
 
 log = logging.getLogger("cliffguard.engine")
+# An FP8 checkpoint's per-layer KV scales, as its exporters name them (`LlamaForCausalLM._kv_scale`)
+KV_SCALE_NAMES = (".k_scale", ".v_scale", ".kv_scale", ".k_proj.output_scale", ".v_proj.output_scale")
 
 
 class WeightLoadError(ValueError):
@@ -238,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 stored_head = self._shard_of(hf_name, name, tensor)
                 continue
-            if name.endswith((".k_scale", ".v_scale")):   # an FP8 checkpoint's per-layer KV scales
+            if name.endswith(KV_SCALE_NAMES):   # an FP8 checkpoint's per-layer KV scales
                 self._kv_scale(hf_name, name, tensor)
                 continue
             target, part = self._destination(name)
@@ -285,15 +288,18 @@ class LlamaForCausalLM(nn.Module):
         self.config = replace(self.config, tie_word_embeddings=False)
 
     def _kv_scale(self, hf_name: str, name: str, tensor: torch.Tensor) -> None:
-        """`layers.N.self_attn.k_scale` (or v_scale, or under k_proj / v_proj as some exporters write it): the
-        scale an FP8 cache stores that layer's K (V) over. One positive number."""
+        """`layers.N.self_attn.k_scale` or `v_scale` (under `attn`, `k_proj` / `v_proj` too), `kv_scale` (both, as
+        AutoFP8 wrote them) or `k_proj.output_scale` / `v_proj.output_scale` (ModelOpt's, Quark's): the scale an
+        FP8 cache stores that layer's K (V) over, as vLLM reads them. One positive, finite number."""
         parts = name.split(".")
         if parts[0] != "layers" or not parts[1].isdigit() or int(parts[1]) >= len(self.layers) or tensor.numel() != 1:
             raise WeightLoadError(f"{hf_name}: not a per-layer KV scale of this model (shape {tuple(tensor.shape)})")
         value = float(tensor.float().reshape(()))
-        if not value > 0:
-            raise WeightLoadError(f"{hf_name}: a KV scale must be positive, got {value}")
-        setattr(self.layers[int(parts[1])].self_attn, parts[-1], value)
+        if not (math.isfinite(value) and value > 0):
+            raise WeightLoadError(f"{hf_name}: a KV scale must be positive and finite, got {value}")
+        kind = parts[-2][0] + "_scale" if parts[-1] == "output_scale" else parts[-1]   # k_proj.output_scale: k's
+        for attr in ("k_scale", "v_scale") if kind == "kv_scale" else (kind,):
+            setattr(self.layers[int(parts[1])].self_attn, attr, value)
         self.kv_scales_from_checkpoint = True
 
     def _destination(self, name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:

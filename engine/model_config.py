@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine.config import ConfigError
+from engine.config import ConfigError, quantizes_kv_cache_only
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
@@ -278,8 +278,7 @@ class ModelConfig:
         if not isinstance(archs, list) or not archs:
             raise ConfigError("architectures: config.json has no 'architectures' list")
         arch = archs[0]
-        if cfg.get("quantization_config") is not None:   # its weights are not what a float model reads
-            quant = cfg["quantization_config"]
+        if (quant := cfg.get("quantization_config")) is not None and not quantizes_kv_cache_only(quant):
             method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else repr(quant)
             raise ConfigError(f"quantization_config: quantized checkpoints ({method}) are not supported; serve "
                               "the model's bfloat16 checkpoint (an FP8 KV cache is the device key kv_cache_dtype)")

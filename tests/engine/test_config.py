@@ -30,6 +30,11 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
     ({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}},
      r"quantization_config: quantized checkpoints \(fp8\) are not supported"),
     ({"quantization_config": {"quant_method": "compressed-tensors"}}, r"quantization_config: .*compressed-tensors"),
+    ({"quantization_config": {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8},
+                              "config_groups": {"group_0": {"weights": {"num_bits": 8}}}}},
+     r"quantization_config: .*compressed-tensors"),   # weights quantized too
+    ({"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}},
+     r"quantization_config: .*modelopt"),
     ({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {},
       "quantization_config": {"quant_method": "awq"}}, r"quantization_config: .*\(awq\)"),
 ])

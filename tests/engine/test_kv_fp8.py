@@ -4,8 +4,8 @@ caching and copy-on-write move its bytes."""
 
 from __future__ import annotations
 
+import json
 import logging
-
 from dataclasses import replace
 
 import pytest
@@ -148,10 +148,36 @@ def test_checkpoint_scales_are_loaded_and_checked(tiny_path, tmp_path):
     save_file(tensors, folder / "model.safetensors")
     attns = [layer.self_attn for layer in _engine(folder).model.layers]
     assert {a.k_scale for a in attns} == {a.v_scale for a in attns} == {1.0}
-    tensors["model.layers.1.self_attn.v_scale"] = torch.tensor(-1.0)
+    for bad in (-1.0, float("inf"), float("nan")):
+        tensors["model.layers.1.self_attn.v_scale"] = torch.tensor(bad)
+        save_file(tensors, folder / "model.safetensors")
+        with pytest.raises(WeightLoadError, match="v_scale: a KV scale must be positive and finite"):
+            _engine(folder)
+
+
+def test_kv_scales_as_exporters_name_them_in_a_kv_cache_only_checkpoint(tiny_path, tmp_path):
+    """llm-compressor's KV-cache-only checkpoints (compressed-tensors with a kv_cache_scheme, float weights) load
+    with their scales; AutoFP8's one `kv_scale` sets K's and V's, ModelOpt's `k_proj.output_scale` /
+    `v_proj.output_scale` are K's and V's (as vLLM reads them)."""
+    folder = tmp_path / "kv-only"
+    folder.mkdir()
+    for item in tiny_path.iterdir():
+        if item.suffix != ".safetensors" and item.name not in ("model.safetensors.index.json", "config.json"):
+            (folder / item.name).write_bytes(item.read_bytes())
+    config = json.loads((tiny_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {},
+                                     "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    for shard in sorted(tiny_path.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    tensors.update({"model.layers.0.self_attn.kv_scale": torch.tensor(0.25),
+                    "model.layers.1.self_attn.k_proj.output_scale": torch.tensor(0.5),
+                    "model.layers.1.self_attn.v_proj.output_scale": torch.tensor(0.125)})
     save_file(tensors, folder / "model.safetensors")
-    with pytest.raises(WeightLoadError, match="v_scale: a KV scale must be positive"):
-        _engine(folder)
+    engine = _engine(folder)
+    assert _scales(engine) == [(0.25, 0.25), (0.5, 0.125)] and engine.model.kv_scales_from_checkpoint
+    engine.generate([[5, 6, 7]], GREEDY)
 
 
 def test_block_copies_and_swaps_move_fp8_bytes(tiny_path):
