@@ -71,7 +71,7 @@ REPLICA_STATES = ("ready", "loading", "draining", "restarting", "failed", "stopp
 DRAIN_POLL = 0.1   # seconds between looks at a draining replica's credits
 REPLICA_POLL = 0.5   # seconds between asks of a shared replica's own request count, while it drains
 ANNOUNCE_SECONDS = 2.0   # a leader's drain reaches every follower (a renewal and a tick) within this
-STATS_SECONDS = 10.0   # a replica that does not say its request count by then counts none
+STATS_SECONDS = 10.0   # a replica that does not say its request count by then is in a long step: it has work
 REFUSED_SECONDS = 1.0   # a refusal for capacity asks for a replica during this long (two looks)
 
 
@@ -329,14 +329,17 @@ class Autoscaler:
     @staticmethod
     async def _num_requests(supervisor: DeviceSupervisor) -> int:
         """The requests in flight on the replica as it counts them (every gateway's); 0 for one that is
-        dead or does not answer."""
+        dead; at least 1 for one that does not answer within `STATS_SECONDS` (it answers between steps: one
+        that long has work, other gateways' perhaps; a hang is the watchdog's to judge)."""
         client = supervisor.client
         if client is None or not client.is_alive:
             return 0
         try:
             return (await asyncio.wait_for(client.stats(), STATS_SECONDS)).num_requests
-        except (EngineDeadError, TimeoutError):
+        except EngineDeadError:
             return 0
+        except TimeoutError:
+            return max(1, client.latest_stats.num_requests if client.latest_stats is not None else 1)
 
     def export(self) -> None:
         """`cliffguard_replicas{device,state}` as the supervisors say now (each tick, and each scrape)."""

@@ -226,3 +226,26 @@ async def test_a_drain_is_taken_back_before_the_worker_stops_but_not_after():
     assert slots[1].state == "stopped" and slots[1].link.removed == 1 and not scaler._removals
     scaler.tick(now=124.0)
     assert slots[1].state == "loading"
+
+
+async def test_a_shared_replica_in_a_long_step_is_not_taken_for_idle(monkeypatch):
+    """A replica answers its count between steps: one in a step longer than the wait has work (other
+    gateways' requests perhaps) and must not be drained as if it counted none; a dead one counts none."""
+    from gateway.workers import autoscaler
+    from engine.client import EngineDeadError
+
+    monkeypatch.setattr(autoscaler, "STATS_SECONDS", 0.05)
+
+    async def never():
+        await asyncio.sleep(10)
+
+    async def dead():
+        raise EngineDeadError("gone")
+
+    busy = SimpleNamespace(client=SimpleNamespace(is_alive=True, stats=never, latest_stats=None))
+    assert await Autoscaler._num_requests(busy) >= 1
+    busy.client.latest_stats = SimpleNamespace(num_requests=3)
+    assert await Autoscaler._num_requests(busy) == 3
+    gone = SimpleNamespace(client=SimpleNamespace(is_alive=True, stats=dead, latest_stats=None))
+    assert await Autoscaler._num_requests(gone) == 0
+
