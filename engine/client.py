@@ -130,6 +130,8 @@ class AsyncEngineClient:
     resolves with the reason after the process was reaped. A restart is a new client.
     """
 
+    kill_unreadable = True   # a worker whose frames do not decode is killed (a remote one's connection dropped)
+
     def __init__(self, config: EngineConfig, start_method: str = "forkserver") -> None:
         self.config = config
         self.start_method = start_method              # forkserver; spawn (a fresh interpreter) for comparison
@@ -155,7 +157,7 @@ class AsyncEngineClient:
         self._stats_waiters: list[asyncio.Future] = []
         self.latest_stats: EngineStats | None = None   # pushed by the worker with step outputs
         self.step_failed = False   # the worker ended saying a step failed (its `Fatal`), not a loss
-        self.commands_unreadable = False   # ... saying it could not read a command of ours (its `Fatal`)
+        self.commands_unreadable = False   # ... saying it could not read a command of ours (its `Fatal`), or we its
         # A replica shared by several gateways (`engine.sessions`): this gateway's lease on each pool, in
         # KV credits (absent: a local worker, all of it). `on_lease(pool, tokens)` applies a new lease to
         # the gateway's ledger and returns True once what it holds there is within it (then the client
@@ -174,8 +176,7 @@ class AsyncEngineClient:
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
         self.died = self._loop.create_future()
-        channel = await self._launch(timeout)
-        self._channel = channel
+        self._channel = channel = await self._launch(timeout)
         self.last_heard = time.monotonic()
         self._loop.add_reader(channel.fileno(), self._on_readable)
         if self._sentinel is not None:
@@ -221,8 +222,9 @@ class AsyncEngineClient:
     def _on_readable(self) -> None:
         try:
             messages = self._channel.receive()
-        except OSError:
-            self._on_exit()
+        except OSError as exc:   # a frame that does not decode: the link's fault, not the requests'
+            self.commands_unreadable = True
+            (self.kill if self.kill_unreadable else self._on_exit)(f"device worker: unreadable frame ({exc})")
             return
         if messages:
             self.last_heard = time.monotonic()
@@ -430,10 +432,8 @@ class AsyncEngineClient:
         """Queue an abort whatever the outbox holds (it frees blocks); nothing if the worker is gone."""
         if self._reaper is not None:
             return
-        try:
+        with contextlib.suppress(EngineDeadError):   # the worker is gone; nothing holds the blocks any more
             self._send(AbortRequest(request_id))
-        except EngineDeadError:
-            pass  # the worker is gone; nothing holds the blocks any more
 
     def kill(self, reason: str) -> None:
         """Kill the worker at once (SIGKILL: it also ends a stopped or hung process); what is in flight

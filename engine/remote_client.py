@@ -51,6 +51,8 @@ class ReplicaLink(Protocol):
 class RemoteEngineClient(AsyncEngineClient):
     """`AsyncEngineClient` over a network connection to a replica that `link` locates."""
 
+    kill_unreadable = False   # a frame that does not decode drops this connection, not the replica others share
+
     def __init__(self, config: EngineConfig, link: ReplicaLink) -> None:
         super().__init__(config)
         self.link = link

@@ -239,6 +239,34 @@ def test_a_worker_whose_gateway_is_gone_mid_step_ends_without_waiting_for_the_st
     assert exitcode == 1 and ended < 15, (exitcode, ended)
 
 
+def test_a_frame_from_the_worker_that_cannot_be_read_ends_it_at_once_as_no_requests_fault(tiny_config):
+    """The gateway cannot decode what the worker sent (a corrupt stream): the worker is killed now and what is
+    in flight fails at once, the death the link's (it never counts against a request), not a loss found when
+    the process is reaped ten seconds later."""
+    from gateway.workers.deaths import UNREADABLE, cause_of
+
+    async def main():
+        client = AsyncEngineClient(tiny_config)
+        await client.start()
+        stream = client.generate([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+        first = await anext(stream)
+
+        def corrupt():
+            raise OSError("ipc: a frame of 4294967295 bytes: the stream is corrupt")
+
+        client._channel.receive = corrupt
+        began = time.monotonic()
+        client._on_readable()
+        with pytest.raises(EngineDeadError, match="device worker: unreadable frame"):
+            async for _ in stream:
+                pass
+        await asyncio.wait_for(asyncio.shield(client.died), 5)
+        return first, time.monotonic() - began, cause_of(client)
+
+    first, took, cause = asyncio.run(main())
+    assert first.outputs and took < 3 and cause == UNREADABLE, (took, cause)
+
+
 def test_shutdown_reaps_and_a_client_starts_once(tiny_config):
     async def main():
         fds = _open_fds()
