@@ -158,6 +158,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, shard.vocab_rows, bias=False)
         self._flat: tuple[object, object] | None = None   # (backend, its engine.cpu_forward.CpuForward or None)
         self.kv_scales_from_checkpoint = False   # an FP8 cache's scales: the checkpoint's (`_kv_scale`), not measured
+        self.kv_scales_read: set[tuple[int, str]] = set()   # (layer, "k_scale" / "v_scale") the checkpoint brought
 
     def make_layer(self, index: int, ops: ModuleType) -> nn.Module:
         return DecoderLayer(self.config, self.shard, self.comm, self.rotary_emb, ops, index)
@@ -263,6 +264,11 @@ class LlamaForCausalLM(nn.Module):
             filled[target] = filled.get(target, 0) + dest.numel()
         if stored_head is not None and filled.get("embed_tokens.weight") == self.embed_tokens.weight.numel():
             self._untie(stored_head)
+        unscaled = [f"{i}.{attr}" for i in range(len(self.layers)) for attr in ("k_scale", "v_scale")
+                    if self.kv_scales_from_checkpoint and (i, attr) not in self.kv_scales_read]
+        if unscaled:   # none is measured once the checkpoint brings any: those it lacks stay 1.0, as in vLLM
+            log.warning("the checkpoint's FP8 KV scales leave %d of %d at 1.0 (layers %s): an FP8 cache stores "
+                        "those unscaled", len(unscaled), 2 * len(self.layers), ", ".join(unscaled[:8]))
         missing = [name for name, param in params.items() if filled.get(name, 0) != param.numel()]
         if missing:
             raise WeightLoadError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
@@ -300,6 +306,7 @@ class LlamaForCausalLM(nn.Module):
         kind = parts[-2][0] + "_scale" if parts[-1] == "output_scale" else parts[-1]   # k_proj.output_scale: k's
         for attr in ("k_scale", "v_scale") if kind == "kv_scale" else (kind,):
             setattr(self.layers[int(parts[1])].self_attn, attr, value)
+            self.kv_scales_read.add((int(parts[1]), attr))
         self.kv_scales_from_checkpoint = True
 
     def _destination(self, name: str) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:

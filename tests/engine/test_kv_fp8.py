@@ -127,7 +127,7 @@ def test_a_tensor_parallel_group_measures_the_scales_one_rank_would(tiny_path):
         assert two.logprobs == pytest.approx(one.logprobs, abs=1e-4)
 
 
-def test_checkpoint_scales_are_loaded_and_checked(tiny_path, tmp_path):
+def test_checkpoint_scales_are_loaded_and_checked(tiny_path, tmp_path, caplog):
     folder = tmp_path / "scaled"
     folder.mkdir()
     for item in tiny_path.iterdir():
@@ -139,9 +139,11 @@ def test_checkpoint_scales_are_loaded_and_checked(tiny_path, tmp_path):
     tensors.update({"model.layers.0.self_attn.k_scale": torch.tensor(0.25),
                     "model.layers.1.self_attn.v_scale": torch.tensor([0.5])})
     save_file(tensors, folder / "model.safetensors")
-    engine = _engine(folder)
+    with caplog.at_level(logging.WARNING, logger="cliffguard.engine"):
+        engine = _engine(folder)
     attns = [layer.self_attn for layer in engine.model.layers]
     assert (attns[0].k_scale, attns[0].v_scale, attns[1].k_scale, attns[1].v_scale) == (0.25, 1.0, 1.0, 0.5)
+    assert "FP8 KV scales leave 2 of 4 at 1.0 (layers 0.v_scale, 1.k_scale)" in caplog.text   # said, not silent
     engine.generate([[5, 6, 7]], GREEDY)   # served with them
     tensors.update({"model.layers.0.self_attn.k_scale": torch.tensor(1.0),   # the checkpoint's 1.0s: its own,
                     "model.layers.1.self_attn.v_scale": torch.tensor(1.0)})  # kept, not measured over
