@@ -12,6 +12,8 @@ variables nothing here runs and no prompt is decoded.
 - `CLIFFGUARD_FAULT_SLOW_STEP=<marker>:<seconds>`: the first step with a request whose prompt contains
   `marker` lasts `seconds` longer (a sleep inside the step): a long healthy step, as a first kernel
   compile or a huge prefill chunk makes one, which the watchdog must not take for a hang.
+- `CLIFFGUARD_FAULT_SLOW_LOAD=<seconds>`: the worker sleeps that long before it loads the model: a
+  large model's load, during which the gateway may go away (`slow_load`).
 
 A prompt is matched as text: a prompt of token ids (what the gateway sends) is decoded with the
 engine's tokenizer once, when it is added.
@@ -27,6 +29,13 @@ from dataclasses import dataclass, field
 POISON_ENV = "CLIFFGUARD_FAULT_POISON"
 REJECT_ENV = "CLIFFGUARD_FAULT_REJECT"
 SLOW_STEP_ENV = "CLIFFGUARD_FAULT_SLOW_STEP"
+SLOW_LOAD_ENV = "CLIFFGUARD_FAULT_SLOW_LOAD"
+
+
+def slow_load() -> None:
+    """Before the worker loads its model: sleep `CLIFFGUARD_FAULT_SLOW_LOAD` seconds, if set."""
+    if os.environ.get(SLOW_LOAD_ENV):
+        time.sleep(float(os.environ[SLOW_LOAD_ENV]))
 
 
 class InjectedFault(RuntimeError):

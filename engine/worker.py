@@ -15,7 +15,8 @@ gateway's watchdog (`gateway.workers.supervisor`) takes a silent heartbeat for a
 a beating one whose step has run past `gateway.step_timeout_seconds` for a hang inside the step. The
 two threads share the channel's sending side (`WorkerChannel`: one lock around send and flush);
 receiving and waiting stay the loop's. A heartbeat that cannot be sent means the gateway is gone: the
-worker ends `LAST_WORDS_SECONDS` later, mid-step too (`_orphaned`), and frees the device.
+worker ends `LAST_WORDS_SECONDS` later, mid-step too (`_orphaned`), and frees the device. While the model
+loads, before there is a loop, `LoadWatch` ends the worker once the gateway's end of the socket closes.
 
 **Failures.** Whatever one request's command raises (add, abort, pause) fails that request alone: a
 ValueError is its input's fault (`Rejected`, 400 at the gateway), anything else the worker's handling
@@ -36,6 +37,7 @@ import dataclasses
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import threading
@@ -44,7 +46,7 @@ import traceback
 
 from engine.calibration import ITL_STEPS, TTFT_ITLS
 from engine.config import EngineConfig, dtype_name
-from engine.faults import Faults
+from engine.faults import Faults, slow_load
 from engine.ipc import Channel
 from engine.messages import (AbortRequest, AddRequest, Fatal, Heartbeat, Outputs, PauseRequest, Ready, Rejected,
                              ReportWaiting, Shutdown, StartupError, StatsQuery, StatsReply)
@@ -77,7 +79,9 @@ def worker_main(config: EngineConfig, sock: socket.socket, environ: dict[str, st
 
         torch.set_num_threads(config.cpu_threads)
     try:
-        engine = LLMEngine(config)
+        with LoadWatch(sock):
+            slow_load()
+            engine = LLMEngine(config)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises it
         channel.send(StartupError(f"{type(exc).__name__}: {exc}"))
         channel.drain(LAST_WORDS_SECONDS)
@@ -193,6 +197,42 @@ class HeartbeatThread:
                 if self.on_peer_gone is not None and not self._stop.wait(LAST_WORDS_SECONDS):
                     self.on_peer_gone()
                 return
+
+
+class LoadWatch:
+    """While the model loads (minutes for a large one), a thread watches the gateway's end of the socket: if it
+    closes (the gateway was killed), the worker ends at once instead of loading on, holding the device's memory
+    from the gateway that replaces it. The gateway sends nothing before `Ready`; anything it does send ends
+    the watch (the loop reads it once loaded)."""
+
+    def __init__(self, sock: socket.socket, interval: float = 0.2) -> None:
+        self.sock, self.interval = sock, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cliffguard-load-watch", daemon=True)
+
+    def __enter__(self) -> "LoadWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()   # not joined: it leaves at its next wake-up, and does nothing once stopped
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            readable, _, _ = select.select([self.sock], [], [], self.interval)
+            if not readable:
+                continue
+            try:
+                gone = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            except BlockingIOError:
+                continue
+            except OSError:
+                gone = True
+            if gone and not self._stop.is_set():
+                log.error("the gateway is gone (its socket closed) while the model loads; the device worker ends")
+                logging.shutdown()
+                os._exit(1)
+            return   # a command came: the loop reads it once loaded
 
 
 class UnreadableCommands(Exception):

@@ -267,6 +267,35 @@ def test_a_frame_from_the_worker_that_cannot_be_read_ends_it_at_once_as_no_reque
     assert first.outputs and took < 3 and cause == UNREADABLE, (took, cause)
 
 
+def test_a_worker_whose_gateway_is_gone_while_it_loads_ends_at_once(tiny_config, monkeypatch):
+    """The gateway is killed while its worker loads a model (here a load held 60 s): the worker ends within a
+    second, freeing the device for the gateway that replaces it, instead of loading on (then stepping nothing
+    until a heartbeat finds the socket closed)."""
+    from engine.faults import SLOW_LOAD_ENV
+
+    monkeypatch.setenv(SLOW_LOAD_ENV, "60")
+
+    async def main():
+        client = AsyncEngineClient(tiny_config)
+        starting = asyncio.ensure_future(client.start())
+        async with asyncio.timeout(30):
+            while client._channel is None:                # launched, loading
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        process = client._process
+        client._loop.remove_reader(client._channel.fileno())
+        client._loop.remove_reader(client._sentinel)
+        client._channel.close()                          # the gateway's end closes, as when it is killed
+        gone = time.monotonic()
+        await asyncio.to_thread(process.join, 20)
+        ended = time.monotonic() - gone
+        starting.cancel()
+        return process.exitcode, ended
+
+    exitcode, ended = asyncio.run(main())
+    assert exitcode == 1 and ended < 5, (exitcode, ended)
+
+
 def test_shutdown_reaps_and_a_client_starts_once(tiny_config):
     async def main():
         fds = _open_fds()
