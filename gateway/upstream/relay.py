@@ -47,6 +47,7 @@ import functools
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
@@ -256,6 +257,7 @@ async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
 
 
 _RETRY_HEADERS = ("retry-after", "retry-after-ms")
+_ACCOUNT_IDS = re.compile(r"\b(org|proj|user)[-_][A-Za-z0-9]{8,}")   # the operator's account at the upstream
 
 
 def retry_headers(headers: Any) -> dict[str, str]:
@@ -280,10 +282,9 @@ def _credentials_refused(pool: Pool, status: int, error: dict[str, Any]) -> ApiE
 
 
 def openai_error(raw: bytes, context: str) -> dict[str, Any]:
-    """An upstream's error body as an OpenAI error object, every field there: its own `error` object (the
-    message as text, `param` and `code` as text or null), else one quoting its text (its `error` string or
-    the body's start) after `context`, with code `upstream_error`. The one rule for relayed HTTP errors
-    and for the batch and background runs that read them (`gateway.completion`)."""
+    """An upstream's error body as an OpenAI error object: its own `error` (message, `param` and `code` as text or
+    null), else one quoting its text (its `error` string or the body's start) after `context`, code `upstream_error`;
+    account ids masked. The one rule for relayed HTTP errors and batch and background runs (`gateway.completion`)."""
     try:
         payload = msgspec.json.decode(raw)
     except (ValueError, RecursionError):   # not JSON (or cut at MAX_ERROR_BYTES), or nested too deep
@@ -291,11 +292,11 @@ def openai_error(raw: bytes, context: str) -> dict[str, Any]:
     error = payload.get("error") if isinstance(payload, dict) else None
     if not isinstance(error, dict):
         text = error if isinstance(error, str) and error else raw[:500].decode(errors="replace")
-        return {"message": f"{context}: {text}", "type": "server_error", "param": None, "code": "upstream_error"}
-    def text_or_none(value: Any) -> str | None:
-        return None if value is None else str(value)
-    return {"message": str(error.get("message") or ""), "type": str(error.get("type") or "server_error"),
-            "param": text_or_none(error.get("param")), "code": text_or_none(error.get("code"))}
+        error = {"message": f"{context}: {text}", "type": "server_error", "code": "upstream_error"}
+    param, code = error.get("param"), error.get("code")
+    return {"message": _ACCOUNT_IDS.sub(r"\1-…", str(error.get("message") or "")),
+            "type": str(error.get("type") or "server_error"),
+            "param": None if param is None else str(param), "code": None if code is None else str(code)}
 
 
 async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: UpstreamResponse,

@@ -416,8 +416,10 @@ async def test_batch_lines_keep_what_the_upstream_answered(aiohttp_client, tmp_p
 async def test_an_upstream_429_keeps_its_retry_headers_and_a_batch_line_is_tried_again(aiohttp_client, tmp_path):
     """A rate limit's Retry-After (and OpenAI's x-ratelimit-* headers) reach the client, whose SDK waits what
     it says; a batch line answered 429 was refused, never run, so it is tried again like a line whose
-    upstream could not be reached."""
-    refusal = b'{"error": {"message": "slow down", "code": "rate_limit_exceeded"}}'
+    upstream could not be reached. The operator's account ids in its message (OpenAI's names the organization)
+    are masked: the client is not the account's holder."""
+    refusal = (b'{"error": {"message": "Rate limit reached for gpt-4o in organization org-AbCdEf123456 on requests '
+               b'per min (RPM): Limit 3, Used 3.", "code": "rate_limit_exceeded"}}')
     limited = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 7\r\n"
                b"x-ratelimit-remaining-requests: 0\r\nContent-Length: %d\r\n\r\n%s" % (len(refusal), refusal))
     tries: dict[str, int] = {}
@@ -432,7 +434,9 @@ async def test_an_upstream_429_keeps_its_retry_headers_and_a_batch_line_is_tried
     server, url = await _serve(answer)
     gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
     r = await client.post("/v1/chat/completions", json=CHAT)
-    assert r.status == 429 and (await r.json())["error"]["code"] == "rate_limit_exceeded"
+    error = (await r.json())["error"]
+    assert r.status == 429 and error["code"] == "rate_limit_exceeded"
+    assert "org-AbCdEf" not in error["message"] and "in organization org-… on requests" in error["message"]
     assert (r.headers["Retry-After"], r.headers["x-ratelimit-remaining-requests"]) == ("7", "0")
     (tmp_path / "batch").mkdir()
     done, errors = await _run_batch(aiohttp_client, tmp_path / "batch", url, "later", "bad")
