@@ -268,9 +268,18 @@ class LocalResponse:
                     self._queue_chunk(chunk_choices)
 
     def _queue_chunk(self, chunk_choices: list[dict[str, Any]]) -> None:
-        """One stream chunk of the choices' deltas (OpenAI's chat or completion chunk)."""
+        """One stream chunk of the choices' deltas (OpenAI's chat or completion chunk). A chat of several choices
+        opens them all first, in index order, their roles there (vLLM's; the SDK's stream helper needs it)."""
         make = objects.chat_chunk if self.chat else objects.completion_chunk
         so_far = objects.usage(*self._usage()) if self.req.continuous_usage else None
+        if self.chat and len(self.choices) > 1 and not all(c.sent_role for c in self.choices.values()):
+            opened = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                       "finish_reason": None} for i in sorted(self.choices)]
+            self._queue(make(self.request_id, self.req.model, self.created, opened, self.req.include_usage, so_far))
+            for choice in self.choices.values():
+                choice.sent_role = True
+            for entry in chunk_choices:
+                entry["delta"].pop("role", None)
         self._queue(make(self.request_id, self.req.model, self.created, chunk_choices, self.req.include_usage, so_far))
 
     def _observe(self, i: int, out: RequestDelta) -> None:

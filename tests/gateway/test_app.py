@@ -427,3 +427,34 @@ async def test_questions_on_one_document_share_its_blocks_and_run_together_witho
             break
         await asyncio.sleep(0.05)
     assert ledger.free == ledger.total == 1024
+
+
+async def test_a_stream_of_several_choices_opens_them_all_in_order_first(aiohttp_client, tmp_path, tiny_model,
+                                                                         monkeypatch):
+    """Sample 1's first text comes before sample 0's (a stop string's possible start, a character's first byte
+    held back): the first chunk still opens choices 0 and 1 in that order, each its role once, so the openai
+    SDK's stream helper (which takes the first chunk's choices for the list) reassembles each choice whole."""
+    import openai
+
+    from engine.client import AsyncEngineClient
+    from engine.outputs import RequestDelta, SampleDelta
+
+    script = [(1, "Hello", None), (0, "Hi", None), (0, " there", "stop"), (1, " world", "stop")]
+
+    async def generate(client, prompt, params=None, *, request_id=None, **kwargs):
+        for k, (index, text, finish) in enumerate(script):
+            sample = SampleDelta(index, text, [300 + k], k + 1, finish)
+            yield RequestDelta(request_id, [sample], k == len(script) - 1)
+            await asyncio.sleep(0)
+
+    client, _ = await _client(aiohttp_client, pools_yaml(tiny_model), tmp_path)
+    monkeypatch.setattr(AsyncEngineClient, "generate", generate)
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="unused", max_retries=0)
+    body = dict(model=_model(tiny_model), messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=8)
+    async with sdk.chat.completions.stream(**body) as stream:
+        final = await stream.get_final_completion()
+    assert [(c.index, c.message.role, c.message.content) for c in final.choices] == [
+        (0, "assistant", "Hi there"), (1, "assistant", "Hello world")]
+    chunks = [c async for c in await sdk.chat.completions.create(stream=True, **body)]
+    assert [(c.index, c.delta.role) for c in chunks[0].choices] == [(0, "assistant"), (1, "assistant")]
+    assert sum(1 for chunk in chunks for c in chunk.choices if c.delta.role) == 2
