@@ -4,8 +4,11 @@ A sparse layer's MLP (`SparseMoeBlock`) routes each token to `num_experts_per_to
 experts: the router's logits, their softmax in float32, the top k (renormalised to sum to 1 with
 `norm_topk_prob`), rounded to the model's dtype; each expert is a SiLU-gated MLP of
 `moe_intermediate_size`, and a token's output is the sum of its experts' outputs times their weights,
-added in increasing expert order (transformers' order, so the sums round alike). Which layers are
-sparse: every `decoder_sparse_step`-th, less `mlp_only_layers` (those keep the dense MLP).
+added in increasing expert order by the loop and the grouped matmuls (transformers' order, so on a CPU the
+sums round alike; a CUDA `index_add_` adds a token's rows in no fixed order), and by the Triton kernels in
+float32, each pair's product unrounded and the token's sum rounded once (in bfloat16 a near-tie may round
+otherwise than transformers'). Which layers are sparse: every `decoder_sparse_step`-th, less
+`mlp_only_layers` (those keep the dense MLP).
 
 The experts run one of three ways, each giving transformers' greedy tokens on the tiny-model tests:
 - with the Triton ops (CUDA, the Triton attention backend): `kernels.triton_moe.fused_moe`, two Triton
@@ -26,6 +29,7 @@ on every rank, so every rank routes alike.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -38,6 +42,8 @@ from engine.layers import SiluAndMul
 from engine.model import LlamaForCausalLM, WeightLoadError
 from engine.model_config import ModelConfig
 from engine.parallel import Collectives, ShardShape
+
+log = logging.getLogger("cliffguard.engine")
 
 __all__ = ["Qwen3MoeForCausalLM", "SparseMoeBlock"]
 
@@ -74,9 +80,15 @@ class SparseMoeBlock(nn.Module):
             return self.comm.all_reduce(self.fused_moe(x, self.w13, self.w2, weights, experts))
         if GROUPED_MM is not None and self._grouped:
             try:
-                return self.comm.all_reduce(self._grouped_forward(x, weights, experts))
-            except RuntimeError:   # a dtype or layout the grouped matmul lacks here: the loop from now on
+                grouped = self._grouped_forward(x, weights, experts)
+            except torch.OutOfMemoryError:
+                raise   # a step too large for the device now: not a reason to leave the grouped matmul
+            except RuntimeError as exc:   # a dtype or layout the grouped matmul lacks here: the loop from now on
+                log.warning("Qwen3-MoE experts: the grouped matmul failed on %s %s (%s); looping over the "
+                            "experts from now on", x.device, x.dtype, (str(exc) or type(exc).__name__).splitlines()[0])
                 self._grouped = False
+            else:   # the collective once, outside: a rank that fell back must not reduce twice
+                return self.comm.all_reduce(grouped)
         out = torch.zeros_like(x)
         hits = F.one_hot(experts, self.num_experts).permute(2, 1, 0)             # [num_experts, top_k, num_tokens]
         for e in hits.sum(dim=(1, 2)).nonzero().flatten().tolist():              # the experts used, in order

@@ -354,5 +354,16 @@ def test_the_grouped_experts_equal_the_expert_loop(monkeypatch):
 
         monkeypatch.setattr("engine.models.qwen3_moe.GROUPED_MM", lacking)
         block._grouped = True
+        reduced = []   # the rank's collective: once a step, whichever way the experts ran
+        monkeypatch.setattr(block.comm, "all_reduce", lambda t: reduced.append(t) or t)
         torch.testing.assert_close(block(x), grouped, atol=1e-5, rtol=1e-5)   # the loop answered
-        assert block._grouped is False
+        assert block._grouped is False and len(reduced) == 1
+
+        def out_of_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+        monkeypatch.setattr("engine.models.qwen3_moe.GROUPED_MM", out_of_memory)
+        block._grouped = True
+        with pytest.raises(torch.OutOfMemoryError):   # a step too large now: raised, the grouped matmul kept
+            block(x)
+        assert block._grouped is True
