@@ -34,6 +34,7 @@ from unittest import mock
 import torch
 
 from bench.options import int_list
+from engine.step_cost import expert_params, experts_read, step_flops
 from pools.cli_types import positive_int
 from kernels.cpu_linear import PackedLinear, use_packed_linears
 
@@ -290,6 +291,8 @@ def decode_roofline(engine, steps, device, dtype) -> dict:
 
     Memory floor: (matmul weight bytes + K/V bytes of the contexts the step attends over) / copy bandwidth.
     Compute floor: (2 x matmul params x batch + 4 x layers x heads x head_dim x context tokens) / matmul rate.
+    A mixture of experts counts the experts a step of that batch reads (`experts_read`) and the ones each token
+    computes with (`step_flops`), not all of them.
     """
     decode = [(n, sec, ctx) for n, p, sec, ctx in steps if n and not p]
     if not decode:
@@ -300,11 +303,12 @@ def decode_roofline(engine, steps, device, dtype) -> dict:
     kv_tokens = int(statistics.median(ctx for _, ctx in near))
     cfg = engine.model_config
     matmul_params = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
-    weight_bytes = matmul_params * dtype.itemsize
+    unread = round(expert_params(cfg) * (1.0 - experts_read(cfg, batch)))   # the experts no token of the step hit
+    weight_bytes = (matmul_params - unread) * dtype.itemsize
     kv_bytes = kv_tokens * cfg.kv_bytes_per_token(engine.kv_cache.dtype)
     copy_bw = measure_copy_bandwidth(device)
     rate = measure_matmul_rate(device, dtype)
-    flops = 2 * matmul_params * batch + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * kv_tokens
+    flops = step_flops(cfg, batch, kv_tokens, batch)
     mem_floor = (weight_bytes + kv_bytes) / copy_bw
     compute_floor = flops / rate
     return {"batch": batch, "step_ms": step_s * 1e3, "weight_bytes": weight_bytes, "kv_tokens": kv_tokens,

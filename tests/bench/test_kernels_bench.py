@@ -175,3 +175,31 @@ def test_llama_3_8b_shrunk_runs_end_to_end_against_transformers(capsys, builtin_
     d = result["decode"]
     assert d["kv_tokens"] > 0 and d["kv_bytes"] == d["kv_tokens"] * 2 * 2 * 2 * 16 * 4  # layers, K/V, heads, dim
     assert d["floor_ms"] > 0
+
+
+def test_the_decode_roofline_of_a_mixture_of_experts_counts_the_experts_a_step_uses(monkeypatch):
+    """A dense model's floors count every weight; a Qwen3-MoE's the experts a decode step of that batch reads
+    (bytes) and those its tokens compute with (FLOPs), as the simulator's roofline does: 10x less compute
+    for a 30B-A3B shape than all its experts."""
+    from types import SimpleNamespace
+
+    from engine.step_cost import expert_params, experts_read, step_flops
+
+    monkeypatch.setattr(engine_bench, "measure_copy_bandwidth", lambda device: 1e12)
+    monkeypatch.setattr(engine_bench, "measure_matmul_rate", lambda device, dtype: 1e15)
+    steps = [(8, 0, 0.01, 800)] * 5   # decode steps: batch 8, no prefill, 10 ms, 800 context tokens
+    moe = ModelConfig.from_hf_config({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "max_position_embeddings": 40960})
+    dense = ModelConfig.from_folder(engine_bench.REPO_ROOT / LLAMA_3_8B)
+    for cfg in (moe, dense):
+        engine = SimpleNamespace(model_config=cfg, kv_cache=SimpleNamespace(dtype=torch.bfloat16))
+        roof = engine_bench.decode_roofline(engine, steps, torch.device("cpu"), torch.bfloat16)
+        assert roof["gflop_per_step"] == pytest.approx(step_flops(cfg, 8, 800, 8) / 1e9)
+        head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+        unread = expert_params(cfg) * (1 - experts_read(cfg, 8))
+        assert roof["weight_bytes"] == pytest.approx((cfg.num_params() - head - unread) * 2, abs=2)
+    assert roof["gflop_per_step"] == pytest.approx(2 * 8 * (dense.num_params() - dense.vocab_size * 4096) / 1e9
+                                                   + 4 * 32 * 32 * 128 * 800 / 1e9)   # dense: every weight
+    assert step_flops(moe, 8, 800, 8) < 0.2 * 2 * 8 * moe.num_params()
