@@ -301,9 +301,10 @@ class SampledTokens:
         if self._logprob_rows is not None:
             rows, num_top = self._logprob_rows[:2]
             chosen, top_values, top_ids = (t.tolist() for t in self._host[1:])
-            for j, i in enumerate(rows):
+            for j, i in enumerate(rows):   # a token a grammar forbids (MASKED_LOGIT) is no alternative: not listed
                 logprobs[i] = chosen[j]
-                top_logprobs[i] = list(zip(top_ids[j][:num_top[j]], top_values[j][:num_top[j]]))
+                top = zip(top_ids[j][:num_top[j]], top_values[j][:num_top[j]])
+                top_logprobs[i] = [(token, value) for token, value in top if value > MASKED_LOGIT / 2]
         return SamplerOutput(tokens, logprobs, top_logprobs)
 
 

@@ -121,6 +121,10 @@ def test_a_grammar_rows_logprobs_are_of_the_tokens_it_allows(engine) -> None:
         temperature=0, max_tokens=24, logprobs=3, structured=StructuredOutput.json_schema(schema)))[0].outputs[0]
     assert out.top_logprobs and all(top[0][0] == token for token, top in zip(out.token_ids, out.top_logprobs))
     assert all(lp == top[0][1] for lp, top in zip(out.logprobs, out.top_logprobs))
+    # where the grammar allows fewer tokens than asked ('{' first, then '"name"'), the forbidden ones are not
+    # listed as alternatives with a logprob of -1e30: the list is shorter
+    assert all(value > -1e4 for top in out.top_logprobs for _, value in top)
+    assert min(len(top) for top in out.top_logprobs) < 3
 
 
 def test_json_object_and_unconstrained_rows_share_a_batch(engine) -> None:
