@@ -100,8 +100,8 @@ def test_capacity_command_default_config(builtin_path, capsys, monkeypatch):
 
 
 def test_capacity_of_a_cuda_device_without_cuda_needs_vram(capsys, monkeypatch):
-    """The example's device says `cuda` with memory 80GiB: on a machine without CUDA that is a plan for
-    elsewhere, so it must be asked for with --vram; without it the command exits 2."""
+    """The example's device says `cuda`, its memory the GPU's own (auto): on a machine without CUDA that is a
+    plan for elsewhere, so it must be asked for with --vram; without it the command exits 2."""
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert main(["capacity", "--config", str(EXAMPLE), "--model-config", str(LLAMA70B_JSON)]) == 2
     assert "devices.h100x8.device: 'cuda' but this machine has no CUDA device; pass --vram" in _error_line(capsys)
