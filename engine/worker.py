@@ -202,8 +202,10 @@ class HeartbeatThread:
 class LoadWatch:
     """While the model loads (minutes for a large one), a thread watches the gateway's end of the socket: if it
     closes (the gateway was killed), the worker ends at once instead of loading on, holding the device's memory
-    from the gateway that replaces it. The gateway sends nothing before `Ready`; anything it does send ends
-    the watch (the loop reads it once loaded)."""
+    from the gateway that replaces it. It polls for the peer's hang-up alone (`POLLRDHUP`, `POLLHUP`), which the
+    kernel reports whatever unread commands the socket holds (a restarted worker gets some while it loads)."""
+
+    HANG_UP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
 
     def __init__(self, sock: socket.socket, interval: float = 0.2) -> None:
         self.sock, self.interval = sock, interval
@@ -218,21 +220,13 @@ class LoadWatch:
         self._stop.set()   # not joined: it leaves at its next wake-up, and does nothing once stopped
 
     def _run(self) -> None:
+        poller = select.poll()
+        poller.register(self.sock, self.HANG_UP)
         while not self._stop.is_set():
-            readable, _, _ = select.select([self.sock], [], [], self.interval)
-            if not readable:
-                continue
-            try:
-                gone = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-            except BlockingIOError:
-                continue
-            except OSError:
-                gone = True
-            if gone and not self._stop.is_set():
+            if poller.poll(self.interval * 1000) and not self._stop.is_set():
                 log.error("the gateway is gone (its socket closed) while the model loads; the device worker ends")
                 logging.shutdown()
                 os._exit(1)
-            return   # a command came: the loop reads it once loaded
 
 
 class UnreadableCommands(Exception):

@@ -243,6 +243,7 @@ def test_a_frame_from_the_worker_that_cannot_be_read_ends_it_at_once_as_no_reque
     """The gateway cannot decode what the worker sent (a corrupt stream): the worker is killed now and what is
     in flight fails at once, the death the link's (it never counts against a request), not a loss found when
     the process is reaped ten seconds later."""
+    from engine.ipc import FrameError
     from gateway.workers.deaths import UNREADABLE, cause_of
 
     async def main():
@@ -252,7 +253,7 @@ def test_a_frame_from_the_worker_that_cannot_be_read_ends_it_at_once_as_no_reque
         first = await anext(stream)
 
         def corrupt():
-            raise OSError("ipc: a frame of 4294967295 bytes: the stream is corrupt")
+            raise FrameError("ipc: a frame of 4294967295 bytes: the stream is corrupt")
 
         client._channel.receive = corrupt
         began = time.monotonic()
@@ -270,7 +271,8 @@ def test_a_frame_from_the_worker_that_cannot_be_read_ends_it_at_once_as_no_reque
 def test_a_worker_whose_gateway_is_gone_while_it_loads_ends_at_once(tiny_config, monkeypatch):
     """The gateway is killed while its worker loads a model (here a load held 60 s): the worker ends within a
     second, freeing the device for the gateway that replaces it, instead of loading on (then stepping nothing
-    until a heartbeat finds the socket closed)."""
+    until a heartbeat finds the socket closed); also when the gateway had sent it a command meanwhile (a
+    restarted worker's admission reports reach it while it loads), which the worker has not read."""
     from engine.faults import SLOW_LOAD_ENV
 
     monkeypatch.setenv(SLOW_LOAD_ENV, "60")
@@ -281,6 +283,7 @@ def test_a_worker_whose_gateway_is_gone_while_it_loads_ends_at_once(tiny_config,
         async with asyncio.timeout(30):
             while client._channel is None:                # launched, loading
                 await asyncio.sleep(0.05)
+        client.report_waiting("default", 3)              # a command it reads only once loaded
         await asyncio.sleep(0.5)
         process = client._process
         client._loop.remove_reader(client._channel.fileno())
