@@ -307,13 +307,13 @@ class CreditLedger:
                 if up and r not in fitting and self.need(ticket, r) <= a.total - a.outside]
 
     def _waited_for(self, ticket: Ticket) -> set[int]:
-        """The replicas a request that was not admitted waits for: those up that could hold it once credits
-        come back, its flow under the cap there (`waiting`; one where its flow is at the cap waits for that flow,
-        holding nothing); where there is none, every one up where it may not go now (all when it fits nowhere)."""
-        fitting = self.fitting(ticket)
-        could = {r for r in self.waiting(ticket, fitting)
-                 if self.accounts[r].headroom.allows(ticket.flow_key, self.need(ticket, r), ticket.num_seqs)}
-        return could or {r for r, up in enumerate(self.up) if up} - set(fitting)
+        """The replicas a request that was not admitted waits for, never one where its flow is at the cap (it waits
+        for its flow there, holding nothing): those up that could hold it once credits come back (`waiting`);
+        where there is none, every one up where it may not go now (all when it fits nowhere)."""
+        fitting = set(self.fitting(ticket))
+        capped = {r for r, a in enumerate(self.accounts)
+                  if not a.headroom.allows(ticket.flow_key, self.need(ticket, r), ticket.num_seqs)}
+        return set(self.waiting(ticket, fitting)) - capped or {r for r, u in enumerate(self.up) if u} - fitting - capped
 
     def _all_held(self, held: set[int]) -> bool:
         return all(r in held for r, up in enumerate(self.up) if up)

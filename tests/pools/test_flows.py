@@ -213,3 +213,21 @@ def test_a_head_waiting_on_one_replica_leaves_the_replica_where_its_flow_is_capp
     ledger.release("c")
     assert [(t.request_id, t.replica) for t in ledger.admit()] == [("a8", 0)]
     ledger.check_integrity()
+
+
+def test_a_head_held_off_the_replica_it_fits_leaves_the_one_where_its_flow_is_capped_to_others():
+    """Tenant a's head fits replica 0 now, but an earlier head (e's, too large for replica 1) holds replica 0;
+    on replica 1 a's flow is at the cap: a's head holds nothing, and b's request goes on replica 1 at once."""
+    ledger = CreditLedger([16_000, 10_000], quantum=20_000, flow_cap=FLOW_CAP)
+    prefer_1 = lambda ticket, fitting: 1 if 1 in fitting else fitting[0]   # noqa: E731
+    ledger.submit("f", 5_000, tenant="f")
+    assert [(t.request_id, t.replica) for t in ledger.admit()] == [("f", 0)]
+    for i in range(8):
+        ledger.submit(f"a{i}", 1040, tenant="a")
+    assert [(t.request_id, t.replica) for t in ledger.admit(prefer_1)] == [(f"a{i}", 1) for i in range(8)]
+    ledger.submit("e", 12_000, tenant="e")   # waits for replica 0's credits, the only one that can hold it
+    ledger.submit("a8", 1040, tenant="a")    # fits replica 0, which e holds; at its flow's cap on replica 1
+    ledger.submit("b", 500, tenant="b")
+    assert [(t.request_id, t.replica) for t in ledger.admit(prefer_1)] == [("b", 1)]
+    ledger.check_integrity()
+
