@@ -72,14 +72,17 @@ def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def quantizes_kv_cache_only(quant: object) -> bool:
-    """Whether a config.json's `quantization_config` quantizes the KV cache alone (the weights stay in their float
-    dtype; the checkpoint carries the cache's per-layer scales): llm-compressor's compressed-tensors with a
-    `kv_cache_scheme` and no weight groups, or ModelOpt's with `kv_cache_quant_algo` and no `quant_algo`."""
-    if not isinstance(quant, dict):
+    """Whether a config.json's `quantization_config` quantizes the KV cache alone, to 8-bit floats (the weights
+    stay in their float dtype; the checkpoint carries the cache's per-layer scales): llm-compressor's
+    compressed-tensors with a float 8-bit `kv_cache_scheme` and no weight groups, or ModelOpt's with
+    `kv_cache_quant_algo: FP8` and no `quant_algo`; neither with sparsity or a transform of the weights."""
+    if not isinstance(quant, dict) or any(quant.get(key) for key in ("config_groups", "sparsity_config",
+                                                                     "transform_config")):
         return False
     if quant.get("quant_method") == "compressed-tensors":
-        return bool(quant.get("kv_cache_scheme")) and not quant.get("config_groups")
-    return quant.get("quant_method") == "modelopt" and bool(quant.get("kv_cache_quant_algo")) \
+        scheme = quant.get("kv_cache_scheme")
+        return isinstance(scheme, dict) and scheme.get("type") == "float" and scheme.get("num_bits") == 8
+    return quant.get("quant_method") == "modelopt" and quant.get("kv_cache_quant_algo") == "FP8" \
         and quant.get("quant_algo") is None
 
 

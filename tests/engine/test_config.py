@@ -35,6 +35,11 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
      r"quantization_config: .*compressed-tensors"),   # weights quantized too
     ({"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}},
      r"quantization_config: .*modelopt"),
+    ({"quantization_config": {"quant_method": "compressed-tensors",   # a KV cache of 8-bit integers: not e4m3
+                              "kv_cache_scheme": {"num_bits": 8, "type": "int"}}}, r"quantization_config: "),
+    ({"quantization_config": {"quant_method": "modelopt", "kv_cache_quant_algo": "NVFP4"}}, r"quantization_config: "),
+    ({"quantization_config": {"quant_method": "compressed-tensors", "sparsity_config": {"format": "sparse-24"},
+                              "kv_cache_scheme": {"num_bits": 8, "type": "float"}}}, r"quantization_config: "),
     ({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {},
       "quantization_config": {"quant_method": "awq"}}, r"quantization_config: .*\(awq\)"),
 ])
@@ -374,7 +379,8 @@ def test_gemma3_full_layers_yarn_is_read_as_transformers_reads_it():
     from engine.layers.rotary import rope_attention_factor, rope_inv_freq
 
     cfg = {**LLAMA, "architectures": ["Gemma3ForCausalLM"], "head_dim": 16, "sliding_window": 8,
-           "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 512, "original_max_position_embeddings": 128,
+           "layer_types": ["sliding_attention", "full_attention"], "max_position_embeddings": 512,
+           "original_max_position_embeddings": 128,
            "rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
     theirs = Gemma3RotaryEmbedding(transformers.Gemma3TextConfig.from_dict(copy.deepcopy(cfg)))
@@ -411,7 +417,8 @@ def test_defaults_are_transformers_config_classes():
     theirs = transformers.Gemma3TextConfig(**{k: v for k, v in sliding_only.items() if k != "architectures"})
     assert (ours.rope_local_theta, ours.rope_theta) == (100.0, 1e6) == \
         (theirs.rope_parameters["sliding_attention"]["rope_theta"], theirs.rope_parameters["full_attention"]["rope_theta"])
-    for arch, config_class in (("LlamaForCausalLM", transformers.LlamaConfig), ("Qwen3ForCausalLM", transformers.Qwen3Config),
+    for arch, config_class in (("LlamaForCausalLM", transformers.LlamaConfig),
+                               ("Qwen3ForCausalLM", transformers.Qwen3Config),
                                ("Qwen3MoeForCausalLM", transformers.Qwen3MoeConfig)):
         # without max_position_embeddings: the class's, the context served and YaRN's original context alike
         cfg = {**LLAMA, "architectures": [arch], "head_dim": 16, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
