@@ -44,7 +44,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.ipc import Channel
+from engine.ipc import Channel, FrameError
 from engine.messages import (AbortRequest, AddRequest, Fatal, Heartbeat, Lease, LeaseAck, Outputs, PauseRequest, Ready,
                              Rejected, ReportWaiting, Shutdown, StartupError, StatsQuery, StatsReply)
 from engine.outputs import RequestDelta
@@ -130,8 +130,6 @@ class AsyncEngineClient:
     resolves with the reason after the process was reaped. A restart is a new client.
     """
 
-    kill_unreadable = True   # a worker whose frames do not decode is killed (a remote one's connection dropped)
-
     def __init__(self, config: EngineConfig, start_method: str = "forkserver") -> None:
         self.config = config
         self.start_method = start_method              # forkserver; spawn (a fresh interpreter) for comparison
@@ -158,6 +156,7 @@ class AsyncEngineClient:
         self.latest_stats: EngineStats | None = None   # pushed by the worker with step outputs
         self.step_failed = False   # the worker ended saying a step failed (its `Fatal`), not a loss
         self.commands_unreadable = False   # ... saying it could not read a command of ours (its `Fatal`), or we its
+        self.kill_unreadable = True   # a worker whose frames do not decode is killed (a remote one's link dropped)
         # A replica shared by several gateways (`engine.sessions`): this gateway's lease on each pool, in
         # KV credits (absent: a local worker, all of it). `on_lease(pool, tokens)` applies a new lease to
         # the gateway's ledger and returns True once what it holds there is within it (then the client
@@ -222,9 +221,10 @@ class AsyncEngineClient:
     def _on_readable(self) -> None:
         try:
             messages = self._channel.receive()
-        except OSError as exc:   # a frame that does not decode: the link's fault, not the requests'
-            self.commands_unreadable = True
-            (self.kill if self.kill_unreadable else self._on_exit)(f"device worker: unreadable frame ({exc})")
+        except OSError as exc:   # a frame that is no message is the link's fault, not the requests'; a broken
+            unreadable = self.commands_unreadable = isinstance(exc, FrameError)   # connection: the exit says why
+            reason = f"device worker: unreadable frame ({exc})" if unreadable else None
+            (self.kill if unreadable and self.kill_unreadable else self._on_exit)(reason)
             return
         if messages:
             self.last_heard = time.monotonic()
@@ -320,10 +320,9 @@ class AsyncEngineClient:
                     self._send(LeaseAck(pool, *entry))
 
     def _on_exit(self, reason: str | None = None, grace: float = 10.0) -> None:
-        """The worker is gone or going (pipe EOF, its sentinel, `fatal`, `shutdown`): stop reading and
-        reap the process in the background. With a `reason` what is in flight fails now; without one
-        (it exited) once the process is reaped, a moment later, so that the reason has the exit code
-        (the pipe's EOF often arrives before the kernel has the process's status)."""
+        """The worker is gone or going (pipe EOF, its sentinel, `fatal`, `shutdown`): stop reading and reap the
+        process in the background. With a `reason` what is in flight fails now; without one (it exited) once the
+        process is reaped, a moment later, so that the reason has the exit code (EOF may come before the status)."""
         if self._reaper is not None:
             return
         self._loop.remove_reader(self._channel.fileno())

@@ -29,11 +29,16 @@ from typing import Any
 
 from engine.wire import MAC_BYTES, FrameKeys, WireError, decode, encode
 
-__all__ = ["Channel", "MAX_FRAME_BYTES"]
+__all__ = ["Channel", "FrameError", "MAX_FRAME_BYTES"]
 
 _HEADER = struct.Struct("!Q")
 MAX_FRAME_BYTES = 1 << 31      # a larger frame is a protocol error (a corrupt stream), not a message
 _RECV_BYTES = 1 << 20
+
+
+class FrameError(OSError):
+    """A frame that is no message (its length past MAX_FRAME_BYTES, its body undecodable, its MAC wrong): the
+    stream is corrupt or another program's. An OSError, as a broken connection is; told apart by its type."""
 
 
 class Channel:
@@ -108,7 +113,7 @@ class Channel:
         while len(inbox) - start >= _HEADER.size:
             (size,) = _HEADER.unpack_from(inbox, start)
             if size > MAX_FRAME_BYTES:
-                raise OSError(f"ipc: a frame of {size} bytes: the stream is corrupt")
+                raise FrameError(f"ipc: a frame of {size} bytes: the stream is corrupt")
             body_end = start + _HEADER.size + size
             end = body_end + self._mac_bytes
             if len(inbox) < end:
@@ -119,7 +124,7 @@ class Channel:
                     self.keys.check(body, inbox[body_end:end])
                 messages.append(decode(body))
             except WireError as exc:
-                raise OSError(str(exc)) from None
+                raise FrameError(str(exc)) from None
             start = end
         if start:
             del inbox[:start]

@@ -51,10 +51,9 @@ class ReplicaLink(Protocol):
 class RemoteEngineClient(AsyncEngineClient):
     """`AsyncEngineClient` over a network connection to a replica that `link` locates."""
 
-    kill_unreadable = False   # a frame that does not decode drops this connection, not the replica others share
-
     def __init__(self, config: EngineConfig, link: ReplicaLink) -> None:
         super().__init__(config)
+        self.kill_unreadable = False   # a frame that does not decode drops this link, not the replica others share
         self.link = link
         self.address: tuple[str, int] | None = None
         self._lost_reason: str | None = None

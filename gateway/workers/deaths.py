@@ -16,8 +16,9 @@ depends on its cause (`cause_of`, and the watchdog's own verdicts):
 - `stall`: the watchdog killed it, its heartbeat silent for `gateway.stall_seconds` (a process frozen
   whole). As a loss.
 - `stopped`: the gateway stopped the replica (shutting down, the autoscaler removing it). Never.
-- `unreadable`: the worker could not read a command the gateway sent (a `Fatal` with `unreadable`: a
-  gateway and worker of other code, a corrupt stream). The gateway's doing: never.
+- `unreadable`: the worker could not read a command the gateway sent (a `Fatal` with `unreadable`), or the
+  gateway a frame the worker sent (`engine.ipc.FrameError`): a gateway and worker of other code, a corrupt
+  stream. The link's doing: never.
 
 A lone loss counts: a request can make its worker run out of memory, and the OOM killer's signal is a
 loss. Replicas lost together are one fault that took them all (a node, a network, the cluster
@@ -49,8 +50,8 @@ MAX_KEPT = 256              # deaths remembered per device
 
 def cause_of(client: object) -> str:
     """The cause of a worker's death as its client knows it: a failed step where the worker said so
-    (`AsyncEngineClient.step_failed`, from its `Fatal`), a command it could not read where it said that,
-    anything else (a `Fatal` whose group broke, a process gone, a connection lost) a loss."""
+    (`AsyncEngineClient.step_failed`, from its `Fatal`), a frame either side could not read (its `Fatal` said
+    so, or the gateway found one), anything else (a `Fatal` whose group broke, a process gone, a connection lost) a loss."""
     if getattr(client, "commands_unreadable", False):
         return UNREADABLE
     return FAILURE if getattr(client, "step_failed", False) else LOSS
