@@ -257,7 +257,7 @@ async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
 
 
 _RETRY_HEADERS = ("retry-after", "retry-after-ms")
-_ACCOUNT_IDS = re.compile(r"\b(org|proj|user)[-_][A-Za-z0-9]{8,}")   # the operator's account at the upstream
+_ACCOUNT_IDS = re.compile(r"\b((?:org|proj|user)[-_])(?=[A-Za-z]*\d)[A-Za-z0-9]{16,}")   # the operator's account
 
 
 def retry_headers(headers: Any) -> dict[str, str]:
@@ -294,7 +294,7 @@ def openai_error(raw: bytes, context: str) -> dict[str, Any]:
         text = error if isinstance(error, str) and error else raw[:500].decode(errors="replace")
         error = {"message": f"{context}: {text}", "type": "server_error", "code": "upstream_error"}
     param, code = error.get("param"), error.get("code")
-    return {"message": _ACCOUNT_IDS.sub(r"\1-…", str(error.get("message") or "")),
+    return {"message": _ACCOUNT_IDS.sub(r"\1…", str(error.get("message") or "")),
             "type": str(error.get("type") or "server_error"),
             "param": None if param is None else str(param), "code": None if code is None else str(code)}
 

@@ -418,8 +418,9 @@ async def test_an_upstream_429_keeps_its_retry_headers_and_a_batch_line_is_tried
     it says; a batch line answered 429 was refused, never run, so it is tried again like a line whose
     upstream could not be reached. The operator's account ids in its message (OpenAI's names the organization)
     are masked: the client is not the account's holder."""
-    refusal = (b'{"error": {"message": "Rate limit reached for gpt-4o in organization org-AbCdEf123456 on requests '
-               b'per min (RPM): Limit 3, Used 3.", "code": "rate_limit_exceeded"}}')
+    refusal = (b'{"error": {"message": "Rate limit reached for gpt-4o in organization org-AbCdEf123456GhIjKl78MnOp '
+               b'on requests per min (RPM): Limit 3, Used 3; see user_location and user-provided keys.", '
+               b'"code": "rate_limit_exceeded"}}')
     limited = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 7\r\n"
                b"x-ratelimit-remaining-requests: 0\r\nContent-Length: %d\r\n\r\n%s" % (len(refusal), refusal))
     tries: dict[str, int] = {}
@@ -437,6 +438,7 @@ async def test_an_upstream_429_keeps_its_retry_headers_and_a_batch_line_is_tried
     error = (await r.json())["error"]
     assert r.status == 429 and error["code"] == "rate_limit_exceeded"
     assert "org-AbCdEf" not in error["message"] and "in organization org-… on requests" in error["message"]
+    assert "user_location and user-provided keys" in error["message"]   # words, not ids: as they came
     assert (r.headers["Retry-After"], r.headers["x-ratelimit-remaining-requests"]) == ("7", "0")
     (tmp_path / "batch").mkdir()
     done, errors = await _run_batch(aiohttp_client, tmp_path / "batch", url, "later", "bad")
