@@ -52,8 +52,16 @@ def calibrate_kv_scales(engine: Any) -> dict[str, tuple[float, float]] | None:
     measured: not an FP8 cache, `calculate_kv_scales` false, scales from the checkpoint, or too few free
     blocks. Rank 0 of a tensor-parallel group measures with its other ranks (the module docstring)."""
     attns = [layer.self_attn for layer in engine.model.layers]
-    if engine.kv_dtype != FP8_KV_DTYPE or not engine.config.calculate_kv_scales or \
-            engine.model.kv_scales_from_checkpoint:   # its 1.0s too: they were chosen
+    if engine.kv_dtype != FP8_KV_DTYPE:
+        return None
+    if engine.model.kv_scales_from_checkpoint:   # its 1.0s too: they were chosen
+        unscaled = [f"{i}.{attr}" for i in range(len(attns)) for attr in ("k_scale", "v_scale")
+                    if (i, attr) not in engine.model.kv_scales_read]
+        if unscaled:   # none is measured once the checkpoint brings any: those it lacks stay 1.0, as in vLLM
+            log.warning("the checkpoint's FP8 KV scales leave %d of %d at 1.0 (layers %s): the cache stores those "
+                        "unscaled", len(unscaled), 2 * len(attns), ", ".join(unscaled[:8]))
+        return None
+    if not engine.config.calculate_kv_scales:
         return None
     bm = max((s.block_manager for s in engine.schedulers.values()), key=lambda b: b.num_blocks)   # lends blocks
     ids = _calibration_ids(engine, max(s.max_model_len for s in engine.schedulers.values()))

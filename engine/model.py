@@ -264,11 +264,6 @@ class LlamaForCausalLM(nn.Module):
             filled[target] = filled.get(target, 0) + dest.numel()
         if stored_head is not None and filled.get("embed_tokens.weight") == self.embed_tokens.weight.numel():
             self._untie(stored_head)
-        unscaled = [f"{i}.{attr}" for i in range(len(self.layers)) for attr in ("k_scale", "v_scale")
-                    if self.kv_scales_from_checkpoint and (i, attr) not in self.kv_scales_read]
-        if unscaled:   # none is measured once the checkpoint brings any: those it lacks stay 1.0, as in vLLM
-            log.warning("the checkpoint's FP8 KV scales leave %d of %d at 1.0 (layers %s): an FP8 cache stores "
-                        "those unscaled", len(unscaled), 2 * len(self.layers), ", ".join(unscaled[:8]))
         missing = [name for name, param in params.items() if filled.get(name, 0) != param.numel()]
         if missing:
             raise WeightLoadError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
