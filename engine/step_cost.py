@@ -371,7 +371,8 @@ class DevicePreset:
 # PCIe Gen5; H200 SXM the same compute, 4.8 TB/s, 141 GB; A100 SXM4 80GB 312 TFLOP/s, 2.04 TB/s,
 # NVLink 600 GB/s, PCIe Gen4. Host copies at about 55 GB/s (Gen5) and 25 GB/s (Gen4) pinned. Memory: the
 # total the driver reports for the card (nvidia-smi's memory.total: H100 80GB HBM3 81,559 MiB, an H200 143,771
-# MiB as measured for docs/PERF.md, A100 80GB 81,920 MiB), not the datasheet's "141 GB" (141e9 B, 9 GiB short).
+# MiB as measured for docs/PERF.md, A100 80GB 81,920 MiB), not the datasheet's "141 GB" (141e9 B, 9 GiB short);
+# torch's total, which the engine checks a plan against at start, is somewhat less (the driver's reserve).
 PRESETS = {
     "h100": DevicePreset("h100", 989e12, 3.35e12, 55e9, 450e9, 81_559 * MiB),
     "h200": DevicePreset("h200", 989e12, 4.8e12, 55e9, 450e9, 143_771 * MiB),
