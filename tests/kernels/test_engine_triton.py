@@ -81,6 +81,7 @@ def test_engine_on_triton_kernels_with_head_dim_40_matches_the_reference(tiny_he
     assert results["triton"] == results["torch"]
 
 
+@pytest.mark.slow   # ~13 s; the FP8 store and kernels are exact against the reference in tests/kernels/test_triton*.py
 def test_engine_on_triton_kernels_with_an_fp8_cache_matches_the_reference(tiny, monkeypatch):
     """kv_cache_dtype fp8: the Triton store writes the reference's bytes and the kernels read them as the
     reference does (times each layer's scales), so greedy tokens are the torch backend's over its FP8 cache;

@@ -91,6 +91,8 @@ def test_a_request_whose_handling_fails_gets_500_alone_and_the_worker_serves_on(
     assert chat(live.url)[0] == 200
 
 
+@pytest.mark.slow   # ~8 s; end to end the rule is also shown on two replicas (tests/gateway/test_deaths.py) and
+# beside an innocent request (below)
 def test_a_request_that_kills_its_worker_twice_is_a_poison_request_never_run_a_third_time(live):
     restarts = metric(live.url, RESTARTS, device="default")
     pid = worker_pid(live)
