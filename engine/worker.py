@@ -202,8 +202,8 @@ class HeartbeatThread:
 class LoadWatch:
     """While the model loads (minutes for a large one), a thread watches the gateway's end of the socket: if it
     closes (the gateway was killed), the worker ends at once instead of loading on, holding the device's memory
-    from the gateway that replaces it. It polls for the peer's hang-up alone (`POLLRDHUP`, `POLLHUP`), which the
-    kernel reports whatever unread commands the socket holds (a restarted worker gets some while it loads)."""
+    from the gateway that replaces it. It polls for the peer's hang-up alone (`POLLRDHUP`, `POLLHUP`, `POLLERR`),
+    which the kernel reports whatever unread commands the socket holds (a restarted worker gets some as it loads)."""
 
     HANG_UP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
 

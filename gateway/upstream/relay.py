@@ -257,7 +257,8 @@ async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
 
 
 _RETRY_HEADERS = ("retry-after", "retry-after-ms")
-_ACCOUNT_IDS = re.compile(r"\b((?:org|proj|user)[-_])(?=[A-Za-z]*\d)[A-Za-z0-9]{16,}")   # the operator's account
+_ACCOUNT_IDS = re.compile(r"\b((?:org|proj|user)[-_])"   # the operator's ids: 16+ letters and digits, not a word
+                          r"(?=[A-Za-z0-9]*?(?:\d|[A-Z][A-Za-z0-9]*?[a-z]|[a-z][A-Za-z0-9]*?[A-Z]))[A-Za-z0-9]{16,}")
 
 
 def retry_headers(headers: Any) -> dict[str, str]:
@@ -282,9 +283,8 @@ def _credentials_refused(pool: Pool, status: int, error: dict[str, Any]) -> ApiE
 
 
 def openai_error(raw: bytes, context: str) -> dict[str, Any]:
-    """An upstream's error body as an OpenAI error object: its own `error` (message, `param` and `code` as text or
-    null), else one quoting its text (its `error` string or the body's start) after `context`, code `upstream_error`;
-    account ids masked. The one rule for relayed HTTP errors and batch and background runs (`gateway.completion`)."""
+    """An upstream's error body as an OpenAI error object (its own `error`, else one quoting its text after
+    `context`, code `upstream_error`), account ids masked: relayed HTTP errors and batch and background runs alike."""
     try:
         payload = msgspec.json.decode(raw)
     except (ValueError, RecursionError):   # not JSON (or cut at MAX_ERROR_BYTES), or nested too deep

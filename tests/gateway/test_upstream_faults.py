@@ -419,7 +419,8 @@ async def test_an_upstream_429_keeps_its_retry_headers_and_a_batch_line_is_tried
     upstream could not be reached. The operator's account ids in its message (OpenAI's names the organization)
     are masked: the client is not the account's holder."""
     refusal = (b'{"error": {"message": "Rate limit reached for gpt-4o in organization org-AbCdEf123456GhIjKl78MnOp '
-               b'on requests per min (RPM): Limit 3, Used 3; see user_location and user-provided keys.", '
+               b'on requests per min (RPM): Limit 3, Used 3; project proj_AbCdEfGhIjKlMnOpQrStUvWx; see '
+               b'user_location and user-provided keys.", '
                b'"code": "rate_limit_exceeded"}}')
     limited = (b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nRetry-After: 7\r\n"
                b"x-ratelimit-remaining-requests: 0\r\nContent-Length: %d\r\n\r\n%s" % (len(refusal), refusal))
@@ -438,6 +439,7 @@ async def test_an_upstream_429_keeps_its_retry_headers_and_a_batch_line_is_tried
     error = (await r.json())["error"]
     assert r.status == 429 and error["code"] == "rate_limit_exceeded"
     assert "org-AbCdEf" not in error["message"] and "in organization org-… on requests" in error["message"]
+    assert "project proj_…;" in error["message"]                         # an id of letters alone too
     assert "user_location and user-provided keys" in error["message"]   # words, not ids: as they came
     assert (r.headers["Retry-After"], r.headers["x-ratelimit-remaining-requests"]) == ("7", "0")
     (tmp_path / "batch").mkdir()

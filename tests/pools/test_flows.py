@@ -230,4 +230,3 @@ def test_a_head_held_off_the_replica_it_fits_leaves_the_one_where_its_flow_is_ca
     ledger.submit("b", 500, tenant="b")
     assert [(t.request_id, t.replica) for t in ledger.admit(prefer_1)] == [("b", 1)]
     ledger.check_integrity()
-
