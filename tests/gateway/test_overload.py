@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import pytest
+
 from pools import demand
 from tests.gateway.test_app import _client, _metrics
 
@@ -25,6 +27,7 @@ async def _gauge(client, name: str, **labels: str) -> float:
     return metrics[name][tuple(sorted(labels.items()))]
 
 
+@pytest.mark.slow   # ~11 s of load; the verdict's arithmetic: tests/pools/test_demand.py; its watch: test_metrics_outages.py
 async def test_a_pool_offered_more_than_it_can_run_is_said_overloaded_and_clears(
         aiohttp_client, tmp_path, tiny_model, caplog, monkeypatch):
     caplog.set_level(logging.INFO, logger="cliffguard.overload")

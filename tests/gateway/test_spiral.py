@@ -141,7 +141,7 @@ async def test_the_split_layout_under_the_same_load_does_not_trip(aiohttp_client
     load.start()
     seen = []
     try:
-        for _ in range(48):                  # 12 s: two windows, longer than the shared pool takes to trip
+        for _ in range(36):                  # 9 s: a window and a half, longer than the shared pool takes to trip
             await asyncio.sleep(0.25)
             metrics = await _scrape(client)
             seen.append((_spiral_gauge(metrics, "chat"), _spiral_gauge(metrics, "rag")))

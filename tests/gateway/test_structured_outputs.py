@@ -186,6 +186,7 @@ def async_sdk(live_builtin_server):
     return lambda: openai.AsyncOpenAI(base_url=live_builtin_server.url + "/v1", api_key="unused", max_retries=0)
 
 
+@pytest.mark.slow   # ~8 s; every schema's grammar is held to it in tests/engine/test_structured.py, parse above
 async def test_parse_returns_a_valid_object_for_twenty_schemas(async_sdk):
     client = async_sdk()
 
