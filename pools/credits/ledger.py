@@ -288,10 +288,12 @@ class CreditLedger:
         return admitted
 
     def fitting(self, ticket: Ticket) -> list[int]:
-        """The replicas that are up and have the free credits and sequences `ticket` needs there, within its
-        flow's cap (by the credits it would take there: its prompt blocks shared there are not its own)."""
-        return [r for r in self._roomy(ticket)
-                if self.accounts[r].headroom.allows(ticket.flow_key, self.need(ticket, r), ticket.num_seqs)]
+        """The replicas that are up and have the free credits and sequences `ticket` needs there, within its cap."""
+        return [r for r in self._roomy(ticket) if self._under_cap(ticket, r)]
+
+    def _under_cap(self, ticket: Ticket, replica: int) -> bool:
+        """`ticket` on `replica` keeps its flow within the cap (by what it would take there: not shared blocks)."""
+        return self.accounts[replica].headroom.allows(ticket.flow_key, self.need(ticket, replica), ticket.num_seqs)
 
     def _roomy(self, ticket: Ticket) -> list[int]:
         """The replicas that are up and have the free credits and sequences `ticket` needs there."""
@@ -311,8 +313,7 @@ class CreditLedger:
         for its flow there, holding nothing): those up that could hold it once credits come back (`waiting`);
         where there is none, every one up where it may not go now (all when it fits nowhere)."""
         fitting = set(self.fitting(ticket))
-        capped = {r for r, a in enumerate(self.accounts)
-                  if not a.headroom.allows(ticket.flow_key, self.need(ticket, r), ticket.num_seqs)}
+        capped = {r for r in range(len(self.accounts)) if not self._under_cap(ticket, r)}
         return set(self.waiting(ticket, fitting)) - capped or {r for r, u in enumerate(self.up) if u} - fitting - capped
 
     def _all_held(self, held: set[int]) -> bool:
@@ -396,8 +397,7 @@ class CreditLedger:
         """`head`'s flow is at its cap on every replica up that could hold it (room now or once credits come
         back): it waits for its own flow, holding back no other's, whether or not there is room now."""
         could = self.waiting(head, fitting=())
-        return bool(could) and not any(self.accounts[r].headroom.allows(head.flow_key, self.need(head, r),
-                                                                        head.num_seqs) for r in could)
+        return bool(could) and not any(self._under_cap(head, r) for r in could)
 
     def release(self, request_id: str) -> int:
         """A finished (or aborted) admitted request gives back everything it held; returns the credits that
