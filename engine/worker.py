@@ -127,12 +127,13 @@ def _rank_lost(channel: "WorkerChannel", reason: str) -> None:
         os._exit(1)
 
 
-def _orphaned() -> None:
+def _orphaned(doing: str = "a step runs") -> None:
     """The gateway is gone (a heartbeat could not be sent: it was killed, or its machine's OOM killer took it)
     while the loop may be inside a step, which notices only once the step ends, or never if it hangs: the
     loop did not leave within LAST_WORDS_SECONDS (`HeartbeatThread`), so the process ends, and holds no device
-    memory from the gateway that replaces it (its tensor-parallel followers end with it)."""
-    log.error("the gateway is gone (its socket closed) while a step runs; the device worker ends")
+    memory from the gateway that replaces it (its tensor-parallel followers end with it). `LoadWatch` ends it
+    so while the model loads."""
+    log.error("the gateway is gone (its socket closed) while %s; the device worker ends", doing)
     logging.shutdown()
     os._exit(1)
 
@@ -224,9 +225,7 @@ class LoadWatch:
         poller.register(self.sock, self.HANG_UP)
         while not self._stop.is_set():
             if poller.poll(self.interval * 1000) and not self._stop.is_set():
-                log.error("the gateway is gone (its socket closed) while the model loads; the device worker ends")
-                logging.shutdown()
-                os._exit(1)
+                _orphaned("the model loads")
 
 
 class UnreadableCommands(Exception):
