@@ -372,7 +372,7 @@ class LocalResponse:
                 rest, calls, num_calls = stream.finish(text, cut=finish_reason == "length")
                 delta["content"] += rest
                 if num_calls:
-                    finish_reason = objects.calls_finish(self.req.legacy) if finish_reason == "stop" else finish_reason
+                    finish_reason = self.req.calls_finish if finish_reason == "stop" else finish_reason
             delta["content"] = delta["content"] or None   # OpenAI's null, not "", beside calls or nothing
             if calls:
                 delta.update(objects.calls_field(calls, self.req.legacy))
@@ -471,7 +471,7 @@ class LocalResponse:
             finish_reason = choice.finish_reason
             content, calls = self._reply(choice)
             if self.tool_format is not None and calls and finish_reason == "stop":
-                finish_reason = objects.calls_finish(self.req.legacy)
+                finish_reason = self.req.calls_finish
             if (reasoning := choice.reasoning) is not None:   # a thinking model's: null where a part is empty
                 content = content or None
             thought = (reasoning.reasoning or None) if reasoning is not None else None

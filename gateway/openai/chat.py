@@ -100,6 +100,14 @@ class ChatRequest:
     chat_template_kwargs: dict[str, Any] | None = None
 
     @property
+    def calls_finish(self) -> str:
+        """The finish_reason of a reply that made calls, as OpenAI answers it: "stop" where tool_choice (or
+        function_call) named the function, else "tool_calls" (for the deprecated `functions`, "function_call")."""
+        if self.tool_choice.mode == "function":
+            return "stop"
+        return "function_call" if self.legacy else "tool_calls"
+
+    @property
     def continued(self) -> str | None:
         """The text of the message the prompt ends inside (`continue_final_message`: the reply goes on from
         it), else None."""

@@ -128,11 +128,6 @@ def calls_field(calls: list[dict[str, Any]], legacy: bool) -> dict[str, Any]:
     return {"function_call": calls[0]["function"]} if legacy else {"tool_calls": calls}
 
 
-def calls_finish(legacy: bool) -> str:
-    """The finish_reason of a reply that made calls: "tool_calls", or the deprecated `functions`'."""
-    return "function_call" if legacy else "tool_calls"
-
-
 def chat_chunk(request_id: str, model: str, created: int, choices: list[dict[str, Any]],
                include_usage: bool, usage_so_far: dict[str, int] | None = None) -> dict[str, Any]:
     """With `include_usage` the chunk has a `usage` key: None (OpenAI's), or `usage_so_far` (vLLM's

@@ -452,10 +452,10 @@ async def test_required_and_a_named_function_give_valid_calls_twenty_of_twenty_e
     assert len(answers) == 40
     for named, name, choice in answers:
         assert choice.message.tool_calls, choice.message
+        # OpenAI's finish_reason: "stop" for a forced named call, "tool_calls" for calls the model chose to make
+        assert choice.finish_reason == ("stop" if named else "tool_calls"), choice.message
         if named:
             assert [c.function.name for c in choice.message.tool_calls] == [name]
-        else:
-            assert choice.finish_reason == "tool_calls", choice.message
         for call in choice.message.tool_calls:
             _assert_valid(call)
 
@@ -503,11 +503,12 @@ async def test_a_call_cut_by_max_tokens_is_the_same_partial_call_streamed_or_who
 
 async def test_the_deprecated_functions_are_answered_as_one_function_call_whole_and_streamed(client) -> None:
     """A request offering `functions` gets OpenAI's answer of that API: `message.function_call` (no `tool_calls`),
-    finish_reason "function_call", a stream's `delta.function_call` pieces (the name in the first), one call."""
+    a stream's `delta.function_call` pieces (the name in the first), one call; finish_reason "stop" where
+    `function_call` named the function (OpenAI's for a forced call, "function_call" where the model chose it)."""
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=120, temperature=0,
                   functions=[t["function"] for t in TOOLS], function_call={"name": "get_weather"})
     whole = (await client.chat.completions.create(**kwargs)).choices[0]
-    assert whole.finish_reason == "function_call" and whole.message.tool_calls is None, whole
+    assert whole.finish_reason == "stop" and whole.message.tool_calls is None, whole
     assert whole.message.function_call.name == "get_weather"
     jsonschema.validate(json.loads(whole.message.function_call.arguments), SCHEMAS["get_weather"])
     pieces, finish = [], None
@@ -517,7 +518,7 @@ async def test_the_deprecated_functions_are_answered_as_one_function_call_whole_
             if choice.delta.function_call is not None:
                 pieces.append(choice.delta.function_call)
             finish = choice.finish_reason or finish
-    assert finish == "function_call" and len(pieces) > 2
+    assert finish == "stop" and len(pieces) > 2
     assert [p.name for p in pieces] == ["get_weather"] + [None] * (len(pieces) - 1)
     assert "".join(p.arguments for p in pieces) == whole.message.function_call.arguments
     auto = (await client.chat.completions.create(**{**kwargs, "function_call": "auto"})).choices[0]
@@ -528,7 +529,9 @@ async def test_a_two_turn_exchange_with_a_tool_result(client) -> None:
     messages = [{"role": "user", "content": "What's the weather in Paris?"}]
     first = (await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=120,
                                                   tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                                  temperature=0)).choices[0].message
+                                                  temperature=0)).choices[0]
+    assert first.finish_reason == "stop"    # OpenAI's for a call tool_choice forced by name
+    first = first.message
     call = first.tool_calls[0]
     messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                  {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})}]
@@ -536,6 +539,19 @@ async def test_a_two_turn_exchange_with_a_tool_result(client) -> None:
                                                    tool_choice="none", temperature=0)).choices[0]
     assert second.message.content and not second.message.tool_calls
     assert second.finish_reason in ("stop", "length")
+
+
+def test_the_finish_reason_of_a_reply_with_calls_is_openais_for_each_choice() -> None:
+    """"tool_calls" where the model may choose its calls ("auto", "required"), "stop" where tool_choice named the
+    function (OpenAI answers a forced call so, and vLLM does); the deprecated `functions`: "function_call", and
+    "stop" where `function_call` named one."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Paris?"}]}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, finish in (("auto", "tool_calls"), ("required", "tool_calls"), (named, "stop")):
+        assert parse_chat({**body, "tools": TOOLS, "tool_choice": choice}).calls_finish == finish, choice
+    functions = [t["function"] for t in TOOLS]
+    for choice, finish in (("auto", "function_call"), ({"name": "get_weather"}, "stop")):
+        assert parse_chat({**body, "functions": functions, "function_call": choice}).calls_finish == finish, choice
 
 
 def test_arguments_that_are_not_json_to_python_read_as_none() -> None:
