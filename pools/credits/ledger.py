@@ -289,9 +289,9 @@ class CreditLedger:
 
     def fitting(self, ticket: Ticket) -> list[int]:
         """The replicas that are up and have the free credits and sequences `ticket` needs there, within its cap."""
-        return [r for r in self._roomy(ticket) if self._under_cap(ticket, r)]
+        return [r for r in self._roomy(ticket) if self.under_cap(ticket, r)]
 
-    def _under_cap(self, ticket: Ticket, replica: int) -> bool:
+    def under_cap(self, ticket: Ticket, replica: int) -> bool:
         """`ticket` on `replica` keeps its flow within the cap (by what it would take there: not shared blocks)."""
         return self.accounts[replica].headroom.allows(ticket.flow_key, self.need(ticket, replica), ticket.num_seqs)
 
@@ -313,7 +313,7 @@ class CreditLedger:
         for its flow there, holding nothing): those up that could hold it once credits come back (`waiting`);
         where there is none, every one up where it may not go now (all when it fits nowhere)."""
         fitting = set(self.fitting(ticket))
-        capped = {r for r in range(len(self.accounts)) if not self._under_cap(ticket, r)}
+        capped = {r for r in range(len(self.accounts)) if not self.under_cap(ticket, r)}
         return set(self.waiting(ticket, fitting)) - capped or {r for r, u in enumerate(self.up) if u} - fitting - capped
 
     def _all_held(self, held: set[int]) -> bool:
@@ -397,7 +397,7 @@ class CreditLedger:
         """`head`'s flow is at its cap on every replica up that could hold it (room now or once credits come
         back): it waits for its own flow, holding back no other's, whether or not there is room now."""
         could = self.waiting(head, fitting=())
-        return bool(could) and not any(self._under_cap(head, r) for r in could)
+        return bool(could) and not any(self.under_cap(head, r) for r in could)
 
     def release(self, request_id: str) -> int:
         """A finished (or aborted) admitted request gives back everything it held; returns the credits that

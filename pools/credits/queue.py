@@ -257,12 +257,13 @@ class CreditQueue:
 
     def _place(self, ticket: Ticket, fitting: list[int]) -> int | None:
         """The ledger's choice of replica: the placement's, which starts counting the request's load there
-        (None: it waits for the replica that caches its prompt)."""
+        (None: it waits for the replica that caches its prompt, never one where its flow is at the cap)."""
         work = self._work.get(ticket.request_id)
         if self.placement is not None and work is not None:
             free = [a.free for a in self.ledger.accounts]
+            waiting = [r for r in self.ledger.waiting(ticket, fitting) if self.ledger.under_cap(ticket, r)]
             try:
-                replica = self.placement.choose(work, fitting, free, self.ledger.waiting(ticket, fitting))
+                replica = self.placement.choose(work, fitting, free, waiting)
                 if replica is not None:
                     self.placement.start(ticket.request_id, replica, work)
                 return replica

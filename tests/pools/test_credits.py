@@ -503,6 +503,46 @@ def test_a_placement_that_raises_strands_no_admitted_request():
     asyncio.run(main())
 
 
+def test_placement_never_has_a_request_wait_for_the_replica_where_its_flow_is_at_the_cap():
+    """Replica 1 caches the start of a8's prompt (a0's), but tenant a's flow there holds 8,320 of 10,000 credits and
+    a8 would take it past the cap (7/8): placement is offered only replica 0, which has room, and a8 starts there at
+    once (offered replica 1 as one to wait for, placement chose to wait for it, for as long as a's flow held it)."""
+    from pools.credits.flows import FLOW_CAP
+    from pools.credits.placement import Placement
+
+    async def main() -> None:
+        placement = Placement(2, 16, max_cached_blocks=10_000)
+        queue, end = CreditQueue("p", [10_000, 10_000], placement=placement, flow_cap=FLOW_CAP,
+                                 quantum=10_000), asyncio.Event()
+        held: dict[str, int] = {}
+
+        async def hold(request_id: str, prompt: list[int], output: int, tenant: str = "a") -> None:
+            work = placement.work([prompt], output, 1, 100_000)
+            async with queue.hold(request_id, len(prompt) + output, tenant=tenant, work=work) as ticket:
+                held[request_id] = ticket.replica
+                await end.wait()
+
+        prompts = [list(range(10_000 * i, 10_000 * i + 1000)) for i in range(8)]
+        tasks = [asyncio.ensure_future(hold("e", list(range(100_000, 107_000)), 800, tenant="e"))]
+        for i, prompt in enumerate(prompts):
+            await asyncio.sleep(0)
+            tasks.append(asyncio.ensure_future(hold(f"a{i}", prompt, 40)))
+        await asyncio.sleep(0.01)
+        assert held == {"e": 0, **{f"a{i}": 1 for i in range(8)}}     # a's flow: 8 x 1,040 on replica 1
+        tasks.append(asyncio.ensure_future(hold("a8", prompts[0][:800] + list(range(200_000, 200_700)), 40)))
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if "a8" in held:
+                break
+        assert held.get("a8") == 0, (held, queue.ledger.num_queued)
+        end.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 2)
+        assert queue.free == 20_000
+        queue.ledger.check_integrity()
+
+    asyncio.run(main())
+
+
 def test_a_patient_request_never_has_others_refused_where_nothing_queues():
     """max_queue_seconds 0 (reject-when-full): a background Response too large for the free credits waits behind
     the others; a request that fits is admitted (it was refused, 429, while the patient one headed the queue)."""
