@@ -165,11 +165,13 @@ def stores_own_head(folder: Path, tie_word_embeddings: bool, text_prefix: str = 
     """Whether a checkpoint whose config ties the head to the embedding stores an `lm_head.weight` that is
     not the embedding table: the engine serves that head (`LlamaForCausalLM._untie`, as transformers 5
     does), so the capacity plan counts it. Read from the headers, and the two tensors only when both are
-    stored (a fine-tune that kept the flag; most tied checkpoints store no head)."""
-    if not tie_word_embeddings:
+    stored (a fine-tune that kept the flag; most tied checkpoints store no head). A folder of no weights (the
+    published config.json alone, to plan from) stores none."""
+    folder = Path(folder)
+    if not tie_word_embeddings or not (folder / _INDEX_FILE).is_file() and not any(folder.glob("*.safetensors")):
         return False
     where: dict[str, tuple[Path, str]] = {}
-    for path, names in _tensor_names_by_file(Path(folder)).items():
+    for path, names in _tensor_names_by_file(folder).items():
         for hf_name in names or (k for k in _read_header(path) if k != "__metadata__"):
             name = model_tensor_name(hf_name, text_prefix)
             if name in ("lm_head.weight", "embed_tokens.weight"):

@@ -394,6 +394,24 @@ def test_the_qwen3_examples_plan(name, vram, dense_bytes, kv):
         assert all(p.num_blocks >= 1.9 * bf16.pools[n].num_blocks for n, p in plan.pools.items())
 
 
+def test_a_tied_model_plans_from_its_config_json_alone(tmp_path):
+    """A published config.json of a tied model (Qwen3-4B's, Llama-3.2's, Gemma 3's) in a folder of no weights
+    plans: no head of its own to count (it was 'no weights in model folder'), one table fewer than untied."""
+    data = yaml.safe_load((REPO / "config" / "examples" / "qwen3-32b-2xh100-fp8.yaml").read_text())
+    hf = json.loads((REPO / "config" / "examples" / "qwen3-32b" / "config.json").read_text())
+    planned = {}
+    for tied in (True, False):
+        (folder := tmp_path / f"tied-{tied}").mkdir()
+        (folder / "config.json").write_text(json.dumps({**hf, "tie_word_embeddings": tied}))
+        for pool in data["pools"]:
+            pool["model"] = str(folder)
+        config = parse_config(data, env={}, base_dir=tmp_path)
+        (model,) = resolve_model_configs(config).values()
+        assert model.tie_word_embeddings is tied
+        (planned[tied],) = plan_capacity(config, {str(folder): model}, vram_bytes=80 * GiB).devices.values()
+    assert planned[False].weights_bytes - planned[True].weights_bytes == hf["vocab_size"] * hf["hidden_size"] * 2
+
+
 def test_the_collective_timeout_reaches_the_engine_and_must_be_positive(builtin_path):
     model = {"builtin:smollm2-135m-instruct": ModelConfig.from_folder(builtin_path)}
     data = _small_config()
