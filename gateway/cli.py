@@ -251,7 +251,8 @@ def _capacity(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if args.vram is None and not torch.cuda.is_available():
         for name, device in config.devices.items():
-            if device.device.startswith("cuda") and any(p.device == name for p in config.local_pools):
+            if device.device.startswith("cuda") and device.memory_bytes is None and any(
+                    p.device == name for p in config.local_pools):   # a memory: size plans without one
                 raise SpecError(f"devices.{name}.device: {device.device!r} but this machine has no CUDA device; "
                                 "pass --vram (e.g. --vram 80GiB) to plan for one")
     try:

@@ -108,6 +108,19 @@ def test_capacity_of_a_cuda_device_without_cuda_needs_vram(capsys, monkeypatch):
     assert main(["capacity", "--config", str(EXAMPLE), "--model-config", str(LLAMA70B_JSON), "--vram", "80GiB"]) == 0
 
 
+def test_capacity_of_a_cuda_device_whose_memory_is_given_needs_no_cuda_here(capsys, monkeypatch, tmp_path):
+    """`memory: 80GiB` (a Ray cluster's GPUs, as docs/SCALE.md's example; or a local device planned elsewhere) plans
+    on a machine without CUDA, as serve runs it: the size is the file's, not this machine's."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    data = yaml.safe_load(EXAMPLE.read_text())
+    for extra in ({}, {"placement": "ray", "ray_address": "127.0.0.1:6379"}):
+        data["devices"]["h100x8"] |= {"memory": "80GiB", **extra}
+        (path := tmp_path / "pools.yaml").write_text(yaml.safe_dump(data))
+        capsys.readouterr()
+        assert main(["capacity", "--config", str(path), "--model-config", str(LLAMA70B_JSON)]) == 0, capsys.readouterr()
+        assert "80.00 GiB per GPU (config)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--config", "nope.yaml"], "nope.yaml: no such configuration file"),
     (["--config", str(EXAMPLE), "--vram", "lots"], "--vram: not a byte size"),
