@@ -37,10 +37,12 @@ class ConfigFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
 
 def _beside(base_dir: Path | None, spec: str, key: str) -> str:
     """A relative model/tokenizer path is looked up beside the YAML file first, then left as written
-    (the working directory, or a hub id for an upstream tokenizer). A name no file system can hold (a
-    component past its limit) is a SpecError naming `key`; one that cannot be looked up there (no
-    permission) is not there."""
-    if base_dir is None or spec.startswith("builtin:") or PurePath(spec).is_absolute() or spec.startswith("~"):
+    (the working directory, or a hub id for an upstream tokenizer); `~/...` is the user's home, as a shell's.
+    A name no file system can hold (a component past its limit) is a SpecError naming `key`; one that cannot
+    be looked up there (no permission) is not there."""
+    if spec.startswith("~"):
+        return os.path.expanduser(spec)
+    if base_dir is None or spec.startswith("builtin:") or PurePath(spec).is_absolute():
         return spec
     candidate = base_dir / spec
     try:

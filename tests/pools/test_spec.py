@@ -448,6 +448,20 @@ def test_relative_model_path_is_found_beside_the_yaml():
     assert config.devices["h100x8"].memory_bytes is None   # auto: each GPU's measured total where it is served
 
 
+def test_a_model_or_tokenizer_under_home_is_the_users_home(tmp_path, monkeypatch):
+    """`model: ~/models/x` (and an upstream pool's `tokenizer`) is under the user's home, as a shell reads it: the
+    engine took `~` for a folder of that name in the working directory ('no such folder')."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    data = {"pools": [{"name": "local", "model": "~/models/x", "kv_share": 1.0,
+                       "route": {"max_prompt_tokens": 100}},
+                      {"name": "far", "upstream": "http://127.0.0.1:9/v1", "model": "m", "tokenizer": "~/tok",
+                       "route": {"min_prompt_tokens": 101}}]}
+    path = tmp_path / "pools.yaml"
+    path.write_text(yaml.safe_dump(data))
+    local, far = load_config(path, env={}).pools
+    assert (local.model, far.tokenizer) == (str(tmp_path / "models" / "x"), str(tmp_path / "tok"))
+
+
 @pytest.mark.parametrize("value,expected", [
     (4096, 4096), ("4096", 4096), ("80GiB", 80 << 30), ("512 MiB", 512 << 20), ("1.5GB", 1_500_000_000),
     ("8MiB", 8 << 20), ("2gib", 2 << 30), ("1 KB", 1000), ("0.5KiB", 512), ("3Gi", 3 << 30), ("0", 0), (2.0, 2),
