@@ -15,9 +15,8 @@ Per device (with tensor parallelism T the weights and the KV heads are split ove
 The three formulas are `engine.capacity`'s (the engine checks its plan with them once loaded); this
 module applies them to a configuration. `plan_capacity` computes a `CapacityPlan` from a
 `CliffguardConfig` and each model's `ModelConfig`; `engine_configs` turns it into the `EngineConfig`
-of each device, with exactly the planned numbers (the engine derives none of its own);
-`plan_single_pool` does both for one pool on one device (`cliffguard generate`, the benchmarks).
-`cliffguard capacity` (gateway/cli.py) prints `format_plan`.
+of each device, with exactly the planned numbers (the engine derives none of its own); `plan_single_pool`
+does both for one pool on one device (`cliffguard generate`, the benchmarks).
 """
 
 from __future__ import annotations
@@ -72,10 +71,6 @@ class DevicePlan:
     @property
     def autoscaled(self) -> bool:
         return self.min_replicas is not None and self.min_replicas < self.replicas
-
-    @property
-    def max_replicas(self) -> int:
-        return self.replicas
 
     @property
     def initial_replicas(self) -> int:
@@ -183,8 +178,8 @@ class CapacityPlan:
                 "max_concurrent_at_max_len", "fragmentation_bytes", "fragmentation_fraction")}}
 
         return {
-            "devices": [with_props(d, ("usable_bytes", "kv_space_bytes", "max_replicas", "autoscaled"))
-                        | {"min_replicas": d.initial_replicas} for d in self.devices.values()],
+            "devices": [with_props(d, ("usable_bytes", "kv_space_bytes", "autoscaled")) | {
+                "min_replicas": d.initial_replicas, "max_replicas": d.replicas} for d in self.devices.values()],
             "pools": [pool_dict(p) for p in self.pools.values()],
             "upstream_pools": list(self.upstream_pools),
             "warnings": list(self.warnings),
@@ -220,17 +215,19 @@ def _memory(device: DeviceSpec, device_type: str, vram_bytes: int | None,
         return device.memory_bytes, "config"
     if device_type == "cpu":
         return DEFAULT_CPU_MEMORY, "cpu default"
-    name = "cuda" if device.device == "auto" else device.device
     if device.placement == "ray":   # its replicas run on the cluster's GPUs: a GPU here says nothing of them
         raise SpecError(f"devices.{device.name}.memory: a Ray device on CUDA needs the size of one of the "
                         "cluster's GPUs (e.g. memory: 80GiB, or --vram); this machine's is not theirs")
+    # every GPU its replicas take (`gpus`, or from the device's index on): the smallest is what each may plan
+    gpus = sorted({g for r in range(device.replicas) for g in device.replica_gpus(r, "cuda")})
     if cuda_memory is not None:
-        return cuda_memory(name), "cuda"
-    if (torch.device(name).index or 0) >= (count := torch.cuda.device_count() if torch.cuda.is_available() else 0):
-        raise SpecError(f"devices.{device.name}.device: {device.device!r} needs that CUDA device and this machine "
-                        f"has {f'{count} GPU(s)' if count else 'none'}; use a device it has (or cpu, auto), or "
+        return min(cuda_memory(f"cuda:{g}") for g in gpus), "cuda"
+    if gpus[-1] >= (count := torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        key, what = ("gpus", list(device.gpus)) if device.gpus is not None else ("device", repr(device.device))
+        raise SpecError(f"devices.{device.name}.{key}: {what} needs CUDA device {gpus[-1]} and this machine has "
+                        f"{f'{count} GPU(s)' if count else 'none'}; use a device it has (or cpu, auto), or "
                         "plan a GPU elsewhere with `cliffguard capacity --vram 80GiB` (or a memory: size)")
-    return torch.cuda.get_device_properties(torch.device(name)).total_memory, "cuda"   # (torch asserts past them)
+    return min(torch.cuda.get_device_properties(g).total_memory for g in gpus), "cuda"
 
 
 def _kv_heads_per_device(model: ModelConfig, tp: int, key: str) -> int:
@@ -384,6 +381,9 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
         max_num_seqs = by_formula
     else:
         max_num_seqs = p.max_num_seqs
+        if max_num_seqs > num_blocks:   # a running request holds a block of its own at least: more never run
+            raise SpecError(f"{key}.max_num_seqs: {max_num_seqs} is above the pool's {num_blocks} KV blocks, more "
+                            f"requests than could ever run at once (the capacity formula gives {by_formula})")
         if max_num_seqs > by_formula:
             warnings.append(f"{key}.max_num_seqs: {max_num_seqs} is above the capacity formula's {by_formula} "
                             f"(avg_len {p.avg_len}): expect preemptions when that many requests run")

@@ -140,7 +140,7 @@ def plan_verdicts(plan: CapacityPlan, step_times: Mapping[str, StepTime],
                 "prefill_capacity": load.rates.prefill, "decode_capacity": load.rates.decode,
                 "decode_batch": load.rates.batch, "load": load.load / device.replicas}
         verdicts[d.name] = {"step_model": step_model, "offered_load": device.load, "replicas": device.replicas,
-                            "min_replicas": d.initial_replicas, "max_replicas": d.max_replicas,
+                            "min_replicas": d.initial_replicas, "max_replicas": d.replicas,
                             "autoscaled": d.autoscaled, "placement": d.placement,
                             "overloaded": device.load > 1.0, "replicas_needed": replicas_needed(device.pools),
                             "pools": pools}

@@ -465,7 +465,7 @@ def test_generate_on_cuda_without_cuda_says_what_to_do(capsys, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert main(["generate", "--device", "cuda", "--prompt", "hi"]) == 2
     line = _error_line(capsys)
-    assert "devices.default.device: 'cuda' needs that CUDA device and this machine has none" in line
+    assert "devices.default.device: 'cuda' needs CUDA device 0 and this machine has none" in line
     assert "(or cpu, auto)" in line
 
 
@@ -478,4 +478,8 @@ def test_a_gpu_index_past_the_machines_gpus_is_named_not_a_traceback(capsys, mon
     path.write_text("devices:\n  g: {device: 'cuda:1'}\npools:\n  - {name: chat, device: g, kv_share: 1.0, "
                     "model: 'builtin:smollm2-135m-instruct'}\n")
     assert main(["capacity", "--config", str(path)]) == 2
-    assert "devices.g.device: 'cuda:1' needs that CUDA device and this machine has 1 GPU(s)" in _error_line(capsys)
+    assert "devices.g.device: 'cuda:1' needs CUDA device 1 and this machine has 1 GPU(s)" in _error_line(capsys)
+    path.write_text("devices:\n  g: {device: cuda, gpus: [0, 3], replicas: 2}\npools:\n  - {name: chat, device: g, "
+                    "kv_share: 1.0, model: 'builtin:smollm2-135m-instruct'}\n")
+    assert main(["capacity", "--config", str(path)]) == 2
+    assert "devices.g.gpus: [0, 3] needs CUDA device 3 and this machine has 1 GPU(s)" in _error_line(capsys)

@@ -106,7 +106,28 @@ def test_memory_auto_on_cuda_asks_the_device():
     data["devices"]["h100x8"]["memory"] = "auto"
     asked = []
     _, plan = _plan_example(data, cuda_memory=lambda dev: asked.append(dev) or 80 * GiB)
-    assert asked == ["cuda"] and plan.devices["h100x8"].memory_bytes == 80 * GiB
+    assert asked == [f"cuda:{g}" for g in range(8)] and plan.devices["h100x8"].memory_bytes == 80 * GiB
+
+
+def test_memory_auto_is_the_smallest_of_the_gpus_the_device_runs_on():
+    """`gpus: [2, 3]` on a node whose GPU 0 is larger: the plan is the listed GPUs' (the smaller of them), not
+    GPU 0's (the engine then refused to start on them, after loading the weights)."""
+    data = _example_data()
+    data["devices"]["h100x8"] |= {"memory": "auto", "tensor_parallel_size": 2, "gpus": [2, 3]}
+    sizes = {"cuda:0": 141 * GiB, "cuda:1": 141 * GiB, "cuda:2": 80 * GiB, "cuda:3": 79 * GiB}
+    _, plan = _plan_example(data, cuda_memory=sizes.__getitem__)
+    assert plan.devices["h100x8"].memory_bytes == 79 * GiB
+
+
+def test_a_max_num_seqs_above_the_pools_blocks_is_refused_naming_it():
+    """More sequences than blocks can never run (each holds one at least); a typo of that size sized the
+    engine's per-row tensors and took the worker down once loaded. At the block count it plans (warned)."""
+    data = _example_data()
+    data["pools"][1]["max_num_seqs"] = 10**8
+    with pytest.raises(SpecError, match=r"^pools\[1\]\.max_num_seqs: 100000000 is above the pool's (\d+) KV blocks"):
+        _plan_example(data)
+    data["pools"][1]["max_num_seqs"] = _plan_example()[1].pools["rag"].num_blocks
+    assert _plan_example(data)[1].pools["rag"].max_num_seqs == data["pools"][1]["max_num_seqs"]
 
 
 def test_without_gqa_s_kv_is_the_seeds_2_5_mb():
