@@ -40,15 +40,16 @@ class SimulationResult:
 
 
 def served_model(config: CliffguardConfig) -> str | None:
-    """The one model name (`PoolSpec.model_name`) the local pools serve, None without local pools. A
-    workload names no model, so `simulate` and `capacity --rate` take one model's pools at a time:
-    SpecError naming each model's pools when the local pools serve several."""
+    """The one model name (`PoolSpec.model_name`) the local pools serve (a file of upstream pools only: the one
+    they serve). A workload names no model, so `simulate` and `capacity --rate` take one model's pools at a time:
+    SpecError naming each model's pools when they serve several."""
     models: dict[str, list[str]] = {}
-    for spec in config.local_pools:
+    for spec in config.local_pools or config.pools:
         models.setdefault(spec.model_name, []).append(spec.name)
     if len(models) > 1:
         listed = "; ".join(f"{model!r}: {', '.join(names)}" for model, names in models.items())
-        raise SpecError(f"pools: the local pools serve {len(models)} models ({listed}); a workload names no "
+        which = "local pools" if config.local_pools else "pools"
+        raise SpecError(f"pools: the {which} serve {len(models)} models ({listed}); a workload names no "
                         "model, so simulate and capacity --rate take one model at a time: keep one model's pools "
                         "(and their devices) in a copy of the file")
     return next(iter(models), None)
@@ -65,8 +66,8 @@ def route(pools: tuple[PoolSpec, ...], plan: CapacityPlan, prompt_len: int) -> s
     """The pool the gateway would route a prompt of `prompt_len` tokens to: the first of `pools`
     (`model_pools`) whose route admits it, an upstream pool included (then its name: no local pool
     takes that prompt); None if none."""
-    for spec in pools:
-        max_model_len = plan.pools[spec.name].max_model_len if spec.name in plan.pools else None
+    for spec in pools:   # an upstream pool's max_model_len where given (else its tokenizer's context: unknown here)
+        max_model_len = plan.pools[spec.name].max_model_len if spec.name in plan.pools else spec.max_model_len
         if spec.route.admits(prompt_len, max_model_len):
             return spec.name
     return None

@@ -744,6 +744,19 @@ def test_prompts_an_upstream_pool_takes_are_on_no_device(tmp_path, capsys):
     assert "no pool takes" not in out and "chat: offered nothing" in out
 
 
+def test_a_file_of_upstream_pools_only_has_its_rate_routed_to_them_within_their_context(tmp_path, capsys):
+    """No local pool: the workload goes to the upstream pools of the model they serve (it was all 'no pool
+    takes'); an open route ends at the upstream's max_model_len, as the gateway's router has it."""
+    path, config, _, plan = _make_config(tmp_path, [
+        {"name": "near", "model": "m", "upstream": "http://127.0.0.1:9/v1", "route": {"max_prompt_tokens": 1024}},
+        {"name": "far", "model": "m", "upstream": "http://127.0.0.1:9/v1", "route": {"min_prompt_tokens": 1025},
+         "max_model_len": 4096}], devices=())
+    mix, unrouted = workload_mix(config, plan, (_fixed("short", 300), _fixed("mid", 2000), _fixed("long", 6000)), 6.0)
+    assert (mix["near"][0], mix["far"][0], unrouted) == pytest.approx((2.0, 2.0, 2.0))
+    assert main(["capacity", "--config", str(path), "--rate", "3", "--workload", "chat"]) == 0
+    assert "upstream pool near: 3.00 requests/s routed there" in capsys.readouterr().out
+
+
 def test_the_shared_layout_of_two_devices_routes_each_prompt_to_its_split_device(tmp_path, capsys):
     """One model's pools on two devices: each device's merged pool takes the lengths its pools took (the
     same served model name, routes that do not overlap), so the shared layout plans and runs."""
