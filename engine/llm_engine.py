@@ -300,6 +300,7 @@ class LLMEngine:
         if not scheduled.batch and self._building and previous is None:   # nothing until a grammar is built
             self._building.wait()
         scheduled.stats.phases["schedule"] = time.perf_counter() - started
+        scheduled.stats.stalled = scheduled.idle and not (outputs or previous or self._building)
         launched = self._execute(scheduled)
         if previous is not None:
             outputs += self._postprocess(previous)
@@ -356,9 +357,8 @@ class LLMEngine:
         return scheduled
 
     def _execute(self, scheduled: ScheduledStep) -> LaunchedStep:
-        """One forward pass over the merged batch; forks the samples whose prefill ended; queues the sampling.
-        With overlap each sampled sequence counts its token as a placeholder, filled on the device in
-        the next step's inputs."""
+        """One forward pass over the merged batch; forks the samples whose prefill ended; queues the sampling. With
+        overlap each sampled sequence counts its token as a placeholder, filled on the device in the next step's."""
         if not scheduled.batch:   # nothing to time: no clock (a CUDA clock never stopped cannot be read)
             return LaunchedStep(scheduled)
         launched = LaunchedStep(scheduled, clock=StepClock(self.device) if self.overlap else None)

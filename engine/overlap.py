@@ -106,6 +106,11 @@ class ScheduledStep:
     stats: StepStats
     started: float                   # perf_counter() when the step began
 
+    @property
+    def idle(self) -> bool:
+        """Nothing scheduled, ended or preempted: the schedulers are as the step found them."""
+        return not (self.batch or self.ended or self.stats.num_preempted)
+
 
 @dataclass
 class LaunchedStep:

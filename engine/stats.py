@@ -153,6 +153,9 @@ class StepStats:
     predicted_seconds: float | None = None  # the cost model's prediction (with its margin)
     pressed: list[str] = field(default_factory=list)   # interactive pools that put throughput at its floor
     pool_tokens: dict[str, int] = field(default_factory=dict)   # tokens each pool scheduled
+    # Nothing to run and nothing that changes it but a command (a request added, aborted or resumed; a lease):
+    # every request left is paused, or waits for blocks that paused requests hold. The worker sleeps till one.
+    stalled: bool = False
     # Host seconds of the step by phase: schedule (composer, block moves), inputs (the batch as tensors),
     # forward (running the model on a CPU; launching it on CUDA), sample (bookkeeping, forks, sampling; on
     # CUDA also the wait for the device, which runs the forward pass meanwhile), outputs (stop checks, text,

@@ -239,7 +239,8 @@ def _serve(engine, channel: WorkerChannel, on_peer_gone=None) -> None:
     Nothing here blocks on the gateway: outputs go to the channel's outbox. While the outbox holds
     over `MAX_OUTBOX_BYTES` (the gateway is not reading) the worker stops stepping, keeps reading
     commands, and sleeps until the socket drains; so a stalled reader bounds the worker's memory.
-    An engine whose requests are all paused (`LLMEngine.has_work` False) sleeps too.
+    An engine whose requests are all paused (`LLMEngine.has_work` False) sleeps too, and so does one whose
+    last step ran nothing while its requests wait for blocks paused ones hold (`StepStats.stalled`): it spun.
 
     With `CLIFFGUARD_STEP_TRACE=<file>` in the environment, every step appends one JSON line to the
     file: its time, measured and predicted seconds, the composer's target, each pool's tokens, and
@@ -251,8 +252,8 @@ def _serve(engine, channel: WorkerChannel, on_peer_gone=None) -> None:
     loop.send_stats()   # the gateway's metrics have numbers from the start
     with HeartbeatThread(channel, on_peer_gone=on_peer_gone) as beat:
         while True:
-            if not loop.can_step():
-                # idle, or the gateway is behind: sleep until a command comes, the socket drains, or stats are due
+            if not loop.can_step() or loop.stalled:
+                # idle, stalled or the gateway behind: sleep until a command comes, the socket drains, or stats are due
                 channel.wait(IDLE_STATS_INTERVAL)
             beat.turn_started = time.monotonic()
             if loop.turn():
@@ -267,6 +268,7 @@ class _Loop:
         self.engine, self.channel, self.trace, self.faults = engine, channel, trace, faults
         self.has_work = getattr(engine, "has_work", engine.has_unfinished_requests)   # False: all paused
         self.last_stats = 0.0
+        self.stalled = False   # the last step ran nothing and only a command can change that (`StepStats.stalled`)
 
     def can_step(self) -> bool:
         return self.has_work() and self.channel.num_pending_bytes <= MAX_OUTBOX_BYTES
@@ -293,6 +295,7 @@ class _Loop:
             if self.faults is not None:
                 self.faults.before_step(engine)
             deltas = [RequestDelta.from_output(out) for out in engine.step()]
+            self.stalled = not deltas and getattr(engine.last_step, "stalled", False)
             now = time.monotonic()
             stats = None
             if now - self.last_stats >= STATS_INTERVAL or not self.has_work():

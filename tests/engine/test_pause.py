@@ -130,7 +130,9 @@ def test_a_paused_request_is_never_a_preemption_victim(tiny):
         engine.check_integrity()
     assert [list(s.block_table) for s in engine.requests["b"].seqs] == tables
     assert engine.schedulers["default"].stats.num_preemptions == 1   # "a", not the paused "b"
+    assert engine.step() == [] and engine.last_step.stalled   # a waits for b's blocks: the worker sleeps
     engine.pause("b", False)
+    assert engine.step() and not engine.last_step.stalled
     final = _run_until_done(engine, ["a", "b"])
     assert all(len(out[0]) == 60 for out in final.values())
     assert_all_free(engine)
