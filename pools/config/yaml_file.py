@@ -156,7 +156,8 @@ def default_isolation(pools: tuple[PoolSpec, ...]) -> tuple[PoolSpec, ...]:
     `route.upper(max_model_len)` (unbounded counts as infinite), strictly below every other pool's on
     the device; a tie defaults nothing, since there is no telling which pool is the chat pool. A pool
     whose YAML says `slo: null` (`slo_source` `opted_out`) is never defaulted but still counts in
-    the comparison. Only pools read from YAML (`slo_source` `absent`) are changed.
+    the comparison, and so does one that sets `min_share` (a throughput pool's key: the file says what it is).
+    Only pools read from YAML (`slo_source` `absent`) are changed.
     """
     by_device: dict[str, list[int]] = {}
     for i, pool in enumerate(pools):
@@ -170,7 +171,7 @@ def default_isolation(pools: tuple[PoolSpec, ...]) -> tuple[PoolSpec, ...]:
         shortest = min(members, key=uppers.__getitem__)
         if any(uppers[i] <= uppers[shortest] for i in members if i != shortest):
             continue
-        if pools[shortest].slo_source == "absent":
+        if pools[shortest].slo_source == "absent" and pools[shortest].min_share is None:
             with within(f"pools[{shortest}]"):
                 result[shortest] = pools[shortest].replace(slo=LatencySLO(), slo_source="default")
     return tuple(result)

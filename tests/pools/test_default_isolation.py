@@ -65,6 +65,15 @@ def test_slo_null_on_chat_leaves_no_interactive_pool():
     assert _classes(_make_data({**CHAT, "slo": None}, RAG)) == {"chat": (None, "opted_out"), "rag": (None, "absent")}
 
 
+def test_a_min_share_marks_a_throughput_pool_that_isolation_by_default_leaves_as_it_is():
+    """`min_share` is a throughput pool's key: the shortest route's pool that sets it is not made interactive
+    (the file was refused: 'min_share: only for throughput pools; this pool has an slo (isolation by default
+    ...)'), and, as with `slo: null` there, rag is not promoted in its place."""
+    assert _classes(_make_data({**CHAT, "min_share": 0.1}, RAG)) == {"chat": (None, "absent"), "rag": (None, "absent")}
+    assert _classes(_make_data(CHAT, {**RAG, "min_share": 0.1})) == {"chat": (LatencySLO(), "default"),
+                                                                     "rag": (None, "absent")}
+
+
 @pytest.mark.parametrize("chat_route,rag_route", [
     ({"max_prompt_tokens": 512}, {"min_prompt_tokens": 513, "max_prompt_tokens": 512 + 512}),   # 512 vs 1023 cap
     ({"max_prompt_tokens": 1023}, {"min_prompt_tokens": 0, "max_prompt_tokens": 4096}),         # both capped at 1023
