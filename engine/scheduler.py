@@ -19,7 +19,8 @@ A step that preempted admits nothing. A sequence alone in its pool that still ca
 with a `length` result and an error message, never spun forever.
 A **paused** request (`pause`: its client reads too slowly) is skipped: its running sequences keep their
 blocks and place but get no token and are never victims; its waiting or swapped ones are passed by. So is
-a running sequence whose last token is in flight (overlapped steps): it frees its blocks when that lands.
+a running sequence whose last token is in flight (overlapped steps): it frees its blocks when that lands,
+and a sequence short of blocks that those would make up waits for them rather than preempt anyone.
 
 The scheduler only decides; the block copies it asks for (swap out, swap in, copy-on-write) travel in
 `SchedulerOutput` and the engine performs them before the step's forward pass.
@@ -186,8 +187,7 @@ class Scheduler:
         self._step += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        if token_budget is not None:
-            budget = max(0, min(budget, token_budget))
+        budget = budget if token_budget is None else max(0, min(budget, token_budget))
         budget = self._schedule_running(out, budget)
         if out.preempted:
             return out  # no admissions in a step that had to preempt: the pool is full
@@ -211,6 +211,9 @@ class Scheduler:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not bm.writes_in_place(seq.block_table, seq.num_computed_tokens, num_new):
+                if bm.num_free_blocks < self._blocks_needed(seq, num_new) <= bm.num_free_blocks + self._ending_blocks():
+                    skipped += 1   # the ending sequences' blocks come back a step later: it waits, nobody is preempted
+                    continue
                 while self._blocks_needed(seq, num_new) > bm.num_free_blocks:
                     if self.running == [seq]:
                         self._finish_too_large(seq, out)
@@ -313,9 +316,8 @@ class Scheduler:
         return index < len(seq.block_table) and self.block_manager.ref_count(seq.block_table[index]) > 1
 
     def _blocks_needed(self, seq: Sequence, num_new: int) -> int:
-        bm = self.block_manager
-        return bm.num_new_blocks(seq.block_table, seq.num_computed_tokens + num_new) + \
-            (1 if self._write_block_shared(seq) else 0)
+        return self.block_manager.num_new_blocks(seq.block_table, seq.num_computed_tokens + num_new) + \
+            int(self._write_block_shared(seq))
 
     def _grow(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         bm = self.block_manager
@@ -328,6 +330,9 @@ class Scheduler:
     # --- preemption --------------------------------------------------------------------------
     def _ending(self, seq: Sequence) -> bool:   # its last token is in flight: no step, blocks free when it lands
         return bool(seq.num_pending) and seq.ends_when_known(self.max_model_len)
+
+    def _ending_blocks(self) -> int:   # what the ending sequences hold (shared blocks too): at most this comes back
+        return sum(len(s.block_table) for s in self.running if self._ending(s))
 
     def _pick_victim(self, needy: Sequence) -> Sequence:
         """The running sequence to preempt so that `needy` can grow, by the pool's victim policy.
@@ -354,12 +359,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Preempt `seq`; returns the token budget given back if it was already scheduled this step."""
         started = time.perf_counter()
-        given_back = 0
-        for k, item in enumerate(out.scheduled):
-            if item.seq is seq:
-                given_back = item.num_new_tokens
-                del out.scheduled[k]
-                break
+        k = next((k for k, item in enumerate(out.scheduled) if item.seq is seq), None)
+        given_back = out.scheduled.pop(k).num_new_tokens if k is not None else 0
         self.running.remove(seq)
         self.stats.num_preemptions += 1
         seq.num_preemptions += 1
@@ -396,8 +397,7 @@ class Scheduler:
         return True
 
     def _swap_in(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
-        bm = self.block_manager
-        bm.allocate(seq.block_table, seq.num_computed_tokens + num_new)
+        self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + num_new)
         out.move("swap_in", list(zip(seq.cpu_block_table, seq.block_table)))
         self.stats.num_swapped_in_blocks += len(seq.cpu_block_table)
         self.swap_manager.free(seq.cpu_block_table)

@@ -236,3 +236,17 @@ def test_on_cuda_a_step_is_launched_without_waiting_for_the_device(tiny_path, mo
     monkeypatch.setattr(engine, "_execute", launch_checked)
     assert [_result(o) for o in engine.generate(PROMPTS, params)] == reference
     assert_all_free(engine)
+
+
+def test_a_sequence_short_of_blocks_waits_for_those_an_ending_one_gives_back_a_step_later(tiny_path):
+    """4 blocks of 16: e (30 + 2 tokens) and s (31 + 10) fill them; at s's 33rd token e's last is in flight.
+    s needs a block that e frees when that token lands: it waits a step for it, and nobody is preempted (s was
+    its own victim: its KV recomputed, or swapped out and in)."""
+    prompts = [list(range(5, 35)), list(range(40, 71))]
+    params = [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
+    for mode in ("recompute", "swap"):
+        outputs, engine = _run_both(tiny_path, prompts, params, num_blocks=4, block_size=16,
+                                    max_num_batched_tokens=64, preemption_mode=mode, swap_space_bytes=16 << 20)
+        assert engine.schedulers["default"].stats.num_preemptions == 0, mode
+        assert [len(o[0][1]) for o in outputs] == [2, 10]

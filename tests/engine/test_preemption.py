@@ -167,13 +167,14 @@ def _three_in_flight(a_max_tokens: int) -> tuple[Scheduler, list[Sequence]]:
 
 
 def test_a_sequence_ending_with_its_token_in_flight_is_no_victim():
-    """A's last token is in flight (it ends when that lands, freeing its blocks) and B needs a block: the
-    victim is C, not A, whose preemption would throw away a finished request's work and leave C, the next
-    after the skipped A, silently out of the step. With A not ending, least_progress takes A and C runs."""
+    """A's last token is in flight (it ends when that lands, freeing its blocks) and B needs a block: A is no
+    victim (its preemption would throw away a finished request's work), and as A's two blocks come back a step
+    later, B waits for them and nobody is preempted (C was: its work lost for a block free a step later); C
+    decodes in place. With A not ending, least_progress takes A and C runs."""
     scheduler, (a, b, c) = _three_in_flight(a_max_tokens=1)
     assert a.ends_when_known(100) and not b.ends_when_known(100)
     out = scheduler.schedule()
-    assert out.preempted == [c] and [s.seq for s in out.scheduled] == [b] and scheduler.running == [a, b]
+    assert out.preempted == [] and [s.seq for s in out.scheduled] == [c] and scheduler.running == [a, b, c]
     scheduler.check_integrity()
     scheduler, (a, b, c) = _three_in_flight(a_max_tokens=4)
     out = scheduler.schedule()
