@@ -245,8 +245,6 @@ def test_a_sequence_short_of_blocks_waits_for_those_an_ending_one_gives_back_a_s
     prompts = [list(range(5, 35)), list(range(40, 71))]
     params = [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
-    for mode in ("recompute", "swap"):
-        outputs, engine = _run_both(tiny_path, prompts, params, num_blocks=4, block_size=16,
-                                    max_num_batched_tokens=64, preemption_mode=mode, swap_space_bytes=16 << 20)
-        assert engine.schedulers["default"].stats.num_preemptions == 0, mode
-        assert [len(o[0][1]) for o in outputs] == [2, 10]
+    outputs, engine = _run_both(tiny_path, prompts, params, num_blocks=4, block_size=16, max_num_batched_tokens=64)
+    assert engine.schedulers["default"].stats.num_preemptions == 0
+    assert [len(o[0][1]) for o in outputs] == [2, 10]
