@@ -386,13 +386,15 @@ def _calls_grammar(req: ChatRequest, pool: Pool, mode: str, think: str | None) -
 def _within_context(req: ChatRequest | CompletionRequest, routed: Sequence[tuple[Pool, list[int]]]
                     ) -> ChatRequest | CompletionRequest:
     """A completion whose max_tokens is the default (unset: 16), at most what its prompts' contexts leave, so
-    that every prompt a route admits is answered (511 tokens in a 512-token context: one token, not a 400)."""
+    that every prompt a route admits is answered (511 tokens in a 512-token context: one token, not a 400);
+    never below min_tokens (a min_tokens past the room is `check_context`'s 400 naming it)."""
     if not (isinstance(req, CompletionRequest) and req.max_tokens_unset):
         return req
     room = min(pool.max_model_len - len(ids) for pool, ids in routed)
     if room >= req.params.max_tokens:
         return req
-    return dataclasses.replace(req, params=dataclasses.replace(req.params, max_tokens=max(1, room)))
+    max_tokens = max(1, room, req.params.min_tokens)
+    return dataclasses.replace(req, params=dataclasses.replace(req.params, max_tokens=max_tokens))
 
 
 def _calls_beside_reply(req: ChatRequest, pool: Pool) -> bool:

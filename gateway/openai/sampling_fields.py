@@ -162,8 +162,13 @@ def check_context(req: PoolRequest, num_prompt_tokens: int, max_model_len: int, 
     """Refuse a request whose prompt + max_tokens exceed its pool's context, naming the output limit's
     field: code `invalid_value` when max_tokens alone leaves no room for a prompt (OpenAI's code for a
     max_tokens over the model's limit), else `context_length_exceeded` (OpenAI's code when prompt and
-    completion together exceed the context). Unset max_tokens always fits: it becomes what is left."""
-    max_tokens, param = req.params.max_tokens, req.max_tokens_param
+    completion together exceed the context). Unset max_tokens always fits: it becomes what is left, which must
+    hold min_tokens (named; vLLM's 400 too)."""
+    max_tokens, param, min_tokens = req.params.max_tokens, req.max_tokens_param, req.params.min_tokens
+    if num_prompt_tokens + min_tokens > max_model_len:
+        raise ApiError(400, f"min_tokens: {min_tokens} tokens after a {num_prompt_tokens}-token prompt exceed "
+                       f"max_model_len {max_model_len} of pool {pool!r}; at most {max_model_len - num_prompt_tokens} "
+                       "fit", param="min_tokens", code="context_length_exceeded")
     if max_tokens is None or num_prompt_tokens + max_tokens <= max_model_len:
         return
     if max_tokens >= max_model_len:

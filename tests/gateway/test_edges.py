@@ -166,6 +166,14 @@ async def test_unset_max_tokens_is_16_for_a_completion_within_what_the_context_l
     assert r.status == 400
     _assert_openai_error(body, "max_tokens", "context_length_exceeded")
     assert "at most 1 fit" in body["error"]["message"]
+    # min_tokens past what the context leaves an unset max_tokens is a 400 naming it (vLLM's too): a completion's
+    # was a 500 (its max_tokens cut below min_tokens), a chat's ran and stopped short of it
+    for path, body in (("/v1/completions", {"prompt": prompt, "min_tokens": 10}),      # 1 token left
+                       ("/v1/chat/completions", {"messages": messages, "min_tokens": 513 - chat_len})):
+        r = await client.post(path, json=dict(body, model=tiny_model.name))
+        error = await r.json()
+        assert r.status == 400, error
+        _assert_openai_error(error, "min_tokens", "context_length_exceeded")
 
 
 async def _send_raw(port: int, data: bytes) -> tuple[int, dict[str, str], bytes]:
