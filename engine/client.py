@@ -183,7 +183,7 @@ class AsyncEngineClient:
         try:
             self.info = await asyncio.wait_for(self._ready, timeout)
         except BaseException:
-            await self.shutdown()
+            await self.shutdown(1.0)   # a worker that has not loaded has nothing to finish: 1 s, not 10, to go
             raise
         return self.info
 

@@ -203,7 +203,8 @@ class Gateway:
             deaths = DeviceDeaths(device, len(configs))   # one record of the device's replicas' deaths
             supervisors = [DeviceSupervisor(device, config, pools, self.metrics, self.backoff,
                                             stall_seconds=watchdog.stall_seconds, replica=r, link=link,
-                                            step_timeout_seconds=watchdog.step_timeout_seconds, deaths=deaths)
+                                            step_timeout_seconds=watchdog.step_timeout_seconds, deaths=deaths,
+                                            start_seconds=watchdog.start_timeout_seconds)
                            for r, (config, link) in enumerate(zip(configs, links))]
             self.supervisors[device] = supervisors
             for pool in pools:

@@ -102,6 +102,7 @@ class GatewaySpec(Spec):
     write_timeout: Seconds = 30.0        # seconds a client may leave a stream unread before it is aborted
     stall_seconds: Seconds = 10.0        # a worker whose heartbeat stops this long is restarted
     step_timeout_seconds: Seconds = 600.0  # one step longer than this is a hang (the heartbeat still beats)
+    start_timeout_seconds: Seconds = 900.0   # a worker whose model has not loaded by then failed to start
     device_wait_seconds: Seconds = 30.0  # a request waits this long for a restarting device, then 503
     drain_seconds: Seconds = 25.0        # on SIGTERM / Ctrl-C, requests in flight get this long to finish
     max_response_buffer_bytes: ByteSize = 1 << 20   # unsent bytes of one response before its engine request pauses

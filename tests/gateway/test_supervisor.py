@@ -152,6 +152,27 @@ async def test_a_worker_that_fails_its_first_start_stays_failed(aiohttp_client, 
     assert supervisor.num_restarts == 0 and not supervisor.client.is_alive
 
 
+async def test_a_worker_not_loaded_within_start_timeout_seconds_failed_to_start_saying_so(aiohttp_client, tmp_path,
+                                                                                       tiny_model, monkeypatch):
+    """`gateway.start_timeout_seconds` bounds a first load (here 1 s against a 60-s one): the device fails saying
+    what it waited for (asyncio's TimeoutError said nothing: 'failed to start: ' and no reason)."""
+    from engine.faults import SLOW_LOAD_ENV
+
+    monkeypatch.setenv(SLOW_LOAD_ENV, "60")
+    path = tmp_path / "pools.yaml"
+    path.write_text(pools_yaml(tiny_model).replace("gateway: {", "gateway: {start_timeout_seconds: 1, ", 1))
+    gateway = Gateway.from_config(load_config(path))
+    client = await aiohttp_client(create_app(gateway))
+    state = (await _wait_ready_status(client, 503, timeout=20))["devices"]["cpu"]
+    while state == "loading":
+        await asyncio.sleep(0.1)
+        state = (await (await client.get("/ready")).json())["devices"]["cpu"]
+    assert state == ("failed: device 'cpu' failed to start: not ready within gateway.start_timeout_seconds (1 s)")
+    assert not gateway.supervisors["cpu"][0].client.is_alive
+    with pytest.raises(ValueError, match=r"gateway\.start_timeout_seconds: must be > 0"):
+        load_config(pools_yaml(tiny_model).replace("gateway: {", "gateway: {start_timeout_seconds: 0, ", 1), env={})
+
+
 def test_backoff_doubles_up_to_its_cap_and_checks_its_fields():
     backoff = Backoff()
     assert [backoff.delay(i) for i in range(7)] == [1, 2, 4, 8, 16, 30, 30]
