@@ -329,10 +329,11 @@ class Autoscaler:
     @staticmethod
     async def _num_requests(supervisor: DeviceSupervisor) -> int:
         """The requests in flight on the replica as it counts them (every gateway's); 0 for one that is
-        dead; at least 1 for one that does not answer within `STATS_SECONDS` (it answers between steps: one
-        that long has work, other gateways' perhaps; a hang is the watchdog's to judge)."""
+        dead, or still loading (it serves no gateway yet, and answers nothing till loaded); at least 1 for one
+        that does not answer within `STATS_SECONDS` (it answers between steps: one that long has work, other
+        gateways' perhaps; a hang is the watchdog's to judge)."""
         client = supervisor.client
-        if client is None or not client.is_alive:
+        if client is None or not client.is_alive or client.info is None:
             return 0
         try:
             return (await asyncio.wait_for(client.stats(), STATS_SECONDS)).num_requests

@@ -242,10 +242,15 @@ async def test_a_shared_replica_in_a_long_step_is_not_taken_for_idle(monkeypatch
     async def dead():
         raise EngineDeadError("gone")
 
-    busy = SimpleNamespace(client=SimpleNamespace(is_alive=True, stats=never, latest_stats=None))
+    loaded = object()   # the client's `info`: what the replica loaded
+    busy = SimpleNamespace(client=SimpleNamespace(is_alive=True, stats=never, latest_stats=None, info=loaded))
     assert await Autoscaler._num_requests(busy) >= 1
     busy.client.latest_stats = SimpleNamespace(num_requests=3)
     assert await Autoscaler._num_requests(busy) == 3
-    gone = SimpleNamespace(client=SimpleNamespace(is_alive=True, stats=dead, latest_stats=None))
+    gone = SimpleNamespace(client=SimpleNamespace(is_alive=True, stats=dead, latest_stats=None, info=loaded))
     assert await Autoscaler._num_requests(gone) == 0
+    # still loading: connected, it answers nothing till loaded and serves no gateway yet. It counted 1 (kept a
+    # minute at a time through a long load, holding its GPUs); it counts none, and an unneeded one goes
+    loading = SimpleNamespace(client=SimpleNamespace(is_alive=True, stats=never, latest_stats=None, info=None))
+    assert await Autoscaler._num_requests(loading) == 0
 
