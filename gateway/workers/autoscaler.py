@@ -133,7 +133,8 @@ class Autoscaler:
                     continue
                 why = why or lease.view.pressure   # another gateway's queue counts as this one's
                 for s in slots:   # drains the previous leader asked for end with its lead
-                    s.draining = s.draining and (device, s.replica) in self._removals
+                    if s.draining and (device, s.replica) not in self._removals:
+                        self._undrain(device, s)
                 if spec.autoscaled:
                     self._start_placed(device, slots, lease)   # one a previous leader placed late
             if spec.autoscaled and (why is None or not self._scale_up(device, slots, why)):
@@ -169,10 +170,7 @@ class Autoscaler:
         if draining:
             supervisor = draining[0]
             self._removals.pop((device, supervisor.replica)).cancel()
-            supervisor.draining = False
-            for pool in self.pools[device]:   # up again: whoever waits may go there now, not at the next event
-                if pool.admission is not None:
-                    pool.admission.replica_ready(supervisor.replica, restarted=False)
+            self._undrain(device, supervisor)
             log.info("autoscaler: device %s: %s; keeping replica %s", device, why, supervisor.name)
             return True
         if any(s.state.startswith("loading") for s in slots):
@@ -185,6 +183,13 @@ class Autoscaler:
         supervisor.start()
         self.metrics.replica_scalings.labels(device=device, direction="up").inc()
         return True
+
+    def _undrain(self, device: str, supervisor: DeviceSupervisor) -> None:
+        """A drained replica serves again: whoever waits for credits may go there now, not at the next event."""
+        supervisor.draining = False
+        for pool in self.pools[device]:
+            if pool.admission is not None:
+                pool.admission.replica_ready(supervisor.replica, restarted=False)
 
     def _scale_down(self, device: str, spec: DeviceSpec, slots: list[DeviceSupervisor], *, pressed: bool,
                     now: float) -> None:
@@ -254,6 +259,8 @@ class Autoscaler:
                 log.info("autoscaler: device %s: the leader gateway removed replica %s; stopping it", device, s.name)
                 s.draining = True
                 self._removals[(device, s.replica)] = asyncio.ensure_future(self._remove(device, s, decided=False))
+            elif s.draining and s.replica not in lease.view.draining:
+                self._undrain(device, s)   # the leader kept it
             else:
                 s.draining = s.replica in lease.view.draining
 
@@ -284,7 +291,7 @@ class Autoscaler:
             while self._busy(device, supervisor):
                 await asyncio.sleep(DRAIN_POLL)
             if lease is not None and not await self._drain_shared(supervisor, lease):
-                supervisor.draining = False
+                self._undrain(device, supervisor)
                 log.info("autoscaler: device %s: replica %s serves other gateways' requests, or this gateway "
                          "no longer leads; keeping it", device, supervisor.name)
                 return

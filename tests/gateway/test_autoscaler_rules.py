@@ -254,3 +254,25 @@ async def test_a_shared_replica_in_a_long_step_is_not_taken_for_idle(monkeypatch
     loading = SimpleNamespace(client=SimpleNamespace(is_alive=True, stats=never, latest_stats=None, info=None))
     assert await Autoscaler._num_requests(loading) == 0
 
+
+
+async def test_a_shared_replica_kept_for_other_gateways_requests_admits_who_waits_at_once():
+    """The leader drains replica 1, but other gateways still have requests on it: it is kept, and a pass of the
+    pools' admission runs then (requests waiting for credits went there only at the next event)."""
+    slots = [_Slot(0, "ready"), _Slot(1, "ready")]
+    scaler = _make_scaler(slots, {})
+    readied: list[tuple[int, bool]] = []
+    admission = CreditQueue("p", [100, 100])
+    admission.replica_ready = lambda replica, restarted: readied.append((replica, restarted))
+    scaler.pools["d"] = [SimpleNamespace(admission=admission)]
+
+    async def stats():
+        return SimpleNamespace(num_requests=2)   # every gateway's, as the replica counts them
+
+    slots[1].client = SimpleNamespace(is_alive=True, info=object(), stats=stats, num_in_flight=0, latest_stats=None)
+    scaler.leases["d"] = SimpleNamespace(is_leader=lambda: True, poke=lambda *args: None, live=None, live_at=0.0,
+                                         view=SimpleNamespace(pressure=None, draining=()))
+    _ticks(scaler, 0, 61)
+    assert slots[1].draining
+    await _settle()
+    assert not slots[1].draining and slots[1].state == "ready" and readied == [(1, False)]

@@ -96,6 +96,7 @@ def test_names_of_a_device_are_told_from_other_devices_and_other_names():
 class _Client:
     def __init__(self, num_requests: int = 0) -> None:
         self.num_requests, self.num_in_flight, self.is_alive = num_requests, 0, True
+        self.info = object()   # loaded: what the replica reported
 
     async def stats(self):
         return SimpleNamespace(num_requests=self.num_requests)
