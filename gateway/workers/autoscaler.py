@@ -295,6 +295,12 @@ class Autoscaler:
                 log.info("autoscaler: device %s: replica %s serves other gateways' requests, or this gateway "
                          "no longer leads; keeping it", device, supervisor.name)
                 return
+            others = sum(s.is_ready and not s.draining for s in self.supervisors[device] if s is not supervisor)
+            if decided and supervisor.is_ready and others < self.devices[device].initial_replicas:
+                self._undrain(device, supervisor)   # another crashed while it drained: `min` must still serve
+                log.info("autoscaler: device %s: fewer than min replicas serve without replica %s now; keeping it",
+                         device, supervisor.name)
+                return
             # past taking back: the slot stays in `_removals` (not started again, nor connected to) until the
             # worker is stopped and the actor and group are gone, or the removal failed
             self._finishing.add(key)

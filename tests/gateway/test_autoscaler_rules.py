@@ -276,3 +276,19 @@ async def test_a_shared_replica_kept_for_other_gateways_requests_admits_who_wait
     assert slots[1].draining
     await _settle()
     assert not slots[1].draining and slots[1].state == "ready" and readied == [(1, False)]
+
+
+async def test_a_replica_draining_when_the_other_crashes_is_kept_to_serve_min():
+    """min 1: replica 1 drains (its last request still running) when replica 0 crashes. Once idle it is kept,
+    not removed: the device would have had no serving replica until replica 0 reloaded."""
+    slots = [_Slot(0, "ready"), _Slot(1, "ready")]
+    scaler = _make_scaler(slots, {})
+    _ticks(scaler, 0, 61)
+    assert slots[1].draining
+    slots[1].client = SimpleNamespace(num_in_flight=1)   # its last request: the removal waits for it
+    await _settle()
+    slots[0].state = RESTARTING
+    slots[1].client.num_in_flight = 0
+    await asyncio.sleep(0.3)   # the removal polls for the end of its requests
+    assert slots[1].state == "ready" and not slots[1].draining and slots[1].link.removed == 0
+    assert not scaler._removals
