@@ -48,7 +48,7 @@ from gateway.workers.config_claim import DeviceClaims
 
 log = logging.getLogger("cliffguard.gateway")
 
-__all__ = ["ClusterError", "ConfigConflict", "RayCluster", "RayReplica", "NAMESPACE", "SCALER"]
+__all__ = ["ClusterError", "ClusterUnreachable", "ConfigConflict", "RayCluster", "RayReplica", "NAMESPACE", "SCALER"]
 
 NAMESPACE = "cliffguard"
 CONNECT_SECONDS = 30.0      # how long `ray.init` may take before the address is called unreachable
@@ -67,6 +67,10 @@ class ClusterError(RuntimeError):
     """The Ray cluster cannot be used: not installed, unreachable, or it refused a request."""
 
 
+class ClusterUnreachable(ClusterError):
+    """The cluster did not answer (its head not up yet, a partition): tried again, not the end of the device."""
+
+
 class ConfigConflict(ClusterError):
     """Replicas of the device under another engine config (digest) are on the cluster, and this gateway
     does not take over."""
@@ -82,14 +86,13 @@ def _ray():
 
 @functools.cache
 def replica_actor_class():
-    """`engine.remote.ReplicaActor` as a Ray actor class whose `wait_stopped` calls run in a concurrency
-    group of their own (`WATCH_GROUP`, `WATCH_CONCURRENCY` threads) beside the default group's
-    `ACTOR_CONCURRENCY`: each connected gateway keeps one pending (and a dropped connection's stays up to
-    `WATCH_SECONDS`: Ray does not end it). On shared threads, enough gateways (or one whose connection
-    flaps) would queue `state` and `endpoint` behind them, and `restart_unless_responsive` would restart
-    a healthy replica. The actor routes each call to its group itself: callers name no group, and an
-    actor placed before (one group for all) is asked as before. Still named `ReplicaActor`: its process
-    is titled `ray::ReplicaActor`."""
+    """`engine.remote.ReplicaActor` as a Ray actor class whose `wait_stopped` calls run in a concurrency group of
+    their own (`WATCH_GROUP`, `WATCH_CONCURRENCY` threads) beside the default group's `ACTOR_CONCURRENCY`: each
+    connected gateway keeps one pending (a dropped connection's stays up to `WATCH_SECONDS`: Ray does not end
+    it). On shared threads, enough gateways (or one whose connection flaps) would queue `state` and `endpoint`
+    behind them, and `restart_unless_responsive` would restart a healthy replica. The actor routes each call to
+    its group itself: callers name no group, and an actor placed before (one group for all) is asked as before.
+    Still named `ReplicaActor`: its process is titled `ray::ReplicaActor`."""
     ray = _ray()
     from engine.remote import ReplicaActor
 
@@ -119,9 +122,7 @@ def parse_name(name: str, device: str) -> tuple[str, str] | None:
     if not isinstance(name, str) or not name.startswith(prefix):
         return None
     slot, sep, digest = name[len(prefix):].partition(":")
-    if not sep or not digest or ":" in digest or not (slot.isdigit() or slot == SCALER):
-        return None
-    return slot, digest
+    return (slot, digest) if sep and digest and ":" not in digest and (slot.isdigit() or slot == SCALER) else None
 
 
 def _undecided(check: asyncio.Task) -> bool:
@@ -146,11 +147,12 @@ class RayCluster:
         self.claims = DeviceClaims(self.gateway_id, NAMESPACE, address, take_over)
 
     async def connect(self, timeout: float = CONNECT_SECONDS) -> None:
-        """ClusterError naming the address when the cluster does not answer within `timeout` seconds.
-        The replicas of every device on the cluster share the one attempt."""
-        if self._connecting is None:
-            self._connecting = asyncio.ensure_future(self._connect(timeout))
-        await asyncio.shield(self._connecting)
+        """ClusterUnreachable naming the address when the cluster does not answer within `timeout` seconds.
+        The replicas of every device on the cluster share one attempt; one that failed is made again."""
+        task = self._connecting
+        if task is None or task.done() and (task.cancelled() or task.exception() is not None):
+            task = self._connecting = asyncio.ensure_future(self._connect(timeout))
+        await asyncio.shield(task)
 
     async def _connect(self, timeout: float) -> None:
         ray = _ray()
@@ -161,13 +163,13 @@ class RayCluster:
                 ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False,
                          logging_level=logging.WARNING, configure_logging=False)
 
+        where = f"cannot reach the Ray cluster at {self.address!r}"
         try:
             await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, init), timeout)
         except TimeoutError:
-            raise ClusterError(f"cannot reach the Ray cluster at {self.address!r}: no answer in {timeout:g} s") from None
-        except Exception as exc:  # noqa: BLE001 - Ray's own errors, said with the address
-            raise ClusterError(f"cannot reach the Ray cluster at {self.address!r}: {type(exc).__name__}: "
-                               f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
+            raise ClusterUnreachable(f"{where}: no answer in {timeout:g} s") from None
+        except Exception as exc:  # noqa: BLE001 - Ray's own errors (its GCS not up yet, say), said with the address
+            raise ClusterUnreachable(f"{where}: {type(exc).__name__}: {str(exc).strip().split(chr(10))[0]}") from None
 
     async def _probe(self, timeout: float) -> None:
         """A `host:port` (or `ray://host:port`) address that refuses TCP is said at once (`ray.init` would
@@ -179,10 +181,10 @@ class RayCluster:
             _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)),
                                                min(timeout, 10.0))
         except TimeoutError:
-            raise ClusterError(f"cannot reach the Ray cluster at {self.address!r}: no answer") from None
+            raise ClusterUnreachable(f"cannot reach the Ray cluster at {self.address!r}: no answer") from None
         except OSError as exc:
-            raise ClusterError(f"cannot reach the Ray cluster at {self.address!r}: "
-                               f"{exc.strerror or type(exc).__name__}") from None
+            raise ClusterUnreachable(f"cannot reach the Ray cluster at {self.address!r}: "
+                                     f"{exc.strerror or type(exc).__name__}") from None
         writer.close()
 
     async def claim(self, device: str, digest: str) -> None:

@@ -51,9 +51,10 @@ with Retry-After). A local worker that fails its first start (a bad config, a mi
 `failed: <reason>`, and once every replica of a device has, its pools answer 503 `pool_unavailable`;
 starting it again would fail the same way. So does a remote replica that reports its load failed
 (`StartupError`: the engine's own error), or whose cluster the gateway cannot use at all
-(`ClusterError`: Ray missing, the address unreachable). A remote replica whose first connection
+(`ClusterError`: Ray missing, another config's replicas there). A remote replica whose first connection
 failed otherwise (refused, timed out, reset: a partition, a replica busy serving another gateway, an
-actor being restarted) is tried again with the back-off, as `loading: … (the last try failed: …)`,
+actor being restarted, a cluster whose head is not up yet: `ClusterUnreachable`) is tried again with the
+back-off, as `loading: … (the last try failed: …)`,
 like a replica that was ready once, which is restarted for as long as it takes.
 
 When a worker is ready, the pools' admission hears whether it is a new process (a restart: its prefix
@@ -83,7 +84,7 @@ from engine.remote_client import RemoteEngineClient, ReplicaLink
 from gateway.monitoring.metrics import GatewayMetrics
 from gateway.workers.config_claim import ClaimPending
 from gateway.workers.deaths import HANG, STALL, STOPPED, DeviceDeaths
-from gateway.workers.ray_cluster import ClusterError
+from gateway.workers.ray_cluster import ClusterError, ClusterUnreachable
 from gateway.ticker import Ticker
 from pools.pool import Pool
 from pools.config.gateway_spec import Backoff
@@ -366,8 +367,10 @@ class DeviceSupervisor:
 
     def _tries_again(self, exc: Exception) -> bool:
         """Whether a first start that failed with `exc` is tried again: only a remote replica's, and not
-        when the replica said its load failed (`StartupError`) or the cluster cannot be used at all."""
-        return self.link is not None and not _startup_error(exc) and not isinstance(exc, ClusterError)
+        when the replica said its load failed (`StartupError`) or the cluster cannot be used at all (a
+        cluster that does not answer yet, its head still starting, is tried again)."""
+        return self.link is not None and not _startup_error(exc) and (
+            not isinstance(exc, ClusterError) or isinstance(exc, ClusterUnreachable))
 
     async def _ready(self, client: AsyncEngineClient, info: WorkerInfo, took: float) -> None:
         """A worker is ready: log it, export its SLOs, tell the pools' admission (a new process, or the

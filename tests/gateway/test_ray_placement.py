@@ -145,10 +145,12 @@ async def test_a_wrong_address_a_node_without_the_model_and_a_replica_never_plac
         path.write_text(text)
         return await aiohttp_client(create_app(Gateway.from_config(load_config(path))))
 
-    # nothing listens there: the gateway says so at once, naming the address
-    client = await _serving(_on_ray(tiny_model, "127.0.0.1:9", replicas=1), "wrong")
+    # nothing listens there: the gateway says so at once, naming the address, and tries again (a head not up yet)
+    wrong = _on_ray(tiny_model, "127.0.0.1:9", replicas=1).replace("{stall_seconds: 30}",
+                                                                   "{stall_seconds: 30, device_wait_seconds: 1}")
+    client = await _serving(wrong, "wrong")
     body = await _ready_body(client, lambda b: "failed" in b["devices"]["cpu"])
-    assert "cannot reach the Ray cluster at '127.0.0.1:9'" in body["devices"]["cpu"]
+    assert "(the last try failed: cannot reach the Ray cluster at '127.0.0.1:9'" in body["devices"]["cpu"]
     r = await client.post("/v1/completions", json={"model": _model(tiny_model), "prompt": "x", "max_tokens": 2})
     assert r.status == 503 and "127.0.0.1:9" in (await r.json())["error"]["message"]
 

@@ -173,6 +173,34 @@ async def test_a_worker_not_loaded_within_start_timeout_seconds_failed_to_start_
         load_config(pools_yaml(tiny_model).replace("gateway: {", "gateway: {start_timeout_seconds: 0, ", 1), env={})
 
 
+def test_a_ray_cluster_that_did_not_answer_is_asked_again_and_its_replicas_tried_again():
+    """A gateway started before its Ray head listens: the failed connection is not every later call's answer (the
+    device stayed failed after the head came up, /ready 503 for good), and its replicas are tried again with the
+    back-off; a cluster the gateway cannot use at all (Ray missing) still fails the device."""
+    from gateway.workers.ray_cluster import ClusterError, ClusterUnreachable, RayCluster
+
+    cluster, calls = RayCluster("127.0.0.1:9"), []
+
+    async def connect(timeout):
+        calls.append(timeout)
+        if len(calls) == 1:
+            raise ClusterUnreachable("cannot reach the Ray cluster at '127.0.0.1:9': Connection refused")
+
+    cluster._connect = connect
+
+    async def main():
+        with pytest.raises(ClusterUnreachable):
+            await cluster.connect()
+        await cluster.connect()
+        await cluster.connect()   # connected: not asked again
+
+    asyncio.run(main())
+    assert len(calls) == 2
+    remote = DeviceSupervisor("cpu", None, [], GatewayMetrics(), link=SimpleNamespace())
+    assert remote._tries_again(ClusterUnreachable("no answer"))
+    assert not remote._tries_again(ClusterError("placement ray needs Ray: pip install -e '.[ray]'"))
+
+
 def test_backoff_doubles_up_to_its_cap_and_checks_its_fields():
     backoff = Backoff()
     assert [backoff.delay(i) for i in range(7)] == [1, 2, 4, 8, 16, 30, 30]
