@@ -141,7 +141,7 @@ BAD = {
     "bad pool name": (_set("pools/0/name", "chat pool"), ["pools[0].name", "'chat pool'"]),
     "min_share of 1": (_set("pools/1/min_share", 1), ["pools[1].min_share", "< 1.0", "got 1"]),
     "min_share string": (_set("pools/1/min_share", "20%"), ["pools[1].min_share", "'20%'"]),
-    "min_share on an interactive pool": (_set("pools/0/min_share", 0.3),
+    "min_share on an interactive pool": (lambda d: d["pools"][0].update(min_share=0.3, slo={"ttft_ms": 500}),
                                          ["pools[0].min_share: only for throughput pools", "slo"]),
     "slo not a mapping": (_set("pools/0/slo", 100), ["pools[0].slo", "100"]),
     "unknown slo key": (_set("pools/0/slo", {"p99_ms": 5}), ["pools[0].slo.p99_ms", "ttft_ms, itl_ms"]),
