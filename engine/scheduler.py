@@ -1,15 +1,14 @@
-"""One pool's scheduler: continuous batching with chunked prefill, FCFS or priority order, prefix
-caching, and preemption by recompute or swap when the pool runs out of blocks.
+"""One pool's scheduler: continuous batching with chunked prefill, FCFS or priority order, prefix caching, and
+preemption by recompute or swap when the pool runs out of blocks.
 
-Each `schedule()` fills a token budget of `max_num_batched_tokens`: first the running sequences (a
-decode token each, or the next chunk of an unfinished prefill), then swapped-out sequences (they
-resume before new arrivals), then waiting sequences in order while `max_num_seqs`, the budget and the
-free blocks allow. Prefill chunks and decode tokens share the step. Finished sequences leave and
-waiting ones join at every step (iteration-level scheduling).
+Each `schedule()` fills a token budget of `max_num_batched_tokens`: first the running sequences (a decode token
+each, or the next chunk of an unfinished prefill), then swapped-out sequences (they resume before new arrivals),
+then waiting sequences in order while `max_num_seqs`, the budget and the free blocks allow. Prefill chunks and
+decode tokens share the step. Finished sequences leave and waiting ones join at every step (iteration-level).
 
-When a running sequence needs a block and none is free, a victim is chosen by the pool's victim
-policy, never one that produced fewer than `stability_floor_tokens` since its (re)admission while
-another candidate exists, and preempted:
+When a running sequence needs a block and none is free, a victim is chosen by the pool's victim policy, never one
+that produced fewer than `stability_floor_tokens` since its (re)admission while another candidate exists, and
+preempted:
 - `recompute`: its blocks are dropped (full ones stay in the prefix cache); it re-prefills later;
 - `swap`: its computed blocks are copied to the pool's CPU block pool and back on resume; when the
   CPU pool is full, recompute;
@@ -117,28 +116,24 @@ class Scheduler:
         self.swapped: list[Sequence] = []   # in swap-out order; resumed first-out first-in
         self.paused: set[str] = set()       # request ids not to schedule until resumed
         self.stats = SchedulerStats()
-        self._step = 0
+        self._step, self._promised = 0, 0   # steps so far; blocks promised this step to sequences waiting for them
         if config.preemption_mode in ("swap", "auto") and swap_manager is None:
             raise ValueError(f"pool {name!r}: preemption_mode {config.preemption_mode!r} needs a swap_manager")
 
     # --- admission ---------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise RequestTooLargeError unless prompt + max_tokens can ever run in this pool."""
-        total = num_prompt_tokens + max_tokens
+        total, bm = num_prompt_tokens + max_tokens, self.block_manager
+        what = f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total}"
         if total > self.max_model_len:
-            raise RequestTooLargeError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                f"max_model_len {self.max_model_len} of pool {self.name!r}")
-        bm = self.block_manager
+            raise RequestTooLargeError(f"{what} exceeds max_model_len {self.max_model_len} of pool {self.name!r}")
         if bm.num_blocks_for(total) > bm.num_blocks:
-            raise RequestTooLargeError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens needs "
-                f"{bm.num_blocks_for(total)} blocks; pool {self.name!r} has {bm.num_blocks} "
-                f"({bm.capacity_tokens} tokens)")
+            raise RequestTooLargeError(f"{what} tokens needs {bm.num_blocks_for(total)} blocks; pool {self.name!r} "
+                                       f"has {bm.num_blocks} ({bm.capacity_tokens} tokens)")
         if not self.config.enable_chunked_prefill and total > self.config.max_num_batched_tokens:
-            raise RequestTooLargeError(
-                f"{total} tokens exceed max_num_batched_tokens {self.config.max_num_batched_tokens} "
-                f"of pool {self.name!r}, which has chunked prefill off")
+            raise RequestTooLargeError(f"{total} tokens exceed max_num_batched_tokens "
+                                       f"{self.config.max_num_batched_tokens} of pool {self.name!r}, which has "
+                                       "chunked prefill off")
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -189,8 +184,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         budget = budget if token_budget is None else max(0, min(budget, token_budget))
         budget = self._schedule_running(out, budget)
-        if out.preempted:
-            return out  # no admissions in a step that had to preempt: the pool is full
+        if out.preempted or self._promised:
+            return out  # no admissions in a step that had to preempt, or promised blocks to come: the pool is full
         budget = self._schedule_swapped(out, budget)
         if any(not self.is_paused(s) for s in self.swapped):
             return out  # swapped sequences resume before new arrivals
@@ -201,9 +196,11 @@ class Scheduler:
         """A decode token or the next prefill chunk of each running sequence, preempting victims when
         blocks run out; returns the budget left."""
         bm = self.block_manager
-        # The sequences scheduled or skipped (paused or ending) so far are always a prefix of `running` (victims,
-        # never skipped ones, leave from anywhere, the order of the rest is kept): the next is running[that].
-        skipped = 0
+        # The sequences scheduled or skipped (paused, ending, or waiting) so far are always a prefix of `running`
+        # (victims, never skipped ones, leave from anywhere, the order of the rest is kept): the next is
+        # running[that]. A sequence short of blocks that the ending ones' own blocks (back a step later, less
+        # those promised to sequences before it) make up waits for them: nobody is preempted, nothing admitted.
+        skipped, waits, coming, self._promised = 0, set(), None, 0
         while len(out.scheduled) + skipped < len(self.running) and budget > 0:
             seq = self.running[len(out.scheduled) + skipped]
             if self.is_paused(seq) or self._ending(seq):
@@ -211,14 +208,16 @@ class Scheduler:
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not bm.writes_in_place(seq.block_table, seq.num_computed_tokens, num_new):
-                if bm.num_free_blocks < self._blocks_needed(seq, num_new) <= bm.num_free_blocks + self._ending_blocks():
-                    skipped += 1   # the ending sequences' blocks come back a step later: it waits, nobody is preempted
+                need, coming = self._blocks_needed(seq, num_new), self._ending_blocks() if coming is None else coming
+                if bm.num_free_blocks < need <= bm.num_free_blocks + coming - self._promised:
+                    self._promised, skipped = self._promised + need, skipped + 1
+                    waits.add(id(seq))
                     continue
                 while self._blocks_needed(seq, num_new) > bm.num_free_blocks:
                     if self.running == [seq]:
                         self._finish_too_large(seq, out)
                         break
-                    victim = self._pick_victim(seq)
+                    victim = self._pick_victim(seq, waits)
                     budget += self._preempt(victim, out)
                     if victim is seq:
                         break
@@ -331,16 +330,18 @@ class Scheduler:
     def _ending(self, seq: Sequence) -> bool:   # its last token is in flight: no step, blocks free when it lands
         return bool(seq.num_pending) and seq.ends_when_known(self.max_model_len)
 
-    def _ending_blocks(self) -> int:   # what the ending sequences hold (shared blocks too): at most this comes back
-        return sum(len(s.block_table) for s in self.running if self._ending(s))
+    def _ending_blocks(self) -> int:   # the blocks the ending sequences alone hold: they come back a step later
+        bm = self.block_manager
+        return sum(bm.ref_count(b) == 1 for s in self.running if self._ending(s) for b in s.block_table)
 
-    def _pick_victim(self, needy: Sequence) -> Sequence:
+    def _pick_victim(self, needy: Sequence, waits: set[int] = frozenset()) -> Sequence:
         """The running sequence to preempt so that `needy` can grow, by the pool's victim policy.
 
         Sequences under the stability floor are spared while another candidate exists. Paused ones keep
-        their blocks, and ending ones give theirs back a step later: neither is a victim."""
+        their blocks, ending ones give theirs back a step later, and those waiting for them (ids in `waits`)
+        were skipped this step: none is a victim."""
         floor = self.config.stability_floor_tokens
-        active = [s for s in self.running if not self.is_paused(s) and not self._ending(s)]
+        active = [s for s in self.running if not self.is_paused(s) and not self._ending(s) and id(s) not in waits]
         candidates = [s for s in active if s.num_output_tokens - s.admitted_at_output >= floor] or active
         order = {id(s): i for i, s in enumerate(self.running)}   # admission order
         policy = self.config.victim_policy
@@ -431,8 +432,7 @@ class Scheduler:
         seq.drop_pending()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        if reason is FinishReason.ABORT:
-            self.stats.num_aborted += 1
+        self.stats.num_aborted += reason is FinishReason.ABORT
         if self.is_paused(seq) and all(s.request_id != seq.request_id for s in (*self.running, *self.waiting,
                                                                                 *self.swapped)):
             self.paused.discard(seq.request_id)   # its last sequence here ended

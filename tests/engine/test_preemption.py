@@ -300,3 +300,26 @@ def test_a_run_of_moves_never_writes_one_block_twice():
     assert out.moves == [("copy", [(4, 9), (6, 14)]), ("copy", [(4, 14)]), ("copy", [(14, 20), (7, 21)]),
                          ("swap_out", [(3, 0), (5, 1)])]
     assert out.copies == [(4, 9), (6, 14), (4, 14), (14, 20), (7, 21)] and out.swap_out == [(3, 0), (5, 1)]
+
+
+def test_a_sequence_waiting_for_an_ending_ones_blocks_is_no_victim_and_what_it_was_promised_counts():
+    """E's last token is in flight (its 2 blocks back a step later). B needs 1 block: it waits for E's, and 1 is
+    promised to it. C's chunk needs 3, more than the 1 left to come: it preempts, and by lru B (scheduled
+    longest ago) would be the victim, but B waits this step and is none: C preempts itself, and D (after them)
+    decodes in place. B chosen, the step skipped D: the sequences seen were no longer a prefix of `running`."""
+    bm = BlockManager(num_blocks=7, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, victim_policy="lru", stability_floor_tokens=0,
+                                          enable_prefix_caching=False), bm, max_model_len=100)
+    e, b, c, d = _seq(7, 0), _seq(8, 1), _seq(16, 2), _seq(5, 3)
+    for step, (seq, prompt, max_tokens, computed, extra, pending) in enumerate(zip(
+            (e, b, c, d), (7, 4, 16, 4), (1, 50, 50, 50), (7, 8, 4, 5), (1, 0, 0, 1), (True, True, False, True))):
+        seq.num_prompt_tokens, seq.max_tokens, seq.last_scheduled_step = prompt, max_tokens, step
+        bm.allocate(seq.block_table, computed + extra)
+        seq.num_computed_tokens, seq.status = computed, SequenceStatus.RUNNING
+        scheduler.running.append(seq)
+        if pending:
+            seq.add_pending(seq.seq_id)
+    assert bm.num_free_blocks == 0 and e.ends_when_known(100)
+    out = scheduler.schedule()
+    assert out.preempted == [c] and [s.seq for s in out.scheduled] == [d] and scheduler.running == [e, b, d]
+    scheduler.check_integrity()
