@@ -153,8 +153,8 @@ class StepStats:
     predicted_seconds: float | None = None  # the cost model's prediction (with its margin)
     pressed: list[str] = field(default_factory=list)   # interactive pools that put throughput at its floor
     pool_tokens: dict[str, int] = field(default_factory=dict)   # tokens each pool scheduled
-    # Nothing to run and nothing that changes it but a command (a request added, aborted or resumed; a lease):
-    # every request left is paused, or waits for blocks that paused requests hold. The worker sleeps till one.
+    # Nothing ran, nothing is in flight or being built: every request left is paused or waits for blocks paused
+    # requests hold, or the composer held its pool back this step. The worker waits a moment (or for a command).
     stalled: bool = False
     # Host seconds of the step by phase: schedule (composer, block moves), inputs (the batch as tensors),
     # forward (running the model on a CPU; launching it on CUDA), sample (bookkeeping, forks, sampling; on

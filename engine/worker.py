@@ -142,6 +142,7 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"   # the gateway's 
 CPU_WORKER_NICE = 10    # niceness of a worker that computes on the CPU (the gateway shares those cores)
 MAX_OUTBOX_BYTES = 64 << 20   # outputs the gateway has not read yet: past this the worker stops stepping
 LAST_WORDS_SECONDS = 5.0      # how long a failing worker tries to deliver its reason
+STALLED_WAIT_SECONDS = 0.01   # a worker whose step ran nothing waits this long (or for a command) to try again
 HEARTBEAT_INTERVAL = 0.5      # seconds between heartbeats (the gateway's stall_seconds is many of these)
 
 
@@ -239,8 +240,9 @@ def _serve(engine, channel: WorkerChannel, on_peer_gone=None) -> None:
     Nothing here blocks on the gateway: outputs go to the channel's outbox. While the outbox holds
     over `MAX_OUTBOX_BYTES` (the gateway is not reading) the worker stops stepping, keeps reading
     commands, and sleeps until the socket drains; so a stalled reader bounds the worker's memory.
-    An engine whose requests are all paused (`LLMEngine.has_work` False) sleeps too, and so does one whose
-    last step ran nothing while its requests wait for blocks paused ones hold (`StepStats.stalled`): it spun.
+    An engine whose requests are all paused (`LLMEngine.has_work` False) sleeps too; one whose last step ran
+    nothing (`StepStats.stalled`: its requests wait for blocks paused ones hold, or the composer held a pool
+    back) sleeps `STALLED_WAIT_SECONDS` at a time, or until a command (it stepped again at once, a core at 100%).
 
     With `CLIFFGUARD_STEP_TRACE=<file>` in the environment, every step appends one JSON line to the
     file: its time, measured and predicted seconds, the composer's target, each pool's tokens, and
@@ -252,9 +254,11 @@ def _serve(engine, channel: WorkerChannel, on_peer_gone=None) -> None:
     loop.send_stats()   # the gateway's metrics have numbers from the start
     with HeartbeatThread(channel, on_peer_gone=on_peer_gone) as beat:
         while True:
-            if not loop.can_step() or loop.stalled:
-                # idle, stalled or the gateway behind: sleep until a command comes, the socket drains, or stats are due
+            if not loop.can_step():
+                # idle, or the gateway is behind: sleep until a command comes, the socket drains, or stats are due
                 channel.wait(IDLE_STATS_INTERVAL)
+            elif loop.stalled:   # a step ran nothing: a command, or time (the composer's shares), changes that
+                channel.wait(STALLED_WAIT_SECONDS)
             beat.turn_started = time.monotonic()
             if loop.turn():
                 return
@@ -268,7 +272,7 @@ class _Loop:
         self.engine, self.channel, self.trace, self.faults = engine, channel, trace, faults
         self.has_work = getattr(engine, "has_work", engine.has_unfinished_requests)   # False: all paused
         self.last_stats = 0.0
-        self.stalled = False   # the last step ran nothing and only a command can change that (`StepStats.stalled`)
+        self.stalled = False   # the last step ran nothing (`StepStats.stalled`)
 
     def can_step(self) -> bool:
         return self.has_work() and self.channel.num_pending_bytes <= MAX_OUTBOX_BYTES
