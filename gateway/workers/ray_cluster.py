@@ -138,10 +138,10 @@ class RayCluster:
     cluster has them removed at start, instead of being refused (`claim`)."""
 
     def __init__(self, address: str, *, take_over: bool = False) -> None:
-        self.address = address
-        self.take_over = take_over
+        self.address, self.take_over = address, take_over
         self.gateway_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._connecting: asyncio.Task | None = None
+        self._init: asyncio.Future | None = None      # `ray.init` in a thread, which a timeout does not end
         self._claimed: dict[str, asyncio.Task] = {}   # device -> its config's check at start
         self._recheck_at: dict[str, float] = {}       # device -> when a check that did not decide may run again
         self.claims = DeviceClaims(self.gateway_id, NAMESPACE, address, take_over)
@@ -164,12 +164,15 @@ class RayCluster:
                          logging_level=logging.WARNING, configure_logging=False)
 
         where = f"cannot reach the Ray cluster at {self.address!r}"
+        if self._init is None or self._init.done():   # one that timed out may run on: never two at once
+            self._init = asyncio.get_running_loop().run_in_executor(None, init)
         try:
-            await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, init), timeout)
+            await asyncio.wait_for(asyncio.shield(self._init), timeout)
         except TimeoutError:
             raise ClusterUnreachable(f"{where}: no answer in {timeout:g} s") from None
-        except Exception as exc:  # noqa: BLE001 - Ray's own errors (its GCS not up yet, say), said with the address
-            raise ClusterUnreachable(f"{where}: {type(exc).__name__}: {str(exc).strip().split(chr(10))[0]}") from None
+        except Exception as exc:  # noqa: BLE001 - Ray's own errors, said with the address; a refused connection
+            kind = ClusterUnreachable if isinstance(exc, OSError) else ClusterError   # is tried again, not the rest
+            raise kind(f"{where}: {type(exc).__name__}: {str(exc).strip().split(chr(10))[0]}") from None
 
     async def _probe(self, timeout: float) -> None:
         """A `host:port` (or `ray://host:port`) address that refuses TCP is said at once (`ray.init` would
@@ -243,8 +246,7 @@ class RayCluster:
 
     async def live_slots(self, device: str, digest: str) -> set[int]:
         """The slots of `device` whose actor of `digest` is alive (or being restarted by Ray)."""
-        ray = _ray()
-        names = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=False)
+        names = await asyncio.to_thread(_ray().util.list_named_actors, all_namespaces=False)
         parsed = [parse_name(name, device) for name in names]
         return {int(p[0]) for p in parsed if p is not None and p[1] == digest and p[0].isdigit()}
 
@@ -261,10 +263,8 @@ class RayCluster:
         ray = _ray()
 
         def remove() -> None:
-            try:
+            with contextlib.suppress(ValueError):   # no such actor
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
-            except ValueError:
-                pass
             for group in placement_groups_named(name):
                 with contextlib.suppress(Exception):   # removed meanwhile
                     ray.util.remove_placement_group(group)
@@ -272,8 +272,7 @@ class RayCluster:
         await asyncio.to_thread(remove)
 
     async def alive_nodes(self) -> list[str]:
-        ray = _ray()
-        nodes = await asyncio.to_thread(ray.nodes)
+        nodes = await asyncio.to_thread(_ray().nodes)
         return [n["NodeID"] for n in nodes if n.get("Alive")]
 
 

@@ -266,7 +266,8 @@ class DeviceSupervisor:
             info = await client.start(self.start_seconds)
         except Exception as exc:  # noqa: BLE001 - the reason goes to the state, the log and the requests
             if isinstance(exc, TimeoutError) and not str(exc):   # asyncio's says nothing
-                exc = TimeoutError(f"not ready within gateway.start_timeout_seconds ({self.start_seconds:g} s)")
+                exc = TimeoutError("timed out" if self.link is not None else   # a remote connection's own limit
+                                   f"not ready within gateway.start_timeout_seconds ({self.start_seconds:g} s)")
             if not self._was_ready and not self._tries_again(exc):
                 log.error("device %s failed to start: %s", self.name, exc)
                 self._failure = f"device {self.name!r} failed to start: {exc}"
