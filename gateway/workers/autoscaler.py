@@ -197,6 +197,15 @@ class Autoscaler:
         one once idle for `scale_down_idle_seconds`; either only while `min` replicas serve without it.
         `pressed`: something waits for credits, or the device is overloaded: no replica is idle."""
         serving = [s for s in slots if s.is_ready and not s.draining]
+        if len(serving) < spec.initial_replicas:   # one crashed: a drain not past taking back serves again
+            back = [s for s in slots if s.draining and s.is_ready and (device, s.replica) in self._removals
+                    and (device, s.replica) not in self._finishing]
+            if back:
+                self._removals.pop((device, back[0].replica)).cancel()
+                self._undrain(device, back[0])
+                log.info("autoscaler: device %s: fewer than min replicas serve; keeping replica %s", device,
+                         back[0].name)
+                return
         loading = [s for s in slots if s.state.startswith("loading") and not s.draining
                    and s.replica >= spec.initial_replicas]
         self._count_idle(device, slots, serving, loading, pressed=pressed, now=now)

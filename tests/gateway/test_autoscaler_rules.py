@@ -292,3 +292,19 @@ async def test_a_replica_draining_when_the_other_crashes_is_kept_to_serve_min():
     await asyncio.sleep(0.3)   # the removal polls for the end of its requests
     assert slots[1].state == "ready" and not slots[1].draining and slots[1].link.removed == 0
     assert not scaler._removals
+
+
+
+async def test_a_replica_draining_with_requests_when_the_other_crashes_is_taken_back_at_the_next_tick():
+    """min 1: replica 1 drains with a long request still running when replica 0 crashes: the next tick takes the
+    drain back, and replica 1 serves new requests at once (it refused them until its request ended)."""
+    slots = [_Slot(0, "ready"), _Slot(1, "ready")]
+    scaler = _make_scaler(slots, {})
+    _ticks(scaler, 0, 61)
+    slots[1].client = SimpleNamespace(num_in_flight=1)   # a long request: the removal waits for it
+    await _settle()
+    assert slots[1].draining
+    slots[0].state = RESTARTING
+    scaler.tick(now=61.0)
+    assert not slots[1].draining and not scaler._removals
+    _assert_serving(slots, [1])
