@@ -165,7 +165,8 @@ def check_context(req: PoolRequest, num_prompt_tokens: int, max_model_len: int, 
     completion together exceed the context). Unset max_tokens always fits: it becomes what is left, which must
     hold min_tokens (named; vLLM's 400 too)."""
     max_tokens, param, min_tokens = req.params.max_tokens, req.max_tokens_param, req.params.min_tokens
-    if num_prompt_tokens + min_tokens > max_model_len:
+    unset = max_tokens is None or getattr(req, "max_tokens_unset", False)   # a completion's default 16
+    if unset and num_prompt_tokens + min_tokens > max_model_len:
         raise ApiError(400, f"min_tokens: {min_tokens} tokens after a {num_prompt_tokens}-token prompt exceed "
                        f"max_model_len {max_model_len} of pool {pool!r}; at most {max_model_len - num_prompt_tokens} "
                        "fit", param="min_tokens", code="context_length_exceeded")

@@ -108,6 +108,7 @@ async def test_max_tokens_past_the_context_names_max_tokens(front):
         (dict(max_tokens=1_000_000_000), "max_tokens", "invalid_value"),
         (dict(max_tokens=512), "max_tokens", "invalid_value"),
         (dict(max_tokens=505), "max_tokens", "context_length_exceeded"),
+        (dict(max_tokens=505, extra_body={"min_tokens": 505}), "max_tokens", "context_length_exceeded"),
         (dict(max_completion_tokens=1_000_000_000), "max_completion_tokens", "invalid_value"),
     ]
     for kwargs, param, code in cases:
