@@ -296,6 +296,7 @@ async def cancel_batch(request: web.Request) -> web.Response:
     batch = _found(await runner.cancel(batch_id, owner=_owner(request)), "batch_id", batch_id)
     if batch["status"] not in ("cancelling", "cancelled"):
         raise ApiError(409, f"batch_id: batch {batch_id!r} is {batch['status']}; only a validating or "
-                       "in_progress batch can be cancelled", param="batch_id")
+                       "in_progress batch can be cancelled", param="batch_id",
+                       headers={"x-should-retry": "false"})   # the openai SDK retries a 409 (a lock timeout)
     return web.json_response(batch)
 

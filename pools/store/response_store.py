@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pools.store.batch_input import is_text
 from pools.store.schema import StoreFile
 from pools.config.gateway_spec import RetentionSpec
 
@@ -97,14 +98,19 @@ class ResponseStore(StoreFile):
         return cursor.rowcount == 1
 
     def get(self, response_id: str, *, owner: str) -> StoredResponse | None:
-        """The response, or None (no such response, or another owner's)."""
+        """The response, or None (no such response, or another owner's, or an id that is not `is_text`: a URL's
+        byte past UTF-8, which SQLite cannot bind)."""
+        if not is_text(response_id):
+            return None
         with self._lock:
             row = self._db.execute("SELECT id, owner, tenant, background, request, items, response FROM responses "
                                    "WHERE id=? AND owner=?", (response_id, owner)).fetchone()
         return None if row is None else _stored(row)
 
     def delete(self, response_id: str, *, owner: str) -> bool:
-        """Remove the response; False if there is none (or it is another owner's)."""
+        """Remove the response; False if there is none (or it is another owner's, or the id is not `is_text`)."""
+        if not is_text(response_id):
+            return False
         with self._txn() as db:
             return db.execute("DELETE FROM responses WHERE id=? AND owner=?", (response_id, owner)).rowcount == 1
 
