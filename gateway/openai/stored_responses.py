@@ -168,15 +168,14 @@ class KeptResponses:
             log.error("%s: its background run ended on an error", response_id, exc_info=task.exception())
 
     async def _run(self, stored: StoredResponse) -> None:
-        """Run a background response and keep its end: the Response, `failed` with the error, or nothing
-        when the run is cancelled: by `cancel`, which kept `cancelled` first (a late end does not overwrite
-        it), or by the gateway stopping, however abruptly (a second Ctrl-C cancels every task before `stop`
-        runs): the response stays unfinished, for the next start. Its writes are `durable`: a store that fails for
-        good as the run starts leaves the response `failed` with the 503 `storage_unavailable` naming the
-        error, not `queued` with nothing running it (unless even that cannot be written: then it stays
-        unfinished, logged, and the next start runs it again)."""
+        """Run a background response (`in_progress` once admitted: `_answer`) and keep its end: the Response,
+        `failed` with the error, or nothing when the run is cancelled: by `cancel`, which kept `cancelled` first
+        (a late end does not overwrite it), or by the gateway stopping, however abruptly (a second Ctrl-C cancels
+        every task before `stop` runs): the response stays unfinished, for the next start. Its writes are
+        `durable`: a store that fails for good as the run starts leaves the response `failed` with the 503
+        `storage_unavailable` naming the error, not `queued` with nothing running it (unless even that cannot be
+        written: then it stays unfinished, logged, and the next start runs it again)."""
         try:
-            await self.durable(self.store.update, {**stored.response, "status": "in_progress"}, unless=FINISHED)
             final = _finished(await self._answer(stored))
         except ApiError as exc:
             final = {**stored.response, "status": "failed", "error": response_error(exc)}
@@ -191,6 +190,11 @@ class KeptResponses:
         except Exception:   # noqa: BLE001 - logged; the run must not end as a task error nobody reads
             log.exception("%s: its end could not be kept", stored.id)
 
+    async def started(self, stored: StoredResponse) -> None:
+        """A background run starts (admitted on a replica, or sent on upstream): `in_progress` from now (it was
+        `queued` while it waited for its device and credits); a later end is never overwritten."""
+        await self.durable(self.store.update, {**stored.response, "status": "in_progress"}, unless=FINISHED)
+
     async def _answer(self, stored: StoredResponse) -> dict[str, Any]:
         """Run a kept request (its conversation's items as the input) as its tenant; the Response."""
         gateway, body = self.gateway, stored.request
@@ -199,7 +203,10 @@ class KeptResponses:
         asked = dataclasses.replace(asked, previous_response_id=body.get("previous_response_id"))
         req = asked.chat
         routed = [await _routed(gateway, req)]
-        answer_type = functools.partial(ResponsesAnswer, asked=asked, response_id=stored.id,
+        in_progress = functools.partial(self.started, stored)   # admitted on a replica (an answer is made)
+        if routed[0][0].is_upstream:
+            await in_progress()   # sent on at once
+        answer_type = functools.partial(_AdmittedAnswer, started=in_progress, asked=asked, response_id=stored.id,
                                         created_at=stored.response["created_at"])
         return await Completion(gateway, req, routed, _relayed(body, asked), "/responses", time.perf_counter(),
                                 stored.tenant, patient=True, answer_type=answer_type).answer()
@@ -223,6 +230,19 @@ class KeptResponses:
         if stored is None:
             raise ApiError(404, f"response_id: no response {response_id!r}", param="response_id", code="not_found")
         return stored
+
+
+class _AdmittedAnswer(ResponsesAnswer):
+    """A background Response's answer, made once the request is admitted on a replica: `started` (the store's
+    `in_progress`) runs first; the response was `queued` while it waited for its device and credits."""
+
+    def __init__(self, *args: Any, started: Callable[[], Any], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.started = started
+
+    async def run(self) -> None:
+        await self.started()
+        await super().run()
 
 
 def _finished(answer: Any) -> dict[str, Any]:

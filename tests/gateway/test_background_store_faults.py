@@ -31,6 +31,7 @@ async def _client(aiohttp_client, tmp_path: Path, tiny_model: Path):
     kept.max_store_attempts = 3
 
     async def answered(stored):
+        await kept.started(stored)   # as an admitted run does
         return {**stored.response, "status": "completed", "output": []}
 
     kept._answer = answered
