@@ -199,7 +199,8 @@ class Scheduler:
         # The sequences scheduled or skipped (paused, ending, or waiting) so far are always a prefix of `running`
         # (victims, never skipped ones, leave from anywhere, the order of the rest is kept): the next is
         # running[that]. A sequence short of blocks that the ending ones' own blocks (back a step later, less
-        # those promised to sequences before it) make up waits for them: nobody is preempted, nothing admitted.
+        # those promised to sequences before it) make up waits for them, and so does every later one that needs a
+        # new block (the free ones are the waiter's): nobody is preempted, nothing admitted.
         skipped, waits, coming, self._promised = 0, set(), None, 0
         while len(out.scheduled) + skipped < len(self.running) and budget > 0:
             seq = self.running[len(out.scheduled) + skipped]
@@ -209,9 +210,9 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not bm.writes_in_place(seq.block_table, seq.num_computed_tokens, num_new):
                 need, coming = self._blocks_needed(seq, num_new), self._ending_blocks() if coming is None else coming
-                if bm.num_free_blocks < need <= bm.num_free_blocks + coming - self._promised:
-                    self._promised, skipped = self._promised + need, skipped + 1
-                    waits.add(id(seq))
+                if waits or bm.num_free_blocks < need <= bm.num_free_blocks + coming - self._promised:
+                    self._promised, skipped = self._promised + need, skipped + 1   # after a waiter, any that grows
+                    waits.add(id(seq))                                           # waits: the free blocks are its
                     continue
                 while self._blocks_needed(seq, num_new) > bm.num_free_blocks:
                     if self.running == [seq]:
@@ -320,10 +321,9 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         bm = self.block_manager
-        if self._write_block_shared(seq):
-            copy = bm.copy_on_write(seq.block_table, seq.num_computed_tokens // bm.block_size)
-            if copy is not None:
-                out.move("copy", [copy])
+        if self._write_block_shared(seq) and (copy := bm.copy_on_write(
+                seq.block_table, seq.num_computed_tokens // bm.block_size)) is not None:
+            out.move("copy", [copy])
         bm.allocate(seq.block_table, seq.num_computed_tokens + num_new)
 
     # --- preemption --------------------------------------------------------------------------

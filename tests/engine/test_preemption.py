@@ -304,9 +304,9 @@ def test_a_run_of_moves_never_writes_one_block_twice():
 
 def test_a_sequence_waiting_for_an_ending_ones_blocks_is_no_victim_and_what_it_was_promised_counts():
     """E's last token is in flight (its 2 blocks back a step later). B needs 1 block: it waits for E's, and 1 is
-    promised to it. C's chunk needs 3, more than the 1 left to come: it preempts, and by lru B (scheduled
-    longest ago) would be the victim, but B waits this step and is none: C preempts itself, and D (after them)
-    decodes in place. B chosen, the step skipped D: the sequences seen were no longer a prefix of `running`."""
+    promised to it. C's chunk needs 3, more than is left to come: C preempted, and by lru B (scheduled longest ago)
+    was the victim, and the step then skipped D: the sequences seen were no longer a prefix of `running`. After a
+    waiter, C waits too (the free blocks are B's), nobody is preempted, and D decodes in place."""
     bm = BlockManager(num_blocks=7, block_size=4, enable_prefix_caching=False)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, victim_policy="lru", stability_floor_tokens=0,
                                           enable_prefix_caching=False), bm, max_model_len=100)
@@ -321,5 +321,27 @@ def test_a_sequence_waiting_for_an_ending_ones_blocks_is_no_victim_and_what_it_w
             seq.add_pending(seq.seq_id)
     assert bm.num_free_blocks == 0 and e.ends_when_known(100)
     out = scheduler.schedule()
-    assert out.preempted == [c] and [s.seq for s in out.scheduled] == [d] and scheduler.running == [e, b, d]
+    assert out.preempted == [] and [s.seq for s in out.scheduled] == [d] and scheduler.running == [e, b, c, d]
+    scheduler.check_integrity()
+
+
+def test_after_a_sequence_waiting_for_an_ending_ones_blocks_no_later_one_takes_the_free_block():
+    """W's chunk needs 3 blocks: 1 is free and E's 2 come back a step later, so W waits for them. B, after W, needs
+    1: it waits too, leaving the free block to W (B took it, and next step W was short again, the victim by lru)."""
+    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, victim_policy="lru", stability_floor_tokens=0,
+                                          enable_prefix_caching=False), bm, max_model_len=100)
+    e, w, b = _seq(7, 0), _seq(16, 1), _seq(8, 2)
+    for seq, prompt, max_tokens, computed, extra, pending in zip(
+            (e, w, b), (7, 16, 4), (1, 50, 50), (7, 4, 8), (1, 0, 0), (True, False, True)):
+        seq.num_prompt_tokens, seq.max_tokens = prompt, max_tokens
+        bm.allocate(seq.block_table, computed + extra)
+        seq.num_computed_tokens, seq.status = computed, SequenceStatus.RUNNING
+        scheduler.running.append(seq)
+        if pending:
+            seq.add_pending(seq.seq_id)
+    assert bm.num_free_blocks == 1
+    out = scheduler.schedule()
+    assert out.scheduled == [] and out.preempted == [] and bm.num_free_blocks == 1
+    assert scheduler.running == [e, w, b]
     scheduler.check_integrity()
