@@ -141,6 +141,7 @@ class DeviceSupervisor:
         self._task: asyncio.Task | None = None
         self._woken: asyncio.Task | None = None    # `_ended`'s wake-up of the requests waiting for the replica
         self.draining = False                      # the autoscaler is removing it: no new requests
+        self._stopping = False                     # `stop` runs: its worker's end is the plan, not a death
 
     @property
     def is_active(self) -> bool:
@@ -151,6 +152,7 @@ class DeviceSupervisor:
         """Spawn the first worker; it loads in the background (`wait_ready`). A stopped supervisor may
         be started again (the autoscaler's parked slots)."""
         self._failure, self._was_ready, self._restart_reason, self.draining = None, False, None, False
+        self._stopping = False
         self._first_failure = None
         self.metrics.worker_restarts.labels(**self.labels)   # exported from the start, at 0
         self.metrics.worker_stalls.labels(**self.labels)
@@ -160,7 +162,9 @@ class DeviceSupervisor:
         self._watchdog.start()
 
     async def stop(self) -> None:
-        """Stop supervising and shut the worker down; requests still waiting get EngineDeadError."""
+        """Stop supervising and shut the worker down; requests still waiting get EngineDeadError. The state
+        says `stopped` from the start (the worker's exit is no `restarting` on /ready and the replicas gauge)."""
+        self._stopping = True
         await self._watchdog.stop()
         if self._task is not None:
             self._task.cancel()
@@ -190,7 +194,7 @@ class DeviceSupervisor:
     def state(self) -> str:
         """`loading`, `ready`, `draining`, `restarting: <reason>`, `failed: <reason>` or `stopped` (not
         started, or stopped by the autoscaler)."""
-        if self._task is None:
+        if self._task is None or self._stopping:
             return "stopped"
         if self._failure is not None:
             return f"failed: {self._failure}"

@@ -201,6 +201,30 @@ def test_a_ray_cluster_that_did_not_answer_is_asked_again_and_its_replicas_tried
     assert not remote._tries_again(ClusterError("placement ray needs Ray: pip install -e '.[ray]'"))
 
 
+async def test_a_replica_being_stopped_says_stopped_not_restarting():
+    """While `stop` waits for its worker to exit (a scale-down, the gateway stopping), the replica is `stopped`: its
+    worker gone and no failure set, it read `restarting: device worker process exited` on /ready and in the
+    replicas gauge at every scale-down."""
+    supervisor = DeviceSupervisor("cpu", None, [], GatewayMetrics())
+    gate = asyncio.Event()
+    client = SimpleNamespace(is_alive=True, info=object())
+
+    async def shutdown():
+        client.is_alive = False   # the worker has exited; its reaping takes a moment
+        await gate.wait()
+
+    client.shutdown = shutdown
+    supervisor.client, supervisor._was_ready = client, True
+    supervisor._task = asyncio.ensure_future(asyncio.sleep(3600))
+    assert supervisor.state == "ready"
+    stopping = asyncio.ensure_future(supervisor.stop())
+    await asyncio.sleep(0.05)
+    assert not client.is_alive and supervisor.state == "stopped"
+    gate.set()
+    await stopping
+    assert supervisor.state == "stopped"
+
+
 def test_backoff_doubles_up_to_its_cap_and_checks_its_fields():
     backoff = Backoff()
     assert [backoff.delay(i) for i in range(7)] == [1, 2, 4, 8, 16, 30, 30]
