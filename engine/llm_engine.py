@@ -176,9 +176,8 @@ class LLMEngine:
 
     @classmethod
     def from_args(cls, model: str = "builtin:smollm2-135m-instruct", *, block_size: int = DEFAULT_BLOCK_SIZE,
-                  num_blocks: int = 1024, max_num_seqs: int = 64,
-                  max_num_batched_tokens: int = 2048, max_model_len: int = 0,
-                  enable_chunked_prefill: bool = True, **kwargs) -> "LLMEngine":
+                  num_blocks: int = 1024, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                  max_model_len: int = 0, enable_chunked_prefill: bool = True, **kwargs) -> "LLMEngine":
         """One pool named 'default' with the given limits; other EngineConfig fields as keywords."""
         progress = kwargs.pop("progress", True)
         pool = PoolConfig(num_blocks=num_blocks, scheduler=SchedulerConfig(
@@ -195,8 +194,7 @@ class LLMEngine:
         the same salt (the gateway passes the tenant, so no tenant can probe another's prompts).
 
         Raises RequestError (a ValueError naming the field) when the request is malformed or can never
-        fit its pool (prompt + max_tokens over max_model_len or over the pool's blocks).
-        """
+        fit its pool (prompt + max_tokens over max_model_len or over the pool's blocks, min_tokens past them)."""
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise RequestError("request_id: must be a non-empty string")
@@ -215,6 +213,8 @@ class LLMEngine:
             if max_tokens < 1:
                 raise RequestError(f"prompt: {len(prompt_ids)} tokens leave no room to generate within "
                                    f"max_model_len {scheduler.max_model_len}")
+        if params.min_tokens > max_tokens:   # past an unset max_tokens' room (set, SamplingParams refuses it)
+            raise RequestError(f"min_tokens: {params.min_tokens} is over the {max_tokens} tokens the prompt leaves")
         if params.n > scheduler.config.max_num_seqs:   # its samples run together: it would wait forever
             raise RequestError(f"n: {params.n} samples run together, and pool {pool!r} runs at most "
                                f"max_num_seqs {scheduler.config.max_num_seqs} sequences at once")

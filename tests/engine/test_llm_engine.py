@@ -115,6 +115,8 @@ def test_requests_that_can_never_fit_are_refused(builtin_path):
         engine.add_request("d", [1, 10**9], SamplingParams())
     with pytest.raises(RequestError, match="pool"):
         engine.add_request("e", [1, 2], SamplingParams(), pool="nope")
+    with pytest.raises(RequestError, match=r"^min_tokens: 40 is over the 28 tokens the prompt leaves"):
+        engine.add_request("m", list(range(100)), SamplingParams(max_tokens=None, min_tokens=40))   # 28 left
     vocab = engine.model_config.vocab_size   # a bias the sampler could not apply is refused, not ignored
     with pytest.raises(RequestError, match=rf"^logit_bias: token ids \[{vocab}\] are outside the vocabulary"):
         engine.add_request("e", [1, 2], SamplingParams(logit_bias={vocab: 5.0, 3: 1.0}))
