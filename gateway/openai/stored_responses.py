@@ -340,6 +340,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         keep = functools.partial(kept.keep, owner=owner, tenant=tenant, request=body, items=asked.items)
     req = asked.chat
     routed = [await _routed(gateway, req)]
+    if keep is not None and routed[0][0].is_upstream and not req.stream:
+        # the upstream keeps nothing (`store: false` goes to it): its Response is kept here under an id of ours, so
+        # that a later turn continues it (a stream's is relayed as the upstream writes it, and not kept)
+        answer = await Completion(gateway, req, routed, _relayed(body, asked), "/responses", received, tenant).answer()
+        final = _ours(_finished(answer), response_object(asked, objects.new_id("resp", "_"), int(time.time()),
+                                                          "completed", []))
+        final["store"] = await keep(final)   # false where the store failed (logged)
+        return web.json_response(final, headers={"x-cliffguard-pool": routed[0][0].name})
     return await Completion(gateway, req, routed, _relayed(body, asked), "/responses", received, tenant, http=request,
                             answer_type=functools.partial(ResponsesAnswer, asked=asked, keep=keep)).answer()
 

@@ -369,6 +369,23 @@ async def test_a_background_response_an_upstream_pool_answered_is_kept_as_it_was
         "completed", True, True, first.id, queued.created_at), second.error
 
 
+async def test_a_foreground_response_an_upstream_pool_answered_is_kept_and_continued(relaying) -> None:
+    """The upstream is sent `store: false` and keeps nothing: its Response is kept here under an id of ours, so a
+    later turn continues it (it came back under the upstream's id, unkept: the next turn's previous_response_id
+    was a 400 `previous_response_not_found`, the chain broken wherever a conversation grew into an upstream pool)."""
+    sdk, bodies = relaying
+    first = await sdk.responses.create(model=FRONT, input="First.", metadata={"turn": "1"})
+    assert first.id != "resp_upstream" and first.id.startswith("resp_") and first.store is True
+    assert (first.output_text, first.metadata, first.background) == ("Answer.", {"turn": "1"}, False)
+    assert bodies[-1]["store"] is False
+    kept = await sdk.responses.retrieve(first.id)
+    assert (kept.id, kept.output_text, kept.created_at) == (first.id, "Answer.", first.created_at)
+    second = await sdk.responses.create(model=FRONT, input="Second.", previous_response_id=first.id)
+    assert second.previous_response_id == first.id and second.output_text == "Answer."
+    assert [item.get("content") for item in bodies[-1]["input"] if item.get("role") == "user"][0] in (
+        "First.", [{"type": "input_text", "text": "First."}])   # the first turn went along
+
+
 async def test_a_continued_conversation_reaches_an_upstream_pool_in_the_input_shape_it_reads(relaying) -> None:
     """The earlier turns' kept items (assistant messages and reasoning items kept without their ids) are relayed
     as input items vLLM's request model takes, in the background and in the foreground alike."""
