@@ -63,7 +63,7 @@ from gateway.workers.deaths import LOSS, Death, DeathsUnder, Hold
 from gateway.openai.tool_grammar import thinking_first
 from gateway.openai.tool_specs import schema_error
 from gateway.openai.tools import ToolFormat, format_for
-from gateway.upstream.relay import forward, openai_error
+from gateway.upstream.relay import forward, openai_error, retry_headers
 from pools.pool import Pool
 
 log = logging.getLogger("cliffguard.gateway")
@@ -420,6 +420,8 @@ def _json_reply(req: ChatRequest, fmt: ToolFormat, pool: Pool) -> StructuredOutp
 
 
 def _relayed_error(response: web.Response) -> ApiError:
-    """An upstream's error response as an ApiError with its status (`relay.openai_error`'s rule)."""
+    """An upstream's error response as an ApiError with its status (`relay.openai_error`'s rule) and its word on
+    when to try again (`Retry-After`, `x-ratelimit-*`)."""
     error = openai_error(bytes(response.body), f"the upstream answered {response.status}")
-    return ApiError(response.status, error["message"], param=error["param"], type=error["type"], code=error["code"])
+    return ApiError(response.status, error["message"], param=error["param"], type=error["type"], code=error["code"],
+                    headers=retry_headers(response.headers))

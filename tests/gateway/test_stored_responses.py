@@ -386,6 +386,33 @@ async def test_a_foreground_response_an_upstream_pool_answered_is_kept_and_conti
         "First.", [{"type": "input_text", "text": "First."}])   # the first turn went along
 
 
+async def test_an_upstream_429_to_a_kept_foreground_response_is_relayed_with_its_retry_after(aiohttp_client,
+                                                                                          aiohttp_server, tmp_path):
+    """The kept path reads the upstream's answer itself: its 429 reaches the client with its status, error and
+    Retry-After (which the openai SDK waits), not as a 500 or without the header."""
+    async def busy(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "Rate limit reached", "type": "requests", "param": None,
+                                            "code": "rate_limit_exceeded"}}, status=429, headers={"Retry-After": "7"})
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", busy)
+    server = await aiohttp_server(app, host="127.0.0.1")
+    path = tmp_path / "front.yaml"
+    path.write_text(f"""
+pools:
+  - name: remote
+    upstream: http://127.0.0.1:{server.port}/v1
+    model: upstream-model
+    served_model_name: {FRONT}
+    tokenizer: builtin:smollm2-135m-instruct
+    max_model_len: 512
+""")
+    client = await aiohttp_client(create_app(Gateway.from_config(load_config(path)), data_dir=tmp_path))
+    r = await client.post("/v1/responses", json={"model": FRONT, "input": "Hi."})
+    assert r.status == 429 and r.headers["Retry-After"] == "7", await r.text()
+    assert (await r.json())["error"]["code"] == "rate_limit_exceeded"
+
+
 async def test_a_continued_conversation_reaches_an_upstream_pool_in_the_input_shape_it_reads(relaying) -> None:
     """The earlier turns' kept items (assistant messages and reasoning items kept without their ids) are relayed
     as input items vLLM's request model takes, in the background and in the foreground alike."""
