@@ -199,8 +199,8 @@ class Scheduler:
         # The sequences scheduled or skipped (paused, ending, or waiting) so far are always a prefix of `running`
         # (victims, never skipped ones, leave from anywhere, the order of the rest is kept): the next is
         # running[that]. A sequence short of blocks that the ending ones' own blocks (back a step later, less
-        # those promised to sequences before it) make up waits for them, and so does every later one that needs a
-        # new block (the free ones are the waiter's): nobody is preempted, nothing admitted.
+        # those promised to sequences before it) make up waits for them, and so does every later one short of the
+        # free blocks the waiters leave: nobody is preempted, nothing admitted.
         skipped, waits, coming, self._promised = 0, set(), None, 0
         while len(out.scheduled) + skipped < len(self.running) and budget > 0:
             seq = self.running[len(out.scheduled) + skipped]
@@ -210,15 +210,16 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not bm.writes_in_place(seq.block_table, seq.num_computed_tokens, num_new):
                 need, coming = self._blocks_needed(seq, num_new), self._ending_blocks() if coming is None else coming
-                if waits or bm.num_free_blocks < need <= bm.num_free_blocks + coming - self._promised:
-                    self._promised, skipped = self._promised + need, skipped + 1   # after a waiter, any that grows
-                    waits.add(id(seq))                                           # waits: the free blocks are its
+                covered = need <= bm.num_free_blocks + coming - self._promised   # by the free and the coming blocks
+                if need > bm.num_free_blocks - max(0, self._promised - coming) and (waits or covered):
+                    self._promised, skipped = self._promised + need * covered, skipped + 1   # a waiter: the free
+                    waits.add(id(seq))                           # blocks it counts on are no later sequence's
                     continue
                 while self._blocks_needed(seq, num_new) > bm.num_free_blocks:
                     if self.running == [seq]:
                         self._finish_too_large(seq, out)
                         break
-                    victim = self._pick_victim(seq, waits)
+                    victim = self._pick_victim(seq)   # never after a waiter: every one short of blocks waits
                     budget += self._preempt(victim, out)
                     if victim is seq:
                         break
@@ -334,14 +335,13 @@ class Scheduler:
         bm = self.block_manager
         return sum(bm.ref_count(b) == 1 for s in self.running if self._ending(s) for b in s.block_table)
 
-    def _pick_victim(self, needy: Sequence, waits: set[int] = frozenset()) -> Sequence:
+    def _pick_victim(self, needy: Sequence) -> Sequence:
         """The running sequence to preempt so that `needy` can grow, by the pool's victim policy.
 
         Sequences under the stability floor are spared while another candidate exists. Paused ones keep
-        their blocks, ending ones give theirs back a step later, and those waiting for them (ids in `waits`)
-        were skipped this step: none is a victim."""
+        their blocks, and ending ones give theirs back a step later: neither is a victim."""
         floor = self.config.stability_floor_tokens
-        active = [s for s in self.running if not self.is_paused(s) and not self._ending(s) and id(s) not in waits]
+        active = [s for s in self.running if not self.is_paused(s) and not self._ending(s)]
         candidates = [s for s in active if s.num_output_tokens - s.admitted_at_output >= floor] or active
         order = {id(s): i for i, s in enumerate(self.running)}   # admission order
         policy = self.config.victim_policy

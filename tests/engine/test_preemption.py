@@ -325,10 +325,13 @@ def test_a_sequence_waiting_for_an_ending_ones_blocks_is_no_victim_and_what_it_w
     scheduler.check_integrity()
 
 
-def test_after_a_sequence_waiting_for_an_ending_ones_blocks_no_later_one_takes_the_free_block():
-    """W's chunk needs 3 blocks: 1 is free and E's 2 come back a step later, so W waits for them. B, after W, needs
-    1: it waits too, leaving the free block to W (B took it, and next step W was short again, the victim by lru)."""
-    bm = BlockManager(num_blocks=6, block_size=4, enable_prefix_caching=False)
+@pytest.mark.parametrize("num_free", [1, 2])
+def test_after_a_sequence_waiting_for_an_ending_ones_blocks_a_later_one_takes_only_the_free_blocks_it_leaves(
+        num_free):
+    """W's chunk needs 3 blocks, E's 2 come back a step later, so W waits for them. With 1 free, W counts on it:
+    B, after W, needs 1 and waits too (it took it, and next step W was short again, the victim by lru). With 2
+    free, W counts on one of them: B grows into the other."""
+    bm = BlockManager(num_blocks=5 + num_free, block_size=4, enable_prefix_caching=False)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, victim_policy="lru", stability_floor_tokens=0,
                                           enable_prefix_caching=False), bm, max_model_len=100)
     e, w, b = _seq(7, 0), _seq(16, 1), _seq(8, 2)
@@ -340,8 +343,8 @@ def test_after_a_sequence_waiting_for_an_ending_ones_blocks_no_later_one_takes_t
         scheduler.running.append(seq)
         if pending:
             seq.add_pending(seq.seq_id)
-    assert bm.num_free_blocks == 1
+    assert bm.num_free_blocks == num_free
     out = scheduler.schedule()
-    assert out.scheduled == [] and out.preempted == [] and bm.num_free_blocks == 1
-    assert scheduler.running == [e, w, b]
+    assert out.preempted == [] and [s.seq for s in out.scheduled] == ([] if num_free == 1 else [b])
+    assert bm.num_free_blocks == 1 and scheduler.running == [e, w, b]
     scheduler.check_integrity()
