@@ -94,6 +94,7 @@ class Completion:
     background: bool = False            # a batch line: served behind interactive traffic
     patient: bool = False               # a background Response: waits for its device and credits however long
     answer_type: Callable[..., LocalResponse] = LocalResponse   # makes the answer (the Responses API's differs)
+    answer_json: bool = False           # an HTTP request whose upstream answer comes back as JSON (its error as is)
     _local: LocalResponse | None = dataclasses.field(default=None, init=False, repr=False)   # its latest run's
 
     async def answer(self) -> web.StreamResponse | dict[str, Any]:
@@ -130,7 +131,7 @@ class Completion:
         response = await forward(self.http, gateway.upstream, pool, self.path, self.body, self.req.stream,
                                  gateway.metrics, write_timeout=gateway.config.gateway.write_timeout,
                                  prompt_tokens=len(self.routed[0][1]), received=self.received)
-        if self.http is not None:
+        if self.http is not None and (response.status >= 400 or not self.answer_json):
             if response.status >= 400:   # the upstream's error, relayed as it answered (not raised)
                 gateway.metrics.errors.labels(status=str(response.status)).inc()
             return response

@@ -26,9 +26,10 @@ gateway stops is run again when it starts.
 
 Without a data dir (an in-process app) nothing is kept: `store` left out is answered with
 `store: false`, and `store: true`, `background` and `previous_response_id` are 400s naming them.
-Responses answered by an upstream pool are relayed, not kept here (`store: false` is sent on), the earlier
-turns' items in the input shape another server reads (`relayed_item`); a background one's Response is kept
-with the gateway's own `id`, `created_at`, `background`, `store`, `previous_response_id` and `metadata`.
+Requests answered by an upstream pool are sent `store: false` (it keeps nothing), the earlier turns' items in
+the input shape another server reads (`relayed_item`); a background one's Response, and a foreground stored one
+not streamed, is kept here with the gateway's own `id`, `created_at`, `background`, `store`,
+`previous_response_id` and `metadata`; a streamed one is relayed as the upstream writes it, not kept.
 """
 
 from __future__ import annotations
@@ -343,7 +344,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if keep is not None and routed[0][0].is_upstream and not req.stream:
         # the upstream keeps nothing (`store: false` goes to it): its Response is kept here under an id of ours, so
         # that a later turn continues it (a stream's is relayed as the upstream writes it, and not kept)
-        answer = await Completion(gateway, req, routed, _relayed(body, asked), "/responses", received, tenant).answer()
+        answer = await Completion(gateway, req, routed, _relayed(body, asked), "/responses", received, tenant,
+                                  http=request, answer_json=True).answer()
+        if isinstance(answer, web.StreamResponse):   # the upstream's error as it answered, or a client gone
+            return answer
         final = _ours(_finished(answer), response_object(asked, objects.new_id("resp", "_"), int(time.time()),
                                                           "completed", []))
         final["store"] = await keep(final)   # false where the store failed (logged)
