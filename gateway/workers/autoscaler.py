@@ -165,13 +165,7 @@ class Autoscaler:
                    default=0.0)
 
     def _scale_up(self, device: str, slots: list[DeviceSupervisor], why: str) -> bool:
-        draining = [s for s in slots if s.draining and (device, s.replica) in self._removals
-                    and (device, s.replica) not in self._finishing]
-        if draining:
-            supervisor = draining[0]
-            self._removals.pop((device, supervisor.replica)).cancel()
-            self._undrain(device, supervisor)
-            log.info("autoscaler: device %s: %s; keeping replica %s", device, why, supervisor.name)
+        if self._take_back(device, slots, why):
             return True
         if any(s.state.startswith("loading") for s in slots):
             return False   # one is on its way: give it time before asking for another
@@ -182,6 +176,18 @@ class Autoscaler:
         log.info("autoscaler: device %s: %s; starting replica %s", device, why, supervisor.name)
         supervisor.start()
         self.metrics.replica_scalings.labels(device=device, direction="up").inc()
+        return True
+
+    def _take_back(self, device: str, slots: list[DeviceSupervisor], why: str, *, ready_only: bool = False) -> bool:
+        """Take back the first drain not past taking back (`ready_only`: of a replica that serves once taken back);
+        False if there is none."""
+        back = [s for s in slots if s.draining and (s.is_ready or not ready_only)
+                and (device, s.replica) in self._removals and (device, s.replica) not in self._finishing]
+        if not back:
+            return False
+        self._removals.pop((device, back[0].replica)).cancel()
+        self._undrain(device, back[0])
+        log.info("autoscaler: device %s: %s; keeping replica %s", device, why, back[0].name)
         return True
 
     def _undrain(self, device: str, supervisor: DeviceSupervisor) -> None:
@@ -197,15 +203,9 @@ class Autoscaler:
         one once idle for `scale_down_idle_seconds`; either only while `min` replicas serve without it.
         `pressed`: something waits for credits, or the device is overloaded: no replica is idle."""
         serving = [s for s in slots if s.is_ready and not s.draining]
-        if len(serving) < spec.initial_replicas:   # one crashed: a drain not past taking back serves again
-            back = [s for s in slots if s.draining and s.is_ready and (device, s.replica) in self._removals
-                    and (device, s.replica) not in self._finishing]
-            if back:
-                self._removals.pop((device, back[0].replica)).cancel()
-                self._undrain(device, back[0])
-                log.info("autoscaler: device %s: fewer than min replicas serve; keeping replica %s", device,
-                         back[0].name)
-                return
+        if len(serving) < spec.initial_replicas and self._take_back(device, slots, "fewer than min replicas serve",
+                                                                     ready_only=True):
+            return   # one crashed: a drain not past taking back serves again
         loading = [s for s in slots if s.state.startswith("loading") and not s.draining
                    and s.replica >= spec.initial_replicas]
         self._count_idle(device, slots, serving, loading, pressed=pressed, now=now)
