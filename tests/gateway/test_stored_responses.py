@@ -342,18 +342,22 @@ async def upstream(aiohttp_server):
 async def relaying(aiohttp_client, tmp_path, upstream):
     """(the SDK on an app with a data dir whose one pool is `upstream`, the bodies the upstream got)."""
     server, bodies = upstream
+    return _sdk(await _front(aiohttp_client, tmp_path, server.port)), bodies
+
+
+async def _front(aiohttp_client, tmp_path, port: int):
+    """A client of an app with a data dir whose one pool is the upstream on `port`, served as FRONT."""
     path = tmp_path / "front.yaml"
     path.write_text(f"""
 pools:
   - name: remote
-    upstream: http://127.0.0.1:{server.port}/v1
+    upstream: http://127.0.0.1:{port}/v1
     model: upstream-model
     served_model_name: {FRONT}
     tokenizer: builtin:smollm2-135m-instruct
     max_model_len: 512
 """)
-    client = await aiohttp_client(create_app(Gateway.from_config(load_config(path)), data_dir=tmp_path))
-    return _sdk(client), bodies
+    return await aiohttp_client(create_app(Gateway.from_config(load_config(path)), data_dir=tmp_path))
 
 
 async def test_a_background_response_an_upstream_pool_answered_is_kept_as_it_was_asked(relaying) -> None:
@@ -396,18 +400,7 @@ async def test_an_upstream_429_to_a_kept_foreground_response_is_relayed_with_its
 
     app = web.Application()
     app.router.add_post("/v1/responses", busy)
-    server = await aiohttp_server(app, host="127.0.0.1")
-    path = tmp_path / "front.yaml"
-    path.write_text(f"""
-pools:
-  - name: remote
-    upstream: http://127.0.0.1:{server.port}/v1
-    model: upstream-model
-    served_model_name: {FRONT}
-    tokenizer: builtin:smollm2-135m-instruct
-    max_model_len: 512
-""")
-    client = await aiohttp_client(create_app(Gateway.from_config(load_config(path)), data_dir=tmp_path))
+    client = await _front(aiohttp_client, tmp_path, (await aiohttp_server(app, host="127.0.0.1")).port)
     r = await client.post("/v1/responses", json={"model": FRONT, "input": "Hi."})
     assert r.status == 429 and r.headers["Retry-After"] == "7", await r.text()
     assert (await r.json())["error"]["code"] == "rate_limit_exceeded"
