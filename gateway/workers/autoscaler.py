@@ -314,6 +314,8 @@ class Autoscaler:
             # worker is stopped and the actor and group are gone, or the removal failed
             self._finishing.add(key)
             self._stopped_at[key] = float("inf")   # no listing asked for before the actor is gone counts
+            if decided:   # counted as the slot starts to read "stopped": a scrape never shows one without the other
+                self.metrics.replica_scalings.labels(device=device, direction="down").inc()
             try:
                 await supervisor.stop()
                 if decided and supervisor.link is not None:
@@ -321,8 +323,6 @@ class Autoscaler:
             finally:
                 supervisor.draining = False
                 self._stopped_at[key] = time.monotonic()
-            if decided:
-                self.metrics.replica_scalings.labels(device=device, direction="down").inc()
             log.info("autoscaler: device %s: replica %s stopped", device, supervisor.name)
         except Exception:
             log.exception("autoscaler: device %s: removing replica %s failed", device, supervisor.name)

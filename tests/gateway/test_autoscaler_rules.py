@@ -189,6 +189,26 @@ async def test_a_failed_removal_frees_the_slot():
     assert slots[1].state == "loading"
 
 
+async def test_a_slot_reads_stopped_only_with_its_scale_down_counted():
+    """A supervisor reads "stopped" from the moment its `stop` begins; the scale-down is counted by then."""
+    slots = [_Slot(0, "ready"), _Slot(1, "ready")]
+    scaler = _make_scaler(slots, {})
+    gate = asyncio.Event()
+
+    async def slow_stop() -> None:                               # stopped at once, the worker leaves later
+        slots[1].state = "stopped"
+        await gate.wait()
+
+    slots[1].stop = slow_stop
+    _ticks(scaler, 0, 61)
+    await _settle()
+    downs = scaler.metrics.replica_scalings.labels(device="d", direction="down")
+    assert slots[1].state == "stopped" and downs._value.get() == 1.0
+    gate.set()
+    await _settle()
+    assert downs._value.get() == 1.0 and slots[1].link.removed == 1 and not scaler._removals
+
+
 async def test_a_drain_is_taken_back_before_the_worker_stops_but_not_after():
     slots = [_Slot(0, "ready"), _Slot(1, "ready")]
     verdict: dict[str, str] = {}
