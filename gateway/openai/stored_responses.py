@@ -103,8 +103,15 @@ class KeptResponses:
             raise storage_unavailable("response store", exc) from None
 
     async def start(self) -> None:
+        """Run again the background responses a stopped gateway left; each is `queued` again until admitted."""
         for stored in await self.db(self.store.unfinished):
             log.info("%s: a background response the gateway stopped under; running it again", stored.id)
+            if stored.status != "queued":   # it was in progress: it waits for its device and credits again
+                stored = dataclasses.replace(stored, response={**stored.response, "status": "queued"})
+                try:
+                    await self.db(self.store.update, stored.response, unless=FINISHED)
+                except ApiError as exc:   # it still runs; it reads in_progress until admitted
+                    log.error("%s: not set back to queued: %s", stored.id, exc.message)
             self._launch(stored)
 
     async def stop(self) -> None:

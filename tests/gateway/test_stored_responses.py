@@ -247,6 +247,34 @@ async def test_a_run_cancelled_by_a_forced_stop_stays_unfinished_for_the_next_st
     assert (await sdk.responses.retrieve(running.id)).status == "queued"
 
 
+async def test_a_run_in_progress_as_its_gateway_stopped_reads_queued_again_at_the_next_start(aiohttp_client, tmp_path,
+                                                                                              tiny_model) -> None:
+    """The next start runs it again: until admitted there, it waits for its device and credits, as `queued`."""
+    sdk, runs = await _no_worker(aiohttp_client, tmp_path, tiny_model)
+    await _settled(sdk, (await sdk.responses.create(model=tiny_model.name, input="hi", background=True)).id)
+    running = await sdk.responses.create(model=tiny_model.name, input="hi", background=True)
+    while len(runs) < 2:
+        await asyncio.sleep(0.01)
+    with sqlite3.connect(tmp_path / "batches.sqlite3") as db:   # admitted, as a replica's answer marks it
+        db.execute("UPDATE responses SET status='in_progress', response=json_set(response, '$.status', "
+                   "'in_progress') WHERE id=?", (running.id,))
+    assert (await sdk.responses.retrieve(running.id)).status == "in_progress"
+    gateway = Gateway.from_config(load_config(tmp_path / "pools.yaml"))   # the next gateway, on the same data dir
+    gateway.engines = {}
+    app = create_app(gateway, data_dir=tmp_path)
+    resumed: list[str] = []
+
+    async def waiting(stored):   # never admitted
+        resumed.append(stored.id)
+        await asyncio.Event().wait()
+
+    app[RESPONSES]._answer = waiting
+    again = _sdk(await aiohttp_client(app))
+    while not resumed:
+        await asyncio.sleep(0.01)
+    assert resumed == [running.id] and (await again.responses.retrieve(running.id)).status == "queued"
+
+
 async def test_an_api_key_may_have_so_many_background_responses_running_at_once(aiohttp_client, tmp_path,
                                                                                  tiny_model) -> None:
     """`gateway.stored_responses.max_background_per_owner` 2: a key's third queued or in progress is a 429
