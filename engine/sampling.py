@@ -1,25 +1,24 @@
 """Sampling: per-request parameters, and the sampler that turns one step's logits into one token per row.
 
-Semantics follow vLLM. Logprobs come from the raw logits (float32 log_softmax) with a structured output's
-grammar applied (vLLM masks the logits with it before its sampler: a forbidden token is no alternative, a
-forced one certain), before any other masking. Then, in
-this order: while a sequence has generated fewer than `min_tokens` tokens, its stop_token_ids and, unless
-`ignore_eos`, its EOS ids are masked to -inf; `logit_bias` is added; the repetition penalty divides the
-positive logits (multiplies the negative ones) of every token in the prompt or the output, as in HF
-transformers; the frequency and presence penalties are subtracted from the logits of tokens already in the
-output (OpenAI's formula: logit - count * frequency_penalty - (count > 0) * presence_penalty). Greedy rows
-take the argmax of the result. Random rows divide by temperature, then apply min-p, top-k and top-p (vLLM
-v1's order), then draw with the exponential race: token = argmax(probs / q), q ~ Exponential(1), which
-samples exactly from probs (it is the Gumbel-max trick) without a cumulative sum. Rows that set none of these pay nothing for
-them: an all-greedy batch without them is one argmax.
+Semantics follow vLLM. Logprobs come from the raw logits (float32 log_softmax) with a structured output's grammar
+applied (vLLM masks the logits with it before its sampler: a forbidden token is no alternative, a forced one
+certain), before any other masking. Then, in this order: while a sequence has generated fewer than `min_tokens`
+tokens, its stop_token_ids and, unless `ignore_eos`, its EOS ids are masked to -inf; `logit_bias` is added; the
+repetition penalty divides the positive logits (multiplies the negative ones) of every token in the prompt or the
+output, as in HF transformers; the frequency and presence penalties are subtracted from the logits of tokens already
+in the output (OpenAI's formula: logit - count * frequency_penalty - (count > 0) * presence_penalty). Greedy rows
+take the argmax of the result. Random rows divide by temperature, then apply min-p, top-k and top-p (vLLM v1's
+order), then draw with the exponential race: token = argmax(probs / q), q ~ Exponential(1), which samples exactly
+from probs (it is the Gumbel-max trick) without a cumulative sum. Rows that set none of these pay nothing for them:
+an all-greedy batch without them is one argmax.
 
-A row with a grammar (`SamplingParams.structured`, matched by the row's `GrammarMatcher`) has MASKED_LOGIT
-added to every token the grammar does not allow next, before the bias and the penalties; min_tokens does not
-apply to it: the grammar decides where its output ends.
+A row with a grammar (`SamplingParams.structured`, matched by the row's `GrammarMatcher`) has MASKED_LOGIT added to
+every token the grammar does not allow next, before the bias and the penalties; min_tokens does not apply to it: the
+grammar decides where its output ends.
 
-min_tokens with ignore_eos: we do NOT mask EOS. With ignore_eos the engine does not stop on EOS, so EOS
-cannot end the sequence early and masking it would only distort the distribution. (vLLM masks the model's
-primary EOS during min_tokens even with ignore_eos.) stop_token_ids are masked either way.
+min_tokens with ignore_eos: we do NOT mask EOS. With ignore_eos the engine does not stop on EOS, so EOS cannot end
+the sequence early and masking it would only distort the distribution. (vLLM masks the model's primary EOS during
+min_tokens even with ignore_eos.) stop_token_ids are masked either way.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from kernels.transfer import to_device, to_host
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024      # a stop string's length: an open byte run's last 4 x this many tokens are decoded for them
 MAX_STOP_TOKEN_IDS = 1024   # masked every step for every row: the list's length is each step's cost
 MAX_LOGIT_BIAS = 300        # OpenAI's limit on logit_bias entries
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
@@ -65,13 +65,15 @@ def _as_int(name: str, value: object) -> int:
 
 
 def _as_float(name: str, value: object) -> float:
-    if (type(value) is float or type(value) is int) and math.isfinite(value):
-        return float(value)
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+    if type(value) not in (float, int) and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
         raise ValueError(f"{name}: must be a number, got {value!r}")
-    if not math.isfinite(value):
+    try:
+        number = float(value)
+    except OverflowError:   # an integer past the largest float (JSON bounds no integer)
+        raise ValueError(f"{name}: must be finite, got a number past the largest float") from None
+    if not math.isfinite(number):
         raise ValueError(f"{name}: must be finite, got {value!r}")
-    return float(value)
+    return number
 
 
 def _as_bool(name: str, value: object) -> bool:
@@ -87,6 +89,8 @@ def _as_stop(value: object) -> tuple[str, ...]:
     for s in stop:
         if not isinstance(s, str) or not s:
             raise ValueError(f"stop: each stop string must be a non-empty string, got {s!r}")
+        if len(s) > MAX_STOP_CHARS:   # the text held back for a stop string, and the step's work on it, stay bounded
+            raise ValueError(f"stop: each stop string is at most {MAX_STOP_CHARS} characters, got one of {len(s)}")
         if not s.isascii():
             try:
                 s.encode("utf-8")
@@ -204,16 +208,12 @@ class SamplingParams:
             raise ValueError(f"structured: must be a StructuredOutput, got {type(self.structured).__name__}")
         normalised = {
             "n": n, "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
-            "seed": seed, "max_tokens": max_tokens, "min_tokens": min_tokens,
-            "stop": _as_stop(self.stop),
+            "seed": seed, "max_tokens": max_tokens, "min_tokens": min_tokens, "stop": _as_stop(self.stop),
             "stop_token_ids": _as_token_ids("stop_token_ids", self.stop_token_ids),
-            "ignore_eos": _as_bool("ignore_eos", self.ignore_eos),
-            "logprobs": logprobs,
+            "ignore_eos": _as_bool("ignore_eos", self.ignore_eos), "logprobs": logprobs,
             "skip_special_tokens": _as_bool("skip_special_tokens", self.skip_special_tokens),
-            "include_stop_str_in_output": _as_bool(
-                "include_stop_str_in_output", self.include_stop_str_in_output),
-            **penalties, "repetition_penalty": repetition_penalty,
-            "logit_bias": _as_logit_bias(self.logit_bias),
+            "include_stop_str_in_output": _as_bool("include_stop_str_in_output", self.include_stop_str_in_output),
+            **penalties, "repetition_penalty": repetition_penalty, "logit_bias": _as_logit_bias(self.logit_bias),
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)

@@ -54,7 +54,7 @@ from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
 from gateway.openai.errors import ApiError, drain_cut, shutting_down
 from gateway.openai.reasoning import think_mode
-from gateway.openai.sampling_fields import check_context, check_logit_bias
+from gateway.openai.sampling_fields import check_context, check_vocabulary
 from gateway.client_writes import ClientGone
 from gateway.admission import Placed
 from gateway.local_answer import LocalResponse
@@ -112,7 +112,7 @@ class Completion:
             self.gateway.metrics.pool_series(pool.name).routed.inc()
             check_context(self.req, len(ids), pool.max_model_len, pool.name)
             if not pool.is_upstream:
-                check_logit_bias(self.req, pool.tokenizer.vocab_size, pool.name)
+                check_vocabulary(self.req, pool.tokenizer.vocab_size, pool.name)
         upstream = [pool for pool, _ in self.routed if pool.is_upstream]
         if upstream:
             return await self._forward_cuttable(upstream[0])

@@ -76,6 +76,12 @@ class ChatBody(RequestFields, kw_only=True):
     add_generation_prompt: bool | None = None            # vLLM's: end the prompt with a new assistant turn
     continue_final_message: bool | None = None           # vLLM's: end the prompt inside the last message
     reasoning_effort: ReasoningEffort | None = None      # the template variable `reasoning_effort`, as vLLM's
+    # hints the SDK sends, accepted and ignored: they change nothing a text answer says (Responses' text.verbosity)
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prediction: dict[str, Any] | None = None             # predicted output: only a speed hint
+    prompt_cache_options: dict[str, Any] | None = None   # our prefix cache keeps prefixes unasked
+    modalities: list[Literal["text", "audio"]] | None = None   # text only: "audio" is a 400 naming it
+    audio: dict[str, Any] | None = None                  # audio output's settings: only null
 
 
 @dataclass
@@ -120,6 +126,9 @@ def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> ChatReques
     """A chat completion body (decoded JSON) as a `ChatRequest`; ApiError 400 naming the field (a count
     over `limits` too)."""
     chat = convert_body(body, ChatBody)
+    if "audio" in (chat.modalities or ()) or chat.audio is not None:
+        raise bad_request("modalities" if chat.audio is None else "audio",
+                          "audio output is not served: this gateway answers text (modalities [\"text\"])")
     if len(chat.messages) > limits.max_messages:
         raise bad_request("messages", f"at most {limits.max_messages} messages (gateway.limits.max_messages), "
                           f"got {len(chat.messages)}")

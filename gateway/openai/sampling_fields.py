@@ -149,13 +149,14 @@ class PoolRequest(Protocol):
     max_tokens_param: str   # the field that set params.max_tokens
 
 
-def check_logit_bias(req: PoolRequest, vocab_size: int, pool: str) -> None:
-    """Refuse logit_bias token ids outside the pool's vocabulary (a bias on a token that cannot be sampled
-    would silently do nothing)."""
-    outside = [t for t, _ in req.params.logit_bias if t >= vocab_size]
-    if outside:
-        raise bad_request("logit_bias", f"token ids {outside[:8]} are outside the vocabulary of pool {pool!r} "
-                          f"(ids 0..{vocab_size - 1})")
+def check_vocabulary(req: PoolRequest, vocab_size: int, pool: str) -> None:
+    """Refuse logit_bias and stop_token_ids token ids outside the pool's vocabulary (a bias on a token that
+    cannot be sampled, or a stop on one, would silently do nothing)."""
+    for param, ids in (("logit_bias", [t for t, _ in req.params.logit_bias]),
+                       ("stop_token_ids", req.params.stop_token_ids)):
+        if outside := [t for t in ids if t >= vocab_size]:
+            raise bad_request(param, f"token ids {outside[:8]} are outside the vocabulary of pool {pool!r} "
+                              f"(ids 0..{vocab_size - 1})")
 
 
 def check_context(req: PoolRequest, num_prompt_tokens: int, max_model_len: int, pool: str) -> None:

@@ -205,6 +205,12 @@ async def test_bad_requests_get_clear_errors_while_a_stream_keeps_going(aiohttp_
                                                        headers=auth), 400, "prompt[1]: token id 99999"),
         ("token id outside the vocabulary in the second prompt", comp, dict(   # its path, not prompt[1] or [3]
             json={"model": model, "prompt": ["hello", [5, 6, 7, 99999]]}, headers=auth), 400, "prompt[1][3]: token"),
+        ("stop token id outside the vocabulary", comp, dict(json={"model": model, "prompt": "x",
+                                                              "stop_token_ids": [3, 99999]}, headers=auth),
+         400, "stop_token_ids: token ids [99999] are outside the vocabulary"),
+        ("a bias past the largest float", chat, dict(json=dict(ok, logit_bias={"5": 10**400}), headers=auth), 400,
+         "logit_bias[5]: must be finite"),
+        ("top_p past the largest float", chat, dict(json=dict(ok, top_p=10**400), headers=auth), 400, "top_p"),
         ("temperature out of range", chat, dict(json=dict(ok, temperature=9), headers=auth), 400, "temperature"),
         ("n is a string", chat, dict(json=dict(ok, n="2"), headers=auth), 400, "n:"),
         ("unknown field", chat, dict(json=dict(ok, max_token=3), headers=auth), 400, "max_token"),

@@ -114,7 +114,26 @@ BAD_CHAT = [
     ("logit_bias key of 5,000 digits", dict(CHAT, logit_bias={"1" * 5000: 1}), "logit_bias"),
     ("chat_template_kwargs replacing a template function", dict(CHAT, chat_template_kwargs={"namespace": 0}),
      "chat_template_kwargs.namespace"),
+    # numbers past the largest float (JSON bounds no integer), a stop string past its length, audio asked for
+    ("logit_bias bias past a float", dict(CHAT, logit_bias={"5": 10**400}), "logit_bias"),
+    ("presence_penalty past a float", dict(CHAT, presence_penalty=-(10**400)), "presence_penalty"),
+    ("stop string past 1,024 characters", dict(CHAT, stop=["x", "y" * 1025]), "stop"),
+    ("audio output asked for", dict(CHAT, modalities=["text", "audio"]), "modalities"),
+    ("audio settings", dict(CHAT, audio={"voice": "alloy", "format": "wav"}), "audio"),
+    ("verbosity not a level", dict(CHAT, verbosity="terse"), "verbosity"),
 ]
+
+
+def test_the_hints_the_sdk_sends_are_accepted_and_change_nothing():
+    """`verbosity`, `prediction`, `prompt_cache_options`, text `modalities`, a null `audio`: what the openai SDK
+    may send a chat model; none changes a text answer, so none is refused (vLLM ignores them too)."""
+    plain = parse_chat(CHAT)
+    hinted = parse_chat(dict(CHAT, verbosity="low", modalities=["text"], audio=None,
+                             prediction={"type": "content", "content": "Paris"},
+                             prompt_cache_options={"mode": "implicit", "ttl": "30m"}))
+    assert (hinted.params, hinted.messages, hinted.chat_template_kwargs) == (
+        plain.params, plain.messages, plain.chat_template_kwargs)
+    assert parse_chat(dict(CHAT, stop=["y" * 1024])).params.stop == ("y" * 1024,)
 
 
 @pytest.mark.parametrize("case,body,param", BAD_CHAT, ids=[c[0] for c in BAD_CHAT])
