@@ -23,8 +23,10 @@ part with no name, a purpose in an unknown charset) a 400 naming `body`, `file` 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -49,6 +51,7 @@ __all__ = ["BATCHES", "BatchRunner", "LineExecutor", "setup"]
 
 STORE_FILE = "batches.sqlite3"      # under --data-dir
 MAX_FILE_BYTES = 200 << 20          # an upload, as OpenAI's limit for batch input files
+SPOOL_BYTES = 1 << 20               # an upload's bytes held in memory; the rest goes to a temporary file
 MAX_TEXT_FIELD_CHARS = 4096         # an upload's text fields (purpose, expires_after[...])
 UPLOAD_FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")
 REQUIRED_UPLOAD_FIELDS = ("file", "purpose")
@@ -108,11 +111,16 @@ async def upload_file(request: web.Request) -> web.Response:
     if request.content_type != "multipart/form-data":
         raise ApiError(400, "body: expected multipart/form-data with the fields 'file' and 'purpose', got "
                        f"{request.content_type!r}", param="body")
-    fields = await read_within(request, _read_form(request))
-    filename, content = fields["file"]
-    return web.json_response(await runner.db(runner.store.add_file, content, filename, fields["purpose"],
-                                             owner=_owner(request), tenant=_tenant(request),
-                                             expires_after=_expires_after(fields)))
+    fields: dict[str, Any] = {}
+    try:
+        await read_within(request, _read_form(request, fields))
+        filename, content = fields["file"]
+        return web.json_response(await runner.db(runner.store.add_file, content, filename, fields["purpose"],
+                                                 owner=_owner(request), tenant=_tenant(request),
+                                                 expires_after=_expires_after(fields)))
+    finally:
+        if "file" in fields:
+            fields["file"][1].close()
 
 
 def _expires_after(fields: dict[str, Any]) -> dict[str, Any] | None:
@@ -131,23 +139,25 @@ def _expires_after(fields: dict[str, Any]) -> dict[str, Any] | None:
     return {"anchor": anchor, "seconds": seconds}
 
 
-async def _read_form(request: web.Request) -> dict[str, Any]:
-    """The upload's fields: `file` as (its filename as sent or None: the store cleans it, its bytes),
-    `purpose` as text. A 400 naming `body` for a malformed body or a part with no name, naming the field
-    for a part not one of UPLOAD_FIELDS once, or missing."""
-    fields: dict[str, Any] = {}
+async def _read_form(request: web.Request, fields: dict[str, Any]) -> None:
+    """The upload's fields into `fields`: `file` as (its filename as sent or None: the store cleans it, its
+    bytes in a spooled file, which the caller closes), `purpose` as text. A 400 naming `body` for a malformed
+    body or a part with no name, naming the field for a part not one of UPLOAD_FIELDS once, or missing."""
     try:
         reader = await request.multipart()
         while (part := await reader.next()) is not None:
             name = _field_name(part, fields)
-            fields[name] = (part.filename, await _read_upload(part)) if name == "file" else await _read_text(part, name)
+            if name == "file":
+                fields[name] = (part.filename, spool := tempfile.SpooledTemporaryFile(SPOOL_BYTES))
+                await _read_upload(part, spool)
+            else:
+                fields[name] = await _read_text(part, name)
     except MULTIPART_ERRORS as exc:
         reason = exc.message if isinstance(exc, HttpProcessingError) else str(exc)
         raise ApiError(400, f"body: malformed multipart/form-data ({reason})", param="body") from None
     for name in REQUIRED_UPLOAD_FIELDS:
         if name not in fields:
             raise ApiError(400, f"{name}: missing from the upload", param=name)
-    return fields
 
 
 def _field_name(part: Any, fields: dict[str, Any]) -> str:
@@ -175,15 +185,20 @@ async def _read_text(part: Any, name: str) -> str:
     return text
 
 
-async def _read_upload(part: Any) -> bytes:
-    """The part's bytes; 413 naming `file` past MAX_FILE_BYTES (read in chunks, never all at once)."""
-    data = bytearray()
+async def _read_upload(part: Any, spool: tempfile.SpooledTemporaryFile) -> None:
+    """The part's bytes into `spool` (past SPOOL_BYTES on disk, written off the event loop: uploads at once
+    hold no more memory than that each), left at its start; 413 naming `file` past MAX_FILE_BYTES."""
+    size = 0
     while chunk := await part.read_chunk(1 << 20):
-        data.extend(chunk)
-        if len(data) > MAX_FILE_BYTES:
+        size += len(chunk)
+        if size > MAX_FILE_BYTES:
             raise ApiError(413, f"file: larger than {MAX_FILE_BYTES >> 20} MiB", param="file",
                            code="request_too_large")
-    return bytes(data)
+        if spool.tell() + len(chunk) > SPOOL_BYTES:
+            await asyncio.to_thread(spool.write, chunk)
+        else:
+            spool.write(chunk)
+    spool.seek(0)
 
 
 async def retrieve_file(request: web.Request) -> web.Response:

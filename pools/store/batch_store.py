@@ -68,20 +68,21 @@ changes nothing. Stdlib only; no aiohttp (the pools package never imports it).
 
 from __future__ import annotations
 
+import io
 import json
 import sqlite3
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from pools.store.batch_input import (BATCH_ENDPOINTS, COMPLETION_WINDOWS, DEFAULT_BATCH_FILE_SECONDS, FILE_PURPOSES,
                                      BatchInputError, BatchLine, TooManyBatches, check_expires_after, check_metadata,
                                      clean_filename, is_text, parse_batch_input)
 from pools.store import batch_files
-from pools.store.batch_files import (UNFINISHED, ChunkWriter, assemble_step, drop_files, fail_batch, insert_file,
-                                     marks, read_chunks, request_counts, result_file_ids)
+from pools.store.batch_files import (CHUNK_BYTES, UNFINISHED, ChunkWriter, assemble_step, drop_files, fail_batch,
+                                     insert_file, marks, read_chunks, request_counts, result_file_ids)
 from pools.store.schema import UNFINISHED_SQL, StoreFile, migrate
 
 __all__ = ["BatchStore", "STORAGE_ERRORS"]
@@ -119,20 +120,24 @@ class BatchStore(StoreFile):
             raise
 
     # --- files -----------------------------------------------------------------------------------
-    def add_file(self, content: bytes, filename: str | None, purpose: str, *, owner: str, tenant: str,
+    def add_file(self, content: bytes | BinaryIO, filename: str | None, purpose: str, *, owner: str, tenant: str,
                  expires_after: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Store an upload of `owner` (made by a key of `tenant`) under its filename as `clean_filename`
-        leaves it, expiring as `expires_after` says (OpenAI's policy; none: a batch file's 30 days);
-        BatchInputError naming `purpose` unless it is one of FILE_PURPOSES, or the policy's field."""
+        """Store an upload of `owner` (made by a key of `tenant`; its bytes, or a file read from its current
+        position to its end, CHUNK_BYTES at a time) under its filename as `clean_filename` leaves it, expiring
+        as `expires_after` says (OpenAI's policy; none: a batch file's 30 days); BatchInputError naming `purpose`
+        unless it is one of FILE_PURPOSES, or the policy's field."""
         if purpose not in FILE_PURPOSES:
             raise BatchInputError("purpose", f"must be one of {', '.join(FILE_PURPOSES)}, got {purpose!r}")
         seconds = check_expires_after(expires_after, "expires_after") or DEFAULT_BATCH_FILE_SECONDS
         file_id = f"file-{uuid.uuid4().hex[:24]}"
+        source = io.BytesIO(content) if isinstance(content, (bytes, bytearray)) else content
         with self._txn() as db:
-            insert_file(db, file_id, clean_filename(filename), purpose, len(content), owner, tenant, seconds)
+            insert_file(db, file_id, clean_filename(filename), purpose, 0, owner, tenant, seconds)
             writer = ChunkWriter(db, file_id)
-            writer.write(content)
+            while piece := source.read(CHUNK_BYTES):
+                writer.write(piece)
             writer.close()
+            db.execute("UPDATE files SET bytes=? WHERE id=?", (writer.size, file_id))
         return self.file(file_id, owner=owner)
 
     def delete_file(self, file_id: str, *, owner: str) -> bool:

@@ -9,10 +9,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import tempfile
 
 import pytest
 
 from gateway import handlers
+from gateway.batch import endpoints
+from pools.store import batch_files, batch_store
 from tests.gateway.test_batches import CHAT, _client, _FakeExecutor, _jsonl, _jsonl_file, _line, _upload, _wait
 
 BOUNDARY = b"cgBoundary"
@@ -104,6 +107,35 @@ async def test_an_upload_whose_body_never_finishes_is_a_408(aiohttp_client, tmp_
                + b"\r\n" + framed)
     [(head, body)] = await _raw_answers(client, request, bodies=(True,))
     assert head.startswith(b"HTTP/1.1 408 ") and json.loads(body)["error"]["param"] == "body", (head, body)
+
+
+async def test_an_upload_goes_to_disk_past_its_first_bytes_and_is_stored_whole(aiohttp_client, tmp_path, tiny_model,
+                                                                               monkeypatch):
+    """Uploads at once hold no more memory than SPOOL_BYTES each: the rest is spooled to a temporary file, closed
+    once stored (or refused: a file past MAX_FILE_BYTES is a 413 naming `file`); the stored file is the upload."""
+    spools: list = []
+
+    class Spool(tempfile.SpooledTemporaryFile):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            spools.append(self)
+
+    monkeypatch.setattr(endpoints, "SPOOL_BYTES", 1000)
+    monkeypatch.setattr(endpoints.tempfile, "SpooledTemporaryFile", Spool)
+    monkeypatch.setattr(batch_files, "CHUNK_BYTES", 4096)   # stored in pieces too
+    monkeypatch.setattr(batch_store, "CHUNK_BYTES", 4096)
+    client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor())
+    content = _jsonl(*(_line(f"line-{i}", "x" * 200) for i in range(100)))    # about 28 KB
+    r = await _upload(client, content)
+    assert r.status == 200, await r.text()
+    stored = await r.json()
+    assert stored["bytes"] == len(content)
+    assert await (await client.get(f"/v1/files/{stored['id']}/content")).read() == content
+    assert [(s._rolled, s.closed) for s in spools] == [(True, True)]
+    monkeypatch.setattr(endpoints, "MAX_FILE_BYTES", 10_000)
+    r = await _upload(client, content)
+    assert r.status == 413 and (await r.json())["error"]["param"] == "file"
+    assert len(spools) == 2 and spools[1].closed
 
 
 async def test_head_on_a_files_content_sends_its_headers_and_no_body(aiohttp_client, tmp_path, tiny_model):
