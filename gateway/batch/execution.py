@@ -41,12 +41,13 @@ from pools.tenants import DEFAULT_TENANT
 log = logging.getLogger("cliffguard.batches")
 
 MAX_IN_FLIGHT = 16                  # lines of one batch in flight; KV credits, not this, protect the engine
-RETRY_FIRST_S, RETRY_MAX_S = 0.5, 10.0
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 30.0
 # Answers worth another try: the request never ran (a worker died under it before anything was sent
-# to the client, the pool was down, or no connection to the upstream was made).
+# to the client, the pool was down, or no connection to the upstream was made); besides these, any 429
+# or 503 (an upstream refusing it for now: rate limited, overloaded, restarting).
 TRANSIENT = {(503, "engine_dead"), (503, "replica_lost"), (503, "pool_unavailable"),
              (502, "upstream_unreachable")}
-MAX_LINE_ATTEMPTS = 10              # tries of a line answered transiently (0.5 s ... 10 s apart: about a minute)
+MAX_LINE_ATTEMPTS = 40              # tries of a line answered transiently (0.5 s ... 30 s apart: about 17 minutes)
 MAX_ENGINE_DEATHS = 2               # 503 engine_dead answers (its own deaths) that make a line a poison line
 MAX_STORE_ATTEMPTS = 6              # tries of a store call failing for storage, before the batch fails
 PAGE_LINES = 256                    # pending lines read from the store at a time
@@ -107,7 +108,7 @@ class BatchRunner:
     that were in flight when it died are still pending and run again). Each line runs as the batch's
     tenant, read from the store. A batch has at most `max_in_flight` lines in flight. A transient
     answer (`TRANSIENT`: 503 `engine_dead` / `replica_lost` / `pool_unavailable`, 502
-    `upstream_unreachable`; any 429) is not a result: the line is tried again after a back-off (`retry_first_s`
+    `upstream_unreachable`; any 429 or 503) is not a result: the line is tried again after a back-off (`retry_first_s`
     doubling, at most `retry_max_s`), at most `max_line_attempts` times in all; a line answered
     `engine_dead` (a death of its own) is tried again alone (`SuspectGate`), and a second `engine_dead` makes
     it a poison line; `replica_lost` (a death that was not its own) is retried like any transient
@@ -317,7 +318,7 @@ class BatchRunner:
             status, body = await self._attempt(line, tenant, alone=deaths > 0)
             if not _is_transient(status, body):
                 return _Outcome(status, body)
-            if sent:   # a 429: the upstream refused it, it did not run there (a stop now: sent again next start)
+            if sent:   # a 429 or 503: the upstream refused it, it did not run there (a stop now: sent again next start)
                 await self.durable(self.store.mark_sent, batch_id, line.line_no, False)
                 sent.clear()
             message = _describe(status, body)
@@ -360,5 +361,5 @@ def _describe(status: int, body: Any) -> str:
 
 
 def _is_transient(status: int, body: Any) -> bool:
-    """`TRANSIENT`, or any 429: refused for now (an upstream's rate limit), so never run."""
-    return status == 429 or (status, _error(body).get("code")) in TRANSIENT
+    """`TRANSIENT`, or any 429 or 503: refused for now (an upstream's rate limit, its overload), so never run."""
+    return status in (429, 503) or (status, _error(body).get("code")) in TRANSIENT

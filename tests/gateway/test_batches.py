@@ -22,7 +22,9 @@ import pytest
 from gateway.batch import endpoints as batches
 from gateway.app import create_app
 from gateway.batch.endpoints import BATCHES, STORE_FILE
+from gateway import handlers
 from gateway.cli import main
+from gateway.openai.errors import ApiError
 from gateway.runtime import Gateway
 from gateway.batch import execution
 from pools.store import batch_files, batch_store
@@ -466,18 +468,20 @@ async def test_an_api_key_may_have_so_many_unfinished_batches(aiohttp_client, tm
 
 async def test_transient_answers_are_tried_a_bounded_number_of_times(aiohttp_client, tmp_path, tiny_model):
     # A 502 is tried again only when nothing reached the upstream (upstream_unreachable): one that may
-    # have (upstream_disconnected, or an upstream's own 502) is the line's answer, never sent twice.
+    # have (upstream_disconnected, or an upstream's own 502) is the line's answer, never sent twice. Any
+    # 429 or 503 (an upstream refusing it for now) is tried again.
     fake = _FakeExecutor(scripted={"down": [(503, "pool_unavailable")] * 99,
                                    "gone": [(502, "upstream_unreachable")] * 99,
                                    "flaky": [(502, "upstream_unreachable"), (503, "pool_unavailable"),
                                              (503, "engine_dead")],
-                                   "sent": [(502, "upstream_disconnected")] * 99, "relayed": [(502, None)] * 99})
+                                   "sent": [(502, "upstream_disconnected")] * 99, "relayed": [(502, None)] * 99,
+                                   "busy": [(503, None), (429, None), (503, "overloaded")]})   # an upstream's own
     client = await _client(aiohttp_client, tmp_path, tiny_model, fake)
     client.app[BATCHES].max_line_attempts = 4
-    lines = _jsonl(_line("down"), _line("gone"), _line("flaky"), _line("sent"), _line("relayed"))
+    lines = _jsonl(_line("down"), _line("gone"), _line("flaky"), _line("sent"), _line("relayed"), _line("busy"))
     done = await _wait(client, (await _create(client, lines))["id"])
-    assert done["status"] == "completed" and done["request_counts"] == {"total": 5, "completed": 1, "failed": 4}
-    assert fake.calls == {"down": 4, "gone": 4, "flaky": 4, "sent": 1, "relayed": 1}
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 6, "completed": 2, "failed": 4}
+    assert fake.calls == {"down": 4, "gone": 4, "flaky": 4, "sent": 1, "relayed": 1, "busy": 4}
     errors = await _jsonl_file(client, done["error_file_id"])
     assert [(e["custom_id"], e["error"] and e["error"]["code"], e["response"]["status_code"]) for e in errors] == \
         [("down", "retries_exhausted", 503), ("gone", "retries_exhausted", 502), ("sent", None, 502),
@@ -485,6 +489,26 @@ async def test_transient_answers_are_tried_a_bounded_number_of_times(aiohttp_cli
     message = errors[0]["error"]["message"]
     assert "gave up after 4 attempts; the last answer was 503 pool_unavailable: scripted" in message
     assert errors[0]["error"]["line"] == 1 and errors[1]["response"]["body"]["error"]["code"] == "upstream_unreachable"
+
+
+async def test_a_batch_line_waits_for_its_device_however_long_and_a_request_past_device_wait_seconds(tmp_path,
+                                                                                                    tiny_model):
+    """A device reloading for minutes costs a batch line no try (it waits as for its credits: patient); an
+    interactive request's wait is bounded (`gateway.device_wait_seconds`)."""
+    path = tmp_path / "pools.yaml"
+    path.write_text(pools_yaml(tiny_model))
+    gateway = Gateway.from_config(load_config(path))
+    asked: list[bool] = []
+
+    async def wait_device(pool, patient: bool = False) -> None:
+        asked.append(patient)
+        raise ApiError(503, "not loaded", type="server_error", code="pool_unavailable")
+
+    gateway.wait_device = wait_device
+    body = {"model": tiny_model.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert (await execution.answer_batch_line(gateway, CHAT, body, "default"))[0] == 503
+    assert (await handlers.answer(gateway, CHAT, body, tenant="default"))[0] == 503
+    assert asked == [True, False]
 
 
 class _DyingWorker:
