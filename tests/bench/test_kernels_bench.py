@@ -70,7 +70,8 @@ def test_dry_run_json_parses(capsys):
 
 
 @TRITON
-@pytest.mark.parametrize("extra", [(), ("--dtype", "bfloat16", "--num-splits", "3")], ids=["fp32", "bf16-split"])
+@pytest.mark.parametrize("extra", [   # split decoding's own kernels: tests/kernels
+    (), pytest.param(("--dtype", "bfloat16", "--num-splits", "3"), marks=pytest.mark.slow)], ids=["fp32", "bf16-split"])
 def test_dry_run_on_the_triton_kernels_through_the_interpreter(extra, capsys):
     assert _run_kernels("--dry-run", "--json", *extra) == 0
     result = json.loads(capsys.readouterr().out)

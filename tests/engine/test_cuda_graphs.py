@@ -76,6 +76,7 @@ def test_greedy_tokens_are_the_same_with_graphs_and_without(tiny, monkeypatch):
     assert results[True] == results[False]
 
 
+@pytest.mark.slow   # two ranks through the Triton interpreter: 17 s on 2 cores (make test-slow)
 def test_two_ranks_capture_and_replay_their_graphs_in_lockstep(tiny, monkeypatch, tmp_path):
     """Tensor parallelism 2 (gloo, two processes) with an FP8 cache, started as on CUDA: rank 0 measures
     the scales with its follower (`engine.kv_scales`) before anything is captured, since a capture freezes

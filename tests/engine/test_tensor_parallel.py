@@ -234,6 +234,7 @@ def test_swapped_and_copied_blocks_move_on_every_rank(tmp_path, builtin_path, pr
     _assert_same_or_near_tie(reference, got)
 
 
+@pytest.mark.slow   # model-size: the tiny models' two ranks of each architecture, and three served ranks run by default
 def test_three_ranks_of_the_builtin_model_generate_what_one_does(builtin_path):
     # SmolLM2-135M: 9 heads and 3 KV heads, one KV head per rank.
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
