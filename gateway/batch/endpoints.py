@@ -1,4 +1,4 @@
-"""The Batch API in OpenAI's shape — `POST /v1/files`, `GET /v1/files/{id}[/content]`, `DELETE /v1/files/{id}`,
+"""The Batch API in OpenAI's shape — `POST/GET /v1/files`, `GET /v1/files/{id}[/content]`, `DELETE /v1/files/{id}`,
 `POST/GET /v1/batches`, `GET /v1/batches/{id}`, `POST /v1/batches/{id}/cancel`.
 `gateway.batch.execution.BatchRunner` runs the batches' lines.
 
@@ -76,6 +76,7 @@ def setup(app: web.Application, data_dir: Path | str, executor: LineExecutor | N
                                max_unfinished_per_owner=gateway.config.gateway.batches.max_unfinished_per_owner)
     app.cleanup_ctx.append(_runner_ctx)
     app.router.add_post("/v1/files", upload_file)
+    app.router.add_get("/v1/files", list_files)
     app.router.add_get("/v1/files/{file_id}", retrieve_file)
     app.router.add_delete("/v1/files/{file_id}", delete_file)
     app.router.add_get("/v1/files/{file_id}/content", file_content)
@@ -201,6 +202,36 @@ async def _read_upload(part: Any, spool: tempfile.SpooledTemporaryFile) -> None:
     spool.seek(0)
 
 
+async def list_files(request: web.Request) -> web.Response:
+    """`GET /v1/files?limit=&after=&order=&purpose=`: the caller's owner's files (uploads, batch outputs),
+    newest first unless `order=asc`; at most `limit` (1..10000, OpenAI's default 10000) a page, `after` the
+    last id of the previous page."""
+    runner, query = request.app[BATCHES], request.query
+    limit = _limit(query.get("limit", "10000"), 10_000)
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise ApiError(400, f"order: must be 'asc' or 'desc', got {order[:40]!r}", param="order")
+    data, has_more = await runner.db(runner.store.list_files, limit, query.get("after"), owner=_owner(request),
+                                     ascending=order == "asc", purpose=query.get("purpose"))
+    return _page(data, has_more)
+
+
+def _limit(raw: str, most: int) -> int:
+    """A list's `limit` query parameter, 1..`most`; else a 400 naming it."""
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= most:
+        raise ApiError(400, f"limit: must be an integer in 1..{most}, got {raw[:40]!r}", param="limit")
+    return limit
+
+
+def _page(data: list[dict[str, Any]], has_more: bool) -> web.Response:
+    return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                              "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+
+
 async def retrieve_file(request: web.Request) -> web.Response:
     runner, file_id = request.app[BATCHES], request.match_info["file_id"]
     file = await runner.db(runner.store.file, file_id, owner=_owner(request))
@@ -291,17 +322,9 @@ async def list_batches(request: web.Request) -> web.Response:
     """`GET /v1/batches?limit=&after=`: the caller's owner's, newest first; `after` is the last id of
     the previous page."""
     runner = request.app[BATCHES]
-    raw = request.query.get("limit", "20")
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= 100:
-        raise ApiError(400, f"limit: must be an integer in 1..100, got {raw!r}", param="limit")
-    data, has_more = await runner.db(runner.store.list_batches, limit, request.query.get("after"),
-                                     owner=_owner(request))
-    return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                              "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+    data, has_more = await runner.db(runner.store.list_batches, _limit(request.query.get("limit", "20"), 100),
+                                     request.query.get("after"), owner=_owner(request))
+    return _page(data, has_more)
 
 
 async def cancel_batch(request: web.Request) -> web.Response:

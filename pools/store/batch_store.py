@@ -97,6 +97,7 @@ _BATCH_KEYS = ("id", "input_file_id", "endpoint", "completion_window", "status",
 _BATCH_COLUMNS = ", ".join(_BATCH_KEYS)
 _FILE_OWNER = "COALESCE(files.owner, (SELECT owner FROM legacy_owners WHERE legacy_owners.tenant = files.tenant))"
 _FILE_LIVE = "files.deleted_at IS NULL AND (files.expires_at IS NULL OR files.expires_at > ?)"   # ? = now
+_FILE_COLUMNS = "id, purpose, filename, bytes, created_at, expires_at"
 PURGE_EVERY_S = 60.0      # how often the batch runner drops expired files' bytes (`purge_expired`)
 PURGE_BYTES = 64 << 20    # bytes one purge transaction drops at most (past one file; the next call drops more)
 
@@ -175,13 +176,33 @@ class BatchStore(StoreFile):
         if not is_text(file_id):
             return None
         with self._lock:
-            row = self._db.execute(f"SELECT id, purpose, filename, bytes, created_at, expires_at FROM files WHERE id=? "
-                                   f"AND {_FILE_OWNER}=? AND {_FILE_LIVE}",
+            row = self._db.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE id=? AND {_FILE_OWNER}=? AND {_FILE_LIVE}",
                                    (file_id, owner, int(time.time()))).fetchone()
-        if row is None:
-            return None
-        return {"id": row[0], "object": "file", "purpose": row[1], "filename": row[2], "bytes": row[3],
-                "created_at": row[4], "status": "processed", "expires_at": row[5], "status_details": None}
+        return None if row is None else _file_object(row)
+
+    def list_files(self, limit: int, after: str | None, *, owner: str, ascending: bool = False,
+                   purpose: str | None = None) -> tuple[list[dict[str, Any]], bool]:
+        """Up to `limit` of `owner`'s live files (of `purpose`, if given) in the order they were added
+        (`ascending`, else newest first), past file `after`; and whether more follow. BatchInputError naming
+        `after` when it is not one of the owner's files."""
+        now = int(time.time())
+        if purpose is not None and not is_text(purpose):
+            return [], False   # no file has it
+        with self._lock:
+            since = None
+            if after is not None:
+                found = is_text(after) and self._db.execute(
+                    f"SELECT rowid FROM files WHERE id=? AND {_FILE_OWNER}=? AND {_FILE_LIVE}", (after, owner, now)
+                ).fetchone()
+                if not found:
+                    raise BatchInputError("after", f"no file {after!r}")
+                since = found[0]
+            past, order = (">", "ASC") if ascending else ("<", "DESC")
+            rows = self._db.execute(
+                f"SELECT {_FILE_COLUMNS} FROM files WHERE {_FILE_OWNER}=? AND {_FILE_LIVE} AND (? IS NULL OR "
+                f"purpose=?) AND (? IS NULL OR rowid {past} ?) ORDER BY rowid {order} LIMIT ?",
+                (owner, now, purpose, purpose, since, since, limit + 1)).fetchall()
+        return [_file_object(row) for row in rows[:limit]], len(rows) > limit
 
     def file_content(self, file_id: str, *, owner: str, offset: int = 0, size: int | None = None) -> bytes | None:
         """The file's bytes from `offset`, at most `size` of them (None: to the end; the gateway reads a
@@ -420,3 +441,9 @@ class BatchStore(StoreFile):
         return {"object": "batch", **batch, "errors": None if errors is None else json.loads(errors),
                 "expires_at": None, "expired_at": None, "metadata": None if metadata is None else json.loads(metadata),
                 "request_counts": request_counts(self._db, batch["id"])}
+
+
+def _file_object(row: tuple) -> dict[str, Any]:
+    """OpenAI's file object of a `files` row's _FILE_COLUMNS."""
+    return {"id": row[0], "object": "file", "purpose": row[1], "filename": row[2], "bytes": row[3],
+            "created_at": row[4], "status": "processed", "expires_at": row[5], "status_details": None}

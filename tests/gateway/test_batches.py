@@ -466,6 +466,37 @@ async def test_an_api_key_may_have_so_many_unfinished_batches(aiohttp_client, tm
         await sdk.close()
 
 
+async def test_the_sdk_lists_a_keys_files_newest_first_a_page_at_a_time(aiohttp_client, tmp_path, tiny_model):
+    """`files.list` as OpenAI's: the caller's files (its batch's output too), newest first or `order="asc"`, by
+    `purpose`, a page of `limit` at a time; another key's and a deleted one are not listed; a bad parameter
+    is a 400 naming it."""
+    client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor(), api_keys=KEYS)
+    sdk_a, sdk_b = (openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=key, max_retries=0)
+                    for key in ("key-a", "key-b"))
+    files = [await sdk_a.files.create(file=(f"in{i}.jsonl", _jsonl(_line(f"l{i}"))), purpose="batch")
+             for i in range(4)]
+    await sdk_b.files.create(file=("other.jsonl", _jsonl(_line("b"))), purpose="batch")
+    await sdk_a.files.delete(files[1].id)
+    batch = await _sdk_done(sdk_a, (await sdk_a.batches.create(input_file_id=files[0].id, endpoint=CHAT,
+                                                               completion_window="24h")).id)
+    inputs = [files[3].id, files[2].id, files[0].id]
+    assert [f.id async for f in sdk_a.files.list()] == [batch.output_file_id, *inputs]
+    page = await sdk_a.files.list(limit=2, order="asc")
+    assert [f.id for f in page.data] == inputs[::-1][:2] and page.has_more
+    assert [f.id async for f in sdk_a.files.list(limit=2, order="asc")] == [*inputs[::-1], batch.output_file_id]
+    assert [f.id async for f in sdk_a.files.list(purpose="batch")] == inputs
+    assert [(f.purpose, f.filename) async for f in sdk_a.files.list(purpose="batch_output")] == [
+        ("batch_output", f"{batch.id}_output.jsonl")]
+    assert [f.filename async for f in sdk_b.files.list()] == ["other.jsonl"]
+    for query, param in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                         ({"after": files[1].id}, "after")):
+        with pytest.raises(openai.BadRequestError) as info:
+            await sdk_a.files.list(**query)
+        assert info.value.body["param"] == param, info.value.body
+    for sdk in (sdk_a, sdk_b):
+        await sdk.close()
+
+
 async def test_transient_answers_are_tried_a_bounded_number_of_times(aiohttp_client, tmp_path, tiny_model):
     # A 502 is tried again only when nothing reached the upstream (upstream_unreachable): one that may
     # have (upstream_disconnected, or an upstream's own 502) is the line's answer, never sent twice. Any
