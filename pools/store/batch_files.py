@@ -97,29 +97,34 @@ def read_chunks(db: sqlite3.Connection, file_id: str, offset: int, end: int) -> 
 def assemble_step(db: sqlite3.Connection, batch_id: str, status: str) -> bool:
     """Write the next answered lines after the `finalizing` cursor to the output (2xx answers) and error
     (other answers, line errors) files, at most about FINALIZE_STEP_BYTES; True once the batch is
-    finished (the files added, or failed for an output past MAX_OUTPUT_FILE_BYTES)."""
+    finished (the files added, or failed: see below). A line whose entry would take its file past
+    MAX_OUTPUT_FILE_BYTES becomes an error entry without its answer (`output_too_large`, counted failed): the
+    answers that fit are kept; only an error file that cannot hold even those entries fails the batch."""
     progress = db.execute("SELECT after_line_no, output_bytes, error_bytes FROM finalizing WHERE batch_id=?",
                           (batch_id,)).fetchone() or (0, 0, 0)
     after = progress[0]
     writers = [ChunkWriter(db, file_id, start) for file_id, start in zip(result_file_ids(batch_id), progress[1:])]
     rows = db.execute("SELECT line_no, custom_id, status, response_status, response_body, error FROM lines "
                       "WHERE batch_id=? AND line_no>? AND status != 'pending' ORDER BY line_no", (batch_id, after))
-    step_bytes, more = 0, False
+    step_bytes, more, overflowed = 0, False, []
     for row in rows:
         target, text = result_line(batch_id, row)
-        writer = writers[target]
-        if writer.size + len(text) > MAX_OUTPUT_FILE_BYTES:
-            rows.close()
-            fail_batch(db, batch_id, "output_too_large", f"the batch's {('output', 'error')[target]} file would be "
-                       f"larger than {MAX_OUTPUT_FILE_BYTES} bytes at line {row[0]}; split the input into smaller "
-                       "batches")
-            return True
-        writer.write(text)
+        if writers[target].size + len(text) > MAX_OUTPUT_FILE_BYTES:
+            target, text = 1, overflow_line(batch_id, row, ("output", "error")[target])
+            overflowed.append((text, row[0]))
+            if writers[1].size + len(text) > MAX_OUTPUT_FILE_BYTES:
+                rows.close()
+                fail_batch(db, batch_id, "output_too_large", f"the batch's error file would be larger than "
+                           f"{MAX_OUTPUT_FILE_BYTES} bytes at line {row[0]}; split the input into smaller batches")
+                return True
+        writers[target].write(text)
         after, step_bytes = row[0], step_bytes + len(text)
         if step_bytes >= FINALIZE_STEP_BYTES:
             more = True
             break
     rows.close()
+    db.executemany("UPDATE lines SET status='error', error=? WHERE batch_id=? AND line_no=?",   # counted failed
+                   ((json.dumps(json.loads(text)["error"]), batch_id, line_no) for text, line_no in overflowed))
     for writer in writers:
         writer.close()
     if more:
@@ -144,6 +149,19 @@ def result_line(batch_id: str, row: tuple) -> tuple[int, bytes]:
         target = 0 if 200 <= response_status < 300 else 1
     return target, (json.dumps({"id": line_id, "custom_id": custom_id, "response": response, "error": error})
                     + "\n").encode()
+
+
+def overflow_line(batch_id: str, row: tuple, full: str) -> bytes:
+    """The error file's entry of an answered line whose entry did not fit in the `full` file: its status
+    without its body, and the error `output_too_large`."""
+    line_no, custom_id, _, response_status = row[:4]
+    line_id, request_id = line_ids(batch_id, line_no)
+    response = None if response_status is None else {"status_code": response_status, "request_id": request_id,
+                                                     "body": None}
+    error = {"code": "output_too_large", "line": line_no, "message": (
+        f"line {line_no}: its answer is not kept: the batch's {full} file was full ({MAX_OUTPUT_FILE_BYTES} bytes "
+        "at most); split the input into smaller batches")}
+    return (json.dumps({"id": line_id, "custom_id": custom_id, "response": response, "error": error}) + "\n").encode()
 
 
 def complete_batch(db: sqlite3.Connection, batch_id: str, status: str, writers: list[ChunkWriter]) -> None:

@@ -20,9 +20,10 @@ moves the cursor (`finalizing` table); the last step adds the two files, marks t
 or cancelled, keeps its request counts on its row and deletes its lines (the files hold them). A crash between
 steps leaves the batch `finalizing` with the cursor of the last step committed, and finalizing again
 continues from it; the file ids are derived from the batch id, so
-every finalize gives the same files. An output or error file that would pass MAX_OUTPUT_FILE_BYTES
-fails the batch instead (`status: failed`, `errors` naming `output_too_large`), and a line answer
-whose JSON alone passes it is recorded as that line's error (`response_too_large`), not stored.
+every finalize gives the same files. A line whose entry would take its file past MAX_OUTPUT_FILE_BYTES
+goes to the error file as a short entry without its answer (`output_too_large`, counted failed); an error
+file that cannot hold even those fails the batch (`status: failed`, `errors` naming `output_too_large`),
+and a line answer whose JSON alone passes it is recorded as that line's error (`response_too_large`).
 
 Expiry and deletion: a file has `expires_at` (an upload's from its policy, 30 days without one; a batch's
 output and error files' from the batch's `output_expires_after`, else none). An expired or deleted file is

@@ -602,8 +602,9 @@ async def test_a_line_over_the_limit_is_an_error_of_that_line(aiohttp_client, tm
     assert error["error"]["code"] == "line_too_large" and error["error"]["message"].startswith("line 2: ")
 
 
-async def test_an_output_over_the_limit_fails_the_batch_with_a_reason(aiohttp_client, tmp_path, tiny_model,
-                                                                      monkeypatch):
+async def test_output_and_error_files_over_the_limit_fail_the_batch_with_a_reason(aiohttp_client, tmp_path,
+                                                                                   tiny_model, monkeypatch):
+    # at 1,000 bytes each, the error file cannot even hold the entries of the answers the output could not
     monkeypatch.setattr(batch_files, "MAX_OUTPUT_FILE_BYTES", 1000)
     client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor())
     sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)

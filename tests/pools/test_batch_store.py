@@ -559,7 +559,38 @@ def test_finalize_writes_the_files_in_steps_and_a_crash_between_or_within_steps_
     store.check_integrity()
 
 
-def test_an_output_past_the_limit_fails_the_batch_and_keeps_nothing_of_it(tmp_path, monkeypatch):
+def test_answers_past_a_full_output_file_become_errors_and_the_ones_that_fit_are_kept(tmp_path, monkeypatch):
+    """Every line ran: the answers that fit the output file are kept there, in order; each later one is an
+    error entry (`output_too_large`, its status without its body), counted failed, in the error file beside
+    the answers that were errors; the batch completes. Over finalize steps of a few lines each."""
+    monkeypatch.setattr(batch_files, "CHUNK_BYTES", 64)
+    monkeypatch.setattr(batch_files, "FINALIZE_STEP_BYTES", 700)
+    monkeypatch.setattr(batch_files, "MAX_OUTPUT_FILE_BYTES", 3000)
+    store = _make_store(tmp_path / "b.sqlite3")
+    batch = _make_batch(store, _jsonl(*(_line(f"r{i}") for i in range(12))))
+    for line_no in range(1, 13):
+        store.record(batch["id"], line_no, 400 if line_no == 2 else 200, {"n": line_no, "text": "t" * 300})
+    store.begin_finalizing(batch["id"])
+    done = store.finalize(batch["id"])
+    output, errors = _read_jsonl(store, done["output_file_id"]), _read_jsonl(store, done["error_file_id"])
+    kept = [line["custom_id"] for line in output]
+    assert done["status"] == "completed" and 3 <= len(kept) < 11
+    assert kept == [f"r{i}" for i in (0, *range(2, len(kept) + 1))]
+    overflow = [e for e in errors if e["error"] is not None]
+    assert [e["custom_id"] for e in errors] == ["r1"] + [f"r{i}" for i in range(len(kept) + 1, 12)]
+    assert len(overflow) == 11 - len(kept) and all(e["error"]["code"] == "output_too_large" for e in overflow)
+    assert all(e["response"]["status_code"] == 200 and e["response"]["body"] is None for e in overflow)
+    assert overflow[0]["error"]["line"] == len(kept) + 2 and "output file was full (3000 bytes" in \
+        overflow[0]["error"]["message"]
+    assert done["request_counts"] == {"total": 12, "completed": len(kept), "failed": 12 - len(kept)}
+    assert max(len(store.file_content(f, owner=OWNER)) for f in (done["output_file_id"], done["error_file_id"])) \
+        <= 3000
+    store.check_integrity()
+
+
+def test_an_error_file_past_the_limit_fails_the_batch_and_keeps_nothing_of_it(tmp_path, monkeypatch):
+    """Answers past a full output file go to the error file as short entries; should even that be full, the
+    batch fails."""
     monkeypatch.setattr(batch_files, "CHUNK_BYTES", 64)
     monkeypatch.setattr(batch_files, "FINALIZE_STEP_BYTES", 300)
     monkeypatch.setattr(batch_files, "MAX_OUTPUT_FILE_BYTES", 2000)
