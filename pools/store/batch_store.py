@@ -376,11 +376,11 @@ class BatchStore(StoreFile):
                        (int(time.time()), batch_id))
 
     def finalize_step(self, batch_id: str) -> dict[str, Any] | None:
-        """One transaction of finalizing: write the next lines (up to FINALIZE_STEP_BYTES) to the output
-        and error files; at the end, add the files and mark the batch `completed` (`cancelled` if it was
-        cancelling), or `failed` if a file would pass MAX_OUTPUT_FILE_BYTES. None while lines remain,
-        else the batch object (a finished batch: unchanged). Only lines with an answer or an error go
-        into the files: a cancelled batch's pending lines are in neither. KeyError: no such batch."""
+        """One transaction of finalizing: write the next lines (up to FINALIZE_STEP_BYTES) to the output and error
+        files; at the end, add the files and mark the batch `completed` (`cancelled` if it was cancelling), or `failed`
+        if the error file would pass MAX_OUTPUT_FILE_BYTES (`assemble_step`). None while lines remain, else the batch
+        object (a finished batch: unchanged). Only lines with an answer or an error go into the files: a cancelled
+        batch's pending lines are in neither. KeyError: no such batch."""
         with self._txn() as db:
             found = db.execute("SELECT status FROM batches WHERE id=?", (batch_id,)).fetchone()
             if found is None:
