@@ -47,6 +47,9 @@ class ReplicaLink(Protocol):
         """(Optional.) Whether the replica is gone for good (removed, not restarting): a replica that a
         drain ended (another gateway's autoscaler removed it)."""
 
+    async def remove(self) -> None:
+        """(Optional.) Remove the replica from the cluster (its process and what it holds there)."""
+
 
 class RemoteEngineClient(AsyncEngineClient):
     """`AsyncEngineClient` over a network connection to a replica that `link` locates."""

@@ -276,6 +276,7 @@ class DeviceSupervisor:
                 log.error("device %s failed to start: %s", self.name, exc)
                 self._failure = f"device {self.name!r} failed to start: {exc}"
                 await self._notify()
+                await self._release_failed(exc)
                 return attempt
             what, reason = "restart failed" if self._was_ready else "first connection failed", str(exc)
             waiting = isinstance(exc, ClaimPending)
@@ -369,6 +370,20 @@ class DeviceSupervisor:
             return await asyncio.wait_for(removed(), REMOVED_SECONDS)
         except Exception:  # noqa: BLE001 - the cluster did not answer: taken for a fault
             return False
+
+    async def _release_failed(self, exc: Exception) -> None:
+        """A remote replica whose first load failed: its actor stays up refusing connections, holding its
+        placement group's GPUs and CPUs, and its config's claim on the device (a gateway started again on a
+        fixed config was refused, `ConfigConflict`). The gateway that places replicas removes it; a next
+        start places it anew."""
+        remove, may_place = getattr(self.link, "remove", None), getattr(self.link, "may_place", lambda: True)
+        if remove is None or not _startup_error(exc) or not may_place():
+            return
+        try:
+            await remove()
+            log.info("device %s: removed its replica from the cluster (its load failed)", self.name)
+        except Exception:  # noqa: BLE001 - the replica stays failed either way
+            log.exception("device %s: removing its failed replica from the cluster failed", self.name)
 
     def _tries_again(self, exc: Exception) -> bool:
         """Whether a first start that failed with `exc` is tried again: only a remote replica's, and not

@@ -160,8 +160,14 @@ async def test_a_wrong_address_a_node_without_the_model_and_a_replica_never_plac
     client = await _serving(_on_ray(tiny_model, ray_cluster.address, replicas=1, model=bare), "bare")
     body = await _ready_body(client, lambda b: "failed" in b["devices"]["cpu"], timeout=120)
     assert "cpu" in body["devices"]["cpu"] and "safetensors" in body["devices"]["cpu"]
+    import ray
+
+    # its actor is removed: it held its group's resources, and refused the next config (ConfigConflict)
+    deadline = time.monotonic() + 30
+    while any(n.startswith("cliffguard:cpu:0:") for n in await asyncio.to_thread(ray.util.list_named_actors)):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.2)
     await client.close()                              # the gateway stops: its claim on the device ends
-    await remove_device(ray_cluster.address, "cpu")   # its actor lives on, and its config is not the next one's
 
     # a bundle no node can hold: /ready says what it waits for, a request gets a 503 naming the replica
     text = _on_ray(tiny_model, ray_cluster.address, replicas=1, extra="").replace("cpu_threads: 1", "cpu_threads: 64")
