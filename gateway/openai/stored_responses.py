@@ -1,5 +1,6 @@
 """The Responses API's endpoints: `POST /v1/responses` (answered by `gateway.openai.responses`), and, for the
-responses the gateway keeps, `GET` / `DELETE /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`.
+responses the gateway keeps, `GET` / `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` and
+`POST /v1/responses/{id}/cancel`.
 
 Kept: a response whose request has `store: true` (OpenAI's default) when the gateway has a data dir
 (`cliffguard serve --data-dir`), in the same SQLite file as the Batch API (`pools.store.response_store`),
@@ -53,6 +54,7 @@ from gateway.completion import Completion, constrained
 from gateway.handlers import read_json
 from gateway.openai.chat import ChatRequest
 from gateway.openai.errors import ApiError, bad_request, storage_unavailable
+from gateway.openai.input_items import input_items_page
 from gateway.openai.responses import (ResponsesAnswer, ResponsesRequest, parse_responses, renamed, response_error,
                                       response_object)
 from gateway.openai.responses_body import relayed_item
@@ -284,6 +286,7 @@ def setup(app: web.Application, data_dir: Path | str | None) -> None:
     and stopped before it."""
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{response_id}", retrieve_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
     if data_dir is None:
@@ -424,6 +427,14 @@ async def retrieve_response(request: web.Request) -> web.Response:
                               "GET it without stream and poll until its status is final")
     kept = _kept(request, "response_id")
     return web.json_response((await kept.found(request.match_info["response_id"], _owner(request))).response)
+
+
+async def list_input_items(request: web.Request) -> web.Response:
+    """`GET /v1/responses/{id}/input_items?limit=&after=&order=`: the items its prompt was made of
+    (`gateway.openai.input_items`); `include` asks for nothing these items lack."""
+    kept = _kept(request, "response_id")
+    stored = await kept.found(request.match_info["response_id"], _owner(request))
+    return web.json_response(input_items_page(stored.items, stored.id, request.query))
 
 
 async def delete_response(request: web.Request) -> web.Response:

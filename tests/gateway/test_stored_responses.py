@@ -71,7 +71,22 @@ async def test_a_conversation_continues_from_its_kept_turns_and_hits_the_prefix_
     assert (kept.output_text, kept.previous_response_id, kept.usage.input_tokens) == (
         third.output_text, second.id, third.usage.input_tokens)
     assert third.usage.input_tokens > second.usage.input_tokens
+    # its input items as the SDK reads them (ResponseItem): the earlier turns' first, the last one first by default
+    items = [item async for item in client.responses.input_items.list(third.id, limit=2)]   # pages of 2
+    assert [(item.type, item.role) for item in items] == [
+        ("message", "user"), ("message", "assistant"), ("message", "user"), ("message", "assistant"),
+        ("message", "user")]
+    assert [item.content[0].text for item in items[::2]] == [
+        "And my colour?", "What is my name?", "My name is Ada and I like green. Say hello."]
+    assert [item.content[0].text for item in items[1::2]] == [second.output_text, first.output_text]
+    ascending = await client.responses.input_items.list(third.id, order="asc", after=items[-1].id)
+    assert [item.id for item in ascending.data] == [item.id for item in items[-2::-1]] and not ascending.has_more
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.input_items.list(third.id, after="msg_nothing")
+    assert info.value.body["param"] == "after"
     # another key sees nothing of it, and cannot continue it
+    with pytest.raises(openai.NotFoundError):
+        await other.responses.input_items.list(third.id)
     with pytest.raises(openai.NotFoundError):
         await other.responses.retrieve(first.id)
     with pytest.raises(openai.BadRequestError) as info:
@@ -87,6 +102,28 @@ async def test_a_conversation_continues_from_its_kept_turns_and_hits_the_prefix_
     assert unkept.store is False
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(unkept.id)
+
+
+def test_every_kind_of_kept_input_item_lists_as_the_sdk_reads_it() -> None:
+    """A call, its result, a reasoning item, a message of parts, a developer message: each a `ResponseItem`
+    with the id of its place (the same on every call)."""
+    from openai.types.responses import ResponseItem
+
+    from gateway.openai.input_items import item_view
+
+    kept = [{"role": "developer", "content": "Be brief."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+            {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Call the tool."}]},
+            {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sunny."}]}]
+    views = [TypeAdapter(ResponseItem).validate_python(item_view(item, "resp_x1", i)) for i, item in enumerate(kept)]
+    assert [(v.type, v.id) for v in views] == [
+        ("message", "msg_x1_0"), ("message", "msg_x1_1"), ("reasoning", "rs_x1_2"), ("function_call", "fc_x1_3"),
+        ("function_call_output", "fco_x1_4"), ("message", "msg_x1_5")]
+    assert views[0].role == "developer" and views[0].content[0].text == "Be brief."
+    assert views[2].content[0].text == "Call the tool." and views[4].output == "sunny"
+    assert views[5].content[0].text == "Sunny." and views[5].content[0].annotations == []
 
 
 def test_a_kept_answer_comes_back_as_the_next_turns_input_with_its_text_only() -> None:

@@ -1,0 +1,59 @@
+"""A kept response's input items as OpenAI lists them (`GET /v1/responses/{id}/input_items`): the items its
+prompt was made of, the earlier turns' (their input and output) first, each as a `ResponseItem` of the openai
+SDK. The store keeps them as the next turn reads them (no ids, a message's text alone: `stored_responses`),
+so each gets its id here, from the response's id and its place (the same on every call, for `after`), and a
+message its parts in the shape of its role (`input_text`, an assistant's `output_text` with its annotations)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gateway.openai.errors import bad_request
+
+MAX_LIMIT = 100   # OpenAI's range for `limit`: 1..100, 20 by default
+_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def input_items_page(items: Sequence[dict[str, Any]], response_id: str,
+                     query: Mapping[str, str]) -> dict[str, Any]:
+    """The list object of `items` as `query` asks (`order` desc by default: the last item first; `limit`;
+    `after`, an item id of the previous page); a 400 naming the parameter it cannot take."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order", f"must be 'asc' or 'desc', got {order[:40]!r}")
+    raw = query.get("limit", "20")
+    limit = int(raw) if raw.isdecimal() and len(raw) < 6 else 0
+    if not 1 <= limit <= MAX_LIMIT:
+        raise bad_request("limit", f"must be an integer in 1..{MAX_LIMIT}, got {raw[:40]!r}")
+    views = [item_view(item, response_id, i) for i, item in enumerate(items)]
+    if order == "desc":
+        views.reverse()
+    start = 0
+    if (after := query.get("after")) is not None:
+        start = next((i + 1 for i, view in enumerate(views) if view["id"] == after), None)
+        if start is None:
+            raise bad_request("after", f"response {response_id!r} has no input item {after[:80]!r}")
+    data = views[start:start + limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": start + limit < len(views)}
+
+
+def item_view(item: dict[str, Any], response_id: str, index: int) -> dict[str, Any]:
+    """A kept input item (the `index`-th of response `response_id`'s) as the list shows it."""
+    kind = item.get("type", "message")
+    view = {**item, "type": kind, "id": f"{_PREFIXES.get(kind, 'item')}_{response_id.removeprefix('resp_')}_{index}"}
+    if kind == "message":
+        role = item.get("role", "user")
+        content = item.get("content")
+        parts = ([{"type": "output_text" if role == "assistant" else "input_text", "text": content}]
+                 if isinstance(content, str) else [dict(part) for part in content or ()])
+        for part in parts:
+            if part.get("type") == "output_text":
+                part.setdefault("annotations", [])
+        view.update(role=role, content=parts, status="completed")
+    elif kind == "reasoning":
+        view.setdefault("summary", [])
+    elif kind in ("function_call", "function_call_output"):
+        view.setdefault("status", "completed")
+    return view
