@@ -193,7 +193,7 @@ class Completion:
         while True:
             async with self._suspect_gates(under, hold) as hold:
                 for pool, _ in self.routed:
-                    await gateway.wait_device(pool, patient=self.patient or self.background)   # as for credits
+                    await gateway.wait_device(pool, patient=self.patient)
                 async with gateway.admission.admitted(
                         self.routed, max_tokens=req.params.max_tokens, n=req.params.n,
                         request_id=objects.new_id("adm"), tenant=self.tenant, priority=req.priority,

@@ -23,7 +23,6 @@ part with no name, a purpose in an unknown charset) a 400 naming `body`, `file` 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import tempfile
@@ -38,7 +37,7 @@ from gateway.admission import bearer_key
 from gateway.batch.execution import BatchRunner, LineExecutor, answer_batch_line
 from gateway.client_writes import write_within
 from gateway.handlers import read_json, read_within
-from gateway.openai.errors import ApiError
+from gateway.openai.errors import ApiError, storage_unavailable
 from gateway.runtime import GATEWAY
 from pools.store.batch_files import CHUNK_BYTES
 from pools.store.batch_store import BatchStore
@@ -148,8 +147,9 @@ async def _read_form(request: web.Request, fields: dict[str, Any]) -> None:
         reader = await request.multipart()
         while (part := await reader.next()) is not None:
             name = _field_name(part, fields)
-            if name == "file":
-                fields[name] = (part.filename, spool := tempfile.SpooledTemporaryFile(SPOOL_BYTES))
+            if name == "file":   # spooled beside the store: a temporary directory may be held in memory
+                spool = tempfile.SpooledTemporaryFile(SPOOL_BYTES, dir=request.app[BATCHES].store.path.parent)
+                fields[name] = (part.filename, spool)
                 await _read_upload(part, spool)
             else:
                 fields[name] = await _read_text(part, name)
@@ -187,18 +187,19 @@ async def _read_text(part: Any, name: str) -> str:
 
 
 async def _read_upload(part: Any, spool: tempfile.SpooledTemporaryFile) -> None:
-    """The part's bytes into `spool` (past SPOOL_BYTES on disk, written off the event loop: uploads at once
-    hold no more memory than that each), left at its start; 413 naming `file` past MAX_FILE_BYTES."""
+    """The part's bytes into `spool` (past SPOOL_BYTES on disk: uploads at once hold no more memory than that
+    each; a piece of at most 1 MiB written at once, to the page cache), left at its start; 413 naming `file`
+    past MAX_FILE_BYTES, 503 `storage_unavailable` if the disk cannot take it."""
     size = 0
     while chunk := await part.read_chunk(1 << 20):
         size += len(chunk)
         if size > MAX_FILE_BYTES:
             raise ApiError(413, f"file: larger than {MAX_FILE_BYTES >> 20} MiB", param="file",
                            code="request_too_large")
-        if spool.tell() + len(chunk) > SPOOL_BYTES:
-            await asyncio.to_thread(spool.write, chunk)
-        else:
+        try:
             spool.write(chunk)
+        except OSError as exc:   # the disk is full
+            raise storage_unavailable("upload's temporary file", exc) from None
     spool.seek(0)
 
 

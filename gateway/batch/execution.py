@@ -3,21 +3,20 @@
 at once; it resumes unfinished batches after a restart from the durable store
 (`pools.store.batch_store.BatchStore`) and holds no state a restart needs.
 
-A line answered 503 `engine_dead` / `replica_lost` / `pool_unavailable`, 502 `upstream_unreachable`
-(an upstream pool no connection could be made to: nothing was sent) or 429 (an upstream's rate limit:
-refused, not run) is retried with back-off, at most
-MAX_LINE_ATTEMPTS times. Deaths are counted by cause, as for any request (`gateway.completion`): the
-gateway answers a line 503 `engine_dead` when the worker's death under it was its own (a failed step,
-a hang, or its replica lost alone) and 503 `replica_lost` when it was not (several replicas of the
-device lost at once: a node, a network). Only `engine_dead` counts: a line answered it twice is a
-poison line, and after the first it is tried again alone. Either end is recorded as the line's error,
-with its last answer. Any other answer is the line's: a line an upstream may have received (502
-`upstream_disconnected`) is never sent again, so it never runs twice; nor is one a stop cut while the
-upstream had it (kept as sent before it goes out: answered `upstream_disconnected` at the next start).
-Forwarded lines carry `Idempotency-Key: <batch id>:<custom_id>` (`gateway.upstream.relay.IDEMPOTENCY_KEY`)
-for upstreams that dedupe; the runner does not rely on it. A store call that fails for storage (disk full, database
-locked) is retried MAX_STORE_ATTEMPTS times, then the batch fails (`errors` naming `storage_error`)
-rather than stay in_progress or finalizing.
+A line answered 503 `engine_dead` / `replica_lost` / `pool_unavailable`, 502 `upstream_unreachable` (an
+upstream pool no connection could be made to: nothing was sent) or 429 (an upstream's rate limit: refused, not
+run) is retried with back-off, at most MAX_LINE_ATTEMPTS times. Deaths are counted by cause,
+as for any request (`gateway.completion`): the gateway answers a line 503 `engine_dead` when the worker's
+death under it was its own (a failed step, a hang, or its replica lost alone) and 503 `replica_lost` when it
+was not (several replicas of the device lost at once: a node, a network). Only `engine_dead` counts: a line
+answered it twice is a poison line, and after the first it is tried again alone. Either end is recorded as the
+line's error, with its last answer. Any other answer is the line's: a line an upstream may have received (502
+`upstream_disconnected`) is never sent again, so it never runs twice; nor is one a stop cut while the upstream
+had it (kept as sent before it goes out: answered `upstream_disconnected` at the next start). Forwarded lines
+carry `Idempotency-Key: <batch id>:<custom_id>` (`gateway.upstream.relay.IDEMPOTENCY_KEY`) for upstreams that
+dedupe; the runner does not rely on it. A store call that fails for storage (disk full, database locked) is
+retried MAX_STORE_ATTEMPTS times, then the batch fails (`errors` naming `storage_error`) rather than stay
+in_progress or finalizing.
 """
 
 from __future__ import annotations
@@ -43,8 +42,7 @@ log = logging.getLogger("cliffguard.batches")
 MAX_IN_FLIGHT = 16                  # lines of one batch in flight; KV credits, not this, protect the engine
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 30.0
 # Answers worth another try: the request never ran (a worker died under it before anything was sent
-# to the client, the pool was down, or no connection to the upstream was made); besides these, any 429
-# or 503 (an upstream refusing it for now: rate limited, overloaded, restarting).
+# to the client, the pool was down, or no connection to the upstream was made); besides these, any 429.
 TRANSIENT = {(503, "engine_dead"), (503, "replica_lost"), (503, "pool_unavailable"),
              (502, "upstream_unreachable")}
 MAX_LINE_ATTEMPTS = 40              # tries of a line answered transiently (0.5 s ... 30 s apart: about 17 minutes)
@@ -108,7 +106,7 @@ class BatchRunner:
     that were in flight when it died are still pending and run again). Each line runs as the batch's
     tenant, read from the store. A batch has at most `max_in_flight` lines in flight. A transient
     answer (`TRANSIENT`: 503 `engine_dead` / `replica_lost` / `pool_unavailable`, 502
-    `upstream_unreachable`; any 429 or 503) is not a result: the line is tried again after a back-off (`retry_first_s`
+    `upstream_unreachable`; any 429) is not a result: the line is tried again after a back-off (`retry_first_s`
     doubling, at most `retry_max_s`), at most `max_line_attempts` times in all; a line answered
     `engine_dead` (a death of its own) is tried again alone (`SuspectGate`), and a second `engine_dead` makes
     it a poison line; `replica_lost` (a death that was not its own) is retried like any transient
@@ -318,7 +316,7 @@ class BatchRunner:
             status, body = await self._attempt(line, tenant, alone=deaths > 0)
             if not _is_transient(status, body):
                 return _Outcome(status, body)
-            if sent:   # a 429 or 503: the upstream refused it, it did not run there (a stop now: sent again next start)
+            if sent:   # a 429: the upstream refused it, it did not run there (a stop now: sent again next start)
                 await self.durable(self.store.mark_sent, batch_id, line.line_no, False)
                 sent.clear()
             message = _describe(status, body)
@@ -361,5 +359,6 @@ def _describe(status: int, body: Any) -> str:
 
 
 def _is_transient(status: int, body: Any) -> bool:
-    """`TRANSIENT`, or any 429 or 503: refused for now (an upstream's rate limit, its overload), so never run."""
-    return status in (429, 503) or (status, _error(body).get("code")) in TRANSIENT
+    """`TRANSIENT`, or any 429: refused for now (an upstream's rate limit), so never run. An upstream's own 503
+    is the line's answer: a proxy answers one after the request reached the server, which may have run it."""
+    return status == 429 or (status, _error(body).get("code")) in TRANSIENT

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Sequence
 
@@ -276,7 +277,7 @@ class DeviceSupervisor:
                 log.error("device %s failed to start: %s", self.name, exc)
                 self._failure = f"device {self.name!r} failed to start: {exc}"
                 await self._notify()
-                await self._release_failed(exc)
+                await self._release_failed(exc, spawned)
                 return attempt
             what, reason = "restart failed" if self._was_ready else "first connection failed", str(exc)
             waiting = isinstance(exc, ClaimPending)
@@ -371,13 +372,14 @@ class DeviceSupervisor:
         except Exception:  # noqa: BLE001 - the cluster did not answer: taken for a fault
             return False
 
-    async def _release_failed(self, exc: Exception) -> None:
+    async def _release_failed(self, exc: Exception, since: float) -> None:
         """A remote replica whose first load failed: its actor stays up refusing connections, holding its
         placement group's GPUs and CPUs, and its config's claim on the device (a gateway started again on a
-        fixed config was refused, `ConfigConflict`). The gateway that places replicas removes it; a next
-        start places it anew."""
-        remove, may_place = getattr(self.link, "remove", None), getattr(self.link, "may_place", lambda: True)
-        if remove is None or not _startup_error(exc) or not may_place():
+        fixed config was refused, `ConfigConflict`). Removed when this gateway placed it in this start (after
+        `since`, time.monotonic()): never an actor another gateway placed, which may serve it; a next start
+        places it anew."""
+        remove = getattr(self.link, "remove", None)
+        if remove is None or not _startup_error(exc) or getattr(self.link, "placed_at", -math.inf) < since:
             return
         try:
             await remove()

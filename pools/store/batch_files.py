@@ -12,7 +12,7 @@ import json
 import sqlite3
 import time
 
-MAX_OUTPUT_FILE_BYTES = 512 << 20       # each of a batch's output and error files (512 MiB); past it the batch fails
+MAX_OUTPUT_FILE_BYTES = 512 << 20       # each of a batch's output and error files (512 MiB): `assemble_step`
 CHUNK_BYTES = 1 << 20                   # the pieces a file's bytes are stored in (`file_chunks`)
 FINALIZE_STEP_BYTES = 4 << 20           # output and error lines written by one `finalize_step` transaction
 UNFINISHED = ("validating", "in_progress", "finalizing", "cancelling")   # a runner still owes work

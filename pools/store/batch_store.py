@@ -184,17 +184,16 @@ class BatchStore(StoreFile):
     def list_files(self, limit: int, after: str | None, *, owner: str, ascending: bool = False,
                    purpose: str | None = None) -> tuple[list[dict[str, Any]], bool]:
         """Up to `limit` of `owner`'s live files (of `purpose`, if given) in the order they were added
-        (`ascending`, else newest first), past file `after`; and whether more follow. BatchInputError naming
-        `after` when it is not one of the owner's files."""
+        (`ascending`, else newest first), past file `after` (deleted or expired since, too); and whether more
+        follow. BatchInputError naming `after` when it is not one of the owner's files."""
         now = int(time.time())
         if purpose is not None and not is_text(purpose):
             return [], False   # no file has it
         with self._lock:
             since = None
             if after is not None:
-                found = is_text(after) and self._db.execute(
-                    f"SELECT rowid FROM files WHERE id=? AND {_FILE_OWNER}=? AND {_FILE_LIVE}", (after, owner, now)
-                ).fetchone()
+                found = is_text(after) and self._db.execute(   # live or not: a page may end on one deleted since
+                    f"SELECT rowid FROM files WHERE id=? AND {_FILE_OWNER}=?", (after, owner)).fetchone()
                 if not found:
                     raise BatchInputError("after", f"no file {after!r}")
                 since = found[0]

@@ -22,9 +22,7 @@ import pytest
 from gateway.batch import endpoints as batches
 from gateway.app import create_app
 from gateway.batch.endpoints import BATCHES, STORE_FILE
-from gateway import handlers
 from gateway.cli import main
-from gateway.openai.errors import ApiError
 from gateway.runtime import Gateway
 from gateway.batch import execution
 from pools.store import batch_files, batch_store
@@ -488,8 +486,11 @@ async def test_the_sdk_lists_a_keys_files_newest_first_a_page_at_a_time(aiohttp_
     assert [(f.purpose, f.filename) async for f in sdk_a.files.list(purpose="batch_output")] == [
         ("batch_output", f"{batch.id}_output.jsonl")]
     assert [f.filename async for f in sdk_b.files.list()] == ["other.jsonl"]
+    # a page that ended on a file deleted since goes on from it
+    assert [f.id async for f in sdk_a.files.list(after=files[1].id, order="asc")] == [
+        files[2].id, files[3].id, batch.output_file_id]
     for query, param in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
-                         ({"after": files[1].id}, "after")):
+                         ({"after": "file-nothing"}, "after")):
         with pytest.raises(openai.BadRequestError) as info:
             await sdk_a.files.list(**query)
         assert info.value.body["param"] == param, info.value.body
@@ -499,47 +500,29 @@ async def test_the_sdk_lists_a_keys_files_newest_first_a_page_at_a_time(aiohttp_
 
 async def test_transient_answers_are_tried_a_bounded_number_of_times(aiohttp_client, tmp_path, tiny_model):
     # A 502 is tried again only when nothing reached the upstream (upstream_unreachable): one that may
-    # have (upstream_disconnected, or an upstream's own 502) is the line's answer, never sent twice. Any
-    # 429 or 503 (an upstream refusing it for now) is tried again.
+    # have (upstream_disconnected, or an upstream's own 502 or 503: a proxy's, after the server had it) is the
+    # line's answer, never sent twice. Any 429 (an upstream refusing it for now) is tried again.
     fake = _FakeExecutor(scripted={"down": [(503, "pool_unavailable")] * 99,
                                    "gone": [(502, "upstream_unreachable")] * 99,
                                    "flaky": [(502, "upstream_unreachable"), (503, "pool_unavailable"),
                                              (503, "engine_dead")],
                                    "sent": [(502, "upstream_disconnected")] * 99, "relayed": [(502, None)] * 99,
-                                   "busy": [(503, None), (429, None), (503, "overloaded")]})   # an upstream's own
+                                   "busy": [(429, None), (429, "rate_limit_exceeded")],   # an upstream's own
+                                   "unavailable": [(503, None)] * 99})
     client = await _client(aiohttp_client, tmp_path, tiny_model, fake)
     client.app[BATCHES].max_line_attempts = 4
-    lines = _jsonl(_line("down"), _line("gone"), _line("flaky"), _line("sent"), _line("relayed"), _line("busy"))
+    lines = _jsonl(_line("down"), _line("gone"), _line("flaky"), _line("sent"), _line("relayed"), _line("busy"),
+                   _line("unavailable"))
     done = await _wait(client, (await _create(client, lines))["id"])
-    assert done["status"] == "completed" and done["request_counts"] == {"total": 6, "completed": 2, "failed": 4}
-    assert fake.calls == {"down": 4, "gone": 4, "flaky": 4, "sent": 1, "relayed": 1, "busy": 4}
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 7, "completed": 2, "failed": 5}
+    assert fake.calls == {"down": 4, "gone": 4, "flaky": 4, "sent": 1, "relayed": 1, "busy": 3, "unavailable": 1}
     errors = await _jsonl_file(client, done["error_file_id"])
     assert [(e["custom_id"], e["error"] and e["error"]["code"], e["response"]["status_code"]) for e in errors] == \
         [("down", "retries_exhausted", 503), ("gone", "retries_exhausted", 502), ("sent", None, 502),
-         ("relayed", None, 502)]
+         ("relayed", None, 502), ("unavailable", None, 503)]
     message = errors[0]["error"]["message"]
     assert "gave up after 4 attempts; the last answer was 503 pool_unavailable: scripted" in message
     assert errors[0]["error"]["line"] == 1 and errors[1]["response"]["body"]["error"]["code"] == "upstream_unreachable"
-
-
-async def test_a_batch_line_waits_for_its_device_however_long_and_a_request_past_device_wait_seconds(tmp_path,
-                                                                                                    tiny_model):
-    """A device reloading for minutes costs a batch line no try (it waits as for its credits: patient); an
-    interactive request's wait is bounded (`gateway.device_wait_seconds`)."""
-    path = tmp_path / "pools.yaml"
-    path.write_text(pools_yaml(tiny_model))
-    gateway = Gateway.from_config(load_config(path))
-    asked: list[bool] = []
-
-    async def wait_device(pool, patient: bool = False) -> None:
-        asked.append(patient)
-        raise ApiError(503, "not loaded", type="server_error", code="pool_unavailable")
-
-    gateway.wait_device = wait_device
-    body = {"model": tiny_model.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    assert (await execution.answer_batch_line(gateway, CHAT, body, "default"))[0] == 503
-    assert (await handlers.answer(gateway, CHAT, body, tenant="default"))[0] == 503
-    assert asked == [True, False]
 
 
 class _DyingWorker:

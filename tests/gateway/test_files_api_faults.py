@@ -119,6 +119,7 @@ async def test_an_upload_goes_to_disk_past_its_first_bytes_and_is_stored_whole(a
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             spools.append(self)
+            assert kwargs["dir"] == tmp_path   # the data dir's disk (a temporary directory may be in memory)
 
     monkeypatch.setattr(endpoints, "SPOOL_BYTES", 1000)
     monkeypatch.setattr(endpoints.tempfile, "SpooledTemporaryFile", Spool)

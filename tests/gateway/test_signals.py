@@ -63,13 +63,13 @@ def test_sigterm_drains_the_request_in_flight_then_exits_0(tmp_path, tiny_model)
 
 
 def test_requests_still_in_flight_when_the_drain_ends_are_answered_503(tmp_path, tiny_model):
-    """drain_seconds 2: a stream that had begun, stalled behind another request's 4 s step, ends with an error
+    """drain_seconds 2: a stream that had begun, stalled behind another request's 5 s step, ends with an error
     event (`server_shutting_down`) then `[DONE]`; the request whose step it is, which had sent nothing, is
     answered 503 as JSON. Both were dropped without a word, and only after twice the drain (aiohttp waits
     its shutdown_timeout again before it cancels a handler)."""
     path = tmp_path / "pools.yaml"
     path.write_text(chat_pool_yaml(tiny_model, gateway="{drain_seconds: 2}", max_model_len=512))
-    with LiveServer(path, env={**os.environ, SLOW_STEP_ENV: "slow-step:4"}) as server:
+    with LiveServer(path, env={**os.environ, SLOW_STEP_ENV: "slow-step:5"}) as server:
         lines, begun = [], threading.Event()
 
         def stream() -> None:
@@ -85,7 +85,7 @@ def test_requests_still_in_flight_when_the_drain_ends_are_answered_503(tmp_path,
         streaming = threading.Thread(target=stream)
         streaming.start()
         assert begun.wait(30)
-        thread, got = _in_flight(server, tiny_model.name)   # its first step lasts 4 s: the stream stalls
+        thread, got = _in_flight(server, tiny_model.name)   # its first step lasts 5 s: the stream stalls
         start = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         streaming.join(30)
