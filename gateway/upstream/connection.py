@@ -268,7 +268,10 @@ class UpstreamClient:
             conn = self._idle_connection(key) or await self._connect(key)
             try:
                 if on_send is not None:
-                    await on_send()
+                    await on_send()   # seconds, where the store is retried: a kept connection may close meanwhile
+                    if not conn.usable:   # (a server's idle limit, uvicorn's 5 s): another one, as nothing was sent
+                        conn.transport.abort()
+                        conn = self._idle_connection(key) or await self._connect(key)
                 conn.transport.write(request)
                 version, status, head = await _read_head(conn, self.read_timeout)
                 return UpstreamResponse(self, key, conn, status, head, self.read_timeout, version)   # may refuse it

@@ -1,42 +1,39 @@
 """Forwarding to an `upstream:` pool: any OpenAI-compatible server (another cliffguard, vLLM, ...).
 
-The request body goes on unchanged except `model`, which becomes the upstream's model name; the
-answer comes back with the client's model name restored. Streams are relayed event by event as they
-arrive, their fields read as the SSE spec says (`data:x` is `data: x`; an event the body ends inside, with
-no blank line after it, only where it is whole: `[DONE]` or a JSON object). Upstream errors (4xx and 5xx)
-keep their status, OpenAI error body and the headers that say when to try again (`Retry-After`,
-`retry-after-ms`, `x-ratelimit-*`); a body that is not one (`{"error": "text"}`, not JSON) is put
-in that format, quoting it, with code `upstream_error`; only its first `MAX_ERROR_BYTES` are read. A
-401 or 403 is not relayed: the client's key is never forwarded, so it refused the gateway's own
-credentials, and the client gets our 502 `upstream_error` saying so (the upstream's message is logged).
-Our own 502s say whether the upstream may have received the request:
-`upstream_unreachable` when no connection could be made (nothing was sent: safe to send again, and the
-batch runner does), `upstream_disconnected` when the connection failed after the request may have gone
-out (the upstream may be running it: never sent again, so a batch line never runs twice),
-`upstream_error` for an answer we cannot relay: not valid JSON, over `MAX_ANSWER_BYTES`, a status that
-is neither a success (2xx) nor an error (4xx, 5xx), or not a stream (text/event-stream) when one was
-asked for. A stream that fails once it started (dropped, a broken chunk, one event over
+The request body goes on unchanged except `model`, which becomes the upstream's model name; the answer comes back
+with the client's model name restored. Streams are relayed event by event as they arrive, their fields read as the
+SSE spec says (`data:x` is `data: x`; an event the body ends inside, with no blank line after it, only where it is
+whole: `[DONE]` or a JSON object). Upstream errors (4xx and 5xx) keep their status, OpenAI error body and the
+headers that say when to try again (`Retry-After`, `retry-after-ms`, `x-ratelimit-*`); a body that is not one
+(`{"error": "text"}`, not JSON) is put in that format, quoting it, with code `upstream_error` (SGLang's and older
+vLLM's flat `{"message", "type", "code": <status>}` is read as one); only its first
+`MAX_ERROR_BYTES` are read. A 401 or 403 is not relayed: the client's key is never forwarded, so it refused the
+gateway's own credentials, and the client gets our 502 `upstream_error` saying so (the upstream's message is
+logged). Our own 502s say whether the upstream may have received the request: `upstream_unreachable` when no
+connection could be made (nothing was sent: safe to send again, and the batch runner does), `upstream_disconnected`
+when the connection failed after the request may have gone out (the upstream may be running it: never sent again, so
+a batch line never runs twice), `upstream_error` for an answer we cannot relay: not valid JSON, over
+`MAX_ANSWER_BYTES`, a status that is neither a success (2xx) nor an error (4xx, 5xx), or not a stream (text/event-
+stream) when one was asked for. A stream that fails once it started (dropped, a broken chunk, one event over
 `MAX_EVENT_BYTES`), or whose body ends before its last event (`data: [DONE]`; a Responses stream's
-`response.completed` / `incomplete` / `failed`, or an `error` of its own), ends as a local one that
-fails does: an error event with that 502's error object (`upstream_disconnected`, `upstream_error`),
-then `data: [DONE]` (a Responses stream: an `error` event numbered after its last); so does one cut at the
-end of the gateway's drain, with 503 `server_shutting_down`. Token counts for
-metrics come from the upstream's `usage` (`prompt_tokens` / `completion_tokens`; the Responses API's
-`input_tokens` / `output_tokens`; a stream's last usage, once) where its counts are non-negative
-integers, the prompt's from the gateway's own count where they are not; a malformed usage is relayed as
-it is. A chat or completions stream whose client did not ask for its usage is sent with
-`stream_options.include_usage` all the same, and its usage chunk (and the `usage: null` of the others) is
-not relayed. Each choice's end counts in `request_success`, an upstream's error in `request_errors`.
+`response.completed` / `incomplete` / `failed`, or an `error` of its own), ends as a local one that fails does: an
+error event with that 502's error object (`upstream_disconnected`, `upstream_error`), then `data: [DONE]` (a
+Responses stream: an `error` event numbered after its last); so does one cut at the end of the gateway's drain, with
+503 `server_shutting_down`. Token counts for metrics come from the upstream's `usage` (`prompt_tokens` /
+`completion_tokens`; the Responses API's `input_tokens` / `output_tokens`; a stream's last usage, once) where its
+counts are non-negative integers, the prompt's from the gateway's own count where they are not; a malformed usage is
+relayed as it is. A chat or completions stream whose client did not ask for its usage is sent with
+`stream_options.include_usage` all the same, and its usage chunk (and the `usage: null` of the others) is not
+relayed. Each choice's end counts in `request_success`, an upstream's error in `request_errors`.
 
-A batch line is forwarded with an `Idempotency-Key: <batch id>:<custom_id>` header (`IDEMPOTENCY_KEY`,
-set by the batch runner around the line): an upstream that honours it answers a repeat from its first
-run. cliffguard does not rely on it: it never sends a line again once it may have run there (a 429 did
-not), not even after a stop that cut it (the runner keeps that it was sent as it goes out: `UPSTREAM_SEND`).
+A batch line is forwarded with an `Idempotency-Key: <batch id>:<custom_id>` header (`IDEMPOTENCY_KEY`, set by the
+batch runner around the line): an upstream that honours it answers a repeat from its first run. cliffguard does not
+rely on it: it never sends a line again once it may have run there (a 429 did not), not even after a stop that cut
+it (the runner keeps that it was sent as it goes out: `UPSTREAM_SEND`).
 
-The upstream's URL is shown to clients (errors, `/v1/models`) only through `redact`, without any user
-or password in it. A relayed stream's writes to the client are bounded by `write_timeout` like a
-local one's, so a client that never reads cannot hold an upstream connection (the session has a
-pool of them) for longer than that.
+The upstream's URL is shown to clients (errors, `/v1/models`) only through `redact`, without any user or password in
+it. A relayed stream's writes to the client are bounded by `write_timeout` like a local one's, so a client that
+never reads cannot hold an upstream connection (the session has a pool of them) for longer than that.
 """
 
 from __future__ import annotations
@@ -82,11 +79,11 @@ UPSTREAM_SEND: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar("cl
 
 
 def _headers(pool: Pool, stream: bool) -> dict[str, str]:
-    headers = {"Content-Type": "application/json",
+    headers = {"Content-Type": "application/json", "Accept-Encoding": "identity",   # no body we would not read
                "Accept": "text/event-stream" if stream else "application/json"}
     env = pool.spec.upstream_api_key_env
-    if env and os.environ.get(env):
-        headers["Authorization"] = f"Bearer {os.environ[env]}"
+    if env and (key := os.environ.get(env, "").strip()):   # a secret's file often ends in a newline
+        headers["Authorization"] = f"Bearer {key}"
     if (key := IDEMPOTENCY_KEY.get()) is not None:
         headers["Idempotency-Key"] = key
     return headers
@@ -290,6 +287,8 @@ def openai_error(raw: bytes, context: str) -> dict[str, Any]:
     except (ValueError, RecursionError):   # not JSON (or cut at MAX_ERROR_BYTES), or nested too deep
         payload = None
     error = payload.get("error") if isinstance(payload, dict) else None
+    if error is None and isinstance(payload, dict) and isinstance(payload.get("message"), str):
+        error = {**payload, "code": None}   # the flat shape of SGLang's and older vLLM's errors (code: the status)
     if not isinstance(error, dict):
         text = error if isinstance(error, str) and error else raw[:500].decode(errors="replace")
         error = {"message": f"{context}: {text}", "type": "server_error", "code": "upstream_error"}
@@ -392,7 +391,8 @@ class _StreamSeen:
                 return None
             if obj["usage"] is None:
                 del obj["usage"]
-        return _with_data(event, json.dumps(_rename(obj, model), ensure_ascii=False).encode())
+        text = json.dumps(_rename(obj, model), ensure_ascii=False)   # a lone surrogate the upstream wrote as JSON
+        return _with_data(event, text.encode("utf-8", "backslashreplace"))   # ("\ud83d": half an emoji) goes so
 
 
 def _field(line: bytes) -> tuple[bytes, bytes]:

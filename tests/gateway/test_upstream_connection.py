@@ -185,6 +185,26 @@ async def test_an_unread_body_closes_its_connection_and_an_idle_one_expires():
     server.close()
 
 
+async def test_a_slow_on_send_takes_a_connection_only_after_it(monkeypatch):
+    """A batch line's `on_send` (a store write, retried for seconds when SQLite is locked) runs before a kept
+    connection is taken: one the upstream closed meanwhile (idle past its keep-alive, uvicorn's 5 s) was written
+    to, and the line ended `upstream_disconnected`, never to be sent again, though the upstream never had it."""
+    async def answer(writer, request, n):
+        writer.write(_answer(b"{}", "Content-Length: 2"))
+        await writer.drain()
+        asyncio.get_running_loop().call_later(0.2, writer.transport.close)   # its idle connections live 0.2 s
+
+    server, url, seen, connections = await _raw_server(answer)
+    client = UpstreamClient()
+    async with await client.post(url, b"{}", {}) as r:
+        await r.read()
+    async with await client.post(url, b"{}", {}, on_send=lambda: asyncio.sleep(0.5)) as r:
+        assert r.status == 200 and await r.read() == b"{}"
+    assert len(seen) == 2 and connections[0] == 2
+    await client.close()
+    server.close()
+
+
 def test_a_line_break_in_a_header_is_refused():
     with pytest.raises(ValueError, match="Idempotency-Key"):
         _request_bytes(URL("http://127.0.0.1:8000/v1"), b"{}", {"Idempotency-Key": "b:1\r\nX-Evil: 1"})

@@ -313,6 +313,49 @@ async def test_an_error_body_not_in_the_openai_format_is_put_in_it(aiohttp_clien
     server.close()
 
 
+async def test_sglangs_flat_error_body_is_read_as_the_openai_one(aiohttp_client, tmp_path):
+    flat = (b'{"object": "error", "message": "max_tokens is too large", "type": "BadRequestError", "param": null, '
+            b'"code": 400}')
+    server, url = await _serve(lambda request: _reply(400, flat))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    assert r.status == 400 and (await r.json())["error"] == {"message": "max_tokens is too large",
+                                                             "type": "BadRequestError", "param": None, "code": None}
+    server.close()
+
+
+async def test_the_upstream_is_asked_for_no_encoding_with_the_pools_key_less_its_newline(aiohttp_client, tmp_path,
+                                                                                        monkeypatch):
+    """A gzip answer would be unreadable (it was a 502): none is asked for. A key read from a secret's file
+    keeps its newline (every request was a 500, the header refused)."""
+    monkeypatch.setenv("POOL_KEY", "sk-pool\n")
+    requests: list[bytes] = []
+    answer = json.dumps({"id": "c1", "object": "chat.completion", "model": "upstream-model", "choices": []}).encode()
+    server, url = await _serve(lambda request: requests.append(request) or _reply(200, answer))
+    client = await aiohttp_client(create_app(_gateway(tmp_path, url, "upstream_api_key_env: POOL_KEY")))
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    assert r.status == 200, await r.text()
+    assert b"\r\nAccept-Encoding: identity\r\n" in requests[0]
+    assert b"\r\nAuthorization: Bearer sk-pool\r\n" in requests[0]
+    server.close()
+
+
+async def test_half_an_emoji_in_a_stream_goes_on_as_the_upstream_wrote_it(aiohttp_client, tmp_path):
+    """A lone surrogate (an emoji cut at a UTF-16 boundary, as JavaScript servers write it) is valid JSON but
+    no UTF-8: the relay wrote nothing of it and cut the stream with no error event."""
+    half = (b'data: {"id": "c1", "model": "upstream-model", "choices": [{"index": 0, "delta": {"content": '
+            b'"\\ud83d"}}]}\n\n')
+    server, url = await _serve(lambda request: _reply(200, half + b"data: [DONE]\n\n", "text/event-stream"))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    events = [e for e in (await r.text()).split("\n\n") if e]
+    assert r.status == 200 and events[-1] == "data: [DONE]", events
+    chunk = json.loads(events[0].removeprefix("data: "))
+    assert chunk["model"] == FRONT and chunk["choices"][0]["delta"]["content"] == "\ud83d"
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("status", [401, 403])
 async def test_an_upstream_refusing_the_gateways_key_is_a_502_without_its_message(aiohttp_client, tmp_path,
