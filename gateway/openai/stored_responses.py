@@ -23,7 +23,8 @@ thing: it waits for its device and its credits however long (`gateway.device_wai
 GET polls it (streaming it, `stream` or `starting_after`, is a 400). `cancel` stops one queued or in
 progress (its engine request is aborted, its KV freed) and leaves it `cancelled`; a finished one is returned
 as it is; one not run in the background is a 400. A background response queued or in progress when the
-gateway stops is run again when it starts.
+gateway stops is run again when it starts, but one an upstream pool had (in progress there) is not sent
+again: it fails `upstream_disconnected`, since the upstream may have run it.
 
 Without a data dir (an in-process app) nothing is kept: `store` left out is answered with
 `store: false`, and `store: true`, `background` and `previous_response_id` are 400s naming them.
@@ -82,6 +83,7 @@ class KeptResponses:
         self.store, self.gateway = store, gateway
         self.retry_first_s, self.retry_max_s, self.max_store_attempts = RETRY_FIRST_S, RETRY_MAX_S, MAX_STORE_ATTEMPTS
         self._runs: dict[str, asyncio.Task] = {}
+        self._were_running: set[str] = set()   # in progress when the last gateway stopped (`start`)
         self._per_owner: Counter[str] = Counter()   # background runs queued or in progress (and being queued)
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -109,6 +111,7 @@ class KeptResponses:
         for stored in await self.db(self.store.unfinished):
             log.info("%s: a background response the gateway stopped under; running it again", stored.id)
             if stored.status != "queued":   # it was in progress: it waits for its device and credits again
+                self._were_running.add(stored.id)
                 stored = dataclasses.replace(stored, response={**stored.response, "status": "queued"})
                 try:
                     await self.db(self.store.update, stored.response, unless=FINISHED)
@@ -214,6 +217,10 @@ class KeptResponses:
         req = asked.chat
         routed = [await _routed(gateway, req)]
         in_progress = functools.partial(self.started, stored)   # admitted on a replica (an answer is made)
+        if routed[0][0].is_upstream and stored.id in self._were_running:   # in progress there: it was sent
+            raise ApiError(502, f"{stored.id}: sent to its upstream pool before the gateway stopped, which cut it; "
+                           "the upstream may have run it, so it is not sent again", type="server_error",
+                           code="upstream_disconnected")
         if routed[0][0].is_upstream:
             await in_progress()   # sent on at once
         answer_type = functools.partial(_AdmittedAnswer, started=in_progress, asked=asked, response_id=stored.id,

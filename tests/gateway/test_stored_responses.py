@@ -438,6 +438,24 @@ async def test_a_background_response_an_upstream_pool_answered_is_kept_as_it_was
         "completed", True, True, first.id, queued.created_at), second.error
 
 
+async def test_a_background_response_in_progress_at_its_upstream_when_the_gateway_stopped_is_not_sent_again(
+        aiohttp_client, tmp_path, upstream) -> None:
+    """The upstream had it (it went `in_progress` as it was sent): run again at the next start, it was sent a
+    second time (paid twice, its tools run twice). It fails `upstream_disconnected`, as a batch line does."""
+    server, bodies = upstream
+    sdk = _sdk(await _front(aiohttp_client, tmp_path, server.port))
+    done = await _settled(sdk, (await sdk.responses.create(model=FRONT, input="hi", background=True)).id)
+    assert done.status == "completed" and len(bodies) == 1
+    with sqlite3.connect(tmp_path / "batches.sqlite3") as db:   # as a stop left it: sent, not answered yet
+        db.execute("UPDATE responses SET status='in_progress', response=json_set(response, '$.status', "
+                   "'in_progress') WHERE id=?", (done.id,))
+    again = _sdk(await _front(aiohttp_client, tmp_path, server.port))   # the next gateway, on the same data dir
+    failed = await _settled(again, done.id)
+    assert failed.status == "failed" and failed.error.code == "server_error", failed
+    assert failed.error.message.startswith("upstream_disconnected: ") and "not sent again" in failed.error.message
+    assert len(bodies) == 1
+
+
 async def test_a_foreground_response_an_upstream_pool_answered_is_kept_and_continued(relaying) -> None:
     """The upstream is sent `store: false` and keeps nothing: its Response is kept here under an id of ours, so a
     later turn continues it (it came back under the upstream's id, unkept: the next turn's previous_response_id
