@@ -127,8 +127,10 @@ class Completion:
         if len(self.routed) > 1:
             raise ApiError(400, "prompt: a list of prompts cannot be sent to an upstream pool; send them one "
                            "by one", param="prompt")
-        gateway = self.gateway
-        response = await forward(self.http, gateway.upstream, pool, self.path, self.body, self.req.stream,
+        gateway, body = self.gateway, self.body
+        if isinstance(self.req, CompletionRequest) and self.req.max_tokens_unset:   # as `_within_context` left it
+            body = {**body, "max_tokens": self.req.params.max_tokens}
+        response = await forward(self.http, gateway.upstream, pool, self.path, body, self.req.stream,
                                  gateway.metrics, write_timeout=gateway.config.gateway.write_timeout,
                                  prompt_tokens=len(self.routed[0][1]), received=self.received)
         if self.http is not None and (response.status >= 400 or not self.answer_json):

@@ -313,6 +313,20 @@ async def test_an_error_body_not_in_the_openai_format_is_put_in_it(aiohttp_clien
     server.close()
 
 
+async def test_a_completion_without_max_tokens_goes_upstream_with_what_the_context_leaves(aiohttp_client, tmp_path):
+    """A 505-token prompt in a 512-token context: 7 tokens, as from a local pool (the upstream got no max_tokens,
+    took its default 16, and refused the request)."""
+    requests: list[bytes] = []
+    answer = json.dumps({"id": "c1", "object": "text_completion", "model": "upstream-model", "choices": []}).encode()
+    server, url = await _serve(lambda request: requests.append(request) or _reply(200, answer))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    for prompt, max_tokens in (([5] * 505, 7), ([5] * 8, 16)):
+        r = await client.post("/v1/completions", json={"model": FRONT, "prompt": prompt})
+        assert r.status == 200, await r.text()
+        assert json.loads(requests[-1].split(b"\r\n\r\n", 1)[1])["max_tokens"] == max_tokens
+    server.close()
+
+
 async def test_sglangs_flat_error_body_is_read_as_the_openai_one(aiohttp_client, tmp_path):
     flat = (b'{"object": "error", "message": "max_tokens is too large", "type": "BadRequestError", "param": null, '
             b'"code": 400}')
