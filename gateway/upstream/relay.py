@@ -60,6 +60,7 @@ from gateway.openai.errors import ApiError, drain_cut
 from gateway.client_writes import ClientGone, start_sse, write_within
 from gateway.upstream.connection import (UpstreamClient, UpstreamDisconnected, UpstreamResponse,
                                          UpstreamTooLarge, UpstreamUnreachable)
+from gateway.upstream.sse import event_fields, json_object, split_events, whole, with_data
 from pools.pool import Pool
 
 log = logging.getLogger("cliffguard.gateway")
@@ -211,7 +212,7 @@ async def _relay_answer(relayed: _Relayed, upstream: UpstreamResponse) -> web.Re
     """A non-streamed answer (at most MAX_ANSWER_BYTES) with the client's model name put back."""
     pool = relayed.pool
     try:
-        payload = _rename(msgspec.json.decode(await upstream.read(MAX_ANSWER_BYTES)), relayed.client_model)
+        payload = _rename(_decoded(await upstream.read(MAX_ANSWER_BYTES)), relayed.client_model)
     except (UpstreamDisconnected, OSError) as exc:
         raise _upstream_failed(pool, "dropped the answer", exc, "upstream_disconnected") from None
     except UpstreamTooLarge as exc:
@@ -221,11 +222,27 @@ async def _relay_answer(relayed: _Relayed, upstream: UpstreamResponse) -> web.Re
     relayed.count(payload.get("usage") if isinstance(payload, dict) else None,
                   _finish_reasons(payload, relayed.responses))
     relayed.series.e2e.observe(time.perf_counter() - relayed.received)
-    return web.Response(body=_JSON.encode(payload), content_type="application/json",
+    return web.Response(body=_encoded(payload), content_type="application/json",
                         headers={"x-cliffguard-pool": pool.name})
 
 
 _JSON = msgspec.json.Encoder()
+
+
+def _decoded(raw: bytes) -> Any:
+    """JSON; a lone surrogate (`"\\ud83d"`: half an emoji, as JavaScript servers write it), which msgspec
+    refuses, read by the standard library (ValueError for what is not JSON), and `_encoded` escaped again."""
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return json.loads(raw)
+
+
+def _encoded(payload: Any) -> bytes:
+    try:
+        return _JSON.encode(payload)
+    except UnicodeEncodeError:   # a lone surrogate, only ever inside a JSON string: escaped as it came
+        return json.dumps(payload, ensure_ascii=False).encode("utf-8", "backslashreplace")
 
 
 @functools.lru_cache(maxsize=256)
@@ -288,7 +305,7 @@ def openai_error(raw: bytes, context: str) -> dict[str, Any]:
         payload = None
     error = payload.get("error") if isinstance(payload, dict) else None
     if error is None and isinstance(payload, dict) and isinstance(payload.get("message"), str):
-        error = {**payload, "code": None}   # the flat shape of SGLang's and older vLLM's errors (code: the status)
+        error = {**payload, "code": code if isinstance(code := payload.get("code"), str) else None}   # SGLang's
     if not isinstance(error, dict):
         text = error if isinstance(error, str) and error else raw[:500].decode(errors="replace")
         error = {"message": f"{context}: {text}", "type": "server_error", "code": "upstream_error"}
@@ -360,7 +377,7 @@ class _StreamSeen:
     continuous usage stats repeat running totals in every chunk, so only the last is counted), its last
     `sequence_number` (a Responses stream: our error event follows it), how many events held output (a
     chunk, or a Responses event past the ones that announce the Response before it runs: time to first token
-    counts to the first of them). Events are read as the SSE spec says (`_field`)."""
+    counts to the first of them). Events are read as the SSE spec says (`gateway.upstream.sse`)."""
 
     def __init__(self, responses: bool = False, hide_usage: bool = False) -> None:
         self.responses, self.hide_usage = responses, hide_usage
@@ -373,13 +390,13 @@ class _StreamSeen:
     def relay(self, event: bytes, model: str) -> bytes | None:
         """`event` to relay, the client's model name put back into the JSON object of its data, noted;
         None for the usage chunk the client did not ask for (`_Relayed.hide_usage`)."""
-        kind, data = _event_fields(event)
-        self.ended = self.ended or data == b"[DONE]" or kind in _FINAL_RESPONSE_EVENTS
-        obj = _json_object(data)
+        kind, data = event_fields(event)
+        self.ended = self.ended or data == b"[DONE]" or (self.responses and kind in _FINAL_RESPONSE_EVENTS)
+        obj = json_object(data)
         if obj is None:   # `data:[DONE]` goes on as `data: [DONE]`, for clients that look for that line
-            return _with_data(event, data) if data == b"[DONE]" else event
+            return with_data(event, data) if data == b"[DONE]" else event
         self.num_outputs += obj.get("type") not in _NOT_OUTPUT and "error" not in obj and obj.get("choices") != []
-        self.ended = self.ended or obj.get("type") in _FINAL_RESPONSE_EVENTS
+        self.ended = self.ended or (self.responses and obj.get("type") in _FINAL_RESPONSE_EVENTS)
         self.finish_reasons += _finish_reasons(obj, self.responses)
         holder = obj.get("response") if isinstance(obj.get("response"), dict) else obj
         if holder.get("usage") is not None:
@@ -392,52 +409,7 @@ class _StreamSeen:
             if obj["usage"] is None:
                 del obj["usage"]
         text = json.dumps(_rename(obj, model), ensure_ascii=False)   # a lone surrogate the upstream wrote as JSON
-        return _with_data(event, text.encode("utf-8", "backslashreplace"))   # ("\ud83d": half an emoji) goes so
-
-
-def _field(line: bytes) -> tuple[bytes, bytes]:
-    """An SSE line's field name and value. The SSE spec: the value follows the first colon, less one space
-    if one follows it (`data:x` is `data: x`); a line without a colon is a field with an empty value; a
-    line that starts with a colon is a comment (the name is empty)."""
-    name, _, value = line.partition(b":")
-    return name, value[1:] if value.startswith(b" ") else value
-
-
-def _event_fields(event: bytes) -> tuple[str, bytes | None]:
-    """An event's type (its `event:` field, "" without one) and data (its `data:` lines joined by a line
-    break, None without one)."""
-    kind, data = b"", None
-    for line in event.split(b"\n"):
-        name, value = _field(line)
-        if name == b"event":
-            kind = value
-        elif name == b"data":
-            data = value if data is None else data + b"\n" + value
-    return kind.decode("latin-1"), data
-
-
-def _json_object(data: bytes | None) -> dict[str, Any] | None:
-    """`data` decoded when it is a JSON object, else None (text, `[DONE]`, JSON that is invalid or nested
-    past the decoder's depth: relayed as it is)."""
-    if not data or data[:1] != b"{":
-        return None
-    try:
-        obj = json.loads(data)
-    except (ValueError, RecursionError):
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-def _with_data(event: bytes, data: bytes) -> bytes:
-    """`event` with its `data:` lines made one, `data: <data>`, where the first was; its other lines kept."""
-    lines, put = [], False
-    for line in event.split(b"\n"):
-        if _field(line)[0] != b"data":
-            lines.append(line)
-        elif not put:
-            lines.append(b"data: " + data)
-            put = True
-    return b"\n".join(lines)
+        return with_data(event, text.encode("utf-8", "backslashreplace"))   # ("\ud83d": half an emoji) goes so
 
 
 def _error_tail(error: ApiError, responses: bool, sequence_number: int) -> bytes:
@@ -457,7 +429,7 @@ async def _events(pool: Pool, upstream: UpstreamResponse) -> AsyncIterator[bytes
     try:
         async with contextlib.aclosing(upstream.chunks()) as body:
             async for data in body:
-                for event in _split_events(tail, data):
+                for event in split_events(tail, data):
                     yield event
                 if len(tail) > MAX_EVENT_BYTES:
                     yield _upstream_failed(pool, "sent an event too large to relay", UpstreamTooLarge(
@@ -466,35 +438,5 @@ async def _events(pool: Pool, upstream: UpstreamResponse) -> AsyncIterator[bytes
     except (UpstreamDisconnected, OSError) as exc:
         yield _upstream_failed(pool, "dropped the stream", exc, "upstream_disconnected")
         return
-    if tail.strip() and _whole(bytes(tail.rstrip(b"\r"))):
+    if tail.strip() and whole(bytes(tail.rstrip(b"\r"))):
         yield bytes(tail.rstrip(b"\r"))
-
-
-def _whole(event: bytes) -> bool:
-    """Whether an event the body ended inside, with no blank line after it, is whole: its data `[DONE]` or
-    a JSON object. The SSE spec drops such an event; a server that ends its last one with one line break is
-    still read, but a cut one (`data: {"id": "c1", "choi`) is never relayed as if whole."""
-    data = _event_fields(event)[1]
-    return data == b"[DONE]" or _json_object(data) is not None
-
-
-def _split_events(tail: bytearray, data: bytes) -> list[bytes]:
-    """Add `data` to `tail` (a stream's bytes not yet split) and take out the events it completed; only
-    the new bytes are searched, so a long event costs its length once. Line ends are `\n`, `\r\n` or `\r`
-    (the SSE grammar; sse-starlette sends `\r\n`), made `\n` as they come: a `\r` last in `data` is kept
-    as it is until the next bytes tell whether a `\n` follows it."""
-    if tail.endswith(b"\r"):
-        del tail[-1:]
-        data = data if data.startswith(b"\n") else b"\n" + data
-    pending = data.endswith(b"\r")
-    data = (data[:-1] if pending else data).replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-    start = max(len(tail) - 1, 0)   # a "\n\n" may straddle the old bytes and the new
-    tail += data
-    events, begin = [], 0
-    while (end := tail.find(b"\n\n", start)) >= 0:
-        events.append(bytes(tail[begin:end]))
-        begin = start = end + 2
-    del tail[:begin]
-    if pending:
-        tail += b"\r"
-    return events

@@ -18,8 +18,11 @@ from aiohttp import web
 from gateway.app import create_app
 from gateway.client_writes import ClientGone
 from gateway.completion import _relayed_error
+from gateway.runtime import Gateway
 from gateway.upstream import relay
 from gateway.upstream.connection import UpstreamClient, UpstreamDisconnected
+from gateway.upstream.sse import split_events
+from pools.config.yaml_file import load_config
 from tests.gateway.test_upstream_connection import _answer, _raw_server
 from tests.gateway.test_upstream_retry import FRONT, _gateway, _run_batch
 
@@ -137,7 +140,7 @@ async def test_read_stops_at_its_limit_and_read_start_takes_the_first_bytes():
 def test_events_are_split_from_the_new_bytes_only():
     tail = bytearray()
     pieces = [b"data: 1\n", b"\ndata: 2\n\n\n", b"\ndata: 3", b"\n\ndata: 4"]
-    assert [relay._split_events(tail, p) for p in pieces] == [[], [b"data: 1", b"data: 2"], [b""], [b"data: 3"]]
+    assert [split_events(tail, p) for p in pieces] == [[], [b"data: 1", b"data: 2"], [b""], [b"data: 3"]]
     assert tail == b"data: 4"   # as the whole stream split at once
     assert b"".join(pieces).split(b"\n\n") == [b"data: 1", b"data: 2", b"", b"data: 3", b"data: 4"]
 
@@ -327,6 +330,33 @@ async def test_a_completion_without_max_tokens_goes_upstream_with_what_the_conte
     server.close()
 
 
+async def test_the_upstream_limits_come_from_the_gateway_section(aiohttp_client, tmp_path):
+    """`gateway.upstream`: connections to one upstream host (256 by default; a request past them waits 10 s,
+    then 502 naming the key), and the read timeout (600 s)."""
+    gateway = _gateway(tmp_path, "http://127.0.0.1:9/v1")
+    await aiohttp_client(create_app(gateway))
+    assert (gateway.upstream.max_connections, gateway.upstream.read_timeout) == (256, 600.0)
+    path = tmp_path / "pools.yaml"
+    path.write_text("gateway: {upstream: {max_connections: 3, read_timeout_seconds: 45}}\n" + path.read_text())
+    gateway = Gateway.from_config(load_config(path))
+    await aiohttp_client(create_app(gateway))
+    assert (gateway.upstream.max_connections, gateway.upstream.read_timeout) == (3, 45.0)
+
+
+async def test_a_chat_stream_that_drops_after_an_error_event_still_ends_with_our_error_and_done(aiohttp_client,
+                                                                                              tmp_path):
+    """An `event: error` line (or a chunk of type error) ends a Responses stream, not a chat one: a chat stream
+    that then dropped got neither our error event nor `[DONE]`."""
+    events = EVENT + b'event: error\ndata: {"type": "error", "message": "overloaded"}\n\n'
+    dropped = (CHUNKED + b"%x\r\n" % len(events) + events + b"\r\n",)   # then the connection drops
+    server, url = await _serve(lambda request: dropped)
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    _assert_error_event_then_done(await r.text(), "upstream_disconnected")
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
 async def test_sglangs_flat_error_body_is_read_as_the_openai_one(aiohttp_client, tmp_path):
     flat = (b'{"object": "error", "message": "max_tokens is too large", "type": "BadRequestError", "param": null, '
             b'"code": 400}')
@@ -367,6 +397,15 @@ async def test_half_an_emoji_in_a_stream_goes_on_as_the_upstream_wrote_it(aiohtt
     chunk = json.loads(events[0].removeprefix("data: "))
     assert chunk["model"] == FRONT and chunk["choices"][0]["delta"]["content"] == "\ud83d"
     _assert_no_slot_held(gateway)
+    server.close()
+    # a whole answer too (msgspec refuses the surrogate: it was a 502 "invalid response", a batch line's failure)
+    whole = (b'{"id": "c1", "object": "chat.completion", "model": "upstream-model", "choices": [{"index": 0, '
+             b'"message": {"role": "assistant", "content": "\\ud83d"}, "finish_reason": "length"}]}')
+    server, url = await _serve(lambda request: _reply(200, whole))
+    client = await aiohttp_client(create_app(_gateway(tmp_path, url)))
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    answer = json.loads(await r.text())
+    assert r.status == 200 and answer["model"] == FRONT and answer["choices"][0]["message"]["content"] == "\ud83d"
     server.close()
 
 
