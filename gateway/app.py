@@ -46,9 +46,6 @@ from pools.config.spec import CliffguardConfig
 
 log = logging.getLogger("cliffguard.gateway")
 
-# An upstream that sends nothing for this long is gone (a non-streamed answer arrives whole, at the end).
-UPSTREAM_READ_TIMEOUT = 600.0
-
 __all__ = ["GatewayRunner", "create_app", "run", "start_server"]
 
 
@@ -99,9 +96,11 @@ def _expectation(default: Callable[[web.Request], Awaitable[Any]]) -> Callable[[
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
-    """The device workers (started in the background) and the upstream client, for the app's life."""
+    """The device workers (started in the background) and the upstream client (`gateway.upstream`'s limits),
+    for the app's life."""
     gateway = app[GATEWAY]
-    gateway.upstream = UpstreamClient(read_timeout=UPSTREAM_READ_TIMEOUT)
+    limits = gateway.config.gateway.upstream
+    gateway.upstream = UpstreamClient(read_timeout=limits.read_timeout_seconds, max_connections=limits.max_connections)
     await gateway.start()
     # What is alive now (modules, the config, tokenizers, the model's tables) lives as long as the
     # gateway: out of the collector's sight, a full collection walks only what requests make (a full

@@ -89,6 +89,16 @@ class BatchLimits(Spec):
     max_unfinished_per_owner: Count = 100
 
 
+class UpstreamLimits(Spec):
+    """How the gateway reaches `upstream:` pools (YAML `gateway.upstream`): at most `max_connections` to one
+    host at once (a request past them waits 10 s for one, then 502 `upstream_unreachable`: size it to the
+    upstream's own concurrency, vLLM's `max_num_seqs`), and an answer's head (a non-streamed answer's whole
+    generation) or a stream's next bytes awaited at most `read_timeout_seconds`."""
+
+    max_connections: Count = 256
+    read_timeout_seconds: Seconds = 600.0
+
+
 class GatewaySpec(Spec):
     """The `gateway` section. `api_keys`: once loaded, the YAML's keys, those of the `api_keys_env`
     variable and the tenants' keys, merged (`pools.config.yaml_file`)."""
@@ -112,6 +122,7 @@ class GatewaySpec(Spec):
     limits: RequestLimits = msgspec.field(default_factory=RequestLimits)
     stored_responses: RetentionSpec = msgspec.field(default_factory=RetentionSpec)
     batches: BatchLimits = msgspec.field(default_factory=BatchLimits)
+    upstream: UpstreamLimits = msgspec.field(default_factory=UpstreamLimits)
 
     def check(self) -> None:
         for key in ("stall_seconds", "step_timeout_seconds"):
