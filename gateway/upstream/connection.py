@@ -261,15 +261,17 @@ class UpstreamClient:
             async with asyncio.timeout(self.connect_timeout):
                 await slots.acquire()
         except TimeoutError:
-            raise UpstreamUnreachable(f"all {self.max_connections} connections to {url.host}:{key[2]} stayed in "
-                                      f"use for {self.connect_timeout:g} s") from None
+            raise UpstreamUnreachable(f"all {self.max_connections} connections to {url.host}:{key[2]} (gateway."
+                                      f"upstream.max_connections) stayed in use for {self.connect_timeout:g} s"
+                                      ) from None
         self.num_in_use += 1
         try:
             conn = self._idle_connection(key) or await self._connect(key)
             try:
                 if on_send is not None:
                     await on_send()   # seconds, where the store is retried: a kept connection may close meanwhile
-                    if not conn.usable:   # (a server's idle limit, uvicorn's 5 s): another one, as nothing was sent
+                    # (a server's idle limit, uvicorn's 5 s), or be about to: another one, as nothing was sent yet
+                    if not conn.usable or 0 < conn.idle_since <= time.monotonic() - self.keepalive_seconds:
                         conn.transport.abort()
                         conn = self._idle_connection(key) or await self._connect(key)
                 conn.transport.write(request)

@@ -185,10 +185,11 @@ async def test_an_unread_body_closes_its_connection_and_an_idle_one_expires():
     server.close()
 
 
-async def test_a_slow_on_send_takes_a_connection_only_after_it(monkeypatch):
-    """A batch line's `on_send` (a store write, retried for seconds when SQLite is locked) runs before a kept
-    connection is taken: one the upstream closed meanwhile (idle past its keep-alive, uvicorn's 5 s) was written
-    to, and the line ended `upstream_disconnected`, never to be sent again, though the upstream never had it."""
+async def test_a_kept_connection_that_closed_or_aged_during_a_slow_on_send_is_not_written_to():
+    """A batch line's `on_send` (a store write, retried for seconds when SQLite is locked) may outlast the kept
+    connection taken before it: one the upstream closed meanwhile (idle past its keep-alive, uvicorn's 5 s), or
+    idle past the client's own keep-alive, was written to, and the line ended `upstream_disconnected`, never to
+    be sent again, though the upstream never had it. Another connection takes it."""
     async def answer(writer, request, n):
         writer.write(_answer(b"{}", "Content-Length: 2"))
         await writer.drain()
@@ -201,6 +202,20 @@ async def test_a_slow_on_send_takes_a_connection_only_after_it(monkeypatch):
     async with await client.post(url, b"{}", {}, on_send=lambda: asyncio.sleep(0.5)) as r:
         assert r.status == 200 and await r.read() == b"{}"
     assert len(seen) == 2 and connections[0] == 2
+    await client.close()
+    server.close()
+
+    async def keeps_open(writer, request, n):   # its close would come once the client's keep-alive is past
+        writer.write(_answer(b"{}", "Content-Length: 2"))
+        await writer.drain()
+
+    server, url, seen, connections = await _raw_server(keeps_open)
+    client = UpstreamClient(keepalive_seconds=0.3)
+    async with await client.post(url, b"{}", {}) as r:
+        await r.read()
+    async with await client.post(url, b"{}", {}, on_send=lambda: asyncio.sleep(0.5)) as r:
+        assert await r.read() == b"{}"
+    assert connections[0] == 2   # idle past keepalive_seconds by then: not written to
     await client.close()
     server.close()
 
