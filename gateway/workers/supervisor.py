@@ -137,6 +137,7 @@ class DeviceSupervisor:
         self._restart_reason: str | None = None    # why the worker now loading replaces a dead one
         self._failure: str | None = None           # set when the device will not come back
         self._first_failure: str | None = None     # why the last try of a first connection failed
+        self._started_at = float("inf")            # when `start` last ran (time.monotonic())
         self._process: tuple | None = None         # (address, pid, load time) of the last worker ready
         self._changed = asyncio.Condition()        # notified when a worker is ready, or the device failed
         self._task: asyncio.Task | None = None
@@ -153,8 +154,7 @@ class DeviceSupervisor:
         """Spawn the first worker; it loads in the background (`wait_ready`). A stopped supervisor may
         be started again (the autoscaler's parked slots)."""
         self._failure, self._was_ready, self._restart_reason, self.draining = None, False, None, False
-        self._stopping = False
-        self._first_failure = None
+        self._stopping, self._first_failure, self._started_at = False, None, time.monotonic()
         self.metrics.worker_restarts.labels(**self.labels)   # exported from the start, at 0
         self.metrics.worker_stalls.labels(**self.labels)
         self.metrics.worker_step_timeouts.labels(**self.labels)
@@ -277,7 +277,7 @@ class DeviceSupervisor:
                 log.error("device %s failed to start: %s", self.name, exc)
                 self._failure = f"device {self.name!r} failed to start: {exc}"
                 await self._notify()
-                await self._release_failed(exc, spawned)
+                await self._release_failed(exc, self._started_at)
                 return attempt
             what, reason = "restart failed" if self._was_ready else "first connection failed", str(exc)
             waiting = isinstance(exc, ClaimPending)
@@ -375,9 +375,9 @@ class DeviceSupervisor:
     async def _release_failed(self, exc: Exception, since: float) -> None:
         """A remote replica whose first load failed: its actor stays up refusing connections, holding its
         placement group's GPUs and CPUs, and its config's claim on the device (a gateway started again on a
-        fixed config was refused, `ConfigConflict`). Removed when this gateway placed it in this start (after
-        `since`, time.monotonic()): never an actor another gateway placed, which may serve it; a next start
-        places it anew."""
+        fixed config was refused, `ConfigConflict`). Removed when this gateway placed it since this start (at
+        `since`, time.monotonic(); a first start may take several tries): never an actor another gateway placed,
+        which may serve it; a next start places it anew."""
         remove = getattr(self.link, "remove", None)
         if remove is None or not _startup_error(exc) or getattr(self.link, "placed_at", -math.inf) < since:
             return

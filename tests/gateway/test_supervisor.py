@@ -113,6 +113,26 @@ async def test_a_patient_request_waits_for_its_device_however_long():
     await asyncio.wait_for(waiting, 5)
 
 
+async def test_a_remote_replica_whose_first_load_failed_is_removed_only_where_this_gateway_placed_it():
+    """Its actor holds its group's resources and the cluster's record of its config: removed when this gateway
+    placed it since the start (over several tries too), never one placed before (another gateway's, which may
+    serve it), nor for a failure that is not its load's."""
+    class Link:
+        placed_at, removed = 0.0, 0
+
+        async def remove(self) -> None:
+            self.removed += 1
+
+    link = Link()
+    supervisor = DeviceSupervisor("cpu", None, [], GatewayMetrics(), link=link)
+    load_failed = RuntimeError("device worker failed to start: FileNotFoundError: no weights")
+    for placed_at, exc, removed in ((5.0, load_failed, 1), (3.0, load_failed, 0),
+                                    (5.0, TimeoutError("timed out"), 0)):
+        link.placed_at, link.removed = placed_at, 0
+        await supervisor._release_failed(exc, since=4.0)
+        assert link.removed == removed, (placed_at, exc)
+
+
 async def test_an_autoscaled_device_whose_started_replicas_failed_answers_at_once():
     """Its parked slot, never started, is not waited for: the request (and a patient one, which waited for
     ever) gets the failed start's 503 at once, not a retry-later one after device_wait_seconds."""
