@@ -23,7 +23,7 @@ from kernels import BLOCK_SIZES
 from kernels.cpu_linear import CPU_LINEARS, PackedLinear
 from tests.conftest import assert_all_free, make_tiny_model
 
-NEW_TOKENS = 32
+NEW_TOKENS = 20
 
 CHAT_PROMPTS = [
     "What is the capital of France?",

@@ -171,6 +171,7 @@ async def test_a_background_response_is_polled_to_its_end_or_cancelled(live_buil
     assert (await client.responses.create(model=MODEL, input="hi", max_output_tokens=2)).status == "incomplete"
 
 
+@pytest.mark.slow   # 16 s: two servers of the builtin model; in process, the restart tests below run by default
 def test_kept_responses_and_a_background_run_survive_a_gateway_restart(tmp_path) -> None:
     args = ["--data-dir", str(tmp_path)]
     with LiveServer(DEFAULT_CONFIG, args=args) as server:
