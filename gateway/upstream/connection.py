@@ -117,7 +117,7 @@ class _Connection(asyncio.Protocol):
 
 def _time_out(waiter: asyncio.Future[None], timeout: float) -> None:
     if not waiter.done():
-        waiter.set_exception(UpstreamDisconnected(f"no data for {timeout:g} s"))
+        waiter.set_exception(UpstreamDisconnected(f"no data for {timeout:g} s (gateway.upstream.read_timeout_seconds)"))
 
 
 class UpstreamResponse:
@@ -238,7 +238,7 @@ class UpstreamClient:
     for one at most `connect_timeout`, then is UpstreamUnreachable (nothing was sent)."""
 
     def __init__(self, *, connect_timeout: float = 10.0, read_timeout: float = 600.0,
-                 max_connections: int = 100, keepalive_seconds: float = 4.0) -> None:
+                 max_connections: int = 256, keepalive_seconds: float = 4.0) -> None:
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.keepalive_seconds = keepalive_seconds
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}

@@ -235,7 +235,7 @@ def _decoded(raw: bytes) -> Any:
     try:
         return msgspec.json.decode(raw)
     except msgspec.DecodeError:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=lambda name: None)   # NaN, Infinity: null, as msgspec reads them
 
 
 def _encoded(payload: Any) -> bytes:

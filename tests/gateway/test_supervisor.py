@@ -115,7 +115,7 @@ async def test_a_patient_request_waits_for_its_device_however_long():
 
 async def test_a_remote_replica_whose_first_load_failed_is_removed_only_where_this_gateway_placed_it():
     """Its actor holds its group's resources and the cluster's record of its config: removed when this gateway
-    placed it since the start (over several tries too), never one placed before (another gateway's, which may
+    placed it since `since` (the supervisor's start), never one placed before (another gateway's, which may
     serve it), nor for a failure that is not its load's."""
     class Link:
         placed_at, removed = 0.0, 0

@@ -210,10 +210,10 @@ async def test_a_kept_connection_that_closed_or_aged_during_a_slow_on_send_is_no
         await writer.drain()
 
     server, url, seen, connections = await _raw_server(keeps_open)
-    client = UpstreamClient(keepalive_seconds=0.3)
+    client = UpstreamClient(keepalive_seconds=0.6)
     async with await client.post(url, b"{}", {}) as r:
         await r.read()
-    async with await client.post(url, b"{}", {}, on_send=lambda: asyncio.sleep(0.5)) as r:
+    async with await client.post(url, b"{}", {}, on_send=lambda: asyncio.sleep(0.9)) as r:
         assert await r.read() == b"{}"
     assert connections[0] == 2   # idle past keepalive_seconds by then: not written to
     await client.close()
