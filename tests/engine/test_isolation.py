@@ -11,6 +11,8 @@ import asyncio
 import random
 import time
 
+import pytest
+
 from engine.config import CacheConfig, EngineConfig, LatencySLO, PoolConfig, SchedulerConfig
 from engine.sampling import SamplingParams
 from engine.client import AsyncEngineClient
@@ -61,6 +63,7 @@ def test_a_long_rag_prompt_raises_idle_chat_ttft_by_at_most_its_slo(builtin_path
     assert increase <= SLO.ttft_ms / 1000, f"chat TTFT rose by {increase:.2f} s with a rag prompt in flight"
 
 
+@pytest.mark.slow   # the live control run; tests/pools/test_composer_replay.py shows it on recorded step costs
 def test_without_an_slo_chat_waits_for_a_whole_rag_chunk(builtin_path):
     increase = asyncio.run(_ttft_increase(_make_config(builtin_path, None)))
     assert increase > SLO.ttft_ms / 1000, f"chunk-only scheduling raised chat TTFT by only {increase:.2f} s"

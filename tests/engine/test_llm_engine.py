@@ -49,7 +49,7 @@ def baseline(builtin_path, chat_prompts):
     return outs
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size", [8, 32])   # 16: the baseline's own
 def test_block_sizes_give_same_outputs(builtin_path, chat_prompts, baseline, block_size):
     engine = _engine(builtin_path, block_size=block_size)
     assert _tokens(engine.generate(chat_prompts, GREEDY)) == baseline
