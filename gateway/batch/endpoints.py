@@ -38,6 +38,7 @@ from gateway.batch.execution import BatchRunner, LineExecutor, answer_batch_line
 from gateway.client_writes import write_within
 from gateway.handlers import read_json, read_within
 from gateway.openai.errors import ApiError, storage_unavailable
+from gateway.openai.objects import list_object, page_ascending, page_limit
 from gateway.runtime import GATEWAY
 from pools.store.batch_files import CHUNK_BYTES
 from pools.store.batch_store import BatchStore
@@ -208,29 +209,10 @@ async def list_files(request: web.Request) -> web.Response:
     newest first unless `order=asc`; at most `limit` (1..10000, OpenAI's default 10000) a page, `after` the
     last id of the previous page."""
     runner, query = request.app[BATCHES], request.query
-    limit = _limit(query.get("limit", "10000"), 10_000)
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise ApiError(400, f"order: must be 'asc' or 'desc', got {order[:40]!r}", param="order")
+    limit, ascending = page_limit(query, 10_000, 10_000), page_ascending(query)
     data, has_more = await runner.db(runner.store.list_files, limit, query.get("after"), owner=_owner(request),
-                                     ascending=order == "asc", purpose=query.get("purpose"))
-    return _page(data, has_more)
-
-
-def _limit(raw: str, most: int) -> int:
-    """A list's `limit` query parameter, 1..`most`; else a 400 naming it."""
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= most:
-        raise ApiError(400, f"limit: must be an integer in 1..{most}, got {raw[:40]!r}", param="limit")
-    return limit
-
-
-def _page(data: list[dict[str, Any]], has_more: bool) -> web.Response:
-    return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                              "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+                                     ascending=ascending, purpose=query.get("purpose"))
+    return web.json_response(list_object(data, has_more))
 
 
 async def retrieve_file(request: web.Request) -> web.Response:
@@ -323,9 +305,9 @@ async def list_batches(request: web.Request) -> web.Response:
     """`GET /v1/batches?limit=&after=`: the caller's owner's, newest first; `after` is the last id of
     the previous page."""
     runner = request.app[BATCHES]
-    data, has_more = await runner.db(runner.store.list_batches, _limit(request.query.get("limit", "20"), 100),
+    data, has_more = await runner.db(runner.store.list_batches, page_limit(request.query, 20, 100),
                                      request.query.get("after"), owner=_owner(request))
-    return _page(data, has_more)
+    return web.json_response(list_object(data, has_more))
 
 
 async def cancel_batch(request: web.Request) -> web.Response:

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gateway.openai.errors import bad_request
+from gateway.openai.objects import list_object, page_ascending, page_limit
 
 MAX_LIMIT = 100   # OpenAI's range for `limit`: 1..100, 20 by default
 _PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
@@ -19,24 +20,16 @@ def input_items_page(items: Sequence[dict[str, Any]], response_id: str,
                      query: Mapping[str, str]) -> dict[str, Any]:
     """The list object of `items` as `query` asks (`order` desc by default: the last item first; `limit`;
     `after`, an item id of the previous page); a 400 naming the parameter it cannot take."""
-    order = query.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise bad_request("order", f"must be 'asc' or 'desc', got {order[:40]!r}")
-    raw = query.get("limit", "20")
-    limit = int(raw) if raw.isdecimal() and len(raw) < 6 else 0
-    if not 1 <= limit <= MAX_LIMIT:
-        raise bad_request("limit", f"must be an integer in 1..{MAX_LIMIT}, got {raw[:40]!r}")
+    ascending, limit = page_ascending(query), page_limit(query, 20, MAX_LIMIT)
     views = [item_view(item, response_id, i) for i, item in enumerate(items)]
-    if order == "desc":
+    if not ascending:
         views.reverse()
     start = 0
     if (after := query.get("after")) is not None:
         start = next((i + 1 for i, view in enumerate(views) if view["id"] == after), None)
         if start is None:
             raise bad_request("after", f"response {response_id!r} has no input item {after[:80]!r}")
-    data = views[start:start + limit]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": start + limit < len(views)}
+    return list_object(views[start:start + limit], start + limit < len(views))
 
 
 def item_view(item: dict[str, Any], response_id: str, index: int) -> dict[str, Any]:

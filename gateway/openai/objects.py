@@ -1,12 +1,15 @@
 """The JSON objects the OpenAI API returns: chat and text completions, their stream chunks, usage and
-logprobs. Plain dicts, built from what the engine produced; no HTTP here."""
+logprobs, and the list of a paged endpoint (with its query's `limit` and `order`). Plain dicts, built from what
+the engine produced; no HTTP here."""
 
 from __future__ import annotations
 
 import codecs
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from gateway.openai.errors import bad_request
 
 
 def new_id(prefix: str, sep: str = "-") -> str:
@@ -176,3 +179,26 @@ def response_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: in
                                                                      "cache_write_tokens": 0},
             "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def list_object(data: Sequence[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """A page of a list endpoint (files, batches, a response's input items), as OpenAI's cursor pages are."""
+    return {"object": "list", "data": list(data), "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+def page_limit(query: Mapping[str, str], default: int, most: int) -> int:
+    """A list query's `limit`: decimal digits, 1..`most` (`default` when absent); else a 400 naming it."""
+    raw = query.get("limit", str(default))
+    limit = int(raw) if raw.isdecimal() and len(raw) < 6 else 0
+    if not 1 <= limit <= most:
+        raise bad_request("limit", f"must be an integer in 1..{most}, got {raw[:40]!r}")
+    return limit
+
+
+def page_ascending(query: Mapping[str, str]) -> bool:
+    """A list query's `order`: "asc" (True) or "desc", the default; else a 400 naming it."""
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order", f"must be 'asc' or 'desc', got {order[:40]!r}")
+    return order == "asc"

@@ -217,11 +217,11 @@ class KeptResponses:
         req = asked.chat
         routed = [await _routed(gateway, req)]
         in_progress = functools.partial(self.started, stored)   # admitted on a replica (an answer is made)
-        if routed[0][0].is_upstream and stored.id in self._were_running:   # in progress there: it was sent
-            raise ApiError(502, f"{stored.id}: sent to its upstream pool before the gateway stopped, which cut it; "
-                           "the upstream may have run it, so it is not sent again", type="server_error",
-                           code="upstream_disconnected")
         if routed[0][0].is_upstream:
+            if stored.id in self._were_running:   # in progress there: it was sent
+                raise ApiError(502, f"{stored.id}: sent to its upstream pool before the gateway stopped, which cut "
+                               "it; the upstream may have run it, so it is not sent again", type="server_error",
+                               code="upstream_disconnected")
             await in_progress()   # sent on at once
         answer_type = functools.partial(_AdmittedAnswer, started=in_progress, asked=asked, response_id=stored.id,
                                         created_at=stored.response["created_at"])

@@ -11,6 +11,7 @@ import hashlib
 import json
 import sqlite3
 import time
+from typing import Any
 
 MAX_OUTPUT_FILE_BYTES = 512 << 20       # each of a batch's output and error files (512 MiB): `assemble_step`
 CHUNK_BYTES = 1 << 20                   # the pieces a file's bytes are stored in (`file_chunks`)
@@ -110,8 +111,9 @@ def assemble_step(db: sqlite3.Connection, batch_id: str, status: str) -> bool:
     for row in rows:
         target, text = result_line(batch_id, row)
         if writers[target].size + len(text) > MAX_OUTPUT_FILE_BYTES:
-            target, text = 1, overflow_line(batch_id, row, ("output", "error")[target])
-            overflowed.append((text, row[0]))
+            text, error = overflow_line(batch_id, row, ("output", "error")[target])
+            target = 1
+            overflowed.append((json.dumps(error), row[0]))
             if writers[1].size + len(text) > MAX_OUTPUT_FILE_BYTES:
                 rows.close()
                 fail_batch(db, batch_id, "output_too_large", f"the batch's error file would be larger than "
@@ -124,7 +126,7 @@ def assemble_step(db: sqlite3.Connection, batch_id: str, status: str) -> bool:
             break
     rows.close()
     db.executemany("UPDATE lines SET status='error', error=? WHERE batch_id=? AND line_no=?",   # counted failed
-                   ((json.dumps(json.loads(text)["error"]), batch_id, line_no) for text, line_no in overflowed))
+                   ((error, batch_id, line_no) for error, line_no in overflowed))
     for writer in writers:
         writer.close()
     if more:
@@ -151,9 +153,9 @@ def result_line(batch_id: str, row: tuple) -> tuple[int, bytes]:
                     + "\n").encode()
 
 
-def overflow_line(batch_id: str, row: tuple, full: str) -> bytes:
-    """The error file's entry of an answered line whose entry did not fit in the `full` file: its status
-    without its body, and the error `output_too_large`."""
+def overflow_line(batch_id: str, row: tuple, full: str) -> tuple[bytes, dict[str, Any]]:
+    """(the error file's entry, its error) of an answered line whose entry did not fit in the `full` file: its
+    status without its body, and the error `output_too_large`."""
     line_no, custom_id, _, response_status = row[:4]
     line_id, request_id = line_ids(batch_id, line_no)
     response = None if response_status is None else {"status_code": response_status, "request_id": request_id,
@@ -161,7 +163,8 @@ def overflow_line(batch_id: str, row: tuple, full: str) -> bytes:
     error = {"code": "output_too_large", "line": line_no, "message": (
         f"line {line_no}: its answer is not kept: the batch's {full} file was full ({MAX_OUTPUT_FILE_BYTES} bytes "
         "at most); split the input into smaller batches")}
-    return (json.dumps({"id": line_id, "custom_id": custom_id, "response": response, "error": error}) + "\n").encode()
+    entry = {"id": line_id, "custom_id": custom_id, "response": response, "error": error}
+    return (json.dumps(entry) + "\n").encode(), error
 
 
 def complete_batch(db: sqlite3.Connection, batch_id: str, status: str, writers: list[ChunkWriter]) -> None:
