@@ -241,8 +241,13 @@ def _decoded(raw: bytes) -> Any:
 def _encoded(payload: Any) -> bytes:
     try:
         return _JSON.encode(payload)
-    except UnicodeEncodeError:   # a lone surrogate, only ever inside a JSON string: escaped as it came
-        return json.dumps(payload, ensure_ascii=False).encode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:   # a lone surrogate
+        return _escaped_json(payload)
+
+
+def _escaped_json(obj: Any) -> bytes:
+    """`obj` as JSON in UTF-8; a lone surrogate (only ever inside a JSON string) escaped as the upstream wrote it."""
+    return json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace")
 
 
 @functools.lru_cache(maxsize=256)
@@ -408,8 +413,7 @@ class _StreamSeen:
                 return None
             if obj["usage"] is None:
                 del obj["usage"]
-        text = json.dumps(_rename(obj, model), ensure_ascii=False)   # a lone surrogate the upstream wrote as JSON
-        return with_data(event, text.encode("utf-8", "backslashreplace"))   # ("\ud83d": half an emoji) goes so
+        return with_data(event, _escaped_json(_rename(obj, model)))   # half an emoji ("\ud83d") as it came
 
 
 def _error_tail(error: ApiError, responses: bool, sequence_number: int) -> bytes:
