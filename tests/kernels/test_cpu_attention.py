@@ -13,6 +13,7 @@ import torch
 
 import kernels
 from kernels import AttentionMetadata, cpu_attention, reference
+from kernels.cpu_build import load_c_library
 
 TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2)}
 
@@ -151,25 +152,25 @@ def test_without_a_compiler_or_for_another_dtype_the_reference_runs(monkeypatch)
     assert not cpu_attention.decode_attention(query, k_cache, v_cache, meta, 0.25, None, torch.empty_like(query))
 
 
-def test_the_compiled_kernel_is_cached_by_its_source(tmp_path, monkeypatch):
-    monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path))
-    cpu_attention.load_library.cache_clear()
-    try:
-        assert cpu_attention.load_library() is not None
-        (built,) = tmp_path.glob("cpu_attention-*.so")
-        cpu_attention.load_library.cache_clear()
-        monkeypatch.setenv("CC", "/nonexistent/cc")      # a cached build needs no compiler
-        assert cpu_attention.load_library() is not None and list(tmp_path.glob("*.so")) == [built]
-        cpu_attention.load_library.cache_clear()
-        monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "empty"))
-        assert cpu_attention.load_library() is None   # nothing cached, and the compiler fails
-        cpu_attention.load_library.cache_clear()
-        monkeypatch.delenv("CC")
-        (tmp_path / "a-file").write_text("")
-        monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "a-file" / "kernels"))
-        assert cpu_attention.load_library() is None   # a cache folder that cannot be made: the torch path
-    finally:
-        cpu_attention.load_library.cache_clear()
+def test_a_compiled_kernel_is_cached_by_its_source(tmp_path, monkeypatch):
+    """The cache's rules on a one-line C file (the attention kernel itself takes seconds to compile)."""
+    source = tmp_path / "one.c"
+    source.write_text("int one(void) { return 1; }\n")
+    monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "cache"))
+    library = load_c_library(source, ["-O1"], {"one": []})
+    assert library is not None and library.one() == 1
+    (built,) = (tmp_path / "cache").glob("one-*.so")
+    monkeypatch.setenv("CC", "/nonexistent/cc")      # a cached build needs no compiler
+    assert load_c_library(source, ["-O1"], {"one": []}).one() == 1
+    assert list((tmp_path / "cache").glob("*.so")) == [built]
+    assert load_c_library(source, ["-O2"], {"one": []}) is None   # other flags: another build, and no compiler
+    source.write_text("int one(void) { return 2; }\n")
+    assert load_c_library(source, ["-O1"], {"one": []}) is None   # another source: the same
+    monkeypatch.delenv("CC")
+    assert load_c_library(source, ["-O1"], {"one": []}).one() == 2
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "a-file" / "kernels"))
+    assert load_c_library(source, ["-O1"], {"one": []}) is None   # a cache folder that cannot be made
 
 
 def test_the_cpu_device_gets_this_backend(monkeypatch):

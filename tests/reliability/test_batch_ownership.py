@@ -11,7 +11,6 @@ import json
 import re
 import time
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
@@ -28,10 +27,13 @@ SHARING = UNLISTED + "  team: {api_keys: [sk-t1, sk-t2], share_files: true}\n"
 NO_FILE, NO_BATCH = "file-" + "0" * 24, "batch_" + "0" * 24
 
 
-def _make_config(tmp_path: Path, model: Path, tenants: str) -> Path:
-    path = tmp_path / "pools.yaml"
-    path.write_text(pools_yaml(model, api_keys='["sk-a", "sk-b"]') + tenants)
-    return path
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model):
+    """One server for both scenarios: `sk-a` and `sk-b` are in no tenant (so `default`), `team` shares."""
+    path = tmp_path_factory.mktemp("ownership") / "pools.yaml"
+    path.write_text(pools_yaml(tiny_model, api_keys='["sk-a", "sk-b"]') + SHARING)
+    with LiveServer(path) as live:
+        yield live
 
 
 def _sdk(server: LiveServer, key: str) -> openai.OpenAI:
@@ -79,39 +81,37 @@ def _assert_server_well(server: LiveServer) -> None:
         time.sleep(0.1)
 
 
-def test_a_key_cannot_reach_another_keys_files_and_batches_when_both_are_the_default_tenant(tmp_path, tiny_model):
-    with LiveServer(_make_config(tmp_path, tiny_model, UNLISTED)) as server:
-        sdk_a, sdk_b = _sdk(server, "sk-a"), _sdk(server, "sk-b")
-        file = sdk_a.files.create(file=("in.jsonl", _input(tiny_model.name, "a1", "a2")), purpose="batch")
-        batch = sdk_a.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
-        _assert_hidden(sdk_b.files.retrieve, file.id, NO_FILE)
-        _assert_hidden(sdk_b.files.content, file.id, NO_FILE)
-        _assert_hidden(sdk_b.batches.retrieve, batch.id, NO_BATCH)
-        _assert_hidden(sdk_b.batches.cancel, batch.id, NO_BATCH)
-        _assert_hidden(lambda i: sdk_b.batches.create(input_file_id=i, endpoint=CHAT, completion_window="24h"),
-                       file.id, NO_FILE, openai.BadRequestError)
-        assert sdk_b.batches.list().data == []
-        done = _wait_done(sdk_a, batch.id)                               # B's cancel did not reach it
-        assert done.status == "completed" and done.request_counts.completed == 2, done
-        _assert_hidden(sdk_b.files.content, done.output_file_id, NO_FILE)
-        assert [json.loads(x)["custom_id"] for x in sdk_a.files.content(done.output_file_id).text.splitlines()] == \
-            ["a1", "a2"]
-        assert sdk_a.files.content(file.id).content == _input(tiny_model.name, "a1", "a2")
-        _assert_server_well(server)
+def test_a_key_cannot_reach_another_keys_files_and_batches_when_both_are_the_default_tenant(server, tiny_model):
+    sdk_a, sdk_b = _sdk(server, "sk-a"), _sdk(server, "sk-b")
+    file = sdk_a.files.create(file=("in.jsonl", _input(tiny_model.name, "a1", "a2")), purpose="batch")
+    batch = sdk_a.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
+    _assert_hidden(sdk_b.files.retrieve, file.id, NO_FILE)
+    _assert_hidden(sdk_b.files.content, file.id, NO_FILE)
+    _assert_hidden(sdk_b.batches.retrieve, batch.id, NO_BATCH)
+    _assert_hidden(sdk_b.batches.cancel, batch.id, NO_BATCH)
+    _assert_hidden(lambda i: sdk_b.batches.create(input_file_id=i, endpoint=CHAT, completion_window="24h"),
+                   file.id, NO_FILE, openai.BadRequestError)
+    assert sdk_b.batches.list().data == []
+    done = _wait_done(sdk_a, batch.id)                               # B's cancel did not reach it
+    assert done.status == "completed" and done.request_counts.completed == 2, done
+    _assert_hidden(sdk_b.files.content, done.output_file_id, NO_FILE)
+    assert [json.loads(x)["custom_id"] for x in sdk_a.files.content(done.output_file_id).text.splitlines()] == \
+        ["a1", "a2"]
+    assert sdk_a.files.content(file.id).content == _input(tiny_model.name, "a1", "a2")
+    _assert_server_well(server)
 
 
-def test_the_keys_of_a_tenant_with_share_files_reach_each_others_files_and_batches(tmp_path, tiny_model):
-    with LiveServer(_make_config(tmp_path, tiny_model, SHARING)) as server:
-        sdk_t1, sdk_t2, sdk_a = _sdk(server, "sk-t1"), _sdk(server, "sk-t2"), _sdk(server, "sk-a")
-        content = _input(tiny_model.name, "t1", "t2")
-        file = sdk_t1.files.create(file=("in.jsonl", content), purpose="batch")
-        assert sdk_t2.files.retrieve(file.id).bytes == len(content) and sdk_t2.files.content(file.id).content == content
-        batch = sdk_t2.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
-        done = _wait_done(sdk_t1, batch.id)
-        assert done.status == "completed" and done.request_counts.completed == 2, done
-        assert sdk_t2.files.content(done.output_file_id).text.count("custom_id") == 2
-        assert [b.id for b in sdk_t1.batches.list()] == [b.id for b in sdk_t2.batches.list()] == [batch.id]
-        _assert_hidden(sdk_a.files.retrieve, file.id, NO_FILE)          # a key outside the tenant: nothing
-        _assert_hidden(sdk_a.batches.retrieve, batch.id, NO_BATCH)
-        assert sdk_a.batches.list().data == []
-        _assert_server_well(server)
+def test_the_keys_of_a_tenant_with_share_files_reach_each_others_files_and_batches(server, tiny_model):
+    sdk_t1, sdk_t2, sdk_a = _sdk(server, "sk-t1"), _sdk(server, "sk-t2"), _sdk(server, "sk-a")
+    content = _input(tiny_model.name, "t1", "t2")
+    file = sdk_t1.files.create(file=("in.jsonl", content), purpose="batch")
+    assert sdk_t2.files.retrieve(file.id).bytes == len(content) and sdk_t2.files.content(file.id).content == content
+    batch = sdk_t2.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
+    done = _wait_done(sdk_t1, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 2, done
+    assert sdk_t2.files.content(done.output_file_id).text.count("custom_id") == 2
+    assert [b.id for b in sdk_t1.batches.list()] == [b.id for b in sdk_t2.batches.list()] == [batch.id]
+    _assert_hidden(sdk_a.files.retrieve, file.id, NO_FILE)          # a key outside the tenant: nothing
+    _assert_hidden(sdk_a.batches.retrieve, batch.id, NO_BATCH)
+    assert batch.id not in [b.id for b in sdk_a.batches.list()]
+    _assert_server_well(server)
