@@ -372,19 +372,21 @@ def _gemma3_fields(cfg: dict[str, Any], num_layers: int) -> dict[str, Any]:
         raise ConfigError(f"layer_types: must be a list, one of {', '.join(LAYER_TYPES)} for each layer, "
                           f"got {layer_types!r}")
     params, local = _object(cfg, "rope_parameters"), {}
-    full_rope: tuple[dict[str, Any], str] = (cfg, "rope_parameters")
+    # the full layers' yarn takes its own original context, else max_position_embeddings (never the top level's:
+    # transformers moves a legacy rope_scaling into rope_parameters.full_attention too)
+    top = {key: value for key, value in cfg.items() if key != "original_max_position_embeddings"}
+    full_rope: tuple[dict[str, Any], str] = (top, "rope_parameters")
+    full, full_name = cfg.get("rope_scaling"), "rope_scaling"
     if params is not None and ("full_attention" in params or "sliding_attention" in params):   # per layer type
         local = _object(params, "sliding_attention", name="rope_parameters.sliding_attention") or {}
-        full = _object(params, "full_attention", name="rope_parameters.full_attention")
-        if full is not None and full.get("truncate", True) is not True:   # transformers reads it beside the types
-            raise ConfigError(f"rope_parameters.full_attention.truncate: Gemma 3's yarn is served with truncate true "
-                              f"(transformers reads no layer type's own), got {full['truncate']!r}")
-        # a layer type's yarn takes its own original context, else max_position_embeddings (never the top level's)
-        top = {key: value for key, value in cfg.items() if key != "original_max_position_embeddings"}
-        full_rope = ({**top, "rope_parameters": full}, "rope_parameters.full_attention")
+        full = _object(params, "full_attention", name=(full_name := "rope_parameters.full_attention"))
+        full_rope = ({**top, "rope_parameters": full}, full_name)
     elif params:   # transformers' Gemma3TextConfig reads only the layer types' entries: the rest would be dropped
         raise ConfigError(f"rope_parameters: Gemma 3 takes one entry per layer type (full_attention, "
                           f"sliding_attention), got {sorted(params)}")
+    if isinstance(full, dict) and full.get("truncate", True) is not True:   # transformers reads it beside the types
+        raise ConfigError(f"{full_name}.truncate: Gemma 3's yarn is served with truncate true "
+                          f"(transformers reads no layer type's own), got {full['truncate']!r}")
     if _rope_type(local) != "default":
         raise ConfigError(f"rope_parameters.sliding_attention.rope_type: only 'default' is supported for the "
                           f"sliding layers, got {_rope_type(local)!r}")

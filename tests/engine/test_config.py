@@ -371,7 +371,8 @@ def test_rope_keys_are_read_as_transformers_reads_them():
 
 def test_gemma3_full_layers_yarn_is_read_as_transformers_reads_it():
     """Gemma 3's rope per layer type: a full layers' yarn takes its own original context, else
-    max_position_embeddings, never the top level's (as transformers' Gemma3RotaryEmbedding); a flat rope_parameters
+    max_position_embeddings, never the top level's (as transformers' Gemma3RotaryEmbedding), in the layer types'
+    keys or the legacy rope_scaling; a flat rope_parameters
     (transformers drops it) and a layer type's truncate false (transformers reads none) are refused by name."""
     import transformers
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
@@ -394,6 +395,15 @@ def test_gemma3_full_layers_yarn_is_read_as_transformers_reads_it():
     truncated["rope_parameters"]["full_attention"]["truncate"] = False
     with pytest.raises(ConfigError, match="^rope_parameters.full_attention.truncate: "):
         ModelConfig.from_hf_config(truncated)
+    # the legacy keys (rope_theta, rope_scaling), which transformers moves into rope_parameters.full_attention
+    legacy = {**{k: v for k, v in cfg.items() if k != "rope_parameters"}, "rope_theta": 1e6,
+              "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    theirs = Gemma3RotaryEmbedding(transformers.Gemma3TextConfig.from_dict(copy.deepcopy(legacy)))
+    ours = ModelConfig.from_hf_config(copy.deepcopy(legacy))
+    assert ours.rope_scaling.original_max_position_embeddings == 512 and ours.context_length == 2048
+    assert torch.allclose(rope_inv_freq(ours), theirs.full_attention_inv_freq)
+    with pytest.raises(ConfigError, match="^rope_scaling.truncate: "):
+        ModelConfig.from_hf_config({**legacy, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": False}})
 
 
 def test_defaults_are_transformers_config_classes():
