@@ -189,9 +189,10 @@ class Completion:
         there (`think`: where a thinking model's reply starts, `LocalResponse`); again (on another replica,
         or the restarted worker) if a worker died before the client saw anything (HTTP only), until two
         deaths that count make it a poison request (`poison_error`), the last with no other suspect beside it
-        (`_suspect_gates`)."""
+        (`_suspect_gates`). A pool's `max_queue_seconds` counts the time it waited, never the time it ran."""
         gateway = self.gateway
         under, hold = DeathsUnder(), Hold()   # the worker deaths it was in flight at; its last run's hold
+        waits_from, ran = self.received, 0.0   # waits_from: `received` moved on by the time its runs took
         while True:
             async with self._suspect_gates(under, hold) as hold:
                 for pool, _ in self.routed:
@@ -200,7 +201,7 @@ class Completion:
                         self.routed, max_tokens=req.params.max_tokens, n=req.params.n,
                         request_id=objects.new_id("adm"), tenant=self.tenant, priority=req.priority,
                         background=self.background, max_tokens_param=req.max_tokens_param,
-                        patient=self.patient, received=self.received) as placed:
+                        patient=self.patient, received=waits_from) as placed:
                     if not all(_serving(p) for p in placed.values()):
                         continue   # a replica it holds went down while it waited for another pool's credits: placed
                         # again (on the replica up, or the restarted worker), no death its own
@@ -208,7 +209,9 @@ class Completion:
                         self.http, req, self.routed, placed=placed, received=self.received, metrics=gateway.metrics,
                         tenant=self.tenant, think=think, write_timeout=gateway.config.gateway.write_timeout)
                     clients = {name: p.client for name, p in placed.items()}   # the workers it runs on
+                    started = time.perf_counter()
                     await local.run()
+                    ran = time.perf_counter() - started
                     self._report_cache_hits(placed, local)
             if local.error is None or local.error.code != "engine_dead":
                 return local   # answered, or failed otherwise
@@ -219,6 +222,7 @@ class Completion:
                 return await _judge_line(local, under)   # the batch runner retries it, counting its own deaths
             if not await _judge(local, under, hold.crowded):
                 return local
+            waits_from += ran
             log.warning("%s: the device worker died before the client saw anything (%s); running it again",
                         local.request_id, under.describe())
 

@@ -7,6 +7,7 @@ under a request (answered, not poison) and a real poison marker on two replicas 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -348,9 +349,22 @@ async def test_two_replicas_lost_together_under_a_request_are_not_its_fault(aioh
 
 async def test_a_request_run_again_after_its_worker_died_is_observed_once(aiohttp_client, tmp_path, tiny_model):
     """Its first run streamed tokens inside the gateway (a JSON answer: the client saw none) when its worker died;
-    it runs again and its client waits for one answer: one TTFT, one end-to-end latency, not two."""
+    it runs again and its client waits for one answer: one TTFT, one end-to-end latency, not two. Its second
+    wait for credits counts from its arrival moved on by its first run (max_queue_seconds counts waits only)."""
     client, gateway = await _client(aiohttp_client, pools_yaml(tiny_model), tmp_path)
     await _all_ready(client)
+    runs, admitted = [], gateway.admission.admitted   # (received, admitted at, left at) of each run
+
+    @contextlib.asynccontextmanager
+    async def watched(*args, **kwargs):
+        async with admitted(*args, **kwargs) as placed:
+            entered = time.perf_counter()
+            try:
+                yield placed
+            finally:
+                runs.append((kwargs["received"], entered, time.perf_counter()))
+
+    gateway.admission.admitted = watched
     supervisors = gateway.supervisors["cpu"]
     for supervisor in supervisors:
         supervisor.backoff = FAST
@@ -369,6 +383,8 @@ async def test_a_request_run_again_after_its_worker_died_is_observed_once(aiohtt
     sample = gateway.metrics.registry.get_sample_value
     assert sample("cliffguard_time_to_first_token_seconds_count", {"pool": pool}) == 1
     assert sample("cliffguard_e2e_request_latency_seconds_count", {"pool": pool}) == 1
+    (first, entered, left), (second, _, _) = runs
+    assert 0.8 * (left - entered) <= second - first <= left - entered, runs
     await _all_ready(client)
 
 
