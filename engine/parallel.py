@@ -392,6 +392,19 @@ class TensorParallelGroup:
         finally:
             link.sock.settimeout(None)
 
+    def lost_rank(self, wait: float = 1.0) -> str | None:
+        """Why the group broke, if a follower's process ended (within `wait` seconds: a collective fails as
+        its peer's sockets close, a moment before the process is gone); None while every follower runs."""
+        deadline = time.monotonic() + wait
+        while self.processes:
+            for rank, process in enumerate(self.processes, start=1):
+                if process.poll() is not None:
+                    return f"tensor-parallel rank {rank} of {self.size} {self._exit_of(rank)}"
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
+        return None
+
     def _exit_of(self, rank: int, wait: float = 0.2) -> str:
         """How follower `rank`'s process ended ("exited (signal 9, SIGKILL)"), or that it still runs."""
         process = self.processes[rank - 1]

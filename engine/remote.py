@@ -42,10 +42,9 @@ import os
 import socket
 import threading
 import time
-import traceback
 
 from engine.config import EngineConfig
-from engine.messages import Fatal, Keepalive, StartupError
+from engine.messages import Keepalive, StartupError
 from engine.wire import KEY_BYTES, FrameKeys, Handshake
 from engine.worker import WorkerChannel
 
@@ -159,7 +158,7 @@ class ReplicaServer:
         until the process ends; a step that fails ends it (`os._exit`) after telling every gateway."""
         from engine.llm_engine import LLMEngine
         from engine.sessions import SessionHub
-        from engine.worker import LAST_WORDS_SECONDS, _rank_lost, _serve
+        from engine.worker import _rank_lost, _serve, _step_failed
 
         if self.config.cpu_threads:   # as a local worker does (engine.worker): the bundle's CPUs, no more
             import torch
@@ -186,8 +185,7 @@ class ReplicaServer:
             _serve(engine, hub)
         except Exception:  # noqa: BLE001 - a failed step: say why, then end the process for a restart
             try:
-                hub.send(Fatal(traceback.format_exc()))
-                hub.drain(LAST_WORDS_SECONDS)
+                _step_failed(hub, engine.group)
             finally:
                 os._exit(1)
 

@@ -103,13 +103,23 @@ def worker_main(config: EngineConfig, sock: socket.socket, environ: dict[str, st
         except OSError:
             pass
     except Exception:  # noqa: BLE001 - a failed step: tell the parent, which fails the in-flight requests
-        try:
-            channel.send(Fatal(traceback.format_exc()))
-            channel.drain(LAST_WORDS_SECONDS)
-        except OSError:
-            pass
+        _step_failed(channel, engine.group)
     finally:
         engine.close()   # the other ranks of a tensor-parallel group
+
+
+def _step_failed(channel: "WorkerChannel", group) -> None:
+    """A step raised (called in the `except` block): its traceback as a `Fatal`, a failed step that counts
+    against the requests in it; unless a follower rank's process ended, whose collective failed first: then
+    the group broke (`_rank_lost`, as the watch thread says it, which never comes first for certain)."""
+    lost = group.lost_rank()
+    if lost is not None:
+        _rank_lost(channel, lost)
+    try:
+        channel.send(Fatal(traceback.format_exc()))
+        channel.drain(LAST_WORDS_SECONDS)
+    except OSError:
+        pass
 
 
 def _rank_lost(channel: "WorkerChannel", reason: str) -> None:

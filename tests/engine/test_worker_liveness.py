@@ -303,3 +303,41 @@ def test_a_slow_step_marker_lengthens_one_step_once(monkeypatch):
     started = time.monotonic()
     faults.before_step(engine)                             # only its first step
     assert time.monotonic() - started < 0.1
+
+
+def test_a_step_failed_by_a_follower_rank_that_died_is_said_as_the_group_breaking(monkeypatch):
+    """A follower's death fails rank 0's collective (gloo: "Connection closed by peer") before or after the
+    group's watch thread sees its link end: the step's failure is then said as the group's break (a loss,
+    counted against no request in it), never as a failed step. With every rank alive, it is a failed step."""
+    import subprocess
+    import sys
+
+    from engine import worker
+    from engine.messages import Fatal
+    from engine.parallel import Collectives, TensorParallelGroup
+
+    sent, lost = [], []
+    channel = SimpleNamespace(send=sent.append, drain=lambda seconds: None)
+    monkeypatch.setattr(worker, "_rank_lost", lambda channel, reason: lost.append(reason))   # it ends the process
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    dead.wait()
+
+    def step_fails(group) -> None:
+        try:
+            raise RuntimeError("[gloo] Connection closed by peer")
+        except RuntimeError:
+            worker._step_failed(channel, group)
+
+    try:
+        started = time.monotonic()
+        step_fails(TensorParallelGroup(2, Collectives(), processes=[alive]))
+        assert time.monotonic() - started >= 0.9 and not lost      # it gave a death on its way time to show
+        assert len(sent) == 1 and isinstance(sent[0], Fatal) and not sent[0].group_broke
+        assert "Connection closed by peer" in sent[0].traceback
+        step_fails(TensorParallelGroup(3, Collectives(), processes=[alive, dead]))
+        assert len(lost) == 1 and f"rank 2 of 3 (pid {dead.pid}) exited" in lost[0] and "SIGKILL" in lost[0]
+        assert TensorParallelGroup.single().lost_rank() is None    # one rank: nothing to wait for
+    finally:
+        alive.kill()
+        alive.wait()
