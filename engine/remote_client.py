@@ -39,9 +39,10 @@ class ReplicaLink(Protocol):
     def restart(self, reason: str) -> None:
         """Have the cluster manager kill the replica's process and start it again."""
 
-    async def restart_unless_responsive(self, reason: str) -> None:
+    async def restart_unless_responsive(self, reason: str, loading_hangs: bool = False) -> None:
         """(Optional.) Restart the replica unless its process answers the cluster manager: a connection
-        that went silent may be a partition between this gateway and a healthy replica."""
+        that went silent may be a partition between this gateway and a healthy replica. `loading_hangs`
+        (a start past its limit): an answer that it still loads is a hung load, restarted too."""
 
     async def removed(self) -> bool:
         """(Optional.) Whether the replica is gone for good (removed, not restarting): a replica that a

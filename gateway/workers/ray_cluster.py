@@ -111,8 +111,7 @@ def config_digest(config: EngineConfig) -> str:
 
 
 def actor_name(device: str, slot: int | str, digest: str) -> str:
-    """`cliffguard:<device>:<slot>:<digest>`: a replica's actor and group (slot a number), or the device's
-    scaling lease (slot `SCALER`)."""
+    """`cliffguard:<device>:<slot>:<digest>`: a replica's actor and group, or the scaling lease (slot `SCALER`)."""
     return f"cliffguard:{device}:{slot}:{digest}"
 
 
@@ -472,11 +471,11 @@ class RayReplica:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             return f"replica {self.label}: Ray reports the actor dead ({type(exc).__name__}: {first[:200]})"
 
-    async def restart_unless_responsive(self, reason: str) -> None:
+    async def restart_unless_responsive(self, reason: str, loading_hangs: bool = False) -> None:
         """A connection that went silent: ask the actor through Ray (`state`, answered from a thread of its
-        own); restart it only if it does not answer within `RESPONSIVE_SECONDS`. An actor that answers
-        is alive and serving (other gateways, perhaps): the silence was this gateway's path to it, and
-        the supervisor connects again."""
+        own); restart it only if it does not answer within `RESPONSIVE_SECONDS` (or, `loading_hangs`: a
+        start past its limit, says it still loads). An actor that answers is alive and serving (other
+        gateways, perhaps): the silence was this gateway's path to it, and the supervisor connects again."""
         actor = self._actor
         if actor is None:
             return
@@ -484,6 +483,8 @@ class RayReplica:
             state = await asyncio.wait_for(actor.state.remote(), RESPONSIVE_SECONDS)
         except Exception as exc:  # noqa: BLE001 - timed out, or Ray reports it dead: restart it
             log.error("replica %s: the actor does not answer Ray either (%s)", self.label, type(exc).__name__)
+            state = None
+        if state is None or loading_hangs and state == "loading":
             self.restart(reason)
             return
         log.warning("replica %s: the connection went silent (%s) but the actor answers Ray (%s): connecting "

@@ -285,6 +285,7 @@ class DeviceSupervisor:
                 # A remote replica's process stays up with its failed load, refusing every connection: only a
                 # new process loads again (an out-of-memory while the dead one's ranks held the GPU, say).
                 self.link.restart(f"its load failed after a restart: {exc}")
+            await self._past_start_limit(client, exc)
         else:
             up_since = time.monotonic()
             await self._ready(client, info, up_since - spawned)
@@ -386,6 +387,14 @@ class DeviceSupervisor:
             log.info("device %s: removed its replica from the cluster (its load failed)", self.name)
         except Exception:  # noqa: BLE001 - the replica stays failed either way
             log.exception("device %s: removing its failed replica from the cluster failed", self.name)
+
+    async def _past_start_limit(self, client: AsyncEngineClient, exc: Exception) -> None:
+        """A remote replica reached but not loaded within `start_seconds`: restarted if it still loads (a hung
+        load: reconnecting alone would wait on it forever), kept if it loaded (the wait was this path's)."""
+        check = getattr(self.link, "restart_unless_responsive", None)
+        if isinstance(exc, TimeoutError) and check is not None and getattr(client, "address", None) is not None:
+            await check(f"not loaded within gateway.start_timeout_seconds ({self.start_seconds:g} s)",
+                        loading_hangs=True)
 
     def _tries_again(self, exc: Exception) -> bool:
         """Whether a first start that failed with `exc` is tried again: only a remote replica's, and not

@@ -12,6 +12,7 @@ import re
 import shutil
 import signal
 import socket
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -497,23 +498,62 @@ def test_a_silent_ray_replica_is_restarted_only_if_it_does_not_answer_ray_either
     monkeypatch.setattr(ray_cluster, "RESPONSIVE_SECONDS", 0.1)
 
     class Actor:
-        def __init__(self, answers: bool) -> None:
-            self.answers, self.state = answers, self
+        def __init__(self, answer: str | None) -> None:
+            self.answer, self.state = answer, self
 
         def remote(self):
             future = asyncio.get_running_loop().create_future()
-            if self.answers:
-                future.set_result("ready")
+            if self.answer is not None:
+                future.set_result(self.answer)
             return future   # an actor that does not answer: never resolved
 
     restarted = []
 
     async def main():
-        for answers in (True, False):
-            replica = ray_cluster.RayReplica(None, "d", 0, EngineConfig())
-            replica._actor = Actor(answers)
-            replica.restart = restarted.append
-            await replica.restart_unless_responsive(f"silent, answers {answers}")
+        for answer in ("ready", None, "loading"):
+            for loading_hangs in (False, True):   # a start past its limit: still loading is a hung load
+                replica = ray_cluster.RayReplica(None, "d", 0, EngineConfig())
+                replica._actor = Actor(answer)
+                replica.restart = restarted.append
+                await replica.restart_unless_responsive(f"{answer}, {loading_hangs}", loading_hangs=loading_hangs)
 
     asyncio.run(main())
-    assert restarted == ["silent, answers False"]
+    assert restarted == ["None, False", "None, True", "loading, True"]
+
+
+def test_a_remote_replica_still_loading_past_the_start_limit_is_restarted_and_then_serves(tiny_model, monkeypatch):
+    """A replica reached whose load never ends (a stuck read, a hung driver call) is restarted once its start
+    passes `start_timeout_seconds` (reconnecting alone waited on it forever); the new process loads and serves."""
+    good, release = _replica_server(tiny_model), threading.Event()
+
+    def hang(config):
+        release.wait()
+        raise RuntimeError("released at the test's end")
+
+    monkeypatch.setattr("engine.llm_engine.LLMEngine", hang)
+    hung = ReplicaServer(good.config, "127.0.0.1")
+    hung.start()
+    link = _Link(hung)
+
+    async def restart_unless_responsive(reason: str, loading_hangs: bool = False) -> None:
+        link.restarts.append((reason, loading_hangs))
+        if loading_hangs and link.server.state == "loading":   # what RayReplica asks the actor (above)
+            link.server = good
+
+    link.restart_unless_responsive = restart_unless_responsive
+
+    async def scenario():
+        supervisor, pool = _remote_supervisor(good, link)
+        supervisor.start_seconds = 1.0
+        supervisor.start()
+        try:
+            await asyncio.wait_for(supervisor.wait_ready(), 30)
+            assert supervisor.state == "ready" and link.calls == 2 and pool.admission.ready == [(0, True)]
+        finally:
+            await supervisor.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        release.set()
+    assert link.restarts == [("not loaded within gateway.start_timeout_seconds (1 s)", True)]
