@@ -73,6 +73,7 @@ REPLICA_POLL = 0.5   # seconds between asks of a shared replica's own request co
 ANNOUNCE_SECONDS = 2.0   # a leader's drain reaches every follower (a renewal and a tick) within this
 STATS_SECONDS = 10.0   # a replica that does not say its request count by then is in a long step: it has work
 REFUSED_SECONDS = 1.0   # a refusal for capacity asks for a replica during this long (two looks)
+RETRY_FAILED_SECONDS = 60.0   # a replica it added whose load failed may be started again after this long
 
 
 class Autoscaler:
@@ -96,6 +97,8 @@ class Autoscaler:
         self._finishing: set[tuple[str, int]] = set()   # removals past taking back: stopping or removing it
         self._stopped_at: dict[tuple[str, int], float] = {}   # monotonic: when this gateway last stopped a slot
         self._announced: set[tuple[str, int]] = set()   # drains of shared replicas the followers are told of
+        self._added: set[tuple[str, int]] = set()   # slots this autoscaler started
+        self._failed_since: dict[tuple[str, int], float] = {}   # those of them whose load failed: seen since
         self._ticker = Ticker("cliffguard-autoscaler", INTERVAL, self.tick, log, "autoscaler: tick failed")
 
     def start(self) -> None:
@@ -137,7 +140,8 @@ class Autoscaler:
                         self._undrain(device, s)
                 if spec.autoscaled:
                     self._start_placed(device, slots, lease)   # one a previous leader placed late
-            if spec.autoscaled and (why is None or not self._scale_up(device, slots, why)):
+            self._note_failed(device, slots, now)
+            if spec.autoscaled and (why is None or not self._scale_up(device, slots, why, now)):
                 self._scale_down(device, spec, slots, pressed=why is not None or wait > 0, now=now)
         self.export()
 
@@ -164,17 +168,31 @@ class Autoscaler:
         return max((p.admission.oldest_credit_wait(now) for p in self.pools[device] if p.admission is not None),
                    default=0.0)
 
-    def _scale_up(self, device: str, slots: list[DeviceSupervisor], why: str) -> bool:
+    def _note_failed(self, device: str, slots: list[DeviceSupervisor], now: float) -> None:
+        for s in slots:
+            key = (device, s.replica)
+            if key in self._added and s.state.startswith("failed"):
+                self._failed_since.setdefault(key, now)
+            else:
+                self._failed_since.pop(key, None)
+
+    def _scale_up(self, device: str, slots: list[DeviceSupervisor], why: str, now: float) -> bool:
+        """Take back a drain, else start a parked slot: a stopped one, or one it added whose load failed
+        `RETRY_FAILED_SECONDS` ago (memory a dead process held, a node's passing fault; the replicas of the
+        gateway's own start that failed stay so: a config no start would load)."""
         if self._take_back(device, slots, why):
             return True
         if any(s.state.startswith("loading") for s in slots):
             return False   # one is on its way: give it time before asking for another
-        parked = [s for s in slots if s.state == "stopped" and (device, s.replica) not in self._removals]
+        failed = self._failed_since
+        parked = [s for s in slots if (s.state == "stopped" or now - failed.get((device, s.replica), now)
+                                       >= RETRY_FAILED_SECONDS) and (device, s.replica) not in self._removals]
         if not parked:
             return False
         supervisor = parked[0]
         log.info("autoscaler: device %s: %s; starting replica %s", device, why, supervisor.name)
         supervisor.start()
+        self._added.add((device, supervisor.replica))
         self.metrics.replica_scalings.labels(device=device, direction="up").inc()
         return True
 

@@ -328,3 +328,20 @@ async def test_a_replica_draining_with_requests_when_the_other_crashes_is_taken_
     scaler.tick(now=61.0)
     assert not slots[1].draining and not scaler._removals
     _assert_serving(slots, [1])
+
+
+async def test_a_replica_it_added_whose_load_failed_is_started_again_after_a_while_and_its_own_never():
+    """A replica the autoscaler added whose load failed (memory a dead process still held, a node's passing
+    fault) is parked, not failed for good: pressure starts it again `RETRY_FAILED_SECONDS` after its failure
+    was seen (a device with `max: 2` could otherwise never grow again). A replica of the gateway's own start
+    that failed stays so: no start would load its config."""
+    first = "failed: device 'd' failed to start: no such model"
+    slots = [_Slot(0, first), _Slot(1, "ready"), _Slot(2, "stopped")]
+    scaler = _make_scaler(slots, {"d": "overloaded"})
+    scaler.tick(now=0.0)
+    assert [s.num_starts for s in slots] == [0, 0, 1]            # the stopped slot, not the failed one
+    slots[2].state = "failed: device 'd' failed to start: CUDA out of memory"
+    _ticks(scaler, 1, 61)
+    assert [s.num_starts for s in slots] == [0, 0, 1]            # not within RETRY_FAILED_SECONDS
+    scaler.tick(now=61.0)
+    assert [s.state for s in slots] == [first, "ready", "loading"] and slots[2].num_starts == 2
