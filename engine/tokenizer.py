@@ -345,13 +345,17 @@ class IncrementalDetokenizer:
         """The text held back while a byte-fallback run is open (its whole characters; not emitted yet: the run's
         end may turn them into U+FFFDs, as HF decodes a bad run), for the stop strings to see at once; "" if
         no run is open. A long run gives its last characters only, at least `max_chars` + 1 of them (decoded
-        from its last 4 x max_chars + 4 tokens, a character being 4 bytes at most): its cost stays bounded."""
+        from its last 4 x max_chars + 8 tokens, a character being 4 bytes at most, from a character's first
+        byte: the library makes every byte of a run U+FFFD if one is bad): its cost stays bounded."""
         ids = self._text_ids
         if self._bytes is not None or self._read_offset == len(ids) or ids[-1] not in self._byte_ids:
             return ""
-        decode, skip, window = self._tokenizer.decode, self._skip_special_tokens, 4 * max_chars + 4
+        decode, skip, window = self._tokenizer.decode, self._skip_special_tokens, 4 * max_chars + 8
         if len(ids) - self._read_offset > window:
-            return decode(ids[-window:], skip).rstrip(_REPLACEMENT_CHAR)
+            start, byte_of = len(ids) - window, self._tokenizer.token_bytes
+            while start < len(ids) - 1 and ids[start] in self._byte_ids and 0x80 <= byte_of(ids[start])[0] < 0xC0:
+                start += 1   # a character's continuation byte
+            return decode(ids[start:], skip).rstrip(_REPLACEMENT_CHAR)
         held = decode(ids[self._prefix_offset:], skip)[len(decode(ids[self._prefix_offset:self._read_offset], skip)):]
         return held.rstrip(_REPLACEMENT_CHAR)   # an unfinished character is no text yet
 

@@ -555,8 +555,28 @@ def test_detokenizer_decodes_a_long_run_once(sp_tok: Tokenizer, sp_hf: Any, run:
         monkeypatch.setattr(sp_tok, "decode", counting_decode)
         held = [(detok.step([i]), detok.held_text(3))[1] for i in ids[:-1]]
         monkeypatch.undo()
-        assert held[1] == "é" and held[-1].endswith("éééé") and all(len(h) <= 8 for h in held[100:]), held[-1]
-        assert sum(decoded) <= 2 * 16 * len(ids), sum(decoded)
+        assert held[1] == "é" and held[-1].endswith("éééé") and all(len(h) <= 10 for h in held[100:]), held[-1]
+        assert sum(decoded) <= 2 * 20 * len(ids), sum(decoded)
+
+
+@pytest.mark.parametrize("text", ["😀😀\n", "中文字符串\n", "é😀中a\n" * 3])
+def test_the_held_text_of_a_long_run_ends_with_its_last_characters_wherever_the_window_starts(
+        sp_tok: Tokenizer, text: str) -> None:
+    """A long run's held text is decoded from a bounded window of its last byte tokens: one that began inside a
+    character decoded to U+FFFDs only (the library makes every byte of a bad run one), and a stop string
+    ("\\n", a byte token here) after two emoji was never seen. Each step that ends a character holds the
+    run's last characters (one that ends mid-character holds none: the library decodes that run as bad)."""
+    ids = [_SP_BYTE + b for b in text.encode()]
+    for max_chars in (1, 2, 3):
+        detok = IncrementalDetokenizer(sp_tok)
+        for end, token in enumerate(ids, start=1):
+            detok.step([token])
+            try:
+                run = bytes(b - _SP_BYTE for b in ids[:end]).decode()
+            except UnicodeDecodeError:
+                continue   # mid-character
+            held = detok.held_text(max_chars)
+            assert held.endswith(run[-(max_chars + 1):]) and "\ufffd" not in held, (max_chars, end, held)
 
 
 def test_a_stop_string_in_the_text_held_to_the_end_stops_the_sequence(sp_folder: Path, builtin_path: Path,
