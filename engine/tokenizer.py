@@ -11,8 +11,7 @@ generation_config.json, config.json and chat_template.jinja) itself, and reprodu
   tokenizer.json, whose post-processor alone decides what `add_special_tokens=True` adds;
 - `split_special_tokens` makes special-token strings in text encode as plain text;
 - decode applies `clean_up_tokenization_spaces` only to non-BPE models, as transformers does;
-- chat templates render as transformers renders them (`engine.chat_template`), with the special tokens as
-  variables.
+- chat templates render as transformers renders them (`engine.chat_template`), with the special tokens as variables.
 
 Model-specific tokenizer classes that transformers rebuilds from vocab and merges (a `LlamaTokenizer` with `legacy`
 flags, say) are read from tokenizer.json as it is.
@@ -45,10 +44,8 @@ _MIN_CONTEXT, _MAX_CONTEXT = 4, 24   # prompt tokens an output's first window be
 
 
 class Tokenizer:
-    """Wraps tokenizers.Tokenizer plus the folder's special tokens and chat template.
-
-    Build it with `from_folder`. Read-only after construction, so one instance may serve many requests.
-    """
+    """Wraps tokenizers.Tokenizer plus the folder's special tokens and chat template. Build it with `from_folder`.
+    Read-only after construction, so one instance may serve many requests."""
 
     def __init__(self, backend: _Backend, folder: Path, config: dict[str, Any], model_eos_token_ids: Sequence[int],
                  chat_templates: dict[str, str]) -> None:
