@@ -316,8 +316,18 @@ def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
     return loader.construct_yaml_int(node)
 
 
+def _construct_float(loader: _Loader, node: yaml.ScalarNode) -> float:
+    """A float, unless YAML 1.1 reads it in base 60 (`1:30.0` as 90.0): refused as `_construct_int` does."""
+    if ":" in node.value:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{node.value!r} reads as YAML 1.1's base 60 number {loader.construct_yaml_float(node)}: "
+            f"write it without the colon, or quote it", node.start_mark)
+    return loader.construct_yaml_float(node)
+
+
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 _Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 
 
 _IN_PROGRESS = -1

@@ -69,6 +69,7 @@ BAD = {
     "duplicate YAML key": ("pools:\n  - name: chat\n    name: rag\n", ["line 3", "duplicate key 'name'"]),
     "YAML 1.1 octal": ("pools:\n  - name: chat\n    avg_len: 010\n", ["line 3", "'010' reads as YAML 1.1's octal number 8"]),
     "YAML 1.1 base 60": ("pools:\n  - name: chat\n    avg_len: 1:30\n", ["line 3", "base 60 number 90"]),
+    "YAML 1.1 base 60 float": ("pools:\n  - name: chat\n    kv_share: 0:0.5\n", ["line 3", "base 60 number 0.5"]),
     "unknown top-level key": (_set("pool", []), ["pool: unknown key", "allowed keys: gateway, devices, pools"]),
     "unknown pool key": (_set("pools/0/kv_shar", 0.3), ["pools[0].kv_shar: unknown key", "0.3", "kv_share"]),
     "unknown device key": (_set("devices/default/vram", "80GiB"), ["devices.default.vram", "80GiB"]),
