@@ -180,10 +180,8 @@ class CapacityPlan:
         return {
             "devices": [with_props(d, ("usable_bytes", "kv_space_bytes", "autoscaled")) | {
                 "min_replicas": d.initial_replicas, "max_replicas": d.replicas} for d in self.devices.values()],
-            "pools": [pool_dict(p) for p in self.pools.values()],
-            "upstream_pools": list(self.upstream_pools),
-            "warnings": list(self.warnings),
-        }
+            "pools": [pool_dict(p) for p in self.pools.values()], "upstream_pools": list(self.upstream_pools),
+            "warnings": list(self.warnings)}
 
     def cpu_ranks(self) -> list[tuple[str, int, int]]:
         """Each CPU device this machine runs (not a Ray one's): its name, ranks (replicas x tensor_parallel_size)
@@ -378,7 +376,10 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
             raise SpecError(f"{budget_key}: {budget} gives max_num_seqs = floor({fmt_bytes(pool_kv)} / "
                             f"({s_kv_dev} B x avg_len {p.avg_len})) = 0 for pool {p.name!r}: raise the budget or "
                             f"lower {key}.avg_len")
-        max_num_seqs = by_formula
+        max_num_seqs = min(by_formula, num_blocks)   # a running request holds a block of its own at least
+        if by_formula > num_blocks:
+            warnings.append(f"{key}.avg_len: {p.avg_len} is below block_size {p.block_size} (a request holds whole "
+                            f"blocks): max_num_seqs is the pool's {num_blocks} blocks, not the formula's {by_formula}")
     else:
         max_num_seqs = p.max_num_seqs
         if max_num_seqs > num_blocks:   # a running request holds a block of its own at least: more never run
@@ -388,10 +389,9 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
             warnings.append(f"{key}.max_num_seqs: {max_num_seqs} is above the capacity formula's {by_formula} "
                             f"(avg_len {p.avg_len}): expect preemptions when that many requests run")
     return PoolPlan(
-        spec=p, max_model_len=max_model_len,
-        kv_bytes_per_token=s_kv, kv_bytes_per_token_per_device=s_kv_dev, kv_cache_bytes_per_device=pool_kv,
-        tensor_parallel_size=tp, num_blocks=num_blocks, formula_max_num_seqs=by_formula, max_num_seqs=max_num_seqs,
-        replicas=replicas)
+        spec=p, max_model_len=max_model_len, kv_bytes_per_token=s_kv, kv_bytes_per_token_per_device=s_kv_dev,
+        kv_cache_bytes_per_device=pool_kv, tensor_parallel_size=tp, num_blocks=num_blocks,
+        formula_max_num_seqs=by_formula, max_num_seqs=max_num_seqs, replicas=replicas)
 
 
 def _check_swap_space(key: str, p: PoolSpec, s_kv_dev: int) -> None:

@@ -473,6 +473,17 @@ def test_an_avg_len_over_max_model_len_is_said_and_a_zero_formula_names_avg_len(
         _plan_example(data)
 
 
+def test_an_avg_len_below_the_block_size_plans_no_more_sequences_than_blocks():
+    """Each running request holds whole blocks: with avg_len below block_size the formula would run more
+    requests than the pool has blocks (the override is refused past them); the plan caps it there, and says so."""
+    data = _example_data()
+    data["pools"][0]["avg_len"] = 4   # block_size 16
+    _, plan = _plan_example(data)
+    pool = plan.pools[data["pools"][0]["name"]]
+    assert pool.formula_max_num_seqs >= 4 * pool.num_blocks and pool.max_num_seqs == pool.num_blocks
+    assert any(w.startswith("pools[0].avg_len: 4 is below block_size 16") for w in plan.warnings), plan.warnings
+
+
 def test_a_swap_space_below_one_block_is_refused_by_the_plan():
     """Caught when the plan knows S_KV (before a worker loads the weights), naming the YAML key."""
     data = _example_data()
