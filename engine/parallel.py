@@ -1,37 +1,35 @@
 """Tensor parallelism: one device's model and KV cache split over `tensor_parallel_size` ranks.
 
-The device worker process is rank 0. It runs the whole engine — the pools' schedulers, the step
-composer, the sampler — exactly as with one rank, and spawns ranks 1..T-1 (`TensorParallelGroup.start`),
-processes (`engine.model_runner.follower_main`) that hold their shard of the weights and of the KV
-cache and do only what rank 0 tells them.
-Each step rank 0 sends one `StepPlan` (the flat token ids, positions and block tables of the merged
-batch, and the block copies and swaps to do first) to every follower; every rank then runs the same
-forward pass on its shard, with two all-reduces per layer and an all-gather of the logits, which only
-rank 0 samples from.
+The device worker process is rank 0. It runs the whole engine — the pools' schedulers, the step composer, the
+sampler — exactly as with one rank, and spawns ranks 1..T-1 (`TensorParallelGroup.start`), processes
+(`engine.model_runner.follower_main`) that hold their shard of the weights and of the KV cache and do only what rank
+0 tells them. Each step rank 0 sends one `StepPlan` (the flat token ids, positions and block tables of the merged
+batch, and the block copies and swaps to do first) to every follower; every rank then runs the same forward pass on
+its shard, with two all-reduces per layer and an all-gather of the logits, which only rank 0 samples from.
 
-**Liveness.** Plans travel on a socket pair per follower (`PlanLink`: length-prefixed pickles), not on
-a collective: a follower waits for its next plan in a plain blocking read, which has no timeout, so a
-group idle for hours stays whole. Collectives (NCCL on CUDA, gloo on a CPU) run only inside a step,
-under `EngineConfig.collective_timeout_seconds` (the device key `collective_timeout_seconds`,
-`DEFAULT_COLLECTIVE_TIMEOUT_SECONDS`): a rank that has not reached a collective that long after
-another is hung, the collective fails, the step fails and the worker is restarted whole. Joining the
-group (the rendezvous) has its own bound, `INIT_TIMEOUT_SECONDS`. After loading, each follower says
-`ready` on its link, and rank 0 watches the links from a thread (`TensorParallelGroup.wait_ready` starts it): a
-follower's end closes when its process ends, however it ends (`kill -9`, the OOM killer, a crash), and
-rank 0 then calls `on_rank_exit` with the reason, which the device worker turns into its own death
-(`engine.worker`: a `Fatal` naming the rank, then exit) within milliseconds, idle or mid-step: the
-gateway restarts the worker as it restarts any dead worker. A follower that loses rank 0 dies with it
-(`PR_SET_PDEATHSIG`, and its link's end-of-file).
+**Liveness.** Plans travel on a socket pair per follower (`PlanLink`: length-prefixed pickles), not on a collective:
+a follower waits for its next plan in a plain blocking read, which has no timeout, so a group idle for hours stays
+whole. Collectives (NCCL on CUDA, gloo on a CPU) run only inside a step, under
+`EngineConfig.collective_timeout_seconds` (the device key `collective_timeout_seconds`,
+`DEFAULT_COLLECTIVE_TIMEOUT_SECONDS`): a rank that has not reached a collective that long after another is hung, the
+collective fails, the step fails and the worker is restarted whole. Joining the group (the rendezvous) has its own
+bound, `INIT_TIMEOUT_SECONDS`. After loading, each follower says `ready` on its link, and rank 0 watches the links
+from a thread (`TensorParallelGroup.wait_ready` starts it): a follower's end closes when its process ends, however
+it ends (`kill -9`, the OOM killer, a crash), and rank 0 then calls `on_rank_exit` with the reason, which the device
+worker turns into its own death (`engine.worker`: a `Fatal` saying the group broke, then exit) within milliseconds,
+idle or mid-step (a follower that ended by itself, its step failed, `OWN_END_SECONDS` later: rank 0's failed step is
+said first, `engine.worker`): the gateway restarts the worker as it restarts any dead worker. A follower that loses rank
+0 dies with it (`PR_SET_PDEATHSIG`, and its link's end-of-file).
 
 How a model is cut (`ShardShape`), Megatron-style:
-- q/k/v and gate/up are column-parallel: rank r holds heads `[r·H/T, (r+1)·H/T)` and a 1/T slice of
-  the MLP's intermediate rows; o_proj and down_proj are row-parallel (an all-reduce of their outputs,
-  the bias added on rank 0 only);
-- KV heads are split like query heads when T divides them; when the model has fewer KV heads than
-  ranks (T a multiple of them), each rank holds the one KV head its query heads read, so KV heads are
-  replicated T / num_kv_heads times, as the capacity plan assumes;
-- the embedding and the LM head are vocab-parallel: each rank holds ceil(V/T) rows (zero-padded at
-  the end), a lookup outside its rows reads zeros before the all-reduce, and the logits are gathered.
+- q/k/v and gate/up are column-parallel: rank r holds heads `[r·H/T, (r+1)·H/T)` and a 1/T slice of the MLP's
+  intermediate rows; o_proj and down_proj are row-parallel (an all-reduce of their outputs, the bias added on rank 0
+  only);
+- KV heads are split like query heads when T divides them; when the model has fewer KV heads than ranks (T a
+  multiple of them), each rank holds the one KV head its query heads read, so KV heads are replicated T /
+  num_kv_heads times, as the capacity plan assumes;
+- the embedding and the LM head are vocab-parallel: each rank holds ceil(V/T) rows (zero-padded at the end), a
+  lookup outside its rows reads zeros before the all-reduce, and the logits are gathered.
 Rules on the shape live in `check_tensor_parallel`, which the capacity plan and the engine both call.
 """
 
@@ -63,6 +61,7 @@ log = logging.getLogger("cliffguard.engine")
 
 INIT_TIMEOUT_SECONDS = 300   # how long rank 0 waits for its followers to join the group (the rendezvous)
 LOAD_TIMEOUT_SECONDS = 3600   # how long rank 0 waits for its followers to load their shards and say ready
+OWN_END_SECONDS = 1.0   # a follower that ended by itself (its step failed): rank 0's failed step is said first
 _READY = b"R"
 _FAILED = b"F"   # a follower that could not load: its reason follows, up to MAX_REASON_BYTES, then it exits
 MAX_REASON_BYTES = 4096
@@ -375,6 +374,10 @@ class TensorParallelGroup:
                 return
             rank = socks[readable[0]]
             reason = f"tensor-parallel rank {rank} of {self.size} {self._exit_of(rank, wait=2.0)}"
+            if (self.processes[rank - 1].returncode or 0) >= 0:   # not killed: its step failed, as rank 0's does
+                time.sleep(OWN_END_SECONDS)
+                if self._closing:
+                    return
             self.on_rank_exit(reason)
             return
 
@@ -391,19 +394,6 @@ class TensorParallelGroup:
             return None
         finally:
             link.sock.settimeout(None)
-
-    def lost_rank(self, wait: float = 1.0) -> str | None:
-        """Why the group broke, if a follower's process ended (within `wait` seconds: a collective fails as
-        its peer's sockets close, a moment before the process is gone); None while every follower runs."""
-        deadline = time.monotonic() + wait
-        while self.processes:
-            for rank, process in enumerate(self.processes, start=1):
-                if process.poll() is not None:
-                    return f"tensor-parallel rank {rank} of {self.size} {self._exit_of(rank)}"
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(0.02)
-        return None
 
     def _exit_of(self, rank: int, wait: float = 0.2) -> str:
         """How follower `rank`'s process ended ("exited (signal 9, SIGKILL)"), or that it still runs."""

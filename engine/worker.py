@@ -51,6 +51,7 @@ from engine.ipc import Channel
 from engine.messages import (AbortRequest, AddRequest, Fatal, Heartbeat, Outputs, PauseRequest, Ready, Rejected,
                              ReportWaiting, Shutdown, StartupError, StatsQuery, StatsReply)
 from engine.outputs import RequestDelta
+from engine.parallel import describe_exit
 from engine.scheduler import Scheduler
 from engine.stats import IDLE_STATS_INTERVAL, STATS_INTERVAL, EngineStats, PoolInfo, PoolStats, StepCounters, WorkerInfo
 
@@ -110,9 +111,9 @@ def worker_main(config: EngineConfig, sock: socket.socket, environ: dict[str, st
 
 def _step_failed(channel: "WorkerChannel", group) -> None:
     """A step raised (called in the `except` block): its traceback as a `Fatal`, a failed step that counts
-    against the requests in it; unless a follower rank's process ended, whose collective failed first: then
-    the group broke (`_rank_lost`, as the watch thread says it, which never comes first for certain)."""
-    lost = group.lost_rank()
+    against the requests in it; unless a follower rank was killed, whose collective failed first: then the
+    group broke (`_rank_lost`, as the watch thread says it, which never comes first for certain)."""
+    lost = _killed_follower(group)
     if lost is not None:
         _rank_lost(channel, lost)
     try:
@@ -120,6 +121,23 @@ def _step_failed(channel: "WorkerChannel", group) -> None:
         channel.drain(LAST_WORDS_SECONDS)
     except OSError:
         pass
+
+
+def _killed_follower(group, wait: float = 1.0) -> str | None:
+    """Why `group` (a `TensorParallelGroup`) broke, if a follower was killed (a signal: the OOM killer,
+    `kill -9`) within `wait` seconds (a collective fails as its peer's sockets close, a moment before the
+    process is gone); None while every follower runs, or once one ended by itself (its own step failed)."""
+    deadline = time.monotonic() + wait
+    while group.processes:
+        ended = [(rank, p) for rank, p in enumerate(group.processes, start=1) if p.poll() is not None]
+        if ended:
+            rank, process = ended[0]
+            how = f"rank {rank} of {group.size} (pid {process.pid}) exited ({describe_exit(process.returncode)})"
+            return None if any(p.returncode >= 0 for _, p in ended) else f"tensor-parallel {how}"
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    return None
 
 
 def _rank_lost(channel: "WorkerChannel", reason: str) -> None:

@@ -306,9 +306,10 @@ def test_a_slow_step_marker_lengthens_one_step_once(monkeypatch):
 
 
 def test_a_step_failed_by_a_follower_rank_that_died_is_said_as_the_group_breaking(monkeypatch):
-    """A follower's death fails rank 0's collective (gloo: "Connection closed by peer") before or after the
-    group's watch thread sees its link end: the step's failure is then said as the group's break (a loss,
-    counted against no request in it), never as a failed step. With every rank alive, it is a failed step."""
+    """A follower killed (a signal) fails rank 0's collective (gloo: "Connection closed by peer") before or after
+    the group's watch thread sees its link end: the step's failure is then said as the group's break (a loss,
+    counted against no request in it), never as a failed step. With every rank alive, or one that ended by itself
+    (its own step failed, as rank 0's: a poison request on every rank), it is a failed step."""
     import subprocess
     import sys
 
@@ -321,7 +322,9 @@ def test_a_step_failed_by_a_follower_rank_that_died_is_said_as_the_group_breakin
     monkeypatch.setattr(worker, "_rank_lost", lambda channel, reason: lost.append(reason))   # it ends the process
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     dead = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
+    ended.wait()
 
     def step_fails(group) -> None:
         try:
@@ -337,7 +340,10 @@ def test_a_step_failed_by_a_follower_rank_that_died_is_said_as_the_group_breakin
         assert "Connection closed by peer" in sent[0].traceback
         step_fails(TensorParallelGroup(3, Collectives(), processes=[alive, dead]))
         assert len(lost) == 1 and f"rank 2 of 3 (pid {dead.pid}) exited" in lost[0] and "SIGKILL" in lost[0]
-        assert TensorParallelGroup.single().lost_rank() is None    # one rank: nothing to wait for
+        started = time.monotonic()
+        step_fails(TensorParallelGroup(3, Collectives(), processes=[ended, alive]))
+        assert time.monotonic() - started < 0.5 and len(lost) == 1 and not sent[-1].group_broke
+        assert worker._killed_follower(TensorParallelGroup.single()) is None    # one rank: nothing to wait for
     finally:
         alive.kill()
         alive.wait()
