@@ -463,23 +463,18 @@ async def test_required_and_a_named_function_give_valid_calls_twenty_of_twenty_e
 async def test_streamed_tool_calls_reassemble_to_the_same_calls(client) -> None:
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], tools=TOOLS,
                   tool_choice="required", max_tokens=200, temperature=0)
+    whole = (await client.chat.completions.create(**kwargs)).choices[0]
     calls: dict[int, dict] = {}
-
-    async def streamed():
-        finish = None
-        async for chunk in await client.chat.completions.create(stream=True, **kwargs):
-            for choice in chunk.choices:
-                for delta in choice.delta.tool_calls or []:
-                    entry = calls.setdefault(delta.index, {"name": "", "arguments": "", "pieces": 0, "id": delta.id})
-                    assert entry["id"] == delta.id or delta.id is None    # the id comes once, with the name, first
-                    entry["name"] += delta.function.name or ""
-                    entry["arguments"] += delta.function.arguments or ""
-                    entry["pieces"] += bool(delta.function.arguments)
-                finish = choice.finish_reason or finish
-        return finish
-
-    whole, finish = await asyncio.gather(client.chat.completions.create(**kwargs), streamed())   # one batch
-    whole = whole.choices[0]
+    finish = None
+    async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": "", "pieces": 0, "id": delta.id})
+                assert entry["id"] == delta.id or delta.id is None    # the id comes once, with the name, first
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+                entry["pieces"] += bool(delta.function.arguments)
+            finish = choice.finish_reason or finish
     assert finish == "tool_calls"
     # the arguments came in pieces as the model wrote them, and they join to the whole answer's, character for character
     assert all(c["id"] and c["pieces"] > 3 for c in calls.values()), calls
@@ -490,23 +485,17 @@ async def test_streamed_tool_calls_reassemble_to_the_same_calls(client) -> None:
 async def test_a_call_cut_by_max_tokens_is_the_same_partial_call_streamed_or_whole_and_no_markup(client) -> None:
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], tools=TOOLS,
                   tool_choice="required", max_tokens=14, temperature=0)
-    calls: dict[int, dict] = {}
-
-    async def streamed():
-        content = ""
-        async for chunk in await client.chat.completions.create(stream=True, **kwargs):
-            for choice in chunk.choices:
-                assert choice.delta.content is None      # OpenAI's null beside calls, not "" in every chunk
-                content += choice.delta.content or ""
-                for delta in choice.delta.tool_calls or []:
-                    entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
-                    entry["name"] += delta.function.name or ""
-                    entry["arguments"] += delta.function.arguments or ""
-        return content
-
-    whole, content = await asyncio.gather(client.chat.completions.create(**kwargs), streamed())   # one batch
-    whole = whole.choices[0]
+    whole = (await client.chat.completions.create(**kwargs)).choices[0]
     assert whole.finish_reason == "length" and whole.message.content is None, whole
+    calls, content = {}, ""
+    async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            assert choice.delta.content is None      # OpenAI's null beside calls, not "" in every chunk
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
     assert content == "" and len(whole.message.tool_calls) == 1
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
@@ -518,29 +507,22 @@ async def test_the_deprecated_functions_are_answered_as_one_function_call_whole_
     `function_call` named the function (OpenAI's for a forced call, "function_call" where the model chose it)."""
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=120, temperature=0,
                   functions=[t["function"] for t in TOOLS], function_call={"name": "get_weather"})
-    pieces: list = []
-
-    async def streamed():
-        finish = None
-        async for chunk in await client.chat.completions.create(stream=True, **kwargs):
-            for choice in chunk.choices:
-                assert choice.delta.tool_calls is None
-                if choice.delta.function_call is not None:
-                    pieces.append(choice.delta.function_call)
-                finish = choice.finish_reason or finish
-        return finish
-
-    whole, finish, auto = await asyncio.gather(   # one batch
-        client.chat.completions.create(**kwargs), streamed(),
-        client.chat.completions.create(**{**kwargs, "function_call": "auto"}))
-    whole = whole.choices[0]
+    whole = (await client.chat.completions.create(**kwargs)).choices[0]
     assert whole.finish_reason == "stop" and whole.message.tool_calls is None, whole
     assert whole.message.function_call.name == "get_weather"
     jsonschema.validate(json.loads(whole.message.function_call.arguments), SCHEMAS["get_weather"])
+    pieces, finish = [], None
+    async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            assert choice.delta.tool_calls is None
+            if choice.delta.function_call is not None:
+                pieces.append(choice.delta.function_call)
+            finish = choice.finish_reason or finish
     assert finish == "stop" and len(pieces) > 2
     assert [p.name for p in pieces] == ["get_weather"] + [None] * (len(pieces) - 1)
     assert "".join(p.arguments for p in pieces) == whole.message.function_call.arguments
-    assert auto.choices[0].message.tool_calls is None   # one call at most, or none
+    auto = (await client.chat.completions.create(**{**kwargs, "function_call": "auto"})).choices[0]
+    assert auto.message.tool_calls is None   # one call at most, or none
 
 
 async def test_a_two_turn_exchange_with_a_tool_result(client) -> None:
