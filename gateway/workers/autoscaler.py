@@ -184,15 +184,17 @@ class Autoscaler:
             return True
         if any(s.state.startswith("loading") for s in slots):
             return False   # one is on its way: give it time before asking for another
-        failed = self._failed_since
+        failed = self._failed_since   # a failed one once its supervisor is done (removing what it placed)
         parked = [s for s in slots if (s.state == "stopped" or now - failed.get((device, s.replica), now)
-                                       >= RETRY_FAILED_SECONDS) and (device, s.replica) not in self._removals]
+                                       >= RETRY_FAILED_SECONDS and not s.is_active)
+                  and (device, s.replica) not in self._removals]
         if not parked:
             return False
         supervisor = parked[0]
         log.info("autoscaler: device %s: %s; starting replica %s", device, why, supervisor.name)
         supervisor.start()
         self._added.add((device, supervisor.replica))
+        failed.pop((device, supervisor.replica), None)   # a start that fails again waits its own while
         self.metrics.replica_scalings.labels(device=device, direction="up").inc()
         return True
 

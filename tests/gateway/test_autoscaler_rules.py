@@ -40,11 +40,15 @@ class _Slot:
     def __init__(self, replica: int, state: str) -> None:
         self.device, self.replica, self.state, self.name = "d", replica, state, f"d/{replica}"
         self.draining, self.client, self.link = False, None, _Link()
-        self.num_starts = 0
+        self.num_starts, self.removing = 0, False
 
     @property
     def is_ready(self) -> bool:
         return self.state in ("ready", "draining")
+
+    @property
+    def is_active(self) -> bool:   # its supervisor task runs (a failed one's ends once it removed what it placed)
+        return self.removing or self.state != "stopped" and not self.state.startswith("failed")
 
     def start(self) -> None:
         self.state, self.draining = "loading", False
@@ -341,7 +345,14 @@ async def test_a_replica_it_added_whose_load_failed_is_started_again_after_a_whi
     scaler.tick(now=0.0)
     assert [s.num_starts for s in slots] == [0, 0, 1]            # the stopped slot, not the failed one
     slots[2].state = "failed: device 'd' failed to start: CUDA out of memory"
-    _ticks(scaler, 1, 61)
-    assert [s.num_starts for s in slots] == [0, 0, 1]            # not within RETRY_FAILED_SECONDS
-    scaler.tick(now=61.0)
+    slots[2].removing = True                                     # its supervisor still removes what it placed
+    _ticks(scaler, 1, 62)
+    assert [s.num_starts for s in slots] == [0, 0, 1]            # not within RETRY_FAILED_SECONDS, nor then
+    slots[2].removing = False
+    scaler.tick(now=62.0)
     assert [s.state for s in slots] == [first, "ready", "loading"] and slots[2].num_starts == 2
+    slots[2].state = "failed: device 'd' failed to start: CUDA out of memory"   # at once, again
+    _ticks(scaler, 63, 123)
+    assert slots[2].num_starts == 2                              # its own while again, not every tick
+    scaler.tick(now=123.0)
+    assert slots[2].num_starts == 3
