@@ -487,8 +487,8 @@ class RayReplica:
         if state is None or loading_hangs and state == "loading":
             self.restart(reason)
             return
-        log.warning("replica %s: the connection went silent (%s) but the actor answers Ray (%s): connecting "
-                    "again, not restarting it", self.label, reason, state)
+        log.warning("replica %s: %s, but the actor answers Ray (%s): connecting again, not restarting it",
+                    self.label, reason, state)
 
     def restart(self, reason: str) -> None:
         if self._actor is not None:
