@@ -395,6 +395,10 @@ class TensorParallelGroup:
         finally:
             link.sock.settimeout(None)
 
+    def quiet(self) -> None:
+        """The worker ends for a reason of its own (a failed step it says): the watch reports no follower's end."""
+        self._closing = True
+
     def _exit_of(self, rank: int, wait: float = 0.2) -> str:
         """How follower `rank`'s process ended ("exited (signal 9, SIGKILL)"), or that it still runs."""
         process = self.processes[rank - 1]

@@ -116,6 +116,7 @@ def _step_failed(channel: "WorkerChannel", group) -> None:
     lost = _killed_follower(group)
     if lost is not None:
         _rank_lost(channel, lost)
+    group.quiet()   # this failed step is what the worker says, not a follower's end that follows from it
     try:
         channel.send(Fatal(traceback.format_exc()))
         channel.drain(LAST_WORDS_SECONDS)
@@ -130,10 +131,13 @@ def _killed_follower(group, wait: float = 1.0) -> str | None:
     deadline = time.monotonic() + wait
     while group.processes:
         ended = [(rank, p) for rank, p in enumerate(group.processes, start=1) if p.poll() is not None]
+        killed = [(rank, p) for rank, p in ended if p.returncode < 0]   # its end may end others' steps: first
+        if killed:
+            rank, process = killed[0]
+            return f"tensor-parallel rank {rank} of {group.size} (pid {process.pid}) exited " \
+                   f"({describe_exit(process.returncode)})"
         if ended:
-            rank, process = ended[0]
-            how = f"rank {rank} of {group.size} (pid {process.pid}) exited ({describe_exit(process.returncode)})"
-            return None if any(p.returncode >= 0 for _, p in ended) else f"tensor-parallel {how}"
+            return None
         if time.monotonic() >= deadline:
             break
         time.sleep(0.02)

@@ -343,6 +343,8 @@ def test_a_step_failed_by_a_follower_rank_that_died_is_said_as_the_group_breakin
         started = time.monotonic()
         step_fails(TensorParallelGroup(3, Collectives(), processes=[ended, alive]))
         assert time.monotonic() - started < 0.5 and len(lost) == 1 and not sent[-1].group_broke
+        step_fails(TensorParallelGroup(3, Collectives(), processes=[ended, dead]))   # a kill's collective ended
+        assert len(lost) == 2 and f"rank 2 of 3 (pid {dead.pid})" in lost[1]        # rank 1's step: the kill
         assert worker._killed_follower(TensorParallelGroup.single()) is None    # one rank: nothing to wait for
     finally:
         alive.kill()
