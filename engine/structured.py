@@ -71,12 +71,18 @@ class StructuredOutput:
                              f"got {len(self.spec)}")
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | bool) -> StructuredOutput:
+    def json_schema(cls, schema: dict[str, Any] | bool, lenient: bool = False) -> StructuredOutput:
         """The schema as compact JSON text. Key order is kept: the output writes an object's properties in
         the order the schema lists them (as OpenAI's strict mode does), so a reordered schema is another
-        constraint. The schema `true` (any value) is `{}`; `false` (no value) is refused (`grammar_text`)."""
-        return cls("json_schema", json.dumps({} if schema is True else schema, separators=(",", ":"),
-                                             ensure_ascii=False))
+        constraint. The schema `true` (any value) is `{}`; `false` (no value) is refused (`grammar_text`).
+        `lenient` (a schema not marked strict): keywords the library cannot enforce (`uniqueItems`, `not`, a
+        `format` it lacks) are left unenforced, not refused, as OpenAI leaves them. A client's own `x-guidance`
+        (the library's options, which would loosen how JSON is written) is dropped."""
+        schema = {} if schema is True else schema
+        if isinstance(schema, dict):
+            schema = {k: v for k, v in schema.items() if k != "x-guidance"} | (
+                {"x-guidance": {"lenient": True}} if lenient else {})
+        return cls("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
 
     @property
     def key(self) -> str:

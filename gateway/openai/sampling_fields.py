@@ -34,7 +34,8 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
-    """`response_format.json_schema`: the schema is enforced, strict or not."""
+    """`response_format.json_schema`: the schema is enforced, strict or not; not strict, what the grammar
+    library cannot enforce (`uniqueItems`, `not`) is left unenforced, as OpenAI leaves it, not refused."""
 
     name: str
     schema: dict[str, Any] | bool = msgspec.field(default_factory=dict)
@@ -130,7 +131,7 @@ def response_format(value: ResponseFormat | None, param: str = "response_format"
     if not _FORMAT_NAME.fullmatch(spec.name):
         raise bad_request(f"{where}.name", f"must be 1-64 letters, digits, '_' or '-', got {spec.name!r}")
     try:
-        return StructuredOutput.json_schema(spec.schema)
+        return StructuredOutput.json_schema(spec.schema, lenient=spec.strict is not True)
     except ValueError as exc:
         raise bad_request(f"{where}.schema", str(exc).removeprefix("structured output: ")) from None
 

@@ -152,7 +152,9 @@ def _calls(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, Any]]], 
     """The Lark rules `calls` (one call, or one or more joined by the separator), `call` and `body`."""
     calls = f"calls: call ({_literal(syntax.separator)} call)*" if parallel else "calls: call"
     call = " ".join(filter(None, (_literal(syntax.open), "body", _literal(syntax.close))))
-    return f"{calls}\ncall: {call}\nbody: %json {_schema_text(_call_schema(functions, syntax.args_key))}\n"
+    # lenient: a strict tool's schema was checked as strict (`tools_from`); what is left unenforced is another's
+    body = _schema_text({**_call_schema(functions, syntax.args_key), "x-guidance": {"lenient": True}})
+    return f"{calls}\ncall: {call}\nbody: %json {body}\n"
 
 
 def _literal(text: str) -> str:
@@ -161,7 +163,8 @@ def _literal(text: str) -> str:
 
 
 def _schema_text(schema: dict[str, Any] | bool) -> str:
-    """A JSON schema for a Lark `%json` block, written compactly as the structured outputs are."""
+    """A JSON schema for a Lark `%json` block, written compactly as the structured outputs are (its own
+    `x-guidance` kept: a schema not strict is `lenient`, `StructuredOutput.json_schema`)."""
     if isinstance(schema, bool):   # true: any JSON; false: none (the library refuses it)
         return _schema_text({}) if schema else "false"
-    return json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
+    return json.dumps({**schema, "x-guidance": {**schema.get("x-guidance", {}), **JSON_OPTIONS}}, ensure_ascii=False)

@@ -124,7 +124,7 @@ def tools_from(functions: list[FunctionSpec], param: str = "tools", inner: str =
         if parameters.get("type", "object") != "object":   # as OpenAI: the arguments are an object
             raise ToolError(f"{where}.parameters: the arguments are a JSON object: its schema's type must be "
                             f"\"object\", got {parameters['type']!r}")
-        if (reason := schema_error(json.dumps(parameters, sort_keys=True))) is not None:
+        if (reason := schema_error(json.dumps(parameters, sort_keys=True), lenient=not function.strict)) is not None:
             raise ToolError(f"{where}.parameters: not a JSON schema we can enforce: {reason}")
         tools.append(Tool(name, function.description, parameters, bool(function.strict)))
     return tools
@@ -163,15 +163,16 @@ _checked: OrderedDict[bytes, str | None] = OrderedDict()
 _checked_lock = threading.Lock()
 
 
-def schema_error(schema_text: str) -> str | None:
-    """Why the JSON schema `schema_text` cannot be enforced (the grammar library's reason), or None. Remembered
-    (`_checked`, by digest): an agent sends the same tools every turn."""
-    digest = hashlib.blake2b(schema_text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+def schema_error(schema_text: str, lenient: bool = False) -> str | None:
+    """Why the JSON schema `schema_text` cannot be enforced (the grammar library's reason), or None; `lenient`
+    (a tool not strict): what the library cannot enforce is no reason. Remembered (`_checked`, by digest): an
+    agent sends the same tools every turn."""
+    digest = hashlib.blake2b(f"{lenient:d}{schema_text}".encode("utf-8", "surrogatepass"), digest_size=16).digest()
     with _checked_lock:
         if digest in _checked:
             _checked.move_to_end(digest)
             return _checked[digest]
-    reason = _schema_error(schema_text)
+    reason = _schema_error(schema_text, lenient)
     if reason is None or len(reason) <= MAX_CACHED_REASON_CHARS:
         with _checked_lock:
             _checked[digest] = reason
@@ -180,9 +181,9 @@ def schema_error(schema_text: str) -> str | None:
     return reason
 
 
-def _schema_error(schema_text: str) -> str | None:
+def _schema_error(schema_text: str, lenient: bool) -> str | None:
     try:
-        check(StructuredOutput.json_schema(json.loads(schema_text)))
+        check(StructuredOutput.json_schema(json.loads(schema_text), lenient=lenient))
     except ValueError as exc:
         return str(exc).removeprefix("structured output: ")
     return None

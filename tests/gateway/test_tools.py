@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from engine.structured import check
+from engine.structured import StructuredOutput, check
 from gateway.openai.chat_prompt import fallback_messages
 from gateway.openai.chat import parse_chat
 from gateway.openai.errors import ApiError
@@ -140,6 +140,36 @@ def test_the_forcing_grammars_are_valid_for_the_library(fmt_class, parallel) -> 
     tools = parse_tools(TOOLS)
     check(fmt_class(tools).grammar(tools, parallel))
     check(fmt_class(tools).grammar(tools[:1], parallel))
+
+
+def test_what_the_library_cannot_enforce_is_refused_for_a_strict_schema_only() -> None:
+    """A schema with keywords the grammar library cannot enforce (a pydantic `set[str]`'s `uniqueItems`, `not`, a
+    `format` it lacks): OpenAI takes it where it is not strict, and so do we, leaving them unenforced (it was a
+    400 naming the tool); strict, it is a 400 naming the field. A client's `x-guidance` never reaches the library."""
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                        "uniqueItems": True},
+                                               "site": {"type": "string", "format": "uri-reference"},
+                                               "other": {"not": {"type": "null"}}}, "required": ["tags"]}
+    for strict in (False, True):
+        tool = {"type": "function", "function": {"name": "tag", "parameters": schema, "strict": strict}}
+        body = dict(CHAT, tools=[tool], tool_choice="required")
+        if strict:
+            with pytest.raises(ApiError) as info:
+                parse_chat(body)
+            assert info.value.param == "tools[0].function.parameters" and "Unimplemented keys" in info.value.message
+        else:
+            tools = parse_chat(body).tools
+            for fmt_class in (HermesFormat, Llama3JsonFormat):   # the forced call's grammar builds
+                check(fmt_class(tools).grammar(tools, True))
+        response_format = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": strict}}
+        if strict:
+            with pytest.raises(ValueError, match="Unimplemented keys"):
+                check(parse_chat(dict(CHAT, response_format=response_format)).params.structured)
+        else:
+            check(parse_chat(dict(CHAT, response_format=response_format)).params.structured)
+    loose = {**schema, "x-guidance": {"whitespace_flexible": True}}
+    assert "x-guidance" not in StructuredOutput.json_schema(loose).spec
+    assert json.loads(StructuredOutput.json_schema(loose, lenient=True).spec)["x-guidance"] == {"lenient": True}
 
 
 def test_a_stream_sends_the_text_before_a_call_then_the_call_as_it_is_written() -> None:
