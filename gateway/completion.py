@@ -421,7 +421,7 @@ def _json_reply(req: ChatRequest, fmt: ToolFormat, pool: Pool) -> StructuredOutp
         raise ApiError(400, f"{param}: pool {pool.name!r} writes tool calls as bare JSON objects ({fmt.name}), "
                        "which a JSON reply could not be told from; with strict tools under tool_choice auto, leave "
                        f"{param} out or make the tools non-strict", param=param)
-    if reply.kind == "json_schema" and (reason := schema_error(reply.spec)) is not None:
+    if reply.kind == "json_schema" and (reason := schema_error(reply.spec, lenient=reply.lenient)) is not None:
         raise ApiError(400, f"{param}: the grammar library cannot enforce it: {reason}", param=param)
     return reply
 
