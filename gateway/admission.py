@@ -202,7 +202,9 @@ class AdmissionControl:
             prompts.setdefault(pool.name, []).append(ids)
         placed = {}
         async with contextlib.AsyncExitStack() as stack:
-            for name in sorted(needs):
+            # the pool of the longest prompts first (rag's, the one a flood fills), then by name: one order for
+            # every request, so two never wait on each other, and a wait for rag holds no chat credits idle
+            for name in sorted(needs, key=lambda name: (-self.pools[name].min_prompt_tokens, name)):
                 pool = self.pools[name]
                 work = pool.admission.placement.work(prompts[name], max_tokens, n, pool.max_model_len,
                                                      pool.cache_salt(tenant))

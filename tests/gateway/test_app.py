@@ -267,6 +267,34 @@ async def test_client_disconnect_aborts_and_frees_blocks(aiohttp_client, tmp_pat
     assert all(p.num_free_blocks == p.num_blocks for p in stats.pools.values())
 
 
+async def test_a_request_of_both_pools_waiting_for_rag_holds_none_of_chat(aiohttp_client, tmp_path, tiny_model):
+    """A completions request whose prompts go to chat and to rag takes the longer prompts' pool's credits first:
+    while rag is full it waits holding nothing (it held its chat credits, idle, for the whole wait)."""
+    client, gateway = await _client(
+        aiohttp_client, pools_yaml(tiny_model, rag_kv="kv_cache_bytes: 512KiB"), tmp_path)
+    model, rag, chat = _model(tiny_model), (("pool", "rag"), ("replica", "0")), (("pool", "chat"), ("replica", "0"))
+
+    async def complete(prompt, max_tokens):
+        r = await client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                                       "ignore_eos": True, "temperature": 0})
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+    blockers = [asyncio.create_task(complete(f"{i}" + " b" * 70, 400)) for i in range(2)]   # 2 x 30 of 64 blocks
+    both = asyncio.create_task(complete(["hello", "2" + " b" * 70], 400))                # 30 more: it waits
+    queued = None
+    while not both.done():
+        m = _metrics(await (await client.get("/metrics")).text())
+        if m["cliffguard_admission_queue_depth"].get((("pool", "rag"), ("tenant", "default")), 0) > 0:
+            queued = m
+            break
+        await asyncio.sleep(0.01)
+    assert queued is not None, "the request of both pools never waited for rag"
+    assert queued["cliffguard_kv_credits_free"][chat] == queued["cliffguard_kv_credits"][chat]
+    assert queued["cliffguard_kv_credits_free"][rag] == queued["cliffguard_kv_credits"][rag] - 2 * 480
+    assert len((await both)["choices"]) == 2 and all(await asyncio.gather(*blockers))
+
+
 async def test_a_rag_flood_waits_for_credits_and_chat_keeps_its_blocks(aiohttp_client, tmp_path, tiny_model):
     # rag: 64 blocks of 16 = 1024 KV credits. Four 70-token prompts growing to 370 tokens would need
     # 4 x 24 blocks and preempt each other; each reserves 24 blocks (384 credits), so two run at a time
