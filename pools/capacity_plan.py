@@ -10,12 +10,11 @@ Per device (with tensor parallelism T the weights and the KV heads are split ove
     KV space    = memory_utilization x memory - weights / T - graphs                (per GPU)
     pool KV     = kv_share x KV space   |   kv_cache_bytes                          (per GPU)
     blocks      = floor(pool KV / (S_KV / T x block_size))
-    max_num_seqs = floor(pool KV / (S_KV / T x avg_len))                            (unless overridden)
+    max_num_seqs = floor(pool KV / (S_KV / T x avg_len))               (unless overridden; at most blocks)
 
-The three formulas are `engine.capacity`'s (the engine checks its plan with them once loaded); this
-module applies them to a configuration. `plan_capacity` computes a `CapacityPlan` from a
-`CliffguardConfig` and each model's `ModelConfig`; `engine_configs` turns it into the `EngineConfig`
-of each device, with exactly the planned numbers (the engine derives none of its own); `plan_single_pool`
+The three formulas are `engine.capacity`'s (the engine checks its plan with them once loaded), applied here to a
+configuration: `plan_capacity` computes a `CapacityPlan` from a `CliffguardConfig` and each model's `ModelConfig`;
+`engine_configs` turns it into each device's `EngineConfig` with exactly the planned numbers; `plan_single_pool`
 does both for one pool on one device (`cliffguard generate`, the benchmarks).
 """
 
@@ -388,6 +387,9 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
         if max_num_seqs > by_formula:
             warnings.append(f"{key}.max_num_seqs: {max_num_seqs} is above the capacity formula's {by_formula} "
                             f"(avg_len {p.avg_len}): expect preemptions when that many requests run")
+    if max_num_seqs > p.max_num_batched_tokens:   # a step holds a token of each sequence it runs, at most
+        warnings.append(f"{key}.max_num_batched_tokens: {p.max_num_batched_tokens} is below max_num_seqs "
+                        f"{max_num_seqs}: no more sequences than that step at once, the rest hold blocks and wait")
     return PoolPlan(
         spec=p, max_model_len=max_model_len, kv_bytes_per_token=s_kv, kv_bytes_per_token_per_device=s_kv_dev,
         kv_cache_bytes_per_device=pool_kv, tensor_parallel_size=tp, num_blocks=num_blocks,
@@ -405,13 +407,10 @@ def _check_swap_space(key: str, p: PoolSpec, s_kv_dev: int) -> None:
 
 def engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, EngineConfig]:
     """One EngineConfig per planned device (its first replica's; `replica_engine_configs` gives each
-    replica's): the planned dtype, blocks and limits, nothing re-derived.
-
-    This is the start-up check of `serve` and `generate`: a device `auto` becomes the device type the
-    plan assumed; a CUDA device on a machine without CUDA (a plan made with `--vram`), asking for GPUs
-    the machine does not have, or swap spaces past its memory, is refused here, before anything loads.
-    Errors are SpecError naming the key path.
-    """
+    replica's): the planned dtype, blocks and limits, nothing re-derived. This is the start-up check of
+    `serve` and `generate`: a device `auto` becomes the device type the plan assumed; a CUDA device on a
+    machine without CUDA (a plan made with `--vram`), asking for GPUs the machine does not have, or swap
+    spaces past its memory, is refused here, before anything loads. Errors are SpecError naming the key path."""
     return {name: configs[0] for name, configs in replica_engine_configs(config, plan).items()}
 
 

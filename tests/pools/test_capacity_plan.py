@@ -484,6 +484,18 @@ def test_an_avg_len_below_the_block_size_plans_no_more_sequences_than_blocks():
     assert any(w.startswith("pools[0].avg_len: 4 is below block_size 16") for w in plan.warnings), plan.warnings
 
 
+def test_a_step_budget_below_max_num_seqs_is_said():
+    """A step holds one token of each sequence it runs at most: a pool whose max_num_batched_tokens is below its
+    max_num_seqs steps no more sequences than that at once (vLLM refuses the pair): a warning naming the key."""
+    data = _example_data()
+    data["pools"][0]["max_num_batched_tokens"] = 8
+    _, plan = _plan_example(data)
+    seqs = plan.pools[data["pools"][0]["name"]].max_num_seqs
+    assert seqs > 8 and any(w.startswith(f"pools[0].max_num_batched_tokens: 8 is below max_num_seqs {seqs}")
+                            for w in plan.warnings), plan.warnings
+    assert not any("max_num_batched_tokens" in w for w in _plan_example()[1].warnings)
+
+
 def test_a_swap_space_below_one_block_is_refused_by_the_plan():
     """Caught when the plan knows S_KV (before a worker loads the weights), naming the YAML key."""
     data = _example_data()
