@@ -85,14 +85,6 @@ class StructuredOutput:
         return cls("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
 
     @property
-    def lenient(self) -> bool:
-        """A JSON schema built `lenient` (`json_schema`): what the library cannot enforce is left unenforced."""
-        if self.kind != "json_schema":
-            return False
-        schema = json.loads(self.spec)
-        return isinstance(schema, dict) and schema.get("x-guidance") == {"lenient": True}
-
-    @property
     def key(self) -> str:
         """The cache key: a hash of kind and spec (a lone surrogate, which JSON may carry, hashed as it is:
         the grammar library then refuses it, a 400)."""

@@ -61,7 +61,6 @@ from gateway.local_answer import LocalResponse
 from gateway.runtime import Gateway, device_wait_limit
 from gateway.workers.deaths import LOSS, Death, DeathsUnder, Hold
 from gateway.openai.tool_grammar import thinking_first
-from gateway.openai.tool_specs import schema_error
 from gateway.openai.tools import ToolFormat, format_for
 from gateway.upstream.relay import forward, openai_error, retry_headers
 from pools.pool import Pool
@@ -348,6 +347,8 @@ async def constrained(gateway: Gateway, req: ChatRequest | CompletionRequest, po
     and its reasoning split both follow it."""
     think = think_mode(pool.tokenizer, ids, req.tools is not None, req.continued) if isinstance(req, ChatRequest) \
         else None
+    # the request's own constraint first, under its own field (a tool grammar may hold it as the JSON reply)
+    await gateway.check_grammar(req.params.structured, req.structured_param)
     req = with_grammar(req, pool, think)
     await gateway.check_grammar(req.params.structured, req.structured_param)
     return req, think
@@ -413,7 +414,7 @@ def _calls_beside_reply(req: ChatRequest, pool: Pool) -> bool:
 def _json_reply(req: ChatRequest, fmt: ToolFormat, pool: Pool) -> StructuredOutput | None:
     """Under "auto" with strict tools, what a reply that is not a call must be: the request's
     response_format (JSON), or None (plain text). 400 naming the field where the pool's format writes calls
-    as bare JSON objects (a JSON reply could be read as a call) or the grammar library cannot enforce it."""
+    as bare JSON objects (a JSON reply could be read as a call); `constrained` has checked it can be enforced."""
     reply, param = req.params.structured, req.structured_param
     if reply is None:
         return None
@@ -421,8 +422,6 @@ def _json_reply(req: ChatRequest, fmt: ToolFormat, pool: Pool) -> StructuredOutp
         raise ApiError(400, f"{param}: pool {pool.name!r} writes tool calls as bare JSON objects ({fmt.name}), "
                        "which a JSON reply could not be told from; with strict tools under tool_choice auto, leave "
                        f"{param} out or make the tools non-strict", param=param)
-    if reply.kind == "json_schema" and (reason := schema_error(reply.spec, lenient=reply.lenient)) is not None:
-        raise ApiError(400, f"{param}: the grammar library cannot enforce it: {reason}", param=param)
     return reply
 
 

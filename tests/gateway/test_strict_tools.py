@@ -280,6 +280,26 @@ def _call(i: int, city: str) -> dict:
         "name": "get_weather", "arguments": json.dumps({"city": city})}}]}
 
 
+async def test_a_json_reply_beside_a_strict_tool_is_checked_with_its_own_strictness(client):
+    """Under "auto" with a strict tool, a response_format binds the reply that is no call: one not strict whose
+    keywords the library cannot enforce (`uniqueItems`) is served (it was a 400, checked as if strict); a strict
+    one is a 400 naming response_format."""
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                        "uniqueItems": True}}}
+    tool = {"type": "function", "function": {"name": "get", "parameters": {"type": "object"}, "strict": True}}
+    for strict in (False, True):
+        kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Tags?"}], max_tokens=4, tools=[tool],
+                      tool_choice="auto", response_format={"type": "json_schema", "json_schema": {
+                          "name": "t", "schema": schema, "strict": strict}})
+        if strict:
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.chat.completions.create(**kwargs)
+            assert info.value.body["param"] == "response_format" and "Unimplemented keys" in info.value.body["message"]
+        else:
+            assert (await client.chat.completions.create(**kwargs)).choices[0].finish_reason in ("length", "stop",
+                                                                                                 "tool_calls")
+
+
 async def test_a_strict_tool_under_auto_is_called_with_arguments_that_match_its_schema(client):
     """The history shows calls without `unit` (the tool's schema changed since): the model, left free,
     copies them (calls its schema refuses); strict, each call it makes has a `unit`, and a reply that is

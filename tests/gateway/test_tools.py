@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import jsonschema
 import openai
 import pytest
 
 from engine.structured import StructuredOutput, check
-from gateway.completion import _json_reply
 from gateway.openai.chat_prompt import fallback_messages
 from gateway.openai.chat import parse_chat
 from gateway.openai.errors import ApiError
@@ -169,16 +167,6 @@ def test_what_the_library_cannot_enforce_is_refused_for_a_strict_schema_only() -
                 check(parse_chat(dict(CHAT, response_format=response_format)).params.structured)
         else:
             check(parse_chat(dict(CHAT, response_format=response_format)).params.structured)
-    strict_tool = {"type": "function", "function": {"name": "get", "parameters": {"type": "object"}, "strict": True}}
-    for strict in (False, True):   # a JSON reply beside strict tools under "auto": the reply's own strictness
-        response_format = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": strict}}
-        req = parse_chat(dict(CHAT, tools=[strict_tool], response_format=response_format))
-        if strict:
-            with pytest.raises(ApiError, match="cannot enforce it: Unimplemented keys"):
-                _json_reply(req, HermesFormat(req.tools), SimpleNamespace(name="chat"))
-        else:
-            check(HermesFormat(req.tools).auto_grammar(req.tools, True, _json_reply(
-                req, HermesFormat(req.tools), SimpleNamespace(name="chat"))))
     loose = {**schema, "x-guidance": {"whitespace_flexible": True}}
     assert "x-guidance" not in StructuredOutput.json_schema(loose).spec
     assert json.loads(StructuredOutput.json_schema(loose, lenient=True).spec)["x-guidance"] == {"lenient": True}
