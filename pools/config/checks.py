@@ -31,6 +31,7 @@ S = TypeVar("S")
 Text = Annotated[str, msgspec.Meta(min_length=1)]          # a non-empty string
 MAX_INT = 2**63 - 1                                        # the largest count or byte size a file may give
 Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_INT)]     # an integer >= 1
+CountOrZero = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]   # an integer >= 0
 Positive = Annotated[float, msgspec.Meta(gt=0)]            # a number > 0
 Seconds = Positive                                         # a number of seconds > 0
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]         # a number >= 0

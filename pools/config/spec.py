@@ -22,8 +22,8 @@ import engine.config
 from engine.capacity import DEFAULT_BLOCK_SIZE
 from engine.config import DEFAULT_MIN_SHARE, LatencySLO, SchedulerConfig
 from engine.tokenizer import TEMPLATE_FUNCTIONS   # a chat_template_kwargs key may not replace one
-from pools.config.checks import (ByteSize, ByteSizeOrZero, Count, Fraction, NonNegative, Spec, SpecError, Text,
-                                 engine_rules, fmt_bytes, has_control_characters, is_label)
+from pools.config.checks import (ByteSize, ByteSizeOrZero, Count, CountOrZero, Fraction, NonNegative, Spec, SpecError,
+                                 Text, engine_rules, fmt_bytes, has_control_characters, is_label)
 from pools.config.checks import parse_bytes as parse_bytes   # re-exported: the CLI reads --vram with it
 from pools.config.device_spec import DeviceSpec
 from pools.config.gateway_spec import GatewaySpec
@@ -76,8 +76,8 @@ class RouteSpec(Spec):
     `max_prompt_tokens=None` means up to the pool's max_model_len - 1.
     """
 
-    min_prompt_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
-    max_prompt_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    min_prompt_tokens: CountOrZero = 0
+    max_prompt_tokens: CountOrZero | None = None
 
     def check(self) -> None:
         if self.max_prompt_tokens is not None and self.min_prompt_tokens > self.max_prompt_tokens:

@@ -204,6 +204,9 @@ BAD = {
                                     ["pools[0].kv_cache_bytes", "at most"]),
     "max_num_seqs past 64 bits, its digits cut": (_set("pools/0/max_num_seqs", 10**400),
                                                   ["pools[0].max_num_seqs: must be <= 9223372036854775807", "..."]),
+    "route bound past 64 bits (every other count is held to them)": (
+        _set("pools/0/route/max_prompt_tokens", 10**30),
+        ["pools[0].route.max_prompt_tokens: must be <= 9223372036854775807"]),
     "upstream port out of range (a 500 on every request)": (_set("pools/2/upstream", "http://127.0.0.1:99999/v1"),
                                                             ["pools[2].upstream: not a valid URL", "Port out of range"]),
     "upstream port not a number": (_set("pools/2/upstream", "http://h:abc/v1"), ["pools[2].upstream: not a valid URL"]),
