@@ -107,7 +107,8 @@ class ScalerLeaseActor:
 class ScalerLease:
     """This gateway's side of one device's scaling lease. `is_leader()` while the lease is its own;
     `view` the last answer; `live` the slots whose actor was alive at the last look (None before the
-    first; `live_at` when it was asked for). `poke` renews in the background each autoscaler tick; `release` hands the lease back."""
+    first; `live_at` when it was asked for). `poke` renews in the background each autoscaler tick; `release`
+    hands the lease back."""
 
     def __init__(self, cluster: RayCluster, device: str, digest: str, num_slots: int,
                  lease_seconds: float = LEASE_SECONDS) -> None:
@@ -124,6 +125,7 @@ class ScalerLease:
         self._led = False                    # it led at the last renewal
         self._failing = False                # the last renewal failed (logged once)
         self._actor = None
+        self._known = None                   # the last actor handle got: `release` reaches it after a failed renewal
         self._task: asyncio.Task | None = None
 
     def is_leader(self) -> bool:
@@ -143,7 +145,7 @@ class ScalerLease:
             await self.cluster.claim(self.device, self.digest)   # a device refused for its config leads nothing
             asked = time.monotonic()
             if self._actor is None:
-                self._actor = await asyncio.to_thread(self._get_or_create)
+                self._actor = self._known = await asyncio.to_thread(self._get_or_create)
             view = await asyncio.wait_for(self._actor.renew.remote(self.cluster.gateway_id, pressure, draining),
                                           CALL_SECONDS)
             self.view, self._until = view, asked + view.seconds_left if view.holder == self.cluster.gateway_id else 0.0
@@ -175,7 +177,7 @@ class ScalerLease:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        self._until, actor = 0.0, self._actor
+        self._until, actor = 0.0, self._actor or self._known   # a renewal that timed out may still have granted it
         if actor is not None:
             try:
                 await asyncio.wait_for(actor.release.remote(self.cluster.gateway_id), CALL_SECONDS)

@@ -59,6 +59,46 @@ def test_the_gateways_reasons_reach_the_others_and_the_holders_drains_reach_the_
     assert lease.renew("B", 26.0).draining == ()                 # a new holder starts with none
 
 
+class _LeaseActor:
+    """A `ScalerLeaseActor` on a given clock whose renewal grants the lease, then fails to answer."""
+
+    def __init__(self, lease: Lease) -> None:
+        actor = self
+
+        class _Call:
+            def __init__(self, fn) -> None:
+                self.fn = fn
+
+            def remote(self, *args):
+                async def answer():
+                    return self.fn(*args)
+                return answer()
+
+        def renew(gateway, pressure, draining):
+            actor.lease.renew(gateway, 0.0, pressure, draining)
+            raise TimeoutError("the renewal's answer was lost")
+
+        self.lease = lease
+        self.renew, self.release = _Call(renew), _Call(lambda gateway: lease.release(gateway, 1.0))
+
+
+async def test_a_gateway_whose_last_renewal_failed_still_hands_the_lease_back_when_it_stops(monkeypatch):
+    from gateway.workers import scaler_lease
+
+    actor = _LeaseActor(Lease.started(10.0, now=0.0))
+
+    async def nothing(*_):
+        return None
+
+    cluster = SimpleNamespace(gateway_id="A", connect=nothing, claim=nothing)
+    lease = scaler_lease.ScalerLease(cluster, "d", "digest", num_slots=1)
+    monkeypatch.setattr(lease, "_get_or_create", lambda: actor)
+    await lease.renew()                                  # granted on the actor, the answer lost here
+    assert actor.lease.holder == "A" and not lease.is_leader()
+    await lease.release()                                # stops: another gateway leads at once, not 10 s later
+    assert actor.lease.renew("B", 2.0).holder == "B"
+
+
 def test_a_config_claim_is_one_digests_while_a_gateway_of_it_holds_it_unless_taken_over():
     claim = ConfigClaim(30.0)
     assert claim.claim("aaaa", "A", now=0.0) == "aaaa"           # free: granted
