@@ -24,7 +24,9 @@ Responses stream: an `error` event numbered after its last); so does one cut at 
 counts are non-negative integers, the prompt's from the gateway's own count where they are not; a malformed usage is
 relayed as it is. A chat or completions stream whose client did not ask for its usage is sent with
 `stream_options.include_usage` all the same, and its usage chunk (and the `usage: null` of the others) is not
-relayed. Each choice's end counts in `request_success`, an upstream's error in `request_errors`.
+relayed. Each choice's end counts in `request_success`, an upstream's error in `request_errors` (a stream's own
+error event too: vLLM's `data: {"error": ...}`, a Responses `response.failed`); only what a client waits on (a
+request, not a batch line nor a background Response) in the latency histograms.
 
 A batch line is forwarded with an `Idempotency-Key: <batch id>:<custom_id>` header (`IDEMPOTENCY_KEY`, set by the
 batch runner around the line): an upstream that honours it answers a repeat from its first run. cliffguard does not
@@ -123,7 +125,8 @@ async def forward(request: web.Request, client: UpstreamClient, pool: Pool, path
     arrived (perf_counter; default now), which its time to first token and latency count from."""
     responses = path.endswith("/responses")   # its usage and its stream's events are the Responses API's
     relayed = _Relayed(pool, metrics, body["model"], responses, time.perf_counter() if received is None else received,
-                       prompt_tokens, hide_usage=stream and not responses and not _asks_usage(body))
+                       prompt_tokens, hide_usage=stream and not responses and not _asks_usage(body),
+                       timed=request is not None)
     sent = dict(body, model=pool.spec.model)
     if relayed.hide_usage:   # the stream's usage chunk, for the counters; the client did not ask for it
         sent["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
@@ -163,7 +166,8 @@ class _Relayed:
     """One relayed answer's request: what its counters need. `prompt_tokens` is the gateway's own count,
     counted where the upstream's usage has none; `hide_usage`: a stream the gateway asked for its usage
     (`stream_options.include_usage`) where the client did not, so that its tokens are counted: the usage
-    chunk is not relayed, nor the `usage: null` of the others."""
+    chunk is not relayed, nor the `usage: null` of the others. `timed`: a client waits on it (its latency is
+    observed; a batch line's or a background Response's, forwarded with no client request, is not)."""
 
     pool: Pool
     metrics: GatewayMetrics
@@ -172,6 +176,7 @@ class _Relayed:
     received: float
     prompt_tokens: int
     hide_usage: bool = False
+    timed: bool = True
 
     @property
     def series(self) -> PoolSeries:
@@ -221,7 +226,8 @@ async def _relay_answer(relayed: _Relayed, upstream: UpstreamResponse) -> web.Re
         raise _upstream_failed(pool, "sent an invalid response", exc, "upstream_error") from None
     relayed.count(payload.get("usage") if isinstance(payload, dict) else None,
                   _finish_reasons(payload, relayed.responses))
-    relayed.series.e2e.observe(time.perf_counter() - relayed.received)
+    if relayed.timed:
+        relayed.series.e2e.observe(time.perf_counter() - relayed.received)
     return web.Response(body=_encoded(payload), content_type="application/json",
                         headers={"x-cliffguard-pool": pool.name})
 
@@ -331,9 +337,12 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
     pool, metrics, responses = relayed.pool, relayed.metrics, relayed.responses
     response = await start_sse(request, {"x-cliffguard-pool": pool.name})
 
-    async def write(data: bytes) -> None:
-        await write_within(request, response.write(data), write_timeout, metrics, pool.name,
-                           f"{request.path}: its relayed stream")
+    async def write(data: bytes | None) -> None:   # None: the stream's end
+        try:
+            await write_within(request, response.write_eof() if data is None else response.write(data), write_timeout,
+                               metrics, pool.name, f"{request.path}: its relayed stream")
+        except (ConnectionError, RuntimeError) as exc:   # RuntimeError: aiohttp's "transport is closing"
+            raise exc if isinstance(exc, ClientGone) else ClientGone(f"client went away: {exc}") from None
 
     seen, failure = _StreamSeen(responses, relayed.hide_usage), None
     try:
@@ -348,7 +357,8 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
                 if num_outputs == 0 and seen.num_outputs:   # its first event of output
                     relayed.series.ttft.observe(time.perf_counter() - relayed.received)
     except asyncio.CancelledError as exc:   # cut at the drain's end: its error event ends the stream
-        if (failure := drain_cut(exc)) is None:
+        if (failure := drain_cut(exc)) is None:   # the client left (the handler cancelled)
+            relayed.count(seen.usage, [])
             raise
     except ClientGone:   # what it cost the upstream so far counts all the same
         relayed.count(seen.usage, [])
@@ -357,15 +367,17 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
         last = "a response.completed, .incomplete or .failed event" if responses else "data: [DONE]"
         failure = _upstream_failed(pool, "dropped the stream", UpstreamDisconnected(
             f"it ended before its last event ({last})"), "upstream_disconnected")
-    relayed.count(seen.usage, seen.finish_reasons if failure is None else [])
+    failed = failure is not None or seen.error_status is not None
+    relayed.count(seen.usage, [] if failed else seen.finish_reasons)
     if failure is not None:   # a failed request all the same, though its status was 200
         log.warning("%s: %s", request.path, failure.message)
-        metrics.errors.labels(status=str(failure.status)).inc()
         if not seen.ended:
             await write(_error_tail(failure, responses, seen.sequence_number + 1))
+    if failed:   # ours, or the upstream's own error event
+        metrics.errors.labels(status=str(seen.error_status if failure is None else failure.status)).inc()
     else:
         relayed.series.e2e.observe(time.perf_counter() - relayed.received)
-    await response.write_eof()
+    await write(None)
     return response
 
 
@@ -382,7 +394,9 @@ class _StreamSeen:
     continuous usage stats repeat running totals in every chunk, so only the last is counted), its last
     `sequence_number` (a Responses stream: our error event follows it), how many events held output (a
     chunk, or a Responses event past the ones that announce the Response before it runs: time to first token
-    counts to the first of them). Events are read as the SSE spec says (`gateway.upstream.sse`)."""
+    counts to the first of them), the status its first error event says (`error_status`: an `error` object's
+    numeric code, vLLM's, else 502; a Responses `error` or `response.failed` event: 502). Events are read as the
+    SSE spec says (`gateway.upstream.sse`)."""
 
     def __init__(self, responses: bool = False, hide_usage: bool = False) -> None:
         self.responses, self.hide_usage = responses, hide_usage
@@ -391,6 +405,7 @@ class _StreamSeen:
         self.sequence_number = -1
         self.num_outputs = 0
         self.finish_reasons: list[str] = []
+        self.error_status: int | None = None
 
     def relay(self, event: bytes, model: str) -> bytes | None:
         """`event` to relay, the client's model name put back into the JSON object of its data, noted;
@@ -402,6 +417,8 @@ class _StreamSeen:
             return with_data(event, data) if data == b"[DONE]" else event
         self.num_outputs += obj.get("type") not in _NOT_OUTPUT and "error" not in obj and obj.get("choices") != []
         self.ended = self.ended or (self.responses and obj.get("type") in _FINAL_RESPONSE_EVENTS)
+        if self.error_status is None:
+            self.error_status = _error_status(obj, kind, self.responses)
         self.finish_reasons += _finish_reasons(obj, self.responses)
         holder = obj.get("response") if isinstance(obj.get("response"), dict) else obj
         if holder.get("usage") is not None:
@@ -414,6 +431,18 @@ class _StreamSeen:
             if obj["usage"] is None:
                 del obj["usage"]
         return with_data(event, _escaped_json(_rename(obj, model)))   # half an emoji ("\ud83d") as it came
+
+
+def _error_status(obj: dict[str, Any], kind: str, responses: bool) -> int | None:
+    """The HTTP status an upstream's stream event says its request failed with; None: not an error event."""
+    if responses:
+        return 502 if kind in ("error", "response.failed") or obj.get("type") in ("error", "response.failed") \
+            else None
+    error = obj.get("error")
+    if error is None:
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if type(code) is int and 400 <= code <= 599 else 502
 
 
 def _error_tail(error: ApiError, responses: bool, sequence_number: int) -> bytes:

@@ -637,18 +637,94 @@ async def test_a_relayed_stream_is_counted_whether_or_not_its_client_asked_for_u
     server.close()
 
 
-async def test_a_relayed_answers_latency_counts_from_the_requests_arrival():
+async def test_a_relayed_answers_latency_counts_from_the_requests_arrival_and_only_a_clients():
     """Parsing, counting and routing are in a relayed request's latency, as in a local one's: `forward`
-    times it from the arrival it is given."""
+    times it from the arrival it is given. What no client waits on (a batch line, a background Response:
+    forwarded with no request) is kept out of the latency, as a local one is."""
+    from aiohttp.test_utils import make_mocked_request
+
     from gateway.monitoring.metrics import GatewayMetrics
     from tests.gateway.test_upstream_retry import _gateway
 
     server, url = await _serve(lambda request: _reply(200, _chat_answer({"prompt_tokens": 3, "completion_tokens": 1})))
     pool, metrics, client = _gateway(Path(tempfile.mkdtemp()), url).pools["remote"], GatewayMetrics(), UpstreamClient()
+    e2e = metrics.pool_series("remote").e2e
     await relay.forward(None, client, pool, "/chat/completions", CHAT, False, metrics,
                         received=time.perf_counter() - 5.0)
-    assert metrics.pool_series("remote").e2e._sum.get() >= 5.0
+    assert e2e._sum.get() == 0 and metrics.pool_series("remote").prompt_tokens._value.get() == 3   # counted, untimed
+    await relay.forward(make_mocked_request("POST", "/v1/chat/completions"), client, pool, "/chat/completions",
+                        CHAT, False, metrics, received=time.perf_counter() - 5.0)
+    assert e2e._sum.get() >= 5.0
     await client.close()
+    server.close()
+
+
+@pytest.mark.parametrize("path, events, status", [
+    ("/v1/chat/completions", EVENT + b'data: {"error": {"message": "boom", "type": "server_error", "code": 503}}\n\n'
+     b"data: [DONE]\n\n", "503"),
+    ("/v1/chat/completions", EVENT + b'data: {"error": {"message": "its worker died", "code": "engine_dead"}}\n\n'
+     b"data: [DONE]\n\n", "502"),
+    ("/v1/responses", RESPONSE_CREATED + b'event: response.failed\ndata: {"type": "response.failed", '
+     b'"response": {"model": "upstream-model", "status": "failed", "error": {"code": "server_error"}}}\n\n', "502")],
+    ids=["chat_numeric_code", "chat_a_chained_gateways_error", "responses_failed"])
+async def test_an_upstreams_own_error_event_counts_as_a_failed_request(aiohttp_client, tmp_path, path, events,
+                                                                        status):
+    """A stream the upstream itself ended with its error (vLLM's and cliffguard's `data: {"error": ...}` then
+    `[DONE]`; a Responses stream's `response.failed`) is relayed as it came and counted as the failure it is:
+    in request_errors, not in the latency of requests that completed nor in request_success."""
+    server, url = await _serve(lambda request: _reply(200, events, "text/event-stream"))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    body = {"model": FRONT, "input": "hi"} if path == "/v1/responses" else CHAT
+    r = await client.post(path, json={**body, "stream": True})
+    text = await r.text()
+    assert r.status == 200 and "upstream_" not in text, text   # relayed as it came, no error of ours after it
+    assert gateway.metrics.errors.labels(status=status)._value.get() == 1
+    assert gateway.metrics.pool_series("remote").e2e._sum.get() == 0
+    assert not [s for s in gateway.metrics.request_success.collect()[0].samples if s.value]
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
+async def test_a_relayed_stream_whose_client_left_still_counts_its_prompt(aiohttp_client, tmp_path):
+    """A client that closes its connection mid-stream (the handler is cancelled): the upstream ran its prompt."""
+    async def answer(writer, request, n):   # one event, then the stream stays open, silent
+        writer.write(CHUNKED + b"%x\r\n" % len(EVENT) + EVENT + b"\r\n")
+        await writer.drain()
+
+    server, url, _, _ = await _raw_server(answer)
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, str(url.with_path("/v1")))
+    response = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert (await response.content.readuntil(b"\n\n")).startswith(b"data: ")
+    response.close()   # the client leaves
+    _, ids = await gateway.route_chat(FRONT, CHAT["messages"])
+    prompt = gateway.metrics.pool_series("remote").prompt_tokens
+    for _ in range(200):
+        if prompt._value.get():
+            break
+        await asyncio.sleep(0.02)
+    assert prompt._value.get() == len(ids) > 0
+    server.close()
+
+
+async def test_a_relayed_streams_end_is_bounded_by_write_timeout(aiohttp_client, tmp_path, monkeypatch):
+    """The stream's last write (its end: aiohttp waits there for the socket to drain) is bounded as every
+    other: a client that stopped reading cannot hold the handler past `gateway.write_timeout`."""
+    from tests.gateway.test_upstream_retry import _gateway
+
+    async def never(self):
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(web.StreamResponse, "write_eof", never)
+    server, url = await _serve(lambda request: _reply(200, EVENT + b"data: [DONE]\n\n", "text/event-stream"))
+    _gateway(tmp_path, url)   # writes its YAML
+    path = tmp_path / "pools.yaml"
+    path.write_text("gateway: {write_timeout: 0.5}\n" + path.read_text())
+    gateway = Gateway.from_config(load_config(path))
+    client = await aiohttp_client(create_app(gateway, data_dir=tmp_path))
+    with contextlib.suppress(Exception):   # the connection is aborted
+        await asyncio.wait_for((await client.post("/v1/chat/completions", json={**CHAT, "stream": True})).read(), 10)
+    assert gateway.metrics.client_write_timeouts.labels(pool="remote")._value.get() == 1
+    _assert_no_slot_held(gateway)
     server.close()
 
 
