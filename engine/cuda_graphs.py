@@ -187,8 +187,10 @@ class DecodeGraphs:
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slots[:n].copy_(meta.slot_mapping, non_blocking=True)
-        if size > n:
-            self.slots[n:size].fill_(-1)           # padded rows store nothing
+        if size > n:   # padded rows store nothing and read one key of block 0 (not what a longer step left there)
+            self.slots[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(1)
+            self.block_tables[n:size, 0].zero_()
         self.seq_lens[:n].copy_(meta.seq_lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(meta.block_tables, non_blocking=True)
         self.graphs.replay(graph)

@@ -146,10 +146,14 @@ def test_a_replay_equals_the_eager_forward_and_padded_rows_store_nothing(tiny, m
         k.copy_(torch.randn(k.shape, generator=gen))
         v.copy_(torch.randn(v.shape, generator=gen))
     with torch.inference_mode():
-        for seq_lens in ([20, 9, 17], [5], [24, 2]):          # padded to 4, 1, 2
+        for seq_lens in ([20, 9, 17, 23], [5, 6, 7], [5], [24, 2]):   # sizes 4, 4 (padded), 1, 2
             ids, positions, meta = _decode_step(seq_lens)
             before = [(k.clone(), v.clone()) for k, v in caches]
             replayed = graphs.run(ids, positions, meta).clone()
+            n, size = len(seq_lens), next(s for s in graphs.sizes if s >= len(seq_lens))
+            # a padded row reads one key of block 0, not the context a longer step left in its row
+            assert graphs.seq_lens[n:size].tolist() == [1] * (size - n)
+            assert graphs.block_tables[n:size, 0].tolist() == [0] * (size - n)
             after = [(k.clone(), v.clone()) for k, v in caches]
             for (k, v), (k0, v0) in zip(caches, before):          # the eager forward writes the same K/V again
                 k.copy_(k0)
