@@ -155,8 +155,9 @@ class RequestState:
         for seq in seqs:
             params = seq.params
             emit_to = len(seq.text)
-            if params.stop and not seq.is_finished:
-                # A stop string may be forming at the end: hold back what could be its start.
+            if params.stop and not seq.is_finished and not params.include_stop_str_in_output:
+                # A stop string may be forming at the end: hold back what could be its start (one kept in the
+                # output cuts after itself: what was sent stays, as in vLLM).
                 emit_to = max(seq.num_emitted_chars, emit_to - (max(len(s) for s in params.stop) - 1))
             # overlapped steps: the tokens of the step in flight are placeholders until their values are read
             start_tok, end_tok = seq.num_emitted_tokens, seq.num_known_output_tokens

@@ -179,8 +179,9 @@ def test_n_samples_stop_strings_logprobs_and_min_tokens(builtin_path, chat_promp
     assert_all_free(engine)
 
 
-def _stream(engine, prompt, params):
-    """Run one request step by step; return the joined deltas, the joined token deltas, the last output."""
+def _stream(engine, prompt, params, deltas=None):
+    """Run one request step by step; return the joined deltas, the joined token deltas, the last output
+    (`deltas`: a list each step's text delta is added to)."""
     engine.add_request("s", prompt, params)
     text, tokens, last = "", [], None
     while engine.has_unfinished_requests():
@@ -190,6 +191,8 @@ def _stream(engine, prompt, params):
             tokens += o.delta_token_ids
             assert o.text == text  # the cumulative text is always the sum of the deltas
             last = o
+            if deltas is not None:
+                deltas.append(o.delta_text)
     return text, tokens, last
 
 
@@ -204,6 +207,14 @@ def test_streamed_deltas_add_up_and_never_leak_a_stop_string(builtin_path, chat_
     stopped, _, last = _stream(engine, chat_prompts[3], SamplingParams(temperature=0, max_tokens=30, stop=[stop]))
     assert last.finish_reason == "stop" and last.stop_reason == stop
     assert stopped == text[: text.index(stop)] and stop not in stopped
+    # Kept in the output (include_stop_str_in_output), a stop string cuts after itself: nothing streamed can
+    # be taken back, so nothing is held back (as vLLM): the deltas are those of the plain stream until it.
+    plain_deltas, kept_deltas = [], []
+    _stream(engine, chat_prompts[3], plain, plain_deltas)
+    kept, _, last = _stream(engine, chat_prompts[3], SamplingParams(temperature=0, max_tokens=30, stop=[stop],
+                                                                    include_stop_str_in_output=True), kept_deltas)
+    assert last.stop_reason == stop and kept == text[: text.index(stop) + len(stop)]
+    assert kept_deltas[:-1] == plain_deltas[:len(kept_deltas) - 1]
     assert_all_free(engine)
 
 
