@@ -328,7 +328,7 @@ class LocalResponse:
                 choice.top_logprobs.extend(c.delta_top_logprobs or [])
             if c.finish_reason is not None and choice.finish_reason is None:
                 choice.finish_reason = c.finish_reason
-                self.metrics.finished(choice.pool.name, c.finish_reason)
+                self.latencies.count(self.metrics.finished, choice.pool.name, c.finish_reason)
             has_logprobs = self.want_logprobs and bool(c.delta_token_ids)
             if self.req.stream and (c.delta_text or c.finish_reason or has_logprobs):
                 chunk_choices.append(self._stream_choice(choice, c, has_logprobs, parts))

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Hashable
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
@@ -63,23 +63,27 @@ class PoolSeries(NamedTuple):
 
 
 class HeldLatencies:
-    """A request's latency observations, held while it may yet run again (a worker died before its client saw
-    anything: `LocalResponse.retryable`) and observed once it cannot: the run a client waited for is observed,
-    once, not the one lost with its worker. `observe` holds or observes; `release` observes what was held and
-    what comes after at once."""
+    """A request's latency observations and its choices' ends (`request_success`), held while it may yet run
+    again (a worker died before its client saw anything: `LocalResponse.retryable`) and made once it cannot:
+    the run a client waited for is observed, once, not the one lost with its worker. `observe` and `count`
+    hold or make them; `release` makes what was held and what comes after at once."""
 
     def __init__(self) -> None:
-        self.held: list[tuple[Histogram, float]] | None = []   # None: released, later ones observed at once
+        self.held: list[tuple[Callable[..., None], tuple]] | None = []   # None: released, later ones made at once
 
     def observe(self, histogram: Histogram, value: float) -> None:
+        self.count(histogram.observe, value)
+
+    def count(self, fn: Callable[..., None], *args: Any) -> None:
+        """`fn(*args)` (a counter's `inc`, `GatewayMetrics.finished`), now or at the release."""
         if self.held is None:
-            histogram.observe(value)
+            fn(*args)
         else:
-            self.held.append((histogram, value))
+            self.held.append((fn, args))
 
     def release(self) -> None:
-        for histogram, value in self.held or ():
-            histogram.observe(value)
+        for fn, args in self.held or ():
+            fn(*args)
         self.held = None
 
 

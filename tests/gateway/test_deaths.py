@@ -386,6 +386,26 @@ async def test_a_request_run_again_after_its_worker_died_is_observed_once(aiohtt
     (first, entered, left), (second, _, _) = runs
     assert 0.8 * (left - entered) <= second - first <= left - entered, runs
     await _all_ready(client)
+    # Two prompts, the first stopped early by a stop string of its own text: its choice ended before the worker
+    # died, ran again and ended again; the request's two choices count in request_success twice, not three times.
+    prompts = ["Tell me about the cliffs of the north.", "Tell me about the sea."]
+    whole = await (await client.post("/v1/completions", json={**body, "prompt": prompts})).json()
+    texts = [c["text"] for c in sorted(whole["choices"], key=lambda c: c["index"])]
+    stop = next(texts[0][i:i + 4] for i in range(1, 40) if texts[0][i:i + 4] not in texts[1])
+    success = [s for s in gateway.metrics.request_success.collect()[0].samples if s.name.endswith("_total")]
+    before = sum(s.value for s in success)
+    generated = series.generation_tokens._value.get()
+    answer = asyncio.ensure_future(client.post("/v1/completions", json={**body, "prompt": prompts, "stop": [stop]}))
+    while series.generation_tokens._value.get() < generated + 60:    # the first choice ended, the second runs
+        assert time.monotonic() < deadline + 60
+        await asyncio.sleep(0.005)
+    os.kill(next(s for s in supervisors if s.client.num_in_flight).client.pid, signal.SIGKILL)
+    r = await answer
+    reasons = sorted(c["finish_reason"] for c in (await r.json())["choices"])
+    assert r.status == 200 and reasons == ["length", "stop"]
+    success = [s for s in gateway.metrics.request_success.collect()[0].samples if s.name.endswith("_total")]
+    assert sum(s.value for s in success) - before == 2
+    await _all_ready(client)
 
 
 @pytest.mark.parametrize("marker", ["qqz-poison-2b7e"])
