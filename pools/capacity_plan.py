@@ -191,11 +191,14 @@ class CapacityPlan:
 
 
 def _device_type(device: DeviceSpec, vram_bytes: int | None, warnings: list[str]) -> str:
-    """auto -> cuda when CUDA is present, or when --vram says we plan for a GPU; else cpu (which a Ray
-    device's replicas, placed elsewhere, may not want: said in `warnings`)."""
+    """auto -> cuda when CUDA is present or --vram plans a GPU (cpu_threads unused: said in `warnings`); else
+    cpu (which a Ray device's replicas, placed elsewhere, may not want: said there too)."""
     if device.device != "auto":
         return "cuda" if device.device.startswith("cuda") else "cpu"
     if vram_bytes is not None or torch.cuda.is_available():
+        if device.cpu_threads is not None:   # device: cuda refuses it; auto only knows here
+            warnings.append(f"devices.{device.name}.cpu_threads: {device.cpu_threads} is ignored: device auto "
+                            "resolves to a GPU here, and its ranks run there")
         return "cuda"
     if device.placement == "ray":
         warnings.append(f"devices.{device.name}.device: auto on a Ray device resolves on this machine, which has "
@@ -321,15 +324,14 @@ def _no_room_for_kv(dkey: str, dev: DeviceSpec, memory: int, source: str, model:
     usable = formula.usable_bytes(memory, dev.memory_utilization)
     where = f" ({source})" if source != "config" else ""
     graphs = f" and {fmt_bytes(graphs_dev)} for decode graphs (enforce_eager: true frees it)" if graphs_dev else ""
-    return SpecError(f"{dkey}.memory: {dev.memory_utilization} x {fmt_bytes(memory)}{where} = {fmt_bytes(usable)} per "
-                     f"GPU cannot hold the weights of {model!r}: {fmt_bytes(weights_dev)} per GPU in {dtype_name(dtype)} "
-                     f"(TP={dev.tensor_parallel_size}){graphs}, leaving {fmt_bytes(kv_dev)} for the KV cache")
+    return SpecError(f"{dkey}.memory: {dev.memory_utilization} x {fmt_bytes(memory)}{where} = {fmt_bytes(usable)} "
+                     f"per GPU cannot hold the weights of {model!r}: {fmt_bytes(weights_dev)} per GPU in "
+                     f"{dtype_name(dtype)} (TP={dev.tensor_parallel_size}){graphs}, leaving {fmt_bytes(kv_dev)} for KV")
 
 
 def _graph_reserve(model: ModelConfig, dev: DeviceSpec, device_type: str, tp: int, dtype: torch.dtype) -> int:
-    """Bytes per GPU set aside for the decode graphs: where the engine captures them (CUDA, not
-    `enforce_eager`), for the largest batch it captures (`MAX_GRAPH_BATCH`: the pools' sizes come from
-    what is left, so the plan takes the cap), of one rank's shard (each rank captures its own)."""
+    """Bytes per GPU for the decode graphs where the engine captures them (CUDA, not `enforce_eager`): the largest
+    batch it captures (`MAX_GRAPH_BATCH`: the pools' sizes come from what is left), of one rank's shard."""
     if device_type != "cuda" or dev.enforce_eager:
         return 0
     shard = ShardShape.of(model, 0, tp)
@@ -488,10 +490,9 @@ def _replica_config(template: EngineConfig, dev: DeviceSpec, replica: int, key: 
 
 def plan_single_pool(model: str, *, device: str = "auto", dtype: str = "auto", kv_cache_bytes: int,
                      vram_bytes: int | None = None, **pool: object) -> tuple[CapacityPlan, EngineConfig]:
-    """One pool named `default` on one device, planned like any YAML pool: its `kv_cache_bytes` budget
-    must fit the device's KV space, and `max_num_seqs` (unless given in `pool`) comes from the formula.
-    `pool`: other PoolSpec fields (block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
-    preemption_mode, ...). For `cliffguard generate` and the benchmarks."""
+    """One pool named `default` on one device, planned like any YAML pool (its `kv_cache_bytes` must fit the
+    device's KV space; `max_num_seqs`, unless in `pool`, from the formula). `pool`: other PoolSpec fields
+    (block_size, max_num_seqs, max_model_len, preemption_mode, ...). For `cliffguard generate`, the benchmarks."""
     pool_spec = PoolSpec(name="default", model=model, kv_cache_bytes=kv_cache_bytes, **pool)
     config = CliffguardConfig(gateway=GatewaySpec(), devices={"default": DeviceSpec(device=device, dtype=dtype)},
                               pools=(pool_spec,))

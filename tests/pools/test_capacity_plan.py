@@ -539,6 +539,20 @@ def test_an_auto_device_on_ray_planned_as_cpu_is_said():
     assert not any("Ray device" in w for w in plan_capacity(config, models).warnings)
 
 
+def test_cpu_threads_of_an_auto_device_planned_on_a_gpu_is_said_to_be_unused():
+    """`device: cuda` with cpu_threads is refused by the file's own check; `auto` resolves only at the plan."""
+    data = _small_config()
+    data["devices"]["default"] |= {"device": "auto", "cpu_threads": 2}
+    config = parse_config(data, env={})
+    models = resolve_model_configs(config)
+    said = [w for w in plan_capacity(config, models, vram_bytes=8 * GiB).warnings
+            if w.startswith("devices.default.cpu_threads: 2 is ignored")]
+    assert len(said) == 1, said
+    on_this_machine = plan_capacity(config, models)
+    assert any("cpu_threads" in w for w in on_this_machine.warnings) == (
+        on_this_machine.devices["default"].device_type == "cuda")
+
+
 def test_the_shares_of_a_huge_device_are_taken_in_integers_and_fit_it():
     """0.4 and 0.6 of `memory: 9223372036854775807` in floats rounded past the device's KV bytes, and the plan
     blamed `pools[0].kv_cache_bytes`, which nobody set. Shares are exact now: together they fit."""
