@@ -382,7 +382,7 @@ class LocalResponse:
     def _queue(self, obj: dict[str, Any], event: str | None = None) -> None:
         """One SSE event for the writer (started with the first); `event` names its type (the Responses API)."""
         head = f"event: {event}\n".encode() if event else b""
-        self._push(head + b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+        self._push(head + b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace") + b"\n\n")
         self._start_writer()
 
     def _push(self, chunk: bytes) -> None:

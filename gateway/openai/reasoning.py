@@ -180,7 +180,7 @@ class ReasoningSplitter:
 Summary = Literal["auto", "concise", "detailed"]
 
 
-ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]   # OpenAI's
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]   # OpenAI's
 
 
 class ReasoningOptions(msgspec.Struct, forbid_unknown_fields=True):

@@ -451,8 +451,8 @@ def _error_tail(error: ApiError, responses: bool, sequence_number: int) -> bytes
     if responses:
         event = {"type": "error", "code": body["code"], "message": body["message"], "param": body["param"],
                  "sequence_number": sequence_number}
-        return b"event: error\ndata: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n"
-    return b"data: " + json.dumps({"error": body}, ensure_ascii=False).encode() + b"\n\ndata: [DONE]\n\n"
+        return b"event: error\ndata: " + _escaped_json(event) + b"\n\n"
+    return b"data: " + _escaped_json({"error": body}) + b"\n\ndata: [DONE]\n\n"
 
 
 async def _events(pool: Pool, upstream: UpstreamResponse) -> AsyncIterator[bytes | ApiError]:

@@ -192,8 +192,9 @@ def test_continue_final_message_and_add_generation_prompt(tiny_model: Path, tmp_
 
 def test_reasoning_effort_is_the_template_variable(tiny_model: Path, tmp_path: Path) -> None:
     folder = _make_folder(tmp_path / "model", tiny_model, THINKING)
-    assert _render(folder, {"messages": [USER], "reasoning_effort": "low"}) == \
-        _hf_ids(folder, [USER], reasoning_effort="low")
+    for effort in ("low", "max"):   # every effort of the SDK's ReasoningEffort
+        assert _render(folder, {"messages": [USER], "reasoning_effort": effort}) == \
+            _hf_ids(folder, [USER], reasoning_effort=effort)
     # "none" also turns thinking off, unless chat_template_kwargs say otherwise (the Responses API's reading)
     assert _render(folder, {"messages": [USER], "reasoning_effort": "none"}) == \
         _hf_ids(folder, [USER], reasoning_effort="none", enable_thinking=False)

@@ -162,6 +162,22 @@ async def test_metadata_is_echoed_and_logprobs_come_with_the_text_whole_and_stre
     assert events[-1].response.metadata == {"app": "tests", "turn": "1"}
 
 
+async def test_metadata_with_a_lone_surrogate_streams_as_it_answers_whole(client) -> None:
+    """JSON's escape of half an emoji (which no SDK encodes, but a raw client may send) in echoed metadata: a
+    stream writes it escaped, as the whole answer does, rather than failing at its first event."""
+    import aiohttp
+
+    body = {"model": MODEL, "input": "Name a colour.", "max_output_tokens": 2, "metadata": {"k": "a\ud800"}}
+    async with aiohttp.ClientSession() as http:
+        for stream in (False, True):
+            async with http.post(f"{client.base_url}responses", data=json.dumps({**body, "stream": stream})) as r:
+                assert r.status == 200, await r.text()
+                text = await r.text()
+            last = json.loads(text if not stream else text.rstrip().split("data: ")[-1])
+            last = last if not stream else last["response"]
+            assert last["object"] == "response" and last["metadata"] == {"k": "a\ud800"}, last
+
+
 async def test_include_turns_the_logprobs_on_and_top_logprobs_alone_does_not(client) -> None:
     """As OpenAI's: `include: ["message.output_text.logprobs"]` asks for them (with no alternatives unless
     `top_logprobs` says how many); `top_logprobs` alone returns none."""
