@@ -369,6 +369,7 @@ class ResponsesAnswer(LocalResponse):
             if after.strip():
                 self._close_reasoning()
                 self._close_calls()
+                self._logprobs_from = len(self.choices[0].token_ids)   # none of the calls' markup: as `_body`
                 self._text_delta(after.lstrip(), [])
 
     def _new_logprobs(self) -> list[dict[str, Any]]:

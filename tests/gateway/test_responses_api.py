@@ -220,24 +220,28 @@ def test_a_stream_whose_engine_request_fails_ends_in_response_failed_with_the_er
         "code": "invalid_prompt", "message": "context_length_exceeded: input: too long"}
 
 
-def _items(pieces: list[str], stream: bool, finish: str) -> list[tuple]:
+def _items(pieces: list[str], stream: bool, finish: str, logprobs: bool = False) -> list[tuple]:
     """The output items of a Response whose reply arrives in `pieces` (a template without tools of its own:
-    the hermes format), streamed (its events' items) or whole."""
+    the hermes format), streamed (its events' items) or whole; `logprobs`: asked for (piece k is token k), a
+    message's given as the token ids they are of, each streamed message's checked against its deltas'."""
     from types import SimpleNamespace
 
     from engine.outputs import RequestDelta, SampleDelta
     from gateway.monitoring.metrics import GatewayMetrics
     from gateway.openai.responses import ResponsesAnswer, parse_responses
 
-    asked = parse_responses({"model": MODEL, "input": "hi", "stream": stream, "tools": [WEATHER]})
-    pool = SimpleNamespace(name="chat", tokenizer=SimpleNamespace(chat_template_source=lambda use_tools: ""))
+    include = {"include": ["message.output_text.logprobs"]} if logprobs else {}
+    asked = parse_responses({"model": MODEL, "input": "hi", "stream": stream, "tools": [WEATHER], **include})
+    pool = SimpleNamespace(name="chat", tokenizer=SimpleNamespace(chat_template_source=lambda use_tools: ""),
+                           token_text=str, token_bytes=None)
     answer = ResponsesAnswer(None, asked.chat, [(pool, [1, 2])], placed={"chat": SimpleNamespace(replica=0)},
                              received=0.0, metrics=GatewayMetrics(), asked=asked)
     events: list[dict] = []
     answer._queue = lambda obj, event=None: events.append(obj)
     for k, piece in enumerate(pieces, 1):
         end = finish if k == len(pieces) else None
-        chunks = answer._apply(0, RequestDelta("r", [SampleDelta(0, piece, [k], k, end)], end is not None))
+        chunks = answer._apply(0, RequestDelta("r", [SampleDelta(0, piece, [k], k, end, None, [-0.5], [[]])],
+                                               end is not None))
         if chunks:
             answer._queue_chunk(chunks)
     final = answer._finished()
@@ -245,7 +249,12 @@ def _items(pieces: list[str], stream: bool, finish: str) -> list[tuple]:
         done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
         assert sorted(json.dumps(i, sort_keys=True) for i in done) == \
             sorted(json.dumps(i, sort_keys=True) for i in final["output"])
+        for item in (i for i in done if i["type"] == "message"):
+            deltas = [lp for e in events if e["type"] == "response.output_text.delta" and e["item_id"] == item["id"]
+                      for lp in e["logprobs"]]
+            assert item["content"][0]["logprobs"] == deltas, (item, deltas)
     return [(i["type"], i.get("name") or i["content"][0]["text"], i.get("arguments"), i["status"])
+            + ((tuple(int(lp["token"]) for lp in i["content"][0]["logprobs"]),) if logprobs and "content" in i else ())
             for i in final["output"]]
 
 
@@ -266,6 +275,11 @@ def test_text_around_a_call_is_the_same_items_streamed_or_whole_however_the_repl
         assert _items(pieces, stream=True, finish=finish) == whole, pieces
     assert _items(["\n" + call], stream=True, finish=finish) == _items(["\n" + call], stream=False, finish=finish) \
         == whole[1:2]
+    # With logprobs: the message after the call has none (a token of it may hold the call's markup), as the whole
+    # answer's; the one before it has its own tokens' when streamed, where each came as the text did.
+    pieces = [reply[:6], reply[6:-12], reply[-12:]]
+    streamed = _items(pieces, stream=True, finish=finish, logprobs=True)
+    assert [item[-1] for item in streamed if item[0] == "message"] == [(1,), ()]
 
 
 def test_calls_and_their_outputs_pair_as_openai_requires() -> None:
