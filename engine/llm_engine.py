@@ -289,7 +289,7 @@ class LLMEngine:
         once this one is queued behind it."""
         previous, self._in_flight = self._in_flight, None
         if not self.has_work():   # nothing to run, or only paused requests: what is in flight settles
-            self.last_step = StepStats()
+            self.last_step = StepStats(finished_at=self.last_step.finished_at)
             return self._postprocess(previous) if previous is not None else []
         started = time.perf_counter()
         outputs = self._admit_built_grammars()
@@ -418,12 +418,12 @@ class LLMEngine:
         outputs = [self._finish_or_report(self.requests[rid], seqs) for rid, seqs in touched.items()
                    if rid in self.requests]
         if scheduled.batch:
-            finished_at = time.perf_counter()
+            finished_at = stats.finished_at = time.perf_counter()
             self.composer.observe(scheduled.composed, device_seconds if launched.clock else
                                   finished_at - launched.forward_started, finished_at)
             for pool, seconds in first_tokens:
                 self.composer.observe_first_token(pool, seconds, finished_at)
-            stats.seconds = finished_at - scheduled.started
+            stats.seconds = finished_at - max(scheduled.started, self.last_step.finished_at)   # see StepStats
         stats.phases["outputs"] = time.perf_counter() - done
         self.last_step = stats
         return outputs

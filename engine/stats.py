@@ -148,7 +148,10 @@ class StepStats:
     num_attended: int = 0                   # query-key pairs of the step's attention (the composer's feature)
     num_keys_read: int = 0                  # context positions its sequences read (another of its features)
     num_preempted: int = 0
+    # From the step's start, or from the end of the step before where it ran beside it (overlapped steps:
+    # queued behind it): a step's share of the time, so that steps' seconds add up to the time they took.
     seconds: float = 0.0
+    finished_at: float = 0.0                # perf_counter: when its outputs were read
     target_seconds: float | None = None     # the composer's latency target for the step
     predicted_seconds: float | None = None  # the cost model's prediction (with its margin)
     pressed: list[str] = field(default_factory=list)   # interactive pools that put throughput at its floor

@@ -156,6 +156,25 @@ def test_overlap_reads_each_step_after_launching_the_next(tiny_path, monkeypatch
     assert fills == [2] * 5
 
 
+def test_overlapped_steps_seconds_add_up_to_the_time_they_took(tiny_path):
+    """A step read a call after its launch ran beside the step before: its seconds count from that one's
+    end, so a benchmark's or a calibration's step times add up to the time they took, not twice it."""
+    import time
+
+    engine = _engine(tiny_path, True)
+    for i in range(4):
+        engine.add_request(f"r{i}", [5 + i, 6, 7, 8], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    seen, total, started = engine.last_step, 0.0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        if engine.last_step is not seen:
+            seen = engine.last_step
+            total += seen.seconds
+    wall = time.perf_counter() - started
+    assert 0.5 * wall <= total <= 1.05 * wall, (total, wall)
+    assert_all_free(engine)
+
+
 def test_a_stop_a_step_late_drops_the_extra_token(tiny_path):
     """A sequence that stops on EOS-like stop ids was already scheduled once more: that token is computed,
     dropped, and its blocks freed; the output ends at the stop."""
