@@ -7,17 +7,23 @@
 #   mkdir -p .gpu/smollm2 && cp <converted builtin model>/{config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu/smollm2/
 # (the converted builtin model is the folder under ~/.cache/cliffguard/models/ that `make serve` made). The
 # simulate step gives that SmolLM2 shape random weights there (transformers) and validates the simulator on
-# a machine whose speed holds still (GPU_STEPS=simulate runs it alone: about 20 minutes); the isolation
+# a machine whose speed holds still (GPU_STEPS=simulate runs it alone: about 6 minutes, 60 s a rate, as a
+# device call is at most 600 s); the isolation
 # step runs `bench isolation --sweep --quick` on that model on CUDA, with the SLO the engine derives there;
 # the chaos step runs `bench chaos --quick` there on config/pools.yaml's pools (that model, an 8 GiB
 # device) with the faults of CHAOS_FAULTS at their full sizes (--quick sizes them for a 2-core CPU); the
 # restart step times a CUDA worker's restart, forked and spawned (`bench restart`); the hostcost step runs
 # `bench hostcost` on CUDA (the host's share of a decode step of a deep, narrow model, beside transformers);
+# (its tokenizer from .gpu/smollm2: the device lacks the builtin's package);
 # the engine step runs the 8B shape with decode graphs (the default) and the eager step the same with
 # --enforce-eager, the sync step with --async-scheduling off (no overlapped steps); the tests step includes greedy
 # output with graphs against without (test_cuda_graphs.py), no stream synchronize in a step's launch (test_overlap.py)
 # and the FP8 KV cache's and the MoE layer's kernels on the GPU (test_triton*.py, compiled: TRITON_INTERPRET=0); the
-# moe step times the MoE experts' three ways (Triton, grouped matmuls, loop); the kvcache step an FP8 cache's agreement on CUDA. The device machine lacks msgspec (the worker protocol): carry
+# moe step times the MoE experts' three ways (Triton, grouped matmuls, loop); the kernels_fp8 step the kernels on
+# an FP8 KV cache (its decode bandwidth, in its own bytes); the kvcache step (not a default: it needs real
+# weights, KVCACHE_MODEL, which a device machine cannot be given) an FP8 cache's agreement on CUDA. The tests
+# step reads the builtin's tokenizer from .gpu/smollm2 (CLIFFGUARD_BUILTIN_DIR: its tiny models take only the
+# tokenizer). The device machine lacks msgspec (the worker protocol): carry
 # its wheel in `.whl` and install it first (see the device tool's notes). Logs go to $OUT (or ./gpu-out); the last lines printed are a short summary.
 set -u
 OUT=${OUT:-gpu-out}
@@ -25,8 +31,8 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 PY=${PY:-python3}
 CLI="$PY -m gateway.cli"
-# Each step is killed past STEP_TIMEOUT seconds (default 300; simulate 1800, chaos and isolation 900): a hung
-# step costs its own time, not the call's.
+# Each step is killed past STEP_TIMEOUT seconds (default 300; simulate, chaos and isolation 540: a device call
+# is at most 600 s, so run each of those alone): a hung step costs its own time, not the call's.
 step() { local name=$1; shift; echo "=== $name: $*"; local t0=$SECONDS;
          timeout -k 10 "${STEP_TIMEOUT:-300}" "$@" >"$OUT/$name.log" 2>&1; local rc=$?;
          echo "=== $name: rc=$rc in $((SECONDS - t0)) s"; tail -n ${TAILN:-25} "$OUT/$name.log"; }
@@ -50,31 +56,33 @@ for pool in config["pools"]:
 yaml.safe_dump(config, open(f"{sim}/chaos.yaml", "w"), sort_keys=False)
 PYEOF
 }
-for what in ${GPU_STEPS:-tests kernels engine sync eager hostcost kvcache moe}; do
+for what in ${GPU_STEPS:-tests kernels kernels_fp8 engine sync eager hostcost moe}; do
   case $what in
-    tests)   TRITON_INTERPRET=0 step gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton.py \
+    tests)   CLIFFGUARD_BUILTIN_DIR=${CLIFFGUARD_BUILTIN_DIR:-$PWD/.gpu/smollm2} TRITON_INTERPRET=0 step gpu_tests $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_triton.py \
                tests/kernels/test_triton_prefill.py tests/kernels/test_triton_fused.py tests/kernels/test_triton_moe.py \
                tests/engine/test_sampling.py \
                tests/engine/test_cuda_graphs.py tests/engine/test_overlap.py tests/kernels/test_transfer.py \
                tests/kernels/test_engine_triton.py ;;
     kernels) step bench_kernels $CLI bench kernels ;;
-    hostcost) step bench_hostcost $CLI bench hostcost --device cuda --lengths 100,1000 ;;
+    kernels_fp8) step bench_kernels_fp8 $CLI bench kernels --kv-dtype fp8 ;;
+    hostcost) step bench_hostcost $CLI bench hostcost --device cuda --lengths 100,1000 --tokenizer .gpu/smollm2 ;;
     engine)  step bench_engine $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 ;;
     eager)   step bench_engine_eager $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
                --skip-hf --enforce-eager ;;
-    kvcache) step bench_kvcache $CLI bench kvcache --device cuda --max-tokens 32 ;;
+    kvcache) step bench_kvcache $CLI bench kvcache --device cuda --max-tokens 32 --model "${KVCACHE_MODEL:?a model with real weights}" ;;
     moe)     step bench_moe $CLI bench moe --device cuda --tokens 1,16,64,256,1024 ;;
     sync)    step bench_engine_sync $CLI bench engine --model .gpu/llama-3-8b --random-weights --dtype bfloat16 \
                --skip-hf --async-scheduling off ;;
     simulate) smollm2 && printf '%s\n' 'devices:' '  gpu: {device: cuda, memory: 4GiB, dtype: bfloat16}' 'pools:' \
                 '  - name: chat' "    model: $SIM/smollm2" '    device: gpu' '    kv_cache_bytes: 128MiB' \
                 '    avg_len: 512' '    max_model_len: 2048' '    max_num_batched_tokens: 512' > "$SIM/pools.yaml" &&
-              TAILN=40 STEP_TIMEOUT=${STEP_TIMEOUT:-1800} step bench_simulate $CLI bench simulate --config "$SIM/pools.yaml" --duration 120 --out "$OUT/simulate" ;;
-    chaos)   smollm2 && chaos_config && TAILN=45 STEP_TIMEOUT=${STEP_TIMEOUT:-900} step bench_chaos $CLI bench chaos --quick --config "$SIM/chaos.yaml" \
+              TAILN=40 STEP_TIMEOUT=${STEP_TIMEOUT:-540} step bench_simulate $CLI bench simulate --config "$SIM/pools.yaml" \
+                --duration 60 --calibration-duration 40 --out "$OUT/simulate" ;;
+    chaos)   smollm2 && chaos_config && TAILN=45 STEP_TIMEOUT=${STEP_TIMEOUT:-540} step bench_chaos $CLI bench chaos --quick --config "$SIM/chaos.yaml" \
                --burst 500 --silent-bodies 24 --tenant-burst 16 \
                --faults ${CHAOS_FAULTS:-silent_bodies,stop_idle_worker,poison,tenant_burst,kill_worker} --out "$OUT/chaos" ;;
     restart) smollm2 && chaos_config && step bench_restart $CLI bench restart --config "$SIM/chaos.yaml" --runs 3 ;;
-    isolation) smollm2 && TAILN=40 STEP_TIMEOUT=${STEP_TIMEOUT:-900} step bench_isolation $CLI bench isolation --sweep --quick --no-slo --device cuda \
+    isolation) smollm2 && TAILN=40 STEP_TIMEOUT=${STEP_TIMEOUT:-540} step bench_isolation $CLI bench isolation --sweep --quick --no-slo --device cuda \
                  --model "$SIM/smollm2" --out "$OUT/isolation" ;;
   esac
 done

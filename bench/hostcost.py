@@ -23,7 +23,9 @@ op dispatch, the engine's per-sequence bookkeeping. Four measurements, each prin
    outside the forward pass (schedule, inputs, sample, outputs: the per-sequence work), for the step
    less the attention kernel, and for the whole step.
 
-`--device cuda` measures the same on a GPU (the step's host phases then include waiting for the device).
+`--device cuda` measures the same on a GPU (the step's host phases then include waiting for the device; each
+of our steps is timed until the device finished it, as transformers' is, so that neither waits in the other's
+time; the ops are counted on an eager step, a decode step otherwise replaying a CUDA graph).
 """
 
 from __future__ import annotations
@@ -67,11 +69,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads on a CPU (default 1)")
     p.add_argument("--device", default="cpu", help="cpu (default) | cuda | cuda:N")
     p.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | float16")
+    p.add_argument("--tokenizer", default=TOKENIZER_SOURCE,
+                   help="where the model's tokenizer files come from: a model folder, or builtin:NAME (default; a "
+                        "machine without the builtin's package, such as a GPU machine, gives a folder)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
-def make_model(folder: Path, layers: int, hidden: int, vocab: int) -> Path:
-    """A random-weight Llama of the given depth and width saved with transformers, the builtin tokenizer beside it."""
+def make_model(folder: Path, layers: int, hidden: int, vocab: int, tokenizer: str = TOKENIZER_SOURCE) -> Path:
+    """A random-weight Llama of the given depth and width saved with transformers, the tokenizer files of
+    `tokenizer` (a folder or builtin:NAME) beside it."""
     import transformers
 
     from engine.weights import resolve_model
@@ -82,7 +88,7 @@ def make_model(folder: Path, layers: int, hidden: int, vocab: int) -> Path:
         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    source = resolve_model(TOKENIZER_SOURCE)
+    source = resolve_model(tokenizer)
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copy(source / name, folder / name)
@@ -129,6 +135,8 @@ class Ours:
         self.attention_seconds = 0.0
         started = time.perf_counter()
         self.engine.step()
+        if self.engine.device.type == "cuda":   # the step left in flight settles in our time, not in the next
+            torch.cuda.synchronize(self.engine.device)   # system's (transformers' synchronize would wait for it)
         seconds = time.perf_counter() - started
         assert not self.engine.last_step.num_prefill_tokens
         return seconds, {**self.engine.last_step.phases, "attention": self.attention_seconds}
@@ -154,19 +162,21 @@ class Ours:
         runner.backend = SimpleNamespace(store_kv=backend.store_kv, paged_attention=paged_attention)
 
     def ops_per_layer(self) -> float:
-        model = self.engine.model
-        forward = model.forward
+        """The eager forward's ops (a decode step replaying a CUDA graph calls no forward: this one runs eager)."""
+        model, runner = self.engine.model, self.engine.runner
+        forward, graphs = model.forward, runner.graphs
         counter = OpCounter()
 
         def counted(*a, **k):
             with counter:
                 return forward(*a, **k)
 
-        model.forward = counted
+        model.forward, runner.graphs = counted, None
         try:
             self.engine.step()
         finally:
             del model.forward
+            runner.graphs = graphs
         return counter.count / len(model.layers)
 
 
@@ -310,6 +320,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--device: {args.device} but CUDA is not available")
     if args.length_model is not None and args.skip_lengths:
         raise ValueError("--length-model: the output-length table is skipped (--skip-lengths)")
+    try:
+        tokenizer = resolve_model(args.tokenizer)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ValueError(f"--tokenizer: {exc}") from None
+    if not (tokenizer / "tokenizer.json").is_file():
+        raise ValueError(f"--tokenizer: {tokenizer} has no tokenizer.json")
+    args = argparse.Namespace(**{**vars(args), "tokenizer": str(tokenizer)})
     length_folder = None
     if args.length_model is not None:   # a bad model fails now, not after the first tables
         try:
@@ -334,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
 def _measure(tmp: Path, args: argparse.Namespace, sizes: list[int], lengths: list[int],
              length_folder: Path | None) -> dict:
     """Every table of the report, on a model made in `tmp` (and the length table on `length_folder` if given)."""
-    folder = make_model(tmp / "model", args.layers, args.hidden_size, args.vocab_size)
+    folder = make_model(tmp / "model", args.layers, args.hidden_size, args.vocab_size, args.tokenizer)
     result = {"model": {"layers": args.layers, "hidden_size": args.hidden_size, "vocab_size": args.vocab_size},
               "device": args.device, "dtype": args.dtype, "threads": torch.get_num_threads(),
               "prompt_len": args.prompt_len, "compare": compare(folder, args),

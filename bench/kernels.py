@@ -11,6 +11,9 @@
   at least 2,048 tokens (1 x 4096 and 4 x 2048 by default); shorter ones are reported, not judged.
 - store_kv: achieved bandwidth (K/V read + written + slots read) beside the copy.
 
+`--kv-dtype fp8` runs the same on an FP8 cache (float8_e4m3fn: half a bfloat16 cache's bytes), its K/V read
+and written as the engine's `kv_cache_dtype: fp8` does (scales 1.0); the bandwidth counts its bytes.
+
 One layer's K/V lives in a `KVCache` (the engine's `[L, 2, num_blocks, block_size, kv_heads, head_dim]`
 tensor) big enough for the largest shape; every case gets block tables shuffled over all of its blocks.
 Before timing, every shape is checked against `kernels.reference` (the torch path; dense attention when
@@ -83,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-heads", type=int, default=None, help="KV heads (default 8; dry run 2)")
     p.add_argument("--head-dim", type=int, default=None, help="(default 128; dry run 32)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block: 8, 16 (default) or 32")
+    p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
+                   help="the KV cache's dtype: auto (--dtype's, default) or fp8 (float8_e4m3fn, 1 byte a value: "
+                        "the kernels store and read it with scales; its bytes are what the bandwidth counts)")
     p.add_argument("--num-splits", type=int, default=None,
                    help="passed to the Triton paged_attention (default: its own choice)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per case, the median counts (default 20)")
@@ -125,15 +131,20 @@ class Setup:
     num_splits: int | None
     iters: int
     warmup: int
+    kv_dtype: torch.dtype | None = None   # the cache's, where it is not `dtype` (FP8)
 
     @property
     def scale(self) -> float:
         return self.head_dim ** -0.5
 
     @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token in one layer."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """K and V of one token in one layer, in the cache's dtype."""
+        return 2 * self.num_kv_heads * self.head_dim * self.cache_dtype.itemsize
 
 
 def triton_available() -> bool:
@@ -189,8 +200,11 @@ def _make_cache(setup: Setup, num_blocks: int):
     model = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1, hidden_size=setup.num_heads * setup.head_dim,
                         intermediate_size=1, num_layers=1, num_heads=setup.num_heads,
                         num_kv_heads=setup.num_kv_heads, head_dim=setup.head_dim)
-    cache = KVCache(model, num_blocks, setup.block_size, setup.dtype, setup.device)
-    cache.data.normal_()
+    cache = KVCache(model, num_blocks, setup.block_size, setup.cache_dtype, setup.device)
+    flat = cache.data.view(-1)
+    for start in range(0, flat.numel(), 1 << 26):   # N(0, 1) drawn in float32 (FP8 has no normal_), in parts
+        part = flat[start:start + (1 << 26)]
+        part.copy_(torch.randn(part.shape, device=part.device))
     return cache
 
 
@@ -219,8 +233,8 @@ def _expected_attention(setup: Setup, query, k_cache, v_cache, meta):
 
     if setup.backend.name != "torch":
         return reference.paged_attention(query, k_cache, v_cache, meta, setup.scale)
-    k_flat = k_cache.reshape(-1, setup.num_kv_heads, setup.head_dim)
-    v_flat = v_cache.reshape(-1, setup.num_kv_heads, setup.head_dim)
+    k_flat = reference.dequantize_kv(k_cache, query.dtype).reshape(-1, setup.num_kv_heads, setup.head_dim)
+    v_flat = reference.dequantize_kv(v_cache, query.dtype).reshape(-1, setup.num_kv_heads, setup.head_dim)
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
@@ -301,6 +315,7 @@ def bench_prefill(setup: Setup, cache, batch: int, seq_len: int, rng: random.Ran
 
 def bench_store(setup: Setup, num_seqs: int, new_tokens: int, rng: random.Random, copy_bw: float, flush) -> dict:
     """Each sequence writes `new_tokens` after a random prefix shorter than a block (mid-block starts)."""
+    from engine.kv_cache import raw
     from kernels import reference
 
     prefixes = [rng.randrange(setup.block_size) for _ in range(num_seqs)]
@@ -315,9 +330,11 @@ def bench_store(setup: Setup, num_seqs: int, new_tokens: int, rng: random.Random
     reference.store_kv(key, value, want[0, 0], want[0, 1], meta)
     k_cache, v_cache = cache.layers[0]
     setup.backend.store_kv(key, value, k_cache, v_cache, meta)
-    ok = torch.equal(cache.data, want)
+    ok = torch.equal(cache.raw, raw(want))   # as bytes: FP8 has no equal on every device
     seconds = _median_time(setup, lambda: setup.backend.store_kv(key, value, k_cache, v_cache, meta), flush)
-    nbytes = 2 * num_tokens * setup.kv_bytes_per_token + meta.slot_mapping.numel() * 8
+    # K/V read in their dtype, written in the cache's (an FP8 cache: a byte a value), the slots read
+    nbytes = 2 * key.numel() * key.element_size() + num_tokens * setup.kv_bytes_per_token \
+        + meta.slot_mapping.numel() * 8
     return {"num_seqs": num_seqs, "new_tokens": new_tokens, "ok": ok, "ms": seconds * 1e3, "bytes": nbytes,
             "gbps": nbytes / seconds / 1e9, "of_copy": nbytes / seconds / copy_bw}
 
@@ -345,7 +362,7 @@ def _setting(args: argparse.Namespace, name: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.config import parse_dtype
+    from engine.config import kv_cache_dtype, parse_dtype
 
     decode_shapes = parse_shapes(_setting(args, "decode_shapes"), "--decode-shapes")
     prefill_shapes = parse_shapes(_setting(args, "prefill_shapes"), "--prefill-shapes")
@@ -364,8 +381,9 @@ def run(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype) if args.dtype != "auto" else (
         torch.bfloat16 if device.type == "cuda" else torch.float32)
     backend = load_backend(args.backend, device)
+    kv_dtype = None if args.kv_dtype == "auto" else kv_cache_dtype(args.kv_dtype, dtype)
     setup = Setup(device, dtype, backend, num_heads, num_kv_heads, _setting(args, "head_dim"), args.block_size,
-                  args.num_splits, iters, warmup)
+                  args.num_splits, iters, warmup, kv_dtype)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
 
@@ -382,7 +400,8 @@ def run(args: argparse.Namespace) -> int:
     flush = _l2_flush(device)
 
     result = {"dry_run": args.dry_run, "device": _device_name(device), "backend": backend.name,
-              "source": backend.source, "dtype": str(dtype).removeprefix("torch."), "num_heads": num_heads,
+              "source": backend.source, "dtype": str(dtype).removeprefix("torch."),
+              "kv_dtype": str(setup.cache_dtype).removeprefix("torch."), "num_heads": num_heads,
               "num_kv_heads": num_kv_heads, "head_dim": setup.head_dim, "block_size": setup.block_size,
               "iters": iters, "copy_gbps": copy_bw / 1e9, "matmul_tflops": matmul_rate / 1e12}
     need = [math.ceil(c / setup.block_size) * b for b, c in decode_shapes + prefill_shapes]
@@ -438,7 +457,8 @@ def _print_report(r: dict, note: str) -> None:
 
     if note:
         print(note)
-    print(f"kernels: {r['backend']} ({r['source']}) on {r['device']}, {r['dtype']}; {r['num_heads']} query heads, "
+    print(f"kernels: {r['backend']} ({r['source']}) on {r['device']}, {r['dtype']}, KV cache {r['kv_dtype']}; "
+          f"{r['num_heads']} query heads, "
           f"{r['num_kv_heads']} KV heads, head_dim {r['head_dim']}, block {r['block_size']}; median of "
           f"{r['iters']} calls")
     print(f"ceilings measured in this run: copy {r['copy_gbps']:.1f} GB/s (dst.copy_(src), read + write), "

@@ -62,6 +62,38 @@ def test_the_text_report_names_each_goal(capsys, one_thread):
     assert "output length" not in out
 
 
+def test_the_tokenizer_comes_from_a_folder_where_the_builtin_is_missing(capsys, one_thread, tmp_path, builtin_path):
+    """A GPU machine lacks the builtin's package: the model's tokenizer files come from a folder given."""
+    import shutil
+
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    for name in ("config.json", *hostcost.TOKENIZER_FILES):
+        shutil.copy(builtin_path / name, folder / name)
+    assert _run(*SMALL, "--skip-lengths", "--batch-sizes", "1", "--tokenizer", str(folder)) == 0
+    assert json.loads(capsys.readouterr().out)["compare"]["ours_ms"] > 0
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="--tokenizer: .* has no tokenizer.json"):
+        _run(*SMALL, "--tokenizer", str(folder))
+
+
+def test_ops_are_counted_on_an_eager_forward_where_decode_steps_replay_graphs(one_thread, tmp_path):
+    """On CUDA a decode step replays a graph and calls no forward: the count runs that step eager."""
+    args = argparse.Namespace(prompt_len=4, vocab_size=512, device="cpu", dtype="float32")
+    folder = hostcost.make_model(tmp_path / "model", 2, 64, 512)
+    ours = hostcost.Ours(folder, args, batch=2, max_tokens=8)
+
+    class Replays:   # a decode step would replay this, never the model's forward
+        def can_run(self, *args):
+            return True
+
+        def run(self, *args):
+            raise AssertionError("the count must run the forward eagerly")
+
+    ours.engine.runner.graphs = graphs = Replays()
+    assert 5 < ours.ops_per_layer() < 200 and ours.engine.runner.graphs is graphs
+
+
 @pytest.mark.parametrize("argv, message", [
     (("--batch-sizes", "0,2"), "--batch-sizes"),
     (("--lengths", "5,100"), "--lengths"),

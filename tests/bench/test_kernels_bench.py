@@ -81,6 +81,22 @@ def test_dry_run_on_the_triton_kernels_through_the_interpreter(extra, capsys):
     assert [(r["seq_len"], r["kernel"]) for r in result["prefill"]] == [(80, "prefill"), (17, "paged")]
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=TRITON)])
+def test_an_fp8_cache_is_checked_and_its_bytes_counted(backend, capsys):
+    """`--kv-dtype fp8`: the kernels read and write the cache as the engine's FP8 cache, checked against the
+    reference, and the bandwidth counts a byte a value (a quarter of float32's)."""
+    shapes = ("--dry-run", "--json", "--backend", backend, "--decode-shapes", "2x20", "--prefill-shapes", "1x18",
+              "--store-shapes", "2x3")
+    results = {}
+    for kv in ("auto", "fp8"):
+        assert _run_kernels(*shapes, "--kv-dtype", kv) == 0
+        results[kv] = json.loads(capsys.readouterr().out)
+        assert results[kv]["all_ok"] and len(results[kv]["decode"] + results[kv]["store_kv"]) == 2
+    assert (results["auto"]["kv_dtype"], results["fp8"]["kv_dtype"]) == ("float32", "float8_e4m3fn")
+    q_and_o = 2 * 2 * 4 * 32 * 4                                    # 2 rows x 4 heads x head_dim 32, float32
+    assert results["fp8"]["decode"][0]["bytes"] - q_and_o == (results["auto"]["decode"][0]["bytes"] - q_and_o) // 4
+
+
 def test_a_wrong_kernel_is_flagged_and_fails_the_run(monkeypatch, capsys):
     def off_by_a_bit(query, k_cache, v_cache, meta, scale, **kwargs):
         out = reference.paged_attention(query, k_cache, v_cache, meta, scale)
