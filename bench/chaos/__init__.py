@@ -180,6 +180,8 @@ def fault_summary(run: FaultRun, before_s: float, raw: dict[str, Any],
             "end_s": run.end_s, "window_end_s": run.window_end_s, "recovery_s": recovery,
             "recovered": recovery is not None and recovery <= GOAL_RECOVERY_S,
             "steady": account(records, run.start_s, run.window_end_s),
+            "max_send_lag_s": max((r.lag_s for r in records if run.start_s <= (r.sent_s or -1) < run.window_end_s),
+                                  default=0.0),   # counted in TTFT (from the planned arrival)
             "ttft_p99_s": {"before": window_ttft_p99(records, before_s, run.start_s),
                            "during": window_ttft_p99(records, run.start_s, run.end_s),
                            "after": window_ttft_p99(records, run.end_s, run.window_end_s)},

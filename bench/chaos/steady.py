@@ -172,7 +172,8 @@ class StreamTally:
 
 @dataclass
 class SteadyRecord:
-    """One steady-load request. Times in seconds from the run's start (`ttft_s`: from its send).
+    """One steady-load request. Times in seconds from the run's start (`sent_s`: its planned arrival;
+    `ttft_s`: from it, a late send's lag `lag_s` included, as a client that was due then waits it).
     `outcome`: ok | error (an error status or error event: answered) | cut | lost | unsent."""
 
     rid: str
@@ -186,6 +187,7 @@ class SteadyRecord:
     error: str | None = None
     gateway: int = 0             # the gateway (index in `Chaos.steady_urls`) of its last attempt
     retried: bool = False        # its first gateway failed before a token: sent again to the next one
+    lag_s: float = 0.0           # how late it was sent (the load's loop busy with the faults' clients)
 
     def finish(self, tally: StreamTally | None, timed_out: bool) -> None:
         """Classify the request from its HTTP status and what its stream held (`tally`; None when the
@@ -254,11 +256,11 @@ def gateway_failed(record: SteadyRecord, tally: StreamTally | None, timed_out: b
 async def send_steady(ctx: Chaos, planned: Planned, record: SteadyRecord, gateway: int = 0) -> None:
     """Send one steady request to gateway `gateway` of `ctx.steady_urls` (or `ctx.url`) and classify its
     answer into `record`; one that gateway failed before any token (`gateway_failed`) is sent once more, to
-    the next gateway, as a load balancer would. TTFT and end count from the first send. Never raises (but
-    cancellation)."""
+    the next gateway, as a load balancer would. TTFT counts from its planned arrival (`SteadyRecord`). Never
+    raises (but cancellation)."""
     urls = ctx.steady_urls or [ctx.url]
-    sent = time.perf_counter()
-    record.sent_s = sent - ctx.start
+    sent = ctx.start + ctx.load_start_s + planned.arrival_s
+    record.sent_s, record.lag_s = sent - ctx.start, max(0.0, time.perf_counter() - sent)
     tally, timed_out = None, False
     try:
         for attempt in range(min(2, len(urls))):

@@ -68,6 +68,36 @@ def test_a_stream_holds_one_answer_unless_it_is_cut_or_answered_twice():
         _tally(["not", "an", "object"])
 
 
+async def test_a_late_send_counts_its_lag_in_ttft_from_the_planned_arrival():
+    """The load's loop, shared with the faults' clients, may send a request late: its client was due at the
+    planned arrival, so TTFT counts from there and the lag is kept."""
+    import asyncio
+    import contextlib
+    from types import SimpleNamespace
+
+    from bench.chaos.steady import Planned, send_steady
+
+    class Response:
+        status = 200
+        content = SimpleNamespace(iter_any=lambda: _chunks())
+
+    async def _chunks():
+        await asyncio.sleep(0.05)
+        yield b'data: {"id": "c", "choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\ndata: [DONE]\n\n'
+
+    @contextlib.asynccontextmanager
+    async def post(url, json):
+        yield Response()
+
+    start = time.perf_counter() - 1.0
+    ctx = SimpleNamespace(start=start, load_start_s=0.2, url="http://127.0.0.1:1", steady_urls=[], timeout=5.0,
+                          session=SimpleNamespace(post=post))
+    record = SteadyRecord("r", "chat")
+    await send_steady(ctx, Planned("r", "chat", 0.5, "/v1/chat/completions", {}), record)   # due 0.3 s ago
+    assert record.outcome == "ok" and record.sent_s == pytest.approx(0.7)
+    assert record.lag_s == pytest.approx(0.3, abs=0.05) and record.ttft_s >= record.lag_s + 0.05
+
+
 def test_outcomes_answered_lost_cut():
     cases = [(None, None, False, "lost", 0),                 # no response at all
              (503, None, False, "error", 1),                 # a clear error status is an answer
