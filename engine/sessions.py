@@ -329,6 +329,7 @@ class SessionHub:
             if session.channel.eof and not session.closed:
                 self._end(session, "the gateway closed the connection")
             messages += [m for m in inbound if not (session.closed and isinstance(m, (AddRequest, PauseRequest)))]
+        self._report_waiting()   # the sums once every session of this turn is read (one that left counts nothing)
         return messages
 
     def _inbound(self, session: Session, msg) -> list:
@@ -346,7 +347,8 @@ class SessionHub:
                 self._note_peaks(pool)
                 added = dataclasses.replace(msg, request_id=engine_id)
                 return [added, PauseRequest(engine_id, True)] if session.throttled else [added]
-            case AbortRequest():
+            case AbortRequest():   # its credits free now: its gateway reuses them at once, maybe in this read
+                self._release(session, session.tag + msg.request_id)
                 return [dataclasses.replace(msg, request_id=session.tag + msg.request_id)]
             case PauseRequest():
                 engine_id = session.tag + msg.request_id
@@ -358,7 +360,7 @@ class SessionHub:
                 session.waiting[msg.pool] = msg.count
                 if msg.pool in self.capacity:
                     self._demand(session, msg)
-                return [ReportWaiting(msg.pool, sum(s.waiting.get(msg.pool, 0) for s in self.sessions))]
+                return []   # the pool's sum over the sessions goes to the composer at the end of `receive`
             case LeaseAck():
                 self._acknowledged(session, msg)
                 return []
@@ -416,6 +418,7 @@ class SessionHub:
         stats = self._stats_for(session, msg.stats) if msg.stats is not None else None
         if deltas or stats is not None:
             self._safe_send(session, Outputs(deltas, stats))
+            self._throttle(session)   # now, not at the next flush: the loop would wait on its outbox meanwhile
 
     def _owner(self, sessions: list[Session], request_id: str) -> Session | None:
         return next((s for s in sessions if request_id.startswith(s.tag)), None)
@@ -473,8 +476,8 @@ class SessionHub:
             time.sleep(0.01)   # a socket closed under us: the next turn ends its session
 
     def drain(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        return all(s.channel.drain(max(0.0, deadline - time.monotonic())) for s in list(self.sessions))
+        deadline = time.monotonic() + timeout   # every session's, though an earlier one did not drain in time
+        return all([s.channel.drain(max(0.0, deadline - time.monotonic())) for s in list(self.sessions)])
 
     def close(self) -> None:
         for session in list(self.sessions):

@@ -19,7 +19,8 @@ import pytest
 from engine.config import CacheConfig, EngineConfig, PoolConfig
 from engine.remote_client import RemoteEngineClient
 from engine.sampling import SamplingParams
-from engine.messages import AddRequest, Lease, LeaseAck, PauseRequest, Rejected, ReportWaiting, Shutdown
+from engine.messages import (AbortRequest, AddRequest, Lease, LeaseAck, Outputs, PauseRequest, Rejected, ReportWaiting,
+                             Shutdown)
 from engine.sessions import Session, SessionHub, held_credits, lease_shares
 from gateway.admission import AdmissionControl
 from pools.credits.queue import CreditQueue, reservation
@@ -182,6 +183,59 @@ def test_a_leaving_gateways_queue_no_longer_presses_the_pool():
     assert hub.engine.composer.waiting == {"p": 5}
     hub._inbound(first, Shutdown())
     assert hub.engine.composer.waiting == {"p": 0}
+
+
+def test_a_queue_reported_in_a_leaving_gateways_last_read_presses_nothing():
+    """A killed gateway's last frames (its queue's report) and the end of its connection arrive in one read;
+    another session's report read before that end does not carry the leaving one's queue either."""
+    for order in ("own", "other's first"):
+        hub, first, second = _hub()
+        first.channel.incoming, first.channel.eof = [ReportWaiting("p", 5)], True
+        if order == "other's first":
+            hub.sessions.reverse()                                   # the survivor is read first
+            second.channel.incoming = [ReportWaiting("p", 2)]
+        assert not any(isinstance(m, ReportWaiting) for m in hub.receive())
+        assert hub.engine.composer.waiting["p"] == (0 if order == "own" else 2), order
+
+
+def test_an_abort_frees_its_credits_before_what_its_gateway_admits_with_them_in_the_same_read():
+    """The gateway frees an aborted request's credits at once and may admit another with them; both arrive in
+    one read: the hub counts the pool's credits as held once, never past its capacity."""
+    hub, first, second = _hub()
+    params = SamplingParams(max_tokens=4)
+    hub._inbound(first, AddRequest("a", [1], params, pool="p", credits=256))
+    hub._inbound(second, AddRequest("c", [1], params, pool="p", credits=256))
+    first.channel.incoming = [AbortRequest("a"), AddRequest("b", [2], params, pool="p", credits=256)]
+    messages = hub.receive()
+    assert [(type(m).__name__, m.request_id) for m in messages] == [("AbortRequest", "s1/a"), ("AddRequest", "s1/b")]
+    assert held_credits(hub.sessions, "p") <= BLOCKS * BLOCK and hub.peak_held["p"] <= BLOCKS * BLOCK
+    assert first.requests == {"s1/b": ("p", 256, False)}
+
+
+def test_a_session_whose_outbox_a_step_takes_past_the_bound_is_throttled_at_once():
+    """Throttled at the send that takes it past MAX_OUTBOX_BYTES, not at the next flush: until then the loop's
+    back-pressure counted it, and every gateway's requests waited on the slow one."""
+    from engine.outputs import RequestDelta
+    from engine.worker import MAX_OUTBOX_BYTES
+
+    hub, first, second = _hub()
+    hub.engine.pause = lambda *args: None
+    hub._inbound(first, AddRequest("a", [1], SamplingParams(max_tokens=4), pool="p", credits=8))
+
+    def send(msg):   # a client that stopped reading: this step's outputs take its outbox over the bound
+        first.channel.num_pending_bytes = MAX_OUTBOX_BYTES + 1
+
+    first.channel.send = send
+    hub.send(Outputs([RequestDelta("s1/a", [], False)], None))
+    assert first.throttled and hub.num_pending_bytes <= MAX_OUTBOX_BYTES
+
+
+def test_a_failed_steps_last_words_reach_every_gateway_though_one_drains_slowly():
+    hub, first, second = _hub()
+    drained = []
+    first.channel.drain = lambda timeout: drained.append("first") or False    # its outbox never empties
+    second.channel.drain = lambda timeout: drained.append("second") or True
+    assert not hub.drain(0.1) and drained == ["first", "second"]
 
 
 def test_a_request_id_in_use_on_its_session_is_refused_and_the_first_stays_counted():
