@@ -87,8 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=None, help="(default 128; dry run 32)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block: 8, 16 (default) or 32")
     p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
-                   help="the KV cache's dtype: auto (--dtype's, default) or fp8 (float8_e4m3fn, 1 byte a value: "
-                        "the kernels store and read it with scales; its bytes are what the bandwidth counts)")
+                   help="the KV cache's: auto (--dtype's, default) | fp8 (float8_e4m3fn: its bytes counted)")
     p.add_argument("--num-splits", type=int, default=None,
                    help="passed to the Triton paged_attention (default: its own choice)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per case, the median counts (default 20)")
@@ -138,13 +137,9 @@ class Setup:
         return self.head_dim ** -0.5
 
     @property
-    def cache_dtype(self) -> torch.dtype:
-        return self.kv_dtype or self.dtype
-
-    @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token in one layer, in the cache's dtype."""
-        return 2 * self.num_kv_heads * self.head_dim * self.cache_dtype.itemsize
+        return 2 * self.num_kv_heads * self.head_dim * (self.kv_dtype or self.dtype).itemsize
 
 
 def triton_available() -> bool:
@@ -200,10 +195,8 @@ def _make_cache(setup: Setup, num_blocks: int):
     model = ModelConfig(architecture="LlamaForCausalLM", vocab_size=1, hidden_size=setup.num_heads * setup.head_dim,
                         intermediate_size=1, num_layers=1, num_heads=setup.num_heads,
                         num_kv_heads=setup.num_kv_heads, head_dim=setup.head_dim)
-    cache = KVCache(model, num_blocks, setup.block_size, setup.cache_dtype, setup.device)
-    flat = cache.data.view(-1)
-    for start in range(0, flat.numel(), 1 << 26):   # N(0, 1) drawn in float32 (FP8 has no normal_), in parts
-        part = flat[start:start + (1 << 26)]
+    cache = KVCache(model, num_blocks, setup.block_size, setup.kv_dtype or setup.dtype, setup.device)
+    for part in cache.data.view(-1).split(1 << 26):   # N(0, 1) drawn in float32 (FP8 has no normal_), in parts
         part.copy_(torch.randn(part.shape, device=part.device))
     return cache
 
@@ -401,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
 
     result = {"dry_run": args.dry_run, "device": _device_name(device), "backend": backend.name,
               "source": backend.source, "dtype": str(dtype).removeprefix("torch."),
-              "kv_dtype": str(setup.cache_dtype).removeprefix("torch."), "num_heads": num_heads,
+              "kv_dtype": str(kv_dtype or dtype).removeprefix("torch."), "num_heads": num_heads,
               "num_kv_heads": num_kv_heads, "head_dim": setup.head_dim, "block_size": setup.block_size,
               "iters": iters, "copy_gbps": copy_bw / 1e9, "matmul_tflops": matmul_rate / 1e12}
     need = [math.ceil(c / setup.block_size) * b for b, c in decode_shapes + prefill_shapes]

@@ -61,8 +61,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from engine.ipc import FrameError
 from engine.lease_shares import lease_shares
-from engine.messages import (AbortRequest, AddRequest, Lease, LeaseAck, Outputs, PauseRequest, Ready,
+from engine.messages import (AbortRequest, AddRequest, Fatal, Lease, LeaseAck, Outputs, PauseRequest, Ready,
                              Rejected, ReportWaiting, Shutdown, StatsQuery, StatsReply)
 
 log = logging.getLogger("cliffguard.engine")
@@ -70,6 +71,7 @@ log = logging.getLogger("cliffguard.engine")
 __all__ = ["Session", "SessionHub", "lease_shares"]
 
 DEMAND_STEPS = 16   # demands count in steps of 1/16 of a pool: a lease moves with the queue, not with every request
+LAST_WORDS_SECONDS = 0.5   # a session that ends for its link's fault hears why this long (the loop waits on it)
 
 
 @dataclass
@@ -323,6 +325,9 @@ class SessionHub:
             try:
                 received = session.channel.receive()
             except OSError as exc:
+                if isinstance(exc, FrameError):   # its gateway hears why: the link's doing, not its requests'
+                    self._last_words(session, Fatal(f"replica: the gateway's commands cannot be read: {exc}",
+                                                    unreadable=True))
                 self._end(session, f"connection lost: {exc}")
                 continue
             inbound = [out for msg in received if not session.closed for out in self._inbound(session, msg)]
@@ -448,6 +453,14 @@ class SessionHub:
                                            held_credits=held_credits(self.sessions, name))
                  for name, ps in stats.pools.items()}
         return dataclasses.replace(stats, pools=pools)
+
+    def _last_words(self, session: Session, msg) -> None:
+        """`msg` to a session about to end, given a moment (`LAST_WORDS_SECONDS`) to go out."""
+        try:
+            session.channel.send(msg)
+            session.channel.drain(LAST_WORDS_SECONDS)
+        except OSError:
+            pass
 
     def _safe_send(self, session: Session, msg) -> None:
         try:

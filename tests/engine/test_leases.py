@@ -238,6 +238,24 @@ def test_a_failed_steps_last_words_reach_every_gateway_though_one_drains_slowly(
     assert not hub.drain(0.1) and drained == ["first", "second"]
 
 
+def test_a_gateway_whose_frames_cannot_be_read_hears_so_and_only_its_session_ends():
+    """The link's doing, not its requests': its gateway is told (`Fatal` unreadable), counting the end against
+    none of them, as a local worker's own gateway is; the other session serves on."""
+    from engine.ipc import FrameError
+    from engine.messages import Fatal
+
+    hub, first, second = _hub()
+
+    def corrupt():
+        raise FrameError("ipc: a frame of 18446744073709551615 bytes: the stream is corrupt")
+
+    first.channel.receive, first.channel.drain = corrupt, lambda timeout: True
+    hub.receive()
+    assert hub.sessions == [second] and first.closed
+    fatal = first.channel.sent[-1]
+    assert isinstance(fatal, Fatal) and fatal.unreadable and "cannot be read" in fatal.traceback
+
+
 def test_a_request_id_in_use_on_its_session_is_refused_and_the_first_stays_counted():
     hub, first, second = _hub()
     params = SamplingParams(max_tokens=4)
