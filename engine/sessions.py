@@ -357,6 +357,8 @@ class SessionHub:
                 return [dataclasses.replace(msg, request_id=session.tag + msg.request_id)]
             case PauseRequest():
                 engine_id = session.tag + msg.request_id
+                if msg.paused and engine_id not in session.requests:
+                    return []   # it ended before its gateway's pause came: nothing to pause, nothing to keep
                 (session.paused.add if msg.paused else session.paused.discard)(engine_id)
                 if session.throttled and not msg.paused:
                     return []   # it steps again once its gateway reads (`_throttle`)

@@ -256,6 +256,13 @@ def test_a_gateway_whose_frames_cannot_be_read_hears_so_and_only_its_session_end
     assert isinstance(fatal, Fatal) and fatal.unreadable and "cannot be read" in fatal.traceback
 
 
+def test_a_pause_that_comes_after_its_request_ended_is_not_kept():
+    hub, first, second = _hub()
+    hub._inbound(first, AddRequest("a", [1], SamplingParams(max_tokens=4), pool="p", credits=8))
+    hub._inbound(first, AbortRequest("a"))                      # ended (as a finished one is released)
+    assert hub._inbound(first, PauseRequest("a", True)) == [] and first.paused == set()
+
+
 def test_a_request_id_in_use_on_its_session_is_refused_and_the_first_stays_counted():
     hub, first, second = _hub()
     params = SamplingParams(max_tokens=4)
