@@ -27,6 +27,7 @@ its replicas share for the tokens they sample) and the sequence order across rep
 from __future__ import annotations
 
 import bisect
+import heapq
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -264,10 +265,13 @@ class ReplicaGroup:
     """One device's replicas (`attach`ed `DeviceSim`s, built on the same `pools`) and, per pool, the
     gateway's credit queue and placement over them. `arrive` queues a routed request in its pool;
     `run` drives everything. `avg_lens`: each pool's `avg_len` (the placement's cap on the output a
-    request is expected to take; a pool left out gets the placement's default)."""
+    request is expected to take; a pool left out gets the placement's default). `max_queue`: each pool's
+    `max_queue_seconds` (left out or None: it waits however long), applied as the gateway does: a request
+    still waiting for credits that long fails (503), and with 0 one that does not fit at once (429)."""
 
     def __init__(self, pools: Sequence[PoolConfig], *, block_size: int, num_replicas: int = 1,
-                 avg_lens: Mapping[str, int] | None = None, credits: bool = True, seed: int = 0) -> None:
+                 avg_lens: Mapping[str, int] | None = None, credits: bool = True, seed: int = 0,
+                 max_queue: Mapping[str, float | None] | None = None) -> None:
         self.num_replicas = num_replicas
         self.block_size = block_size
         self.pools = tuple(p.name for p in pools)
@@ -282,6 +286,8 @@ class ReplicaGroup:
         self.replicas: list[DeviceSim] = []
         self.rng = random.Random(seed)
         self._queued: dict[str, tuple[SimRequest, Seq, Work]] = {}     # waiting for credits
+        self.max_queue = dict(max_queue or {})
+        self._deadlines: list[tuple[float, str, str]] = []   # heap: (when its wait ends, request id, pool)
         self._order = 0
 
     def attach(self, replica: DeviceSim) -> int:
@@ -321,6 +327,27 @@ class ReplicaGroup:
                                                       block_size=self.block_size,
                                                       max_model_len=scheduler.max_model_len))
         self._admit(request.pool, request.arrival)
+        limit = self.max_queue.get(request.pool)
+        if limit == 0 and request.request_id in self._queued:
+            self._refuse(request.pool, request.request_id, request.arrival, "429: the pool is full "
+                         "(max_queue_seconds 0 refuses what does not fit at once)")
+        elif limit is not None and request.request_id in self._queued:
+            heapq.heappush(self._deadlines, (request.arrival + limit, request.request_id, request.pool))
+
+    def _expire(self, now: float) -> None:
+        """The requests that waited for credits past their pool's max_queue_seconds by `now` fail, as the
+        gateway answers them 503."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, request_id, pool = heapq.heappop(self._deadlines)
+            if request_id in self._queued:
+                self._refuse(pool, request_id, now, f"503: waited max_queue_seconds ({self.max_queue[pool]:g} s) "
+                                                    "for KV credits")
+
+    def _refuse(self, pool: str, request_id: str, at: float, why: str) -> None:
+        request, _, _ = self._queued.pop(request_id)
+        self.ledgers[pool].cancel(request_id)
+        request.error = why
+        self._admit(pool, at)   # the ones behind it may fit now
 
     def _admit(self, pool: str, at: float) -> None:
         """Whoever now fits in `pool`'s queue, each on the replica placement picks, at time `at`."""
@@ -375,6 +402,7 @@ class ReplicaGroup:
                 for r in self.replicas:
                     r.stalled = False
                 continue
+            self._expire(now)
             min(busy, key=lambda r: (r.clock, r.replica)).step()
         if any(r.has_work for r in self.replicas):
             held = [rid for r in self.replicas for rid in r.held_requests]

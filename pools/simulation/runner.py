@@ -241,7 +241,8 @@ def _device_group(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePla
         lens[name] = pplan.max_model_len
         avg_lens[name] = pplan.spec.avg_len
     group = ReplicaGroup(pools, block_size=dplan.block_size, num_replicas=dplan.replicas, avg_lens=avg_lens,
-                         credits=credits, seed=seed)
+                         credits=credits, seed=seed,
+                         max_queue={name: plan.pools[name].spec.max_queue_seconds for name in dplan.pools})
     for _ in range(dplan.replicas):
         DeviceSim(pools, block_size=dplan.block_size, max_model_lens=lens, step_time=step_time,
                   kv_bytes_per_token=dplan.kv_bytes_per_token_per_device, spirals=spirals, group=group)

@@ -155,6 +155,24 @@ def test_credits_prevent_preemption_that_an_overcommitted_pool_suffers():
     assert without.schedulers["chat"].stats.num_recomputed_tokens > 0
 
 
+@pytest.mark.parametrize("limit", [0.0, 0.5])
+def test_a_request_waiting_for_credits_past_max_queue_seconds_fails_as_the_gateway_answers_it(limit):
+    """With 0 a request that does not fit at once is refused (429); with 0.5 s one still waiting then fails
+    (503): neither is served late and counted as served, and the others all are."""
+    step = LinearStepTime(a=0.01, b=0.0001, c=0.001, d=0.0)
+    pools = [_pool(num_blocks=64, max_num_seqs=8)]
+    group = ReplicaGroup(pools, block_size=16, max_queue={"chat": limit})
+    sim = DeviceSim(pools, block_size=16, max_model_lens={"chat": 1024}, step_time=step,
+                    kv_bytes_per_token=TINY.kv_bytes_per_token(torch.bfloat16), group=group)
+    requests = _flood(12)   # 64 blocks hold two 500-token requests' worst cases: the others queue
+    sim.run(requests)
+    failed = [r for r in requests if r.error is not None]
+    assert failed and all(r.finished for r in requests if r.error is None)
+    assert all(r.admitted - r.arrival <= limit + 0.05 for r in requests if r.admitted is not None)   # a step
+    assert {r.error.split(":")[0] for r in failed} == {"429" if limit == 0 else "503"}
+    assert sim.group.ledgers["chat"].num_queued == 0 and not sim.group._queued
+
+
 def test_swap_mode_moves_blocks_and_charges_the_copy_time():
     step = LinearStepTime(a=0.01, b=0.0001, c=0.001, d=0.0, swap_bandwidth=1e6)
     pool = PoolConfig(name="chat", num_blocks=64, scheduler=SchedulerConfig(
