@@ -36,6 +36,14 @@ MAX_FRAME_BYTES = 1 << 31      # a larger frame is a protocol error (a corrupt s
 _RECV_BYTES = 1 << 20
 
 
+def _poll(sock: socket.socket, events: int, timeout: float | None) -> None:
+    """Sleep until `sock` has one of `events` or `timeout` seconds pass. poll, not select: a process of many
+    connections (a replica) has descriptors past select's 1024."""
+    poller = select.poll()
+    poller.register(sock, events)
+    poller.poll(None if timeout is None else max(0.0, timeout) * 1000)
+
+
 class FrameError(OSError):
     """A frame that is no message (its length past MAX_FRAME_BYTES, its body undecodable, its MAC wrong): the
     stream is corrupt or another program's. An OSError, as a broken connection is; told apart by its type."""
@@ -134,8 +142,7 @@ class Channel:
     def wait(self, timeout: float | None = None) -> None:
         """Sleep until a message may be read, or (while the outbox holds something) more may be
         written, or `timeout` seconds pass."""
-        writers = [self.sock] if self._outbox else []
-        select.select([self.sock], writers, [], timeout)
+        _poll(self.sock, select.POLLIN | (select.POLLOUT if self._outbox else 0), timeout)
 
     def drain(self, timeout: float) -> bool:
         """Block up to `timeout` seconds until the outbox is written (a worker's last words before it
@@ -145,7 +152,7 @@ class Channel:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            select.select([], [self.sock], [], left)
+            _poll(self.sock, select.POLLOUT, left)
         return True
 
     def close(self) -> None:

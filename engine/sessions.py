@@ -48,7 +48,8 @@ gateway reconciles its credits with (the replica's whole usage would count the o
 against it).
 
 Thread rules: `attach` is called from the thread that accepts connections; `send` from the loop and the
-heartbeat thread (a lock keeps the session list whole); everything else from the loop's thread.
+heartbeat thread (a lock keeps the session list whole; `Outputs`, which may throttle a session and so pause
+its requests, only from the loop); everything else from the loop's thread.
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ class SessionHub:
         self.num_sessions = 0
         self.peak_reserved = dict.fromkeys(self.capacity, 0)   # pool -> the most credits ever reserved at once
         self.peak_held = dict.fromkeys(self.capacity, 0)       # pool -> the most credits ever held at once
+        self._unchecked: list[Session] = []   # sessions sent outputs since the loop last read `num_pending_bytes`
 
     # --- sessions come and go ----------------------------------------------------------------------
     def attach(self, channel, name: str = "") -> None:
@@ -280,7 +282,15 @@ class SessionHub:
 
     # --- the channel the loop sees -----------------------------------------------------------------
     @property
-    def num_pending_bytes(self) -> int:   # a throttled session's outbox holds up none but its own requests
+    def num_pending_bytes(self) -> int:
+        """The largest outbox of a session not throttled (a throttled one holds up none but its own requests).
+        The loop reads it before stepping: a session whose outbox a send took past the bound is throttled
+        first (here, not at that send: mid-turn, a request its gateway added in the same read was not yet
+        the engine's, and would have run unpaused)."""
+        unchecked, self._unchecked = self._unchecked, []
+        for session in unchecked:
+            if not session.closed:
+                self._throttle(session)
         return max((s.channel.num_pending_bytes for s in self.sessions if not s.throttled), default=0)
 
     def fileno(self) -> int:
@@ -425,7 +435,7 @@ class SessionHub:
         stats = self._stats_for(session, msg.stats) if msg.stats is not None else None
         if deltas or stats is not None:
             self._safe_send(session, Outputs(deltas, stats))
-            self._throttle(session)   # now, not at the next flush: the loop would wait on its outbox meanwhile
+            self._unchecked.append(session)   # throttled before the loop steps (`num_pending_bytes`), if over the bound
 
     def _owner(self, sessions: list[Session], request_id: str) -> Session | None:
         return next((s for s in sessions if request_id.startswith(s.tag)), None)
@@ -461,7 +471,7 @@ class SessionHub:
         try:
             session.channel.send(msg)
             session.channel.drain(LAST_WORDS_SECONDS)
-        except OSError:
+        except (OSError, ValueError):   # ValueError: its socket closed under us
             pass
 
     def _safe_send(self, session: Session, msg) -> None:

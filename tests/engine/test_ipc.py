@@ -115,3 +115,26 @@ def test_drain_gives_up_after_its_timeout_when_nobody_reads():
     assert 0.25 < time.monotonic() - started < 3
     _pump(x, y, 0, 1)
     assert x.drain(0.1) is True
+
+
+def test_a_channel_past_descriptor_1024_waits_and_drains():
+    """A replica holding many connections has sockets past descriptor 1024, which select() cannot watch (a
+    ValueError): a session's last words there, and its waits, use poll."""
+    import os
+
+    x, y = _make_pair(buffer_bytes=8 << 10)
+    high = socket.socket(fileno=os.dup2(x.sock.fileno(), 1500))
+    x.sock.close()
+    x.sock = high
+    try:
+        x.send(Fatal("x" * (4 << 20)))
+        started = time.monotonic()
+        assert x.drain(0.3) is False and 0.25 < time.monotonic() - started < 3
+        started = time.monotonic()
+        x.wait(0.3)   # the outbox is full, the peer silent
+        assert time.monotonic() - started < 3
+        _pump(x, y, 0, 1)
+        assert x.drain(0.1) is True
+    finally:
+        high.close()
+        y.sock.close()

@@ -227,7 +227,30 @@ def test_a_session_whose_outbox_a_step_takes_past_the_bound_is_throttled_at_once
 
     first.channel.send = send
     hub.send(Outputs([RequestDelta("s1/a", [], False)], None))
-    assert first.throttled and hub.num_pending_bytes <= MAX_OUTBOX_BYTES
+    assert hub.num_pending_bytes <= MAX_OUTBOX_BYTES and first.throttled   # read before the loop steps
+
+
+def test_a_request_added_in_the_read_whose_abort_takes_the_outbox_past_the_bound_is_paused():
+    """[abort a, add b] in one read: the abort's last output (sent while the read is handled) takes the outbox
+    over the bound before b is the engine's; b is paused all the same, before the loop steps."""
+    from engine.outputs import RequestDelta
+    from engine.worker import MAX_OUTBOX_BYTES
+
+    hub, first, second = _hub()
+    paused = {}
+    hub.engine.pause = lambda engine_id, on: engine_id in hub.engine.requests and paused.__setitem__(engine_id, on)
+    params = SamplingParams(max_tokens=4)
+    hub._inbound(first, AddRequest("a", [1], params, pool="p", credits=8))
+    hub.engine.requests["s1/a"] = object()
+    first.channel.incoming = [AbortRequest("a"), AddRequest("b", [2], params, pool="p", credits=8)]
+    for msg in hub.receive():   # as the worker handles them, in order
+        if isinstance(msg, AbortRequest):
+            del hub.engine.requests[msg.request_id]
+            first.channel.num_pending_bytes = MAX_OUTBOX_BYTES + 1     # its last output, unread
+            hub.send(Outputs([RequestDelta(msg.request_id, [], True)], None))
+        else:
+            hub.engine.requests[msg.request_id] = object()
+    assert hub.num_pending_bytes <= MAX_OUTBOX_BYTES and paused == {"s1/b": True}
 
 
 def test_a_failed_steps_last_words_reach_every_gateway_though_one_drains_slowly():
