@@ -369,14 +369,15 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
             f"it ended before its last event ({last})"), "upstream_disconnected")
     failed = failure is not None or seen.error_status is not None
     relayed.count(seen.usage, [] if failed else seen.finish_reasons)
-    if failure is not None:   # a failed request all the same, though its status was 200
-        log.warning("%s: %s", request.path, failure.message)
-        if not seen.ended:
-            await write(_error_tail(failure, responses, seen.sequence_number + 1))
-    if failed:   # ours, or the upstream's own error event
-        metrics.errors.labels(status=str(seen.error_status if failure is None else failure.status)).inc()
+    if failed:   # a failed request all the same, though its status was 200 (counted before a write may fail)
+        metrics.errors.labels(status=str(seen.error_status or failure.status)).inc()   # the upstream's first
     else:
         relayed.series.e2e.observe(time.perf_counter() - relayed.received)
+    if failure is not None:
+        log.warning("%s: %s", request.path, failure.message)
+        if not seen.ended:   # after the upstream's own error event, only the end it did not send
+            await write(b"data: [DONE]\n\n" if seen.error_status else
+                        _error_tail(failure, responses, seen.sequence_number + 1))
     await write(None)
     return response
 

@@ -357,6 +357,47 @@ async def test_a_chat_stream_that_drops_after_an_error_event_still_ends_with_our
     server.close()
 
 
+async def test_a_chat_stream_that_drops_after_its_own_error_ends_with_done_and_counts_its_status(aiohttp_client,
+                                                                                                tmp_path):
+    """The upstream said why it failed (`data: {"error": ...}`), then dropped: the client gets that error once,
+    then `[DONE]`, and request_errors counts the upstream's status."""
+    events = EVENT + b'data: {"error": {"message": "overloaded", "type": "server_error", "code": 503}}\n\n'
+    server, url = await _serve(lambda request: (CHUNKED + b"%x\r\n" % len(events) + events + b"\r\n",))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    text = await r.text()
+    assert text.count('"error"') == 1 and text.endswith("data: [DONE]\n\n"), text
+    assert gateway.metrics.errors.labels(status="503")._value.get() == 1
+    assert gateway.metrics.errors.labels(status="502")._value.get() == 0
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
+async def test_a_failed_relayed_stream_counts_though_its_client_is_gone_before_the_error_is_written(
+        aiohttp_client, tmp_path, monkeypatch):
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    server, url = await _serve(lambda request: (head + b"%x\r\n" % len(EVENT) + EVENT + b"\r\n",))   # drops
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    writes = []
+
+    async def write_within(request, write, *args):
+        writes.append(1)
+        if len(writes) > 1:   # the error's tail: the client is gone
+            write.close()
+            raise ClientGone("gone")
+        await write
+
+    monkeypatch.setattr(relay, "write_within", write_within)
+    with contextlib.suppress(Exception):
+        await (await client.post("/v1/chat/completions", json={**CHAT, "stream": True})).read()
+    for _ in range(100):
+        if gateway.metrics.errors.labels(status="502")._value.get():
+            break
+        await asyncio.sleep(0.02)
+    assert gateway.metrics.errors.labels(status="502")._value.get() == 1
+    server.close()
+
+
 async def test_sglangs_flat_error_body_is_read_as_the_openai_one(aiohttp_client, tmp_path):
     flat = (b'{"object": "error", "message": "max_tokens is too large", "type": "BadRequestError", "param": null, '
             b'"code": 400}')
