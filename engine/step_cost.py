@@ -129,6 +129,9 @@ class LinearStepTime:
                 raise ValueError(f"{name}: must be a number >= 0, got {value!r}")
         if not isinstance(self.knee, int) or isinstance(self.knee, bool) or self.knee < 0:
             raise ValueError(f"knee: must be an integer >= 0 (tokens per step), got {self.knee!r}")
+        bandwidth = self.swap_bandwidth
+        if bandwidth is not None and (not isinstance(bandwidth, (int, float)) or not bandwidth > 0):
+            raise ValueError(f"swap_bandwidth: must be a number > 0 (bytes/s) or null, got {bandwidth!r}")
 
     def predict(self, features: StepFeatures) -> float:
         coef = np.array([self.a, self.b, self.c, self.d, self.e])
@@ -305,14 +308,15 @@ def read_step_trace(path: str | Path, *, skip: int = 2) -> list[tuple[StepFeatur
 
 def write_step_model(path: str | Path, model: LinearStepTime, *, device: str, model_name: str,
                      num_steps: int) -> None:
-    """A calibration file: the coefficients and where they were measured."""
+    """A calibration file: the coefficients, the swap copies' bandwidth where it was measured (a pool with swap
+    space; else null), and where they were measured."""
     import datetime
     import platform
 
     import torch
 
     Path(path).write_text(json.dumps({
-        "step_model": "linear", **model.coefficients(),
+        "step_model": "linear", **model.coefficients(), "swap_bandwidth": model.swap_bandwidth,
         "device": device, "model": model_name, "num_steps": num_steps, "machine": platform.node(),
         "cpu_threads": torch.get_num_threads(), "date": datetime.date.today().isoformat()}, indent=2) + "\n")
 
@@ -331,7 +335,8 @@ def _read_text(path: str | Path, option: str) -> str:
 
 def read_step_model(path: str | Path) -> LinearStepTime:
     """A calibration file written by `write_step_model`; ValueError naming the file otherwise. A file
-    without `e` (written before the keys-read term) reads as e = 0, one without `knee` as knee 0."""
+    without `e` (written before the keys-read term) reads as e = 0, one without `knee` as knee 0, one
+    without `swap_bandwidth` as not measured (None)."""
     text = _read_text(path, "--step-model")
     try:
         data = json.loads(text)
@@ -341,7 +346,7 @@ def read_step_model(path: str | Path) -> LinearStepTime:
         raise ValueError(f"--step-model: {path} is not a calibration file (no \"step_model\": \"linear\")")
     try:
         return LinearStepTime(*(data[k] for k in ("a", "b", "c", "d")), e=data.get("e", 0.0),
-                              knee=data.get("knee", 0))
+                              knee=data.get("knee", 0), swap_bandwidth=data.get("swap_bandwidth"))
     except KeyError as exc:
         raise ValueError(f"--step-model: {path} lacks {exc.args[0]!r}") from None
     except ValueError as exc:

@@ -133,10 +133,13 @@ def upstream_rates(config: CliffguardConfig, plan: CapacityPlan, workload: str,
 def device_step_times(plan: CapacityPlan, model_configs: Mapping[str, ModelConfig], *, preset: str,
                       step_model: str | None = None) -> dict[str, StepTime]:
     """Each planned device's step-time model: the measured one in the `step_model` file (from
-    `simulate --calibrate`) for every device, else the `preset` GPU's roofline for the device's model,
-    dtype, KV cache dtype and tensor parallelism."""
+    `simulate --calibrate`) for every device (its swap copies at the bandwidth measured with it, else at
+    the `preset`'s: never free), else the `preset` GPU's roofline for the device's model, dtype, KV cache
+    dtype and tensor parallelism."""
     if step_model is not None:
         measured = read_step_model(step_model)
+        if measured.swap_bandwidth is None:
+            measured = dataclasses.replace(measured, swap_bandwidth=PRESETS[preset].swap_bandwidth)
         return {d.name: measured for d in plan.devices.values()}
     return {d.name: RooflineStepTime(PRESETS[preset], model_configs[d.model], parse_dtype(d.dtype).itemsize,
                                      d.tensor_parallel_size, getattr(torch, d.kv_cache_dtype).itemsize)

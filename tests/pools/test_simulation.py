@@ -450,6 +450,29 @@ def test_a_calibration_file_keeps_the_knee_and_refuses_a_bad_one(tmp_path):
             LinearStepTime(0.01, 0.001, 0.002, 0.0, knee=bad)
 
 
+def test_a_calibration_keeps_its_swap_bandwidth_and_a_file_without_one_swaps_at_the_presets(tmp_path):
+    """A measured model's swap copies are never free: at the bandwidth measured with it, else the preset's
+    (with none, swap mode moved blocks in no time and `auto` never swapped)."""
+    from pools.simulation.runner import device_step_times
+
+    path = tmp_path / "step.json"
+    write_step_model(path, dataclasses.replace(SERVED, swap_bandwidth=20e9), device="h100", model_name="m",
+                     num_steps=9)
+    assert read_step_model(path).swap_bandwidth == 20e9
+    config = load_config(ROOT / "config" / "examples" / "llama3-70b-8xh100.yaml")
+    models = {config.pools[0].model: read_model_config(LLAMA_70B)}
+    plan = plan_capacity(config, models, vram_bytes=80 << 30)
+    assert {s.swap_bandwidth for s in device_step_times(plan, models, preset="h100", step_model=str(path)).values()} \
+        == {20e9}
+    path.write_text('{"step_model": "linear", "a": 0.04, "b": 0.001, "c": 0.002, "d": 0.0005}')   # none measured
+    assert read_step_model(path).swap_bandwidth is None
+    assert {s.swap_bandwidth for s in device_step_times(plan, models, preset="a100", step_model=str(path)).values()} \
+        == {PRESETS["a100"].swap_bandwidth}
+    path.write_text('{"step_model": "linear", "a": 0.04, "b": 0.001, "c": 0.002, "d": 0.0, "swap_bandwidth": 0}')
+    with pytest.raises(ValueError, match=r"step\.json: swap_bandwidth: must be a number > 0"):
+        read_step_model(path)
+
+
 def test_the_gateway_death_spiral_detector_trips_in_an_overcommitted_pool_only():
     """An overcommitted pool without credits preempts and recomputes in a loop: the gateway's detector,
     fed every 0.25 simulated s as the gateway feeds it, trips; the same load behind credits never does."""
