@@ -34,8 +34,6 @@ def builtin_path() -> Path:
     """The builtin SmolLM2 converted once into the user cache (reused across runs). On a machine without its
     package (a GPU machine: bench/gpu_session.sh), `CLIFFGUARD_BUILTIN_DIR` names a folder of its config and
     tokenizer files instead: enough for the tests whose tiny models take only its tokenizer."""
-    import os
-
     from engine.weights import resolve_model
 
     return Path(os.environ["CLIFFGUARD_BUILTIN_DIR"]) if os.environ.get("CLIFFGUARD_BUILTIN_DIR") \
