@@ -75,6 +75,9 @@ def simulate(args: argparse.Namespace) -> int:
     if args.calibrate:
         return _calibrate(config, args)
     classes = load_workload(args.workload)
+    if rates is not None and all(c.rate is not None for c in classes):
+        raise UsageError(f"--sweep-rate: every class of workload {args.workload!r} has a rate of its own, so no "
+                         "request rate moves its arrivals (give a class a share to sweep)")
     check_arrivals(classes, max(rates or [args.request_rate]), args.duration,
                    "--sweep-rate" if rates else "--request-rate")
     config, model_configs, vram, layouts, step_times = _simulation_setup(config, args)

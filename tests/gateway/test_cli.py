@@ -272,6 +272,14 @@ def test_simulate_refuses_more_arrivals_than_one_run_may_generate(tmp_path, caps
     assert "lower --request-rate, --duration or the workload's class rates" in _error_line(capsys)
 
 
+def test_simulate_refuses_to_sweep_a_workload_whose_classes_all_have_their_own_rate(tmp_path, capsys):
+    """Every row had the same arrivals, labelled with the rates swept: a flat knee that was no measurement."""
+    fixed = tmp_path / "fixed.yaml"
+    fixed.write_text("classes:\n  - {name: a, prompt_len: 8, output_len: 4, rate: 2}\n")
+    assert main(_simulate_args("--workload", str(fixed), "--sweep-rate", "4,8", "--duration", "1")) == 2
+    assert "--sweep-rate: every class of workload" in _error_line(capsys)
+
+
 def test_simulate_refuses_an_out_folder_or_calibrate_file_it_cannot_write_before_running(tmp_path, capsys):
     """`--out` under a file once ran the whole sweep, then died with NotADirectoryError (a traceback)."""
     blocker = tmp_path / "a-file"
