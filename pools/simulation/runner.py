@@ -28,7 +28,8 @@ from pools.workload import WorkloadClass, class_arrivals, class_rates, load_work
 class SimulationResult:
     """What `simulate` saw. `pools[name]`: the plan's per-replica `num_blocks` and `max_num_seqs`, the
     counters summed over the pool's replicas, and each replica's own under `replicas`; `traces[name]`:
-    one trace per replica; `replicas[device]`: how many replicas the device has."""
+    one trace per replica; `replicas[device]`: how many replicas the device has (an autoscaled one its max,
+    from the start: `autoscaled[device]` is its min, scaling up not modelled)."""
 
     requests: list[SimRequest]
     pools: dict[str, dict[str, Any]]
@@ -37,6 +38,7 @@ class SimulationResult:
     wall_seconds: float
     num_steps: int
     replicas: dict[str, int] = field(default_factory=dict)
+    autoscaled: dict[str, int] = field(default_factory=dict)
 
 
 def served_model(config: CliffguardConfig) -> str | None:
@@ -176,7 +178,8 @@ def simulate(config: CliffguardConfig, plan: CapacityPlan, model_configs: Mappin
                             simulated_seconds=max((s.clock for s in sims), default=0.0),
                             wall_seconds=time.perf_counter() - started,
                             num_steps=sum(s.num_steps for s in sims),
-                            replicas={name: group.num_replicas for name, group in groups.items()})
+                            replicas={name: group.num_replicas for name, group in groups.items()},
+                            autoscaled={d.name: d.initial_replicas for d in plan.devices.values() if d.autoscaled})
 
 
 def _check_local(plan: CapacityPlan) -> None:

@@ -15,7 +15,7 @@ from pools.capacity_plan import CapacityPlan
 from pools.plan_report import format_verdicts, plan_verdicts
 from pools.simulation.devicesim import PoolTrace
 from pools.simulation.runner import SimulationResult
-from pools.workload import latency_stats
+from pools.workload import MIN_P99_SAMPLES, latency_stats
 
 
 def _time_weighted(times: list[float], values: list[float]) -> float | None:
@@ -72,7 +72,8 @@ def summarize(result: SimulationResult) -> dict[str, Any]:
     errors = sorted({r.error for r in result.requests if r.error})
     return {"classes": classes, "pools": pools, "errors": errors[:5],
             "simulated_seconds": result.simulated_seconds, "steps": result.num_steps,
-            "wall_seconds": result.wall_seconds, "replicas": dict(result.replicas)}
+            "wall_seconds": result.wall_seconds, "replicas": dict(result.replicas),
+            "autoscaled": dict(result.autoscaled)}
 
 
 def overload_verdicts(result: SimulationResult, plan: CapacityPlan, step_times: Mapping[str, StepTime], *,
@@ -108,6 +109,8 @@ def format_summary(summary: dict[str, Any]) -> str:
                 f"{summary['wall_seconds']:.1f} s of wall time" + (f"; replicas: {devices}" if devices else ""))
     rows.extend(f"pool {name}: at {t['at_s']:.1f} s: {t['reason']}" for name, p in summary["pools"].items()
                 for t in p["death_spirals"][:1])
+    rows.extend(f"device {name}: autoscaled (min {low}): simulated at its {summary['replicas'][name]} replicas from "
+                "the start; scaling up is not modelled" for name, low in summary.get("autoscaled", {}).items())
     rows.extend(f"error: {e}" for e in summary["errors"])
     if summary.get("overload"):
         rows += ["", "overload of these arrivals (pools.demand; docs/SIMULATE.md \"Overloaded or not\"):",
@@ -115,14 +118,23 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _p99(stats: dict[str, Any]) -> str:
+    """A p99 cell, marked `*` when it rests on fewer than MIN_P99_SAMPLES values (a lower bound of the tail)."""
+    few = stats["p99"] is not None and stats["n"] < MIN_P99_SAMPLES
+    return ms(stats["p99"]) + ("*" if few else "")
+
+
 def _class_rows(summary: dict[str, Any]) -> list[str]:
     rows = [(f"{'class':<10}{'done':>7}{'err':>5}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}"
              f"{'e2e p50':>9}{'p99':>8}{'tok/s':>9}{'preempted':>11}   (ms)")]
     for name, c in summary["classes"].items():
         rows.append(f"{name:<10}{c['finished']:>7}{c['errors']:>5}{ms(c['ttft']['p50']):>10}"
-                    f"{ms(c['ttft']['p99']):>8}{ms(c['itl']['p50']):>9}{ms(c['itl']['p99']):>8}"
-                    f"{ms(c['e2e']['p50']):>9}{ms(c['e2e']['p99']):>8}{c['output_tokens_per_s']:>9.0f}"
+                    f"{_p99(c['ttft']):>8}{ms(c['itl']['p50']):>9}{_p99(c['itl']):>8}"
+                    f"{ms(c['e2e']['p50']):>9}{_p99(c['e2e']):>8}{c['output_tokens_per_s']:>9.0f}"
                     f"{c['preempted_requests']:>11}")
+    if any(c[k]["p99"] is not None and c[k]["n"] < MIN_P99_SAMPLES for c in summary["classes"].values()
+           for k in ("ttft", "itl", "e2e")):
+        rows.append(f"* a p99 over fewer than {MIN_P99_SAMPLES} samples: a lower bound of the tail")
     return rows
 
 

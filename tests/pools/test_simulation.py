@@ -534,6 +534,21 @@ pools:
 """, env={})
 
 
+def test_an_autoscaled_device_is_said_to_run_at_its_max_from_the_start():
+    step = {"gpu": LinearStepTime(a=0.01, b=0.0001, c=0.001, d=0.0)}
+    chat = WorkloadClass("chat", prompt_len=LengthDist("uniform", min=50, max=150),
+                         output_len=LengthDist("uniform", min=50, max=150))
+    config = _replicated_config("{min: 1, max: 3}")
+    plan = plan_capacity(config, {"tiny": TINY})
+    result = simulate(config, plan, {"tiny": TINY}, make_requests((chat,), 2.0, duration=2.0, seed=1), step)
+    summary = summarize(result)
+    assert summary["replicas"] == {"gpu": 3} and summary["autoscaled"] == {"gpu": 1}
+    text = format_summary(summary)
+    assert "device gpu: autoscaled (min 1): simulated at its 3 replicas from the start" in text
+    # a few requests: their p99s are marked as resting on fewer than 100 samples
+    assert summary["classes"]["chat"]["ttft"]["n"] < 100 and "* a p99 over fewer than 100 samples" in text
+
+
 def test_two_replicas_nearly_double_the_tokens_of_a_saturated_one_and_split_them_evenly():
     step = {"gpu": LinearStepTime(a=0.01, b=0.0001, c=0.001, d=0.0)}
     chat = WorkloadClass("chat", prompt_len=LengthDist("uniform", min=50, max=150),
