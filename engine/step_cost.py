@@ -43,6 +43,7 @@ with it (`StepTime`), and the benchmarks fit it to measured steps and compare it
 from __future__ import annotations
 
 import json
+import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -315,10 +316,17 @@ def write_step_model(path: str | Path, model: LinearStepTime, *, device: str, mo
 
     import torch
 
-    Path(path).write_text(json.dumps({
+    text = json.dumps({
         "step_model": "linear", **model.coefficients(), "swap_bandwidth": model.swap_bandwidth,
         "device": device, "model": model_name, "num_steps": num_steps, "machine": platform.node(),
-        "cpu_threads": torch.get_num_threads(), "date": datetime.date.today().isoformat()}, indent=2) + "\n")
+        "cpu_threads": torch.get_num_threads(), "date": datetime.date.today().isoformat()}, indent=2) + "\n"
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")   # whole or not at all: a model it replaces stays
+    try:                                                      # readable if the write fails (a full disk)
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _read_text(path: str | Path, option: str) -> str:

@@ -450,6 +450,22 @@ def test_a_calibration_file_keeps_the_knee_and_refuses_a_bad_one(tmp_path):
             LinearStepTime(0.01, 0.001, 0.002, 0.0, knee=bad)
 
 
+def test_a_calibration_that_fails_to_write_leaves_the_model_it_would_replace(tmp_path, monkeypatch):
+    import engine.step_cost as step_cost
+
+    path = tmp_path / "step.json"
+    write_step_model(path, SERVED, device="h100", model_name="m", num_steps=9)
+    before = path.read_text()
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(step_cost.os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        write_step_model(path, dataclasses.replace(SERVED, a=1.0), device="h100", model_name="m", num_steps=9)
+    assert path.read_text() == before and [p.name for p in tmp_path.iterdir()] == ["step.json"]
+
+
 def test_a_calibration_keeps_its_swap_bandwidth_and_a_file_without_one_swaps_at_the_presets(tmp_path):
     """A measured model's swap copies are never free: at the bandwidth measured with it, else the preset's
     (with none, swap mode moved blocks in no time and `auto` never swapped)."""
