@@ -85,7 +85,7 @@ def simulate(args: argparse.Namespace) -> int:
     if args.recommend:
         result = recommend(config, model_configs, classes, args.request_rate, step_times, ttft_p99=args.slo_ttft_p99,
                            itl_p99=args.slo_itl_p99, duration=args.duration, vram_bytes=vram, credits=credits,
-                           seed=args.seed)
+                           burstiness=args.burstiness, seed=args.seed)
         print(json.dumps(result, indent=2) if args.json else format_recommendation(result))
     elif rates is not None:
         rows = sweep(layouts, model_configs, classes, rates, step_times, duration=args.duration,

@@ -21,7 +21,8 @@ BUDGETS = (512, 1024, 2048, 4096, 8192)
 def recommend(config: CliffguardConfig, model_configs: Mapping[str, ModelConfig], classes: tuple[WorkloadClass, ...],
               rate: float, step_times: Mapping[str, StepTime], *, ttft_p99: float, itl_p99: float | None = None,
               duration: float, vram_bytes: int | None = None, shares: Sequence[float] = SHARES,
-              budgets: Sequence[int] = BUDGETS, credits: bool = True, seed: int = 0) -> dict[str, Any]:
+              budgets: Sequence[int] = BUDGETS, credits: bool = True, burstiness: float = 1.0,
+              seed: int = 0) -> dict[str, Any]:
     """Try each split of one device's KV between its two pools (`kv_share` of the first, the rest to
     the second) and each `max_num_batched_tokens` of the second, at `rate`; a candidate meets the SLO
     when every class's p99 TTFT (and p99 ITL, if given) is within it and nothing failed. The
@@ -34,7 +35,7 @@ def recommend(config: CliffguardConfig, model_configs: Mapping[str, ModelConfig]
         raise SpecError("pools: --recommend splits one device between exactly two local pools; this config has "
                         f"{len(local)} local pool(s)" + ("" if len(local) != 2 else " on different devices"))
     first, second = local
-    if not make_requests(classes, rate, duration=duration, seed=seed):
+    if not make_requests(classes, rate, duration=duration, burstiness=burstiness, seed=seed):
         raise SpecError("--request-rate", f"no request arrives in {duration:g} s at {rate:g} requests/s: a "
                                           "recommendation judges requests; raise --request-rate or --duration")
     candidates = []
@@ -49,7 +50,7 @@ def recommend(config: CliffguardConfig, model_configs: Mapping[str, ModelConfig]
             except SpecError as exc:                     # e.g. too few blocks for max_model_len
                 candidates.append({"kv_share": share, "max_num_batched_tokens": budget, "error": str(exc)})
                 continue
-            requests = make_requests(classes, rate, duration=duration, seed=seed)
+            requests = make_requests(classes, rate, duration=duration, burstiness=burstiness, seed=seed)
             summary = summarize(simulate(candidate, plan, model_configs, requests, step_times, credits=credits,
                                          seed=seed))
             worst_ttft = max((c["ttft"]["p99"] or float("inf")) for c in summary["classes"].values())

@@ -536,6 +536,11 @@ def test_recommend_picks_the_budget_that_meets_an_itl_target():
     assert none["recommended"] is None and "no candidate meets" in format_recommendation(none)
     with pytest.raises(SpecError, match=r"^--request-rate: no request arrives in 1 s"):   # nothing to judge
         recommend(config, models, classes, 0.001, step, ttft_p99=1.0, duration=1.0, vram_bytes=80 << 30)
+    bursty = recommend(config, models, classes, 8.0, step, ttft_p99=10.0, duration=5.0, vram_bytes=80 << 30,
+                       shares=(0.4,), budgets=(512,), burstiness=0.2)   # --burstiness reaches its arrivals
+    poisson = recommend(config, models, classes, 8.0, step, ttft_p99=10.0, duration=5.0, vram_bytes=80 << 30,
+                        shares=(0.4,), budgets=(512,))
+    assert bursty["candidates"][0]["worst_ttft_p99"] != poisson["candidates"][0]["worst_ttft_p99"]
 
 
 # --- replicas ------------------------------------------------------------------------------------
