@@ -1,12 +1,31 @@
 """How a replica's pool is shared among the gateways that lease it (`engine.sessions`): `lease_shares`,
 max-min fair over their demands with an idle gateway's floor, their batch lines on top of what the
-interactive demands leave, and the longest-waiting large request first. Pure arithmetic on whole units."""
+interactive demands leave, and the longest-waiting large request first; the sessions' demands as counted
+and what they reserve and hold. Pure arithmetic on whole units."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["lease_shares"]
+__all__ = ["counted_demand", "held_credits", "lease_shares", "reserved_credits"]
+
+
+def counted_demand(session, key: tuple[str, bool], demand: int, step: int) -> int:
+    """A demand of `session`'s (an `engine.sessions.Session`) as the shares count it (`key`: a pool, and whether
+    its batch lines'): rounded up to `step`, and kept until it moves more than a step away (a queue that
+    hovers at a step's edge does not move the leases with every report) or to nothing."""
+    counted = session.counted.get(key)
+    if counted is None or abs(demand - counted) > step or not demand:
+        counted = session.counted[key] = -(-demand // step) * step
+    return counted
+
+
+def reserved_credits(sessions: Sequence, pool: str) -> int:   # what their running requests reserve
+    return sum(s.reserved.get(pool, 0) for s in sessions)
+
+
+def held_credits(sessions: Sequence, pool: str) -> int:   # each its lease, or its reservations over it
+    return sum(s.held(pool) for s in sessions)
 
 
 def lease_shares(capacity: int, demands: Sequence[int], first: tuple[int, int] | None = None,

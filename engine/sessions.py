@@ -63,13 +63,13 @@ import time
 from dataclasses import dataclass, field
 
 from engine.ipc import FrameError
-from engine.lease_shares import lease_shares
+from engine.lease_shares import counted_demand as _counted, held_credits, lease_shares, reserved_credits
 from engine.messages import (AbortRequest, AddRequest, Fatal, Lease, LeaseAck, Outputs, PauseRequest, Ready,
                              Rejected, ReportWaiting, Shutdown, StatsQuery, StatsReply)
 
 log = logging.getLogger("cliffguard.engine")
 
-__all__ = ["Session", "SessionHub", "lease_shares"]
+__all__ = ["Session", "SessionHub", "held_credits", "lease_shares", "reserved_credits"]
 
 DEMAND_STEPS = 16   # demands count in steps of 1/16 of a pool: a lease moves with the queue, not with every request
 LAST_WORDS_SECONDS = 0.5   # a session that ends for its link's fault hears why this long (the loop waits on it)
@@ -105,24 +105,6 @@ class Session:
         """What the hub counts this session as holding of `pool`: its lease, or more while its
         reservations are over it (a lease just shrunk)."""
         return max(self.leases.get(pool, 0), self.reserved.get(pool, 0))
-
-
-def _counted(session: Session, key: tuple[str, bool], demand: int, step: int) -> int:
-    """A demand of `session`'s as the shares count it (`key`: a pool, and whether its batch lines'): rounded
-    up to `step`, and kept until it moves more than a step away (a queue that hovers at a step's edge does
-    not move the leases with every report) or to nothing."""
-    counted = session.counted.get(key)
-    if counted is None or abs(demand - counted) > step or not demand:
-        counted = session.counted[key] = -(-demand // step) * step
-    return counted
-
-
-def reserved_credits(sessions: list[Session], pool: str) -> int:   # what their running requests reserve
-    return sum(s.reserved.get(pool, 0) for s in sessions)
-
-
-def held_credits(sessions: list[Session], pool: str) -> int:   # each its lease or its reservations over it
-    return sum(s.held(pool) for s in sessions)
 
 
 class SessionHub:
@@ -297,7 +279,7 @@ class SessionHub:
         return self._wake_r
 
     def flush(self) -> bool:
-        done = True
+        done, self._unchecked = True, []   # every session is throttled here, or not
         for session in list(self.sessions):
             try:
                 done = session.channel.flush() and done
@@ -435,7 +417,8 @@ class SessionHub:
         stats = self._stats_for(session, msg.stats) if msg.stats is not None else None
         if deltas or stats is not None:
             self._safe_send(session, Outputs(deltas, stats))
-            self._unchecked.append(session)   # throttled before the loop steps (`num_pending_bytes`), if over the bound
+            if not any(s is session for s in self._unchecked):   # throttled, if over the bound, before the loop
+                self._unchecked.append(session)                     # steps (`num_pending_bytes`) or at `flush`
 
     def _owner(self, sessions: list[Session], request_id: str) -> Session | None:
         return next((s for s in sessions if request_id.startswith(s.tag)), None)

@@ -279,6 +279,18 @@ def test_a_gateway_whose_frames_cannot_be_read_hears_so_and_only_its_session_end
     assert isinstance(fatal, Fatal) and fatal.unreadable and "cannot be read" in fatal.traceback
 
 
+def test_an_idle_replica_keeps_no_list_of_the_sessions_its_stats_went_to():
+    """Stats go to every session every couple of seconds while nothing steps (the loop never reads
+    `num_pending_bytes` then): the sessions to throttle-check are taken at each turn's flush, once each."""
+    hub, first, second = _hub()
+    hub._stats_for = lambda session, stats: stats
+    for _ in range(5):
+        hub.send(Outputs([], "stats"))
+    assert len(hub._unchecked) == 2
+    hub.flush()
+    assert hub._unchecked == []
+
+
 def test_a_pause_that_comes_after_its_request_ended_is_not_kept():
     hub, first, second = _hub()
     hub._inbound(first, AddRequest("a", [1], SamplingParams(max_tokens=4), pool="p", credits=8))
