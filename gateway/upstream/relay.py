@@ -22,9 +22,9 @@ Responses stream: an `error` event numbered after its last; after the upstream's
 so does one cut at the end of the gateway's drain, with 503 `server_shutting_down`. Token counts for metrics come
 from the upstream's `usage` (`prompt_tokens` / `completion_tokens`; the Responses API's `input_tokens` /
 `output_tokens`; a stream's last usage, once) where its counts are non-negative integers, the prompt's from the
-gateway's own count where they are not; a malformed usage is relayed as it is. A chat or completions stream whose client did not ask for its usage is sent with
-`stream_options.include_usage` all the same, and its usage chunk (and the `usage: null` of the others) is not
-relayed. Each choice's end counts in `request_success`, an upstream's error in `request_errors` (a stream's own
+gateway's own count where they are not; a malformed usage is relayed as it is. A chat or completions stream
+whose client did not ask for its usage is sent with `stream_options.include_usage` all the same, and its usage
+chunk (and the `usage: null` of the others) is not relayed. Each choice's end counts in `request_success`, an upstream's error in `request_errors` (a stream's own
 error event too: vLLM's `data: {"error": ...}`, a Responses `response.failed`); only what a client waits on (a
 request, not a batch line nor a background Response) in the latency histograms.
 
