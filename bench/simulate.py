@@ -117,7 +117,8 @@ def saturation(config, plan, model_configs, classes, step_model, seed: int) -> f
 
     probe_rate, duration = 200.0, 1.0                # 200 requests at once: the pool never idles
     requests = make_requests(classes, probe_rate, duration=duration, seed=seed)
-    result = simulate(config, plan, model_configs, requests, {d: step_model for d in plan.devices}, seed=seed)
+    result = simulate(config, plan, model_configs, requests, {d: step_model for d in plan.devices}, seed=seed,
+                      max_queue=False)   # a capacity probe: nothing refused
     done = [r for r in result.requests if r.finished]
     return len(done) / result.simulated_seconds
 
@@ -148,7 +149,8 @@ def compare(report, config, plan, model_configs, step_model, seed: int) -> dict[
     first = min(r.sent_s for r in done)
     requests = [SimRequest(f"r{r.index}", r.class_name, r.sent_s - first, r.prompt_tokens, r.output_tokens)
                 for r in done]
-    result = simulate(config, plan, model_configs, requests, {d: step_model for d in plan.devices}, seed=seed)
+    result = simulate(config, plan, model_configs, requests, {d: step_model for d in plan.devices}, seed=seed,
+                      max_queue=False)   # the requests the real run served, each of them
     real_end = max(r.end_s for r in done) - first
     sim_end = max(r.token_times[-1] for r in result.requests if r.finished)
     classes: dict[str, Any] = {}

@@ -329,28 +329,36 @@ class ReplicaGroup:
         self._admit(request.pool, request.arrival)
         limit = self.max_queue.get(request.pool)
         if limit == 0 and request.request_id in self._queued:
-            self._refuse(request.pool, request.request_id, request.arrival, "429: the pool is full "
-                         "(max_queue_seconds 0 refuses what does not fit at once)")
+            self._refuse(request.pool, request.request_id, "429: the pool is full (max_queue_seconds 0 refuses "
+                         "what does not fit at once)")
+            self._admit(request.pool, request.arrival)   # the ones behind it may fit now
         elif limit is not None and request.request_id in self._queued:
             heapq.heappush(self._deadlines, (request.arrival + limit, request.request_id, request.pool))
 
-    def _expire(self, now: float) -> None:
+    def _expire(self, now: float) -> set[str]:
         """The requests that waited for credits past their pool's max_queue_seconds by `now` fail, as the
-        gateway answers them 503."""
+        gateway answers them 503; returns the pools whose queues they left."""
+        pools = set()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, request_id, pool = heapq.heappop(self._deadlines)
             if request_id in self._queued:
-                self._refuse(pool, request_id, now, f"503: waited max_queue_seconds ({self.max_queue[pool]:g} s) "
-                                                    "for KV credits")
+                self._refuse(pool, request_id, f"503: waited max_queue_seconds ({self.max_queue[pool]:g} s) for "
+                                               "KV credits")
+                pools.add(pool)
+        return pools
 
-    def _refuse(self, pool: str, request_id: str, at: float, why: str) -> None:
+    def _refuse(self, pool: str, request_id: str, why: str) -> None:
         request, _, _ = self._queued.pop(request_id)
         self.ledgers[pool].cancel(request_id)
         request.error = why
-        self._admit(pool, at)   # the ones behind it may fit now
 
     def _admit(self, pool: str, at: float) -> None:
-        """Whoever now fits in `pool`'s queue, each on the replica placement picks, at time `at`."""
+        """Whoever now fits in `pool`'s queue, each on the replica placement picks, at time `at`; those whose
+        wait ran out by then fail first (and the queues they leave are admitted again too)."""
+        for name in self._expire(at) | {pool}:
+            self._admit_now(name, at)
+
+    def _admit_now(self, pool: str, at: float) -> None:
         for ticket in self.ledgers[pool].admit(lambda ticket, fitting: self._place(pool, ticket, fitting)):
             request, seq, _ = self._queued.pop(ticket.request_id)
             self.replicas[ticket.replica].admit(request, seq, at)
@@ -402,7 +410,8 @@ class ReplicaGroup:
                 for r in self.replicas:
                     r.stalled = False
                 continue
-            self._expire(now)
+            for pool in self._expire(now):
+                self._admit_now(pool, now)   # the ones behind those that failed may fit now
             min(busy, key=lambda r: (r.clock, r.replica)).step()
         if any(r.has_work for r in self.replicas):
             held = [rid for r in self.replicas for rid in r.held_requests]

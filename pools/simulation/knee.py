@@ -31,7 +31,8 @@ def sweep(layouts: Mapping[str, tuple[CliffguardConfig, CapacityPlan]], model_co
 
 
 def plot_knee(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:
-    """p99 TTFT (log scale) against the request rate, one line per (layout, class)."""
+    """p99 TTFT (log scale) against the request rate, one line per (layout, class); a point of a run in which
+    requests of the class failed (refused for `max_queue_seconds`: the p99 leaves them out) drawn as an x."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,7 +47,11 @@ def plot_knee(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str = 
             points = [(r["rate"], r["classes"][cls]["ttft"]["p99"]) for r in mine
                       if cls in r["classes"] and r["classes"][cls]["ttft"]["p99"] is not None]
             if points:
-                ax.plot(*zip(*points), styles[li % len(styles)], marker="o", label=f"{layout}: {cls}")
+                line, = ax.plot(*zip(*points), styles[li % len(styles)], marker="o", label=f"{layout}: {cls}")
+                failed = [(r["rate"], r["classes"][cls]["ttft"]["p99"]) for r in mine if cls in r["classes"]
+                          and r["classes"][cls]["errors"] and r["classes"][cls]["ttft"]["p99"] is not None]
+                if failed:
+                    ax.plot(*zip(*failed), "x", color=line.get_color(), markersize=11)
     ax.set_yscale("log")
     ax.set_xlabel("request rate (requests/s)")
     ax.set_ylabel("p99 TTFT (s)")
@@ -64,12 +69,13 @@ def plot_knee(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str = 
 def format_sweep(rows: Sequence[dict[str, Any]]) -> str:
     classes = list(dict.fromkeys(c for r in rows for c in r["classes"]))
     head = f"{'rate':>6}  {'layout':<8}" + "".join(f"{c + ' TTFT p50/p99 (ms)':>28}" for c in classes)
-    lines = [head + f"{'preempt/s':>11}"]
+    lines = [head + f"{'preempt/s':>11}{'failed':>8}"]
     for r in rows:
         cells = []
         for c in classes:
             t = r["classes"].get(c, {}).get("ttft", {})
             cells.append(f"{ms(t.get('p50')) + ' / ' + ms(t.get('p99')):>28}")
         preempt = sum(p["preemptions_per_s"] for p in r["pools"].values())
-        lines.append(f"{r['rate']:>6g}  {r['layout']:<8}" + "".join(cells) + f"{preempt:>11.2f}")
+        failed = sum(c["errors"] for c in r["classes"].values())   # refused, too large, unroutable: not in the p99s
+        lines.append(f"{r['rate']:>6g}  {r['layout']:<8}" + "".join(cells) + f"{preempt:>11.2f}{failed:>8}")
     return "\n".join(lines)

@@ -155,8 +155,10 @@ def step_model_label(preset: str, step_model: str | None = None) -> str:
 
 def simulate(config: CliffguardConfig, plan: CapacityPlan, model_configs: Mapping[str, ModelConfig],
              requests: list[SimRequest], step_times: Mapping[str, StepTime], *, credits: bool = True,
-             seed: int = 0) -> SimulationResult:
-    """Route `requests` and run every planned device on its step-time model (`step_times[device]`)."""
+             max_queue: bool = True, seed: int = 0) -> SimulationResult:
+    """Route `requests` and run every planned device on its step-time model (`step_times[device]`);
+    `max_queue`: each pool's max_queue_seconds refuses requests as the gateway does (off: every request waits,
+    as a replay of requests a real run served must)."""
     started = time.perf_counter()
     _check_local(plan)
     pools = model_pools(config)
@@ -166,7 +168,8 @@ def simulate(config: CliffguardConfig, plan: CapacityPlan, model_configs: Mappin
             request.error = f"no pool takes a prompt of {request.prompt_len} tokens"
     groups: dict[str, ReplicaGroup] = {}
     for dplan in plan.devices.values():
-        groups[dplan.name] = _device_group(config, plan, dplan, model_configs, step_times[dplan.name], credits, seed)
+        groups[dplan.name] = _device_group(config, plan, dplan, model_configs, step_times[dplan.name], credits, seed,
+                                           max_queue)
         groups[dplan.name].run([r for r in requests if r.pool in dplan.pools])
     pools, traces = {}, {}
     for group in groups.values():
@@ -230,7 +233,7 @@ def modelled_slo(step_time: StepTime, max_num_seqs: int, num_blocks: int, block_
 
 def _device_group(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePlan,
                   model_configs: Mapping[str, ModelConfig], step_time: StepTime, credits: bool,
-                  seed: int) -> ReplicaGroup:
+                  seed: int, max_queue: bool = True) -> ReplicaGroup:
     """The device's `replicas` DeviceSims, alike, behind one group (the gateway's queues)."""
     pools, lens, spirals, avg_lens = [], {}, {}, {}
     owed = slo_share(plan.pools[n].spec.engine_min_share for n in dplan.pools if plan.pools[n].spec.slo is None)
@@ -248,7 +251,8 @@ def _device_group(config: CliffguardConfig, plan: CapacityPlan, dplan: DevicePla
         avg_lens[name] = pplan.spec.avg_len
     group = ReplicaGroup(pools, block_size=dplan.block_size, num_replicas=dplan.replicas, avg_lens=avg_lens,
                          credits=credits, seed=seed,
-                         max_queue={name: plan.pools[name].spec.max_queue_seconds for name in dplan.pools})
+                         max_queue={name: plan.pools[name].spec.max_queue_seconds for name in dplan.pools}
+                         if max_queue else None)
     for _ in range(dplan.replicas):
         DeviceSim(pools, block_size=dplan.block_size, max_model_lens=lens, step_time=step_time,
                   kv_bytes_per_token=dplan.kv_bytes_per_token_per_device, spirals=spirals, group=group)

@@ -155,10 +155,11 @@ def test_credits_prevent_preemption_that_an_overcommitted_pool_suffers():
     assert without.schedulers["chat"].stats.num_recomputed_tokens > 0
 
 
-@pytest.mark.parametrize("limit", [0.0, 0.5])
+@pytest.mark.parametrize("limit", [0.0, 0.5, 4.0])
 def test_a_request_waiting_for_credits_past_max_queue_seconds_fails_as_the_gateway_answers_it(limit):
     """With 0 a request that does not fit at once is refused (429); with 0.5 s one still waiting then fails
-    (503): neither is served late and counted as served, and the others all are."""
+    (503): neither is served late and counted as served, and the others all are. With 4 s the next two are
+    admitted while they wait (a run takes about 3.6 s), the rest fail."""
     step = LinearStepTime(a=0.01, b=0.0001, c=0.001, d=0.0)
     pools = [_pool(num_blocks=64, max_num_seqs=8)]
     group = ReplicaGroup(pools, block_size=16, max_queue={"chat": limit})
@@ -171,6 +172,8 @@ def test_a_request_waiting_for_credits_past_max_queue_seconds_fails_as_the_gatew
     assert all(r.admitted - r.arrival <= limit + 0.05 for r in requests if r.admitted is not None)   # a step
     assert {r.error.split(":")[0] for r in failed} == {"429" if limit == 0 else "503"}
     assert sim.group.ledgers["chat"].num_queued == 0 and not sim.group._queued
+    waited = [r for r in requests if r.admitted is not None and r.admitted - r.arrival > 1.0]
+    assert bool(waited) == (limit == 4.0)
 
 
 def test_swap_mode_moves_blocks_and_charges_the_copy_time():
@@ -262,6 +265,13 @@ def test_sweep_gives_one_row_per_layout_and_rate_and_plots_the_knee(tmp_path):
     path = plot_knee(rows, tmp_path / "knee.png")
     assert path.stat().st_size > 10_000 and path.read_bytes()[:4] == b"\x89PNG"
     assert "rag TTFT p50/p99" in format_sweep(rows)
+    # pools that refuse what does not fit at once (max_queue_seconds 0): the failures show beside the p99s
+    tight = dataclasses.replace(config, pools=tuple(p.replace(max_queue_seconds=0.0) for p in config.pools))
+    refused = sweep({"split": (tight, plan_capacity(tight, models, vram_bytes=80 << 30))}, models, classes, [120.0],
+                    step, duration=10.0)
+    failed = sum(c["errors"] for c in refused[0]["classes"].values())
+    assert failed > 0 and format_sweep(refused).splitlines()[1].split()[-1] == str(failed)
+    assert plot_knee(refused, tmp_path / "refused.png").stat().st_size > 10_000
 
 
 def test_cli_sweep_writes_results_and_plot(tmp_path, capsys):
@@ -553,6 +563,19 @@ pools:
   - {{name: chat, model: tiny, device: gpu, kv_share: 1.0, max_num_seqs: 8, max_model_len: 1024, avg_len: 256,
      slo: null}}
 """, env={})
+
+
+def test_a_replay_of_what_a_real_run_served_refuses_none_of_it():
+    """bench simulate replays the requests a real run served: none may be refused for the queue limit there
+    (the server's own refusals are already out of what it replays)."""
+    step = {"gpu": LinearStepTime(a=0.01, b=0.0001, c=0.001, d=0.0)}
+    config = _replicated_config(1)
+    config = dataclasses.replace(config, pools=tuple(p.replace(max_queue_seconds=0.0) for p in config.pools))
+    plan = plan_capacity(config, {"tiny": TINY})
+    for max_queue in (True, False):
+        requests = [SimRequest(f"r{i}", "chat", 0.001 * i, 200, 300) for i in range(40)]
+        result = simulate(config, plan, {"tiny": TINY}, requests, step, max_queue=max_queue)
+        assert any(r.error for r in result.requests) == max_queue
 
 
 def test_an_autoscaled_device_is_said_to_run_at_its_max_from_the_start():
