@@ -231,6 +231,16 @@ def test_builtin_long_text(builtin_counter: TokenCounter, builtin_tokenizer: Tok
     _assert_same_ids(builtin_counter, builtin_tokenizer, [text])
 
 
+def test_one_long_piece_is_counted_in_linear_time(builtin_counter: TokenCounter) -> None:
+    """A million characters the pre-tokenizer leaves as one piece: tiktoken before 0.13 merged a piece in
+    quadratic time (minutes here, a tokenizer thread held); the requirement is >= 0.13."""
+    import time
+
+    started = time.monotonic()
+    ids = builtin_counter.encode("x" * 1_000_000)
+    assert ids and time.monotonic() - started < 20
+
+
 @_HYPOTHESIS
 @given(text=_TEXT)
 def test_builtin_random_text(builtin_counter: TokenCounter, builtin_tokenizer: Tokenizer, text: str) -> None:
