@@ -374,8 +374,8 @@ class Gateway:
     async def route_prompt(self, model: str, prompt: str | list[int], param: str = "prompt") -> tuple[Pool, list[int]]:
         """Count a completion prompt (text between what the tokenizer adds around it, or token ids, each in the
         pool's vocabulary as vLLM checks them) and route it; errors name `param`."""
-        if isinstance(prompt, list):
-            return await self._route(model, param, 0, lambda pool: _known_ids(pool, prompt, param))
+        if isinstance(prompt, list):   # a long one is checked off the event loop too (a few MB of ids: seconds)
+            return await self._route(model, param, len(prompt), lambda pool: _known_ids(pool, prompt, param))
         return await self._route(model, param, len(prompt), self._timed(lambda pool: pool.prompt_ids(prompt)))
 
     async def _route(self, model: str, param: str, size: int, tokenize: Callable[[Pool], list[int]],
@@ -481,7 +481,7 @@ def _check_placements(config: CliffguardConfig) -> None:
 def _known_ids(pool: Pool, ids: list[int], param: str) -> list[int]:
     """A token-id prompt's ids, each in `pool`'s vocabulary; else a ValueError naming the id's path."""
     size = pool.tokenizer.vocab_size
-    for j, token in enumerate(ids):
-        if token >= size:
-            raise ValueError(f"{param}[{j}]: token id {token} is not in the vocabulary (0..{size - 1})")
+    if ids and max(ids) >= size:   # then the first one past it, for its path
+        j = next(j for j, token in enumerate(ids) if token >= size)
+        raise ValueError(f"{param}[{j}]: token id {ids[j]} is not in the vocabulary (0..{size - 1})")
     return list(ids)

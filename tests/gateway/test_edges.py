@@ -212,3 +212,24 @@ async def test_http_parser_errors_are_openai_json_on_the_real_server(tmp_path):
         assert status == 200 and json.loads(body) == {"status": "ok"}
     finally:
         await runner.cleanup()
+
+
+async def test_a_long_token_id_prompt_is_checked_off_the_event_loop(tmp_path):
+    """A few MB of token ids are walked off the event loop, as a long text prompt is tokenized: other
+    requests are served meanwhile; one out of the vocabulary is still named by its index."""
+    import threading
+
+    gateway = _make_front_gateway(tmp_path)
+    threads, route = [], gateway.router.route
+
+    def recorded(*args, **kwargs):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return route(*args, **kwargs)
+
+    gateway.router.route = recorded
+    with pytest.raises(Exception, match="no pool"):
+        await gateway.route_prompt(FRONT, [0] * 3000)
+    await gateway.route_prompt(FRONT, [1, 2, 3])
+    assert threads == [False, True]                       # the long one on the tokenizer thread, the short inline
+    with pytest.raises(Exception, match=r"prompt\[2\]: token id 999999 is not in the vocabulary"):
+        await gateway.route_prompt(FRONT, [1, 2, 999999, 5])
