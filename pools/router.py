@@ -55,16 +55,27 @@ class Router:
 
         `tokenize(pool)` gives the prompt's token ids as that pool's tokenizer makes them; it is
         called once per distinct `key(pool)` (by default the pool's tokenizer, `Pool.counter`; a caller
-        whose ids depend on more of the pool, such as its chat template's variables, says so in the key)
-        and its errors propagate. Raises UnknownModelError or NoRouteError.
+        whose ids depend on more of the pool, such as its chat template's variables, says so in the key).
+        A pool whose `tokenize` raises ValueError or TypeError (its chat template refuses the messages, an
+        id past its vocabulary) takes no prompt, and the next is tried; the first such error propagates when
+        no pool could count the prompt. Raises UnknownModelError or NoRouteError.
         """
         pools = self.candidates(model_name)
         ids_by_key: dict[Hashable, list[int]] = {}
+        errors: dict[Hashable, Exception] = {}
         for pool in pools:
             k = key(pool)
-            if k not in ids_by_key:
-                ids_by_key[k] = tokenize(pool)
+            if k not in ids_by_key and k not in errors:
+                try:
+                    ids_by_key[k] = tokenize(pool)
+                except (ValueError, TypeError) as exc:   # this pool cannot count it: another one may
+                    errors[k] = exc
+            if k in errors:
+                continue
             ids = ids_by_key[k]
             if pool.admits(len(ids)):
                 return pool, ids
-        raise NoRouteError(model_name, [len(ids_by_key[key(pool)]) for pool in pools], pools)
+        counted = [pool for pool in pools if key(pool) in ids_by_key]
+        if not counted:
+            raise next(iter(errors.values()))
+        raise NoRouteError(model_name, [len(ids_by_key[key(pool)]) for pool in counted], counted)

@@ -30,6 +30,25 @@ def test_the_first_pool_in_file_order_that_admits_the_exact_count():
         assert (pool.name, len(ids)) == (name, n)
 
 
+def test_a_pool_that_cannot_count_the_prompt_leaves_it_to_the_next_and_alone_says_why():
+    """An upstream pool's stand-in tokenizer without a chat template (or whose template refuses what the
+    upstream takes) once made every chat request a 400, those a later pool would have served too."""
+    router = Router([_make_pool("cloud", RouteSpec(max_prompt_tokens=64)),
+                     _make_pool("local", RouteSpec(min_prompt_tokens=0), max_model_len=1024)])
+
+    def tokenize(pool):
+        if pool.name == "cloud":
+            raise ValueError("chat template: model folder ./gpt has none")
+        return [1] * 10
+
+    assert router.route("smollm2-135m-instruct", tokenize)[0].name == "local"
+    with pytest.raises(NoRouteError, match="takes a prompt of this length") as info:   # counted by one pool only
+        router.route("smollm2-135m-instruct", lambda pool: tokenize(pool) * 200)
+    assert "'local'" in str(info.value) and "'cloud'" not in str(info.value)
+    with pytest.raises(ValueError, match="has none"):   # no pool could count it: the first one's reason
+        router.route("smollm2-135m-instruct", lambda pool: tokenize(_make_pool("cloud", RouteSpec())))
+
+
 def test_one_tokenization_per_distinct_tokenizer():
     calls = []
     shared = object()
