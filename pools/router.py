@@ -56,9 +56,11 @@ class Router:
         `tokenize(pool)` gives the prompt's token ids as that pool's tokenizer makes them; it is
         called once per distinct `key(pool)` (by default the pool's tokenizer, `Pool.counter`; a caller
         whose ids depend on more of the pool, such as its chat template's variables, says so in the key).
-        A pool whose `tokenize` raises ValueError or TypeError (its chat template refuses the messages, an
-        id past its vocabulary) takes no prompt, and the next is tried; the first such error propagates when
-        no pool could count the prompt. Raises UnknownModelError or NoRouteError.
+        A pool whose `tokenize` raises ValueError (its chat template refuses the messages, an upstream pool's
+        stand-in tokenizer has none, an id past its vocabulary) takes no prompt, and the next is tried; when
+        no pool admits the prompt, that error propagates if its pool's route takes one of the counts the
+        others made (the prompt was that pool's to take), or if no pool could count it. Raises
+        UnknownModelError or NoRouteError.
         """
         pools = self.candidates(model_name)
         ids_by_key: dict[Hashable, list[int]] = {}
@@ -68,7 +70,7 @@ class Router:
             if k not in ids_by_key and k not in errors:
                 try:
                     ids_by_key[k] = tokenize(pool)
-                except (ValueError, TypeError) as exc:   # this pool cannot count it: another one may
+                except ValueError as exc:   # this pool cannot count it: another one may
                     errors[k] = exc
             if k in errors:
                 continue
@@ -76,6 +78,8 @@ class Router:
             if pool.admits(len(ids)):
                 return pool, ids
         counted = [pool for pool in pools if key(pool) in ids_by_key]
-        if not counted:
-            raise next(iter(errors.values()))
-        raise NoRouteError(model_name, [len(ids_by_key[key(pool)]) for pool in counted], counted)
+        counts = [len(ids_by_key[key(pool)]) for pool in counted]
+        for pool in pools:   # a pool that could not count it, whose route takes its length: its reason, not ours
+            if key(pool) in errors and (not counted or any(pool.admits(n) for n in counts)):
+                raise errors[key(pool)]
+        raise NoRouteError(model_name, counts, counted)

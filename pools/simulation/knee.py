@@ -32,7 +32,8 @@ def sweep(layouts: Mapping[str, tuple[CliffguardConfig, CapacityPlan]], model_co
 
 def plot_knee(rows: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:
     """p99 TTFT (log scale) against the request rate, one line per (layout, class); a point of a run in which
-    requests of the class failed (refused for `max_queue_seconds`: the p99 leaves them out) drawn as an x."""
+    requests of the class failed (refused for `max_queue_seconds`, too large, unrouted: the p99 leaves them
+    out) drawn as an x."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -3,6 +3,7 @@ simulation with a known step model (so every prediction must come out exact), an
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -54,6 +55,22 @@ def test_compare_is_exact_when_the_real_run_follows_the_model(planned):
     assert chat["within_goals"]
     table = format_rows([{"rate": 0.5, "load": 0.4, **result}])
     assert "met" in table and "MISSED" not in table
+
+
+def test_a_replay_and_the_saturation_probe_refuse_none_of_their_requests(planned):
+    """A pool that refuses what does not fit at once (max_queue_seconds 0): the requests its real run served
+    are replayed, every one of them, and the capacity probe counts what the pool completes, not refusals."""
+    config, models, plan = planned
+    tight = dataclasses.replace(config, pools=tuple(p.replace(max_queue_seconds=0.0) for p in config.pools))
+    tight_plan = plan_capacity(tight, models)
+    step = LinearStepTime(a=0.02, b=0.0004, c=0.003, d=0.0001)
+    requests = make_requests(load_workload("chat"), 20.0, duration=5.0, seed=3)   # far past what it serves
+    simulate(tight, tight_plan, models, requests, {"cpu": step}, seed=3, max_queue=False)
+    result = compare(types.SimpleNamespace(records=_records_of(requests)), tight, tight_plan, models, step, seed=3)
+    assert result["classes"]["chat"]["error"]["throughput"] == pytest.approx(0, abs=1e-9)
+    classes = load_workload("chat")
+    assert saturation(tight, tight_plan, models, classes, step, seed=0) == \
+        pytest.approx(saturation(config, plan, models, classes, step, seed=0))
 
 
 def test_a_slower_real_run_misses_the_goals(planned):

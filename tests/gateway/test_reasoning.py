@@ -162,7 +162,7 @@ def test_the_responses_api_takes_chat_template_kwargs_and_a_well_formed_reasonin
         **own, "reasoning_effort": "none"}
     for bad, param in ((("chat_template_kwargs", [1]), "chat_template_kwargs"),
                        (("chat_template_kwargs", {"documents": []}), "chat_template_kwargs.documents"),
-                       (("reasoning", "high"), "reasoning"), (("reasoning", {"effort": "max"}), "reasoning.effort"),
+                       (("reasoning", "high"), "reasoning"), (("reasoning", {"effort": "maximal"}), "reasoning.effort"),
                        (("reasoning", {"budget": 9}), "reasoning.budget")):
         with pytest.raises(ApiError) as info:
             parse_responses({**body, bad[0]: bad[1]})

@@ -30,23 +30,29 @@ def test_the_first_pool_in_file_order_that_admits_the_exact_count():
         assert (pool.name, len(ids)) == (name, n)
 
 
-def test_a_pool_that_cannot_count_the_prompt_leaves_it_to_the_next_and_alone_says_why():
+def test_a_pool_that_cannot_count_the_prompt_leaves_it_to_the_next_and_says_why_where_it_was_its_to_take():
     """An upstream pool's stand-in tokenizer without a chat template (or whose template refuses what the
-    upstream takes) once made every chat request a 400, those a later pool would have served too."""
+    upstream takes) once made every chat request a 400, those a later pool would have served too. A prompt
+    that was that pool's to take (its length in its route by the others' count) still gets its reason, not a
+    misleading "too long"."""
     router = Router([_make_pool("cloud", RouteSpec(max_prompt_tokens=64)),
-                     _make_pool("local", RouteSpec(min_prompt_tokens=0), max_model_len=1024)])
+                     _make_pool("local", RouteSpec(min_prompt_tokens=65), max_model_len=4096)])
 
-    def tokenize(pool):
-        if pool.name == "cloud":
-            raise ValueError("chat template: model folder ./gpt has none")
-        return [1] * 10
+    def tokenize(n):
+        def count(pool):
+            if pool.name == "cloud":
+                raise ValueError("chat template: model folder ./gpt has none")
+            return [1] * n
+        return count
 
-    assert router.route("smollm2-135m-instruct", tokenize)[0].name == "local"
-    with pytest.raises(NoRouteError, match="takes a prompt of this length") as info:   # counted by one pool only
-        router.route("smollm2-135m-instruct", lambda pool: tokenize(pool) * 200)
-    assert "'local'" in str(info.value) and "'cloud'" not in str(info.value)
-    with pytest.raises(ValueError, match="has none"):   # no pool could count it: the first one's reason
-        router.route("smollm2-135m-instruct", lambda pool: tokenize(_make_pool("cloud", RouteSpec())))
+    assert router.route("smollm2-135m-instruct", tokenize(100))[0].name == "local"
+    with pytest.raises(ValueError, match="has none"):          # 10 tokens: cloud's to take, and it cannot
+        router.route("smollm2-135m-instruct", tokenize(10))
+    with pytest.raises(NoRouteError, match="takes a prompt of this length") as info:   # nobody's: too long
+        router.route("smollm2-135m-instruct", tokenize(5000))
+    assert "'local'" in str(info.value)
+    with pytest.raises(TypeError):                              # not a pool's refusal: a fault, raised at once
+        router.route("smollm2-135m-instruct", lambda pool: (_ for _ in ()).throw(TypeError("bug")))
 
 
 def test_one_tokenization_per_distinct_tokenizer():

@@ -565,6 +565,20 @@ pools:
 """, env={})
 
 
+def test_a_wait_that_runs_out_during_a_step_is_refused_when_that_step_frees_the_credits():
+    """One request's credits at a time; the first's one step (a 900-token prefill) takes 0.91 s, past the
+    second's 0.5 s limit: when the step ends, the second has waited too long and fails, not admitted late."""
+    pools = [_pool(num_blocks=64)]
+    group = ReplicaGroup(pools, block_size=16, max_queue={"chat": 0.5})
+    sim = DeviceSim(pools, block_size=16, max_model_lens={"chat": 1024},
+                    step_time=LinearStepTime(a=0.01, b=0.001, c=0.001, d=0.0),
+                    kv_bytes_per_token=TINY.kv_bytes_per_token(torch.bfloat16), group=group)
+    first, second = (SimRequest(f"r{i}", "chat", arrival=0.0, prompt_len=900, output_len=1, pool="chat")
+                     for i in range(2))
+    sim.run([first, second])
+    assert first.finished and second.admitted is None and second.error.startswith("503")
+
+
 def test_a_replay_of_what_a_real_run_served_refuses_none_of_it():
     """bench simulate replays the requests a real run served: none may be refused for the queue limit there
     (the server's own refusals are already out of what it replays)."""
