@@ -179,8 +179,10 @@ class Gateway:
             else:
                 max_model_len, replicas = plan.pools[spec.name].max_model_len, config.devices[spec.device].replicas
             tokenizer, counter, prefix_ids, suffix_ids = tokenizers[tok_spec]
+            vocab = tokenizer.vocab_size if spec.is_upstream else min(tokenizer.vocab_size,   # the engine's rows too
+                                                                      model_configs[spec.model].vocab_size)
             pools[spec.name] = Pool(spec, tokenizer, counter, prefix_ids, max_model_len=max_model_len,
-                                    suffix_ids=suffix_ids, num_replicas=replicas)
+                                    suffix_ids=suffix_ids, num_replicas=replicas, vocab_size=vocab)
         gateway = cls(config=config, plan=plan, engines=engines, pools=pools, router=Router(list(pools.values())),
                       backoff=config.gateway.restart_backoff)
         credits = {name: p.num_blocks * p.block_size for name, p in plan.pools.items()}
@@ -480,7 +482,7 @@ def _check_placements(config: CliffguardConfig) -> None:
 
 def _known_ids(pool: Pool, ids: list[int], param: str) -> list[int]:
     """A token-id prompt's ids, each in `pool`'s vocabulary; else a ValueError naming the id's path."""
-    size = pool.tokenizer.vocab_size
+    size = pool.vocab_size or pool.tokenizer.vocab_size
     if ids and max(ids) >= size:   # then the first one past it, for its path
         j = next(j for j, token in enumerate(ids) if token >= size)
         raise ValueError(f"{param}[{j}]: token id {ids[j]} is not in the vocabulary (0..{size - 1})")

@@ -36,6 +36,7 @@ class Pool:
     max_model_len: int
     suffix_ids: list[int] = field(default_factory=list)   # and after it (an EOS, for some post-processors)
     num_replicas: int = 1                     # local pools: the replicas of its device (each serves it)
+    vocab_size: int | None = None             # the ids a token-id prompt may hold (None: the tokenizer's)
     clients: list[AsyncEngineClient | None] = field(default_factory=list)   # each replica's worker, once spawned
     admission: CreditQueue | None = None        # local pools: KV credits and the queue (set by the gateway)
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)

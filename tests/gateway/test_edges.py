@@ -233,3 +233,18 @@ async def test_a_long_token_id_prompt_is_checked_off_the_event_loop(tmp_path):
     assert threads == [False, True]                       # the long one on the tokenizer thread, the short inline
     with pytest.raises(Exception, match=r"prompt\[2\]: token id 999999 is not in the vocabulary"):
         await gateway.route_prompt(FRONT, [1, 2, 999999, 5])
+
+
+async def test_a_token_id_the_model_has_no_row_for_is_refused_before_any_credit(tmp_path, builtin_path):
+    """A model whose embedding has fewer rows than its tokenizer has ids (an added token past them): an id
+    between the two is refused at routing, naming its index, not taken in and failed by the engine."""
+    from tests.conftest import make_tiny_model
+    from tests.gateway.conftest import chat_pool_yaml
+
+    model = make_tiny_model(tmp_path / "small-vocab", "llama", builtin_path, vocab_size=1000)
+    path = tmp_path / "pools.yaml"
+    path.write_text(chat_pool_yaml(model))
+    gateway = Gateway.from_config(load_config(path))
+    assert (await gateway.route_prompt(model.name, [1, 999]))[1] == [1, 999]
+    with pytest.raises(Exception, match=r"prompt\[1\]: token id 5000 is not in the vocabulary \(0\.\.999\)"):
+        await gateway.route_prompt(model.name, [1, 5000])
