@@ -18,7 +18,9 @@ time (when no replica has work, every clock moves on to the next arrival). A req
 time t on a replica starts at that replica's first step boundary at or after t (an idle replica's
 clock moves on to t), so none starts before the event that admitted it: its arrival, or the end of
 a request, on any replica, that let the queue move. With one replica this is exactly the
-single-device loop (same order of arrivals, steps and admissions).
+single-device loop (same order of arrivals, steps and admissions). A pool's `max_queue_seconds` is applied
+at those events too (a wait that ran out by then fails before the queue is admitted): with several
+replicas, at the clock of the one whose step ended, which may be up to a step ahead of the others.
 
 Single-threaded; the group owns the arrivals' token ids (one random stream for the device, which
 its replicas share for the tokens they sample) and the sequence order across replicas.
