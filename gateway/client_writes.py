@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 from collections.abc import Awaitable
@@ -28,6 +29,12 @@ from gateway.monitoring.metrics import GatewayMetrics
 
 log = logging.getLogger("cliffguard.gateway")
 T = TypeVar("T")
+
+
+def escaped_json(obj: object) -> bytes:
+    """`obj` as JSON in UTF-8 for a client, as a stream's event carries it; a lone surrogate (`"\ud83d"`: half an
+    emoji, only ever inside a JSON string) escaped as JSON writes it, not an encoding error."""
+    return json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace")
 
 
 class ClientGone(ConnectionResetError):

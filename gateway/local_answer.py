@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import deque
@@ -41,7 +40,8 @@ from engine.sampling import SamplingParams
 from engine.client import EngineDeadError, RequestFailedError
 from gateway.openai import objects
 from gateway.admission import Placed
-from gateway.client_writes import RESPONSE_BUFFERS, ClientGone, ResponseBuffers, start_sse, write_within
+from gateway.client_writes import (RESPONSE_BUFFERS, ClientGone, ResponseBuffers, escaped_json, start_sse,
+                                   write_within)
 from gateway.monitoring.metrics import GatewayMetrics, HeldLatencies
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
@@ -382,7 +382,7 @@ class LocalResponse:
     def _queue(self, obj: dict[str, Any], event: str | None = None) -> None:
         """One SSE event for the writer (started with the first); `event` names its type (the Responses API)."""
         head = f"event: {event}\n".encode() if event else b""
-        self._push(head + b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace") + b"\n\n")
+        self._push(head + b"data: " + escaped_json(obj) + b"\n\n")
         self._start_writer()
 
     def _push(self, chunk: bytes) -> None:

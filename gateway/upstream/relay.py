@@ -59,7 +59,7 @@ from yarl import URL
 
 from gateway.monitoring.metrics import GatewayMetrics, PoolSeries
 from gateway.openai.errors import ApiError, drain_cut
-from gateway.client_writes import ClientGone, start_sse, write_within
+from gateway.client_writes import ClientGone, escaped_json, start_sse, write_within
 from gateway.upstream.connection import (UpstreamClient, UpstreamDisconnected, UpstreamResponse,
                                          UpstreamTooLarge, UpstreamUnreachable)
 from gateway.upstream.sse import event_fields, json_object, split_events, whole, with_data
@@ -248,12 +248,7 @@ def _encoded(payload: Any) -> bytes:
     try:
         return _JSON.encode(payload)
     except UnicodeEncodeError:   # a lone surrogate
-        return _escaped_json(payload)
-
-
-def _escaped_json(obj: Any) -> bytes:
-    """`obj` as JSON in UTF-8; a lone surrogate (only ever inside a JSON string) escaped as the upstream wrote it."""
-    return json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace")
+        return escaped_json(payload)
 
 
 @functools.lru_cache(maxsize=256)
@@ -431,7 +426,7 @@ class _StreamSeen:
                 return None
             if obj["usage"] is None:
                 del obj["usage"]
-        return with_data(event, _escaped_json(_rename(obj, model)))   # half an emoji ("\ud83d") as it came
+        return with_data(event, escaped_json(_rename(obj, model)))   # half an emoji ("\ud83d") as it came
 
 
 def _error_status(obj: dict[str, Any], kind: str, responses: bool) -> int | None:
@@ -452,8 +447,8 @@ def _error_tail(error: ApiError, responses: bool, sequence_number: int) -> bytes
     if responses:
         event = {"type": "error", "code": body["code"], "message": body["message"], "param": body["param"],
                  "sequence_number": sequence_number}
-        return b"event: error\ndata: " + _escaped_json(event) + b"\n\n"
-    return b"data: " + _escaped_json({"error": body}) + b"\n\ndata: [DONE]\n\n"
+        return b"event: error\ndata: " + escaped_json(event) + b"\n\n"
+    return b"data: " + escaped_json({"error": body}) + b"\n\ndata: [DONE]\n\n"
 
 
 async def _events(pool: Pool, upstream: UpstreamResponse) -> AsyncIterator[bytes | ApiError]:
