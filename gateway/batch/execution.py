@@ -112,7 +112,8 @@ class BatchRunner:
     it a poison line; `replica_lost` (a death that was not its own) is retried like any transient
     answer, and never counts. Both end as the line's error. A store call failing for storage is tried
     `max_store_attempts` times with the same back-off, then the batch fails; so does a batch whose run
-    raises anything else: a batch never stays unfinished while this runner lives.
+    raises anything else; a batch whose failure cannot be written either runs again at the next purge
+    (`_purge`, every PURGE_EVERY_S): a batch never stays unfinished for long while this runner lives.
 
     Event loop only. Every store call goes through the runner's one thread: the loop never waits on
     SQLite, and the store sees one caller at a time. `stop` leaves unfinished batches as they are in
@@ -156,15 +157,19 @@ class BatchRunner:
 
     async def _purge(self) -> None:
         """Every PURGE_EVERY_S, drop expired files' bytes (`BatchStore.purge_expired`, a bounded transaction at
-        a time, on the store's thread beside the runs' calls); a storage error waits for the next turn."""
+        a time, on the store's thread beside the runs' calls) and run again any unfinished batch that nothing
+        runs (one whose failure could not be written, or created while its answer could not be read back); a
+        storage error waits for the next turn."""
         while True:
             await asyncio.sleep(PURGE_EVERY_S)
             try:
                 while await self.store.on_thread(self.store.purge_expired):   # more may be due
                     await asyncio.sleep(0)
+                for batch_id in await self.store.on_thread(self.store.unfinished_batch_ids):
+                    self.run(batch_id)
             except STORAGE_ERRORS as exc:
-                log.warning("batch store: purging expired files failed: %s; trying again in %.0f s", exc,
-                            PURGE_EVERY_S)
+                log.warning("batch store: purging expired files or resuming batches failed: %s; trying again in "
+                            "%.0f s", exc, PURGE_EVERY_S)
 
     async def start(self) -> None:
         """Resume every unfinished batch in the store, and purge expired files from time to time."""
@@ -249,8 +254,8 @@ class BatchRunner:
         try:
             await self.durable(self.store.fail, run.batch_id, code, message)
         except Exception:  # noqa: BLE001 - nothing more can be written now
-            log.exception("batch %s could not be marked failed; it stays unfinished in the store and resumes "
-                          "when the server starts again", run.batch_id)
+            log.exception("batch %s could not be marked failed; it stays unfinished in the store and runs again "
+                          "at the next purge (in %.0f s)", run.batch_id, PURGE_EVERY_S)
 
     async def _run_lines(self, run: _Run) -> None:
         workers = [asyncio.create_task(self._worker(run)) for _ in range(self.max_in_flight)]

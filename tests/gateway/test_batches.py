@@ -653,6 +653,25 @@ async def test_storage_errors_are_tried_again_then_fail_the_batch_and_the_runner
     assert r.status == 503 and r.headers["Retry-After"] and body["error"]["code"] == "storage_unavailable"
 
 
+async def test_a_batch_whose_failure_could_not_be_written_runs_again_at_the_next_purge(aiohttp_client, tmp_path,
+                                                                                       tiny_model, monkeypatch):
+    from gateway.batch import execution
+
+    monkeypatch.setattr(execution, "PURGE_EVERY_S", 0.2)
+    client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor())
+    runner = client.app[BATCHES]
+    runner.max_store_attempts, store = 2, runner.store
+    finalize_step, fail = store.finalize_step, store.fail
+    monkeypatch.setattr(store, "finalize_step", _failing(finalize_step, float("inf")))
+    monkeypatch.setattr(store, "fail", _failing(fail, float("inf")))      # the disk is full: nothing is written
+    stuck = await _create(client, _jsonl(_line("a"), _line("b")))
+    await _wait(client, stuck["id"], lambda b: b["status"] == "finalizing" and stuck["id"] not in runner._runs)
+    monkeypatch.setattr(store, "finalize_step", finalize_step)          # the disk has room again
+    monkeypatch.setattr(store, "fail", fail)
+    done = await _wait(client, stuck["id"])
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+
+
 def test_serve_creates_its_data_dir_and_refuses_a_file_there(tmp_path, capsys, monkeypatch):
     from gateway.cli import make_data_dir
 
