@@ -16,7 +16,7 @@ import itertools
 import json
 import re
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ EXPIRES_AFTER_SECONDS = (3600, 30 * 86400)
 DEFAULT_BATCH_FILE_SECONDS = 30 * 86400
 DEFAULT_FILENAME = "upload.jsonl"       # the filename of an upload that gives none
 _REQUEST_LINE = re.compile(rb"[^ \t\n\r\x0b\x0c][^\n]*")   # a non-blank line from its first non-blank byte
+_INK = re.compile(rb"[^ \t\n\r\x0b\x0c]")                   # a byte that is not blank
 
 
 class BatchInputError(ValueError):
@@ -66,43 +67,99 @@ class BatchLine:
 
 
 def parse_batch_input(content: bytes, endpoint: str, file_id: str = "input") -> list[BatchLine]:
-    """Every non-blank line of a JSONL input file, checked for the batch's `endpoint`. A `custom_id`
-    belongs to the first line carrying it; later lines with it are `duplicate_custom_id` errors. A
-    line longer than MAX_BATCH_LINE_BYTES is a `line_too_large` error, not parsed. BatchInputError
-    naming `input_file_id` (the file `file_id`) when the file has no request line or more than
+    """Every non-blank line of the JSONL input file `content`, checked for the batch's `endpoint`
+    (`batch_input_lines`, the file in one piece)."""
+    return list(batch_input_lines(lambda: (content,), endpoint, file_id))
+
+
+def batch_input_lines(read: Callable[[], Iterable[bytes]], endpoint: str,
+                      file_id: str = "input") -> Iterator[BatchLine]:
+    """Every non-blank line of a JSONL input file, checked for the batch's `endpoint`, one at a time: `read()`
+    gives the file's bytes a piece at a time (any sizes), and is called twice, to count, then to parse. A
+    `custom_id` belongs to the first line carrying it; later lines with it are `duplicate_custom_id` errors. A
+    line longer than MAX_BATCH_LINE_BYTES is a `line_too_large` error, not parsed. BatchInputError naming
+    `input_file_id` (the file `file_id`), raised by this call, when the file has no request line or more than
     MAX_BATCH_LINES: counted first, up to one past the limit, so a file of millions of short lines is
-    refused after a count of MAX_BATCH_LINES + 1, before any line is parsed."""
-    num_lines = sum(1 for _ in itertools.islice(_request_lines(content), MAX_BATCH_LINES + 1))
+    refused after a count of MAX_BATCH_LINES + 1, before any line is parsed. What is held at once is a
+    piece and a line (the first MAX_BATCH_LINE_BYTES + 1 bytes of a longer one), whatever the file's size."""
+    num_lines = sum(1 for _ in itertools.islice(_file_lines(read()), MAX_BATCH_LINES + 1))
     if not num_lines:
         raise BatchInputError("input_file_id", f"file {file_id!r} has no request lines")
     if num_lines > MAX_BATCH_LINES:
         raise BatchInputError("input_file_id", f"file {file_id!r} has more than {MAX_BATCH_LINES} request lines; "
                               f"a batch takes at most {MAX_BATCH_LINES}")
-    lines: list[BatchLine] = []
+    return _checked_lines(_file_lines(read()), endpoint)
+
+
+def _checked_lines(lines: Iterator[tuple[int, bytes | None, int]], endpoint: str) -> Iterator[BatchLine]:
     seen: set[str] = set()
-    for line_no, start, end in _request_lines(content):
-        if end - start > MAX_BATCH_LINE_BYTES:
-            lines.append(_bad(line_no, None, "line_too_large", f"line {line_no}: {end - start} bytes; a request "
-                              f"line may have at most {MAX_BATCH_LINE_BYTES} bytes"))
+    for line_no, raw, length in lines:
+        if raw is None:
+            yield _bad(line_no, None, "line_too_large", f"line {line_no}: {length} bytes; a request line may "
+                       f"have at most {MAX_BATCH_LINE_BYTES} bytes")
             continue
-        line = _parse_line(line_no, content[start:end], endpoint)
+        line = _parse_line(line_no, raw, endpoint)
         if line.custom_id is not None:
             if line.custom_id in seen and line.error is None:
                 line = _bad(line_no, line.custom_id, "duplicate_custom_id",
                             f"custom_id: {line.custom_id!r} was used by an earlier line")
             seen.add(line.custom_id)
-        lines.append(line)
-    return lines
+        yield line
 
 
-def _request_lines(content: bytes) -> Iterator[tuple[int, int, int]]:
-    """(1-based line number, start, end) of each non-blank line of `content` (blank: what `bytes.strip`
-    removes), without a copy of any line; the regex engine, not Python, walks over the blank ones."""
-    line_no, counted_to = 1, 0
+def _file_lines(pieces: Iterable[bytes]) -> Iterator[tuple[int, bytes | None, int]]:
+    """(1-based line number, its bytes, its length) of each non-blank line of the file `pieces` make one after
+    the other; the bytes are None for a line longer than MAX_BATCH_LINE_BYTES, of which only the first
+    MAX_BATCH_LINE_BYTES + 1 are ever held (`_Unfinished`)."""
+    line_no, line = 1, _Unfinished()      # the line whose start is read and whose end is not, numbered line_no
+    for piece in pieces:
+        cut = piece.rfind(b"\n") + 1
+        if not cut:                        # the line goes on past this piece
+            line.extend(piece)
+            continue
+        if line.skipped:                   # a line past the bound ends in this piece: only its length is kept
+            first = piece.find(b"\n")
+            if line.inked or _INK.search(line.head) or _INK.search(piece, 0, first):
+                yield line_no, None, len(line.head) + line.skipped + first
+            line_no, segment = line_no + 1, piece[first + 1:cut]
+        else:
+            segment = bytes(line.head) + piece[:cut]
+        yield from _request_lines(segment, line_no)
+        line_no += segment.count(b"\n")
+        line = _Unfinished()
+        line.extend(piece[cut:])
+    if line.skipped:
+        if line.inked or _INK.search(line.head):
+            yield line_no, None, len(line.head) + line.skipped
+    elif line.head:
+        yield from _request_lines(bytes(line.head), line_no)
+
+
+class _Unfinished:
+    """The start of a line whose end is not read yet: its first MAX_BATCH_LINE_BYTES + 1 bytes (`head`), how many
+    more there were (`skipped`) and whether any of those is not blank (`inked`)."""
+
+    def __init__(self) -> None:
+        self.head, self.skipped, self.inked = bytearray(), 0, False
+
+    def extend(self, data: bytes) -> None:
+        room = max(0, MAX_BATCH_LINE_BYTES + 1 - len(self.head))
+        self.head += data[:room]
+        if rest := data[room:]:
+            self.skipped += len(rest)
+            self.inked = self.inked or _INK.search(rest) is not None
+
+
+def _request_lines(content: bytes, first_line_no: int = 1) -> Iterator[tuple[int, bytes | None, int]]:
+    """(line number, its bytes or None past MAX_BATCH_LINE_BYTES, its length) of each non-blank line of `content`
+    (blank: what `bytes.strip` removes), its first line numbered `first_line_no`; the regex engine, not Python,
+    walks over the blank ones."""
+    line_no, counted_to = first_line_no, 0
     for match in _REQUEST_LINE.finditer(content):
         line_no += content.count(b"\n", counted_to, match.start())
         counted_to = match.start()
-        yield line_no, content.rfind(b"\n", 0, counted_to) + 1, match.end()
+        start, end = content.rfind(b"\n", 0, counted_to) + 1, match.end()
+        yield line_no, None if end - start > MAX_BATCH_LINE_BYTES else content[start:end], end - start
 
 
 def _parse_line(line_no: int, raw: bytes, endpoint: str) -> BatchLine:
@@ -136,6 +193,17 @@ def _parse_line(line_no: int, raw: bytes, endpoint: str) -> BatchLine:
 
 def _bad(line_no: int, custom_id: str | None, code: str, message: str) -> BatchLine:
     return BatchLine(line_no, custom_id, error={"code": code, "message": message, "line": line_no})
+
+
+def check_batch_arguments(endpoint: Any, completion_window: Any, metadata: Any) -> None:
+    """BatchInputError naming the field when a batch's `endpoint`, `completion_window` or `metadata` is not one
+    we take."""
+    if endpoint not in BATCH_ENDPOINTS:
+        raise BatchInputError("endpoint", f"must be one of {', '.join(BATCH_ENDPOINTS)}, got {endpoint!r}")
+    if completion_window not in COMPLETION_WINDOWS:
+        raise BatchInputError("completion_window", f"must be {' or '.join(map(repr, COMPLETION_WINDOWS))}, "
+                              f"got {completion_window!r}")
+    check_metadata(metadata)
 
 
 def check_metadata(metadata: Any) -> None:

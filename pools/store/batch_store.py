@@ -31,7 +31,7 @@ gone at once to every reader (`_FILE_LIVE`); its bytes are dropped by `delete_fi
 (the batch runner's, every PURGE_EVERY_S), and its row stays, marked `deleted_at`, since a batch may name
 it. A batch's lines were stored when it was created: it runs on without its input file.
 
-Input lines are checked when the batch is created (`pools.store.batch_input.parse_batch_input`): an
+Input lines are checked when the batch is created (`pools.store.batch_input.batch_input_lines`): an
 unusable line is a per-line error for the error file; the batch itself never fails for it. A batch
 fails as a whole only through `fail` (the runner's reason: the store could not take its results) or
 an output past the limit.
@@ -74,13 +74,13 @@ import json
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pools.store.batch_input import (BATCH_ENDPOINTS, COMPLETION_WINDOWS, DEFAULT_BATCH_FILE_SECONDS, FILE_PURPOSES,
-                                     BatchInputError, BatchLine, TooManyBatches, check_expires_after, check_metadata,
-                                     clean_filename, is_text, parse_batch_input)
+from pools.store.batch_input import (DEFAULT_BATCH_FILE_SECONDS, FILE_PURPOSES, BatchInputError, BatchLine,
+                                     TooManyBatches, batch_input_lines, check_batch_arguments, check_expires_after,
+                                     clean_filename, is_text)
 from pools.store import batch_files
 from pools.store.batch_files import (CHUNK_BYTES, UNFINISHED, ChunkWriter, assemble_step, drop_files, fail_batch,
                                      insert_file, marks, read_chunks, request_counts, result_file_ids)
@@ -214,16 +214,18 @@ class BatchStore(StoreFile):
                                    f"{_FILE_LIVE}", (file_id, owner, int(time.time()))).fetchone()
             if row is None:
                 return None
-            total, num_legacy = row
-            end = total if size is None else min(total, offset + size)
-            if end <= offset:
-                return b""
-            if num_legacy:   # a version-2 file: its bytes in one blob, read in place (not loaded whole)
-                rowid = self._db.execute("SELECT rowid FROM files WHERE id=?", (file_id,)).fetchone()[0]
-                with self._db.blobopen("files", "content", rowid, readonly=True) as blob:
-                    blob.seek(offset)
-                    return blob.read(end - offset)
-            return read_chunks(self._db, file_id, offset, end)
+            end = row[0] if size is None else min(row[0], offset + size)
+            return self._read(file_id, bool(row[1]), offset, end) if end > offset else b""
+
+    def _read(self, file_id: str, legacy: bool, offset: int, end: int) -> bytes:
+        """Bytes [offset, end) of a file (its lock held): a `legacy` (version-2) file's bytes are one blob, read
+        in place (not loaded whole); the others' are in `file_chunks`."""
+        if legacy:
+            rowid = self._db.execute("SELECT rowid FROM files WHERE id=?", (file_id,)).fetchone()[0]
+            with self._db.blobopen("files", "content", rowid, readonly=True) as blob:
+                blob.seek(offset)
+                return blob.read(end - offset)
+        return read_chunks(self._db, file_id, offset, end)
 
     # --- batches ---------------------------------------------------------------------------------
     def create_batch(self, input_file_id: str, endpoint: str, completion_window: str,
@@ -235,11 +237,14 @@ class BatchStore(StoreFile):
         error files expire as `output_expires_after` says (OpenAI's policy; none: kept until deleted).
         BatchInputError naming the field for a bad argument; another owner's input file is refused as
         one that does not exist. TooManyBatches when `owner` has `max_unfinished` batches unfinished
-        already (counted in the same transaction: batches created at once cannot pass it together)."""
+        already (counted in the same transaction: batches created at once cannot pass it together). The file
+        is read a piece at a time (`batch_input_lines`) and each line stored as it is parsed: what is held
+        does not grow with the file."""
         expires_after = check_expires_after(output_expires_after, "output_expires_after")
-        lines = self._input_lines(input_file_id, endpoint, completion_window, metadata, owner)
+        check_batch_arguments(endpoint, completion_window, metadata)
         batch_id, now = f"batch_{uuid.uuid4().hex[:24]}", int(time.time())
         with self._txn() as db:
+            lines = self._input_lines(input_file_id, endpoint, owner, now)
             if max_unfinished is not None:
                 (unfinished,) = db.execute(f"SELECT COUNT(*) FROM batches WHERE owner=? AND {UNFINISHED_SQL}",
                                            (owner,)).fetchone()
@@ -258,22 +263,22 @@ class BatchStore(StoreFile):
                   None if ln.error is None else json.dumps(ln.error)) for ln in lines))
         return self.batch(batch_id, owner=owner)
 
-    def _input_lines(self, input_file_id: str, endpoint: str, completion_window: str, metadata: Any,
-                     owner: str) -> list[BatchLine]:
-        """The checked arguments of `create_batch` and the lines of its input file."""
-        if endpoint not in BATCH_ENDPOINTS:
-            raise BatchInputError("endpoint", f"must be one of {', '.join(BATCH_ENDPOINTS)}, got {endpoint!r}")
-        if completion_window not in COMPLETION_WINDOWS:
-            raise BatchInputError("completion_window", f"must be {' or '.join(map(repr, COMPLETION_WINDOWS))}, "
-                                  f"got {completion_window!r}")
-        check_metadata(metadata)
-        info, content = self.file(input_file_id, owner=owner), self.file_content(input_file_id, owner=owner)
-        if info is None or content is None:
+    def _input_lines(self, input_file_id: str, endpoint: str, owner: str, now: int) -> Iterator[BatchLine]:
+        """The lines of `owner`'s batch input file, counted and checked (`batch_input_lines`), read in pieces
+        of CHUNK_BYTES (inside the caller's transaction)."""
+        row = is_text(input_file_id) and self._db.execute(
+            f"SELECT purpose, bytes, length(content) FROM files WHERE id=? AND {_FILE_OWNER}=? AND {_FILE_LIVE}",
+            (input_file_id, owner, now)).fetchone()
+        if not row:
             raise BatchInputError("input_file_id", f"no file {input_file_id!r}")
-        if info["purpose"] != "batch":
-            raise BatchInputError("input_file_id", f"file {input_file_id!r} has purpose {info['purpose']!r}, "
-                                  "not 'batch'")
-        return parse_batch_input(content, endpoint, input_file_id)
+        purpose, total, legacy = row
+        if purpose != "batch":
+            raise BatchInputError("input_file_id", f"file {input_file_id!r} has purpose {purpose!r}, not 'batch'")
+
+        def pieces() -> Iterator[bytes]:
+            for offset in range(0, total, CHUNK_BYTES):
+                yield self._read(input_file_id, bool(legacy), offset, min(total, offset + CHUNK_BYTES))
+        return batch_input_lines(pieces, endpoint, input_file_id)
 
     def batch(self, batch_id: str, *, owner: str) -> dict[str, Any] | None:
         """The OpenAI batch object (request_counts counted from the lines, or kept on a finished batch's row),

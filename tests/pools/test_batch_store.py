@@ -154,6 +154,51 @@ def test_a_file_over_the_line_limit_is_refused_after_a_count_before_any_line_is_
     store.check_integrity()
 
 
+def test_an_input_file_read_in_pieces_of_any_size_gives_the_lines_of_the_whole(monkeypatch):
+    """The lines of a file read a piece at a time are those of its whole bytes, wherever the pieces cut it (a line
+    over the bound among them, blank or not, ending in a later piece or at the end of the file)."""
+    monkeypatch.setattr(batch_input, "MAX_BATCH_LINE_BYTES", 8)
+    content = (b"\n  \x0b\n{}\r\n" + b" " * 20 + b"\n" + b" " * 12 + b"x" + b" " * 12 + b"\n\t[1]\n"
+               + b"0123456789abcdef\n\n12345678\n123456789\n" + b" " * 9 + b"\n" + b"y" * 30)
+    whole = [(i + 1, line if len(line) <= 8 else None, len(line))
+             for i, line in enumerate(content.split(b"\n")) if line.strip()]
+    assert [n for n, _, _ in whole] == [3, 5, 6, 7, 9, 10, 12] and whole[1] == (5, None, 25)
+    for size in range(1, len(content) + 1):
+        pieces = [content[i:i + size] for i in range(0, len(content), size)]
+        assert list(batch_input._file_lines(pieces)) == whole, size
+
+
+def test_a_batch_is_created_from_its_file_a_piece_at_a_time(tmp_path, monkeypatch):
+    """`create_batch` reads the input file in pieces of CHUNK_BYTES (64 KiB here, as the pieces files are kept in)
+    and stores each line as it is parsed: the memory it takes does not grow with the file (it held the whole file,
+    copied, and every parsed line: four times the file, four times the memory)."""
+    import tracemalloc
+
+    from pools.store import batch_store
+
+    monkeypatch.setattr(batch_store, "CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(batch_files, "CHUNK_BYTES", 64 << 10)
+    store = _make_store(tmp_path / "b.sqlite3")
+    reads = _count_calls(monkeypatch, batch_store, "read_chunks")
+    peaks = []
+    for num_lines in (200, 800):
+        lines = [{**_line(f"r{i}", "/v1/completions"), "body": {"model": "m", "prompt": list(range(500))}}
+                 for i in range(num_lines)]
+        content = _jsonl(*lines)
+        file = store.add_file(content, "in.jsonl", "batch", owner=OWNER, tenant=TENANT)
+        reads.clear()
+        tracemalloc.start()
+        try:
+            batch = store.create_batch(file["id"], "/v1/completions", "24h", owner=OWNER, tenant=TENANT)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        assert len(reads) == 2 * -(-len(content) // (64 << 10))   # counted, then parsed: a piece a read
+        assert batch["request_counts"]["total"] == num_lines
+        assert [ln.body for ln in store.pending_lines(batch["id"], limit=2000)] == [ln["body"] for ln in lines]
+    assert len(content) > 1 << 20 and peaks[1] < 1.3 * peaks[0] and peaks[1] < len(content) / 4, peaks
+
+
 def test_strings_sqlite_cannot_hold_are_refused_or_cleaned_never_an_error_of_sqlite(tmp_path):
     store = _make_store(tmp_path / "b.sqlite3")
     content = _jsonl({**_line("x"), "custom_id": "\ud800"}, {**_line("x"), "custom_id": "y\udfff", "method": "GET"},
