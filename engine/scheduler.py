@@ -17,7 +17,8 @@ preempted:
 A step that preempted admits nothing. A sequence alone in its pool that still cannot grow is finished
 with a `length` result and an error message, never spun forever.
 A **paused** request (`pause`: its client reads too slowly) is skipped: its running sequences keep their
-blocks and place but get no token and are never victims; its waiting or swapped ones are passed by. So is
+blocks and place but get no token and are never victims; its waiting or swapped ones are passed by. A sequence
+short of blocks that only paused ones hold waits for them, keeping its own (`_held_by_paused`). So is
 a running sequence whose last token is in flight (overlapped steps): it frees its blocks when that lands,
 and a sequence short of blocks that those would make up waits for them rather than preempt anyone.
 
@@ -215,14 +216,20 @@ class Scheduler:
                     self._promised, skipped = self._promised + need * covered, skipped + 1   # a waiter: the free
                     waits.add(id(seq))                           # blocks it counts on are no later sequence's
                     continue
+                held = False   # short of blocks that only paused sequences hold: it waits for them, keeping its own
                 while self._blocks_needed(seq, num_new) > bm.num_free_blocks:
                     if self.running == [seq]:
                         self._finish_too_large(seq, out)
                         break
                     victim = self._pick_victim(seq)   # never after a waiter: every one short of blocks waits
+                    if held := victim is seq and self._held_by_paused(seq):
+                        break
                     budget += self._preempt(victim, out)
                     if victim is seq:
                         break
+                if held:   # a waiter: nothing is admitted past it
+                    self._promised, skipped = self._promised + need, skipped + 1
+                    continue
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
                 self._grow(seq, num_new, out)
@@ -334,6 +341,13 @@ class Scheduler:
     def _ending_blocks(self) -> int:   # the blocks the ending sequences alone hold: they come back a step later
         bm = self.block_manager
         return sum(bm.ref_count(b) == 1 for s in self.running if self._ending(s) for b in s.block_table)
+
+    def _held_by_paused(self, seq: Sequence) -> bool:
+        """Whether every running sequence but `seq` is paused or ending, and one is paused: the blocks `seq` lacks
+        are a paused request's. Preempting itself would not help: without the prefix cache it would be admitted
+        again at once and re-prefill up to the same shortage, step after step; it waits, and the step stalls."""
+        return any(self.is_paused(s) for s in self.running) and \
+            all(s is seq or self.is_paused(s) or self._ending(s) for s in self.running)
 
     def _pick_victim(self, needy: Sequence) -> Sequence:
         """The running sequence to preempt so that `needy` can grow, by the pool's victim policy.
