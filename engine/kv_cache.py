@@ -14,6 +14,7 @@ import torch
 import engine.capacity as capacity
 from engine.config import ConfigError
 from engine.model_config import ModelConfig
+from kernels.transfer import to_device, to_device_tensor
 
 
 class KVCache:
@@ -51,8 +52,8 @@ class KVCache:
         """Copy-on-write: block `dst` gets the K/V of block `src` (every layer)."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], device=self.data.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.data.device)
+        src = to_device([s for s, _ in pairs], torch.int64, self.data.device)   # queued: the host goes on
+        dst = to_device([d for _, d in pairs], torch.int64, self.data.device)
         self.raw.index_copy_(2, dst, self.raw.index_select(2, src))
 
 
@@ -128,8 +129,8 @@ class SwapSpace:
         """(device block, CPU block) pairs: device -> CPU."""
         if not pairs:
             return
-        dev = torch.tensor([d for d, _ in pairs], device=self.kv_cache.data.device)
-        cpu = torch.tensor([c for _, c in pairs])
+        dev = to_device([d for d, _ in pairs], torch.int64, self.kv_cache.data.device)
+        cpu = torch.tensor([c for _, c in pairs])   # the copy to the CPU waits for the device: it must
         self.raw.index_copy_(2, cpu, self.kv_cache.raw.index_select(2, dev).to("cpu"))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
@@ -138,11 +139,8 @@ class SwapSpace:
             return
         device = self.kv_cache.data.device
         cpu = torch.tensor([c for c, _ in pairs])
-        dev = torch.tensor([d for _, d in pairs], device=device)
-        blocks = self.raw.index_select(2, cpu)
-        if device.type == "cuda":
-            blocks = blocks.pin_memory().to(device, non_blocking=True)
-        self.kv_cache.raw.index_copy_(2, dev, blocks.to(device))
+        dev = to_device([d for _, d in pairs], torch.int64, device)   # queued, as the blocks: the host goes on
+        self.kv_cache.raw.index_copy_(2, dev, to_device_tensor(self.raw.index_select(2, cpu), device))
 
     def measure_bandwidth(self, num_blocks: int = 32, repeats: int = 3) -> float:
         """Bytes per second of one direction of a swap, measured on real copies of this pool's blocks

@@ -1,8 +1,28 @@
-"""`PreemptionCostModel`: what the `auto` preemption mode weighs for each victim, swap against recompute."""
+"""What preemption weighs: which running sequence is the victim (`victim_by_policy`, the pool's
+`victim_policy`), and in the `auto` mode, per victim, swap against recompute (`PreemptionCostModel`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from engine.sequence import Sequence
+
+
+def victim_by_policy(policy: str, candidates: list[Sequence], running: list[Sequence]) -> Sequence:
+    """The victim among `candidates` by `policy` (`engine.config.VICTIM_POLICIES`); `running` in admission order
+    breaks ties."""
+    order = {id(s): i for i, s in enumerate(running)}
+    if policy == "reverse_fifo":
+        return max(candidates, key=lambda s: order[id(s)])
+    if policy == "longest_first":   # frees the most blocks
+        return max(candidates, key=lambda s: (s.num_computed_tokens, order[id(s)]))
+    if policy == "least_progress":  # loses the least generated work
+        return min(candidates, key=lambda s: (s.num_output_tokens, -order[id(s)]))
+    if policy == "lru":             # scheduled longest ago (left out by the token budget)
+        return min(candidates, key=lambda s: (s.last_scheduled_step, -order[id(s)]))
+    if policy == "priority":        # largest priority value = least urgent, then reverse FIFO
+        return max(candidates, key=lambda s: (s.priority, order[id(s)]))
+    raise AssertionError(f"unknown victim policy {policy!r}")
 
 
 @dataclass

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, NoFreeBlocksError
 from engine.config import ConfigError, PoolConfig, SchedulerConfig
-from engine.preemption_cost import PreemptionCostModel
+from engine.preemption_cost import PreemptionCostModel, victim_by_policy
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -343,33 +343,19 @@ class Scheduler:
         return sum(bm.ref_count(b) == 1 for s in self.running if self._ending(s) for b in s.block_table)
 
     def _held_by_paused(self, seq: Sequence) -> bool:
-        """Whether every running sequence but `seq` is paused or ending, and one is paused: the blocks `seq` lacks
-        are a paused request's. Preempting itself would not help: without the prefix cache it would be admitted
-        again at once and re-prefill up to the same shortage, step after step; it waits, and the step stalls."""
+        """Whether all running sequences but `seq` are paused or ending, one paused: preempting itself would not
+        help (without the prefix cache it is admitted again at once and re-prefills up to the same shortage)."""
         return any(self.is_paused(s) for s in self.running) and \
             all(s is seq or self.is_paused(s) or self._ending(s) for s in self.running)
 
     def _pick_victim(self, needy: Sequence) -> Sequence:
-        """The running sequence to preempt so that `needy` can grow, by the pool's victim policy.
-
-        Sequences under the stability floor are spared while another candidate exists. Paused ones keep
-        their blocks, and ending ones give theirs back a step later: neither is a victim."""
+        """The running sequence to preempt so that `needy` can grow, by the pool's victim policy. Sequences under
+        the stability floor are spared while another candidate exists. Paused ones keep their blocks, and ending
+        ones give theirs back a step later: neither is a victim."""
         floor = self.config.stability_floor_tokens
         active = [s for s in self.running if not self.is_paused(s) and not self._ending(s)]
         candidates = [s for s in active if s.num_output_tokens - s.admitted_at_output >= floor] or active
-        order = {id(s): i for i, s in enumerate(self.running)}   # admission order
-        policy = self.config.victim_policy
-        if policy == "reverse_fifo":
-            return max(candidates, key=lambda s: order[id(s)])
-        if policy == "longest_first":   # frees the most blocks
-            return max(candidates, key=lambda s: (s.num_computed_tokens, order[id(s)]))
-        if policy == "least_progress":  # loses the least generated work
-            return min(candidates, key=lambda s: (s.num_output_tokens, -order[id(s)]))
-        if policy == "lru":             # scheduled longest ago (left out by the token budget)
-            return min(candidates, key=lambda s: (s.last_scheduled_step, -order[id(s)]))
-        if policy == "priority":        # largest priority value = least urgent, then reverse FIFO
-            return max(candidates, key=lambda s: (s.priority, order[id(s)]))
-        raise AssertionError(f"unknown victim policy {policy!r}")
+        return victim_by_policy(self.config.victim_policy, candidates, self.running)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Preempt `seq`; returns the token budget given back if it was already scheduled this step."""
