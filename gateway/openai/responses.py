@@ -368,7 +368,7 @@ class ResponsesAnswer(LocalResponse):
                 self._call_delta(entry)
             if after.strip():
                 self._close_reasoning()
-                self._close_calls()
+                self._close_calls(stream.cut_call)   # the last chunk: the stream knows which call was cut
                 self._logprobs_from = len(self.choices[0].token_ids)   # none of the calls' markup: as `_body`
                 self._text_delta(after.lstrip(), [])
 

@@ -282,6 +282,17 @@ def test_text_around_a_call_is_the_same_items_streamed_or_whole_however_the_repl
     assert [item[-1] for item in streamed if item[0] == "message"] == [(1,), ()]
 
 
+def test_a_call_cut_by_max_output_tokens_after_other_text_is_incomplete_streamed_as_whole() -> None:
+    """A reply cut inside its second call, with text between the calls: the cut call is `incomplete` in the
+    stream as in the whole answer (the stream closed it `completed` when text came after the first call)."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>'
+    reply = call + ' and <tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro'
+    whole = _items([reply], stream=False, finish="length")
+    assert [item[-1] for item in whole if item[0] == "function_call"] == ["completed", "incomplete"], whole
+    for pieces in ([reply], [reply[:50], reply[50:]], [reply[:len(call) + 3], reply[len(call) + 3:]]):
+        assert _items(pieces, stream=True, finish="length") == whole, pieces
+
+
 def test_calls_and_their_outputs_pair_as_openai_requires() -> None:
     """An output answers a call before it, this turn's or a kept earlier turn's; a call is answered by an output
     after it. Else OpenAI's 400 naming `input` (an output answering nothing became a tool turn of its own, a
