@@ -21,6 +21,7 @@ and name, then the arguments' text in pieces)."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from collections.abc import Iterator
@@ -31,6 +32,8 @@ from gateway.openai.errors import nested_over
 from gateway.openai.reasoning import partial_tag
 from gateway.openai.tool_grammar import ANY_OBJECT, CallSyntax, auto_grammar, forced_grammar
 from gateway.openai.tool_specs import Tool
+
+_SPACES = re.compile(r"\s*")   # what `str.lstrip` drops, matched where it starts without a copy of the rest
 
 
 @dataclass
@@ -133,8 +136,9 @@ class ToolFormat:
         and holds the rest until the reply ends and is parsed."""
         raise NotImplementedError
 
-    def call_scans(self, text: str, pos: int) -> Iterator[CallScan]:
-        """Each call object in `text` (from `pos`) as far as written (`scan_call`): a stream's calls."""
+    def call_scans(self, text: str, pos: int, scanners: dict[int, CallScanner] | None = None) -> Iterator[CallScan]:
+        """Each call object in `text` (from `pos`) as far as written (`scan_call`, with a stream's `scanners`):
+        a stream's calls."""
         raise NotImplementedError
 
     def _call(self, obj: Any, text: str, start: int) -> ToolCall | None:
@@ -198,16 +202,15 @@ class HermesFormat(ToolFormat):
         found = text.find(self.start, 0 if last is None else last.end)
         return found if found >= 0 and not text[found + len(self.start):].strip() else None
 
-    def call_scans(self, text: str, pos: int) -> Iterator[CallScan]:
+    def call_scans(self, text: str, pos: int, scanners: dict[int, CallScanner] | None = None) -> Iterator[CallScan]:
         while (found := text.find(self.start, pos)) >= 0:
-            body = found + len(self.start)
-            body += len(text[body:]) - len(text[body:].lstrip())
+            body = _SPACES.match(text, found + len(self.start)).end()
             if body >= len(text):
                 return                     # a call may be starting
             if text[body] != "{":          # the marker in prose, not a call: look past it
                 pos = body
                 continue
-            yield (scan := scan_call(text, body, self.args_keys))
+            yield (scan := scan_call(text, body, self.args_keys, scanners))
             if (pos := scan.end) is None:   # the next call starts after this one
                 return
 
@@ -247,12 +250,12 @@ class Llama3JsonFormat(ToolFormat):
                 pos += 1
         return None, calls
 
-    def call_scans(self, text: str, pos: int) -> Iterator[CallScan]:
-        pos += len(text[pos:]) - len(text[pos:].lstrip())
+    def call_scans(self, text: str, pos: int, scanners: dict[int, CallScanner] | None = None) -> Iterator[CallScan]:
+        pos = _SPACES.match(text, pos).end()
         if text.startswith("<|python_tag|>", pos):
             pos += len("<|python_tag|>")
         while pos < len(text) and text[pos] == "{":
-            yield (scan := scan_call(text, pos, self.args_keys))
+            yield (scan := scan_call(text, pos, self.args_keys, scanners))
             if scan.end is None:
                 return
             pos = scan.end
@@ -300,45 +303,68 @@ class CallScan:
     start: int = 0        # where the call object's `{` is
 
 
-def scan_call(text: str, start: int, args_keys: tuple[str, ...]) -> CallScan:
-    """Read the (maybe unfinished) call object `text[start:]` (`text[start]` is its `{`) character by
-    character: strings with their escapes, nesting, the top level's keys and values; the arguments are
-    the first object under one of `args_keys`, the name the first string under "name"."""
-    scan, depth, key, in_value, string_at, escaped = CallScan(start=start), 0, None, False, -1, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if string_at >= 0:                       # inside a string
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                if depth == 1:
-                    value = loads(text[string_at:i + 1])
-                    if not in_value:
-                        key = value
-                    elif key == "name" and isinstance(value, str) and scan.name is None:
-                        scan.name = value
-                string_at = -1
-            continue
-        if ch == '"':
-            string_at = i
-        elif ch == ":" and depth == 1:
-            in_value = True
-        elif ch == "," and depth == 1:
-            in_value = False
-        elif ch in "{[":
-            if depth == 1 and in_value and key in args_keys and ch == "{" and scan.args_start is None:
-                scan.args_start = i
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 1 and scan.args_start is not None and scan.args_end is None:
-                scan.args_end = i + 1
-            if depth == 0:
-                scan.end = i + 1
-                break
-    return scan
+def scan_call(text: str, start: int, args_keys: tuple[str, ...],
+              scanners: dict[int, CallScanner] | None = None) -> CallScan:
+    """Read the (maybe unfinished) call object `text[start:]` (`text[start]` is its `{`): `CallScanner`. With
+    `scanners` (a stream's, by where each call starts), a call read before is read on from where it stopped."""
+    if scanners is None:
+        return CallScanner(start, args_keys).read(text)
+    if (scanner := scanners.get(start)) is None:
+        scanner = scanners[start] = CallScanner(start, args_keys)
+    return scanner.read(text)
+
+
+class CallScanner:
+    """A call object read character by character as the reply grows (the reply only grows): strings with their
+    escapes, nesting, the top level's keys and values; the arguments are the first object under one of
+    `args_keys`, the name the first string under "name". Each `read` goes on from where the last one stopped,
+    so a call streamed a few characters at a time is read once, not again from its start at every delta."""
+
+    def __init__(self, start: int, args_keys: tuple[str, ...]) -> None:
+        self.scan, self.args_keys = CallScan(start=start), args_keys
+        self.pos, self.depth, self.key, self.in_value, self.string_at, self.escaped = start, 0, None, False, -1, False
+
+    def read(self, text: str) -> CallScan:
+        scan = self.scan
+        if scan.end is not None:
+            return scan
+        depth, key, in_value, string_at, escaped = self.depth, self.key, self.in_value, self.string_at, self.escaped
+        for i in range(self.pos, len(text)):
+            ch = text[i]
+            if string_at >= 0:                       # inside a string
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    if depth == 1:
+                        value = loads(text[string_at:i + 1])
+                        if not in_value:
+                            key = value
+                        elif key == "name" and isinstance(value, str) and scan.name is None:
+                            scan.name = value
+                    string_at = -1
+                continue
+            if ch == '"':
+                string_at = i
+            elif ch == ":" and depth == 1:
+                in_value = True
+            elif ch == "," and depth == 1:
+                in_value = False
+            elif ch in "{[":
+                if depth == 1 and in_value and key in self.args_keys and ch == "{" and scan.args_start is None:
+                    scan.args_start = i
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 1 and scan.args_start is not None and scan.args_end is None:
+                    scan.args_end = i + 1
+                if depth == 0:
+                    scan.end = i + 1
+                    break
+        self.pos = max(self.pos, len(text)) if scan.end is None else scan.end
+        self.depth, self.key, self.in_value, self.string_at, self.escaped = depth, key, in_value, string_at, escaped
+        return scan
 
 
 @dataclass
@@ -371,6 +397,8 @@ class ToolCallStream:
         self.calls: list[_StreamedCall] = []
         self.cut_call: int | None = None   # once finished: the index of a call max_tokens cut, if one was
         self.rest = ""         # once finished: the content `finish` sent (after the calls, where there are any)
+        self._scanners: dict[int, CallScanner] = {}   # each call object read so far, by where it starts
+        self._seen = 0         # the reply's length at the last look (it only grows; a shorter one reads anew)
 
     def content_delta(self, text: str) -> str:
         """The reply so far is `text`: the content that can be sent now."""
@@ -385,7 +413,10 @@ class ToolCallStream:
         """The reply so far is `text`: the calls' progress since the last look, as OpenAI's `tool_calls`
         delta entries (one per call that moved)."""
         out: dict[int, dict[str, Any]] = {}
-        for k, scan in enumerate(self.fmt.call_scans(text, self.num_sent)):
+        if len(text) < self._seen:
+            self._scanners.clear()
+        self._seen = len(text)
+        for k, scan in enumerate(self.fmt.call_scans(text, self.num_sent, self._scanners)):
             if k and not self.parallel:
                 break
             if k == len(self.calls):

@@ -293,6 +293,35 @@ def test_what_a_stream_sends_adds_up_to_the_whole_answer_however_the_reply_is_sp
         assert _streamed(fmt, list(reply[:end]), cut=True) == _whole(fmt, reply[:end], cut=True), reply[:end]
 
 
+@pytest.mark.parametrize("fmt_class", [HermesFormat, Llama3JsonFormat])
+@pytest.mark.parametrize("forced", [False, True])
+def test_a_long_call_streamed_a_few_characters_at_a_time_is_read_once(monkeypatch, fmt_class, forced) -> None:
+    """Each delta reads only what is new of a call (its `CallScanner` goes on where it stopped): a call of 60,000
+    characters arriving 4 at a time is read about once, not again from its start at every delta (15,000 deltas
+    times its length so far: 450 million characters in Python on the event loop); the arguments sent add up."""
+    from gateway.openai import tools
+
+    read = []
+    original = tools.CallScanner.read
+    monkeypatch.setattr(tools.CallScanner, "read", lambda self, text: read.append(
+        len(text) - self.pos if self.scan.end is None else 0) or original(self, text))   # a closed call: read
+    fmt = fmt_class(parse_tools(TOOLS))
+    args = json.dumps({"query": "x" * 30_000 + '\\"}{' + "y" * 30_000, "limit": 2})
+    body = '{"name": "search", "%s": %s}' % (fmt.args_keys[0], args)
+    reply = (CALL.replace("%s", "a") + "\n" if fmt_class is HermesFormat else "") + (
+        f"<tool_call>\n{body}\n</tool_call>" if fmt_class is HermesFormat else body)
+    stream, calls, text = ToolCallStream(fmt, forced=forced), {}, ""
+    for k in range(0, len(reply), 4):
+        text += reply[k:k + 4]
+        stream.content_delta(text)
+        for entry in stream.call_deltas(text):
+            _merge(calls, entry)
+    assert sum(read) < 2 * len(reply)
+    for entry in stream.finish(text)[1]:
+        _merge(calls, entry)
+    assert calls[len(calls) - 1]["arguments"] == args and fmt.parse_reply(text, False)[1][-1].arguments == args
+
+
 def test_a_malformed_call_streamed_before_a_good_one_keeps_each_calls_arguments_its_own() -> None:
     """A call object that turns out malformed after its arguments was streamed and cannot be taken back,
     but the next call's arguments go to that call, not onto the end of the first (they did: the whole
