@@ -270,9 +270,8 @@ class Llama3JsonFormat(ToolFormat):
         return begin
 
     def hold_from(self, text: str) -> int:
-        stripped = text.lstrip()
-        tag = "<|python_tag|>"
-        if not stripped or stripped.startswith(("{", tag)) or tag.startswith(stripped):
+        pos, tag = _SPACES.match(text).end(), "<|python_tag|>"
+        if text.startswith(("{", tag), pos) or (len(text) - pos <= len(tag) and tag.startswith(text[pos:])):
             return 0          # the reply is (or may still become) a JSON call: hold all of it
         return len(text)
 
