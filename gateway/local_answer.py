@@ -449,11 +449,11 @@ class LocalResponse:
     def _reply(self, choice: _Choice) -> tuple[str | None, list]:
         """A whole choice's content and tool calls (none without tools): a call max_tokens cut kept as far as it
         got, nothing but calls under tool_choice required or named (what is left is a marker cut short), the
-        first call only under parallel_tool_calls false."""
+        first call only under parallel_tool_calls false or in a format of one call (`ToolFormat.kept_calls`)."""
         if self.tool_format is None:
             return choice.content_text, []
         content, calls = self.tool_format.parse_reply(choice.content_text, cut=choice.finish_reason == "length")
-        return None if self.calls_only else content, calls if self.req.parallel_tool_calls else calls[:1]
+        return None if self.calls_only else content, self.tool_format.kept_calls(calls, self.req.parallel_tool_calls)
 
     def _body(self) -> dict[str, Any]:
         body_choices = []

@@ -82,6 +82,7 @@ class ToolFormat:
     start: str            # text that opens a call: from it on, a stream holds its text back until parsed
     syntax: CallSyntax    # how calls are written (the arguments' key among it), for the grammars
     text_before_calls = True   # prose may precede the calls (hermes); llama3_json's reply is calls or text
+    parallel_calls = True      # a reply may hold several calls (`parallel_tool_calls`); llama3_json's one
 
     def __init__(self, tools: list[Tool]) -> None:
         self.tools = {t.name: t for t in tools}
@@ -95,17 +96,23 @@ class ToolFormat:
         """The keys a call's arguments are read under: the format's own first (what its grammars write)."""
         return (self.args_key,)
 
+    def kept_calls(self, calls: list[ToolCall], parallel: bool) -> list[ToolCall]:
+        """The calls of a whole reply an answer gives: all of them, or the first only when the request's
+        `parallel_tool_calls` is false or the format takes one call a turn (`parallel_calls`)."""
+        return calls if parallel and self.parallel_calls else calls[:1]
+
     def grammar(self, tools: list[Tool], parallel: bool, think: str | None = None) -> StructuredOutput:
         """Calls of `tools` only (tool_choice "required" or named), each under its schema; `think`: where a
         thinking model's reply starts (`gateway.openai.tool_grammar`)."""
-        return forced_grammar(self.syntax, [(t.name, t.parameters) for t in tools], parallel, think)
+        return forced_grammar(self.syntax, [(t.name, t.parameters) for t in tools], parallel and self.parallel_calls,
+                              think)
 
     def auto_grammar(self, tools: list[Tool], parallel: bool, reply: StructuredOutput | None = None,
                      think: str | None = None) -> StructuredOutput:
         """tool_choice "auto" with strict tools: plain text that never starts a call (`reply`'s JSON where
         given), or calls only, a strict tool's arguments under its schema, another's any JSON object."""
         functions = [(t.name, t.parameters if t.strict else ANY_OBJECT) for t in tools]
-        return auto_grammar(self.syntax, functions, parallel, reply, think)
+        return auto_grammar(self.syntax, functions, parallel and self.parallel_calls, reply, think)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content outside the calls or None, the calls). Text that only looks like a call is content."""
@@ -227,6 +234,10 @@ class Llama3JsonFormat(ToolFormat):
     # plain text: anything but what `parse` reads as calls (a JSON object, or the python tag, first)
     syntax = CallSyntax("", "", "; ", "parameters", r"/(?s:.)*/ & ~/\s*(\{|<\|python_tag\|>)(?s:.)*/")
     text_before_calls = False
+    # Meta's Llama 3.1-3.3 template raises on an assistant turn of more than one call ("This model only supports
+    # single tool-calls at once!"): a reply of several would fail the conversation's next request. Its first call
+    # only, whatever `parallel_tool_calls` says (as vLLM documents for this format).
+    parallel_calls = False
 
     @property
     def args_keys(self) -> tuple[str, ...]:
@@ -390,7 +401,8 @@ class ToolCallStream:
     (vLLM's parsers do the same)."""
 
     def __init__(self, fmt: ToolFormat, forced: bool, parallel: bool = True) -> None:
-        self.fmt, self.forced, self.parallel = fmt, forced, parallel   # parallel False: the first call only
+        self.fmt, self.forced = fmt, forced
+        self.parallel = parallel and fmt.parallel_calls   # False: the first call only
         self.num_sent = 0      # characters of the reply looked past as content (held whitespace included)
         self.sent = ""         # the content sent
         self.calls: list[_StreamedCall] = []
@@ -423,7 +435,8 @@ class ToolCallStream:
                     break        # its name or its arguments' start not written yet (or it names no tool offered)
                 call = _StreamedCall(f"call_{uuid.uuid4().hex[:24]}", scan.name, scan.start)
                 self.calls.append(call)
-                out[k] = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+                out[k] = {"index": k, "id": call.id, "type": "function",
+                          "function": {"name": call.name, "arguments": ""}}
             call = self.calls[k]
             piece = text[scan.args_start + call.num_sent:scan.args_end if scan.args_end is not None else len(text)]
             if piece:

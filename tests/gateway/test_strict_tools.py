@@ -109,7 +109,7 @@ def test_plain_text_never_starts_a_call(lltokenizer):
 @pytest.mark.parametrize("fmt_class, write", FORMATS, ids=["hermes", "llama3_json"])
 def test_parallel_tool_calls_false_allows_one_call(lltokenizer, fmt_class, write):
     two = write(("get_weather", PARIS), ("search", {"query": "x"}))
-    assert _accepts(lltokenizer, _auto(fmt_class, parallel=True), two)
+    assert _accepts(lltokenizer, _auto(fmt_class, parallel=True), two) == fmt_class.parallel_calls   # llama3: one
     assert not _accepts(lltokenizer, _auto(fmt_class, parallel=False), two)
     assert _accepts(lltokenizer, _auto(fmt_class, parallel=False), write(("search", {"query": "x"})))
 

@@ -209,7 +209,10 @@ def test_a_call_marker_inside_an_argument_does_not_stop_the_next_call_streaming(
     assert [json.loads(calls[k]["arguments"])["query"] for k in (0, 1)] == ["write <tool_call>{ here", "b"]
 
 
-def test_llama3_json_calls_stream_one_after_another() -> None:
+def test_llama3_json_takes_one_call_a_reply_streamed_or_whole_and_its_grammars_write_one() -> None:
+    """Meta's Llama 3.1-3.3 template refuses an assistant turn of several calls: a reply that writes two (joined
+    by "; ") answers its first, streamed or whole, and the grammars of tool_choice "required" and "auto" (with
+    a strict tool) let the model write one only, whatever `parallel_tool_calls` says."""
     fmt = Llama3JsonFormat(parse_tools(TOOLS))
     reply = '{"name": "search", "parameters": {"query": "a"}}; {"name": "search", "parameters": {"query": "b"}}'
     stream, calls = ToolCallStream(fmt, forced=False), {}
@@ -220,9 +223,12 @@ def test_llama3_json_calls_stream_one_after_another() -> None:
     rest, entries, num_calls = stream.finish(reply)
     for entry in entries:
         _merge(calls, entry)
-    assert rest == "" and num_calls == 2
-    assert [json.loads(calls[k]["arguments"]) for k in (0, 1)] == [{"query": "a"}, {"query": "b"}]
-    assert calls[0]["id"] != calls[1]["id"]
+    assert rest == "" and num_calls == 1 and json.loads(calls[0]["arguments"]) == {"query": "a"}
+    assert [json.loads(c.arguments) for c in fmt.kept_calls(fmt.parse_reply(reply, False)[1], True)] == \
+        [{"query": "a"}]
+    tools = parse_tools(TOOLS)
+    assert fmt.grammar(tools, True) == fmt.grammar(tools, False) != HermesFormat(tools).grammar(tools, False)
+    assert fmt.auto_grammar(tools, True) == fmt.auto_grammar(tools, False)
 
 
 def test_parallel_tool_calls_false_streams_and_returns_the_first_call_only() -> None:
@@ -256,7 +262,7 @@ def _streamed(fmt, pieces: list[str], cut: bool = False, parallel: bool = True) 
 
 def _whole(fmt, text: str, cut: bool = False, parallel: bool = True) -> tuple[str | None, list[tuple]]:
     content, calls = fmt.parse_reply(text, cut)
-    return content or None, [(c.name, c.arguments) for c in (calls if parallel else calls[:1])]
+    return content or None, [(c.name, c.arguments) for c in fmt.kept_calls(calls, parallel)]
 
 
 CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "%s", "limit": 2}}\n</tool_call>'
@@ -681,12 +687,13 @@ def test_a_reply_cut_by_max_tokens_inside_a_call_is_that_call_as_far_as_it_got_s
         for entry in entries:
             _merge(streamed, entry)
         assert sent + rest == (content or ""), (cut, text)
+        kept = fmt.kept_calls(whole, True)   # llama3_json: the first call only
         assert [(streamed[k]["name"], streamed[k]["arguments"]) for k in sorted(streamed)] == \
-            [(c.name, c.arguments) for c in whole], (cut, text)
+            [(c.name, c.arguments) for c in kept], (cut, text)
         assert "<tool_call>" not in (content or "") and '"name"' not in (content or ""), (cut, text)
         assert [c.cut for c in whole][:-1] == [False] * (len(whole) - 1)
-        if whole and whole[-1].cut:
-            assert stream.cut_call == len(whole) - 1 and reply.count(whole[-1].arguments) >= 1
+        if kept and kept[-1].cut:
+            assert stream.cut_call == len(kept) - 1 and reply.count(kept[-1].arguments) >= 1
     content, whole = fmt.parse_reply(reply, cut=True)         # the whole reply: two calls, none cut
     assert [c.cut for c in whole] == [False, False] and [json.loads(c.arguments) for c in whole] == \
         [c["arguments"] for c in calls]
