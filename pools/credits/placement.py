@@ -31,7 +31,7 @@ credits, then the lower index), except that a replica caching more of its prompt
 keeps it unless that replica is clearly busier: unless its score is over `1 + AFFINITY_SLACK` (1.25)
 times the lowest. That holds too when the caching replica has no room for it now: the request then
 waits in the pool's queue until that replica's credits come back (its score counts the work whose
-end frees them), rather than reading the document again on a replica that has room; it holds back
+end frees them; the queue bounds that wait: `pools.credits.queue`), rather than reading the document again on a replica that has room; it holds back
 only that replica meanwhile, the others serve the rest of the queue (`pools.credits.ledger`). Scores
 are estimates (outputs at their cap, a cache assumed from what was sent), and a prompt sent where it is
 cached saves the whole system its prefill, while one sent elsewhere costs it again there. So with nothing cached requests spread by the tokens they ask for, not by
@@ -126,7 +126,9 @@ class Placement:
 
     def _match(self, work: Work, replica: int) -> tuple[int, int, list[int]]:
         """(tokens of the leading blocks likely cached on `replica`, those of them a running request there is
-        still prefilling, the hashes of the prompt blocks past the cached ones)."""
+        still prefilling, the hashes of the prompt blocks past the cached ones); none without a prefix cache."""
+        if not self.share_blocks:
+            return 0, 0, []
         cached, computing = self._cached[replica], self._computing[replica]
         matched = shared = 0
         rest: list[int] = []
@@ -176,7 +178,7 @@ class Placement:
         cached, pending = self._cached[replica], self._computing[replica]
         self._clock += 1
         promised = []   # blocks another request there is still computing promise nothing the engine must have
-        for ids in work.prompts:
+        for ids in work.prompts if self.share_blocks else ():   # without a prefix cache nothing is kept
             hashes = block_hashes(ids, self.block_size, work.salt)
             uses = itertools.takewhile(lambda use: use is not None, (None if pending.get(h) else cached.get(h)
                                                                      for h in hashes))

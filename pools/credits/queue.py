@@ -22,7 +22,10 @@ A pool served by several replicas has one `CreditQueue` with one credit account 
 waits in the pool's queue and is admitted on the replica `pools.credits.placement.Placement` picks among those
 where it fits (token load, prefix affinity); `Ticket.replica` says which. A request waiting for the
 replica that caches its prompt holds back only that replica: the others serve the rest of the queue
-(the ledger's "Holding back"). `is_up(replica)` (set by the gateway: the replica's supervisor is ready)
+(the ledger's "Holding back"). Such a wait is a choice, never a refusal: a request that cannot wait
+(`max_queue_seconds: 0`) goes where it fits now, one that can waits for its prompt's replica for half its
+`max_queue_seconds` at most, then takes any (`_anywhere`), and meanwhile its wait is no sign of too few
+replicas (`oldest_credit_wait`). `is_up(replica)` (set by the gateway: the replica's supervisor is ready)
 is read at each admission, so a dead or restarting replica takes nothing new from the moment its
 worker is gone; `replica_ready(replica, restarted)` admits whoever fits on a replica that is back (and
 forgets its cached prompts if a new process serves it); `engine_cached` corrects the placement's
@@ -109,6 +112,7 @@ class CreditQueue:
         self._waiters: dict[str, asyncio.Future[None]] = {}
         self._queued_since: dict[str, float] = {}      # request waiting for credits -> since when
         self._pressing_since: dict[str, float] = {}    # those of them not meant to wait (`oldest_credit_wait`)
+        self._anywhere: set[str] = set()               # requests that no longer wait for their prompt's replica
         self.refused_at: float | None = None           # monotonic time of the last refusal for capacity
         self.offered = OfferedLoad()                   # interactive requests that arrived (pools.demand)
         self._since: dict[str, float] = {}             # interactive request -> when it came (until its first token)
@@ -167,10 +171,12 @@ class CreditQueue:
                 self._since[request_id] = now
             if work is not None:
                 self.offered.add(now, work.num_prompt_tokens, work.output_tokens)
+        waits = background or patient
+        if self.max_queue_seconds == 0 and not waits:
+            self._anywhere.add(request_id)   # it cannot wait, not even for the replica caching its prompt
         try:
             if not ticket.admitted:
                 self._admit()
-            waits = background or patient
             if not ticket.admitted and self.max_queue_seconds == 0 and not waits:
                 self.ledger.cancel(request_id)
                 self._refused()
@@ -184,6 +190,7 @@ class CreditQueue:
             raise
         finally:
             self._work.pop(request_id, None)
+            self._anywhere.discard(request_id)
         try:
             yield ticket
         finally:
@@ -215,7 +222,12 @@ class CreditQueue:
         if pressing:
             self._pressing_since[ticket.request_id] = started
         try:
-            await asyncio.wait_for(asyncio.shield(waiter), None if limit is None else max(0.0, limit - spent))
+            if limit is not None and (left := limit - spent) > 0:   # its prompt's replica for half of what is left
+                await asyncio.wait([waiter], timeout=left / 2)
+                self._anywhere.add(ticket.request_id)
+                self._admit()
+            await asyncio.wait_for(asyncio.shield(waiter), None if limit is None else
+                                   max(0.0, limit - spent - (time.monotonic() - started)))
         except BaseException as exc:
             if self.ledger.cancel(ticket.request_id):        # still queued: leave holding nothing
                 if isinstance(exc, TimeoutError):
@@ -261,7 +273,8 @@ class CreditQueue:
         work = self._work.get(ticket.request_id)
         if self.placement is not None and work is not None:
             free = [a.free for a in self.ledger.accounts]
-            waiting = [r for r in self.ledger.waiting(ticket, fitting) if self.ledger.under_cap(ticket, r)]
+            waiting = [] if ticket.request_id in self._anywhere else \
+                [r for r in self.ledger.waiting(ticket, fitting) if self.ledger.under_cap(ticket, r)]
             try:
                 replica = self.placement.choose(work, fitting, free, waiting)
                 if replica is not None:
@@ -307,10 +320,13 @@ class CreditQueue:
     def oldest_credit_wait(self, now: float | None = None) -> float:
         """Seconds the longest-queued request has waited for KV credits (0 when none waits): demand
         past what the replicas' credits hold (`gateway.workers.autoscaler`). Batch lines and patient
-        requests are left out: they wait by design, for KV the interactive load leaves."""
-        if not self._pressing_since:
+        requests are left out: they wait by design, for KV the interactive load leaves; so is a request that fits
+        on a replica now and waits for the one caching its prompt (a choice, not a shortage)."""
+        pressing = [since for request_id, since in self._pressing_since.items()
+                    if (ticket := self.ledger.ticket(request_id)) is None or not self.ledger.fitting(ticket)]
+        if not pressing:
             return 0.0
-        return max(0.0, (time.monotonic() if now is None else now) - min(self._pressing_since.values()))
+        return max(0.0, (time.monotonic() if now is None else now) - min(pressing))
 
     def replica_ready(self, replica: int, restarted: bool = True) -> None:
         """A worker of `replica` is ready: a new process (`restarted`: its prefix cache is empty, and the

@@ -154,6 +154,59 @@ def test_a_queued_question_waits_for_its_documents_replica_and_is_admitted_there
     asyncio.run(scenario())
 
 
+def _documents_replica_full(**queue) -> tuple[CreditQueue, Placement, object]:
+    """Replica 0 has read a document and is full (700 of 700 held); replica 1 is empty: a question on the
+    document, `question`, would wait for replica 0."""
+    placement = _placement()
+    admission = CreditQueue("rag", [700, 1000], placement=placement, **queue)
+    doc = _ids(40 * BS, 21)
+    read = placement.work([doc + _ids(4, 22)], max_tokens=40, n=1, max_model_len=4096)
+    placement.start("read", 0, read)
+    placement.finish("read")
+    admission.ledger.submit("full", 700)
+    assert [t.request_id for t in admission.ledger.admit(lambda ticket, fitting: 0)] == ["full"]
+    return admission, placement, placement.work([doc + _ids(4, 23)], max_tokens=40, n=1, max_model_len=4096)
+
+
+def test_a_question_that_cannot_wait_goes_where_there_is_room_not_to_its_documents_full_replica():
+    """max_queue_seconds 0: nothing waits, so the question is not refused (429) for its document's replica
+    being full while another has room: it runs on that other one."""
+    async def scenario():
+        admission, placement, question = _documents_replica_full(max_queue_seconds=0)
+        async with admission.hold("question", 700, work=question) as ticket:
+            assert ticket.replica == 1
+        assert admission.num_expired == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_question_waits_for_its_documents_replica_half_its_queue_limit_then_goes_where_there_is_room():
+    """A finite max_queue_seconds: the question waits for the replica caching its document for half of it, then
+    takes a replica with room (it was refused with a 503 at the limit while replica 1 sat idle); meanwhile its
+    wait is no sign the pool is short of replicas (the autoscaler reads `oldest_credit_wait`)."""
+    async def scenario():
+        admission, placement, question = _documents_replica_full(max_queue_seconds=0.4)
+        waiting = asyncio.ensure_future(admission.hold("question", 700, work=question).__aenter__())
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and admission.oldest_credit_wait() == 0.0   # it fits: it waits by choice
+        ticket = await asyncio.wait_for(waiting, 1.0)
+        assert ticket.replica == 1 and admission.num_expired == 0
+
+    asyncio.run(scenario())
+
+
+def test_without_a_prefix_cache_no_replica_is_thought_to_cache_a_prompt():
+    """`share_blocks` False (the pool's engine has `enable_prefix_caching: false`): nothing is matched or
+    recorded, so a question does not wait for the replica that read its document (it would compute it again)."""
+    placement = Placement(2, BS, max_cached_blocks=1000, avg_len=256, share_blocks=False)
+    doc = _ids(40 * BS, 24)
+    first = placement.work([doc + _ids(4, 25)], max_tokens=40, n=1, max_model_len=4096)
+    assert placement.start("first", 0, first) == 0
+    question = placement.work([doc + _ids(4, 26)], max_tokens=40, n=1, max_model_len=4096)
+    assert placement.matched_tokens(question, 0) == 0
+    assert placement.choose(question, [1], [0, 1000], waiting=[0]) == 1
+
+
 def test_only_fitting_replicas_are_chosen_and_a_tie_goes_to_more_free_credits():
     placement = _placement(3)
     work = placement.work([_ids(100, 6)], max_tokens=10, n=1, max_model_len=512)
