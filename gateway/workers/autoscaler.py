@@ -226,8 +226,9 @@ class Autoscaler:
         if len(serving) < spec.initial_replicas and self._take_back(device, slots, "fewer than min replicas serve",
                                                                      ready_only=True):
             return   # one crashed: a drain not past taking back serves again
+        lease = self.leases.get(device)   # a shared slot loading for this gateway only is its own placement's
         loading = [s for s in slots if s.state.startswith("loading") and not s.draining
-                   and s.replica >= spec.initial_replicas]
+                   and s.replica >= spec.initial_replicas and (lease is None or _placed_here(s))]
         self._count_idle(device, slots, serving, loading, pressed=pressed, now=now)
         limit = spec.scale_down_idle_seconds
         unneeded = [s for s in loading if now - self._unneeded_since[(device, s.replica)] >= limit]
@@ -370,13 +371,15 @@ class Autoscaler:
 
     @staticmethod
     async def _num_requests(supervisor: DeviceSupervisor) -> int:
-        """The requests in flight on the replica as it counts them (every gateway's); 0 for one that is
-        dead, or still loading (it serves no gateway yet, and answers nothing till loaded); at least 1 for one
-        that does not answer within `STATS_SECONDS` (it answers between steps: one that long has work, other
-        gateways' perhaps; a hang is the watchdog's to judge)."""
+        """The requests in flight on the replica as it counts them (every gateway's); 0 for one this gateway
+        placed that is still loading (it serves no gateway yet, and answers nothing till loaded) or that says it
+        is dead; at least 1 for one this gateway cannot reach otherwise (other gateways may be served by it: an
+        adopted actor, or one that served before the connection broke), and for one that does not answer within
+        `STATS_SECONDS` (it answers between steps: one that long has work, other gateways' perhaps; a hang is
+        the watchdog's to judge)."""
         client = supervisor.client
         if client is None or not client.is_alive or client.info is None:
-            return 0
+            return 0 if _placed_here(supervisor) and not supervisor.has_loaded else 1
         try:
             return (await asyncio.wait_for(client.stats(), STATS_SECONDS)).num_requests
         except EngineDeadError:
@@ -393,3 +396,11 @@ class Autoscaler:
                 counts[state if state in counts else "loading"] += 1
             for state, count in counts.items():
                 self.metrics.replicas.labels(device=device, state=state).set(count)
+
+
+def _placed_here(supervisor: DeviceSupervisor) -> bool:
+    """Whether this gateway placed the slot's actor since it last started the slot (`RayLink.placing`,
+    `placed_at`): not one it adopted from the cluster, which may serve other gateways while this one cannot
+    reach it."""
+    link = supervisor.link
+    return bool(getattr(link, "placing", False)) or getattr(link, "placed_at", -math.inf) >= supervisor.started_at

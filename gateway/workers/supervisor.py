@@ -146,6 +146,16 @@ class DeviceSupervisor:
         self._stopping = False                     # `stop` runs: its worker's end is the plan, not a death
 
     @property
+    def started_at(self) -> float:
+        """When `start` last ran (time.monotonic(); inf before the first)."""
+        return self._started_at
+
+    @property
+    def has_loaded(self) -> bool:
+        """A worker of this slot was ready since `start` last ran."""
+        return self._was_ready
+
+    @property
     def is_active(self) -> bool:
         """Started and not stopped: a replica the device counts (an autoscaled device parks the rest)."""
         return self._task is not None and not self._task.done()

@@ -275,8 +275,17 @@ async def test_a_shared_replica_in_a_long_step_is_not_taken_for_idle(monkeypatch
     assert await Autoscaler._num_requests(gone) == 0
     # still loading: connected, it answers nothing till loaded and serves no gateway yet. It counted 1 (kept a
     # minute at a time through a long load, holding its GPUs); it counts none, and an unneeded one goes
-    loading = SimpleNamespace(client=SimpleNamespace(is_alive=True, stats=never, latest_stats=None, info=None))
+    # (the gateway placed it since it started the slot: an actor it adopted may serve others while it cannot
+    # reach it, and so may one that served before the connection broke: those count 1)
+    placed = SimpleNamespace(placing=False, placed_at=2.0)
+    loading = SimpleNamespace(client=SimpleNamespace(is_alive=True, stats=never, latest_stats=None, info=None),
+                              link=placed, started_at=1.0, has_loaded=False)
     assert await Autoscaler._num_requests(loading) == 0
+    adopted = SimpleNamespace(client=None, link=SimpleNamespace(placing=False, placed_at=0.5), started_at=1.0,
+                              has_loaded=False)
+    served = SimpleNamespace(client=SimpleNamespace(is_alive=False, info=loaded), link=placed, started_at=1.0,
+                             has_loaded=True)
+    assert await Autoscaler._num_requests(adopted) == await Autoscaler._num_requests(served) == 1
 
 
 

@@ -8,6 +8,7 @@ every gateway). The same on a Ray cluster: tests/gateway/test_ray_leader_cluster
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from types import SimpleNamespace
 
@@ -145,6 +146,7 @@ class _Client:
 class _Link:
     def __init__(self) -> None:
         self.removed = 0
+        self.placing, self.placed_at = False, -math.inf   # `RayLink`'s: when this gateway last placed the actor
 
     async def remove(self) -> None:
         self.removed += 1
@@ -153,20 +155,24 @@ class _Link:
 class _Slot:
     """A replica slot as the autoscaler sees a `DeviceSupervisor` of a Ray device."""
 
-    def __init__(self, replica: int, state: str, num_requests: int = 0) -> None:
+    def __init__(self, replica: int, state: str, num_requests: int = 0, adopted: bool = False) -> None:
         self.device, self.replica, self.state, self.name = "d", replica, state, f"d/{replica}"
         self.draining, self.link = False, _Link()
         self.client = _Client(num_requests) if state == "ready" else None
+        self.started_at, self.has_loaded = -math.inf, state == "ready"
+        self.adopted = adopted   # `start` connects to an actor another gateway placed, not one of its own
 
     @property
     def is_ready(self) -> bool:
         return self.state == "ready"
 
     def start(self) -> None:
-        self.state = "loading"
+        self.state, self.started_at, self.has_loaded = "loading", time.monotonic(), False
+        if not self.adopted:
+            self.link.placed_at = time.monotonic()
 
     def ready(self, num_requests: int = 0) -> None:
-        self.state, self.client = "ready", _Client(num_requests)
+        self.state, self.client, self.has_loaded = "ready", _Client(num_requests), True
 
     async def stop(self) -> None:
         self.state, self.client = "stopped", None
@@ -323,6 +329,26 @@ async def test_the_leader_scales_up_for_another_gateways_queue_and_adopts_a_live
     scaler.tick(now=2.0)
     assert slots[2].state == "loading"
     assert _scalings(scaler) == {"up": 1.0, "down": 0.0}
+
+
+async def test_the_leader_never_removes_a_shared_replica_it_cannot_reach_that_may_serve_other_gateways(quick):
+    """An actor the leader adopted from the cluster (another gateway placed it) that it cannot connect to reads
+    "loading" here but may serve the others: it is no unneeded loading slot (it was removed, and the followers'
+    streams on it died); nor is a replica that served and whose connection broke during the drain's poll."""
+    slots = [_Slot(0, "ready"), _Slot(1, "stopped", adopted=True)]
+    lease = _Lease(leader=True, live={0, 1})
+    scaler = _make_scaler(slots, lease)
+    for t in range(12):                                   # past the 5 s the autoscaler gives an unneeded slot
+        scaler.tick(now=float(t))
+        await _settle()
+    assert slots[1].state == "loading" and slots[1].link.removed == 0
+    slots[1].ready()                                      # it serves; then it is idle and drained ...
+    for t in range(12, 30):
+        scaler.tick(now=float(t))
+        if slots[1].draining:
+            slots[1].client.is_alive = False              # ... and the leader's connection breaks meanwhile
+        await _settle()
+    assert slots[1].link.removed == 0
 
 
 async def test_drains_a_previous_leader_asked_for_end_when_this_gateway_leads(quick):
