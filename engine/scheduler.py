@@ -428,7 +428,10 @@ class Scheduler:
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
             self.swap_manager.free(seq.cpu_block_table)
-        self.block_manager.free(seq.block_table)
+        bm = self.block_manager   # a block whose last token was in flight at its commit (overlap) is cached now
+        bm.register_computed(seq.block_table, seq.token_ids, min(seq.num_computed_tokens,
+                             len(seq.token_ids) - seq.num_pending), seq.cache_salt)
+        bm.free(seq.block_table)
         seq.drop_pending()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -440,12 +443,9 @@ class Scheduler:
     def check_integrity(self) -> None:
         """The block managers agree with the live sequences' tables: waiting ones hold no blocks,
         swapped ones hold only CPU blocks (admission allocates, preemption frees everything)."""
-        for seq in self.waiting:
+        for seq in (*self.waiting, *self.swapped):
             if seq.block_table:
-                raise AssertionError(f"waiting sequence {seq.seq_id} holds blocks {seq.block_table}")
-        for seq in self.swapped:
-            if seq.block_table:
-                raise AssertionError(f"swapped sequence {seq.seq_id} holds device blocks {seq.block_table}")
+                raise AssertionError(f"{seq.status.name.lower()} sequence {seq.seq_id} holds blocks {seq.block_table}")
         self.block_manager.check_integrity([s.block_table for s in self.running])
         if self.swap_manager is not None:
             self.swap_manager.check_integrity([s.cpu_block_table for s in self.swapped])

@@ -267,3 +267,19 @@ def test_a_sequence_short_of_blocks_waits_for_those_an_ending_one_gives_back_a_s
     outputs, engine = _run_both(tiny_path, prompts, params, num_blocks=4, block_size=16, max_num_batched_tokens=64)
     assert engine.schedulers["default"].stats.num_preemptions == 0
     assert [len(o[0][1]) for o in outputs] == [2, 10]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_block_filled_by_a_requests_last_step_stays_in_the_prefix_cache(tiny_path, overlap):
+    """A prompt of 5 and 4 tokens out, blocks of 8: the step computing position 7 closes block 0 while (with
+    overlap) the token it read was still in flight, so its commit left the block; the request then ended
+    without another step and the block was freed uncached. It is cached at the end, as without overlap: the
+    conversation's next turn finds it."""
+    engine = _engine(tiny_path, overlap)
+    prompt = [5, 6, 7, 8, 9]
+    first = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    bm = engine.schedulers["default"].block_manager
+    assert bm.num_cached_free_blocks == 1
+    turn = prompt + list(first.outputs[0].token_ids)[:3] + [11]
+    again = engine.generate([turn], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))[0]
+    assert again.num_cached_tokens == 8
