@@ -264,10 +264,24 @@ class LlamaForCausalLM(nn.Module):
             filled[target] = filled.get(target, 0) + dest.numel()
         if stored_head is not None and filled.get("embed_tokens.weight") == self.embed_tokens.weight.numel():
             self._untie(stored_head)
+        elif stored_head is not None and not filled.get("embed_tokens.weight"):   # the head alone stands for both
+            self._tie_from_head(stored_head)                                       # (safetensors' `save_model`)
+            filled["embed_tokens.weight"] = self.embed_tokens.weight.numel()
         missing = [name for name, param in params.items() if filled.get(name, 0) != param.numel()]
         if missing:
             raise WeightLoadError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
                                   + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+    def _tie_from_head(self, head: torch.Tensor) -> None:
+        """A tied checkpoint that stores the shared table under `lm_head.weight` only (safetensors'
+        `save_model` keeps one name of tied tensors, the first in order): it is the embedding too, as
+        transformers 5 ties such a checkpoint."""
+        embed = self.embed_tokens.weight
+        if tuple(head.shape) != tuple(embed.shape):
+            raise WeightLoadError(f"lm_head.weight: shape {tuple(head.shape)} does not match the config's "
+                                  f"{tuple(embed.shape)}")
+        with torch.no_grad():
+            embed.copy_(head)
 
     def _untie(self, head: torch.Tensor) -> None:
         """config.json ties the head to the embedding, yet the checkpoint stores an `lm_head.weight` (this

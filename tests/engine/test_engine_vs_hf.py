@@ -139,6 +139,26 @@ def test_tiny_random_models_match_transformers(tmp_path, monkeypatch, builtin_pa
     assert_all_free(engine)
 
 
+def test_a_tied_checkpoint_that_stores_its_table_as_the_head_alone_serves_it(tmp_path, builtin_path):
+    """safetensors' `save_model` keeps one name of tied tensors, the first in order: `lm_head.weight`, no
+    `model.embed_tokens.weight`. transformers 5 ties the embedding to the stored head; the engine refused the
+    checkpoint (missing embed_tokens.weight). Greedy output is transformers' own model's."""
+    import transformers
+    from safetensors.torch import save_file
+
+    folder = make_tiny_model(tmp_path / "m", "llama", builtin_path, tie_word_embeddings=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    weights = dict(iter_weights(folder))
+    weights["lm_head.weight"] = weights.pop("model.embed_tokens.weight")
+    for path in [*folder.glob("*.safetensors"), *folder.glob("*.safetensors.index.json")]:
+        path.unlink()
+    save_file({n: t.contiguous() for n, t in weights.items()}, str(folder / "model.safetensors"))
+    engine = LLMEngine.from_args(str(folder), block_size=8, num_blocks=64, progress=False)
+    prompts = [[5, 9, 200, 31], list(range(40, 70))]
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p, 12, eos_ids=None) for p in prompts]
+
+
 def test_a_tied_config_whose_checkpoint_stores_another_head_serves_that_head(tmp_path, builtin_path, caplog):
     """config.json says tie_word_embeddings, the checkpoint stores an lm_head.weight of its own (a fine-tune
     that kept the flag): transformers 5 unties and uses the stored head, so does the engine, saying so (it
