@@ -356,12 +356,15 @@ class Autoscaler:
     async def _drain_shared(self, supervisor: DeviceSupervisor, lease: ScalerLease) -> bool:
         """The leader's drain of a shared replica, once this gateway's requests left it: True when it may
         be removed. False at once if the replica still counts requests (other gateways'); else the drain
-        is announced (the followers send it nothing new), and after `ANNOUNCE_SECONDS` it is removable
-        once its count is 0 — False if this gateway stops leading first."""
+        is announced (the followers send it nothing new), and `ANNOUNCE_SECONDS` after the lease actor has it
+        (its answer to this gateway lists the drain: a renewal in flight could hold the word back for seconds)
+        it is removable once its count is 0 — False if this gateway stops leading first."""
         key = (supervisor.device, supervisor.replica)
         if await self._num_requests(supervisor):
             return False
         self._announced.add(key)
+        while lease.is_leader() and supervisor.replica not in lease.view.draining:
+            await asyncio.sleep(REPLICA_POLL)
         await asyncio.sleep(ANNOUNCE_SECONDS)
         while lease.is_leader():
             if not await self._num_requests(supervisor):

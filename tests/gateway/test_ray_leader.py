@@ -183,6 +183,7 @@ class _Lease:
 
     def __init__(self, leader: bool, live: set[int] | None = None) -> None:
         self.leader, self.live, self.live_at = leader, live, time.monotonic()
+        self.echo = True   # False: the renewals do not reach the actor (its answers list no new drain)
         self.view = LeaseView("me" if leader else "other", 10.0)
         self.pokes: list[tuple[str | None, tuple[int, ...]]] = []
 
@@ -191,6 +192,8 @@ class _Lease:
 
     def poke(self, pressure, draining=()) -> None:
         self.pokes.append((pressure, tuple(draining)))
+        if self.leader and self.echo:   # the actor's answer lists the holder's drains
+            self.view = LeaseView("me", 10.0, draining=tuple(draining), pressure=self.view.pressure)
 
     def listed(self, live: set[int]) -> None:
         self.live, self.live_at = live, time.monotonic()
@@ -349,6 +352,27 @@ async def test_the_leader_never_removes_a_shared_replica_it_cannot_reach_that_ma
             slots[1].client.is_alive = False              # ... and the leader's connection breaks meanwhile
         await _settle()
     assert slots[1].link.removed == 0
+
+
+async def test_a_drain_counts_its_announcement_from_when_the_lease_actor_has_it(quick):
+    """The followers hear of a drain from the lease actor: while the leader's renewals do not reach it (one in
+    flight for seconds), the replica is not removed however long it waits; once the actor lists it, the
+    announcement's time runs and the idle replica goes."""
+    slots = [_Slot(0, "ready"), _Slot(1, "ready")]
+    lease = _Lease(leader=True, live={0, 1})
+    lease.echo = False
+    scaler = _make_scaler(slots, lease)
+    for t in range(20):
+        scaler.tick(now=float(t))
+        await _settle()
+    assert slots[1].draining and slots[1].link.removed == 0 and lease.pokes[-1][1] == (1,)
+    lease.echo = True
+    for t in range(20, 40):
+        scaler.tick(now=float(t))
+        await _settle()
+        if slots[1].link.removed:
+            break
+    assert slots[1].link.removed == 1
 
 
 async def test_drains_a_previous_leader_asked_for_end_when_this_gateway_leads(quick):
