@@ -63,7 +63,7 @@ from gateway.openai.sampling_fields import check_context
 from gateway.runtime import GATEWAY, Gateway
 from pools.pool import Pool
 from pools.store.batch_store import STORAGE_ERRORS
-from pools.store.response_store import FINISHED, ResponseStore, StoredResponse
+from pools.store.response_store import FINISHED, PURGE_EVERY_S, ResponseStore, StoredResponse
 from pools.store.schema import opened
 
 log = logging.getLogger("cliffguard.responses")
@@ -85,6 +85,7 @@ class KeptResponses:
         self._runs: dict[str, asyncio.Task] = {}
         self._were_running: set[str] = set()   # in progress when the last gateway stopped (`start`)
         self._per_owner: Counter[str] = Counter()   # background runs queued or in progress (and being queued)
+        self._purging: asyncio.Task | None = None
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` on the store's thread; a storage error is a 503 `storage_unavailable`."""
@@ -106,8 +107,20 @@ class KeptResponses:
             log.error("response store: %s (%s), %d times in a row", exc, fn.__name__, self.max_store_attempts)
             raise storage_unavailable("response store", exc) from None
 
+    async def _purge(self) -> None:
+        """Every PURGE_EVERY_S, the store's retention (`ResponseStore.purge`) on its thread, beside the
+        responses' own writes; a storage error waits for the next turn."""
+        while True:
+            await asyncio.sleep(PURGE_EVERY_S)
+            try:
+                await self.store.on_thread(self.store.purge)
+            except STORAGE_ERRORS as exc:
+                log.warning("response store: purging failed: %s; trying again in %.0f s", exc, PURGE_EVERY_S)
+
     async def start(self) -> None:
-        """Run again the background responses a stopped gateway left; each is `queued` again until admitted."""
+        """Run again the background responses a stopped gateway left; each is `queued` again until admitted.
+        Purge the store from time to time (`_purge`)."""
+        self._purging = asyncio.get_running_loop().create_task(self._purge(), name="response store purge")
         for stored in await self.db(self.store.unfinished):
             log.info("%s: a background response the gateway stopped under; running it again", stored.id)
             if stored.status != "queued":   # it was in progress: it waits for its device and credits again
@@ -120,7 +133,7 @@ class KeptResponses:
             self._launch(stored)
 
     async def stop(self) -> None:
-        runs = list(self._runs.values())
+        runs = list(self._runs.values()) + ([self._purging] if self._purging is not None else [])
         for task in runs:
             task.cancel()
         await asyncio.gather(*runs, return_exceptions=True)

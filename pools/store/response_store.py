@@ -16,7 +16,8 @@ response is exactly one that does not exist (None, False).
 Retention (`RetentionSpec`, YAML `gateway.stored_responses`): an owner's oldest finished responses
 past `max_per_owner` are removed as a new one of theirs is written (in its transaction, by the
 owner's index); `purge` removes finished responses older than `retention_days` (by the age index)
-and every owner's surplus, when the store opens and at most every PURGE_EVERY_S after. A
+and every owner's surplus, when the store opens and every PURGE_EVERY_S after (the gateway's
+`KeptResponses`, on the store's thread: never inside a response's own write, whose client waits on it). A
 background response in progress is never removed.
 
 Durability as the batch store's: WAL, `synchronous=FULL`. One connection guarded by a lock: any
@@ -65,7 +66,6 @@ class ResponseStore(StoreFile):
     def __init__(self, path: Path | str, retention: RetentionSpec = RetentionSpec()) -> None:
         super().__init__(path)
         self.retention = retention
-        self._purged_at = 0.0
         try:
             if self._db.execute("SELECT 1 FROM sqlite_master WHERE name='responses'").fetchone() is None:
                 raise RuntimeError(f"{self.path}: no responses table; open a BatchStore on it first")
@@ -85,8 +85,6 @@ class ResponseStore(StoreFile):
             db.execute(f"DELETE FROM responses WHERE owner=? AND {_DONE} AND seq <= (SELECT seq FROM responses "
                        f"WHERE owner=? AND {_DONE} ORDER BY seq DESC LIMIT 1 OFFSET ?)",
                        (owner, *FINISHED, owner, *FINISHED, self.retention.max_per_owner))
-        if time.monotonic() - self._purged_at > PURGE_EVERY_S:
-            self.purge()
 
     def update(self, response: dict[str, Any], *, unless: tuple[str, ...] = ()) -> bool:
         """Replace a stored response's object (and status) with `response`, unless its stored status is
@@ -125,7 +123,6 @@ class ResponseStore(StoreFile):
     def purge(self, now: float | None = None) -> int:
         """Remove finished responses older than the retention and each owner's oldest finished ones past
         `max_per_owner`; how many were removed."""
-        self._purged_at = time.monotonic()
         now = time.time() if now is None else now
         with self._txn() as db:
             old = db.execute(f"DELETE FROM responses WHERE created_at < ? AND {_DONE}",

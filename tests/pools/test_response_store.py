@@ -79,3 +79,30 @@ def test_the_yaml_retention_is_checked(section, key) -> None:
         load_config(f"gateway: {{stored_responses: {section}}}\n{pools}", env={})
     config = load_config(f"gateway: {{stored_responses: {{retention_days: 7, max_per_owner: 50}}}}\n{pools}", env={})
     assert config.gateway.stored_responses == RetentionSpec(7, 50)
+
+
+def test_the_gateway_purges_the_store_every_minute_never_in_a_responses_own_write(tmp_path, monkeypatch) -> None:
+    """A response's write (`put`, which its client's last bytes wait for) removes only its owner's surplus; the
+    retention's whole-table purge runs on its own every PURGE_EVERY_S (`KeptResponses`), on the store's thread."""
+    import asyncio
+
+    from gateway.openai import stored_responses
+    from pools.store import response_store
+
+    monkeypatch.setattr(response_store, "PURGE_EVERY_S", 0.0)
+    monkeypatch.setattr(stored_responses, "PURGE_EVERY_S", 0.05)
+    store = _open(tmp_path, RetentionSpec(retention_days=1, max_per_owner=5))
+    day_ago = time.time() - 2 * 86400
+    for name in ("resp_old", "resp_new"):
+        store.put(_response(name, created_at=day_ago if name == "resp_old" else None), owner="o", tenant="t",
+                  request={}, items=[])
+    assert store.get("resp_old", owner="o") is not None      # no purge inside a write
+
+    async def scenario() -> None:
+        kept = stored_responses.KeptResponses(store, gateway=None)
+        await kept.start()
+        await asyncio.sleep(0.3)
+        assert store.get("resp_old", owner="o") is None and store.get("resp_new", owner="o") is not None
+        await kept.stop()
+
+    asyncio.run(scenario())
