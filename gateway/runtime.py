@@ -155,6 +155,8 @@ class Gateway:
     # constraint key -> the grammar library's objection ("" when it can enforce it); LRU, event-loop only
     grammar_checks: OrderedDict[str, str] = field(default_factory=OrderedDict)
     cuttable: set[asyncio.Task] = field(default_factory=set)   # HTTP requests waiting or running: `cut_in_flight`
+    # device -> the requests waiting for any of its replicas to be ready (`wait_device`), each since when
+    device_waits: dict[str, dict[object, float]] = field(default_factory=dict)
     drain_over: bool = False
 
     @classmethod
@@ -217,7 +219,7 @@ class Gateway:
         self.spiral.start()
         self.overload.start(self.supervisors)
         self.autoscaler = Autoscaler(self.config.devices, self.supervisors, self.pools, self.metrics,
-                                     overloaded=self.overload.short_of_replicas)
+                                     overloaded=self.overload.short_of_replicas, device_wait=self.device_wait)
         self.autoscaler.start()
 
     def _links(self, device: str, configs: list[EngineConfig]) -> list:
@@ -314,6 +316,9 @@ class Gateway:
                            type="server_error", code="pool_unavailable", headers={"Retry-After": "1"})
         limit = None if patient else device_wait_limit(self.config, [pool])
         deadline = None if limit is None else time.monotonic() + limit
+        waiting, key = self.device_waits.setdefault(pool.device, {}), object()
+        if not patient:   # a patient one waits by design: no sign of a replica short (`device_wait`)
+            waiting[key] = time.monotonic()
         try:
             while waits:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -328,8 +333,14 @@ class Gateway:
                 waits = list(pending)
             raise ApiError(503, str(done.pop().exception()), type="server_error", code="pool_unavailable")
         finally:
+            waiting.pop(key, None)
             for w in waits:
                 w.cancel()
+
+    def device_wait(self, device: str, now: float) -> float:
+        """The longest a request (not a patient one) has now waited for a replica of `device` to be ready: the
+        autoscaler's sign that none serves (one crash-looping, a lost node) and a parked slot should start."""
+        return max((now - since for since in self.device_waits.get(device, {}).values()), default=0.0)
 
     async def check_grammar(self, constraint: StructuredOutput | None, param: str) -> None:
         """400 naming `param` when the grammar library cannot enforce `constraint`; checked on the tokenizer

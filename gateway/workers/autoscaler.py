@@ -82,9 +82,11 @@ class Autoscaler:
     def __init__(self, devices: Mapping[str, DeviceSpec], supervisors: Mapping[str, list[DeviceSupervisor]],
                  pools: Mapping[str, Pool], metrics: GatewayMetrics,
                  overloaded: Callable[[], Mapping[str, str]] = dict,
-                 leases: Mapping[str, ScalerLease] | None = None) -> None:
+                 leases: Mapping[str, ScalerLease] | None = None,
+                 device_wait: Callable[[str, float], float] = lambda device, now: 0.0) -> None:
         self.devices = devices
         self.overloaded = overloaded   # device -> reason, for the devices overloaded now (gateway.monitoring.overload)
+        self.device_wait = device_wait   # (device, now) -> the longest a request waits for any replica to be ready
         self.supervisors = supervisors
         self.pools = {device: [p for p in pools.values() if p.device == device] for device in supervisors}
         self.metrics = metrics
@@ -156,6 +158,9 @@ class Autoscaler:
         wait = self.credit_wait(device, now)
         if wait > spec.scale_up_wait_seconds:
             return f"a request waited {wait:.1f} s for KV credits (over {spec.scale_up_wait_seconds:g} s)", wait
+        if (ready_wait := self.device_wait(device, now)) > spec.scale_up_wait_seconds:   # none serves (a crash loop)
+            return (f"a request waited {ready_wait:.1f} s for a replica to be ready (over "
+                    f"{spec.scale_up_wait_seconds:g} s)"), wait
         refused = max((p.admission.refused_at for p in self.pools[device]
                        if p.admission is not None and p.admission.refused_at is not None), default=None)
         if refused is not None and now - refused <= REFUSED_SECONDS and refused > self._grown_at.get(device, -1e300):

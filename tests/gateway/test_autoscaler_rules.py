@@ -6,6 +6,7 @@ started again before its removal has ended."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -365,3 +366,38 @@ async def test_a_replica_it_added_whose_load_failed_is_started_again_after_a_whi
     assert slots[2].num_starts == 2                              # its own while again, not every tick
     scaler.tick(now=123.0)
     assert slots[2].num_starts == 3
+
+
+async def test_requests_waiting_for_any_replica_to_be_ready_start_a_parked_slot():
+    """The only started replica crash-loops (restarting, never ready): requests wait for a replica to be ready,
+    holding no credits, so no credit wait nor refusal pressed; every one got a 503 after the device wait while
+    the parked slots stayed parked. A wait past `scale_up_wait_seconds` starts one."""
+    slots = [_Slot(0, "restarting: the worker died (exit code 1)"), _Slot(1, "stopped")]
+    waits = {"d": 0.0}
+    spec = DeviceSpec(name="d", replicas=2, min_replicas=1, scale_down_idle_seconds=IDLE)
+    scaler = Autoscaler({"d": spec}, {"d": slots}, {}, GatewayMetrics(), overloaded=dict,
+                        device_wait=lambda device, now: waits[device])
+    scaler.tick(now=0.0)
+    assert slots[1].state == "stopped"
+    waits["d"] = spec.scale_up_wait_seconds + 0.5
+    scaler.tick(now=1.0)
+    assert slots[1].state == "loading" and slots[1].num_starts == 1
+
+
+async def test_the_gateway_reports_how_long_requests_wait_for_a_replica(tmp_path, tiny_model):
+    """`Gateway.device_wait`: the longest an impatient request waits in `wait_device`, 0 once it left."""
+    from gateway.runtime import Gateway
+    from pools.config.yaml_file import load_config
+    from tests.gateway.conftest import chat_pool_yaml
+
+    gateway = Gateway.from_config(load_config(chat_pool_yaml(tiny_model)))
+    device = next(iter(gateway.config.devices))
+    pool = next(p for p in gateway.pools.values() if p.device == device)
+    gateway.supervisors = {device: [_Slot(0, "loading")]}
+    gateway.supervisors[device][0].wait_ready = lambda: asyncio.sleep(10)
+    waiting = asyncio.ensure_future(gateway.wait_device(pool))
+    await asyncio.sleep(0.05)
+    assert 0.0 < gateway.device_wait(device, time.monotonic()) < 1.0
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert gateway.device_wait(device, time.monotonic()) == 0.0
