@@ -101,7 +101,7 @@ async def test_a_patient_request_waits_for_its_device_however_long():
         async def wait_ready(self) -> None:
             await ready.wait()
 
-    gateway = SimpleNamespace(supervisors={"cpu": [Restarting()]},
+    gateway = SimpleNamespace(supervisors={"cpu": [Restarting()]}, device_waits={},
                               config=SimpleNamespace(gateway=SimpleNamespace(device_wait_seconds=0.05)))
     pool = SimpleNamespace(name="chat", device="cpu", spec=SimpleNamespace(max_queue_seconds=50))
     with pytest.raises(ApiError) as info:
@@ -143,7 +143,7 @@ async def test_an_autoscaled_device_whose_started_replicas_failed_answers_at_onc
     failed._task = asyncio.get_running_loop().create_future()   # started, ended
     failed._task.set_result(None)
     assert (failed.state.split(":")[0], parked.state) == ("failed", "stopped")
-    gateway = SimpleNamespace(supervisors={"cpu": [failed, parked]},
+    gateway = SimpleNamespace(supervisors={"cpu": [failed, parked]}, device_waits={},
                               config=SimpleNamespace(gateway=SimpleNamespace(device_wait_seconds=30)))
     pool = SimpleNamespace(name="chat", device="cpu", spec=SimpleNamespace(max_queue_seconds=0))
     for patient in (False, True):
