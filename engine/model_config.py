@@ -335,7 +335,8 @@ class ModelConfig:
         eos = _token_ids(text, "eos_token_id", path="text_config.") if text.get("eos_token_id") is not None \
             else _token_ids(cfg, "eos_token_id")   # the text model's, else the checkpoint's
         try:
-            config = cls.from_hf_config({**text, "architectures": [text_arch], "eos_token_id": list(eos)})
+            tied = {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}   # transformers reads the top one
+            config = cls.from_hf_config({**text, **tied, "architectures": [text_arch], "eos_token_id": list(eos)})
         except ConfigError as exc:
             raise ConfigError(f"text_config.{exc}") from None
         return replace(config, text_weights_prefix=prefix)

@@ -152,9 +152,10 @@ def weights_bytes(folder: Path) -> int:
 
 def model_tensor_name(hf_name: str, text_prefix: str = "") -> str | None:
     """A checkpoint tensor's name in the model, without "model." (`text_prefix`: a multimodal checkpoint's
-    text model, `ModelConfig.text_weights_prefix`); None for a tensor outside the text model."""
+    text model, `ModelConfig.text_weights_prefix`, whose head transformers 5's own layout keeps at the top:
+    `lm_head.weight`); None for a tensor outside the text model."""
     name = hf_name.removeprefix("model.")
-    if text_prefix:
+    if text_prefix and hf_name != "lm_head.weight":
         if not name.startswith(text_prefix):
             return None
         name = name.removeprefix(text_prefix).removeprefix("model.")

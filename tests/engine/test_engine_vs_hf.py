@@ -247,10 +247,13 @@ def test_a_checkpoint_that_stores_a_tensor_twice_or_lacks_one_is_refused_by_name
             load({**state, fused: state["model.layers.0.mlp.experts.1.down_proj.weight"]})
 
 
-def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, builtin_path):
+@pytest.mark.parametrize("own_head", [False, True])
+def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, builtin_path, own_head):
     """Gemma 3's larger checkpoints are `Gemma3ForConditionalGeneration` (a vision tower beside the text model,
     whose tensors sit under `language_model.`): served as the text model, the rest of the checkpoint skipped,
-    greedy text token-identical to transformers' multimodal model on text input."""
+    greedy text token-identical to transformers' multimodal model on text input. `own_head`: the top-level
+    config unties the head (transformers reads the flag there) and the checkpoint is in transformers 5's own
+    layout, the head a top-level `lm_head.weight` (it was skipped and the embedding served as the head)."""
     import shutil
 
     import transformers
@@ -262,11 +265,13 @@ def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, builtin_
     vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                              num_attention_heads=2, image_size=28, patch_size=14)
     config = transformers.Gemma3Config(text_config=text_config.to_dict(), vision_config=vision.to_dict(),
-                                       mm_tokens_per_image=4, initializer_range=0.2)
+                                       mm_tokens_per_image=4, initializer_range=0.2,
+                                       **({"tie_word_embeddings": False} if own_head else {}))
     torch.manual_seed(0)
     hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    assert own_head != torch.equal(hf.lm_head.weight, hf.model.language_model.embed_tokens.weight)
     folder = tmp_path / "gemma3-mm"
-    hf.save_pretrained(folder)
+    hf.save_pretrained(folder, **({"save_original_format": False} if own_head else {}))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(builtin_path / name, folder / name)
     engine = LLMEngine.from_args(str(folder), block_size=8, num_blocks=64, max_num_batched_tokens=64, progress=False)
