@@ -129,6 +129,9 @@ class Completion:
         gateway, body = self.gateway, self.body
         if isinstance(self.req, CompletionRequest) and self.req.max_tokens_unset:   # as `_within_context` left it
             body = {**body, "max_tokens": self.req.params.max_tokens}
+        floor = gateway.admission.clamp_priority(self.tenant, self.req.priority)   # the tenant's, as a local pool's
+        if floor != self.req.priority or ("priority" in body and body["priority"] != floor):
+            body = {**body, "priority": floor}
         response = await forward(self.http, gateway.upstream, pool, self.path, body, self.req.stream,
                                  gateway.metrics, write_timeout=gateway.config.gateway.write_timeout,
                                  prompt_tokens=len(self.routed[0][1]), received=self.received)

@@ -179,3 +179,42 @@ def test_an_upstream_route_past_the_context_its_tokenizer_model_declares_is_refu
                                         r"4096: .* the route's tail is unreachable"):
         gateway("route: {max_prompt_tokens: 4096}", "max_model_len: 4096")
     assert gateway("route: {max_prompt_tokens: 4095}", "max_model_len: 4096").pools["remote"].admits(4095)
+
+
+async def test_a_tenants_priority_floor_holds_on_an_upstream_pool(aiohttp_client, tmp_path):
+    """A tenant's `min_priority` clamps the `priority` an upstream pool gets, as a local pool's (the body went as
+    sent: any key could jump a vLLM upstream's priority queue with -100), and is sent where the body has none;
+    a tenant of the default floor (0) sends a worse priority as sent, a better one as 0, none as none."""
+    from gateway.app import create_app
+    from gateway.runtime import Gateway
+    from pools.config.yaml_file import load_config
+    from tests.gateway.test_upstream_faults import _chat_answer
+
+    sent = []
+
+    def answer(request: bytes) -> bytes:
+        sent.append(json.loads(request.split(b"\r\n\r\n", 1)[1]))
+        return _reply(200, _chat_answer({"prompt_tokens": 3, "completion_tokens": 1}))
+
+    server, url = await _serve(answer)
+    path = tmp_path / "pools.yaml"
+    path.write_text(f"""
+pools:
+  - name: remote
+    upstream: {url}
+    model: upstream-model
+    served_model_name: {FRONT}
+    tokenizer: builtin:smollm2-135m-instruct
+    max_model_len: 512
+tenants:
+  nightly: {{api_keys: [sk-n], min_priority: 10}}
+  team: {{api_keys: [sk-t]}}
+""")
+    client = await aiohttp_client(create_app(Gateway.from_config(load_config(path))))
+    chat = {"model": FRONT, "messages": [{"role": "user", "content": "hi"}]}
+    for key, extra in (("sk-n", {"priority": -100}), ("sk-n", {}), ("sk-t", {"priority": -3}), ("sk-t", {}),
+                       ("sk-t", {"priority": 5})):
+        r = await client.post("/v1/chat/completions", json={**chat, **extra}, headers={"Authorization": f"Bearer {key}"})
+        assert r.status == 200, await r.text()
+    assert [body.get("priority") for body in sent] == [10, 10, 0, None, 5]
+    server.close()
