@@ -6,9 +6,10 @@ slots, `min` of them started. Every `INTERVAL` seconds, for each such device:
 
 - **Up.** When some request of the device's pools has waited for credits longer than
   `scale_up_wait_seconds` (the formula's concurrency is exceeded: what is admitted fills every
-  replica's KV; batch lines and patient requests wait by design and are not counted), or one was refused
-  for credits (`max_queue_seconds` 0 or past it) in the last `REFUSED_SECONDS` and no replica came up
-  since, or the device is overloaded and short of replicas (`gateway.monitoring.overload`: its pools'
+  replica's KV; batch lines and patient requests wait by design and are not counted, nor a request that fits
+  now and waits for the replica caching its prompt), or for any replica to be ready (none serves: one
+  crash-loops), or one was refused for credits (`max_queue_seconds` 0 or past it) in the last
+  `REFUSED_SECONDS` and no replica came up since, or the device is overloaded and short of replicas (`gateway.monitoring.overload`: its pools'
   arrivals ask more of its ready replicas than the step-cost model says they can do, with requests
   waiting for their first token: a compute-bound device whose KV never fills; `short_of_replicas`: the
   load needs more replicas than are ready), and no replica of the device is still loading, the lowest
@@ -187,8 +188,9 @@ class Autoscaler:
         gateway's own start that failed stay so: a config no start would load)."""
         if self._take_back(device, slots, why):
             return True
-        if any(s.state.startswith("loading") for s in slots):
-            return False   # one is on its way: give it time before asking for another
+        if any(s.state.startswith("loading") and (device not in self.leases or _placed_here(s)) for s in slots):
+            return False   # one is on its way: give it time before asking for another (an adopted one this
+                           # gateway cannot reach may never load here: no reason to wait)
         failed = self._failed_since   # a failed one once its supervisor is done (removing what it placed)
         parked = [s for s in slots if (s.state == "stopped" or now - failed.get((device, s.replica), now)
                                        >= RETRY_FAILED_SECONDS and not s.is_active)
@@ -365,29 +367,31 @@ class Autoscaler:
         (its answer to this gateway lists the drain: a renewal in flight could hold the word back for seconds)
         it is removable once its count is 0 — False if this gateway stops leading first."""
         key = (supervisor.device, supervisor.replica)
-        if await self._num_requests(supervisor):
+        if await self._num_requests(supervisor) != 0:   # some, or it cannot be asked: kept, and serves again
             return False
         self._announced.add(key)
         while lease.is_leader() and supervisor.replica not in lease.view.draining:
             await asyncio.sleep(REPLICA_POLL)
         await asyncio.sleep(ANNOUNCE_SECONDS)
         while lease.is_leader():
-            if not await self._num_requests(supervisor):
+            if (count := await self._num_requests(supervisor)) is None:
+                return False
+            if not count:
                 return lease.is_leader()
             await asyncio.sleep(REPLICA_POLL)
         return False
 
     @staticmethod
-    async def _num_requests(supervisor: DeviceSupervisor) -> int:
+    async def _num_requests(supervisor: DeviceSupervisor) -> int | None:
         """The requests in flight on the replica as it counts them (every gateway's); 0 for one this gateway
         placed that is still loading (it serves no gateway yet, and answers nothing till loaded) or that says it
-        is dead; at least 1 for one this gateway cannot reach otherwise (other gateways may be served by it: an
-        adopted actor, or one that served before the connection broke), and for one that does not answer within
-        `STATS_SECONDS` (it answers between steps: one that long has work, other gateways' perhaps; a hang is
-        the watchdog's to judge)."""
+        is dead; None for one this gateway cannot reach otherwise (other gateways may be served by it: an
+        adopted actor, or one that served before the connection broke: never removed on a guess); at least 1
+        for one that does not answer within `STATS_SECONDS` (it answers between steps: one that long has work,
+        other gateways' perhaps; a hang is the watchdog's to judge)."""
         client = supervisor.client
         if client is None or not client.is_alive or client.info is None:
-            return 0 if _placed_here(supervisor) and not supervisor.has_loaded else 1
+            return 0 if _placed_here(supervisor) and not supervisor.has_loaded else None
         try:
             return (await asyncio.wait_for(client.stats(), STATS_SECONDS)).num_requests
         except EngineDeadError:

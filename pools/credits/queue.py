@@ -113,6 +113,7 @@ class CreditQueue:
         self._queued_since: dict[str, float] = {}      # request waiting for credits -> since when
         self._pressing_since: dict[str, float] = {}    # those of them not meant to wait (`oldest_credit_wait`)
         self._anywhere: set[str] = set()               # requests that no longer wait for their prompt's replica
+        self._affine: set[str] = set()                 # requests that fit now and wait for their prompt's replica
         self.refused_at: float | None = None           # monotonic time of the last refusal for capacity
         self.offered = OfferedLoad()                   # interactive requests that arrived (pools.demand)
         self._since: dict[str, float] = {}             # interactive request -> when it came (until its first token)
@@ -191,6 +192,7 @@ class CreditQueue:
         finally:
             self._work.pop(request_id, None)
             self._anywhere.discard(request_id)
+            self._affine.discard(request_id)
         try:
             yield ticket
         finally:
@@ -222,9 +224,11 @@ class CreditQueue:
         if pressing:
             self._pressing_since[ticket.request_id] = started
         try:
-            if limit is not None and (left := limit - spent) > 0:   # its prompt's replica for half of what is left
-                await asyncio.wait([waiter], timeout=left / 2)
+            if limit is not None:   # its prompt's replica for half of what is left at most, then any replica
+                if (left := limit - spent) > 0:
+                    await asyncio.wait([waiter], timeout=left / 2)
                 self._anywhere.add(ticket.request_id)
+                self._affine.discard(ticket.request_id)
                 self._admit()
             await asyncio.wait_for(asyncio.shield(waiter), None if limit is None else
                                    max(0.0, limit - spent - (time.monotonic() - started)))
@@ -257,6 +261,7 @@ class CreditQueue:
                 log.exception("pool %s: acknowledging replica %d's lease failed", self.pool, replica)
         for replica in range(self.ledger.num_replicas):   # the supervisors' word now: a dead one takes nothing new
             self.ledger.set_up(replica, self.replica_up(replica))
+        self._affine.clear()   # found again by this pass's `_place` (one it does not reach counts as pressing)
         for ticket in self.ledger.admit(self._place):
             self.num_admitted += 1
             waiter = self._waiters.get(ticket.request_id)
@@ -279,6 +284,9 @@ class CreditQueue:
                 replica = self.placement.choose(work, fitting, free, waiting)
                 if replica is not None:
                     self.placement.start(ticket.request_id, replica, work)
+                    self._affine.discard(ticket.request_id)
+                else:   # it fits on `fitting` and waits for the replica caching its prompt: by choice
+                    self._affine.add(ticket.request_id)
                 return replica
             except Exception:  # noqa: BLE001 - else the tickets this pass took before it would never be woken
                 log.exception("pool %s: placing %s failed; it goes where most credits are free", self.pool,
@@ -322,8 +330,7 @@ class CreditQueue:
         past what the replicas' credits hold (`gateway.workers.autoscaler`). Batch lines and patient
         requests are left out: they wait by design, for KV the interactive load leaves; so is a request that fits
         on a replica now and waits for the one caching its prompt (a choice, not a shortage)."""
-        pressing = [since for request_id, since in self._pressing_since.items()
-                    if (ticket := self.ledger.ticket(request_id)) is None or not self.ledger.fitting(ticket)]
+        pressing = [since for request_id, since in self._pressing_since.items() if request_id not in self._affine]
         if not pressing:
             return 0.0
         return max(0.0, (time.monotonic() if now is None else now) - min(pressing))

@@ -346,12 +346,29 @@ async def test_the_leader_never_removes_a_shared_replica_it_cannot_reach_that_ma
         await _settle()
     assert slots[1].state == "loading" and slots[1].link.removed == 0
     slots[1].ready()                                      # it serves; then it is idle and drained ...
+    broke = False
     for t in range(12, 30):
         scaler.tick(now=float(t))
-        if slots[1].draining:
-            slots[1].client.is_alive = False              # ... and the leader's connection breaks meanwhile
+        if ("d", 1) in scaler._announced and not broke:   # ... and once announced, the leader's connection breaks
+            slots[1].client.is_alive, broke = False, True
         await _settle()
-    assert slots[1].link.removed == 0
+    assert broke and slots[1].link.removed == 0
+    # kept, it serves the others again: not left drained (the followers sent it nothing) while unreachable
+    assert not slots[1].draining and ("d", 1) not in scaler._removals and lease.pokes[-1][1] == ()
+
+
+async def test_an_adopted_replica_that_never_loads_here_does_not_hold_back_a_scale_up(quick):
+    """An actor another gateway placed, which this leader cannot connect to, reads "loading" here for good: it
+    is no replica on its way (a scale-up waited for it for ever), so pressure starts a parked slot."""
+    slots = [_Slot(0, "ready"), _Slot(1, "stopped", adopted=True), _Slot(2, "stopped")]
+    lease = _Lease(leader=True, live={0, 1})
+    scaler = _make_scaler(slots, lease)
+    scaler.tick(now=0.0)
+    assert [s.state for s in slots] == ["ready", "loading", "stopped"]
+    lease.view = LeaseView("me", 10.0, pressure="a request waited 2.5 s for KV credits (over 2 s)")
+    lease.echo = False
+    scaler.tick(now=1.0)
+    assert slots[2].state == "loading"
 
 
 async def test_a_drain_counts_its_announcement_from_when_the_lease_actor_has_it(quick):

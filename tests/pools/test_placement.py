@@ -195,6 +195,29 @@ def test_a_question_waits_for_its_documents_replica_half_its_queue_limit_then_go
     asyncio.run(scenario())
 
 
+def test_a_wait_for_the_prompts_replica_presses_once_it_fits_nowhere_and_a_spent_limit_goes_anywhere():
+    """A question waiting for its document's full replica while another has room waits by choice (no pressure);
+    once that other replica fills too it waits for capacity, and its wait counts. A request whose time is
+    spent before its wait for credits begins (its other pool's credits, a device) takes any replica with room at
+    once: it had a 503."""
+    async def scenario():
+        admission, placement, question = _documents_replica_full(max_queue_seconds=10)
+        waiting = asyncio.ensure_future(admission.hold("question", 700, work=question).__aenter__())
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and admission.oldest_credit_wait() == 0.0
+        admission.ledger.submit("other", 1000)
+        assert [t.replica for t in admission.ledger.admit(lambda ticket, fitting: 1)] == [1]   # replica 1 is full
+        admission._admit()
+        assert admission.oldest_credit_wait() > 0.04
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        spent, _, question2 = _documents_replica_full(max_queue_seconds=0.4)
+        async with spent.hold("question", 700, work=question2, spent=0.5) as ticket:
+            assert ticket.replica == 1 and spent.num_expired == 0
+
+    asyncio.run(scenario())
+
+
 def test_without_a_prefix_cache_no_replica_is_thought_to_cache_a_prompt():
     """`share_blocks` False (the pool's engine has `enable_prefix_caching: false`): nothing is matched or
     recorded, so a question does not wait for the replica that read its document (it would compute it again)."""
