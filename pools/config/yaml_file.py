@@ -70,7 +70,11 @@ def _parse_gateway(raw: dict[str, Any] | None, env: Mapping[str, str]) -> Gatewa
         if not key:   # dropped, it could leave no key: authentication silently off
             raise SpecError(f"gateway.api_keys[{i}]", f"an API key must not be blank, got {gateway.api_keys[i]!r}")
     if gateway.api_keys_env:
-        keys += [k.strip() for k in env.get(gateway.api_keys_env, "").split(",") if k.strip()]
+        value = env.get(gateway.api_keys_env, "")
+        if value and not (found := [k.strip() for k in value.split(",") if k.strip()]):   # " " or ",": a secret
+            raise SpecError("gateway.api_keys_env", f"the variable {gateway.api_keys_env} is set but names no API "
+                            "key (blanks and commas only): authentication would be off")   # rendered empty
+        keys += found if value else []
     return gateway.replace(api_keys=tuple(dict.fromkeys(k for k in keys if k)))
 
 

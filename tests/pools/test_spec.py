@@ -402,6 +402,11 @@ def test_api_keys_from_yaml_and_env():
     text = _make_yaml(_set("gateway/api_keys_env", "MY_KEYS"))
     config = load_config(text, env={"MY_KEYS": "a,b", "CLIFFGUARD_API_KEYS": "ignored"})
     assert config.gateway.api_keys == ("a", "b")
+    # a variable rendered from an empty secret: set, but no key in it (authentication was silently off)
+    for blank in (" ", ",", " , "):
+        with pytest.raises(SpecError, match=r"gateway\.api_keys_env: the variable MY_KEYS is set but names no"):
+            load_config(text, env={"MY_KEYS": blank})
+    assert load_config(text, env={"MY_KEYS": ""}).gateway.api_keys == ()   # empty: no keys, as unset
 
 
 def test_omitted_sections_get_defaults():
