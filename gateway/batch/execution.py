@@ -208,8 +208,8 @@ class BatchRunner:
             except TooManyBatches as exc:
                 raise ApiError(429, f"this API key has {exc.unfinished} batches in progress, finalizing or "
                                f"cancelling, the most gateway.batches.max_unfinished_per_owner ({exc.limit}) allows; "
-                               "wait for one to end, or cancel one", type="requests",
-                               code="rate_limit_exceeded") from None
+                               "wait for one to end, or cancel one", type="requests", code="rate_limit_exceeded",
+                               headers={"x-should-retry": "false"}) from None   # the SDK's retries would not help
             self.run(batch["id"])
             return batch
         return await asyncio.shield(create_and_run())

@@ -162,7 +162,7 @@ class KeptResponses:
             raise ApiError(429, f"background: this API key has {self._per_owner[owner]} background responses queued "
                            f"or in progress, the most gateway.stored_responses.max_background_per_owner ({limit}) "
                            "allows; wait for one to end, or cancel one", param="background", type="requests",
-                           code="rate_limit_exceeded")
+                           code="rate_limit_exceeded", headers={"x-should-retry": "false"})   # not the SDK's retries
         self._per_owner[owner] += 1   # this one's place, until its run ends (or it is not kept)
 
         async def keep_and_launch() -> dict[str, Any]:

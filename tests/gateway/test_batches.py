@@ -448,7 +448,7 @@ async def test_an_api_key_may_have_so_many_unfinished_batches(aiohttp_client, tm
                for _ in range(2)]
     with pytest.raises(openai.RateLimitError) as info:
         await sdk_a.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
-    assert info.value.body["code"] == "rate_limit_exceeded"
+    assert info.value.body["code"] == "rate_limit_exceeded" and info.value.response.headers["x-should-retry"] == "false"
     assert "2 batches in progress" in info.value.body["message"]
     assert "max_unfinished_per_owner (2)" in info.value.body["message"]
     assert [b.id async for b in sdk_a.batches.list()] == [b.id for b in reversed(running)]

@@ -325,6 +325,7 @@ async def test_an_api_key_may_have_so_many_background_responses_running_at_once(
     with pytest.raises(openai.RateLimitError) as info:
         await sdk.responses.create(model=tiny_model.name, input="hi", background=True)
     assert info.value.body["param"] == "background" and info.value.body["code"] == "rate_limit_exceeded"
+    assert info.value.response.headers["x-should-retry"] == "false"   # the SDK does not retry it twice for nothing
     assert "max_background_per_owner (2)" in info.value.body["message"]
     other = await sdk.with_options(api_key="key-b").responses.create(model=tiny_model.name, input="hi",
                                                                       background=True)
