@@ -143,17 +143,28 @@ def _revalidate(spec: Spec) -> None:
 
 
 def _reason(error: FieldError, hidden: tuple[str, ...]) -> str:
-    """The reason with the bad value shown, and for an unknown key the keys allowed."""
+    """The reason with the bad value shown (only its kind and size where it may hold API keys: `_secret`), and
+    for an unknown key the keys allowed."""
     value, reason = error.value, error.reason
+    shown = _secret(value) if _SECRET_PATH.search(error.path or "") else _short(value)
     if reason == "unrecognized field":
-        return f"unknown key (value {_short(value)}); allowed keys: " \
-               f"{', '.join(k for k in error.allowed if k not in hidden)}"
+        return f"unknown key (value {shown}); allowed keys: {', '.join(k for k in error.allowed if k not in hidden)}"
     if value is MISSING or value is None or ", got " in reason and not reason.startswith("expected "):
         return reason
     if reason.startswith("expected ") and "number" in reason and (number := _yaml_number(value)) is not None:
-        return f"{reason} {_short(value)} (YAML reads an exponent without a dot or without its sign as text: " \
+        return f"{reason} {shown} (YAML reads an exponent without a dot or without its sign as text: " \
                f"write {number})"
-    return f"{reason} {_short(value)}" if reason.startswith("expected ") else f"{reason}, got {_short(value)}"
+    return f"{reason} {shown}" if reason.startswith("expected ") else f"{reason}, got {shown}"
+
+
+# a value that may hold API keys: under a key named like `api_keys` (a typo too), or a tenant's whole entry
+_SECRET_PATH = re.compile(r"api_?key|^tenants\.[^.\[]+$", re.IGNORECASE)
+
+
+def _secret(value: Any) -> str:
+    """What a config error says of a value that may hold API keys (errors go to logs): its kind and size."""
+    kind = {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
+    return f"{kind} of {len(value)}" if isinstance(value, (str, list, dict)) else f"a {kind} (not shown)"
 
 
 _EXPONENT = re.compile(r"(?P<sign>[-+]?)(?P<whole>[0-9]*)(?:\.(?P<fraction>[0-9]*))?[eE](?P<exp>[-+]?[0-9]+)")

@@ -138,7 +138,7 @@ BAD = {
     "empty pool list": (_set("pools", []), ["pools", "[]"]),
     "pools not a list": (_set("pools", {"name": "chat"}), ["pools", "got object"]),
     "missing model": (_pop("pools/0/model"), ["pools[0].model", "required"]),
-    "api_keys not a list": (_set("gateway/api_keys", "secret"), ["gateway.api_keys", "'secret'"]),
+    "api_keys not a list": (_set("gateway/api_keys", "secret"), ["gateway.api_keys", "string of 6"]),
     "bad pool name": (_set("pools/0/name", "chat pool"), ["pools[0].name", "'chat pool'"]),
     "min_share of 1": (_set("pools/1/min_share", 1), ["pools[1].min_share", "< 1.0", "got 1"]),
     "min_share string": (_set("pools/1/min_share", "20%"), ["pools[1].min_share", "'20%'"]),
@@ -265,6 +265,18 @@ BAD = {
                                                              ["pools[0].slo.ttft_ms: must be a number of milliseconds "
                                                               "> 0 and < 3600000 (an hour), got 3600000"]),
 }
+
+
+@pytest.mark.parametrize("value, key", [({"team": {"api_key": ["sk-live-1"]}}, "tenants.team.api_key"),
+                                        ({"team": ["sk-live-1"]}, "tenants.team"),
+                                        ({"team": {"api_keys": "sk-live-1"}}, "tenants.team.api_keys"),
+                                        ({"team": {"api_keys": [12345]}}, "tenants.team.api_keys[0]")])
+def test_a_config_error_never_shows_an_api_key(value, key):
+    """A config error goes to the log: where the bad value may hold API keys (a key misspelt, a tenant written as
+    a list, a key not a string) it names the key and the value's kind, never the value (it printed the keys)."""
+    with pytest.raises(SpecError) as info:
+        load_config(_make_yaml(_set("tenants", value)), env={})
+    assert str(info.value).startswith(key) and "sk-live-1" not in str(info.value) and "12345" not in str(info.value)
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
