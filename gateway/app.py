@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 from gateway import handlers
@@ -209,13 +210,21 @@ async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
 # --- serving ---------------------------------------------------------------------------------------
 class _JsonErrorRequestHandler(RequestHandler):
     """aiohttp's connection protocol, answering its own errors (HTTP parser errors, handler timeouts)
-    in the OpenAI error format instead of text/plain. aiohttp still logs them and closes the connection."""
+    in the OpenAI error format instead of text/plain, and closing the connection. aiohttp logs the others; a
+    parser's refusal is logged here by its status and kind only: its message quotes the bytes it refused, a
+    header's value too (an `Authorization` key one stray byte from valid)."""
 
     __slots__ = ()
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        super().handle_error(request, status, exc, message)  # logs; raises if a response was under way
+        if isinstance(exc, HttpProcessingError):   # not HTTP at all (TLS to this port: a scanner) is no news
+            (log.debug if isinstance(exc, BadHttpMethod) else log.warning)(
+                "HTTP request from %s refused by the parser: %d (%s)", request.remote, status, type(exc).__name__)
+            if request.writer.output_size > 0:   # as aiohttp: a response under way cannot carry another
+                raise ConnectionError("Response is sent already, cannot send another response with the error")
+        else:
+            super().handle_error(request, status, exc, message)  # logs; raises if a response was under way
         try:
             phrase = HTTPStatus(status).phrase
         except ValueError:
