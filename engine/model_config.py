@@ -334,8 +334,9 @@ class ModelConfig:
             raise ConfigError(f"text_config: missing from config.json ({arch} is served as its text model)")
         eos = _token_ids(text, "eos_token_id", path="text_config.") if text.get("eos_token_id") is not None \
             else _token_ids(cfg, "eos_token_id")   # the text model's, else the checkpoint's
+        tied = {"tie_word_embeddings": _bool(cfg, "tie_word_embeddings", True)} if "tie_word_embeddings" in cfg \
+            else {}   # transformers reads the top one (checked here: its error names the file's key)
         try:
-            tied = {k: cfg[k] for k in ("tie_word_embeddings",) if k in cfg}   # transformers reads the top one
             config = cls.from_hf_config({**text, **tied, "architectures": [text_arch], "eos_token_id": list(eos)})
         except ConfigError as exc:
             raise ConfigError(f"text_config.{exc}") from None

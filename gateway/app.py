@@ -209,10 +209,9 @@ async def _auth_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 # --- serving ---------------------------------------------------------------------------------------
 class _JsonErrorRequestHandler(RequestHandler):
-    """aiohttp's connection protocol, answering its own errors (HTTP parser errors, handler timeouts)
-    in the OpenAI error format instead of text/plain, and closing the connection. aiohttp logs the others; a
-    parser's refusal is logged here by its status and kind only: its message quotes the bytes it refused, a
-    header's value too (an `Authorization` key one stray byte from valid)."""
+    """aiohttp's connection protocol, answering its own errors (parser errors, handler timeouts) in the OpenAI
+    format, not text/plain, and closing the connection; a parser's refusal is logged by status and kind only
+    (its message quotes the bytes it refused: a header's value, an API key one stray byte from valid)."""
 
     __slots__ = ()
 
@@ -225,10 +224,7 @@ class _JsonErrorRequestHandler(RequestHandler):
                 raise ConnectionError("Response is sent already, cannot send another response with the error")
         else:
             super().handle_error(request, status, exc, message)  # logs; raises if a response was under way
-        try:
-            phrase = HTTPStatus(status).phrase
-        except ValueError:
-            phrase = "Error"
+        phrase = {s.value: s.phrase for s in HTTPStatus}.get(status, "Error")
         detail = getattr(exc, "message", None) if status < 500 else None
         err = ApiError(status, f"request: {phrase}" + (f": {str(detail).strip()}" if detail else ""),
                        type="invalid_request_error" if status < 500 else "server_error")
@@ -247,11 +243,9 @@ class _JsonErrorServer(web.Server):
 
 
 class GatewayRunner(web.AppRunner):
-    """An `AppRunner` whose server answers aiohttp's own HTTP errors in the OpenAI error format.
-
-    aiohttp has no setting for the protocol class, so the server the app builds (with the app's
-    `handler_args` and the runner's options) gets `_JsonErrorServer`'s class;
-    `tests/gateway/test_edges.py` checks it on a real socket."""
+    """An `AppRunner` whose server answers aiohttp's own HTTP errors in the OpenAI error format: aiohttp has no
+    setting for the protocol class, so the server the app builds (with the app's `handler_args` and the runner's
+    options) gets `_JsonErrorServer`'s class; `tests/gateway/test_edges.py` checks it on a real socket."""
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()   # starts the app (its cleanup_ctx) and freezes it
@@ -264,12 +258,9 @@ MIN_KEEPALIVE_S = 5.0   # an idle keep-alive connection is closed after max(this
 
 async def start_server(app: web.Application, host: str, port: int, drain_seconds: float = 60.0) -> GatewayRunner:
     """Serve `app` on host:port (0: a free port, see `runner.addresses`); `runner.cleanup()` stops it, giving
-    the requests in flight `drain_seconds` to finish.
-
-    A connection idle between requests is closed after `gateway.write_timeout` (at least
-    `MIN_KEEPALIVE_S`; aiohttp's default is 75 s): a client that sent a request and never reads its
-    small answer (which the kernel's buffers took whole) holds the socket no longer than one that
-    reads nothing of a large one."""
+    the requests in flight `drain_seconds` to finish. A connection idle between requests is closed after
+    `gateway.write_timeout` (at least `MIN_KEEPALIVE_S`; aiohttp's default is 75 s): a client that never reads
+    its small answer (the kernel's buffers took it whole) holds the socket no longer than one reading nothing."""
     keepalive = max(MIN_KEEPALIVE_S, app[GATEWAY].config.gateway.write_timeout) if GATEWAY in app else 75.0
     runner = GatewayRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=keepalive,
                            shutdown_timeout=drain_seconds)

@@ -3,7 +3,8 @@ for a batch line.
 
 The stages, in order (`Completion.answer`):
 1. **check**: each routed prompt leaves room for `max_tokens` in its pool's context;
-2. **forward** to an upstream pool (`gateway.upstream.relay`), which answers it all; otherwise, local pools:
+2. **forward** to an upstream pool (`gateway.upstream.relay`), which answers it all (its `priority` clamped as
+   in 3, and set to a tenant's floor above 0 where the body has none); otherwise, local pools:
 3. **clamp** the priority to what the tenant may ask for (`AdmissionControl.clamp_priority`);
 4. **wait for the device**: a pool none of whose replicas has loaded yet holds the request, holding
    nothing (`Gateway.wait_device`); 503 if every replica failed to start, or (with Retry-After) if none

@@ -188,9 +188,8 @@ class Autoscaler:
         gateway's own start that failed stay so: a config no start would load)."""
         if self._take_back(device, slots, why):
             return True
-        if any(s.state.startswith("loading") and (device not in self.leases or _placed_here(s)) for s in slots):
-            return False   # one is on its way: give it time before asking for another (an adopted one this
-                           # gateway cannot reach may never load here: no reason to wait)
+        if any(s.state.startswith("loading") and not _unreachable_adopted(s, device in self.leases) for s in slots):
+            return False   # one is on its way: give it time before asking for another
         failed = self._failed_since   # a failed one once its supervisor is done (removing what it placed)
         parked = [s for s in slots if (s.state == "stopped" or now - failed.get((device, s.replica), now)
                                        >= RETRY_FAILED_SECONDS and not s.is_active)
@@ -416,3 +415,10 @@ def _placed_here(supervisor: DeviceSupervisor) -> bool:
     reach it."""
     link = supervisor.link
     return bool(getattr(link, "placing", False)) or getattr(link, "placed_at", -math.inf) >= supervisor.started_at
+
+
+def _unreachable_adopted(supervisor: DeviceSupervisor, shared: bool) -> bool:
+    """A shared slot whose actor another gateway placed and that this one has failed to connect to: it may
+    never load here, so it is no replica on its way (one this gateway starts reads "loading" before its
+    placement begins: that one is)."""
+    return shared and supervisor.connect_failed and not _placed_here(supervisor)

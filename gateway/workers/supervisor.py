@@ -156,6 +156,11 @@ class DeviceSupervisor:
         return self._was_ready
 
     @property
+    def connect_failed(self) -> bool:
+        """The last try of this start's first connection failed (it is tried again)."""
+        return self._first_failure is not None
+
+    @property
     def is_active(self) -> bool:
         """Started and not stopped: a replica the device counts (an autoscaled device parks the rest)."""
         return self._task is not None and not self._task.done()

@@ -146,7 +146,10 @@ def _reason(error: FieldError, hidden: tuple[str, ...]) -> str:
     """The reason with the bad value shown (only its kind and size where it may hold API keys: `_secret`), and
     for an unknown key the keys allowed."""
     value, reason = error.value, error.reason
-    shown = _secret(value) if _SECRET_PATH.search(error.path or "") else _short(value)
+    path = error.path or ""
+    hidden_value = _SECRET_PATH.search(path) or reason == "unrecognized field" and isinstance(value, (dict, list)) and value \
+        and re.fullmatch(r"(gateway\.)?[^.]+", path)   # a section misspelt at the top (`tenant:`), a gateway key
+    shown = _secret(value) if hidden_value else _short(value)
     if reason == "unrecognized field":
         return f"unknown key (value {shown}); allowed keys: {', '.join(k for k in error.allowed if k not in hidden)}"
     if value is MISSING or value is None or ", got " in reason and not reason.startswith("expected "):
@@ -157,8 +160,9 @@ def _reason(error: FieldError, hidden: tuple[str, ...]) -> str:
     return f"{reason} {shown}" if reason.startswith("expected ") else f"{reason}, got {shown}"
 
 
-# a value that may hold API keys: under a key named like `api_keys` (a typo too), or a tenant's whole entry
-_SECRET_PATH = re.compile(r"api_?key|^tenants\.[^.\[]+$", re.IGNORECASE)
+# a value that may hold API keys: under a key named like `api_keys` (a typo too: `keys`, `api-key`), an API token
+# or a secret, anything of `tenants`; and (`_reason`) an unknown key at the top or under `gateway` (`tenant:`, a typo)
+_SECRET_PATH = re.compile(r"api_?key|api_?token|\bkeys?\b|secret|^tenants($|[.\[])", re.IGNORECASE)
 
 
 def _secret(value: Any) -> str:

@@ -159,7 +159,7 @@ class _Slot:
         self.device, self.replica, self.state, self.name = "d", replica, state, f"d/{replica}"
         self.draining, self.link = False, _Link()
         self.client = _Client(num_requests) if state == "ready" else None
-        self.started_at, self.has_loaded = -math.inf, state == "ready"
+        self.started_at, self.has_loaded, self.connect_failed = -math.inf, state == "ready", False
         self.adopted = adopted   # `start` connects to an actor another gateway placed, not one of its own
 
     @property
@@ -168,8 +168,8 @@ class _Slot:
 
     def start(self) -> None:
         self.state, self.started_at, self.has_loaded = "loading", time.monotonic(), False
-        if not self.adopted:
-            self.link.placed_at = time.monotonic()
+        # a start connects first (Ray's round trips); a slot it places reads `placing` only once placement begins
+        self.connect_failed = self.adopted   # an adopted actor this gateway cannot reach
 
     def ready(self, num_requests: int = 0) -> None:
         self.state, self.client, self.has_loaded = "ready", _Client(num_requests), True
@@ -369,6 +369,13 @@ async def test_an_adopted_replica_that_never_loads_here_does_not_hold_back_a_sca
     lease.echo = False
     scaler.tick(now=1.0)
     assert slots[2].state == "loading"
+    # the slot it started reads "loading" before its placement begins (no `placing` yet): it is on its way, and
+    # holds back the next start while the pressure lasts
+    slots.append(_Slot(3, "stopped"))
+    scaler = _make_scaler(slots, lease)
+    for t in range(2, 6):
+        scaler.tick(now=float(t))
+    assert slots[3].state == "stopped"
 
 
 async def test_a_drain_counts_its_announcement_from_when_the_lease_actor_has_it(quick):

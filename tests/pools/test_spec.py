@@ -270,13 +270,19 @@ BAD = {
 @pytest.mark.parametrize("value, key", [({"team": {"api_key": ["sk-live-1"]}}, "tenants.team.api_key"),
                                         ({"team": ["sk-live-1"]}, "tenants.team"),
                                         ({"team": {"api_keys": "sk-live-1"}}, "tenants.team.api_keys"),
-                                        ({"team": {"api_keys": [12345]}}, "tenants.team.api_keys[0]")])
+                                        ({"team": {"api_keys": [12345]}}, "tenants.team.api_keys[0]"),
+                                        ([{"name": "team", "api_keys": ["sk-live-1"]}], "tenants"),
+                                        ({"team": {"keys": ["sk-live-1"]}}, "tenants.team.keys")])
 def test_a_config_error_never_shows_an_api_key(value, key):
     """A config error goes to the log: where the bad value may hold API keys (a key misspelt, a tenant written as
     a list, a key not a string) it names the key and the value's kind, never the value (it printed the keys)."""
     with pytest.raises(SpecError) as info:
         load_config(_make_yaml(_set("tenants", value)), env={})
     assert str(info.value).startswith(key) and "sk-live-1" not in str(info.value) and "12345" not in str(info.value)
+    for misspelt in ("tenant", "gateway/api-keys"):   # an unknown key at the top or under `gateway`
+        with pytest.raises(SpecError) as info:
+            load_config(_make_yaml(_set(misspelt, value)), env={})
+        assert "unknown key" in str(info.value) and "sk-live-1" not in str(info.value)
 
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
