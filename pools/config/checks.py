@@ -5,8 +5,8 @@ benchmark workloads (`bench.serve`, `pools.workload`) share them.
 A section's model states the schema in its field types (`Annotated[int, Meta(ge=1)]`, `Literal[...]`);
 `from_yaml` checks a YAML value against it (`pools.config.typed.convert`) and the model's `check()` adds
 the rules across fields. Every error is a `SpecError` whose message starts with the key path of the bad
-value and shows the value (`pools[1].kv_share: must be <= 1.0, got 1.5`); `within(prefix)` prepends a
-parent path as the error travels up.
+value and shows the value (`pools[1].kv_share: must be <= 1.0, got 1.5`; one that may hold API keys by its
+kind and size only: `_SECRET_PATH`); `within(prefix)` prepends a parent path as the error travels up.
 """
 
 from __future__ import annotations
