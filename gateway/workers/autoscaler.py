@@ -9,10 +9,11 @@ slots, `min` of them started. Every `INTERVAL` seconds, for each such device:
   replica's KV; batch lines and patient requests wait by design and are not counted, nor a request that fits
   now and waits for the replica caching its prompt), or for any replica to be ready (none serves: one
   crash-loops), or one was refused for credits (`max_queue_seconds` 0 or past it) in the last
-  `REFUSED_SECONDS` and no replica came up since, or the device is overloaded and short of replicas (`gateway.monitoring.overload`: its pools'
-  arrivals ask more of its ready replicas than the step-cost model says they can do, with requests
-  waiting for their first token: a compute-bound device whose KV never fills; `short_of_replicas`: the
-  load needs more replicas than are ready), and no replica of the device is still loading, the lowest
+  `REFUSED_SECONDS` and no replica came up since, or the device is overloaded and short of replicas
+  (`gateway.monitoring.overload`: its pools' arrivals ask more of its ready replicas than the step-cost
+  model says they can do, with requests waiting for their first token: a compute-bound device whose KV
+  never fills; `short_of_replicas`: the load needs more replicas than are ready), and no replica of the
+  device is still loading (but an adopted one this gateway cannot connect to), the lowest
   parked slot is started (on Ray, a placement group is created; one Ray cannot place stays pending,
   which is how Ray's cluster autoscaler learns that a node is needed). A replica being drained is taken
   back first instead. The wait bound, 2 s by default, is long enough that a burst one replica absorbs
@@ -188,7 +189,7 @@ class Autoscaler:
         gateway's own start that failed stay so: a config no start would load)."""
         if self._take_back(device, slots, why):
             return True
-        if any(s.state.startswith("loading") and not _unreachable_adopted(s, device in self.leases) for s in slots):
+        if any(s.state.startswith("loading") and not self._unreachable_adopted(device, s) for s in slots):
             return False   # one is on its way: give it time before asking for another
         failed = self._failed_since   # a failed one once its supervisor is done (removing what it placed)
         parked = [s for s in slots if (s.state == "stopped" or now - failed.get((device, s.replica), now)
@@ -203,6 +204,14 @@ class Autoscaler:
         failed.pop((device, supervisor.replica), None)   # a start that fails again waits its own while
         self.metrics.replica_scalings.labels(device=device, direction="up").inc()
         return True
+
+    def _unreachable_adopted(self, device: str, supervisor: DeviceSupervisor) -> bool:
+        """A shared slot this gateway connected to without starting it (not a `min` slot, nor one its scale-up
+        started: `_start_placed`'s adoption of an actor another gateway placed) whose connection fails: it may
+        never load here, so it is no replica on its way (one this gateway started is, failing or not)."""
+        return device in self.leases and supervisor.connect_failed and not _placed_here(supervisor) and \
+            (device, supervisor.replica) not in self._added and \
+            supervisor.replica >= self.devices[device].initial_replicas
 
     def _take_back(self, device: str, slots: list[DeviceSupervisor], why: str, *, ready_only: bool = False) -> bool:
         """Take back the first drain not past taking back (`ready_only`: of a replica that serves once taken back);
@@ -415,10 +424,3 @@ def _placed_here(supervisor: DeviceSupervisor) -> bool:
     reach it."""
     link = supervisor.link
     return bool(getattr(link, "placing", False)) or getattr(link, "placed_at", -math.inf) >= supervisor.started_at
-
-
-def _unreachable_adopted(supervisor: DeviceSupervisor, shared: bool) -> bool:
-    """A shared slot whose actor another gateway placed and that this one has failed to connect to: it may
-    never load here, so it is no replica on its way (one this gateway starts reads "loading" before its
-    placement begins: that one is)."""
-    return shared and supervisor.connect_failed and not _placed_here(supervisor)

@@ -157,8 +157,8 @@ class DeviceSupervisor:
 
     @property
     def connect_failed(self) -> bool:
-        """The last try of this start's first connection failed (it is tried again)."""
-        return self._first_failure is not None
+        """The last try of this start's first connection failed, and the try now under way has not connected."""
+        return self._first_failure is not None and getattr(self.client, "address", "") is None
 
     @property
     def is_active(self) -> bool:

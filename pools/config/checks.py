@@ -142,16 +142,17 @@ def _revalidate(spec: Spec) -> None:
             raise SpecError(key, f"expected {type(getattr(checked, name)).__name__}, got {show(getattr(spec, name))}")
 
 
-def _reason(error: FieldError, hidden: tuple[str, ...]) -> str:
+def _reason(error: FieldError, hidden_keys: tuple[str, ...]) -> str:
     """The reason with the bad value shown (only its kind and size where it may hold API keys: `_secret`), and
     for an unknown key the keys allowed."""
     value, reason = error.value, error.reason
     path = error.path or ""
-    hidden_value = _SECRET_PATH.search(path) or reason == "unrecognized field" and isinstance(value, (dict, list)) and value \
-        and re.fullmatch(r"(gateway\.)?[^.]+", path)   # a section misspelt at the top (`tenant:`), a gateway key
-    shown = _secret(value) if hidden_value else _short(value)
+    hidden = _SECRET_PATH.search(path) or reason == "unrecognized field" and isinstance(value, (dict, list)) \
+        and value and re.fullmatch(r"(gateway\.)?[^.]+", path)   # a section misspelt at the top (`tenant:`)
+    shown = _secret(value) if hidden else _short(value)
     if reason == "unrecognized field":
-        return f"unknown key (value {shown}); allowed keys: {', '.join(k for k in error.allowed if k not in hidden)}"
+        return f"unknown key (value {shown}); allowed keys: " \
+               f"{', '.join(k for k in error.allowed if k not in hidden_keys)}"
     if value is MISSING or value is None or ", got " in reason and not reason.startswith("expected "):
         return reason
     if reason.startswith("expected ") and "number" in reason and (number := _yaml_number(value)) is not None:
@@ -160,15 +161,16 @@ def _reason(error: FieldError, hidden: tuple[str, ...]) -> str:
     return f"{reason} {shown}" if reason.startswith("expected ") else f"{reason}, got {shown}"
 
 
-# a value that may hold API keys: under a key named like `api_keys` (a typo too: `keys`, `api-key`), an API token
-# or a secret, anything of `tenants`; and (`_reason`) an unknown key at the top or under `gateway` (`tenant:`, a typo)
-_SECRET_PATH = re.compile(r"api_?key|api_?token|\bkeys?\b|secret|^tenants($|[.\[])", re.IGNORECASE)
+# a value that may hold API keys: under a key named like `api_keys` (a typo too: `keys`, `api-key`, `upstream_key`),
+# a token or a secret, anything of `tenants`; and (`_reason`) a section misspelt at the top or under `gateway`
+_SECRET_PATH = re.compile(r"api_?key|api_?token|(^|[._\-])keys?($|[.\[])|token$|secret|^tenants($|[.\[])",
+                          re.IGNORECASE)
 
 
 def _secret(value: Any) -> str:
     """What a config error says of a value that may hold API keys (errors go to logs): its kind and size."""
     kind = {str: "string", list: "array", dict: "object"}.get(type(value), type(value).__name__)
-    return f"{kind} of {len(value)}" if isinstance(value, (str, list, dict)) else f"a {kind} (not shown)"
+    return f"{kind} of {len(value)}" if isinstance(value, (str, list, dict)) else f"{kind} value (not shown)"
 
 
 _EXPONENT = re.compile(r"(?P<sign>[-+]?)(?P<whole>[0-9]*)(?:\.(?P<fraction>[0-9]*))?[eE](?P<exp>[-+]?[0-9]+)")

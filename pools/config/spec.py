@@ -11,6 +11,7 @@ The schema, key by key, is in `config/README.md`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Annotated, Any, ClassVar, Literal
@@ -55,6 +56,13 @@ RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation
 # Switches the templates test with `is true` / `is false` (Qwen3's `enable_thinking`, DeepSeek's `thinking`): a
 # string there is neither and leaves the switch as it was, so a pool's or a request's must be a boolean.
 BOOLEAN_TEMPLATE_VARIABLES = ("enable_thinking", "thinking")
+
+
+def _shown_url(url: str) -> str:
+    """An upstream URL as a config error shows it (errors go to logs): no user or password, and its query and
+    fragment by their length only (a key may ride in either)."""
+    url = re.sub(r"//[^/?#]*@", "//", url)
+    return re.sub(r"([?#])(.*)$", lambda m: f"{m[1]}<{len(m[2])} characters>", url, flags=re.DOTALL)
 
 
 def template_variable_error(key: str, value: Any) -> str | None:
@@ -172,12 +180,13 @@ class PoolSpec(Spec):
                 url = urlsplit(self.upstream)
                 url.port   # noqa: B018 - raises for a port out of range or not a number
             except ValueError as exc:
-                raise SpecError("upstream", f"not a valid URL ({exc}), got {self.upstream!r}") from None
+                raise SpecError("upstream", f"not a valid URL ({exc}), got {_shown_url(self.upstream)!r}") from None
             if url.scheme not in ("http", "https") or not url.hostname:
-                raise SpecError("upstream", f"must be an http:// or https:// URL with a host, got {self.upstream!r}")
+                raise SpecError("upstream", f"must be an http:// or https:// URL with a host, got "
+                                            f"{_shown_url(self.upstream)!r}")
             if "?" in self.upstream or "#" in self.upstream:   # the request's path is added at the URL's end
                 raise SpecError("upstream", f"must have no query (?) or fragment (#): the request's path "
-                                            f"(/chat/completions) is added after it; got {self.upstream!r}")
+                                            f"(/chat/completions) is added after it; got {_shown_url(self.upstream)!r}")
             return
         if self.kv_share is not None and self.kv_cache_bytes is not None:
             raise SpecError("kv_share", f"set kv_share or kv_cache_bytes, not both (got kv_share {self.kv_share} "

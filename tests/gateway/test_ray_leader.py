@@ -372,7 +372,9 @@ async def test_an_adopted_replica_that_never_loads_here_does_not_hold_back_a_sca
     # the slot it started reads "loading" before its placement begins (no `placing` yet): it is on its way, and
     # holds back the next start while the pressure lasts
     slots.append(_Slot(3, "stopped"))
+    slots[2].connect_failed = True   # its start failed before placing (a claim pending): still this gateway's
     scaler = _make_scaler(slots, lease)
+    scaler._added.add(("d", 2))      # the scale-up above started it
     for t in range(2, 6):
         scaler.tick(now=float(t))
     assert slots[3].state == "stopped"
