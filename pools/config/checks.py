@@ -52,6 +52,11 @@ def show(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
+def shown_at(value: Any, path: str) -> str:
+    """`value` as an error at `path` shows it: its repr, cut; its kind and size only where it may hold API keys."""
+    return _secret(value) if _SECRET_PATH.search(path) else _short(value)
+
+
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

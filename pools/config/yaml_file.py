@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import msgspec
 
 from engine.config import LatencySLO
-from pools.config.checks import SpecError, engine_rules, from_yaml, load_yaml, read_text, within
+from pools.config.checks import SpecError, engine_rules, from_yaml, load_yaml, read_text, shown_at, within
 from pools.config.device_spec import DeviceSpec, ReplicaRange
 from pools.config.gateway_spec import GatewaySpec
 from pools.config.spec import CliffguardConfig, PoolSpec, SloSpec
@@ -104,10 +104,10 @@ def _parse_pool(i: int, raw: Any, base_dir: Path | None) -> PoolSpec:
                                            "remove the key for a pool on a local device")
     for name, value in raw.items():
         if upstream and name in PoolSpec.LOCAL_KEYS:
-            raise SpecError(f"{key}.{name}", f"not allowed on an upstream pool (got {value!r}); an upstream pool "
-                                             "has no local KV cache")
+            raise SpecError(f"{key}.{name}", f"not allowed on an upstream pool (got {shown_at(value, name)}); an "
+                                             "upstream pool has no local KV cache")
         if not upstream and name in PoolSpec.UPSTREAM_KEYS:
-            raise SpecError(f"{key}.{name}", f"only for upstream pools (got {value!r}); "
+            raise SpecError(f"{key}.{name}", f"only for upstream pools (got {shown_at(value, name)}); "
                                              "set `upstream: http://host:port/v1` or remove it")
     raw = _without_nulls(raw, ("route", "death_spiral"))
     if isinstance(raw.get("death_spiral"), bool):

@@ -125,6 +125,8 @@ def test_a_composite_gemma3_config_takes_transformers_defaults_for_what_its_text
     ({"architectures": ["Gemma3ForConditionalGeneration"]}, "text_config: missing from config.json"),
     ({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {**LLAMA, "num_attention_heads": 0}},
      "text_config.num_attention_heads: must be a positive integer, got 0"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": LLAMA, "tie_word_embeddings": "yes"},
+     "^tie_word_embeddings: must be true or false, got 'yes'"),   # the top-level key, named as the file has it
 ])
 def test_a_multimodal_config_names_its_text_config(config, match):
     with pytest.raises(ConfigError, match=match) as err:

@@ -96,8 +96,8 @@ BAD = {
     "negative byte size": (_set("pools/0/swap_space", -5), ["pools[0].swap_space", "-5"]),
     "upstream with kv_share": (_set("pools/2/kv_share", 0.2), ["pools[2].kv_share", "0.2", "upstream"]),
     "upstream with block_size": (_set("pools/2/block_size", 16), ["pools[2].block_size", "16"]),
-    "local with upstream key": (_set("pools/0/upstream_api_key_env", "KEY"),
-                                ["pools[0].upstream_api_key_env", "'KEY'"]),
+    "local with upstream key": (_set("pools/0/upstream_api_key_env", "sk-live-1"),   # the key pasted: not shown
+                                ["pools[0].upstream_api_key_env", "only for upstream pools (got string of 9)"]),
     "bad upstream URL": (_set("pools/2/upstream", "ftp://10.0.0.2/v1"), ["pools[2].upstream", "ftp://10.0.0.2/v1"]),
     "upstream URL without host": (_set("pools/2/upstream", "http:///v1"), ["pools[2].upstream", "http:///v1"]),
     "different models on one device": (_set("pools/1/model", "/models/other"),
