@@ -114,53 +114,35 @@ def test_a_request_paused_before_admission_is_passed_by_and_admitted_once_resume
     assert_all_free(engine)
 
 
-def test_a_paused_request_is_never_a_preemption_victim(tiny):
-    # 8 blocks of 16 tokens: the paused request (the last admitted, reverse_fifo's victim) holds its
-    # blocks while the other, short of blocks, waits for them (keeping its own: preempting itself gains nothing).
-    engine = _make_engine(tiny, num_blocks=8)
+NO_PREFIX_CACHE = dict(enable_prefix_caching=False, max_num_batched_tokens=16, swap_space_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("sched, warm_steps", [({}, 3), ({**NO_PREFIX_CACHE, "preemption_mode": "recompute"}, 6),
+                                               ({**NO_PREFIX_CACHE, "preemption_mode": "swap"}, 6)],
+                         ids=["prefix-cache", "no-prefix-cache-recompute", "no-prefix-cache-swap"])
+def test_a_paused_request_is_never_a_preemption_victim(tiny, sched, warm_steps):
+    """8 blocks of 16 tokens: the paused request (the last admitted, reverse_fifo's victim) holds its blocks
+    while the other, short of blocks, waits for them, keeping its own, and the worker sleeps. Preempting itself
+    gains nothing: without the prefix cache it was admitted again at once (its blocks free), re-prefilled its
+    context and preempted itself again, step after step."""
+    engine = _make_engine(tiny, num_blocks=8, **sched)
     long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     engine.add_request("a", PROMPTS[0], long)
     engine.add_request("b", PROMPTS[2], long)
-    for _ in range(3):
+    for _ in range(warm_steps):
         engine.step()
     engine.pause("b", True)
     tables = [list(s.block_table) for s in engine.requests["b"].seqs]
-    while not engine.last_step.stalled:
-        engine.step()
-        engine.check_integrity()
-    assert [list(s.block_table) for s in engine.requests["b"].seqs] == tables
-    assert engine.schedulers["default"].stats.num_preemptions == 0   # not the paused "b", nor "a" itself
-    assert engine.step() == [] and engine.last_step.stalled   # a waits for b's blocks: the worker sleeps
-    engine.pause("b", False)
-    assert engine.step() and not engine.last_step.stalled
-    final = _run_until_done(engine, ["a", "b"])
-    assert all(len(out[0]) == 60 for out in final.values())
-    assert_all_free(engine)
-
-
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_a_request_short_of_the_blocks_a_paused_one_holds_waits_without_prefix_caching(tiny, mode):
-    """Without the prefix cache a request that preempted itself for a paused one's blocks would be admitted again
-    at once (its blocks free), re-prefill its context and preempt itself again, step after step: it waits for
-    them instead, and the worker sleeps."""
-    engine = _make_engine(tiny, num_blocks=8, enable_prefix_caching=False, max_num_batched_tokens=16,
-                          preemption_mode=mode, swap_space_bytes=1 << 20)
-    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    engine.add_request("a", PROMPTS[0], long)
-    engine.add_request("b", PROMPTS[2], long)
-    for _ in range(6):
-        engine.step()
-    engine.pause("b", True)
-    tables = [list(s.block_table) for s in engine.requests["b"].seqs]
-    stats = engine.schedulers["default"].stats
     for _ in range(150):   # "a" runs out of blocks after about 50 tokens
         engine.step()
         engine.check_integrity()
         if engine.last_step.stalled:
             break
     assert [list(s.block_table) for s in engine.requests["b"].seqs] == tables
-    assert stats.num_preemptions <= 1 and engine.last_step.stalled, stats.num_preemptions
+    assert engine.schedulers["default"].stats.num_preemptions == 0   # not the paused "b", nor "a" itself
+    assert engine.step() == [] and engine.last_step.stalled   # a waits for b's blocks: the worker sleeps
     engine.pause("b", False)
+    assert engine.step() and not engine.last_step.stalled
     final = _run_until_done(engine, ["a", "b"])
     assert all(len(out[0]) == 60 for out in final.values())
     assert_all_free(engine)
