@@ -152,9 +152,9 @@ def _reason(error: FieldError, hidden_keys: tuple[str, ...]) -> str:
     for an unknown key the keys allowed."""
     value, reason = error.value, error.reason
     path = error.path or ""
-    hidden = _SECRET_PATH.search(path) or reason == "unrecognized field" and isinstance(value, (dict, list)) \
-        and value and re.fullmatch(r"(gateway\.)?[^.]+", path)   # a section misspelt at the top (`tenant:`)
-    shown = _secret(value) if hidden else _short(value)
+    misspelt_section = reason == "unrecognized field" and isinstance(value, (dict, list)) and value \
+        and re.fullmatch(r"(gateway\.)?[^.]+", path)   # at the top (`tenant:`) or under `gateway`
+    shown = _secret(value) if misspelt_section else shown_at(value, path)
     if reason == "unrecognized field":
         return f"unknown key (value {shown}); allowed keys: " \
                f"{', '.join(k for k in error.allowed if k not in hidden_keys)}"
