@@ -112,7 +112,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     received = time.perf_counter()
     body = await read_json(request)
     req = parse_chat(body, gateway.config.gateway.limits)
-    routed = [await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs)]
+    routed = [await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs,
+                                       req.tool_choice.mode != "none")]
     tenant = gateway.admission.tenant_of(request)
     return await Completion(gateway, req, routed, body, "/chat/completions", received, tenant, http=request).answer()
 
@@ -142,7 +143,8 @@ async def answer(gateway: Gateway, path: str, body: Any, *, tenant: str | None =
             raise ApiError(400, "stream: a batch line cannot stream; remove stream", param="stream")
         if path == "/v1/chat/completions":
             req = parse_chat(body, gateway.config.gateway.limits)
-            routed = [await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs)]
+            routed = [await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs,
+                                       req.tool_choice.mode != "none")]
         elif path == "/v1/completions":
             req = parse_completion(body, gateway.config.gateway.limits)
             routed = await gateway.route_prompts(req.model, req.prompts)

@@ -360,12 +360,12 @@ class Gateway:
 
     # --- tokenization and routing ----------------------------------------------------------------
     async def route_chat(self, model: str, messages: list[dict[str, Any]], tools: list[Tool] | None = None,
-                         template_kwargs: dict[str, Any] | None = None) -> tuple[Pool, list[int]]:
-        """Render each candidate pool's chat template (with the tools offered and the request's
-        `chat_template_kwargs` over the pool's; `add_generation_prompt` / `continue_final_message` among them
-        are the renderer's flags, as `gateway.openai.chat` sets them), count exactly, and take the first pool
-        that admits it. Tokenized inline only when every string the template may write (contents, reasoning,
-        tool calls' arguments, the tools, the variables) is short."""
+                         template_kwargs: dict[str, Any] | None = None, calls: bool = True) -> tuple[Pool, list[int]]:
+        """Render each candidate pool's chat template (with the tools offered, `calls` False for tool_choice
+        "none", and the request's `chat_template_kwargs` over the pool's; `add_generation_prompt` and
+        `continue_final_message` among them are the renderer's flags, as `gateway.openai.chat` sets them),
+        count exactly, take the first pool that admits it. Tokenized inline only when every string the template
+        may write (contents, reasoning, tool calls' arguments, the tools, the variables) is short."""
         kwargs = template_kwargs or {}
         size = MESSAGE_OVERHEAD_CHARS * (len(messages) + len(tools or ())) + _num_chars(
             [messages, [t.as_template_dict() for t in tools or ()], kwargs], INLINE_TOKENIZE_CHARS)
@@ -377,7 +377,7 @@ class Gateway:
             return id(pool.counter), json.dumps(variables(pool), sort_keys=True, default=repr)
 
         return await self._route(model, "messages", size, self._timed(
-            lambda pool: _render_and_count(pool, messages, tools, variables(pool))), rendering)
+            lambda pool: _render_and_count(pool, messages, tools, variables(pool), calls)), rendering)
 
     async def route_prompts(self, model: str, prompts: list[str | list[int]]) -> list[tuple[Pool, list[int]]]:
         """Each prompt of a completion routed (`route_prompt`); errors name `prompt[i]` where there are several."""
@@ -448,13 +448,13 @@ def _grammar_error(constraint: StructuredOutput) -> str:
 
 
 def _render_and_count(pool: Pool, messages: list[dict[str, Any]], tools: list[Tool] | None,
-                      template_kwargs: dict[str, Any]) -> list[int]:
+                      template_kwargs: dict[str, Any], calls: bool = True) -> list[int]:
     """The ids of the chat prompt a pool renders; `template_kwargs` holds the renderer's flags beside the
     template variables."""
     variables = dict(template_kwargs)
     flags = {"add_generation_prompt": variables.pop("add_generation_prompt", True),
              "continue_final_message": variables.pop("continue_final_message", False)}
-    return prompt_ids(pool.tokenizer, pool.counter, messages, tools, variables, flags)
+    return prompt_ids(pool.tokenizer, pool.counter, messages, tools, variables, flags, calls)
 
 
 def _num_chars(value: Any, limit: int) -> int:

@@ -11,7 +11,8 @@
   form and the results as user turns (the results of one turn's calls together in one user turn, as Qwen's
   template groups them, a user message right after them joined to that turn: templates that alternate roles,
   Gemma 3's, refuse two user turns in a row), so the model answers in the form `gateway.openai.tools.HermesFormat`
-  parses.
+  parses. Under `tool_choice: "none"` the tools are still listed (a reply may speak of them), with no way
+  to call them: the gateway reads no call from such a reply, so the model is told to answer in text.
 """
 
 from __future__ import annotations
@@ -31,25 +32,31 @@ _SYSTEM_TOOLS = (
     "<tools>\n{tools}\n</tools>\n"
     "To call one, reply with its name and arguments as a JSON object between <tool_call> and </tool_call>:\n"
     "<tool_call>\n{{\"name\": \"<function name>\", \"arguments\": {{<the arguments>}}}}\n</tool_call>")
+_SYSTEM_TOOLS_NO_CALLS = (   # tool_choice "none"
+    "These are the functions of this conversation, as JSON schemas, between <tools> and </tools>:\n"
+    "<tools>\n{tools}\n</tools>\n"
+    "None of them can be called in this reply: answer in text.")
 
 
 def render(tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None,
-           template_kwargs: dict[str, Any] | None = None, flags: dict[str, bool] | None = None) -> str:
+           template_kwargs: dict[str, Any] | None = None, flags: dict[str, bool] | None = None,
+           calls: bool = True) -> str:
     """The prompt of a chat, rendered the way the pool's template expects (the module's notes).
     `template_kwargs`: the request's `chat_template_kwargs`; `flags`: `add_generation_prompt` and
-    `continue_final_message` (default: a generation prompt)."""
-    messages, tool_dicts = template_inputs(tokenizer, messages, tools)
+    `continue_final_message` (default: a generation prompt); `calls` False: tool_choice "none"."""
+    messages, tool_dicts = template_inputs(tokenizer, messages, tools, calls)
     return tokenizer.apply_chat_template(messages, tools=tool_dicts, **_variables(template_kwargs, flags))
 
 
 def prompt_ids(tokenizer, counter: TokenCounter, messages: list[dict[str, Any]], tools: list[Tool] | None,
-               template_kwargs: dict[str, Any] | None = None, flags: dict[str, bool] | None = None) -> list[int]:
+               template_kwargs: dict[str, Any] | None = None, flags: dict[str, bool] | None = None,
+               calls: bool = True) -> list[int]:
     """The token ids of `render`'s prompt, where a control token (`counter.controls`) a client wrote in a
     message, a tool or a variable is its plain text, never the token: only the template and the tokenizer's
     own variables write turns. The model reads "<|im_end|>" in a user's text as the user's words, as
     OpenAI's models do, where HF's `apply_chat_template` + `encode` would end the turn there. A prompt
     without such strings has HF's ids."""
-    messages, tool_dicts = template_inputs(tokenizer, messages, tools)
+    messages, tool_dicts = template_inputs(tokenizer, messages, tools, calls)
     (messages, tool_dicts, variables), shielded = shield_controls(
         (messages, tool_dicts, dict(template_kwargs or {})), counter)
     text = tokenizer.apply_chat_template(messages, tools=tool_dicts, **_variables(variables, flags))
@@ -60,16 +67,17 @@ def _variables(template_kwargs: dict[str, Any] | None, flags: dict[str, bool] | 
     return {**(template_kwargs or {}), **(flags or {"add_generation_prompt": True})}
 
 
-def template_inputs(tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None) \
+def template_inputs(tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None, calls: bool = True) \
         -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The messages and the tools (None: no tools) the pool's template takes (the module's notes)."""
+    """The messages and the tools (None: no tools) the pool's template takes (the module's notes); `calls`
+    False: tool_choice "none"."""
     source = tokenizer.chat_template_source(use_tools=tools is not None)
     messages = template_roles(messages, source)
     if tools is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         return messages, None
     if template_knows_tools(source):
         return native_messages(messages), [t.as_template_dict() for t in tools] if tools else None
-    return fallback_messages(messages, tools), None
+    return fallback_messages(messages, tools, calls), None
 
 
 _PRIVATE_USE = (0xF0000, 0x10FFFD)   # the supplementary private use planes: placeholders' characters
@@ -143,20 +151,21 @@ def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def fallback_messages(messages: list[dict[str, Any]], tools: list[Tool] | None) -> list[dict[str, Any]]:
+def fallback_messages(messages: list[dict[str, Any]], tools: list[Tool] | None,
+                      calls: bool = True) -> list[dict[str, Any]]:
     """For a template that knows no tools (the module's notes): the tools in a system message of ours (merged
-    into a leading system message), assistant tool calls in the hermes form (arguments as `native_messages`
-    has them, written as JSON), tool results as user turns, consecutive ones and a user message right after them
-    in one. Other messages as sent
-    (content parts kept)."""
+    into a leading system message; how to call them unless `calls` is False, tool_choice "none"), assistant
+    tool calls in the hermes form (arguments as `native_messages` has them, written as JSON), tool results as
+    user turns, consecutive ones and a user message right after them in one. Other messages as sent (content
+    parts kept)."""
     out: list[dict[str, Any]] = []
     for m in messages:
         role, content = m["role"], m.get("content") or ""
         if role == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"], ensure_ascii=False)}, '
-                              f'"arguments": {_arguments_text(c["function"]["arguments"])}}}\n</tool_call>'
-                              for c in m["tool_calls"])
-            out.append({"role": "assistant", "content": f"{content_text(content)}\n{calls}".strip()})
+            written = "\n".join(f'<tool_call>\n{{"name": {json.dumps(c["function"]["name"], ensure_ascii=False)}, '
+                                f'"arguments": {_arguments_text(c["function"]["arguments"])}}}\n</tool_call>'
+                                for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": f"{content_text(content)}\n{written}".strip()})
         elif role == "tool":
             result = f"<tool_response>\n{content_text(content)}\n</tool_response>"
             if out and out[-1].get("tool_results"):
@@ -170,7 +179,7 @@ def fallback_messages(messages: list[dict[str, Any]], tools: list[Tool] | None) 
     out = [{k: v for k, v in m.items() if k != "tool_results"} for m in out]
     if tools:
         listing = "\n".join(json.dumps(t.as_template_dict(), ensure_ascii=False) for t in tools)
-        system = _SYSTEM_TOOLS.format(tools=listing)
+        system = (_SYSTEM_TOOLS if calls else _SYSTEM_TOOLS_NO_CALLS).format(tools=listing)
         if out and out[0]["role"] in ("system", "developer"):
             out[0] = {**out[0], "content": f"{content_text(out[0]['content'])}\n\n{system}"}
         else:

@@ -68,7 +68,14 @@ async def test_json_schema_whole_and_streamed(client) -> None:
     assert Pet.model_validate_json(streamed) == parsed.output_parsed
 
 
-async def test_a_tool_call_whole_and_streamed_then_its_result_as_input(client) -> None:
+async def test_a_tool_call_whole_and_streamed_then_its_result_as_input(client, builtin_path) -> None:
+    """... and the follow-up under tool_choice "none" is read from a prompt listing the tools with no way to
+    call them (`gateway.openai.chat_prompt`)."""
+    from engine.tokenizer import Tokenizer
+    from gateway.openai.chat_prompt import prompt_ids
+    from gateway.openai.responses import parse_responses
+    from pools.tokencount import TokenCounter
+
     kwargs = dict(model=MODEL, input="What's the weather in Paris?", tools=[WEATHER], tool_choice="required",
                   max_output_tokens=120, temperature=0)
     whole = await client.responses.create(**kwargs)
@@ -87,14 +94,17 @@ async def test_a_tool_call_whole_and_streamed_then_its_result_as_input(client) -
     added = next(e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call")
     assert added.item.name == "get_weather" and events.index(added) < next(
         i for i, e in enumerate(events) if e.type == "response.function_call_arguments.delta")
-    followup = await client.responses.create(
-        model=MODEL, tools=[WEATHER], max_output_tokens=30, temperature=0,
-        input=[{"role": "user", "content": "What's the weather in Paris?"},
-               {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
-                "arguments": calls[0].arguments},
-               {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"temperature": 18}'}],
-        tool_choice="none")
+    body = dict(model=MODEL, tools=[WEATHER], max_output_tokens=30, temperature=0, tool_choice="none",
+                input=[{"role": "user", "content": "What's the weather in Paris?"},
+                       {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+                        "arguments": calls[0].arguments},
+                       {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"temperature": 18}'}])
+    followup = await client.responses.create(**body)
     assert followup.output_text
+    chat, tokenizer = parse_responses(body).chat, Tokenizer.from_folder(builtin_path)
+    ids = {may: prompt_ids(tokenizer, TokenCounter(tokenizer), chat.messages, chat.tools, calls=may)
+           for may in (True, False)}
+    assert followup.usage.input_tokens == len(ids[False]) != len(ids[True])
 
 
 async def test_a_call_cut_by_max_output_tokens_is_an_incomplete_call_whole_and_streamed(client) -> None:

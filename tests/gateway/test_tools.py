@@ -369,6 +369,9 @@ def test_a_template_without_tools_gets_them_in_a_system_message() -> None:
     assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.") and "get_weather" in out[0]["content"]
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in out[2]["content"]
     assert out[3] == {"role": "user", "content": "<tool_response>\n3 C\n</tool_response>"}
+    listed = fallback_messages(messages, parse_tools(TOOLS), calls=False)   # tool_choice "none"
+    assert listed[1:] == out[1:] and "get_weather" in listed[0]["content"] and "<tool_call>" in out[0]["content"]
+    assert "<tool_call>" not in listed[0]["content"] and "answer in text" in listed[0]["content"]
 
 
 # A template with tool support, written the way Qwen2.5's is (tools listed in the system turn, calls as
@@ -590,7 +593,13 @@ async def test_the_deprecated_functions_are_answered_as_one_function_call_whole_
     assert auto.message.tool_calls is None   # one call at most, or none
 
 
-async def test_a_two_turn_exchange_with_a_tool_result(client) -> None:
+async def test_a_two_turn_exchange_with_a_tool_result(client, builtin_path) -> None:
+    """The second turn, under tool_choice "none", is answered in text from a prompt that lists the tools with no
+    way to call them (SmolLM2's template knows no tools: the system message is ours)."""
+    from engine.tokenizer import Tokenizer
+    from gateway.openai.chat_prompt import prompt_ids
+    from pools.tokencount import TokenCounter
+
     messages = [{"role": "user", "content": "What's the weather in Paris?"}]
     first = (await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=120,
                                                   tool_choice={"type": "function", "function": {"name": "get_weather"}},
@@ -600,10 +609,16 @@ async def test_a_two_turn_exchange_with_a_tool_result(client) -> None:
     call = first.tool_calls[0]
     messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                  {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "clear"})}]
-    second = (await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=40,
-                                                   tool_choice="none", temperature=0)).choices[0]
+    reply = await client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=40,
+                                                 tool_choice="none", temperature=0)
+    second = reply.choices[0]
     assert second.message.content and not second.message.tool_calls
     assert second.finish_reason in ("stop", "length")
+    tokenizer = Tokenizer.from_folder(builtin_path)
+    req = parse_chat({"model": MODEL, "messages": messages, "tools": TOOLS, "tool_choice": "none"})
+    ids = {may: prompt_ids(tokenizer, TokenCounter(tokenizer), req.messages, req.tools, calls=may)
+           for may in (True, False)}
+    assert reply.usage.prompt_tokens == len(ids[False]) != len(ids[True])
 
 
 def test_the_finish_reason_of_a_reply_with_calls_is_openais_for_each_choice() -> None:
