@@ -1,11 +1,11 @@
 """The aiohttp application: OpenAI-compatible endpoints in front of the pools.
 
-`create_app` builds the app from a `gateway.runtime.Gateway` (everything planned and loaded that can fail
-before a socket opens): the routes (`gateway.handlers`, the Responses API's
-`gateway.openai.stored_responses`; with a data dir also the Batch API, `gateway.batch.endpoints`, and the kept
-responses), the error and auth middlewares, and the `cleanup_ctx` that owns the device workers and the
-one `UpstreamClient` (`gateway.upstream.connection`). Workers load in the background: `/health` answers at once, `/ready` once
-every device is loaded, and requests that arrive earlier wait for their pool instead of being refused.
+`create_app` builds the app from a `gateway.runtime.Gateway` (everything planned and loaded that can fail before a
+socket opens): the routes (`gateway.handlers`, the Responses API's `gateway.openai.stored_responses`; with a data
+dir also the Batch API, `gateway.batch.endpoints`, and the kept responses), the error, browser
+(`gateway.browser_guard`) and auth middlewares, and the `cleanup_ctx` that owns the device workers and the one
+`UpstreamClient` (`gateway.upstream.connection`). Workers load in the background: `/health` answers at once,
+`/ready` once every device is loaded, and requests that arrive earlier wait for their pool instead of being refused.
 
 Every error is answered in the OpenAI format `{"error": {message, type, param, code}}`: the
 middleware does it for the handlers, `GatewayRunner` for aiohttp's own HTTP parser errors (a bad
@@ -37,6 +37,7 @@ from gateway.batch import endpoints as batches
 from gateway.monitoring import dashboard
 from gateway.openai import stored_responses
 from gateway.admission import bearer_key
+from gateway.browser_guard import browser_guard
 from gateway.openai.errors import ApiError
 from gateway.client_writes import (BODY_SNDBUF_BYTES, RESPONSE_BUFFERS, ResponseBuffers, limit_send_buffer,
                                    write_within)
@@ -59,7 +60,7 @@ def create_app(gateway: Gateway, *, data_dir: Path | str | None = None,
     executor (tests)."""
     spec = gateway.config.gateway
     app = web.Application(client_max_size=spec.max_body_bytes,
-                          middlewares=[_write_middleware, _error_middleware, _auth_middleware])
+                          middlewares=[_write_middleware, _error_middleware, browser_guard, _auth_middleware])
     app[GATEWAY] = gateway
     app[RESPONSE_BUFFERS] = ResponseBuffers(spec.max_response_buffer_bytes, spec.max_buffered_bytes,
                                             gateway.metrics.buffered_response_bytes)

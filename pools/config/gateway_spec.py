@@ -106,6 +106,7 @@ class GatewaySpec(Spec):
     host: Text = "127.0.0.1"
     port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 8000
     api_keys: tuple[Text, ...] = ()      # empty: no authentication
+    allowed_hosts: tuple[Text, ...] = ()   # with no key, Host names answered over loopback beside this machine's
     max_body_bytes: ByteSize = 8 << 20
     api_keys_env: Text | None = DEFAULT_API_KEYS_ENV  # where extra keys came from (already in api_keys)
     restart_backoff: Backoff = msgspec.field(default_factory=Backoff)   # between restarts of a dead worker

@@ -198,9 +198,9 @@ async def test_http_parser_errors_are_openai_json_on_the_real_server(tmp_path, c
     try:
         port = runner.addresses[0][1]
         cases = [  # (what, bytes)
-            ("header over 8 KiB", b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n"),
+            ("header over 8 KiB", b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n"),
             ("bad request line", b"NOT HTTP AT ALL\r\n\r\n"),
-            ("bad method", b"G@T /health HTTP/1.1\r\nHost: x\r\n\r\n"),
+            ("bad method", b"G@T /health HTTP/1.1\r\nHost: localhost\r\n\r\n"),
         ]
         for what, data in cases:
             status, headers, body = await _send_raw(port, data)
@@ -209,12 +209,12 @@ async def test_http_parser_errors_are_openai_json_on_the_real_server(tmp_path, c
             error = json.loads(body)
             _assert_openai_error(error, None)
             assert error["error"]["type"] == "invalid_request_error" and error["error"]["message"], what
-        status, _, body = await _send_raw(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        status, _, body = await _send_raw(port, b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         assert status == 200 and json.loads(body) == {"status": "ok"}
         # a header the parser refuses is quoted in its error: an API key one stray byte from valid never reaches
         # the log (aiohttp logged the parser's message at ERROR)
         with caplog.at_level(logging.DEBUG):
-            status, _, _ = await _send_raw(port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
+            status, _, _ = await _send_raw(port, b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n"
                                                  b"Authorization: Bearer sk-live-abc\x00\r\n\r\n")
         assert status == 400 and "sk-live-abc" not in caplog.text and "400" in caplog.text
     finally:

@@ -1,5 +1,6 @@
-"""What the gateway shows to whom: /metrics behind the API key with `gateway.metrics_auth`, and an
-upstream's password never in an answer (in-process, an upstream-only gateway; nothing listens upstream)."""
+"""What the gateway shows to whom: /metrics behind the API key with `gateway.metrics_auth`, an upstream's
+password never in an answer, a gateway without keys closed to other sites' pages and to names rebound to
+loopback (in-process, an upstream-only gateway; nothing listens upstream)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from tests.gateway.conftest import chat_pool_yaml, start_gateway
 SECRET = "s3cr3t-password"
 
 
-def _gateway(tmp_path, metrics_auth: bool) -> Gateway:
+def _gateway(tmp_path, metrics_auth: bool, gateway: str = "api_keys: [sk-test], ") -> Gateway:
     path = tmp_path / "front.yaml"
     path.write_text(f"""
-gateway: {{api_keys: [sk-test], metrics_auth: {str(metrics_auth).lower()}}}
+gateway: {{{gateway}metrics_auth: {str(metrics_auth).lower()}}}
 pools:
   - name: remote
     upstream: http://admin:{SECRET}@127.0.0.1:9/v1
@@ -76,3 +77,32 @@ async def test_the_prefix_cache_is_partitioned_per_tenant_unless_the_pool_shares
         assert await send("sk-b") == hits_for_b, share       # another tenant: a hit only when shared
         assert await send("sk-a") == hits_for_b + 64          # the same tenant always hits its own
         await client.close()
+
+
+async def test_a_gateway_without_keys_refuses_other_sites_pages_and_names_rebound_to_loopback(aiohttp_client,
+                                                                                          tmp_path):
+    """`gateway.browser_guard`: a cross-site page's simple request (text/plain JSON, no preflight) is refused
+    before any work, as is a request over loopback naming a host not of this machine; the gateway's own
+    pages, SDKs (no Origin), local names and `allowed_hosts` pass; with API keys the key decides."""
+    chat = '{"model": "front", "messages": [{"role": "user", "content": "hi"}]}'
+    client = await aiohttp_client(create_app(_gateway(tmp_path, False, gateway="")))
+    own = f"http://{client.host}:{client.port}"
+    for headers, param in (({"Origin": "http://evil.example"}, "origin"), ({"Origin": "null"}, "origin"),
+                           ({"Sec-Fetch-Site": "cross-site"}, "origin"), ({"Sec-Fetch-Site": "same-site"}, "origin"),
+                           ({"Host": "evil.example:8000"}, "host"), ({"Host": "evil.example"}, "host")):
+        r = await client.post("/v1/chat/completions", data=chat, headers={"Content-Type": "text/plain", **headers})
+        assert r.status == 403 and (await r.json())["error"]["param"] == param, headers
+        assert (await client.get("/health", headers=headers)).status == 200   # the probes say nothing
+    assert (await client.post("/v1/chat/completions", data=chat, headers={"Origin": own})).status == 502  # served
+    for host in ("localhost:8000", "LocalHost", "app.localhost", "[::1]:8000", "10.1.2.3:80", "gpu-box.internal"):
+        assert (await client.get("/v1/models", headers={"Host": host})).status == 200, host
+    assert (await client.get("/v1/models", headers={"Sec-Fetch-Site": "same-origin", "Origin": own})).status == 200
+    behind_tls = {"Sec-Fetch-Site": "same-origin", "Origin": "https://gw.example"}   # a proxy set Host to ours
+    assert (await client.get("/v1/models", headers=behind_tls)).status == 200
+    assert (await client.get("/v1/models", headers={"Origin": own.replace("http:", "https:")})).status == 200
+    for allowed, status in (("[evil.example]", 200), ('["*"]', 200), ("[other.example]", 403)):
+        client = await aiohttp_client(create_app(_gateway(tmp_path, False, gateway=f"allowed_hosts: {allowed}, ")))
+        assert (await client.get("/v1/models", headers={"Host": "Evil.Example:8000"})).status == status, allowed
+    client = await aiohttp_client(create_app(_gateway(tmp_path, False)))   # keys: no page knows one
+    evil = {"Origin": "http://evil.example", "Host": "evil.example"}
+    assert (await client.get("/v1/models", headers=evil)).status == 401

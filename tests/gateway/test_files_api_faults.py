@@ -103,7 +103,7 @@ async def test_an_upload_whose_body_never_finishes_is_a_408(aiohttp_client, tmp_
     sent = b"--" + BOUNDARY + b"\r\n" + _file_part(content=b'{"custom_id": ')
     framed = (b"Content-Length: 100000\r\n\r\n" + sent if framing == "content-length" else
               b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % len(sent) + sent + b"\r\n")   # no last chunk
-    request = (b"POST /v1/files HTTP/1.1\r\nHost: test\r\nContent-Type: " + MULTIPART["Content-Type"].encode()
+    request = (b"POST /v1/files HTTP/1.1\r\nHost: localhost\r\nContent-Type: " + MULTIPART["Content-Type"].encode()
                + b"\r\n" + framed)
     [(head, body)] = await _raw_answers(client, request, bodies=(True,))
     assert head.startswith(b"HTTP/1.1 408 ") and json.loads(body)["error"]["param"] == "body", (head, body)
@@ -147,9 +147,9 @@ async def test_head_on_a_files_content_sends_its_headers_and_no_body(aiohttp_cli
     assert r.status == 200 and r.content_length == len(content)
     # on one keep-alive connection, the answer after a HEAD starts right after the HEAD's headers
     path = f"/v1/files/{file_id}".encode()
-    (head, _), (after, body) = await _raw_answers(client, b"HEAD " + path + b"/content HTTP/1.1\r\nHost: test\r\n\r\n"
-                                                  b"GET " + path + b" HTTP/1.1\r\nHost: test\r\n\r\n",
-                                                  bodies=(False, True))
+    (head, _), (after, body) = await _raw_answers(
+        client, b"HEAD " + path + b"/content HTTP/1.1\r\nHost: localhost\r\n\r\n"
+        b"GET " + path + b" HTTP/1.1\r\nHost: localhost\r\n\r\n", bodies=(False, True))
     assert head.startswith(b"HTTP/1.1 200 ") and b"Content-Length: %d\r\n" % len(content) in head, head
     assert after.startswith(b"HTTP/1.1 200 ") and json.loads(body)["id"] == file_id, after
 

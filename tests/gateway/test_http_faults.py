@@ -62,8 +62,8 @@ async def test_an_authorization_header_that_is_not_utf8_is_a_401_or_no_key(tmp_p
     for api_keys, expected in (("[k1]", 401), ("[]", 200)):
         runner = await start_server(create_app(_gateway(tmp_path, api_keys=api_keys)), "127.0.0.1", 0)
         try:
-            raw = await _raw(runner.addresses[0][1], b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                                                     b"Authorization: Bearer k\xe9y\r\n\r\n")
+            raw = await _raw(runner.addresses[0][1], b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n"
+                                                     b"Connection: close\r\nAuthorization: Bearer k\xe9y\r\n\r\n")
             status, body = _status_and_body(raw)
             assert status == expected, raw
             if expected == 401:
@@ -79,11 +79,11 @@ async def test_an_expectation_other_than_100_continue_is_a_417_naming_the_header
     try:
         port = runner.addresses[0][1]
         for path in (b"/v1/chat/completions", b"/v1/responses"):
-            raw = await _raw(port, b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nExpect: 200-ok\r\n"
+            raw = await _raw(port, b"POST " + path + b" HTTP/1.1\r\nHost: localhost\r\nExpect: 200-ok\r\n"
                                    b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
             status, body = _status_and_body(raw)
             assert status == 417 and body["error"]["param"] == "Expect" and "200-ok" in body["error"]["message"], raw
-        raw = await _raw(port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+        raw = await _raw(port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nExpect: 100-continue\r\n"
                                b"Connection: close\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
         assert raw.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 400"), raw[:80]
     finally:
@@ -109,7 +109,7 @@ async def test_a_body_that_never_finishes_is_a_408(tmp_path, monkeypatch):
     runner = await start_server(create_app(_gateway(tmp_path)), "127.0.0.1", 0)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 100\r\n\r\n{\"mo")   # the client never sends the rest
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(
@@ -131,7 +131,7 @@ async def test_a_slow_body_that_keeps_coming_is_read_whole_and_a_trickle_is_a_40
     runner = await start_server(create_app(_gateway(tmp_path)), "127.0.0.1", 0)
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
         pieces = [body[i:i + len(body) // 8 + 1] for i in range(0, len(body), len(body) // 8 + 1)]
         for piece in pieces:   # ~1.4 s in all, never 0.3 s without a byte
@@ -144,7 +144,7 @@ async def test_a_slow_body_that_keeps_coming_is_read_whole_and_a_trickle_is_a_40
         assert status == 502 and answer["error"]["code"] != "request_timeout", raw
         monkeypatch.setattr(handlers, "MIN_BODY_BYTES_PER_SECOND", 1000)   # ~70 B/s now trickles
         reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body))
         for piece in pieces:
             writer.write(piece)
@@ -170,10 +170,11 @@ async def test_an_error_after_a_stream_began_cuts_it_short_without_a_second_head
     app.router.add_get("/half", half_a_stream)
     runner = await start_server(app, "127.0.0.1", 0)
     try:
-        raw = await _raw(runner.addresses[0][1], b"GET /half HTTP/1.1\r\nHost: x\r\n\r\n")
+        raw = await _raw(runner.addresses[0][1], b"GET /half HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert raw.startswith(b"HTTP/1.1 200") and raw.count(b"HTTP/1.1") == 1, raw
         assert b"data: {}" in raw and b"internal error" not in raw
-        raw = await _raw(runner.addresses[0][1], b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        raw = await _raw(runner.addresses[0][1],
+                         b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         assert raw.startswith(b"HTTP/1.1 200")
     finally:
         await runner.cleanup()
