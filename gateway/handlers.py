@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -106,12 +106,21 @@ async def read_json(request: web.Request) -> Any:
     return check_depth(body, raw)
 
 
+async def parsed(gateway: Gateway, parse: Callable[..., T], body: Any, *args: Any) -> T:
+    """`parse(body, *args)` (a chat or Responses body read into its request); on the tokenizer thread where
+    the body offers tools: each tool's schema is compiled to be checked (`gateway.openai.tool_specs`), seconds
+    for a body of large ones, which the event loop must not wait for."""
+    if isinstance(body, dict) and (body.get("tools") or body.get("functions")):
+        return await asyncio.get_running_loop().run_in_executor(gateway.executor, parse, body, *args)
+    return parse(body, *args)
+
+
 # --- completions -----------------------------------------------------------------------------------
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     received = time.perf_counter()
     body = await read_json(request)
-    req = parse_chat(body, gateway.config.gateway.limits)
+    req = await parsed(gateway, parse_chat, body, gateway.config.gateway.limits)
     routed = [await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs,
                                        req.tool_choice.mode != "none")]
     tenant = gateway.admission.tenant_of(request)
@@ -142,7 +151,7 @@ async def answer(gateway: Gateway, path: str, body: Any, *, tenant: str | None =
         if body.get("stream"):
             raise ApiError(400, "stream: a batch line cannot stream; remove stream", param="stream")
         if path == "/v1/chat/completions":
-            req = parse_chat(body, gateway.config.gateway.limits)
+            req = await parsed(gateway, parse_chat, body, gateway.config.gateway.limits)
             routed = [await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs,
                                        req.tool_choice.mode != "none")]
         elif path == "/v1/completions":

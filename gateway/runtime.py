@@ -32,7 +32,7 @@ from engine.stats import STATS_INTERVAL, PoolStats, WorkerInfo
 from engine import structured
 from engine.structured import StructuredOutput
 from engine.tokenizer import Tokenizer
-from gateway.openai.tool_specs import Tool
+from gateway.openai.tool_specs import MAX_CACHED_REASON_CHARS, Tool
 from gateway.openai.chat_prompt import prompt_ids
 from engine.client import AsyncEngineClient
 from gateway.admission import AdmissionControl
@@ -344,13 +344,14 @@ class Gateway:
 
     async def check_grammar(self, constraint: StructuredOutput | None, param: str) -> None:
         """400 naming `param` when the grammar library cannot enforce `constraint`; checked on the tokenizer
-        thread (a large schema takes milliseconds), each distinct constraint once."""
+        thread (a large schema takes milliseconds), each distinct constraint once (a reason over
+        MAX_CACHED_REASON_CHARS, which may quote the schema, each time: what is remembered stays small)."""
         if constraint is None:
             return
-        error = self.grammar_checks.get(constraint.key)
-        if error is None:
+        if (error := self.grammar_checks.get(constraint.key)) is None:
             error = await asyncio.get_running_loop().run_in_executor(self.executor, _grammar_error, constraint)
-            self.grammar_checks[constraint.key] = error
+            if len(error) <= MAX_CACHED_REASON_CHARS:
+                self.grammar_checks[constraint.key] = error
             while len(self.grammar_checks) > MAX_CACHED_GRAMMAR_CHECKS:
                 self.grammar_checks.popitem(last=False)
         else:
@@ -449,8 +450,7 @@ def _grammar_error(constraint: StructuredOutput) -> str:
 
 def _render_and_count(pool: Pool, messages: list[dict[str, Any]], tools: list[Tool] | None,
                       template_kwargs: dict[str, Any], calls: bool = True) -> list[int]:
-    """The ids of the chat prompt a pool renders; `template_kwargs` holds the renderer's flags beside the
-    template variables."""
+    """The ids of the chat prompt a pool renders; `template_kwargs` holds the renderer's flags too."""
     variables = dict(template_kwargs)
     flags = {"add_generation_prompt": variables.pop("add_generation_prompt", True),
              "continue_final_message": variables.pop("continue_final_message", False)}

@@ -52,7 +52,7 @@ from gateway.openai import objects
 from gateway.admission import bearer_key
 from gateway.batch.execution import MAX_STORE_ATTEMPTS, RETRY_FIRST_S, RETRY_MAX_S
 from gateway.completion import Completion, constrained
-from gateway.handlers import read_json
+from gateway.handlers import parsed, read_json
 from gateway.openai.chat import ChatRequest
 from gateway.openai.errors import ApiError, bad_request, storage_unavailable
 from gateway.openai.input_items import input_items_page
@@ -224,8 +224,8 @@ class KeptResponses:
     async def _answer(self, stored: StoredResponse) -> dict[str, Any]:
         """Run a kept request (its conversation's items as the input) as its tenant; the Response."""
         gateway, body = self.gateway, stored.request
-        asked = parse_responses({**body, "input": stored.items, "previous_response_id": None},
-                                gateway.config.gateway.limits)
+        asked = await parsed(gateway, parse_responses, {**body, "input": stored.items, "previous_response_id": None},
+                             gateway.config.gateway.limits)
         asked = dataclasses.replace(asked, previous_response_id=body.get("previous_response_id"))
         req = asked.chat
         routed = [await _routed(gateway, req)]
@@ -356,7 +356,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     owner, tenant = _owner(request), gateway.admission.tenant_of(request)
     prior = await _prior(request, body, owner)
-    asked = parse_responses(body, gateway.config.gateway.limits, prior)
+    asked = await parsed(gateway, parse_responses, body, gateway.config.gateway.limits, prior)
     kept = request.app.get(RESPONSES)
     if kept is None:
         for key in ("store", "background"):

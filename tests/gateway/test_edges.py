@@ -255,3 +255,50 @@ async def test_a_token_id_the_model_has_no_row_for_is_refused_before_any_credit(
     assert (await gateway.route_prompt(model.name, [1, 999]))[1] == [1, 999]
     with pytest.raises(Exception, match=r"prompt\[1\]: token id 5000 is not in the vocabulary \(0\.\.999\)"):
         await gateway.route_prompt(model.name, [1, 5000])
+
+
+async def test_tool_schemas_are_compiled_off_the_event_loop(front, monkeypatch):
+    """Each tool's schema is compiled to be checked (seconds for a body of large ones): chat, a batch line and
+    the Responses API read a body with tools on the tokenizer thread, never the loop's; one without tools
+    stays inline."""
+    import threading
+
+    from gateway.openai import tool_specs
+
+    client, _ = front
+    threads: list[str] = []
+
+    def recording(schema_text: str, lenient: bool) -> str | None:
+        threads.append(threading.current_thread().name)
+        return None
+    monkeypatch.setattr(tool_specs, "_schema_error", recording)
+
+    def tool(i: int, responses: bool = False) -> dict:
+        function = {"name": "f", "parameters": {"type": "object", "properties": {f"p{i}": {"type": "string"}}}}
+        return {"type": "function", **function} if responses else {"type": "function", "function": function}
+    chat = {"model": FRONT, "messages": [{"role": "user", "content": "hi"}]}
+    assert (await client.post("/v1/chat/completions", json={**chat, "tools": [tool(1)]})).status == 502
+    status, _ = await answer(client.app[GATEWAY], "/v1/chat/completions", {**chat, "tools": [tool(2)]})
+    assert status == 502
+    assert (await client.post("/v1/responses", json={"model": FRONT, "input": "hi", "store": False,
+                                                     "tools": [tool(3, responses=True)]})).status == 502
+    assert len(threads) == 3 and all(name.startswith("cliffguard-tok") for name in threads), threads
+
+
+async def test_a_grammar_checks_reason_too_long_to_remember_is_not_kept(tmp_path):
+    """`Gateway.check_grammar` remembers each schema's answer, but not a reason that quotes a long schema
+    (1,024 distinct ones of 1 MB would hold 1 GiB): that one is checked again, with the same 400."""
+    from engine.structured import StructuredOutput
+    from gateway.openai.errors import ApiError
+
+    gateway = _make_front_gateway(tmp_path)
+    short = StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "strin"}}})
+    long = StructuredOutput.json_schema({"type": "object", "properties": {"a": {"type": "string",
+                                                                                "format": "x" * 5000}}})
+    for _ in range(2):
+        for constraint, reason in ((short, "Invalid type: strin"), (long, "Unknown format: " + "x" * 5000)):
+            with pytest.raises(ApiError) as err:
+                await gateway.check_grammar(constraint, "response_format")
+            assert err.value.param == "response_format" and err.value.message.endswith(reason)
+    assert list(gateway.grammar_checks.items()) == [(short.key, "Invalid type: strin")]
+    gateway.executor.shutdown()
