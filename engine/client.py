@@ -5,18 +5,16 @@ non-blocking outbox on both sides; the messages are `engine.messages`) and reads
 `loop.add_reader`: no thread, no blocking call. Each request's deltas go to its own queue, which
 `generate` yields from; the counters that come with them are kept as `latest_stats`.
 
-Workers are forked from multiprocessing's fork server, a process that has imported `engine.worker` (torch
-with it) and nothing else: no CUDA context, no thread, no model. It starts with the first worker, or earlier
-(`start_fork_server`: `cliffguard serve` starts it before planning, so that its import runs beside the gateway's).
-A restart then skips the interpreter's start and torch's import (1.7 s of the 2.9 s a spawned worker
-took on a 2-core CPU; `cliffguard bench restart`), and one gateway's replicas share one import. The
-worker gets the gateway's environment as it is when the worker starts (`worker_main`'s `environ`).
+Workers are forked from multiprocessing's fork server (`engine.fork_server`), started off the event loop: the
+first start waits for the server's import of torch. The worker gets the gateway's environment as it is when
+the worker starts (`worker_main`'s `environ`).
 
 Death: the client watches both the socket (EOF) and the process sentinel, so a worker that exits for
 any reason (`kill -9`, the OOM killer, a crash in a kernel, a `Fatal` step error) is noticed at once.
 In-flight streams and stats calls then fail with `EngineDeadError` naming the exit (`device worker
 process exited (signal 9, SIGKILL)`), the process is reaped in the background (joined, killed if it
-lingers, its socket and sentinel closed), and `client.died` resolves with the reason. A client is one
+lingers, its socket and sentinel closed; one SIGKILL cannot end, stuck in the kernel, is given up on after
+KILLED_WAIT_S), and `client.died` resolves with the reason. A client is one
 process's life: to restart, make a new client (`gateway.workers.supervisor` does, with back-off).
 
 Liveness: the worker sends a `Heartbeat` every half second from a thread of its own, with how long its
@@ -31,19 +29,18 @@ with `RequestFailedError`; the worker goes on serving the others.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import itertools
+import logging
 import multiprocessing as mp
 import os
-import signal
 import socket
 import time
-import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.fork_server import forget_at_exit, kill_at_exit, start_fork_server
 from engine.ipc import Channel, FrameError
 from engine.messages import (AbortRequest, AddRequest, Fatal, Heartbeat, Lease, LeaseAck, Outputs, PauseRequest, Ready,
                              Rejected, ReportWaiting, Shutdown, StartupError, StatsQuery, StatsReply)
@@ -54,7 +51,9 @@ from engine.stats import EngineStats, WorkerInfo
 from engine.worker import worker_main
 
 
-__all__ = ["AsyncEngineClient", "EngineDeadError", "RequestFailedError", "describe_exit"]
+log = logging.getLogger("cliffguard.engine")
+
+__all__ = ["AsyncEngineClient", "EngineDeadError", "RequestFailedError", "describe_exit", "start_fork_server"]
 
 
 class EngineDeadError(RuntimeError):
@@ -70,43 +69,9 @@ class RequestFailedError(RuntimeError):
         self.request_id, self.reason = request_id, reason
 
 
-WORKER_PRELOAD = ["engine.worker"]   # what the fork server imports once (torch with it) for every worker
 SEND_HIGH_WATER = 8 << 20   # bytes of commands queued for the worker: new requests wait above this
 SEND_LOW_WATER = 1 << 20    # ... until the outbox is back under this
-
-
-def start_fork_server() -> None:
-    """Start the fork server now rather than with the first worker: its import of `WORKER_PRELOAD` (torch
-    with it, about 1.5 s on a 2-core CPU) then runs beside whatever the caller does before it starts a
-    worker (`cliffguard serve`: its own imports, the capacity plan, the tokenizers). Idempotent.
-
-    It never sees SIGTERM, as the workers ignore it (`engine.worker`): sent to the process group (systemd's
-    default), it ended the fork server, and each worker's exit status, which it reports, read as a death (exit
-    code 255) in the gateway's drain. The signal is blocked in this thread while the server is spawned, so
-    the server starts with it blocked, and one meant for the caller stays pending meanwhile, not lost. It
-    still ends with its parent (multiprocessing's own pipe)."""
-    import multiprocessing.forkserver
-    from multiprocessing import resource_tracker
-
-    mp.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
-    resource_tracker.ensure_running()   # first: starting it unblocks SIGTERM in this thread (its own spawn's)
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        multiprocessing.forkserver.ensure_running()   # the server inherits the mask
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-
-_LEFT_AT_EXIT: weakref.WeakSet = weakref.WeakSet()   # workers started: killed if alive when the process ends
-
-
-def _kill_at_exit(process: mp.process.BaseProcess) -> None:
-    """A worker ignores the SIGTERM multiprocessing sends its daemon children at exit before joining them: one
-    left running (a second Ctrl-C cuts everything) is killed first, or the exit would wait for its step. The
-    hook is registered after multiprocessing's own (at the first start): the later runs first."""
-    _LEFT_AT_EXIT.add(process)
-    if not getattr(_kill_at_exit, "registered", False):
-        _kill_at_exit.registered = atexit.register(lambda: [p.kill() for p in list(_LEFT_AT_EXIT) if p.is_alive()])
+KILLED_WAIT_S = 5.0         # a process SIGKILL has not ended by then is stuck in the kernel (a GPU driver's hang)
 
 
 @dataclass
@@ -188,22 +153,23 @@ class AsyncEngineClient:
         return self.info
 
     async def _launch(self, timeout: float) -> Channel:
-        """Start the worker process; the channel to it (sets `_process`, `_sentinel`, `pid`)."""
+        """Start the worker process, off the event loop (the first start waits for the fork server's import of
+        torch); the channel to it (sets `_process`, `_sentinel`, `pid`)."""
         ctx = mp.get_context(self.start_method)
         if self.start_method == "forkserver":
             start_fork_server()   # if it has not started
         parent, child = socket.socketpair()
         process = ctx.Process(target=worker_main, args=(self.config, child, dict(os.environ)), daemon=True,
                               name="cliffguard-device-worker")
+        started = self._loop.run_in_executor(None, process.start)
         try:
-            process.start()
-        except BaseException:
-            parent.close()
+            await asyncio.shield(started)
+        except BaseException:   # cancelled or failed: once the start is over, a worker started reads EOF and ends
+            started.add_done_callback(lambda f: (child.close(), parent.close(), f.cancelled() or f.exception()))
             raise
-        finally:
-            child.close()
+        child.close()
         self._process, self._sentinel, self.pid = process, process.sentinel, process.pid
-        _kill_at_exit(process)
+        kill_at_exit(process)
         return Channel(parent)
 
     @property
@@ -305,7 +271,12 @@ class AsyncEngineClient:
             case Lease():
                 self.leases[msg.pool] = msg.tokens
                 self._unacked[msg.pool] = (msg.tokens, msg.epoch)
-                if self.on_lease is None or self.on_lease(msg.pool, msg.tokens):
+                try:
+                    applied = self.on_lease is None or self.on_lease(msg.pool, msg.tokens)
+                except Exception:   # noqa: BLE001 - what came with it (outputs, Ready) is dispatched still
+                    log.exception("device worker %s: applying the lease of pool %s failed", self.pid, msg.pool)
+                    return   # not acknowledged: what this gateway holds there is unknown
+                if applied:
                     self.ack_leases([msg.pool])
 
     def ack_leases(self, pools: Sequence[str] | None = None) -> None:
@@ -341,11 +312,16 @@ class AsyncEngineClient:
         await loop.run_in_executor(None, process.join, grace)
         if process.exitcode is None:
             process.kill()
-            await loop.run_in_executor(None, process.join)
+            await loop.run_in_executor(None, process.join, KILLED_WAIT_S)
         self.exitcode = process.exitcode
-        self._die(self._exit_reason())   # a no-op after `fatal` or `shutdown`, which named the reason
-        _LEFT_AT_EXIT.discard(process)
-        process.close()
+        if self.exitcode is None:   # never reaped: its sentinel stays open, the rest goes on
+            log.error("device worker %s: SIGKILL has not ended it in %g s (stuck in the kernel)", self.pid,
+                      KILLED_WAIT_S)
+            self._die(f"device worker process did not end, even killed (pid {self.pid}, stuck in the kernel)")
+        else:
+            self._die(self._exit_reason())   # a no-op after `fatal` or `shutdown`, which named the reason
+            forget_at_exit(process)
+            process.close()
         self._channel.close()
         if not self.died.done():
             self.died.set_result(self._dead)
@@ -465,11 +441,11 @@ class AsyncEngineClient:
         if self.is_alive:
             self._send_abort(request_id)
 
-    async def stats(self) -> EngineStats:
-        """Fresh per-pool counters (running, waiting, free blocks, preemptions), taken between two steps
-        after the allocators' integrity check. `/metrics` reads `latest_stats` instead, which never waits."""
+    async def stats(self, check: bool = False) -> EngineStats:
+        """Fresh per-pool counters (running, waiting, free blocks, preemptions), taken between two steps;
+        `check` (tests): after the allocators' integrity check. `/metrics` reads `latest_stats`, never waiting."""
         self._check_alive()
-        self._send(StatsQuery())
+        self._send(StatsQuery(check))
         waiter = self._loop.create_future()
         self._stats_waiters.append(waiter)
         return await waiter
@@ -484,10 +460,9 @@ class AsyncEngineClient:
         if self._process is None:
             return
         if self._reaper is None:
-            try:
-                self._channel.send(Shutdown())
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):   # then EOF: the worker ends on it too, even where Shutdown
+                self._channel.send(Shutdown())   # waits in the outbox behind aborts the socket has not taken
+                self._channel.sock.shutdown(socket.SHUT_WR)
             self._on_exit("engine shut down", grace=timeout)
         await asyncio.shield(self._reaper)
 

@@ -66,7 +66,10 @@ class ReportWaiting:
 
 @dataclass(frozen=True)
 class StatsQuery:
-    """Fresh counters, after the allocators' integrity check."""
+    """Fresh counters; `check`: after the allocators' integrity check (tests: it walks every block, and a
+    failure ends the worker)."""
+
+    check: bool = False
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@
 deltas (`RequestDelta`) back as one `Outputs`; every `STATS_INTERVAL` seconds of stepping (and
 whenever the engine falls idle, then every `IDLE_STATS_INTERVAL` while it stays so) `Outputs` carries
 the engine's counters too, stamped with the time they were taken: the gateway answers `/metrics` from the latest of these without waiting for the
-worker. `StatsQuery` asks for a fresh copy and runs the allocators' integrity check (tests).
+worker. `StatsQuery` asks for a fresh copy, after the allocators' integrity check where it says so (tests).
 
 **Liveness.** A daemon thread beside the loop (`HeartbeatThread`) sends `Heartbeat(step_seconds)` every
 `HEARTBEAT_INTERVAL` seconds, whatever the loop is doing: `step_seconds` is how long the loop has been
@@ -376,7 +376,7 @@ def _handle(engine, channel: Channel, msg: object, faults: Faults | None = None)
         case ReportWaiting():
             engine.composer.set_external_waiting(msg.pool, msg.count)
         case StatsQuery():
-            channel.send(StatsReply(engine_stats(engine, check=True)))
+            channel.send(StatsReply(engine_stats(engine, check=msg.check)))
         case Shutdown():
             return True
     return False

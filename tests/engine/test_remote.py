@@ -86,7 +86,7 @@ def test_the_engine_outlives_a_gateway_that_leaves_mid_request_and_serves_the_ne
     async def second_gateway() -> list[int]:
         client = RemoteEngineClient(server.config, _Link(server))
         await client.start(timeout=30)
-        stats = await client.stats()            # after the allocators' integrity check
+        stats = await client.stats(check=True)            # after the allocators' integrity check
         assert stats.num_requests == 0           # the abandoned request was aborted, its blocks freed
         tokens = []
         async for delta in client.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=8)):
@@ -161,13 +161,13 @@ def test_two_gateways_are_served_at_once_each_on_its_lease_and_one_leaving_retur
         await _until(lambda: first.leases["default"] == capacity // 2 and second.leases.get("default") == capacity // 2)
         both = await asyncio.gather(generate(first, [5, 6, 7], 64), generate(second, [5, 6, 7], 64))
         assert both == [alone, alone]
-        pools = (await second.stats()).pools["default"]
+        pools = (await second.stats(check=True)).pools["default"]
         assert pools.reserved_credits == 300 and pools.held_credits <= capacity
         assert pools.num_session_blocks == 0           # the second's own requests hold nothing now
         assert first.is_alive and len(server.gateways) == 2
         await first.shutdown()
         await _until(lambda: second.leases["default"] == capacity)
-        stats = await second.stats()
+        stats = await second.stats(check=True)
         assert stats.num_requests == 0 and stats.pools["default"].reserved_credits == 0   # the held one aborted
         assert await generate(second, [5, 6, 7], 64) == alone
         await second.shutdown()

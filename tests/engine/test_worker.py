@@ -49,7 +49,7 @@ def test_client_streams_the_same_text_as_the_offline_engine(config):
             assert client.info.pools["default"].num_blocks == client.info.num_blocks == 91
             assert client.model_path == client.info.model_path
             results = await asyncio.gather(*(_collect(client, p, params) for p in prompts))
-            stats = await client.stats()
+            stats = await client.stats(check=True)
             return results, stats
 
     results, stats = asyncio.run(main())
@@ -76,7 +76,7 @@ def test_leaving_a_stream_early_aborts_and_a_bad_request_leaves_others_running(c
             text, outs = await survivor
             assert outs[-1].outputs[0].finish_reason == "length" and text
             await asyncio.sleep(0.2)  # the abort travels to the worker
-            return await client.stats()
+            return await client.stats(check=True)
 
     stats = asyncio.run(main())
     pool = stats.pools["default"]
@@ -199,7 +199,7 @@ def test_a_killed_worker_fails_its_streams_at_once_and_is_reaped(tiny_config):
         with pytest.raises(EngineDeadError, match="exited"):
             await _collect(client, "hi", long_params)
         with pytest.raises(EngineDeadError):
-            await client.stats()
+            await client.stats(check=True)
         await client.shutdown()                  # after a death: nothing left to do, no error
         assert not any(asyncio.get_running_loop().remove_reader(fd) for fd in fds_used)   # no reader left
         assert _open_fds() <= fds                 # pipe and sentinel closed
@@ -369,3 +369,17 @@ def test_a_command_the_worker_cannot_read_is_the_links_loss_not_the_requests(tin
         await client.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_integrity_check_runs_only_where_a_stats_query_asks_for_it(monkeypatch):
+    """It walks every block between two steps, and a failure ends the worker: the autoscaler's drain poll
+    (`stats()`, twice a second) never runs it; tests ask for it (`stats(check=True)`)."""
+    import engine.worker as worker
+    from engine.messages import StatsQuery, StatsReply
+
+    checks, sent = [], []
+    monkeypatch.setattr(worker, "engine_stats", lambda engine, check=False: checks.append(check) or "stats")
+    channel = type("Channel", (), {"send": lambda self, msg: sent.append(msg)})()
+    for query in (StatsQuery(), StatsQuery(check=True)):
+        assert worker._handle(None, channel, query) is False
+    assert checks == [False, True] and sent == [StatsReply("stats"), StatsReply("stats")]

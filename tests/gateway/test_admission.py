@@ -38,7 +38,7 @@ pools:
 
 async def _idle_stats(pool):
     for _ in range(100):
-        stats = await pool.client.stats()
+        stats = await pool.client.stats(check=True)
         if stats.num_requests == 0:
             return stats
         await asyncio.sleep(0.05)

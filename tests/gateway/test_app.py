@@ -57,7 +57,7 @@ def _metrics(text: str) -> dict[str, dict[tuple, float]]:
 async def _wait_idle(gateway: Gateway) -> EngineStats:
     """The device worker's stats once no request is left in it (or after 5 s)."""
     for _ in range(100):
-        stats = await gateway.clients["cpu"][0].stats()
+        stats = await gateway.clients["cpu"][0].stats(check=True)
         if stats.num_requests == 0:
             break
         await asyncio.sleep(0.05)
@@ -251,7 +251,7 @@ async def test_bad_requests_get_clear_errors_while_a_stream_keeps_going(aiohttp_
     status, (text, chunks) = await survivor
     assert status == 200 and chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert (await client.post(chat, json=dict(ok, max_tokens=3), headers=auth)).status == 200
-    stats = await gateway.clients["cpu"][0].stats()  # runs check_integrity in the worker
+    stats = await gateway.clients["cpu"][0].stats(check=True)  # runs check_integrity in the worker
     assert stats.num_requests == 0
     assert all(p.num_free_blocks == p.num_blocks for p in stats.pools.values())
 
@@ -447,7 +447,7 @@ async def test_questions_on_one_document_share_its_blocks_and_run_together_witho
     admitted, running = [], []     # each question runs for 200 steps: both are seen at every step count
     while not all(q.done() for q in questions):
         admitted.append(ledger.num_admitted)
-        running.append((await worker.stats()).pools["rag"].num_running)   # asked of the worker between steps
+        running.append((await worker.stats(check=True)).pools["rag"].num_running)   # asked of the worker between steps
         await asyncio.sleep(0.005)
     assert all(q.result()["usage"]["completion_tokens"] == 200 for q in questions)
     assert max(admitted) > 2 and max(running) > 2, (admitted, running)

@@ -70,7 +70,7 @@ async def burst_then_quiet(client, gateway, model: str) -> None:
     assert status == 200
     for supervisor in gateway.supervisors["cpu"]:
         if supervisor.is_ready:
-            assert (await supervisor.client.stats()).num_requests == 0
+            assert (await supervisor.client.stats(check=True)).num_requests == 0
 
 
 def test_without_ray_local_devices_serve_and_a_ray_device_is_a_clear_error(tmp_path, tiny_model):

@@ -71,7 +71,7 @@ async def test_the_prefix_cache_is_partitioned_per_tenant_unless_the_pool_shares
             r = await client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
                                   json={"model": pool.model_name, "prompt": prompt, "max_tokens": 1})
             assert r.status == 200, await r.text()
-            return (await pool.client.stats()).pools["chat"].num_prefix_hits
+            return (await pool.client.stats(check=True)).pools["chat"].num_prefix_hits
 
         assert await send("sk-a") == 0
         assert await send("sk-b") == hits_for_b, share       # another tenant: a hit only when shared

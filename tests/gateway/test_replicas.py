@@ -74,7 +74,7 @@ async def test_both_replicas_serve_a_pool_and_a_repeated_prefix_goes_back_to_its
     entry = next(p for p in (await (await client.get("/v1/models")).json())["data"][0]["pools"] if p["name"] == "rag")
     assert entry["replicas"] == entry["replicas_ready"] == 2
     for worker in gateway.clients["cpu"]:
-        stats = await worker.stats()        # runs check_integrity in each worker
+        stats = await worker.stats(check=True)        # runs check_integrity in each worker
         assert stats.num_requests == 0
 
 

@@ -65,5 +65,5 @@ async def test_a_client_that_reads_nothing_for_write_timeout_is_aborted_and_logg
     assert any("gateway.write_timeout" in r.getMessage() for r in caplog.records)
     assert gateway.metrics.client_write_timeouts.labels(pool="chat")._value.get() == 1
     await _until(lambda: admission.free == admission.total)
-    stats = await gateway.pools["chat"].client.stats()
+    stats = await gateway.pools["chat"].client.stats(check=True)
     assert stats.num_requests == 0

@@ -85,7 +85,7 @@ async def test_a_killed_worker_is_reported_restarted_and_requests_wait_for_it(ai
     assert all(pool.client is new for pool in gateway.pools.values())
     m = _metrics(await (await client.get("/metrics")).text())
     assert m["cliffguard_worker_restarts_total"][(("device", "cpu"), ("replica", "0"))] == 1
-    stats = await new.stats()   # runs check_integrity in the worker
+    stats = await new.stats(check=True)   # runs check_integrity in the worker
     assert stats.num_requests == 0
     assert all(p.num_free_blocks == p.num_blocks for p in stats.pools.values())
 

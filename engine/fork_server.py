@@ -1,0 +1,58 @@
+"""The fork server device workers are forked from, and their end when the gateway's process ends.
+
+The server is multiprocessing's: a process that has imported `engine.worker` (torch with it) and nothing else:
+no CUDA context, no thread, no model. It starts with the first worker, or earlier (`start_fork_server`:
+`cliffguard serve` starts it before planning, so that its import runs beside the gateway's). A restart then
+skips the interpreter's start and torch's import (1.7 s of the 2.9 s a spawned worker took on a 2-core CPU;
+`cliffguard bench restart`), and one gateway's replicas share one import.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import signal
+import weakref
+
+__all__ = ["WORKER_PRELOAD", "forget_at_exit", "kill_at_exit", "start_fork_server"]
+
+WORKER_PRELOAD = ["engine.worker"]   # what the fork server imports once (torch with it) for every worker
+
+
+def start_fork_server() -> None:
+    """Start the fork server now rather than with the first worker: its import of `WORKER_PRELOAD` (torch
+    with it, about 1.5 s on a 2-core CPU) then runs beside whatever the caller does before it starts a
+    worker (`cliffguard serve`: its own imports, the capacity plan, the tokenizers). Idempotent.
+
+    It never sees SIGTERM, as the workers ignore it (`engine.worker`): sent to the process group (systemd's
+    default), it ended the fork server, and each worker's exit status, which it reports, read as a death (exit
+    code 255) in the gateway's drain. The signal is blocked in this thread while the server is spawned, so
+    the server starts with it blocked, and one meant for the caller stays pending meanwhile, not lost. It
+    still ends with its parent (multiprocessing's own pipe)."""
+    import multiprocessing.forkserver
+    from multiprocessing import resource_tracker
+
+    mp.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
+    resource_tracker.ensure_running()   # first: starting it unblocks SIGTERM in this thread (its own spawn's)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        multiprocessing.forkserver.ensure_running()   # the server inherits the mask
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+_LEFT_AT_EXIT: weakref.WeakSet = weakref.WeakSet()   # workers started: killed if alive when the process ends
+
+
+def kill_at_exit(process: mp.process.BaseProcess) -> None:
+    """A worker ignores the SIGTERM multiprocessing sends its daemon children at exit before joining them: one
+    left running (a second Ctrl-C cuts everything) is killed first, or the exit would wait for its step. The
+    hook is registered after multiprocessing's own (at the first start): the later runs first."""
+    _LEFT_AT_EXIT.add(process)
+    if not getattr(kill_at_exit, "registered", False):
+        kill_at_exit.registered = atexit.register(lambda: [p.kill() for p in list(_LEFT_AT_EXIT) if p.is_alive()])
+
+
+def forget_at_exit(process: mp.process.BaseProcess) -> None:
+    """`process` was reaped: nothing to kill at exit."""
+    _LEFT_AT_EXIT.discard(process)

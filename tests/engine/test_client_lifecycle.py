@@ -1,0 +1,128 @@
+"""`AsyncEngineClient`'s own bookkeeping around a worker process, without one: a stand-in process and the
+worker's end of the socket pair, so each case (a start, a reap, a shutdown, a lease) runs in milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+
+import engine.client as client_module
+from engine.client import AsyncEngineClient, EngineDeadError
+from engine.config import EngineConfig
+from engine.ipc import Channel
+from engine.messages import AbortRequest, Lease, Outputs, Shutdown
+from engine.outputs import RequestDelta
+
+
+class _Process:
+    """A worker process as `AsyncEngineClient` sees one: `join`, `kill`, `exitcode`, `close`. `stuck`: SIGKILL
+    does not end it (a process in the kernel's uninterruptible sleep); `on_join` runs at each join."""
+
+    def __init__(self, stuck: bool = False, on_join=None) -> None:
+        self.exitcode, self.stuck, self.on_join = None, stuck, on_join
+        self.kills, self.closed = 0, False
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.on_join is not None:
+            self.on_join()
+        if self.exitcode is None and not self.stuck and self.kills:
+            self.exitcode = -9
+
+    def kill(self) -> None:
+        self.kills += 1
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _connected(process: _Process) -> tuple[AsyncEngineClient, Channel]:
+    """A client past its start, over `process`; the worker's end of its channel."""
+    client = AsyncEngineClient(EngineConfig(model="unused"))
+    ours, theirs = socket.socketpair()
+    client._loop = asyncio.get_running_loop()
+    client.died, client._ready = client._loop.create_future(), client._loop.create_future()
+    client._process, client._channel, client.pid = process, Channel(ours), 4242
+    client._loop.add_reader(client._channel.fileno(), client._on_readable)
+    return client, Channel(theirs)
+
+
+async def test_a_worker_that_sigkill_cannot_end_still_fails_its_requests_and_is_declared_dead(monkeypatch):
+    """A process stuck in the kernel (a GPU driver's hang) outlives SIGKILL: the reap waits KILLED_WAIT_S for
+    it, not forever; its requests fail, `died` resolves, and the process, never reaped, is not closed."""
+    monkeypatch.setattr(client_module, "KILLED_WAIT_S", 0.01)
+    process = _Process(stuck=True)
+    client, _worker = _connected(process)
+    stream = client_module._Stream(asyncio.Queue())
+    client._streams["r1"] = stream
+    client._on_exit(grace=0.01)   # its socket closed: EOF
+    reason = await asyncio.wait_for(client.died, 5)
+    assert "did not end" in reason and process.kills == 1 and not process.closed and client.exitcode is None
+    assert isinstance(stream.queue.get_nowait(), EngineDeadError)
+
+
+async def test_shutdown_reaches_a_worker_whose_socket_is_full(monkeypatch):
+    """Aborts the socket has not taken hold `Shutdown` in the outbox, which nothing writes once the client
+    stops watching the socket: the worker sees EOF after what the socket holds, while the client waits for
+    it to exit, not only once it was killed."""
+    saw_eof: list[bool] = []
+
+    def worker_reads() -> None:   # what the worker reads while the client waits for its exit
+        worker.sock.setblocking(False)
+        try:
+            while worker.sock.recv(1 << 16):
+                pass
+            saw_eof.append(True)
+        except BlockingIOError:
+            saw_eof.append(False)
+        process.exitcode = 0 if saw_eof[-1] else None
+
+    process = _Process(on_join=worker_reads)
+    client, worker = _connected(process)
+    while not client._channel.num_pending_bytes:   # the socket takes no more: the rest waits in the outbox
+        client._send(AbortRequest("x" * 4096))
+    await client.shutdown(timeout=0.01)
+    assert saw_eof[0] and process.kills == 0 and process.closed
+
+
+async def test_a_lease_the_gateway_fails_to_apply_leaves_what_came_with_it_dispatched():
+    """An exception out of `on_lease` (a pool's admission raising) is logged; the outputs read with the lease
+    still reach their streams, and the lease stays unacknowledged."""
+    client, worker = _connected(_Process())
+    stream = client_module._Stream(asyncio.Queue())
+    client._streams["r1"] = stream
+    client.on_lease = lambda pool, tokens: 1 / 0
+    delta = RequestDelta("r1", [], finished=True)
+    worker.send(Lease("chat", 100, 1))
+    worker.send(Outputs([delta]))
+    await asyncio.sleep(0.05)
+    client._on_readable()
+    assert stream.queue.get_nowait() == delta and client._unacked == {"chat": (100, 1)}
+    client._loop.remove_reader(client._channel.fileno())
+
+
+async def test_the_worker_process_starts_off_the_event_loop(monkeypatch):
+    """The first start waits for the fork server's import of torch (seconds): `process.start` runs on a
+    thread; a start that fails closes both ends of the socket pair."""
+    threads: list[str] = []
+    pairs: list[tuple[socket.socket, socket.socket]] = []
+    socketpair = socket.socketpair
+
+    class _Context:
+        def Process(self, **kwargs):   # noqa: N802 - multiprocessing's name
+            return type("P", (), {"start": lambda self: threads.append(threading.current_thread().name)
+                                  or (_ for _ in ()).throw(OSError("no fork server"))})()
+
+    monkeypatch.setattr(client_module.mp, "get_context", lambda method: _Context())
+    monkeypatch.setattr(client_module, "start_fork_server", lambda: None)
+    monkeypatch.setattr(client_module.socket, "socketpair", lambda: pairs.append(socketpair()) or pairs[-1])
+    with pytest.raises(OSError, match="no fork server"):
+        await AsyncEngineClient(EngineConfig(model="unused")).start(timeout=1)
+    await asyncio.sleep(0.01)
+    assert threads and threads[0] != threading.current_thread().name
+    assert all(s.fileno() == -1 for s in pairs[0])
