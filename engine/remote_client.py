@@ -36,6 +36,10 @@ class ReplicaLink(Protocol):
     async def endpoint(self, timeout: float) -> tuple[str, int, bytes]:
         """(host, port, key) once the replica is placed; TimeoutError past `timeout`."""
 
+    async def watch(self) -> str:
+        """The reason, once the cluster manager says the replica's process died or restarts (never, where it
+        does not tell)."""
+
     def restart(self, reason: str) -> None:
         """Have the cluster manager kill the replica's process and start it again."""
 
@@ -63,6 +67,7 @@ class RemoteEngineClient(AsyncEngineClient):
         self._lost_reason: str | None = None
         self._keepalive: asyncio.Task | None = None
         self._checking: asyncio.Future | None = None   # a stalled connection's replica being asked (`kill`)
+        self._watch: asyncio.Future | None = None      # the cluster manager's death notice (`ReplicaLink.watch`)
 
     async def _launch(self, timeout: float) -> Channel:
         host, port, key = await self.link.endpoint(timeout)
@@ -70,6 +75,9 @@ class RemoteEngineClient(AsyncEngineClient):
         self.address = (host, port)
         self._process = self.link   # a client is alive while its connection is
         self._keepalive = asyncio.ensure_future(self._keep_alive())
+        # From the connection on, loading too: a replica silent while it loads is judged by this notice alone.
+        self._watch = asyncio.ensure_future(self.link.watch())
+        self._watch.add_done_callback(lambda w: w.cancelled() or w.exception() or self.lost(w.result()))
         return Channel(sock, keys)
 
     async def _keep_alive(self) -> None:
@@ -116,8 +124,9 @@ class RemoteEngineClient(AsyncEngineClient):
             await asyncio.sleep(0)   # a death notice racing the connection's loss may name the cause
         self._die(self._exit_reason())
         self._channel.close()
-        if self._keepalive is not None:
-            self._keepalive.cancel()
+        for task in (self._keepalive, self._watch):
+            if task is not None:
+                task.cancel()
         if not self.died.done():
             self.died.set_result(self._dead)
 

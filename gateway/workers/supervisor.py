@@ -442,15 +442,8 @@ class DeviceSupervisor:
 
     async def _until_died(self, client: AsyncEngineClient) -> str:
         """The reason the client's worker died. A remote replica's death is noticed by whichever comes
-        first: its connection's loss or the cluster manager's notice (`ReplicaLink.watch`)."""
-        if not isinstance(client, RemoteEngineClient):
-            return await asyncio.shield(client.died)   # a stop cancels this wait, not the client's future
-        watch = asyncio.ensure_future(self.link.watch())
-        watch.add_done_callback(lambda w: w.cancelled() or w.exception() or client.lost(w.result()))
-        try:
-            return await asyncio.shield(client.died)
-        finally:
-            watch.cancel()
+        first: its connection's loss or the cluster manager's notice (`RemoteEngineClient`)."""
+        return await asyncio.shield(client.died)   # a stop cancels this wait, not the client's future
 
     def _new_client(self) -> AsyncEngineClient:
         """A client for a new worker process, with the device's pools pointed at it. The worker it replaces

@@ -44,9 +44,15 @@ class _Link:
         self.server, self.key = server, key or server.key
         self.address = address or server.address
         self.restarts = []
+        self.death: asyncio.Event | None = None   # set: the cluster manager's death notice comes (once watched)
 
     async def endpoint(self, timeout: float):
         return (*self.address, self.key)
+
+    async def watch(self) -> str:
+        self.death = self.death or asyncio.Event()
+        await self.death.wait()
+        return f"replica {self.name}: Ray reports the actor dead (ActorDiedError: its node is gone)"
 
     def restart(self, reason: str) -> None:
         self.restarts.append(reason)
@@ -402,6 +408,12 @@ def test_a_gateway_that_connects_while_the_engine_loads_is_proved_at_once_and_se
         starting = asyncio.ensure_future(client.start(timeout=60))
         await asyncio.sleep(0.3)
         assert loading.state == "loading" and not starting.done()
+        lost_link = _Link(loading)
+        lost = asyncio.ensure_future(RemoteEngineClient(server.config, lost_link).start(timeout=60))
+        await asyncio.sleep(0.3)
+        lost_link.death.set()                        # its node lost while it loads: it says nothing meanwhile
+        with pytest.raises(EngineDeadError, match="Ray reports the actor dead"):
+            await asyncio.wait_for(lost, 5)          # noticed at once, not at the start's limit
         loaded.set()
         info = await starting                        # Ready once the load ends
         assert loading.state == "ready" and info.num_blocks == 128
