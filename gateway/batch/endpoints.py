@@ -23,6 +23,7 @@ part with no name, a purpose in an unknown charset) a 400 naming `body`, `file` 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import tempfile
@@ -189,16 +190,16 @@ async def _read_text(part: Any, name: str) -> str:
 
 async def _read_upload(part: Any, spool: tempfile.SpooledTemporaryFile) -> None:
     """The part's bytes into `spool` (past SPOOL_BYTES on disk: uploads at once hold no more memory than that
-    each; a piece of at most 1 MiB written at once, to the page cache), left at its start; 413 naming `file`
-    past MAX_FILE_BYTES, 503 `storage_unavailable` if the disk cannot take it."""
-    size = 0
+    each; a piece of at most 1 MiB at once, written on a thread: a disk behind on its writes blocks the writer),
+    left at its start; 413 naming `file` past MAX_FILE_BYTES, 503 `storage_unavailable` if the disk cannot take it."""
+    loop, size = asyncio.get_running_loop(), 0
     while chunk := await part.read_chunk(1 << 20):
         size += len(chunk)
         if size > MAX_FILE_BYTES:
             raise ApiError(413, f"file: larger than {MAX_FILE_BYTES >> 20} MiB", param="file",
                            code="request_too_large")
         try:
-            spool.write(chunk)
+            await loop.run_in_executor(None, spool.write, chunk)
         except OSError as exc:   # the disk is full
             raise storage_unavailable("upload's temporary file", exc) from None
     spool.seek(0)

@@ -112,14 +112,22 @@ async def test_an_upload_whose_body_never_finishes_is_a_408(aiohttp_client, tmp_
 async def test_an_upload_goes_to_disk_past_its_first_bytes_and_is_stored_whole(aiohttp_client, tmp_path, tiny_model,
                                                                                monkeypatch):
     """Uploads at once hold no more memory than SPOOL_BYTES each: the rest is spooled to a temporary file, closed
-    once stored (or refused: a file past MAX_FILE_BYTES is a 413 naming `file`); the stored file is the upload."""
+    once stored (or refused: a file past MAX_FILE_BYTES is a 413 naming `file`), written off the event loop (a
+    slow disk's writes may block); the stored file is the upload."""
+    import threading
+
     spools: list = []
+    writers: set[str] = set()
 
     class Spool(tempfile.SpooledTemporaryFile):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             spools.append(self)
             assert kwargs["dir"] == tmp_path   # the data dir's disk (a temporary directory may be in memory)
+
+        def write(self, data):
+            writers.add(threading.current_thread().name)
+            return super().write(data)
 
     monkeypatch.setattr(endpoints, "SPOOL_BYTES", 1000)
     monkeypatch.setattr(endpoints.tempfile, "SpooledTemporaryFile", Spool)
@@ -132,7 +140,7 @@ async def test_an_upload_goes_to_disk_past_its_first_bytes_and_is_stored_whole(a
     stored = await r.json()
     assert stored["bytes"] == len(content)
     assert await (await client.get(f"/v1/files/{stored['id']}/content")).read() == content
-    assert [(s._rolled, s.closed) for s in spools] == [(True, True)]
+    assert [(s._rolled, s.closed) for s in spools] == [(True, True)] and threading.current_thread().name not in writers
     monkeypatch.setattr(endpoints, "MAX_FILE_BYTES", 10_000)
     r = await _upload(client, content)
     assert r.status == 413 and (await r.json())["error"]["param"] == "file"
