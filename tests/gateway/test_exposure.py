@@ -97,12 +97,27 @@ async def test_a_gateway_without_keys_refuses_other_sites_pages_and_names_reboun
     for host in ("localhost:8000", "LocalHost", "app.localhost", "[::1]:8000", "10.1.2.3:80", "gpu-box.internal"):
         assert (await client.get("/v1/models", headers={"Host": host})).status == 200, host
     assert (await client.get("/v1/models", headers={"Sec-Fetch-Site": "same-origin", "Origin": own})).status == 200
+    linked = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate"}   # a link from another site's page
+    assert (await client.get("/dashboard", headers=linked)).status == 200
     behind_tls = {"Sec-Fetch-Site": "same-origin", "Origin": "https://gw.example"}   # a proxy set Host to ours
     assert (await client.get("/v1/models", headers=behind_tls)).status == 200
     assert (await client.get("/v1/models", headers={"Origin": own.replace("http:", "https:")})).status == 200
-    for allowed, status in (("[evil.example]", 200), ('["*"]', 200), ("[other.example]", 403)):
+    for allowed, status in (("[evil.example]", 200), ('["*"]', 200), ("[other.example]", 403),
+                            ("['evil.example.:8443']", 200)):
         client = await aiohttp_client(create_app(_gateway(tmp_path, False, gateway=f"allowed_hosts: {allowed}, ")))
         assert (await client.get("/v1/models", headers={"Host": "Evil.Example:8000"})).status == status, allowed
     client = await aiohttp_client(create_app(_gateway(tmp_path, False)))   # keys: no page knows one
     evil = {"Origin": "http://evil.example", "Host": "evil.example"}
     assert (await client.get("/v1/models", headers=evil)).status == 401
+
+
+def test_the_names_etc_hosts_gives_a_loopback_address_are_this_machines(tmp_path):
+    from gateway.browser_guard import local_name, machine_names
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost localhost.localdomain localhost4\n127.0.1.1 box.example.org box # FQDN\n"
+                     "::1 ip6-localhost ip6-loopback\n10.0.0.5 lan-name\nnot-an-address x\n")
+    names = machine_names(hosts)
+    assert {"localhost.localdomain", "localhost4", "box.example.org", "box", "ip6-localhost"} <= names
+    assert "lan-name" not in names and "x" not in names
+    assert local_name("127.0.0.1") and local_name("app.localhost") and not local_name("evil.example")
