@@ -368,7 +368,7 @@ class Gateway:
         count exactly, take the first pool that admits it. Tokenized inline only when every string the template
         may write (contents, reasoning, tool calls' arguments, the tools, the variables) is short."""
         kwargs = template_kwargs or {}
-        size = MESSAGE_OVERHEAD_CHARS * (len(messages) + len(tools or ())) + _num_chars(
+        size = MESSAGE_OVERHEAD_CHARS * (len(messages) + len(tools or ())) + num_chars(
             [messages, [t.as_template_dict() for t in tools or ()], kwargs], INLINE_TOKENIZE_CHARS)
 
         def variables(pool: Pool) -> dict[str, Any]:
@@ -457,7 +457,7 @@ def _render_and_count(pool: Pool, messages: list[dict[str, Any]], tools: list[To
     return prompt_ids(pool.tokenizer, pool.counter, messages, tools, variables, flags, calls)
 
 
-def _num_chars(value: Any, limit: int) -> int:
+def num_chars(value: Any, limit: int) -> int:
     """The characters of every string in `value` (JSON: keys and values, at any depth; 8 for another
     scalar), counted until past `limit`: a bound on what a template writes of it, in time that does not
     grow with a long string."""

@@ -259,8 +259,8 @@ async def test_a_token_id_the_model_has_no_row_for_is_refused_before_any_credit(
 
 async def test_tool_schemas_are_compiled_off_the_event_loop(front, monkeypatch):
     """Each tool's schema is compiled to be checked (seconds for a body of large ones): chat, a batch line and
-    the Responses API read a body with tools on the tokenizer thread, never the loop's; one without tools
-    stays inline."""
+    the Responses API read a body with large tools on the tokenizer thread, never the loop's; small ones (a
+    few milliseconds at most) stay inline."""
     import threading
 
     from gateway.openai import tool_specs
@@ -273,16 +273,19 @@ async def test_tool_schemas_are_compiled_off_the_event_loop(front, monkeypatch):
         return None
     monkeypatch.setattr(tool_specs, "_schema_error", recording)
 
-    def tool(i: int, responses: bool = False) -> dict:
-        function = {"name": "f", "parameters": {"type": "object", "properties": {f"p{i}": {"type": "string"}}}}
+    def tool(i: int, responses: bool = False, large: bool = True) -> dict:
+        function = {"name": "f", "description": "d" * (20_000 if large else 10),
+                    "parameters": {"type": "object", "properties": {f"p{i}": {"type": "string"}}}}
         return {"type": "function", **function} if responses else {"type": "function", "function": function}
-    chat = {"model": FRONT, "messages": [{"role": "user", "content": "hi"}]}
-    assert (await client.post("/v1/chat/completions", json={**chat, "tools": [tool(1)]})).status == 502
+    chat = {"model": FRONT, "messages": [{"role": "user", "content": "hi"}]}   # large tools: past the 512 tokens
+    assert (await client.post("/v1/chat/completions", json={**chat, "tools": [tool(1)]})).status == 400
     status, _ = await answer(client.app[GATEWAY], "/v1/chat/completions", {**chat, "tools": [tool(2)]})
-    assert status == 502
+    assert status == 400
     assert (await client.post("/v1/responses", json={"model": FRONT, "input": "hi", "store": False,
-                                                     "tools": [tool(3, responses=True)]})).status == 502
+                                                     "tools": [tool(3, responses=True)]})).status == 400
     assert len(threads) == 3 and all(name.startswith("cliffguard-tok") for name in threads), threads
+    assert (await client.post("/v1/chat/completions", json={**chat, "tools": [tool(4, large=False)]})).status == 502
+    assert threads[3:] == [threading.current_thread().name], threads
 
 
 async def test_a_grammar_checks_reason_too_long_to_remember_is_not_kept(tmp_path):
