@@ -460,9 +460,10 @@ class AsyncEngineClient:
         if self._process is None:
             return
         if self._reaper is None:
-            with contextlib.suppress(OSError):   # then EOF: the worker ends on it too, even where Shutdown
+            with contextlib.suppress(OSError):   # then EOF: a loaded worker ends on it too, even where Shutdown
                 self._channel.send(Shutdown())   # waits in the outbox behind aborts the socket has not taken
-                self._channel.sock.shutdown(socket.SHUT_WR)
+                if self.info is not None:        # (one loading takes it for its gateway's death: an error exit)
+                    self._channel.sock.shutdown(socket.SHUT_WR)
             self._on_exit("engine shut down", grace=timeout)
         await asyncio.shield(self._reaper)
 

@@ -48,6 +48,7 @@ def _connected(process: _Process) -> tuple[AsyncEngineClient, Channel]:
     client._loop = asyncio.get_running_loop()
     client.died, client._ready = client._loop.create_future(), client._loop.create_future()
     client._process, client._channel, client.pid = process, Channel(ours), 4242
+    client.info = object()   # loaded
     client._loop.add_reader(client._channel.fileno(), client._on_readable)
     return client, Channel(theirs)
 

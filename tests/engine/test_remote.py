@@ -44,13 +44,12 @@ class _Link:
         self.server, self.key = server, key or server.key
         self.address = address or server.address
         self.restarts = []
-        self.death: asyncio.Event | None = None   # set: the cluster manager's death notice comes (once watched)
+        self.death = asyncio.Event()   # set: the cluster manager's death notice comes
 
     async def endpoint(self, timeout: float):
         return (*self.address, self.key)
 
     async def watch(self) -> str:
-        self.death = self.death or asyncio.Event()
         await self.death.wait()
         return f"replica {self.name}: Ray reports the actor dead (ActorDiedError: its node is gone)"
 
