@@ -116,13 +116,17 @@ async def upload_file(request: web.Request) -> web.Response:
     fields: dict[str, Any] = {}
     try:
         await read_within(request, _read_form(request, fields))
-        filename, content = fields["file"]
+        filename, content, _ = fields["file"]
         return web.json_response(await runner.db(runner.store.add_file, content, filename, fields["purpose"],
                                                  owner=_owner(request), tenant=_tenant(request),
                                                  expires_after=_expires_after(fields)))
     finally:
         if "file" in fields:
-            fields["file"][1].close()
+            _, spool, writing = fields["file"]
+            if writing and not writing[0].done():   # cut off mid-write (a 408): closed once its thread is done
+                writing[0].add_done_callback(lambda f: (spool.close(), f.exception()))
+            else:
+                spool.close()
 
 
 def _expires_after(fields: dict[str, Any]) -> dict[str, Any] | None:
@@ -143,7 +147,7 @@ def _expires_after(fields: dict[str, Any]) -> dict[str, Any] | None:
 
 async def _read_form(request: web.Request, fields: dict[str, Any]) -> None:
     """The upload's fields into `fields`: `file` as (its filename as sent or None: the store cleans it, its
-    bytes in a spooled file, which the caller closes), `purpose` as text. A 400 naming `body` for a malformed
+    bytes in a spooled file, which the caller closes, and its last write), `purpose` as text. A 400 naming `body` for a malformed
     body or a part with no name, naming the field for a part not one of UPLOAD_FIELDS once, or missing."""
     try:
         reader = await request.multipart()
@@ -151,8 +155,8 @@ async def _read_form(request: web.Request, fields: dict[str, Any]) -> None:
             name = _field_name(part, fields)
             if name == "file":   # spooled beside the store: a temporary directory may be held in memory
                 spool = tempfile.SpooledTemporaryFile(SPOOL_BYTES, dir=request.app[BATCHES].store.path.parent)
-                fields[name] = (part.filename, spool)
-                await _read_upload(part, spool)
+                fields[name] = (part.filename, spool, writing := [])
+                await _read_upload(part, spool, writing)
             else:
                 fields[name] = await _read_text(part, name)
     except MULTIPART_ERRORS as exc:
@@ -188,10 +192,11 @@ async def _read_text(part: Any, name: str) -> str:
     return text
 
 
-async def _read_upload(part: Any, spool: tempfile.SpooledTemporaryFile) -> None:
+async def _read_upload(part: Any, spool: tempfile.SpooledTemporaryFile, writing: list[asyncio.Future]) -> None:
     """The part's bytes into `spool` (past SPOOL_BYTES on disk: uploads at once hold no more memory than that
-    each; a piece of at most 1 MiB at once, written on a thread: a disk behind on its writes blocks the writer),
-    left at its start; 413 naming `file` past MAX_FILE_BYTES, 503 `storage_unavailable` if the disk cannot take it."""
+    each; a piece of at most 1 MiB at once, written on a thread: a disk behind on its writes blocks the writer;
+    `writing` holds the last write, which a cancellation leaves running), left at its start; 413 naming `file`
+    past MAX_FILE_BYTES, 503 `storage_unavailable` if the disk cannot take it."""
     loop, size = asyncio.get_running_loop(), 0
     while chunk := await part.read_chunk(1 << 20):
         size += len(chunk)
@@ -199,7 +204,8 @@ async def _read_upload(part: Any, spool: tempfile.SpooledTemporaryFile) -> None:
             raise ApiError(413, f"file: larger than {MAX_FILE_BYTES >> 20} MiB", param="file",
                            code="request_too_large")
         try:
-            await loop.run_in_executor(None, spool.write, chunk)
+            writing[:] = [loop.run_in_executor(None, spool.write, chunk)]
+            await asyncio.shield(writing[0])
         except OSError as exc:   # the disk is full
             raise storage_unavailable("upload's temporary file", exc) from None
     spool.seek(0)
