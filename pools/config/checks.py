@@ -332,20 +332,28 @@ def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
     as 90 (base 60); refused, naming the line (YAML 1.2 reads both otherwise)."""
     digits = node.value.replace("_", "").lstrip("+-")
     if ":" in digits or (len(digits) > 1 and digits[0] == "0" and digits[1].isdigit()):
-        raise yaml.constructor.ConstructorError(
-            None, None, f"{node.value!r} reads as YAML 1.1's {'octal' if ':' not in digits else 'base 60'} number "
-            f"{loader.construct_yaml_int(node)}: write it without the leading zero (or colon), or quote it",
-            node.start_mark)
-    return loader.construct_yaml_int(node)
+        raise yaml.constructor.ConstructorError(   # the value is not repeated: it may be a key (line and caret say)
+            None, None, f"this number reads as YAML 1.1's {'octal' if ':' not in digits else 'base 60'} number: "
+            "write it without the leading zero (or colon), or quote it", node.start_mark)
+    return _constructed(loader.construct_yaml_int, node, "an integer")
 
 
 def _construct_float(loader: _Loader, node: yaml.ScalarNode) -> float:
     """A float, unless YAML 1.1 reads it in base 60 (`1:30.0` as 90.0): refused as `_construct_int` does."""
     if ":" in node.value:
         raise yaml.constructor.ConstructorError(
-            None, None, f"{node.value!r} reads as YAML 1.1's base 60 number {loader.construct_yaml_float(node)}: "
-            f"write it without the colon, or quote it", node.start_mark)
-    return loader.construct_yaml_float(node)
+            None, None, "this number reads as YAML 1.1's base 60 number: write it without the colon, or quote it",
+            node.start_mark)
+    return _constructed(loader.construct_yaml_float, node, "a number")
+
+
+def _constructed(construct: Any, node: yaml.ScalarNode, what: str) -> Any:
+    """PyYAML's own reading of a number, whose odd inputs (`!!int ""`, `0x_`) raise Python's errors unmarked:
+    as a YAML error at the node."""
+    try:
+        return construct(node)
+    except (ValueError, IndexError):
+        raise yaml.constructor.ConstructorError(None, None, f"not {what}", node.start_mark) from None
 
 
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
@@ -379,9 +387,14 @@ def _expanded_values(node: yaml.Node, memo: dict[int, int], source: str) -> int:
 
 
 def load_yaml(text: str, source: str) -> Any:
-    """YAML text -> Python data; a syntax error is a SpecError with `source`, the line, the column and a caret.
-    Aliases may not expand past MAX_YAML_VALUES values, nor nesting go past Python's recursion limit."""
-    loader = _Loader(text)
+    """YAML text -> Python data; a syntax error is a SpecError with `source`, the line, the column and a caret
+    under the line with its values masked (`masked_line`). Aliases may not expand past MAX_YAML_VALUES values,
+    nor nesting go past Python's recursion limit."""
+    try:
+        loader = _Loader(text)   # reads every character first: a control character is refused here
+    except yaml.reader.ReaderError as exc:
+        raise SpecError(f"{source}: YAML error at line {text.count(chr(10), 0, exc.position) + 1}: character "
+                        f"#x{exc.character:04x} is not allowed in YAML text (a control character)") from None
     try:
         node = loader.get_single_node()
         if node is None:
@@ -396,13 +409,22 @@ def load_yaml(text: str, source: str) -> Any:
         if mark is None:
             raise SpecError(f"{source}: YAML error: {problem}") from None
         lines = text.splitlines()
-        snippet = lines[mark.line] if mark.line < len(lines) else ""
+        snippet = masked_line(lines[mark.line]) if mark.line < len(lines) else ""
         raise SpecError(f"{source}: YAML error at line {mark.line + 1}, column {mark.column + 1}: {problem}\n"
                         f"    {snippet}\n    {' ' * mark.column}^") from None
     except yaml.YAMLError as exc:
         raise SpecError(f"{source}: YAML error: {exc}") from None
     finally:
         loader.dispose()
+
+
+_WORD = re.compile(r"[^\s\[\]{}:,\"'#&*!|>\-]+(?P<key>\s*:(?=[\s,\]}]|$))?")
+
+
+def masked_line(line: str) -> str:
+    """A YAML line as an error quotes it: its keys (a word before `: `) and YAML's punctuation as written, every
+    other character as `*` (a value may be an API key), so a caret under it still points where the error is."""
+    return _WORD.sub(lambda m: m.group() if m.group("key") is not None else "*" * len(m.group()), line)
 
 
 def read_text(path: Path, what: str = "configuration file") -> str:

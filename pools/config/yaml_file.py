@@ -62,8 +62,8 @@ def _without_nulls(raw: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]
 
 def _parse_gateway(raw: dict[str, Any] | None, env: Mapping[str, str]) -> GatewaySpec:
     """The `gateway` section, its `api_keys` merged with those of the `api_keys_env` variable."""
-    gateway = from_yaml(_without_nulls(raw or {}, ("api_keys", "limits", "stored_responses", "restart_backoff",
-                                                   "batches")),
+    gateway = from_yaml(_without_nulls(raw or {}, ("api_keys", "allowed_hosts", "limits", "stored_responses",
+                                                   "restart_backoff", "batches", "upstream")),
                         GatewaySpec, "gateway")
     keys = [k.strip() for k in gateway.api_keys]
     for i, key in enumerate(keys):

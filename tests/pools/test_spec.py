@@ -67,9 +67,12 @@ def _both(*edits):
 BAD = {
     "syntax error": ("pools:\n  - name: chat\n    kv_share: [0.4\n    model: x\n", ["line", "column"]),
     "duplicate YAML key": ("pools:\n  - name: chat\n    name: rag\n", ["line 3", "duplicate key 'name'"]),
-    "YAML 1.1 octal": ("pools:\n  - name: chat\n    avg_len: 010\n", ["line 3", "'010' reads as YAML 1.1's octal number 8"]),
-    "YAML 1.1 base 60": ("pools:\n  - name: chat\n    avg_len: 1:30\n", ["line 3", "base 60 number 90"]),
-    "YAML 1.1 base 60 float": ("pools:\n  - name: chat\n    kv_share: 0:0.5\n", ["line 3", "base 60 number 0.5"]),
+    "YAML 1.1 octal": ("pools:\n  - name: chat\n    avg_len: 010\n", ["line 3", "reads as YAML 1.1's octal number"]),
+    "YAML 1.1 base 60": ("pools:\n  - name: chat\n    avg_len: 1:30\n", ["line 3", "base 60 number"]),
+    "YAML 1.1 base 60 float": ("pools:\n  - name: chat\n    kv_share: 0:0.5\n", ["line 3", "base 60 number"]),
+    "an explicit int of nothing": ("gateway: {port: !!int ''}\n", ["line 1", "not an integer"]),
+    "a hex int without digits": ("gateway:\n  port: 0x_\n", ["line 2", "not an integer"]),
+    "a control character": ("pools: []\n# note \x1b[0m\n", ["line 2", "#x001b", "control character"]),
     "unknown top-level key": (_set("pool", []), ["pool: unknown key", "allowed keys: gateway, devices, pools"]),
     "unknown pool key": (_set("pools/0/kv_shar", 0.3), ["pools[0].kv_shar: unknown key", "0.3", "kv_share"]),
     "unknown device key": (_set("devices/default/vram", "80GiB"), ["devices.default.vram", "80GiB"]),
@@ -345,10 +348,25 @@ def test_error_message_starts_with_the_key_path():
         load_config(_make_yaml(_set("pools/1/kv_share", 1.5)), env={})
 
 
-def test_syntax_error_points_at_line_and_column():
+def test_syntax_error_points_at_line_and_column_and_shows_the_line_without_its_values():
+    """The line is quoted with its keys and YAML's punctuation, its values masked (a value may be an API key,
+    as in a tab-indented `api_keys` line), so the caret still points at the error."""
     with pytest.raises(SpecError) as info:
         load_config("pools:\n  - name: chat\n    kv_share: : 1\n", env={})
-    assert "line 3, column" in str(info.value) and "kv_share: : 1" in str(info.value)
+    assert "line 3, column" in str(info.value) and "kv_share: : *" in str(info.value)
+    for text, shown in (("gateway:\n\tapi_keys: [sk-live-4f9a2c]\n", "\tapi_keys: [**-****-******]"),
+                        ("gateway:\n  api_keys: [01234567]\n", "  api_keys: [********]")):
+        with pytest.raises(SpecError) as info:
+            load_config(text, env={})
+        assert "line 2" in str(info.value) and shown in str(info.value) and "4f9a2c" not in str(info.value) \
+            and "1234567" not in str(info.value), str(info.value)
+
+
+def test_a_gateway_section_written_as_null_takes_its_defaults():
+    sections = ("api_keys", "allowed_hosts", "limits", "stored_responses", "restart_backoff", "batches", "upstream")
+    pools = "pools:\n  - {name: chat, model: 'builtin:smollm2-135m-instruct', kv_share: 1.0}\n"
+    text = "gateway:\n" + "".join(f"  {key}: null\n" for key in sections) + pools
+    assert load_config(text, env={}).gateway == load_config(pools, env={}).gateway
 
 
 def test_default_config_loads():
