@@ -81,17 +81,29 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=sampling_seed, default=None, help="sampling seed (default: the engine's)")
 
 
+_GENERATE_FLAGS = {"pools[0].kv_cache_bytes": "--kv-cache-mib", "pools[0].max_model_len": "--max-model-len",
+                   "pools[0].block_size": "--block-size", "pools[0].model": "--model",
+                   "devices.default.device": "--device", "devices.default.dtype": "--dtype"}
+
+
 async def _generate(args: argparse.Namespace) -> int:
     from engine.client import AsyncEngineClient
     from engine.sampling import SamplingParams
     from engine.tokenizer import Tokenizer
     from pools.capacity_plan import plan_single_pool
+    from pools.config.spec import SpecError
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             seed=args.seed)
-    _, config = plan_single_pool(args.model, device=args.device, dtype=args.dtype,
-                                 kv_cache_bytes=args.kv_cache_mib << 20, block_size=args.block_size,
-                                 max_model_len=args.max_model_len)
+    try:
+        _, config = plan_single_pool(args.model, device=args.device, dtype=args.dtype,
+                                     kv_cache_bytes=args.kv_cache_mib << 20, block_size=args.block_size,
+                                     max_model_len=args.max_model_len)
+    except SpecError as exc:   # the one pool's keys are this command's flags
+        message = str(exc)
+        for key, flag in _GENERATE_FLAGS.items():
+            message = message.replace(key, flag)
+        raise SpecError(message) from None
     async with AsyncEngineClient(config) as client:
         prompt: str | list[int] = args.prompt
         if args.chat or args.system is not None:

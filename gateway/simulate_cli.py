@@ -96,6 +96,21 @@ def simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_replicas(devices: dict, replicas: int) -> dict:
+    """Each device with `replicas` copies (--replicas): a device on this machine's GPUs gets as many GPUs as
+    they need, after the GPUs of the devices before it (nothing runs on them: the claims only stay apart)."""
+    out, first = {}, 0
+    for name, device in devices.items():
+        if device.claimed_gpus:
+            need = replicas * device.tensor_parallel_size
+            out[name] = device.replace(replicas=replicas, min_replicas=None, device="cuda",
+                                       gpus=tuple(range(first, first + need)))
+            first += need
+        else:
+            out[name] = device.replace(replicas=replicas, gpus=None, min_replicas=None)
+    return out
+
+
 def _simulation_setup(config, args: argparse.Namespace):
     """The config with --replicas / --preemption-mode / --swap-space applied, its model configs, the memory
     the plan uses, the layouts to run ({name: (config, plan)}) and each device's step-time model."""
@@ -106,14 +121,19 @@ def _simulation_setup(config, args: argparse.Namespace):
     from pools.config.spec import SpecError, parse_bytes
 
     if args.replicas is not None:
-        config = dataclasses.replace(config, devices={
-            name: d.replace(replicas=args.replicas, gpus=None, min_replicas=None)
-            for name, d in config.devices.items()})
+        config = dataclasses.replace(config, devices=_with_replicas(config.devices, args.replicas))
     overrides = {}
     if args.preemption_mode:
         overrides["preemption_mode"] = args.preemption_mode
     if args.swap_space:
         overrides["swap_space_bytes"] = parse_bytes(args.swap_space, "--swap-space")
+    for i, pool in enumerate(config.pools if overrides else ()):
+        try:
+            pool.replace(**overrides)
+        except SpecError as exc:   # the flags made it: they are named, and the pool
+            flags = " and ".join(f for f, v in (("--preemption-mode", args.preemption_mode),
+                                                ("--swap-space", args.swap_space)) if v)
+            raise UsageError(f"{flags}: pool {pool.name!r} (pools[{i}]) would be invalid: {exc}") from None
     if overrides:
         config = dataclasses.replace(config, pools=tuple(p.replace(**overrides) for p in config.pools))
     preset = PRESETS[args.device]

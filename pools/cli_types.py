@@ -171,6 +171,13 @@ def check_simulate_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--slo-{'ttft' if args.slo_ttft_p99 else 'itl'}-p99: only with --recommend")
     if args.from_trace and not args.calibrate:
         raise UsageError("--from-trace: only with --calibrate FILE")
+    if args.recommend and (args.sweep_rate is not None or args.layout != "split"):   # it runs its own layouts
+        raise UsageError(f"--{'sweep-rate' if args.sweep_rate is not None else 'layout'}: not with --recommend "
+                         "(it tries splits of the device between its pools itself, at --request-rate)")
+    changed = next((flag for flag, value in (("--replicas", args.replicas), ("--preemption-mode",
+                    args.preemption_mode), ("--swap-space", args.swap_space)) if value is not None), None)
+    if args.calibrate and changed:   # the calibration runs the file's own pools
+        raise UsageError(f"{changed}: not with --calibrate (it measures the config as its file writes it)")
     if args.calibrate and not args.from_trace and (args.model_config or args.vram):   # it runs the real engine here
         raise UsageError(f"--{'model-config' if args.model_config else 'vram'}: with --calibrate, only beside "
                          "--from-trace (a calibration here runs the config's own model on this machine)")

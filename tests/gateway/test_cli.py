@@ -59,7 +59,9 @@ def test_generate_reports_a_bad_model_clearly(tmp_path, capsys):
 def test_generate_plans_its_pool_with_the_capacity_formula(builtin_path, capsys):
     """64 MiB cannot hold one request of the model's 8,192-token context: the planner says so."""
     rc = main(["generate", "--model", str(builtin_path), "--kv-cache-mib", "64", "--prompt", "hi"])
-    assert rc == 2 and "one request of max_model_len 8192 needs 512" in _error_line(capsys)
+    line = _error_line(capsys)   # the flags named, not the YAML keys of the one pool it plans
+    assert rc == 2 and "one request of max_model_len 8192 needs 512" in line and "--kv-cache-mib" in line
+    assert "pools[0]" not in line
 
 
 def test_bench_engine_rejects_bad_batch_sizes_before_loading(capsys):
@@ -473,7 +475,7 @@ def test_generate_on_cuda_without_cuda_says_what_to_do(capsys, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert main(["generate", "--device", "cuda", "--prompt", "hi"]) == 2
     line = _error_line(capsys)
-    assert "devices.default.device: 'cuda' needs CUDA device 0 and this machine has none" in line
+    assert "--device: 'cuda' needs CUDA device 0 and this machine has none" in line
     assert "(or cpu, auto)" in line
 
 

@@ -904,3 +904,31 @@ def test_the_shared_layout_refuses_devices_whose_routes_interleave(tmp_path):
     with pytest.raises(SpecError, match=r"--layout shared: shared-a would take prompts 0\.\.8191 and shared-b "
                                         r"1025\.\.4096: their devices' routes interleave"):
         shared_layout(config, plan)
+
+
+def test_cli_simulate_replicas_keeps_gpu_devices_apart_and_refuses_flags_it_would_ignore(capsys):
+    """--replicas gives each GPU device of the file its own GPUs (two devices on GPUs 0 and 1 stay a valid
+    config at 2 replicas each); a flag that would be ignored beside another is a usage error naming it."""
+    import dataclasses
+
+    from gateway.simulate_cli import _with_replicas
+    from pools.config.yaml_file import load_config
+
+    config = load_config("""
+devices:
+  a: {device: cuda, gpus: [0]}
+  b: {device: cuda, gpus: [1]}
+pools:
+  - {name: chat, model: "builtin:smollm2-135m-instruct", device: a, kv_share: 1.0, route: {max_prompt_tokens: 1000}}
+  - {name: rag, model: "builtin:smollm2-135m-instruct", device: b, kv_share: 1.0, route: {min_prompt_tokens: 1001}}
+""", env={})
+    scaled = dataclasses.replace(config, devices=_with_replicas(config.devices, 2))   # checked again
+    assert [scaled.devices[d].claimed_gpus for d in ("a", "b")] == [(0, 1), (2, 3)]
+    for flags, named in ((["--recommend", "--slo-ttft-p99", "1", "--sweep-rate", "1,2"], "--sweep-rate"),
+                         (["--recommend", "--slo-ttft-p99", "1", "--layout", "both"], "--layout"),
+                         (["--calibrate", "/tmp/never.json", "--replicas", "2"], "--replicas"),
+                         (["--calibrate", "/tmp/never.json", "--swap-space", "1GiB"], "--swap-space")):
+        assert main(["simulate", *flags]) == 2
+        assert capsys.readouterr().err.count(f"{named}: not with --") == 1, flags
+    assert main(["simulate", "--preemption-mode", "swap", "--swap-space", "0"]) == 2   # the file's pools, made invalid
+    assert "--preemption-mode and --swap-space: pool 'chat' (pools[0]) would be invalid" in capsys.readouterr().err
