@@ -21,13 +21,16 @@ machine. A web browser on the same machine is one of them, driven by any page it
   Otherwise 403, param `host`.
 
 With API keys neither applies: a page knows no key, and every such request is a 401 already. Nor do they to
-the probes, `/health` and `/ready`.
+the probes, `/health` and `/ready` (so a refused proxy's name is logged, once, as a WARNING). A gateway with
+no key bound beyond loopback (`host: 0.0.0.0`) is open to its network, a page that rebinds its name to the
+machine's network address included: give it API keys.
 """
 
 from __future__ import annotations
 
 import functools
 import ipaddress
+import logging
 import socket
 from pathlib import Path
 
@@ -36,11 +39,15 @@ from aiohttp import web
 from gateway.openai.errors import ApiError
 from gateway.runtime import GATEWAY
 
+log = logging.getLogger("cliffguard.gateway")
+
 __all__ = ["browser_guard", "local_name", "machine_names"]
 
 LOCAL_SUFFIXES = (".localhost", ".local", ".internal")
 PROBES = {"/health", "/ready"}   # say nothing a page could use; a load balancer's check may send any Host
 _SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+MAX_WARNED_NAMES = 64   # Host names whose refusal is logged (once each): a page may send any number
+_WARNED: set[str] = set()
 _CROSS_SITE = ("cross-site", "same-site")   # Sec-Fetch-Site; "same-origin" and "none" (typed in) are the user's
 
 
@@ -75,6 +82,10 @@ def _check_host(request: web.Request, allowed: tuple[str, ...]) -> None:
     name = _host_name(request.headers.get("Host"))
     if name is None or local_name(name) or name in {_host_name(a) for a in allowed}:
         return
+    if len(_WARNED) < MAX_WARNED_NAMES and name not in _WARNED:   # a proxy's name: /health stays 200, say it once
+        _WARNED.add(name)
+        log.warning("refusing requests over loopback that name host %r, not a name of this machine: a reverse "
+                    "proxy here that passes its Host on needs it in gateway.allowed_hosts", name[:100])
     raise ApiError(403, f"host: {name!r} is not a name of this machine; a gateway without an API key reached "
                    "over loopback answers only its own names (a web page's name resolved to 127.0.0.1 must not "
                    "reach it). A reverse proxy that passes its Host on: list the name in gateway.allowed_hosts",

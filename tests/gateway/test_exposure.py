@@ -80,10 +80,14 @@ async def test_the_prefix_cache_is_partitioned_per_tenant_unless_the_pool_shares
 
 
 async def test_a_gateway_without_keys_refuses_other_sites_pages_and_names_rebound_to_loopback(aiohttp_client,
-                                                                                          tmp_path):
+                                                                                          tmp_path, caplog,
+                                                                                          monkeypatch):
     """`gateway.browser_guard`: a cross-site page's simple request (text/plain JSON, no preflight) is refused
     before any work, as is a request over loopback naming a host not of this machine; the gateway's own
     pages, SDKs (no Origin), local names and `allowed_hosts` pass; with API keys the key decides."""
+    from gateway import browser_guard
+
+    monkeypatch.setattr(browser_guard, "_WARNED", set())   # the names logged so far in this process
     chat = '{"model": "front", "messages": [{"role": "user", "content": "hi"}]}'
     client = await aiohttp_client(create_app(_gateway(tmp_path, False, gateway="")))
     own = f"http://{client.host}:{client.port}"
@@ -106,6 +110,8 @@ async def test_a_gateway_without_keys_refuses_other_sites_pages_and_names_reboun
                             ("['evil.example.:8443']", 200)):
         client = await aiohttp_client(create_app(_gateway(tmp_path, False, gateway=f"allowed_hosts: {allowed}, ")))
         assert (await client.get("/v1/models", headers={"Host": "Evil.Example:8000"})).status == status, allowed
+    refused = [r.getMessage() for r in caplog.records if "gateway.allowed_hosts" in r.getMessage()]
+    assert len(refused) == 1 and "'evil.example'" in refused[0]   # once a name, however many requests
     client = await aiohttp_client(create_app(_gateway(tmp_path, False)))   # keys: no page knows one
     evil = {"Origin": "http://evil.example", "Host": "evil.example"}
     assert (await client.get("/v1/models", headers=evil)).status == 401
