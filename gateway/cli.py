@@ -179,7 +179,21 @@ def _serve(args: argparse.Namespace) -> int:
         from gateway.app import run
 
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+        if not config.gateway.api_keys and not loopback_only(host):
+            logging.getLogger("cliffguard.gateway").warning(
+                "no API key, listening on %s: whoever reaches it may use every endpoint and read every stored "
+                "file and response (a web page a browser there opens too); set gateway.api_keys", host)
         return run(config, host=host, port=port, vram_bytes=args.vram, data_dir=data_dir)
+
+
+def loopback_only(host: str) -> bool:
+    """Whether a listen address takes connections from this machine only."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host.lower().rstrip(".") == "localhost" or host.lower().endswith(".localhost")
 
 
 def make_data_dir(path: str) -> Path:

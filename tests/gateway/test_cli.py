@@ -376,6 +376,24 @@ def test_serve_starts_the_workers_fork_server_before_it_plans_when_it_has_local_
     assert said == (["fork server", "run ['chat', 'rag']"] if local else ["run ['remote']"])
 
 
+def test_serve_without_keys_beyond_loopback_says_so(tmp_path, monkeypatch, caplog):
+    """A gateway with no API key listening past loopback answers its whole network: a WARNING before it serves."""
+    from gateway.cli import loopback_only
+
+    monkeypatch.setattr("gateway.app.run", lambda config, **kwargs: 0)
+    path = tmp_path / "pools.yaml"
+    path.write_text("pools:\n  - {name: remote, upstream: 'http://127.0.0.1:9/v1', model: m, "
+                    "tokenizer: 'builtin:smollm2-135m-instruct', max_model_len: 512}\n")
+    for host, warned in (("127.0.0.1", False), ("0.0.0.0", True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="cliffguard.gateway"):
+            assert main(["serve", "--config", str(path), "--host", host, "--port", "0",
+                         "--data-dir", str(tmp_path / "data")]) == 0
+        assert any("no API key, listening on" in r.getMessage() for r in caplog.records) == warned, host
+    assert all(map(loopback_only, ("127.0.0.1", "::1", "[::1]", "localhost", "LocalHost.")))
+    assert not any(map(loopback_only, ("0.0.0.0", "::", "10.0.0.1", "gpu-box")))
+
+
 def test_a_store_or_a_tokenizer_that_cannot_be_read_is_one_line_before_a_socket_opens(tmp_path, tiny_model, capsys,
                                                                                       monkeypatch):
     """A damaged store file (or one another program holds) and a tokenizer.json that is a Git LFS pointer: exit 2
