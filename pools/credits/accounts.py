@@ -35,8 +35,10 @@ class Ticket:
     arrival: int = 0              # its place in the order of arrival there
 
     @property
-    def flow_key(self) -> tuple[str, int]:
-        return (self.tenant, self.flow)
+    def flow_key(self) -> tuple[str, int, int, bool]:
+        """Its flow as the cap counts it: a size class in one channel (tenant and priority), batch lines apart
+        (a tenant's lines at the cap never kept its interactive requests of their size out of the room left)."""
+        return (self.tenant, self.priority, self.flow, self.background)
 
 
 Place = Callable[[Ticket, list[int]], int | None] | None   # (ticket, replicas it fits) -> where, or None: it waits

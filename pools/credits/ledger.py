@@ -9,18 +9,18 @@ Queues are channels keyed by (tenant, priority): within a tenant the smallest pr
 (the engine's convention), a priority better than the tenant's `min_priority` clamped to it; within
 one priority, flows by size that take turns by the credits they ask (`pools.credits.flows`), FIFO
 within a flow. Across tenants, deficit round robin in tokens: each visit gives a tenant `quantum x
-weight` tokens of allowance, so a tenant flooding with 200 requests and one sending 10 alternate by
-the tokens they ask for, not by arrival.
+weight` tokens of allowance: a tenant flooding with 200 requests and one sending 10 alternate by tokens.
 
 Holding back: a request that cannot be admitted now holds back the replicas it waits for, and the
 requests after it in fair order may be admitted only on the others. One that fits nowhere holds every
 replica that is up (on one replica admission stops until credits return: a large request is never
 starved by a stream of small ones); one that `place` has wait for the replica caching its prompt
-holds only those it may not go to now, so the idle ones serve the rest of the queue. The first head
-that waited goes first at each later admission until admitted (`_first`), charged to its tenant. The
-one exception is a flow at its cap (`flow_cap`, an interactive pool's: `pools.credits.flows.Headroom`,
-one flow holds at most 7/8 of a replica's credits and sequences while it holds any): its head waits
-for its own flow, holds nothing, and the next flow's head goes.
+holds only those it may not go to now, so the idle ones serve the rest of the queue. The first head that
+waited goes first at each later admission until admitted (`_first`), charged to its tenant; its own tenant's
+heads before it in fair order go first only while no other tenant waits (a tenant streaming urgent requests
+past its waiting one took the credits every tenant held back behind it waited for). One exception: a flow
+at its cap (`flow_cap`, an interactive pool's: `pools.credits.flows.Headroom`, at most 7/8 of a replica's
+credits and sequences while it holds any): its head waits for its own flow, holding nothing.
 
 Sequences: a replica may also be given the most sequences its engine runs at once (`max_seqs`, the
 pool's max_num_seqs); a request of n samples over p prompts takes n x p of them (at most all), so
@@ -46,12 +46,11 @@ credits), or waits (None) for one that caches its prompt; `Ticket.replica` says 
 is down (`up` false: loading, restarting) takes nothing new. So a request waits on the pool, not on a
 replica; tenant channels and weights hold across replicas because there is one queue.
 
-Tenants seen: a tenant's queue state (its channels' fair-queueing tags, its allowance) lives while it has a
-request queued or admitted here, and is forgotten when its last one ends, so a gateway that takes any API key
-as a tenant of its own keeps no state for keys that came once.
+Tenants seen: a tenant's queue state (its channels' tags, its allowance) lives while it has a request queued
+or admitted here: a gateway taking any API key as a tenant keeps nothing for keys that came once.
 
-Ints only, no asyncio, no locks: the gateway calls it from its event loop (ints, so it is tested in
-milliseconds). `pools.credits.queue` is the async layer the gateway awaits.
+Ints only, no asyncio, no locks: the gateway calls it from its event loop (tested in milliseconds).
+`pools.credits.queue` is the async layer the gateway awaits.
 """
 
 from __future__ import annotations
@@ -239,15 +238,16 @@ class CreditLedger:
         return admitted
 
     def _admit_first(self, place: Place, held: set[int]) -> list[Ticket]:
-        """The head that waited for its replicas in an earlier pass goes before any other tenant's requests
-        (whatever the tenants' turns): its tenant's heads, in their fair order up to it, are admitted where
-        they can be now (charged to the tenant, past zero if need be), or hold back what they wait for."""
+        """The head that waited in an earlier pass goes before any other tenant's requests, and before its own
+        tenant's heads unless that tenant is alone in the queue (then those before it in its fair order go
+        first, delaying only their own: module docstring). Admitted heads are charged to the tenant, past zero
+        if need be; one not admitted holds back what it waits for."""
         if self._first is not None and self._capped(self._first):   # waits for its own flow: no longer the first
             self._first = None
         if (first := self._first) is None:
             return []
         tenant, admitted = self._tenants[first.tenant], []
-        for head in list(tenant.heads()):
+        for head in list(tenant.heads()) if len(self._active) == 1 else [first]:
             if head is not first and self._capped(head):
                 continue
             if (replica := self._choose(head, place, held)) is None:

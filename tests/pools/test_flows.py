@@ -230,3 +230,16 @@ def test_a_head_held_off_the_replica_it_fits_leaves_the_one_where_its_flow_is_ca
     ledger.submit("b", 500, tenant="b")
     assert [(t.request_id, t.replica) for t in ledger.admit(prefer_1)] == [("b", 1)]
     ledger.check_integrity()
+
+
+def test_a_tenants_batch_lines_or_other_priority_at_the_cap_leave_its_interactive_request_the_room():
+    """The cap counts a size class within one channel (tenant and priority), batch lines apart: the room it
+    keeps free is for the tenant's own interactive request of that size too, not only for another flow's."""
+    for other in (dict(background=True), dict(priority=5)):
+        ledger = CreditLedger(10_000, quantum=10_000, flow_cap=FLOW_CAP)
+        for i in range(16):
+            ledger.submit(f"line{i}", 1040, **other)
+        assert _ids(ledger.admit()) == [f"line{i}" for i in range(8)]   # at the cap: 8 x 1040 <= 8750
+        ledger.submit("chat", 1040)                                      # same tenant, same size class
+        assert _ids(ledger.admit()) == ["chat"], other                   # into the room left, at once
+        ledger.check_integrity()

@@ -552,3 +552,29 @@ def test_a_block_still_being_computed_when_placed_is_no_evidence_of_an_eviction(
     placement.finish("reader")
     placement.finish("twin")
     placement.check_integrity()
+
+
+def test_the_waiting_head_goes_before_its_own_tenants_later_requests_too():
+    """A tenant whose large request waits (the first head) cannot stream smaller urgent ones past it into the
+    credits it waits for while another tenant waits: they would starve every tenant held back behind it.
+    Alone in the queue, its own order rules (they delay only its own request)."""
+    ledger = CreditLedger(1000, quantum=1000)
+    ledger.submit("fill", 900, tenant="t2")
+    ledger.admit()
+    ledger.submit("large", 600, tenant="t1", priority=1)
+    assert ledger.admit() == []                                   # waits for replica 0: the first head
+    ledger.submit("b", 100, tenant="t2")
+    ledger.submit("a", 100, tenant="t1", priority=0)              # more urgent, later, of the first head's tenant
+    assert ledger.admit() == []                                   # 100 free: neither takes what "large" waits for
+    ledger.release("fill")
+    got = _ids_of(ledger.admit())
+    assert got[0] == "large" and sorted(got) == ["a", "b", "large"]
+    ledger.check_integrity()
+    alone = CreditLedger(1000, quantum=1000)
+    alone.submit("fill", 900, tenant="t2")
+    alone.admit()
+    alone.submit("large", 600, tenant="t1", priority=1)
+    assert alone.admit() == []
+    alone.submit("a", 100, tenant="t1", priority=0)
+    assert _ids_of(alone.admit()) == ["a"]                        # t1 alone waits: its priority order rules
+    ledger.check_integrity()
