@@ -44,7 +44,7 @@ class SampleForks:
             for child in self._pending.pop(seq.request_id):
                 child.block_table = scheduler.block_manager.fork(seq.block_table)
                 child.num_computed_tokens = seq.num_computed_tokens
-                scheduler.add_forked(child)
+                scheduler.add_forked(child, seq)
                 extra_rows.append(row)
                 extra.append(child)
             seq.num_pending_forks = 0

@@ -2,25 +2,21 @@
 preemption by recompute or swap when the pool runs out of blocks.
 
 Each `schedule()` fills a token budget of `max_num_batched_tokens`: first the running sequences (a decode token
-each, or the next chunk of an unfinished prefill), then swapped-out sequences (they resume before new arrivals),
-then waiting sequences in order while `max_num_seqs`, the budget and the free blocks allow. Prefill chunks and
-decode tokens share the step. Finished sequences leave and waiting ones join at every step (iteration-level).
+each, or the next chunk of an unfinished prefill), then swapped-out ones (before new arrivals), then waiting ones
+in order while `max_num_seqs`, the budget and the free blocks allow; sequences leave and join at every step.
 
 When a running sequence needs a block and none is free, a victim is chosen by the pool's victim policy, never one
 that produced fewer than `stability_floor_tokens` since its (re)admission while another candidate exists, and
-preempted:
-- `recompute`: its blocks are dropped (full ones stay in the prefix cache); it re-prefills later;
-- `swap`: its computed blocks are copied to the pool's CPU block pool and back on resume; when the
-  CPU pool is full, recompute;
+preempted (its full blocks stay in the prefix cache, the last one's token in flight included):
+- `recompute`: its blocks are dropped; it re-prefills later;
+- `swap`: its computed blocks are copied to the pool's CPU block pool and back on resume (CPU pool full: recompute);
 - `auto`: per victim, the cheaper of the measured swap round trip `2 x L x S_KV / B_swap` and the
   measured re-prefill time `T_prefill(L)` (`PreemptionCostModel`).
-A step that preempted admits nothing. A sequence alone in its pool that still cannot grow is finished
-with a `length` result and an error message, never spun forever.
-A **paused** request (`pause`: its client reads too slowly) is skipped: its running sequences keep their
-blocks and place but get no token and are never victims; its waiting or swapped ones are passed by. A sequence
-short of blocks that only paused ones hold waits for them, keeping its own (`_held_by_paused`). So is
-a running sequence whose last token is in flight (overlapped steps): it frees its blocks when that lands,
-and a sequence short of blocks that those would make up waits for them rather than preempt anyone.
+A step that preempted admits nothing. A sequence alone in its pool that still cannot grow ends (`length`, an error).
+A **paused** request (`pause`: its client reads too slowly) is skipped: its running sequences keep their blocks
+and place but get no token and are never victims; its waiting or swapped ones are passed by. A sequence short of
+blocks that only paused ones hold waits for them, keeping its own (`_held_by_paused`). So is a running sequence
+whose last token is in flight (overlap): it frees its blocks when that lands; one short of what those make up waits.
 
 The scheduler only decides; the block copies it asks for (swap out, swap in, copy-on-write) travel in
 `SchedulerOutput` and the engine performs them before the step's forward pass.
@@ -30,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -140,12 +137,12 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
 
-    def add_forked(self, seq: Sequence) -> None:
-        """A sample forked from a running sibling: it shares the sibling's blocks and runs at once."""
-        seq.status = SequenceStatus.RUNNING
-        seq.admitted_at_output = seq.num_output_tokens
+    def add_forked(self, seq: Sequence, sibling: Sequence) -> None:
+        """A sample forked from a running `sibling`: it shares its blocks and runs at once, right behind it (at
+        the end, a prompt admitted behind the sibling took the samples' decode tokens until it was all in)."""
+        seq.status, seq.admitted_at_output = SequenceStatus.RUNNING, seq.num_output_tokens
         seq.last_scheduled_step = self._step
-        self.running.append(seq)
+        self.running.insert(next((i + 1 for i, s in enumerate(self.running) if s is sibling), len(self.running)), seq)
 
     @property
     def num_unfinished(self) -> int:
@@ -338,9 +335,9 @@ class Scheduler:
     def _ending(self, seq: Sequence) -> bool:   # its last token is in flight: no step, blocks free when it lands
         return bool(seq.num_pending) and seq.ends_when_known(self.max_model_len)
 
-    def _ending_blocks(self) -> int:   # the blocks the ending sequences alone hold: they come back a step later
-        bm = self.block_manager
-        return sum(bm.ref_count(b) == 1 for s in self.running if self._ending(s) for b in s.block_table)
+    def _ending_blocks(self) -> int:   # the blocks the ending sequences alone hold (n samples' shared ones too)
+        held = Counter(b for s in self.running if self._ending(s) for b in s.block_table)   # back a step later
+        return sum(self.block_manager.ref_count(b) == n for b, n in held.items())
 
     def _held_by_paused(self, seq: Sequence) -> bool:
         """Whether all running sequences but `seq` are paused or ending, one paused: preempting itself would not
@@ -363,6 +360,7 @@ class Scheduler:
         k = next((k for k, item in enumerate(out.scheduled) if item.seq is seq), None)
         given_back = out.scheduled.pop(k).num_new_tokens if k is not None else 0
         self.running.remove(seq)
+        self._cache_computed(seq)   # kept past its blocks' free (recompute) or swap-out, as a finished one's
         self.stats.num_preemptions += 1
         seq.num_preemptions += 1
         out.preempted.append(seq)
@@ -419,6 +417,10 @@ class Scheduler:
         out.finished.append(seq)
 
     # --- leaving -----------------------------------------------------------------------------
+    def _cache_computed(self, seq: Sequence) -> None:   # a block whose last token was in flight at its commit
+        self.block_manager.register_computed(seq.block_table, seq.token_ids, min(   # (overlap) is cached now
+            seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending), seq.cache_salt)
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Take the sequence out of the pool and free its blocks (finished, stopped or aborted)."""
         if seq.status is SequenceStatus.RUNNING:
@@ -428,10 +430,8 @@ class Scheduler:
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
             self.swap_manager.free(seq.cpu_block_table)
-        bm = self.block_manager   # a block whose last token was in flight at its commit (overlap) is cached now
-        bm.register_computed(seq.block_table, seq.token_ids, min(seq.num_computed_tokens,
-                             len(seq.token_ids) - seq.num_pending), seq.cache_salt)
-        bm.free(seq.block_table)
+        self._cache_computed(seq)
+        self.block_manager.free(seq.block_table)
         seq.drop_pending()
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -348,3 +348,51 @@ def test_after_a_sequence_waiting_for_an_ending_ones_blocks_a_later_one_takes_on
     assert out.preempted == [] and [s.seq for s in out.scheduled] == ([] if num_free == 1 else [b])
     assert bm.num_free_blocks == 1 and scheduler.running == [e, w, b]
     scheduler.check_integrity()
+
+
+def test_forked_samples_run_behind_their_sibling_not_behind_a_prompt_admitted_after_it(tiny):
+    """n = 3 samples fork after their shared prefill; a long prompt admitted in the same step behind their
+    sibling is still prefilling. The samples decode at once, each step: queued behind that prompt they got
+    no token until it was all in."""
+    engine = _engine(tiny, max_num_batched_tokens=64)
+    engine.add_request("r", list(range(10, 30)), SamplingParams(n=3, max_tokens=8, ignore_eos=True))
+    engine.add_request("long", list(range(3, 503)), SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()   # r's prompt (20 tokens) and a first chunk of the long one; r forks into three
+    for step in (2, 3):
+        engine.step()
+        assert [s.num_output_tokens for s in engine.requests["r"].seqs] == [step] * 3, step
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_free(engine)
+
+
+def test_a_preempted_sequence_leaves_its_full_blocks_in_the_prefix_cache_and_ending_samples_their_shared_ones():
+    """Overlapped steps: a block completed by the step before is registered at the next commit, which a
+    preemption in between skipped: recomputing the sequence read it again. And n samples ending together (their
+    last tokens in flight) give back the blocks they share a step later: a sequence short of those waits for
+    them, nobody is preempted."""
+    bm = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), bm, max_model_len=100)
+    seq = _seq(4)
+    seq.num_prompt_tokens = 3                           # [0, 1, 2] and its first output token 3, computed
+    bm.allocate(seq.block_table, 5)
+    seq.num_computed_tokens, seq.status = 4, SequenceStatus.RUNNING
+    seq.add_pending(0)                                  # the next token in flight
+    scheduler.running.append(seq)
+    scheduler._preempt(seq, SchedulerOutput())          # recompute: its blocks freed
+    again = []
+    assert bm.acquire_cached(again, [0, 1, 2, 3, 7]) == 4   # the full block came from the cache
+
+    bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, stability_floor_tokens=0,
+                                          enable_prefix_caching=False), bm, max_model_len=100)
+    a, a2, x = _seq(8, 0), _seq(8, 1), _seq(4, 2)
+    bm.allocate(a.block_table, 8)
+    a2.block_table = bm.fork(a.block_table)             # two samples of one prompt: its 2 blocks, shared
+    bm.allocate(x.block_table, 4)                       # x's next token needs a block: none is free
+    for s, max_tokens in ((a, 1), (a2, 1), (x, 50)):
+        s.max_tokens, s.num_computed_tokens, s.status = max_tokens, len(s.token_ids), SequenceStatus.RUNNING
+        s.add_pending(s.seq_id)
+        scheduler.running.append(s)
+    out = scheduler.schedule()
+    assert out.preempted == [] and out.scheduled == [] and scheduler.running == [a, a2, x]
