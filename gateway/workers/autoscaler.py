@@ -234,23 +234,24 @@ class Autoscaler:
 
     def _scale_down(self, device: str, spec: DeviceSpec, slots: list[DeviceSupervisor], *, pressed: bool,
                     now: float) -> None:
-        """Drain at most one replica: a loading one past `min` that is not needed, else the highest serving
-        one once idle for `scale_down_idle_seconds`; either only while `min` replicas serve without it.
+        """Drain at most one replica: a loading or restarting one past `min` (a crash loop, a group no node has
+        room for) that is not needed, else the highest serving one once idle for `scale_down_idle_seconds`;
+        either only while `min` replicas serve without it.
         `pressed`: something waits for credits, or the device is overloaded: no replica is idle."""
         serving = [s for s in slots if s.is_ready and not s.draining]
         if len(serving) < spec.initial_replicas and self._take_back(device, slots, "fewer than min replicas serve",
                                                                      ready_only=True):
             return   # one crashed: a drain not past taking back serves again
         lease = self.leases.get(device)   # a shared slot loading for this gateway only is its own placement's
-        loading = [s for s in slots if s.state.startswith("loading") and not s.draining
+        loading = [s for s in slots if s.state.startswith(("loading", "restarting")) and not s.draining
                    and s.replica >= spec.initial_replicas and (lease is None or _placed_here(s))]
         self._count_idle(device, slots, serving, loading, pressed=pressed, now=now)
         limit = spec.scale_down_idle_seconds
         unneeded = [s for s in loading if now - self._unneeded_since[(device, s.replica)] >= limit]
         if unneeded and len(serving) >= spec.initial_replicas:
             victim = max(unneeded, key=lambda s: s.replica)
-            log.info("autoscaler: device %s: replica %s still loads and no request waited for %.0f s; removing it",
-                     device, victim.name, limit)
+            log.info("autoscaler: device %s: replica %s does not serve yet (%s) and no request waited for %.0f s; "
+                     "removing it", device, victim.name, victim.state.split(":")[0], limit)
         elif len(serving) > spec.initial_replicas:   # `min` still serve without the victim
             victim = max(serving, key=lambda s: s.replica)
             idle = now - self._idle_since[(device, victim.replica)]

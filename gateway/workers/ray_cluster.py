@@ -428,8 +428,8 @@ class RayReplica:
                        get_if_exists=True)
         if self.bundles.gpus:   # rank 0 starts the other ranks: it sees every GPU of its node, and uses its group's
             options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
-        cls = replica_actor_class()
-        return cls.options(**options).remote(self.config)   # it learns its GPUs from Ray at each (re)start
+        cls = replica_actor_class()   # a named actor's creation (and get_if_exists's lookup) waits on the GCS: a thread
+        return await asyncio.to_thread(cls.options(**options).remote, self.config)   # its GPUs: Ray's, each start
 
     async def _wait_placed(self, group, timeout: float) -> None:
         """Wait until Ray has placed `group`. One not placed within `timeout` seconds (or a wait

@@ -303,6 +303,7 @@ class DeviceSupervisor:
             await self._past_start_limit(client, exc)
         else:
             up_since = time.monotonic()
+            attempt = attempt if self._was_ready else 0   # a first start's tries (a cluster starting) are no restarts
             await self._ready(client, info, up_since - spawned)
             what, reason, waiting = "worker died", await self._until_died(client), False
             died_at = time.monotonic()   # the death's time, not the cluster's answer's: losses together stay so

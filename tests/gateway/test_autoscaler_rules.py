@@ -80,14 +80,16 @@ def _assert_serving(slots: list[_Slot], want: list[int]) -> None:
     assert got == want, f"serving {got}, want {want}: {[(s.state, s.draining) for s in slots]}"
 
 
-async def test_the_only_serving_replica_stays_while_another_loads_and_the_unneeded_one_goes():
+@pytest.mark.parametrize("later", [PENDING, RESTARTING])
+async def test_the_only_serving_replica_stays_while_another_loads_and_the_unneeded_one_goes(later):
+    """... or restarts (it served, then crash-loops: kept, it reloaded for good and read `degraded`)."""
     slots = [_Slot(0, "ready"), _Slot(1, "stopped")]
     verdict = {"d": "overloaded"}
     scaler = _make_scaler(slots, verdict)
     scaler.tick(now=0.0)
     assert [s.state for s in slots] == ["ready", "loading"]     # the burst starts slot 1
     verdict.clear()                                              # the burst ends; slot 1 still loads (pending)
-    slots[1].state = PENDING
+    slots[1].state = later
     _ticks(scaler, 1, 60)
     await _settle()
     _assert_serving(slots, [0])

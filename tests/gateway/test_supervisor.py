@@ -355,7 +355,8 @@ def _remote_supervisor(server, link: _Link) -> tuple[DeviceSupervisor, SimpleNam
 
 
 def test_a_remote_replica_whose_first_connection_failed_is_tried_again_and_keeps_its_cache_on_reconnection(
-        tiny_model):
+        tiny_model, caplog):
+    """... and its first death waits the first back-off, not the one its failed first tries grew to."""
     server = _replica_server(tiny_model)
     assert server.state == "ready"
 
@@ -380,6 +381,8 @@ def test_a_remote_replica_whose_first_connection_failed_is_tried_again_and_keeps
             assert supervisor.client is not first and supervisor.client.pid == first.pid
             assert pool.admission.ready[1] == (0, False)         # its cache is intact: the record stays
             assert supervisor.num_restarts == 1 and supervisor.deaths.of(first).cause == LOSS
+            waits = [r.getMessage() for r in caplog.records if "worker died" in r.getMessage()]
+            assert waits and waits[0].endswith(f"restarting in {FAST.delay(0):.1f} s"), waits
         finally:
             await supervisor.stop()
 
