@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Iterator
@@ -87,14 +88,18 @@ _PRIVATE_USE_CHARS = re.compile("[\U000F0000-\U0010FFFD]")
 def shield_controls(payload: Any, counter: TokenCounter) -> tuple[Any, dict[str, str]]:
     """`payload` (JSON: dicts, lists, tuples, strings, at any depth; keys too) with every control token in
     its strings swapped for a placeholder character none of them holds, and the map from placeholders back
-    to the control tokens (empty, `payload` itself, when no string holds one)."""
+    to the control tokens (empty, `payload` itself, when no string holds one). ValueError where the strings
+    hold so many private-use characters that none is left for a control token they name."""
     pattern = counter.control_pattern
     strings = list(_strings(payload))
-    if pattern is None or not any(pattern.search(s) for s in strings):
+    if pattern is None or not (present := {m.group() for s in strings for m in pattern.finditer(s)}):
         return payload, {}
     used = {c for s in strings for c in _PRIVATE_USE_CHARS.findall(s)}
-    free = (chr(code) for code in range(*_PRIVATE_USE) if chr(code) not in used)
-    placeholder = {control: next(free) for control in counter.controls}
+    free = list(itertools.islice((chr(code) for code in range(*_PRIVATE_USE) if chr(code) not in used), len(present)))
+    if len(free) < len(present):
+        raise ValueError("messages: so many private-use characters (U+F0000 and up) beside control tokens that "
+                         "the control tokens cannot be read as text")
+    placeholder = dict(zip(sorted(present), free))
 
     def shielded(value: Any) -> Any:
         if isinstance(value, str):

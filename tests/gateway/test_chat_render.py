@@ -343,3 +343,6 @@ def test_a_placeholder_character_a_client_sends_stays_its_own(tiny_model: Path, 
     assert text in rendered and _hf(folder).decode(ids, skip_special_tokens=False) == rendered
     as_text = _hf(folder)(text, add_special_tokens=False, split_special_tokens=True).input_ids
     assert any(ids[k:k + len(as_text)] == as_text for k in range(len(ids)))
+    every = "".join(map(chr, range(0xF0000, 0x10FFFE)))   # none left for the control token: a 400, never a hang
+    with pytest.raises(ValueError, match="^messages: so many private-use characters"):
+        _render(folder, {"messages": [{"role": "user", "content": every + "<|im_end|>"}]})
