@@ -31,6 +31,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from engine.gguf_tokenizer import write_tokenizer
+
 log = logging.getLogger("cliffguard.engine")
 # tqdm's default lock holds a multiprocessing semaphore, a named file in /dev/shm under the forkserver start
 # method that a killed device worker leaves behind (one per death of a crash-looping replica); the bars here
@@ -43,7 +45,8 @@ BUILTIN_MODELS: dict[str, tuple[str, str]] = {
 }
 
 # Part of the cache key: bump it when the conversion's output changes, so old folders are not reused.
-_CONVERSION_VERSION = 1
+_CONVERSION_VERSION = 2   # 2: the digit-splitting pre-tokenizer of `DIGITS_FIRST` GGUFs (SmolLM2's)
+
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -121,7 +124,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json",
                 {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
-    _write_tokenizer(gguf_path, out_dir, _field(reader, "tokenizer.ggml.add_bos_token", None))
+    write_tokenizer(gguf_path, out_dir, _field(reader, "tokenizer.ggml.add_bos_token", None),
+                    _field(reader, "tokenizer.ggml.pre", None))
     return out_dir
 
 
@@ -397,28 +401,6 @@ def _write_weights(reader: Any, config: dict[str, Any], path: Path) -> None:
             if permute and proj in heads:
                 w = _unpermute_rows(w, heads[proj])
             f.write(np.ascontiguousarray(w, dtype="<f4").data)
-
-
-def _write_tokenizer(gguf_path: Path, out_dir: Path, add_bos_token: bool | None) -> None:
-    """tokenizer.json and a self-contained tokenizer_config.json, via transformers' GGUF tokenizer reader."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the GGUF is local; never reach for the hub
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tokenizer.save_pretrained(str(out_dir))
-    config_path = out_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    for key in ("is_local", "local_files_only"):  # describe this load, not the tokenizer
-        config.pop(key, None)
-    template = out_dir / "chat_template.jinja"  # transformers >= 5 writes the template beside the config
-    if "chat_template" not in config and template.is_file():
-        config["chat_template"] = template.read_text()
-    for key in ("bos_token", "eos_token"):
-        if isinstance(config.get(key), dict):  # an AddedToken written out as a dict
-            config[key] = config[key]["content"]
-    config["add_bos_token"] = bool(add_bos_token if add_bos_token is not None
-                                   else getattr(tokenizer, "add_bos_token", False))
-    _write_json(config_path, config)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

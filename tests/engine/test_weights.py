@@ -136,6 +136,11 @@ def test_builtin_tokenizer_files(converted: Path) -> None:
     tokenizer = Tokenizer.from_file(str(converted / "tokenizer.json"))
     assert tokenizer.encode("hello world").ids == [28120, 905]
     assert tokenizer.token_to_id("<|im_end|>") == 2
+    # SmolLM2's own pre-tokenizer (its GGUF says `smollm`): digits split off first, so a blank line before a
+    # numbered list is one token, as the model read it (GPT-2's rule alone gave two)
+    ids = tokenizer.encode(":\n\n1. First").ids
+    assert tokenizer.token_to_id("ĊĊ") in ids and ids.count(tokenizer.token_to_id("Ċ")) == 0
+    assert tokenizer.encode("a  1").ids == [tokenizer.token_to_id(t) for t in ("a", "ĠĠ", "1")]
 
 
 def test_second_resolve_is_cached(converted: Path, cache_dir: Path) -> None:

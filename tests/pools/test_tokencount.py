@@ -326,7 +326,8 @@ _HF_VARIANTS = {
     "two-splits": (lambda s: s.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
         {"type": "Split", "pattern": {"Regex": r"\p{N}{1,3}"}, "behavior": "Isolated", "invert": False},
         *_split_then_byte_level(_LLAMA3_REGEX)["pretokenizers"]]}), "pre-tokenizer"),
-    "prefix-space": (lambda s: s["pre_tokenizer"].update(add_prefix_space=True), "pre-tokenizer"),
+    "prefix-space": (lambda s: s["pre_tokenizer"]["pretokenizers"][-1].update(add_prefix_space=True),  # its ByteLevel
+                     "pre-tokenizer"),
     "nfkc": (lambda s: s.update(normalizer={"type": "NFKC"}), "normalizer"),
     "lstrip": (lambda s: s["added_tokens"][1].update(lstrip=True), "lstrip"),
     "overlapping-added": (lambda s: s["added_tokens"].append(
