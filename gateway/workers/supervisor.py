@@ -138,6 +138,7 @@ class DeviceSupervisor:
         self._failure: str | None = None           # set when the device will not come back
         self._first_failure: str | None = None     # why the last try of a first connection failed
         self._started_at = float("inf")            # when `start` last ran (time.monotonic())
+        self._reloaded = False
         self._process: tuple | None = None         # (address, pid, load time) of the last worker ready
         self._changed = asyncio.Condition()        # notified when a worker is ready, or the device failed
         self._task: asyncio.Task | None = None
@@ -170,6 +171,7 @@ class DeviceSupervisor:
         be started again (the autoscaler's parked slots)."""
         self._failure, self._was_ready, self._restart_reason, self.draining = None, False, None, False
         self._stopping, self._first_failure, self._started_at = False, None, time.monotonic()
+        self._reloaded = False   # `_reload_adopted`: once a start
         self.metrics.worker_restarts.labels(**self.labels)   # exported from the start, at 0
         self.metrics.worker_stalls.labels(**self.labels)
         self.metrics.worker_step_timeouts.labels(**self.labels)
@@ -288,7 +290,7 @@ class DeviceSupervisor:
             if isinstance(exc, TimeoutError) and not str(exc):   # asyncio's says nothing
                 exc = TimeoutError("timed out" if self.link is not None else   # a remote connection's own limit
                                    f"not ready within gateway.start_timeout_seconds ({self.start_seconds:g} s)")
-            if not self._was_ready and not self._tries_again(exc):
+            if not self._was_ready and not self._tries_again(exc) and not self._reload_adopted(exc):
                 log.error("device %s failed to start: %s", self.name, exc)
                 self._failure = f"device {self.name!r} failed to start: {exc}"
                 await self._notify()
@@ -388,6 +390,17 @@ class DeviceSupervisor:
             return await asyncio.wait_for(removed(), REMOVED_SECONDS)
         except Exception:  # noqa: BLE001 - the cluster did not answer: taken for a fault
             return False
+
+    def _reload_adopted(self, exc: Exception) -> bool:
+        """A remote replica found with its load failed that this gateway did not place since it started (Ray
+        restarted it, another gateway placed it: a passing fault, memory a dead process held) has its process
+        restarted to load again, once a start; True then (tried again). Failed for good, it held its GPUs."""
+        if self.link is None or not _startup_error(exc) or self._reloaded or \
+                getattr(self.link, "placed_at", -math.inf) >= self._started_at:
+            return False
+        self._reloaded = True
+        self.link.restart(f"its load had failed before this gateway reached it: {exc}")
+        return True
 
     async def _release_failed(self, exc: Exception, since: float) -> None:
         """A remote replica whose first load failed: its actor stays up refusing connections, holding its
