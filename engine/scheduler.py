@@ -138,11 +138,11 @@ class Scheduler:
         bisect.insort(self.waiting, seq, key=Sequence.sort_key)
 
     def add_forked(self, seq: Sequence, sibling: Sequence) -> None:
-        """A sample forked from a running `sibling`: it shares its blocks and runs at once, right behind it (at
-        the end, a prompt admitted behind the sibling took the samples' decode tokens until it was all in)."""
+        """A sample forked from a running `sibling`: sharing its blocks, it decodes at once, behind its request's."""
         seq.status, seq.admitted_at_output = SequenceStatus.RUNNING, seq.num_output_tokens
         seq.last_scheduled_step = self._step
-        self.running.insert(next((i + 1 for i, s in enumerate(self.running) if s is sibling), len(self.running)), seq)
+        self.running.insert(max((i + 1 for i, s in enumerate(self.running) if s.request_id == sibling.request_id),
+                                default=len(self.running)), seq)   # after its request's samples, in order
 
     @property
     def num_unfinished(self) -> int:

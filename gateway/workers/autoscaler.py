@@ -234,8 +234,8 @@ class Autoscaler:
 
     def _scale_down(self, device: str, spec: DeviceSpec, slots: list[DeviceSupervisor], *, pressed: bool,
                     now: float) -> None:
-        """Drain at most one replica: a loading or restarting one past `min` (a crash loop, a group no node has
-        room for) that is not needed, else the highest serving one once idle for `scale_down_idle_seconds`;
+        """Drain at most one replica: a loading one past `min` (or restarting, unshared: a crash loop, a group no
+        node has room for) that is not needed, else the highest serving one once idle for `scale_down_idle_seconds`;
         either only while `min` replicas serve without it.
         `pressed`: something waits for credits, or the device is overloaded: no replica is idle."""
         serving = [s for s in slots if s.is_ready and not s.draining]
@@ -243,7 +243,8 @@ class Autoscaler:
                                                                      ready_only=True):
             return   # one crashed: a drain not past taking back serves again
         lease = self.leases.get(device)   # a shared slot loading for this gateway only is its own placement's
-        loading = [s for s in slots if s.state.startswith(("loading", "restarting")) and not s.draining
+        starting = ("loading", "restarting") if lease is None else ("loading",)   # a shared one restarting: Ray's
+        loading = [s for s in slots if s.state.startswith(starting) and not s.draining
                    and s.replica >= spec.initial_replicas and (lease is None or _placed_here(s))]
         self._count_idle(device, slots, serving, loading, pressed=pressed, now=now)
         limit = spec.scale_down_idle_seconds

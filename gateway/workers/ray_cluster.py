@@ -1,31 +1,27 @@
 """Replicas on a Ray cluster: placement groups, named actors, and their deaths as the gateway sees them.
 
-A device with `placement: ray` runs each replica as a Ray actor (`engine.remote.ReplicaActor`) in a
-placement group of its own: one bundle per tensor-parallel rank (`{"CPU": threads}`, plus `{"GPU": 1}`
-on CUDA), `STRICT_PACK` so a replica's ranks share a node. Ray places the group (on the node that holds
-the fewest of the device's replicas, when it has room: a soft target), starts the actor, and restarts
-it (`max_restarts=-1`) when it dies — in a rescheduled group on another node when its own node is gone.
-A group Ray cannot place stays pending (that is how Ray's cluster autoscaler learns a node is needed)
-for as long as the replica may take to start; then it is removed, and the next start places it anew.
-The actor learns its GPUs from Ray inside itself at every start (`engine.remote.placed_config`).
+A device with `placement: ray` runs each replica as a Ray actor (`engine.remote.ReplicaActor`) in a placement
+group of its own: one bundle per tensor-parallel rank (`{"CPU": threads}`, plus `{"GPU": 1}` on CUDA),
+`STRICT_PACK` so a replica's ranks share a node. Ray places the group (on the node that holds the fewest of the
+device's replicas, when it has room: a soft target), starts the actor, and restarts it (`max_restarts=-1`) when
+it dies, in a rescheduled group on another node when its own node is gone. A group Ray cannot place stays
+pending (so Ray's cluster autoscaler learns a node is needed) for as long as the replica may take to start;
+then it is removed, and the next start places it anew. The actor learns its GPUs from Ray at every start.
 
-The actor is named `cliffguard:<device>:<replica>:<digest>` in the `cliffguard` namespace and
-detached: it outlives the gateway, and a gateway that starts again with the same engine config (same
-digest) finds it and connects without reloading it; so do other gateways of the same config. A gateway
-whose config for the device differs (another digest) while replicas (actors or placement groups) of the
-old digest are on the cluster does not start the device (`ConfigConflict`, its state in `/ready`),
-unless it takes over (`RayCluster.take_over`: `cliffguard serve --take-over`, YAML
-`gateway.take_over`): then the old digest's actors and groups are removed first. Two gateways of
-different configs that start at once see no replicas yet: a gateway first claims the device for its
-digest (`gateway.workers.config_claim`), then lists; the claim is one digest's at a time, so one of the
-two starts and the other tries again (and is refused once the first one's replicas are listed).
+The actor is named `cliffguard:<device>:<replica>:<digest>` in the `cliffguard` namespace and detached: it
+outlives the gateway, and a gateway that starts again with the same engine config (same digest) finds it and
+connects without reloading it; so do other gateways of the same config. A gateway whose config for the device
+differs (another digest) while replicas (actors or placement groups) of the old digest are on the cluster does
+not start the device (`ConfigConflict`, its state in `/ready`), unless it takes over (`RayCluster.take_over`:
+`cliffguard serve --take-over`, YAML `gateway.take_over`): then the old digest's actors and groups are removed
+first. Two gateways of different configs that start at once see no replicas yet: a gateway first claims the
+device for its digest (`gateway.workers.config_claim`), then lists; the claim is one digest's at a time, so one
+of the two starts and the other tries again (refused once the first one's replicas are listed).
 
-Several gateways of one config share the device's replicas; one of them at a time places and removes
-them (`gateway.workers.scaler_lease`): a replica whose `may_place` says no only looks for its live
-actor, and waits for the leader gateway to place it.
-
-Everything that blocks (Ray's client calls) runs on a thread; awaiting an `ObjectRef` does not.
-Ray is imported here only, and only when a device asks for it.
+Several gateways of one config share the device's replicas; one of them at a time places and removes them
+(`gateway.workers.scaler_lease`): a replica whose `may_place` says no only looks for its live actor, and waits
+for the leader gateway to place it. Everything that blocks (Ray's client calls) runs on a thread; awaiting an
+`ObjectRef` does not. Ray is imported here only, and only when a device asks for it.
 """
 
 from __future__ import annotations
@@ -72,8 +68,7 @@ class ClusterUnreachable(ClusterError):
 
 
 class ConfigConflict(ClusterError):
-    """Replicas of the device under another engine config (digest) are on the cluster, and this gateway
-    does not take over."""
+    """Replicas of the device under another engine config (digest) are on the cluster; this one does not take over."""
 
 
 def _ray():
@@ -400,9 +395,8 @@ class RayReplica:
             return None
 
     async def _place(self, timeout: float):
-        """A new actor (`get_if_exists`: a gateway placing the same name at once gets the one actor), in the
-        slot's placement group: one left without its actor if there is one (a gateway killed between placing
-        the group and starting the actor: Ray refuses a second group of the name), else a new one."""
+        """A new actor (`get_if_exists`: gateways placing the name at once get one actor) in the slot's placement
+        group: one left without its actor if any (Ray refuses a second group of the name), else a new one."""
         _ray()   # ClusterError where Ray is not installed
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -416,25 +410,31 @@ class RayReplica:
             group = await asyncio.to_thread(placement_group, self.bundles.as_list(), strategy="STRICT_PACK",
                                             name=self.name, lifetime="detached", _soft_target_node_id=target)
         self.status = f"waiting for Ray to place {self.bundles.as_list()} on one node"
-        self.placing = True   # its group is listed, its actor not yet: a follower's tick leaves it be
-        try:
-            await self._wait_placed(group, timeout)
-        finally:
-            self.placing = False
-            self.placed_at = time.monotonic()   # nor does a tick whose listing was asked for before (`live_at`)
         options = dict(name=self.name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1,
                        max_concurrency=ACTOR_CONCURRENCY, num_cpus=self.bundles.cpus, num_gpus=self.bundles.gpus,
                        scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
                        get_if_exists=True)
         if self.bundles.gpus:   # rank 0 starts the other ranks: it sees every GPU of its node, and uses its group's
             options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
-        cls = replica_actor_class()   # a named actor's creation (and get_if_exists's lookup) waits on the GCS: a thread
-        return await asyncio.to_thread(cls.options(**options).remote, self.config)   # its GPUs: Ray's, each start
+        self.placing = True   # its group is listed, its actor not yet: a follower's tick leaves it be
+        try:
+            await self._wait_placed(group, timeout)
+            # A named actor's creation waits on the GCS: on a thread; cancelled, waited for (a removal then finds it)
+            creating = asyncio.ensure_future(asyncio.to_thread(replica_actor_class().options(**options).remote,
+                                                               self.config))
+            try:
+                return await asyncio.shield(creating)
+            except asyncio.CancelledError:
+                await asyncio.wait([creating])
+                raise
+        finally:
+            self.placing = False
+            self.placed_at = time.monotonic()   # nor does a tick whose listing was asked for before (`live_at`)
 
     async def _wait_placed(self, group, timeout: float) -> None:
-        """Wait until Ray has placed `group`. One not placed within `timeout` seconds (or a wait
-        cancelled) is removed, so that no pending group is left asking the cluster autoscaler for a
-        node; the next `endpoint` places anew. TimeoutError saying what could not be placed."""
+        """Wait until Ray has placed `group`. One not placed within `timeout` seconds (or a wait cancelled) is
+        removed: no pending group is left asking the cluster autoscaler for a node; the next `endpoint` places
+        anew. TimeoutError saying what could not be placed."""
         ray = _ray()
         try:
             await asyncio.wait_for(group.ready(), timeout)

@@ -163,14 +163,14 @@ class BatchLines(FlowChannel):
 @dataclass
 class Headroom:
     """What each flow holds on one replica (credits and sequences), and whether one more request of it fits
-    under the cap. Keys are (tenant, flow)."""
+    under the cap. Keys are `Ticket.flow_key`: tenant, priority, size class, batch line or not."""
 
     total: int
     max_seqs: int | None = None
     cap: int | None = None        # FLOW_CAP, or None: no cap (the holdings are still counted)
-    held: dict[tuple[str, int], list[int]] = field(default_factory=dict)   # key -> [credits, sequences]
+    held: dict[Hashable, list[int]] = field(default_factory=dict)   # key -> [credits, sequences]
 
-    def allows(self, key: tuple[str, int], num_tokens: int, num_seqs: int) -> bool:
+    def allows(self, key: Hashable, num_tokens: int, num_seqs: int) -> bool:
         tokens, seqs = self.held.get(key, (0, 0))
         if self.cap is None or tokens == 0:
             return True    # a flow's first request on the replica always may (it may be larger than the cap)
@@ -178,12 +178,12 @@ class Headroom:
             return False
         return self.max_seqs is None or seqs + num_seqs <= self.max_seqs - max(1, self.max_seqs // self.cap)
 
-    def add(self, key: tuple[str, int], num_tokens: int, num_seqs: int) -> None:
+    def add(self, key: Hashable, num_tokens: int, num_seqs: int) -> None:
         entry = self.held.setdefault(key, [0, 0])
         entry[0] += num_tokens
         entry[1] += num_seqs
 
-    def remove(self, key: tuple[str, int], num_tokens: int, num_seqs: int) -> None:
+    def remove(self, key: Hashable, num_tokens: int, num_seqs: int) -> None:
         entry = self.held[key]
         entry[0] -= num_tokens
         entry[1] -= num_seqs
@@ -193,7 +193,7 @@ class Headroom:
     def check_integrity(self, where: str, tickets: Iterable) -> None:
         """What each flow holds == the sums of `tickets` (the requests admitted on this replica, each with a
         `flow_key`, the credits it was `charged` and `num_seqs`); raises naming `where`, with both."""
-        flows: dict[tuple[str, int], list[int]] = {}
+        flows: dict[Hashable, list[int]] = {}
         for t in tickets:
             entry = flows.setdefault(t.flow_key, [0, 0])
             entry[0], entry[1] = entry[0] + t.charged, entry[1] + t.num_seqs

@@ -358,6 +358,8 @@ def test_forked_samples_run_behind_their_sibling_not_behind_a_prompt_admitted_af
     engine.add_request("r", list(range(10, 30)), SamplingParams(n=3, max_tokens=8, ignore_eos=True))
     engine.add_request("long", list(range(3, 503)), SamplingParams(max_tokens=2, ignore_eos=True))
     engine.step()   # r's prompt (20 tokens) and a first chunk of the long one; r forks into three
+    running = engine.schedulers["default"].running
+    assert [(s.request_id, s.index) for s in running] == [("r", 0), ("r", 1), ("r", 2), ("long", 0)]
     for step in (2, 3):
         engine.step()
         assert [s.num_output_tokens for s in engine.requests["r"].seqs] == [step] * 3, step

@@ -577,4 +577,5 @@ def test_the_waiting_head_goes_before_its_own_tenants_later_requests_too():
     assert alone.admit() == []
     alone.submit("a", 100, tenant="t1", priority=0)
     assert _ids_of(alone.admit()) == ["a"]                        # t1 alone waits: its priority order rules
+    alone.check_integrity()
     ledger.check_integrity()
