@@ -285,7 +285,11 @@ class UpstreamClient:
             raise
 
     def _idle_connection(self, key: tuple[str, str, int]) -> _Connection | None:
+        """The newest connection to `key` idle for less than `keepalive_seconds`, or None; the older ones idle
+        longer are closed on the way (after a burst, the newest alone is reused: the rest stayed open)."""
         idle, now = self._idle.get(key), time.monotonic()
+        while idle and not (idle[0].usable and now - idle[0].idle_since < self.keepalive_seconds):
+            idle.pop(0).transport.close()   # the oldest first: at most max_connections of them
         while idle:
             conn = idle.pop()
             if conn.usable and now - conn.idle_since < self.keepalive_seconds:

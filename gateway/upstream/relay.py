@@ -128,8 +128,9 @@ async def forward(request: web.Request, client: UpstreamClient, pool: Pool, path
                        prompt_tokens, hide_usage=stream and not responses and not _asks_usage(body),
                        timed=request is not None)
     sent = dict(body, model=pool.spec.model)
-    if relayed.hide_usage:   # the stream's usage chunk, for the counters; the client did not ask for it
-        sent["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    if relayed.hide_usage:   # the stream's usage chunk, for the counters; the client did not ask for it (nor, as a
+        options = {k: v for k, v in (body.get("stream_options") or {}).items() if k != "continuous_usage_stats"}
+        sent["stream_options"] = {**options, "include_usage": True}   # local pool, for usage in every chunk)
     try:
         upstream = await client.post(_url(pool.spec.upstream, path), _JSON.encode(sent), _headers(pool, stream),
                                      on_send=UPSTREAM_SEND.get())
@@ -362,7 +363,7 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
         last = "a response.completed, .incomplete or .failed event" if responses else "data: [DONE]"
         failure = _upstream_failed(pool, "dropped the stream", UpstreamDisconnected(
             f"it ended before its last event ({last})"), "upstream_disconnected")
-    failed = failure is not None or seen.error_status is not None
+    failed = (failure is not None and not seen.ended) or seen.error_status is not None   # a drop after its end: none
     relayed.count(seen.usage, [] if failed else seen.finish_reasons)
     if failed:   # a failed request all the same, though its status was 200 (counted before a write may fail)
         metrics.errors.labels(status=str(seen.error_status or failure.status)).inc()   # the upstream's first

@@ -185,6 +185,30 @@ async def test_an_unread_body_closes_its_connection_and_an_idle_one_expires():
     server.close()
 
 
+async def test_kept_connections_idle_past_the_keepalive_are_closed_not_left_behind_the_newest():
+    """After a burst, each request takes the newest kept connection: the older ones, idle past the keep-alive,
+    are closed then, not left open for as long as traffic keeps the newest in use."""
+    async def answer(writer, request, n):
+        writer.write(_answer(b"{}", "Content-Length: 2"))
+        await writer.drain()
+
+    server, url, _, connections = await _raw_server(answer)
+    client = UpstreamClient(keepalive_seconds=1.0)
+
+    async def one() -> None:
+        async with await client.post(url, b"{}", {}) as r:
+            await r.read()
+    await asyncio.gather(one(), one())          # two connections kept: the older, the newer
+    assert connections[0] == 2 and sum(map(len, client._idle.values())) == 2
+    await asyncio.sleep(0.6)
+    await one()                                 # the newer, reused; the older still young
+    await asyncio.sleep(0.6)                    # the older idle 1.2 s, the newer 0.6 s
+    await one()
+    assert connections[0] == 2 and sum(map(len, client._idle.values())) == 1   # the older closed on the way
+    await client.close()
+    server.close()
+
+
 async def test_a_kept_connection_that_closed_or_aged_during_a_slow_on_send_is_not_written_to():
     """A batch line's `on_send` (a store write, retried for seconds when SQLite is locked) may outlast the kept
     connection taken before it: one the upstream closed meanwhile (idle past its keep-alive, uvicorn's 5 s), or

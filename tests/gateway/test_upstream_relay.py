@@ -218,3 +218,31 @@ tenants:
         assert r.status == 200, await r.text()
     assert [body.get("priority") for body in sent] == [10, 10, 0, None, 5]
     server.close()
+
+
+async def test_a_stream_asking_no_usage_gets_none_and_one_dropped_after_its_end_is_no_failure(aiohttp_client,
+                                                                                              tmp_path):
+    """The gateway asks the upstream for the usage it counts, not for running totals the client asked for
+    without `include_usage` (a local pool sends none then); and a connection reset after `[DONE]` (its body's
+    last chunk lost) ends an answer the client got whole: no 502 counted."""
+    from tests.gateway.test_upstream_faults import CHUNKED
+
+    asked: list[dict] = []
+    usage = {"id": "c1", "object": "chat.completion.chunk", "model": "upstream-model", "choices": [],
+             "usage": {"prompt_tokens": 7, "completion_tokens": 1}}   # include_usage's last chunk
+    events = _chunk(None, "x") + b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n"
+
+    def answer(request: bytes):
+        asked.append(json.loads(request.partition(b"\r\n\r\n")[2]))
+        return (CHUNKED + b"%x\r\n" % len(events) + events + b"\r\n",)   # no last chunk: the connection is reset
+
+    server, url = await _serve(answer)
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True,
+                                                        "stream_options": {"continuous_usage_stats": True}})
+    text = await r.text()
+    assert r.status == 200 and text.endswith("data: [DONE]\n\n") and '"usage"' not in text.replace('"usage": null', "")
+    assert asked[0]["stream_options"] == {"include_usage": True}
+    assert gateway.metrics.errors.labels(status="502")._value.get() == 0
+    _assert_counted(gateway, 7, 1)
+    server.close()
