@@ -10,14 +10,12 @@ that produced fewer than `stability_floor_tokens` since its (re)admission while 
 preempted (its full blocks stay in the prefix cache, the last one's token in flight included):
 - `recompute`: its blocks are dropped; it re-prefills later;
 - `swap`: its computed blocks are copied to the pool's CPU block pool and back on resume (CPU pool full: recompute);
-- `auto`: per victim, the cheaper of the measured swap round trip `2 x L x S_KV / B_swap` and the
-  measured re-prefill time `T_prefill(L)` (`PreemptionCostModel`).
+- `auto`: per victim, the cheaper of the swap round trip `2 x L x S_KV / B_swap` and the re-prefill `T_prefill(L)`.
 A step that preempted admits nothing. A sequence alone in its pool that still cannot grow ends (`length`, an error).
 A **paused** request (`pause`: its client reads too slowly) is skipped: its running sequences keep their blocks
 and place but get no token and are never victims; its waiting or swapped ones are passed by. A sequence short of
 blocks that only paused ones hold waits for them, keeping its own (`_held_by_paused`). So is a running sequence
 whose last token is in flight (overlap): it frees its blocks when that lands; one short of what those make up waits.
-
 The scheduler only decides; the block copies it asks for (swap out, swap in, copy-on-write) travel in
 `SchedulerOutput` and the engine performs them before the step's forward pass.
 """
@@ -191,21 +189,23 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """A decode token or the next prefill chunk of each running sequence, preempting victims when
-        blocks run out; returns the budget left."""
-        bm = self.block_manager
+        """A decode token or the next prefill chunk of each running sequence (a chunk leaves the decoding ones after
+        it their token: one resumed mid-prefill is ahead of them), preempting victims; returns the budget left."""
+        bm, ahead = self.block_manager, sum(s.num_uncomputed_tokens == 1 and not self.is_paused(s)
+                                            and not self._ending(s) for s in self.running)   # decodes to come
         # The sequences scheduled or skipped (paused, ending, or waiting) so far are always a prefix of `running`
-        # (victims, never skipped ones, leave from anywhere, the order of the rest is kept): the next is
-        # running[that]. A sequence short of blocks that the ending ones' own blocks (back a step later, less
-        # those promised to sequences before it) make up waits for them, and so does every later one short of the
-        # free blocks the waiters leave: nobody is preempted, nothing admitted.
+        # (victims, never skipped ones, leave from anywhere, the order of the rest is kept): the next is running[that].
+        # A sequence short of blocks that the ending ones' own blocks (back a step later, less those promised to
+        # sequences before it) make up waits for them, as does every later one short of the free blocks the waiters
+        # leave: nobody is preempted, nothing admitted.
         skipped, waits, coming, self._promised = 0, set(), None, 0
         while len(out.scheduled) + skipped < len(self.running) and budget > 0:
             seq = self.running[len(out.scheduled) + skipped]
             if self.is_paused(seq) or self._ending(seq):
                 skipped += 1
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            ahead -= (decode := seq.num_uncomputed_tokens == 1)
+            num_new = min(seq.num_uncomputed_tokens, budget if decode else max(1, budget - ahead))
             if not bm.writes_in_place(seq.block_table, seq.num_computed_tokens, num_new):
                 need, coming = self._blocks_needed(seq, num_new), self._ending_blocks() if coming is None else coming
                 covered = need <= bm.num_free_blocks + coming - self._promised   # by the free and the coming blocks

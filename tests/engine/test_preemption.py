@@ -398,3 +398,23 @@ def test_a_preempted_sequence_leaves_its_full_blocks_in_the_prefix_cache_and_end
         scheduler.running.append(s)
     out = scheduler.schedule()
     assert out.preempted == [] and out.scheduled == [] and scheduler.running == [a, a2, x]
+
+
+def test_a_prompt_resumed_mid_prefill_leaves_the_decoding_sequences_behind_it_their_tokens(tiny):
+    """A request paused mid-prefill (its gateway reads slowly) keeps its place in `running`; sequences admitted
+    behind it meanwhile decode. Resumed, its chunks leave them their token each step: it took the whole budget
+    until its prompt was in, and they got nothing."""
+    engine = _engine(tiny, max_num_batched_tokens=64)
+    engine.add_request("long", list(range(3, 503)), SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()                                            # its first chunk
+    assert engine.pause("long", True)
+    for i in range(3):
+        engine.add_request(f"d{i}", list(range(10 + i, 30 + i)), SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()                                            # their prompts; each samples its first token
+    assert engine.pause("long", False)
+    for step in (2, 3):
+        engine.step()
+        assert [engine.requests[f"d{i}"].seqs[0].num_output_tokens for i in range(3)] == [step] * 3, step
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_free(engine)
