@@ -95,18 +95,14 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Owns one pool's waiting, running and swapped sequences and decides each step's batch. Single-threaded:
-    called only from the device worker's engine loop."""
+    """Owns one pool's waiting, running and swapped sequences and decides each step's batch (single-threaded)."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
                  name: str = "default", swap_manager: BlockManager | None = None,
                  cost_model: PreemptionCostModel | None = None) -> None:
-        self.config = config
-        self.block_manager = block_manager
+        self.config, self.block_manager, self.cost_model = config, block_manager, cost_model
         self.swap_manager = swap_manager    # CPU block ids (swap and auto modes)
-        self.cost_model = cost_model
-        self.max_model_len = max_model_len
-        self.name = name
+        self.max_model_len, self.name = max_model_len, name
         self.waiting: list[Sequence] = []   # sorted by Sequence.sort_key
         self.running: list[Sequence] = []   # in admission order
         self.swapped: list[Sequence] = []   # in swap-out order; resumed first-out first-in
@@ -190,22 +186,26 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """A decode token or the next prefill chunk of each running sequence (a chunk leaves the decoding ones after
-        it their token: one resumed mid-prefill is ahead of them), preempting victims; returns the budget left."""
-        bm, ahead = self.block_manager, sum(s.num_uncomputed_tokens == 1 and not self.is_paused(s)
-                                            and not self._ending(s) for s in self.running)   # decodes to come
+        it their token, or goes behind them), preempting victims; returns the budget left."""
+        bm = self.block_manager
         # The sequences scheduled or skipped (paused, ending, or waiting) so far are always a prefix of `running`
-        # (victims, never skipped ones, leave from anywhere, the order of the rest is kept): the next is running[that].
-        # A sequence short of blocks that the ending ones' own blocks (back a step later, less those promised to
-        # sequences before it) make up waits for them, as does every later one short of the free blocks the waiters
-        # leave: nobody is preempted, nothing admitted.
+        # (victims, never skipped ones, leave from anywhere, a chunk moved behind the decodes from the next place,
+        # the order of the rest is kept): the next is running[that]. A sequence short of blocks that the ending ones'
+        # own blocks (back a step later, less those promised to sequences before it) make up waits for them, as does
+        # every later one short of the free blocks the waiters leave: nobody is preempted, nothing admitted.
         skipped, waits, coming, self._promised = 0, set(), None, 0
         while len(out.scheduled) + skipped < len(self.running) and budget > 0:
             seq = self.running[len(out.scheduled) + skipped]
             if self.is_paused(seq) or self._ending(seq):
                 skipped += 1
                 continue
-            ahead -= (decode := seq.num_uncomputed_tokens == 1)
-            num_new = min(seq.num_uncomputed_tokens, budget if decode else max(1, budget - ahead))
+            i, num_new = len(out.scheduled) + skipped, min(seq.num_uncomputed_tokens, budget)
+            if num_new > 1 and (ahead := sum(s.num_uncomputed_tokens == 1 and not self.is_paused(s) and not
+                                             self._ending(s) for s in self.running[i + 1:])):   # decodes after it
+                if ahead >= budget:   # they take the budget: it goes behind them (at the end, none is after it)
+                    self.running.append(self.running.pop(i))
+                    continue
+                num_new = min(num_new, budget - ahead)
             if not bm.writes_in_place(seq.block_table, seq.num_computed_tokens, num_new):
                 need, coming = self._blocks_needed(seq, num_new), self._ending_blocks() if coming is None else coming
                 covered = need <= bm.num_free_blocks + coming - self._promised   # by the free and the coming blocks

@@ -418,3 +418,24 @@ def test_a_prompt_resumed_mid_prefill_leaves_the_decoding_sequences_behind_it_th
     while engine.has_unfinished_requests():
         engine.step()
     assert_all_free(engine)
+
+
+def test_prefill_chunks_leave_the_decodes_after_them_their_token_or_go_behind_them():
+    """A budget the decodes after a chunk would take whole (the composer's, sized to them) moves the chunk behind
+    them, never one token of it ahead of the last decode's; of two chunks, the one the budget still holds runs."""
+    def scheduled(budget: int, prefills: int) -> tuple[list[tuple[int, int]], list[int]]:
+        bm = BlockManager(num_blocks=64, block_size=16, enable_prefix_caching=False)
+        scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, enable_prefix_caching=False), bm,
+                              max_model_len=1000)
+        seqs = [_seq(40, i) for i in range(prefills)] + [_seq(20, 10 + i) for i in range(3)]
+        for s in seqs:
+            bm.allocate(s.block_table, len(s.token_ids))
+            s.num_computed_tokens = 16 if s.seq_id < 10 else 19   # prompts part read; decodes' last token due
+            s.status = SequenceStatus.RUNNING
+            scheduler.running.append(s)
+        out = scheduler.schedule()
+        return [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled], [s.seq_id for s in scheduler.running]
+
+    assert scheduled(3, 1) == ([(10, 1), (11, 1), (12, 1)], [10, 11, 12, 0])
+    assert scheduled(10, 2) == ([(0, 7), (10, 1), (11, 1), (12, 1)], [0, 10, 11, 12, 1])
+    assert scheduled(64, 1) == ([(0, 24), (10, 1), (11, 1), (12, 1)], [0, 10, 11, 12])
