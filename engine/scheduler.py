@@ -185,8 +185,7 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """A decode token or the next prefill chunk of each running sequence (a chunk leaves the decoding ones after
-        it their token, or goes behind them), preempting victims; returns the budget left."""
+        """Each running sequence's decode token or next chunk (leaving the decodes after it theirs); the budget left."""
         bm = self.block_manager
         # The sequences scheduled or skipped (paused, ending, or waiting) so far are always a prefix of `running`
         # (victims, never skipped ones, leave from anywhere, a chunk moved behind the decodes from the next place,
@@ -200,8 +199,9 @@ class Scheduler:
                 skipped += 1
                 continue
             i, num_new = len(out.scheduled) + skipped, min(seq.num_uncomputed_tokens, budget)
-            if num_new > 1 and (ahead := sum(s.num_uncomputed_tokens == 1 and not self.is_paused(s) and not
-                                             self._ending(s) for s in self.running[i + 1:])):   # decodes after it
+            if seq.num_uncomputed_tokens > 1 and (ahead := sum(   # the decodes after it
+                    s.num_uncomputed_tokens == 1 and not self.is_paused(s) and not self._ending(s)
+                    for s in self.running[i + 1:])):
                 if ahead >= budget:   # they take the budget: it goes behind them (at the end, none is after it)
                     self.running.append(self.running.pop(i))
                     continue

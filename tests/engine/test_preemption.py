@@ -437,5 +437,6 @@ def test_prefill_chunks_leave_the_decodes_after_them_their_token_or_go_behind_th
         return [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled], [s.seq_id for s in scheduler.running]
 
     assert scheduled(3, 1) == ([(10, 1), (11, 1), (12, 1)], [10, 11, 12, 0])
+    assert scheduled(1, 1) == ([(10, 1)], [10, 11, 12, 0])   # one token left: a decode's, not the chunk's
     assert scheduled(10, 2) == ([(0, 7), (10, 1), (11, 1), (12, 1)], [0, 10, 11, 12, 1])
     assert scheduled(64, 1) == ([(0, 24), (10, 1), (11, 1), (12, 1)], [0, 10, 11, 12])
