@@ -194,8 +194,9 @@ async def test_a_line_the_upstream_refused_with_429_is_sent_again_after_a_stop(a
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.1)   # past its answer, into the back-off
     await first.close()
-    again = await aiohttp_client(create_app(_gateway(tmp_path, url), data_dir=tmp_path))
-    again.app[BATCHES].max_line_attempts = 1
+    second = create_app(_gateway(tmp_path, url), data_dir=tmp_path)
+    second[BATCHES].max_line_attempts = 1   # before its runner starts: it resumes the batch at once (set after, the
+    again = await aiohttp_client(second)    # runner had begun its 40 tries, and a loaded machine saw them all)
     done = await _wait(again, batch_id)
     (error,) = await _jsonl_file(again, done["error_file_id"])
     assert received["refused"] == 2 and error["response"]["status_code"] == 429, (received, error)
