@@ -41,7 +41,7 @@ from gateway.runtime import GATEWAY
 
 log = logging.getLogger("cliffguard.gateway")
 
-__all__ = ["browser_guard", "local_name", "machine_names"]
+__all__ = ["browser_guard", "local_name", "loopback", "machine_names"]
 
 LOCAL_SUFFIXES = (".localhost", ".local", ".internal")
 PROBES = {"/health", "/ready"}   # say nothing a page could use; a load balancer's check may send any Host
@@ -94,12 +94,18 @@ def _check_host(request: web.Request, allowed: tuple[str, ...]) -> None:
 
 def _over_loopback(request: web.Request) -> bool:
     sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
-    if not isinstance(sockname, tuple) or not sockname:
-        return False   # a Unix socket, or a connection gone: no browser reaches it by a name
+    # not a tuple: a Unix socket, or a connection gone; no browser reaches it by a name
+    return isinstance(sockname, tuple) and bool(sockname) and loopback(str(sockname[0]))
+
+
+def loopback(address: str) -> bool:
+    """Whether `address` (an IP address, in brackets or with a zone too; or a name) is this machine's loopback:
+    a loopback IP, `localhost` or a name under `.localhost`."""
     try:
-        return ipaddress.ip_address(str(sockname[0]).split("%")[0]).is_loopback
+        return ipaddress.ip_address(address.strip("[]").split("%")[0]).is_loopback
     except ValueError:
-        return False
+        name = address.lower().rstrip(".")
+        return name == "localhost" or name.endswith(".localhost")
 
 
 def _host_name(header: str | None) -> str | None:
@@ -136,10 +142,6 @@ def machine_names(hosts: Path = Path("/etc/hosts")) -> frozenset[str]:
         return frozenset(names)
     for line in lines:
         address, *aliases = line.partition("#")[0].split() or [""]
-        try:
-            loopback = ipaddress.ip_address(address.split("%")[0]).is_loopback
-        except ValueError:
-            continue
-        if loopback:
+        if loopback(address):
             names.update(alias.lower().rstrip(".") for alias in aliases)
     return frozenset(names)

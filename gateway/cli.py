@@ -177,23 +177,15 @@ def _serve(args: argparse.Namespace) -> int:
             start_fork_server()   # the workers' imports run beside the gateway's own start-up, not after it
         from engine.worker import LOG_FORMAT
         from gateway.app import run
+        from gateway.browser_guard import loopback
 
         logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-        if not config.gateway.api_keys and not loopback_only(host):
+        if not config.gateway.api_keys and not loopback(host):
             logging.getLogger("cliffguard.gateway").warning(
                 "no API key, listening on %s: whoever reaches it may use every endpoint and read every stored "
                 "file and response (a web page a browser there opens too); set gateway.api_keys", host)
         return run(config, host=host, port=port, vram_bytes=args.vram, data_dir=data_dir)
 
-
-def loopback_only(host: str) -> bool:
-    """Whether a listen address takes connections from this machine only."""
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host.lower().rstrip(".") == "localhost" or host.lower().endswith(".localhost")
 
 
 def make_data_dir(path: str) -> Path:

@@ -127,8 +127,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     received = time.perf_counter()
     body = await read_json(request)
     req = await parsed(gateway, parse_chat, body, gateway.config.gateway.limits)
-    routed = [await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs,
-                                       req.tool_choice.mode != "none")]
+    routed = [await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs, req.offers_calls)]
     tenant = gateway.admission.tenant_of(request)
     return await Completion(gateway, req, routed, body, "/chat/completions", received, tenant, http=request).answer()
 
@@ -159,7 +158,7 @@ async def answer(gateway: Gateway, path: str, body: Any, *, tenant: str | None =
         if path == "/v1/chat/completions":
             req = await parsed(gateway, parse_chat, body, gateway.config.gateway.limits)
             routed = [await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs,
-                                       req.tool_choice.mode != "none")]
+                                               req.offers_calls)]
         elif path == "/v1/completions":
             req = parse_completion(body, gateway.config.gateway.limits)
             routed = await gateway.route_prompts(req.model, req.prompts)

@@ -156,7 +156,7 @@ class LocalResponse:
         # A chat offering tools (tool_choice not "none"): its replies are parsed into tool calls.
         self.tool_format: ToolFormat | None = None
         self.calls_only = False   # tool_choice required or named: a reply is calls only
-        if self.chat and req.tools and req.tool_choice.mode != "none":
+        if self.chat and req.offers_calls:
             self.tool_format = format_for(routed[0][0].tokenizer, req.tools)
             self.calls_only = req.tool_choice.mode in ("required", "function")
             if req.stream:

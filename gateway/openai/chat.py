@@ -106,6 +106,11 @@ class ChatRequest:
     chat_template_kwargs: dict[str, Any] | None = None
 
     @property
+    def offers_calls(self) -> bool:
+        """Whether the model may call the tools it is shown (tools given and tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice.mode != "none"
+
+    @property
     def calls_finish(self) -> str:
         """The finish_reason of a reply that made calls, as OpenAI answers it: "stop" where tool_choice (or
         function_call) named the function, else "tool_calls" (for the deprecated `functions`, "function_call")."""

@@ -389,8 +389,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 async def _routed(gateway: Gateway, req: ChatRequest) -> tuple[Pool, list[int]]:
     """The request's chat counted and routed; a refusal names the Responses field (`input`, not `messages`)."""
     try:
-        return await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs,
-                                        req.tool_choice.mode != "none")
+        return await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs, req.offers_calls)
     except ApiError as err:
         raise renamed(err) from None
 

@@ -378,7 +378,7 @@ def test_serve_starts_the_workers_fork_server_before_it_plans_when_it_has_local_
 
 def test_serve_without_keys_beyond_loopback_says_so(tmp_path, monkeypatch, caplog):
     """A gateway with no API key listening past loopback answers its whole network: a WARNING before it serves."""
-    from gateway.cli import loopback_only
+    from gateway.browser_guard import loopback
 
     monkeypatch.setattr("gateway.app.run", lambda config, **kwargs: 0)
     path = tmp_path / "pools.yaml"
@@ -390,8 +390,8 @@ def test_serve_without_keys_beyond_loopback_says_so(tmp_path, monkeypatch, caplo
             assert main(["serve", "--config", str(path), "--host", host, "--port", "0",
                          "--data-dir", str(tmp_path / "data")]) == 0
         assert any("no API key, listening on" in r.getMessage() for r in caplog.records) == warned, host
-    assert all(map(loopback_only, ("127.0.0.1", "::1", "[::1]", "localhost", "LocalHost.")))
-    assert not any(map(loopback_only, ("0.0.0.0", "::", "10.0.0.1", "gpu-box")))
+    assert all(map(loopback, ("127.0.0.1", "::1", "[::1]", "localhost", "LocalHost.")))
+    assert not any(map(loopback, ("0.0.0.0", "::", "10.0.0.1", "gpu-box")))
 
 
 def test_a_store_or_a_tokenizer_that_cannot_be_read_is_one_line_before_a_socket_opens(tmp_path, tiny_model, capsys,
