@@ -229,17 +229,27 @@ class KeptResponses:
         asked = dataclasses.replace(asked, previous_response_id=body.get("previous_response_id"))
         req = asked.chat
         routed = [await _routed(gateway, req)]
-        in_progress = functools.partial(self.started, stored)   # admitted on a replica (an answer is made)
         if routed[0][0].is_upstream:
             if stored.id in self._were_running:   # in progress there: it was sent
                 raise ApiError(502, f"{stored.id}: sent to its upstream pool before the gateway stopped, which cut "
                                "it; the upstream may have run it, so it is not sent again", type="server_error",
                                code="upstream_disconnected")
-            await in_progress()   # sent on at once
-        answer_type = functools.partial(_AdmittedAnswer, started=in_progress, asked=asked, response_id=stored.id,
+            await self.started(stored)   # kept before it is sent: a stop from now on must not send it again
+        marks: list[asyncio.Task] = []
+
+        def marking() -> asyncio.Task:   # admitted on a replica (an answer is made)
+            marks.append(asyncio.get_running_loop().create_task(self.started(stored), name=f"{stored.id} started"))
+            return marks[-1]
+
+        answer_type = functools.partial(_AdmittedAnswer, started=marking, asked=asked, response_id=stored.id,
                                         created_at=stored.response["created_at"])
-        return await Completion(gateway, req, routed, _relayed(body, asked), "/responses", time.perf_counter(),
-                                stored.tenant, patient=True, answer_type=answer_type).answer()
+        try:
+            return await Completion(gateway, req, routed, _relayed(body, asked), "/responses", time.perf_counter(),
+                                    stored.tenant, patient=True, answer_type=answer_type).answer()
+        finally:   # a mark still trying when the run ended is moot: its end is kept next (and is never overwritten)
+            for task in marks:
+                task.cancel()
+            await asyncio.gather(*marks, return_exceptions=True)
 
     async def cancel(self, response_id: str, *, owner: str) -> dict[str, Any]:
         stored = await self.found(response_id, owner)
@@ -263,16 +273,26 @@ class KeptResponses:
 
 
 class _AdmittedAnswer(ResponsesAnswer):
-    """A background Response's answer, made once the request is admitted on a replica: `started` (the store's
-    `in_progress`) runs first; the response was `queued` while it waited for its device and credits."""
+    """A background Response's answer, made once the request is admitted on a replica: `started` (a task
+    writing the store's `in_progress`; the response was `queued` while it waited for its device and credits)
+    runs beside the engine request, so a store that is tried again (`KeptResponses.durable`, up to tens of
+    seconds) never holds the credits idle; a store that fails for good first aborts the run with its error."""
 
-    def __init__(self, *args: Any, started: Callable[[], Any], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, started: Callable[[], asyncio.Task], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.started = started
 
     async def run(self) -> None:
-        await self.started()
-        await super().run()
+        marked, running = self.started(), asyncio.ensure_future(super().run())
+        try:
+            await asyncio.wait((marked, running), return_when=asyncio.FIRST_COMPLETED)
+            if not running.done() and not marked.cancelled() and (error := marked.exception()) is not None:
+                raise error
+            await running
+        finally:
+            if not running.done():   # cut (its engine request aborted) by the failed mark, or by a cancel
+                running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
 
 
 def _finished(answer: Any) -> dict[str, Any]:

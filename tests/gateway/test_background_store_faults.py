@@ -6,6 +6,7 @@ running it, nor ends its run as a task error nobody reads."""
 from __future__ import annotations
 
 import asyncio
+import re
 import sqlite3
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from gateway.app import create_app
 from gateway.openai.stored_responses import RESPONSES
 from gateway.runtime import Gateway
 from pools.config.yaml_file import load_config
-from tests.gateway.conftest import pools_yaml
+from tests.gateway.conftest import chat_pool_yaml, pools_yaml
 
 LOCKED = "database is locked"
 
@@ -115,3 +116,62 @@ async def test_a_store_that_cannot_even_keep_the_failure_logs_it_and_leaves_it_f
     assert f"{response_id}: its end could not be kept" in caplog.text
     assert [s.id for s in kept.store.unfinished()] == [response_id]   # the next start runs it again
     assert not seen
+
+
+async def _served(aiohttp_client, tmp_path: Path, tiny_model: Path):
+    """An app with a data dir and the tiny model's worker on the CPU, ready; its kept responses tried 3 times."""
+    path = tmp_path / "pools.yaml"
+    path.write_text(chat_pool_yaml(tiny_model, max_model_len=512))
+    gateway = Gateway.from_config(load_config(path))
+    app = create_app(gateway, data_dir=tmp_path)
+    client = await aiohttp_client(app)
+    while (await client.get("/ready")).status != 200:
+        await asyncio.sleep(0.1)
+    kept = app[RESPONSES]
+    kept.max_store_attempts = 3
+    return client, kept, gateway.pools["chat"].admission
+
+
+def _failing_in_progress(kept) -> list[dict]:
+    """`kept.store.update` raising a storage error whenever it is to mark a response `in_progress`."""
+    calls, real = [], kept.store.update
+
+    def update(response, **kwargs):
+        calls.append(response)
+        if response["status"] == "in_progress":
+            raise sqlite3.OperationalError(LOCKED)
+        return real(response, **kwargs)
+
+    kept.store.update = update
+    return calls
+
+
+async def test_an_admitted_run_does_not_wait_on_a_store_write_being_tried_again(aiohttp_client, tmp_path, tiny_model):
+    """Its `in_progress` is written beside the engine request: a store backing off (30 s here) holds no credits
+    idle; the run answers, the mark still waiting is dropped, and its end is kept."""
+    client, kept, queue = await _served(aiohttp_client, tmp_path, tiny_model)
+    kept.retry_first_s = kept.retry_max_s = 30.0
+    calls, free = _failing_in_progress(kept), queue.free
+    r = await client.post("/v1/responses", json={"model": tiny_model.name, "input": "hi", "background": True,
+                                                 "max_output_tokens": 4})
+    response = await _settled(client, (await r.json())["id"])
+    assert response["status"] in ("completed", "incomplete") and response["output"], response
+    assert [c["status"] for c in calls] == ["in_progress", response["status"]]
+    assert queue.free == free and not kept._runs
+
+
+async def test_a_store_failing_for_good_as_a_run_starts_aborts_its_engine_request(aiohttp_client, tmp_path,
+                                                                                 tiny_model):
+    """The mark beside a long run fails past its tries: the run is cut (its engine request aborted, its credits
+    back) and the response is `failed` naming the store's error, as when the store fails before it starts."""
+    client, kept, queue = await _served(aiohttp_client, tmp_path, tiny_model)
+    kept.retry_first_s = kept.retry_max_s = 0.01
+    calls, free = _failing_in_progress(kept), queue.free
+    r = await client.post("/v1/responses", json={"model": tiny_model.name, "input": "hi", "background": True,
+                                                 "max_output_tokens": 480, "temperature": 0})
+    response = await _settled(client, (await r.json())["id"])
+    assert response["status"] == "failed" and response["error"]["message"].startswith("storage_unavailable: ")
+    assert [c["status"] for c in calls] == ["in_progress"] * kept.max_store_attempts + ["failed"]
+    metrics = await (await client.get("/metrics")).text()
+    assert re.search(r'^cliffguard_num_aborted_requests_total\{[^}]*pool="chat"[^}]*\} 1\.0$', metrics, re.M), metrics
+    assert queue.free == free and not kept._runs
