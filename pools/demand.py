@@ -17,7 +17,7 @@ request (its mean prompt P and output O over the window):
 
 **What a pool is offered**: the prompt tokens and the output tokens (max_tokens capped at the pool's
 `avg_len`, as placement estimates them) of the requests that arrived in the last `WINDOW_SECONDS`,
-per second. Batch lines are not offered load: they wait for idle capacity by design.
+per second (per second since the gateway started, while that is shorter: `OfferedLoad.span`). Batch lines are not offered load: they wait for idle capacity by design.
 
 **The device's load** is the fraction of one replica's time the offered load needs,
 
@@ -62,11 +62,21 @@ def wait_bound(max_queue_seconds: float | None) -> float:
 # --- what a pool is offered -------------------------------------------------------------------------
 
 class OfferedLoad:
-    """The requests one pool was offered over the last `window` seconds (any monotonic clock)."""
+    """The requests one pool was offered over the last `window` seconds (any monotonic clock), counted
+    from `since` (when arrivals began to be counted: a gateway's start) if given."""
 
-    def __init__(self, window: float = WINDOW_SECONDS) -> None:
-        self.window = window
+    def __init__(self, window: float = WINDOW_SECONDS, since: float | None = None) -> None:
+        self.window, self.since = window, since
         self._arrivals: deque[tuple[float, int, int]] = deque()   # (at, prompt tokens, output tokens)
+
+    def span(self, now: float) -> float:
+        """The seconds the totals at `now` were counted over, to divide them by: the window, or the time
+        since counting began when that is shorter (a gateway started into steady traffic reads its rate
+        from the start, not a fraction of it), at least a quarter of the window (a first long request in
+        its first second is not a flood)."""
+        if self.since is None:
+            return self.window
+        return min(self.window, max(now - self.since, self.window / 4))
 
     def add(self, at: float, prompt_tokens: int, output_tokens: int) -> None:
         self._arrivals.append((at, prompt_tokens, output_tokens))

@@ -119,8 +119,8 @@ class OverloadWatch:
             rates = None if model is None else pool_rates(
                 model, prompt_tokens=typical[0], output_tokens=typical[1], max_num_seqs=self.max_num_seqs[pool.name],
                 credits=admission.max_request, chunk=pool.spec.max_num_batched_tokens)
-            window = admission.offered.window
-            loads.append(PoolLoad(pool.name, prompt / window, output / window, rates, admission.oldest_wait(now),
+            span = admission.offered.span(now)
+            loads.append(PoolLoad(pool.name, prompt / span, output / span, rates, admission.oldest_wait(now),
                                   wait_bound(pool.spec.max_queue_seconds)))
         return DeviceLoad(tuple(loads), len(ready))
 

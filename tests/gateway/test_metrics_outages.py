@@ -16,6 +16,7 @@ import dataclasses
 import math
 from types import SimpleNamespace
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.stats import EngineStats, PoolStats, StepCounters, WorkerInfo
@@ -305,7 +306,7 @@ def test_with_no_replica_ready_a_pools_capacity_reads_0_and_the_offered_load_sta
     read 0, the model being read from ready replicas only)."""
     from engine.step_cost import LinearStepTime
 
-    offered = SimpleNamespace(totals=lambda now: (0, 0, 0), window=10.0)
+    offered = SimpleNamespace(totals=lambda now: (0, 0, 0), span=lambda now: 10.0)
     admission = SimpleNamespace(offered=offered, max_request=2048, oldest_wait=lambda now: 0.0)
     spec = SimpleNamespace(avg_len=64, max_num_batched_tokens=512, max_queue_seconds=30.0)
     pool = SimpleNamespace(name="chat", device=DEVICE, is_upstream=False, admission=admission, spec=spec)
@@ -322,6 +323,28 @@ def test_with_no_replica_ready_a_pools_capacity_reads_0_and_the_offered_load_sta
     offered.totals = lambda now: (50, 5000, 2500)
     watch.check(101.0)
     assert capacity.get() == 0 and metrics.device_offered_load.labels(device=DEVICE)._value.get() > 0
+
+
+def test_a_gateway_started_into_steady_traffic_reads_its_offered_rate_from_the_start():
+    """5 s after the gateway's queue began counting, 100 prompt tokens a second for 5 s read 100 tokens/s
+    offered (not 5/20 of it: the window is not full yet), and so does the load they make."""
+    from engine.step_cost import LinearStepTime
+    from pools.demand import OfferedLoad
+
+    offered = OfferedLoad(window=20.0, since=100.0)
+    for t in range(5):
+        offered.add(100.0 + t, 100, 10)
+    admission = SimpleNamespace(offered=offered, max_request=2048, oldest_wait=lambda now: 0.0)
+    spec = SimpleNamespace(avg_len=64, max_num_batched_tokens=512, max_queue_seconds=30.0)
+    pool = SimpleNamespace(name="chat", device=DEVICE, is_upstream=False, admission=admission, spec=spec)
+    metrics = GatewayMetrics()
+    watch = OverloadWatch({"chat": pool}, {"chat": 32}, metrics)
+    stats = dataclasses.replace(_make_stats(taken_at=0.0), step=StepCounters(
+        busy_seconds=1.0, step_model=LinearStepTime(a=0.01, b=1e-4, c=1e-3, d=0.0)))
+    watch.supervisors = {DEVICE: [SimpleNamespace(is_ready=True, client=SimpleNamespace(latest_stats=stats))]}
+    watch.check(105.0)
+    assert metrics.pool_offered.labels(pool="chat", phase="prefill")._value.get() == pytest.approx(100.0)
+    assert metrics.pool_offered.labels(pool="chat", phase="decode")._value.get() == pytest.approx(10.0)
 
 
 def test_a_worker_that_lived_between_two_scrapes_is_counted(monkeypatch):

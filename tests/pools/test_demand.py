@@ -33,6 +33,14 @@ def test_offered_load_counts_only_the_window():
     assert offered.totals(30.0) == (0, 0, 0)
 
 
+def test_offered_load_is_divided_by_the_time_it_was_counted_over():
+    assert OfferedLoad(window=20).span(3.0) == 20                 # no start given: the whole window
+    offered = OfferedLoad(window=20, since=100.0)
+    assert offered.span(101.0) == 5                               # at least a quarter of the window
+    assert offered.span(112.0) == 12                              # the time since counting began
+    assert offered.span(150.0) == 20                              # then the window
+
+
 def _pool(load_prefill: float = 0.0, load_decode: float = 0.0, wait: float = 0.0, bound: float = 25.0) -> PoolLoad:
     """A pool whose offered load is `load_prefill` + `load_decode` of one replica's time."""
     return PoolLoad("rag", 1000 * load_prefill, 100 * load_decode, PoolRates(1000, 100, 1), wait, bound)
