@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.transfer import to_device
+from kernels.transfer import to_device, to_device_tensor
 
 
 class PenaltyCounts:
@@ -67,17 +67,19 @@ class PenaltyCounts:
         self._free.extend(rows)
 
     def _fill(self, row) -> int:
-        """A free row filled from the sequence's tokens (its one walk over them)."""
+        """A free row filled from the sequence's tokens (its one walk over them). The ids are filtered on
+        the host (no placeholders, none past the logits): a boolean mask of a CUDA tensor waits for the
+        device (its count), which would stall the launch of the step that first samples a penalized row."""
         if not self._free:
             self._grow()
         index = self._free.pop()
-        prompt_len = len(row.token_ids) - row.num_output_tokens
-        prompt = to_device(row.token_ids[:prompt_len], torch.int64, self.device)
-        output = to_device(row.token_ids[prompt_len:], torch.int64, self.device)
+        ids = torch.tensor(row.token_ids, dtype=torch.int64)
+        prompt, output = ids[:len(ids) - row.num_output_tokens], ids[len(ids) - row.num_output_tokens:]
+        prompt = to_device_tensor(prompt[prompt < self.vocab_size], self.device)
+        output = to_device_tensor(output[(output >= 0) & (output < self.vocab_size)], self.device)
         self.counts[index].zero_()
         self.in_prompt[index].zero_()
-        self.in_prompt[index, prompt[prompt < self.vocab_size]] = True
-        output = output[(output >= 0) & (output < self.vocab_size)]   # not placeholders, nor past the logits
+        self.in_prompt[index, prompt] = True
         self.counts[index].index_put_((output,), torch.ones_like(output, dtype=torch.int32), accumulate=True)
         return index
 

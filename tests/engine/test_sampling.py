@@ -459,6 +459,23 @@ def test_penalties_change_the_greedy_choice() -> None:
     assert _make_sampler()(logits, [_adjusted_row(repetition_penalty=3.0)]).token_ids == [0]  # 1.0, 0.83 < 1.2
 
 
+def test_a_penalized_row_is_filled_without_a_data_dependent_op_on_the_device() -> None:
+    """On the meta device, an op whose result's shape depends on values (a boolean mask: on CUDA it waits
+    for the device to count) raises: the row is filled from ids filtered on the host (placeholders and
+    ids past the logits dropped), as the CPU fills it with the right counts."""
+    from types import SimpleNamespace
+
+    from engine.penalties import PenaltyCounts
+
+    row = SimpleNamespace(key=1, token_ids=[3, 5, 200, 7, 7, -1], num_output_tokens=3)   # output 7, 7, pending
+    meta = PenaltyCounts(100, "meta")
+    assert meta.rows([row])[0].shape == (1,)
+    cpu = PenaltyCounts(100, "cpu")
+    index = int(cpu.rows([row])[0][0])
+    assert cpu.in_prompt[index].nonzero().flatten().tolist() == [3, 5]
+    assert cpu.counts[index].nonzero().flatten().tolist() == [7] and int(cpu.counts[index, 7]) == 2
+
+
 def test_adjusted_rows_leave_their_neighbours_and_the_raw_logprobs_alone() -> None:
     logits = _make_logits(3, 16, seed=4)
     plain = [_make_row(SamplingParams(temperature=0.0, logprobs=3)) for _ in range(3)]
