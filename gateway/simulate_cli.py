@@ -47,7 +47,7 @@ def add_simulate(sub) -> None:
                    "knee.png here (created if missing)")
     p.add_argument("--recommend", action="store_true",
                    help="try kv_share splits of the device's two pools and the second pool's max_num_batched_tokens "
-                        "at --request-rate; print the one that meets --slo-ttft-p99 with the most tokens/s")
+                        "at --request-rate; print the one that meets --slo-ttft-p99 with the lowest worst p99 TTFT")
     p.add_argument("--slo-ttft-p99", type=positive_float, default=None, help="with --recommend: p99 TTFT target (s)")
     p.add_argument("--slo-itl-p99", type=positive_float, default=None, help="with --recommend: p99 ITL target (s)")
     p.add_argument("--calibrate", type=output_file, default=None, metavar="FILE",

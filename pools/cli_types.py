@@ -178,6 +178,15 @@ def check_simulate_options(args: argparse.Namespace) -> None:
                     args.preemption_mode), ("--swap-space", args.swap_space)) if value is not None), None)
     if args.calibrate and changed:   # the calibration runs the file's own pools
         raise UsageError(f"{changed}: not with --calibrate (it measures the config as its file writes it)")
+    ran = next((flag for flag, given in (
+        ("--recommend", args.recommend), ("--sweep-rate", args.sweep_rate is not None),
+        ("--step-model", args.step_model is not None), ("--layout", args.layout != "split"),
+        ("--no-credits", args.no_credits), ("--json", args.json), ("--workload", args.workload != "mixed"),
+        ("--request-rate", args.request_rate != 1.0), ("--duration", args.duration != 60.0),
+        ("--burstiness", args.burstiness != 1.0), ("--device", args.device != "h100")) if given), None)
+    if args.calibrate and ran:   # it measures steps and writes them: nothing is simulated
+        raise UsageError(f"{ran}: not with --calibrate (it measures the device's steps and writes them; nothing "
+                         "is simulated)")
     if args.calibrate and not args.from_trace and (args.model_config or args.vram):   # it runs the real engine here
         raise UsageError(f"--{'model-config' if args.model_config else 'vram'}: with --calibrate, only beside "
                          "--from-trace (a calibration here runs the config's own model on this machine)")

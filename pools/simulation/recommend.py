@@ -1,5 +1,5 @@
 """A recommendation for a target SLO: the split of one device's KV between its two pools and the
-token budget of the second that meet it with the most throughput, found by simulating each."""
+token budget of the second that meet it with the most headroom, found by simulating each."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def recommend(config: CliffguardConfig, model_configs: Mapping[str, ModelConfig]
     """Try each split of one device's KV between its two pools (`kv_share` of the first, the rest to
     the second) and each `max_num_batched_tokens` of the second, at `rate`; a candidate meets the SLO
     when every class's p99 TTFT (and p99 ITL, if given) is within it and nothing failed. The
-    recommendation is the one that meets it with the most output tokens/s (ties: lower worst p99 TTFT).
-    Returns every candidate's figures and the choice (None when none meets the SLO)."""
+    recommendation is the one that meets it with the most headroom (`_headroom`). Returns every candidate's
+    figures (a worst p99 of None: some class finished nothing) and the choice (None when none meets it)."""
     from pools.capacity_plan import plan_capacity
 
     local = [p for p in config.pools if not p.is_upstream]
@@ -53,10 +53,12 @@ def recommend(config: CliffguardConfig, model_configs: Mapping[str, ModelConfig]
             requests = make_requests(classes, rate, duration=duration, burstiness=burstiness, seed=seed)
             summary = summarize(simulate(candidate, plan, model_configs, requests, step_times, credits=credits,
                                          seed=seed))
-            worst_ttft = max((c["ttft"]["p99"] or float("inf")) for c in summary["classes"].values())
+            ttfts = [c["ttft"]["p99"] for c in summary["classes"].values()]
+            worst_ttft = None if None in ttfts else max(ttfts, default=None)   # None: a class finished nothing
             worst_itl = max((c["itl"]["p99"] or 0.0) for c in summary["classes"].values())
             failed = sum(c["errors"] for c in summary["classes"].values())
-            meets = not failed and worst_ttft <= ttft_p99 and (itl_p99 is None or worst_itl <= itl_p99)
+            meets = not failed and worst_ttft is not None and worst_ttft <= ttft_p99 and (
+                itl_p99 is None or worst_itl <= itl_p99)
             candidates.append({"kv_share": share, "max_num_batched_tokens": budget, "meets": meets,
                                "worst_ttft_p99": worst_ttft, "worst_itl_p99": worst_itl, "errors": failed,
                                "output_tokens_per_s": sum(c["output_tokens_per_s"]
@@ -64,13 +66,13 @@ def recommend(config: CliffguardConfig, model_configs: Mapping[str, ModelConfig]
     good = [c for c in candidates if c.get("meets")]
     current = first.kv_share if first.kv_share is not None else 0.5
 
-    def rank(c: dict[str, Any]) -> tuple[float, float, float]:
-        """Most tokens/s (to 3 significant digits), then the lowest worst p99 TTFT (to 10 ms), then the
-        split nearest the config's own."""
-        return (float(f"{c['output_tokens_per_s']:.3g}"), -round(c["worst_ttft_p99"], 2),
-                -abs(c["kv_share"] - current))
+    def _headroom(c: dict[str, Any]) -> tuple[float, float, float]:
+        """The lowest worst p99 TTFT (to 10 ms), then the lowest worst p99 ITL (to 1 ms), then the split
+        nearest the config's own. Not tokens/s: every candidate that meets the SLO served the same requests
+        and failed none, so its tokens/s differ only by when its last request happened to end."""
+        return (-round(c["worst_ttft_p99"], 2), -round(c["worst_itl_p99"], 3), -abs(c["kv_share"] - current))
 
-    best = max(good, key=rank, default=None)
+    best = max(good, key=_headroom, default=None)
     return {"pools": [first.name, second.name], "rate": rate, "ttft_p99": ttft_p99, "itl_p99": itl_p99,
             "candidates": candidates, "recommended": best}
 

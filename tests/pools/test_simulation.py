@@ -553,6 +553,32 @@ def test_recommend_picks_the_budget_that_meets_an_itl_target():
     assert bursty["candidates"][0]["worst_ttft_p99"] != poisson["candidates"][0]["worst_ttft_p99"]
 
 
+def test_recommend_picks_the_candidate_with_the_most_headroom_not_the_earliest_last_request():
+    """Both budgets meet a loose target and serve the same tokens; 8192's last request happens to end sooner
+    (more tokens/s over the run), but 512 has the lower worst p99 TTFT (and ITL): 512 is recommended. A class
+    no pool can take has no p99: None, and the JSON is strict."""
+    config = load_config(ROOT / "config" / "examples" / "llama3-70b-8xh100.yaml")
+    model = read_model_config(LLAMA_70B)
+    models = {config.pools[0].model: model}
+    step = {"h100x8": RooflineStepTime(PRESETS["h100"], model, 2, tp=8)}
+    classes = (WorkloadClass("chat", prompt_len=LengthDist("fixed", value=200),
+                             output_len=LengthDist("fixed", value=30), share=0.8),
+               WorkloadClass("rag", prompt_len=LengthDist("fixed", value=6000),
+                             output_len=LengthDist("fixed", value=30), share=0.2))
+    result = recommend(config, models, classes, 8.0, step, ttft_p99=10.0, duration=10.0, vram_bytes=80 << 30,
+                       shares=(0.4,), budgets=(512, 8192))
+    small, big = result["candidates"]
+    assert small["meets"] and big["meets"] and big["output_tokens_per_s"] > small["output_tokens_per_s"]
+    assert round(small["worst_ttft_p99"], 2) < round(big["worst_ttft_p99"], 2)
+    assert result["recommended"] is small
+    huge = WorkloadClass("huge", prompt_len=LengthDist("fixed", value=200_000),
+                         output_len=LengthDist("fixed", value=30), share=0.2)
+    result = recommend(config, models, (*classes, huge), 8.0, step, ttft_p99=10.0, duration=10.0,
+                       vram_bytes=80 << 30, shares=(0.4,), budgets=(512,))
+    assert result["candidates"][0]["worst_ttft_p99"] is None and result["recommended"] is None
+    json.dumps(result, allow_nan=False)
+
+
 # --- replicas ------------------------------------------------------------------------------------
 def _replicated_config(replicas: int):
     """One small device (the TINY model: KV never binds) whose one pool runs 8 sequences per replica."""
@@ -927,7 +953,11 @@ pools:
     for flags, named in ((["--recommend", "--slo-ttft-p99", "1", "--sweep-rate", "1,2"], "--sweep-rate"),
                          (["--recommend", "--slo-ttft-p99", "1", "--layout", "both"], "--layout"),
                          (["--calibrate", "/tmp/never.json", "--replicas", "2"], "--replicas"),
-                         (["--calibrate", "/tmp/never.json", "--swap-space", "1GiB"], "--swap-space")):
+                         (["--calibrate", "/tmp/never.json", "--swap-space", "1GiB"], "--swap-space"),
+                         (["--calibrate", "/tmp/never.json", "--sweep-rate", "1,2"], "--sweep-rate"),
+                         (["--calibrate", "/tmp/never.json", "--json"], "--json"),
+                         (["--calibrate", "/tmp/never.json", "--step-model", "m.json"], "--step-model"),
+                         (["--calibrate", "/tmp/never.json", "--request-rate", "3"], "--request-rate")):
         assert main(["simulate", *flags]) == 2
         assert capsys.readouterr().err.count(f"{named}: not with --") == 1, flags
     assert main(["simulate", "--preemption-mode", "swap", "--swap-space", "0"]) == 2   # the file's pools, made invalid
