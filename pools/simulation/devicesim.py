@@ -221,7 +221,7 @@ class DeviceSim:
                     self.schedulers[name].stats.preempt_seconds += swap_s * share
         self.clock += seconds + swap_s
         self.num_steps += 1
-        self.composer.observe(composed, seconds + swap_s, self.clock)
+        self.composer.observe(composed, seconds, self.clock)   # its forward pass, as the engine's (copies before it)
         observe_step_time(self.schedulers, composed.features.num_prefill_tokens,
                           composed.features.num_decode_tokens, seconds)
         commit_step(self.schedulers, batch)

@@ -187,6 +187,9 @@ def test_swap_mode_moves_blocks_and_charges_the_copy_time():
     stats = sim.schedulers["chat"].stats
     assert all(r.finished for r in requests)
     assert stats.num_swap_preemptions > 0 and stats.num_swapped_in_blocks > 0 and stats.preempt_seconds > 0
+    # the copies take the clock's time, not the forward passes' the composer learns from (as the engine's)
+    assert stats.preempt_seconds > 1.0
+    assert sim.clock - sim.composer.stats.busy_seconds == pytest.approx(stats.preempt_seconds, rel=1e-3)
 
 
 def test_a_request_that_can_never_fit_is_an_error_not_a_hang():
