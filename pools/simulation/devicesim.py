@@ -13,14 +13,14 @@ With `credits` off (a server without KV credits) a request goes at once to the r
 placement picks among all.
 
 Time: every replica keeps its own clock (the end of its last step). `run` always steps the replica
-furthest behind that has work, and takes each arrival at the first step boundary at or after its
-time (when no replica has work, every clock moves on to the next arrival). A request admitted at
-time t on a replica starts at that replica's first step boundary at or after t (an idle replica's
-clock moves on to t), so none starts before the event that admitted it: its arrival, or the end of
-a request, on any replica, that let the queue move. With one replica this is exactly the
-single-device loop (same order of arrivals, steps and admissions). A pool's `max_queue_seconds` is applied
-at those events too (a wait that ran out by then fails before the queue is admitted): with several
-replicas, at the clock of the one whose step ended, which may be up to a step ahead of the others.
+furthest behind that has work, and takes the events, arrivals and the ends of requests (credits come
+back as the step that ended the request ends), in time order once every replica with work has passed
+them (when no replica has work, every clock moves on to the next event): an arrival during the step
+that ends a request finds its credits still held, as the gateway does. A request admitted at time t on
+a replica starts at that replica's first step boundary at or after t (an idle replica's clock moves on
+to t), so none starts before the event that admitted it: its arrival, or the end of a request, on any
+replica, that let the queue move. A pool's `max_queue_seconds` is applied at those events too (a wait
+that ran out by then fails before the queue is admitted).
 
 Single-threaded; the group owns the arrivals' token ids (one random stream for the device, which
 its replicas share for the tokens they sample) and the sequence order across replicas.
@@ -290,6 +290,8 @@ class ReplicaGroup:
         self._queued: dict[str, tuple[SimRequest, Seq, Work]] = {}     # waiting for credits
         self.max_queue = dict(max_queue or {})
         self._deadlines: list[tuple[float, str, str]] = []   # heap: (when its wait ends, request id, pool)
+        self._releases: list[tuple[float, int, str, str]] = []   # heap: (when it ended, order, pool, request id)
+        self._num_ended = 0
         self._order = 0
 
     def attach(self, replica: DeviceSim) -> int:
@@ -380,12 +382,34 @@ class ReplicaGroup:
         self.placements[pool].observe(request_id, num_tokens)
 
     def ended(self, pool: str, request_id: str, at: float) -> None:
-        """A replica's request ended at `at` (finished or failed): its credits return, the queue is
-        admitted again across the replicas."""
+        """A replica's request ended at `at` (finished or failed): its credits return at `at`, in time
+        order with the arrivals and the other replicas' steps (`run`), so an arrival during the step
+        that ended it still finds them held."""
+        self._num_ended += 1
+        heapq.heappush(self._releases, (at, self._num_ended, pool, request_id))
+
+    def _release(self, at: float, pool: str, request_id: str) -> None:
+        """`ended`'s request gives its credits back: the queue is admitted again across the replicas."""
         self.placements[pool].finish(request_id)
         if pool in self.ledgers:
             self.ledgers[pool].release(request_id)
             self._admit(pool, at)
+
+    def _happen(self, pending: Sequence[SimRequest], i: int, now: float) -> tuple[int, bool]:
+        """The arrivals (from `pending[i]`) and the ends of requests at or before `now`, in time order (an
+        end before an arrival at the same time); the index of the next arrival, and whether any happened."""
+        first, num_releases = i, len(self._releases)
+        while True:
+            arrives = i < len(pending) and pending[i].arrival <= now
+            if self._releases and self._releases[0][0] <= now and (
+                    not arrives or self._releases[0][0] <= pending[i].arrival):
+                at, _, pool, request_id = heapq.heappop(self._releases)
+                self._release(at, pool, request_id)
+            elif arrives:
+                self.arrive(pending[i])
+                i += 1
+            else:
+                return i, i != first or len(self._releases) != num_releases
 
     # --- the clock -------------------------------------------------------------------------------
     def run(self, requests: Sequence[SimRequest]) -> None:
@@ -399,16 +423,14 @@ class ReplicaGroup:
             busy = [r for r in self.replicas if r.has_work and not r.stalled]
             if busy:
                 now = min(r.clock for r in busy)
-            elif i < len(pending):
-                now = pending[i].arrival
+            elif i < len(pending) or self._releases:
+                now = min([r.arrival for r in pending[i:i + 1]] + [at for at, *_ in self._releases[:1]])
                 for r in self.replicas:
                     r.clock = max(r.clock, now)
             else:
                 break
-            if i < len(pending) and pending[i].arrival <= now:
-                while i < len(pending) and pending[i].arrival <= now:
-                    self.arrive(pending[i])
-                    i += 1
+            i, happened = self._happen(pending, i, now)
+            if happened:
                 for r in self.replicas:
                     r.stalled = False
                 continue

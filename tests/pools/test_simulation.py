@@ -176,6 +176,22 @@ def test_a_request_waiting_for_credits_past_max_queue_seconds_fails_as_the_gatew
     assert bool(waited) == (limit == 4.0)
 
 
+def test_an_arrival_during_the_step_that_ends_a_request_finds_its_credits_still_held():
+    """1 s steps, KV for one request at a time, `max_queue_seconds: 0`: A runs from 0 to 2 s; B, arriving at
+    1.5 s, is refused as the gateway refuses it then (A's credits come back at 2 s, when its last step ends);
+    C, at 2.5 s, is served."""
+    pools = [_pool(num_blocks=8, max_num_seqs=8)]
+    group = ReplicaGroup(pools, block_size=16, max_queue={"chat": 0.0})
+    sim = DeviceSim(pools, block_size=16, max_model_lens={"chat": 1024}, step_time=LinearStepTime(a=1.0, b=0.0,
+                    c=0.0, d=0.0), kv_bytes_per_token=TINY.kv_bytes_per_token(torch.bfloat16), group=group)
+    a, b, c = (SimRequest(name, "chat", arrival=at, prompt_len=100, output_len=2, pool="chat")
+               for name, at in (("a", 0.0), ("b", 1.5), ("c", 2.5)))
+    sim.run([a, b, c])
+    assert a.finished and a.error is None and a.token_times == pytest.approx([1.0, 2.0])
+    assert b.error is not None and b.error.startswith("429") and b.admitted is None
+    assert c.finished and c.error is None and c.admitted == pytest.approx(2.5)
+
+
 def test_swap_mode_moves_blocks_and_charges_the_copy_time():
     step = LinearStepTime(a=0.01, b=0.0001, c=0.001, d=0.0, swap_bandwidth=1e6)
     pool = PoolConfig(name="chat", num_blocks=64, scheduler=SchedulerConfig(
