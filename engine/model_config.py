@@ -27,10 +27,11 @@ GEMMA3_TEXT_DEFAULTS = {
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072,
     "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
     "bos_token_id": 2, "eos_token_id": 1}
-# transformers' config classes' max_position_embeddings, for a config.json without one (the context served, and
-# YaRN's original context where its scaling names none)
+# transformers' config classes' max_position_embeddings (the context served, and YaRN's original context where its
+# scaling names none) and num_key_value_heads (else one per query head), for a config.json without them
 DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "MistralForCausalLM": 131_072,
                          "Qwen3ForCausalLM": 32_768, "Qwen3MoeForCausalLM": 32_768, "Gemma3ForCausalLM": 131_072}
+DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4}
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -73,12 +74,12 @@ class RopeScaling:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], params_name: str = "rope_parameters",
                        ) -> tuple[float | None, "RopeScaling"]:
-        """(rope_theta or None, scaling) from an HF config dict: `rope_theta` + `rope_scaling`, or the
-        `rope_parameters` entry transformers >= 5 writes instead (`params_name`: its key path in errors).
-        Both given with `rope_scaling` saying anything `rope_parameters` does not is refused: transformers
-        then reads `rope_scaling` alone and drops `rope_parameters`' `rope_theta`, rarely what a config
-        edited by hand means. The type may be spelled `type` in either. A value of the wrong type or out of
-        range is a ConfigError naming its key."""
+        """(rope_theta or None, scaling) from an HF config dict: `rope_theta` + `rope_scaling`, or the `rope_parameters`
+        entry transformers >= 5 writes instead (`params_name`: its key path in errors). Both given with
+        `rope_scaling` saying anything `rope_parameters` does not is refused: transformers then reads `rope_scaling`
+        alone and drops `rope_parameters`' `rope_theta`, rarely what a config edited by hand means. The type may be
+        spelled `type` in either; `partial_rotary_factor` (a scaled rope over part of each head) is refused. A value
+        of the wrong type or out of range is a ConfigError naming its key."""
         rope_theta = _float(cfg, "rope_theta", None)
         raw, name = cfg.get("rope_scaling"), "rope_scaling"
         params = _object(cfg, "rope_parameters", name=params_name)
@@ -110,12 +111,11 @@ class RopeScaling:
         # own, else max_position_embeddings
         original = _int(cfg, "original_max_position_embeddings", None)
         if original is None:
-            original = _int(raw, "original_max_position_embeddings", None, path=path)
-        if original is None:
-            original = _int(cfg, "max_position_embeddings", 8192)
-        factor = _float(raw, "factor", None, path=path)
-        if factor is None:   # yarn without a factor: the context's growth (transformers' reading)
-            factor = _int(cfg, "max_position_embeddings", original) / original
+            original = _int(raw, "original_max_position_embeddings", _int(cfg, "max_position_embeddings", 8192), path=path)
+        if _float(raw, "partial_rotary_factor", _float(cfg, "partial_rotary_factor", 1.0), path=path) != 1.0:
+            raise ConfigError(f"{path}partial_rotary_factor: rotating part of each head is not supported")
+        # yarn without a factor: the context's growth (transformers' reading)
+        factor = _float(raw, "factor", _int(cfg, "max_position_embeddings", original) / original, path=path)
         return cls(
             rope_type=_rope_type(raw),
             factor=factor,
@@ -308,7 +308,7 @@ class ModelConfig:
             intermediate_size=_int(cfg, "intermediate_size"),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=_int(cfg, "num_key_value_heads", num_heads),
+            num_kv_heads=_int(cfg, "num_key_value_heads", DEFAULT_KV_HEADS.get(arch, num_heads)),
             head_dim=_int(cfg, "head_dim", 128 if arch == "Qwen3ForCausalLM" else hidden // num_heads),  # Qwen3's: 128
             rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta if rope_theta is not None else 10000.0,

@@ -101,6 +101,33 @@ def test_zero_heads_or_head_dim_are_refused_not_defaulted(key):
     assert ModelConfig.from_hf_config({k: v for k, v in LLAMA.items() if k != key}) == cfg
 
 
+@pytest.mark.parametrize("arch,config_class", [("Qwen2ForCausalLM", "Qwen2Config"), ("Qwen3ForCausalLM", "Qwen3Config"),
+                                               ("Qwen3MoeForCausalLM", "Qwen3MoeConfig"),
+                                               ("MistralForCausalLM", "MistralConfig"), ("LlamaForCausalLM", "LlamaConfig")])
+def test_a_config_without_its_kv_head_count_takes_its_config_classs(arch, config_class):
+    """A config.json that leaves out num_key_value_heads has as many as transformers' config class gives it
+    (Qwen3's 32, Mistral's 8; Llama's: one per query head), not one per query head whatever the class."""
+    transformers = pytest.importorskip("transformers")
+    base = {**LLAMA, "architectures": [arch], "num_attention_heads": 64, "hidden_size": 4096}
+    if arch == "Qwen3MoeForCausalLM":
+        base |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+    base.pop("num_key_value_heads", None)
+    theirs = getattr(transformers, config_class)(**{k: v for k, v in base.items() if k != "architectures"})
+    assert ModelConfig.from_hf_config(base).num_kv_heads == theirs.num_key_value_heads
+
+
+def test_a_scaled_rope_over_part_of_each_head_is_refused_and_a_plain_one_reads_as_transformers_does():
+    """transformers' linear, llama3 and yarn ropes rotate `partial_rotary_factor` of each head (ours would rotate
+    it whole: refused, by its key); its default rope ignores the key, and so do we."""
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    with pytest.raises(ConfigError, match=r"^rope_scaling\.partial_rotary_factor: rotating part of each head"):
+        ModelConfig.from_hf_config({**LLAMA, "rope_scaling": {**yarn, "partial_rotary_factor": 0.5}})
+    with pytest.raises(ConfigError, match=r"^rope_scaling\.partial_rotary_factor: "):
+        ModelConfig.from_hf_config({**LLAMA, "partial_rotary_factor": 0.25, "rope_scaling": yarn})
+    assert ModelConfig.from_hf_config({**LLAMA, "partial_rotary_factor": 1.0, "rope_scaling": yarn}).rope_scaling.factor == 4
+    assert ModelConfig.from_hf_config({**LLAMA, "partial_rotary_factor": 0.5}) == ModelConfig.from_hf_config(LLAMA)
+
+
 def test_a_composite_gemma3_config_takes_transformers_defaults_for_what_its_text_config_leaves_out():
     """transformers saves a composite checkpoint's text_config as its difference from Gemma3TextConfig's
     defaults: gemma-3-4b-it's (this one) names no head count, head_dim, vocabulary, context or rope base. It
