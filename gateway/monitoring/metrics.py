@@ -272,20 +272,22 @@ class GatewayMetrics:
         self._last[key] = (worker, total)
 
     def update_pool(self, name: str, replica: int, stats: PoolStats, block_bytes: int,
-                    worker: Hashable | None = None) -> None:
+                    worker: Hashable | None = None, held: bool = True) -> None:
         """Refresh one local pool on one replica from its worker's stats (see engine.worker.engine_stats);
-        `worker`: the identity of the worker process that counted them (`_advance`)."""
+        `worker`: the identity of the worker process that counted them (`_advance`); `held` False: not what
+        it runs and holds (`_held_gauges`: a worker not running, whose gauges read 0, `update_replica`)."""
         labels = {"pool": name, "replica": str(replica)}
-        self.running.labels(**labels).set(stats.num_running)
-        self.waiting.labels(**labels).set(stats.num_waiting)
-        self.swapped.labels(**labels).set(stats.num_swapped)
-        self.kv_usage.labels(**labels).set(stats.kv_cache_usage)
+        if held:
+            self.running.labels(**labels).set(stats.num_running)
+            self.waiting.labels(**labels).set(stats.num_waiting)
+            self.swapped.labels(**labels).set(stats.num_swapped)
+            self.kv_usage.labels(**labels).set(stats.kv_cache_usage)
+            self.replica_reserved.labels(**labels).set(stats.reserved_credits)
+            self.replica_held.labels(**labels).set(stats.held_credits)
+            self.cpu_swap_usage.labels(**labels).set(stats.cpu_swap_usage)
         self.num_blocks.labels(**labels).set(stats.num_blocks)
         self.max_num_seqs.labels(**labels).set(stats.max_num_seqs)
         self.kv_bytes.labels(**labels).set(stats.num_blocks * block_bytes)
-        self.replica_reserved.labels(**labels).set(stats.reserved_credits)
-        self.replica_held.labels(**labels).set(stats.held_credits)
-        self.cpu_swap_usage.labels(**labels).set(stats.cpu_swap_usage)
         for mode, total in stats.num_preemptions_by_mode.items():
             self._advance(self.preemptions, "preemptions", total, worker, **labels, mode=mode)
         self._advance(self.recomputed, "recomputed_tokens", stats.num_recomputed_tokens, worker, **labels)
@@ -304,9 +306,9 @@ class GatewayMetrics:
         self.request_success.labels(pool=pool, finished_reason=reason if reason in FINISH_REASONS else "other").inc()
 
     def update_device(self, device: str, replica: int, stats: EngineStats,
-                      worker: Hashable | None = None) -> None:
-        """Refresh the device-level series from the stats one replica's worker pushed last (`worker`: as
-        for `update_pool`)."""
+                      worker: Hashable | None = None, held: bool = True) -> None:
+        """Refresh the device-level series from the stats one replica's worker pushed last (`worker`, `held`:
+        as for `update_pool`; the step target is held)."""
         labels = {"device": device, "replica": str(replica)}
         self.stats_age.labels(**labels).set(max(0.0, time.time() - stats.taken_at))
         step = stats.step
@@ -314,7 +316,8 @@ class GatewayMetrics:
         self._advance(self.busy_seconds, "busy_seconds", step.busy_seconds, worker, **labels)
         self._advance(self.targeted_steps, "targeted_steps", step.num_targeted_steps, worker, **labels)
         self._advance(self.steps_over_target, "steps_over_target", step.num_over_target, worker, **labels)
-        self.step_target.labels(**labels).set(step.last_target_seconds or 0.0)
+        if held:
+            self.step_target.labels(**labels).set(step.last_target_seconds or 0.0)
         self._advance(self.pressed_steps, "pressed_steps", step.num_pressed_steps, worker, **labels)
         for pool, scale in step.target_scales.items():
             self.target_scale.labels(pool=pool, replica=str(replica)).set(scale)
@@ -347,11 +350,13 @@ class GatewayMetrics:
         followed = self._follow(device, replica, client)
         if followed is None:
             return
-        self._update_from(device, replica, followed)
+        live = ready and followed is client and not parked
+        # a scrape rendering meanwhile (on its thread) never reads the last load of a worker not running
+        self._update_from(device, replica, followed, held=live)
         if parked:   # its last counts are in; it is followed again only through a new worker's stats
             self._remove_state(device, replica, followed.latest_stats)
             self._parked[(device, replica)] = self._followed.pop((device, replica))
-        elif not (ready and followed is client):
+        elif not live:
             self._zero_state(device, replica, followed.latest_stats)
 
     def _follow(self, device: str, replica: int, client: AsyncEngineClient | None) -> AsyncEngineClient | None:
@@ -362,18 +367,18 @@ class GatewayMetrics:
         if client is None or client is followed or client.latest_stats is None or client.info is None \
                 or client is self._parked.get(key):
             return followed
-        if followed is not None:
-            self._update_from(device, replica, followed)
+        if followed is not None:   # its final counts; its gauges are the new client's next
+            self._update_from(device, replica, followed, held=False)
         self._followed[key] = client
         self._parked.pop(key, None)
         return client
 
-    def _update_from(self, device: str, replica: int, client: AsyncEngineClient) -> None:
-        """Refresh the replica's pools and device series from the stats `client` holds."""
+    def _update_from(self, device: str, replica: int, client: AsyncEngineClient, held: bool) -> None:
+        """Refresh the replica's pools and device series from the stats `client` holds (`held`: `update_pool`)."""
         stats, worker = client.latest_stats, worker_identity(client)
         for name, pool_stats in stats.pools.items():
-            self.update_pool(name, replica, pool_stats, client.info.block_bytes, worker)
-        self.update_device(device, replica, stats, worker)
+            self.update_pool(name, replica, pool_stats, client.info.block_bytes, worker, held)
+        self.update_device(device, replica, stats, worker, held)
 
     def _held_gauges(self) -> tuple[Gauge, ...]:
         """A replica's per-pool gauges of what it runs and holds (0 while its worker is not running)."""

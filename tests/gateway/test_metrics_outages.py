@@ -347,6 +347,35 @@ def test_a_gateway_started_into_steady_traffic_reads_its_offered_rate_from_the_s
     assert metrics.pool_offered.labels(pool="chat", phase="decode")._value.get() == pytest.approx(10.0)
 
 
+def test_a_scrape_rendering_beside_an_update_never_reads_a_dead_workers_last_load(monkeypatch):
+    """/metrics renders on a thread while the loop updates the series: what a replica not running runs and holds
+    is set to 0 straight away, never to its dead worker's last stats first (a render between the two would
+    have read them)."""
+    from prometheus_client import Gauge
+
+    gateway = _make_gateway()
+    sup = gateway.supervisors[DEVICE][0]
+    sup.client, sup.is_ready = _Client(pid=11).load(), True
+    sup.client.latest_stats = _make_stats(taken_at=0.0, running=3)
+    _scrape(gateway)
+    metrics = gateway.metrics
+    held = {id(g.labels(pool=POOL, replica="0")): name for name, g in (
+        ("running", metrics.running), ("waiting", metrics.waiting), ("kv_usage", metrics.kv_usage),
+        ("reserved", metrics.replica_reserved), ("held", metrics.replica_held))}
+    held[id(metrics.step_target.labels(device=DEVICE, replica="0"))] = "step_target"
+    sets, real_set = [], Gauge.set
+    monkeypatch.setattr(Gauge, "set", lambda self, value: (sets.append((held.get(id(self)), value)),
+                                                           real_set(self, value))[1])
+    sup.is_ready = False                 # the worker died: it keeps its last stats
+    handlers.refresh_metrics(gateway)
+    assert {name for name, _ in sets if name} == set(held.values())
+    assert [(name, value) for name, value in sets if name and value] == []
+    sup.is_ready = True
+    sets.clear()
+    handlers.refresh_metrics(gateway)
+    assert ("running", 3) in sets
+
+
 def test_a_worker_that_lived_between_two_scrapes_is_counted(monkeypatch):
     """Worker A is scraped, B loads, works, pushes its stats and dies, C replaces it before the next scrape:
     B's counts are taken when its supervisor replaces it (the series followed one client per scrape: B's
