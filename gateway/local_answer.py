@@ -178,12 +178,12 @@ class LocalResponse:
         self._write_error: ClientGone | None = None   # the client stopped reading or went away
 
     def _split_reasoning(self) -> None:
-        """On a pool whose chat template thinks (`think` given), each choice's reply split into reasoning
-        and content; it starts inside the think block when the prompt opened one (a grammar on the reply
-        lets it think first: `gateway.completion.with_grammar`)."""
+        """On a pool whose chat template thinks (`think` given), each choice's reply split into reasoning and content;
+        it starts inside the think block when the prompt opened one (a grammar on it lets it think first)."""
         if self.think is not None:
             for choice in self.choices.values():
-                choice.reasoning = ReasoningSplitter(self.think == "opened", think_end_id(choice.pool.tokenizer))
+                choice.reasoning = ReasoningSplitter(self.think == "opened", think_end_id(choice.pool.tokenizer),
+                                                     continued=getattr(self.req, "continued", None) is not None)
 
     def reasoning_tokens(self) -> int | None:
         """The output tokens of the choices' reasoning (None when the model does not think)."""

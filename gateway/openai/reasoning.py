@@ -7,7 +7,9 @@ A pool's model thinks when its chat template mentions `<think>`, `</think>` or `
 it when the template's generation prompt opened it (DeepSeek-R1's, Qwen3-Thinking-2507's end in
 `<think>\\n`: `prompt_opens_think`). A reply that does neither is all content (Qwen3 under
 `enable_thinking: false`, whose prompt holds an empty block already). A reply cut inside the block (by
-`max_tokens`) is all reasoning. The whitespace around the tags is dropped (the template's separators).
+`max_tokens`) is all reasoning. The whitespace around the tags is dropped (the template's separators: after
+`<think>`, the reply's or the generation prompt's, and before and after `</think>`); a reply without tags keeps
+its own, and so does one going on from a message (`continue_final_message`: `" Paris"` after "The capital is").
 A structured reply (strict tools, a tool choice, a response_format) is constrained after the block only
 (`think_mode`, `gateway.openai.tool_grammar`): the model thinks first, as without one.
 
@@ -84,11 +86,14 @@ class ReasoningSplitter:
     the deltas of no text just before the content's first: a character split over byte tokens, held back by
     the detokenizer until whole). Text may come tokens after its own (a stop string's possible start is held
     back): where `</think>` is one token (`end_id`), the reasoning's tokens are counted by it, up to and with
-    it. One per choice, on the event loop."""
+    it. `continued`: the reply goes on from the prompt's last message, whose text its own first characters
+    follow (no separator of the template's to drop). One per choice, on the event loop."""
 
-    def __init__(self, starts_inside: bool, end_id: int | None = None) -> None:
+    def __init__(self, starts_inside: bool, end_id: int | None = None, continued: bool = False) -> None:
         self.starts_inside = starts_inside
         self.end_id = end_id
+        self._strip_reasoning = starts_inside and not continued   # the reasoning's first whitespace: a separator
+        self._strip_content = False                                # ... the content's: after `</think>` only
         self._num_fed = 0            # tokens fed so far
         self._end_token_at = None    # tokens up to and with the first `end_id`
         self.phase = "opening"
@@ -115,6 +120,7 @@ class ReasoningSplitter:
                 stripped = text.lstrip()
                 if stripped.startswith(THINK_START):
                     text, self.phase, touched = stripped[len(THINK_START):], "thinking", True
+                    self._strip_reasoning = True
                 elif THINK_START.startswith(stripped):   # whitespace, or a start of the tag: wait
                     self._held, text = text, ""
                 else:
@@ -124,7 +130,7 @@ class ReasoningSplitter:
                 end = text.find(THINK_END)
                 if end >= 0:
                     reasoning += text[:end].rstrip()
-                    text, self.phase = text[end + len(THINK_END):], "content"
+                    text, self.phase, self._strip_content = text[end + len(THINK_END):], "content", True
                     continue
                 cut = len(text) - partial_tag(text, THINK_END)
                 cut = len(text[:cut].rstrip())   # whitespace that may be the last before `</think>`: held too
@@ -167,10 +173,10 @@ class ReasoningSplitter:
         self._undecided_tokens = 0
 
     def _out(self, reasoning: str, content: str) -> tuple[str, str]:
-        """Hand out the parts, each part's leading whitespace dropped."""
-        if not self.reasoning:
+        """Hand out the parts, each part's leading whitespace dropped where it is a tag's separator."""
+        if not self.reasoning and self._strip_reasoning:
             reasoning = reasoning.lstrip()
-        if not self.content:
+        if not self.content and self._strip_content:
             content = content.lstrip()
         self.reasoning += reasoning
         self.content += content

@@ -56,7 +56,9 @@ def _joined(parts: list[tuple[str, str]]) -> tuple[str, str]:
     ("I add.\n</think>\n\nIt is 4.", True, "I add.", "It is 4."),        # the prompt opened the block
     ("<think>I add.</think>It is 4.", True, "I add.", "It is 4."),      # ... and the model opened it again
     ("It is 4.", False, "", "It is 4."),                                 # no think block: all content
-    ("  <thinking is fun", False, "", "<thinking is fun"),               # a tag's start that is not one
+    ("  <thinking is fun", False, "", "  <thinking is fun"),             # a tag's start that is not one
+    (" Paris, of course.", False, "", " Paris, of course."),             # no tag: its whitespace its own
+    ("\n<think>\nI add.</think>\n\nIt is 4.", False, "I add.", "It is 4."),   # separators around the tags
     ("It is <think>4</think>.", False, "", "It is <think>4</think>."),   # a block after text is text
     ("<think>I add 2 and 2 </thi", False, "I add 2 and 2 </thi", ""),    # cut by max_tokens: all reasoning
     ("I add 2 and", True, "I add 2 and", ""),
@@ -252,7 +254,12 @@ async def test_chat_whole_and_streamed_split_reasoning_from_content(aiohttp_clie
         *MESSAGES, {"role": "assistant", "content": "<think>\nI"}],
         extra_body={"continue_final_message": True, "add_generation_prompt": False})
     message = continued.choices[0].message
-    assert (message.reasoning_content, message.content) == ("should add.", "It is 4.")
+    assert (message.reasoning_content, message.content) == (" should add.", "It is 4.")   # its space its own
+    engine.pieces = [" Paris", "."]   # going on from a message without a block: the reply as the model wrote it
+    continued = await sdk.chat.completions.create(model="thinker", max_tokens=16, messages=[
+        *MESSAGES, {"role": "assistant", "content": "The capital of France is"}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert (continued.choices[0].message.reasoning_content, continued.choices[0].message.content) == (None, " Paris.")
     # `</think>` as one token (here the third, id 302) whose text came late: the reasoning counted up to it
     monkeypatch.setattr(local_answer, "think_end_id", lambda tokenizer: 302)
     engine.pieces = ["<think>", "I add.", "", "", "</think>\n\nIt is 4."]
@@ -429,7 +436,7 @@ async def test_a_template_that_opens_the_block_and_enable_thinking_false_on_the_
     off = dict(greedy, extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
     whole = await sdk.chat.completions.create(model="thinker", messages=MESSAGES, **off)
     message = whole.choices[0].message
-    assert (message.reasoning_content, message.content) == (None, answer.lstrip())
+    assert (message.reasoning_content, message.content) == (None, answer)   # no tag: nothing to drop
     assert whole.usage.completion_tokens_details.reasoning_tokens == 0
     # the Responses API (no ignore_eos): as the same chat, its reasoning an item, the message absent
     chat = (await sdk.chat.completions.create(model="thinker", messages=MESSAGES, max_tokens=8, temperature=0))
