@@ -15,8 +15,9 @@ import torch
 
 from engine.config import LatencySLO
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSeq, commit_step
+from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+from engine.step_commit import commit_step
 from engine.step_cost import LinearStepTime, StepFeatures, fit_linear
 
 # Warm-up steps: (prompt length, (cached tokens, tokens computed) per step) of two made-up sequences.

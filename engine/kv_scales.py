@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSeq, commit_step
+from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+from engine.step_commit import commit_step
 from kernels.reference import FP8_KV_DTYPE
 
 log = logging.getLogger("cliffguard.engine")

@@ -34,10 +34,10 @@ from engine.parallel import ShardShape, TensorParallelGroup, use_device
 from engine.outputs import RequestOutput, RequestState
 from engine.overlap import LaunchedStep, ScheduledStep, StepClock, overlap_applies
 from engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
-from engine.scheduler import (RequestTooLargeError, Scheduler, SchedulerOutput, build_scheduler, commit_step,
-                              observe_step_time)
+from engine.scheduler import RequestTooLargeError, Scheduler, SchedulerOutput, build_scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.stats import Laps, StepStats
+from engine.step_commit import commit_step, observe_step_time
 from engine.structured import GrammarCompiler, PendingGrammars
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import iter_weights, resolve_model

@@ -4,6 +4,8 @@ preemption by recompute or swap when the pool runs out of blocks.
 Each `schedule()` fills a token budget of `max_num_batched_tokens`: first the running sequences (a decode token
 each, or the next chunk of an unfinished prefill), then swapped-out ones (before new arrivals), then waiting ones
 in order while `max_num_seqs`, the budget and the free blocks allow; sequences leave and join at every step.
+A budget short of the running decodes (a throughput pool's under the step composer's time target) serves those
+scheduled longest ago first: every decode slows in turn, none waits behind the others for good.
 
 When a running sequence needs a block and none is free, a victim is chosen by the pool's victim policy, never one
 that produced fewer than `stability_floor_tokens` since its (re)admission while another candidate exists, and
@@ -25,7 +27,6 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, NoFreeBlocksError
@@ -193,9 +194,11 @@ class Scheduler:
         # own blocks (back a step later, less those promised to sequences before it) make up waits for them, as does
         # every later one short of the free blocks the waiters leave: nobody is preempted, nothing admitted.
         skipped, waits, coming, self._promised = 0, set(), None, 0
+        served = self._decodes_served(budget) if budget < len(self.running) else None
         while len(out.scheduled) + skipped < len(self.running) and budget > 0:
             seq = self.running[len(out.scheduled) + skipped]
-            if self.is_paused(seq) or self._ending(seq):
+            if self.is_paused(seq) or self._ending(seq) or (
+                    served is not None and seq.num_uncomputed_tokens == 1 and id(seq) not in served):
                 skipped += 1
                 continue
             i, num_new = len(out.scheduled) + skipped, min(seq.num_uncomputed_tokens, budget)
@@ -234,6 +237,17 @@ class Scheduler:
             seq.last_scheduled_step = self._step
             budget -= num_new
         return budget
+
+    def _decodes_served(self, budget: int) -> set[int] | None:
+        """When the budget is short of the running decodes (a step composer's time target beside a busy interactive
+        pool), the ids of the `budget` of them scheduled longest ago (in running order among equals): a short budget
+        slows every decode of the pool in turn, never starves the ones behind. None when it covers them all."""
+        decodes = [s for s in self.running
+                   if s.num_uncomputed_tokens == 1 and not self.is_paused(s) and not self._ending(s)]
+        if len(decodes) <= budget:
+            return None
+        oldest = sorted(range(len(decodes)), key=lambda k: (decodes[k].last_scheduled_step, k))[:budget]
+        return {id(decodes[k]) for k in oldest}
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         """Swapped-out sequences back in, in order, while blocks and limits allow; returns the budget left."""
@@ -470,31 +484,3 @@ def build_scheduler(pool: PoolConfig, *, block_size: int, first_block: int, max_
         swap_manager = BlockManager(num_cpu_blocks, block_size)
         cost_model = PreemptionCostModel(kv_bytes_per_token, swap_bytes_per_second=swap_bytes_per_second)
     return Scheduler(sc, bm, max_model_len, name=pool.name, swap_manager=swap_manager, cost_model=cost_model)
-
-
-def observe_step_time(schedulers: Mapping[str, Scheduler], prefill: int, decode: int, seconds: float) -> None:
-    """A step's `seconds` to every pool's re-prefill estimate (auto mode), if prefill was half its tokens or more."""
-    if prefill and prefill * 2 >= prefill + decode:
-        for scheduler in schedulers.values():
-            if scheduler.cost_model is not None:
-                scheduler.cost_model.observe_prefill(prefill + decode, seconds)
-
-
-def commit_step(schedulers: Mapping[str, Scheduler], batch: Iterable[ScheduledSeq]) -> None:
-    """The bookkeeping after a step's forward pass, one copy for the engine, its warm-up and the
-    simulator: every scheduled sequence's computed tokens; for a sequence of a pool in `schedulers`,
-    the pool's counter and the blocks it filled, registered in the prefix cache. (Its time goes to
-    `observe_step_time` once the device has finished, and to `StepComposer.observe`.) A step that
-    filled no block (most decodes) registers nothing; blocks holding a placeholder wait until its
-    value is known."""
-    for item in batch:
-        seq, num_new = item.seq, item.num_new_tokens
-        seq.num_computed_tokens += num_new
-        scheduler = schedulers.get(seq.pool)
-        if scheduler is None:
-            continue
-        scheduler.stats.num_computed_tokens += num_new
-        bm = scheduler.block_manager
-        if seq.num_pending or seq.num_computed_tokens % bm.block_size < num_new:
-            bm.register_computed(seq.block_table, seq.token_ids, min(
-                seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending), seq.cache_salt)

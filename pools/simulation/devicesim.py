@@ -40,8 +40,9 @@ from engine.composer import StepComposer
 from engine.stats import STATS_INTERVAL
 from engine.config import PoolConfig
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSeq, Scheduler, build_scheduler, commit_step, observe_step_time
+from engine.scheduler import ScheduledSeq, Scheduler, build_scheduler
 from engine.sequence import FinishReason, Sequence as Seq
+from engine.step_commit import commit_step, observe_step_time
 from engine.step_cost import StepTime
 from pools.credits.flows import FLOW_CAP
 from pools.credits.ledger import CreditLedger, Ticket

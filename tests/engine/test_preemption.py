@@ -149,6 +149,32 @@ def test_a_sequence_alone_that_cannot_grow_ends_with_an_error():
     scheduler.check_integrity()
 
 
+def test_a_budget_short_of_the_running_decodes_serves_them_in_turn():
+    """Four decodes, a step composer's budget of 2 tokens a step: each decodes every other step (the ones scheduled
+    longest ago first), never the first two every step while the last two wait for them to finish."""
+    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, enable_prefix_caching=False), bm, max_model_len=100)
+    seqs = [_seq(5, i) for i in range(4)]
+    for seq in seqs:
+        seq.num_prompt_tokens, seq.max_tokens, seq.status = 4, 50, SequenceStatus.RUNNING
+        bm.allocate(seq.block_table, 5)
+        seq.num_computed_tokens = 4
+        scheduler.running.append(seq)
+    served = []
+    for _ in range(6):
+        out = scheduler.schedule(token_budget=2)
+        served.append(sorted(item.seq.seq_id for item in out.scheduled))
+        for item in out.scheduled:   # the step's bookkeeping: its token computed, the next one sampled
+            item.seq.num_computed_tokens += 1
+            item.seq.token_ids.append(7)
+    assert served == [[0, 1], [2, 3]] * 3
+    assert scheduler.running == seqs   # the running order (its victims' tie-break) is kept
+    scheduler.check_integrity()
+    assert [s.seq_id for s in scheduler.running if s.num_uncomputed_tokens == 1] == [0, 1, 2, 3]
+    out = scheduler.schedule(token_budget=64)   # a budget that covers them all serves them all
+    assert sorted(item.seq.seq_id for item in out.scheduled) == [0, 1, 2, 3]
+
+
 def _three_in_flight(a_max_tokens: int) -> tuple[Scheduler, list[Sequence]]:
     """Overlapped steps, each running sequence's next token in flight, no block free: A (7 prompt tokens,
     `a_max_tokens`), B (4 + 4 generated, needs a new block), C (4 + 1 generated, decodes in place)."""

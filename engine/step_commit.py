@@ -1,0 +1,39 @@
+"""The bookkeeping after a step's forward pass: `commit_step`, one copy for the engine, its warm-up, its KV-scale
+calibration and the simulator (the sequences' computed tokens, the blocks they filled into the prefix cache), and
+`observe_step_time` (a prefill-heavy step's time for the pools' preemption cost models, `auto` mode)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from engine.scheduler import ScheduledSeq, Scheduler
+
+__all__ = ["commit_step", "observe_step_time"]
+
+
+def observe_step_time(schedulers: Mapping[str, Scheduler], prefill: int, decode: int, seconds: float) -> None:
+    """A step's `seconds` to every pool's re-prefill estimate (auto mode), if prefill was half its tokens or more."""
+    if prefill and prefill * 2 >= prefill + decode:
+        for scheduler in schedulers.values():
+            if scheduler.cost_model is not None:
+                scheduler.cost_model.observe_prefill(prefill + decode, seconds)
+
+
+def commit_step(schedulers: Mapping[str, Scheduler], batch: Iterable[ScheduledSeq]) -> None:
+    """The bookkeeping after a step's forward pass, one copy for the engine, its warm-up and the
+    simulator: every scheduled sequence's computed tokens; for a sequence of a pool in `schedulers`,
+    the pool's counter and the blocks it filled, registered in the prefix cache. (Its time goes to
+    `observe_step_time` once the device has finished, and to `StepComposer.observe`.) A step that
+    filled no block (most decodes) registers nothing; blocks holding a placeholder wait until its
+    value is known."""
+    for item in batch:
+        seq, num_new = item.seq, item.num_new_tokens
+        seq.num_computed_tokens += num_new
+        scheduler = schedulers.get(seq.pool)
+        if scheduler is None:
+            continue
+        scheduler.stats.num_computed_tokens += num_new
+        bm = scheduler.block_manager
+        if seq.num_pending or seq.num_computed_tokens % bm.block_size < num_new:
+            bm.register_computed(seq.block_table, seq.token_ids, min(
+                seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending), seq.cache_salt)
