@@ -248,10 +248,11 @@ class StepComposer:
         before = model.predict(so_far)
         tokens = max(floor, self._fitting_tokens(scheduler, so_far, before / (1 - share), cap))
         limit = self._slo_limit
-        if limit is None or before >= limit or self._starved[name] >= OWED_WAIT_SECONDS:
+        if limit is None or before >= limit:
             return tokens
         room = before + (limit - before) / self.mixed_margin
-        return min(tokens, self._fitting_tokens(scheduler, so_far, room, cap))
+        fitting = min(tokens, self._fitting_tokens(scheduler, so_far, room, cap))
+        return max(floor, fitting) if self._starved[name] >= OWED_WAIT_SECONDS else fitting   # waited: its floor
 
     @property
     def mixed_margin(self) -> float:

@@ -900,8 +900,8 @@ def test_an_owed_pool_keeps_to_the_interactive_slo_until_it_has_waited_or_the_sl
     chat's own work is already over its itl_ms, the owed pool gets its floor (a block) regardless."""
     from engine.composer import OWED_WAIT_SECONDS
 
-    def owed_step(itl_ms: float, starved: float = 0.0):
-        composer = _make_composer(LatencySLO(ttft_ms=1000, itl_ms=itl_ms), chat_seqs=4, min_share=0.2)
+    def owed_step(itl_ms: float, starved: float = 0.0, min_share: float = 0.2):
+        composer = _make_composer(LatencySLO(ttft_ms=1000, itl_ms=itl_ms), chat_seqs=4, min_share=min_share)
         _decoding_chat(composer, 2)              # two chat decodes (~7 ms) beside a long rag prompt
         composer._share_seconds["rag"] = 0.0     # rag under its share: owed
         composer._starved["rag"] = starved
@@ -914,7 +914,10 @@ def test_an_owed_pool_keeps_to_the_interactive_slo_until_it_has_waited_or_the_sl
     kept, crumb = owed_step(9.0)                  # a block would be ~10 ms: a crumb keeps the 9 ms
     assert 0 < crumb < 16 and kept.predicted_seconds <= 0.009 and _true_seconds(kept.features) <= 0.009
     waited, block = owed_step(9.0, starved=OWED_WAIT_SECONDS)
-    assert block >= 16 and _true_seconds(waited.features) > 0.009
+    assert block == 16 and _true_seconds(waited.features) > 0.009
+    _, big_share = owed_step(1000, min_share=0.6)   # a share of 0.6 beside chat's decodes: several blocks
+    waited, block = owed_step(9.0, starved=OWED_WAIT_SECONDS, min_share=0.6)
+    assert big_share > 32 and block == 16          # waited: its floor (a block), not its whole share
     lost, share = owed_step(6.0)                  # chat alone is over its 6 ms: the share rides
     assert share >= 16
 
