@@ -55,8 +55,8 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    cached context, so a few tokens would pay nearly what a full chunk pays), and the room they get
    there is divided by `mixed_margin`, the model's recent misprediction of such mixed steps. A
    throughput-only step may always spend as much on work as the step's fixed cost (so a target
-   below the fixed cost of a step halves their throughput rather than starving them), and at least
-   one block. A throughput
+   below the fixed cost of a step halves their throughput rather than starving them), and never
+   nothing: one block where no token fits. A throughput
    pool left with nothing for `STARVATION_SECONDS` of steps gets one block's worth of tokens, as
    long as that keeps the step within the `itl_ms` of the interactive pools that are running (the
    SLO wins: on a slow device one block after a long cached context can be over it; then it waits
@@ -383,7 +383,7 @@ class StepComposer:
 
     def _token_budget(self, name: str, so_far: StepFeatures, target: float | None, *, floor: bool) -> int | None:
         """Tokens the throughput pool `name` may schedule so that the step stays within `target`
-        (`floor`: an interactive pool is pressed; nothing but the starvation block)."""
+        (`floor`: an interactive pool is pressed: nothing, unless the step would be empty without it)."""
         scheduler = self.schedulers[name]
         if target is None or not scheduler.config.enable_chunked_prefill or not scheduler.num_unfinished:
             return None
