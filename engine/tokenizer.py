@@ -298,7 +298,8 @@ class IncrementalDetokenizer:
 
     def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """The shortest suffix of the prompt, 4 tokens or more (at most 24; special tokens decode skips left
-        out), that decodes to whole characters (vLLM's choice); none when there is no such suffix. It ends
+        out), that decodes to whole characters (vLLM's choice); all of those 24 when there is no such suffix
+        (a U+FFFD written in the prompt's text: a context still, else the output's leading space is lost). It ends
         before a byte-fallback run the prompt ends with: the library would decode that run and one the output
         begins with as one (a bad byte in the output made the prompt's character U+FFFDs of the output's)."""
         ids = [i for i in prompt_token_ids[-_MAX_CONTEXT:] if i not in self._skipped]
@@ -307,7 +308,7 @@ class IncrementalDetokenizer:
         for n in range(min(_MIN_CONTEXT, len(ids)), len(ids) + 1):
             if n and _REPLACEMENT_CHAR not in self._tokenizer.decode(ids[-n:], self._skip_special_tokens):
                 return ids[-n:]
-        return []
+        return ids
 
     @property
     def text(self) -> str:

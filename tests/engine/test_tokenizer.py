@@ -619,6 +619,12 @@ def test_detokenizer_byte_fallback_text(sp_tok: Tokenizer, sp_hf: Any) -> None:
     euro = ours.encode("the cat", add_special_tokens=False) + [_SP_BYTE + b for b in "€".encode()]
     out = [_SP_BYTE + 0x80, *ours.encode("the", add_special_tokens=False)]
     _assert_stream(ours, out, [1] * len(out), "\ufffd the", prompt_ids=euro)
+    # a U+FFFD written in the prompt's text: no suffix decodes without one, and the output still follows the
+    # prompt (its space kept, as vLLM reads it after the whole prompt), not decoded alone ("cat")
+    odd = ours.encode("\ufffd the", add_special_tokens=False)
+    cat = ours.encode("cat", add_special_tokens=False)
+    assert "\ufffd" in sp_hf.decode(odd[-4:]) and sp_hf.decode(odd + cat)[len(sp_hf.decode(odd)):] == " cat"
+    assert _assert_stream(ours, cat, [1], " cat", prompt_ids=odd)[0] == " cat"
 
 
 def test_a_tokens_bytes_are_its_own_where_its_text_is_part_of_a_character(tok: Tokenizer, sp_tok: Tokenizer) -> None:
