@@ -3,7 +3,7 @@
 `RequestFields` is the base model of both bodies: `model`, `stream` / `stream_options`, `max_tokens`,
 `response_format`, the sampling knobs (vLLM's extras too: `top_k`, `min_p`, `min_tokens`, `ignore_eos`,
 `stop_token_ids`, `priority`, `skip_special_tokens`, `include_stop_str_in_output`) and the fields accepted
-and ignored. Any other field is refused, so a misspelt parameter is not silently dropped; a field sent as
+and ignored (OpenAI's `user`, `store`, `metadata`...; vLLM's `spaces_between_special_tokens`). Any other field is refused, so a misspelt parameter is not silently dropped; a field sent as
 JSON null is unset, as OpenAI's SDKs send it. The model checks types and the protocol's own bounds
 (temperature in [0, 2], max_tokens >= 1); the engine's bounds (n, top_p, penalties, stop strings,
 logit_bias) are `SamplingParams`' own, checked there once and reported naming the field.
@@ -81,6 +81,8 @@ class RequestFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    spaces_between_special_tokens: bool | None = None   # vLLM's: only a slow tokenizer's decode reads it; ours,
+    # as HF's fast ones (and vLLM's streaming detokenizer with them), write special tokens as they are
 
 
 # RequestFields' names that are SamplingParams' too, passed on where set

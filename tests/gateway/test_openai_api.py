@@ -40,6 +40,14 @@ def test_a_completions_max_tokens_unset_or_null_is_16_and_a_chats_the_context():
     assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).params.max_tokens is None
 
 
+def test_vllms_spaces_between_special_tokens_is_accepted_as_vllm_reads_it_with_a_fast_tokenizer():
+    """Sent by clients written for vLLM: accepted (a bool), and it changes nothing, as with vLLM's fast tokenizers."""
+    plain = parse_chat(CHAT)
+    assert parse_chat(dict(CHAT, spaces_between_special_tokens=False)).params == plain.params
+    assert parse_completion(dict(COMPLETION, spaces_between_special_tokens=True)).params == \
+        parse_completion(COMPLETION).params
+
+
 def test_content_parts_are_kept_and_completion_prompts_take_every_openai_shape():
     req = parse_chat(dict(CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                         {"type": "text", "text": "b"}]}]))
@@ -55,6 +63,8 @@ BAD_CHAT = [
     ("model not a string", dict(CHAT, model=5), "model"),
     ("user not a string", dict(CHAT, user={"id": 5}), "user"),   # typed as OpenAI and vLLM type it
     ("store not a boolean", dict(CHAT, store="yes"), "store"),
+    ("spaces_between_special_tokens not a boolean", dict(CHAT, spaces_between_special_tokens=1),
+     "spaces_between_special_tokens"),
     ("missing messages", {"model": "m"}, "messages"),
     ("empty messages", dict(CHAT, messages=[]), "messages"),
     ("message not an object", dict(CHAT, messages=["hi"]), "messages[0]"),
