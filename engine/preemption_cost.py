@@ -8,9 +8,11 @@ from dataclasses import dataclass
 from engine.sequence import Sequence
 
 
-def victim_by_policy(policy: str, candidates: list[Sequence], running: list[Sequence]) -> Sequence:
+def victim_by_policy(policy: str, candidates: list[Sequence], running: list[Sequence],
+                     serving: set[int] | None = None) -> Sequence:
     """The victim among `candidates` by `policy` (`engine.config.VICTIM_POLICIES`); `running` in admission order
-    breaks ties."""
+    breaks ties. `serving`: the ids of the decodes a budget short of them all serves this step (None: every one),
+    which `lru` counts as scheduled now."""
     order = {id(s): i for i, s in enumerate(running)}
     if policy == "reverse_fifo":
         return max(candidates, key=lambda s: order[id(s)])
@@ -19,7 +21,8 @@ def victim_by_policy(policy: str, candidates: list[Sequence], running: list[Sequ
     if policy == "least_progress":  # loses the least generated work
         return min(candidates, key=lambda s: (s.num_output_tokens, -order[id(s)]))
     if policy == "lru":             # scheduled longest ago (left out by the token budget)
-        return min(candidates, key=lambda s: (s.last_scheduled_step, -order[id(s)]))
+        serving = serving or set()
+        return min(candidates, key=lambda s: (id(s) in serving, s.last_scheduled_step, -order[id(s)]))
     if policy == "priority":        # largest priority value = least urgent, then reverse FIFO
         return max(candidates, key=lambda s: (s.priority, order[id(s)]))
     raise AssertionError(f"unknown victim policy {policy!r}")

@@ -110,6 +110,7 @@ class Scheduler:
         self.paused: set[str] = set()       # request ids not to schedule until resumed
         self.stats = SchedulerStats()
         self._step, self._promised = 0, 0   # steps so far; blocks promised this step to sequences waiting for them
+        self._served: set[int] | None = None   # this step's decodes under a short budget (`_decodes_served`)
         if config.preemption_mode in ("swap", "auto") and swap_manager is None:
             raise ValueError(f"pool {name!r}: preemption_mode {config.preemption_mode!r} needs a swap_manager")
 
@@ -188,13 +189,13 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Each running sequence's decode token or next chunk (leaving the decodes after it theirs); the budget left."""
         bm = self.block_manager
-        # The sequences scheduled or skipped (paused, ending, or waiting) so far are always a prefix of `running`
-        # (victims, never skipped ones, leave from anywhere, a chunk moved behind the decodes from the next place,
+        # The sequences scheduled or skipped (paused, ending, waiting, or passed over by a short budget) so far are
+        # always a prefix of `running` (victims leave from anywhere, a chunk moved behind the decodes from the next place,
         # the order of the rest is kept): the next is running[that]. A sequence short of blocks that the ending ones'
         # own blocks (back a step later, less those promised to sequences before it) make up waits for them, as does
         # every later one short of the free blocks the waiters leave: nobody is preempted, nothing admitted.
         skipped, waits, coming, self._promised = 0, set(), None, 0
-        served = self._decodes_served(budget) if budget < len(self.running) else None
+        served = self._served = self._decodes_served(budget) if 0 < budget < len(self.running) else None
         while len(out.scheduled) + skipped < len(self.running) and budget > 0:
             seq = self.running[len(out.scheduled) + skipped]
             if self.is_paused(seq) or self._ending(seq) or (
@@ -224,6 +225,9 @@ class Scheduler:
                     victim = self._pick_victim(seq)   # never after a waiter: every one short of blocks waits
                     if held := victim is seq and self._held_by_paused(seq):
                         break
+                    if victim is not seq and self.running.index(victim) < self.running.index(seq) and all(
+                            item.seq is not victim for item in out.scheduled):
+                        skipped -= 1   # a decode the short budget passed over, before `seq`: it leaves the prefix
                     budget += self._preempt(victim, out)
                     if victim is seq:
                         break
@@ -366,7 +370,7 @@ class Scheduler:
         floor = self.config.stability_floor_tokens
         active = [s for s in self.running if not self.is_paused(s) and not self._ending(s)]
         candidates = [s for s in active if s.num_output_tokens - s.admitted_at_output >= floor] or active
-        return victim_by_policy(self.config.victim_policy, candidates, self.running)
+        return victim_by_policy(self.config.victim_policy, candidates, self.running, self._served)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Preempt `seq`; returns the token budget given back if it was already scheduled this step."""

@@ -175,6 +175,27 @@ def test_a_budget_short_of_the_running_decodes_serves_them_in_turn():
     assert sorted(item.seq.seq_id for item in out.scheduled) == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("policy", ["longest_first", "lru"])
+def test_a_decode_the_short_budget_passed_over_may_be_the_victim_and_the_next_one_still_runs(policy):
+    """Budget 2, no block free: A (16 tokens, decoded last step) is passed over, B and C are served; B needs a
+    block. longest_first preempts A, which had been passed over (it left the prefix of `running` the loop walks:
+    C was skipped); lru preempts A too (B and C run this step: the decodes passed over are the least recent)."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, victim_policy=policy, stability_floor_tokens=0,
+                                          enable_prefix_caching=False), bm, max_model_len=100)
+    a, b, c = _seq(17, 0), _seq(9, 1), _seq(5, 2)
+    for seq, last in ((a, 1), (b, 0), (c, 0)):
+        seq.num_prompt_tokens, seq.max_tokens, seq.status = len(seq.token_ids) - 1, 50, SequenceStatus.RUNNING
+        bm.allocate(seq.block_table, len(seq.token_ids) - 1)
+        seq.num_computed_tokens, seq.last_scheduled_step = len(seq.token_ids) - 1, last
+        scheduler.running.append(seq)
+    bm.allocate(c.block_table, 5)
+    assert bm.num_free_blocks == 0
+    out = scheduler.schedule(token_budget=2)
+    assert out.preempted == [a] and [item.seq for item in out.scheduled] == [b, c]
+    scheduler.check_integrity()
+
+
 def _three_in_flight(a_max_tokens: int) -> tuple[Scheduler, list[Sequence]]:
     """Overlapped steps, each running sequence's next token in flight, no block free: A (7 prompt tokens,
     `a_max_tokens`), B (4 + 4 generated, needs a new block), C (4 + 1 generated, decodes in place)."""
