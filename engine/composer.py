@@ -231,8 +231,9 @@ class StepComposer:
         step (the others' `so_far` cost x min_share / (1 - min_share) added), at least its decodes (or one
         block of prefill when nothing of it decodes), whatever the step's target or pressure; but no more
         than keeps the step within the `itl_ms` of the running interactive pools (its part times
-        `mixed_margin`; a chunk smaller than a block, or nothing), unless they are over it by themselves or
-        the pool has had nothing for `OWED_WAIT_SECONDS` of steps. On the 2-core CPU one block of a rag
+        `mixed_margin`; a chunk smaller than a block, or nothing), unless they are over it by themselves; a
+        pool that has had nothing for `OWED_WAIT_SECONDS` of steps gets its floor (those decodes, or that block)
+        within it or not. On the 2-core CPU one block of a rag
         prompt after 2,900 cached tokens cost 90-120 ms beside chat's decodes: forced into every step, it
         put chat's inter-token gaps at 130-214 ms against a derived itl_ms of 130."""
         scheduler = self.schedulers[name]

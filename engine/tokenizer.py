@@ -269,8 +269,8 @@ class IncrementalDetokenizer:
     tokens (`_prompt_context`: 4 or more that decode to whole characters), so a sentencepiece tokenizer's leading
     space before the first output word is kept (its decoder strips the space a text begins with: decoded alone,
     "The cat" + "▁sat" gave "sat", and a completion did not follow on from its prompt), in a chat reply as in a
-    completion. Where the prompt has no such tokens (all special, or ending mid-character) the output is decoded
-    alone. One instance per sequence; not thread-safe.
+    completion. Where none do (a U+FFFD in the prompt's text), its last 24 are the context; where it has none (all
+    special) the output is decoded alone. One instance per sequence; not thread-safe.
 
     A byte-level tokenizer (`Tokenizer.byte_tables`: GPT-2's, Llama 3's, Qwen's, SmolLM's) needs no window and no
     library call: its decode is the UTF-8 of the tokens' bytes joined, so each step feeds the new tokens' bytes
@@ -297,11 +297,10 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._text_ids)   # the context: read, not emitted
 
     def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
-        """The shortest suffix of the prompt, 4 tokens or more (at most 24; special tokens decode skips left
-        out), that decodes to whole characters (vLLM's choice); all of those 24 when there is no such suffix
-        (a U+FFFD written in the prompt's text: a context still, else the output's leading space is lost). It ends
-        before a byte-fallback run the prompt ends with: the library would decode that run and one the output
-        begins with as one (a bad byte in the output made the prompt's character U+FFFDs of the output's)."""
+        """The shortest suffix of the prompt, 4 tokens or more (at most 24; special tokens decode skips left out),
+        that decodes to whole characters (vLLM's choice), else all 24 (a U+FFFD in its text). It ends before a
+        byte-fallback run the prompt ends with: the library would decode that run and one the output begins with
+        as one (a bad byte in the output made the prompt's character U+FFFDs of the output's)."""
         ids = [i for i in prompt_token_ids[-_MAX_CONTEXT:] if i not in self._skipped]
         while ids and ids[-1] in self._byte_ids:
             ids.pop()
