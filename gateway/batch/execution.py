@@ -27,11 +27,10 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import quote
 
 from gateway.openai.errors import ApiError, storage_unavailable
 from gateway.runtime import Gateway
-from gateway.upstream.relay import IDEMPOTENCY_KEY, UPSTREAM_SEND
+from gateway.upstream.relay import IDEMPOTENCY_KEY, UPSTREAM_SEND, idempotency_key
 from gateway.workers.deaths import SuspectGate
 from pools.store.batch_input import BatchInputError, BatchLine, TooManyBatches
 from pools.store.batch_store import PURGE_EVERY_S, STORAGE_ERRORS, BatchStore
@@ -305,7 +304,7 @@ class BatchRunner:
         poison line. Runs in a task of its own, whose upstream requests carry the line's Idempotency-Key
         and are kept as sent as they go out (a 429's refusal unmarks it): one a stop cut there is not sent
         again at the next start, but answered 502 `upstream_disconnected` (the upstream may have run it)."""
-        IDEMPOTENCY_KEY.set(f"{batch_id}:{quote(line.custom_id, safe='')}")
+        IDEMPOTENCY_KEY.set(idempotency_key(batch_id, line.custom_id))
         sent: list[bool] = []   # this try went out to an upstream (kept: `line.sent` at the next start)
 
         async def sending() -> None:

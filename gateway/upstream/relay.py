@@ -29,7 +29,8 @@ error event too: vLLM's `data: {"error": ...}`, a Responses `response.failed`); 
 request, not a batch line nor a background Response) in the latency histograms.
 
 A batch line is forwarded with an `Idempotency-Key: <batch id>:<custom_id>` header (`IDEMPOTENCY_KEY`, set by the
-batch runner around the line): an upstream that honours it answers a repeat from its first run. cliffguard does not
+batch runner around the line; `idempotency_key`: a custom_id past 128 characters quoted is sent as its SHA-256, as
+a header line past 8 KiB is a 400 at proxies and servers): an upstream that honours it answers a repeat from its first run. cliffguard does not
 rely on it: it never sends a line again once it may have run there (a 429 did not), not even after a stop that cut
 it (the runner keeps that it was sent as it goes out: `UPSTREAM_SEND`).
 
@@ -43,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -52,6 +54,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import msgspec
 from aiohttp import web
@@ -73,8 +76,18 @@ MAX_ANSWER_BYTES = 64 << 20
 MAX_EVENT_BYTES = 16 << 20
 MAX_ERROR_BYTES = 16 << 10
 
-# The forwarded request's Idempotency-Key: a batch line's `<batch id>:<custom_id>` (gateway.batch.execution), else None.
+# The forwarded request's Idempotency-Key: a batch line's `idempotency_key` (gateway.batch.execution), else None.
 IDEMPOTENCY_KEY: ContextVar[str | None] = ContextVar("cliffguard_idempotency_key", default=None)
+MAX_QUOTED_ID = 128   # characters of a custom_id quoted in its Idempotency-Key; past them, its SHA-256
+
+
+def idempotency_key(batch_id: str, custom_id: str) -> str:
+    """`<batch id>:<custom_id>` (quoted: a header's ASCII), or `<batch id>:sha256:<hex>` for a custom_id whose
+    quoted form is past MAX_QUOTED_ID characters (quoted, `sha256:` has its colon as `%3A`: no other id's key)."""
+    quoted = quote(custom_id, safe="")
+    if len(quoted) > MAX_QUOTED_ID:
+        quoted = "sha256:" + hashlib.sha256(custom_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{batch_id}:{quoted}"
 # Awaited once a connection to the upstream is made, just before the request goes out (the upstream may run
 # it from then on): a batch line's runner keeps that (gateway.batch.execution), else None.
 UPSTREAM_SEND: ContextVar[Callable[[], Awaitable[None]] | None] = ContextVar("cliffguard_upstream_send",
@@ -277,14 +290,15 @@ async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
                              headers={"x-cliffguard-pool": pool.name, **retry_headers(upstream.headers)})
 
 
-_RETRY_HEADERS = ("retry-after", "retry-after-ms")
+_RETRY_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
 _ACCOUNT_IDS = re.compile(r"\b((?:org|proj|user)[-_])"   # the operator's ids: 16+ letters and digits, not a word
                           r"(?=[A-Za-z0-9]*?(?:\d|[A-Z][A-Za-z0-9]*?[a-z]|[a-z][A-Za-z0-9]*?[A-Z]))[A-Za-z0-9]{16,}")
 
 
 def retry_headers(headers: Any) -> dict[str, str]:
     """The upstream's word on when to try again (`Retry-After`, `retry-after-ms`, the `x-ratelimit-*`
-    headers OpenAI sends with a 429), relayed with its error: the SDKs wait what it says."""
+    headers OpenAI sends with a 429) and whether to (`x-should-retry`: false on another gateway's poison
+    request), relayed with its error: the SDKs wait, or give up, as it says."""
     return {name: value for name, value in headers.items()
             if (low := name.lower()) in _RETRY_HEADERS or low.startswith("x-ratelimit-")}
 

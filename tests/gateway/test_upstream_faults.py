@@ -568,6 +568,9 @@ async def test_an_upstream_429_keeps_its_retry_headers_and_a_batch_line_is_tried
         tries[prompt] = tries.get(prompt, 0) + 1
         if prompt == "bad":
             return _reply(400, b'{"error": "bad thing"}')
+        if prompt == "poison":   # another gateway's poison request: its SDK must not send it again
+            return (b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\nx-should-retry: false"
+                    b"\r\nContent-Length: 42\r\n\r\n" + b'{"error": {"message": "poison request!!"}}')
         return limited if tries[prompt] == 1 or prompt == "hi" else _reply(200, _chat_answer(None))
 
     server, url = await _serve(answer)
@@ -579,6 +582,8 @@ async def test_an_upstream_429_keeps_its_retry_headers_and_a_batch_line_is_tried
     assert "project proj_…;" in error["message"]                         # an id of letters alone too
     assert "user_location and user-provided keys" in error["message"]   # words, not ids: as they came
     assert (r.headers["Retry-After"], r.headers["x-ratelimit-remaining-requests"]) == ("7", "0")
+    r = await client.post("/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "poison"}]})
+    assert r.status == 500 and r.headers["x-should-retry"] == "false", await r.text()
     (tmp_path / "batch").mkdir()
     done, errors = await _run_batch(aiohttp_client, tmp_path / "batch", url, "later", "bad")
     assert done["request_counts"] == {"total": 2, "completed": 1, "failed": 1}, done

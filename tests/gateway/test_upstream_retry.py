@@ -7,6 +7,7 @@ upstream on 127.0.0.1 that counts what it received."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import socket
 from collections import Counter
 
@@ -79,9 +80,13 @@ pools:
     return Gateway.from_config(load_config(path))
 
 
-def _line(custom_id: str) -> dict:
+LONG = "\u6f22" * 1000
+
+
+def _line(custom_id: str) -> dict:   # its prompt is its custom_id (LONG's: "long")
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": FRONT, "messages": [{"role": "user", "content": custom_id}], "max_tokens": 4}}
+            "body": {"model": FRONT, "messages": [{"role": "user", "content": "long" if custom_id == LONG else custom_id}],
+                     "max_tokens": 4}}
 
 
 async def _run_batch(aiohttp_client, tmp_path, upstream_url: str, *custom_ids: str, attempts: int = 4):
@@ -95,14 +100,17 @@ async def _run_batch(aiohttp_client, tmp_path, upstream_url: str, *custom_ids: s
 
 async def test_a_line_the_upstream_received_then_dropped_runs_once_and_fails(aiohttp_client, tmp_path):
     async with _DroppingUpstream() as dropping:
-        done, errors = await _run_batch(aiohttp_client, tmp_path, dropping.url, "one", "two", "three")
-    assert dropping.received == {"one": 1, "two": 1, "three": 1}        # each exactly once
-    assert done["status"] == "completed" and done["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
-    assert sorted(e["custom_id"] for e in errors) == ["one", "three", "two"]
+        done, errors = await _run_batch(aiohttp_client, tmp_path, dropping.url, "one", "two", "three", LONG)
+    assert dropping.received == {"one": 1, "two": 1, "three": 1, "long": 1}        # each exactly once
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 4, "completed": 0, "failed": 4}
+    assert sorted(e["custom_id"] for e in errors) == sorted(["one", "three", "two", LONG])
     for e in errors:
         assert e["response"]["status_code"] == 502
         assert e["response"]["body"]["error"]["code"] == "upstream_disconnected", e
-    assert dropping.keys == {cid: f"{done['id']}:{cid}" for cid in ("one", "two", "three")}
+    # a long custom_id (here 1,000 CJK characters, 9 KB quoted: past a proxy's 8 KiB header line) is keyed by its hash
+    digest = hashlib.sha256(LONG.encode()).hexdigest()
+    assert dropping.keys == {**{cid: f"{done['id']}:{cid}" for cid in ("one", "two", "three")},
+                             "long": f"{done['id']}:sha256:{digest}"}
 
 
 async def test_a_line_whose_upstream_cannot_be_reached_is_tried_again(aiohttp_client, tmp_path):
