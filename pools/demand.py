@@ -17,7 +17,7 @@ request (its mean prompt P and output O over the window):
 
 **What a pool is offered**: the prompt tokens and the output tokens (max_tokens capped at the pool's
 `avg_len`, as placement estimates them) of the requests that arrived in the last `WINDOW_SECONDS`,
-per second (per second since the gateway started, while that is shorter: `OfferedLoad.span`). Batch lines are not offered load: they wait for idle capacity by design.
+per second (per second since the first arrival, while that is shorter: `OfferedLoad.span`). Batch lines are not offered load: they wait for idle capacity by design.
 
 **The device's load** is the fraction of one replica's time the offered load needs,
 
@@ -63,7 +63,8 @@ def wait_bound(max_queue_seconds: float | None) -> float:
 
 class OfferedLoad:
     """The requests one pool was offered over the last `window` seconds (any monotonic clock), counted
-    from `since` (when arrivals began to be counted: a gateway's start) if given."""
+    from `since` if given, else from the first arrival (a gateway's pool is offered nothing before its
+    device is ready: a restart into a flood counts from the flood, however long the model took to load)."""
 
     def __init__(self, window: float = WINDOW_SECONDS, since: float | None = None) -> None:
         self.window, self.since = window, since
@@ -74,11 +75,13 @@ class OfferedLoad:
         since counting began when that is shorter (a gateway started into steady traffic reads its rate
         from the start, not a fraction of it), at least a quarter of the window (a first long request in
         its first second is not a flood)."""
-        if self.since is None:
+        if self.since is None:   # nothing arrived yet
             return self.window
         return min(self.window, max(now - self.since, self.window / 4))
 
     def add(self, at: float, prompt_tokens: int, output_tokens: int) -> None:
+        if self.since is None:
+            self.since = at
         self._arrivals.append((at, prompt_tokens, output_tokens))
 
     def _trim(self, now: float) -> None:

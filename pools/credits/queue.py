@@ -115,7 +115,7 @@ class CreditQueue:
         self._anywhere: set[str] = set()               # requests that no longer wait for their prompt's replica
         self._affine: set[str] = set()                 # requests that fit now and wait for their prompt's replica
         self.refused_at: float | None = None           # monotonic time of the last refusal for capacity
-        self.offered = OfferedLoad(since=time.monotonic())   # interactive requests that arrived (pools.demand)
+        self.offered = OfferedLoad()                   # interactive requests that arrived (pools.demand)
         self._since: dict[str, float] = {}             # interactive request -> when it came (until its first token)
         self._acks: dict[int, Callable[[], None]] = {}   # replica -> a lease to acknowledge once within it
         self.num_admitted = 0           # totals since start, for metrics and tests

@@ -34,7 +34,10 @@ def test_offered_load_counts_only_the_window():
 
 
 def test_offered_load_is_divided_by_the_time_it_was_counted_over():
-    assert OfferedLoad(window=20).span(3.0) == 20                 # no start given: the whole window
+    counted = OfferedLoad(window=20)
+    assert counted.span(3.0) == 20                                # nothing arrived: the whole window
+    counted.add(50.0, 10, 1)                                      # no start given: from the first arrival
+    assert (counted.since, counted.span(53.0), counted.span(62.0), counted.span(90.0)) == (50.0, 5, 12, 20)
     offered = OfferedLoad(window=20, since=100.0)
     assert offered.span(101.0) == 5                               # at least a quarter of the window
     assert offered.span(112.0) == 12                              # the time since counting began
@@ -103,3 +106,25 @@ def test_a_planned_mix_is_judged_by_the_same_rates():
     assert device.load == pytest.approx(3000 / rates.prefill + 300 / rates.decode)
     assert device.load > 1 and replicas_needed(device.pools) == 2
     assert planned_load(MODEL, [pool], replicas=2).load == pytest.approx(device.load / 2)
+
+
+def test_a_pools_offered_load_counts_from_its_first_arrival_not_its_queues_making(monkeypatch):
+    """The gateway makes its credit queues before its workers load; nothing arrives until a device is ready.
+    A flood right after a long load is counted from its first request, not spread over the load's time."""
+    import asyncio
+
+    from pools.credits import queue as queue_module
+    from pools.credits.placement import Work
+    from pools.credits.queue import CreditQueue
+
+    clock = [1000.0]
+    monkeypatch.setattr(queue_module, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    queue = CreditQueue("chat", [10_000])
+    clock[0] += 60.0                                                # the model loaded for a minute
+
+    async def arrive() -> None:
+        async with queue.hold("r1", 100, work=Work(((1,) * 90,), 10)):
+            pass
+
+    asyncio.run(arrive())
+    assert queue.offered.since == 1060.0 and queue.offered.span(1066.0) == 6.0
