@@ -75,11 +75,10 @@ class RopeScaling:
     def from_hf_config(cls, cfg: dict[str, Any], params_name: str = "rope_parameters",
                        ) -> tuple[float | None, "RopeScaling"]:
         """(rope_theta or None, scaling) from an HF config dict: `rope_theta` + `rope_scaling`, or the `rope_parameters`
-        entry transformers >= 5 writes instead (`params_name`: its key path in errors). Both given with
-        `rope_scaling` saying anything `rope_parameters` does not is refused: transformers then reads `rope_scaling`
-        alone and drops `rope_parameters`' `rope_theta`, rarely what a config edited by hand means. The type may be
-        spelled `type` in either; `partial_rotary_factor` (a scaled rope over part of each head) is refused. A value
-        of the wrong type or out of range is a ConfigError naming its key."""
+        entry transformers >= 5 writes instead (`params_name`: its key path in errors). Both given with `rope_scaling`
+        saying anything `rope_parameters` does not is refused: transformers then reads `rope_scaling` alone and drops
+        `rope_parameters`' `rope_theta`, rarely what a config edited by hand means. The type may be spelled `type`;
+        `partial_rotary_factor` with a scaled rope is refused. A bad value is a ConfigError naming its key."""
         rope_theta = _float(cfg, "rope_theta", None)
         raw, name = cfg.get("rope_scaling"), "rope_scaling"
         params = _object(cfg, "rope_parameters", name=params_name)
@@ -112,8 +111,9 @@ class RopeScaling:
         original = _int(cfg, "original_max_position_embeddings", None)
         if original is None:
             original = _int(raw, "original_max_position_embeddings", _int(cfg, "max_position_embeddings", 8192), path=path)
-        if _float(raw, "partial_rotary_factor", _float(cfg, "partial_rotary_factor", 1.0), path=path) != 1.0:
-            raise ConfigError(f"{path}partial_rotary_factor: rotating part of each head is not supported")
+        where, part = (path, raw) if raw.get("partial_rotary_factor") is not None else ("", cfg)   # the key it has
+        if _rope_type(raw) != "default" and _float(part, "partial_rotary_factor", 1.0, path=where) != 1.0:
+            raise ConfigError(f"{where}partial_rotary_factor: rotating part of each head is not supported")
         # yarn without a factor: the context's growth (transformers' reading)
         factor = _float(raw, "factor", _int(cfg, "max_position_embeddings", original) / original, path=path)
         return cls(
@@ -269,9 +269,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Build from the dict of an HF config.json. Errors name the config key: one missing, of the wrong
-        type (a size must be an integer, not a string or a bool) or out of range is a ConfigError; an
-        absent or null optional key takes its default."""
+        """Build from the dict of an HF config.json. A key missing, of the wrong type (a size is an integer, not
+        a string or a bool) or out of range is a ConfigError naming it; an absent or null optional one, its default."""
         if not isinstance(cfg, dict):
             raise ConfigError(f"config.json: must be a JSON object, got {cfg!r:.80}")
         archs = cfg.get("architectures") or []
@@ -308,7 +307,8 @@ class ModelConfig:
             intermediate_size=_int(cfg, "intermediate_size"),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=_int(cfg, "num_key_value_heads", DEFAULT_KV_HEADS.get(arch, num_heads)),
+            num_kv_heads=_int(cfg, "num_key_value_heads",   # null: one per head, as transformers reads None
+                              num_heads if "num_key_value_heads" in cfg else DEFAULT_KV_HEADS.get(arch, num_heads)),
             head_dim=_int(cfg, "head_dim", 128 if arch == "Qwen3ForCausalLM" else hidden // num_heads),  # Qwen3's: 128
             rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta if rope_theta is not None else 10000.0,

@@ -114,6 +114,12 @@ def test_a_config_without_its_kv_head_count_takes_its_config_classs(arch, config
     base.pop("num_key_value_heads", None)
     theirs = getattr(transformers, config_class)(**{k: v for k, v in base.items() if k != "architectures"})
     assert ModelConfig.from_hf_config(base).num_kv_heads == theirs.num_key_value_heads
+    if config_class in ("Qwen3MoeConfig", "MistralConfig"):   # typed int there: transformers refuses a null
+        return
+    none = getattr(transformers, config_class)(**{k: v for k, v in base.items() if k != "architectures"},
+                                               num_key_value_heads=None)   # null: one per query head
+    assert ModelConfig.from_hf_config({**base, "num_key_value_heads": None}).num_kv_heads == \
+        none.num_key_value_heads == 64
 
 
 def test_a_scaled_rope_over_part_of_each_head_is_refused_and_a_plain_one_reads_as_transformers_does():
@@ -122,8 +128,11 @@ def test_a_scaled_rope_over_part_of_each_head_is_refused_and_a_plain_one_reads_a
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     with pytest.raises(ConfigError, match=r"^rope_scaling\.partial_rotary_factor: rotating part of each head"):
         ModelConfig.from_hf_config({**LLAMA, "rope_scaling": {**yarn, "partial_rotary_factor": 0.5}})
-    with pytest.raises(ConfigError, match=r"^rope_scaling\.partial_rotary_factor: "):
+    with pytest.raises(ConfigError, match=r"^partial_rotary_factor: "):   # the key the file has
         ModelConfig.from_hf_config({**LLAMA, "partial_rotary_factor": 0.25, "rope_scaling": yarn})
+    default = {"rope_type": "default"}
+    assert ModelConfig.from_hf_config({**LLAMA, "partial_rotary_factor": 0.5, "rope_scaling": default}) == \
+        ModelConfig.from_hf_config({**LLAMA, "rope_scaling": default})
     assert ModelConfig.from_hf_config({**LLAMA, "partial_rotary_factor": 1.0, "rope_scaling": yarn}).rope_scaling.factor == 4
     assert ModelConfig.from_hf_config({**LLAMA, "partial_rotary_factor": 0.5}) == ModelConfig.from_hf_config(LLAMA)
 
