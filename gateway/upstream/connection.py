@@ -128,6 +128,7 @@ class UpstreamResponse:
         self.status, self.headers = status, headers
         self._client, self._key, self._conn, self._timeout = client, key, conn, read_timeout
         self._done = False
+        self.background = False   # a batch line's: it holds one of its host's background slots too (`post`)
         self._reusable = _keeps_alive(version, headers)
         if status in (204, 304) or 100 <= status < 200:
             self._left: int | None = 0
@@ -220,7 +221,7 @@ class UpstreamResponse:
         if self._conn is None:
             return
         conn, self._conn = self._conn, None
-        self._client._release(self._key, conn, self._done and self._reusable and not conn.buffer)
+        self._client._release(self._key, conn, self._done and self._reusable and not conn.buffer, self.background)
 
     async def __aenter__(self) -> UpstreamResponse:
         return self
@@ -235,7 +236,10 @@ _HEX_DIGITS = b"0123456789abcdefABCDEF"
 class UpstreamClient:
     """Kept-alive connections per upstream host, at most `max_connections` in use at once to each (one
     slow upstream's streams never hold up another's); a request that finds its host's all in use waits
-    for one at most `connect_timeout`, then is UpstreamUnreachable (nothing was sent)."""
+    for one at most `connect_timeout`, then is UpstreamUnreachable (nothing was sent). A `background`
+    request (a batch line) first waits, however long, for one of the host's `max_connections // 2`
+    background slots (at least 1): batch lines never hold more than half the connections, the rest stay
+    for the requests a client waits on."""
 
     def __init__(self, *, connect_timeout: float = 10.0, read_timeout: float = 600.0,
                  max_connections: int = 256, keepalive_seconds: float = 4.0) -> None:
@@ -244,26 +248,34 @@ class UpstreamClient:
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self.max_connections = max_connections
         self._slots: dict[tuple[str, str, int], asyncio.Semaphore] = {}   # per host
+        self._background: dict[tuple[str, str, int], asyncio.Semaphore] = {}   # per host: its batch lines' share
         self.num_in_use = 0   # connection slots taken: requests being sent and answers not yet closed
         self._tls: ssl.SSLContext | None = None
         self._closed = False
 
     async def post(self, url: URL, body: bytes, headers: dict[str, str],
-                   on_send: Callable[[], Awaitable[None]] | None = None) -> UpstreamResponse:
+                   on_send: Callable[[], Awaitable[None]] | None = None, background: bool = False) -> UpstreamResponse:
         """Send `body` to `url` and read the answer's head; close the response (or use it in `async with`).
-        `on_send` is awaited once a connection is made, just before the request's bytes go out."""
+        `on_send` is awaited once a connection is made, just before the request's bytes go out; `background`:
+        a batch line's (the class docstring)."""
         if self._closed:
             raise UpstreamUnreachable("the client is closed")
         request = _request_bytes(url, body, headers)
         key = (url.scheme, url.host or "", url.explicit_port or (443 if url.scheme == "https" else 80))
         slots = self._slots.setdefault(key, asyncio.Semaphore(self.max_connections))
+        if background:
+            await self._background.setdefault(key, asyncio.Semaphore(max(1, self.max_connections // 2))).acquire()
         try:
             async with asyncio.timeout(self.connect_timeout):
                 await slots.acquire()
-        except TimeoutError:
-            raise UpstreamUnreachable(f"all {self.max_connections} connections to {url.host}:{key[2]} (gateway."
-                                      f"upstream.max_connections) stayed in use for {self.connect_timeout:g} s"
-                                      ) from None
+        except BaseException as exc:
+            if background:
+                self._background[key].release()
+            if isinstance(exc, TimeoutError):
+                raise UpstreamUnreachable(f"all {self.max_connections} connections to {url.host}:{key[2]} (gateway."
+                                          f"upstream.max_connections) stayed in use for {self.connect_timeout:g} s"
+                                          ) from None
+            raise
         self.num_in_use += 1
         try:
             conn = self._idle_connection(key) or await self._connect(key)
@@ -276,12 +288,14 @@ class UpstreamClient:
                         conn = self._idle_connection(key) or await self._connect(key)
                 conn.transport.write(request)
                 version, status, head = await _read_head(conn, self.read_timeout)
-                return UpstreamResponse(self, key, conn, status, head, self.read_timeout, version)   # may refuse it
+                response = UpstreamResponse(self, key, conn, status, head, self.read_timeout, version)   # may refuse
+                response.background = background
+                return response
             except BaseException:
                 conn.transport.abort()
                 raise
         except BaseException:
-            self._release_slot(key)
+            self._release_slot(key, background)
             raise
 
     def _idle_connection(self, key: tuple[str, str, int]) -> _Connection | None:
@@ -314,17 +328,19 @@ class UpstreamClient:
             raise UpstreamUnreachable(f"cannot connect to {host}:{port}: {exc.strerror or exc}") from None
         return conn
 
-    def _release(self, key: tuple[str, str, int], conn: _Connection, reusable: bool) -> None:
-        self._release_slot(key)
+    def _release(self, key: tuple[str, str, int], conn: _Connection, reusable: bool, background: bool) -> None:
+        self._release_slot(key, background)
         if reusable and conn.usable and not self._closed:
             conn.idle_since = time.monotonic()
             self._idle.setdefault(key, []).append(conn)
         elif conn.transport is not None:
             conn.transport.close()
 
-    def _release_slot(self, key: tuple[str, str, int]) -> None:
+    def _release_slot(self, key: tuple[str, str, int], background: bool) -> None:
         self.num_in_use -= 1
         self._slots[key].release()
+        if background:
+            self._background[key].release()
 
     async def close(self) -> None:
         """Close every idle connection; those in use close as their responses end."""

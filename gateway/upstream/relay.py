@@ -146,7 +146,7 @@ async def forward(request: web.Request, client: UpstreamClient, pool: Pool, path
         sent["stream_options"] = {**options, "include_usage": True}   # local pool, for usage in every chunk)
     try:
         upstream = await client.post(_url(pool.spec.upstream, path), _JSON.encode(sent), _headers(pool, stream),
-                                     on_send=UPSTREAM_SEND.get())
+                                     on_send=UPSTREAM_SEND.get(), background=IDEMPOTENCY_KEY.get() is not None)
     except UpstreamUnreachable as exc:   # no connection: nothing sent
         raise _upstream_failed(pool, "is unreachable", exc, "upstream_unreachable") from None
     except (UpstreamDisconnected, OSError) as exc:   # after the request may have gone out

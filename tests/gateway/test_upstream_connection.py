@@ -326,3 +326,33 @@ async def test_a_hosts_connections_all_in_use_hold_up_no_other_host_and_a_wait_f
     await client.close()
     slow.close()
     fast.close()
+
+
+async def test_batch_lines_hold_at_most_half_a_hosts_connections_and_wait_for_theirs_however_long():
+    """max_connections 4: two background requests (batch lines) stall their answers; a third waits for a
+    background slot past `connect_timeout` (no UpstreamUnreachable: a batch line waits), while a request a
+    client waits on gets one of the other two at once; the third goes out once a background answer is closed."""
+    release = asyncio.Event()
+
+    async def answer(writer, request, n):
+        if b"batch" in request:
+            await release.wait()
+        writer.write(_answer(b'{"a": 1}', "Content-Length: 8"))
+        await writer.drain()
+
+    server, url, seen, _ = await _raw_server(answer)
+    client = UpstreamClient(connect_timeout=0.2, read_timeout=30, max_connections=4)
+    lines = [asyncio.ensure_future(client.post(url, b'"batch"', {}, background=True)) for _ in range(3)]
+    await asyncio.sleep(0.5)                                 # past connect_timeout
+    assert sum(b"batch" in request for request in seen) == 2 and not any(line.done() for line in lines)
+    async with await asyncio.wait_for(client.post(url, b'"chat"', {}), 2) as response:   # at once
+        assert await response.read() == b'{"a": 1}'
+    release.set()
+    for line in lines:
+        async with await asyncio.wait_for(line, 5) as response:
+            assert await response.read() == b'{"a": 1}'
+    assert sum(b"batch" in request for request in seen) == 3 and client.num_in_use == 0
+    (await asyncio.wait_for(client.post(url, b'"chat"', {}, background=True), 2)).close()
+    assert client._background[next(iter(client._background))]._value == 2   # every background slot back
+    await client.close()
+    server.close()

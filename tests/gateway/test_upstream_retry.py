@@ -98,9 +98,17 @@ async def _run_batch(aiohttp_client, tmp_path, upstream_url: str, *custom_ids: s
     return done, await _jsonl_file(client, done["error_file_id"])
 
 
-async def test_a_line_the_upstream_received_then_dropped_runs_once_and_fails(aiohttp_client, tmp_path):
+async def test_a_line_the_upstream_received_then_dropped_runs_once_and_fails(aiohttp_client, tmp_path, monkeypatch):
+    posted, real_post = [], UpstreamClient.post
+
+    async def post(self, *args, background=False, **kwargs):
+        posted.append(background)
+        return await real_post(self, *args, background=background, **kwargs)
+
+    monkeypatch.setattr(UpstreamClient, "post", post)
     async with _DroppingUpstream() as dropping:
         done, errors = await _run_batch(aiohttp_client, tmp_path, dropping.url, "one", "two", "three", LONG)
+    assert posted == [True] * 4   # batch lines: at most half the host's connections
     assert dropping.received == {"one": 1, "two": 1, "three": 1, "long": 1}        # each exactly once
     assert done["status"] == "completed" and done["request_counts"] == {"total": 4, "completed": 0, "failed": 4}
     assert sorted(e["custom_id"] for e in errors) == sorted(["one", "three", "two", LONG])
