@@ -3,9 +3,10 @@
 The first signal closes the listener and the idle keep-alive connections at once and gives the requests in
 flight `gateway.drain_seconds` to finish (aiohttp's `shutdown_timeout`, set on the runner: `start_server`);
 the HTTP requests still waiting or running then are cut, answered 503 `server_shutting_down` (a stream that
-has begun: that error event, then `[DONE]`; `Gateway.cut_in_flight`), and the app's cleanup runs: the
-background Responses and batch lines still running are kept unfinished, run again at the next start (a
-batch line an upstream pool already had is answered `upstream_disconnected` then, not sent again), and
+has begun: that error event, then `[DONE]`; `Gateway.cut_in_flight`). Batch lines drain alike (none starts, those
+an upstream pool has get the drain to finish: `BatchRunner.drain`, on the app's `on_shutdown`). The app's cleanup
+runs: the background Responses and batch lines still running are kept unfinished, run again at the next start
+(a batch line an upstream pool still had is answered `upstream_disconnected` then, not sent again), and
 the device workers are shut down. A second signal cuts everything at once (the workers end on their own,
 their gateway gone: `engine.worker`). The workers ignore both signals, so a signal sent to the whole process
 group (Ctrl-C in a terminal; systemd's default `KillMode=control-group`) stops only the gateway, which then

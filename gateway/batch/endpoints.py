@@ -76,6 +76,7 @@ def setup(app: web.Application, data_dir: Path | str, executor: LineExecutor | N
     app[BATCHES] = BatchRunner(store, executor or functools.partial(answer_batch_line, gateway),
                                max_unfinished_per_owner=gateway.config.gateway.batches.max_unfinished_per_owner)
     app.cleanup_ctx.append(_runner_ctx)
+    app.on_shutdown.append(_drain)
     app.router.add_post("/v1/files", upload_file)
     app.router.add_get("/v1/files", list_files)
     app.router.add_get("/v1/files/{file_id}", retrieve_file)
@@ -85,6 +86,12 @@ def setup(app: web.Application, data_dir: Path | str, executor: LineExecutor | N
     app.router.add_get("/v1/batches", list_batches)
     app.router.add_get("/v1/batches/{batch_id}", retrieve_batch)
     app.router.add_post("/v1/batches/{batch_id}/cancel", cancel_batch)
+
+
+async def _drain(app: web.Application) -> None:
+    """The server's stop begins (before its wait of `gateway.drain_seconds` for the requests in flight): batch
+    lines drain alike (`BatchRunner.drain`)."""
+    app[BATCHES].drain(asyncio.get_running_loop().time() + app[GATEWAY].config.gateway.drain_seconds)
 
 
 async def _runner_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -12,7 +12,10 @@ was not (several replicas of the device lost at once: a node, a network). Only `
 answered it twice is a poison line, and after the first it is tried again alone. Either end is recorded as the
 line's error, with its last answer. Any other answer is the line's: a line an upstream may have received (502
 `upstream_disconnected`) is never sent again, so it never runs twice; nor is one a stop cut while the upstream
-had it (kept as sent before it goes out: answered `upstream_disconnected` at the next start). Forwarded lines
+had it (kept as sent before it goes out: answered `upstream_disconnected` at the next start). So a stop drains
+(`drain`, as the server's stop begins): no line starts from then, and those an upstream pool has get until the
+drain's end (`gateway.drain_seconds`) to be answered and kept; a local pool's are cut at once (run again at the
+next start). Forwarded lines
 carry `Idempotency-Key: <batch id>:<custom_id>` (`gateway.upstream.relay.IDEMPOTENCY_KEY`) for upstreams that
 dedupe; the runner does not rely on it. A store call that fails for storage (disk full, database locked) is
 retried MAX_STORE_ATTEMPTS times, then the batch fails (`errors` naming `storage_error`) rather than stay
@@ -47,6 +50,7 @@ TRANSIENT = {(503, "engine_dead"), (503, "replica_lost"), (503, "pool_unavailabl
 MAX_LINE_ATTEMPTS = 40              # tries of a line answered transiently (0.5 s ... 30 s apart: about 17 minutes)
 MAX_ENGINE_DEATHS = 2               # 503 engine_dead answers (its own deaths) that make a line a poison line
 MAX_STORE_ATTEMPTS = 6              # tries of a store call failing for storage, before the batch fails
+DRAIN_POLL_S = 0.05                 # a draining stop's look at the lines an upstream pool still has
 PAGE_LINES = 256                    # pending lines read from the store at a time
 
 # (path, body, tenant) -> (HTTP status, JSON body), as an HTTP client of that path with the tenant's key would get them
@@ -132,6 +136,8 @@ class BatchRunner:
         self._runs: dict[str, _Run] = {}
         self._gate = SuspectGate()
         self._purging: asyncio.Task | None = None
+        self._draining_until: float | None = None   # loop time the stop's drain ends (`drain`)
+        self._unrecorded: set[asyncio.Task] = set()   # lines an upstream pool has, their outcome not yet kept
 
     async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` on the store thread, for a client's request: a `BatchInputError` becomes
@@ -179,8 +185,17 @@ class BatchRunner:
         for batch_id in ids:
             self.run(batch_id)
 
+    def drain(self, until: float) -> None:
+        """The server's stop began: no line starts from now, and `stop` waits until `until` (loop time) for the
+        lines an upstream pool has."""
+        self._draining_until = until
+
     async def stop(self) -> None:
-        """Stop every run (their batches stay unfinished in the store) and close the store."""
+        """Stop every run (their batches stay unfinished in the store) and close the store; after `drain`,
+        once the lines an upstream pool had are answered and kept, or the drain is over (those are cut)."""
+        loop = asyncio.get_running_loop()
+        while self._draining_until is not None and self._unrecorded and loop.time() < self._draining_until:
+            await asyncio.sleep(DRAIN_POLL_S)
         tasks = [run.task for run in self._runs.values()] + ([self._purging] if self._purging is not None else [])
         for task in tasks:
             task.cancel()
@@ -270,6 +285,8 @@ class BatchRunner:
         for the lock and fetching a page both yield, and a cancel may land meanwhile: `_Run.cancel` aborts
         only the lines already in flight, so `cancelling` is checked again after them, and the caller
         starts the line it gets before it yields again."""
+        if self._draining_until is not None:   # the stop's drain: none starts; `stop` cancels this wait
+            await asyncio.get_running_loop().create_future()
         async with run.lock:
             if not run.cancelling and not run.buffer and not run.exhausted:
                 page = await self.durable(self.store.pending_lines, run.batch_id, run.after_line_no, PAGE_LINES)
@@ -286,17 +303,20 @@ class BatchRunner:
             task = asyncio.ensure_future(self._answer(line, run.tenant, run.batch_id))
             run.in_flight.add(task)
             try:
-                await asyncio.wait([task])
+                try:
+                    await asyncio.wait([task])
+                finally:
+                    run.in_flight.discard(task)
+                    task.cancel()   # no-op once done; aborts the line if this worker is being cancelled
+                if task.cancelled() and run.cancelling:
+                    break
+                outcome = (task.result() if not task.cancelled() else
+                           _Outcome(500, ApiError(500, "internal error: the line's request was cancelled",
+                                                  type="server_error").body()))
+                await self.durable(self.store.record, run.batch_id, line.line_no, outcome.status, outcome.body,
+                                   error=outcome.error)
             finally:
-                run.in_flight.discard(task)
-                task.cancel()   # no-op once done; aborts the line if this worker is being cancelled
-            if task.cancelled() and run.cancelling:
-                break
-            outcome = (task.result() if not task.cancelled() else
-                       _Outcome(500, ApiError(500, "internal error: the line's request was cancelled",
-                                              type="server_error").body()))
-            await self.durable(self.store.record, run.batch_id, line.line_no, outcome.status, outcome.body,
-                               error=outcome.error)
+                self._unrecorded.discard(task)
 
     async def _answer(self, line: BatchLine, tenant: str, batch_id: str) -> _Outcome:
         """The line's outcome as `tenant` (a streaming line is the executor's 400): transient answers
@@ -310,6 +330,7 @@ class BatchRunner:
         async def sending() -> None:
             await self.durable(self.store.mark_sent, batch_id, line.line_no)
             sent.append(True)
+            self._unrecorded.add(asyncio.current_task())
         UPSTREAM_SEND.set(sending)
         if line.sent:
             return _Outcome(502, ApiError(502, f"line {line.line_no}: sent to its upstream pool before the gateway "
@@ -323,6 +344,7 @@ class BatchRunner:
             if sent:   # a 429: the upstream refused it, it did not run there (a stop now: sent again next start)
                 await self.durable(self.store.mark_sent, batch_id, line.line_no, False)
                 sent.clear()
+                self._unrecorded.discard(asyncio.current_task())
             message = _describe(status, body)
             if _error(body).get("code") == "engine_dead":
                 deaths += 1

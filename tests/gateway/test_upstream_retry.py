@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import socket
+import time
 from collections import Counter
 
 import pytest
@@ -65,10 +66,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _gateway(tmp_path, upstream_url: str, *pool_lines: str) -> Gateway:
+def _gateway(tmp_path, upstream_url: str, *pool_lines: str, drain_seconds: float | None = None) -> Gateway:
     """An upstream-only gateway: the pool `remote` at `upstream_url`, with `pool_lines` (`key: value`) added."""
     path = tmp_path / "pools.yaml"
-    path.write_text(f"""
+    drain = f"gateway: {{drain_seconds: {drain_seconds}}}\n" if drain_seconds is not None else ""
+    path.write_text(drain + f"""
 pools:
   - name: remote
     upstream: {upstream_url}
@@ -175,11 +177,13 @@ async def test_a_line_the_upstream_held_when_the_gateway_stopped_is_not_sent_aga
     app.router.add_post("/v1/chat/completions", chat)
     server = await aiohttp_client(app)
     url = str(server.make_url("/v1"))
-    first = await aiohttp_client(create_app(_gateway(tmp_path, url), data_dir=tmp_path))
+    first = await aiohttp_client(create_app(_gateway(tmp_path, url, drain_seconds=0.5), data_dir=tmp_path))
     first.app[BATCHES].max_in_flight = 1   # "held" first; "later" waits behind it and never goes out
     batch_id = (await _create(first, _jsonl(_line("held"), _line("later"))))["id"]
     await asyncio.wait_for(holding.wait(), 10)
-    await first.close()   # the app's cleanup stops the runner: "held" cut while the upstream has it
+    started = time.monotonic()
+    await first.close()   # the stop drains 0.5 s, then its cleanup stops the runner: "held" cut while the upstream has it
+    assert 0.4 < time.monotonic() - started < 5
     again = await aiohttp_client(create_app(_gateway(tmp_path, url), data_dir=tmp_path))
     done = await _wait(again, batch_id)
     assert received == {"held": 1, "later": 1}, received
@@ -187,6 +191,38 @@ async def test_a_line_the_upstream_held_when_the_gateway_stopped_is_not_sent_aga
     (error,) = await _jsonl_file(again, done["error_file_id"])
     assert error["custom_id"] == "held" and error["response"]["status_code"] == 502
     assert error["response"]["body"]["error"]["code"] == "upstream_disconnected", error
+
+
+async def test_a_stop_drains_the_lines_an_upstream_has_and_starts_none(aiohttp_client, tmp_path):
+    """The upstream answers "slow" 1 s after the stop begins, within the 10 s drain: it is kept answered (not cut
+    into a 502 at the next start), the stop ends then, and "later", which no line started during the drain, runs
+    at the next start."""
+    received: Counter[str] = Counter()
+    holding = asyncio.Event()
+
+    async def chat(request: web.Request) -> web.Response:
+        prompt = (await request.json())["messages"][0]["content"]
+        received[prompt] += 1
+        if prompt == "slow":
+            holding.set()
+            await asyncio.sleep(1.0)
+        return web.json_response({"id": "c", "object": "chat.completion", "model": "upstream-model",
+                                  "choices": [{"index": 0, "finish_reason": "stop",
+                                               "message": {"role": "assistant", "content": "ok"}}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    url = str((await aiohttp_client(app)).make_url("/v1"))
+    first = await aiohttp_client(create_app(_gateway(tmp_path, url, drain_seconds=10), data_dir=tmp_path))
+    first.app[BATCHES].max_in_flight = 1
+    batch_id = (await _create(first, _jsonl(_line("slow"), _line("later"))))["id"]
+    await asyncio.wait_for(holding.wait(), 10)
+    started = time.monotonic()
+    await first.close()
+    assert 0.5 < time.monotonic() - started < 5 and received == {"slow": 1}, received   # "later" never started
+    again = await aiohttp_client(create_app(_gateway(tmp_path, url), data_dir=tmp_path))
+    done = await _wait(again, batch_id)
+    assert received == {"slow": 1, "later": 1} and done["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
 
 
 async def test_a_line_the_upstream_refused_with_429_is_sent_again_after_a_stop(aiohttp_client, tmp_path):
