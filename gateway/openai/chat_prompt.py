@@ -6,7 +6,8 @@
   item) the two are one system message, as templates that take a single leading system message need. A
   template that names the role gets it as sent.
 - **Tools**: a template that knows tools renders them and the calls in the history itself (the calls'
-  arguments as the JSON they hold: `native_messages`); for one that knows none (SmolLM2's, Gemma 3's),
+  arguments as the JSON they hold: `native_messages`), where it writes calls in a format we parse
+  (`template_knows_tools`); for one that knows none (SmolLM2's, Gemma 3's) or writes another (Mistral's),
   `fallback_messages` lists the tools in a system message of ours, writes the history's calls in the hermes
   form and the results as user turns (the results of one turn's calls together in one user turn, as Qwen's
   template groups them, a user message right after them joined to that turn: templates that alternate roles,
@@ -126,7 +127,10 @@ def _strings(value: Any) -> Iterator[str]:
 
 
 def template_knows_tools(template: str) -> bool:
-    return "tools" in template
+    """Whether a chat template renders tools and calls in a format `gateway.openai.tools.tool_format` parses:
+    hermes' `<tool_call>` (Qwen's), or Llama 3's JSON calls. One that writes another (Mistral's `[TOOL_CALLS]`,
+    whose history also asks for 9-character call ids) takes them the fallback's way, as one that knows none."""
+    return "<tool_call>" in template or ('"parameters"' in template and "tools" in template)
 
 
 def template_roles(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:

@@ -258,6 +258,32 @@ def test_parallel_calls_and_their_results_for_a_template_without_tools_that_alte
     assert "<tool_response>\n20 C\n</tool_response>\n\nAnd in Bergen?<end_of_turn>\n<start_of_turn>model\n" in text
 
 
+MISTRAL_LIKE = (   # Mistral v0.3's way with tools: [AVAILABLE_TOOLS], [TOOL_CALLS] of 9-character ids
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}{% if c.id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}{% endfor %}"
+    "[TOOL_CALLS]{{ m.tool_calls | tojson }}</s>{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}"
+    "[/TOOL_RESULTS]{% elif m.role == 'user' %}[INST] {{ m.content }}[/INST]{% else %}{{ m.content }}</s>"
+    "{% endif %}{% endfor %}")
+
+
+def test_a_template_whose_tool_calls_we_cannot_parse_takes_tools_the_fallbacks_way(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """Mistral's template writes calls as `[TOOL_CALLS]` (which we would not parse: the reply's calls came back as
+    text) and refuses an OpenAI call id: its tools and calls go the way of a template without tools, in the hermes
+    form the reply is parsed in, and a history with a call renders."""
+    folder = _make_folder(tmp_path / "mistral", tiny_model, MISTRAL_LIKE)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    calls = [{"id": "call_0123456789abcdef01234567", "type": "function",
+              "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]
+    messages = [USER, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": calls[0]["id"], "content": "12 C"}]
+    text = Tokenizer.from_folder(folder).decode(_render(folder, {"messages": messages, "tools": tools}),
+                                                skip_special_tokens=False)
+    assert "[AVAILABLE_TOOLS]" not in text and "[TOOL_CALLS]" not in text
+    assert "<tools>" in text and '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}' in text
+
+
 # --- where the rendering runs, and a template's own error --------------------------------------------------------
 
 
