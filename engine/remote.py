@@ -59,6 +59,7 @@ MAX_HANDSHAKES = 64        # connections proving the key at once, each on its ow
 SILENCE_SECONDS = 20.0     # a connection that brought nothing this long is dropped, by either end
 MESSAGE_SECONDS = 120.0    # the replica's end: bytes of one unfinished message count as heard this long at most
 KEEPALIVE_SECONDS = 2.0    # between the gateway's `Keepalive` frames
+BUSY_SECONDS = 1.0         # a replica's turn this long without reading (a long step) is not the gateway's silence
 UNREAD_SECONDS = 600.0     # the gateway's socket: how long a replica may leave its data unread (a step; as
                            # gateway.step_timeout_seconds' default), then the kernel drops the connection
 TCP_KEEPALIVE = (5, 5, 3)  # TCP keepalive of a quiet direction: idle seconds, probe interval, probes
@@ -85,21 +86,27 @@ class ReplicaChannel(WorkerChannel):
     whole message, its MAC checked, or bytes of one still arriving, for at most `message_seconds` after
     the last whole one: a large message on a slow link is heard, a frame whose length header was changed
     in transit (its body never ends, keepalives pile up behind it) is not for long. `wait` never sleeps
-    past the silence deadline. `end_reason` says why it ended, when it was not the peer closing. Thread
-    rules: `WorkerChannel`'s; `end` from any thread."""
+    past the silence deadline. Neither clock runs while the replica does not read (a step of `BUSY_SECONDS` or
+    more between two `receive`s, outside `wait`: a first compile, a long prefill), so a large message the
+    gateway sent meanwhile is not cut for the replica's own time. `end_reason` says why it ended, when it was
+    not the peer closing. Thread rules: `WorkerChannel`'s; `end` from any thread."""
 
     def __init__(self, sock: socket.socket, keys: FrameKeys, peer: object, silence_seconds: float,
                  message_seconds: float = MESSAGE_SECONDS) -> None:
         super().__init__(sock, keys)
         self.peer = peer
         self.silence_seconds, self.message_seconds = silence_seconds, message_seconds
-        self.last_heard = self.last_whole = time.monotonic()
+        self.last_heard = self.last_whole = self._read_at = time.monotonic()
+        self._waited = 0.0   # seconds in `wait` since the last `receive`: listening
         self.end_reason: str | None = None
 
     def receive(self) -> list[object]:
         num_bytes = self.num_received_bytes
         received = super().receive()
         now = time.monotonic()
+        if (busy := now - self._read_at - self._waited) >= BUSY_SECONDS:   # the replica's own time: no one's silence
+            self.last_heard, self.last_whole = self.last_heard + busy, self.last_whole + busy
+        self._read_at, self._waited = now, 0.0
         if received:
             self.last_heard = self.last_whole = now
         elif self.num_received_bytes != num_bytes and now - self.last_whole < self.message_seconds:
@@ -112,8 +119,14 @@ class ReplicaChannel(WorkerChannel):
         return [msg for msg in received if not isinstance(msg, Keepalive)]
 
     def wait(self, timeout: float | None = None) -> None:
-        left = max(0.0, self.last_heard + self.silence_seconds - time.monotonic())
+        started = time.monotonic()
+        left = max(0.0, self.last_heard + self.silence_seconds - started)
         super().wait(left if timeout is None else min(timeout, left))
+        self.listened(time.monotonic() - started)
+
+    def listened(self, seconds: float) -> None:
+        """The replica waited `seconds` for this connection (its own `wait`, or the hub's over them all)."""
+        self._waited += seconds
 
     def end(self, reason: str) -> None:
         """Shut the connection down from another thread: the loop wakes, reads EOF and returns; the peer

@@ -482,6 +482,9 @@ class SessionHub:
             poller.poll(None if timeout is None else timeout * 1000)
         except (OSError, ValueError):
             time.sleep(0.01)   # a socket closed under us: the next turn ends its session
+        for s in sessions:   # listening: a silent gateway's time (not the replica's own, stepping)
+            if (listened := getattr(s.channel, "listened", None)) is not None:
+                listened(time.monotonic() - now)
 
     def drain(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout   # every session's, though an earlier one did not drain in time

@@ -337,6 +337,23 @@ def test_a_message_slower_than_the_silence_bound_is_heard_and_a_frame_that_never
         gateway_end.close()
         replica.close()
 
+    gateway_end, replica, frame = pair(silence=0.5, message=1.0)
+    try:   # a step longer than both bounds (a first compile) while a large message arrives: not the gateway's silence
+        big = frame(StatsQuery())
+        gateway_end.sendall(big[:len(big) // 2])
+        time.sleep(1.6)                          # the replica steps, reading nothing
+        assert replica.receive() == [] and not replica.eof
+        gateway_end.sendall(big[len(big) // 2:])
+        assert [type(m) for m in replica.receive()] == [StatsQuery] and not replica.eof
+        time.sleep(0.3)
+        replica.wait(0.5)                        # listening: a silent gateway's time counts again
+        replica.wait(0.5)
+        replica.receive()
+        assert replica.eof and replica.end_reason.startswith("nothing from the gateway for")
+    finally:
+        gateway_end.close()
+        replica.close()
+
 
 def test_each_end_bounds_what_its_peer_leaves_unacknowledged(server, monkeypatch):
     monkeypatch.setattr(remote, "SILENCE_SECONDS", 7.5)
