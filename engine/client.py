@@ -216,10 +216,16 @@ class AsyncEngineClient:
 
     def silent_seconds(self, now: float | None = None) -> float:
         """How long the loaded worker has said nothing (not even a heartbeat), busy or idle; 0 while it
-        loads or once it is gone. The supervisor's watchdog reads it."""
+        loads or once it is gone. The supervisor's watchdog reads it. A silence of a second or more reads
+        what is waiting on the socket first: an event loop that stalled may run this check before the
+        reader's callback, and what the worker sent meanwhile is its word all the same."""
         if not self.is_alive or self.info is None:
             return 0.0
         now = time.monotonic() if now is None else now
+        if now - self.last_heard >= 1.0 and self._channel is not None:
+            self._on_readable()
+            if not self.is_alive:
+                return 0.0
         return max(0.0, now - self.last_heard)
 
     def step_seconds(self, now: float | None = None) -> float:

@@ -104,6 +104,21 @@ def test_a_step_whose_heartbeats_stop_is_a_stall_and_steps_end_at_zero():
     assert supervisor.check_stall(now=5.5 + STALL) and client.killed[0].startswith("stalled:")
 
 
+def test_a_heartbeat_waiting_on_the_socket_is_heard_before_the_watchdog_judges():
+    """The gateway's loop stalled past `stall_seconds` and runs the watchdog before the reader's callback: the
+    heartbeat the worker sent meanwhile, still on the socket, is read first, and the worker is not killed."""
+    worker, gateway = _make_signed_pair()
+    client = _make_client(heard_at=time.monotonic() - STALL - 5)
+    client._channel = gateway
+    worker.send(Heartbeat(0.0))
+    worker.flush()
+    time.sleep(0.05)
+    supervisor = _make_supervisor(client)
+    assert not supervisor.check_stall() and client.killed == [] and client.silent_seconds() < 1.0
+    worker.close()
+    gateway.close()
+
+
 def test_a_loading_or_dead_worker_is_not_judged():
     client = _make_client(heard_at=0.0)
     client.info = None                                     # still loading: its start timeout rules
