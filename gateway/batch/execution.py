@@ -328,6 +328,8 @@ class BatchRunner:
         sent: list[bool] = []   # this try went out to an upstream (kept: `line.sent` at the next start)
 
         async def sending() -> None:
+            if self._draining_until is not None:   # the stop's drain: nothing goes out now (a line that waited for a
+                await asyncio.get_running_loop().create_future()   # slot, or a back-off); `stop` cuts it unsent
             await self.durable(self.store.mark_sent, batch_id, line.line_no)
             sent.append(True)
             self._unrecorded.add(asyncio.current_task())

@@ -66,10 +66,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _gateway(tmp_path, upstream_url: str, *pool_lines: str, drain_seconds: float | None = None) -> Gateway:
+def _gateway(tmp_path, upstream_url: str, *pool_lines: str, drain_seconds: float | None = None,
+             max_connections: int = 256) -> Gateway:
     """An upstream-only gateway: the pool `remote` at `upstream_url`, with `pool_lines` (`key: value`) added."""
     path = tmp_path / "pools.yaml"
-    drain = f"gateway: {{drain_seconds: {drain_seconds}}}\n" if drain_seconds is not None else ""
+    drain = (f"gateway: {{drain_seconds: {drain_seconds}, upstream: {{max_connections: {max_connections}}}}}\n"
+             if drain_seconds is not None else "")
     path.write_text(drain + f"""
 pools:
   - name: remote
@@ -213,16 +215,20 @@ async def test_a_stop_drains_the_lines_an_upstream_has_and_starts_none(aiohttp_c
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
     url = str((await aiohttp_client(app)).make_url("/v1"))
-    first = await aiohttp_client(create_app(_gateway(tmp_path, url, drain_seconds=10), data_dir=tmp_path))
-    first.app[BATCHES].max_in_flight = 1
-    batch_id = (await _create(first, _jsonl(_line("slow"), _line("later"))))["id"]
+    # two connections: the batch lines' one is "slow"'s, "queued" waits for it; "later" is not started
+    first = await aiohttp_client(create_app(_gateway(tmp_path, url, drain_seconds=10, max_connections=2),
+                                            data_dir=tmp_path))
+    first.app[BATCHES].max_in_flight = 2
+    batch_id = (await _create(first, _jsonl(_line("slow"), _line("queued"), _line("later"))))["id"]
     await asyncio.wait_for(holding.wait(), 10)
+    await asyncio.sleep(0.2)   # "queued" waits for the background slot
     started = time.monotonic()
-    await first.close()
-    assert 0.5 < time.monotonic() - started < 5 and received == {"slow": 1}, received   # "later" never started
+    await first.close()   # "slow" answered and kept; "queued", which got the slot then, is not sent: cut unsent
+    assert 0.5 < time.monotonic() - started < 5 and received == {"slow": 1}, received
     again = await aiohttp_client(create_app(_gateway(tmp_path, url), data_dir=tmp_path))
     done = await _wait(again, batch_id)
-    assert received == {"slow": 1, "later": 1} and done["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+    assert received == {"slow": 1, "queued": 1, "later": 1}, received
+    assert done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
 
 
 async def test_a_line_the_upstream_refused_with_429_is_sent_again_after_a_stop(aiohttp_client, tmp_path):
