@@ -87,8 +87,9 @@ class ReplicaChannel(WorkerChannel):
     the last whole one: a large message on a slow link is heard, a frame whose length header was changed
     in transit (its body never ends, keepalives pile up behind it) is not for long. `wait` never sleeps
     past the silence deadline. Neither clock runs while the replica does not read (a step of `BUSY_SECONDS` or
-    more between two `receive`s, outside `wait`: a first compile, a long prefill), so a large message the
-    gateway sent meanwhile is not cut for the replica's own time. `end_reason` says why it ended, when it was
+    more between two `receive`s, outside `wait`: a first compile, a long prefill) when bytes came meanwhile (up
+    to `message_seconds` since the last whole message), so a large message the gateway sent then is not cut for
+    the replica's own time; a turn after which nothing came is the gateway's silence. `end_reason` says why it ended, when it was
     not the peer closing. Thread rules: `WorkerChannel`'s; `end` from any thread."""
 
     def __init__(self, sock: socket.socket, keys: FrameKeys, peer: object, silence_seconds: float,
@@ -98,16 +99,21 @@ class ReplicaChannel(WorkerChannel):
         self.silence_seconds, self.message_seconds = silence_seconds, message_seconds
         self.last_heard = self.last_whole = self._read_at = time.monotonic()
         self._waited = 0.0   # seconds in `wait` since the last `receive`: listening
+        self._credited = 0.0   # the replica's own time credited to the clocks since the last whole message
         self.end_reason: str | None = None
 
     def receive(self) -> list[object]:
         num_bytes = self.num_received_bytes
         received = super().receive()
         now = time.monotonic()
-        if (busy := now - self._read_at - self._waited) >= BUSY_SECONDS:   # the replica's own time: no one's silence
-            self.last_heard, self.last_whole = self.last_heard + busy, self.last_whole + busy
+        busy = now - self._read_at - self._waited   # the replica's own turn, not reading: bytes that came meanwhile
+        if busy >= BUSY_SECONDS and self.num_received_bytes != num_bytes:   # count from its end (at most
+            credit = min(busy, max(0.0, self.message_seconds - self._credited))   # `message_seconds` a message)
+            self.last_heard, self.last_whole, self._credited = (self.last_heard + credit, self.last_whole + credit,
+                                                                self._credited + credit)
         self._read_at, self._waited = now, 0.0
         if received:
+            self._credited = 0.0
             self.last_heard = self.last_whole = now
         elif self.num_received_bytes != num_bytes and now - self.last_whole < self.message_seconds:
             self.last_heard = now

@@ -354,6 +354,14 @@ def test_a_message_slower_than_the_silence_bound_is_heard_and_a_frame_that_never
         gateway_end.close()
         replica.close()
 
+    gateway_end, replica, frame = pair(silence=0.5, message=1.0)
+    try:   # a long turn after which nothing came: the gateway was silent all along, whatever the replica did
+        time.sleep(1.2)
+        assert replica.receive() == [] and replica.eof
+    finally:
+        gateway_end.close()
+        replica.close()
+
 
 def test_each_end_bounds_what_its_peer_leaves_unacknowledged(server, monkeypatch):
     monkeypatch.setattr(remote, "SILENCE_SECONDS", 7.5)
