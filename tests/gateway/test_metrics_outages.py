@@ -300,13 +300,11 @@ def test_parking_a_replica_removes_only_the_series_it_has(monkeypatch):
             and not metrics.target_scale._metrics and not metrics.stats_age._metrics)
 
 
-def test_with_no_replica_ready_a_pools_capacity_reads_0_and_the_offered_load_stays_measured():
-    """The device's step-cost model outlives its replicas: with none ready, capacity (what the ready replicas
-    can do) reads 0 and the load offered is still measured (capacity kept its last value and the offered load
-    read 0, the model being read from ready replicas only)."""
+def _watch_one_pool(offered) -> tuple[OverloadWatch, GatewayMetrics, SimpleNamespace]:
+    """An `OverloadWatch` over one pool `chat` on DEVICE, offered `offered` (a `pools.demand.OfferedLoad`'s
+    `totals` and `span`), its one replica ready with a fitted step-cost model: (watch, metrics, the replica)."""
     from engine.step_cost import LinearStepTime
 
-    offered = SimpleNamespace(totals=lambda now: (0, 0, 0), span=lambda now: 10.0)
     admission = SimpleNamespace(offered=offered, max_request=2048, oldest_wait=lambda now: 0.0)
     spec = SimpleNamespace(avg_len=64, max_num_batched_tokens=512, max_queue_seconds=30.0)
     pool = SimpleNamespace(name="chat", device=DEVICE, is_upstream=False, admission=admission, spec=spec)
@@ -316,6 +314,15 @@ def test_with_no_replica_ready_a_pools_capacity_reads_0_and_the_offered_load_sta
         busy_seconds=1.0, step_model=LinearStepTime(a=0.01, b=1e-4, c=1e-3, d=0.0)))
     sup = SimpleNamespace(is_ready=True, client=SimpleNamespace(latest_stats=stats))
     watch.supervisors = {DEVICE: [sup]}
+    return watch, metrics, sup
+
+
+def test_with_no_replica_ready_a_pools_capacity_reads_0_and_the_offered_load_stays_measured():
+    """The device's step-cost model outlives its replicas: with none ready, capacity (what the ready replicas
+    can do) reads 0 and the load offered is still measured (capacity kept its last value and the offered load
+    read 0, the model being read from ready replicas only)."""
+    offered = SimpleNamespace(totals=lambda now: (0, 0, 0), span=lambda now: 10.0)
+    watch, metrics, sup = _watch_one_pool(offered)
     capacity = metrics.pool_capacity.labels(pool="chat", phase="decode")._value
     watch.check(100.0)
     assert capacity.get() > 0
@@ -328,20 +335,12 @@ def test_with_no_replica_ready_a_pools_capacity_reads_0_and_the_offered_load_sta
 def test_a_gateway_started_into_steady_traffic_reads_its_offered_rate_from_the_start():
     """5 s after the gateway's queue began counting, 100 prompt tokens a second for 5 s read 100 tokens/s
     offered (not 5/20 of it: the window is not full yet), and so does the load they make."""
-    from engine.step_cost import LinearStepTime
     from pools.demand import OfferedLoad
 
     offered = OfferedLoad(window=20.0, since=100.0)
     for t in range(5):
         offered.add(100.0 + t, 100, 10)
-    admission = SimpleNamespace(offered=offered, max_request=2048, oldest_wait=lambda now: 0.0)
-    spec = SimpleNamespace(avg_len=64, max_num_batched_tokens=512, max_queue_seconds=30.0)
-    pool = SimpleNamespace(name="chat", device=DEVICE, is_upstream=False, admission=admission, spec=spec)
-    metrics = GatewayMetrics()
-    watch = OverloadWatch({"chat": pool}, {"chat": 32}, metrics)
-    stats = dataclasses.replace(_make_stats(taken_at=0.0), step=StepCounters(
-        busy_seconds=1.0, step_model=LinearStepTime(a=0.01, b=1e-4, c=1e-3, d=0.0)))
-    watch.supervisors = {DEVICE: [SimpleNamespace(is_ready=True, client=SimpleNamespace(latest_stats=stats))]}
+    watch, metrics, _ = _watch_one_pool(offered)
     watch.check(105.0)
     assert metrics.pool_offered.labels(pool="chat", phase="prefill")._value.get() == pytest.approx(100.0)
     assert metrics.pool_offered.labels(pool="chat", phase="decode")._value.get() == pytest.approx(10.0)

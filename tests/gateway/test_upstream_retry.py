@@ -159,26 +159,31 @@ async def test_forward_names_an_invalid_answer_and_a_dropped_one(aiohttp_client,
     assert "upstream pool 'remote'" in info.value.message
 
 
-async def test_a_line_the_upstream_held_when_the_gateway_stopped_is_not_sent_again(aiohttp_client, tmp_path):
-    """The upstream has the line (it may run it) when the gateway stops: at the next start the line is not
-    sent again but answered 502 `upstream_disconnected`, and the line that never went out runs as ever."""
+async def _holding_upstream(aiohttp_client, held: str, seconds: float) -> tuple[str, Counter[str], asyncio.Event]:
+    """An upstream answering every chat at once but the one whose prompt is `held`, which it holds `seconds`
+    first: (its /v1 URL, the prompts it received, an event set when it has the held one)."""
     received: Counter[str] = Counter()
     holding = asyncio.Event()
 
     async def chat(request: web.Request) -> web.Response:
         prompt = (await request.json())["messages"][0]["content"]
         received[prompt] += 1
-        if prompt == "held":
+        if prompt == held:
             holding.set()
-            await asyncio.sleep(60)
+            await asyncio.sleep(seconds)
         return web.json_response({"id": "c", "object": "chat.completion", "model": "upstream-model",
                                   "choices": [{"index": 0, "finish_reason": "stop",
                                                "message": {"role": "assistant", "content": "ok"}}]})
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
-    server = await aiohttp_client(app)
-    url = str(server.make_url("/v1"))
+    return str((await aiohttp_client(app)).make_url("/v1")), received, holding
+
+
+async def test_a_line_the_upstream_held_when_the_gateway_stopped_is_not_sent_again(aiohttp_client, tmp_path):
+    """The upstream has the line (it may run it) when the gateway stops: at the next start the line is not
+    sent again but answered 502 `upstream_disconnected`, and the line that never went out runs as ever."""
+    url, received, holding = await _holding_upstream(aiohttp_client, "held", 60)
     first = await aiohttp_client(create_app(_gateway(tmp_path, url, drain_seconds=0.5), data_dir=tmp_path))
     first.app[BATCHES].max_in_flight = 1   # "held" first; "later" waits behind it and never goes out
     batch_id = (await _create(first, _jsonl(_line("held"), _line("later"))))["id"]
@@ -199,22 +204,7 @@ async def test_a_stop_drains_the_lines_an_upstream_has_and_starts_none(aiohttp_c
     """The upstream answers "slow" 1 s after the stop begins, within the 10 s drain: it is kept answered (not cut
     into a 502 at the next start), the stop ends then, and "later", which no line started during the drain, runs
     at the next start."""
-    received: Counter[str] = Counter()
-    holding = asyncio.Event()
-
-    async def chat(request: web.Request) -> web.Response:
-        prompt = (await request.json())["messages"][0]["content"]
-        received[prompt] += 1
-        if prompt == "slow":
-            holding.set()
-            await asyncio.sleep(1.0)
-        return web.json_response({"id": "c", "object": "chat.completion", "model": "upstream-model",
-                                  "choices": [{"index": 0, "finish_reason": "stop",
-                                               "message": {"role": "assistant", "content": "ok"}}]})
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    url = str((await aiohttp_client(app)).make_url("/v1"))
+    url, received, holding = await _holding_upstream(aiohttp_client, "slow", 1.0)
     # two connections: the batch lines' one is "slow"'s, "queued" waits for it; "later" is not started
     first = await aiohttp_client(create_app(_gateway(tmp_path, url, drain_seconds=10, max_connections=2),
                                             data_dir=tmp_path))

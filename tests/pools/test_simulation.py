@@ -542,8 +542,9 @@ def test_the_gateway_death_spiral_detector_trips_in_an_overcommitted_pool_only()
     assert credited.schedulers["chat"].stats.num_preemptions == 0 and not credited.spiral_trips["chat"]
 
 
-def test_recommend_picks_the_budget_that_meets_an_itl_target():
-    """Big rag chunks lengthen every step: with a p99 ITL target only the small budget meets it."""
+def _recommend_70b():
+    """The 70B example on 8xH100 (its roofline) and two fixed classes, 80% chat of 200 tokens and 20% rag of 6,000:
+    (config, model configs, step times, classes), what `recommend` takes."""
     config = load_config(ROOT / "config" / "examples" / "llama3-70b-8xh100.yaml")
     model = read_model_config(LLAMA_70B)
     models = {config.pools[0].model: model}
@@ -552,6 +553,12 @@ def test_recommend_picks_the_budget_that_meets_an_itl_target():
                              output_len=LengthDist("fixed", value=30), share=0.8),
                WorkloadClass("rag", prompt_len=LengthDist("fixed", value=6000),
                              output_len=LengthDist("fixed", value=30), share=0.2))
+    return config, models, step, classes
+
+
+def test_recommend_picks_the_budget_that_meets_an_itl_target():
+    """Big rag chunks lengthen every step: with a p99 ITL target only the small budget meets it."""
+    config, models, step, classes = _recommend_70b()
     result = recommend(config, models, classes, 8.0, step, ttft_p99=10.0, itl_p99=0.2, duration=10.0,
                        vram_bytes=80 << 30, shares=(0.3, 0.4), budgets=(512, 8192))
     by = {(c["kv_share"], c["max_num_batched_tokens"]): c for c in result["candidates"]}
@@ -576,14 +583,7 @@ def test_recommend_picks_the_candidate_with_the_most_headroom_not_the_earliest_l
     """Both budgets meet a loose target and serve the same tokens; 8192's last request happens to end sooner
     (more tokens/s over the run), but 512 has the lower worst p99 TTFT (and ITL): 512 is recommended. A class
     no pool can take has no p99: None, and the JSON is strict."""
-    config = load_config(ROOT / "config" / "examples" / "llama3-70b-8xh100.yaml")
-    model = read_model_config(LLAMA_70B)
-    models = {config.pools[0].model: model}
-    step = {"h100x8": RooflineStepTime(PRESETS["h100"], model, 2, tp=8)}
-    classes = (WorkloadClass("chat", prompt_len=LengthDist("fixed", value=200),
-                             output_len=LengthDist("fixed", value=30), share=0.8),
-               WorkloadClass("rag", prompt_len=LengthDist("fixed", value=6000),
-                             output_len=LengthDist("fixed", value=30), share=0.2))
+    config, models, step, classes = _recommend_70b()
     result = recommend(config, models, classes, 8.0, step, ttft_p99=10.0, duration=10.0, vram_bytes=80 << 30,
                        shares=(0.4,), budgets=(512, 8192))
     small, big = result["candidates"]
