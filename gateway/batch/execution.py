@@ -190,6 +190,11 @@ class BatchRunner:
         lines an upstream pool has."""
         self._draining_until = until
 
+    async def _held_by_drain(self) -> None:
+        """Once the stop's drain began (`drain`), wait until `stop` cancels the caller; else return at once."""
+        if self._draining_until is not None:
+            await asyncio.get_running_loop().create_future()
+
     async def stop(self) -> None:
         """Stop every run (their batches stay unfinished in the store) and close the store; after `drain`,
         once the lines an upstream pool had are answered and kept, or the drain is over (those are cut)."""
@@ -285,8 +290,7 @@ class BatchRunner:
         for the lock and fetching a page both yield, and a cancel may land meanwhile: `_Run.cancel` aborts
         only the lines already in flight, so `cancelling` is checked again after them, and the caller
         starts the line it gets before it yields again."""
-        if self._draining_until is not None:   # the stop's drain: none starts; `stop` cancels this wait
-            await asyncio.get_running_loop().create_future()
+        await self._held_by_drain()   # none starts
         async with run.lock:
             if not run.cancelling and not run.buffer and not run.exhausted:
                 page = await self.durable(self.store.pending_lines, run.batch_id, run.after_line_no, PAGE_LINES)
@@ -328,8 +332,7 @@ class BatchRunner:
         sent: list[bool] = []   # this try went out to an upstream (kept: `line.sent` at the next start)
 
         async def sending() -> None:
-            if self._draining_until is not None:   # the stop's drain: nothing goes out now (a line that waited for a
-                await asyncio.get_running_loop().create_future()   # slot, or a back-off); `stop` cuts it unsent
+            await self._held_by_drain()   # nothing goes out (a line that waited for a slot, or a back-off): cut unsent
             await self.durable(self.store.mark_sent, batch_id, line.line_no)
             sent.append(True)
             self._unrecorded.add(asyncio.current_task())
