@@ -19,7 +19,8 @@ next start). Forwarded lines
 carry `Idempotency-Key: <batch id>:<custom_id>` (`gateway.upstream.relay.IDEMPOTENCY_KEY`) for upstreams that
 dedupe; the runner does not rely on it. A store call that fails for storage (disk full, database locked) is
 retried MAX_STORE_ATTEMPTS times, then the batch fails (`errors` naming `storage_error`) rather than stay
-in_progress or finalizing.
+in_progress or finalizing. A batch still running when its completion window ends expires (`expire_due`, each
+purge turn and at the start): its lines in flight are aborted, and it is finalized `expired`.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ class _Run:
     in_flight: set[asyncio.Task] = field(default_factory=set)
 
     def cancel(self) -> None:
-        """Take no new line, abort those in flight (they stay pending: not in the output)."""
+        """Take no new line, abort those in flight (not recorded: a cancelled batch's stay pending, in neither
+        file; an expired one's are already `batch_expired` errors)."""
         self.cancelling = True
         for task in self.in_flight:
             task.cancel()
@@ -162,28 +164,42 @@ class BatchRunner:
 
     async def _purge(self) -> None:
         """Every PURGE_EVERY_S, drop expired files' bytes (`BatchStore.purge_expired`, a bounded transaction at
-        a time, on the store's thread beside the runs' calls) and run again any unfinished batch that nothing
-        runs (one whose failure could not be written, or created while its answer could not be read back); a
-        storage error waits for the next turn."""
+        a time, on the store's thread beside the runs' calls), expire the batches whose window ended
+        (`expire_due`), and run again any unfinished batch that nothing runs (one whose failure could not be
+        written, or created while its answer could not be read back); a storage error waits for the next turn."""
         while True:
             await asyncio.sleep(PURGE_EVERY_S)
             try:
                 while await self.store.on_thread(self.store.purge_expired):   # more may be due
                     await asyncio.sleep(0)
+                await self.expire_due()
                 for batch_id in await self.store.on_thread(self.store.unfinished_batch_ids):
                     self.run(batch_id)
-            except STORAGE_ERRORS as exc:
+            except (StorageFailed, *STORAGE_ERRORS) as exc:
                 log.warning("batch store: purging expired files or resuming batches failed: %s; trying again in "
                             "%.0f s", exc, PURGE_EVERY_S)
 
     async def start(self) -> None:
-        """Resume every unfinished batch in the store, and purge expired files from time to time."""
+        """Resume every unfinished batch in the store (those past their window expire first: none of their
+        lines runs), and purge expired files and expire batches from time to time."""
         self._purging = asyncio.get_running_loop().create_task(self._purge(), name="batch store purge")
+        await self.expire_due()
         ids = await self.durable(self.store.unfinished_batch_ids)
         if ids:
             log.info("resuming %d unfinished batches: %s", len(ids), ", ".join(ids))
         for batch_id in ids:
             self.run(batch_id)
+
+    async def expire_due(self, now: float | None = None) -> None:
+        """Expire the batches whose completion window ended before their lines did (`BatchStore.expire_due`:
+        their pending lines become errors `batch_expired`): abort the lines in flight of those that run, and
+        finalize them (one that nothing runs is run, to be finalized)."""
+        for batch_id in await self.durable(self.store.expire_due, now):
+            log.warning("batch %s expired: its completion window ended before its lines did", batch_id)
+            if batch_id in self._runs:
+                self._runs[batch_id].cancel()
+            else:
+                self.run(batch_id)
 
     def drain(self, until: float) -> None:
         """The server's stop began: no line starts from now, and `stop` waits until `until` (loop time) for the

@@ -169,18 +169,19 @@ def overflow_line(batch_id: str, row: tuple, full: str) -> tuple[bytes, dict[str
 
 def complete_batch(db: sqlite3.Connection, batch_id: str, status: str, writers: list[ChunkWriter]) -> None:
     """Add the written output and error files (a file only when it has a line) and mark the batch
-    completed, or cancelled if it was cancelling."""
-    owner, tenant, expires_after = db.execute("SELECT owner, tenant, output_expires_seconds FROM batches WHERE id=?",
-                                              (batch_id,)).fetchone()
+    completed, cancelled if it was cancelling, or expired if its completion window ended first
+    (`BatchStore.expire_due` set its `expired_at`)."""
+    owner, tenant, expires_after, expired_at = db.execute(
+        "SELECT owner, tenant, output_expires_seconds, expired_at FROM batches WHERE id=?", (batch_id,)).fetchone()
     file_ids = []
     for writer, name in zip(writers, ("output", "error")):
         if writer.size:
             insert_file(db, writer.file_id, f"{batch_id}_{name}.jsonl", "batch_output", writer.size, owner, tenant,
                         expires_after)
         file_ids.append(writer.file_id if writer.size else None)
-    final = "cancelled" if status == "cancelling" else "completed"
-    db.execute(f"UPDATE batches SET status=?, {final}_at=?, output_file_id=?, error_file_id=? WHERE id=?",
-               (final, int(time.time()), *file_ids, batch_id))
+    final = "cancelled" if status == "cancelling" else "completed" if expired_at is None else "expired"
+    db.execute(f"UPDATE batches SET status=?, {final}_at=COALESCE({final}_at, ?), output_file_id=?, error_file_id=? "
+               "WHERE id=?", (final, int(time.time()), *file_ids, batch_id))
     db.execute("DELETE FROM finalizing WHERE batch_id=?", (batch_id,))
     drop_lines(db, batch_id, request_counts(db, batch_id))
 

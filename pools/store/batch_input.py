@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")   # what a line may be sent to
-COMPLETION_WINDOWS = ("24h",)                                    # OpenAI's only window; nothing expires
+WINDOW_SECONDS = {"24h": 24 * 3600}                              # a batch expires so long after it was created
+COMPLETION_WINDOWS = tuple(WINDOW_SECONDS)                        # OpenAI's only window
 FILE_PURPOSES = ("batch",)                                       # what an upload may be for
 MAX_BATCH_LINES = 50_000                                         # request lines per batch, as OpenAI
 MAX_BATCH_LINE_BYTES = 1 << 20          # one line of an input file (1 MiB); a longer one is that line's error

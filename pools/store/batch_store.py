@@ -31,6 +31,9 @@ gone at once to every reader (`_FILE_LIVE`); its bytes are dropped by `delete_fi
 (the batch runner's, every PURGE_EVERY_S), and its row stays, marked `deleted_at`, since a batch may name
 it. A batch's lines were stored when it was created: it runs on without its input file.
 
+A batch expires as OpenAI's: `expire_due` ends one still running WINDOW_SECONDS after its creation
+(`expires_at` in its object), its pending lines errors `batch_expired`, and finalizing marks it `expired`.
+
 Input lines are checked when the batch is created (`pools.store.batch_input.batch_input_lines`): an
 unusable line is a per-line error for the error file; the batch itself never fails for it. A batch
 fails as a whole only through `fail` (the runner's reason: the store could not take its results) or
@@ -52,8 +55,9 @@ the failed state (`failed_at`, `errors`), `file_chunks` and `finalizing`; 4 adds
 `responses` table (`pools.store.response_store`, which opens the same file); 5 adds `request_counts` to
 `batches`, where a batch finished since keeps its counts once its lines are deleted (a batch finished
 before keeps its lines), `output_expires_seconds` to `batches`, `expires_at` and `deleted_at` to `files`
-(files stored before never expire) and the index `files_by_expiry`. A version-5 store is refused by
-older code (its version), so a downgrade needs the store file from before the upgrade. A version-2 row keeps its
+(files stored before never expire) and the index `files_by_expiry`; 6 adds `sent_at` to `lines`; 7 adds
+`expired_at` to `batches` (`expire_due`). A store is refused by older code (its version), so a downgrade
+needs the store file from before the upgrade. A version-2 row keeps its
 tenant as its tenant, and its owner is `legacy_owner(tenant)` (the gateway: `Tenants.legacy_owner`,
 whose rule keeps a row reachable by the key or shared tenant that reached it before wherever the
 configuration still tells which that is; without one, the tenant's name). That mapping is written
@@ -78,9 +82,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pools.store.batch_input import (DEFAULT_BATCH_FILE_SECONDS, FILE_PURPOSES, BatchInputError, BatchLine,
-                                     TooManyBatches, batch_input_lines, check_batch_arguments, check_expires_after,
-                                     clean_filename, is_text)
+from pools.store.batch_input import (DEFAULT_BATCH_FILE_SECONDS, FILE_PURPOSES, WINDOW_SECONDS, BatchInputError,
+                                     BatchLine, TooManyBatches, batch_input_lines, check_batch_arguments,
+                                     check_expires_after, clean_filename, is_text)
 from pools.store import batch_files
 from pools.store.batch_files import (CHUNK_BYTES, UNFINISHED, ChunkWriter, assemble_step, drop_files, fail_batch,
                                      insert_file, marks, read_chunks, request_counts, result_file_ids)
@@ -91,10 +95,11 @@ __all__ = ["BatchStore", "STORAGE_ERRORS"]
 STORAGE_ERRORS = (sqlite3.OperationalError,)   # disk full, locked past the busy timeout, I/O error
 
 CANCELLABLE = ("validating", "in_progress")
+EXPIRED_LINE = ("This request could not be executed before the completion window expired.")   # OpenAI's words
 
 _BATCH_KEYS = ("id", "input_file_id", "endpoint", "completion_window", "status", "created_at", "in_progress_at",
-               "finalizing_at", "completed_at", "failed_at", "cancelling_at", "cancelled_at", "output_file_id",
-               "error_file_id", "metadata", "errors")
+               "finalizing_at", "completed_at", "failed_at", "expired_at", "cancelling_at", "cancelled_at",
+               "output_file_id", "error_file_id", "metadata", "errors")
 _BATCH_COLUMNS = ", ".join(_BATCH_KEYS)
 _FILE_OWNER = "COALESCE(files.owner, (SELECT owner FROM legacy_owners WHERE legacy_owners.tenant = files.tenant))"
 _FILE_LIVE = "files.deleted_at IS NULL AND (files.expires_at IS NULL OR files.expires_at > ?)"   # ? = now
@@ -329,6 +334,28 @@ class BatchStore(StoreFile):
                        f"status IN ({marks(CANCELLABLE)})", (int(time.time()), batch_id, owner, *CANCELLABLE))
         return self.batch(batch_id, owner=owner)
 
+    def expire_due(self, now: float | None = None) -> list[str]:
+        """Expire the batches whose completion window ended (`created_at` + WINDOW_SECONDS) before their lines
+        did, in one transaction: each validating or in_progress one is marked `finalizing` with `expired_at`,
+        and its pending lines (a line in flight included: its answer, come later, is not recorded) become
+        errors `batch_expired` for the error file; finalizing ends it `expired`, the answers it had kept
+        in its output file. Their ids, for the runner to stop their lines and finalize them (one
+        cancelling or finalizing already ends as it was going to)."""
+        now = int(time.time() if now is None else now)
+        with self._txn() as db:
+            ids = [row[0] for window, seconds in WINDOW_SECONDS.items() for row in db.execute(
+                f"SELECT id FROM batches WHERE status IN ({marks(CANCELLABLE)}) AND completion_window=? AND "
+                "created_at + ? <= ? ORDER BY seq", (*CANCELLABLE, window, seconds, now))]
+            for batch_id in ids:
+                pending = [row[0] for row in db.execute("SELECT line_no FROM lines WHERE batch_id=? AND "
+                                                        "status='pending'", (batch_id,))]
+                db.executemany("UPDATE lines SET status='error', error=? WHERE batch_id=? AND line_no=?", (
+                    (json.dumps({"code": "batch_expired", "message": EXPIRED_LINE, "line": line_no}), batch_id, line_no)
+                    for line_no in pending))
+                db.execute("UPDATE batches SET status='finalizing', finalizing_at=?, expired_at=? WHERE id=?",
+                           (now, now, batch_id))
+        return ids
+
     def unfinished_batch_ids(self) -> list[str]:
         """Batches a runner still owes work (lines to run, or finalizing), oldest first."""
         with self._lock:
@@ -443,8 +470,10 @@ class BatchStore(StoreFile):
         """`row` (_BATCH_COLUMNS) as OpenAI's batch object; the caller holds the lock."""
         batch = dict(zip(_BATCH_KEYS, row))
         metadata, errors = batch.pop("metadata"), batch.pop("errors")
+        window = WINDOW_SECONDS.get(batch["completion_window"])
         return {"object": "batch", **batch, "errors": None if errors is None else json.loads(errors),
-                "expires_at": None, "expired_at": None, "metadata": None if metadata is None else json.loads(metadata),
+                "expires_at": None if window is None else batch["created_at"] + window,
+                "metadata": None if metadata is None else json.loads(metadata),
                 "request_counts": request_counts(self._db, batch["id"])}
 
 

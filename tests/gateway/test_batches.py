@@ -222,6 +222,35 @@ async def test_cancel_aborts_lines_in_flight_and_keeps_what_finished(aiohttp_cli
     assert r.headers["x-should-retry"] == "false"   # the openai SDK retries a 409 twice, as a lock timeout
 
 
+async def test_a_batch_past_its_window_expires_its_lines_in_flight_aborted_and_is_never_resumed(
+        aiohttp_client, tmp_path, tiny_model):
+    """24 h after its creation a running batch expires (the runner's purge turn, `BatchRunner.expire_due`): its
+    lines in flight are aborted, what was answered is in its output file, the rest `batch_expired` errors, the
+    batch object as the SDK's model reads it; a stopped server's batch already past its window expires at the start, no line run."""
+    fake = _FakeExecutor(gated={f"slow{i}" for i in range(20)})
+    client = await _client(aiohttp_client, tmp_path, tiny_model, fake)
+    runner = client.server.app[BATCHES]
+    batch = await _create(client, _jsonl(*(_line(f"fast{i}") for i in range(2)), *(_line(f"slow{i}") for i in range(20))))
+    await _wait(client, batch["id"], lambda b: b["request_counts"]["completed"] == 2)
+    await runner.expire_due(now=batch["expires_at"] - 1)
+    assert (await _wait(client, batch["id"], lambda b: True))["status"] == "in_progress"
+    await runner.expire_due(now=batch["expires_at"])
+    done = openai.types.Batch.model_validate(await _wait(client, batch["id"]))   # as the SDK reads it
+    assert (done.status, done.expired_at, done.expires_at) == ("expired", batch["expires_at"], batch["expires_at"])
+    assert done.request_counts.completed == 2 and done.request_counts.failed == 20
+    assert fake.aborted == sum(fake.calls.values()) - 2 > 0
+    errors = await _jsonl_file(client, done.error_file_id)
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"} and len(errors) == 20
+    late = await _create(client, _jsonl(_line("late")))
+    await client.close()
+    with sqlite3.connect(tmp_path / STORE_FILE) as db:                  # the window of `late` ended while stopped
+        db.execute("UPDATE batches SET created_at = created_at - 86400 WHERE id = ?", (late["id"],))
+    second = _FakeExecutor()
+    client = await _client(aiohttp_client, tmp_path, tiny_model, second)
+    assert (await _wait(client, late["id"]))["status"] == "expired" and not second.calls
+    client.server.app[BATCHES].store.check_integrity()
+
+
 async def test_no_line_starts_after_a_cancel_that_lands_while_the_next_page_is_read(aiohttp_client, tmp_path,
                                                                                       tiny_model, monkeypatch):
     """The store thread keeps its calls' order: the cancel is handed to it while the first answer's record

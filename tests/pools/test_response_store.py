@@ -65,7 +65,7 @@ def test_retention_drops_old_and_surplus_finished_responses_never_a_running_one(
 
 
 def test_the_table_comes_with_the_batch_store_schema(tmp_path) -> None:
-    assert SCHEMA_VERSION == 6   # the responses table came at 4
+    assert SCHEMA_VERSION >= 4   # the responses table came at 4
     with pytest.raises(RuntimeError, match="BatchStore"):
         ResponseStore(tmp_path / "empty.sqlite3")
 
