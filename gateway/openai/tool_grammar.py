@@ -4,9 +4,12 @@ formats and the requests live in `gateway.openai.tools`.
 
 - **forced** (tool_choice "required" or a named function): calls only, one or (parallel) several;
 - **auto** (tool_choice "auto" with at least one `strict` tool): EITHER plain text that never starts a
-  call (the format's `text` lexeme) or a JSON reply (the request's response_format), OR calls only, as
-  forced. A strict function's arguments follow its schema; the caller gives any other `ANY_OBJECT`, so a
-  call always parses.
+  call (the format's `text` lexeme) or a JSON reply (the request's response_format), OR calls, as
+  forced, after some plain text where the format has a marker that opens a call (hermes' "I'll look
+  that up." before `<tool_call>`; a format of bare JSON calls: calls only). A strict function's arguments
+  follow its schema; the caller gives any other `ANY_OBJECT`, so a call always parses. The text before
+  the calls and the first call's opening marker are one lexeme (`LEAD`): a lexeme of text alone would
+  have taken the marker's first characters as text before the marker could be told from it.
 
 A thinking model (`gateway.openai.reasoning`) writes its `<think>…</think>` block before the reply, and a
 grammar of the reply alone would forbid it (or, with the template's generation prompt inside the block,
@@ -122,15 +125,22 @@ def forced_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, 
 
 def auto_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, Any]]], parallel: bool,
                  reply: StructuredOutput | None = None, think: str | None = None) -> StructuredOutput:
-    """Plain text that never starts a call (or, given `reply`, a JSON object or schema's JSON) or calls only
-    (after a think block, as `think` says)."""
+    """Plain text that never starts a call (or, given `reply`, a JSON object or schema's JSON), or calls, after
+    plain text where the format opens a call with a marker (`reply` not given) (after a think block, as `think`
+    says)."""
     head, block = _think(think)
+    choices = "text | calls"
     if reply is None:
         lexeme = syntax.text if think is None else rf"({syntax.text}) & ~/\s*{_regex(THINK_START)}(?s:.)*/"
         text = f"text: TEXT\nTEXT: {lexeme}"
+        if not syntax.is_bare:   # some text, then the first call's marker, then as forced
+            more = f" ({_literal(syntax.separator)} call)*" if parallel else ""
+            choices += " | led"
+            text += (f"\nled: LEAD body {_literal(syntax.close)}{more}\n"
+                     f"LEAD: (({lexeme}) & /(?s:.)+/) {_literal(syntax.open)}")
     else:
         text = f"text: %json {_schema_text(_reply_schema(reply))}"
-    return StructuredOutput("grammar", f"start: {head}(text | calls)\n{block}{text}\n"
+    return StructuredOutput("grammar", f"start: {head}({choices})\n{block}{text}\n"
                                        f"{_calls(syntax, functions, parallel)}")
 
 

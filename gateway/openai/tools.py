@@ -14,7 +14,8 @@ The pool model's chat template decides the format (`tool_format`):
 `tool_choice` "required" or a named function is enforced with a grammar (`ToolFormat.grammar`, a Lark
 grammar with the functions' parameter schemas inline: `gateway.openai.tool_grammar`) through the structured-output
 machinery; "auto" leaves the model free and parses what it wrote, unless a tool is `strict`: then plain
-text or calls only, a strict tool's arguments under its schema (`ToolFormat.auto_grammar`); "none"
+text, or calls (after some text, where a marker opens a call), a strict tool's arguments under its schema
+(`ToolFormat.auto_grammar`); "none"
 renders the tools and parses nothing. A stream sends each call as it is written (`ToolCallStream`: id
 and name, then the arguments' text in pieces)."""
 
@@ -110,7 +111,8 @@ class ToolFormat:
     def auto_grammar(self, tools: list[Tool], parallel: bool, reply: StructuredOutput | None = None,
                      think: str | None = None) -> StructuredOutput:
         """tool_choice "auto" with strict tools: plain text that never starts a call (`reply`'s JSON where
-        given), or calls only, a strict tool's arguments under its schema, another's any JSON object."""
+        given), or calls (after such text, where a marker opens a call: hermes), a strict tool's arguments
+        under its schema, another's any JSON object."""
         functions = [(t.name, t.parameters if t.strict else ANY_OBJECT) for t in tools]
         return auto_grammar(self.syntax, functions, parallel and self.parallel_calls, reply, think)
 

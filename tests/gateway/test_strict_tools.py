@@ -92,13 +92,20 @@ def test_auto_with_a_strict_tool_admits_plain_text_or_calls_that_match_its_schem
     assert not _accepts(lltokenizer, grammar, write(("not_offered", {})))
 
 
-def test_plain_text_never_starts_a_call(lltokenizer):
-    """hermes: text that holds the call marker is refused (a call is text-free); llama3_json: text that
-    begins as a call does (a JSON object, or the python tag, first)."""
-    call = _hermes(("get_weather", PARIS))
-    hermes = _auto(HermesFormat)
-    for text in (f"Let me check.\n{call}", f"{call}\nDone.", "a <tool_call> b"):
+def test_plain_text_never_starts_a_call_and_may_lead_to_calls(lltokenizer):
+    """hermes: plain text holds no call marker, and may come before the calls (what Qwen's models write:
+    "I'll check." then a call; the grammar forced text or calls before, so a reply begun as text never
+    called), whose arguments still follow the schema; nothing follows the calls. llama3_json: text that
+    begins as a call is refused (a JSON object, or the python tag, first)."""
+    call, two = _hermes(("get_weather", PARIS)), _hermes(("get_weather", PARIS), ("search", {"query": "x"}))
+    hermes, one = _auto(HermesFormat), _auto(HermesFormat, parallel=False)
+    for text in (f"Let me check.\n{call}", f"Checking <tool_ and then:\n\n{two}", f"x{call}"):
+        assert _accepts(lltokenizer, hermes, text), text
+    assert _accepts(lltokenizer, one, f"Let me check.\n{call}")
+    bad = _hermes(("get_weather", {"city": "Paris", "unit": "kelvin"}))
+    for text in (f"{call}\nDone.", "a <tool_call> b", f"Let me check.\n{bad}", f"Sure. {call} and {call}"):
         assert not _accepts(lltokenizer, hermes, text), text
+    assert not _accepts(lltokenizer, one, f"Let me check.\n{two}")
     llama3 = _auto(Llama3JsonFormat)
     texts = ('{"answer": 4}', '  {"name": "get_weather"}', "<|python_tag|>hello",
              f"Sure. {_llama3(('get_weather', PARIS))}")
@@ -154,6 +161,9 @@ def test_a_thinking_models_reply_thinks_before_the_constrained_part(lltokenizer,
     assert _accepts(lltokenizer, auto, "It is sunny. <think>x</think>")
     assert _accepts(lltokenizer, grammars["opened"][0], thought + "It is sunny.")
     assert not _accepts(lltokenizer, auto, write(("get_weather", {"city": "Paris"})))   # the schema still holds
+    led = "I'll check.\n" + call   # after the block too (hermes: text and a call; llama3_json: text)
+    assert _accepts(lltokenizer, auto, "<think>\n" + thought + led)
+    assert _accepts(lltokenizer, grammars["opened"][0], thought + led)
     for think, pre in (("optional", "<think>\n" + thought), ("opened", thought)):
         grammar = thinking_first(reply, think)
         assert _accepts(lltokenizer, grammar, pre + '{"a": 1}') and not _accepts(lltokenizer, grammar, pre + "no")
