@@ -61,7 +61,7 @@ from gateway.admission import Placed
 from gateway.local_answer import LocalResponse
 from gateway.runtime import Gateway, device_wait_limit
 from gateway.workers.deaths import LOSS, Death, DeathsUnder, Hold
-from gateway.openai.tool_grammar import thinking_first
+from gateway.openai.tool_grammar import text_grammar, thinking_first
 from gateway.openai.tools import ToolFormat, format_for
 from gateway.upstream.relay import forward, openai_error, retry_headers
 from pools.pool import Pool
@@ -368,10 +368,18 @@ def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,
     the reply, not the calls (a format writing calls as bare JSON objects, which the reply could not be
     told from, keeps non-strict tools out of it: the JSON reply alone). `think`
     (`gateway.openai.reasoning.think_mode`): a thinking model's reply may think first (or, the prompt having
-    opened the block, must close it first); a response_format alone becomes a grammar that lets it."""
+    opened the block, must close it first); a response_format alone becomes a grammar that lets it. Under
+    "none" with tools and no response_format, plain text that starts no call (a format whose calls open with
+    a marker): no call the model was shown how to write reaches the client as content."""
     if not isinstance(req, ChatRequest):
         return req
     mode = req.tool_choice.mode if req.tools else None
+    if mode == "none" and req.params.structured is None:
+        fmt = format_for(pool.tokenizer, req.tools)
+        if fmt.syntax.is_bare:
+            return req
+        return dataclasses.replace(req, params=dataclasses.replace(req.params, structured=text_grammar(
+            fmt.syntax, think)), structured_param="tool_choice")
     calls = mode in ("required", "function") or (mode == "auto" and (any(t.strict for t in req.tools)
                                                                       or _calls_beside_reply(req, pool)))
     if not calls and (think is None or req.params.structured is None):

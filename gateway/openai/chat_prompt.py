@@ -13,7 +13,8 @@
   template groups them, a user message right after them joined to that turn: templates that alternate roles,
   Gemma 3's, refuse two user turns in a row), so the model answers in the form `gateway.openai.tools.HermesFormat`
   parses. Under `tool_choice: "none"` the tools are still listed (a reply may speak of them), with no way
-  to call them: the gateway reads no call from such a reply, so the model is told to answer in text.
+  to call them: the gateway reads no call from such a reply, so the model is told to answer in text (and a
+  grammar keeps it to text that starts no call: `gateway.completion.with_grammar`).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ the offered functions as (name, arguments schema) pairs. Plain data in, a `Struc
 formats and the requests live in `gateway.openai.tools`.
 
 - **forced** (tool_choice "required" or a named function): calls only, one or (parallel) several;
+- **none** (tool_choice "none" beside tools, a format whose calls open with a marker): plain text only,
+  so the model the template taught to call writes no call the gateway would pass on as text;
 - **auto** (tool_choice "auto" with at least one `strict` tool): EITHER plain text that never starts a
   call (the format's `text` lexeme) or a JSON reply (the request's response_format), OR calls, as
   forced, after some plain text where the format has a marker that opens a call (hermes' "I'll look
@@ -131,7 +133,7 @@ def auto_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, An
     head, block = _think(think)
     choices = "text | calls"
     if reply is None:
-        lexeme = syntax.text if think is None else rf"({syntax.text}) & ~/\s*{_regex(THINK_START)}(?s:.)*/"
+        lexeme = _text_lexeme(syntax, think)
         text = f"text: TEXT\nTEXT: {lexeme}"
         if not syntax.is_bare:   # some text, then the first call's marker, then as forced
             more = f" ({_literal(syntax.separator)} call)*" if parallel else ""
@@ -142,6 +144,19 @@ def auto_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, An
         text = f"text: %json {_schema_text(_reply_schema(reply))}"
     return StructuredOutput("grammar", f"start: {head}({choices})\n{block}{text}\n"
                                        f"{_calls(syntax, functions, parallel)}")
+
+
+def text_grammar(syntax: CallSyntax, think: str | None = None) -> StructuredOutput:
+    """Plain text that never starts a call (after a think block, as `think` says): tool_choice "none", where
+    the template taught the model the format's calls."""
+    head, block = _think(think)
+    return StructuredOutput("grammar", f"start: {head}text\n{block}text: TEXT\nTEXT: {_text_lexeme(syntax, think)}\n")
+
+
+def _text_lexeme(syntax: CallSyntax, think: str | None) -> str:
+    """The format's plain text, which a thinking model's may not begin with `<think>` (the block is read as
+    one, and no second block follows it)."""
+    return syntax.text if think is None else rf"({syntax.text}) & ~/\s*{_regex(THINK_START)}(?s:.)*/"
 
 
 def thinking_first(reply: StructuredOutput, think: str) -> StructuredOutput:

@@ -233,8 +233,7 @@ def test_the_grammar_is_attached_under_auto_only_with_a_strict_tool(pool, lltoke
     req = with_grammar(parse_chat(dict(CHAT, tools=[WEATHER, SEARCH], parallel_tool_calls=False)), pool)
     tools = parse_tools([WEATHER, SEARCH])
     assert req.structured_param == "tools" and req.params.structured == HermesFormat(tools).auto_grammar(tools, False)
-    for body in (dict(CHAT, tools=[SEARCH]), dict(CHAT, tools=[WEATHER], tool_choice="none")):
-        assert with_grammar(parse_chat(body), pool).params.structured is None
+    assert with_grammar(parse_chat(dict(CHAT, tools=[SEARCH])), pool).params.structured is None
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
     req = with_grammar(parse_chat(dict(CHAT, tools=[WEATHER], response_format=fmt)), pool)
@@ -247,6 +246,26 @@ def test_the_grammar_is_attached_under_auto_only_with_a_strict_tool(pool, lltoke
     for text in ('{"answer": 4}', _hermes(("search", {"query": "Paris", "any": [1]}))):
         assert _accepts(lltokenizer, req.params.structured, text), text
     assert not _accepts(lltokenizer, req.params.structured, "It is 4.")
+
+
+def test_tool_choice_none_lets_the_reply_write_no_call(pool, lltokenizer):
+    """tool_choice "none" beside tools: plain text that starts no call (the model shown the tools would write
+    calls the gateway passes on as text: Qwen's template teaches them), thinking first where the model thinks;
+    a response_format binds the reply as before, and no tools means no grammar."""
+    for tools in ([WEATHER], [SEARCH]):
+        req = with_grammar(parse_chat(dict(CHAT, tools=tools, tool_choice="none")), pool)
+        assert req.structured_param == "tool_choice"
+        for text in PLAIN_TEXTS:
+            assert _accepts(lltokenizer, req.params.structured, text), text
+        for text in (_hermes(("get_weather", PARIS)), "Let me check.\n" + _hermes(("search", {"query": "x"}))):
+            assert not _accepts(lltokenizer, req.params.structured, text), text
+    thinking = with_grammar(parse_chat(dict(CHAT, tools=[WEATHER], tool_choice="none")), pool, think="optional")
+    assert _accepts(lltokenizer, thinking.params.structured, "<think>\nno call.\n</think>\n\nSunny.")
+    assert not _accepts(lltokenizer, thinking.params.structured, "<think>x</think>" + _hermes(("get_weather", PARIS)))
+    fmt = {"type": "json_object"}
+    req = with_grammar(parse_chat(dict(CHAT, tools=[WEATHER], tool_choice="none", response_format=fmt)), pool)
+    assert req.params.structured == StructuredOutput("json_object") and req.structured_param == "response_format"
+    assert with_grammar(parse_chat(dict(CHAT, tool_choice="none")), pool).params.structured is None
 
 
 def test_a_response_format_a_format_cannot_tell_from_a_call_is_a_400(pool, builtin_path, tmp_path):
