@@ -348,13 +348,17 @@ async def constrained(gateway: Gateway, req: ChatRequest | CompletionRequest, po
     """(`req` with the grammar on its reply in a local `pool`, where a thinking model's chat reply starts:
     `think_mode`, None for a completion), once the grammar library has checked that grammar (a 400 naming
     its field if it cannot be enforced). The prompt's token `ids` say where the reply starts: its grammar
-    and its reasoning split both follow it."""
+    and its reasoning split both follow it. A reply that may call keeps special tokens where its format's
+    markers are special tokens of the pool's (`ToolFormat.markers_skipped`): its calls are read from its text."""
     think = think_mode(pool.tokenizer, ids, req.tools is not None, req.continued) if isinstance(req, ChatRequest) \
         else None
     # the request's own constraint first, under its own field (a tool grammar may hold it as the JSON reply)
     await gateway.check_grammar(req.params.structured, req.structured_param)
     req = with_grammar(req, pool, think)
     await gateway.check_grammar(req.params.structured, req.structured_param)
+    if isinstance(req, ChatRequest) and req.offers_calls and req.params.skip_special_tokens and \
+            format_for(pool.tokenizer, req.tools).markers_skipped(pool.tokenizer):
+        req = dataclasses.replace(req, params=dataclasses.replace(req.params, skip_special_tokens=False))
     return req, think
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import functools
 import uuid
 from dataclasses import dataclass, field
 from collections.abc import Iterator
@@ -84,9 +85,16 @@ class ToolFormat:
     syntax: CallSyntax    # how calls are written (the arguments' key among it), for the grammars
     text_before_calls = True   # prose may precede the calls (hermes); llama3_json's reply is calls or text
     parallel_calls = True      # a reply may hold several calls (`parallel_tool_calls`); llama3_json's one
+    markers: tuple[str, ...] = ()   # text around the calls that `parse` needs (hermes' tags)
 
     def __init__(self, tools: list[Tool]) -> None:
         self.tools = {t.name: t for t in tools}
+
+    def markers_skipped(self, tokenizer) -> bool:
+        """Whether a reply decoded skipping special tokens loses one of `markers`: a tokenizer that made it a
+        special token (Hermes 2 Pro's `<tool_call>`). A reply that may call then keeps special tokens, as vLLM's
+        hermes parser has it, or no call would be read from it."""
+        return any(_skipped_by_decode(tokenizer, marker) for marker in self.markers)
 
     @property
     def args_key(self) -> str:
@@ -169,6 +177,7 @@ class HermesFormat(ToolFormat):
     name = "hermes"
     start = "<tool_call>"
     end = "</tool_call>"
+    markers = (start, end)
     syntax = CallSyntax(f"{start}\n", f"\n{end}", "\n", "arguments", rf"/(?s:.)*/ & ~/(?s:.)*{start}(?s:.)*/")
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -296,6 +305,14 @@ def tool_format(template: str, tools: list[Tool]) -> ToolFormat:
     if '"parameters"' in template and "tools" in template:
         return Llama3JsonFormat(tools)
     return HermesFormat(tools)
+
+
+@functools.lru_cache(maxsize=256)
+def _skipped_by_decode(tokenizer, text: str) -> bool:
+    """`text` is one token of the tokenizer's that decode with skip_special_tokens drops (a pool's tokenizer lives
+    as long as the process: the cache holds it no longer than that)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return len(ids) == 1 and not tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def format_for(tokenizer, tools: list[Tool]) -> ToolFormat:

@@ -17,7 +17,7 @@ import pytest
 
 from engine.structured import StructuredOutput, check
 from engine.tokenizer import Tokenizer
-from gateway.completion import with_grammar
+from gateway.completion import constrained, with_grammar
 from gateway.openai.chat import parse_chat
 from gateway.openai.errors import ApiError
 from gateway.openai.tool_grammar import thinking_first
@@ -219,14 +219,20 @@ def test_strict_is_kept_and_a_non_boolean_names_the_field():
 
 
 @pytest.fixture(scope="module")
-def pool():
-    """The default config's chat pool (the builtin SmolLM2: a template without tools, so hermes)."""
+def gateway():
+    """The default config's gateway, its device workers never started."""
     from gateway.runtime import Gateway
     from pools.config.yaml_file import load_config
 
     gateway = Gateway.from_config(load_config(DEFAULT_CONFIG))
-    yield gateway.pools["chat"]
+    yield gateway
     gateway.executor.shutdown(wait=False)
+
+
+@pytest.fixture(scope="module")
+def pool(gateway):
+    """The default config's chat pool (the builtin SmolLM2: a template without tools, so hermes)."""
+    return gateway.pools["chat"]
 
 
 def test_the_grammar_is_attached_under_auto_only_with_a_strict_tool(pool, lltokenizer):
@@ -266,6 +272,34 @@ def test_tool_choice_none_lets_the_reply_write_no_call(pool, lltokenizer):
     req = with_grammar(parse_chat(dict(CHAT, tools=[WEATHER], tool_choice="none", response_format=fmt)), pool)
     assert req.params.structured == StructuredOutput("json_object") and req.structured_param == "response_format"
     assert with_grammar(parse_chat(dict(CHAT, tool_choice="none")), pool).params.structured is None
+
+
+async def test_a_reply_that_may_call_keeps_call_markers_its_tokenizer_made_special(gateway, pool, builtin_path,
+                                                                                   tmp_path):
+    """A tokenizer whose `<tool_call>` and `</tool_call>` are special tokens (Hermes 2 Pro's): decoded skipping
+    them, as a request does by default, a call's text loses its tags and no call is read; a reply that may
+    call keeps special tokens (`constrained`), one under tool_choice "none" or without tools does not, nor
+    a reply on a tokenizer whose tags are text."""
+    for name in ("tokenizer_config.json", "config.json"):
+        shutil.copy(builtin_path / name, tmp_path / name)
+    spec = json.loads((builtin_path / "tokenizer.json").read_text())
+    first = 1 + max(max(spec["model"]["vocab"].values()), *(t["id"] for t in spec["added_tokens"]))
+    spec["added_tokens"] += [{"id": first + i, "content": tag, "single_word": False, "lstrip": False,
+                              "rstrip": False, "normalized": False, "special": True}
+                             for i, tag in enumerate(("<tool_call>", "</tool_call>"))]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    special = dataclasses.replace(pool, tokenizer=Tokenizer.from_folder(tmp_path))
+    ids = special.tokenizer.encode(_hermes(("get_weather", PARIS)), add_special_tokens=False)
+    fmt = HermesFormat(parse_tools([WEATHER]))
+    assert fmt.parse(special.tokenizer.decode(ids))[1] == []
+    assert [c.name for c in fmt.parse(special.tokenizer.decode(ids, skip_special_tokens=False))[1]] == ["get_weather"]
+
+    async def skips(on, **body) -> bool:
+        req, _ = await constrained(gateway, parse_chat(dict(CHAT, **body)), on, [1, 2, 3])
+        return req.params.skip_special_tokens
+    assert not await skips(special, tools=[SEARCH]) and not await skips(special, tools=[WEATHER], tool_choice="required")
+    assert await skips(special, tools=[SEARCH], tool_choice="none") and await skips(special)
+    assert await skips(pool, tools=[SEARCH])
 
 
 def test_a_response_format_a_format_cannot_tell_from_a_call_is_a_400(pool, builtin_path, tmp_path):
