@@ -394,9 +394,10 @@ class Autoscaler:
     @staticmethod
     async def _num_requests(supervisor: DeviceSupervisor) -> int | None:
         """The requests in flight on the replica as it counts them (every gateway's); 0 for one this gateway
-        placed that is still loading (it serves no gateway yet, and answers nothing till loaded) or that says it
-        is dead; None for one this gateway cannot reach otherwise (other gateways may be served by it: an
-        adopted actor, or one that served before the connection broke: never removed on a guess); at least 1
+        placed that is still loading (it serves no gateway yet, and answers nothing till loaded) or whose
+        actor is gone from the cluster; None for one this gateway cannot reach otherwise (other gateways may
+        be served by it: an adopted actor, one that served before the connection broke, or one whose
+        connection died under the question, a partition the watchdog cut: never removed on a guess); at least 1
         for one that does not answer within `STATS_SECONDS` (it answers between steps: one that long has work,
         other gateways' perhaps; a hang is the watchdog's to judge)."""
         client = supervisor.client
@@ -404,8 +405,8 @@ class Autoscaler:
             return 0 if _placed_here(supervisor) and not supervisor.has_loaded else None
         try:
             return (await asyncio.wait_for(client.stats(), STATS_SECONDS)).num_requests
-        except EngineDeadError:
-            return 0
+        except EngineDeadError:   # this gateway's connection died: its actor may live on for the others
+            return 0 if await _actor_gone(supervisor) else None
         except TimeoutError:
             return max(1, client.latest_stats.num_requests if client.latest_stats is not None else 1)
 
@@ -418,6 +419,18 @@ class Autoscaler:
                 counts[state if state in counts else "loading"] += 1
             for state, count in counts.items():
                 self.metrics.replicas.labels(device=device, state=state).set(count)
+
+
+async def _actor_gone(supervisor: DeviceSupervisor) -> bool:
+    """Whether the replica's actor is gone from the cluster (`RayLink.removed`), asked for at most STATS_SECONDS;
+    False where the cluster does not answer (kept: never removed on a guess)."""
+    removed = getattr(supervisor.link, "removed", None)
+    if removed is None:
+        return True   # no cluster: the worker the connection reached is the replica
+    try:
+        return await asyncio.wait_for(removed(), STATS_SECONDS)
+    except Exception:  # noqa: BLE001 - the cluster cannot say: the replica is kept
+        return False
 
 
 def _placed_here(supervisor: DeviceSupervisor) -> bool:

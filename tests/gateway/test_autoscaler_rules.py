@@ -257,7 +257,9 @@ async def test_a_drain_is_taken_back_before_the_worker_stops_but_not_after():
 
 async def test_a_shared_replica_in_a_long_step_is_not_taken_for_idle(monkeypatch):
     """A replica answers its count between steps: one in a step longer than the wait has work (other
-    gateways' requests perhaps) and must not be drained as if it counted none; a dead one counts none."""
+    gateways' requests perhaps) and must not be drained as if it counted none; one whose connection died under
+    the question counts none only once its actor is gone from the cluster (a partition that cut this gateway
+    alone, the watchdog's kill, leaves it serving the others: it was removed under their streams)."""
     from gateway.workers import autoscaler
     from engine.client import EngineDeadError
 
@@ -274,7 +276,18 @@ async def test_a_shared_replica_in_a_long_step_is_not_taken_for_idle(monkeypatch
     assert await Autoscaler._num_requests(busy) >= 1
     busy.client.latest_stats = SimpleNamespace(num_requests=3)
     assert await Autoscaler._num_requests(busy) == 3
-    gone = SimpleNamespace(client=SimpleNamespace(is_alive=True, stats=dead, latest_stats=None, info=loaded))
+    actor = {"removed": False}
+
+    async def removed():
+        if actor["removed"] is None:
+            raise ConnectionError("the cluster does not answer")
+        return actor["removed"]
+    gone = SimpleNamespace(client=SimpleNamespace(is_alive=True, stats=dead, latest_stats=None, info=loaded),
+                           link=SimpleNamespace(removed=removed))
+    assert await Autoscaler._num_requests(gone) is None
+    actor["removed"] = None
+    assert await Autoscaler._num_requests(gone) is None
+    actor["removed"] = True
     assert await Autoscaler._num_requests(gone) == 0
     # still loading: connected, it answers nothing till loaded and serves no gateway yet. It counted 1 (kept a
     # minute at a time through a long load, holding its GPUs); it counts none, and an unneeded one goes
