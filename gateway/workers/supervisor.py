@@ -85,7 +85,7 @@ from engine.remote_client import RemoteEngineClient, ReplicaLink
 from gateway.monitoring.metrics import GatewayMetrics
 from gateway.workers.config_claim import ClaimPending
 from gateway.workers.deaths import HANG, STALL, STOPPED, DeviceDeaths
-from gateway.workers.ray_cluster import ClusterError, ClusterUnreachable
+from gateway.workers.ray_cluster import RECHECK_SECONDS, ClusterError, ClusterUnreachable
 from gateway.ticker import Ticker
 from pools.pool import Pool
 from pools.config.gateway_spec import Backoff
@@ -317,7 +317,7 @@ class DeviceSupervisor:
             self.deaths.record(client, self.replica, reason, STOPPED if planned else None, at=died_at)
             if time.monotonic() - up_since >= self.backoff.reset_after_seconds:
                 attempt = 0
-        delay = self.backoff.delay(0 if planned else attempt)
+        delay = max(self.backoff.delay(0 if planned else attempt), RECHECK_SECONDS if waiting else 0.0)   # no spin
         attempt += 0 if planned else 1
         self._note_reason(reason)
         if planned:

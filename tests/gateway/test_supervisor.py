@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -244,6 +245,31 @@ async def test_a_replica_being_stopped_says_stopped_not_restarting():
     gate.set()
     await stopping
     assert supervisor.state == "stopped"
+
+
+async def test_a_replica_waiting_for_another_configs_claim_asks_again_no_sooner_than_the_recheck(caplog):
+    """A Ray slot held back by another config's claim (`ClaimPending`, the cluster's answer until its recheck)
+    waits RECHECK_SECONDS between tries even with a zero back-off: it spun, a new client and a log line each
+    pass, thousands a second."""
+    from gateway.workers.config_claim import ClaimPending
+    from gateway.workers.ray_cluster import RECHECK_SECONDS
+
+    calls = []
+
+    class Claimed(_Link):
+        async def endpoint(self, timeout: float):
+            calls.append(time.monotonic())
+            raise ClaimPending("device 'cpu' is claimed by another config's gateway (digest cccc0000)")
+
+    pool = SimpleNamespace(name="chat", num_replicas=1, clients=[None], admission=_Admission())
+    supervisor = DeviceSupervisor("cpu", EngineConfig(model="m", device="cpu"), [pool], GatewayMetrics(),
+                                  backoff=Backoff(initial_seconds=0, max_seconds=0), link=Claimed(None))
+    supervisor.start()
+    await asyncio.sleep(0.3)
+    state = supervisor.state
+    await supervisor.stop()
+    assert len(calls) == 1 and "claimed by another config" in state, (len(calls), state)
+    assert RECHECK_SECONDS >= 1
 
 
 def test_backoff_doubles_up_to_its_cap_and_checks_its_fields():
