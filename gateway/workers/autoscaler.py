@@ -72,7 +72,7 @@ INTERVAL = 0.5   # seconds between looks
 REPLICA_STATES = ("ready", "loading", "draining", "restarting", "failed", "stopped")
 DRAIN_POLL = 0.1   # seconds between looks at a draining replica's credits
 REPLICA_POLL = 0.5   # seconds between asks of a shared replica's own request count, while it drains
-ANNOUNCE_SECONDS = 2.0   # a leader's drain reaches every follower (a renewal and a tick) within this
+ANNOUNCE_SECONDS = 2.0   # a word through the lease reaches every gateway (a tick and renewals) within this
 STATS_SECONDS = 10.0   # a replica that does not say its request count by then is in a long step: it has work
 REFUSED_SECONDS = 1.0   # a refusal for capacity asks for a replica during this long (two looks)
 RETRY_FAILED_SECONDS = 60.0   # a replica it added whose load failed may be started again after this long
@@ -138,7 +138,7 @@ class Autoscaler:
                     if spec.autoscaled:
                         self._follow(device, spec, slots, lease)
                     continue
-                why = why or lease.view.pressure   # another gateway's queue counts as this one's
+                why = why or self._remote_pressure(device, lease, now)   # another gateway's queue counts too
                 for s in slots:   # drains the previous leader asked for end with its lead
                     if s.draining and (device, s.replica) not in self._removals:
                         self._undrain(device, s)
@@ -169,6 +169,12 @@ class Autoscaler:
             return (f"a request was refused for KV credits {max(0.0, now - refused):.1f} s ago (its pool's "
                     "max_queue_seconds)"), wait
         return self.overloaded().get(device), wait
+
+    def _remote_pressure(self, device: str, lease: ScalerLease, now: float) -> str | None:
+        """Another gateway's reason for a replica (the lease's view of it), unless the device grew less than
+        ANNOUNCE_SECONDS ago: the word, said before the new replica served that gateway, takes a tick and two
+        renewals to clear (it started one more replica each time a follower's queue had asked for one)."""
+        return lease.view.pressure if now - self._grown_at.get(device, -math.inf) >= ANNOUNCE_SECONDS else None
 
     def credit_wait(self, device: str, now: float | None = None) -> float:
         """The longest a request of the device's pools has now waited for credits (seconds)."""

@@ -334,6 +334,26 @@ async def test_the_leader_scales_up_for_another_gateways_queue_and_adopts_a_live
     assert _scalings(scaler) == {"up": 1.0, "down": 0.0}
 
 
+async def test_a_followers_word_said_before_the_new_replica_served_it_starts_no_second_one():
+    """The lease still carries a follower's reason for a replica when the one it asked for becomes ready (the
+    follower clears it at its next tick and renewal): for ANNOUNCE_SECONDS after the device grew the leader does
+    not act on it (it started one replica too many each time); a word that lasts past that still counts."""
+    from gateway.workers.autoscaler import ANNOUNCE_SECONDS
+
+    slots = [_Slot(0, "ready"), _Slot(1, "stopped"), _Slot(2, "stopped")]
+    lease = _Lease(leader=True, live={0})
+    scaler = _make_scaler(slots, lease)
+    lease.view = LeaseView("me", 10.0, pressure="a request waited 2.5 s for KV credits (over 2 s)")
+    scaler.tick(now=0.0)
+    assert [s.state for s in slots] == ["ready", "loading", "stopped"]
+    slots[1].ready()
+    for t in (5.0, 5.0 + ANNOUNCE_SECONDS / 2, 5.0 + ANNOUNCE_SECONDS - 0.1):   # the word is the one said before replica 1 served
+        scaler.tick(now=t)
+    assert [s.state for s in slots] == ["ready", "ready", "stopped"]
+    scaler.tick(now=5.0 + ANNOUNCE_SECONDS)              # still said, after the follower had time to clear it
+    assert [s.state for s in slots] == ["ready", "ready", "loading"]
+
+
 async def test_the_leader_never_removes_a_shared_replica_it_cannot_reach_that_may_serve_other_gateways(quick):
     """An actor the leader adopted from the cluster (another gateway placed it) that it cannot connect to reads
     "loading" here but may serve the others: it is no unneeded loading slot (it was removed, and the followers'
