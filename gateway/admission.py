@@ -7,8 +7,9 @@ and checked against its pool's context, and before anything reaches the device w
    the tenant may use;
 2. per pool it touches, it reserves its prompt blocks plus the blocks its longest possible output
    could take (`pools.credits.queue.reservation`; an unset max_tokens reserves the rest of the context);
-3. it waits in its tenant's channel of that pool's queue until the credits are there (pools in name
-   order, so two multi-prompt requests can never wait on each other) on one of the pool's replicas,
+3. it waits in its tenant's channel of that pool's queue until the credits are there (the pool of the
+   longest prompts first, then by name: one order, so two multi-prompt requests can never wait on each
+   other, and a wait for rag's credits holds none of chat's idle) on one of the pool's replicas,
    the one that can start it soonest (`pools.credits.placement`), runs there, and gives everything back the
    moment it ends — finished, failed or abandoned by its client. `admitted` yields where each pool's
    part was placed (`Placed`: the replica, its worker client, and what to tell the placement as

@@ -198,8 +198,8 @@ class Completion:
         waits_from, ran = self.received, 0.0   # waits_from: `received` moved on by the time its runs took
         while True:
             async with self._suspect_gates(under, hold) as hold:
-                for pool, _ in self.routed:
-                    await gateway.wait_device(pool, patient=self.patient)
+                for pool, _ in self.routed:   # one deadline for them all, as for their credits
+                    await gateway.wait_device(pool, patient=self.patient, spent=time.perf_counter() - waits_from)
                 async with gateway.admission.admitted(
                         self.routed, max_tokens=req.params.max_tokens, n=req.params.n,
                         request_id=objects.new_id("adm"), tenant=self.tenant, priority=req.priority,

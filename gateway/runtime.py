@@ -299,12 +299,12 @@ class Gateway:
         devices = sorted({pool.device for pool in pools if pool.device in self.supervisors})
         return [self.supervisors[device][0].deaths.suspects for device in devices]
 
-    async def wait_device(self, pool: Pool, patient: bool = False) -> None:
-        """Wait until a replica of the pool's device has loaded (at once when one is up), holding nothing
-        (no KV credits: those are taken after); 503 if every replica started failed to start, or with
-        `Retry-After` if none is ready within `gateway.device_wait_seconds` (or the pool's
-        `max_queue_seconds`, when smaller and not 0; `patient`: however long, as for its credits); the 503
-        names each replica's state: loading, placing on a cluster, restarting."""
+    async def wait_device(self, pool: Pool, patient: bool = False, spent: float = 0.0) -> None:
+        """Wait until a replica of the pool's device has loaded (at once when one is up), holding nothing (no
+        KV credits: taken after); 503 if every replica started failed to start, or with `Retry-After` if none
+        is ready within `gateway.device_wait_seconds` (or the pool's `max_queue_seconds`, when smaller and not
+        0; `patient`: however long) of the request's arrival, `spent` seconds ago (its other pools' device
+        waits: one deadline); the 503 names each replica's state: loading, placing on a cluster, restarting."""
         replicas = self.supervisors[pool.device]
         if any(s.is_ready for s in replicas):
             return
@@ -315,7 +315,7 @@ class Gateway:
             raise ApiError(503, f"pool {pool.name!r}: no replica of device {pool.device!r} is started; retry later",
                            type="server_error", code="pool_unavailable", headers={"Retry-After": "1"})
         limit = None if patient else device_wait_limit(self.config, [pool])
-        deadline = None if limit is None else time.monotonic() + limit
+        deadline = None if limit is None else time.monotonic() + limit - spent
         waiting, key = self.device_waits.setdefault(pool.device, {}), object()
         if not patient:   # a patient one waits by design: no sign of a replica short (`device_wait`)
             waiting[key] = time.monotonic()

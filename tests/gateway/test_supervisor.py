@@ -93,7 +93,8 @@ async def test_a_killed_worker_is_reported_restarted_and_requests_wait_for_it(ai
 
 async def test_a_patient_request_waits_for_its_device_however_long():
     """A background Response's run waits for a replica of its device past device_wait_seconds (it was kept
-    failed, 503 pool_unavailable, when a restart took longer); any other request gets that 503."""
+    failed, 503 pool_unavailable, when a restart took longer); any other request gets that 503, counted from
+    its arrival (`spent`: the waits for its other pools' devices; each wait had a limit of its own)."""
     ready = asyncio.Event()
 
     class Restarting:
@@ -111,6 +112,12 @@ async def test_a_patient_request_waits_for_its_device_however_long():
     waiting = asyncio.ensure_future(Gateway.wait_device(gateway, pool, patient=True))
     await asyncio.sleep(0.3)
     assert not waiting.done()
+    # a request of two pools on two devices restarting: the second wait ends at the one deadline, not its own
+    gateway.config.gateway.device_wait_seconds = 2.0
+    started = time.monotonic()
+    with pytest.raises(ApiError):
+        await Gateway.wait_device(gateway, pool, spent=1.9)
+    assert time.monotonic() - started < 1.0
     ready.set()
     await asyncio.wait_for(waiting, 5)
 
