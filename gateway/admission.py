@@ -204,15 +204,18 @@ class AdmissionControl:
         placed = {}
         async with contextlib.AsyncExitStack() as stack:
             # the pool of the longest prompts first (rag's, the one a flood fills), then by name: one order for
-            # every request, so two never wait on each other, and a wait for rag holds no chat credits idle
-            for name in sorted(needs, key=lambda name: (-self.pools[name].min_prompt_tokens, name)):
+            # every request, so two never wait on each other, and a wait for rag holds no chat credits idle. A
+            # batch line waits behind the others in its first pool only: holding that pool's credits, it waits
+            # in the next ones among their requests, patiently (behind them, it held the first pool's credits
+            # idle for as long as a later pool's queue was never empty)
+            for i, name in enumerate(sorted(needs, key=lambda name: (-self.pools[name].min_prompt_tokens, name))):
                 pool = self.pools[name]
                 work = pool.admission.placement.work(prompts[name], max_tokens, n, pool.max_model_len,
                                                      pool.cache_salt(tenant))
                 key = f"{request_id}@{name}"
-                ticket = await stack.enter_async_context(self._hold(pool, key, needs[name], tenant, priority,
-                                                                    background, work, n * len(prompts[name]),
-                                                                    patient, time.perf_counter() - received))
+                ticket = await stack.enter_async_context(self._hold(
+                    pool, key, needs[name], tenant, priority, background and not i, work, n * len(prompts[name]),
+                    patient or background and i > 0, time.perf_counter() - received))
                 placed[name] = Placed(pool, ticket.replica, key, ticket.charged, ticket.background)
                 self._count_placement(pool, ticket.replica, work, key)
             yield placed

@@ -324,3 +324,37 @@ def test_no_gauge_is_named_like_a_counter():
     AdmissionMetrics(metrics.registry)
     gauges = [family.name for family in metrics.registry.collect() if family.type == "gauge"]
     assert "cliffguard_kv_credits" in gauges and [name for name in gauges if name.endswith("_total")] == []
+
+
+async def test_a_batch_line_of_two_pools_waits_for_the_later_one_among_its_requests(tiny_model):
+    """A batch line whose prompts span rag and chat holds rag's credits first (the longest prompts' pool): behind
+    chat's interactive requests as a batch line it would hold them idle for as long as chat's queue is never
+    empty, so in chat it waits among them, in its turn (it waited behind every later one)."""
+    from tests.gateway.conftest import pools_yaml
+
+    gateway = Gateway.from_config(load_config(pools_yaml(tiny_model)))
+    chat, rag = gateway.pools["chat"], gateway.pools["rag"]
+    half = chat.admission.max_request // 2            # a request of more than half: one at a time in chat
+    order, release = [], {name: asyncio.Event() for name in ("H", "I1", "L", "I2")}
+
+    async def run(name: str, routed, background: bool = False) -> None:
+        async with gateway.admission.admitted(routed, max_tokens=half, n=1, request_id=name, tenant="default",
+                                              priority=0, background=background):
+            order.append(name)
+            await release[name].wait()
+
+    short, long = [1] * 10, [1] * 70
+    tasks = [asyncio.ensure_future(run("H", [(chat, short)]))]
+    for name, routed, background in (("I1", [(chat, short)], False), ("L", [(rag, long), (chat, short)], True),
+                                     ("I2", [(chat, short)], False)):
+        await asyncio.sleep(0.05)
+        tasks.append(asyncio.ensure_future(run(name, routed, background)))
+    await asyncio.sleep(0.05)
+    assert order == ["H"] and rag.admission.ledger.free < rag.admission.total   # L holds rag's credits
+    for name in ("H", "I1", "L", "I2"):
+        release[name].set()
+        await asyncio.sleep(0.05)
+    await asyncio.gather(*tasks)
+    assert order == ["H", "I1", "L", "I2"]
+    assert chat.admission.free == chat.admission.total and rag.admission.free == rag.admission.total
+    gateway.executor.shutdown(wait=False)
