@@ -201,7 +201,7 @@ class AdmissionControl:
         prompts: dict[str, list[list[int]]] = {}
         for pool, ids in routed:
             prompts.setdefault(pool.name, []).append(ids)
-        placed = {}
+        placed, paused = {}, []   # paused: (queue, key, since, when): a pool that admitted it, not its wait
         async with contextlib.AsyncExitStack() as stack:
             # the pool of the longest prompts first (rag's, the one a flood fills), then by name: one order for
             # every request, so two never wait on each other, and a wait for rag holds no chat credits idle. A
@@ -218,6 +218,12 @@ class AdmissionControl:
                     patient or background and i > 0, time.perf_counter() - received))
                 placed[name] = Placed(pool, ticket.replica, key, ticket.charged, ticket.background)
                 self._count_placement(pool, ticket.replica, work, key)
+                if len(needs) > 1:   # its wait for the next pools' credits is theirs (`oldest_wait`, overload)
+                    paused.append((pool.admission, key, pool.admission.pause_wait(key), time.monotonic()))
+            now = time.monotonic()
+            for queue, key, since, when in paused:
+                if since is not None:
+                    queue.resume_wait(key, since + now - when)
             yield placed
 
     def _count_placement(self, pool: Pool, replica: int, work: Work, key: str) -> None:

@@ -304,6 +304,16 @@ class CreditQueue:
         if shared and self.ledger.num_queued:
             self._admit()   # a question waiting for this replica's copy of its document may fit now
 
+    def pause_wait(self, request_id: str) -> float | None:
+        """The request, admitted here, waits for another pool's credits: that wait is not this pool's
+        (`oldest_wait`). When its wait here began (None: not counted), for `resume_wait`."""
+        return self._since.pop(request_id, None)
+
+    def resume_wait(self, request_id: str, since: float) -> None:
+        """Count the request's wait for its first token again, as begun at `since` (its pause taken out)."""
+        if self.ledger.ticket(request_id) is not None:
+            self._since[request_id] = since
+
     def oldest_wait(self, now: float | None = None) -> float:
         """Seconds the oldest interactive request still without its first token has waited (queued for
         credits, in the engine's queue or being prefilled); 0 when none waits."""

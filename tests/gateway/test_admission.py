@@ -358,3 +358,35 @@ async def test_a_batch_line_of_two_pools_waits_for_the_later_one_among_its_reque
     assert order == ["H", "I1", "L", "I2"]
     assert chat.admission.free == chat.admission.total and rag.admission.free == rag.admission.total
     gateway.executor.shutdown(wait=False)
+
+
+async def test_a_request_admitted_in_one_pool_waits_for_another_as_that_ones_wait(tiny_model):
+    """A request of rag and chat admitted in rag at once and waiting for chat's credits: its wait is chat's
+    (`oldest_wait`, which the overload verdict and the autoscaler read), not rag's too (rag read overloaded
+    for chat's queue, and could be given a replica it did not need); once admitted, rag counts it again."""
+    from tests.gateway.conftest import pools_yaml
+
+    gateway = Gateway.from_config(load_config(pools_yaml(tiny_model)))
+    chat, rag = gateway.pools["chat"], gateway.pools["rag"]
+    hold, go, admitted = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def run(name: str, routed, max_tokens: int, release: asyncio.Event,
+                  entered: asyncio.Event | None = None) -> None:
+        async with gateway.admission.admitted(routed, max_tokens=max_tokens, n=1, request_id=name, tenant="default",
+                                              priority=0):
+            if entered is not None:
+                entered.set()
+            await release.wait()
+
+    holder = asyncio.ensure_future(run("h", [(chat, [1] * 10)], chat.admission.max_request - 16, hold))
+    await asyncio.sleep(0.05)
+    both = asyncio.ensure_future(run("r", [(rag, [1] * 70), (chat, [1] * 10)], 32, go, admitted))
+    await asyncio.sleep(0.3)
+    assert rag.admission.ledger.free < rag.admission.total and not admitted.is_set()   # rag's held, chat's awaited
+    assert rag.admission.oldest_wait() < 0.1 and chat.admission.oldest_wait() >= 0.25
+    hold.set()
+    await admitted.wait()
+    assert rag.admission.oldest_wait() < 0.1 and rag.admission.pause_wait("r@rag") is not None
+    go.set()
+    await asyncio.gather(holder, both)
+    gateway.executor.shutdown(wait=False)
