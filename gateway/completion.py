@@ -62,7 +62,8 @@ from gateway.local_answer import LocalResponse
 from gateway.runtime import Gateway, device_wait_limit
 from gateway.workers.deaths import LOSS, Death, DeathsUnder, Hold
 from gateway.openai.tool_grammar import text_grammar, thinking_first
-from gateway.openai.tools import ToolFormat, format_for
+from gateway.openai.tool_formats import format_for
+from gateway.openai.tools import ToolFormat
 from gateway.upstream.relay import forward, openai_error, retry_headers
 from pools.pool import Pool
 

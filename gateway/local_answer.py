@@ -40,14 +40,14 @@ from engine.sampling import SamplingParams
 from engine.client import EngineDeadError, RequestFailedError
 from gateway.openai import objects
 from gateway.admission import Placed
-from gateway.client_writes import (RESPONSE_BUFFERS, ClientGone, ResponseBuffers, escaped_json, start_sse,
-                                   write_within)
+from gateway.client_writes import RESPONSE_BUFFERS, ClientGone, ResponseBuffers, escaped_json, start_sse, write_within
 from gateway.monitoring.metrics import GatewayMetrics, HeldLatencies
 from gateway.openai.chat import ChatRequest
 from gateway.openai.completions import CompletionRequest
 from gateway.openai.errors import ApiError, drain_cut, engine_error, renamed_field
 from gateway.openai.reasoning import ReasoningSplitter, think_end_id
-from gateway.openai.tools import ToolCallStream, ToolFormat, format_for
+from gateway.openai.tool_formats import format_for
+from gateway.openai.tools import ToolCallStream, ToolFormat
 from pools.pool import Pool
 
 Routed = Sequence[tuple[Pool, list[int]]]   # each prompt's pool and token ids

@@ -98,13 +98,13 @@ def _rebased(schema: Any, at: str) -> Any:
 THINK_MODES = ("optional", "opened")
 
 
-def _regex(literal: str) -> str:
-    """`literal` inside a /regex/ of the grammar."""
-    return re.escape(literal).replace("/", r"\/")
+def regex_text(text: str) -> str:
+    """`text`, literally, inside a /regex/ of the grammar."""
+    return re.escape(text).replace("/", r"\/")
 
 
 # the thought: any text without the closing tag (llguidance's lexeme operators `&` and `~`)
-_THOUGHT = rf'(/(?s:.)*/ & ~/(?s:.)*{_regex(THINK_END)}(?s:.)*/) {json.dumps(THINK_END)} /\s*/'
+_THOUGHT = rf'(/(?s:.)*/ & ~/(?s:.)*{regex_text(THINK_END)}(?s:.)*/) {json.dumps(THINK_END)} /\s*/'
 
 
 def _think(think: str | None) -> tuple[str, str]:
@@ -119,14 +119,17 @@ def _think(think: str | None) -> tuple[str, str]:
 
 
 def forced_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, Any]]],
-                   parallel: bool, think: str | None = None) -> StructuredOutput:
-    """Calls only: one, or (parallel) one or more (after a think block, as `think` says)."""
+                   parallel: bool, think: str | None = None, body: str | None = None) -> StructuredOutput:
+    """Calls only: one, or (parallel) one or more (after a think block, as `think` says). `body`: the Lark rules
+    of what a call holds between its markers (rule `body`), for a format whose calls are not JSON objects
+    (`gateway.openai.xml_tools`); None: the JSON object of a function's name and arguments."""
     head, block = _think(think)
-    return StructuredOutput("grammar", f"start: {head}calls\n{block}{_calls(syntax, functions, parallel)}")
+    return StructuredOutput("grammar", f"start: {head}calls\n{block}{_calls(syntax, functions, parallel, body)}")
 
 
 def auto_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, Any]]], parallel: bool,
-                 reply: StructuredOutput | None = None, think: str | None = None) -> StructuredOutput:
+                 reply: StructuredOutput | None = None, think: str | None = None,
+                 body: str | None = None) -> StructuredOutput:
     """Plain text that never starts a call (or, given `reply`, a JSON object or schema's JSON), or calls, after
     plain text where the format opens a call with a marker (`reply` not given) (after a think block, as `think`
     says)."""
@@ -136,14 +139,14 @@ def auto_grammar(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, An
         lexeme = _text_lexeme(syntax, think)
         text = f"text: TEXT\nTEXT: {lexeme}"
         if not syntax.is_bare:   # some text, then the first call's marker, then as forced
-            more = f" ({_literal(syntax.separator)} call)*" if parallel else ""
+            more = f" ({literal(syntax.separator)} call)*" if parallel else ""
             choices += " | led"
-            text += (f"\nled: LEAD body {_literal(syntax.close)}{more}\n"
-                     f"LEAD: (({lexeme}) & /(?s:.)+/) {_literal(syntax.open)}")
+            text += (f"\nled: LEAD body {literal(syntax.close)}{more}\n"
+                     f"LEAD: (({lexeme}) & /(?s:.)+/) {literal(syntax.open)}")
     else:
-        text = f"text: %json {_schema_text(_reply_schema(reply))}"
+        text = f"text: %json {schema_text(_reply_schema(reply))}"
     return StructuredOutput("grammar", f"start: {head}({choices})\n{block}{text}\n"
-                                       f"{_calls(syntax, functions, parallel)}")
+                                       f"{_calls(syntax, functions, parallel, body)}")
 
 
 def text_grammar(syntax: CallSyntax, think: str | None = None) -> StructuredOutput:
@@ -156,14 +159,14 @@ def text_grammar(syntax: CallSyntax, think: str | None = None) -> StructuredOutp
 def _text_lexeme(syntax: CallSyntax, think: str | None) -> str:
     """The format's plain text, which a thinking model's may not begin with `<think>` (the block is read as
     one, and no second block follows it)."""
-    return syntax.text if think is None else rf"({syntax.text}) & ~/\s*{_regex(THINK_START)}(?s:.)*/"
+    return syntax.text if think is None else rf"({syntax.text}) & ~/\s*{regex_text(THINK_START)}(?s:.)*/"
 
 
 def thinking_first(reply: StructuredOutput, think: str) -> StructuredOutput:
     """A JSON reply (response_format: a JSON object or a schema's JSON) after a think block, as `think`
     says."""
     head, block = _think(think)
-    schema = _schema_text(_reply_schema(reply))
+    schema = schema_text(_reply_schema(reply))
     return StructuredOutput("grammar", f"start: {head}reply\n{block}reply: %json {schema}\n")
 
 
@@ -173,23 +176,27 @@ def _reply_schema(reply: StructuredOutput) -> dict[str, Any] | bool:
     return ANY_OBJECT if reply.kind == "json_object" else json.loads(reply.spec)
 
 
-def _calls(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, Any]]], parallel: bool) -> str:
-    """The Lark rules `calls` (one call, or one or more joined by the separator), `call` and `body`."""
-    calls = f"calls: call ({_literal(syntax.separator)} call)*" if parallel else "calls: call"
-    call = " ".join(filter(None, (_literal(syntax.open), "body", _literal(syntax.close))))
-    # lenient: a strict tool's schema was checked as strict (`tools_from`); what is left unenforced is another's
-    body = _schema_text({**_call_schema(functions, syntax.args_key), "x-guidance": {"lenient": True}})
-    return f"{calls}\ncall: {call}\nbody: %json {body}\n"
+def _calls(syntax: CallSyntax, functions: Sequence[tuple[str, dict[str, Any]]], parallel: bool,
+           body: str | None = None) -> str:
+    """The Lark rules `calls` (one call, or one or more joined by the separator), `call` and `body` (given, or
+    the JSON object of a call)."""
+    calls = f"calls: call ({literal(syntax.separator)} call)*" if parallel else "calls: call"
+    call = " ".join(filter(None, (literal(syntax.open), "body", literal(syntax.close))))
+    if body is None:
+        # lenient: a strict tool's schema was checked as strict (`tools_from`); what is left unenforced is another's
+        schema = schema_text({**_call_schema(functions, syntax.args_key), "x-guidance": {"lenient": True}})
+        body = f"body: %json {schema}\n"
+    return f"{calls}\ncall: {call}\n{body}"
 
 
-def _literal(text: str) -> str:
+def literal(text: str) -> str:
     """`text` as a Lark string ("" where it is empty: nothing to write)."""
     return json.dumps(text, ensure_ascii=False) if text else ""
 
 
-def _schema_text(schema: dict[str, Any] | bool) -> str:
+def schema_text(schema: dict[str, Any] | bool) -> str:
     """A JSON schema for a Lark `%json` block, written compactly as the structured outputs are (its own
     `x-guidance` kept: a schema not strict is `lenient`, `StructuredOutput.json_schema`)."""
     if isinstance(schema, bool):   # true: any JSON; false: none (the library refuses it)
-        return _schema_text({}) if schema else "false"
+        return schema_text({}) if schema else "false"
     return json.dumps({**schema, "x-guidance": {**schema.get("x-guidance", {}), **JSON_OPTIONS}}, ensure_ascii=False)

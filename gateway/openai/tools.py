@@ -113,8 +113,8 @@ class ToolFormat:
     def grammar(self, tools: list[Tool], parallel: bool, think: str | None = None) -> StructuredOutput:
         """Calls of `tools` only (tool_choice "required" or named), each under its schema; `think`: where a
         thinking model's reply starts (`gateway.openai.tool_grammar`)."""
-        return forced_grammar(self.syntax, [(t.name, t.parameters) for t in tools], parallel and self.parallel_calls,
-                              think)
+        functions = [(t.name, t.parameters) for t in tools]
+        return forced_grammar(self.syntax, functions, parallel and self.parallel_calls, think, self.body(functions))
 
     def auto_grammar(self, tools: list[Tool], parallel: bool, reply: StructuredOutput | None = None,
                      think: str | None = None) -> StructuredOutput:
@@ -122,7 +122,12 @@ class ToolFormat:
         given), or calls (after such text, where a marker opens a call: hermes), a strict tool's arguments
         under its schema, another's any JSON object."""
         functions = [(t.name, t.parameters if t.strict else ANY_OBJECT) for t in tools]
-        return auto_grammar(self.syntax, functions, parallel and self.parallel_calls, reply, think)
+        return auto_grammar(self.syntax, functions, parallel and self.parallel_calls, reply, think,
+                            self.body(functions))
+
+    def body(self, functions: list[tuple[str, dict[str, Any]]]) -> str | None:
+        """The Lark rules of what a call holds (rule `body`) where that is no JSON object; None: it is one."""
+        return None
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content outside the calls or None, the calls). Text that only looks like a call is content."""
@@ -298,26 +303,12 @@ class Llama3JsonFormat(ToolFormat):
         return len(text)
 
 
-def tool_format(template: str, tools: list[Tool]) -> ToolFormat:
-    """The format a chat template writes tool calls in (hermes when it knows no tools: `render` asks for it)."""
-    if "<tool_call>" in template:
-        return HermesFormat(tools)
-    if '"parameters"' in template and "tools" in template:
-        return Llama3JsonFormat(tools)
-    return HermesFormat(tools)
-
-
 @functools.lru_cache(maxsize=256)
 def _skipped_by_decode(tokenizer, text: str) -> bool:
     """`text` is one token of the tokenizer's that decode with skip_special_tokens drops (a pool's tokenizer lives
     as long as the process: the cache holds it no longer than that)."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     return len(ids) == 1 and not tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def format_for(tokenizer, tools: list[Tool]) -> ToolFormat:
-    """The tool-call format of a pool's tokenizer (its chat template)."""
-    return tool_format(tokenizer.chat_template_source(use_tools=True), tools)
 
 
 @dataclass

@@ -16,7 +16,8 @@ from gateway.openai.chat_prompt import fallback_messages
 from gateway.openai.chat import parse_chat
 from gateway.openai.errors import ApiError
 from gateway.openai.tool_specs import parse_tools
-from gateway.openai.tools import HermesFormat, Llama3JsonFormat, ToolCallStream, tool_format
+from gateway.openai.tool_formats import tool_format
+from gateway.openai.tools import HermesFormat, Llama3JsonFormat, ToolCallStream
 
 MODEL = "smollm2-135m-instruct"
 
@@ -409,7 +410,7 @@ def test_a_template_with_tools_renders_them_itself(tmp_path, builtin_path) -> No
 
     from engine.tokenizer import Tokenizer
     from gateway.openai.chat_prompt import render
-    from gateway.openai.tools import format_for
+    from gateway.openai.tool_formats import format_for
 
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(builtin_path / name, tmp_path / name)

@@ -1,0 +1,25 @@
+"""Which tool-call format a pool's chat template writes: `tool_format` of a template's source, `format_for` of a
+pool's tokenizer. The formats: `gateway.openai.tools` (hermes, llama3_json) and `gateway.openai.xml_tools`
+(qwen3_xml)."""
+
+from __future__ import annotations
+
+from gateway.openai.tool_specs import Tool
+from gateway.openai.tools import HermesFormat, Llama3JsonFormat, ToolFormat
+from gateway.openai.xml_tools import XmlFormat, writes_xml_calls
+
+
+def tool_format(template: str, tools: list[Tool]) -> ToolFormat:
+    """The format a chat template writes tool calls in (hermes when it knows no tools: `render` asks for it)."""
+    if writes_xml_calls(template):   # before hermes: its calls are inside `<tool_call>` too
+        return XmlFormat(tools)
+    if "<tool_call>" in template:
+        return HermesFormat(tools)
+    if '"parameters"' in template and "tools" in template:
+        return Llama3JsonFormat(tools)
+    return HermesFormat(tools)
+
+
+def format_for(tokenizer, tools: list[Tool]) -> ToolFormat:
+    """The tool-call format of a pool's tokenizer (its chat template)."""
+    return tool_format(tokenizer.chat_template_source(use_tools=True), tools)
