@@ -166,18 +166,23 @@ class BatchRunner:
         """Every PURGE_EVERY_S, drop expired files' bytes (`BatchStore.purge_expired`, a bounded transaction at
         a time, on the store's thread beside the runs' calls), expire the batches whose window ended
         (`expire_due`), and run again any unfinished batch that nothing runs (one whose failure could not be
-        written, or created while its answer could not be read back); a storage error waits for the next turn."""
+        written, or created while its answer could not be read back); each on its own: one that fails (storage,
+        a damaged file) waits for the next turn, and neither keeps the others from theirs."""
+        async def purge_files() -> None:
+            while await self.store.on_thread(self.store.purge_expired):   # more may be due
+                await asyncio.sleep(0)
+
+        async def resume() -> None:
+            for batch_id in await self.store.on_thread(self.store.unfinished_batch_ids):
+                self.run(batch_id)
         while True:
             await asyncio.sleep(PURGE_EVERY_S)
-            try:
-                while await self.store.on_thread(self.store.purge_expired):   # more may be due
-                    await asyncio.sleep(0)
-                await self.expire_due()
-                for batch_id in await self.store.on_thread(self.store.unfinished_batch_ids):
-                    self.run(batch_id)
-            except (StorageFailed, *STORAGE_ERRORS) as exc:
-                log.warning("batch store: purging expired files or resuming batches failed: %s; trying again in "
-                            "%.0f s", exc, PURGE_EVERY_S)
+            for what, turn in (("purging expired files", purge_files), ("expiring batches", self.expire_due),
+                               ("resuming batches", resume)):
+                try:
+                    await turn()
+                except Exception as exc:  # noqa: BLE001 - the loop must live: it is what tries again
+                    log.warning("batch store: %s failed: %s; trying again in %.0f s", what, exc, PURGE_EVERY_S)
 
     async def start(self) -> None:
         """Resume every unfinished batch in the store (those past their window expire first: none of their
@@ -191,10 +196,10 @@ class BatchRunner:
             self.run(batch_id)
 
     async def expire_due(self, now: float | None = None) -> None:
-        """Expire the batches whose completion window ended before their lines did (`BatchStore.expire_due`:
-        their pending lines become errors `batch_expired`): abort the lines in flight of those that run, and
-        finalize them (one that nothing runs is run, to be finalized)."""
-        for batch_id in await self.durable(self.store.expire_due, now):
+        """Expire the batches whose completion window ended before their lines did, one store transaction each
+        (`BatchStore.expire_next`: their pending lines become errors `batch_expired`): abort the lines in flight
+        of those that run, and finalize them (one that nothing runs is run, to be finalized)."""
+        while (batch_id := await self.durable(self.store.expire_next, now)) is not None:
             log.warning("batch %s expired: its completion window ended before its lines did", batch_id)
             if batch_id in self._runs:
                 self._runs[batch_id].cancel()

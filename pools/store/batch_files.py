@@ -170,7 +170,7 @@ def overflow_line(batch_id: str, row: tuple, full: str) -> tuple[bytes, dict[str
 def complete_batch(db: sqlite3.Connection, batch_id: str, status: str, writers: list[ChunkWriter]) -> None:
     """Add the written output and error files (a file only when it has a line) and mark the batch
     completed, cancelled if it was cancelling, or expired if its completion window ended first
-    (`BatchStore.expire_due` set its `expired_at`)."""
+    (`BatchStore.expire_next` set its `expired_at`)."""
     owner, tenant, expires_after, expired_at = db.execute(
         "SELECT owner, tenant, output_expires_seconds, expired_at FROM batches WHERE id=?", (batch_id,)).fetchone()
     file_ids = []

@@ -16,8 +16,8 @@ back a range at a time (`file_content(offset=, size=)`), so no value comes near 
 on one string or blob. The output and error files are assembled when the batch finalizes, by
 `finalize_step`: each step is one transaction that writes the next pieces of both files from the
 lines after a cursor (at most FINALIZE_STEP_BYTES of them, one line at a time out of SQLite) and
-moves the cursor (`finalizing` table); the last step adds the two files, marks the batch completed
-or cancelled, keeps its request counts on its row and deletes its lines (the files hold them). A crash between
+moves the cursor (`finalizing` table); the last step adds the two files, marks the batch completed,
+cancelled or expired, keeps its request counts on its row and deletes its lines (the files hold them). A crash between
 steps leaves the batch `finalizing` with the cursor of the last step committed, and finalizing again
 continues from it; the file ids are derived from the batch id, so
 every finalize gives the same files. A line whose entry would take its file past MAX_OUTPUT_FILE_BYTES
@@ -31,7 +31,7 @@ gone at once to every reader (`_FILE_LIVE`); its bytes are dropped by `delete_fi
 (the batch runner's, every PURGE_EVERY_S), and its row stays, marked `deleted_at`, since a batch may name
 it. A batch's lines were stored when it was created: it runs on without its input file.
 
-A batch expires as OpenAI's: `expire_due` ends one still running WINDOW_SECONDS after its creation
+A batch expires as OpenAI's: `expire_next` ends one still running WINDOW_SECONDS after its creation
 (`expires_at` in its object), its pending lines errors `batch_expired`, and finalizing marks it `expired`.
 
 Input lines are checked when the batch is created (`pools.store.batch_input.batch_input_lines`): an
@@ -56,7 +56,7 @@ the failed state (`failed_at`, `errors`), `file_chunks` and `finalizing`; 4 adds
 `batches`, where a batch finished since keeps its counts once its lines are deleted (a batch finished
 before keeps its lines), `output_expires_seconds` to `batches`, `expires_at` and `deleted_at` to `files`
 (files stored before never expire) and the index `files_by_expiry`; 6 adds `sent_at` to `lines`; 7 adds
-`expired_at` to `batches` (`expire_due`). A store is refused by older code (its version), so a downgrade
+`expired_at` to `batches` (`expire_next`). A store is refused by older code (its version), so a downgrade
 needs the store file from before the upgrade. A version-2 row keeps its
 tenant as its tenant, and its owner is `legacy_owner(tenant)` (the gateway: `Tenants.legacy_owner`,
 whose rule keeps a row reachable by the key or shared tenant that reached it before wherever the
@@ -334,27 +334,29 @@ class BatchStore(StoreFile):
                        f"status IN ({marks(CANCELLABLE)})", (int(time.time()), batch_id, owner, *CANCELLABLE))
         return self.batch(batch_id, owner=owner)
 
-    def expire_due(self, now: float | None = None) -> list[str]:
-        """Expire the batches whose completion window ended (`created_at` + WINDOW_SECONDS) before their lines
-        did, in one transaction: each validating or in_progress one is marked `finalizing` with `expired_at`,
-        and its pending lines (a line in flight included: its answer, come later, is not recorded) become
-        errors `batch_expired` for the error file; finalizing ends it `expired`, the answers it had kept
-        in its output file. Their ids, for the runner to stop their lines and finalize them (one
-        cancelling or finalizing already ends as it was going to)."""
+    def expire_next(self, now: float | None = None) -> str | None:
+        """Expire the oldest batch whose completion window ended (`created_at` + WINDOW_SECONDS) before its lines
+        did, in one transaction of its own (a store down for days holds many: one at a time, the store is never
+        held long): a validating or in_progress one with lines pending is marked `finalizing` with `expired_at`
+        (when its window ended), and its pending lines (a line in flight included: its answer, come later, is
+        not recorded) become errors `batch_expired` for the error file; finalizing ends it `expired`, the answers
+        it had kept in its output file. Its id, for the runner to stop its lines and finalize it; None when none
+        is due (one cancelling or finalizing ends as it was going to; one whose lines are all answered, completed)."""
         now = int(time.time() if now is None else now)
+        entry = f'{{"code": "batch_expired", "message": {json.dumps(EXPIRED_LINE)}, "line": '   # `record`'s shape
         with self._txn() as db:
-            ids = [row[0] for window, seconds in WINDOW_SECONDS.items() for row in db.execute(
-                f"SELECT id FROM batches WHERE status IN ({marks(CANCELLABLE)}) AND completion_window=? AND "
-                "created_at + ? <= ? ORDER BY seq", (*CANCELLABLE, window, seconds, now))]
-            for batch_id in ids:
-                pending = [row[0] for row in db.execute("SELECT line_no FROM lines WHERE batch_id=? AND "
-                                                        "status='pending'", (batch_id,))]
-                db.executemany("UPDATE lines SET status='error', error=? WHERE batch_id=? AND line_no=?", (
-                    (json.dumps({"code": "batch_expired", "message": EXPIRED_LINE, "line": line_no}), batch_id, line_no)
-                    for line_no in pending))
-                db.execute("UPDATE batches SET status='finalizing', finalizing_at=?, expired_at=? WHERE id=?",
-                           (now, now, batch_id))
-        return ids
+            for window, seconds in WINDOW_SECONDS.items():
+                due = db.execute(f"SELECT id FROM batches WHERE status IN ({marks(CANCELLABLE)}) AND completion_window=? "
+                                 "AND created_at + ? <= ? AND EXISTS (SELECT 1 FROM lines WHERE batch_id = batches.id "
+                                 "AND status = 'pending') ORDER BY seq LIMIT 1", (*CANCELLABLE, window, seconds, now)
+                                 ).fetchone()
+                if due is not None:
+                    db.execute("UPDATE lines SET status='error', error=? || line_no || '}' WHERE batch_id=? AND "
+                               "status='pending'", (entry, due[0]))
+                    db.execute("UPDATE batches SET status='finalizing', finalizing_at=?, expired_at=MIN(?, created_at "
+                               "+ ?) WHERE id=?", (now, now, seconds, due[0]))
+                    return due[0]
+        return None
 
     def unfinished_batch_ids(self) -> list[str]:
         """Batches a runner still owes work (lines to run, or finalizing), oldest first."""
@@ -408,8 +410,9 @@ class BatchStore(StoreFile):
 
     def finalize_step(self, batch_id: str) -> dict[str, Any] | None:
         """One transaction of finalizing: write the next lines (up to FINALIZE_STEP_BYTES) to the output and error
-        files; at the end, add the files and mark the batch `completed` (`cancelled` if it was cancelling), or `failed`
-        if the error file would pass MAX_OUTPUT_FILE_BYTES (`assemble_step`). None while lines remain, else the batch
+        files; at the end, add the files and mark the batch `completed` (`cancelled` if it was cancelling, `expired`
+        if its window ended: `expire_next`), or `failed` if the error file would pass MAX_OUTPUT_FILE_BYTES
+        (`assemble_step`). None while lines remain, else the batch
         object (a finished batch: unchanged). Only lines with an answer or an error go into the files: a cancelled
         batch's pending lines are in neither. KeyError: no such batch."""
         with self._txn() as db:
@@ -473,6 +476,7 @@ class BatchStore(StoreFile):
         window = WINDOW_SECONDS.get(batch["completion_window"])
         return {"object": "batch", **batch, "errors": None if errors is None else json.loads(errors),
                 "expires_at": None if window is None else batch["created_at"] + window,
+                "expired_at": batch["expired_at"] if batch["status"] == "expired" else None,   # once it is
                 "metadata": None if metadata is None else json.loads(metadata),
                 "request_counts": request_counts(self._db, batch["id"])}
 

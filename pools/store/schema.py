@@ -64,7 +64,7 @@ ADDED_COLUMNS = (   # (table, column, definition) added to an older store's tabl
     ("files", "expires_at", "INTEGER"),     # 5: when its bytes go (NULL: kept until deleted)
     ("files", "deleted_at", "INTEGER"),     # 5: deleted or expired: its bytes gone, its row kept (a batch names it)
     ("lines", "sent_at", "INTEGER"),        # 6: when it went to an upstream pool, which may run it (NULL: not yet)
-    ("batches", "expired_at", "INTEGER"))   # 7: its completion window ended before its lines did (`expire_due`)
+    ("batches", "expired_at", "INTEGER"))   # 7: its completion window ended before its lines did (`expire_next`)
 # a batch a runner still owes work (`pools.store.batch_files.UNFINISHED`), as literals: a partial index's test
 UNFINISHED_SQL = "status IN ('validating', 'in_progress', 'finalizing', 'cancelling')"
 INDEXES = ("DROP INDEX IF EXISTS batches_by_tenant",   # version 2's; batches are listed by owner

@@ -305,32 +305,35 @@ def test_cancel_keeps_what_finished_and_list_pages_newest_first(tmp_path):
 
 
 def test_a_batch_past_its_completion_window_expires_with_what_it_answered(tmp_path):
-    """`expire_due`: a batch still running 24 h after it was created ends `expired`: the lines answered
-    are in its output file, the others (one in flight included: its late answer is not kept) in its error
-    file as `batch_expired`, as OpenAI's; a cancelling or finished batch ends as it was going to."""
+    """`expire_next`: a batch still running 24 h after it was created ends `expired` (`expired_at`: when its window
+    ended, shown once it is expired): the lines answered are in its output file, the others (one in flight
+    included: its late answer is not kept) in its error file as `batch_expired`, as OpenAI's; a cancelling or
+    finished batch ends as it was going to, and so does one whose lines are all answered (completed)."""
     store = _make_store(tmp_path / "b.sqlite3")
     batch = _make_batch(store, _jsonl(*(_line(x) for x in "abc")))
-    cancelling, finished = (_make_batch(store, _jsonl(_line("d"))) for _ in range(2))
+    cancelling, finished, answered = (_make_batch(store, _jsonl(_line("d"))) for _ in range(3))
     store.cancel(cancelling["id"], owner=OWNER)
-    store.record(finished["id"], 1, 200, {"ok": 1})
-    store.begin_finalizing(finished["id"])
+    for done in (finished, answered):
+        store.record(done["id"], 1, 200, {"ok": 1})
+    store.begin_finalizing(finished["id"])          # `answered` is still in_progress: its run was cut before
     created, window = batch["created_at"], batch_input.WINDOW_SECONDS["24h"]
     assert batch["expires_at"] == created + window and batch["expired_at"] is None
     store.record(batch["id"], 1, 200, {"ok": 1})
     store.mark_sent(batch["id"], 2)                                   # b is in flight
-    assert store.expire_due(now=created + window - 1) == []
-    assert store.expire_due(now=created + window + 5) == [batch["id"]]
-    assert store.expire_due(now=created + window + 9) == []          # once
+    assert store.expire_next(now=created + window - 1) is None
+    assert store.expire_next(now=created + window + 5) == batch["id"]
+    assert store.batch(batch["id"], owner=OWNER)["expired_at"] is None              # finalizing: not yet
+    assert store.expire_next(now=created + window + 9) is None          # once; and never `answered`
     assert not store.record(batch["id"], 2, 200, {"late": 1})
     expired = store.finalize(batch["id"])
-    assert (expired["status"], expired["expired_at"], expired["completed_at"]) == ("expired", created + window + 5,
-                                                                                   None)
+    assert (expired["status"], expired["expired_at"], expired["completed_at"]) == ("expired", created + window, None)
     assert expired["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
     assert [o["custom_id"] for o in _read_jsonl(store, expired["output_file_id"])] == ["a"]
     errors = _read_jsonl(store, expired["error_file_id"])
     assert [(e["custom_id"], e["response"], e["error"]["code"]) for e in errors] == [("b", None, "batch_expired"),
                                                                                      ("c", None, "batch_expired")]
-    assert [store.finalize(b["id"])["status"] for b in (cancelling, finished)] == ["cancelled", "completed"]
+    assert [store.finalize(b["id"])["status"] for b in (cancelling, finished, answered)] == ["cancelled", "completed",
+                                                                                              "completed"]
     store.check_integrity()
 
 
