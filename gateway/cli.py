@@ -167,6 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
     from pools.config.yaml_file import load_config
 
     config = load_config(args.config)
+    config.check_upstream_keys(os.environ)
     config = dataclasses.replace(config, gateway=config.gateway.replace(take_over=True)) if args.take_over else config
     host = args.host or config.gateway.host
     port = config.gateway.port if args.port is None else args.port

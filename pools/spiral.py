@@ -34,7 +34,8 @@ import bisect
 import dataclasses
 from dataclasses import dataclass
 
-from pools.config.checks import NonNegative, Positive, Seconds, Spec
+from engine.stats import STATS_INTERVAL
+from pools.config.checks import NonNegative, Positive, Seconds, Spec, SpecError
 
 __all__ = ["NUM_SLICES", "SpiralConfig", "SpiralDetector", "SpiralState", "SpiralWindow"]
 
@@ -53,6 +54,11 @@ class SpiralConfig(Spec):
     min_preemptions_per_s: Positive = 0.5  # to trip: in each quarter of the window; to hold: on average
     tokens_tolerance: NonNegative = 0.1   # newer half's tokens/s up to 1.1 x the older half's count as flat
     clear_seconds: NonNegative | None = None   # absent this long to clear; None: window_seconds
+
+    def check(self) -> None:
+        if self.window_seconds < NUM_SLICES * STATS_INTERVAL:   # each quarter holds a sample of the engine's at least
+            raise SpecError("window_seconds", f"must be at least {NUM_SLICES * STATS_INTERVAL:g} s (each of its "
+                            f"{NUM_SLICES} slices one stats period of the engine's), got {self.window_seconds:g}")
 
     @property
     def clear_after_seconds(self) -> float:

@@ -107,6 +107,9 @@ class DeviceSpec(Spec):
         if self.cpu_threads is not None and self.device.startswith("cuda"):
             raise SpecError("cpu_threads", f"only for a CPU device (device is {self.device!r}: its ranks run on "
                                            f"GPUs), got {self.cpu_threads}")
+        if self.placement == "ray" and self.device.startswith("cuda:"):   # Ray picks the GPU: N would be dropped
+            raise SpecError("device", f"with placement: ray, write cuda (Ray assigns each replica its GPUs), got "
+                                      f"{self.device!r}")
         if self.placement != "ray" and self.ray_address is not None:
             raise SpecError("ray_address", f"only with placement: ray (placement is {self.placement!r}), "
                                            f"got {self.ray_address!r}")

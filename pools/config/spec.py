@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import PurePath
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
@@ -39,6 +40,8 @@ DEFAULT_MAX_QUEUE_SECONDS = 50.0
 # A pool's CPU swap space (per rank) may not pass this: more memory than any one machine has, so a typo, and the
 # worker's swap block list would fill its memory; `pools.capacity_plan` also holds it to this machine's memory.
 MAX_SWAP_SPACE_BYTES = 1 << 50   # 1 PiB
+MAX_MIN_SHARE = 0.9   # a throughput pool's floor (`min_share`) at most
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")   # an environment variable's name
 
 # Where a pool's service class came from (`PoolSpec.slo_source`; set by the YAML loader, never a YAML key):
 # `yaml`: an `slo` mapping; `default`: isolation by default (`default_isolation`); `opted_out`: `slo: null`;
@@ -163,7 +166,9 @@ class PoolSpec(Spec):
     slo: LatencySLO | None = None        # interactive pool: latency targets; None: throughput pool
     slo_source: SloSource | None = None  # where `slo` came from; None: built in code, not from YAML
     max_queue_seconds: NonNegative | None = DEFAULT_MAX_QUEUE_SECONDS   # queued longer: 503; None: waits; 0: 429
-    min_share: Annotated[float, msgspec.Meta(ge=0, lt=1)] | None = None   # throughput pool: its floor (None: 0.2)
+    # throughput pool: its floor (None: 0.2); at most 0.9: the derived SLO of the device's interactive pools
+    # grows as 1 / (1 - min_share) (0.9999 asked for a TTFT past an hour, and the device failed to start)
+    min_share: Annotated[float, msgspec.Meta(ge=0, le=MAX_MIN_SHARE)] | None = None
     death_spiral: SpiralConfig = msgspec.field(default_factory=SpiralConfig)   # the detector's thresholds
     chat_template_kwargs: dict[str, Any] | None = None   # template variables; a request's own win, key by key
 
@@ -187,6 +192,10 @@ class PoolSpec(Spec):
             if "?" in self.upstream or "#" in self.upstream:   # the request's path is added at the URL's end
                 raise SpecError("upstream", f"must have no query (?) or fragment (#): the request's path "
                                             f"(/chat/completions) is added after it; got {_shown_url(self.upstream)!r}")
+            if self.upstream_api_key_env is not None and not _ENV_NAME.fullmatch(self.upstream_api_key_env):
+                raise SpecError("upstream_api_key_env", "the name of an environment variable (letters, digits and "
+                                f"'_', not starting with a digit), got a string of {len(self.upstream_api_key_env)} "
+                                "characters: a key written here would be in the file; set a variable to it, name that")
             return
         if self.kv_share is not None and self.kv_cache_bytes is not None:
             raise SpecError("kv_share", f"set kv_share or kv_cache_bytes, not both (got kv_share {self.kv_share} "
@@ -349,6 +358,16 @@ class CliffguardConfig:
                         f"pools[{j}].route: {b.route.describe(b.max_model_len)} overlaps pools[{i}] {a.name!r} "
                         f"route {a.route.describe(a.max_model_len)}; both serve model {a.model_name!r} ({b.name!r} "
                         f"and {a.name!r}), so a prompt length must pick exactly one")
+
+    def check_upstream_keys(self, env: Mapping[str, str]) -> None:
+        """`serve`'s check: each upstream pool's `upstream_api_key_env` is set and not blank in `env` (unset, every
+        request would go without the key the upstream asks for, and be answered 502: a process never gains the
+        variable later). Not at load: `capacity` and `simulate` need no secret."""
+        for i, pool in enumerate(self.pools):
+            name = pool.upstream_api_key_env
+            if name is not None and not env.get(name, "").strip():
+                raise SpecError(f"pools[{i}].upstream_api_key_env: the variable {name} is not set (or blank): pool "
+                                f"{pool.name!r} would send its upstream no key; set it, or leave the key out")
 
     @property
     def local_pools(self) -> tuple[PoolSpec, ...]:

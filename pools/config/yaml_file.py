@@ -18,7 +18,8 @@ from typing import Annotated, Any
 import msgspec
 
 from engine.config import LatencySLO
-from pools.config.checks import SpecError, engine_rules, from_yaml, load_yaml, read_text, shown_at, within
+from pools.config.checks import (SpecError, engine_rules, from_yaml, is_label, load_yaml, read_text, shown_at,
+                                  within)
 from pools.config.device_spec import DeviceSpec, ReplicaRange
 from pools.config.gateway_spec import GatewaySpec
 from pools.config.spec import CliffguardConfig, PoolSpec, SloSpec
@@ -82,6 +83,9 @@ def _parse_device(name: str, raw: Any) -> DeviceSpec:
     """`devices.<name>`: `memory` and `cpu_threads` may be `auto` (None), `replicas` a number or a mapping
     `{min, max, ...}` (autoscaled: `replicas` is the max, the slots planned)."""
     key = f"devices.{name}"
+    if not is_label(name):   # Ray's actors are named cliffguard:<device>:<slot>: "a:0" would read as device a's
+        raise SpecError(f"devices: a device name uses letters, digits, '_', '.' and '-', starting with a letter or "
+                        f"digit; got {name!r}")
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         return from_yaml(raw, DeviceSpec, key)

@@ -143,7 +143,16 @@ BAD = {
     "missing model": (_pop("pools/0/model"), ["pools[0].model", "required"]),
     "api_keys not a list": (_set("gateway/api_keys", "secret"), ["gateway.api_keys", "string of 6"]),
     "bad pool name": (_set("pools/0/name", "chat pool"), ["pools[0].name", "'chat pool'"]),
-    "min_share of 1": (_set("pools/1/min_share", 1), ["pools[1].min_share", "< 1.0", "got 1"]),
+    "min_share of 1": (_set("pools/1/min_share", 1), ["pools[1].min_share", "<= 0.9", "got 1"]),
+    # the derived SLO grows as 1 / (1 - min_share): at 0.9999 it passed an hour and the device failed to start
+    "min_share near 1": (_set("pools/1/min_share", 0.9999), ["pools[1].min_share", "<= 0.9", "got 0.9999"]),
+    "upstream key env a key (its value not shown)": (_set("pools/2/upstream_api_key_env", "sk-live-1"),
+                                                     ["pools[2].upstream_api_key_env: the name of an environment "
+                                                      "variable", "a string of 9 characters"]),
+    "cuda:N with placement ray (N dropped)": (_set("devices/default", {"device": "cuda:3", "placement": "ray"}),
+                                              ["devices.default.device", "write cuda", "'cuda:3'"]),
+    "a device name Ray's actor names could not tell apart": (
+        lambda d: d["devices"].update({"a:0": {"device": "cpu"}}), ["devices: a device name", "'a:0'"]),
     "min_share string": (_set("pools/1/min_share", "20%"), ["pools[1].min_share", "'20%'"]),
     "min_share on an interactive pool": (lambda d: d["pools"][0].update(min_share=0.3, slo={"ttft_ms": 500}),
                                          ["pools[0].min_share: only for throughput pools", "slo"]),
@@ -157,6 +166,9 @@ BAD = {
                                  ["pools[0].death_spiral.window", "30", "window_seconds"]),
     "death_spiral window zero": (_set("pools/0/death_spiral", {"window_seconds": 0}),
                                  ["pools[0].death_spiral.window_seconds: must be > 0.0, got 0"]),
+    # a quarter of it rounded to 0 (5e-324): a ZeroDivisionError on every tick, the pools after it never fed
+    "death_spiral window under four stats periods": (_set("pools/0/death_spiral", {"window_seconds": 5.0e-324}),
+                                                     ["pools[0].death_spiral.window_seconds: must be at least 1 s"]),
     "death_spiral rate string": (_set("pools/0/death_spiral", {"min_preemptions_per_s": "1/s"}),
                                  ["pools[0].death_spiral.min_preemptions_per_s", "'1/s'"]),
     "death_spiral negative tolerance": (_set("pools/1/death_spiral", {"tokens_tolerance": -0.5}),
@@ -446,6 +458,22 @@ def test_api_keys_from_yaml_and_env():
         with pytest.raises(SpecError, match=r"gateway\.api_keys_env: the variable MY_KEYS is set but names no"):
             load_config(text, env={"MY_KEYS": blank})
     assert load_config(text, env={"MY_KEYS": ""}).gateway.api_keys == ()   # empty: no keys, as unset
+
+
+def test_serve_refuses_an_upstream_key_variable_that_is_not_set(tmp_path, capsys):
+    """An upstream pool's `upstream_api_key_env` unset or blank where `serve` runs: every request would go without
+    the key and be answered 502, the process never gaining the variable; `capacity` needs no secret."""
+    from gateway.cli import main
+
+    config = load_config(_make_yaml(_set("pools/2/upstream_api_key_env", "REMOTE_KEY")), env={})
+    for env in ({}, {"REMOTE_KEY": " "}):
+        with pytest.raises(SpecError, match=r"^pools\[2\]\.upstream_api_key_env: the variable REMOTE_KEY is not set"):
+            config.check_upstream_keys(env)
+    config.check_upstream_keys({"REMOTE_KEY": "sk-x"})
+    path = tmp_path / "pools.yaml"
+    path.write_text(_make_yaml(_set("pools/2/upstream_api_key_env", "REMOTE_KEY_UNSET_HERE")))
+    assert main(["serve", "--config", str(path), "--data-dir", str(tmp_path / "data"), "--port", "0"]) != 0
+    assert "pools[2].upstream_api_key_env: the variable REMOTE_KEY_UNSET_HERE is not set" in capsys.readouterr().err
 
 
 def test_omitted_sections_get_defaults():
