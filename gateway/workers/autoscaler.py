@@ -182,17 +182,21 @@ class Autoscaler:
                    default=0.0)
 
     def _note_failed(self, device: str, slots: list[DeviceSupervisor], now: float) -> None:
+        """When each slot past `min` failed (one it added, or adopted from the cluster: `_start_placed`), for
+        `_scale_up`'s retry; a `min` slot that failed stays so (the gateway's own start: a config none loads)."""
         for s in slots:
             key = (device, s.replica)
-            if key in self._added and s.state.startswith("failed"):
+            if (key in self._added or s.replica >= self.devices[device].initial_replicas) and \
+                    s.state.startswith("failed"):
                 self._failed_since.setdefault(key, now)
             else:
                 self._failed_since.pop(key, None)
 
     def _scale_up(self, device: str, slots: list[DeviceSupervisor], why: str, now: float) -> bool:
-        """Take back a drain, else start a parked slot: a stopped one, or one it added whose load failed
-        `RETRY_FAILED_SECONDS` ago (memory a dead process held, a node's passing fault; the replicas of the
-        gateway's own start that failed stay so: a config no start would load)."""
+        """Take back a drain, else start a parked slot: a stopped one, or one past `min` whose load failed
+        `RETRY_FAILED_SECONDS` ago (memory a dead process held, a node's passing fault; one it adopted from the
+        cluster too: it held its GPUs, failed, for good; the replicas of the gateway's own start that failed stay
+        so: a config no start would load)."""
         if self._take_back(device, slots, why):
             return True
         if any(s.state.startswith("loading") and not self._unreachable_adopted(device, s) for s in slots):

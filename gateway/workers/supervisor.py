@@ -32,8 +32,7 @@ long its current step has lasted. The watchdog (every `WATCHDOG_INTERVAL` s) kil
   asked through Ray first: restarted only if it does not answer there either, since a silent connection
   may be a partition between this gateway and a replica other gateways still use);
 - that still beats but whose current step has lasted over `gateway.step_timeout_seconds` (a kernel or a
-  collective that never returns): `restarting: hung: …`, counted in
-  `cliffguard_worker_step_timeouts_total{device,replica}`.
+  collective that never returns): `restarting: hung: …`, counted in `cliffguard_worker_step_timeouts_total`.
 
 A long healthy step (a throughput pool's full prefill chunk on a CPU, a first Triton compile) beats
 throughout, so it is never killed before `step_timeout_seconds`. Either way the in-flight requests fail
@@ -406,10 +405,11 @@ class DeviceSupervisor:
         """A remote replica whose first load failed: its actor stays up refusing connections, holding its
         placement group's GPUs and CPUs, and its config's claim on the device (a gateway started again on a
         fixed config was refused, `ConfigConflict`). Removed when this gateway placed it since this start (at
-        `since`, time.monotonic(); a first start may take several tries): never an actor another gateway placed,
-        which may serve it; a next start places it anew."""
+        `since`, time.monotonic(); a first start may take several tries), or, leading, restarted it to no avail
+        (`_reload_adopted`): no other actor, which may serve other gateways; a next start places it anew."""
         remove = getattr(self.link, "remove", None)
-        if remove is None or not _startup_error(exc) or getattr(self.link, "placed_at", -math.inf) < since:
+        mine = getattr(self.link, "placed_at", -math.inf) >= since or self._reloaded and self.link.may_place()
+        if remove is None or not _startup_error(exc) or not mine:
             return
         try:
             await remove()

@@ -166,6 +166,10 @@ class _Slot:
     def is_ready(self) -> bool:
         return self.state == "ready"
 
+    @property
+    def is_active(self) -> bool:   # its supervisor task runs: not once it stopped or failed
+        return self.state != "stopped" and not self.state.startswith("failed")
+
     def start(self) -> None:
         self.state, self.started_at, self.has_loaded = "loading", time.monotonic(), False
         # a start connects first (Ray's round trips); a slot it places reads `placing` only once placement begins
@@ -352,6 +356,27 @@ async def test_a_followers_word_said_before_the_new_replica_served_it_starts_no_
     assert [s.state for s in slots] == ["ready", "ready", "stopped"]
     scaler.tick(now=5.0 + ANNOUNCE_SECONDS)              # still said, after the follower had time to clear it
     assert [s.state for s in slots] == ["ready", "ready", "loading"]
+
+
+async def test_an_adopted_replica_past_min_whose_load_failed_is_tried_again_under_pressure():
+    """A slot past `min` the leader adopted from the cluster (another gateway placed it) whose load failed for good
+    (its restart too: the supervisor removes the actor it restarted in vain) is parked like one it added: pressure
+    starts it again `RETRY_FAILED_SECONDS` after its failure (it stayed failed for ever, a slot of the device lost)."""
+    from gateway.workers.autoscaler import RETRY_FAILED_SECONDS
+
+    slots = [_Slot(0, "ready"), _Slot(1, "stopped", adopted=True)]
+    lease = _Lease(leader=True, live={0, 1})
+    scaler = _make_scaler(slots, lease)
+    scaler.tick(now=0.0)
+    assert slots[1].state == "loading"                          # adopted
+    slots[1].state = "failed: device 'd/1' failed to start: CUDA out of memory"
+    lease.listed({0})                                           # its actor removed
+    lease.view = LeaseView("me", 10.0, pressure="a request waited 2.5 s for KV credits (over 2 s)")
+    scaler.tick(now=1.0)
+    scaler.tick(now=RETRY_FAILED_SECONDS)
+    assert slots[1].state.startswith("failed")
+    scaler.tick(now=1.0 + RETRY_FAILED_SECONDS)
+    assert slots[1].state == "loading"
 
 
 async def test_the_leader_never_removes_a_shared_replica_it_cannot_reach_that_may_serve_other_gateways(quick):

@@ -124,13 +124,17 @@ async def test_a_patient_request_waits_for_its_device_however_long():
 
 async def test_a_remote_replica_whose_first_load_failed_is_removed_only_where_this_gateway_placed_it():
     """Its actor holds its group's resources and the cluster's record of its config: removed when this gateway
-    placed it since `since` (the supervisor's start), never one placed before (another gateway's, which may
+    placed it since `since` (the supervisor's start), or, leading the device, restarted it in vain (an adopted
+    one: it held its GPUs failed for good), never one placed before otherwise (another gateway's, which may
     serve it), nor for a failure that is not its load's."""
     class Link:
-        placed_at, removed = 0.0, 0
+        placed_at, removed, leads = 0.0, 0, False
 
         async def remove(self) -> None:
             self.removed += 1
+
+        def may_place(self) -> bool:
+            return self.leads
 
     link = Link()
     supervisor = DeviceSupervisor("cpu", None, [], GatewayMetrics(), link=link)
@@ -140,6 +144,11 @@ async def test_a_remote_replica_whose_first_load_failed_is_removed_only_where_th
         link.placed_at, link.removed = placed_at, 0
         await supervisor._release_failed(exc, since=4.0)
         assert link.removed == removed, (placed_at, exc)
+    supervisor._reloaded = True                  # `_reload_adopted` restarted the adopted one; it failed again
+    for leads, removed in ((False, 0), (True, 1)):
+        link.placed_at, link.leads, link.removed = 3.0, leads, 0
+        await supervisor._release_failed(load_failed, since=4.0)
+        assert link.removed == removed, leads
 
 
 async def test_an_autoscaled_device_whose_started_replicas_failed_answers_at_once():
