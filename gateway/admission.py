@@ -213,10 +213,11 @@ class AdmissionControl:
                 work = pool.admission.placement.work(prompts[name], max_tokens, n, pool.max_model_len,
                                                      pool.cache_salt(tenant))
                 key = f"{request_id}@{name}"
+                line = background and i > 0   # a batch line for its accounting and the engine, waiting as patient
                 ticket = await stack.enter_async_context(self._hold(
                     pool, key, needs[name], tenant, priority, background and not i, work, n * len(prompts[name]),
-                    patient or background and i > 0, time.perf_counter() - received))
-                placed[name] = Placed(pool, ticket.replica, key, ticket.charged, ticket.background)
+                    patient or line, time.perf_counter() - received, line))
+                placed[name] = Placed(pool, ticket.replica, key, ticket.charged, ticket.background or line)
                 self._count_placement(pool, ticket.replica, work, key)
                 if len(needs) > 1:   # its wait for the next pools' credits is theirs (`oldest_wait`, overload)
                     paused.append((pool.admission, key, pool.admission.pause_wait(key), time.monotonic()))
@@ -263,12 +264,15 @@ class AdmissionControl:
 
     @contextlib.asynccontextmanager
     async def _hold(self, pool: Pool, key: str, need: int, tenant: str, priority: int, background: bool,
-                    work: Work, num_seqs: int, patient: bool = False, spent: float = 0.0) -> AsyncIterator[Ticket]:
-        labels = {"pool": pool.name, "tenant": "batch" if background else self.metrics.tenant_label(tenant)}
+                    work: Work, num_seqs: int, patient: bool = False, spent: float = 0.0,
+                    batch_line: bool = False) -> AsyncIterator[Ticket]:
+        batch = background or batch_line
+        labels = {"pool": pool.name, "tenant": "batch" if batch else self.metrics.tenant_label(tenant)}
         started = time.perf_counter()
         try:
             async with pool.admission.hold(key, need, tenant=tenant, priority=priority, background=background,
-                                           work=work, num_seqs=num_seqs, patient=patient, spent=spent) as ticket:
+                                           work=work, num_seqs=num_seqs, patient=patient, spent=spent,
+                                           batch_line=batch_line) as ticket:
                 self.metrics.wait.labels(**labels).observe(time.perf_counter() - started)
                 self.metrics.admitted.labels(**labels).inc()
                 yield ticket

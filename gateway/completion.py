@@ -199,8 +199,9 @@ class Completion:
         waits_from, ran = self.received, 0.0   # waits_from: `received` moved on by the time its runs took
         while True:
             async with self._suspect_gates(under, hold) as hold:
-                for pool, _ in self.routed:   # one deadline for them all, as for their credits
-                    await gateway.wait_device(pool, patient=self.patient, spent=time.perf_counter() - waits_from)
+                device_from = time.perf_counter()
+                for pool, _ in self.routed:   # one deadline for its pools' devices (this pass's waits for them)
+                    await gateway.wait_device(pool, patient=self.patient, spent=time.perf_counter() - device_from)
                 async with gateway.admission.admitted(
                         self.routed, max_tokens=req.params.max_tokens, n=req.params.n,
                         request_id=objects.new_id("adm"), tenant=self.tenant, priority=req.priority,

@@ -303,8 +303,8 @@ class Gateway:
         """Wait until a replica of the pool's device has loaded (at once when one is up), holding nothing (no
         KV credits: taken after); 503 if every replica started failed to start, or with `Retry-After` if none
         is ready within `gateway.device_wait_seconds` (or the pool's `max_queue_seconds`, when smaller and not
-        0; `patient`: however long) of the request's arrival, `spent` seconds ago (its other pools' device
-        waits: one deadline); the 503 names each replica's state: loading, placing on a cluster, restarting."""
+        0; `patient`: however long), `spent` of them gone already (its waits for its other pools' devices: one
+        deadline); the 503 names each replica's state: loading, placing on a cluster, restarting."""
         replicas = self.supervisors[pool.device]
         if any(s.is_ready for s in replicas):
             return

@@ -362,10 +362,11 @@ class CliffguardConfig:
     def check_upstream_keys(self, env: Mapping[str, str]) -> None:
         """`serve`'s check: each upstream pool's `upstream_api_key_env` is set and not blank in `env` (unset, every
         request would go without the key the upstream asks for, and be answered 502: a process never gains the
-        variable later). Not at load: `capacity` and `simulate` need no secret."""
+        variable later), unless its URL holds credentials (sent without a key). Not at load: `capacity` and
+        `simulate` need no secret."""
         for i, pool in enumerate(self.pools):
             name = pool.upstream_api_key_env
-            if name is not None and not env.get(name, "").strip():
+            if name is not None and not env.get(name, "").strip() and urlsplit(pool.upstream).username is None:
                 raise SpecError(f"pools[{i}].upstream_api_key_env: the variable {name} is not set (or blank): pool "
                                 f"{pool.name!r} would send its upstream no key; set it, or leave the key out")
 

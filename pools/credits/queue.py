@@ -148,7 +148,7 @@ class CreditQueue:
     @asynccontextmanager
     async def hold(self, request_id: str, num_tokens: int, *, tenant: str = DEFAULT_TENANT, priority: int = 0,
                    background: bool = False, work: Work | None = None, num_seqs: int = 1,
-                   patient: bool = False, spent: float = 0.0) -> AsyncIterator[Ticket]:
+                   patient: bool = False, spent: float = 0.0, batch_line: bool = False) -> AsyncIterator[Ticket]:
         """Wait until `num_tokens` credits are admitted on a replica, hold them for the block, then give
         them back. `work`: what the request asks of a replica, for placement (`Ticket.replica`); its prompt
         blocks are held once on a replica with the other requests there that share them.
@@ -157,7 +157,8 @@ class CreditQueue:
         the request's arrival, `spent` seconds ago (its wait for a device, another pool's credits), PoolFull
         at once where that is 0. Background requests (batch lines, served behind the others) and `patient`
         ones (served among them: a background Response, whose client polls for it) never time out: nobody
-        waits on their connection, and their runners retry nothing, they wait."""
+        waits on their connection, and their runners retry nothing, they wait. `batch_line`: a patient request that
+        is a batch line (served among the others here, it holds another pool's credits): no offered load."""
         # where nothing else waits (max_queue_seconds 0), a patient request waits behind the others, never
         # holding them back: else one too large for the free credits would have every other refused
         background = background or patient and self.max_queue_seconds == 0
@@ -170,7 +171,7 @@ class CreditQueue:
             now = time.monotonic()
             if not patient:   # its wait is no sign of overload: it is meant to wait (`oldest_wait`)
                 self._since[request_id] = now
-            if work is not None:
+            if work is not None and not batch_line:   # batch traffic never drove the overload verdict
                 self.offered.add(now, work.num_prompt_tokens, work.output_tokens)
         waits = background or patient
         if self.max_queue_seconds == 0 and not waits:

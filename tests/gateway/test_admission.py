@@ -357,6 +357,11 @@ async def test_a_batch_line_of_two_pools_waits_for_the_later_one_among_its_reque
     await asyncio.gather(*tasks)
     assert order == ["H", "I1", "L", "I2"]
     assert chat.admission.free == chat.admission.total and rag.admission.free == rag.admission.total
+    # in chat it was a batch line for the rest: no offered load (three interactive arrivals), tenant `batch`
+    assert chat.admission.offered.totals(time.monotonic())[0] == 3
+    admitted = {s.labels["tenant"]: s.value for s in gateway.admission.metrics.admitted.collect()[0].samples
+                if s.name.endswith("_total") and s.labels["pool"] == "chat"}
+    assert admitted["batch"] == 1.0 and sum(admitted.values()) == 4.0
     gateway.executor.shutdown(wait=False)
 
 

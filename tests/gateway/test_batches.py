@@ -227,7 +227,7 @@ async def test_a_batch_past_its_window_expires_its_lines_in_flight_aborted_and_i
     """24 h after its creation a running batch expires (the runner's purge turn, `BatchRunner.expire_due`): its
     lines in flight are aborted, what was answered is in its output file, the rest `batch_expired` errors, the
     batch object as the SDK's model reads it; a stopped server's batch already past its window expires at the start, no line run."""
-    fake = _FakeExecutor(gated={f"slow{i}" for i in range(20)})
+    fake = _FakeExecutor(gated={*(f"slow{i}" for i in range(20)), "late"})   # `late` stays pending at the stop
     client = await _client(aiohttp_client, tmp_path, tiny_model, fake)
     runner = client.server.app[BATCHES]
     batch = await _create(client, _jsonl(*(_line(f"fast{i}") for i in range(2)), *(_line(f"slow{i}") for i in range(20))))

@@ -470,6 +470,8 @@ def test_serve_refuses_an_upstream_key_variable_that_is_not_set(tmp_path, capsys
         with pytest.raises(SpecError, match=r"^pools\[2\]\.upstream_api_key_env: the variable REMOTE_KEY is not set"):
             config.check_upstream_keys(env)
     config.check_upstream_keys({"REMOTE_KEY": "sk-x"})
+    with_user = _both(_set("pools/2/upstream_api_key_env", "REMOTE_KEY"), _set("pools/2/upstream", "http://u:p@h/v1"))
+    load_config(_make_yaml(with_user), env={}).check_upstream_keys({})   # its credentials go without a key
     path = tmp_path / "pools.yaml"
     path.write_text(_make_yaml(_set("pools/2/upstream_api_key_env", "REMOTE_KEY_UNSET_HERE")))
     assert main(["serve", "--config", str(path), "--data-dir", str(tmp_path / "data"), "--port", "0"]) != 0
