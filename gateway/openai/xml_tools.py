@@ -12,25 +12,32 @@ chat templates (Nemotron's and Granite 4.2's too), a function's name and each ar
     </function>
     </tool_call>
 
-A template writes this form when it names `<function=` (`writes_xml_calls`). An argument's value is its raw text
-(one newline after its tag and one before its closing tag are the form's), read as its type in the function's
-schema says: a string as written; an integer, number or boolean as JSON; an object or array as JSON or, as the
-templates write a history's dict and list values (`| string`), a Python literal; "null" as null where the type
-allows it. A value that does not read as its type, or an argument the schema does not name, stays a string, as
-vLLM's parser keeps it. A call's `arguments` are the JSON object of what was read (ours, not the model's text),
-so a stream sends each call whole, once the reply is complete (`ToolCallStream.finish`); the text before the
-first call goes out as it comes.
+A template writes this form when it names both `<tool_call>` and `<function=` (`writes_xml_calls`; a template that
+writes `<function=name>{json}</function>` alone is another form).
 
-The grammars (`ToolFormat.grammar`, `auto_grammar`) write the same form: a strict function's arguments in its
-schema's order, the required ones always, each value its type's (a string: any text without the closing tag,
-one of its `enum` where it has one; the others: JSON under the property's schema); another function's arguments
-any named values."""
+**Reading** (`_Reader`, one pass over the reply: each tag's next place is found once, however many calls and
+arguments ask). A value ends where the grammars end it, at the first newline and closing tag after it: a
+`</parameter>`, `</function>` or `<parameter=` inside a value (code a model writes) stays in it. A closing tag
+without its newline closes a value only where the next argument's tag or the function's end follows it; one left
+out is closed by the next argument's tag or the function's end, as vLLM's parser reads it. Several functions in
+one `<tool_call>` are several calls; a missing `</tool_call>` after a function's end is tolerated. A call of a
+function not offered, or not closed, is content. Each value is read as its schema says (`typed_value`): where the
+property may be a string (or says nothing of its type) as written, otherwise as JSON or, as the templates write a
+history's values (`| string`: `True`, `{'a': 1}`), a Python literal, and as written where neither reads. A call's
+`arguments` are the JSON object of what was read (ours, not the model's text), so a stream sends each call whole
+once the reply is complete (`ToolCallStream.finish`); the text before the first call goes out as it comes.
+
+**Writing** (`XmlFormat.body`, the grammars of forced and strict calls): a function's declared arguments in its
+schema's order, the required ones always (others after them where `additionalProperties` is not false); a value
+that may be a string is any text without the closing newline and tag (one of its `enum` or its `const` where it
+has one; a pattern or length is not enforced), any other JSON under the property's schema (its root's `$defs`
+with it; lenient, as the JSON formats' grammars). A function whose argument names the form cannot carry back
+(a `>` or a newline in one, or spaces around it) takes any named values."""
 
 from __future__ import annotations
 
 import ast
 import json
-import math
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -38,26 +45,115 @@ from typing import Any
 from gateway.openai.errors import nested_over
 from gateway.openai.reasoning import partial_tag
 from gateway.openai.tool_grammar import CallSyntax, literal, schema_text
-from gateway.openai.tools import CallScan, CallScanner, ToolCall, ToolFormat, beside_calls, loads
+from gateway.openai.tools import CallScan, CallScanner, ToolCall, ToolFormat, beside_calls
 
 START, END = "<tool_call>", "</tool_call>"
-_SPACE = r"[ \t\r\n]*"
-# a call: its function's name, then everything up to the first "</function>" (an argument holds none), then the
-# closing tag or the reply's end (a model stopped by its own end-of-call token)
-_CALL = re.compile(rf"<tool_call>{_SPACE}<function=([^>\n]+)>((?:(?!</function>).)*)</function>{_SPACE}"
-                   rf"(?:</tool_call>|\Z)", re.S)
-# an argument: up to its closing tag, or the next argument's tag, or the end (a model that left the tag out)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>((?:(?!</parameter>|<parameter=).)*)(?:</parameter>|(?=<parameter=)|\Z)",
-                        re.S)
-_OPEN_FUNCTION = re.compile(rf"<tool_call>{_SPACE}<function=([^>\n]+)>", re.S)
-# a string value: any text without the closing tag, the tag with it (one lexeme: a lexeme of the text alone
-# would take the tag's first characters as text before the tag could be told from it)
-_VALUE = r'(/(?s:.)*/ & ~/(?s:.)*\n<\/parameter>(?s:.)*/) "\n</parameter>\n"'
+FUNCTION, FUNCTION_END, PARAMETER, PARAMETER_END = "<function=", "</function>", "<parameter=", "</parameter>"
+MAX_NAME = 256   # a function's or an argument's name is read this far at most, on its line
+_SPACES = re.compile(r"\s*")
+# a string value: any text without a newline and then a tag (`_Reader._value_end` ends it at the first), those with
+# it (one lexeme: a lexeme of the text alone would take the tag's first characters as text before the tag could be
+# told from it)
+_VALUE = r'(/(?s:.)*/ & ~/(?s:.)*\n(<\/parameter>|<\/function>|<parameter=)(?s:.)*/) "\n</parameter>\n"'
+_CLOSE = '"\\n</parameter>\\n"'
+Function = tuple[str, list[tuple[str, str]], int | None]   # (name, (key, raw value) in order, end or None: open)
 
 
 def writes_xml_calls(template: str) -> bool:
-    """Whether a chat template writes its calls in this form (its calls' `<function=` tag)."""
-    return "<function=" in template
+    """Whether a chat template writes its calls in this form (`<tool_call>` around its calls' `<function=`)."""
+    return FUNCTION in template and START in template
+
+
+class _Reader:
+    """The calls of one reply, read in one pass (the module's notes)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self._found: dict[str, tuple[int, int]] = {}   # tag -> (searched from, its first place from there; -1)
+        self.ran_out = False   # a call read ran to the reply's end open: no later one can close (`XmlFormat._read`)
+
+    def find(self, tag: str, pos: int) -> int:
+        """The first place of `tag` at or after `pos` (-1: none): a search from before `pos` answers when it found
+        none, or found one at or after `pos`."""
+        known = self._found.get(tag)
+        if known is not None and known[0] <= pos and (known[1] < 0 or known[1] >= pos):
+            return known[1]
+        found = self.text.find(tag, pos)
+        self._found[tag] = (pos, found)
+        return found
+
+    def tool_call(self, pos: int) -> tuple[list[Function], int | None]:
+        """The functions of the `<tool_call>` at `pos` and where it ends (None: no whole function, or its last
+        one open); it ends after `</tool_call>`, or after its last function where that tag is left out."""
+        functions: list[Function] = []
+        end = pos + len(START)
+        while True:
+            at = _SPACES.match(self.text, end).end()
+            function = self.function(at)
+            if function is None:
+                if not functions:
+                    return functions, None
+                return functions, at + len(END) if self.text.startswith(END, at) else end
+            functions.append(function)
+            if function[2] is None:
+                return functions, None
+            end = function[2]
+
+    def function(self, pos: int) -> Function | None:
+        """The function whose tag is at `pos` (None: none is): its name, its arguments, its end (None: open)."""
+        named = self._name(pos, FUNCTION)
+        if named is None:
+            return None
+        name, at = named
+        arguments: list[tuple[str, str]] = []
+        while True:
+            at = _SPACES.match(self.text, at).end()
+            if self.text.startswith(FUNCTION_END, at):
+                return name, arguments, at + len(FUNCTION_END)
+            argument = self._name(at, PARAMETER)
+            if argument is None:
+                tail = self.text[at:at + len(FUNCTION_END)]   # the reply ends here, or in a tag's beginning
+                self.ran_out |= at + len(tail) == len(self.text) and (PARAMETER.startswith(tail) or
+                                                                     FUNCTION_END.startswith(tail))
+                return name, arguments, None
+            key, start = argument
+            start += self.text.startswith("\n", start)
+            ends = self._value_end(start)
+            if ends is None:
+                return name, arguments, None
+            raw = self.text[start:ends[0]]
+            arguments.append((key, raw[:-1] if raw.endswith("\n") else raw))
+            at = ends[1]
+
+    def _name(self, pos: int, tag: str) -> tuple[str, int] | None:
+        """The name written after `tag` at `pos` up to its `>` on its line, and where the tag ends; None if not."""
+        if not self.text.startswith(tag, pos):
+            return None
+        start = pos + len(tag)
+        end = self.text.find(">", start, start + MAX_NAME)
+        if end < 0 or "\n" in self.text[start:end]:
+            self.ran_out |= end < 0 and self.text.find("\n", start, start + MAX_NAME) < 0 and \
+                len(self.text) < start + MAX_NAME
+            return None
+        return self.text[start:end], end + 1
+
+    def _value_end(self, start: int) -> tuple[int, int] | None:
+        """(where the value from `start` ends, where what ends it ends: its closing tag, or nothing where the next
+        tag closes it); None while none is written. The first newline and tag ends it (the grammar's `VALUE`
+        holds none): its closing tag; the next argument's tag or the function's end, that tag left out. A
+        closing tag without its newline before it ends it where a tag follows it."""
+        tags = [(at, at + 1 + len(tag) if tag == PARAMETER_END else at + 1)
+                for tag in (PARAMETER_END, PARAMETER, FUNCTION_END) if (at := self.find("\n" + tag, start)) >= 0]
+        lined = min(tags, default=None)
+        plain = self.find(PARAMETER_END, start)
+        while plain >= 0 and (lined is None or plain <= lined[0]):   # a closing tag without its newline, first
+            after = plain + len(PARAMETER_END)
+            next_at = _SPACES.match(self.text, after).end()
+            if next_at == len(self.text) or self.text.startswith((PARAMETER, FUNCTION_END), next_at):
+                return plain, after
+            plain = self.find(PARAMETER_END, after)   # inside the value
+        self.ran_out |= lined is None
+        return lined
 
 
 class XmlFormat(ToolFormat):
@@ -67,33 +163,41 @@ class XmlFormat(ToolFormat):
     syntax = CallSyntax(f"{START}\n", f"\n{END}", "\n", "arguments", rf"/(?s:.)*/ & ~/(?s:.)*{START}(?s:.)*/")
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        calls, kept, last, pos = [], [], 0, 0
+        return self._read(text)[:2]
+
+    def _read(self, text: str) -> tuple[str | None, list[ToolCall], int]:
+        """`parse`, and where the last call ends (0: none)."""
+        reader, calls, kept, last, pos = _Reader(text), [], [], 0, 0
         while (found := text.find(START, pos)) >= 0:
-            pos = found + len(START)
-            match = _CALL.match(text, found)
-            if match is None or (name := match.group(1).strip()) not in self.tools:
+            functions, end = reader.tool_call(found)
+            if end is None and reader.ran_out:
+                break   # open to the reply's end: the rest is content (read again from each marker, it took n^2)
+            if end is None or any(name not in self.tools for name, _, _ in functions):
+                pos = found + len(START)
                 continue
-            calls.append(ToolCall(name, self._arguments(name, match.group(2)), start=found))
+            calls += [ToolCall(name, self._arguments(name, args), start=found + k)
+                      for k, (name, args, _) in enumerate(functions)]
             kept.append(text[last:found])
-            last = pos = match.end()
+            last = pos = end
         if not calls:
-            return text, []
-        return beside_calls("".join(kept) + text[last:]), calls
+            return text, [], 0
+        return beside_calls("".join(kept) + text[last:]), calls, last
 
     def parse_reply(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
-        """`parse`; a reply max_tokens cut inside a call (after the last whole one) ends in a call of the arguments
-        whole so far (`ToolCall.cut`), or, its function's name not yet whole or not offered, in nothing: a stream
-        held that text back, and it was never content."""
-        content, calls = self.parse(text)
-        after = max((c.start for c in calls), default=-1)
-        begin = text.find(START, _CALL.match(text, after).end() if after >= 0 else 0)
-        if not cut or begin < 0:
+        """`parse`; a reply max_tokens cut inside a call (the last `<tool_call>` after the last whole one, a
+        function's tag or its beginning after it) ends in its functions whole so far and the one it was writing,
+        of the arguments closed so far (`ToolCall.cut`); one whose name is not yet whole or not offered is
+        dropped: a stream held that text back, and it was never content. The marker in prose stays content."""
+        content, calls, last = self._read(text)
+        begin = text.rfind(START, last)
+        rest = text[begin + len(START):].lstrip() if cut and begin >= 0 else None
+        if rest is None or not (rest.startswith(FUNCTION) or FUNCTION.startswith(rest)):
             return content, calls
-        content, calls = self.parse(text[:begin])
-        opened = _OPEN_FUNCTION.match(text, begin)
-        if opened is not None and (name := opened.group(1).strip()) in self.tools:
-            calls = [*calls, ToolCall(name, self._arguments(name, text[opened.end():], whole=False), cut=True,
-                                      start=begin)]
+        content, calls, _ = self._read(text[:begin])
+        for k, (name, args, end) in enumerate(_Reader(text).tool_call(begin)[0]):
+            if name not in self.tools:
+                break
+            calls.append(ToolCall(name, self._arguments(name, args), cut=end is None, start=begin + k))
         return (beside_calls(content or "") if calls else content), calls
 
     def call_scans(self, text: str, pos: int, scanners: dict[int, CallScanner] | None = None) -> Iterator[CallScan]:
@@ -103,89 +207,145 @@ class XmlFormat(ToolFormat):
         found = text.find(START)
         return found if found >= 0 else len(text) - partial_tag(text, START)
 
-    def _arguments(self, name: str, body: str, whole: bool = True) -> str:
-        """The JSON object of a call's arguments (`whole` False: a body max_tokens cut, whose last argument
-        counts only once its closing tag is written)."""
+    def _arguments(self, name: str, arguments: list[tuple[str, str]]) -> str:
+        """The JSON object of a call's arguments, each value read as its schema says (the last of a key wins)."""
         schema = self.tools[name].parameters
         properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        arguments = {}
-        for match in _PARAMETER.finditer(body):
-            if not whole and not body.startswith("</parameter>", match.end() - len("</parameter>")):
-                break
-            value = match.group(2)
-            value = value[1:] if value.startswith("\n") else value
-            value = value[:-1] if value.endswith("\n") else value
-            key = match.group(1).strip()
-            arguments[key] = typed_value(value, properties.get(key))
-        return json.dumps(arguments, ensure_ascii=False)
+        return json.dumps({key: typed_value(raw, properties.get(key), schema) for key, raw in arguments},
+                          ensure_ascii=False)
 
     def body(self, functions: list[tuple[str, dict[str, Any]]]) -> str:
         rules = ["body: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
         for i, (name, schema) in enumerate(functions):
-            properties = schema.get("properties")
-            if isinstance(properties, dict) and schema.get("additionalProperties") is False:
-                required = set(schema.get("required") or ())
-                items = []
-                for j, (key, prop) in enumerate(properties.items()):
-                    items.append(f"p{i}_{j}" + ("" if key in required else "?"))
-                    rules.append(f"p{i}_{j}: {literal(f'<parameter={key}>{chr(10)}')} {_value_rule(prop, f'v{i}_{j}')}")
-                    if not _is_text(prop):
-                        rules.append(f"v{i}_{j}: %json {schema_text(prop if isinstance(prop, dict) else {})}")
-                arguments = " ".join(items)
-            else:
-                arguments = "anyparam*"
-            rules.append(f"fn{i}: {literal(f'<function={name}>{chr(10)}')} {arguments} \"</function>\"")
-        rules += ['anyparam: "<parameter=" PNAME ">\\n" VALUE', "PNAME: /[^>\\n]+/", f"VALUE: {_VALUE}"]
+            items = _argument_rules(schema, f"{i}", rules)
+            rules.append(f"fn{i}: {literal(f'{FUNCTION}{name}>{chr(10)}')} {items} {literal(FUNCTION_END)}")
+        rules += [f'anyparam: "{PARAMETER}" PNAME ">\\n" VALUE', "PNAME: /[^>\\n]+/", f"VALUE: {_VALUE}"]
         return "\n".join(rules) + "\n"
 
 
-def _is_text(prop: Any) -> bool:
-    """Whether an argument's value is written as text (its schema: a string, or no type at all)."""
-    types = _types(prop)
-    return not types or "string" in types
+def _argument_rules(schema: dict[str, Any], tag: str, rules: list[str]) -> str:
+    """What a function's body holds between its tags (its arguments' rules appended to `rules`)."""
+    properties = schema.get("properties")
+    if not isinstance(properties, dict) or not all(_carried(key) for key in properties):
+        return "anyparam*"
+    required = set(schema.get("required") or ())
+    items = []
+    for j, (key, prop) in enumerate(properties.items()):
+        items.append(f"p{tag}_{j}" + ("" if key in required else "?"))
+        if _is_text(prop, schema):
+            value = _text_rule(prop)
+        else:
+            rules.append(f"v{tag}_{j}: %json {schema_text(_standalone(prop, schema))}")
+            value = f"v{tag}_{j} {_CLOSE}"
+        rules.append(f"p{tag}_{j}: {literal(f'{PARAMETER}{key}>{chr(10)}')} {value}")
+    if schema.get("additionalProperties") is not False:
+        items.append("anyparam*")
+    return " ".join(items)
 
 
-def _value_rule(prop: Any, rule: str) -> str:
-    """What follows an argument's tag in a grammar: its value and closing tag (`rule`: a JSON value's rule)."""
-    if not _is_text(prop):
-        return f'{rule} "\\n</parameter>\\n"'
-    enum = prop.get("enum") if isinstance(prop, dict) else None
-    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
-        return "(" + " | ".join(literal(v) if v else '""' for v in enum) + ') "\\n</parameter>\\n"'
+def _carried(key: Any) -> bool:
+    """Whether an argument's name reads back as written (`_Reader._name`)."""
+    return isinstance(key, str) and 0 < len(key) < MAX_NAME and key == key.strip() and not {">", "\n"} & set(key)
+
+
+def _text_rule(prop: Any) -> str:
+    """A value written as text: one of its `enum` strings, its `const`, or any text; and its closing tag."""
+    choices = prop.get("enum") if isinstance(prop, dict) else None
+    if isinstance(prop, dict) and isinstance(prop.get("const"), str):
+        choices = [prop["const"]]
+    if isinstance(choices, list) and choices and all(isinstance(v, str) and "\n</parameter>" not in v for v in choices):
+        return "(" + " | ".join(literal(v) if v else '""' for v in choices) + f") {_CLOSE}"
     return "VALUE"
 
 
-def _types(prop: Any) -> list[str]:
-    kind = prop.get("type") if isinstance(prop, dict) else None
-    return [kind] if isinstance(kind, str) else [k for k in kind if isinstance(k, str)] if isinstance(kind, list) else []
+def _standalone(prop: Any, root: dict[str, Any]) -> dict[str, Any]:
+    """A property's schema on its own, for its `%json` value: its root's `$defs` (and `definitions`) with it, so
+    that its local `$ref`s resolve; lenient (what the library cannot enforce is not: a schema not strict)."""
+    standalone = dict(prop) if isinstance(prop, dict) else {}
+    for key in ("$defs", "definitions"):
+        if isinstance(root.get(key), dict) and key not in standalone:
+            standalone[key] = root[key]
+    return {**standalone, "x-guidance": {**standalone.get("x-guidance", {}), "lenient": True}}
 
 
-def typed_value(text: str, prop: Any) -> Any:
-    """An argument's raw text as its schema's type reads it (the module's notes); the text where none does."""
-    types = _types(prop)
-    if not types or "string" in types:
-        return text
-    word = text.strip()
-    for kind in types:
-        if kind == "null" and word.lower() in ("null", "none"):
-            return None
-        if kind in ("integer", "number", "boolean"):
-            value = loads(word.lower() if kind == "boolean" else word)
-            if isinstance(value, bool) == (kind == "boolean") and (kind == "boolean" or isinstance(value, int) or
-                                                                  kind == "number" and isinstance(value, float)
-                                                                  and math.isfinite(value)):
-                return value
-        if kind in ("object", "array") and isinstance(value := loads(word) or _literal(word),
-                                                      dict if kind == "object" else list):
-            return value
-    return text
+def _resolved(prop: Any, root: dict[str, Any], depth: int = 0) -> Any:
+    """`prop`, or what its local `$ref` ("#/$defs/X", "#/definitions/X") names in `root`."""
+    ref = prop.get("$ref") if isinstance(prop, dict) else None
+    if not isinstance(ref, str) or depth > 8:
+        return prop
+    parts = ref.removeprefix("#/").split("/") if ref.startswith("#/") else None
+    target: Any = root
+    for part in parts or ():
+        target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
+    return _resolved(target, root, depth + 1) if parts and isinstance(target, dict) else {}
+
+
+def _is_text(prop: Any, root: dict[str, Any]) -> bool:
+    """Whether an argument's value is written as text: its schema allows a string (a `type` with "string", an
+    `anyOf` / `oneOf` branch that does, an `enum` or `const` of strings) or says nothing of its kind."""
+    prop = _resolved(prop, root)
+    if not isinstance(prop, dict):
+        return True
+    kind = prop.get("type")
+    if kind is not None:
+        return kind == "string" or isinstance(kind, list) and "string" in kind
+    for key in ("anyOf", "oneOf"):
+        if isinstance(prop.get(key), list):
+            return any(_is_text(branch, root) for branch in prop[key])
+    for key in ("enum", "const"):
+        if key in prop:
+            values = prop[key] if key == "enum" and isinstance(prop[key], list) else [prop[key]]
+            return all(isinstance(v, str) for v in values)
+    return not {"properties", "items", "allOf"} & set(prop)
+
+
+def typed_value(raw: str, prop: Any, root: dict[str, Any] | None = None) -> Any:
+    """An argument's raw text as its schema reads it (the module's notes): the text where the property may be a
+    string (or is not declared), else its JSON or Python literal value, else the text."""
+    if prop is None or _is_text(prop, root or {}):
+        return raw
+    word = raw.strip()
+    try:
+        value = json.loads(word, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        value = _literal(word)
+    kinds = _kinds(prop, root or {})
+    if value is _NOT_READ or nested_over(value) or kinds and not any(_is_kind(value, kind) for kind in kinds):
+        return raw
+    return value
+
+
+_NOT_READ = object()
+_PYTHON_KINDS = {"integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list,
+                 "null": type(None)}
+
+
+def _kinds(prop: Any, root: dict[str, Any]) -> set[str]:
+    """The JSON types a property declares (its `type`, or its `anyOf` / `oneOf` branches'); empty: any."""
+    prop = _resolved(prop, root)
+    if not isinstance(prop, dict):
+        return set()
+    kind = prop.get("type")
+    if isinstance(kind, (str, list)):
+        return {kind} if isinstance(kind, str) else {k for k in kind if isinstance(k, str)}
+    branches = [_kinds(b, root) for key in ("anyOf", "oneOf") if isinstance(prop.get(key), list) for b in prop[key]]
+    return set() if not branches or not all(branches) else set().union(*branches)
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    if isinstance(value, bool) and kind in ("integer", "number"):
+        return False
+    return isinstance(value, _PYTHON_KINDS.get(kind, ()))
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _literal(text: str) -> Any:
-    """A Python literal's value as JSON holds it (a template's `| string` of a history's dict or list), or None:
-    not a literal, nested too deep, or holding what JSON does not (a set, a tuple key)."""
+    """A Python literal's value as JSON holds it (a template's `| string` of a history's value: `True`, `None`,
+    `{'a': 1}`), or _NOT_READ: not a literal, or holding what JSON does not (a set, a tuple key, NaN)."""
     try:
-        value = json.loads(json.dumps(ast.literal_eval(text), allow_nan=False))
+        return json.loads(json.dumps(ast.literal_eval(text), allow_nan=False))
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return None
-    return None if nested_over(value) else value
+        return _NOT_READ

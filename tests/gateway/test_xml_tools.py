@@ -51,7 +51,9 @@ def fmt() -> XmlFormat:
 def test_a_template_that_writes_function_tags_takes_the_xml_form_and_others_keep_theirs():
     tools = parse_tools([WEATHER])
     assert isinstance(tool_format("{{ '<tool_call>' }}{{ tool_call | tojson }}", tools), HermesFormat)
-    assert isinstance(tool_format("<function=", tools), XmlFormat)
+    assert isinstance(tool_format("<tool_call>\n<function=", tools), XmlFormat)
+    # Functionary's and Llama 3.1's custom tools write <function=name>{json}</function>, no <tool_call>: not this
+    assert not isinstance(tool_format("<function={{ name }}>{{ args | tojson }}</function>", tools), XmlFormat)
 
 
 def test_the_calls_a_template_writes_read_back_as_those_calls_each_argument_its_type(fmt):
@@ -66,6 +68,38 @@ def test_the_calls_a_template_writes_read_back_as_those_calls_each_argument_its_
     assert fmt.parse(_xml(("search", {"query": "q"}))[:-len("</tool_call>")])[1][0].arguments == '{"query": "q"}'
 
 
+def test_a_value_ends_where_the_grammar_ends_it_and_what_a_model_leaves_out_is_read_as_vllm_reads_it(fmt):
+    """Tags inside a value (code a model writes) stay in it: a value ends at the closing tag on a line of its own;
+    a closing tag without its newline ends it only before the next tag; one left out is closed by the next tag.
+    Several functions in one <tool_call> are several calls, and text after a function whose </tool_call> is
+    left out is content."""
+    code = "if a </function> b:\n    print('</parameter>x <parameter=k>')\n</tool_call>"
+    content, calls = fmt.parse(_xml(("search", {"query": code, "limit": 3})))
+    assert content is None and [json.loads(c.arguments) for c in calls] == [{"query": code, "limit": 3}]
+    text = ("<tool_call>\n<function=search>\n<parameter=query>q</parameter>\n<parameter=limit>\n2\n"
+            "</function>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n1"
+            "\n</parameter>\n</function>\n</tool_call>")
+    assert [(c.name, json.loads(c.arguments)) for c in fmt.parse(text)[1]] == [
+        ("search", {"query": "q", "limit": 2}), ("get_weather", {"city": "Rome", "days": 1})]
+    after = "<tool_call>\n<function=search>\n</function>\ntext after"
+    content, calls = fmt.parse(after)
+    assert content == "\ntext after" and [(c.name, c.arguments) for c in calls] == [("search", "{}")]
+
+
+def test_a_reply_of_markers_never_closed_is_read_in_linear_time(fmt):
+    """A reply that opens call after call and never closes one (a model looping): each call was matched to the
+    end of the reply and back, seconds of the event loop for a long reply."""
+    import time
+
+    for piece in ("<tool_call>\n<function=search>\n<parameter=query>\nx\n</parameter>\n", "<tool_call><function=",
+                  "<tool_call>\n<function=search>\n<parameter=query>\n" + "x" * 50):
+        text = piece * (200_000 // len(piece))
+        started = time.perf_counter()
+        assert fmt.parse_reply(text, cut=True)[0] is not None or True
+        assert fmt.parse(text) == (text, [])
+        assert time.perf_counter() - started < 2.0, piece
+
+
 @pytest.mark.parametrize("raw, prop, value", [
     ("3", {"type": "integer"}, 3), ("3.5", {"type": "integer"}, "3.5"), ("2.5", {"type": "number"}, 2.5),
     ("7", {"type": "number"}, 7), ("True", {"type": "boolean"}, True), ("yes", {"type": "boolean"}, "yes"),
@@ -78,10 +112,18 @@ def test_an_arguments_text_is_read_as_its_schemas_type_or_kept_as_text(raw, prop
     assert typed_value(raw, prop) == value
 
 
+def test_a_value_is_read_through_any_of_and_a_local_ref():
+    optional_int = {"anyOf": [{"type": "integer"}, {"type": "null"}]}        # pydantic's Optional[int]
+    assert [typed_value(raw, optional_int) for raw in ("5", "null", "None", "x")] == [5, None, None, "x"]
+    assert typed_value("5", {"anyOf": [{"type": "integer"}, {"type": "string"}]}) == "5"   # may be a string
+    root = {"$defs": {"Guest": {"type": "object"}, "Name": {"type": "string"}}}
+    assert typed_value('{"n": 1}', {"$ref": "#/$defs/Guest"}, root) == {"n": 1}
+    assert typed_value('{"n": 1}', {"$ref": "#/$defs/Name"}, root) == '{"n": 1}'
+
+
 def test_what_is_not_a_call_of_an_offered_function_stays_content(fmt):
     for text in ("<tool_call>\n<function=nope>\n</function>\n</tool_call>", "a <tool_call> b",
-                 "<tool_call>\n<function=search>\n<parameter=query>\nq\n</parameter>\n",   # never closed
-                 "<tool_call>\n<function=search>\n</function>\ntext after"):
+                 "<tool_call>\n<function=search>\n<parameter=query>\nq\n</parameter>\n"):   # never closed
         assert fmt.parse(text) == (text, []), text
 
 
@@ -105,6 +147,14 @@ def test_a_reply_cut_inside_a_call_ends_in_that_call_as_far_as_its_arguments_are
         ("get_weather", '{"city": "Oslo"}', True)]
     assert fmt.parse_reply("Ok.\n<tool_call>\n<function=get_w", cut=True) == ("Ok.\n", [])
     assert fmt.parse_reply(text, cut=True)[1][0].cut is False
+    # the marker in prose stays content, cut or not; an unreadable block before the cut call stays content too
+    prose = "Wrap calls in <tool_call> tags, then explain at length"
+    assert fmt.parse_reply(prose, cut=True) == (prose, [])
+    bad = "<tool_call>\n<function=nope>\n</function>\n</tool_call>\n"
+    content, calls = fmt.parse_reply(bad + "<tool_call>\n<function=search>\n<parameter=query>\nfoo\n</parameter>\n",
+                                     cut=True)
+    assert content == bad.rstrip() and [(c.name, c.arguments, c.cut) for c in calls] == [
+        ("search", '{"query": "foo"}', True)]
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +190,42 @@ def test_the_grammars_write_the_form_a_strict_functions_arguments_under_its_sche
         assert _accepts(lltokenizer, auto, text) and not _accepts(lltokenizer, forced, text), text
     assert not _accepts(lltokenizer, fmt.grammar(tools, False), good + "\n" + search)
     assert not _accepts(lltokenizer, auto, "a <tool_call> b")
+
+
+def test_the_grammar_follows_any_of_refs_and_declared_arguments_and_is_lenient_where_the_json_formats_are(
+        fmt, lltokenizer):
+    """A strict schema as pydantic writes one (`anyOf` with null, a `$ref` into `$defs`, no `additionalProperties`):
+    each value of its kind, the required arguments always; a tool not strict with what the library does not
+    enforce (`uniqueItems`) is served, as on the JSON formats; an argument name the form cannot carry back
+    leaves its function's arguments free."""
+    guest = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+             "additionalProperties": False}
+    book = {"type": "function", "function": {"name": "book", "strict": True, "parameters": {
+        "type": "object", "$defs": {"Guest": guest}, "required": ["guest", "nights"], "properties": {
+            "guest": {"$ref": "#/$defs/Guest"}, "nights": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+            "note": {"type": "string"}}}}}
+    tags = {"type": "function", "function": {"name": "tag", "parameters": {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}},
+        "additionalProperties": False}}}
+    odd = {"type": "function", "function": {"name": "odd", "strict": True, "parameters": {
+        "type": "object", "properties": {"a>b": {"type": "integer"}}, "additionalProperties": False}}}
+    tools = parse_tools([book, tags, odd])
+    xml = XmlFormat(tools)
+    grammar = xml.grammar(tools, True)
+    check(grammar)
+
+    def call(name: str, *args: tuple[str, str]) -> str:
+        params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args)
+        return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+    for text in (call("book", ("guest", '{"name": "Ana"}'), ("nights", "null")),
+                 call("book", ("guest", '{"name": "Ana"}'), ("nights", "2"), ("note", "late"), ("extra", "x")),
+                 call("tag", ("tags", '["a", "b"]')), call("odd", ("anything", "1"))):
+        assert _accepts(lltokenizer, grammar, text), text
+    args = json.loads(xml.parse(call("book", ("guest", '{"name": "Ana"}'), ("nights", "null")))[1][0].arguments)
+    assert args == {"guest": {"name": "Ana"}, "nights": None}
+    for bad in (call("book", ("guest", '{"name": 1}'), ("nights", "2")), call("book", ("guest", '{"name": "A"}')),
+                call("book", ("guest", '{"name": "A"}'), ("nights", "two"))):
+        assert not _accepts(lltokenizer, grammar, bad), bad
 
 
 # A template of the form: it lists the tools, and its history's calls are `CALLS_TEMPLATE`'s
