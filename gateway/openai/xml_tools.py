@@ -24,9 +24,8 @@ one `<tool_call>` are several calls; a missing `</tool_call>` after a function's
 function not offered, or not closed, is content. Each value is read as its schema says (`typed_value`): where the
 property may be a string (or says nothing of its type) as written, otherwise as JSON or, as the templates write a
 history's values (`| string`: `True`, `{'a': 1}`), a Python literal, and as written where neither reads. A call's
-`arguments` are the JSON object of what was read (ours, not the model's text; the first value of a key kept): a
-stream sends a call's name once whole, then each argument's JSON once its closing tag is written (what it sent a
-prefix of the whole answer's `arguments`); the text before the first call goes out as it comes.
+`arguments` are the JSON object of what was read (ours, not the model's text), so a stream sends each call whole
+once the reply is complete (`ToolCallStream.finish`); the text before the first call goes out as it comes.
 
 **Writing** (`XmlFormat.body`, the grammars of forced and strict calls): a function's declared arguments in its
 schema's order, the required ones always (others after them where `additionalProperties` is not false); a value
@@ -68,8 +67,8 @@ def writes_xml_calls(template: str) -> bool:
 class _Reader:
     """The calls of one reply, read in one pass (the module's notes)."""
 
-    def __init__(self, text: str, final: bool = True) -> None:
-        self.text, self.final = text, final   # final: the whole reply (else a stream's so far: it may go on)
+    def __init__(self, text: str) -> None:
+        self.text = text
         self._found: dict[str, tuple[int, int]] = {}   # tag -> (searched from, its first place from there; -1)
         self.ran_out = False   # a call read ran to the reply's end open: no later one can close (`XmlFormat._read`)
 
@@ -150,7 +149,7 @@ class _Reader:
         while plain >= 0 and (lined is None or plain <= lined[0]):   # a closing tag without its newline, first
             after = plain + len(PARAMETER_END)
             next_at = _SPACES.match(self.text, after).end()
-            if self.final and next_at == len(self.text) or self.text.startswith((PARAMETER, FUNCTION_END), next_at):
+            if next_at == len(self.text) or self.text.startswith((PARAMETER, FUNCTION_END), next_at):
                 return plain, after
             plain = self.find(PARAMETER_END, after)   # inside the value
         self.ran_out |= lined is None
@@ -202,38 +201,18 @@ class XmlFormat(ToolFormat):
         return (beside_calls(content or "") if calls else content), calls
 
     def call_scans(self, text: str, pos: int, scanners: dict[int, CallScanner] | None = None) -> Iterator[CallScan]:
-        """Each call from `pos` as far as written: its arguments' JSON of those closed so far (`args_text`, a
-        prefix of its final `arguments`: an argument goes out once its closing tag is written)."""
-        reader = _Reader(text, final=False)
-        while (found := text.find(START, pos)) >= 0:
-            functions, end = reader.tool_call(found)
-            for k, (name, args, function_end) in enumerate(functions):
-                yield CallScan(name=name, args_start=0, args_text=self._json(name, args, function_end is not None),
-                               end=function_end, start=found + k)
-            if end is None:
-                return
-            pos = end
+        return iter(())   # the arguments are JSON of ours, sent whole once the reply ends: nothing streams
 
     def hold_from(self, text: str) -> int:
         found = text.find(START)
         return found if found >= 0 else len(text) - partial_tag(text, START)
 
     def _arguments(self, name: str, arguments: list[tuple[str, str]]) -> str:
-        return self._json(name, arguments, True)
-
-    def _json(self, name: str, arguments: list[tuple[str, str]], closed: bool) -> str:
-        """The JSON object of a call's arguments, each value read as its schema says (the first of a key wins: the
-        text a stream sent stays a prefix of the whole), `closed` or (a stream's) open."""
-        tool = self.tools.get(name)
-        schema = tool.parameters if tool is not None else {}
+        """The JSON object of a call's arguments, each value read as its schema says (the last of a key wins)."""
+        schema = self.tools[name].parameters
         properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        items, seen = [], set()
-        for key, raw in arguments:
-            if key not in seen:
-                seen.add(key)
-                value = typed_value(raw, properties.get(key), schema)
-                items.append(f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}")
-        return "{" + ", ".join(items) + ("}" if closed else "")
+        return json.dumps({key: typed_value(raw, properties.get(key), schema) for key, raw in arguments},
+                          ensure_ascii=False)
 
     def body(self, functions: list[tuple[str, dict[str, Any]]]) -> str:
         rules = ["body: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
