@@ -58,9 +58,9 @@ class CallSyntax:
 def _call_schema(functions: Sequence[tuple[str, dict[str, Any]]], args_key: str) -> dict[str, Any]:
     """One call: {"name": <one of the functions>, args_key: <its arguments schema>}, name first. Each
     arguments schema sits inside this one, the root its local `$ref`s ("#/$defs/X", "#") resolve against:
-    they are rebased onto where it sits (`_rebased`), so that they mean what they meant alone."""
+    they are rebased onto where it sits (`rebased`), so that they mean what they meant alone."""
     def option(name: str, schema: dict[str, Any], at: str) -> dict[str, Any]:
-        arguments = _rebased(schema if "type" in schema else {"type": "object", **schema}, at)   # an object, always
+        arguments = rebased(schema if "type" in schema else {"type": "object", **schema}, at)   # an object, always
         return {"type": "object", "properties": {"name": {"const": name}, args_key: arguments},
                 "required": ["name", args_key], "additionalProperties": False}
 
@@ -74,25 +74,25 @@ _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})   # their v
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
-def _rebased(schema: Any, at: str) -> Any:
+def rebased(schema: Any, at: str) -> Any:
     """`schema` with each local `$ref` ("#", "#/" and a JSON pointer) made relative to `at`, the pointer to
     where the schema now sits (a schema without one comes back as it was; a remote ref or an anchor's "#name"
     is left alone)."""
     if isinstance(schema, list):
-        return [_rebased(item, at) for item in schema]
+        return [rebased(item, at) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    rebased = {}
+    out = {}
     for key, value in schema.items():
         if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):   # a pointer
-            rebased[key] = at + value[1:]
+            out[key] = at + value[1:]
         elif key in _DATA_KEYWORDS:
-            rebased[key] = value
+            out[key] = value
         elif key in _SCHEMA_MAPS and isinstance(value, dict):   # names (any, "enum" too) to schemas
-            rebased[key] = {name: _rebased(sub, at) for name, sub in value.items()}
+            out[key] = {name: rebased(sub, at) for name, sub in value.items()}
         else:
-            rebased[key] = _rebased(value, at)
-    return rebased
+            out[key] = rebased(value, at)
+    return out
 
 
 THINK_MODES = ("optional", "opened")

@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 from collections.abc import Iterator
 from typing import Any
 
 from gateway.openai.errors import nested_over
 from gateway.openai.reasoning import partial_tag
-from gateway.openai.tool_grammar import CallSyntax, literal, schema_text
+from gateway.openai.tool_grammar import CallSyntax, literal, rebased, schema_text
 from gateway.openai.tools import CallScan, CallScanner, ToolCall, ToolFormat, beside_calls
 
 START, END = "<tool_call>", "</tool_call>"
@@ -54,7 +55,8 @@ _SPACES = re.compile(r"\s*")
 # a string value: any text without a newline and then a tag (`_Reader._value_end` ends it at the first), those with
 # it (one lexeme: a lexeme of the text alone would take the tag's first characters as text before the tag could be
 # told from it)
-_VALUE = r'(/(?s:.)*/ & ~/(?s:.)*\n(<\/parameter>|<\/function>|<parameter=)(?s:.)*/) "\n</parameter>\n"'
+_VALUE = (r'(/(?s:.)*/ & ~/(?s:.)*\n(<\/parameter>|<\/function>|<parameter=)(?s:.)*/ & '
+          r'~/(?s:.)*<\/parameter>\s*(<parameter=|<\/function>)(?s:.)*/) "\n</parameter>\n"')
 _CLOSE = '"\\n</parameter>\\n"'
 Function = tuple[str, list[tuple[str, str]], int | None]   # (name, (key, raw value) in order, end or None: open)
 
@@ -71,6 +73,10 @@ class _Reader:
         self.text = text
         self._found: dict[str, tuple[int, int]] = {}   # tag -> (searched from, its first place from there; -1)
         self.ran_out = False   # a call read ran to the reply's end open: no later one can close (`XmlFormat._read`)
+        # argument tag position -> (the arguments read from there on, the function's end): reading from a place
+        # depends on the text alone, so a read that reaches a place read before (a marker inside a value of a call
+        # refused) joins it, and the reading of the whole reply stays linear
+        self._rest: dict[int, tuple[list[tuple[str, str]], int | None]] = {}
 
     def find(self, tag: str, pos: int) -> int:
         """The first place of `tag` at or after `pos` (-1: none): a search from before `pos` answers when it found
@@ -106,24 +112,32 @@ class _Reader:
             return None
         name, at = named
         arguments: list[tuple[str, str]] = []
+        visited: list[tuple[int, int]] = []   # (argument tag position, how many arguments came before it)
+        end: int | None = None
         while True:
             at = _SPACES.match(self.text, at).end()
+            if (known := self._rest.get(at)) is not None:
+                arguments += known[0]
+                end = known[1]
+                break
             if self.text.startswith(FUNCTION_END, at):
-                return name, arguments, at + len(FUNCTION_END)
+                end = at + len(FUNCTION_END)
+                break
             argument = self._name(at, PARAMETER)
+            ends = None if argument is None else self._value_end(argument[1] + self.text.startswith("\n", argument[1]))
             if argument is None:
                 tail = self.text[at:at + len(FUNCTION_END)]   # the reply ends here, or in a tag's beginning
                 self.ran_out |= at + len(tail) == len(self.text) and (PARAMETER.startswith(tail) or
                                                                      FUNCTION_END.startswith(tail))
-                return name, arguments, None
-            key, start = argument
-            start += self.text.startswith("\n", start)
-            ends = self._value_end(start)
             if ends is None:
-                return name, arguments, None
-            raw = self.text[start:ends[0]]
-            arguments.append((key, raw[:-1] if raw.endswith("\n") else raw))
+                break
+            visited.append((at, len(arguments)))
+            start = argument[1] + self.text.startswith("\n", argument[1])
+            arguments.append((argument[0], self.text[start:ends[0]]))   # its newline before the tag not in it
             at = ends[1]
+        for place, before in visited:
+            self._rest[place] = (arguments[before:], end)
+        return name, arguments, end
 
     def _name(self, pos: int, tag: str) -> tuple[str, int] | None:
         """The name written after `tag` at `pos` up to its `>` on its line, and where the tag ends; None if not."""
@@ -165,33 +179,33 @@ class XmlFormat(ToolFormat):
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         return self._read(text)[:2]
 
-    def _read(self, text: str) -> tuple[str | None, list[ToolCall], int]:
-        """`parse`, and where the last call ends (0: none)."""
-        reader, calls, kept, last, pos = _Reader(text), [], [], 0, 0
+    def _read(self, text: str) -> tuple[str | None, list[ToolCall], int | None]:
+        """`parse`, and where the call open at the reply's end begins (None: none is)."""
+        reader, calls, kept, last, pos, open_at = _Reader(text), [], [], 0, 0, None
         while (found := text.find(START, pos)) >= 0:
             functions, end = reader.tool_call(found)
-            if end is None and reader.ran_out:
-                break   # open to the reply's end: the rest is content (read again from each marker, it took n^2)
+            rest = text[found + len(START):].lstrip() if len(text) - found <= len(START) + 32 else "-"
+            if end is None and (reader.ran_out or FUNCTION.startswith(rest) and len(rest) < len(FUNCTION)):
+                open_at = found   # open to the reply's end: the rest is content (read from each marker: n^2)
+                break
             if end is None or any(name not in self.tools for name, _, _ in functions):
-                pos = found + len(START)
+                pos = found + len(START) if end is None else end   # a whole call refused: its markers with it
                 continue
             calls += [ToolCall(name, self._arguments(name, args), start=found + k)
                       for k, (name, args, _) in enumerate(functions)]
             kept.append(text[last:found])
             last = pos = end
         if not calls:
-            return text, [], 0
-        return beside_calls("".join(kept) + text[last:]), calls, last
+            return text, [], open_at
+        return beside_calls("".join(kept) + text[last:]), calls, open_at
 
     def parse_reply(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
-        """`parse`; a reply max_tokens cut inside a call (the last `<tool_call>` after the last whole one, a
-        function's tag or its beginning after it) ends in its functions whole so far and the one it was writing,
+        """`parse`; a reply max_tokens cut inside a call (the one open at its end: a marker in a value of it is
+        not another) ends in its functions whole so far and the one it was writing,
         of the arguments closed so far (`ToolCall.cut`); one whose name is not yet whole or not offered is
         dropped: a stream held that text back, and it was never content. The marker in prose stays content."""
-        content, calls, last = self._read(text)
-        begin = text.rfind(START, last)
-        rest = text[begin + len(START):].lstrip() if cut and begin >= 0 else None
-        if rest is None or not (rest.startswith(FUNCTION) or FUNCTION.startswith(rest)):
+        content, calls, begin = self._read(text)
+        if not cut or begin is None:
             return content, calls
         content, calls, _ = self._read(text[:begin])
         for k, (name, args, end) in enumerate(_Reader(text).tool_call(begin)[0]):
@@ -219,7 +233,7 @@ class XmlFormat(ToolFormat):
         for i, (name, schema) in enumerate(functions):
             items = _argument_rules(schema, f"{i}", rules)
             rules.append(f"fn{i}: {literal(f'{FUNCTION}{name}>{chr(10)}')} {items} {literal(FUNCTION_END)}")
-        rules += [f'anyparam: "{PARAMETER}" PNAME ">\\n" VALUE', "PNAME: /[^>\\n]+/", f"VALUE: {_VALUE}"]
+        rules += [f'anyparam: "{PARAMETER}" PNAME ">\\n" VALUE', f"PNAME: /[^>\\n]{{1,{MAX_NAME - 1}}}/", f"VALUE: {_VALUE}"]
         return "\n".join(rules) + "\n"
 
 
@@ -233,7 +247,7 @@ def _argument_rules(schema: dict[str, Any], tag: str, rules: list[str]) -> str:
     for j, (key, prop) in enumerate(properties.items()):
         items.append(f"p{tag}_{j}" + ("" if key in required else "?"))
         if _is_text(prop, schema):
-            value = _text_rule(prop)
+            value = _text_rule(_resolved(prop, schema))
         else:
             rules.append(f"v{tag}_{j}: %json {schema_text(_standalone(prop, schema))}")
             value = f"v{tag}_{j} {_CLOSE}"
@@ -253,19 +267,29 @@ def _text_rule(prop: Any) -> str:
     choices = prop.get("enum") if isinstance(prop, dict) else None
     if isinstance(prop, dict) and isinstance(prop.get("const"), str):
         choices = [prop["const"]]
-    if isinstance(choices, list) and choices and all(isinstance(v, str) and "\n</parameter>" not in v for v in choices):
+    if isinstance(choices, list) and choices and all(isinstance(v, str) and _reads_back(v) for v in choices):
         return "(" + " | ".join(literal(v) if v else '""' for v in choices) + f") {_CLOSE}"
     return "VALUE"
 
 
+def _reads_back(value: str) -> bool:
+    """Whether a string value written as text reads back whole (no newline and tag in it: `_Reader._value_end`)."""
+    return not any(f"\n{tag}" in value for tag in (PARAMETER_END, FUNCTION_END, PARAMETER))
+
+
+_ROOT = "#/$defs/__arguments"   # where a property's `%json` finds the whole arguments schema its refs point into
+
+
 def _standalone(prop: Any, root: dict[str, Any]) -> dict[str, Any]:
-    """A property's schema on its own, for its `%json` value: its root's `$defs` (and `definitions`) with it, so
-    that its local `$ref`s resolve; lenient (what the library cannot enforce is not: a schema not strict)."""
+    """A property's schema on its own, for its `%json` value, lenient (what the library cannot enforce is not: a
+    schema not strict). Its local `$ref`s meant the arguments schema's root ("#/$defs/X", "#/properties/a", "#"):
+    that root goes with it, under `$defs`, and they are rebased onto it (`rebased`, as the JSON formats' are)."""
     standalone = dict(prop) if isinstance(prop, dict) else {}
-    for key in ("$defs", "definitions"):
-        if isinstance(root.get(key), dict) and key not in standalone:
-            standalone[key] = root[key]
-    return {**standalone, "x-guidance": {**standalone.get("x-guidance", {}), "lenient": True}}
+    if '"$ref"' in json.dumps(standalone):
+        defs = standalone.get("$defs") if isinstance(standalone.get("$defs"), dict) else {}
+        standalone = {**rebased(standalone, _ROOT), "$defs": {**defs, "__arguments": rebased(root, _ROOT)}}
+    guidance = standalone.get("x-guidance") if isinstance(standalone.get("x-guidance"), dict) else {}
+    return {**standalone, "x-guidance": {**guidance, "lenient": True}}
 
 
 def _resolved(prop: Any, root: dict[str, Any], depth: int = 0) -> Any:
@@ -280,18 +304,19 @@ def _resolved(prop: Any, root: dict[str, Any], depth: int = 0) -> Any:
     return _resolved(target, root, depth + 1) if parts and isinstance(target, dict) else {}
 
 
-def _is_text(prop: Any, root: dict[str, Any]) -> bool:
+def _is_text(prop: Any, root: dict[str, Any], depth: int = 0) -> bool:
     """Whether an argument's value is written as text: its schema allows a string (a `type` with "string", an
-    `anyOf` / `oneOf` branch that does, an `enum` or `const` of strings) or says nothing of its kind."""
+    `anyOf` / `oneOf` branch that does, an `enum` or `const` of strings) or says nothing of its kind (`depth`:
+    the branches followed: a cycle of refs through them ends as text)."""
     prop = _resolved(prop, root)
-    if not isinstance(prop, dict):
+    if not isinstance(prop, dict) or depth > MAX_BRANCH_DEPTH:
         return True
     kind = prop.get("type")
     if kind is not None:
         return kind == "string" or isinstance(kind, list) and "string" in kind
     for key in ("anyOf", "oneOf"):
         if isinstance(prop.get(key), list):
-            return any(_is_text(branch, root) for branch in prop[key])
+            return any(_is_text(branch, root, depth + 1) for branch in prop[key])
     for key in ("enum", "const"):
         if key in prop:
             values = prop[key] if key == "enum" and isinstance(prop[key], list) else [prop[key]]
@@ -302,33 +327,40 @@ def _is_text(prop: Any, root: dict[str, Any]) -> bool:
 def typed_value(raw: str, prop: Any, root: dict[str, Any] | None = None) -> Any:
     """An argument's raw text as its schema reads it (the module's notes): the text where the property may be a
     string (or is not declared), else its JSON or Python literal value, else the text."""
-    if prop is None or _is_text(prop, root or {}):
+    root = root or {}
+    word, kinds = raw.strip(), set() if prop is None else _kinds(prop, root)
+    if word in ("null", "None") and "null" in kinds:   # a nullable string too, as vLLM reads it
+        return None
+    if prop is None or _is_text(prop, root):
         return raw
-    word = raw.strip()
+    if kinds & {"integer", "number"} and _DIGITS.fullmatch(word):   # "08" (JSON and Python refuse the zero)
+        return int(word)
     try:
-        value = json.loads(word, parse_constant=_no_constant)
+        value = json.loads(word, parse_constant=_no_constant, parse_float=_finite)
     except (ValueError, RecursionError):
         value = _literal(word)
-    kinds = _kinds(prop, root or {})
     if value is _NOT_READ or nested_over(value) or kinds and not any(_is_kind(value, kind) for kind in kinds):
         return raw
     return value
 
 
 _NOT_READ = object()
+_DIGITS = re.compile(r"[+-]?[0-9]{1,4000}")   # an integer of digits (Python's limit on an int's text: 4300)
+MAX_BRANCH_DEPTH = 16
 _PYTHON_KINDS = {"integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list,
                  "null": type(None)}
 
 
-def _kinds(prop: Any, root: dict[str, Any]) -> set[str]:
+def _kinds(prop: Any, root: dict[str, Any], depth: int = 0) -> set[str]:
     """The JSON types a property declares (its `type`, or its `anyOf` / `oneOf` branches'); empty: any."""
     prop = _resolved(prop, root)
-    if not isinstance(prop, dict):
+    if not isinstance(prop, dict) or depth > MAX_BRANCH_DEPTH:
         return set()
     kind = prop.get("type")
     if isinstance(kind, (str, list)):
         return {kind} if isinstance(kind, str) else {k for k in kind if isinstance(k, str)}
-    branches = [_kinds(b, root) for key in ("anyOf", "oneOf") if isinstance(prop.get(key), list) for b in prop[key]]
+    branches = [_kinds(b, root, depth + 1) for key in ("anyOf", "oneOf") if isinstance(prop.get(key), list)
+                for b in prop[key]]
     return set() if not branches or not all(branches) else set().union(*branches)
 
 
@@ -340,6 +372,14 @@ def _is_kind(value: Any, kind: str) -> bool:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    """A JSON number's float; ValueError past a float's range (1e999: `Infinity` in the arguments, not JSON)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of a float's range")
+    return value
 
 
 def _literal(text: str) -> Any:

@@ -91,9 +91,10 @@ def test_a_reply_of_markers_never_closed_is_read_in_linear_time(fmt):
     end of the reply and back, seconds of the event loop for a long reply."""
     import time
 
+    nested = "<parameter=q>\n<tool_call><function=nope><parameter=q>\n</parameter>\n"   # markers in values
     for piece in ("<tool_call>\n<function=search>\n<parameter=query>\nx\n</parameter>\n", "<tool_call><function=",
-                  "<tool_call>\n<function=search>\n<parameter=query>\n" + "x" * 50):
-        text = piece * (200_000 // len(piece))
+                  "<tool_call>\n<function=search>\n<parameter=query>\n" + "x" * 50, nested):
+        text = ("<tool_call>\n<function=nope>\n" if piece is nested else "") + piece * (200_000 // len(piece))
         started = time.perf_counter()
         assert fmt.parse_reply(text, cut=True)[0] is not None or True
         assert fmt.parse(text) == (text, [])
@@ -106,10 +107,24 @@ def test_a_reply_of_markers_never_closed_is_read_in_linear_time(fmt):
     ("null", {"type": ["integer", "null"]}, None), ("null", {"type": "string"}, "null"),
     ('{"a": [1]}', {"type": "object"}, {"a": [1]}), ("{'a': None}", {"type": "object"}, {"a": None}),
     ("[1, 2]", {"type": "object"}, "[1, 2]"), ("{(1, 2): 3}", {"type": "object"}, "{(1, 2): 3}"),
-    ("NaN", {"type": "number"}, "NaN"), ("[" * 300 + "]" * 300, {"type": "array"}, "[" * 300 + "]" * 300),
+    ("NaN", {"type": "number"}, "NaN"), ("1e999", {"type": "number"}, "1e999"), ("08", {"type": "integer"}, 8),
+    ("[1e999]", {"type": "array"}, "[1e999]"), ("null", {"type": ["string", "null"]}, None),
+    ("None", {"anyOf": [{"type": "string"}, {"type": "null"}]}, None), ("[" * 300 + "]" * 300, {"type": "array"}, "[" * 300 + "]" * 300),
     (" 12 ", None, " 12 "), ("x", {"enum": ["x"]}, "x")])
 def test_an_arguments_text_is_read_as_its_schemas_type_or_kept_as_text(raw, prop, value):
     assert typed_value(raw, prop) == value
+
+
+def test_a_value_ends_in_its_own_newlines_and_a_cycle_of_refs_is_no_error(fmt):
+    """The form's newline before the closing tag is not the value's: a value ending in newlines keeps them (a
+    file's last line lost its newline); a schema whose refs cycle through `anyOf` reads and builds a grammar."""
+    for value in ("x\n", "x\n\n", "\n", ""):
+        assert json.loads(fmt.parse(_xml(("search", {"query": value})))[1][0].arguments) == {"query": value}
+    cyclic = {"$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {"type": "integer"}]}}, "type": "object",
+              "properties": {"a": {"$ref": "#/$defs/A"}}, "additionalProperties": False}
+    assert typed_value("3", {"$ref": "#/$defs/A"}, cyclic) in (3, "3")
+    XmlFormat(parse_tools([{"type": "function", "function": {"name": "f", "parameters": cyclic}}])).body(
+        [("f", cyclic)])
 
 
 def test_a_value_is_read_through_any_of_and_a_local_ref():
@@ -150,6 +165,10 @@ def test_a_reply_cut_inside_a_call_ends_in_that_call_as_far_as_its_arguments_are
     # the marker in prose stays content, cut or not; an unreadable block before the cut call stays content too
     prose = "Wrap calls in <tool_call> tags, then explain at length"
     assert fmt.parse_reply(prose, cut=True) == (prose, [])
+    inner = "<tool_call>\n<function=search>\n<parameter=query>\nfind <tool_call> usages"   # a marker in its value
+    assert [(c.name, c.arguments, c.cut) for c in fmt.parse_reply(inner, cut=True)[1]] == [("search", "{}", True)]
+    refused = "<tool_call>\n<function=nope>\n</function>\n</tool_call>\nSorry, I"
+    assert fmt.parse_reply(refused, cut=True) == (refused, [])
     bad = "<tool_call>\n<function=nope>\n</function>\n</tool_call>\n"
     content, calls = fmt.parse_reply(bad + "<tool_call>\n<function=search>\n<parameter=query>\nfoo\n</parameter>\n",
                                      cut=True)
@@ -225,6 +244,24 @@ def test_the_grammar_follows_any_of_refs_and_declared_arguments_and_is_lenient_w
     assert args == {"guest": {"name": "Ana"}, "nights": None}
     for bad in (call("book", ("guest", '{"name": 1}'), ("nights", "2")), call("book", ("guest", '{"name": "A"}')),
                 call("book", ("guest", '{"name": "A"}'), ("nights", "two"))):
+        assert not _accepts(lltokenizer, grammar, bad), bad
+    # refs into the arguments' own properties (zod's), an enum behind a ref (pydantic's), a value that would close
+    # early where a closing tag without its newline is followed by another tag
+    trip = {"type": "function", "function": {"name": "trip", "strict": True, "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["from", "to", "unit", "note"],
+        "$defs": {"Unit": {"type": "string", "enum": ["km", "mi"]}}, "properties": {
+            "from": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"],
+                     "additionalProperties": False},
+            "to": {"$ref": "#/properties/from"}, "unit": {"$ref": "#/$defs/Unit"}, "note": {"type": "string"}}}}}
+    tools = parse_tools([trip])
+    grammar = XmlFormat(tools).grammar(tools, False)
+    check(grammar)
+    assert _accepts(lltokenizer, grammar, call("trip", ("from", '{"x": 1}'), ("to", '{"x": 2}'), ("unit", "km"),
+                                               ("note", "a</parameter> b")))
+    for bad in (call("trip", ("from", '{"x": 1}'), ("to", '{"y": 2}'), ("unit", "km"), ("note", "n")),
+                call("trip", ("from", '{"x": 1}'), ("to", '{"x": 2}'), ("unit", "kelvin"), ("note", "n")),
+                call("trip", ("from", '{"x": 1}'), ("to", '{"x": 2}'), ("unit", "km"),
+                     ("note", "a</parameter> <parameter=b>c"))):
         assert not _accepts(lltokenizer, grammar, bad), bad
 
 
