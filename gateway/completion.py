@@ -366,7 +366,8 @@ async def constrained(gateway: Gateway, req: ChatRequest | CompletionRequest, po
 
 def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,
                  think: str | None = None) -> ChatRequest | CompletionRequest:
-    """A chat whose tool_choice is "required" or a named function, constrained to the pool's tool-call
+    """A chat whose tool_choice is "required" or a named function (or `allowed_tools`, "auto" too: of those
+    tools), constrained to the pool's tool-call
     format by a grammar of the allowed functions' schemas (it takes the place of any response_format:
     the reply is tool calls only); under "auto" with at least one strict tool, or with a response_format,
     by a grammar of plain text that starts no call (or the response_format's JSON) or calls only, a strict
@@ -386,8 +387,9 @@ def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,
             return req
         return dataclasses.replace(req, params=dataclasses.replace(req.params, structured=text_grammar(
             fmt.syntax, think)), structured_param="tool_choice")
-    calls = mode in ("required", "function") or (mode == "auto" and (any(t.strict for t in req.tools)
-                                                                      or _calls_beside_reply(req, pool)))
+    calls = mode in ("required", "function") or (mode == "auto" and (any(t.strict for t in req.tools) or
+                                                                      req.tool_choice.allowed is not None or
+                                                                      _calls_beside_reply(req, pool)))
     if not calls and (think is None or req.params.structured is None):
         return req
     param = "tools" if calls else req.structured_param
@@ -401,11 +403,12 @@ def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,
 
 
 def _calls_grammar(req: ChatRequest, pool: Pool, mode: str, think: str | None) -> StructuredOutput:
-    """Calls only ("required", a named function), or text or calls ("auto")."""
+    """Calls only ("required", a named function), or text or calls ("auto"), of the tools it may call
+    (`allowed_tools`: a grammar under "auto" too, so that no other is called)."""
     fmt = format_for(pool.tokenizer, req.tools)
     if mode == "auto":
-        return fmt.auto_grammar(req.tools, req.parallel_tool_calls, _json_reply(req, fmt, pool), think)
-    tools = req.tools if mode == "required" else [t for t in req.tools if t.name == req.tool_choice.name]
+        return fmt.auto_grammar(req.callable_tools, req.parallel_tool_calls, _json_reply(req, fmt, pool), think)
+    tools = req.callable_tools if mode == "required" else [t for t in req.tools if t.name == req.tool_choice.name]
     return fmt.grammar(tools, req.parallel_tool_calls and mode == "required", think)
 
 

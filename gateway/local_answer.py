@@ -157,7 +157,7 @@ class LocalResponse:
         self.tool_format: ToolFormat | None = None
         self.calls_only = False   # tool_choice required or named: a reply is calls only
         if self.chat and req.offers_calls:
-            self.tool_format = format_for(routed[0][0].tokenizer, req.tools)
+            self.tool_format = format_for(routed[0][0].tokenizer, req.callable_tools)
             self.calls_only = req.tool_choice.mode in ("required", "function")
             if req.stream:
                 for choice in self.choices.values():

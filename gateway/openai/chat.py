@@ -36,9 +36,9 @@ from gateway.openai.errors import bad_request, convert_body, named_error
 from gateway.openai.reasoning import ReasoningEffort
 from gateway.openai.sampling_fields import (RequestFields, check_choices, response_format, sampling_params,
                                             stream_flags)
-from gateway.openai.tool_specs import (FunctionCall, FunctionName, FunctionSpec, NamedToolChoice, Tool, ToolCallSpec,
-                                       ToolChoice, ToolError, ToolMode, ToolSpec, history_calls, parse_tool_choice,
-                                       tools_from)
+from gateway.openai.tool_specs import (AllowedToolsChoice, FunctionCall, FunctionName, FunctionSpec, NamedToolChoice,
+                                       Tool, ToolCallSpec, ToolChoice, ToolError, ToolMode, ToolSpec, history_calls,
+                                       parse_tool_choice, tools_from)
 from pools.config.gateway_spec import RequestLimits
 from pools.config.spec import template_variable_error
 
@@ -68,7 +68,7 @@ class ChatBody(RequestFields, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: Annotated[list[ToolSpec], msgspec.Meta(min_length=1)] | None = None
-    tool_choice: ToolMode | NamedToolChoice | None = None
+    tool_choice: ToolMode | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: Annotated[list[FunctionSpec], msgspec.Meta(min_length=1)] | None = None   # deprecated tools
     function_call: Literal["none", "auto"] | FunctionName | None = None               # and tool_choice
@@ -104,6 +104,12 @@ class ChatRequest:
     metadata: dict[str, str] | None = None   # the Responses API's, echoed in its Response object
     # the renderer's: variables for the chat template, and its flags add_generation_prompt / continue_final_message
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def callable_tools(self) -> list[Tool]:
+        """The tools a reply may call: those `allowed_tools` names, or all (`tools` are all shown either way)."""
+        allowed = self.tool_choice.allowed
+        return [t for t in self.tools or () if allowed is None or t.name in allowed]
 
     @property
     def offers_calls(self) -> bool:
@@ -244,7 +250,7 @@ def _tools(chat: ChatBody) -> tuple[list[Tool] | None, ToolChoice]:
             raise bad_request("tool_choice", "goes with tools; with functions, send function_call")
         tools = tools_from(chat.functions, "functions", inner="")
         call = chat.function_call
-        choice = NamedToolChoice("function", call) if isinstance(call, FunctionName) else call
+        choice = NamedToolChoice(call) if isinstance(call, FunctionName) else call
         return tools, parse_tool_choice(choice, tools, name_at="function_call.name")
     if chat.function_call not in (None, "none"):
         raise bad_request("function_call", "is only allowed when functions are given (with tools, send tool_choice)")

@@ -54,6 +54,7 @@ class Tool:
 class ToolChoice:
     mode: str                 # "none", "auto", "required" or "function"
     name: str | None = None   # mode "function": the function that must be called
+    allowed: tuple[str, ...] | None = None   # "auto" / "required" of `allowed_tools`: the functions it may call
 
 
 class FunctionSpec(msgspec.Struct):
@@ -75,11 +76,27 @@ class FunctionName(msgspec.Struct):
     name: str
 
 
-class NamedToolChoice(msgspec.Struct):
+class NamedToolChoice(msgspec.Struct, tag_field="type", tag="function"):
     """`tool_choice` {"type": "function", "function": {"name": ...}}: that function must be called."""
 
+    function: FunctionName
+
+
+class AllowedFunction(msgspec.Struct):
     type: Literal["function"]
     function: FunctionName
+
+
+class AllowedTools(msgspec.Struct):
+    mode: Literal["auto", "required"]
+    tools: list[AllowedFunction]
+
+
+class AllowedToolsChoice(msgspec.Struct, tag_field="type", tag="allowed_tools"):
+    """`tool_choice` {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}: all the tools are shown (the
+    prompt, and its cached prefix, stay those of the whole list), and only these may be called, as `mode` says."""
+
+    allowed_tools: AllowedTools
 
 
 ToolMode = Literal["none", "auto", "required"]
@@ -130,16 +147,28 @@ def tools_from(functions: list[FunctionSpec], param: str = "tools", inner: str =
     return tools
 
 
-def parse_tool_choice(value: ToolMode | NamedToolChoice | None, tools: list[Tool],
-                      name_at: str = "tool_choice.function.name") -> ToolChoice:
+def parse_tool_choice(value: ToolMode | NamedToolChoice | AllowedToolsChoice | None, tools: list[Tool],
+                      name_at: str = "tool_choice.function.name",
+                      allowed_at: str = "tool_choice.allowed_tools.tools[{i}].function.name") -> ToolChoice:
     """OpenAI's `tool_choice` as its model read it. Unset: "auto" when tools are given, as OpenAI does; a
-    named function must be one of `tools` (`name_at`: the name's field, for the error)."""
+    named function, or each allowed one, must be one of `tools` (`name_at`, `allowed_at`: their fields, for the
+    error)."""
     if value is None:
         return ToolChoice("auto")
     if isinstance(value, str):
         return ToolChoice(value)
+    offered = {t.name for t in tools}
+    if isinstance(value, AllowedToolsChoice):
+        names = [tool.function.name for tool in value.allowed_tools.tools]
+        if not names:
+            raise ToolError(f"{allowed_at.split('[')[0]}: expected at least one tool, got none")
+        for i, name in enumerate(names):
+            if name not in offered:
+                raise ToolError(f"{allowed_at.format(i=i)}: {name!r} is not one of the tools offered "
+                                f"({', '.join(t.name for t in tools)})")
+        return ToolChoice(value.allowed_tools.mode, allowed=tuple(dict.fromkeys(names)))
     name = value.function.name
-    if name not in {t.name for t in tools}:
+    if name not in offered:
         raise ToolError(f"{name_at}: {name!r} is not one of the tools offered ({', '.join(t.name for t in tools)})")
     return ToolChoice("function", name)
 

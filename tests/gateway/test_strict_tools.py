@@ -387,3 +387,30 @@ async def test_a_strict_tool_under_auto_is_called_with_arguments_that_match_its_
     for call in calls:
         assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)
+
+
+def test_allowed_tools_shows_every_tool_and_lets_a_reply_call_only_those(pool, lltokenizer):
+    """tool_choice {"type": "allowed_tools"} (OpenAI's): the tools all rendered (the prompt's cached prefix stays
+    the whole list's), and a grammar lets the reply call only the allowed ones, under "auto" (text too) and
+    "required"; names that are not offered, an empty list, a mode OpenAI does not have are 400s naming the field."""
+    def allowed(mode: str, *names: str) -> dict:
+        return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [
+            {"type": "function", "function": {"name": name}} for name in names]}}
+    weather, search = _hermes(("get_weather", PARIS)), _hermes(("search", {"query": "x"}))
+    req = parse_chat(dict(CHAT, tools=[WEATHER, SEARCH], tool_choice=allowed("auto", "search")))
+    assert (req.tool_choice.mode, req.tool_choice.allowed) == ("auto", ("search",)) and len(req.tools) == 2
+    assert [t.name for t in req.callable_tools] == ["search"] and req.offers_calls
+    auto = with_grammar(req, pool).params.structured
+    for text, ok in (("It is sunny.", True), (search, True), (weather, False)):
+        assert _accepts(lltokenizer, auto, text) == ok, text
+    required = with_grammar(parse_chat(dict(CHAT, tools=[WEATHER, SEARCH],
+                                            tool_choice=allowed("required", "get_weather"))), pool).params.structured
+    for text, ok in (("It is sunny.", False), (search, False), (weather, True)):
+        assert _accepts(lltokenizer, required, text) == ok, text
+    for choice, param in ((allowed("auto", "nope"), "tool_choice.allowed_tools.tools[0].function.name"),
+                          (allowed("auto"), "tool_choice.allowed_tools.tools"),
+                          (allowed("sometimes", "search"), "tool_choice.allowed_tools.mode"),
+                          ({"type": "banana"}, "tool_choice.type")):
+        with pytest.raises(ApiError) as info:
+            parse_chat(dict(CHAT, tools=[WEATHER, SEARCH], tool_choice=choice))
+        assert info.value.status == 400 and info.value.param == param, (info.value.param, info.value.message)
