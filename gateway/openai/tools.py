@@ -314,13 +314,15 @@ def _skipped_by_decode(tokenizer, text: str) -> bool:
 @dataclass
 class CallScan:
     """How far the call object starting at `start` has been written: its name once complete, where its
-    arguments object starts and ends (ends: once closed), and where the call object ends."""
+    arguments object starts and ends (ends: once closed), and where the call object ends. A format whose
+    arguments are JSON of its own (`gateway.openai.xml_tools`) gives their text so far, `args_text`, instead."""
 
     name: str | None = None
     args_start: int | None = None
     args_end: int | None = None
     end: int | None = None
     start: int = 0        # where the call object's `{` is
+    args_text: str | None = None
 
 
 def scan_call(text: str, start: int, args_keys: tuple[str, ...],
@@ -448,7 +450,8 @@ class ToolCallStream:
                 out[k] = {"index": k, "id": call.id, "type": "function",
                           "function": {"name": call.name, "arguments": ""}}
             call = self.calls[k]
-            piece = text[scan.args_start + call.num_sent:scan.args_end if scan.args_end is not None else len(text)]
+            piece = scan.args_text[call.num_sent:] if scan.args_text is not None else \
+                text[scan.args_start + call.num_sent:scan.args_end if scan.args_end is not None else len(text)]
             if piece:
                 call.num_sent += len(piece)
                 out.setdefault(k, {"index": k, "function": {"arguments": ""}})["function"]["arguments"] += piece

@@ -24,8 +24,10 @@ one `<tool_call>` are several calls; a missing `</tool_call>` after a function's
 function not offered, or not closed, is content. Each value is read as its schema says (`typed_value`): where the
 property may be a string (or says nothing of its type) as written, otherwise as JSON or, as the templates write a
 history's values (`| string`: `True`, `{'a': 1}`), a Python literal, and as written where neither reads. A call's
-`arguments` are the JSON object of what was read (ours, not the model's text), so a stream sends each call whole
-once the reply is complete (`ToolCallStream.finish`); the text before the first call goes out as it comes.
+`arguments` are the JSON object of what was read (ours, not the model's text; the first value of a key kept): a
+stream sends a call's name once whole, then each argument's JSON once its closing tag is written (what it sent a
+prefix of the whole answer's `arguments`), reading the reply as it grows (`_Reader.grow`: a delta costs what it
+adds); the text before the first call goes out as it comes.
 
 **Writing** (`XmlFormat.body`, the grammars of forced and strict calls): a function's declared arguments in its
 schema's order, the required ones always (others after them where `additionalProperties` is not false); a value
@@ -46,7 +48,7 @@ from typing import Any
 from gateway.openai.errors import nested_over
 from gateway.openai.reasoning import partial_tag
 from gateway.openai.tool_grammar import CallSyntax, literal, rebased, schema_text
-from gateway.openai.tools import CallScan, CallScanner, ToolCall, ToolFormat, beside_calls
+from gateway.openai.tools import CallScan, ToolCall, ToolFormat, beside_calls
 
 START, END = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END, PARAMETER, PARAMETER_END = "<function=", "</function>", "<parameter=", "</parameter>"
@@ -58,7 +60,8 @@ _SPACES = re.compile(r"\s*")
 _VALUE = (r'(/(?s:.)*/ & ~/(?s:.)*\n(<\/parameter>|<\/function>|<parameter=)(?s:.)*/ & '
           r'~/(?s:.)*<\/parameter>\s*(<parameter=|<\/function>)(?s:.)*/) "\n</parameter>\n"')
 _CLOSE = '"\\n</parameter>\\n"'
-Function = tuple[str, list[tuple[str, str]], int | None]   # (name, (key, raw value) in order, end or None: open)
+# (name, its arguments in order as (key, where the value starts, where it ends), its end or None: open)
+Function = tuple[str, list[tuple[str, int, int]], int | None]
 
 
 def writes_xml_calls(template: str) -> bool:
@@ -67,25 +70,32 @@ def writes_xml_calls(template: str) -> bool:
 
 
 class _Reader:
-    """The calls of one reply, read in one pass (the module's notes)."""
+    """The calls of one reply, read in one pass (the module's notes); a stream's reads its reply as it grows
+    (`grow`), each tag searched for past where it was searched last, so a delta costs what it adds."""
 
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self._found: dict[str, tuple[int, int]] = {}   # tag -> (searched from, its first place from there; -1)
+    def __init__(self, text: str, final: bool = True) -> None:
+        self.text, self.final = text, final   # final: the whole reply (else a stream's so far: it may go on)
+        self._found: dict[str, tuple[int, int, int]] = {}   # tag -> (searched from, first place or -1, text length)
         self.ran_out = False   # a call read ran to the reply's end open: no later one can close (`XmlFormat._read`)
         # argument tag position -> (the arguments read from there on, the function's end): reading from a place
         # depends on the text alone, so a read that reaches a place read before (a marker inside a value of a call
-        # refused) joins it, and the reading of the whole reply stays linear
-        self._rest: dict[int, tuple[list[tuple[str, str]], int | None]] = {}
+        # refused) joins it, and the reading of the whole reply stays linear; only whole ones (the text may grow)
+        self._rest: dict[int, tuple[list[tuple[str, int, int]], int]] = {}
+        self._inside: dict[int, int] = {}   # value start -> past the last closing tag found inside it, for good
+
+    def grow(self, text: str) -> None:
+        """A stream's reply so far, `text` (the last one and more)."""
+        self.text, self.ran_out = text, False
 
     def find(self, tag: str, pos: int) -> int:
         """The first place of `tag` at or after `pos` (-1: none): a search from before `pos` answers when it found
-        none, or found one at or after `pos`."""
+        one at or after `pos`; one that found none goes on from where the text it searched ended."""
         known = self._found.get(tag)
-        if known is not None and known[0] <= pos and (known[1] < 0 or known[1] >= pos):
+        if known is not None and known[0] <= pos and known[1] >= pos:
             return known[1]
-        found = self.text.find(tag, pos)
-        self._found[tag] = (pos, found)
+        start = max(pos, known[2] - len(tag) + 1) if known is not None and known[1] < 0 and known[0] <= pos else pos
+        found = self.text.find(tag, start)
+        self._found[tag] = (pos, found, len(self.text))
         return found
 
     def tool_call(self, pos: int) -> tuple[list[Function], int | None]:
@@ -111,7 +121,7 @@ class _Reader:
         if named is None:
             return None
         name, at = named
-        arguments: list[tuple[str, str]] = []
+        arguments: list[tuple[str, int, int]] = []
         visited: list[tuple[int, int]] = []   # (argument tag position, how many arguments came before it)
         end: int | None = None
         while True:
@@ -133,10 +143,11 @@ class _Reader:
                 break
             visited.append((at, len(arguments)))
             start = argument[1] + self.text.startswith("\n", argument[1])
-            arguments.append((argument[0], self.text[start:ends[0]]))   # its newline before the tag not in it
+            arguments.append((argument[0], start, ends[0]))   # its newline before the tag not in it
             at = ends[1]
-        for place, before in visited:
-            self._rest[place] = (arguments[before:], end)
+        if end is not None:
+            for place, before in visited:
+                self._rest[place] = (arguments[before:], end)
         return name, arguments, end
 
     def _name(self, pos: int, tag: str) -> tuple[str, int] | None:
@@ -159,13 +170,17 @@ class _Reader:
         tags = [(at, at + 1 + len(tag) if tag == PARAMETER_END else at + 1)
                 for tag in (PARAMETER_END, PARAMETER, FUNCTION_END) if (at := self.find("\n" + tag, start)) >= 0]
         lined = min(tags, default=None)
-        plain = self.find(PARAMETER_END, start)
+        plain = self.find(PARAMETER_END, self._inside.get(start, start))
         while plain >= 0 and (lined is None or plain <= lined[0]):   # a closing tag without its newline, first
             after = plain + len(PARAMETER_END)
             next_at = _SPACES.match(self.text, after).end()
-            if next_at == len(self.text) or self.text.startswith((PARAMETER, FUNCTION_END), next_at):
+            if self.final and next_at == len(self.text) or self.text.startswith((PARAMETER, FUNCTION_END), next_at):
                 return plain, after
-            plain = self.find(PARAMETER_END, after)   # inside the value
+            tail = self.text[next_at:next_at + len(PARAMETER)]   # not a tag, and not the beginning of one at the end
+            if not (next_at + len(tail) == len(self.text) and (PARAMETER.startswith(tail) or
+                                                               FUNCTION_END.startswith(tail))):
+                self._inside[start] = after   # inside the value, whatever a stream's reply goes on with
+            plain = self.find(PARAMETER_END, after)
         self.ran_out |= lined is None
         return lined
 
@@ -191,7 +206,7 @@ class XmlFormat(ToolFormat):
             if end is None or any(name not in self.tools for name, _, _ in functions):
                 pos = found + len(START) if end is None else end   # a whole call refused: its markers with it
                 continue
-            calls += [ToolCall(name, self._arguments(name, args), start=found + k)
+            calls += [ToolCall(name, self._json(name, text, args, True), start=found + k)
                       for k, (name, args, _) in enumerate(functions)]
             kept.append(text[last:found])
             last = pos = end
@@ -211,22 +226,58 @@ class XmlFormat(ToolFormat):
         for k, (name, args, end) in enumerate(_Reader(text).tool_call(begin)[0]):
             if name not in self.tools:
                 break
-            calls.append(ToolCall(name, self._arguments(name, args), cut=end is None, start=begin + k))
+            calls.append(ToolCall(name, self._json(name, text, args, True), cut=end is None, start=begin + k))
         return (beside_calls(content or "") if calls else content), calls
 
-    def call_scans(self, text: str, pos: int, scanners: dict[int, CallScanner] | None = None) -> Iterator[CallScan]:
-        return iter(())   # the arguments are JSON of ours, sent whole once the reply ends: nothing streams
+    def call_scans(self, text: str, pos: int, scanners: dict[int, Any] | None = None) -> Iterator[CallScan]:
+        """Each call from `pos` as far as written: its name, then its arguments' JSON of those closed so far
+        (`args_text`, a prefix of its final `arguments`: an argument goes out once its closing tag is written).
+        A stream's `scanners` keep (at key -1) its reader, each argument's JSON and each call's JSON as last
+        written (rebuilt when an argument closes): a delta costs what it adds."""
+        state = scanners.get(-1) if scanners is not None else None
+        if state is None:
+            state = (_Reader(text, final=False), {}, {})
+            if scanners is not None:
+                scanners[-1] = state
+        reader, items, written = state
+        reader.grow(text)
+        while (found := text.find(START, pos)) >= 0:
+            functions, end = reader.tool_call(found)
+            for k, (name, args, function_end) in enumerate(functions):
+                shape = (len(args), function_end is not None)
+                if written.get(found + k, (None,))[0] != shape:
+                    written[found + k] = (shape, self._json(name, text, args, shape[1], items))
+                yield CallScan(name=name, args_start=0, args_text=written[found + k][1], end=function_end,
+                               start=found + k)
+            if end is None:
+                return
+            pos = end
 
     def hold_from(self, text: str) -> int:
         found = text.find(START)
         return found if found >= 0 else len(text) - partial_tag(text, START)
 
-    def _arguments(self, name: str, arguments: list[tuple[str, str]]) -> str:
-        """The JSON object of a call's arguments, each value read as its schema says (the last of a key wins)."""
-        schema = self.tools[name].parameters
+    def _json(self, name: str, text: str, arguments: list[tuple[str, int, int]], closed: bool,
+              items: dict[tuple[int, int], str] | None = None) -> str:
+        """The JSON object of a call's arguments (their values' places in `text`), each read as its schema says
+        (the first of a key wins: what a stream sent stays a prefix of the whole), `closed` or (a stream's) open;
+        `items`: each argument's JSON by its value's place, a stream's, read once."""
+        tool = self.tools.get(name)
+        schema = tool.parameters if tool is not None else {}
         properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        return json.dumps({key: typed_value(raw, properties.get(key), schema) for key, raw in arguments},
-                          ensure_ascii=False)
+        written, seen = [], set()
+        for key, start, end in arguments:
+            if key in seen:
+                continue
+            seen.add(key)
+            item = items.get((start, end)) if items is not None else None
+            if item is None:
+                value = typed_value(text[start:end], properties.get(key), schema)
+                item = f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+                if items is not None:
+                    items[(start, end)] = item
+            written.append(item)
+        return "{" + ", ".join(written) + ("}" if closed else "")
 
     def body(self, functions: list[tuple[str, dict[str, Any]]]) -> str:
         rules = ["body: " + " | ".join(f"fn{i}" for i in range(len(functions)))]

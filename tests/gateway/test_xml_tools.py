@@ -142,16 +142,35 @@ def test_what_is_not_a_call_of_an_offered_function_stays_content(fmt):
         assert fmt.parse(text) == (text, []), text
 
 
-def test_a_stream_sends_the_text_before_the_calls_as_it_comes_and_the_calls_whole_at_the_end(fmt):
-    text = "Checking.\n" + _xml(("get_weather", {"city": "Rome", "days": 1}))
-    stream, sent = ToolCallStream(fmt, forced=False), ""
+@pytest.mark.parametrize("cut", [0, 9])
+def test_a_stream_sends_the_text_then_each_call_as_its_arguments_close_adding_up_to_the_whole_answer(fmt, cut):
+    """Character by character: the text before the calls as it comes; a call's name once whole, then each
+    argument's JSON once its closing tag is written (none before: a value may hold a closing tag without its
+    newline); the pieces add up to the whole answer's arguments, a duplicate key's first value kept by both;
+    `cut`: max_tokens ends the reply inside the second call's last argument."""
+    text = "Checking.\n" + _xml(("get_weather", {"city": "Rome</parameter> x", "days": 1}),
+                                ("search", {"query": "a</parameter>", "limit": 2}))
+    text = text.replace("a</parameter>\n</parameter>\n", "a</parameter><parameter=query>\nb\n</parameter>\n")
+    text = text[:text.rindex("\n</parameter>") - 1] if cut else text
+    stream, sent, args, names = ToolCallStream(fmt, forced=False), "", {}, {}
     for end in range(1, len(text) + 1):
         sent += stream.content_delta(text[:end])
-        assert not stream.call_deltas(text[:end])
-    rest, entries, count = stream.finish(text)
-    assert sent + rest == "Checking." and count == 1
-    assert [(e["function"]["name"], json.loads(e["function"]["arguments"])) for e in entries] == [
-        ("get_weather", {"city": "Rome", "days": 1})]
+        for entry in stream.call_deltas(text[:end]):
+            if "id" in entry:
+                names[entry["index"]] = entry["function"]["name"]
+            args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
+            assert "Rome</parameter> x" in args[entry["index"]] or "city" not in args[entry["index"]]
+        if end == text.index('<parameter=days>'):
+            assert args == {0: '{"city": "Rome</parameter> x"'}                    # the first argument, whole
+    rest, entries, count = stream.finish(text, cut=bool(cut))
+    for entry in entries:
+        args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
+    content, calls = fmt.parse_reply(text, cut=bool(cut))
+    assert sent + rest == content == "Checking." and count == len(calls) == 2 and names == {0: "get_weather",
+                                                                                            1: "search"}
+    assert [args[0], args[1]] == [c.arguments for c in calls]
+    # the second call's query closed by a closing tag without its newline, a tag after it (split across deltas)
+    assert json.loads(args[1]) == ({"query": "a"} if cut else {"query": "a", "limit": 2})
 
 
 def test_a_reply_cut_inside_a_call_ends_in_that_call_as_far_as_its_arguments_are_whole(fmt):
@@ -300,5 +319,27 @@ async def test_a_pool_whose_template_writes_the_form_answers_forced_calls_whole_
     r = await client.post("/v1/chat/completions", json={**body, "stream": True})
     streamed = [json.loads(line[6:]) for line in (await r.text()).splitlines() if line.startswith("data: {")]
     deltas = [d for chunk in streamed for c in chunk["choices"] for d in c["delta"].get("tool_calls") or ()]
-    assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
-        ("set_unit", calls[0]["function"]["arguments"])]
+    assert [d["function"]["name"] for d in deltas if "id" in d] == ["set_unit"] and {d["index"] for d in deltas} == {0}
+    assert "".join(d["function"]["arguments"] for d in deltas) == calls[0]["function"]["arguments"]
+
+
+def test_a_long_call_streamed_a_few_characters_at_a_time_costs_what_each_delta_adds(fmt):
+    """Two calls of 200 KB arguments (a file a coding agent writes) streamed 40 characters at a time: the reader
+    goes on from where it stopped and each argument's JSON is built once (each delta read the whole reply again,
+    and made every argument's JSON again)."""
+    import time
+
+    code = ("def f(x):\n    return '</parameter>' if x else None\n" * 4000)[:200_000]
+    text = "Writing.\n" + _xml(("search", {"query": code}), ("search", {"query": code, "limit": 1}))
+    stream, args = ToolCallStream(fmt, forced=False), {}
+    started = time.perf_counter()
+    for end in range(40, len(text) + 40, 40):
+        stream.content_delta(text[:end])
+        for entry in stream.call_deltas(text[:end]):
+            args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
+    took = time.perf_counter() - started
+    rest, entries, count = stream.finish(text)
+    for entry in entries:
+        args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
+    assert [json.loads(args[0]), json.loads(args[1])] == [{"query": code}, {"query": code, "limit": 1}]
+    assert took < 5.0, took
