@@ -43,8 +43,8 @@ from gateway.openai import objects
 from gateway.openai.chat import ChatRequest, parse_chat
 from gateway.openai.errors import ApiError, bad_request, convert_body
 from gateway.openai.reasoning import reasoning_item
-from gateway.openai.responses_body import (FunctionChoice, InputItem, InputPart, ResponsesBody, TextOptions,
-                                           check_calls)
+from gateway.openai.responses_body import (InputItem, InputPart, ResponsesBody, TextOptions, chat_tool_choice,
+                                           check_calls, response_tool_choice)
 from gateway.openai.tools import ToolCall
 from pools.config.gateway_spec import RequestLimits
 
@@ -160,10 +160,8 @@ def _chat_tools(req: ResponsesBody) -> dict[str, Any]:
         functions = [{k: v for k, v in msgspec.structs.asdict(tool).items() if k != "type" and v is not None}
                      for tool in req.tools]
         out["tools"] = [{"type": "function", "function": {"strict": True, **function}} for function in functions]
-    if isinstance(req.tool_choice, FunctionChoice):
-        out["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
-    elif req.tool_choice is not None:
-        out["tool_choice"] = req.tool_choice
+    if req.tool_choice is not None:
+        out["tool_choice"] = chat_tool_choice(req.tool_choice)
     return out
 
 
@@ -194,15 +192,16 @@ def _metadata(value: dict[str, Any] | None) -> dict[str, str]:
 # chat field -> the Responses field it came from, for errors
 _RENAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
             "response_format.json_schema": "text.format", "logprobs": "top_logprobs",
-            "tool_choice.function": "tool_choice"}
+            "tool_choice.function": "tool_choice", "tool_choice.allowed_tools": "tool_choice"}
 
 
 def renamed(err: ApiError) -> ApiError:
     """A chat request's refusal with the field named as the Responses API names it (`messages` is `input`)."""
     param = err.param or ""
-    new = _FUNCTION_FIELD.sub(r"tools[\1].", param)   # a chat tool's function.X is a flat tool's X
+    # a chat tool's function.X is a flat tool's X, and so is an allowed tool's
+    new = _ALLOWED_FIELD.sub(r"tool_choice.tools[\1].", _FUNCTION_FIELD.sub(r"tools[\1].", param))
     for chat, responses in sorted(_RENAMES.items(), key=lambda kv: -len(kv[0])):
-        if param == chat or param.startswith(chat + ".") or param.startswith(chat + "["):
+        if new == param and (param == chat or param.startswith(chat + ".") or param.startswith(chat + "[")):
             new = responses + param[len(chat):]
             break
     if new == param:
@@ -212,6 +211,7 @@ def renamed(err: ApiError) -> ApiError:
 
 
 _FUNCTION_FIELD = re.compile(r"^tools\[(\d+)\]\.function\.")
+_ALLOWED_FIELD = re.compile(r"^tool_choice\.allowed_tools\.tools\[(\d+)\]\.function\.")
 
 
 def response_object(asked: ResponsesRequest, response_id: str, created_at: int, status: str,
@@ -219,8 +219,6 @@ def response_object(asked: ResponsesRequest, response_id: str, created_at: int, 
                     error: dict[str, Any] | None = None) -> dict[str, Any]:
     """OpenAI's Response object of `asked` as it stands (`status`, the `output` items so far)."""
     req = asked.chat
-    choice = req.tool_choice.mode if req.tool_choice.mode != "function" else {
-        "type": "function", "name": req.tool_choice.name}
     return {
         "id": response_id, "object": "response", "created_at": created_at, "status": status,
         "background": asked.background, "model": req.model, "output": output, "error": error,
@@ -229,7 +227,7 @@ def response_object(asked: ResponsesRequest, response_id: str, created_at: int, 
         "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls,
         "temperature": req.params.temperature, "top_p": req.params.top_p,
         "max_output_tokens": req.params.max_tokens, "previous_response_id": asked.previous_response_id,
-        "store": asked.store, "tool_choice": choice if req.tools else "none",
+        "store": asked.store, "tool_choice": response_tool_choice(req.tool_choice) if req.tools else "none",
         "tools": [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
                    "strict": t.strict} for t in req.tools or []],
         "text": {"format": asked.text_format or {"type": "text"}}, "usage": usage,

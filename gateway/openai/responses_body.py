@@ -16,9 +16,9 @@ from gateway.openai import objects
 from gateway.openai.errors import ApiError
 from gateway.openai.reasoning import ReasoningOptions
 from gateway.openai.sampling_fields import Int64
-from gateway.openai.tool_specs import ToolMode
+from gateway.openai.tool_specs import ToolChoice, ToolMode
 
-__all__ = ["FunctionChoice", "FunctionTool", "InputItem", "InputPart", "ResponsesBody", "TextOptions", "check_calls",
+__all__ = ["AllowedChoice", "FunctionChoice", "FunctionTool", "InputItem", "InputPart", "ResponsesBody", "TextOptions", "check_calls",
            "relayed_item"]
 
 
@@ -51,9 +51,40 @@ class FunctionTool(msgspec.Struct):
     strict: bool | None = None     # unset: true, the Responses API's default (chat's is false)
 
 
-class FunctionChoice(msgspec.Struct):
+class FunctionChoice(msgspec.Struct, tag_field="type", tag="function"):
+    name: str
+
+
+class FunctionRef(msgspec.Struct):
     type: Literal["function"]
     name: str
+
+
+class AllowedChoice(msgspec.Struct, tag_field="type", tag="allowed_tools"):
+    """`tool_choice` {"type": "allowed_tools", "mode", "tools"}: chat's `allowed_tools`, flat."""
+
+    mode: Literal["auto", "required"]
+    tools: list[FunctionRef]
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    """A Responses request's `tool_choice` in chat's shape."""
+    if isinstance(choice, FunctionChoice):
+        return {"type": "function", "function": {"name": choice.name}}
+    if isinstance(choice, AllowedChoice):
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.mode, "tools": [
+            {"type": "function", "function": {"name": tool.name}} for tool in choice.tools]}}
+    return choice
+
+
+def response_tool_choice(choice: ToolChoice) -> Any:
+    """A Response object's `tool_choice`, as the request said it."""
+    if choice.mode == "function":
+        return {"type": "function", "name": choice.name}
+    if choice.allowed is not None:
+        return {"type": "allowed_tools", "mode": choice.mode,
+                "tools": [{"type": "function", "name": name} for name in choice.allowed]}
+    return choice.mode
 
 
 class TextOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -70,7 +101,7 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     input: str | Annotated[list[InputItem], msgspec.Meta(min_length=1)]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: ToolMode | FunctionChoice | None = None
+    tool_choice: ToolMode | FunctionChoice | AllowedChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None
     max_output_tokens: Int64 | None = None

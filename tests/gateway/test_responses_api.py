@@ -107,6 +107,17 @@ async def test_a_tool_call_whole_and_streamed_then_its_result_as_input(client, b
     assert followup.usage.input_tokens == len(ids[False]) != len(ids[True])
 
 
+async def test_allowed_tools_calls_only_the_listed_function_and_is_echoed(client) -> None:
+    """The Responses API's flat `allowed_tools`: both tools are shown, only the listed one may be called."""
+    other = {**WEATHER, "name": "get_time", "description": "The time in a city."}
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_weather"}]}
+    r = await client.responses.create(model=MODEL, input="What time is it in Paris?", tools=[other, WEATHER],
+                                      tool_choice=choice, max_output_tokens=60, temperature=0)
+    assert r.output and {(i.type, i.name) for i in r.output} == {("function_call", "get_weather")}
+    assert r.tool_choice.type == "allowed_tools" and r.tool_choice.mode == "required"
+    assert [t["name"] for t in r.tool_choice.tools] == ["get_weather"]
+
+
 async def test_a_call_cut_by_max_output_tokens_is_an_incomplete_call_whole_and_streamed(client) -> None:
     kwargs = dict(model=MODEL, input="What's the weather in Paris?", tools=[WEATHER], tool_choice="required",
                   max_output_tokens=14, temperature=0)
@@ -145,6 +156,9 @@ async def test_a_call_cut_by_max_output_tokens_is_an_incomplete_call_whole_and_s
     ({"metadata": {"app": 5}}, "metadata.app"),
     # refused after parsing (the pool's context, the prompt's routing), named as the Responses API names them
     ({"max_output_tokens": 99_999_999}, "max_output_tokens"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto",
+                                          "tools": [{"type": "function", "name": "nope"}]}}, "tool_choice.tools[0].name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice.tools"),
     ({"input": "hi " * 60_000}, "input"),
 ])
 async def test_what_the_server_cannot_do_is_a_400_naming_the_field(client, extra, param) -> None:
