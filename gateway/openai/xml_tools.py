@@ -64,6 +64,16 @@ _CLOSE = '"\\n</parameter>\\n"'
 Function = tuple[str, list[tuple[str, int, int]], int | None]
 
 
+def _may_open(text: str, pos: int) -> bool:
+    """Whether what follows a marker at `pos` may still become a function's tag as a stream's reply grows: it
+    ends the reply as blanks and a beginning of `<function=`, or that tag with a name still unfinished."""
+    tail = text[pos:pos + len(FUNCTION) + MAX_NAME + 64]
+    if pos + len(tail) < len(text):
+        return False
+    rest = tail.lstrip()
+    return FUNCTION.startswith(rest) or rest.startswith(FUNCTION) and not {">", "\n"} & set(rest[len(FUNCTION):])
+
+
 def writes_xml_calls(template: str) -> bool:
     """Whether a chat template writes its calls in this form (`<tool_call>` around its calls' `<function=`)."""
     return FUNCTION in template and START in template
@@ -80,8 +90,11 @@ class _Reader:
         # argument tag position -> (the arguments read from there on, the function's end): reading from a place
         # depends on the text alone, so a read that reaches a place read before (a marker inside a value of a call
         # refused) joins it, and the reading of the whole reply stays linear; only whole ones (the text may grow)
-        self._rest: dict[int, tuple[list[tuple[str, int, int]], int]] = {}
+        self._rest: dict[int, tuple[list[tuple[str, int, int]], int | None]] = {}
         self._inside: dict[int, int] = {}   # value start -> past the last closing tag found inside it, for good
+        self._ends: dict[int, tuple[int, int]] = {}   # value start -> its end, once found (for good: `_value_end`)
+        # a stream's functions still open: tag position -> (name, the arguments closed, where reading goes on)
+        self._open: dict[int, tuple[str, list[tuple[str, int, int]], int]] = {}
 
     def grow(self, text: str) -> None:
         """A stream's reply so far, `text` (the last one and more)."""
@@ -117,11 +130,12 @@ class _Reader:
 
     def function(self, pos: int) -> Function | None:
         """The function whose tag is at `pos` (None: none is): its name, its arguments, its end (None: open)."""
-        named = self._name(pos, FUNCTION)
+        resumed = self._open.pop(pos, None)   # a stream's: its closed arguments are as they were
+        named = self._name(pos, FUNCTION) if resumed is None else (resumed[0], resumed[2])
         if named is None:
             return None
         name, at = named
-        arguments: list[tuple[str, int, int]] = []
+        arguments: list[tuple[str, int, int]] = [] if resumed is None else resumed[1]
         visited: list[tuple[int, int]] = []   # (argument tag position, how many arguments came before it)
         end: int | None = None
         while True:
@@ -145,9 +159,11 @@ class _Reader:
             start = argument[1] + self.text.startswith("\n", argument[1])
             arguments.append((argument[0], start, ends[0]))   # its newline before the tag not in it
             at = ends[1]
-        if end is not None:
+        if end is not None or self.final:   # a stream's open one may still close: read on from `at` instead
             for place, before in visited:
                 self._rest[place] = (arguments[before:], end)
+        else:
+            self._open[pos] = (name, arguments, at)
         return name, arguments, end
 
     def _name(self, pos: int, tag: str) -> tuple[str, int] | None:
@@ -167,6 +183,8 @@ class _Reader:
         tag closes it); None while none is written. The first newline and tag ends it (the grammar's `VALUE`
         holds none): its closing tag; the next argument's tag or the function's end, that tag left out. A
         closing tag without its newline before it ends it where a tag follows it."""
+        if (known := self._ends.get(start)) is not None:
+            return known
         tags = [(at, at + 1 + len(tag) if tag == PARAMETER_END else at + 1)
                 for tag in (PARAMETER_END, PARAMETER, FUNCTION_END) if (at := self.find("\n" + tag, start)) >= 0]
         lined = min(tags, default=None)
@@ -175,6 +193,7 @@ class _Reader:
             after = plain + len(PARAMETER_END)
             next_at = _SPACES.match(self.text, after).end()
             if self.final and next_at == len(self.text) or self.text.startswith((PARAMETER, FUNCTION_END), next_at):
+                self._ends[start] = (plain, after)
                 return plain, after
             tail = self.text[next_at:next_at + len(PARAMETER)]   # not a tag, and not the beginning of one at the end
             if not (next_at + len(tail) == len(self.text) and (PARAMETER.startswith(tail) or
@@ -182,6 +201,8 @@ class _Reader:
                 self._inside[start] = after   # inside the value, whatever a stream's reply goes on with
             plain = self.find(PARAMETER_END, after)
         self.ran_out |= lined is None
+        if lined is not None:
+            self._ends[start] = lined
         return lined
 
 
@@ -241,8 +262,11 @@ class XmlFormat(ToolFormat):
                 scanners[-1] = state
         reader, items, written = state
         reader.grow(text)
-        while (found := text.find(START, pos)) >= 0:
+        while (found := reader.find(START, pos)) >= 0:
             functions, end = reader.tool_call(found)
+            if not functions and not _may_open(text, found + len(START)):
+                pos = found + len(START)   # the marker in prose: calls after it stream all the same
+                continue
             for k, (name, args, function_end) in enumerate(functions):
                 shape = (len(args), function_end is not None)
                 if written.get(found + k, (None,))[0] != shape:

@@ -310,6 +310,12 @@ def test_a_response_format_a_format_cannot_tell_from_a_call_is_a_400(pool, built
         '{%- if tools %}Reply {"name": ..., "parameters": ...}{% endif %}'
         "{%- for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     llama3 = dataclasses.replace(pool, tokenizer=Tokenizer.from_folder(tmp_path))
+    # allowed_tools of tools not strict beside it: the JSON reply alone, as under plain "auto" (it was this 400)
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "search"}}]}}
+    req = with_grammar(parse_chat(dict(CHAT, tools=[SEARCH], tool_choice=allowed,
+                                       response_format={"type": "json_object"})), llama3)
+    assert req.params.structured == StructuredOutput("json_object")
     body = dict(CHAT, tools=[WEATHER], response_format={"type": "json_object"})
     with pytest.raises(ApiError) as info:
         with_grammar(parse_chat(body), llama3)

@@ -94,7 +94,8 @@ def test_a_reply_of_markers_never_closed_is_read_in_linear_time(fmt):
     nested = "<parameter=q>\n<tool_call><function=nope><parameter=q>\n</parameter>\n"   # markers in values
     for piece in ("<tool_call>\n<function=search>\n<parameter=query>\nx\n</parameter>\n", "<tool_call><function=",
                   "<tool_call>\n<function=search>\n<parameter=query>\n" + "x" * 50, nested):
-        text = ("<tool_call>\n<function=nope>\n" if piece is nested else "") + piece * (200_000 // len(piece))
+        text = ("<tool_call>\n<function=nope>\n" if piece is nested else "") + piece * (200_000 // len(piece)) + \
+            ("done" if piece is nested else "")   # text after it: no read runs out
         started = time.perf_counter()
         assert fmt.parse_reply(text, cut=True)[0] is not None or True
         assert fmt.parse(text) == (text, [])
@@ -193,6 +194,15 @@ def test_a_reply_cut_inside_a_call_ends_in_that_call_as_far_as_its_arguments_are
                                      cut=True)
     assert content == bad.rstrip() and [(c.name, c.arguments, c.cut) for c in calls] == [
         ("search", '{"query": "foo"}', True)]
+
+
+def test_a_marker_in_prose_does_not_hold_back_the_calls_after_it_in_a_stream(fmt):
+    text = "Use the <tool_call> tag.\n" + _xml(("search", {"query": "q"}))
+    stream, streamed = ToolCallStream(fmt, forced=False), []
+    for end in range(1, len(text) + 1):
+        streamed += stream.call_deltas(text[:end])
+    assert [e["function"]["name"] for e in streamed if "id" in e] == ["search"]
+    assert "".join(e["function"]["arguments"] for e in streamed) == '{"query": "q"}'
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +340,8 @@ def test_a_long_call_streamed_a_few_characters_at_a_time_costs_what_each_delta_a
     import time
 
     code = ("def f(x):\n    return '</parameter>' if x else None\n" * 4000)[:200_000]
-    text = "Writing.\n" + _xml(("search", {"query": code}), ("search", {"query": code, "limit": 1}))
+    plain = ("def g(y):\n    return y * 2\n" * 8000)[:200_000]   # a long value after a short one (write_file's)
+    text = "Writing.\n" + _xml(("search", {"query": code}), ("search", {"limit": 1, "query": plain}))
     stream, args = ToolCallStream(fmt, forced=False), {}
     started = time.perf_counter()
     for end in range(40, len(text) + 40, 40):
@@ -341,5 +352,5 @@ def test_a_long_call_streamed_a_few_characters_at_a_time_costs_what_each_delta_a
     rest, entries, count = stream.finish(text)
     for entry in entries:
         args[entry["index"]] = args.get(entry["index"], "") + entry["function"]["arguments"]
-    assert [json.loads(args[0]), json.loads(args[1])] == [{"query": code}, {"query": code, "limit": 1}]
+    assert [json.loads(args[0]), json.loads(args[1])] == [{"query": code}, {"limit": 1, "query": plain}]
     assert took < 5.0, took
