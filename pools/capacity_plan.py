@@ -36,7 +36,7 @@ from engine.model_config import ModelConfig
 from engine.parallel import ShardShape
 from pools.config.spec import DEFAULT_CPU_MEMORY, CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
 from pools.config.checks import fmt_bytes, within
-from pools.host_memory import host_memory_bytes, past_host_memory
+from pools.host_memory import check_gpu_memory, host_memory_bytes, past_host_memory
 from pools.model_configs import resolve_model_configs
 
 
@@ -139,8 +139,7 @@ class PoolPlan:
 
     @property
     def fragmentation_bytes(self) -> int:
-        """Expected internal fragmentation: (block_size - 1) / 2 empty slots per sequence x S_KV x max_num_seqs
-        (per GPU)."""
+        """Expected internal fragmentation per GPU: (block_size - 1) / 2 empty slots a sequence x S_KV x max_num_seqs."""
         return (self.block_size - 1) * self.kv_bytes_per_token_per_device * self.max_num_seqs // 2
 
     @property
@@ -449,6 +448,7 @@ def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict
                                 collective_timeout_seconds=dev.collective_timeout_seconds)
         result[dplan.name] = [_replica_config(template, dev, r, key) for r in range(dev.replicas)]
     _check_shared_gpus(config, result)
+    check_gpu_memory(config, plan.devices, result)
     return result
 
 

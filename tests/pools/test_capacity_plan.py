@@ -7,6 +7,7 @@ import json
 from fractions import Fraction
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -255,6 +256,25 @@ def test_engine_configs_place_every_rank_on_a_gpu_of_its_own(monkeypatch):
     monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
     with pytest.raises(SpecError, match=r"^devices\.h100x8\.device: replica 0 needs GPU 7 and this machine has 4"):
         engine_configs(config, plan)
+
+
+def test_serve_refuses_a_written_gpu_size_past_this_machines_gpus(monkeypatch):
+    """A `memory:` (or `--vram`) larger than a GPU the device runs on here: its plan's blocks would not fit, and
+    its worker refused them only once the gateway listened, naming `pools`; now `serve` says so first, naming the
+    key. The GPUs' own size, or a machine whose GPUs cannot be asked, passes."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
+    data, gib = _example_data(), 1 << 30
+    data["devices"]["h100x8"]["memory"] = "80GiB"   # an H100 80GB is 79.2 GiB to torch
+    size = 80 * gib
+    for real, vram, error in ((size - gib // 2, None, r"^devices\.h100x8\.memory: .* but GPU 0 of this machine"),
+                              (size, size + gib, r"^--vram: "), (size, None, None)):
+        monkeypatch.setattr("torch.cuda.get_device_properties", lambda g, real=real: SimpleNamespace(total_memory=real))
+        if error is None:
+            assert replica_engine_configs(*_plan_example(data, vram_bytes=vram))["h100x8"]
+            continue
+        with pytest.raises(SpecError, match=error):
+            replica_engine_configs(*_plan_example(data, vram_bytes=vram))
 
 
 def test_an_auto_device_on_a_cuda_machine_takes_the_first_gpus(monkeypatch):
