@@ -20,7 +20,8 @@ arguments ask). A value ends where the grammars end it, at the first newline and
 `</parameter>`, `</function>` or `<parameter=` inside a value (code a model writes) stays in it. A closing tag
 without its newline closes a value only where the next argument's tag or the function's end follows it; one left
 out is closed by the next argument's tag or the function's end, as vLLM's parser reads it. Several functions in
-one `<tool_call>` are several calls; a missing `</tool_call>` after a function's end is tolerated. A call of a
+one `<tool_call>` are several calls; a missing `</tool_call>` after a function's end is tolerated, and so is a
+function without its `<tool_call>` (Qwen3-Coder leaves it out at times). A call of a
 function not offered, or not closed, is content. Each value is read as its schema says (`typed_value`): where the
 property may be a string (or says nothing of its type) as written, otherwise as JSON or, as the templates write a
 history's values (`| string`: `True`, `{'a': 1}`), a Python literal, and as written where neither reads. A call's
@@ -110,6 +111,19 @@ class _Reader:
         found = self.text.find(tag, start)
         self._found[tag] = (pos, found, len(self.text))
         return found
+
+    def next_call(self, pos: int) -> int:
+        """Where the next call may begin from `pos`: a `<tool_call>`, or a `<function=` without it; -1: none."""
+        found = [at for at in (self.find(START, pos), self.find(FUNCTION, pos)) if at >= 0]
+        return min(found, default=-1)
+
+    def call(self, pos: int) -> tuple[list[Function], int | None]:
+        """`tool_call` at a `<tool_call>`; else the function at `pos` alone (a model that left the tag out, as
+        Qwen3-Coder does at times: vLLM reads it too)."""
+        if self.text.startswith(START, pos):
+            return self.tool_call(pos)
+        function = self.function(pos)
+        return ([], None) if function is None else ([function], function[2])
 
     def tool_call(self, pos: int) -> tuple[list[Function], int | None]:
         """The functions of the `<tool_call>` at `pos` and where it ends (None: no whole function, or its last
@@ -218,14 +232,15 @@ class XmlFormat(ToolFormat):
     def _read(self, text: str) -> tuple[str | None, list[ToolCall], int | None]:
         """`parse`, and where the call open at the reply's end begins (None: none is)."""
         reader, calls, kept, last, pos, open_at = _Reader(text), [], [], 0, 0, None
-        while (found := text.find(START, pos)) >= 0:
-            functions, end = reader.tool_call(found)
-            rest = text[found + len(START):].lstrip() if len(text) - found <= len(START) + 32 else "-"
+        while (found := reader.next_call(pos)) >= 0:
+            functions, end = reader.call(found)
+            marker = len(START) if text.startswith(START, found) else len(FUNCTION)
+            rest = text[found + len(START):].lstrip() if marker == len(START) and len(text) - found <= 64 else "-"
             if end is None and (reader.ran_out or FUNCTION.startswith(rest) and len(rest) < len(FUNCTION)):
                 open_at = found   # open to the reply's end: the rest is content (read from each marker: n^2)
                 break
             if end is None or any(name not in self.tools for name, _, _ in functions):
-                pos = found + len(START) if end is None else end   # a whole call refused: its markers with it
+                pos = found + marker if end is None else end   # a whole call refused: its markers with it
                 continue
             calls += [ToolCall(name, self._json(name, text, args, True), start=found + k)
                       for k, (name, args, _) in enumerate(functions)]
@@ -244,7 +259,7 @@ class XmlFormat(ToolFormat):
         if not cut or begin is None:
             return content, calls
         content, calls, _ = self._read(text[:begin])
-        for k, (name, args, end) in enumerate(_Reader(text).tool_call(begin)[0]):
+        for k, (name, args, end) in enumerate(_Reader(text).call(begin)[0]):
             if name not in self.tools:
                 break
             calls.append(ToolCall(name, self._json(name, text, args, True), cut=end is None, start=begin + k))
@@ -262,10 +277,11 @@ class XmlFormat(ToolFormat):
                 scanners[-1] = state
         reader, items, written = state
         reader.grow(text)
-        while (found := reader.find(START, pos)) >= 0:
-            functions, end = reader.tool_call(found)
-            if not functions and not _may_open(text, found + len(START)):
-                pos = found + len(START)   # the marker in prose: calls after it stream all the same
+        while (found := reader.next_call(pos)) >= 0:
+            functions, end = reader.call(found)
+            bare = not text.startswith(START, found)
+            if not functions and not _may_open(text, found if bare else found + len(START)):
+                pos = found + (len(FUNCTION) if bare else len(START))   # a marker in prose: later calls stream
                 continue
             for k, (name, args, function_end) in enumerate(functions):
                 shape = (len(args), function_end is not None)
@@ -278,8 +294,8 @@ class XmlFormat(ToolFormat):
             pos = end
 
     def hold_from(self, text: str) -> int:
-        found = text.find(START)
-        return found if found >= 0 else len(text) - partial_tag(text, START)
+        found = [at for at in (text.find(START), text.find(FUNCTION)) if at >= 0]
+        return min(found) if found else len(text) - max(partial_tag(text, START), partial_tag(text, FUNCTION))
 
     def _json(self, name: str, text: str, arguments: list[tuple[str, int, int]], closed: bool,
               items: dict[tuple[int, int], str] | None = None) -> str:

@@ -196,6 +196,25 @@ def test_a_reply_cut_inside_a_call_ends_in_that_call_as_far_as_its_arguments_are
         ("search", '{"query": "foo"}', True)]
 
 
+@pytest.mark.parametrize("cut", [False, True])
+def test_a_function_without_its_tool_call_tag_is_a_call_streamed_or_whole(fmt, cut):
+    """Qwen3-Coder leaves `<tool_call>` out at times (vLLM reads the function all the same); a mention of the tag
+    in prose stays content."""
+    bare = "Sure.\n<function=search>\n<parameter=query>\nq\n</parameter>\n</function>"
+    text = bare[:-len("\n</function>")] if cut else bare
+    content, calls = fmt.parse_reply(text, cut=cut)
+    assert content == "Sure." and [(c.name, c.arguments, c.cut) for c in calls] == [("search", '{"query": "q"}', cut)]
+    stream, sent, args = ToolCallStream(fmt, forced=False), "", ""
+    for end in range(1, len(text) + 1):
+        sent += stream.content_delta(text[:end])
+        args += "".join(e["function"]["arguments"] for e in stream.call_deltas(text[:end]))
+    rest, entries, count = stream.finish(text, cut=cut)
+    assert sent + rest == "Sure." and count == 1 and args + "".join(e["function"]["arguments"] for e in entries) == \
+        '{"query": "q"}'
+    prose = "Write <function=name> then its parameters."
+    assert fmt.parse_reply(prose, cut=cut) == (prose, [])
+
+
 def test_a_marker_in_prose_does_not_hold_back_the_calls_after_it_in_a_stream(fmt):
     text = "Use the <tool_call> tag.\n" + _xml(("search", {"query": "q"}))
     stream, streamed = ToolCallStream(fmt, forced=False), []
