@@ -224,7 +224,9 @@ class XmlFormat(ToolFormat):
     name = "qwen3_xml"
     start = START
     markers = (START, END)
-    syntax = CallSyntax(f"{START}\n", f"\n{END}", "\n", "arguments", rf"/(?s:.)*/ & ~/(?s:.)*{START}(?s:.)*/")
+    # plain text holds neither marker: a `<function=` alone is read as a call too (`_Reader.call`)
+    syntax = CallSyntax(f"{START}\n", f"\n{END}", "\n", "arguments",
+                        rf"/(?s:.)*/ & ~/(?s:.)*({START}|{FUNCTION})(?s:.)*/")
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         return self._read(text)[:2]

@@ -257,6 +257,9 @@ def test_the_grammars_write_the_form_a_strict_functions_arguments_under_its_sche
         assert _accepts(lltokenizer, auto, text) and not _accepts(lltokenizer, forced, text), text
     assert not _accepts(lltokenizer, fmt.grammar(tools, False), good + "\n" + search)
     assert not _accepts(lltokenizer, auto, "a <tool_call> b")
+    # a function without its tag is read as a call: as the plain text of a strict reply, it would escape its schema
+    assert not _accepts(lltokenizer, auto, "Sure.\n<function=get_weather>\n<parameter=city>\nX\n</parameter>\n"
+                                           "</function>")
 
 
 def test_the_grammar_follows_any_of_refs_and_declared_arguments_and_is_lenient_where_the_json_formats_are(
