@@ -61,6 +61,7 @@ _SPACES = re.compile(r"\s*")
 _VALUE = (r'(/(?s:.)*/ & ~/(?s:.)*\n(<\/parameter>|<\/function>|<parameter=)(?s:.)*/ & '
           r'~/(?s:.)*<\/parameter>\s*(<parameter=|<\/function>)(?s:.)*/) "\n</parameter>\n"')
 _CLOSE = '"\\n</parameter>\\n"'
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~/")   # escaped in a grammar's /regex/ (any other character stands for itself)
 # (name, its arguments in order as (key, where the value starts, where it ends), its end or None: open)
 Function = tuple[str, list[tuple[str, int, int]], int | None]
 
@@ -345,7 +346,12 @@ def _argument_rules(schema: dict[str, Any], tag: str, rules: list[str]) -> str:
             rules.append(f"v{tag}_{j}: %json {schema_text(_standalone(prop, schema))}")
             value = f"v{tag}_{j} {_CLOSE}"
         rules.append(f"p{tag}_{j}: {literal(f'{PARAMETER}{key}>{chr(10)}')} {value}")
-    if schema.get("additionalProperties") is not False:
+    if schema.get("additionalProperties") is not False and properties:   # others after them, under other names
+        declared = "|".join("".join("\\" + c if c in _REGEX_META else c for c in key) for key in properties)
+        rules += [f'extra{tag}: "{PARAMETER}" XNAME{tag} ">\\n" VALUE',
+                  f"XNAME{tag}: /[^>\\n]{{1,{MAX_NAME - 1}}}/ & ~/({declared})/"]
+        items.append(f"extra{tag}*")
+    elif schema.get("additionalProperties") is not False:
         items.append("anyparam*")
     return " ".join(items)
 

@@ -294,7 +294,8 @@ def test_the_grammar_follows_any_of_refs_and_declared_arguments_and_is_lenient_w
     args = json.loads(xml.parse(call("book", ("guest", '{"name": "Ana"}'), ("nights", "null")))[1][0].arguments)
     assert args == {"guest": {"name": "Ana"}, "nights": None}
     for bad in (call("book", ("guest", '{"name": 1}'), ("nights", "2")), call("book", ("guest", '{"name": "A"}')),
-                call("book", ("guest", '{"name": "A"}'), ("nights", "two"))):
+                call("book", ("guest", '{"name": "A"}'), ("nights", "two")),
+                call("book", ("guest", '{"name": "A"}'), ("nights", "1"), ("nights", "ten"))):   # a declared name again
         assert not _accepts(lltokenizer, grammar, bad), bad
     # refs into the arguments' own properties (zod's), an enum behind a ref (pydantic's), a value that would close
     # early where a closing tag without its newline is followed by another tag
