@@ -31,8 +31,8 @@ prefix of the whole answer's `arguments`), reading the reply as it grows (`_Read
 adds); the text before the first call goes out as it comes.
 
 **Writing** (`XmlFormat.body`, the grammars of forced and strict calls): a function's declared arguments in its
-schema's order, the required ones always (others after them where `additionalProperties` is not false); a value
-that may be a string is any text without the closing newline and tag (one of its `enum` or its `const` where it
+schema's order, the required ones always (others after them, of other names, where `additionalProperties` is not
+false); a value that may be a string is any text without the closing newline and tag (one of its `enum` or its `const` where it
 has one; a pattern or length is not enforced), any other JSON under the property's schema (its root's `$defs`
 with it; lenient, as the JSON formats' grammars). A function whose argument names the form cannot carry back
 (a `>` or a newline in one, or spaces around it) takes any named values."""
@@ -327,7 +327,8 @@ class XmlFormat(ToolFormat):
         for i, (name, schema) in enumerate(functions):
             items = _argument_rules(schema, f"{i}", rules)
             rules.append(f"fn{i}: {literal(f'{FUNCTION}{name}>{chr(10)}')} {items} {literal(FUNCTION_END)}")
-        rules += [f'anyparam: "{PARAMETER}" PNAME ">\\n" VALUE', f"PNAME: /[^>\\n]{{1,{MAX_NAME - 1}}}/", f"VALUE: {_VALUE}"]
+        rules += [f'anyparam: "{PARAMETER}" PNAME ">\\n" VALUE', f"PNAME: /[^>\\n]{{1,{MAX_NAME - 1}}}/",
+                  f"VALUE: {_VALUE}"]
         return "\n".join(rules) + "\n"
 
 
