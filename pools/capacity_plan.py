@@ -139,7 +139,7 @@ class PoolPlan:
 
     @property
     def fragmentation_bytes(self) -> int:
-        """Expected internal fragmentation per GPU: (block_size - 1) / 2 empty slots a sequence x S_KV x max_num_seqs."""
+        """Internal fragmentation per GPU: (block_size - 1) / 2 empty slots a sequence x S_KV x max_num_seqs."""
         return (self.block_size - 1) * self.kv_bytes_per_token_per_device * self.max_num_seqs // 2
 
     @property

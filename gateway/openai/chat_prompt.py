@@ -128,9 +128,10 @@ def _strings(value: Any) -> Iterator[str]:
 
 
 def template_knows_tools(template: str) -> bool:
-    """Whether a chat template renders tools and calls in a format `gateway.openai.tool_formats.tool_format` takes:
-    hermes' `<tool_call>` (Qwen's JSON calls in it, or Qwen3-Coder's XML form), or Llama 3's JSON calls. One that writes another (Mistral's `[TOOL_CALLS]`,
-    whose history also asks for 9-character call ids) takes them the fallback's way, as one that knows none."""
+    """Whether a chat template renders tools and calls in a format `gateway.openai.tool_formats.tool_format`
+    takes: hermes' `<tool_call>` (Qwen's JSON calls in it, or Qwen3-Coder's XML form), or Llama 3's JSON calls.
+    One that writes another (Mistral's `[TOOL_CALLS]`, whose history also asks for 9-character call ids) takes
+    them the fallback's way, as one that knows none."""
     return "<tool_call>" in template or ('"parameters"' in template and "tools" in template)
 
 

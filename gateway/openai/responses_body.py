@@ -18,8 +18,8 @@ from gateway.openai.reasoning import ReasoningOptions
 from gateway.openai.sampling_fields import Int64
 from gateway.openai.tool_specs import ToolChoice, ToolMode
 
-__all__ = ["AllowedChoice", "FunctionChoice", "FunctionTool", "InputItem", "InputPart", "ResponsesBody", "TextOptions", "check_calls",
-           "relayed_item"]
+__all__ = ["AllowedChoice", "FunctionChoice", "FunctionTool", "InputItem", "InputPart", "ResponsesBody", "TextOptions",
+           "chat_tool_choice", "check_calls", "relayed_item", "response_tool_choice"]
 
 
 class InputPart(msgspec.Struct):

@@ -32,9 +32,9 @@ adds); the text before the first call goes out as it comes.
 
 **Writing** (`XmlFormat.body`, the grammars of forced and strict calls): a function's declared arguments in its
 schema's order, the required ones always (others after them, of other names, where `additionalProperties` is not
-false); a value that may be a string is any text without the closing newline and tag (one of its `enum` or its `const` where it
-has one; a pattern or length is not enforced), any other JSON under the property's schema (its root's `$defs`
-with it; lenient, as the JSON formats' grammars). A function whose argument names the form cannot carry back
+false); a value that may be a string is any text without the closing newline and tag (one of its `enum` or its
+`const` where it has one; a pattern or length is not enforced), any other JSON under the property's schema (its
+root's `$defs` with it; lenient, as the JSON formats' grammars). A function whose argument names the form cannot carry back
 (a `>` or a newline in one, or spaces around it) takes any named values."""
 
 from __future__ import annotations
