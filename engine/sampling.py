@@ -150,7 +150,7 @@ class SamplingParams:
 
     n: int = 1
     temperature: float = 1.0      # 0 -> greedy
-    top_p: float = 1.0            # (0, 1]
+    top_p: float = 1.0            # [0, 1] (OpenAI's range; 0 keeps the most likely token, as greedy)
     top_k: int = 0                # 0 or -1 -> disabled; else >= 1
     min_p: float = 0.0            # [0, 1]
     seed: int | None = None
@@ -176,8 +176,8 @@ class SamplingParams:
         if not 0 <= temperature <= MAX_TEMPERATURE:
             raise ValueError(f"temperature: must be in [0, {MAX_TEMPERATURE:g}], got {temperature}")
         top_p = _as_float("top_p", self.top_p)
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+        if not 0 <= top_p <= 1:
+            raise ValueError(f"top_p: must be in [0, 1], got {top_p}")
         top_k = _as_int("top_k", self.top_k)
         if top_k < -1:
             raise ValueError(f"top_k: must be -1 or 0 (disabled) or >= 1, got {top_k}")

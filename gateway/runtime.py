@@ -459,18 +459,17 @@ def _render_and_count(pool: Pool, messages: list[dict[str, Any]], tools: list[To
 
 def num_chars(value: Any, limit: int) -> int:
     """The characters of every string in `value` (JSON: keys and values, at any depth; 8 for another
-    scalar), counted until past `limit`: a bound on what a template writes of it, in time that does not
-    grow with a long string."""
+    scalar, 2 for a container: a schema of empty ones, `{"anyOf": [{}, {}, ...]}`, counted nothing and was
+    compiled on the event loop), counted until past `limit`: a bound on what a template writes of it, in time
+    that does not grow with a long string."""
     total, stack = 0, [value]
     while stack and total <= limit:
         item = stack.pop()
         if isinstance(item, str):
             total += len(item)
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
+        elif isinstance(item, (dict, list, tuple)):
+            total += 2
+            stack.extend([*item, *item.values()] if isinstance(item, dict) else item)   # a dict: its keys, values
         else:
             total += 8
     return total

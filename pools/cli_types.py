@@ -86,10 +86,10 @@ def non_negative_float(text: str) -> float:
 
 
 def probability_mass(text: str) -> float:
-    """A number in (0, 1] (top_p)."""
+    """A number in [0, 1] (top_p, OpenAI's range)."""
     value = _number(text, float)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
     return value
 
 

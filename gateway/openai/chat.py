@@ -155,7 +155,7 @@ def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> ChatReques
     max_tokens_param = "max_tokens" if chat.max_completion_tokens is None else "max_completion_tokens"
     max_tokens = chat.max_tokens if chat.max_completion_tokens is None else chat.max_completion_tokens
     stream, include_usage, continuous_usage = stream_flags(chat)
-    params = sampling_params(chat, max_tokens, top_logprobs, response_format(chat.response_format))
+    params = sampling_params(chat, max_tokens, top_logprobs, response_format(chat.response_format), max_tokens_param)
     check_choices(params.n, 1, limits)
     return ChatRequest(model=chat.model, messages=messages, params=params, stream=stream,
                        include_usage=include_usage, continuous_usage=continuous_usage, priority=chat.priority or 0,

@@ -38,7 +38,7 @@ def bad_request(param: str, message: str) -> ApiError:
 
 
 def named_error(message: str) -> ApiError:
-    """A 400 for a refusal whose message starts with the field's path (`"top_p: must be in (0, 1]"`, as the
+    """A 400 for a refusal whose message starts with the field's path (`"top_p: must be in [0, 1]"`, as the
     tokenizer, the engine and the tool checks write them): that path is its `param`."""
     return ApiError(400, message, param=message.split(":", 1)[0] if ":" in message else None)
 

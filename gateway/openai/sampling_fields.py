@@ -92,16 +92,16 @@ _SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "sto
 
 
 def sampling_params(body: RequestFields, max_tokens: int | None, logprobs: int | None,
-                    structured: StructuredOutput | None = None) -> SamplingParams:
+                    structured: StructuredOutput | None = None, max_tokens_param: str = "max_tokens") -> SamplingParams:
     """The engine's parameters of `body`; its refusal ("top_p: ...", "logit_bias[5]: ...") a 400 naming
-    the field."""
+    the field (`max_tokens_param`: the field `max_tokens` came from, as the client named it)."""
     kwargs: dict[str, Any] = {name: value for name in _SAMPLING if (value := getattr(body, name)) is not None}
     try:
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, structured=structured, **kwargs)
     except ValueError as exc:
-        message = str(exc)
+        message = re.sub(r"\bmax_tokens\b", max_tokens_param, str(exc))
         field = message.split(":", 1)[0].split("[", 1)[0]
-        raise ApiError(400, message, param=field if field in kwargs else None) from None
+        raise ApiError(400, message, param=field if field in kwargs or field == max_tokens_param else None) from None
 
 
 def stream_flags(body: RequestFields) -> tuple[bool, bool, bool]:

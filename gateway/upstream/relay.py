@@ -145,7 +145,7 @@ async def forward(request: web.Request, client: UpstreamClient, pool: Pool, path
         options = {k: v for k, v in (body.get("stream_options") or {}).items() if k != "continuous_usage_stats"}
         sent["stream_options"] = {**options, "include_usage": True}   # local pool, for usage in every chunk)
     try:
-        upstream = await client.post(_url(pool.spec.upstream, path), _JSON.encode(sent), _headers(pool, stream),
+        upstream = await client.post(_url(pool.spec.upstream, path), _encoded(sent), _headers(pool, stream),
                                      on_send=UPSTREAM_SEND.get(), background=IDEMPOTENCY_KEY.get() is not None)
     except UpstreamUnreachable as exc:   # no connection: nothing sent
         raise _upstream_failed(pool, "is unreachable", exc, "upstream_unreachable") from None

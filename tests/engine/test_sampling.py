@@ -74,7 +74,7 @@ def _seeded_tokens(batch: list[SamplingRow], logits: torch.Tensor, position: int
     ({"temperature": math.inf}, "temperature"),
     ({"temperature": 1e29}, "temperature"),   # a grammar's masked tokens came in reach
     ({"stop": ["ok", "\ud800"]}, "stop"),    # no text holds a lone surrogate (the wire refused it, late)
-    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": -0.1}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_p": math.nan}, "top_p"),
     ({"top_k": -2}, "top_k"),
@@ -175,7 +175,8 @@ def test_top_k_samples_only_the_top_k() -> None:
     assert set(out.token_ids) == allowed
 
 
-@pytest.mark.parametrize("top_p, allowed", [(0.8, {0, 1, 2}), (0.7, {0, 1}), (0.01, {0}), (1.0, {0, 1, 2, 3, 4})])
+@pytest.mark.parametrize("top_p, allowed", [(0.8, {0, 1, 2}), (0.7, {0, 1}), (0.01, {0}), (0.0, {0}),
+                                            (1.0, {0, 1, 2, 3, 4})])
 def test_top_p_samples_only_the_nucleus(top_p: float, allowed: set[int]) -> None:
     probs = [0.4, 0.3, 0.2, 0.05, 0.05]  # cumulative 0.4, 0.7, 0.9, 0.95, 1.0
     counts = _draw(probs, SamplingParams(top_p=top_p), 4000)

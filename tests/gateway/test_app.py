@@ -210,6 +210,9 @@ async def test_bad_requests_get_clear_errors_while_a_stream_keeps_going(aiohttp_
          400, "stop_token_ids: token ids [99999] are outside the vocabulary"),
         ("a bias past the largest float", chat, dict(json=dict(ok, logit_bias={"5": 10**400}), headers=auth), 400,
          "logit_bias[5]: must be finite"),
+        ("min_tokens past max_completion_tokens, named as sent", chat, dict(
+            json=dict(ok, max_completion_tokens=5, min_tokens=10), headers=auth), 400,
+         "min_tokens: must be <= max_completion_tokens (5)"),
         ("top_p past the largest float", chat, dict(json=dict(ok, top_p=10**400), headers=auth), 400, "top_p"),
         ("temperature out of range", chat, dict(json=dict(ok, temperature=9), headers=auth), 400, "temperature"),
         ("n is a string", chat, dict(json=dict(ok, n="2"), headers=auth), 400, "n:"),
@@ -218,7 +221,7 @@ async def test_bad_requests_get_clear_errors_while_a_stream_keeps_going(aiohttp_
          "messages[0].role"),
         ("missing messages", chat, dict(json={"model": model}, headers=auth), 400, "messages"),
         ("stop of wrong type", chat, dict(json=dict(ok, stop=3), headers=auth), 400, "stop"),
-        ("top_p zero", comp, dict(json={"model": model, "prompt": "x", "top_p": 0}, headers=auth), 400, "top_p"),
+        ("top_p negative", comp, dict(json={"model": model, "prompt": "x", "top_p": -0.1}, headers=auth), 400, "top_p"),
         ("echo", comp, dict(json={"model": model, "prompt": "x", "echo": True}, headers=auth), 400, "echo"),
         ("negative max_tokens", comp, dict(json={"model": model, "prompt": "x", "max_tokens": -2}, headers=auth),
          400, "max_tokens"),

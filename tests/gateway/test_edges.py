@@ -257,6 +257,15 @@ async def test_a_token_id_the_model_has_no_row_for_is_refused_before_any_credit(
         await gateway.route_prompt(model.name, [1, 5000])
 
 
+def test_a_body_of_empty_containers_counts_toward_the_inline_bound():
+    """`num_chars` bounds what runs on the loop: a schema of empty containers (`{"anyOf": [{}, {}, ...]}`) counted
+    nothing, and its compile ran inline for seconds."""
+    from gateway.runtime import num_chars
+
+    assert num_chars({"anyOf": [{}] * 5000}, 2048) > 2048 and num_chars([[]] * 10, 2048) == 22
+    assert num_chars({"a": "xyz", "b": 1}, 2048) == 2 + 1 + 3 + 1 + 8
+
+
 async def test_tool_schemas_are_compiled_off_the_event_loop(front, monkeypatch):
     """Each tool's schema is compiled to be checked (seconds for a body of large ones): chat, a batch line and
     the Responses API read a body with large tools on the tokenizer thread, never the loop's; small ones (a

@@ -425,6 +425,19 @@ async def test_the_upstream_is_asked_for_no_encoding_with_the_pools_key_less_its
     server.close()
 
 
+async def test_a_lone_surrogate_in_a_field_we_do_not_read_goes_upstream_escaped(aiohttp_client, tmp_path):
+    """`user` (or metadata, a schema's description) holding half an emoji: valid JSON, no UTF-8; the relay's
+    encoder refused it, a 500 on every such request to an upstream pool."""
+    requests: list[bytes] = []
+    answer = json.dumps({"id": "c1", "object": "chat.completion", "model": "upstream-model", "choices": []}).encode()
+    server, url = await _serve(lambda request: requests.append(request) or _reply(200, answer))
+    client = await aiohttp_client(create_app(_gateway(tmp_path, url)))
+    r = await client.post("/v1/chat/completions", json={**CHAT, "user": "a\ud800b"})
+    assert r.status == 200, await r.text()
+    assert b'"user":"a\\ud800b"' in requests[0].replace(b" ", b"")
+    server.close()
+
+
 async def test_half_an_emoji_in_a_stream_goes_on_as_the_upstream_wrote_it(aiohttp_client, tmp_path):
     """A lone surrogate (an emoji cut at a UTF-16 boundary, as JavaScript servers write it) is valid JSON but
     no UTF-8: the relay wrote nothing of it and cut the stream with no error event."""
