@@ -74,7 +74,7 @@ BAD_CHAT = [
      "messages[0].content[0].type"),
     ("temperature string", dict(CHAT, temperature="hot"), "temperature"),
     ("temperature out of range", dict(CHAT, temperature=3.5), "temperature"),
-    ("top_p out of range", dict(CHAT, top_p=0), "top_p"),
+    ("top_p out of range", dict(CHAT, top_p=1.5), "top_p"),
     ("n zero", dict(CHAT, n=0), "n"),
     ("n bool", dict(CHAT, n=True), "n"),
     ("max_tokens negative", dict(CHAT, max_tokens=-1), "max_tokens"),
