@@ -67,6 +67,30 @@ DEFAULT_CONFIG = REPO / "config" / "pools.yaml"
 
 
 @pytest.fixture(scope="session")
+def lltokenizer(builtin_path):
+    """llguidance's view of the builtin tokenizer (what the engine's matchers use)."""
+    import llguidance
+
+    from engine.tokenizer import Tokenizer
+
+    return llguidance.LLTokenizer(Tokenizer.from_folder(builtin_path).to_json())
+
+
+def accepts(lltokenizer, constraint, text: str) -> bool:
+    """Whether `text` (as the tokenizer splits it) is a whole output the grammar of `constraint` (a
+    `StructuredOutput`) allows, token by token as llguidance's matcher reads it."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(lltokenizer, constraint.grammar_text(), log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    tokens = lltokenizer.tokenize_str(text)
+    if matcher.validate_tokens(tokens) < len(tokens):
+        return False
+    matcher.consume_tokens(tokens)
+    return matcher.is_accepting()
+
+
+@pytest.fixture(scope="session")
 def live_builtin_server():
     """`cliffguard serve` on the default config/pools.yaml (what `make serve` starts), shared by the session."""
     server = LiveServer(DEFAULT_CONFIG)

@@ -11,7 +11,6 @@ import json
 import shutil
 
 import jsonschema
-import llguidance
 import openai
 import pytest
 
@@ -23,7 +22,7 @@ from gateway.openai.errors import ApiError
 from gateway.openai.tool_grammar import thinking_first
 from gateway.openai.tool_specs import ToolError, parse_tools
 from gateway.openai.tools import HermesFormat, Llama3JsonFormat
-from tests.gateway.conftest import DEFAULT_CONFIG
+from tests.gateway.conftest import DEFAULT_CONFIG, accepts
 
 MODEL = "smollm2-135m-instruct"
 WEATHER_SCHEMA = {"type": "object", "properties": {
@@ -50,23 +49,6 @@ def _llama3(*calls: tuple[str, dict]) -> str:
 FORMATS = [(HermesFormat, _hermes), (Llama3JsonFormat, _llama3)]
 
 
-@pytest.fixture(scope="module")
-def lltokenizer(builtin_path):
-    """llguidance's view of the builtin tokenizer (what the engine's matchers use)."""
-    return llguidance.LLTokenizer(Tokenizer.from_folder(builtin_path).to_json())
-
-
-def _accepts(lltokenizer, constraint: StructuredOutput, text: str) -> bool:
-    """Whether `text` (as the tokenizer splits it) is a whole output the grammar allows."""
-    matcher = llguidance.LLMatcher(lltokenizer, constraint.grammar_text(), log_level=0)
-    assert not matcher.is_error(), matcher.get_error()
-    tokens = lltokenizer.tokenize_str(text)
-    if matcher.validate_tokens(tokens) < len(tokens):
-        return False
-    matcher.consume_tokens(tokens)
-    return matcher.is_accepting()
-
-
 def _auto(fmt_class, parallel: bool = True, reply: StructuredOutput | None = None) -> StructuredOutput:
     tools = parse_tools([WEATHER, SEARCH])
     grammar = fmt_class(tools).auto_grammar(tools, parallel, reply)
@@ -80,16 +62,16 @@ def _auto(fmt_class, parallel: bool = True, reply: StructuredOutput | None = Non
 def test_auto_with_a_strict_tool_admits_plain_text_or_calls_that_match_its_schema(lltokenizer, fmt_class, write):
     grammar = _auto(fmt_class)
     for text in PLAIN_TEXTS:
-        assert _accepts(lltokenizer, grammar, text), text
-    assert _accepts(lltokenizer, grammar, write(("get_weather", PARIS)))
+        assert accepts(lltokenizer, grammar, text), text
+    assert accepts(lltokenizer, grammar, write(("get_weather", PARIS)))
     # the strict tool's schema holds: a value outside the enum, a missing or an extra property are refused
     for bad in ({"city": "Paris", "unit": "kelvin"}, {"city": "Paris"}, {**PARIS, "days": 3},
                 {"city": 5, "unit": "celsius"}):
-        assert not _accepts(lltokenizer, grammar, write(("get_weather", bad))), bad
+        assert not accepts(lltokenizer, grammar, write(("get_weather", bad))), bad
     # the tool that is not strict takes any JSON object (so its call always parses), not a non-object
-    assert _accepts(lltokenizer, grammar, write(("search", {"anything": [1, {"x": None}]})))
-    assert not _accepts(lltokenizer, grammar, write(("search", [1])))
-    assert not _accepts(lltokenizer, grammar, write(("not_offered", {})))
+    assert accepts(lltokenizer, grammar, write(("search", {"anything": [1, {"x": None}]})))
+    assert not accepts(lltokenizer, grammar, write(("search", [1])))
+    assert not accepts(lltokenizer, grammar, write(("not_offered", {})))
 
 
 def test_plain_text_never_starts_a_call_and_may_lead_to_calls(lltokenizer):
@@ -100,36 +82,36 @@ def test_plain_text_never_starts_a_call_and_may_lead_to_calls(lltokenizer):
     call, two = _hermes(("get_weather", PARIS)), _hermes(("get_weather", PARIS), ("search", {"query": "x"}))
     hermes, one = _auto(HermesFormat), _auto(HermesFormat, parallel=False)
     for text in (f"Let me check.\n{call}", f"Checking <tool_ and then:\n\n{two}", f"x{call}"):
-        assert _accepts(lltokenizer, hermes, text), text
-    assert _accepts(lltokenizer, one, f"Let me check.\n{call}")
+        assert accepts(lltokenizer, hermes, text), text
+    assert accepts(lltokenizer, one, f"Let me check.\n{call}")
     bad = _hermes(("get_weather", {"city": "Paris", "unit": "kelvin"}))
     for text in (f"{call}\nDone.", "a <tool_call> b", f"Let me check.\n{bad}", f"Sure. {call} and {call}"):
-        assert not _accepts(lltokenizer, hermes, text), text
-    assert not _accepts(lltokenizer, one, f"Let me check.\n{two}")
+        assert not accepts(lltokenizer, hermes, text), text
+    assert not accepts(lltokenizer, one, f"Let me check.\n{two}")
     llama3 = _auto(Llama3JsonFormat)
     texts = ('{"answer": 4}', '  {"name": "get_weather"}', "<|python_tag|>hello",
              f"Sure. {_llama3(('get_weather', PARIS))}")
     for text in texts:   # a call after text is content to `parse`, so it is plain text
-        assert _accepts(lltokenizer, llama3, text) == text.startswith("Sure."), text
+        assert accepts(lltokenizer, llama3, text) == text.startswith("Sure."), text
 
 
 @pytest.mark.parametrize("fmt_class, write", FORMATS, ids=["hermes", "llama3_json"])
 def test_parallel_tool_calls_false_allows_one_call(lltokenizer, fmt_class, write):
     two = write(("get_weather", PARIS), ("search", {"query": "x"}))
-    assert _accepts(lltokenizer, _auto(fmt_class, parallel=True), two) == fmt_class.parallel_calls   # llama3: one
-    assert not _accepts(lltokenizer, _auto(fmt_class, parallel=False), two)
-    assert _accepts(lltokenizer, _auto(fmt_class, parallel=False), write(("search", {"query": "x"})))
+    assert accepts(lltokenizer, _auto(fmt_class, parallel=True), two) == fmt_class.parallel_calls   # llama3: one
+    assert not accepts(lltokenizer, _auto(fmt_class, parallel=False), two)
+    assert accepts(lltokenizer, _auto(fmt_class, parallel=False), write(("search", {"query": "x"})))
 
 
 def test_a_response_format_is_what_a_reply_that_is_not_a_call_must_be(lltokenizer):
     reply = StructuredOutput.json_schema({"type": "object", "properties": {"answer": {"type": "integer"}},
                                           "required": ["answer"], "additionalProperties": False})
     grammar = _auto(HermesFormat, reply=reply)
-    assert _accepts(lltokenizer, grammar, '{"answer": 4}')
-    assert _accepts(lltokenizer, grammar, _hermes(("get_weather", PARIS)))
+    assert accepts(lltokenizer, grammar, '{"answer": 4}')
+    assert accepts(lltokenizer, grammar, _hermes(("get_weather", PARIS)))
     for text in ("It is 4.", '{"answer": "four"}', _hermes(("get_weather", {"city": "Paris"}))):
-        assert not _accepts(lltokenizer, grammar, text), text
-    assert _accepts(lltokenizer, _auto(HermesFormat, reply=StructuredOutput("json_object")), '{"a": [1]}')
+        assert not accepts(lltokenizer, grammar, text), text
+    assert accepts(lltokenizer, _auto(HermesFormat, reply=StructuredOutput("json_object")), '{"a": [1]}')
 
 
 @pytest.mark.parametrize("fmt_class, write", FORMATS, ids=["hermes", "llama3_json"])
@@ -147,27 +129,27 @@ def test_a_thinking_models_reply_thinks_before_the_constrained_part(lltokenizer,
     for grammar in grammars["optional"] + grammars["opened"]:
         check(grammar)
     for grammar in grammars["optional"]:
-        assert _accepts(lltokenizer, grammar, "<think>\n" + thought + call)
-        assert _accepts(lltokenizer, grammar, call)
-        assert not _accepts(lltokenizer, grammar, "<think>\nno end " + call)
-    assert not _accepts(lltokenizer, grammars["optional"][1], "<think>\n" + thought + "</think>" + call)   # one
+        assert accepts(lltokenizer, grammar, "<think>\n" + thought + call)
+        assert accepts(lltokenizer, grammar, call)
+        assert not accepts(lltokenizer, grammar, "<think>\nno end " + call)
+    assert not accepts(lltokenizer, grammars["optional"][1], "<think>\n" + thought + "</think>" + call)   # one
     for grammar in grammars["opened"]:
-        assert _accepts(lltokenizer, grammar, thought + call)
-        assert not _accepts(lltokenizer, grammar, call)                  # the block must be closed first
-    assert _accepts(lltokenizer, grammars["optional"][1], "\n<think>\n" + thought + call)   # whitespace first
-    assert not _accepts(lltokenizer, grammars["opened"][0], thought + "<think>b</think>Sunny.")   # one block
+        assert accepts(lltokenizer, grammar, thought + call)
+        assert not accepts(lltokenizer, grammar, call)                  # the block must be closed first
+    assert accepts(lltokenizer, grammars["optional"][1], "\n<think>\n" + thought + call)   # whitespace first
+    assert not accepts(lltokenizer, grammars["opened"][0], thought + "<think>b</think>Sunny.")   # one block
     auto = grammars["optional"][0]
-    assert _accepts(lltokenizer, auto, "<think>\n" + thought + "It is sunny.")
-    assert _accepts(lltokenizer, auto, "It is sunny. <think>x</think>")
-    assert _accepts(lltokenizer, grammars["opened"][0], thought + "It is sunny.")
-    assert not _accepts(lltokenizer, auto, write(("get_weather", {"city": "Paris"})))   # the schema still holds
+    assert accepts(lltokenizer, auto, "<think>\n" + thought + "It is sunny.")
+    assert accepts(lltokenizer, auto, "It is sunny. <think>x</think>")
+    assert accepts(lltokenizer, grammars["opened"][0], thought + "It is sunny.")
+    assert not accepts(lltokenizer, auto, write(("get_weather", {"city": "Paris"})))   # the schema still holds
     led = "I'll check.\n" + call   # after the block too (hermes: text and a call; llama3_json: text)
-    assert _accepts(lltokenizer, auto, "<think>\n" + thought + led)
-    assert _accepts(lltokenizer, grammars["opened"][0], thought + led)
+    assert accepts(lltokenizer, auto, "<think>\n" + thought + led)
+    assert accepts(lltokenizer, grammars["opened"][0], thought + led)
     for think, pre in (("optional", "<think>\n" + thought), ("opened", thought)):
         grammar = thinking_first(reply, think)
-        assert _accepts(lltokenizer, grammar, pre + '{"a": 1}') and not _accepts(lltokenizer, grammar, pre + "no")
-    assert _accepts(lltokenizer, thinking_first(reply, "optional"), '{"a": 1}')
+        assert accepts(lltokenizer, grammar, pre + '{"a": 1}') and not accepts(lltokenizer, grammar, pre + "no")
+    assert accepts(lltokenizer, thinking_first(reply, "optional"), '{"a": 1}')
 
 
 @pytest.mark.parametrize("fmt_class, write", FORMATS, ids=["hermes", "llama3_json"])
@@ -186,11 +168,11 @@ def test_a_schemas_own_refs_mean_in_the_call_grammar_what_they_mean_alone(lltoke
     for offered in (tools[:1], tools):
         for grammar in (fmt_class(tools).grammar(offered, True), fmt_class(tools).auto_grammar(offered, True)):
             check(grammar)
-            assert _accepts(lltokenizer, grammar, write(("person", {"home": {"city": "Oslo"}})))
-            assert not _accepts(lltokenizer, grammar, write(("person", {"home": {"town": "Oslo"}})))
+            assert accepts(lltokenizer, grammar, write(("person", {"home": {"city": "Oslo"}})))
+            assert not accepts(lltokenizer, grammar, write(("person", {"home": {"town": "Oslo"}})))
             if len(offered) == 2:
-                assert _accepts(lltokenizer, grammar, write(("tree", {"label": "a", "children": [leaf]})))
-                assert not _accepts(lltokenizer, grammar, write(("tree", {"label": "a", "children": [
+                assert accepts(lltokenizer, grammar, write(("tree", {"label": "a", "children": [leaf]})))
+                assert not accepts(lltokenizer, grammar, write(("tree", {"label": "a", "children": [
                     {"name": "tree", "arguments": leaf}]})))
 
 
@@ -243,15 +225,15 @@ def test_the_grammar_is_attached_under_auto_only_with_a_strict_tool(pool, lltoke
     schema = {"type": "object", "properties": {"answer": {"type": "integer"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
     req = with_grammar(parse_chat(dict(CHAT, tools=[WEATHER], response_format=fmt)), pool)
-    assert _accepts(lltokenizer, req.params.structured, '{"answer": 4}')
-    assert not _accepts(lltokenizer, req.params.structured, "It is 4.")
+    assert accepts(lltokenizer, req.params.structured, '{"answer": 4}')
+    assert not accepts(lltokenizer, req.params.structured, "It is 4.")
     # Non-strict tools beside a response_format: the format binds the reply, and the tools stay callable (as
     # OpenAI; the grammar was the response_format alone, no call could be written)
     req = with_grammar(parse_chat(dict(CHAT, tools=[SEARCH], response_format=fmt)), pool)
     assert req.structured_param == "tools"
     for text in ('{"answer": 4}', _hermes(("search", {"query": "Paris", "any": [1]}))):
-        assert _accepts(lltokenizer, req.params.structured, text), text
-    assert not _accepts(lltokenizer, req.params.structured, "It is 4.")
+        assert accepts(lltokenizer, req.params.structured, text), text
+    assert not accepts(lltokenizer, req.params.structured, "It is 4.")
 
 
 def test_tool_choice_none_lets_the_reply_write_no_call(pool, lltokenizer):
@@ -262,12 +244,12 @@ def test_tool_choice_none_lets_the_reply_write_no_call(pool, lltokenizer):
         req = with_grammar(parse_chat(dict(CHAT, tools=tools, tool_choice="none")), pool)
         assert req.structured_param == "tool_choice"
         for text in PLAIN_TEXTS:
-            assert _accepts(lltokenizer, req.params.structured, text), text
+            assert accepts(lltokenizer, req.params.structured, text), text
         for text in (_hermes(("get_weather", PARIS)), "Let me check.\n" + _hermes(("search", {"query": "x"}))):
-            assert not _accepts(lltokenizer, req.params.structured, text), text
+            assert not accepts(lltokenizer, req.params.structured, text), text
     thinking = with_grammar(parse_chat(dict(CHAT, tools=[WEATHER], tool_choice="none")), pool, think="optional")
-    assert _accepts(lltokenizer, thinking.params.structured, "<think>\nno call.\n</think>\n\nSunny.")
-    assert not _accepts(lltokenizer, thinking.params.structured, "<think>x</think>" + _hermes(("get_weather", PARIS)))
+    assert accepts(lltokenizer, thinking.params.structured, "<think>\nno call.\n</think>\n\nSunny.")
+    assert not accepts(lltokenizer, thinking.params.structured, "<think>x</think>" + _hermes(("get_weather", PARIS)))
     fmt = {"type": "json_object"}
     req = with_grammar(parse_chat(dict(CHAT, tools=[WEATHER], tool_choice="none", response_format=fmt)), pool)
     assert req.params.structured == StructuredOutput("json_object") and req.structured_param == "response_format"
@@ -408,11 +390,11 @@ def test_allowed_tools_shows_every_tool_and_lets_a_reply_call_only_those(pool, l
     assert [t.name for t in req.callable_tools] == ["search"] and req.offers_calls
     auto = with_grammar(req, pool).params.structured
     for text, ok in (("It is sunny.", True), (search, True), (weather, False)):
-        assert _accepts(lltokenizer, auto, text) == ok, text
+        assert accepts(lltokenizer, auto, text) == ok, text
     required = with_grammar(parse_chat(dict(CHAT, tools=[WEATHER, SEARCH],
                                             tool_choice=allowed("required", "get_weather"))), pool).params.structured
     for text, ok in (("It is sunny.", False), (search, False), (weather, True)):
-        assert _accepts(lltokenizer, required, text) == ok, text
+        assert accepts(lltokenizer, required, text) == ok, text
     for choice, param in ((allowed("auto", "nope"), "tool_choice.allowed_tools.tools[0].function.name"),
                           (allowed("auto"), "tool_choice.allowed_tools.tools"),
                           (allowed("sometimes", "search"), "tool_choice.allowed_tools.mode"),

@@ -9,15 +9,14 @@ from __future__ import annotations
 import json
 
 import jinja2
-import llguidance
 import pytest
 
-from engine.structured import StructuredOutput, check
-from engine.tokenizer import Tokenizer
+from engine.structured import check
 from gateway.openai.tool_specs import parse_tools
 from gateway.openai.tool_formats import tool_format
 from gateway.openai.tools import HermesFormat, ToolCallStream
 from gateway.openai.xml_tools import XmlFormat, typed_value
+from tests.gateway.conftest import accepts
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
     "type": "object", "additionalProperties": False, "required": ["city", "days"], "properties": {
@@ -224,21 +223,6 @@ def test_a_marker_in_prose_does_not_hold_back_the_calls_after_it_in_a_stream(fmt
     assert "".join(e["function"]["arguments"] for e in streamed) == '{"query": "q"}'
 
 
-@pytest.fixture(scope="module")
-def lltokenizer(builtin_path):
-    return llguidance.LLTokenizer(Tokenizer.from_folder(builtin_path).to_json())
-
-
-def _accepts(lltokenizer, constraint: StructuredOutput, text: str) -> bool:
-    matcher = llguidance.LLMatcher(lltokenizer, constraint.grammar_text(), log_level=0)
-    assert not matcher.is_error(), matcher.get_error()
-    tokens = lltokenizer.tokenize_str(text)
-    if matcher.validate_tokens(tokens) < len(tokens):
-        return False
-    matcher.consume_tokens(tokens)
-    return matcher.is_accepting()
-
-
 def test_the_grammars_write_the_form_a_strict_functions_arguments_under_its_schema(fmt, lltokenizer):
     tools = parse_tools([WEATHER, SEARCH])
     forced, auto = fmt.grammar(tools, True), fmt.auto_grammar(tools, True)
@@ -248,17 +232,17 @@ def test_the_grammars_write_the_form_a_strict_functions_arguments_under_its_sche
     good = good.replace("</function>", '<parameter=where>\n{"a": [1]}\n</parameter>\n</function>')   # JSON
     search = _xml(("search", {"query": "anything", "other": "any name"}))
     for text in (good, _xml(("get_weather", {"city": "Paris", "days": 0})), search, good + "\n" + search):
-        assert _accepts(lltokenizer, forced, text) and _accepts(lltokenizer, auto, text), text
+        assert accepts(lltokenizer, forced, text) and accepts(lltokenizer, auto, text), text
         assert fmt.parse(text)[1], text
     for bad in ({"city": "Paris"}, {"city": "Paris", "days": "two"}, {"city": "Paris", "days": 1, "unit": "k"},
                 {"days": 1, "city": "Paris"}, {"city": "Paris", "days": 1, "extra": 1}):
-        assert not _accepts(lltokenizer, forced, _xml(("get_weather", bad))), bad
+        assert not accepts(lltokenizer, forced, _xml(("get_weather", bad))), bad
     for text in ("", "Sunny.", "Let me check.\n" + good):        # text, or text and then calls, under auto only
-        assert _accepts(lltokenizer, auto, text) and not _accepts(lltokenizer, forced, text), text
-    assert not _accepts(lltokenizer, fmt.grammar(tools, False), good + "\n" + search)
-    assert not _accepts(lltokenizer, auto, "a <tool_call> b")
+        assert accepts(lltokenizer, auto, text) and not accepts(lltokenizer, forced, text), text
+    assert not accepts(lltokenizer, fmt.grammar(tools, False), good + "\n" + search)
+    assert not accepts(lltokenizer, auto, "a <tool_call> b")
     # a function without its tag is read as a call: as the plain text of a strict reply, it would escape its schema
-    assert not _accepts(lltokenizer, auto, "Sure.\n<function=get_weather>\n<parameter=city>\nX\n</parameter>\n"
+    assert not accepts(lltokenizer, auto, "Sure.\n<function=get_weather>\n<parameter=city>\nX\n</parameter>\n"
                                            "</function>")
 
 
@@ -290,13 +274,13 @@ def test_the_grammar_follows_any_of_refs_and_declared_arguments_and_is_lenient_w
     for text in (call("book", ("guest", '{"name": "Ana"}'), ("nights", "null")),
                  call("book", ("guest", '{"name": "Ana"}'), ("nights", "2"), ("note", "late"), ("extra", "x")),
                  call("tag", ("tags", '["a", "b"]')), call("odd", ("anything", "1"))):
-        assert _accepts(lltokenizer, grammar, text), text
+        assert accepts(lltokenizer, grammar, text), text
     args = json.loads(xml.parse(call("book", ("guest", '{"name": "Ana"}'), ("nights", "null")))[1][0].arguments)
     assert args == {"guest": {"name": "Ana"}, "nights": None}
     for bad in (call("book", ("guest", '{"name": 1}'), ("nights", "2")), call("book", ("guest", '{"name": "A"}')),
                 call("book", ("guest", '{"name": "A"}'), ("nights", "two")),
                 call("book", ("guest", '{"name": "A"}'), ("nights", "1"), ("nights", "ten"))):   # a declared name again
-        assert not _accepts(lltokenizer, grammar, bad), bad
+        assert not accepts(lltokenizer, grammar, bad), bad
     # refs into the arguments' own properties (zod's), an enum behind a ref (pydantic's), a value that would close
     # early where a closing tag without its newline is followed by another tag
     trip = {"type": "function", "function": {"name": "trip", "strict": True, "parameters": {
@@ -308,13 +292,13 @@ def test_the_grammar_follows_any_of_refs_and_declared_arguments_and_is_lenient_w
     tools = parse_tools([trip])
     grammar = XmlFormat(tools).grammar(tools, False)
     check(grammar)
-    assert _accepts(lltokenizer, grammar, call("trip", ("from", '{"x": 1}'), ("to", '{"x": 2}'), ("unit", "km"),
+    assert accepts(lltokenizer, grammar, call("trip", ("from", '{"x": 1}'), ("to", '{"x": 2}'), ("unit", "km"),
                                                ("note", "a</parameter> b")))
     for bad in (call("trip", ("from", '{"x": 1}'), ("to", '{"y": 2}'), ("unit", "km"), ("note", "n")),
                 call("trip", ("from", '{"x": 1}'), ("to", '{"x": 2}'), ("unit", "kelvin"), ("note", "n")),
                 call("trip", ("from", '{"x": 1}'), ("to", '{"x": 2}'), ("unit", "km"),
                      ("note", "a</parameter> <parameter=b>c"))):
-        assert not _accepts(lltokenizer, grammar, bad), bad
+        assert not accepts(lltokenizer, grammar, bad), bad
 
 
 # A template of the form: it lists the tools, and its history's calls are `CALLS_TEMPLATE`'s
