@@ -387,9 +387,11 @@ def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,
             return req
         return dataclasses.replace(req, params=dataclasses.replace(req.params, structured=text_grammar(
             fmt.syntax, think)), structured_param="tool_choice")
-    calls = mode in ("required", "function") or (mode == "auto" and (any(t.strict for t in req.callable_tools) or
-                                                                      _allowed_only(req, pool) or
-                                                                      _calls_beside_reply(req, pool)))
+    # `allowed_tools` under "auto": a grammar keeps the calls to those tools (beside a response_format, as
+    # `_calls_beside_reply` says: where the pool's format writes bare JSON calls, the JSON reply alone)
+    calls = mode in ("required", "function") or (mode == "auto" and (
+        any(t.strict for t in req.callable_tools) or req.tool_choice.allowed is not None and
+        req.params.structured is None or _calls_beside_reply(req, pool)))
     if not calls and (think is None or req.params.structured is None):
         return req
     param = "tools" if calls else req.structured_param
@@ -424,13 +426,6 @@ def _within_context(req: ChatRequest | CompletionRequest, routed: Sequence[tuple
         return req
     max_tokens = max(1, room, req.params.min_tokens)
     return dataclasses.replace(req, params=dataclasses.replace(req.params, max_tokens=max_tokens))
-
-
-def _allowed_only(req: ChatRequest, pool: Pool) -> bool:
-    """`allowed_tools` under "auto": a grammar keeps the calls to those tools, unless a response_format binds a
-    reply the pool's format could not tell from a call (bare JSON): the JSON reply alone, as without it."""
-    return req.tool_choice.allowed is not None and (req.params.structured is None or
-                                                    not format_for(pool.tokenizer, req.tools).syntax.is_bare)
 
 
 def _calls_beside_reply(req: ChatRequest, pool: Pool) -> bool:
