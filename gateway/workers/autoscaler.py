@@ -416,7 +416,7 @@ class Autoscaler:
         try:
             return (await asyncio.wait_for(client.stats(), STATS_SECONDS)).num_requests
         except EngineDeadError:   # this gateway's connection died: its actor may live on for the others
-            return 0 if await _actor_gone(supervisor) else None
+            return 0 if await supervisor.removed() else None
         except TimeoutError:
             return max(1, client.latest_stats.num_requests if client.latest_stats is not None else 1)
 
@@ -429,18 +429,6 @@ class Autoscaler:
                 counts[state if state in counts else "loading"] += 1
             for state, count in counts.items():
                 self.metrics.replicas.labels(device=device, state=state).set(count)
-
-
-async def _actor_gone(supervisor: DeviceSupervisor) -> bool:
-    """Whether the replica's actor is gone from the cluster (`RayLink.removed`), asked for at most STATS_SECONDS;
-    False where the cluster does not answer (kept: never removed on a guess)."""
-    removed = getattr(supervisor.link, "removed", None)
-    if removed is None:
-        return True   # no cluster: the worker the connection reached is the replica
-    try:
-        return await asyncio.wait_for(removed(), STATS_SECONDS)
-    except Exception:  # noqa: BLE001 - the cluster cannot say: the replica is kept
-        return False
 
 
 def _placed_here(supervisor: DeviceSupervisor) -> bool:

@@ -312,7 +312,7 @@ class DeviceSupervisor:
             # drain): the plan, not a fault, and no request's death (STOPPED). The watchdog's verdict stays,
             # if it killed it. A wait for another config's gateway (`ClaimPending`) is logged at INFO, and
             # otherwise is a failed try like any other.
-            planned = self.draining and await self._removed()
+            planned = self.draining and await self.removed()
             self.deaths.record(client, self.replica, reason, STOPPED if planned else None, at=died_at)
             if time.monotonic() - up_since >= self.backoff.reset_after_seconds:
                 attempt = 0
@@ -380,7 +380,7 @@ class DeviceSupervisor:
         self.num_restarts += 1
         self.metrics.worker_restarts.labels(**self.labels).inc()
 
-    async def _removed(self) -> bool:
+    async def removed(self) -> bool:
         """Whether this remote replica is gone for good (`ReplicaLink.removed`; False when it cannot say)."""
         removed = getattr(self.link, "removed", None)
         if removed is None:

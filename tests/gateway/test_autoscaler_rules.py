@@ -282,8 +282,10 @@ async def test_a_shared_replica_in_a_long_step_is_not_taken_for_idle(monkeypatch
         if actor["removed"] is None:
             raise ConnectionError("the cluster does not answer")
         return actor["removed"]
-    gone = SimpleNamespace(client=SimpleNamespace(is_alive=True, stats=dead, latest_stats=None, info=loaded),
-                           link=SimpleNamespace(removed=removed))
+    from gateway.workers.supervisor import DeviceSupervisor
+
+    gone = DeviceSupervisor("d", None, [], GatewayMetrics(), link=SimpleNamespace(removed=removed))
+    gone.client = SimpleNamespace(is_alive=True, stats=dead, latest_stats=None, info=loaded)
     assert await Autoscaler._num_requests(gone) is None
     actor["removed"] = None
     assert await Autoscaler._num_requests(gone) is None
