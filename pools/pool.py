@@ -90,8 +90,16 @@ class Pool:
 
     def prompt_ids(self, text: str) -> list[int]:
         """A completion prompt's ids: the text's own (`counter`) between what the tokenizer adds around it, as
-        transformers' `tokenizer(text).input_ids` (`Tokenizer.special_ids_around`)."""
-        return [*self.prefix_ids, *self.counter.encode(text), *self.suffix_ids]
+        transformers' `tokenizer(text).input_ids` (`Tokenizer.special_ids_around`). An empty prompt is the
+        start of a document, as OpenAI reads one: the tokenizer's BOS, else its EOS (the document separator)
+        where it adds nothing around text (the engine needs a token to condition on)."""
+        ids = [*self.prefix_ids, *self.counter.encode(text), *self.suffix_ids]
+        if not ids:
+            start = self.tokenizer.bos_token_id
+            if start is None and self.tokenizer.eos_token_ids:
+                start = min(self.tokenizer.eos_token_ids)
+            ids = [] if start is None else [start]
+        return ids
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, as logprobs report it (special tokens included): its bytes' text (a

@@ -225,8 +225,10 @@ def _content(i: int, m: Message) -> str | list[dict[str, str]]:
     """A message's content: its text, or its parts as text parts (a refusal's text as a text part's), which
     the template takes as parts or joined (`engine.chat_template`); a tool result's parts joined, as vLLM
     joins them (templates write a tool result as one string)."""
-    if m.content in (msgspec.UNSET, None) and m.role != "assistant":   # null: an assistant's calls only
-        raise bad_request(f"messages[{i}].content", "is required" if m.content is msgspec.UNSET else
+    if m.content is msgspec.UNSET and m.role != "assistant":
+        raise bad_request(f"messages[{i}].content", "is required")
+    if m.content is None and m.role not in ("assistant", "function"):   # null: an assistant's calls only, or a
+        raise bad_request(f"messages[{i}].content",                     # function that returned nothing
                           f"must be a string or an array of parts in a {m.role} message, got null")
     if not isinstance(m.content, list):
         return m.content or ""

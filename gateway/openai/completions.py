@@ -1,8 +1,8 @@
 """Completion requests: the body's model (`CompletionBody`), read into a `CompletionRequest` by `parse_completion`.
 
 `prompt` takes every OpenAI shape: a string, an array of token ids, or an array of strings and token-id
-arrays (one engine request per prompt). `echo` and `suffix` are refused (not supported), `best_of` only
-equal to `n`. `max_tokens` unset or null is 16, OpenAI's default and vLLM's for this API (chat's runs to the
+arrays (one engine request per prompt); an empty string is the start of a document (`Pool.prompt_ids`).
+`echo` and `suffix` are refused (not supported), `best_of` only equal to `n`. `max_tokens` unset or null is 16, OpenAI's default and vLLM's for this API (chat's runs to the
 context's end).
 """
 
@@ -78,7 +78,4 @@ def _prompts(prompt: str | list[Any], limits: RequestLimits) -> list[str | list[
             raise bad_request("prompt", f"at most {limits.max_prompts} prompts per request "
                               f"(gateway.limits.max_prompts), got {len(prompt)}")
         prompts = convert_body(prompt, list[str | TokenIds], root="prompt")
-    for i, p in enumerate(prompts):
-        if p == "":
-            raise bad_request("prompt" if len(prompts) == 1 else f"prompt[{i}]", "must not be empty")
     return prompts

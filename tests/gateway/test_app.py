@@ -93,6 +93,7 @@ async def test_routing_at_the_threshold_by_exact_count(aiohttp_client, tmp_path,
     assert m["cliffguard_routed_requests_total"][(("pool", "chat"),)] == 2
     assert m["cliffguard_routed_requests_total"][(("pool", "rag"),)] == 2
     await _a_replica_down_at_dispatch_is_left_for_another_placement(client, gateway, tiny_model)
+    await _an_empty_prompt_is_the_start_of_a_document(client, gateway, tiny_model)
 
 
 async def _a_replica_down_at_dispatch_is_left_for_another_placement(client, gateway: Gateway, tiny_model) -> None:
@@ -120,6 +121,20 @@ async def _a_replica_down_at_dispatch_is_left_for_another_placement(client, gate
     body = await r.json()
     assert r.status == 200 and len(body["choices"]) == 2, body
     assert entered == [["chat", "rag"], ["chat", "rag"]]   # placed again, not sent to the replica down
+
+
+async def _an_empty_prompt_is_the_start_of_a_document(client, gateway, tiny_model):
+    """OpenAI answers `prompt: ""` as from the start of a new document: the model sees the tokenizer's BOS
+    (here its EOS, the tokenizer having no BOS), one prompt token, never an empty sequence."""
+    tokenizer = gateway.pools["chat"].tokenizer
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else min(tokenizer.eos_token_ids)
+    assert gateway.pools["chat"].prompt_ids("") == [start]
+    r = await client.post("/v1/completions", json={"model": _model(tiny_model), "prompt": ["", " a"],
+                                                   "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    body = await r.json()
+    assert r.status == 200 and [c["index"] for c in body["choices"]] == [0, 1], body
+    assert body["usage"]["prompt_tokens"] == 1 + len(gateway.pools["chat"].prompt_ids(" a"))
+    assert body["usage"]["completion_tokens"] == 6 and all(c["finish_reason"] == "length" for c in body["choices"])
 
 
 async def test_streamed_equals_non_streamed_and_usage_and_logprobs(aiohttp_client, tmp_path, tiny_model):

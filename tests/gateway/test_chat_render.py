@@ -218,6 +218,12 @@ def test_deprecated_function_messages_are_a_tool_call_and_its_result(tiny_model:
     with pytest.raises(ApiError) as info:
         parse_chat({"model": "m", "messages": [USER, {"role": "function", "content": "12 C"}]})
     assert info.value.param == "messages[1].name"
+    nothing = [*legacy[:2], {"role": "function", "name": "weather", "content": None}]   # OpenAI takes null
+    assert parse_chat({"model": "m", "messages": nothing, "functions": functions}).messages[-1] == {
+        "role": "tool", "content": "", "tool_call_id": "call_1", "name": "weather"}
+    with pytest.raises(ApiError) as info:
+        parse_chat({"model": "m", "messages": [USER, {"role": "function", "name": "weather"}]})
+    assert info.value.param == "messages[1].content"
 
 
 def test_a_developer_message_is_a_system_message_where_the_template_never_names_the_role(

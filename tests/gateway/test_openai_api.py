@@ -160,7 +160,6 @@ BAD_COMPLETION = [
     ("missing prompt", {"model": "m"}, "prompt"),
     ("prompt wrong type", dict(COMPLETION, prompt=5), "prompt"),
     ("prompt list with bad item", dict(COMPLETION, prompt=["a", 5]), "prompt[1]"),
-    ("empty prompt", dict(COMPLETION, prompt=""), "prompt"),
     ("echo unsupported", dict(COMPLETION, echo=True), "echo"),
     ("echo to score a prompt", dict(COMPLETION, echo=True, max_tokens=0, logprobs=1), "echo"),   # not max_tokens
     ("suffix unsupported", dict(COMPLETION, suffix="x"), "suffix"),
