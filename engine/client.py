@@ -15,7 +15,8 @@ In-flight streams and stats calls then fail with `EngineDeadError` naming the ex
 process exited (signal 9, SIGKILL)`), the process is reaped in the background (joined, killed if it
 lingers, its socket and sentinel closed; one SIGKILL cannot end, stuck in the kernel, is given up on after
 KILLED_WAIT_S), and `client.died` resolves with the reason. A client is one
-process's life: to restart, make a new client (`gateway.workers.supervisor` does, with back-off).
+process's life: to restart, make a new client (`gateway.workers.supervisor` does, with back-off). A worker
+outlives the fork server it came from (`engine.worker_process`): it is not taken for dead then.
 
 Liveness: the worker sends a `Heartbeat` every half second from a thread of its own, with how long its
 loop has been inside the current step. `silent_seconds()` (time since the worker last said anything)
@@ -49,6 +50,7 @@ from engine.parallel import describe_exit
 from engine.sampling import SamplingParams
 from engine.stats import EngineStats, WorkerInfo
 from engine.worker import worker_main
+from engine.worker_process import WorkerProcess
 
 
 log = logging.getLogger("cliffguard.engine")
@@ -104,7 +106,7 @@ class AsyncEngineClient:
         self.exitcode: int | None = None              # the process's, once reaped (negative: killed by a signal)
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
-        self._process: mp.process.BaseProcess | None = None
+        self._process: WorkerProcess | None = None
         self._channel: Channel | None = None
         self._writing = False                         # a writer callback is registered (the outbox is not empty)
         self._room = asyncio.Event()                  # set while the outbox is under SEND_HIGH_WATER
@@ -168,8 +170,9 @@ class AsyncEngineClient:
             started.add_done_callback(lambda f: (child.close(), parent.close(), f.cancelled() or f.exception()))
             raise
         child.close()
-        self._process, self._sentinel, self.pid = process, process.sentinel, process.pid
-        kill_at_exit(process)
+        self._process = watched = WorkerProcess(process)
+        self._sentinel, self.pid = watched.fd, watched.pid
+        kill_at_exit(watched)
         return Channel(parent)
 
     @property
@@ -238,7 +241,13 @@ class AsyncEngineClient:
 
     def _on_sentinel(self) -> None:
         """The process has exited: read what it sent before (its pipe may even stay open, held by a
-        child of the worker), then stop."""
+        child of the worker), then stop. Unless it runs on, its fork server ended: then watch its pidfd."""
+        if not self._process.fired():
+            log.warning("device worker %s: the fork server it came from ended; the worker runs on", self.pid)
+            self._loop.remove_reader(self._sentinel)
+            self._sentinel = self._process.fd
+            self._loop.add_reader(self._sentinel, self._on_sentinel)
+            return
         self._on_readable()
         self._on_exit()
 
@@ -316,11 +325,11 @@ class AsyncEngineClient:
         release the pipe and the sentinel, then resolve `died`."""
         process, loop = self._process, self._loop
         await loop.run_in_executor(None, process.join, grace)
-        if process.exitcode is None:
+        if process.is_alive():
             process.kill()
             await loop.run_in_executor(None, process.join, KILLED_WAIT_S)
         self.exitcode = process.exitcode
-        if self.exitcode is None:   # never reaped: its sentinel stays open, the rest goes on
+        if process.is_alive():   # never reaped: its sentinel stays open, the rest goes on
             log.error("device worker %s: SIGKILL has not ended it in %g s (stuck in the kernel)", self.pid,
                       KILLED_WAIT_S)
             self._die(f"device worker process did not end, even killed (pid {self.pid}, stuck in the kernel)")
@@ -333,6 +342,8 @@ class AsyncEngineClient:
             self.died.set_result(self._dead)
 
     def _exit_reason(self) -> str:
+        if self._process.status_lost:
+            return "device worker process exited (its exit code is unknown: its fork server ended first)"
         code = self._process.exitcode   # non-blocking; None while the process is not reaped yet
         return "device worker process exited" + (f" ({describe_exit(code)})" if code is not None else "")
 

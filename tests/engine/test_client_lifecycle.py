@@ -4,8 +4,15 @@ worker's end of the socket pair, so each case (a start, a reap, a shutdown, a le
 from __future__ import annotations
 
 import asyncio
+import os
+import select
+import signal
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -15,11 +22,15 @@ from engine.config import EngineConfig
 from engine.ipc import Channel
 from engine.messages import AbortRequest, Lease, Outputs, Shutdown
 from engine.outputs import RequestDelta
+from engine.worker_process import WorkerProcess
 
 
 class _Process:
-    """A worker process as `AsyncEngineClient` sees one: `join`, `kill`, `exitcode`, `close`. `stuck`: SIGKILL
-    does not end it (a process in the kernel's uninterruptible sleep); `on_join` runs at each join."""
+    """A worker process as `AsyncEngineClient` sees one (`WorkerProcess`): `join`, `kill`, `exitcode`, `close`.
+    `stuck`: SIGKILL does not end it (a process in the kernel's uninterruptible sleep); `on_join` runs at each
+    join."""
+
+    status_lost = False   # its fork server outlives it
 
     def __init__(self, stuck: bool = False, on_join=None) -> None:
         self.exitcode, self.stuck, self.on_join = None, stuck, on_join
@@ -127,3 +138,83 @@ async def test_the_worker_process_starts_off_the_event_loop(monkeypatch):
     await asyncio.sleep(0.01)
     assert threads and threads[0] != threading.current_thread().name
     assert all(s.fileno() == -1 for s in pairs[0])
+
+
+class _ForkServed:
+    """A process as multiprocessing's fork server reports it: its status comes through a pipe, whose EOF (the
+    server ended) reads as exit code 255 (`popen_forkserver.poll`)."""
+
+    def __init__(self, pid: int, status: int) -> None:
+        self.pid, self.sentinel, self.exitcode = pid, status, None
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.exitcode is None and select.select([self.sentinel], [], [], timeout)[0]:
+            data = os.read(self.sentinel, 4)
+            self.exitcode = int.from_bytes(data, "little", signed=True) if data else 255
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        os.close(self.sentinel)
+
+
+def _fork_served(client_process: subprocess.Popen) -> tuple[WorkerProcess, int]:
+    """`client_process` as a fork server's child; the write end of its status pipe (the fork server's)."""
+    status, server = os.pipe()
+    return WorkerProcess(_ForkServed(client_process.pid, status)), server
+
+
+async def test_a_worker_outlives_the_fork_server_it_came_from():
+    """A fork server that ends (killed, the OOM killer) closes its workers' status pipes, read as exit code 255:
+    the worker running on was taken for dead, its requests failed. Its pidfd says it runs; it is watched by
+    the pidfd from then on, and its end (an unknown exit code) or `kill` still fails what it held."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    for ending in ("exits", "killed"):
+        worker = subprocess.Popen(sleeper)
+        process, server = _fork_served(worker)
+        client, _ = _connected(process)
+        client._sentinel = process.fd
+        client._loop.add_reader(client._sentinel, client._on_sentinel)
+        stream = client_module._Stream(asyncio.Queue())
+        client._streams["r1"] = stream
+        os.close(server)   # the fork server ends
+        await asyncio.sleep(0.2)
+        assert client.is_alive and process.status_lost and stream.queue.empty()
+        if ending == "exits":
+            worker.kill()
+        else:
+            client.kill("killed by the gateway")
+        reason = await asyncio.wait_for(client.died, 5)
+        assert worker.wait(5) == -signal.SIGKILL
+        assert ("its fork server ended" in reason) == (ending == "exits") and client.exitcode is None, reason
+        assert isinstance(stream.queue.get_nowait(), EngineDeadError)
+
+
+def test_a_worker_outlives_a_real_fork_server_killed(tmp_path):
+    """The same against multiprocessing's own fork server, in a process of its own (the suite's fork server
+    is not killed): the worker it started reads exit code 255 once the server is killed, and runs on."""
+    script = tmp_path / "fork_server_killed.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing as mp, multiprocessing.forkserver as forkserver, os, signal, select, time
+        from engine.worker_process import WorkerProcess
+        if __name__ == "__main__":
+            process = mp.get_context("forkserver").Process(target=time.sleep, args=(60,), daemon=True)
+            process.start()
+            watched = WorkerProcess(process)
+            os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)
+            assert select.select([watched.fd], [], [], 10)[0]          # the status pipe closed
+            assert not watched.fired() and watched.status_lost and watched.is_alive()
+            assert process.exitcode == 255                             # what multiprocessing reads
+            watched.join(0.2)
+            assert watched.is_alive() and watched.exitcode is None
+            watched.kill()
+            watched.join(5)
+            assert not watched.is_alive()
+            watched.close()
+            print("ran on")
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2],
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert done.returncode == 0 and done.stdout.strip() == "ran on", done.stderr
