@@ -121,6 +121,7 @@ class AsyncEngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats_waiters: list[asyncio.Future] = []
         self.latest_stats: EngineStats | None = None   # pushed by the worker with step outputs
+        self.stats_received = 0.0   # time.time() here when they came: their age on this machine's clock
         self.step_failed = False   # the worker ended saying a step failed (its `Fatal`), not a loss
         self.commands_unreadable = False   # ... saying it could not read a command of ours (its `Fatal`), or we its
         self.kill_unreadable = True   # a worker whose frames do not decode is killed (a remote one's link dropped)
@@ -259,7 +260,7 @@ class AsyncEngineClient:
                     if stream is not None:
                         stream.queue.put_nowait(out)
                 if msg.stats is not None:
-                    self.latest_stats = msg.stats
+                    self.latest_stats, self.stats_received = msg.stats, time.time()
             case Heartbeat():
                 self.last_step_seconds, self._last_beat = msg.step_seconds, self.last_heard   # read just now
             case Rejected():
@@ -268,7 +269,7 @@ class AsyncEngineClient:
                     stream.queue.put_nowait(RequestFailedError(msg.request_id, msg.reason) if msg.server_error
                                             else ValueError(msg.reason))
             case StatsReply():
-                self.latest_stats = msg.stats
+                self.latest_stats, self.stats_received = msg.stats, time.time()
                 if self._stats_waiters:
                     waiter = self._stats_waiters.pop(0)
                     if not waiter.done():

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -96,13 +96,21 @@ class AdmissionMetrics:
                                "max_queue_seconds in the queue, or 429 with max_queue_seconds 0.", _PT,
                                registry=registry)
 
-    def refresh(self, pools: Sequence[Pool]) -> None:
+    def refresh(self, pools: Sequence[Pool], parked: Collection[tuple[str, int]] = ()) -> None:
+        """The credit and queue gauges of `pools`. A replica `parked` by the autoscaler ((device, replica)) has
+        no credit series until it serves again, as its other gauges (`GatewayMetrics.update_replica`): the
+        pool's credits (the dashboard's "free of") are the started replicas'."""
         for pool in pools:
             admission = pool.admission
             ledger = admission.ledger
             for replica, account in enumerate(ledger.accounts):
                 up = admission.replica_up(replica)   # the supervisors' word now (the ledger's: at its last pass)
                 labels = {"pool": pool.name, "replica": str(replica)}
+                if (pool.device, replica) in parked:
+                    for gauge in (self.credits, self.credits_free):
+                        with contextlib.suppress(KeyError):   # never set, or removed already
+                            gauge.remove(*labels.values())
+                    continue
                 self.credits.labels(**labels).set(account.total)
                 self.credits_free.labels(**labels).set(account.free if up else 0)
             # a tenant whose last request ended is gone from the ledger: its series stays, at 0

@@ -261,8 +261,11 @@ def refresh_metrics(gateway: Gateway) -> None:
     not ready reads 0 for what it runs and ages its stats (`GatewayMetrics.update_replica`)."""
     if gateway.autoscaler is not None:
         gateway.autoscaler.export()
+    parked = set()
     for device, supervisors in gateway.supervisors.items():
         for replica, supervisor in enumerate(supervisors):
+            if supervisor.state == "stopped":
+                parked.add((device, replica))
             gateway.metrics.update_replica(device, replica, supervisor.client, supervisor.is_ready,
-                                           parked=supervisor.state == "stopped")
-    gateway.admission.metrics.refresh(list(gateway.admission.pools.values()))
+                                           parked=(device, replica) in parked)
+    gateway.admission.metrics.refresh(list(gateway.admission.pools.values()), parked)

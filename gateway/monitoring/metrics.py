@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
                                generate_latest)
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from engine.stats import EngineStats, PoolStats
 
@@ -90,7 +89,8 @@ class HeldLatencies:
 class GatewayMetrics:
     """All series of one gateway. Not thread-safe beyond what prometheus_client guarantees."""
 
-    content_type = CONTENT_TYPE_LATEST
+    # the format `render` writes (`generate_latest`); prometheus-client 0.26's CONTENT_TYPE_LATEST names 1.0.0
+    content_type = "text/plain; version=0.0.4; charset=utf-8"
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -306,11 +306,13 @@ class GatewayMetrics:
         self.request_success.labels(pool=pool, finished_reason=reason if reason in FINISH_REASONS else "other").inc()
 
     def update_device(self, device: str, replica: int, stats: EngineStats,
-                      worker: Hashable | None = None, held: bool = True) -> None:
+                      worker: Hashable | None = None, held: bool = True, received: float = 0.0) -> None:
         """Refresh the device-level series from the stats one replica's worker pushed last (`worker`, `held`:
-        as for `update_pool`; the step target is held)."""
+        as for `update_pool`; the step target is held). Their age runs from `received`, when they reached
+        this gateway by its clock (a remote replica's clock may be off by any amount), else from the worker's
+        `taken_at` (a worker of this machine)."""
         labels = {"device": device, "replica": str(replica)}
-        self.stats_age.labels(**labels).set(max(0.0, time.time() - stats.taken_at))
+        self.stats_age.labels(**labels).set(max(0.0, time.time() - (received or stats.taken_at)))
         step = stats.step
         self._advance(self.steps, "steps", step.num_steps, worker, **labels)
         self._advance(self.busy_seconds, "busy_seconds", step.busy_seconds, worker, **labels)
@@ -378,7 +380,7 @@ class GatewayMetrics:
         stats, worker = client.latest_stats, worker_identity(client)
         for name, pool_stats in stats.pools.items():
             self.update_pool(name, replica, pool_stats, client.info.block_bytes, worker, held)
-        self.update_device(device, replica, stats, worker, held)
+        self.update_device(device, replica, stats, worker, held, client.stats_received)
 
     def _held_gauges(self) -> tuple[Gauge, ...]:
         """A replica's per-pool gauges of what it runs and holds (0 while its worker is not running)."""

@@ -378,7 +378,7 @@ async def test_models_and_metrics_report_what_was_planned_and_allocated(aiohttp_
         assert pool["num_blocks"] == pool["planned_num_blocks"] == plan.num_blocks
         assert pool["max_num_seqs"] == plan.max_num_seqs
     r = await client.get("/metrics")
-    assert r.headers["Content-Type"].startswith("text/plain")
+    assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"   # the format it is in
     text = await r.text()
     m = _metrics(text)
     for name in ("cliffguard_num_requests_running", "cliffguard_num_requests_waiting",

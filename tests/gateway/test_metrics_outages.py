@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.stats import EngineStats, PoolStats, StepCounters, WorkerInfo
 from gateway import handlers
+from gateway.admission import AdmissionMetrics
 from gateway.monitoring import dashboard, metrics as metrics_module, overload as overload_module
 from gateway.monitoring.metrics import GatewayMetrics
 from gateway.monitoring.overload import OverloadWatch
@@ -36,6 +37,7 @@ class _Client:
 
     def __init__(self, pid: int, address: tuple[str, int] | None = None) -> None:
         self.pid, self.info, self.latest_stats = pid, None, None
+        self.stats_received = 0.0   # unknown: ages run from the stats' own `taken_at`
         if address is not None:
             self.address = address
 
@@ -77,7 +79,7 @@ def _make_gateway(replicas: int = 1) -> SimpleNamespace:
     """What `refresh_metrics` reads of a `Gateway`."""
     return SimpleNamespace(autoscaler=None, supervisors={DEVICE: [_Supervisor() for _ in range(replicas)]},
                            metrics=GatewayMetrics(),
-                           admission=SimpleNamespace(metrics=SimpleNamespace(refresh=lambda pools: None), pools={}))
+                           admission=SimpleNamespace(metrics=SimpleNamespace(refresh=lambda pools, parked: None), pools={}))
 
 
 def _scrape(gateway) -> dict[str, dict[tuple, float]]:
@@ -152,6 +154,23 @@ def test_a_replica_not_ready_ages_its_stats_and_runs_nothing(monkeypatch):
     _assert_counters_never_fell([m, dead, loading, back])
 
 
+def test_a_remote_replicas_stats_age_on_this_gateways_clock(monkeypatch):
+    """A Ray replica's machine may keep another time: stats stamped a minute behind (or ahead) by its clock
+    are as old as the time since they reached this gateway, so a live replica reads fresh and a dead one's
+    age grows from its last push (a clock ahead hid an outage that long; one behind fired the alert for ever)."""
+    clock = [5000.0]
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(time=lambda: clock[0]))
+    gateway = _make_gateway()
+    sup = gateway.supervisors[DEVICE][0]
+    sup.client, sup.is_ready = _Client(pid=21, address=("127.0.0.1", 7000)).load(), True
+    for skew in (-60.0, 60.0):
+        sup.client.latest_stats = _make_stats(taken_at=clock[0] + skew, running=1, steps=1)
+        sup.client.stats_received = clock[0] - 0.2
+        assert math.isclose(_device(_scrape(gateway), "cliffguard_stats_age_seconds"), 0.2)
+    clock[0] += 30.0    # no push since: the worker is gone
+    assert math.isclose(_device(_scrape(gateway), "cliffguard_stats_age_seconds"), 30.2)
+
+
 def test_a_parked_replica_exports_no_gauges_and_keeps_its_counts(monkeypatch):
     """The autoscaler parks replica 1 after it served: at rest, not down. Its gauges go, so the pool's mean
     KV usage is the serving replica's and the device's oldest stats are that replica's (a parked one read 0
@@ -160,6 +179,10 @@ def test_a_parked_replica_exports_no_gauges_and_keeps_its_counts(monkeypatch):
     clock = [1000.0]
     monkeypatch.setattr(metrics_module, "time", SimpleNamespace(time=lambda: clock[0]))
     gateway = _make_gateway(replicas=2)
+    ledger = SimpleNamespace(accounts=[SimpleNamespace(total=1000, free=600), SimpleNamespace(total=1000, free=900)],
+                             queued_by_tenant=dict, num_background_queued=0)
+    credits = SimpleNamespace(name=POOL, device=DEVICE, admission=SimpleNamespace(ledger=ledger, replica_up=bool))
+    gateway.admission = SimpleNamespace(metrics=AdmissionMetrics(gateway.metrics.registry), pools={POOL: credits})
     live, parked = gateway.supervisors[DEVICE]
     for sup, pid in ((live, 21), (parked, 22)):
         sup.client, sup.is_ready = _Client(pid=pid).load(), True
@@ -169,7 +192,8 @@ def test_a_parked_replica_exports_no_gauges_and_keeps_its_counts(monkeypatch):
     clock[0] = 1600.0
     live.client.latest_stats = _make_stats(taken_at=1599.9, computed=80, running=4, steps=9)
     at_rest = _scrape(gateway)
-    for name in (*STATE_GAUGES, "cliffguard_pool_num_blocks"):
+    assert _pool(before, "cliffguard_kv_credits", replica=1) == 1000
+    for name in (*STATE_GAUGES, "cliffguard_pool_num_blocks", "cliffguard_kv_credits", "cliffguard_kv_credits_free"):
         assert _pool(at_rest, name, replica=1) is None and _pool(at_rest, name) is not None, name
     assert _device(at_rest, "cliffguard_stats_age_seconds", replica=1) is None
     assert _total(at_rest, "cliffguard_computed_tokens_total") == 40 + 80
@@ -187,6 +211,7 @@ def test_a_parked_replica_exports_no_gauges_and_keeps_its_counts(monkeypatch):
     parked.client.latest_stats, parked.is_ready = _make_stats(taken_at=5200.0, running=1, steps=1), True
     back = _scrape(gateway)
     assert _pool(back, "cliffguard_num_requests_running", replica=1) == 1
+    assert _pool(back, "cliffguard_kv_credits", replica=1) == 1000 and _pool(back, "cliffguard_kv_credits_free", 1) == 900
     _assert_counters_never_fell([before, at_rest, loading, back])
 
 
