@@ -132,10 +132,17 @@ def check_calls(items: Sequence[InputItem]) -> None:
     order, each with its `call_id`): every `function_call_output` answers a `function_call` before it, and
     every `function_call` is answered by an output after it; else a 400 naming `input` in OpenAI's words.
     Without it an output would become a tool turn that answers nothing, and a call the next turn ignores
-    an assistant turn whose result never comes: prompts no template renders as the model was trained."""
+    an assistant turn whose result never comes: prompts no template renders as the model was trained. A call
+    id is one call's and one output's: an earlier turn's call sent again with `previous_response_id` (which
+    holds it already) is OpenAI's duplicate item, not a second call in the prompt."""
     unanswered: dict[str, None] = {}   # call ids in order, until their output comes
     called: set[str] = set()
+    answered: set[str] = set()
     for item in items:
+        key = item.call_id if item.type in ("function_call", "function_call_output") else None
+        if key in (called if item.type == "function_call" else answered):
+            raise ApiError(400, f"Duplicate item found with call_id {key}: a {item.type} the conversation "
+                           "holds already (with previous_response_id, send only what is new)", param="input")
         if item.type == "function_call":
             called.add(item.call_id)
             unanswered[item.call_id] = None
@@ -144,6 +151,7 @@ def check_calls(items: Sequence[InputItem]) -> None:
                 raise ApiError(400, f"No tool call found for function call output with call_id {item.call_id}.",
                                param="input")
             unanswered.pop(item.call_id, None)
+            answered.add(item.call_id)
     if unanswered:
         raise ApiError(400, f"No tool output found for function call {next(iter(unanswered))}.", param="input")
 

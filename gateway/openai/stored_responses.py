@@ -350,12 +350,20 @@ def _owner(request: web.Request) -> str:
     return request.app[GATEWAY].admission.tenants.owner(bearer_key(request))
 
 
+_NO_DATA_DIR = "this gateway runs without a data dir and keeps no responses (cliffguard serve --data-dir keeps them)"
+
+
 def _kept(request: web.Request, param: str) -> KeptResponses:
-    """The app's kept responses; without a data dir, a 400 naming `param`."""
+    """The app's kept responses. Without a data dir: asked to keep one, a 400 naming `param`; a response id
+    (`response_id` in the path, a `previous_response_id`) names none kept, as OpenAI answers an unknown id
+    (404 not_found; 400 previous_response_not_found)."""
     kept = request.app.get(RESPONSES)
     if kept is None:
-        raise bad_request(param, "this gateway runs without a data dir and keeps no responses (cliffguard serve "
-                          "--data-dir keeps them)")
+        if param == "response_id":
+            raise ApiError(404, f"response_id: no response {request.match_info['response_id']!r}: {_NO_DATA_DIR}",
+                           param=param, code="not_found")
+        raise ApiError(400, f"{param}: {_NO_DATA_DIR}", param=param,
+                       code="previous_response_not_found" if param == "previous_response_id" else None)
     return kept
 
 

@@ -314,3 +314,22 @@ async def test_a_grammar_checks_reason_too_long_to_remember_is_not_kept(tmp_path
             assert err.value.param == "response_format" and err.value.message.endswith(reason)
     assert list(gateway.grammar_checks.items()) == [(short.key, "Invalid type: strin")]
     gateway.executor.shutdown()
+
+
+async def test_without_a_data_dir_every_response_id_is_unknown(front):
+    """A gateway without a data dir keeps no responses: an id names none, as OpenAI answers an unknown id (the
+    SDK's NotFoundError, not a BadRequestError; `previous_response_not_found`), and asking to keep one is a 400
+    naming the field."""
+    client, sdk = front
+    for call in (sdk.responses.retrieve("resp_x"), sdk.responses.delete("resp_x"),
+                 sdk.responses.input_items.list("resp_x"), sdk.responses.cancel("resp_x")):
+        with pytest.raises(openai.NotFoundError) as info:
+            await call
+        _assert_openai_error({"error": info.value.body}, "response_id", "not_found")
+        assert "keeps no responses" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        await sdk.responses.create(model=FRONT, input="hi", previous_response_id="resp_x")
+    assert info.value.code == "previous_response_not_found"
+    with pytest.raises(openai.BadRequestError) as info:
+        await sdk.responses.create(model=FRONT, input="hi", background=True)
+    assert info.value.param == "background"

@@ -342,6 +342,13 @@ def test_calls_and_their_outputs_pair_as_openai_requires() -> None:
         with pytest.raises(ApiError) as info:
             parse_responses({**body, "input": items}, prior=prior)
         assert (info.value.status, info.value.param, info.value.message) == (400, "input", message), items
+    for items, prior, kind in (([call, output], [asked, call], "function_call"),   # the kept call sent again
+                               ([asked, call, call, output], [], "function_call"),
+                               ([output], [asked, call, output], "function_call_output")):
+        with pytest.raises(ApiError) as info:   # it was one call twice in the prompt, or one answer twice
+            parse_responses({**body, "input": items}, prior=prior)
+        assert (info.value.status, info.value.param) == (400, "input")
+        assert info.value.message.startswith(f"Duplicate item found with call_id call_1: a {kind} "), items
 
 
 def test_a_turn_that_says_something_then_calls_is_one_assistant_turn() -> None:
