@@ -106,7 +106,7 @@ class AdmissionMetrics:
             for replica, account in enumerate(ledger.accounts):
                 up = admission.replica_up(replica)   # the supervisors' word now (the ledger's: at its last pass)
                 labels = {"pool": pool.name, "replica": str(replica)}
-                if (pool.device, replica) in parked:
+                if parked and (pool.device, replica) in parked:
                     for gauge in (self.credits, self.credits_free):
                         with contextlib.suppress(KeyError):   # never set, or removed already
                             gauge.remove(*labels.values())
