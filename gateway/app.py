@@ -35,7 +35,7 @@ from aiohttp.web_protocol import RequestHandler
 from gateway import handlers
 from gateway.batch import endpoints as batches
 from gateway.monitoring import dashboard
-from gateway.openai import stored_responses
+from gateway.openai import response_endpoints
 from gateway.admission import bearer_key
 from gateway.browser_guard import browser_guard
 from gateway.openai.errors import ApiError
@@ -67,7 +67,7 @@ def create_app(gateway: Gateway, *, data_dir: Path | str | None = None,
     app.cleanup_ctx.append(_lifecycle)
     if data_dir is not None:
         batches.setup(app, data_dir, batch_executor)
-    stored_responses.setup(app, data_dir)   # after the batch store: its file holds the responses' table
+    response_endpoints.setup(app, data_dir)   # after the batch store: its file holds the responses' table
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.list_models)

@@ -65,6 +65,7 @@ from gateway.openai.tool_grammar import text_grammar, thinking_first
 from gateway.openai.tool_formats import format_for
 from gateway.openai.tools import ToolFormat
 from gateway.upstream.relay import forward, openai_error, retry_headers
+from gateway.upstream.stream_seen import ResponseEdit
 from pools.pool import Pool
 
 log = logging.getLogger("cliffguard.gateway")
@@ -96,6 +97,7 @@ class Completion:
     patient: bool = False               # a background Response: waits for its device and credits however long
     answer_type: Callable[..., LocalResponse] = LocalResponse   # makes the answer (the Responses API's differs)
     answer_json: bool = False           # an HTTP request whose upstream answer comes back as JSON (its error as is)
+    response_edit: ResponseEdit | None = None   # a Responses stream an upstream answers, kept here
     _local: LocalResponse | None = dataclasses.field(default=None, init=False, repr=False)   # its latest run's
 
     async def answer(self) -> web.StreamResponse | dict[str, Any]:
@@ -136,7 +138,8 @@ class Completion:
             body = {**body, "priority": floor}
         response = await forward(self.http, gateway.upstream, pool, self.path, body, self.req.stream,
                                  gateway.metrics, write_timeout=gateway.config.gateway.write_timeout,
-                                 prompt_tokens=len(self.routed[0][1]), received=self.received)
+                                 prompt_tokens=len(self.routed[0][1]), received=self.received,
+                                 edit=self.response_edit)
         if self.http is not None and (response.status >= 400 or not self.answer_json):
             if response.status >= 400:   # the upstream's error, relayed as it answered (not raised)
                 gateway.metrics.errors.labels(status=str(response.status)).inc()

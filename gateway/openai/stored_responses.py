@@ -1,6 +1,6 @@
-"""The Responses API's endpoints: `POST /v1/responses` (answered by `gateway.openai.responses`), and, for the
-responses the gateway keeps, `GET` / `DELETE /v1/responses/{id}`, `GET /v1/responses/{id}/input_items` and
-`POST /v1/responses/{id}/cancel`.
+"""The responses the Responses API keeps (`KeptResponses`), as its endpoints (`gateway.openai.response_endpoints`:
+`POST /v1/responses`, answered by `gateway.openai.responses`, and `GET` / `DELETE /v1/responses/{id}`,
+`GET /v1/responses/{id}/input_items`, `POST /v1/responses/{id}/cancel`) serve them.
 
 Kept: a response whose request has `store: true` (OpenAI's default) when the gateway has a data dir
 (`cliffguard serve --data-dir`), in the same SQLite file as the Batch API (`pools.store.response_store`),
@@ -27,11 +27,12 @@ gateway stops is run again when it starts, but one an upstream pool had (in prog
 again: it fails `upstream_disconnected`, since the upstream may have run it.
 
 Without a data dir (an in-process app) nothing is kept: `store` left out is answered with
-`store: false`, and `store: true`, `background` and `previous_response_id` are 400s naming them.
+`store: false`, `store: true` and `background` are 400s naming them, and every response id is unknown.
 Requests answered by an upstream pool are sent `store: false` (it keeps nothing), the earlier turns' items in
-the input shape another server reads (`relayed_item`); a background one's Response, and a foreground stored one
-not streamed, is kept here with the gateway's own `id`, `created_at`, `background`, `store`,
-`previous_response_id` and `metadata`; a streamed one is relayed as the upstream writes it, not kept.
+the input shape another server reads (`relayed_item`); a background one's Response, and a foreground stored one,
+is kept here with the gateway's own `id`, `created_at`, `background`, `store`, `previous_response_id` and
+`metadata` (a stream's events carry them, its last Response kept before that event goes out:
+`gateway.upstream.relay.ResponseEdit`).
 """
 
 from __future__ import annotations
@@ -42,33 +43,28 @@ import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
 
 from gateway.openai import objects
-from gateway.admission import bearer_key
 from gateway.batch.execution import MAX_STORE_ATTEMPTS, RETRY_FIRST_S, RETRY_MAX_S
-from gateway.completion import Completion, constrained
-from gateway.handlers import parsed, read_json
+from gateway.completion import Completion
+from gateway.handlers import parsed
 from gateway.openai.chat import ChatRequest
 from gateway.openai.errors import ApiError, bad_request, storage_unavailable
-from gateway.openai.input_items import input_items_page
 from gateway.openai.responses import (ResponsesAnswer, ResponsesRequest, parse_responses, renamed, response_error,
                                       response_object)
 from gateway.openai.responses_body import relayed_item
-from gateway.openai.sampling_fields import check_context
-from gateway.runtime import GATEWAY, Gateway
+from gateway.runtime import Gateway
 from pools.pool import Pool
 from pools.store.batch_store import STORAGE_ERRORS
 from pools.store.response_store import FINISHED, PURGE_EVERY_S, ResponseStore, StoredResponse
-from pools.store.schema import opened
 
 log = logging.getLogger("cliffguard.responses")
 
-__all__ = ["RESPONSES", "KeptResponses", "setup"]
+__all__ = ["RESPONSES", "KeptResponses", "finished_response", "own_fields", "relayed_body", "routed_chat"]
 
 T = TypeVar("T")
 
@@ -202,7 +198,7 @@ class KeptResponses:
         `storage_unavailable` naming the error, not `queued` with nothing running it (unless even that cannot be
         written: then it stays unfinished, logged, and the next start runs it again)."""
         try:
-            final = _finished(await self._answer(stored))
+            final = finished_response(await self._answer(stored))
         except ApiError as exc:
             final = {**stored.response, "status": "failed", "error": response_error(exc)}
         except Exception as exc:   # noqa: BLE001 - kept as the response's failure, never lost
@@ -210,7 +206,7 @@ class KeptResponses:
             final = {**stored.response, "status": "failed",
                      "error": {"code": "server_error", "message": f"{type(exc).__name__}: {exc}"}}
         try:
-            await self.durable(self.store.update, _ours(final, stored.response), unless=("cancelled",))
+            await self.durable(self.store.update, own_fields(final, stored.response), unless=("cancelled",))
         except ApiError as exc:
             log.error("%s: its end could not be kept: %s", stored.id, exc.message)
         except Exception:   # noqa: BLE001 - logged; the run must not end as a task error nobody reads
@@ -228,7 +224,7 @@ class KeptResponses:
                              gateway.config.gateway.limits)
         asked = dataclasses.replace(asked, previous_response_id=body.get("previous_response_id"))
         req = asked.chat
-        routed = [await _routed(gateway, req)]
+        routed = [await routed_chat(gateway, req)]
         if routed[0][0].is_upstream:
             if stored.id in self._were_running:   # in progress there: it was sent
                 raise ApiError(502, f"{stored.id}: sent to its upstream pool before the gateway stopped, which cut "
@@ -244,7 +240,7 @@ class KeptResponses:
         answer_type = functools.partial(_AdmittedAnswer, started=marking, asked=asked, response_id=stored.id,
                                         created_at=stored.response["created_at"])
         try:
-            return await Completion(gateway, req, routed, _relayed(body, asked), "/responses", time.perf_counter(),
+            return await Completion(gateway, req, routed, relayed_body(body, asked), "/responses", time.perf_counter(),
                                     stored.tenant, patient=True, answer_type=answer_type).answer()
         finally:   # a mark still trying when the run ended is moot: its end is kept next (and is never overwritten)
             for task in marks:
@@ -295,7 +291,7 @@ class _AdmittedAnswer(ResponsesAnswer):
                 await asyncio.gather(running, return_exceptions=True)
 
 
-def _finished(answer: Any) -> dict[str, Any]:
+def finished_response(answer: Any) -> dict[str, Any]:
     """A background run's Response, which must have ended (an upstream pool answers what it answers): else
     an ApiError the run keeps as its failure."""
     if not isinstance(answer, dict) or answer.get("status") not in FINISHED or not isinstance(
@@ -310,7 +306,7 @@ def _finished(answer: Any) -> dict[str, Any]:
 _OWN_FIELDS = ("id", "created_at", "background", "store", "previous_response_id", "metadata")
 
 
-def _ours(final: dict[str, Any], queued: dict[str, Any]) -> dict[str, Any]:
+def own_fields(final: dict[str, Any], queued: dict[str, Any]) -> dict[str, Any]:
     """A background run's end as it is kept: the gateway's own values (`queued`, the Response made when it was
     queued) over those of the Response that answered. An upstream pool answers its own object, of the relayed
     body (no background, no previous_response_id, store false), made at its own time and with its own id."""
@@ -320,54 +316,7 @@ def _ours(final: dict[str, Any], queued: dict[str, Any]) -> dict[str, Any]:
 RESPONSES = web.AppKey("responses", KeptResponses)
 
 
-def setup(app: web.Application, data_dir: Path | str | None) -> None:
-    """The Responses API's routes; with `data_dir`, its store (the Batch API's file: call after
-    `gateway.batch.endpoints.setup`, which made its tables) and background runs, started after the gateway
-    and stopped before it."""
-    app.router.add_post("/v1/responses", create_response)
-    app.router.add_get("/v1/responses/{response_id}", retrieve_response)
-    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
-    app.router.add_delete("/v1/responses/{response_id}", delete_response)
-    app.router.add_post("/v1/responses/{response_id}/cancel", cancel_response)
-    if data_dir is None:
-        return
-    from gateway.batch.endpoints import STORE_FILE
-    gateway = app[GATEWAY]
-    path = Path(data_dir) / STORE_FILE
-    store = opened(functools.partial(ResponseStore, path, gateway.config.gateway.stored_responses), path)
-    app[RESPONSES] = KeptResponses(store, gateway)
-    app.cleanup_ctx.append(_kept_ctx)
-
-
-async def _kept_ctx(app: web.Application) -> AsyncIterator[None]:
-    kept = app[RESPONSES]
-    await kept.start()
-    yield
-    await kept.stop()
-
-
-def _owner(request: web.Request) -> str:
-    return request.app[GATEWAY].admission.tenants.owner(bearer_key(request))
-
-
-_NO_DATA_DIR = "this gateway runs without a data dir and keeps no responses (cliffguard serve --data-dir keeps them)"
-
-
-def _kept(request: web.Request, param: str) -> KeptResponses:
-    """The app's kept responses. Without a data dir: asked to keep one, a 400 naming `param`; a response id
-    (`response_id` in the path, a `previous_response_id`) names none kept, as OpenAI answers an unknown id
-    (404 not_found; 400 previous_response_not_found)."""
-    kept = request.app.get(RESPONSES)
-    if kept is None:
-        if param == "response_id":
-            raise ApiError(404, f"response_id: no response {request.match_info['response_id']!r}: {_NO_DATA_DIR}",
-                           param=param, code="not_found")
-        raise ApiError(400, f"{param}: {_NO_DATA_DIR}", param=param,
-                       code="previous_response_not_found" if param == "previous_response_id" else None)
-    return kept
-
-
-def _relayed(body: dict[str, Any], asked: ResponsesRequest) -> dict[str, Any]:
+def relayed_body(body: dict[str, Any], asked: ResponsesRequest) -> dict[str, Any]:
     """The body an upstream pool gets: the whole conversation as input (the earlier turns' kept items in the
     input shape it reads, `relayed_item`), nothing for it to keep or look up."""
     relayed = {k: v for k, v in body.items() if k not in ("previous_response_id", "background")}
@@ -376,126 +325,10 @@ def _relayed(body: dict[str, Any], asked: ResponsesRequest) -> dict[str, Any]:
     return {**relayed, "input": earlier + own, "store": False}
 
 
-async def create_response(request: web.Request) -> web.StreamResponse:
-    """`POST /v1/responses`: answered as the chat it is (`gateway.openai.responses`); kept, continued or run in
-    the background as the module docstring says."""
-    gateway = request.app[GATEWAY]
-    received = time.perf_counter()
-    body = await read_json(request)
-    owner, tenant = _owner(request), gateway.admission.tenant_of(request)
-    prior = await _prior(request, body, owner)
-    asked = await parsed(gateway, parse_responses, body, gateway.config.gateway.limits, prior)
-    kept = request.app.get(RESPONSES)
-    if kept is None:
-        for key in ("store", "background"):
-            if body.get(key):
-                _kept(request, key)
-        asked = dataclasses.replace(asked, store=False)
-    if asked.background:
-        await _checked(gateway, asked.chat)   # refused now as a foreground request is, not kept `failed`
-        return web.json_response(await kept.queue(asked, body, owner=owner, tenant=tenant))
-    keep = None
-    if asked.store:
-        keep = functools.partial(kept.keep, owner=owner, tenant=tenant, request=body, items=asked.items)
-    req = asked.chat
-    routed = [await _routed(gateway, req)]
-    if keep is not None and routed[0][0].is_upstream and not req.stream:
-        # the upstream keeps nothing (`store: false` goes to it): its Response is kept here under an id of ours, so
-        # that a later turn continues it (a stream's is relayed as the upstream writes it, and not kept)
-        answer = await Completion(gateway, req, routed, _relayed(body, asked), "/responses", received, tenant,
-                                  http=request, answer_json=True).answer()
-        if isinstance(answer, web.StreamResponse):   # the upstream's error as it answered, or a client gone
-            return answer
-        final = _ours(_finished(answer), response_object(asked, objects.new_id("resp", "_"), int(time.time()),
-                                                          "completed", []))
-        final["store"] = await keep(final)   # false where the store failed (logged)
-        return web.json_response(final, headers={"x-cliffguard-pool": routed[0][0].name})
-    return await Completion(gateway, req, routed, _relayed(body, asked), "/responses", received, tenant, http=request,
-                            answer_type=functools.partial(ResponsesAnswer, asked=asked, keep=keep)).answer()
-
-
-async def _routed(gateway: Gateway, req: ChatRequest) -> tuple[Pool, list[int]]:
+async def routed_chat(gateway: Gateway, req: ChatRequest) -> tuple[Pool, list[int]]:
     """The request's chat counted and routed; a refusal names the Responses field (`input`, not `messages`)."""
     try:
         return await gateway.route_chat(req.model, req.messages, req.tools, req.chat_template_kwargs, req.offers_calls)
     except ApiError as err:
         raise renamed(err) from None
 
-
-async def _checked(gateway: Gateway, req: ChatRequest) -> None:
-    """A background request refused before it is kept, as `Completion` refuses a foreground one before it
-    runs: routing (an unknown model is a 404, a prompt no pool's context holds a 400), the room left for
-    `max_output_tokens` in the pool's context, and on a local pool the grammar on the reply. Its run routes
-    again (a restart runs it from the kept request)."""
-    pool, ids = await _routed(gateway, req)
-    check_context(req, len(ids), pool.max_model_len, pool.name)
-    if not pool.is_upstream:
-        await constrained(gateway, req, pool, ids)
-
-
-async def _prior(request: web.Request, body: Any, owner: str) -> list[dict[str, Any]]:
-    """The input and output items of the conversation `previous_response_id` names (none without one)."""
-    previous = body.get("previous_response_id") if isinstance(body, dict) else None
-    if not isinstance(previous, str):
-        return []   # absent, or a wrong type parse_responses names
-    kept = _kept(request, "previous_response_id")
-    stored = await kept.db(kept.store.get, previous, owner=owner) if previous.isprintable() \
-        else None   # no id of ours has a control character or a lone surrogate (which SQLite cannot take)
-    if stored is None:
-        raise ApiError(400, f"previous_response_id: no response {previous!r}", param="previous_response_id",
-                       code="previous_response_not_found")
-    if stored.status not in FINISHED:
-        raise bad_request("previous_response_id", f"response {previous!r} is {stored.status}; continue from a "
-                          "finished one")
-    if stored.status in ("failed", "cancelled") and not stored.response["output"]:
-        raise bad_request("previous_response_id", f"response {previous!r} was {stored.status} before it had any "
-                          "output, so it has no turn to continue; send its input again instead")
-    return stored.items + [_as_input(item) for item in stored.response["output"]]
-
-
-def _as_input(item: dict[str, Any]) -> dict[str, Any]:
-    """An output item as the input item of the next turn (what the Responses API takes back): a message's
-    parts their type and text only (the next turn's prompt reads no logprobs, and each later turn of a
-    chain keeps these items again)."""
-    if item.get("type") == "message":
-        return {"type": "message", "role": "assistant",
-                "content": [{"type": part["type"], "text": part.get("text", "")} for part in item["content"]]}
-    keys = ("type", "content") if item.get("type") == "reasoning" else ("type", "call_id", "name", "arguments")
-    return {k: item[k] for k in keys if k in item}   # a reasoning item's text goes to the next assistant turn
-
-
-async def retrieve_response(request: web.Request) -> web.Response:
-    """`GET /v1/responses/{id}`: the Response as it stands. Its stream (`stream=true`, resumed after
-    `starting_after`) is not served: a 400 naming the parameter, which the openai SDK raises, rather than a
-    JSON body its stream reader would read as no events at all."""
-    for param in ("stream", "starting_after"):
-        value = request.query.get(param)
-        if value is not None and (param == "starting_after" or value.lower() != "false"):
-            raise bad_request(param, "streaming a kept response (or resuming its stream) is not served here; "
-                              "GET it without stream and poll until its status is final")
-    kept = _kept(request, "response_id")
-    return web.json_response((await kept.found(request.match_info["response_id"], _owner(request))).response)
-
-
-async def list_input_items(request: web.Request) -> web.Response:
-    """`GET /v1/responses/{id}/input_items?limit=&after=&order=`: the items its prompt was made of
-    (`gateway.openai.input_items`); `include` asks for nothing these items lack."""
-    kept = _kept(request, "response_id")
-    stored = await kept.found(request.match_info["response_id"], _owner(request))
-    return web.json_response(input_items_page(stored.items, stored.id, request.query))
-
-
-async def delete_response(request: web.Request) -> web.Response:
-    """`DELETE /v1/responses/{id}`: a background one still running is cancelled first."""
-    kept, response_id, owner = _kept(request, "response_id"), request.match_info["response_id"], _owner(request)
-    stored = await kept.found(response_id, owner)
-    if stored.background and stored.status not in FINISHED:
-        await kept.cancel(response_id, owner=owner)
-    if not await kept.db(kept.store.delete, response_id, owner=owner):
-        raise ApiError(404, f"response_id: no response {response_id!r}", param="response_id", code="not_found")
-    return web.json_response({"id": response_id, "object": "response", "deleted": True})
-
-
-async def cancel_response(request: web.Request) -> web.Response:
-    kept = _kept(request, "response_id")
-    return web.json_response(await kept.cancel(request.match_info["response_id"], owner=_owner(request)))

@@ -65,7 +65,8 @@ from gateway.openai.errors import ApiError, drain_cut
 from gateway.client_writes import ClientGone, escaped_json, start_sse, write_within
 from gateway.upstream.connection import (UpstreamClient, UpstreamDisconnected, UpstreamResponse,
                                          UpstreamTooLarge, UpstreamUnreachable)
-from gateway.upstream.sse import event_fields, json_object, split_events, whole, with_data
+from gateway.upstream.sse import split_events, whole, with_data
+from gateway.upstream.stream_seen import ResponseEdit, StreamSeen, finish_reasons, rename_model
 from pools.pool import Pool
 
 log = logging.getLogger("cliffguard.gateway")
@@ -120,22 +121,13 @@ def redact(url: str) -> str:
         return "<upstream>"
 
 
-def _rename(obj: Any, model: str) -> Any:
-    """The client's model name put back: at the top (a completion, a chunk, a Response) and in a Responses
-    stream event's `response`."""
-    if isinstance(obj, dict):
-        for holder in (obj, obj.get("response")):
-            if isinstance(holder, dict) and "model" in holder:
-                holder["model"] = model
-    return obj
-
-
 async def forward(request: web.Request, client: UpstreamClient, pool: Pool, path: str, body: dict[str, Any],
                   stream: bool, metrics: GatewayMetrics, write_timeout: float = 30.0, prompt_tokens: int = 0,
-                  received: float | None = None) -> web.StreamResponse:
+                  received: float | None = None, edit: ResponseEdit | None = None) -> web.StreamResponse:
     """Send `body` (with the upstream's model name) to `<pool.spec.upstream><path>` and relay the answer;
     `prompt_tokens`: the gateway's own count of the prompt (`_Relayed`); `received`: when the request
-    arrived (perf_counter; default now), which its time to first token and latency count from."""
+    arrived (perf_counter; default now), which its time to first token and latency count from; `edit`: a
+    Responses stream kept here."""
     responses = path.endswith("/responses")   # its usage and its stream's events are the Responses API's
     relayed = _Relayed(pool, metrics, body["model"], responses, time.perf_counter() if received is None else received,
                        prompt_tokens, hide_usage=stream and not responses and not _asks_usage(body),
@@ -161,7 +153,7 @@ async def forward(request: web.Request, client: UpstreamClient, pool: Pool, path
             raise _upstream_failed(pool, "did not stream", ValueError(
                 f"it answered a stream request with Content-Type {content_type[:80]!r}, not text/event-stream"),
                 "upstream_error")
-        return await _relay_stream(request, relayed, upstream, write_timeout)
+        return await _relay_stream(request, relayed, upstream, write_timeout, edit)
 
 
 def _asks_usage(body: dict[str, Any]) -> bool:
@@ -171,8 +163,6 @@ def _asks_usage(body: dict[str, Any]) -> bool:
 
 # A usage's (prompt, output) token counts: chat and completions, then the Responses API.
 _USAGE_KEYS = {False: ("prompt_tokens", "completion_tokens"), True: ("input_tokens", "output_tokens")}
-# a Response's status as a finish reason, for request_success
-_RESPONSE_FINISH = {"completed": "stop", "incomplete": "length"}
 
 
 @dataclass
@@ -214,24 +204,11 @@ def _count(usage: Any, key: str) -> int | None:
     return value if type(value) is int and value >= 0 else None
 
 
-def _finish_reasons(obj: Any, responses: bool) -> list[str]:
-    """How an answer (or a stream's chunk, or a Responses event's `response`) says its choices ended."""
-    if not isinstance(obj, dict):
-        return []
-    if responses:
-        holder = obj.get("response") if isinstance(obj.get("response"), dict) else obj
-        reason = _RESPONSE_FINISH.get(holder.get("status")) if holder.get("object") == "response" else None
-        return [reason] if reason else []
-    choices = obj.get("choices")
-    return [c["finish_reason"] for c in choices if isinstance(c, dict) and isinstance(c.get("finish_reason"), str)] \
-        if isinstance(choices, list) else []
-
-
 async def _relay_answer(relayed: _Relayed, upstream: UpstreamResponse) -> web.Response:
     """A non-streamed answer (at most MAX_ANSWER_BYTES) with the client's model name put back."""
     pool = relayed.pool
     try:
-        payload = _rename(_decoded(await upstream.read(MAX_ANSWER_BYTES)), relayed.client_model)
+        payload = rename_model(_decoded(await upstream.read(MAX_ANSWER_BYTES)), relayed.client_model)
     except (UpstreamDisconnected, OSError) as exc:
         raise _upstream_failed(pool, "dropped the answer", exc, "upstream_disconnected") from None
     except UpstreamTooLarge as exc:
@@ -239,7 +216,7 @@ async def _relay_answer(relayed: _Relayed, upstream: UpstreamResponse) -> web.Re
     except (ValueError, RecursionError) as exc:   # not JSON, or nested past the decoder's depth
         raise _upstream_failed(pool, "sent an invalid response", exc, "upstream_error") from None
     relayed.count(payload.get("usage") if isinstance(payload, dict) else None,
-                  _finish_reasons(payload, relayed.responses))
+                  finish_reasons(payload, relayed.responses))
     if relayed.timed:
         relayed.series.e2e.observe(time.perf_counter() - relayed.received)
     return web.Response(body=_encoded(payload), content_type="application/json",
@@ -337,7 +314,7 @@ def openai_error(raw: bytes, context: str) -> dict[str, Any]:
 
 
 async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: UpstreamResponse,
-                        write_timeout: float) -> web.StreamResponse:
+                        write_timeout: float, edit: ResponseEdit | None = None) -> web.StreamResponse:
     """The upstream's SSE events, each relayed as it arrives with the client's model name put back; a
     client that takes nothing for `write_timeout` seconds is cut off (ClientGone). A stream that fails
     or ends before its last event (`[DONE]`; a Responses stream: its `response.completed` / `incomplete`
@@ -354,7 +331,7 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
         except (ConnectionError, RuntimeError) as exc:   # RuntimeError: aiohttp's "transport is closing"
             raise exc if isinstance(exc, ClientGone) else ClientGone(f"client went away: {exc}") from None
 
-    seen, failure = _StreamSeen(responses, relayed.hide_usage), None
+    seen, failure = StreamSeen(responses, relayed.hide_usage, edit), None
     try:
         async with contextlib.aclosing(_events(pool, upstream)) as events:
             async for event in events:
@@ -362,6 +339,10 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
                     failure = event
                     break
                 num_outputs, out = seen.num_outputs, seen.relay(event, relayed.client_model)
+                if seen.last is not None:   # a kept stream's last Response: kept before it goes out
+                    last, seen.last = seen.last, None
+                    last["response"]["store"] = await edit.keep(last["response"])
+                    out = with_data(event, escaped_json(last))
                 if out is not None:
                     await write(out + b"\n\n")
                 if num_outputs == 0 and seen.num_outputs:   # its first event of output
@@ -390,70 +371,6 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
                         _error_tail(failure, responses, seen.sequence_number + 1))
     await write(None)
     return response
-
-
-# A Responses stream's last events; after the upstream's own `error` event too, ours would only repeat it.
-# A tuple: `in` compares, hashing nothing (an event's `type` may be a list).
-_FINAL_RESPONSE_EVENTS = ("response.completed", "response.incomplete", "response.failed", "error")
-# events that carry no output: the Response announced before it runs, and failures
-_NOT_OUTPUT = ("response.created", "response.in_progress", "response.queued", "response.failed", "error")
-
-
-class _StreamSeen:
-    """What one relayed stream's events said so far: whether its last event came (`ended`), the last
-    `usage` it reported (a chat stream's usage chunk, a Responses stream's final Response; vLLM's
-    continuous usage stats repeat running totals in every chunk, so only the last is counted), its last
-    `sequence_number` (a Responses stream: our error event follows it), how many events held output (a
-    chunk, or a Responses event past the ones that announce the Response before it runs: time to first token
-    counts to the first of them), the status its first error event says (`error_status`: an `error` object's
-    numeric code, vLLM's, else 502; a Responses `error` or `response.failed` event: 502). Events are read as the
-    SSE spec says (`gateway.upstream.sse`)."""
-
-    def __init__(self, responses: bool = False, hide_usage: bool = False) -> None:
-        self.responses, self.hide_usage = responses, hide_usage
-        self.ended = False
-        self.usage: Any = None
-        self.sequence_number = -1
-        self.num_outputs = 0
-        self.finish_reasons: list[str] = []
-        self.error_status: int | None = None
-
-    def relay(self, event: bytes, model: str) -> bytes | None:
-        """`event` to relay, the client's model name put back into the JSON object of its data, noted;
-        None for the usage chunk the client did not ask for (`_Relayed.hide_usage`)."""
-        kind, data = event_fields(event)
-        self.ended = self.ended or data == b"[DONE]" or (self.responses and kind in _FINAL_RESPONSE_EVENTS)
-        obj = json_object(data)
-        if obj is None:   # `data:[DONE]` goes on as `data: [DONE]`, for clients that look for that line
-            return with_data(event, data) if data == b"[DONE]" else event
-        self.num_outputs += obj.get("type") not in _NOT_OUTPUT and "error" not in obj and obj.get("choices") != []
-        self.ended = self.ended or (self.responses and obj.get("type") in _FINAL_RESPONSE_EVENTS)
-        if self.error_status is None:
-            self.error_status = _error_status(obj, kind, self.responses)
-        self.finish_reasons += _finish_reasons(obj, self.responses)
-        holder = obj.get("response") if isinstance(obj.get("response"), dict) else obj
-        if holder.get("usage") is not None:
-            self.usage = holder["usage"]
-        if type(obj.get("sequence_number")) is int:
-            self.sequence_number = obj["sequence_number"]
-        if self.hide_usage and "usage" in obj:
-            if obj["usage"] is not None and obj.get("choices") == []:
-                return None
-            if obj["usage"] is None:
-                del obj["usage"]
-        return with_data(event, escaped_json(_rename(obj, model)))   # half an emoji ("\ud83d") as it came
-
-
-def _error_status(obj: dict[str, Any], kind: str, responses: bool) -> int | None:
-    """The HTTP status an upstream's stream event says its request failed with; None: not an error event."""
-    if responses:
-        return 502 if kind in ("error", "response.failed") or obj.get("type") in ("error", "response.failed") \
-            else None
-    error = obj.get("error")
-    if error is None:
-        return None
-    code = error.get("code") if isinstance(error, dict) else None
-    return code if type(code) is int and 400 <= code <= 599 else 502
 
 
 def _error_tail(error: ApiError, responses: bool, sequence_number: int) -> bytes:

@@ -8,6 +8,7 @@ as it was asked, the earlier turns relayed in the input shape vLLM reads)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import sqlite3
 import time
@@ -129,7 +130,7 @@ def test_every_kind_of_kept_input_item_lists_as_the_sdk_reads_it() -> None:
 def test_a_kept_answer_comes_back_as_the_next_turns_input_with_its_text_only() -> None:
     """What a chain of responses keeps of an earlier answer is what the next prompt reads: no logprobs (up to
     20 alternatives a token, which every later turn would keep again), no annotations."""
-    from gateway.openai.stored_responses import _as_input
+    from gateway.openai.response_endpoints import _as_input
 
     logprob = {"token": "Hi", "logprob": -0.1, "bytes": [72, 105], "top_logprobs": []}
     item = {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant", "content": [
@@ -376,7 +377,8 @@ async def test_a_background_response_waits_for_credits_past_its_pools_queue_limi
 async def upstream(aiohttp_server):
     """A vLLM-like upstream Responses server: it reads `input` as vLLM's request model does (`INPUT_ITEMS`; a
     400 otherwise) and answers a Response of its own (its id and time; the relayed body's `background`, `store`
-    and `previous_response_id` echoed), a reasoning item and a message. The bodies it got, in order."""
+    and `previous_response_id` echoed), a reasoning item and a message, whole or as a stream's events. The bodies
+    it got, in order."""
     bodies: list[dict] = []
 
     async def responses(request: web.Request) -> web.Response:
@@ -391,14 +393,31 @@ async def upstream(aiohttp_server):
                      "content": [{"type": "reasoning_text", "text": "Thinking."}]}
         message = {"type": "message", "id": "msg_up", "status": "completed", "role": "assistant",
                    "content": [{"type": "output_text", "text": "Answer.", "annotations": []}]}
-        return web.json_response({
+        whole = {
             "id": "resp_upstream", "object": "response", "created_at": 1.0, "status": "completed",
             "model": body["model"], "output": [reasoning, message], "error": None, "incomplete_details": None,
             "usage": {"input_tokens": 3, "output_tokens": 2, "total_tokens": 5},
             "background": body.get("background", False), "store": body.get("store", True),
             "previous_response_id": body.get("previous_response_id"), "metadata": body.get("metadata") or {},
             "instructions": body.get("instructions"), "tools": [], "tool_choice": "auto",
-            "parallel_tool_calls": True})
+            "parallel_tool_calls": True}
+        if not body.get("stream"):
+            return web.json_response(whole)
+        running = {**whole, "status": "in_progress", "output": [], "usage": None}
+        events = [("response.created", {"response": running}), ("response.in_progress", {"response": running}),
+                  ("response.output_item.added", {"output_index": 0, "item": {**message, "status": "in_progress",
+                                                                              "content": []}}),
+                  ("response.output_text.delta", {"item_id": "msg_up", "output_index": 0, "content_index": 0,
+                                                  "delta": "Answer.", "logprobs": []}),
+                  ("response.output_item.done", {"output_index": 0, "item": message}),
+                  ("response.completed", {"response": {**whole, "output": [message]}})]
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        for n, (kind, fields) in enumerate(events):
+            data = json.dumps({"type": kind, "sequence_number": n, **fields})
+            await stream.write(f"event: {kind}\ndata: {data}\n\n".encode())
+        await stream.write_eof()
+        return stream
 
     app = web.Application()
     app.router.add_post("/v1/responses", responses)
@@ -473,6 +492,34 @@ async def test_a_foreground_response_an_upstream_pool_answered_is_kept_and_conti
     assert second.previous_response_id == first.id and second.output_text == "Answer."
     assert [item.get("content") for item in bodies[-1]["input"] if item.get("role") == "user"][0] in (
         "First.", [{"type": "input_text", "text": "First."}])   # the first turn went along
+
+
+async def test_a_streamed_response_an_upstream_pool_answered_is_kept_and_continued(relaying) -> None:
+    """A stream an upstream answers is relayed event by event with the Response's fields the gateway's (its id,
+    store, previous_response_id, metadata), and its last Response kept before that event goes out: it went by
+    under the upstream's id, unkept, and the next turn's previous_response_id was a 400 (the Agents SDK's
+    `run_streamed` broke on its second turn wherever the pool was an upstream)."""
+    sdk, bodies = relaying
+    events = [e async for e in await sdk.responses.create(model=FRONT, input="First.", stream=True,
+                                                            metadata={"turn": "1"})]
+    responses = [e.response for e in events if hasattr(e, "response")]
+    first = responses[-1]
+    assert [e.type for e in events][-1] == "response.completed" and len(responses) == 3
+    assert {r.id for r in responses} == {first.id} and first.id.startswith("resp_") and first.id != "resp_upstream"
+    assert all(r.store is True and r.metadata == {"turn": "1"} for r in responses) and first.output_text == "Answer."
+    assert bodies[-1]["store"] is False and bodies[-1]["stream"] is True
+    kept = await sdk.responses.retrieve(first.id)
+    assert (kept.id, kept.status, kept.output_text, kept.created_at) == (first.id, "completed", "Answer.",
+                                                                         first.created_at)
+    events = [e async for e in await sdk.responses.create(model=FRONT, input="Second.", stream=True,
+                                                            previous_response_id=first.id)]
+    assert {e.response.previous_response_id for e in events if hasattr(e, "response")} == {first.id}
+    assert [item.get("content") for item in bodies[-1]["input"] if item.get("role") == "user"][0] in (
+        "First.", [{"type": "input_text", "text": "First."}])   # the first turn went along
+    second = await sdk.responses.retrieve(events[-1].response.id)
+    assert second.previous_response_id == first.id and second.output_text == "Answer."
+    unkept = [e async for e in await sdk.responses.create(model=FRONT, input="Hi.", stream=True, store=False)]
+    assert unkept[-1].response.store is False   # relayed as the upstream wrote it
 
 
 async def test_an_upstream_429_to_a_kept_foreground_response_is_relayed_with_its_retry_after(aiohttp_client,
