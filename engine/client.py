@@ -171,7 +171,7 @@ class AsyncEngineClient:
             started.add_done_callback(lambda f: (child.close(), parent.close(), f.cancelled() or f.exception()))
             raise
         child.close()
-        self._process = watched = WorkerProcess(process)
+        self._process = watched = WorkerProcess(process, fork_served=self.start_method == "forkserver")
         self._sentinel, self.pid = watched.fd, watched.pid
         kill_at_exit(watched)
         return Channel(parent)

@@ -7,7 +7,9 @@ exit code 255: the gateway took every replica for dead, failed its requests and 
 one still holding the device. On Linux the process's pidfd says whether the worker itself ended, whoever
 reaps it: `WorkerProcess` believes the sentinel only where the pidfd agrees, watches the pidfd once the
 status pipe is gone (`status_lost`: the exit code is then unknown), and kills through it (no pid reuse).
-Where there is no pidfd (another OS, or the process ended before it was opened) it is the process as it was.
+Where there is no pidfd (another OS, or the process ended before it was opened) it is the process as it was,
+and so it is for a process not forked from the fork server (`fork_served` False: `spawn`, whose sentinel is a
+pipe the child itself holds, closed as it exits a moment before its pidfd says so), but for `kill`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import multiprocessing as mp
 import os
 import select
 import signal
+from multiprocessing.connection import wait
 
 __all__ = ["WorkerProcess"]
 
@@ -25,13 +28,17 @@ class WorkerProcess:
     """A started `multiprocessing` process, with what `AsyncEngineClient` reads of it: `fd` to watch for its
     end, `join`, `kill`, `exitcode`, `is_alive`, `close`."""
 
-    def __init__(self, process: mp.process.BaseProcess) -> None:
+    def __init__(self, process: mp.process.BaseProcess, fork_served: bool = True) -> None:
         self.process = process
         self.pid = process.pid
+        self.fork_served = fork_served
         self.status_lost = False   # the fork server ended before the worker: the pidfd alone says when it ends
         self._pidfd: int | None = None
         with contextlib.suppress(OSError, AttributeError):   # ended already, or no pidfd on this OS
             self._pidfd = os.pidfd_open(process.pid)
+        if self._pidfd is not None and wait([process.sentinel], 0):   # it ended before: the pid may be another's
+            os.close(self._pidfd)
+            self._pidfd = None
 
     @property
     def fd(self) -> int:
@@ -41,7 +48,7 @@ class WorkerProcess:
     def fired(self) -> bool:
         """`fd` became readable: whether the process ended. False where the sentinel closed as the fork server
         ended while the worker runs on; `fd` is its pidfd from then on."""
-        if self.status_lost or self._pidfd is None or self._ended(0):
+        if self.status_lost or self._pidfd is None or not self.fork_served or self._ended(0):
             return True
         self.status_lost = True
         return False
@@ -61,7 +68,10 @@ class WorkerProcess:
         return None if self.status_lost else self.process.exitcode
 
     def is_alive(self) -> bool:
-        return not self._ended(0) if self._pidfd is not None else self.process.exitcode is None
+        """multiprocessing's word (its exit code read), unless the pidfd says that was its fork server's end."""
+        if not self.status_lost and (self.process.exitcode is None or self.fired()):
+            return self.process.exitcode is None
+        return not self._ended(0)
 
     def kill(self) -> None:
         """SIGKILL, through the pidfd where there is one (it names this process, whoever reaped it since)."""
@@ -79,4 +89,8 @@ class WorkerProcess:
             self._pidfd = None
 
     def _ended(self, timeout: float | None) -> bool:
-        return bool(select.select([self._pidfd], [], [], timeout)[0])
+        """Whether the pidfd is readable (the process ended), waiting up to `timeout` seconds (poll: any fd
+        number, where select stops at 1024)."""
+        poller = select.poll()
+        poller.register(self._pidfd, select.POLLIN)
+        return bool(poller.poll(None if timeout is None else max(0, int(timeout * 1000))))

@@ -191,17 +191,45 @@ async def test_a_worker_outlives_the_fork_server_it_came_from():
         assert isinstance(stream.queue.get_nowait(), EngineDeadError)
 
 
+def test_the_exit_is_multiprocessings_word_unless_the_fork_server_ended():
+    """A worker that ends as the client's join times out: its pidfd says it ended before the fork server wrote
+    its status; it still counts as alive until multiprocessing has its exit code (closing a process before
+    that raises, which ended the reap with `died` never resolved). A spawned worker's sentinel is its own
+    pipe, closed just before its pidfd says it ended: never taken for a fork server's end."""
+    worker = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.waitid(os.P_PID, worker.pid, os.WEXITED | os.WNOWAIT)   # ended, not reaped: its pidfd says so already
+    status, server = os.pipe()
+    process = WorkerProcess(_ForkServed(worker.pid, status))
+    assert process.is_alive() and process.exitcode is None and not process.status_lost
+    os.write(server, (0).to_bytes(4, "little", signed=True))   # the fork server reports it
+    process.join(1)
+    assert not process.is_alive() and process.exitcode == 0
+    os.close(server)
+    worker.wait(5)
+    spawned = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    status, own_pipe = os.pipe()
+    process = WorkerProcess(_ForkServed(spawned.pid, status), fork_served=False)
+    os.close(own_pipe)   # its sentinel closes while the pidfd does not say it ended yet
+    assert process.fired() and not process.status_lost
+    process.kill()
+    assert spawned.wait(5) == -signal.SIGKILL
+
+
 def test_a_worker_outlives_a_real_fork_server_killed(tmp_path):
     """The same against multiprocessing's own fork server, in a process of its own (the suite's fork server
     is not killed): the worker it started reads exit code 255 once the server is killed, and runs on."""
     script = tmp_path / "fork_server_killed.py"
     script.write_text(textwrap.dedent("""
-        import multiprocessing as mp, multiprocessing.forkserver as forkserver, os, signal, select, time
+        import multiprocessing as mp, multiprocessing.forkserver as forkserver, os, resource, signal, select, time
         from engine.worker_process import WorkerProcess
         if __name__ == "__main__":
             process = mp.get_context("forkserver").Process(target=time.sleep, args=(60,), daemon=True)
             process.start()
             watched = WorkerProcess(process)
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)   # a gateway holding a thousand sockets:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))   # its fds past select's 1024
+            if min(hard, 4096) > 2000:
+                watched._pidfd = os.dup2(watched._pidfd, 2000)
             os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)
             assert select.select([watched.fd], [], [], 10)[0]          # the status pipe closed
             assert not watched.fired() and watched.status_lost and watched.is_alive()
