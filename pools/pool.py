@@ -98,7 +98,10 @@ class Pool:
             start = self.tokenizer.bos_token_id
             if start is None and self.tokenizer.eos_token_ids:
                 start = min(self.tokenizer.eos_token_ids)
-            ids = [] if start is None else [start]
+            if start is None:
+                raise ValueError("prompt: must not be empty: this model's tokenizer has no BOS or EOS token to "
+                                 "start a document with")
+            ids = [start]
         return ids
 
     def token_text(self, token_id: int) -> str:
