@@ -1,7 +1,7 @@
 """The aiohttp application: OpenAI-compatible endpoints in front of the pools.
 
 `create_app` builds the app from a `gateway.runtime.Gateway` (everything planned and loaded that can fail before a
-socket opens): the routes (`gateway.handlers`, the Responses API's `gateway.openai.stored_responses`; with a data
+socket opens): the routes (`gateway.handlers`, the Responses API's `gateway.openai.response_endpoints`; with a data
 dir also the Batch API, `gateway.batch.endpoints`, and the kept responses), the error, browser
 (`gateway.browser_guard`) and auth middlewares, and the `cleanup_ctx` that owns the device workers and the one
 `UpstreamClient` (`gateway.upstream.connection`). Workers load in the background: `/health` answers at once,

@@ -23,7 +23,7 @@ from gateway.openai import objects
 from gateway.openai.chat import ChatRequest
 from gateway.openai.errors import ApiError, bad_request
 from gateway.openai.input_items import input_items_page
-from gateway.openai.responses import ResponsesAnswer, parse_responses, response_object
+from gateway.openai.responses import ResponsesAnswer, parse_responses, response_error, response_object
 from gateway.openai.sampling_fields import check_context
 from gateway.openai.stored_responses import (RESPONSES, KeptResponses, finished_response, own_fields, relayed_body,
                                              routed_chat)
@@ -126,19 +126,27 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 def _kept_stream(ours: dict[str, Any], keep: Callable[[dict[str, Any]], Awaitable[bool]]) -> ResponseEdit:
     """How an upstream's Responses stream is kept: each event's Response with the gateway's own fields (`ours`:
-    its id, created_at, store, previous_response_id, metadata), the last one kept (one that is no finished
-    Response with its output items is not: its `store` says false)."""
+    its id, created_at, store, previous_response_id, metadata), the final one kept (one that is no finished
+    Response with its output items is not: its `store` says false); a stream that ends without one (dropped,
+    an `error` event) is kept `failed` with the error, as a local run that fails."""
+    latest = [ours]   # the last Response the stream showed
+
     def own(response: dict[str, Any]) -> None:
         response.update(own_fields(response, ours))
+        latest[0] = response
 
     async def kept(response: dict[str, Any]) -> bool:
         try:
-            finished_response(response)
-        except ApiError as exc:
-            log.warning("POST /v1/responses: the upstream's stream is not kept: %s", exc.message)
+            return await keep(finished_response(response))
+        except Exception as exc:   # noqa: BLE001 - relayed all the same, said unkept
+            log.warning("POST /v1/responses: the upstream's Response %s is not kept: %s", ours["id"], exc)
             return False
-        return await keep(response)
-    return ResponseEdit(own, kept)
+
+    async def failed(error: ApiError | None) -> None:
+        error = error or ApiError(502, "the upstream pool's stream ended with an error event", type="server_error",
+                                  code="upstream_error")
+        await kept({**latest[0], "status": "failed", "error": response_error(error), "incomplete_details": None})
+    return ResponseEdit(own, kept, failed)
 
 
 async def _checked(gateway: Gateway, req: ChatRequest) -> None:

@@ -32,7 +32,7 @@ Requests answered by an upstream pool are sent `store: false` (it keeps nothing)
 the input shape another server reads (`relayed_item`); a background one's Response, and a foreground stored one,
 is kept here with the gateway's own `id`, `created_at`, `background`, `store`, `previous_response_id` and
 `metadata` (a stream's events carry them, its last Response kept before that event goes out:
-`gateway.upstream.relay.ResponseEdit`).
+`gateway.upstream.stream_seen.ResponseEdit`).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ from gateway.openai.errors import ApiError, drain_cut
 from gateway.client_writes import ClientGone, escaped_json, start_sse, write_within
 from gateway.upstream.connection import (UpstreamClient, UpstreamDisconnected, UpstreamResponse,
                                          UpstreamTooLarge, UpstreamUnreachable)
-from gateway.upstream.sse import split_events, whole, with_data
+from gateway.upstream.sse import split_events, whole
 from gateway.upstream.stream_seen import ResponseEdit, StreamSeen, finish_reasons, rename_model
 from pools.pool import Pool
 
@@ -339,10 +339,7 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
                     failure = event
                     break
                 num_outputs, out = seen.num_outputs, seen.relay(event, relayed.client_model)
-                if seen.last is not None:   # a kept stream's last Response: kept before it goes out
-                    last, seen.last = seen.last, None
-                    last["response"]["store"] = await edit.keep(last["response"])
-                    out = with_data(event, escaped_json(last))
+                out = out if edit is None else await edit.settle(event, out)   # a final Response kept first
                 if out is not None:
                     await write(out + b"\n\n")
                 if num_outputs == 0 and seen.num_outputs:   # its first event of output
@@ -359,6 +356,8 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
         failure = _upstream_failed(pool, "dropped the stream", UpstreamDisconnected(
             f"it ended before its last event ({last})"), "upstream_disconnected")
     failed = (failure is not None and not seen.ended) or seen.error_status is not None   # a drop after its end: none
+    if edit is not None:
+        await edit.ended(failure)
     relayed.count(seen.usage, [] if failed else seen.finish_reasons)
     if failed:   # a failed request all the same, though its status was 200 (counted before a write may fail)
         metrics.errors.labels(status=str(seen.error_status or failure.status)).inc()   # the upstream's first

@@ -5,25 +5,50 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from gateway.client_writes import escaped_json
+from gateway.openai.errors import ApiError
 from gateway.upstream.sse import event_fields, json_object, with_data
 
 __all__ = ["ResponseEdit", "StreamSeen", "finish_reasons", "rename_model"]
 
 
-@dataclass
 class ResponseEdit:
     """What the gateway does to a relayed Responses stream that it keeps (`gateway.openai.response_endpoints`):
     `own` rewrites each event's Response in place (its id, store, previous_response_id: the gateway's); `keep`
-    keeps the last one (`response.completed`, `.incomplete`, `.failed`) before it goes out, and says whether it
-    was kept (its `store`)."""
+    keeps the first final one (`response.completed`, `.incomplete`, `.failed`) before that event goes out, and
+    says whether it was kept (its `store`); `fail` keeps a failed Response for a stream that ended without one
+    (dropped, an `error` event; the error: ours, or None for the upstream's own)."""
 
-    own: Callable[[dict[str, Any]], None]
-    keep: Callable[[dict[str, Any]], Awaitable[bool]]
+    def __init__(self, own: Callable[[dict[str, Any]], None], keep: Callable[[dict[str, Any]], Awaitable[bool]],
+                 fail: Callable[[ApiError | None], Awaitable[None]]) -> None:
+        self.own, self.keep, self.fail = own, keep, fail
+        self.kept = False
+        self._last: dict[str, Any] | None = None   # the final event, until `settle` keeps its Response
+
+    def edit(self, obj: dict[str, Any]) -> None:
+        """An event with a Response (`StreamSeen.relay`): made the gateway's; a final one held for `settle`."""
+        self.own(obj["response"])
+        if obj.get("type") in _FINAL_RESPONSE_EVENTS and not self.kept:
+            self._last, self.kept = obj, True
+
+    async def settle(self, event: bytes, out: bytes | None) -> bytes | None:
+        """The event to relay: `out`, or for the final one its Response kept first (shielded: a drain's cut
+        meanwhile leaves it kept), with the `store` that says whether it was."""
+        if self._last is None:
+            return out
+        last, self._last = self._last, None
+        last["response"]["store"] = await asyncio.shield(self.keep(last["response"]))
+        return with_data(event, escaped_json(last))
+
+    async def ended(self, error: ApiError | None) -> None:
+        """The stream is over: a failed Response kept if it ended without its final one."""
+        if not self.kept:
+            self.kept = True
+            await self.fail(error)
 
 
 def rename_model(obj: Any, model: str) -> Any:
@@ -68,12 +93,11 @@ class StreamSeen:
     chunk, or a Responses event past the ones that announce the Response before it runs: time to first token
     counts to the first of them), the status its first error event says (`error_status`: an `error` object's
     numeric code, vLLM's, else 502; a Responses `error` or `response.failed` event: 502). Events are read as the
-    SSE spec says (`gateway.upstream.sse`). With an `edit`, each event's Response is made the gateway's, and the
-    last one waits in `last` for the caller to keep it before it goes out."""
+    SSE spec says (`gateway.upstream.sse`). With an `edit`, each event's Response is made the gateway's
+    (`ResponseEdit`)."""
 
     def __init__(self, responses: bool = False, hide_usage: bool = False, edit: ResponseEdit | None = None) -> None:
         self.responses, self.hide_usage, self.edit = responses, hide_usage, edit
-        self.last: dict[str, Any] | None = None   # a kept stream's last event, until the caller keeps its Response
         self.ended = False
         self.usage: Any = None
         self.sequence_number = -1
@@ -105,9 +129,7 @@ class StreamSeen:
             if obj["usage"] is None:
                 del obj["usage"]
         if self.edit is not None and isinstance(obj.get("response"), dict):
-            self.edit.own(obj["response"])
-            if obj.get("type") in _FINAL_RESPONSE_EVENTS:
-                self.last = obj
+            self.edit.edit(obj)
         return with_data(event, escaped_json(rename_model(obj, model)))   # half an emoji ("\ud83d") as it came
 
 

@@ -377,8 +377,8 @@ async def test_a_background_response_waits_for_credits_past_its_pools_queue_limi
 async def upstream(aiohttp_server):
     """A vLLM-like upstream Responses server: it reads `input` as vLLM's request model does (`INPUT_ITEMS`; a
     400 otherwise) and answers a Response of its own (its id and time; the relayed body's `background`, `store`
-    and `previous_response_id` echoed), a reasoning item and a message, whole or as a stream's events. The bodies
-    it got, in order."""
+    and `previous_response_id` echoed), a reasoning item and a message, whole or as a stream's events (one whose
+    input says "Drop." ends before its last event, "Twice." sends that one twice). The bodies it got, in order."""
     bodies: list[dict] = []
 
     async def responses(request: web.Request) -> web.Response:
@@ -411,6 +411,8 @@ async def upstream(aiohttp_server):
                                                   "delta": "Answer.", "logprobs": []}),
                   ("response.output_item.done", {"output_index": 0, "item": message}),
                   ("response.completed", {"response": {**whole, "output": [message]}})]
+        said = json.dumps(body["input"])
+        events = events[:2] if "Drop." in said else events + events[-1:] if "Twice." in said else events
         stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await stream.prepare(request)
         for n, (kind, fields) in enumerate(events):
@@ -520,6 +522,13 @@ async def test_a_streamed_response_an_upstream_pool_answered_is_kept_and_continu
     assert second.previous_response_id == first.id and second.output_text == "Answer."
     unkept = [e async for e in await sdk.responses.create(model=FRONT, input="Hi.", stream=True, store=False)]
     assert unkept[-1].response.store is False   # relayed as the upstream wrote it
+    twice = [e async for e in await sdk.responses.create(model=FRONT, input="Twice.", stream=True)]
+    assert [e.type for e in twice][-2:] == ["response.completed"] * 2   # the second not kept again (it cut the
+    assert (await sdk.responses.retrieve(twice[-1].response.id)).status == "completed"   # stream, as a 2nd put)
+    dropped = [e async for e in await sdk.responses.create(model=FRONT, input="Drop.", stream=True)]
+    assert dropped[-1].type == "error" and dropped[-1].code == "upstream_disconnected"
+    failed = await sdk.responses.retrieve(dropped[0].response.id)   # kept failed, as a local run that fails
+    assert failed.status == "failed" and failed.error.message.startswith("upstream_disconnected"), failed.error
 
 
 async def test_an_upstream_429_to_a_kept_foreground_response_is_relayed_with_its_retry_after(aiohttp_client,
