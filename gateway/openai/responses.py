@@ -149,7 +149,7 @@ def _messages(req: ResponsesBody, earlier: list[InputItem]) -> list[dict[str, An
         if reasoning is not None and messages[-1]["role"] == "assistant":
             messages[-1].setdefault("reasoning_content", reasoning)
         reasoning = None
-    check_calls(earlier + own)
+    check_calls(earlier + own, own_from=len(earlier))
     return messages
 
 

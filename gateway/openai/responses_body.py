@@ -127,20 +127,21 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream_options: Any = None
 
 
-def check_calls(items: Sequence[InputItem]) -> None:
+def check_calls(items: Sequence[InputItem], own_from: int = 0) -> None:
     """OpenAI's rule on a conversation's function calls (the earlier turns' items and the request's own, in
     order, each with its `call_id`): every `function_call_output` answers a `function_call` before it, and
     every `function_call` is answered by an output after it; else a 400 naming `input` in OpenAI's words.
     Without it an output would become a tool turn that answers nothing, and a call the next turn ignores
     an assistant turn whose result never comes: prompts no template renders as the model was trained. A call
     id is one call's and one output's: an earlier turn's call sent again with `previous_response_id` (which
-    holds it already) is OpenAI's duplicate item, not a second call in the prompt."""
+    holds it already) is OpenAI's duplicate item, not a second call in the prompt; only the request's own items
+    (from `own_from` on) are refused so, a kept conversation that holds such a pair being continued as it is."""
     unanswered: dict[str, None] = {}   # call ids in order, until their output comes
     called: set[str] = set()
     answered: set[str] = set()
-    for item in items:
+    for i, item in enumerate(items):
         key = item.call_id if item.type in ("function_call", "function_call_output") else None
-        if key in (called if item.type == "function_call" else answered):
+        if i >= own_from and key in (called if item.type == "function_call" else answered):
             raise ApiError(400, f"Duplicate item found with call_id {key}: a {item.type} the conversation "
                            "holds already (with previous_response_id, send only what is new)", param="input")
         if item.type == "function_call":

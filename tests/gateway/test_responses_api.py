@@ -349,6 +349,8 @@ def test_calls_and_their_outputs_pair_as_openai_requires() -> None:
             parse_responses({**body, "input": items}, prior=prior)
         assert (info.value.status, info.value.param) == (400, "input")
         assert info.value.message.startswith(f"Duplicate item found with call_id call_1: a {kind} "), items
+    kept = [asked, call, call, output]   # a conversation kept with such a pair is continued as it is
+    assert parse_responses({**body, "input": "Thanks."}, prior=kept).chat.messages[-1]["content"] == "Thanks."
 
 
 def test_a_turn_that_says_something_then_calls_is_one_assistant_turn() -> None:
