@@ -145,6 +145,22 @@ class Placed:
         self.pool.admission.observe(self.key, num_tokens, prefilled)
 
 
+def credit_shares(pools: Sequence[str], placed: dict[str, Placed]) -> list[int]:
+    """Each prompt's share (prompts in order, each named by its pool) of the credits its pool's part holds
+    (`Placed.credits`): even, the remainder on the pool's first. A shared replica counts each prompt's share
+    until that prompt ends (`engine.sessions`): all of them said by the first, they were released with it while
+    the others still ran, and the replica's count of the gateway's demand fell short."""
+    members: dict[str, list[int]] = {}
+    for i, name in enumerate(pools):
+        members.setdefault(name, []).append(i)
+    shares = [0] * len(pools)
+    for name, indices in members.items():
+        share, rest = divmod(placed[name].credits, len(indices))
+        for i in indices:
+            shares[i] = share + (rest if i == indices[0] else 0)
+    return shares
+
+
 @dataclass
 class AdmissionControl:
     """Tenants, the local pools' admissions and their metrics, for one gateway."""

@@ -39,7 +39,7 @@ from engine.outputs import RequestDelta, SampleDelta
 from engine.sampling import SamplingParams
 from engine.client import EngineDeadError, RequestFailedError
 from gateway.openai import objects
-from gateway.admission import Placed
+from gateway.admission import Placed, credit_shares
 from gateway.client_writes import RESPONSE_BUFFERS, ClientGone, ResponseBuffers, escaped_json, start_sse, write_within
 from gateway.monitoring.metrics import GatewayMetrics, HeldLatencies
 from gateway.openai.chat import ChatRequest
@@ -80,11 +80,10 @@ async def merged(routed: Routed, params: SamplingParams, priority: int, request_
                  placed: dict[str, Placed], tenant: str = "default") -> AsyncIterator[tuple[int, RequestDelta]]:
     """(prompt index, delta) from every prompt's engine request, as they arrive, each on the replica its
     pool's part was placed on (`placed`)."""
-    # each pool's first prompt says the credits its part holds (the replica counts them)
-    first = {pool.name: i for i, (pool, _) in reversed(list(enumerate(routed)))}
+    shares = credit_shares([pool.name for pool, _ in routed], placed)   # what each prompt's replica counts
 
     def generate(i: int, pool: Pool, ids: list[int]):
-        where, credits = placed[pool.name], placed[pool.name].credits if first[pool.name] == i else 0
+        where, credits = placed[pool.name], shares[i]
         return where.client.generate(ids, params, request_id=engine_request_id(request_id, i, len(routed)),
                                      priority=priority, pool=pool.name, cache_salt=pool.cache_salt(tenant),
                                      credits=credits, background=where.background)

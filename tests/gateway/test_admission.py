@@ -395,3 +395,32 @@ async def test_a_request_admitted_in_one_pool_waits_for_another_as_that_ones_wai
     go.set()
     await asyncio.gather(holder, both)
     gateway.executor.shutdown(wait=False)
+
+
+async def test_the_prompts_of_a_request_share_their_pools_credits_on_its_replica():
+    """A completion's prompts in one pool hold its part's credits together; each engine request says its
+    share, which a shared replica counts until that prompt ends (all of them said by the first prompt were
+    released when it ended, while the others still held their blocks: the replica undercounted the gateway's
+    demand and could cut its lease below what it held)."""
+    from types import SimpleNamespace
+
+    from engine.outputs import RequestDelta
+    from engine.sampling import SamplingParams
+    from gateway.admission import Placed
+    from gateway.local_answer import merged
+
+    said: dict[str, int] = {}
+
+    class _Client:
+        async def generate(self, ids, params, *, request_id, credits, **kwargs):
+            said[request_id] = credits
+            yield RequestDelta(request_id, [], finished=True)
+
+    chat, rag = (SimpleNamespace(name=name, clients=[_Client()], cache_salt=lambda tenant: None)
+                 for name in ("chat", "rag"))
+    placed = {"chat": Placed(chat, 0, "a", credits=301), "rag": Placed(rag, 0, "b", credits=100)}
+    routed = [(chat, [1]), (rag, [2]), (chat, [3]), (chat, [4])]
+    seen = [i async for i, _ in merged(routed, SamplingParams(), 0, "cmpl-1", placed)]
+    assert sorted(seen) == [0, 1, 2, 3]
+    shares = [credits for _, credits in sorted(said.items())]
+    assert shares == [101, 100, 100, 100], said   # chat's 301 over its three prompts, rag's 100 on its one
