@@ -323,8 +323,8 @@ class SessionHub:
                 self._end(session, f"connection lost: {exc}")
                 continue
             inbound = [out for msg in received if not session.closed for out in self._inbound(session, msg)]
-            if session.channel.eof and not session.closed:
-                self._end(session, "the gateway closed the connection")
+            if session.channel.eof and not session.closed:   # the replica's reason (silence) where it has one
+                self._end(session, getattr(session.channel, "end_reason", None) or "the gateway closed the connection")
             messages += [m for m in inbound if not (session.closed and isinstance(m, (AddRequest, PauseRequest)))]
         self._report_waiting()   # the sums once every session of this turn is read (one that left counts nothing)
         return messages

@@ -174,6 +174,19 @@ def test_what_a_leaving_gateway_sent_in_its_last_read_is_not_run_for_nobody():
         assert held_credits(hub.sessions, "p") <= BLOCKS * BLOCK
 
 
+def test_a_session_ended_for_its_gateways_silence_says_so(caplog):
+    """The replica's reason for the end of a connection (a partition's silence, `ReplicaChannel.end_reason`) is
+    what its log says, not a clean close by the gateway."""
+    for reason, said in (("nothing from the gateway for 20.3 s", "nothing from the gateway for 20.3 s"),
+                         (None, "the gateway closed the connection")):
+        hub, first, _ = _hub()
+        first.channel.eof, first.channel.end_reason = True, reason
+        caplog.clear()
+        with caplog.at_level("INFO", logger="cliffguard"):
+            hub.receive()
+        assert any(said in record.getMessage() for record in caplog.records), [r.getMessage() for r in caplog.records]
+
+
 def test_a_leaving_gateways_queue_no_longer_presses_the_pool():
     """The composer hears each pool's gateway queue summed over sessions: a gateway that leaves takes its
     queue with it, also when no other session ever reported one for that pool."""
