@@ -13,7 +13,8 @@ from what the gateway and the device's workers know, and feeds the device's `Ove
 - the replicas up (the device's ready supervisors).
 
 What it says: `cliffguard_device_overloaded{device}` (1 / 0), beside it `cliffguard_device_offered_load`
-(offered load over capacity: the fraction of the ready replicas' time asked for) and
+(offered load over capacity: the fraction of the ready replicas' time asked for, +Inf for a load offered while
+none is ready) and
 `cliffguard_device_replicas_needed` (the replicas that would carry it at most 90% busy), per pool
 `cliffguard_pool_offered_tokens_per_second{pool,phase}`, `cliffguard_pool_capacity_tokens_per_second{pool,phase}`
 (over its ready replicas) and `cliffguard_pool_oldest_waiting_seconds{pool}`, per replica
@@ -27,6 +28,7 @@ Event-loop only; nothing here waits on a model step.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from gateway.monitoring.metrics import GatewayMetrics
@@ -145,7 +147,9 @@ class OverloadWatch:
     def _export(self, device: str, load: DeviceLoad, overloaded: bool) -> None:
         m = self.metrics
         m.device_overloaded.labels(device=device).set(1 if overloaded else 0)
-        m.device_offered_load.labels(device=device).set(load.load)
+        # over the ready replicas' time: with none ready, anything offered is more than they can do
+        offered = load.load if load.replicas or not any(p.load for p in load.pools) else math.inf
+        m.device_offered_load.labels(device=device).set(offered)
         m.device_replicas_needed.labels(device=device).set(replicas_needed(load.pools))
         for p in load.pools:
             m.pool_oldest_wait.labels(pool=p.pool).set(p.oldest_wait)

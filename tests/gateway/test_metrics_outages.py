@@ -345,7 +345,8 @@ def _watch_one_pool(offered) -> tuple[OverloadWatch, GatewayMetrics, SimpleNames
 def test_with_no_replica_ready_a_pools_capacity_reads_0_and_the_offered_load_stays_measured():
     """The device's step-cost model outlives its replicas: with none ready, capacity (what the ready replicas
     can do) reads 0 and the load offered is still measured (capacity kept its last value and the offered load
-    read 0, the model being read from ready replicas only)."""
+    read 0, the model being read from ready replicas only). The offered load over no replica's time is +Inf
+    (it read as if one were up: an alert on it stayed quiet through a whole outage); nothing offered, 0."""
     offered = SimpleNamespace(totals=lambda now: (0, 0, 0), span=lambda now: 10.0)
     watch, metrics, sup = _watch_one_pool(offered)
     capacity = metrics.pool_capacity.labels(pool="chat", phase="decode")._value
@@ -354,7 +355,10 @@ def test_with_no_replica_ready_a_pools_capacity_reads_0_and_the_offered_load_sta
     sup.is_ready = False
     offered.totals = lambda now: (50, 5000, 2500)
     watch.check(101.0)
-    assert capacity.get() == 0 and metrics.device_offered_load.labels(device=DEVICE)._value.get() > 0
+    assert capacity.get() == 0 and metrics.device_offered_load.labels(device=DEVICE)._value.get() == math.inf
+    offered.totals = lambda now: (0, 0, 0)
+    watch.check(102.0)
+    assert metrics.device_offered_load.labels(device=DEVICE)._value.get() == 0
 
 
 def test_a_gateway_started_into_steady_traffic_reads_its_offered_rate_from_the_start():
