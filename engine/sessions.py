@@ -168,7 +168,10 @@ class SessionHub:
         session.channel.close()
         for request_id in list(session.requests):
             if request_id in self.engine.requests:
-                self.engine.abort(request_id)
+                try:
+                    self.engine.abort(request_id)
+                except Exception:  # noqa: BLE001 - as a gateway's own abort that fails: the others' steps go on
+                    log.exception("replica: aborting %s, its gateway gone, failed", request_id)
         session.requests.clear()
         session.reserved.clear()
         session.reserved_batch.clear()

@@ -187,6 +187,22 @@ def test_a_session_ended_for_its_gateways_silence_says_so(caplog):
         assert any(said in record.getMessage() for record in caplog.records), [r.getMessage() for r in caplog.records]
 
 
+def test_an_abort_that_fails_for_a_leaving_gateway_ends_its_session_alone():
+    """Aborting what a gateway that left had in flight may fail (an engine's bug): logged, as a gateway's own
+    abort that fails, and the session still ends; it went up through the loop and ended the replica for
+    every gateway."""
+    hub, first, second = _hub()
+    hub.engine.requests["s1/a"] = object()
+    first.requests["s1/a"] = ("p", 64, False)
+
+    def abort(request_id):
+        raise KeyError(request_id)
+    hub.engine.abort = abort
+    first.channel.eof = True
+    hub.receive()
+    assert hub.sessions == [second] and first.closed and not first.requests
+
+
 def test_a_leaving_gateways_queue_no_longer_presses_the_pool():
     """The composer hears each pool's gateway queue summed over sessions: a gateway that leaves takes its
     queue with it, also when no other session ever reported one for that pool."""
