@@ -36,9 +36,12 @@ class WorkerProcess:
         self._pidfd: int | None = None
         with contextlib.suppress(OSError, AttributeError):   # ended already, or no pidfd on this OS
             self._pidfd = os.pidfd_open(process.pid)
-        if self._pidfd is not None and wait([process.sentinel], 0):   # it ended before: the pid may be another's
-            os.close(self._pidfd)
-            self._pidfd = None
+        if self._pidfd is not None and wait([process.sentinel], 0):   # its status came: it ended (or its fork
+            if fork_served and process.exitcode == 255 and not self._ended(0):   # server did: EOF reads 255)
+                self.status_lost = True
+            else:   # it ended before the pidfd was opened: its pid may be another process's by now
+                os.close(self._pidfd)
+                self._pidfd = None
 
     @property
     def fd(self) -> int:

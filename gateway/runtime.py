@@ -38,7 +38,7 @@ from engine.client import AsyncEngineClient
 from gateway.admission import AdmissionControl
 from gateway.workers.autoscaler import Autoscaler
 from gateway.monitoring.metrics import GatewayMetrics
-from gateway.openai.errors import DRAIN_CUT, ApiError, named_error
+from gateway.openai.errors import DRAIN_CUT, ApiError, named_error, renamed_field
 from gateway.monitoring.overload import OverloadWatch
 from gateway.workers.deaths import DeviceDeaths, SuspectGate
 from gateway.workers.supervisor import DeviceSupervisor
@@ -410,7 +410,7 @@ class Gateway:
         except ValueError as exc:  # bad messages or a template error, named by the tokenizer
             if str(exc).startswith("chat template"):   # the template's error on this request (or there is none)
                 raise ApiError(400, f"{param}: {exc}", param=param) from None
-            raise named_error(str(exc)) from None
+            raise named_error(renamed_field(str(exc), {"prompt": param})) from None   # `prompt[i]` of several
         except TypeError as exc:  # JSON may carry text the tokenizer refuses, e.g. "\ud800"
             raise ApiError(400, f"{param}: the text cannot be tokenized ({exc}); it must be valid "
                            "Unicode (no lone surrogates)", param=param) from None

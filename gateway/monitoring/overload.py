@@ -148,7 +148,8 @@ class OverloadWatch:
         m = self.metrics
         m.device_overloaded.labels(device=device).set(1 if overloaded else 0)
         # over the ready replicas' time: with none ready, anything offered is more than they can do
-        offered = load.load if load.replicas or not any(p.load for p in load.pools) else math.inf
+        asked = any(p.offered_prefill or p.offered_decode for p in load.pools)   # with a step-cost model or not
+        offered = load.load if load.replicas or not asked else math.inf
         m.device_offered_load.labels(device=device).set(offered)
         m.device_replicas_needed.labels(device=device).set(replicas_needed(load.pools))
         for p in load.pools:

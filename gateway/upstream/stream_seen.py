@@ -28,6 +28,7 @@ class ResponseEdit:
         self.own, self.keep, self.fail = own, keep, fail
         self.kept = False
         self._last: dict[str, Any] | None = None   # the final event, until `settle` keeps its Response
+        self.upstream_error: ApiError | None = None   # what the upstream's own `error` event said
 
     def edit(self, obj: dict[str, Any]) -> None:
         """An event with a Response (`StreamSeen.relay`): made the gateway's; a final one held for `settle`."""
@@ -44,11 +45,19 @@ class ResponseEdit:
         last["response"]["store"] = await asyncio.shield(self.keep(last["response"]))
         return with_data(event, escaped_json(last))
 
+    def errored(self, obj: dict[str, Any]) -> None:
+        """The upstream's `error` event: what a failed Response kept for the stream says, as the client saw it."""
+        if self.upstream_error is None:
+            code = obj.get("code")
+            self.upstream_error = ApiError(502, str(obj.get("message") or "the upstream pool's error event"),
+                                           type="server_error", code=code if isinstance(code, str) else None)
+
     async def ended(self, error: ApiError | None) -> None:
-        """The stream is over: a failed Response kept if it ended without its final one."""
+        """The stream is over: a failed Response kept if it ended without its final one (the upstream's own
+        error first, then ours)."""
         if not self.kept:
             self.kept = True
-            await self.fail(error)
+            await self.fail(self.upstream_error or error)
 
 
 def rename_model(obj: Any, model: str) -> Any:
@@ -130,6 +139,8 @@ class StreamSeen:
                 del obj["usage"]
         if self.edit is not None and isinstance(obj.get("response"), dict):
             self.edit.edit(obj)
+        elif self.edit is not None and obj.get("type") == "error":
+            self.edit.errored(obj)
         return with_data(event, escaped_json(rename_model(obj, model)))   # half an emoji ("\ud83d") as it came
 
 

@@ -145,12 +145,17 @@ class _ForkServed:
     server ended) reads as exit code 255 (`popen_forkserver.poll`)."""
 
     def __init__(self, pid: int, status: int) -> None:
-        self.pid, self.sentinel, self.exitcode = pid, status, None
+        self.pid, self.sentinel, self._code = pid, status, None
 
     def join(self, timeout: float | None = None) -> None:
-        if self.exitcode is None and select.select([self.sentinel], [], [], timeout)[0]:
+        if self._code is None and select.select([self.sentinel], [], [], timeout)[0]:
             data = os.read(self.sentinel, 4)
-            self.exitcode = int.from_bytes(data, "little", signed=True) if data else 255
+            self._code = int.from_bytes(data, "little", signed=True) if data else 255
+
+    @property
+    def exitcode(self) -> int | None:   # read as multiprocessing's is: polled
+        self.join(0)
+        return self._code
 
     def kill(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
@@ -206,6 +211,7 @@ def test_the_exit_is_multiprocessings_word_unless_the_fork_server_ended():
     assert not process.is_alive() and process.exitcode == 0
     os.close(server)
     worker.wait(5)
+    process.close()
     spawned = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     status, own_pipe = os.pipe()
     process = WorkerProcess(_ForkServed(spawned.pid, status), fork_served=False)
@@ -213,6 +219,16 @@ def test_the_exit_is_multiprocessings_word_unless_the_fork_server_ended():
     assert process.fired() and not process.status_lost
     process.kill()
     assert spawned.wait(5) == -signal.SIGKILL
+    process.close()
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    status, server = os.pipe()
+    os.close(server)   # the fork server ended between the worker's start and the watch: it runs on
+    process = WorkerProcess(_ForkServed(worker.pid, status))
+    assert process.status_lost and process.is_alive() and process.fd != status
+    process.kill()
+    process.join(5)
+    assert not process.is_alive() and worker.wait(5) == -signal.SIGKILL
+    process.close()
 
 
 def test_a_worker_outlives_a_real_fork_server_killed(tmp_path):

@@ -359,6 +359,11 @@ def test_with_no_replica_ready_a_pools_capacity_reads_0_and_the_offered_load_sta
     offered.totals = lambda now: (0, 0, 0)
     watch.check(102.0)
     assert metrics.device_offered_load.labels(device=DEVICE)._value.get() == 0
+    never = SimpleNamespace(totals=lambda now: (50, 5000, 2500), span=lambda now: 10.0)
+    watch, metrics, sup = _watch_one_pool(never)
+    sup.is_ready = False   # never ready: no step-cost model yet (a worker that fails to load, again and again)
+    watch.check(100.0)
+    assert metrics.device_offered_load.labels(device=DEVICE)._value.get() == math.inf
 
 
 def test_a_gateway_started_into_steady_traffic_reads_its_offered_rate_from_the_start():

@@ -378,7 +378,8 @@ async def upstream(aiohttp_server):
     """A vLLM-like upstream Responses server: it reads `input` as vLLM's request model does (`INPUT_ITEMS`; a
     400 otherwise) and answers a Response of its own (its id and time; the relayed body's `background`, `store`
     and `previous_response_id` echoed), a reasoning item and a message, whole or as a stream's events (one whose
-    input says "Drop." ends before its last event, "Twice." sends that one twice). The bodies it got, in order."""
+    input says "Drop." ends before its last event, "Twice." sends that one twice, "Error." ends with an `error`
+    event). The bodies it got, in order."""
     bodies: list[dict] = []
 
     async def responses(request: web.Request) -> web.Response:
@@ -413,6 +414,9 @@ async def upstream(aiohttp_server):
                   ("response.completed", {"response": {**whole, "output": [message]}})]
         said = json.dumps(body["input"])
         events = events[:2] if "Drop." in said else events + events[-1:] if "Twice." in said else events
+        if "Error." in said:
+            events = events[:2] + [("error", {"code": "rate_limit_exceeded", "message": "Upstream busy.",
+                                              "param": None})]
         stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await stream.prepare(request)
         for n, (kind, fields) in enumerate(events):
@@ -529,6 +533,11 @@ async def test_a_streamed_response_an_upstream_pool_answered_is_kept_and_continu
     assert dropped[-1].type == "error" and dropped[-1].code == "upstream_disconnected"
     failed = await sdk.responses.retrieve(dropped[0].response.id)   # kept failed, as a local run that fails
     assert failed.status == "failed" and failed.error.message.startswith("upstream_disconnected"), failed.error
+    errored = [e async for e in await sdk.responses.create(model=FRONT, input="Error.", stream=True)]
+    assert errored[-1].type == "error" and errored[-1].message == "Upstream busy."
+    failed = await sdk.responses.retrieve(errored[0].response.id)   # failed as the upstream said, not ours
+    assert (failed.status, failed.error.code, failed.error.message) == ("failed", "rate_limit_exceeded",
+                                                                        "Upstream busy."), failed.error
 
 
 async def test_an_upstream_429_to_a_kept_foreground_response_is_relayed_with_its_retry_after(aiohttp_client,
