@@ -391,7 +391,7 @@ class SessionHub:
     def send(self, msg) -> None:
         """Route one message of the loop (or of the heartbeat thread) to the sessions it concerns."""
         with self._lock:
-            sessions = list(self.sessions)
+            sessions, waiting = list(self.sessions), list(self._pending)
         match msg:
             case Outputs():
                 for session in sessions:
@@ -406,8 +406,8 @@ class SessionHub:
                     if session.stats_asked:
                         session.stats_asked -= 1
                         self._safe_send(session, StatsReply(self._stats_for(session, msg.stats)))
-            case _:   # Heartbeat, Fatal: every session's
-                for session in sessions:
+            case _:   # Heartbeat, Fatal: every session's, and those the loop has not taken in (a hung step's
+                for session in sessions + waiting:   # heartbeats tell a gateway that connected meanwhile)
                     self._safe_send(session, msg)
 
     def _send_outputs(self, session: Session, msg: Outputs) -> None:

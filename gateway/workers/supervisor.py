@@ -1,70 +1,66 @@
 """`DeviceSupervisor`: one device worker's life as the gateway sees it — start, death, restart.
 
-There is one supervisor per replica of a device (a replicated device has several, each with its own
-worker process, or its own tensor-parallel group, of which the worker is rank 0). The supervisor owns
-its replica's `engine.client.AsyncEngineClient`, a new one per worker process, and points the device's
-pools at the live one (`Pool.clients[replica]`); when a new worker is ready it tells each pool's
-admission (`CreditQueue.replica_ready`), which places requests on it again. A replica that is not ready
-takes no new request: the pools' placement sees it at once (`is_ready`), so while it restarts the
-other replicas serve. The client notices a worker's death at once (its pipe's
-EOF or its process sentinel; `kill -9`, the OOM killer, a crashed kernel, a failed step) and fails
-the requests in flight with `EngineDeadError`: 503 `engine_dead`, or an error event then `[DONE]` on
-a stream. The supervisor then
+There is one supervisor per replica of a device (a replicated device has several, each with its own worker
+process, or its own tensor-parallel group, of which the worker is rank 0). The supervisor owns its replica's
+`engine.client.AsyncEngineClient`, a new one per worker process, and points the device's pools at the live
+one (`Pool.clients[replica]`); when a new worker is ready it tells each pool's admission
+(`CreditQueue.replica_ready`), which places requests on it again. A replica that is not ready takes no new
+request: the pools' placement sees it at once (`is_ready`), so while it restarts the other replicas serve.
+The client notices a worker's death at once (its pipe's EOF or its process sentinel; `kill -9`, the OOM
+killer, a crashed kernel, a failed step) and fails the requests in flight with `EngineDeadError`: 503
+`engine_dead`, or an error event then `[DONE]` on a stream. The supervisor then
 
 - logs an ERROR naming the device and the reason (`device worker process exited (signal 9, SIGKILL)`),
 - shows the device as `restarting: <reason>` (so `/ready` answers 503) until a new worker has loaded,
 - starts the new worker after a back-off (`Backoff`: 1 s, 2 s, 4 s … 30 s; back to 1 s once a worker
   stayed up for `reset_after` seconds), counted in `cliffguard_worker_restarts_total{device,replica}`.
 
-A worker that ends while its replica drains and whose replica is then gone for good (on a Ray device, a
-follower gateway sees the replica the leader gateway drained and removed end this way) is logged at INFO
-and not counted as a restart; a draining replica that crashed (Ray restarts it) counts as any other.
-A Ray replica that waits for another config's gateway to give the device's config claim back
-(`gateway.workers.config_claim.ClaimPending`) logs each try at INFO.
+A worker that ends while its replica drains and whose replica is then gone for good (a follower gateway
+sees the replica the leader drained and removed end this way) is logged at INFO and not counted as a
+restart; a draining replica that crashed (Ray restarts it) counts as any other. A Ray replica that waits for
+another config's gateway to give the config claim back (`config_claim.ClaimPending`) logs each try at INFO.
 
 A worker that is alive but silent is as dead to its clients. The worker sends a heartbeat every half
 second from a thread beside its step loop (`engine.worker.HeartbeatThread`), busy or idle, saying how
 long its current step has lasted. The watchdog (every `WATCHDOG_INTERVAL` s) kills a loaded worker
 
-- whose heartbeat has been silent for `gateway.stall_seconds`, with or without requests in flight (a
-  `kill -STOP`, a process frozen whole): `restarting: stalled: …`, counted in
-  `cliffguard_worker_stalls_total{device,replica}` (a Ray replica's connection is dropped and the actor
-  asked through Ray first: restarted only if it does not answer there either, since a silent connection
-  may be a partition between this gateway and a replica other gateways still use);
+- whose heartbeat has been silent for `gateway.stall_seconds`, with or without requests in flight (a `kill
+  -STOP`, a process frozen whole): `restarting: stalled: …`, counted in `cliffguard_worker_stalls_total`
+  (a Ray replica's connection is dropped and the actor asked through Ray first: restarted only if it does
+  not answer there either, a silent connection being maybe a partition from a replica others still use);
 - that still beats but whose current step has lasted over `gateway.step_timeout_seconds` (a kernel or a
   collective that never returns): `restarting: hung: …`, counted in `cliffguard_worker_step_timeouts_total`.
 
-A long healthy step (a throughput pool's full prefill chunk on a CPU, a first Triton compile) beats
-throughout, so it is never killed before `step_timeout_seconds`. Either way the in-flight requests fail
-with 503 `engine_dead` naming the reason (or run again: `gateway.completion`), `/ready` answers 503
-within `stall_seconds` plus one watchdog tick, and the worker is restarted as if it had died.
+A long healthy step (a throughput pool's full prefill chunk on a CPU, a first Triton compile) beats throughout,
+so it is never killed before `step_timeout_seconds`. Either way the in-flight requests fail with 503
+`engine_dead` naming the reason (or run again: `gateway.completion`), `/ready` answers 503 within
+`stall_seconds` plus one watchdog tick, and the worker is restarted as if it had died.
 
-Each death is recorded in the device's `gateway.workers.deaths.DeviceDeaths` (shared by its replicas)
-with its cause: a step's failure (`Fatal`), a hang or a stall (the watchdog's verdicts), or a loss
-(the process or the connection gone); a request that was in flight at it reads the record to tell
-its own deaths from a fault that took several replicas at once (`gateway.completion`).
+Each death is recorded in the device's `gateway.workers.deaths.DeviceDeaths` (shared by its replicas) with
+its cause: a step's failure (`Fatal`), a hang or a stall (the watchdog's verdicts), or a loss (the process
+or the connection gone); a request in flight at it reads the record to tell its own deaths from a fault
+that took several replicas at once (`gateway.completion`).
 
-Requests that arrive meanwhile wait for a replica (`Gateway.wait_device`), holding nothing, and are
-served by the first replica ready: queued, not lost, for up to `gateway.device_wait_seconds` (then 503
-with Retry-After). A local worker that fails its first start (a bad config, a missing model) stays
-`failed: <reason>`, and once every replica of a device has, its pools answer 503 `pool_unavailable`;
-starting it again would fail the same way. So does a remote replica that reports its load failed
-(`StartupError`: the engine's own error), or whose cluster the gateway cannot use at all
-(`ClusterError`: Ray missing, another config's replicas there). A remote replica whose first connection
-failed otherwise (refused, timed out, reset: a partition, a replica busy serving another gateway, an
-actor being restarted, a cluster whose head is not up yet: `ClusterUnreachable`) is tried again with the
-back-off, as `loading: … (the last try failed: …)`,
-like a replica that was ready once, which is restarted for as long as it takes.
+Requests that arrive meanwhile wait for a replica (`Gateway.wait_device`), holding nothing, and are served by
+the first replica ready: queued, not lost, for up to `gateway.device_wait_seconds` (then 503 with
+Retry-After). A local worker that fails its first start (a bad config, a missing model) stays `failed:
+<reason>`, and once every replica of a device has, its pools answer 503 `pool_unavailable`; starting it
+again would fail the same way. So does a remote replica that reports its load failed (`StartupError`), or
+whose cluster the gateway cannot use (`ClusterError`: Ray missing, another config's replicas there). A
+remote replica whose first connection failed otherwise (refused, timed out, reset: a partition, an actor
+being restarted, a cluster whose head is not up yet: `ClusterUnreachable`) is tried again with the back-off,
+as `loading: … (the last try failed: …)`, like a replica that was ready once. One whose loop never takes
+the connection in within `start_timeout_seconds`, its heartbeats saying a step has run past
+`step_timeout_seconds`, is hung though Ray hears it `ready`: restarted.
 
-When a worker is ready, the pools' admission hears whether it is a new process (a restart: its prefix
-cache is empty, `CreditQueue.replica_ready(restarted=True)`) or the same one reached again (a remote
-replica reconnected: its cache is intact). The process is told by its address, pid and load time.
+When a worker is ready, the pools' admission hears whether it is a new process (a restart: its prefix cache
+is empty, `CreditQueue.replica_ready(restarted=True)`) or the same one reached again (a remote replica
+reconnected: its cache intact), told by its address, pid and load time.
 
-A fault of the supervisor's own (a pool's admission raising when told a worker is ready, a metric, the
-death record) is logged at ERROR with its traceback, and supervision goes on after the back-off: a worker
-still up is dropped and replaced (the pools may not have heard it is ready). The replica is never left
-unwatched: a supervision task that ends otherwise than by a stop or a failed first start is logged, and
-the replica shown `failed`.
+A fault of the supervisor's own (a pool's admission raising when told a worker is ready, a metric, the death
+record) is logged at ERROR with its traceback, and supervision goes on after the back-off: a worker still up
+is dropped and replaced (the pools may not have heard it is ready). The replica is never left unwatched: a
+supervision task that ends otherwise than by a stop or a failed first start is logged, shown `failed`.
 
 Everything here runs on the event loop.
 """
@@ -419,9 +415,13 @@ class DeviceSupervisor:
 
     async def _past_start_limit(self, client: AsyncEngineClient, exc: Exception) -> None:
         """A remote replica reached but not loaded within `start_seconds`: restarted if it still loads (a hung
-        load: reconnecting alone would wait on it forever), kept if it loaded (the wait was this path's)."""
+        load: reconnecting alone would wait on it forever) or its loop hangs (module docstring), kept if it
+        loaded (the wait was this path's)."""
         check = getattr(self.link, "restart_unless_responsive", None)
         if isinstance(exc, TimeoutError) and check is not None and getattr(client, "address", None) is not None:
+            if (step := client.last_step_seconds) > self.step_timeout_seconds:   # its heartbeats, not its Ready
+                return self.link.restart(f"hung: one step has run for {step:.0f} s (gateway.step_timeout_seconds"
+                                         f" {self.step_timeout_seconds:g}); it never took this connection in")
             await check(f"not loaded within gateway.start_timeout_seconds ({self.start_seconds:g} s)",
                         loading_hangs=True)
 

@@ -501,6 +501,49 @@ def test_a_remote_replica_whose_load_failed_stays_failed(tiny_model, tmp_path):
     asyncio.run(scenario())
 
 
+def test_a_remote_replica_whose_loop_hangs_is_restarted_by_a_gateway_it_never_took_in(tiny_model, monkeypatch):
+    """A replica whose step hangs takes no new connection in (its loop adopts them between steps): a gateway
+    that connects meanwhile waited for its `Ready` until the start limit, then Ray said `ready` and it connected
+    again, for ever. The replica's heartbeats reach that connection too, saying how long the step has run: past
+    `step_timeout_seconds`, the gateway restarts it."""
+    from engine.faults import SLOW_STEP_ENV
+    from engine.remote_client import RemoteEngineClient
+    from engine.sampling import SamplingParams
+
+    monkeypatch.setenv(SLOW_STEP_ENV, "SLOW:6")
+    server = _replica_server(tiny_model)
+    link = _Link(server)
+
+    async def restart_unless_responsive(reason: str, loading_hangs: bool = False) -> None:
+        link.restarts.append(f"asked Ray: {reason}")   # it answers `ready`: reconnecting, not restarting
+
+    link.restart_unless_responsive = restart_unless_responsive
+
+    async def scenario():
+        first = RemoteEngineClient(server.config, _Link(server))
+        await first.start()
+        stuck = first.generate("be SLOW", SamplingParams(max_tokens=2))
+        pending = asyncio.ensure_future(anext(stuck))
+        while first.last_step_seconds < 0.5:   # the replica's loop is inside the slowed step
+            await asyncio.sleep(0.05)
+        supervisor, _ = _remote_supervisor(server, link)
+        supervisor.start_seconds, supervisor.step_timeout_seconds = 1.5, 1.0
+        supervisor.start()
+        try:
+            async with asyncio.timeout(4):
+                while not link.restarts:
+                    await asyncio.sleep(0.05)
+        finally:
+            await supervisor.stop()
+            pending.cancel()
+            await first.shutdown(1.0)
+        return link.restarts
+
+    restarts = asyncio.run(scenario())
+    assert restarts[0].startswith("hung: one step has run for ") and "it never took this connection in" in \
+        restarts[0], restarts
+
+
 @pytest.mark.parametrize("served_first", [True, False])
 def test_a_ray_replica_whose_load_fails_after_a_restart_has_its_actor_restarted_and_comes_back(
         tiny_model, tmp_path, served_first):
