@@ -8,7 +8,9 @@ Baselines, run once each and shared by every cell that needs them: `chat alone` 
 alone` per (rag rate, rag length), both on the split layout. Chat arrivals of a chat rate have one
 seed, the same in its chat-alone run and in every split and shared run at that rate; rag arrivals of
 a (rag rate, rag length) pair have one seed of their own, the same in its rag-alone run and in its
-cells' runs, so every ratio compares the same requests.
+cells' runs, so every ratio compares the same arrival process. A run with chat lasts long enough for
+`MIN_CHAT_REQUESTS` chat requests (`chat_duration`), and a rag-alone run as long as the longest of its
+cells' (a 30-s baseline, three rag requests at 0.1/s, was compared with cells sending rag for 260 s).
 
 Server reuse: one `cliffguard serve` per layout (one split server for every chat-alone, rag-alone and
 split run, then one shared server for the shared runs), not one per run: a server start costs seconds
@@ -201,6 +203,9 @@ async def execute(run: Run, grid: Grid, url: str, args: argparse.Namespace, toke
     duration, drain_timeout = run_times(args)
     if run.chat_rate:
         duration = chat_duration(duration, run.chat_rate, args)
+    else:   # rag alone: as long as the longest of the runs it is the baseline of (the cells of its rag pair)
+        duration = max([duration] + [chat_duration(duration, c, args) for c, r, n in grid.cells
+                                     if (r, n) == (run.rag_rate, run.rag_len)])
     times = {"duration": duration, "drain_timeout": drain_timeout}
     configs = []
     if run.chat_rate:

@@ -230,6 +230,31 @@ def test_sweep_grid_runs_and_seeds():
         sweep_grid(_args("--sweep", "--chat-rates", "1,0"))
 
 
+def test_a_rag_alone_baseline_runs_as_long_as_the_cells_it_is_compared_with(monkeypatch):
+    """Its rag arrivals (the seed of its rag pair) cover the longest of its cells' runs: it ran 30 s (three
+    rag requests at 0.1/s) beside cells whose chat rate of 0.5/s sends rag for 260 s."""
+    import asyncio
+
+    import bench.isolation as isolation
+    from bench.isolation.grid import Run
+
+    durations: dict[str, list[float]] = {}
+
+    async def run_loads(configs, tokenizer):
+        durations[kind] = [c.duration for c in configs]
+        raise RuntimeError("stop here: the loads are all this test reads")
+
+    monkeypatch.setattr(isolation, "run_loads", run_loads)
+    args = _args("--sweep")
+    grid = sweep_grid(args)
+    for kind, run in (("rag alone", Run("rag alone", "split", rag_rate=0.1, rag_len=1500)),
+                      ("split", Run("split", "split", 0.5, 0.1, 1500)),
+                      ("fast split", Run("split", "split", 2.0, 0.1, 1500))):
+        with pytest.raises(RuntimeError, match="stop here"):
+            asyncio.run(isolation.execute(run, grid, "http://127.0.0.1:1", args, tokenizer=None))
+    assert durations["rag alone"] == [durations["split"][-1]] and durations["split"][-1] > durations["fast split"][-1]
+
+
 def test_the_bench_counts_itl_per_token():
     """Its loads ask for the usage in every chunk, so a chunk that carries two tokens (a token held back
     until its character is whole) is two gaps of half its wait, not one gap twice as long."""
