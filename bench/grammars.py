@@ -210,13 +210,13 @@ def measure(lib: _Lib, instances: list[tuple[str, str, list[int]]], vocab_size: 
         m = lib.matcher(compiled[name])
         started = time.perf_counter()
         for t in tokens:
+            num_tokens += 1   # the tokens walked: one the library rejects ends its instance
             lib.fill(m, bitmask, 0)
             allowed = bool((int(bitmask[0, t // 32]) >> (t % 32)) & 1)
             if not allowed or not lib.accept(m, t):
                 failures[name] = f"rejected the instance at token {t}"
                 break
         one_s += time.perf_counter() - started
-        num_tokens += len(tokens)
     # batch: matchers over the compiled schemas, cycled, each walking its instance; finished ones idle out.
     walkers = [(name, tokens) for name, _, tokens in instances if name in compiled and name not in failures]
     batch_step_s, num_steps = 0.0, 0
