@@ -124,7 +124,7 @@ def summarize(report: LoadReport, replicas: int, warmup: float, duration: float)
     return {
         "replicas": replicas, "completed": report.totals["completed"], "count": report.totals["count"],
         "errors": report.totals["errors"], "unfinished": report.totals["unfinished"],
-        "tokens_per_s": done / (last - first),
+        "tokens_per_s": done / (last - first), "window_s": [first, last],
         "computed_tokens_per_s": computed / seconds if seconds else None,
         "ttft": {name: latency_stats(latencies((r for r in report.records if r.class_name == name), "ttft"))
                  for name in report.summary},
@@ -160,14 +160,15 @@ async def run_layout(source: Path, replicas: int, args: argparse.Namespace, fold
         report = await run_load(config, plan)
     if args.out:
         write_report(report, Path(args.out) / f"replicas-{replicas}")
-    return summarize(report, replicas, min(args.warmup, args.duration / 4), args.duration)
+    return summarize(report, replicas, args.warmup, args.duration)
 
 
 def format_result(results: list[dict[str, Any]]) -> str:
     lines = []
     for r in results:
         lines.append(f"replicas {r['replicas']}: {r['completed']} of {r['count']} completed ({r['errors']} errors, "
-                     f"{r['unfinished']} unfinished); {r['tokens_per_s']:.1f} tokens/s done while arrivals ran, "
+                     f"{r['unfinished']} unfinished); {r['tokens_per_s']:.1f} tokens/s done while arrivals ran "
+                     f"({r['window_s'][0]:g}-{r['window_s'][1]:g} s), "
                      f"engine computed {r['computed_tokens_per_s'] or 0:.1f} tokens/s")
         for name, ttft in r["ttft"].items():
             if ttft["p50"] is not None:

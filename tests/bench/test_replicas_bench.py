@@ -40,6 +40,30 @@ def test_the_pool_file_replicates_every_device_on_one_thread(tmp_path):
                        "b": {"device": "cuda:1", "replicas": 2}}   # a CUDA device's ranks run on GPUs
 
 
+def test_the_warmup_asked_for_is_the_one_left_out(tmp_path, monkeypatch):
+    """`--warmup 30 --duration 90` counts tokens/s over 30-90 s, the window the report says: it became 22.5 s
+    (a quarter of the duration), unsaid."""
+    import argparse
+    import asyncio
+    import contextlib
+
+    import bench.replicas as replicas
+
+    windows = []
+    monkeypatch.setattr(replicas, "pool_file", lambda source, n, threads: "pools: []\n")
+    monkeypatch.setattr(replicas, "LiveServer", lambda path: contextlib.nullcontext(argparse.Namespace(url="u")))
+    monkeypatch.setattr(replicas, "load_config", lambda url, args: None)
+    monkeypatch.setattr(replicas, "plan_requests", lambda config: [])
+
+    async def run_load(config, plan):
+        return None
+    monkeypatch.setattr(replicas, "run_load", run_load)
+    monkeypatch.setattr(replicas, "summarize", lambda report, n, warmup, duration: windows.append((warmup, duration)))
+    args = argparse.Namespace(warmup=30.0, duration=90.0, cpu_threads=1, out=None)
+    asyncio.run(replicas.run_layout(tmp_path / "pools.yaml", 2, args, tmp_path))
+    assert windows == [(30.0, 90.0)]
+
+
 # two live servers under load for a minute: `make test-slow`
 @pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path, builtin_path, capsys):
