@@ -296,10 +296,15 @@ pools:
                                            "relay": f"http://127.0.0.1:{relay_port}{path}",
                                            "proxy": f"http://127.0.0.1:{proxy_port}{path}",
                                            "gateway": gateway_url + path}, args))
-    finally:
+    finally:   # every process, even where one does not end in time (then killed)
         for proc in procs:
             proc.terminate()
-            proc.wait(10)
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -146,6 +146,8 @@ def compare(report, config, plan, model_configs, step_model, seed: int) -> dict[
     from pools.simulation.runner import simulate
 
     done = [r for r in report.records if r.status == "ok" and r.prompt_tokens and r.output_tokens]
+    if not done:   # nothing to replay: the row says so, the other runs' results are still written
+        return {"requests": 0, "unfinished_real": len(report.records), "classes": {}}
     first = min(r.sent_s for r in done)
     requests = [SimRequest(f"r{r.index}", r.class_name, r.sent_s - first, r.prompt_tokens, r.output_tokens)
                 for r in done]

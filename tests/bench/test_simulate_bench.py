@@ -57,6 +57,16 @@ def test_compare_is_exact_when_the_real_run_follows_the_model(planned):
     assert "met" in table and "MISSED" not in table
 
 
+def test_a_run_that_completed_nothing_is_a_row_of_nothing_not_a_crash(planned):
+    """Its `min()` over no request raised after every run was over, before any result was written."""
+    config, models, plan = planned
+    step = LinearStepTime(a=0.02, b=0.0004, c=0.003, d=0.0001)
+    lost = types.SimpleNamespace(status="error", prompt_tokens=0, output_tokens=0)
+    result = compare(types.SimpleNamespace(records=[lost, lost]), config, plan, models, step, seed=3)
+    assert result == {"requests": 0, "unfinished_real": 2, "classes": {}}
+    assert format_rows([{"rate": 0.5, "load": 0.4, **result}]).count("\n") == 0   # the header alone
+
+
 def test_a_replay_and_the_saturation_probe_refuse_none_of_their_requests(planned):
     """A pool that refuses what does not fit at once (max_queue_seconds 0): the requests its real run served
     are replayed, every one of them, and the capacity probe counts what the pool completes, not refusals."""
