@@ -118,8 +118,7 @@ async def _until_idle(ctx: Chaos, timeout: float) -> bool:
 async def stop_idle_worker(ctx: Chaos, run: FaultRun, until_s: float) -> None:
     """Pause the steady load, wait until the worker is idle, `kill -STOP` it; note when /ready first said
     503 naming the stall (goal: within stall_seconds + 1.5 s), SIGCONT when the window ends, resume the load."""
-    ctx.paused = True
-    pid = None
+    ctx.paused, unsent, pid = True, ctx.num_unsent, None
     try:
         run.notes["idle"] = await _until_idle(ctx, IDLE_WAIT_S)
         pids = ctx.worker_pids()
@@ -141,6 +140,7 @@ async def stop_idle_worker(ctx: Chaos, run: FaultRun, until_s: float) -> None:
         if pid is not None:
             send_signal(pid, signal.SIGCONT)
         ctx.paused = False
+        run.notes["unsent_while_paused"] = ctx.num_unsent - unsent   # planned arrivals left out, said
     await sleep_until(ctx, until_s)
 
 

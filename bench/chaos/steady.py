@@ -69,6 +69,7 @@ class Chaos:
     write_timeout: float = 30.0       # the served gateway's timers (faults time their checks by them)
     stall_seconds: float = 10.0
     paused: bool = False              # a fault needs the worker idle: planned requests are not sent meanwhile
+    num_unsent: int = 0               # ... and are counted here (the fault's note says how many)
     records: list[SteadyRecord] = field(default_factory=list)
 
     def now(self) -> float:
@@ -287,6 +288,7 @@ async def run_steady(ctx: Chaos, plan: Sequence[Planned], stop: asyncio.Event) -
         if stop.is_set():
             break
         if ctx.paused:
+            ctx.num_unsent += 1
             continue
         record = SteadyRecord(planned.rid, planned.kind)
         ctx.records.append(record)

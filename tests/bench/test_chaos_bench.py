@@ -98,6 +98,21 @@ async def test_a_late_send_counts_its_lag_in_ttft_from_the_planned_arrival():
     assert record.lag_s == pytest.approx(0.3, abs=0.05) and record.ttft_s >= record.lag_s + 0.05
 
 
+async def test_arrivals_left_out_while_a_fault_pauses_the_load_are_counted():
+    """A fault that needs the worker idle pauses the steady load: its planned arrivals are not sent, and were
+    not counted anywhere (no record, no note): the window read as if fewer were due."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from bench.chaos.steady import Planned, run_steady
+
+    ctx = SimpleNamespace(start=time.perf_counter(), load_start_s=0.0, paused=True, num_unsent=0, records=[],
+                          steady_urls=[])
+    plan = [Planned(f"r{i}", "chat", 0.0, "/v1/chat/completions", {}) for i in range(4)]
+    await run_steady(ctx, plan, asyncio.Event())
+    assert ctx.records == [] and ctx.num_unsent == 4
+
+
 def test_outcomes_answered_lost_cut():
     cases = [(None, None, False, "lost", 0),                 # no response at all
              (503, None, False, "error", 1),                 # a clear error status is an answer
