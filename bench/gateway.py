@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -265,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     up_port, relay_port, proxy_port = _free_port(), _free_port(), _free_port()
+    data_dir = tempfile.TemporaryDirectory()   # the gateway's: removed once every process has ended
     procs = [subprocess.Popen([sys.executable, "-m", "bench.gateway", "upstream", str(up_port)],
                               stderr=subprocess.PIPE, text=True, env=env)]
     try:
@@ -275,7 +277,7 @@ def run(args: argparse.Namespace) -> int:
         procs.append(subprocess.Popen([sys.executable, "-m", "bench.gateway", "relay", str(relay_port), str(up_port)],
                                       stderr=subprocess.PIPE, text=True, env=env))
         _wait_line(procs[2], r"relay serving on (\S+) ")
-        with tempfile.TemporaryDirectory() as tmp:
+        with contextlib.nullcontext(data_dir.name) as tmp:
             config = Path(tmp) / "bench.yaml"
             config.write_text(f"""
 pools:
@@ -305,6 +307,7 @@ pools:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        data_dir.cleanup()
     if args.json:
         print(json.dumps(result, indent=2))
     else:

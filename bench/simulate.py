@@ -242,7 +242,7 @@ def compare_runs(reports: list, rates: list[float], peak: float, setup, step_mod
     traces also `own_steps`: the same replay with a model fitted to the run's own trace. That one is
     in-sample, not a prediction: it shows what the simulator's scheduling adds once the step costs are
     right, apart from how well a step model carries from one run to another."""
-    from engine.step_cost import fit_linear
+    from engine.step_cost import MIN_FIT_STEPS, fit_linear
 
     config, plan, model_configs = setup
     rows = []
@@ -250,11 +250,12 @@ def compare_runs(reports: list, rates: list[float], peak: float, setup, step_mod
         model = step_model if traces is None else held_out_model(traces, i)
         row = {"rate": rate, "load": rate / peak, "step_model": model.coefficients(),
                **compare(report, config, plan, model_configs, model, seed)}
-        if traces is not None:
-            row["step_cost_ratio"] = step_cost_ratio(traces[i + 1], model)
-            own = fit_linear(traces[i + 1])
-            row["own_steps"] = {"step_model": own.coefficients(),
-                                **compare(report, config, plan, model_configs, own, seed)}
+        if traces is not None:   # a run that computed (next to) nothing has no step costs to read or fit
+            fits = len(traces[i + 1]) >= MIN_FIT_STEPS
+            row["step_cost_ratio"] = step_cost_ratio(traces[i + 1], model) if traces[i + 1] else None
+            own = fit_linear(traces[i + 1]) if fits else None
+            row["own_steps"] = None if own is None else {"step_model": own.coefficients(),
+                                                         **compare(report, config, plan, model_configs, own, seed)}
         rows.append(row)
     return rows
 
@@ -325,10 +326,10 @@ def replay(args: argparse.Namespace, setup) -> dict[str, Any]:
             "rows": rows}
 
 
-def trace_span(path: Path) -> tuple[float, float]:
-    """Unix times of the first and last step of a worker's step trace."""
+def trace_span(path: Path) -> tuple[float, float] | None:
+    """Unix times of the first and last step of a worker's step trace; None for a trace of no step."""
     lines = [line for line in path.read_text().splitlines() if line.strip()]
-    return json.loads(lines[0])["t"], json.loads(lines[-1])["t"]
+    return (json.loads(lines[0])["t"], json.loads(lines[-1])["t"]) if lines else None
 
 
 def machine_speeds(probe_path: Path, trace_paths: list[Path]) -> list[dict[str, float] | None]:
@@ -338,10 +339,10 @@ def machine_speeds(probe_path: Path, trace_paths: list[Path]) -> list[dict[str, 
 
     samples = read_probe(probe_path)
     spans = [trace_span(path) for path in trace_paths]
-    reference = kernel_median(samples, *spans[0])
+    reference = None if spans[0] is None else kernel_median(samples, *spans[0])
     if reference is None:
         return [None] * len(spans)
-    return [speed_ratio(samples, start, end, reference) for start, end in spans]
+    return [None if span is None else speed_ratio(samples, *span, reference) for span in spans]
 
 
 def format_report(rows: list[dict[str, Any]]) -> str:
@@ -349,11 +350,12 @@ def format_report(rows: list[dict[str, Any]]) -> str:
     text = format_rows(rows)
     if rows and "own_steps" in rows[0]:
         text += "\nreal step costs over the step model's: " + ", ".join(
-            f"{row['rate']:.2f} req/s {row['step_cost_ratio']:.3f}" for row in rows)
+            f"{row['rate']:.2f} req/s " + ("no steps" if row["step_cost_ratio"] is None else
+                                           f"{row['step_cost_ratio']:.3f}") for row in rows)
         text += "\nspeed probe's kernel time over the calibration run's, median (15 s windows): " + ", ".join(
             f"{row['rate']:.2f} req/s {_speed(row.get('machine_speed'))}" for row in rows)
         text += ("\n\nreplayed with each run's own traced steps (in-sample: the scheduling alone, not a prediction)\n"
-                 + format_rows([{"rate": row["rate"], **row["own_steps"]} for row in rows]))
+                 + format_rows([{"rate": row["rate"], **row["own_steps"]} for row in rows if row["own_steps"]]))
     return text
 
 

@@ -5,7 +5,7 @@ A replica placed on a cluster (`engine.remote`) may be reached by several gatewa
 of one config behind a load balancer, or one restarting while the other serves). The engine loop
 (`engine.worker._serve`) then serves a `SessionHub`, which looks to it like one channel: `receive`
 returns every session's commands, `send` routes each output to the session whose request it is, a
-heartbeat goes to every session.
+heartbeat to every session, those the loop has not taken in yet too (a hung step shows to a new gateway).
 
 **Request ids.** A session's ids are prefixed with its tag inside the engine (`s3/chatcmpl-…`), so two
 gateways that pick the same id never meet; what a session is sent carries its own ids again.
@@ -490,8 +490,10 @@ class SessionHub:
                 listened(time.monotonic() - now)
 
     def drain(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout   # every session's, though an earlier one did not drain in time
-        return all([s.channel.drain(max(0.0, deadline - time.monotonic())) for s in list(self.sessions)])
+        deadline = time.monotonic() + timeout   # every session's (and those not taken in yet: a Fatal went to them
+        with self._lock:                        # too), though an earlier one did not drain in time
+            sessions = self.sessions + self._pending
+        return all([s.channel.drain(max(0.0, deadline - time.monotonic())) for s in sessions])
 
     def close(self) -> None:
         for session in list(self.sessions):

@@ -9,12 +9,13 @@ alone` per (rag rate, rag length), both on the split layout. Chat arrivals of a 
 seed, the same in its chat-alone run and in every split and shared run at that rate; rag arrivals of
 a (rag rate, rag length) pair have one seed of their own, the same in its rag-alone run and in its
 cells' runs, so every ratio compares the same arrival process. A run with chat lasts long enough for
-`MIN_CHAT_REQUESTS` chat requests (`chat_duration`), and a rag-alone run as long as the longest of its
-cells' (a 30-s baseline, three rag requests at 0.1/s, was compared with cells sending rag for 260 s).
+`MIN_CHAT_REQUESTS` chat requests (`chat_duration`), and a rag-alone run as long as the longest run of the
+whole grid (a 30-s baseline, three rag requests at 0.1/s, was compared with cells sending rag for 260 s).
 
 Server reuse: one `cliffguard serve` per layout (one split server for every chat-alone, rag-alone and
 split run, then one shared server for the shared runs), not one per run: a server start costs seconds
-of a 2-core CPU, and a default sweep (45 runs) must fit in about half an hour. Each server first gets
+of a 2-core CPU, and a default sweep has 45 runs (about two hours on one: each chat run lasts long
+enough for 100 chat requests, 260 s at 0.5/s, and each rag-alone run as long). Each server first gets
 an unmeasured warm-up (two chat requests, one long rag prompt), so its first steps do not land in the
 first run; before each run the bench polls `/metrics` until the server is idle (no request running,
 waiting or swapped in any pool, none queued for KV credits, every credit back), so runs never overlap.
@@ -203,9 +204,8 @@ async def execute(run: Run, grid: Grid, url: str, args: argparse.Namespace, toke
     duration, drain_timeout = run_times(args)
     if run.chat_rate:
         duration = chat_duration(duration, run.chat_rate, args)
-    else:   # rag alone: as long as the longest of the runs it is the baseline of (the cells of its rag pair)
-        duration = max([duration] + [chat_duration(duration, c, args) for c, r, n in grid.cells
-                                     if (r, n) == (run.rag_rate, run.rag_len)])
+    else:   # rag alone: as long as the longest run it is a baseline of in the whole grid (every chat rate meets
+        duration = chat_duration(duration, min(grid.chat_rates), args)   # every rag pair; `--cells` alike)
     times = {"duration": duration, "drain_timeout": drain_timeout}
     configs = []
     if run.chat_rate:

@@ -15,14 +15,14 @@ killer, a crashed kernel, a failed step) and fails the requests in flight with `
 - starts the new worker after a back-off (`Backoff`: 1 s, 2 s, 4 s … 30 s; back to 1 s once a worker
   stayed up for `reset_after` seconds), counted in `cliffguard_worker_restarts_total{device,replica}`.
 
-A worker that ends while its replica drains and whose replica is then gone for good (a follower gateway
-sees the replica the leader drained and removed end this way) is logged at INFO and not counted as a
-restart; a draining replica that crashed (Ray restarts it) counts as any other. A Ray replica that waits for
-another config's gateway to give the config claim back (`config_claim.ClaimPending`) logs each try at INFO.
+A worker that ends while its replica drains and is then gone for good (a follower sees the replica the leader
+drained and removed end so) is logged at INFO, not counted as a restart; a draining replica that crashed (Ray
+restarts it) counts as any other. A Ray replica waiting for another config's gateway to give the config claim
+back (`config_claim.ClaimPending`) logs each try at INFO.
 
-A worker that is alive but silent is as dead to its clients. The worker sends a heartbeat every half
-second from a thread beside its step loop (`engine.worker.HeartbeatThread`), busy or idle, saying how
-long its current step has lasted. The watchdog (every `WATCHDOG_INTERVAL` s) kills a loaded worker
+A worker that is alive but silent is as dead to its clients. The worker sends a heartbeat every half second
+from a thread beside its step loop (`engine.worker.HeartbeatThread`), busy or idle, saying how long its
+current step has lasted. The watchdog (every `WATCHDOG_INTERVAL` s) kills a loaded worker
 
 - whose heartbeat has been silent for `gateway.stall_seconds`, with or without requests in flight (a `kill
   -STOP`, a process frozen whole): `restarting: stalled: …`, counted in `cliffguard_worker_stalls_total`
@@ -53,14 +53,13 @@ as `loading: … (the last try failed: …)`, like a replica that was ready once
 the connection in within `start_timeout_seconds`, its heartbeats saying a step has run past
 `step_timeout_seconds`, is hung though Ray hears it `ready`: restarted.
 
-When a worker is ready, the pools' admission hears whether it is a new process (a restart: its prefix cache
-is empty, `CreditQueue.replica_ready(restarted=True)`) or the same one reached again (a remote replica
-reconnected: its cache intact), told by its address, pid and load time.
+A ready worker's pools hear whether it is a new process (`CreditQueue.replica_ready(restarted=True)`: an empty
+prefix cache) or a remote one reached again (its cache intact), told by its address, pid and load time.
 
-A fault of the supervisor's own (a pool's admission raising when told a worker is ready, a metric, the death
-record) is logged at ERROR with its traceback, and supervision goes on after the back-off: a worker still up
-is dropped and replaced (the pools may not have heard it is ready). The replica is never left unwatched: a
-supervision task that ends otherwise than by a stop or a failed first start is logged, shown `failed`.
+A fault of the supervisor's own (an admission raising when told a worker is ready, a metric, the death record)
+is logged at ERROR with its traceback, and supervision goes on after the back-off: a worker still up is dropped
+and replaced (the pools may not have heard it is ready); a supervision task that ends otherwise than by a stop
+or a failed first start is logged, the replica shown `failed`.
 
 Everything here runs on the event loop.
 """
@@ -414,12 +413,13 @@ class DeviceSupervisor:
             log.exception("device %s: removing its failed replica from the cluster failed", self.name)
 
     async def _past_start_limit(self, client: AsyncEngineClient, exc: Exception) -> None:
-        """A remote replica reached but not loaded within `start_seconds`: restarted if it still loads (a hung
-        load: reconnecting alone would wait on it forever) or its loop hangs (module docstring), kept if it
-        loaded (the wait was this path's)."""
+        """A remote replica reached but not loaded within `start_seconds`: restarted if its load or its loop hangs
+        (module docstring; reconnecting alone waited on it forever), kept if it loaded (the wait was this path's)."""
         check = getattr(self.link, "restart_unless_responsive", None)
         if isinstance(exc, TimeoutError) and check is not None and getattr(client, "address", None) is not None:
             if (step := client.last_step_seconds) > self.step_timeout_seconds:   # its heartbeats, not its Ready
+                self.num_step_timeouts += 1   # a hang, as the watchdog's
+                self.metrics.worker_step_timeouts.labels(**self.labels).inc()
                 return self.link.restart(f"hung: one step has run for {step:.0f} s (gateway.step_timeout_seconds"
                                          f" {self.step_timeout_seconds:g}); it never took this connection in")
             await check(f"not loaded within gateway.start_timeout_seconds ({self.start_seconds:g} s)",

@@ -253,6 +253,12 @@ def test_a_rag_alone_baseline_runs_as_long_as_the_cells_it_is_compared_with(monk
         with pytest.raises(RuntimeError, match="stop here"):
             asyncio.run(isolation.execute(run, grid, "http://127.0.0.1:1", args, tokenizer=None))
     assert durations["rag alone"] == [durations["split"][-1]] and durations["split"][-1] > durations["fast split"][-1]
+    kind, alone = "one cell again", durations["rag alone"]   # `--cells`: the baseline the whole grid had
+    some = sweep_grid(_args("--sweep", "--cells", "2,0.1,1500"))
+    with pytest.raises(RuntimeError, match="stop here"):
+        asyncio.run(isolation.execute(Run("rag alone", "split", rag_rate=0.1, rag_len=1500), some,
+                                      "http://127.0.0.1:1", args, tokenizer=None))
+    assert durations["one cell again"] == alone
 
 
 def test_the_bench_counts_itl_per_token():

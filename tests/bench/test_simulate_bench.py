@@ -65,6 +65,22 @@ def test_a_run_that_completed_nothing_is_a_row_of_nothing_not_a_crash(planned):
     result = compare(types.SimpleNamespace(records=[lost, lost]), config, plan, models, step, seed=3)
     assert result == {"requests": 0, "unfinished_real": 2, "classes": {}}
     assert format_rows([{"rate": 0.5, "load": 0.4, **result}]).count("\n") == 0   # the header alone
+    from bench.simulate import compare_runs, format_report
+
+    calibration = trace(step, 0)   # traced runs: the empty one has no steps to read or fit
+    [row] = compare_runs([types.SimpleNamespace(records=[lost])], [0.5], 1.0, (config, plan, models), None,
+                         [calibration, []], seed=3)
+    assert (row["requests"], row["step_cost_ratio"], row["own_steps"]) == (0, None, None)
+    assert "0.50 req/s no steps" in format_report([{**row, "machine_speed": None}])
+
+
+def test_an_empty_step_trace_has_no_span(tmp_path):
+    from bench.simulate import machine_speeds, trace_span
+
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "probe.txt").write_text("")
+    assert trace_span(tmp_path / "empty.jsonl") is None
+    assert machine_speeds(tmp_path / "probe.txt", [tmp_path / "empty.jsonl"] * 2) == [None, None]
 
 
 def test_a_replay_and_the_saturation_probe_refuse_none_of_their_requests(planned):

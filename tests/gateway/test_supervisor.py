@@ -533,6 +533,7 @@ def test_a_remote_replica_whose_loop_hangs_is_restarted_by_a_gateway_it_never_to
             async with asyncio.timeout(4):
                 while not link.restarts:
                     await asyncio.sleep(0.05)
+            assert supervisor.num_step_timeouts == 1   # counted as the watchdog counts a hang
         finally:
             await supervisor.stop()
             pending.cancel()
