@@ -54,7 +54,7 @@ import numpy as np
 
 from bench.live import LiveServer
 from bench.load.scrape import pool_samples
-from pools.workload import gamma_arrivals, latency_stats, parse_rates
+from pools.workload import MIN_P99_SAMPLES, gamma_arrivals, latency_stats, parse_rates
 
 MODEL = "builtin:smollm2-135m-instruct"
 CLIENTS = ("sdk", "jitter")
@@ -206,7 +206,7 @@ def summarize(mode: str, rate: float, outcomes: list[Outcome], scrapes: Scrapes)
             "wasted_attempts": sum(o.attempts for o in outcomes) - len(ok),
             "makespan_s": makespan, "goodput_rps": len(ok) / makespan,
             "goodput_tokens_s": sum(o.tokens for o in ok) / makespan,
-            "e2e_p50_s": e2e["p50"], "e2e_p99_s": e2e["p99"],
+            "e2e_p50_s": e2e["p50"], "e2e_p99_s": e2e["p99"], "e2e_n": e2e["n"],
             "kv_idle_fraction": 1 - sum(u for u, _ in window) / len(window) if window else None,
             "credits_idle_fraction": 1 - sum(h for _, h in window) / len(window) if window else None,
             "errors": sorted({o.error for o in outcomes if o.status != 200})}
@@ -284,6 +284,11 @@ def ideal_table(args: argparse.Namespace, rates: list[float], modes: list[str], 
     return "\n".join(rows)
 
 
+def _few(result: dict[str, Any]) -> bool:
+    """An e2e p99 of fewer than MIN_P99_SAMPLES answered requests: a lower bound on the tail, marked."""
+    return result["e2e_p99_s"] is not None and result["e2e_n"] < MIN_P99_SAMPLES
+
+
 def format_table(results: list[dict[str, Any]]) -> str:
     head = (f"{'rate':>6}  {'mode':<8}{'answered':>9}{'rejected':>9}{'429s':>7}{'req/s':>8}{'tok/s':>8}"
             f"{'e2e p50':>9}{'e2e p99':>9}{'KV idle':>9}{'credits idle':>14}")
@@ -293,7 +298,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
         credits = "-" if r["credits_idle_fraction"] is None else f"{r['credits_idle_fraction']:.0%}"
         rows.append(f"{r['rate']:>6g}  {r['mode']:<8}{r['answered']:>9}{r['rejected']:>9}{r['wasted_attempts']:>7}"
                     f"{r['goodput_rps']:>8.2f}{r['goodput_tokens_s']:>8.1f}{_seconds(r['e2e_p50_s']):>9}"
-                    f"{_seconds(r['e2e_p99_s']):>9}{idle:>9}{credits:>14}")
+                    f"{_seconds(r['e2e_p99_s']) + ('*' if _few(r) else ''):>9}{idle:>9}{credits:>14}")
     for rate in dict.fromkeys(r["rate"] for r in results):
         by_mode = {r["mode"]: r for r in results if r["rate"] == rate}
         if "queue" in by_mode and "reject" in by_mode:
@@ -301,6 +306,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
             rows.append(f"rate {rate:g}: goodput queue / reject {_ratio(q['goodput_rps'], j['goodput_rps'])} "
                         f"requests/s, {_ratio(q['goodput_tokens_s'], j['goodput_tokens_s'])} tokens/s; "
                         f"e2e p99 {_ratio(q['e2e_p99_s'], j['e2e_p99_s'])}")
+    if any(_few(r) for r in results):
+        rows.append(f"* p99 of fewer than {MIN_P99_SAMPLES} answered requests: a lower bound on the tail")
     return "\n".join(rows)
 
 

@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass
 
 from bench.engine import cfg_name, device_name
-from pools.workload import latency_stats
+from pools.workload import MIN_P99_SAMPLES, latency_stats
 
 MODES = ("recompute", "swap", "auto")
 WARMUP_POOL = "warmup"
@@ -192,7 +192,7 @@ def run_cell(engine, pool: str, work: list[tuple[list[int], int]]) -> dict:
     lat = [latency[r] for r in ids]
     return {
         "wall_s": wall, "output_tokens": output_tokens, "tok_per_s": output_tokens / wall,
-        "mean_latency_s": statistics.mean(lat), "p99_latency_s": latency_stats(lat)["p99"],
+        "mean_latency_s": statistics.mean(lat), "p99_latency_s": latency_stats(lat)["p99"], "num_requests": len(lat),
         "num_steps": num_steps, "num_prefill_tokens": num_prefill_tokens, "peak_used_blocks": peak_used_blocks,
         "preemptions_per_100_requests": 100 * counters["num_preemptions"] / len(work),
         "preemptions_per_step": counters["num_preemptions"] / num_steps,
@@ -420,6 +420,10 @@ def _print_table(result: dict, mixes, factors, modes) -> None:
     print("\npre/100: preemptions per 100 requests; recomp: tokens recomputed after recompute preemptions; swap o/i: "
           "blocks swapped out/in; ok: greedy outputs equal those of the largest pool; auto vs best: auto tok/s / "
           "max(recompute, swap) tok/s, goal >= 0.95")
+    counts = sorted({c["num_requests"] for c in result["cells"] if "num_requests" in c})
+    if counts and counts[0] < MIN_P99_SAMPLES:   # the p99 of a cell's few requests is a lower bound on the tail
+        print(f"p99 s: over each cell's {'-'.join(str(n) for n in dict.fromkeys([counts[0], counts[-1]]))} "
+              f"requests, fewer than {MIN_P99_SAMPLES}: a lower bound on the tail")
     if result["timing_noise"] is not None:
         print(f"timing noise: in the {regime_label(factors[0])} rows no mode preempted, so all did the same work; "
               f"their tok/s differ by up to {100 * result['timing_noise']:.0f}%")

@@ -38,7 +38,7 @@ from bench.load.plan import LoadConfig, plan_requests
 from bench.load.report import LoadReport, counter_rate, even_split_deviation, latencies, tokens_done, write_report
 from bench.load.run import run_load
 from pools.cli_types import non_negative_float, output_folder, positive_float, positive_int, seed, slots
-from pools.workload import LengthDist, SharedPrefix, WorkloadClass, latency_stats
+from pools.workload import MIN_P99_SAMPLES, LengthDist, SharedPrefix, WorkloadClass, latency_stats
 
 TOKENIZER = "builtin:smollm2-135m-instruct"   # makes completion prompts exactly their length (the builtin model's)
 
@@ -172,7 +172,9 @@ def format_result(results: list[dict[str, Any]]) -> str:
                      f"engine computed {r['computed_tokens_per_s'] or 0:.1f} tokens/s")
         for name, ttft in r["ttft"].items():
             if ttft["p50"] is not None:
-                lines.append(f"  {name}: TTFT p50 {ttft['p50']:.2f} s, p99 {ttft['p99']:.2f} s")
+                few = "*" if ttft["n"] < MIN_P99_SAMPLES else ""   # a lower bound on the tail
+                lines.append(f"  {name}: TTFT p50 {ttft['p50']:.2f} s, p99 {ttft['p99']:.2f} s{few} "
+                             f"({ttft['n']} requests)")
         for pool, split in r["split"].items():
             shares = ", ".join(f"{name} {100 * (share or 0):.1f}%" for name, share in split["token_shares"].items())
             deviation = r["split_deviation"][pool]
@@ -185,6 +187,8 @@ def format_result(results: list[dict[str, Any]]) -> str:
         if affinity and affinity["repeats"] and r["replicas"] > 1:
             lines.append(f"  prefix affinity: {affinity['on_first_replica']} of {affinity['repeats']} repeated "
                          f"documents on the replica that served them first ({100 * affinity['fraction']:.1f}%)")
+    if any(t["p99"] is not None and t["n"] < MIN_P99_SAMPLES for r in results for t in r["ttft"].values()):
+        lines.append(f"  * p99 of fewer than {MIN_P99_SAMPLES} requests: a lower bound on the tail")
     one, many = results[0], results[-1]
     lines.append(f"tokens/s, {many['replicas']} replicas over 1: {many['tokens_per_s'] / one['tokens_per_s']:.2f}x"
                  if one["tokens_per_s"] else "tokens/s: the one-replica run did nothing")

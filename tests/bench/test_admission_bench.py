@@ -106,6 +106,7 @@ def test_summary_and_table_per_rate():
     assert queue["kv_idle_fraction"] == pytest.approx(0.4) and queue["credits_idle_fraction"] == pytest.approx(0.15)
     table = format_table(results)
     assert "rate 1: goodput queue / reject 1.33x requests/s" in table
+    assert "* p99 of fewer than 100 answered requests: a lower bound on the tail" in table   # 10 and 6 answered
     none = summarize("queue", 1.0, [Outcome(arrival=0.1, done=0.2, status=400, attempts=1)], scrapes)
     assert none["e2e_p99_s"] is None   # no request answered (every one refused): no latency, no crash
     assert "-        -" in format_table([none, reject]) and "e2e p99 -" in format_table([none, reject])

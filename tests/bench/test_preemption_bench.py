@@ -96,6 +96,7 @@ def test_table_marks_an_unsupported_mode(tiny_model, capsys, monkeypatch):
     rows = [line for line in out.splitlines() if line.startswith("pool ")]
     assert len(rows) == 2 * len(preemption.QUICK_MIXES)
     assert all("unsupported" in line and "✓" in line and "✗" not in line for line in rows)
+    assert "requests, fewer than 100: a lower bound on the tail" in out   # a cell's p99 of its few requests
 
 
 @pytest.mark.parametrize("flag, value, message", [

@@ -64,6 +64,20 @@ def test_the_warmup_asked_for_is_the_one_left_out(tmp_path, monkeypatch):
     assert windows == [(30.0, 90.0)]
 
 
+def test_a_p99_of_fewer_than_100_requests_is_marked_a_lower_bound():
+    from bench.replicas import format_result
+
+    def result(replicas: int, n: int) -> dict:
+        return {"replicas": replicas, "completed": n, "count": n, "errors": 0, "unfinished": 0, "tokens_per_s": 10.0,
+                "window_s": [10.0, 90.0], "computed_tokens_per_s": 12.0, "split": {}, "split_deviation": {},
+                "answered": {}, "prefix_affinity": None,
+                "ttft": {"rag": {"p50": 1.0, "p99": 2.0, "n": n}}}
+    text = format_result([result(1, 3), result(2, 150)])
+    assert "rag: TTFT p50 1.00 s, p99 2.00 s* (3 requests)" in text and "p99 2.00 s (150 requests)" in text
+    assert "* p99 of fewer than 100 requests: a lower bound on the tail" in text
+    assert "* p99" not in format_result([result(1, 120), result(2, 150)])
+
+
 # two live servers under load for a minute: `make test-slow`
 @pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path, builtin_path, capsys):
