@@ -178,6 +178,9 @@ async def run_mode(mode: str, rate: float, args: argparse.Namespace, folder: Pat
     path = folder / f"{mode}-{rate:g}.yaml"
     path.write_text(pools_yaml(mode, args))
     arrivals = poisson_arrivals(rate, args.duration, args.seed)
+    if not arrivals:   # before a server starts: a run of nothing has no figure to report
+        raise ValueError(f"--rate: {rate:g} requests/s over --duration {args.duration:g} s drew no request; "
+                         "raise either")
     prompts = _prompts(len(arrivals), args.seed)
     outcomes = [Outcome(a) for a in arrivals]
     scrapes = Scrapes()

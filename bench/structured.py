@@ -68,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
     from engine.weights import resolve_model
 
     batches = int_list(args.batch_sizes, "--batch-sizes", 1, "batch sizes must be >= 1")
+    for name in ("repeats", "max_tokens"):   # before the model loads
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     folder = resolve_model(args.model)
     block_size = 16
     per_seq_blocks = (256 + args.max_tokens) // block_size + 1

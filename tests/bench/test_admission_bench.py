@@ -129,6 +129,17 @@ def test_ideal_pool_queue_never_loses_and_is_never_slower():
         ideal_run("queue", 1e-6, args, 2, 4.0, seed=0)
 
 
+def test_a_served_run_that_draws_no_request_is_refused_before_its_server_starts(tmp_path, monkeypatch):
+    """`max()` of no outcome raised after its server had run, naming nothing."""
+    import asyncio
+
+    import bench.admission as admission
+
+    monkeypatch.setattr(admission, "LiveServer", lambda *a, **k: pytest.fail("a server was started"))
+    with pytest.raises(ValueError, match="--rate: 1e-06 requests/s over --duration 30 s drew no request"):
+        asyncio.run(admission.run_mode("queue", 1e-6, _args("--duration", "30"), tmp_path))
+
+
 def test_ideal_table_and_its_errors():
     args = _args("--ideal", "2,4", "--duration", "30")
     args.max_retries = 2
