@@ -4,6 +4,7 @@ measure the server from outside (and for the tests that do the same)."""
 from __future__ import annotations
 
 import os
+import queue
 import re
 import shutil
 import subprocess
@@ -54,17 +55,21 @@ class LiveServer:
             raise
 
     def _wait_started(self, deadline: float) -> None:
+        """Until the server says where it serves (its log read on a thread: a server that hangs before it
+        prints a line cannot hold this past `deadline`), then until `/ready` answers 200."""
+        lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._drain, args=(lines,), daemon=True).start()
         while self.url is None:
-            line = self.proc.stderr.readline()
-            if not line:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError("cliffguard serve said nothing of where it serves in time:\n"
+                                   + "".join(self.log)) from None
+            if line is None:
                 raise RuntimeError("cliffguard serve exited:\n" + "".join(self.log))
-            self.log.append(line)
             match = re.search(r"serving on (http://\S+) ", line)
             if match:
                 self.url, self.listening = match.group(1), time.perf_counter()
-            if time.monotonic() > deadline:
-                raise TimeoutError("".join(self.log))
-        threading.Thread(target=self._drain, daemon=True).start()
         while True:
             try:
                 with urllib.request.urlopen(self.url + "/ready", timeout=5) as r:
@@ -77,9 +82,12 @@ class LiveServer:
                 raise RuntimeError("server never became ready:\n" + "".join(self.log))
             time.sleep(self.poll_seconds)
 
-    def _drain(self) -> None:
+    def _drain(self, lines: queue.Queue) -> None:
+        """The server's stderr into `log` (and `lines`, None at its end), so it never blocks on a full pipe."""
         for line in self.proc.stderr:
             self.log.append(line)
+            lines.put(line)
+        lines.put(None)
 
     def stop(self, stop_timeout: float = 20) -> None:
         self.proc.terminate()
