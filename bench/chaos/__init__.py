@@ -137,23 +137,28 @@ def ttft_bins(records: Sequence[SteadyRecord], start_s: float, end_s: float,
               bin_s: float = TTFT_BIN_S) -> list[dict[str, Any]]:
     """The chat TTFT p99 in bins of `bin_s` s of send time from `start_s` until `end_s` (the last bin may
     be shorter): each bin's start (`from_s`, s after `start_s`), its chat requests with a first token
-    (`num_chat`) and their p99 (`ttft_p99_s`, None with none)."""
+    (`num_chat`) and their p99 (`ttft_p99_s`, None with none), and those sent in it that got none
+    (`num_unanswered`: lost, cut before a token, refused)."""
     bins = []
     for i in range(max(0, math.ceil((end_s - start_s) / bin_s))):
-        ttfts = _chat_ttfts(records, start_s + i * bin_s, min(start_s + (i + 1) * bin_s, end_s))
-        bins.append({"from_s": i * bin_s, "num_chat": len(ttfts), "ttft_p99_s": latency_stats(ttfts)["p99"]})
+        low, high = start_s + i * bin_s, min(start_s + (i + 1) * bin_s, end_s)
+        ttfts = _chat_ttfts(records, low, high)
+        sent = sum(r.kind == "chat" and r.sent_s is not None and low <= r.sent_s < high for r in records)
+        bins.append({"from_s": i * bin_s, "num_chat": len(ttfts), "ttft_p99_s": latency_stats(ttfts)["p99"],
+                     "num_unanswered": sent - len(ttfts)})
     return bins
 
 
 def ttft_recovered(bins: Sequence[dict[str, Any]], warmup_p99: float | None, factor: float = TTFT_BACK_FACTOR,
                    min_chat: int = TTFT_BIN_MIN_CHAT) -> float | None:
     """Seconds from a fault's start to the first bin (`ttft_bins`; its start) with >= `min_chat` chat
-    requests whose p99 TTFT is within `factor` x the warm-up window's p99. None: no such bin, or no
+    requests whose p99 TTFT is within `factor` x the warm-up window's p99, and none sent in it left without a
+    first token (a bin where most were lost and a few answered fast is not back). None: no such bin, or no
     warm-up p99."""
     if warmup_p99 is None:
         return None
-    return next((b["from_s"] for b in bins if b["num_chat"] >= min_chat and b["ttft_p99_s"] <= factor * warmup_p99),
-                None)
+    return next((b["from_s"] for b in bins if b["num_chat"] >= min_chat and not b.get("num_unanswered")
+                 and b["ttft_p99_s"] <= factor * warmup_p99), None)
 
 
 def shot_summary(shots: Sequence[Shot]) -> dict[str, Any]:

@@ -146,6 +146,18 @@ def test_p99_ttft_per_window_counts_only_chat_with_a_first_token():
     assert window_ttft_p99(records, 0.0, 10.0) is None
 
 
+def test_a_bin_where_most_chat_requests_got_no_token_is_not_back():
+    """Its few answered requests may be fast: the bin read as recovered while 20 of its 25 were lost."""
+    from bench.chaos import ttft_bins, ttft_recovered
+
+    fast = [_record(f"ok{i}", 0.1 * i, ttft=0.05) for i in range(5)]
+    lost = [_record(f"lost{i}", 0.2 * i, "lost", ttft=None, answers=0) for i in range(20)]
+    back = [_record(f"back{i}", 5.0 + 0.2 * i, ttft=0.05) for i in range(5)]
+    bins = ttft_bins(fast + lost + back, 0.0, 10.0)
+    assert [(b["num_chat"], b["num_unanswered"]) for b in bins] == [(5, 20), (5, 0)]
+    assert ttft_recovered(bins, warmup_p99=0.1, min_chat=5) == 5.0
+
+
 def test_recovery_needs_ready_full_credits_and_a_chat_request_sent_after_the_fault():
     samples = _samples(40.0, not_ready=(10.5, 14.0), not_full=(10.2, 15.0))
     chat = [(9.0, 9.5), (12.0, 16.0), (14.8, 15.6)]             # (sent, end) of completed chat requests
