@@ -73,7 +73,10 @@ def test_ttft_bins_from_the_fault_and_when_they_are_back_within_1_5x_the_warm_up
     bins = ttft_bins(warm + fault, 10.0, 27.0)
     assert [(b["from_s"], b["num_chat"]) for b in bins] == [(0.0, 6), (5.0, 3), (10.0, 6), (15.0, 5)]
     assert bins[0]["ttft_p99_s"] == pytest.approx(2.0) and bins[2]["ttft_p99_s"] == pytest.approx(0.14)
-    assert ttft_recovered(bins, 0.10) == 10.0
+    assert [b["num_unanswered"] for b in bins] == [0, 0, 1, 0]
+    assert ttft_recovered(bins, 0.10) == 15.0                      # 10-15 s: its failed request got no token
+    answered = ttft_bins([r for r in warm + fault if r.rid != "failed"], 10.0, 27.0)
+    assert ttft_recovered(answered, 0.10) == 10.0
     assert ttft_recovered(bins, 0.10, factor=1.2) == 15.0
     assert ttft_recovered(bins, 0.10, min_chat=7) is None and ttft_recovered(bins, None) is None
     assert ttft_recovered(bins, 0.10, min_chat=3) == 5.0          # the 3-request bin at 0.11 s counts then
