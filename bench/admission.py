@@ -54,7 +54,7 @@ import numpy as np
 
 from bench.live import LiveServer
 from bench.load.scrape import pool_samples
-from pools.workload import MIN_P99_SAMPLES, gamma_arrivals, latency_stats, parse_rates
+from pools.workload import MIN_P99_SAMPLES, gamma_arrivals, latency_stats, p99_lower_bound, parse_rates
 
 MODEL = "builtin:smollm2-135m-instruct"
 CLIENTS = ("sdk", "jitter")
@@ -289,7 +289,7 @@ def ideal_table(args: argparse.Namespace, rates: list[float], modes: list[str], 
 
 def _few(result: dict[str, Any]) -> bool:
     """An e2e p99 of fewer than MIN_P99_SAMPLES answered requests: a lower bound on the tail, marked."""
-    return result["e2e_p99_s"] is not None and result["e2e_n"] < MIN_P99_SAMPLES
+    return p99_lower_bound({"p99": result["e2e_p99_s"], "n": result["e2e_n"]})
 
 
 def format_table(results: list[dict[str, Any]]) -> str:

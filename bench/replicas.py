@@ -38,7 +38,7 @@ from bench.load.plan import LoadConfig, plan_requests
 from bench.load.report import LoadReport, counter_rate, even_split_deviation, latencies, tokens_done, write_report
 from bench.load.run import run_load
 from pools.cli_types import non_negative_float, output_folder, positive_float, positive_int, seed, slots
-from pools.workload import MIN_P99_SAMPLES, LengthDist, SharedPrefix, WorkloadClass, latency_stats
+from pools.workload import MIN_P99_SAMPLES, LengthDist, SharedPrefix, WorkloadClass, latency_stats, p99_lower_bound
 
 TOKENIZER = "builtin:smollm2-135m-instruct"   # makes completion prompts exactly their length (the builtin model's)
 
@@ -172,7 +172,7 @@ def format_result(results: list[dict[str, Any]]) -> str:
                      f"engine computed {r['computed_tokens_per_s'] or 0:.1f} tokens/s")
         for name, ttft in r["ttft"].items():
             if ttft["p50"] is not None:
-                few = "*" if ttft["n"] < MIN_P99_SAMPLES else ""   # a lower bound on the tail
+                few = "*" if p99_lower_bound(ttft) else ""
                 lines.append(f"  {name}: TTFT p50 {ttft['p50']:.2f} s, p99 {ttft['p99']:.2f} s{few} "
                              f"({ttft['n']} requests)")
         for pool, split in r["split"].items():
@@ -187,7 +187,7 @@ def format_result(results: list[dict[str, Any]]) -> str:
         if affinity and affinity["repeats"] and r["replicas"] > 1:
             lines.append(f"  prefix affinity: {affinity['on_first_replica']} of {affinity['repeats']} repeated "
                          f"documents on the replica that served them first ({100 * affinity['fraction']:.1f}%)")
-    if any(t["p99"] is not None and t["n"] < MIN_P99_SAMPLES for r in results for t in r["ttft"].values()):
+    if any(p99_lower_bound(t) for r in results for t in r["ttft"].values()):
         lines.append(f"  * p99 of fewer than {MIN_P99_SAMPLES} requests: a lower bound on the tail")
     one, many = results[0], results[-1]
     lines.append(f"tokens/s, {many['replicas']} replicas over 1: {many['tokens_per_s'] / one['tokens_per_s']:.2f}x"

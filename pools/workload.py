@@ -277,6 +277,12 @@ def latency_stats(values: Sequence[float]) -> dict[str, float | None]:
             "max": float(arr.max()), "n": len(arr)}
 
 
+def p99_lower_bound(stats: dict[str, float | None]) -> bool:
+    """Whether a `latency_stats` p99 rests on fewer than `MIN_P99_SAMPLES` values: a lower bound on the tail,
+    to be marked as one (none at all: no p99 to mark)."""
+    return stats["p99"] is not None and stats["n"] < MIN_P99_SAMPLES
+
+
 def parse_rates(text: str, option: str = "--rate") -> list[float]:
     """A command line's request rates: one number or a comma-separated list, each > 0; ValueError naming
     `option` otherwise."""

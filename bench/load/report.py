@@ -18,7 +18,7 @@ import numpy as np
 from bench.load.sender import RequestRecord
 from bench.load.plan import PROBE_CLASS, Goodput, LoadConfig
 from bench.load.scrape import COUNTERS, SCRAPED, ScrapeSample, Scraper
-from pools.workload import MIN_P99_SAMPLES, latency_stats
+from pools.workload import MIN_P99_SAMPLES, latency_stats, p99_lower_bound
 
 LATENCIES = ("ttft", "itl", "tpot", "e2e")
 
@@ -450,10 +450,10 @@ def format_report(report: LoadReport) -> str:
                   + "   (completed requests)"]
         for metric in LATENCIES:
             stats = s[metric]
-            few = stats["p99"] is not None and stats["n"] < MIN_P99_SAMPLES   # a lower bound: marked
+            few = p99_lower_bound(stats)   # marked
             lines.append(f"  {metric.upper():<6}" + "".join(f"{_ms(stats[k]) + ('*' if k == 'p99' and few else ''):>10}"
                                                            for k in ("mean", "p50", "p90", "p99", "max")))
-        if any(s[m]["p99"] is not None and s[m]["n"] < MIN_P99_SAMPLES for m in LATENCIES):
+        if any(p99_lower_bound(s[m]) for m in LATENCIES):
             lines.append(f"  * p99 of fewer than {MIN_P99_SAMPLES} samples: a lower bound on the tail")
         lines += [f"  {n}x {message}" for message, n in s["error_messages"].items()]
         lines += _replica_lines(s)

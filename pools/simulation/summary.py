@@ -15,7 +15,7 @@ from pools.capacity_plan import CapacityPlan
 from pools.plan_report import format_verdicts, plan_verdicts
 from pools.simulation.devicesim import PoolTrace
 from pools.simulation.runner import SimulationResult
-from pools.workload import MIN_P99_SAMPLES, latency_stats
+from pools.workload import MIN_P99_SAMPLES, latency_stats, p99_lower_bound
 
 
 def _time_weighted(times: list[float], values: list[float]) -> float | None:
@@ -120,8 +120,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 def _p99(stats: dict[str, Any]) -> str:
     """A p99 cell, marked `*` when it rests on fewer than MIN_P99_SAMPLES values (a lower bound of the tail)."""
-    few = stats["p99"] is not None and stats["n"] < MIN_P99_SAMPLES
-    return ms(stats["p99"]) + ("*" if few else "")
+    return ms(stats["p99"]) + ("*" if p99_lower_bound(stats) else "")
 
 
 def _class_rows(summary: dict[str, Any]) -> list[str]:
@@ -132,8 +131,7 @@ def _class_rows(summary: dict[str, Any]) -> list[str]:
                     f"{_p99(c['ttft']):>8}{ms(c['itl']['p50']):>9}{_p99(c['itl']):>8}"
                     f"{ms(c['e2e']['p50']):>9}{_p99(c['e2e']):>8}{c['output_tokens_per_s']:>9.0f}"
                     f"{c['preempted_requests']:>11}")
-    if any(c[k]["p99"] is not None and c[k]["n"] < MIN_P99_SAMPLES for c in summary["classes"].values()
-           for k in ("ttft", "itl", "e2e")):
+    if any(p99_lower_bound(c[k]) for c in summary["classes"].values() for k in ("ttft", "itl", "e2e")):
         rows.append(f"* a p99 over fewer than {MIN_P99_SAMPLES} samples: a lower bound of the tail")
     return rows
 
