@@ -264,8 +264,8 @@ def refresh_metrics(gateway: Gateway) -> None:
     parked = set()
     for device, supervisors in gateway.supervisors.items():
         for replica, supervisor in enumerate(supervisors):
-            if supervisor.state == "stopped":
+            stopped = supervisor.state == "stopped"
+            if stopped:
                 parked.add((device, replica))
-            gateway.metrics.update_replica(device, replica, supervisor.client, supervisor.is_ready,
-                                           parked=(device, replica) in parked)
+            gateway.metrics.update_replica(device, replica, supervisor.client, supervisor.is_ready, parked=stopped)
     gateway.admission.metrics.refresh(list(gateway.admission.pools.values()), parked)

@@ -2,8 +2,8 @@
 
 `prompt` takes every OpenAI shape: a string, an array of token ids, or an array of strings and token-id
 arrays (one engine request per prompt); an empty string is the start of a document (`Pool.prompt_ids`).
-`echo` and `suffix` are refused (not supported), `best_of` only equal to `n`. `max_tokens` unset or null is 16, OpenAI's default and vLLM's for this API (chat's runs to the
-context's end).
+`echo` and `suffix` are refused (not supported), `best_of` only equal to `n`. `max_tokens` unset or null is 16,
+OpenAI's default and vLLM's for this API (chat's runs to the context's end).
 """
 
 from __future__ import annotations
