@@ -41,6 +41,11 @@ from pools.cli_types import non_negative_float, output_folder, positive_float, p
 from pools.workload import MIN_P99_SAMPLES, LengthDist, SharedPrefix, WorkloadClass, latency_stats, p99_lower_bound
 
 TOKENIZER = "builtin:smollm2-135m-instruct"   # makes completion prompts exactly their length (the builtin model's)
+# The load's options left unset on the command line: their defaults, and --quick's (an option given wins over both).
+LOAD_DEFAULTS = {"request_rate": 4.5, "docs_rate": 0.15, "rag_rate": 0.03, "duration": 90.0, "warmup": 10.0,
+                 "drain_timeout": 300.0}
+QUICK_LOAD = {"request_rate": 1.5, "docs_rate": 0.5, "rag_rate": 0.2, "duration": 12.0, "warmup": 2.0,
+              "drain_timeout": 30.0}
 
 
 def workload(args: argparse.Namespace) -> tuple[WorkloadClass, ...]:
@@ -63,20 +68,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "its devices are run on the CPU unless they name CUDA")
     p.add_argument("--replicas", type=slots, default=2, help="replicas of the second layout (default 2)")
     p.add_argument("--cpu-threads", type=slots, default=1, help="torch threads of each worker (default 1)")
-    p.add_argument("--request-rate", type=positive_float, default=4.5,
-                   help="chat requests per second (default 4.5: more "
+    p.add_argument("--request-rate", type=positive_float, default=None,
+                   help="chat requests per second (default 4.5, 1.5 with --quick: more "
                    "than two one-thread replicas of config/pools.yaml serve, so both layouts run saturated and "
                    "tokens/s is what each can do)")
-    p.add_argument("--docs-rate", type=positive_float, default=0.15,
-                   help="questions on the shared documents per second "
-                   "(default 0.15)")
-    p.add_argument("--rag-rate", type=positive_float, default=0.03,
-                   help="unique long rag prompts per second (default 0.03)")
-    p.add_argument("--duration", type=positive_float, default=90.0, help="seconds of arrivals (default 90)")
-    p.add_argument("--warmup", type=non_negative_float, default=10.0, help="seconds of arrivals left out of tokens/s "
-                   "(default 10: the queues fill)")
-    p.add_argument("--drain-timeout", type=positive_float, default=300.0,
-                   help="after the last arrival (default 300 s: the "
+    p.add_argument("--docs-rate", type=positive_float, default=None,
+                   help="questions on the shared documents per second (default 0.15, 0.5 with --quick)")
+    p.add_argument("--rag-rate", type=positive_float, default=None,
+                   help="unique long rag prompts per second (default 0.03, 0.2 with --quick)")
+    p.add_argument("--duration", type=positive_float, default=None,
+                   help="seconds of arrivals (default 90, 12 with --quick)")
+    p.add_argument("--warmup", type=non_negative_float, default=None, help="seconds of arrivals left out of tokens/s "
+                   "(default 10, 2 with --quick: the queues fill)")
+    p.add_argument("--drain-timeout", type=positive_float, default=None,
+                   help="after the last arrival (default 300 s, 30 with --quick: the "
                    "long prompts, which chat's SLO holds back while chat is pressed, finish then, so their placement "
                    "is seen)")
     p.add_argument("--timeout", type=positive_float, default=400.0, help="per-request limit in s (default 400)")
@@ -88,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed, default=0, help="seed of arrivals, lengths and prompts (default 0)")
     p.add_argument("--out", type=output_folder, default=None,
                    help="write replicas.json and each run's bench serve files here")
-    p.add_argument("--quick", action="store_true", help="a short load (a test)")
+    p.add_argument("--quick", action="store_true", help="a short load (a test); the load options given still hold")
 
 
 def pool_file(source: Path, replicas: int, cpu_threads: int) -> str:
@@ -198,9 +203,9 @@ def format_result(results: list[dict[str, Any]]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.replicas < 2:
         raise ValueError(f"--replicas: must be >= 2 (the layout compared with one replica), got {args.replicas}")
-    if args.quick:
-        args.duration, args.request_rate, args.warmup, args.drain_timeout = 12.0, 1.5, 2.0, 30.0
-        args.docs_rate, args.rag_rate = 0.5, 0.2
+    for name, value in (QUICK_LOAD if args.quick else LOAD_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.warmup >= args.duration:
         raise ValueError(f"--warmup: must be below --duration {args.duration:g} (the tokens/s are counted after it), "
                          f"got {args.warmup:g}")

@@ -64,6 +64,23 @@ def test_the_warmup_asked_for_is_the_one_left_out(tmp_path, monkeypatch):
     assert windows == [(30.0, 90.0)]
 
 
+def test_quick_shortens_only_the_load_options_not_given(monkeypatch):
+    """`--quick --duration 20 --request-rate 3` runs 20 s at 3 req/s: --quick replaced both, unsaid."""
+    import bench.replicas as replicas
+
+    seen = []
+
+    async def run_layout(source, n, args, folder):
+        seen.append((args.duration, args.request_rate, args.warmup, args.drain_timeout, args.docs_rate))
+        return {"tokens_per_s": 0.0, "completed": 0}
+    monkeypatch.setattr(replicas, "run_layout", run_layout)
+    monkeypatch.setattr(replicas, "format_result", lambda results: "")
+    main(["bench", "replicas", "--quick", "--duration", "20", "--request-rate", "3"])
+    main(["bench", "replicas", "--warmup", "5"])
+    assert seen[:2] == [(20.0, 3.0, 2.0, 30.0, 0.5)] * 2
+    assert seen[2:] == [(90.0, 4.5, 5.0, 300.0, 0.15)] * 2
+
+
 def test_a_p99_of_fewer_than_100_requests_is_marked_a_lower_bound():
     from bench.replicas import format_result
 
