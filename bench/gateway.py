@@ -23,11 +23,13 @@ import asyncio
 import contextlib
 import json
 import os
+import queue
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -186,17 +188,31 @@ def _free_port() -> int:
 
 
 def _wait_line(proc: subprocess.Popen, pattern: str, timeout: float = 120) -> str:
-    deadline = time.monotonic() + timeout
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            raise RuntimeError("process exited:\n" + "".join(lines))
-        lines.append(line)
+    """The first group of `pattern` in the child's stderr. The stderr is read on a thread, so a child that
+    hangs silent cannot hold this past `timeout`; the thread drains it for the child's life (once the line is
+    found it drops what it reads), so the child never blocks on a full pipe."""
+    lines: queue.Queue[str | None] = queue.Queue()
+    found = threading.Event()
+
+    def drain() -> None:
+        for line in proc.stderr:
+            if not found.is_set():
+                lines.put(line)
+        lines.put(None)
+    threading.Thread(target=drain, daemon=True).start()
+    deadline, seen = time.monotonic() + timeout, []
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(f"no line matching {pattern!r} within {timeout:g} s:\n" + "".join(seen)) from None
+        if line is None:
+            raise RuntimeError("process exited:\n" + "".join(seen))
+        seen.append(line)
         match = re.search(pattern, line)
         if match:
+            found.set()
             return match.group(1)
-    raise TimeoutError("".join(lines))
 
 
 ARMS = ("direct", "relay", "proxy", "gateway")
@@ -291,8 +307,6 @@ pools:
                                            "--port", "0", "--data-dir", tmp], stderr=subprocess.PIPE, text=True,
                                           env=env))
             gateway_url = _wait_line(procs[3], r"serving on (http://\S+) ")
-            for proc in procs:
-                subprocess_drain(proc)
             path = "/v1/chat/completions"
             result = asyncio.run(_measure({"direct": f"http://127.0.0.1:{up_port}{path}",
                                            "relay": f"http://127.0.0.1:{relay_port}{path}",
@@ -332,13 +346,6 @@ def _report(result: dict) -> None:
     print(f"the floor (one more process, bytes relayed unread): added p50 {floor['added_over_direct_p50']:.2f}x "
           f"direct, {floor['rps_of_direct']:.2f} of direct req/s; the gateway adds "
           f"{g['added_p50_ms'] - floor['added_p50_ms']:.3f} ms p50 over it")
-
-
-def subprocess_drain(proc: subprocess.Popen) -> None:
-    """Keep reading a child's stderr so it never blocks on a full pipe."""
-    import threading
-
-    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -27,3 +27,24 @@ def test_bench_gateway_measures_every_arm(tmp_path, monkeypatch, capsys):
 def test_bench_gateway_names_a_bad_option(capsys):
     assert main(["bench", "gateway", "--concurrency", "0"]) == 2
     assert "--concurrency: must be >= 1" in capsys.readouterr().err
+
+
+def test_a_silent_child_cannot_hold_the_start_past_its_deadline():
+    """A helper that hangs without a line (or one line short of the one awaited) times out: the read blocked
+    forever, the deadline checked only between lines."""
+    import subprocess
+    import sys
+    import time
+
+    from bench.gateway import _wait_line
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, time; print('starting', file=sys.stderr, "
+                             "flush=True); time.sleep(60)"], stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="starting"):
+            _wait_line(proc, r"serving on (\S+) ", timeout=1.0)
+        assert time.monotonic() - t0 < 10
+    finally:
+        proc.kill()
+        proc.wait()
