@@ -15,7 +15,7 @@ from pools.capacity_plan import plan_capacity
 from pools.config.yaml_file import load_config
 from pools.simulation.devicesim import SimRequest
 from pools.simulation.runner import make_requests, simulate
-from pools.workload import load_workload
+from pools.workload import MIN_P99_SAMPLES, load_workload
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,26 @@ def test_a_run_that_completed_nothing_is_a_row_of_nothing_not_a_crash(planned):
                          [calibration, []], seed=3)
     assert (row["requests"], row["step_cost_ratio"], row["own_steps"]) == (0, None, None)
     assert "0.50 req/s no steps" in format_report([{**row, "machine_speed": None}])
+
+
+def test_a_class_with_unanswered_requests_has_its_p99_not_judged(planned):
+    """The real run's unanswered requests are its slowest: a p99 of the answered ones alone is a lower bound,
+    judged "met" beside a prediction of the same censored set, the unanswered unsaid."""
+    config, models, plan = planned
+    step = LinearStepTime(a=0.002, b=0.00004, c=0.0003, d=0.00001)   # fast enough to serve 4 req/s
+    requests = make_requests(load_workload("chat"), 4.0, duration=30.0, seed=3)
+    simulate(config, plan, models, requests, {"cpu": step}, seed=3)
+    assert all(r.finished for r in requests)
+    records = _records_of(requests)
+    assert len(records) >= MIN_P99_SAMPLES + 2
+    whole = compare(types.SimpleNamespace(records=records), config, plan, models, step, seed=3)
+    assert whole["classes"]["chat"]["p99_judged"] and whole["classes"]["chat"]["unanswered"] == 0
+    records[-1].status, records[-2].status = "timeout", "error"
+    result = compare(types.SimpleNamespace(records=records), config, plan, models, step, seed=3)
+    chat = result["classes"]["chat"]
+    assert (chat["unanswered"], chat["p99_judged"], result["unfinished_real"]) == (2, False, 2)
+    table = format_rows([{"rate": 4.0, "load": 0.4, **result}])
+    assert "(2 unanswered in the real run, not replayed)" in table and "not judged" in table
 
 
 def test_an_empty_step_trace_has_no_span(tmp_path):
