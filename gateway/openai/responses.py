@@ -60,6 +60,7 @@ class ResponsesRequest:
     previous_response_id: str | None = None
     instructions: str | None = None     # the request's own (the Response echoes them; never an input item's)
     text_format: dict[str, Any] | None = None   # the request's own text.format (the Response echoes it)
+    tool_choice: str = "auto"           # without tools, the mode the Response echoes ("auto" unless "none" was said)
 
 
 def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
@@ -100,7 +101,8 @@ def parse_responses(body: Any, limits: RequestLimits = RequestLimits(),
                                  structured_param="text.format", prompt_param="input")
     return ResponsesRequest(parsed, prior + own, store=store, background=background,
                             previous_response_id=req.previous_response_id, instructions=req.instructions,
-                            text_format=None if req.text is None else req.text.format)
+                            text_format=None if req.text is None else req.text.format,
+                            tool_choice=req.tool_choice if req.tool_choice == "none" else "auto")
 
 
 _ITEM_FIELDS = {"message": ("role", "content"), "function_call": ("call_id", "name", "arguments"),
@@ -160,8 +162,8 @@ def _chat_tools(req: ResponsesBody) -> dict[str, Any]:
         functions = [{k: v for k, v in msgspec.structs.asdict(tool).items() if k != "type" and v is not None}
                      for tool in req.tools]
         out["tools"] = [{"type": "function", "function": {"strict": True, **function}} for function in functions]
-    if req.tool_choice is not None:
-        out["tool_choice"] = chat_tool_choice(req.tool_choice)
+    if req.tool_choice is not None and (req.tools or req.tool_choice not in ("auto", "none")):
+        out["tool_choice"] = chat_tool_choice(req.tool_choice)   # "auto" or "none" with no tools: no calls, as asked
     return out
 
 
@@ -227,7 +229,7 @@ def response_object(asked: ResponsesRequest, response_id: str, created_at: int, 
         "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls,
         "temperature": req.params.temperature, "top_p": req.params.top_p,
         "max_output_tokens": req.params.max_tokens, "previous_response_id": asked.previous_response_id,
-        "store": asked.store, "tool_choice": response_tool_choice(req.tool_choice) if req.tools else "none",
+        "store": asked.store, "tool_choice": response_tool_choice(req.tool_choice) if req.tools else asked.tool_choice,
         "tools": [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
                    "strict": t.strict} for t in req.tools or []],
         "text": {"format": asked.text_format or {"type": "text"}}, "usage": usage,

@@ -107,6 +107,20 @@ async def test_a_tool_call_whole_and_streamed_then_its_result_as_input(client, b
     assert followup.usage.input_tokens == len(ids[False]) != len(ids[True])
 
 
+async def test_tool_choice_auto_or_none_without_tools_is_served_and_echoed(client) -> None:
+    """No tools and tool_choice "auto" (the default an agent framework may send) or "none": no calls to make,
+    so the reply is text, and the Response echoes the mode (OpenAI's default "auto"): it was a 400, the echo
+    "none". "required" without tools is still a 400 naming tool_choice."""
+    kwargs = dict(model=MODEL, input="Say hi.", max_output_tokens=2, temperature=0)
+    for asked, echoed in ((None, "auto"), ("auto", "auto"), ("none", "none")):
+        extra = {} if asked is None else {"tool_choice": asked}
+        r = await client.responses.create(**kwargs, **extra)
+        assert r.tool_choice == echoed and r.tools == [] and r.output_text, asked
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.responses.create(**kwargs, tool_choice="required")
+    assert info.value.body["param"] == "tool_choice"
+
+
 async def test_allowed_tools_calls_only_the_listed_function_and_is_echoed(client) -> None:
     """The Responses API's flat `allowed_tools`: both tools are shown, only the listed one may be called."""
     other = {**WEATHER, "name": "get_time", "description": "The time in a city."}
