@@ -35,7 +35,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.admission import bearer_key
-from gateway.batch.execution import BatchRunner, LineExecutor, answer_batch_line
+from gateway.batch.execution import BatchRunner, LineExecutor, answer_batch_line, line_devices
 from gateway.client_writes import write_within
 from gateway.handlers import read_json, read_within
 from gateway.openai.errors import ApiError, storage_unavailable
@@ -74,7 +74,8 @@ def setup(app: web.Application, data_dir: Path | str, executor: LineExecutor | N
     path = Path(data_dir) / STORE_FILE
     store = opened(functools.partial(BatchStore, path, default_tenant=DEFAULT_TENANT, legacy_owner=legacy_owner), path)
     app[BATCHES] = BatchRunner(store, executor or functools.partial(answer_batch_line, gateway),
-                               max_unfinished_per_owner=gateway.config.gateway.batches.max_unfinished_per_owner)
+                               max_unfinished_per_owner=gateway.config.gateway.batches.max_unfinished_per_owner,
+                               gate_keys=functools.partial(line_devices, gateway))
     app.cleanup_ctx.append(_runner_ctx)
     app.on_shutdown.append(_drain)
     app.router.add_post("/v1/files", upload_file)

@@ -9,7 +9,9 @@ run) is retried with back-off, at most MAX_LINE_ATTEMPTS times. Deaths are count
 as for any request (`gateway.completion`): the gateway answers a line 503 `engine_dead` when the worker's
 death under it was its own (a failed step, a hang, or its replica lost alone) and 503 `replica_lost` when it
 was not (several replicas of the device lost at once: a node, a network). Only `engine_dead` counts: a line
-answered it twice is a poison line, and after the first it is tried again alone. Either end is recorded as the
+answered it twice is a poison line, and after the first it is tried again alone (`line_devices`: alone among the
+batch lines of the devices its model is served on, so a death on one device never holds up another's lines, or
+an upstream pool's). Either end is recorded as the
 line's error, with its last answer. Any other answer is the line's: a line an upstream may have received (502
 `upstream_disconnected`) is never sent again, so it never runs twice; nor is one a stop cut while the upstream
 had it (kept as sent before it goes out: answered `upstream_disconnected` at the next start). So a stop drains
@@ -26,9 +28,10 @@ purge turn and at the start): its lines in flight are aborted, and it is finaliz
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -37,6 +40,7 @@ from gateway.runtime import Gateway
 from gateway.upstream.relay import IDEMPOTENCY_KEY, UPSTREAM_SEND, idempotency_key
 from gateway.workers.deaths import SuspectGate
 from pools.store.batch_input import BatchInputError, BatchLine, TooManyBatches
+from pools.router import UnknownModelError
 from pools.store.batch_store import PURGE_EVERY_S, STORAGE_ERRORS, BatchStore
 from pools.tenants import DEFAULT_TENANT
 
@@ -56,6 +60,8 @@ PAGE_LINES = 256                    # pending lines read from the store at a tim
 
 # (path, body, tenant) -> (HTTP status, JSON body), as an HTTP client of that path with the tenant's key would get them
 LineExecutor = Callable[[str, dict[str, Any], str], Awaitable[tuple[int, dict[str, Any]]]]
+# a line's body -> the keys of the suspect gates it holds while it runs (`line_devices`)
+GateKeys = Callable[[dict[str, Any]], tuple[Hashable, ...]]
 T = TypeVar("T")
 
 
@@ -65,6 +71,20 @@ async def answer_batch_line(gateway: Gateway, path: str, body: dict[str, Any],
     from gateway.handlers import answer
 
     return await answer(gateway, path, body, tenant=tenant, batch=True)
+
+
+def line_devices(gateway: Gateway, body: dict[str, Any]) -> tuple[Hashable, ...]:
+    """The gate keys of a line: the local devices its model is served on, in order (an upstream pool's model:
+    none, no worker of ours runs it); a model not served here, or none, the one key None (it is answered
+    at once)."""
+    model = body.get("model")
+    try:
+        pools = gateway.router.candidates(model) if isinstance(model, str) else None
+    except UnknownModelError:
+        pools = None
+    if pools is None:
+        return (None,)
+    return tuple(sorted({pool.device for pool in pools if pool.device is not None}))
 
 
 class StorageFailed(Exception):
@@ -128,7 +148,7 @@ class BatchRunner:
     def __init__(self, store: BatchStore, executor: LineExecutor, *, max_in_flight: int = MAX_IN_FLIGHT,
                  retry_first_s: float = RETRY_FIRST_S, retry_max_s: float = RETRY_MAX_S,
                  max_line_attempts: int = MAX_LINE_ATTEMPTS, max_store_attempts: int = MAX_STORE_ATTEMPTS,
-                 max_unfinished_per_owner: int | None = None) -> None:
+                 max_unfinished_per_owner: int | None = None, gate_keys: GateKeys | None = None) -> None:
         self.store = store
         self.max_unfinished_per_owner = max_unfinished_per_owner   # `gateway.batches`; None: no limit
         self.executor = executor
@@ -136,7 +156,8 @@ class BatchRunner:
         self.retry_first_s, self.retry_max_s = retry_first_s, retry_max_s
         self.max_line_attempts, self.max_store_attempts = max_line_attempts, max_store_attempts
         self._runs: dict[str, _Run] = {}
-        self._gate = SuspectGate()
+        self.gate_keys = gate_keys        # None: every line holds one gate
+        self._gates: dict[Hashable, SuspectGate] = {}
         self._purging: asyncio.Task | None = None
         self._draining_until: float | None = None   # loop time the stop's drain ends (`drain`)
         self._unrecorded: set[asyncio.Task] = set()   # lines an upstream pool has, their outcome not yet kept
@@ -388,9 +409,13 @@ class BatchRunner:
             f"line {line.line_no}: gave up after {self.max_line_attempts} attempts; the last answer was {message}")})
 
     async def _attempt(self, line: BatchLine, tenant: str, *, alone: bool) -> tuple[int, dict[str, Any]]:
-        """One try of the line (`alone`: with no other batch line in flight); an executor bug is a 500
-        for this line only."""
-        async with self._gate.exclusive() if alone else self._gate.shared():
+        """One try of the line (`alone`: with no other batch line of its devices in flight); an executor bug
+        is a 500 for this line only."""
+        keys = self.gate_keys(line.body) if self.gate_keys is not None else (None,)
+        async with contextlib.AsyncExitStack() as stack:
+            for key in keys:   # in order: no two lines holding some wait on each other
+                gate = self._gates.setdefault(key, SuspectGate())
+                await stack.enter_async_context(gate.exclusive() if alone else gate.shared())
             try:
                 return await self.executor(line.url, line.body, tenant)
             except Exception as exc:  # noqa: BLE001 - a bug answering one line must not stop the batch

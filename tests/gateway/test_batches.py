@@ -602,6 +602,38 @@ async def test_a_line_that_kills_the_worker_twice_is_a_poison_line_and_the_lines
     client.app[BATCHES].store.check_integrity()
 
 
+REMOTE_POOL = """
+  - name: remote
+    upstream: http://127.0.0.1:9/v1
+    model: upstream-model
+    served_model_name: remote
+    tokenizer: builtin:smollm2-135m-instruct
+    max_model_len: 512
+"""
+
+
+def _remote_line(custom_id: str) -> dict:
+    return dict(_line(custom_id), body={"model": "remote", "messages": [{"role": "user", "content": custom_id}]})
+
+
+async def test_a_worker_death_holds_up_only_the_batch_lines_of_its_devices(aiohttp_client, tmp_path, tiny_model):
+    """A line retried alone after a worker's death waits for the batch lines of the devices its model runs on,
+    not for an upstream pool's line that holds on (one gate for every line: batch A waited on batch B)."""
+    fake = _FakeExecutor(transient={"a": 1}, gated={"slow"})
+    client = await _client(aiohttp_client, tmp_path, tiny_model, fake, extra_pools=REMOTE_POOL)
+    gateway = client.app[BATCHES].gate_keys.args[0]
+    assert execution.line_devices(gateway, {"model": "remote"}) == ()
+    assert execution.line_devices(gateway, {"model": "m"}) == (None,)   # not served: answered 404 at once
+    assert execution.line_devices(gateway, {"model": gateway.config.pools[0].model_name}) == ("cpu",)
+    slow = (await _create(client, _jsonl(_remote_line("slow"))))["id"]
+    while not fake.calls["slow"]:
+        await asyncio.sleep(0.01)
+    done = await _wait(client, (await _create(client, _jsonl(_line("a"))))["id"], timeout=10)
+    assert done["status"] == "completed" and fake.calls["a"] == 2
+    fake.gate.set()
+    assert (await _wait(client, slow))["status"] == "completed"
+
+
 async def test_a_line_over_the_limit_is_an_error_of_that_line(aiohttp_client, tmp_path, tiny_model):
     fake = _FakeExecutor()
     client = await _client(aiohttp_client, tmp_path, tiny_model, fake)
