@@ -418,6 +418,8 @@ class BatchRunner:
                 await stack.enter_async_context(gate.exclusive() if alone else gate.shared())
             try:
                 return await self.executor(line.url, line.body, tenant)
+            except StorageFailed:   # keeping it as sent, before it went out: the batch fails, as for any store call
+                raise
             except Exception as exc:  # noqa: BLE001 - a bug answering one line must not stop the batch
                 log.exception("line %d (%s) of a batch failed", line.line_no, line.custom_id)
                 return 500, ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").body()

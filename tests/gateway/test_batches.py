@@ -714,6 +714,28 @@ async def test_storage_errors_are_tried_again_then_fail_the_batch_and_the_runner
     assert r.status == 503 and r.headers["Retry-After"] and body["error"]["code"] == "storage_unavailable"
 
 
+async def test_a_store_that_cannot_keep_a_line_as_sent_fails_the_batch_not_the_unsent_line(aiohttp_client, tmp_path,
+                                                                                             tiny_model, monkeypatch):
+    """Marking an upstream line sent (before its bytes go out) fails for storage: nothing was sent, so the
+    line is not answered; the batch fails `storage_error` as for any store call. It was the line's final
+    answer, a 500 "internal error: StorageFailed" in the error file."""
+    from gateway.upstream.relay import UPSTREAM_SEND
+
+    sent = []
+
+    async def relay(path: str, body: dict, tenant: str) -> tuple[int, dict]:
+        await UPSTREAM_SEND.get()()   # as the relay does, just before the request goes out
+        sent.append(body)
+        return 200, {"object": "chat.completion", "choices": [{"message": {"content": "OK"}}]}
+    client = await _client(aiohttp_client, tmp_path, tiny_model, relay)
+    runner = client.app[BATCHES]
+    runner.max_store_attempts = 2
+    monkeypatch.setattr(runner.store, "mark_sent", _failing(runner.store.mark_sent, float("inf")))
+    failed = await _wait(client, (await _create(client, _jsonl(_line("a"))))["id"])
+    assert failed["status"] == "failed" and failed["errors"]["data"][0]["code"] == "storage_error"
+    assert sent == [] and failed["error_file_id"] is None
+
+
 async def test_a_batch_whose_failure_could_not_be_written_runs_again_at_the_next_purge(aiohttp_client, tmp_path,
                                                                                        tiny_model, monkeypatch):
     from gateway.batch import execution
