@@ -146,7 +146,8 @@ async def answer(gateway: Gateway, path: str, body: Any, *, tenant: str | None =
                  batch: bool = False) -> tuple[int, dict[str, Any]]:
     """One request without HTTP (a batch line): `path` is /v1/chat/completions or /v1/completions.
     Returns (status, JSON body) as an HTTP client would get them, errors in the OpenAI format; `batch`
-    queues it behind interactive traffic. Streaming is refused (param `stream`)."""
+    queues it behind interactive traffic, and leaves counting its error to the batch runner (a try it
+    runs again is no answer). Streaming is refused (param `stream`)."""
     received = time.perf_counter()
     tenant = tenant or gateway.admission.tenants.resolve(None)
     try:
@@ -169,7 +170,8 @@ async def answer(gateway: Gateway, path: str, body: Any, *, tenant: str | None =
                                 background=batch)
         return 200, await completion.answer()
     except ApiError as err:
-        gateway.metrics.errors.labels(status=str(err.status)).inc()
+        if not batch:
+            gateway.metrics.errors.labels(status=str(err.status)).inc()
         return err.status, err.body()
 
 

@@ -67,10 +67,14 @@ T = TypeVar("T")
 
 async def answer_batch_line(gateway: Gateway, path: str, body: dict[str, Any],
                             tenant: str) -> tuple[int, dict[str, Any]]:
-    """The default line executor: `gateway.handlers.answer` as the batch's tenant, at batch priority."""
+    """The default line executor: `gateway.handlers.answer` as the batch's tenant, at batch priority. An
+    error answer counts in `request_errors` unless the runner tries the line again (`_is_transient`)."""
     from gateway.handlers import answer
 
-    return await answer(gateway, path, body, tenant=tenant, batch=True)
+    status, answered = await answer(gateway, path, body, tenant=tenant, batch=True)
+    if status >= 400 and not _is_transient(status, answered):
+        gateway.metrics.errors.labels(status=str(status)).inc()
+    return status, answered
 
 
 def line_devices(gateway: Gateway, body: dict[str, Any]) -> tuple[Hashable, ...]:

@@ -736,6 +736,33 @@ async def test_a_store_that_cannot_keep_a_line_as_sent_fails_the_batch_not_the_u
     assert sent == [] and failed["error_file_id"] is None
 
 
+async def test_a_batch_line_counts_as_an_error_once_and_not_for_a_try_run_again(aiohttp_client, tmp_path, tiny_model,
+                                                                                 monkeypatch):
+    """`request_errors` counts answers: each try of a line answered 503 engine_dead counted (a device's restart
+    under 16 lines in flight: hundreds of 503s no client saw); the line's own error answer counts once."""
+    import gateway.handlers as handlers
+    from gateway.openai.errors import ApiError
+    from gateway.runtime import GATEWAY
+
+    client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor())
+    gateway = client.app[GATEWAY]
+
+    class Dying:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        async def answer(self):
+            raise ApiError(503, "device 'cpu' worker died", type="server_error", code="engine_dead")
+    monkeypatch.setattr(handlers, "Completion", Dying)
+    body = _line("a", model=gateway.config.pools[0].model_name)["body"]
+    status, answered = await execution.answer_batch_line(gateway, CHAT, body, "default")
+    assert (status, answered["error"]["code"]) == (503, "engine_dead")
+    status, _ = await execution.answer_batch_line(gateway, CHAT, {**body, "model": "nope"}, "default")
+    assert status == 404
+    errors = gateway.metrics.errors
+    assert (errors.labels(status="503")._value.get(), errors.labels(status="404")._value.get()) == (0, 1)
+
+
 async def test_a_batch_whose_failure_could_not_be_written_runs_again_at_the_next_purge(aiohttp_client, tmp_path,
                                                                                        tiny_model, monkeypatch):
     from gateway.batch import execution
