@@ -138,18 +138,20 @@ async def upload_file(request: web.Request) -> web.Response:
 
 
 def _expires_after(fields: dict[str, Any]) -> dict[str, Any] | None:
-    """The upload's expiration policy from its form fields (None: none sent); the store checks its values."""
+    """The upload's expiration policy from its form fields (None: none sent); the store checks its values.
+    Its errors name `expires_after.anchor` / `.seconds`, as the store's do (the SDK's argument, whose
+    keys it sends as the form fields `expires_after[anchor]` / `[seconds]`)."""
     anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
     if anchor is None and seconds is None:
         return None
     if anchor is None or seconds is None:
-        missing = "expires_after[anchor]" if anchor is None else "expires_after[seconds]"
+        missing = "expires_after.anchor" if anchor is None else "expires_after.seconds"
         raise ApiError(400, f"{missing}: missing (an expiration policy has an anchor and seconds)", param=missing)
     try:
         seconds = int(seconds)
     except ValueError:
-        raise ApiError(400, f"expires_after[seconds]: must be an integer, got {seconds[:40]!r}",
-                       param="expires_after[seconds]") from None
+        raise ApiError(400, f"expires_after.seconds: must be an integer, got {seconds[:40]!r}",
+                       param="expires_after.seconds") from None
     return {"anchor": anchor, "seconds": seconds}
 
 

@@ -375,6 +375,14 @@ async def test_files_expire_as_openais_and_the_sdk_deletes_them(aiohttp_client, 
         with pytest.raises(openai.BadRequestError) as bad:
             await sdk.files.create(file=("in.jsonl", content), purpose="batch", expires_after=policy)
         assert bad.value.body["param"] == param, bad.value.body
+    for fields, param in (({"expires_after[anchor]": "created_at"}, "expires_after.seconds"),
+                          ({"expires_after[seconds]": "3600"}, "expires_after.anchor"),
+                          ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "1h"},
+                           "expires_after.seconds")):   # each named as the store names the others
+        form = aiohttp.FormData({"purpose": "batch", **fields})
+        form.add_field("file", content, filename="in.jsonl")
+        r = await client.post("/v1/files", data=form)
+        assert r.status == 400 and (await r.json())["error"]["param"] == param
     batch = await sdk.batches.create(input_file_id=hour.id, endpoint=CHAT, completion_window="24h",
                                      output_expires_after={"anchor": "created_at", "seconds": 7200})
     deleted = await sdk.files.delete(hour.id)   # the batch has its lines: it runs on
