@@ -29,8 +29,10 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    behaviour of plain chunked prefill).
 2. **Interactive pools** schedule first. One that has running decodes gets the token budget that
    the step-cost model predicts still fits `ITL_AIM` of its `itl_ms` alone (at least its decodes and
-   one block of prefill), so its own long prompts are chunked and its decodes keep `itl_ms`; one with
-   nothing decoding gets its whole `max_num_batched_tokens` (a lone prefill is best served in one
+   one block of prefill), so its own long prompts are chunked and its decodes keep `itl_ms`; beside
+   another interactive pool with sequences running, the tightest `itl_ms` of the two, with the other's
+   work in the step (one pool's prompt must not stall another's decodes); with nothing decoding on
+   any interactive pool, its whole `max_num_batched_tokens` (a lone prefill is best served in one
    piece). The feedback scales never shrink this budget: they exist to take throughput work out of
    the step, and chunking the pool's own prompts harder would only delay its first tokens (with chat
    at 1.25 requests/s beside a rag flood, an ITL-scaled budget split each ~60-token chat prompt into
@@ -368,16 +370,22 @@ class StepComposer:
         return len(scheduler.running) >= PRESSURE_OCCUPANCY * scheduler.config.max_num_seqs
 
     def _interactive_budget(self, name: str, so_far: StepFeatures) -> int | None:
-        """An interactive pool's tokens: what fits `ITL_AIM` of its own `itl_ms` once its decodes are in
-        (at least its decodes and one block of prefill), or no limit when nothing of it decodes. No
-        feedback scale applies (the module docstring's step 2)."""
+        """An interactive pool's tokens: what fits `ITL_AIM` of the tightest `itl_ms` among the interactive
+        pools that decode (its own, and another's with sequences running: a pool's prompt must not stall
+        another's decodes), beside what they put in the step (the pools scheduled before it, and the decodes
+        of those after it), at least its decodes and one block of prefill; no limit when no interactive
+        pool decodes. No feedback scale applies (the module docstring's step 2)."""
         scheduler = self.schedulers[name]
         if not scheduler.config.enable_chunked_prefill or not self.cost_model.ready:
             return None
-        target = self.slos[name].step_seconds * ITL_AIM
         decodes, prefill_context = scheduler.pending_work()
-        if not decodes or prefill_context is None:
+        others = [n for n in self.interactive if n != name and self.schedulers[n].running]
+        if prefill_context is None or not (decodes or others):
             return None
+        target = min(self.slos[n].step_seconds for n in others + [name] * bool(decodes)) * ITL_AIM
+        for later in self.interactive[self.interactive.index(name) + 1:]:   # their decodes join the step after
+            contexts = self.schedulers[later].pending_work()[0]
+            so_far = so_far.plus(_budget_features(contexts, None, len(contexts)))
         cap = scheduler.config.max_num_batched_tokens
         floor = min(cap, len(decodes) + scheduler.block_manager.block_size)
         return max(floor, self._fitting_tokens(scheduler, so_far, target, cap))

@@ -366,6 +366,32 @@ def test_an_interactive_pool_chunks_its_own_long_prompt_so_its_decodes_keep_the_
     assert [i.num_new_tokens for i in alone.schedule().outputs["chat"].scheduled] == [1500]
 
 
+@pytest.mark.parametrize("voice_first", [True, False])
+def test_one_interactive_pools_prompt_keeps_anothers_tighter_itl_target(voice_first):
+    """Two pools with an `slo` on one device: voice (itl 30 ms) decodes, chat (itl 100 ms) gets a long prompt.
+    Chat's prefill is sized to voice's target beside voice's decodes, whichever pool is scheduled first: it
+    took its whole max_num_batched_tokens (about 0.42 s on this device) while nothing of its own decoded."""
+    def pool(name: str) -> Scheduler:
+        first = 0 if name == "voice" else 256
+        return Scheduler(SchedulerConfig(max_num_batched_tokens=2048), BlockManager(256, 16, first_block=first),
+                         4096, name=name)
+    slos = {"voice": LatencySLO(ttft_ms=1000, itl_ms=30), "chat": LatencySLO(ttft_ms=1000, itl_ms=100)}
+    names = ["voice", "chat"] if voice_first else ["chat", "voice"]
+    composer = StepComposer({n: pool(n) for n in names}, {n: slos[n] for n in names})
+    _train(composer.cost_model)
+    for i in range(4):
+        composer.schedulers["voice"].add(_make_seq(i, 40, max_tokens=10_000))
+    _run_step(composer)
+    composer.schedulers["chat"].add(_make_seq(10, 3000))
+    for _ in range(3):
+        step = composer.schedule()
+        assert [i.num_new_tokens for i in step.outputs["voice"].scheduled] == [1, 1, 1, 1]
+        chunk = sum(i.num_new_tokens for i in step.outputs["chat"].scheduled)
+        assert 16 <= chunk < 300
+        assert step.predicted_seconds <= 0.030 * composer.cost_model.margin + 1e-9 + 0.1 * 0.03
+        _finish_step(composer, step)
+
+
 def test_the_itl_feedback_squeezes_throughput_work_but_not_the_interactive_pools_own_prompts():
     """Misses of the ITL aim (in a split layout mostly the throughput chunks' doing) shrink the step
     target, hence the rag chunks; the chat pool's own prompt is still chunked against `ITL_AIM` of its
