@@ -2,7 +2,8 @@
 preemption by recompute or swap when the pool runs out of blocks.
 
 Each `schedule()` fills a token budget of `max_num_batched_tokens`: first the running sequences (a decode token
-each, or the next chunk of an unfinished prefill), then swapped-out ones (before new arrivals), then waiting ones
+each, or the next chunk of an unfinished prefill), then swapped-out ones (before new arrivals, but for those of a
+more urgent priority than every swapped one), then waiting ones
 in order while `max_num_seqs`, the budget and the free blocks allow; sequences leave and join at every step.
 A budget short of the running decodes (a throughput pool's under the step composer's time target) serves those
 scheduled longest ago first: every decode slows in turn, none waits behind the others for good.
@@ -106,7 +107,7 @@ class Scheduler:
         self.max_model_len, self.name = max_model_len, name
         self.waiting: list[Sequence] = []   # sorted by Sequence.sort_key
         self.running: list[Sequence] = []   # in admission order
-        self.swapped: list[Sequence] = []   # in swap-out order; resumed first-out first-in
+        self.swapped: list[Sequence] = []   # in swap-out order; resumed in waiting-queue order (`_schedule_swapped`)
         self.paused: set[str] = set()       # request ids not to schedule until resumed
         self.stats = SchedulerStats()
         self._step, self._promised = 0, 0   # steps so far; blocks promised this step to sequences waiting for them
@@ -181,9 +182,9 @@ class Scheduler:
         if out.preempted or self._promised:
             return out  # no admissions in a step that had to preempt, or promised blocks to come: the pool is full
         budget = self._schedule_swapped(out, budget)
-        if any(not self.is_paused(s) for s in self.swapped):
-            return out  # swapped sequences resume before new arrivals
-        self._schedule_waiting(out, budget)
+        # swapped sequences resume before new arrivals, but for a more urgent one (a lower priority value)
+        waits = min((s.priority for s in self.swapped if not self.is_paused(s)), default=None)
+        self._schedule_waiting(out, budget, before=waits)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -254,8 +255,9 @@ class Scheduler:
         return {id(decodes[k]) for k in oldest}
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
-        """Swapped-out sequences back in, in order, while blocks and limits allow; returns the budget left."""
-        resumable = [s for s in self.swapped if not self.is_paused(s)]
+        """Swapped-out sequences back in, in waiting-queue order (priority, then arrival), while blocks and limits
+        allow; returns the budget left."""
+        resumable = sorted((s for s in self.swapped if not self.is_paused(s)), key=Sequence.sort_key)
         while resumable and budget > 0 and self._num_seqs_held() + 1 + resumable[0].num_pending_forks <= \
                 self.config.max_num_seqs:
             seq = resumable[0]
@@ -268,8 +270,9 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting sequences in strict order (their cached prefix first) while limits allow. One
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, before: int | None = None) -> None:
+        """Admit waiting sequences in strict order (their cached prefix first) while limits allow, only those
+        of a priority value below `before` (a swapped sequence's, which resumes first). One
         whose next prompt block a running sequence is prefilling right now waits for it (it is skipped,
         not a block to the others): admitted after, it finds the block in the prefix cache instead of
         computing the same prefix again beside it (questions on a document that is being read)."""
@@ -280,6 +283,8 @@ class Scheduler:
             if self.is_paused(seq):   # passed by the others; admitted once resumed
                 index += 1
                 continue
+            if before is not None and seq.priority >= before:
+                break
             if self._num_seqs_held() + 1 + seq.num_pending_forks > self.config.max_num_seqs:
                 break
             counted = (bm.num_prefix_queries, bm.num_prefix_hits)

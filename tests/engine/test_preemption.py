@@ -196,6 +196,37 @@ def test_a_decode_the_short_budget_passed_over_may_be_the_victim_and_the_next_on
     scheduler.check_integrity()
 
 
+def test_a_swapped_sequence_holds_back_only_arrivals_no_more_urgent_than_it():
+    """victim_policy priority, swap: H (priority 0) grows, L (priority 9) is swapped out and cannot come back (it
+    needs 5 blocks, 3 are free). An urgent arrival U (priority 0, 1 block) is admitted beside it; a lax one (9)
+    waits behind L. Any swapped sequence held every arrival back: the least urgent, preempted for the most
+    urgent, then shut out the next urgent one."""
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, preemption_mode="swap", swap_space_bytes=1 << 20,
+                                          victim_policy="priority", stability_floor_tokens=0,
+                                          enable_prefix_caching=False),
+                          bm, max_model_len=100, swap_manager=BlockManager(num_blocks=16, block_size=4))
+    h, low = _seq(17, 0), _seq(17, 1)
+    low.priority = 9
+    for seq in (h, low):
+        seq.num_prompt_tokens, seq.max_tokens, seq.status = 16, 50, SequenceStatus.RUNNING
+        bm.allocate(seq.block_table, 16)
+        seq.num_computed_tokens = 16
+        scheduler.running.append(seq)
+    out = scheduler.schedule()
+    assert out.preempted == [low] and scheduler.swapped == [low] and bm.num_free_blocks == 3
+    h.num_computed_tokens += 1
+    h.token_ids.append(7)
+    urgent, lax = _seq(4, 2), _seq(4, 3)
+    lax.priority = 9
+    scheduler.add(lax)
+    scheduler.add(urgent)
+    out = scheduler.schedule()
+    assert [item.seq for item in out.scheduled] == [h, urgent]
+    assert scheduler.swapped == [low] and scheduler.waiting == [lax]
+    scheduler.check_integrity()
+
+
 def _three_in_flight(a_max_tokens: int) -> tuple[Scheduler, list[Sequence]]:
     """Overlapped steps, each running sequence's next token in flight, no block free: A (7 prompt tokens,
     `a_max_tokens`), B (4 + 4 generated, needs a new block), C (4 + 1 generated, decodes in place)."""
