@@ -419,12 +419,17 @@ class Scheduler:
         return True
 
     def _swap_in(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
-        self.block_manager.allocate(seq.block_table, seq.num_computed_tokens + num_new)
-        out.move("swap_in", list(zip(seq.cpu_block_table, seq.block_table)))
-        self.stats.num_swapped_in_blocks += len(seq.cpu_block_table)
+        """Its full blocks the prefix cache still holds (registered at its swap-out, or a sibling's) are shared
+        again, not copied back; the rest is copied from its CPU blocks. The cache's hit counts stay the prompts'."""
+        bm, counted = self.block_manager, (self.block_manager.num_prefix_queries, self.block_manager.num_prefix_hits)
+        shared = bm.acquire_cached(seq.block_table, seq.token_ids[:seq.num_computed_tokens + 1], seq.cache_salt)
+        bm.num_prefix_queries, bm.num_prefix_hits = counted
+        bm.allocate(seq.block_table, seq.num_computed_tokens + num_new)
+        shared //= bm.block_size
+        out.move("swap_in", list(zip(seq.cpu_block_table[shared:], seq.block_table[shared:])))
+        self.stats.num_swapped_in_blocks += len(seq.cpu_block_table) - shared
         self.swap_manager.free(seq.cpu_block_table)
-        seq.status = SequenceStatus.RUNNING
-        seq.admitted_at_output = seq.num_output_tokens
+        seq.status, seq.admitted_at_output = SequenceStatus.RUNNING, seq.num_output_tokens
         seq.last_scheduled_step = self._step
         self.running.append(seq)
 

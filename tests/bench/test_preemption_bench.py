@@ -61,7 +61,7 @@ def test_quick_run_covers_every_cell(tiny_model, capsys):
     if "swap" in MODES:
         swap = cells[("swap", "short", 0.5)]
         assert swap["num_swap_preemptions"] > 0
-        assert swap["num_swapped_out_blocks"] == swap["num_swapped_in_blocks"] > 0
+        assert swap["num_swapped_out_blocks"] >= swap["num_swapped_in_blocks"] > 0   # less what the cache still held
         assert all(r["auto_vs_best"] is not None for r in result["rows"])
     assert len(result["rows"]) == len(FACTORS) * len(preemption.QUICK_MIXES)
 
