@@ -70,6 +70,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_pending: int = 0             # placeholders at the end of token_ids: sampled, values not read yet
+    stop_from: int = 0               # characters the first min_tokens tokens wrote (held ones too): no stop ends there
 
     @property
     def num_tokens(self) -> int:
@@ -148,6 +149,8 @@ class Sequence:
             by_token = False
         delta = "" if by_token and not params.include_stop_str_in_output else detokenize(token)
         self.text += delta
+        if n_out == params.min_tokens and params.stop:   # the window's end: what a byte run holds counts too
+            self.stop_from = len(self.text) + len(held(n_out))   # (a run of n_out tokens at most: all of it)
         if reason is None or not by_token:   # a token that completes the grammar writes text a stop string may end
             reason = self._stopped_by_string(len(delta)) or reason
         if reason is None and params.stop and self.stops_in(held):   # "\n" as the byte token <0x0A>, say
@@ -163,10 +166,10 @@ class Sequence:
         stops = self.params.stop
         if not stops or self.num_known_output_tokens <= self.params.min_tokens:
             return False
-        longest = max(map(len, stops))
-        if not (text := held(longest)):
+        longest, end = max(map(len, stops)), len(self.text)
+        # past the window's own held text (a run open since: at least that much more, whole if it is short)
+        if not (text := held(max(0, self.stop_from - end) + longest)) or end + len(text) <= self.stop_from:
             return False
-        end = len(self.text)
         text = self.text.slice(max(0, end - longest), end) + text
         return any(text.endswith(stop) for stop in stops)
 
@@ -189,8 +192,9 @@ class Sequence:
         if not delta_len:
             return None
         found: tuple[int, str] | None = None
-        for stop in self.params.stop:
-            index = self.text.find(stop, max(0, len(self.text) - delta_len - len(stop) + 1))
+        for stop in self.params.stop:   # ending in the delta, and past the first min_tokens' text (`stop_from`)
+            first = max(0, len(self.text) - delta_len, self.stop_from) - len(stop) + 1
+            index = self.text.find(stop, max(0, first))
             if index >= 0 and (found is None or index < found[0]):
                 found = (index, stop)
         if found is None:

@@ -603,6 +603,47 @@ def test_a_stop_string_in_the_text_held_to_the_end_stops_the_sequence(sp_folder:
             assert (out.text, out.finish_reason) == ("\n\n", "length"), out
 
 
+def test_a_stop_string_the_first_min_tokens_wrote_in_a_byte_run_stops_nothing(sp_folder: Path, builtin_path: Path,
+                                                                               tmp_path: Path) -> None:
+    """min_tokens 1, stop "\n", a model writing <0x0A> again and again: the first "\n" is min_tokens' text, the
+    second ends the sequence. The run's text came as one delta after the window, cut at the first "\n": ""."""
+    from engine.llm_engine import LLMEngine
+    from engine.sampling import SamplingParams
+    from tests.conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "m", "llama", builtin_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(sp_folder / name, folder / name)
+    newline = Tokenizer.from_folder(folder)._backend.token_to_id("<0x0A>")
+    engine = LLMEngine.from_args(str(folder), block_size=8, num_blocks=32, progress=False)
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=1, stop=["\n"], logit_bias={newline: 100.0})
+    out = engine.generate([[1, 10, 11]], params)[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason, out.token_ids) == ("\n", "stop", "\n", [newline] * 2), out
+
+
+def test_a_held_stop_string_of_the_min_tokens_window_stops_nothing_once_its_run_is_emitted() -> None:
+    """A fake byte-fallback detokenizer: "Hello", then "\n" held by an open run (token 2, inside min_tokens 2),
+    then "▁World" ends the run ("\n World" emitted at once), or a skipped special token adds nothing. Neither
+    stops the sequence: the "\n" is the window's (it was cut there, "Hello", or stopped on the held "\n")."""
+    from engine.sampling import SamplingParams
+    from engine.sequence import Sequence
+
+    for last, emitted, held_after in ((3, "\n World", ""), (4, "", "\n")):
+        seq = Sequence(seq_id=0, request_id="r", index=0, token_ids=[1], num_prompt_tokens=1,
+                       params=SamplingParams(max_tokens=10, min_tokens=2, stop=["\n"]), max_tokens=10, priority=0,
+                       arrival_order=0, generator=None)
+        texts = {1: ("Hello", ""), 2: ("", "\n"), last: (emitted, held_after)}
+        held = ""
+        for token in (1, 2, last):
+            delta, now_held = texts[token]
+
+            def held_text(max_chars: int, now_held=now_held) -> str:
+                return now_held
+            assert seq.append_token(token, None, None, lambda t, d=delta: d, frozenset(), 100, held_text) is None
+            held = now_held
+        assert str(seq.text) == "Hello" + emitted and seq.stop_reason is None and held == held_after
+
+
 def test_detokenizer_byte_fallback_text(sp_tok: Tokenizer, sp_hf: Any) -> None:
     """The output is read after its prompt (vLLM's way): a sentencepiece decoder strips the space a text begins
     with, so decoded alone "say" + "▁the" lost the space a completion needs after its prompt."""
