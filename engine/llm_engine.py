@@ -5,9 +5,9 @@ pools' chunks sized to the step's latency target) -> `_execute` (one merged forw
 forks, sampling) -> `_postprocess` (stop checks, detokenization, outputs). It runs in the device
 worker process (`engine.worker`); use it directly for offline batch work (`generate`).
 
-A request with a structured output (`SamplingParams.structured`) waits outside its scheduler until its grammar
-is built on a grammar thread (`engine.structured.GrammarCompiler`); each of its sequences then carries a
-matcher that masks its next token and follows the tokens it takes, and stops as soon as its grammar is complete.
+A request with a structured output (`SamplingParams.structured`) waits outside its scheduler until its grammar is
+built on a grammar thread (`engine.structured.GrammarCompiler`); each of its sequences then carries a matcher that
+masks its next token and follows the tokens it takes, and stops as soon as its grammar is complete.
 """
 
 from __future__ import annotations
@@ -160,8 +160,7 @@ class LLMEngine:
                                     kv_bytes_per_token=self.kv_bytes_per_token)
         if scheduler.swap_manager is not None:
             self.swap_spaces[pool.name] = SwapSpace(self.kv_cache, scheduler.swap_manager.num_blocks)
-            if self._swap_bandwidth is None:
-                self._swap_bandwidth = self.swap_spaces[pool.name].measure_bandwidth()
+            self._swap_bandwidth = self._swap_bandwidth or self.swap_spaces[pool.name].measure_bandwidth()
             scheduler.cost_model.swap_bytes_per_second = self._swap_bandwidth
         return scheduler
 
@@ -188,13 +187,14 @@ class LLMEngine:
 
     # --- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | None = None,
-                    *, priority: int = 0, pool: str | None = None, cache_salt: str | None = None) -> None:
-        """Queue a request. `prompt` is text (tokenized as a completion prompt) or token ids.
-        `cache_salt` partitions the prefix cache: a request only reuses blocks cached by requests with
-        the same salt (the gateway passes the tenant, so no tenant can probe another's prompts).
-
-        Raises RequestError (a ValueError naming the field) when the request is malformed or can never
-        fit its pool (prompt + max_tokens over max_model_len or over the pool's blocks, min_tokens past them)."""
+                    *, priority: int = 0, pool: str | None = None, cache_salt: str | None = None,
+                    background: bool = False) -> None:
+        """Queue a request. `prompt` is text (tokenized as a completion prompt) or token ids; `background` (a batch
+        line's) is queued and resumed after the pool's other requests (a victim first under `victim_policy: priority`).
+        `cache_salt` partitions the prefix cache: a request only reuses blocks cached by requests with the same salt
+        (the gateway passes the tenant, so no tenant can probe another's prompts). Raises RequestError (a ValueError
+        naming the field) when the request is malformed or can never fit its pool (prompt + max_tokens over
+        max_model_len or over the pool's blocks, min_tokens past them)."""
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise RequestError("request_id: must be a non-empty string")
@@ -226,7 +226,7 @@ class LLMEngine:
         seqs = []
         for index in range(params.n):
             gen = make_generator(params.seed, index, self.device) if params.seed is not None else None
-            seqs.append(Sequence(
+            seqs.append(Sequence(background=background,
                 seq_id=next(self._seq_ids), request_id=request_id, index=index, token_ids=list(prompt_ids),
                 num_prompt_tokens=len(prompt_ids), params=params, max_tokens=max_tokens, priority=priority,
                 arrival_order=arrival, generator=gen, pool=pool, cache_salt=cache_salt))

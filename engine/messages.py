@@ -33,7 +33,8 @@ class AddRequest:
     pool: str | None = None
     cache_salt: str | None = None     # the prefix-cache partition (`LLMEngine.add_request`)
     credits: int = 0                  # KV credits the gateway holds for it (a replica counts them: `engine.sessions`)
-    background: bool = False          # a batch line's (a shared replica counts its credits as batch demand)
+    background: bool = False          # a batch line's: queued after the others (a shared replica counts its credits
+    # as batch demand)
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ def victim_by_policy(policy: str, candidates: list[Sequence], running: list[Sequ
     if policy == "lru":             # scheduled longest ago (left out by the token budget)
         serving = serving or set()
         return min(candidates, key=lambda s: (id(s) in serving, s.last_scheduled_step, -order[id(s)]))
-    if policy == "priority":        # largest priority value = least urgent, then reverse FIFO
-        return max(candidates, key=lambda s: (s.priority, order[id(s)]))
+    if policy == "priority":        # a batch line's, then largest priority value = least urgent, then reverse FIFO
+        return max(candidates, key=lambda s: (s.background, s.priority, order[id(s)]))
     raise AssertionError(f"unknown victim policy {policy!r}")
 
 

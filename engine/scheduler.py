@@ -182,8 +182,8 @@ class Scheduler:
         if out.preempted or self._promised:
             return out  # no admissions in a step that had to preempt, or promised blocks to come: the pool is full
         budget = self._schedule_swapped(out, budget)
-        # swapped sequences resume before new arrivals, but for a more urgent one (a lower priority value)
-        waits = min((s.priority for s in self.swapped if not self.is_paused(s)), default=None)
+        # swapped sequences resume before new arrivals, but for more urgent ones ((background, priority) below theirs)
+        waits = min(((s.background, s.priority) for s in self.swapped if not self.is_paused(s)), default=None)
         self._schedule_waiting(out, budget, before=waits)
         return out
 
@@ -270,9 +270,9 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, before: int | None = None) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, before: tuple[bool, int] | None = None) -> None:
         """Admit waiting sequences in strict order (their cached prefix first) while limits allow, only those
-        of a priority value below `before` (a swapped sequence's, which resumes first). One
+        more urgent than `before` (a swapped sequence's (background, priority), which resumes first). One
         whose next prompt block a running sequence is prefilling right now waits for it (it is skipped,
         not a block to the others): admitted after, it finds the block in the prefix cache instead of
         computing the same prefix again beside it (questions on a document that is being read)."""
@@ -283,7 +283,7 @@ class Scheduler:
             if self.is_paused(seq):   # passed by the others; admitted once resumed
                 index += 1
                 continue
-            if before is not None and seq.priority >= before:
+            if before is not None and (seq.background, seq.priority) >= before:
                 break
             if self._num_seqs_held() + 1 + seq.num_pending_forks > self.config.max_num_seqs:
                 break

@@ -51,6 +51,7 @@ class Sequence:
     generator: torch.Generator | None
     pool: str = "default"
     cache_salt: str | None = None    # prefix-cache partition (the gateway's tenant); None: shared
+    background: bool = False         # a batch line's: after every other sequence of its pool (`sort_key`)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -204,9 +205,10 @@ class Sequence:
         self.stop_reason = stop
         return FinishReason.STOP
 
-    def sort_key(self) -> tuple[int, int, int]:
-        """Waiting-queue order: lower priority value first, then arrival, then sample index."""
-        return (self.priority, self.arrival_order, self.index)
+    def sort_key(self) -> tuple[bool, int, int, int]:
+        """Waiting-queue order: a batch line's after the others, then lower priority value first, then arrival,
+        then sample index."""
+        return (self.background, self.priority, self.arrival_order, self.index)
 
 
 def pending_token(row: int) -> int:

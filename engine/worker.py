@@ -394,7 +394,7 @@ def _handle_request(engine, channel: Channel, msg: AddRequest | AbortRequest | P
                 if faults is not None:
                     faults.on_add(engine, msg.request_id, msg.prompt)
                 engine.add_request(msg.request_id, msg.prompt, msg.params, priority=msg.priority, pool=msg.pool,
-                                   cache_salt=msg.cache_salt)
+                                   cache_salt=msg.cache_salt, background=msg.background)
             case AbortRequest():
                 out = engine.abort(msg.request_id)
             case PauseRequest():

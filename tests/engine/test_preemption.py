@@ -228,6 +228,25 @@ def test_a_swapped_sequence_holds_back_only_arrivals_no_more_urgent_than_it():
     scheduler.check_integrity()
 
 
+def test_a_batch_line_waits_behind_an_interactive_request_of_any_priority_and_is_the_first_victim(tiny):
+    """A tenant's interactive request clamped to priority 10, a batch line at 0: one prefill chunk a step, the
+    interactive one goes first (the engine sorted by priority alone, so the batch line passed it); under
+    victim_policy priority the batch line is preempted before it."""
+    engine = _engine(tiny, max_num_batched_tokens=64, victim_policy="priority")
+    engine.add_request("line", list(range(3, 53)), SamplingParams(max_tokens=4), priority=0, background=True)
+    engine.add_request("chat", list(range(3, 53)), SamplingParams(max_tokens=4), priority=10)
+    scheduler = engine.schedulers["default"]
+    assert [s.request_id for s in scheduler.waiting] == ["chat", "line"]
+    engine.step()
+    assert [s.request_id for s in scheduler.running][:1] == ["chat"]
+    from engine.preemption_cost import victim_by_policy
+    chat, line = engine.requests["chat"].seqs[0], engine.requests["line"].seqs[0]
+    assert victim_by_policy("priority", [line, chat], [line, chat]) is line
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_free(engine)
+
+
 def test_a_swapped_in_sequence_shares_the_cached_blocks_it_left_instead_of_copying_them_back():
     """B shares A's three prompt blocks (two samples of one prompt) and is swapped out; its blocks stay in use by
     A and in the prefix cache. Swapped in, B shares them again and copies back nothing: it took three fresh

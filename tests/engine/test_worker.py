@@ -383,3 +383,20 @@ def test_the_integrity_check_runs_only_where_a_stats_query_asks_for_it(monkeypat
     for query in (StatsQuery(), StatsQuery(check=True)):
         assert worker._handle(None, channel, query) is False
     assert checks == [False, True] and sent == [StatsReply("stats"), StatsReply("stats")]
+
+
+def test_a_batch_lines_request_reaches_the_engine_as_one():
+    """`AddRequest.background` (the gateway sets it for a batch line) is passed to the engine, which queues it
+    after the interactive requests; it was read by the sessions only."""
+    import engine.worker as worker
+    from engine.messages import AddRequest
+    from engine.sampling import SamplingParams
+
+    added = []
+
+    class Engine:
+        def add_request(self, request_id, prompt, params, **kwargs):
+            added.append((request_id, kwargs))
+    channel = type("Channel", (), {"send": lambda self, msg: None})()
+    worker._handle_request(Engine(), channel, AddRequest("r", [1, 2], SamplingParams(), background=True), None)
+    assert added == [("r", {"priority": 0, "pool": None, "cache_salt": None, "background": True})]
