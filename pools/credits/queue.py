@@ -63,9 +63,9 @@ class LeaseDemand(NamedTuple):
 class PoolFull(Exception):
     """`max_queue_seconds: 0`: the request does not fit the free credits now and the pool never queues."""
 
-    def __init__(self, pool: str, need: int, free: int) -> None:
-        super().__init__(f"pool {pool!r} is full: the request needs {need} KV token slots, {free} are free; "
-                         "retry later")
+    def __init__(self, pool: str, need: int, free: int, held_back: str = "") -> None:
+        super().__init__(f"pool {pool!r} is full: the request needs {need} KV token slots, {free} are free"
+                         f"{held_back}; retry later")
         self.pool = pool
 
 
@@ -180,10 +180,11 @@ class CreditQueue:
             if not ticket.admitted:
                 self._admit()
             if not ticket.admitted and self.max_queue_seconds == 0 and not waits:
+                held_back = self._held_back(ticket)
                 self.ledger.cancel(request_id)
                 self._refused()
                 self._admit()
-                raise PoolFull(self.pool, num_tokens, self.ledger.free)
+                raise PoolFull(self.pool, num_tokens, self.ledger.free, held_back)
             if not ticket.admitted:
                 await self._wait(ticket, None if waits else self.max_queue_seconds, pressing=not waits, spent=spent)
         except BaseException:
@@ -202,6 +203,21 @@ class CreditQueue:
                 self.placement.finish(request_id)
             self.ledger.release(request_id)
             self._admit()
+
+    def _held_back(self, ticket: Ticket) -> str:
+        """Why a request refused at once was not admitted where a replica up has its free credits ("" where
+        none has): what its 429 says beside the free credits, which would otherwise read as room."""
+        ledger = self.ledger
+        roomy = [r for r, (account, up) in enumerate(zip(ledger.accounts, ledger.up))
+                 if up and ledger.need(ticket, r) <= account.free]
+        if not roomy:
+            return ""
+        if not any(ledger.accounts[r].has_seqs(ticket) for r in roomy):
+            return ", but no sequence slot is (max_num_seqs)"
+        if not any(ledger.under_cap(ticket, r) for r in roomy):
+            return (", but requests of its size hold their share of the pool already (the rest is kept for "
+                    "requests of other sizes)")
+        return ", but requests queued before it come first"
 
     def _drop(self, request_id: str) -> None:
         """A request that fails before it holds its credits leaves nothing in the ledger: queued, it is

@@ -643,3 +643,33 @@ def test_the_prompts_of_a_request_are_shared_once_each_has_streamed_a_token():
             assert calls[-1] is True and not ticket.prefilling
 
     asyncio.run(main())
+
+
+def test_a_refusal_with_free_credits_says_what_holds_them_back():
+    """max_queue_seconds 0: a request refused while a replica has its credits free, by max_num_seqs or by its
+    flow's cap, says so; its 429 read "needs 112 KV token slots, 128 are free", as if there were room."""
+    import contextlib
+
+    async def scenario() -> None:
+        capped = CreditQueue("chat", 800, max_queue_seconds=0, flow_cap=8, max_seqs=8)
+        async with contextlib.AsyncExitStack() as stack:
+            for i in range(6):
+                await stack.enter_async_context(capped.hold(f"r{i}", 112))
+            with pytest.raises(PoolFull, match=r"needs 112 KV token slots, 128 are free, but requests of its size "
+                                               r"hold their share of the pool already"):
+                async with capped.hold("r6", 112):
+                    pass
+            async with capped.hold("small", 16):   # another size: its own share
+                pass
+        seqs = CreditQueue("chat", 1000, max_queue_seconds=0, max_seqs=2)
+        async with seqs.hold("a", 100), seqs.hold("b", 100):
+            with pytest.raises(PoolFull, match="800 are free, but no sequence slot is"):
+                async with seqs.hold("c", 100):
+                    pass
+        full = CreditQueue("chat", 100, max_queue_seconds=0)
+        async with full.hold("a", 100):
+            with pytest.raises(PoolFull, match=r"needs 60 KV token slots, 0 are free; retry later"):
+                async with full.hold("b", 60):
+                    pass
+
+    asyncio.run(scenario())
