@@ -30,7 +30,7 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
 2. **Interactive pools** schedule first. One that has running decodes gets the token budget that
    the step-cost model predicts still fits `ITL_AIM` of its `itl_ms` alone (at least its decodes and
    one block of prefill), so its own long prompts are chunked and its decodes keep `itl_ms`; beside
-   another interactive pool with sequences running, the tightest `itl_ms` of the two, with the other's
+   another interactive pool with sequences decoding, the tightest `itl_ms` of the two, with the other's
    work in the step (one pool's prompt must not stall another's decodes); with nothing decoding on
    any interactive pool, its whole `max_num_batched_tokens` (a lone prefill is best served in one
    piece). The feedback scales never shrink this budget: they exist to take throughput work out of
@@ -371,15 +371,14 @@ class StepComposer:
 
     def _interactive_budget(self, name: str, so_far: StepFeatures) -> int | None:
         """An interactive pool's tokens: what fits `ITL_AIM` of the tightest `itl_ms` among the interactive
-        pools that decode (its own, and another's with sequences running: a pool's prompt must not stall
-        another's decodes), beside what they put in the step (the pools scheduled before it, and the decodes
+        pools that decode (its own, and another's: a pool's prompt must not stall another's decodes), beside what they put in the step (the pools scheduled before it, and the decodes
         of those after it), at least its decodes and one block of prefill; no limit when no interactive
         pool decodes. No feedback scale applies (the module docstring's step 2)."""
         scheduler = self.schedulers[name]
         if not scheduler.config.enable_chunked_prefill or not self.cost_model.ready:
             return None
         decodes, prefill_context = scheduler.pending_work()
-        others = [n for n in self.interactive if n != name and self.schedulers[n].running]
+        others = [n for n in self.interactive if n != name and self.schedulers[n].pending_work()[0]]
         if prefill_context is None or not (decodes or others):
             return None
         target = min(self.slos[n].step_seconds for n in others + [name] * bool(decodes)) * ITL_AIM

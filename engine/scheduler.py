@@ -103,8 +103,7 @@ class Scheduler:
                  name: str = "default", swap_manager: BlockManager | None = None,
                  cost_model: PreemptionCostModel | None = None) -> None:
         self.config, self.block_manager, self.cost_model = config, block_manager, cost_model
-        self.swap_manager = swap_manager    # CPU block ids (swap and auto modes)
-        self.max_model_len, self.name = max_model_len, name
+        self.swap_manager, self.max_model_len, self.name = swap_manager, max_model_len, name   # swap: CPU block ids
         self.waiting: list[Sequence] = []   # sorted by Sequence.sort_key
         self.running: list[Sequence] = []   # in admission order
         self.swapped: list[Sequence] = []   # in swap-out order; resumed in waiting-queue order (`_schedule_swapped`)
@@ -167,7 +166,8 @@ class Scheduler:
 
     def next_prefill(self) -> Sequence | None:
         """The sequence whose prefill the next step would continue or start (paused ones wait: skipped)."""
-        return next((s for queue in (self.running, self.swapped, self.waiting) for s in queue
+        resuming = sorted(self.swapped, key=Sequence.sort_key)   # swapped ones: in the order they resume
+        return next((s for queue in (self.running, resuming, self.waiting) for s in queue
                      if not self.is_paused(s) and (queue is not self.running or s.num_uncomputed_tokens > 1)), None)
 
     # --- the step ----------------------------------------------------------------------------

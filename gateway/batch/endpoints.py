@@ -55,6 +55,8 @@ MAX_FILE_BYTES = 200 << 20          # an upload, as OpenAI's limit for batch inp
 SPOOL_BYTES = 1 << 20               # an upload's bytes held in memory; the rest goes to a temporary file
 MAX_TEXT_FIELD_CHARS = 4096         # an upload's text fields (purpose, expires_after[...])
 UPLOAD_FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")
+# the upload's fields as its errors name them: the expiration policy's as the SDK's argument is written
+PARAMS = {"expires_after[anchor]": "expires_after.anchor", "expires_after[seconds]": "expires_after.seconds"}
 REQUIRED_UPLOAD_FIELDS = ("file", "purpose")
 # what aiohttp's multipart reader raises for a malformed body: no boundary, a part header it refuses (a NUL, a
 # line over 8190 bytes: HttpProcessingError), an unknown charset or transfer encoding, a `_charset_` part too long
@@ -75,7 +77,8 @@ def setup(app: web.Application, data_dir: Path | str, executor: LineExecutor | N
     store = opened(functools.partial(BatchStore, path, default_tenant=DEFAULT_TENANT, legacy_owner=legacy_owner), path)
     app[BATCHES] = BatchRunner(store, executor or functools.partial(answer_batch_line, gateway),
                                max_unfinished_per_owner=gateway.config.gateway.batches.max_unfinished_per_owner,
-                               gate_keys=functools.partial(line_devices, gateway))
+                               gate_keys=functools.partial(line_devices, gateway),
+                               count_error=lambda status: gateway.metrics.errors.labels(status=str(status)).inc())
     app.cleanup_ctx.append(_runner_ctx)
     app.on_shutdown.append(_drain)
     app.router.add_post("/v1/files", upload_file)
@@ -184,21 +187,23 @@ def _field_name(part: Any, fields: dict[str, Any]) -> str:
         raise ApiError(400, "body: a part of the upload has no name (expected the fields 'file' and 'purpose')",
                        param="body")
     if name not in UPLOAD_FIELDS or name in fields:
-        raise ApiError(400, f"{name}: {'repeated' if name in fields else 'unknown'} field of a file upload "
-                       f"(expected {', '.join(map(repr, UPLOAD_FIELDS))})", param=name)
+        param = PARAMS.get(name, name)
+        raise ApiError(400, f"{param}: {'repeated' if name in fields else 'unknown'} field of a file upload "
+                       f"(expected {', '.join(map(repr, UPLOAD_FIELDS))})", param=param)
     return name
 
 
 async def _read_text(part: Any, name: str) -> str:
     """A text part (`purpose`, the expiration policy's) in its charset (`Content-Type: ...; charset=`, UTF-8 by
     default), at most a few KiB of it."""
+    param = PARAMS.get(name, name)
     try:
         text = await part.text()
     except (LookupError, UnicodeError, RuntimeError) as exc:   # an unknown charset or transfer encoding
-        raise ApiError(400, f"{name}: not text in the part's charset or transfer encoding ({exc})",
-                       param=name) from None
+        raise ApiError(400, f"{param}: not text in the part's charset or transfer encoding ({exc})",
+                       param=param) from None
     if len(text) > MAX_TEXT_FIELD_CHARS:
-        raise ApiError(400, f"{name}: longer than {MAX_TEXT_FIELD_CHARS} characters", param=name)
+        raise ApiError(400, f"{param}: longer than {MAX_TEXT_FIELD_CHARS} characters", param=param)
     return text
 
 

@@ -67,14 +67,11 @@ T = TypeVar("T")
 
 async def answer_batch_line(gateway: Gateway, path: str, body: dict[str, Any],
                             tenant: str) -> tuple[int, dict[str, Any]]:
-    """The default line executor: `gateway.handlers.answer` as the batch's tenant, at batch priority. An
-    error answer counts in `request_errors` unless the runner tries the line again (`_is_transient`)."""
+    """The default line executor: `gateway.handlers.answer` as the batch's tenant, at batch priority (its error
+    answers are counted by the runner, once a line's: `BatchRunner.count_error`)."""
     from gateway.handlers import answer
 
-    status, answered = await answer(gateway, path, body, tenant=tenant, batch=True)
-    if status >= 400 and not _is_transient(status, answered):
-        gateway.metrics.errors.labels(status=str(status)).inc()
-    return status, answered
+    return await answer(gateway, path, body, tenant=tenant, batch=True)
 
 
 def line_devices(gateway: Gateway, body: dict[str, Any]) -> tuple[Hashable, ...]:
@@ -152,8 +149,10 @@ class BatchRunner:
     def __init__(self, store: BatchStore, executor: LineExecutor, *, max_in_flight: int = MAX_IN_FLIGHT,
                  retry_first_s: float = RETRY_FIRST_S, retry_max_s: float = RETRY_MAX_S,
                  max_line_attempts: int = MAX_LINE_ATTEMPTS, max_store_attempts: int = MAX_STORE_ATTEMPTS,
-                 max_unfinished_per_owner: int | None = None, gate_keys: GateKeys | None = None) -> None:
+                 max_unfinished_per_owner: int | None = None, gate_keys: GateKeys | None = None,
+                 count_error: Callable[[int], None] | None = None) -> None:
         self.store = store
+        self.count_error = count_error    # a line recorded with an error answer (its status): once, not per try
         self.max_unfinished_per_owner = max_unfinished_per_owner   # `gateway.batches`; None: no limit
         self.executor = executor
         self.max_in_flight = max_in_flight
@@ -365,6 +364,8 @@ class BatchRunner:
                                                   type="server_error").body()))
                 await self.durable(self.store.record, run.batch_id, line.line_no, outcome.status, outcome.body,
                                    error=outcome.error)
+                if outcome.status >= 400 and self.count_error is not None:
+                    self.count_error(outcome.status)
             finally:
                 self._unrecorded.discard(task)
 
@@ -403,8 +404,8 @@ class BatchRunner:
                     log.error("line %d (%s) of a batch is a poison line: %s", line.line_no, line.custom_id, message)
                     return _Outcome(status, body, {"code": "poison_line", "message": (
                         f"line {line.line_no}: the device worker died {deaths} times while answering it, each time "
-                        f"a death of its own, the last time with no other batch line in flight ({message}); not "
-                        "tried again")})
+                        f"a death of its own, the last time with no other batch line of its devices in flight "
+                        f"({message}); not tried again")})
             if attempt < self.max_line_attempts:
                 log.warning("line %d (%s): %s; trying again in %.1f s", line.line_no, line.custom_id, message, delay)
                 await asyncio.sleep(delay)

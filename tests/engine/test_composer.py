@@ -379,6 +379,12 @@ def test_one_interactive_pools_prompt_keeps_anothers_tighter_itl_target(voice_fi
     names = ["voice", "chat"] if voice_first else ["chat", "voice"]
     composer = StepComposer({n: pool(n) for n in names}, {n: slos[n] for n in names})
     _train(composer.cost_model)
+    idle = StepComposer({n: pool(n) for n in names}, {n: slos[n] for n in names})
+    _train(idle.cost_model)
+    idle.schedulers["chat"].add(_make_seq(20, 3000))
+    idle.schedulers["voice"].add(_make_seq(21, 3000))
+    step = idle.schedule()   # nothing decodes: each lone prefill in one piece, beside the other's
+    assert [sum(i.num_new_tokens for i in step.outputs[n].scheduled) for n in ("chat", "voice")] == [2048, 2048]
     for i in range(4):
         composer.schedulers["voice"].add(_make_seq(i, 40, max_tokens=10_000))
     _run_step(composer)

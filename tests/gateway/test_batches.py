@@ -378,6 +378,8 @@ async def test_files_expire_as_openais_and_the_sdk_deletes_them(aiohttp_client, 
     for fields, param in (({"expires_after[anchor]": "created_at"}, "expires_after.seconds"),
                           ({"expires_after[seconds]": "3600"}, "expires_after.anchor"),
                           ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "1h"},
+                           "expires_after.seconds"),
+                          ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "9" * 5000},
                            "expires_after.seconds")):   # each named as the store names the others
         form = aiohttp.FormData({"purpose": "batch", **fields})
         form.add_field("file", content, filename="in.jsonl")
@@ -744,31 +746,19 @@ async def test_a_store_that_cannot_keep_a_line_as_sent_fails_the_batch_not_the_u
     assert sent == [] and failed["error_file_id"] is None
 
 
-async def test_a_batch_line_counts_as_an_error_once_and_not_for_a_try_run_again(aiohttp_client, tmp_path, tiny_model,
-                                                                                 monkeypatch):
+async def test_a_batch_line_counts_as_an_error_once_and_not_for_a_try_run_again(aiohttp_client, tmp_path, tiny_model):
     """`request_errors` counts answers: each try of a line answered 503 engine_dead counted (a device's restart
-    under 16 lines in flight: hundreds of 503s no client saw); the line's own error answer counts once."""
-    import gateway.handlers as handlers
-    from gateway.openai.errors import ApiError
+    under 16 lines in flight: hundreds of 503s no client saw). A line answered after a retry counts nothing; a
+    line recorded with an error (a 400, a poison line's last 503) counts once."""
     from gateway.runtime import GATEWAY
 
-    client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor())
-    gateway = client.app[GATEWAY]
-
-    class Dying:
-        def __init__(self, *args, **kwargs) -> None:
-            pass
-
-        async def answer(self):
-            raise ApiError(503, "device 'cpu' worker died", type="server_error", code="engine_dead")
-    monkeypatch.setattr(handlers, "Completion", Dying)
-    body = _line("a", model=gateway.config.pools[0].model_name)["body"]
-    status, answered = await execution.answer_batch_line(gateway, CHAT, body, "default")
-    assert (status, answered["error"]["code"]) == (503, "engine_dead")
-    status, _ = await execution.answer_batch_line(gateway, CHAT, {**body, "model": "nope"}, "default")
-    assert status == 404
-    errors = gateway.metrics.errors
-    assert (errors.labels(status="503")._value.get(), errors.labels(status="404")._value.get()) == (0, 1)
+    fake = _FakeExecutor(transient={"a": 1, "poison": 9})
+    client = await _client(aiohttp_client, tmp_path, tiny_model, fake)
+    done = await _wait(client, (await _create(client, _jsonl(_line("a"), _line("bad"), _line("poison"))))["id"])
+    assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+    assert fake.calls["a"] == 2 and fake.calls["poison"] == 2
+    errors = client.app[GATEWAY].metrics.errors
+    assert (errors.labels(status="503")._value.get(), errors.labels(status="400")._value.get()) == (1, 1)
 
 
 async def test_a_batch_whose_failure_could_not_be_written_runs_again_at_the_next_purge(aiohttp_client, tmp_path,
