@@ -114,8 +114,9 @@ class RopeScaling:
         where, part = (path, raw) if raw.get("partial_rotary_factor") is not None else ("", cfg)   # the key it has
         if _rope_type(raw) != "default" and _float(part, "partial_rotary_factor", 1.0, path=where) != 1.0:
             raise ConfigError(f"{where}partial_rotary_factor: rotating part of each head is not supported")
-        # yarn without a factor: the context's growth (transformers' reading)
-        factor = _float(raw, "factor", _int(cfg, "max_position_embeddings", original) / original, path=path)
+        kind = _rope_type(raw)   # yarn without a factor: the context's growth (transformers'); linear, llama3 need one
+        growth = _REQUIRED if kind in ("linear", "llama3") else _int(cfg, "max_position_embeddings", original) / original
+        factor = _float(raw, "factor", growth, path=path)
         return cls(
             rope_type=_rope_type(raw),
             factor=factor,
@@ -176,13 +177,11 @@ class ModelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_key_value_heads: {self.num_kv_heads} does not divide num_attention_heads {self.num_heads}")
+            raise ConfigError(f"num_key_value_heads: {self.num_kv_heads} does not divide num_attention_heads {self.num_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim: must be even for rotary embeddings, got {self.head_dim}")
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
-            raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; "
-                              f"supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
+            raise ConfigError(f"hidden_act: unsupported {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window: must be positive, got {self.sliding_window}")
         if self.layer_types and (len(self.layer_types) != self.num_layers
@@ -196,8 +195,7 @@ class ModelConfig:
                 if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                     raise ConfigError(f"{name}: must be a positive integer with experts, got {getattr(self, name)!r}")
             if self.num_experts_per_tok > self.num_experts:
-                raise ConfigError(f"num_experts_per_tok: {self.num_experts_per_tok} is more than num_experts "
-                                  f"{self.num_experts}")
+                raise ConfigError(f"num_experts_per_tok: {self.num_experts_per_tok} is over num_experts {self.num_experts}")
 
     def is_sparse_layer(self, layer: int) -> bool:
         """Whether layer `layer`'s MLP is the experts (Qwen3-MoE's rule), else the dense MLP."""
@@ -463,8 +461,10 @@ def _int(cfg: dict[str, Any], key: str, default: Any = _REQUIRED, *, minimum: in
 
 
 def _float(cfg: dict[str, Any], key: str, default: Any, *, positive: bool = True, path: str = "") -> Any:
-    """cfg[key] as a finite float (> 0 if `positive`); `default` when absent or null."""
+    """cfg[key] as a finite float (> 0 if `positive`); `default` when absent or null (_REQUIRED: a ConfigError)."""
     value = cfg.get(key)
+    if value is None and default is _REQUIRED:
+        raise ConfigError(f"{path}{key}: missing from config.json")
     if value is None:
         return default
     if not isinstance(value, (int, float)) or isinstance(value, bool):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.config import ConfigError
 from engine.model_config import ModelConfig
 from engine.layers import RotaryEmbedding
 from engine.model import LlamaForCausalLM
@@ -33,7 +34,10 @@ def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                 shard: ShardShape | None = None, comm: Collectives | None = None) -> LlamaForCausalLM:
     """An uninitialised model (or one rank's shard of it) on `device`, allocated, not filled: load or
-    init it next. Its layers run the fused ops `kernels.fused.get_fused_ops(device, dtype)` picks."""
+    init it next. Its layers run the fused ops `kernels.fused.get_fused_ops(device, dtype)` picks. Gemma 3 in
+    float16 is refused (a ConfigError naming dtype): its activations overflow it (vLLM refuses it too)."""
+    if config.architecture == "Gemma3ForCausalLM" and dtype == torch.float16:
+        raise ConfigError("dtype: Gemma 3's activations overflow float16 (inf, then NaN); use bfloat16 or float32")
     with torch.device("meta"):
         model = model_class(config)(config, shard, comm, get_fused_ops(device, dtype))
     _allocate(model, dtype, device)

@@ -84,6 +84,11 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
     ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e6"}},
      "rope_parameters.rope_theta: expected a number, got '1e6'"),
     ({"rope_parameters": "yarn"}, "rope_parameters: expected an object, got 'yarn'"),
+    # a linear or llama3 rope without its factor (transformers: a KeyError; it was served unscaled, or at the
+    # context's growth); YaRN's is the context's growth, as transformers reads it
+    ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling.factor: missing"),
+    ({"rope_scaling": {k: v for k, v in LLAMA3_ROPE.items() if k != "factor"}}, "rope_scaling.factor: missing"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": None}}, "rope_parameters.factor: missing"),
 ])
 def test_bad_values_and_types_are_named_before_any_arithmetic(change, match):
     with pytest.raises(ConfigError, match=match):
@@ -293,7 +298,7 @@ def test_qwen3_moe_as_its_model_card_writes_it():
     assert cfg.num_params() == 30_532_122_624   # 30.5 B, as the model card says
     dense_one = ModelConfig.from_hf_config({**moe, "mlp_only_layers": [0], "decoder_sparse_step": 2})
     assert [dense_one.is_sparse_layer(i) for i in range(4)] == [False, True, False, True]
-    with pytest.raises(ConfigError, match="num_experts_per_tok: 9 is more than num_experts 8"):
+    with pytest.raises(ConfigError, match="num_experts_per_tok: 9 is over num_experts 8"):
         ModelConfig.from_hf_config({**moe, "num_experts": 8, "num_experts_per_tok": 9})
     with pytest.raises(ConfigError, match="mlp_only_layers"):
         ModelConfig.from_hf_config({**moe, "mlp_only_layers": "all"})
@@ -335,6 +340,18 @@ def test_what_we_do_not_serve_of_gemma3_is_refused_by_name(change, named):
     assert ModelConfig.from_hf_config(gemma).layer_types == ("sliding_attention", "sliding_attention")
     with pytest.raises(ConfigError, match=named):
         ModelConfig.from_hf_config({**gemma, **change})
+
+
+def test_gemma3_in_float16_is_refused_naming_dtype():
+    """Its activations overflow float16 (vLLM refuses it too); it was served as inf and NaN logits."""
+    from engine.models import build_model
+
+    gemma = ModelConfig.from_hf_config({**LLAMA, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 8,
+                                        "head_dim": 16})
+    with pytest.raises(ConfigError, match="dtype: Gemma 3's activations overflow float16"):
+        build_model(gemma, torch.float16, "cpu")
+    assert build_model(gemma, torch.bfloat16, "cpu") is not None
+    assert build_model(ModelConfig.from_hf_config(LLAMA), torch.float16, "cpu") is not None
 
 
 def test_rope_and_multimodal_errors_name_the_key_the_value_came_from():
