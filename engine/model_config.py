@@ -75,20 +75,24 @@ class RopeScaling:
     def from_hf_config(cls, cfg: dict[str, Any], params_name: str = "rope_parameters",
                        ) -> tuple[float | None, "RopeScaling"]:
         """(rope_theta or None, scaling) from an HF config dict: `rope_theta` + `rope_scaling`, or the `rope_parameters`
-        entry transformers >= 5 writes instead (`params_name`: its key path in errors). Both given with `rope_scaling`
-        saying anything `rope_parameters` does not is refused: transformers then reads `rope_scaling` alone and drops
-        `rope_parameters`' `rope_theta`, rarely what a config edited by hand means. The type may be spelled `type`;
+        entry transformers >= 5 writes instead (`params_name`: its key path in errors). Both given are refused unless
+        `rope_scaling` read alone says what `rope_parameters` does: transformers then reads `rope_scaling` alone (with
+        the top level's `rope_theta`), rarely what a config edited by hand means. The type may be spelled `type`;
         `partial_rotary_factor` with a scaled rope is refused. A bad value is a ConfigError naming its key."""
         rope_theta = _float(cfg, "rope_theta", None)
         raw, name = cfg.get("rope_scaling"), "rope_scaling"
         params = _object(cfg, "rope_parameters", name=params_name)
         if params is None and isinstance(raw, dict):   # transformers reads rope_scaling as rope_parameters: its own
             rope_theta = _float(raw, "rope_theta", rope_theta, path="rope_scaling.")   # rope_theta first
-        if params is not None:
-            if isinstance(raw, dict) and raw and any(_rope_entry(params, k) != _rope_entry(raw, k) for k in raw):
+        if params is not None and isinstance(raw, dict) and raw:   # each read alone: the same, or refused
+            alone, ours = (cls.from_hf_config({k: v for k, v in cfg.items() if k != drop}, params_name)
+                           for drop in ("rope_parameters", "rope_scaling"))
+            if alone != ours:
                 raise ConfigError(f"rope_scaling: config.json also has {params_name}, which says otherwise "
-                                  f"(transformers would read rope_scaling alone and drop {params_name}' rope_theta); "
+                                  f"(transformers would read rope_scaling alone, with the top level's rope_theta); "
                                   f"keep one: the scaling's keys belong in {params_name}")
+            return ours
+        if params is not None:
             rope_theta = _float(params, "rope_theta", rope_theta, path=f"{params_name}.")
             if _rope_type(params) != "default":
                 raw, name = params, params_name
@@ -430,11 +434,6 @@ def _check_architecture(arch: Any) -> None:
 def _rope_type(rope: dict[str, Any]) -> Any:
     """A rope mapping's type, spelled `rope_type` or (older) `type`."""
     return rope.get("rope_type", rope.get("type", "default"))
-
-
-def _rope_entry(rope: dict[str, Any], key: str) -> Any:
-    """A rope mapping's value for `key`, the type under either spelling."""
-    return _rope_type(rope) if key in ("type", "rope_type") else rope.get(key)
 
 
 def _is_int(value: Any) -> bool:

@@ -413,9 +413,15 @@ def test_rope_keys_are_read_as_transformers_reads_them():
             "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}
     with pytest.raises(ConfigError, match="^rope_scaling: config.json also has rope_parameters"):
         ModelConfig.from_hf_config({**base, **both})
-    same = {"rope_parameters": {"type": "yarn", "factor": 4.0, "rope_theta": 1e6},
-            "rope_scaling": {"rope_type": "yarn"}}
+    same = {"rope_theta": 1e6, "rope_parameters": {"type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
     assert ModelConfig.from_hf_config({**base, **same}).rope_scaling.factor == 4.0   # one says what the other does
+    # rope_scaling a part of rope_parameters: read alone (transformers' way) it has the top level's rope_theta (or
+    # 10,000) and max_position_embeddings as its original context, not rope_parameters' 1e6 and 64
+    part = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                "rope_theta": 1e6}, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    with pytest.raises(ConfigError, match="^rope_scaling: config.json also has rope_parameters"):
+        ModelConfig.from_hf_config({**base, **part})
     gemma = {**base, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 8,
              "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                  "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
