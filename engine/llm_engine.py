@@ -154,7 +154,7 @@ class LLMEngine:
         max_model_len = pool.scheduler.max_model_len or self.model_config.context_length
         if max_model_len > self.model_config.context_length:
             raise ConfigError(f"pools.{pool.name}.max_model_len: {max_model_len} exceeds the model's context "
-                              f"{self.model_config.context_length} (max_position_embeddings, or YaRN's x factor)")
+                              f"{self.model_config.context_length} (max_position_embeddings, scaled by a YaRN or linear rope)")
         scheduler = build_scheduler(pool, block_size=self.config.cache.block_size, first_block=first_block,
                                     max_model_len=max_model_len, bytes_per_block=self.kv_cache.bytes_per_block,
                                     kv_bytes_per_token=self.kv_bytes_per_token)

@@ -214,13 +214,15 @@ class ModelConfig:
 
     @property
     def context_length(self) -> int:
-        """The longest sequence the model serves: `max_position_embeddings`, or with YaRN the original context
-        times the factor where that is longer (vLLM's reading: Qwen3's model card adds YaRN, factor 4 over
-        32,768 positions, and leaves max_position_embeddings at 40,960: the model serves 131,072)."""
+        """The longest sequence the model serves (vLLM's readings): `max_position_embeddings`; with YaRN the original
+        context times the factor where that is longer (Qwen3's model card adds YaRN, factor 4 over 32,768 positions,
+        to a config.json whose max_position_embeddings stays 40,960: the model serves 131,072); with a linear scaling
+        max_position_embeddings times the factor (Llama 2's long fine-tunes; not Gemma 3's, whose count has it)."""
         rope = self.rope_scaling
         if rope.rope_type == "yarn":
             return max(self.max_position_embeddings, int(rope.original_max_position_embeddings * rope.factor))
-        return self.max_position_embeddings
+        scaled = rope.rope_type == "linear" and self.architecture != "Gemma3ForCausalLM"
+        return int(self.max_position_embeddings * rope.factor) if scaled else self.max_position_embeddings
 
     @property
     def attention_scale(self) -> float:
@@ -408,9 +410,7 @@ def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     only = cfg.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(_is_int(i) and i >= 0 for i in only):
         raise ConfigError(f"mlp_only_layers: must be a list of layer indices, got {only!r}")
-    experts = _int(cfg, "num_experts", None)
-    if experts is None:   # transformers 5 writes num_local_experts
-        experts = _int(cfg, "num_local_experts", 128)
+    experts = _int(cfg, "num_experts", None) or _int(cfg, "num_local_experts", 128)   # transformers 5: num_local_experts
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act: Qwen3-MoE's experts are served with silu only (the fused MoE kernel's), "
                           f"got {cfg['hidden_act']!r}")
