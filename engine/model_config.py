@@ -34,7 +34,8 @@ DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32_768, "
 DEFAULT_KV_HEADS = {"Qwen2ForCausalLM": 32, "MistralForCausalLM": 8, "Qwen3ForCausalLM": 32, "Qwen3MoeForCausalLM": 4}
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# dynamic NTK: its base moves only past max_position_embeddings, which caps its context here: the default rope's
+SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class RopeScaling:
         if _rope_type(raw) != "default" and _float(part, "partial_rotary_factor", 1.0, path=where) != 1.0:
             raise ConfigError(f"{where}partial_rotary_factor: rotating part of each head is not supported")
         kind = _rope_type(raw)   # yarn without a factor: the context's growth (transformers'); linear, llama3 need one
-        growth = _REQUIRED if kind in ("linear", "llama3") else _int(cfg, "max_position_embeddings", original) / original
+        growth = _REQUIRED if kind in ("dynamic", "linear", "llama3") else _int(cfg, "max_position_embeddings", original) / original
         factor = _float(raw, "factor", growth, path=path)
         return cls(
             rope_type=_rope_type(raw),

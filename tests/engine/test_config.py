@@ -20,8 +20,8 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
     ({"architectures": []}, "architectures"),
     ({"num_key_value_heads": 3}, "num_key_value_heads: 3 does not divide"),
     ({"hidden_size": -1}, "hidden_size"),
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
-     "rope_scaling.rope_type: unsupported 'dynamic'; supported: default, linear, llama3, yarn"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+     "rope_scaling.rope_type: unsupported 'longrope'; supported: default, dynamic, linear, llama3, yarn"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "attention_factor": -1}}, "rope_scaling.attention_factor"),
     ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "use_sliding_window: Qwen3"),
     ({"hidden_act": "gelu"}, "hidden_act"),
@@ -342,6 +342,23 @@ def test_what_we_do_not_serve_of_gemma3_is_refused_by_name(change, named):
         ModelConfig.from_hf_config({**gemma, **change})
 
 
+def test_a_scaled_ropes_context_is_read_as_vllm_reads_it_and_dynamic_ntk_stays_within_its_own():
+    """linear: max_position_embeddings x factor (Gemma 3's count has it already); dynamic NTK: its base moves only
+    past max_position_embeddings, so it serves that many positions with the default rope (it was refused)."""
+    linear = ModelConfig.from_hf_config({**LLAMA, "max_position_embeddings": 4096,
+                                        "rope_scaling": {"rope_type": "linear", "factor": 4.0}})
+    assert linear.context_length == 16384
+    gemma = ModelConfig.from_hf_config({**LLAMA, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 8,
+                                       "head_dim": 16, "max_position_embeddings": 4096,
+                                       "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert gemma.context_length == 4096
+    dynamic = ModelConfig.from_hf_config({**LLAMA, "max_position_embeddings": 4096,
+                                         "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    assert dynamic.context_length == 4096 and dynamic.rope_scaling.rope_type == "dynamic"
+    with pytest.raises(ConfigError, match="rope_scaling.factor: missing"):
+        ModelConfig.from_hf_config({**LLAMA, "rope_scaling": {"rope_type": "dynamic"}})
+
+
 def test_gemma3_in_float16_is_refused_naming_dtype():
     """Its activations overflow float16 (vLLM refuses it too); it was served as inf and NaN logits."""
     from engine.models import build_model
@@ -359,8 +376,8 @@ def test_rope_and_multimodal_errors_name_the_key_the_value_came_from():
     multimodal checkpoint's top-level eos_token_id is read (and named) only where its text model has none."""
     base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
             "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100}
-    with pytest.raises(ConfigError, match=r"^rope_parameters\.rope_type: unsupported 'dynamic'"):
-        ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "dynamic"}})
+    with pytest.raises(ConfigError, match=r"^rope_parameters\.rope_type: unsupported 'longrope'"):
+        ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "longrope"}})
     with pytest.raises(ConfigError, match=r"^rope_parameters\.factor: must be a positive finite number"):
         ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_type": "yarn", "factor": -1}})
     with pytest.raises(ConfigError, match=r"^rope_scaling\.high_freq_factor: llama3 needs"):

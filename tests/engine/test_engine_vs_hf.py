@@ -110,6 +110,8 @@ TINY_MODELS = [
     ("llama", dict(hidden_act="gelu_pytorch_tanh")),   # the CPU's flat forward runs SiLU: the modules run this
     # a linear scaling serves max_position_embeddings x factor (vLLM's reading): the outputs run past 40
     ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, max_position_embeddings=40)),
+    # dynamic NTK, served up to max_position_embeddings, where its base has not moved yet
+    ("qwen2", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=128)),
 ]
 # Every architecture on the default CPU linears; the other linears on one dense and one MoE model (the
 # linears do not depend on the architecture around them).
