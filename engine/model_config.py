@@ -89,9 +89,9 @@ class RopeScaling:
             alone, ours = (cls.from_hf_config({k: v for k, v in cfg.items() if k != drop}, params_name)
                            for drop in ("rope_parameters", "rope_scaling"))
             if alone != ours:
-                raise ConfigError(f"rope_scaling: config.json also has {params_name}, which says otherwise "
-                                  f"(transformers would read rope_scaling alone, with the top level's rope_theta); "
-                                  f"keep one: the scaling's keys belong in {params_name}")
+                raise ConfigError(f"rope_scaling: config.json also has {params_name}, which says otherwise (transformers "
+                                  f"reads rope_scaling alone, or Gemma 3's over it); keep one: the scaling's keys "
+                                  f"belong in {params_name}")
             return ours
         if params is not None:
             rope_theta = _float(params, "rope_theta", rope_theta, path=f"{params_name}.")

@@ -33,6 +33,7 @@ from engine.cuda_graphs import MAX_GRAPH_BATCH, graph_memory_bytes
 from engine.config import (CacheConfig, ConfigError, EngineConfig, PoolConfig, ceil_div, dtype_name, kv_cache_dtype,
                            parse_dtype)
 from engine.model_config import ModelConfig
+from engine.models import check_dtype
 from engine.parallel import ShardShape
 from pools.config.spec import DEFAULT_CPU_MEMORY, CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
 from pools.config.checks import fmt_bytes, within
@@ -229,13 +230,14 @@ def _memory(device: DeviceSpec, device_type: str, vram_bytes: int | None,
     return min(torch.cuda.get_device_properties(g).total_memory for g in gpus), "cuda"
 
 
-def _kv_heads_per_device(model: ModelConfig, tp: int, key: str) -> int:
-    """KV heads split over TP ranks; when T > num_kv_heads each rank holds a replica of one (as vLLM does).
-    The engine's own rule (`engine.parallel.check_tensor_parallel`), its error naming `key`."""
+def _kv_heads_per_device(model: ModelConfig, tp: int, dtype: torch.dtype, dkey: str) -> int:
+    """KV heads split over TP ranks; when T > num_kv_heads each rank holds a replica of one (as vLLM does). The
+    engine's own rules (`engine.parallel.check_tensor_parallel`, `engine.models.check_dtype`), named `dkey`.*."""
     try:
+        check_dtype(model, dtype)
         return ShardShape.of(model, 0, tp).num_kv_heads
     except ConfigError as exc:
-        raise SpecError(f"{key}{str(exc).removeprefix('tensor_parallel_size')}") from None
+        raise SpecError(f"{dkey}.{exc}") from None
 
 
 def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelConfig], *,
@@ -261,11 +263,10 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
             raise SpecError(f"pools[{i0}].model: no model config for {p0.model!r}")
         dkey = f"devices.{dev_name}"
         device_type = _device_type(dev, vram_bytes, warnings)
-        dtype = parse_dtype(dev.dtype) if dev.dtype != "auto" else (
-            torch.bfloat16 if device_type == "cuda" else torch.float32)
+        dtype = parse_dtype(dev.dtype) if dev.dtype != "auto" else torch.bfloat16 if device_type == "cuda" else torch.float32
         memory, source = _memory(dev, device_type, vram_bytes, cuda_memory)
         tp = dev.tensor_parallel_size
-        kv_heads = _kv_heads_per_device(model, tp, f"{dkey}.tensor_parallel_size")
+        kv_heads = _kv_heads_per_device(model, tp, dtype, dkey)
         kv_dtype = kv_cache_dtype(dev.kv_cache_dtype, dtype)   # fp8: one byte an element
         s_kv = model.kv_bytes_per_token(kv_dtype)
         s_kv_dev = 2 * model.num_layers * kv_heads * model.head_dim * kv_dtype.itemsize
@@ -292,8 +293,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
     upstream = tuple(p.name for p in config.pools if p.is_upstream)
     plan = CapacityPlan(devices=devices, pools=pools, upstream_pools=upstream, warnings=tuple(warnings))
     if (over := past_host_memory(config, plan.cpu_ranks(), host_memory_bytes())) is not None:
-        plan = dataclasses.replace(plan, warnings=(*warnings, f"{over}; `cliffguard serve` refuses it on this "
-                                                                "machine"))
+        plan = dataclasses.replace(plan, warnings=(*warnings, f"{over}; `cliffguard serve` refuses it on this machine"))
     return plan
 
 
@@ -346,7 +346,7 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
     context = model.context_length
     if p.max_model_len is not None and p.max_model_len > context:
         raise SpecError(f"{key}.max_model_len: {p.max_model_len} is above the model's context "
-                        f"({context}: max_position_embeddings, or YaRN's original context x factor)")
+                        f"({context}: max_position_embeddings, scaled by a YaRN or linear rope)")
     max_model_len = p.max_model_len or context
     route = p.route
     if route.max_prompt_tokens is not None and route.max_prompt_tokens >= max_model_len:

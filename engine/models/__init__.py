@@ -34,10 +34,8 @@ def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                 shard: ShardShape | None = None, comm: Collectives | None = None) -> LlamaForCausalLM:
     """An uninitialised model (or one rank's shard of it) on `device`, allocated, not filled: load or
-    init it next. Its layers run the fused ops `kernels.fused.get_fused_ops(device, dtype)` picks. Gemma 3 in
-    float16 is refused (a ConfigError naming dtype): its activations overflow it (vLLM refuses it too)."""
-    if config.architecture == "Gemma3ForCausalLM" and dtype == torch.float16:
-        raise ConfigError("dtype: Gemma 3's activations overflow float16 (inf, then NaN); use bfloat16 or float32")
+    init it next. Its layers run the fused ops `kernels.fused.get_fused_ops(device, dtype)` picks."""
+    check_dtype(config, dtype)
     with torch.device("meta"):
         model = model_class(config)(config, shard, comm, get_fused_ops(device, dtype))
     _allocate(model, dtype, device)
@@ -45,6 +43,13 @@ def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
         if isinstance(module, RotaryEmbedding):
             module.cos_sin_cache = module.cos_sin_cache.to(device=device, dtype=dtype)
     return model.eval()
+
+
+def check_dtype(config: ModelConfig, dtype: torch.dtype) -> None:
+    """ConfigError naming `dtype` for a model that cannot run in it: Gemma 3 in float16, whose activations
+    overflow it (inf, then NaN; vLLM refuses it too). The capacity plan applies it too, naming the device."""
+    if config.architecture == "Gemma3ForCausalLM" and dtype == torch.float16:
+        raise ConfigError("dtype: Gemma 3's activations overflow float16 (inf, then NaN); use bfloat16 or float32")
 
 
 def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:

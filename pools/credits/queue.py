@@ -205,18 +205,20 @@ class CreditQueue:
             self._admit()
 
     def _held_back(self, ticket: Ticket) -> str:
-        """Why a request refused at once was not admitted where a replica up has its free credits ("" where
-        none has): what its 429 says beside the free credits, which would otherwise read as room."""
+        """What its 429 says beside the free credits, which would otherwise read as room: why a request refused
+        at once was not admitted, each replica up that has its credits free being asked what it lacks."""
         ledger = self.ledger
         roomy = [r for r, (account, up) in enumerate(zip(ledger.accounts, ledger.up))
                  if up and ledger.need(ticket, r) <= account.free]
         if not roomy:
-            return ""
-        if not any(ledger.accounts[r].has_seqs(ticket) for r in roomy):
+            return ", but no replica has that many free" if ledger.num_replicas > 1 and ledger.free >= \
+                ticket.num_tokens else ""
+        slots = [r for r in roomy if ledger.accounts[r].has_seqs(ticket)]
+        if not slots:
             return ", but no sequence slot is (max_num_seqs)"
-        if not any(ledger.under_cap(ticket, r) for r in roomy):
-            return (", but requests of its size hold their share of the pool already (the rest is kept for "
-                    "requests of other sizes)")
+        if not any(ledger.under_cap(ticket, r) for r in slots):
+            where = "every replica with a sequence slot free" if ledger.num_replicas > 1 else "the pool"
+            return f", but requests of its size hold their share of {where} already (the rest is kept for other sizes)"
         return ", but requests queued before it come first"
 
     def _drop(self, request_id: str) -> None:

@@ -161,6 +161,18 @@ def test_device_errors_name_the_key(tp, match):
         _plan_example(data)
 
 
+def test_a_model_that_cannot_run_in_the_devices_dtype_is_refused_at_plan_time_naming_it():
+    """Gemma 3 in float16 (its activations overflow it): `cliffguard capacity` and the gateway's start refuse it
+    naming devices.<name>.dtype; it failed only as a worker's start."""
+    gemma = _llama70b(architectures=["Gemma3ForCausalLM"], sliding_window=1024)
+    data = _example_data()
+    data["devices"]["h100x8"]["dtype"] = "float16"
+    with pytest.raises(SpecError, match=r"^devices\.h100x8\.dtype: Gemma 3's activations overflow float16"):
+        _plan_example(data, gemma)
+    data["devices"]["h100x8"]["dtype"] = "bfloat16"
+    assert _plan_example(data, gemma)[1].devices["h100x8"].dtype == "bfloat16"
+
+
 def test_tp_above_the_kv_heads_replicates_one_per_gpu():
     data = _example_data()
     data["devices"]["h100x8"]["tensor_parallel_size"] = 16

@@ -656,7 +656,7 @@ def test_a_refusal_with_free_credits_says_what_holds_them_back():
             for i in range(6):
                 await stack.enter_async_context(capped.hold(f"r{i}", 112))
             with pytest.raises(PoolFull, match=r"needs 112 KV token slots, 128 are free, but requests of its size "
-                                               r"hold their share of the pool already"):
+                                               r"hold their share of the pool already \(the rest is kept for other sizes\)"):
                 async with capped.hold("r6", 112):
                     pass
             async with capped.hold("small", 16):   # another size: its own share
@@ -670,6 +670,11 @@ def test_a_refusal_with_free_credits_says_what_holds_them_back():
         async with full.hold("a", 100):
             with pytest.raises(PoolFull, match=r"needs 60 KV token slots, 0 are free; retry later"):
                 async with full.hold("b", 60):
+                    pass
+        split = CreditQueue("chat", [100, 100], max_queue_seconds=0)   # 120 free together, 60 on each
+        async with split.hold("a", 40), split.hold("b", 40):
+            with pytest.raises(PoolFull, match="needs 100 KV token slots, 120 are free, but no replica has that many"):
+                async with split.hold("c", 100):
                     pass
 
     asyncio.run(scenario())
