@@ -20,8 +20,8 @@ drain's end (`gateway.drain_seconds`) to be answered and kept; a local pool's ar
 next start). Forwarded lines
 carry `Idempotency-Key: <batch id>:<custom_id>` (`gateway.upstream.relay.IDEMPOTENCY_KEY`) for upstreams that
 dedupe; the runner does not rely on it. A store call that fails for storage (disk full, database locked) is
-retried MAX_STORE_ATTEMPTS times, then the batch fails (`errors` naming `storage_error`) rather than stay
-in_progress or finalizing. A batch still running when its completion window ends expires (`expire_due`, each
+retried MAX_STORE_ATTEMPTS times, then the batch pauses, its answers kept, and runs again at the next purge
+(every PURGE_EVERY_S) until its completion window ends. A batch still running when its completion window ends expires (`expire_due`, each
 purge turn and at the start): its lines in flight are aborted, and it is finalized `expired`.
 """
 
@@ -137,9 +137,10 @@ class BatchRunner:
     `engine_dead` (a death of its own) is tried again alone (`SuspectGate`), and a second `engine_dead` makes
     it a poison line; `replica_lost` (a death that was not its own) is retried like any transient
     answer, and never counts. Both end as the line's error. A store call failing for storage is tried
-    `max_store_attempts` times with the same back-off, then the batch fails; so does a batch whose run
-    raises anything else; a batch whose failure cannot be written either runs again at the next purge
-    (`_purge`, every PURGE_EVERY_S): a batch never stays unfinished for long while this runner lives.
+    `max_store_attempts` times with the same back-off, then the batch pauses (its lines in flight aborted, to
+    run again; what it answered kept) and runs again at the next purge (`_purge`, every PURGE_EVERY_S), until
+    its window ends; a batch whose run raises anything else fails, and one whose failure cannot be written runs
+    again at the next purge too: a batch never stays unfinished for long while this runner and its store live.
 
     Event loop only. Every store call goes through the runner's one thread: the loop never waits on
     SQLite, and the store sees one caller at a time. `stop` leaves unfinished batches as they are in
@@ -294,7 +295,9 @@ class BatchRunner:
     # --- one batch -------------------------------------------------------------------------------
     async def _run_batch(self, run: _Run) -> None:
         """Run the batch's lines, then finalize it a step at a time (the store thread serves clients
-        between steps); fail it on a storage error or any other exception."""
+        between steps). On a storage error it pauses, as it stands in the store (the answers kept: failing it
+        dropped them all, for a disk full for 20 s), and runs again at the next purge; any other exception
+        fails it."""
         try:
             run.tenant = await self.durable(self.store.batch_tenant, run.batch_id)
             if await self.durable(self.store.batch_status, run.batch_id) == "in_progress":
@@ -306,7 +309,8 @@ class BatchRunner:
             log.info("batch %s %s: %s%s", run.batch_id, batch["status"], batch["request_counts"],
                      f" ({batch['errors']['data'][0]['message']})" if batch["errors"] else "")
         except StorageFailed as exc:
-            await self._fail(run, "storage_error", str(exc))
+            log.error("batch %s paused: %s; what it has answered is kept, and it runs again at the next purge "
+                      "(in %.0f s)", run.batch_id, exc, PURGE_EVERY_S)
         except Exception as exc:  # noqa: BLE001 - a bug must not leave the batch unfinished for ever
             log.exception("batch %s stopped", run.batch_id)
             await self._fail(run, "internal_error", f"internal error: {type(exc).__name__}: {exc}")

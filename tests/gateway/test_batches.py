@@ -686,31 +686,33 @@ def _failing(method, times: float, message: str = "database or disk is full"):
     return call
 
 
-async def test_storage_errors_are_tried_again_then_fail_the_batch_and_the_runner_goes_on(aiohttp_client, tmp_path,
-                                                                                        tiny_model, monkeypatch,
-                                                                                        caplog):
-    client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor())
+async def test_storage_errors_are_tried_again_then_pause_the_batch_which_resumes_with_its_answers(
+        aiohttp_client, tmp_path, tiny_model, monkeypatch, caplog):
+    """A store call failing for storage is tried again; past its tries the batch pauses as it stands (answers kept)
+    and runs again at the next purge. It failed `storage_error` and dropped every answer."""
+    monkeypatch.setattr(execution, "PURGE_EVERY_S", 0.2)
+    fake = _FakeExecutor()
+    client = await _client(aiohttp_client, tmp_path, tiny_model, fake)
     runner = client.app[BATCHES]
     runner.max_store_attempts = 3
     store = runner.store
-    record, finalize_step, fail = store.record, store.finalize_step, store.fail
+    record, finalize_step = store.record, store.finalize_step
     monkeypatch.setattr(store, "record", _failing(record, 2))            # twice: tried again, no harm
     assert (await _wait(client, (await _create(client, _jsonl(_line("a"))))["id"]))["status"] == "completed"
     monkeypatch.setattr(store, "record", _failing(record, float("inf"), "database is locked"))
-    failed = await _wait(client, (await _create(client, _jsonl(_line("b"))))["id"])
-    assert failed["status"] == "failed" and failed["errors"]["data"][0]["code"] == "storage_error"
-    assert "failed 3 times in a row: database is locked" in failed["errors"]["data"][0]["message"]
-    monkeypatch.setattr(store, "record", record)
+    paused = (await _create(client, _jsonl(_line("b"))))["id"]
+    await _wait(client, paused, lambda b: "database is locked" in caplog.text and paused not in runner._runs)
+    assert f"batch {paused} paused" in caplog.text and (await _wait(client, paused, lambda b: True))["status"] == \
+        "in_progress"
+    monkeypatch.setattr(store, "record", record)                         # the lock is gone: it resumes
+    assert (await _wait(client, paused))["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
     monkeypatch.setattr(store, "finalize_step", _failing(finalize_step, float("inf")))
-    failed = await _wait(client, (await _create(client, _jsonl(_line("c"), _line("bad"))))["id"])
-    assert failed["status"] == "failed" and "database or disk is full" in failed["errors"]["data"][0]["message"]
-    assert failed["request_counts"] == {"total": 2, "completed": 0, "failed": 0}    # both answered, neither kept
-    monkeypatch.setattr(store, "fail", _failing(fail, float("inf")))   # not even the failure can be written
-    stuck = await _create(client, _jsonl(_line("d")))
-    await _wait(client, stuck["id"], lambda b: b["status"] == "finalizing" and stuck["id"] not in runner._runs)
-    assert f"batch {stuck['id']} could not be marked failed" in caplog.text
-    monkeypatch.setattr(store, "finalize_step", finalize_step)
-    assert (await _wait(client, (await _create(client, _jsonl(_line("e"))))["id"]))["status"] == "completed"
+    kept = (await _create(client, _jsonl(_line("c"), _line("bad"))))["id"]
+    await _wait(client, kept, lambda b: b["status"] == "finalizing" and kept not in runner._runs)
+    monkeypatch.setattr(store, "finalize_step", finalize_step)           # the disk has room again
+    done = await _wait(client, kept)
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+    assert fake.calls["c"] == 1 and len(await _jsonl_file(client, done["output_file_id"])) == 1   # kept, not re-run
     store.check_integrity()
     output_id = (await _wait(client, (await _create(client, _jsonl(_line("f"))))["id"]))["output_file_id"]
     monkeypatch.setattr(store, "file_content", _failing(store.file_content, float("inf")))
@@ -724,11 +726,12 @@ async def test_storage_errors_are_tried_again_then_fail_the_batch_and_the_runner
     assert r.status == 503 and r.headers["Retry-After"] and body["error"]["code"] == "storage_unavailable"
 
 
-async def test_a_store_that_cannot_keep_a_line_as_sent_fails_the_batch_not_the_unsent_line(aiohttp_client, tmp_path,
-                                                                                             tiny_model, monkeypatch):
+async def test_a_store_that_cannot_keep_a_line_as_sent_pauses_the_batch_and_the_line_runs_later(
+        aiohttp_client, tmp_path, tiny_model, monkeypatch):
     """Marking an upstream line sent (before its bytes go out) fails for storage: nothing was sent, so the
-    line is not answered; the batch fails `storage_error` as for any store call. It was the line's final
-    answer, a 500 "internal error: StorageFailed" in the error file."""
+    line is not answered; the batch pauses as for any store call, and the line runs once the store is back. It
+    was the line's final answer, a 500 "internal error: StorageFailed" in the error file."""
+    monkeypatch.setattr(execution, "PURGE_EVERY_S", 0.2)
     from gateway.upstream.relay import UPSTREAM_SEND
 
     sent = []
@@ -740,10 +743,14 @@ async def test_a_store_that_cannot_keep_a_line_as_sent_fails_the_batch_not_the_u
     client = await _client(aiohttp_client, tmp_path, tiny_model, relay)
     runner = client.app[BATCHES]
     runner.max_store_attempts = 2
-    monkeypatch.setattr(runner.store, "mark_sent", _failing(runner.store.mark_sent, float("inf")))
-    failed = await _wait(client, (await _create(client, _jsonl(_line("a"))))["id"])
-    assert failed["status"] == "failed" and failed["errors"]["data"][0]["code"] == "storage_error"
-    assert sent == [] and failed["error_file_id"] is None
+    mark_sent = runner.store.mark_sent
+    monkeypatch.setattr(runner.store, "mark_sent", _failing(mark_sent, float("inf")))
+    batch_id = (await _create(client, _jsonl(_line("a"))))["id"]
+    await asyncio.sleep(0.5)
+    assert sent == [] and (await _wait(client, batch_id, lambda b: True))["status"] == "in_progress"
+    monkeypatch.setattr(runner.store, "mark_sent", mark_sent)
+    done = await _wait(client, batch_id)
+    assert done["request_counts"] == {"total": 1, "completed": 1, "failed": 0} and len(sent) == 1
 
 
 async def test_a_batch_line_counts_as_an_error_once_and_not_for_a_try_run_again(aiohttp_client, tmp_path, tiny_model):
@@ -762,19 +769,23 @@ async def test_a_batch_line_counts_as_an_error_once_and_not_for_a_try_run_again(
 
 
 async def test_a_batch_whose_failure_could_not_be_written_runs_again_at_the_next_purge(aiohttp_client, tmp_path,
-                                                                                       tiny_model, monkeypatch):
-    from gateway.batch import execution
-
+                                                                                       tiny_model, monkeypatch, caplog):
+    """A bug fails a batch (`internal_error`); where the store cannot even write that, the batch stays as it was
+    and runs again at the next purge."""
     monkeypatch.setattr(execution, "PURGE_EVERY_S", 0.2)
     client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor())
     runner = client.app[BATCHES]
     runner.max_store_attempts, store = 2, runner.store
     finalize_step, fail = store.finalize_step, store.fail
-    monkeypatch.setattr(store, "finalize_step", _failing(finalize_step, float("inf")))
+
+    def bug(*args, **kwargs):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(store, "finalize_step", bug)
     monkeypatch.setattr(store, "fail", _failing(fail, float("inf")))      # the disk is full: nothing is written
     stuck = await _create(client, _jsonl(_line("a"), _line("b")))
     await _wait(client, stuck["id"], lambda b: b["status"] == "finalizing" and stuck["id"] not in runner._runs)
-    monkeypatch.setattr(store, "finalize_step", finalize_step)          # the disk has room again
+    assert f"batch {stuck['id']} could not be marked failed" in caplog.text
+    monkeypatch.setattr(store, "finalize_step", finalize_step)          # fixed (and the disk has room again)
     monkeypatch.setattr(store, "fail", fail)
     done = await _wait(client, stuck["id"])
     assert done["status"] == "completed" and done["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
