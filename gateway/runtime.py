@@ -308,19 +308,20 @@ class Gateway:
         replicas = self.supervisors[pool.device]
         if any(s.is_ready for s in replicas):
             return
-        # an autoscaled device's parked slots ("stopped") are not waited for: one never started would never
-        # answer, and with every started replica failed the request waited for nothing (a background one for ever)
-        waits = [asyncio.ensure_future(s.wait_ready()) for s in replicas if s.state != "stopped"]
-        if not waits:
+        # an autoscaled device's parked slots ("stopped") count once started (the autoscaler starts one for those
+        # who wait; it was missed), never before: with every started one failed it would wait for nothing
+        if all(s.state == "stopped" for s in replicas):
             raise ApiError(503, f"pool {pool.name!r}: no replica of device {pool.device!r} is started; retry later",
                            type="server_error", code="pool_unavailable", headers={"Retry-After": "1"})
+        slots = {asyncio.ensure_future(s.wait_ready()): s for s in replicas}
+        waits, failed = list(slots), None
         limit = None if patient else device_wait_limit(self.config, [pool])
         deadline = None if limit is None else time.monotonic() + limit - spent
         waiting, key = self.device_waits.setdefault(pool.device, {}), object()
         if not patient:   # a patient one waits by design: no sign of a replica short (`device_wait`)
             waiting[key] = time.monotonic()
         try:
-            while waits:
+            while any(slots[w].state != "stopped" for w in waits):   # a started one left to wait for
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 done, pending = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
                 if not done:
@@ -330,8 +331,8 @@ class Gateway:
                                    code="pool_unavailable", headers={"Retry-After": str(max(1, round(limit)))})
                 if any(not w.exception() for w in done):
                     return
-                waits = list(pending)
-            raise ApiError(503, str(done.pop().exception()), type="server_error", code="pool_unavailable")
+                waits, failed = list(pending), done.pop().exception()
+            raise ApiError(503, str(failed), type="server_error", code="pool_unavailable")
         finally:
             waiting.pop(key, None)
             for w in waits:
