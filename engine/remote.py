@@ -45,7 +45,7 @@ import time
 
 from engine.config import EngineConfig
 from engine.messages import Keepalive, StartupError
-from engine.wire import KEY_BYTES, FrameKeys, Handshake
+from engine.wire import KEY_BYTES, SILENCE_SECONDS, FrameKeys, Handshake
 from engine.worker import WorkerChannel
 
 log = logging.getLogger("cliffguard.engine")
@@ -56,7 +56,6 @@ __all__ = ["ReplicaServer", "ReplicaActor", "ReplicaChannel", "HANDSHAKE_SECONDS
 HANDSHAKE_SECONDS = 10.0   # a peer that has not finished the handshake by then is dropped
 MAX_HANDSHAKES = 64        # connections proving the key at once, each on its own thread; a new one past it drops the
 # oldest (a gateway's handshake takes milliseconds: the oldest are silent peers), so no flood of them locks gateways out
-SILENCE_SECONDS = 20.0     # a connection that brought nothing this long is dropped, by either end
 MESSAGE_SECONDS = 120.0    # the replica's end: bytes of one unfinished message count as heard this long at most
 KEEPALIVE_SECONDS = 2.0    # between the gateway's `Keepalive` frames
 BUSY_SECONDS = 1.0         # a replica's turn this long without reading (a long step) is not the gateway's silence

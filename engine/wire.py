@@ -34,6 +34,7 @@ MAGIC = b"cliffgd3"          # a listener that is not a replica (or another vers
 NONCE_BYTES = 32
 KEY_BYTES = 32
 MAC_BYTES = 16
+SILENCE_SECONDS = 20.0     # a connection that brought nothing this long is dropped, by either end (`engine.remote`)
 _COUNTER = struct.Struct("!Q")
 
 _MESSAGES: tuple[type, ...] = (m.AddRequest, m.AbortRequest, m.PauseRequest, m.ReportWaiting, m.StatsQuery,

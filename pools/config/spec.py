@@ -23,6 +23,7 @@ import msgspec
 import engine.config
 from engine.capacity import DEFAULT_BLOCK_SIZE
 from engine.config import DEFAULT_MIN_SHARE, LatencySLO, SchedulerConfig
+from engine.wire import SILENCE_SECONDS
 from engine.tokenizer import TEMPLATE_FUNCTIONS   # a chat_template_kwargs key may not replace one
 from pools.config.checks import (ByteSize, ByteSizeOrZero, Count, CountOrZero, Fraction, NonNegative, Spec, SpecError,
                                  Text, engine_rules, fmt_bytes, has_control_characters, is_label)
@@ -315,6 +316,12 @@ class CliffguardConfig:
             self._check_device_pools(name)
         self._check_gpu_claims()
         self._check_routes()
+        # a frozen Ray replica: its link ends first, and the stall check that would kill and restart it never comes
+        ray = [name for name, d in self.devices.items() if d.placement == "ray"]
+        if ray and self.gateway.stall_seconds >= SILENCE_SECONDS:
+            raise SpecError(f"gateway.stall_seconds: must be below {SILENCE_SECONDS:g} s with a device on Ray ({ray[0]}: "
+                            f"its link ends after {SILENCE_SECONDS:g} s of silence, and a frozen replica is then "
+                            f"never restarted), got {self.gateway.stall_seconds:g}")
 
     def _check_gpu_claims(self) -> None:
         """No GPU serves two devices (or two ranks): each rank allocates its KV cache from 0.9 of its GPU."""

@@ -123,6 +123,18 @@ PLACEMENT_ERRORS = {
 }
 
 
+def test_a_stall_limit_a_frozen_ray_replica_would_never_reach_is_refused():
+    """Its link ends after 20 s of silence (engine.wire.SILENCE_SECONDS), before a stall_seconds of 20 or more:
+    the replica, frozen, was then never killed and restarted. A local device may take any."""
+    data = yaml.safe_load(_make_yaml(device="cuda", placement="ray"))
+    with pytest.raises(SpecError, match=r"^gateway\.stall_seconds: must be below 20 s with a device on Ray "
+                                        r"\(default: .*got 25"):
+        load_config(yaml.safe_dump({**data, "gateway": {"stall_seconds": 25}}), env={})
+    assert load_config(yaml.safe_dump({**data, "gateway": {"stall_seconds": 19}}), env={}).gateway.stall_seconds == 19
+    local = yaml.safe_load(_make_yaml())
+    assert load_config(yaml.safe_dump({**local, "gateway": {"stall_seconds": 25}}), env={}).gateway.stall_seconds == 25
+
+
 @pytest.mark.parametrize("case", list(PLACEMENT_ERRORS), ids=list(PLACEMENT_ERRORS))
 def test_placement_errors_name_the_key_and_the_value(case):
     device, expected = PLACEMENT_ERRORS[case]
