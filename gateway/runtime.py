@@ -313,7 +313,7 @@ class Gateway:
         if all(s.state == "stopped" for s in replicas):
             raise ApiError(503, f"pool {pool.name!r}: no replica of device {pool.device!r} is started; retry later",
                            type="server_error", code="pool_unavailable", headers={"Retry-After": "1"})
-        slots = {asyncio.ensure_future(s.wait_ready()): s for s in replicas}
+        slots = {asyncio.ensure_future(s.wait_ready(parked=s.state == "stopped")): s for s in replicas}
         waits, failed = list(slots), None
         limit = None if patient else device_wait_limit(self.config, [pool])
         deadline = None if limit is None else time.monotonic() + limit - spent

@@ -100,7 +100,7 @@ async def test_a_patient_request_waits_for_its_device_however_long():
     class Restarting:
         name, state, is_ready = "cpu", "restarting", False
 
-        async def wait_ready(self) -> None:
+        async def wait_ready(self, parked: bool = False) -> None:
             await ready.wait()
 
     gateway = SimpleNamespace(supervisors={"cpu": [Restarting()]}, device_waits={},
@@ -123,36 +123,36 @@ async def test_a_patient_request_waits_for_its_device_however_long():
 
 
 async def test_a_request_waiting_for_its_device_takes_a_parked_slot_started_after_it_came():
-    """Slot 0 restarting for ever, slot 1 parked: the autoscaler starts slot 1 for those who wait, and they take it
-    once it is ready (they waited on slot 0 alone: a 503 at the deadline, a patient one for ever). With every
-    started slot failed and the parked one still parked, the wait ends with the failure."""
-    class Slot:
-        def __init__(self, state: str) -> None:
-            self.name, self.state, self.is_ready, self.ready, self.failure = "cpu", state, False, asyncio.Event(), None
+    """Slot 0 restarting for ever, slot 1 parked (scaled down before: its stop's failure still set): the
+    autoscaler starts slot 1 for those who wait, and they take it once it is ready (they waited on slot 0 alone,
+    then on slot 1's stop failure: a 503 at the deadline, a patient one for ever). With every started slot failed
+    and the parked one still parked, the wait ends with the started one's failure."""
+    class Slot:   # as DeviceSupervisor.wait_ready: ready, or failed unless parked and still stopped
+        def __init__(self, state: str, failure: str | None = None) -> None:
+            self.name, self.state, self.is_ready, self.failure = "cpu", state, False, failure
 
-        async def wait_ready(self) -> None:
-            await self.ready.wait()
-            if self.failure:
-                raise RuntimeError(self.failure)
+        async def wait_ready(self, parked: bool = False) -> None:
+            while not self.is_ready:
+                if self.failure and not (parked and self.state == "stopped"):
+                    raise RuntimeError(self.failure)
+                await asyncio.sleep(0.01)
 
     for patient in (False, True):
-        slots = [Slot("restarting"), Slot("stopped")]
+        slots = [Slot("restarting"), Slot("stopped", "the gateway is shutting down")]
         gateway = SimpleNamespace(supervisors={"cpu": slots}, device_waits={},
                                   config=SimpleNamespace(gateway=SimpleNamespace(device_wait_seconds=5.0)))
         pool = SimpleNamespace(name="chat", device="cpu", spec=SimpleNamespace(max_queue_seconds=50))
         waiting = asyncio.ensure_future(Gateway.wait_device(gateway, pool, patient=patient))
         await asyncio.sleep(0.05)
-        slots[1].state = "loading"    # the autoscaler starts the parked slot
+        slots[1].state, slots[1].failure = "loading", None    # the autoscaler starts the parked slot
         await asyncio.sleep(0.05)
         slots[1].state, slots[1].is_ready = "ready", True
-        slots[1].ready.set()
         await asyncio.wait_for(waiting, 2)
-    slots = [Slot("restarting"), Slot("stopped")]
+    slots = [Slot("restarting"), Slot("stopped", "the gateway is shutting down")]
     gateway.supervisors = {"cpu": slots}
     waiting = asyncio.ensure_future(Gateway.wait_device(gateway, pool, patient=True))
     await asyncio.sleep(0.05)
     slots[0].failure = "device 'cpu' failed to start: out of memory"
-    slots[0].ready.set()
     with pytest.raises(ApiError, match="failed to start: out of memory"):
         await asyncio.wait_for(waiting, 2)
 
