@@ -21,7 +21,7 @@ next start). Forwarded lines
 carry `Idempotency-Key: <batch id>:<custom_id>` (`gateway.upstream.relay.IDEMPOTENCY_KEY`) for upstreams that
 dedupe; the runner does not rely on it. A store call that fails for storage (disk full, database locked) is
 retried MAX_STORE_ATTEMPTS times, then the batch pauses, its answers kept, and runs again at the next purge
-(every PURGE_EVERY_S) until its completion window ends. A batch still running when its completion window ends expires (`expire_due`, each
+(every PURGE_EVERY_S): while running, until its completion window ends; while finalizing, until it can finish. A batch still running when its completion window ends expires (`expire_due`, each
 purge turn and at the start): its lines in flight are aborted, and it is finalized `expired`.
 """
 
@@ -54,7 +54,7 @@ TRANSIENT = {(503, "engine_dead"), (503, "replica_lost"), (503, "pool_unavailabl
              (502, "upstream_unreachable")}
 MAX_LINE_ATTEMPTS = 40              # tries of a line answered transiently (0.5 s ... 30 s apart: about 17 minutes)
 MAX_ENGINE_DEATHS = 2               # 503 engine_dead answers (its own deaths) that make a line a poison line
-MAX_STORE_ATTEMPTS = 6              # tries of a store call failing for storage, before the batch fails
+MAX_STORE_ATTEMPTS = 6              # tries of a store call failing for storage, before the batch pauses
 DRAIN_POLL_S = 0.05                 # a draining stop's look at the lines an upstream pool still has
 PAGE_LINES = 256                    # pending lines read from the store at a time
 
@@ -89,7 +89,7 @@ def line_devices(gateway: Gateway, body: dict[str, Any]) -> tuple[Hashable, ...]
 
 
 class StorageFailed(Exception):
-    """A store call failed for storage MAX_STORE_ATTEMPTS times; the batch it served fails."""
+    """A store call failed for storage MAX_STORE_ATTEMPTS times; the batch it served pauses (`_run_batch`)."""
 
 
 @dataclass(frozen=True)
@@ -137,9 +137,10 @@ class BatchRunner:
     `engine_dead` (a death of its own) is tried again alone (`SuspectGate`), and a second `engine_dead` makes
     it a poison line; `replica_lost` (a death that was not its own) is retried like any transient
     answer, and never counts. Both end as the line's error. A store call failing for storage is tried
-    `max_store_attempts` times with the same back-off, then the batch pauses (its lines in flight aborted, to
-    run again; what it answered kept) and runs again at the next purge (`_purge`, every PURGE_EVERY_S), until
-    its window ends; a batch whose run raises anything else fails, and one whose failure cannot be written runs
+    `max_store_attempts` times with the same back-off, then the batch pauses (its lines in flight aborted: a local
+    pool's run again, an upstream pool's that went out are answered `upstream_disconnected`, as after a stop;
+    what it answered kept) and runs again at the next purge (`_purge`, every PURGE_EVERY_S): a running one until
+    its window ends (it expires then), a finalizing one until storage lets it finish; a batch whose run raises anything else fails, and one whose failure cannot be written runs
     again at the next purge too: a batch never stays unfinished for long while this runner and its store live.
 
     Event loop only. Every store call goes through the runner's one thread: the loop never waits on
@@ -190,8 +191,8 @@ class BatchRunner:
     async def _purge(self) -> None:
         """Every PURGE_EVERY_S, drop expired files' bytes (`BatchStore.purge_expired`, a bounded transaction at
         a time, on the store's thread beside the runs' calls), expire the batches whose window ended
-        (`expire_due`), and run again any unfinished batch that nothing runs (one whose failure could not be
-        written, or created while its answer could not be read back); each on its own: one that fails (storage,
+        (`expire_due`), and run again any unfinished batch that nothing runs (one paused by a storage failure, one
+        whose failure could not be written, or created while its answer could not be read back); each on its own: one that fails (storage,
         a damaged file) waits for the next turn, and neither keeps the others from theirs."""
         async def purge_files() -> None:
             while await self.store.on_thread(self.store.purge_expired):   # more may be due
@@ -427,7 +428,7 @@ class BatchRunner:
                 await stack.enter_async_context(gate.exclusive() if alone else gate.shared())
             try:
                 return await self.executor(line.url, line.body, tenant)
-            except StorageFailed:   # keeping it as sent, before it went out: the batch fails, as for any store call
+            except StorageFailed:   # keeping it as sent, before it went out: the batch pauses, as for any store call
                 raise
             except Exception as exc:  # noqa: BLE001 - a bug answering one line must not stop the batch
                 log.exception("line %d (%s) of a batch failed", line.line_no, line.custom_id)
