@@ -105,6 +105,10 @@ class Completion:
         nothing more: its closed connection is answered 499, which nobody reads."""
         try:
             return await self._answer()
+        except asyncio.CancelledError:   # after a run (a Responses stream's store write, a death's record): its
+            if self._local is not None:  # stream's writer goes with the handler, not left waiting for ever
+                self._local.abandon()
+            raise
         except ClientGone as exc:
             log.info("%s %s: %s", self.http.method if self.http is not None else "batch", self.path, exc)
             return web.Response(status=499)   # nginx's "client closed request"

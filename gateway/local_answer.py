@@ -130,13 +130,12 @@ def engine_request_id(request_id: str, i: int, num_prompts: int) -> str:
 class LocalResponse:
     """One response to a chat or completion request served by local pools, built as its deltas arrive.
 
-    Lives for one HTTP request, on the event loop: `await run()` while holding the request's credits
-    (it returns when the engine is done), then `await finish()` (the stream's end or the JSON
-    response) or `await result()` (a batch line's body). `received` is when the request arrived
-    (time.perf_counter), so time to first token and end-to-end latency include parsing and counting.
-    `buffers` bounds what a stream holds unsent (by default the app's `RESPONSE_BUFFERS`). `think` is a
-    chat prompt's `gateway.openai.reasoning.think_mode`, as its grammar was built for (None: no reasoning
-    is split from the replies).
+    Lives for one HTTP request, on the event loop: `await run()` while holding the request's credits (it returns when
+    the engine is done), then `await finish()` (the stream's end or the JSON response) or `await result()` (a batch
+    line's body); `abandon()` if the handler is cancelled between them. `received` is when the request arrived
+    (time.perf_counter), so time to first token and end-to-end latency include parsing and counting. `buffers` bounds
+    what a stream holds unsent (by default the app's `RESPONSE_BUFFERS`). `think` is a chat prompt's
+    `gateway.openai.reasoning.think_mode`, as its grammar was built for (None: no reasoning is split from the replies).
     """
 
     def __init__(self, request: web.Request | None, req: ChatRequest | CompletionRequest, routed: Routed, *,
@@ -163,15 +162,13 @@ class LocalResponse:
                     choice.tool_stream = ToolCallStream(self.tool_format, self.calls_only, req.parallel_tool_calls)
         self.response: web.StreamResponse | None = None   # the SSE response, once started
         self.error: ApiError | None = None               # the engine's failure, answered by `finish`
-        self.write_timeout = write_timeout
-        self.tenant = tenant                             # whose prefix-cache partition it uses
+        self.write_timeout, self.tenant = write_timeout, tenant   # tenant: whose prefix-cache partition it uses
         self.think = think if self.chat else None        # `gateway.openai.reasoning.think_mode` of the prompt
         self.buffers = request.app.get(RESPONSE_BUFFERS) if buffers is None and request is not None else buffers
         self._cached: dict[int, int] = {}               # prompt index -> its tokens from the prefix cache
         self._first_at, self._last_at = {}, {}           # prompt index -> its first / last token's perf_counter
         self._chunks: deque[bytes] = deque()             # SSE events the writer has not written yet
-        self._wake = asyncio.Event()                     # set when chunks were added or the stream ends
-        self._closing = False                            # the last chunk is queued
+        self._wake, self._closing = asyncio.Event(), False   # chunks added or the stream ends; the last chunk queued
         self._writer: asyncio.Task | None = None
         self._runner: asyncio.Task | None = None
         self._write_error: ClientGone | None = None   # the client stopped reading or went away
@@ -202,14 +199,18 @@ class LocalResponse:
             if (cut := drain_cut(exc)) is not None:   # the drain ended: what was sent ends with this error
                 self.error = cut
                 return
-            if self._writer is not None:
-                self._writer.cancel()   # the handler itself was cancelled: nobody will finish the stream
+            self.abandon()
             raise
         except (EngineDeadError, RequestFailedError, ValueError) as exc:
             self.error = engine_error(exc)
         finally:
             if not self.retryable:   # this run is the client's (one lost with its worker is not observed)
                 self.latencies.release()
+
+    def abandon(self) -> None:
+        """The handler was cancelled: nobody will finish the stream, so its writer stops (else it waits for ever)."""
+        if self._writer is not None:
+            self._writer.cancel()
 
     async def finish(self) -> web.StreamResponse:
         """After `run`: the JSON response, or the stream's last events (the error event, or the usage
@@ -234,21 +235,18 @@ class LocalResponse:
             self._queue(self.error.body())
         elif self.req.include_usage:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
-            cached = self.cached_tokens() if self.chat else None
-            reasoning = self.reasoning_tokens() if self.chat else None
+            cached, reasoning = (self.cached_tokens(), self.reasoning_tokens()) if self.chat else (None, None)
             self._queue(objects.usage_chunk(self.request_id, self.req.model, self.created, obj, *self._usage(),
                                             cached, reasoning))
         self._push(b"data: [DONE]\n\n")
 
     @property
     def retryable(self) -> bool:
-        """The engine died before the client saw anything of this response (no chunk streamed; a JSON
-        answer is only built at the end): it can run again on the restarted worker, the client sees one."""
+        """The engine died before the client saw anything (no chunk streamed; a JSON answer is built at the end)."""
         return self.error is not None and self.error.code == "engine_dead" and self._writer is None
 
     async def result(self) -> dict[str, Any]:
-        """After `run`, without an HTTP request (batch lines): the JSON body; an engine failure raises
-        the ApiError `finish` would answer."""
+        """After `run`, for a batch line (no HTTP request): the JSON body; an engine failure raises finish's ApiError."""
         if self.error is not None:
             raise self.error
         return self._body()
@@ -401,6 +399,8 @@ class LocalResponse:
     def set_paused(self, paused: bool) -> None:
         """Pause (True) or resume this response's engine requests, which keep their KV blocks and the
         response its credits meanwhile (`ResponseBuffers` decides; `AsyncEngineClient.pause`)."""
+        if self._runner is not None and self._runner.done():
+            return   # they have ended (a stream's tail is written after them): nothing to pause, nor count
         if paused:
             self.metrics.paused_responses.labels(pool=self.routed[0][0].name).inc()
         for i, (pool, _) in enumerate(self.routed):

@@ -462,3 +462,49 @@ def test_an_upstreams_finish_reasons_outside_openais_count_as_other():
     counts = {s.labels["finished_reason"]: s.value for f in text_string_to_metric_families(metrics.render().decode())
               if f.name == "cliffguard_request_success" for s in f.samples if s.name.endswith("_total")}
     assert counts == {"stop": 1, "length": 1, "tool_calls": 1, "other": 3}
+
+
+async def test_a_stream_tail_written_after_the_engine_is_done_pauses_nothing():
+    """A Responses stream repeats its output in its last events, past the 1 MiB bound with logprobs: the engine
+    requests had ended, yet each was sent a pause and cliffguard_paused_responses_total counted one."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from prometheus_client import Counter, CollectorRegistry
+
+    from gateway.local_answer import LocalResponse
+
+    paused, counter = [], Counter("paused", "", ["pool"], registry=CollectorRegistry())
+    client = SimpleNamespace(pause=lambda request_id, p: paused.append((request_id, p)))
+    runner = asyncio.get_running_loop().create_future()
+    response = SimpleNamespace(_runner=runner, metrics=SimpleNamespace(paused_responses=counter), request_id="r",
+                               routed=[(SimpleNamespace(name="chat"), [1])], placed={"chat": SimpleNamespace(client=client)})
+    LocalResponse.set_paused(response, True)   # still running: paused and counted
+    runner.set_result(None)
+    LocalResponse.set_paused(response, True)   # its tail, after the engine: nothing
+    LocalResponse.set_paused(response, False)
+    assert paused == [("r", True)] and counter.labels(pool="chat")._value.get() == 1
+
+
+async def test_a_handler_cancelled_after_the_run_stops_the_streams_writer():
+    """Cancelled between `run` and `finish` (a Responses stream's store write, a death's record, its client gone),
+    the stream's writer stayed parked for ever ("Task was destroyed but it is pending!")."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from gateway.completion import Completion
+    from gateway.local_answer import LocalResponse
+
+    writer = asyncio.ensure_future(asyncio.Event().wait())
+    local = SimpleNamespace(_writer=writer)
+    local.abandon = lambda: LocalResponse.abandon(local)
+    completion = object.__new__(Completion)
+
+    async def answered_then_cancelled():
+        completion._local = local
+        raise asyncio.CancelledError
+    completion._answer = answered_then_cancelled
+    with pytest.raises(asyncio.CancelledError):
+        await completion.answer()
+    await asyncio.sleep(0)
+    assert writer.cancelled()
