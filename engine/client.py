@@ -80,6 +80,8 @@ KILLED_WAIT_S = 5.0         # a process SIGKILL has not ended by then is stuck i
 class _Stream:
     queue: asyncio.Queue
     finished: bool = False
+    sent: bool = False     # its AddRequest went out; before, a pause is kept here and sent after it
+    paused: bool = False
 
 
 class AsyncEngineClient:
@@ -378,14 +380,16 @@ class AsyncEngineClient:
         request_id = request_id or f"req-{os.getpid()}-{next(self._ids)}"
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
-        while not self._room.is_set():
-            await self._room.wait()   # the worker is behind on reading: wait for room, never block the loop
-            self._check_alive()
-        stream = _Stream(asyncio.Queue())
-        self._streams[request_id] = stream
+        stream = self._streams[request_id] = _Stream(asyncio.Queue())
         try:
+            while not self._room.is_set():
+                await self._room.wait()   # the worker is behind on reading: wait for room, never block the loop
+                self._check_alive()
             self._send(AddRequest(request_id, prompt if isinstance(prompt, str) else list(prompt),
                                   params or SamplingParams(), priority, pool, cache_salt, credits, background))
+            stream.sent = True
+            if stream.paused:   # paused while it waited for room, when the worker knew no such request
+                self._send(PauseRequest(request_id, True))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -449,8 +453,11 @@ class AsyncEngineClient:
 
     def pause(self, request_id: str, paused: bool) -> None:
         """Stop stepping a request (`paused`; it keeps its blocks and place) or step it again (the
-        worker's `LLMEngine.pause`). Never blocks; nothing if the worker is gone."""
-        if self.is_alive:
+        worker's `LLMEngine.pause`); one not sent yet (`generate` waits for room) is paused once it is. Never
+        blocks; nothing if the worker is gone."""
+        if (stream := self._streams.get(request_id)) is not None and not stream.sent:
+            stream.paused = paused
+        elif self.is_alive:
             with contextlib.suppress(EngineDeadError):
                 self._send(PauseRequest(request_id, bool(paused)))
 

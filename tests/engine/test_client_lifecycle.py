@@ -262,3 +262,21 @@ def test_a_worker_outlives_a_real_fork_server_killed(tmp_path):
                           cwd=Path(__file__).resolve().parents[2],
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert done.returncode == 0 and done.stdout.strip() == "ran on", done.stderr
+
+
+async def test_a_pause_sent_while_the_request_waits_for_room_reaches_the_worker_after_it():
+    """A response paused (its client slow) while its request still waited for the outbox's room: the pause went
+    first, for a request the worker did not know yet (nothing), and the request then ran unpaused for good."""
+    from engine.messages import AddRequest, PauseRequest
+
+    client, worker = _connected(_Process())
+    client._room.clear()   # the worker is behind on reading
+    first = asyncio.ensure_future(anext(client.generate([1, 2], request_id="b")))
+    await asyncio.sleep(0)
+    client.pause("b", True)
+    client._room.set()
+    await asyncio.sleep(0.05)
+    sent = [m for m in worker.receive() if isinstance(m, (AddRequest, PauseRequest))]
+    assert [type(m).__name__ for m in sent] == ["AddRequest", "PauseRequest"] and sent[1].paused
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
