@@ -402,7 +402,7 @@ class AsyncEngineClient:
                     return
         finally:
             del self._streams[request_id]
-            if not stream.finished and self.is_alive:
+            if stream.sent and not stream.finished and self.is_alive:   # one never sent has nothing to abort
                 self._send_abort(request_id)
 
     def _check_alive(self) -> None:

@@ -41,6 +41,7 @@ from gateway.monitoring.metrics import GatewayMetrics
 from gateway.openai.errors import DRAIN_CUT, ApiError, named_error, renamed_field
 from gateway.monitoring.overload import OverloadWatch
 from gateway.workers.deaths import DeviceDeaths, SuspectGate
+from gateway.workers.device_wait import wait_for_replica
 from gateway.workers.supervisor import DeviceSupervisor
 from gateway.ticker import Ticker
 from gateway.upstream.connection import UpstreamClient
@@ -305,38 +306,14 @@ class Gateway:
         is ready within `gateway.device_wait_seconds` (or the pool's `max_queue_seconds`, when smaller and not
         0; `patient`: however long), `spent` of them gone already (its waits for its other pools' devices: one
         deadline); the 503 names each replica's state: loading, placing on a cluster, restarting."""
-        replicas = self.supervisors[pool.device]
-        if any(s.is_ready for s in replicas):
-            return
-        # an autoscaled device's parked slots ("stopped") count once started (the autoscaler starts one for those
-        # who wait; it was missed), never before: with every started one failed it would wait for nothing
-        if all(s.state == "stopped" for s in replicas):
-            raise ApiError(503, f"pool {pool.name!r}: no replica of device {pool.device!r} is started; retry later",
-                           type="server_error", code="pool_unavailable", headers={"Retry-After": "1"})
-        slots = {asyncio.ensure_future(s.wait_ready(parked=s.state == "stopped")): s for s in replicas}
-        waits, failed = list(slots), None
         limit = None if patient else device_wait_limit(self.config, [pool])
-        deadline = None if limit is None else time.monotonic() + limit - spent
         waiting, key = self.device_waits.setdefault(pool.device, {}), object()
         if not patient:   # a patient one waits by design: no sign of a replica short (`device_wait`)
             waiting[key] = time.monotonic()
         try:
-            while any(slots[w].state != "stopped" for w in waits):   # a started one left to wait for
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                done, pending = await asyncio.wait(waits, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-                if not done:
-                    states = "; ".join(f"{s.name}: {s.state}" for s in replicas)
-                    raise ApiError(503, f"pool {pool.name!r}: no replica of device {pool.device!r} became ready in "
-                                        f"{limit:g} s ({states}); retry later", type="server_error",
-                                   code="pool_unavailable", headers={"Retry-After": str(max(1, round(limit)))})
-                if any(not w.exception() for w in done):
-                    return
-                waits, failed = list(pending), done.pop().exception()
-            raise ApiError(503, str(failed), type="server_error", code="pool_unavailable")
+            await wait_for_replica(self.supervisors[pool.device], pool.name, pool.device, limit, spent)
         finally:
             waiting.pop(key, None)
-            for w in waits:
-                w.cancel()
 
     def device_wait(self, device: str, now: float) -> float:
         """The longest a request (not a patient one) has now waited for a replica of `device` to be ready: the

@@ -218,12 +218,11 @@ class DeviceSupervisor:
         tried = f" (the last try failed: {self._first_failure})" if self._first_failure else ""
         return f"loading: {self.link.status}{tried}"
 
-    async def wait_ready(self, parked: bool = False) -> WorkerInfo:
-        """What the worker loaded, once a worker is ready: at once, or after it loads or restarts (`parked`: a slot at
-        rest, once started: its stop's failure is no answer). EngineDeadError if it failed to start, or stopped."""
+    async def wait_ready(self) -> WorkerInfo:
+        """What the worker loaded, once a worker is ready: at once, or after it loads or restarts.
+        EngineDeadError if the device failed to start (or the gateway is stopping, or the slot was stopped)."""
         async with self._changed:
-            await self._changed.wait_for(lambda: self.is_ready or self._failure is not None and not (
-                parked and self.state == "stopped"))
+            await self._changed.wait_for(lambda: self.is_ready or self._failure is not None)
         if self._failure is not None:
             raise EngineDeadError(self._failure)
         return self.client.info

@@ -318,7 +318,8 @@ class CliffguardConfig:
         self._check_routes()
         # a frozen Ray replica: its link ends first (at 20 s of silence, looked at every 2 s), and the stall check
         # that would kill and restart it (looked at every 0.5 s) never comes; a second's margin
-        ray = [n for n, d in self.devices.items() if d.placement == "ray" and any(p.device == n for p in self.pools)]
+        ray = [n for n, d in self.devices.items()
+               if d.placement == "ray" and any(p.device == n and not p.is_upstream for p in self.pools)]
         if ray and self.gateway.stall_seconds > SILENCE_SECONDS - 1:
             raise SpecError(f"gateway.stall_seconds: must be at most {SILENCE_SECONDS - 1:g} s with a device on Ray "
                             f"({ray[0]}: its link ends after {SILENCE_SECONDS:g} s of silence, and a frozen replica "

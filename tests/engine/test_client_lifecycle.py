@@ -280,3 +280,11 @@ async def test_a_pause_sent_while_the_request_waits_for_room_reaches_the_worker_
     assert [type(m).__name__ for m in sent] == ["AddRequest", "PauseRequest"] and sent[1].paused
     first.cancel()
     await asyncio.gather(first, return_exceptions=True)
+    client._room.clear()   # cancelled while it waits for room: nothing went out, so no abort goes out either
+    waiting = asyncio.ensure_future(anext(client.generate([1, 2], request_id="c")))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    client._room.set()
+    await asyncio.sleep(0.05)
+    assert [m for m in worker.receive() if getattr(m, "request_id", None) == "c"] == []

@@ -411,7 +411,7 @@ async def test_the_gateway_reports_how_long_requests_wait_for_a_replica(tmp_path
     device = next(iter(gateway.config.devices))
     pool = next(p for p in gateway.pools.values() if p.device == device)
     gateway.supervisors = {device: [_Slot(0, "loading")]}
-    gateway.supervisors[device][0].wait_ready = lambda parked=False: asyncio.sleep(10)
+    gateway.supervisors[device][0].wait_ready = lambda: asyncio.sleep(10)
     waiting = asyncio.ensure_future(gateway.wait_device(pool))
     await asyncio.sleep(0.05)
     assert 0.0 < gateway.device_wait(device, time.monotonic()) < 1.0
