@@ -23,7 +23,6 @@ import msgspec
 import engine.config
 from engine.capacity import DEFAULT_BLOCK_SIZE
 from engine.config import DEFAULT_MIN_SHARE, LatencySLO, SchedulerConfig
-from engine.wire import SILENCE_SECONDS
 from engine.tokenizer import TEMPLATE_FUNCTIONS   # a chat_template_kwargs key may not replace one
 from pools.config.checks import (ByteSize, ByteSizeOrZero, Count, CountOrZero, Fraction, NonNegative, Spec, SpecError,
                                  Text, engine_rules, fmt_bytes, has_control_characters, is_label)
@@ -316,14 +315,6 @@ class CliffguardConfig:
             self._check_device_pools(name)
         self._check_gpu_claims()
         self._check_routes()
-        # a frozen Ray replica: its link ends first (at 20 s of silence, looked at every 2 s), and the stall check
-        # that would kill and restart it (looked at every 0.5 s) never comes; a second's margin
-        ray = [n for n, d in self.devices.items()
-               if d.placement == "ray" and any(p.device == n and not p.is_upstream for p in self.pools)]
-        if ray and self.gateway.stall_seconds > SILENCE_SECONDS - 1:
-            raise SpecError(f"gateway.stall_seconds: must be at most {SILENCE_SECONDS - 1:g} s with a device on Ray "
-                            f"({ray[0]}: its link ends after {SILENCE_SECONDS:g} s of silence, and a frozen replica "
-                            f"is then never restarted), got {self.gateway.stall_seconds:g}")
 
     def _check_gpu_claims(self) -> None:
         """No GPU serves two devices (or two ranks): each rank allocates its KV cache from 0.9 of its GPU."""

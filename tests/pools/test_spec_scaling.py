@@ -123,21 +123,6 @@ PLACEMENT_ERRORS = {
 }
 
 
-def test_a_stall_limit_a_frozen_ray_replica_would_never_reach_is_refused():
-    """Its link ends after 20 s of silence (engine.wire.SILENCE_SECONDS), before a stall_seconds of 20 or more:
-    the replica, frozen, was then never killed and restarted. A local device may take any."""
-    data = yaml.safe_load(_make_yaml(device="cuda", placement="ray"))
-    for stall in (25, 19.8):
-        with pytest.raises(SpecError, match=r"^gateway\.stall_seconds: must be at most 19 s with a device on Ray "
-                                            rf"\(default: .*got {stall:g}"):
-            load_config(yaml.safe_dump({**data, "gateway": {"stall_seconds": stall}}), env={})
-    assert load_config(yaml.safe_dump({**data, "gateway": {"stall_seconds": 19}}), env={}).gateway.stall_seconds == 19
-    local = yaml.safe_load(_make_yaml())
-    assert load_config(yaml.safe_dump({**local, "gateway": {"stall_seconds": 25}}), env={}).gateway.stall_seconds == 25
-    unused = {**local, "devices": {**local["devices"], "far": {"device": "cuda", "placement": "ray"}}}   # no pool
-    assert load_config(yaml.safe_dump({**unused, "gateway": {"stall_seconds": 25}}), env={}).devices["far"]
-
-
 @pytest.mark.parametrize("case", list(PLACEMENT_ERRORS), ids=list(PLACEMENT_ERRORS))
 def test_placement_errors_name_the_key_and_the_value(case):
     device, expected = PLACEMENT_ERRORS[case]
