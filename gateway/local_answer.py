@@ -113,8 +113,7 @@ async def merged(routed: Routed, params: SamplingParams, priority: int, request_
             i, item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
-            if item.finished:
-                remaining -= 1
+            remaining -= bool(item.finished)
             yield i, item
     finally:
         for task in tasks:
@@ -151,8 +150,7 @@ class LocalResponse:
         self.headers = {"x-cliffguard-pool": ",".join(pools),
                         "x-cliffguard-replica": ",".join(str(placed[name].replica) for name in pools)}
         self.want_logprobs = req.params.logprobs is not None
-        # A chat offering tools (tool_choice not "none"): its replies are parsed into tool calls.
-        self.tool_format: ToolFormat | None = None
+        self.tool_format: ToolFormat | None = None   # a chat offering tools (not tool_choice "none"): calls parsed
         self.calls_only = False   # tool_choice required or named: a reply is calls only
         if self.chat and req.offers_calls:
             self.tool_format = format_for(routed[0][0].tokenizer, req.callable_tools)
@@ -324,8 +322,10 @@ class LocalResponse:
                 choice.logprobs.extend(c.delta_logprobs or [])
                 choice.top_logprobs.extend(c.delta_top_logprobs or [])
             if c.finish_reason is not None and choice.finish_reason is None:
-                choice.finish_reason = c.finish_reason
-                self.latencies.count(self.metrics.finished, choice.pool.name, c.finish_reason)
+                choice.finish_reason = c.finish_reason   # counted as the answer says it (a reply of calls: calls_finish)
+                calls = c.finish_reason == "stop" and self.tool_format is not None and bool(self._reply(choice)[1])
+                reason = self.req.calls_finish if calls else c.finish_reason
+                self.latencies.count(self.metrics.finished, choice.pool.name, reason)
             has_logprobs = self.want_logprobs and bool(c.delta_token_ids)
             if self.req.stream and (c.delta_text or c.finish_reason or has_logprobs):
                 chunk_choices.append(self._stream_choice(choice, c, has_logprobs, parts))

@@ -726,3 +726,22 @@ def test_a_cut_reply_leaks_no_markup_after_a_marker_in_prose_nor_a_python_tag_no
     assert llama.parse_reply('<|python_tag|>{"name": "search", "parameters": {"qu', cut=True)[0] is None
     forced = ToolCallStream(hermes, forced=True)
     assert forced.finish("<tool", cut=True) == ("", [], 0)     # calls only: a marker cut short is no content
+
+
+async def test_a_reply_of_calls_counts_in_request_success_as_its_answer_says(client, live_builtin_server) -> None:
+    """A call under tool_choice "required" answers finish_reason "tool_calls", and request_success counts it so
+    (it counted the engine's "stop", so `tool_calls` never appeared for a local pool)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def count(reason: str) -> float:
+        text = urllib.request.urlopen(live_builtin_server.url + "/metrics", timeout=30).read().decode()
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "cliffguard_request_success_total" and s.labels.get("finished_reason") == reason)
+
+    before = count("tool_calls")
+    r = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                             tools=TOOLS, tool_choice="required", temperature=0, max_tokens=300)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls
+    assert count("tool_calls") == before + 1
