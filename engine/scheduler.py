@@ -106,7 +106,7 @@ class Scheduler:
         self.swap_manager, self.max_model_len, self.name = swap_manager, max_model_len, name   # swap: CPU block ids
         self.waiting: list[Sequence] = []   # sorted by Sequence.sort_key
         self.running: list[Sequence] = []   # in admission order
-        self.swapped: list[Sequence] = []   # in swap-out order; resumed in waiting-queue order (`_schedule_swapped`)
+        self.swapped: list[Sequence] = []   # sorted by Sequence.sort_key too: the order they resume in
         self.paused: set[str] = set()       # request ids not to schedule until resumed
         self.stats = SchedulerStats()
         self._step, self._promised = 0, 0   # steps so far; blocks promised this step to sequences waiting for them
@@ -166,8 +166,7 @@ class Scheduler:
 
     def next_prefill(self) -> Sequence | None:
         """The sequence whose prefill the next step would continue or start (paused ones wait: skipped)."""
-        resuming = sorted(self.swapped, key=Sequence.sort_key)   # swapped ones: in the order they resume
-        return next((s for queue in (self.running, resuming, self.waiting) for s in queue
+        return next((s for queue in (self.running, self.swapped, self.waiting) for s in queue
                      if not self.is_paused(s) and (queue is not self.running or s.num_uncomputed_tokens > 1)), None)
 
     # --- the step ----------------------------------------------------------------------------
@@ -257,7 +256,7 @@ class Scheduler:
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
         """Swapped-out sequences back in, in waiting-queue order (priority, then arrival), while blocks and limits
         allow; returns the budget left."""
-        resumable = sorted((s for s in self.swapped if not self.is_paused(s)), key=Sequence.sort_key)
+        resumable = [s for s in self.swapped if not self.is_paused(s)]
         while resumable and budget > 0 and self._num_seqs_held() + 1 + resumable[0].num_pending_forks <= \
                 self.config.max_num_seqs:
             seq = resumable[0]
@@ -415,7 +414,7 @@ class Scheduler:
         bm.free(seq.block_table)
         seq.cpu_block_table = cpu_table
         seq.status = SequenceStatus.SWAPPED
-        self.swapped.append(seq)
+        bisect.insort(self.swapped, seq, key=Sequence.sort_key)
         return True
 
     def _swap_in(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
