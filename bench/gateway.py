@@ -23,15 +23,14 @@ import asyncio
 import contextlib
 import json
 import os
-import queue
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+
+from bench.live import wait_for_line
 
 REPLY = {"id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "upstream-model",
          "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop",
@@ -188,31 +187,8 @@ def _free_port() -> int:
 
 
 def _wait_line(proc: subprocess.Popen, pattern: str, timeout: float = 120) -> str:
-    """The first group of `pattern` in the child's stderr. The stderr is read on a thread, so a child that
-    hangs silent cannot hold this past `timeout`; the thread drains it for the child's life (once the line is
-    found it drops what it reads), so the child never blocks on a full pipe."""
-    lines: queue.Queue[str | None] = queue.Queue()
-    found = threading.Event()
-
-    def drain() -> None:
-        for line in proc.stderr:
-            if not found.is_set():
-                lines.put(line)
-        lines.put(None)
-    threading.Thread(target=drain, daemon=True).start()
-    deadline, seen = time.monotonic() + timeout, []
-    while True:
-        try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            raise TimeoutError(f"no line matching {pattern!r} within {timeout:g} s:\n" + "".join(seen)) from None
-        if line is None:
-            raise RuntimeError("process exited:\n" + "".join(seen))
-        seen.append(line)
-        match = re.search(pattern, line)
-        if match:
-            found.set()
-            return match.group(1)
+    """The first group of `pattern` in the helper's stderr, within `timeout` s (`bench.live.wait_for_line`)."""
+    return wait_for_line(proc, pattern, time.monotonic() + timeout)
 
 
 ARMS = ("direct", "relay", "proxy", "gateway")

@@ -18,6 +18,36 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def wait_for_line(proc: subprocess.Popen, pattern: str, deadline: float, log: list[str] | None = None) -> str:
+    """The first group of `pattern` in a child's stderr (text mode). The stderr is read on a thread, so a child that
+    hangs silent cannot hold this past `deadline` (time.monotonic()); the thread drains it for the child's life
+    (into `log` where given; once the line is found it queues no more), so the child never blocks on a full pipe.
+    TimeoutError past the deadline, RuntimeError if the child's stderr ends first, each with what it said."""
+    lines: queue.Queue[str | None] = queue.Queue()
+    found, said = threading.Event(), log if log is not None else []
+
+    def drain() -> None:
+        for line in proc.stderr:
+            if log is not None:
+                log.append(line)
+            if not found.is_set():
+                lines.put(line)
+        lines.put(None)
+    threading.Thread(target=drain, daemon=True).start()
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TimeoutError(f"no line matching {pattern!r} in time:\n" + "".join(said)) from None
+        if line is None:
+            raise RuntimeError("the process exited:\n" + "".join(said))
+        if log is None:
+            said.append(line)
+        if (match := re.search(pattern, line)) is not None:
+            found.set()
+            return match.group(1)
+
+
 class LiveServer:
     """Starts `cliffguard serve --config <path>` on 127.0.0.1 and a free port, waits until `/ready`.
 
@@ -57,19 +87,8 @@ class LiveServer:
     def _wait_started(self, deadline: float) -> None:
         """Until the server says where it serves (its log read on a thread: a server that hangs before it
         prints a line cannot hold this past `deadline`), then until `/ready` answers 200."""
-        lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._drain, args=(lines,), daemon=True).start()
-        while self.url is None:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError("cliffguard serve said nothing of where it serves in time:\n"
-                                   + "".join(self.log)) from None
-            if line is None:
-                raise RuntimeError("cliffguard serve exited:\n" + "".join(self.log))
-            match = re.search(r"serving on (http://\S+) ", line)
-            if match:
-                self.url, self.listening = match.group(1), time.perf_counter()
+        self.url = wait_for_line(self.proc, r"serving on (http://\S+) ", deadline, self.log)
+        self.listening = time.perf_counter()
         while True:
             try:
                 with urllib.request.urlopen(self.url + "/ready", timeout=5) as r:
@@ -81,13 +100,6 @@ class LiveServer:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("server never became ready:\n" + "".join(self.log))
             time.sleep(self.poll_seconds)
-
-    def _drain(self, lines: queue.Queue) -> None:
-        """The server's stderr into `log` (and `lines`, None at its end), so it never blocks on a full pipe."""
-        for line in self.proc.stderr:
-            self.log.append(line)
-            lines.put(line)
-        lines.put(None)
 
     def stop(self, stop_timeout: float = 20) -> None:
         self.proc.terminate()
