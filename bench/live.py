@@ -87,7 +87,12 @@ class LiveServer:
     def _wait_started(self, deadline: float) -> None:
         """Until the server says where it serves (its log read on a thread: a server that hangs before it
         prints a line cannot hold this past `deadline`), then until `/ready` answers 200."""
-        self.url = wait_for_line(self.proc, r"serving on (http://\S+) ", deadline, self.log)
+        try:
+            self.url = wait_for_line(self.proc, r"serving on (http://\S+) ", deadline, self.log)
+        except TimeoutError:
+            raise TimeoutError("cliffguard serve said nothing of where it serves in time:\n" + "".join(self.log)) from None
+        except RuntimeError:
+            raise RuntimeError("cliffguard serve exited:\n" + "".join(self.log)) from None
         self.listening = time.perf_counter()
         while True:
             try:
