@@ -9,8 +9,8 @@ connection's loss shows (`lost`).
 
 A client is one connection's life: the connection dropping, the link's death notice, `kill`, or a
 connection silent for `engine.remote.SILENCE_SECONDS` (not even a heartbeat: a partition, or a peer
-that stopped forwarding) ends it, and whatever was in flight fails with `EngineDeadError`; the
-supervisor then makes a new client, which connects to the (restarted) replica. While it lives the
+that stopped forwarding, or a replica frozen: its link restarts it unless it answers the cluster manager)
+ends it, and whatever was in flight fails with `EngineDeadError`; the supervisor then makes a new client, which connects to the (restarted) replica. While it lives the
 client sends a `Keepalive` every `engine.remote.KEEPALIVE_SECONDS`, so that the replica, which judges
 the gateway by the same rule, never takes an idle gateway for a lost one.
 """
@@ -82,13 +82,16 @@ class RemoteEngineClient(AsyncEngineClient):
 
     async def _keep_alive(self) -> None:
         """Every `KEEPALIVE_SECONDS`: end the connection if the loaded replica said nothing for
-        `SILENCE_SECONDS`, else send a `Keepalive`. Ends with the connection."""
+        `SILENCE_SECONDS`, else send a `Keepalive`. Ends with the connection. A silence is what the
+        supervisor's watchdog calls a stall (`gateway.stall_seconds`, which may be the longer), so it is
+        judged as one: the replica is restarted unless it answers its cluster manager (a frozen process
+        refuses every new connection's handshake too: only a restart serves again)."""
         while self.is_alive:
             await asyncio.sleep(remote.KEEPALIVE_SECONDS)
             silent = self.silent_seconds()
             if silent >= remote.SILENCE_SECONDS:
                 self._lost_reason = f"{self._exit_reason()}: nothing received for {silent:.1f} s"
-                self._on_exit(self._lost_reason)
+                self.kill(self._lost_reason, unless_responsive=True)
                 return
             if self.is_alive:
                 with contextlib.suppress(EngineDeadError):
