@@ -268,8 +268,18 @@ async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
 
 
 _RETRY_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
-_ACCOUNT_IDS = re.compile(r"\b((?:org|proj|user)[-_])"   # the operator's ids: 16+ letters and digits, not a word
-                          r"(?=[A-Za-z0-9]*?(?:\d|[A-Z][A-Za-z0-9]*?[a-z]|[a-z][A-Za-z0-9]*?[A-Z]))[A-Za-z0-9]{16,}")
+_ACCOUNT_IDS = re.compile(r"\b((?:org|proj|user)[-_])([A-Za-z0-9]{16,})")   # linear: no nested lazy runs
+
+
+def _masked(message: str) -> str:
+    """`message` with the operator's account ids cut to their prefix (`org-…`): 16+ letters and digits after
+    `org-`, `proj_`, `user-`, with a digit or both cases in them (not a word, as `user-provided` is)."""
+    def mask(match: re.Match) -> str:
+        run = match.group(2)
+        is_id = any(c.isdigit() for c in run) or not (run.islower() or run.isupper())
+        return match.group(1) + "…" if is_id else match.group(0)
+
+    return _ACCOUNT_IDS.sub(mask, message)
 
 
 def retry_headers(headers: Any) -> dict[str, str]:
@@ -308,7 +318,7 @@ def openai_error(raw: bytes, context: str) -> dict[str, Any]:
         text = error if isinstance(error, str) and error else raw[:500].decode(errors="replace")
         error = {"message": f"{context}: {text}", "type": "server_error", "code": "upstream_error"}
     param, code = error.get("param"), error.get("code")
-    return {"message": _ACCOUNT_IDS.sub(r"\1…", str(error.get("message") or "")),
+    return {"message": _masked(str(error.get("message") or "")),
             "type": str(error.get("type") or "server_error"),
             "param": None if param is None else str(param), "code": None if code is None else str(code)}
 

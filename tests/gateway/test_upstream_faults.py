@@ -604,6 +604,22 @@ async def test_an_upstream_429_keeps_its_retry_headers_and_a_batch_line_is_tried
     server.close()
 
 
+def test_account_ids_are_masked_in_one_pass_over_an_upstream_message():
+    """The mask reads a message once: an upstream echoing a client's long word after `org-` in its error (a
+    16 KiB body) took its pattern 1.2 s of the event loop, every stream stalled meanwhile."""
+    def message(text: str) -> str:
+        return relay.openai_error(json.dumps({"error": {"message": text}}).encode(), "ctx")["message"]
+
+    assert message("org-AbCdEf123456GhIjKl78 and user_AAAAAAAAAAAAAAAAAAAAb.") == "org-… and user_….", "ids"
+    assert message("proj_abcdefghijklmnopqrst, org-ABCDEFGHIJKLMNOPQRS, user-provided") == \
+        "proj_abcdefghijklmnopqrst, org-ABCDEFGHIJKLMNOPQRS, user-provided"   # one case, no digit: words
+    assert message("org-abc123") == "org-abc123"   # too short for an id
+    word = "org-" + "a" * 16_000
+    started = time.perf_counter()
+    assert message(word + " org-" + "B" * 16_000) == word + " org-" + "B" * 16_000
+    assert time.perf_counter() - started < 0.2
+
+
 async def test_an_event_the_body_ends_inside_is_never_relayed_as_whole(aiohttp_client, tmp_path):
     """A body framed by its connection that ends (a FIN, no error) inside an event: that tail is not an event
     (the SSE spec drops it) and the client gets the stream's error and `[DONE]`, every data line JSON."""
