@@ -153,9 +153,9 @@ class ToolFormat:
         scans = list(self.call_scans(text, 0))
         return scans[-1].start if scans and scans[-1].end is None else None
 
-    def hold_from(self, text: str) -> int:
-        """Where in the reply so far a call may be starting: a stream sends the text before it as content
-        and holds the rest until the reply ends and is parsed."""
+    def hold_from(self, text: str, pos: int = 0, scanners: dict | None = None) -> int:
+        """Where in the reply so far (from `pos`) a call may be starting, past markers in prose: a stream sends
+        the text before it as content and holds the rest until the reply ends (`scanners`: `call_scans`')."""
         raise NotImplementedError
 
     def call_scans(self, text: str, pos: int, scanners: dict[int, CallScanner] | None = None) -> Iterator[CallScan]:
@@ -191,14 +191,14 @@ class HermesFormat(ToolFormat):
         decoder, calls, kept, last, pos = json.JSONDecoder(), [], [], 0, 0
         while (start := text.find(self.start, pos)) >= 0:
             pos = start + len(self.start)
-            body = len(text) - len(text[pos:].lstrip())
-            if (decoded := _decode(decoder, text, body)) is None:
-                continue
+            body = _SPACES.match(text, pos).end()   # no copy of the rest: a reply of many markers stays linear
+            if not text.startswith("{", body) or (decoded := _decode(decoder, text, body)) is None:
+                continue   # a marker in prose is passed over before a decode (its error counts the lines before it)
             obj, end = decoded
-            rest = text[end:].lstrip()
-            if rest.startswith(self.end):
-                end = len(text) - len(rest) + len(self.end)
-            elif rest:
+            after = _SPACES.match(text, end).end()
+            if text.startswith(self.end, after):
+                end = after + len(self.end)
+            elif after < len(text):
                 continue   # no closing tag after the object: not a call
             call = self._call(obj, text, body)
             if call is None:
@@ -226,19 +226,30 @@ class HermesFormat(ToolFormat):
         return found if found >= 0 and not text[found + len(self.start):].strip() else None
 
     def call_scans(self, text: str, pos: int, scanners: dict[int, CallScanner] | None = None) -> Iterator[CallScan]:
-        while (found := text.find(self.start, pos)) >= 0:
+        while (found := self._next_marker(text, pos, scanners)) >= 0:
             body = _SPACES.match(text, found + len(self.start)).end()
             if body >= len(text):
                 return                     # a call may be starting
-            if text[body] != "{":          # the marker in prose, not a call: look past it
-                pos = body
-                continue
             yield (scan := scan_call(text, body, self.args_keys, scanners))
             if (pos := scan.end) is None:   # the next call starts after this one
                 return
 
-    def hold_from(self, text: str) -> int:
-        found = text.find(self.start)
+    def _next_marker(self, text: str, pos: int, scanners: dict | None = None) -> int:
+        """The first marker from `pos` that may open a call (a `{` after it, or blanks alone so far), -1 if
+        none, past markers in prose (for good); a stream's `scanners` keep at key -1 where each look from a
+        place went on to: a reply of many such markers costs a delta what it adds."""
+        skips = scanners.setdefault(-1, {}) if scanners is not None else {}
+        start, pos = pos, skips.get(pos, pos)
+        while (found := text.find(self.start, pos)) >= 0:
+            body = _SPACES.match(text, found + len(self.start)).end()
+            if body >= len(text) or text[body] == "{":
+                break
+            pos = body
+        skips[start] = found if found >= 0 else max(pos, len(text) - len(self.start) + 1)
+        return found
+
+    def hold_from(self, text: str, pos: int = 0, scanners: dict | None = None) -> int:
+        found = self._next_marker(text, pos, scanners)
         if found >= 0:
             return found
         return len(text) - partial_tag(text, self.start)   # the marker's first characters at the end
@@ -296,7 +307,7 @@ class Llama3JsonFormat(ToolFormat):
             return text.index(tag)
         return begin
 
-    def hold_from(self, text: str) -> int:
+    def hold_from(self, text: str, pos: int = 0, scanners: dict | None = None) -> int:
         pos, tag = _SPACES.match(text).end(), "<|python_tag|>"
         if text.startswith(("{", tag), pos) or (len(text) - pos <= len(tag) and tag.startswith(text[pos:])):
             return 0          # the reply is (or may still become) a JSON call: hold all of it
@@ -427,9 +438,12 @@ class ToolCallStream:
         """The reply so far is `text`: the content that can be sent now."""
         if self.forced:
             return ""
-        self.num_sent = max(self.num_sent, self.fmt.hold_from(text))
-        sendable = text[:self.num_sent].rstrip()
-        delta, self.sent = sendable[len(self.sent):], max(self.sent, sendable, key=len)
+        if len(text) < self._seen:
+            self._scanners.clear()
+        self._seen = len(text)
+        self.num_sent = max(self.num_sent, self.fmt.hold_from(text, self.num_sent, self._scanners))
+        delta = text[len(self.sent):self.num_sent].rstrip()   # what the content so far has not sent yet
+        self.sent += delta
         return delta
 
     def call_deltas(self, text: str) -> list[dict[str, Any]]:

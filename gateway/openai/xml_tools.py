@@ -22,7 +22,7 @@ without its newline closes a value only where the next argument's tag or the fun
 out is closed by the next argument's tag or the function's end, as vLLM's parser reads it. Several functions in
 one `<tool_call>` are several calls; a missing `</tool_call>` after a function's end is tolerated, and so is a
 function without its `<tool_call>` (Qwen3-Coder leaves it out at times). A call of a
-function not offered, or not closed, is content. Each value is read as its schema says (`typed_value`): where the
+function not offered, or not closed, is content. Each value is read as its schema says (`gateway.openai.xml_values.typed_value`): where the
 property may be a string (or says nothing of its type) as written, otherwise as JSON or, as the templates write a
 history's values (`| string`: `True`, `{'a': 1}`), a Python literal, and as written where neither reads. A call's
 `arguments` are the JSON object of what was read (ours, not the model's text; the first value of a key kept): a
@@ -39,17 +39,15 @@ root's `$defs` with it; lenient, as the JSON formats' grammars). A function whos
 
 from __future__ import annotations
 
-import ast
 import json
-import math
 import re
 from collections.abc import Iterator
 from typing import Any
 
-from gateway.openai.errors import nested_over
 from gateway.openai.reasoning import partial_tag
 from gateway.openai.tool_grammar import CallSyntax, literal, rebased, schema_text
 from gateway.openai.tools import CallScan, ToolCall, ToolFormat, beside_calls
+from gateway.openai.xml_values import is_text, resolved, typed_value
 
 START, END = "<tool_call>", "</tool_call>"
 FUNCTION, FUNCTION_END, PARAMETER, PARAMETER_END = "<function=", "</function>", "<parameter=", "</parameter>"
@@ -272,20 +270,11 @@ class XmlFormat(ToolFormat):
         """Each call from `pos` as far as written: its name, then its arguments' JSON of those closed so far
         (`args_text`, a prefix of its final `arguments`: an argument goes out once its closing tag is written).
         A stream's `scanners` keep (at key -1) its reader, each argument's JSON and each call's JSON as last
-        written (rebuilt when an argument closes): a delta costs what it adds."""
-        state = scanners.get(-1) if scanners is not None else None
-        if state is None:
-            state = (_Reader(text, final=False), {}, {})
-            if scanners is not None:
-                scanners[-1] = state
-        reader, items, written = state
-        reader.grow(text)
-        while (found := reader.next_call(pos)) >= 0:
+        written (rebuilt when an argument closes), and how far each look past markers in prose went (`_next_open`):
+        a delta costs what it adds."""
+        reader, items, written, skips = self._state(text, scanners)
+        while (found := self._next_open(reader, pos, skips)) >= 0:
             functions, end = reader.call(found)
-            bare = not text.startswith(START, found)
-            if not functions and not _may_open(text, found if bare else found + len(START)):
-                pos = found + (len(FUNCTION) if bare else len(START))   # a marker in prose: later calls stream
-                continue
             for k, (name, args, function_end) in enumerate(functions):
                 shape = (len(args), function_end is not None)
                 if written.get(found + k, (None,))[0] != shape:
@@ -296,9 +285,37 @@ class XmlFormat(ToolFormat):
                 return
             pos = end
 
-    def hold_from(self, text: str) -> int:
-        found = [at for at in (text.find(START), text.find(FUNCTION)) if at >= 0]
-        return min(found) if found else len(text) - max(partial_tag(text, START), partial_tag(text, FUNCTION))
+    def hold_from(self, text: str, pos: int = 0, scanners: dict[int, Any] | None = None) -> int:
+        reader, _, _, skips = self._state(text, scanners)
+        if (found := self._next_open(reader, pos, skips)) >= 0:
+            return found
+        return len(text) - max(partial_tag(text, START), partial_tag(text, FUNCTION))
+
+    @staticmethod
+    def _state(text: str, scanners: dict[int, Any] | None) -> tuple[_Reader, dict, dict, dict[int, int]]:
+        """A stream's reading of its reply so far (its `scanners`, key -1), grown to `text`; a fresh one without."""
+        state = scanners.get(-1) if scanners is not None else None
+        if state is None:
+            state = (_Reader(text, final=False), {}, {}, {})
+            if scanners is not None:
+                scanners[-1] = state
+        state[0].grow(text)
+        return state
+
+    @staticmethod
+    def _next_open(reader: _Reader, pos: int, skips: dict[int, int]) -> int:
+        """The first marker from `pos` that is a call or may still open one (-1: none), past markers in prose;
+        `skips` keeps where a look from a place went on to (a marker with text after it that opens no function
+        is prose for good), so a reply of many markers in prose costs a stream's delta what it adds."""
+        text, start, pos = reader.text, pos, skips.get(pos, pos)
+        while (found := reader.next_call(pos)) >= 0:
+            bare = not text.startswith(START, found)
+            after = found if bare else _SPACES.match(text, found + len(START)).end()
+            if reader.call(found)[0] or _may_open(text, after) or after >= len(text):
+                break
+            pos = found + (len(FUNCTION) if bare else len(START))   # a marker in prose: later calls stream
+        skips[start] = found if found >= 0 else pos
+        return found
 
     def _json(self, name: str, text: str, arguments: list[tuple[str, int, int]], closed: bool,
               items: dict[tuple[int, int], str] | None = None) -> str:
@@ -341,8 +358,8 @@ def _argument_rules(schema: dict[str, Any], tag: str, rules: list[str]) -> str:
     items = []
     for j, (key, prop) in enumerate(properties.items()):
         items.append(f"p{tag}_{j}" + ("" if key in required else "?"))
-        if _is_text(prop, schema):
-            value = _text_rule(_resolved(prop, schema))
+        if is_text(prop, schema):
+            value = _text_rule(resolved(prop, schema))
         else:
             rules.append(f"v{tag}_{j}: %json {schema_text(_standalone(prop, schema))}")
             value = f"v{tag}_{j} {_CLOSE}"
@@ -390,102 +407,3 @@ def _standalone(prop: Any, root: dict[str, Any]) -> dict[str, Any]:
         standalone = {**rebased(standalone, _ROOT), "$defs": {**defs, "__arguments": rebased(root, _ROOT)}}
     guidance = standalone.get("x-guidance") if isinstance(standalone.get("x-guidance"), dict) else {}
     return {**standalone, "x-guidance": {**guidance, "lenient": True}}
-
-
-def _resolved(prop: Any, root: dict[str, Any], depth: int = 0) -> Any:
-    """`prop`, or what its local `$ref` ("#/$defs/X", "#/definitions/X") names in `root`."""
-    ref = prop.get("$ref") if isinstance(prop, dict) else None
-    if not isinstance(ref, str) or depth > 8:
-        return prop
-    parts = ref.removeprefix("#/").split("/") if ref.startswith("#/") else None
-    target: Any = root
-    for part in parts or ():
-        target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
-    return _resolved(target, root, depth + 1) if parts and isinstance(target, dict) else {}
-
-
-def _is_text(prop: Any, root: dict[str, Any], depth: int = 0) -> bool:
-    """Whether an argument's value is written as text: its schema allows a string (a `type` with "string", an
-    `anyOf` / `oneOf` branch that does, an `enum` or `const` of strings) or says nothing of its kind (`depth`:
-    the branches followed: a cycle of refs through them ends as text)."""
-    prop = _resolved(prop, root)
-    if not isinstance(prop, dict) or depth > MAX_BRANCH_DEPTH:
-        return True
-    kind = prop.get("type")
-    if kind is not None:
-        return kind == "string" or isinstance(kind, list) and "string" in kind
-    for key in ("anyOf", "oneOf"):
-        if isinstance(prop.get(key), list):
-            return any(_is_text(branch, root, depth + 1) for branch in prop[key])
-    for key in ("enum", "const"):
-        if key in prop:
-            values = prop[key] if key == "enum" and isinstance(prop[key], list) else [prop[key]]
-            return all(isinstance(v, str) for v in values)
-    return not {"properties", "items", "allOf"} & set(prop)
-
-
-def typed_value(raw: str, prop: Any, root: dict[str, Any] | None = None) -> Any:
-    """An argument's raw text as its schema reads it (the module's notes): the text where the property may be a
-    string (or is not declared), else its JSON or Python literal value, else the text."""
-    root = root or {}
-    word, kinds = raw.strip(), set() if prop is None else _kinds(prop, root)
-    if word in ("null", "None") and "null" in kinds:   # a nullable string too, as vLLM reads it
-        return None
-    if prop is None or _is_text(prop, root):
-        return raw
-    if kinds & {"integer", "number"} and _DIGITS.fullmatch(word):   # "08" (JSON and Python refuse the zero)
-        return int(word)
-    try:
-        value = json.loads(word, parse_constant=_no_constant, parse_float=_finite)
-    except (ValueError, RecursionError):
-        value = _literal(word)
-    if value is _NOT_READ or nested_over(value) or kinds and not any(_is_kind(value, kind) for kind in kinds):
-        return raw
-    return value
-
-
-_NOT_READ = object()
-_DIGITS = re.compile(r"[+-]?[0-9]{1,4000}")   # an integer of digits (Python's limit on an int's text: 4300)
-MAX_BRANCH_DEPTH = 16
-_PYTHON_KINDS = {"integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list,
-                 "null": type(None)}
-
-
-def _kinds(prop: Any, root: dict[str, Any], depth: int = 0) -> set[str]:
-    """The JSON types a property declares (its `type`, or its `anyOf` / `oneOf` branches'); empty: any."""
-    prop = _resolved(prop, root)
-    if not isinstance(prop, dict) or depth > MAX_BRANCH_DEPTH:
-        return set()
-    kind = prop.get("type")
-    if isinstance(kind, (str, list)):
-        return {kind} if isinstance(kind, str) else {k for k in kind if isinstance(k, str)}
-    branches = [_kinds(b, root, depth + 1) for key in ("anyOf", "oneOf") if isinstance(prop.get(key), list)
-                for b in prop[key]]
-    return set() if not branches or not all(branches) else set().union(*branches)
-
-
-def _is_kind(value: Any, kind: str) -> bool:
-    if isinstance(value, bool) and kind in ("integer", "number"):
-        return False
-    return isinstance(value, _PYTHON_KINDS.get(kind, ()))
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite(text: str) -> float:
-    """A JSON number's float; ValueError past a float's range (1e999: `Infinity` in the arguments, not JSON)."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} is out of a float's range")
-    return value
-
-
-def _literal(text: str) -> Any:
-    """A Python literal's value as JSON holds it (a template's `| string` of a history's value: `True`, `None`,
-    `{'a': 1}`), or _NOT_READ: not a literal, or holding what JSON does not (a set, a tuple key, NaN)."""
-    try:
-        return json.loads(json.dumps(ast.literal_eval(text), allow_nan=False))
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return _NOT_READ

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import jsonschema
 import openai
@@ -195,6 +196,28 @@ def test_a_stream_sends_the_text_before_a_call_then_the_call_as_it_is_written() 
     plain = ToolCallStream(fmt, forced=False)
     assert plain.content_delta("a < b") == "a < b" and plain.content_delta("a < b <tool") == ""
     assert plain.finish("a < b <tool") == (" <tool", [], 0)   # the held space, sent once text follows it
+
+
+def prose_markers_stream(fmt, reply: str, loop: str) -> None:
+    """A marker in prose (`reply`) holds back no text after it; a reply of thousands of them (`loop`, a model
+    repeating itself) costs a stream each delta what it adds, and its whole answer is read in one pass."""
+    stream, sent = ToolCallStream(fmt, forced=False), ""
+    for end in range(1, len(reply) + 1):
+        sent += stream.content_delta(reply[:end])
+        assert stream.call_deltas(reply[:end]) == []
+    assert sent == reply.rstrip() and stream.finish(reply) == (reply[len(sent):], [], 0)
+    loop *= 4000
+    stream, started = ToolCallStream(fmt, forced=False), time.perf_counter()
+    for end in range(20, len(loop) + 1, 20):
+        stream.content_delta(loop[:end])
+        stream.call_deltas(loop[:end])
+    assert stream.finish(loop)[1:] == ([], 0) and fmt.parse(loop * 4) == (loop * 4, [])
+    assert time.perf_counter() - started < 1.5   # each look walked every marker: ~10 s
+
+
+def test_a_marker_in_prose_holds_back_nothing_after_it_in_a_stream() -> None:
+    prose_markers_stream(HermesFormat(parse_tools(TOOLS)), "Put a call in a <tool_call> tag, then go on. ",
+                         "<tool_call> ok, ")
 
 
 def test_a_call_marker_inside_an_argument_does_not_stop_the_next_call_streaming() -> None:

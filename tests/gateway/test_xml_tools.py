@@ -15,8 +15,10 @@ from engine.structured import check
 from gateway.openai.tool_specs import parse_tools
 from gateway.openai.tool_formats import tool_format
 from gateway.openai.tools import HermesFormat, ToolCallStream
-from gateway.openai.xml_tools import XmlFormat, typed_value
+from gateway.openai.xml_tools import XmlFormat
+from gateway.openai.xml_values import typed_value
 from tests.gateway.conftest import accepts
+from tests.gateway.test_tools import prose_markers_stream
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
     "type": "object", "additionalProperties": False, "required": ["city", "days"], "properties": {
@@ -212,6 +214,10 @@ def test_a_function_without_its_tool_call_tag_is_a_call_streamed_or_whole(fmt, c
         '{"query": "q"}'
     prose = "Write <function=name> then its parameters."
     assert fmt.parse_reply(prose, cut=cut) == (prose, [])
+
+
+def test_a_marker_in_prose_holds_back_no_text_after_it_in_a_stream(fmt):
+    prose_markers_stream(fmt, "Put a call in a <tool_call> tag, then go on. ", "<tool_call> ok <function=x y ")
 
 
 def test_a_marker_in_prose_does_not_hold_back_the_calls_after_it_in_a_stream(fmt):
