@@ -14,7 +14,10 @@
   Gemma 3's, refuse two user turns in a row), so the model answers in the form `gateway.openai.tools.HermesFormat`
   parses. Under `tool_choice: "none"` the tools are still listed (a reply may speak of them), with no way
   to call them: the gateway reads no call from such a reply, so the model is told to answer in text (and a
-  grammar keeps it to text that starts no call: `gateway.completion.with_grammar`).
+  grammar keeps it to text that starts no call: `gateway.completion.with_grammar`). A template whose calls are
+  bare JSON (Llama 3.1's: "respond with a JSON for a function call") gets no tools under "none": its own
+  instructions would have the reply write a call, which no grammar can keep out (a JSON reply is text too) and
+  the gateway would pass on as content (vLLM's `--exclude-tools-when-tool-choice-none`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from engine.chat_template import content_text
+from gateway.openai.tool_formats import tool_format
 from gateway.openai.tool_specs import Tool
 from gateway.openai.tools import loads
 from pools.tokencount import TokenCounter
@@ -79,7 +83,8 @@ def template_inputs(tokenizer, messages: list[dict[str, Any]], tools: list[Tool]
     if tools is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
         return messages, None
     if template_knows_tools(source):
-        return native_messages(messages), [t.as_template_dict() for t in tools] if tools else None
+        listed = tools and (calls or not tool_format(source, tools).syntax.is_bare)   # module's notes
+        return native_messages(messages), [t.as_template_dict() for t in tools] if listed else None
     return fallback_messages(messages, tools, calls), None
 
 

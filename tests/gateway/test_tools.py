@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from engine.structured import StructuredOutput, check
-from gateway.openai.chat_prompt import fallback_messages
+from gateway.openai.chat_prompt import fallback_messages, template_inputs
 from gateway.openai.chat import parse_chat
 from gateway.openai.errors import ApiError
 from gateway.openai.tool_specs import parse_tools
@@ -396,6 +396,26 @@ def test_a_template_without_tools_gets_them_in_a_system_message() -> None:
     listed = fallback_messages(messages, parse_tools(TOOLS), calls=False)   # tool_choice "none"
     assert listed[1:] == out[1:] and "get_weather" in listed[0]["content"] and "<tool_call>" in out[0]["content"]
     assert "<tool_call>" not in listed[0]["content"] and "answer in text" in listed[0]["content"]
+
+
+def test_tool_choice_none_lists_no_tools_to_a_template_whose_calls_are_bare_json() -> None:
+    """Llama 3.1's template asks a reply to "respond with a JSON for a function call" when given tools: under
+    tool_choice "none" no grammar can keep such a call out (a JSON reply is text too), and the gateway would pass
+    it on as the answer's content; such a template gets no tools then. Marker formats keep them listed (a
+    grammar keeps their calls out) and the history's calls render either way."""
+    llama = ('{%- if tools %}Given the following functions, please respond with a JSON for a function call with '
+             'its proper arguments that best answers the given prompt. Respond in the format {"name": function '
+             'name, "parameters": dictionary of argument name and its value}.{{ tools | tojson }}{%- endif %}')
+    hermes = "{%- if tools %}<tools>{{ tools | tojson }}</tools> <tool_call>{%- endif %}"
+    messages = [{"role": "user", "content": "weather in Oslo?"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3 C"}]
+    tools = parse_tools(TOOLS)
+    for source, listed_under_none in ((llama, False), (hermes, True)):
+        tokenizer = type("Tokenizer", (), {"chat_template_source": lambda self, use_tools: source})()
+        assert template_inputs(tokenizer, messages, tools)[1] == [t.as_template_dict() for t in tools]
+        rendered, listed = template_inputs(tokenizer, messages, tools, calls=False)
+        assert (listed is not None) == listed_under_none and rendered[1]["tool_calls"], source
 
 
 # A template with tool support, written the way Qwen2.5's is (tools listed in the system turn, calls as
