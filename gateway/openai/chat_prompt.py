@@ -8,7 +8,8 @@
 - **Tools**: a template that knows tools renders them and the calls in the history itself (the calls'
   arguments as the JSON they hold: `native_messages`), where it writes calls in a format we parse
   (`template_knows_tools`); for one that knows none (SmolLM2's, Gemma 3's) or writes another (Mistral's),
-  `fallback_messages` lists the tools in a system message of ours, writes the history's calls in the hermes
+  `fallback_messages` lists the tools in a system message of ours (before the first user message's text where
+  the template refuses a system message: Gemma 2's, `takes_system`), writes the history's calls in the hermes
   form and the results as user turns (the results of one turn's calls together in one user turn, as Qwen's
   template groups them, a user message right after them joined to that turn: templates that alternate roles,
   Gemma 3's, refuse two user turns in a row), so the model answers in the form `gateway.openai.tools.HermesFormat`
@@ -85,7 +86,25 @@ def template_inputs(tokenizer, messages: list[dict[str, Any]], tools: list[Tool]
     if template_knows_tools(source):
         listed = tools and (calls or not tool_format(source, tools).syntax.is_bare)   # module's notes
         return native_messages(messages), [t.as_template_dict() for t in tools] if listed else None
-    return fallback_messages(messages, tools, calls), None
+    return fallback_messages(messages, tools, calls, takes_system(tokenizer, source, tools is not None)), None
+
+
+_TAKES_SYSTEM: dict[str, bool] = {}   # template source -> whether it renders a system message (a few pools' templates)
+
+
+def takes_system(tokenizer, source: str, use_tools: bool) -> bool:
+    """Whether the template (`source`, the one a chat with tools or without, `use_tools`, renders) takes a chat
+    that opens with a system message: Gemma 2's raises ("System role not supported"), and so do templates that
+    insist the turns alternate from a user's; tried once a template."""
+    if (known := _TAKES_SYSTEM.get(source)) is None:
+        try:
+            tokenizer.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+                                          tools=[] if use_tools else None)
+            known = True
+        except Exception:  # noqa: BLE001 - whatever the template raised (a ValueError here, HF's TemplateError)
+            known = False
+        _TAKES_SYSTEM[source] = known
+    return known
 
 
 _PRIVATE_USE = (0xF0000, 0x10FFFD)   # the supplementary private use planes: placeholders' characters
@@ -167,10 +186,11 @@ def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def fallback_messages(messages: list[dict[str, Any]], tools: list[Tool] | None,
-                      calls: bool = True) -> list[dict[str, Any]]:
+def fallback_messages(messages: list[dict[str, Any]], tools: list[Tool] | None, calls: bool = True,
+                      system_role: bool = True) -> list[dict[str, Any]]:
     """For a template that knows no tools (the module's notes): the tools in a system message of ours (merged
-    into a leading system message; how to call them unless `calls` is False, tool_choice "none"), assistant
+    into a leading system message; how to call them unless `calls` is False, tool_choice "none"; before the
+    first user message's text where the template refuses a system message, `system_role` False), assistant
     tool calls in the hermes form (arguments as `native_messages` has them, written as JSON), tool results as
     user turns, consecutive ones and a user message right after them in one. Other messages as sent (content
     parts kept)."""
@@ -198,8 +218,10 @@ def fallback_messages(messages: list[dict[str, Any]], tools: list[Tool] | None,
         system = (_SYSTEM_TOOLS if calls else _SYSTEM_TOOLS_NO_CALLS).format(tools=listing)
         if out and out[0]["role"] in ("system", "developer"):
             out[0] = {**out[0], "content": f"{content_text(out[0]['content'])}\n\n{system}"}
+        elif not system_role and (first := next((i for i, m in enumerate(out) if m["role"] == "user"), None)) is not None:
+            out[first] = {**out[first], "content": f"{system}\n\n{content_text(out[first]['content'])}"}
         else:
-            out.insert(0, {"role": "system", "content": system})
+            out.insert(0, {"role": "system" if system_role else "user", "content": system})
     return out
 
 

@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from engine.structured import StructuredOutput, check
-from gateway.openai.chat_prompt import fallback_messages, template_inputs
+from engine import chat_template
+from gateway.openai.chat_prompt import fallback_messages, render, template_inputs
 from gateway.openai.chat import parse_chat
 from gateway.openai.errors import ApiError
 from gateway.openai.tool_specs import parse_tools
@@ -416,6 +417,36 @@ def test_tool_choice_none_lists_no_tools_to_a_template_whose_calls_are_bare_json
         assert template_inputs(tokenizer, messages, tools)[1] == [t.as_template_dict() for t in tools]
         rendered, listed = template_inputs(tokenizer, messages, tools, calls=False)
         assert (listed is not None) == listed_under_none and rendered[1]["tool_calls"], source
+
+
+class _TemplateTokenizer:
+    """A tokenizer of one chat template, rendered as the engine's tokenizer renders it."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def chat_template_source(self, use_tools: bool = False) -> str:
+        return self.source
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, continue_final_message=False, **kwargs):
+        return chat_template.render(self.source, messages, add_generation_prompt, continue_final_message,
+                                    {"tools": None, **kwargs})
+
+
+def test_a_template_that_refuses_a_system_message_gets_the_tools_in_the_first_user_turn() -> None:
+    """Gemma 2's template raises on a system message: the listing of tools (a template that knows none gets
+    it in a system message of ours) goes before the first user message's text there, or every chat with tools
+    was a 400 its client could not avoid."""
+    gemma2 = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+              "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+              "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n"
+              "{% endif %}")
+    tools, chat = parse_tools(TOOLS), [{"role": "user", "content": "weather in Oslo?"}]
+    prompt = render(_TemplateTokenizer(gemma2), chat, tools)
+    assert prompt.startswith("<start_of_turn>user\n") and prompt.count("<start_of_turn>user") == 1
+    assert prompt.index("get_weather") < prompt.index("weather in Oslo?") and "<tool_call>" in prompt
+    plain = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    assert render(_TemplateTokenizer(plain), chat, tools).startswith("<|system|>")   # one that takes it: as before
 
 
 # A template with tool support, written the way Qwen2.5's is (tools listed in the system turn, calls as
