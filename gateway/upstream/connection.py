@@ -61,6 +61,8 @@ class _Connection(asyncio.Protocol):
         self.eof = False
         self.error: BaseException | None = None
         self.idle_since = 0.0
+        self.received_at = 0.0   # when the last bytes arrived: the upstream's idle clock runs from its last send
+        self.paused_once = False   # its reading was paused: when the upstream sent its last bytes is not known
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
 
@@ -69,8 +71,9 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
+        self.received_at = time.monotonic()
         if len(self.buffer) > PAUSE_BYTES and not self._paused:
-            self._paused = True
+            self._paused = self.paused_once = True
             self.transport.pause_reading()
         self._wake()
 
@@ -330,8 +333,10 @@ class UpstreamClient:
 
     def _release(self, key: tuple[str, str, int], conn: _Connection, reusable: bool, background: bool) -> None:
         self._release_slot(key, background)
-        if reusable and conn.usable and not self._closed:
-            conn.idle_since = time.monotonic()
+        # Idle since its last bytes came, not since the relay read them (a slow client's stream is read late: the
+        # upstream's keep-alive clock, uvicorn's 5 s, ran meanwhile); one whose reading paused, since who knows when.
+        if reusable and conn.usable and not conn.paused_once and not self._closed:
+            conn.idle_since = conn.received_at or time.monotonic()
             self._idle.setdefault(key, []).append(conn)
         elif conn.transport is not None:
             conn.transport.close()

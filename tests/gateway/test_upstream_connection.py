@@ -209,6 +209,34 @@ async def test_kept_connections_idle_past_the_keepalive_are_closed_not_left_behi
     server.close()
 
 
+async def test_a_connection_is_idle_from_its_answers_last_bytes_not_from_when_the_relay_read_them():
+    """The upstream's keep-alive clock (uvicorn's 5 s) starts when it sent its answer's last bytes: a relay that
+    read them late (a slow client's stream) must not hand the connection on as fresh, or the upstream's close
+    can meet the next request (a 502 for a request it never had). One whose reading paused (a big answer read
+    slowly: when its last bytes were sent is unknown) is not kept at all."""
+    from gateway.upstream import connection
+
+    async def answer(writer, request, n):
+        writer.write(_answer(b"x" * (3 * connection.PAUSE_BYTES if n == 3 else 2), "Content-Length: %d"
+                             % (3 * connection.PAUSE_BYTES if n == 3 else 2)))
+        await writer.drain()
+
+    server, url, _, connections = await _raw_server(answer)
+    client = UpstreamClient(keepalive_seconds=0.4)
+    async with await client.post(url, b"{}", {}) as r:
+        await asyncio.sleep(0.5)                # its body came at once: read 0.5 s later
+        assert await r.read() == b"xx"
+    async with await client.post(url, b"{}", {}) as r:
+        await r.read()
+    assert connections[0] == 2                  # the first was idle 0.5 s when it was released: not reused
+    async with await client.post(url, b"{}", {}) as r:   # on the second, kept: reused
+        await asyncio.sleep(0.1)                # the socket's reading paused
+        assert len(await r.read(4 * connection.PAUSE_BYTES)) == 3 * connection.PAUSE_BYTES
+    assert connections[0] == 2 and not client._idle.get(r._key)   # closed, not kept
+    await client.close()
+    server.close()
+
+
 async def test_a_kept_connection_that_closed_or_aged_during_a_slow_on_send_is_not_written_to():
     """A batch line's `on_send` (a store write, retried for seconds when SQLite is locked) may outlast the kept
     connection taken before it: one the upstream closed meanwhile (idle past its keep-alive, uvicorn's 5 s), or
