@@ -341,7 +341,7 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
         except (ConnectionError, RuntimeError) as exc:   # RuntimeError: aiohttp's "transport is closing"
             raise exc if isinstance(exc, ClientGone) else ClientGone(f"client went away: {exc}") from None
 
-    seen, failure = StreamSeen(responses, relayed.hide_usage, edit), None
+    seen, failure, ended = StreamSeen(responses, relayed.hide_usage, edit), None, False   # ended: its last event out
     try:
         async with contextlib.aclosing(_events(pool, upstream)) as events:
             async for event in events:
@@ -352,6 +352,7 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
                 out = out if edit is None else await edit.settle(event, out)   # a final Response kept first
                 if out is not None:
                     await write(out + b"\n\n")
+                ended = seen.ended   # not before its last event went out (a cut while it is kept: the error's)
                 if num_outputs == 0 and seen.num_outputs:   # its first event of output
                     relayed.series.ttft.observe(time.perf_counter() - relayed.received)
     except asyncio.CancelledError as exc:   # cut at the drain's end: its error event ends the stream
@@ -361,11 +362,11 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
     except ClientGone:   # what it cost the upstream so far counts all the same
         relayed.count(seen.usage, [])
         raise
-    if failure is None and not seen.ended:   # a clean end of the body (a connection's FIN, a last chunk) too early
+    if failure is None and not ended:   # a clean end of the body (a connection's FIN, a last chunk) too early
         last = "a response.completed, .incomplete or .failed event" if responses else "data: [DONE]"
         failure = _upstream_failed(pool, "dropped the stream", UpstreamDisconnected(
             f"it ended before its last event ({last})"), "upstream_disconnected")
-    failed = (failure is not None and not seen.ended) or seen.error_status is not None   # a drop after its end: none
+    failed = (failure is not None and not ended) or seen.error_status is not None   # a drop after its end: none
     if edit is not None:
         await edit.ended(failure)
     relayed.count(seen.usage, [] if failed else seen.finish_reasons)
@@ -375,7 +376,7 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
         relayed.series.e2e.observe(time.perf_counter() - relayed.received)
     if failure is not None:
         log.warning("%s: %s", request.path, failure.message)
-        if not seen.ended:   # after the upstream's own error event, only the end it did not send
+        if not ended:   # after the upstream's own error event, only the end it did not send
             await write(b"data: [DONE]\n\n" if seen.error_status else
                         _error_tail(failure, responses, seen.sequence_number + 1))
     await write(None)

@@ -540,6 +540,38 @@ async def test_a_streamed_response_an_upstream_pool_answered_is_kept_and_continu
                                                                         "Upstream busy."), failed.error
 
 
+async def test_a_kept_stream_cut_by_the_drain_while_its_response_is_kept_ends_with_the_error_event(
+        aiohttp_client, tmp_path, upstream, monkeypatch) -> None:
+    """The drain's end cutting a relayed stream while its final Response is being kept (before that event went
+    out): the client gets the `server_shutting_down` error event, where the stream ended with neither (the
+    SDK's `get_final_response` raises on that); the Response stays kept, completed."""
+    from gateway.app import GATEWAY
+    from gateway.upstream.stream_seen import ResponseEdit
+
+    keeping, real_init = asyncio.Event(), ResponseEdit.__init__
+
+    def slow_init(self, own, keep, fail):
+        async def slow_keep(response):
+            keeping.set()
+            await asyncio.sleep(0.5)
+            return await keep(response)
+        real_init(self, own, slow_keep, fail)
+
+    monkeypatch.setattr(ResponseEdit, "__init__", slow_init)
+    server, _ = upstream
+    client = await _front(aiohttp_client, tmp_path, server.port)
+    post = asyncio.ensure_future(client.post("/v1/responses", json={"model": FRONT, "input": "Hi.", "stream": True}))
+    await asyncio.wait_for(keeping.wait(), 10)
+    assert client.app[GATEWAY].cut_in_flight() == 1
+    text = await asyncio.wait_for((await asyncio.wait_for(post, 5)).text(), 5)
+    events = [json.loads(e.split("data: ", 1)[1]) for e in text.strip().split("\n\n")]
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "server_shutting_down", events[-1]
+    assert "response.completed" not in [e["type"] for e in events]
+    await asyncio.sleep(0.6)   # the keeping, shielded from the cut, goes on
+    kept = await client.get(f"/v1/responses/{events[0]['response']['id']}")   # its owner: no API key
+    assert kept.status == 200 and (await kept.json())["status"] == "completed"
+
+
 async def test_an_upstream_429_to_a_kept_foreground_response_is_relayed_with_its_retry_after(aiohttp_client,
                                                                                           aiohttp_server, tmp_path):
     """The kept path reads the upstream's answer itself: its 429 reaches the client with its status, error and
