@@ -86,21 +86,22 @@ def template_inputs(tokenizer, messages: list[dict[str, Any]], tools: list[Tool]
     if template_knows_tools(source):
         listed = tools and (calls or not tool_format(source, tools).syntax.is_bare)   # module's notes
         return native_messages(messages), [t.as_template_dict() for t in tools] if listed else None
-    return fallback_messages(messages, tools, calls, takes_system(tokenizer, source, tools is not None)), None
+    return fallback_messages(messages, tools, calls, takes_system(tokenizer)), None
 
 
 _TAKES_SYSTEM: dict[str, bool] = {}   # template source -> whether it renders a system message (a few pools' templates)
+_PROBE = "cliffguard-system-probe"
 
 
-def takes_system(tokenizer, source: str, use_tools: bool) -> bool:
-    """Whether the template (`source`, the one a chat with tools or without, `use_tools`, renders) takes a chat
-    that opens with a system message: Gemma 2's raises ("System role not supported"), and so do templates that
-    insist the turns alternate from a user's; tried once a template."""
+def takes_system(tokenizer) -> bool:
+    """Whether the template the fallback renders (the one without tools: it gets none) writes a chat's opening
+    system message: Gemma 2's raises ("System role not supported"), templates that insist the turns alternate
+    from a user's too, and some drop it (Phi-3's first one); tried once a template."""
+    source = tokenizer.chat_template_source(use_tools=False)
     if (known := _TAKES_SYSTEM.get(source)) is None:
         try:
-            tokenizer.apply_chat_template([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
-                                          tools=[] if use_tools else None)
-            known = True
+            known = _PROBE in tokenizer.apply_chat_template([{"role": "system", "content": _PROBE},
+                                                              {"role": "user", "content": "u"}])
         except Exception:  # noqa: BLE001 - whatever the template raised (a ValueError here, HF's TemplateError)
             known = False
         _TAKES_SYSTEM[source] = known

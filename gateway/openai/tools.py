@@ -91,9 +91,8 @@ class ToolFormat:
         self.tools = {t.name: t for t in tools}
 
     def markers_skipped(self, tokenizer) -> bool:
-        """Whether a reply decoded skipping special tokens loses one of `markers`: a tokenizer that made it a
-        special token (Hermes 2 Pro's `<tool_call>`). A reply that may call then keeps special tokens, as vLLM's
-        hermes parser has it, or no call would be read from it."""
+        """Whether a reply decoded skipping special tokens loses one of `markers` (Hermes 2 Pro's special
+        `<tool_call>`): one that may call then keeps them, as vLLM's hermes parser, or no call would be read."""
         return any(_skipped_by_decode(tokenizer, marker) for marker in self.markers)
 
     @property
@@ -211,10 +210,9 @@ class HermesFormat(ToolFormat):
         return beside_calls("".join(kept) + text[last:]), calls
 
     def _open_call(self, text: str) -> int | None:
-        # the marker of the last call object if it is open, or closed with its closing tag begun and not whole
-        # (`parse` reads an object with no tag after it at the end as a call), else a marker after it with no
-        # object yet; markers inside a call's strings are not calls (`call_scans` skips them), and a marker's
-        # first characters alone are text
+        # the marker of the last call object if open, or closed with its closing tag begun and not whole (`parse`
+        # reads an object with no tag after it at the end as a call), else a marker after it (not in prose, nor in
+        # a call's strings) with no object yet; a marker's first characters alone are text
         last = None
         for last in self.call_scans(text, 0):
             pass
@@ -222,27 +220,30 @@ class HermesFormat(ToolFormat):
             rest = text[last.end:].lstrip() if last.end is not None else None
             if rest is None or (rest and rest != self.end and self.end.startswith(rest)):
                 return text.rfind(self.start, 0, last.start)
-        found = text.find(self.start, 0 if last is None else last.end)
-        return found if found >= 0 and not text[found + len(self.start):].strip() else None
+        found = self._next_marker(text, 0 if last is None else last.end)   # past markers in prose
+        return found if found >= 0 and self._body(text, found) >= len(text) else None
 
     def call_scans(self, text: str, pos: int, scanners: dict[int, CallScanner] | None = None) -> Iterator[CallScan]:
         while (found := self._next_marker(text, pos, scanners)) >= 0:
-            body = _SPACES.match(text, found + len(self.start)).end()
-            if body >= len(text):
+            if (body := self._body(text, found, scanners)) >= len(text):
                 return                     # a call may be starting
             yield (scan := scan_call(text, body, self.args_keys, scanners))
             if (pos := scan.end) is None:   # the next call starts after this one
                 return
 
+    def _body(self, text: str, marker: int, scanners: dict | None = None) -> int:   # past the marker's blanks
+        blanks = scanners.setdefault(-2, {}) if scanners is not None else {}
+        blanks[marker] = _SPACES.match(text, blanks.get(marker, marker + len(self.start))).end()
+        return blanks[marker]
+
     def _next_marker(self, text: str, pos: int, scanners: dict | None = None) -> int:
         """The first marker from `pos` that may open a call (a `{` after it, or blanks alone so far), -1 if
         none, past markers in prose (for good); a stream's `scanners` keep at key -1 where each look from a
-        place went on to: a reply of many such markers costs a delta what it adds."""
+        place went on to (and at -2 each marker's blanks): a delta costs what it adds."""
         skips = scanners.setdefault(-1, {}) if scanners is not None else {}
         start, pos = pos, skips.get(pos, pos)
         while (found := text.find(self.start, pos)) >= 0:
-            body = _SPACES.match(text, found + len(self.start)).end()
-            if body >= len(text) or text[body] == "{":
+            if (body := self._body(text, found, scanners)) >= len(text) or text[body] == "{":
                 break
             pos = body
         skips[start] = found if found >= 0 else max(pos, len(text) - len(self.start) + 1)
@@ -316,8 +317,7 @@ class Llama3JsonFormat(ToolFormat):
 
 @functools.lru_cache(maxsize=256)
 def _skipped_by_decode(tokenizer, text: str) -> bool:
-    """`text` is one token of the tokenizer's that decode with skip_special_tokens drops (a pool's tokenizer lives
-    as long as the process: the cache holds it no longer than that)."""
+    """`text` is one token that decode with skip_special_tokens drops (the cache lives as long as pools' tokenizers)."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     return len(ids) == 1 and not tokenizer.decode(ids, skip_special_tokens=True)
 

@@ -95,6 +95,13 @@ class _Reader:
         self._ends: dict[int, tuple[int, int]] = {}   # value start -> its end, once found (for good: `_value_end`)
         # a stream's functions still open: tag position -> (name, the arguments closed, where reading goes on)
         self._open: dict[int, tuple[str, list[tuple[str, int, int]], int]] = {}
+        self._blanks: dict[int, int] = {}   # place -> past the blanks from there, as far as read (`past_blanks`)
+
+    def past_blanks(self, pos: int) -> int:
+        """Where the blanks from `pos` end, read on from where the last look stopped (a stream's run of newlines
+        costs a delta what it adds)."""
+        self._blanks[pos] = _SPACES.match(self.text, self._blanks.get(pos, pos)).end()
+        return self._blanks[pos]
 
     def grow(self, text: str) -> None:
         """A stream's reply so far, `text` (the last one and more)."""
@@ -130,7 +137,7 @@ class _Reader:
         functions: list[Function] = []
         end = pos + len(START)
         while True:
-            at = _SPACES.match(self.text, end).end()
+            at = self.past_blanks(end)
             function = self.function(at)
             if function is None:
                 if not functions:
@@ -152,7 +159,7 @@ class _Reader:
         visited: list[tuple[int, int]] = []   # (argument tag position, how many arguments came before it)
         end: int | None = None
         while True:
-            at = _SPACES.match(self.text, at).end()
+            at = self.past_blanks(at)
             if (known := self._rest.get(at)) is not None:
                 arguments += known[0]
                 end = known[1]
@@ -310,8 +317,8 @@ class XmlFormat(ToolFormat):
         text, start, pos = reader.text, pos, skips.get(pos, pos)
         while (found := reader.next_call(pos)) >= 0:
             bare = not text.startswith(START, found)
-            after = found if bare else _SPACES.match(text, found + len(START)).end()
-            if reader.call(found)[0] or _may_open(text, after) or after >= len(text):
+            after = found if bare else reader.past_blanks(found + len(START))
+            if after >= len(text) or reader.call(found)[0] or _may_open(text, after):
                 break
             pos = found + (len(FUNCTION) if bare else len(START))   # a marker in prose: later calls stream
         skips[start] = found if found >= 0 else pos

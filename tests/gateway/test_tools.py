@@ -201,7 +201,8 @@ def test_a_stream_sends_the_text_before_a_call_then_the_call_as_it_is_written() 
 
 def prose_markers_stream(fmt, reply: str, loop: str) -> None:
     """A marker in prose (`reply`) holds back no text after it; a reply of thousands of them (`loop`, a model
-    repeating itself) costs a stream each delta what it adds, and its whole answer is read in one pass."""
+    repeating itself), or of a marker and then thousands of newlines, costs a stream each delta what it adds,
+    and its whole answer is read in one pass."""
     stream, sent = ToolCallStream(fmt, forced=False), ""
     for end in range(1, len(reply) + 1):
         sent += stream.content_delta(reply[:end])
@@ -213,12 +214,18 @@ def prose_markers_stream(fmt, reply: str, loop: str) -> None:
         stream.content_delta(loop[:end])
         stream.call_deltas(loop[:end])
     assert stream.finish(loop)[1:] == ([], 0) and fmt.parse(loop * 4) == (loop * 4, [])
-    assert time.perf_counter() - started < 1.5   # each look walked every marker: ~10 s
+    run = "Hi <tool_call>" + "\n" * 40_000 + "ok."
+    stream = ToolCallStream(fmt, forced=False)
+    for end in range(4, len(run) + 1, 4):
+        stream.content_delta(run[:end])
+        stream.call_deltas(run[:end])
+    assert stream.finish(run)[1:] == ([], 0)
+    assert time.perf_counter() - started < 0.6   # each look walked every marker (~10 s), each blank (~1 s)
 
 
 def test_a_marker_in_prose_holds_back_nothing_after_it_in_a_stream() -> None:
     prose_markers_stream(HermesFormat(parse_tools(TOOLS)), "Put a call in a <tool_call> tag, then go on. ",
-                         "<tool_call> ok, ")
+                         "<tool_call> ok, ")   # each a marker in prose
 
 
 def test_a_call_marker_inside_an_argument_does_not_stop_the_next_call_streaming() -> None:
@@ -445,6 +452,10 @@ def test_a_template_that_refuses_a_system_message_gets_the_tools_in_the_first_us
     prompt = render(_TemplateTokenizer(gemma2), chat, tools)
     assert prompt.startswith("<start_of_turn>user\n") and prompt.count("<start_of_turn>user") == 1
     assert prompt.index("get_weather") < prompt.index("weather in Oslo?") and "<tool_call>" in prompt
+    dropping = "{% for m in messages %}{% if m['role'] != 'system' %}<|{{ m['role'] }}|>{{ m['content'] }}{% endif %}" \
+               "{% endfor %}"   # Phi-3's first template: a system message dropped, its tools never seen
+    assert render(_TemplateTokenizer(dropping), chat, tools).startswith("<|user|>") and "get_weather" in \
+        render(_TemplateTokenizer(dropping), chat, tools)
     plain = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
     assert render(_TemplateTokenizer(plain), chat, tools).startswith("<|system|>")   # one that takes it: as before
 

@@ -217,7 +217,7 @@ def test_a_function_without_its_tool_call_tag_is_a_call_streamed_or_whole(fmt, c
 
 
 def test_a_marker_in_prose_holds_back_no_text_after_it_in_a_stream(fmt):
-    prose_markers_stream(fmt, "Put a call in a <tool_call> tag, then go on. ", "<tool_call> ok <function=x y ")
+    prose_markers_stream(fmt, "Put a call in a <tool_call> tag, then go on. ", "<tool_call> ok. ")
 
 
 def test_a_marker_in_prose_does_not_hold_back_the_calls_after_it_in_a_stream(fmt):
