@@ -50,7 +50,7 @@ class Tokenizer:
     def __init__(self, backend: _Backend, folder: Path, config: dict[str, Any], model_eos_token_ids: Sequence[int],
                  chat_templates: dict[str, str]) -> None:
         self._backend = backend
-        self._folder = folder
+        self.folder = folder
         self._chat_templates = chat_templates
         self._special_tokens_map = _special_tokens_map(config)  # chat template variables: bos_token, eos_token, ...
         self._clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and (
@@ -238,15 +238,15 @@ class Tokenizer:
         """The template's text, checked to compile: "tool_use" when tools are given and it exists, else
         "default" (HF's choice)."""
         if not self._chat_templates:
-            raise ValueError(f"chat template: model folder {self._folder} has none; send a completion prompt instead")
+            raise ValueError(f"chat template: model folder {self.folder} has none; send a completion prompt instead")
         name = "tool_use" if use_tools and "tool_use" in self._chat_templates else "default"
         if name not in self._chat_templates:
-            raise ValueError(f"chat template: model folder {self._folder} has several ({sorted(self._chat_templates)})"
+            raise ValueError(f"chat template: model folder {self.folder} has several ({sorted(self._chat_templates)})"
                              " and no 'default' one")
         try:
             compile_chat_template(self._chat_templates[name])
         except jinja2.TemplateSyntaxError as exc:
-            raise ValueError(f"chat template: {self._folder}: line {exc.lineno}: {exc.message}") from exc
+            raise ValueError(f"chat template: {self.folder}: line {exc.lineno}: {exc.message}") from exc
         return self._chat_templates[name]
 
 

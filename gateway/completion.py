@@ -123,6 +123,7 @@ class Completion:
         upstream = [pool for pool, _ in self.routed if pool.is_upstream]
         if upstream:
             return await self._forward_cuttable(upstream[0])
+        self.req = with_model_defaults(self.req, self.routed[0][0])
         self.req, think = await constrained(self.gateway, self.req, *self.routed[0])
         admission = self.gateway.admission
         req = dataclasses.replace(self.req, priority=admission.clamp_priority(self.tenant, self.req.priority))
@@ -369,6 +370,12 @@ async def constrained(gateway: Gateway, req: ChatRequest | CompletionRequest, po
             format_for(pool.tokenizer, req.tools).markers_skipped(pool.tokenizer):
         req = dataclasses.replace(req, params=dataclasses.replace(req.params, skip_special_tokens=False))
     return req, think
+
+
+def with_model_defaults(req: ChatRequest | CompletionRequest, pool: Pool) -> ChatRequest | CompletionRequest:
+    """`req` sampling as its pool's model advises (`Pool.sampling_defaults`) where it left a field unset."""
+    defaults = {key: value for key, value in pool.sampling_defaults.items() if key in req.sampling_unset}
+    return dataclasses.replace(req, params=dataclasses.replace(req.params, **defaults)) if defaults else req
 
 
 def with_grammar(req: ChatRequest | CompletionRequest, pool: Pool,

@@ -9,9 +9,14 @@ tokenizer thread alike), the `clients` the supervisors point at their live worke
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
 from pools.config.spec import PoolSpec
 from pools.tokencount import TokenCounter
@@ -19,6 +24,32 @@ from pools.tokencount import TokenCounter
 if TYPE_CHECKING:
     from engine.client import AsyncEngineClient
     from pools.credits.queue import CreditQueue
+
+log = logging.getLogger("cliffguard.pools")
+
+# The sampling fields a model's generation_config.json sets defaults for, with transformers' own defaults: a value
+# that differs from its own is the model's advice (vLLM's `--generation-config auto` reads the same ones).
+_HF_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+
+
+def generation_defaults(folder: Path | str) -> dict[str, Any]:
+    """The sampling defaults a model folder's generation_config.json advises (`_HF_SAMPLING`'s fields that it
+    sets to other than transformers' defaults); a value `SamplingParams` refuses is left out, logged."""
+    try:
+        config = json.loads((Path(folder) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    defaults: dict[str, Any] = {}
+    for key, own in _HF_SAMPLING.items():
+        value = config.get(key) if isinstance(config, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value == own:
+            continue
+        try:
+            SamplingParams(**{key: value})
+            defaults[key] = value
+        except ValueError as exc:
+            log.warning("%s/generation_config.json: %s: not taken as a default", folder, exc)
+    return defaults
 
 
 @dataclass
@@ -77,6 +108,20 @@ class Pool:
         """The largest admitted prompt: the route's bound, capped at max_model_len - 1 (room for one
         generated token)."""
         return self.spec.route.upper(self.max_model_len)
+
+    @functools.cached_property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """What a request that leaves temperature, top_p, top_k, min_p or repetition_penalty unset samples with:
+        the model's advice (`generation_defaults`, as vLLM applies it by default); none on an upstream pool (its
+        server applies its own) or with `generation_config: none` (OpenAI's defaults)."""
+        folder = getattr(self.tokenizer, "folder", None)
+        if self.is_upstream or self.spec.generation_config == "none" or folder is None:
+            return {}
+        defaults = generation_defaults(folder)
+        if defaults:
+            log.info("pool %r: sampling defaults from the model's generation_config.json: %s (generation_config: "
+                     "none serves OpenAI's)", self.name, ", ".join(f"{k} {v}" for k, v in defaults.items()))
+        return defaults
 
     def cache_salt(self, tenant: str) -> str | None:
         """The prefix-cache partition of `tenant`'s requests: the tenant, unless the pool shares its cache

@@ -35,7 +35,7 @@ from engine.sampling import MAX_LOGPROBS, SamplingParams
 from gateway.openai.errors import bad_request, convert_body, named_error
 from gateway.openai.reasoning import ReasoningEffort
 from gateway.openai.sampling_fields import (RequestFields, check_choices, response_format, sampling_params,
-                                            stream_flags)
+                                            stream_flags, unset_fields)
 from gateway.openai.tool_specs import (AllowedToolsChoice, FunctionCall, FunctionName, FunctionSpec, NamedToolChoice,
                                        Tool, ToolCallSpec, ToolChoice, ToolError, ToolMode, ToolSpec, history_calls,
                                        parse_tool_choice, tools_from)
@@ -102,6 +102,7 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     legacy: bool = False   # the tools came as the deprecated `functions`: one call, answered as `function_call`
     metadata: dict[str, str] | None = None   # the Responses API's, echoed in its Response object
+    sampling_unset: frozenset[str] = frozenset()   # sampling fields left unset: the pool's model's defaults apply
     # the renderer's: variables for the chat template, and its flags add_generation_prompt / continue_final_message
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -162,7 +163,7 @@ def parse_chat(body: Any, limits: RequestLimits = RequestLimits()) -> ChatReques
                        top_logprobs=top_logprobs, max_tokens_param=max_tokens_param, tools=tools,
                        tool_choice=tool_choice, legacy=chat.functions is not None,
                        parallel_tool_calls=chat.parallel_tool_calls is not False and chat.functions is None,
-                       chat_template_kwargs=_template_kwargs(chat))
+                       chat_template_kwargs=_template_kwargs(chat), sampling_unset=unset_fields(chat))
 
 
 def _template_kwargs(chat: ChatBody) -> dict[str, Any] | None:

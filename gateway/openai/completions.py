@@ -16,7 +16,7 @@ import msgspec
 from engine.sampling import MAX_LOGPROBS, SamplingParams
 from gateway.openai.errors import bad_request, convert_body
 from gateway.openai.sampling_fields import (RequestFields, TokenId, check_choices, response_format,
-                                            sampling_params, stream_flags)
+                                            sampling_params, stream_flags, unset_fields)
 from pools.config.gateway_spec import RequestLimits
 
 TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1)]
@@ -44,6 +44,7 @@ class CompletionRequest:
     prompt_param: str = "prompt"
     continuous_usage: bool = False  # the usage so far in every stream chunk
     max_tokens_unset: bool = False  # params.max_tokens is the default: at most what the context leaves
+    sampling_unset: frozenset[str] = frozenset()   # sampling fields left unset: the pool's model's defaults apply
 
 
 def parse_completion(body: Any, limits: RequestLimits = RequestLimits()) -> CompletionRequest:
@@ -63,7 +64,8 @@ def parse_completion(body: Any, limits: RequestLimits = RequestLimits()) -> Comp
     check_choices(params.n, len(prompts), limits)
     return CompletionRequest(model=req.model, prompts=prompts, params=params, stream=stream,
                              include_usage=include_usage, continuous_usage=continuous_usage,
-                             priority=req.priority or 0, max_tokens_unset=req.max_tokens is None)
+                             priority=req.priority or 0, max_tokens_unset=req.max_tokens is None,
+                             sampling_unset=unset_fields(req))
 
 
 def _prompts(prompt: str | list[Any], limits: RequestLimits) -> list[str | list[int]]:

@@ -91,6 +91,15 @@ _SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "sto
              "frequency_penalty", "repetition_penalty", "logit_bias")
 
 
+# The fields whose default a model's generation_config.json may set (`pools.pool.Pool.sampling_defaults`)
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def unset_fields(body: RequestFields) -> frozenset[str]:
+    """`MODEL_DEFAULT_FIELDS` the request left unset (absent or null)."""
+    return frozenset(name for name in MODEL_DEFAULT_FIELDS if getattr(body, name) is None)
+
+
 def sampling_params(body: RequestFields, max_tokens: int | None, logprobs: int | None,
                     structured: StructuredOutput | None = None, max_tokens_param: str = "max_tokens") -> SamplingParams:
     """The engine's parameters of `body`; its refusal ("top_p: ...", "logit_bias[5]: ...") a 400 naming

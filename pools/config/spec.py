@@ -141,7 +141,7 @@ class PoolSpec(Spec):
     LOCAL_KEYS: ClassVar[tuple[str, ...]] = (
         "device", "kv_share", "kv_cache_bytes", "avg_len", "block_size", "max_num_batched_tokens", "max_num_seqs",
         "preemption_mode", "victim_policy", "swap_space", "enable_prefix_caching", "share_prefix_cache", "slo",
-        "max_queue_seconds", "min_share", "death_spiral", "chat_template_kwargs")
+        "max_queue_seconds", "min_share", "death_spiral", "chat_template_kwargs", "generation_config")
 
     name: Text
     model: Text                          # builtin:..., an HF folder, a .gguf file; upstream: its model name
@@ -171,6 +171,7 @@ class PoolSpec(Spec):
     min_share: Annotated[float, msgspec.Meta(ge=0, le=MAX_MIN_SHARE)] | None = None
     death_spiral: SpiralConfig = msgspec.field(default_factory=SpiralConfig)   # the detector's thresholds
     chat_template_kwargs: dict[str, Any] | None = None   # template variables; a request's own win, key by key
+    generation_config: Literal["auto", "none"] = "auto"   # auto: unset sampling fields take the model's advice
 
     def check(self) -> None:
         if not is_label(self.name):   # metric labels, URLs and the x-cliffguard-pool header
