@@ -152,8 +152,8 @@ class Sequence:
         self.text += delta
         if n_out == params.min_tokens and params.stop:   # the window's end: what a byte run holds counts too
             self.stop_from = len(self.text) + len(held(n_out))   # (a run of n_out tokens at most: all of it)
-        if reason is None or not by_token:   # a token that completes the grammar writes text a stop string may end
-            reason = self._stopped_by_string(len(delta)) or reason
+        if reason is None or not by_token or delta:   # text a stop string may end: a token that completes the
+            reason = self._stopped_by_string(len(delta)) or reason   # grammar's, a stop token's included (vLLM's)
         if reason is None and params.stop and self.stops_in(held):   # "\n" as the byte token <0x0A>, say
             reason = FinishReason.STOP
         if reason is None and (n_out >= self.max_tokens or self.num_prompt_tokens + n_out >= max_model_len):

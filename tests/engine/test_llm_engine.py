@@ -233,6 +233,12 @@ def test_a_stop_tokens_text_is_not_the_answers_and_the_first_min_tokens_stop_no_
         text, tokens, last = _stream(engine, chat_prompts[3], params)
         assert tokens == last.token_ids == upto and last.stop_reason == stop_tok
         assert text == last.text == decode(upto if include else upto[:-1])
+    said = decode([stop_tok])   # included, the stop token's text is read for stop strings too (vLLM's): one wins
+    assert said.strip() and said not in decode(upto[:-1])
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop_tok], stop=[said],
+                            include_stop_str_in_output=True)
+    text, tokens, last = _stream(engine, chat_prompts[3], params)
+    assert text == last.text == decode(upto) and last.stop_reason == said
     short = engine.generate([chat_prompts[2]], SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
     eos = short.token_ids[-1]
     assert short.finish_reason == "stop" and eos in engine.eos_token_ids
