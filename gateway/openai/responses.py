@@ -10,9 +10,8 @@ response_format), `max_output_tokens`, `temperature`, `top_p`, `stream`, `top_lo
 `store`, `background`, `chat_template_kwargs` (as chat's), `reasoning` (checked; whether a model thinks is
 its template's: `effort` is chat's `reasoning_effort`, the template variable, and "none" also sets
 `enable_thinking: false` unless the request's own `chat_template_kwargs` say otherwise; a summary is never
-written), and the items of the
-earlier turns a `previous_response_id` names (looked up by the caller, passed as `prior`). Routing, credits and the
-engine treat it as the chat it is.
+written), and the items of the earlier turns a `previous_response_id` names (looked up by the caller, passed as
+`prior`). Routing, credits and the engine treat it as the chat it is.
 
 A thinking model's reasoning (`gateway.openai.reasoning`) is a `reasoning` item before the message, its
 text one `reasoning_text` content part, its tokens `usage.output_tokens_details.reasoning_tokens`; a
@@ -38,6 +37,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from engine.sampling import SamplingParams
 from gateway.local_answer import LocalResponse
 from gateway.openai import objects
 from gateway.openai.chat import ChatRequest, parse_chat
@@ -218,16 +218,17 @@ _ALLOWED_FIELD = re.compile(r"^tool_choice\.allowed_tools\.tools\[(\d+)\]\.funct
 
 def response_object(asked: ResponsesRequest, response_id: str, created_at: int, status: str,
                     output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
-                    error: dict[str, Any] | None = None) -> dict[str, Any]:
-    """OpenAI's Response object of `asked` as it stands (`status`, the `output` items so far)."""
+                    error: dict[str, Any] | None = None, sampled: SamplingParams | None = None) -> dict[str, Any]:
+    """OpenAI's Response object of `asked` as it stands (`status`, the `output` items so far, `sampled` its run's)."""
     req = asked.chat
+    sampled = sampled or req.params   # a field left unset may take the model's advice (`Pool.sampling_defaults`)
     return {
         "id": response_id, "object": "response", "created_at": created_at, "status": status,
         "background": asked.background, "model": req.model, "output": output, "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": asked.instructions,
         "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls,
-        "temperature": req.params.temperature, "top_p": req.params.top_p,
+        "temperature": sampled.temperature, "top_p": sampled.top_p,
         "max_output_tokens": req.params.max_tokens, "previous_response_id": asked.previous_response_id,
         "store": asked.store, "tool_choice": response_tool_choice(req.tool_choice) if req.tools else asked.tool_choice,
         "tools": [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
@@ -283,7 +284,8 @@ class ResponsesAnswer(LocalResponse):
             usage = objects.response_usage(prompt_tokens, completion_tokens, self.cached_tokens(),
                                    self.reasoning_tokens() or 0)
         error = response_error(self.error) if status == "failed" and self.error is not None else None
-        return response_object(self.asked, self.response_id, self.created_at, status, output, usage, error)
+        return response_object(self.asked, self.response_id, self.created_at, status, output, usage, error,
+                               self.req.params)
 
     @staticmethod
     def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -467,8 +469,7 @@ class ResponsesAnswer(LocalResponse):
 
     # --- the end ---------------------------------------------------------------------------------
     async def finish(self) -> web.StreamResponse:
-        """The finished Response, kept (`keep`) before it is sent: as the JSON body, or as the stream's
-        last event."""
+        """The finished Response, kept (`keep`) before it is sent: as the JSON body, or the stream's last event."""
         if self.error is not None and not self._chunks and self._writer is None:
             raise self.error
         self._final = self._finished()

@@ -55,8 +55,9 @@ def test_a_request_takes_the_advice_for_the_fields_it_left_unset_only(tiny_model
 
 async def test_an_answer_is_sampled_as_the_model_advises(aiohttp_client, tiny_model, tmp_path):
     """The model advises top_k 1: a request sampling at temperature 1 that leaves top_k unset answers as greedy
-    does; with its own top_k (-1: none) the same seed samples another answer."""
-    model = _advised(tiny_model, tmp_path, top_k=1)
+    does; with its own top_k (-1: none) the same seed samples another answer. A Response says what it sampled
+    with (its top_p the model's)."""
+    model = _advised(tiny_model, tmp_path, top_k=1, top_p=0.9)
     client, _ = await start_gateway(aiohttp_client, tmp_path, chat_pool_yaml(model))
     chat = {"model": "advised", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 24}
 
@@ -68,3 +69,5 @@ async def test_an_answer_is_sampled_as_the_model_advises(aiohttp_client, tiny_mo
     greedy = await answer(temperature=0)
     assert await answer(temperature=1.0, seed=3) == greedy
     assert await answer(temperature=1.0, seed=3, top_k=-1) != greedy
+    r = await client.post("/v1/responses", json={"model": "advised", "input": "hi", "max_output_tokens": 4})
+    assert r.status == 200 and ((body := await r.json())["top_p"], body["temperature"]) == (0.9, 1.0), body
