@@ -123,7 +123,7 @@ class Completion:
         upstream = [pool for pool, _ in self.routed if pool.is_upstream]
         if upstream:
             return await self._forward_cuttable(upstream[0])
-        self.req = with_model_defaults(self.req, self.routed[0][0])
+        self.req = with_model_defaults(self.req, [pool for pool, _ in self.routed])
         self.req, think = await constrained(self.gateway, self.req, *self.routed[0])
         admission = self.gateway.admission
         req = dataclasses.replace(self.req, priority=admission.clamp_priority(self.tenant, self.req.priority))
@@ -372,9 +372,12 @@ async def constrained(gateway: Gateway, req: ChatRequest | CompletionRequest, po
     return req, think
 
 
-def with_model_defaults(req: ChatRequest | CompletionRequest, pool: Pool) -> ChatRequest | CompletionRequest:
-    """`req` sampling as its pool's model advises (`Pool.sampling_defaults`) where it left a field unset."""
-    defaults = {key: value for key, value in pool.sampling_defaults.items() if key in req.sampling_unset}
+def with_model_defaults(req: ChatRequest | CompletionRequest, pools: list[Pool]) -> ChatRequest | CompletionRequest:
+    """`req` sampling as its pools' model advises (`Pool.sampling_defaults`) where it left a field unset; prompts
+    routed to pools that advise otherwise (one samples the engine's params for all) take what they agree on."""
+    advice = [pool.sampling_defaults for pool in pools]
+    defaults = {key: value for key, value in advice[0].items()
+                if key in req.sampling_unset and all(other.get(key) == value for other in advice[1:])}
     return dataclasses.replace(req, params=dataclasses.replace(req.params, **defaults)) if defaults else req
 
 

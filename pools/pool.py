@@ -44,6 +44,7 @@ def generation_defaults(folder: Path | str) -> dict[str, Any]:
         value = config.get(key) if isinstance(config, dict) else None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value == own:
             continue
+        value = int(value) if key == "top_k" and float(value).is_integer() else value   # 20.0: a count all the same
         try:
             SamplingParams(**{key: value})
             defaults[key] = value

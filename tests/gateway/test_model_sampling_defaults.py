@@ -24,6 +24,8 @@ def test_the_defaults_are_what_differs_from_transformers_own(tmp_path, caplog):
     config.write_text(json.dumps({"bos_token_id": 1, "do_sample": True, "temperature": 0.6, "top_p": 0.95,
                                   "top_k": 20, "repetition_penalty": 1.0, "min_p": True}))
     assert generation_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    config.write_text(json.dumps({"top_k": 20.0}))
+    assert generation_defaults(tmp_path) == {"top_k": 20}
     config.write_text(json.dumps({"top_p": 1.5, "top_k": 50, "temperature": "hot", "min_p": 0.05}))
     with caplog.at_level(logging.WARNING):
         assert generation_defaults(tmp_path) == {"min_p": 0.05}   # top_k 50 is transformers' own
@@ -45,12 +47,14 @@ def test_a_request_takes_the_advice_for_the_fields_it_left_unset_only(tiny_model
     (tmp_path / "off.yaml").write_text(chat_pool_yaml(model, extra="    generation_config: none"))
     pool = Gateway.from_config(load_config(tmp_path / "on.yaml")).pools["chat"]
     chat = {"model": "advised", "messages": [{"role": "user", "content": "hi"}]}
-    params = with_model_defaults(parse_chat({**chat, "top_k": 5, "temperature": None}), pool).params
+    params = with_model_defaults(parse_chat({**chat, "top_k": 5, "temperature": None}), [pool]).params
     assert (params.temperature, params.top_k, params.repetition_penalty, params.top_p) == (0.6, 5, 1.1, 1.0)
-    params = with_model_defaults(parse_completion({"model": "advised", "prompt": "hi", "temperature": 0}), pool).params
+    completion = parse_completion({"model": "advised", "prompt": ["hi", "there"], "temperature": 0})
+    params = with_model_defaults(completion, [pool]).params
     assert (params.temperature, params.top_k) == (0, 20)
     off = Gateway.from_config(load_config(tmp_path / "off.yaml")).pools["chat"]
-    assert off.sampling_defaults == {} and with_model_defaults(parse_chat(chat), off).params.temperature == 1.0
+    assert off.sampling_defaults == {} and with_model_defaults(parse_chat(chat), [off]).params.temperature == 1.0
+    assert with_model_defaults(completion, [pool, off]).params.top_k == 0   # prompts on both: what they agree on
 
 
 async def test_an_answer_is_sampled_as_the_model_advises(aiohttp_client, tiny_model, tmp_path):
