@@ -378,6 +378,7 @@ class DevicePreset:
     bandwidth_efficiency: float = 0.8
     step_overhead_s: float = 0.003    # scheduling, sampling, launches: per step, whatever its size
     allreduce_latency_s: float = 10e-6
+    capability: tuple[int, int] = (9, 0)   # CUDA compute capability (an FP8 KV cache needs 8.9: engine.config)
 
 
 # Vendor datasheets: H100 SXM5 989 TFLOP/s bf16 dense, 3.35 TB/s, NVLink 900 GB/s (both directions),
@@ -389,7 +390,7 @@ class DevicePreset:
 PRESETS = {
     "h100": DevicePreset("h100", 989e12, 3.35e12, 55e9, 450e9, 81_559 * MiB),
     "h200": DevicePreset("h200", 989e12, 4.8e12, 55e9, 450e9, 143_771 * MiB),
-    "a100": DevicePreset("a100", 312e12, 2.04e12, 25e9, 300e9, 81_920 * MiB),
+    "a100": DevicePreset("a100", 312e12, 2.04e12, 25e9, 300e9, 81_920 * MiB, capability=(8, 0)),
 }
 
 
@@ -432,7 +433,8 @@ class RooflineStepTime:
         self.expert_bytes = expert_params(model) * dtype_bytes         # read as far as the tokens hit them
         self.weights_bytes = model.num_params() * dtype_bytes - self.expert_bytes   # read whole every step
         kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes   # an FP8 cache: 1
-        self.kv_bytes_per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv_bytes
+        heads = -(-model.num_kv_heads // tp) * tp   # the group's: a head each GPU where TP > KV heads (replicated)
+        self.kv_bytes_per_token = 2 * model.num_layers * heads * model.head_dim * kv_bytes
 
     def seconds(self, batch: Sequence[ScheduledSeq], features: StepFeatures, num_sampled: int) -> float:
         m, p = self.model, self.preset

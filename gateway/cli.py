@@ -24,8 +24,8 @@ from typing import TextIO
 
 from engine.capacity import DEFAULT_BLOCK_SIZE
 from gateway.simulate_cli import add_simulate, simulate
-from pools.cli_types import (DEFAULT_CONFIG, ArgumentParser, UsageError, memory_size, positive_float, positive_int,
-                             probability_mass, sampling_seed, temperature)
+from pools.cli_types import (DEFAULT_CONFIG, ArgumentParser, UsageError, check_preset, memory_size, positive_float,
+                             positive_int, probability_mass, sampling_seed, temperature)
 
 DEFAULT_MODEL = "builtin:smollm2-135m-instruct"
 DEFAULT_DATA_DIR = "./.cliffguard/"
@@ -283,6 +283,7 @@ def _capacity(args: argparse.Namespace) -> int:
         print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
         return 0
     workload = args.workload or "mixed"
+    check_preset(config, args.device)
     verdicts, unrouted = rate_verdicts(config, plan, model_configs, workload, args.rate, preset=args.device,
                                        step_model=args.step_model)
     upstream = upstream_rates(config, plan, workload, args.rate)

@@ -10,8 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from pools.cli_types import (DEFAULT_CONFIG, UsageError, check_simulate_options, memory_size, output_file,
-                             output_folder, positive_float, seed, slots, writing)
+from pools.cli_types import (DEFAULT_CONFIG, UsageError, burstiness, check_preset, check_simulate_options, memory_size,
+                             output_file, output_folder, positive_float, seed, slots, writing)
 
 
 def add_simulate(sub) -> None:
@@ -28,7 +28,7 @@ def add_simulate(sub) -> None:
     p.add_argument("--request-rate", type=positive_float, default=1.0, help="requests/s over the share classes "
                    "(default 1)")
     p.add_argument("--duration", type=positive_float, default=60.0, help="seconds of arrivals (default 60)")
-    p.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
+    p.add_argument("--burstiness", type=burstiness, default=1.0, help="gamma shape of the gaps (>= 0.01); 1 is Poisson")
     p.add_argument("--device", choices=sorted(PRESETS), default="h100", help="GPU preset (default h100)")
     p.add_argument("--vram", type=memory_size, default=None, help="memory per GPU for the plan (default: the preset's)")
     p.add_argument("--model-config", default=None, help="an HF config.json (or its folder) for every pool")
@@ -137,6 +137,7 @@ def _simulation_setup(config, args: argparse.Namespace):
     if overrides:
         config = dataclasses.replace(config, pools=tuple(p.replace(**overrides) for p in config.pools))
     preset = PRESETS[args.device]
+    check_preset(config, args.device)
     vram = args.vram or (None if args.step_model else preset.memory_bytes)
     try:
         model_configs = resolve_model_configs(config, args.model_config)

@@ -49,6 +49,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def burstiness(text: str) -> float:
+    """A gamma shape of arrival gaps: a finite number >= `pools.workload.MIN_BURSTINESS` (1: Poisson)."""
+    from pools.workload import MIN_BURSTINESS
+
+    value = _number(text, float)
+    if not (math.isfinite(value) and value >= MIN_BURSTINESS):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= {MIN_BURSTINESS:g} (1 is Poisson; below "
+                                         f"{MIN_BURSTINESS:g} its gaps are 0), got {text!r}")
+    return value
+
+
 def _int_in(text: str, low: int, high: int, expected: str | None = None) -> int:
     """`text` as an integer in low..high; else an ArgumentTypeError saying `expected` (default: the range)."""
     value = _number(text, int)
@@ -159,6 +170,21 @@ def writing(option: str, path: str | Path) -> Iterator[None]:
         yield
     except OSError as exc:
         raise UsageError(f"{option}: cannot write {path} ({exc.strerror or exc})") from None
+
+
+def check_preset(config, device: str | None) -> None:
+    """UsageError naming --device where its GPU preset cannot run a device of `config` as configured: an FP8 KV
+    cache needs compute capability 8.9 or newer (the engine refuses it on an A100, `engine.config`)."""
+    from engine.config import FP8_MIN_CAPABILITY
+    from engine.step_cost import PRESETS
+
+    capability = PRESETS[device].capability if device is not None else FP8_MIN_CAPABILITY
+    for name, dev in config.devices.items():
+        if dev.kv_cache_dtype == "fp8" and capability < FP8_MIN_CAPABILITY and any(
+                p.device == name for p in config.local_pools):
+            raise UsageError(f"--device {device}: devices.{name}.kv_cache_dtype is fp8, which needs a GPU of compute "
+                             f"capability {'.'.join(map(str, FP8_MIN_CAPABILITY))} or newer ({device}: "
+                             f"{'.'.join(map(str, capability))}); use another preset, or kv_cache_dtype: auto")
 
 
 def check_simulate_options(args: argparse.Namespace) -> None:

@@ -40,6 +40,7 @@ _DIST_NEEDS = {"fixed": ("value",), "uniform": ("min", "max"), "normal": ("mean"
 _LENGTH_KEYS = ("value", "min", "max", "mean", "std")
 MIN_P99_SAMPLES = 100        # a p99 over fewer samples is a lower bound on the tail, and is reported as one
 MAX_ARRIVALS = 10_000_000    # requests one run may generate (rate x duration): their times and requests fit memory
+MIN_BURSTINESS = 0.01        # a gamma shape below it draws gaps of 0 (under a float's resolution): no arrival process
 WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "bench" / "workloads"
 
 
@@ -210,6 +211,8 @@ def gamma_arrivals(rate: float, burstiness: float, rng: np.random.Generator, *, 
     if expected > MAX_ARRIVALS:
         raise ValueError(f"gamma_arrivals: {expected:.3g} arrivals (rate {rate:g}/s, duration {duration}, count "
                          f"{count}) is above the {MAX_ARRIVALS:,} one run may generate")
+    if not burstiness >= MIN_BURSTINESS:
+        raise ValueError(f"gamma_arrivals: burstiness {burstiness:g} is below {MIN_BURSTINESS:g} (its gaps are 0)")
     scale = 1.0 / (rate * burstiness)
     if count is not None:
         times = np.cumsum(rng.gamma(burstiness, scale, size=count))
@@ -219,6 +222,9 @@ def gamma_arrivals(rate: float, burstiness: float, rng: np.random.Generator, *, 
             part = last + np.cumsum(rng.gamma(burstiness, scale, size=chunk))
             parts.append(part)
             last = float(part[-1])
+            if len(parts) * chunk > 2 * MAX_ARRIVALS:   # a bursty draw far past its expected count: bounded all the same
+                raise ValueError(f"gamma_arrivals: burstiness {burstiness:g} drew over {2 * MAX_ARRIVALS:,} arrivals "
+                                 f"in {duration:g} s (rate {rate:g}/s); use a larger burstiness or a shorter run")
         times = np.concatenate(parts)
     return times if duration is None else times[times < duration]
 

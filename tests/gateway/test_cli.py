@@ -19,6 +19,7 @@ from tests.gateway.conftest import chat_pool_yaml
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "config" / "examples" / "llama3-70b-8xh100.yaml"
 LLAMA70B_JSON = REPO / "config" / "examples" / "llama-3-70b" / "config.json"
+FP8_EXAMPLE = REPO / "config" / "examples" / "qwen3-32b-2xh100-fp8.yaml"
 
 
 def _error_line(capsys) -> str:
@@ -133,6 +134,8 @@ def test_capacity_of_a_cuda_device_whose_memory_is_given_needs_no_cuda_here(caps
     (["--config", str(EXAMPLE), "--vram", "80GiB", "--rate", "inf"], "argument --rate: must be a finite number > 0"),
     (["--config", str(EXAMPLE), "--vram", "80GiB", "--rate", "nan"], "argument --rate: must be a finite number > 0"),
     (["--config", str(EXAMPLE), "--vram", "80GiB", "--rate", "1", "--step-model", "."], "--step-model: cannot read ."),
+    (["--config", str(FP8_EXAMPLE), "--vram", "80GiB", "--rate", "1", "--device", "a100"], "--device a100: devices."
+     "h100x2.kv_cache_dtype is fp8, which needs a GPU of compute capability 8.9 or newer"),
 ])
 def test_capacity_command_errors(argv, message, capsys):
     assert main(["capacity", *argv]) == 2
@@ -142,7 +145,10 @@ def test_capacity_command_errors(argv, message, capsys):
 @pytest.mark.parametrize("argv,message", [
     (["simulate", "--duration", "inf"], "argument --duration: must be a finite number > 0, got 'inf'"),
     (["simulate", "--request-rate", "inf"], "argument --request-rate: must be a finite number > 0"),
-    (["simulate", "--burstiness", "inf"], "argument --burstiness: must be a finite number > 0"),
+    (["simulate", "--burstiness", "inf"], "argument --burstiness: must be a finite number >= 0.01"),
+    (["simulate", "--burstiness", "1e-9"], "argument --burstiness: must be a finite number >= 0.01 (1 is Poisson"),
+    (["simulate", "--config", str(FP8_EXAMPLE), "--device", "a100"], "--device a100: devices.h100x2.kv_cache_dtype "
+     "is fp8, which needs a GPU of compute capability 8.9 or newer (a100: 8.0)"),
     (["simulate", "--seed", "-1"], "argument --seed: must be an integer in 0.."),
     (["simulate", "--sweep-rate", ""], "--sweep-rate: not a number: ''"),
     (["simulate", "--slo-itl-p99", "0.1"], "--slo-itl-p99: only with --recommend"),

@@ -102,6 +102,16 @@ def test_the_roofline_computes_a_mixture_of_experts_with_its_routed_experts_and_
     assert step.kv_bytes_per_token == plan.devices[name].kv_bytes_per_token   # a byte an element
 
 
+def test_the_roofline_reads_each_gpus_kv_heads_where_tp_exceeds_them():
+    """Qwen3-30B-A3B has 4 KV heads: on 8 GPUs each holds one (replicated, as the capacity plan counts them),
+    so a decode reads a head's K/V on each, not half of one."""
+    model = read_model_config(str(ROOT / "config" / "examples" / "qwen3-30b-a3b"))
+    assert model.num_kv_heads == 4
+    per_head = 2 * model.num_layers * model.head_dim * 2
+    assert RooflineStepTime(PRESETS["h100"], model, 2, tp=8).kv_bytes_per_token / 8 == per_head
+    assert RooflineStepTime(PRESETS["h100"], model, 2, tp=2).kv_bytes_per_token / 2 == 2 * per_head
+
+
 def _sim(pools: list[PoolConfig], step_time: LinearStepTime, *, credits: bool = True) -> DeviceSim:
     return DeviceSim(pools, block_size=16, max_model_lens={p.name: 1024 for p in pools}, step_time=step_time,
                      kv_bytes_per_token=TINY.kv_bytes_per_token(torch.bfloat16), credits=credits)

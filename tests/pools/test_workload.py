@@ -110,6 +110,17 @@ def test_check_positive():
             check_positive("rate", value)
 
 
+def test_a_burstiness_whose_gaps_are_zero_is_refused_and_a_bursty_draw_stays_bounded():
+    """A gamma shape of 1e-9 draws gaps of 0: the generator looped for ever on a 2 s run."""
+    import numpy as np
+
+    from pools.workload import gamma_arrivals
+
+    with pytest.raises(ValueError, match=r"burstiness 1e-09 is below 0.01"):
+        gamma_arrivals(2.0, 1e-9, np.random.default_rng(0), duration=2.0)
+    assert len(gamma_arrivals(2.0, 0.01, np.random.default_rng(0), duration=60.0)) < 10_000
+
+
 def test_arrivals_above_the_cap_are_refused_before_any_is_drawn():
     """1e12 requests/s for a minute once asked numpy for 7e13 floats (a MemoryError); 1e6 for ever."""
     import numpy as np
