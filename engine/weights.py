@@ -171,10 +171,18 @@ def stores_own_head(folder: Path, tie_word_embeddings: bool, text_prefix: str = 
     not the embedding table: the engine serves that head (`LlamaForCausalLM._untie`, as transformers 5
     does), so the capacity plan counts it. Read from the headers, and the two tensors only when both are
     stored (a fine-tune that kept the flag; most tied checkpoints store no head). A folder of no weights (the
-    published config.json alone, to plan from) stores none."""
+    published config.json alone, to plan from) stores none; one of its JSON files alone (the index too) stores
+    the head its index lists, counted where its shards are not there to compare."""
     folder = Path(folder)
     if not tie_word_embeddings or not (folder / _INDEX_FILE).is_file() and not any(folder.glob("*.safetensors")):
         return False
+    if not (folder / _SINGLE_FILE).is_file() and (folder / _INDEX_FILE).is_file():
+        shards = {model_tensor_name(name, text_prefix): folder / shard
+                  for name, shard in _weight_map(folder / _INDEX_FILE).items()}
+        if "lm_head.weight" not in shards:
+            return False
+        if not all(shards.get(name, folder).is_file() for name in ("lm_head.weight", "embed_tokens.weight")):
+            return True
     where: dict[str, tuple[Path, str]] = {}
     for path, names in _tensor_names_by_file(folder).items():
         for hf_name in names or (k for k in _read_header(path) if k != "__metadata__"):
@@ -410,25 +418,31 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 # --- safetensors -----------------------------------------------------------------------------------
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """A safetensors index's tensor name -> shard file name."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index}: weight_map must map tensor names to file names")
+    return weight_map
+
+
 def _tensor_names_by_file(folder: Path) -> dict[Path, list[str]]:
-    """The safetensors files to read, each with the tensor names to take from it ([]: all of them)."""
+    """The safetensors files to read, each with the tensor names to take from it ([]: all of them): the single
+    file first, as transformers looks (an index beside it is a sharded save's that a later one left behind)."""
     index = folder / _INDEX_FILE
+    if (folder / _SINGLE_FILE).is_file():
+        return {folder / _SINGLE_FILE: []}
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc})") from None
-        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-            raise ValueError(f"{index}: weight_map must map tensor names to file names")
         by_file: dict[Path, list[str]] = {}
-        for name, shard in weight_map.items():
+        for name, shard in _weight_map(index).items():
             by_file.setdefault(folder / shard, []).append(name)
         for path in by_file:
             if not path.is_file():
                 raise FileNotFoundError(f"{path.name}: shard named in {index} is missing")
         return dict(sorted(by_file.items()))
-    if (folder / _SINGLE_FILE).is_file():
-        return {folder / _SINGLE_FILE: []}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(

@@ -308,6 +308,18 @@ def test_sharded_folder_yields_the_state_dict(tmp_path: Path) -> None:
     assert weights_bytes(tmp_path) == sum(t.nbytes for t in state.values())
 
 
+def test_a_single_file_is_read_before_an_index_a_sharded_save_left_beside_it(tmp_path: Path) -> None:
+    """transformers' `save_pretrained` of an unsharded model over a sharded one removes the shards and keeps
+    their index; transformers loads model.safetensors first, and so does the engine (it refused the folder,
+    naming a missing shard)."""
+    _save_tiny_llama(tmp_path)
+    for shard in tmp_path.glob("model-*.safetensors"):
+        shard.unlink()
+    save_file({"a": torch.ones(2, 3)}, tmp_path / "model.safetensors")
+    assert {name: t.shape for name, t in iter_weights(tmp_path)} == {"a": (2, 3)}
+    assert weights_bytes(tmp_path) == 4 * 6
+
+
 def test_loose_safetensors_files_are_read(tmp_path: Path) -> None:
     save_file({"a": torch.ones(2, 3)}, tmp_path / "part-b.safetensors")
     save_file({"b": torch.zeros(4)}, tmp_path / "part-a.safetensors")

@@ -463,6 +463,19 @@ def test_a_tied_model_plans_from_its_config_json_alone(tmp_path):
         assert model.tie_word_embeddings is tied
         (planned[tied],) = plan_capacity(config, {str(folder): model}, vram_bytes=80 * GiB).devices.values()
     assert planned[False].weights_bytes - planned[True].weights_bytes == hf["vocab_size"] * hf["hidden_size"] * 2
+    # its JSON files alone, the index too (a download of *.json): it refused, naming a shard not downloaded; a head
+    # the index lists is counted (its shards are not there to tell it from the embedding), one it does not is not
+    folder = tmp_path / "tied-True"
+    for pool in data["pools"]:
+        pool["model"] = str(folder)
+    for head in (False, True):
+        names = ["model.embed_tokens.weight", "model.norm.weight", *(["lm_head.weight"] if head else [])]
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {name: f"model-0000{k + 1}-of-00003.safetensors" for k, name in enumerate(names)}}))
+        config = parse_config(data, env={}, base_dir=tmp_path)
+        (model,) = resolve_model_configs(config).values()
+        (plan,) = plan_capacity(config, {str(folder): model}, vram_bytes=80 * GiB).devices.values()
+        assert plan.weights_bytes == planned[not head].weights_bytes, head   # a head of its own: as untied
 
 
 def test_the_collective_timeout_reaches_the_engine_and_must_be_positive(builtin_path):
