@@ -267,7 +267,8 @@ class LlamaForCausalLM(nn.Module):
         elif stored_head is not None and not filled.get("embed_tokens.weight"):   # the head alone stands for both
             self._tie_from_head(stored_head)                                       # (safetensors' `save_model`)
             filled["embed_tokens.weight"] = self.embed_tokens.weight.numel()
-        missing = [name for name, param in params.items() if filled.get(name, 0) != param.numel()]
+        missing = [_missing(name, [hf for (target, _), hf in parts.items() if target == name])
+                   for name, param in params.items() if filled.get(name, 0) != param.numel()]
         if missing:
             raise WeightLoadError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
                                   + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
@@ -381,3 +382,12 @@ class LlamaForCausalLM(nn.Module):
                     param.fill_(self.norm_init)
                 else:
                     param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+def _missing(name: str, filled_by: list[str]) -> str:
+    """A parameter the checkpoint left unfilled, with the tensors that filled its other parts (a fused one's: the
+    q and v of a qkv whose k is missing), so the tensor that is not there can be told."""
+    if not filled_by:
+        return name
+    shown = ", ".join(filled_by[:3]) + (f" and {len(filled_by) - 3} more" if len(filled_by) > 3 else "")
+    return f"{name} (filled in part, by {shown})"

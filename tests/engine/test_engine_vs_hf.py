@@ -234,8 +234,9 @@ def test_a_checkpoint_that_stores_a_tensor_twice_or_lacks_one_is_refused_by_name
         load(quantized)   # a float8 checkpoint without its quantization_config: no silent cast
     mlp = "model.layers.0.mlp.experts.1" if arch == "qwen3_moe" else "model.layers.0.mlp"
     lacking = {n: t for n, t in state.items() if n != f"{mlp}.up_proj.weight"}
-    with pytest.raises(WeightLoadError, match="missing weights: layers.0.mlp"):
-        load(lacking)
+    with pytest.raises(WeightLoadError, match="missing weights: layers.0.mlp") as refused:
+        load(lacking)   # the fused parameter named with the tensors that filled its other parts: not up_proj
+    assert f"{mlp}.gate_proj.weight" in str(refused.value) and ".up_proj" not in str(refused.value), refused.value
     twice = list(lacking.items()) + [(f"{mlp}.gate_proj.weight", state[f"{mlp}.gate_proj.weight"])]
     with pytest.raises(WeightLoadError, match=f"{mlp}.gate_proj.weight: fills the part .* stored twice"):
         build_model(config, torch.float32, "cpu").load_weights(twice)
