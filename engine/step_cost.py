@@ -33,7 +33,8 @@ with it (`StepTime`), and the benchmarks fit it to measured steps and compare it
   the device: per GPU of a tensor-parallel group, a fixed per-step overhead plus the larger of compute
   (2 FLOPs per weight per token, attention 4 FLOPs per query-key pair per head dimension, the LM head
   for sampled tokens, at a fraction of peak) and memory traffic (all weights once per step, the K/V
-  every token attends to, the K/V written, at a fraction of peak bandwidth), plus two ring all-reduces
+  every token attends to, a sliding-window layer's window only, the K/V written, at a fraction of peak
+  bandwidth; each GPU's KV heads, one replicated where TP exceeds them), plus two ring all-reduces
   per layer over the interconnect when TP > 1. A mixture of experts computes each token with its
   `num_experts_per_tok` experts only, and a step reads the experts its tokens hit (under uniform
   routing, a fraction 1 - (1 - k/E)^tokens of them); K/V bytes are the cache's (an FP8 cache's one). The efficiencies and the overhead are assumptions
@@ -46,7 +47,7 @@ import json
 import os
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -73,6 +74,8 @@ class StepFeatures:
     num_decode_tokens: int = 0
     num_attended: int = 0          # query-key pairs of the step's attention
     num_keys_read: int = 0         # context positions the step's sequences read (cached + new, each)
+    # each sequence's (cached, new) tokens: what a sliding-window layer reads of them (`RooflineStepTime`)
+    spans: list[tuple[int, int]] = field(default_factory=list, repr=False, compare=False)
 
     def add(self, num_cached: int, num_new: int, is_decode: bool) -> None:
         if is_decode:
@@ -81,6 +84,7 @@ class StepFeatures:
             self.num_prefill_tokens += num_new
         self.num_attended += num_new * num_cached + num_new * (num_new + 1) // 2
         self.num_keys_read += num_cached + num_new
+        self.spans.append((num_cached, num_new))
 
     def add_scheduled(self, items: Sequence[ScheduledSeq]) -> None:
         for item in items:
@@ -91,7 +95,8 @@ class StepFeatures:
     def plus(self, other: StepFeatures) -> StepFeatures:
         return StepFeatures(self.num_prefill_tokens + other.num_prefill_tokens,
                             self.num_decode_tokens + other.num_decode_tokens,
-                            self.num_attended + other.num_attended, self.num_keys_read + other.num_keys_read)
+                            self.num_attended + other.num_attended, self.num_keys_read + other.num_keys_read,
+                            self.spans + other.spans)
 
     def vector(self) -> np.ndarray:
         """The linear model's regressors, in the order of `LinearStepTime`'s coefficients."""
@@ -435,14 +440,23 @@ class RooflineStepTime:
         kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes   # an FP8 cache: 1
         heads = -(-model.num_kv_heads // tp) * tp   # the group's: a head each GPU where TP > KV heads (replicated)
         self.kv_bytes_per_token = 2 * model.num_layers * heads * model.head_dim * kv_bytes
+        windows = [w for layer in range(model.num_layers) if (w := model.layer_window(layer))]
+        self.window, self.num_windowed = (windows[0] if windows else None), len(windows)   # Gemma 3's, Mistral's
 
     def seconds(self, batch: Sequence[ScheduledSeq], features: StepFeatures, num_sampled: int) -> float:
         m, p = self.model, self.preset
         tokens = features.num_prefill_tokens + features.num_decode_tokens
-        flops = step_flops(m, tokens, features.num_attended, num_sampled)
         # the K/V each sequence reads before its new tokens: its keys read less those new tokens (the
-        # features carry it, so a step described without its batch, as pools.demand asks, costs the same)
-        kv_read = (features.num_keys_read - tokens) * self.kv_bytes_per_token
+        # features carry it, so a step described without its batch, as pools.demand asks, costs the same);
+        # a sliding-window layer attends and reads its window only (the kernel starts there)
+        attended, keys = features.num_attended, features.num_keys_read - tokens
+        if self.num_windowed and features.spans:
+            w, full = self.window, m.num_layers - self.num_windowed
+            in_window = sum(_attended_in_window(c, q, w) for c, q in features.spans)
+            attended = (full * attended + self.num_windowed * in_window) / m.num_layers
+            keys = (full * keys + self.num_windowed * sum(min(c, w) for c, _ in features.spans)) / m.num_layers
+        flops = step_flops(m, tokens, attended, num_sampled)
+        kv_read = keys * self.kv_bytes_per_token
         weights = self.weights_bytes + self.expert_bytes * experts_read(m, tokens)
         traffic = weights + kv_read + tokens * self.kv_bytes_per_token
         compute_s = flops / self.tp / (p.peak_flops * p.flops_efficiency)
@@ -453,3 +467,9 @@ class RooflineStepTime:
             per = 2 * (self.tp - 1) / self.tp * size / p.interconnect_bandwidth + p.allreduce_latency_s
             allreduce_s = 2 * m.num_layers * per
         return p.step_overhead_s + max(compute_s, memory_s) + allreduce_s
+
+
+def _attended_in_window(num_cached: int, num_new: int, window: int) -> int:
+    """Query-key pairs of `num_new` tokens after `num_cached` on a layer that attends the last `window` keys."""
+    whole = max(0, min(num_new, window - num_cached))   # tokens whose whole context is within the window
+    return whole * num_cached + whole * (whole + 1) // 2 + (num_new - whole) * window

@@ -112,6 +112,28 @@ def test_the_roofline_reads_each_gpus_kv_heads_where_tp_exceeds_them():
     assert RooflineStepTime(PRESETS["h100"], model, 2, tp=2).kv_bytes_per_token / 2 == 2 * per_head
 
 
+def test_the_roofline_reads_a_sliding_window_layers_window_only():
+    """A sliding-window layer (Mistral's every layer, Gemma 3's five of six) attends and reads its last window of
+    keys, as the kernel starts there: a decode at 32k context read each such layer's whole context (a Gemma 3
+    27B decode step at 32k came out 3.6x too slow). Windowed prefill pairs: a token attends at most the window."""
+    from engine.step_cost import _attended_in_window
+
+    assert _attended_in_window(0, 5, 3) == 1 + 2 + 3 + 3 + 3 and _attended_in_window(10, 1, 4) == 4
+    assert _attended_in_window(2, 3, 100) == 3 * 2 + 6   # the window past the context: all of it
+    model = dataclasses.replace(TINY, max_position_embeddings=65536, num_layers=6)
+    overhead = PRESETS["h200"].step_overhead_s
+
+    def decode_s(config) -> float:
+        return _step(RooflineStepTime(PRESETS["h200"], config, 2), decodes=64, context=32768) - overhead
+
+    full = decode_s(model)
+    every = decode_s(dataclasses.replace(model, sliding_window=1024))
+    five_of_six = decode_s(dataclasses.replace(model, sliding_window=1024, layer_types=(
+        "sliding_attention",) * 5 + ("full_attention",)))
+    assert every == pytest.approx(full * 1024 / 32768, rel=0.05)   # its K/V is nearly all the step reads
+    assert five_of_six == pytest.approx(full * (1 + 5 * 1024 / 32768) / 6, rel=0.05)
+
+
 def _sim(pools: list[PoolConfig], step_time: LinearStepTime, *, credits: bool = True) -> DeviceSim:
     return DeviceSim(pools, block_size=16, max_model_lens={p.name: 1024 for p in pools}, step_time=step_time,
                      kv_bytes_per_token=TINY.kv_bytes_per_token(torch.bfloat16), credits=credits)
