@@ -200,5 +200,6 @@ def format_verdicts(verdicts: Mapping[str, dict[str, Any]], *, unrouted: float =
                   f"{p['credits']:,} credits, chunk {p['max_num_batched_tokens']})" if p["rate"] > 0
                   else f"  {pool}: offered nothing" for pool, p in v["pools"].items()]
     if unrouted > 0:
-        lines.append(f"warning: {unrouted:.2f} requests/s of the workload have a prompt no pool takes (left out)")
+        lines.append(f"warning: {unrouted:.2f} requests/s of the workload have a prompt no pool takes, or a prompt "
+                     "and output past its max_model_len (left out: refused)")
     return lines

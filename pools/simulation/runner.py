@@ -112,8 +112,8 @@ def workload_mix(config: CliffguardConfig, plan: CapacityPlan, classes: tuple[Wo
         for _ in range(num_draws):
             prompt_len, output_len = _draw_lengths(cls, rng)
             pool = route(pools, plan, prompt_len)
-            if pool is None:
-                unrouted += share
+            if pool is None or (pool in plan.pools and prompt_len + output_len > plan.pools[pool].max_model_len):
+                unrouted += share   # no pool takes its prompt, or its context holds it with its output: refused
                 continue
             for i, value in enumerate((share, share * prompt_len, share * output_len)):
                 sums.setdefault(pool, [0.0, 0.0, 0.0])[i] += value

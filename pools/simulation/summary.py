@@ -82,8 +82,8 @@ def overload_verdicts(result: SimulationResult, plan: CapacityPlan, step_times: 
     of its pools received in the run: their count over the `duration` of the arrivals, and their mean
     prompt and output lengths."""
     mix = {}
-    for name in plan.pools:
-        mine = [r for r in result.requests if r.pool == name]
+    for name, pool in plan.pools.items():   # a request past the pool's context was refused: no load of it
+        mine = [r for r in result.requests if r.pool == name and r.prompt_len + r.output_len <= pool.max_model_len]
         if mine:
             mix[name] = (len(mine) / duration, float(np.mean([r.prompt_len for r in mine])),
                          float(np.mean([r.output_len for r in mine])))

@@ -232,7 +232,17 @@ def test_capacity_rate_of_a_cpu_device_needs_a_measured_step_model(tmp_path, cap
     out = capsys.readouterr().out
     assert "device cpu: offered load 0.70 of 1 replica(s)' time (chat 0.70): within capacity" in out
     # mixed's rag prompts (4,200 to 7,800 tokens) fit no pool of max_model_len 2048: 20% of 2 req/s
-    assert "warning: 0.40 requests/s of the workload have a prompt no pool takes (left out)" in out
+    assert "warning: 0.40 requests/s of the workload have a prompt no pool takes, or a prompt and output past its " \
+           "max_model_len (left out: refused)" in out
+    endless = tmp_path / "endless.yaml"   # outputs no context holds: refused, no load (they counted 670 replicas)
+    endless.write_text("classes:\n  - {name: a, prompt_len: 100, output_len: 100000, share: 1}\n")
+    assert main(argv + ["--step-model", str(steps), "--workload", str(endless)]) == 0
+    out = capsys.readouterr().out
+    assert "device cpu: offered load 0.00 of 1 replica(s)' time (chat 0.00): within capacity" in out, out
+    assert "warning: 2.00 requests/s of the workload have a prompt no pool takes, or a prompt and output" in out
+    assert main(["simulate", "--config", str(config), "--model-config", str(tmp_path / "config.json"), "--step-model",
+                 str(steps), "--workload", str(endless), "--request-rate", "2", "--duration", "2"]) == 0
+    assert "offered load 0.00 of 1 replica(s)' time (chat 0.00): within capacity" in capsys.readouterr().out
     assert main(argv[:-1] + ["50", "--step-model", str(steps), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     verdict = out["overload"]["cpu"]
