@@ -56,7 +56,7 @@ def burstiness(text: str) -> float:
     value = _number(text, float)
     if not (math.isfinite(value) and value >= MIN_BURSTINESS):
         raise argparse.ArgumentTypeError(f"must be a finite number >= {MIN_BURSTINESS:g} (1 is Poisson; below "
-                                         f"{MIN_BURSTINESS:g} its gaps are 0), got {text!r}")
+                                         f"{MIN_BURSTINESS:g} nearly every gap is 0), got {text!r}")
     return value
 
 

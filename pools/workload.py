@@ -40,7 +40,7 @@ _DIST_NEEDS = {"fixed": ("value",), "uniform": ("min", "max"), "normal": ("mean"
 _LENGTH_KEYS = ("value", "min", "max", "mean", "std")
 MIN_P99_SAMPLES = 100        # a p99 over fewer samples is a lower bound on the tail, and is reported as one
 MAX_ARRIVALS = 10_000_000    # requests one run may generate (rate x duration): their times and requests fit memory
-MIN_BURSTINESS = 0.01        # a gamma shape below it draws gaps of 0 (under a float's resolution): no arrival process
+MIN_BURSTINESS = 0.01        # a gamma shape below it draws nearly every gap 0: a few bursts, or a draw that never ends
 WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "bench" / "workloads"
 
 
@@ -212,7 +212,7 @@ def gamma_arrivals(rate: float, burstiness: float, rng: np.random.Generator, *, 
         raise ValueError(f"gamma_arrivals: {expected:.3g} arrivals (rate {rate:g}/s, duration {duration}, count "
                          f"{count}) is above the {MAX_ARRIVALS:,} one run may generate")
     if not burstiness >= MIN_BURSTINESS:
-        raise ValueError(f"gamma_arrivals: burstiness {burstiness:g} is below {MIN_BURSTINESS:g} (its gaps are 0)")
+        raise ValueError(f"burstiness: {burstiness:g} is below {MIN_BURSTINESS:g} (nearly every gap would be 0)")
     scale = 1.0 / (rate * burstiness)
     if count is not None:
         times = np.cumsum(rng.gamma(burstiness, scale, size=count))

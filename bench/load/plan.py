@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from pools.workload import (DEFAULT_WORKLOAD, LengthDist, WorkloadClass, check_positive, class_arrivals, class_rates,
+from pools.workload import (DEFAULT_WORKLOAD, LengthDist, WorkloadClass, MIN_BURSTINESS, check_positive, class_arrivals, class_rates,
                             gamma_arrivals)
 from pools.config.checks import SpecError, is_int, show
 
@@ -135,6 +135,8 @@ class LoadConfig:
         check_positive("request_rate", self.request_rate, allow_inf=True)
         for key in ("burstiness", "timeout", "drain_timeout", "scrape_interval"):
             check_positive(key, getattr(self, key))
+        if not self.burstiness >= MIN_BURSTINESS:   # nearly every gap 0: a handful of bursts, or none in the run
+            raise SpecError(f"burstiness: must be >= {MIN_BURSTINESS:g} (1 is Poisson), got {show(self.burstiness)}")
         check_positive("duration", self.duration, optional=True)
         check_positive("probe_rate", self.probe_rate, zero=True)
         if self.num_requests is not None and (not is_int(self.num_requests) or self.num_requests < 1):

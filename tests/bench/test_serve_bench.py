@@ -231,7 +231,8 @@ def test_a_missing_workload_names_the_builtin_ones():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"duration": None}, "duration: give a duration"), ({"request_rate": 0}, "request_rate: must be > 0"),
-    ({"burstiness": -1}, "burstiness"), ({"url": "127.0.0.1:8000"}, "url: must be an http"),
+    ({"burstiness": -1}, "burstiness"), ({"burstiness": 0.005}, r"burstiness: must be >= 0.01 \(1 is Poisson\)"),
+    ({"url": "127.0.0.1:8000"}, "url: must be an http"),
     ({"num_requests": 0}, "num_requests"), ({"request_rate": float("inf")}, "request_rate: inf needs"),
     ({"probe_rate": 1, "classes": (_fixed("probe", 4),)}, "classes: names must be unique"),
 ])

@@ -320,6 +320,25 @@ def test_a_single_file_is_read_before_an_index_a_sharded_save_left_beside_it(tmp
     assert weights_bytes(tmp_path) == 4 * 6
 
 
+def test_a_tied_checkpoint_storing_the_table_as_its_head_alone_has_no_head_of_its_own(tmp_path: Path) -> None:
+    """safetensors' `save_model` keeps one name of tied tensors (`lm_head.weight`): the engine ties it back, so the
+    plan counts one table; a folder of the JSON files alone counts the head its index lists; part of the shards
+    downloaded is refused, naming the one missing."""
+    from engine.weights import stores_own_head
+
+    save_file({"lm_head.weight": torch.ones(4, 2)}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"model.norm.weight": torch.ones(2)}, tmp_path / "model-00002-of-00002.safetensors")
+    weight_map = {"lm_head.weight": "model-00001-of-00002.safetensors",
+                  "model.norm.weight": "model-00002-of-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert not stores_own_head(tmp_path, True)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        stores_own_head(tmp_path, True)
+    (tmp_path / "model-00001-of-00002.safetensors").unlink()
+    assert stores_own_head(tmp_path, True)
+
+
 def test_loose_safetensors_files_are_read(tmp_path: Path) -> None:
     save_file({"a": torch.ones(2, 3)}, tmp_path / "part-b.safetensors")
     save_file({"b": torch.zeros(4)}, tmp_path / "part-a.safetensors")

@@ -116,7 +116,7 @@ def test_a_burstiness_whose_gaps_are_zero_is_refused_and_a_bursty_draw_stays_bou
 
     from pools.workload import gamma_arrivals
 
-    with pytest.raises(ValueError, match=r"burstiness 1e-09 is below 0.01"):
+    with pytest.raises(ValueError, match=r"burstiness: 1e-09 is below 0.01"):
         gamma_arrivals(2.0, 1e-9, np.random.default_rng(0), duration=2.0)
     assert len(gamma_arrivals(2.0, 0.01, np.random.default_rng(0), duration=60.0)) < 10_000
 
