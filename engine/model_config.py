@@ -247,8 +247,7 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def rotary_cache_bytes(self, dtype: torch.dtype) -> int:
-        """Bytes of the rotary cos/sin caches every rank holds beside its weights: [context_length, head_dim]
-        each, one (Gemma 3: two, its sliding layers' own base)."""
+        """Bytes of the rotary cos/sin caches each rank holds: [context_length, head_dim] each (Gemma 3: two)."""
         return (2 if self.architecture == "Gemma3ForCausalLM" else 1) * self.context_length * self.head_dim * dtype.itemsize
 
     def num_params(self) -> int:
@@ -282,9 +281,10 @@ class ModelConfig:
         if not isinstance(archs, list) or not archs:
             raise ConfigError("architectures: config.json has no 'architectures' list")
         arch = archs[0]
-        if (quant := cfg.get("quantization_config")) is not None and not quantizes_kv_cache_only(quant):
+        key = "quantization_config" if "quantization_config" in cfg else "compression_config"   # llm-compressor's old
+        if (quant := cfg.get(key)) is not None and not quantizes_kv_cache_only(quant):
             method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else repr(quant)
-            raise ConfigError(f"quantization_config: quantized checkpoints ({method}) are not supported; serve "
+            raise ConfigError(f"{key}: quantized checkpoints ({method}) are not supported; serve "
                               "the model's bfloat16 checkpoint (an FP8 KV cache is the device key kv_cache_dtype)")
         if isinstance(arch, str) and arch in TEXT_MODELS:
             return cls._from_text_config(cfg, arch)
@@ -331,8 +331,7 @@ class ModelConfig:
 
     @classmethod
     def _from_text_config(cls, cfg: dict[str, Any], arch: str) -> "ModelConfig":
-        """A multimodal checkpoint (`arch` in TEXT_MODELS) served as its `text_config`'s text model alone;
-        errors name their key under `text_config.`."""
+        """A multimodal checkpoint (`arch` in TEXT_MODELS) as its `text_config`'s model; errors say `text_config.`."""
         text_arch, prefix = TEXT_MODELS[arch]
         text = _object(cfg, "text_config")
         if text is None:
@@ -352,6 +351,8 @@ class ModelConfig:
         path = Path(folder) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"config.json: not found in model folder {folder}")
+        if (Path(folder) / "quantize_config.json").is_file():   # AutoGPTQ's, its config.json silent of it
+            raise ConfigError("quantize_config.json: quantized checkpoints (GPTQ) are not supported; serve bfloat16")
         try:
             cfg = json.loads(path.read_bytes())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -445,8 +446,7 @@ _MAX_INT = 2**31 - 1   # no size, count or token id of a model reaches it
 
 
 def _int(cfg: dict[str, Any], key: str, default: Any = _REQUIRED, *, minimum: int = 1, path: str = "") -> Any:
-    """cfg[key], an integer in `minimum`..2^31-1 (not a bool, a float or a string); `default` when absent or
-    null (without one: a ConfigError saying it is missing)."""
+    """cfg[key], an integer in `minimum`..2^31-1 (not a bool, a float or a string); `default` when absent or null."""
     value = cfg.get(key)
     if key not in cfg and default is _REQUIRED:
         raise ConfigError(f"{path}{key}: missing from config.json")

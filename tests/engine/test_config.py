@@ -42,6 +42,7 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
                               "kv_cache_scheme": {"num_bits": 8, "type": "float"}}}, r"quantization_config: "),
     ({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {},
       "quantization_config": {"quant_method": "awq"}}, r"quantization_config: .*\(awq\)"),
+    ({"compression_config": {"quant_method": "compressed-tensors"}}, r"compression_config: .*compressed-tensors"),
 ])
 def test_bad_model_configs_are_named(change, match):
     with pytest.raises(ConfigError, match=match):
@@ -186,6 +187,10 @@ def test_missing_and_malformed_config_json(tmp_path):
         ModelConfig.from_folder(tmp_path)
     (tmp_path / "config.json").write_text("[1]")
     with pytest.raises(ConfigError, match=r"config.json: must be a JSON object, got \[1\]"):
+        ModelConfig.from_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA))   # AutoGPTQ's checkpoints say it beside config.json
+    (tmp_path / "quantize_config.json").write_text('{"bits": 4, "group_size": 128}')
+    with pytest.raises(ConfigError, match=r"quantize_config.json: quantized checkpoints \(GPTQ\) are not supported"):
         ModelConfig.from_folder(tmp_path)
 
 
