@@ -16,8 +16,9 @@ from typing import Any
 
 from aiohttp import web
 
+from engine.sampling import SamplingParams
 from gateway.admission import bearer_key
-from gateway.completion import Completion, constrained
+from gateway.completion import Completion, constrained, with_model_defaults
 from gateway.handlers import parsed, read_json
 from gateway.openai import objects
 from gateway.openai.chat import ChatRequest
@@ -100,8 +101,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                 _kept(request, key)
         asked = dataclasses.replace(asked, store=False)
     if asked.background:
-        await _checked(gateway, asked.chat)   # refused now as a foreground request is, not kept `failed`
-        return web.json_response(await kept.queue(asked, body, owner=owner, tenant=tenant))
+        sampled = await _checked(gateway, asked.chat)   # refused now as a foreground request is, not kept `failed`
+        return web.json_response(await kept.queue(asked, body, owner=owner, tenant=tenant, sampled=sampled))
     keep = None
     if asked.store:
         keep = functools.partial(kept.keep, owner=owner, tenant=tenant, request=body, items=asked.items)
@@ -149,15 +150,16 @@ def _kept_stream(ours: dict[str, Any], keep: Callable[[dict[str, Any]], Awaitabl
     return ResponseEdit(own, kept, failed)
 
 
-async def _checked(gateway: Gateway, req: ChatRequest) -> None:
+async def _checked(gateway: Gateway, req: ChatRequest) -> SamplingParams:
     """A background request refused before it is kept, as `Completion` refuses a foreground one before it
     runs: routing (an unknown model is a 404, a prompt no pool's context holds a 400), the room left for
     `max_output_tokens` in the pool's context, and on a local pool the grammar on the reply. Its run routes
-    again (a restart runs it from the kept request)."""
+    again (a restart runs it from the kept request). What its run will sample with, which its Response says."""
     pool, ids = await routed_chat(gateway, req)
     check_context(req, len(ids), pool.max_model_len, pool.name)
     if not pool.is_upstream:
         await constrained(gateway, req, pool, ids)
+    return with_model_defaults(req, [pool]).params
 
 
 async def _prior(request: web.Request, body: Any, owner: str) -> list[dict[str, Any]]:

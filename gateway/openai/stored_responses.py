@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from engine.sampling import SamplingParams
 from gateway.openai import objects
 from gateway.batch.execution import MAX_STORE_ATTEMPTS, RETRY_FIRST_S, RETRY_MAX_S
 from gateway.completion import Completion
@@ -147,12 +148,12 @@ class KeptResponses:
             log.error("%s: answered but not kept: %s", final["id"], exc.message)
             return False
 
-    async def queue(self, asked: ResponsesRequest, body: dict[str, Any], *, owner: str,
-                    tenant: str) -> dict[str, Any]:
+    async def queue(self, asked: ResponsesRequest, body: dict[str, Any], *, owner: str, tenant: str,
+                    sampled: SamplingParams | None = None) -> dict[str, Any]:
         """Keep a background request's Response as `queued` and start its run; the queued Response. A 429
         when its owner has `max_background_per_owner` queued or in progress already (counted from before the
         store's write, so requests at once cannot pass it together). Shielded: a client that leaves meanwhile
-        cannot leave a kept response that nothing runs."""
+        cannot leave a kept response that nothing runs. `sampled`: what its run will sample with."""
         limit = self.gateway.config.gateway.stored_responses.max_background_per_owner
         if self._per_owner[owner] >= limit:
             raise ApiError(429, f"background: this API key has {self._per_owner[owner]} background responses queued "
@@ -163,7 +164,8 @@ class KeptResponses:
 
         async def keep_and_launch() -> dict[str, Any]:
             try:
-                queued = response_object(asked, objects.new_id("resp", "_"), int(time.time()), "queued", [])
+                queued = response_object(asked, objects.new_id("resp", "_"), int(time.time()), "queued", [],
+                                         sampled=sampled)
                 await self.db(self.store.put, queued, owner=owner, tenant=tenant, request=body, items=asked.items,
                               background=True)
             except BaseException:

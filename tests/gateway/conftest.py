@@ -98,8 +98,9 @@ def live_builtin_server():
     server.stop()
 
 
-async def start_gateway(aiohttp_client, tmp_path: Path, text: str):
-    """(test client, Gateway) of an in-process app over the pool file `text`, once it is ready."""
+async def start_gateway(aiohttp_client, tmp_path: Path, text: str, data_dir: Path | None = None):
+    """(test client, Gateway) of an in-process app over the pool file `text` (keeping batches and responses in
+    `data_dir`, if given), once it is ready."""
     from gateway.app import create_app
     from gateway.runtime import Gateway
     from pools.config.yaml_file import load_config
@@ -107,7 +108,7 @@ async def start_gateway(aiohttp_client, tmp_path: Path, text: str):
     path = tmp_path / "pools.yaml"
     path.write_text(text)
     gateway = Gateway.from_config(load_config(path))
-    client = await aiohttp_client(create_app(gateway), server_kwargs={"handler_cancellation": True})
+    client = await aiohttp_client(create_app(gateway, data_dir=data_dir), server_kwargs={"handler_cancellation": True})
     for _ in range(600):
         if (await client.get("/ready")).status == 200:
             return client, gateway

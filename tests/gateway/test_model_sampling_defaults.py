@@ -62,7 +62,7 @@ async def test_an_answer_is_sampled_as_the_model_advises(aiohttp_client, tiny_mo
     does; with its own top_k (-1: none) the same seed samples another answer. A Response says what it sampled
     with (its top_p the model's)."""
     model = _advised(tiny_model, tmp_path, top_k=1, top_p=0.9)
-    client, _ = await start_gateway(aiohttp_client, tmp_path, chat_pool_yaml(model))
+    client, _ = await start_gateway(aiohttp_client, tmp_path, chat_pool_yaml(model), data_dir=tmp_path)
     chat = {"model": "advised", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 24}
 
     async def answer(**fields) -> list[str]:
@@ -73,5 +73,7 @@ async def test_an_answer_is_sampled_as_the_model_advises(aiohttp_client, tiny_mo
     greedy = await answer(temperature=0)
     assert await answer(temperature=1.0, seed=3) == greedy
     assert await answer(temperature=1.0, seed=3, top_k=-1) != greedy
-    r = await client.post("/v1/responses", json={"model": "advised", "input": "hi", "max_output_tokens": 4})
-    assert r.status == 200 and ((body := await r.json())["top_p"], body["temperature"]) == (0.9, 1.0), body
+    for background in (False, True):   # a background one says so from the start, queued
+        r = await client.post("/v1/responses", json={"model": "advised", "input": "hi", "max_output_tokens": 4,
+                                                     "background": background})
+        assert r.status == 200 and ((body := await r.json())["top_p"], body["temperature"]) == (0.9, 1.0), body
