@@ -40,9 +40,8 @@ SUPPORTED_ROPE_TYPES = ("default", "dynamic", "linear", "llama3", "yarn")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary scaling as in the HF config's `rope_scaling` (or `rope_parameters`) entry. `llama3` reads
-    the freq factors; `yarn` the betas and the attention factor (None: from `factor`, `mscale` and
-    `mscale_all_dim`, as transformers infers it)."""
+    """Rotary scaling as in the HF config's `rope_scaling` (or `rope_parameters`). `llama3` reads the freq
+    factors; `yarn` the betas and the attention factor (None: from `factor`, `mscale`, `mscale_all_dim`)."""
 
     rope_type: str = "default"
     factor: float = 1.0
@@ -139,9 +138,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a decoder-only model (Llama 2/3, Qwen2, Qwen3, Mistral, Gemma 3's text model), read from
-    an HF config.json. `layer_types` (Gemma 3) gives each layer full or sliding attention; without it
-    `sliding_window` (Mistral) applies to every layer."""
+    """A decoder-only model's shape (Llama 2/3, Qwen2, Qwen3, Mistral, Gemma 3's text model) from an HF
+    config.json. `layer_types` (Gemma 3): each layer full or sliding; without it `sliding_window` is all's."""
 
     architecture: str
     vocab_size: int
@@ -281,7 +279,9 @@ class ModelConfig:
         if not isinstance(archs, list) or not archs:
             raise ConfigError("architectures: config.json has no 'architectures' list")
         arch = archs[0]
-        key = "quantization_config" if "quantization_config" in cfg else "compression_config"   # llm-compressor's old
+        old = cfg.get("compression_config")   # llm-compressor's older key: quantized where it has groups or a method
+        key = "compression_config" if cfg.get("quantization_config") is None and isinstance(old, dict) and {
+            "config_groups", "quant_method", "kv_cache_scheme"} & set(old) else "quantization_config"
         if (quant := cfg.get(key)) is not None and not quantizes_kv_cache_only(quant):
             method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else repr(quant)
             raise ConfigError(f"{key}: quantized checkpoints ({method}) are not supported; serve "

@@ -450,11 +450,10 @@ class RooflineStepTime:
         # features carry it, so a step described without its batch, as pools.demand asks, costs the same);
         # a sliding-window layer attends and reads its window only (the kernel starts there)
         attended, keys = features.num_attended, features.num_keys_read - tokens
-        if self.num_windowed and features.spans:
-            w, full = self.window, m.num_layers - self.num_windowed
-            in_window = sum(_attended_in_window(c, q, w) for c, q in features.spans)
-            attended = (full * attended + self.num_windowed * in_window) / m.num_layers
-            keys = (full * keys + self.num_windowed * sum(min(c, w) for c, _ in features.spans)) / m.num_layers
+        if self.num_windowed and features.spans:   # less what the windowed layers skip (a step without spans: none)
+            w, share = self.window, self.num_windowed / m.num_layers
+            attended -= share * sum(q * c + q * (q + 1) // 2 - _attended_in_window(c, q, w) for c, q in features.spans)
+            keys -= share * sum(c - min(c, w) for c, _ in features.spans)
         flops = step_flops(m, tokens, attended, num_sampled)
         kv_read = keys * self.kv_bytes_per_token
         weights = self.weights_bytes + self.expert_bytes * experts_read(m, tokens)

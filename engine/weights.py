@@ -179,8 +179,8 @@ def stores_own_head(folder: Path, tie_word_embeddings: bool, text_prefix: str = 
     if not (folder / _SINGLE_FILE).is_file() and (folder / _INDEX_FILE).is_file():
         shards = {model_tensor_name(name, text_prefix): folder / shard
                   for name, shard in _weight_map(folder / _INDEX_FILE).items()}
-        if "lm_head.weight" not in shards:
-            return False
+        if "lm_head.weight" not in shards or "embed_tokens.weight" not in shards:
+            return False   # no head, or the table stored as the head alone (`LlamaForCausalLM._tie_from_head`)
         if not any(path.is_file() for path in shards.values()):   # its JSON files alone, to plan from: counted
             return True
     where: dict[str, tuple[Path, str]] = {}

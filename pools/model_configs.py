@@ -81,9 +81,11 @@ def upstream_context(spec: PoolSpec, folders: dict[str, Path], i: int) -> int:
     path = folders.get(spec.tokenizer or spec.model)
     if path is None or not (path / "config.json").is_file():
         return 2**31 - 1
-    try:
-        context = ModelConfig.from_folder(path).context_length
-    except (ConfigError, ValueError):
+    try:   # the context alone: a checkpoint the engine would not serve (quantized: an upstream's) still says it
+        cfg = json.loads((path / "config.json").read_bytes())
+        served = {k: v for k, v in cfg.items() if k not in ("quantization_config", "compression_config")}
+        context = ModelConfig.from_hf_config(served).context_length
+    except (ConfigError, ValueError, AttributeError):   # not JSON, not an object, no shape of ours
         return 2**31 - 1
     for end, tokens, what in (("min", spec.route.min_prompt_tokens, "no prompt could reach it"),
                               ("max", spec.route.max_prompt_tokens, "the route's tail could never be taken")):

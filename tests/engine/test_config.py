@@ -43,10 +43,18 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size"
     ({"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {},
       "quantization_config": {"quant_method": "awq"}}, r"quantization_config: .*\(awq\)"),
     ({"compression_config": {"quant_method": "compressed-tensors"}}, r"compression_config: .*compressed-tensors"),
+    ({"quantization_config": None, "compression_config": {"config_groups": {"group_0": {"weights": {"num_bits": 4}}}}},
+     r"compression_config: quantized checkpoints \(unnamed\)"),
 ])
 def test_bad_model_configs_are_named(change, match):
     with pytest.raises(ConfigError, match=match):
         ModelConfig.from_hf_config({**LLAMA, **change})
+
+
+@pytest.mark.parametrize("compression", [{}, {"sparsity_config": {"format": "dense"}}])
+def test_a_compression_config_that_quantizes_nothing_is_served(compression):
+    """An old llm-compressor save of a pruned model, dense: floats as any (transformers never reads the key)."""
+    assert ModelConfig.from_hf_config({**LLAMA, "compression_config": compression}).num_layers == LLAMA["num_hidden_layers"]
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -332,11 +332,15 @@ def test_a_tied_checkpoint_storing_the_table_as_its_head_alone_has_no_head_of_it
                   "model.norm.weight": "model-00002-of-00002.safetensors"}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     assert not stores_own_head(tmp_path, True)
-    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    for shard in tmp_path.glob("*.safetensors"):
+        shard.unlink()
+    assert not stores_own_head(tmp_path, True)   # the JSON files alone: the index lists no table beside it
+    weight_map["model.embed_tokens.weight"] = "model-00002-of-00002.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert stores_own_head(tmp_path, True)       # a head beside the table, not there to compare: counted
+    save_file({"lm_head.weight": torch.ones(4, 2)}, tmp_path / "model-00001-of-00002.safetensors")
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
-        stores_own_head(tmp_path, True)
-    (tmp_path / "model-00001-of-00002.safetensors").unlink()
-    assert stores_own_head(tmp_path, True)
+        stores_own_head(tmp_path, True)          # part of a download: the shard missing named
 
 
 def test_loose_safetensors_files_are_read(tmp_path: Path) -> None:

@@ -153,7 +153,7 @@ async def test_a_responses_stream_ended_by_the_upstreams_own_error_event_gets_no
     server.close()
 
 
-def test_an_upstream_route_past_the_context_its_tokenizer_model_declares_is_refused_at_start(tmp_path):
+def test_an_upstream_route_past_the_context_its_tokenizer_model_declares_is_refused_at_start(tmp_path, builtin_path):
     """An upstream pool without max_model_len is held to its tokenizer model's context (SmolLM2's 8192): a
     route starting there could never be taken, so the gateway does not start, naming the key; with the
     upstream's own max_model_len set, it routes such prompts."""
@@ -179,6 +179,19 @@ def test_an_upstream_route_past_the_context_its_tokenizer_model_declares_is_refu
                                         r"4096: .* the route's tail is unreachable"):
         gateway("route: {max_prompt_tokens: 4096}", "max_model_len: 4096")
     assert gateway("route: {max_prompt_tokens: 4095}", "max_model_len: 4096").pools["remote"].admits(4095)
+    # the upstream serves a quantized checkpoint (the engine would refuse it): its config still says the context
+    import shutil
+
+    quantized = tmp_path / "gptq"
+    shutil.copytree(builtin_path, quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    (quantized / "quantize_config.json").write_text('{"bits": 4}')
+    path = tmp_path / "pools.yaml"
+    path.write_text(f"pools:\n  - {{name: remote, upstream: 'http://127.0.0.1:9/v1', model: m, tokenizer: {quantized},"
+                    " route: {max_prompt_tokens: 9000}}\n")
+    with pytest.raises(SpecError, match=r"pools\[0\]\.route\.max_prompt_tokens: 9000 .*tail could never be taken"):
+        Gateway.from_config(load_config(path))
 
 
 async def test_a_tenants_priority_floor_holds_on_an_upstream_pool(aiohttp_client, tmp_path):

@@ -131,6 +131,13 @@ def test_the_roofline_reads_a_sliding_window_layers_window_only():
     five_of_six = decode_s(dataclasses.replace(model, sliding_window=1024, layer_types=(
         "sliding_attention",) * 5 + ("full_attention",)))
     assert every == pytest.approx(full * 1024 / 32768, rel=0.05)   # its K/V is nearly all the step reads
+    half = StepFeatures()
+    for _ in range(32):
+        half.add(32768, 1, True)
+    blind = StepFeatures(*(getattr(half, k) for k in ("num_prefill_tokens", "num_decode_tokens", "num_attended",
+                                                        "num_keys_read")))   # a trace's: no spans, full attention
+    windowed = RooflineStepTime(PRESETS["h200"], dataclasses.replace(model, sliding_window=1024), 2)
+    assert windowed.seconds([], blind.plus(half), 64) - overhead == pytest.approx((full + every) / 2, rel=0.05)
     assert five_of_six == pytest.approx(full * (1 + 5 * 1024 / 32768) / 6, rel=0.05)
 
 
