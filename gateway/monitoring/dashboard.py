@@ -40,7 +40,7 @@ import math
 import re
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -228,8 +228,8 @@ class _Sample:
 class DashboardHistory:
     """The snapshots of the last `history_seconds`, each with its rates and p99s, for one app.
 
-    `add` is called by each poll of `/dashboard/data`. A snapshot taken less than `min_interval` after
-    the last one kept is answered (its rates and p99s measured as any other) but not kept, so many
+    `add` is called by each poll of `/dashboard/data` (`poll`). A snapshot taken less than `min_interval`
+    after the last one kept is answered (its rates and p99s measured as any other) but not kept, so many
     viewers do not crowd the history. Runs on the event loop only."""
 
     def __init__(self, *, window_seconds: float = WINDOW_SECONDS, history_seconds: float = HISTORY_SECONDS,
@@ -238,6 +238,24 @@ class DashboardHistory:
         self.history_seconds = history_seconds
         self.min_interval = min_interval
         self._samples: deque[_Sample] = deque()
+        self._answer: tuple[float, dict] | None = None   # the last answer, and when its snapshot was taken
+        self._taking: asyncio.Future | None = None       # the snapshot being taken, which polls meanwhile share
+
+    async def poll(self, take: Callable[[], Awaitable[Snapshot]]) -> dict:
+        """A viewer's answer: the last one while its snapshot is younger than `min_interval`, else a new
+        snapshot's (`take`), one at a time however many viewers poll: each walks the whole registry, a
+        second of the loop's time with thousands of tenants' series."""
+        if self._answer is not None and time.monotonic() - self._answer[0] < self.min_interval:
+            return self._answer[1]
+        if self._taking is None or self._taking.done():
+            self._taking = asyncio.ensure_future(self._take(take))
+        return await asyncio.shield(self._taking)
+
+    async def _take(self, take: Callable[[], Awaitable[Snapshot]]) -> dict:
+        snapshot = await take()
+        answer = self.add(snapshot)
+        self._answer = (snapshot.time, answer)
+        return answer
 
     def add(self, snapshot: Snapshot) -> dict:
         """Measure `snapshot` against the history, keep it if due, and answer the dashboard's JSON
@@ -312,12 +330,15 @@ async def data(request: web.Request) -> web.Response:
     """Every pool's current values, rates, p99s and time series, from the metrics registry as `/metrics`
     would render it now (the same refresh from the stats each worker pushed last)."""
     gateway = request.app[GATEWAY]
-    handlers.refresh_metrics(gateway)
-    devices = {name: p.device for name, p in gateway.pools.items() if not p.is_upstream}
-    snapshot = await asyncio.to_thread(   # on a thread, as /metrics is written
-        lambda: parse_snapshot(gateway.metrics.registry.collect(), gateway.pools, now=time.monotonic(),
-                               wall=time.time(), devices=devices))
-    return web.json_response(request.app[DASHBOARD].add(snapshot), headers={"Cache-Control": "no-store"})
+
+    async def take() -> Snapshot:
+        handlers.refresh_metrics(gateway)
+        devices = {name: p.device for name, p in gateway.pools.items() if not p.is_upstream}
+        return await asyncio.to_thread(   # on a thread, as /metrics is written
+            lambda: parse_snapshot(gateway.metrics.registry.collect(), gateway.pools, now=time.monotonic(),
+                                   wall=time.time(), devices=devices))
+
+    return web.json_response(await request.app[DASHBOARD].poll(take), headers={"Cache-Control": "no-store"})
 
 
 # --- the page --------------------------------------------------------------------------------------

@@ -194,6 +194,24 @@ def test_rates_and_p99s_are_taken_over_the_window_and_the_series_kept_for_the_hi
     assert history.add(_make_snapshot(metrics, 41.0, extra=spiral))["pools"]["chat"]["death_spiral"] == 1
 
 
+async def test_viewers_polling_together_share_one_snapshot_and_a_young_one_is_answered_again():
+    """Each snapshot walks the whole registry (a second of the loop with thousands of tenants' series): viewers
+    polling at once share one, and a poll within `min_interval` of the last snapshot gets its answer."""
+    metrics, history, taken = GatewayMetrics(), dashboard.DashboardHistory(min_interval=0.5), []
+
+    async def take():
+        taken.append(time.monotonic())
+        snapshot = _make_snapshot(metrics, time.monotonic())
+        await asyncio.sleep(0.05)   # the walk, on its thread
+        return snapshot
+
+    answers = await asyncio.gather(*(history.poll(take) for _ in range(4)))
+    assert len(taken) == 1 and all(a is answers[0] for a in answers)
+    assert await history.poll(take) is answers[0] and len(taken) == 1   # younger than 0.5 s: answered again
+    await asyncio.sleep(0.5)
+    assert await history.poll(take) is not answers[0] and len(taken) == 2
+
+
 # --- a live gateway in-process ---------------------------------------------------------------------------------
 async def test_the_data_equals_metrics_and_needs_the_key_like_the_api(aiohttp_client, tmp_path, tiny_model):
     client, gateway = await _client(aiohttp_client, pools_yaml(tiny_model, api_keys=f"[{KEY}]"), tmp_path)
