@@ -30,6 +30,7 @@ log = logging.getLogger("cliffguard.pools")
 # The sampling fields a model's generation_config.json sets defaults for, with transformers' own defaults: a value
 # that differs from its own is the model's advice (vLLM's `--generation-config auto` reads the same ones).
 _HF_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "min_p": None, "repetition_penalty": 1.0}
+ADVISED_FIELDS = tuple(_HF_SAMPLING)   # the request fields a model's advice fills where a request leaves them unset
 
 
 def generation_defaults(folder: Path | str) -> dict[str, Any]:

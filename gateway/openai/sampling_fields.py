@@ -20,6 +20,7 @@ from engine.sampling import SamplingParams
 from engine.structured import StructuredOutput
 from gateway.openai.errors import ApiError, bad_request
 from pools.config.gateway_spec import RequestLimits
+from pools.pool import ADVISED_FIELDS
 
 # Integers the engine's wire (MessagePack) carries: a client's 10**23 is a 400 naming its field, not a 500.
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
@@ -91,13 +92,10 @@ _SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "sto
              "frequency_penalty", "repetition_penalty", "logit_bias")
 
 
-# The fields whose default a model's generation_config.json may set (`pools.pool.Pool.sampling_defaults`)
-MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
 def unset_fields(body: RequestFields) -> frozenset[str]:
-    """`MODEL_DEFAULT_FIELDS` the request left unset (absent or null)."""
-    return frozenset(name for name in MODEL_DEFAULT_FIELDS if getattr(body, name) is None)
+    """The fields a model's generation_config.json may advise (`pools.pool.ADVISED_FIELDS`) that the request left
+    unset (absent or null)."""
+    return frozenset(name for name in ADVISED_FIELDS if getattr(body, name) is None)
 
 
 def sampling_params(body: RequestFields, max_tokens: int | None, logprobs: int | None,
