@@ -172,6 +172,11 @@ async def test_a_store_failing_for_good_as_a_run_starts_aborts_its_engine_reques
     response = await _settled(client, (await r.json())["id"])
     assert response["status"] == "failed" and response["error"]["message"].startswith("storage_unavailable: ")
     assert [c["status"] for c in calls] == ["in_progress"] * kept.max_store_attempts + ["failed"]
-    metrics = await (await client.get("/metrics")).text()
-    assert re.search(r'^cliffguard_num_aborted_requests_total\{[^}]*pool="chat"[^}]*\} 1\.0$', metrics, re.M), metrics
+    aborted = r'^cliffguard_num_aborted_requests_total\{[^}]*pool="chat"[^}]*\} 1\.0$'
+    for _ in range(50):   # the worker's stats push after the abort (every 0.5 s; later on a loaded machine)
+        metrics = await (await client.get("/metrics")).text()
+        if re.search(aborted, metrics, re.M):
+            break
+        await asyncio.sleep(0.1)
+    assert re.search(aborted, metrics, re.M), metrics
     assert queue.free == free and not kept._runs
