@@ -1,30 +1,28 @@
 """`AsyncEngineClient`: the gateway's side of a device worker (`engine.worker`).
 
-The client starts the worker process, sends commands over a socket pair (`engine.ipc.Channel`: a
-non-blocking outbox on both sides; the messages are `engine.messages`) and reads outputs with
-`loop.add_reader`: no thread, no blocking call. Each request's deltas go to its own queue, which
-`generate` yields from; the counters that come with them are kept as `latest_stats`.
+The client starts the worker process, sends commands over a socket pair (`engine.ipc.Channel`: a non-blocking outbox
+on both sides; the messages are `engine.messages`) and reads outputs with `loop.add_reader`: no thread, no blocking
+call. Each request's deltas go to its own queue, which `generate` yields from; the counters that come with them are
+kept as `latest_stats`.
 
-Workers are forked from multiprocessing's fork server (`engine.fork_server`), started off the event loop: the
-first start waits for the server's import of torch. The worker gets the gateway's environment as it is when
-the worker starts (`worker_main`'s `environ`).
+Workers are forked from multiprocessing's fork server (`engine.fork_server`), started off the event loop: the first
+start waits for the server's import of torch. The worker gets the gateway's environment as it is when the worker
+starts (`worker_main`'s `environ`).
 
-Death: the client watches both the socket (EOF) and the process sentinel, so a worker that exits for
-any reason (`kill -9`, the OOM killer, a crash in a kernel, a `Fatal` step error) is noticed at once.
-In-flight streams and stats calls then fail with `EngineDeadError` naming the exit (`device worker
-process exited (signal 9, SIGKILL)`), the process is reaped in the background (joined, killed if it
-lingers, its socket and sentinel closed; one SIGKILL cannot end, stuck in the kernel, is given up on after
-KILLED_WAIT_S), and `client.died` resolves with the reason. A client is one
-process's life: to restart, make a new client (`gateway.workers.supervisor` does, with back-off). A worker
-outlives the fork server it came from (`engine.worker_process`): it is not taken for dead then.
+Death: the client watches both the socket (EOF) and the process sentinel, so a worker that exits for any reason
+(`kill -9`, the OOM killer, a crash in a kernel, a `Fatal` step error) is noticed at once. In-flight streams and
+stats calls then fail with `EngineDeadError` naming the exit (`device worker process exited (signal 9, SIGKILL)`),
+the process is reaped in the background (joined, killed if it lingers, its socket and sentinel closed; one SIGKILL
+cannot end, stuck in the kernel, is given up on after KILLED_WAIT_S), and `client.died` resolves with the reason. A
+client is one process's life: to restart, make a new client (`gateway.workers.supervisor` does, with back-off). A
+worker outlives the fork server it came from (`engine.worker_process`): it is not taken for dead then.
 
-Liveness: the worker sends a `Heartbeat` every half second from a thread of its own, with how long its
-loop has been inside the current step. `silent_seconds()` (time since the worker last said anything)
-and `step_seconds()` (how long its current step has lasted) are what the supervisor's watchdog judges,
-whether or not requests are in flight.
+Liveness: the worker sends a `Heartbeat` every half second from a thread of its own, with how long its loop has been
+inside the current step. `silent_seconds()` (time since the worker last said anything) and `step_seconds()` (how
+long its current step has lasted) are what the supervisor's watchdog judges, whether or not requests are in flight.
 
-A request whose handling failed in the worker (not its input: a bug, an injected fault) fails alone
-with `RequestFailedError`; the worker goes on serving the others.
+A request whose handling failed in the worker (not its input: a bug, an injected fault) fails alone with
+`RequestFailedError`; the worker goes on serving the others.
 """
 
 from __future__ import annotations
@@ -91,12 +89,11 @@ class AsyncEngineClient:
         client = AsyncEngineClient(config); info = await client.start()
         async for out in client.generate("Hello", SamplingParams(max_tokens=8)): ...
         await client.shutdown()
-    Leaving a `generate` loop early (break, cancellation, client disconnect) aborts the request and
-    frees its blocks.
+    Leaving a `generate` loop early (break, cancellation, client disconnect) aborts the request and frees its blocks.
 
-    One client is one worker process's life: once the process is gone (it exited, sent `fatal`, or
-    `shutdown` was called) `is_alive` is False, every call raises `EngineDeadError`, and `died`
-    resolves with the reason after the process was reaped. A restart is a new client.
+    One client is one worker process's life: once the process is gone (it exited, sent `fatal`, or `shutdown` was
+    called) `is_alive` is False, every call raises `EngineDeadError`, and `died` resolves with the reason after the
+    process was reaped. A restart is a new client.
     """
 
     def __init__(self, config: EngineConfig, start_method: str = "forkserver") -> None:
@@ -138,8 +135,8 @@ class AsyncEngineClient:
     async def start(self, timeout: float = 900.0) -> WorkerInfo:
         """Spawn the worker and wait until the model is loaded; returns what it reported.
 
-        Raises RuntimeError if the engine failed to build (the worker's message), EngineDeadError if
-        the process died while loading; either way the process is reaped before this returns."""
+        Raises RuntimeError if the engine failed to build (the worker's message), EngineDeadError if the process died
+        while loading; either way the process is reaped before this returns."""
         if self._process is not None:
             raise RuntimeError("AsyncEngineClient.start() may be called once; a restart is a new client")
         self._loop = asyncio.get_running_loop()
@@ -151,7 +148,8 @@ class AsyncEngineClient:
         if self._sentinel is not None:
             self._loop.add_reader(self._sentinel, self._on_sentinel)
         try:
-            self.info = await asyncio.wait_for(self._ready, timeout)
+            async with asyncio.timeout(timeout):   # (`wait_for` may swallow a cancellation on 3.11)
+                self.info = await self._ready
         except BaseException:
             await self.shutdown(1.0)   # a worker that has not loaded has nothing to finish: 1 s, not 10, to go
             raise
@@ -212,13 +210,20 @@ class AsyncEngineClient:
         try:
             done = self._channel.flush()
         except OSError:
-            self._on_exit()
+            self._broken()
             return
         if done:
             self._loop.remove_writer(self._channel.fileno())
             self._writing = False
         if self._channel.num_pending_bytes <= SEND_LOW_WATER:
             self._room.set()
+
+    def _broken(self) -> None:
+        """A send found the socket broken (the worker is gone): what it sent before (its last outputs, its
+        `Fatal`) is read first, as its EOF would be; never from inside `_on_readable`'s loop."""
+        if self._reaper is None:
+            self._on_readable()
+            self._on_exit()
 
     def silent_seconds(self, now: float | None = None) -> float:
         """How long the loaded worker has said nothing (not even a heartbeat), busy or idle; 0 while it
@@ -298,10 +303,9 @@ class AsyncEngineClient:
                     self.ack_leases([msg.pool])
 
     def ack_leases(self, pools: Sequence[str] | None = None) -> None:
-        """Acknowledge the leases of `pools` (all pending ones: None) not acknowledged yet: the gateway
-        admits within them from now on and holds no more than them (`engine.sessions`). Nothing for a worker
-        that is gone or going, as for `report_waiting`: a credit queue admitting (which calls this) must
-        never fail for it."""
+        """Acknowledge the leases of `pools` (all pending ones: None) not acknowledged yet: the gateway admits within
+        them from now on and holds no more than them (`engine.sessions`). Nothing for a worker that is gone or going,
+        as for `report_waiting`: a credit queue admitting (which calls this) must never fail for it."""
         for pool in list(self._unacked if pools is None else pools):
             entry = self._unacked.pop(pool, None)
             if entry is not None and self.is_alive:
@@ -324,8 +328,7 @@ class AsyncEngineClient:
         self._reaper = self._loop.create_task(self._reap(grace))
 
     async def _reap(self, grace: float) -> None:
-        """Join the process (kill it if it lingers past `grace` seconds), fail what is in flight,
-        release the pipe and the sentinel, then resolve `died`."""
+        """Join the process (killed past `grace` seconds), fail what is in flight, close its pipe, resolve `died`."""
         process, loop = self._process, self._loop
         await loop.run_in_executor(None, process.join, grace)
         if process.is_alive():
@@ -333,8 +336,7 @@ class AsyncEngineClient:
             await loop.run_in_executor(None, process.join, KILLED_WAIT_S)
         self.exitcode = process.exitcode
         if process.is_alive():   # never reaped: its sentinel stays open, the rest goes on
-            log.error("device worker %s: SIGKILL has not ended it in %g s (stuck in the kernel)", self.pid,
-                      KILLED_WAIT_S)
+            log.error("device worker %s: SIGKILL has not ended it in %g s (in the kernel)", self.pid, KILLED_WAIT_S)
             self._die(f"device worker process did not end, even killed (pid {self.pid}, stuck in the kernel)")
         else:
             self._die(self._exit_reason())   # a no-op after `fatal` or `shutdown`, which named the reason
@@ -365,17 +367,16 @@ class AsyncEngineClient:
         self._stats_waiters.clear()
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                       request_id: str | None = None, priority: int = 0,
-                       pool: str | None = None, cache_salt: str | None = None,
-                       credits: int = 0, background: bool = False) -> AsyncIterator[RequestDelta]:
+                       request_id: str | None = None, priority: int = 0, pool: str | None = None,
+                       cache_salt: str | None = None, credits: int = 0, background: bool = False
+                       ) -> AsyncIterator[RequestDelta]:
         """Submit a request and yield what each step added to it (`RequestDelta`) until it finishes.
         `cache_salt`: the prefix-cache partition (`LLMEngine.add_request`); `credits`: the KV credits the
         gateway holds for it (a shared replica counts them against this gateway's lease), `background` if
         they are a batch line's.
 
-        Raises ValueError if the engine refused the request, RequestFailedError if the worker failed to
-        handle it, EngineDeadError if the worker died.
-        """
+        Raises ValueError if the engine refused the request, RequestFailedError if the worker failed to handle it,
+        EngineDeadError if the worker died."""
         self._check_alive()
         request_id = request_id or f"req-{os.getpid()}-{next(self._ids)}"
         if request_id in self._streams:
@@ -413,11 +414,11 @@ class AsyncEngineClient:
 
     def _send(self, msg: object) -> None:
         """Queue a command (never blocks); a broken socket means the worker is gone (noticed here
-        before the EOF is read)."""
+        before the EOF is read: `_broken`, once the caller's callback is done)."""
         try:
             self._channel.send(msg)
         except OSError:
-            self._on_exit()
+            self._loop.call_soon(self._broken)
             raise EngineDeadError(self._dead or self._exit_reason()) from None
         if self._channel.num_pending_bytes and not self._writing:
             self._loop.add_writer(self._channel.fileno(), self._on_writable)
@@ -486,9 +487,8 @@ class AsyncEngineClient:
             return
         if self._reaper is None:
             with contextlib.suppress(OSError):   # then EOF: a loaded worker ends on it too, even where Shutdown
-                self._channel.send(Shutdown())   # waits in the outbox behind aborts the socket has not taken
-                if self.info is not None:        # (one loading takes it for its gateway's death: an error exit)
-                    self._channel.sock.shutdown(socket.SHUT_WR)
+                self._channel.send(Shutdown())   # waits in the outbox behind aborts the socket has not taken;
+                self._channel.sock.shutdown(socket.SHUT_WR)   # one loading ends on it at once (`LoadWatch`)
             self._on_exit("engine shut down", grace=timeout)
         await asyncio.shield(self._reaper)
 

@@ -19,10 +19,19 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+BF16_MIN_CAPABILITY = (8, 0)   # the GPUs with bfloat16 tensor cores (Triton's tl.dot in bf16): Ampere and later
 
 
 class ConfigError(ValueError):
     """A configuration value is missing, of the wrong type, or out of range. The message names it."""
+
+
+def auto_dtype(device_type: str, capability: tuple[int, int] | None = None) -> torch.dtype:
+    """What `dtype: auto` is: float32 on a CPU; on CUDA bfloat16, or float16 on a GPU of `capability` under
+    BF16_MIN_CAPABILITY (None: not known, a plan for another machine's GPUs: bfloat16, of float16's size)."""
+    if device_type != "cuda":
+        return torch.float32
+    return torch.float16 if capability is not None and capability < BF16_MIN_CAPABILITY else torch.bfloat16
 
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
@@ -60,7 +69,6 @@ DEFAULT_MIN_SHARE = 0.2   # of the device's step time, for a throughput pool wit
 PREEMPTION_MODES = ("recompute", "swap", "auto")   # auto: swap or recompute per victim, by measured cost
 VICTIM_POLICIES = ("reverse_fifo", "longest_first", "least_progress", "lru", "priority")
 _DEVICE_NAME = re.compile(r"auto|cpu|cuda|cuda:[0-9]+")   # matched whole (`$` lets a final newline by)
-
 
 FP8_MIN_CAPABILITY = (8, 9)   # the GPUs with e4m3 conversions (Triton's fp8e4nv): Ada, Hopper and later
 
@@ -221,7 +229,7 @@ class EngineConfig:
 
     model: str = "builtin:smollm2-135m-instruct"
     device: str = "auto"            # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"             # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"             # auto: float32 on CPU, bfloat16 on CUDA (float16 before Ampere)
     cache: CacheConfig = field(default_factory=CacheConfig)
     pools: tuple[PoolConfig, ...] = (PoolConfig(),)
     seed: int = 0                   # for requests without a seed
@@ -295,9 +303,18 @@ class EngineConfig:
         return [torch.device("cuda", i) for i in ids]
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype != "auto":
-            return parse_dtype(self.dtype)
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        """The weights' and activations' type: `dtype`, or with `auto` float32 on a CPU, bfloat16 on a GPU that
+        has it (compute capability 8.0 and up: Ampere, Ada, Hopper, Blackwell), float16 on one before (V100, T4),
+        where bfloat16 is refused by name."""
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        if self.dtype == "auto":
+            return auto_dtype(device.type, capability)
+        dtype = parse_dtype(self.dtype)
+        if dtype == torch.bfloat16 and capability is not None and capability < BF16_MIN_CAPABILITY:
+            raise ConfigError(f"dtype: bfloat16 needs a GPU of compute capability "
+                              f"{'.'.join(map(str, BF16_MIN_CAPABILITY))} or newer; {device} is "
+                              f"{'.'.join(map(str, capability))}: use dtype: float16 (or auto)")
+        return dtype
 
     def resolved_kv_dtype(self, device: torch.device) -> torch.dtype:
         """The KV cache's element type: the model's, or float8_e4m3fn with `kv_cache_dtype: fp8`, which a GPU

@@ -20,6 +20,7 @@ sleep) selects on it.
 
 from __future__ import annotations
 
+import errno
 import select
 import socket
 import struct
@@ -54,9 +55,10 @@ class Channel:
 
     `send(msg)` never blocks; `flush()` writes more of the outbox (True once it is empty);
     `receive()` returns the whole messages that arrived (possibly none); `eof` is True once the peer
-    is gone and its last message was returned. `close()` closes the socket (idempotent). With `keys`
-    (a TCP connection after `engine.wire.Handshake`) every frame is signed and checked; a frame that
-    fails its check or is not a message raises OSError, as a broken connection does."""
+    is gone (or the connection failed: `end_reason`) and its last message was returned. `close()` closes
+    the socket (idempotent). With `keys` (a TCP connection after `engine.wire.Handshake`) every frame is
+    signed and checked; a frame that fails its check or is not a message raises OSError, as a broken
+    connection does."""
 
     def __init__(self, sock: socket.socket, keys: FrameKeys | None = None) -> None:
         sock.setblocking(False)
@@ -64,6 +66,7 @@ class Channel:
         self.keys = keys
         self._mac_bytes = MAC_BYTES if keys is not None else 0
         self.eof = False
+        self.end_reason: str | None = None         # why it ended where the peer did not close it (a reset, a timeout)
         self.num_pending_bytes = 0                 # queued in the outbox, not yet taken by the socket
         self.num_received_bytes = 0                # read from the socket so far, whole frames or not
         self._outbox: deque[memoryview] = deque()
@@ -101,13 +104,17 @@ class Channel:
     # --- receiving -------------------------------------------------------------------------------
     def receive(self) -> list[Any]:
         """Every whole message that has arrived, in order (an empty list when none has). Sets `eof`
-        once the peer closed its end; OSError other than would-block propagates."""
+        once the peer closed its end or the connection failed (after what arrived before it); FrameError
+        (an OSError) for bytes that are no message."""
         while not self.eof:
             try:
                 chunk = self.sock.recv(_RECV_BYTES)
             except (BlockingIOError, InterruptedError):
                 break
-            except ConnectionResetError:
+            except OSError as exc:   # reset, timed out, unreachable: the link is gone; what came before it is read
+                if exc.errno == errno.EBADF:   # a closed socket read: our mistake, not the link's
+                    raise
+                self.end_reason = self.end_reason or f"connection lost: {exc}"
                 chunk = b""
             if not chunk:
                 self.eof = True

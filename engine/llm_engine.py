@@ -37,7 +37,7 @@ from engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
 from engine.scheduler import RequestTooLargeError, Scheduler, SchedulerOutput, build_scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.stats import Laps, StepStats
-from engine.step_commit import commit_step, observe_step_time
+from engine.step_commit import check_pools, commit_step, observe_step_time
 from engine.structured import GrammarCompiler, PendingGrammars
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import iter_weights, resolve_model
@@ -207,8 +207,7 @@ class LLMEngine:
             raise RequestError(f"pool: unknown pool {pool!r}; pools: {', '.join(self.schedulers)}")
         scheduler = self.schedulers[pool]
         prompt_ids = self._prompt_ids(prompt, params)
-        max_tokens = params.max_tokens
-        if max_tokens is None:
+        if (max_tokens := params.max_tokens) is None:
             max_tokens = scheduler.max_model_len - len(prompt_ids)
             if max_tokens < 1:
                 raise RequestError(f"prompt: {len(prompt_ids)} tokens leave no room to generate within "
@@ -255,8 +254,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (None if unknown)."""
-        request = self.requests.get(request_id)
-        if request is None:
+        if (request := self.requests.get(request_id)) is None:
             return None
         if self._building.discard(request_id):   # never reached its scheduler
             for seq in request.seqs:
@@ -270,8 +268,7 @@ class LLMEngine:
 
     def pause(self, request_id: str, paused: bool) -> bool:
         """Stop stepping a request (`paused`: it keeps its blocks and place), or step it again; False if unknown."""
-        request = self.requests.get(request_id)
-        if request is not None:
+        if (request := self.requests.get(request_id)) is not None:
             self.schedulers[request.seqs[0].pool].pause(request_id, paused)
         return request is not None
 
@@ -343,7 +340,9 @@ class LLMEngine:
         scheduled = ScheduledStep(composed, [], [], stats, started)
         for name, out in composed.outputs.items():
             scheduled.batch.extend(out.scheduled)
-            scheduled.ended.extend(out.finished)
+            scheduled.ended.extend(out.finished)   # too large for their pool: their text ends with what it held
+            for seq in out.finished:
+                seq.finish_reason = FinishReason.STOP if self._flushed_stop(seq) else seq.finish_reason
             stats.num_preempted += len(out.preempted)
             for seq in (*out.preempted, *out.finished):   # no longer running: their rows are free
                 self.runner.release(seq)
@@ -457,10 +456,14 @@ class LLMEngine:
         reason = seq.append_token(token, logprob, top, lambda t: detok.step([t]), self.eos_token_ids,
                                   self.schedulers[seq.pool].max_model_len, detok.held_text)
         if reason is not None:
-            if not isinstance(seq.stop_reason, str) and seq.append_flushed(detok.flush()):   # not cut yet
-                reason = FinishReason.STOP   # the held text had a stop string
+            reason = FinishReason.STOP if self._flushed_stop(seq) else reason
             self.schedulers[seq.pool].finish(seq, reason)
             self.runner.release(seq)
+
+    def _flushed_stop(self, seq: Sequence) -> bool:
+        """At its end, the text `seq`'s detokenizer held back appended; True if a stop string in it cut it."""
+        detok = self.requests[seq.request_id].detokenizers[seq.index] if seq.request_id in self.requests else None
+        return detok is not None and not isinstance(seq.stop_reason, str) and seq.append_flushed(detok.flush())
 
     # --- offline use -----------------------------------------------------------------------------
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
@@ -473,8 +476,13 @@ class LLMEngine:
         if len(params) != len(prompts):
             raise RequestError(f"params: {len(params)} sampling params for {len(prompts)} prompts")
         ids = [f"gen-{next(self._arrivals)}-{i}" for i in range(len(prompts))]
-        for request_id, prompt, p in zip(ids, prompts, params):
-            self.add_request(request_id, prompt, p)
+        try:
+            for request_id, prompt, p in zip(ids, prompts, params):
+                self.add_request(request_id, prompt, p)
+        except BaseException:   # one refused: none of them runs (those added would hold blocks for no one)
+            for request_id in ids:
+                self.abort(request_id)
+            raise
         final: dict[str, RequestOutput] = {}
         while any(r in self.requests for r in ids):
             for out in self.step():
@@ -485,16 +493,8 @@ class LLMEngine:
     # --- invariants ------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Every pool's allocator agrees with its live sequences: each block is free, cached-free or owned,
-        and a pool's requests hold only that pool's blocks."""
-        for scheduler in self.schedulers.values():
-            scheduler.check_integrity()
-            for seq in scheduler.running:
-                if not all(scheduler.block_manager.owns(b) for b in seq.block_table):
-                    raise AssertionError(f"sequence {seq.seq_id} holds blocks outside pool {scheduler.name}")
-        running = sum(len(s.running) for s in self.schedulers.values())
-        if self.runner.input_batch.num_rows > running:
-            raise AssertionError(f"{self.runner.input_batch.num_rows} rows of the persistent batch held, "
-                                 f"{running} sequences running")
+        and a pool's requests hold only that pool's blocks (`engine.step_commit.check_pools`)."""
+        check_pools(self.schedulers, self.runner.input_batch.num_rows)
 
     def num_free_blocks(self) -> int:
         return sum(s.block_manager.num_free_blocks for s in self.schedulers.values())

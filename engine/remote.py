@@ -99,7 +99,6 @@ class ReplicaChannel(WorkerChannel):
         self.last_heard = self.last_whole = self._read_at = time.monotonic()
         self._waited = 0.0   # seconds in `wait` since the last `receive`: listening
         self._credited = 0.0   # the replica's own time credited to the clocks since the last whole message
-        self.end_reason: str | None = None
 
     def receive(self) -> list[object]:
         num_bytes = self.num_received_bytes

@@ -106,6 +106,7 @@ class RemoteEngineClient(AsyncEngineClient):
         """The cluster manager says the replica died (before, or without, the connection's loss)."""
         if self._process is not None and self._reaper is None:
             self._lost_reason = reason
+            self._on_readable()   # what it sent before it died is its word all the same (outputs, its Fatal)
             self._on_exit(reason)
 
     def kill(self, reason: str, *, unless_responsive: bool = False) -> None:

@@ -1,6 +1,7 @@
 """The bookkeeping after a step's forward pass: `commit_step`, one copy for the engine, its warm-up, its KV-scale
-calibration and the simulator (the sequences' computed tokens, the blocks they filled into the prefix cache), and
-`observe_step_time` (a prefill-heavy step's time for the pools' preemption cost models, `auto` mode)."""
+calibration and the simulator (the sequences' computed tokens, the blocks they filled into the prefix cache),
+`observe_step_time` (a prefill-heavy step's time for the pools' preemption cost models, `auto` mode), and
+`check_pools` (the invariants that bookkeeping keeps, checked by the tests)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Iterable, Mapping
 
 from engine.scheduler import ScheduledSeq, Scheduler
 
-__all__ = ["commit_step", "observe_step_time"]
+__all__ = ["check_pools", "commit_step", "observe_step_time"]
 
 
 def observe_step_time(schedulers: Mapping[str, Scheduler], prefill: int, decode: int, seconds: float) -> None:
@@ -37,3 +38,17 @@ def commit_step(schedulers: Mapping[str, Scheduler], batch: Iterable[ScheduledSe
         if seq.num_pending or seq.num_computed_tokens % bm.block_size < num_new:
             bm.register_computed(seq.block_table, seq.token_ids, min(
                 seq.num_computed_tokens, len(seq.token_ids) - seq.num_pending), seq.cache_salt)
+
+
+def check_pools(schedulers: Mapping[str, Scheduler], num_rows: int) -> None:
+    """AssertionError unless every pool's allocator agrees with its live sequences (each block free, cached-free
+    or owned), a pool's sequences hold only that pool's blocks, and the persistent batch's `num_rows` rows are
+    no more than the sequences running."""
+    for scheduler in schedulers.values():
+        scheduler.check_integrity()
+        for seq in scheduler.running:
+            if not all(scheduler.block_manager.owns(b) for b in seq.block_table):
+                raise AssertionError(f"sequence {seq.seq_id} holds blocks outside pool {scheduler.name}")
+    running = sum(len(s.running) for s in schedulers.values())
+    if num_rows > running:
+        raise AssertionError(f"{num_rows} rows of the persistent batch held, {running} sequences running")

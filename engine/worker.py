@@ -159,13 +159,13 @@ def _rank_lost(channel: "WorkerChannel", reason: str) -> None:
         os._exit(1)
 
 
-def _orphaned(doing: str = "a step runs") -> None:
+def _orphaned(doing: str = "a step runs", level: int = logging.ERROR) -> None:
     """The gateway is gone (a heartbeat could not be sent: it was killed, or its machine's OOM killer took it)
     while the loop may be inside a step, which notices only once the step ends, or never if it hangs: the
     loop did not leave within LAST_WORDS_SECONDS (`HeartbeatThread`), so the process ends, and holds no device
     memory from the gateway that replaces it (its tensor-parallel followers end with it). `LoadWatch` ends it
-    so while the model loads."""
-    log.error("the gateway is gone (its socket closed) while %s; the device worker ends", doing)
+    so while the model loads, where a gateway that stops it closes the socket too (a warning then)."""
+    log.log(level, "the gateway is gone (its socket closed) while %s; the device worker ends", doing)
     logging.shutdown()
     os._exit(1)
 
@@ -235,7 +235,7 @@ class HeartbeatThread:
 
 class LoadWatch:
     """While the model loads (minutes for a large one), a thread watches the gateway's end of the socket: if it
-    closes (the gateway was killed), the worker ends at once instead of loading on, holding the device's memory
+    closes (the gateway was killed, or it stops the worker), the worker ends at once instead of loading on, holding the device's memory
     from the gateway that replaces it. It polls for the peer's hang-up alone (`POLLRDHUP`, `POLLHUP`, `POLLERR`),
     which the kernel reports whatever unread commands the socket holds (a restarted worker gets some as it loads)."""
 
@@ -258,7 +258,7 @@ class LoadWatch:
         poller.register(self.sock, self.HANG_UP)
         while not self._stop.is_set():
             if poller.poll(self.interval * 1000) and not self._stop.is_set():
-                _orphaned("the model loads")
+                _orphaned("the model loads (or it stopped this worker then)", logging.WARNING)
 
 
 class UnreadableCommands(Exception):

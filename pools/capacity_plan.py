@@ -30,8 +30,8 @@ import torch
 
 import engine.capacity as formula
 from engine.cuda_graphs import MAX_GRAPH_BATCH, graph_memory_bytes
-from engine.config import (CacheConfig, ConfigError, EngineConfig, PoolConfig, ceil_div, dtype_name, kv_cache_dtype,
-                           parse_dtype)
+from engine.config import (CacheConfig, ConfigError, EngineConfig, PoolConfig, auto_dtype, ceil_div, dtype_name,
+                           kv_cache_dtype, parse_dtype)
 from engine.model_config import ModelConfig
 from engine.models import check_dtype
 from engine.parallel import ShardShape
@@ -247,8 +247,8 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
     `model_configs`: each local pool's `model` string -> its ModelConfig (the caller resolves them).
     `vram_bytes`: overrides every device's memory (`--vram`); a device `auto` is then planned as CUDA
     (bfloat16) even on a CPU-only machine. `memory: auto` is the GPU's total memory (`cuda_memory(device)`,
-    default torch's) on CUDA and DEFAULT_CPU_MEMORY on CPU. `dtype: auto` is bfloat16 on CUDA, float32 on
-    CPU, as `EngineConfig.resolved_dtype`. Errors are SpecError naming the key path and the value.
+    default torch's) on CUDA and DEFAULT_CPU_MEMORY on CPU. `dtype: auto`: `engine.config.auto_dtype` (bfloat16 on
+    CUDA, of float16's size). Errors are SpecError naming the key path and the value.
     """
     devices: dict[str, DevicePlan] = {}
     pools: dict[str, PoolPlan] = {}
@@ -263,7 +263,7 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
             raise SpecError(f"pools[{i0}].model: no model config for {p0.model!r}")
         dkey = f"devices.{dev_name}"
         device_type = _device_type(dev, vram_bytes, warnings)
-        dtype = parse_dtype(dev.dtype) if dev.dtype != "auto" else torch.bfloat16 if device_type == "cuda" else torch.float32
+        dtype = parse_dtype(dev.dtype) if dev.dtype != "auto" else auto_dtype(device_type)
         memory, source = _memory(dev, device_type, vram_bytes, cuda_memory)
         tp = dev.tensor_parallel_size
         kv_heads = _kv_heads_per_device(model, tp, dtype, dkey)
@@ -407,11 +407,10 @@ def _check_swap_space(key: str, p: PoolSpec, s_kv_dev: int) -> None:
 
 
 def engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict[str, EngineConfig]:
-    """One EngineConfig per planned device (its first replica's; `replica_engine_configs` gives each
-    replica's): the planned dtype, blocks and limits, nothing re-derived. This is the start-up check of
-    `serve` and `generate`: a device `auto` becomes the device type the plan assumed; a CUDA device on a
-    machine without CUDA (a plan made with `--vram`), asking for GPUs the machine does not have, or swap
-    spaces past its memory, is refused here, before anything loads. Errors are SpecError naming the key path."""
+    """One EngineConfig per planned device (its first replica's; `replica_engine_configs` gives each replica's):
+    the planned dtype (`auto` kept), blocks and limits, nothing re-derived. The start-up check of `serve` and
+    `generate`: a device `auto` becomes the plan's device type; a CUDA device on a machine without CUDA (a plan
+    made with `--vram`), GPUs it does not have, or swap spaces past its memory are refused, naming the key path."""
     return {name: configs[0] for name, configs in replica_engine_configs(config, plan).items()}
 
 
@@ -439,7 +438,8 @@ def replica_engine_configs(config: CliffguardConfig, plan: CapacityPlan) -> dict
             pool_configs.append(PoolConfig(name=pplan.spec.name, num_blocks=pplan.num_blocks, scheduler=scheduler,
                                            slo=pplan.spec.slo, min_share=pplan.spec.engine_min_share,
                                            derive_slo=pplan.spec.slo_source == "default"))
-        template = EngineConfig(model=dplan.model, device=device, dtype=dplan.dtype,
+        dtype = "auto" if dev.dtype == "auto" and device.startswith("cuda") else dplan.dtype   # each GPU's own
+        template = EngineConfig(model=dplan.model, device=device, dtype=dtype,
                                 cache=CacheConfig(block_size=dplan.block_size), pools=tuple(pool_configs),
                                 memory_utilization=dplan.memory_utilization,
                                 tensor_parallel_size=dplan.tensor_parallel_size, enforce_eager=dev.enforce_eager,

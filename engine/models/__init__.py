@@ -49,7 +49,8 @@ def check_dtype(config: ModelConfig, dtype: torch.dtype) -> None:
     """ConfigError naming `dtype` for a model that cannot run in it: Gemma 3 in float16, whose activations
     overflow it (inf, then NaN; vLLM refuses it too). The capacity plan applies it too, naming the device."""
     if config.architecture == "Gemma3ForCausalLM" and dtype == torch.float16:
-        raise ConfigError("dtype: Gemma 3's activations overflow float16 (inf, then NaN); use bfloat16 or float32")
+        raise ConfigError("dtype: Gemma 3's activations overflow float16 (inf, then NaN); use bfloat16 "
+                          "(a GPU of compute capability 8.0 or newer) or float32")
 
 
 def _allocate(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> None:

@@ -84,6 +84,10 @@ class Account:
         return self.max_seqs is None or self.num_seqs + self.seqs_of(ticket) <= self.max_seqs
 
     @property
+    def free_seqs(self) -> int | None:
+        return None if self.max_seqs is None else self.max_seqs - self.num_seqs
+
+    @property
     def free(self) -> int:
         return max(0, self.total - self.held - self.outside)   # 0 while a shrunk lease is under what is held
 

@@ -10,13 +10,16 @@ small request that arrives behind sixteen large ones is next but one, and a burs
 cannot pass a large one for longer than it asks for itself: each flow gets the channel's credits in
 turn, by what it asks.
 
-Order alone does not help while the burst holds every credit (credits come back only when a request
-ends). So in an interactive pool (one with an SLO) a flow may hold at most `(FLOW_CAP - 1) / FLOW_CAP`
-of a replica's credits and sequences while it already holds some (`Headroom`): the rest is room where
-another flow's request starts at once. The price: a load of one size alone runs on 7/8 of the pool. A
-request larger than that still runs, alone in its flow. A flow held back by its cap does not block the
-queue: the next flow's head goes. A throughput pool has no cap (its requests gain nothing from
-starting sooner, and its concurrency is a few sequences: a cap would cost it one in seven).
+Order alone does not help while the burst holds every credit (credits come back only when a request ends). So
+in an interactive pool (one with an SLO) a flow's request that would take it past `(FLOW_CAP - 1) / FLOW_CAP`
+of a replica's credits or sequences, while it already holds some, waits (`Headroom`): the reserve left is room
+where another flow's request starts at once. The cap itself idles at most twice the reserve: a request over it
+that fits still goes where waiting would leave more free. So a load of one size alone runs on 7/8 of the pool
+when its requests are small, and the cap never keeps more than 2/8 of a replica idle, whatever their size (two
+half-pool requests run together); a pool of fewer than 8 sequences is not capped in sequences. A request
+larger than the cap still runs, alone in its flow. A flow held back by its cap does not block the queue: the
+next flow's head goes. A throughput pool has no cap (its requests gain nothing from starting sooner, and its
+concurrency is a few sequences: a cap would cost it one in seven).
 
 A tenant's share of the queue is its `TenantPolicy`; its channels, one per priority, and its allowance
 in the ledger's deficit round robin across tenants are a `TenantQueue`. Batch lines, served behind every
@@ -34,7 +37,8 @@ from typing import Protocol
 
 DEFAULT_TENANT = "default"
 WEIGHT_SCALE = 1 << 10   # batch lines' fair-queueing tags: credits x WEIGHT_SCALE / the tenant's weight
-FLOW_CAP = 8   # an interactive pool's flow holds at most 7/8 of a replica's credits and sequences (while it holds any)
+MAX_IDLE_LANES = 16   # a tenant's empty priority channels kept for their fair-queueing tags (`TenantQueue`)
+FLOW_CAP = 8   # an interactive pool's flow past 7/8 of a replica's credits or sequences waits (`Headroom`)
 
 
 def flow_class(num_tokens: int, block_size: int) -> int:
@@ -170,13 +174,23 @@ class Headroom:
     cap: int | None = None        # FLOW_CAP, or None: no cap (the holdings are still counted)
     held: dict[Hashable, list[int]] = field(default_factory=dict)   # key -> [credits, sequences]
 
-    def allows(self, key: Hashable, num_tokens: int, num_seqs: int) -> bool:
+    def allows(self, key: Hashable, num_tokens: int, num_seqs: int, free: int, free_seqs: int | None) -> bool:
+        """Whether one more request of flow `key` (`num_tokens` credits, `num_seqs` sequences) keeps within the
+        cap on the replica, which has `free` credits and `free_seqs` sequences free (None: not counted). Over
+        the cap it still goes where it fits and waiting would idle more than twice the reserve (`total // cap`):
+        a request as large as the reserve would otherwise keep up to its own size idle (one of two half-pool
+        requests). One that does not fit is held by the cap all the same (it waits for its own flow, never as
+        the first in line)."""
         tokens, seqs = self.held.get(key, (0, 0))
         if self.cap is None or tokens == 0:
             return True    # a flow's first request on the replica always may (it may be larger than the cap)
-        if tokens + num_tokens > self.total - max(1, self.total // self.cap):
+        reserve = self.total // self.cap
+        if tokens + num_tokens > self.total - max(1, reserve) and not (num_tokens <= free and free > 2 * reserve):
             return False
-        return self.max_seqs is None or seqs + num_seqs <= self.max_seqs - max(1, self.max_seqs // self.cap)
+        if self.max_seqs is None or free_seqs is None:
+            return True
+        reserve = self.max_seqs // self.cap
+        return seqs + num_seqs <= self.max_seqs - max(1, reserve) or (num_seqs <= free_seqs and free_seqs > 2 * reserve)
 
     def add(self, key: Hashable, num_tokens: int, num_seqs: int) -> None:
         entry = self.held.setdefault(key, [0, 0])
@@ -224,14 +238,17 @@ class TenantQueue:
 
     weight: int
     channels: dict[int, FlowChannel] = field(default_factory=dict)   # priority -> its flows, while any is queued
-    lanes: dict[int, FlowChannel] = field(default_factory=dict)      # priority -> its flows, kept while empty
+    lanes: dict[int, FlowChannel] = field(default_factory=dict)      # ... kept while empty, the last used last
     deficit: int = 0
 
     def append(self, ticket: Queued) -> None:
         """Queue `ticket` (it has a `priority`) in its priority's channel, whose fair-queueing tags outlive its
-        empty spells: a burst admitted one by one still counts as served when the next request comes."""
-        channel = self.channels[ticket.priority] = self.lanes.setdefault(ticket.priority, FlowChannel())
-        channel.append(ticket)
+        empty spells (the last `MAX_IDLE_LANES` used): a burst admitted one by one still counts as served when
+        the next request comes."""
+        lane = self.lanes.pop(ticket.priority, None)
+        lane = FlowChannel() if lane is None else lane   # (an empty one is falsy)
+        self.lanes[ticket.priority] = self.channels[ticket.priority] = lane
+        lane.append(ticket)
 
     def heads(self) -> Iterator:
         """The candidates for the next admission, in order: the best priority's flows first."""
@@ -249,5 +266,10 @@ class TenantQueue:
         self._drop_empty(ticket.priority)
 
     def _drop_empty(self, priority: int) -> None:
+        """An emptied channel leaves the queue; of the empty lanes only the `MAX_IDLE_LANES` used last are kept
+        (`priority` is any integer a request sends: one new each time must not grow the tenant without end)."""
         if not self.channels[priority]:
             del self.channels[priority]
+            idle = [p for p in self.lanes if p not in self.channels] if len(self.lanes) > MAX_IDLE_LANES else []
+            for stale in idle[:len(idle) - MAX_IDLE_LANES]:
+                del self.lanes[stale]

@@ -19,8 +19,7 @@ holds only those it may not go to now, so the idle ones serve the rest of the qu
 waited goes first at each later admission until admitted (`_first`), charged to its tenant; its own tenant's
 heads before it in fair order go first only while no other tenant waits (a tenant streaming urgent requests
 past its waiting one took the credits every tenant held back behind it waited for). One exception: a flow
-at its cap (`flow_cap`, an interactive pool's: `pools.credits.flows.Headroom`, at most 7/8 of a replica's
-credits and sequences while it holds any): its head waits for its own flow, holding nothing.
+at its cap (`flow_cap`, an interactive pool's: `pools.credits.flows.Headroom`): its head waits for its own flow.
 
 Sequences: a replica may also be given the most sequences its engine runs at once (`max_seqs`, the
 pool's max_num_seqs); a request of n samples over p prompts takes n x p of them (at most all), so
@@ -293,7 +292,8 @@ class CreditLedger:
 
     def under_cap(self, ticket: Ticket, replica: int) -> bool:
         """`ticket` on `replica` keeps its flow within the cap (by what it would take there: not shared blocks)."""
-        return self.accounts[replica].headroom.allows(ticket.flow_key, self.need(ticket, replica), ticket.num_seqs)
+        a = self.accounts[replica]
+        return a.headroom.allows(ticket.flow_key, self.need(ticket, replica), ticket.num_seqs, a.free, a.free_seqs)
 
     def _roomy(self, ticket: Ticket) -> list[int]:
         """The replicas that are up and have the free credits and sequences `ticket` needs there."""

@@ -249,8 +249,11 @@ class CreditQueue:
                 self._anywhere.add(ticket.request_id)
                 self._affine.discard(ticket.request_id)
                 self._admit()
-            await asyncio.wait_for(asyncio.shield(waiter), None if limit is None else
-                                   max(0.0, limit - spent - (time.monotonic() - started)))
+            # not `wait_for`: on Python 3.11 it returns as admitted when its task is cancelled in the loop step the
+            # admission lands in, and a request whose client left would run
+            left = None if limit is None else max(0.0, limit - spent - (time.monotonic() - started))
+            async with asyncio.timeout(left):
+                await asyncio.shield(waiter)
         except BaseException as exc:
             if self.ledger.cancel(ticket.request_id):        # still queued: leave holding nothing
                 if isinstance(exc, TimeoutError):

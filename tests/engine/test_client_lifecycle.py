@@ -20,7 +20,7 @@ import engine.client as client_module
 from engine.client import AsyncEngineClient, EngineDeadError
 from engine.config import EngineConfig
 from engine.ipc import Channel
-from engine.messages import AbortRequest, Lease, Outputs, Shutdown
+from engine.messages import AbortRequest, Fatal, Lease, Outputs
 from engine.outputs import RequestDelta
 from engine.worker_process import WorkerProcess
 
@@ -100,6 +100,25 @@ async def test_shutdown_reaches_a_worker_whose_socket_is_full(monkeypatch):
         client._send(AbortRequest("x" * 4096))
     await client.shutdown(timeout=0.01)
     assert saw_eof[0] and process.kills == 0 and process.closed
+
+
+async def test_a_send_that_finds_the_worker_gone_first_reads_what_it_sent_before():
+    """The worker sent its last outputs and its `Fatal`, then exited; a command sent before the reader's
+    callback ran found the socket broken, and the client stopped there: the finished request failed with
+    EngineDeadError, and the failed step read as a lost worker. What it sent is read first, as its EOF would be."""
+    process = _Process()
+    client, worker = _connected(process)
+    finished, cut = (client_module._Stream(asyncio.Queue()) for _ in range(2))
+    client._streams.update(done=finished, cut=cut)
+    delta = RequestDelta("done", [], finished=True)
+    worker.send(Outputs([delta]))
+    worker.send(Fatal("Traceback: the step failed"))
+    worker.sock.close()
+    process.exitcode = 1
+    client.report_waiting("chat", 3)   # a credit queue's report, queued before the reader's callback
+    reason = await asyncio.wait_for(client.died, 5)
+    assert finished.queue.get_nowait() == delta and isinstance(cut.queue.get_nowait(), EngineDeadError)
+    assert client.step_failed and "the step failed" in reason
 
 
 async def test_a_lease_the_gateway_fails_to_apply_leaves_what_came_with_it_dispatched():

@@ -271,6 +271,23 @@ def test_an_fp8_cache_on_a_gpu_without_fp8_conversions_is_refused_by_name(monkey
     assert config.resolved_kv_dtype(torch.device("cpu")) == torch.float8_e4m3fn
 
 
+def test_dtype_auto_is_float16_on_a_gpu_without_bfloat16_and_bfloat16_there_is_refused_by_name(monkeypatch):
+    """A T4 or a V100 (compute capability 7.x) has no bfloat16 tensor cores: `auto` took bfloat16 on every GPU,
+    and the engine failed there; it takes float16 now, and an explicit bfloat16 is refused naming the key."""
+    gpu = torch.device("cuda", 1)
+    _cuda_machine(monkeypatch, (7, 5))   # a T4
+    assert EngineConfig(device="cuda:1").resolved_dtype(gpu) == torch.float16
+    assert EngineConfig(device="cuda:1").resolved_kv_dtype(gpu) == torch.float16
+    assert EngineConfig(device="cuda:1", dtype="float32").resolved_dtype(gpu) == torch.float32
+    with pytest.raises(ConfigError, match=r"^dtype: bfloat16 needs a GPU of compute capability 8.0 or newer; "
+                                          r"cuda:1 is 7.5: use dtype: float16"):
+        EngineConfig(device="cuda:1", dtype="bf16").resolved_dtype(gpu)
+    _cuda_machine(monkeypatch, (8, 0))   # an A100
+    assert EngineConfig(device="cuda:1").resolved_dtype(gpu) == torch.bfloat16
+    assert EngineConfig(device="cuda:1", dtype="bf16").resolved_dtype(gpu) == torch.bfloat16
+    assert EngineConfig().resolved_dtype(torch.device("cpu")) == torch.float32
+
+
 def test_unsupported_architecture_in_a_model_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**LLAMA, "architectures": ["FalconForCausalLM"]}))
     with pytest.raises(ConfigError, match="FalconForCausalLM"):

@@ -126,6 +126,10 @@ def test_requests_that_can_never_fit_are_refused(builtin_path):
     while engine.has_unfinished_requests():
         engine.step()
     assert_all_free(engine)
+    with pytest.raises(RequestError, match="max_model_len 128"):   # offline: the ones before it are not left behind
+        engine.generate([[1, 2], list(range(100))], SamplingParams(max_tokens=40))
+    assert not engine.has_unfinished_requests()
+    assert_all_free(engine)
 
 
 @pytest.fixture(scope="module")
@@ -265,6 +269,40 @@ def test_siblings_end_with_a_first_sample_that_ends_before_its_prefill(tiny_path
     assert out.finished and "cannot hold" in out.error
     assert sorted(o.index for o in out.outputs) == [0, 1, 2]
     assert all(o.finish_reason == "length" and not o.token_ids for o in out.outputs)
+    assert_all_free(engine)
+
+
+class _HoldingDetokenizer:
+    """A detokenizer that holds back all its text until the end, as an open byte-fallback run is held."""
+
+    def __init__(self, stop_in_text: bool) -> None:
+        self.text = "ab" + ("STOP" if stop_in_text else "") + "cd"
+
+    def step(self, ids) -> str:
+        return ""
+
+    def held_text(self, max_chars: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return self.text
+
+
+@pytest.mark.parametrize("stop_in_text", [False, True])
+def test_a_sequence_its_pool_cannot_hold_once_it_grew_ends_with_the_text_its_detokenizer_held(
+        tiny_path, monkeypatch, stop_in_text):
+    """The scheduler ends a running sequence that grew past what its pool can hold (alone in it): its answer is the
+    text it wrote, the text its detokenizer still held back included (it was dropped), cut at a stop string in it."""
+    engine = _engine(tiny_path, block_size=8, num_blocks=4)   # 32 tokens
+    monkeypatch.setattr(engine.schedulers["default"], "check_fits", lambda *args: None)  # let a too-large one in
+    engine.add_request("grows", list(range(3, 23)), SamplingParams(temperature=0, max_tokens=30, stop=["STOP"],
+                                                                  ignore_eos=True))
+    engine.requests["grows"].detokenizers = [_HoldingDetokenizer(stop_in_text)]
+    final = [out for _ in range(40) for out in engine.step() if out.finished]
+    (out,) = final
+    sample = out.outputs[0]
+    assert "cannot hold" in out.error and 0 < len(sample.token_ids) < 30
+    assert (sample.text, sample.finish_reason) == (("ab", "stop") if stop_in_text else ("abcd", "length"))
     assert_all_free(engine)
 
 

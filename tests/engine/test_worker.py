@@ -299,6 +299,31 @@ def test_a_worker_whose_gateway_is_gone_while_it_loads_ends_at_once(tiny_config,
     assert exitcode == 1 and ended < 5, (exitcode, ended)
 
 
+def test_a_worker_stopped_while_it_loads_ends_at_once(tiny_config, monkeypatch):
+    """`shutdown` while the model loads (the gateway stops, the autoscaler parks a replica): the worker, which
+    reads no command before it is loaded, ended only once SIGKILLed after the whole grace period (10 s)."""
+    from engine.faults import SLOW_LOAD_ENV
+
+    monkeypatch.setenv(SLOW_LOAD_ENV, "60")
+
+    async def main():
+        client = AsyncEngineClient(tiny_config)
+        starting = asyncio.ensure_future(client.start())
+        async with asyncio.timeout(30):
+            while client._channel is None:                # launched, loading
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        began = time.monotonic()
+        await client.shutdown(timeout=10)
+        took = time.monotonic() - began
+        with pytest.raises(EngineDeadError, match="engine shut down"):
+            await starting
+        return client.exitcode, took
+
+    exitcode, took = asyncio.run(main())
+    assert exitcode == 1 and took < 5, (exitcode, took)
+
+
 def _cpu_seconds(pid: int) -> float:
     """The user + system CPU seconds process `pid` has used (/proc/PID/stat)."""
     fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
 
 from engine.model_config import ModelConfig
@@ -260,6 +261,14 @@ def test_engine_configs_place_every_rank_on_a_gpu_of_its_own(monkeypatch):
     config, plan = _plan_example()
     engine = engine_configs(config, plan)["h100x8"]
     assert (engine.tensor_parallel_size, engine.device, engine.gpu_ids) == (8, "cuda:0", tuple(range(8)))
+    assert engine.dtype == "bfloat16"
+    auto = _example_data()   # dtype auto, planned as bfloat16 (of float16's size), is each GPU's own: the
+    auto["devices"]["h100x8"]["dtype"] = "auto"   # serving replica's, float16 on one without bfloat16
+    config_auto, plan_auto = _plan_example(auto)
+    engine = engine_configs(config_auto, plan_auto)["h100x8"]
+    assert (plan_auto.devices["h100x8"].dtype, engine.dtype) == ("bfloat16", "auto")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert engine.resolved_dtype(torch.device("cuda", 0)) == torch.float16
     data = _example_data()
     data["devices"]["h100x8"].update(tensor_parallel_size=4, replicas=2, gpus=[7, 6, 5, 4, 3, 2, 1, 0])
     replicas = replica_engine_configs(*_plan_example(data))["h100x8"]

@@ -645,6 +645,34 @@ def test_the_prompts_of_a_request_are_shared_once_each_has_streamed_a_token():
     asyncio.run(main())
 
 
+def test_a_client_that_leaves_in_the_loop_step_its_credits_are_granted_does_not_run():
+    """Its handler cancelled in the loop step its admission lands in: on Python 3.11 `asyncio.wait_for` returned
+    as if nothing had happened, and the request ran, holding its credits for no one (a drain's cut did not cut
+    it either). It leaves with its cancellation, its credits back."""
+    ran = []
+
+    async def scenario() -> None:
+        queue = CreditQueue("chat", 100, max_queue_seconds=2.0)
+
+        async def second() -> None:
+            async with queue.hold("b", 100):
+                ran.append("b")
+
+        first = queue.hold("a", 100)
+        await first.__aenter__()
+        task = asyncio.create_task(second())
+        await asyncio.sleep(1.1)                   # past its half-wait for the replica caching its prompt
+        await first.__aexit__(None, None, None)    # its credits granted to b ...
+        task.cancel()                              # ... as its client leaves, in the same loop step
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert queue.ledger.free == 100 and queue.num_admitted == 2
+        queue.ledger.check_integrity()
+
+    asyncio.run(scenario())
+    assert ran == []
+
+
 def test_a_refusal_with_free_credits_says_what_holds_them_back():
     """max_queue_seconds 0: a request refused while a replica has its credits free, by max_num_seqs or by its
     flow's cap, says so; its 429 read "needs 112 KV token slots, 128 are free", as if there were room."""

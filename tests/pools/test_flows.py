@@ -111,6 +111,36 @@ def test_a_request_larger_than_the_cap_runs_alone_in_its_flow():
     too_many.check_integrity()
 
 
+def test_the_cap_idles_at_most_a_quarter_of_a_replica_whatever_the_requests_size():
+    """The cap keeps a reserve of 1/8 free for another flow; a request it stops waits only while waiting idles at
+    most twice that. Chats with no max_tokens reserve half a 16,384-credit replica each: the cap ran one at a time,
+    the other half idle, and the second waited out max_queue_seconds with 8,192 credits free."""
+    ledger = CreditLedger(16_384, quantum=16_384, flow_cap=FLOW_CAP)
+    for i in range(3):
+        ledger.submit(f"half{i}", 8192)
+    assert _ids(ledger.admit()) == ["half0", "half1"]
+    three_tenths = CreditLedger(10_000, quantum=10_000, flow_cap=FLOW_CAP)
+    for i in range(4):
+        three_tenths.submit(f"r{i}", 3000)
+    assert len(three_tenths.admit()) == 3              # 9,000 passes the cap of 8,750; waiting idled 4,000
+    eighths = CreditLedger(10_000, quantum=10_000, flow_cap=FLOW_CAP)
+    for i in range(10):
+        eighths.submit(f"e{i}", 1000)
+    assert len(eighths.admit()) == 8                   # the ninth waits: it idles 2,000, not over 2 x 1,250
+    two_seqs = CreditLedger(10_000, quantum=10_000, max_seqs=2, flow_cap=FLOW_CAP)
+    two_seqs.submit("s0", 100)
+    two_seqs.submit("s1", 100)
+    assert _ids(two_seqs.admit()) == ["s0", "s1"]      # a pool of two sequences is not capped in sequences
+    unfit = CreditLedger(10_000, quantum=10_000, flow_cap=FLOW_CAP)
+    for i in range(3):
+        unfit.submit(f"a{i}", 3500, tenant="a")
+    assert _ids(unfit.admit()) == ["a0", "a1"]
+    unfit.submit("b", 100, tenant="b")               # a2, over the cap, fits nowhere: it waits for its own flow,
+    assert _ids(unfit.admit()) == ["b"]              # never as the first in line, and b starts at once
+    for checked in (ledger, three_tenths, eighths, two_seqs, unfit):
+        checked.check_integrity()
+
+
 def test_a_flow_at_its_cap_does_not_block_other_tenants():
     ledger = CreditLedger(10_000, quantum=10_000, flow_cap=FLOW_CAP)
     for i in range(10):
@@ -243,3 +273,24 @@ def test_a_tenants_batch_lines_or_other_priority_at_the_cap_leave_its_interactiv
         ledger.submit("chat", 1040)                                      # same tenant, same size class
         assert _ids(ledger.admit()) == ["chat"], other                   # into the room left, at once
         ledger.check_integrity()
+
+
+def test_a_tenant_sending_a_new_priority_each_time_keeps_a_bounded_number_of_empty_channels():
+    """A channel's fair-queueing tags outlive its empty spells, so every priority a busy tenant had sent was kept
+    (one per request for a client that sends a deadline as its priority: ~640 bytes each, never freed). Only the
+    empty channels used last are kept now; the one in use keeps its tags."""
+    from pools.credits.flows import MAX_IDLE_LANES
+
+    ledger = CreditLedger(10_000, quantum=10_000)
+    ledger.submit("long", 100, tenant="a")            # the tenant stays busy throughout
+    ledger.admit()
+    for i in range(200):
+        ledger.submit(f"r{i}", 100, tenant="a", priority=1000 + i)
+        assert _ids(ledger.admit()) == [f"r{i}"]
+        ledger.release(f"r{i}")
+    lanes = ledger._tenants["a"].lanes
+    assert len(lanes) <= MAX_IDLE_LANES + 1 and 1000 + 199 in lanes and 1000 not in lanes
+    kept = lanes[1000 + 199]
+    ledger.submit("again", 100, tenant="a", priority=1000 + 199)
+    assert ledger._tenants["a"].channels[1000 + 199] is kept   # its tags, not a fresh channel
+    ledger.check_integrity()
