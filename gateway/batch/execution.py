@@ -345,7 +345,7 @@ class BatchRunner:
             if not run.cancelling and not run.buffer and not run.exhausted:
                 page = await self.durable(self.store.pending_lines, run.batch_id, run.after_line_no, PAGE_LINES)
                 run.buffer.extend(page)
-                run.exhausted = len(page) < PAGE_LINES
+                run.exhausted = not page   # a page may end early (`BatchStore.pending_lines`: its bytes)
                 if page:
                     run.after_line_no = page[-1].line_no
             return run.buffer.popleft() if run.buffer and not run.cancelling else None

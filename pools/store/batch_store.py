@@ -73,6 +73,7 @@ changes nothing. Stdlib only; no aiohttp (the pools package never imports it).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import sqlite3
@@ -106,6 +107,7 @@ _FILE_LIVE = "files.deleted_at IS NULL AND (files.expires_at IS NULL OR files.ex
 _FILE_COLUMNS = "id, purpose, filename, bytes, created_at, expires_at"
 PURGE_EVERY_S = 60.0      # how often the batch runner drops expired files' bytes (`purge_expired`)
 PURGE_BYTES = 64 << 20    # bytes one purge transaction drops at most (past one file; the next call drops more)
+PAGE_BYTES = 8 << 20      # bodies of pending lines one page reads at most (past one line: `pending_lines`)
 
 
 class BatchStore(StoreFile):
@@ -366,12 +368,20 @@ class BatchStore(StoreFile):
         return [r[0] for r in rows]
 
     # --- lines -----------------------------------------------------------------------------------
-    def pending_lines(self, batch_id: str, after_line_no: int = 0, limit: int = 256) -> list[BatchLine]:
-        """Up to `limit` pending lines after `after_line_no`, in file order."""
-        with self._lock:
-            rows = self._db.execute(
+    def pending_lines(self, batch_id: str, after_line_no: int = 0, limit: int = 256,
+                      max_bytes: int | None = None) -> list[BatchLine]:
+        """Up to `limit` pending lines after `after_line_no`, in file order, their bodies `max_bytes` at most
+        together (one line at least, whatever its size): a page of lines of a megabyte each is not a runner's
+        quarter gigabyte, parsed, before any of them starts. Empty once none is left."""
+        rows, size, max_bytes = [], 0, PAGE_BYTES if max_bytes is None else max_bytes
+        with self._lock, contextlib.closing(self._db.execute(   # closed at once, not once collected: a read ends
                 "SELECT line_no, custom_id, method, url, body, sent_at FROM lines WHERE batch_id=? AND line_no>? "
-                "AND status='pending' ORDER BY line_no LIMIT ?", (batch_id, after_line_no, limit)).fetchall()
+                "AND status='pending' ORDER BY line_no LIMIT ?", (batch_id, after_line_no, limit))) as cursor:
+            for row in cursor:
+                size += len(row[4])
+                if rows and size > max_bytes:
+                    break
+                rows.append(row)
         return [BatchLine(r[0], r[1], r[2], r[3], json.loads(r[4]), sent=r[5] is not None) for r in rows]
 
     def mark_sent(self, batch_id: str, line_no: int, sent: bool = True) -> None:

@@ -339,6 +339,18 @@ async def test_a_stopped_server_resumes_its_batches_and_records_each_line_once(a
     assert [o["custom_id"] for o in output] == [f"r{i}" for i in range(20)]
 
 
+async def test_a_page_cut_short_by_its_bytes_does_not_end_the_batch(aiohttp_client, tmp_path, tiny_model,
+                                                                    monkeypatch):
+    """Pages of pending lines end at `PAGE_BYTES` of bodies (here one line each): the runner read a page shorter
+    than `PAGE_LINES` as the last, and the batch finalized with its later lines never run."""
+    monkeypatch.setattr(batch_store, "PAGE_BYTES", 1)
+    fake = _FakeExecutor()
+    client = await _client(aiohttp_client, tmp_path, tiny_model, fake)
+    done = await _wait(client, (await _create(client, _jsonl(*(_line(f"r{i}") for i in range(6)))))["id"])
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+    assert set(fake.calls) == {f"r{i}" for i in range(6)}
+
+
 async def test_the_async_sdk_reads_every_shape(aiohttp_client, tmp_path, tiny_model):
     client = await _client(aiohttp_client, tmp_path, tiny_model, _FakeExecutor())
     sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)

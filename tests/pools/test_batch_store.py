@@ -277,6 +277,22 @@ def test_a_result_is_recorded_once_and_the_files_assembled_at_finalize(tmp_path)
     store.check_integrity()
 
 
+def test_a_page_of_pending_lines_is_bounded_by_its_bodies_bytes(tmp_path):
+    """A runner reads pending lines a page at a time, every body parsed before the first starts: 256 lines of a
+    megabyte each were a quarter gigabyte of text (twice that as objects) per running batch. A page stops once
+    its bodies pass `max_bytes`, one line at least; the next page goes on after it."""
+    store = _make_store(tmp_path / "b.sqlite3")
+    big = "x" * 3000
+    lines = [_line(f"r{i}", **{"body": {"model": "m", "messages": [{"role": "user", "content": big}]}})
+             for i in range(10)]
+    batch = _make_batch(store, _jsonl(*lines))
+    first = store.pending_lines(batch["id"], max_bytes=10_000)
+    assert [ln.custom_id for ln in first] == ["r0", "r1", "r2"]                  # a fourth would pass 10,000
+    assert [ln.custom_id for ln in store.pending_lines(batch["id"], first[-1].line_no, max_bytes=10)] == ["r3"]
+    assert len(store.pending_lines(batch["id"])) == 10                           # the default: 8 MiB a page
+    assert store.pending_lines(batch["id"], after_line_no=10) == []
+
+
 def _lines_kept(path: Path, batch_id: str) -> int:
     """How many lines of the batch the store still keeps (a finished one's are in its files)."""
     with contextlib.closing(sqlite3.connect(path)) as db:
