@@ -168,9 +168,45 @@ def test_a_compiled_kernel_is_cached_by_its_source(tmp_path, monkeypatch):
     assert load_c_library(source, ["-O1"], {"one": []}) is None   # another source: the same
     monkeypatch.delenv("CC")
     assert load_c_library(source, ["-O1"], {"one": []}).one() == 2
+
+
+
+def test_a_build_that_cannot_be_kept_or_loaded_where_it_is_cached_is_made_elsewhere(tmp_path, monkeypatch):
+    """A cached library cut short (or another machine's) raised out of ctypes and the worker did not start; a
+    cache folder that cannot be written, or whose libraries cannot be mapped (a `noexec` mount), left every
+    C kernel off (a decode 8x slower). The build is made again, in the temporary folder where it must."""
+    import tempfile
+
+    from kernels import cpu_build
+
+    source = tmp_path / "one.c"
+    source.write_text("int one(void) { return 1; }\n")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "first"))
+    assert load_c_library(source, ["-O1"], {"one": []}).one() == 1
+    (first,) = (tmp_path / "first").glob("one-*.so")   # (a file a process has loaded is never overwritten)
+    (tmp_path / "cache").mkdir()
+    built = tmp_path / "cache" / first.name
+    built.write_bytes(b"\x7fELF cut short")
+    monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "cache"))
+    assert load_c_library(source, ["-O1"], {"one": []}).one() == 1               # built in the temporary folder
+    assert len(list((tmp_path / "tmp").glob("cliffguard-kernels-*/one-*.so"))) == 1
+    assert load_c_library(source, ["-O1"], {"one": [], "two": []}) is None       # a function it lacks: None
+    source.write_text("int one(void) { return 3; }\n")
+    load = cpu_build._load
+    monkeypatch.setattr(cpu_build, "_load", lambda path, *args: None if path.parent == tmp_path / "cache"
+                        else load(path, *args))                                  # a noexec cache folder
+    assert load_c_library(source, ["-O1"], {"one": []}).one() == 3
+    assert len(list((tmp_path / "tmp").glob("cliffguard-kernels-*/one-*.so"))) == 2
+    monkeypatch.undo()
     (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp2"))
+    (tmp_path / "tmp2").mkdir()
     monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "a-file" / "kernels"))
-    assert load_c_library(source, ["-O1"], {"one": []}) is None   # a cache folder that cannot be made
+    assert load_c_library(source, ["-O1"], {"one": []}).one() == 3               # a folder that cannot be made
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "a-file"))
+    assert load_c_library(source, ["-O2"], {"one": []}) is None                  # nor the temporary one: None
 
 
 def test_the_cpu_device_gets_this_backend(monkeypatch):
