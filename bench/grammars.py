@@ -7,7 +7,8 @@ twenty schemas of `bench.schemas`:
 - **mask, batch 1**: time per token to fill one row of the allowed-token bitmask, then accept the token,
   walking the instance's tokens (the work a decode step adds to one constrained row);
 - **mask, batch 32**: the same for 32 matchers (the twenty schemas, cycled) advancing in lockstep, per step,
-  with the library's batched fill where it has one.
+  with the library's batched fill where it has one, for as many steps as the longest instance has tokens (a
+  row at its instance's end starts it again), so each step has all 32 rows.
 All timings are on one process, one after the other; the tokenizer is the model's (`--model`).
 """
 
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from bench.schemas import SCHEMAS
+from pools.cli_types import positive_int
 
 LIBRARIES = ("llguidance", "xgrammar", "outlines-core")
 
@@ -32,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="HF model folder, .gguf file or builtin:smollm2-135m-instruct (default)")
     p.add_argument("--libraries", default=",".join(LIBRARIES),
                    help=f"comma-separated, of {', '.join(LIBRARIES)} (those not installed are skipped)")
-    p.add_argument("--batch", type=int, default=32, help="matchers advancing together in the batched figure")
+    p.add_argument("--batch", type=positive_int, default=32, help="matchers advancing together in the batched figure")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -217,22 +219,26 @@ def measure(lib: _Lib, instances: list[tuple[str, str, list[int]]], vocab_size: 
                 failures[name] = f"rejected the instance at token {t}"
                 break
         one_s += time.perf_counter() - started
-    # batch: matchers over the compiled schemas, cycled, each walking its instance; finished ones idle out.
+    # batch: matchers over the compiled schemas, cycled, each walking its instance, as many steps as the longest
+    # has tokens; a row at its instance's end starts it again (untimed), so every step has `batch` rows (the
+    # figure covered only the shortest instance's steps, each JSON's opening).
     walkers = [(name, tokens) for name, _, tokens in instances if name in compiled and name not in failures]
     batch_step_s, num_steps = 0.0, 0
     if walkers:
         rows = [walkers[i % len(walkers)] for i in range(batch)]
         matchers = [lib.matcher(compiled[name]) for name, _ in rows]
-        for step in range(max(len(tokens) for _, tokens in rows)):
-            active = [(m, tokens[step]) for m, (_, tokens) in zip(matchers, rows) if step < len(tokens)]
-            if len(active) < batch:
-                break   # lockstep at full batch only: the figure is per step of `batch` rows
+        positions = [0] * batch
+        for _ in range(max(len(tokens) for _, tokens in rows)):
+            for i, (name, tokens) in enumerate(rows):
+                if positions[i] == len(tokens):
+                    matchers[i], positions[i] = lib.matcher(compiled[name]), 0
             started = time.perf_counter()
-            lib.fill_batch([m for m, _ in active], bitmask)
-            for m, t in active:
-                lib.accept(m, t)
+            lib.fill_batch(matchers, bitmask)
+            for i, (m, (_, tokens)) in enumerate(zip(matchers, rows)):
+                lib.accept(m, tokens[positions[i]])
             batch_step_s += time.perf_counter() - started
             num_steps += 1
+            positions = [p + 1 for p in positions]
     return {
         "library": lib.name, "num_schemas": len(instances), "compiled": len(compiled),
         "accepted": len(compiled) - len([f for f in failures if f in compiled]),

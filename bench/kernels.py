@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import torch
 
 from bench.engine import measure_copy_bandwidth, measure_matmul_rate, time_call
+from kernels.metadata import BLOCK_SIZES
+from pools.cli_types import non_negative_int, positive_int, seed
 
 TRITON_MODULES = ("kernels.triton_attention", "kernels.triton_prefill", "kernels.triton_kv_store")
 LARGE_BYTES = 64 << 20           # decode rows moving at least this much count for the bandwidth goal
@@ -82,17 +84,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-shapes", default=None, metavar="BxNEW,...",
                    help=f"store_kv sequences x new tokens each (default {DEFAULTS['store_shapes'][0]}; dry run "
                    f"{DEFAULTS['store_shapes'][1]})")
-    p.add_argument("--num-heads", type=int, default=None, help="query heads (default 32; dry run 4)")
-    p.add_argument("--num-kv-heads", type=int, default=None, help="KV heads (default 8; dry run 2)")
-    p.add_argument("--head-dim", type=int, default=None, help="(default 128; dry run 32)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block: 8, 16 (default) or 32")
+    p.add_argument("--num-heads", type=positive_int, default=None, help="query heads (default 32; dry run 4)")
+    p.add_argument("--num-kv-heads", type=positive_int, default=None, help="KV heads (default 8; dry run 2)")
+    p.add_argument("--head-dim", type=positive_int, default=None, help="(default 128; dry run 32)")
+    p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=16,
+                   help="tokens per KV block: 8, 16 (default) or 32")
     p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
                    help="the KV cache's: auto (--dtype's, default) | fp8 (float8_e4m3fn: its bytes counted)")
-    p.add_argument("--num-splits", type=int, default=None,
+    p.add_argument("--num-splits", type=positive_int, default=None,
                    help="passed to the Triton paged_attention (default: its own choice)")
-    p.add_argument("--iters", type=int, default=None, help="timed calls per case, the median counts (default 20)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls per case before timing (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--iters", type=positive_int, default=None,
+                   help="timed calls per case, the median counts (default 20)")
+    p.add_argument("--warmup", type=non_negative_int, default=None,
+                   help="untimed calls per case before timing (default 3)")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -476,9 +481,9 @@ def _print_report(r: dict, note: str) -> None:
               f"moved): {'met' if g['decode_met'] else 'NOT met'} (lowest {g['decode_min_of_copy']:.1%})")
 
     print("\nprefill paged attention (one layer, causal, whole prompt as one chunk, K/V already in the cache) "
-          "vs SDPA (is_causal=True, contiguous K/V)")
+          "vs SDPA (is_causal=True, contiguous K/V); x SDPA: our speed over SDPA's (SDPA ms / ours ms)")
     print(f"{'batch x seq_len':>16} {'kernel':>9} {'check':>5} {'max err':>9} {'ours ms':>9} {'TFLOP/s':>8} "
-          f"{'SDPA ms':>9} {'TFLOP/s':>8} {'ours/SDPA':>9} {'of matmul':>9}  SDPA variant")
+          f"{'SDPA ms':>9} {'TFLOP/s':>8} {'x SDPA':>9} {'of matmul':>9}  SDPA variant")
     for p in r["prefill"]:
         print(f"{p['batch']:>6} x {p['seq_len']:<7} {p['kernel']:>9} {_mark(p['ok']):>5} {p['max_abs_err']:9.2e} "
               f"{p['ms']:9.3f} {p['tflops']:8.2f} {p['sdpa_ms']:9.3f} {p['sdpa_tflops']:8.2f} {p['ratio']:8.2f}x "

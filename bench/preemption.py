@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2, ensure_ascii=False))
     else:
         _print_table(result, mixes, factors, modes)
-    return 0
+    return 1 if any(c.get("outputs_match") is False for c in result["cells"]) else 0   # preemption changed an output
 
 
 def _plan_cells(mixes, workloads, factors: list[float], args: argparse.Namespace) -> tuple[list[dict], list[tuple]]:

@@ -16,6 +16,7 @@ import errno
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 from importlib import import_module
@@ -333,7 +334,13 @@ def main(argv: list[str] | None = None) -> int:
             return _capacity(args)
         if args.command == "simulate":
             return simulate(args)
-        return import_module(f"bench.{args.bench}").run(args)
+        # a SIGTERM (`timeout`, a CI job's cancel) unwinds a benchmark as Ctrl-C does: the servers, workers and
+        # temporary folders it started are stopped and removed (its default ended the process, leaving them)
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            return import_module(f"bench.{args.bench}").run(args)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     except (UsageError, ValueError, OSError, RuntimeError) as exc:   # OSError: a path that cannot be read
         print(f"cliffguard {args.command}: error: {exc}", file=sys.stderr)
         return 2

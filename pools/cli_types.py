@@ -73,6 +73,11 @@ def positive_int(text: str) -> int:
     return _int_in(text, 1, MAX_INT)
 
 
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (a warm-up count that may be none)."""
+    return _int_in(text, 0, MAX_INT)
+
+
 def slots(text: str) -> int:
     """Replicas, or threads of a rank: an integer in 1..MAX_SLOTS (a device's own cap)."""
     return _int_in(text, 1, MAX_SLOTS)

@@ -98,7 +98,7 @@ from bench.chaos.steady import CHAT_TOKENS, CHAT_WORDS, PROBE_TIMEOUT_S, RAG_TOK
 from bench.live import REPO, LiveServer
 from bench.ray_local import LocalRayCluster
 from bench.options import out_dir
-from pools.workload import latency_stats
+from pools.workload import MIN_P99_SAMPLES, latency_stats
 
 DEFAULT_CONFIG = REPO / "config" / "pools.yaml"
 FAULT_TIMERS = {"write_timeout": 3.0, "stall_seconds": 6.0,
@@ -190,6 +190,9 @@ def fault_summary(run: FaultRun, before_s: float, raw: dict[str, Any],
             "ttft_p99_s": {"before": window_ttft_p99(records, before_s, run.start_s),
                            "during": window_ttft_p99(records, run.start_s, run.end_s),
                            "after": window_ttft_p99(records, run.end_s, run.window_end_s)},
+            "ttft_n": {"before": len(_chat_ttfts(records, before_s, run.start_s)),   # the p99s' samples (a few
+                       "during": len(_chat_ttfts(records, run.start_s, run.end_s)),   # dozen at 1 req/s: marked)
+                       "after": len(_chat_ttfts(records, run.end_s, run.window_end_s))},
             "ttft_bins": bins, "ttft_recovered_s": ttft_recovered(bins, warmup_p99),
             "replica_down_s": down, "replica_back_s": back,
             "ready_max_s": max((s.ready_s if s.ready_s is not None else PROBE_TIMEOUT_S for s in in_window),
@@ -223,7 +226,7 @@ def build_report(raw: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
             "overall": {"steady": steady, "fault_traffic": traffic,
                         "lost": steady["lost"] + traffic["lost"], "duplicated": steady["duplicated"]},
             "warmup": {"steady": account(records, load_start, first),
-                       "ttft_p99_s": warmup_p99},
+                       "ttft_p99_s": warmup_p99, "ttft_n": len(_chat_ttfts(records, load_start, first))},
             "faults": faults,
             "rss": {"idle_bytes": max(idle, default=None), "peak_bytes": max(rss, default=None),
                     "end_bytes": rss[-1] if rss else None},
@@ -234,6 +237,11 @@ def build_report(raw: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.0f}"
+
+
+def _p99(value: float | None, n: int | None) -> str:
+    """A window's p99 in ms, marked `*` over fewer than MIN_P99_SAMPLES requests."""
+    return _ms(value) + ("*" if value is not None and n is not None and n < MIN_P99_SAMPLES else "")
 
 
 def _mib(value: int | None) -> str:
@@ -275,9 +283,9 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [f"bench chaos: {report['config']} ({report['timers']}); {report['date']}, commit {report['commit']}",
              f"steady load: {report['load']}; ran {report['duration_s']:.0f} s",
              f"goal: 0 lost, 0 duplicated, every fault recovered within {GOAL_RECOVERY_S:g} s", "", head,
-             _row("warm-up", w["steady"], f"{_ms(w['ttft_p99_s'])}", "")]
+             _row("warm-up", w["steady"], _p99(w["ttft_p99_s"], w.get("ttft_n")), "")]
     for i, f in enumerate(report["faults"], 1):
-        p99 = "/".join(_ms(f["ttft_p99_s"][k]) for k in ("before", "during", "after"))
+        p99 = "/".join(_p99(f["ttft_p99_s"][k], f.get("ttft_n", {}).get(k)) for k in ("before", "during", "after"))
         rec = "never" if f["recovery_s"] is None else f"{f['recovery_s']:.1f} s"
         back = "never" if f["ttft_recovered_s"] is None else f"{f['ttft_recovered_s']:g} s"
         lines.append(_row(f"{i} {f['title']}", f["steady"], p99, rec + ("" if f["recovered"] else " !"), back))
@@ -287,6 +295,10 @@ def format_report(report: dict[str, Any]) -> str:
         lines += [f"  {i} {f['title']}: {_fault_notes(f)}; /ready slowest {f['ready_max_s']:.2f} s, "
                   f"{f['not_ready_samples']} samples not ready; {_replica_words(f)}", f"    {_ttft_line(f)}"]
     t, rss, v = o["fault_traffic"], report["rss"], report["verdict"]
+    if any(n is not None and n < MIN_P99_SAMPLES for n in [w.get("ttft_n")] + [
+            n for f in report["faults"] for n in f.get("ttft_n", {}).values()]):
+        lines.append(f"* p99 of fewer than {MIN_P99_SAMPLES} chat requests: about their slowest, a lower bound on "
+                     f"the tail (the per-bin p99s below hold a few each: their largest)")
     lines += [f"fault traffic: {t['sent']} sent, {t['answered']} answered, {t['lost']} lost",
               f"gateway RSS: idle {_mib(rss['idle_bytes'])}, peak {_mib(rss['peak_bytes'])}, "
               f"at the end {_mib(rss['end_bytes'])}",

@@ -51,7 +51,7 @@ from bench.load.plan import LoadConfig, load_tokenizer, plan_requests
 from bench.load.report import LoadReport, counter_rate, counter_window, latencies, send_lags, tokens_done
 from bench.load.run import run_load
 from engine.config import DEFAULT_MIN_SHARE
-from pools.cli_types import output_folder
+from pools.cli_types import output_folder, positive_float
 from pools.workload import LengthDist, WorkloadClass, latency_stats
 
 MODEL = "builtin:smollm2-135m-instruct"
@@ -79,17 +79,21 @@ class Scenario:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", default="1GiB", help="device memory every scenario plans with (default 1GiB: "
                    "weights + a scarce KV cache)")
-    p.add_argument("--chat-rate", type=float, default=0.5, help="chat requests/s (default 0.5)")
-    p.add_argument("--rag-rate", type=float, default=0.3, help="rag requests/s (default 0.3: above what the rag "
-                   "pool holds and serves, a flood)")
-    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals per scenario (default 60; "
-                   "20 with --quick; with --sweep 30 per run, 8 with --quick)")
-    p.add_argument("--drain-timeout", type=float, default=None, help="seconds to finish in-flight requests after "
+    p.add_argument("--chat-rate", type=positive_float, default=0.5, help="chat requests/s (default 0.5)")
+    p.add_argument("--rag-rate", type=positive_float, default=0.3, help="rag requests/s (default 0.3: above what "
+                   "the rag pool holds and serves, a flood)")
+    p.add_argument("--duration", type=positive_float, default=None, help="seconds of arrivals per scenario "
+                   "(default 60; 20 with --quick; with --sweep 30 per run, 8 with --quick); without --quick at "
+                   f"least long enough for {MIN_CHAT_REQUESTS} chat requests (x{CHAT_REQUESTS_MARGIN}) at the chat "
+                   "rate: 260 s at 0.5 req/s")
+    p.add_argument("--drain-timeout", type=positive_float, default=None,
+                   help="seconds to finish in-flight requests after "
                    "arrivals end; the rest are cancelled and counted unfinished (default 20; 10 with --quick; "
                    "with --sweep 15, 4 with --quick)")
-    p.add_argument("--ttft-ms", type=float, default=1000.0, help="chat's slo.ttft_ms, and the TTFT bar of the "
+    p.add_argument("--ttft-ms", type=positive_float, default=1000.0, help="chat's slo.ttft_ms, and the TTFT bar of the "
                    "sweep's verdict (default 1000)")
-    p.add_argument("--itl-ms", type=float, default=100.0, help="chat's slo.itl_ms in the split scenario, and the "
+    p.add_argument("--itl-ms", type=positive_float, default=100.0,
+                   help="chat's slo.itl_ms in the split scenario, and the "
                    "ITL bar of the sweep's verdict (default 100, the default config's)")
     p.add_argument("--itl-ms-sweep", default="100,200,400", help="itl_ms values of the trade-off curve "
                    "(comma-separated; the chunk-only row is added; not used by --sweep)")

@@ -207,11 +207,13 @@ def build_report(config: LoadConfig, model: str, records: Sequence[RequestRecord
     names = [c.name for c in config.classes] + ([PROBE_CLASS] if config.probe_rate > 0 else [])
     summary = {name: class_summary([r for r in records if r.class_name == name], duration_s, config.goodput)
                for name in names}
-    whole = class_summary(records, duration_s, None)
+    workload = [r for r in records if r.class_name != PROBE_CLASS]   # the run's figures: the probes apart
+    whole = class_summary(workload, duration_s, None)
     totals = {key: whole[key] for key in ("count", "completed", "errors", "unfinished", "output_tokens",
                                           "prompt_tokens", "request_throughput", "output_throughput", "replicas")}
     totals["token_throughput"] = (whole["prompt_tokens"] + whole["output_tokens"]) / duration_s
-    totals.update(duration_s=duration_s, last_arrival_s=max((r.scheduled_s for r in records), default=0.0),
+    totals.update(probes=len(records) - len(workload), duration_s=duration_s,
+                  last_arrival_s=max((r.scheduled_s for r in records), default=0.0),
                   send_lag_s=latency_stats(send_lags(records)),
                   scrape=scrape_summary(scraper, config.scrape_url))
     return LoadReport(config, model, summary, totals, tuple(records), tuple(scraper.samples if scraper else ()),
@@ -436,7 +438,9 @@ def format_report(report: LoadReport) -> str:
         phases = ", ".join(f"{phase_rate:g} req/s for {seconds:g} s" for phase_rate, seconds in report.rate_phases)
         rate = f"rate phases {phases}, burstiness {c.burstiness:g}"
     lines = [f"bench serve: {c.base_url}, model {report.model}, {rate}, seed {c.seed}",
-             f"ran {t['duration_s']:.1f} s: {t['count']} requests, {t['completed']} completed, {t['errors']} errors, "
+             f"ran {t['duration_s']:.1f} s: {t['count']} requests"
+             + (f" ({t['probes']} probes apart)" if t.get("probes") else "") +
+             f", {t['completed']} completed, {t['errors']} errors, "
              f"{t['unfinished']} unfinished; {t['request_throughput']:.2f} req/s, "
              f"{t['output_throughput']:.1f} output tok/s; send lag max {_ms(t['send_lag_s']['max'])} ms"]
     for name, s in report.summary.items():

@@ -89,6 +89,20 @@ async def test_client_retries_429_then_succeeds(aiohttp_client):
                time.perf_counter())
     assert (give_up.status, give_up.attempts, give_up.error) == (429, 2, "pool_full")
 
+    async def broken(request: web.Request) -> web.Response:   # a proxy's page, an error that is no object
+        return web.Response(text="<html>bad gateway</html>", status=502) if "page" in request.path else \
+            web.json_response({"error": "overloaded"}, status=503)
+
+    app = web.Application()
+    app.router.add_post("/page/v1/chat/completions", broken)
+    app.router.add_post("/flat/v1/chat/completions", broken)
+    other = await aiohttp_client(app)
+    for prefix, want in (("page", (0, "client: JSONDecodeError")), ("flat", (503, "HTTP 503"))):
+        out = Outcome(arrival=0.0)   # this request's outcome, not the run's end (it raised out of the gather)
+        await _one(other.session, str(other.make_url("")).rstrip("/") + "/" + prefix, "hi", out, args,
+                   random.Random(0), time.perf_counter())
+        assert (out.status, out.error) == want and out.done > 0
+
 
 def test_summary_and_table_per_rate():
     def outcomes(n_ok: int, n_rejected: int, span: float) -> list[Outcome]:
@@ -106,6 +120,8 @@ def test_summary_and_table_per_rate():
     assert queue["kv_idle_fraction"] == pytest.approx(0.4) and queue["credits_idle_fraction"] == pytest.approx(0.15)
     table = format_table(results)
     assert "rate 1: goodput queue / reject 1.33x requests/s" in table
+    # reject's p99 is over the 6 it answered, not the 4 it gave up on: no ratio of the two
+    assert "e2e p99 - (over answered requests only: 4 given up)" in table
     assert "* p99 of fewer than 100 answered requests: a lower bound on the tail" in table   # 10 and 6 answered
     none = summarize("queue", 1.0, [Outcome(arrival=0.1, done=0.2, status=400, attempts=1)], scrapes)
     assert none["e2e_p99_s"] is None   # no request answered (every one refused): no latency, no crash

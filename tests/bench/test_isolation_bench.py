@@ -39,6 +39,17 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
+def test_bad_times_and_rates_are_refused_before_anything_runs_with_or_without_the_sweep(capsys):
+    """`--sweep` skipped the options' check: `--sweep --duration -5` ran (as 260 s); now each is refused when
+    parsed, naming the option."""
+    from gateway.cli import main
+
+    for sweep in ([], ["--sweep"]):
+        for bad in (["--duration", "-5"], ["--drain-timeout", "0"], ["--ttft-ms", "0"], ["--chat-rate", "nan"]):
+            assert main(["bench", "isolation", *sweep, *bad]) == 2, (sweep, bad)
+            assert f"argument {bad[0]}" in capsys.readouterr().err
+
+
 def test_every_scenario_writes_a_valid_pool_file():
     args = _args()
     names = [s.name for s in scenarios(args)]

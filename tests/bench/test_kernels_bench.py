@@ -135,6 +135,9 @@ def test_bad_shapes_are_refused():
         _run_kernels("--dry-run", "--decode-shapes", "8by128")
     with pytest.raises(ValueError, match="--num-kv-heads"):
         _run_kernels("--dry-run", "--num-heads", "6", "--num-kv-heads", "4")
+    from gateway.cli import main   # a block size the kernels do not take, a count of none: a ZeroDivisionError was
+    for bad in (["--block-size", "0"], ["--block-size", "7"], ["--num-heads", "0"], ["--iters", "0"]):   # raised
+        assert main(["bench", "kernels", "--dry-run", *bad]) == 2, bad
 
 
 # --- bench engine on the Llama-3-8B shape ------------------------------------------------------------

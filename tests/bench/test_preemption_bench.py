@@ -77,6 +77,24 @@ def test_repeats_count_each_run_on_its_own(tiny_model, capsys):
     assert counts[0] == counts[1] and any(n for n, _ in counts[0])
 
 
+def test_outputs_that_differ_from_the_largest_pools_fail_the_run(tiny_model, capsys, monkeypatch):
+    """Preemption must not change an output: a cell whose outputs differ is printed with a cross, and the run
+    exits 1 (it exited 0, so a script or CI running it missed a wrong answer)."""
+    summarize = preemption._summarize
+
+    def one_differs(*args, **kwargs):
+        cell = summarize(*args, **kwargs)
+        if not one_differs.done:
+            one_differs.done = True
+            cell.update(outputs_match=False, mismatches=[{"request": 0, "position": 3, "got": 7, "expected": 9}])
+        return cell
+
+    one_differs.done = False
+    monkeypatch.setattr(preemption, "_summarize", one_differs)
+    assert _run("--model", str(tiny_model), "--quick", "--modes", "recompute", "--pool-factors", "0.5") == 1
+    assert "1 requests differ; request 0 first at output position 3: 7 vs 9" in capsys.readouterr().out
+
+
 def test_a_scale_beyond_the_model_is_refused_before_loading(tiny_model):
     with pytest.raises(ValueError, match="--scale"):
         _run("--model", str(tiny_model), "--quick", "--scale", "10")

@@ -420,7 +420,10 @@ async def test_out_writes_results_json_and_two_pngs(aiohttp_server, tmp_path):
     assert [c["name"] for c in data["config"]["classes"]] == ["ok"]
     assert data["config"]["classes"][0]["prompt_len"] == {"dist": "fixed", "value": config.classes[0].prompt_len.value,
                                                           "min": None, "max": None, "mean": None, "std": None}
-    assert len(data["requests"]) == report.totals["count"] and data["summary"]["probe"]["completed"] >= 1
+    assert data["summary"]["probe"]["completed"] >= 1 and report.totals["probes"] == data["summary"]["probe"]["count"]
+    assert len(data["requests"]) == report.totals["count"] + report.totals["probes"]   # the run's figures: probes apart
+    assert report.totals["count"] == data["summary"]["ok"]["count"]
+    assert f"{report.totals['count']} requests ({report.totals['probes']} probes apart)" in format_report(report)
     first = data["requests"][0]
     assert first["ttft_s"] == pytest.approx(first["chunk_s"][0] + max(0.0, first["sent_s"] - first["scheduled_s"]))
     assert data["scrapes"] and data["scrapes"][0]["pools"]["chat"]["num_requests_waiting"] == 1

@@ -76,6 +76,31 @@ def test_bench_engine_rejects_bad_batch_sizes_before_loading(capsys):
 
 
 # --- capacity ---------------------------------------------------------------------------------------
+def test_a_benchmark_stopped_by_sigterm_unwinds_as_ctrl_c_does():
+    """`timeout 600 cliffguard bench gateway` or a CI job's cancel sends SIGTERM, whose default ended the process
+    at once: the servers and workers a benchmark started lived on (re-parented, still listening), its temporary
+    folder stayed. It unwinds as Ctrl-C does now (the benchmark's `finally` stops them), exit 130; the
+    handler before it is back afterwards. (In a process of its own: the default would end pytest's.)"""
+    import subprocess
+    import sys
+
+    code = ("import os, signal, time\n"
+            "import bench.kernels\n"
+            "from gateway.cli import main\n"
+            "cleaned = []\n"
+            "def run(args):\n"
+            "    try:\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        time.sleep(5)\n"
+            "        return 0\n"
+            "    finally:\n"
+            "        cleaned.append(args.bench)\n"
+            "bench.kernels.run = run\n"
+            "print(main(['bench', 'kernels', '--dry-run']), cleaned, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split("\n")[-2:] == ["130 ['kernels'] True", ""], (result.returncode, result.stderr[-2000:])
+
+
 def test_capacity_command_json(capsys):
     rc = main(["capacity", "--config", str(EXAMPLE), "--json", "--model-config", str(LLAMA70B_JSON), "--vram", "80GiB"])
     out = json.loads(capsys.readouterr().out)
