@@ -5,7 +5,8 @@
 the source, the flags and the machine (what `-march=native` compiles for: an x86 CPU's model and flags, an
 Arm one's features and part), and returns the library with each function's argument types set.
 A cache folder that cannot be written, or whose library does not load (a `noexec` mount, a file cut short or
-another machine's: left there, named in a warning), is passed over for one in the temporary folder. None when there is no compiler, the compile fails or takes past COMPILE_SECONDS: the launchers then
+another machine's: left there, named in a warning), is passed over for one in the temporary folder, used only
+where it is this user's and only it can write it. None when there is no compiler, the compile fails or takes past COMPILE_SECONDS: the launchers then
 take their torch path. A ctypes call releases the GIL and costs about 2 us, one torch operator's dispatch.
 """
 
@@ -17,6 +18,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -85,7 +87,9 @@ def load_c_library(source: Path, flags: Sequence[str], functions: Mapping[str, S
     errors: list[str] = []
     for folder in _cache_dirs():
         path = folder / f"{source.stem}-{key}.so"
-        if not path.exists() and (error := _build(compiler, source, flags, path)) is not None:
+        if folder.parent == Path(tempfile.gettempdir()) and (unsafe := _not_private(folder)) is not None:
+            errors.append(unsafe)
+        elif not path.exists() and (error := _build(compiler, source, flags, path)) is not None:
             errors.append(error)
         elif (library := _load(path, functions, errors)) is not None:
             if errors:   # a copy that does not load is left alone: one in use by another process is never touched
@@ -93,6 +97,20 @@ def load_c_library(source: Path, flags: Sequence[str], functions: Mapping[str, S
             return library
     log.warning("%s: no build that loads (%s): its callers take their torch path\n%s", source.name, compiler,
                 "\n".join(errors))
+    return None
+
+
+def _not_private(folder: Path) -> str | None:
+    """Why the temporary folder's cache may not be used (made now, only the user can write it), or None: in a
+    folder every user writes, another could have made it first and left a library of theirs there, which
+    loading would run as us."""
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(folder)
+    except OSError as exc:
+        return f"{folder}: {exc}"
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        return f"{folder}: not a folder of this user's that only it can write; not used"
     return None
 
 

@@ -207,6 +207,11 @@ def test_a_build_that_cannot_be_kept_or_loaded_where_it_is_cached_is_made_elsewh
     assert load_c_library(source, ["-O1"], {"one": []}).one() == 3               # a folder that cannot be made
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "a-file"))
     assert load_c_library(source, ["-O2"], {"one": []}) is None                  # nor the temporary one: None
+    shared = tmp_path / "tmp3" / f"cliffguard-kernels-{os.getuid()}"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)   # as another user may have made it first in a /tmp every user writes: never loaded from
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp3"))
+    assert load_c_library(source, ["-O1"], {"one": []}) is None and not list(shared.iterdir())
 
 
 def test_the_cpu_device_gets_this_backend(monkeypatch):
