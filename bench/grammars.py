@@ -222,7 +222,8 @@ def measure(lib: _Lib, instances: list[tuple[str, str, list[int]]], vocab_size: 
     # batch: matchers over the compiled schemas, cycled, each walking its instance, as many steps as the longest
     # has tokens; a row at its instance's end starts it again (untimed), so every step has `batch` rows (the
     # figure covered only the shortest instance's steps, each JSON's opening).
-    walkers = [(name, tokens) for name, _, tokens in instances if name in compiled and name not in failures]
+    walkers = [(name, tokens) for name, _, tokens in instances
+               if tokens and name in compiled and name not in failures]
     batch_step_s, num_steps = 0.0, 0
     if walkers:
         rows = [walkers[i % len(walkers)] for i in range(batch)]

@@ -3,7 +3,9 @@
 Argument parsing, printing and exit codes live here and nowhere else: 0 on success, 2 with one line
 `cliffguard <command>: error: ...` on stderr for anything the user can fix (a bad option, an invalid
 YAML file, a model that cannot be found, a port in use, a device this machine lacks, a data folder whose
-store cannot be read), 130 on Ctrl-C; `serve` stopped by SIGTERM: 0 (`gateway.signals`).
+store cannot be read), 130 on Ctrl-C; `serve` stopped by SIGTERM: 0 (`gateway.signals`); a benchmark stopped
+by SIGTERM unwinds as on Ctrl-C (130; 143 while a local Ray cluster runs), and exits 1 where what it checks is
+wrong (an output that differs, a kernel off its reference).
 This module is the only one that imports `bench`; the gateway's app does not.
 """
 
@@ -19,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from importlib import import_module
 from pathlib import Path
 from typing import TextIO
@@ -336,11 +339,13 @@ def main(argv: list[str] | None = None) -> int:
             return simulate(args)
         # a SIGTERM (`timeout`, a CI job's cancel) unwinds a benchmark as Ctrl-C does: the servers, workers and
         # temporary folders it started are stopped and removed (its default ended the process, leaving them)
-        previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+        main_thread = threading.current_thread() is threading.main_thread()   # (only there may it be set)
+        previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if main_thread else None
         try:
             return import_module(f"bench.{args.bench}").run(args)
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            if previous is not None:   # (None: a handler set outside Python, which it cannot put back)
+                signal.signal(signal.SIGTERM, previous)
     except (UsageError, ValueError, OSError, RuntimeError) as exc:   # OSError: a path that cannot be read
         print(f"cliffguard {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -295,8 +295,9 @@ def format_report(report: dict[str, Any]) -> str:
         lines += [f"  {i} {f['title']}: {_fault_notes(f)}; /ready slowest {f['ready_max_s']:.2f} s, "
                   f"{f['not_ready_samples']} samples not ready; {_replica_words(f)}", f"    {_ttft_line(f)}"]
     t, rss, v = o["fault_traffic"], report["rss"], report["verdict"]
-    if any(n is not None and n < MIN_P99_SAMPLES for n in [w.get("ttft_n")] + [
-            n for f in report["faults"] for n in f.get("ttft_n", {}).values()]):
+    windows = [(w["ttft_p99_s"], w.get("ttft_n"))] + [(f["ttft_p99_s"][k], f.get("ttft_n", {}).get(k))
+                                                      for f in report["faults"] for k in f["ttft_p99_s"]]
+    if any(_p99(value, n).endswith("*") for value, n in windows):
         lines.append(f"* p99 of fewer than {MIN_P99_SAMPLES} chat requests: about their slowest, a lower bound on "
                      f"the tail (the per-bin p99s below hold a few each: their largest)")
     lines += [f"fault traffic: {t['sent']} sent, {t['answered']} answered, {t['lost']} lost",

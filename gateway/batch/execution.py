@@ -56,7 +56,7 @@ MAX_LINE_ATTEMPTS = 40              # tries of a line answered transiently (0.5 
 MAX_ENGINE_DEATHS = 2               # 503 engine_dead answers (its own deaths) that make a line a poison line
 MAX_STORE_ATTEMPTS = 6              # tries of a store call failing for storage, before the batch pauses
 DRAIN_POLL_S = 0.05                 # a draining stop's look at the lines an upstream pool still has
-PAGE_LINES = 256                    # pending lines read from the store at a time
+PAGE_LINES = 256                    # pending lines read from the store at a time at most (and 8 MiB of bodies)
 
 # (path, body, tenant) -> (HTTP status, JSON body), as an HTTP client of that path with the tenant's key would get them
 LineExecutor = Callable[[str, dict[str, Any], str], Awaitable[tuple[int, dict[str, Any]]]]

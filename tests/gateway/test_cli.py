@@ -75,7 +75,6 @@ def test_bench_engine_rejects_bad_batch_sizes_before_loading(capsys):
     assert "argument --block-size: invalid choice: 7 (choose from 8, 16, 32)" in _error_line(capsys)
 
 
-# --- capacity ---------------------------------------------------------------------------------------
 def test_a_benchmark_stopped_by_sigterm_unwinds_as_ctrl_c_does():
     """`timeout 600 cliffguard bench gateway` or a CI job's cancel sends SIGTERM, whose default ended the process
     at once: the servers and workers a benchmark started lived on (re-parented, still listening), its temporary
@@ -101,6 +100,7 @@ def test_a_benchmark_stopped_by_sigterm_unwinds_as_ctrl_c_does():
     assert result.stdout.split("\n")[-2:] == ["130 ['kernels'] True", ""], (result.returncode, result.stderr[-2000:])
 
 
+# --- capacity ---------------------------------------------------------------------------------------
 def test_capacity_command_json(capsys):
     rc = main(["capacity", "--config", str(EXAMPLE), "--json", "--model-config", str(LLAMA70B_JSON), "--vram", "80GiB"])
     out = json.loads(capsys.readouterr().out)

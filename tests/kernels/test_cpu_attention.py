@@ -154,9 +154,13 @@ def test_without_a_compiler_or_for_another_dtype_the_reference_runs(monkeypatch)
 
 def test_a_compiled_kernel_is_cached_by_its_source(tmp_path, monkeypatch):
     """The cache's rules on a one-line C file (the attention kernel itself takes seconds to compile)."""
+    import tempfile
+
     source = tmp_path / "one.c"
     source.write_text("int one(void) { return 1; }\n")
     monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "a-file"))   # no fallback folder: a file's place
+    (tmp_path / "a-file").write_text("")
     library = load_c_library(source, ["-O1"], {"one": []})
     assert library is not None and library.one() == 1
     (built,) = (tmp_path / "cache").glob("one-*.so")
@@ -168,6 +172,8 @@ def test_a_compiled_kernel_is_cached_by_its_source(tmp_path, monkeypatch):
     assert load_c_library(source, ["-O1"], {"one": []}) is None   # another source: the same
     monkeypatch.delenv("CC")
     assert load_c_library(source, ["-O1"], {"one": []}).one() == 2
+    (built,) = [p for p in (tmp_path / "cache").glob("one-*.so") if p != built]
+    assert built.stat().st_mode & 0o777 == 0o755   # whatever the umask: no other user may write what is loaded
 
 
 
@@ -207,11 +213,31 @@ def test_a_build_that_cannot_be_kept_or_loaded_where_it_is_cached_is_made_elsewh
     assert load_c_library(source, ["-O1"], {"one": []}).one() == 3               # a folder that cannot be made
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "a-file"))
     assert load_c_library(source, ["-O2"], {"one": []}) is None                  # nor the temporary one: None
-    shared = tmp_path / "tmp3" / f"cliffguard-kernels-{os.getuid()}"
-    shared.mkdir(parents=True)
-    shared.chmod(0o777)   # as another user may have made it first in a /tmp every user writes: never loaded from
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp3"))
-    assert load_c_library(source, ["-O1"], {"one": []}) is None and not list(shared.iterdir())
+    anyones = tmp_path / "tmp3"   # a folder any user may write, not sticky: another could swap ours for theirs
+    (anyones / f"cliffguard-kernels-{os.getuid()}").mkdir(parents=True)
+    anyones.chmod(0o777)
+    monkeypatch.setattr(tempfile, "tempdir", str(anyones))
+    assert load_c_library(source, ["-O1"], {"one": []}) is None
+    assert not list((anyones / f"cliffguard-kernels-{os.getuid()}").iterdir())
+
+
+def test_a_failed_compile_is_not_tried_again_elsewhere(tmp_path, monkeypatch):
+    """A compiler that fails (or hangs: COMPILE_SECONDS each) failed again in the temporary folder: twice the
+    wait at a worker's start. Only a folder's own failure moves the build to the next one."""
+    import tempfile
+
+    calls = tmp_path / "calls"
+    compiler = tmp_path / "cc"
+    compiler.write_text(f"#!/bin/sh\necho x >> {calls}\necho 'no such flag' >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    source = tmp_path / "one.c"
+    source.write_text("int one(void) { return 1; }\n")
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert load_c_library(source, ["-O1"], {"one": []}) is None
+    assert calls.read_text().count("x") == 1
 
 
 def test_the_cpu_device_gets_this_backend(monkeypatch):
