@@ -7,6 +7,7 @@ Each class is validated on construction and never written back; derived values a
 from __future__ import annotations
 
 import re
+import secrets
 from dataclasses import dataclass, field
 
 import torch
@@ -232,7 +233,9 @@ class EngineConfig:
     dtype: str = "auto"             # auto: float32 on CPU, bfloat16 on CUDA (float16 before Ampere)
     cache: CacheConfig = field(default_factory=CacheConfig)
     pools: tuple[PoolConfig, ...] = (PoolConfig(),)
-    seed: int = 0                   # for requests without a seed
+    seed: int = 0                   # random weights' (`random_weights`: every rank alike)
+    sampling_seed: int | None = None   # the draws of requests without a seed; None: one drawn at start, so that
+                                       # two replicas (or one restarted) never repeat each other's "random" answers
     cache_dir: str | None = None    # where converted GGUF models go (default: weights.default_cache_dir())
     random_weights: bool = False    # benchmarks of model shapes we cannot download: config.json only
     memory_utilization: float = DEFAULT_MEMORY_UTILIZATION   # the plan's; the engine re-checks it on CUDA
@@ -301,6 +304,10 @@ class EngineConfig:
         if max(ids) >= torch.cuda.device_count():
             raise ConfigError(f"gpu_ids: GPU {max(ids)} requested; this machine has {torch.cuda.device_count()}")
         return [torch.device("cuda", i) for i in ids]
+
+    def draw_sampling_seed(self) -> int:
+        """`sampling_seed`, or where it is None a fresh one (every engine's own)."""
+        return secrets.randbits(63) if self.sampling_seed is None else self.sampling_seed
 
     def resolved_dtype(self, device: torch.device) -> torch.dtype:
         """The weights' and activations' type: `dtype`, or with `auto` float32 on a CPU, bfloat16 on a GPU that

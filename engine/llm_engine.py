@@ -122,7 +122,7 @@ class LLMEngine:
         self.derived_slos = derive_slos(self)
         lap("slo")
         self.default_pool = config.pools[0].name
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.seed))
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(config.draw_sampling_seed()))
         self.requests: dict[str, RequestState] = {}
         self._forks = SampleForks(self.schedulers)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,

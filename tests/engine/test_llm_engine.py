@@ -152,6 +152,18 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_path):
     assert_all_free(engine)
 
 
+def test_requests_without_a_seed_draw_differently_on_every_engine(tiny_path):
+    """Every engine's generator for requests without a seed started at 0: two replicas (or a worker and its
+    restart) sent the same prompt answered the same "random" text. Each draws its own now; a
+    `sampling_seed` keeps one stream for whoever needs it repeated."""
+    free = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    first, second = (_engine(tiny_path).generate([[5, 6, 7]], free)[0].outputs[0].token_ids for _ in range(2))
+    assert first != second
+    pinned = [_engine(tiny_path, sampling_seed=7).generate([[5, 6, 7]], free)[0].outputs[0].token_ids
+              for _ in range(2)]
+    assert pinned[0] == pinned[1]
+
+
 def test_n_samples_stop_strings_logprobs_and_min_tokens(builtin_path, chat_prompts):
     engine = _engine(builtin_path)
     out = engine.generate([chat_prompts[1]], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12,
