@@ -220,7 +220,8 @@ class Gateway:
         self.spiral.start()
         self.overload.start(self.supervisors)
         self.autoscaler = Autoscaler(self.config.devices, self.supervisors, self.pools, self.metrics,
-                                     overloaded=self.overload.short_of_replicas, device_wait=self.device_wait)
+                                     overloaded=self.overload.short_of_replicas, device_wait=self.device_wait,
+                                     offered=self.overload.offered_replicas)
         self.autoscaler.start()
 
     def _links(self, device: str, configs: list[EngineConfig]) -> list:

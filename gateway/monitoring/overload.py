@@ -75,6 +75,12 @@ class OverloadWatch:
         """The devices overloaded now, each with its reason (one line with the numbers)."""
         return {device: d.reason for device, d in self.detectors.items() if d.overloaded}
 
+    def offered_replicas(self, device: str) -> float | None:
+        """The replicas' worth of time the device's offered load asked at the last check (the step-cost model's
+        figure: 0 without one), or None before any check."""
+        load = self.last.get(device)
+        return None if load is None else sum(p.load for p in load.pools)
+
     def short_of_replicas(self) -> dict[str, str]:
         """The overloaded devices that need another replica now (`DeviceLoad.short_of_replicas` at the last
         check, taken with the replicas ready now: one that became ready since is judged at the next check),

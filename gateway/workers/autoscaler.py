@@ -21,9 +21,12 @@ slots, `min` of them started. Every `INTERVAL` seconds, for each such device:
   that a queue that keeps growing is answered well inside a client's timeout.
 - **Down.** A serving replica (ready, not draining) that has held no credits and had no request in
   flight for `scale_down_idle_seconds` (60 s by default), while nothing waits for credits, is drained: it
-  takes no new request (`DeviceSupervisor.draining`), and once what it holds is released (it holds
-  nothing at that point, and a request admitted just before is waited for) its worker is shut down and,
-  on Ray, its actor and placement group removed. Only the highest serving slot is drained, and only
+  takes no new request (`DeviceSupervisor.draining`), and once what it holds is released (a request admitted
+  just before is waited for) its worker is shut down and, on Ray, its actor and placement group removed. So is
+  one whose load the other serving replicas would carry at most half full (`SPARE_FRACTION`: the credits held,
+  the sequences running and the offered load's replicas' worth of time) for that long, busy or not: each request
+  goes to the least loaded replica, so a light steady load keeps every replica busy, and a device scaled up in
+  a morning's burst stayed at its most all day; its requests in flight finish before it stops. Only the highest serving slot is drained, and only
   while `min` replicas serve without it: a loading, restarting or failed replica serves nothing, so it
   never stands in for one. Its idle time counts from when it last became ready (a replica that restarts
   starts anew). A replica still loading in a slot past `min` (a placement group Ray cannot place, a long
@@ -76,6 +79,7 @@ ANNOUNCE_SECONDS = 2.0   # a word through the lease reaches every gateway (a tic
 STATS_SECONDS = 10.0   # a replica that does not say its request count by then is in a long step: it has work
 REFUSED_SECONDS = 1.0   # a refusal for capacity asks for a replica during this long (two looks)
 RETRY_FAILED_SECONDS = 60.0   # a replica it added whose load failed may be started again after this long
+SPARE_FRACTION = 0.5   # a load the serving replicas but one carry at most this full spares the last (`_spare`)
 
 
 class Autoscaler:
@@ -85,9 +89,11 @@ class Autoscaler:
                  pools: Mapping[str, Pool], metrics: GatewayMetrics,
                  overloaded: Callable[[], Mapping[str, str]] = dict,
                  leases: Mapping[str, ScalerLease] | None = None,
-                 device_wait: Callable[[str, float], float] = lambda device, now: 0.0) -> None:
+                 device_wait: Callable[[str, float], float] = lambda device, now: 0.0,
+                 offered: Callable[[str], float | None] = lambda device: None) -> None:
         self.devices = devices
         self.overloaded = overloaded   # device -> reason, for the devices overloaded now (gateway.monitoring.overload)
+        self.offered = offered   # device -> the replicas' worth of time its offered load asks (None: not known)
         self.device_wait = device_wait   # (device, now) -> the longest a request waits for any replica to be ready
         self.supervisors = supervisors
         self.pools = {device: [p for p in pools.values() if p.device == device] for device in supervisors}
@@ -245,8 +251,8 @@ class Autoscaler:
     def _scale_down(self, device: str, spec: DeviceSpec, slots: list[DeviceSupervisor], *, pressed: bool,
                     now: float) -> None:
         """Drain at most one replica: a loading one past `min` (or restarting, unshared: a crash loop, a group no
-        node has room for) that is not needed, else the highest serving one once idle for `scale_down_idle_seconds`;
-        either only while `min` replicas serve without it.
+        node has room for) that is not needed, else the highest serving one once idle (or spare: `_spare`) for
+        `scale_down_idle_seconds`; either only while `min` replicas serve without it.
         `pressed`: something waits for credits, or the device is overloaded: no replica is idle."""
         serving = [s for s in slots if s.is_ready and not s.draining]
         if len(serving) < spec.initial_replicas and self._take_back(device, slots, "fewer than min replicas serve",
@@ -268,7 +274,8 @@ class Autoscaler:
             idle = now - self._idle_since[(device, victim.replica)]
             if idle < limit:
                 return
-            log.info("autoscaler: device %s: replica %s idle for %.0f s; draining it", device, victim.name, idle)
+            log.info("autoscaler: device %s: replica %s idle for %.0f s (or its load fits the others at most "
+                     "%.0f%% full); draining it", device, victim.name, idle, 100 * SPARE_FRACTION)
         else:
             return
         victim.draining = True
@@ -281,9 +288,11 @@ class Autoscaler:
         """Each serving slot's idle clock, each loading slot's (past `min`) unneeded clock: restarted when
         `pressed` (or the replica is busy), dropped for every other slot, so that a replica that stops
         serving (restarts, reloads) counts anew once it serves again."""
+        top = max(serving, key=lambda s: s.replica, default=None)   # the one a drain would take
+        spare = top is not None and not pressed and self._spare(device, serving)
         for s in slots:
             key = (device, s.replica)
-            if s in serving and (pressed or self._busy(device, s)):
+            if s in serving and (pressed or self._busy(device, s) and not (s is top and spare)):
                 self._idle_since[key] = now
             elif s in serving:
                 self._idle_since.setdefault(key, now)
@@ -293,6 +302,25 @@ class Autoscaler:
                 self._unneeded_since[key] = now if pressed else self._unneeded_since.get(key, now)
             else:
                 self._unneeded_since.pop(key, None)
+
+    def _spare(self, device: str, serving: list[DeviceSupervisor]) -> bool:
+        """Whether the serving replicas but one would carry the device's load at most SPARE_FRACTION full: the
+        credits held and the sequences running there (its pools' ledgers) and, where known, the offered load's
+        replicas' worth of time. A light steady load keeps every replica busy (each request goes to the least
+        loaded one), so that, counted as idle time alone, a device scaled up in a burst never scaled down."""
+        fewer = len(serving) - 1
+        ledgers = [p.admission.ledger for p in self.pools[device] if p.admission is not None]
+        if fewer < 1 or not ledgers:
+            return False
+        for ledger in ledgers:
+            accounts = [ledger.accounts[s.replica] for s in serving]
+            if sum(a.held for a in accounts) > SPARE_FRACTION * fewer * max(a.total for a in accounts):
+                return False
+            seqs = accounts[0].max_seqs
+            if seqs is not None and sum(a.num_seqs for a in accounts) > SPARE_FRACTION * fewer * seqs:
+                return False
+        offered = self.offered(device)
+        return offered is None or offered <= SPARE_FRACTION * fewer
 
     def _forget_clocks(self, device: str) -> None:
         for clocks in (self._idle_since, self._unneeded_since):

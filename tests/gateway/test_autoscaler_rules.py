@@ -418,3 +418,38 @@ async def test_the_gateway_reports_how_long_requests_wait_for_a_replica(tmp_path
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
     assert gateway.device_wait(device, time.monotonic()) == 0.0
+
+
+@pytest.mark.parametrize("held", [150, 400])
+async def test_a_light_steady_load_that_keeps_every_replica_busy_still_lets_the_last_go(held):
+    """Each request goes to the least loaded replica, so a trickle one replica carries keeps all three busy: the
+    highest slot's idle clock restarted at every request, and a device scaled up in a burst stayed at its most
+    all day. A replica whose load the others carry at most half full (credits, sequences, offered time) is
+    drained as an idle one is, its requests finishing first; a load that needs it keeps it."""
+    slots = [_Slot(r, "ready") for r in range(3)]
+    for s in slots:
+        s.client = SimpleNamespace(num_in_flight=1)                # a request in flight on each, always
+    scaler = _make_scaler(slots, {})
+    scaler.offered = lambda device: 0.4                            # replicas' worth of time asked
+    admission = CreditQueue("p", [1000] * 3, max_seqs=8)
+    admission.replica_ready = lambda replica, restarted: None
+    scaler.pools["d"] = [SimpleNamespace(admission=admission)]
+    for r in range(3):
+        admission.ledger.submit(f"r{r}", held)
+    admission.ledger.admit()
+    assert [a.held for a in admission.ledger.accounts] == [held] * 3
+    _ticks(scaler, 0, int(IDLE) + 2)
+    if held == 400:   # 1,200 held: over half of two replicas' 2,000
+        assert not any(s.draining for s in slots)
+        return
+    assert slots[2].draining and not slots[1].draining             # the highest only, and nothing new goes there
+    await _settle()
+    assert slots[2].state == "ready"                               # its request in flight finishes first
+    admission.ledger.release("r2")
+    slots[2].client.num_in_flight = 0
+    for _ in range(5):
+        await asyncio.sleep(0.1)
+    assert slots[2].state == "stopped"
+    _ticks(scaler, int(IDLE) + 2, 2 * int(IDLE) + 4)
+    # one at a time, down to what the load needs (300 held, 0.4 asked: one replica carries it half full)
+    assert slots[1].draining and not slots[0].draining
