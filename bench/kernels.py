@@ -87,16 +87,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-heads", type=positive_int, default=None, help="query heads (default 32; dry run 4)")
     p.add_argument("--num-kv-heads", type=positive_int, default=None, help="KV heads (default 8; dry run 2)")
     p.add_argument("--head-dim", type=positive_int, default=None, help="(default 128; dry run 32)")
-    p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=16,
-                   help="tokens per KV block: 8, 16 (default) or 32")
+    p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=16, help="tokens per KV block (16)")
     p.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
                    help="the KV cache's: auto (--dtype's, default) | fp8 (float8_e4m3fn: its bytes counted)")
     p.add_argument("--num-splits", type=positive_int, default=None,
                    help="passed to the Triton paged_attention (default: its own choice)")
-    p.add_argument("--iters", type=positive_int, default=None,
-                   help="timed calls per case, the median counts (default 20)")
-    p.add_argument("--warmup", type=non_negative_int, default=None,
-                   help="untimed calls per case before timing (default 3)")
+    p.add_argument("--iters", type=positive_int, default=None, help="timed calls per case, the median counts (20)")
+    p.add_argument("--warmup", type=non_negative_int, default=None, help="untimed calls per case first (3)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
 

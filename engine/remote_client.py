@@ -116,12 +116,12 @@ class RemoteEngineClient(AsyncEngineClient):
         connection (a partition), and other gateways it serves keep it: this one connects again."""
         if self._process is None or self._reaper is not None:
             return
+        self._on_exit(reason)   # first: a restart that raises must not leave the connection up (judged again)
         check = getattr(self.link, "restart_unless_responsive", None)
         if unless_responsive and check is not None:
             self._checking = asyncio.ensure_future(check(reason))
         else:
             self.link.restart(reason)
-        self._on_exit(reason)
 
     async def _reap(self, grace: float) -> None:
         if self._lost_reason is None and self._dead is None:

@@ -16,23 +16,30 @@ Ray restarted knows no holders, so it grants nothing for `CLAIM_SECONDS`, until 
 have lapsed.
 
 `ConfigClaim` is the rule, with the clock given (tested without Ray); `ConfigClaimActor` is it on Ray;
-`DeviceClaims` is one gateway's side, on its event loop.
+`DeviceClaims` is one gateway's side, on its event loop. The names claims and replicas go by are made and read
+here: `config_digest`, `actor_name` (`cliffguard:<device>:<slot>:<digest>`), `parse_name`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import pickle
 import time
 from dataclasses import dataclass, field
 
+from engine.config import EngineConfig
+
 log = logging.getLogger("cliffguard.gateway")
 
-__all__ = ["CLAIM_SECONDS", "ClaimPending", "ConfigClaim", "ConfigClaimActor", "DeviceClaims", "claim_name"]
+__all__ = ["CLAIM_SECONDS", "SCALER", "ClaimPending", "ConfigClaim", "ConfigClaimActor", "DeviceClaims", "actor_name",
+           "claim_name", "config_digest", "parse_name"]
 
 CLAIM_SECONDS = 30.0     # a hold outlasts a gateway's claim to its placed group, or lapses
 CALL_SECONDS = 30.0      # a claim not answered in this long is tried again later
 RELEASE_SECONDS = 5.0    # a release not answered in this long is left to lapse
+SCALER = "scaler"   # the slot word of a device's scaling lease: `cliffguard:<device>:scaler:<digest>`
 HEAD_NODE = "node:__internal_head__"   # Ray's resource of the head node: the claim lives as long as the cluster
 
 
@@ -85,8 +92,27 @@ class ConfigClaimActor:
         self.rule.release(gateway)
 
 
+def config_digest(config: EngineConfig) -> str:
+    """Eight hex digits naming what a replica runs: a restarted gateway reuses actors of the same digest."""
+    return hashlib.sha256(pickle.dumps(config)).hexdigest()[:8]
+
+
+def actor_name(device: str, slot: int | str, digest: str) -> str:
+    """`cliffguard:<device>:<slot>:<digest>`: a replica's actor and group, or the scaling lease (slot `SCALER`)."""
+    return f"cliffguard:{device}:{slot}:{digest}"
+
+
+def parse_name(name: str, device: str) -> tuple[str, str] | None:
+    """(slot, digest) of an `actor_name` of `device`; None for another device's name or any other name."""
+    prefix = f"cliffguard:{device}:"
+    if not isinstance(name, str) or not name.startswith(prefix):
+        return None
+    slot, sep, digest = name[len(prefix):].partition(":")
+    return (slot, digest) if sep and digest and ":" not in digest and (slot.isdigit() or slot == SCALER) else None
+
+
 def claim_name(device: str) -> str:
-    """The name of a device's claim actor (not a replica's name: `ray_cluster.parse_name` does not read it)."""
+    """The name of a device's claim actor (not a replica's name: `parse_name` does not read it)."""
     return f"cliffguard:{device}:config"
 
 

@@ -1,27 +1,27 @@
 """Replicas on a Ray cluster: placement groups, named actors, and their deaths as the gateway sees them.
 
-A device with `placement: ray` runs each replica as a Ray actor (`engine.remote.ReplicaActor`) in a placement
-group of its own: one bundle per tensor-parallel rank (`{"CPU": threads}`, plus `{"GPU": 1}` on CUDA),
-`STRICT_PACK` so a replica's ranks share a node. Ray places the group (on the node that holds the fewest of the
-device's replicas, when it has room: a soft target), starts the actor, and restarts it (`max_restarts=-1`) when
-it dies, in a rescheduled group on another node when its own node is gone. A group Ray cannot place stays
-pending (so Ray's cluster autoscaler learns a node is needed) for as long as the replica may take to start;
-then it is removed, and the next start places it anew. The actor learns its GPUs from Ray at every start.
+A device with `placement: ray` runs each replica as a Ray actor (`engine.remote.ReplicaActor`) in a placement group
+of its own: one bundle per tensor-parallel rank (`{"CPU": threads}`, plus `{"GPU": 1}` on CUDA), `STRICT_PACK` so a
+replica's ranks share a node. Ray places the group (on the node that holds the fewest of the device's replicas, when
+it has room: a soft target), starts the actor, and restarts it (`max_restarts=-1`) when it dies, in a rescheduled
+group on another node when its own node is gone. A group Ray cannot place stays pending (so Ray's cluster autoscaler
+learns a node is needed) for as long as the replica may take to start; then it is removed, and the next start places
+it anew. The actor learns its GPUs from Ray at every start.
 
-The actor is named `cliffguard:<device>:<replica>:<digest>` in the `cliffguard` namespace and detached: it
-outlives the gateway, and a gateway that starts again with the same engine config (same digest) finds it and
-connects without reloading it; so do other gateways of the same config. A gateway whose config for the device
-differs (another digest) while replicas (actors or placement groups) of the old digest are on the cluster does
-not start the device (`ConfigConflict`, its state in `/ready`), unless it takes over (`RayCluster.take_over`:
-`cliffguard serve --take-over`, YAML `gateway.take_over`): then the old digest's actors and groups are removed
-first. Two gateways of different configs that start at once see no replicas yet: a gateway first claims the
-device for its digest (`gateway.workers.config_claim`), then lists; the claim is one digest's at a time, so one
-of the two starts and the other tries again (refused once the first one's replicas are listed).
+The actor is named `cliffguard:<device>:<replica>:<digest>` in the `cliffguard` namespace and detached: it outlives
+the gateway, and a gateway that starts again with the same engine config (same digest) finds it and connects without
+reloading it; so do other gateways of the same config. A gateway whose config for the device differs (another digest)
+while replicas (actors or placement groups) of the old digest are on the cluster does not start the device
+(`ConfigConflict`, its state in `/ready`), unless it takes over (`RayCluster.take_over`: `cliffguard serve --take-
+over`, YAML `gateway.take_over`): then the old digest's actors and groups are removed first. Two gateways of
+different configs that start at once see no replicas yet: a gateway first claims the device for its digest
+(`gateway.workers.config_claim`), then lists; the claim is one digest's at a time, so one of the two starts and the
+other tries again (refused once the first one's replicas are listed).
 
 Several gateways of one config share the device's replicas; one of them at a time places and removes them
-(`gateway.workers.scaler_lease`): a replica whose `may_place` says no only looks for its live actor, and waits
-for the leader gateway to place it. Everything that blocks (Ray's client calls) runs on a thread; awaiting an
-`ObjectRef` does not. Ray is imported here only, and only when a device asks for it.
+(`gateway.workers.scaler_lease`): a replica whose `may_place` says no only looks for its live actor, and waits for
+the leader gateway to place it. Everything that blocks (Ray's client calls) runs on a thread; awaiting an `ObjectRef`
+does not. Ray is imported here only, and only when a device asks for it.
 """
 
 from __future__ import annotations
@@ -29,10 +29,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import logging
 import os
-import pickle
 import secrets
 import socket
 import time
@@ -40,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from gateway.workers.config_claim import DeviceClaims
+from gateway.workers.config_claim import SCALER, DeviceClaims, actor_name, config_digest, parse_name
 
 log = logging.getLogger("cliffguard.gateway")
 
@@ -56,7 +54,6 @@ WATCH_SECONDS = 30.0        # each pending death-notice call returns after this 
 RESPONSIVE_SECONDS = 5.0    # a silent connection's actor that does not answer Ray this long is restarted
 FIND_POLL_SECONDS = 0.5     # between looks for an actor that the leader gateway is to place
 RECHECK_SECONDS = 2.0       # a device's config check that could not decide is not made again sooner
-SCALER = "scaler"           # the slot word of a device's scaling lease: `cliffguard:<device>:scaler:<digest>`
 
 
 class ClusterError(RuntimeError):
@@ -98,25 +95,6 @@ def replica_actor_class():
     wait_stopped.__doc__ = ReplicaActor.wait_stopped.__doc__
     cls = type("ReplicaActor", (ReplicaActor,), {"wait_stopped": wait_stopped, "__doc__": ReplicaActor.__doc__})
     return ray.remote(concurrency_groups={WATCH_GROUP: WATCH_CONCURRENCY})(cls)
-
-
-def config_digest(config: EngineConfig) -> str:
-    """Eight hex digits naming what a replica runs: a restarted gateway reuses actors of the same digest."""
-    return hashlib.sha256(pickle.dumps(config)).hexdigest()[:8]
-
-
-def actor_name(device: str, slot: int | str, digest: str) -> str:
-    """`cliffguard:<device>:<slot>:<digest>`: a replica's actor and group, or the scaling lease (slot `SCALER`)."""
-    return f"cliffguard:{device}:{slot}:{digest}"
-
-
-def parse_name(name: str, device: str) -> tuple[str, str] | None:
-    """(slot, digest) of an `actor_name` of `device`; None for another device's name or any other name."""
-    prefix = f"cliffguard:{device}:"
-    if not isinstance(name, str) or not name.startswith(prefix):
-        return None
-    slot, sep, digest = name[len(prefix):].partition(":")
-    return (slot, digest) if sep and digest and ":" not in digest and (slot.isdigit() or slot == SCALER) else None
 
 
 def _undecided(check: asyncio.Task) -> bool:
@@ -329,6 +307,7 @@ class RayReplica:
         self.placing = False   # waiting for Ray to place the group this gateway asked for
         self.placed_at = float("-inf")   # when this gateway's last placement ended (time.monotonic())
         self._actor = None
+        self._restarting: asyncio.Task | None = None   # Ray's kill of the actor for its restart, on a thread
 
     async def endpoint(self, timeout: float) -> tuple[str, int, bytes]:
         """(host, port, key): finds the live actor of this name, or places the replica if it may (else
@@ -491,9 +470,17 @@ class RayReplica:
                     self.label, reason, state)
 
     def restart(self, reason: str) -> None:
+        """Have Ray kill the actor, which it restarts, off the event loop: `ray.kill` waits for the cluster head's
+        answer, and a hung replica's cluster is often slow or cut off (every stream of the gateway froze)."""
         if self._actor is not None:
             log.error("replica %s: asking Ray to restart the actor: %s", self.label, reason)
-            _ray().kill(self._actor, no_restart=False)
+            self._restarting = asyncio.ensure_future(self._kill(self._actor))
+
+    async def _kill(self, actor: object) -> None:
+        try:
+            await asyncio.to_thread(_ray().kill, actor, no_restart=False)
+        except Exception:  # noqa: BLE001 - the watchdog or the next start finds it again
+            log.exception("replica %s: Ray could not restart the actor", self.label)
 
     async def remove(self) -> None:
         await self.cluster.remove(self.name)

@@ -30,8 +30,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gateway.workers.config_claim import ClaimPending
-from gateway.workers.ray_cluster import NAMESPACE, SCALER, ClusterError, RayCluster, RayReplica, _ray, actor_name
+from gateway.workers.config_claim import SCALER, ClaimPending, actor_name
+from gateway.workers.ray_cluster import NAMESPACE, ClusterError, RayCluster, RayReplica, _ray
 
 log = logging.getLogger("cliffguard.gateway")
 

@@ -26,6 +26,7 @@ MIN_WATCHDOG_SECONDS = 4 * HEARTBEAT_INTERVAL
 # `write_timeout`: a client that reads may still pause this long (a round trip across the world, a busy
 # machine); a shorter timeout cuts off clients that read, whenever their socket buffer is full.
 MIN_WRITE_TIMEOUT = 0.5
+MIN_RESTART_SECONDS = 0.1   # restarts after the first with `initial_seconds: 0` wait this long at least
 
 
 class Backoff(Spec):
@@ -46,15 +47,22 @@ class Backoff(Spec):
     def delay(self, attempt: int) -> float:
         """Seconds to wait before restart number `attempt` (0-based) since the last reset. Compared in log
         space first: `factor ** attempt` is only taken where it stays below max_seconds / initial_seconds,
-        so no factor or attempt overflows (an OverflowError would end the replica's supervisor)."""
+        so no factor or attempt overflows (an OverflowError would end the replica's supervisor). With
+        `initial_seconds` 0 the first restart is at once, the next ones wait from MIN_RESTART_SECONDS up (not 0
+        each: a worker failing at once restarted in a tight loop, flooding the log), `max_seconds` 0 never."""
         if self.initial_seconds == 0:
+            return 0.0 if attempt == 0 else self._grown(min(MIN_RESTART_SECONDS, self.max_seconds), attempt - 1)
+        return self._grown(self.initial_seconds, attempt)
+
+    def _grown(self, initial: float, attempt: int) -> float:
+        if initial == 0:
             return 0.0
         growth = attempt * math.log(self.factor)   # log(factor ** attempt)
-        log_delay = math.log(self.initial_seconds) + growth
+        log_delay = math.log(initial) + growth
         if log_delay >= math.log(self.max_seconds):
             return self.max_seconds
         if growth < _MAX_LOG_GROWTH:
-            return min(self.initial_seconds * self.factor ** attempt, self.max_seconds)   # exact: 1, 2, 4, ...
+            return min(initial * self.factor ** attempt, self.max_seconds)   # exact: 1, 2, 4, ...
         return math.exp(log_delay)   # a tiny initial_seconds: factor ** attempt alone would overflow
 
 

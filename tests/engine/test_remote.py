@@ -61,6 +61,26 @@ class _Link:
         self.checks.append(reason)
 
 
+def test_a_kill_whose_restart_fails_still_drops_the_connection(server):
+    """`kill` asked the cluster manager to restart the replica before it dropped the connection: a restart that
+    raised (Ray's call failing) left the connection up, and the watchdog judged it hung again every tick."""
+    async def main():
+        link = _Link(server)
+
+        def failing(reason: str) -> None:
+            raise RuntimeError("the cluster head did not answer")
+
+        link.restart = failing
+        client = RemoteEngineClient(server.config, link)
+        await client.start(timeout=30)
+        with pytest.raises(RuntimeError, match="did not answer"):
+            client.kill("hung: one step has run for 300 s")
+        assert not client.is_alive
+        assert "hung" in await asyncio.wait_for(client.died, 10)
+
+    asyncio.run(main())
+
+
 def test_a_peer_without_the_key_is_refused_before_any_message(server):
     async def main():
         with pytest.raises((WireError, OSError)):

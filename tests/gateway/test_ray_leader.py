@@ -17,8 +17,7 @@ import pytest
 from gateway.monitoring.metrics import GatewayMetrics
 from gateway.workers import autoscaler as autoscaler_module
 from gateway.workers.autoscaler import Autoscaler
-from gateway.workers.config_claim import ConfigClaim, claim_name
-from gateway.workers.ray_cluster import parse_name
+from gateway.workers.config_claim import ConfigClaim, claim_name, parse_name
 from gateway.workers.scaler_lease import Lease, LeaseView
 from pools.config.spec import DeviceSpec
 
@@ -510,3 +509,31 @@ def test_a_stale_actor_handle_removes_only_its_own_actor_never_one_placed_since_
     replica.may_place = lambda: False   # a follower removes nothing
     asyncio.run(endpoint_with(None))
     assert removed == [replica.name] * 2
+
+
+async def test_restarting_a_ray_replica_never_blocks_the_event_loop(monkeypatch):
+    """`ray.kill` waits for the cluster head's answer, and was called on the event loop: a hung replica's
+    cluster, often slow or cut off then, froze every stream of the gateway for as long. It runs on a thread;
+    a kill that fails is logged, not raised."""
+    from engine.config import EngineConfig
+    from gateway.workers import ray_cluster
+
+    killed = []
+
+    def slow_kill(actor, no_restart):
+        time.sleep(0.5)
+        if actor == "gone":
+            raise RuntimeError("the cluster head did not answer")
+        killed.append((actor, no_restart))
+
+    monkeypatch.setattr(ray_cluster, "_ray", lambda: SimpleNamespace(kill=slow_kill))
+    replica = ray_cluster.RayReplica(None, "gpu", 0, EngineConfig())
+    replica._actor = "actor"
+    began = time.perf_counter()
+    replica.restart("hung: one step has run for 300 s")
+    assert time.perf_counter() - began < 0.1
+    await replica._restarting
+    assert killed == [("actor", False)]
+    replica._actor = "gone"
+    replica.restart("hung again")
+    await replica._restarting   # logged

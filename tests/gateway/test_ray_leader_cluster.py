@@ -19,9 +19,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 ray = pytest.importorskip("ray")
 
 from engine.config import EngineConfig  # noqa: E402
-from gateway.workers.config_claim import ClaimPending, claim_name  # noqa: E402
+from gateway.workers.config_claim import ClaimPending, claim_name, config_digest  # noqa: E402
 from gateway.workers import ray_cluster  # noqa: E402
-from gateway.workers.ray_cluster import ConfigConflict, RayCluster, RayReplica, config_digest  # noqa: E402
+from gateway.workers.ray_cluster import ConfigConflict, RayCluster, RayReplica  # noqa: E402
 from gateway.workers.scaler_lease import ScalerLease  # noqa: E402
 
 LEASE = 2.0   # seconds: short, so that an expiry is waited for here

@@ -346,6 +346,8 @@ def test_backoff_delay_never_overflows_and_its_factor_is_bounded():
     assert Backoff(factor=100, max_seconds=1e300).delay(10_000) == 1e300
     assert Backoff(initial_seconds=1e-300, factor=100, max_seconds=1e300).delay(200) == pytest.approx(1e100)
     assert Backoff(initial_seconds=0, max_seconds=0).delay(10**9) == 0
+    # "restart at once" is the first restart: the next ones grow (they were all at once: a tight loop)
+    assert [Backoff(initial_seconds=0).delay(a) for a in range(4)] == [0.0, 0.1, 0.2, 0.4]
     with pytest.raises(ValueError, match=r"^factor: must be <= 100"):
         Backoff(factor=1e5)
 
