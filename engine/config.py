@@ -271,6 +271,9 @@ class EngineConfig:
             raise ConfigError(f"collective_timeout_seconds: must be a number of seconds > 0, got {timeout!r}")
         if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
             raise ConfigError(f"cpu_threads: must be an integer >= 0, got {self.cpu_threads!r}")
+        seed = self.sampling_seed   # (torch's generators take 0 .. 2^64 - 1; ours stay within a signed 64 bits)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise ConfigError(f"sampling_seed: must be an integer in 0..2^63-1 or unset, got {seed!r}")
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ConfigError(f"pools: duplicate pool names in {names}")

@@ -5,17 +5,18 @@
 the source, the flags and the machine (what `-march=native` compiles for: an x86 CPU's model and flags, an
 Arm one's features and part), and returns the library with each function's argument types set.
 
-A cache folder is used only where no other user could have put a library there (`_not_private`: the folder
-and its library this user's, only it may write them, and every folder above it this user's or root's, written
-by others only where sticky, as /tmp): loading runs the library's code as us. One that cannot be made or
-written, is not private, or whose library does not load (a `noexec` mount; a file cut short or another
-machine's: left there, named in a warning) is passed over for one in the temporary folder. None when there is
-no compiler, the compile fails or takes past COMPILE_SECONDS: the launchers then take their torch path. A
-ctypes call releases the GIL and costs about 2 us, one torch operator's dispatch.
+A library is loaded only where it is this user's and no other user may write it (`_checked`: on Linux the file
+opened and checked is the one loaded, through its descriptor): loading runs its code as us, so one another
+user left in the folder (or a symbolic link) is made again, ours. A folder that cannot be made or written, or
+whose library does not load (a `noexec` mount; a file cut short or another machine's: left there, named in a
+warning), is passed over for one in the temporary folder. None when there is no compiler, the compile fails or
+takes past COMPILE_SECONDS (its children killed too): the launchers then take their torch path. A ctypes call
+releases the GIL and costs about 2 us, one torch operator's dispatch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -43,9 +44,9 @@ def _cache_dirs() -> list[Path]:
     """Where a build is kept: the configured folder (or the home's cache), then one in the temporary folder
     (where there is one: a read-only machine may have none)."""
     folders = []
-    try:
+    try:   # absolute: a relative one would be another folder in each process (and `x.so` a search of the path)
         env = os.environ.get("CLIFFGUARD_KERNEL_CACHE")
-        folders.append(Path(env).expanduser() if env else Path.home() / ".cache" / "cliffguard" / "kernels")
+        folders.append(Path(env).expanduser().absolute() if env else Path.home() / ".cache" / "cliffguard" / "kernels")
     except (RuntimeError, KeyError):   # no HOME, and a uid with no passwd entry (a container's arbitrary uid)
         pass
     try:
@@ -53,29 +54,6 @@ def _cache_dirs() -> list[Path]:
     except OSError:
         pass
     return folders
-
-
-def _not_private(folder: Path) -> str | None:
-    """Why no library in `folder` may be loaded (made now where it is missing, only this user may write it),
-    or None: the folder is this user's and only it may write it, and each folder above it is this user's or
-    root's and written by others only where sticky (/tmp). Anywhere else another user could have made it (or
-    renamed ours away) and left a library of theirs, which loading would run as us."""
-    uid = os.geteuid()
-    try:
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        real = Path(os.path.realpath(folder))
-        info = os.stat(real)
-        if info.st_uid != uid or not stat.S_ISDIR(info.st_mode):
-            return f"{folder}: not a folder of this user's"
-        if info.st_mode & 0o022:   # ours, made under a loose umask: only we may write it from now on
-            os.chmod(real, stat.S_IMODE(info.st_mode) & ~0o022)
-        for above in real.parents:   # (a group may write one of ours, as a user's private group may)
-            info = os.stat(above)
-            if info.st_uid not in (uid, 0) or info.st_mode & 0o002 and not info.st_mode & stat.S_ISVTX:
-                return f"{folder}: {above} is another user's, or any user may write it"
-    except OSError as exc:
-        return f"{folder}: {exc}"
-    return None
 
 
 def _machine() -> str:
@@ -97,20 +75,26 @@ def _compile(compiler: str, source: Path, flags: Sequence[str], built: Path) -> 
     library (every float in it, Python's own included: 5e-324 > 0.0 became False)."""
     steps = ([compiler, *flags, "-fPIC", "-c", "-o", str(built.with_suffix(".o")), str(source)],
              [compiler, "-shared", "-o", str(built), str(built.with_suffix(".o")), "-lm"])
+    errors = built.with_suffix(".err")   # a file, not a pipe: a child the compiler left holds no read open
     for step in steps:
-        try:   # a session of its own: a timeout ends the compiler's children too (cc1, as, a wrapper's)
-            process = subprocess.Popen(step, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                       start_new_session=True)
-        except OSError as exc:
-            return str(exc)
-        try:
-            _, stderr = process.communicate(timeout=COMPILE_SECONDS)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            return f"{' '.join(step[:2])}...: no result in {COMPILE_SECONDS:g} s"
-        if process.returncode != 0:
-            return stderr[-2000:]
+        with open(errors, "w+b") as err:
+            try:   # a session of its own: a timeout ends the compiler's children too (cc1, as, a wrapper's)
+                process = subprocess.Popen(step, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                           start_new_session=True)
+            except OSError as exc:
+                return str(exc)
+            try:
+                process.wait(timeout=COMPILE_SECONDS)
+            except BaseException as exc:   # past the time, or interrupted: its own session hears no Ctrl-C
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                if not isinstance(exc, subprocess.TimeoutExpired):
+                    raise
+                return f"{' '.join(step[:2])}...: no result in {COMPILE_SECONDS:g} s"
+            if process.returncode != 0:
+                err.seek(0)
+                return err.read().decode(errors="replace")[-2000:]
     return None
 
 
@@ -128,12 +112,10 @@ def load_c_library(source: Path, flags: Sequence[str], functions: Mapping[str, S
     errors: list[str] = []
     for folder in _cache_dirs():
         path = folder / f"{source.stem}-{key}.so"
-        if (unsafe := _not_private(folder)) is not None:
-            errors.append(unsafe)
-            continue
         try:
-            if path.exists() and _writable_by_others(path):   # an older version's build, made under a loose umask
-                path.unlink()
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if path.exists() and _writable_by_others(path):   # another user's, or an older version's build made
+                path.unlink()                                 # under a loose umask: made again, ours
         except OSError as exc:
             errors.append(f"{path}: {exc}")
             continue
@@ -153,8 +135,10 @@ def load_c_library(source: Path, flags: Sequence[str], functions: Mapping[str, S
     return None
 
 
-def _writable_by_others(path: Path) -> bool:
-    info = os.lstat(path)
+def _writable_by_others(path: Path | int) -> bool:
+    """Whether the file at `path` (or open as that descriptor) is no library of ours: not a regular file (a
+    symbolic link), another user's, or one another user may write."""
+    info = os.fstat(path) if isinstance(path, int) else os.lstat(path)
     return not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or bool(info.st_mode & 0o022)
 
 
@@ -178,12 +162,34 @@ def _build(compiler: str, source: Path, flags: Sequence[str], path: Path) -> tup
 def _load(path: Path, functions: Mapping[str, Sequence[type]], errors: list[str]) -> ctypes.CDLL | None:
     """The library at `path` with each function's argument types set; None (the reason added to `errors`) where
     it does not load: a file cut short or built elsewhere, a folder mounted `noexec`, a function missing."""
+    fd = None
     try:
-        library = ctypes.CDLL(str(path))
+        name, fd = _checked(path)
+        library = ctypes.CDLL(name)
+        fd = None   # loaded: its number stays taken (`_checked`)
         for name, argtypes in functions.items():
             getattr(library, name).argtypes = list(argtypes)
             getattr(library, name).restype = ctypes.c_int
     except (OSError, AttributeError) as exc:
         errors.append(f"{path}: {exc}")
         return None
+    finally:
+        if fd is not None:
+            os.close(fd)
     return library
+
+
+def _checked(path: Path) -> tuple[str, int | None]:
+    """What to load for `path`, and the descriptor it is open as: on Linux the very file checked
+    (`/proc/self/fd/N`: nobody can swap it between the check and the load, whatever the folders above it), kept
+    open once loaded (a number used again would read as a library already loaded). OSError where it is no
+    library of ours (`_writable_by_others`)."""
+    if not Path("/proc/self/fd").is_dir():
+        if _writable_by_others(path):
+            raise OSError(f"{path}: not a file of this user's that only it may write")
+        return str(path), None
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    if _writable_by_others(fd):
+        os.close(fd)
+        raise OSError(f"{path}: not a file of this user's that only it may write")
+    return f"/proc/self/fd/{fd}", fd

@@ -26,7 +26,8 @@ slots, `min` of them started. Every `INTERVAL` seconds, for each such device:
   one whose load the other serving replicas would carry at most half full (`SPARE_FRACTION`: the credits held,
   the sequences running and the offered load's replicas' worth of time) for that long, busy or not: each request
   goes to the least loaded replica, so a light steady load keeps every replica busy, and a device scaled up in
-  a morning's burst stayed at its most all day; its requests in flight finish before it stops. Only the highest serving slot is drained, and only
+  a morning's burst stayed at its most all day; its requests in flight finish before it stops (not on a device
+  shared by several gateways, which judges idle time only). Only the highest serving slot is drained, and only
   while `min` replicas serve without it: a loading, restarting or failed replica serves nothing, so it
   never stands in for one. Its idle time counts from when it last became ready (a replica that restarts
   starts anew). A replica still loading in a slot past `min` (a placement group Ray cannot place, a long
@@ -307,14 +308,18 @@ class Autoscaler:
         """Whether the serving replicas but one would carry the device's load at most SPARE_FRACTION full: the
         credits held and the sequences running there (its pools' ledgers) and, where known, the offered load's
         replicas' worth of time. A light steady load keeps every replica busy (each request goes to the least
-        loaded one), so that, counted as idle time alone, a device scaled up in a burst never scaled down."""
+        loaded one), so that, counted as idle time alone, a device scaled up in a burst never scaled down. Not on
+        a device shared by several gateways (a lease): each sees its own requests only, and its idle rule asks the
+        replica for every gateway's."""
         fewer = len(serving) - 1
         ledgers = [p.admission.ledger for p in self.pools[device] if p.admission is not None]
-        if fewer < 1 or not ledgers:
+        if fewer < 1 or not ledgers or device in self.leases:   # (shared: this gateway sees its own load only)
             return False
+        top = max(serving, key=lambda s: s.replica)
         for ledger in ledgers:
             accounts = [ledger.accounts[s.replica] for s in serving]
-            if sum(a.held for a in accounts) > SPARE_FRACTION * fewer * max(a.total for a in accounts):
+            others = [ledger.accounts[s.replica] for s in serving if s is not top]   # what stays (leases differ)
+            if sum(a.held + a.outside for a in accounts) > SPARE_FRACTION * sum(a.total for a in others):
                 return False
             seqs = accounts[0].max_seqs
             if seqs is not None and sum(a.num_seqs for a in accounts) > SPARE_FRACTION * fewer * seqs:

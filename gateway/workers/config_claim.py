@@ -28,8 +28,10 @@ import logging
 import pickle
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.config import EngineConfig
+if TYPE_CHECKING:   # (an annotation only: the claim actor's process imports no torch)
+    from engine.config import EngineConfig
 
 log = logging.getLogger("cliffguard.gateway")
 

@@ -12,8 +12,8 @@ The actor is named `cliffguard:<device>:<replica>:<digest>` in the `cliffguard` 
 the gateway, and a gateway that starts again with the same engine config (same digest) finds it and connects without
 reloading it; so do other gateways of the same config. A gateway whose config for the device differs (another digest)
 while replicas (actors or placement groups) of the old digest are on the cluster does not start the device
-(`ConfigConflict`, its state in `/ready`), unless it takes over (`RayCluster.take_over`: `cliffguard serve --take-
-over`, YAML `gateway.take_over`): then the old digest's actors and groups are removed first. Two gateways of
+(`ConfigConflict`, its state in `/ready`), unless it takes over (`RayCluster.take_over`:
+`cliffguard serve --take-over`, YAML `gateway.take_over`): then the old digest's actors and groups are removed first. Two gateways of
 different configs that start at once see no replicas yet: a gateway first claims the device for its digest
 (`gateway.workers.config_claim`), then lists; the claim is one digest's at a time, so one of the two starts and the
 other tries again (refused once the first one's replicas are listed).
@@ -313,7 +313,11 @@ class RayReplica:
         """(host, port, key): finds the live actor of this name, or places the replica if it may (else
         waits for the leader gateway to place it), then asks the actor. ConfigConflict when replicas of
         another config of the device are on the cluster, ClaimPending while another config's gateway
-        holds the device's claim (`RayCluster.check_config`)."""
+        holds the device's claim (`RayCluster.check_config`). After a `restart`, once Ray has killed the actor (a
+        connection made before would reach the hung one)."""
+        if self._restarting is not None and not self._restarting.done():
+            self.status = "waiting for Ray to kill the actor for its restart"
+            await asyncio.wait([self._restarting], timeout=timeout)
         await self.cluster.connect()
         self.status = "claiming the device for its config"
         await self.cluster.claim(self.device, self.digest)

@@ -29,7 +29,8 @@ PLACEMENTS: tuple[str, ...] = get_args(Placement)
 # Autoscaled devices: a request of the device's pools that has waited this long for KV credits adds a
 # replica (the wait `pools.demand` counts as a backlog: longer than a queue that drains on its own) ...
 DEFAULT_SCALE_UP_WAIT_SECONDS = 2.0
-# ... and a replica idle this long (no request in flight, none admitted) is stopped, down to min: a
+# ... and a replica idle (no request in flight, none admitted) or spare (its load carried by the others at most
+# half full: `gateway.workers.autoscaler`) this long is stopped, down to min: a
 # minute outlasts the gaps between bursts, so a replica is not reloaded for each one.
 DEFAULT_SCALE_DOWN_IDLE_SECONDS = 60.0
 RAY_ADDRESS_ENV = "RAY_ADDRESS"   # Ray's own variable: the cluster `ray.init()` joins

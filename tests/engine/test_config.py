@@ -271,6 +271,14 @@ def test_an_fp8_cache_on_a_gpu_without_fp8_conversions_is_refused_by_name(monkey
     assert config.resolved_kv_dtype(torch.device("cpu")) == torch.float8_e4m3fn
 
 
+def test_a_sampling_seed_that_is_no_integer_is_refused_by_name():
+    for bad in (7.0, True, "7", -1, 2**64):
+        with pytest.raises(ConfigError, match=r"^sampling_seed: must be an integer in 0..2\^63-1 or unset"):
+            EngineConfig(sampling_seed=bad)
+    assert EngineConfig(sampling_seed=7).draw_sampling_seed() == 7
+    assert EngineConfig().draw_sampling_seed() != EngineConfig().draw_sampling_seed()
+
+
 def test_dtype_auto_is_float16_on_a_gpu_without_bfloat16_and_bfloat16_there_is_refused_by_name(monkeypatch):
     """A T4 or a V100 (compute capability 7.x) has no bfloat16 tensor cores: `auto` took bfloat16 on every GPU,
     and the engine failed there; it takes float16 now, and an explicit bfloat16 is refused naming the key."""

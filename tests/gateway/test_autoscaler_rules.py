@@ -453,3 +453,22 @@ async def test_a_light_steady_load_that_keeps_every_replica_busy_still_lets_the_
     _ticks(scaler, int(IDLE) + 2, 2 * int(IDLE) + 4)
     # one at a time, down to what the load needs (300 held, 0.4 asked: one replica carries it half full)
     assert slots[1].draining and not slots[0].draining
+
+
+def test_a_replica_is_spare_by_what_the_others_hold_and_never_on_a_shared_device():
+    """The spare rule measured the load against the largest replica's credits, the one to go included: with
+    leases of 100, 100 and 1,000 credits, 150 held read as spare, leaving 75% of what stays in use. A device shared
+    by several gateways (a lease) is judged by its idle rule only: each gateway sees its own requests alone."""
+    slots = [_Slot(r, "ready") for r in range(3)]
+    scaler = _make_scaler(slots, {})
+    admission = CreditQueue("p", [100, 100, 1000])
+    scaler.pools["d"] = [SimpleNamespace(admission=admission)]
+    admission.ledger.submit("a", 150)
+    admission.ledger.admit()
+    assert not scaler._spare("d", slots)                         # 150 of the 200 that would stay
+    admission.ledger.release("a")
+    admission.ledger.submit("b", 90)
+    admission.ledger.admit()
+    assert scaler._spare("d", slots)                             # 90 of 200: under half
+    scaler.leases["d"] = SimpleNamespace()
+    assert not scaler._spare("d", slots)

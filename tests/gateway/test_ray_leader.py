@@ -537,3 +537,18 @@ async def test_restarting_a_ray_replica_never_blocks_the_event_loop(monkeypatch)
     replica._actor = "gone"
     replica.restart("hung again")
     await replica._restarting   # logged
+
+    order = []   # the next connection waits for the kill: made before it lands, it reached the hung actor
+    replica._actor = "actor"
+    monkeypatch.setattr(ray_cluster, "_ray", lambda: SimpleNamespace(kill=lambda actor, no_restart: (
+        time.sleep(0.3), order.append("killed"))))
+
+    async def connect():
+        order.append("connect")
+        raise ConnectionError("stop here")
+
+    replica.cluster = SimpleNamespace(connect=connect)
+    replica.restart("hung a third time")
+    with pytest.raises(ConnectionError):
+        await replica.endpoint(timeout=5)
+    assert order == ["killed", "connect"]

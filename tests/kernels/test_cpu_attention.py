@@ -213,12 +213,63 @@ def test_a_build_that_cannot_be_kept_or_loaded_where_it_is_cached_is_made_elsewh
     assert load_c_library(source, ["-O1"], {"one": []}).one() == 3               # a folder that cannot be made
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "a-file"))
     assert load_c_library(source, ["-O2"], {"one": []}) is None                  # nor the temporary one: None
-    anyones = tmp_path / "tmp3"   # a folder any user may write, not sticky: another could swap ours for theirs
-    (anyones / f"cliffguard-kernels-{os.getuid()}").mkdir(parents=True)
-    anyones.chmod(0o777)
-    monkeypatch.setattr(tempfile, "tempdir", str(anyones))
-    assert load_c_library(source, ["-O1"], {"one": []}) is None
-    assert not list((anyones / f"cliffguard-kernels-{os.getuid()}").iterdir())
+
+
+
+def test_a_compiler_that_leaves_a_child_behind_is_not_waited_for(tmp_path, monkeypatch):
+    """A compiler wrapper that leaves a process behind holding its stderr (a compile server, ccache's): reading
+    the output to its end waited for that process, a good build reported failed past COMPILE_SECONDS."""
+    import shutil
+    import tempfile
+    import time
+
+    from kernels import cpu_build
+
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f"#!/bin/sh\n(sleep 12 &)\nexec {shutil.which('cc')} \"$@\"\n")
+    wrapper.chmod(0o755)
+    source = tmp_path / "one.c"
+    source.write_text("int one(void) { return 1; }\n")
+    monkeypatch.setattr(cpu_build, "COMPILE_SECONDS", 10.0)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "a-file"))
+    (tmp_path / "a-file").write_text("")
+    began = time.monotonic()
+    assert load_c_library(source, ["-O1"], {"one": []}).one() == 1
+    assert time.monotonic() - began < 8
+
+
+def test_a_library_another_user_could_have_written_is_never_loaded(tmp_path, monkeypatch):
+    """Loading runs a library's code as us: one in the cache that is another user's, that others may write, or
+    a symbolic link (all of which another user could have left in a folder they may write) is made again, ours."""
+    import shutil
+    import tempfile
+
+    source = tmp_path / "one.c"
+    source.write_text("int one(void) { return 1; }\n")
+    theirs = tmp_path / "theirs.c"
+    theirs.write_text("int one(void) { return 666; }\n")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "a-file"))   # no fallback folder
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "planted"))
+    assert load_c_library(theirs, ["-O1"], {"one": []}).one() == 666
+    (planted,) = (tmp_path / "planted").glob("theirs-*.so")
+    monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(tmp_path / "cache"))
+    assert load_c_library(source, ["-O1"], {"one": []}).one() == 1
+    (ours,) = (tmp_path / "cache").glob("one-*.so")
+    for plant in ("writable", "link") + (("owned",) if os.geteuid() == 0 else ()):
+        cache = tmp_path / f"cache-{plant}"
+        cache.mkdir()
+        target = cache / ours.name
+        if plant == "link":
+            target.symlink_to(planted)
+        else:
+            shutil.copy(planted, target)
+            target.chmod(0o777) if plant == "writable" else os.chown(target, 12345, 12345)
+        monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(cache))
+        assert load_c_library(source, ["-O1"], {"one": []}).one() == 1, plant
+        assert not target.is_symlink() and target.stat().st_uid == os.geteuid(), plant
 
 
 def test_a_failed_compile_is_not_tried_again_elsewhere(tmp_path, monkeypatch):
