@@ -268,6 +268,16 @@ def test_a_frame_from_the_worker_that_cannot_be_read_ends_it_at_once_as_no_reque
     assert first.outputs and took < 3 and cause == UNREADABLE, (took, cause)
 
 
+async def _loading(config: EngineConfig) -> tuple[AsyncEngineClient, asyncio.Future]:
+    """A client whose worker was launched and is loading (CLIFFGUARD_FAULT_SLOW_LOAD holds it); its `start`."""
+    client = AsyncEngineClient(config)
+    starting = asyncio.ensure_future(client.start())
+    async with asyncio.timeout(30):
+        while client._channel is None:
+            await asyncio.sleep(0.05)
+    return client, starting
+
+
 def test_a_worker_whose_gateway_is_gone_while_it_loads_ends_at_once(tiny_config, monkeypatch):
     """The gateway is killed while its worker loads a model (here a load held 60 s): the worker ends within a
     second, freeing the device for the gateway that replaces it, instead of loading on (then stepping nothing
@@ -278,11 +288,7 @@ def test_a_worker_whose_gateway_is_gone_while_it_loads_ends_at_once(tiny_config,
     monkeypatch.setenv(SLOW_LOAD_ENV, "60")
 
     async def main():
-        client = AsyncEngineClient(tiny_config)
-        starting = asyncio.ensure_future(client.start())
-        async with asyncio.timeout(30):
-            while client._channel is None:                # launched, loading
-                await asyncio.sleep(0.05)
+        client, starting = await _loading(tiny_config)
         client.report_waiting("default", 3)              # a command it reads only once loaded
         await asyncio.sleep(0.5)
         process = client._process
@@ -307,11 +313,7 @@ def test_a_worker_stopped_while_it_loads_ends_at_once(tiny_config, monkeypatch):
     monkeypatch.setenv(SLOW_LOAD_ENV, "60")
 
     async def main():
-        client = AsyncEngineClient(tiny_config)
-        starting = asyncio.ensure_future(client.start())
-        async with asyncio.timeout(30):
-            while client._channel is None:                # launched, loading
-                await asyncio.sleep(0.05)
+        client, starting = await _loading(tiny_config)
         await asyncio.sleep(0.5)
         began = time.monotonic()
         await client.shutdown(timeout=10)
