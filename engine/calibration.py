@@ -15,7 +15,7 @@ import torch
 
 from engine.config import LatencySLO
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSeq
+from engine.scheduler_output import ScheduledSeq
 from engine.sequence import Sequence
 from engine.step_commit import commit_step
 from engine.step_cost import LinearStepTime, StepFeatures, fit_linear

@@ -43,7 +43,9 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    this step (its first token, or a recompute, is due), or when it runs `PRESSURE_OCCUPANCY` of its
    `max_num_seqs` (one burst from queueing; a paused request, whose client reads too slowly, presses
    only by the slots it holds). While any interactive pool is pressed, throughput pools
-   drop to their floor: nothing, unless they are owed their share (step 5). So an
+   drop to their floor: nothing, unless they are owed their share (step 5); but not for a pressed
+   pool that runs nothing this step and whose running sequences are all paused (it waits for its
+   clients, however long they read, not for the device). So an
    interactive request's prefill step costs what it costs with chat alone, and when chat's
    concurrency climbs (its steps carry throughput work, so each of its requests lasts longer) the
    composer gives back chat-alone step times until the queue drains, rather than letting requests
@@ -192,8 +194,9 @@ class StepComposer:
                 step.costs[self.interactive[0]] = model.predict(step.features) - model.predict(StepFeatures())
         lasting = bool(step.pressed) and self._was_pressed
         self._was_pressed = bool(step.pressed)
+        floor = any(self._held_back(name, step.outputs[name]) for name in step.pressed)
         for name in self.throughput:
-            budget = self._token_budget(name, step.features, step.target_seconds, floor=bool(step.pressed))
+            budget = self._token_budget(name, step.features, step.target_seconds, floor=floor)
             if self._is_owed(name) and (lasting or not step.pressed):
                 step.owed += (name,)
                 owed = self._owed_budget(name, step.features)
@@ -368,6 +371,14 @@ class StepComposer:
         if any(seq.num_uncomputed_tokens > 1 and not scheduler.is_paused(seq) for seq in scheduler.running):
             return True
         return len(scheduler.running) >= PRESSURE_OCCUPANCY * scheduler.config.max_num_seqs
+
+    def _held_back(self, name: str, out: SchedulerOutput) -> bool:
+        """Whether the pressed pool `name` waits for the device: it runs work this step, or a sequence of it that
+        is not paused runs (an ending one gives its blocks back a step later). One whose running sequences are all
+        paused waits for its clients (the slots and blocks they hold): throughput pools at their floor would not
+        bring its turn sooner, only cut every step to one block of their work (8 tokens of rag's 256 a step)."""
+        scheduler = self.schedulers[name]
+        return bool(out.scheduled) or any(not scheduler.is_paused(s) for s in scheduler.running)
 
     def _interactive_budget(self, name: str, so_far: StepFeatures) -> int | None:
         """An interactive pool's tokens: what fits `ITL_AIM` of the tightest `itl_ms` among the interactive

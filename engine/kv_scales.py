@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from engine.sampling import SamplingParams
-from engine.scheduler import ScheduledSeq
+from engine.scheduler_output import ScheduledSeq
 from engine.sequence import Sequence
 from engine.step_commit import commit_step
 from kernels.reference import FP8_KV_DTYPE

@@ -28,7 +28,7 @@ from engine.models import build_model
 from engine.overlap import fill_pending
 from engine.parallel import (CaptureGraphs, Collectives, FollowerArgs, PlanLink, RankSetup, ShardShape, StepPlan,
                              TensorParallelGroup, die_with_parent, join_group)
-from engine.scheduler import ScheduledSeq
+from engine.scheduler_output import ScheduledSeq
 from engine.sequence import Sequence
 from kernels import get_backend
 from kernels.transfer import to_device

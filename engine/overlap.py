@@ -47,7 +47,7 @@ import torch
 
 from engine.composer import ComposedStep
 from engine.sampling import SampledTokens
-from engine.scheduler import ScheduledSeq
+from engine.scheduler_output import ScheduledSeq
 from engine.sequence import Sequence
 from engine.stats import StepStats
 

@@ -17,7 +17,8 @@ preempted (its full blocks stay in the prefix cache, the last one's token in fli
 A step that preempted admits nothing. A sequence alone in its pool that still cannot grow ends (`length`, an error).
 A **paused** request (`pause`: its client reads too slowly) is skipped: its running sequences keep their blocks
 and place but get no token and are never victims; its waiting or swapped ones are passed by. A sequence short of
-blocks that only paused ones hold waits for them, keeping its own (`_held_by_paused`). So is a running sequence
+blocks that only paused ones hold takes what the free blocks hold of its prefill chunk and waits for the rest, keeping
+its own (`_held_by_paused`) and promising nothing (the free blocks serve others meanwhile). So is a running sequence
 whose last token is in flight (overlap): it frees its blocks when that lands; one short of what those make up waits.
 The scheduler only decides; the block copies it asks for (swap out, swap in, copy-on-write) travel in
 `SchedulerOutput` and the engine performs them before the step's forward pass.
@@ -28,72 +29,12 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, NoFreeBlocksError
 from engine.config import ConfigError, PoolConfig, SchedulerConfig
 from engine.preemption_cost import PreemptionCostModel, victim_by_policy
+from engine.scheduler_output import RequestTooLargeError, ScheduledSeq, SchedulerOutput, SchedulerStats
 from engine.sequence import FinishReason, Sequence, SequenceStatus
-
-
-class RequestTooLargeError(ValueError):
-    """The request can never run in this pool: refused at submission rather than left waiting."""
-
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int              # tokens computed this step, from seq.num_computed_tokens on
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, CPU block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (CPU block, device block)
-    copies: list[tuple[int, int]] = field(default_factory=list)     # copy-on-write (src, dst) device blocks
-    finished: list[Sequence] = field(default_factory=list)          # ended by the scheduler (pool too small)
-    # the three kinds of moves above in the order they were decided, consecutive ones of a kind together: run
-    # in that order, each finds the blocks as the decisions before it left them (a sample given a copy-on-write
-    # block, then preempted and swapped out, is swapped out with the copy in it)
-    moves: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
-    _written: set[int] = field(default_factory=set, repr=False)     # the destinations of the last run
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    def move(self, kind: str, pairs: list[tuple[int, int]]) -> None:
-        """Record block moves of `kind` ("swap_out", "swap_in" or "copy") after those decided before. A run of
-        one kind is one batched copy, whose writes to one block twice land in no set order: a pair that reads or
-        writes a block the run already writes starts a new run (a recompute frees a copy's destination, which
-        the next copy-on-write may take)."""
-        {"swap_out": self.swap_out, "swap_in": self.swap_in, "copy": self.copies}[kind].extend(pairs)
-        for src, dst in pairs:   # a swap's source and destination are blocks of different pools (device, CPU)
-            if not self.moves or self.moves[-1][0] != kind or dst in self._written or \
-                    (kind == "copy" and src in self._written):
-                self.moves.append((kind, []))
-                self._written = set()
-            self.moves[-1][1].append((src, dst))
-            self._written.add(dst)
-
-
-@dataclass
-class SchedulerStats:
-    num_preemptions: int = 0
-    num_recompute_preemptions: int = 0
-    num_swap_preemptions: int = 0
-    num_recomputed_tokens: int = 0   # tokens whose K/V a recompute preemption threw away
-    num_swapped_out_blocks: int = 0
-    num_swapped_in_blocks: int = 0
-    preempt_seconds: float = 0.0     # scheduling time spent preempting (the engine adds copy time)
-    num_admitted: int = 0
-    num_prefix_waits: int = 0        # admissions put off a step because a running sequence was prefilling the prefix
-    num_aborted: int = 0             # sequences finished by abort (client gone, or asked)
-    num_too_large: int = 0           # sequences ended because the pool could not hold them
-    num_computed_tokens: int = 0     # tokens whose K/V the pool's steps computed (prefill, decode, recompute)
-    num_generated_tokens: int = 0    # tokens sampled: new output only, never a recomputed one
 
 
 class Scheduler:
@@ -231,8 +172,8 @@ class Scheduler:
                     budget += self._preempt(victim, out)
                     if victim is seq:
                         break
-                if held:   # a waiter: nothing is admitted past it
-                    self._promised, skipped = self._promised + need, skipped + 1
+                if held and not (num_new := self._fitting(seq, num_new)):   # no part of its chunk fits: it waits,
+                    skipped += 1   # promising nothing (paused ones may hold their blocks for good: others use the free)
                     continue
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
@@ -241,6 +182,13 @@ class Scheduler:
             seq.last_scheduled_step = self._step
             budget -= num_new
         return budget
+
+    def _fitting(self, seq: Sequence, num_new: int) -> int:
+        """The part of `seq`'s next `num_new` tokens that the free blocks hold: a prefill chunk clipped to them (a
+        decode whole or not at all)."""
+        bm = self.block_manager
+        blocks = len(seq.block_table) + bm.num_free_blocks - int(self._write_block_shared(seq))
+        return max(0, min(num_new, blocks * bm.block_size - seq.num_computed_tokens))
 
     def _decodes_served(self, budget: int) -> set[int] | None:
         """When the budget is short of the running decodes (a step composer's time target beside a busy interactive
@@ -260,11 +208,15 @@ class Scheduler:
         while resumable and budget > 0 and self._num_seqs_held() + 1 + resumable[0].num_pending_forks <= \
                 self.config.max_num_seqs:
             seq = resumable[0]
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate([], seq.num_computed_tokens + num_new):
+            num_new, bm = min(seq.num_uncomputed_tokens, budget), self.block_manager
+            counted = (bm.num_prefix_queries, bm.num_prefix_hits)   # the cache's hit counts stay the prompts'
+            shared = bm.acquire_cached(seq.block_table, seq.token_ids[:seq.num_computed_tokens + 1], seq.cache_salt)
+            bm.num_prefix_queries, bm.num_prefix_hits = counted     # (blocks a sibling holds take no free one)
+            if not bm.can_allocate(seq.block_table, seq.num_computed_tokens + num_new):
+                bm.free(seq.block_table)
                 break
             self.swapped.remove(resumable.pop(0))
-            self._swap_in(seq, num_new, out)
+            self._swap_in(seq, num_new, shared, out)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return budget
@@ -417,12 +369,10 @@ class Scheduler:
         bisect.insort(self.swapped, seq, key=Sequence.sort_key)
         return True
 
-    def _swap_in(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
-        """Its full blocks the prefix cache still holds (registered at its swap-out, or a sibling's) are shared
-        again, not copied back; the rest is copied from its CPU blocks. The cache's hit counts stay the prompts'."""
-        bm, counted = self.block_manager, (self.block_manager.num_prefix_queries, self.block_manager.num_prefix_hits)
-        shared = bm.acquire_cached(seq.block_table, seq.token_ids[:seq.num_computed_tokens + 1], seq.cache_salt)
-        bm.num_prefix_queries, bm.num_prefix_hits = counted
+    def _swap_in(self, seq: Sequence, num_new: int, shared: int, out: SchedulerOutput) -> None:
+        """Its full blocks the prefix cache still holds (registered at its swap-out, or a sibling's: the `shared`
+        tokens already in its table) are shared again, not copied back; the rest is copied from its CPU blocks."""
+        bm = self.block_manager
         bm.allocate(seq.block_table, seq.num_computed_tokens + num_new)
         shared //= bm.block_size
         out.move("swap_in", list(zip(seq.cpu_block_table[shared:], seq.block_table[shared:])))

@@ -56,7 +56,7 @@ import numpy as np
 from engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
-    from engine.scheduler import ScheduledSeq
+    from engine.scheduler_output import ScheduledSeq
 
 GiB = 1 << 30
 MiB = 1 << 20

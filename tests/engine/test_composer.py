@@ -329,6 +329,24 @@ def test_a_paused_request_presses_nothing_but_holds_its_slot():
     assert composer.schedule().pressed == ("chat",)          # 3 of 4 slots held, one of them paused
 
 
+def test_a_pool_pressed_only_by_paused_requests_leaves_the_throughput_pools_their_step():
+    """Chat's 3 of 4 slots are held by paused requests and it runs nothing: it is pressed (one burst from
+    queueing), but it waits for its clients, not for the device; rag keeps its step (it was cut to one block of
+    16 tokens a step for as long as the clients read). One request resumed: rag drops to its floor again."""
+    composer = _make_composer(chat_seqs=4)
+    _decoding_chat(composer, 3)
+    for i in range(3):
+        composer.schedulers["chat"].pause(f"r{i}", True)
+    step = composer.schedule()
+    assert step.pressed == ("chat",) and not step.outputs["chat"].scheduled
+    assert step.outputs["rag"].num_batched_tokens > 16 and _rag_seconds(composer, step) > 0.02
+    _finish_step(composer, step)
+    composer.schedulers["chat"].pause("r1", False)
+    step = composer.schedule()
+    assert step.pressed == ("chat",) and len(step.outputs["chat"].scheduled) == 1
+    assert not step.outputs["rag"].scheduled
+
+
 def test_the_cost_estimate_reads_the_prefill_the_next_step_would_run():
     """A paused request at the head of the queue is passed by: the prefill the composer prices (its context
     and what is left of it) is the next unpaused one's, as the scheduler would run it; a running sequence whose

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from engine.block_manager import BlockManager
 from engine.config import CacheConfig, EngineConfig, PoolConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.structured import StructuredOutput
 from tests.conftest import assert_all_free, make_tiny_model
 
@@ -215,3 +218,36 @@ def test_a_paused_request_at_the_head_of_the_queue_is_passed_by_whatever_it_need
     for request_id in ("A", "W"):
         engine.abort(request_id)
     assert_all_free(engine)
+
+
+def test_a_prefill_short_of_blocks_paused_ones_hold_takes_the_free_ones_and_promises_nothing():
+    """Twelve blocks of 8 tokens: P (40 tokens, paused) holds five, H (a 60-token prompt, 48 computed) six, one
+    is free. H's next chunk (12 tokens) needs two: it computes the 8 the free block holds, then waits for P's
+    blocks without holding the pool (it promised the blocks it lacked, so nothing ran while a block was free).
+    Once P ends, H finishes its prompt and W, a later arrival, is admitted."""
+    bm = BlockManager(num_blocks=12, block_size=8, enable_prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=16, enable_prefix_caching=False), bm,
+                          max_model_len=200)
+    paused, held, waiter = _seq(41, 0), _seq(60, 1), _seq(4, 2)
+    for seq, computed in ((paused, 40), (held, 48)):
+        seq.max_tokens, seq.status, seq.num_computed_tokens = 50, SequenceStatus.RUNNING, computed
+        bm.allocate(seq.block_table, computed)
+        scheduler.running.append(seq)
+    scheduler.pause(paused.request_id, True)
+    scheduler.add(waiter)
+    out = scheduler.schedule()
+    assert [(item.seq, item.num_new_tokens) for item in out.scheduled] == [(held, 8)] and not out.preempted
+    assert bm.num_free_blocks == 0
+    held.num_computed_tokens += 8
+    out = scheduler.schedule()
+    assert not out.scheduled and not out.preempted and scheduler.waiting == [waiter]
+    scheduler.finish(paused, FinishReason.ABORT)
+    out = scheduler.schedule()
+    assert [(item.seq, item.num_new_tokens) for item in out.scheduled] == [(held, 4), (waiter, 4)]
+    scheduler.check_integrity()
+
+
+def _seq(num_tokens: int, seq_id: int) -> Sequence:
+    return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", index=0, token_ids=list(range(num_tokens)),
+                    num_prompt_tokens=num_tokens, params=SamplingParams(), max_tokens=4, priority=0,
+                    arrival_order=seq_id, generator=None)

@@ -250,8 +250,9 @@ def test_a_batch_line_waits_behind_an_interactive_request_of_any_priority_and_is
 def test_a_swapped_in_sequence_shares_the_cached_blocks_it_left_instead_of_copying_them_back():
     """B shares A's three prompt blocks (two samples of one prompt) and is swapped out; its blocks stay in use by
     A and in the prefix cache. Swapped in, B shares them again and copies back nothing: it took three fresh
-    blocks, copied its CPU blocks into them, and held its prompt twice (blocks that could never be registered)."""
-    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    blocks, copied its CPU blocks into them, and held its prompt twice (blocks that could never be registered). Five
+    blocks: A's decode takes the fourth, B needs only the last (it waited for four, which it never needed)."""
+    bm = BlockManager(num_blocks=5, block_size=4, enable_prefix_caching=True)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, preemption_mode="swap", swap_space_bytes=1 << 20),
                           bm, max_model_len=100, swap_manager=BlockManager(num_blocks=16, block_size=4))
     a, b = _seq(13, 0), _seq(13, 1)
@@ -269,6 +270,7 @@ def test_a_swapped_in_sequence_shares_the_cached_blocks_it_left_instead_of_copyi
     assert [item.seq for item in out.scheduled] == [a, b] and b.block_table[:3] == a.block_table[:3]
     assert [kind for kind, _ in out.moves] == [] and scheduler.stats.num_swapped_in_blocks == 0
     assert (bm.num_prefix_queries, bm.num_prefix_hits) == queries and not b.cpu_block_table
+    assert bm.num_free_blocks == 0
     scheduler.check_integrity()
 
 

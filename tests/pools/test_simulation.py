@@ -17,7 +17,7 @@ import torch
 from engine.calibration import measure_steps
 from engine.config import PoolConfig, SchedulerConfig
 from engine.model_config import ModelConfig
-from engine.scheduler import ScheduledSeq
+from engine.scheduler_output import ScheduledSeq
 from engine.step_cost import (KNEE_MIN_STEPS, PRESETS, LinearStepTime, RooflineStepTime, StepCostModel, StepFeatures,
                               fit_linear, nonnegative_lstsq, read_step_model, read_step_trace, write_step_model)
 from gateway.cli import main
