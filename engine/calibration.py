@@ -105,7 +105,8 @@ def measure_steps(engine: Any, *, pool: str | None = None, seed: int = 0,
                 samples.append((StepFeatures(s.num_prefill_tokens, s.num_decode_tokens, s.num_attended,
                                              s.num_keys_read), s.seconds))
     # the swap copies at the bandwidth the engine measured, where a pool has swap space (a simulation's swaps)
-    return fit_linear(samples, skip=2, swap_bandwidth=getattr(engine, "_swap_bandwidth", None)), samples
+    copies = getattr(engine, "_swap_copies", None)
+    return fit_linear(samples, skip=2, swap_bandwidth=copies[0] if copies else None), samples
 
 
 # --- the isolation-by-default SLO, from this device's own step ---------------------------------------

@@ -159,6 +159,9 @@ class StepComposer:
         self._window_seconds = 0.0
         self.trackers = {n: SLOTracker(self.slos[n]) for n in self.interactive}
         self.cost_model = cost_model or StepCostModel()
+        for scheduler in self.schedulers.values():   # a pool's `auto` preemption prices re-prefill with it too
+            if scheduler.cost_model is not None:
+                scheduler.cost_model.step_model = self.cost_model
         self.stats = ComposerStats()
         self._starved = dict.fromkeys(self.throughput, 0.0)   # seconds of steps since it last got tokens
         self._external_waiting = dict.fromkeys(self.interactive, 0)

@@ -142,15 +142,23 @@ class SwapSpace:
         dev = to_device([d for _, d in pairs], torch.int64, device)   # queued, as the blocks: the host goes on
         self.kv_cache.raw.index_copy_(2, dev, to_device_tensor(self.raw.index_select(2, cpu), device))
 
-    def measure_bandwidth(self, num_blocks: int = 32, repeats: int = 3) -> float:
-        """Bytes per second of one direction of a swap, measured on real copies of this pool's blocks
-        (device -> CPU and back, averaged; block 0.. of both sides, whose contents are rewritten after)."""
+    def measure(self, num_blocks: int = 32, repeats: int = 3) -> tuple[float, float]:
+        """(bytes per second, seconds per copy) of one direction of a swap, measured on real copies of this
+        pool's blocks (device -> CPU and back, of one block and of `num_blocks`, the best of `repeats` each;
+        block 0.. of both sides, whose contents are rewritten after). A copy costs its latency plus its bytes
+        over the bandwidth: the two sizes tell them apart."""
+        n = min(num_blocks, self.num_blocks, self.kv_cache.num_blocks)
+        saved = self.kv_cache.data[:, :, :n].clone()
+        one, many = (self._round_trip(k, repeats) for k in (1, n))
+        self.kv_cache.data[:, :, :n] = saved
+        self.data.zero_()
+        per_block = (many - one) / (n - 1) if n > 1 and many > one else many / n   # a round trip's, per block
+        return 2 * self.kv_cache.bytes_per_block / per_block, max(0.0, (one - per_block) / 2)
+
+    def _round_trip(self, num_blocks: int, repeats: int) -> float:
         import time
 
-        n = min(num_blocks, self.num_blocks, self.kv_cache.num_blocks)
-        pairs = [(i, i) for i in range(n)]
-        saved = self.kv_cache.data[:, :, :n].clone()
-        best = float("inf")
+        pairs, best = [(i, i) for i in range(num_blocks)], float("inf")
         for _ in range(repeats):
             _sync(self.kv_cache.data.device)
             t = time.perf_counter()
@@ -158,9 +166,7 @@ class SwapSpace:
             self.swap_in(pairs)
             _sync(self.kv_cache.data.device)
             best = min(best, time.perf_counter() - t)
-        self.kv_cache.data[:, :, :n] = saved
-        self.data.zero_()
-        return 2 * n * self.kv_cache.bytes_per_block / best
+        return best
 
 
 def _sync(device: torch.device) -> None:

@@ -37,7 +37,7 @@ from engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
 from engine.scheduler import RequestTooLargeError, Scheduler, SchedulerOutput, build_scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.stats import Laps, StepStats
-from engine.step_commit import check_pools, commit_step, observe_step_time
+from engine.step_commit import check_pools, commit_step
 from engine.structured import GrammarCompiler, PendingGrammars
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from engine.weights import iter_weights, resolve_model
@@ -104,7 +104,7 @@ class LLMEngine:
         lap("kernels")
         self.schedulers: dict[str, Scheduler] = {}
         self.swap_spaces = self.runner.swap_spaces
-        self._swap_bandwidth: float | None = None   # one device, one measurement shared by its pools
+        self._swap_copies: tuple[float, float] | None = None   # one device's (bytes/s, s per copy), for its pools
         first_block = 0
         for pool in config.pools:
             self.schedulers[pool.name] = self._make_scheduler(pool, first_block)
@@ -160,8 +160,8 @@ class LLMEngine:
                                     kv_bytes_per_token=self.kv_bytes_per_token)
         if scheduler.swap_manager is not None:
             self.swap_spaces[pool.name] = SwapSpace(self.kv_cache, scheduler.swap_manager.num_blocks)
-            self._swap_bandwidth = self._swap_bandwidth or self.swap_spaces[pool.name].measure_bandwidth()
-            scheduler.cost_model.swap_bytes_per_second = self._swap_bandwidth
+            self._swap_copies = self._swap_copies or self.swap_spaces[pool.name].measure()
+            scheduler.cost_model.swap_bytes_per_second, scheduler.cost_model.swap_latency_seconds = self._swap_copies
         return scheduler
 
     @property
@@ -396,7 +396,6 @@ class LLMEngine:
         stats = scheduled.stats
         if scheduled.batch:
             device_seconds = launched.clock.seconds() if launched.clock else done - launched.forward_started
-            observe_step_time(self.schedulers, stats.num_prefill_tokens, stats.num_decode_tokens, device_seconds)
             stats.phases["sample"] = stats.phases.get("sample", 0.0) + done - started
         touched: dict[str, list[Sequence]] = {}
         for seq in scheduled.ended:

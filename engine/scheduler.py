@@ -13,7 +13,8 @@ that produced fewer than `stability_floor_tokens` since its (re)admission while 
 preempted (its full blocks stay in the prefix cache, the last one's token in flight included):
 - `recompute`: its blocks are dropped; it re-prefills later;
 - `swap`: its computed blocks are copied to the pool's CPU block pool and back on resume (CPU pool full: recompute);
-- `auto`: per victim, the cheaper of the swap round trip `2 x L x S_KV / B_swap` and the re-prefill `T_prefill(L)`.
+- `auto`: per victim, the cheaper of the swap round trip `2 x (t_copy + L x S_KV / B_swap)` and the re-prefill
+  `T_prefill(L)` (`PreemptionCostModel`).
 A step that preempted admits nothing. A sequence alone in its pool that still cannot grow ends (`length`, an error).
 A **paused** request (`pause`: its client reads too slowly) is skipped: its running sequences keep their blocks
 and place but get no token and are never victims; its waiting or swapped ones are passed by. A sequence short of
@@ -445,5 +446,6 @@ def build_scheduler(pool: PoolConfig, *, block_size: int, first_block: int, max_
             raise ConfigError(f"pools.{pool.name}.swap_space_bytes: {sc.swap_space_bytes} bytes hold no "
                               f"block of {bytes_per_block} bytes")
         swap_manager = BlockManager(num_cpu_blocks, block_size)
-        cost_model = PreemptionCostModel(kv_bytes_per_token, swap_bytes_per_second=swap_bytes_per_second)
+        cost_model = PreemptionCostModel(kv_bytes_per_token, chunk_tokens=sc.max_num_batched_tokens,
+                                         swap_bytes_per_second=swap_bytes_per_second)
     return Scheduler(sc, bm, max_model_len, name=pool.name, swap_manager=swap_manager, cost_model=cost_model)

@@ -1,6 +1,5 @@
 """The bookkeeping after a step's forward pass: `commit_step`, one copy for the engine, its warm-up, its KV-scale
-calibration and the simulator (the sequences' computed tokens, the blocks they filled into the prefix cache),
-`observe_step_time` (a prefill-heavy step's time for the pools' preemption cost models, `auto` mode), and
+calibration and the simulator (the sequences' computed tokens, the blocks they filled into the prefix cache), and
 `check_pools` (the invariants that bookkeeping keeps, checked by the tests)."""
 
 from __future__ import annotations
@@ -9,22 +8,14 @@ from collections.abc import Iterable, Mapping
 
 from engine.scheduler import ScheduledSeq, Scheduler
 
-__all__ = ["check_pools", "commit_step", "observe_step_time"]
-
-
-def observe_step_time(schedulers: Mapping[str, Scheduler], prefill: int, decode: int, seconds: float) -> None:
-    """A step's `seconds` to every pool's re-prefill estimate (auto mode), if prefill was half its tokens or more."""
-    if prefill and prefill * 2 >= prefill + decode:
-        for scheduler in schedulers.values():
-            if scheduler.cost_model is not None:
-                scheduler.cost_model.observe_prefill(prefill + decode, seconds)
+__all__ = ["check_pools", "commit_step"]
 
 
 def commit_step(schedulers: Mapping[str, Scheduler], batch: Iterable[ScheduledSeq]) -> None:
     """The bookkeeping after a step's forward pass, one copy for the engine, its warm-up and the
     simulator: every scheduled sequence's computed tokens; for a sequence of a pool in `schedulers`,
     the pool's counter and the blocks it filled, registered in the prefix cache. (Its time goes to
-    `observe_step_time` once the device has finished, and to `StepComposer.observe`.) A step that
+    `StepComposer.observe` once the device has finished.) A step that
     filled no block (most decodes) registers nothing; blocks holding a placeholder wait until its
     value is known."""
     for item in batch:

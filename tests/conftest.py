@@ -104,3 +104,14 @@ def started_replica(config, timeout: float = 60.0):
     while server.state == "loading" and time.monotonic() < deadline:
         time.sleep(0.05)
     return server
+
+
+def price_preemption(cost_model, break_even: int) -> None:
+    """Costs for a pool's `auto` preemption, fixed through a run, under which victims of fewer than `break_even`
+    computed tokens recompute and longer ones swap: a re-prefill of L tokens costs 1 ms a token and 1 ms per
+    1,024 query-key pairs scaled so that, with its L(L + 1) / 2 pairs, it passes a swap round trip of 2 ms a
+    token at `break_even`."""
+    from engine.step_cost import LinearStepTime
+
+    cost_model.step_model = LinearStepTime(a=0.0, b=1e-3, c=0.0, d=2048 * 1e-3 / (break_even + 1))
+    cost_model.swap_bytes_per_second, cost_model.swap_latency_seconds = 1000.0 * cost_model.kv_bytes_per_token, 0.0

@@ -170,9 +170,8 @@ def test_one_capacity_formula():
 
 # The linear step-cost form: its fit (least squares), its attended-pairs regressor, its product.
 LINEAR_FORM = r"lstsq\(|num_attended\s*/\s*1024|\.vector\(\)\s*@"
-# The bookkeeping after a step: computed tokens advance, full blocks enter the prefix cache, the
-# preemption cost model learns the step's prefill time.
-STEP_COMMIT = r"\.num_computed_tokens\s*\+=|\.register_computed\(|\.observe_prefill\("
+# The bookkeeping after a step: computed tokens advance, full blocks enter the prefix cache.
+STEP_COMMIT = r"\.num_computed_tokens\s*\+=|\.register_computed\("
 
 
 def test_one_step_cost_model_and_one_step_commit():
@@ -186,7 +185,7 @@ def test_one_step_cost_model_and_one_step_commit():
     assert len(hits) == 1 and hits[0].startswith("engine/scheduler.py:"), hits   # `Scheduler._cache_computed`
     for line in ("t = a + d * f.num_attended / 1024", "coef = nonnegative_lstsq(x, t)", "f.vector() @ coef"):
         assert re.search(LINEAR_FORM, line)
-    for line in ("seq.num_computed_tokens += n", "bm.register_computed(table, ids, n)", "m.observe_prefill(t, s)"):
+    for line in ("seq.num_computed_tokens += n", "bm.register_computed(table, ids, n)"):
         assert re.search(STEP_COMMIT, line)
 
 

@@ -42,7 +42,7 @@ from engine.config import PoolConfig
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, build_scheduler
 from engine.sequence import FinishReason, Sequence as Seq
-from engine.step_commit import commit_step, observe_step_time
+from engine.step_commit import commit_step
 from engine.step_cost import StepTime
 from pools.credits.flows import FLOW_CAP
 from pools.credits.ledger import CreditLedger, Ticket
@@ -223,8 +223,6 @@ class DeviceSim:
         self.clock += seconds + swap_s
         self.num_steps += 1
         self.composer.observe(composed, seconds, self.clock)   # its forward pass, as the engine's (copies before it)
-        observe_step_time(self.schedulers, composed.features.num_prefill_tokens,
-                          composed.features.num_decode_tokens, seconds)
         commit_step(self.schedulers, batch)
         for seq in sampled:
             self.schedulers[seq.pool].stats.num_generated_tokens += 1

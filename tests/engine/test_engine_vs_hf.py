@@ -21,7 +21,7 @@ from engine.weights import iter_weights
 from engine.sampling import SamplingParams
 from kernels import BLOCK_SIZES
 from kernels.cpu_linear import CPU_LINEARS, PackedLinear
-from tests.conftest import assert_all_free, make_tiny_model
+from tests.conftest import assert_all_free, make_tiny_model, price_preemption
 
 NEW_TOKENS = 20
 
@@ -320,10 +320,8 @@ def _make_sweep_engine(builtin_path, block_size: int, mode: str, prefix_caching:
     pool = PoolConfig(num_blocks=SWEEP_POOL_TOKENS // block_size, scheduler=sched)
     engine = LLMEngine(EngineConfig(model=str(builtin_path), device="cpu", cache=CacheConfig(block_size=block_size),
                                     pools=(pool,)), progress=False)
-    if mode == "auto":  # measured costs that make short victims recompute and long ones swap
-        cost = engine.schedulers["default"].cost_model
-        cost.smoothing, cost.prefill_seconds_per_token = 0.0, 1e-3
-        cost.swap_bytes_per_second = 2 * 100 * cost.kv_bytes_per_token / 100e-3   # break-even at 100 tokens
+    if mode == "auto":  # costs that make short victims recompute and long ones swap
+        price_preemption(engine.schedulers["default"].cost_model, break_even=100)
     return engine
 
 

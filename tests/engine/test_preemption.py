@@ -14,7 +14,7 @@ from engine.config import (PREEMPTION_MODES, VICTIM_POLICIES, CacheConfig, Engin
                            SchedulerConfig)
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence, SequenceStatus
-from tests.conftest import assert_all_free, make_tiny_model
+from tests.conftest import assert_all_free, make_tiny_model, price_preemption
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -56,16 +56,15 @@ def test_outputs_survive_preemption_in_every_mode_and_policy(tiny, prompts, unco
     # 12 blocks of 16 tokens: one request (< 100 tokens) fits, the six together (~450 tokens) do not.
     engine = _engine(tiny, num_blocks=12, preemption_mode=mode, victim_policy=policy,
                      swap_space_bytes=(1 << 20) if mode != "recompute" else 0)
-    if mode == "auto":  # make the measured costs favour swap for long victims, recompute for short ones
-        model = engine.schedulers["default"].cost_model
-        model.prefill_seconds_per_token = 1e-3
-        model.swap_bytes_per_second = 2 * 60 * model.kv_bytes_per_token / 60e-3  # break-even at 60 tokens
-        model.smoothing = 0.0  # keep these figures through the run
+    if mode == "auto":  # costs under which short victims recompute and long ones swap
+        price_preemption(engine.schedulers["default"].cost_model, break_even=60)
     assert _run(engine, prompts) == unconstrained
     stats = engine.schedulers["default"].stats
     assert stats.num_preemptions > 0
     if mode == "recompute":
         assert stats.num_swap_preemptions == 0 and stats.num_recomputed_tokens > 0
+    elif mode == "auto":   # per victim: short ones recompute, long ones swap
+        assert stats.num_swap_preemptions > 0 and stats.num_recompute_preemptions > 0, stats
     elif mode == "swap":
         assert stats.num_swap_preemptions == stats.num_preemptions > 0
         # copied back: what the prefix cache no longer held (the rest is shared again at the swap-in)
@@ -77,15 +76,53 @@ def test_auto_follows_the_measured_costs(tiny, prompts, unconstrained):
     for swap_fast, want in ((True, "swap"), (False, "recompute")):
         engine = _engine(tiny, num_blocks=12, preemption_mode="auto", swap_space_bytes=1 << 20)
         model = engine.schedulers["default"].cost_model
-        assert model.swap_bytes_per_second > 0  # measured at start-up
-        model.smoothing = 0.0
-        model.prefill_seconds_per_token = 1e-3
+        assert model.swap_bytes_per_second > 0 and model.swap_latency_seconds >= 0  # measured at start-up
+        assert model.step_model is engine.composer.cost_model    # re-prefill priced by the device's own steps
+        price_preemption(model, break_even=60)
         model.swap_bytes_per_second = 1e15 if swap_fast else 1.0
         assert _run(engine, prompts) == unconstrained
         stats = engine.schedulers["default"].stats
         by_mode = {"swap": stats.num_swap_preemptions, "recompute": stats.num_recompute_preemptions}
         assert by_mode[want] == stats.num_preemptions > 0
         assert_all_free(engine)
+
+
+def test_auto_weighs_each_victim_by_its_length():
+    """A re-prefill attends to its whole context chunk after chunk, so it grows faster than its length, where a
+    swap's copies grow as it: short victims recompute, long ones swap (per-token figures through zero chose the
+    same for every victim). Unmeasured, it recomputes; a copy's latency sends the shortest victims to recompute
+    even where a swap's bytes are cheaper than a prefill's tokens."""
+    from engine.preemption_cost import PreemptionCostModel
+    from engine.step_cost import LinearStepTime, StepCostModel, StepFeatures
+
+    model = PreemptionCostModel(kv_bytes_per_token=1000, chunk_tokens=64)
+    assert model.choose(10_000) == "recompute"                        # nothing measured
+    model.swap_bytes_per_second = 1e6
+    model.step_model = StepCostModel()
+    assert model.choose(10_000) == "recompute"                        # the step model not fitted yet
+    price_preemption(model, break_even=60)
+    assert [model.choose(n) for n in (1, 30, 59, 61, 100, 4000)] == ["recompute"] * 3 + ["swap"] * 3
+    model.step_model = LinearStepTime(a=0.01, b=1e-3, c=0.0, d=0.0)   # no attention term: linear too
+    model.swap_bytes_per_second = 4000 * model.kv_bytes_per_token     # 0.5 ms a token, round trip
+    model.swap_latency_seconds = 5e-3
+    assert [model.choose(n) for n in (5, 19, 21, 1000)] == ["recompute"] * 2 + ["swap"] * 2
+
+    # the closed form of the chunks is their sum, past a knee and with the keys each chunk reads
+    model.step_model = LinearStepTime(a=0.01, b=1e-3, c=2e-3, d=3e-4, e=5e-4, knee=16)
+    for n in (1, 63, 64, 65, 1000, 4096):
+        chunks, empty = 0.0, model.step_model.predict(StepFeatures())
+        for cached in range(0, n, 64):
+            features = StepFeatures()
+            features.add(cached, min(64, n - cached), is_decode=False)
+            chunks += model.step_model.predict(features) - empty
+        assert model.recompute_seconds(n) == pytest.approx(chunks, rel=1e-9)
+
+
+def test_a_swap_space_measures_its_copies_bandwidth_and_latency(tiny):
+    engine = _engine(tiny, num_blocks=64, preemption_mode="swap", swap_space_bytes=1 << 20)
+    bandwidth, latency = engine.swap_spaces["default"].measure()
+    assert bandwidth > 0 and 0 <= latency < 1
+    assert engine.schedulers["default"].cost_model.swap_bytes_per_second > 0
 
 
 def test_a_swap_space_without_one_whole_block_is_refused_at_start(tiny):
