@@ -58,14 +58,15 @@ class Scheduler:
 
     # --- admission ---------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise RequestTooLargeError unless prompt + max_tokens can ever run in this pool."""
+        """Raise RequestTooLargeError unless prompt + max_tokens can ever run in this pool (the K/V of all but
+        the last token: it is sampled, never computed)."""
         total, bm = num_prompt_tokens + max_tokens, self.block_manager
         what = f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total}"
         if total > self.max_model_len:
             raise RequestTooLargeError(f"{what} exceeds max_model_len {self.max_model_len} of pool {self.name!r}")
-        if bm.num_blocks_for(total) > bm.num_blocks:
-            raise RequestTooLargeError(f"{what} tokens needs {bm.num_blocks_for(total)} blocks; pool {self.name!r} "
-                                       f"has {bm.num_blocks} ({bm.capacity_tokens} tokens)")
+        if bm.num_blocks_for(total - 1) > bm.num_blocks:
+            raise RequestTooLargeError(f"{what} tokens needs {bm.num_blocks_for(total - 1)} blocks; pool "
+                                       f"{self.name!r} has {bm.num_blocks} ({bm.capacity_tokens} tokens)")
         if not self.config.enable_chunked_prefill and total > self.config.max_num_batched_tokens:
             raise RequestTooLargeError(f"{total} tokens exceed max_num_batched_tokens "
                                        f"{self.config.max_num_batched_tokens} of pool {self.name!r}, which has "

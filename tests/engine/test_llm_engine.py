@@ -109,6 +109,10 @@ def test_requests_that_can_never_fit_are_refused(builtin_path):
         engine.add_request("a", list(range(100)), SamplingParams(max_tokens=40))
     with pytest.raises(RequestError, match="needs 5 blocks"):
         engine.add_request("b", list(range(60)), SamplingParams(max_tokens=20))
+    # 50 + 15 = 65 tokens in 64 slots: the last token is sampled, never stored (it was refused for 5 blocks)
+    (out,) = engine.generate([list(range(3, 53))], SamplingParams(temperature=0, max_tokens=15, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 15 and out.outputs[0].finish_reason == "length" and not out.error
+    assert engine.schedulers["default"].stats.num_preemptions == 0
     with pytest.raises(RequestError, match="prompt"):
         engine.add_request("c", "", SamplingParams())
     with pytest.raises(RequestError, match=r"prompt\[1\]"):
