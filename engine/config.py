@@ -95,6 +95,12 @@ def quantizes_kv_cache_only(quant: object) -> bool:
         and quant.get("quant_algo") is None
 
 
+def check_int(name: str, value: object, low: int) -> None:
+    """ConfigError naming `name` unless `value` is an integer >= `low` (a bool is none: `True` is no count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name}: must be an integer >= {low}, got {value!r}")
+
+
 def check_device_name(value: object) -> str:
     """`auto`, `cpu`, `cuda` or `cuda:N`, else ConfigError naming `device`."""
     if not isinstance(value, str) or not _DEVICE_NAME.fullmatch(value):
@@ -118,26 +124,18 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
-        if self.max_model_len < 0:
-            raise ConfigError(f"max_model_len: must be >= 0, got {self.max_model_len}")
+        for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 0),
+                          ("swap_space_bytes", 0), ("stability_floor_tokens", 0)):
+            check_int(name, getattr(self, name), low)
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ConfigError(f"preemption_mode: must be one of {', '.join(PREEMPTION_MODES)}, "
                               f"got {self.preemption_mode!r}")
         if self.victim_policy not in VICTIM_POLICIES:
             raise ConfigError(f"victim_policy: must be one of {', '.join(VICTIM_POLICIES)}, "
                               f"got {self.victim_policy!r}")
-        if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
-            raise ConfigError(f"swap_space_bytes: must be an integer >= 0, got {self.swap_space_bytes!r}")
         if self.uses_swap and self.swap_space_bytes <= 0:
             raise ConfigError(f"swap_space_bytes: preemption_mode {self.preemption_mode!r} needs a CPU swap "
                               "space > 0")
-        if not isinstance(self.stability_floor_tokens, int) or self.stability_floor_tokens < 0:
-            raise ConfigError(f"stability_floor_tokens: must be an integer >= 0, "
-                              f"got {self.stability_floor_tokens!r}")
         if (not self.enable_chunked_prefill and self.max_model_len
                 and self.max_num_batched_tokens < self.max_model_len):
             raise ConfigError(
@@ -269,8 +267,7 @@ class EngineConfig:
         timeout = self.collective_timeout_seconds
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ConfigError(f"collective_timeout_seconds: must be a number of seconds > 0, got {timeout!r}")
-        if not isinstance(self.cpu_threads, int) or self.cpu_threads < 0:
-            raise ConfigError(f"cpu_threads: must be an integer >= 0, got {self.cpu_threads!r}")
+        check_int("cpu_threads", self.cpu_threads, 0)
         seed = self.sampling_seed   # (torch's generators take 0 .. 2^64 - 1; ours stay within a signed 64 bits)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
             raise ConfigError(f"sampling_seed: must be an integer in 0..2^63-1 or unset, got {seed!r}")
@@ -280,8 +277,9 @@ class EngineConfig:
         if self.dtype != "auto":
             parse_dtype(self.dtype)
         check_device_name(self.device)
-        if not 0 < self.memory_utilization <= 1:
-            raise ConfigError(f"memory_utilization: must be in (0, 1], got {self.memory_utilization}")
+        share = self.memory_utilization
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ConfigError(f"memory_utilization: must be a number in (0, 1], got {share!r}")
 
     @property
     def num_blocks(self) -> int:

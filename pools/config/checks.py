@@ -64,6 +64,12 @@ def is_int(value: Any) -> bool:
 # A name that goes into metric labels, URLs and headers (a pool's, a tenant's): matched whole, since a
 # pattern ending in `$` also matches before a final newline, and "chat\n" in a header breaks every response.
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")   # an environment variable's name
+
+
+def padded(text: str) -> bool:
+    """Whether `text` is blank or begins or ends with whitespace (a host, a path, a URL with a typo)."""
+    return not text.strip() or text != text.strip()
 
 
 def is_label(name: str) -> bool:

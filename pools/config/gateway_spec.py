@@ -14,7 +14,8 @@ from typing import Annotated
 import msgspec
 
 from engine.worker import HEARTBEAT_INTERVAL
-from pools.config.checks import ByteSize, Count, NonNegative, Positive, Seconds, Spec, SpecError, Text
+from pools.config.checks import (ENV_NAME, ByteSize, Count, NonNegative, Positive, Seconds, Spec, SpecError, Text,
+                                  padded)
 
 DEFAULT_API_KEYS_ENV = "CLIFFGUARD_API_KEYS"
 MAX_BACKOFF_FACTOR = 100.0   # `restart_backoff.factor`: the third wait 10,000 times the first; more is a typo
@@ -134,6 +135,12 @@ class GatewaySpec(Spec):
     upstream: UpstreamLimits = msgspec.field(default_factory=UpstreamLimits)
 
     def check(self) -> None:
+        if padded(self.host):
+            raise SpecError("host", f"must not be blank or begin or end with a space, got {self.host!r}")
+        if self.api_keys_env is not None and not ENV_NAME.fullmatch(self.api_keys_env):
+            raise SpecError("api_keys_env", "the name of an environment variable (letters, digits and '_', not "
+                            f"starting with a digit), got a string of {len(self.api_keys_env)} characters: a key "
+                            "written here would be in the file (and authentication off); list keys in api_keys")
         for key in ("stall_seconds", "step_timeout_seconds"):
             if getattr(self, key) < MIN_WATCHDOG_SECONDS:
                 raise SpecError(key, f"must be at least {MIN_WATCHDOG_SECONDS:g} s (4 heartbeats of the device "

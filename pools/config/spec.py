@@ -26,6 +26,7 @@ from engine.config import DEFAULT_MIN_SHARE, LatencySLO, SchedulerConfig
 from engine.tokenizer import TEMPLATE_FUNCTIONS   # a chat_template_kwargs key may not replace one
 from pools.config.checks import (ByteSize, ByteSizeOrZero, Count, CountOrZero, Fraction, NonNegative, Spec, SpecError,
                                  Text, engine_rules, fmt_bytes, has_control_characters, is_label)
+from pools.config.checks import ENV_NAME, padded
 from pools.config.checks import parse_bytes as parse_bytes   # re-exported: the CLI reads --vram with it
 from pools.config.device_spec import DeviceSpec
 from pools.config.gateway_spec import GatewaySpec
@@ -41,7 +42,6 @@ DEFAULT_MAX_QUEUE_SECONDS = 50.0
 # worker's swap block list would fill its memory; `pools.capacity_plan` also holds it to this machine's memory.
 MAX_SWAP_SPACE_BYTES = 1 << 50   # 1 PiB
 MAX_MIN_SHARE = 0.9   # a throughput pool's floor (`min_share`) at most
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")   # an environment variable's name
 
 # Where a pool's service class came from (`PoolSpec.slo_source`; set by the YAML loader, never a YAML key):
 # `yaml`: an `slo` mapping; `default`: isolation by default (`default_isolation`); `opted_out`: `slo: null`;
@@ -178,6 +178,10 @@ class PoolSpec(Spec):
             raise SpecError("name", f"use letters, digits, '_', '.', '-' (starting with a letter or digit); "
                                     f"got {self.name!r}")
         self._check_names_and_route()
+        for key in ("model", "upstream", "tokenizer"):   # a path or URL: a space at an end is a typo, not a name
+            if (value := getattr(self, key)) is not None and padded(value):
+                shown = _shown_url(value) if key == "upstream" else value
+                raise SpecError(key, f"must not be blank or begin or end with a space, got {shown!r}")
         for key, value in (self.chat_template_kwargs or {}).items():
             if (reason := template_variable_error(key, value)) is not None:
                 raise SpecError(f"chat_template_kwargs.{key}", reason)
@@ -193,7 +197,7 @@ class PoolSpec(Spec):
             if "?" in self.upstream or "#" in self.upstream:   # the request's path is added at the URL's end
                 raise SpecError("upstream", f"must have no query (?) or fragment (#): the request's path "
                                             f"(/chat/completions) is added after it; got {_shown_url(self.upstream)!r}")
-            if self.upstream_api_key_env is not None and not _ENV_NAME.fullmatch(self.upstream_api_key_env):
+            if self.upstream_api_key_env is not None and not ENV_NAME.fullmatch(self.upstream_api_key_env):
                 raise SpecError("upstream_api_key_env", "the name of an environment variable (letters, digits and "
                                 f"'_', not starting with a digit), got a string of {len(self.upstream_api_key_env)} "
                                 "characters: a key written here would be in the file; set a variable to it, name that")

@@ -76,13 +76,22 @@ def explain(exc: msgspec.ValidationError, model: type, root: str = "", value: An
             else f"invalid value {found['value']}"
     elif found := _EXPECTED.match(what):
         reason = _expected(found["want"], found["got"], found["rest"].strip())
-    if match["key"]:
-        reason = f"a key: {reason}"
+    if match["key"]:   # the mapping's key is named, never the mapping (its values may hold API keys)
+        reason = _bad_key(_value_at(value, path)) or f"a key: {reason}"
     full = f"{root}{'' if not path or path.startswith('[') or not root else '.'}{path}" if root else path
     error = FieldError(full, reason)   # a rule's reason names its values itself
-    error.value = MISSING if isinstance(cause, FieldError) else _value_at(value, path)
+    error.value = MISSING if isinstance(cause, FieldError) or match["key"] else _value_at(value, path)
     error.allowed = tuple(allowed)
     return error
+
+
+def _bad_key(mapping: Any) -> str | None:
+    """The reason a mapping's key that is not a string is refused, naming it (None: none found)."""
+    key = next((k for k in mapping if not isinstance(k, str)), MISSING) if isinstance(mapping, dict) else MISSING
+    if key is MISSING:
+        return None
+    hint = " (YAML 1.1 reads on, off, yes and no as booleans: quote the key)" if isinstance(key, bool) else ""
+    return f"key {key!r} is not a string{hint}"
 
 
 def _value_at(value: Any, path: str) -> Any:

@@ -458,6 +458,41 @@ def test_api_keys_from_yaml_and_env():
         with pytest.raises(SpecError, match=r"gateway\.api_keys_env: the variable MY_KEYS is set but names no"):
             load_config(text, env={"MY_KEYS": blank})
     assert load_config(text, env={"MY_KEYS": ""}).gateway.api_keys == ()   # empty: no keys, as unset
+    # a key pasted where its variable's name goes: it was accepted with authentication off, and shown in errors
+    for pasted in ("sk-live-abc123", " ", "MY KEYS"):
+        with pytest.raises(SpecError, match=r"^gateway\.api_keys_env: the name of an environment variable") as info:
+            load_config(_make_yaml(_set("gateway/api_keys_env", pasted)), env={})
+        assert "sk-live" not in str(info.value)
+
+
+@pytest.mark.parametrize("key, value", [("gateway/host", " "), ("gateway/host", "localhost "),
+                                        ("pools/0/model", " "), ("pools/2/tokenizer", "builtin "),
+                                        ("pools/2/upstream", "http://admin:hunter2@h/v1 ")])
+def test_a_blank_or_padded_host_model_or_url_is_refused_by_name(key, value):
+    """`host: ' '` failed later as `--host: cannot resolve`, a padded upstream URL sent every request to
+    `/v1%20/chat/completions`: refused at load, naming the key (an upstream's password not shown)."""
+    with pytest.raises(SpecError) as info:
+        load_config(_make_yaml(_set(key, value)), env={})
+    path = re.sub(r"/(\d+)/", r"[\1].", key).replace("/", ".")
+    assert str(info.value).startswith(f"{path}: must not be blank or begin or end with a space")
+    assert "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize("section", ["", "pools/0", "pools/2", "gateway", "devices/default"])
+def test_a_key_that_is_not_a_string_is_named_and_its_mapping_never_shown(section):
+    """YAML 1.1 reads `on:`, `yes:` as booleans: the error printed the whole mapping around the key (an upstream's
+    password, the API keys) and named no key."""
+    def bad_key(data):
+        data.setdefault("gateway", {})["api_keys"] = ["sk-live-secret"]
+        target = data
+        for part in filter(None, section.split("/")):
+            target = target[int(part)] if part.isdigit() else target.setdefault(part, {})
+        target[True] = 1
+    with pytest.raises(SpecError) as info:
+        load_config(_make_yaml(bad_key), env={})
+    message = str(info.value)
+    assert "key True is not a string (YAML 1.1 reads on, off, yes and no as booleans" in message, message
+    assert "sk-live" not in message and "builtin" not in message
 
 
 def test_serve_refuses_an_upstream_key_variable_that_is_not_set(tmp_path, capsys):
