@@ -4,6 +4,7 @@ and `bench simulate` run on."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -105,8 +106,8 @@ def measure_steps(engine: Any, *, pool: str | None = None, seed: int = 0,
                 samples.append((StepFeatures(s.num_prefill_tokens, s.num_decode_tokens, s.num_attended,
                                              s.num_keys_read), s.seconds))
     # the swap copies at the bandwidth the engine measured, where a pool has swap space (a simulation's swaps)
-    copies = getattr(engine, "_swap_copies", None)
-    return fit_linear(samples, skip=2, swap_bandwidth=copies[0] if copies else None), samples
+    bandwidth, latency = getattr(engine, "_swap_copies", None) or (None, 0.0)
+    return dataclasses.replace(fit_linear(samples, skip=2, swap_bandwidth=bandwidth), swap_latency=latency), samples
 
 
 # --- the isolation-by-default SLO, from this device's own step ---------------------------------------

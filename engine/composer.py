@@ -86,8 +86,8 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    `min_share: 0` restores the floor of nothing.
 
 The step's cost comes from `engine.step_cost.StepCostModel`, the linear step-cost model refitted
-online on the engine's measured steps (with a safety margin); it is fed only on a device with an
-interactive pool (otherwise nothing asks it). Until it is ready, and whenever it would extrapolate,
+online on the engine's measured steps (with a safety margin), on every device (a pool's `auto`
+preemption prices re-prefills with it too). Until it is ready, and whenever it would extrapolate,
 a throughput chunk is capped at twice the largest prefill it has measured (at least
 `COLD_START_TOKENS`), so it learns before it trusts itself.
 """
@@ -121,7 +121,7 @@ class ComposedStep:
     features: StepFeatures = field(default_factory=StepFeatures)
     target_seconds: float | None = None       # None: no interactive pool on the device
     predicted_seconds: float | None = None
-    pressed: tuple[str, ...] = ()             # interactive pools under pressure: throughput at its floor
+    pressed: tuple[str, ...] = ()             # interactive pools under pressure (`_held_back` ones: floor)
     mixed: bool = False                       # a throughput prefill chunk rides with interactive work
     throughput_tokens: int = 0                # tokens the throughput pools scheduled
     targeted_tokens: int = 0                  # ... of pools not owed: tokens the target let in (feedback samples)
@@ -135,7 +135,7 @@ class ComposerStats:
     num_steps: int = 0
     num_targeted_steps: int = 0
     num_over_target: int = 0                  # targeted steps that took longer than the target
-    num_pressed_steps: int = 0                # steps composed with throughput pools at their floor
+    num_pressed_steps: int = 0                # steps composed with an interactive pool pressed
     num_owed_steps: int = 0                   # steps where a throughput pool under its min_share got its share
     last_target_seconds: float | None = None
     last_step_seconds: float = 0.0
@@ -282,8 +282,8 @@ class StepComposer:
 
     @property
     def needs_cost_model(self) -> bool:
-        """Whether steps are composed against a target (an interactive pool exists); else the cost
-        model is never asked and nothing feeds it."""
+        """Whether steps are composed against a target (an interactive pool exists); else the composer
+        never asks the cost model (it is still fed: `auto` preemption prices re-prefills with it)."""
         return bool(self.interactive)
 
     def observe(self, step: ComposedStep, seconds: float, ended_at: float | None = None) -> None:
@@ -376,12 +376,12 @@ class StepComposer:
         return len(scheduler.running) >= PRESSURE_OCCUPANCY * scheduler.config.max_num_seqs
 
     def _held_back(self, name: str, out: SchedulerOutput) -> bool:
-        """Whether the pressed pool `name` waits for the device: it runs work this step, or a sequence of it that
-        is not paused runs (an ending one gives its blocks back a step later). One whose running sequences are all
-        paused waits for its clients (the slots and blocks they hold): throughput pools at their floor would not
-        bring its turn sooner, only cut every step to one block of their work (8 tokens of rag's 256 a step)."""
-        scheduler = self.schedulers[name]
-        return bool(out.scheduled) or any(not scheduler.is_paused(s) for s in scheduler.running)
+        """Whether the pressed pool `name` waits for the device: it runs work this step, or blocks come back to
+        it a step later (a sequence's last token in flight). One that runs nothing otherwise waits for what no
+        step brings: its clients (paused requests hold its slots and blocks; the sequences short of them wait),
+        or requests still at the gateway; throughput pools at their floor would not bring its turn sooner, only
+        cut every step to one block of their work (16 tokens of rag's 256 a step)."""
+        return bool(out.scheduled) or self.schedulers[name].blocks_coming
 
     def _interactive_budget(self, name: str, so_far: StepFeatures) -> int | None:
         """An interactive pool's tokens: what fits `ITL_AIM` of the tightest `itl_ms` among the interactive
@@ -405,7 +405,8 @@ class StepComposer:
 
     def _token_budget(self, name: str, so_far: StepFeatures, target: float | None, *, floor: bool) -> int | None:
         """Tokens the throughput pool `name` may schedule so that the step stays within `target`
-        (`floor`: an interactive pool is pressed: nothing, unless the step would be empty without it)."""
+        (`floor`: a pressed interactive pool waits for the device, `_held_back`: nothing, unless the step would be
+        empty without it)."""
         scheduler = self.schedulers[name]
         if target is None or not scheduler.config.enable_chunked_prefill or not scheduler.num_unfinished:
             return None

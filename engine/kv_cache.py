@@ -152,7 +152,8 @@ class SwapSpace:
         one, many = (self._round_trip(k, repeats) for k in (1, n))
         self.kv_cache.data[:, :, :n] = saved
         self.data.zero_()
-        per_block = (many - one) / (n - 1) if n > 1 and many > one else many / n   # a round trip's, per block
+        # a round trip's per block: the difference, unless timing noise could be all of it (latency-bound copies)
+        per_block = (many - one) / (n - 1) if n > 1 and many - one > 0.1 * many else many / n
         return 2 * self.kv_cache.bytes_per_block / per_block, max(0.0, (one - per_block) / 2)
 
     def _round_trip(self, num_blocks: int, repeats: int) -> float:

@@ -18,9 +18,10 @@ preempted (its full blocks stay in the prefix cache, the last one's token in fli
 A step that preempted admits nothing. A sequence alone in its pool that still cannot grow ends (`length`, an error).
 A **paused** request (`pause`: its client reads too slowly) is skipped: its running sequences keep their blocks
 and place but get no token and are never victims; its waiting or swapped ones are passed by. A sequence short of
-blocks that only paused ones hold takes what the free blocks hold of its prefill chunk and waits for the rest, keeping
-its own (`_held_by_paused`) and promising nothing (the free blocks serve others meanwhile). So is a running sequence
-whose last token is in flight (overlap): it frees its blocks when that lands; one short of what those make up waits.
+blocks that only paused ones hold computes what the free blocks hold of its prefill chunk and waits for the rest,
+keeping its own (`_held_by_paused`) and promising none (the blocks the paused ones hold may never come back). A running
+sequence whose last token is in flight (overlap) is never a victim either: it frees its blocks when that lands; one
+short of what those make up waits for them.
 The scheduler only decides; the block copies it asks for (swap out, swap in, copy-on-write) travel in
 `SchedulerOutput` and the engine performs them before the step's forward pass.
 """
@@ -311,6 +312,11 @@ class Scheduler:
     def _ending(self, seq: Sequence) -> bool:   # its last token is in flight: no step, blocks free when it lands
         return bool(seq.num_pending) and seq.ends_when_known(self.max_model_len)
 
+    @property
+    def blocks_coming(self) -> bool:
+        """Whether a running sequence's last token is in flight: its blocks come back a step later."""
+        return any(self._ending(s) for s in self.running)
+
     def _ending_blocks(self) -> int:   # the blocks the ending sequences alone hold (n samples' shared ones too)
         held = Counter(b for s in self.running if self._ending(s) for b in s.block_table)   # back a step later
         return sum(self.block_manager.ref_count(b) == n for b, n in held.items())
@@ -432,11 +438,11 @@ class Scheduler:
 
 def build_scheduler(pool: PoolConfig, *, block_size: int, first_block: int, max_model_len: int,
                     bytes_per_block: int, kv_bytes_per_token: int,
-                    swap_bytes_per_second: float | None = None) -> Scheduler:
+                    swap_bytes_per_second: float | None = None, swap_latency_seconds: float = 0.0) -> Scheduler:
     """One pool's scheduler: its blocks from `first_block` on, its CPU swap block ids (swap and auto
     modes: `swap_space_bytes // bytes_per_block` of them) and the auto mode's cost model. The engine
     and the simulator (pools.simulation) both build their schedulers here, so both schedule alike; the
-    engine allocates the swap tensors beside it and sets the measured swap bandwidth."""
+    engine allocates the swap tensors beside it and sets the swap copies' measured bandwidth and latency."""
     sc = pool.scheduler
     bm = BlockManager(pool.num_blocks, block_size, first_block=first_block,
                       enable_prefix_caching=sc.enable_prefix_caching)
@@ -448,5 +454,6 @@ def build_scheduler(pool: PoolConfig, *, block_size: int, first_block: int, max_
                               f"block of {bytes_per_block} bytes")
         swap_manager = BlockManager(num_cpu_blocks, block_size)
         cost_model = PreemptionCostModel(kv_bytes_per_token, chunk_tokens=sc.max_num_batched_tokens,
-                                         swap_bytes_per_second=swap_bytes_per_second)
+                                         swap_bytes_per_second=swap_bytes_per_second,
+                                         swap_latency_seconds=swap_latency_seconds)
     return Scheduler(sc, bm, max_model_len, name=pool.name, swap_manager=swap_manager, cost_model=cost_model)

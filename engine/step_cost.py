@@ -107,7 +107,8 @@ class StepFeatures:
 class StepTime(Protocol):
     """Seconds one step takes for the work the schedulers chose (the simulator's clock)."""
 
-    swap_bandwidth: float | None
+    swap_bandwidth: float | None   # B/s of one direction's copies (None: swaps unpriced)
+    swap_latency: float            # seconds a copy takes besides its bytes (0: not modelled)
 
     def seconds(self, batch: Sequence[ScheduledSeq], features: StepFeatures, num_sampled: int) -> float: ...
 
@@ -127,9 +128,10 @@ class LinearStepTime:
     e: float = 0.0
     swap_bandwidth: float | None = None
     knee: int = 0                  # tokens per step (prefill + decode) whose token terms are free; 0: no knee
+    swap_latency: float = 0.0      # seconds a swap copy takes besides its bytes (measured with the bandwidth)
 
     def __post_init__(self) -> None:
-        for name in ("a", "b", "c", "d", "e"):
+        for name in ("a", "b", "c", "d", "e", "swap_latency"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name}: must be a number >= 0, got {value!r}")
@@ -314,8 +316,8 @@ def read_step_trace(path: str | Path, *, skip: int = 2) -> list[tuple[StepFeatur
 
 def write_step_model(path: str | Path, model: LinearStepTime, *, device: str, model_name: str,
                      num_steps: int) -> None:
-    """A calibration file: the coefficients, the swap copies' bandwidth where it was measured (a pool with swap
-    space; else null), and where they were measured."""
+    """A calibration file: the coefficients, the swap copies' bandwidth and latency where they were measured (a
+    pool with swap space; else null and 0), and where they were measured."""
     import datetime
     import platform
 
@@ -323,6 +325,7 @@ def write_step_model(path: str | Path, model: LinearStepTime, *, device: str, mo
 
     text = json.dumps({
         "step_model": "linear", **model.coefficients(), "swap_bandwidth": model.swap_bandwidth,
+        "swap_latency": model.swap_latency,
         "device": device, "model": model_name, "num_steps": num_steps, "machine": platform.node(),
         "cpu_threads": torch.get_num_threads(), "date": datetime.date.today().isoformat()}, indent=2) + "\n"
     path = Path(path)
@@ -349,7 +352,7 @@ def _read_text(path: str | Path, option: str) -> str:
 def read_step_model(path: str | Path) -> LinearStepTime:
     """A calibration file written by `write_step_model`; ValueError naming the file otherwise. A file
     without `e` (written before the keys-read term) reads as e = 0, one without `knee` as knee 0, one
-    without `swap_bandwidth` as not measured (None)."""
+    without `swap_bandwidth` as not measured (None), one without `swap_latency` as 0."""
     text = _read_text(path, "--step-model")
     try:
         data = json.loads(text)
@@ -359,7 +362,8 @@ def read_step_model(path: str | Path) -> LinearStepTime:
         raise ValueError(f"--step-model: {path} is not a calibration file (no \"step_model\": \"linear\")")
     try:
         return LinearStepTime(*(data[k] for k in ("a", "b", "c", "d")), e=data.get("e", 0.0),
-                              knee=data.get("knee", 0), swap_bandwidth=data.get("swap_bandwidth"))
+                              knee=data.get("knee", 0), swap_bandwidth=data.get("swap_bandwidth"),
+                              swap_latency=data.get("swap_latency", 0.0))
     except KeyError as exc:
         raise ValueError(f"--step-model: {path} lacks {exc.args[0]!r}") from None
     except ValueError as exc:
@@ -435,6 +439,7 @@ class RooflineStepTime:
         self.dtype_bytes = dtype_bytes
         self.tp = tp
         self.swap_bandwidth = preset.swap_bandwidth
+        self.swap_latency = 0.0   # a preset's copies cost their bytes only
         self.expert_bytes = expert_params(model) * dtype_bytes         # read as far as the tokens hit them
         self.weights_bytes = model.num_params() * dtype_bytes - self.expert_bytes   # read whole every step
         kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes   # an FP8 cache: 1

@@ -84,12 +84,13 @@ def reservation(prompt_lens: Iterable[int], max_tokens: int | None, n: int, *, b
 
     Per prompt of p tokens with m = max_tokens (unset: the context left, max_model_len - p): the n
     samples share the prompt's full blocks, and each sample writes its own copy of the last partial
-    block plus its output, so floor(p / bs) + n x ceil((p mod bs + m) / bs) blocks.
+    block plus its output but the last token (sampled, never stored: the engine's `check_fits`), so
+    floor(p / bs) + n x ceil((p mod bs + m - 1) / bs) blocks.
     """
     blocks = 0
     for p in prompt_lens:
         m = max_tokens if max_tokens is not None else max(1, max_model_len - p)
-        blocks += p // block_size + n * -(-(p % block_size + m) // block_size)
+        blocks += p // block_size + n * -(-(p % block_size + m - 1) // block_size)
     return blocks * block_size
 
 

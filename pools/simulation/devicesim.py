@@ -115,7 +115,8 @@ class DeviceSim:
                                         max_model_len=max_model_lens[pool.name],
                                         bytes_per_block=kv_bytes_per_token * block_size,
                                         kv_bytes_per_token=kv_bytes_per_token,
-                                        swap_bytes_per_second=step_time.swap_bandwidth)
+                                        swap_bytes_per_second=step_time.swap_bandwidth,
+                                        swap_latency_seconds=step_time.swap_latency)
             self.schedulers[pool.name] = scheduler
             first_block += pool.num_blocks
         self.composer = StepComposer(self.schedulers, {p.name: p.slo for p in pools},
@@ -202,10 +203,11 @@ class DeviceSim:
             self.composer.set_external_waiting(name, ledger.num_queued)
         composed = self.composer.schedule()
         batch: list[ScheduledSeq] = []
-        num_swapped_blocks = 0
+        num_swapped_blocks = num_copies = 0   # blocks swapped, and the batched copies that move them
         for name, out in composed.outputs.items():
             batch.extend(out.scheduled)
             num_swapped_blocks += len(out.swap_out) + len(out.swap_in)
+            num_copies += sum(kind != "copy" for kind, _ in out.moves)
             for seq in out.finished:                       # the pool cannot hold it: ended with an error
                 self._end(seq)
         if not batch:
@@ -215,7 +217,8 @@ class DeviceSim:
         seconds = self.step_time.seconds(batch, composed.features, len(sampled))
         swap_s = 0.0
         if num_swapped_blocks and self.step_time.swap_bandwidth:
-            swap_s = num_swapped_blocks * self.bytes_per_block / self.step_time.swap_bandwidth
+            swap_s = num_copies * self.step_time.swap_latency + \
+                num_swapped_blocks * self.bytes_per_block / self.step_time.swap_bandwidth
             for name, out in composed.outputs.items():
                 if out.swap_out or out.swap_in:
                     share = (len(out.swap_out) + len(out.swap_in)) / num_swapped_blocks

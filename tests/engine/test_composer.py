@@ -19,7 +19,7 @@ from engine.slo_feedback import HOLD_SECONDS, ITL_AIM, ITL_WINDOW_SECONDS, MIN_S
 from engine.config import ConfigError, LatencySLO
 from engine.sampling import SamplingParams as Params
 from engine.scheduler import Scheduler
-from engine.sequence import FinishReason, Sequence
+from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.step_cost import StepCostModel, StepFeatures, nonnegative_lstsq
 from tests.conftest import assert_all_free, make_tiny_model
 
@@ -345,6 +345,24 @@ def test_a_pool_pressed_only_by_paused_requests_leaves_the_throughput_pools_thei
     step = composer.schedule()
     assert step.pressed == ("chat",) and len(step.outputs["chat"].scheduled) == 1
     assert not step.outputs["rag"].scheduled
+
+
+def test_a_prompt_short_of_the_blocks_paused_requests_hold_leaves_the_throughput_pools_their_step():
+    """Chat's 256 blocks: a paused request holds 200, H (a 1,200-token prompt, 896 computed) the other 56. H is
+    not paused but waits for the paused one's blocks: chat runs nothing, pressed by H's prefill; rag keeps its
+    step (no rag step brings H's blocks sooner)."""
+    composer = _make_composer(chat_seqs=8)
+    chat = composer.schedulers["chat"]
+    paused, held = _make_seq(0, 3201), _make_seq(1, 1200)
+    for seq, computed in ((paused, 3200), (held, 896)):
+        seq.status, seq.num_computed_tokens = SequenceStatus.RUNNING, computed
+        chat.block_manager.allocate(seq.block_table, computed)
+        chat.running.append(seq)
+    chat.pause("r0", True)
+    composer.schedulers["rag"].add(_make_seq(100, 16000))
+    step = composer.schedule()
+    assert step.pressed == ("chat",) and not step.outputs["chat"].scheduled
+    assert step.outputs["rag"].num_batched_tokens > 16 and _rag_seconds(composer, step) > 0.02
 
 
 def test_the_cost_estimate_reads_the_prefill_the_next_step_would_run():

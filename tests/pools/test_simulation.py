@@ -245,6 +245,15 @@ def test_swap_mode_moves_blocks_and_charges_the_copy_time():
     # the copies take the clock's time, not the forward passes' the composer learns from (as the engine's)
     assert stats.preempt_seconds > 1.0
     assert sim.clock - sim.composer.stats.busy_seconds == pytest.approx(stats.preempt_seconds, rel=1e-3)
+    # a copy's latency, measured beside the bandwidth, is charged per batched copy and priced by `auto`
+    slow = _sim([pool], dataclasses.replace(step, swap_latency=0.5), credits=False)
+    assert slow.schedulers["chat"].cost_model.swap_latency_seconds == 0.5
+    slow.run(_flood(12))
+    slow_stats = slow.schedulers["chat"].stats
+    copies = slow_stats.num_swap_preemptions * 2   # at most: each out, and back in (a step's moves go together)
+    moved = (slow_stats.num_swapped_out_blocks + slow_stats.num_swapped_in_blocks) * slow.bytes_per_block / 1e6
+    assert slow_stats.num_swap_preemptions > 0
+    assert moved + 2 * 0.5 <= slow_stats.preempt_seconds <= moved + copies * 0.5 + 1e-6
 
 
 def test_a_request_that_can_never_fit_is_an_error_not_a_hang():
@@ -540,9 +549,9 @@ def test_a_calibration_keeps_its_swap_bandwidth_and_a_file_without_one_swaps_at_
     from pools.simulation.runner import device_step_times
 
     path = tmp_path / "step.json"
-    write_step_model(path, dataclasses.replace(SERVED, swap_bandwidth=20e9), device="h100", model_name="m",
-                     num_steps=9)
-    assert read_step_model(path).swap_bandwidth == 20e9
+    write_step_model(path, dataclasses.replace(SERVED, swap_bandwidth=20e9, swap_latency=2e-5), device="h100",
+                     model_name="m", num_steps=9)
+    assert (read_step_model(path).swap_bandwidth, read_step_model(path).swap_latency) == (20e9, 2e-5)
     config = load_config(ROOT / "config" / "examples" / "llama3-70b-8xh100.yaml")
     models = {config.pools[0].model: read_model_config(LLAMA_70B)}
     plan = plan_capacity(config, models, vram_bytes=80 << 30)
