@@ -115,10 +115,15 @@ class SpiralWatch:
         for (name, replica), detector in self.detectors.items():
             client = self.pools[name].clients[replica]
             stats = client.latest_stats if client is not None else None
-            if stats is None or name not in stats.pools:
+            key = (name, replica)
+            if stats is None or name not in stats.pools:   # no worker heard from (a restart's new one): none spirals
+                if detector.tripped:   # a busy pool's last report is never fed again: it held the alert for good
+                    self.detectors[key] = SpiralDetector(self.pools[name].spec.death_spiral)
+                    self._seen.pop(key, None)
+                    self.metrics.death_spiral.labels(pool=name, replica=str(replica)).set(0)
+                    log.info("%s: death spiral cleared: its worker is not running", self._where(name, replica))
                 continue
             pool_stats = stats.pools[name]
-            key = (name, replica)
             if self._seen.get(key) == stats.taken_at and not _is_idle(pool_stats):
                 continue   # busy, and no new report: not extrapolated
             self._seen[key] = stats.taken_at
@@ -126,8 +131,10 @@ class SpiralWatch:
             if not state.changed:
                 continue
             self.metrics.death_spiral.labels(pool=name, replica=str(replica)).set(1 if state.tripped else 0)
-            where = f"pool {name}" + (f" replica {replica}" if self.pools[name].num_replicas > 1 else "")
-            (log.warning if state.tripped else log.info)("%s: %s", where, state.reason)
+            (log.warning if state.tripped else log.info)("%s: %s", self._where(name, replica), state.reason)
+
+    def _where(self, name: str, replica: int) -> str:
+        return f"pool {name}" + (f" replica {replica}" if self.pools[name].num_replicas > 1 else "")
 
 
 def _is_idle(stats: PoolStats) -> bool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from array import array
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -65,13 +66,22 @@ class HeldLatencies:
     """A request's latency observations and its choices' ends (`request_success`), held while it may yet run
     again (a worker died before its client saw anything: `LocalResponse.retryable`) and made once it cannot:
     the run a client waited for is observed, once, not the one lost with its worker. `observe` and `count`
-    hold or make them; `release` makes what was held and what comes after at once."""
+    hold or make them; `release` makes what was held and what comes after at once. A non-streamed answer
+    holds an inter-token gap per token of each choice until it ends: 8 bytes each, in one array a histogram
+    (a tuple and a float each held 48.8 MiB for 8 choices of 32,000 tokens)."""
 
     def __init__(self) -> None:
         self.held: list[tuple[Callable[..., None], tuple]] | None = []   # None: released, later ones made at once
+        self._values: dict[int, tuple[Histogram, array]] = {}           # id(histogram) -> (it, values held)
 
     def observe(self, histogram: Histogram, value: float) -> None:
-        self.count(histogram.observe, value)
+        if self.held is None:
+            histogram.observe(value)
+            return
+        entry = self._values.get(id(histogram))
+        if entry is None:
+            entry = self._values[id(histogram)] = (histogram, array("d"))
+        entry[1].append(value)
 
     def count(self, fn: Callable[..., None], *args: Any) -> None:
         """`fn(*args)` (a counter's `inc`, `GatewayMetrics.finished`), now or at the release."""
@@ -83,7 +93,10 @@ class HeldLatencies:
     def release(self) -> None:
         for fn, args in self.held or ():
             fn(*args)
-        self.held = None
+        for histogram, values in self._values.values():
+            for value in values:
+                histogram.observe(value)
+        self.held, self._values = None, {}
 
 
 class GatewayMetrics:
@@ -321,8 +334,8 @@ class GatewayMetrics:
         if held:
             self.step_target.labels(**labels).set(step.last_target_seconds or 0.0)
         self._advance(self.pressed_steps, "pressed_steps", step.num_pressed_steps, worker, **labels)
-        for pool, scale in step.target_scales.items():
-            self.target_scale.labels(pool=pool, replica=str(replica)).set(scale)
+        for pool, scale in step.target_scales.items():   # not running: 1, where a new worker starts (`_zero_state`)
+            self.target_scale.labels(pool=pool, replica=str(replica)).set(scale if held else 1.0)
 
     def update_replica(self, device: str, replica: int, client: AsyncEngineClient | None, ready: bool,
                        parked: bool = False) -> None:

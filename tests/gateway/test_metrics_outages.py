@@ -66,12 +66,13 @@ class _Supervisor:
 
 
 def _make_stats(taken_at: float, computed: int = 0, running: int = 0, steps: int = 0,
-                preemptions: int = 0, busy: float = 0.0) -> EngineStats:
+                preemptions: int = 0, busy: float = 0.0, scale: float | None = None) -> EngineStats:
     pool = PoolStats(num_running=running, num_waiting=running, num_swapped=running, num_blocks=8,
                      num_free_blocks=8 - running, num_cached_free_blocks=0, kv_cache_usage=0.001 * running,
                      max_num_seqs=4, cpu_swap_usage=0.0, num_recompute_preemptions=preemptions,
                      num_computed_tokens=computed)
-    step = StepCounters(num_steps=steps, last_target_seconds=0.05 if running else None, busy_seconds=busy)
+    step = StepCounters(num_steps=steps, last_target_seconds=0.05 if running else None, busy_seconds=busy,
+                        target_scales={} if scale is None else {POOL: scale})
     return EngineStats(num_requests=running, pools={POOL: pool}, step=step, taken_at=taken_at)
 
 
@@ -117,11 +118,12 @@ def test_a_replica_not_ready_ages_its_stats_and_runs_nothing(monkeypatch):
     gateway = _make_gateway(replicas=2)
     sup, never = gateway.supervisors[DEVICE]
     sup.client, sup.is_ready = _Client(pid=11).load(), True
-    sup.client.latest_stats = _make_stats(taken_at=999.9, computed=40, running=1, steps=5)
+    sup.client.latest_stats = _make_stats(taken_at=999.9, computed=40, running=1, steps=5, scale=0.4)
     never.client = _Client(pid=12)        # replica 1 loads for ever: never pushed stats
 
     m = _scrape(gateway)
     assert _pool(m, "cliffguard_num_requests_running") == 1 and _pool(m, "cliffguard_kv_cache_usage_perc") == 0.001
+    assert _pool(m, "cliffguard_engine_target_scale") == 0.4
     assert math.isclose(_device(m, "cliffguard_stats_age_seconds"), 0.1)
     assert _device(m, "cliffguard_engine_step_target_seconds") == 0.05
 
@@ -131,6 +133,7 @@ def test_a_replica_not_ready_ages_its_stats_and_runs_nothing(monkeypatch):
     for name in STATE_GAUGES:
         assert _pool(dead, name) == 0, name
     assert _device(dead, "cliffguard_engine_step_target_seconds") == 0
+    assert _pool(dead, "cliffguard_engine_target_scale") == 1   # where a new worker starts (it kept the dead one's)
     assert math.isclose(_device(dead, "cliffguard_stats_age_seconds"), 20.1)
     assert _pool(dead, "cliffguard_pool_num_blocks") == 8          # the pool's allocation stays
     assert _device(dead, "cliffguard_stats_age_seconds", replica=1) is None   # no stats: no age
@@ -451,6 +454,31 @@ def test_latencies_are_of_the_requests_a_client_waits_on():
     assert [h._sum.get() > 0 for h in (series.ttft, series.itl, series.e2e, series.queue_time)] == [True] * 4
     counts = [sum(b.get() for b in h._buckets) for h in (series.ttft, series.itl, series.e2e, series.queue_time)]
     assert counts == [1, 1, 1, 1]   # the HTTP request's only
+
+
+def test_a_non_streamed_answer_holds_its_inter_token_gaps_in_a_few_bytes_each():
+    """Held until no rerun can replace the run (a non-streamed answer: to its end), each gap was a tuple in a list
+    (48.8 MiB for 8 choices of 32,000 tokens, a client's choice); all are observed once released."""
+    import tracemalloc
+
+    from gateway.monitoring.metrics import HeldLatencies
+
+    itl = GatewayMetrics().pool_series(POOL).itl
+    held = HeldLatencies()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(100_000):
+            held.observe(itl, 0.001 * (i % 50))
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 2 << 20, grown                  # 8 bytes a gap (a tuple each: ~19 MB)
+    assert sum(b.get() for b in itl._buckets) == 0
+    held.release()
+    assert sum(b.get() for b in itl._buckets) == 100_000 and math.isclose(itl._sum.get(), 0.001 * 24.5 * 100_000)
+    held.observe(itl, 1.0)                         # after the release: at once
+    assert sum(b.get() for b in itl._buckets) == 100_001
 
 
 def test_an_upstreams_finish_reasons_outside_openais_count_as_other():
