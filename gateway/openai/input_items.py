@@ -38,15 +38,34 @@ def item_view(item: dict[str, Any], response_id: str, index: int) -> dict[str, A
     view = {**item, "type": kind, "id": f"{_PREFIXES.get(kind, 'item')}_{response_id.removeprefix('resp_')}_{index}"}
     if kind == "message":
         role = item.get("role", "user")
-        content = item.get("content")
-        parts = ([{"type": "output_text" if role == "assistant" else "input_text", "text": content}]
-                 if isinstance(content, str) else [dict(part) for part in content or ()])
-        for part in parts:
-            if part.get("type") == "output_text":
-                part.setdefault("annotations", [])
-        view.update(role=role, content=parts, status="completed")
-    elif kind == "reasoning":
+        view.update(role=role, content=_parts(item.get("content"), role == "assistant"), status="completed")
+    elif kind == "reasoning":   # its text as the SDK's parts (a string was listed as one, read a character a part)
+        for key, part in (("summary", "summary_text"), ("content", "reasoning_text")):
+            if isinstance(value := item.get(key), str):
+                view[key] = [{"type": part, "text": value}]
+            elif isinstance(value, list):
+                view[key] = [{"type": part, "text": p["text"]} if p.get("type") in _TEXT else dict(p) for p in value]
         view.setdefault("summary", [])
     elif kind in ("function_call", "function_call_output"):
         view.setdefault("status", "completed")
+        if kind == "function_call_output" and isinstance(output := item.get("output"), list):
+            view["output"] = _parts(output, assistant=False)
     return view
+
+
+_TEXT = ("input_text", "output_text", "text", "summary_text", "reasoning_text")   # a text part, whatever its name
+
+
+def _parts(content: Any, assistant: bool) -> list[dict[str, Any]]:
+    """A message's content as the parts of its role's item: an assistant's text as `output_text` (with its
+    annotations), anyone else's as `input_text`, whichever of the text part types the request sent; images,
+    files and refusals as sent."""
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else [dict(p) for p in content or ()]
+    shaped = []
+    for part in parts:
+        if part.get("type") in _TEXT:
+            part = {"type": "output_text", "text": part.get("text", ""), "annotations": part.get("annotations") or [],
+                    **({"logprobs": part["logprobs"]} if "logprobs" in part else {})} if assistant \
+                else {"type": "input_text", "text": part.get("text", "")}
+        shaped.append(part)
+    return shaped

@@ -67,7 +67,7 @@ content stays in `files.content` (empty for files written by version 3).
 
 Thread rule: one connection, guarded by a lock, so any thread may call any method (the gateway calls
 them from one worker thread, off its event loop). A method that cannot read or write the database now
-(disk full, database locked past the busy timeout, an I/O error) raises one of STORAGE_ERRORS and
+(disk full, database locked past the busy timeout, an I/O error, a damaged file) raises one of STORAGE_ERRORS and
 changes nothing. Stdlib only; no aiohttp (the pools package never imports it).
 """
 
@@ -93,7 +93,8 @@ from pools.store.schema import UNFINISHED_SQL, StoreFile, migrate
 
 __all__ = ["BatchStore", "STORAGE_ERRORS"]
 
-STORAGE_ERRORS = (sqlite3.OperationalError,)   # disk full, locked past the busy timeout, I/O error
+# disk full, locked past the busy timeout, an I/O error (OperationalError); a damaged file (its base, DatabaseError)
+STORAGE_ERRORS = (sqlite3.DatabaseError,)
 
 CANCELLABLE = ("validating", "in_progress")
 EXPIRED_LINE = ("This request could not be executed before the completion window expired.")   # OpenAI's words

@@ -180,3 +180,21 @@ async def test_a_store_failing_for_good_as_a_run_starts_aborts_its_engine_reques
         await asyncio.sleep(0.1)
     assert re.search(aborted, metrics, re.M), metrics
     assert queue.free == free and not kept._runs
+
+
+async def test_a_damaged_store_file_is_a_storage_error_not_a_500(aiohttp_client, tmp_path, tiny_model, caplog):
+    """SQLite's DatabaseError (a damaged file: "database disk image is malformed") is a storage error as a locked
+    or full one is: a finished answer is not kept (it came back as a 500, its tokens spent), a background one is a
+    503 `storage_unavailable`."""
+    client, kept = await _client(aiohttp_client, tmp_path, tiny_model)
+
+    def damaged(*args, **kwargs):
+        raise sqlite3.DatabaseError("database disk image is malformed")
+
+    kept.store.put = damaged
+    final = {"id": "resp_damaged", "object": "response", "status": "completed", "output": []}
+    assert await kept.keep(final, owner="o", tenant="t", request={}, items=[]) is False
+    assert "resp_damaged: answered but not kept: " in caplog.text
+    r = await client.post("/v1/responses", json={"model": tiny_model.name, "input": "hi", "background": True})
+    body = await r.json()
+    assert r.status == 503 and body["error"]["code"] == "storage_unavailable", body

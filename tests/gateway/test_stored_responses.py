@@ -126,6 +126,18 @@ def test_every_kind_of_kept_input_item_lists_as_the_sdk_reads_it() -> None:
     assert views[2].content[0].text == "Call the tool." and views[4].output == "sunny"
     assert views[5].content[0].text == "Sunny." and views[5].content[0].annotations == []
 
+    # the other shapes a request may send them in: each listed in its role's own (strictly validated)
+    sent = [{"type": "reasoning", "content": "Think.", "summary": "Thought."},
+            {"role": "assistant", "content": [{"type": "input_text", "text": "Earlier."}]},
+            {"role": "user", "content": [{"type": "output_text", "text": "Quoted."}, {"type": "text", "text": "Hi"}]},
+            {"type": "function_call_output", "call_id": "call_1", "output": [{"type": "output_text", "text": "ok"}]}]
+    views = [TypeAdapter(ResponseItem).validate_python(item_view(item, "resp_x2", i), strict=True)
+             for i, item in enumerate(sent)]
+    assert [p.text for p in views[0].content] == ["Think."] and [p.text for p in views[0].summary] == ["Thought."]
+    assert views[1].content[0].type == "output_text" and views[1].content[0].annotations == []
+    assert [(p.type, p.text) for p in views[2].content] == [("input_text", "Quoted."), ("input_text", "Hi")]
+    assert [(p.type, p.text) for p in views[3].output] == [("input_text", "ok")]
+
 
 def test_a_kept_answer_comes_back_as_the_next_turns_input_with_its_text_only() -> None:
     """What a chain of responses keeps of an earlier answer is what the next prompt reads: no logprobs (up to
