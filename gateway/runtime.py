@@ -114,9 +114,9 @@ class SpiralWatch:
         worker took it, so a step of either machine's wall clock (`taken_at`'s) never stalls the detector."""
         for (name, replica), detector in self.detectors.items():
             client = self.pools[name].clients[replica]
-            stats = client.latest_stats if client is not None else None
+            stats = client.latest_stats if client is not None and client.is_alive else None
             key = (name, replica)
-            if stats is None or name not in stats.pools:   # no worker heard from (a restart's new one): none spirals
+            if stats is None or name not in stats.pools:   # its worker dead, or not heard from yet: none spirals
                 if detector.tripped:   # a busy pool's last report is never fed again: it held the alert for good
                     self.detectors[key] = SpiralDetector(self.pools[name].spec.death_spiral)
                     self._seen.pop(key, None)

@@ -137,7 +137,7 @@ class GatewaySpec(Spec):
     def check(self) -> None:
         if padded(self.host):
             raise SpecError("host", f"must not be blank or begin or end with a space, got {self.host!r}")
-        if self.api_keys_env is not None and not ENV_NAME.fullmatch(self.api_keys_env):
+        if self.api_keys_env and not ENV_NAME.fullmatch(self.api_keys_env):   # null or "": no variable read
             raise SpecError("api_keys_env", "the name of an environment variable (letters, digits and '_', not "
                             f"starting with a digit), got a string of {len(self.api_keys_env)} characters: a key "
                             "written here would be in the file (and authentication off); list keys in api_keys")

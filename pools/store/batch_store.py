@@ -93,8 +93,8 @@ from pools.store.schema import UNFINISHED_SQL, StoreFile, migrate
 
 __all__ = ["BatchStore", "STORAGE_ERRORS"]
 
-# disk full, locked past the busy timeout, an I/O error (OperationalError); a damaged file (its base, DatabaseError)
-STORAGE_ERRORS = (sqlite3.DatabaseError,)
+# disk full, locked past the busy timeout, an I/O error, a damaged file (`StoreFile.on_thread` makes it one of these)
+STORAGE_ERRORS = (sqlite3.OperationalError,)
 
 CANCELLABLE = ("validating", "in_progress")
 EXPIRED_LINE = ("This request could not be executed before the completion window expired.")   # OpenAI's words

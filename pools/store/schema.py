@@ -129,8 +129,16 @@ class StoreFile:
         self._thread = ThreadPoolExecutor(1, f"cliffguard-{type(self).__name__}")
 
     async def on_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """`fn(*args, **kwargs)` (a method of this store) on the store's thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args, **kwargs))
+        """`fn(*args, **kwargs)` (a method of this store) on the store's thread. A damaged file (SQLite's
+        DatabaseError itself: SQLITE_CORRUPT, SQLITE_NOTADB) is raised as an OperationalError, a storage failure
+        as a full disk's is; its subclasses (a constraint, a closed connection) are bugs and stay themselves."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args,
+                                                                                                    **kwargs))
+        except sqlite3.DatabaseError as exc:
+            if type(exc) is not sqlite3.DatabaseError:
+                raise
+            raise sqlite3.OperationalError(f"the store file is damaged: {exc}") from exc
 
     async def retried(self, what: str, fn: Callable[..., T], *args: Any, tries: int, first_s: float, max_s: float,
                       **kwargs: Any) -> T:

@@ -340,7 +340,7 @@ def _watch_one_pool(offered) -> tuple[OverloadWatch, GatewayMetrics, SimpleNames
     watch = OverloadWatch({"chat": pool}, {"chat": 32}, metrics)
     stats = dataclasses.replace(_make_stats(taken_at=0.0), step=StepCounters(
         busy_seconds=1.0, step_model=LinearStepTime(a=0.01, b=1e-4, c=1e-3, d=0.0)))
-    sup = SimpleNamespace(is_ready=True, client=SimpleNamespace(latest_stats=stats))
+    sup = SimpleNamespace(is_ready=True, client=SimpleNamespace(latest_stats=stats, is_alive=True))
     watch.supervisors = {DEVICE: [sup]}
     return watch, metrics, sup
 

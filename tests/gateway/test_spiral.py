@@ -165,7 +165,7 @@ def _report(taken_at: float, preemptions: int, tokens: int, running: int = 1) ->
 
 def test_the_watch_feeds_each_report_once_and_an_idle_pool_at_the_current_time(caplog):
     caplog.set_level(logging.INFO, logger="cliffguard.gateway")
-    client = SimpleNamespace(latest_stats=None)
+    client = SimpleNamespace(latest_stats=None, is_alive=True)
     spec = SimpleNamespace(death_spiral=SpiralConfig(window_seconds=4, min_preemptions_per_s=1, clear_seconds=2))
     off = SimpleNamespace(death_spiral=SpiralConfig(enabled=False))
     pools = {"p": SimpleNamespace(is_upstream=False, spec=spec, clients=[client], num_replicas=1),
@@ -198,7 +198,7 @@ def test_a_spiralling_replica_whose_worker_died_clears_while_none_runs(caplog):
     """The busy pool's last report is never fed again once its worker dies: the alert (and `/ready`'s degraded)
     held for the whole restart, or for good where the worker never came back."""
     caplog.set_level(logging.INFO, logger="cliffguard.gateway")
-    client = SimpleNamespace(latest_stats=None)
+    client = SimpleNamespace(latest_stats=None, is_alive=True)
     spec = SimpleNamespace(death_spiral=SpiralConfig(window_seconds=4, min_preemptions_per_s=1, clear_seconds=2))
     pool = SimpleNamespace(is_upstream=False, spec=spec, clients=[client], num_replicas=1)
     metrics = GatewayMetrics()
@@ -207,10 +207,13 @@ def test_a_spiralling_replica_whose_worker_died_clears_while_none_runs(caplog):
         client.latest_stats = _report(100.0 + i / 4, i // 2, 12 * i)
         watch.check(100.0 + i / 4)
     assert watch.degraded() and metrics.death_spiral.labels(pool="p", replica="0")._value.get() == 1
-    pool.clients[0] = SimpleNamespace(latest_stats=None)   # the restart: a new client, nothing heard yet
+    client.is_alive = False                                # SIGKILL: its last (busy) report stays, the restart waits
     watch.check(105.0)
     assert watch.degraded() == {} and metrics.death_spiral.labels(pool="p", replica="0")._value.get() == 0
     assert caplog.records[-1].getMessage() == "pool p: death spiral cleared: its worker is not running"
+    pool.clients[0] = SimpleNamespace(latest_stats=None, is_alive=True)   # the restart: a new client, nothing heard yet
+    watch.check(106.0)
+    assert watch.degraded() == {}
     for i in range(17):                                   # the new worker spirals too: tripped again
         pool.clients[0].latest_stats = _report(200.0 + i / 4, i // 2, 12 * i)
         watch.check(200.0 + i / 4)
@@ -220,7 +223,7 @@ def test_a_spiralling_replica_whose_worker_died_clears_while_none_runs(caplog):
 def test_a_wall_clock_step_back_does_not_hold_the_watch_tripped():
     """Reports are timed by the gateway's monotonic clock when seen: after the worker's wall clock steps back
     an hour (an NTP step, a VM resumed), its reports still count and a recovered pool clears."""
-    client = SimpleNamespace(latest_stats=None)
+    client = SimpleNamespace(latest_stats=None, is_alive=True)
     spec = SimpleNamespace(death_spiral=SpiralConfig(window_seconds=4, min_preemptions_per_s=1, clear_seconds=2))
     watch = SpiralWatch({"p": SimpleNamespace(is_upstream=False, spec=spec, clients=[client], num_replicas=1)},
                         GatewayMetrics())
