@@ -376,10 +376,10 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
             raise SpecError(f"{budget_key}: {budget} gives max_num_seqs = floor({fmt_bytes(pool_kv)} / "
                             f"({s_kv_dev} B x avg_len {p.avg_len})) = 0 for pool {p.name!r}: raise the budget or "
                             f"lower {key}.avg_len")
-        max_num_seqs = min(by_formula, num_blocks)   # a running request holds a block of its own at least
-        if by_formula > num_blocks:
-            warnings.append(f"{key}.avg_len: {p.avg_len} is below block_size {p.block_size} (a request holds whole "
-                            f"blocks): max_num_seqs is the pool's {num_blocks} blocks, not the formula's {by_formula}")
+        held = ceil_div(p.avg_len, p.block_size)     # a request holds whole blocks: avg_len 17 holds 32 tokens
+        if by_formula > (max_num_seqs := min(by_formula, num_blocks // held)) * 1.05:   # said where it matters
+            warnings.append(f"{key}.avg_len: {p.avg_len} tokens hold {held} whole blocks of {p.block_size}: max_num_seqs "
+                            f"is the pool's {num_blocks} blocks / {held} = {max_num_seqs}, not the formula's {by_formula}")
     else:
         max_num_seqs = p.max_num_seqs
         if max_num_seqs > num_blocks:   # a running request holds a block of its own at least: more never run

@@ -252,7 +252,9 @@ def test_engine_configs_carry_the_planned_numbers(builtin_path):
     s_kv = 2 * 30 * 3 * 64 * 4
     kv = int(0.9 * 2 * GiB) - model.num_params() * 4 - model.context_length * 64 * 4   # weights, rotary cache
     assert plan.pools["chat"].num_blocks == int(0.4 * kv) // (s_kv * 16)
-    assert plan.pools["rag"].max_num_seqs == int(0.6 * kv) // (s_kv * 900)
+    assert plan.pools["rag"].formula_max_num_seqs == int(0.6 * kv) // (s_kv * 900) == 20
+    # 900 tokens hold 57 blocks of 16 (912 slots): the pool's blocks hold 19 such requests, not the formula's 20
+    assert plan.pools["rag"].max_num_seqs == (int(0.6 * kv) // (s_kv * 16)) // 57 == 19
 
 
 def test_engine_configs_place_every_rank_on_a_gpu_of_its_own(monkeypatch):
@@ -535,7 +537,15 @@ def test_an_avg_len_below_the_block_size_plans_no_more_sequences_than_blocks():
     _, plan = _plan_example(data)
     pool = plan.pools[data["pools"][0]["name"]]
     assert pool.formula_max_num_seqs >= 4 * pool.num_blocks and pool.max_num_seqs == pool.num_blocks
-    assert any(w.startswith("pools[0].avg_len: 4 is below block_size 16") for w in plan.warnings), plan.warnings
+    assert any(w.startswith("pools[0].avg_len: 4 tokens hold 1 whole blocks of 16") for w in plan.warnings), \
+        plan.warnings
+    # past one block as well: 24 tokens hold two (32 slots), so a third fewer requests fit than 24 tokens each
+    data["pools"][0]["avg_len"] = 24
+    _, plan = _plan_example(data)
+    pool = plan.pools[data["pools"][0]["name"]]
+    assert pool.max_num_seqs == pool.num_blocks // 2 < pool.formula_max_num_seqs
+    assert any(w.startswith("pools[0].avg_len: 24 tokens hold 2 whole blocks of 16: max_num_seqs is the pool's")
+               for w in plan.warnings), plan.warnings
 
 
 def test_a_step_budget_below_max_num_seqs_is_said():
