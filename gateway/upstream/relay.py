@@ -8,7 +8,8 @@ headers that say when to try again (`Retry-After`, `retry-after-ms`, `x-ratelimi
 (`{"error": "text"}`, not JSON) is put in that format, quoting it, with code `upstream_error` (SGLang's and older
 vLLM's flat `{"message", "type", "code": <status>}` is read as one); only its first `MAX_ERROR_BYTES` are read. A
 401 or 403 is not relayed: the client's key is never forwarded, so it refused the gateway's own credentials, and the
-client gets our 502 `upstream_error` saying so (the upstream's message is logged). Our own 502s say whether the
+client gets our 502 `upstream_error` saying so (the upstream's message is logged); nor is a 404: the model name and
+the path are the pool's (`model:`, `upstream:`), so the client's model exists and the configuration is wrong. Our own 502s say whether the
 upstream may have received the request: `upstream_unreachable` when no connection could be made (nothing was sent:
 safe to send again, and the batch runner does), `upstream_disconnected` when the connection failed after the request
 may have gone out (the upstream may be running it: never sent again, so a batch line never runs twice),
@@ -251,7 +252,7 @@ def _url(upstream: str, path: str) -> URL:
 async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
     """The upstream's error (4xx, 5xx) with its status, in the OpenAI format: its body when it is one, else
     one quoting it (its message text, or the body's start). Any other status that is not a success is our
-    502 `upstream_error`, and so is a 401 or 403 (`_credentials_refused`)."""
+    502 `upstream_error`, and so is a 401 or 403 (`_credentials_refused`) or a 404 (the pool's model or path)."""
     status = upstream.status
     if not 400 <= status <= 599:
         raise _upstream_failed(pool, "sent an invalid response", ValueError(
@@ -263,6 +264,11 @@ async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
     error = openai_error(raw, f"upstream pool {pool.name!r} answered {status}")
     if status in (401, 403):
         raise _credentials_refused(pool, status, error)
+    if status == 404:   # vLLM's "The model `m` does not exist": the pool's model or path, not the client's model
+        log.warning("upstream pool %r at %s answered 404: %s", pool.name, redact(pool.spec.upstream), error["message"])
+        raise ApiError(502, f"upstream pool {pool.name!r} at {redact(pool.spec.upstream)} does not serve the pool's "
+                            "model at that path (it answered 404); the gateway's operator must fix the pool's model or "
+                            "upstream", type="server_error", code="upstream_error")
     return web.json_response({"error": error}, status=status,
                              headers={"x-cliffguard-pool": pool.name, **retry_headers(upstream.headers)})
 

@@ -489,6 +489,26 @@ async def test_an_upstream_refusing_the_gateways_key_is_a_502_without_its_messag
     server.close()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_upstream_without_the_pools_model_is_a_502_not_the_clients_404(aiohttp_client, tmp_path, caplog,
+                                                                                stream):
+    """The model the client asked for is listed (the gateway's); the upstream's 404 is for the pool's own `model:`
+    or path, a configuration the client can do nothing about: relayed, the SDKs raised NotFoundError for the
+    client's model, naming the upstream's."""
+    missing = (b'{"object": "error", "message": "The model `upstream-model` does not exist.", '
+               b'"type": "NotFoundError", "param": null, "code": 404}')
+    server, url = await _serve(lambda request: _reply(404, missing))
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, url)
+    with caplog.at_level("WARNING", logger="cliffguard.gateway"):
+        r = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+        error = (await r.json())["error"]
+    assert r.status == 502 and error["code"] == "upstream_error" and "answered 404" in error["message"], error
+    assert "does not exist" not in error["message"] and "upstream-model" not in error["message"]
+    assert any("does not exist" in rec.getMessage() and rec.levelname == "WARNING" for rec in caplog.records)
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
 @pytest.mark.parametrize("status, code", [(200, "upstream_error"), (400, "upstream_error")])
 async def test_json_nested_past_the_decoders_depth_is_not_a_500(aiohttp_client, tmp_path, status, code):
     server, url = await _serve(lambda request: _reply(status, b"[" * 5000 + b"]" * 5000))
