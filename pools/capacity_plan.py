@@ -127,7 +127,7 @@ class PoolPlan:
 
     @property
     def max_num_seqs_overridden(self) -> bool:
-        return self.max_num_seqs != self.formula_max_num_seqs
+        return self.spec.max_num_seqs is not None
 
     @property
     def blocks_per_max_len_request(self) -> int:
@@ -371,13 +371,13 @@ def _plan_pool(i: int, p: PoolSpec, model: ModelConfig, s_kv: int, s_kv_dev: int
         warnings.append(f"{key}.avg_len: {p.avg_len} is above max_model_len {max_model_len}, which no request "
                         f"exceeds: max_num_seqs is planned for fewer requests than fit (set avg_len <= max_model_len)")
     by_formula = formula.max_num_seqs(pool_kv, s_kv_dev, p.avg_len)
+    held = ceil_div(p.avg_len, p.block_size)     # a request holds whole blocks: avg_len 17 holds 32 tokens
     if p.max_num_seqs is None:
-        if by_formula == 0:
+        if (max_num_seqs := min(by_formula, num_blocks // held)) == 0:
             raise SpecError(f"{budget_key}: {budget} gives max_num_seqs = floor({fmt_bytes(pool_kv)} / "
-                            f"({s_kv_dev} B x avg_len {p.avg_len})) = 0 for pool {p.name!r}: raise the budget or "
-                            f"lower {key}.avg_len")
-        held = ceil_div(p.avg_len, p.block_size)     # a request holds whole blocks: avg_len 17 holds 32 tokens
-        if by_formula > (max_num_seqs := min(by_formula, num_blocks // held)) * 1.05:   # said where it matters
+                            f"({s_kv_dev} B x avg_len {p.avg_len}), in whole blocks) = 0 for pool {p.name!r}: raise "
+                            f"the budget or lower {key}.avg_len")
+        if by_formula > max_num_seqs * 1.05:   # said where it matters
             warnings.append(f"{key}.avg_len: {p.avg_len} tokens hold {held} whole blocks of {p.block_size}: max_num_seqs "
                             f"is the pool's {num_blocks} blocks / {held} = {max_num_seqs}, not the formula's {by_formula}")
     else:

@@ -84,7 +84,7 @@ def format_plan(plan: CapacityPlan) -> str:
             ("blocks", [f"{p.num_blocks:,} x {p.block_size}" for p in pools]),
             ("avg_len", [str(p.spec.avg_len) for p in pools]),
             ("max_num_seqs", [f"{p.max_num_seqs}" + (f" (formula {p.formula_max_num_seqs})"
-                                                     if p.max_num_seqs_overridden else "")
+                                                     if p.max_num_seqs != p.formula_max_num_seqs else "")
                               + (" per replica" if p.replicas > 1 else "") for p in pools]),
             ("max-len concurrent", [f"{p.max_concurrent_at_max_len} ({p.blocks_per_max_len_request} blocks each)"
                                     for p in pools]),

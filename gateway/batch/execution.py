@@ -42,6 +42,7 @@ from gateway.workers.deaths import SuspectGate
 from pools.store.batch_input import BatchInputError, BatchLine, TooManyBatches
 from pools.router import UnknownModelError
 from pools.store.batch_store import PURGE_EVERY_S, STORAGE_ERRORS, BatchStore
+from pools.store.schema import unusable
 from pools.tenants import DEFAULT_TENANT
 
 log = logging.getLogger("cliffguard.batches")
@@ -213,9 +214,12 @@ class BatchRunner:
     async def start(self) -> None:
         """Resume every unfinished batch in the store (those past their window expire first: none of their
         lines runs), and purge expired files and expire batches from time to time."""
+        try:
+            await self.expire_due()
+            ids = await self.durable(self.store.unfinished_batch_ids)
+        except StorageFailed as exc:   # `serve` says so in one line, as for a store it cannot open
+            raise unusable(self.store.path, exc) from None
         self._purging = asyncio.get_running_loop().create_task(self._purge(), name="batch store purge")
-        await self.expire_due()
-        ids = await self.durable(self.store.unfinished_batch_ids)
         if ids:
             log.info("resuming %d unfinished batches: %s", len(ids), ", ".join(ids))
         for batch_id in ids:

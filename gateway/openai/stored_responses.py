@@ -62,6 +62,7 @@ from gateway.runtime import Gateway
 from pools.pool import Pool
 from pools.store.batch_store import STORAGE_ERRORS
 from pools.store.response_store import FINISHED, PURGE_EVERY_S, ResponseStore, StoredResponse
+from pools.store.schema import unusable
 
 log = logging.getLogger("cliffguard.responses")
 
@@ -117,8 +118,12 @@ class KeptResponses:
     async def start(self) -> None:
         """Run again the background responses a stopped gateway left; each is `queued` again until admitted.
         Purge the store from time to time (`_purge`)."""
+        try:
+            unfinished = await self.db(self.store.unfinished)
+        except ApiError as exc:   # `serve` says so in one line, as for a store it cannot open
+            raise unusable(self.store.path, exc.message) from None
         self._purging = asyncio.get_running_loop().create_task(self._purge(), name="response store purge")
-        for stored in await self.db(self.store.unfinished):
+        for stored in unfinished:
             log.info("%s: a background response the gateway stopped under; running it again", stored.id)
             if stored.status != "queued":   # it was in progress: it waits for its device and credits again
                 self._were_running.add(stored.id)

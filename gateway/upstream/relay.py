@@ -268,7 +268,7 @@ async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
         log.warning("upstream pool %r at %s answered 404: %s", pool.name, redact(pool.spec.upstream), error["message"])
         raise ApiError(502, f"upstream pool {pool.name!r} at {redact(pool.spec.upstream)} does not serve the pool's "
                             "model at that path (it answered 404); the gateway's operator must fix the pool's model or "
-                            "upstream", type="server_error", code="upstream_error")
+                            "upstream", type="server_error", code="upstream_error", headers=_NO_RETRY)
     return web.json_response({"error": error}, status=status,
                              headers={"x-cliffguard-pool": pool.name, **retry_headers(upstream.headers)})
 
@@ -296,6 +296,9 @@ def retry_headers(headers: Any) -> dict[str, str]:
             if (low := name.lower()) in _RETRY_HEADERS or low.startswith("x-ratelimit-")}
 
 
+_NO_RETRY = {"x-should-retry": "false"}   # a configuration to fix: the openai SDKs would send it twice more
+
+
 def _credentials_refused(pool: Pool, status: int, error: dict[str, Any]) -> ApiError:
     """Our 502 `upstream_error` for an upstream's 401 or 403. The client's key is never forwarded: the
     upstream refused the gateway's own (the pool's `upstream_api_key_env`, or none sent). Relayed, it
@@ -307,7 +310,7 @@ def _credentials_refused(pool: Pool, status: int, error: dict[str, Any]) -> ApiE
     log.warning("upstream pool %r at %s answered %d to %s: %s", pool.name, where, status, sent, error["message"])
     return ApiError(502, f"upstream pool {pool.name!r} at {where} refused the gateway's credentials (it answered "
                          f"{status}); the gateway's operator must fix them", type="server_error",
-                    code="upstream_error")
+                    code="upstream_error", headers=_NO_RETRY)
 
 
 def openai_error(raw: bytes, context: str) -> dict[str, Any]:

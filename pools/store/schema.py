@@ -84,8 +84,13 @@ def opened(make: Callable[[], T], path: Path) -> T:
     try:
         return make()
     except sqlite3.Error as exc:
-        raise RuntimeError(f"--data-dir: the store {path} cannot be opened ({exc}): another program holds it, "
-                           "or it is damaged (move it away to start with an empty store)") from None
+        raise unusable(path, exc, "opened") from None
+
+
+def unusable(path: Path, why: object, what: str = "read") -> RuntimeError:
+    """What `serve` says, in one line, of a store it cannot open or read at its start."""
+    return RuntimeError(f"--data-dir: the store {path} cannot be {what} ({why}): another program holds it, or it "
+                        "is damaged (move it away to start with an empty store)")
 
 
 def connect(path: Path) -> sqlite3.Connection:
@@ -117,6 +122,11 @@ def transaction(db: sqlite3.Connection, lock: threading.Lock) -> Iterator[sqlite
             raise
 
 
+class StoreDamaged(sqlite3.OperationalError):
+    """The store file is damaged (SQLite's DatabaseError itself: SQLITE_CORRUPT, SQLITE_NOTADB): a storage failure
+    as a full disk is, but one no retry mends."""
+
+
 class StoreFile:
     """One connection to the store file (`connect`) and the lock every use of it holds, so any thread
     may call a subclass's methods; `_txn` is one write transaction. The event loop calls them through
@@ -130,15 +140,16 @@ class StoreFile:
 
     async def on_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` (a method of this store) on the store's thread. A damaged file (SQLite's
-        DatabaseError itself: SQLITE_CORRUPT, SQLITE_NOTADB) is raised as an OperationalError, a storage failure
-        as a full disk's is; its subclasses (a constraint, a closed connection) are bugs and stay themselves."""
+        DatabaseError itself: SQLITE_CORRUPT, SQLITE_NOTADB) is raised as StoreDamaged, an OperationalError: a
+        storage failure as a full disk's is; its subclasses (a constraint, a closed connection) are bugs and stay
+        themselves."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(fn, *args,
                                                                                                     **kwargs))
         except sqlite3.DatabaseError as exc:
             if type(exc) is not sqlite3.DatabaseError:
                 raise
-            raise sqlite3.OperationalError(f"the store file is damaged: {exc}") from exc
+            raise StoreDamaged(f"the store file is damaged: {exc}") from exc
 
     async def retried(self, what: str, fn: Callable[..., T], *args: Any, tries: int, first_s: float, max_s: float,
                       **kwargs: Any) -> T:
@@ -151,7 +162,7 @@ class StoreFile:
             try:
                 return await self.on_thread(fn, *args, **kwargs)
             except sqlite3.OperationalError as exc:
-                if attempt == tries:
+                if attempt == tries or isinstance(exc, StoreDamaged):   # damaged: no retry mends it
                     raise
                 log.warning("%s: %s (%s); trying again in %.1f s", what, exc, fn.__name__, delay)
             await asyncio.sleep(delay)

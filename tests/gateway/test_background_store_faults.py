@@ -198,3 +198,30 @@ async def test_a_damaged_store_file_is_a_storage_error_not_a_500(aiohttp_client,
     r = await client.post("/v1/responses", json={"model": tiny_model.name, "input": "hi", "background": True})
     body = await r.json()
     assert r.status == 503 and body["error"]["code"] == "storage_unavailable", body
+
+
+async def test_a_damaged_store_is_not_tried_again_and_stops_the_start_in_one_line(aiohttp_client, tmp_path,
+                                                                                  tiny_model):
+    """No retry mends a damaged file: tried once (it was tried 6 times over 15 s, a run's or a start's); found at
+    the start, `serve` says so in one line naming the file (a traceback, after those 15 s)."""
+    import pytest
+
+    client, kept = await _client(aiohttp_client, tmp_path, tiny_model)
+    calls = []
+
+    def damaged(*args, **kwargs):
+        calls.append(1)
+        raise sqlite3.DatabaseError("file is not a database")
+
+    with pytest.raises(sqlite3.OperationalError, match="the store file is damaged: file is not a database"):
+        await kept.store.retried("response store", damaged, tries=6, first_s=5.0, max_s=5.0)
+    assert calls == [1]
+
+    path = tmp_path / "pools.yaml"
+    gateway = Gateway.from_config(load_config(path))
+    gateway.engines = {}
+    (tmp_path / "second").mkdir()
+    app = create_app(gateway, data_dir=tmp_path / "second")
+    app[RESPONSES].store.unfinished = damaged
+    with pytest.raises(RuntimeError, match=r"^--data-dir: the store .*batches\.sqlite3 cannot be read \(.*damaged"):
+        await aiohttp_client(app)

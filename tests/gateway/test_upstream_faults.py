@@ -503,6 +503,7 @@ async def test_an_upstream_without_the_pools_model_is_a_502_not_the_clients_404(
         r = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
         error = (await r.json())["error"]
     assert r.status == 502 and error["code"] == "upstream_error" and "answered 404" in error["message"], error
+    assert r.headers["x-should-retry"] == "false"   # a configuration to fix: the SDKs sent it twice more
     assert "does not exist" not in error["message"] and "upstream-model" not in error["message"]
     assert any("does not exist" in rec.getMessage() and rec.levelname == "WARNING" for rec in caplog.records)
     _assert_no_slot_held(gateway)

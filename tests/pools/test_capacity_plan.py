@@ -527,6 +527,13 @@ def test_an_avg_len_over_max_model_len_is_said_and_a_zero_formula_names_avg_len(
     data["pools"][0]["avg_len"] = 10**9
     with pytest.raises(SpecError, match=r"gives max_num_seqs = floor\(.*\) = 0 .*lower pools\[0\]\.avg_len"):
         _plan_example(data)
+    # one request of 8,200 tokens by the formula, but it holds 513 blocks of 16 and the pool has 512: none
+    data = _example_data()
+    s_kv = _plan_example(data)[1].devices[data["pools"][0]["device"]].kv_bytes_per_token_per_device
+    data["pools"][0].update(avg_len=8200, max_model_len=8192, kv_cache_bytes=s_kv * 8200)
+    data["pools"][0].pop("kv_share", None)
+    with pytest.raises(SpecError, match=r"in whole blocks\) = 0 for pool"):
+        _plan_example(data)
 
 
 def test_an_avg_len_below_the_block_size_plans_no_more_sequences_than_blocks():
@@ -543,7 +550,7 @@ def test_an_avg_len_below_the_block_size_plans_no_more_sequences_than_blocks():
     data["pools"][0]["avg_len"] = 24
     _, plan = _plan_example(data)
     pool = plan.pools[data["pools"][0]["name"]]
-    assert pool.max_num_seqs == pool.num_blocks // 2 < pool.formula_max_num_seqs
+    assert pool.max_num_seqs == pool.num_blocks // 2 < pool.formula_max_num_seqs and not pool.max_num_seqs_overridden
     assert any(w.startswith("pools[0].avg_len: 24 tokens hold 2 whole blocks of 16: max_num_seqs is the pool's")
                for w in plan.warnings), plan.warnings
 
