@@ -20,7 +20,8 @@ last event (`data: [DONE]`; a Responses stream's `response.completed` / `incompl
 its own), ends as a local one that fails does: an error event with that 502's error object (`upstream_disconnected`,
 `upstream_error`), then `data: [DONE]` (a Responses stream: an `error` event numbered after its last; after the
 upstream's own error event, only the `[DONE]`); so does one cut at the end of the gateway's drain, with 503
-`server_shutting_down`. Token counts for metrics come from the upstream's `usage` (`prompt_tokens` /
+`server_shutting_down`. Once its last event is out, an upstream's body gets `TAIL_SECONDS` to end (the client's
+stream ends when it does; an upstream that holds it open is closed then). Token counts for metrics come from the upstream's `usage` (`prompt_tokens` /
 `completion_tokens`; the Responses API's `input_tokens` / `output_tokens`; a stream's last usage, once) where its
 counts are non-negative integers, the prompt's from the gateway's own count where they are not; a malformed usage is
 relayed as it is. A chat or completions stream whose client did not ask for its usage is sent with
@@ -77,6 +78,7 @@ log = logging.getLogger("cliffguard.gateway")
 MAX_ANSWER_BYTES = 64 << 20
 MAX_EVENT_BYTES = 16 << 20
 MAX_ERROR_BYTES = 16 << 10
+TAIL_SECONDS = 1.0   # after a stream's last event (`[DONE]`), the most its body may take to end
 
 # The forwarded request's Idempotency-Key: a batch line's `idempotency_key` (gateway.batch.execution), else None.
 IDEMPOTENCY_KEY: ContextVar[str | None] = ContextVar("cliffguard_idempotency_key", default=None)
@@ -351,8 +353,9 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
             raise exc if isinstance(exc, ClientGone) else ClientGone(f"client went away: {exc}") from None
 
     seen, failure, ended = StreamSeen(responses, relayed.hide_usage, edit), None, False   # ended: its last event out
+    tail: asyncio.Timeout | None = None
     try:
-        async with contextlib.aclosing(_events(pool, upstream)) as events:
+        async with contextlib.aclosing(_events(pool, upstream)) as events, asyncio.timeout(None) as tail:
             async for event in events:
                 if isinstance(event, ApiError):
                     failure = event
@@ -362,8 +365,13 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
                 if out is not None:
                     await write(out + b"\n\n")
                 ended = seen.ended   # not before its last event went out (a cut while it is kept: the error's)
+                if ended and tail.when() is None:   # the body's end follows at once, or it is not waited for
+                    tail.reschedule(asyncio.get_running_loop().time() + TAIL_SECONDS)
                 if num_outputs == 0 and seen.num_outputs:   # its first event of output
                     relayed.series.ttft.observe(time.perf_counter() - relayed.received)
+    except TimeoutError:   # the body outlived its last event: closed (its connection not kept), the client's ends
+        if tail is None or not tail.expired():
+            raise
     except asyncio.CancelledError as exc:   # cut at the drain's end: its error event ends the stream
         if (failure := drain_cut(exc)) is None:   # the client left (the handler cancelled)
             relayed.count(seen.usage, [])

@@ -193,6 +193,29 @@ async def test_a_stream_whose_body_ends_before_its_last_event_ends_with_an_error
     server.close()
 
 
+async def test_a_stream_ends_soon_after_its_last_event_whatever_the_upstreams_body_does(aiohttp_client, tmp_path):
+    """An upstream that holds its body open after `data: [DONE]` held the client's stream (and its latency) until
+    it closed, up to the read timeout: its body gets `TAIL_SECONDS` to end, then it is closed."""
+    async def answer(writer, request, n):
+        done = b"data: [DONE]\n\n"
+        writer.write(CHUNKED + b"%x\r\n" % len(EVENT) + EVENT + b"\r\n" + b"%x\r\n" % len(done) + done + b"\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+        writer.write(b"0\r\n\r\n")
+        return "close"
+
+    server, url, _, _ = await _raw_server(answer)
+    gateway, client = await _gateway_client(aiohttp_client, tmp_path, str(url.with_path("/v1")))
+    started = time.monotonic()
+    r = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    events = [e for e in (await r.text()).split("\n\n") if e]
+    assert time.monotonic() - started < relay.TAIL_SECONDS + 2.5, "the client waited for the upstream's body"
+    assert r.status == 200 and events[-1] == "data: [DONE]" and FRONT in events[0], events
+    assert gateway.metrics.errors.labels(status="502")._value.get() == 0   # a whole answer, not a failure
+    _assert_no_slot_held(gateway)
+    server.close()
+
+
 async def test_an_event_over_its_limit_ends_the_stream_with_an_error_event(aiohttp_client, tmp_path, monkeypatch):
     monkeypatch.setattr(relay, "MAX_EVENT_BYTES", 1000)
     body = EVENT + b"data: " + b"x" * 5000
