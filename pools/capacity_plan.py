@@ -10,7 +10,7 @@ Per device (with tensor parallelism T the weights and the KV heads are split ove
     KV space    = memory_utilization x memory - weights / T - graphs                (per GPU)
     pool KV     = kv_share x KV space   |   kv_cache_bytes                          (per GPU)
     blocks      = floor(pool KV / (S_KV / T x block_size))
-    max_num_seqs = floor(pool KV / (S_KV / T x avg_len))               (unless overridden; at most blocks)
+    max_num_seqs = floor(pool KV / (S_KV / T x avg_len))    (unless overridden; at most blocks / ceil(avg_len / bs))
 
 The three formulas are `engine.capacity`'s (the engine checks its plan with them once loaded), applied here to a
 configuration: `plan_capacity` computes a `CapacityPlan` from a `CliffguardConfig` and each model's `ModelConfig`;
