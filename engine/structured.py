@@ -47,6 +47,11 @@ GRAMMAR_THREADS = 2   # builds at once: a schema that takes seconds to build doe
 # How constrained JSON is written (llguidance's JSON compile options; a Lark grammar's %json{...} takes the
 # same under "x-guidance").
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# How deep a schema may nest, in JSON levels, following its local `$ref`s: llguidance 1.9 compiles a schema by
+# recursion on its thread's stack, and a ~75 KB chain of 1,000 definitions, each referring to the next, overflowed
+# it (a segfault, no exception: it took the gateway down); 900 compiled. A request's own JSON nests 64 at most.
+MAX_SCHEMA_DEPTH = 256
+_INSTANCES = ("enum", "const", "default", "examples", "$defs", "definitions")   # values, or reached by `$ref` only
 
 
 class SpecTooLarge(ValueError):
@@ -104,8 +109,50 @@ class StructuredOutput:
             return llguidance.LLMatcher.grammar_from_lark(self.spec)
         if self.spec == "false":
             raise ValueError("the schema false allows no value")
+        if self.kind == "json_schema" and (depth := schema_depth(json.loads(self.spec))) > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"nests more than {MAX_SCHEMA_DEPTH} levels deep following its $refs ({depth} "
+                             "reached): flatten it, or use a recursive $ref (a definition that refers to itself)")
         schema = {"type": "object"} if self.kind == "json_object" else self.spec
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+
+
+def schema_depth(schema: Any, limit: int = MAX_SCHEMA_DEPTH) -> int:
+    """How deep `schema` nests in JSON levels, each local `$ref` (`#`, `#/$defs/x`: a JSON pointer) followed where it
+    stands; a reference back into its own chain (recursion, which the library compiles as a rule) counts once.
+    Counting stops past `limit` (so does the walk: a longer chain costs no more)."""
+    memo: dict[str, int] = {}   # a reference's depth below where it stands
+    active: set[str] = set()
+
+    def target(ref: str) -> Any:
+        node = schema
+        for part in ref[1:].split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def depth(node: Any, level: int) -> int:
+        if level > limit or not isinstance(node, (dict, list)):
+            return level
+        if isinstance(node, list):
+            return max((depth(item, level + 1) for item in node), default=level + 1)
+        deepest = level + 1
+        if isinstance(ref := node.get("$ref"), str) and ref.startswith("#") and ref not in active:
+            if ref not in memo and (found := target(ref)) is not None:
+                active.add(ref)
+                memo[ref] = depth(found, level) - level
+                active.discard(ref)
+            deepest = max(deepest, level + memo.get(ref, 0))
+        for key, value in node.items():
+            if key not in _INSTANCES and isinstance(value, (dict, list)):
+                deepest = max(deepest, depth(value, level + 1))
+        return deepest
+
+    return depth(schema, 0)
 
 
 def check(constraint: StructuredOutput) -> None:

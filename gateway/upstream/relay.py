@@ -383,14 +383,7 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
         last = "a response.completed, .incomplete or .failed event" if responses else "data: [DONE]"
         failure = _upstream_failed(pool, "dropped the stream", UpstreamDisconnected(
             f"it ended before its last event ({last})"), "upstream_disconnected")
-    failed = (failure is not None and not ended) or seen.error_status is not None   # a drop after its end: none
-    if edit is not None:
-        await edit.ended(failure)
-    relayed.count(seen.usage, [] if failed else seen.finish_reasons)
-    if failed:   # a failed request all the same, though its status was 200 (counted before a write may fail)
-        metrics.errors.labels(status=str(seen.error_status or failure.status)).inc()   # the upstream's first
-    else:
-        relayed.series.e2e.observe(time.perf_counter() - relayed.received)
+    await _counted(relayed, seen, failure, ended, edit)
     if failure is not None:
         log.warning("%s: %s", request.path, failure.message)
         if not ended:   # after the upstream's own error event, only the end it did not send
@@ -398,6 +391,19 @@ async def _relay_stream(request: web.Request, relayed: _Relayed, upstream: Upstr
                         _error_tail(failure, responses, seen.sequence_number + 1))
     await write(None)
     return response
+
+
+async def _counted(relayed: _Relayed, seen: StreamSeen, failure: ApiError | None, ended: bool,
+                   edit: ResponseEdit | None) -> None:
+    """A relayed stream's end in the counters (and in its kept Response, `edit`): failed, or whole."""
+    failed = (failure is not None and not ended) or seen.error_status is not None   # a drop after its end: none
+    if edit is not None:
+        await edit.ended(failure)
+    relayed.count(seen.usage, [] if failed else seen.finish_reasons)
+    if failed:   # a failed request all the same, though its status was 200 (counted before a write may fail)
+        relayed.metrics.errors.labels(status=str(seen.error_status or failure.status)).inc()   # the upstream's first
+    else:
+        relayed.series.e2e.observe(time.perf_counter() - relayed.received)
 
 
 def _error_tail(error: ApiError, responses: bool, sequence_number: int) -> bytes:

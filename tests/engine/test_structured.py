@@ -67,6 +67,31 @@ def test_check_refuses_what_the_library_cannot_build(constraint) -> None:
     assert str(info.value)
 
 
+def _chain(n: int) -> dict:
+    """A schema of `n` definitions, each an object whose one property refers to the next."""
+    defs = {f"a{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/a{i + 1}"}}} for i in range(n)}
+    return {"type": "object", "properties": {"x": {"$ref": "#/$defs/a0"}}, "$defs": {**defs, f"a{n}": {"type": "string"}}}
+
+
+def test_a_schema_nested_past_the_librarys_stack_through_its_refs_is_refused_not_compiled() -> None:
+    """1,000 definitions chained by $ref (75 KB, a body of 9 levels) segfaulted llguidance's compile, and the
+    gateway with it; refused by depth (through the refs) before the library sees it. Recursion and a chain of 100
+    (203 levels) compile."""
+    from engine.structured import MAX_SCHEMA_DEPTH, schema_depth
+
+    for lenient in (False, True):
+        with pytest.raises(ValueError, match=f"nests more than {MAX_SCHEMA_DEPTH} levels deep following its \\$refs"):
+            check(StructuredOutput.json_schema(_chain(1000), lenient=lenient))
+    assert schema_depth(_chain(100)) == 203 and schema_depth(_chain(5000)) == MAX_SCHEMA_DEPTH + 1
+    check(StructuredOutput.json_schema(_chain(100)))
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    assert schema_depth(tree) < 10   # its recursion counted once
+    check(StructuredOutput.json_schema(tree))
+    from gateway.openai.tool_specs import schema_error   # a tool's parameters take the same check
+
+    assert "nests more than" in schema_error(json.dumps(_chain(1000)))
+
+
 @pytest.mark.parametrize("name, schema, instance", SCHEMAS, ids=[s[0] for s in SCHEMAS])
 def test_check_accepts_the_bench_schemas(name, schema, instance) -> None:
     check(StructuredOutput.json_schema(schema))
