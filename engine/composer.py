@@ -44,8 +44,8 @@ pool. The composer decides across pools, not each pool alone. Its control law, e
    `max_num_seqs` (one burst from queueing; a paused request, whose client reads too slowly, presses
    only by the slots it holds). While any interactive pool is pressed, throughput pools
    drop to their floor: nothing, unless they are owed their share (step 5); but not for a pressed
-   pool that runs nothing this step and whose running sequences are all paused (it waits for its
-   clients, however long they read, not for the device). So an
+   pool that runs nothing this step and gets no blocks back a step later (`_held_back`: it waits for
+   its paused requests' clients, however long they read, or the gateway, not for the device). So an
    interactive request's prefill step costs what it costs with chat alone, and when chat's
    concurrency climbs (its steps carry throughput work, so each of its requests lasts longer) the
    composer gives back chat-alone step times until the queue drains, rather than letting requests
