@@ -117,13 +117,30 @@ class StructuredOutput:
 
 
 def schema_depth(schema: Any, limit: int = MAX_SCHEMA_DEPTH) -> int:
-    """How deep `schema` nests in JSON levels, each local `$ref` (`#`, `#/$defs/x`: a JSON pointer) followed where it
-    stands; a reference back into its own chain (recursion, which the library compiles as a rule) counts once.
-    Counting stops past `limit` (so does the walk: a longer chain costs no more)."""
+    """How deep `schema` nests in JSON levels, each `$ref` / `$dynamicRef` followed where it stands (`#`, a JSON
+    pointer `#/$defs/x`, an anchor `#name`); a reference back into its own chain (recursion, which the library
+    compiles as a rule) counts once. Counting stops past `limit` (so does the walk: a longer chain costs no
+    more). ValueError for a reference that is not local (nothing here can follow it, so nothing bounds it)."""
     memo: dict[str, int] = {}   # a reference's depth below where it stands
     active: set[str] = set()
+    anchors: dict[str, Any] = {}
+    stack = [schema]
+    while stack:   # every `$anchor` / `$dynamicAnchor` (a `#name` reference's target), iteratively: any nesting
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key in ("$anchor", "$dynamicAnchor"):
+                if isinstance(name := node.get(key), str):
+                    anchors.setdefault(name, node)
+            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
 
     def target(ref: str) -> Any:
+        if not ref.startswith("#"):
+            raise ValueError(f"$ref {ref[:80]!r}: only a reference within the schema (#, #/$defs/..., #anchor) "
+                             "is supported")
+        if ref != "#" and not ref.startswith("#/"):
+            return anchors.get(ref[1:])
         node = schema
         for part in ref[1:].split("/")[1:]:
             part = part.replace("~1", "/").replace("~0", "~")
@@ -141,12 +158,13 @@ def schema_depth(schema: Any, limit: int = MAX_SCHEMA_DEPTH) -> int:
         if isinstance(node, list):
             return max((depth(item, level + 1) for item in node), default=level + 1)
         deepest = level + 1
-        if isinstance(ref := node.get("$ref"), str) and ref.startswith("#") and ref not in active:
-            if ref not in memo and (found := target(ref)) is not None:
-                active.add(ref)
-                memo[ref] = depth(found, level) - level
-                active.discard(ref)
-            deepest = max(deepest, level + memo.get(ref, 0))
+        for ref in (node.get("$ref"), node.get("$dynamicRef")):
+            if isinstance(ref, str) and ref not in active:
+                if ref not in memo and (found := target(ref)) is not None:
+                    active.add(ref)
+                    memo[ref] = depth(found, level) - level
+                    active.discard(ref)
+                deepest = max(deepest, level + memo.get(ref, 0))
         for key, value in node.items():
             if key not in _INSTANCES and isinstance(value, (dict, list)):
                 deepest = max(deepest, depth(value, level + 1))

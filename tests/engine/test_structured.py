@@ -87,6 +87,13 @@ def test_a_schema_nested_past_the_librarys_stack_through_its_refs_is_refused_not
     tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
     assert schema_depth(tree) < 10   # its recursion counted once
     check(StructuredOutput.json_schema(tree))
+    anchored = {f"a{i}": {"$anchor": f"n{i}", "type": "object", "properties": {"x": {"$ref": f"#n{i + 1}"}}}
+                for i in range(1000)}   # the same chain through anchors (`#n1`): it segfaulted past the pointers' bound
+    anchored["a1000"] = {"$anchor": "n1000", "type": "string"}
+    with pytest.raises(ValueError, match="nests more than"):
+        check(StructuredOutput.json_schema({"properties": {"x": {"$ref": "#n0"}}, "$defs": anchored}))
+    with pytest.raises(ValueError, match=r"\$ref 'other\.json#/x': only a reference within the schema"):
+        check(StructuredOutput.json_schema({"properties": {"x": {"$ref": "other.json#/x"}}}))   # not followed
     from gateway.openai.tool_specs import schema_error   # a tool's parameters take the same check
 
     assert "nests more than" in schema_error(json.dumps(_chain(1000)))
