@@ -1,34 +1,34 @@
 """Forwarding to an `upstream:` pool: any OpenAI-compatible server (another cliffguard, vLLM, ...).
 
-The request body goes on unchanged except `model`, which becomes the upstream's model name; the answer comes back
-with the client's model name restored. Streams are relayed event by event as they arrive, their fields read as the
-SSE spec says (`data:x` is `data: x`; an event the body ends inside, with no blank line after it, only where it is
-whole: `[DONE]` or a JSON object). Upstream errors (4xx and 5xx) keep their status, OpenAI error body and the
-headers that say when to try again (`Retry-After`, `retry-after-ms`, `x-ratelimit-*`); a body that is not one
-(`{"error": "text"}`, not JSON) is put in that format, quoting it, with code `upstream_error` (SGLang's and older
-vLLM's flat `{"message", "type", "code": <status>}` is read as one); only its first `MAX_ERROR_BYTES` are read. A
-401 or 403 is not relayed: the client's key is never forwarded, so it refused the gateway's own credentials, and the
-client gets our 502 `upstream_error` saying so (the upstream's message is logged); nor is a 404: the model name and
-the path are the pool's (`model:`, `upstream:`), so the client's model exists and the configuration is wrong. Our own 502s say whether the
-upstream may have received the request: `upstream_unreachable` when no connection could be made (nothing was sent:
+The request body goes on unchanged except `model`, which becomes the upstream's model name; the answer comes back with
+the client's model name restored. Streams are relayed event by event as they arrive, their fields read as the SSE spec
+says (`data:x` is `data: x`; an event the body ends inside, with no blank line after it, only where it is whole:
+`[DONE]` or a JSON object). Upstream errors (4xx and 5xx) keep their status, OpenAI error body and the headers that
+say when to try again (`Retry-After`, `retry-after-ms`, `x-ratelimit-*`); a body that is not one (`{"error": "text"}`,
+not JSON) is put in that format, quoting it, with code `upstream_error` (SGLang's and older vLLM's flat `{"message",
+"type", "code": <status>}` is read as one); only its first `MAX_ERROR_BYTES` are read. A 401 or 403 is not relayed:
+the client's key is never forwarded, so it refused the gateway's own credentials, and the client gets our 502
+`upstream_error` saying so (the upstream's message is logged); nor is a 404: the model name and the path are the
+pool's (`model:`, `upstream:`), so the client's model exists and the configuration is wrong. Our own 502s say whether
+the upstream may have received the request: `upstream_unreachable` when no connection could be made (nothing was sent:
 safe to send again, and the batch runner does), `upstream_disconnected` when the connection failed after the request
 may have gone out (the upstream may be running it: never sent again, so a batch line never runs twice),
 `upstream_error` for an answer we cannot relay: not valid JSON, over `MAX_ANSWER_BYTES`, a status that is neither a
-success (2xx) nor an error (4xx, 5xx), or not a stream (text/event-stream) when one was asked for. A stream that
-fails once it started (dropped, a broken chunk, one event over `MAX_EVENT_BYTES`), or whose body ends before its
-last event (`data: [DONE]`; a Responses stream's `response.completed` / `incomplete` / `failed`, or an `error` of
-its own), ends as a local one that fails does: an error event with that 502's error object (`upstream_disconnected`,
+success (2xx) nor an error (4xx, 5xx), or not a stream (text/event-stream) when one was asked for. A stream that fails
+once it started (dropped, a broken chunk, one event over `MAX_EVENT_BYTES`), or whose body ends before its last event
+(`data: [DONE]`; a Responses stream's `response.completed` / `incomplete` / `failed`, or an `error` of its own), ends
+as a local one that fails does: an error event with that 502's error object (`upstream_disconnected`,
 `upstream_error`), then `data: [DONE]` (a Responses stream: an `error` event numbered after its last; after the
 upstream's own error event, only the `[DONE]`); so does one cut at the end of the gateway's drain, with 503
-`server_shutting_down`. Once its last event is out, an upstream's body gets `TAIL_SECONDS` to end (the client's
-stream ends when it does; an upstream that holds it open is closed then). Token counts for metrics come from the upstream's `usage` (`prompt_tokens` /
-`completion_tokens`; the Responses API's `input_tokens` / `output_tokens`; a stream's last usage, once) where its
-counts are non-negative integers, the prompt's from the gateway's own count where they are not; a malformed usage is
-relayed as it is. A chat or completions stream whose client did not ask for its usage is sent with
-`stream_options.include_usage` all the same, and its usage chunk (and the `usage: null` of the others) is not
-relayed. Each choice's end counts in `request_success`, an upstream's error in `request_errors` (a stream's own
-error event too: vLLM's `data: {"error": ...}`, a Responses `response.failed`); only what a client waits on (a
-request, not a batch line nor a background Response) in the latency histograms.
+`server_shutting_down`. Once its last event is out, an upstream's body gets `TAIL_SECONDS` to end (the client's stream
+ends when it does; an upstream that holds it open is closed then). Token counts for metrics come from the upstream's
+`usage` (`prompt_tokens` / `completion_tokens`; the Responses API's `input_tokens` / `output_tokens`; a stream's last
+usage, once) where its counts are non-negative integers, the prompt's from the gateway's own count where they are not;
+a malformed usage is relayed as it is. A chat or completions stream whose client did not ask for its usage is sent
+with `stream_options.include_usage` all the same, and its usage chunk (and the `usage: null` of the others) is not
+relayed. Each choice's end counts in `request_success`, an upstream's error in `request_errors` (a stream's own error
+event too: vLLM's `data: {"error": ...}`, a Responses `response.failed`); only what a client waits on (a request, not
+a batch line nor a background Response) in the latency histograms.
 
 A batch line is forwarded with an `Idempotency-Key: <batch id>:<custom_id>` header (`IDEMPOTENCY_KEY`, set by the
 batch runner around the line; `idempotency_key`: a custom_id past 128 characters quoted is sent as its SHA-256, as

@@ -70,7 +70,8 @@ def test_check_refuses_what_the_library_cannot_build(constraint) -> None:
 def _chain(n: int) -> dict:
     """A schema of `n` definitions, each an object whose one property refers to the next."""
     defs = {f"a{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/a{i + 1}"}}} for i in range(n)}
-    return {"type": "object", "properties": {"x": {"$ref": "#/$defs/a0"}}, "$defs": {**defs, f"a{n}": {"type": "string"}}}
+    defs[f"a{n}"] = {"type": "string"}
+    return {"type": "object", "properties": {"x": {"$ref": "#/$defs/a0"}}, "$defs": defs}
 
 
 def test_a_schema_nested_past_the_librarys_stack_through_its_refs_is_refused_not_compiled() -> None:
