@@ -254,7 +254,7 @@ def _url(upstream: str, path: str) -> URL:
 async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
     """The upstream's error (4xx, 5xx) with its status, in the OpenAI format: its body when it is one, else
     one quoting it (its message text, or the body's start). Any other status that is not a success is our
-    502 `upstream_error`, and so is a 401 or 403 (`_credentials_refused`) or a 404 (the pool's model or path)."""
+    502 `upstream_error`, and so is a 401, 403 or 404 (`_configuration_refused`)."""
     status = upstream.status
     if not 400 <= status <= 599:
         raise _upstream_failed(pool, "sent an invalid response", ValueError(
@@ -264,13 +264,8 @@ async def _relay_error(pool: Pool, upstream: UpstreamResponse) -> web.Response:
     except (UpstreamDisconnected, OSError) as exc:
         raise _upstream_failed(pool, "dropped the answer", exc, "upstream_disconnected") from None
     error = openai_error(raw, f"upstream pool {pool.name!r} answered {status}")
-    if status in (401, 403):
-        raise _credentials_refused(pool, status, error)
-    if status == 404:   # vLLM's "The model `m` does not exist": the pool's model or path, not the client's model
-        log.warning("upstream pool %r at %s answered 404: %s", pool.name, redact(pool.spec.upstream), error["message"])
-        raise ApiError(502, f"upstream pool {pool.name!r} at {redact(pool.spec.upstream)} does not serve the pool's "
-                            "model at that path (it answered 404); the gateway's operator must fix the pool's model or "
-                            "upstream", type="server_error", code="upstream_error", headers=_NO_RETRY)
+    if status in (401, 403, 404):
+        raise _configuration_refused(pool, status, error)
     return web.json_response({"error": error}, status=status,
                              headers={"x-cliffguard-pool": pool.name, **retry_headers(upstream.headers)})
 
@@ -301,18 +296,24 @@ def retry_headers(headers: Any) -> dict[str, str]:
 _NO_RETRY = {"x-should-retry": "false"}   # a configuration to fix: the openai SDKs would send it twice more
 
 
-def _credentials_refused(pool: Pool, status: int, error: dict[str, Any]) -> ApiError:
-    """Our 502 `upstream_error` for an upstream's 401 or 403. The client's key is never forwarded: the
-    upstream refused the gateway's own (the pool's `upstream_api_key_env`, or none sent). Relayed, it
-    would tell the client that its key is wrong (the SDKs raise AuthenticationError) and show the
-    upstream's message, which may quote the gateway's key (OpenAI's shows its last characters): the
-    message goes to the log, for the operator, and not to the client."""
+def _configuration_refused(pool: Pool, status: int, error: dict[str, Any]) -> ApiError:
+    """Our 502 `upstream_error` for what the pool's configuration got wrong, which the client can do nothing
+    about; the upstream's message goes to the log, for the operator, and not to the client.
+    - A 401 or 403: the client's key is never forwarded, so the upstream refused the gateway's own (the pool's
+      `upstream_api_key_env`, or none sent). Relayed, it would tell the client that its key is wrong (the SDKs
+      raise AuthenticationError), and its message may quote the gateway's key (OpenAI's shows its last
+      characters).
+    - A 404 (vLLM's "The model `m` does not exist"): the pool's `model:` or `upstream:` path, not the client's
+      model, which the gateway lists (relayed, the SDKs raised NotFoundError naming the upstream's)."""
     where, env = redact(pool.spec.upstream), pool.spec.upstream_api_key_env
-    sent = f"the key in ${env}" if env and os.environ.get(env) else "no key (upstream_api_key_env unset or empty)"
-    log.warning("upstream pool %r at %s answered %d to %s: %s", pool.name, where, status, sent, error["message"])
-    return ApiError(502, f"upstream pool {pool.name!r} at {where} refused the gateway's credentials (it answered "
-                         f"{status}); the gateway's operator must fix them", type="server_error",
-                    code="upstream_error", headers=_NO_RETRY)
+    if status == 404:
+        to, what, fix = "", "does not serve the pool's model at that path", "the pool's model or upstream"
+    else:
+        sent = f"the key in ${env}" if env and os.environ.get(env) else "no key (upstream_api_key_env unset or empty)"
+        to, what, fix = f" to {sent}", "refused the gateway's credentials", "them"
+    log.warning("upstream pool %r at %s answered %d%s: %s", pool.name, where, status, to, error["message"])
+    return ApiError(502, f"upstream pool {pool.name!r} at {where} {what} (it answered {status}); the gateway's "
+                         f"operator must fix {fix}", type="server_error", code="upstream_error", headers=_NO_RETRY)
 
 
 def openai_error(raw: bytes, context: str) -> dict[str, Any]:
