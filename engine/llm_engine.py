@@ -33,7 +33,8 @@ from engine.model_runner import ModelRunner, follower_main
 from engine.parallel import ShardShape, TensorParallelGroup, use_device
 from engine.outputs import RequestOutput, RequestState
 from engine.overlap import LaunchedStep, ScheduledStep, StepClock, overlap_applies
-from engine.sampling import Sampler, SamplingParams, SamplingRow, make_generator
+from engine.sampler import Sampler
+from engine.sampling import SamplingParams, SamplingRow, make_generator
 from engine.scheduler import RequestTooLargeError, Scheduler, SchedulerOutput, build_scheduler
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 from engine.stats import Laps, StepStats

@@ -208,7 +208,9 @@ class LlamaForCausalLM(nn.Module):
         self._flat = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_rows, hidden_size] -> logits [num_rows, vocab_size] in float32.
+        """hidden: [num_rows, hidden_size] -> logits [num_rows, vocab_size] in the model's dtype (the sampler reads
+        them in float32, a chunk of rows at a time: `engine.sampler`; a float32 copy of every row here would be
+        the step's largest tensor).
 
         A tied model has no `lm_head` until `kernels.cpu_linear.pack_linears` gives it a packed copy
         of the embedding table; before that the table itself is the head. Vocab-parallel: each rank's
@@ -220,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
             logits = F.linear(hidden, self.embed_tokens.weight)
         if self.shard.size > 1:
             logits = self.comm.all_gather_last(logits)[:, :self.shard.vocab_size]
-        return logits.float()
+        return logits
 
     # --- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

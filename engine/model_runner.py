@@ -55,7 +55,7 @@ class _Forward:
         return torch.no_grad() if self.tensor_parallel else torch.inference_mode()
 
     def run(self, plan: StepPlan) -> torch.Tensor | None:
-        """Logits [num_sampled, vocab] (float32) of the plan's sampled rows; None when none is sampled.
+        """Logits [num_sampled, vocab] (the model's dtype) of the plan's sampled rows; None when none is sampled.
         Every rank calls it with the same plan (the collectives inside pair up, `pending_ids`' too:
         rank 0's sampled ids of the step before, where the plan's inputs hold placeholders)."""
         if not plan.input_ids:
@@ -170,7 +170,7 @@ class ModelRunner(_Forward):
 
     def execute(self, batch: list[ScheduledSeq], measure_scales: bool = False
                 ) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run the step on every rank; return logits [num_sampled, vocab] (float32) and the sequences they
+        """Run the step on every rank; return logits [num_sampled, vocab] (the model's dtype) and the sequences they
         belong to. `measure_scales`: the other ranks measure their FP8 scales on it (`engine.kv_scales`)."""
         started = time.perf_counter()
         plan, sampled = self.plan(batch)

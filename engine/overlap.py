@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.composer import ComposedStep
-from engine.sampling import SampledTokens
+from engine.sampler import SampledTokens
 from engine.scheduler_output import ScheduledSeq
 from engine.sequence import Sequence
 from engine.stats import StepStats

@@ -1,7 +1,7 @@
 """What changes a row's logits before sampling besides its grammar: `logit_bias`, and the repetition,
 presence and frequency penalties read from token counts the sampler keeps on the device (`PenaltyCounts`).
 
-The formulas are the sampler's (engine/sampling.py): the repetition penalty divides the positive logits
+The formulas are the sampler's (engine/sampler.py): the repetition penalty divides the positive logits
 (multiplies the negative ones) of every token in the prompt or the output, as HF transformers; the
 frequency and presence penalties subtract `count * frequency_penalty + (count > 0) * presence_penalty`
 over the output, as OpenAI.

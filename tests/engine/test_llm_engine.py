@@ -398,7 +398,7 @@ def test_penalty_counts_kept_across_steps_equal_counting_afresh(tiny_path, monke
     """The penalties read token counts the sampler keeps on the device from step to step (one scatter of
     the sampled tokens per step); counting every row afresh from its tokens each step must give the same
     tokens, through preemption (a recompute keeps the counts) and n > 1 forks; rows are freed at the end."""
-    from engine.sampling import PenaltyCounts
+    from engine.penalties import PenaltyCounts
 
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3),
               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=1.5,

@@ -13,7 +13,8 @@ import torch
 from engine.config import CacheConfig, ConfigError, EngineConfig, PoolConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.overlap import fill_pending, overlap_applies
-from engine.sampling import Sampler, SampledTokens, SamplingParams
+from engine.sampler import Sampler, SampledTokens
+from engine.sampling import SamplingParams
 from engine.sequence import pending_token
 from tests.conftest import assert_all_free, make_tiny_model
 

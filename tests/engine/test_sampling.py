@@ -7,14 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.sampling import (
-    Sampler,
-    SamplerOutput,
-    SamplingParams,
-    SamplingRow,
-    _apply_top_p,
-    make_generator,
-)
+from engine.sampler import Sampler, SamplerOutput, _apply_top_p
+from engine.sampling import SamplingParams, SamplingRow, make_generator
 
 EOS = 3
 STOP_ID = 7
@@ -487,6 +481,46 @@ def test_adjusted_rows_leave_their_neighbours_and_the_raw_logprobs_alone() -> No
     assert after.token_ids[0] == before.token_ids[0] and after.token_ids[2] == before.token_ids[2]
     assert after.token_ids[1] == 9
     assert after.top_logprobs[1] == before.top_logprobs[1]     # logprobs are of the raw logits
+
+
+def _mixed_rows(num_rows: int, vocab_size: int) -> list[SamplingRow]:
+    """Rows of every kind the sampler treats apart: seeded draws with each filter, greedy with logprobs of
+    different widths, penalties, a logit bias and min_tokens masks, interleaved."""
+    kinds = [dict(seed=5, temperature=0.7, top_p=0.9, logprobs=3), dict(temperature=0.0),
+             dict(seed=6, top_k=4, min_p=0.05), dict(temperature=0.0, logprobs=0, repetition_penalty=1.4),
+             dict(seed=7, presence_penalty=1.0, frequency_penalty=0.5, logprobs=5),
+             dict(temperature=0.0, logit_bias={3: 8.0}, min_tokens=4, stop_token_ids=[1, 2])]
+    rows = []
+    for i in range(num_rows):
+        params = SamplingParams(**kinds[i % len(kinds)])
+        tokens = [(7 * i + j) % vocab_size for j in range(6)]
+        rows.append(_make_row(params, index=i, num_output_tokens=2, token_ids=tokens))
+    return rows
+
+
+def test_a_large_step_samples_in_chunks_as_it_would_at_once(monkeypatch) -> None:
+    """Past SAMPLE_CHUNK_ELEMENTS logits a step is sampled a chunk of rows at a time, each chunk's float32
+    working set no larger than the chunk: the tokens and logprobs are those of one batch."""
+    from engine import sampler as sampler_module
+
+    vocab_size, num_rows = 40, 23
+    logits = _make_logits(num_rows, vocab_size, seed=9).to(torch.bfloat16)   # the model's dtype
+    whole = Sampler()(logits, _mixed_rows(num_rows, vocab_size))
+    chunk_rows = []
+    real_sample = Sampler._sample
+    monkeypatch.setattr(Sampler, "_sample", lambda self, x, rows, kinds, max_top: (
+        chunk_rows.append(x.shape[0]) or real_sample(self, x, rows, kinds, max_top)))
+    monkeypatch.setattr(sampler_module, "SAMPLE_CHUNK_ELEMENTS", 5 * vocab_size + 3)   # 5 rows a chunk
+    chunked = Sampler()(logits, _mixed_rows(num_rows, vocab_size))
+    assert chunk_rows == [5, 5, 5, 5, 3]
+    assert chunked == whole
+    assert {len(top) for top in chunked.top_logprobs if top is not None} == {0, 3, 5}
+    monkeypatch.setattr(sampler_module, "SAMPLE_CHUNK_ELEMENTS", 1)   # below one row: a row a chunk
+    assert Sampler()(logits, _mixed_rows(num_rows, vocab_size)) == whole
+    chunk_rows.clear()
+    greedy = [_make_row(SamplingParams(temperature=0.0))] * num_rows
+    assert Sampler()(logits, greedy).token_ids == logits.float().argmax(-1).tolist()
+    assert chunk_rows == []          # an argmax holds no working set: one, over every row
 
 
 def test_rejects_logits_not_matching_rows() -> None:

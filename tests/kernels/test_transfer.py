@@ -13,9 +13,9 @@ from kernels.transfer import to_device, to_device_tensor, to_host
 ROOT = Path(__file__).resolve().parents[2]
 # The modules a step's launch runs through: a list turned into a device tensor there goes through
 # kernels.transfer, never torch.tensor(..., device=...) or a blocking .to(device).
-STEP_PATH = ["engine/sampling.py", "engine/penalties.py", "engine/model_runner.py", "engine/input_batch.py",
-             "engine/forks.py", "engine/overlap.py", "engine/cuda_graphs.py", "kernels/triton_prefill.py",
-             "kernels/triton_attention.py", "kernels/triton_fused.py", "kernels/fused.py", "engine/kv_cache.py"]
+STEP_PATH = ["engine/sampler.py", "engine/sampling.py", "engine/penalties.py", "engine/model_runner.py",
+             "engine/input_batch.py", "engine/forks.py", "engine/overlap.py", "engine/cuda_graphs.py",
+             "kernels/triton_prefill.py", "kernels/triton_attention.py", "kernels/triton_fused.py", "kernels/fused.py", "engine/kv_cache.py"]
 
 
 def test_on_a_cpu_they_are_the_plain_calls():
