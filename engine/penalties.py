@@ -16,6 +16,19 @@ import torch
 from kernels.transfer import to_device, to_device_tensor
 
 
+MIN_ROWS = 8   # the table's first capacity; it doubles from there
+
+
+def table_bytes(num_rows: int, vocab_size: int) -> int:
+    """The most a `PenaltyCounts` holds for `num_rows` penalized sequences at once: 5 bytes a token (int32 counts,
+    a bool of the prompt's) for each row of its capacity (a power of two from MIN_ROWS), and while it doubles to
+    that capacity, for the half before it too."""
+    capacity = MIN_ROWS
+    while capacity < num_rows:
+        capacity *= 2
+    return 5 * vocab_size * (capacity + capacity // 2 if capacity > MIN_ROWS else capacity)
+
+
 class PenaltyCounts:
     """Per-sequence token counts on the device, for the penalties, kept from step to step.
 
@@ -85,9 +98,12 @@ class PenaltyCounts:
 
     def _grow(self) -> None:
         old = self.counts.shape[0]
-        new = max(8, 2 * old)
-        self.counts = torch.cat([self.counts, self.counts.new_zeros(new - old, self.vocab_size)])
-        self.in_prompt = torch.cat([self.in_prompt, self.in_prompt.new_zeros(new - old, self.vocab_size)])
+        new = max(MIN_ROWS, 2 * old)
+        for name in ("counts", "in_prompt"):   # a table at a time, the old one beside the new only (`table_bytes`)
+            table = getattr(self, name)
+            grown = table.new_zeros(new, self.vocab_size)
+            grown[:old] = table
+            setattr(self, name, grown)
         self._free.extend(range(new - 1, old - 1, -1))
 
 

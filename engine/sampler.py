@@ -48,6 +48,14 @@ from kernels.transfer import to_device, to_host
 # and the race's draws: 32 bytes a logit at the peak (the process's peak RSS over a step of 512 x 49,152 logits with
 # top-p, min-p and logprobs, on the CPU). A 152k vocabulary: 55 rows a chunk; SmolLM2's 49k: 170.
 SAMPLE_CHUNK_ELEMENTS = 1 << 23
+SAMPLE_BYTES_PER_LOGIT = 32
+
+
+def sampling_memory_bytes(num_rows: int, vocab_size: int, dtype_bytes: int) -> int:
+    """The most sampling holds at a step of `num_rows` sampled rows, on the device that samples: the step's
+    logits in the model's dtype, and one chunk's float32 working set."""
+    logits = num_rows * vocab_size
+    return logits * dtype_bytes + SAMPLE_BYTES_PER_LOGIT * min(logits, SAMPLE_CHUNK_ELEMENTS)
 
 @dataclass
 class SamplerOutput:

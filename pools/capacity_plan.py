@@ -35,8 +35,9 @@ from engine.config import (CacheConfig, ConfigError, EngineConfig, PoolConfig, a
 from engine.model_config import ModelConfig
 from engine.models import check_dtype
 from engine.parallel import ShardShape
-from pools.config.spec import DEFAULT_CPU_MEMORY, CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
+from pools.config.spec import CliffguardConfig, DeviceSpec, GatewaySpec, PoolSpec, SpecError
 from pools.config.checks import fmt_bytes, within
+from pools.device_memory import device_memory, headroom_warning, resolve_device_type
 from pools.host_memory import check_gpu_memory, host_memory_bytes, past_host_memory
 from pools.model_configs import resolve_model_configs
 
@@ -190,46 +191,6 @@ class CapacityPlan:
             for d in self.devices.values() if d.device_type == "cpu" and d.placement != "ray"]
 
 
-def _device_type(device: DeviceSpec, vram_bytes: int | None, warnings: list[str]) -> str:
-    """auto -> cuda when CUDA is present or --vram plans a GPU (cpu_threads unused: said in `warnings`); else
-    cpu (which a Ray device's replicas, placed elsewhere, may not want: said there too)."""
-    if device.device != "auto":
-        return "cuda" if device.device.startswith("cuda") else "cpu"
-    if vram_bytes is not None or torch.cuda.is_available():
-        if device.cpu_threads is not None:   # device: cuda refuses it; auto only knows here
-            warnings.append(f"devices.{device.name}.cpu_threads: {device.cpu_threads} is ignored: device auto "
-                            "resolves to a GPU here, and its ranks run there")
-        return "cuda"
-    if device.placement == "ray":
-        warnings.append(f"devices.{device.name}.device: auto on a Ray device resolves on this machine, which has "
-                        "no GPU: its replicas are planned for and placed on CPUs; write device: cuda (and memory: "
-                        "the GPU's size, or --vram) to place them on the cluster's GPUs")
-    return "cpu"
-
-
-def _memory(device: DeviceSpec, device_type: str, vram_bytes: int | None,
-            cuda_memory: Callable[[str], int] | None) -> tuple[int, str]:
-    if vram_bytes is not None:
-        return vram_bytes, "--vram"
-    if device.memory_bytes is not None:
-        return device.memory_bytes, "config"
-    if device_type == "cpu":
-        return DEFAULT_CPU_MEMORY, "cpu default"
-    if device.placement == "ray":   # its replicas run on the cluster's GPUs: a GPU here says nothing of them
-        raise SpecError(f"devices.{device.name}.memory: a Ray device on CUDA needs the size of one of the "
-                        "cluster's GPUs (e.g. memory: 80GiB, or --vram); this machine's is not theirs")
-    # every GPU its replicas take (`gpus`, or from the device's index on): the smallest is what each may plan
-    gpus = sorted({g for r in range(device.replicas) for g in device.replica_gpus(r, "cuda")})
-    if cuda_memory is not None:
-        return min(cuda_memory(f"cuda:{g}") for g in gpus), "cuda"
-    if gpus[-1] >= (count := torch.cuda.device_count() if torch.cuda.is_available() else 0):
-        key, what = ("gpus", list(device.gpus)) if device.gpus is not None else ("device", repr(device.device))
-        raise SpecError(f"devices.{device.name}.{key}: {what} needs CUDA device {gpus[-1]} and this machine has "
-                        f"{f'{count} GPU(s)' if count else 'none'}; use a device it has (or cpu, auto), or "
-                        "plan a GPU elsewhere with `cliffguard capacity --vram 80GiB` (or a memory: size)")
-    return min(torch.cuda.get_device_properties(g).total_memory for g in gpus), "cuda"
-
-
 def _kv_heads_per_device(model: ModelConfig, tp: int, dtype: torch.dtype, dkey: str) -> int:
     """KV heads split over TP ranks; when T > num_kv_heads each rank holds a replica of one (as vLLM does). The
     engine's own rules (`engine.parallel.check_tensor_parallel`, `engine.models.check_dtype`), named `dkey`.*."""
@@ -262,9 +223,9 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         if model is None:
             raise SpecError(f"pools[{i0}].model: no model config for {p0.model!r}")
         dkey = f"devices.{dev_name}"
-        device_type = _device_type(dev, vram_bytes, warnings)
+        device_type = resolve_device_type(dev, vram_bytes, warnings)
         dtype = parse_dtype(dev.dtype) if dev.dtype != "auto" else auto_dtype(device_type)
-        memory, source = _memory(dev, device_type, vram_bytes, cuda_memory)
+        memory, source = device_memory(dev, device_type, vram_bytes, cuda_memory)
         tp = dev.tensor_parallel_size
         kv_heads = _kv_heads_per_device(model, tp, dtype, dkey)
         kv_dtype = kv_cache_dtype(dev.kv_cache_dtype, dtype)   # fp8: one byte an element
@@ -281,6 +242,9 @@ def plan_capacity(config: CliffguardConfig, model_configs: Mapping[str, ModelCon
         device_pools = [_plan_pool(i, p, model, s_kv, s_kv_dev, _pool_bytes(p, kv_dev, shares), tp, warnings,
                                    dev.replicas) for i, p in members]
         _check_device_budget(dev_name, members, device_pools, kv_dev)
+        if device_type == "cuda" and (short := headroom_warning(dev, memory, model.vocab_size, dtype.itemsize, [
+                (pp.max_num_seqs, pp.spec.max_num_batched_tokens) for pp in device_pools])) is not None:
+            warnings.append(short)
         pools.update((pp.name, pp) for pp in device_pools)
         devices[dev_name] = DevicePlan(
             name=dev_name, device_type=device_type, dtype=dtype_name(dtype), model=p0.model, memory_bytes=memory,

@@ -1,0 +1,84 @@
+"""What a device offers the capacity plan: its type (`auto` resolved), its memory, and whether the headroom
+`memory_utilization` leaves beside the weights and the KV cache holds what the engine needs there.
+
+The plan gives a device's KV cache `memory_utilization x memory` less the weights, the rope and the decode graphs;
+the rest, the headroom, holds what the engine allocates as it runs: the CUDA context and cuBLAS's handles (about
+CUDA_CONTEXT_BYTES), a step's activations, and sampling: a step's logits and the sampler's working set
+(`engine.sampler.sampling_memory_bytes`) and the penalties' token counts of every running sequence that uses one
+(`engine.penalties.table_bytes`; `generation_config: auto` gives some models' every request a repetition penalty).
+Those grow with the pools' max_num_seqs, which grow with the memory, so a small model with a large vocabulary on a
+large GPU can need more than the headroom: `headroom_warning` says so before anything loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import engine.capacity as formula
+from engine.penalties import table_bytes
+from engine.sampler import sampling_memory_bytes
+from pools.config.checks import fmt_bytes
+from pools.config.spec import DEFAULT_CPU_MEMORY, DeviceSpec, SpecError
+
+CUDA_CONTEXT_BYTES = 512 << 20   # an allowance: torch's CUDA context and cuBLAS's workspaces take about this
+
+
+def resolve_device_type(device: DeviceSpec, vram_bytes: int | None, warnings: list[str]) -> str:
+    """auto -> cuda when CUDA is present or --vram plans a GPU (cpu_threads unused: said in `warnings`); else
+    cpu (which a Ray device's replicas, placed elsewhere, may not want: said there too)."""
+    if device.device != "auto":
+        return "cuda" if device.device.startswith("cuda") else "cpu"
+    if vram_bytes is not None or torch.cuda.is_available():
+        if device.cpu_threads is not None:   # device: cuda refuses it; auto only knows here
+            warnings.append(f"devices.{device.name}.cpu_threads: {device.cpu_threads} is ignored: device auto "
+                            "resolves to a GPU here, and its ranks run there")
+        return "cuda"
+    if device.placement == "ray":
+        warnings.append(f"devices.{device.name}.device: auto on a Ray device resolves on this machine, which has "
+                        "no GPU: its replicas are planned for and placed on CPUs; write device: cuda (and memory: "
+                        "the GPU's size, or --vram) to place them on the cluster's GPUs")
+    return "cpu"
+
+
+def device_memory(device: DeviceSpec, device_type: str, vram_bytes: int | None,
+            cuda_memory: Callable[[str], int] | None) -> tuple[int, str]:
+    if vram_bytes is not None:
+        return vram_bytes, "--vram"
+    if device.memory_bytes is not None:
+        return device.memory_bytes, "config"
+    if device_type == "cpu":
+        return DEFAULT_CPU_MEMORY, "cpu default"
+    if device.placement == "ray":   # its replicas run on the cluster's GPUs: a GPU here says nothing of them
+        raise SpecError(f"devices.{device.name}.memory: a Ray device on CUDA needs the size of one of the "
+                        "cluster's GPUs (e.g. memory: 80GiB, or --vram); this machine's is not theirs")
+    # every GPU its replicas take (`gpus`, or from the device's index on): the smallest is what each may plan
+    gpus = sorted({g for r in range(device.replicas) for g in device.replica_gpus(r, "cuda")})
+    if cuda_memory is not None:
+        return min(cuda_memory(f"cuda:{g}") for g in gpus), "cuda"
+    if gpus[-1] >= (count := torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        key, what = ("gpus", list(device.gpus)) if device.gpus is not None else ("device", repr(device.device))
+        raise SpecError(f"devices.{device.name}.{key}: {what} needs CUDA device {gpus[-1]} and this machine has "
+                        f"{f'{count} GPU(s)' if count else 'none'}; use a device it has (or cpu, auto), or "
+                        "plan a GPU elsewhere with `cliffguard capacity --vram 80GiB` (or a memory: size)")
+    return min(torch.cuda.get_device_properties(g).total_memory for g in gpus), "cuda"
+
+
+def headroom_warning(device: DeviceSpec, memory: int, vocab_size: int, dtype_bytes: int,
+                     pools: list[tuple[int, int]]) -> str | None:
+    """Why a CUDA device's headroom (`memory` - usable, per GPU) may not hold what its engine allocates beside the
+    weights and the KV cache, or None. `pools`: each of its pools' (max_num_seqs, max_num_batched_tokens): a step
+    samples a row for each sequence it schedules, at most the lesser of the two a pool, on the rank that samples."""
+    headroom = memory - formula.usable_bytes(memory, device.memory_utilization)
+    rows = sum(min(seqs, tokens) for seqs, tokens in pools)
+    running = sum(seqs for seqs, _ in pools)
+    sampling, penalties = sampling_memory_bytes(rows, vocab_size, dtype_bytes), table_bytes(running, vocab_size)
+    if CUDA_CONTEXT_BYTES + sampling + penalties <= headroom:
+        return None
+    return (f"devices.{device.name}.memory_utilization: {device.memory_utilization:g} leaves {fmt_bytes(headroom)} per "
+            f"GPU beside the weights and the KV cache, for the CUDA context (~{fmt_bytes(CUDA_CONTEXT_BYTES)}), a "
+            f"step's activations, {fmt_bytes(sampling)} to sample a step of {rows} rows of {vocab_size} logits, and "
+            f"{fmt_bytes(penalties)} of token counts while its {running} sequences use penalties: expect the GPU to "
+            f"run out of memory under load; lower memory_utilization, or its pools' max_num_seqs or "
+            f"max_num_batched_tokens")
