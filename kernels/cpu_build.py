@@ -7,8 +7,8 @@ Arm one's features and part), and returns the library with each function's argum
 
 A library is loaded only where it is this user's and no other user may write it (`_checked`: on Linux the file
 opened and checked is the one loaded, through its descriptor): loading runs its code as us, so one another
-user left in the folder (or a symbolic link) is made again, ours. A folder that cannot be made or written, or
-whose library does not load (a `noexec` mount; a file cut short or another machine's: left there, named in a
+user left in the folder (or a symbolic link) is made again, ours. A folder that cannot be made or written (or is
+full: the compiler says so), or whose library does not load (a `noexec` mount; a file cut short or another machine's: left there, named in a
 warning), is passed over for one in the temporary folder. None when there is no compiler, the compile fails or
 takes past COMPILE_SECONDS (its children killed too): the launchers then take their torch path. A ctypes call
 releases the GIL and costs about 2 us, one torch operator's dispatch.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import logging
 import os
@@ -80,7 +81,7 @@ def _compile(compiler: str, source: Path, flags: Sequence[str], built: Path) -> 
         with open(errors, "w+b") as err:
             try:   # a session of its own: a timeout ends the compiler's children too (cc1, as, a wrapper's)
                 process = subprocess.Popen(step, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                                           start_new_session=True)
+                                           start_new_session=True, env={**os.environ, "LC_ALL": "C"})
             except OSError as exc:
                 return str(exc)
             try:
@@ -144,7 +145,8 @@ def _writable_by_others(path: Path | int) -> bool:
 
 def _build(compiler: str, source: Path, flags: Sequence[str], path: Path) -> tuple[str | None, bool]:
     """Compile `source` into `path` (atomically: a concurrent compile leaves one whole file): the error, or None,
-    and whether it was the compiler's (not the folder's)."""
+    and whether it was the compiler's, not the folder's (one that cannot be written, or is full: the compiler
+    runs in the C locale, so that its messages of a full disk or quota can be read)."""
     started, error = time.perf_counter(), None
     try:
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
@@ -156,7 +158,9 @@ def _build(compiler: str, source: Path, flags: Sequence[str], path: Path) -> tup
         return f"{path.parent}: {exc}", False
     if error is None:
         log.info("compiled %s in %.2f s, once for this machine (%s)", source.name, time.perf_counter() - started, path)
-    return error, error is not None
+        return None, False
+    # a full disk or quota fails the compiler writing its output (in the C locale, strerror's words): the folder's
+    return error, not any(os.strerror(code) in error for code in (errno.ENOSPC, errno.EDQUOT))
 
 
 def _load(path: Path, functions: Mapping[str, Sequence[type]], errors: list[str]) -> ctypes.CDLL | None:

@@ -291,6 +291,32 @@ def test_a_failed_compile_is_not_tried_again_elsewhere(tmp_path, monkeypatch):
     assert calls.read_text().count("x") == 1
 
 
+def test_a_compile_that_fills_its_folder_is_made_in_the_temporary_one(tmp_path, monkeypatch):
+    """A full disk (or quota) under the cache folder failed the compiler writing there, taken as the compiler's
+    own failure: every C kernel off, when the temporary folder had room. The words are the C locale's."""
+    import shutil
+    import tempfile
+
+    full = tmp_path / "cache"
+    compiler = tmp_path / "cc"
+    compiler.write_text(f"""#!/bin/sh
+case "$*" in *{full}/*) echo "$LC_ALL" > {tmp_path}/locale
+    echo "cc1: fatal error: error writing to x.o: No space left on device" >&2; exit 1;; esac
+exec {shutil.which('cc')} "$@"
+""")
+    compiler.chmod(0o755)
+    source = tmp_path / "one.c"
+    source.write_text("int one(void) { return 1; }\n")
+    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("LC_ALL", "de_DE.UTF-8")
+    monkeypatch.setenv("CLIFFGUARD_KERNEL_CACHE", str(full))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    assert load_c_library(source, ["-O1"], {"one": []}).one() == 1
+    assert len(list((tmp_path / "tmp").glob("cliffguard-kernels-*/one-*.so"))) == 1
+    assert (tmp_path / "locale").read_text().strip() == "C"
+
+
 def test_the_cpu_device_gets_this_backend(monkeypatch):
     monkeypatch.delenv("CLIFFGUARD_ATTENTION_BACKEND", raising=False)
     assert kernels.get_backend("cpu") is cpu_attention
