@@ -30,9 +30,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from engine.chat_template import content_text
+from gateway.openai.call_scan import loads
 from gateway.openai.tool_formats import tool_format
 from gateway.openai.tool_specs import Tool
-from gateway.openai.tools import loads
 from pools.tokencount import TokenCounter
 
 _SYSTEM_TOOLS = (

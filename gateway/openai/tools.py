@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from engine.structured import StructuredOutput
+from gateway.openai.call_scan import CallScan, CallScanner, scan_call
 from gateway.openai.errors import nested_over
 from gateway.openai.reasoning import partial_tag
 from gateway.openai.tool_grammar import ANY_OBJECT, CallSyntax, auto_grammar, forced_grammar
@@ -51,16 +52,6 @@ class ToolCall:
 
 
 # --- formats ------------------------------------------------------------------------------------------
-
-def loads(text: str) -> Any:
-    """`text` as JSON; None for what is not (malformed, an integer over Python's digit limit) or is nested
-    over `MAX_JSON_DEPTH` (a chat template's `tojson` would recurse out on it)."""
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-    return None if nested_over(value) else value
-
 
 def _decode(decoder: json.JSONDecoder, text: str, pos: int) -> tuple[Any, int] | None:
     """The JSON value starting at `text[pos]` and where it ends; None where `loads` would give None."""
@@ -236,21 +227,40 @@ class HermesFormat(ToolFormat):
         blanks[marker] = _SPACES.match(text, blanks.get(marker, marker + len(self.start))).end()
         return blanks[marker]
 
-    def _next_marker(self, text: str, pos: int, scanners: dict | None = None) -> int:
+    def _next_marker(self, text: str, pos: int, scanners: dict | None = None, judged: bool = False) -> int:
         """The first marker from `pos` that may open a call (a `{` after it, or blanks alone so far), -1 if
-        none, past markers in prose (for good); a stream's `scanners` keep at key -1 where each look from a
-        place went on to (and at -2 each marker's blanks): a delta costs what it adds."""
-        skips = scanners.setdefault(-1, {}) if scanners is not None else {}
+        none, past markers in prose (for good): one with no object after it, and where `judged` (the content's
+        look) one whose object, closed, `parse` reads as no call (no tool offered, text after it); a stream's
+        `scanners` keep at key -1 (-4 judged) where each look from a place went on to (and at -2 each marker's
+        blanks): a delta costs what it adds."""
+        skips = scanners.setdefault(-4 if judged else -1, {}) if scanners is not None else {}
         start, pos = pos, skips.get(pos, pos)
         while (found := text.find(self.start, pos)) >= 0:
-            if (body := self._body(text, found, scanners)) >= len(text) or text[body] == "{":
+            if (body := self._body(text, found, scanners)) >= len(text) or \
+                    text[body] == "{" and not (judged and self._no_call(text, body, scanners)):
                 break
             pos = body
         skips[start] = found if found >= 0 else max(pos, len(text) - len(self.start) + 1)
         return found
 
+    def _no_call(self, text: str, body: int, scanners: dict | None) -> bool:
+        """Whether the object at `body`, closed, is no call as `parse` reads it (text after it other than the
+        closing tag, or no call of a tool offered, its closing tag whole: `parse_reply` reads a reply max_tokens
+        cut before that as a call cut); its verdict kept in a stream's `scanners` (key -3)."""
+        scan = scan_call(text, body, self.args_keys, scanners)
+        if scan.end is None:
+            return False
+        after = _SPACES.match(text, scan.end).end()
+        if not text.startswith(self.end, after):
+            return not self.end.startswith(text[after:])   # other text after it; nothing yet or the tag begun
+        verdicts = scanners.setdefault(-3, {}) if scanners is not None else {}
+        if body not in verdicts:
+            decoded = _decode(json.JSONDecoder(), text, body)
+            verdicts[body] = decoded is None or decoded[1] != scan.end or self._call(decoded[0], text, body) is None
+        return verdicts[body]
+
     def hold_from(self, text: str, pos: int = 0, scanners: dict | None = None) -> int:
-        found = self._next_marker(text, pos, scanners)
+        found = self._next_marker(text, pos, scanners, judged=True)
         if found >= 0:
             return found
         return len(text) - partial_tag(text, self.start)   # the marker's first characters at the end
@@ -323,84 +333,6 @@ def _skipped_by_decode(tokenizer, text: str) -> bool:
 
 
 @dataclass
-class CallScan:
-    """How far the call object starting at `start` has been written: its name once complete, where its
-    arguments object starts and ends (ends: once closed), and where the call object ends. A format whose
-    arguments are JSON of its own (`gateway.openai.xml_tools`) gives their text so far, `args_text`, instead."""
-
-    name: str | None = None
-    args_start: int | None = None
-    args_end: int | None = None
-    end: int | None = None
-    start: int = 0        # where the call object's `{` is
-    args_text: str | None = None
-
-
-def scan_call(text: str, start: int, args_keys: tuple[str, ...],
-              scanners: dict[int, CallScanner] | None = None) -> CallScan:
-    """Read the (maybe unfinished) call object `text[start:]` (`text[start]` is its `{`): `CallScanner`. With
-    `scanners` (a stream's, by where each call starts), a call read before is read on from where it stopped."""
-    if scanners is None:
-        return CallScanner(start, args_keys).read(text)
-    if (scanner := scanners.get(start)) is None:
-        scanner = scanners[start] = CallScanner(start, args_keys)
-    return scanner.read(text)
-
-
-class CallScanner:
-    """A call object read character by character as the reply grows (the reply only grows): strings with their
-    escapes, nesting, the top level's keys and values; the arguments are the first object under one of
-    `args_keys`, the name the first string under "name". Each `read` goes on from where the last one stopped,
-    so a call streamed a few characters at a time is read once, not again from its start at every delta."""
-
-    def __init__(self, start: int, args_keys: tuple[str, ...]) -> None:
-        self.scan, self.args_keys = CallScan(start=start), args_keys
-        self.pos, self.depth, self.key, self.in_value, self.string_at, self.escaped = start, 0, None, False, -1, False
-
-    def read(self, text: str) -> CallScan:
-        scan = self.scan
-        if scan.end is not None:
-            return scan
-        depth, key, in_value, string_at, escaped = self.depth, self.key, self.in_value, self.string_at, self.escaped
-        for i in range(self.pos, len(text)):
-            ch = text[i]
-            if string_at >= 0:                       # inside a string
-                if escaped:
-                    escaped = False
-                elif ch == "\\":
-                    escaped = True
-                elif ch == '"':
-                    if depth == 1:
-                        value = loads(text[string_at:i + 1])
-                        if not in_value:
-                            key = value
-                        elif key == "name" and isinstance(value, str) and scan.name is None:
-                            scan.name = value
-                    string_at = -1
-                continue
-            if ch == '"':
-                string_at = i
-            elif ch == ":" and depth == 1:
-                in_value = True
-            elif ch == "," and depth == 1:
-                in_value = False
-            elif ch in "{[":
-                if depth == 1 and in_value and key in self.args_keys and ch == "{" and scan.args_start is None:
-                    scan.args_start = i
-                depth += 1
-            elif ch in "}]":
-                depth -= 1
-                if depth == 1 and scan.args_start is not None and scan.args_end is None:
-                    scan.args_end = i + 1
-                if depth == 0:
-                    scan.end = i + 1
-                    break
-        self.pos = max(self.pos, len(text)) if scan.end is None else scan.end
-        self.depth, self.key, self.in_value, self.string_at, self.escaped = depth, key, in_value, string_at, escaped
-        return scan
-
-
-@dataclass
 class _StreamedCall:
     id: str
     name: str
@@ -436,7 +368,7 @@ class ToolCallStream:
 
     def content_delta(self, text: str) -> str:
         """The reply so far is `text`: the content that can be sent now."""
-        if self.forced:
+        if self.forced or self.calls:   # after a call begun, the rest of the content comes at the end (`finish`)
             return ""
         if len(text) < self._seen:
             self._scanners.clear()
@@ -446,9 +378,9 @@ class ToolCallStream:
         self.sent += delta
         return delta
 
-    def call_deltas(self, text: str) -> list[dict[str, Any]]:
+    def call_deltas(self, text: str, start: bool = True) -> list[dict[str, Any]]:
         """The reply so far is `text`: the calls' progress since the last look, as OpenAI's `tool_calls`
-        delta entries (one per call that moved)."""
+        delta entries (one per call that moved); `start` False: only the calls begun already move."""
         out: dict[int, dict[str, Any]] = {}
         if len(text) < self._seen:
             self._scanners.clear()
@@ -457,7 +389,7 @@ class ToolCallStream:
             if k and not self.parallel:
                 break
             if k == len(self.calls):
-                if scan.name not in self.fmt.tools or scan.args_start is None:
+                if not start or scan.name not in self.fmt.tools or scan.args_start is None:
                     break        # its name or its arguments' start not written yet (or it names no tool offered)
                 call = _StreamedCall(f"call_{uuid.uuid4().hex[:24]}", scan.name, scan.start)
                 self.calls.append(call)
@@ -477,8 +409,9 @@ class ToolCallStream:
         """The reply is complete (`cut`: by max_tokens): (the rest of the content, the last `tool_calls` delta
         entries, the number of calls sent). The whole answer's calls (`ToolFormat.parse_reply`) are matched to
         the streamed ones by where they begin: one the stream began is completed with the rest of its
-        arguments (a cut one with what there is), one it did not see is sent whole under the next index."""
-        entries = {e["index"]: e for e in self.call_deltas(text)}
+        arguments (a cut one with what there is), one it did not see is sent whole under the next index (and
+        none the whole answer lacks is begun: the end of a reply can show that what looked like a call is not)."""
+        entries = {e["index"]: e for e in self.call_deltas(text, start=False)}
         content, calls = self.fmt.parse_reply(text, cut)
         content = "" if self.forced else content or ""
         rest = content[len(self.sent):] if content.startswith(self.sent) else ""

@@ -96,6 +96,9 @@ class _Reader:
         # a stream's functions still open: tag position -> (name, the arguments closed, where reading goes on)
         self._open: dict[int, tuple[str, list[tuple[str, int, int]], int]] = {}
         self._blanks: dict[int, int] = {}   # place -> past the blanks from there, as far as read (`past_blanks`)
+        # functions (by their tag's place) and calls (by their marker's) that can never close, whatever a stream's
+        # reply goes on with: text after a function's name or argument that is no tag nor a tag's beginning
+        self.dead: set[int] = set()
 
     def past_blanks(self, pos: int) -> int:
         """Where the blanks from `pos` end, read on from where the last look stopped (a stream's run of newlines
@@ -131,6 +134,17 @@ class _Reader:
         function = self.function(pos)
         return ([], None) if function is None else ([function], function[2])
 
+    def tags(self, pos: int, functions: list[Function]) -> list[int]:
+        """Where each of `functions`, the call at `pos`'s (`call`), has its tag: a call's place in the reply, the
+        same read from its `<tool_call>` or from its function's own tag (a stream may see either first)."""
+        if not self.text.startswith(START, pos):
+            return [pos]
+        tags, at = [], pos + len(START)
+        for function in functions:
+            tags.append(self.past_blanks(at))
+            at = function[2] if function[2] is not None else at
+        return tags
+
     def tool_call(self, pos: int) -> tuple[list[Function], int | None]:
         """The functions of the `<tool_call>` at `pos` and where it ends (None: no whole function, or its last
         one open); it ends after `</tool_call>`, or after its last function where that tag is left out."""
@@ -145,6 +159,8 @@ class _Reader:
                 return functions, at + len(END) if self.text.startswith(END, at) else end
             functions.append(function)
             if function[2] is None:
+                if at in self.dead:
+                    self.dead.add(pos)
                 return functions, None
             end = function[2]
 
@@ -171,8 +187,10 @@ class _Reader:
             ends = None if argument is None else self._value_end(argument[1] + self.text.startswith("\n", argument[1]))
             if argument is None:
                 tail = self.text[at:at + len(FUNCTION_END)]   # the reply ends here, or in a tag's beginning
-                self.ran_out |= at + len(tail) == len(self.text) and (PARAMETER.startswith(tail) or
-                                                                     FUNCTION_END.startswith(tail))
+                begun = at + len(tail) == len(self.text) and (PARAMETER.startswith(tail) or FUNCTION_END.startswith(tail))
+                self.ran_out |= begun
+                if not begun and not self.text.startswith(PARAMETER, at):
+                    self.dead.add(pos)
             if ends is None:
                 break
             visited.append((at, len(arguments)))
@@ -250,8 +268,8 @@ class XmlFormat(ToolFormat):
             if end is None or any(name not in self.tools for name, _, _ in functions):
                 pos = found + marker if end is None else end   # a whole call refused: its markers with it
                 continue
-            calls += [ToolCall(name, self._json(name, text, args, True), start=found + k)
-                      for k, (name, args, _) in enumerate(functions)]
+            calls += [ToolCall(name, self._json(name, text, args, True), start=tag)
+                      for (name, args, _), tag in zip(functions, reader.tags(found, functions))]
             kept.append(text[last:found])
             last = pos = end
         if not calls:
@@ -267,10 +285,12 @@ class XmlFormat(ToolFormat):
         if not cut or begin is None:
             return content, calls
         content, calls, _ = self._read(text[:begin])
-        for k, (name, args, end) in enumerate(_Reader(text).call(begin)[0]):
+        reader = _Reader(text)
+        functions = reader.call(begin)[0]
+        for (name, args, end), tag in zip(functions, reader.tags(begin, functions)):
             if name not in self.tools:
                 break
-            calls.append(ToolCall(name, self._json(name, text, args, True), cut=end is None, start=begin + k))
+            calls.append(ToolCall(name, self._json(name, text, args, True), cut=end is None, start=tag))
         return (beside_calls(content or "") if calls else content), calls
 
     def call_scans(self, text: str, pos: int, scanners: dict[int, Any] | None = None) -> Iterator[CallScan]:
@@ -282,12 +302,15 @@ class XmlFormat(ToolFormat):
         reader, items, written, skips = self._state(text, scanners)
         while (found := self._next_open(reader, pos, skips)) >= 0:
             functions, end = reader.call(found)
-            for k, (name, args, function_end) in enumerate(functions):
+            for (name, args, function_end), tag in zip(functions, reader.tags(found, functions)):
+                if not args and function_end is None and not text.startswith(
+                        PARAMETER, reader.past_blanks(tag + len(FUNCTION) + len(name) + 1)):
+                    yield CallScan(name=name, start=tag)   # not begun until a tag follows its name (JSON may)
+                    return
                 shape = (len(args), function_end is not None)
-                if written.get(found + k, (None,))[0] != shape:
-                    written[found + k] = (shape, self._json(name, text, args, shape[1], items))
-                yield CallScan(name=name, args_start=0, args_text=written[found + k][1], end=function_end,
-                               start=found + k)
+                if written.get(tag, (None,))[0] != shape:
+                    written[tag] = (shape, self._json(name, text, args, shape[1], items))
+                yield CallScan(name=name, args_start=0, args_text=written[tag][1], end=function_end, start=tag)
             if end is None:
                 return
             pos = end
@@ -309,18 +332,25 @@ class XmlFormat(ToolFormat):
         state[0].grow(text)
         return state
 
-    @staticmethod
-    def _next_open(reader: _Reader, pos: int, skips: dict[int, int]) -> int:
+    def _next_open(self, reader: _Reader, pos: int, skips: dict[int, int]) -> int:
         """The first marker from `pos` that is a call or may still open one (-1: none), past markers in prose;
-        `skips` keeps where a look from a place went on to (a marker with text after it that opens no function
-        is prose for good), so a reply of many markers in prose costs a stream's delta what it adds."""
+        `skips` keeps where a look from a place went on to, so a reply of many markers in prose costs a stream's
+        delta what it adds. Prose for good, as the whole answer reads it: a marker with text after it that opens
+        no function, a call that can never close in a function with no argument (`_Reader.dead`: `<function=f>`
+        and then JSON), and a call closed whose first function is not offered (passed whole, as `_read` passes
+        it). Neither can have a call a stream began (`ToolCallStream` begins a function once an argument's tag
+        follows its name, and none after one not offered): those stay, so the stream's calls keep their order."""
         text, start, pos = reader.text, pos, skips.get(pos, pos)
         while (found := reader.next_call(pos)) >= 0:
             bare = not text.startswith(START, found)
             after = found if bare else reader.past_blanks(found + len(START))
-            if after >= len(text) or reader.call(found)[0] or _may_open(text, after):
+            if after >= len(text) or _may_open(text, after):
                 break
-            pos = found + (len(FUNCTION) if bare else len(START))   # a marker in prose: later calls stream
+            functions, end = reader.call(found)
+            dead = found in reader.dead and not functions[-1][1]
+            if functions and not dead and (end is None or functions[0][0] in self.tools):
+                break
+            pos = end if functions and end is not None else found + (len(FUNCTION) if bare else len(START))
         skips[start] = found if found >= 0 else pos
         return found
 

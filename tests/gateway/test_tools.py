@@ -228,6 +228,41 @@ def test_a_marker_in_prose_holds_back_nothing_after_it_in_a_stream() -> None:
                          "<tool_call> ok, ")   # each a marker in prose
 
 
+@pytest.mark.parametrize("fmt, reply", [
+    (Llama3JsonFormat(parse_tools(TOOLS)), '{"name": "search", "parameters": {"query": "a"}} I hope this helps.'),
+    (HermesFormat(parse_tools(TOOLS)), '<tool_call>\n{"name": "search", "arguments": {"query": "a"}}\nI hope.'),
+])
+def test_the_last_delta_begins_no_call_the_whole_answer_has_not(fmt, reply) -> None:
+    """A call seen first in the reply's last delta (several tokens a delta) was begun by `finish` before the whole
+    answer was read: the client had the text as content and a call, and finish_reason tool_calls."""
+    for head in (0, 10):   # the last delta the whole reply, or all of it but its first 10 characters
+        stream = ToolCallStream(fmt, forced=False)
+        sent = stream.content_delta(reply[:head])
+        assert stream.call_deltas(reply[:head]) == []
+        sent += stream.content_delta(reply)   # the last delta: as gateway.local_answer sends it, then finish
+        rest, entries, num_calls = stream.finish(reply)
+        assert (sent + rest, entries, num_calls) == (reply, [], 0) and _whole(fmt, reply) == (reply, [])
+
+
+def test_a_closed_object_that_is_no_call_holds_back_no_text_after_it_in_a_stream() -> None:
+    """A call of a tool not offered (or a quoted example) froze the stream's content until the reply's end: its
+    marker was held as a possible call for good. Closed and no call, it is prose; a call after it streams."""
+    fmt = HermesFormat(parse_tools(TOOLS))
+    refused = '<tool_call>\n{"name": "browse", "arguments": {}}\n</tool_call>'
+    reply = f"I tried {refused} but it is not offered, so: 42. " + CALL % "q"
+    stream, sent, calls = ToolCallStream(fmt, forced=False), "", {}
+    for end in range(1, len(reply) + 1):
+        sent += stream.content_delta(reply[:end])
+        for entry in stream.call_deltas(reply[:end]):
+            _merge(calls, entry)
+        if end == reply.index(" but"):
+            assert sent == f"I tried {refused}"   # sent as soon as the object closed with its tag
+    content, whole = fmt.parse_reply(reply)
+    assert sent == content == reply[:reply.index(CALL % "q")].rstrip()
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (c.name, json.loads(c.arguments)) for c in whole] == [("search", {"query": "q", "limit": 2})]
+
+
 def test_a_call_marker_inside_an_argument_does_not_stop_the_next_call_streaming() -> None:
     fmt = HermesFormat(parse_tools(TOOLS))
     first = json.dumps({"name": "search", "arguments": {"query": "write <tool_call>{ here"}})
@@ -723,7 +758,7 @@ def test_the_finish_reason_of_a_reply_with_calls_is_openais_for_each_choice() ->
 def test_arguments_that_are_not_json_to_python_read_as_none() -> None:
     """A call's arguments nested past the recursion limit, or an integer past the digit limit, are not
     JSON to read (None), never an exception out of the prompt's rendering."""
-    from gateway.openai.tools import loads as _loads
+    from gateway.openai.call_scan import loads as _loads
 
     assert _loads("[" * 5000 + "]" * 5000) is None and _loads("1" * 5000) is None and _loads("{") is None
     assert _loads("[" * 900 + "]" * 900) is None          # json.loads takes it; a template's tojson would not

@@ -64,7 +64,8 @@ def test_the_calls_a_template_writes_read_back_as_those_calls_each_argument_its_
     assert content == "Let me look."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", args), ("search", {"query": "x < y </para", "limit": 2.5})]
-    assert calls[0].start == text.index("<tool_call>")
+    # a call's place is its function's tag, whether read from its <tool_call> or (a stream) from the tag alone
+    assert [c.start for c in calls] == [text.index("<function=get_weather>"), text.index("<function=search>")]
     # the closing tag left out at the reply's end (a model stopped by its end-of-call token) still closes it
     assert fmt.parse(_xml(("search", {"query": "q"}))[:-len("</tool_call>")])[1][0].arguments == '{"query": "q"}'
 
@@ -218,6 +219,38 @@ def test_a_function_without_its_tool_call_tag_is_a_call_streamed_or_whole(fmt, c
 
 def test_a_marker_in_prose_holds_back_no_text_after_it_in_a_stream(fmt):
     prose_markers_stream(fmt, "Put a call in a <tool_call> tag, then go on. ", "<tool_call> ok. ")
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n<function=get_weather>\n{"city": "Paris"}\n</function>\n</tool_call>',   # JSON in the tags
+    "Write <function=get_weather>\nlike that.",
+    '<tool_call>\n<function=search>\n<parameter=query>\nq\n</parameter>\n</function>\n<function=search>\n'
+    '{"query": 1}\n</tool_call> and on',
+])
+def test_a_function_that_can_never_close_is_no_call_streamed_as_whole(fmt, text):
+    """A function whose name is followed by text that is no tag (JSON, prose) can never close: the whole answer
+    has it as content. A stream began a call of it with arguments "{" as soon as its name was whole (an agent's
+    json.loads of them failed), and held every later character of the reply back until its end."""
+    whole = fmt.parse_reply(text)
+    stream, sent, calls = ToolCallStream(fmt, forced=False), "", []
+    for end in range(1, len(text)):
+        sent += stream.content_delta(text[:end])
+        calls += stream.call_deltas(text[:end])
+    sent += stream.content_delta(text)
+    rest, entries, count = stream.finish(text)
+    assert (sent + rest, count) == (whole[0], len(whole[1]))
+    assert [e["function"]["name"] for e in calls + entries if "id" in e] == [c.name for c in whole[1]]
+    if not whole[1]:
+        assert sent == text                 # and nothing was held back past the point it could not be a call
+
+
+def test_a_closed_call_of_a_function_not_offered_holds_back_no_text_after_it_in_a_stream(fmt):
+    text = "<tool_call>\n<function=browse>\n<parameter=url>\nx\n</parameter>\n</function>\n</tool_call>\nI cannot."
+    stream, sent = ToolCallStream(fmt, forced=False), ""
+    for end in range(1, len(text) + 1):
+        sent += stream.content_delta(text[:end])
+        assert stream.call_deltas(text[:end]) == []
+    assert fmt.parse_reply(text) == (text, []) and sent == text
 
 
 def test_a_marker_in_prose_does_not_hold_back_the_calls_after_it_in_a_stream(fmt):
