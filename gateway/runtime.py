@@ -221,6 +221,7 @@ class Gateway:
             self.supervisors[device] = supervisors
             for pool in pools:
                 pool.admission.is_up = lambda replica, s=supervisors: s[replica].is_ready and not s[replica].draining
+                pool.admission.on_down = lambda patient, pool=pool: self.wait_device(pool, patient)
             for supervisor in supervisors[:self.config.devices[device].initial_replicas]:
                 supervisor.start()   # an autoscaled device starts at its min; the other slots are parked
         self.admission.start()

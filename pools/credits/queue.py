@@ -27,7 +27,8 @@ replica that caches its prompt holds back only that replica: the others serve th
 `max_queue_seconds` at most, then takes any (`_anywhere`), and meanwhile its wait is no sign of too few
 replicas (`oldest_credit_wait`). `is_up(replica)` (set by the gateway: the replica's supervisor is ready)
 is read at each admission, so a dead or restarting replica takes nothing new from the moment its
-worker is gone; `replica_ready(replica, restarted)` admits whoever fits on a replica that is back (and
+worker is gone; once none is up, a queued request waits for the device instead (`on_down`, the gateway's
+wait for a replica, and its 503), that time no wait for credits (`_until_admitted`); `replica_ready(replica, restarted)` admits whoever fits on a replica that is back (and
 forgets its cached prompts if a new process serves it); `engine_cached` corrects the placement's
 record of a replica's cache from what the engine reported. Event-loop only, like the ledger.
 """
@@ -37,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import NamedTuple
 
@@ -48,6 +49,8 @@ from pools.demand import OfferedLoad
 from pools.credits.placement import Placement, Work
 
 log = logging.getLogger("cliffguard.credits")
+
+DOWN_RECHECK_SECONDS = 1.0   # how often a queued request looks whether any replica of its pool is still up
 
 
 class LeaseDemand(NamedTuple):
@@ -109,6 +112,9 @@ class CreditQueue:
         self.max_queue_seconds = max_queue_seconds
         self.placement = placement
         self.is_up: Callable[[int], bool] | None = None   # whether a replica takes new requests (the gateway's)
+        # the gateway's wait for a ready replica of the pool's device (its argument: patient), which a request
+        # queued here turns to once none is up (`_until_admitted`); it returns once one is, or raises its 503
+        self.on_down: Callable[[bool], Awaitable[None]] | None = None
         self._work: dict[str, Work] = {}               # queued requests' work, for placement
         self._waiters: dict[str, asyncio.Future[None]] = {}
         self._queued_since: dict[str, float] = {}      # request waiting for credits -> since when
@@ -244,17 +250,16 @@ class CreditQueue:
         if pressing:
             self._pressing_since[ticket.request_id] = started
         try:
-            if limit is not None:   # its prompt's replica for half of what is left at most, then any replica
-                if (left := limit - spent) > 0:
-                    await asyncio.wait([waiter], timeout=left / 2)
+            deadline = None if limit is None else started + limit - spent
+            if deadline is not None:   # its prompt's replica for half of what is left at most, then any replica
+                moved = await self._until_admitted(waiter, started + max(0.0, limit - spent) / 2, not pressing)
+                deadline += moved
                 self._anywhere.add(ticket.request_id)
                 self._affine.discard(ticket.request_id)
                 self._admit()
-            # not `wait_for`: on Python 3.11 it returns as admitted when its task is cancelled in the loop step the
-            # admission lands in, and a request whose client left would run
-            left = None if limit is None else max(0.0, limit - spent - (time.monotonic() - started))
-            async with asyncio.timeout(left):
-                await asyncio.shield(waiter)
+            await self._until_admitted(waiter, deadline, not pressing)
+            if not waiter.done():
+                raise TimeoutError
         except BaseException as exc:
             if self.ledger.cancel(ticket.request_id):        # still queued: leave holding nothing
                 if isinstance(exc, TimeoutError):
@@ -270,6 +275,34 @@ class CreditQueue:
             self._queued_since.pop(ticket.request_id, None)
             self._pressing_since.pop(ticket.request_id, None)
             self._admit()   # a request that left may have blocked the head of the queue
+
+    async def _until_admitted(self, waiter: asyncio.Future[None], deadline: float | None, patient: bool) -> float:
+        """Wait for `waiter` (admitted) until `deadline` (monotonic; None: however long); the seconds its
+        deadline moved. While no replica is up (dead, restarting) the request waits as one arriving then would,
+        `on_down` (the gateway's: up to `gateway.device_wait_seconds`, then its 503 `pool_unavailable` naming
+        each replica's state, raised here), and that time is no wait for capacity: the deadline moves past it.
+        A death is seen at the next admission pass (what the dead replica's requests give back) or within
+        DOWN_RECHECK_SECONDS. Not `wait_for`: on Python 3.11 it returns as admitted when its task is cancelled in
+        the loop step the admission lands in, and a request whose client left would run."""
+        moved = 0.0
+        while not waiter.done():
+            if self.on_down is not None and not any(map(self.replica_up, range(self.ledger.num_replicas))):
+                down_at, back = time.monotonic(), asyncio.ensure_future(self.on_down(patient))
+                try:
+                    await asyncio.wait([waiter, back], return_when=asyncio.FIRST_COMPLETED)
+                    if not waiter.done():
+                        back.result()   # a replica is ready (its `replica_ready` admitted who fits), or the 503
+                finally:
+                    back.cancel()
+                moved += time.monotonic() - down_at
+                deadline = None if deadline is None else deadline + time.monotonic() - down_at
+                continue
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            await asyncio.wait([waiter], timeout=DOWN_RECHECK_SECONDS if left is None else
+                               min(left, DOWN_RECHECK_SECONDS))
+        return moved
 
     def _refused(self) -> None:
         """A request refused for capacity (PoolFull, QueueTimeout): counted, and timed for the autoscaler."""

@@ -229,6 +229,10 @@ async def test_a_worker_that_fails_its_first_start_stays_failed(aiohttp_client, 
     assert state.startswith("failed: device 'cpu' failed to start:"), state
     supervisor = gateway.supervisors["cpu"][0]
     assert supervisor.num_restarts == 0 and not supervisor.client.is_alive
+    for pool in gateway.pools.values():   # a request queued for credits there turns to the same wait: its 503
+        with pytest.raises(ApiError, match="failed to start") as raised:
+            await pool.admission.on_down(False)
+        assert raised.value.code == "pool_unavailable"
 
 
 async def test_a_worker_not_loaded_within_start_timeout_seconds_failed_to_start_saying_so(aiohttp_client, tmp_path,

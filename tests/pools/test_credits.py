@@ -706,3 +706,67 @@ def test_a_refusal_with_free_credits_says_what_holds_them_back():
                     pass
 
     asyncio.run(scenario())
+
+
+class _DeviceDown(Exception):
+    pass
+
+
+def test_a_request_queued_when_its_pools_last_replica_dies_waits_for_the_device_not_for_capacity(monkeypatch):
+    """Queued behind a running request when the only replica died: it waited for credits however long
+    (`max_queue_seconds: null`: never answered while the device crash-looped), or got a 503 saying the pool was
+    saturated. It turns to the gateway's wait for the device (`on_down`): its 503 (raised here) once that gives
+    up, holding nothing, no refusal for capacity; or, the device back, its wait for credits goes on, the time
+    the device was down not counted against its max_queue_seconds."""
+    from pools.credits import queue as queue_module
+
+    monkeypatch.setattr(queue_module, "DOWN_RECHECK_SECONDS", 0.02)   # a death no admission pass sees
+    down: set[int] = set()
+    waits: list[bool] = []
+
+    def make(limit: float | None, back_after: float | None) -> CreditQueue:
+        queue = CreditQueue("chat", 100, max_queue_seconds=limit)
+        queue.is_up = lambda replica: replica not in down
+
+        async def on_down(patient: bool) -> None:
+            waits.append(patient)
+            if back_after is None:
+                raise _DeviceDown("pool 'chat': no replica of device 'gpu' became ready")
+            await asyncio.sleep(back_after)
+            down.clear()
+            queue.replica_ready(0)
+
+        queue.on_down = on_down
+        return queue
+
+    async def queued(queue: CreditQueue, hold_for: float) -> str:
+        async def first() -> None:
+            async with queue.hold("a", 100):
+                await asyncio.sleep(hold_for)
+
+        running = asyncio.create_task(first())
+        await asyncio.sleep(0.01)
+        try:
+            async with queue.hold("b", 60):
+                return "admitted"
+        finally:
+            await running
+
+    async def scenario() -> None:
+        queue = make(None, None)
+        task = asyncio.create_task(queued(queue, 0.3))
+        await asyncio.sleep(0.05)
+        down.add(0)                           # no release, no admission pass: the recheck sees it
+        with pytest.raises(_DeviceDown):
+            await asyncio.wait_for(task, 5)
+        assert waits == [False] and queue.ledger.ticket("b") is None and queue.refused_at is None
+        assert queue.num_expired == 0
+        down.clear()
+        waits.clear()
+        queue = make(0.2, 0.4)                # down 0.4 s, past its max_queue_seconds of 0.2: still served
+        task = asyncio.create_task(queued(queue, 0.1))
+        await asyncio.sleep(0.05)
+        down.add(0)
+        assert await asyncio.wait_for(task, 5) == "admitted" and waits == [False] and queue.refused_at is None
+
+    asyncio.run(scenario())
