@@ -56,8 +56,7 @@ def create_app(gateway: Gateway, *, data_dir: Path | str | None = None,
     """The app over `gateway`. With `data_dir`, the Batch API too (`gateway.batch.endpoints`: its state in
     `data_dir`, its runner started after the gateway and stopped before it) and kept responses
     (`gateway.openai.stored_responses`); without one (in-process tests), no batch routes and no response is
-    kept: there is nowhere durable to keep them. `batch_executor` replaces the line
-    executor (tests)."""
+    kept: there is nowhere durable to keep them. `batch_executor` replaces the line executor (tests)."""
     spec = gateway.config.gateway
     app = web.Application(client_max_size=spec.max_body_bytes,
                           middlewares=[_write_middleware, _error_middleware, browser_guard, _auth_middleware])
@@ -65,6 +64,7 @@ def create_app(gateway: Gateway, *, data_dir: Path | str | None = None,
     app[RESPONSE_BUFFERS] = ResponseBuffers(spec.max_response_buffer_bytes, spec.max_buffered_bytes,
                                             gateway.metrics.buffered_response_bytes)
     app.cleanup_ctx.append(_lifecycle)
+    app.on_shutdown.append(lambda app: app[GATEWAY].begin_drain())   # no replica started or drained meanwhile
     if data_dir is not None:
         batches.setup(app, data_dir, batch_executor)
     response_endpoints.setup(app, data_dir)   # after the batch store: its file holds the responses' table

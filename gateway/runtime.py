@@ -245,6 +245,11 @@ class Gateway:
         links += [RayReplica(cluster, device, r, config, links) for r, config in enumerate(configs)]
         return links
 
+    async def begin_drain(self) -> None:
+        """The app's shutdown began (the listener closed, the drain under way): the autoscaler decides no more."""
+        if self.autoscaler is not None:
+            await self.autoscaler.freeze()
+
     async def stop(self) -> None:
         if self.autoscaler is not None:
             await self.autoscaler.stop()

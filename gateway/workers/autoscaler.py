@@ -111,6 +111,7 @@ class Autoscaler:
         self._added: set[tuple[str, int]] = set()   # slots this autoscaler started
         self._failed_since: dict[tuple[str, int], float] = {}   # those of them whose load failed: seen since
         self._ticker = Ticker("cliffguard-autoscaler", INTERVAL, self.tick, log, "autoscaler: tick failed")
+        self._frozen = False   # the gateway is stopping: nothing is started or drained any more
 
     def start(self) -> None:
         """Export the counters, make each Ray device's scaling lease (its replicas place only while this
@@ -126,6 +127,13 @@ class Autoscaler:
         self.tick()
         self._ticker.start()
 
+    async def freeze(self) -> None:
+        """The gateway's drain has begun (SIGTERM): no replica is started or drained from now on. A queue still
+        pressing then started a model load only for the stop to kill it, or on Ray a detached actor that the stop
+        caught in its creation and left holding GPUs after the gateway had gone."""
+        self._frozen = True
+        await self._ticker.stop()
+
     async def stop(self) -> None:
         await self._ticker.stop()
         for task in self._removals.values():
@@ -134,6 +142,8 @@ class Autoscaler:
         await asyncio.gather(*(lease.release() for lease in self.leases.values()), return_exceptions=True)
 
     def tick(self, now: float | None = None) -> None:
+        if self._frozen:
+            return
         now = time.monotonic() if now is None else now
         for device, slots in self.supervisors.items():
             spec, lease = self.devices[device], self.leases.get(device)

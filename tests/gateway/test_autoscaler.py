@@ -147,6 +147,34 @@ def test_an_overloaded_device_scales_up_with_no_credit_wait_and_never_down_while
     assert ups == [2.0]
 
 
+def test_once_the_gateway_drains_no_replica_is_started_or_drained():
+    """SIGTERM's drain runs before the gateway stops its autoscaler: a queue still pressing meanwhile started a
+    model load only for the stop to kill it (on Ray, a detached actor the stop caught in its creation was left
+    holding GPUs). The app's shutdown freezes it first (`Gateway.begin_drain`)."""
+    from gateway.workers.autoscaler import Autoscaler
+    from gateway.monitoring.metrics import GatewayMetrics
+    from gateway.runtime import Gateway
+    from pools.config.spec import DeviceSpec
+
+    spec = DeviceSpec(name="d", replicas=3, min_replicas=1, scale_down_idle_seconds=1.0)
+    slots = [_Slot(0, "ready"), _Slot(1, "ready"), _Slot(2, "stopped")]
+    verdict: dict[str, str] = {}
+    scaler = Autoscaler({"d": spec}, {"d": slots}, {}, GatewayMetrics(), overloaded=lambda: verdict)
+    gateway = SimpleNamespace(autoscaler=scaler)
+
+    async def drain() -> None:
+        scaler.start()
+        await Gateway.begin_drain(gateway)
+
+    asyncio.run(drain())
+    verdict["d"] = "overloaded: offered load 2.8 of 2 replica(s)' time"
+    scaler.tick(now=100.0)                      # overloaded: it would start slot 2
+    verdict.clear()
+    for t in range(101, 120):                   # idle: it would drain slot 1
+        scaler.tick(now=float(t))
+    assert [s.state for s in slots] == ["ready", "ready", "stopped"] and not any(s.draining for s in slots)
+
+
 def test_a_steady_overload_starts_the_replicas_it_needs_and_no_more():
     """Offered 1.5 replicas' worth, steadily: the overload verdict starts a second replica; once it is ready
     the two carry the load (`replicas_needed` 2), and the verdict, which holds for `OFF_SECONDS` after the
