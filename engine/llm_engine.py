@@ -345,8 +345,9 @@ class LLMEngine:
             for seq in out.finished:
                 seq.finish_reason = FinishReason.STOP if self._flushed_stop(seq) else seq.finish_reason
             stats.num_preempted += len(out.preempted)
-            for seq in (*out.preempted, *out.finished):   # no longer running: their rows are free
-                self.runner.release(seq)
+            for seq in (*out.preempted, *out.finished):   # no longer running: their rows are free, their penalty
+                self.runner.release(seq)                  # counts too (counted again from their tokens on resume)
+                self.sampler.release(seq.seq_id)
             self._move_blocks(name, self.schedulers[name], out)
         self._forks.end_with_first(scheduled.ended)
         scheduled_at = time.monotonic()
@@ -459,6 +460,7 @@ class LLMEngine:
             reason = FinishReason.STOP if self._flushed_stop(seq) else reason
             self.schedulers[seq.pool].finish(seq, reason)
             self.runner.release(seq)
+            self.sampler.release(seq.seq_id)   # a sibling that ends before the others (n > 1) frees its row now
 
     def _flushed_stop(self, seq: Sequence) -> bool:
         """At its end, the text `seq`'s detokenizer held back appended; True if a stop string in it cut it."""
@@ -485,9 +487,7 @@ class LLMEngine:
             raise
         final: dict[str, RequestOutput] = {}
         while any(r in self.requests for r in ids):
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
+            final.update((out.request_id, out) for out in self.step() if out.finished)
         return [final[r] for r in ids]
 
     # --- invariants ------------------------------------------------------------------------------

@@ -36,8 +36,10 @@ class PenaltyCounts:
     holds how often each token occurs in its output, `in_prompt[row]` [vocab] bool which tokens its prompt
     holds, both filled once from its tokens. After each step the sampled tokens are added to their rows
     in one scatter (`record`), so a step's penalties cost O(rows x vocab) on the device whatever the
-    outputs' lengths, and never walk the tokens in Python. Rows are reused after `release`; the tensors
-    double when full. Owned by the `Sampler`.
+    outputs' lengths, and never walk the tokens in Python. Rows are reused after `release` (the engine's, when
+    a sequence stops running: finished, preempted or swapped out; one that runs again is filled anew), so
+    the rows in use are the running sequences' that use a penalty; the tensors double when full
+    (`table_bytes`). Owned by the `Sampler`.
     """
 
     def __init__(self, vocab_size: int, device: torch.device | str) -> None:

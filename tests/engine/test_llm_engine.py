@@ -397,7 +397,10 @@ def test_step_time_is_read_after_the_device_finished(tiny_path, monkeypatch):
 def test_penalty_counts_kept_across_steps_equal_counting_afresh(tiny_path, monkeypatch):
     """The penalties read token counts the sampler keeps on the device from step to step (one scatter of
     the sampled tokens per step); counting every row afresh from its tokens each step must give the same
-    tokens, through preemption (a recompute keeps the counts) and n > 1 forks; rows are freed at the end."""
+    tokens, through preemption (a recompute keeps the counts) and n > 1 forks. Only running sequences hold a
+    row: one preempted (or finished before its siblings) gives it back at once and is counted again from its
+    tokens if it runs again (they held theirs until their request ended: more rows than the capacity plan's
+    headroom warning counts, in a preemption storm); none is left at the end."""
     from engine.penalties import PenaltyCounts
 
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3),
@@ -413,6 +416,16 @@ def test_penalty_counts_kept_across_steps_equal_counting_afresh(tiny_path, monke
             real_rows = PenaltyCounts.rows
             monkeypatch.setattr(PenaltyCounts, "rows", lambda self, rows: real_rows(
                 self, [type(r)(**{**r.__dict__, "key": None}) for r in rows]))
+        step = engine.step
+
+        def checked_step():
+            outputs = step()
+            running = {seq.seq_id for scheduler in engine.schedulers.values() for seq in scheduler.running}
+            held = set(engine.sampler.penalties._rows) if engine.sampler.penalties is not None else set()
+            assert held <= running, (held, running)
+            return outputs
+
+        engine.step = checked_step
         outs = engine.generate(prompts, params)
         monkeypatch.undo()
         assert engine.schedulers["default"].stats.num_preemptions > 0
