@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import hashlib
 import logging
 import os
@@ -31,12 +30,14 @@ import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 __all__ = ["load_c_library"]
 
 log = logging.getLogger("cliffguard.kernels")
 
 
+FULL_BYTES = 4 << 20     # a cache folder with less free is full: a build (its object and library) needs ~1 MiB
 COMPILE_SECONDS = 120.0   # one compile step at most (a hung compiler wrapper must not hang a worker's start)
 _CPU_LINES = ("model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU variant", "CPU part")
 
@@ -76,9 +77,8 @@ def _compile(compiler: str, source: Path, flags: Sequence[str], built: Path) -> 
     library (every float in it, Python's own included: 5e-324 > 0.0 became False)."""
     steps = ([compiler, *flags, "-fPIC", "-c", "-o", str(built.with_suffix(".o")), str(source)],
              [compiler, "-shared", "-o", str(built), str(built.with_suffix(".o")), "-lm"])
-    errors = built.with_suffix(".err")   # a file, not a pipe: a child the compiler left holds no read open
-    for step in steps:
-        with open(errors, "w+b") as err:
+    for step in steps:   # its messages to a file, not a pipe: a child the compiler left holds no read open
+        with _message_file(built) as err:
             try:   # a session of its own: a timeout ends the compiler's children too (cc1, as, a wrapper's)
                 process = subprocess.Popen(step, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
                                            start_new_session=True, env={**os.environ, "LC_ALL": "C"})
@@ -159,8 +159,28 @@ def _build(compiler: str, source: Path, flags: Sequence[str], path: Path) -> tup
     if error is None:
         log.info("compiled %s in %.2f s, once for this machine (%s)", source.name, time.perf_counter() - started, path)
         return None, False
-    # a full disk or quota fails the compiler writing its output (in the C locale, strerror's words): the folder's
-    return error, not any(os.strerror(code) in error for code in (errno.ENOSPC, errno.EDQUOT))
+    # a full disk or quota fails the compiler writing its output (its C-locale words), or leaves it no word to
+    # say (an assembler's or a linker's cut short): the folder's
+    full = any(words in error for words in ("No space left on device", "Disk quota exceeded"))
+    return error, not (full or _full(path.parent))
+
+
+def _message_file(built: Path) -> IO[bytes]:
+    """Where a compile step's messages go: a file in the temporary folder (the cache's may be the full one, and
+    a message of it lost), else one beside the build."""
+    try:
+        return tempfile.TemporaryFile()
+    except OSError:
+        return open(built.with_suffix(".err"), "w+b")
+
+
+def _full(folder: Path) -> bool:
+    """Whether `folder`'s file system has no room left for this user (fewer than FULL_BYTES)."""
+    try:
+        info = os.statvfs(folder)
+    except OSError:
+        return False
+    return info.f_bavail * info.f_frsize < FULL_BYTES
 
 
 def _load(path: Path, functions: Mapping[str, Sequence[type]], errors: list[str]) -> ctypes.CDLL | None:

@@ -315,6 +315,16 @@ exec {shutil.which('cc')} "$@"
     assert load_c_library(source, ["-O1"], {"one": []}).one() == 1
     assert len(list((tmp_path / "tmp").glob("cliffguard-kernels-*/one-*.so"))) == 1
     assert (tmp_path / "locale").read_text().strip() == "C"
+    # a disk so full the message itself is lost (a linker's cut short): the folder's free space says it
+    compiler.write_text(f"""#!/bin/sh
+case "$*" in *{full}/*) echo "collect2: error: ld returned 1 exit status" >&2; exit 1;; esac
+exec {shutil.which('cc')} "$@"
+""")
+    source.write_text("int one(void) { return 2; }\n")
+    statvfs = os.statvfs
+    monkeypatch.setattr(os, "statvfs", lambda path: os.statvfs_result((4096, 4096, 100, 0, 0, 10, 0, 0, 0, 255))
+                        if str(path).startswith(str(full)) else statvfs(path))
+    assert load_c_library(source, ["-O1"], {"one": []}).one() == 2
 
 
 def test_the_cpu_device_gets_this_backend(monkeypatch):
