@@ -123,7 +123,7 @@ class Autoscaler:
             if lease is not None:
                 self.leases[device] = lease
                 for s in slots:
-                    s.link.may_place = lease.is_leader
+                    s.link.may_place, s.link.lease_failure = lease.is_leader, lambda lease=lease: lease.failure
         self.tick()
         self._ticker.start()
 

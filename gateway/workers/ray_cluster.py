@@ -304,6 +304,7 @@ class RayReplica:
         self.node_id: str | None = None
         self.status = "connecting to the Ray cluster"
         self.may_place: Callable[[], bool] = lambda: True
+        self.lease_failure: Callable[[], str | None] = lambda: None   # why this gateway cannot lead (the lease's)
         self.placing = False   # waiting for Ray to place the group this gateway asked for
         self.placed_at = float("-inf")   # when this gateway's last placement ended (time.monotonic())
         self._actor = None
@@ -356,9 +357,11 @@ class RayReplica:
         no other config's replicas of the device are there); else wait for one. TimeoutError past `timeout`."""
         deadline = time.monotonic() + timeout
         while (actor := await self._find()) is None and not self.may_place():
-            self.status = "waiting for the leader gateway to place it"
+            failure = self.lease_failure()
+            self.status = "waiting for the leader gateway to place it" + (f" ({failure})" if failure else "")
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"replica {self.label}: no gateway placed it within {timeout:g} s")
+                raise TimeoutError(f"replica {self.label}: no gateway placed it within {timeout:g} s" +
+                                   (f" ({failure})" if failure else ""))
             await asyncio.sleep(FIND_POLL_SECONDS)
         if actor is not None:
             log.info("replica %s: found the live actor %s", self.label, self.name)

@@ -123,7 +123,7 @@ class ScalerLease:
         self.live_at = float("-inf")         # monotonic: when the listing of `live` was asked for
         self._until = 0.0                    # monotonic: this gateway leads until then
         self._led = False                    # it led at the last renewal
-        self._failing = False                # the last renewal failed (logged once)
+        self.failure: str | None = None      # why the last renewal failed (logged once; shown where a slot waits)
         self._actor = None
         self._known = None                   # the last actor handle got: `release` reaches it after a failed renewal
         self._task: asyncio.Task | None = None
@@ -159,12 +159,12 @@ class ScalerLease:
             return   # the device's own state says why (unreachable, another config)
         except Exception as exc:  # noqa: BLE001 - Ray's errors: the lease lapses, the next tick asks again
             self._actor = None
-            if not self._failing:
-                log.warning("device %s: the scaling lease %s did not answer: %s: %s", self.device, self.name,
-                            type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc).strip() else "")
-            self._failing = True
+            failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            if self.failure is None:
+                log.warning("device %s: the scaling lease %s did not answer: %s", self.device, self.name, failure)
+            self.failure = f"the scaling lease {self.name} did not answer: {failure}"
             return
-        self._failing = False
+        self.failure = None
 
     def _get_or_create(self):
         ray = _ray()

@@ -552,3 +552,35 @@ async def test_restarting_a_ray_replica_never_blocks_the_event_loop(monkeypatch)
     with pytest.raises(ConnectionError):
         await replica.endpoint(timeout=5)
     assert order == ["killed", "connect"]
+
+
+async def test_a_slot_waiting_on_a_scaling_lease_that_fails_says_why(monkeypatch):
+    """A lease actor that cannot start (or answer) leaves the gateway no leader: its slots wait for a leader
+    gateway to place them, and said only that, even on a single gateway, then "no gateway placed it within
+    900 s"; they name the lease's failure (logged once, at WARNING)."""
+    from engine.config import EngineConfig
+    from gateway.workers import ray_cluster, scaler_lease
+
+    async def nothing(*_):
+        return None
+
+    def refused():
+        raise RuntimeError("the lease actor could not be scheduled\nmore lines")
+
+    cluster = SimpleNamespace(gateway_id="A", connect=nothing, claim=nothing)
+    lease = scaler_lease.ScalerLease(cluster, "gpu", "digest", num_slots=1)
+    monkeypatch.setattr(lease, "_get_or_create", refused)
+    await lease.renew()
+    assert lease.failure == (f"the scaling lease {lease.name} did not answer: RuntimeError: the lease actor could "
+                             "not be scheduled")
+    replica = ray_cluster.RayReplica(cluster, "gpu", 0, EngineConfig())
+    replica.may_place, replica.lease_failure = lease.is_leader, lambda: lease.failure
+
+    async def none():
+        return None
+
+    replica._find = none
+    monkeypatch.setattr(ray_cluster, "FIND_POLL_SECONDS", 0.01)
+    with pytest.raises(TimeoutError, match=r"within 0.05 s \(the scaling lease .* did not answer: RuntimeError"):
+        await replica._find_or_place(0.05)
+    assert replica.status.startswith("waiting for the leader gateway to place it (the scaling lease")
