@@ -319,6 +319,7 @@ class Sampler:
             probs = logits.softmax(dim=-1)
             thresholds = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [num_rows, 1]
             logits.masked_fill_(probs < thresholds, float("-inf"))
+            del probs   # its float32 copy of the chunk, not held through top-k and top-p
         if any(p.top_k > 0 for p in params):
             _apply_top_k(logits, [p.top_k for p in params])
         if any(p.top_p < 1.0 for p in params):
