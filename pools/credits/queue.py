@@ -28,8 +28,9 @@ replica that caches its prompt holds back only that replica: the others serve th
 replicas (`oldest_credit_wait`). `is_up(replica)` (set by the gateway: the replica's supervisor is ready)
 is read at each admission, so a dead or restarting replica takes nothing new from the moment its
 worker is gone; once none is up, a queued request waits for the device instead (`on_down`, the gateway's
-wait for a replica, and its 503), that time no wait for credits (`_until_admitted`); `replica_ready(replica, restarted)` admits whoever fits on a replica that is back (and
-forgets its cached prompts if a new process serves it); `engine_cached` corrects the placement's
+wait for a replica, and its 503), that time no wait for credits (`_until_admitted`);
+`replica_ready(replica, restarted)` admits whoever fits on a replica that is back (and forgets its cached
+prompts if a new process serves it); `engine_cached` corrects the placement's
 record of a replica's cache from what the engine reported. Event-loop only, like the ledger.
 """
 
@@ -249,6 +250,7 @@ class CreditQueue:
         started = self._queued_since[ticket.request_id] = time.monotonic()
         if pressing:
             self._pressing_since[ticket.request_id] = started
+        moved = 0.0   # seconds no replica was up: no wait for credits
         try:
             deadline = None if limit is None else started + limit - spent
             if deadline is not None:   # its prompt's replica for half of what is left at most, then any replica
@@ -257,14 +259,14 @@ class CreditQueue:
                 self._anywhere.add(ticket.request_id)
                 self._affine.discard(ticket.request_id)
                 self._admit()
-            await self._until_admitted(waiter, deadline, not pressing)
+            moved += await self._until_admitted(waiter, deadline, not pressing)
             if not waiter.done():
                 raise TimeoutError
         except BaseException as exc:
             if self.ledger.cancel(ticket.request_id):        # still queued: leave holding nothing
                 if isinstance(exc, TimeoutError):
                     self._refused()
-                    raise QueueTimeout(self.pool, spent + time.monotonic() - started, limit) from None
+                    raise QueueTimeout(self.pool, spent + time.monotonic() - started - moved, limit) from None
                 self.num_cancelled += 1
                 raise
             if not isinstance(exc, TimeoutError):            # admitted meanwhile, then cancelled
@@ -300,8 +302,9 @@ class CreditQueue:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break
-            await asyncio.wait([waiter], timeout=DOWN_RECHECK_SECONDS if left is None else
-                               min(left, DOWN_RECHECK_SECONDS))
+            recheck = DOWN_RECHECK_SECONDS if self.on_down is not None else None
+            await asyncio.wait([waiter], timeout=left if recheck is None else recheck if left is None else
+                               min(left, recheck))
         return moved
 
     def _refused(self) -> None:
